@@ -1,0 +1,5 @@
+"""Model zoo: ModelSpec (shapes) and the plain single-process Transformer built from it."""
+
+from meshtron.model.spec import PRESETS, ModelSpec, from_hf_config, preset, resolve_model
+
+__all__ = ["PRESETS", "ModelSpec", "from_hf_config", "preset", "resolve_model"]

@@ -1,0 +1,271 @@
+"""ModelSpec: the one description of a decoder's shapes, shared by the planner and the runtime.
+
+A ModelSpec says everything needed to count parameters and FLOPs and to build the plain
+`nn.Module` in `meshtron.model.transformer`. Presets cover the usual public models; Hugging Face
+`config.json` files (llama, mistral, qwen2, gpt_neox, gpt2) map onto the same fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+MLPKind = Literal["swiglu", "gelu"]
+NormKind = Literal["rmsnorm", "layernorm"]
+PositionKind = Literal["rope", "learned"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and architectural choices of a decoder-only transformer."""
+
+    name: str
+    """Preset or file name, for display only."""
+    layers: int
+    """Number of transformer blocks."""
+    hidden: int
+    """Model (residual stream) width."""
+    heads: int
+    """Query attention heads."""
+    kv_heads: int
+    """Key/value heads; fewer than `heads` is grouped-query attention (Ainslie et al. 2023)."""
+    ffn_hidden: int
+    """Inner width of the MLP."""
+    vocab: int
+    """Vocabulary size (rows of the embedding table)."""
+    max_seq: int
+    """Longest sequence the position encoding is built for."""
+    mlp: MLPKind = "swiglu"
+    """'swiglu' (gated SiLU, three matrices, Llama) or 'gelu' (two matrices, GPT)."""
+    norm: NormKind = "rmsnorm"
+    """'rmsnorm' (weight only) or 'layernorm' (weight and bias)."""
+    position: PositionKind = "rope"
+    """'rope' rotary embeddings (no parameters) or 'learned' absolute position table (GPT-2/3)."""
+    tied_embeddings: bool = False
+    """Output projection shares the input embedding matrix."""
+    bias: bool = False
+    """Linear layers carry biases (GPT-2, GPT-NeoX) or not (Llama)."""
+    qkv_bias: bool = False
+    """Only the q/k/v projections carry biases (Qwen2)."""
+    parallel_residual: bool = False
+    """Attention and MLP read the same input and are summed (GPT-NeoX/GPT-J) instead of chained."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.{field}={value!r}: must be a positive integer")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"model.heads={self.heads}: must divide model.hidden={self.hidden}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"model.hidden/heads={self.head_dim}: rotary embeddings need an even head size")
+        _check_choice("model.mlp", self.mlp, ("swiglu", "gelu"))
+        _check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
+        _check_choice("model.position", self.position, ("rope", "learned"))
+
+    # ---- derived shapes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    # ---- exact parameter counts -----------------------------------------------------------
+    def attention_params(self) -> int:
+        h, kv = self.hidden, self.kv_dim
+        weights = h * h + 2 * h * kv + h * h  # q, k, v, o
+        biases = 0
+        if self.bias:
+            biases = h + 2 * kv + h
+        elif self.qkv_bias:
+            biases = h + 2 * kv
+        return weights + biases
+
+    def mlp_params(self) -> int:
+        h, f = self.hidden, self.ffn_hidden
+        if self.mlp == "swiglu":
+            return 3 * h * f + ((2 * f + h) if self.bias else 0)
+        return 2 * h * f + ((f + h) if self.bias else 0)
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block (attention, MLP, two norms)."""
+        return self.attention_params() + self.mlp_params() + 2 * self.norm_params
+
+    def embedding_params(self) -> int:
+        """Token embedding plus learned position table, if any."""
+        pos = self.max_seq * self.hidden if self.position == "learned" else 0
+        return self.vocab * self.hidden + pos
+
+    def head_params(self) -> int:
+        """Final norm plus the output projection (zero extra when tied)."""
+        out = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.norm_params + out
+
+    def num_params(self) -> int:
+        """Exact trainable parameter count (tied weights counted once)."""
+        return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward per token: 6 x (matmul params) plus attention scores.
+
+        6N counts a multiply-add as 2 FLOPs and backward as twice forward (Kaplan et al. 2020);
+        the attention term 12 * layers * hidden * seq is QK^T and AV (Narayanan et al. 2021, eq. 3),
+        counting a full (non-causal) square as Megatron does.
+        """
+        matmul_params = self.layers * (self.attention_params() + self.mlp_params())
+        matmul_params += self.vocab * self.hidden  # LM head
+        return 6.0 * matmul_params + 12.0 * self.layers * self.hidden * seq_len
+
+    def replace(self, **changes: Any) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r}: allowed values are {', '.join(allowed)}")
+
+
+# ---- presets ----------------------------------------------------------------------------------
+def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, max_seq, theta=10000.0, eps=1e-5):
+    return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                     ffn_hidden=ffn, vocab=vocab, max_seq=max_seq, rope_theta=theta, norm_eps=eps)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in [
+        _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, eps=1e-5),
+        _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096, eps=1e-5),
+        _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, eps=1e-5),
+        _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, theta=500000.0),
+        _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, theta=500000.0),
+        _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, theta=500000.0),
+        ModelSpec(name="gpt3-175b", layers=96, hidden=12288, heads=96, kv_heads=96,
+                  ffn_hidden=4 * 12288, vocab=50257, max_seq=2048, mlp="gelu", norm="layernorm",
+                  position="learned", tied_embeddings=True, bias=True),
+        # Small models that train on a CPU in seconds. Byte-level vocab (256) plus a few
+        # specials; odd sizes on purpose so sharding edge cases show up.
+        ModelSpec(name="tiny", layers=4, hidden=256, heads=8, kv_heads=4, ffn_hidden=688,
+                  vocab=259, max_seq=512),
+        ModelSpec(name="debug", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=176,
+                  vocab=259, max_seq=128),
+        ModelSpec(name="tiny-gpt", layers=4, hidden=256, heads=8, kv_heads=8, ffn_hidden=1024,
+                  vocab=259, max_seq=512, mlp="gelu", norm="layernorm", position="learned",
+                  tied_embeddings=True, bias=True),
+    ]
+}
+
+
+def preset(name: str) -> ModelSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"model={name!r}: unknown preset; allowed: {', '.join(PRESETS)} "
+            "or a path to a Hugging Face config.json") from None
+
+
+# ---- Hugging Face config.json -----------------------------------------------------------------
+_HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
+_HF_TYPES = _HF_LLAMA_LIKE + ("gpt_neox", "gpt2")
+
+
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """Read a Hugging Face `config.json` into a ModelSpec."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"model={str(path)!r}: file does not exist")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"model={str(path)!r}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"model={str(path)!r}: config.json must hold a JSON object")
+    return from_hf_dict(cfg, name=path.parent.name or path.stem)
+
+
+def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
+    mtype = cfg.get("model_type")
+    if mtype not in _HF_TYPES:
+        raise ValueError(
+            f"config.json model_type={mtype!r}: supported model types are {', '.join(_HF_TYPES)}")
+
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise ValueError(f"config.json {key}: missing (required for model_type {mtype!r})")
+        return cfg[key]
+
+    if mtype in _HF_LLAMA_LIKE:
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
+                             f"supported for model_type {mtype!r}")
+        heads = need("num_attention_heads")
+        return ModelSpec(
+            name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
+            max_seq=cfg.get("max_position_embeddings", 4096),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=(mtype == "qwen2") or bool(cfg.get("attention_bias", False)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5)),
+        )
+    if mtype == "gpt_neox":
+        hidden = need("hidden_size")
+        rotary_pct = cfg.get("rotary_pct", 1.0)
+        if rotary_pct != 1.0:
+            raise ValueError(f"config.json rotary_pct={rotary_pct!r}: only full rotary (1.0) "
+                             "is supported")
+        return ModelSpec(
+            name=name, layers=need("num_hidden_layers"), hidden=hidden,
+            heads=need("num_attention_heads"), kv_heads=need("num_attention_heads"),
+            ffn_hidden=cfg.get("intermediate_size", 4 * hidden), vocab=need("vocab_size"),
+            max_seq=cfg.get("max_position_embeddings", 2048), mlp="gelu", norm="layernorm",
+            position="rope", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bias=True, parallel_residual=bool(cfg.get("use_parallel_residual", True)),
+            rope_theta=float(cfg.get("rotary_emb_base", 10000.0)),
+            norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+        )
+    # gpt2
+    hidden = need("n_embd")
+    return ModelSpec(
+        name=name, layers=need("n_layer"), hidden=hidden, heads=need("n_head"),
+        kv_heads=need("n_head"), ffn_hidden=cfg.get("n_inner") or 4 * hidden,
+        vocab=need("vocab_size"), max_seq=cfg.get("n_positions", 1024), mlp="gelu",
+        norm="layernorm", position="learned", tied_embeddings=True, bias=True,
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+    )
+
+
+def resolve_model(model: str | Path) -> ModelSpec:
+    """A preset name, or a path to a HF config.json (or a directory holding one)."""
+    text = str(model)
+    if text in PRESETS:
+        return PRESETS[text]
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if text.endswith(".json") or path.exists():
+        return from_hf_config(path)
+    return preset(text)
