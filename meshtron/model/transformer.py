@@ -1,0 +1,167 @@
+"""A plain decoder-only transformer built from a ModelSpec; no parallel code inside.
+
+Llama style (RMSNorm, RoPE, gated-SiLU MLP, grouped-query attention) and GPT style (LayerNorm,
+GELU MLP, learned positions, biases) from the same classes. Parallelism is applied from outside
+(`meshtron.parallel`); this module is the single-process reference.
+
+Written to survive being sharded from outside, the way torchtitan's models are:
+- attention infers its local head count from the projected tensor, so a column-parallel `wq`
+  that holds heads/tp heads needs no change here;
+- blocks live in a `ModuleDict` keyed by their global index, so a pipeline stage can delete the
+  blocks it does not own and keep the names (and checkpoint keys) of the ones it does;
+- `tok_embeddings`, `norm` and `output` may be set to None on middle pipeline stages, and the
+  forward then passes hidden states through.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.model.spec import ModelSpec
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+    return nn.LayerNorm(spec.hidden, eps=spec.norm_eps)
+
+
+def rope_cache(spec: ModelSpec, device: torch.device | None = None) -> torch.Tensor:
+    """cos and sin of RoPE angles, shape [max_seq, head_dim] each, stacked -> [2, max_seq, hd].
+
+    Su et al. 2021; the half-split ("rotate_half") layout used by Hugging Face Llama checkpoints.
+    """
+    hd = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
+    t = torch.arange(spec.max_seq, dtype=torch.float64, device=device)
+    angles = torch.outer(t, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()]).to(torch.float32)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]."""
+    seq = x.shape[1]
+    cos = cache[0, :seq][None, :, None, :].to(x.dtype)
+    sin = cache[1, :seq][None, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.use_rope = spec.position == "rope"
+        qkv_bias = spec.bias or spec.qkv_bias
+        self.wq = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
+        self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds heads/tp of them.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.use_rope:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gated = spec.mlp == "swiglu"
+        self.w1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.bias)
+        self.w2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.bias)
+        self.w3 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.bias) if self.gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:  # SwiGLU, Shazeer 2020
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.parallel_residual = spec.parallel_residual
+        self.attention_norm = _norm(spec)
+        self.attention = Attention(spec)
+        self.ffn_norm = _norm(spec)
+        self.feed_forward = FeedForward(spec)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        if self.parallel_residual:
+            return x + self.attention(self.attention_norm(x), rope) + self.feed_forward(self.ffn_norm(x))
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+        self.pos_embeddings: nn.Embedding | None = (
+            nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
+        self.norm: nn.Module | None = _norm(spec)
+        self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from the spec, so checkpoints hold only trainable state.
+        self.register_buffer("rope", rope_cache(spec) if spec.position == "rope" else None,
+                             persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """GPT-2 style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)
+        (Radford et al. 2019), so the residual stream's variance stays flat with depth."""
+        out_std = std / math.sqrt(2 * self.spec.layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, 0.0, out_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+        if self.rope is not None:
+            self.rope.copy_(rope_cache(self.spec, self.rope.device))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a pipeline
+        stage that lacks the embedding or the output head)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.pos_embeddings is not None:
+            positions = torch.arange(h.shape[1], device=h.device)
+            h = h + self.pos_embeddings(positions)
+        for block in self.layers.values():
+            h = block(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
