@@ -1,0 +1,227 @@
+"""Run configuration: typed, validated dataclasses loaded from TOML with command-line overrides.
+
+A run file has one top-level key and three tables:
+
+    model = "tiny"              # a preset, a path to a HF config.json, or a [model] table
+    [data]   source, tokenizer, seq_len, global_batch, micro_batch, eval_batches
+    [optim]  lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip
+    [train]  steps, dtype, seed, eval_every, log_every, run_dir
+
+A `[model]` table takes ModelSpec fields, optionally on top of `preset = "..."`.
+Every key is checked: an unknown one is an error that lists the allowed keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshtron.model.spec import PRESETS, ModelSpec, resolve_model
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{section}.{name}={value!r}: must be positive")
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """'stdlib' (the Python standard library's own sources, present on every machine), a text
+    file or folder, a .jsonl file (`text` field) or a pre-tokenized .bin shard."""
+    tokenizer: str = "byte"
+    """'byte' (259 ids: 256 bytes + BOS/EOS/PAD) or 'bpe' (byte-level BPE trained locally)."""
+    bpe_vocab: int = 2048
+    """Vocabulary size of the locally trained BPE tokenizer (tokenizer='bpe' only)."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    global_batch: int = 16
+    """Sequences per optimizer step, summed over all data-parallel ranks."""
+    micro_batch: int | None = None
+    """Sequences per forward/backward on one rank; fewer than the rank's share means gradient
+    accumulation. Default: the whole share at once."""
+    eval_batches: int = 4
+    """Held-out batches (of global_batch sequences) averaged for the eval loss."""
+
+    def __post_init__(self) -> None:
+        _positive("data", self, "bpe_vocab", "seq_len", "global_batch", "micro_batch", "eval_batches")
+        if self.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, bpe")
+        if self.micro_batch is not None and self.global_batch % self.micro_batch:
+            raise ValueError(f"data.micro_batch={self.micro_batch}: must divide "
+                             f"data.global_batch={self.global_batch}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of `lr`."""
+    warmup_steps: int = 20
+    """Linear warm-up steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (Loshchilov & Hutter 2019) on matrices only."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _positive("optim", self, "lr", "eps")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name}={getattr(self, name)!r}: must be in [0, 1)")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"optim.{name}={getattr(self, name)!r}: must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to run."""
+    dtype: str = "fp32"
+    """'fp32', or 'bf16' autocast with fp32 master weights."""
+    seed: int = 0
+    """Seed of the weights and of the data order: same seed, same losses."""
+    eval_every: int = 50
+    """Evaluate the held-out loss every this many steps (and at the end); 0 disables."""
+    log_every: int = 1
+    """Write a metrics line every this many steps."""
+    run_dir: str = "runs/default"
+    """Folder for metrics.jsonl, the resolved config and summaries."""
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "log_every")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"train.dtype={self.dtype!r}: allowed values are fp32, bf16")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every={self.eval_every}: must be >= 0")
+
+
+@dataclass
+class RunConfig:
+    model: ModelSpec = field(default_factory=lambda: PRESETS["tiny"])
+    """Model shapes (a preset name, a HF config.json path or a [model] table in TOML)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data source, tokenizer and batch geometry."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop length, precision, seed and outputs."""
+
+    def __post_init__(self) -> None:
+        if self.data.seq_len > self.model.max_seq:
+            raise ValueError(f"data.seq_len={self.data.seq_len}: exceeds the model's max_seq="
+                             f"{self.model.max_seq}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check a TOML/CLI value against a dataclass field's annotation (int, float, str, bool,
+    optional)."""
+    hint = annotation if not isinstance(annotation, str) else eval(annotation, {}, {})  # noqa: S307
+    args = typing.get_args(hint)
+    allowed = tuple(a for a in args if a is not type(None)) or (hint,)
+    if value is None and type(None) in args:
+        return None
+    for typ in allowed:
+        if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if typ is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if typ in (str, bool) and isinstance(value, typ):
+            return value
+    names = " or ".join(t.__name__ for t in allowed)
+    raise ValueError(f"{key}={value!r}: must be {names}")
+
+
+def _build_section(name: str, cls: type, table: Any) -> Any:
+    if not isinstance(table, dict):
+        raise ValueError(f"{name}={table!r}: must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in table.items():
+        if key not in fields:
+            raise ValueError(f"config key '{name}.{key}': unknown; allowed: {', '.join(fields)}")
+        kwargs[key] = _coerce(f"{name}.{key}", value, fields[key].type)
+    return cls(**kwargs)
+
+
+def model_from_value(value: Any) -> ModelSpec:
+    """A preset name, a config.json path, or a table of ModelSpec fields (with optional preset)."""
+    if isinstance(value, ModelSpec):
+        return value
+    if isinstance(value, str):
+        return resolve_model(value)
+    if isinstance(value, dict):
+        table = dict(value)
+        base = resolve_model(table.pop("preset")) if "preset" in table else None
+        fields = {f.name: f for f in dataclasses.fields(ModelSpec)}
+        for key in table:
+            if key not in fields:
+                raise ValueError(f"config key 'model.{key}': unknown; allowed: preset, "
+                                 f"{', '.join(fields)}")
+        kwargs = {k: _coerce(f"model.{k}", v, fields[k].type) for k, v in table.items()}
+        if base is not None:
+            return base.replace(**kwargs)
+        kwargs.setdefault("name", "custom")
+        try:
+            return ModelSpec(**kwargs)
+        except TypeError:
+            missing = [f for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                                   "max_seq") if f not in kwargs]
+            raise ValueError(f"model table: missing {', '.join(missing)} (or give preset=...)") from None
+    raise ValueError(f"model={value!r}: must be a preset name, a config.json path or a table")
+
+
+def config_from_dict(doc: dict[str, Any]) -> RunConfig:
+    allowed = ("model", *_SECTIONS)
+    for key in doc:
+        if key not in allowed:
+            raise ValueError(f"config key '{key}': unknown; allowed: {', '.join(allowed)}")
+    sections = {name: _build_section(name, cls, doc.get(name, {})) for name, cls in _SECTIONS.items()}
+    model = model_from_value(doc["model"]) if "model" in doc else PRESETS["tiny"]
+    return RunConfig(model=model, **sections)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config={str(path)!r}: file does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config={str(path)!r}: not valid TOML ({exc})") from None
+
+
+def apply_overrides(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Merge dotted keys ('data.seq_len': 128, 'model': 'debug') into a TOML document."""
+    doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        if dotted == "model":
+            doc["model"] = value
+            continue
+        section, key = dotted.split(".", 1)
+        doc.setdefault(section, {})[key] = value
+    return doc

@@ -1,0 +1,222 @@
+"""`build_data`: source + tokenizer + batch layout -> (train loader, held-out batches).
+
+Everything is passed explicitly; nothing is global. The same arguments on every data-parallel
+rank (only `dp_rank` differs) give each rank its slice of one shared global batch sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from meshtron.data.corpus import (
+    DEFAULT_HOLDOUT_EVERY,
+    DEFAULT_MAX_BYTES,
+    TokenCorpus,
+    build_token_corpus,
+    documents_digest,
+    split_documents,
+    split_tokens,
+    stdlib_documents,
+)
+from meshtron.data.dataset import (
+    Batch,
+    DistributedBatchSampler,
+    EvalBatches,
+    TokenDataset,
+    TrainLoader,
+    check_dp,
+)
+from meshtron.data.sources import check_exists, read_jsonl, read_text_files, read_token_shard, \
+    shard_info
+from meshtron.data.tokenizer import (
+    BYTE_VOCAB,
+    TOKENIZER_KINDS,
+    BPETokenizer,
+    ByteTokenizer,
+    build_tokenizer,
+    tokenizer_info,
+)
+
+STDLIB = "stdlib"
+
+
+def source_kind(source: str | Path) -> str:
+    """'stdlib', 'text' (a file or a directory of text files), 'jsonl' or 'shard' (.bin)."""
+    if str(source) == STDLIB:
+        return "stdlib"
+    p = check_exists(source, "data.source")
+    if p.is_dir():
+        return "text"
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        return "jsonl"
+    if suffix == ".bin":
+        return "shard"
+    return "text"
+
+
+def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
+                bpe_vocab: int | None = None, tokenizer_path: str | Path | None = None,
+                holdout_every: int = DEFAULT_HOLDOUT_EVERY, max_bytes: int = DEFAULT_MAX_BYTES,
+                cache_dir: str | Path | None = None, jsonl_field: str = "text",
+                ) -> tuple[TokenCorpus, ByteTokenizer | BPETokenizer]:
+    """Read `source`, make (or load, or train) the tokenizer, tokenise and split.
+
+    A BPE tokenizer without an existing `tokenizer_path` file is trained on the training split of
+    the documents (never on held-out ones) and saved to `tokenizer_path` when given, else (with
+    `cache_dir`) to `cache_dir/bpe-<vocab>-<hash of the training documents>.json` and reused.
+    """
+    if tokenizer not in TOKENIZER_KINDS:
+        allowed = ", ".join(map(repr, TOKENIZER_KINDS))
+        raise ValueError(f"data.tokenizer={tokenizer!r}: must be one of {allowed}")
+    kind = source_kind(source)
+    if kind == "shard":
+        return _shard_corpus(Path(source), tokenizer, bpe_vocab, tokenizer_path, holdout_every)
+    if kind == "stdlib":
+        docs = stdlib_documents(max_bytes)
+    elif kind == "jsonl":
+        docs = list(read_jsonl(source, field=jsonl_field))
+    else:
+        docs = list(read_text_files(source))
+    if not docs:
+        raise ValueError(f"data.source='{source}': holds no non-empty documents")
+    if tokenizer == "bpe":
+        train_docs, _ = split_documents(docs, holdout_every)
+        if tokenizer_path is None and cache_dir is not None and bpe_vocab is not None:
+            # Cache the trained tokenizer too, keyed by what it is trained on.
+            key = documents_digest(train_docs)[:16]
+            tokenizer_path = Path(cache_dir) / f"bpe-{bpe_vocab}-{key}.json"
+        tok = build_tokenizer("bpe", vocab_size=bpe_vocab, path=tokenizer_path,
+                              train_texts=train_docs)
+    else:
+        tok = ByteTokenizer()
+    corpus = build_token_corpus(docs, tok, holdout_every, source=str(source), cache_dir=cache_dir)
+    return corpus, tok
+
+
+def _shard_corpus(path: Path, tokenizer: str, bpe_vocab: int | None,
+                  tokenizer_path: str | Path | None, holdout_every: int
+                  ) -> tuple[TokenCorpus, ByteTokenizer | BPETokenizer]:
+    info = shard_info(path)
+    shard_vocab = int(info["vocab_size"])
+    if tokenizer == "byte":
+        if shard_vocab != BYTE_VOCAB:
+            raise ValueError(
+                f"data.tokenizer='byte': shard '{path}' holds ids of a {shard_vocab}-token "
+                "vocabulary; use tokenizer='bpe' with the tokenizer_path it was written with")
+        tok: ByteTokenizer | BPETokenizer = ByteTokenizer()
+    else:
+        if tokenizer_path is None or not Path(tokenizer_path).is_file():
+            raise ValueError(
+                f"data.tokenizer_path={None if tokenizer_path is None else str(tokenizer_path)!r}: "
+                "a BPE token shard needs the tokenizer file it was written with")
+        tok = build_tokenizer("bpe", vocab_size=bpe_vocab, path=tokenizer_path)
+        if tok.vocab_size != shard_vocab:
+            raise ValueError(
+                f"data.tokenizer_path='{tokenizer_path}': has {tok.vocab_size} ids but shard "
+                f"'{path}' was written with vocab_size={shard_vocab}")
+    want = (info.get("meta") or {}).get("tokenizer")
+    if want is not None and want != tok.fingerprint:
+        raise ValueError(
+            f"data.tokenizer={tokenizer!r}: fingerprint {tok.fingerprint} differs from the "
+            f"{want} that shard '{path}' was written with")
+    tokens = read_token_shard(path)
+    train, held = split_tokens(tokens, holdout_every)
+    # Content-free on purpose (hashing a large shard costs a full read): sidecar + split.
+    side = json.dumps(info, sort_keys=True) + f"|holdout_every={holdout_every}"
+    fingerprint = "shard-" + hashlib.sha256(side.encode()).hexdigest()[:16]
+    corpus = TokenCorpus(train, held, shard_vocab, str(path), fingerprint,
+                         extra={"cached": False})
+    return corpus, tok
+
+
+class Data:
+    """What `build_data` returns: this rank's training loader and held-out batches.
+
+    Unpacks as `(train, eval)`; also forwards the common calls (`next_batch`, `eval_batches`,
+    `state_dict`, `load_state_dict`) so a training loop can hold just this object.
+    """
+
+    def __init__(self, train: TrainLoader, eval: EvalBatches,
+                 tokenizer: ByteTokenizer | BPETokenizer, info: dict[str, Any]) -> None:
+        self.train, self.eval, self.tokenizer, self.info = train, eval, tokenizer, info
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.train, self.eval))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.seq_len
+
+    @property
+    def global_batch(self) -> int:
+        return self.train.global_batch
+
+    @property
+    def local_batch(self) -> int:
+        return self.train.local_batch
+
+    def next_batch(self) -> Batch:
+        """This rank's next (inputs, targets), [global_batch/dp_size, seq_len] int64 each."""
+        return self.train.next_batch()
+
+    def eval_batches(self) -> list[Batch]:
+        """The fixed held-out batches (this rank's rows), materialised."""
+        return list(self.eval)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.train.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        i = self.info
+        return (f"Data(source={i['source']!r}, tokenizer={self.tokenizer!r}, "
+                f"train_tokens={i['train_tokens']}, eval_tokens={i['eval_tokens']}, "
+                f"seq_len={self.seq_len}, global_batch={self.global_batch}, "
+                f"local_batch={self.local_batch})")
+
+
+def build_data(source: str | Path = STDLIB, tokenizer: str = "byte", seq_len: int = 256,
+               global_batch: int = 16, seed: int = 0, dp_rank: int = 0, dp_size: int = 1, *,
+               bpe_vocab: int | None = None, tokenizer_path: str | Path | None = None,
+               eval_batches: int = 4, holdout_every: int = DEFAULT_HOLDOUT_EVERY,
+               max_bytes: int = DEFAULT_MAX_BYTES, cache_dir: str | Path | None = None,
+               jsonl_field: str = "text") -> Data:
+    """This data-parallel rank's training loader and fixed held-out batches.
+
+    source: 'stdlib' (default, the embedded corpus), a text file, a directory of text files,
+        a .jsonl file (documents under `jsonl_field`) or a .bin token shard.
+    tokenizer: 'byte' (vocab 259; `bpe_vocab` ignored) or 'bpe' (byte-level BPE with `bpe_vocab`
+        ids, trained locally on the training documents; loaded from / saved to `tokenizer_path`).
+    seq_len; global_batch: sequences per optimizer step over all ranks; seed: data order;
+    dp_rank / dp_size: this rank's slice, rows [r*B/dp, (r+1)*B/dp) of every global batch.
+    eval_batches: held-out batches of `global_batch` rows, sliced per rank like training ones.
+
+    Returns a `Data`, which unpacks as `(train_loader, eval_batches)`.
+    """
+    check_dp(global_batch, dp_rank, dp_size)  # fail fast, before any reading
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise ValueError(f"data.seq_len={seq_len!r}: must be a positive integer")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"train.seed={seed!r}: must be a non-negative integer")
+    corpus, tok = load_corpus(source, tokenizer, bpe_vocab=bpe_vocab,
+                              tokenizer_path=tokenizer_path, holdout_every=holdout_every,
+                              max_bytes=max_bytes, cache_dir=cache_dir, jsonl_field=jsonl_field)
+    train_ds = TokenDataset(corpus.train, seq_len, name="train")
+    eval_ds = TokenDataset(corpus.eval, seq_len, name="held-out")
+    sampler = DistributedBatchSampler(train_ds.num_windows, global_batch, seed, dp_rank, dp_size)
+    info: dict[str, Any] = {**corpus.info(), "tokenizer": tokenizer_info(tok), "seq_len": seq_len,
+                            "train_windows": train_ds.num_windows,
+                            "eval_windows": eval_ds.num_windows}
+    loader = TrainLoader(train_ds, sampler, tokenizer=tok, info=info)
+    evals = EvalBatches(eval_ds, global_batch, eval_batches, dp_rank, dp_size)
+    return Data(loader, evals, tok, info)

@@ -1,0 +1,94 @@
+"""Where the ranks come from: torchrun on this machine, or an existing torchrun / Slurm world.
+
+`meshtron train --nproc N` re-executes the same command line under
+`python -m torch.distributed.run --standalone --nproc-per-node N`; each rank then sees torchrun's
+environment and runs the worker. Inside an existing allocation (`torchrun ... meshtron train` on
+every node, or `srun meshtron train` with MASTER_ADDR/MASTER_PORT exported) the world is taken as
+it is. meshtron never implements its own launcher or transport.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+# gloo on one host: more ranks than this only thrash the CPU (see the shared notes: 8 ranks on
+# 2 cores already run 5-10x slower than one process).
+MAX_CPU_RANKS = 32
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job."""
+
+    rank: int
+    """Global rank."""
+    local_rank: int
+    """Rank on this node (selects the GPU)."""
+    world_size: int
+    """Number of ranks in the job."""
+    source: str
+    """'torchrun', 'slurm' or 'single'."""
+
+
+def current_world() -> World:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                     "torchrun")
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        if "MASTER_ADDR" not in env:
+            raise ValueError("MASTER_ADDR: not set; under srun export MASTER_ADDR (first node) "
+                             "and MASTER_PORT, or start the ranks with torchrun")
+        env.setdefault("MASTER_PORT", "29500")
+        rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+        # torch.distributed's env:// rendezvous reads these names.
+        env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local))
+        return World(rank, local, size, "slurm")
+    return World(0, 0, 1, "single")
+
+
+def max_local_ranks() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    return MAX_CPU_RANKS
+
+
+def check_nproc(nproc: int) -> None:
+    limit = max_local_ranks()
+    if nproc < 1 or nproc > limit:
+        raise ValueError(f"--nproc={nproc}: allowed 1..{limit} local ranks on this machine")
+
+
+def launch_local(nproc: int, argv: list[str]) -> int:
+    """Run `meshtron <argv>` on `nproc` local ranks under torchrun; returns its exit code.
+
+    The ranks run in their own process group so that Ctrl-C or a failure takes all of them down:
+    no rank is left running.
+    """
+    check_nproc(nproc)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "meshtron", *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["MESHTRON_LAUNCHED"] = "1"
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+

@@ -1,0 +1,1 @@
+"""Training loops: the single-process reference (loop.py) and its optimizer, schedule and metrics."""

@@ -1,0 +1,49 @@
+"""AdamW with decoupled weight decay on matrices only, and a warm-up + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from meshtron.config import OptimConfig
+
+
+def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict]:
+    """Decay matrices (embeddings and projections); leave norms and biases alone, as in GPT-2/3
+    and Llama training recipes."""
+    decay, no_decay, seen = [], [], set()
+    for module in modules:
+        for p in module.parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_adamw(modules: Iterable[nn.Module], cfg: OptimConfig) -> torch.optim.AdamW:
+    # foreach=False keeps the update the same op sequence on every layout (DTensor shards and
+    # plain tensors alike), which the equivalence tests rely on.
+    return torch.optim.AdamW(param_groups(modules, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Linear warm-up to the peak, then cosine decay to `min_ratio` of it
+    (Loshchilov & Hutter 2017, as used by GPT-3 and Llama)."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR so the schedule's position is a state dict like every other piece."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_steps, cfg.min_lr_ratio))
