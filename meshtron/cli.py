@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
+
+from meshtron.launch import ARGV_ENV
 
 # Each module exposes `register(subparsers)`, which adds its subcommand(s) and sets `func`.
 # Imports are lazy inside the commands so that `meshtron plan` does not pay for `import torch`.
 COMMAND_MODULES = [
     "meshtron.train.cli",
+    "meshtron.calibrate.cli",
 ]
 
 
@@ -27,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and os.environ.get(ARGV_ENV) and len(sys.argv) == 1:
+        argv = json.loads(os.environ[ARGV_ENV])  # a rank started by meshtron.launch
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -9,6 +9,7 @@ it is. meshtron never implements its own launcher or transport.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 # gloo on one host: more ranks than this only thrash the CPU (see the shared notes: 8 ranks on
 # 2 cores already run 5-10x slower than one process).
 MAX_CPU_RANKS = 32
+ARGV_ENV = "MESHTRON_RANK_ARGV"
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,13 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     no rank is left running.
     """
     check_nproc(nproc)
+    # The ranks' command line travels in the environment: torchrun's own argument parser would
+    # otherwise claim flags such as --nproc that it abbreviates (--nproc-per-node).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "meshtron", *argv]
+           f"--nproc-per-node={nproc}", "-m", "meshtron"]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["MESHTRON_LAUNCHED"] = "1"
+    env[ARGV_ENV] = json.dumps(argv)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         return proc.wait()
