@@ -77,63 +77,110 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
     return sum(losses) / len(losses)
 
 
-def train(cfg: RunConfig, show_progress: bool = True) -> TrainResult:
-    data = build_data(source=cfg.data.source, tokenizer=cfg.data.tokenizer,
-                      seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch,
-                      seed=cfg.train.seed, dp_rank=0, dp_size=1,
-                      eval_batches=cfg.data.eval_batches, bpe_vocab=cfg.data.bpe_vocab)
-    if data.vocab_size > cfg.model.vocab:
-        raise ValueError(f"model.vocab={cfg.model.vocab}: smaller than the tokenizer's "
-                         f"{data.vocab_size} ids")
-    # Bad input fails above, before anything is written to the run folder.
-    run_dir = Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-    torch.manual_seed(cfg.train.seed)
-    model = Transformer(cfg.model)
-    optimizer = build_adamw([model], cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    micro = cfg.data.micro_batch or cfg.data.global_batch
+class LocalEngine:
+    """One process, the plain model: the reference every parallel engine must reproduce."""
+
+    is_main = True
+
+    def __init__(self, cfg: RunConfig):
+        torch.manual_seed(cfg.train.seed)
+        self.model = Transformer(cfg.model)
+        self.optimizer = build_adamw([self.model], cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.micro = cfg.data.micro_batch or cfg.data.global_batch
+        self.dtype = cfg.train.dtype
+        self.grad_clip = cfg.optim.grad_clip
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None, float]:
+        """Forward, backward, clip, optimizer and schedule step; returns (loss, grad norm, lr)."""
+        loss = forward_backward(self.model, inputs, targets, self.micro, self.dtype)
+        norm = (float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+                if self.grad_clip > 0 else None)
+        return loss, norm, self._step_optimizer()
+
+    def _step_optimizer(self) -> float:
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        return evaluate(self.model, batches, self.micro, self.dtype)
+
+    def slowest(self, seconds: float) -> float:
+        """The slowest rank's value (one rank here)."""
+        return seconds
+
+
+def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = True,
+             extra: dict[str, Any] | None = None) -> TrainResult:
+    """The training loop shared by every engine; only the main rank writes and prints."""
+    main = engine.is_main
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     eval_set = data.eval_batches()
-
-    log = MetricsLog(run_dir)
+    log = MetricsLog(run_dir) if main else None
     first_loss = final_loss = math.nan
     eval_loss: float | None = None
     start = time.perf_counter()
-    with TrainProgress(cfg.train.steps, enabled=show_progress) as progress:
+    with TrainProgress(cfg.train.steps, enabled=show_progress and main) as progress:
         for step in range(cfg.train.steps):
             t0 = time.perf_counter()
             inputs, targets = data.next_batch()
-            loss = forward_backward(model, inputs, targets, micro, cfg.train.dtype)
-            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                         if cfg.optim.grad_clip > 0 else None)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
+            loss, grad_norm, lr = engine.train_step(inputs, targets)
+            dt = engine.slowest(time.perf_counter() - t0)
             if not math.isfinite(loss):
                 raise RuntimeError(f"loss became {loss} at step {step}")
             first_loss = loss if step == 0 else first_loss
             final_loss = loss
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                      "step_time_s": dt}
+                      "step_time_s": dt, **(extra or {})}
             if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
+                record["grad_norm"] = grad_norm
             last = step == cfg.train.steps - 1
             if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
-                eval_loss = evaluate(model, eval_set, micro, cfg.train.dtype)
+                eval_loss = engine.evaluate(eval_set)
                 record["eval_loss"] = eval_loss
                 progress.log(f"step {step + 1}: loss {loss:.4f}  eval {eval_loss:.4f}")
-            if step % cfg.train.log_every == 0 or last or "eval_loss" in record:
+            if log is not None and (step % cfg.train.log_every == 0 or last or "eval_loss" in record):
                 log.write(record)
             progress.update(step + 1, loss, tokens_per_step / dt)
-    log.close()
+    if log is not None:
+        log.close()
     wall = time.perf_counter() - start
     result = TrainResult(steps=cfg.train.steps, first_loss=first_loss, final_loss=final_loss,
                          eval_loss=eval_loss, tokens=tokens_per_step * cfg.train.steps,
                          wall_s=wall, tokens_per_s=tokens_per_step * cfg.train.steps / wall,
                          params=cfg.model.num_params())
-    (run_dir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
+    if main:
+        (run_dir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
     return result
+
+
+def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1):
+    """The data pipeline for this data-parallel rank, checked against the model's vocabulary."""
+    data = build_data(source=cfg.data.source, tokenizer=cfg.data.tokenizer,
+                      seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch,
+                      seed=cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size,
+                      eval_batches=cfg.data.eval_batches, bpe_vocab=cfg.data.bpe_vocab)
+    if data.vocab_size > cfg.model.vocab:
+        raise ValueError(f"model.vocab={cfg.model.vocab}: smaller than the tokenizer's "
+                         f"{data.vocab_size} ids")
+    return data
+
+
+def prepare_run_dir(cfg: RunConfig, main: bool = True, extra: dict[str, Any] | None = None) -> Path:
+    run_dir = Path(cfg.train.run_dir)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        doc = {**cfg.to_dict(), **(extra or {})}
+        (run_dir / "config.json").write_text(json.dumps(doc, indent=2, default=str))
+    return run_dir
+
+
+def train(cfg: RunConfig, show_progress: bool = True) -> TrainResult:
+    """Single-process training."""
+    data = build_run_data(cfg)
+    # Bad input fails above, before anything is written to the run folder.
+    run_dir = prepare_run_dir(cfg)
+    return run_loop(LocalEngine(cfg), data, cfg, run_dir, show_progress)
