@@ -18,6 +18,7 @@ from meshtron.launch import ARGV_ENV
 COMMAND_MODULES = [
     "meshtron.train.cli",
     "meshtron.calibrate.cli",
+    "meshtron.planner.cli",
 ]
 
 
@@ -35,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and os.environ.get(ARGV_ENV) and len(sys.argv) == 1:
         argv = json.loads(os.environ[ARGV_ENV])  # a rank started by meshtron.launch
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:

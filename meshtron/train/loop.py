@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -114,7 +114,7 @@ class LocalEngine:
 
 
 def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = True,
-             extra: dict[str, Any] | None = None) -> TrainResult:
+             mfu_fn: Callable[[float], float] | None = None) -> TrainResult:
     """The training loop shared by every engine; only the main rank writes and prints."""
     main = engine.is_main
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
@@ -134,7 +134,9 @@ def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = 
             first_loss = loss if step == 0 else first_loss
             final_loss = loss
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                      "step_time_s": dt, **(extra or {})}
+                      "step_time_s": dt}
+            if mfu_fn is not None:
+                record["mfu"] = mfu_fn(dt)
             if grad_norm is not None:
                 record["grad_norm"] = grad_norm
             last = step == cfg.train.steps - 1

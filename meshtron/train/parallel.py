@@ -1,0 +1,169 @@
+"""Training on many ranks: the plan's mesh, `meshtron.parallelize`, and the shared loop.
+
+Every rank builds the same full model from the same seed, then `parallelize` keeps and shards
+its part, so each layout starts from exactly the single-process weights; data-parallel rank r
+reads rows [r*B/dp, (r+1)*B/dp) of the single-process global batch. Together these make every
+layout reproduce the single-process losses (tests/test_parallel*.py).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtron.config import RunConfig
+from meshtron.launch import World
+from meshtron.model import Transformer
+from meshtron.train.loop import build_run_data, prepare_run_dir, run_loop
+from meshtron.train.optim import build_scheduler
+
+
+def _adamw_factory(weight_decay: float):
+    """AdamW with the single-process parameter groups (decay on matrices only), for
+    `build_optimizer`, which hands it the parameters of one model part or ZeRO-1 shard."""
+
+    def make(params, **kwargs):
+        params = list(params)
+        kwargs.pop("weight_decay", None)
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **kwargs)
+
+    return make
+
+
+def runtime_plan(plan, dtype: str) -> types.SimpleNamespace:
+    """The plan's knobs plus the run's precision, as `parallelize` reads them."""
+    return types.SimpleNamespace(**{k: v for k, v in plan.to_dict().items() if k != "predicted"},
+                                 precision=dtype)
+
+
+class ParallelEngine:
+    """A plan executed over a DeviceMesh; the same interface as `LocalEngine`."""
+
+    def __init__(self, cfg: RunConfig, plan, device: torch.device):
+        from meshtron.parallel import build_mesh, build_optimizer, parallelize
+
+        rt = runtime_plan(plan, cfg.train.dtype)
+        self.mesh = build_mesh(rt, device_type=device.type, spec=cfg.model)
+        torch.manual_seed(cfg.train.seed)
+        self.pm = parallelize(Transformer(cfg.model), rt, self.mesh)
+        self.optimizer = build_optimizer(
+            self.pm, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+            optimizer_cls=_adamw_factory(cfg.optim.weight_decay))
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.grad_clip = cfg.optim.grad_clip
+        self.is_main = dist.get_rank() == 0
+        self.step_times: list[float] = []
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None, float]:
+        loss = self.pm.forward_backward(inputs, targets)
+        norm = float(self.pm.clip_grad_norm_(self.grad_clip)) if self.grad_clip > 0 else None
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return loss, norm, lr
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        evaluate = getattr(self.pm, "evaluate", None)
+        if evaluate is not None:
+            return float(statistics.fmean(evaluate(x, y) for x, y in batches))
+        # Without a forward-only path (pipelines), run forward+backward and drop the gradients.
+        losses = [self.pm.forward_backward(x, y) for x, y in batches]
+        self.pm.zero_grad()
+        return float(statistics.fmean(losses))
+
+    def slowest(self, seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.step_times.append(float(t.item()))
+        return float(t.item())
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: parameter, gradient and optimizer-state shards (and the CUDA
+        allocator's peak on GPU)."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        params = list(self.pm.parameters())
+        out = {"params": sum(local(p).numel() * local(p).element_size() for p in params),
+               "grads": sum(local(p).numel() * local(p).element_size() for p in params
+                            if p.requires_grad),
+               "optimizer": 0}
+        for opt in self.optimizer.optimizers:
+            for state in opt.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        out["optimizer"] += local(v).numel() * local(v).element_size()
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        if torch.cuda.is_available():
+            out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
+        return out
+
+
+def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, float] | None:
+    """The planner's memory breakdown (GiB) for exactly this plan on `cluster`."""
+    if cluster is None:
+        return None
+    from meshtron.planner.search import evaluate_plan
+
+    knobs = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "zero", "micro_batch", "recompute",
+                                           "sp", "schedule", "virtual_stages")}
+    sized = cluster.with_nodes(1) if cluster.num_gpus == plan.gpus else cluster
+    try:
+        est = evaluate_plan(cfg.model, sized, plan.global_batch, plan.seq_len, knobs)
+    except ValueError:
+        return None
+    return est.memory.to_dict()
+
+
+def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
+                  cluster=None, show_progress: bool = True) -> dict[str, Any] | None:
+    """Run the plan on this rank (process group already initialised); rank 0 returns the
+    summary, with the planner's prediction beside the measurement when a cluster is known."""
+    engine = ParallelEngine(cfg, plan, device)
+    data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp)
+    run_dir = prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
+    peak = cluster.peak_tflops * 1e12 if cluster is not None else None
+    flops_per_step = cfg.model.flops_per_token(cfg.data.seq_len) * cfg.data.global_batch * cfg.data.seq_len
+    result = run_loop(engine, data, cfg, run_dir, show_progress,
+                      mfu_fn=(lambda dt: flops_per_step / dt / (world.world_size * peak))
+                      if peak else None)
+    memory = engine.memory_bytes()
+    gathered: list[Any] = [None] * world.world_size
+    dist.all_gather_object(gathered, memory)
+    if not engine.is_main:
+        return None
+    # Steady state: drop the first steps (warm-up, lazy initialisation).
+    steady = engine.step_times[min(2, len(engine.step_times) - 1):]
+    measured = statistics.median(steady)
+    summary = {**result.to_dict(), "plan": plan.to_dict(), "world_size": world.world_size,
+               "measured_step_time_s": measured}
+    predicted = plan.predicted or {}
+    if predicted:
+        summary["predicted_step_time_s"] = predicted.get("step_time_s")
+    (run_dir / "memory.json").write_text(json.dumps({
+        "measured_bytes_per_rank": gathered,
+        "measured_max_rank_gib": {k: max(m[k] for m in gathered) / 2**30 for k in gathered[0]},
+        "predicted_gib": predicted_memory(cfg, plan, cluster),
+        "note": "measured on CPU: bytes of each rank's parameter, gradient and optimizer-state "
+                "shards (fp32); on CUDA also the allocator's peak. The prediction is the "
+                "planner's fullest rank (bf16 params/grads + fp32 master and moments), plus "
+                "activations and workspace",
+    }, indent=2))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
