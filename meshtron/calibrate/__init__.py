@@ -1,5 +1,4 @@
-"""`meshtron calibrate`: measure this machine over the real backend and write a cluster file."""
+"""`meshtron calibrate`: measure this machine over the real backend and write a cluster file.
 
-from meshtron.calibrate.measure import Calibration, calibrate
-
-__all__ = ["Calibration", "calibrate"]
+The measurements live in `meshtron.calibrate.measure` (imports torch); the CLI in `cli.py`.
+"""

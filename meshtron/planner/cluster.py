@@ -1,0 +1,272 @@
+"""GPU catalogue and ClusterSpec: what the planner knows about the machines.
+
+A cluster is `nodes` x `gpus_per_node` identical GPUs. Inside a node the GPUs talk over NVLink /
+NVSwitch (`intra_node_gb_per_s`), between nodes over InfiniBand / RoCE / Ethernet
+(`inter_node_gb_per_s`). Both bandwidths are GB/s (1e9 bytes/s) per GPU per direction, the unit
+ring-collective formulas need.
+
+Sources of the catalogue (copied into the package so that `meshtron plan` needs nothing at run time):
+peak dense bf16 tensor throughput, memory and HBM bandwidth from the vendors' datasheets (as listed in
+`../shared/calibration/hardware.csv`); NVLink per direction = half the datasheet's bidirectional figure.
+`matmul_ceiling` is the fraction of peak that a large, well-shaped bf16 GEMM sustains during
+training: the "maximum achievable matmul FLOPS" of short public benchmarks (e.g. S. Bekman's
+ml-engineering MAMF tables: about 86% on A100 SXM, about 80% on H100 SXM) times ~0.93 for the
+clock a GPU holds under hours of dense tensor-core load at its power limit (NVIDIA quotes A100's
+HPL Rpeak at 1305 MHz against a 1410 MHz boost clock). V100 and B200 values are our estimates.
+
+Cluster TOML (`--cluster my.toml`)::
+
+    gpu = "H100-SXM5-80GB"          # a catalogue name, or give peak_tflops and memory_gib instead
+    # peak_tflops = 0.05            # dense 16-bit peak per device, TFLOP/s
+    # memory_gib = 24               # device memory, GiB
+    # hbm_gb_per_s = 20             # device memory bandwidth, GB/s (default: peak_tflops*1e12/150)
+    # matmul_efficiency = 0.6       # measured fraction of peak of a large matmul (overrides ceiling)
+    gpus_per_node = 8
+    nodes = 16
+    intra_node_gb_per_s = 450       # per GPU per direction
+    inter_node_gb_per_s = 50        # per GPU per direction
+    intra_node_latency_us = 3       # optional, per ring step
+    inter_node_latency_us = 8       # optional, per ring step
+    # bandwidth_efficiency = 1.0    # optional: fraction of the stated bandwidths collectives reach
+    price_per_gpu_hour = 2.5        # optional, currency units, for the cost column
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GPUType:
+    """One entry of the GPU catalogue."""
+
+    name: str
+    """Catalogue name, e.g. 'H100-SXM5-80GB'."""
+    peak_tflops: float
+    """Peak dense bf16/fp16 tensor-core throughput, TFLOP/s (datasheet, no sparsity)."""
+    memory_gib: float
+    """Device memory, GiB."""
+    hbm_gb_per_s: float
+    """Device memory bandwidth, GB/s (datasheet)."""
+    nvlink_gb_per_s: float
+    """NVLink bandwidth per GPU per direction, GB/s (half the datasheet's bidirectional figure)."""
+    inter_node_gb_per_s: float
+    """Typical network bandwidth per GPU per direction in the vendor's reference node, GB/s."""
+    matmul_ceiling: float
+    """Fraction of peak a large, well-shaped bf16 GEMM reaches (maximum achievable matmul FLOPS)."""
+
+
+# name, peak TFLOP/s, GiB, HBM GB/s, NVLink GB/s per direction, NIC GB/s per GPU, matmul ceiling
+GPU_CATALOGUE: dict[str, GPUType] = {g.name: g for g in [
+    GPUType("V100-SXM2-32GB", 125.0, 32.0, 900.0, 150.0, 12.5, 0.75),   # ceiling: estimate
+    GPUType("A100-SXM4-40GB", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.80),  # 0.86 MAMF x 0.93
+    GPUType("A100-SXM4-80GB", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.80),  # 0.86 MAMF x 0.93
+    GPUType("H100-SXM5-80GB", 989.0, 80.0, 3350.0, 450.0, 50.0, 0.75),  # 0.80 MAMF x 0.93
+    GPUType("H200-SXM-141GB", 989.0, 141.0, 4800.0, 450.0, 50.0, 0.75),  # same die as H100
+    GPUType("B200", 2250.0, 180.0, 7700.0, 900.0, 50.0, 0.70),           # ceiling: estimate
+]}
+
+# Short aliases accepted on the command line and in TOML files.
+GPU_ALIASES = {"V100": "V100-SXM2-32GB", "A100": "A100-SXM4-80GB", "A100-40GB": "A100-SXM4-40GB",
+               "A100-80GB": "A100-SXM4-80GB", "H100": "H100-SXM5-80GB", "H200": "H200-SXM-141GB"}
+
+# Cluster presets: `dgx-a100:N` etc. -> (GPU, latency intra us, latency inter us)
+CLUSTER_PRESETS = {
+    "dgx-a100": "A100-SXM4-80GB",
+    "dgx-h100": "H100-SXM5-80GB",
+    "dgx-h200": "H200-SXM-141GB",
+}
+
+# Default per-step latencies (alpha of the alpha-beta model). NCCL's per-hop latency is a few
+# microseconds over NVLink and 5-10 us over InfiniBand (NCCL tests, small messages).
+DEFAULT_INTRA_LATENCY_US = 3.0
+DEFAULT_INTER_LATENCY_US = 8.0
+# Device memory bandwidth assumed when only peak_tflops is given: ~150 FLOP per byte is the
+# balance point of A100-class GPUs (312 TFLOP/s / 2.0 TB/s).
+DEFAULT_FLOP_PER_BYTE = 150.0
+
+
+def gpu_type(name: str, field: str = "gpu") -> GPUType:
+    """Look a GPU up by catalogue name or alias; unknown names are an error, never a fallback."""
+    key = GPU_ALIASES.get(name, name)
+    if key in GPU_CATALOGUE:
+        return GPU_CATALOGUE[key]
+    lowered = {k.lower(): v for k, v in GPU_CATALOGUE.items()}
+    if key.lower() in lowered:
+        return lowered[key.lower()]
+    raise ValueError(f"{field}={name!r}: unknown GPU; known: {', '.join(GPU_CATALOGUE)} "
+                     "(or give peak_tflops and memory_gib instead of gpu)")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous cluster: `nodes` nodes of `gpus_per_node` GPUs."""
+
+    name: str
+    """Preset or file name, for display."""
+    peak_tflops: float
+    """Peak dense 16-bit throughput of one device, TFLOP/s."""
+    memory_gib: float
+    """Memory of one device, GiB."""
+    gpus_per_node: int
+    """Devices per node (tensor parallelism stays inside a node)."""
+    nodes: int
+    """Number of nodes."""
+    intra_node_gb_per_s: float
+    """Bandwidth between devices of one node, GB/s per device per direction (NVLink/NVSwitch)."""
+    inter_node_gb_per_s: float
+    """Bandwidth between nodes, GB/s per device per direction (IB/RoCE/Ethernet)."""
+    intra_node_latency_us: float = DEFAULT_INTRA_LATENCY_US
+    """Latency of one step of an intra-node collective, microseconds."""
+    inter_node_latency_us: float = DEFAULT_INTER_LATENCY_US
+    """Latency of one step of an inter-node collective, microseconds."""
+    gpu: str | None = None
+    """Catalogue name of the device, or None for a device described by numbers only."""
+    hbm_gb_per_s: float | None = None
+    """Device memory bandwidth, GB/s; None: peak_tflops*1e12/150 bytes/s."""
+    matmul_efficiency: float | None = None
+    """Measured sustained fraction of peak of a large matmul; overrides the catalogue's ceiling."""
+    bandwidth_efficiency: float | None = None
+    """Fraction of the stated bandwidths that collectives reach; None: 0.8 NVLink, 0.9 network."""
+    price_per_gpu_hour: float | None = None
+    """Optional price of one device-hour, for the cost column."""
+
+    def __post_init__(self) -> None:
+        for field in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gb_per_s"):
+            _positive(f"cluster.{field}", getattr(self, field))
+        for field in ("gpus_per_node", "nodes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"cluster.{field}={value!r}: must be a positive integer")
+        for field in ("intra_node_latency_us", "inter_node_latency_us"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"cluster.{field}={value!r}: must be a number >= 0")
+        if self.hbm_gb_per_s is not None:
+            _positive("cluster.hbm_gb_per_s", self.hbm_gb_per_s)
+        for field in ("matmul_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"cluster.{field}={value!r}: must be a fraction in (0, 1]")
+        if self.price_per_gpu_hour is not None and not (
+                isinstance(self.price_per_gpu_hour, (int, float)) and self.price_per_gpu_hour >= 0):
+            raise ValueError(f"cluster.price_per_gpu_hour={self.price_per_gpu_hour!r}: "
+                             "must be a number >= 0")
+
+    # ---- derived figures used by the cost model ----------------------------------------------
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        if self.hbm_gb_per_s is not None:
+            return self.hbm_gb_per_s * 1e9
+        return self.peak_flops / DEFAULT_FLOP_PER_BYTE
+
+    @property
+    def matmul_ceiling(self) -> float:
+        """Fraction of peak sustained by a large GEMM (measured, catalogue, or 0.75)."""
+        if self.matmul_efficiency is not None:
+            return float(self.matmul_efficiency)
+        if self.gpu is not None:
+            return gpu_type(self.gpu).matmul_ceiling
+        return 0.75
+
+    def with_nodes(self, nodes: int) -> "ClusterSpec":
+        return dataclasses.replace(self, nodes=nodes, name=re.sub(r":\d+$", f":{nodes}", self.name))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def _positive(field: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
+            or not math.isfinite(value):
+        raise ValueError(f"{field}={value!r}: must be a positive number")
+
+
+def preset_cluster(kind: str, nodes: int) -> ClusterSpec:
+    """`dgx-a100`, `dgx-h100` or `dgx-h200` with `nodes` nodes of 8 GPUs."""
+    if kind not in CLUSTER_PRESETS:
+        raise ValueError(f"cluster={kind!r}: unknown preset; allowed: "
+                         f"{', '.join(k + ':N' for k in CLUSTER_PRESETS)} or a TOML file")
+    g = GPU_CATALOGUE[CLUSTER_PRESETS[kind]]
+    return ClusterSpec(name=f"{kind}:{nodes}", gpu=g.name, peak_tflops=g.peak_tflops,
+                       memory_gib=g.memory_gib, gpus_per_node=8, nodes=nodes,
+                       intra_node_gb_per_s=g.nvlink_gb_per_s,
+                       inter_node_gb_per_s=g.inter_node_gb_per_s, hbm_gb_per_s=g.hbm_gb_per_s)
+
+
+_CLUSTER_KEYS = {"name", "gpu", "peak_tflops", "memory_gib", "gpus_per_node", "nodes",
+                 "intra_node_gb_per_s", "inter_node_gb_per_s", "intra_node_latency_us",
+                 "inter_node_latency_us", "hbm_gb_per_s", "matmul_efficiency",
+                 "bandwidth_efficiency", "price_per_gpu_hour"}
+
+
+def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:
+    """Build a ClusterSpec from the TOML keys documented in the module docstring."""
+    if "cluster" in data and isinstance(data["cluster"], dict):
+        data = data["cluster"]
+    unknown = sorted(set(data) - _CLUSTER_KEYS)
+    if unknown:
+        raise ValueError(f"cluster.{unknown[0]}: unknown key; allowed: {', '.join(sorted(_CLUSTER_KEYS))}")
+    values = dict(data)
+    values.setdefault("name", name)
+    gpu = values.get("gpu")
+    if gpu is not None:
+        if not isinstance(gpu, str):
+            raise ValueError(f"cluster.gpu={gpu!r}: must be a GPU name string")
+        g = gpu_type(gpu, "cluster.gpu")
+        values["gpu"] = g.name
+        values.setdefault("peak_tflops", g.peak_tflops)
+        values.setdefault("memory_gib", g.memory_gib)
+        values.setdefault("hbm_gb_per_s", g.hbm_gb_per_s)
+    for key in ("peak_tflops", "memory_gib", "gpus_per_node", "nodes", "intra_node_gb_per_s",
+                "inter_node_gb_per_s"):
+        if key not in values:
+            hint = " (or a known gpu name)" if key in ("peak_tflops", "memory_gib") else ""
+            raise ValueError(f"cluster.{key}: missing; required{hint}")
+    return ClusterSpec(**values)
+
+
+def load_cluster_toml(path: str | Path) -> ClusterSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"cluster={str(path)!r}: file does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"cluster={str(path)!r}: not valid TOML ({exc})") from None
+    return cluster_from_dict(data, name=path.stem)
+
+
+def resolve_cluster(text: str | Path | ClusterSpec) -> ClusterSpec:
+    """`dgx-h100:N` style preset, or a path to a cluster TOML file."""
+    if isinstance(text, ClusterSpec):
+        return text
+    text = str(text)
+    m = re.fullmatch(r"([a-z0-9-]+):(\d+)", text.strip())
+    if m and not Path(text).exists():
+        nodes = int(m.group(2))
+        if nodes <= 0:
+            raise ValueError(f"cluster={text!r}: node count must be a positive integer")
+        return preset_cluster(m.group(1), nodes)
+    if text.endswith(".toml") or Path(text).exists():
+        return load_cluster_toml(text)
+    raise ValueError(f"cluster={text!r}: expected a preset "
+                     f"({', '.join(k + ':N' for k in CLUSTER_PRESETS)}) or a TOML file path")

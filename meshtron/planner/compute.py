@@ -1,0 +1,249 @@
+"""FLOPs and time of one transformer layer (and of the embedding and LM head) on one GPU.
+
+Counting. Model FLOPs follow `ModelSpec.flops_per_token` (6N plus the attention square; Kaplan et
+al. 2020; Narayanan et al. 2021, eq. 3). Hardware FLOPs add what recomputation executes again:
+full recomputation repeats every layer's forward pass (Chen et al. 2016; Narayanan et al. 2021
+count it as 4x forward instead of 3x), selective recomputation repeats only the attention core
+QK^T / softmax / AV (Korthikanti et al. 2022, section 5). FlashAttention's own recomputation
+inside its backward kernel is not counted as hardware FLOPs, as is customary.
+
+Timing. Each GEMM (m x k) @ (k x n) is timed with a roofline:
+    t = max(2mnk / (peak * ceiling * s(m) s(n) s(k)),  2(mk + kn + mn) bytes / HBM bandwidth)
+where `ceiling` is the GPU's maximum achievable matmul fraction (cluster.py) and
+s(x) = x / (x + 128) models tile quantisation and SM under-occupancy of small dimensions: cuBLAS
+tiles are 64-256 wide, so a 1024-wide shard loses about 11% per small dimension and a 128-wide
+one (an attention head) about half (e.g. NVIDIA's "Matrix Multiplication Background" guide on
+tile and wave quantisation). Small per-GPU shards (large tp) therefore run less efficiently.
+Backward runs two GEMMs of the forward's shape per weight (input gradient and weight gradient).
+
+Non-GEMM work (norms, residual adds, activation functions, rotary embedding, softmax, dropout,
+cross-entropy) is memory-bound: time = bytes moved / (HBM bandwidth * 0.8), 0.8 being what
+streaming kernels reach (STREAM-like copy rates on A100/H100 HBM). The bytes per token are
+itemised in `_elementwise_bytes`. Backward moves about twice the forward's bytes (it reads the
+saved input and the incoming gradient and writes the outgoing one).
+
+Attention core: 'flash' (FlashAttention-2, Dao 2023) skips the masked half of a causal square,
+keeps no s x s matrix in memory, and its backward executes 2.5x the forward's matmul FLOPs (5
+GEMMs instead of 2); its GEMMs are head_dim wide, timed by the same efficiency model. 'unfused'
+(Megatron-LM 2019-2022, used by the calibration runs) computes the full square with two batched
+GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner import comm
+from meshtron.planner.cluster import ClusterSpec
+
+SAT_DIM = 128.0
+"""Half-efficiency dimension of the GEMM shape model s(x) = x / (x + SAT_DIM)."""
+HBM_EFFICIENCY = 0.8
+"""Fraction of HBM bandwidth reached by memory-bound elementwise kernels."""
+BF16 = 2
+"""Bytes per bf16 element."""
+
+ATTENTION_KINDS = ("flash", "unfused")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Software choices that change the cost of the same layout."""
+
+    attention: str = "flash"
+    """'flash' (FlashAttention, default) or 'unfused' (materialised scores, Megatron-LM <= 2022)."""
+    dropout: bool = False
+    """Dropout on attention probabilities and hidden outputs (GPT-2/3 era; modern LLMs: off)."""
+    overlap_grad_reduce: bool = True
+    """Gradient reduction overlaps the last backward (DDP buckets; Megatron-LM since 2023)."""
+    fp32_grad_reduce: bool = False
+    """Gradients are accumulated and reduced in fp32 (Megatron-LM's main_grad), not bf16."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={self.attention!r}: allowed values are "
+                             f"{', '.join(ATTENTION_KINDS)}")
+
+
+def gemm_time(m: float, n: float, k: float, peak: float, hbm: float) -> float:
+    """Roofline time of an (m x k) @ (k x n) bf16 GEMM; `peak` already includes the ceiling."""
+    sat = (m / (m + SAT_DIM)) * (n / (n + SAT_DIM)) * (k / (k + SAT_DIM))
+    t_flops = 2.0 * m * n * k / (peak * sat)
+    t_bytes = BF16 * (m * k + k * n + m * n) / hbm
+    return t_flops if t_flops > t_bytes else t_bytes
+
+
+def gemm_efficiency(m: float, n: float, k: float, cluster: ClusterSpec) -> float:
+    """Fraction of peak the roofline model predicts for one GEMM shape (for display and tests)."""
+    peak = cluster.peak_flops * cluster.matmul_ceiling
+    t = gemm_time(m, n, k, peak, cluster.hbm_bytes_per_s)
+    return 2.0 * m * n * k / t / cluster.peak_flops
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds one GPU spends on one transformer layer for one micro-batch."""
+
+    fwd: float
+    """Forward compute (GEMMs, attention core, memory-bound kernels)."""
+    bwd: float
+    """Backward compute (input and weight gradients)."""
+    wgrad: float
+    """Part of `bwd` that computes weight gradients (deferrable by zero-bubble schedules)."""
+    core_fwd: float
+    """Forward of the attention core alone (what selective recomputation repeats)."""
+    tp_fwd: float
+    """Tensor-parallel communication of the forward pass (2 all-reduces, or RS+AG with SP)."""
+    tp_bwd: float
+    """Tensor-parallel communication of the backward pass."""
+
+    def per_microbatch(self, recompute: str, attention: str) -> tuple[float, float, float, float]:
+        """(compute, tp comm, forward part, weight-grad part) of fwd+bwd with recomputation."""
+        compute = self.fwd + self.bwd
+        tpc = self.tp_fwd + self.tp_bwd
+        if recompute == "full":
+            compute += self.fwd
+            tpc += self.tp_fwd
+        elif recompute == "selective" and attention == "unfused":
+            compute += self.core_fwd
+        return compute, tpc, self.fwd + self.tp_fwd, self.wgrad
+
+
+@dataclass(frozen=True)
+class EdgeCost:
+    """Seconds for the embedding (first stage) or the final norm + LM head + loss (last stage)."""
+
+    compute: float
+    """Forward + backward compute for one micro-batch."""
+    tp: float
+    """Tensor-parallel communication for one micro-batch."""
+    fwd: float
+    """Forward part (compute + comm) of the above."""
+    wgrad: float
+    """Weight-gradient part of `compute`."""
+
+
+def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) -> float:
+    """HBM bytes moved per token by one layer's memory-bound kernels in the forward pass.
+
+    Replicated across tensor-parallel ranks unless sequence parallelism shards them
+    (Korthikanti et al. 2022, section 4.2.2): two norms (read + write h: 8h bytes), two fused
+    bias(-dropout)-add-residual kernels (read 2h, write h: 12h; with dropout also a 1-byte mask
+    each: +2h). Sharded by tp: rotary embedding of q and k (read + write: 4(h + kv)) and the MLP
+    activation (GeLU: read f, write f = 4f; SwiGLU: read 2f, write f = 6f). The unfused
+    attention's softmax/dropout traffic is counted with the attention core in `layer_cost`; GEMM
+    inputs and outputs are part of the GEMM roofline, not counted here.
+    """
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    replicated = 8 * h + 12 * h + (2 * h if opts.dropout else 0)
+    sharded = (4 * (h + kv) if model.position == "rope" else 0)
+    sharded += 6 * f if model.mlp == "swiglu" else 4 * f
+    return (replicated / tp if sp else replicated) + sharded / tp
+
+
+@lru_cache(maxsize=4096)
+def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
+               sp: bool, opts: KernelOptions) -> LayerCost:
+    """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens."""
+    peak = cluster.peak_flops * cluster.matmul_ceiling
+    hbm = cluster.hbm_bytes_per_s
+    tokens = micro_batch * seq
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    up = 2 * f if model.mlp == "swiglu" else f
+    # Megatron tensor parallelism (Shoeybi et al. 2019): QKV and MLP-up split by columns,
+    # attention output and MLP-down split by rows.
+    linear = (gemm_time(tokens, (h + 2 * kv) / tp, h, peak, hbm)
+              + gemm_time(tokens, h, h / tp, peak, hbm)
+              + gemm_time(tokens, up / tp, h, peak, hbm)
+              + gemm_time(tokens, h, f / tp, peak, hbm))
+    heads_local = model.heads / tp
+    hd = model.head_dim
+    batch_heads = micro_batch * heads_local
+    if opts.attention == "flash":
+        # Causal FlashAttention computes about half the square; per head: QK^T and PV.
+        one = gemm_time(seq, seq, hd, peak, hbm) + gemm_time(seq, hd, seq, peak, hbm)
+        core_fwd = 0.5 * batch_heads * one
+        core_bwd = 2.5 * core_fwd
+    else:
+        one = gemm_time(seq, seq, hd, peak, hbm) + gemm_time(seq, hd, seq, peak, hbm)
+        core_fwd = batch_heads * one
+        # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
+        # read + write 2s bytes each = 4s; with dropout a separate kernel reads the
+        # probabilities, writes the dropped copy and a 1-byte mask: +5s (the tensors of
+        # Korthikanti et al. 2022's activation list). The GEMMs' own reads and writes of the
+        # scores are in their roofline.
+        score_bytes = (9 if opts.dropout else 4) * heads_local * seq * tokens
+        core_fwd += score_bytes / (hbm * HBM_EFFICIENCY)
+        core_bwd = 2.0 * core_fwd
+    elementwise = tokens * _elementwise_bytes(model, tp, sp, opts) / (hbm * HBM_EFFICIENCY)
+    fwd = linear + core_fwd + elementwise
+    bwd = 2.0 * linear + core_bwd + 2.0 * elementwise
+    # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
+    # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
+    # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2).
+    fab = comm.Fabric.of(cluster)
+    group = comm.tp_group(tp)
+    act_bytes = BF16 * tokens * h
+    if sp:
+        one_tp = comm.reduce_scatter(act_bytes, group, fab) + comm.all_gather(act_bytes, group, fab)
+    else:
+        one_tp = comm.all_reduce(act_bytes, group, fab)
+    return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
+                     tp_fwd=2 * one_tp, tp_bwd=2 * one_tp)
+
+
+@lru_cache(maxsize=4096)
+def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
+              sp: bool) -> EdgeCost:
+    """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
+
+    The head GEMM is [tokens, h] x [h, V/tp]; the loss reads bf16 logits and writes fp32
+    probabilities (6 bytes per logit) forward, and the reverse backward (Megatron's
+    vocab-parallel cross-entropy; only 3 floats per token cross the tensor group).
+    """
+    peak = cluster.peak_flops * cluster.matmul_ceiling
+    hbm = cluster.hbm_bytes_per_s * HBM_EFFICIENCY
+    tokens = micro_batch * seq
+    gemm = gemm_time(tokens, model.vocab / tp, model.hidden, peak, cluster.hbm_bytes_per_s)
+    loss = tokens * model.vocab / tp * 6 / hbm
+    norm = tokens * 4 * model.hidden / (tp if sp else 1) / hbm
+    fwd_c = gemm + loss + norm
+    compute = fwd_c + 2 * gemm + loss + 2 * norm
+    fab = comm.Fabric.of(cluster)
+    tp_c = 0.0
+    if sp:  # gather the sequence-sharded input forward, reduce-scatter its gradient backward
+        nbytes = BF16 * tokens * model.hidden
+        tp_c = 2 * comm.all_gather(nbytes, comm.tp_group(tp), fab)
+    return EdgeCost(compute=compute, tp=tp_c, fwd=fwd_c + tp_c / 2, wgrad=gemm)
+
+
+@lru_cache(maxsize=4096)
+def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
+                   sp: bool) -> EdgeCost:
+    """Vocabulary-parallel embedding lookup: write [tokens, h] forward, scatter-add backward,
+    plus the all-reduce (reduce-scatter with SP) that combines the vocabulary shards forward."""
+    hbm = cluster.hbm_bytes_per_s * HBM_EFFICIENCY
+    tokens = micro_batch * seq
+    nbytes = BF16 * tokens * model.hidden
+    compute = 3 * nbytes / hbm
+    fab = comm.Fabric.of(cluster)
+    group = comm.tp_group(tp)
+    tp_c = comm.reduce_scatter(nbytes, group, fab) if sp else comm.all_reduce(nbytes, group, fab)
+    return EdgeCost(compute=compute, tp=tp_c, fwd=nbytes / hbm + tp_c, wgrad=0.0)
+
+
+def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:
+    """Model FLOPs of one optimizer step (forward + backward, no recomputation)."""
+    return model.flops_per_token(seq) * tokens
+
+
+def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
+    """FLOPs executed again by recomputation, per token (see module docstring)."""
+    core = 4.0 * model.layers * model.hidden * seq  # QK^T + AV forward, full square
+    if recompute == "full":
+        return 2.0 * model.layers * (model.attention_params() + model.mlp_params()) + core
+    if recompute == "selective" and attention == "unfused":
+        return core
+    return 0.0

@@ -1,0 +1,417 @@
+"""Evaluate one fully specified plan: memory of the fullest GPU, step time and its breakdown.
+
+Step time (per optimizer step, on the critical pipeline stage c):
+
+    step = m * (compute_c + tp_comm_c) + bubble + pp_comm + dp_exposed + optimizer
+
+* compute, tp_comm: per micro-batch times of the stage's layers and its embedding / LM head
+  (compute.py), with recomputation (full: forward again incl. its tensor-parallel collectives;
+  selective: the attention core again).
+* bubble: pipeline.py (schedule dependent).
+* pp_comm: every micro-batch crosses every (virtual) stage boundary forward and backward, and
+  the fill adds p-1 transfers: (m*v + p - 1) * 2 * (alpha + bytes/bw). Megatron sends the
+  [micro_batch*s, h] activation split over the tensor group ("scatter/gather", Narayanan et al.
+  2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink.
+* dp_exposed: gradient synchronisation over the data-parallel group (comm.py) overlapped with
+  backward work (bucketed all-reduce as in PyTorch DDP, Li et al. 2020; Megatron's
+  overlap_grad_reduce): ZeRO-0 all-reduces once per step, during the last micro-batch's backward;
+  stage i finishes its backward i stage-backwards before stage 0, which hides more. ZeRO-1
+  reduce-scatters instead and all-gathers updated bf16 weights, hidden behind the next step's
+  first forward. ZeRO-2 must reduce-scatter after every micro-batch (gradients are not kept
+  whole), ZeRO-3 also all-gathers each layer's weights before its forward and its backward
+  (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al. 2023), each hidden behind the compute it
+  precedes where possible.
+* optimizer: AdamW is memory bound; per local parameter it reads and writes fp32 master and two
+  moments, reads the gradient and writes bf16 weights: 28 bytes at 80% of HBM bandwidth.
+
+Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
+ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
+al. 2022); hardware TFLOP/s adds recomputed FLOPs (HFU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner import comm, compute, memory, pipeline
+from meshtron.planner.cluster import ClusterSpec
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.plan import Plan
+
+OPTIMIZER_BYTES_PER_PARAM = 28.0
+"""AdamW update traffic per local parameter (see module docstring)."""
+OVERLAP_INTERFERENCE = 0.15
+"""Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
+GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
+communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
+part of data-parallel traffic costs this fraction of its duration."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A point of the search space (everything but the layer partition)."""
+
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline stages."""
+    dp: int
+    """Data-parallel degree."""
+    zero: int
+    """ZeRO stage."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    recompute: str
+    """'none' | 'selective' | 'full'."""
+    sp: bool
+    """Sequence parallelism."""
+    schedule: str
+    """Pipeline schedule."""
+    virtual_stages: int = 1
+    """Model chunks per GPU stage (interleaved)."""
+
+    def layout(self) -> str:
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+
+    def describe(self) -> str:
+        sched = self.schedule if self.pp > 1 else "-"
+        if self.schedule == "interleaved":
+            sched = f"interleaved:{self.virtual_stages}"
+        return (f"{self.layout()} zero={self.zero} mb={self.micro_batch} "
+                f"recompute={self.recompute} sp={'on' if self.sp else 'off'} schedule={sched}")
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one optimizer step, by cause (they add up to the step time)."""
+
+    compute: float
+    """Computation of the critical stage over all its micro-batches (recomputation included)."""
+    tp_comm: float
+    """Tensor-parallel collectives of the critical stage (not overlapped)."""
+    pp_comm: float
+    """Pipeline point-to-point transfers on the critical path."""
+    dp_comm: float
+    """Data-parallel / ZeRO communication left exposed after overlap with compute."""
+    bubble: float
+    """Pipeline fill and drain idle time."""
+    optimizer: float
+    """AdamW update."""
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble
+                + self.optimizer)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
+                "dp_comm_exposed": self.dp_comm, "bubble": self.bubble,
+                "optimizer": self.optimizer}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's prediction for one plan."""
+
+    config: Config
+    """Knobs of the plan."""
+    stage_layers: list[int]
+    """Layers per (virtual) stage, pipeline order."""
+    num_microbatches: int
+    """Micro-batches per replica per step."""
+    memory: memory.MemoryBreakdown
+    """Memory of the fullest GPU, GiB."""
+    time: TimeBreakdown
+    """Step time by cause, seconds."""
+    tokens_per_s: float
+    """Training throughput of the whole cluster."""
+    model_tflops_per_gpu: float
+    """Model FLOPs (no recomputation) per second per GPU, TFLOP/s."""
+    hardware_tflops_per_gpu: float
+    """Executed FLOPs (recomputation included) per second per GPU, TFLOP/s."""
+    mfu: float
+    """Model FLOPs utilisation: model TFLOP/s / peak."""
+    hfu: float
+    """Hardware FLOPs utilisation: hardware TFLOP/s / peak."""
+    fits: bool
+    """Some layer split keeps every stage within device memory."""
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total
+
+    def days(self, tokens: float) -> float:
+        return tokens / self.tokens_per_s / 86400.0
+
+    def gpu_hours(self, tokens: float, gpus: int) -> float:
+        return tokens / self.tokens_per_s / 3600.0 * gpus
+
+    def to_plan(self, model_name: str, cluster_name: str, gpus: int, global_batch: int,
+                seq_len: int, attention: str) -> Plan:
+        c = self.config
+        return Plan(model=model_name, cluster=cluster_name, gpus=gpus, global_batch=global_batch,
+                    seq_len=seq_len, tp=c.tp, pp=c.pp, dp=c.dp, zero=c.zero,
+                    micro_batch=c.micro_batch, recompute=c.recompute, sp=c.sp,
+                    schedule=c.schedule, virtual_stages=c.virtual_stages,
+                    stage_layers=list(self.stage_layers), attention=attention,
+                    predicted={"step_time_s": round(self.step_time_s, 6),
+                               "tokens_per_s": round(self.tokens_per_s, 1),
+                               "memory_gib": round(self.memory.total, 3),
+                               "mfu": round(self.mfu, 4), "hfu": round(self.hfu, 4)})
+
+    def to_dict(self, tokens: float | None = None, gpus: int | None = None,
+                price: float | None = None) -> dict[str, Any]:
+        c = self.config
+        d: dict[str, Any] = {
+            "tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "micro_batch": c.micro_batch,
+            "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
+            "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+            "stage_layers": list(self.stage_layers), "fits": self.fits,
+            "memory_gib": self.memory.to_dict(), "time_s": self.time.to_dict(),
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu, "hfu": self.hfu,
+        }
+        if tokens is not None and gpus is not None:
+            d["days"] = self.days(tokens)
+            d["gpu_hours"] = self.gpu_hours(tokens, gpus)
+            d["cost"] = d["gpu_hours"] * price if price is not None else None
+        return d
+
+
+def _exposed(comm_time: float, window: float) -> float:
+    """Communication time not hidden behind `window` seconds of compute, plus the interference
+    the hidden part causes."""
+    if comm_time <= window:
+        return OVERLAP_INTERFERENCE * comm_time
+    return comm_time - window + OVERLAP_INTERFERENCE * window
+
+
+class Evaluator:
+    """Cost model bound to one model, cluster and batch; evaluates Configs (cached pieces)."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
+                 opts: KernelOptions | None = None) -> None:
+        self.model, self.cluster = model, cluster
+        self.global_batch, self.seq = global_batch, seq_len
+        self.opts = opts or KernelOptions()
+        self.fab = comm.Fabric.of(cluster)
+        self.capacity = cluster.memory_bytes
+        self.ws_fixed = min(memory.WORKSPACE_FIXED_GIB * memory.GIB,
+                            memory.WORKSPACE_FIXED_MAX_FRACTION * self.capacity)
+        # Tensors must fit in what the allowance leaves: (tensors)(1 + frag) + fixed <= capacity.
+        self.tensor_budget = (self.capacity - self.ws_fixed) / (1.0 + memory.FRAGMENTATION)
+        tokens = global_batch * seq_len
+        self.tokens = tokens
+        self.model_flops = compute.model_flops_per_step(model, tokens, seq_len)
+        self.n_gpus = cluster.num_gpus
+        self.hbm = cluster.hbm_bytes_per_s * compute.HBM_EFFICIENCY
+        self._cache: dict[Any, Any] = {}
+        self.evaluated = 0
+
+    # ---- cached pieces ---------------------------------------------------------------------
+    def _micro(self, tp: int, mb: int, sp: bool, rec: str):
+        key = ("micro", tp, mb, sp, rec)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        m, cl, opts, s = self.model, self.cluster, self.opts, self.seq
+        lc = compute.layer_cost(m, cl, tp, mb, s, sp, opts)
+        c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
+        emb = compute.embedding_cost(m, cl, tp, mb, s, sp)
+        head = compute.head_cost(m, cl, tp, mb, s, sp)
+        act = memory.activation_bytes(m, tp, sp, mb, s, rec, opts)
+        work = memory.recompute_working_bytes(m, tp, sp, mb, s, rec, opts)
+        logits = memory.logits_bytes(m, tp, mb, s)
+        # pipeline p2p: [mb*s, h] bf16 split over the tensor group, re-gathered on NVLink
+        p2p_bytes = compute.BF16 * mb * s * m.hidden / tp
+        gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, comm.tp_group(tp), self.fab)
+        hit = (c_l, tpc_l, f_l, w_l, emb, head, act, work, logits, p2p_bytes, gather)
+        self._cache[key] = hit
+        return hit
+
+    def _params(self, tp: int, pp: int) -> tuple[float, float, float]:
+        key = ("params", tp, pp)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = (memory.layer_params_local(self.model, tp),
+                   memory.embedding_params_local(self.model, tp),
+                   memory.head_params_local(self.model, tp, pp))
+            self._cache[key] = hit
+        return hit
+
+    def _time_partition(self, pp: int, v: int, t_layer: float, e_first: float, e_last: float):
+        key = ("part", pp, v, t_layer, e_first, e_last)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = pipeline.partition_layers(self.model.layers, pp, t_layer, e_first, e_last,
+                                            None, v)
+            self._cache[key] = hit
+        return hit
+
+    def _in_flight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
+        key = ("inflight", schedule, pp, v, m)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = [pipeline.in_flight(schedule, pp, v, m, i) for i in range(pp)]
+            self._cache[key] = hit
+        return hit
+
+    def _dp_time(self, params: float, zero: int, dp: int, tp: int, m: int, fwd: float,
+                 bwd: float) -> float:
+        """Exposed data-parallel time of a stage holding `params` parameters (module docstring)."""
+        key = ("dp", params, zero, dp, tp, m, fwd, bwd)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        group = comm.dp_group(tp, dp, self.cluster.gpus_per_node)
+        nbytes = (4.0 if self.opts.fp32_grad_reduce else compute.BF16) * params
+        wbytes = compute.BF16 * params
+        if not self.opts.overlap_grad_reduce:
+            fwd = bwd = 0.0
+        if zero == 0:
+            exp = _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
+        elif zero == 1:
+            exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
+                   + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
+        elif zero == 2:
+            exp = (m * _exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
+                   + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
+        else:
+            ag = comm.all_gather(wbytes, group, self.fab)
+            rs = comm.reduce_scatter(nbytes, group, self.fab)
+            exp = m * (_exposed(ag, fwd) + _exposed(ag + rs, bwd))
+        self._cache[key] = exp
+        return exp
+
+    # ---- the cost model --------------------------------------------------------------------
+    def evaluate(self, cfg: Config, keep_infeasible: bool = True,
+                 exact_memory: bool = True, cutoff: float = float("inf")) -> Estimate | None:
+        """Estimate a config. Infeasible ones come back with fits == False and the memory they
+        need under the most memory-balanced layer split (`exact_memory`; otherwise under the
+        time-balanced split), or as None when `keep_infeasible` is False. Feasible ones slower
+        than `cutoff` seconds per step come back as None (the search has no use for them)."""
+        self.evaluated += 1
+        model, seq = self.model, self.seq
+        tp, pp, dp, zero, mb, rec = cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute
+        v = cfg.virtual_stages
+        m = self.global_batch // (dp * mb)
+        (c_l, tpc_l, f_l, w_l, emb, head, act, work, logits, p2p_bytes,
+         gather) = self._micro(tp, mb, cfg.sp, rec)
+        t_layer = c_l + tpc_l
+        e_first = emb.compute + emb.tp
+        e_last = head.compute + head.tp
+        if pp == 1:
+            e_first, e_last = e_first + e_last, 0.0
+        p_layer, p_emb, p_head = self._params(tp, pp)
+        wb, gb, ob = memory.state_bytes(zero, dp)
+        sb = wb + gb + ob
+        z3_buffer = 2.0 * compute.BF16 * p_layer if zero == 3 else 0.0
+        # memory of stage i = n_i * per_layer[i] + fixed[i]
+        inflight = self._in_flight(cfg.schedule, pp, v, m)
+        state_layer = p_layer * sb
+        per_layer = [state_layer + act * x for x in inflight]
+        fixed = [work + z3_buffer] * pp
+        fixed[0] += p_emb * sb
+        fixed[-1] += p_head * sb + logits
+        budget = self.tensor_budget
+        n = self._time_partition(pp, v, t_layer, e_first, e_last)
+        fits = n is not None and all(
+            k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+        if not fits:
+            caps = [int((budget - f) // a) if budget > f else 0 for a, f in zip(per_layer, fixed)]
+            if sum(caps) >= model.layers:
+                n = pipeline.partition_layers(model.layers, pp, t_layer, e_first, e_last, caps, v)
+            else:
+                n = None
+            fits = n is not None
+            if n is None:
+                if not keep_infeasible:
+                    return None
+                if exact_memory:
+                    _, n = pipeline.min_memory_partition(model.layers, per_layer, fixed, v)
+                else:
+                    n = self._time_partition(pp, v, t_layer, e_first, e_last) or \
+                        pipeline.min_memory_partition(model.layers, per_layer, fixed, v)[1]
+
+        # ---- time -------------------------------------------------------------------------
+        stage_t = [k * t_layer for k in n]
+        stage_w = [k * w_l for k in n]
+        stage_f = [k * f_l for k in n]
+        stage_c = [k * c_l for k in n]
+        stage_t[0] += e_first
+        stage_c[0] += emb.compute
+        stage_f[0] += emb.fwd
+        stage_t[-1] += e_last if pp > 1 else 0.0
+        stage_c[-1] += head.compute
+        stage_f[-1] += head.fwd
+        stage_w[-1] += head.wgrad
+        crit = max(range(pp), key=stage_t.__getitem__)
+        compute_t = m * stage_c[crit]
+        tp_t = m * (stage_t[crit] - stage_c[crit])
+        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w)
+        pp_t = 0.0
+        if pp > 1:
+            cross = comm.pp_crosses_nodes(tp, dp, pp, self.cluster.gpus_per_node)
+            hop = comm.send(p2p_bytes, cross, self.fab) + gather
+            pp_t = (m * v + pp - 1) * 2.0 * hop
+        dp_t = 0.0
+        opt_t = 0.0
+        seen: set[tuple[int, bool, bool]] = set()
+        for i, k in enumerate(n):
+            first, last = i == 0, i == pp - 1
+            if (k, first, last) in seen:
+                continue  # an earlier identical stage hides less: it dominates
+            seen.add((k, first, last))
+            params_i = k * p_layer + (p_emb if first else 0.0) + (p_head if last else 0.0)
+            local = params_i / dp if zero >= 1 else params_i
+            opt_t = max(opt_t, OPTIMIZER_BYTES_PER_PARAM * local / self.hbm)
+            if dp > 1:
+                bwd = stage_t[i] - stage_f[i]
+                # stage i finishes its last backward about i stage-backwards before stage 0
+                dp_t = max(dp_t, self._dp_time(params_i, zero, dp, tp, m, stage_f[i],
+                                               bwd if zero >= 2 else (1 + i) * bwd))
+        times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
+                              bubble=bubble, optimizer=opt_t)
+        step = times.total
+        if fits and step > cutoff:
+            return None
+
+        # ---- memory breakdown of the fullest stage -------------------------------------------
+        totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
+        worst = max(range(pp), key=totals.__getitem__)
+        k = n[worst]
+        params_w = k * p_layer + (p_emb if worst == 0 else 0.0) + (p_head if worst == pp - 1 else 0.0)
+        acts = k * act * inflight[worst] + work
+        lg = logits if worst == pp - 1 else 0.0
+        tensors = totals[worst]
+        gib = memory.GIB
+        mem = memory.MemoryBreakdown(
+            params=(params_w * wb + z3_buffer) / gib, grads=params_w * gb / gib,
+            optimizer=params_w * ob / gib, activations=acts / gib, logits=lg / gib,
+            workspace=(self.ws_fixed + memory.FRAGMENTATION * tensors) / gib,
+            capacity=self.capacity / gib, stage=worst)
+        hw_flops = self.model_flops + compute.recompute_flops_per_token(
+            model, seq, rec, self.opts.attention) * self.tokens
+        peak = self.cluster.peak_flops
+        per_gpu = step * self.n_gpus
+        stage_layers = n if v == 1 else pipeline.split_virtual(n, v)
+        return Estimate(
+            config=cfg, stage_layers=list(stage_layers), num_microbatches=m, memory=mem,
+            time=times, tokens_per_s=self.tokens / step,
+            model_tflops_per_gpu=self.model_flops / per_gpu / 1e12,
+            hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
+            mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
+
+    def lower_bound_step(self, cfg: Config) -> float:
+        """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
+        pipeline or data-parallel communication."""
+        m = self.global_batch // (cfg.dp * cfg.micro_batch)
+        c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
+                                                  cfg.recompute)[:6]
+        work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
+        return m * work / cfg.pp
+

@@ -1,0 +1,211 @@
+"""Pipeline schedules (bubble, micro-batches in flight) and the layer-to-stage partition.
+
+Schedules, for p stages, m micro-batches, per-micro-batch stage times t_i = F_i + B_i + W_i:
+
+* 'gpipe' (Huang et al. 2019): all forwards then all backwards; bubble (p-1) stage-times, keeps
+  all m micro-batches' activations.
+* '1f1b' (PipeDream-Flush, Narayanan et al. 2021): same bubble, stage i keeps p - i micro-batches.
+* 'interleaved' with v virtual stages per GPU (Narayanan et al. 2021, section 2.2.2): bubble
+  divided by v; stage i keeps ((p-i-1)*2 + (v-1)*p + 1) / v micro-batches' worth of its layers,
+  i.e. p(1 + (p-1)/(pv)) on the first stage (Korthikanti et al. 2022, section 4.2.3); Megatron
+  requires m to be a multiple of p.
+* 'zb' (ZB-H1, Qi et al. 2024 "Zero Bubble Pipeline Parallelism"): weight-gradient work W is
+  deferred into the bubble, which shrinks from (p-1)(F+B+W) to (p-1)(F+B-W) at 1F1B's memory.
+
+With unequal stages the step takes (m - 1) * max_i t_i + sum_i t_i for 1F1B (the critical stage
+runs m micro-batches, the fill and drain pass each other stage once): the bubble is
+sum_i t_i - max_i t_i, scaled by 1/v for interleaving.
+
+Partition (Alpa's inter-operator pass, Zheng et al. 2022, section 5.2, restricted to contiguous
+layer ranges of a pipeline of fixed depth): choose layers per stage, the embedding on the first
+stage and the final norm + LM head + loss on the last, minimising the slowest stage subject to
+each stage's memory. Because `sum_i t_i` does not depend on the split, minimising the slowest
+stage also minimises the step time above. `partition_dp` is the general dynamic programme
+(any per-layer costs, O(p L^2)); `partition_layers` solves the same problem exactly for identical
+layers, which is what a transformer has, in O(p log L): the slowest stage of the optimum is some
+e_i + k * tau (extra work of stage i plus k layers), and "can every stage hold its share under a
+bottleneck T" is a monotone test, so a binary search over k for each distinct extra finds it.
+Tests check both agree.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
+
+
+def in_flight(schedule: str, p: int, v: int, m: int, stage: int) -> float:
+    """Micro-batches' worth of this stage's layer activations kept at the peak of the schedule."""
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        chunks = (p - stage - 1) * 2 + (v - 1) * p + 1
+        return min(float(m), chunks / v)
+    return float(min(m, p - stage))  # 1f1b, zb
+
+
+def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: list[float]) -> float:
+    """Idle time of the critical stage beyond its own m micro-batches (see module docstring)."""
+    p = len(stage_times)
+    if p <= 1:
+        return 0.0
+    worst = max(stage_times)
+    fill = sum(stage_times) - worst
+    if schedule == "interleaved":
+        return fill / v
+    if schedule == "zb":
+        i = stage_times.index(worst)
+        fill_zb = sum(t - 2 * w for t, w in zip(stage_times, wgrad_times)) \
+            - (worst - 2 * wgrad_times[i])
+        return max(0.0, fill_zb)
+    return fill
+
+
+def _stage_extras(p: int, first_extra: float, last_extra: float) -> list[float]:
+    extras = [0.0] * p
+    extras[0] += first_extra
+    extras[-1] += last_extra
+    return extras
+
+
+def partition_layers(layers: int, p: int, layer_time: float, first_extra: float = 0.0,
+                     last_extra: float = 0.0, caps: list[int] | None = None,
+                     min_layers: int = 1) -> list[int] | None:
+    """Layers per stage minimising the slowest stage for identical layers; None if infeasible.
+
+    caps[i] is the most layers stage i can hold in memory (None: unlimited). Surplus capacity at
+    the optimum is taken away from the first stages, which hold the most micro-batches.
+    The feasibility test for a bottleneck T sums u_i = min(cap_i, floor((T - e_i) / tau)); the
+    middle stages (no extra work) are summed in O(log p) from their sorted caps.
+    """
+    if p * min_layers > layers:
+        return None
+    extras = _stage_extras(p, first_extra, last_extra)
+    caps = list(caps) if caps is not None else [layers] * p
+    if min(caps) < min_layers or sum(caps) < layers:
+        return None
+    tau = max(layer_time, 1e-30)
+    ends = [0] if p == 1 else [0, p - 1]
+    mid = sorted(caps[1:-1]) if p > 2 else []
+    prefix = [0]
+    for c in mid:
+        prefix.append(prefix[-1] + c)
+
+    def feasible(bound: float) -> bool:
+        total = 0
+        for i in ends:
+            u = min(caps[i], int(math.floor((bound - extras[i]) / tau + 1e-9)))
+            if u < min_layers:
+                return False
+            total += u
+        if mid:
+            k = int(math.floor(bound / tau + 1e-9))
+            if k < min_layers:
+                return False
+            j = bisect.bisect_left(mid, k)
+            total += prefix[j] + k * (len(mid) - j)
+        return total >= layers
+
+    best = math.inf
+    for e in set(extras):
+        lo, hi = min_layers, layers
+        if not feasible(e + hi * tau):
+            continue
+        while lo < hi:
+            md = (lo + hi) // 2
+            if feasible(e + md * tau):
+                hi = md
+            else:
+                lo = md + 1
+        best = min(best, e + lo * tau)
+    if best == math.inf:
+        return None
+    n = [min(c, int(math.floor((best - e) / tau + 1e-9))) for c, e in zip(caps, extras)]
+    surplus = sum(n) - layers
+    for i in range(p):
+        if surplus <= 0:
+            break
+        take = min(surplus, n[i] - min_layers)
+        n[i] -= take
+        surplus -= take
+    return n
+
+
+def partition_dp(layer_times: list[float], p: int, first_extra: float = 0.0,
+                 last_extra: float = 0.0, caps: list[int] | None = None,
+                 min_layers: int = 1) -> tuple[float, list[int]] | None:
+    """General dynamic programme: (slowest-stage time, layers per stage), or None if infeasible.
+
+    best[s][j] = min over i of max(best[s-1][i], cost of layers i..j-1 on stage s-1), the
+    recurrence of Alpa's inter-operator pass for a fixed pipeline depth.
+    """
+    L = len(layer_times)
+    extras = _stage_extras(p, first_extra, last_extra)
+    caps = caps or [L] * p
+    prefix = [0.0]
+    for t in layer_times:
+        prefix.append(prefix[-1] + t)
+    inf = math.inf
+    best = [[inf] * (L + 1) for _ in range(p + 1)]
+    choice = [[-1] * (L + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for s in range(1, p + 1):
+        for j in range(s * min_layers, L + 1):
+            for i in range(max(0, j - caps[s - 1]), j - min_layers + 1):
+                if best[s - 1][i] == inf:
+                    continue
+                cost = max(best[s - 1][i], prefix[j] - prefix[i] + extras[s - 1])
+                if cost < best[s][j]:
+                    best[s][j], choice[s][j] = cost, i
+    if best[p][L] == inf:
+        return None
+    n, j = [], L
+    for s in range(p, 0, -1):
+        i = choice[s][j]
+        n.append(j - i)
+        j = i
+    return best[p][L], n[::-1]
+
+
+def min_memory_partition(layers: int, per_layer: list[float], fixed: list[float],
+                         min_layers: int = 1) -> tuple[float, list[int]]:
+    """Split minimising the fullest stage's memory n_i * per_layer[i] + fixed[i] (bisection)."""
+    p = len(per_layer)
+
+    def counts(bound: float) -> list[int]:
+        return [int(math.floor((bound - f) / max(a, 1e-30) + 1e-9)) for a, f in zip(per_layer, fixed)]
+
+    lo = max(f + a * min_layers for a, f in zip(per_layer, fixed))
+    hi = max(f + a * layers for a, f in zip(per_layer, fixed))
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        u = counts(mid)
+        if min(u) >= min_layers and sum(u) >= layers:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-6 * hi:
+            break
+    n = [max(min_layers, c) for c in counts(hi)]
+    surplus = sum(n) - layers
+    for i in range(p):
+        take = min(max(surplus, 0), n[i] - min_layers)
+        n[i] -= take
+        surplus -= take
+    return max(a * k + f for a, k, f in zip(per_layer, n, fixed)), n
+
+
+def split_virtual(stage_layers: list[int], v: int) -> list[int]:
+    """Split each device's layers into v chunks; returns p*v counts in pipeline order
+    (virtual stage j = chunk * p + device, as Megatron's interleaved schedule numbers them)."""
+    p = len(stage_layers)
+    out = [0] * (p * v)
+    for i, n in enumerate(stage_layers):
+        base, extra = divmod(n, v)
+        for c in range(v):
+            out[c * p + i] = base + (1 if c < extra else 0)
+    return out

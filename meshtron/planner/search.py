@@ -1,0 +1,436 @@
+"""Enumerate the search space, prune, rank, and explain why other families of plans lose.
+
+Search space: tp (divides gpus_per_node, heads and kv_heads) x pp (<= layers) x dp (the rest; must
+divide the global batch) x micro-batch (divides the per-replica batch) x recomputation x sequence
+parallelism (tp > 1) x schedule (pp > 1: 1F1B, interleaved with v = 2, 3, 4, 6, 8 virtual stages,
+zero-bubble ZB-H1; GPipe only when asked for) x ZeRO stage (dp > 1). With FlashAttention,
+'selective' recomputation is the same plan as 'none' and is only evaluated when fixed.
+
+Pruning: a layout (tp, pp) whose model states cannot fit even fully sharded is evaluated once, at
+its leanest setting, for the "needs X GiB" explanation; a config whose perfectly balanced compute
+alone is slower than both the current k-th best plan and its family's best is skipped. The
+layer-cost pieces are cached per (tp, micro-batch, sp, recompute) and the time-optimal layer
+split per (pp, v, layer time), so each further config costs a few dozen float operations.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner import memory
+from meshtron.planner.cluster import ClusterSpec
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.estimate import Config, Estimate, Evaluator
+from meshtron.planner.plan import RECOMPUTE, Knobs
+
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+FAMILIES = {
+    "dp": "pure data parallel / ZeRO (tp=1, pp=1)",
+    "tp": "tensor + data parallel (pp=1)",
+    "pp": "pipeline + data parallel (tp=1)",
+    "3d": "3D: tensor x pipeline x data",
+}
+
+
+def family_of(cfg: Config) -> str:
+    """'dp', 'tp', 'pp' or '3d' (keys of FAMILIES)."""
+    return _family(cfg.tp, cfg.pp)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class Alternative:
+    """Why the best plan of another family (or another knob value) loses."""
+
+    label: str
+    """Family or knob description."""
+    estimate: Estimate | None
+    """Its best plan (feasible), or its leanest infeasible plan, or None if the family is empty."""
+    reason: str
+    """One-line explanation."""
+
+    def to_dict(self) -> dict[str, Any]:
+        est = self.estimate
+        return {"family": self.label, "reason": self.reason,
+                "fits": bool(est and est.fits),
+                "layout": est.config.describe() if est else None,
+                "step_time_s": est.step_time_s if est and est.fits else None,
+                "memory_gib": est.memory.total if est else None}
+
+
+@dataclass
+class SearchResult:
+    """Ranked plans and the explanation of the ranking."""
+
+    model: ModelSpec
+    """The model planned for."""
+    cluster: ClusterSpec
+    """The cluster planned for."""
+    global_batch: int
+    """Sequences per step."""
+    seq_len: int
+    """Tokens per sequence."""
+    options: KernelOptions
+    """Kernel assumptions of the cost model."""
+    plans: list[Estimate]
+    """Best feasible plans, fastest first (at most top_k)."""
+    alternatives: list[Alternative] = field(default_factory=list)
+    """Why other families lose."""
+    near_miss: Estimate | None = None
+    """When nothing fits: the plan needing the least memory."""
+    evaluated: int = 0
+    """Configs evaluated in full by the cost model."""
+    enumerated: int = 0
+    """Configs in the search space (evaluated, or bounded away without evaluation)."""
+    feasible: int = 0
+    """Configs that fit in memory."""
+    seconds: float = 0.0
+    """Wall time of the search."""
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.plans[0] if self.plans else None
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.plans)
+
+
+class _Space:
+    """The knob values open to the search, after validating fixed knobs."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
+                 knobs: Knobs, opts: KernelOptions) -> None:
+        n = cluster.num_gpus
+        gpn = cluster.gpus_per_node
+        k = knobs
+        if global_batch <= 0 or seq_len <= 0:
+            raise ValueError(f"global_batch={global_batch}, seq_len={seq_len}: must be positive")
+        if k.tp is not None:
+            if k.tp > gpn:
+                raise ValueError(f"tp={k.tp}: must be at most gpus_per_node={gpn} "
+                                 "(tensor parallelism stays inside a node)")
+            if gpn % k.tp:
+                raise ValueError(f"tp={k.tp}: must divide gpus_per_node={gpn}")
+            if model.heads % k.tp or model.kv_heads % k.tp:
+                raise ValueError(f"tp={k.tp}: must divide heads={model.heads} and "
+                                 f"kv_heads={model.kv_heads}")
+        if k.pp is not None and k.pp > model.layers:
+            raise ValueError(f"pp={k.pp}: must be at most layers={model.layers}")
+        if k.tp and k.pp and k.dp and k.tp * k.pp * k.dp != n:
+            raise ValueError(f"layout tp={k.tp},pp={k.pp},dp={k.dp}: tp*pp*dp = "
+                             f"{k.tp * k.pp * k.dp}, but the cluster has {n} GPUs")
+        for name in ("tp", "pp", "dp"):
+            val = getattr(k, name)
+            if val is not None and n % val:
+                raise ValueError(f"{name}={val}: must divide the cluster's {n} GPUs")
+        fixed_prod = (k.tp or 1) * (k.pp or 1) * (k.dp or 1)
+        if n % fixed_prod:
+            raise ValueError(f"layout {k.to_dict()}: product {fixed_prod} does not divide "
+                             f"the cluster's {n} GPUs")
+        if k.dp is not None and global_batch % k.dp:
+            raise ValueError(f"global_batch={global_batch}: must be divisible by dp={k.dp}")
+        if k.dp is not None and k.micro_batch is not None and global_batch % (k.dp * k.micro_batch):
+            raise ValueError(f"micro_batch={k.micro_batch}: global_batch={global_batch} must be "
+                             f"divisible by dp*micro_batch = {k.dp * k.micro_batch}")
+        if k.micro_batch is not None and global_batch % k.micro_batch:
+            raise ValueError(f"micro_batch={k.micro_batch}: must divide global_batch={global_batch}")
+        if k.schedule not in (None, "1f1b") and k.pp == 1:
+            raise ValueError(f"schedule={k.schedule}: needs pp > 1 (pp=1 has no pipeline)")
+        if k.sp and k.tp == 1:
+            raise ValueError("sp=on: sequence parallelism needs tp > 1")
+        if k.virtual_stages is not None and k.pp is not None and k.virtual_stages > 1 \
+                and k.virtual_stages * k.pp > model.layers:
+            raise ValueError(f"schedule=interleaved:{k.virtual_stages}: needs at least "
+                             f"{k.virtual_stages} layers per stage (pp={k.pp}, layers={model.layers})")
+        self.knobs = k
+        self.tps = [k.tp] if k.tp else [t for t in _divisors(gpn)
+                                         if model.heads % t == 0 and model.kv_heads % t == 0
+                                         and n % t == 0]
+        self.recomputes = [k.recompute] if k.recompute else [
+            r for r in RECOMPUTE if not (r == "selective" and opts.attention == "flash")]
+        self.n, self.model, self.global_batch = n, model, global_batch
+
+    def layouts(self):
+        k, n = self.knobs, self.n
+        for tp in self.tps:
+            for pp in ([k.pp] if k.pp else _divisors(n // tp)):
+                if pp > self.model.layers or (n // tp) % pp:
+                    continue
+                dp = n // (tp * pp)
+                if k.dp and dp != k.dp:
+                    continue
+                if self.global_batch % dp:
+                    continue
+                yield tp, pp, dp
+
+    def micro_batches(self, dp: int) -> list[int]:
+        per_replica = self.global_batch // dp
+        if self.knobs.micro_batch:
+            return [self.knobs.micro_batch] if per_replica % self.knobs.micro_batch == 0 else []
+        return [d for d in _divisors(per_replica) if d <= 64]
+
+    def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
+        k = self.knobs
+        if pp == 1:
+            return [("1f1b", 1)]
+        layers_per_stage = self.model.layers // pp
+        out: list[tuple[str, int]] = []
+        if k.schedule in (None, "1f1b"):
+            out.append(("1f1b", 1))
+        if k.schedule in (None, "zb"):
+            out.append(("zb", 1))
+        if k.schedule == "gpipe":
+            out.append(("gpipe", 1))
+        if k.schedule in (None, "interleaved") and m % pp == 0:
+            vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
+            out += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
+        return out
+
+    def sps(self, tp: int) -> list[bool]:
+        if self.knobs.sp is not None:
+            return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
+        return [False, True] if tp > 1 else [False]
+
+    def zeros(self, dp: int) -> list[int]:
+        if self.knobs.zero is not None:
+            return [self.knobs.zero]
+        return [0, 1, 2, 3] if dp > 1 else [0]
+
+
+def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
+                 fixed: Knobs | dict[str, Any] | None = None, top_k: int = 5,
+                 options: KernelOptions | None = None, explain: bool = True) -> SearchResult:
+    """Search every plan allowed by `fixed` and return the top_k fastest that fit."""
+    t0 = time.perf_counter()
+    opts = options or KernelOptions()
+    space = _Space(model, cluster, global_batch, seq_len, Knobs.of(fixed), opts)
+    ev = Evaluator(model, cluster, global_batch, seq_len, opts)
+    result = _search(ev, space, top_k, explain)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchResult:
+    model, cluster, global_batch = ev.model, ev.cluster, ev.global_batch
+    top: list[tuple[float, int, Estimate]] = []  # max-heap by -step
+    fam_best: dict[str, Estimate] = {}
+    fam_lean: dict[str, Estimate] = {}
+    lean: Estimate | None = None
+    feasible = 0
+    counter = 0
+    budget = ev.tensor_budget
+    any_layout = False
+    queue: list[tuple[float, str, Config]] = []
+    hopeless = 0
+    for tp, pp, dp in space.layouts():
+        any_layout = True
+        fam = _family(tp, pp)
+        # Lower bound of memory: model states at the most sharded ZeRO stage allowed.
+        per_param = min(sum(memory.state_bytes(z, dp)) for z in space.zeros(dp))
+        if per_param * model.num_params() / (tp * pp) > budget:
+            # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
+            est = _leanest(ev, space, tp, pp, dp)
+            hopeless += 1
+            if est is not None:
+                counter += 1
+                fl = fam_lean.get(fam)
+                if fl is None or est.memory.total < fl.memory.total:
+                    fam_lean[fam] = est
+                if lean is None or est.memory.total < lean.memory.total:
+                    lean = est
+            continue
+        for mb in space.micro_batches(dp):
+            m = global_batch // (dp * mb)
+            for rec in space.recomputes:
+                for sp in space.sps(tp):
+                    for sched, v in space.schedules(pp, m):
+                        for zero in space.zeros(dp):
+                            cfg = Config(tp, pp, dp, zero, mb, rec, sp, sched, v)
+                            queue.append((ev.lower_bound_step(cfg), fam, cfg))
+    # Branch and bound, best bound first: a config whose bound is slower than the k-th best
+    # plan and than its family's best cannot change the answer.
+    queue.sort(key=lambda x: x[0])
+    inf = float("inf")
+    for bound, fam, cfg in queue:
+        kth = -top[0][0] if len(top) >= top_k else inf
+        fb = fam_best.get(fam)
+        fb_t = fb.step_time_s if fb is not None else inf
+        if bound > kth and bound > fb_t:
+            continue
+        # infeasible configs only matter while their family has no plan
+        est = ev.evaluate(cfg, keep_infeasible=fb is None, exact_memory=False,
+                          cutoff=max(kth, fb_t))
+        counter += 1
+        if est is None:
+            continue
+        if est.fits:
+            feasible += 1
+            step = est.step_time_s
+            if len(top) < top_k:
+                heapq.heappush(top, (-step, counter, est))
+            elif step < -top[0][0]:
+                heapq.heapreplace(top, (-step, counter, est))
+            if step < fb_t:
+                fam_best[fam] = est
+        else:
+            need = est.memory.total
+            fl = fam_lean.get(fam)
+            if fl is None or need < fl.memory.total:
+                fam_lean[fam] = est
+            if lean is None or need < lean.memory.total:
+                lean = est
+    if not any_layout:
+        raise ValueError(_no_layout_message(space, cluster, global_batch))
+    # Rank by step time; ties (e.g. ZeRO stages whose extra traffic is fully hidden) go to
+    # the simpler plan: lower ZeRO stage, less recomputation, then less memory.
+    rec_order = {"none": 0, "selective": 1, "full": 2}
+    plans = sorted((e for _, _, e in top), key=lambda e: (
+        round(e.step_time_s, 9), e.config.zero, rec_order[e.config.recompute], e.memory.total))
+    result = SearchResult(model=model, cluster=cluster, global_batch=global_batch,
+                          seq_len=ev.seq, options=ev.opts, plans=plans, evaluated=counter,
+                          feasible=feasible, enumerated=len(queue) + hopeless)
+    if not plans:
+        # re-evaluate the leanest plan with the memory-balanced split for an exact figure
+        result.near_miss = ev.evaluate(lean.config) if lean is not None else None
+    elif explain:
+        result.alternatives = _explain(plans[0], fam_best, fam_lean, ev, space)
+    return result
+
+
+def _family(tp: int, pp: int) -> str:
+    if pp == 1:
+        return "dp" if tp == 1 else "tp"
+    return "pp" if tp == 1 else "3d"
+
+
+def _leanest(ev: Evaluator, space: _Space, tp: int, pp: int, dp: int) -> Estimate | None:
+    """The layout at the knob values that minimise memory (most ZeRO, smallest micro-batch,
+    most recomputation, sequence parallelism, 1F1B-class schedule)."""
+    mbs = space.micro_batches(dp)
+    if not mbs:
+        return None
+    mb = mbs[0]
+    m = space.global_batch // (dp * mb)
+    scheds = space.schedules(pp, m)
+    if not scheds:
+        return None
+    order = {"zb": 0, "1f1b": 0, "interleaved": 1, "gpipe": 2}
+    sched, v = min(scheds, key=lambda sv: (order[sv[0]], sv[1]))
+    rec = "full" if "full" in space.recomputes else space.recomputes[0]
+    sps = space.sps(tp)
+    if not sps:
+        return None
+    cfg = Config(tp, pp, dp, max(space.zeros(dp)), mb, rec, max(sps), sched, v)
+    return ev.evaluate(cfg)
+
+
+def _no_layout_message(space: _Space, cluster: ClusterSpec, global_batch: int) -> str:
+    k = space.knobs
+    if k.dp is None:
+        return (f"global_batch={global_batch}: no tp x pp x dp layout of {cluster.num_gpus} GPUs "
+                f"has a data-parallel degree dividing it (tp from {space.tps}); "
+                "use a batch divisible by more powers of two")
+    return f"layout {k.to_dict()}: no valid layout on {cluster.num_gpus} GPUs"
+
+
+_CAUSES = {
+    "compute": "more computation (recomputation or less efficient small GEMMs)",
+    "tp_comm": "tensor-parallel communication",
+    "pp_comm": "pipeline transfers",
+    "dp_comm": "data-parallel communication exposed",
+    "bubble": "pipeline bubble",
+    "optimizer": "optimizer step",
+}
+
+
+def loss_reason(winner: Estimate, other: Estimate) -> str:
+    """'12% slower, data-parallel all-gather exposed (+0.8 s)' style explanation."""
+    if not other.fits:
+        return (f"needs {other.memory.total:.1f} GiB > {other.memory.capacity:.0f} GiB "
+                f"per GPU (at its leanest: {other.config.describe()})")
+    slower = other.step_time_s / winner.step_time_s - 1.0
+    diffs = {k: getattr(other.time, k) - getattr(winner.time, k) for k in _CAUSES}
+    cause = max(diffs, key=diffs.get)
+    text = _CAUSES[cause]
+    if cause == "dp_comm" and other.config.zero == 3:
+        text = "ZeRO-3 weight all-gathers and gradient reduce-scatters exposed"
+    elif cause == "compute" and other.config.recompute != winner.config.recompute:
+        text = f"recomputation ({other.config.recompute})"
+    if slower < 0.0005:
+        return "as fast (tie)"
+    return f"{slower * 100:.1f}% slower, {text} (+{diffs[cause]:.3g} s per step)"
+
+
+def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, Estimate],
+             ev: Evaluator, space: _Space) -> list[Alternative]:
+    out: list[Alternative] = []
+    win_fam = family_of(best.config)
+    for fam, label in FAMILIES.items():
+        if fam == win_fam:
+            continue
+        est = fam_best.get(fam) or fam_lean.get(fam)
+        if est is None:
+            continue
+        name = label
+        if fam == "dp" and est.fits:
+            name = f"pure ZeRO-{est.config.zero} data parallel"
+        out.append(Alternative(f"{name} ({est.config.layout()})", est, loss_reason(best, est)))
+    # Knob alternatives on the winner's layout: the best plan with each other value.
+    c = best.config
+    variants: list[tuple[str, dict[str, Any]]] = []
+    for rec in RECOMPUTE:
+        if rec != c.recompute and not (rec == "selective" and ev.opts.attention == "flash"):
+            variants.append((f"recompute={rec}", {"recompute": rec}))
+    if c.tp > 1:
+        variants.append((f"sp={'off' if c.sp else 'on'}", {"sp": not c.sp}))
+    if c.pp > 1:
+        for sched in ("1f1b", "interleaved", "zb"):
+            if sched != c.schedule:
+                variants.append((f"schedule={sched}", {"schedule": sched}))
+    for z in (0, 1, 2, 3):
+        if z != c.zero and c.dp > 1:
+            variants.append((f"zero={z}", {"zero": z}))
+    base = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
+    for label, change in variants:
+        fixed = {**base, **{k: v for k, v in space.knobs.to_dict().items()
+                            if k not in base}, **change}
+        if any(space.knobs.to_dict().get(k) not in (None, v) for k, v in change.items()):
+            continue  # the user fixed this knob
+        try:
+            sub_space = _Space(space.model, ev.cluster, ev.global_batch, ev.seq,
+                               Knobs.of(fixed), ev.opts)
+        except ValueError:
+            continue
+        sub = _search(ev, sub_space, 1, False)
+        est = sub.best or sub.near_miss
+        if est is None or (est.fits and est.step_time_s <= best.step_time_s * 1.0005):
+            continue  # ties are not a reason to lose
+        out.append(Alternative(f"{c.layout()} with {label}", est, loss_reason(best, est)))
+    return out
+
+
+def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
+                  fixed: Knobs | dict[str, Any], options: KernelOptions | None = None
+                  ) -> Estimate:
+    """Evaluate one plan. Knobs left open are searched (best value), so a fully fixed plan is
+    evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
+    result = search_plans(model, cluster, global_batch, seq_len, fixed, top_k=1,
+                          options=options, explain=False)
+    est = result.best or result.near_miss
+    if est is None:
+        raise ValueError(f"layout {Knobs.of(fixed).to_dict()}: no valid plan on "
+                         f"{cluster.num_gpus} GPUs for global_batch={global_batch}")
+    return est
+
+
+__all__ = ["SearchResult", "Alternative", "search_plans", "evaluate_plan", "family_of",
+           "loss_reason"]

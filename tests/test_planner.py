@@ -1,0 +1,262 @@
+"""Tests of `meshtron plan`: cost model sanity, calibration, search, CLI errors, JSON, TOML."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtron.planner import (Knobs, evaluate_plan, load_plan, plan_knobs, resolve_cluster,
+                              search_plans)
+from meshtron.model.spec import PRESETS, resolve_model
+from meshtron.planner.calibration import megatron_2021_rows, predict_megatron_row
+from meshtron.planner.cluster import ClusterSpec, cluster_from_dict
+from meshtron.planner.comm import Fabric, all_reduce, dp_group, ring_all_reduce
+from meshtron.planner.compute import gemm_efficiency
+from meshtron.planner.memory import state_bytes
+from meshtron.planner.pipeline import in_flight, partition_dp, partition_layers
+
+ROOT = Path(__file__).resolve().parent.parent
+CALIBRATION = ROOT.parent / "shared" / "calibration" / "megatron_2021_weak_scaling.csv"
+
+
+# ---- cost-model pieces -------------------------------------------------------------------------
+def test_mixed_precision_adam_is_16_bytes_per_param_and_zero_shards_by_dp():
+    assert sum(state_bytes(0, 1)) == 16.0
+    assert sum(state_bytes(0, 64)) == 16.0
+    assert state_bytes(1, 8) == (2.0, 2.0, 12.0 / 8)
+    assert state_bytes(2, 8) == (2.0, 2.0 / 8, 12.0 / 8)
+    assert sum(state_bytes(3, 8)) == pytest.approx(16.0 / 8)
+    # a 7B model without sharding needs 16 bytes/param of states on the one GPU
+    model = PRESETS["llama2-7b"]
+    est = evaluate_plan(model, resolve_cluster("dgx-a100:1"), 8, 4096,
+                        dict(tp=1, pp=1, dp=8, zero=0, micro_batch=1, recompute="full",
+                             sp=False, schedule="1f1b"))
+    states = est.memory.params + est.memory.grads + est.memory.optimizer
+    assert states * 2**30 == pytest.approx(16 * model.num_params(), rel=1e-6)
+    z3 = evaluate_plan(model, resolve_cluster("dgx-a100:1"), 8, 4096,
+                       dict(tp=1, pp=1, dp=8, zero=3, micro_batch=1, recompute="full",
+                            sp=False, schedule="1f1b"))
+    assert z3.memory.optimizer == pytest.approx(est.memory.optimizer / 8)
+
+
+def test_small_gemm_shards_run_less_efficiently():
+    cl = resolve_cluster("dgx-h100:1")
+    big = gemm_efficiency(8192, 8192, 8192, cl)
+    shard = gemm_efficiency(8192, 512, 8192, cl)
+    tiny = gemm_efficiency(8192, 64, 8192, cl)
+    assert big > shard > tiny
+    assert 0.6 < big <= cl.matmul_ceiling
+
+
+def test_ring_all_reduce_and_hierarchical_groups():
+    assert ring_all_reduce(1e9, 8, 1e11, 0.0) == pytest.approx(2 * 7 / 8 * 1e9 / 1e11)
+    fab = Fabric.of(resolve_cluster("dgx-h100:4"))
+    inside = all_reduce(1e9, dp_group(1, 8, 8), fab)     # 8 GPUs of one node
+    across = all_reduce(1e9, dp_group(8, 4, 8), fab)     # one GPU in each of 4 nodes
+    assert across > inside  # the network is ~9x slower than NVLink
+
+
+def test_in_flight_micro_batches_per_schedule():
+    assert in_flight("1f1b", 8, 1, 64, 0) == 8
+    assert in_flight("1f1b", 8, 1, 64, 7) == 1
+    assert in_flight("gpipe", 8, 1, 64, 0) == 64
+    # interleaving: p * (1 + (p-1)/(p v)) on the first stage (Korthikanti et al. 2022)
+    assert in_flight("interleaved", 8, 2, 64, 0) == pytest.approx(8 * (1 + 7 / 16))
+
+
+def test_fast_partition_matches_the_general_dynamic_programme():
+    rng = random.Random(0)
+    for _ in range(200):
+        layers = rng.randint(2, 40)
+        p = rng.randint(1, min(8, layers))
+        tau = rng.uniform(0.5, 2.0)
+        e0, e1 = rng.uniform(0, 3 * tau), rng.uniform(0, 3 * tau)
+        caps = [rng.randint(1, layers) for _ in range(p)] if rng.random() < 0.5 else None
+        fast = partition_layers(layers, p, tau, e0, e1, caps)
+        slow = partition_dp([tau] * layers, p, e0, e1, caps)
+        if slow is None:
+            assert fast is None
+            continue
+        assert fast is not None and sum(fast) == layers
+        if caps:
+            assert all(n <= c for n, c in zip(fast, caps))
+        bottleneck = max(n * tau + (e0 if i == 0 else 0) + (e1 if i == p - 1 else 0)
+                         for i, n in enumerate(fast))
+        assert bottleneck == pytest.approx(slow[0])
+
+
+def test_lm_head_stage_gets_fewer_layers():
+    # llama3-8b: the 128k-vocabulary head costs about two layers
+    est = evaluate_plan(PRESETS["llama3-8b"], resolve_cluster("dgx-h100:1"), 64, 8192,
+                        dict(tp=1, pp=4, dp=2, zero=1, micro_batch=1, recompute="full",
+                             sp=False, schedule="1f1b"))
+    assert sum(est.stage_layers) == 32
+    assert est.stage_layers[-1] < max(est.stage_layers)
+
+
+# ---- calibration -------------------------------------------------------------------------------
+def test_megatron_2021_rows_within_10_percent(capsys):
+    rows = megatron_2021_rows(CALIBRATION)
+    assert len(rows) == 10
+    lines = []
+    for row in rows:
+        p = predict_megatron_row(row)
+        lines.append(f"{row['params_b']:>7}B tp={row['tp']} pp={row['pp']}: published "
+                     f"{p.published:.0f}, predicted {p.predicted:.1f} TFLOP/s ({p.error:+.1%})")
+        assert abs(p.error) < 0.10, lines[-1]
+        # the planner's own FLOP count agrees with the CSV's formula
+        assert p.predicted == pytest.approx(p.predicted_csv_formula, rel=0.01)
+    with capsys.disabled():
+        print("\nMegatron-LM 2021 calibration:\n" + "\n".join(lines))
+
+
+# ---- search ------------------------------------------------------------------------------------
+def test_llama3_405b_on_16k_h100_search_completes():
+    result = search_plans(PRESETS["llama3-405b"], resolve_cluster("dgx-h100:2048"), 2048, 8192)
+    assert result.fits and len(result.plans) == 5
+    best = result.best
+    c = best.config
+    assert c.tp * c.pp * c.dp == 16384 and c.tp <= 8
+    assert best.memory.total <= 80
+    steps = [p.step_time_s for p in result.plans]
+    assert steps == sorted(steps)
+    assert 0.2 < best.mfu < 0.7 and best.hfu >= best.mfu
+    assert result.alternatives  # explanations of the other families
+
+
+def test_fixed_knobs_evaluate_exactly_that_plan():
+    knobs = dict(tp=8, pp=4, dp=4, zero=1, micro_batch=1, recompute="selective", sp=True,
+                 schedule="interleaved", virtual_stages=2)
+    result = search_plans(PRESETS["llama3-70b"], resolve_cluster("dgx-h100:16"), 512, 4096,
+                          knobs)
+    assert result.evaluated == 1
+    c = result.best.config
+    assert (c.tp, c.pp, c.dp, c.zero, c.micro_batch, c.recompute, c.sp, c.schedule,
+            c.virtual_stages) == (8, 4, 4, 1, 1, "selective", True, "interleaved", 2)
+    assert len(result.best.stage_layers) == 8 and sum(result.best.stage_layers) == 80
+
+
+def test_calibrated_cpu_cluster_plans_tiny_model(tmp_path):
+    cl = cluster_from_dict({"peak_tflops": 0.05, "memory_gib": 24, "gpus_per_node": 8,
+                            "nodes": 1, "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1,
+                            "intra_node_latency_us": 20, "matmul_efficiency": 0.6})
+    assert isinstance(cl, ClusterSpec) and cl.matmul_ceiling == 0.6
+    result = search_plans(PRESETS["tiny"], cl, 64, 256)
+    assert result.fits
+    for est in result.plans:  # tiny: 8 heads, 4 kv heads, 4 layers
+        assert 4 % est.config.tp == 0 and est.config.pp <= 4
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    import meshtron.cli as top
+
+    monkeypatch.setattr(top, "COMMAND_MODULES", ["meshtron.planner.cli"])
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        rc = top.main(["plan", *argv])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+    return run
+
+
+BASE = ("--model", "llama3-70b", "--cluster", "dgx-h100:16", "--global-batch", "512",
+        "--seq-len", "4096")
+
+
+@pytest.mark.parametrize("extra, knob", [
+    (("--layout", "tp=3"), "tp=3"),
+    (("--layout", "tp=16"), "tp=16"),
+    (("--layout", "pp=128"), "pp=128"),
+    (("--layout", "tp=8,pp=4,dp=8"), "tp*pp*dp"),
+    (("--global-batch", "100", "--layout", "tp=8,pp=2,dp=8"), "global_batch=100"),
+    (("--micro-batch", "3", "--layout", "tp=8,pp=2,dp=8"), "micro_batch=3"),
+    (("--zero", "4"), "zero=4"),
+    (("--recompute", "some"), "recompute='some'"),
+    (("--schedule", "zb", "--layout", "pp=1"), "schedule=zb"),
+    (("--sp", "maybe"), "sp='maybe'"),
+])
+def test_bad_knobs_are_one_line_errors(cli, extra, knob):
+    rc, out, err = cli(*BASE, *extra)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and knob in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_unknown_gpu_is_an_error_not_a_fallback(cli, tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('gpu = "H900"\ngpus_per_node = 8\nnodes = 2\nintra_node_gb_per_s = 450\n'
+                 'inter_node_gb_per_s = 50\n')
+    rc, _, err = cli("--model", "tiny", "--cluster", str(f), "--global-batch", "16")
+    assert rc == 2 and "H900" in err and len(err.strip().splitlines()) == 1
+
+
+def test_model_that_fits_nowhere(cli):
+    rc, out, err = cli("--model", "llama3-405b", "--cluster", "dgx-a100:1",
+                       "--global-batch", "64", "--seq-len", "8192")
+    assert rc == 2
+    line = err.strip()
+    assert len(line.splitlines()) == 1
+    assert "needs at least" in line and "GiB" in line and "near miss" in line
+    assert "Nothing fits" in out
+
+
+def test_json_schema(cli):
+    rc, out, _ = cli(*BASE, "--json", "--top", "3", "--tokens", "2T")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["schema"] == "meshtron-plan-search/1" and doc["fits"] is True
+    assert len(doc["plans"]) == 3
+    for plan in doc["plans"]:
+        for key in ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
+                    "memory_gib", "step_time_s", "tokens_per_s", "model_tflops_per_gpu",
+                    "hardware_tflops_per_gpu", "mfu", "hfu", "days", "gpu_hours"):
+            assert key in plan
+        assert plan["memory_gib"]["total"] <= plan["memory_gib"]["capacity"]
+        assert plan["tp"] * plan["pp"] * plan["dp"] == 128
+    steps = [p["step_time_s"] for p in doc["plans"]]
+    assert steps == sorted(steps)
+    assert doc["tokens"] == 2e12
+
+
+def test_table_output_and_save_round_trip(cli, tmp_path):
+    path = tmp_path / "plan.toml"
+    rc, out, _ = cli(*BASE, "--save", str(path))
+    assert rc == 0 and "Why the others lose" in out and "MFU" in out
+    plan = load_plan(path)
+    assert plan.gpus == 128 and plan.global_batch == 512 and plan.seq_len == 4096
+    assert sum(plan.stage_layers) == 80
+    assert plan.predicted["step_time_s"] > 0
+    assert type(plan).from_toml(plan.to_toml()) == plan
+    # the saved plan re-evaluates to the same prediction
+    est = evaluate_plan(resolve_model("llama3-70b"), resolve_cluster("dgx-h100:16"), 512, 4096,
+                        plan_knobs(plan))
+    assert est.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-5)
+
+
+def test_plan_validation_names_the_field():
+    with pytest.raises(ValueError, match="plan.gpus=64"):
+        load_plan_text = ('format = "meshtron-plan/1"\nmodel = "x"\ncluster = "y"\ngpus = 64\n'
+                          'global_batch = 8\nseq_len = 16\ntp = 2\npp = 1\ndp = 2\nzero = 0\n'
+                          'micro_batch = 1\nrecompute = "none"\nsp = false\nschedule = "1f1b"\n'
+                          'virtual_stages = 1\nstage_layers = [2]\n')
+        from meshtron.planner.plan import Plan
+        Plan.from_toml(load_plan_text)
+    with pytest.raises(ValueError, match="schedule"):
+        Knobs.of({"schedule": "bogus"})
+
+
+def test_planner_does_not_import_torch():
+    code = ("import sys, argparse\nimport meshtron.planner.cli as c, meshtron.planner\n"
+            "p = argparse.ArgumentParser(); c.register(p.add_subparsers())\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.strip()
+    assert out == "False"
