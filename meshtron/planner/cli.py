@@ -85,25 +85,10 @@ def load_model(text: str):
 
 
 def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    from meshtron.planner.plan import parse_layout, parse_on_off, parse_schedule
+    from meshtron.planner.plan import fixed_knobs
 
-    fixed: dict[str, Any] = {}
-    if args.layout:
-        fixed.update(parse_layout(args.layout))
-    if args.zero is not None:
-        fixed["zero"] = args.zero
-    if args.recompute is not None:
-        fixed["recompute"] = args.recompute.strip().lower()
-    if args.sp is not None:
-        fixed["sp"] = parse_on_off("sp", args.sp)
-    if args.micro_batch is not None:
-        fixed["micro_batch"] = args.micro_batch
-    if args.schedule is not None:
-        sched, v = parse_schedule(args.schedule)
-        fixed["schedule"] = sched
-        if v is not None:
-            fixed["virtual_stages"] = v
-    return fixed
+    return fixed_knobs(args.layout, args.zero, args.recompute, args.sp, args.micro_batch,
+                       args.schedule)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -305,3 +305,26 @@ def parse_on_off(name: str, text: str) -> bool:
     if t in ("off", "false", "no", "0"):
         return False
     raise ValueError(f"{name}={text!r}: allowed values are on, off")
+
+
+def fixed_knobs(layout: str | None = None, zero: int | None = None, recompute: str | None = None,
+                sp: str | None = None, micro_batch: int | None = None,
+                schedule: str | None = None) -> dict[str, Any]:
+    """Knobs fixed on a command line (`plan` and `train` share these flags); unset stay open."""
+    fixed: dict[str, Any] = {}
+    if layout:
+        fixed.update(parse_layout(layout))
+    if zero is not None:
+        fixed["zero"] = zero
+    if recompute is not None:
+        fixed["recompute"] = recompute.strip().lower()
+    if sp is not None:
+        fixed["sp"] = parse_on_off("sp", sp)
+    if micro_batch is not None:
+        fixed["micro_batch"] = micro_batch
+    if schedule is not None:
+        sched, v = parse_schedule(schedule)
+        fixed["schedule"] = sched
+        if v is not None:
+            fixed["virtual_stages"] = v
+    return fixed

@@ -190,23 +190,59 @@ def _print_parallel_summary(cfg, run_dir: Path) -> None:
         f"metrics in {run_dir}/metrics.jsonl, memory in {run_dir}/memory.json")
 
 
-# The demo: the default model on the embedded corpus, sized to take about three minutes on a
+# The demo: the default model on the embedded corpus, on 4 local ranks with a hybrid layout
+# (tensor parallel 2; the planner picks the rest for this machine), about three minutes on a
 # 2-core machine.
 DEMO_CONFIG: dict[str, Any] = {
     "model": "tiny",
     "data": {"source": "stdlib", "seq_len": 256, "global_batch": 16},
-    "optim": {"lr": 3e-3, "warmup_steps": 20},
-    "train": {"steps": 300, "eval_every": 50, "run_dir": "runs/demo"},
+    "optim": {"lr": 3e-3, "warmup_steps": 10},
+    "train": {"steps": 120, "eval_every": 40, "run_dir": "runs/demo"},
 }
+DEMO_NPROC = 4
+DEMO_LAYOUT = "tp=2"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    cfg = run_config_from_args(args, defaults=DEMO_CONFIG)
-    from meshtron.train.loop import train
+    """Calibrate this machine (once), plan for it, then train on local ranks."""
+    from meshtron.launch import current_world
 
-    result = train(cfg)
-    _print_result(cfg, result)
-    return 0
+    cfg = run_config_from_args(args, defaults=DEMO_CONFIG)
+    if current_world().source != "single":
+        return train_parallel_cli(args, cfg)  # a rank of the demo
+    args.nproc = args.nproc or DEMO_NPROC
+    args.plan = args.plan or DEMO_LAYOUT
+    _ensure_calibration(args.nproc, args.cluster)
+    _show_plans(args, cfg)
+    return train_parallel_cli(args, cfg)
+
+
+def _ensure_calibration(nproc: int, cluster: str | None) -> None:
+    from rich.console import Console
+
+    from meshtron.calibrate.cli import default_cluster_path
+    from meshtron.launch import launch_local
+
+    path = default_cluster_path(nproc)
+    if cluster or path.is_file():
+        return
+    Console().print(f"[bold]calibrate[/]: measuring {nproc} local ranks (once; saved to {path})")
+    if launch_local(nproc, ["calibrate", "--nproc", str(nproc)]) != 0:
+        raise RuntimeError("calibration failed; see the output above")
+
+
+def _show_plans(args: argparse.Namespace, cfg) -> None:
+    """The planner's view of this machine: top plans of every layout, and why others lose."""
+    from rich.console import Console
+
+    from meshtron.planner import report
+    from meshtron.planner.search import search_plans
+    from meshtron.train.planning import local_cluster
+
+    cluster = local_cluster(args.nproc, args.cluster)
+    result = search_plans(cfg.model, cluster, cfg.data.global_batch, cfg.data.seq_len, top_k=3)
+    report.render(result, tokens=cfg.train.steps * cfg.data.global_batch * cfg.data.seq_len,
+                  console=Console())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -216,6 +252,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_parallel_arguments(p)
     p.set_defaults(func=cmd_train)
     d = sub.add_parser("demo", help="the main job on the embedded default (no downloads)",
-                       description="Train the tiny model on the Python standard library's sources.")
+                       description="Calibrate this machine, plan for it, and train the tiny model "
+                                   f"on {DEMO_NPROC} local ranks (layout {DEMO_LAYOUT}, the "
+                                   "rest chosen by the planner) on the Python standard "
+                                   "library's sources.")
     add_run_arguments(d)
+    add_parallel_arguments(d)
     d.set_defaults(func=cmd_demo)

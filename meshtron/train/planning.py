@@ -35,27 +35,13 @@ def local_cluster(world_size: int, cluster: str | None):
 
 
 def knobs_from_args(args: Any, cfg: RunConfig) -> dict[str, Any]:
-    """Knobs the user fixed on the command line (None: left to the planner)."""
-    from meshtron.planner.plan import parse_layout, parse_on_off, parse_schedule
+    """Knobs the user fixed on the command line (the rest are left to the planner)."""
+    from meshtron.planner.plan import fixed_knobs
 
-    knobs: dict[str, Any] = {}
     plan_arg = getattr(args, "plan", None)
-    if plan_arg and plan_arg != "auto" and not _is_file_arg(plan_arg):
-        knobs.update(parse_layout(plan_arg))
-    if getattr(args, "zero", None) is not None:
-        knobs["zero"] = args.zero
-    if getattr(args, "recompute", None):
-        knobs["recompute"] = args.recompute
-    if getattr(args, "sp", None):
-        knobs["sp"] = parse_on_off("sp", args.sp)
-    if getattr(args, "schedule", None):
-        sched, v = parse_schedule(args.schedule)
-        knobs["schedule"] = sched
-        if v is not None:
-            knobs["virtual_stages"] = v
-    if cfg.data.micro_batch is not None:
-        knobs["micro_batch"] = cfg.data.micro_batch
-    return knobs
+    layout = plan_arg if plan_arg and plan_arg != "auto" and not _is_file_arg(plan_arg) else None
+    return fixed_knobs(layout, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
+                       args.schedule)
 
 
 def _is_file_arg(text: str) -> bool:
