@@ -152,9 +152,17 @@ class _Space:
             raise ValueError(f"schedule=interleaved:{k.virtual_stages}: needs at least "
                              f"{k.virtual_stages} layers per stage (pp={k.pp}, layers={model.layers})")
         self.knobs = k
+        if k.pp is not None and k.pp > 1 and model.tied_embeddings:
+            raise ValueError(f"pp={k.pp}: model {model.name} ties its input and output "
+                             "embeddings, which the runtime cannot split across pipeline stages")
+        if k.tp is not None and model.ffn_hidden % k.tp:
+            raise ValueError(f"tp={k.tp}: must divide ffn_hidden={model.ffn_hidden}")
+        if k.schedule == "zb" and k.zero == 3 and (k.pp or 2) > 1:
+            raise ValueError("schedule=zb with zero=3: zero-bubble schedules drift silently with "
+                             "FSDP2 resharding after forward on torch 2.13; use zero 0-2")
         self.tps = [k.tp] if k.tp else [t for t in _divisors(gpn)
                                          if model.heads % t == 0 and model.kv_heads % t == 0
-                                         and n % t == 0]
+                                         and model.ffn_hidden % t == 0 and n % t == 0]
         self.recomputes = [k.recompute] if k.recompute else [
             r for r in RECOMPUTE if not (r == "selective" and opts.attention == "flash")]
         self.n, self.model, self.global_batch = n, model, global_batch
@@ -165,6 +173,8 @@ class _Space:
             for pp in ([k.pp] if k.pp else _divisors(n // tp)):
                 if pp > self.model.layers or (n // tp) % pp:
                     continue
+                if pp > 1 and self.model.tied_embeddings:
+                    continue  # the runtime cannot split tied embeddings across stages
                 dp = n // (tp * pp)
                 if k.dp and dp != k.dp:
                     continue
@@ -184,9 +194,11 @@ class _Space:
             return [("1f1b", 1)]
         layers_per_stage = self.model.layers // pp
         out: list[tuple[str, int]] = []
-        if k.schedule in (None, "1f1b"):
+        # torch.distributed.pipelining's 1F1B and zero-bubble schedules need at least one
+        # micro-batch per stage in flight.
+        if k.schedule in (None, "1f1b") and m >= pp:
             out.append(("1f1b", 1))
-        if k.schedule in (None, "zb"):
+        if k.schedule in (None, "zb") and m >= pp:
             out.append(("zb", 1))
         if k.schedule == "gpipe":
             out.append(("gpipe", 1))
@@ -254,6 +266,8 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
                 for sp in space.sps(tp):
                     for sched, v in space.schedules(pp, m):
                         for zero in space.zeros(dp):
+                            if sched == "zb" and zero == 3:
+                                continue  # silently wrong on torch 2.13 (shared notes)
                             cfg = Config(tp, pp, dp, zero, mb, rec, sp, sched, v)
                             queue.append((ev.lower_bound_step(cfg), fam, cfg))
     # Branch and bound, best bound first: a config whose bound is slower than the k-th best

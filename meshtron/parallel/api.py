@@ -1,0 +1,360 @@
+"""`parallelize(model, plan, mesh)`: 3-D parallelism for users with their own training loop.
+
+    mesh = build_mesh(plan)                      # after init_process_group
+    pm = parallelize(Transformer(spec), plan, mesh)
+    opt = build_optimizer(pm, lr=3e-4)
+    for inputs, targets in batches:              # this data-parallel rank's rows
+        loss = pm.forward_backward(inputs, targets)  # global-batch mean, same on every rank
+        pm.clip_grad_norm_(1.0)
+        opt.step(); opt.zero_grad()
+
+Order of application (fixed): pipeline split -> tensor/sequence parallel -> activation
+checkpointing -> data parallel (FSDP2 per ZeRO stage) -> pipeline stages and schedule.
+
+`forward_backward` hides pipeline vs no pipeline: it takes this data-parallel rank's local batch
+(`inputs`, `targets` of shape [global_batch/dp, seq]; every rank of a tp/pp group passes the
+same rows; stages that do not need them ignore them), splits it into micro-batches of
+`plan.micro_batch` sequences (gradient accumulation, or pipeline micro-batches), runs forward
+and backward, and returns the loss as a float: the mean over the global batch, identical on all
+ranks. Gradients equal those of that global mean. (Exact when every micro-batch holds the same
+number of loss tokens, i.e. no padding/ignore_index.)
+
+State for checkpointing: `pm.model_parts` (the modules this rank owns, parameter names are the
+plain model's names), `pm.state_dict()` / `pm.load_state_dict()` (DCP-ready, reshardable),
+and the optimizer's `state_dict()` / `load_state_dict()` (via DCP's get/set_optimizer_state_dict).
+All communication runs on the named process groups of `mesh`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.parallel.data_parallel import apply_data_parallel, zero1_optimizer
+from meshtron.parallel.mesh import Layout, resolve_plan
+from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
+from meshtron.parallel.recompute import apply_recompute
+from meshtron.parallel.tensor import apply_tensor_parallel
+
+_WRAP_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from meshtron.model.transformer import cross_entropy_loss
+
+    return cross_entropy_loss(logits, targets)
+
+
+def _mesh_device(mesh) -> torch.device:
+    dtype = mesh.device_type
+    if dtype == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, dtype, None)
+    if mod is not None and hasattr(mod, "current_device"):
+        return torch.device(dtype, mod.current_device())
+    return torch.device(dtype)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clean_name(name: str) -> str:
+    """Parameter name without wrapper prefixes (activation-checkpoint wrapper)."""
+    return name.replace(_WRAP_PREFIX, "")
+
+
+class ParallelModel:
+    """A model parallelized over a mesh. Build with `parallelize`."""
+
+    def __init__(self, model_parts: list[nn.Module], stage_ids: list[int], layout: Layout, mesh,
+                 loss_fn: Callable, device: torch.device):
+        self.model_parts = model_parts
+        self.stage_ids = stage_ids
+        self.layout = layout
+        self.mesh = mesh
+        self.loss_fn = loss_fn
+        self.device = device
+        self._schedules: dict[int, Any] = {}
+        self._stages = None
+
+    # ---- helpers ------------------------------------------------------------------------------
+    @property
+    def is_pipelined(self) -> bool:
+        return self.layout.pp > 1
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return (self.layout.num_stages - 1) in self.stage_ids if self.is_pipelined else True
+
+    def _loss_context(self):
+        if self.layout.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _schedule(self, n_micro: int):
+        if n_micro not in self._schedules:
+            if self._stages is None:
+                pp_group = self.mesh["pp"].get_group()
+                self._stages = [pipeline_stage(m, s, self.layout, pp_group, self.device)
+                                for s, m in zip(self.stage_ids, self.model_parts)]
+            self._schedules[n_micro] = build_schedule(self._stages, self.layout, n_micro,
+                                                      self.loss_fn)
+        return self._schedules[n_micro]
+
+    # ---- training step ------------------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward + backward on this data-parallel rank's rows; returns the global-mean loss."""
+        lay = self.layout
+        local_batch = inputs.shape[0]
+        if local_batch % lay.micro_batch:
+            raise ValueError(f"plan.micro_batch={lay.micro_batch}: must divide the per-rank batch "
+                             f"{local_batch} (global batch / dp)")
+        n_micro = local_batch // lay.micro_batch
+        inputs = inputs.to(self.device)
+        targets = targets.to(self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        with self._loss_context():
+            if self.is_pipelined:
+                sched = self._schedule(n_micro)
+                losses: list[torch.Tensor] = []
+                args = (inputs,) if self.has_first_stage else ()
+                if self.has_last_stage:
+                    sched.step(*args, target=targets, losses=losses)
+                    total = torch.stack([_plain(l).detach().float() for l in losses]).mean()
+                else:
+                    sched.step(*args)
+            else:
+                model = self.model_parts[0]
+                for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
+                    loss = self.loss_fn(model(x), y)
+                    (loss / n_micro).backward()
+                    total = total + _plain(loss).detach().float() / n_micro
+        self._align_grad_placements()
+        # Loss lives on the last pipeline stage: sum over pp (others add 0), mean over dp.
+        total = total.reshape(1).clone()
+        if self.is_pipelined:
+            dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        if lay.dp > 1:
+            dist.all_reduce(total, group=self.mesh["dp"].get_group())
+            total /= lay.dp
+        return float(total.item())
+
+    @torch.no_grad()
+    def _align_grad_placements(self) -> None:
+        """Give every DTensor gradient its parameter's placements. Under TP, DTensor leaves some
+        gradients Partial (norm weights with sequence parallelism: one all-reduce pending) or
+        Replicate on a Shard parameter (the vocabulary-parallel embedding); the optimizer,
+        gradient clipping and checkpoints then all see gradients laid out like parameters."""
+        from torch.distributed.tensor import DTensor
+
+        for p in self.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and (
+                    tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+
+    def zero_grad(self) -> None:
+        for part in self.model_parts:
+            part.zero_grad(set_to_none=True)
+
+    def parameters(self):
+        for part in self.model_parts:
+            yield from part.parameters()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their total norm over the whole model (all tp/pp/dp shards);
+        returns the total norm (before clipping), identical on every rank."""
+        total = grad_norm(self, norm_type)
+        if max_norm is not None and max_norm > 0:
+            coef = float(max_norm) / (float(total) + 1e-6)
+            if coef < 1.0:
+                for p in self.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return total
+
+    # ---- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Model state of the parts this rank owns, keyed by the plain model's names (DTensor
+        values: pass to torch.distributed.checkpoint.save; reshardable on load)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        out: dict[str, Any] = {}
+        for part in self.model_parts:
+            out.update(get_model_state_dict(part))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Unsharded copies of this rank's parameters, keyed by plain-model names. A collective
+        over each parameter's mesh: every rank of the same pipeline stage must call it."""
+        out = {}
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                out[clean_name(name)] = _plain(p).detach().clone()
+        return out
+
+
+@torch.no_grad()
+def grad_norm(pm: ParallelModel, norm_type: float = 2.0) -> torch.Tensor:
+    """Total gradient norm across every shard of the model (tp, dp shards and pp stages).
+
+    Per parameter the local gradient contributes |g|^p once per distinct shard: local sums are
+    grouped by DTensor mesh and placements, all-reduced over the mesh dims on which the gradient
+    is sharded (Shard) and not over those where it is replicated; then summed over pp.
+    Partial gradients are reduced first (forward_backward already aligns them)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    inf = math.isinf(norm_type)
+    groups: dict[Any, torch.Tensor] = {}
+    plain_total = torch.zeros((), dtype=torch.float32, device=pm.device)
+    for p in pm.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                   for pl in g.placements])
+            local = g.to_local().float()
+            key = (id(g.device_mesh), tuple(g.placements))
+            val = local.abs().max() if inf else local.norm(norm_type) ** norm_type
+            if key not in groups:
+                groups[key] = (g.device_mesh, g.placements, torch.zeros_like(val))
+            mesh, placements, acc = groups[key]
+            groups[key] = (mesh, placements, torch.maximum(acc, val) if inf else acc + val)
+        else:
+            local = g.float()
+            val = local.abs().max() if inf else local.norm(norm_type) ** norm_type
+            plain_total = torch.maximum(plain_total, val) if inf else plain_total + val
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = plain_total.reshape(1).clone()
+    for mesh, placements, acc in groups.values():
+        acc = acc.reshape(1).clone()
+        for dim, pl in enumerate(placements):
+            if not isinstance(pl, Replicate) and mesh.size(dim) > 1:
+                dist.all_reduce(acc, op=op, group=mesh.get_group(dim))
+        total = torch.maximum(total, acc) if inf else total + acc
+    if pm.layout.pp > 1:
+        dist.all_reduce(total, op=op, group=pm.mesh["pp"].get_group())
+    return total[0] if inf else total[0] ** (1.0 / norm_type)
+
+
+def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = None
+                ) -> ParallelModel:
+    """Apply the plan's pipeline, tensor/sequence, recompute and data parallelism to `model`.
+
+    `model` is a `meshtron.model.Transformer` (or follows its conventions), built identically on
+    every rank (same seed); it is consumed (its modules are sharded and moved into the stages).
+    `mesh` comes from `build_mesh(plan)`. `loss_fn(logits, targets)` defaults to the model's
+    mean cross-entropy; under tp>1 it runs inside `loss_parallel()` on vocabulary-sharded logits.
+    """
+    spec = getattr(model, "spec", None)
+    lay = resolve_plan(plan, mesh.size(), spec)
+    if tuple(mesh.mesh_dim_names[:4]) != ("dp_replicate", "dp_shard", "pp", "tp") or \
+            tuple(mesh.shape) != lay.mesh_shape:
+        raise ValueError(f"mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}: does not "
+                         f"match the plan's {lay.mesh_shape}; build it with build_mesh(plan)")
+    device = _mesh_device(mesh)
+    if not any(p.is_meta for p in model.parameters()):
+        model.to(device)
+    if lay.pp > 1:
+        pieces = split_model(model, lay, mesh.get_local_rank("pp"))
+    else:
+        pieces = [(0, model)]
+    tp_mesh = mesh["tp"]
+    parts = []
+    for _, part in pieces:
+        apply_tensor_parallel(part, tp_mesh, sp=lay.sp)
+        apply_recompute(part, lay.recompute)
+        # With pipelining the root (head / embedding) is reused at once in backward.
+        apply_data_parallel(part, mesh, lay, reshard_root=False if lay.pp > 1 else None)
+        parts.append(part)
+    return ParallelModel(parts, [s for s, _ in pieces], lay, mesh, loss_fn or _default_loss,
+                         device)
+
+
+class ParallelOptimizer(torch.optim.Optimizer):
+    """One optimizer per model part (pipeline virtual stages), stepped together. A
+    torch.optim.Optimizer, so LR schedulers work on it (its param_groups are the parts')."""
+
+    def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer]):
+        self.pm = pm
+        self.optimizers = optimizers
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        torch.optim.Optimizer.__init__(self, params, dict(optimizers[0].defaults))
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.pm.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        out: dict[str, Any] = {}
+        for part, o in zip(self.pm.model_parts, self.optimizers):
+            sd = get_optimizer_state_dict(part, o)
+            for key, value in sd.items():
+                if isinstance(value, dict) and isinstance(out.get(key), dict):
+                    out[key].update(value)
+                elif isinstance(value, list) and isinstance(out.get(key), list):
+                    out[key].extend(value)
+                else:
+                    out[key] = value
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        for part, o in zip(self.pm.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, o, state_dict, options=StateDictOptions(strict=False))
+
+
+def build_optimizer(pm: ParallelModel, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                    eps: float = 1e-8, weight_decay: float = 0.0,
+                    optimizer_cls: type = torch.optim.AdamW, **kwargs: Any) -> ParallelOptimizer:
+    """AdamW (or `optimizer_cls`) over `pm.model_parts`; sharded across the data axis for
+    ZeRO-1 (states only for the parameters this data-parallel rank owns)."""
+    opt_kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+    lay = pm.layout
+    optimizers = []
+    for part in pm.model_parts:
+        params = [p for p in part.parameters() if p.requires_grad]
+        if lay.zero == 1 and lay.dp > 1:
+            optimizers.append(zero1_optimizer(params, pm.mesh["dp"].get_group(), optimizer_cls,
+                                              **opt_kwargs))
+        else:
+            optimizers.append(optimizer_cls(params, **opt_kwargs))
+    return ParallelOptimizer(pm, optimizers)

@@ -1,0 +1,108 @@
+"""Tensor and sequence parallelism for `meshtron.model.Transformer`, applied from outside.
+
+Megatron-LM layout (Shoeybi et al. 2019) with sequence parallelism (Korthikanti et al. 2022),
+expressed with DTensor's `parallelize_module`:
+
+- attention: wq, wk, wv column-parallel (each rank holds heads/tp query heads and
+  kv_heads/tp key/value heads: contiguous head blocks, so grouped-query pairs stay on one rank),
+  wo row-parallel;
+- MLP: w1 (and w3) column-parallel, w2 row-parallel;
+- token embedding: row-parallel over the vocabulary (uneven shards allowed: vocab 259 on tp=2
+  is 130 + 129 rows); learned position table likewise over its rows;
+- output head: column-parallel over the vocabulary, logits stay a vocabulary-sharded DTensor
+  and the cross-entropy runs under `loss_parallel()` (no all-gather of logits);
+- with sp=True the norms run on sequence shards (SequenceParallel) and the block inputs are
+  all-gathered at `attention`/`feed_forward` entry (PrepareModuleInput), the row-parallel outputs
+  are reduce-scattered back to sequence shards; with sp=False activations between blocks are
+  replicated and the norms replicated.
+
+The model code needs no change: attention infers its local head count from the tensor shape.
+Tied input/output embeddings are re-tied after sharding (both are Shard(0) over the vocabulary).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Module:
+    """Shard `model` (a Transformer or a pipeline-stage chunk of one) over `tp_mesh` in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    if tp_mesh.size() == 1:
+        return model
+    seq = Shard(1) if sp else Replicate()
+    top: dict[str, Any] = {}
+    tied = (getattr(model, "tok_embeddings", None) is not None
+            and getattr(model, "output", None) is not None
+            and model.output.weight is model.tok_embeddings.weight)
+    if getattr(model, "tok_embeddings", None) is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "pos_embeddings", None) is not None:
+        # Output [seq, hidden]: sequence is dim 0 here.
+        top["pos_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
+    if getattr(model, "norm", None) is not None and sp:
+        top["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                        use_local_output=False)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+
+    for block in model.layers.values():
+        plan: dict[str, Any] = {
+            "attention": PrepareModuleInput(input_layouts=(seq, None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if getattr(block.feed_forward, "w3", None) is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sp:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+    _replicate_leftover_params(model, tp_mesh)
+    return model
+
+
+def _replicate_leftover_params(model: nn.Module, tp_mesh) -> None:
+    """Run every module that still holds plain parameters (the norms when sp=False) as a
+    replicated DTensor module: parameters become Replicate DTensors on the tp mesh, inputs are
+    wrapped as Replicate and outputs unwrapped. All parameters of a tp-sharded model then live
+    on one mesh (one kind of tensor for FSDP2, gradient clipping and DCP). Every tp rank
+    computes the same replicated value, so this is exact."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def inputs_to_dtensor(mod, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if (isinstance(x, torch.Tensor) and not isinstance(x, DTensor)) else x
+                     for x in inputs)
+
+    def outputs_to_local(mod, outputs, mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    for module in list(model.modules()):
+        own = list(module.named_parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for _, p in own):
+            distribute_module(module, tp_mesh, input_fn=inputs_to_dtensor,
+                              output_fn=outputs_to_local)

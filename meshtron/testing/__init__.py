@@ -1,0 +1,1 @@
+"""Test helpers: multi-process gloo harness (`multiproc`) and parallel-vs-single equivalence runs."""

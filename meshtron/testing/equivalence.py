@@ -1,0 +1,157 @@
+"""Numerical-equivalence checks: parallel training vs one process, same seed, data, global batch.
+
+`reference_run(cfg)` trains the plain model in one process; `parallel_rank_fn(cfg, layouts)` is
+the per-rank function for `run_on_ranks`: for each layout (a dict of plan attributes) it builds
+a fresh mesh and model from the same seed, trains `cfg["steps"]` steps with the parallel runtime
+and returns losses, gradient norms and (from one rank per pipeline stage) the unsharded
+parameters. `compare(ref, results)` gives the worst relative differences.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from typing import Any
+
+DEFAULT_CFG: dict[str, Any] = {
+    # GQA (8 query heads over 4 kv heads), odd vocabulary, tp up to 4, up to 4 pipeline stages.
+    "spec": dict(name="equiv", layers=4, hidden=64, heads=8, kv_heads=4, ffn_hidden=96,
+                 vocab=131, max_seq=32),
+    "seed": 1234,
+    "steps": 3,
+    "batch": 8,
+    "seq": 16,
+    "lr": 1e-3,
+    # Adam amplifies gradient noise by up to lr/eps (d update / d g): fp32 summation-order noise
+    # (~1e-8 absolute on these gradients) must stay below 1e-5 of the weights after the update,
+    # so lr/eps = 10 here. A wrong gradient scale then also shows in the update.
+    "eps": 1e-4,
+    "weight_decay": 0.1,
+    "clip": 0.5,
+}
+
+
+def make_spec(cfg: dict[str, Any]):
+    from meshtron.model.spec import ModelSpec
+
+    return ModelSpec(**cfg["spec"])
+
+
+def make_data(cfg: dict[str, Any]):
+    """tokens [steps, batch, seq+1] from a seeded generator; inputs/targets are shifted views."""
+    import torch
+
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    spec = make_spec(cfg)
+    tokens = torch.randint(0, spec.vocab, (cfg["steps"], cfg["batch"], cfg["seq"] + 1),
+                           generator=g)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from meshtron.model.transformer import Transformer, cross_entropy_loss
+
+    torch.manual_seed(cfg["seed"])
+    model = Transformer(make_spec(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
+                            weight_decay=cfg["weight_decay"])
+    inputs, targets = make_data(cfg)
+    losses, norms = [], []
+    for step in range(cfg["steps"]):
+        loss = cross_entropy_loss(model(inputs[step]), targets[step])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-rank body: train each layout and report. Runs under run_on_ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel import build_mesh, build_optimizer, parallelize
+
+    world = dist.get_world_size()
+    inputs, targets = make_data(cfg)
+    out = []
+    for layout in layouts:
+        t0 = time.perf_counter()
+        plan = types.SimpleNamespace(**layout)
+        mesh = build_mesh(plan, world, device_type="cpu")
+        torch.manual_seed(cfg["seed"])
+        model = Transformer(make_spec(cfg))
+        pm = parallelize(model, plan, mesh)
+        opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
+                              weight_decay=cfg["weight_decay"])
+        dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+        rows = cfg["batch"] // dp
+        losses, norms = [], []
+        for step in range(cfg["steps"]):
+            x = inputs[step, dp_rank * rows:(dp_rank + 1) * rows]
+            y = targets[step, dp_rank * rows:(dp_rank + 1) * rows]
+            losses.append(pm.forward_backward(x, y))
+            norms.append(float(pm.clip_grad_norm_(cfg["clip"])))
+            opt.step()
+            opt.zero_grad()
+        params = pm.full_parameters()
+        keep = mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0
+        out.append({"layout": layout, "losses": losses, "norms": norms,
+                    "coords": {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names},
+                    "params": params if keep else None,
+                    "seconds": time.perf_counter() - t0})
+        del pm, opt, model
+    return out
+
+
+def compare(ref: dict[str, Any], rank_results: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per layout: worst relative loss, grad-norm and parameter differences over all ranks."""
+    import torch
+
+    report = []
+    for i in range(len(rank_results[0])):
+        per_rank = [r[i] for r in rank_results]
+        loss_rel = max(abs(a - b) / abs(b) for r in per_rank for a, b in
+                       zip(r["losses"], ref["losses"]))
+        norm_rel = max(abs(a - b) / abs(b) for r in per_rank for a, b in
+                       zip(r["norms"], ref["norms"]))
+        merged: dict[str, torch.Tensor] = {}
+        for r in per_rank:
+            if r["params"]:
+                merged.update(r["params"])
+        missing = sorted(set(ref["params"]) - set(merged))
+        extra = sorted(set(merged) - set(ref["params"]))
+        param_rel = 0.0
+        worst = None
+        for name, want in ref["params"].items():
+            if name not in merged:
+                continue
+            got = merged[name]
+            rel = float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-12))
+            if rel > param_rel:
+                param_rel, worst = rel, name
+        report.append({"layout": per_rank[0]["layout"], "loss_rel": loss_rel,
+                       "norm_rel": norm_rel, "param_rel": param_rel, "worst_param": worst,
+                       "missing": missing, "extra": extra,
+                       "seconds": max(r["seconds"] for r in per_rank)})
+    return report
+
+
+def format_report(report: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in report:
+        lines.append(f"{r['layout']}: loss {r['loss_rel']:.2e} norm {r['norm_rel']:.2e} "
+                     f"param {r['param_rel']:.2e} ({r['worst_param']}) {r['seconds']:.1f}s"
+                     + (f" MISSING {r['missing'][:3]}" if r["missing"] else "")
+                     + (f" EXTRA {r['extra'][:3]}" if r["extra"] else ""))
+    return "\n".join(lines)
+
+
+__all__ = ["DEFAULT_CFG", "reference_run", "parallel_rank_fn", "compare", "format_report",
+           "make_data", "make_spec"]

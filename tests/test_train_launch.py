@@ -1,0 +1,97 @@
+"""`meshtron train --nproc N` and `meshtron calibrate` end to end: real torchrun, real ranks.
+
+The in-depth layout-by-layout equivalence lives in tests/test_parallel.py; here the whole CLI
+path (plan resolution, launch, data sharding, metrics, reports) must reproduce the
+single-process losses.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.cli import main
+from meshtron.config import config_from_dict
+from meshtron.train.loop import train
+
+RUN = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "8",
+       "--eval-every", "0"]
+
+
+def _meshtron(*argv, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--nproc", "1000"], "--nproc=1000"),
+    (["--nproc", "4", "--plan", "tp=2,pp=2,dp=2"], "must equal the world size 4"),
+    (["--nproc", "4", "--plan", "tp=3"], "tp=3"),
+    (["--nproc", "4", "--plan", "pp=4"], "pp=4"),
+    (["--nproc", "4", "--plan", "pp=2,dp=2", "--schedule", "zb", "--zero", "3"], "zero=3"),
+    (["--nproc", "2", "--plan", "pp=2", "--model", "tiny-gpt"], "pp=2"),
+    (["--nproc", "8", "--plan", "tp=8"], "tp=8"),
+    (["--nproc", "2", "--plan", "/no/such/plan.toml"], "/no/such/plan.toml"),
+])
+def test_bad_plans_fail_before_any_rank_starts(capsys, tmp_path, argv, needle):
+    args = ["train", *RUN, "--run-dir", str(tmp_path / "r"), *argv]
+    if "--model" in argv:  # the case's own model wins
+        i = args.index("--model")
+        del args[i:i + 2]
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_two_ranks_through_the_cli_match_single_process(tmp_path):
+    single = config_from_dict({
+        "model": "debug", "data": {"seq_len": 32, "global_batch": 8},
+        "train": {"steps": 3, "eval_every": 0, "run_dir": str(tmp_path / "single")}})
+    train(single, show_progress=False)
+    proc = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--zero", "3",
+                     "--run-dir", str(tmp_path / "dp2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = _losses(tmp_path / "single" / "metrics.jsonl"), _losses(tmp_path / "dp2" / "metrics.jsonl")
+    assert len(got) == 3
+    for a, b in zip(want, got):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    summary = json.loads((tmp_path / "dp2" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["plan"]["zero"] == 3
+    assert summary["predicted_step_time_s"] > 0 and summary["measured_step_time_s"] > 0
+    memory = json.loads((tmp_path / "dp2" / "memory.json").read_text())
+    ranks = memory["measured_bytes_per_rank"]
+    assert len(ranks) == 2
+    # ZeRO-3 over 2 ranks: each holds about half of the fp32 parameters.
+    total_param_bytes = 4 * 125_632
+    assert all(0.4 < r["params"] / total_param_bytes < 0.6 for r in ranks)
+    assert memory["predicted_gib"]["total"] > 0
+    plan = (tmp_path / "dp2" / "plan.toml").read_text()
+    assert "dp = 2" in plan and "zero = 3" in plan
+    assert "vs planner" in proc.stdout
+
+
+def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
+    out = tmp_path / "local.toml"
+    proc = _meshtron("calibrate", "--nproc", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from meshtron.planner.cluster import resolve_cluster
+
+    cluster = resolve_cluster(str(out))
+    assert cluster.num_gpus == 2 and cluster.peak_tflops > 0
+    assert cluster.intra_node_gb_per_s > 0 and cluster.intra_node_latency_us >= 0
+    raw = json.loads(out.with_suffix(".json").read_text())
+    assert {"all_reduce", "all_gather", "reduce_scatter", "send_recv"} <= raw["samples"].keys()
+    assert all(t > 0 for _, t in raw["samples"]["all_reduce"])
+    # The planner plans for it.
+    code = main(["plan", "--model", "debug", "--cluster", str(out), "--global-batch", "8",
+                 "--seq-len", "32", "--top", "1"])
+    assert code == 0
