@@ -95,3 +95,13 @@ def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
     code = main(["plan", "--model", "debug", "--cluster", str(out), "--global-batch", "8",
                  "--seq-len", "32", "--top", "1"])
     assert code == 0
+
+
+def test_public_api_reexports():
+    import meshtron
+    import meshtron.parallel
+    import meshtron.planner.search
+
+    assert meshtron.parallelize is meshtron.parallel.parallelize
+    assert meshtron.build_mesh is meshtron.parallel.build_mesh
+    assert meshtron.search_plans is meshtron.planner.search.search_plans
