@@ -84,7 +84,8 @@ class LocalEngine:
 
     def __init__(self, cfg: RunConfig):
         torch.manual_seed(cfg.train.seed)
-        self.model = Transformer(cfg.model)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = Transformer(cfg.model).to(self.device)
         self.optimizer = build_adamw([self.model], cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.micro = cfg.data.micro_batch or cfg.data.global_batch
@@ -93,6 +94,7 @@ class LocalEngine:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None, float]:
         """Forward, backward, clip, optimizer and schedule step; returns (loss, grad norm, lr)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
         loss = forward_backward(self.model, inputs, targets, self.micro, self.dtype)
         norm = (float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
                 if self.grad_clip > 0 else None)
@@ -106,6 +108,7 @@ class LocalEngine:
         return lr
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         return evaluate(self.model, batches, self.micro, self.dtype)
 
     def slowest(self, seconds: float) -> float:
