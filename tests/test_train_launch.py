@@ -105,3 +105,22 @@ def test_public_api_reexports():
     assert meshtron.parallelize is meshtron.parallel.parallelize
     assert meshtron.build_mesh is meshtron.parallel.build_mesh
     assert meshtron.search_plans is meshtron.planner.search.search_plans
+
+
+def test_inside_an_existing_torchrun_world(tmp_path):
+    """`torchrun ... -m meshtron train` (how multi-node jobs start): the ranks take torchrun's
+    world, resolve the same plan each, and rank 0 reports."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "meshtron", "train", *RUN, "--plan", "tp=2", "--run-dir", str(tmp_path / "tr")],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: debug on 2 ranks" in proc.stdout
+    assert "tp = 2" in (tmp_path / "tr" / "plan.toml").read_text()
+    single = config_from_dict({
+        "model": "debug", "data": {"seq_len": 32, "global_batch": 8},
+        "train": {"steps": 3, "eval_every": 0, "run_dir": str(tmp_path / "single")}})
+    train(single, show_progress=False)
+    for a, b in zip(_losses(tmp_path / "single" / "metrics.jsonl"), _losses(tmp_path / "tr" / "metrics.jsonl")):
+        assert abs(a - b) <= 1e-5 * abs(a)

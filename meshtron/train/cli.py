@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from meshtron.config import apply_overrides, config_from_dict, load_toml
+from meshtron.launch import ARGV_ENV
 
 # CLI flag -> dotted config key. Flags left unset do not override the TOML file.
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -155,7 +157,12 @@ def _train_rank(args, cfg, world, knobs) -> int:
     plan, cluster = resolve_run_plan(cfg, args.plan or "auto", world.world_size, knobs,
                                      args.cluster)
     device = init_rank(world)
-    train_on_rank(cfg, plan, world, device, cluster)
+    summary = train_on_rank(cfg, plan, world, device, cluster)
+    if summary is not None and not os.environ.get(ARGV_ENV):
+        # Started by an outside torchrun/srun: rank 0 reports (meshtron's own launcher
+        # reports from the parent instead).
+        plan.save(Path(cfg.train.run_dir) / "plan.toml")
+        _print_parallel_summary(cfg, Path(cfg.train.run_dir))
     shutdown_rank(0)
     return 0
 
