@@ -124,3 +124,18 @@ def test_inside_an_existing_torchrun_world(tmp_path):
     train(single, show_progress=False)
     for a, b in zip(_losses(tmp_path / "single" / "metrics.jsonl"), _losses(tmp_path / "tr" / "metrics.jsonl")):
         assert abs(a - b) <= 1e-5 * abs(a)
+
+
+def test_pipeline_and_tensor_parallel_eval_matches_single_process(tmp_path):
+    """Forward-only evaluation through the pipeline schedules' eval path and loss_parallel."""
+    single = config_from_dict({
+        "model": "debug", "data": {"seq_len": 32, "global_batch": 8, "eval_batches": 2},
+        "train": {"steps": 3, "eval_every": 3, "run_dir": str(tmp_path / "single")}})
+    want = train(single, show_progress=False)
+    argv = [a if a != "0" else "3" for a in RUN]  # --eval-every 3
+    proc = _meshtron("train", *argv, "--set", "data.eval_batches=2", "--nproc", "4",
+                     "--plan", "tp=2,pp=2", "--schedule", "1f1b", "--run-dir", str(tmp_path / "p"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert abs(last["eval_loss"] - want.eval_loss) <= 1e-5 * want.eval_loss
+    assert abs(last["loss"] - want.final_loss) <= 1e-5 * want.final_loss

@@ -118,6 +118,16 @@ class ParallelModel:
     # ---- training step ------------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward + backward on this data-parallel rank's rows; returns the global-mean loss."""
+        loss = self._run(inputs, targets, backward=True)
+        self._align_grad_placements()
+        return loss
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward only (the pipeline schedules' `eval`); returns the global-mean loss."""
+        with torch.no_grad():
+            return self._run(inputs, targets, backward=False)
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, backward: bool) -> float:
         lay = self.layout
         local_batch = inputs.shape[0]
         if local_batch % lay.micro_batch:
@@ -130,20 +140,21 @@ class ParallelModel:
         with self._loss_context():
             if self.is_pipelined:
                 sched = self._schedule(n_micro)
+                run = sched.step if backward else sched.eval
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.has_first_stage else ()
                 if self.has_last_stage:
-                    sched.step(*args, target=targets, losses=losses)
+                    run(*args, target=targets, losses=losses)
                     total = torch.stack([_plain(l).detach().float() for l in losses]).mean()
                 else:
-                    sched.step(*args)
+                    run(*args)
             else:
                 model = self.model_parts[0]
                 for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
                     loss = self.loss_fn(model(x), y)
-                    (loss / n_micro).backward()
+                    if backward:
+                        (loss / n_micro).backward()
                     total = total + _plain(loss).detach().float() / n_micro
-        self._align_grad_placements()
         # Loss lives on the last pipeline stage: sum over pp (others add 0), mean over dp.
         total = total.reshape(1).clone()
         if self.is_pipelined:

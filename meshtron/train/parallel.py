@@ -76,13 +76,7 @@ class ParallelEngine:
         return loss, norm, lr
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        evaluate = getattr(self.pm, "evaluate", None)
-        if evaluate is not None:
-            return float(statistics.fmean(evaluate(x, y) for x, y in batches))
-        # Without a forward-only path (pipelines), run forward+backward and drop the gradients.
-        losses = [self.pm.forward_backward(x, y) for x, y in batches]
-        self.pm.zero_grad()
-        return float(statistics.fmean(losses))
+        return float(statistics.fmean(self.pm.evaluate(x, y) for x, y in batches))
 
     def slowest(self, seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64)
