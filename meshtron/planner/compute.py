@@ -60,6 +60,10 @@ class KernelOptions:
     """Gradient reduction overlaps the last backward (DDP buckets; Megatron-LM since 2023)."""
     fp32_grad_reduce: bool = False
     """Gradients are accumulated and reduced in fp32 (Megatron-LM's main_grad), not bf16."""
+    p2p_scatter_gather: bool = True
+    """Pipeline sends split the activation over the tensor group and re-gather it over NVLink
+    (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1). False: every tensor
+    rank sends the whole [micro_batch*s, h] activation (DeepSpeed's pipeline engine)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -201,7 +205,14 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
 
     The head GEMM is [tokens, h] x [h, V/tp]; the loss reads bf16 logits and writes fp32
     probabilities (6 bytes per logit) forward, and the reverse backward (Megatron's
-    vocab-parallel cross-entropy; only 3 floats per token cross the tensor group).
+    vocab-parallel cross-entropy; only 3 floats per token cross the tensor group, in three
+    fp32 all-reduces: max logit, target logit, sum of exponentials).
+
+    Tensor-parallel traffic of the head's input (Shoeybi et al. 2019, the f/g operators;
+    Korthikanti et al. 2022, section 4.2.2): without sequence parallelism the replicated input
+    enters the vocabulary-parallel GEMM through an identity whose backward all-reduces the
+    input gradient [tokens, h]; with it, the sequence-sharded input is all-gathered forward and
+    its gradient reduce-scattered backward.
     """
     peak = cluster.peak_flops * cluster.matmul_ceiling
     hbm = cluster.hbm_bytes_per_s * HBM_EFFICIENCY
@@ -212,26 +223,37 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     fwd_c = gemm + loss + norm
     compute = fwd_c + 2 * gemm + loss + 2 * norm
     fab = comm.Fabric.of(cluster)
-    tp_c = 0.0
-    if sp:  # gather the sequence-sharded input forward, reduce-scatter its gradient backward
-        nbytes = BF16 * tokens * model.hidden
-        tp_c = 2 * comm.all_gather(nbytes, comm.tp_group(tp), fab)
-    return EdgeCost(compute=compute, tp=tp_c, fwd=fwd_c + tp_c / 2, wgrad=gemm)
+    group = comm.tp_group(tp)
+    nbytes = BF16 * tokens * model.hidden
+    loss_ar = 3 * comm.all_reduce(4.0 * tokens, group, fab)
+    if sp:
+        tp_f = comm.all_gather(nbytes, group, fab) + loss_ar
+        tp_b = comm.reduce_scatter(nbytes, group, fab)
+    else:
+        tp_f = loss_ar
+        tp_b = comm.all_reduce(nbytes, group, fab)
+    return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm)
 
 
 @lru_cache(maxsize=4096)
 def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
                    sp: bool) -> EdgeCost:
     """Vocabulary-parallel embedding lookup: write [tokens, h] forward, scatter-add backward,
-    plus the all-reduce (reduce-scatter with SP) that combines the vocabulary shards forward."""
+    plus the all-reduce (reduce-scatter with SP) that combines the vocabulary shards forward;
+    with SP the backward all-gathers the sequence-sharded gradient (the conjugate of the
+    reduce-scatter, Korthikanti et al. 2022, section 4.2.2), without it the backward is local."""
     hbm = cluster.hbm_bytes_per_s * HBM_EFFICIENCY
     tokens = micro_batch * seq
     nbytes = BF16 * tokens * model.hidden
     compute = 3 * nbytes / hbm
     fab = comm.Fabric.of(cluster)
     group = comm.tp_group(tp)
-    tp_c = comm.reduce_scatter(nbytes, group, fab) if sp else comm.all_reduce(nbytes, group, fab)
-    return EdgeCost(compute=compute, tp=tp_c, fwd=nbytes / hbm + tp_c, wgrad=0.0)
+    if sp:
+        tp_f = comm.reduce_scatter(nbytes, group, fab)
+        tp_b = comm.all_gather(nbytes, group, fab)
+    else:
+        tp_f, tp_b = comm.all_reduce(nbytes, group, fab), 0.0
+    return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=nbytes / hbm + tp_f, wgrad=0.0)
 
 
 def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:

@@ -11,7 +11,9 @@ Step time (per optimizer step, on the critical pipeline stage c):
 * pp_comm: every micro-batch crosses every (virtual) stage boundary forward and backward, and
   the fill adds p-1 transfers: (m*v + p - 1) * 2 * (alpha + bytes/bw). Megatron sends the
   [micro_batch*s, h] activation split over the tensor group ("scatter/gather", Narayanan et al.
-  2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink.
+  2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink;
+  KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
+  (DeepSpeed's pipeline engine).
 * dp_exposed: gradient synchronisation over the data-parallel group (comm.py) overlapped with
   backward work (bucketed all-reduce as in PyTorch DDP, Li et al. 2020; Megatron's
   overlap_grad_reduce): ZeRO-0 all-reduces once per step, during the last micro-batch's backward;
@@ -22,7 +24,8 @@ Step time (per optimizer step, on the critical pipeline stage c):
   (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al. 2023), each hidden behind the compute it
   precedes where possible.
 * optimizer: AdamW is memory bound; per local parameter it reads and writes fp32 master and two
-  moments, reads the gradient and writes bf16 weights: 28 bytes at 80% of HBM bandwidth.
+  moments, reads the gradient and writes bf16 weights: 28 bytes (30 with an fp32 gradient
+  buffer) at 80% of HBM bandwidth.
 
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
@@ -209,6 +212,11 @@ class Evaluator:
         self.model_flops = compute.model_flops_per_step(model, tokens, seq_len)
         self.n_gpus = cluster.num_gpus
         self.hbm = cluster.hbm_bytes_per_s * compute.HBM_EFFICIENCY
+        # fp32 gradient accumulation buffer (Megatron's main_grad) or bf16 gradients
+        self.grad_bytes = 4.0 if self.opts.fp32_grad_reduce else memory.GRAD_BYTES
+        # AdamW traffic per local parameter: 24 bytes of fp32 master + moments read and written,
+        # bf16 weight written (2), gradient read (2 or 4)
+        self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
         self._cache: dict[Any, Any] = {}
         self.evaluated = 0
 
@@ -227,8 +235,12 @@ class Evaluator:
         work = memory.recompute_working_bytes(m, tp, sp, mb, s, rec, opts)
         logits = memory.logits_bytes(m, tp, mb, s)
         # pipeline p2p: [mb*s, h] bf16 split over the tensor group, re-gathered on NVLink
+        # (already split with sequence parallelism); without scatter/gather each tensor rank
+        # sends the whole activation over its own link
         p2p_bytes = compute.BF16 * mb * s * m.hidden / tp
         gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, comm.tp_group(tp), self.fab)
+        if not opts.p2p_scatter_gather and not sp:
+            p2p_bytes, gather = p2p_bytes * tp, 0.0
         hit = (c_l, tpc_l, f_l, w_l, emb, head, act, work, logits, p2p_bytes, gather)
         self._cache[key] = hit
         return hit
@@ -307,7 +319,7 @@ class Evaluator:
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head = self._params(tp, pp)
-        wb, gb, ob = memory.state_bytes(zero, dp)
+        wb, gb, ob = memory.state_bytes(zero, dp, self.grad_bytes)
         sb = wb + gb + ob
         z3_buffer = 2.0 * compute.BF16 * p_layer if zero == 3 else 0.0
         # memory of stage i = n_i * per_layer[i] + fixed[i]
@@ -368,7 +380,7 @@ class Evaluator:
             seen.add((k, first, last))
             params_i = k * p_layer + (p_emb if first else 0.0) + (p_head if last else 0.0)
             local = params_i / dp if zero >= 1 else params_i
-            opt_t = max(opt_t, OPTIMIZER_BYTES_PER_PARAM * local / self.hbm)
+            opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
             if dp > 1:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0

@@ -2,9 +2,11 @@
 
 Model states (Rajbhandari et al. 2020, "ZeRO", section 3 and 5): mixed-precision AdamW keeps
 bf16 weights (2 bytes/param), bf16 gradients (2) and fp32 master weights + two moments (K = 12),
-16 bytes per parameter in all. ZeRO-1 shards the optimizer states over the data-parallel group,
-ZeRO-2 also the gradients, ZeRO-3 also the weights. ZeRO-3 re-gathers the weights of a layer
-before using them; we keep two layers' gathered bf16 weights (current + prefetch).
+16 bytes per parameter in all (18 when gradients accumulate in an fp32 buffer, as in
+Megatron-LM's main_grad; KernelOptions.fp32_grad_reduce). ZeRO-1 shards the optimizer states
+over the data-parallel group, ZeRO-2 also the gradients, ZeRO-3 also the weights. ZeRO-3
+re-gathers the weights of a layer before using them; we keep two layers' gathered bf16 weights
+(current + prefetch).
 
 Activations per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", section 4, eqs. 1-5), generalised to grouped-query
@@ -46,7 +48,7 @@ GIB = float(2**30)
 WEIGHT_BYTES = 2.0
 """bf16 weights."""
 GRAD_BYTES = 2.0
-"""bf16 gradients."""
+"""bf16 gradients (4.0 with an fp32 accumulation buffer, see `state_bytes`)."""
 OPTIMIZER_BYTES = 12.0
 """fp32 master weights + AdamW first and second moments (ZeRO's K = 12)."""
 WORKSPACE_FIXED_GIB = 1.0
@@ -57,10 +59,15 @@ FRAGMENTATION = 0.08
 """Allocator fragmentation allowance, fraction of all tensors."""
 
 
-def state_bytes(zero: int, dp: int) -> tuple[float, float, float]:
-    """Bytes per parameter held by one GPU for (weights, gradients, optimizer) at a ZeRO stage."""
+def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES) -> tuple[float, float, float]:
+    """Bytes per parameter held by one GPU for (weights, gradients, optimizer) at a ZeRO stage.
+
+    `grad_bytes` is 4 when gradients are accumulated in an fp32 buffer (Megatron-LM's main_grad,
+    `KernelOptions.fp32_grad_reduce`): bf16 weights + fp32 gradients + 12 bytes of optimizer
+    states = 18 bytes per parameter, 6 + 12/d with a distributed optimizer (the table of
+    Megatron-LM's docs/distrib_optimizer.md)."""
     w = WEIGHT_BYTES / dp if zero >= 3 else WEIGHT_BYTES
-    g = GRAD_BYTES / dp if zero >= 2 else GRAD_BYTES
+    g = grad_bytes / dp if zero >= 2 else grad_bytes
     o = OPTIMIZER_BYTES / dp if zero >= 1 else OPTIMIZER_BYTES
     return w, g, o
 
