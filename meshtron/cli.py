@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from meshtron.errors import RunFailed
 from meshtron.launch import ARGV_ENV
 
 # Each module exposes `register(subparsers)`, which adds its subcommand(s) and sets `func`.
@@ -44,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"meshtron {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # an unwritable run folder, a full disk: the user's to fix
+        print(f"meshtron {args.command}: error: {exc.strerror or exc}: "
+              f"{exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"meshtron {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"meshtron {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -216,6 +216,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 def apply_overrides(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Merge dotted keys ('data.seq_len': 128, 'model': 'debug') into a TOML document."""
     doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
+    # The model first, so that `model.KEY` overrides apply on top of a new `model`.
+    overrides = dict(sorted(overrides.items(), key=lambda kv: kv[0] != "model"))
     for dotted, value in overrides.items():
         if value is None:
             continue
@@ -223,5 +225,8 @@ def apply_overrides(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             doc["model"] = value
             continue
         section, key = dotted.split(".", 1)
+        if section == "model":  # a field on top of the preset or table already chosen
+            base = doc.get("model", "tiny")
+            doc["model"] = dict(base) if isinstance(base, dict) else {"preset": base}
         doc.setdefault(section, {})[key] = value
     return doc

@@ -41,12 +41,14 @@ def current_world() -> World:
     if "RANK" in env and "WORLD_SIZE" in env:
         return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
                      "torchrun")
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    # SLURM_STEP_NUM_TASKS exists only inside an srun step; the batch script itself also
+    # sees SLURM_NTASKS but is not one of the ranks.
+    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         if "MASTER_ADDR" not in env:
             raise ValueError("MASTER_ADDR: not set; under srun export MASTER_ADDR (first node) "
                              "and MASTER_PORT, or start the ranks with torchrun")
         env.setdefault("MASTER_PORT", "29500")
-        rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         local = int(env.get("SLURM_LOCALID", 0))
         # torch.distributed's env:// rendezvous reads these names.
         env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local))
@@ -86,13 +88,31 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     env[ARGV_ENV] = json.dumps(argv)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def _forward(signum, frame):  # SIGTERM/SIGHUP to us: stop the ranks, then go
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, _forward) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return proc.wait()
     except KeyboardInterrupt:
+        _stop_group(proc)
+        return 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if proc.poll() is None:
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM torchrun and its ranks (their own process group), SIGKILL after a grace period."""
+    try:
         os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait()
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
 

@@ -19,7 +19,8 @@ def local_world_size() -> int:
 def init_rank(world: World, timeout_s: float = 600.0) -> torch.device:
     """Join the job's default process group; returns this rank's device."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", world.local_rank)
+        # Modulo: under Slurm each task may see only its own GPU (CUDA_VISIBLE_DEVICES).
+        device = torch.device("cuda", world.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -29,7 +30,7 @@ def init_rank(world: World, timeout_s: float = 600.0) -> torch.device:
         # (shared notes, "Speed on 2 cores").
         cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(1, local_world_size())))
-    if world.world_size > 1 and not dist.is_initialized():
+    if world.source != "single" and not dist.is_initialized():  # a 1-rank world too
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return device
 

@@ -19,6 +19,13 @@ def test_toml_with_model_table_and_overrides(tmp_path):
     assert cfg.data.seq_len == 64 and cfg.data.global_batch == 4 and cfg.train.steps == 5
 
 
+def test_set_model_field_on_top_of_a_preset():
+    doc = apply_overrides({}, {"model": "debug", "model.layers": 1, "data.seq_len": 64})
+    cfg = config_from_dict(doc)
+    assert cfg.model.layers == 1 and cfg.model.hidden == 64
+    assert config_from_dict(apply_overrides({}, {"model.layers": 3})).model.hidden == 256
+
+
 def _run_cli(capsys, *argv):
     code = main(list(argv))
     err = capsys.readouterr().err.strip()

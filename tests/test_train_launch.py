@@ -26,8 +26,8 @@ def _meshtron(*argv, timeout=240):
                           text=True, timeout=timeout, env=env)
 
 
-def _losses(path):
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+def _losses(path, key="loss"):
+    return [json.loads(line)[key] for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -39,6 +39,8 @@ def _losses(path):
     (["--nproc", "2", "--plan", "pp=2", "--model", "tiny-gpt"], "pp=2"),
     (["--nproc", "8", "--plan", "tp=8"], "tp=8"),
     (["--nproc", "2", "--plan", "/no/such/plan.toml"], "/no/such/plan.toml"),
+    (["--nproc", "2", "--plan", "dp=2", "--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
+    (["--zero", "3", "--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
 ])
 def test_bad_plans_fail_before_any_rank_starts(capsys, tmp_path, argv, needle):
     args = ["train", *RUN, "--run-dir", str(tmp_path / "r"), *argv]
@@ -60,10 +62,12 @@ def test_two_ranks_through_the_cli_match_single_process(tmp_path):
     proc = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--zero", "3",
                      "--run-dir", str(tmp_path / "dp2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got = _losses(tmp_path / "single" / "metrics.jsonl"), _losses(tmp_path / "dp2" / "metrics.jsonl")
-    assert len(got) == 3
-    for a, b in zip(want, got):
-        assert abs(a - b) <= 1e-5 * abs(a)
+    for key in ("loss", "grad_norm", "lr"):
+        want = _losses(tmp_path / "single" / "metrics.jsonl", key)
+        got = _losses(tmp_path / "dp2" / "metrics.jsonl", key)
+        assert len(got) == 3
+        for a, b in zip(want, got):
+            assert abs(a - b) <= 1e-5 * abs(a), (key, want, got)
     summary = json.loads((tmp_path / "dp2" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["plan"]["zero"] == 3
     assert summary["predicted_step_time_s"] > 0 and summary["measured_step_time_s"] > 0
@@ -139,3 +143,50 @@ def test_pipeline_and_tensor_parallel_eval_matches_single_process(tmp_path):
     last = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[-1])
     assert abs(last["eval_loss"] - want.eval_loss) <= 1e-5 * want.eval_loss
     assert abs(last["loss"] - want.final_loss) <= 1e-5 * want.final_loss
+
+
+def test_one_rank_plan_runs(tmp_path):
+    proc = _meshtron("train", *RUN, "--nproc", "1", "--plan", "tp=1", "--run-dir", str(tmp_path / "one"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(tmp_path / "one" / "metrics.jsonl")) == 3
+
+
+def _rank_pids(marker: str) -> set[int]:
+    """Processes whose environment carries this run's rank argv (torchrun and its ranks)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.add(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def test_sigterm_to_the_parent_stops_every_rank(tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "long"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "meshtron", "train", "--model", "debug", "--steps", "100000",
+         "--seq-len", "32", "--global-batch", "8", "--eval-every", "0", "--nproc", "2",
+         "--plan", "dp=2", "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        assert parent.poll() is None, "training ended early"
+        time.sleep(0.5)
+    ranks = _rank_pids(str(run_dir))
+    assert len(ranks) >= 3  # torchrun + 2 ranks
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=90) != 0
+    deadline = time.monotonic() + 60
+    while _rank_pids(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _rank_pids(str(run_dir)), "ranks left running after SIGTERM"

@@ -111,7 +111,7 @@ def _time_collective(fn, group, device: torch.device, repeats: int) -> float:
         _sync(device)
         times.append(time.perf_counter() - t0)
     # Every rank waits for the slowest: the collective's time is the max over ranks.
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
@@ -215,7 +215,7 @@ def calibrate(device: torch.device, group=None) -> Calibration:
     if n > 1:
         dist.barrier(group=group)  # measure all ranks at once: they share cores and memory
     tflops = torch.tensor([measure_matmul(device, dtype),
-                           measure_memory_bandwidth(device)], dtype=torch.float64)
+                           measure_memory_bandwidth(device)], dtype=torch.float64, device=device)
     if n > 1:
         dist.all_reduce(tflops, op=dist.ReduceOp.MIN, group=group)
     cal = Calibration(world_size=n, device=device.type,

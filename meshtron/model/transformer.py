@@ -151,7 +151,9 @@ class Transformer(nn.Module):
         stage that lacks the embedding or the output head)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.pos_embeddings is not None:
-            positions = torch.arange(h.shape[1], device=h.device)
+            # The full sequence length: under sequence parallelism `h` holds a sequence shard,
+            # and the position table's output is sharded the same way (tensor.py's plan).
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = h + self.pos_embeddings(positions)
         for block in self.layers.values():
             h = block(h, self.rope)

@@ -311,14 +311,37 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
 
 class ParallelOptimizer(torch.optim.Optimizer):
     """One optimizer per model part (pipeline virtual stages), stepped together. A
-    torch.optim.Optimizer, so LR schedulers work on it (its param_groups are the parts')."""
+    torch.optim.Optimizer, so LR schedulers work on it: its `param_groups` are the parts'
+    (live: still the right dicts after `load_state_dict`)."""
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer]):
         self.pm = pm
         self.optimizers = optimizers
+        self._live_groups = False
         params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
         torch.optim.Optimizer.__init__(self, params, dict(optimizers[0].defaults))
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self._live_groups = True
+        self.__dict__.pop("_init_param_groups", None)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizers' groups, read afresh on every access: their
+        `load_state_dict` replaces the group dicts, and LR schedulers must keep writing to the
+        live ones (a list captured at construction would go stale after a checkpoint load)."""
+        if self.__dict__.get("_live_groups"):
+            return [g for o in self.optimizers for g in o.param_groups]
+        # Inside torch.optim.Optimizer.__init__ (which builds and fills its own list).
+        return self.__dict__.setdefault("_init_param_groups", [])
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        if not self.__dict__.get("_live_groups"):
+            self.__dict__["_init_param_groups"] = value
+            return
+        live = self.param_groups
+        if len(value) != len(live) or any(a is not b for a, b in zip(value, live)):
+            raise AttributeError("ParallelOptimizer.param_groups are the inner optimizers' "
+                                 "groups; change those (or their entries), not the list")
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -329,28 +352,33 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.pm.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        """Flat DCP state: "state.<param fqn>.<name>" tensors and "param_groups.<param fqn>.<key>"
+        hyper-parameters, one entry per parameter. Flat because ranks hold different
+        parameters (pipeline stages, ZeRO-1 shards): a nested `param_groups` list is one
+        non-tensor value that DCP would save from one rank only, and the others could not load
+        it. Keys are plain-model names, so the state reshards across layouts."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
         out: dict[str, Any] = {}
         for part, o in zip(self.pm.model_parts, self.optimizers):
-            sd = get_optimizer_state_dict(part, o)
-            for key, value in sd.items():
-                if isinstance(value, dict) and isinstance(out.get(key), dict):
-                    out[key].update(value)
-                elif isinstance(value, list) and isinstance(out.get(key), list):
-                    out[key].extend(value)
-                else:
-                    out[key] = value
+            out.update(get_optimizer_state_dict(part, o, options=options))
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state from `state_dict()` (after `dcp.load` into it). Each inner optimizer
+        reads the entries of its own parameters. Nested (unflattened) states load too."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
         )
 
+        options = StateDictOptions(strict=False, flatten_optimizer_state_dict=True)
         for part, o in zip(self.pm.model_parts, self.optimizers):
-            set_optimizer_state_dict(part, o, state_dict, options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(part, o, state_dict, options=options)
 
 
 def build_optimizer(pm: ParallelModel, lr: float, betas: tuple[float, float] = (0.9, 0.95),

@@ -5,6 +5,11 @@ the per-rank function for `run_on_ranks`: for each layout (a dict of plan attrib
 a fresh mesh and model from the same seed, trains `cfg["steps"]` steps with the parallel runtime
 and returns losses, gradient norms and (from one rank per pipeline stage) the unsharded
 parameters. `compare(ref, results)` gives the worst relative differences.
+
+A layout may carry a "model" entry: ModelSpec fields that override `cfg["spec"]` for that
+layout only (e.g. a GPT-style model next to the Llama-style default in the same launch);
+`layout_cfg(cfg, layout)` gives the cfg to build and reference it with, and `compare` takes a
+function layout -> reference run for such mixed lists.
 """
 
 from __future__ import annotations
@@ -29,6 +34,25 @@ DEFAULT_CFG: dict[str, Any] = {
     "weight_decay": 0.1,
     "clip": 0.5,
 }
+
+
+# GPT-2 style: LayerNorm with bias, learned absolute positions, biases on every linear layer,
+# GELU MLP, multi-head attention, tied input/output embeddings (pp > 1 refuses tied embeddings).
+GPT_MODEL: dict[str, Any] = dict(name="equiv-gpt", heads=4, kv_heads=4, ffn_hidden=128,
+                                 mlp="gelu", norm="layernorm", position="learned", bias=True,
+                                 tied_embeddings=True)
+# GPT-NeoX/GPT-J style for pipelines: the same, untied, with the parallel residual.
+GPT_PARALLEL_RESIDUAL_MODEL: dict[str, Any] = dict(GPT_MODEL, name="equiv-gpt-pr",
+                                                   tied_embeddings=False,
+                                                   parallel_residual=True)
+
+
+def layout_cfg(cfg: dict[str, Any], layout: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(cfg for this layout, plan attributes): a layout's "model" entry overrides cfg["spec"]."""
+    plan = {k: v for k, v in layout.items() if k != "model"}
+    if not layout.get("model"):
+        return cfg, plan
+    return dict(cfg, spec=dict(cfg["spec"], **layout["model"])), plan
 
 
 def make_spec(cfg: dict[str, Any]):
@@ -79,11 +103,13 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]]) -> list
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
 
     world = dist.get_world_size()
-    inputs, targets = make_data(cfg)
+    base_cfg = cfg
     out = []
     for layout in layouts:
         t0 = time.perf_counter()
-        plan = types.SimpleNamespace(**layout)
+        cfg, plan_attrs = layout_cfg(base_cfg, layout)
+        inputs, targets = make_data(cfg)
+        plan = types.SimpleNamespace(**plan_attrs)
         mesh = build_mesh(plan, world, device_type="cpu")
         torch.manual_seed(cfg["seed"])
         model = Transformer(make_spec(cfg))
@@ -110,13 +136,26 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]]) -> list
     return out
 
 
-def compare(ref: dict[str, Any], rank_results: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per layout: worst relative loss, grad-norm and parameter differences over all ranks."""
+# Denominator floor for parameter differences: a parameter the reference leaves at ~0 (the key
+# bias: causal softmax is invariant to it, so its exact gradient is 0 and AdamW turns fp32
+# summation noise into ~1e-8 moves) is held to an absolute TOL * 1e-3 instead of a relative
+# error of noise over noise. Weights here are ~2e-2 (init std) and norms ~1, so no other
+# parameter is near the floor; a real gradient bug moves a parameter by ~lr = 1e-3 per step.
+PARAM_SCALE_FLOOR = 1e-3
+
+
+def compare(ref: Any, rank_results: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per layout: worst relative loss, grad-norm and parameter differences over all ranks.
+
+    `ref`: a `reference_run` result, or a function layout -> reference (layouts with their own
+    "model")."""
     import torch
 
+    ref_for = ref if callable(ref) else (lambda layout: ref)
     report = []
     for i in range(len(rank_results[0])):
         per_rank = [r[i] for r in rank_results]
+        ref = ref_for(per_rank[0]["layout"])
         loss_rel = max(abs(a - b) / abs(b) for r in per_rank for a, b in
                        zip(r["losses"], ref["losses"]))
         norm_rel = max(abs(a - b) / abs(b) for r in per_rank for a, b in
@@ -133,7 +172,8 @@ def compare(ref: dict[str, Any], rank_results: list[list[dict[str, Any]]]) -> li
             if name not in merged:
                 continue
             got = merged[name]
-            rel = float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-12))
+            rel = float((got.float() - want).abs().max()
+                        / want.abs().max().clamp_min(PARAM_SCALE_FLOOR))
             if rel > param_rel:
                 param_rel, worst = rel, name
         report.append({"layout": per_rank[0]["layout"], "loss_rel": loss_rel,
@@ -146,12 +186,15 @@ def compare(ref: dict[str, Any], rank_results: list[list[dict[str, Any]]]) -> li
 def format_report(report: list[dict[str, Any]]) -> str:
     lines = []
     for r in report:
-        lines.append(f"{r['layout']}: loss {r['loss_rel']:.2e} norm {r['norm_rel']:.2e} "
+        layout = {k: v for k, v in r["layout"].items() if k != "model"}
+        if r["layout"].get("model"):
+            layout["model"] = r["layout"]["model"].get("name", "custom")
+        lines.append(f"{layout}: loss {r['loss_rel']:.2e} norm {r['norm_rel']:.2e} "
                      f"param {r['param_rel']:.2e} ({r['worst_param']}) {r['seconds']:.1f}s"
                      + (f" MISSING {r['missing'][:3]}" if r["missing"] else "")
                      + (f" EXTRA {r['extra'][:3]}" if r["extra"] else ""))
     return "\n".join(lines)
 
 
-__all__ = ["DEFAULT_CFG", "reference_run", "parallel_rank_fn", "compare", "format_report",
-           "make_data", "make_spec"]
+__all__ = ["DEFAULT_CFG", "GPT_MODEL", "GPT_PARALLEL_RESIDUAL_MODEL", "reference_run",
+           "parallel_rank_fn", "compare", "format_report", "layout_cfg", "make_data", "make_spec"]

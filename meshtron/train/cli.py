@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 from meshtron.config import apply_overrides, config_from_dict, load_toml
+from meshtron.errors import RunFailed
 from meshtron.launch import ARGV_ENV
 
 # CLI flag -> dotted config key. Flags left unset do not override the TOML file.
@@ -87,17 +85,19 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with tp > 1)")
 
 
-def _wants_parallel(args: argparse.Namespace) -> bool:
-    from meshtron.launch import current_world
-
-    return (args.plan is not None or (args.nproc or 1) > 1
-            or current_world().world_size > 1)
+def _wants_parallel(args: argparse.Namespace, world) -> bool:
+    """Any parallelism flag (or an outside torchrun/srun world) means torch.distributed."""
+    flags = (args.plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
+    return any(f is not None for f in flags) or (args.nproc or 1) > 1 or world.source != "single"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from meshtron.launch import current_world
+
     cfg = run_config_from_args(args)
-    if _wants_parallel(args):
-        return train_parallel_cli(args, cfg)
+    world = current_world()
+    if _wants_parallel(args, world):
+        return train_parallel_cli(args, cfg, world)
     from meshtron.train.loop import train
 
     result = train(cfg)
@@ -105,96 +105,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
-    out, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg == flag:
-            skip = True
-            continue
-        if arg.startswith(flag + "="):
-            continue
-        out.append(arg)
-    return out + [flag, value]
+def train_parallel_cli(args: argparse.Namespace, cfg, world) -> int:
+    from meshtron.train import multirank
 
-
-def train_parallel_cli(args: argparse.Namespace, cfg) -> int:
-    """Parent: resolve and save the plan, start the ranks. Rank: train."""
-    from meshtron.launch import check_nproc, current_world, launch_local
-    from meshtron.train.planning import knobs_from_args, resolve_run_plan
-
-    world = current_world()
-    knobs = knobs_from_args(args, cfg)
     if world.source == "single":
-        nproc = args.nproc or 1
-        check_nproc(nproc)
-        plan, cluster = resolve_run_plan(cfg, args.plan or "auto", nproc, knobs, args.cluster)
-        run_dir = Path(cfg.train.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        plan_path = run_dir / "plan.toml"
-        plan.save(plan_path)
-        _print_plan(plan, cluster)
-        argv = _replace_flag(args.argv, "--plan", str(plan_path))
-        code = launch_local(nproc, argv)
-        if code != 0:
-            print(f"meshtron train: {nproc} ranks failed (exit code {code}); "
-                  f"see the rank output above", file=sys.stderr)
-            return 1
-        _print_parallel_summary(cfg, run_dir)
-        return 0
-    return _train_rank(args, cfg, world, knobs)
-
-
-def _train_rank(args, cfg, world, knobs) -> int:
-    from meshtron.runtime import init_rank, shutdown_rank
-    from meshtron.train.parallel import train_on_rank
-    from meshtron.train.planning import resolve_run_plan
-
-    # Every rank resolves the same plan (deterministic), so a multi-node torchrun/srun start
-    # needs no shared file; locally started ranks read the parent's saved plan.
-    plan, cluster = resolve_run_plan(cfg, args.plan or "auto", world.world_size, knobs,
-                                     args.cluster)
-    device = init_rank(world)
-    summary = train_on_rank(cfg, plan, world, device, cluster)
-    if summary is not None and not os.environ.get(ARGV_ENV):
-        # Started by an outside torchrun/srun: rank 0 reports (meshtron's own launcher
-        # reports from the parent instead).
-        plan.save(Path(cfg.train.run_dir) / "plan.toml")
-        _print_parallel_summary(cfg, Path(cfg.train.run_dir))
-    shutdown_rank(0)
-    return 0
-
-
-def _print_plan(plan, cluster) -> None:
-    from rich.console import Console
-
-    pred = plan.predicted or {}
-    Console().print(
-        f"[bold]plan[/] {plan.layout()} zero={plan.zero} micro_batch={plan.micro_batch} "
-        f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'} schedule={plan.schedule}"
-        f"{':' + str(plan.virtual_stages) if plan.virtual_stages > 1 else ''} "
-        f"stage_layers={plan.stage_layers} on {cluster.name}; predicted step "
-        f"{pred.get('step_time_s', float('nan')):.3f} s, {pred.get('memory_gib', float('nan')):.2f} GiB/rank")
-
-
-def _print_parallel_summary(cfg, run_dir: Path) -> None:
-    from rich.console import Console
-
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        return
-    s = json.loads(path.read_text())
-    ev = f", eval {s['eval_loss']:.4f}" if s.get("eval_loss") is not None else ""
-    pred = s.get("predicted_step_time_s")
-    vs = (f"; step time measured {s['measured_step_time_s']:.3f} s vs planner "
-          f"{pred:.3f} s (x{s['measured_step_time_s'] / pred:.2f})" if pred else "")
-    Console().print(
-        f"[bold]done[/]: {cfg.model.name} on {s['world_size']} ranks, {s['steps']} steps, "
-        f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{ev}, "
-        f"{s['tokens_per_s']:,.0f} tok/s, {s['wall_s']:.1f} s{vs}; "
-        f"metrics in {run_dir}/metrics.jsonl, memory in {run_dir}/memory.json")
+        return multirank.run_parent(args, cfg)
+    if args.nproc is not None and args.nproc != world.world_size and not os.environ.get(ARGV_ENV):
+        raise ValueError(f"--nproc={args.nproc}: this {world.source} world already has "
+                         f"{world.world_size} ranks; drop --nproc inside torchrun/srun")
+    return multirank.run_rank(args, cfg, world)
 
 
 # The demo: the default model on the embedded corpus, on 4 local ranks with a hybrid layout
@@ -215,13 +134,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from meshtron.launch import current_world
 
     cfg = run_config_from_args(args, defaults=DEMO_CONFIG)
-    if current_world().source != "single":
-        return train_parallel_cli(args, cfg)  # a rank of the demo
+    world = current_world()
+    if world.source != "single":
+        return train_parallel_cli(args, cfg, world)  # a rank of the demo
     args.nproc = args.nproc or DEMO_NPROC
     args.plan = args.plan or DEMO_LAYOUT
     _ensure_calibration(args.nproc, args.cluster)
     _show_plans(args, cfg)
-    return train_parallel_cli(args, cfg)
+    return train_parallel_cli(args, cfg, world)
 
 
 def _ensure_calibration(nproc: int, cluster: str | None) -> None:
@@ -235,7 +155,7 @@ def _ensure_calibration(nproc: int, cluster: str | None) -> None:
         return
     Console().print(f"[bold]calibrate[/]: measuring {nproc} local ranks (once; saved to {path})")
     if launch_local(nproc, ["calibrate", "--nproc", str(nproc)]) != 0:
-        raise RuntimeError("calibration failed; see the output above")
+        raise RunFailed("calibration failed; see the output above")
 
 
 def _show_plans(args: argparse.Namespace, cfg) -> None:

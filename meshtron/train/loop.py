@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from meshtron.config import RunConfig
+from meshtron.errors import RunFailed
 from meshtron.data import build_data
 from meshtron.model import Transformer, cross_entropy_loss
 from meshtron.train.metrics import MetricsLog, TrainProgress
@@ -133,7 +134,8 @@ def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = 
             loss, grad_norm, lr = engine.train_step(inputs, targets)
             dt = engine.slowest(time.perf_counter() - t0)
             if not math.isfinite(loss):
-                raise RuntimeError(f"loss became {loss} at step {step}")
+                raise RunFailed(f"loss became {loss} at step {step}; lower optim.lr or raise "
+                                "optim.warmup_steps")
             first_loss = loss if step == 0 else first_loss
             final_loss = loss
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,

@@ -11,16 +11,15 @@ from torch import nn
 from meshtron.config import OptimConfig
 
 
-def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict]:
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
     """Decay matrices (embeddings and projections); leave norms and biases alone, as in GPT-2/3
     and Llama training recipes."""
     decay, no_decay, seen = [], [], set()
-    for module in modules:
-        for p in module.parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            (decay if p.dim() >= 2 else no_decay).append(p)
+    for p in params:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
@@ -28,7 +27,8 @@ def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict
 def build_adamw(modules: Iterable[nn.Module], cfg: OptimConfig) -> torch.optim.AdamW:
     # foreach=False keeps the update the same op sequence on every layout (DTensor shards and
     # plain tensors alike), which the equivalence tests rely on.
-    return torch.optim.AdamW(param_groups(modules, cfg.weight_decay), lr=cfg.lr,
+    params = (p for module in modules for p in module.parameters())
+    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
 

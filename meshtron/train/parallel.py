@@ -20,7 +20,7 @@ from meshtron.config import RunConfig
 from meshtron.launch import World
 from meshtron.model import Transformer
 from meshtron.train.loop import build_run_data, prepare_run_dir, run_loop
-from meshtron.train.optim import build_scheduler
+from meshtron.train.optim import build_scheduler, param_groups
 
 
 def _adamw_factory(weight_decay: float):
@@ -28,10 +28,8 @@ def _adamw_factory(weight_decay: float):
     `build_optimizer`, which hands it the parameters of one model part or ZeRO-1 shard."""
 
     def make(params, **kwargs):
-        params = list(params)
         kwargs.pop("weight_decay", None)
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = param_groups(params, weight_decay)
         return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **kwargs)
 
     return make
@@ -79,7 +77,7 @@ class ParallelEngine:
         return float(statistics.fmean(self.pm.evaluate(x, y) for x, y in batches))
 
     def slowest(self, seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64)
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.pm.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         self.step_times.append(float(t.item()))
         return float(t.item())
@@ -116,7 +114,9 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, float] | None:
 
     knobs = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "zero", "micro_batch", "recompute",
                                            "sp", "schedule", "virtual_stages")}
-    sized = cluster.with_nodes(1) if cluster.num_gpus == plan.gpus else cluster
+    from meshtron.train.planning import sized_cluster
+
+    sized = sized_cluster(cluster, plan.gpus)
     try:
         est = evaluate_plan(cfg.model, sized, plan.global_batch, plan.seq_len, knobs)
     except ValueError:

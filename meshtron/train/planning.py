@@ -63,6 +63,12 @@ def resolve_run_plan(cfg: RunConfig, plan_arg: str, world_size: int, knobs: dict
             if getattr(plan, field) != want:
                 raise ValueError(f"plan.{field}={getattr(plan, field)}: the run uses {want}; "
                                  f"pass --{field.replace('_', '-')} {getattr(plan, field)}")
+        if plan.model != cfg.model.name and Path(plan.model).name != cfg.model.name:
+            raise ValueError(f"plan.model={plan.model!r}: the run trains {cfg.model.name!r}")
+        for knob, value in knobs.items():  # flags may restate the saved plan, not change it
+            if getattr(plan, knob) != value:
+                raise ValueError(f"--{knob.replace('_', '-')}={value}: the saved plan has "
+                                 f"{knob}={getattr(plan, knob)}; edit the plan or drop the flag")
     else:
         for axis in ("tp", "pp", "dp"):
             if axis in knobs and world_size % knobs[axis]:
@@ -73,7 +79,7 @@ def resolve_run_plan(cfg: RunConfig, plan_arg: str, world_size: int, knobs: dict
             raise ValueError(f"plan dp*tp*pp={given[2]}*{given[0]}*{given[1]}="
                              f"{given[0] * given[1] * given[2]}: must equal the world size "
                              f"{world_size}")
-        sized = cluster.with_nodes(1) if cluster.num_gpus == world_size else cluster
+        sized = sized_cluster(cluster, world_size)
         if sized.num_gpus != world_size:
             raise ValueError(f"cluster {cluster.name}: has {cluster.num_gpus} devices, the run "
                              f"has {world_size} ranks")
@@ -86,11 +92,16 @@ def resolve_run_plan(cfg: RunConfig, plan_arg: str, world_size: int, knobs: dict
             raise ValueError(f"plan={plan_arg!r}: no plan fits {world_size} ranks of "
                              f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
         plan = best.to_plan(cfg.model.name, cluster.name, world_size, cfg.data.global_batch,
-                            cfg.data.seq_len, attention=result.options.attention
-                            if hasattr(result.options, "attention") else "flash")
+                            cfg.data.seq_len, attention=result.options.attention)
     # The runtime's own checks (world size, heads, kv_heads, layers, schedule traps).
     resolve_plan(plan, world_size, cfg.model)
     return plan, cluster
+
+
+def sized_cluster(cluster, world_size: int):
+    """A one-node view of a cluster file written for exactly this many ranks; otherwise the
+    cluster as given (the caller checks the device count)."""
+    return cluster.with_nodes(1) if cluster.num_gpus == world_size else cluster
 
 
 def _runnable(knobs: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
