@@ -35,6 +35,12 @@ def _adamw_factory(weight_decay: float):
     return make
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def runtime_plan(plan, dtype: str) -> types.SimpleNamespace:
     """The plan's knobs plus the run's precision, as `parallelize` reads them."""
     return types.SimpleNamespace(**{k: v for k, v in plan.to_dict().items() if k != "predicted"},
@@ -59,6 +65,7 @@ class ParallelEngine:
         self.grad_clip = cfg.optim.grad_clip
         self.is_main = dist.get_rank() == 0
         self.step_times: list[float] = []
+        self.grad_bytes: int | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -66,6 +73,9 @@ class ParallelEngine:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None, float]:
         loss = self.pm.forward_backward(inputs, targets)
+        if self.grad_bytes is None:  # measured where gradients peak: after backward
+            self.grad_bytes = sum(_local(p.grad).numel() * _local(p.grad).element_size()
+                                  for p in self.pm.parameters() if p.grad is not None)
         norm = float(self.pm.clip_grad_norm_(self.grad_clip)) if self.grad_clip > 0 else None
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -85,15 +95,10 @@ class ParallelEngine:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds: parameter, gradient and optimizer-state shards (and the CUDA
         allocator's peak on GPU)."""
-        from torch.distributed.tensor import DTensor
-
-        def local(t: torch.Tensor) -> torch.Tensor:
-            return t.to_local() if isinstance(t, DTensor) else t
-
+        local = _local
         params = list(self.pm.parameters())
         out = {"params": sum(local(p).numel() * local(p).element_size() for p in params),
-               "grads": sum(local(p).numel() * local(p).element_size() for p in params
-                            if p.requires_grad),
+               "grads": self.grad_bytes or 0,
                "optimizer": 0}
         for opt in self.optimizer.optimizers:
             for state in opt.state.values():
@@ -131,7 +136,9 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     engine = ParallelEngine(cfg, plan, device)
     data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp)
     run_dir = prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
-    peak = cluster.peak_tflops * 1e12 if cluster is not None else None
+    # MFU needs a real peak: the calibrated or catalogue figure, not the nominal placeholder.
+    known = cluster is not None and not cluster.name.startswith("nominal")
+    peak = cluster.peak_tflops * 1e12 if known else None
     flops_per_step = cfg.model.flops_per_token(cfg.data.seq_len) * cfg.data.global_batch * cfg.data.seq_len
     result = run_loop(engine, data, cfg, run_dir, show_progress,
                       mfu_fn=(lambda dt: flops_per_step / dt / (world.world_size * peak))
