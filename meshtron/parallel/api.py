@@ -343,6 +343,12 @@ class ParallelOptimizer(torch.optim.Optimizer):
             raise AttributeError("ParallelOptimizer.param_groups are the inner optimizers' "
                                  "groups; change those (or their entries), not the list")
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.__dict__.get("_live_groups"):
+            raise NotImplementedError("ParallelOptimizer: add parameter groups to the inner "
+                                      "optimizers (`optimizers[i].add_param_group`)")
+        torch.optim.Optimizer.add_param_group(self, param_group)
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         for o in self.optimizers:
