@@ -168,8 +168,11 @@ def _show_plans(args: argparse.Namespace, cfg) -> None:
 
     cluster = local_cluster(args.nproc, args.cluster)
     result = search_plans(cfg.model, cluster, cfg.data.global_batch, cfg.data.seq_len, top_k=3)
+    console = Console()
+    if not console.is_terminal:  # logs: wide enough that the table's columns stay readable
+        console = Console(width=200)
     report.render(result, tokens=cfg.train.steps * cfg.data.global_batch * cfg.data.seq_len,
-                  console=Console())
+                  console=console)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
