@@ -57,14 +57,9 @@ def current_world() -> World:
 
 
 def max_local_ranks() -> int:
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
-    return MAX_CPU_RANKS
+    return torch.cuda.device_count() if torch.cuda.is_available() else MAX_CPU_RANKS
 
 
 def check_nproc(nproc: int) -> None:

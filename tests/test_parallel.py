@@ -115,7 +115,7 @@ def test_optimizer_param_groups_stay_live():
         sched.step()
     assert [g["lr"] for o in inner for g in o.param_groups] == [0.25] * 3
     assert [g["lr"] for g in opt.param_groups] == sched.get_last_lr() == [0.25] * 3
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(RuntimeError, match="inner optimizers"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
 
 

@@ -345,8 +345,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.__dict__.get("_live_groups"):
-            raise NotImplementedError("ParallelOptimizer: add parameter groups to the inner "
-                                      "optimizers (`optimizers[i].add_param_group`)")
+            raise RuntimeError("ParallelOptimizer: add parameter groups to the inner "
+                               "optimizers (`optimizers[i].add_param_group`)")
         torch.optim.Optimizer.add_param_group(self, param_group)
 
     @torch.no_grad()
