@@ -244,7 +244,7 @@ def _sweep(world):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_equivalence_sweep(reference, world):
-    _check(reference, world, _sweep(world), timeout=1800)
+    _check(reference, world, _sweep(world), timeout=3600)
 
 
 # ---- state for checkpointing ---------------------------------------------------------------------

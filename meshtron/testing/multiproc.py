@@ -135,20 +135,19 @@ def _read_result(tmpdir: Path, rank: int):
 
 
 def _wait(procs, tmpdir: Path, world_size: int, timeout: float) -> list[Any]:
+    def poll() -> tuple[list[int], list[int]]:
+        """(ranks still running, ranks that ended without an 'ok' result)."""
+        codes = [p.poll() for p in procs]
+        failed = [rank for rank, code in enumerate(codes) if code is not None
+                  and (_read_result(tmpdir, rank) or ("",))[0] != "ok"]
+        return [r for r, c in enumerate(codes) if c is None], failed
+
     deadline = time.monotonic() + timeout
     first_failure_at = None
     while True:
-        codes = [p.poll() for p in procs]
-        failed = []
-        for rank, code in enumerate(codes):
-            if code is None:
-                continue
-            res = _read_result(tmpdir, rank)
-            if res is None or res[0] != "ok":
-                failed.append(rank)
+        running, failed = poll()
         if failed and first_failure_at is None:
             first_failure_at = time.monotonic()
-        running = [r for r, c in enumerate(codes) if c is None]
         if not running:
             break
         if first_failure_at is not None and time.monotonic() - first_failure_at > _GRACE_AFTER_FAILURE_S:
@@ -157,15 +156,7 @@ def _wait(procs, tmpdir: Path, world_size: int, timeout: float) -> list[Any]:
             break
         time.sleep(0.05)
 
-    codes = [p.poll() for p in procs]
-    running = [r for r, c in enumerate(codes) if c is None]
-    failed = []
-    for rank, code in enumerate(codes):
-        if code is None:
-            continue
-        res = _read_result(tmpdir, rank)
-        if res is None or res[0] != "ok":
-            failed.append(rank)
+    running, failed = poll()
     if running:
         # Ask the stuck ranks for their stacks (faulthandler is registered on SIGUSR1).
         for r in running:
@@ -189,7 +180,7 @@ def _wait(procs, tmpdir: Path, world_size: int, timeout: float) -> list[Any]:
             if res is not None and res[0] == "error":
                 parts.append(f"--- rank {rank} raised:\n{res[1]}")
             else:
-                parts.append(f"--- rank {rank} died with exit code {codes[rank]} and no Python "
+                parts.append(f"--- rank {rank} died with exit code {procs[rank].poll()} and no Python "
                              f"traceback; output tail:\n{_tail(tmpdir / f'rank{rank}.log')}")
         also = f" (ranks {running} were still running and were killed)" if running else ""
         raise RankError(f"{len(failed)} of {world_size} ranks failed{also}; first failure "
