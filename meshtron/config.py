@@ -203,14 +203,15 @@ def config_from_dict(doc: dict[str, Any]) -> RunConfig:
     return RunConfig(model=model, **sections)
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
+def load_toml(path: str | Path, field: str = "config") -> dict[str, Any]:
+    """Read a TOML file; a missing or malformed file is a one-line error naming `field`."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config={str(path)!r}: file does not exist")
+        raise ValueError(f"{field}={str(path)!r}: file does not exist")
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config={str(path)!r}: not valid TOML ({exc})") from None
+        raise ValueError(f"{field}={str(path)!r}: not valid TOML ({exc})") from None
 
 
 def apply_overrides(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens, typical LLM pre-training batch
@@ -67,17 +66,9 @@ def load_model(text: str):
     from meshtron.model.spec import resolve_model
 
     if text.endswith(".toml"):
-        path = Path(text)
-        if not path.is_file():
-            raise ValueError(f"model={text!r}: file does not exist")
-        import tomllib
+        from meshtron.config import load_toml, model_from_value  # the foundation's TOML model form
 
-        from meshtron.config import model_from_value  # the foundation's TOML model form
-
-        try:
-            doc = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"model={text!r}: not valid TOML ({exc})") from None
+        doc = load_toml(text, field="model")
         if "model" not in doc:
             raise ValueError(f"model={text!r}: the TOML file has no 'model' key or [model] table")
         return model_from_value(doc["model"])

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,14 +244,9 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
 
 
 def load_cluster_toml(path: str | Path) -> ClusterSpec:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"cluster={str(path)!r}: file does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"cluster={str(path)!r}: not valid TOML ({exc})") from None
-    return cluster_from_dict(data, name=path.stem)
+    from meshtron.config import load_toml
+
+    return cluster_from_dict(load_toml(path, field="cluster"), name=Path(path).stem)
 
 
 def resolve_cluster(text: str | Path | ClusterSpec) -> ClusterSpec:
