@@ -1,6 +1,7 @@
 """The `meshtron` command line: one subcommand per concern, each registered by its own package.
 
-User errors (`ValueError`) end as one line on stderr and exit code 2, never a traceback.
+User errors (`UserError`) end as one line on stderr and exit code 2, never a traceback; any other
+exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import os
 import sys
 
-from meshtron.errors import RunFailed
+from meshtron.errors import RunFailed, UserError
 from meshtron.launch import ARGV_ENV
 
 # Each module exposes `register(subparsers)`, which adds its subcommand(s) and sets `func`.
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:
+    except UserError as exc:
         print(f"meshtron {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # an unwritable run folder, a full disk: the user's to fix

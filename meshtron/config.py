@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtron.errors import UserError
 from meshtron.model.spec import PRESETS, ModelSpec, resolve_model
 
 
@@ -27,7 +28,7 @@ def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if value is not None and value <= 0:
-            raise ValueError(f"{section}.{name}={value!r}: must be positive")
+            raise UserError(f"{section}.{name}={value!r}: must be positive")
 
 
 @dataclass
@@ -52,9 +53,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         _positive("data", self, "bpe_vocab", "seq_len", "global_batch", "micro_batch", "eval_batches")
         if self.tokenizer not in ("byte", "bpe"):
-            raise ValueError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, bpe")
+            raise UserError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, bpe")
         if self.micro_batch is not None and self.global_batch % self.micro_batch:
-            raise ValueError(f"data.micro_batch={self.micro_batch}: must divide "
+            raise UserError(f"data.micro_batch={self.micro_batch}: must divide "
                              f"data.global_batch={self.global_batch}")
 
 
@@ -80,13 +81,13 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _positive("optim", self, "lr", "eps")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]")
+            raise UserError(f"optim.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"optim.{name}={getattr(self, name)!r}: must be in [0, 1)")
+                raise UserError(f"optim.{name}={getattr(self, name)!r}: must be in [0, 1)")
         for name in ("warmup_steps", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
-                raise ValueError(f"optim.{name}={getattr(self, name)!r}: must be >= 0")
+                raise UserError(f"optim.{name}={getattr(self, name)!r}: must be >= 0")
 
 
 @dataclass
@@ -107,9 +108,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "log_every")
         if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"train.dtype={self.dtype!r}: allowed values are fp32, bf16")
+            raise UserError(f"train.dtype={self.dtype!r}: allowed values are fp32, bf16")
         if self.eval_every < 0:
-            raise ValueError(f"train.eval_every={self.eval_every}: must be >= 0")
+            raise UserError(f"train.eval_every={self.eval_every}: must be >= 0")
 
 
 @dataclass
@@ -125,7 +126,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.data.seq_len > self.model.max_seq:
-            raise ValueError(f"data.seq_len={self.data.seq_len}: exceeds the model's max_seq="
+            raise UserError(f"data.seq_len={self.data.seq_len}: exceeds the model's max_seq="
                              f"{self.model.max_seq}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,17 +152,17 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if typ in (str, bool) and isinstance(value, typ):
             return value
     names = " or ".join(t.__name__ for t in allowed)
-    raise ValueError(f"{key}={value!r}: must be {names}")
+    raise UserError(f"{key}={value!r}: must be {names}")
 
 
 def _build_section(name: str, cls: type, table: Any) -> Any:
     if not isinstance(table, dict):
-        raise ValueError(f"{name}={table!r}: must be a table")
+        raise UserError(f"{name}={table!r}: must be a table")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in table.items():
         if key not in fields:
-            raise ValueError(f"config key '{name}.{key}': unknown; allowed: {', '.join(fields)}")
+            raise UserError(f"config key '{name}.{key}': unknown; allowed: {', '.join(fields)}")
         kwargs[key] = _coerce(f"{name}.{key}", value, fields[key].type)
     return cls(**kwargs)
 
@@ -178,7 +179,7 @@ def model_from_value(value: Any) -> ModelSpec:
         fields = {f.name: f for f in dataclasses.fields(ModelSpec)}
         for key in table:
             if key not in fields:
-                raise ValueError(f"config key 'model.{key}': unknown; allowed: preset, "
+                raise UserError(f"config key 'model.{key}': unknown; allowed: preset, "
                                  f"{', '.join(fields)}")
         kwargs = {k: _coerce(f"model.{k}", v, fields[k].type) for k, v in table.items()}
         if base is not None:
@@ -189,15 +190,15 @@ def model_from_value(value: Any) -> ModelSpec:
         except TypeError:
             missing = [f for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                                    "max_seq") if f not in kwargs]
-            raise ValueError(f"model table: missing {', '.join(missing)} (or give preset=...)") from None
-    raise ValueError(f"model={value!r}: must be a preset name, a config.json path or a table")
+            raise UserError(f"model table: missing {', '.join(missing)} (or give preset=...)") from None
+    raise UserError(f"model={value!r}: must be a preset name, a config.json path or a table")
 
 
 def config_from_dict(doc: dict[str, Any]) -> RunConfig:
     allowed = ("model", *_SECTIONS)
     for key in doc:
         if key not in allowed:
-            raise ValueError(f"config key '{key}': unknown; allowed: {', '.join(allowed)}")
+            raise UserError(f"config key '{key}': unknown; allowed: {', '.join(allowed)}")
     sections = {name: _build_section(name, cls, doc.get(name, {})) for name, cls in _SECTIONS.items()}
     model = model_from_value(doc["model"]) if "model" in doc else PRESETS["tiny"]
     return RunConfig(model=model, **sections)
@@ -207,11 +208,11 @@ def load_toml(path: str | Path, field: str = "config") -> dict[str, Any]:
     """Read a TOML file; a missing or malformed file is a one-line error naming `field`."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{field}={str(path)!r}: file does not exist")
+        raise UserError(f"{field}={str(path)!r}: file does not exist")
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{field}={str(path)!r}: not valid TOML ({exc})") from None
+        raise UserError(f"{field}={str(path)!r}: not valid TOML ({exc})") from None
 
 
 def apply_overrides(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

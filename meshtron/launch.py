@@ -16,6 +16,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from meshtron.errors import UserError
+
 # gloo on one host: more ranks than this only thrash the CPU (see the shared notes: 8 ranks on
 # 2 cores already run 5-10x slower than one process).
 MAX_CPU_RANKS = 32
@@ -45,7 +47,7 @@ def current_world() -> World:
     # sees SLURM_NTASKS but is not one of the ranks.
     if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         if "MASTER_ADDR" not in env:
-            raise ValueError("MASTER_ADDR: not set; under srun export MASTER_ADDR (first node) "
+            raise UserError("MASTER_ADDR: not set; under srun export MASTER_ADDR (first node) "
                              "and MASTER_PORT, or start the ranks with torchrun")
         env.setdefault("MASTER_PORT", "29500")
         rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
@@ -65,7 +67,7 @@ def max_local_ranks() -> int:
 def check_nproc(nproc: int) -> None:
     limit = max_local_ranks()
     if nproc < 1 or nproc > limit:
-        raise ValueError(f"--nproc={nproc}: allowed 1..{limit} local ranks on this machine")
+        raise UserError(f"--nproc={nproc}: allowed 1..{limit} local ranks on this machine")
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from meshtron.data.tokenizer import BPETokenizer, ByteTokenizer
+from meshtron.errors import UserError
 
 DEFAULT_MAX_BYTES = 8 * 2**20
 """Cap of the stdlib corpus in source bytes (8 MiB: about 8.4M byte tokens, ~0.2 s to build)."""
@@ -53,10 +54,10 @@ def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES, root: str | Path | None = N
     `max_bytes`.
     """
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
-        raise ValueError(f"data.max_bytes={max_bytes!r}: must be a positive integer")
+        raise UserError(f"data.max_bytes={max_bytes!r}: must be a positive integer")
     base = Path(root) if root is not None else stdlib_root()
     if not base.is_dir():
-        raise ValueError(f"data.source='{base}': does not exist (no standard library sources)")
+        raise UserError(f"data.source='{base}': does not exist (no standard library sources)")
     found: list[tuple[str, int]] = []
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = [d for d in dirnames
@@ -77,7 +78,7 @@ def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES, root: str | Path | None = N
         chosen.append((rel, size))
         total += size
     if not chosen:
-        raise ValueError(
+        raise UserError(
             f"data.max_bytes={max_bytes}: no stdlib source file fits "
             f"(found {len(found)} .py files under '{base}')")
     return chosen
@@ -121,7 +122,7 @@ def split_tokens(tokens: np.ndarray, holdout_every: int = DEFAULT_HOLDOUT_EVERY
 
 def _check_holdout(holdout_every: int) -> None:
     if not isinstance(holdout_every, int) or isinstance(holdout_every, bool) or holdout_every < 2:
-        raise ValueError(f"data.holdout_every={holdout_every!r}: must be an integer >= 2")
+        raise UserError(f"data.holdout_every={holdout_every!r}: must be an integer >= 2")
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def build_token_corpus(documents: Sequence[str], tokenizer: ByteTokenizer | BPET
     _check_holdout(holdout_every)
     documents = list(documents)
     if not documents:
-        raise ValueError(f"data.source='{source}': holds no non-empty documents")
+        raise UserError(f"data.source='{source}': holds no non-empty documents")
     key_src = json.dumps({"v": CACHE_VERSION, "docs": documents_digest(documents),
                           "tok": tokenizer.fingerprint, "holdout_every": holdout_every},
                          sort_keys=True)

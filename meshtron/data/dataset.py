@@ -23,6 +23,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from meshtron.errors import UserError
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -33,7 +35,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def _check_int(name: str, value: Any, minimum: int = 1) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name}={value!r}: must be {what}")
+        raise UserError(f"{name}={value!r}: must be {what}")
     return int(value)
 
 
@@ -43,9 +45,9 @@ def check_dp(global_batch: int, dp_rank: int, dp_size: int) -> int:
     dp_size = _check_int("dp_size", dp_size)
     dp_rank = _check_int("dp_rank", dp_rank, minimum=0)
     if dp_rank >= dp_size:
-        raise ValueError(f"dp_rank={dp_rank}: must be in 0..{dp_size - 1} (dp_size={dp_size})")
+        raise UserError(f"dp_rank={dp_rank}: must be in 0..{dp_size - 1} (dp_size={dp_size})")
     if global_batch % dp_size:
-        raise ValueError(
+        raise UserError(
             f"data.global_batch={global_batch}: must be divisible by dp_size={dp_size} "
             "(every data-parallel rank takes an equal slice)")
     return global_batch // dp_size
@@ -86,11 +88,11 @@ class TokenDataset:
     def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "train") -> None:
         self.seq_len = _check_int("data.seq_len", seq_len)
         if tokens.ndim != 1:
-            raise ValueError(f"{name} tokens: expected a flat array, got shape {tokens.shape}")
+            raise UserError(f"{name} tokens: expected a flat array, got shape {tokens.shape}")
         self.tokens = tokens
         self.num_windows = (len(tokens) - 1) // self.seq_len if len(tokens) else 0
         if self.num_windows < 1:
-            raise ValueError(
+            raise UserError(
                 f"data.seq_len={self.seq_len}: the {name} split holds {len(tokens)} tokens, "
                 f"fewer than one window of seq_len+1={self.seq_len + 1}; "
                 "use a shorter seq_len or more data")
@@ -185,9 +187,9 @@ class DistributedBatchSampler:
         """Resume at `state`'s position (its seed wins over the one given at construction)."""
         missing = [k for k in ("seed", "step", "sample", "num_windows") if k not in state]
         if missing:
-            raise ValueError(f"data state: missing keys {missing} (got {sorted(state)})")
+            raise UserError(f"data state: missing keys {missing} (got {sorted(state)})")
         if int(state["num_windows"]) != self.num_windows:
-            raise ValueError(
+            raise UserError(
                 f"data state: num_windows={state['num_windows']} was saved, this data has "
                 f"{self.num_windows} windows (different source, tokenizer or seq_len)")
         self.seed = _check_int("data state seed", state["seed"], minimum=0)
@@ -204,7 +206,7 @@ class TrainLoader:
     def __init__(self, dataset: TokenDataset, sampler: DistributedBatchSampler,
                  tokenizer: Any = None, info: dict[str, Any] | None = None) -> None:
         if sampler.num_windows != dataset.num_windows:
-            raise ValueError("sampler.num_windows must equal dataset.num_windows")
+            raise UserError("sampler.num_windows must equal dataset.num_windows")
         self.dataset, self.sampler = dataset, sampler
         self.tokenizer = tokenizer
         self.info = dict(info or {})
@@ -307,7 +309,7 @@ def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, micro_batch
     micro_batch = _check_int("data.micro_batch", micro_batch)
     rows = inputs.shape[0]
     if rows % micro_batch:
-        raise ValueError(
+        raise UserError(
             f"data.micro_batch={micro_batch}: must divide the per-rank batch of {rows} rows "
             "(data.global_batch / dp_size)")
     return [(inputs[i:i + micro_batch], targets[i:i + micro_batch])

@@ -29,8 +29,13 @@ from meshtron.data.dataset import (
     TrainLoader,
     check_dp,
 )
-from meshtron.data.sources import check_exists, read_jsonl, read_text_files, read_token_shard, \
-    shard_info
+from meshtron.data.sources import (
+    check_exists,
+    read_jsonl,
+    read_text_files,
+    read_token_shard,
+    shard_info,
+)
 from meshtron.data.tokenizer import (
     BYTE_VOCAB,
     TOKENIZER_KINDS,
@@ -39,6 +44,7 @@ from meshtron.data.tokenizer import (
     build_tokenizer,
     tokenizer_info,
 )
+from meshtron.errors import UserError
 
 STDLIB = "stdlib"
 
@@ -71,7 +77,7 @@ def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
     """
     if tokenizer not in TOKENIZER_KINDS:
         allowed = ", ".join(map(repr, TOKENIZER_KINDS))
-        raise ValueError(f"data.tokenizer={tokenizer!r}: must be one of {allowed}")
+        raise UserError(f"data.tokenizer={tokenizer!r}: must be one of {allowed}")
     kind = source_kind(source)
     if kind == "shard":
         return _shard_corpus(Path(source), tokenizer, bpe_vocab, tokenizer_path, holdout_every)
@@ -82,7 +88,7 @@ def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
     else:
         docs = list(read_text_files(source))
     if not docs:
-        raise ValueError(f"data.source='{source}': holds no non-empty documents")
+        raise UserError(f"data.source='{source}': holds no non-empty documents")
     if tokenizer == "bpe":
         train_docs, _ = split_documents(docs, holdout_every)
         if tokenizer_path is None and cache_dir is not None and bpe_vocab is not None:
@@ -104,23 +110,23 @@ def _shard_corpus(path: Path, tokenizer: str, bpe_vocab: int | None,
     shard_vocab = int(info["vocab_size"])
     if tokenizer == "byte":
         if shard_vocab != BYTE_VOCAB:
-            raise ValueError(
+            raise UserError(
                 f"data.tokenizer='byte': shard '{path}' holds ids of a {shard_vocab}-token "
                 "vocabulary; use tokenizer='bpe' with the tokenizer_path it was written with")
         tok: ByteTokenizer | BPETokenizer = ByteTokenizer()
     else:
         if tokenizer_path is None or not Path(tokenizer_path).is_file():
-            raise ValueError(
+            raise UserError(
                 f"data.tokenizer_path={None if tokenizer_path is None else str(tokenizer_path)!r}: "
                 "a BPE token shard needs the tokenizer file it was written with")
         tok = build_tokenizer("bpe", vocab_size=bpe_vocab, path=tokenizer_path)
         if tok.vocab_size != shard_vocab:
-            raise ValueError(
+            raise UserError(
                 f"data.tokenizer_path='{tokenizer_path}': has {tok.vocab_size} ids but shard "
                 f"'{path}' was written with vocab_size={shard_vocab}")
     want = (info.get("meta") or {}).get("tokenizer")
     if want is not None and want != tok.fingerprint:
-        raise ValueError(
+        raise UserError(
             f"data.tokenizer={tokenizer!r}: fingerprint {tok.fingerprint} differs from the "
             f"{want} that shard '{path}' was written with")
     tokens = read_token_shard(path)
@@ -205,9 +211,9 @@ def build_data(source: str | Path = STDLIB, tokenizer: str = "byte", seq_len: in
     """
     check_dp(global_batch, dp_rank, dp_size)  # fail fast, before any reading
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
-        raise ValueError(f"data.seq_len={seq_len!r}: must be a positive integer")
+        raise UserError(f"data.seq_len={seq_len!r}: must be a positive integer")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"train.seed={seed!r}: must be a non-negative integer")
+        raise UserError(f"train.seed={seed!r}: must be a non-negative integer")
     corpus, tok = load_corpus(source, tokenizer, bpe_vocab=bpe_vocab,
                               tokenizer_path=tokenizer_path, holdout_every=holdout_every,
                               max_bytes=max_bytes, cache_dir=cache_dir, jsonl_field=jsonl_field)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from meshtron.data.tokenizer import token_dtype
+from meshtron.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 """Files picked up in a directory given as a text source (a file named directly is always read)."""
@@ -28,7 +29,7 @@ def check_exists(path: str | Path, field: str = "data.source") -> Path:
     """The path as a `Path`, or a ValueError naming the field when nothing is there."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"{field}='{path}': does not exist")
+        raise UserError(f"{field}='{path}': does not exist")
     return p
 
 
@@ -57,7 +58,7 @@ def list_text_files(paths: str | Path | Sequence[str | Path],
                     full = Path(dirpath) / name
                     found.append((full.relative_to(p).as_posix(), full))
         if not found:
-            raise ValueError(
+            raise UserError(
                 f"data.source='{path}': directory holds no text files ({', '.join(suffixes)})")
         files.extend(full for _, full in sorted(found))
     return files
@@ -90,7 +91,7 @@ def read_jsonl(path: str | Path, field: str = "text") -> Iterator[str]:
     """
     p = check_exists(path)
     if not p.is_file():
-        raise ValueError(f"data.source='{path}': is a directory, expected a .jsonl file")
+        raise UserError(f"data.source='{path}': is a directory, expected a .jsonl file")
 
     def gen() -> Iterator[str]:
         with open(p, "rb") as fh:
@@ -102,18 +103,18 @@ def read_jsonl(path: str | Path, field: str = "text") -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") \
+                    raise UserError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") \
                         from None
                 if not isinstance(record, dict):
-                    raise ValueError(
+                    raise UserError(
                         f"{where}: expected a JSON object with a {field!r} field, "
                         f"got {type(record).__name__}")
                 if field not in record:
                     keys = ", ".join(map(repr, list(record)[:5])) or "none"
-                    raise ValueError(f"{where}: no {field!r} field (keys: {keys})")
+                    raise UserError(f"{where}: no {field!r} field (keys: {keys})")
                 text = record[field]
                 if not isinstance(text, str):
-                    raise ValueError(
+                    raise UserError(
                         f"{where}: field {field!r} must be a string, got {type(text).__name__}")
                 if text:
                     yield text
@@ -140,13 +141,13 @@ def write_token_shard(path: str | Path, ids: Iterable[int] | np.ndarray, vocab_s
     dtype = token_dtype(vocab_size).newbyteorder("<")
     arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
     if arr.ndim != 1:
-        raise ValueError(f"token shard ids: expected a flat sequence, got shape {arr.shape}")
+        raise UserError(f"token shard ids: expected a flat sequence, got shape {arr.shape}")
     if arr.size:
         if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"token shard ids: expected integers, got dtype {arr.dtype}")
+            raise UserError(f"token shard ids: expected integers, got dtype {arr.dtype}")
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"token shard ids: values span {lo}..{hi}, outside vocab_size={vocab_size}")
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -169,26 +170,26 @@ def shard_info(path: str | Path) -> dict[str, Any]:
     p = check_exists(path)
     side = shard_sidecar(p)
     if not side.is_file():
-        raise ValueError(
+        raise UserError(
             f"data.source='{path}': token shard has no sidecar '{side.name}' "
             "(write shards with meshtron.data.write_token_shard)")
     try:
         info = json.loads(side.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"data.source='{path}': sidecar '{side.name}' is not JSON ({exc.msg})") \
+        raise UserError(f"data.source='{path}': sidecar '{side.name}' is not JSON ({exc.msg})") \
             from None
     if not isinstance(info, dict) or info.get("format") != SHARD_FORMAT:
-        raise ValueError(
+        raise UserError(
             f"data.source='{path}': sidecar '{side.name}' is not a {SHARD_FORMAT} file")
     if info.get("version") != SHARD_VERSION or info.get("dtype") not in ("uint16", "uint32"):
-        raise ValueError(
+        raise UserError(
             f"data.source='{path}': unsupported shard version {info.get('version')!r} "
             f"or dtype {info.get('dtype')!r} (expected version {SHARD_VERSION}, uint16/uint32)")
     itemsize = np.dtype(info["dtype"]).itemsize
     expected = int(info["num_tokens"]) * itemsize
     actual = p.stat().st_size
     if actual != expected:
-        raise ValueError(
+        raise UserError(
             f"data.source='{path}': shard holds {actual} bytes, sidecar promises "
             f"{info['num_tokens']} x {info['dtype']} = {expected} (truncated or overwritten?)")
     return info

@@ -18,6 +18,8 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
+from meshtron.errors import UserError
+
 BYTE_VOCAB = 259
 """256 byte values plus BOS, EOS and PAD: the vocabulary of the tiny/debug model presets."""
 
@@ -28,9 +30,9 @@ SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits in 16 bits, else uint32 (what shards and corpora store)."""
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
-        raise ValueError(f"vocab_size={vocab_size!r}: must be a positive integer")
+        raise UserError(f"vocab_size={vocab_size!r}: must be a positive integer")
     if vocab_size >= 2**32:
-        raise ValueError(f"vocab_size={vocab_size}: must be below 2**32")
+        raise UserError(f"vocab_size={vocab_size}: must be below 2**32")
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
@@ -73,7 +75,7 @@ class ByteTokenizer:
             if 0 <= i < 256:
                 out.append(i)
             elif not 256 <= i < BYTE_VOCAB:
-                raise ValueError(f"token id {i}: outside the byte vocabulary 0..{BYTE_VOCAB - 1}")
+                raise UserError(f"token id {i}: outside the byte vocabulary 0..{BYTE_VOCAB - 1}")
         return out.decode("utf-8", errors="replace")
 
     def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
@@ -98,7 +100,7 @@ def _import_tokenizers() -> Any:
     try:
         import tokenizers
     except ImportError:
-        raise ValueError(
+        raise UserError(
             "data.tokenizer='bpe': needs the 'tokenizers' package, which is not installed "
             "(pip install 'meshtron[bpe]'), or use data.tokenizer='byte'") from None
     return tokenizers
@@ -118,7 +120,7 @@ class BPETokenizer:
         self._tok = backend
         ids = [backend.token_to_id(t) for t in SPECIAL_TOKENS]
         if any(i is None for i in ids):
-            raise ValueError(
+            raise UserError(
                 f"BPE tokenizer: missing special tokens {list(SPECIAL_TOKENS)}; "
                 "train it with BPETokenizer.train")
         self.bos_id, self.eos_id, self.pad_id = ids
@@ -130,7 +132,7 @@ class BPETokenizer:
         """Learn merges from `texts` until the vocabulary holds `vocab_size` tokens."""
         if (not isinstance(vocab_size, int) or isinstance(vocab_size, bool)
                 or not BYTE_VOCAB <= vocab_size < 2**31):
-            raise ValueError(
+            raise UserError(
                 f"data.bpe_vocab={vocab_size!r}: a byte-level BPE needs an integer "
                 f">= {BYTE_VOCAB} (256 bytes + 3 specials)")
         tk = _import_tokenizers()
@@ -151,13 +153,13 @@ class BPETokenizer:
     def load(cls, path: str | Path) -> BPETokenizer:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"data.tokenizer_path='{path}': does not exist")
+            raise UserError(f"data.tokenizer_path='{path}': does not exist")
         tk = _import_tokenizers()
         try:
             backend = tk.Tokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception on malformed files
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(
+            raise UserError(
                 f"data.tokenizer_path='{path}': not a tokenizers JSON file ({first})") from None
         return cls(backend)
 
@@ -178,7 +180,7 @@ class BPETokenizer:
         ids = [int(i) for i in ids]
         for i in ids:
             if not 0 <= i < self.vocab_size:
-                raise ValueError(
+                raise UserError(
                     f"token id {i}: outside the BPE vocabulary 0..{self.vocab_size - 1}")
         return self._tok.decode(ids, skip_special_tokens=True)
 
@@ -217,7 +219,7 @@ def build_tokenizer(kind: str = "byte", *, vocab_size: int | None = None,
     """
     if kind == "byte":
         if vocab_size is not None and vocab_size != BYTE_VOCAB:
-            raise ValueError(
+            raise UserError(
                 f"vocab_size={vocab_size!r}: the byte tokenizer has exactly {BYTE_VOCAB} ids")
         return ByteTokenizer()
     if kind == "bpe":
@@ -225,22 +227,22 @@ def build_tokenizer(kind: str = "byte", *, vocab_size: int | None = None,
             tok = BPETokenizer.load(path)
             # Fewer ids than asked is what training yields on a small corpus; more is a mismatch.
             if vocab_size is not None and tok.vocab_size > vocab_size:
-                raise ValueError(
+                raise UserError(
                     f"data.bpe_vocab={vocab_size}: the tokenizer at '{path}' has "
                     f"{tok.vocab_size} ids; delete it to retrain or set bpe_vocab={tok.vocab_size}")
             return tok
         if vocab_size is None:
-            raise ValueError(
+            raise UserError(
                 "data.bpe_vocab=None: training a BPE tokenizer needs a vocabulary size")
         if train_texts is None:
-            raise ValueError(
+            raise UserError(
                 "data.tokenizer='bpe': needs texts to train on or an existing tokenizer_path")
         tok = BPETokenizer.train(train_texts, vocab_size)
         if path is not None:
             tok.save(path)
         return tok
     allowed = ", ".join(map(repr, TOKENIZER_KINDS))
-    raise ValueError(f"data.tokenizer={kind!r}: must be one of {allowed}")
+    raise UserError(f"data.tokenizer={kind!r}: must be one of {allowed}")
 
 
 def tokenizer_info(tok: ByteTokenizer | BPETokenizer) -> dict[str, Any]:

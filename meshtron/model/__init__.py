@@ -4,7 +4,13 @@ The Transformer is imported lazily: the planner and the CLI read ModelSpecs with
 `import torch`.
 """
 
-from meshtron.model.spec import PRESETS, ModelSpec, from_hf_config, preset, resolve_model
+from meshtron.model.spec import (
+    PRESETS,
+    ModelSpec,
+    from_hf_config,
+    preset,
+    resolve_model,
+)
 
 __all__ = ["PRESETS", "ModelSpec", "Transformer", "cross_entropy_loss", "from_hf_config",
            "preset", "resolve_model"]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from meshtron.errors import UserError
+
 MLPKind = Literal["swiglu", "gelu"]
 NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
@@ -61,15 +63,15 @@ class ModelSpec:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model.{field}={value!r}: must be a positive integer")
+                raise UserError(f"model.{field}={value!r}: must be a positive integer")
         if self.hidden % self.heads:
-            raise ValueError(
+            raise UserError(
                 f"model.heads={self.heads}: must divide model.hidden={self.hidden}")
         if self.heads % self.kv_heads:
-            raise ValueError(
+            raise UserError(
                 f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(
+            raise UserError(
                 f"model.hidden/heads={self.head_dim}: rotary embeddings need an even head size")
         _check_choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
@@ -143,7 +145,7 @@ class ModelSpec:
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{field}={value!r}: allowed values are {', '.join(allowed)}")
+        raise UserError(f"{field}={value!r}: allowed values are {', '.join(allowed)}")
 
 
 # ---- presets ----------------------------------------------------------------------------------
@@ -181,7 +183,7 @@ def preset(name: str) -> ModelSpec:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(
+        raise UserError(
             f"model={name!r}: unknown preset; allowed: {', '.join(PRESETS)} "
             "or a path to a Hugging Face config.json") from None
 
@@ -195,30 +197,30 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face `config.json` into a ModelSpec."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"model={str(path)!r}: file does not exist")
+        raise UserError(f"model={str(path)!r}: file does not exist")
     try:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"model={str(path)!r}: not valid JSON ({exc})") from None
+        raise UserError(f"model={str(path)!r}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"model={str(path)!r}: config.json must hold a JSON object")
+        raise UserError(f"model={str(path)!r}: config.json must hold a JSON object")
     return from_hf_dict(cfg, name=path.parent.name or path.stem)
 
 
 def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     mtype = cfg.get("model_type")
     if mtype not in _HF_TYPES:
-        raise ValueError(
+        raise UserError(
             f"config.json model_type={mtype!r}: supported model types are {', '.join(_HF_TYPES)}")
 
     def need(key: str) -> Any:
         if key not in cfg:
-            raise ValueError(f"config.json {key}: missing (required for model_type {mtype!r})")
+            raise UserError(f"config.json {key}: missing (required for model_type {mtype!r})")
         return cfg[key]
 
     if mtype in _HF_LLAMA_LIKE:
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
+            raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
                              f"supported for model_type {mtype!r}")
         heads = need("num_attention_heads")
         return ModelSpec(
@@ -235,7 +237,7 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         hidden = need("hidden_size")
         rotary_pct = cfg.get("rotary_pct", 1.0)
         if rotary_pct != 1.0:
-            raise ValueError(f"config.json rotary_pct={rotary_pct!r}: only full rotary (1.0) "
+            raise UserError(f"config.json rotary_pct={rotary_pct!r}: only full rotary (1.0) "
                              "is supported")
         return ModelSpec(
             name=name, layers=need("num_hidden_layers"), hidden=hidden,

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.errors import UserError
 from meshtron.parallel.data_parallel import apply_data_parallel, zero1_optimizer
 from meshtron.parallel.mesh import Layout, resolve_plan
 from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
@@ -131,7 +132,7 @@ class ParallelModel:
         lay = self.layout
         local_batch = inputs.shape[0]
         if local_batch % lay.micro_batch:
-            raise ValueError(f"plan.micro_batch={lay.micro_batch}: must divide the per-rank batch "
+            raise UserError(f"plan.micro_batch={lay.micro_batch}: must divide the per-rank batch "
                              f"{local_batch} (global batch / dp)")
         n_micro = local_batch // lay.micro_batch
         inputs = inputs.to(self.device)
@@ -288,7 +289,7 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     lay = resolve_plan(plan, mesh.size(), spec)
     if tuple(mesh.mesh_dim_names[:4]) != ("dp_replicate", "dp_shard", "pp", "tp") or \
             tuple(mesh.shape) != lay.mesh_shape:
-        raise ValueError(f"mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}: does not "
+        raise UserError(f"mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}: does not "
                          f"match the plan's {lay.mesh_shape}; build it with build_mesh(plan)")
     device = _mesh_device(mesh)
     if not any(p.is_meta for p in model.parameters()):

@@ -36,6 +36,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from meshtron.errors import UserError
+
 
 def data_parallel_mesh(mesh, lay):
     """The mesh FSDP2 runs on: 1-D "dp_shard" or 2-D ("dp_replicate", "dp_shard") for HSDP."""
@@ -101,7 +103,7 @@ def zero1_optimizer(params: Iterable[nn.Parameter], dp_group, optimizer_cls=torc
     owner = _partition(params, n)
     mine = [p for p, o in zip(params, owner) if o == me]
     if not mine:
-        raise ValueError(f"plan.zero=1: data-parallel rank {me} owns no parameters "
+        raise UserError(f"plan.zero=1: data-parallel rank {me} owns no parameters "
                          f"({len(params)} parameters over {n} ranks)")
     opt = optimizer_cls(mine, **optim_kwargs)
     by_owner = [[p for p, o in zip(params, owner) if o == j] for j in range(n)]

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from meshtron.errors import UserError
+
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
 
 # `mesh["dp"]` (the flattened data axis) works on torch 2.13 but warns on every slice, once per
@@ -76,7 +78,7 @@ def _int(plan: Any, name: str, default: int, minimum: int = 1) -> int:
     if value is None:
         value = default
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"plan.{name}={value!r}: must be an integer >= {minimum}")
+        raise UserError(f"plan.{name}={value!r}: must be an integer >= {minimum}")
     return value
 
 
@@ -94,16 +96,16 @@ def resolve_plan(plan: Any, world_size: int | None = None, spec: Any = None) -> 
         dp = _int(plan, "dp", 1)
         zero = _int(plan, "zero", 0, minimum=0)
         if zero > 3:
-            raise ValueError(f"plan.zero={zero}: allowed values are 0, 1, 2, 3")
+            raise UserError(f"plan.zero={zero}: allowed values are 0, 1, 2, 3")
         micro_batch = _int(plan, "micro_batch", 1)
         recompute = getattr(plan, "recompute", "none") or "none"
         if recompute not in RECOMPUTE:
-            raise ValueError(f"plan.recompute={recompute!r}: allowed values are "
+            raise UserError(f"plan.recompute={recompute!r}: allowed values are "
                              f"{', '.join(RECOMPUTE)}")
         sp = bool(getattr(plan, "sp", False))
         schedule = str(getattr(plan, "schedule", "1f1b") or "1f1b").lower()
         if schedule not in SCHEDULES:
-            raise ValueError(f"plan.schedule={schedule!r}: allowed values are "
+            raise UserError(f"plan.schedule={schedule!r}: allowed values are "
                              f"{', '.join(SCHEDULES)}")
         virtual_stages = _int(plan, "virtual_stages", 1)
         stage_layers = tuple(getattr(plan, "stage_layers", None) or ())
@@ -116,11 +118,11 @@ def resolve_plan(plan: Any, world_size: int | None = None, spec: Any = None) -> 
         precision = {"bfloat16": "bf16", "float32": "fp32", "true": "bf16",
                      "false": "fp32"}.get(precision, precision)
         if precision not in ("fp32", "bf16"):
-            raise ValueError(f"plan.precision={precision!r}: allowed values are fp32, bf16")
+            raise UserError(f"plan.precision={precision!r}: allowed values are fp32, bf16")
         r = _int(plan, "dp_replicate", 1)
         if zero >= 2:
             if dp % r:
-                raise ValueError(f"plan.dp_replicate={r}: must divide plan.dp={dp}")
+                raise UserError(f"plan.dp_replicate={r}: must divide plan.dp={dp}")
             dp_replicate, dp_shard = r, dp // r
         else:
             dp_replicate, dp_shard = dp, 1
@@ -134,29 +136,29 @@ def resolve_plan(plan: Any, world_size: int | None = None, spec: Any = None) -> 
 
 def _validate(lay: Layout, world_size: int | None, spec: Any) -> None:
     if world_size is not None and lay.world_size != world_size:
-        raise ValueError(f"plan.dp*tp*pp={lay.dp}*{lay.tp}*{lay.pp}={lay.world_size}: must equal "
+        raise UserError(f"plan.dp*tp*pp={lay.dp}*{lay.tp}*{lay.pp}={lay.world_size}: must equal "
                          f"the world size {world_size}")
     if lay.pp == 1 and lay.virtual_stages != 1:
-        raise ValueError(f"plan.virtual_stages={lay.virtual_stages}: needs plan.pp > 1")
+        raise UserError(f"plan.virtual_stages={lay.virtual_stages}: needs plan.pp > 1")
     if lay.schedule == "zb" and lay.pp > 1 and lay.zero == 3:
         # Measured: zero-bubble schedules + FSDP2 reshard_after_forward=True silently drift.
-        raise ValueError("plan.schedule='zb' with plan.zero=3: zero-bubble schedules give wrong "
+        raise UserError("plan.schedule='zb' with plan.zero=3: zero-bubble schedules give wrong "
                          "gradients with FSDP2 resharding after forward on torch 2.13; use zero=2 "
                          "or another schedule")
     if lay.stage_layers and len(lay.stage_layers) != lay.num_stages:
-        raise ValueError(f"plan.stage_layers has {len(lay.stage_layers)} entries: must be "
+        raise UserError(f"plan.stage_layers has {len(lay.stage_layers)} entries: must be "
                          f"pp*virtual_stages={lay.num_stages}")
     if spec is None:
         return
     if spec.heads % lay.tp:
-        raise ValueError(f"plan.tp={lay.tp}: must divide model.heads={spec.heads}")
+        raise UserError(f"plan.tp={lay.tp}: must divide model.heads={spec.heads}")
     if spec.kv_heads % lay.tp:
-        raise ValueError(f"plan.tp={lay.tp}: must divide model.kv_heads={spec.kv_heads} "
+        raise UserError(f"plan.tp={lay.tp}: must divide model.kv_heads={spec.kv_heads} "
                          "(key/value heads are not replicated across tensor-parallel ranks)")
     if spec.ffn_hidden % lay.tp:
-        raise ValueError(f"plan.tp={lay.tp}: must divide model.ffn_hidden={spec.ffn_hidden}")
+        raise UserError(f"plan.tp={lay.tp}: must divide model.ffn_hidden={spec.ffn_hidden}")
     if lay.pp > 1 and getattr(spec, "tied_embeddings", False):
-        raise ValueError("plan.pp>1 with model.tied_embeddings: tied input/output embeddings "
+        raise UserError("plan.pp>1 with model.tied_embeddings: tied input/output embeddings "
                          "across pipeline stages are not supported")
     if lay.num_stages > 1:
         stage_layer_counts(lay, spec.layers)
@@ -168,16 +170,16 @@ def stage_layer_counts(lay: Layout, num_layers: int) -> list[int]:
     if lay.stage_layers:
         counts = list(lay.stage_layers)
         if any((not isinstance(c, int)) or c < 0 for c in counts):
-            raise ValueError(f"plan.stage_layers={counts}: entries must be integers >= 0")
+            raise UserError(f"plan.stage_layers={counts}: entries must be integers >= 0")
         if sum(counts) != num_layers:
-            raise ValueError(f"plan.stage_layers={counts}: sums to {sum(counts)}, the model has "
+            raise UserError(f"plan.stage_layers={counts}: sums to {sum(counts)}, the model has "
                              f"{num_layers} layers")
         for i, c in enumerate(counts):
             if c == 0 and 0 < i < n - 1:
-                raise ValueError(f"plan.stage_layers={counts}: middle stage {i} has no layers")
+                raise UserError(f"plan.stage_layers={counts}: middle stage {i} has no layers")
         return counts
     if n > num_layers:
-        raise ValueError(f"plan.pp*virtual_stages={n}: more pipeline stages than model layers "
+        raise UserError(f"plan.pp*virtual_stages={n}: more pipeline stages than model layers "
                          f"({num_layers})")
     base, extra = divmod(num_layers, n)
     # Remainder layers go to the middle stages first: the first and last carry embedding/head.

@@ -27,11 +27,10 @@ per-micro-batch mean, so gradients are the mean over the rank's local batch.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
+from meshtron.errors import UserError
 from meshtron.parallel.mesh import Layout, stage_layer_counts
 
 
@@ -90,13 +89,13 @@ def build_schedule(stages: list, lay: Layout, n_microbatches: int, loss_fn):
     elif lay.schedule == "zb":
         cls = S.ScheduleZBVZeroBubble if v == 2 else S.ScheduleInterleavedZeroBubble
     else:  # resolve_plan already rejects these
-        raise ValueError(f"plan.schedule={lay.schedule!r}: unknown")
+        raise UserError(f"plan.schedule={lay.schedule!r}: unknown")
     if issubclass(cls, S.PipelineScheduleSingle):
         if len(stages) != 1:
-            raise ValueError(f"plan.schedule={lay.schedule!r}: single-stage schedule but this "
+            raise UserError(f"plan.schedule={lay.schedule!r}: single-stage schedule but this "
                              f"rank holds {len(stages)} stages")
         if cls is S.Schedule1F1B and n_microbatches < lay.pp:
-            raise ValueError(f"plan.micro_batch: {n_microbatches} micro-batches per step, 1F1B "
+            raise UserError(f"plan.micro_batch: {n_microbatches} micro-batches per step, 1F1B "
                              f"needs at least pp={lay.pp}")
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -30,6 +30,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from meshtron.errors import UserError
+
 
 def _saved_ops() -> set:
     """Ops whose outputs selective recompute keeps: matrix multiplies of the linear layers and
@@ -65,14 +67,16 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """Wrap each block of `model.layers` for recomputation ('none' | 'selective' | 'full')."""
     if mode == "none":
         return model
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     if mode == "full":
         wrap = partial(checkpoint_wrapper, preserve_rng_state=True)
     elif mode == "selective":
         wrap = partial(checkpoint_wrapper, context_fn=_selective_context, preserve_rng_state=True)
     else:
-        raise ValueError(f"plan.recompute={mode!r}: allowed values are none, selective, full")
+        raise UserError(f"plan.recompute={mode!r}: allowed values are none, selective, full")
     for key, block in list(model.layers.items()):
         model.layers[key] = wrap(block)
     return model

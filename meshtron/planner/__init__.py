@@ -16,7 +16,7 @@ partition), estimate (one plan's cost), search (enumeration, ranking, explanatio
 saved Plan and fixed Knobs), report (table and JSON), cli (`meshtron plan`).
 """
 
-from meshtron.planner.cluster import ClusterSpec, GPU_CATALOGUE, resolve_cluster
+from meshtron.planner.cluster import GPU_CATALOGUE, ClusterSpec, resolve_cluster
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Config, Estimate, Evaluator
 from meshtron.planner.plan import Knobs, Plan, load_plan

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec, preset
 from meshtron.planner.cluster import ClusterSpec, preset_cluster
 from meshtron.planner.compute import KernelOptions
@@ -79,7 +80,7 @@ def predict_megatron_row(row: dict[str, str]) -> Prediction:
             if est.fits and (best is None or est.step_time_s < best.step_time_s):
                 best = est
     if best is None:
-        raise ValueError(f"row {row['params_b']}B: no micro-batch fits in memory")
+        raise UserError(f"row {row['params_b']}B: no micro-batch fits in memory")
     flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     return Prediction(row=row, estimate=best, published=float(row["tflops_per_gpu"]),
                       predicted_csv_formula=flops / best.step_time_s / gpus / 1e12)
@@ -277,5 +278,5 @@ def predict_published(run: PublishedRun) -> PublishedPrediction:
             if fastest is None or t.step_time_s < fastest.step_time_s:
                 fastest = t
     if lean is None or fastest is None:
-        raise ValueError(f"{run.name}: no schedule is valid for the published layout")
+        raise UserError(f"{run.name}: no schedule is valid for the published layout")
     return PublishedPrediction(run, best or lean, fastest)

@@ -16,6 +16,8 @@ import re
 import sys
 from typing import Any
 
+from meshtron.errors import UserError
+
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens, typical LLM pre-training batch
 
 
@@ -54,11 +56,11 @@ def register(subparsers: Any) -> None:
 def parse_tokens(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kKmMbBtT]?)\s*", str(text))
     if not m:
-        raise ValueError(f"tokens={text!r}: expected a number like 2e12, 300B or 15T")
+        raise UserError(f"tokens={text!r}: expected a number like 2e12, 300B or 15T")
     scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
     value = float(m.group(1)) * scale
     if value <= 0:
-        raise ValueError(f"tokens={text!r}: must be positive")
+        raise UserError(f"tokens={text!r}: must be positive")
     return value
 
 
@@ -66,11 +68,14 @@ def load_model(text: str):
     from meshtron.model.spec import resolve_model
 
     if text.endswith(".toml"):
-        from meshtron.config import load_toml, model_from_value  # the foundation's TOML model form
+        from meshtron.config import (  # the foundation's TOML model form
+            load_toml,
+            model_from_value,
+        )
 
         doc = load_toml(text, field="model")
         if "model" not in doc:
-            raise ValueError(f"model={text!r}: the TOML file has no 'model' key or [model] table")
+            raise UserError(f"model={text!r}: the TOML file has no 'model' key or [model] table")
         return model_from_value(doc["model"])
     return resolve_model(text)
 
@@ -94,17 +99,17 @@ def run(args: argparse.Namespace) -> int:
     cluster = resolve_cluster(args.cluster)
     tokens = parse_tokens(args.tokens)
     if args.top <= 0:
-        raise ValueError(f"top={args.top}: must be a positive integer")
+        raise UserError(f"top={args.top}: must be a positive integer")
     seq = args.seq_len if args.seq_len is not None else model.max_seq
     if seq <= 0:
-        raise ValueError(f"seq-len={seq}: must be a positive integer")
+        raise UserError(f"seq-len={seq}: must be a positive integer")
     if seq > model.max_seq:
-        raise ValueError(f"seq-len={seq}: exceeds the model's max_seq={model.max_seq}")
+        raise UserError(f"seq-len={seq}: exceeds the model's max_seq={model.max_seq}")
     batch = args.global_batch
     if batch is None:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
     if batch <= 0:
-        raise ValueError(f"global-batch={batch}: must be a positive integer")
+        raise UserError(f"global-batch={batch}: must be a positive integer")
     opts = KernelOptions(attention=args.attention, dropout=args.dropout)
     result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
                           options=opts)
@@ -116,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if not result.fits:
         line = report.render_no_fit(result, Console(file=sys.stderr if args.json else sys.stdout,
                                                      width=200))
-        raise ValueError(line)
+        raise UserError(line)
     if args.save:
         plan = result.best.to_plan(args.model, args.cluster, cluster.num_gpus, batch, seq,
                                    args.attention)

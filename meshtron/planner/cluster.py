@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshtron.errors import UserError
+
 
 @dataclass(frozen=True)
 class GPUType:
@@ -99,7 +101,7 @@ def gpu_type(name: str, field: str = "gpu") -> GPUType:
     lowered = {k.lower(): v for k, v in GPU_CATALOGUE.items()}
     if key.lower() in lowered:
         return lowered[key.lower()]
-    raise ValueError(f"{field}={name!r}: unknown GPU; known: {', '.join(GPU_CATALOGUE)} "
+    raise UserError(f"{field}={name!r}: unknown GPU; known: {', '.join(GPU_CATALOGUE)} "
                      "(or give peak_tflops and memory_gib instead of gpu)")
 
 
@@ -142,20 +144,20 @@ class ClusterSpec:
         for field in ("gpus_per_node", "nodes"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"cluster.{field}={value!r}: must be a positive integer")
+                raise UserError(f"cluster.{field}={value!r}: must be a positive integer")
         for field in ("intra_node_latency_us", "inter_node_latency_us"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"cluster.{field}={value!r}: must be a number >= 0")
+                raise UserError(f"cluster.{field}={value!r}: must be a number >= 0")
         if self.hbm_gb_per_s is not None:
             _positive("cluster.hbm_gb_per_s", self.hbm_gb_per_s)
         for field in ("matmul_efficiency", "bandwidth_efficiency"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, float)) and 0 < value <= 1):
-                raise ValueError(f"cluster.{field}={value!r}: must be a fraction in (0, 1]")
+                raise UserError(f"cluster.{field}={value!r}: must be a fraction in (0, 1]")
         if self.price_per_gpu_hour is not None and not (
                 isinstance(self.price_per_gpu_hour, (int, float)) and self.price_per_gpu_hour >= 0):
-            raise ValueError(f"cluster.price_per_gpu_hour={self.price_per_gpu_hour!r}: "
+            raise UserError(f"cluster.price_per_gpu_hour={self.price_per_gpu_hour!r}: "
                              "must be a number >= 0")
 
     # ---- derived figures used by the cost model ----------------------------------------------
@@ -196,13 +198,13 @@ class ClusterSpec:
 def _positive(field: str, value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
             or not math.isfinite(value):
-        raise ValueError(f"{field}={value!r}: must be a positive number")
+        raise UserError(f"{field}={value!r}: must be a positive number")
 
 
 def preset_cluster(kind: str, nodes: int) -> ClusterSpec:
     """`dgx-a100`, `dgx-h100` or `dgx-h200` with `nodes` nodes of 8 GPUs."""
     if kind not in CLUSTER_PRESETS:
-        raise ValueError(f"cluster={kind!r}: unknown preset; allowed: "
+        raise UserError(f"cluster={kind!r}: unknown preset; allowed: "
                          f"{', '.join(k + ':N' for k in CLUSTER_PRESETS)} or a TOML file")
     g = GPU_CATALOGUE[CLUSTER_PRESETS[kind]]
     return ClusterSpec(name=f"{kind}:{nodes}", gpu=g.name, peak_tflops=g.peak_tflops,
@@ -223,13 +225,13 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
         data = data["cluster"]
     unknown = sorted(set(data) - _CLUSTER_KEYS)
     if unknown:
-        raise ValueError(f"cluster.{unknown[0]}: unknown key; allowed: {', '.join(sorted(_CLUSTER_KEYS))}")
+        raise UserError(f"cluster.{unknown[0]}: unknown key; allowed: {', '.join(sorted(_CLUSTER_KEYS))}")
     values = dict(data)
     values.setdefault("name", name)
     gpu = values.get("gpu")
     if gpu is not None:
         if not isinstance(gpu, str):
-            raise ValueError(f"cluster.gpu={gpu!r}: must be a GPU name string")
+            raise UserError(f"cluster.gpu={gpu!r}: must be a GPU name string")
         g = gpu_type(gpu, "cluster.gpu")
         values["gpu"] = g.name
         values.setdefault("peak_tflops", g.peak_tflops)
@@ -239,7 +241,7 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
                 "inter_node_gb_per_s"):
         if key not in values:
             hint = " (or a known gpu name)" if key in ("peak_tflops", "memory_gib") else ""
-            raise ValueError(f"cluster.{key}: missing; required{hint}")
+            raise UserError(f"cluster.{key}: missing; required{hint}")
     return ClusterSpec(**values)
 
 
@@ -258,9 +260,9 @@ def resolve_cluster(text: str | Path | ClusterSpec) -> ClusterSpec:
     if m and not Path(text).exists():
         nodes = int(m.group(2))
         if nodes <= 0:
-            raise ValueError(f"cluster={text!r}: node count must be a positive integer")
+            raise UserError(f"cluster={text!r}: node count must be a positive integer")
         return preset_cluster(m.group(1), nodes)
     if text.endswith(".toml") or Path(text).exists():
         return load_cluster_toml(text)
-    raise ValueError(f"cluster={text!r}: expected a preset "
+    raise UserError(f"cluster={text!r}: expected a preset "
                      f"({', '.join(k + ':N' for k in CLUSTER_PRESETS)}) or a TOML file path")

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
 from meshtron.planner.cluster import ClusterSpec
@@ -67,7 +68,7 @@ class KernelOptions:
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention={self.attention!r}: allowed values are "
+            raise UserError(f"attention={self.attention!r}: allowed values are "
                              f"{', '.join(ATTENTION_KINDS)}")
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import tomli_w
 
+from meshtron.errors import UserError
 from meshtron.planner.pipeline import SCHEDULES
 
 FORMAT = "meshtron-plan/1"
@@ -53,7 +54,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 def _pos_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
+        raise UserError(f"{name}={value!r}: must be a positive integer")
 
 
 @dataclass(frozen=True)
@@ -100,32 +101,32 @@ class Plan:
                      "virtual_stages"):
             _pos_int(f"plan.{name}", getattr(self, name))
         if self.tp * self.pp * self.dp != self.gpus:
-            raise ValueError(f"plan.gpus={self.gpus}: must equal tp*pp*dp = "
+            raise UserError(f"plan.gpus={self.gpus}: must equal tp*pp*dp = "
                              f"{self.tp}*{self.pp}*{self.dp} = {self.tp * self.pp * self.dp}")
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ValueError(f"plan.zero={self.zero!r}: allowed values are 0, 1, 2, 3")
+            raise UserError(f"plan.zero={self.zero!r}: allowed values are 0, 1, 2, 3")
         if self.recompute not in RECOMPUTE:
-            raise ValueError(f"plan.recompute={self.recompute!r}: allowed values are "
+            raise UserError(f"plan.recompute={self.recompute!r}: allowed values are "
                              f"{', '.join(RECOMPUTE)}")
         if not isinstance(self.sp, bool):
-            raise ValueError(f"plan.sp={self.sp!r}: must be true or false")
+            raise UserError(f"plan.sp={self.sp!r}: must be true or false")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"plan.schedule={self.schedule!r}: allowed values are "
+            raise UserError(f"plan.schedule={self.schedule!r}: allowed values are "
                              f"{', '.join(SCHEDULES)}")
         if self.virtual_stages != 1 and self.schedule != "interleaved":
-            raise ValueError(f"plan.virtual_stages={self.virtual_stages}: must be 1 unless "
+            raise UserError(f"plan.virtual_stages={self.virtual_stages}: must be 1 unless "
                              "schedule is 'interleaved'")
         if self.global_batch % (self.dp * self.micro_batch):
-            raise ValueError(f"plan.global_batch={self.global_batch}: must be divisible by "
+            raise UserError(f"plan.global_batch={self.global_batch}: must be divisible by "
                              f"dp*micro_batch = {self.dp * self.micro_batch}")
         if (not isinstance(self.stage_layers, list)
                 or len(self.stage_layers) != self.pp * self.virtual_stages
                 or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
                        for n in self.stage_layers)):
-            raise ValueError(f"plan.stage_layers={self.stage_layers!r}: must list "
+            raise UserError(f"plan.stage_layers={self.stage_layers!r}: must list "
                              f"pp*virtual_stages = {self.pp * self.virtual_stages} positive layer counts")
         if self.attention not in ("flash", "unfused"):
-            raise ValueError(f"plan.attention={self.attention!r}: allowed values are flash, unfused")
+            raise UserError(f"plan.attention={self.attention!r}: allowed values are flash, unfused")
 
     @property
     def num_microbatches(self) -> int:
@@ -162,18 +163,18 @@ class Plan:
         data = dict(data)
         fmt = data.pop("format", FORMAT)
         if fmt != FORMAT:
-            raise ValueError(f"plan.format={fmt!r}: allowed value is {FORMAT!r}")
+            raise UserError(f"plan.format={fmt!r}: allowed value is {FORMAT!r}")
         derived = data.pop("num_microbatches", None)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ValueError(f"plan.{unknown[0]}: unknown key; allowed: {', '.join(sorted(names))}")
+            raise UserError(f"plan.{unknown[0]}: unknown key; allowed: {', '.join(sorted(names))}")
         missing = sorted(n for n in names - set(data) if n not in ("attention", "predicted"))
         if missing:
-            raise ValueError(f"plan.{missing[0]}: missing")
+            raise UserError(f"plan.{missing[0]}: missing")
         plan = cls(**data)
         if derived is not None and derived != plan.num_microbatches:
-            raise ValueError(f"plan.num_microbatches={derived!r}: must equal "
+            raise UserError(f"plan.num_microbatches={derived!r}: must equal "
                              f"global_batch/(dp*micro_batch) = {plan.num_microbatches}")
         return plan
 
@@ -182,7 +183,7 @@ class Plan:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"plan: not valid TOML ({exc})") from None
+            raise UserError(f"plan: not valid TOML ({exc})") from None
         return cls.from_dict(data)
 
 
@@ -190,7 +191,7 @@ def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan written by `meshtron plan --save`."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"plan={str(path)!r}: file does not exist")
+        raise UserError(f"plan={str(path)!r}: file does not exist")
     return Plan.from_toml(path.read_text())
 
 
@@ -224,17 +225,17 @@ class Knobs:
             if value is not None:
                 _pos_int(name, value)
         if self.zero is not None and (self.zero not in ZERO_STAGES or isinstance(self.zero, bool)):
-            raise ValueError(f"zero={self.zero!r}: allowed values are 0, 1, 2, 3")
+            raise UserError(f"zero={self.zero!r}: allowed values are 0, 1, 2, 3")
         if self.recompute is not None and self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute={self.recompute!r}: allowed values are {', '.join(RECOMPUTE)}")
+            raise UserError(f"recompute={self.recompute!r}: allowed values are {', '.join(RECOMPUTE)}")
         if self.sp is not None and not isinstance(self.sp, bool):
-            raise ValueError(f"sp={self.sp!r}: allowed values are on, off")
+            raise UserError(f"sp={self.sp!r}: allowed values are on, off")
         if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: allowed values are 1f1b, "
+            raise UserError(f"schedule={self.schedule!r}: allowed values are 1f1b, "
                              "interleaved[:V], zb, gpipe")
         if (self.virtual_stages is not None and self.virtual_stages > 1
                 and self.schedule not in (None, "interleaved")):
-            raise ValueError(f"schedule={self.schedule!r}: virtual stages "
+            raise UserError(f"schedule={self.schedule!r}: virtual stages "
                              f"({self.virtual_stages}) need the interleaved schedule")
 
     @classmethod
@@ -246,7 +247,7 @@ class Knobs:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(fixed) - names)
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown knob; allowed: {', '.join(sorted(names))}")
+            raise UserError(f"{unknown[0]}: unknown knob; allowed: {', '.join(sorted(names))}")
         values = dict(fixed)
         if isinstance(values.get("schedule"), str) and ":" in values["schedule"]:
             sched, v = parse_schedule(values["schedule"])
@@ -270,15 +271,15 @@ def parse_layout(text: str) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"(tp|pp|dp)\s*=\s*(\d+)", part)
         if not m:
-            raise ValueError(f"layout={text!r}: expected comma-separated tp=N, pp=N, dp=N")
+            raise UserError(f"layout={text!r}: expected comma-separated tp=N, pp=N, dp=N")
         key, value = m.group(1), int(m.group(2))
         if value <= 0:
-            raise ValueError(f"layout {key}={value}: must be a positive integer")
+            raise UserError(f"layout {key}={value}: must be a positive integer")
         if key in out:
-            raise ValueError(f"layout={text!r}: {key} given twice")
+            raise UserError(f"layout={text!r}: {key} given twice")
         out[key] = value
     if not out:
-        raise ValueError(f"layout={text!r}: expected comma-separated tp=N, pp=N, dp=N")
+        raise UserError(f"layout={text!r}: expected comma-separated tp=N, pp=N, dp=N")
     return out
 
 
@@ -286,14 +287,14 @@ def parse_schedule(text: str) -> tuple[str, int | None]:
     """'1f1b' | 'interleaved' | 'interleaved:3' | 'zb' | 'gpipe' -> (schedule, virtual stages)."""
     m = re.fullmatch(r"(1f1b|interleaved|zb|gpipe)(?::(\d+))?", text.strip().lower())
     if not m:
-        raise ValueError(f"schedule={text!r}: allowed values are 1f1b, interleaved, "
+        raise UserError(f"schedule={text!r}: allowed values are 1f1b, interleaved, "
                          "interleaved:V, zb, gpipe")
     sched, v = m.group(1), m.group(2)
     if v is not None:
         if sched != "interleaved":
-            raise ValueError(f"schedule={text!r}: only 'interleaved' takes a virtual-stage count")
+            raise UserError(f"schedule={text!r}: only 'interleaved' takes a virtual-stage count")
         if int(v) < 2:
-            raise ValueError(f"schedule={text!r}: interleaving needs at least 2 virtual stages")
+            raise UserError(f"schedule={text!r}: interleaving needs at least 2 virtual stages")
         return sched, int(v)
     return sched, (1 if sched != "interleaved" else None)
 
@@ -304,7 +305,7 @@ def parse_on_off(name: str, text: str) -> bool:
         return True
     if t in ("off", "false", "no", "0"):
         return False
-    raise ValueError(f"{name}={text!r}: allowed values are on, off")
+    raise UserError(f"{name}={text!r}: allowed values are on, off")
 
 
 def fixed_knobs(layout: str | None = None, zero: int | None = None, recompute: str | None = None,

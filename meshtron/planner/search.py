@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import memory
 from meshtron.planner.cluster import ClusterSpec
@@ -113,52 +114,52 @@ class _Space:
         gpn = cluster.gpus_per_node
         k = knobs
         if global_batch <= 0 or seq_len <= 0:
-            raise ValueError(f"global_batch={global_batch}, seq_len={seq_len}: must be positive")
+            raise UserError(f"global_batch={global_batch}, seq_len={seq_len}: must be positive")
         if k.tp is not None:
             if k.tp > gpn:
-                raise ValueError(f"tp={k.tp}: must be at most gpus_per_node={gpn} "
+                raise UserError(f"tp={k.tp}: must be at most gpus_per_node={gpn} "
                                  "(tensor parallelism stays inside a node)")
             if gpn % k.tp:
-                raise ValueError(f"tp={k.tp}: must divide gpus_per_node={gpn}")
+                raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn}")
             if model.heads % k.tp or model.kv_heads % k.tp:
-                raise ValueError(f"tp={k.tp}: must divide heads={model.heads} and "
+                raise UserError(f"tp={k.tp}: must divide heads={model.heads} and "
                                  f"kv_heads={model.kv_heads}")
         if k.pp is not None and k.pp > model.layers:
-            raise ValueError(f"pp={k.pp}: must be at most layers={model.layers}")
+            raise UserError(f"pp={k.pp}: must be at most layers={model.layers}")
         if k.tp and k.pp and k.dp and k.tp * k.pp * k.dp != n:
-            raise ValueError(f"layout tp={k.tp},pp={k.pp},dp={k.dp}: tp*pp*dp = "
+            raise UserError(f"layout tp={k.tp},pp={k.pp},dp={k.dp}: tp*pp*dp = "
                              f"{k.tp * k.pp * k.dp}, but the cluster has {n} GPUs")
         for name in ("tp", "pp", "dp"):
             val = getattr(k, name)
             if val is not None and n % val:
-                raise ValueError(f"{name}={val}: must divide the cluster's {n} GPUs")
+                raise UserError(f"{name}={val}: must divide the cluster's {n} GPUs")
         fixed_prod = (k.tp or 1) * (k.pp or 1) * (k.dp or 1)
         if n % fixed_prod:
-            raise ValueError(f"layout {k.to_dict()}: product {fixed_prod} does not divide "
+            raise UserError(f"layout {k.to_dict()}: product {fixed_prod} does not divide "
                              f"the cluster's {n} GPUs")
         if k.dp is not None and global_batch % k.dp:
-            raise ValueError(f"global_batch={global_batch}: must be divisible by dp={k.dp}")
+            raise UserError(f"global_batch={global_batch}: must be divisible by dp={k.dp}")
         if k.dp is not None and k.micro_batch is not None and global_batch % (k.dp * k.micro_batch):
-            raise ValueError(f"micro_batch={k.micro_batch}: global_batch={global_batch} must be "
+            raise UserError(f"micro_batch={k.micro_batch}: global_batch={global_batch} must be "
                              f"divisible by dp*micro_batch = {k.dp * k.micro_batch}")
         if k.micro_batch is not None and global_batch % k.micro_batch:
-            raise ValueError(f"micro_batch={k.micro_batch}: must divide global_batch={global_batch}")
+            raise UserError(f"micro_batch={k.micro_batch}: must divide global_batch={global_batch}")
         if k.schedule not in (None, "1f1b") and k.pp == 1:
-            raise ValueError(f"schedule={k.schedule}: needs pp > 1 (pp=1 has no pipeline)")
+            raise UserError(f"schedule={k.schedule}: needs pp > 1 (pp=1 has no pipeline)")
         if k.sp and k.tp == 1:
-            raise ValueError("sp=on: sequence parallelism needs tp > 1")
+            raise UserError("sp=on: sequence parallelism needs tp > 1")
         if k.virtual_stages is not None and k.pp is not None and k.virtual_stages > 1 \
                 and k.virtual_stages * k.pp > model.layers:
-            raise ValueError(f"schedule=interleaved:{k.virtual_stages}: needs at least "
+            raise UserError(f"schedule=interleaved:{k.virtual_stages}: needs at least "
                              f"{k.virtual_stages} layers per stage (pp={k.pp}, layers={model.layers})")
         self.knobs = k
         if k.pp is not None and k.pp > 1 and model.tied_embeddings:
-            raise ValueError(f"pp={k.pp}: model {model.name} ties its input and output "
+            raise UserError(f"pp={k.pp}: model {model.name} ties its input and output "
                              "embeddings, which the runtime cannot split across pipeline stages")
         if k.tp is not None and model.ffn_hidden % k.tp:
-            raise ValueError(f"tp={k.tp}: must divide ffn_hidden={model.ffn_hidden}")
+            raise UserError(f"tp={k.tp}: must divide ffn_hidden={model.ffn_hidden}")
         if k.schedule == "zb" and k.zero == 3 and (k.pp or 2) > 1:
-            raise ValueError("schedule=zb with zero=3: zero-bubble schedules drift silently with "
+            raise UserError("schedule=zb with zero=3: zero-bubble schedules drift silently with "
                              "FSDP2 resharding after forward on torch 2.13; use zero 0-2")
         self.tps = [k.tp] if k.tp else [t for t in _divisors(gpn)
                                          if model.heads % t == 0 and model.kv_heads % t == 0
@@ -303,7 +304,7 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
             if lean is None or need < lean.memory.total:
                 lean = est
     if not any_layout:
-        raise ValueError(_no_layout_message(space, cluster, global_batch))
+        raise UserError(_no_layout_message(space, cluster, global_batch))
     # Rank by step time; ties (e.g. ZeRO stages whose extra traffic is fully hidden) go to
     # the simpler plan: lower ZeRO stage, less recomputation, then less memory.
     rec_order = {"none": 0, "selective": 1, "full": 2}
@@ -422,7 +423,7 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
         try:
             sub_space = _Space(space.model, ev.cluster, ev.global_batch, ev.seq,
                                Knobs.of(fixed), ev.opts)
-        except ValueError:
+        except UserError:
             continue
         sub = _search(ev, sub_space, 1, False)
         est = sub.best or sub.near_miss
@@ -441,7 +442,7 @@ def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq
                           options=options, explain=False)
     est = result.best or result.near_miss
     if est is None:
-        raise ValueError(f"layout {Knobs.of(fixed).to_dict()}: no valid plan on "
+        raise UserError(f"layout {Knobs.of(fixed).to_dict()}: no valid plan on "
                          f"{cluster.num_gpus} GPUs for global_batch={global_batch}")
     return est
 

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from meshtron.config import apply_overrides, config_from_dict, load_toml
-from meshtron.errors import RunFailed
+from meshtron.errors import RunFailed, UserError
 from meshtron.launch import ARGV_ENV
 
 # CLI flag -> dotted config key. Flags left unset do not override the TOML file.
@@ -50,10 +50,10 @@ def run_config_from_args(args: argparse.Namespace, defaults: dict[str, Any] | No
     overrides = {key: getattr(args, key.replace(".", "__")) for key, *_ in _FLAGS.values()}
     for item in args.set:
         if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.lr=1e-3")
+            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.lr=1e-3")
         key, value = item.split("=", 1)
         if key != "model" and "." not in key:
-            raise ValueError(f"--set {key!r}: expected SECTION.KEY (data, optim or train)")
+            raise UserError(f"--set {key!r}: expected SECTION.KEY (data, optim or train)")
         overrides[key] = _literal(value)
     return config_from_dict(apply_overrides(doc, overrides))
 
@@ -111,7 +111,7 @@ def train_parallel_cli(args: argparse.Namespace, cfg, world) -> int:
     if world.source == "single":
         return multirank.run_parent(args, cfg)
     if args.nproc is not None and args.nproc != world.world_size and not os.environ.get(ARGV_ENV):
-        raise ValueError(f"--nproc={args.nproc}: this {world.source} world already has "
+        raise UserError(f"--nproc={args.nproc}: this {world.source} world already has "
                          f"{world.world_size} ranks; drop --nproc inside torchrun/srun")
     return multirank.run_rank(args, cfg, world)
 

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from meshtron.config import RunConfig
-from meshtron.errors import RunFailed
 from meshtron.data import build_data
+from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer, cross_entropy_loss
 from meshtron.train.metrics import MetricsLog, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
@@ -171,7 +171,7 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1):
                       seed=cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size,
                       eval_batches=cfg.data.eval_batches, bpe_vocab=cfg.data.bpe_vocab)
     if data.vocab_size > cfg.model.vocab:
-        raise ValueError(f"model.vocab={cfg.model.vocab}: smaller than the tokenizer's "
+        raise UserError(f"model.vocab={cfg.model.vocab}: smaller than the tokenizer's "
                          f"{data.vocab_size} ids")
     return data
 

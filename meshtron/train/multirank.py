@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from meshtron.errors import UserError
 from meshtron.launch import ARGV_ENV
 
 EXIT_USAGE = 2
@@ -78,7 +79,7 @@ def run_rank(args: Any, cfg, world) -> int:
             # reports from the parent instead).
             plan.save(Path(cfg.train.run_dir) / "plan.toml")
             print_summary(cfg, Path(cfg.train.run_dir))
-    except ValueError as exc:
+    except UserError as exc:
         _abort(world, f"error: {exc}", EXIT_USAGE)
     except BaseException as exc:  # noqa: BLE001 - a rank must not hang its peers
         traceback.print_exc()
@@ -102,12 +103,12 @@ def _agreed_plan(args: Any, cfg, world):
             plan, cluster = resolve_run_plan(cfg, args.plan or "auto", world.world_size,
                                              knobs_from_args(args, cfg), args.cluster)
             payload[0] = {"plan": plan.to_dict(), "cluster": cluster.to_dict()}
-        except ValueError as exc:
+        except UserError as exc:
             payload[0] = {"error": str(exc)}
     if dist.is_initialized() and world.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
     if "error" in payload[0]:
-        raise ValueError(payload[0]["error"])
+        raise UserError(payload[0]["error"])
     return Plan.from_dict(payload[0]["plan"]), cluster_from_dict(payload[0]["cluster"])
 
 

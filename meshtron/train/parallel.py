@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import RunConfig
+from meshtron.errors import UserError
 from meshtron.launch import World
 from meshtron.model import Transformer
 from meshtron.train.loop import build_run_data, prepare_run_dir, run_loop
@@ -124,7 +125,7 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, float] | None:
     sized = sized_cluster(cluster, plan.gpus)
     try:
         est = evaluate_plan(cfg.model, sized, plan.global_batch, plan.seq_len, knobs)
-    except ValueError:
+    except UserError:
         return None
     return est.memory.to_dict()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.config import RunConfig
+from meshtron.errors import UserError
 
 # Used only to fill knobs a user left open when this machine has not been calibrated yet;
 # reports then say the prediction is nominal. Figures: one CPU core's fp32 GEMM rate and
@@ -61,27 +62,27 @@ def resolve_run_plan(cfg: RunConfig, plan_arg: str, world_size: int, knobs: dict
         plan = load_plan(plan_arg)
         for field, want in (("global_batch", cfg.data.global_batch), ("seq_len", cfg.data.seq_len)):
             if getattr(plan, field) != want:
-                raise ValueError(f"plan.{field}={getattr(plan, field)}: the run uses {want}; "
+                raise UserError(f"plan.{field}={getattr(plan, field)}: the run uses {want}; "
                                  f"pass --{field.replace('_', '-')} {getattr(plan, field)}")
         if plan.model != cfg.model.name and Path(plan.model).name != cfg.model.name:
-            raise ValueError(f"plan.model={plan.model!r}: the run trains {cfg.model.name!r}")
+            raise UserError(f"plan.model={plan.model!r}: the run trains {cfg.model.name!r}")
         for knob, value in knobs.items():  # flags may restate the saved plan, not change it
             if getattr(plan, knob) != value:
-                raise ValueError(f"--{knob.replace('_', '-')}={value}: the saved plan has "
+                raise UserError(f"--{knob.replace('_', '-')}={value}: the saved plan has "
                                  f"{knob}={getattr(plan, knob)}; edit the plan or drop the flag")
     else:
         for axis in ("tp", "pp", "dp"):
             if axis in knobs and world_size % knobs[axis]:
-                raise ValueError(f"plan {axis}={knobs[axis]}: must divide the world size "
+                raise UserError(f"plan {axis}={knobs[axis]}: must divide the world size "
                                  f"{world_size}")
         given = [knobs.get(a) for a in ("tp", "pp", "dp")]
         if all(given) and given[0] * given[1] * given[2] != world_size:
-            raise ValueError(f"plan dp*tp*pp={given[2]}*{given[0]}*{given[1]}="
+            raise UserError(f"plan dp*tp*pp={given[2]}*{given[0]}*{given[1]}="
                              f"{given[0] * given[1] * given[2]}: must equal the world size "
                              f"{world_size}")
         sized = sized_cluster(cluster, world_size)
         if sized.num_gpus != world_size:
-            raise ValueError(f"cluster {cluster.name}: has {cluster.num_gpus} devices, the run "
+            raise UserError(f"cluster {cluster.name}: has {cluster.num_gpus} devices, the run "
                              f"has {world_size} ranks")
         result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
                               _runnable(knobs, cfg), top_k=1, explain=False)
@@ -89,7 +90,7 @@ def resolve_run_plan(cfg: RunConfig, plan_arg: str, world_size: int, knobs: dict
         if best is None:
             near = result.near_miss
             need = f"; the leanest plan needs {near.memory.total:.2f} GiB per rank" if near else ""
-            raise ValueError(f"plan={plan_arg!r}: no plan fits {world_size} ranks of "
+            raise UserError(f"plan={plan_arg!r}: no plan fits {world_size} ranks of "
                              f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
         plan = best.to_plan(cfg.model.name, cluster.name, world_size, cfg.data.global_batch,
                             cfg.data.seq_len, attention=result.options.attention)
