@@ -5,7 +5,7 @@ A run file has one top-level key and three tables:
     model = "tiny"              # a preset, a path to a HF config.json, or a [model] table
     [data]   source, tokenizer, seq_len, global_batch, micro_batch, eval_batches
     [optim]  lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip
-    [train]  steps, dtype, seed, eval_every, log_every, run_dir
+    [train]  steps, dtype, seed, eval_every, log_every, run_dir, tensorboard
 
 A `[model]` table takes ModelSpec fields, optionally on top of `preset = "..."`.
 Every key is checked: an unknown one is an error that lists the allowed keys.
@@ -14,6 +14,7 @@ Every key is checked: an unknown one is an error that lists the allowed keys.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -103,7 +104,10 @@ class TrainConfig:
     log_every: int = 1
     """Write a metrics line every this many steps."""
     run_dir: str = "runs/default"
-    """Folder for metrics.jsonl, the resolved config and summaries."""
+    """Folder for metrics.jsonl, summary.json, curves.png, the resolved config and plan."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard
+    package)."""
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "log_every")
@@ -111,6 +115,10 @@ class TrainConfig:
             raise UserError(f"train.dtype={self.dtype!r}: allowed values are fp32, bf16")
         if self.eval_every < 0:
             raise UserError(f"train.eval_every={self.eval_every}: must be >= 0")
+        if self.seed < 0:
+            raise UserError(f"train.seed={self.seed}: must be >= 0")
+        if not self.run_dir.strip():
+            raise UserError("train.run_dir='': must name a folder")
 
 
 @dataclass
@@ -132,6 +140,21 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_toml_dict(self) -> dict[str, Any]:
+        """A run file that `config_from_dict` reads back into this same config (the model as a
+        full [model] table; unset optional keys left out)."""
+        return {k: {f: v for f, v in table.items() if v is not None}
+                for k, table in self.to_dict().items()}
+
+    def warnings(self) -> list[str]:
+        """Valid but probably unintended settings, for the user to see before the run starts."""
+        out = []
+        if self.optim.warmup_steps > self.train.steps:
+            out.append(f"optim.warmup_steps={self.optim.warmup_steps} is longer than "
+                       f"train.steps={self.train.steps}: the learning rate never reaches "
+                       f"optim.lr={self.optim.lr:g}")
+        return out
+
 
 _SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
 
@@ -146,6 +169,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return None
     for typ in allowed:
         if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise UserError(f"{key}={value!r}: must be a finite number")
             return float(value)
         if typ is int and isinstance(value, int) and not isinstance(value, bool):
             return value

@@ -1,10 +1,11 @@
 """Where the ranks come from: torchrun on this machine, or an existing torchrun / Slurm world.
 
-`meshtron train --nproc N` re-executes the same command line under
-`python -m torch.distributed.run --standalone --nproc-per-node N`; each rank then sees torchrun's
-environment and runs the worker. Inside an existing allocation (`torchrun ... meshtron train` on
-every node, or `srun meshtron train` with MASTER_ADDR/MASTER_PORT exported) the world is taken as
-it is. meshtron never implements its own launcher or transport.
+`meshtron train --nproc N` starts `python -m torch.distributed.run --standalone
+--nproc-per-node N -m meshtron` with the ranks' command line in one environment variable
+(`MESHTRON_RANK_ARGV`, read only by `rank_argv`: torchrun's own argument parser would otherwise
+claim flags such as --nproc that it abbreviates). Inside an existing allocation (`torchrun ...
+meshtron train` on every node, or `srun meshtron train` with MASTER_ADDR/MASTER_PORT exported)
+the world is taken as it is. meshtron never implements its own launcher or transport.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Mapping
 
 from meshtron.errors import UserError
 
@@ -36,26 +38,38 @@ class World:
     """Number of ranks in the job."""
     source: str
     """'torchrun', 'slurm' or 'single'."""
+    local_world_size: int = 1
+    """Ranks on this node (they share its cores)."""
+    init_method: str | None = None
+    """Rendezvous URL for init_process_group; None: torchrun's environment (env://)."""
 
 
-def current_world() -> World:
-    env = os.environ
+def current_world(env: Mapping[str, str] | None = None) -> World:
+    """The job this process belongs to, read from the environment (never written)."""
+    env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
-                     "torchrun")
+                     "torchrun", int(env.get("LOCAL_WORLD_SIZE", 1)))
     # SLURM_STEP_NUM_TASKS exists only inside an srun step; the batch script itself also
     # sees SLURM_NTASKS but is not one of the ranks.
     if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         if "MASTER_ADDR" not in env:
             raise UserError("MASTER_ADDR: not set; under srun export MASTER_ADDR (first node) "
-                             "and MASTER_PORT, or start the ranks with torchrun")
-        env.setdefault("MASTER_PORT", "29500")
-        rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-        local = int(env.get("SLURM_LOCALID", 0))
-        # torch.distributed's env:// rendezvous reads these names.
-        env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local))
-        return World(rank, local, size, "slurm")
+                            "and MASTER_PORT, or start the ranks with torchrun")
+        url = f"tcp://{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+        return World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
+                     int(env["SLURM_STEP_NUM_TASKS"]), "slurm",
+                     int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]), url)
     return World(0, 0, 1, "single")
+
+
+def rank_argv() -> list[str] | None:
+    """The command line `launch_local` handed to this rank, or None (not started by it). The one
+    reader of MESHTRON_RANK_ARGV."""
+    text = os.environ.get(ARGV_ENV)
+    if not text or len(sys.argv) > 1:
+        return None
+    return list(json.loads(text))
 
 
 def max_local_ranks() -> int:
@@ -77,8 +91,6 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     no rank is left running.
     """
     check_nproc(nproc)
-    # The ranks' command line travels in the environment: torchrun's own argument parser would
-    # otherwise claim flags such as --nproc that it abbreviates (--nproc-per-node).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "meshtron"]
     env = dict(os.environ)
@@ -112,4 +124,3 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
-

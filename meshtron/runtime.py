@@ -12,10 +12,6 @@ import torch.distributed as dist
 from meshtron.launch import World
 
 
-def local_world_size() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")))
-
-
 def init_rank(world: World, timeout_s: float = 600.0) -> torch.device:
     """Join the job's default process group; returns this rank's device."""
     if torch.cuda.is_available():
@@ -29,9 +25,13 @@ def init_rank(world: World, timeout_s: float = 600.0) -> torch.device:
         # One process per core share: oversubscribed threads made gloo ranks 20-50x slower
         # (shared notes, "Speed on 2 cores").
         cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // max(1, local_world_size())))
+        torch.set_num_threads(max(1, cores // max(1, world.local_world_size)))
     if world.source != "single" and not dist.is_initialized():  # a 1-rank world too
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        kwargs = {}
+        if world.init_method:  # Slurm: rendezvous at MASTER_ADDR:MASTER_PORT, ranks from srun
+            kwargs = dict(init_method=world.init_method, rank=world.rank,
+                          world_size=world.world_size)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return device
 
 

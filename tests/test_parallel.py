@@ -17,7 +17,7 @@ import types
 
 import pytest
 
-from meshtron.parallel.mesh import Layout, resolve_plan, stage_layer_counts
+from meshtron.parallel.mesh import Layout, data_mesh, resolve_plan, stage_layer_counts
 from meshtron.parallel.pipeline import stage_ids_for_rank
 from meshtron.testing.equivalence import (
     DEFAULT_CFG,
@@ -270,14 +270,14 @@ def _dcp_rank_fn(cfg, ckpt_dir):
         return pm, opt, mesh
 
     def step(pm, opt, mesh, i):
-        dp, r = mesh["dp"].size(), mesh.get_local_rank("dp")
+        dp, r = data_mesh(mesh).size(), mesh.get_local_rank("dp")
         rows = cfg["batch"] // dp
         loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
                                    targets[i, r * rows:(r + 1) * rows])
         pm.clip_grad_norm_(cfg["clip"])
         opt.step()
         opt.zero_grad()
-        return loss
+        return float(loss)
 
     pm, opt, mesh = build(dict(dp=2, tp=2, zero=3), cfg["seed"])
     for i in range(2):
@@ -314,12 +314,15 @@ def _two_group_adamw(weight_decay):
     on matrices only, built per model part / ZeRO-1 shard, so ranks hold different groups."""
     import torch
 
+    from meshtron.train.optim import adamw_kernel
+
     def make(params, **kwargs):
         params = list(params)
         kwargs.pop("weight_decay", None)
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **kwargs)
+        return torch.optim.AdamW([g for g in groups if g["params"]], **adamw_kernel("cpu"),
+                                 **kwargs)
 
     return make
 
@@ -355,7 +358,7 @@ def _dcp_optimizer_rank_fn(cfg, ckpt_root, cases):
         return pm, opt, sched, mesh
 
     def step(pm, opt, sched, mesh, i):
-        dp, r = mesh["dp"].size(), mesh.get_local_rank("dp")
+        dp, r = data_mesh(mesh).size(), mesh.get_local_rank("dp")
         rows = cfg["batch"] // dp
         loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
                                    targets[i, r * rows:(r + 1) * rows])
@@ -363,7 +366,7 @@ def _dcp_optimizer_rank_fn(cfg, ckpt_root, cases):
         opt.step()
         sched.step()
         opt.zero_grad()
-        return loss
+        return float(loss)
 
     out = []
     for ci, (save, loads, two_groups) in enumerate(cases):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -73,6 +74,13 @@ class ModelSpec:
         if self.position == "rope" and self.head_dim % 2:
             raise UserError(
                 f"model.hidden/heads={self.head_dim}: rotary embeddings need an even head size")
+        for field in ("rope_theta", "norm_eps"):
+            value = getattr(self, field)
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise UserError(f"model.{field}={value!r}: must be a positive finite number")
+        for field in ("tied_embeddings", "bias", "qkv_bias", "parallel_residual"):
+            if not isinstance(getattr(self, field), bool):
+                raise UserError(f"model.{field}={getattr(self, field)!r}: must be true or false")
         _check_choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice("model.position", self.position, ("rope", "learned"))
@@ -143,8 +151,12 @@ class ModelSpec:
         return dataclasses.asdict(self)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise UserError(f"{field}={value!r}: allowed values are {', '.join(allowed)}")
 
 
@@ -216,7 +228,22 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     def need(key: str) -> Any:
         if key not in cfg:
             raise UserError(f"config.json {key}: missing (required for model_type {mtype!r})")
-        return cfg[key]
+        return _hf_int(cfg, key, None, required=True)
+
+    def num(key: str, default: float) -> float:
+        value = cfg.get(key, default)
+        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            raise UserError(f"config.json {key}={value!r}: must be a positive number")
+        return float(value)
+
+    def flag(key: str, default: bool) -> bool:
+        value = cfg.get(key, default)
+        if not isinstance(value, bool):
+            raise UserError(f"config.json {key}={value!r}: must be true or false")
+        return value
+
+    def opt_int(key: str, default: Any) -> Any:
+        return _hf_int(cfg, key, default)
 
     if mtype in _HF_LLAMA_LIKE:
         if cfg.get("hidden_act", "silu") != "silu":
@@ -225,39 +252,50 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         heads = need("num_attention_heads")
         return ModelSpec(
             name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
+            kv_heads=opt_int("num_key_value_heads", None) or heads,
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
-            max_seq=cfg.get("max_position_embeddings", 4096),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=(mtype == "qwen2") or bool(cfg.get("attention_bias", False)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5)),
+            max_seq=opt_int("max_position_embeddings", 4096),
+            tied_embeddings=flag("tie_word_embeddings", False),
+            qkv_bias=(mtype == "qwen2") or flag("attention_bias", False),
+            rope_theta=num("rope_theta", 10000.0),
+            norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
     if mtype == "gpt_neox":
         hidden = need("hidden_size")
         rotary_pct = cfg.get("rotary_pct", 1.0)
-        if rotary_pct != 1.0:
+        if not _is_number(rotary_pct) or rotary_pct != 1.0:
             raise UserError(f"config.json rotary_pct={rotary_pct!r}: only full rotary (1.0) "
                              "is supported")
         return ModelSpec(
             name=name, layers=need("num_hidden_layers"), hidden=hidden,
             heads=need("num_attention_heads"), kv_heads=need("num_attention_heads"),
-            ffn_hidden=cfg.get("intermediate_size", 4 * hidden), vocab=need("vocab_size"),
-            max_seq=cfg.get("max_position_embeddings", 2048), mlp="gelu", norm="layernorm",
-            position="rope", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bias=True, parallel_residual=bool(cfg.get("use_parallel_residual", True)),
-            rope_theta=float(cfg.get("rotary_emb_base", 10000.0)),
-            norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+            ffn_hidden=opt_int("intermediate_size", 4 * hidden), vocab=need("vocab_size"),
+            max_seq=opt_int("max_position_embeddings", 2048), mlp="gelu", norm="layernorm",
+            position="rope", tied_embeddings=flag("tie_word_embeddings", False),
+            bias=True, parallel_residual=flag("use_parallel_residual", True),
+            rope_theta=num("rotary_emb_base", 10000.0),
+            norm_eps=num("layer_norm_eps", 1e-5),
         )
     # gpt2
     hidden = need("n_embd")
     return ModelSpec(
         name=name, layers=need("n_layer"), hidden=hidden, heads=need("n_head"),
-        kv_heads=need("n_head"), ffn_hidden=cfg.get("n_inner") or 4 * hidden,
-        vocab=need("vocab_size"), max_seq=cfg.get("n_positions", 1024), mlp="gelu",
+        kv_heads=need("n_head"), ffn_hidden=opt_int("n_inner", None) or 4 * hidden,
+        vocab=need("vocab_size"), max_seq=opt_int("n_positions", 1024), mlp="gelu",
         norm="layernorm", position="learned", tied_embeddings=True, bias=True,
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=num("layer_norm_epsilon", 1e-5),
     )
+
+
+def _hf_int(cfg: dict[str, Any], key: str, default: Any, required: bool = False) -> Any:
+    """A positive integer field of config.json; absent or null gives `default` unless
+    `required`."""
+    value = cfg.get(key)
+    if value is None and not required:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"config.json {key}={value!r}: must be a positive integer")
+    return value
 
 
 def resolve_model(model: str | Path) -> ModelSpec:

@@ -15,8 +15,9 @@ checkpointing -> data parallel (FSDP2 per ZeRO stage) -> pipeline stages and sch
 (`inputs`, `targets` of shape [global_batch/dp, seq]; every rank of a tp/pp group passes the
 same rows; stages that do not need them ignore them), splits it into micro-batches of
 `plan.micro_batch` sequences (gradient accumulation, or pipeline micro-batches), runs forward
-and backward, and returns the loss as a float: the mean over the global batch, identical on all
-ranks. Gradients equal those of that global mean. (Exact when every micro-batch holds the same
+and backward, and returns the loss as a 0-d tensor on the mesh's device: the mean over the
+global batch, identical on all ranks (no host synchronisation: call `float()` on it when the
+number is needed, e.g. only on logging steps). Gradients equal those of that global mean. (Exact when every micro-batch holds the same
 number of loss tokens, i.e. no padding/ignore_index.)
 
 State for checkpointing: `pm.model_parts` (the modules this rank owns, parameter names are the
@@ -37,7 +38,7 @@ from torch import nn
 
 from meshtron.errors import UserError
 from meshtron.parallel.data_parallel import apply_data_parallel, zero1_optimizer
-from meshtron.parallel.mesh import Layout, resolve_plan
+from meshtron.parallel.mesh import Layout, data_mesh, resolve_plan
 from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import apply_tensor_parallel
@@ -59,6 +60,12 @@ def _mesh_device(mesh) -> torch.device:
     if mod is not None and hasattr(mod, "current_device"):
         return torch.device(dtype, mod.current_device())
     return torch.device(dtype)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -117,18 +124,19 @@ class ParallelModel:
         return self._schedules[n_micro]
 
     # ---- training step ------------------------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward + backward on this data-parallel rank's rows; returns the global-mean loss."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward + backward on this data-parallel rank's rows; returns the global-mean loss
+        (a detached 0-d tensor: reading it is the caller's host synchronisation)."""
         loss = self._run(inputs, targets, backward=True)
         self._align_grad_placements()
         return loss
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward only (the pipeline schedules' `eval`); returns the global-mean loss."""
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only (the pipeline schedules' `eval`); returns the global-mean loss (0-d)."""
         with torch.no_grad():
             return self._run(inputs, targets, backward=False)
 
-    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, backward: bool) -> float:
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, backward: bool) -> torch.Tensor:
         lay = self.layout
         local_batch = inputs.shape[0]
         if local_batch % lay.micro_batch:
@@ -161,9 +169,9 @@ class ParallelModel:
         if self.is_pipelined:
             dist.all_reduce(total, group=self.mesh["pp"].get_group())
         if lay.dp > 1:
-            dist.all_reduce(total, group=self.mesh["dp"].get_group())
+            dist.all_reduce(total, group=data_mesh(self.mesh).get_group())
             total /= lay.dp
-        return float(total.item())
+        return total[0]
 
     @torch.no_grad()
     def _align_grad_placements(self) -> None:
@@ -193,11 +201,17 @@ class ParallelModel:
         returns the total norm (before clipping), identical on every rank."""
         total = grad_norm(self, norm_type)
         if max_norm is not None and max_norm > 0:
-            coef = float(max_norm) / (float(total) + 1e-6)
-            if coef < 1.0:
-                for p in self.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+            # As torch.nn.utils.clip_grad_norm_: multiply by min(1, max_norm / (norm + 1e-6)),
+            # a tensor, so the step needs no host synchronisation; one foreach kernel per
+            # (device, dtype) on the local shards (scaling every shard scales the DTensor).
+            coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+            by_kind: dict[tuple[Any, Any], list[torch.Tensor]] = {}
+            for p in self.parameters():
+                if p.grad is not None:
+                    g = _local(p.grad)
+                    by_kind.setdefault((g.device, g.dtype), []).append(g)
+            for (device, _), grads in by_kind.items():
+                torch._foreach_mul_(grads, coef.to(device))
         return total
 
     # ---- state ----------------------------------------------------------------------------------
@@ -313,42 +327,44 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
 class ParallelOptimizer(torch.optim.Optimizer):
     """One optimizer per model part (pipeline virtual stages), stepped together. A
     torch.optim.Optimizer, so LR schedulers work on it: its `param_groups` are the parts'
-    (live: still the right dicts after `load_state_dict`)."""
+    (live: still the right dicts after `load_state_dict`).
 
-    def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer]):
+    `zero1_owners[i][j]`: under ZeRO-1, the data-parallel rank that owns (keeps the state of
+    and updates) parameter j of model part i; empty without ZeRO-1."""
+
+    def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
+                 zero1_owners: list[list[int]] | None = None):
         self.pm = pm
-        self.optimizers = optimizers
-        self._live_groups = False
-        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-        torch.optim.Optimizer.__init__(self, params, dict(optimizers[0].defaults))
-        self._live_groups = True
-        self.__dict__.pop("_init_param_groups", None)
+        self.optimizers = list(optimizers)
+        self.zero1_owners = zero1_owners or []
+        # Optimizer.__init__ sets up the hooks and `state`; the groups it would build are the
+        # inner optimizers' already (see `param_groups` and `add_param_group`).
+        self._registering = True
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        torch.optim.Optimizer.__init__(self, params, dict(self.optimizers[0].defaults))
+        self._registering = False
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """The inner optimizers' groups, read afresh on every access: their
         `load_state_dict` replaces the group dicts, and LR schedulers must keep writing to the
         live ones (a list captured at construction would go stale after a checkpoint load)."""
-        if self.__dict__.get("_live_groups"):
-            return [g for o in self.optimizers for g in o.param_groups]
-        # Inside torch.optim.Optimizer.__init__ (which builds and fills its own list).
-        return self.__dict__.setdefault("_init_param_groups", [])
+        return [g for o in self.optimizers for g in o.param_groups]
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
-        if not self.__dict__.get("_live_groups"):
-            self.__dict__["_init_param_groups"] = value
-            return
+        if self._registering and not value:
+            return  # Optimizer.__init__ starting its own list: the groups live in the parts
         live = self.param_groups
         if len(value) != len(live) or any(a is not b for a, b in zip(value, live)):
             raise AttributeError("ParallelOptimizer.param_groups are the inner optimizers' "
                                  "groups; change those (or their entries), not the list")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if self.__dict__.get("_live_groups"):
-            raise RuntimeError("ParallelOptimizer: add parameter groups to the inner "
-                               "optimizers (`optimizers[i].add_param_group`)")
-        torch.optim.Optimizer.add_param_group(self, param_group)
+        if self._registering:
+            return  # Optimizer.__init__ registering a parameter an inner optimizer holds
+        raise RuntimeError("ParallelOptimizer: add parameter groups to the inner "
+                           "optimizers (`optimizers[i].add_param_group`)")
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -395,12 +411,14 @@ def build_optimizer(pm: ParallelModel, lr: float, betas: tuple[float, float] = (
     ZeRO-1 (states only for the parameters this data-parallel rank owns)."""
     opt_kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
     lay = pm.layout
-    optimizers = []
+    optimizers, owners = [], []
     for part in pm.model_parts:
         params = [p for p in part.parameters() if p.requires_grad]
         if lay.zero == 1 and lay.dp > 1:
-            optimizers.append(zero1_optimizer(params, pm.mesh["dp"].get_group(), optimizer_cls,
-                                              **opt_kwargs))
+            opt, owner = zero1_optimizer(params, data_mesh(pm.mesh).get_group(), optimizer_cls,
+                                         **opt_kwargs)
+            optimizers.append(opt)
+            owners.append(owner)
         else:
             optimizers.append(optimizer_cls(params, **opt_kwargs))
-    return ParallelOptimizer(pm, optimizers)
+    return ParallelOptimizer(pm, optimizers, owners)

@@ -86,13 +86,13 @@ def _partition(params: list[nn.Parameter], n: int) -> list[int]:
 
 
 def zero1_optimizer(params: Iterable[nn.Parameter], dp_group, optimizer_cls=torch.optim.AdamW,
-                    **optim_kwargs: Any) -> torch.optim.Optimizer:
+                    **optim_kwargs: Any) -> tuple[torch.optim.Optimizer, list[int]]:
     """ZeRO-1: an optimizer over the parameters this data-parallel rank owns, plus a post-step
     hook that broadcasts every owner's updated parameters over `dp_group` and drops the
-    gradients of the parameters owned elsewhere.
+    gradients of the parameters owned elsewhere. Returns (optimizer, owner of each parameter).
 
-    It is a plain `optimizer_cls` instance (its `state_dict()` holds this rank's shard only),
-    so DCP's get/set_optimizer_state_dict work on it.
+    The optimizer is a plain `optimizer_cls` instance (its `state_dict()` holds this rank's
+    shard only), so DCP's get/set_optimizer_state_dict work on it.
     """
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -128,5 +128,4 @@ def zero1_optimizer(params: Iterable[nn.Parameter], dp_group, optimizer_cls=torc
                 p.grad = None
 
     opt.register_step_post_hook(_broadcast_updates)
-    opt.zero1_owner = owner  # for inspection and tests
-    return opt
+    return opt, owner

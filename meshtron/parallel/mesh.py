@@ -24,7 +24,6 @@ dp_replicate=1, precision='fp32' (or `mixed_precision`/`dtype`: 'bf16' enables b
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +33,6 @@ from meshtron.errors import UserError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
 
-# `mesh["dp"]` (the flattened data axis) works on torch 2.13 but warns on every slice, once per
-# rank and call site; the pinned version is what we test, so keep the logs readable.
-warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh",
-                        category=UserWarning)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -211,6 +206,37 @@ def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None
     mesh = init_device_mesh(device_type, lay.mesh_shape, mesh_dim_names=MESH_DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh
+
+
+def data_mesh(mesh):
+    """The flattened data axis "dp" = ("dp_replicate", "dp_shard") of a `build_mesh` mesh.
+
+    Asked of the 2-D data submesh rather than sliced from the root (`mesh["dp"]`), which torch
+    2.13 warns about on every call; `_flatten` returns the mesh `build_mesh` already made, and
+    creates no new process group."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def release_mesh(mesh) -> None:
+    """Destroy the process groups `build_mesh` created for `mesh`: one per axis and the
+    flattened data axis (never the default group). Without this each mesh keeps its groups, and
+    with them their backend threads and sockets, until the process exits: a process that builds
+    one mesh after another (a sweep over layouts) accumulates hundreds of threads.
+
+    Call it after the last collective on the mesh, once the models and optimizers built on it
+    are no longer used (they keep references to the destroyed groups). Local: no collective.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    seen: set[int] = set()
+    for sub in [mesh[name] for name in MESH_DIMS] + [data_mesh(mesh)]:
+        group = sub.get_group()
+        if group is dist.group.WORLD or id(group) in seen:
+            continue
+        seen.add(id(group))
+        dist.destroy_process_group(group)
 
 
 def mesh_coords(mesh) -> dict[str, int]:

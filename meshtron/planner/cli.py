@@ -16,6 +16,7 @@ import re
 import sys
 from typing import Any
 
+from meshtron.argtypes import output_file, positive_int
 from meshtron.errors import UserError
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens, typical LLM pre-training batch
@@ -31,25 +32,25 @@ def register(subparsers: Any) -> None:
                    help="preset name, Hugging Face config.json path, or TOML file with a model key")
     p.add_argument("--cluster", required=True,
                    help="dgx-a100:N, dgx-h100:N, dgx-h200:N (N nodes of 8 GPUs) or a cluster TOML")
-    p.add_argument("--global-batch", type=int, default=None,
+    p.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per step (default: about 4M tokens' worth)")
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence (default: the model's max_seq)")
     p.add_argument("--tokens", default="1T",
                    help="training budget in tokens for days / GPU-hours, e.g. 15T, 300B, 2e12")
-    p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     p.add_argument("--layout", help="fix any of tp, pp, dp: e.g. tp=8,pp=16,dp=64")
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
     p.add_argument("--recompute", help="fix recomputation: none | selective | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
-    p.add_argument("--micro-batch", type=int, help="fix the micro-batch size (sequences)")
+    p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
     p.add_argument("--schedule", help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | gpipe")
     p.add_argument("--attention", default="flash",
                    help="attention kernel the cost model assumes: flash (default) | unfused")
     p.add_argument("--dropout", action="store_true",
                    help="model dropout kernels (GPT-2/3-era training; modern LLMs use none)")
     p.add_argument("--json", action="store_true", help="print JSON (schema in planner/report.py)")
-    p.add_argument("--save", metavar="PLAN.toml", help="write the best plan for `meshtron train`")
+    p.add_argument("--save", metavar="PLAN.toml", type=output_file, help="write the best plan for `meshtron train`")
     p.set_defaults(func=run)
 
 

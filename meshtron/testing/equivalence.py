@@ -14,6 +14,7 @@ function layout -> reference run for such mixed lists.
 
 from __future__ import annotations
 
+import gc
 import time
 import types
 from typing import Any
@@ -75,12 +76,16 @@ def make_data(cfg: dict[str, Any]):
 def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    from meshtron.train.optim import adamw_kernel
+
     from meshtron.model.transformer import Transformer, cross_entropy_loss
 
     torch.manual_seed(cfg["seed"])
     model = Transformer(make_spec(cfg))
+    # The product's AdamW kernel (fused on CPU): element-wise, so every layout's shards get
+    # exactly the reference's update for their elements.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
-                            weight_decay=cfg["weight_decay"])
+                            weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
     inputs, targets = make_data(cfg)
     losses, norms = [], []
     for step in range(cfg["steps"]):
@@ -94,13 +99,19 @@ def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "params": params}
 
 
-def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per-rank body: train each layout and report. Runs under run_on_ranks."""
+def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]],
+                     release: bool = True) -> list[dict[str, Any]]:
+    """Per-rank body: train each layout and report. Runs under run_on_ranks.
+
+    Each layout's mesh is released before the next is built (`release=False` keeps them, only
+    to measure what that costs: the reported thread counts then grow layout by layout)."""
     import torch
     import torch.distributed as dist
 
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
+    from meshtron.parallel.mesh import data_mesh, release_mesh
+    from meshtron.train.optim import adamw_kernel
 
     world = dist.get_world_size()
     base_cfg = cfg
@@ -115,14 +126,14 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]]) -> list
         model = Transformer(make_spec(cfg))
         pm = parallelize(model, plan, mesh)
         opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
-                              weight_decay=cfg["weight_decay"])
-        dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+                              weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
+        dp, dp_rank = data_mesh(mesh).size(), mesh.get_local_rank("dp")
         rows = cfg["batch"] // dp
         losses, norms = [], []
         for step in range(cfg["steps"]):
             x = inputs[step, dp_rank * rows:(dp_rank + 1) * rows]
             y = targets[step, dp_rank * rows:(dp_rank + 1) * rows]
-            losses.append(pm.forward_backward(x, y))
+            losses.append(float(pm.forward_backward(x, y)))
             norms.append(float(pm.clip_grad_norm_(cfg["clip"])))
             opt.step()
             opt.zero_grad()
@@ -131,9 +142,25 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]]) -> list
         out.append({"layout": layout, "losses": losses, "norms": norms,
                     "coords": {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names},
                     "params": params if keep else None,
-                    "seconds": time.perf_counter() - t0})
+                    "seconds": time.perf_counter() - t0, "threads": thread_count()})
+        # Free this layout's groups (and their backend threads) before building the next one.
         del pm, opt, model
+        if release:
+            release_mesh(mesh)
+        del mesh
+        gc.collect()
     return out
+
+
+def thread_count() -> int:
+    """Threads of this process (backend threads included), from /proc where there is one."""
+    import os
+    import threading
+
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
 
 
 # Denominator floor for parameter differences: tensors smaller than the model's smallest weight

@@ -1,15 +1,19 @@
-"""`meshtron train` and `meshtron demo`."""
+"""`meshtron train` and `meshtron demo`: the command line, turned into a typed `TrainJob`.
+
+Everything here is argument parsing and validation; bad input raises `UserError` (one line,
+exit code 2, printed by meshtron/cli.py). The job then runs in `meshtron.train.launch`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ast
-import os
 from typing import Any
 
-from meshtron.config import apply_overrides, config_from_dict, load_toml
+from meshtron.argtypes import positive_int
+from meshtron.config import RunConfig, apply_overrides, config_from_dict, load_toml
 from meshtron.errors import RunFailed, UserError
-from meshtron.launch import ARGV_ENV
+from meshtron.train.job import ParallelRequest, TrainJob
 
 # CLI flag -> dotted config key. Flags left unset do not override the TOML file.
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -25,14 +29,17 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--dtype": ("train.dtype", str, "fp32 | bf16"),
     "--seed": ("train.seed", int, "seed of weights and data order"),
     "--eval-every": ("train.eval_every", int, "eval period in steps (0: off)"),
+    "--log-every": ("train.log_every", int, "metrics line (and host sync) every N steps"),
     "--run-dir": ("train.run_dir", str, "output folder"),
 }
+# Run-file keys a saved plan fixes: taken from the plan when not given, checked when given.
+_PLAN_FIXES = {"data.global_batch": "global_batch", "data.seq_len": "seq_len"}
 
 
 def _literal(text: str) -> Any:
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text
 
 
@@ -43,9 +50,34 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{text} [{key}]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set optim.beta2=0.99 (repeatable)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs of a run already in --run-dir (refused otherwise)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to RUN_DIR/tensorboard "
+                        "[train.tensorboard]")
 
 
-def run_config_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None):
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (any of these runs the job on torch.distributed)")
+    g.add_argument("--nproc", type=positive_int,
+                   help="local ranks to start with torchrun (standalone); inside an existing "
+                        "torchrun/srun world its size is used")
+    g.add_argument("--plan", help="'auto' (ask the planner), a layout 'tp=2,pp=2,dp=2' (open "
+                   "knobs are chosen by the planner), or a plan.toml from `meshtron plan --save` "
+                   "(which also sets the global batch, sequence length and, if not given, the "
+                   "model)")
+    g.add_argument("--cluster", help="cluster to plan for: a preset like dgx-h100:1 or a TOML "
+                   "file (default: this machine's `meshtron calibrate` file)")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over the data axis")
+    g.add_argument("--schedule", help="pipeline schedule: gpipe | 1f1b | interleaved[:V] | zb")
+    g.add_argument("--recompute", choices=["none", "selective", "full"],
+                   help="activation recomputation")
+    g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with tp > 1)")
+    g.add_argument("--launched-rank", action="store_true", help=argparse.SUPPRESS)
+
+
+def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:
+    """The run file (or `defaults`), then flags and --set, then a saved plan's batch geometry."""
     doc = load_toml(args.config) if args.config else dict(defaults or {})
     overrides = {key: getattr(args, key.replace(".", "__")) for key, *_ in _FLAGS.values()}
     for item in args.set:
@@ -55,65 +87,66 @@ def run_config_from_args(args: argparse.Namespace, defaults: dict[str, Any] | No
         if key != "model" and "." not in key:
             raise UserError(f"--set {key!r}: expected SECTION.KEY (data, optim or train)")
         overrides[key] = _literal(value)
+    if args.tensorboard:
+        overrides["train.tensorboard"] = True
+    from meshtron.train.planning import is_plan_file
+
+    if is_plan_file(getattr(args, "plan", None)):
+        _take_from_plan(args.plan, doc, overrides)
     return config_from_dict(apply_overrides(doc, overrides))
 
 
-def _print_result(cfg, result) -> None:
-    from rich.console import Console
+def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """A saved plan fixes the global batch and the sequence length (and the model when none is
+    given): flags and the run file may restate them, not contradict them."""
+    from meshtron.planner.plan import load_plan
 
-    console = Console()
-    ev = f", eval {result.eval_loss:.4f}" if result.eval_loss is not None else ""
-    console.print(
-        f"[bold]done[/]: {cfg.model.name} ({result.params:,} params), {result.steps} steps, "
-        f"loss {result.first_loss:.4f} -> {result.final_loss:.4f}{ev} nats/token, "
-        f"{result.tokens_per_s:,.0f} tok/s, {result.wall_s:.1f} s; "
-        f"metrics in {cfg.train.run_dir}/metrics.jsonl")
-
-
-def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallelism (any of these runs the job on torch.distributed)")
-    g.add_argument("--nproc", type=int, help="local ranks to start with torchrun (standalone); "
-                   "inside an existing torchrun/srun world its size is used")
-    g.add_argument("--plan", help="'auto' (ask the planner), a layout 'tp=2,pp=2,dp=2' (open "
-                   "knobs are chosen by the planner), or a plan.toml from `meshtron plan --save`")
-    g.add_argument("--cluster", help="cluster to plan for: a preset like dgx-h100:1 or a TOML "
-                   "file (default: this machine's `meshtron calibrate` file)")
-    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over the data axis")
-    g.add_argument("--schedule", help="pipeline schedule: gpipe | 1f1b | interleaved[:V] | zb")
-    g.add_argument("--recompute", choices=["none", "selective", "full"],
-                   help="activation recomputation")
-    g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with tp > 1)")
+    plan = load_plan(path)
+    for key, name in _PLAN_FIXES.items():
+        section, field = key.split(".")
+        given = overrides.get(key)
+        if given is None:
+            table = doc.get(section)
+            given = table.get(field) if isinstance(table, dict) else None
+        want = getattr(plan, name)
+        if given is None:
+            overrides[key] = want
+        elif given != want:
+            raise UserError(f"{key}={given!r}: the saved plan {path} has {name}={want}; "
+                            "drop the flag or edit the plan")
+    if overrides.get("model") is None and "model" not in doc:
+        overrides["model"] = plan.model
 
 
-def _wants_parallel(args: argparse.Namespace, world) -> bool:
-    """Any parallelism flag (or an outside torchrun/srun world) means torch.distributed."""
-    flags = (args.plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
-    return any(f is not None for f in flags) or (args.nproc or 1) > 1 or world.source != "single"
+def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
+                     nproc: int | None) -> ParallelRequest | None:
+    """The parallel part of the command line; None when nothing asks for torch.distributed."""
+    from meshtron.train.planning import fixed_knobs
+
+    flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
+    if all(f is None for f in flags) and (nproc or 1) == 1 and not args.launched_rank:
+        return None
+    knobs = fixed_knobs(plan, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
+                        args.schedule)
+    return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs)
+
+
+def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None,
+                  plan: str | None = None, nproc: int | None = None,
+                  overwrite: bool = False) -> TrainJob:
+    """Validate the whole command line into a typed job (reads the run file and a saved plan;
+    starts nothing, writes nothing). `defaults`, `plan`, `nproc`, `overwrite`: what a command
+    (the demo) uses where the user gave nothing."""
+    cfg = run_config(args, defaults)
+    return TrainJob(cfg=cfg,
+                    parallel=parallel_request(args, cfg, args.plan or plan, args.nproc or nproc),
+                    overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from meshtron.launch import current_world
+    from meshtron.train.launch import run_job
 
-    cfg = run_config_from_args(args)
-    world = current_world()
-    if _wants_parallel(args, world):
-        return train_parallel_cli(args, cfg, world)
-    from meshtron.train.loop import train
-
-    result = train(cfg)
-    _print_result(cfg, result)
-    return 0
-
-
-def train_parallel_cli(args: argparse.Namespace, cfg, world) -> int:
-    from meshtron.train import multirank
-
-    if world.source == "single":
-        return multirank.run_parent(args, cfg)
-    if args.nproc is not None and args.nproc != world.world_size and not os.environ.get(ARGV_ENV):
-        raise UserError(f"--nproc={args.nproc}: this {world.source} world already has "
-                         f"{world.world_size} ranks; drop --nproc inside torchrun/srun")
-    return multirank.run_rank(args, cfg, world)
+    return run_job(job_from_args(args))
 
 
 # The demo: the default model on the embedded corpus, on 4 local ranks with a hybrid layout
@@ -130,18 +163,20 @@ DEMO_LAYOUT = "tp=2"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Calibrate this machine (once), plan for it, then train on local ranks."""
+    """Calibrate this machine (once), plan for it, then train on local ranks. A rerun
+    replaces the previous demo's outputs (it is the demo's own folder)."""
     from meshtron.launch import current_world
+    from meshtron.train.launch import run_job
 
-    cfg = run_config_from_args(args, defaults=DEMO_CONFIG)
-    world = current_world()
-    if world.source != "single":
-        return train_parallel_cli(args, cfg, world)  # a rank of the demo
-    args.nproc = args.nproc or DEMO_NPROC
-    args.plan = args.plan or DEMO_LAYOUT
-    _ensure_calibration(args.nproc, args.cluster)
-    _show_plans(args, cfg)
-    return train_parallel_cli(args, cfg, world)
+    parent = current_world().source == "single" and not args.launched_rank
+    if not parent:  # a rank of the demo (or the demo inside an outside world)
+        return run_job(job_from_args(args, defaults=DEMO_CONFIG))
+    # The demo's own folder is replaced on every run; a --run-dir of the user's is protected.
+    job = job_from_args(args, defaults=DEMO_CONFIG, plan=DEMO_LAYOUT, nproc=DEMO_NPROC,
+                        overwrite=args.train__run_dir is None and args.config is None)
+    _ensure_calibration(job.parallel.nproc, job.parallel.cluster)
+    _show_plans(job)
+    return run_job(job)
 
 
 def _ensure_calibration(nproc: int, cluster: str | None) -> None:
@@ -158,7 +193,7 @@ def _ensure_calibration(nproc: int, cluster: str | None) -> None:
         raise RunFailed("calibration failed; see the output above")
 
 
-def _show_plans(args: argparse.Namespace, cfg) -> None:
+def _show_plans(job: TrainJob) -> None:
     """The planner's view of this machine: top plans of every layout, and why others lose."""
     from rich.console import Console
 
@@ -166,7 +201,8 @@ def _show_plans(args: argparse.Namespace, cfg) -> None:
     from meshtron.planner.search import search_plans
     from meshtron.train.planning import local_cluster
 
-    cluster = local_cluster(args.nproc, args.cluster)
+    cfg, request = job.cfg, job.parallel or ParallelRequest()
+    cluster = local_cluster(request.nproc or 1, request.cluster)
     result = search_plans(cfg.model, cluster, cfg.data.global_batch, cfg.data.seq_len, top_k=3)
     console = Console()
     if not console.is_terminal:  # logs: wide enough that the table's columns stay readable
@@ -176,7 +212,7 @@ def _show_plans(args: argparse.Namespace, cfg) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model (single process)",
+    p = sub.add_parser("train", help="train a model (one process or many ranks)",
                        description="Train a model. Configure with --config RUN.toml and/or flags.")
     add_run_arguments(p)
     add_parallel_arguments(p)

@@ -1,27 +1,41 @@
-"""Single-process training: the reference every parallel layout must reproduce.
+"""The training loop shared by every engine, and the single-process engine (the reference every
+parallel layout must reproduce).
 
 One optimizer step = the global batch, split into micro-batches whose losses are weighted by
 their share of the batch, so gradient accumulation gives exactly the full-batch gradient.
+
+The step keeps the loss and the gradient norm on the device: the host reads them only at
+logging points (every `train.log_every` steps, at step 1, at evaluations and at the end), in one
+synchronisation per point (`engine.read_log`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from meshtron.config import RunConfig
-from meshtron.data import build_data
 from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer, cross_entropy_loss
-from meshtron.train.metrics import MetricsLog, TrainProgress
+from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
+
+
+class StepOutput(NamedTuple):
+    """What one optimizer step leaves for the loop; tensors stay on the device."""
+
+    loss: torch.Tensor
+    """Global-batch mean loss (0-d)."""
+    grad_norm: torch.Tensor | None
+    """Total gradient norm before clipping (0-d); None when clipping is off."""
+    lr: float
+    """Learning rate the step used."""
 
 
 @dataclass
@@ -29,16 +43,29 @@ class TrainResult:
     """What a finished run reports (also written to RUN_DIR/summary.json)."""
 
     steps: int
+    """Optimizer steps run; the last metrics record has this step number."""
     first_loss: float
+    """Training loss of step 1."""
     final_loss: float
+    """Training loss of the last step."""
     eval_loss: float | None
+    """Held-out loss at the last evaluation (None: evaluation off)."""
     tokens: int
+    """Tokens trained on."""
     wall_s: float
-    tokens_per_s: float
+    """Seconds of the whole loop, evaluation and the first step included."""
+    tokens_per_s: float | None
+    """Steady-state throughput: tokens of every step but the first / their training seconds
+    (evaluation excluded). None for a one-step run."""
+    step_time_s: float | None
+    """Median seconds per step over the steady steps (the slowest rank's)."""
     params: int
+    """Model parameters."""
+    records: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    """The metrics records, as in metrics.jsonl (main rank only)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "records"}
 
 
 def autocast_context(dtype: str, device_type: str) -> contextlib.AbstractContextManager:
@@ -49,10 +76,11 @@ def autocast_context(dtype: str, device_type: str) -> contextlib.AbstractContext
 
 
 def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     micro_batch: int, dtype: str) -> float:
-    """Accumulate gradients of the batch mean loss over micro-batches; returns the mean loss."""
+                     micro_batch: int, dtype: str) -> torch.Tensor:
+    """Accumulate gradients of the batch mean loss over micro-batches; returns the mean loss
+    (a detached 0-d tensor: no host synchronisation)."""
     rows = inputs.shape[0]
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float32, device=inputs.device)
     device_type = inputs.device.type
     for start in range(0, rows, micro_batch):
         x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
@@ -60,7 +88,7 @@ def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
             logits = model(x)
         loss = cross_entropy_loss(logits, y) * (x.shape[0] / rows)
         loss.backward()
-        total += loss.item()
+        total += loss.detach().float()
     return total
 
 
@@ -73,9 +101,9 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
         for start in range(0, inputs.shape[0], micro_batch):
             x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
             with autocast_context(dtype, x.device.type):
-                losses.append(cross_entropy_loss(model(x), y).item())
+                losses.append(cross_entropy_loss(model(x), y).float())
     model.train()
-    return sum(losses) / len(losses)
+    return float(torch.stack(losses).mean())
 
 
 class LocalEngine:
@@ -87,107 +115,136 @@ class LocalEngine:
         torch.manual_seed(cfg.train.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = Transformer(cfg.model).to(self.device)
-        self.optimizer = build_adamw([self.model], cfg.optim)
+        self.optimizer = build_adamw([self.model], cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.micro = cfg.data.micro_batch or cfg.data.global_batch
         self.dtype = cfg.train.dtype
         self.grad_clip = cfg.optim.grad_clip
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None, float]:
-        """Forward, backward, clip, optimizer and schedule step; returns (loss, grad norm, lr)."""
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        """Forward, backward, clip, optimizer and schedule step, with no host synchronisation."""
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         loss = forward_backward(self.model, inputs, targets, self.micro, self.dtype)
-        norm = (float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip,
+                                               foreach=True)
                 if self.grad_clip > 0 else None)
-        return loss, norm, self._step_optimizer()
-
-    def _step_optimizer(self) -> float:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return lr
+        return StepOutput(loss, norm, lr)
+
+    def read_log(self, out: StepOutput, seconds: float) -> tuple[float, float | None, float]:
+        """(loss, grad norm, seconds): the logging point's one host synchronisation."""
+        return read_values(out, seconds, self.device)
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         return evaluate(self.model, batches, self.micro, self.dtype)
 
-    def slowest(self, seconds: float) -> float:
-        """The slowest rank's value (one rank here)."""
-        return seconds
+
+def read_values(out: StepOutput, seconds: float, device: torch.device,
+                reduce_max=None) -> tuple[float, float | None, float]:
+    """Loss, grad norm and host seconds in one tensor, optionally max-reduced over ranks
+    (`reduce_max(tensor)`: loss and norm are equal on every rank, seconds become the slowest
+    rank's), then read in a single device-to-host copy."""
+    nan = torch.full((), math.nan, device=device)
+    norm = out.grad_norm.reshape(()).float() if out.grad_norm is not None else nan
+    values = torch.stack([out.loss.reshape(()).float().to(device), norm.to(device),
+                          torch.tensor(seconds, dtype=torch.float32, device=device)])
+    if reduce_max is not None:
+        reduce_max(values)
+    loss, grad_norm, secs = values.tolist()
+    return loss, (grad_norm if out.grad_norm is not None else None), secs
 
 
 def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = True,
-             mfu_fn: Callable[[float], float] | None = None) -> TrainResult:
-    """The training loop shared by every engine; only the main rank writes and prints."""
+             peak_flops: float | None = None, writers: list[Any] | None = None) -> TrainResult:
+    """Train `cfg.train.steps` steps (numbered 1..N); only the main rank writes and prints.
+
+    `peak_flops`: the job's peak FLOP/s (all ranks) for MFU, when known. `writers`: extra
+    record sinks with `write(record)` (e.g. TensorBoard), main rank only."""
     main = engine.is_main
+    steps = cfg.train.steps
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-    eval_set = data.eval_batches()
+    flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+    eval_set = data.eval_batches() if cfg.train.eval_every else []
     log = MetricsLog(run_dir) if main else None
+    sinks = ([log] if log else []) + (list(writers or []) if main else [])
+    clock = StepClock(tokens_per_step)
+    records: list[dict[str, Any]] = []
     first_loss = final_loss = math.nan
     eval_loss: float | None = None
     start = time.perf_counter()
-    with TrainProgress(cfg.train.steps, enabled=show_progress and main) as progress:
-        for step in range(cfg.train.steps):
-            t0 = time.perf_counter()
+    with TrainProgress(steps, enabled=show_progress and main) as progress:
+        mark, pending = time.perf_counter(), 0
+        for step in range(1, steps + 1):
             inputs, targets = data.next_batch()
-            loss, grad_norm, lr = engine.train_step(inputs, targets)
-            dt = engine.slowest(time.perf_counter() - t0)
+            out = engine.train_step(inputs, targets)
+            pending += 1
+            evaluating = bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0
+                                                         or step == steps)
+            if not (step == 1 or step == steps or evaluating or step % cfg.train.log_every == 0):
+                continue
+            loss, grad_norm, seconds = engine.read_log(out, time.perf_counter() - mark)
+            record = {"step": step, "loss": loss, "lr": out.lr,
+                      "step_time_s": clock.add(step, pending, seconds)}
+            pending = 0
             if not math.isfinite(loss):
                 raise RunFailed(f"loss became {loss} at step {step}; lower optim.lr or raise "
                                 "optim.warmup_steps")
-            first_loss = loss if step == 0 else first_loss
+            first_loss = loss if step == 1 else first_loss
             final_loss = loss
-            record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                      "step_time_s": dt}
-            if mfu_fn is not None:
-                record["mfu"] = mfu_fn(dt)
+            tps = clock.tokens_per_s()
+            record["tokens_per_s"] = tps
+            if peak_flops and tps:
+                record["mfu"] = flops_per_token * tps / peak_flops
             if grad_norm is not None:
                 record["grad_norm"] = grad_norm
-            last = step == cfg.train.steps - 1
-            if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
+            if evaluating:
+                t0 = time.perf_counter()
                 eval_loss = engine.evaluate(eval_set)
                 record["eval_loss"] = eval_loss
-                progress.log(f"step {step + 1}: loss {loss:.4f}  eval {eval_loss:.4f}")
-            if log is not None and (step % cfg.train.log_every == 0 or last or "eval_loss" in record):
-                log.write(record)
-            progress.update(step + 1, loss, tokens_per_step / dt)
+                record["eval_time_s"] = time.perf_counter() - t0
+            if main:
+                records.append(record)
+                for sink in sinks:
+                    sink.write(record)
+            progress.update(record)
+            mark = time.perf_counter()  # evaluation and logging are not training time
     if log is not None:
         log.close()
-    wall = time.perf_counter() - start
-    result = TrainResult(steps=cfg.train.steps, first_loss=first_loss, final_loss=final_loss,
-                         eval_loss=eval_loss, tokens=tokens_per_step * cfg.train.steps,
-                         wall_s=wall, tokens_per_s=tokens_per_step * cfg.train.steps / wall,
-                         params=cfg.model.num_params())
-    if main:
-        (run_dir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
-    return result
+    return TrainResult(steps=steps, first_loss=first_loss, final_loss=final_loss,
+                       eval_loss=eval_loss, tokens=tokens_per_step * steps,
+                       wall_s=time.perf_counter() - start, tokens_per_s=clock.tokens_per_s(),
+                       step_time_s=clock.median_step_s(), params=cfg.model.num_params(),
+                       records=records)
 
 
 def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1):
     """The data pipeline for this data-parallel rank, checked against the model's vocabulary."""
+    from meshtron.data import build_data
+
     data = build_data(source=cfg.data.source, tokenizer=cfg.data.tokenizer,
                       seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch,
                       seed=cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size,
                       eval_batches=cfg.data.eval_batches, bpe_vocab=cfg.data.bpe_vocab)
     if data.vocab_size > cfg.model.vocab:
         raise UserError(f"model.vocab={cfg.model.vocab}: smaller than the tokenizer's "
-                         f"{data.vocab_size} ids")
+                        f"{data.vocab_size} ids")
     return data
 
 
-def prepare_run_dir(cfg: RunConfig, main: bool = True, extra: dict[str, Any] | None = None) -> Path:
-    run_dir = Path(cfg.train.run_dir)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        doc = {**cfg.to_dict(), **(extra or {})}
-        (run_dir / "config.json").write_text(json.dumps(doc, indent=2, default=str))
-    return run_dir
+def train(cfg: RunConfig, show_progress: bool = True, overwrite: bool = False) -> TrainResult:
+    """Single-process training into `cfg.train.run_dir` (refused when it holds a run, unless
+    `overwrite`): metrics.jsonl, summary.json, curves.png (and TensorBoard files if asked)."""
+    from meshtron.train import outputs
 
-
-def train(cfg: RunConfig, show_progress: bool = True) -> TrainResult:
-    """Single-process training."""
+    outputs.check_run_dir(cfg, overwrite)
     data = build_run_data(cfg)
     # Bad input fails above, before anything is written to the run folder.
-    run_dir = prepare_run_dir(cfg)
-    return run_loop(LocalEngine(cfg), data, cfg, run_dir, show_progress)
+    run_dir = outputs.prepare_run_dir(cfg)
+    with outputs.extra_writers(cfg, run_dir) as writers:
+        result = run_loop(LocalEngine(cfg), data, cfg, run_dir, show_progress, writers=writers)
+    outputs.finish_run(run_dir, result.to_dict(), result.records)
+    return result

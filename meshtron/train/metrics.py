@@ -1,8 +1,10 @@
-"""Per-step metrics to RUN_DIR/metrics.jsonl and a live progress bar (rich)."""
+"""Per-step metrics: RUN_DIR/metrics.jsonl, the step clock behind the run's one tokens/s
+figure, and the console progress (rich)."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -33,19 +35,68 @@ class MetricsLog:
         self._file.close()
 
 
+class StepClock:
+    """Training time between logging points, and the one throughput definition of a run.
+
+    The loop reads the clock at each logging point, right after that point's host
+    synchronisation, so an interval holds every step since the previous point; evaluation runs
+    after a point and before the clock restarts, so it never counts as training. Steady state
+    is every step but the first (lazy initialisation, allocator and communicator warm-up):
+    tokens/s = tokens of the steady steps / their seconds, the same figure in the console,
+    metrics.jsonl (running, up to that step) and summary.json (the whole run)."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.intervals: list[tuple[int, int, float]] = []
+        """(last step, steps, seconds) per logging interval."""
+
+    def add(self, last_step: int, steps: int, seconds: float) -> float:
+        """Record an interval; returns its seconds per step."""
+        self.intervals.append((last_step, steps, seconds))
+        return seconds / steps
+
+    def _steady(self) -> list[tuple[int, int, float]]:
+        # The loop logs step 1 on its own, so no steady interval contains it.
+        return [iv for iv in self.intervals if iv[0] - iv[1] + 1 > 1]
+
+    @property
+    def steady_steps(self) -> int:
+        return sum(n for _, n, _ in self._steady())
+
+    def tokens_per_s(self) -> float | None:
+        """Steady-state tokens per second so far (None until a step after the first)."""
+        steady = self._steady()
+        seconds = sum(s for _, _, s in steady)
+        if not steady or seconds <= 0:
+            return None
+        return self.tokens_per_step * sum(n for _, n, _ in steady) / seconds
+
+    def median_step_s(self) -> float | None:
+        """Median seconds per step over the steady intervals (None for a one-step run)."""
+        steady = self._steady()
+        return statistics.median(s / n for _, n, s in steady) if steady else None
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+
+
 class TrainProgress:
-    """A progress bar showing loss and tokens/s; silent when disabled (non-zero ranks)."""
+    """A progress bar with loss and steady tokens/s on a terminal; without one (CI, logs) a
+    line at evaluation steps, at the last step and at most every 10 s in between, each step
+    at most once. Silent when disabled (non-zero ranks)."""
 
     def __init__(self, total: int, enabled: bool = True, console: Console | None = None):
         self.console = console or Console(stderr=True)
         self.enabled = enabled
+        self.total = total
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.4f}"),
-            TextColumn("{task.fields[tps]:,.0f} tok/s"),
+            TextColumn("{task.fields[tps]} tok/s"),
             TimeRemainingColumn(), console=self.console, disable=not enabled)
-        self._task = self._progress.add_task("train", total=total, loss=float("nan"), tps=0.0)
-        self._last_print = 0.0
+        self._task = self._progress.add_task("train", total=total, loss=float("nan"), tps="-")
+        self._last_print = time.monotonic()
 
     def __enter__(self) -> "TrainProgress":
         self._progress.start()
@@ -54,13 +105,17 @@ class TrainProgress:
     def __exit__(self, *exc: Any) -> None:
         self._progress.stop()
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
-        # Without a terminal (CI, logs) rich draws nothing: print a line now and then instead.
-        if self.enabled and not self.console.is_terminal and time.monotonic() - self._last_print > 10:
+    def update(self, record: dict[str, Any]) -> None:
+        """Show a metrics record (step numbered from 1)."""
+        if not self.enabled:
+            return
+        step, tps = record["step"], record.get("tokens_per_s")
+        self._progress.update(self._task, completed=step, loss=record["loss"], tps=_rate(tps))
+        has_eval = "eval_loss" in record
+        terminal = self.console.is_terminal
+        due = time.monotonic() - self._last_print > 10 or step == self.total
+        if has_eval or (not terminal and due):
             self._last_print = time.monotonic()
-            self.console.print(f"step {step}: loss {loss:.4f}, {tokens_per_s:,.0f} tok/s")
-
-    def log(self, message: str) -> None:
-        if self.enabled:
-            self._progress.console.print(message)
+            ev = f", eval {record['eval_loss']:.4f}" if has_eval else ""
+            self._progress.console.print(
+                f"step {step}/{self.total}: loss {record['loss']:.4f}{ev}, {_rate(tps)} tok/s")

@@ -9,7 +9,6 @@ layout reproduce the single-process losses (tests/test_parallel*.py).
 from __future__ import annotations
 
 import json
-import statistics
 import types
 from typing import Any
 
@@ -20,18 +19,21 @@ from meshtron.config import RunConfig
 from meshtron.errors import UserError
 from meshtron.launch import World
 from meshtron.model import Transformer
-from meshtron.train.loop import build_run_data, prepare_run_dir, run_loop
-from meshtron.train.optim import build_scheduler, param_groups
+from meshtron.train import outputs
+from meshtron.train.loop import StepOutput, build_run_data, read_values, run_loop
+from meshtron.train.optim import adamw_kernel, build_scheduler, param_groups
 
 
-def _adamw_factory(weight_decay: float):
-    """AdamW with the single-process parameter groups (decay on matrices only), for
-    `build_optimizer`, which hands it the parameters of one model part or ZeRO-1 shard."""
+def _adamw_factory(weight_decay: float, device_type: str):
+    """AdamW with the single-process parameter groups (decay on matrices only) and the
+    single-process kernel choice, for `build_optimizer`, which hands it the parameters of one
+    model part or ZeRO-1 shard."""
 
     def make(params, **kwargs):
         kwargs.pop("weight_decay", None)
         groups = param_groups(params, weight_decay)
-        return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **kwargs)
+        return torch.optim.AdamW([g for g in groups if g["params"]], **adamw_kernel(device_type),
+                                 **kwargs)
 
     return make
 
@@ -53,63 +55,66 @@ class ParallelEngine:
 
     def __init__(self, cfg: RunConfig, plan, device: torch.device):
         from meshtron.parallel import build_mesh, build_optimizer, parallelize
+        from meshtron.parallel.mesh import data_mesh
 
         rt = runtime_plan(plan, cfg.train.dtype)
         self.mesh = build_mesh(rt, device_type=device.type, spec=cfg.model)
+        self.dp_rank = data_mesh(self.mesh).get_local_rank()
         torch.manual_seed(cfg.train.seed)
         self.pm = parallelize(Transformer(cfg.model), rt, self.mesh)
         self.optimizer = build_optimizer(
             self.pm, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
             weight_decay=cfg.optim.weight_decay,
-            optimizer_cls=_adamw_factory(cfg.optim.weight_decay))
+            optimizer_cls=_adamw_factory(cfg.optim.weight_decay, device.type))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.grad_clip = cfg.optim.grad_clip
         self.is_main = dist.get_rank() == 0
-        self.step_times: list[float] = []
         self.grad_bytes: int | None = None
 
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None, float]:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        """One optimizer step with no host synchronisation."""
         loss = self.pm.forward_backward(inputs, targets)
         if self.grad_bytes is None:  # measured where gradients peak: after backward
             self.grad_bytes = sum(_local(p.grad).numel() * _local(p.grad).element_size()
                                   for p in self.pm.parameters() if p.grad is not None)
-        norm = float(self.pm.clip_grad_norm_(self.grad_clip)) if self.grad_clip > 0 else None
+        norm = self.pm.clip_grad_norm_(self.grad_clip) if self.grad_clip > 0 else None
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad()
-        return loss, norm, lr
+        return StepOutput(loss, norm, lr)
+
+    def read_log(self, out: StepOutput, seconds: float) -> tuple[float, float | None, float]:
+        """(loss, grad norm, the slowest rank's seconds): one all-reduce, one host read."""
+        return read_values(out, seconds, self.pm.device,
+                           reduce_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        return float(statistics.fmean(self.pm.evaluate(x, y) for x, y in batches))
-
-    def slowest(self, seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64, device=self.pm.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        self.step_times.append(float(t.item()))
-        return float(t.item())
+        return float(torch.stack([self.pm.evaluate(x, y) for x, y in batches]).mean())
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds: parameter, gradient and optimizer-state shards (and the CUDA
         allocator's peak on GPU)."""
-        local = _local
         params = list(self.pm.parameters())
-        out = {"params": sum(local(p).numel() * local(p).element_size() for p in params),
+        out = {"params": sum(_local(p).numel() * _local(p).element_size() for p in params),
                "grads": self.grad_bytes or 0,
                "optimizer": 0}
         for opt in self.optimizer.optimizers:
             for state in opt.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        out["optimizer"] += local(v).numel() * local(v).element_size()
+                        out["optimizer"] += _local(v).numel() * _local(v).element_size()
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         if torch.cuda.is_available():
             out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
         return out
+
+    def release(self) -> None:
+        """Drop the model and optimizer and destroy the mesh's process groups."""
+        from meshtron.parallel.mesh import release_mesh
+
+        del self.pm, self.optimizer, self.scheduler
+        release_mesh(self.mesh)
 
 
 def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, float] | None:
@@ -117,11 +122,10 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, float] | None:
     if cluster is None:
         return None
     from meshtron.planner.search import evaluate_plan
+    from meshtron.train.planning import sized_cluster
 
     knobs = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "zero", "micro_batch", "recompute",
                                            "sp", "schedule", "virtual_stages")}
-    from meshtron.train.planning import sized_cluster
-
     sized = sized_cluster(cluster, plan.gpus)
     try:
         est = evaluate_plan(cfg.model, sized, plan.global_batch, plan.seq_len, knobs)
@@ -132,31 +136,28 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, float] | None:
 
 def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
                   cluster=None, show_progress: bool = True) -> dict[str, Any] | None:
-    """Run the plan on this rank (process group already initialised); rank 0 returns the
-    summary, with the planner's prediction beside the measurement when a cluster is known."""
+    """Run the plan on this rank (process group already initialised); rank 0 writes the run's
+    outputs and returns the summary, with the planner's prediction beside the measurement when
+    a cluster is known."""
     engine = ParallelEngine(cfg, plan, device)
     data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp)
-    run_dir = prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
+    run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
     # MFU needs a real peak: the calibrated or catalogue figure, not the nominal placeholder.
     known = cluster is not None and not cluster.name.startswith("nominal")
-    peak = cluster.peak_tflops * 1e12 if known else None
-    flops_per_step = cfg.model.flops_per_token(cfg.data.seq_len) * cfg.data.global_batch * cfg.data.seq_len
-    result = run_loop(engine, data, cfg, run_dir, show_progress,
-                      mfu_fn=(lambda dt: flops_per_step / dt / (world.world_size * peak))
-                      if peak else None)
+    peak = world.world_size * cluster.peak_tflops * 1e12 if known else None
+    with outputs.extra_writers(cfg, run_dir, engine.is_main) as writers:
+        result = run_loop(engine, data, cfg, run_dir, show_progress, peak_flops=peak,
+                          writers=writers)
     memory = engine.memory_bytes()
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, memory)
+    engine.release()
     if not engine.is_main:
         return None
-    # Steady state: drop the first steps (warm-up, lazy initialisation).
-    steady = engine.step_times[min(2, len(engine.step_times) - 1):]
-    measured = statistics.median(steady)
-    summary = {**result.to_dict(), "plan": plan.to_dict(), "world_size": world.world_size,
-               "measured_step_time_s": measured}
     predicted = plan.predicted or {}
-    if predicted:
-        summary["predicted_step_time_s"] = predicted.get("step_time_s")
+    summary = {**result.to_dict(), "plan": plan.to_dict(), "world_size": world.world_size,
+               "measured_step_time_s": result.step_time_s,
+               "predicted_step_time_s": predicted.get("step_time_s")}
     (run_dir / "memory.json").write_text(json.dumps({
         "measured_bytes_per_rank": gathered,
         "measured_max_rank_gib": {k: max(m[k] for m in gathered) / 2**30 for k in gathered[0]},
@@ -166,6 +167,6 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
                 "planner's fullest rank (bf16 params/grads + fp32 master and moments), plus "
                 "activations and workspace",
     }, indent=2))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    outputs.finish_run(run_dir, summary, result.records)
     return summary
 

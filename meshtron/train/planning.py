@@ -1,7 +1,7 @@
-"""From `--plan auto | tp=..,pp=..,dp=.. | plan.toml` and the run config to one validated Plan.
+"""Plan resolution: from a ParallelRequest and the run config to one validated Plan.
 
 Runs before any rank starts, so a plan that does not fit the world size or the model fails
-with one line and no process left behind.
+with one line and no process left behind. Takes typed values only (no argparse objects).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 from meshtron.config import RunConfig
 from meshtron.errors import UserError
+from meshtron.train.job import ParallelRequest
 
 # Used only to fill knobs a user left open when this machine has not been calibrated yet;
 # reports then say the prediction is nominal. Figures: one CPU core's fp32 GEMM rate and
@@ -22,7 +23,7 @@ NOMINAL_CPU_CLUSTER = {"name": "nominal-cpu", "peak_tflops": 0.05, "matmul_effic
 
 
 def local_cluster(world_size: int, cluster: str | None):
-    """The cluster to plan for: `--cluster`, else this machine's calibration file, else the
+    """The cluster to plan for: `cluster`, else this machine's calibration file, else the
     nominal CPU figures (flagged by their name)."""
     from meshtron.calibrate.cli import default_cluster_path
     from meshtron.planner.cluster import cluster_from_dict, resolve_cluster
@@ -35,68 +36,91 @@ def local_cluster(world_size: int, cluster: str | None):
     return cluster_from_dict({**NOMINAL_CPU_CLUSTER, "gpus_per_node": world_size})
 
 
-def knobs_from_args(args: Any, cfg: RunConfig) -> dict[str, Any]:
-    """Knobs the user fixed on the command line (the rest are left to the planner)."""
-    from meshtron.planner.plan import fixed_knobs
-
-    plan_arg = getattr(args, "plan", None)
-    layout = plan_arg if plan_arg and plan_arg != "auto" and not _is_file_arg(plan_arg) else None
-    return fixed_knobs(layout, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
-                       args.schedule)
+def is_plan_file(text: str | None) -> bool:
+    """`--plan` names a saved plan (not 'auto' or a layout)."""
+    return bool(text) and text != "auto" and (text.endswith(".toml") or Path(text).is_file())
 
 
-def _is_file_arg(text: str) -> bool:
-    return text.endswith(".toml") or Path(text).is_file()
+def fixed_knobs(plan: str | None, zero: int | None, recompute: str | None, sp: str | None,
+                micro_batch: int | None, schedule: str | None) -> dict[str, Any]:
+    """Knobs fixed by flags; a layout given as `plan` fixes its axes."""
+    from meshtron.planner.plan import fixed_knobs as parse
+
+    layout = plan if plan and plan != "auto" and not is_plan_file(plan) else None
+    return parse(layout, zero, recompute, sp, micro_batch, schedule)
 
 
-def resolve_run_plan(cfg: RunConfig, plan_arg: str, world_size: int, knobs: dict[str, Any],
-                     cluster_arg: str | None):
+def same_model(plan_model: str, spec) -> bool:
+    """A plan's `model` (a preset, a config.json path or a name) describes `spec`."""
+    from meshtron.model.spec import resolve_model
+
+    if plan_model == spec.name:
+        return True
+    try:
+        other = resolve_model(plan_model)
+    except UserError:
+        return False
+    return {**other.to_dict(), "name": ""} == {**spec.to_dict(), "name": ""}
+
+
+def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int):
     """Returns (Plan, ClusterSpec): a saved plan checked against this run, or the planner's
     best plan for this world with the fixed knobs."""
     from meshtron.parallel import resolve_plan
-    from meshtron.planner.plan import load_plan
-    from meshtron.planner.search import search_plans
 
-    cluster = local_cluster(world_size, cluster_arg)
-    if _is_file_arg(plan_arg):
-        plan = load_plan(plan_arg)
-        for field, want in (("global_batch", cfg.data.global_batch), ("seq_len", cfg.data.seq_len)):
-            if getattr(plan, field) != want:
-                raise UserError(f"plan.{field}={getattr(plan, field)}: the run uses {want}; "
-                                 f"pass --{field.replace('_', '-')} {getattr(plan, field)}")
-        if plan.model != cfg.model.name and Path(plan.model).name != cfg.model.name:
-            raise UserError(f"plan.model={plan.model!r}: the run trains {cfg.model.name!r}")
-        for knob, value in knobs.items():  # flags may restate the saved plan, not change it
-            if getattr(plan, knob) != value:
-                raise UserError(f"--{knob.replace('_', '-')}={value}: the saved plan has "
-                                 f"{knob}={getattr(plan, knob)}; edit the plan or drop the flag")
+    cluster = local_cluster(world_size, request.cluster)
+    if is_plan_file(request.plan):
+        plan = _saved_plan(cfg, request)
     else:
-        for axis in ("tp", "pp", "dp"):
-            if axis in knobs and world_size % knobs[axis]:
-                raise UserError(f"plan {axis}={knobs[axis]}: must divide the world size "
-                                 f"{world_size}")
-        given = [knobs.get(a) for a in ("tp", "pp", "dp")]
-        if all(given) and given[0] * given[1] * given[2] != world_size:
-            raise UserError(f"plan dp*tp*pp={given[2]}*{given[0]}*{given[1]}="
-                             f"{given[0] * given[1] * given[2]}: must equal the world size "
-                             f"{world_size}")
-        sized = sized_cluster(cluster, world_size)
-        if sized.num_gpus != world_size:
-            raise UserError(f"cluster {cluster.name}: has {cluster.num_gpus} devices, the run "
-                             f"has {world_size} ranks")
-        result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
-                              _runnable(knobs, cfg), top_k=1, explain=False)
-        best = result.best
-        if best is None:
-            near = result.near_miss
-            need = f"; the leanest plan needs {near.memory.total:.2f} GiB per rank" if near else ""
-            raise UserError(f"plan={plan_arg!r}: no plan fits {world_size} ranks of "
-                             f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
-        plan = best.to_plan(cfg.model.name, cluster.name, world_size, cfg.data.global_batch,
-                            cfg.data.seq_len, attention=result.options.attention)
+        plan = _searched_plan(cfg, request, world_size, cluster)
     # The runtime's own checks (world size, heads, kv_heads, layers, schedule traps).
     resolve_plan(plan, world_size, cfg.model)
     return plan, cluster
+
+
+def _saved_plan(cfg: RunConfig, request: ParallelRequest):
+    from meshtron.planner.plan import load_plan
+
+    plan = load_plan(request.plan)
+    for name, want in (("global_batch", cfg.data.global_batch), ("seq_len", cfg.data.seq_len)):
+        if getattr(plan, name) != want:
+            raise UserError(f"data.{name}={want}: the saved plan {request.plan} has "
+                            f"{name}={getattr(plan, name)}; drop the flag or edit the plan")
+    if not same_model(plan.model, cfg.model):
+        raise UserError(f"plan.model={plan.model!r}: the run trains {cfg.model.name!r}")
+    for knob, value in request.knobs.items():  # flags may restate the saved plan, not change it
+        if getattr(plan, knob) != value:
+            raise UserError(f"--{knob.replace('_', '-')}={value}: the saved plan has "
+                            f"{knob}={getattr(plan, knob)}; edit the plan or drop the flag")
+    return plan
+
+
+def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cluster):
+    from meshtron.planner.search import search_plans
+
+    knobs = request.knobs
+    for axis in ("tp", "pp", "dp"):
+        if axis in knobs and world_size % knobs[axis]:
+            raise UserError(f"plan {axis}={knobs[axis]}: must divide the world size {world_size}")
+    given = [knobs.get(a) for a in ("tp", "pp", "dp")]
+    if all(given) and given[0] * given[1] * given[2] != world_size:
+        raise UserError(f"plan dp*tp*pp={given[2]}*{given[0]}*{given[1]}="
+                        f"{given[0] * given[1] * given[2]}: must equal the world size "
+                        f"{world_size}")
+    sized = sized_cluster(cluster, world_size)
+    if sized.num_gpus != world_size:
+        raise UserError(f"cluster {cluster.name}: has {cluster.num_gpus} devices, the run "
+                        f"has {world_size} ranks")
+    result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
+                          _runnable(knobs, cfg), top_k=1, explain=False)
+    best = result.best
+    if best is None:
+        near = result.near_miss
+        need = f"; the leanest plan needs {near.memory.total:.2f} GiB per rank" if near else ""
+        raise UserError(f"plan={request.plan!r}: no plan fits {world_size} ranks of "
+                        f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
+    return best.to_plan(cfg.model.name, cluster.name, world_size, cfg.data.global_batch,
+                        cfg.data.seq_len, attention=result.options.attention)
 
 
 def sized_cluster(cluster, world_size: int):

@@ -1,0 +1,40 @@
+"""A training job as typed values: what the command line hands to the stages below it
+(launch -> plan resolution -> rank -> loop). No argparse object travels past the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtron.config import RunConfig
+
+
+@dataclass(frozen=True)
+class ParallelRequest:
+    """How to run on torch.distributed."""
+
+    plan: str = "auto"
+    """'auto' (the planner picks), a layout such as 'tp=2,pp=2,dp=2' (open knobs picked by the
+    planner), or a plan file saved by `meshtron plan --save`."""
+    nproc: int | None = None
+    """Local ranks to start with torchrun; None: the outside world's size, or 1."""
+    cluster: str | None = None
+    """Cluster to plan for (preset or TOML); None: this machine's calibration file."""
+    knobs: dict[str, Any] = field(default_factory=dict)
+    """Knobs fixed on the command line (tp/pp/dp, zero, schedule, recompute, sp, micro_batch)."""
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One `meshtron train` (or demo) invocation, validated."""
+
+    cfg: RunConfig
+    """The run configuration (model, data, optimizer, loop, outputs)."""
+    parallel: ParallelRequest | None = None
+    """None: one process without torch.distributed (unless started inside a torchrun/Slurm
+    world, which always means the parallel path)."""
+    overwrite: bool = False
+    """Replace the outputs of a run already in cfg.train.run_dir."""
+    launched_rank: bool = False
+    """This process is a rank started by `meshtron train --nproc` on this machine: the parent
+    process validated everything, saved the plan and reports the result."""

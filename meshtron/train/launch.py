@@ -1,0 +1,101 @@
+"""The launch stage of `meshtron train`: one process, local ranks, or a rank of an outside
+world.
+
+- No parallelism asked and no outside world: train in this process.
+- `--nproc N` (or any parallel flag) outside a world: this process is the parent. Every check
+  that can fail on user input runs here, before any rank starts: the run folder, the plan
+  against the world size and the model, the data. It writes RUN_DIR/run.toml (the resolved
+  config) and RUN_DIR/plan.toml, starts the ranks with `rank_command` (the one place their
+  command line is made: those two files, nothing re-parsed from ours), and reports.
+- Inside a torchrun / Slurm world: this process is a rank (`meshtron.train.rank`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from meshtron.errors import UserError
+from meshtron.launch import World, current_world
+from meshtron.train import outputs
+from meshtron.train.job import ParallelRequest, TrainJob
+
+EXIT_USAGE = 2
+
+
+def run_job(job: TrainJob, world: World | None = None) -> int:
+    """Run the job where it belongs; returns the exit code (0 done, 1 failed ranks)."""
+    world = world or current_world()
+    if world.source != "single":
+        if job.parallel and job.parallel.nproc not in (None, world.world_size) \
+                and not job.launched_rank:
+            raise UserError(f"--nproc={job.parallel.nproc}: this {world.source} world already "
+                            f"has {world.world_size} ranks; drop --nproc inside torchrun/srun")
+        from meshtron.train.rank import run_rank
+
+        run_rank(job, world)
+    if job.parallel is None:
+        return train_here(job)
+    return launch_ranks(job)
+
+
+def warn(job: TrainJob) -> None:
+    for text in job.cfg.warnings():
+        print(f"meshtron train: warning: {text}", file=sys.stderr)
+
+
+def train_here(job: TrainJob) -> int:
+    from meshtron.train.loop import train
+
+    warn(job)
+    result = train(job.cfg, overwrite=job.overwrite)
+    outputs.print_result(job.cfg, result.to_dict(), Path(job.cfg.train.run_dir))
+    return 0
+
+
+def launch_ranks(job: TrainJob) -> int:
+    """The parent of `--nproc N` local ranks: validate, plan, save, launch, report."""
+    from meshtron.launch import check_nproc, launch_local
+    from meshtron.train.loop import build_run_data
+    from meshtron.train.planning import resolve_run_plan
+
+    request = job.parallel or ParallelRequest()
+    nproc = request.nproc or 1
+    check_nproc(nproc)
+    outputs.check_run_dir(job.cfg, job.overwrite)
+    plan, cluster = resolve_run_plan(job.cfg, request, nproc)
+    # The data must open on every data-parallel rank: check once here (cheap: the corpus is
+    # read, not trained on) so that a bad path is one line, not N tracebacks.
+    build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)
+    warn(job)
+    run_dir = Path(job.cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan.save(run_dir / "plan.toml")
+    write_run_file(job, run_dir / "run.toml")
+    outputs.print_plan(plan, cluster)
+    code = launch_local(nproc, rank_command(job, run_dir, request))
+    if code != 0:
+        print(f"meshtron train: the {nproc} ranks failed (exit code {code}); their output is "
+              "above", file=sys.stderr)
+        return EXIT_USAGE if code == EXIT_USAGE else 1
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        import json
+
+        outputs.print_result(job.cfg, json.loads(summary_path.read_text()), run_dir)
+    return 0
+
+
+def write_run_file(job: TrainJob, path: Path) -> None:
+    import tomli_w
+
+    path.write_text(tomli_w.dumps(job.cfg.to_toml_dict()))
+
+
+def rank_command(job: TrainJob, run_dir: Path, request: ParallelRequest) -> list[str]:
+    """The command line of every local rank: the resolved run file and the saved plan."""
+    argv = ["train", "--config", str(run_dir / "run.toml"), "--plan",
+            str(run_dir / "plan.toml"), "--launched-rank"]
+    if request.cluster:
+        argv += ["--cluster", request.cluster]
+    return argv

@@ -1,0 +1,164 @@
+"""What a run leaves behind and shows: the run folder (checked before anything runs, never
+silently reused), summary.json, curves.png, optional TensorBoard event files, and the console
+lines for the plan and the result."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from meshtron.config import RunConfig
+from meshtron.errors import UserError
+
+RUN_MARKERS = ("metrics.jsonl", "summary.json")
+"""Files that mean a folder holds a run (refused unless --overwrite)."""
+STALE_OUTPUTS = ("metrics.jsonl", "summary.json", "memory.json", "curves.png")
+"""Outputs of an earlier run removed when a run is started over it (--overwrite)."""
+TENSORBOARD_DIR = "tensorboard"
+
+
+def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
+    """Refuse a run folder that is a file, cannot be created or written, or already holds a
+    run (unless `overwrite`). Writes nothing."""
+    path = Path(cfg.train.run_dir)
+    where = f"train.run_dir={cfg.train.run_dir!r}"
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{where}: is a file; give a folder (created if missing)")
+    held = [name for name in RUN_MARKERS if (path / name).exists()]
+    if held and not overwrite:
+        raise UserError(f"{where}: holds a run ({held[0]}); pass --overwrite to replace it "
+                        "or choose another --run-dir")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{where}: {str(existing)!r} is a file, so the folder cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{where}: {str(existing)!r} is not writable")
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("train.tensorboard=true: the tensorboard package is not installed "
+                        "(pip install tensorboard, or meshtron[tensorboard])")
+
+
+def prepare_run_dir(cfg: RunConfig, main: bool = True, extra: dict[str, Any] | None = None
+                    ) -> Path:
+    """Create the folder, remove an earlier run's outputs (allowed by `check_run_dir`) and write
+    the resolved config.json (main rank)."""
+    run_dir = Path(cfg.train.run_dir)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in STALE_OUTPUTS:
+            (run_dir / name).unlink(missing_ok=True)
+        tb = run_dir / TENSORBOARD_DIR
+        if tb.is_dir():
+            for old in tb.glob("events.out.tfevents.*"):
+                old.unlink()
+        doc = {**cfg.to_dict(), **(extra or {})}
+        (run_dir / "config.json").write_text(json.dumps(doc, indent=2, default=str))
+    return run_dir
+
+
+class _TensorBoard:
+    """Scalars of each metrics record as TensorBoard events (train/*, eval/loss)."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
+                self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@contextlib.contextmanager
+def extra_writers(cfg: RunConfig, run_dir: Path, main: bool = True) -> Iterator[list[Any]]:
+    """Record sinks beside metrics.jsonl: TensorBoard when `train.tensorboard` (main rank)."""
+    writers: list[Any] = []
+    if main and cfg.train.tensorboard:
+        writers.append(_TensorBoard(run_dir / TENSORBOARD_DIR))
+    try:
+        yield writers
+    finally:
+        for w in writers:
+            w.close()
+
+
+def finish_run(run_dir: Path, summary: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """summary.json and curves.png (main rank, at the end of every run)."""
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_curves(run_dir / "curves.png", records)
+
+
+def write_curves(path: Path, records: list[dict[str, Any]]) -> None:
+    """Loss (train and eval), throughput and learning rate against step, as a PNG.
+
+    matplotlib's object API with the Agg canvas: no pyplot, so no process-wide backend or
+    figure state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_tps, ax_lr = fig.subplots(1, 3)
+    steps = [r["step"] for r in records]
+    ax_loss.plot(steps, [r["loss"] for r in records], label="train", linewidth=1.2)
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if evals:
+        ax_loss.plot(*zip(*evals), "o-", label="eval", markersize=4)
+    ax_loss.set(title="loss (nats/token)", xlabel="step")
+    ax_loss.legend()
+    tps = [(r["step"], r["tokens_per_s"]) for r in records if r.get("tokens_per_s")]
+    if tps:
+        ax_tps.plot(*zip(*tps), color="tab:green")
+    ax_tps.set(title="throughput (steady tokens/s)", xlabel="step")
+    ax_lr.plot(steps, [r["lr"] for r in records], color="tab:orange")
+    ax_lr.set(title="learning rate", xlabel="step")
+    for ax in (ax_loss, ax_tps, ax_lr):
+        ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=100)
+
+
+def _rate(value: float | None) -> str:
+    return "n/a (one step)" if value is None else f"{value:,.0f}"
+
+
+def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
+    """The run's closing line: losses, steady tokens/s, predicted vs measured step time."""
+    from rich.console import Console
+
+    ev = f", eval {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else ""
+    ranks = f" on {summary['world_size']} ranks" if summary.get("world_size") else ""
+    pred, meas = summary.get("predicted_step_time_s"), summary.get("step_time_s")
+    vs = (f"; step time (median of steady steps) {meas:.3f} s vs planner {pred:.3f} s "
+          f"(x{meas / pred:.2f})" if pred and meas else "")
+    extra = ", memory in memory.json" if summary.get("world_size") else ""
+    Console().print(
+        f"[bold]done[/]: {cfg.model.name} ({summary['params']:,} params){ranks}, "
+        f"{summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
+        f"{summary['final_loss']:.4f}{ev} nats/token, {_rate(summary['tokens_per_s'])} tok/s, "
+        f"{summary['wall_s']:.1f} s{vs}; metrics in {run_dir}/metrics.jsonl, curves in "
+        f"{run_dir}/curves.png{extra}")
+
+
+def print_plan(plan, cluster) -> None:
+    from rich.console import Console
+
+    pred = plan.predicted or {}
+    virtual = f":{plan.virtual_stages}" if plan.virtual_stages > 1 else ""
+    Console().print(
+        f"[bold]plan[/] {plan.layout()} zero={plan.zero} micro_batch={plan.micro_batch} "
+        f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'} "
+        f"schedule={plan.schedule}{virtual} stage_layers={plan.stage_layers} on {cluster.name}; "
+        f"predicted step {pred.get('step_time_s', float('nan')):.3f} s, "
+        f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank")

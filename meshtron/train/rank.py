@@ -1,0 +1,96 @@
+"""The rank entry point: one process of a multi-rank run (started by `meshtron train --nproc`,
+or by an outside torchrun / srun for multi-node jobs).
+
+Joins the process group, takes the plan rank 0 resolved (broadcast, so nodes with different
+local files cannot disagree), trains, and leaves. Exit codes: 0 done; 2 bad input (one line);
+1 anything else, a bug or a failed run, with this rank's traceback, every line prefixed by
+`[rank N]` so that interleaved output from many ranks stays readable. A failing rank does not
+wait for the others at a barrier (torchrun then stops the rest).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+from meshtron.errors import RunFailed, UserError
+from meshtron.launch import World
+from meshtron.train.job import ParallelRequest, TrainJob
+
+EXIT_USAGE = 2
+
+
+def run_rank(job: TrainJob, world: World) -> NoReturn:
+    """Train this rank's part of the job, then exit the process (never returns)."""
+    from meshtron.runtime import init_rank, shutdown_rank
+
+    try:
+        device = init_rank(world)
+        plan, cluster = agreed_plan(job, world)
+        from meshtron.train.parallel import train_on_rank
+
+        summary = train_on_rank(job.cfg, plan, world, device, cluster)
+        if summary is not None and not job.launched_rank:
+            # Started by an outside torchrun/srun: rank 0 reports (meshtron's own launcher
+            # reports from the parent instead).
+            from meshtron.train import outputs
+
+            run_dir = Path(job.cfg.train.run_dir)
+            plan.save(run_dir / "plan.toml")
+            outputs.print_result(job.cfg, summary, run_dir)
+    except UserError as exc:
+        _abort(world, f"error: {exc}", EXIT_USAGE)
+    except RunFailed as exc:
+        _abort(world, f"failed: {exc}", 1)
+    except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, and no hung peers
+        for line in traceback.format_exc().rstrip().splitlines():
+            print(f"[rank {world.rank}] {line}", file=sys.stderr)
+        _abort(world, f"failed: {type(exc).__name__}: {exc}", 1)
+    shutdown_rank(0)
+
+
+def agreed_plan(job: TrainJob, world: World):
+    """Rank 0 checks the run folder (unless the parent did) and resolves the plan and the
+    cluster; every rank receives the same (or the same error)."""
+    import torch.distributed as dist
+
+    from meshtron.planner.cluster import cluster_from_dict
+    from meshtron.planner.plan import Plan
+    from meshtron.train.planning import resolve_run_plan
+
+    payload: list[Any] = [None]
+    if world.rank == 0:
+        try:
+            if not job.launched_rank:
+                from meshtron.train import outputs
+
+                outputs.check_run_dir(job.cfg, job.overwrite)
+            plan, cluster = resolve_run_plan(job.cfg, job.parallel or ParallelRequest(),
+                                             world.world_size)
+            payload[0] = {"plan": plan.to_dict(), "cluster": cluster.to_dict()}
+        except UserError as exc:
+            payload[0] = {"error": str(exc)}
+    if dist.is_initialized() and world.world_size > 1:
+        dist.broadcast_object_list(payload, src=0)
+    if "error" in payload[0]:
+        raise UserError(payload[0]["error"])
+    return Plan.from_dict(payload[0]["plan"]), cluster_from_dict(payload[0]["cluster"])
+
+
+def _abort(world: World, message: str, code: int) -> NoReturn:
+    import torch.distributed as dist
+
+    print(f"meshtron train (rank {world.rank}): {message}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    # No barrier: the other ranks may be stuck in a collective; torchrun (or the job's own
+    # launcher) stops them once this rank is gone.
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+    os._exit(code)
