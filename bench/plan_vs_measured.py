@@ -55,6 +55,7 @@ def _layout_str(tp: int, pp: int, dp: int) -> str:
 def candidate_plans(cfg, world: int, only: list[str] | None):
     """[(layout string, Plan | None, reason)] for every tp*pp*dp = world."""
     from meshtron.planner.plan import fixed_knobs
+    from meshtron.train.job import ParallelRequest
     from meshtron.train.planning import resolve_run_plan
 
     out = []
@@ -67,7 +68,8 @@ def candidate_plans(cfg, world: int, only: list[str] | None):
             if only and not any(_norm(o) == (tp, pp, dp) for o in only):
                 continue
             try:
-                plan, _ = resolve_run_plan(cfg, text, world, fixed_knobs(text), None)
+                plan, _ = resolve_run_plan(cfg, ParallelRequest(plan=text,
+                                                                knobs=fixed_knobs(text)), world)
                 out.append((text, plan, ""))
             except ValueError as e:
                 out.append((text, None, str(e)))
@@ -199,9 +201,10 @@ def run_cli(args, only):
 
 
 def _auto_plan(cfg):
+    from meshtron.train.job import ParallelRequest
     from meshtron.train.planning import resolve_run_plan
 
-    plan, _ = resolve_run_plan(cfg, "auto", NPROC, {}, None)
+    plan, _ = resolve_run_plan(cfg, ParallelRequest(), NPROC)
     return plan
 
 
@@ -311,9 +314,9 @@ def worker(args, only) -> int:
         eng, data, c = engines[i]
         c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=steps))
         dist.barrier()
-        n0 = len(eng.step_times)
-        run_loop(eng, data, c, Path(c.train.run_dir), show_progress=False)
-        return eng.step_times[n0:]
+        result = run_loop(eng, data, c, Path(c.train.run_dir), show_progress=False)
+        # Every step's time (the slowest rank's), from the records rank 0 keeps.
+        return [r["step_time_s"] for r in result.records]
 
     for i in range(len(engines)):
         t = run(i, args.warmup_steps)

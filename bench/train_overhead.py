@@ -10,9 +10,9 @@ sides alike:
      what run_loop records (`step_time_s` of metrics.jsonl): data fetch + train step, the
      slowest rank's value.
   B  hand-written: init_device_mesh, parallelize_module (ColwiseParallel / RowwiseParallel,
-     loss_parallel), fully_shard per block + root, torch.optim.AdamW (foreach=False, same
-     decay groups), LambdaLR, torch.nn.utils.clip_grad_norm_; no meshtron.parallel code. Timed
-     the same way (data fetch + step, max over ranks).
+     loss_parallel), fully_shard per block + root, torch.optim.AdamW (fused, same decay
+     groups), LambdaLR, torch.nn.utils.clip_grad_norm_ (foreach); no meshtron.parallel code.
+     Timed the same way (data fetch + step, max over ranks).
 
 Printed: per pair of rounds the ratio A/B of the median step times; the median ratio and its
 spread (quartiles); the ratio of the fastest steps; the A/B ratio of CPU seconds spent in the
@@ -207,7 +207,7 @@ class HandWritten:
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
         steps = cfg.train.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, steps, o.warmup_steps, o.min_lr_ratio))
@@ -237,7 +237,7 @@ class HandWritten:
                 loss = loss.detach()
                 total += loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=False)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -272,6 +272,7 @@ def worker(args) -> int:
     from meshtron.runtime import init_rank, shutdown_rank
     from meshtron.train.loop import build_run_data, run_loop
     from meshtron.train.parallel import ParallelEngine
+    from meshtron.train.job import ParallelRequest
     from meshtron.train.planning import resolve_run_plan
 
     world = current_world()
@@ -284,7 +285,8 @@ def worker(args) -> int:
     cfg = _demo_cfg(args, total_steps, run_dir)
 
     knobs = fixed_knobs(args.layout, args.zero, "none", "off", args.micro_batch, None)
-    plan, _ = resolve_run_plan(cfg, args.layout, world.world_size, knobs, None)
+    plan, _ = resolve_run_plan(cfg, ParallelRequest(plan=args.layout, knobs=knobs),
+                               world.world_size)
     plan_text = f"zero={plan.zero} mb={plan.micro_batch} rc={plan.recompute} sp={int(plan.sp)}"
     if rank0:
         print(f"plan: {plan.layout()} {plan_text}; {args.pairs} pairs x {k} steps, "
@@ -307,15 +309,15 @@ def worker(args) -> int:
 
     def round_a(c) -> tuple[list[float], float]:
         dist.barrier()
-        n0 = len(eng.step_times)
         t0 = time.perf_counter()
-        run_loop(timed, data_a, c, Path(run_dir), show_progress=rank0 and args.progress)
+        result = run_loop(timed, data_a, c, Path(run_dir), show_progress=rank0 and args.progress)
         wall = time.perf_counter() - t0
         # run_loop keeps only first/final loss; read every step's loss from its metrics file.
         if rank0:
             lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
             losses_a.extend(json.loads(l)["loss"] for l in lines)
-        return eng.step_times[n0:], wall
+        # Every step's time (the slowest rank's), from the records rank 0 keeps.
+        return [r["step_time_s"] for r in result.records], wall
 
     def round_b(steps: int) -> tuple[list[float], float]:
         dist.barrier()
@@ -328,7 +330,7 @@ def worker(args) -> int:
             losses_b.append(hand.train_step(inputs, targets))
             cpu_b.append(time.process_time() - c0)
             t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # as run_loop's engine.slowest()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # as run_loop's engine.read_log()
             out.append(float(t.item()))
         return out, time.perf_counter() - t_round
 

@@ -159,10 +159,20 @@ class RunConfig:
 _SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
 
 
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check a TOML/CLI value against a dataclass field's annotation (int, float, str, bool,
-    optional)."""
-    hint = annotation if not isinstance(annotation, str) else eval(annotation, {}, {})  # noqa: S307
+def _hints(cls: type) -> dict[str, Any]:
+    """A dataclass's field annotations, resolved (they are strings under
+    `from __future__ import annotations`; Literal aliases live in the class's module)."""
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check a TOML/CLI value against a dataclass field's resolved annotation (int, float, str,
+    bool, a Literal of strings, optional)."""
+    if typing.get_origin(hint) is typing.Literal:
+        allowed_values = typing.get_args(hint)
+        if isinstance(value, str) and value in allowed_values:
+            return value
+        raise UserError(f"{key}={value!r}: allowed values are {', '.join(allowed_values)}")
     args = typing.get_args(hint)
     allowed = tuple(a for a in args if a is not type(None)) or (hint,)
     if value is None and type(None) in args:
@@ -183,12 +193,12 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 def _build_section(name: str, cls: type, table: Any) -> Any:
     if not isinstance(table, dict):
         raise UserError(f"{name}={table!r}: must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = _hints(cls)
     kwargs = {}
     for key, value in table.items():
         if key not in fields:
             raise UserError(f"config key '{name}.{key}': unknown; allowed: {', '.join(fields)}")
-        kwargs[key] = _coerce(f"{name}.{key}", value, fields[key].type)
+        kwargs[key] = _coerce(f"{name}.{key}", value, fields[key])
     return cls(**kwargs)
 
 
@@ -201,12 +211,12 @@ def model_from_value(value: Any) -> ModelSpec:
     if isinstance(value, dict):
         table = dict(value)
         base = resolve_model(table.pop("preset")) if "preset" in table else None
-        fields = {f.name: f for f in dataclasses.fields(ModelSpec)}
+        fields = _hints(ModelSpec)
         for key in table:
             if key not in fields:
                 raise UserError(f"config key 'model.{key}': unknown; allowed: preset, "
                                  f"{', '.join(fields)}")
-        kwargs = {k: _coerce(f"model.{k}", v, fields[k].type) for k, v in table.items()}
+        kwargs = {k: _coerce(f"model.{k}", v, fields[k]) for k, v in table.items()}
         if base is not None:
             return base.replace(**kwargs)
         kwargs.setdefault("name", "custom")

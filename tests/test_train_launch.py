@@ -70,6 +70,14 @@ def test_two_ranks_through_the_cli_match_single_process(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(a), (key, want, got)
     summary = json.loads((tmp_path / "dp2" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["plan"]["zero"] == 3
+    # Steps 1..N in the console, metrics.jsonl and summary.json; one steady tokens/s.
+    records = [json.loads(line) for line in (tmp_path / "dp2" / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and summary["steps"] == 3
+    assert "step 3/3" in proc.stderr and "step 0" not in proc.stderr
+    assert records[-1]["tokens_per_s"] == summary["tokens_per_s"] > 0
+    assert summary["measured_step_time_s"] == summary["step_time_s"]
+    assert (tmp_path / "dp2" / "curves.png").stat().st_size > 0
     assert summary["predicted_step_time_s"] > 0 and summary["measured_step_time_s"] > 0
     memory = json.loads((tmp_path / "dp2" / "memory.json").read_text())
     ranks = memory["measured_bytes_per_rank"]
@@ -120,7 +128,7 @@ def test_inside_an_existing_torchrun_world(tmp_path):
          "-m", "meshtron", "train", *RUN, "--plan", "tp=2", "--run-dir", str(tmp_path / "tr")],
         capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "done: debug on 2 ranks" in proc.stdout
+    assert "done: debug (125,632 params) on 2 ranks" in proc.stdout
     assert "tp = 2" in (tmp_path / "tr" / "plan.toml").read_text()
     single = config_from_dict({
         "model": "debug", "data": {"seq_len": 32, "global_batch": 8},

@@ -219,6 +219,12 @@ def build_data(source: str | Path = STDLIB, tokenizer: str = "byte", seq_len: in
                               max_bytes=max_bytes, cache_dir=cache_dir, jsonl_field=jsonl_field)
     train_ds = TokenDataset(corpus.train, seq_len, name="train")
     eval_ds = TokenDataset(corpus.eval, seq_len, name="held-out")
+    if global_batch > train_ds.num_windows:
+        # A step larger than the whole training set is a typo, not a plan (and would try to
+        # materialise that many held-out rows).
+        raise UserError(f"data.global_batch={global_batch}: larger than the training set "
+                        f"({train_ds.num_windows} sequences of {seq_len} tokens in "
+                        f"{source}); lower it or add data")
     sampler = DistributedBatchSampler(train_ds.num_windows, global_batch, seed, dp_rank, dp_size)
     info: dict[str, Any] = {**corpus.info(), "tokenizer": tokenizer_info(tok), "seq_len": seq_len,
                             "train_windows": train_ds.num_windows,

@@ -143,8 +143,8 @@ class ParallelModel:
             raise UserError(f"plan.micro_batch={lay.micro_batch}: must divide the per-rank batch "
                              f"{local_batch} (global batch / dp)")
         n_micro = local_batch // lay.micro_batch
-        inputs = inputs.to(self.device)
-        targets = targets.to(self.device)
+        inputs = inputs.to(self.device, non_blocking=True)  # no stream sync (see LocalEngine)
+        targets = targets.to(self.device, non_blocking=True)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         with self._loss_context():
             if self.is_pipelined:

@@ -209,7 +209,8 @@ def compare(ref: Any, rank_results: list[list[dict[str, Any]]]) -> list[dict[str
         report.append({"layout": per_rank[0]["layout"], "loss_rel": loss_rel,
                        "norm_rel": norm_rel, "param_rel": param_rel, "worst_param": worst,
                        "missing": missing, "extra": extra,
-                       "seconds": max(r["seconds"] for r in per_rank)})
+                       "seconds": max(r["seconds"] for r in per_rank),
+                       "threads": max(r.get("threads", 0) for r in per_rank)})
     return report
 
 
@@ -220,7 +221,8 @@ def format_report(report: list[dict[str, Any]]) -> str:
         if r["layout"].get("model"):
             layout["model"] = r["layout"]["model"].get("name", "custom")
         lines.append(f"{layout}: loss {r['loss_rel']:.2e} norm {r['norm_rel']:.2e} "
-                     f"param {r['param_rel']:.2e} ({r['worst_param']}) {r['seconds']:.1f}s"
+                     f"param {r['param_rel']:.2e} ({r['worst_param']}) {r['seconds']:.1f}s "
+                     f"{r.get('threads', 0)} threads/rank"
                      + (f" MISSING {r['missing'][:3]}" if r["missing"] else "")
                      + (f" EXTRA {r['extra'][:3]}" if r["extra"] else ""))
     return "\n".join(lines)

@@ -45,10 +45,12 @@ def warn(job: TrainJob) -> None:
 
 
 def train_here(job: TrainJob) -> int:
-    from meshtron.train.loop import train
+    from meshtron.train.loop import build_run_data, train
 
-    warn(job)
-    result = train(job.cfg, overwrite=job.overwrite)
+    outputs.check_run_dir(job.cfg, job.overwrite)
+    data = build_run_data(job.cfg)
+    warn(job)  # once the input is known to be good
+    result = train(job.cfg, overwrite=job.overwrite, data=data)
     outputs.print_result(job.cfg, result.to_dict(), Path(job.cfg.train.run_dir))
     return 0
 

@@ -123,7 +123,10 @@ class LocalEngine:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         """Forward, backward, clip, optimizer and schedule step, with no host synchronisation."""
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        # Non-blocking copies from pageable memory are staged by the driver without waiting for
+        # the device (a blocking copy would synchronise the stream every step).
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
         loss = forward_backward(self.model, inputs, targets, self.micro, self.dtype)
         norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip,
                                                foreach=True)
@@ -148,10 +151,12 @@ def read_values(out: StepOutput, seconds: float, device: torch.device,
     """Loss, grad norm and host seconds in one tensor, optionally max-reduced over ranks
     (`reduce_max(tensor)`: loss and norm are equal on every rank, seconds become the slowest
     rank's), then read in a single device-to-host copy."""
-    nan = torch.full((), math.nan, device=device)
-    norm = out.grad_norm.reshape(()).float() if out.grad_norm is not None else nan
-    values = torch.stack([out.loss.reshape(()).float().to(device), norm.to(device),
-                          torch.tensor(seconds, dtype=torch.float32, device=device)])
+    f64 = torch.float64
+    nan = torch.full((), math.nan, dtype=f64, device=device)
+    norm = out.grad_norm.reshape(()).to(device, f64) if out.grad_norm is not None else nan
+    values = torch.stack([out.loss.reshape(()).to(device, f64), norm,
+                          # non-blocking from host memory: no device synchronisation
+                          torch.tensor(seconds, dtype=f64).to(device, non_blocking=True)])
     if reduce_max is not None:
         reduce_max(values)
     loss, grad_norm, secs = values.tolist()
@@ -235,13 +240,15 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1):
     return data
 
 
-def train(cfg: RunConfig, show_progress: bool = True, overwrite: bool = False) -> TrainResult:
+def train(cfg: RunConfig, show_progress: bool = True, overwrite: bool = False,
+          data=None) -> TrainResult:
     """Single-process training into `cfg.train.run_dir` (refused when it holds a run, unless
-    `overwrite`): metrics.jsonl, summary.json, curves.png (and TensorBoard files if asked)."""
+    `overwrite`): metrics.jsonl, summary.json, curves.png (and TensorBoard files if asked).
+    `data`: the run's data when already built (`build_run_data(cfg)`)."""
     from meshtron.train import outputs
 
     outputs.check_run_dir(cfg, overwrite)
-    data = build_run_data(cfg)
+    data = build_run_data(cfg) if data is None else data
     # Bad input fails above, before anything is written to the run folder.
     run_dir = outputs.prepare_run_dir(cfg)
     with outputs.extra_writers(cfg, run_dir) as writers:

@@ -107,6 +107,7 @@ def write_curves(path: Path, records: list[dict[str, Any]]) -> None:
     figure state."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(12, 3.6), layout="constrained")
     FigureCanvasAgg(fig)
@@ -126,6 +127,7 @@ def write_curves(path: Path, records: list[dict[str, Any]]) -> None:
     ax_lr.set(title="learning rate", xlabel="step")
     for ax in (ax_loss, ax_tps, ax_lr):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=100)
 
 
@@ -148,7 +150,7 @@ def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None
         f"{summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f}{ev} nats/token, {_rate(summary['tokens_per_s'])} tok/s, "
         f"{summary['wall_s']:.1f} s{vs}; metrics in {run_dir}/metrics.jsonl, curves in "
-        f"{run_dir}/curves.png{extra}")
+        f"{run_dir}/curves.png{extra}", soft_wrap=True)
 
 
 def print_plan(plan, cluster) -> None:
@@ -161,4 +163,4 @@ def print_plan(plan, cluster) -> None:
         f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'} "
         f"schedule={plan.schedule}{virtual} stage_layers={plan.stage_layers} on {cluster.name}; "
         f"predicted step {pred.get('step_time_s', float('nan')):.3f} s, "
-        f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank")
+        f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank", soft_wrap=True)

@@ -1,0 +1,24 @@
+"""Fault injection for tests/test_train_errors.py (on PYTHONPATH only in those tests' child
+processes): with MESHTRON_TEST_BAD_TARGETS_AT=K, the K-th training batch of every rank carries
+targets outside the vocabulary, so torch itself raises (IndexError from cross_entropy) in the
+middle of a step. Nothing of meshtron's validation sees it: it stands for any bug below the
+command line."""
+
+import os
+
+_AT = os.environ.get("MESHTRON_TEST_BAD_TARGETS_AT")
+
+if _AT:
+    from meshtron.data.dataset import TrainLoader
+
+    _next_batch = TrainLoader.next_batch
+    _calls = [0]
+
+    def next_batch(self):
+        inputs, targets = _next_batch(self)
+        _calls[0] += 1
+        if _calls[0] == int(_AT):
+            targets = targets + 10_000
+        return inputs, targets
+
+    TrainLoader.next_batch = next_batch

@@ -1,0 +1,128 @@
+"""Errors: bad input is one line naming the flag/field and exit code 2, before any work; a
+failure inside a step (a torch error) is a traceback and exit code 1, rank-prefixed on
+multi-rank runs, never reported as bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtron.cli import main
+
+FAULTS = str(Path(__file__).parent / "faults")
+RUN = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "8",
+       "--eval-every", "0"]
+
+
+def _meshtron(*argv, env=None, timeout=300):
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
+
+
+def _one_line(capsys, code, needle):
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--nproc", "0"], "argument --nproc: '0'"),
+    (["train", "--nproc", "-1"], "argument --nproc: '-1'"),
+    (["calibrate", "--nproc", "0"], "argument --nproc: '0'"),
+    (["calibrate", "--nproc", "-1"], "argument --nproc: '-1'"),
+    (["train", *RUN, "--global-batch", str(10**12)], "data.global_batch=1000000000000"),
+    (["train", *RUN, "--set", "model.mlp=gelu", "--set", "model.norm_eps=[1]"],
+     "model.norm_eps=[1]"),
+    (["train", *RUN, "--set", "model.mlp=relu"], "model.mlp='relu'"),
+    (["train", *RUN, "--lr", "nan"], "optim.lr=nan"),
+    (["plan", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "0"],
+     "argument --global-batch: '0'"),
+    (["nosuchcommand"], "invalid choice"),
+])
+def test_bad_flags_are_one_line(capsys, tmp_path, argv, needle):
+    if argv[0] == "train":
+        argv = argv + ["--run-dir", str(tmp_path / "r")]
+    _one_line(capsys, main(argv), needle)
+    assert not (tmp_path / "r").exists()
+
+
+def test_run_dir_that_is_a_file_or_holds_a_run(capsys, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    _one_line(capsys, main(["train", *RUN, "--run-dir", str(f)]), "is a file")
+    _one_line(capsys, main(["train", *RUN, "--run-dir", str(f / "sub")]), "is a file")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    _one_line(capsys, main(["train", *RUN, "--run-dir", str(run)]), "--overwrite")
+    _one_line(capsys, main(["train", *RUN, "--nproc", "2", "--plan", "dp=2",
+                            "--run-dir", str(run)]), "--overwrite")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+def test_output_paths_that_are_folders_are_refused_before_any_work(capsys, tmp_path):
+    _one_line(capsys, main(["plan", "--model", "tiny", "--cluster", "dgx-h100:1",
+                            "--save", str(tmp_path)]), "argument --save")
+    _one_line(capsys, main(["calibrate", "--out", str(tmp_path)]), "argument --out")
+    assert list(tmp_path.iterdir()) == []  # no DIR.tmp, nothing measured or written
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rms_norm_eps", {"a": 1}), ("rms_norm_eps", [1e-5]), ("rms_norm_eps", None),
+    ("rope_theta", {}), ("rope_theta", [1.0, 2.0]), ("rope_theta", None),
+    ("num_hidden_layers", None), ("tie_word_embeddings", "yes"), ("hidden_act", ["silu"]),
+])
+def test_config_json_fields_of_the_wrong_type(capsys, tmp_path, field, value):
+    doc = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+           "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 300,
+           "max_position_embeddings": 128, field: value}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    _one_line(capsys, main(["plan", "--model", str(path), "--cluster", "dgx-h100:1",
+                            "--global-batch", "8", "--seq-len", "64"]), field)
+    _one_line(capsys, main(["train", "--model", str(path), "--run-dir", str(tmp_path / "r")]),
+              field)
+
+
+def test_saved_plan_sets_the_batch_and_refuses_contradictions(capsys, tmp_path):
+    from meshtron.cli import build_parser
+    from meshtron.train.cli import job_from_args
+
+    plan = tmp_path / "plan.toml"
+    assert main(["plan", "--model", "debug", "--cluster", "dgx-h100:1", "--global-batch", "16",
+                 "--seq-len", "64", "--layout", "dp=2", "--save", str(plan)]) == 0
+    capsys.readouterr()
+    args = build_parser().parse_args(["train", "--plan", str(plan), "--nproc", "2"])
+    job = job_from_args(args)
+    assert (job.cfg.data.global_batch, job.cfg.data.seq_len) == (16, 64)
+    assert job.cfg.model.name == "debug" and job.parallel.plan == str(plan)
+    restated = job_from_args(build_parser().parse_args(
+        ["train", "--plan", str(plan), "--global-batch", "16", "--seq-len", "64"]))
+    assert restated.cfg == job.cfg
+    _one_line(capsys, main(["train", "--plan", str(plan), "--nproc", "2", "--seq-len", "32",
+                            "--run-dir", str(tmp_path / "r")]), "data.seq_len=32")
+    _one_line(capsys, main(["train", "--plan", str(plan), "--nproc", "2", "--set",
+                            "data.global_batch=8", "--run-dir", str(tmp_path / "r")]),
+              "data.global_batch=8")
+
+
+def test_torch_error_in_a_step_is_a_traceback_not_bad_input(tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]),
+           "MESHTRON_TEST_BAD_TARGETS_AT": "2"}
+    single = _meshtron("train", *RUN, "--run-dir", str(tmp_path / "one"), env=env)
+    assert single.returncode == 1, single.stderr[-2000:]
+    assert "Traceback" in single.stderr and "IndexError" in single.stderr
+    assert "error:" not in single.stderr  # not reported as bad input
+    ranks = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2",
+                      "--run-dir", str(tmp_path / "two"), env=env)
+    assert ranks.returncode not in (0, 2), ranks.stderr[-3000:]
+    lines = ranks.stderr.splitlines()
+    assert any(line.startswith("[rank 0] Traceback") or line.startswith("[rank 1] Traceback")
+               for line in lines), ranks.stderr[-3000:]
+    assert any("IndexError" in line and line.startswith("[rank ") for line in lines)
+    assert "the 2 ranks failed" in ranks.stderr

@@ -1,0 +1,84 @@
+"""Run outputs: steps numbered 1..N everywhere, one steady tokens/s figure, median step time,
+curves.png, TensorBoard events, the warm-up warning, and no silent reuse of a run folder."""
+
+import json
+import re
+import statistics
+
+from meshtron.cli import main
+
+RUN = ["--model", "debug", "--steps", "7", "--seq-len", "32", "--global-batch", "4",
+       "--eval-every", "3", "--warmup-steps", "2"]
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_step_numbering_and_throughput_agree_everywhere(capsys, tmp_path):
+    run = tmp_path / "r"
+    assert main(["train", *RUN, "--run-dir", str(run)]) == 0
+    captured = capsys.readouterr()
+    console = captured.out + captured.err
+    records = _records(run)
+    summary = json.loads((run / "summary.json").read_text())
+    steps = [r["step"] for r in records]
+    assert steps == list(range(1, 8)) and summary["steps"] == 7 == steps[-1]
+    # Console: "step K/7" lines (evaluations at 3, 6 and the last step), each step once.
+    printed = [int(m) for m in re.findall(r"step (\d+)/7", console)]
+    assert {3, 6, 7} <= set(printed) and len(printed) == len(set(printed))
+    assert all(1 <= k <= 7 for k in printed)
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6, 7]
+    # One tokens/s: steady state (step 1 excluded), the same in the last record, the summary
+    # and the closing console line.
+    assert records[0]["tokens_per_s"] is None
+    assert records[-1]["tokens_per_s"] == summary["tokens_per_s"] > 0
+    assert f"{summary['tokens_per_s']:,.0f} tok/s" in console
+    # Evaluation is timed apart from training; the step time is the median of steady steps.
+    assert all(r["eval_time_s"] > 0 for r in records if "eval_loss" in r)
+    assert summary["step_time_s"] == statistics.median(r["step_time_s"] for r in records[1:])
+    tokens = 4 * 32
+    steady = sum(r["step_time_s"] for r in records[1:])
+    assert abs(summary["tokens_per_s"] - tokens * 6 / steady) <= 1e-6 * summary["tokens_per_s"]
+    assert summary["first_loss"] == records[0]["loss"] and summary["final_loss"] == records[-1]["loss"]
+    png = (run / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_log_every_keeps_numbering_and_logs_the_last_step(tmp_path):
+    run = tmp_path / "r"
+    assert main(["train", *RUN, "--log-every", "4", "--eval-every", "0",
+                 "--run-dir", str(run)]) == 0
+    records = _records(run)
+    assert [r["step"] for r in records] == [1, 4, 7]
+    summary = json.loads((run / "summary.json").read_text())
+    assert records[-1]["tokens_per_s"] == summary["tokens_per_s"]
+
+
+def test_warmup_longer_than_run_warns_and_overwrite(capsys, tmp_path):
+    run = tmp_path / "r"
+    assert main(["train", *RUN, "--warmup-steps", "50", "--run-dir", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: optim.warmup_steps=50 is longer than train.steps=7" in err
+    first = _records(run)
+    assert main(["train", *RUN, "--run-dir", str(run)]) == 2
+    assert "holds a run" in capsys.readouterr().err
+    assert _records(run) == first
+    assert main(["train", *RUN, "--seed", "3", "--overwrite", "--run-dir", str(run)]) == 0
+    assert [r["step"] for r in _records(run)] == list(range(1, 8))
+    assert _records(run)[0]["loss"] != first[0]["loss"]
+
+
+def test_tensorboard_event_files(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "r"
+    assert main(["train", *RUN, "--tensorboard", "--run-dir", str(run)]) == 0
+    events = list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 8))
+    assert abs(loss[-1].value - _records(run)[-1]["loss"]) < 1e-5
+    assert [e.step for e in acc.Scalars("eval/loss")] == [3, 6, 7]
