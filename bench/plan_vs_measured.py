@@ -41,7 +41,7 @@ OUT_DIR = ROOT / "runs" / "bench" / "plan_vs_measured"
 
 def _demo_doc(steps: int, run_dir: str) -> dict:
     from meshtron.config import apply_overrides
-    from meshtron.train.cli import DEMO_CONFIG
+    from meshtron.train.demo import DEMO_CONFIG
 
     doc = json.loads(json.dumps(DEMO_CONFIG))
     return apply_overrides(doc, {"train.steps": steps, "train.eval_every": 0,

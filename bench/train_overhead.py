@@ -138,7 +138,7 @@ def _quantile(xs: list[float], q: float) -> float:
 # ----------------------------------------------------------------------------------------------
 def _demo_cfg(args, steps: int, run_dir: str):
     from meshtron.config import apply_overrides, config_from_dict
-    from meshtron.train.cli import DEMO_CONFIG
+    from meshtron.train.demo import DEMO_CONFIG
 
     doc = json.loads(json.dumps(DEMO_CONFIG))
     return config_from_dict(apply_overrides(doc, {

@@ -12,7 +12,7 @@ from typing import Any
 
 from meshtron.argtypes import positive_int
 from meshtron.config import RunConfig, apply_overrides, config_from_dict, load_toml
-from meshtron.errors import RunFailed, UserError
+from meshtron.errors import UserError
 from meshtron.train.job import ParallelRequest, TrainJob
 
 # CLI flag -> dotted config key. Flags left unset do not override the TOML file.
@@ -149,66 +149,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run_job(job_from_args(args))
 
 
-# The demo: the default model on the embedded corpus, on 4 local ranks with a hybrid layout
-# (tensor parallel 2; the planner picks the rest for this machine), about three minutes on a
-# 2-core machine.
-DEMO_CONFIG: dict[str, Any] = {
-    "model": "tiny",
-    "data": {"source": "stdlib", "seq_len": 256, "global_batch": 16},
-    "optim": {"lr": 3e-3, "warmup_steps": 10},
-    "train": {"steps": 120, "eval_every": 40, "run_dir": "runs/demo"},
-}
-DEMO_NPROC = 4
-DEMO_LAYOUT = "tp=2"
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Calibrate this machine (once), plan for it, then train on local ranks. A rerun
-    replaces the previous demo's outputs (it is the demo's own folder)."""
+    """Calibrate this machine (once), plan for it, then train on local ranks."""
     from meshtron.launch import current_world
+    from meshtron.train import demo
     from meshtron.train.launch import run_job
 
-    parent = current_world().source == "single" and not args.launched_rank
-    if not parent:  # a rank of the demo (or the demo inside an outside world)
-        return run_job(job_from_args(args, defaults=DEMO_CONFIG))
+    if current_world().source != "single" or args.launched_rank:
+        # A rank of the demo (or the demo inside an outside world).
+        return run_job(job_from_args(args, defaults=demo.DEMO_CONFIG))
     # The demo's own folder is replaced on every run; a --run-dir of the user's is protected.
-    job = job_from_args(args, defaults=DEMO_CONFIG, plan=DEMO_LAYOUT, nproc=DEMO_NPROC,
+    job = job_from_args(args, defaults=demo.DEMO_CONFIG, plan=demo.DEMO_LAYOUT,
+                        nproc=demo.DEMO_NPROC,
                         overwrite=args.train__run_dir is None and args.config is None)
-    _ensure_calibration(job.parallel.nproc, job.parallel.cluster)
-    _show_plans(job)
-    return run_job(job)
-
-
-def _ensure_calibration(nproc: int, cluster: str | None) -> None:
-    from rich.console import Console
-
-    from meshtron.calibrate.cli import default_cluster_path
-    from meshtron.launch import launch_local
-
-    path = default_cluster_path(nproc)
-    if cluster or path.is_file():
-        return
-    Console().print(f"[bold]calibrate[/]: measuring {nproc} local ranks (once; saved to {path})")
-    if launch_local(nproc, ["calibrate", "--nproc", str(nproc)]) != 0:
-        raise RunFailed("calibration failed; see the output above")
-
-
-def _show_plans(job: TrainJob) -> None:
-    """The planner's view of this machine: top plans of every layout, and why others lose."""
-    from rich.console import Console
-
-    from meshtron.planner import report
-    from meshtron.planner.search import search_plans
-    from meshtron.train.planning import local_cluster
-
-    cfg, request = job.cfg, job.parallel or ParallelRequest()
-    cluster = local_cluster(request.nproc or 1, request.cluster)
-    result = search_plans(cfg.model, cluster, cfg.data.global_batch, cfg.data.seq_len, top_k=3)
-    console = Console()
-    if not console.is_terminal:  # logs: wide enough that the table's columns stay readable
-        console = Console(width=200)
-    report.render(result, tokens=cfg.train.steps * cfg.data.global_batch * cfg.data.seq_len,
-                  console=console)
+    return demo.run_demo(job)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -219,7 +173,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
     d = sub.add_parser("demo", help="the main job on the embedded default (no downloads)",
                        description="Calibrate this machine, plan for it, and train the tiny model "
-                                   f"on {DEMO_NPROC} local ranks (layout {DEMO_LAYOUT}, the "
+                                   "on 4 local ranks (layout tp=2, the "
                                    "rest chosen by the planner) on the Python standard "
                                    "library's sources.")
     add_run_arguments(d)
