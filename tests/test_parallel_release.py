@@ -5,6 +5,8 @@ a flat thread count instead of accumulating every earlier layout's backend threa
 from meshtron.testing.equivalence import DEFAULT_CFG, parallel_rank_fn
 from meshtron.testing.multiproc import run_on_ranks
 
+# The same layouts twice: the second build of a mesh equal to a released one must not meet the
+# released mesh again through torch's caches (DTensor sharding propagation).
 LAYOUTS = [dict(dp=2, zero=3), dict(tp=2, sp=True), dict(dp=2, zero=3), dict(tp=2, sp=True)]
 
 

@@ -244,6 +244,21 @@ def release_mesh(mesh) -> None:
     registry = getattr(mesh._get_root_mesh(), "_pg_registry", None)
     if isinstance(registry, dict):
         registry.clear()
+    _forget_cached_meshes()
+
+
+def _forget_cached_meshes() -> None:
+    """Empty DTensor's caches that hold meshes. A DeviceMesh compares equal to any mesh of the
+    same shape, ranks and names, so after a release those caches would hand the next, equal
+    mesh's DTensors the released mesh (whose groups are gone: 'Could not resolve the process
+    group registered under the name N', measured on torch 2.13). Clearing only costs
+    recomputing sharding decisions. Private torch APIs, pinned version: checked by
+    tests/test_parallel_release.py."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def mesh_coords(mesh) -> dict[str, int]:
