@@ -17,7 +17,7 @@ from meshtron.planner.calibration import megatron_2021_rows, predict_megatron_ro
 from meshtron.planner.cluster import ClusterSpec, cluster_from_dict
 from meshtron.planner.comm import Fabric, all_reduce, dp_group, ring_all_reduce
 from meshtron.planner.compute import gemm_efficiency
-from meshtron.planner.memory import state_bytes
+from meshtron.planner.memory import MemoryOptions, state_bytes
 from meshtron.planner.pipeline import in_flight, partition_dp, partition_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,11 +29,12 @@ CALIBRATION = _SHARED if _SHARED.is_file() else ROOT / "tests" / "data" / _SHARE
 
 # ---- cost-model pieces -------------------------------------------------------------------------
 def test_mixed_precision_adam_is_16_bytes_per_param_and_zero_shards_by_dp():
-    assert sum(state_bytes(0, 1)) == 16.0
-    assert sum(state_bytes(0, 64)) == 16.0
-    assert state_bytes(1, 8) == (2.0, 2.0, 12.0 / 8)
-    assert state_bytes(2, 8) == (2.0, 2.0 / 8, 12.0 / 8)
-    assert sum(state_bytes(3, 8)) == pytest.approx(16.0 / 8)
+    mp = MemoryOptions(framework="megatron")  # bf16 weights, fp32 master inside the optimizer
+    assert sum(state_bytes(0, 1, mem=mp)) == 16.0
+    assert sum(state_bytes(0, 64, mem=mp)) == 16.0
+    assert state_bytes(1, 8, mem=mp) == (2.0, 2.0, 12.0 / 8)
+    assert state_bytes(2, 8, mem=mp) == (2.0, 2.0 / 8, 12.0 / 8)
+    assert sum(state_bytes(3, 8, mem=mp)) == pytest.approx(16.0 / 8)
     # a 7B model without sharding needs 16 bytes/param of states on the one GPU
     model = PRESETS["llama2-7b"]
     est = evaluate_plan(model, resolve_cluster("dgx-a100:1"), 8, 4096,
@@ -268,8 +269,9 @@ def test_planner_does_not_import_torch():
 # ---- other published runs (bench/planner_published.py) ----------------------------------------
 def test_fp32_gradient_buffer_is_18_bytes_per_param():
     # Megatron-LM's main_grad: bf16 weights + fp32 gradients + 12 bytes of Adam states
-    assert sum(state_bytes(0, 8, 4.0)) == 18.0
-    assert sum(state_bytes(1, 8, 4.0)) == pytest.approx(6.0 + 12.0 / 8)
+    mp = MemoryOptions(framework="megatron")
+    assert sum(state_bytes(0, 8, 4.0, mp)) == 18.0
+    assert sum(state_bytes(1, 8, 4.0, mp)) == pytest.approx(6.0 + 12.0 / 8)
 
 
 def test_lm_head_gradient_is_all_reduced_without_sequence_parallelism():

@@ -22,6 +22,7 @@ from meshtron.model.spec import ModelSpec, preset
 from meshtron.planner.cluster import ClusterSpec, preset_cluster
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Config, Estimate, Evaluator
+from meshtron.planner.memory import MemoryOptions
 
 MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                               fp32_grad_reduce=True)
@@ -64,7 +65,7 @@ def predict_megatron_row(row: dict[str, str]) -> Prediction:
     gpus, tp, pp, B = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["global_batch"])
     dp = gpus // (tp * pp)
     cluster = preset_cluster("dgx-a100", gpus // 8)
-    ev = Evaluator(model, cluster, B, s, MEGATRON_2021)
+    ev = Evaluator(model, cluster, B, s, MEGATRON_2021, mem=MemoryOptions(framework="megatron"))
     best: Estimate | None = None
     for mb in (1, 2, 4, 8):
         if B % (dp * mb):
@@ -128,6 +129,8 @@ class PublishedRun:
     note: str = ""
     confident: bool = True
     """False where the layout or the figure rests on our assumptions (not used in tests)."""
+    framework: str = "megatron"
+    """Whose memory layout the run had (memory.MemoryOptions.framework)."""
 
 
 MEGATRON_2022 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
@@ -181,7 +184,8 @@ def published_runs() -> list[PublishedRun]:
                                                          tied=False),
             preset_cluster("dgx-a100", nodes), 1920, 2048, 8, 35, dp, 1, "full", False,
             DEEPSPEED_2021, "hw_tflops", tf, (1,), ("1f1b",),
-            "DeepSpeed 1F1B pipeline, ZeRO-1, mb=1 (assumed), gradients reduced after backward"))
+            "DeepSpeed 1F1B pipeline, ZeRO-1, mb=1 (assumed), gradients reduced after backward",
+            framework="deepspeed"))
     for nodes, dp, tf in ((1024, 64, 430.0), (2048, 128, 400.0)):
         runs.append(PublishedRun(
             f"Llama3 405B {nodes * 8}", L3, preset("llama3-405b"),
@@ -250,9 +254,10 @@ class PublishedPrediction:
 
 def predict_published(run: PublishedRun) -> PublishedPrediction:
     """Evaluate `run` with its published layout (see PublishedPrediction)."""
-    ev = Evaluator(run.model, run.cluster, run.global_batch, run.seq_len, run.opts)
+    mem = MemoryOptions(framework=run.framework)
+    ev = Evaluator(run.model, run.cluster, run.global_batch, run.seq_len, run.opts, mem=mem)
     roomy = dataclasses.replace(run.cluster, memory_gib=1e6)
-    ev_t = Evaluator(run.model, roomy, run.global_batch, run.seq_len, run.opts)
+    ev_t = Evaluator(run.model, roomy, run.global_batch, run.seq_len, run.opts, mem=mem)
     best: Estimate | None = None
     lean: Estimate | None = None
     fastest: Estimate | None = None

@@ -197,14 +197,16 @@ class Evaluator:
     """Cost model bound to one model, cluster and batch; evaluates Configs (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 opts: KernelOptions | None = None) -> None:
+                 opts: KernelOptions | None = None, mem: memory.MemoryOptions | None = None,
+                 dtype: str = "bf16") -> None:
         self.model, self.cluster = model, cluster
         self.global_batch, self.seq = global_batch, seq_len
         self.opts = opts or KernelOptions()
+        # precision and framework decide the bytes (memory.py); default: meshtron's runtime
+        self.mem = mem or memory.options_for(self.opts, dtype)
         self.fab = comm.Fabric.of(cluster)
         self.capacity = cluster.memory_bytes
-        self.ws_fixed = min(memory.WORKSPACE_FIXED_GIB * memory.GIB,
-                            memory.WORKSPACE_FIXED_MAX_FRACTION * self.capacity)
+        self.ws_fixed = memory.workspace_fixed(self.capacity)
         # Tensors must fit in what the allowance leaves: (tensors)(1 + frag) + fixed <= capacity.
         self.tensor_budget = (self.capacity - self.ws_fixed) / (1.0 + memory.FRAGMENTATION)
         tokens = global_batch * seq_len
@@ -231,9 +233,9 @@ class Evaluator:
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp)
         head = compute.head_cost(m, cl, tp, mb, s, sp)
-        act = memory.activation_bytes(m, tp, sp, mb, s, rec, opts)
-        work = memory.recompute_working_bytes(m, tp, sp, mb, s, rec, opts)
-        logits = memory.logits_bytes(m, tp, mb, s)
+        act = memory.activation_bytes(m, tp, sp, mb, s, rec, opts, self.mem)
+        work = memory.recompute_working_bytes(m, tp, sp, mb, s, rec, opts, self.mem)
+        logits = memory.logits_bytes(m, tp, mb, s, self.mem)
         # pipeline p2p: [mb*s, h] bf16 split over the tensor group, re-gathered on NVLink
         # (already split with sequence parallelism); without scatter/gather each tensor rank
         # sends the whole activation over its own link
@@ -245,13 +247,14 @@ class Evaluator:
         self._cache[key] = hit
         return hit
 
-    def _params(self, tp: int, pp: int) -> tuple[float, float, float]:
+    def _params(self, tp: int, pp: int) -> tuple[float, float, float, float]:
         key = ("params", tp, pp)
         hit = self._cache.get(key)
         if hit is None:
             hit = (memory.layer_params_local(self.model, tp),
                    memory.embedding_params_local(self.model, tp),
-                   memory.head_params_local(self.model, tp, pp))
+                   memory.head_params_local(self.model, tp, pp),
+                   memory.largest_param_local(self.model, tp))
             self._cache[key] = hit
         return hit
 
@@ -318,17 +321,20 @@ class Evaluator:
         e_last = head.compute + head.tp
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
-        p_layer, p_emb, p_head = self._params(tp, pp)
-        wb, gb, ob = memory.state_bytes(zero, dp, self.grad_bytes)
-        sb = wb + gb + ob
-        z3_buffer = 2.0 * compute.BF16 * p_layer if zero == 3 else 0.0
-        # memory of stage i = n_i * per_layer[i] + fixed[i]
+        p_layer, p_emb, p_head, largest = self._params(tp, pp)
+        states = memory.state_bytes(zero, dp, self.grad_bytes, self.mem)
+        # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
-        state_layer = p_layer * sb
-        per_layer = [state_layer + act * x for x in inflight]
-        fixed = [work + z3_buffer] * pp
-        fixed[0] += p_emb * sb
-        fixed[-1] += p_head * sb + logits
+        roots = [0.0] * pp
+        roots[0] += p_emb
+        roots[-1] += p_head
+        per_layer, fixed = [], []
+        for i in range(pp):
+            sm = memory.stage_memory(self.mem, zero, dp, states, p_layer, roots[i], largest, act,
+                                     inflight[i], work, logits if i == pp - 1 else 0.0,
+                                     self.grad_bytes)
+            per_layer.append(sm.per_layer)
+            fixed.append(sm.fixed)
         budget = self.tensor_budget
         n = self._time_partition(pp, v, t_layer, e_first, e_last)
         fits = n is not None and all(
@@ -395,17 +401,10 @@ class Evaluator:
         # ---- memory breakdown of the fullest stage -------------------------------------------
         totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
         worst = max(range(pp), key=totals.__getitem__)
-        k = n[worst]
-        params_w = k * p_layer + (p_emb if worst == 0 else 0.0) + (p_head if worst == pp - 1 else 0.0)
-        acts = k * act * inflight[worst] + work
-        lg = logits if worst == pp - 1 else 0.0
-        tensors = totals[worst]
-        gib = memory.GIB
-        mem = memory.MemoryBreakdown(
-            params=(params_w * wb + z3_buffer) / gib, grads=params_w * gb / gib,
-            optimizer=params_w * ob / gib, activations=acts / gib, logits=lg / gib,
-            workspace=(self.ws_fixed + memory.FRAGMENTATION * tensors) / gib,
-            capacity=self.capacity / gib, stage=worst)
+        mem = memory.breakdown(self.mem, zero, dp, states, n[worst], p_layer, roots[worst],
+                               largest, act, inflight[worst], work,
+                               logits if worst == pp - 1 else 0.0, self.capacity, worst,
+                               self.grad_bytes)
         hw_flops = self.model_flops + compute.recompute_flops_per_token(
             model, seq, rec, self.opts.attention) * self.tokens
         peak = self.cluster.peak_flops
