@@ -28,8 +28,8 @@ dtype and prefetches the next unit (FSDP2 docs, "implicit prefetching"); with
 reshard_after_forward=True (ZeRO-3) at most the current and the prefetched unit are alive; with
 False (ZeRO-2, and the replicate path meshtron uses for ZeRO-0/1 under FSDP2) every unit stays
 gathered from its forward to its backward, i.e. the whole stage's parameters in the compute
-dtype. During a unit's backward its unsharded gradient exists in the compute dtype (plus an fp32
-copy for reduce_dtype=fp32). DeepSpeed ZeRO-3 gathers per submodule and caps the parameters
+dtype. During a unit's backward its unsharded gradient exists in the compute dtype (the fp32
+copy for reduce_dtype=fp32 is made after the unit's backward, when its activations are gone). DeepSpeed ZeRO-3 gathers per submodule and caps the parameters
 alive at `stage3_max_live_parameters` (default 1e9) plus a `stage3_prefetch_bucket_size`
 (default 5e8) prefetch; its gradients go through a `reduce_bucket_size` (default 5e8 elements)
 bucket (DeepSpeed configuration docs). Megatron-LM uses the bf16 weights directly.
@@ -104,6 +104,10 @@ DEEPSPEED_PREFETCH_PARAMS = 5e8
 DEEPSPEED_REDUCE_BUCKET = 5e8
 """DeepSpeed `reduce_bucket_size` default (elements)."""
 
+RNG_STATE_BYTES = 5056.0
+"""A checkpointed block keeps the CPU generator's state to replay dropout identically
+(torch.utils.checkpoint, preserve_rng_state=True; torch.get_rng_state() is 5056 bytes)."""
+
 DTYPES = ("bf16", "fp32")
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
@@ -120,6 +124,10 @@ class MemoryOptions:
     activations: str | None = None
     """Saved-tensor list: 'eager', 'korthikanti' or 'alternate-matmul' (torchtitan's selective
     op policy); None: 'eager' for fsdp2, 'korthikanti' for the others."""
+    fused_norm: bool = True
+    """RMSNorm runs as one kernel saving only its input (CUDA: aten._fused_rms_norm, PyTorch
+    PR #153666); False: the composite path (PyTorch on CPU), which also saves an fp32 copy of
+    the input and the fp32 normalised tensor."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -210,8 +218,9 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
     if mem.framework == "fsdp2":
         if dp == 1 and mem.dtype == "fp32":
             return 0.0  # no FSDP2 at all: the fp32 parameters are used directly
-        unit = max(p_layer, p_root)
-        grad_unit = unit * (cb + (4.0 if mem.dtype == "bf16" else 0.0))
+        # one unit's unsharded gradient in the compute dtype; its fp32 copy for the reduction
+        # is made after the unit's backward, once its activations are freed
+        grad_unit = cb * max(p_layer, p_root)
         if zero == 3 and dp > 1:
             # current + prefetched unit; at the start of backward the root (head) is gathered
             # together with the prefetched last block
@@ -227,19 +236,36 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
 
 
 # ---- activations ---------------------------------------------------------------------------------
-def _eager_none(model: ModelSpec, tp: int, sp: bool, cb: float, attention: str, seq: int) -> float:
+def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attention: str,
+                seq: int) -> float:
     """Bytes per token one eager block saves without recomputation (module docstring)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    cb = mem.compute_bytes
     kv_sdpa = h if model.heads != model.kv_heads else kv  # repeat_interleave for GQA
-    norm_inputs = 2.0 * h / (tp if sp else 1)             # x and x1, sequence-sharded with SP
+    h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
+    if model.norm == "rmsnorm" and not mem.fused_norm:
+        # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
+        norm = 2.0 * (4.0 * h_in + 4.0 * h_in)
+    else:
+        norm = 2.0 * cb * h_in                             # input (+ per-row statistics)
+    stats = (8.0 if model.norm == "layernorm" else 4.0) / (tp if sp else 1)  # fp32 mean/rstd
+    norm += 2.0 * stats
     gathered = 2.0 * h                                     # normed inputs of QKV and MLP
-    attn = h + 2.0 * kv_sdpa + h + h                       # q, k, v, SDPA out, wo input
+    # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
+    # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
+    attn = 2.0 * h + 2.0 * kv_sdpa
     mlp = 4.0 * f if model.mlp == "swiglu" else 2.0 * f
-    sharded = attn + mlp
     core = 4.0 * a                                          # fp32 log-sum-exp per head
     if attention == "unfused":
         core += cb * a * seq                                # softmax output
-    return cb * (norm_inputs + gathered + sharded / tp) + core / tp
+    return norm + cb * (gathered + (attn + mlp) / tp) + core / tp
+
+
+def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions) -> float:
+    """Per layer and micro-batch: RoPE's cos/sin cast to a 16-bit compute dtype (2 calls x 2)."""
+    if model.position != "rope" or mem.dtype == "fp32":
+        return 0.0
+    return 4.0 * seq * model.head_dim * mem.compute_bytes
 
 
 def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
@@ -280,17 +306,18 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
     tokens = micro_batch * seq
     sp = sp and tp > 1
     if recompute == "full":
-        return tokens * mem.compute_bytes * model.hidden / (tp if sp else 1)
+        return tokens * mem.compute_bytes * model.hidden / (tp if sp else 1) + RNG_STATE_BYTES
     cb = mem.compute_bytes
     if mem.saved == "korthikanti":
         per_token = _korthikanti(model, tp, sp, recompute, opts, seq) * cb / 2.0
     elif recompute == "none":
-        per_token = _eager_none(model, tp, sp, cb, opts.attention, seq)
+        per_token = _eager_none(model, tp, sp, mem, opts.attention, seq)
+        return tokens * per_token + rope_copy_bytes(model, seq, mem)
     elif mem.saved == "alternate-matmul":
         per_token = _alternate_matmul(model, tp, sp, cb)
     else:
         per_token = _eager_selective(model, tp, sp, cb)
-    return tokens * per_token
+    return tokens * per_token + (RNG_STATE_BYTES if mem.saved != "korthikanti" else 0.0)
 
 
 def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,

@@ -23,6 +23,7 @@ from typing import Any
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import memory
+from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Config, Estimate, Evaluator
@@ -221,12 +222,14 @@ class _Space:
 
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                  fixed: Knobs | dict[str, Any] | None = None, top_k: int = 5,
-                 options: KernelOptions | None = None, explain: bool = True) -> SearchResult:
-    """Search every plan allowed by `fixed` and return the top_k fastest that fit."""
+                 options: KernelOptions | None = None, explain: bool = True,
+                 dtype: str = "bf16", mem: MemoryOptions | None = None) -> SearchResult:
+    """Search every plan allowed by `fixed` and return the top_k fastest that fit.
+    `dtype` is the run's precision; `mem` overrides the memory model (memory.MemoryOptions)."""
     t0 = time.perf_counter()
     opts = options or KernelOptions()
     space = _Space(model, cluster, global_batch, seq_len, Knobs.of(fixed), opts)
-    ev = Evaluator(model, cluster, global_batch, seq_len, opts)
+    ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem, dtype=dtype)
     result = _search(ev, space, top_k, explain)
     result.seconds = time.perf_counter() - t0
     return result
@@ -248,7 +251,8 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
         any_layout = True
         fam = _family(tp, pp)
         # Lower bound of memory: model states at the most sharded ZeRO stage allowed.
-        per_param = min(sum(memory.state_bytes(z, dp)) for z in space.zeros(dp))
+        per_param = min(sum(memory.state_bytes(z, dp, ev.grad_bytes, ev.mem))
+                        for z in space.zeros(dp))
         if per_param * model.num_params() / (tp * pp) > budget:
             # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
             est = _leanest(ev, space, tp, pp, dp)
@@ -434,12 +438,12 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
 
 
 def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                  fixed: Knobs | dict[str, Any], options: KernelOptions | None = None
-                  ) -> Estimate:
+                  fixed: Knobs | dict[str, Any], options: KernelOptions | None = None,
+                  dtype: str = "bf16", mem: MemoryOptions | None = None) -> Estimate:
     """Evaluate one plan. Knobs left open are searched (best value), so a fully fixed plan is
     evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
     result = search_plans(model, cluster, global_batch, seq_len, fixed, top_k=1,
-                          options=options, explain=False)
+                          options=options, explain=False, dtype=dtype, mem=mem)
     est = result.best or result.near_miss
     if est is None:
         raise UserError(f"layout {Knobs.of(fixed).to_dict()}: no valid plan on "
