@@ -177,7 +177,7 @@ BASE = ("--model", "llama3-70b", "--cluster", "dgx-h100:16", "--global-batch", "
     (("--layout", "tp=3"), "tp=3"),
     (("--layout", "tp=16"), "tp=16"),
     (("--layout", "pp=128"), "pp=128"),
-    (("--layout", "tp=8,pp=4,dp=8"), "tp*pp*dp"),
+    (("--layout", "tp=8,pp=4,dp=8"), "dp*tp*pp=8*8*4=256"),
     (("--global-batch", "100", "--layout", "tp=8,pp=2,dp=8"), "global_batch=100"),
     (("--micro-batch", "3", "--layout", "tp=8,pp=2,dp=8"), "micro_batch=3"),
     (("--zero", "4"), "zero=4"),
