@@ -74,6 +74,16 @@ KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
 CONTEXT = ("model", "cluster", "global_batch", "seq_len", "predicted")
 
 
+MAX_GLOBAL_BATCH = 2**24
+"""Sequences per step above which a batch is taken for a typo (published pre-training runs use
+at most a few thousand: Llama 3 405B 2,048 x 8,192 tokens)."""
+MAX_SEQ_LEN = 2**24
+"""Tokens per sequence above which a length is taken for a typo."""
+MAX_TOKENS_PER_STEP = 2**31
+"""global_batch * seq_len above which a step is taken for a typo (~2.1B tokens, over 100x the
+largest published batches of ~16M tokens)."""
+
+
 # ---- the rules: one place, used by Plan, Knobs, the search and the runtime -------------------
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -89,6 +99,7 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
         if v is not None and (not _is_int(v) or v <= 0):
             yield f"plan.{name}={v!r}: must be a positive integer"
             return
+    yield from _size_problems(k)
     if g("zero") is not None and (not _is_int(g("zero")) or g("zero") not in ZERO_STAGES):
         yield f"plan.zero={g('zero')!r}: allowed values are 0, 1, 2, 3"
     if g("recompute") is not None and g("recompute") not in RECOMPUTE:
@@ -102,6 +113,18 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
     if g("attention") is not None and g("attention") not in ATTENTION:
         yield f"plan.attention={g('attention')!r}: allowed values are {', '.join(ATTENTION)}"
     yield from _consistency(k)
+
+
+def _size_problems(k: Mapping[str, Any]) -> Iterator[str]:
+    b, s = k.get("global_batch"), k.get("seq_len")
+    if b is not None and b > MAX_GLOBAL_BATCH:
+        yield (f"plan.global_batch={b}: more than {MAX_GLOBAL_BATCH:,} sequences per step; "
+               "published runs use at most a few thousand")
+    elif s is not None and s > MAX_SEQ_LEN:
+        yield f"plan.seq_len={s}: more than {MAX_SEQ_LEN:,} tokens per sequence"
+    elif b is not None and s is not None and b * s > MAX_TOKENS_PER_STEP:
+        yield (f"plan.global_batch={b} x seq_len={s} = {b * s:,} tokens per step: more than "
+               f"{MAX_TOKENS_PER_STEP:,}; published runs use at most ~16M")
 
 
 def _consistency(k: Mapping[str, Any]) -> Iterator[str]:

@@ -101,6 +101,8 @@ class SearchResult:
     """Wall time of the search."""
     notes: list[str] = field(default_factory=list)
     """Knob families left out of the search, and why."""
+    dtype: str = DEFAULT_DTYPE
+    """The run precision planned for."""
 
     @property
     def best(self) -> Estimate | None:
@@ -136,8 +138,8 @@ class _Space:
         self.recomputes = [k.recompute] if k.recompute else [
             r for r in RECOMPUTE if not (r == "selective" and opts.attention == "flash")]
         if not k.recompute and opts.attention == "flash":
-            self.notes.append("recompute=selective not searched: with FlashAttention it keeps "
-                              "the same tensors as none (the attention core is never stored)")
+            self.notes.append("recompute=selective left out: with FlashAttention it keeps the "
+                              "same tensors as none (the attention core is never stored)")
         self._layouts = self._valid_layouts()
 
     def _valid_layouts(self) -> list[tuple[int, int, int]]:
@@ -157,9 +159,14 @@ class _Space:
                     continue
                 out.append((tp, pp, dp))
         found = {_family(tp, pp) for tp, pp, _ in out}
+        by_reason: dict[str, list[str]] = {}
         for fam, reason in left_out.items():
             if fam not in found:
-                self.notes.append(f"{FAMILIES[fam]} layouts left out: {reason}")
+                # "plan.pp=2: model ... ties ..." -> the reason, shared by every pp value
+                why = reason.split(": ", 1)[1] if reason.startswith("plan.") else reason
+                by_reason.setdefault(why, []).append(FAMILIES[fam])
+        for why, fams in by_reason.items():
+            self.notes.append(f"{' and '.join(fams)} layouts left out: {why}")
         return out
 
     def layouts(self):
@@ -296,7 +303,7 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
     result = SearchResult(model=model, cluster=cluster, global_batch=global_batch,
                           seq_len=ev.seq, options=ev.opts, plans=plans, evaluated=counter,
                           feasible=feasible, enumerated=len(queue) + hopeless,
-                          notes=list(space.notes))
+                          notes=list(space.notes), dtype=space.dtype)
     if not plans:
         # re-evaluate the leanest plan with the memory-balanced split for an exact figure
         result.near_miss = ev.evaluate(lean.config) if lean is not None else None
