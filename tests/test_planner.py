@@ -380,3 +380,21 @@ def test_defaults_and_left_out_families_are_stated(cli):
 def test_absurd_sizes_are_refused(cli, extra, needle):
     rc, _, err = cli("--model", "llama3-8b", "--cluster", "dgx-h100:1", *extra)
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
+      "num_hidden_layers": 6, "vocab_size": 50304, "rotary_pct": 0.25},
+     "rotary_pct=0.25: partial rotary embeddings"),
+    ({"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 27,
+      "num_key_value_heads": 4, "num_hidden_layers": 28, "intermediate_size": 18944,
+      "vocab_size": 152064}, "config.json num_attention_heads=27: must divide config.json "
+                             "hidden_size=3584"),
+    ({"model_type": "gpt2", "n_embd": 0, "n_head": 12, "n_layer": 12, "vocab_size": 50257},
+     "config.json n_embd=0"),
+])
+def test_config_json_errors_name_the_users_keys(cli, tmp_path, cfg, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, _, err = cli("--model", str(path), "--cluster", "dgx-h100:1", "--global-batch", "8")
+    assert rc == 2 and needle in err and "model." not in err
