@@ -103,7 +103,7 @@ def activations_table() -> None:
 def published_table() -> None:
     import test_memory as tm
 
-    from meshtron.planner.estimate import Config, Evaluator
+    from meshtron.planner.estimate import Evaluator
 
     print("\n3. Published runs (GiB per GPU)")
     print(f"{'run':<44} {'predicted':>9} {'published':>9} {'capacity':>8}  fits  breakdown")
@@ -116,13 +116,13 @@ def published_table() -> None:
     ev = Evaluator(preset("llama3-8b"), cl, 16, 8192, KernelOptions(),
                    mem=memory.MemoryOptions(activations="alternate-matmul"))
     rows.append(("torchtitan Llama3.1-8B FSDP eager 8xH100-96GB",
-                 ev.evaluate(Config(1, 1, 8, 3, 2, "selective", False, "1f1b")),
+                 ev.evaluate(Plan.trusted(1, 1, 8, 3, 2, "selective", False, None, dtype="bf16")),
                  f"{tm.TORCHTITAN_8B_PEAK_GIB:.1f}"))
     ev = Evaluator(preset("llama3-405b"), preset_cluster("dgx-h100", 1024), 2048, 8192,
                    KernelOptions(fp32_grad_reduce=True),
                    mem=memory.MemoryOptions(framework="megatron"))
     rows.append(("Llama3 405B tp8 pp16 dp64 ZeRO-2 H100-80GB",
-                 ev.evaluate(Config(8, 16, 64, 2, 1, "none", True, "1f1b")), "ran"))
+                 ev.evaluate(Plan.trusted(8, 16, 64, 2, 1, "none", True, "1f1b", dtype="bf16")), "ran"))
     from meshtron.planner.calibration import gpt_model
 
     ev = Evaluator(gpt_model("gpt-530B", 105, 20480, 128, tied=False),
@@ -130,7 +130,7 @@ def published_table() -> None:
                    KernelOptions(attention="unfused", dropout=True),
                    mem=memory.MemoryOptions(framework="deepspeed"))
     rows.append(("530B DeepSpeed ZeRO-3 640xA100-80GB mb4",
-                 ev.evaluate(Config(1, 1, 640, 3, 4, "full", False, "1f1b")), "ran"))
+                 ev.evaluate(Plan.trusted(1, 1, 640, 3, 4, "full", False, None, dtype="bf16")), "ran"))
     for name, est, pub in rows:
         m = est.memory
         parts = " ".join(f"{k}={getattr(m, k):.1f}" for k in (

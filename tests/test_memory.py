@@ -24,7 +24,7 @@ from meshtron.planner import memory
 from meshtron.planner.calibration import gpt_model
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute import KernelOptions
-from meshtron.planner.estimate import Config, Evaluator
+from meshtron.planner.estimate import Evaluator
 from meshtron.planner.memory import MemoryOptions, state_bytes
 from meshtron.planner.memory_ranks import greedy_owners, param_shapes, predict_ranks, rank_states
 from meshtron.planner.plan import Plan
@@ -142,11 +142,11 @@ LAYOUTS = [  # 4 ranks: every ZeRO stage, both dtypes, tp / pp / interleaving / 
 def _plan(layout: dict) -> Plan:
     pp, v = layout["pp"], layout.get("virtual_stages", 1)
     stage_layers = layout.get("stage_layers") or [4 // (pp * v)] * (pp * v)
-    return Plan(model=layout.get("model", "tiny"), cluster="test", gpus=4, global_batch=8,
+    return Plan(model=layout.get("model", "tiny"), cluster="test", global_batch=8,
                 seq_len=32, tp=layout["tp"], pp=pp, dp=layout["dp"], zero=layout["zero"],
                 micro_batch=2 if pp > 1 else 8 // layout["dp"], recompute="none",
-                sp=layout.get("sp", False), schedule=layout.get("schedule", "1f1b"),
-                virtual_stages=v, stage_layers=stage_layers)
+                sp=layout.get("sp", False), schedule=layout.get("schedule"),
+                virtual_stages=v, stage_layers=stage_layers, dtype=layout["dtype"])
 
 
 def measure_states_rank_fn(layouts: list[dict]) -> list[dict]:
@@ -206,8 +206,8 @@ def test_memory_json_of_a_real_run_matches_the_planner(tmp_path):
 
 
 # ---- published runs that ran must fit ----------------------------------------------------------
-def _fits(ev: Evaluator, cfg: Config):
-    est = ev.evaluate(cfg)
+def _fits(ev: Evaluator, *knobs):
+    est = ev.evaluate(Plan.trusted(*knobs, dtype="bf16"))
     return est.fits, est
 
 
@@ -217,7 +217,7 @@ def test_llama3_405b_published_layout_fits_on_80gb_h100():
     forward (ZeRO-2), fp32 gradient accumulation and reduce-scatter, no recomputation."""
     ev = Evaluator(preset("llama3-405b"), preset_cluster("dgx-h100", 1024), 2048, 8192,
                    KernelOptions(fp32_grad_reduce=True), mem=MemoryOptions(framework="megatron"))
-    fits, est = _fits(ev, Config(8, 16, 64, 2, 1, "none", True, "1f1b"))
+    fits, est = _fits(ev, 8, 16, 64, 2, 1, "none", True, "1f1b")
     assert fits, est.memory.to_dict()
     assert est.memory.total <= 80
 
@@ -230,7 +230,7 @@ def test_530b_zero3_on_640_a100_fits():
     ev = Evaluator(model, preset_cluster("dgx-a100", 80), 2560, 2048,
                    KernelOptions(attention="unfused", dropout=True),
                    mem=MemoryOptions(framework="deepspeed"))
-    fits, est = _fits(ev, Config(1, 1, 640, 3, 4, "full", False, "1f1b"))
+    fits, est = _fits(ev, 1, 1, 640, 3, 4, "full", False, None)
     assert fits, est.memory.to_dict()
 
 
@@ -246,6 +246,6 @@ def test_torchtitan_8b_fsdp_fits_and_its_peak_is_predicted_within_10_percent():
     cl = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=95.0)
     ev = Evaluator(preset("llama3-8b"), cl, 16, 8192, KernelOptions(),
                    mem=MemoryOptions(framework="fsdp2", activations="alternate-matmul"))
-    fits, est = _fits(ev, Config(1, 1, 8, 3, 2, "selective", False, "1f1b"))
+    fits, est = _fits(ev, 1, 1, 8, 3, 2, "selective", False, None)
     assert fits, est.memory.to_dict()
     assert est.memory.total == pytest.approx(TORCHTITAN_8B_PEAK_GIB, rel=0.10)

@@ -13,10 +13,8 @@ Groups that span nodes run hierarchically (as NCCL's multi-ring / 2D algorithms 
 reduce-scatter inside the node over NVLink among the g local members, all-reduce of the 1/g shard
 across the N nodes (every local member drives its own NIC, in parallel), all-gather inside the node.
 
-Rank order is Megatron's: tensor-parallel ranks are consecutive GPUs, then data-parallel, then
-pipeline (Narayanan et al. 2021, section 3). So a tensor group lives in one node, a data-parallel
-group has gpus_per_node/tp members in each node it touches, and pipeline neighbours are tp*dp
-ranks apart.
+Which ranks form each group, and so how many nodes it spans and how many members share a node,
+comes from placement.py (the same placement the runtime's mesh is built from).
 
 Achieved bandwidth is a fraction of the datasheet figure: NCCL's all-reduce bus bandwidth on DGX
 nodes is about 80% of NVLink's per-direction figure (~230 of 300 GB/s on A100, ~360 of 450 on
@@ -88,7 +86,7 @@ def p2p(nbytes: float, bw: float, alpha: float) -> float:
 
 @dataclass(frozen=True)
 class Group:
-    """Where the members of a communicating group sit."""
+    """Where the members of a communicating group sit (placement.py computes it)."""
 
     size: int
     """Members in the group."""
@@ -98,23 +96,6 @@ class Group:
     @property
     def nodes(self) -> int:
         return max(1, self.size // max(1, self.local))
-
-
-def tp_group(tp: int) -> Group:
-    """Tensor-parallel group: consecutive ranks, always inside one node."""
-    return Group(tp, tp)
-
-
-def dp_group(tp: int, dp: int, gpus_per_node: int) -> Group:
-    """Data-parallel group: stride tp, so gpus_per_node/tp members per node (or all dp of them)."""
-    per_node = max(1, gpus_per_node // tp)
-    return Group(dp, min(dp, per_node))
-
-
-def pp_crosses_nodes(tp: int, dp: int, pp: int, gpus_per_node: int) -> bool:
-    """Pipeline neighbours are tp*dp ranks apart: they share a node only if the whole
-    tp*dp*pp block fits in one node (otherwise the slowest boundary crosses the network)."""
-    return tp * dp * pp > gpus_per_node
 
 
 def all_reduce(nbytes: float, group: Group, fab: Fabric) -> float:

@@ -34,11 +34,12 @@ al. 2022); hardware TFLOP/s adds recomputed FLOPs (HFU).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, compute, memory, pipeline
+from meshtron.planner import comm, compute, memory, pipeline, placement
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.plan import Plan
@@ -50,40 +51,6 @@ OVERLAP_INTERFERENCE = 0.15
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
 communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
 part of data-parallel traffic costs this fraction of its duration."""
-
-
-@dataclass(frozen=True)
-class Config:
-    """A point of the search space (everything but the layer partition)."""
-
-    tp: int
-    """Tensor-parallel degree."""
-    pp: int
-    """Pipeline stages."""
-    dp: int
-    """Data-parallel degree."""
-    zero: int
-    """ZeRO stage."""
-    micro_batch: int
-    """Sequences per micro-batch."""
-    recompute: str
-    """'none' | 'selective' | 'full'."""
-    sp: bool
-    """Sequence parallelism."""
-    schedule: str
-    """Pipeline schedule."""
-    virtual_stages: int = 1
-    """Model chunks per GPU stage (interleaved)."""
-
-    def layout(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
-
-    def describe(self) -> str:
-        sched = self.schedule if self.pp > 1 else "-"
-        if self.schedule == "interleaved":
-            sched = f"interleaved:{self.virtual_stages}"
-        return (f"{self.layout()} zero={self.zero} mb={self.micro_batch} "
-                f"recompute={self.recompute} sp={'on' if self.sp else 'off'} schedule={sched}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +85,7 @@ class TimeBreakdown:
 class Estimate:
     """The planner's prediction for one plan."""
 
-    config: Config
+    config: Plan
     """Knobs of the plan."""
     stage_layers: list[int]
     """Layers per (virtual) stage, pipeline order."""
@@ -154,11 +121,10 @@ class Estimate:
     def to_plan(self, model_name: str, cluster_name: str, gpus: int, global_batch: int,
                 seq_len: int, attention: str) -> Plan:
         c = self.config
-        return Plan(model=model_name, cluster=cluster_name, gpus=gpus, global_batch=global_batch,
-                    seq_len=seq_len, tp=c.tp, pp=c.pp, dp=c.dp, zero=c.zero,
-                    micro_batch=c.micro_batch, recompute=c.recompute, sp=c.sp,
-                    schedule=c.schedule, virtual_stages=c.virtual_stages,
-                    stage_layers=list(self.stage_layers), attention=attention,
+        if gpus != c.gpus:
+            raise ValueError(f"to_plan: gpus={gpus} but the plan has tp*pp*dp={c.gpus}")
+        return c.replace(model=model_name, cluster=cluster_name, global_batch=global_batch,
+                    seq_len=seq_len, stage_layers=tuple(self.stage_layers), attention=attention,
                     predicted={"step_time_s": round(self.step_time_s, 6),
                                "tokens_per_s": round(self.tokens_per_s, 1),
                                "memory_gib": round(self.memory.total, 3),
@@ -171,6 +137,7 @@ class Estimate:
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "micro_batch": c.micro_batch,
             "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
             "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+            "dp_replicate": c.dp_replicate, "dtype": c.dtype,
             "stage_layers": list(self.stage_layers), "fits": self.fits,
             "memory_gib": self.memory.to_dict(), "time_s": self.time.to_dict(),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -194,16 +161,17 @@ def _exposed(comm_time: float, window: float) -> float:
 
 
 class Evaluator:
-    """Cost model bound to one model, cluster and batch; evaluates Configs (cached pieces)."""
+    """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 opts: KernelOptions | None = None, mem: memory.MemoryOptions | None = None,
-                 dtype: str = "bf16") -> None:
+                 opts: KernelOptions | None = None,
+                 mem: memory.MemoryOptions | None = None) -> None:
         self.model, self.cluster = model, cluster
         self.global_batch, self.seq = global_batch, seq_len
         self.opts = opts or KernelOptions()
-        # precision and framework decide the bytes (memory.py); default: meshtron's runtime
-        self.mem = mem or memory.options_for(self.opts, dtype)
+        # the framework decides the bytes (memory.py; default: meshtron's runtime), the plan's
+        # dtype the precision
+        self.mem = mem or memory.options_for(self.opts)
         self.fab = comm.Fabric.of(cluster)
         self.capacity = cluster.memory_bytes
         self.ws_fixed = memory.workspace_fixed(self.capacity)
@@ -233,19 +201,44 @@ class Evaluator:
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp)
         head = compute.head_cost(m, cl, tp, mb, s, sp)
-        act = memory.activation_bytes(m, tp, sp, mb, s, rec, opts, self.mem)
-        work = memory.recompute_working_bytes(m, tp, sp, mb, s, rec, opts, self.mem)
-        logits = memory.logits_bytes(m, tp, mb, s, self.mem)
         # pipeline p2p: [mb*s, h] bf16 split over the tensor group, re-gathered on NVLink
         # (already split with sequence parallelism); without scatter/gather each tensor rank
         # sends the whole activation over its own link
         p2p_bytes = compute.BF16 * mb * s * m.hidden / tp
-        gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, comm.tp_group(tp), self.fab)
+        gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, self._tp_group(tp), self.fab)
         if not opts.p2p_scatter_gather and not sp:
             p2p_bytes, gather = p2p_bytes * tp, 0.0
-        hit = (c_l, tpc_l, f_l, w_l, emb, head, act, work, logits, p2p_bytes, gather)
+        hit = (c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather)
         self._cache[key] = hit
         return hit
+
+    def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str):
+        """(memory options, activations per layer, recompute working set, logits) in bytes for
+        one micro-batch at the plan's dtype (memory.py)."""
+        key = ("mem", tp, mb, sp, rec, dtype)
+        hit = self._cache.get(key)
+        if hit is None:
+            mem = self.mem
+            if mem.dtype != dtype:
+                mem = dataclasses.replace(mem, dtype=dtype)
+            args = (self.model, tp, sp, mb, self.seq, rec, self.opts, mem)
+            hit = (mem, memory.activation_bytes(*args), memory.recompute_working_bytes(*args),
+                   memory.logits_bytes(self.model, tp, mb, self.seq, mem))
+            self._cache[key] = hit
+        return hit
+
+    def _groups(self, cfg: Plan) -> dict[str, Any]:
+        """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
+        key = ("groups", cfg.tp, cfg.pp, cfg.dp, cfg.zero >= 2, cfg.dp_replicate,
+               cfg.virtual_stages > 1)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = placement.groups_for_cost(cfg, self.cluster.gpus_per_node)
+            self._cache[key] = hit
+        return hit
+
+    def _tp_group(self, tp: int) -> comm.Group:
+        return placement.tp_group(tp, self.cluster.gpus_per_node)
 
     def _params(self, tp: int, pp: int) -> tuple[float, float, float, float]:
         key = ("params", tp, pp)
@@ -275,14 +268,13 @@ class Evaluator:
             self._cache[key] = hit
         return hit
 
-    def _dp_time(self, params: float, zero: int, dp: int, tp: int, m: int, fwd: float,
+    def _dp_time(self, params: float, zero: int, group: comm.Group, m: int, fwd: float,
                  bwd: float) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters (module docstring)."""
-        key = ("dp", params, zero, dp, tp, m, fwd, bwd)
+        key = ("dp", params, zero, group, m, fwd, bwd)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        group = comm.dp_group(tp, dp, self.cluster.gpus_per_node)
         nbytes = (4.0 if self.opts.fp32_grad_reduce else compute.BF16) * params
         wbytes = compute.BF16 * params
         if not self.opts.overlap_grad_reduce:
@@ -303,7 +295,7 @@ class Evaluator:
         return exp
 
     # ---- the cost model --------------------------------------------------------------------
-    def evaluate(self, cfg: Config, keep_infeasible: bool = True,
+    def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
                  exact_memory: bool = True, cutoff: float = float("inf")) -> Estimate | None:
         """Estimate a config. Infeasible ones come back with fits == False and the memory they
         need under the most memory-balanced layer split (`exact_memory`; otherwise under the
@@ -314,15 +306,15 @@ class Evaluator:
         tp, pp, dp, zero, mb, rec = cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute
         v = cfg.virtual_stages
         m = self.global_batch // (dp * mb)
-        (c_l, tpc_l, f_l, w_l, emb, head, act, work, logits, p2p_bytes,
-         gather) = self._micro(tp, mb, cfg.sp, rec)
+        c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec)
+        mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype)
         t_layer = c_l + tpc_l
         e_first = emb.compute + emb.tp
         e_last = head.compute + head.tp
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
-        states = memory.state_bytes(zero, dp, self.grad_bytes, self.mem)
+        states = memory.state_bytes(zero, dp, self.grad_bytes, mem_opts)
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         roots = [0.0] * pp
@@ -330,7 +322,7 @@ class Evaluator:
         roots[-1] += p_head
         per_layer, fixed = [], []
         for i in range(pp):
-            sm = memory.stage_memory(self.mem, zero, dp, states, p_layer, roots[i], largest, act,
+            sm = memory.stage_memory(mem_opts, zero, dp, states, p_layer, roots[i], largest, act,
                                      inflight[i], work, logits if i == pp - 1 else 0.0,
                                      self.grad_bytes)
             per_layer.append(sm.per_layer)
@@ -369,11 +361,13 @@ class Evaluator:
         stage_w[-1] += head.wgrad
         crit = max(range(pp), key=stage_t.__getitem__)
         compute_t = m * stage_c[crit]
-        tp_t = m * (stage_t[crit] - stage_c[crit])
+        # exactly zero without tensor parallelism (the difference of sums leaves rounding)
+        tp_t = m * (stage_t[crit] - stage_c[crit]) if tp > 1 else 0.0
         bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w)
+        groups = self._groups(cfg)
         pp_t = 0.0
         if pp > 1:
-            cross = comm.pp_crosses_nodes(tp, dp, pp, self.cluster.gpus_per_node)
+            cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
             pp_t = (m * v + pp - 1) * 2.0 * hop
         dp_t = 0.0
@@ -390,7 +384,7 @@ class Evaluator:
             if dp > 1:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
-                dp_t = max(dp_t, self._dp_time(params_i, zero, dp, tp, m, stage_f[i],
+                dp_t = max(dp_t, self._dp_time(params_i, zero, groups["dp"], m, stage_f[i],
                                                bwd if zero >= 2 else (1 + i) * bwd))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
@@ -401,7 +395,7 @@ class Evaluator:
         # ---- memory breakdown of the fullest stage -------------------------------------------
         totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
         worst = max(range(pp), key=totals.__getitem__)
-        mem = memory.breakdown(self.mem, zero, dp, states, n[worst], p_layer, roots[worst],
+        mem = memory.breakdown(mem_opts, zero, dp, states, n[worst], p_layer, roots[worst],
                                largest, act, inflight[worst], work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
                                self.grad_bytes)
@@ -417,7 +411,7 @@ class Evaluator:
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
             mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
 
-    def lower_bound_step(self, cfg: Config) -> float:
+    def lower_bound_step(self, cfg: Plan) -> float:
         """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
         pipeline or data-parallel communication."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)

@@ -29,7 +29,8 @@ reshard_after_forward=True (ZeRO-3) at most the current and the prefetched unit 
 False (ZeRO-2, and the replicate path meshtron uses for ZeRO-0/1 under FSDP2) every unit stays
 gathered from its forward to its backward, i.e. the whole stage's parameters in the compute
 dtype. During a unit's backward its unsharded gradient exists in the compute dtype (the fp32
-copy for reduce_dtype=fp32 is made after the unit's backward, when its activations are gone). DeepSpeed ZeRO-3 gathers per submodule and caps the parameters
+copy for reduce_dtype=fp32 is made after the unit's backward, when its activations are gone).
+DeepSpeed ZeRO-3 gathers per submodule and caps the parameters
 alive at `stage3_max_live_parameters` (default 1e9) plus a `stage3_prefetch_bucket_size`
 (default 5e8) prefetch; its gradients go through a `reduce_bucket_size` (default 5e8 elements)
 bucket (DeepSpeed configuration docs). Megatron-LM uses the bf16 weights directly.
@@ -300,7 +301,8 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
 
 
 def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
-                     recompute: str, opts: KernelOptions, mem: MemoryOptions | None = None) -> float:
+                     recompute: str, opts: KernelOptions,
+                     mem: MemoryOptions | None = None) -> float:
     """Bytes one layer keeps for one micro-batch until its backward pass (module docstring)."""
     mem = mem or DEFAULT
     tokens = micro_batch * seq

@@ -175,22 +175,24 @@ def _stage_ranges(plan: Any, layers: int) -> list[range]:
 
 def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankState]:
     """Exact parameter, gradient and AdamW bytes of every global rank of `plan` (tp, pp, dp,
-    zero, virtual_stages, schedule, stage_layers; optional dp_replicate for HSDP). The same in
+    zero, virtual_stages, schedule, stage_layers, dp_replicate), ranks placed by
+    `meshtron.planner.placement` as the runtime's mesh is. The same in
     fp32 and bf16 runs (module docstring); `dtype` only decides whether FSDP2 is applied with a
     single data-parallel rank."""
+    from meshtron.planner.placement import placement
+
     tp, pp, dp, zero = plan.tp, plan.pp, plan.dp, plan.zero
     v = getattr(plan, "virtual_stages", 1) or 1
-    replicate = getattr(plan, "dp_replicate", 1) or 1
-    dp_shard = dp // replicate if zero >= 2 else 1
+    place = placement(plan, tp * pp * dp)
+    dp_shard = place.size("dp_shard")
     fsdp = dp > 1 or dtype == "bf16"
     ranges = _stage_ranges(plan, spec.layers)
     n_stages = pp * v
     out: list[RankState] = []
-    for rank in range(tp * pp * dp):
-        r_tp = rank % tp
-        r_pp = (rank // tp) % pp
-        r_dp = rank // (tp * pp)  # rank in the flattened "dp" group
-        r_shard = r_dp % dp_shard
+    for rank in range(place.world_size):
+        c = place.coords(rank)
+        r_tp, r_pp, r_shard = c["tp"], c["pp"], c["dp_shard"]
+        r_dp = c["dp_replicate"] * dp_shard + r_shard  # rank in the flattened "dp" group
         params = opt = layers = 0
         for s in stages_of_rank(pp, v, getattr(plan, "schedule", "1f1b"), r_pp):
             shapes = [local_shape(name, shape, tp, r_tp, dp_shard, r_shard, fsdp)
@@ -217,8 +219,11 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
 
     opts = opts or KernelOptions()
     mem = memory.MemoryOptions(dtype=dtype, framework="fsdp2")
+    from meshtron.planner.placement import placement
+
     tp, pp, dp = plan.tp, plan.pp, plan.dp
     v = getattr(plan, "virtual_stages", 1) or 1
+    place = placement(plan, tp * pp * dp)
     m = plan.global_batch // (dp * plan.micro_batch)
     args = (spec, tp, plan.sp, plan.micro_batch, plan.seq_len, plan.recompute, opts, mem)
     act = memory.activation_bytes(*args)
@@ -228,7 +233,7 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
     largest = memory.largest_param_local(spec, tp)
     out = []
     for st in rank_states(spec, plan, dtype):
-        r_pp = (st.rank // tp) % pp
+        r_pp = place.coords(st.rank)["pp"]
         stages = stages_of_rank(pp, v, getattr(plan, "schedule", "1f1b"), r_pp)
         first, last = 0 in stages, pp * v - 1 in stages
         p_root = ((memory.embedding_params_local(spec, tp) if first else 0.0)
