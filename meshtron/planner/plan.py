@@ -191,17 +191,23 @@ def schedule_zero_problem(schedule: str | None, zero: int | None, pp: int | None
 
 
 def microbatch_problem(schedule: str | None, pp: int, v: int, m: int) -> str | None:
-    """The pipeline schedules' own limits on the micro-batches per step `m`
-    (torch.distributed.pipelining: single-stage 1F1B and ZB-H1 need one micro-batch per stage in
-    flight; looped schedules run micro-batches in rounds of pp, as Megatron requires)."""
+    """The pipeline schedules' own limits on the micro-batches per step `m`, as
+    torch.distributed.pipelining 2.13 enforces them: single-stage 1F1B needs one micro-batch
+    per stage in flight; the looped schedules (interleaved 1F1B, and zero bubble other than the
+    V of two stages) run micro-batches in rounds of pp and need m divisible by the number of
+    rounds, max(1, m // pp). GPipe, looped BFS and ZBV take any m."""
     if pp == 1 or schedule is None:
         return None
-    if v == 1 and schedule in ("1f1b", "zb") and m < pp:
-        return (f"plan.micro_batch: {m} micro-batches per step, schedule {schedule!r} needs at "
-                f"least pp={pp}")
-    if schedule == "interleaved" and m % pp:
-        return (f"plan.micro_batch: {m} micro-batches per step, the interleaved schedule needs "
-                f"a multiple of pp={pp}")
+    if schedule == "1f1b" and v == 1 and m < pp:
+        return (f"plan.micro_batch: {m} micro-batches per step, schedule '1f1b' needs at least "
+                f"pp={pp}")
+    looped = schedule == "interleaved" or (schedule == "1f1b" and v > 1) or \
+        (schedule == "zb" and v != 2)
+    rounds = max(1, m // pp)
+    if looped and m % rounds:
+        return (f"plan.micro_batch: {m} micro-batches per step, schedule {schedule!r} with "
+                f"{v} stage(s) per rank runs them in rounds of pp={pp}: needs fewer than "
+                f"{2 * pp} or a multiple of {rounds}")
     return None
 
 

@@ -196,8 +196,11 @@ class _Space:
             vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
             cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
             cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
-        return [(s, v) for s, v in cands if v <= layers_per_stage
-                and microbatch_problem(s, pp, v, m) is None]
+        ok = [(s, v) for s, v in cands if v <= layers_per_stage
+              and microbatch_problem(s, pp, v, m) is None]
+        if k.schedule is None:
+            ok = [(s, v) for s, v in ok if _formulas_hold(s, pp, m)]
+        return ok
 
     def sps(self, tp: int) -> list[bool]:
         if self.knobs.sp is not None:
@@ -208,6 +211,17 @@ class _Space:
         if self.knobs.zero is not None:
             return [self.knobs.zero]
         return [0, 1, 2, 3] if dp > 1 else [0]
+
+
+def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
+    """Search policy for schedules the user did not fix: pipeline.py's bubble and in-flight
+    formulas assume 1F1B and ZB-H1 keep pp micro-batches in flight (m >= pp) and interleaving
+    runs whole rounds of pp (m % pp == 0, as Megatron-LM requires)."""
+    if schedule in ("1f1b", "zb"):
+        return m >= pp
+    if schedule == "interleaved":
+        return m % pp == 0
+    return True
 
 
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
