@@ -227,7 +227,8 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
             # together with the prefetched last block
             return cb * max(2.0 * p_layer, p_root + p_layer) + grad_unit
         return cb * (layers * p_layer + p_root) + grad_unit
-    if mem.framework == "deepspeed" and zero == 3 and dp > 1:
+    if zero == 3 and dp > 1:
+        # DeepSpeed's per-module gathering, the ZeRO-3 of 16-bit-weight frameworks
         live = max(largest, min(DEEPSPEED_MAX_LIVE_PARAMS, p_layer + p_root))
         return cb * (live + DEEPSPEED_PREFETCH_PARAMS) + grad_bytes * max(largest,
                                                                           DEEPSPEED_REDUCE_BUCKET)
