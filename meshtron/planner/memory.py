@@ -28,7 +28,9 @@ dtype and prefetches the next unit (FSDP2 docs, "implicit prefetching"); with
 reshard_after_forward=True (ZeRO-3) at most the current and the prefetched unit are alive; with
 False (ZeRO-2, and the replicate path meshtron uses for ZeRO-0/1 under FSDP2) every unit stays
 gathered from its forward to its backward, i.e. the whole stage's parameters in the compute
-dtype. During a unit's backward its unsharded gradient exists in the compute dtype (the fp32
+dtype. A shard group of one rank (meshtron's ZeRO-0/1 under FSDP2) still copies the parameters
+into that buffer (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, `wait_for_unshard`),
+in fp32 too. During a unit's backward its unsharded gradient exists in the compute dtype (the fp32
 copy for reduce_dtype=fp32 is made after the unit's backward, when its activations are gone).
 DeepSpeed ZeRO-3 gathers per submodule and caps the parameters
 alive at `stage3_max_live_parameters` (default 1e9) plus a `stage3_prefetch_bucket_size`
