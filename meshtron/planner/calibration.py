@@ -24,7 +24,7 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Config, Estimate, Evaluator
 
 MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                              fp32_grad_reduce=True)
+                              fp32_grad_reduce=True, stack="fused")
 
 
 @dataclass(frozen=True)

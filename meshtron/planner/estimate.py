@@ -230,7 +230,7 @@ class Evaluator:
         lc = compute.layer_cost(m, cl, tp, mb, s, sp, opts)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp)
-        head = compute.head_cost(m, cl, tp, mb, s, sp)
+        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack)
         act = memory.activation_bytes(m, tp, sp, mb, s, rec, opts)
         work = memory.recompute_working_bytes(m, tp, sp, mb, s, rec, opts)
         logits = memory.logits_bytes(m, tp, mb, s)
@@ -273,31 +273,51 @@ class Evaluator:
         return hit
 
     def _dp_time(self, params: float, zero: int, dp: int, tp: int, m: int, fwd: float,
-                 bwd: float) -> float:
-        """Exposed data-parallel time of a stage holding `params` parameters (module docstring)."""
-        key = ("dp", params, zero, dp, tp, m, fwd, bwd)
+                 bwd: float, units: int = 1) -> float:
+        """Exposed data-parallel time of a stage holding `params` parameters in `units` layers
+        (module docstring)."""
+        key = ("dp", params, zero, dp, tp, m, fwd, bwd, units)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         group = comm.dp_group(tp, dp, self.cluster.gpus_per_node)
-        nbytes = (4.0 if self.opts.fp32_grad_reduce else compute.BF16) * params
+        hier = self.opts.hierarchical_dp
+        gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
+        nbytes = gsize * params
         wbytes = compute.BF16 * params
+        if zero == 3:  # prefetching overlaps whatever the gradient-reduction setting
+            exp = m * self._zero3_per_microbatch(params, group, units, fwd, bwd)
+            self._cache[key] = exp
+            return exp
         if not self.opts.overlap_grad_reduce:
             fwd = bwd = 0.0
         if zero == 0:
-            exp = _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
+            exp = _exposed(comm.all_reduce(nbytes, group, self.fab, hier), bwd)
         elif zero == 1:
-            exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
-                   + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
-        elif zero == 2:
-            exp = (m * _exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
-                   + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
+            exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab, hier), bwd)
+                   + _exposed(comm.all_gather(wbytes, group, self.fab, hier), fwd))
         else:
-            ag = comm.all_gather(wbytes, group, self.fab)
-            rs = comm.reduce_scatter(nbytes, group, self.fab)
-            exp = m * (_exposed(ag, fwd) + _exposed(ag + rs, bwd))
+            exp = (m * _exposed(comm.reduce_scatter(nbytes, group, self.fab, hier), bwd)
+                   + _exposed(comm.all_gather(wbytes, group, self.fab, hier), fwd))
         self._cache[key] = exp
         return exp
+
+    def _zero3_per_microbatch(self, params: float, group: comm.Group, layers: int, fwd: float,
+                              bwd: float) -> float:
+        """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
+        backward (parameters are resharded after the forward) and one reduce-scatter of its
+        gradients after it; the next unit's collective is prefetched while this unit computes
+        (FSDP's forward/backward prefetch, Zhao et al. 2023, section 3.3; DeepSpeed's parameter
+        prefetch). Exposed per unit: max(0, comm - compute) plus the interference of the hidden
+        part; the first unit's all-gather (fill) and the last reduce-scatter (drain) are never
+        hidden. Collectives are counted per unit, each with its own NCCL latency."""
+        units = max(1, layers * self.opts.shard_units_per_layer)
+        hier = self.opts.hierarchical_dp
+        gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
+        ag = comm.all_gather(compute.BF16 * params / units, group, self.fab, hier)
+        rs = comm.reduce_scatter(gsize * params / units, group, self.fab, hier)
+        f_u, b_u = fwd / units, bwd / units
+        return ag + units * _exposed(ag, f_u) + ag + units * _exposed(ag + rs, b_u) + rs
 
     # ---- the cost model --------------------------------------------------------------------
     def evaluate(self, cfg: Config, keep_infeasible: bool = True,
@@ -385,7 +405,7 @@ class Evaluator:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
                 dp_t = max(dp_t, self._dp_time(params_i, zero, dp, tp, m, stage_f[i],
-                                               bwd if zero >= 2 else (1 + i) * bwd))
+                                               bwd if zero >= 2 else (1 + i) * bwd, k))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
         step = times.total
