@@ -15,7 +15,7 @@ from meshtron.planner import (Knobs, evaluate_plan, load_plan, plan_knobs, resol
 from meshtron.model.spec import PRESETS, resolve_model
 from meshtron.planner.calibration import megatron_2021_rows, predict_megatron_row
 from meshtron.planner.cluster import ClusterSpec, cluster_from_dict
-from meshtron.planner.comm import Fabric, all_reduce, dp_group, ring_all_reduce
+from meshtron.planner.comm import Fabric, Group, all_reduce, ring_all_reduce
 from meshtron.planner.compute import gemm_efficiency
 from meshtron.planner.memory import state_bytes
 from meshtron.planner.pipeline import in_flight, partition_dp, partition_layers
@@ -59,8 +59,8 @@ def test_small_gemm_shards_run_less_efficiently():
 def test_ring_all_reduce_and_hierarchical_groups():
     assert ring_all_reduce(1e9, 8, 1e11, 0.0) == pytest.approx(2 * 7 / 8 * 1e9 / 1e11)
     fab = Fabric.of(resolve_cluster("dgx-h100:4"))
-    inside = all_reduce(1e9, dp_group(1, 8, 8), fab)     # 8 GPUs of one node
-    across = all_reduce(1e9, dp_group(8, 4, 8), fab)     # one GPU in each of 4 nodes
+    inside = all_reduce(1e9, Group(8, 8), fab)     # 8 GPUs of one node
+    across = all_reduce(1e9, Group(4, 1), fab)     # one GPU in each of 4 nodes
     assert across > inside  # the network is ~9x slower than NVLink
 
 
@@ -182,7 +182,7 @@ BASE = ("--model", "llama3-70b", "--cluster", "dgx-h100:16", "--global-batch", "
     (("--micro-batch", "3", "--layout", "tp=8,pp=2,dp=8"), "micro_batch=3"),
     (("--zero", "4"), "zero=4"),
     (("--recompute", "some"), "recompute='some'"),
-    (("--schedule", "zb", "--layout", "pp=1"), "schedule=zb"),
+    (("--schedule", "zb", "--layout", "pp=1"), "schedule='zb'"),
     (("--sp", "maybe"), "sp='maybe'"),
 ])
 def test_bad_knobs_are_one_line_errors(cli, extra, knob):

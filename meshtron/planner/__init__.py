@@ -18,18 +18,16 @@ saved Plan and fixed Knobs), report (table and JSON), cli (`meshtron plan`).
 
 from meshtron.planner.cluster import GPU_CATALOGUE, ClusterSpec, resolve_cluster
 from meshtron.planner.compute import KernelOptions
-from meshtron.planner.estimate import Config, Estimate, Evaluator
+from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.plan import Knobs, Plan, load_plan
 from meshtron.planner.search import SearchResult, evaluate_plan, search_plans
 
 
 def plan_knobs(plan: Plan) -> Knobs:
     """The fixed knobs that reproduce a saved plan (layer split aside) in `evaluate_plan`."""
-    return Knobs(tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=plan.zero,
-                 micro_batch=plan.micro_batch, recompute=plan.recompute, sp=plan.sp,
-                 schedule=plan.schedule, virtual_stages=plan.virtual_stages)
+    return Knobs.of(plan)
 
 
-__all__ = ["ClusterSpec", "Config", "Estimate", "Evaluator", "GPU_CATALOGUE", "KernelOptions",
+__all__ = ["ClusterSpec", "Estimate", "Evaluator", "GPU_CATALOGUE", "KernelOptions",
            "Knobs", "Plan", "SearchResult", "evaluate_plan", "load_plan", "plan_knobs",
            "resolve_cluster", "search_plans"]

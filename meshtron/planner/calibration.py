@@ -21,7 +21,8 @@ from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec, preset
 from meshtron.planner.cluster import ClusterSpec, preset_cluster
 from meshtron.planner.compute import KernelOptions
-from meshtron.planner.estimate import Config, Estimate, Evaluator
+from meshtron.planner.estimate import Estimate, Evaluator
+from meshtron.planner.plan import Plan
 
 MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                               fp32_grad_reduce=True, stack="fused")
@@ -76,7 +77,7 @@ def predict_megatron_row(row: dict[str, str]) -> Prediction:
             scheds = [("interleaved", v) for v in range(2, 9) if L // pp >= v and m % pp == 0]
             scheds = scheds or [("1f1b", 1)]
         for sched, v in scheds:
-            est = ev.evaluate(Config(tp, pp, dp, 0, mb, "full", False, sched, v))
+            est = ev.evaluate(Plan(tp, pp, dp, 0, mb, "full", False, sched, v, dtype="bf16"))
             if est.fits and (best is None or est.step_time_s < best.step_time_s):
                 best = est
     if best is None:
@@ -268,7 +269,8 @@ def predict_published(run: PublishedRun) -> PublishedPrediction:
             else:
                 scheds.append((s, 1))
         for sched, v in scheds:
-            cfg = Config(run.tp, run.pp, run.dp, run.zero, mb, run.recompute, run.sp, sched, v)
+            cfg = Plan(run.tp, run.pp, run.dp, run.zero, mb, run.recompute, run.sp, sched, v,
+                       dtype="bf16")
             est = ev.evaluate(cfg)
             if est.fits and (best is None or est.step_time_s < best.step_time_s):
                 best = est

@@ -37,7 +37,8 @@ per-direction figure (NCCL caps A100 rings at 235 of 300 GB/s in tuning.cc; ~360
 in nccl-tests) and about 90% of the NIC line rate across nodes. A cluster file may override both
 with `bandwidth_efficiency` (e.g. 1.0 for measured figures).
 
-Rank placement (which ranks form a group, which nodes it spans) comes from the `Group` shapes below.
+Which ranks form each group, and so how many nodes it spans and how many members share a node,
+comes from placement.py (the same placement the runtime's mesh is built from).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Fabric:
 
 @dataclass(frozen=True)
 class Group:
-    """Where the members of a communicating group sit."""
+    """Where the members of a communicating group sit (placement.py computes it)."""
 
     size: int
     """Members in the group."""
@@ -98,23 +99,6 @@ class Group:
     @property
     def nodes(self) -> int:
         return max(1, self.size // max(1, self.local))
-
-
-def tp_group(tp: int) -> Group:
-    """Tensor-parallel group: consecutive ranks, always inside one node."""
-    return Group(tp, tp)
-
-
-def dp_group(tp: int, dp: int, gpus_per_node: int) -> Group:
-    """Data-parallel group: stride tp, so gpus_per_node/tp members per node (or all dp of them)."""
-    per_node = max(1, gpus_per_node // tp)
-    return Group(dp, min(dp, per_node))
-
-
-def pp_crosses_nodes(tp: int, dp: int, pp: int, gpus_per_node: int) -> bool:
-    """Pipeline neighbours are tp*dp ranks apart: they share a node only if the whole
-    tp*dp*pp block fits in one node (otherwise the slowest boundary crosses the network)."""
-    return tp * dp * pp > gpus_per_node
 
 
 # ---- primitive formulas --------------------------------------------------------------------

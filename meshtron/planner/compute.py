@@ -51,6 +51,7 @@ from functools import lru_cache
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
+from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
 
 SAT_DIM = 128.0
@@ -91,8 +92,6 @@ class KernelOptions:
     """Parameter all-gathers per layer and pass under ZeRO-3: FSDP wraps one transformer block (1);
     DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
     output projection, two MLP linears; Rajbhandari et al. 2021, ZeRO-Infinity, section 6)."""
-    hierarchical_dp: bool = False
-    """Data-parallel collectives run two-level (inside nodes, then across): HSDP-style sharding."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -263,7 +262,7 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
     # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2).
     fab = comm.Fabric.of(cluster)
-    group = comm.tp_group(tp)
+    group = tp_group(tp, cluster.gpus_per_node)
     act_bytes = BF16 * tokens * h
     if sp:
         one_tp = comm.reduce_scatter(act_bytes, group, fab) + comm.all_gather(act_bytes, group, fab)
@@ -302,7 +301,7 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     fwd_c = gemm + logits * loss_f / hbm + norm
     compute = fwd_c + 2 * gemm + logits * loss_b / hbm + 2 * norm
     fab = comm.Fabric.of(cluster)
-    group = comm.tp_group(tp)
+    group = tp_group(tp, cluster.gpus_per_node)
     nbytes = BF16 * tokens * model.hidden
     loss_ar = 3 * comm.all_reduce(4.0 * tokens, group, fab)
     if sp:
@@ -326,7 +325,7 @@ def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch:
     nbytes = BF16 * tokens * model.hidden
     compute = 3 * nbytes / hbm
     fab = comm.Fabric.of(cluster)
-    group = comm.tp_group(tp)
+    group = tp_group(tp, cluster.gpus_per_node)
     if sp:
         tp_f = comm.reduce_scatter(nbytes, group, fab)
         tp_b = comm.all_gather(nbytes, group, fab)

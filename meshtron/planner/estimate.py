@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, compute, memory, pipeline
+from meshtron.planner import comm, compute, memory, pipeline, placement
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.plan import Plan
@@ -50,40 +50,6 @@ OVERLAP_INTERFERENCE = 0.15
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
 communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
 part of data-parallel traffic costs this fraction of its duration."""
-
-
-@dataclass(frozen=True)
-class Config:
-    """A point of the search space (everything but the layer partition)."""
-
-    tp: int
-    """Tensor-parallel degree."""
-    pp: int
-    """Pipeline stages."""
-    dp: int
-    """Data-parallel degree."""
-    zero: int
-    """ZeRO stage."""
-    micro_batch: int
-    """Sequences per micro-batch."""
-    recompute: str
-    """'none' | 'selective' | 'full'."""
-    sp: bool
-    """Sequence parallelism."""
-    schedule: str
-    """Pipeline schedule."""
-    virtual_stages: int = 1
-    """Model chunks per GPU stage (interleaved)."""
-
-    def layout(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
-
-    def describe(self) -> str:
-        sched = self.schedule if self.pp > 1 else "-"
-        if self.schedule == "interleaved":
-            sched = f"interleaved:{self.virtual_stages}"
-        return (f"{self.layout()} zero={self.zero} mb={self.micro_batch} "
-                f"recompute={self.recompute} sp={'on' if self.sp else 'off'} schedule={sched}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +84,7 @@ class TimeBreakdown:
 class Estimate:
     """The planner's prediction for one plan."""
 
-    config: Config
+    config: Plan
     """Knobs of the plan."""
     stage_layers: list[int]
     """Layers per (virtual) stage, pipeline order."""
@@ -154,11 +120,10 @@ class Estimate:
     def to_plan(self, model_name: str, cluster_name: str, gpus: int, global_batch: int,
                 seq_len: int, attention: str) -> Plan:
         c = self.config
-        return Plan(model=model_name, cluster=cluster_name, gpus=gpus, global_batch=global_batch,
-                    seq_len=seq_len, tp=c.tp, pp=c.pp, dp=c.dp, zero=c.zero,
-                    micro_batch=c.micro_batch, recompute=c.recompute, sp=c.sp,
-                    schedule=c.schedule, virtual_stages=c.virtual_stages,
-                    stage_layers=list(self.stage_layers), attention=attention,
+        if gpus != c.gpus:
+            raise ValueError(f"to_plan: gpus={gpus} but the plan has tp*pp*dp={c.gpus}")
+        return c.replace(model=model_name, cluster=cluster_name, global_batch=global_batch,
+                    seq_len=seq_len, stage_layers=tuple(self.stage_layers), attention=attention,
                     predicted={"step_time_s": round(self.step_time_s, 6),
                                "tokens_per_s": round(self.tokens_per_s, 1),
                                "memory_gib": round(self.memory.total, 3),
@@ -194,7 +159,7 @@ def _exposed(comm_time: float, window: float) -> float:
 
 
 class Evaluator:
-    """Cost model bound to one model, cluster and batch; evaluates Configs (cached pieces)."""
+    """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                  opts: KernelOptions | None = None) -> None:
@@ -238,12 +203,25 @@ class Evaluator:
         # (already split with sequence parallelism); without scatter/gather each tensor rank
         # sends the whole activation over its own link
         p2p_bytes = compute.BF16 * mb * s * m.hidden / tp
-        gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, comm.tp_group(tp), self.fab)
+        gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, self._tp_group(tp), self.fab)
         if not opts.p2p_scatter_gather and not sp:
             p2p_bytes, gather = p2p_bytes * tp, 0.0
         hit = (c_l, tpc_l, f_l, w_l, emb, head, act, work, logits, p2p_bytes, gather)
         self._cache[key] = hit
         return hit
+
+    def _groups(self, cfg: Plan) -> dict[str, Any]:
+        """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
+        key = ("groups", cfg.tp, cfg.pp, cfg.dp, cfg.zero >= 2, cfg.dp_replicate,
+               cfg.virtual_stages > 1)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = placement.groups_for_cost(cfg, self.cluster.gpus_per_node)
+            self._cache[key] = hit
+        return hit
+
+    def _tp_group(self, tp: int) -> comm.Group:
+        return placement.tp_group(tp, self.cluster.gpus_per_node)
 
     def _params(self, tp: int, pp: int) -> tuple[float, float, float]:
         key = ("params", tp, pp)
@@ -272,55 +250,58 @@ class Evaluator:
             self._cache[key] = hit
         return hit
 
-    def _dp_time(self, params: float, zero: int, dp: int, tp: int, m: int, fwd: float,
-                 bwd: float, units: int = 1) -> float:
-        """Exposed data-parallel time of a stage holding `params` parameters in `units` layers
+    def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
+                 bwd: float, layers: int = 1) -> float:
+        """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring)."""
-        key = ("dp", params, zero, dp, tp, m, fwd, bwd, units)
+        group = groups["dp"]
+        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        group = comm.dp_group(tp, dp, self.cluster.gpus_per_node)
-        hier = self.opts.hierarchical_dp
         gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
         nbytes = gsize * params
         wbytes = compute.BF16 * params
         if zero == 3:  # prefetching overlaps whatever the gradient-reduction setting
-            exp = m * self._zero3_per_microbatch(params, group, units, fwd, bwd)
+            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
             fwd = bwd = 0.0
         if zero == 0:
-            exp = _exposed(comm.all_reduce(nbytes, group, self.fab, hier), bwd)
+            exp = _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
         elif zero == 1:
-            exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab, hier), bwd)
-                   + _exposed(comm.all_gather(wbytes, group, self.fab, hier), fwd))
+            exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
+                   + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
         else:
-            exp = (m * _exposed(comm.reduce_scatter(nbytes, group, self.fab, hier), bwd)
-                   + _exposed(comm.all_gather(wbytes, group, self.fab, hier), fwd))
+            shard, rep = groups["dp_shard"], groups["dp_replicate"]
+            rs = (comm.reduce_scatter(nbytes, shard, self.fab)
+                  + comm.all_reduce(nbytes / shard.size, rep, self.fab))
+            exp = m * _exposed(rs, bwd) + _exposed(comm.all_gather(wbytes, shard, self.fab), fwd)
         self._cache[key] = exp
         return exp
 
-    def _zero3_per_microbatch(self, params: float, group: comm.Group, layers: int, fwd: float,
-                              bwd: float) -> float:
+    def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
+                              fwd: float, bwd: float) -> float:
         """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
         backward (parameters are resharded after the forward) and one reduce-scatter of its
-        gradients after it; the next unit's collective is prefetched while this unit computes
+        gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
+        replica group); the next unit's collectives are prefetched while this unit computes
         (FSDP's forward/backward prefetch, Zhao et al. 2023, section 3.3; DeepSpeed's parameter
         prefetch). Exposed per unit: max(0, comm - compute) plus the interference of the hidden
         part; the first unit's all-gather (fill) and the last reduce-scatter (drain) are never
-        hidden. Collectives are counted per unit, each with its own NCCL latency."""
+        hidden. Collectives are counted per unit, each paying its own NCCL latency."""
         units = max(1, layers * self.opts.shard_units_per_layer)
-        hier = self.opts.hierarchical_dp
+        shard, rep = groups["dp_shard"], groups["dp_replicate"]
         gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
-        ag = comm.all_gather(compute.BF16 * params / units, group, self.fab, hier)
-        rs = comm.reduce_scatter(gsize * params / units, group, self.fab, hier)
+        ag = comm.all_gather(compute.BF16 * params / units, shard, self.fab)
+        rs = comm.reduce_scatter(gsize * params / units, shard, self.fab)
+        rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
         f_u, b_u = fwd / units, bwd / units
         return ag + units * _exposed(ag, f_u) + ag + units * _exposed(ag + rs, b_u) + rs
 
     # ---- the cost model --------------------------------------------------------------------
-    def evaluate(self, cfg: Config, keep_infeasible: bool = True,
+    def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
                  exact_memory: bool = True, cutoff: float = float("inf")) -> Estimate | None:
         """Estimate a config. Infeasible ones come back with fits == False and the memory they
         need under the most memory-balanced layer split (`exact_memory`; otherwise under the
@@ -385,9 +366,10 @@ class Evaluator:
         compute_t = m * stage_c[crit]
         tp_t = m * (stage_t[crit] - stage_c[crit])
         bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w)
+        groups = self._groups(cfg)
         pp_t = 0.0
         if pp > 1:
-            cross = comm.pp_crosses_nodes(tp, dp, pp, self.cluster.gpus_per_node)
+            cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
             pp_t = (m * v + pp - 1) * 2.0 * hop
         dp_t = 0.0
@@ -404,7 +386,7 @@ class Evaluator:
             if dp > 1:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
-                dp_t = max(dp_t, self._dp_time(params_i, zero, dp, tp, m, stage_f[i],
+                dp_t = max(dp_t, self._dp_time(params_i, zero, groups, m, stage_f[i],
                                                bwd if zero >= 2 else (1 + i) * bwd, k))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
@@ -438,7 +420,7 @@ class Evaluator:
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
             mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
 
-    def lower_bound_step(self, cfg: Config) -> float:
+    def lower_bound_step(self, cfg: Plan) -> float:
         """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
         pipeline or data-parallel communication."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)

@@ -25,10 +25,13 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner import memory
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
-from meshtron.planner.estimate import Config, Estimate, Evaluator
-from meshtron.planner.plan import RECOMPUTE, Knobs
+from meshtron.planner.estimate import Estimate, Evaluator
+from meshtron.planner.plan import RECOMPUTE, Knobs, Plan
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+DEFAULT_DTYPE = "bf16"
+"""The run precision planned for when the knobs do not fix one: GPU pre-training runs bf16
+mixed precision (bf16 compute, fp32 master weights)."""
 FAMILIES = {
     "dp": "pure data parallel / ZeRO (tp=1, pp=1)",
     "tp": "tensor + data parallel (pp=1)",
@@ -37,7 +40,7 @@ FAMILIES = {
 }
 
 
-def family_of(cfg: Config) -> str:
+def family_of(cfg: Plan) -> str:
     """'dp', 'tp', 'pp' or '3d' (keys of FAMILIES)."""
     return _family(cfg.tp, cfg.pp)
 
@@ -153,6 +156,7 @@ class _Space:
             raise UserError(f"schedule=interleaved:{k.virtual_stages}: needs at least "
                              f"{k.virtual_stages} layers per stage (pp={k.pp}, layers={model.layers})")
         self.knobs = k
+        self.dtype = k.dtype or DEFAULT_DTYPE
         if k.pp is not None and k.pp > 1 and model.tied_embeddings:
             raise UserError(f"pp={k.pp}: model {model.name} ties its input and output "
                              "embeddings, which the runtime cannot split across pipeline stages")
@@ -242,7 +246,7 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
     counter = 0
     budget = ev.tensor_budget
     any_layout = False
-    queue: list[tuple[float, str, Config]] = []
+    queue: list[tuple[float, str, Plan]] = []
     hopeless = 0
     for tp, pp, dp in space.layouts():
         any_layout = True
@@ -269,7 +273,7 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
                         for zero in space.zeros(dp):
                             if sched == "zb" and zero == 3:
                                 continue  # silently wrong on torch 2.13 (shared notes)
-                            cfg = Config(tp, pp, dp, zero, mb, rec, sp, sched, v)
+                            cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype)
                             queue.append((ev.lower_bound_step(cfg), fam, cfg))
     # Branch and bound, best bound first: a config whose bound is slower than the k-th best
     # plan and than its family's best cannot change the answer.
@@ -344,7 +348,8 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, pp: int, dp: int) -> Estimat
     sps = space.sps(tp)
     if not sps:
         return None
-    cfg = Config(tp, pp, dp, max(space.zeros(dp)), mb, rec, max(sps), sched, v)
+    cfg = Plan.trusted(tp, pp, dp, max(space.zeros(dp)), mb, rec, max(sps), sched, v,
+                       space.dtype)
     return ev.evaluate(cfg)
 
 
