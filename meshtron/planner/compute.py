@@ -55,7 +55,13 @@ from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
 
 SAT_DIM = 128.0
-"""Half-efficiency dimension of the GEMM shape model s(x) = x / (x + SAT_DIM)."""
+"""Half-efficiency dimension of the GEMM shape model s(x) = x / (x + d) on the reference GPU."""
+REFERENCE_RIDGE = 0.80 * 312e12 / 2.039e12
+"""Achieved FLOP per HBM byte of the reference GPU (A100 80GB: its matmul ceiling times peak over
+bandwidth) at which SAT_DIM holds. A GEMM tile of width x reuses each operand byte in proportion
+to x, so the width at which feeding the tensor cores costs as much as the math grows with the
+machine balance: d = SAT_DIM * ridge / REFERENCE_RIDGE (about 240 on H100 SXM, whose peak grew
+3.2x over A100 and its bandwidth 1.6x; this is why Hopper kernels use 128x256 tiles)."""
 HBM_EFFICIENCY = 0.8
 """Fraction of HBM bandwidth reached by memory-bound elementwise kernels."""
 BF16 = 2
@@ -93,6 +99,17 @@ class KernelOptions:
     DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
     output projection, two MLP linears; Rajbhandari et al. 2021, ZeRO-Infinity, section 6)."""
 
+    prefetch_params: float | None = None
+    """Parameters ZeRO-3 all-gathers ahead of the unit computing (None: the whole next unit, as
+    FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) caps it:
+    only that share of a larger unit's all-gather can hide behind the previous unit's compute."""
+
+    recompute_regathers: bool = False
+    """Under ZeRO-3 with full recomputation, the recomputed forward gathers a unit's parameters
+    again and the backward once more (DeepSpeed: its per-submodule hooks release parameters
+    after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
+    serves both."""
+
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
             raise UserError(f"attention={self.attention!r}: allowed values are "
@@ -106,7 +123,8 @@ class KernelOptions:
 
 def gemm_time(m: float, n: float, k: float, peak: float, hbm: float) -> float:
     """Roofline time of an (m x k) @ (k x n) bf16 GEMM; `peak` already includes the ceiling."""
-    sat = (m / (m + SAT_DIM)) * (n / (n + SAT_DIM)) * (k / (k + SAT_DIM))
+    d = SAT_DIM * (peak / hbm) / REFERENCE_RIDGE
+    sat = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
     t_flops = 2.0 * m * n * k / (peak * sat)
     t_bytes = BF16 * (m * k + k * n + m * n) / hbm
     return t_flops if t_flops > t_bytes else t_bytes

@@ -251,11 +251,11 @@ class Evaluator:
         return hit
 
     def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
-                 bwd: float, layers: int = 1) -> float:
+                 bwd: float, layers: int = 1, regather: bool = False) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring)."""
         group = groups["dp"]
-        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers)
+        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -263,7 +263,7 @@ class Evaluator:
         nbytes = gsize * params
         wbytes = compute.BF16 * params
         if zero == 3:  # prefetching overlaps whatever the gradient-reduction setting
-            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd)
+            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
@@ -282,7 +282,7 @@ class Evaluator:
         return exp
 
     def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
-                              fwd: float, bwd: float) -> float:
+                              fwd: float, bwd: float, regather: bool = False) -> float:
         """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
         backward (parameters are resharded after the forward) and one reduce-scatter of its
         gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
@@ -298,7 +298,14 @@ class Evaluator:
         rs = comm.reduce_scatter(gsize * params / units, shard, self.fab)
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
         f_u, b_u = fwd / units, bwd / units
-        return ag + units * _exposed(ag, f_u) + ag + units * _exposed(ag + rs, b_u) + rs
+        # share of a unit's all-gather that prefetching can start early
+        pre = self.opts.prefetch_params
+        hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
+        fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
+        # recomputation that re-gathers: a second all-gather per unit in the backward
+        ag_b = 2 * ag if regather else ag
+        bwd_u = (1 - hide) * ag_b + _exposed(hide * ag_b + rs, b_u)
+        return ag + units * fwd_u + ag + units * bwd_u + rs
 
     # ---- the cost model --------------------------------------------------------------------
     def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
@@ -387,7 +394,8 @@ class Evaluator:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
                 dp_t = max(dp_t, self._dp_time(params_i, zero, groups, m, stage_f[i],
-                                               bwd if zero >= 2 else (1 + i) * bwd, k))
+                                               bwd if zero >= 2 else (1 + i) * bwd, k,
+                                               rec == "full" and self.opts.recompute_regathers))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
         step = times.total

@@ -252,9 +252,10 @@ def jean_zay(nodes: int) -> ClusterSpec:
                                inter_node_gb_per_s=6.25)
 
 
-def dgx2h(nodes: int) -> ClusterSpec:
+def dgx2h(nodes: int, gpus_per_node: int = 16) -> ClusterSpec:
     """NVIDIA DGX-2H (Megatron-LM 2019, Shoeybi et al., section 5): 16 V100-SXM3 32 GB per node
-    on NVSwitch (150 GB/s per direction), 8 x 100 Gb/s InfiniBand per node: 6.25 GB/s per GPU."""
+    on NVSwitch (150 GB/s per direction), 8 x 100 Gb/s InfiniBand per node: 6.25 GB/s per GPU.
+    `gpus_per_node` < 16: a run on part of one node."""
     return ClusterSpec(name=f"dgx-2h:{nodes}", gpu="V100-SXM2-32GB", peak_tflops=125.0,
-                       memory_gib=32.0, gpus_per_node=16, nodes=nodes,
+                       memory_gib=32.0, gpus_per_node=gpus_per_node, nodes=nodes,
                        intra_node_gb_per_s=150.0, inter_node_gb_per_s=6.25, hbm_gb_per_s=900.0)

@@ -43,8 +43,11 @@ DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_g
                                     stack="fused")
 """Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
-                                     stack="fused", shard_units_per_layer=6)
-"""DeepSpeed ZeRO-3 on Megatron's GPT model (N21's baseline): parameters fetched per submodule."""
+                                     stack="fused", shard_units_per_layer=6,
+                                     prefetch_params=5e7, recompute_regathers=True)
+"""DeepSpeed ZeRO-3 on Megatron's GPT model (N21's baseline): parameters fetched per submodule,
+prefetch capped by the default stage3_prefetch_bucket_size of 5e7 parameters, released and
+re-gathered around the recomputed forward."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused")
@@ -54,8 +57,9 @@ LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=True, stack="eager")
 LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager")
 """llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
 MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                              fp32_grad_reduce=True, stack="eager")
-"""Megatron-LM 2019: apex fused LayerNorm only; softmax, GeLU, dropout as separate kernels."""
+                              fp32_grad_reduce=False, stack="eager")
+"""Megatron-LM 2019: apex fused LayerNorm only; softmax, GeLU, dropout as separate kernels; fp16
+gradients all-reduced after the backward pass (its 'local' DDP)."""
 
 
 def _calibration() -> list[PublishedRun]:
@@ -236,10 +240,10 @@ def _megatron_2019() -> list[PublishedRun]:
     src = "M19 section 5.1, Figure 1 (DGX-2H V100 32GB)"
     note = "batch 8 per replica assumed; FLOPs by the paper's appendix formula (recomputation)"
     return [
-        PublishedRun("M19 1.2B 1xV100", src, "Megatron-LM 2019", gpt12, dgx2h(1), 8, 1024, 1, 1,
+        PublishedRun("M19 1.2B 1xV100", src, "Megatron-LM 2019", gpt12, dgx2h(1, 1), 8, 1024, 1, 1,
                      1, 0, "full", False, MEGATRON_2019, "hw_tflops", 39.0, micro_batches=(8,),
                      note=note + "; one GPU of the node", confident=False),
-        PublishedRun("M19 8.3B 8xV100", src, "Megatron-LM 2019", gpt83, dgx2h(1), 8, 1024, 8, 1,
+        PublishedRun("M19 8.3B 8xV100", src, "Megatron-LM 2019", gpt83, dgx2h(1, 8), 8, 1024, 8, 1,
                      1, 0, "full", False, MEGATRON_2019, "hw_tflops", 0.77 * 39.0,
                      micro_batches=(8,), note=note + "; 77% weak-scaling efficiency of 39",
                      confident=False),
