@@ -177,7 +177,7 @@ BASE = ("--model", "llama3-70b", "--cluster", "dgx-h100:16", "--global-batch", "
     (("--layout", "tp=3"), "tp=3"),
     (("--layout", "tp=16"), "tp=16"),
     (("--layout", "pp=128"), "pp=128"),
-    (("--layout", "tp=8,pp=4,dp=8"), "tp*pp*dp"),
+    (("--layout", "tp=8,pp=4,dp=8"), "dp*tp*pp=8*8*4=256"),
     (("--global-batch", "100", "--layout", "tp=8,pp=2,dp=8"), "global_batch=100"),
     (("--micro-batch", "3", "--layout", "tp=8,pp=2,dp=8"), "micro_batch=3"),
     (("--zero", "4"), "zero=4"),
@@ -215,7 +215,7 @@ def test_json_schema(cli):
     rc, out, _ = cli(*BASE, "--json", "--top", "3", "--tokens", "2T")
     assert rc == 0
     doc = json.loads(out)
-    assert doc["schema"] == "meshtron-plan-search/1" and doc["fits"] is True
+    assert doc["schema"] == "meshtron-plan-search/2" and doc["fits"] is True
     assert len(doc["plans"]) == 3
     for plan in doc["plans"]:
         for key in ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
@@ -307,3 +307,93 @@ def test_llama3_405b_scaling_from_8k_to_16k_gpus():
     p8 = predict_published(runs["Llama3 405B 8192"])
     p16 = predict_published(runs["Llama3 405B 16384"])
     assert p16.predicted / p8.predicted == pytest.approx(400.0 / 430.0, abs=0.03)
+
+
+
+# ---- output a new user sees ------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ("--model", "llama3-70b", "--cluster", "dgx-h100:16", "--global-batch", "1024",
+     "--seq-len", "8192", "--tokens", "15T"),
+    ("--model", "llama3-405b", "--cluster", "dgx-h100:2048", "--global-batch", "2048",
+     "--seq-len", "8192", "--tokens", "15T"),
+    ("--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "4096", "--seq-len", "512",
+     "--tokens", "1000T"),
+    ("--model", "gpt3-175b", "--cluster", "dgx-a100:64", "--global-batch", "1536",
+     "--seq-len", "2048"),
+])
+def test_default_table_fits_100_columns_without_ellipsis(argv):
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from meshtron.planner import cli as plan_cli, report
+
+    parser = argparse.ArgumentParser()
+    plan_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["plan", *argv])
+    model = plan_cli.load_model(args.model)
+    result = search_plans(model, resolve_cluster(args.cluster), args.global_batch, args.seq_len,
+                          top_k=5)
+    for wide, width in ((False, 100), (True, 220)):
+        buf = io.StringIO()
+        report.render(result, plan_cli.parse_tokens(args.tokens),
+                      Console(file=buf, width=width, force_terminal=False), wide=wide)
+        text = buf.getvalue()
+        assert "…" not in text
+        assert max(len(line) for line in text.splitlines()) <= width
+        assert "Cost model: attention=" in text and "dtype=bf16" in text
+        assert "tp/pp/dp" in text
+
+
+def test_output_units_zeros_and_nulls(cli):
+    rc, out, _ = cli("--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "64",
+                     "--seq-len", "256", "--json", "--layout", "tp=1,pp=1")
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert plan["schedule"] is None and plan["time_s"]["tp_comm"] == 0.0
+    assert plan["time_s"]["pp_comm"] == 0.0 and plan["dtype"] == "bf16"
+    assert doc["options"]["attention"] == "flash" and doc["options"]["dtype"] == "bf16"
+    rc, out, _ = cli("--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "64",
+                     "--seq-len", "256", "--layout", "tp=1,pp=1", "--dtype", "fp32")
+    assert rc == 0 and "tiny (3.03M params)" in out and "dtype=fp32" in out
+    assert "0.00B" not in out and "tensor-parallel 0 " in out
+
+
+def test_defaults_and_left_out_families_are_stated(cli):
+    rc, out, _ = cli("--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64")
+    assert rc == 0 and "--seq-len not given: planning at 4096 tokens" in out
+    rc, out, _ = cli("--model", "gpt3-175b", "--cluster", "dgx-a100:64", "--global-batch", "1536",
+                     "--seq-len", "2048", "--json")
+    notes = json.loads(out)["notes"]
+    assert any("layouts left out" in n and "ties its input and output embeddings" in n
+               for n in notes)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (("--global-batch", str(10**12), "--seq-len", "4096"), "plan.global_batch=1000000000000"),
+    (("--global-batch", "1000000", "--seq-len", "8192"), "tokens per step"),
+    (("--global-batch", "64", "--seq-len", "4096", "--tokens", "1e20"), "tokens='1e20'"),
+])
+def test_absurd_sizes_are_refused(cli, extra, needle):
+    rc, _, err = cli("--model", "llama3-8b", "--cluster", "dgx-h100:1", *extra)
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
+      "num_hidden_layers": 6, "vocab_size": 50304, "rotary_pct": 0.25},
+     "rotary_pct=0.25: partial rotary embeddings"),
+    ({"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 27,
+      "num_key_value_heads": 4, "num_hidden_layers": 28, "intermediate_size": 18944,
+      "vocab_size": 152064}, "config.json num_attention_heads=27: must divide config.json "
+                             "hidden_size=3584"),
+    ({"model_type": "gpt2", "n_embd": 0, "n_head": 12, "n_layer": 12, "vocab_size": 50257},
+     "config.json n_embd=0"),
+])
+def test_config_json_errors_name_the_users_keys(cli, tmp_path, cfg, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, _, err = cli("--model", str(path), "--cluster", "dgx-h100:1", "--global-batch", "8")
+    assert rc == 2 and needle in err and "model." not in err

@@ -136,6 +136,7 @@ class Estimate:
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "micro_batch": c.micro_batch,
             "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
             "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+            "dp_replicate": c.dp_replicate, "dtype": c.dtype,
             "stage_layers": list(self.stage_layers), "fits": self.fits,
             "memory_gib": self.memory.to_dict(), "time_s": self.time.to_dict(),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -371,7 +372,8 @@ class Evaluator:
         stage_w[-1] += head.wgrad
         crit = max(range(pp), key=stage_t.__getitem__)
         compute_t = m * stage_c[crit]
-        tp_t = m * (stage_t[crit] - stage_c[crit])
+        # exactly zero without tensor parallelism (the difference of sums leaves rounding)
+        tp_t = m * (stage_t[crit] - stage_c[crit]) if tp > 1 else 0.0
         bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w)
         groups = self._groups(cfg)
         pp_t = 0.0

@@ -74,6 +74,16 @@ KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
 CONTEXT = ("model", "cluster", "global_batch", "seq_len", "predicted")
 
 
+MAX_GLOBAL_BATCH = 2**24
+"""Sequences per step above which a batch is taken for a typo (published pre-training runs use
+at most a few thousand: Llama 3 405B 2,048 x 8,192 tokens)."""
+MAX_SEQ_LEN = 2**24
+"""Tokens per sequence above which a length is taken for a typo."""
+MAX_TOKENS_PER_STEP = 2**31
+"""global_batch * seq_len above which a step is taken for a typo (~2.1B tokens, over 100x the
+largest published batches of ~16M tokens)."""
+
+
 # ---- the rules: one place, used by Plan, Knobs, the search and the runtime -------------------
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -89,6 +99,7 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
         if v is not None and (not _is_int(v) or v <= 0):
             yield f"plan.{name}={v!r}: must be a positive integer"
             return
+    yield from _size_problems(k)
     if g("zero") is not None and (not _is_int(g("zero")) or g("zero") not in ZERO_STAGES):
         yield f"plan.zero={g('zero')!r}: allowed values are 0, 1, 2, 3"
     if g("recompute") is not None and g("recompute") not in RECOMPUTE:
@@ -102,6 +113,18 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
     if g("attention") is not None and g("attention") not in ATTENTION:
         yield f"plan.attention={g('attention')!r}: allowed values are {', '.join(ATTENTION)}"
     yield from _consistency(k)
+
+
+def _size_problems(k: Mapping[str, Any]) -> Iterator[str]:
+    b, s = k.get("global_batch"), k.get("seq_len")
+    if b is not None and b > MAX_GLOBAL_BATCH:
+        yield (f"plan.global_batch={b}: more than {MAX_GLOBAL_BATCH:,} sequences per step; "
+               "published runs use at most a few thousand")
+    elif s is not None and s > MAX_SEQ_LEN:
+        yield f"plan.seq_len={s}: more than {MAX_SEQ_LEN:,} tokens per sequence"
+    elif b is not None and s is not None and b * s > MAX_TOKENS_PER_STEP:
+        yield (f"plan.global_batch={b} x seq_len={s} = {b * s:,} tokens per step: more than "
+               f"{MAX_TOKENS_PER_STEP:,}; published runs use at most ~16M")
 
 
 def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
@@ -120,17 +143,18 @@ def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
                    "need plan.zero 2 or 3")
         elif dp is not None and dp % r:
             yield f"plan.dp_replicate={r}: must divide plan.dp={dp}"
-    if g("schedule") == "zb" and zero == 3 and (pp is None or pp > 1):
-        # Measured (../shared/notes): zero-bubble schedules + FSDP2 reshard_after_forward=True
-        # drift silently from the reference on torch 2.13.
-        yield ("plan.schedule='zb' with plan.zero=3: zero-bubble schedules give wrong gradients "
-               "with FSDP2 resharding after forward on torch 2.13; use zero 0-2 or another "
-               "schedule")
+    problem = schedule_zero_problem(g("schedule"), zero, pp)
+    if problem:
+        yield problem
     yield from _stage_layer_problems(k)
     b, mb = g("global_batch"), g("micro_batch")
-    if b is not None and dp is not None and b % (dp * (mb or 1)):
-        yield (f"plan.global_batch={b}: must be divisible by dp*micro_batch = "
-               f"{dp}*{mb or 1} = {dp * (mb or 1)}")
+    if b is not None and mb is not None and dp is None and b % mb:
+        yield f"plan.micro_batch={mb}: must divide plan.global_batch={b}"
+    elif b is not None and dp is not None and b % dp:
+        yield f"plan.global_batch={b}: must be divisible by plan.dp={dp}"
+    elif b is not None and dp is not None and b % (dp * (mb or 1)):
+        yield (f"plan.micro_batch={mb}: must divide the per-replica batch global_batch/dp = "
+               f"{b}/{dp} = {b // dp}")
     elif b is not None and pp is not None and mb is not None and dp is not None:
         problem = microbatch_problem(g("schedule"), pp, v or 1, b // (dp * mb))
         if problem:
@@ -154,6 +178,16 @@ def _stage_layer_problems(k: Mapping[str, Any]) -> Iterator[str]:
         if c == 0 and 0 < i < len(sl) - 1:
             yield f"plan.stage_layers={list(sl)}: middle stage {i} has no layers"
             return
+
+
+def schedule_zero_problem(schedule: str | None, zero: int | None, pp: int | None) -> str | None:
+    """The runtime's refusal of zero-bubble schedules with ZeRO-3. Measured (../shared/notes):
+    they drift silently from the reference with FSDP2 reshard_after_forward=True on torch 2.13."""
+    if schedule == "zb" and zero == 3 and (pp is None or pp > 1):
+        return ("plan.schedule='zb' with plan.zero=3: zero-bubble schedules give wrong gradients "
+                "with FSDP2 resharding after forward on torch 2.13; use zero 0-2 or another "
+                "schedule")
+    return None
 
 
 def microbatch_problem(schedule: str | None, pp: int, v: int, m: int) -> str | None:
@@ -192,8 +226,8 @@ def model_problems(k: Mapping[str, Any], model: Any) -> Iterator[str]:
             yield (f"plan.stage_layers={list(sl)}: sums to {sum(sl)}, the model has "
                    f"{model.layers} layers")
     elif pp is not None and pp * v > model.layers:
-        yield (f"plan.pp*virtual_stages={pp * v}: more pipeline stages than model layers "
-               f"({model.layers})")
+        name = f"plan.pp={pp}" if v == 1 else f"plan.pp*virtual_stages={pp}*{v}={pp * v}"
+        yield f"{name}: more pipeline stages than model layers ({model.layers})"
 
 
 def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:

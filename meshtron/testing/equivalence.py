@@ -15,7 +15,6 @@ function layout -> reference run for such mixed lists.
 from __future__ import annotations
 
 import time
-import types
 from typing import Any
 
 DEFAULT_CFG: dict[str, Any] = {
@@ -109,7 +108,7 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]]) -> list
         t0 = time.perf_counter()
         cfg, plan_attrs = layout_cfg(base_cfg, layout)
         inputs, targets = make_data(cfg)
-        plan = types.SimpleNamespace(**plan_attrs)
+        plan = dict(plan_attrs)
         mesh = build_mesh(plan, world, device_type="cpu")
         torch.manual_seed(cfg["seed"])
         model = Transformer(make_spec(cfg))
