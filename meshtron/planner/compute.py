@@ -91,6 +91,10 @@ class KernelOptions:
     """Pipeline sends split the activation over the tensor group and re-gather it over NVLink
     (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1). False: every tensor
     rank sends the whole [micro_batch*s, h] activation (DeepSpeed's pipeline engine)."""
+    p2p_blocking: bool = False
+    """Pipeline sends and receives are blocking steps of each stage's instruction stream
+    (DeepSpeed's pipeline engine, 2021-2022): per micro-batch and direction a stage pays both its
+    receive and its send. False: Megatron's batched isend/irecv, one transfer per boundary."""
     stack: str = "eager"
     """'eager' (plain PyTorch modules, meshtron's runtime) or 'fused' (Megatron-LM / Transformer
     Engine fused kernels, or torch.compile): what the memory-bound operations cost."""

@@ -13,19 +13,25 @@ Step time (per optimizer step, on the critical pipeline stage c):
   [micro_batch*s, h] activation split over the tensor group ("scatter/gather", Narayanan et al.
   2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink;
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
-  (DeepSpeed's pipeline engine).
+  and p2p_blocking=True pays a stage's receive and its send per direction (DeepSpeed's
+  pipeline engine: blocking transfers in each stage's instruction stream).
 * dp_exposed: gradient synchronisation over the data-parallel group (comm.py) overlapped with
   backward work (bucketed all-reduce as in PyTorch DDP, Li et al. 2020; Megatron's
   overlap_grad_reduce): ZeRO-0 all-reduces once per step, during the last micro-batch's backward;
   stage i finishes its backward i stage-backwards before stage 0, which hides more. ZeRO-1
   reduce-scatters instead and all-gathers updated bf16 weights, hidden behind the next step's
   first forward. ZeRO-2 must reduce-scatter after every micro-batch (gradients are not kept
-  whole), ZeRO-3 also all-gathers each layer's weights before its forward and its backward
-  (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al. 2023), each hidden behind the compute it
-  precedes where possible.
-* optimizer: AdamW is memory bound; per local parameter it reads and writes fp32 master and two
-  moments, reads the gradient and writes bf16 weights: 28 bytes (30 with an fp32 gradient
-  buffer) at 80% of HBM bandwidth.
+  whole). ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
+  before each unit's forward, one before its backward (two when recomputation re-gathers), one
+  reduce-scatter after it, each an NCCL collective with its own latency over the shard group
+  (then an all-reduce over the replica group under HSDP); prefetching hides a unit's collective
+  behind the previous unit's compute only (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al.
+  2023, section 3.3), so per unit max(0, comm - compute) stays exposed, plus the first
+  all-gather and the last reduce-scatter.
+* optimizer: AdamW is memory bound; fused (apex / Transformer Engine, stack 'fused') it reads
+  and writes fp32 master and two moments, reads the gradient and writes bf16 weights: 28 bytes
+  (30 with an fp32 gradient buffer); torch.optim's unfused AdamW (stack 'eager') makes a pass
+  per arithmetic step, 86 bytes; both at 80% of HBM bandwidth.
 
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
@@ -44,7 +50,12 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.plan import Plan
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
-"""AdamW update traffic per local parameter (see module docstring)."""
+"""Fused AdamW update traffic per local parameter (see module docstring)."""
+EAGER_OPTIMIZER_BYTES_PER_PARAM = 86.0
+"""torch.optim.AdamW without fusion (for-loop or foreach: multi-tensor launches, same bytes):
+weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (4+4, 4+4+4),
+sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
+of the fp32 master (4+2): 86 bytes per parameter."""
 OVERLAP_INTERFERENCE = 0.15
 """Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
@@ -182,7 +193,10 @@ class Evaluator:
         self.grad_bytes = 4.0 if self.opts.fp32_grad_reduce else memory.GRAD_BYTES
         # AdamW traffic per local parameter: 24 bytes of fp32 master + moments read and written,
         # bf16 weight written (2), gradient read (2 or 4)
-        self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
+        if self.opts.stack == "eager":
+            self.opt_bytes = EAGER_OPTIMIZER_BYTES_PER_PARAM
+        else:
+            self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
         self._cache: dict[Any, Any] = {}
         self.evaluated = 0
 
@@ -380,7 +394,8 @@ class Evaluator:
         if pp > 1:
             cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
-            pp_t = (m * v + pp - 1) * 2.0 * hop
+            per_boundary = 4.0 if self.opts.p2p_blocking else 2.0
+            pp_t = (m * v + pp - 1) * per_boundary * hop
         dp_t = 0.0
         opt_t = 0.0
         seen: set[tuple[int, bool, bool]] = set()
