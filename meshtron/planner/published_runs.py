@@ -44,10 +44,12 @@ DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_g
 """Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
                                      stack="fused", shard_units_per_layer=6,
-                                     prefetch_params=5e7, recompute_regathers=True)
-"""DeepSpeed ZeRO-3 on Megatron's GPT model (N21's baseline): parameters fetched per submodule,
-prefetch capped by the default stage3_prefetch_bucket_size of 5e7 parameters, released and
-re-gathered around the recomputed forward."""
+                                     prefetch_params=0.0, recompute_regathers=True)
+"""DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py and
+partition_parameters.py at that version): parameters all-gathered per submodule (6 per GPT
+layer); the asynchronous prefetch path calls torch.cuda.synchronize() before every parameter's
+all-gather, so no all-gather overlaps compute (prefetch 0); parameters are released after every
+forward, so the recomputed forward gathers them again."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused")
