@@ -277,7 +277,7 @@ class Evaluator:
         gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
         nbytes = gsize * params
         wbytes = compute.BF16 * params
-        if zero == 3:  # prefetching overlaps whatever the gradient-reduction setting
+        if zero == 3:  # per unit, with its own overlap rules
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather)
             self._cache[key] = exp
             return exp
@@ -319,7 +319,10 @@ class Evaluator:
         fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
         # recomputation that re-gathers: a second all-gather per unit in the backward
         ag_b = 2 * ag if regather else ag
-        bwd_u = (1 - hide) * ag_b + _exposed(hide * ag_b + rs, b_u)
+        # gradient reduce-scatters hide behind the next unit's backward only when reduction
+        # overlaps (DeepSpeed's overlap_comm, on in FSDP)
+        rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
+        bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
         return ag + units * fwd_u + ag + units * bwd_u + rs
 
     # ---- the cost model --------------------------------------------------------------------
