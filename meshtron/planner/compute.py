@@ -114,6 +114,12 @@ class KernelOptions:
     after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
     serves both."""
 
+    fp32_params_autocast: bool = False
+    """Parameters stay fp32 and autocast casts each weight to bf16 in every forward (Composer's
+    2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4
+    bytes per parameter, and each forward (recomputed ones too) reads 4 and writes 2 bytes per
+    local weight."""
+
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
             raise UserError(f"attention={self.attention!r}: allowed values are "
@@ -278,6 +284,9 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     # the host must issue every kernel: a layer is never faster than its dispatch
     issue = kernels_per_layer(model, opts) * (EAGER_DISPATCH_S if opts.stack == "eager"
                                               else FUSED_DISPATCH_S)
+    if opts.fp32_params_autocast:
+        weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
+        elementwise += 6.0 * weights / (hbm * HBM_EFFICIENCY)
     fwd = max(linear + core_fwd + elementwise, issue)
     bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise, 2.0 * issue)
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass

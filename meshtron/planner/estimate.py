@@ -276,7 +276,7 @@ class Evaluator:
             return hit
         gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
         nbytes = gsize * params
-        wbytes = compute.BF16 * params
+        wbytes = (4.0 if self.opts.fp32_params_autocast else compute.BF16) * params
         if zero == 3:  # per unit, with its own overlap rules
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather)
             self._cache[key] = exp
@@ -309,7 +309,8 @@ class Evaluator:
         units = max(1, layers * self.opts.shard_units_per_layer)
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
         gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
-        ag = comm.all_gather(compute.BF16 * params / units, shard, self.fab)
+        wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
+        ag = comm.all_gather(wsize * params / units, shard, self.fab)
         rs = comm.reduce_scatter(gsize * params / units, shard, self.fab)
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
         f_u, b_u = fwd / units, bwd / units

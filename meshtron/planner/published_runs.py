@@ -57,8 +57,10 @@ TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused")
 """torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops)."""
-LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=True, stack="eager")
-"""llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT (fp32 gradient reduction)."""
+LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
+                                stack="eager")
+"""llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT, as Composer defined it in 2023:
+fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction."""
 LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager")
 """llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
 MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
