@@ -21,14 +21,16 @@ Sources, abbreviated in the rows:
   Using Model Parallelism", section 5.1 and Figure 1 (DGX-2H V100 32GB).
 * BLOOM: BigScience 2022, "BLOOM", section 3.4 (Jean Zay A100 80GB).
 * OPT: Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", section 2.4.
+* NEOX: Black et al. 2022, "GPT-NeoX-20B: An Open-Source Autoregressive Language Model",
+  sections 2.3 and 3 (12 nodes of 8 A100-SXM4-40GB, 4 ConnectX-6 HDR HCAs per node).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from meshtron.model.spec import preset
-from meshtron.planner.cluster import preset_cluster
+from meshtron.model.spec import ModelSpec, preset
+from meshtron.planner.cluster import ClusterSpec, preset_cluster
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.published import (PublishedRun, dgx2h, gpt_model, grand_teton_h100_500w,
                                         jean_zay, mpt_model)
@@ -143,6 +145,20 @@ def _megatron_deepspeed() -> list[PublishedRun]:
         "hw_tflops", 150.0, micro_batches=(2,),
         note="ZeRO-1, micro-batch 2, full recomputation; ALiBi modelled as learned positions; "
              "'about 150' TFLOP/s", confident=False))
+    neox = ModelSpec(name="gpt-neox-20b", layers=44, hidden=6144, heads=64, kv_heads=64,
+                     ffn_hidden=4 * 6144, vocab=50432, max_seq=2048, mlp="gelu",
+                     norm="layernorm", position="rope", tied_embeddings=False, bias=True,
+                     parallel_residual=True)
+    runs.append(PublishedRun(
+        "GPT-NeoX 20B 96", "NEOX section 3 (117 TFLOP/s per GPU, 96 A100-SXM4-40GB)",
+        "Megatron-DeepSpeed (GPT-NeoX)", neox, _a100_40gb(12, 12.5), 1536, 2048, 2, 4, 12, 1,
+        "full", False,
+        KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
+                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused"),
+        "hw_tflops", 117.0, micro_batches=(1, 2, 4, 8),
+        note="tp 2, pp 4, ZeRO-1 (published); batch 1538 rounded to 1536 for dp 12; 4 HDR "
+             "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE",
+        confident=False))
     runs.append(PublishedRun(
         "OPT 175B 992", "OPT section 2.4 (147 TFLOP/s per A100 80GB)", "Metaseq (FSDP + Megatron TP)",
         gpt_model("opt-175b", 96, 12288, 96, tied=False), preset_cluster("dgx-a100", 124),
@@ -222,9 +238,7 @@ def _llm_foundry() -> list[PublishedRun]:
     for size, seq, gpus, kind, mb, ga, gbs, ac, zero, prec, tps in rows:
         L, h, a = mpt[size]
         if kind == "a100-40gb":
-            cl = dataclasses.replace(preset_cluster("dgx-a100", max(1, gpus // 8)),
-                                     gpu="A100-SXM4-40GB", memory_gib=40.0, hbm_gb_per_s=1555.0,
-                                     name=f"a100-40gb:{gpus // 8}")
+            cl = _a100_40gb(max(1, gpus // 8))
             table = "A100 40GB, 1600 Gbps RoCE per node"
         else:
             cl = preset_cluster(kind, max(1, gpus // 8))
@@ -258,6 +272,13 @@ def _megatron_2019() -> list[PublishedRun]:
                      8, 1, 64, 0, "full", False, MEGATRON_2019, "hw_tflops", 15.1e3 / 512,
                      micro_batches=(8,), note=note + "; 15.1 PFLOP/s over 512 GPUs"),
     ]
+
+
+def _a100_40gb(nodes: int, nic_gb_per_s: float = 25.0) -> ClusterSpec:
+    """A100-SXM4-40GB nodes of 8 on NVLink with `nic_gb_per_s` of network per GPU."""
+    return dataclasses.replace(preset_cluster("dgx-a100", nodes), gpu="A100-SXM4-40GB",
+                               memory_gib=40.0, hbm_gb_per_s=1555.0,
+                               inter_node_gb_per_s=nic_gb_per_s, name=f"a100-40gb:{nodes}")
 
 
 def published_runs() -> list[PublishedRun]:
