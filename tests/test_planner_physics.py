@@ -159,17 +159,17 @@ def test_validation_table_covers_stacks_and_gpu_generations(table):
 
 
 def test_validation_errors_do_not_regress(table, capsys):
-    """Honest current numbers (see bench/planner_published.py). DeepSpeed's 2021 ZeRO-3 rows
-    remain far too optimistic, so the max is loose; tighten these bounds as the physics improves,
-    never by editing rows."""
+    """Honest current numbers (see bench/planner_published.py): validation mean 14.2%, max 75.7%
+    (DeepSpeed's 2021 ZeRO-3 at 2,240 GPUs); without the six ZeRO-3 rows mean 10.5%, max 33%.
+    Tighten these bounds as the physics improves, never by editing rows."""
     val = summary([p for p in table if p.run.part == "validation"])
     cal = summary([p for p in table if p.run.part == "calibration"])
     with capsys.disabled():
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%}; "
               f"calibration (K22): mean {cal['mean']:.1%} max {cal['max']:.1%}")
     assert cal["max"] < 0.10
-    assert val["mean"] < 0.23
-    assert val["max"] < 1.6
+    assert val["mean"] < 0.16
+    assert val["max"] < 0.80
     no_z3 = summary([p for p in table if p.run.part == "validation"
                      and not p.run.stack.startswith("DeepSpeed ZeRO-3")])
-    assert no_z3["mean"] < 0.16 and no_z3["max"] < 0.40
+    assert no_z3["mean"] < 0.12 and no_z3["max"] < 0.36

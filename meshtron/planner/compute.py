@@ -10,10 +10,12 @@ inside its backward kernel is not counted as hardware FLOPs, as is customary.
 Timing. Each GEMM (m x k) @ (k x n) is timed with a roofline:
     t = max(2mnk / (peak * ceiling * s(m) s(n) s(k)),  2(mk + kn + mn) bytes / HBM bandwidth)
 where `ceiling` is the GPU's maximum achievable matmul fraction (cluster.py) and
-s(x) = x / (x + 128) models tile quantisation and SM under-occupancy of small dimensions: cuBLAS
-tiles are 64-256 wide, so a 1024-wide shard loses about 11% per small dimension and a 128-wide
-one (an attention head) about half (e.g. NVIDIA's "Matrix Multiplication Background" guide on
-tile and wave quantisation). Small per-GPU shards (large tp) therefore run less efficiently.
+s(x) = x / (x + d) models tile quantisation and SM under-occupancy of small dimensions: cuBLAS
+tiles are 64-256 wide, so on A100 (d = 128) a 1024-wide shard loses about 11% per small dimension
+and a 128-wide one (an attention head) about half (e.g. NVIDIA's "Matrix Multiplication
+Background" guide on tile and wave quantisation). d grows with the GPU's FLOP-per-byte balance
+(`REFERENCE_RIDGE`): about 240 on H100, about 110 on V100. Small per-GPU shards (large tp)
+therefore run less efficiently, more so on newer GPUs.
 Backward runs two GEMMs of the forward's shape per weight (input gradient and weight gradient).
 
 Non-GEMM work (norms, residual adds, activation functions, rotary embedding, softmax, dropout,
@@ -69,10 +71,9 @@ BF16 = 2
 
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused")
-EAGER_DISPATCH_S = 10e-6
-"""Host-side cost of issuing one operation in eager PyTorch (module docstring)."""
-FUSED_DISPATCH_S = 10e-6
-"""The same per kernel for fused stacks (fewer kernels; Megatron still dispatches from Python)."""
+DISPATCH_S = 10e-6
+"""Host-side cost of issuing one operation from Python (module docstring); fused stacks issue
+fewer kernels per layer, Megatron still dispatches them from Python."""
 
 
 @dataclass(frozen=True)
@@ -275,15 +276,16 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
         # read + write 2s bytes each = 4s; with dropout a separate kernel reads the
         # probabilities, writes the dropped copy and a 1-byte mask: +5s (the tensors of
-        # Korthikanti et al. 2022's activation list). The GEMMs' own reads and writes of the
-        # scores are in their roofline.
-        score_bytes = (9 if opts.dropout else 4) * heads_local * seq * tokens
+        # Korthikanti et al. 2022's activation list). Eager code masks in a kernel of its own
+        # before the softmax: +4s. The GEMMs' own reads and writes of the scores are in their
+        # roofline.
+        per_score = (9 if opts.dropout else 4) + (4 if opts.stack == "eager" else 0)
+        score_bytes = per_score * heads_local * seq * tokens
         core_fwd += score_bytes / (hbm * HBM_EFFICIENCY)
         core_bwd = 2.0 * core_fwd
     elementwise = tokens * _elementwise_bytes(model, tp, sp, opts) / (hbm * HBM_EFFICIENCY)
     # the host must issue every kernel: a layer is never faster than its dispatch
-    issue = kernels_per_layer(model, opts) * (EAGER_DISPATCH_S if opts.stack == "eager"
-                                              else FUSED_DISPATCH_S)
+    issue = kernels_per_layer(model, opts) * DISPATCH_S
     if opts.fp32_params_autocast:
         weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
         elementwise += 6.0 * weights / (hbm * HBM_EFFICIENCY)
