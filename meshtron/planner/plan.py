@@ -555,11 +555,6 @@ class Knobs:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
-    @property
-    def complete(self) -> bool:
-        return all(getattr(self, f) is not None for f in
-                   ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp"))
-
 
 def parse_layout(text: str) -> dict[str, int]:
     """'tp=8,pp=16,dp=64' (any subset) -> {'tp': 8, 'pp': 16, 'dp': 64}."""

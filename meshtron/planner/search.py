@@ -224,7 +224,7 @@ def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
 
 
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 fixed: Knobs | dict[str, Any] | None = None, top_k: int = 5,
+                 fixed: Knobs | Plan | dict[str, Any] | None = None, top_k: int = 5,
                  options: KernelOptions | None = None, explain: bool = True) -> SearchResult:
     """Search every plan allowed by `fixed` and return the top_k fastest that fit."""
     t0 = time.perf_counter()
@@ -442,7 +442,7 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
 
 
 def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                  fixed: Knobs | dict[str, Any], options: KernelOptions | None = None
+                  fixed: Knobs | Plan | dict[str, Any], options: KernelOptions | None = None
                   ) -> Estimate:
     """Evaluate one plan. Knobs left open are searched (best value), so a fully fixed plan is
     evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
