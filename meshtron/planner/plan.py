@@ -216,11 +216,14 @@ def model_problems(k: Mapping[str, Any], model: Any) -> Iterator[str]:
     tied embeddings."""
     tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
     if tp is not None:
-        for attr, what in (("heads", "attention heads"), ("kv_heads", "key/value heads (not "
-                           "replicated across tensor ranks)"), ("ffn_hidden", "FFN width")):
+        # Named as a user knows them, whether the model came from a preset or a config.json.
+        for attr, what in (("heads", "attention heads"),
+                           ("kv_heads", "key/value heads (they are not replicated across "
+                                        "tensor ranks)"),
+                           ("ffn_hidden", "FFN width (intermediate size)")):
             n = getattr(model, attr)
             if n % tp:
-                yield f"plan.tp={tp}: must divide model.{attr}={n} ({what})"
+                yield f"plan.tp={tp}: must divide the model's {n} {what}"
                 return
     if pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
