@@ -425,8 +425,10 @@ class Plan:
     # ---- files -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: every field (None stays None), plus format, gpus, num_microbatches."""
-        d: dict[str, Any] = {"format": FORMAT, "gpus": self.gpus}
-        for name, value in self.knobs_and_context().items():
+        d: dict[str, Any] = {"format": FORMAT, "model": self.model, "cluster": self.cluster,
+                             "gpus": self.gpus, "global_batch": self.global_batch,
+                             "seq_len": self.seq_len}
+        for name, value in self.knobs().items():
             d[name] = list(value) if name == "stage_layers" else value
         d["num_microbatches"] = self.num_microbatches
         if self.predicted:
