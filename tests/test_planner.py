@@ -397,3 +397,20 @@ def test_config_json_errors_name_the_users_keys(cli, tmp_path, cfg, needle):
     path.write_text(json.dumps(cfg))
     rc, _, err = cli("--model", str(path), "--cluster", "dgx-h100:1", "--global-batch", "8")
     assert rc == 2 and needle in err and "model." not in err
+
+
+def test_old_plan_files_still_load(tmp_path):
+    from meshtron.planner.plan import Plan
+
+    v1 = ('format = "meshtron-plan/1"\nmodel = "tiny"\ncluster = "c"\ngpus = 4\n'
+          'global_batch = 8\nseq_len = 16\ntp = 2\npp = 1\ndp = 2\nzero = 0\n'
+          'micro_batch = 1\nnum_microbatches = 4\nrecompute = "none"\nsp = false\n'
+          'schedule = "1f1b"\nvirtual_stages = 1\nstage_layers = [2]\nattention = "flash"\n'
+          '[predicted]\nstep_time_s = 1.5\n')
+    plan = Plan.from_toml(v1)
+    assert plan.schedule is None and plan.dtype == "fp32" and plan.predicted["step_time_s"] == 1.5
+    text = plan.to_toml()
+    assert 'format = "meshtron-plan/2"' in text and "schedule" not in text
+    assert Plan.from_toml(text) == plan
+    with pytest.raises(ValueError, match="plan.format='meshtron-plan/9'"):
+        Plan.from_toml(v1.replace("plan/1", "plan/9"))

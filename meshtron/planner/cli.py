@@ -50,7 +50,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recompute", help="fix recomputation: none | selective | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=int, help="fix the micro-batch size (sequences)")
-    p.add_argument("--schedule", help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | gpipe")
+    p.add_argument("--schedule",
+                   help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe")
     p.add_argument("--attention", default="flash",
                    help="attention kernel the cost model assumes: flash (default) | unfused")
     p.add_argument("--dropout", action="store_true",

@@ -191,17 +191,23 @@ def schedule_zero_problem(schedule: str | None, zero: int | None, pp: int | None
 
 
 def microbatch_problem(schedule: str | None, pp: int, v: int, m: int) -> str | None:
-    """The pipeline schedules' own limits on the micro-batches per step `m`
-    (torch.distributed.pipelining: single-stage 1F1B and ZB-H1 need one micro-batch per stage in
-    flight; looped schedules run micro-batches in rounds of pp, as Megatron requires)."""
+    """The pipeline schedules' own limits on the micro-batches per step `m`, as
+    torch.distributed.pipelining 2.13 enforces them: single-stage 1F1B needs one micro-batch
+    per stage in flight; the looped schedules (interleaved 1F1B, and zero bubble other than the
+    V of two stages) run micro-batches in rounds of pp and need m divisible by the number of
+    rounds, max(1, m // pp). GPipe, looped BFS and ZBV take any m."""
     if pp == 1 or schedule is None:
         return None
-    if v == 1 and schedule in ("1f1b", "zb") and m < pp:
-        return (f"plan.micro_batch: {m} micro-batches per step, schedule {schedule!r} needs at "
-                f"least pp={pp}")
-    if schedule == "interleaved" and m % pp:
-        return (f"plan.micro_batch: {m} micro-batches per step, the interleaved schedule needs "
-                f"a multiple of pp={pp}")
+    if schedule == "1f1b" and v == 1 and m < pp:
+        return (f"plan.micro_batch: {m} micro-batches per step, schedule '1f1b' needs at least "
+                f"pp={pp}")
+    looped = schedule == "interleaved" or (schedule == "1f1b" and v > 1) or \
+        (schedule == "zb" and v != 2)
+    rounds = max(1, m // pp)
+    if looped and m % rounds:
+        return (f"plan.micro_batch: {m} micro-batches per step, schedule {schedule!r} with "
+                f"{v} stage(s) per rank runs them in rounds of pp={pp}: needs fewer than "
+                f"{2 * pp} or a multiple of {rounds}")
     return None
 
 
@@ -210,11 +216,14 @@ def model_problems(k: Mapping[str, Any], model: Any) -> Iterator[str]:
     tied embeddings."""
     tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
     if tp is not None:
-        for attr, what in (("heads", "attention heads"), ("kv_heads", "key/value heads (not "
-                           "replicated across tensor ranks)"), ("ffn_hidden", "FFN width")):
+        # Named as a user knows them, whether the model came from a preset or a config.json.
+        for attr, what in (("heads", "attention heads"),
+                           ("kv_heads", "key/value heads (they are not replicated across "
+                                        "tensor ranks)"),
+                           ("ffn_hidden", "FFN width (intermediate size)")):
             n = getattr(model, attr)
             if n % tp:
-                yield f"plan.tp={tp}: must divide model.{attr}={n} ({what})"
+                yield f"plan.tp={tp}: must divide the model's {n} {what}"
                 return
     if pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
@@ -416,8 +425,10 @@ class Plan:
     # ---- files -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: every field (None stays None), plus format, gpus, num_microbatches."""
-        d: dict[str, Any] = {"format": FORMAT, "gpus": self.gpus}
-        for name, value in self.knobs_and_context().items():
+        d: dict[str, Any] = {"format": FORMAT, "model": self.model, "cluster": self.cluster,
+                             "gpus": self.gpus, "global_batch": self.global_batch,
+                             "seq_len": self.seq_len}
+        for name, value in self.knobs().items():
             d[name] = list(value) if name == "stage_layers" else value
         d["num_microbatches"] = self.num_microbatches
         if self.predicted:
@@ -548,11 +559,6 @@ class Knobs:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-    @property
-    def complete(self) -> bool:
-        return all(getattr(self, f) is not None for f in
-                   ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp"))
 
 
 def parse_layout(text: str) -> dict[str, int]:

@@ -133,14 +133,28 @@ class _Space:
         self.dtype = k.dtype or DEFAULT_DTYPE
         self.notes: list[str] = []
         self.n, self.model, self.global_batch = n, model, global_batch
-        self.tps = [k.tp] if k.tp else [t for t in _divisors(gpn) if n % t == 0 and not
-                                         plan_problems({"tp": t}, model=model)]
+        self.tps = [k.tp] if k.tp else []
+        if not k.tp:
+            why = ""
+            for t in _divisors(gpn):
+                problems = plan_problems({"tp": t}, model=model)
+                if n % t == 0 and not problems:
+                    self.tps.append(t)
+                elif problems and not why:
+                    why = problems[0]
+            if self.tps == [1] and why:
+                self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) "
+                                  f"left out: {why}")
         self.recomputes = [k.recompute] if k.recompute else [
             r for r in RECOMPUTE if not (r == "selective" and opts.attention == "flash")]
         if not k.recompute and opts.attention == "flash":
             self.notes.append("recompute=selective left out: with FlashAttention it keeps the "
                               "same tensors as none (the attention core is never stored)")
         self._layouts = self._valid_layouts()
+        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, p, _ in
+                                                                  self._layouts):
+            self.notes.append("schedule=zb with zero=3 left out: "
+                              + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
 
     def _valid_layouts(self) -> list[tuple[int, int, int]]:
         k, n = self.knobs, self.n
@@ -195,8 +209,11 @@ class _Space:
             vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
             cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
             cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
-        return [(s, v) for s, v in cands if v <= layers_per_stage
-                and microbatch_problem(s, pp, v, m) is None]
+        ok = [(s, v) for s, v in cands if v <= layers_per_stage
+              and microbatch_problem(s, pp, v, m) is None]
+        if k.schedule is None:
+            ok = [(s, v) for s, v in ok if _formulas_hold(s, pp, m)]
+        return ok
 
     def sps(self, tp: int) -> list[bool]:
         if self.knobs.sp is not None:
@@ -209,8 +226,19 @@ class _Space:
         return [0, 1, 2, 3] if dp > 1 else [0]
 
 
+def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
+    """Search policy for schedules the user did not fix: pipeline.py's bubble and in-flight
+    formulas assume 1F1B and ZB-H1 keep pp micro-batches in flight (m >= pp) and interleaving
+    runs whole rounds of pp (m % pp == 0, as Megatron-LM requires)."""
+    if schedule in ("1f1b", "zb"):
+        return m >= pp
+    if schedule == "interleaved":
+        return m % pp == 0
+    return True
+
+
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 fixed: Knobs | dict[str, Any] | None = None, top_k: int = 5,
+                 fixed: Knobs | Plan | dict[str, Any] | None = None, top_k: int = 5,
                  options: KernelOptions | None = None, explain: bool = True) -> SearchResult:
     """Search every plan allowed by `fixed` and return the top_k fastest that fit."""
     t0 = time.perf_counter()
@@ -428,7 +456,7 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
 
 
 def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                  fixed: Knobs | dict[str, Any], options: KernelOptions | None = None
+                  fixed: Knobs | Plan | dict[str, Any], options: KernelOptions | None = None
                   ) -> Estimate:
     """Evaluate one plan. Knobs left open are searched (best value), so a fully fixed plan is
     evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
