@@ -173,3 +173,24 @@ def test_validation_errors_do_not_regress(table, capsys):
     no_z3 = summary([p for p in table if p.run.part == "validation"
                      and not p.run.stack.startswith("DeepSpeed ZeRO-3")])
     assert no_z3["mean"] < 0.12 and no_z3["max"] < 0.36
+
+
+def test_runtime_zero_stages_cost_what_fsdp2_runs():
+    """meshtron's runtime (sharding='fsdp') reduces gradients every micro-batch and runs ZeRO-1
+    as all-reduce plus owner broadcasts; DeepSpeed/Megatron (sharding='zero') reduce once per
+    step. With 8 micro-batches over 64 GPUs on a slow network the difference shows."""
+    model = PRESETS["llama3-8b"]
+    cl = dataclasses.replace(resolve_cluster("dgx-h100:8"), memory_gib=1e6,
+                             inter_node_gb_per_s=5.0)
+
+    def dp_time(zero: int, sharding: str) -> float:
+        ev = Evaluator(model, cl, 512, 4096, KernelOptions(sharding=sharding))
+        return ev.evaluate(Plan(1, 1, 64, zero, 1, "none", False, None, 1,
+                                dtype="bf16")).time.dp_comm
+
+    assert dp_time(1, "fsdp") > 2 * dp_time(1, "zero")
+    assert dp_time(0, "fsdp") > 2 * dp_time(0, "zero")
+    # FSDP's ZeRO-2 gathers before every micro-batch's forward, ZeRO-3 before its backward too
+    assert dp_time(3, "fsdp") > dp_time(2, "fsdp") > dp_time(2, "zero")
+    with pytest.raises(ValueError, match="sharding="):
+        KernelOptions(sharding="ddp")

@@ -71,6 +71,7 @@ BF16 = 2
 
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused")
+SHARDINGS = ("fsdp", "zero")
 DISPATCH_S = 10e-6
 """Host-side cost of issuing one operation from Python (module docstring); fused stacks issue
 fewer kernels per layer, Megatron still dispatches them from Python."""
@@ -115,6 +116,14 @@ class KernelOptions:
     after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
     serves both."""
 
+    sharding: str = "fsdp"
+    """How ZeRO stages 0-2 run. 'fsdp' (meshtron's runtime on FSDP2, torchtitan, llm-foundry):
+    gradients are reduced after every micro-batch; ZeRO-1 all-reduces them and each owner
+    broadcasts its updated fp32 parameters after the step (parallel/data_parallel.py); ZeRO-2
+    gathers each unit's parameters before every micro-batch's forward and keeps them for its
+    backward. 'zero' (DeepSpeed, Megatron's distributed optimizer): gradients accumulate locally
+    and are reduced once per step, ZeRO-1/2 reduce-scatter them and all-gather the updated bf16
+    weights once."""
     fp32_params_autocast: bool = False
     """Parameters stay fp32 and autocast casts each weight to bf16 in every forward (Composer's
     2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4
@@ -127,6 +136,9 @@ class KernelOptions:
                              f"{', '.join(ATTENTION_KINDS)}")
         if self.stack not in STACKS:
             raise UserError(f"stack={self.stack!r}: allowed values are {', '.join(STACKS)}")
+        if self.sharding not in SHARDINGS:
+            raise UserError(f"sharding={self.sharding!r}: allowed values are "
+                             f"{', '.join(SHARDINGS)}")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")

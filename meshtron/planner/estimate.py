@@ -21,7 +21,10 @@ Step time (per optimizer step, on the critical pipeline stage c):
   stage i finishes its backward i stage-backwards before stage 0, which hides more. ZeRO-1
   reduce-scatters instead and all-gathers updated bf16 weights, hidden behind the next step's
   first forward. ZeRO-2 must reduce-scatter after every micro-batch (gradients are not kept
-  whole). ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
+  whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); FSDP-based
+  runtimes, meshtron's included (sharding='fsdp', the default), reduce gradients after every
+  micro-batch, run ZeRO-1 as all-reduce plus owner broadcasts of the updated fp32 parameters
+  (parallel/data_parallel.py), and ZeRO-2 as ZeRO-3 without the backward all-gather. ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
   before each unit's forward, one before its backward (two when recomputation re-gathers), one
   reduce-scatter after it, each an NCCL collective with its own latency over the shard group
   (then an all-reduce over the replica group under HSDP); prefetching hides a unit's collective
@@ -277,14 +280,22 @@ class Evaluator:
         gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
         nbytes = gsize * params
         wbytes = (4.0 if self.opts.fp32_params_autocast else compute.BF16) * params
-        if zero == 3:  # per unit, with its own overlap rules
-            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather)
+        fsdp = self.opts.sharding == "fsdp"
+        if zero == 3 or (zero == 2 and fsdp):  # per unit, with its own overlap rules
+            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+                                                 backward_gather=zero == 3)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
             fwd = bwd = 0.0
         if zero == 0:
-            exp = _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
+            exp = (m if fsdp else 1) * _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
+        elif zero == 1 and fsdp:
+            # every micro-batch all-reduces; after the step each owner broadcasts its updated
+            # fp32 parameters: the volume of an all-gather, one call (and latency) per owner
+            bcast = (comm.all_gather(4.0 * params, group, self.fab)
+                     + (group.size - 1) * self.fab.base_latency)
+            exp = m * _exposed(comm.all_reduce(nbytes, group, self.fab), bwd) + bcast
         elif zero == 1:
             exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
                    + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
@@ -297,7 +308,8 @@ class Evaluator:
         return exp
 
     def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
-                              fwd: float, bwd: float, regather: bool = False) -> float:
+                              fwd: float, bwd: float, regather: bool = False,
+                              backward_gather: bool = True) -> float:
         """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
         backward (parameters are resharded after the forward) and one reduce-scatter of its
         gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
@@ -305,7 +317,9 @@ class Evaluator:
         (FSDP's forward/backward prefetch, Zhao et al. 2023, section 3.3; DeepSpeed's parameter
         prefetch). Exposed per unit: max(0, comm - compute) plus the interference of the hidden
         part; the first unit's all-gather (fill) and the last reduce-scatter (drain) are never
-        hidden. Collectives are counted per unit, each paying its own NCCL latency."""
+        hidden. Collectives are counted per unit, each paying its own NCCL latency. Without
+        `backward_gather` (FSDP's ZeRO-2: no resharding after the forward) the backward only
+        reduce-scatters."""
         units = max(1, layers * self.opts.shard_units_per_layer)
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
         gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
@@ -319,12 +333,12 @@ class Evaluator:
         hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
         fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
         # recomputation that re-gathers: a second all-gather per unit in the backward
-        ag_b = 2 * ag if regather else ag
+        ag_b = (2 * ag if regather else ag) if backward_gather else 0.0
         # gradient reduce-scatters hide behind the next unit's backward only when reduction
         # overlaps (DeepSpeed's overlap_comm, on in FSDP)
         rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
         bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
-        return ag + units * fwd_u + ag + units * bwd_u + rs
+        return ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
 
     # ---- the cost model --------------------------------------------------------------------
     def evaluate(self, cfg: Plan, keep_infeasible: bool = True,

@@ -37,15 +37,15 @@ from meshtron.planner.published import (PublishedRun, dgx2h, gpt_model, grand_te
 
 # Software stacks as KernelOptions -----------------------------------------------------------------
 MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                              fp32_grad_reduce=True, stack="fused")
+                              fp32_grad_reduce=True, stack="fused", sharding="zero")
 """Megatron-LM 2021-2022: fused kernels, materialised attention scores with dropout, fp32
 main_grad reduced after the backward pass."""
 DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                                     fp32_grad_reduce=False, p2p_scatter_gather=False,
-                                    p2p_blocking=True, stack="fused")
+                                    p2p_blocking=True, stack="fused", sharding="zero")
 """Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
-                                     overlap_grad_reduce=False, stack="fused",
+                                     overlap_grad_reduce=False, stack="fused", sharding="zero",
                                      shard_units_per_layer=12, prefetch_params=0.0,
                                      recompute_regathers=True)
 """DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py and
@@ -66,7 +66,7 @@ fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction.""
 LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager")
 """llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
 MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                              fp32_grad_reduce=False, stack="eager")
+                              fp32_grad_reduce=False, stack="eager", sharding="zero")
 """Megatron-LM 2019: apex fused LayerNorm only; softmax, GeLU, dropout as separate kernels; fp16
 gradients all-reduced after the backward pass (its 'local' DDP)."""
 
@@ -141,7 +141,8 @@ def _megatron_deepspeed() -> list[PublishedRun]:
         gpt_model("bloom-176b", 70, 14336, 112, vocab=250880, tied=False), jean_zay(48),
         2048, 2048, 4, 12, 8, 1, "full", False,
         KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
-                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused"),
+                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
+                      sharding="zero"),
         "hw_tflops", 150.0, micro_batches=(2,),
         note="ZeRO-1, micro-batch 2, full recomputation; ALiBi modelled as learned positions; "
              "'about 150' TFLOP/s", confident=False))
@@ -154,7 +155,8 @@ def _megatron_deepspeed() -> list[PublishedRun]:
         "Megatron-DeepSpeed (GPT-NeoX)", neox, _a100_40gb(12, 12.5), 1536, 2048, 2, 4, 12, 1,
         "full", False,
         KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
-                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused"),
+                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
+                      sharding="zero"),
         "hw_tflops", 117.0, micro_batches=(1, 2, 4, 8),
         note="tp 2, pp 4, ZeRO-1 (published); batch 1538 rounded to 1536 for dp 12; 4 HDR "
              "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE",
@@ -174,7 +176,8 @@ def _llama3() -> list[PublishedRun]:
     return [PublishedRun(
         f"Llama3 405B {nodes * 8}", "L3 Table 4", "Meta (Llama 3)", preset("llama3-405b"),
         preset_cluster("dgx-h100", nodes), 2048, 8192, 8, 16, dp, 1, "none", True,
-        KernelOptions(stack="fused"), "model_tflops", tf, schedules=("interleaved",),
+        KernelOptions(stack="fused", sharding="zero"), "model_tflops", tf,
+        schedules=("interleaved",),
         note="FlashAttention, SP, no recomputation, ZeRO-1-like sharding, micro-batch 1 (assumed)")
         for nodes, dp, tf in ((1024, 64, 430.0), (2048, 128, 400.0))]
 
