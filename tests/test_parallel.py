@@ -47,8 +47,8 @@ SPEC = make_spec(DEFAULT_CFG)  # 4 layers, 8 heads / 4 kv heads, ffn 96, vocab 1
 
 @pytest.mark.parametrize("kw, world, match", [
     (dict(dp=2, tp=2), 8, r"plan.dp\*tp\*pp=2\*2\*1=4: must equal the world size 8"),
-    (dict(tp=3), 3, r"plan.tp=3: must divide model.heads=8"),
-    (dict(tp=8), 8, r"plan.tp=8: must divide model.kv_heads=4"),
+    (dict(tp=3), 3, r"plan.tp=3: must divide the model's 8 attention heads"),
+    (dict(tp=8), 8, r"plan.tp=8: must divide the model's 4 key/value heads"),
     (dict(pp=2, zero=3, dp=2, schedule="zb"), 4, r"plan.schedule='zb' with plan.zero=3"),
     (dict(pp=2, stage_layers=[1, 2]), 2, r"plan.stage_layers=\[1, 2\]: sums to 3"),
     (dict(pp=2, stage_layers=[4]), 2, r"plan.stage_layers has 1 entries"),

@@ -218,3 +218,13 @@ def test_api_accepts_plan_file_and_dict(tmp_path):
         resolve_plan({"tpp": 2}, 2)
     with pytest.raises(UserError, match="must equal the world size 2"):
         resolve_plan({"tp": 4}, 2)
+
+
+def test_build_mesh_and_parallelize_refuse_before_touching_torch_distributed():
+    import meshtron
+    from meshtron.model import Transformer
+
+    with pytest.raises(UserError, match="plan=SimpleNamespace: expected a meshtron Plan"):
+        meshtron.build_mesh(types.SimpleNamespace(tp=2, dp=2))
+    with pytest.raises(UserError, match="plan=list: expected"):
+        meshtron.parallelize(Transformer(SPEC), [("tp", 2)], mesh=None)

@@ -39,7 +39,7 @@ from meshtron.errors import UserError
 from meshtron.parallel.data_parallel import apply_data_parallel, zero1_optimizer
 from meshtron.parallel.mesh import MESH_DIMS, resolve_plan
 from meshtron.planner.placement import axis_sizes
-from meshtron.planner.plan import Plan, microbatch_problem
+from meshtron.planner.plan import Plan, as_plan, microbatch_problem
 from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import apply_tensor_parallel
@@ -291,7 +291,7 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     mean cross-entropy; under tp>1 it runs inside `loss_parallel()` on vocabulary-sharded logits.
     """
     spec = getattr(model, "spec", None)
-    lay = resolve_plan(plan, mesh.size(), spec)
+    lay = resolve_plan(as_plan(plan), mesh.size(), spec)
     sizes = axis_sizes(lay)
     want = tuple(sizes[a] for a in MESH_DIMS)
     if tuple(mesh.mesh_dim_names or ())[:4] != MESH_DIMS or tuple(mesh.shape) != want:

@@ -92,12 +92,13 @@ def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    p = as_plan(plan)  # refuse what is not a plan before anything else
     if not dist.is_initialized():
         raise RuntimeError("build_mesh: torch.distributed is not initialised "
                            "(call init_process_group first)")
     if world_size is None:
         world_size = dist.get_world_size()
-    p = resolve_plan(plan, world_size, spec)
+    p = p.validate(world_size, spec)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     place = placement(p, _gpus_per_node(world_size))

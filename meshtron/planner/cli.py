@@ -50,11 +50,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recompute", help="fix recomputation: none | selective | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=int, help="fix the micro-batch size (sequences)")
-    p.add_argument("--schedule", help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | gpipe")
+    p.add_argument("--schedule",
+                   help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe")
     p.add_argument("--attention", default="flash",
                    help="attention kernel the cost model assumes: flash (default) | unfused")
     p.add_argument("--dropout", action="store_true",
                    help="model dropout kernels (GPT-2/3-era training; modern LLMs use none)")
+    p.add_argument("--stack", default="eager",
+                   help="software stack the cost model assumes: eager (plain PyTorch, meshtron's "
+                        "runtime; default) | fused (Megatron/Transformer Engine or torch.compile)")
     p.add_argument("--dtype", default=None,
                    help="precision of the run: bf16 (default: mixed precision) | fp32")
     p.add_argument("--wide", action="store_true",
@@ -132,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
     if batch <= 0:
         raise UserError(f"global-batch={batch}: must be a positive integer")
-    opts = KernelOptions(attention=args.attention, dropout=args.dropout)
+    opts = KernelOptions(attention=args.attention, dropout=args.dropout, stack=args.stack)
     result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
                           options=opts)
     result.notes[:0] = notes

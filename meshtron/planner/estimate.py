@@ -13,19 +13,28 @@ Step time (per optimizer step, on the critical pipeline stage c):
   [micro_batch*s, h] activation split over the tensor group ("scatter/gather", Narayanan et al.
   2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink;
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
-  (DeepSpeed's pipeline engine).
+  and p2p_blocking=True pays a stage's receive and its send per direction (DeepSpeed's
+  pipeline engine: blocking transfers in each stage's instruction stream).
 * dp_exposed: gradient synchronisation over the data-parallel group (comm.py) overlapped with
   backward work (bucketed all-reduce as in PyTorch DDP, Li et al. 2020; Megatron's
   overlap_grad_reduce): ZeRO-0 all-reduces once per step, during the last micro-batch's backward;
   stage i finishes its backward i stage-backwards before stage 0, which hides more. ZeRO-1
   reduce-scatters instead and all-gathers updated bf16 weights, hidden behind the next step's
   first forward. ZeRO-2 must reduce-scatter after every micro-batch (gradients are not kept
-  whole), ZeRO-3 also all-gathers each layer's weights before its forward and its backward
-  (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al. 2023), each hidden behind the compute it
-  precedes where possible.
-* optimizer: AdamW is memory bound; per local parameter it reads and writes fp32 master and two
-  moments, reads the gradient and writes bf16 weights: 28 bytes (30 with an fp32 gradient
-  buffer) at 80% of HBM bandwidth.
+  whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); FSDP-based
+  runtimes, meshtron's included (sharding='fsdp', the default), reduce gradients after every
+  micro-batch, run ZeRO-1 as all-reduce plus owner broadcasts of the updated fp32 parameters
+  (parallel/data_parallel.py), and ZeRO-2 as ZeRO-3 without the backward all-gather. ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
+  before each unit's forward, one before its backward (two when recomputation re-gathers), one
+  reduce-scatter after it, each an NCCL collective with its own latency over the shard group
+  (then an all-reduce over the replica group under HSDP); prefetching hides a unit's collective
+  behind the previous unit's compute only (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al.
+  2023, section 3.3), so per unit max(0, comm - compute) stays exposed, plus the first
+  all-gather and the last reduce-scatter.
+* optimizer: AdamW is memory bound; fused (apex / Transformer Engine, stack 'fused') it reads
+  and writes fp32 master and two moments, reads the gradient and writes bf16 weights: 28 bytes
+  (30 with an fp32 gradient buffer); torch.optim's unfused AdamW (stack 'eager') makes a pass
+  per arithmetic step, 86 bytes; both at 80% of HBM bandwidth.
 
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
@@ -45,7 +54,12 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.plan import Plan
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
-"""AdamW update traffic per local parameter (see module docstring)."""
+"""Fused AdamW update traffic per local parameter (see module docstring)."""
+EAGER_OPTIMIZER_BYTES_PER_PARAM = 86.0
+"""torch.optim.AdamW without fusion (for-loop or foreach: multi-tensor launches, same bytes):
+weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (4+4, 4+4+4),
+sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
+of the fp32 master (4+2): 86 bytes per parameter."""
 OVERLAP_INTERFERENCE = 0.15
 """Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
@@ -186,7 +200,10 @@ class Evaluator:
         self.grad_bytes = 4.0 if self.opts.fp32_grad_reduce else memory.GRAD_BYTES
         # AdamW traffic per local parameter: 24 bytes of fp32 master + moments read and written,
         # bf16 weight written (2), gradient read (2 or 4)
-        self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
+        if self.opts.stack == "eager":
+            self.opt_bytes = EAGER_OPTIMIZER_BYTES_PER_PARAM
+        else:
+            self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
         self._cache: dict[Any, Any] = {}
         self.evaluated = 0
 
@@ -200,7 +217,7 @@ class Evaluator:
         lc = compute.layer_cost(m, cl, tp, mb, s, sp, opts)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp)
-        head = compute.head_cost(m, cl, tp, mb, s, sp)
+        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack)
         # pipeline p2p: [mb*s, h] bf16 split over the tensor group, re-gathered on NVLink
         # (already split with sequence parallelism); without scatter/gather each tensor rank
         # sends the whole activation over its own link
@@ -268,31 +285,77 @@ class Evaluator:
             self._cache[key] = hit
         return hit
 
-    def _dp_time(self, params: float, zero: int, group: comm.Group, m: int, fwd: float,
-                 bwd: float) -> float:
-        """Exposed data-parallel time of a stage holding `params` parameters (module docstring)."""
-        key = ("dp", params, zero, group, m, fwd, bwd)
+    def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
+                 bwd: float, layers: int = 1, regather: bool = False) -> float:
+        """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
+        (module docstring)."""
+        group = groups["dp"]
+        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        nbytes = (4.0 if self.opts.fp32_grad_reduce else compute.BF16) * params
-        wbytes = compute.BF16 * params
+        gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
+        nbytes = gsize * params
+        wbytes = (4.0 if self.opts.fp32_params_autocast else compute.BF16) * params
+        fsdp = self.opts.sharding == "fsdp"
+        if zero == 3 or (zero == 2 and fsdp):  # per unit, with its own overlap rules
+            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+                                                 backward_gather=zero == 3)
+            self._cache[key] = exp
+            return exp
         if not self.opts.overlap_grad_reduce:
             fwd = bwd = 0.0
         if zero == 0:
-            exp = _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
+            exp = (m if fsdp else 1) * _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
+        elif zero == 1 and fsdp:
+            # every micro-batch all-reduces; after the step each owner broadcasts its updated
+            # fp32 parameters: the volume of an all-gather, one call (and latency) per owner
+            bcast = (comm.all_gather(4.0 * params, group, self.fab)
+                     + (group.size - 1) * self.fab.base_latency)
+            exp = m * _exposed(comm.all_reduce(nbytes, group, self.fab), bwd) + bcast
         elif zero == 1:
             exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
                    + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
-        elif zero == 2:
-            exp = (m * _exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
-                   + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
         else:
-            ag = comm.all_gather(wbytes, group, self.fab)
-            rs = comm.reduce_scatter(nbytes, group, self.fab)
-            exp = m * (_exposed(ag, fwd) + _exposed(ag + rs, bwd))
+            shard, rep = groups["dp_shard"], groups["dp_replicate"]
+            rs = (comm.reduce_scatter(nbytes, shard, self.fab)
+                  + comm.all_reduce(nbytes / shard.size, rep, self.fab))
+            exp = m * _exposed(rs, bwd) + _exposed(comm.all_gather(wbytes, shard, self.fab), fwd)
         self._cache[key] = exp
         return exp
+
+    def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
+                              fwd: float, bwd: float, regather: bool = False,
+                              backward_gather: bool = True) -> float:
+        """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
+        backward (parameters are resharded after the forward) and one reduce-scatter of its
+        gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
+        replica group); the next unit's collectives are prefetched while this unit computes
+        (FSDP's forward/backward prefetch, Zhao et al. 2023, section 3.3; DeepSpeed's parameter
+        prefetch). Exposed per unit: max(0, comm - compute) plus the interference of the hidden
+        part; the first unit's all-gather (fill) and the last reduce-scatter (drain) are never
+        hidden. Collectives are counted per unit, each paying its own NCCL latency. Without
+        `backward_gather` (FSDP's ZeRO-2: no resharding after the forward) the backward only
+        reduce-scatters."""
+        units = max(1, layers * self.opts.shard_units_per_layer)
+        shard, rep = groups["dp_shard"], groups["dp_replicate"]
+        gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
+        wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
+        ag = comm.all_gather(wsize * params / units, shard, self.fab)
+        rs = comm.reduce_scatter(gsize * params / units, shard, self.fab)
+        rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
+        f_u, b_u = fwd / units, bwd / units
+        # share of a unit's all-gather that prefetching can start early
+        pre = self.opts.prefetch_params
+        hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
+        fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
+        # recomputation that re-gathers: a second all-gather per unit in the backward
+        ag_b = (2 * ag if regather else ag) if backward_gather else 0.0
+        # gradient reduce-scatters hide behind the next unit's backward only when reduction
+        # overlaps (DeepSpeed's overlap_comm, on in FSDP)
+        rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
+        bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
+        return ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
 
     # ---- the cost model --------------------------------------------------------------------
     def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
@@ -369,7 +432,8 @@ class Evaluator:
         if pp > 1:
             cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
-            pp_t = (m * v + pp - 1) * 2.0 * hop
+            per_boundary = 4.0 if self.opts.p2p_blocking else 2.0
+            pp_t = (m * v + pp - 1) * per_boundary * hop
         dp_t = 0.0
         opt_t = 0.0
         seen: set[tuple[int, bool, bool]] = set()
@@ -384,8 +448,9 @@ class Evaluator:
             if dp > 1:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
-                dp_t = max(dp_t, self._dp_time(params_i, zero, groups["dp"], m, stage_f[i],
-                                               bwd if zero >= 2 else (1 + i) * bwd))
+                dp_t = max(dp_t, self._dp_time(params_i, zero, groups, m, stage_f[i],
+                                               bwd if zero >= 2 else (1 + i) * bwd, k,
+                                               rec == "full" and self.opts.recompute_regathers))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
         step = times.total

@@ -67,7 +67,8 @@ saved output, the incoming gradient and log_softmax's input gradient are alive t
 bytes per element (the compute-dtype logits are freed after the loss, nothing saves them;
 pipeline schedules keep the stage output, + the compute dtype's bytes). Megatron's fused
 vocabulary-parallel cross-entropy keeps bf16 logits + an fp32 softmax that its backward
-overwrites in place: 6 bytes.
+overwrites in place: 6 bytes; flash-attn's fused loss with in-place backward (llm-foundry's
+default) only the 16-bit logits: 2 bytes (`MemoryOptions.loss`).
 
 Workspace (device memory outside the tensors): the CUDA context and kernels (~0.5 GiB on
 A100/H100), cuBLAS workspaces and NCCL's buffers (NCCL_BUFFSIZE = 4 MiB per channel and peer,
@@ -114,6 +115,7 @@ RNG_STATE_BYTES = 5056.0
 DTYPES = ("bf16", "fp32")
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
+LOSSES = ("eager", "vocab-parallel", "inplace")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,11 @@ class MemoryOptions:
     activations: str | None = None
     """Saved-tensor list: 'eager', 'korthikanti' or 'alternate-matmul' (torchtitan's selective
     op policy); None: 'eager' for fsdp2, 'korthikanti' for the others."""
+    loss: str | None = None
+    """Cross-entropy implementation: 'eager' (fp32 copy + log_softmax, 12 bytes per logit at the
+    start of backward), 'vocab-parallel' (Megatron-LM: bf16 logits + fp32 softmax overwritten by
+    its gradient, 6) or 'inplace' (flash-attn's fused loss as llm-foundry uses it: the gradient
+    overwrites the 16-bit logits, 2); None: 'eager' for fsdp2, 'vocab-parallel' otherwise."""
     fused_norm: bool = True
     """RMSNorm runs as one kernel saving only its input (CUDA: aten._fused_rms_norm, PyTorch
     PR #153666); False: the composite path (PyTorch on CPU), which also saves an fp32 copy of
@@ -138,6 +145,8 @@ class MemoryOptions:
         if self.framework not in FRAMEWORKS:
             raise UserError(f"memory.framework={self.framework!r}: allowed values are "
                              f"{', '.join(FRAMEWORKS)}")
+        if self.loss is not None and self.loss not in LOSSES:
+            raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
         if self.activations is not None and self.activations not in SELECTIVE:
             raise UserError(f"memory.activations={self.activations!r}: allowed values are "
                              f"{', '.join(SELECTIVE)}")
@@ -152,6 +161,12 @@ class MemoryOptions:
         if self.activations is not None:
             return self.activations
         return "eager" if self.framework == "fsdp2" else "korthikanti"
+
+    @property
+    def loss_kind(self) -> str:
+        if self.loss is not None:
+            return self.loss
+        return "eager" if self.framework == "fsdp2" else "vocab-parallel"
 
 
 DEFAULT = MemoryOptions()
@@ -342,8 +357,10 @@ def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
     """Logits of one micro-batch and their gradients at the loss (module docstring)."""
     mem = mem or DEFAULT
     elements = micro_batch * seq * model.vocab / tp
-    if mem.framework == "megatron":
+    if mem.loss_kind == "vocab-parallel":
         return elements * 6.0
+    if mem.loss_kind == "inplace":
+        return elements * mem.compute_bytes
     return elements * (12.0 + (mem.compute_bytes if pipelined else 0.0))
 
 

@@ -216,11 +216,14 @@ def model_problems(k: Mapping[str, Any], model: Any) -> Iterator[str]:
     tied embeddings."""
     tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
     if tp is not None:
-        for attr, what in (("heads", "attention heads"), ("kv_heads", "key/value heads (not "
-                           "replicated across tensor ranks)"), ("ffn_hidden", "FFN width")):
+        # Named as a user knows them, whether the model came from a preset or a config.json.
+        for attr, what in (("heads", "attention heads"),
+                           ("kv_heads", "key/value heads (they are not replicated across "
+                                        "tensor ranks)"),
+                           ("ffn_hidden", "FFN width (intermediate size)")):
             n = getattr(model, attr)
             if n % tp:
-                yield f"plan.tp={tp}: must divide model.{attr}={n} ({what})"
+                yield f"plan.tp={tp}: must divide the model's {n} {what}"
                 return
     if pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
@@ -422,8 +425,10 @@ class Plan:
     # ---- files -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: every field (None stays None), plus format, gpus, num_microbatches."""
-        d: dict[str, Any] = {"format": FORMAT, "gpus": self.gpus}
-        for name, value in self.knobs_and_context().items():
+        d: dict[str, Any] = {"format": FORMAT, "model": self.model, "cluster": self.cluster,
+                             "gpus": self.gpus, "global_batch": self.global_batch,
+                             "seq_len": self.seq_len}
+        for name, value in self.knobs().items():
             d[name] = list(value) if name == "stage_layers" else value
         d["num_microbatches"] = self.num_microbatches
         if self.predicted:
@@ -554,11 +559,6 @@ class Knobs:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-    @property
-    def complete(self) -> bool:
-        return all(getattr(self, f) is not None for f in
-                   ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp"))
 
 
 def parse_layout(text: str) -> dict[str, int]:

@@ -126,6 +126,10 @@ def fmt_days(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _plural(n: int, one: str, many: str) -> str:
+    return one if n == 1 else many.format(n)
+
+
 def _layout(est: Estimate) -> str:
     c = est.config
     return f"{c.tp}/{c.pp}/{c.dp}"
@@ -153,7 +157,8 @@ def _table(result: SearchResult, tokens: float, wide: bool):
 
     n = result.cluster.num_gpus
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
-                  title=f"Top {len(result.plans)} plans (time for {fmt_tokens(tokens)} tokens)")
+                  title=f"{_plural(len(result.plans), 'Top plan', 'Top {} plans')} "
+                        f"(time for {fmt_tokens(tokens)} tokens)")
     cols = ["#", "tp/pp/dp", "zero", "mb", "recomp", "sp", "schedule", "mem GiB", "step s",
             "tok/s", "MFU", "days"]
     if wide:
@@ -187,7 +192,7 @@ def header(result: SearchResult) -> list[str]:
     return [
         f"[bold]{m.name}[/] ({fmt_count(m.num_params())} params) on [bold]{cl.name}[/] "
         f"({n} x {device}, {cl.memory_gib:g} GiB); global batch {result.global_batch} x "
-        f"{result.seq_len} tokens; {result.evaluated} plans evaluated in "
+        f"{result.seq_len} tokens; {_plural(result.evaluated, '1 plan', '{} plans')} evaluated in "
         f"{result.seconds * 1000:.0f} ms",
         f"Cost model: {options_line(result.options, result.dtype)}",
     ]

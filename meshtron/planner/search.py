@@ -134,14 +134,28 @@ class _Space:
         self.dtype = k.dtype or DEFAULT_DTYPE
         self.notes: list[str] = []
         self.n, self.model, self.global_batch = n, model, global_batch
-        self.tps = [k.tp] if k.tp else [t for t in _divisors(gpn) if n % t == 0 and not
-                                         plan_problems({"tp": t}, model=model)]
+        self.tps = [k.tp] if k.tp else []
+        if not k.tp:
+            why = ""
+            for t in _divisors(gpn):
+                problems = plan_problems({"tp": t}, model=model)
+                if n % t == 0 and not problems:
+                    self.tps.append(t)
+                elif problems and not why:
+                    why = problems[0]
+            if self.tps == [1] and why:
+                self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) "
+                                  f"left out: {why}")
         self.recomputes = [k.recompute] if k.recompute else [
             r for r in RECOMPUTE if not (r == "selective" and opts.attention == "flash")]
         if not k.recompute and opts.attention == "flash":
             self.notes.append("recompute=selective left out: with FlashAttention it keeps the "
                               "same tensors as none (the attention core is never stored)")
         self._layouts = self._valid_layouts()
+        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, p, _ in
+                                                                  self._layouts):
+            self.notes.append("schedule=zb with zero=3 left out: "
+                              + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
 
     def _valid_layouts(self) -> list[tuple[int, int, int]]:
         k, n = self.knobs, self.n
@@ -225,7 +239,7 @@ def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
 
 
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 fixed: Knobs | dict[str, Any] | None = None, top_k: int = 5,
+                 fixed: Knobs | Plan | dict[str, Any] | None = None, top_k: int = 5,
                  options: KernelOptions | None = None, explain: bool = True,
                  mem: MemoryOptions | None = None) -> SearchResult:
     """Search every plan allowed by `fixed` and return the top_k fastest that fit. `mem`
@@ -446,7 +460,7 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
 
 
 def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                  fixed: Knobs | dict[str, Any], options: KernelOptions | None = None,
+                  fixed: Knobs | Plan | dict[str, Any], options: KernelOptions | None = None,
                   mem: MemoryOptions | None = None) -> Estimate:
     """Evaluate one plan. Knobs left open are searched (best value), so a fully fixed plan is
     evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
