@@ -173,10 +173,16 @@ DEFAULT = MemoryOptions()
 
 
 def options_for(opts: KernelOptions | None, dtype: str = "bf16") -> MemoryOptions:
-    """The memory options that go with a software stack: `stack='fused'` (Megatron-LM style
-    kernels) is costed as Megatron-LM, anything else as meshtron's own FSDP2 runtime."""
-    stack = getattr(opts, "stack", "eager") if opts is not None else "eager"
-    return MemoryOptions(dtype=dtype, framework="megatron" if stack == "fused" else "fsdp2")
+    """The memory layout that goes with the cost model's options: `sharding='fsdp'` (FSDP2 /
+    FSDP: meshtron's runtime, torchtitan, llm-foundry) keeps fp32 parameters and gathers compute
+    copies; `sharding='zero'` (Megatron-LM, DeepSpeed) keeps 16-bit weights with fp32 master
+    weights in the optimizer. Without a `sharding` option, `stack='fused'` means Megatron-LM."""
+    sharding = getattr(opts, "sharding", None)
+    if sharding is not None:
+        framework = "fsdp2" if sharding == "fsdp" else "megatron"
+    else:
+        framework = "megatron" if getattr(opts, "stack", "eager") == "fused" else "fsdp2"
+    return MemoryOptions(dtype=dtype, framework=framework)
 
 
 # ---- model states -------------------------------------------------------------------------------
