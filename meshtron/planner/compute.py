@@ -139,6 +139,10 @@ class KernelOptions:
         if self.sharding not in SHARDINGS:
             raise UserError(f"sharding={self.sharding!r}: allowed values are "
                              f"{', '.join(SHARDINGS)}")
+        pre = self.prefetch_params
+        if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
+                                or pre < 0):
+            raise UserError(f"prefetch_params={pre!r}: must be None or a number >= 0")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")
