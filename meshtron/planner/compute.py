@@ -116,6 +116,11 @@ class KernelOptions:
     after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
     serves both."""
 
+    list_collectives: bool = False
+    """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
+    PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
+    into a list gathers into a flat buffer and copies every chunk out, reduce_scatter from a list
+    flattens its input first): 3 extra HBM bytes per gathered byte, 2 per reduce-scattered byte."""
     sharding: str = "fsdp"
     """How ZeRO stages 0-2 run. 'fsdp' (meshtron's runtime on FSDP2, torchtitan, llm-foundry):
     gradients are reduced after every micro-batch; ZeRO-1 all-reduces them and each owner

@@ -326,6 +326,9 @@ class Evaluator:
         wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
         ag = comm.all_gather(wsize * params / units, shard, self.fab)
         rs = comm.reduce_scatter(gsize * params / units, shard, self.fab)
+        if self.opts.list_collectives:  # staging copies on the collective's critical path
+            ag += 3.0 * wsize * params / units / self.hbm
+            rs += 2.0 * gsize * params / units / self.hbm
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
         f_u, b_u = fwd / units, bwd / units
         # share of a unit's all-gather that prefetching can start early

@@ -47,14 +47,15 @@ DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_g
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",
                                      shard_units_per_layer=12, prefetch_params=0.0,
-                                     recompute_regathers=True)
+                                     recompute_regathers=True, list_collectives=True)
 """DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py and
 partition_parameters.py at that version): `fetch_sub_module` all-gathers each parameter of a
 submodule separately (`_allgather_param`, 12 per GPT layer with biases), each after a
 torch.cuda.synchronize(), then synchronizes again: no all-gather overlaps compute (prefetch 0);
 gradients are reduce-scattered per parameter (`_reduce_scatter_gradients`) with overlap_comm
 off by default; parameters are released after every forward, so the recomputed forward gathers
-them again."""
+them again; gather buffers are zero-filled and the list-based collectives of PyTorch 1.8 stage
+through flat copies (list_collectives)."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused")
