@@ -228,3 +228,11 @@ def test_build_mesh_and_parallelize_refuse_before_touching_torch_distributed():
         meshtron.build_mesh(types.SimpleNamespace(tp=2, dp=2))
     with pytest.raises(UserError, match="plan=list: expected"):
         meshtron.parallelize(Transformer(SPEC), [("tp", 2)], mesh=None)
+
+
+def test_a_saved_hsdp_plan_is_evaluated_as_hsdp():
+    plan = Plan(dp=8, zero=3, dp_replicate=2, global_batch=16, seq_len=64)
+    est = evaluate_plan(SPEC, GRID_CLUSTER, 16, 64, plan)
+    assert est.config.dp_replicate == 2 and est.config.zero == 3
+    assert evaluate_plan(SPEC, GRID_CLUSTER, 16, 64, {"dp": 8, "dp_replicate": 2}
+                         ).config.zero in (2, 3)

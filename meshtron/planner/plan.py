@@ -345,7 +345,7 @@ class Plan:
     @classmethod
     def trusted(cls, tp: int, pp: int, dp: int, zero: int, micro_batch: int, recompute: str,
                 sp: bool, schedule: str | None, virtual_stages: int = 1,
-                dtype: str = "fp32") -> "Plan":
+                dtype: str = "fp32", dp_replicate: int = 1) -> "Plan":
         """A search-space point built without re-running the rules: the search draws every
         value from a space `plan_problems` already vetted (tests check its output validates)."""
         p = cls.__new__(cls)
@@ -355,7 +355,8 @@ class Plan:
         for name, val in (("tp", tp), ("pp", pp), ("dp", dp), ("zero", zero),
                           ("micro_batch", micro_batch), ("recompute", recompute), ("sp", sp),
                           ("schedule", schedule if pp > 1 else None),
-                          ("virtual_stages", virtual_stages), ("dtype", dtype)):
+                          ("virtual_stages", virtual_stages), ("dtype", dtype),
+                          ("dp_replicate", dp_replicate if zero >= 2 else 1)):
             object.__setattr__(p, name, val)
         return p
 
@@ -528,6 +529,8 @@ class Knobs:
     """Virtual stages per GPU stage."""
     dtype: str | None = None
     """The run's precision ('bf16' or 'fp32'); not searched, the planner's default when None."""
+    dp_replicate: int | None = None
+    """HSDP replica groups (with zero 2/3); not searched, 1 when None."""
 
     def __post_init__(self) -> None:
         check(self.to_dict())

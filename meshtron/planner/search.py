@@ -131,6 +131,7 @@ class _Space:
                              "(tensor parallelism stays inside a node)")
         self.knobs = k
         self.dtype = k.dtype or DEFAULT_DTYPE
+        self.replicate = k.dp_replicate or 1
         self.notes: list[str] = []
         self.n, self.model, self.global_batch = n, model, global_batch
         self.tps = [k.tp] if k.tp else []
@@ -223,6 +224,8 @@ class _Space:
     def zeros(self, dp: int) -> list[int]:
         if self.knobs.zero is not None:
             return [self.knobs.zero]
+        if (self.knobs.dp_replicate or 1) > 1:
+            return [2, 3]  # HSDP: replicas of sharded groups
         return [0, 1, 2, 3] if dp > 1 else [0]
 
 
@@ -287,7 +290,8 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
                         for zero in space.zeros(dp):
                             if schedule_zero_problem(sched, zero, pp):
                                 continue  # the runtime refuses it (plan.py)
-                            cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype)
+                            cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype,
+                                               space.replicate)
                             queue.append((ev.lower_bound_step(cfg), fam, cfg))
     # Branch and bound, best bound first: a config whose bound is slower than the k-th best
     # plan and than its family's best cannot change the answer.
@@ -366,7 +370,8 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, pp: int, dp: int) -> Estimat
     zeros = [z for z in space.zeros(dp) if not schedule_zero_problem(sched, z, pp)]
     if not zeros:
         return None
-    cfg = Plan.trusted(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, space.dtype)
+    cfg = Plan.trusted(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, space.dtype,
+                       space.replicate)
     return ev.evaluate(cfg)
 
 
