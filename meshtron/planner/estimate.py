@@ -24,7 +24,8 @@ Step time (per optimizer step, on the critical pipeline stage c):
   whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); FSDP-based
   runtimes, meshtron's included (sharding='fsdp', the default), reduce gradients after every
   micro-batch, run ZeRO-1 as all-reduce plus owner broadcasts of the updated fp32 parameters
-  (parallel/data_parallel.py), and ZeRO-2 as ZeRO-3 without the backward all-gather. ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
+  (parallel/data_parallel.py), and ZeRO-2 as ZeRO-3 without the backward all-gather.
+  ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
   before each unit's forward, one before its backward (two when recomputation re-gathers), one
   reduce-scatter after it, each an NCCL collective with its own latency over the shard group
   (then an all-reduce over the replica group under HSDP); prefetching hides a unit's collective

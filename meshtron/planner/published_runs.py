@@ -163,7 +163,8 @@ def _megatron_deepspeed() -> list[PublishedRun]:
              "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE",
         confident=False))
     runs.append(PublishedRun(
-        "OPT 175B 992", "OPT section 2.4 (147 TFLOP/s per A100 80GB)", "Metaseq (FSDP + Megatron TP)",
+        "OPT 175B 992", "OPT section 2.4 (147 TFLOP/s per A100 80GB)",
+        "Metaseq (FSDP + Megatron TP)",
         gpt_model("opt-175b", 96, 12288, 96, tied=False), preset_cluster("dgx-a100", 124),
         992, 2048, 8, 1, 124, 3, "full", False,
         KernelOptions(attention="unfused", dropout=True, stack="fused"),
@@ -218,7 +219,9 @@ def _torchtitan() -> list[PublishedRun]:
 def _llm_foundry() -> list[PublishedRun]:
     mpt = {"1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
            "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
-    rows = [  # size, seq, gpus, gpu preset, mb, grad accum, global batch, AC, shard, precision, T/s/GPU
+    # size, seq, gpus, gpu preset, micro-batch, grad accumulation, global batch, activation
+    # checkpointing, ZeRO stage (3 FULL_SHARD, 2 SHARD_GRAD_OP), precision, T/s/GPU
+    rows = [
         ("70b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 1007.0),
         ("70b", 2048, 128, "dgx-h100", 8, 1, 1024, True, 3, "amp", 1058.0),
         ("30b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 2115.0),
@@ -254,8 +257,8 @@ def _llm_foundry() -> list[PublishedRun]:
             "full" if ac else "none", False,
             LLM_FOUNDRY_AMP if prec == "amp" else LLM_FOUNDRY_PURE, "tokens_per_gpu", tps,
             micro_batches=(mb,),
-            note=f"micro-batch {mb} x {ga} accumulation; {'SHARD_GRAD_OP' if zero == 2 else 'FULL_SHARD'}"
-                 f"; {prec}"))
+            note=f"micro-batch {mb} x {ga} accumulation; "
+                 f"{'SHARD_GRAD_OP' if zero == 2 else 'FULL_SHARD'}; {prec}"))
     return runs
 
 
