@@ -103,6 +103,9 @@ def test_zero3_collectives_are_counted_per_unit():
                                               prefetch_params=5e7)).time.dp_comm
     assert per_module > per_layer  # six times the collectives, each with its ring latency
     assert capped > per_module  # a small prefetch bucket hides less
+    staged = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6, prefetch_params=5e7,
+                                              list_collectives=True)).time.dp_comm
+    assert staged > capped  # staging copies on the collectives' path
 
 
 def test_zero3_hides_comm_behind_compute_when_units_are_big_enough():
@@ -159,8 +162,8 @@ def test_validation_table_covers_stacks_and_gpu_generations(table):
 
 
 def test_validation_errors_do_not_regress(table, capsys):
-    """Honest current numbers (see bench/planner_published.py): validation mean 14.2%, max 75.7%
-    (DeepSpeed's 2021 ZeRO-3 at 2,240 GPUs); without the six ZeRO-3 rows mean 10.5%, max 33%.
+    """Honest current numbers (see bench/planner_published.py): validation mean 13.2%, max 64.4%
+    (DeepSpeed's 2021 ZeRO-3 at 2,240 GPUs); without the six ZeRO-3 rows mean 10.3%, max 33%.
     Tighten these bounds as the physics improves, never by editing rows."""
     val = summary([p for p in table if p.run.part == "validation"])
     cal = summary([p for p in table if p.run.part == "calibration"])
@@ -168,8 +171,8 @@ def test_validation_errors_do_not_regress(table, capsys):
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%}; "
               f"calibration (K22): mean {cal['mean']:.1%} max {cal['max']:.1%}")
     assert cal["max"] < 0.10
-    assert val["mean"] < 0.16
-    assert val["max"] < 0.80
+    assert val["mean"] < 0.14
+    assert val["max"] < 0.70
     no_z3 = summary([p for p in table if p.run.part == "validation"
                      and not p.run.stack.startswith("DeepSpeed ZeRO-3")])
     assert no_z3["mean"] < 0.12 and no_z3["max"] < 0.36

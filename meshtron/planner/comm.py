@@ -28,9 +28,10 @@ The size dependence of achieved bandwidth follows from the latency term: a ring 
 per-rank chunk B/n, so busbw = ((n-1)/n) B / t falls well below link speed when B/n is a few
 hundred kB (e.g. ZeRO-3's per-layer all-gathers over hundreds of ranks). `bus_bandwidth` reports it.
 
-Groups are flat rings over all their members (NCCL's default, one communicator per group); the
-hierarchical variant (`hierarchical=True`: reduce-scatter inside the node, collective of the 1/g
-shard across nodes, all-gather inside) is what HSDP-style two-level sharding runs.
+Groups are flat rings over all their members (NCCL's default, one communicator per group).
+HSDP's two levels are two real groups (shard, then replica), costed as such in estimate.py;
+`hierarchical=True` gives the two-level scheme (reduce-scatter inside the node, collective of
+the 1/g shard across nodes, all-gather inside) for a runtime that splits one group that way.
 
 Achieved link rates: NCCL's all-reduce bus bandwidth on DGX nodes is about 80% of NVLink's
 per-direction figure (NCCL caps A100 rings at 235 of 300 GB/s in tuning.cc; ~360 of 450 on H100

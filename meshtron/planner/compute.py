@@ -116,6 +116,11 @@ class KernelOptions:
     after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
     serves both."""
 
+    list_collectives: bool = False
+    """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
+    PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
+    into a list gathers into a flat buffer and copies every chunk out, reduce_scatter from a list
+    flattens its input first): 3 extra HBM bytes per gathered byte, 2 per reduce-scattered byte."""
     sharding: str = "fsdp"
     """How ZeRO stages 0-2 run. 'fsdp' (meshtron's runtime on FSDP2, torchtitan, llm-foundry):
     gradients are reduced after every micro-batch; ZeRO-1 all-reduces them and each owner
@@ -139,6 +144,10 @@ class KernelOptions:
         if self.sharding not in SHARDINGS:
             raise UserError(f"sharding={self.sharding!r}: allowed values are "
                              f"{', '.join(SHARDINGS)}")
+        pre = self.prefetch_params
+        if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
+                                or pre < 0):
+            raise UserError(f"prefetch_params={pre!r}: must be None or a number >= 0")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")

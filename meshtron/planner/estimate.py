@@ -24,7 +24,8 @@ Step time (per optimizer step, on the critical pipeline stage c):
   whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); FSDP-based
   runtimes, meshtron's included (sharding='fsdp', the default), reduce gradients after every
   micro-batch, run ZeRO-1 as all-reduce plus owner broadcasts of the updated fp32 parameters
-  (parallel/data_parallel.py), and ZeRO-2 as ZeRO-3 without the backward all-gather. ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
+  (parallel/data_parallel.py), and ZeRO-2 as ZeRO-3 without the backward all-gather.
+  ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
   before each unit's forward, one before its backward (two when recomputation re-gathers), one
   reduce-scatter after it, each an NCCL collective with its own latency over the shard group
   (then an all-reduce over the replica group under HSDP); prefetching hides a unit's collective
@@ -343,6 +344,9 @@ class Evaluator:
         wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
         ag = comm.all_gather(wsize * params / units, shard, self.fab)
         rs = comm.reduce_scatter(gsize * params / units, shard, self.fab)
+        if self.opts.list_collectives:  # staging copies on the collective's critical path
+            ag += 3.0 * wsize * params / units / self.hbm
+            rs += 2.0 * gsize * params / units / self.hbm
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
         f_u, b_u = fwd / units, bwd / units
         # share of a unit's all-gather that prefetching can start early

@@ -423,6 +423,17 @@ class MemoryBreakdown:
     def fits(self) -> bool:
         return self.total <= self.capacity
 
+    def parts(self) -> list[tuple[str, float]]:
+        """(component, GiB) in the order they add up to `total`."""
+        return [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                ("gathered", self.gathered), ("activations", self.activations),
+                ("in-flight", self.in_flight), ("recompute", self.recompute),
+                ("logits", self.logits), ("workspace", self.workspace)]
+
+    def describe(self) -> str:
+        """'params 1.2 + grads 1.2 + ...' listing the non-zero components, GiB."""
+        return " + ".join(f"{name} {gib:.3g}" for name, gib in self.parts() if gib > 0)
+
     def to_dict(self) -> dict[str, float | int | str]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "gathered": self.gathered, "activations": self.activations,

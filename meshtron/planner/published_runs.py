@@ -48,14 +48,15 @@ DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_g
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",
                                      shard_units_per_layer=12, prefetch_params=0.0,
-                                     recompute_regathers=True)
+                                     recompute_regathers=True, list_collectives=True)
 """DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py and
 partition_parameters.py at that version): `fetch_sub_module` all-gathers each parameter of a
 submodule separately (`_allgather_param`, 12 per GPT layer with biases), each after a
 torch.cuda.synchronize(), then synchronizes again: no all-gather overlaps compute (prefetch 0);
 gradients are reduce-scattered per parameter (`_reduce_scatter_gradients`) with overlap_comm
 off by default; parameters are released after every forward, so the recomputed forward gathers
-them again."""
+them again; gather buffers are zero-filled and the list-based collectives of PyTorch 1.8 stage
+through flat copies (list_collectives)."""
 LLM_FOUNDRY_MEMORY = MemoryOptions(framework="fsdp2", loss="inplace")
 """llm-foundry's MPT: FSDP with fp32 sharded parameters, and flash-attn's fused cross-entropy
 (its default `loss_fn: fused_crossentropy`), whose backward overwrites the logits in place."""
@@ -169,7 +170,8 @@ def _megatron_deepspeed() -> list[PublishedRun]:
              "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE",
         confident=False))
     runs.append(PublishedRun(
-        "OPT 175B 992", "OPT section 2.4 (147 TFLOP/s per A100 80GB)", "Metaseq (FSDP + Megatron TP)",
+        "OPT 175B 992", "OPT section 2.4 (147 TFLOP/s per A100 80GB)",
+        "Metaseq (FSDP + Megatron TP)",
         gpt_model("opt-175b", 96, 12288, 96, tied=False), preset_cluster("dgx-a100", 124),
         992, 2048, 8, 1, 124, 3, "full", False,
         KernelOptions(attention="unfused", dropout=True, stack="fused"),
@@ -224,7 +226,9 @@ def _torchtitan() -> list[PublishedRun]:
 def _llm_foundry() -> list[PublishedRun]:
     mpt = {"1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
            "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
-    rows = [  # size, seq, gpus, gpu preset, mb, grad accum, global batch, AC, shard, precision, T/s/GPU
+    # size, seq, gpus, gpu preset, micro-batch, grad accumulation, global batch, activation
+    # checkpointing, ZeRO stage (3 FULL_SHARD, 2 SHARD_GRAD_OP), precision, T/s/GPU
+    rows = [
         ("70b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 1007.0),
         ("70b", 2048, 128, "dgx-h100", 8, 1, 1024, True, 3, "amp", 1058.0),
         ("30b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 2115.0),
@@ -260,8 +264,8 @@ def _llm_foundry() -> list[PublishedRun]:
             "full" if ac else "none", False,
             LLM_FOUNDRY_AMP if prec == "amp" else LLM_FOUNDRY_PURE, "tokens_per_gpu", tps,
             micro_batches=(mb,), memory=LLM_FOUNDRY_MEMORY,
-            note=f"micro-batch {mb} x {ga} accumulation; {'SHARD_GRAD_OP' if zero == 2 else 'FULL_SHARD'}"
-                 f"; {prec}"))
+            note=f"micro-batch {mb} x {ga} accumulation; "
+                 f"{'SHARD_GRAD_OP' if zero == 2 else 'FULL_SHARD'}; {prec}"))
     return runs
 
 

@@ -144,10 +144,8 @@ def breakdown_line(est: Estimate) -> str:
 
 def memory_line(est: Estimate) -> str:
     m = est.memory
-    return (f"memory of the fullest GPU (stage {m.stage}): params {m.params:.3g} + grads "
-            f"{m.grads:.3g} + optimizer {m.optimizer:.3g} + activations {m.activations:.3g} + "
-            f"logits {m.logits:.3g} + workspace {m.workspace:.3g} = {m.total:.3g} of "
-            f"{m.capacity:g} GiB")
+    return (f"memory of the fullest GPU (stage {m.stage}, {m.dtype}): {m.describe()} = "
+            f"{m.total:.3g} of {m.capacity:g} GiB")
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -237,9 +235,7 @@ def render_no_fit(result: SearchResult, console) -> str:
     mem = nm.memory
     console.print(
         f"[bold red]Nothing fits.[/] The leanest plan, {nm.config.describe()}, needs "
-        f"{mem.total:.1f} GiB per GPU ({mem.params:.1f} params, {mem.grads:.1f} grads, "
-        f"{mem.optimizer:.1f} optimizer, {mem.activations:.1f} activations, "
-        f"{mem.logits:.1f} logits, {mem.workspace:.1f} workspace) > {mem.capacity:g} GiB; "
+        f"{mem.total:.1f} GiB per GPU ({mem.describe()}) > {mem.capacity:g} GiB; "
         f"it would run at {fmt_s(nm.step_time_s)} s per step if it fitted.")
     return (f"model={result.model.name}: fits on no layout of {result.cluster.name}; needs at "
             f"least {mem.total:.1f} GiB per GPU > {mem.capacity:g} GiB (near miss: "
