@@ -85,7 +85,7 @@ def _norm(text: str) -> tuple[int, int, int]:
 
 
 def knobs_text(plan) -> str:
-    sched = plan.schedule + (f":{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    sched = plan.schedule_label()
     s = f"z{plan.zero} mb{plan.micro_batch} rc={plan.recompute}"
     if plan.tp > 1:
         s += f" sp={'on' if plan.sp else 'off'}"

@@ -22,7 +22,7 @@ def main() -> int:
     for row in megatron_2021_rows(CSV):
         p = predict_megatron_row(row)
         c = p.estimate.config
-        sched = f"interleaved:{c.virtual_stages}" if c.schedule == "interleaved" else c.schedule
+        sched = f"interleaved:{c.virtual_stages}" if c.schedule == "interleaved" else (c.schedule or "-")
         print(f"{row['params_b']:>7}B {c.tp:>3} {c.pp:>3} {c.dp:>4} {c.micro_batch:>3} "
               f"{sched:>14} {p.published:>9.1f} {p.predicted:>9.1f} {p.error * 100:>+6.1f}%")
         worst = max(worst, abs(p.error))

@@ -1,66 +1,106 @@
-"""Published training runs outside the calibration set: published vs predicted, layout fixed.
+"""The planner's honest validation table: published runs, predicted from their layouts.
 
-Sources and the configuration of each row are in `meshtron.planner.calibration.published_runs`.
-Error is of throughput (positive: the planner is optimistic). Rows marked '?' rest on assumed
-details (see their notes) and are not used in tests. The ten Megatron-LM 2021 calibration rows
-are printed first for reference (bench/planner_calibration.py).
+Calibration part: the ten Megatron-LM 2021 rows (../shared/calibration, Narayanan et al. 2021,
+Table 1) and Korthikanti et al. 2022 (the rows earlier versions were developed against).
+Validation part: every other row (meshtron/planner/published_runs.py, sources per row); no
+constant was set by looking at them. Error = predicted / published throughput - 1.
+Rows marked '?' rest on assumed details (see their notes; -v prints them); '!' marks a published
+layout the planner's memory model rejects.
+
+    python bench/planner_published.py [-v] [--csv FILE]
 """
 
 from __future__ import annotations
 
+import csv
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshtron.planner.calibration import (megatron_2021_rows, predict_megatron_row,  # noqa: E402
-                                          predict_published, published_runs)
+from meshtron.planner.calibration import megatron_2021_rows, predict_megatron_row  # noqa: E402
+from meshtron.planner.published import predict_published, summary  # noqa: E402
+from meshtron.planner.published_runs import published_runs  # noqa: E402
 
 CSV = ROOT.parent / "shared" / "calibration" / "megatron_2021_weak_scaling.csv"
 if not CSV.is_file():  # a checkout that does not sit beside ../shared: the tests' copy
     CSV = ROOT / "tests" / "data" / CSV.name
 
+HEAD = (f"{'run':<30} {'GPU':<6} {'stack':<27} {'layout':<24} {'metric':<14} "
+        f"{'published':>9} {'predicted':>9} {'error':>7}")
 
-def _sched(c) -> str:
-    if c.pp == 1:
-        return "-"
-    return f"interleaved:{c.virtual_stages}" if c.schedule == "interleaved" else c.schedule
+
+def _fmt(metric: str, x: float) -> str:
+    if metric == "mfu":
+        return f"{x:9.3f}"
+    if metric == "step_s":
+        return f"{x:9.2f}"
+    return f"{x:9.1f}" if x < 1000 else f"{x:9.0f}"
+
+
+def _gpu(name: str | None) -> str:
+    return (name or "?").split("-")[0]
 
 
 def main(argv: list[str]) -> int:
     verbose = "-v" in argv
-    print("Megatron-LM 2021 calibration rows (Narayanan et al. 2021, Table 1):")
-    print(f"{'run':<24} {'layout':<17} {'mb':>3} {'sched':>14} {'metric':>12} "
-          f"{'published':>9} {'predicted':>9} {'error':>7}  MFU")
+    out_rows = []
+    print("CALIBRATION PART (constants were chosen while looking at these)")
+    print(HEAD)
+    cal_errs = []
     for row in megatron_2021_rows(CSV):
         p = predict_megatron_row(row)
         c = p.estimate.config
-        print(f"{'Megatron21 ' + row['params_b'] + 'B':<24} {c.layout():<17} {c.micro_batch:>3} "
-              f"{_sched(c):>14} {'hw_tflops':>12} {p.published:>9.1f} {p.predicted:>9.1f} "
-              f"{p.error * 100:>+6.1f}%  {p.estimate.mfu * 100:4.1f}%")
-    print("\nOther published runs ('?': rests on assumed details; 'time-only': time-balanced "
-          "layer split, memory ignored):")
-    print(f"{'run':<24} {'layout':<17} {'mb':>3} {'sched':>14} {'metric':>12} "
-          f"{'published':>9} {'predicted':>9} {'error':>7}  {'MFU':>5}  {'GiB':>5}  "
-          f"time-only (sched, value, error)")
-    for run in published_runs():
-        p = predict_published(run)
-        e, t = p.estimate, p.timing
-        c = e.config
-        fmt = ".3f" if run.metric == "mfu" else ".2f" if run.metric == "step_s" else ".1f"
-        flag = "" if run.confident else "?"
-        fits = "" if e.fits else "!"
-        print(f"{run.name + flag:<24} {c.layout():<17} {c.micro_batch:>3} {_sched(c):>14} "
-              f"{run.metric:>12} {run.published:>9{fmt}} {p.predicted:>9{fmt}} "
-              f"{p.error * 100:>+6.1f}%  {e.mfu * 100:4.1f}%  {e.memory.total:5.1f}{fits} "
-              f" {_sched(t.config)}, {p.value(t):{fmt}}, {p.timing_error * 100:+.1f}%")
-        if verbose:
-            print(f"    {run.source}\n    {run.note}")
-            for est in (e, t):
-                print(f"    step {est.step_time_s:.3f}s  " + "  ".join(
-                    f"{k}={v:.3f}" for k, v in est.time.to_dict().items()))
-    print("\n'!': the planner's memory model says the published layout does not fit.")
+        layout = f"tp={c.tp} pp={c.pp} dp={c.dp}"
+        print(f"{'Megatron21 ' + row['params_b'] + 'B':<30} {'A100':<6} {'Megatron-LM':<27} "
+              f"{layout:<24} {'hw_tflops':<14} {p.published:9.1f} {p.predicted:9.1f} "
+              f"{p.error * 100:+6.1f}%")
+        cal_errs.append(abs(p.error))
+        out_rows.append(("calibration", f"Megatron21 {row['params_b']}B", "A100", "Megatron-LM",
+                         layout, "hw_tflops", p.published, p.predicted, p.error, "N21 Table 1"))
+    preds = [predict_published(r) for r in published_runs()]
+    for part in ("calibration", "validation"):
+        if part == "validation":
+            print("\nVALIDATION PART (never used to set a constant)")
+            print(HEAD)
+        sel = [p for p in preds if p.run.part == part]
+        for p in sel:
+            r = p.run
+            flag = ("" if r.confident else "?") + ("" if p.fits else "!")
+            print(f"{r.name + flag:<30} {_gpu(r.gpu):<6} {r.stack[:27]:<27} {r.layout():<24} "
+                  f"{r.metric:<14} {_fmt(r.metric, r.published)} {_fmt(r.metric, p.predicted)} "
+                  f"{p.error * 100:+6.1f}%")
+            if verbose:
+                t = p.timing
+                print(f"    {r.source}; {r.note}\n    {t.config.describe()}  step "
+                      f"{p.step_s:.3f}s  " + "  ".join(
+                          f"{k}={v:.3f}" for k, v in t.time.to_dict().items()))
+            out_rows.append((part, r.name, _gpu(r.gpu), r.stack, r.layout(), r.metric,
+                             r.published, p.predicted, p.error, r.source))
+        if part == "calibration":
+            errs = cal_errs + [abs(p.error) for p in sel]
+            print(f"calibration: n={len(errs)}  mean |error| {sum(errs) / len(errs) * 100:.1f}%  "
+                  f"max {max(errs) * 100:.1f}%")
+        else:
+            s = summary(sel)
+            conf = summary([p for p in sel if p.run.confident])
+            print(f"validation: n={s['n']}  mean |error| {s['mean'] * 100:.1f}%  "
+                  f"max {s['max'] * 100:.1f}%   (confident rows only: n={conf['n']}, mean "
+                  f"{conf['mean'] * 100:.1f}%, max {conf['max'] * 100:.1f}%)")
+            stacks = sorted({p.run.stack for p in sel})
+            for st in stacks:
+                ss = summary([p for p in sel if p.run.stack == st])
+                print(f"  {st:<32} n={ss['n']:>2}  mean {ss['mean'] * 100:5.1f}%  "
+                      f"max {ss['max'] * 100:5.1f}%")
+    if "--csv" in argv:
+        path = argv[argv.index("--csv") + 1]
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["part", "run", "gpu", "stack", "layout", "metric", "published",
+                        "predicted", "error", "source"])
+            w.writerows(out_rows)
+    print("\n'?': rests on assumed details; '!': the planner's memory model rejects the layout.")
     return 0
 
 

@@ -16,6 +16,7 @@ _LAZY = {
     "search_plans": "meshtron.planner.search",
     "evaluate_plan": "meshtron.planner.search",
     "load_plan": "meshtron.planner.plan",
+    "Plan": "meshtron.planner.plan",
     "ModelSpec": "meshtron.model.spec",
     "Transformer": "meshtron.model.transformer",
 }

@@ -17,7 +17,9 @@ import types
 
 import pytest
 
-from meshtron.parallel.mesh import Layout, data_mesh, resolve_plan, stage_layer_counts
+from meshtron.parallel.mesh import data_mesh, resolve_plan, stage_layer_counts
+from meshtron.planner.placement import axis_sizes
+from meshtron.planner.plan import Plan
 from meshtron.parallel.pipeline import stage_ids_for_rank
 from meshtron.testing.equivalence import (
     DEFAULT_CFG,
@@ -36,7 +38,7 @@ TOL = 1e-5
 
 
 def plan(**kw):
-    return types.SimpleNamespace(**kw)
+    return dict(kw)
 
 
 # ---- plan validation (no processes) -------------------------------------------------------------
@@ -45,12 +47,12 @@ SPEC = make_spec(DEFAULT_CFG)  # 4 layers, 8 heads / 4 kv heads, ffn 96, vocab 1
 
 @pytest.mark.parametrize("kw, world, match", [
     (dict(dp=2, tp=2), 8, r"plan.dp\*tp\*pp=2\*2\*1=4: must equal the world size 8"),
-    (dict(tp=3), 3, r"plan.tp=3: must divide model.heads=8"),
-    (dict(tp=8), 8, r"plan.tp=8: must divide model.kv_heads=4"),
+    (dict(tp=3), 3, r"plan.tp=3: must divide the model's 8 attention heads"),
+    (dict(tp=8), 8, r"plan.tp=8: must divide the model's 4 key/value heads"),
     (dict(pp=2, zero=3, dp=2, schedule="zb"), 4, r"plan.schedule='zb' with plan.zero=3"),
     (dict(pp=2, stage_layers=[1, 2]), 2, r"plan.stage_layers=\[1, 2\]: sums to 3"),
     (dict(pp=2, stage_layers=[4]), 2, r"plan.stage_layers has 1 entries"),
-    (dict(pp=4, virtual_stages=2), 4, r"plan.pp\*virtual_stages=8: more pipeline stages"),
+    (dict(pp=4, virtual_stages=2), 4, r"plan.pp\*virtual_stages=4\*2=8: more pipeline stages"),
     (dict(zero=4), 1, r"plan.zero=4"),
     (dict(recompute="some"), 1, r"plan.recompute='some'"),
     (dict(schedule="dualpipe"), 1, r"plan.schedule='dualpipe'"),
@@ -63,34 +65,40 @@ def test_plan_validation_errors(kw, world, match):
         resolve_plan(plan(**kw), world, SPEC)
 
 
+def _shape(p):
+    sizes = axis_sizes(p)
+    return (sizes["dp_replicate"], sizes["dp_shard"], sizes["pp"], sizes["tp"])
+
+
 def test_plan_defaults_and_zero_axes():
     lay = resolve_plan(plan(dp=4, zero=3), 4, SPEC)
-    assert (lay.dp_replicate, lay.dp_shard, lay.pp, lay.tp) == (1, 4, 1, 1)
+    assert _shape(lay) == (1, 4, 1, 1)
     lay = resolve_plan(plan(dp=4, zero=1), 4, SPEC)
-    assert lay.mesh_shape == (4, 1, 1, 1)
+    assert _shape(lay) == (4, 1, 1, 1)
     lay = resolve_plan(plan(dp=4, zero=3, dp_replicate=2), 4, SPEC)  # HSDP
-    assert lay.mesh_shape == (2, 2, 1, 1)
+    assert _shape(lay) == (2, 2, 1, 1)
     lay = resolve_plan(plan(pp=2, schedule="zb"), 2, SPEC)  # ZB-H1: one stage per rank
     assert lay.virtual_stages == 1 and lay.num_stages == 2
     lay = resolve_plan(plan(pp=2, schedule="zbv"), 2, SPEC)  # V: two stages per rank
     assert lay.schedule == "zb" and lay.virtual_stages == 2 and lay.num_stages == 4
-    lay = resolve_plan(object(), 1, SPEC)  # nothing set: one process, defaults
-    assert lay == Layout()
+    lay = resolve_plan({}, 1, SPEC)  # nothing set: one process, defaults
+    assert lay == Plan() and lay.schedule is None and lay.dtype == "fp32"
+    assert resolve_plan(plan(pp=2), 2, SPEC).schedule == "1f1b"  # pp > 1: 1F1B by default
 
 
 def test_stage_layer_counts():
-    assert stage_layer_counts(Layout(pp=2), 4) == [2, 2]
-    assert stage_layer_counts(Layout(pp=2, virtual_stages=2), 6) == [1, 2, 2, 1]
-    assert stage_layer_counts(Layout(pp=2, stage_layers=(1, 3)), 4) == [1, 3]
-    assert stage_layer_counts(Layout(pp=2, stage_layers=(0, 4)), 4) == [0, 4]
+    assert stage_layer_counts(Plan(pp=2), 4) == [2, 2]
+    assert stage_layer_counts(Plan(pp=2, virtual_stages=2), 6) == [1, 2, 2, 1]
+    assert stage_layer_counts(Plan(pp=2, stage_layers=(1, 3)), 4) == [1, 3]
+    assert stage_layer_counts(Plan(pp=2, stage_layers=(0, 4)), 4) == [0, 4]
 
 
 def test_stage_placement():
-    looped = Layout(pp=2, virtual_stages=2, schedule="interleaved")
+    looped = Plan(pp=2, virtual_stages=2, schedule="interleaved")
     assert [stage_ids_for_rank(looped, r) for r in range(2)] == [[0, 2], [1, 3]]
-    vee = Layout(pp=2, virtual_stages=2, schedule="zb")
+    vee = Plan(pp=2, virtual_stages=2, schedule="zb")
     assert [stage_ids_for_rank(vee, r) for r in range(2)] == [[0, 3], [1, 2]]
-    single = Layout(pp=4, schedule="1f1b")
+    single = Plan(pp=4, schedule="1f1b")
     assert [stage_ids_for_rank(single, r) for r in range(4)] == [[0], [1], [2], [3]]
 
 
@@ -194,15 +202,15 @@ def test_equivalence_world4(reference):
 
 def test_equivalence_world8_and_rank_order(reference):
     results, _ = _check(reference, 8, WORLD8)
-    # Rank order: tp innermost (consecutive ranks), then pp, then dp_shard, dp_replicate.
+    # Rank order: tp innermost (consecutive ranks), then dp_shard, dp_replicate, then pp.
     for rank, per_layout in enumerate(results):
         c = per_layout[0]["coords"]
-        assert rank == ((c["dp_replicate"] * 2 + c["dp_shard"]) * 2 + c["pp"]) * 2 + c["tp"]
+        assert rank == ((c["pp"] * 1 + c["dp_replicate"]) * 2 + c["dp_shard"]) * 2 + c["tp"]
 
 
 def _bf16_rank_fn(cfg):
-    return parallel_rank_fn(cfg, [dict(dp=2, zero=3, precision="bf16"),
-                                  dict(tp=2, precision="bf16")])
+    return parallel_rank_fn(cfg, [dict(dp=2, zero=3, dtype="bf16"),
+                                  dict(tp=2, dtype="bf16")])
 
 
 def test_bf16_mixed_precision_runs(reference):

@@ -15,9 +15,9 @@ from meshtron.planner import (Knobs, evaluate_plan, load_plan, plan_knobs, resol
 from meshtron.model.spec import PRESETS, resolve_model
 from meshtron.planner.calibration import megatron_2021_rows, predict_megatron_row
 from meshtron.planner.cluster import ClusterSpec, cluster_from_dict
-from meshtron.planner.comm import Fabric, all_reduce, dp_group, ring_all_reduce
+from meshtron.planner.comm import Fabric, Group, all_reduce, ring_all_reduce
 from meshtron.planner.compute import gemm_efficiency
-from meshtron.planner.memory import state_bytes
+from meshtron.planner.memory import MemoryOptions, state_bytes
 from meshtron.planner.pipeline import in_flight, partition_dp, partition_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,11 +29,12 @@ CALIBRATION = _SHARED if _SHARED.is_file() else ROOT / "tests" / "data" / _SHARE
 
 # ---- cost-model pieces -------------------------------------------------------------------------
 def test_mixed_precision_adam_is_16_bytes_per_param_and_zero_shards_by_dp():
-    assert sum(state_bytes(0, 1)) == 16.0
-    assert sum(state_bytes(0, 64)) == 16.0
-    assert state_bytes(1, 8) == (2.0, 2.0, 12.0 / 8)
-    assert state_bytes(2, 8) == (2.0, 2.0 / 8, 12.0 / 8)
-    assert sum(state_bytes(3, 8)) == pytest.approx(16.0 / 8)
+    mp = MemoryOptions(framework="megatron")  # bf16 weights, fp32 master inside the optimizer
+    assert sum(state_bytes(0, 1, mem=mp)) == 16.0
+    assert sum(state_bytes(0, 64, mem=mp)) == 16.0
+    assert state_bytes(1, 8, mem=mp) == (2.0, 2.0, 12.0 / 8)
+    assert state_bytes(2, 8, mem=mp) == (2.0, 2.0 / 8, 12.0 / 8)
+    assert sum(state_bytes(3, 8, mem=mp)) == pytest.approx(16.0 / 8)
     # a 7B model without sharding needs 16 bytes/param of states on the one GPU
     model = PRESETS["llama2-7b"]
     est = evaluate_plan(model, resolve_cluster("dgx-a100:1"), 8, 4096,
@@ -59,8 +60,8 @@ def test_small_gemm_shards_run_less_efficiently():
 def test_ring_all_reduce_and_hierarchical_groups():
     assert ring_all_reduce(1e9, 8, 1e11, 0.0) == pytest.approx(2 * 7 / 8 * 1e9 / 1e11)
     fab = Fabric.of(resolve_cluster("dgx-h100:4"))
-    inside = all_reduce(1e9, dp_group(1, 8, 8), fab)     # 8 GPUs of one node
-    across = all_reduce(1e9, dp_group(8, 4, 8), fab)     # one GPU in each of 4 nodes
+    inside = all_reduce(1e9, Group(8, 8), fab)     # 8 GPUs of one node
+    across = all_reduce(1e9, Group(4, 1), fab)     # one GPU in each of 4 nodes
     assert across > inside  # the network is ~9x slower than NVLink
 
 
@@ -177,12 +178,12 @@ BASE = ("--model", "llama3-70b", "--cluster", "dgx-h100:16", "--global-batch", "
     (("--layout", "tp=3"), "tp=3"),
     (("--layout", "tp=16"), "tp=16"),
     (("--layout", "pp=128"), "pp=128"),
-    (("--layout", "tp=8,pp=4,dp=8"), "tp*pp*dp"),
+    (("--layout", "tp=8,pp=4,dp=8"), "dp*tp*pp=8*8*4=256"),
     (("--global-batch", "100", "--layout", "tp=8,pp=2,dp=8"), "global_batch=100"),
     (("--micro-batch", "3", "--layout", "tp=8,pp=2,dp=8"), "micro_batch=3"),
     (("--zero", "4"), "zero=4"),
     (("--recompute", "some"), "recompute='some'"),
-    (("--schedule", "zb", "--layout", "pp=1"), "schedule=zb"),
+    (("--schedule", "zb", "--layout", "pp=1"), "schedule='zb'"),
     (("--sp", "maybe"), "sp='maybe'"),
 ])
 def test_bad_knobs_are_one_line_errors(cli, extra, knob):
@@ -215,7 +216,7 @@ def test_json_schema(cli):
     rc, out, _ = cli(*BASE, "--json", "--top", "3", "--tokens", "2T")
     assert rc == 0
     doc = json.loads(out)
-    assert doc["schema"] == "meshtron-plan-search/1" and doc["fits"] is True
+    assert doc["schema"] == "meshtron-plan-search/2" and doc["fits"] is True
     assert len(doc["plans"]) == 3
     for plan in doc["plans"]:
         for key in ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
@@ -268,8 +269,9 @@ def test_planner_does_not_import_torch():
 # ---- other published runs (bench/planner_published.py) ----------------------------------------
 def test_fp32_gradient_buffer_is_18_bytes_per_param():
     # Megatron-LM's main_grad: bf16 weights + fp32 gradients + 12 bytes of Adam states
-    assert sum(state_bytes(0, 8, 4.0)) == 18.0
-    assert sum(state_bytes(1, 8, 4.0)) == pytest.approx(6.0 + 12.0 / 8)
+    mp = MemoryOptions(framework="megatron")
+    assert sum(state_bytes(0, 8, 4.0, mp)) == 18.0
+    assert sum(state_bytes(1, 8, 4.0, mp)) == pytest.approx(6.0 + 12.0 / 8)
 
 
 def test_lm_head_gradient_is_all_reduced_without_sequence_parallelism():
@@ -283,17 +285,16 @@ def test_lm_head_gradient_is_all_reduced_without_sequence_parallelism():
 def test_korthikanti_2022_runs_within_10_percent(capsys):
     """Korthikanti et al. 2022, Table 5: 22B-1T GPT on Selene with tp=8, dp=1 (no data-parallel
     traffic), selective recomputation + sequence parallelism and the full-recomputation
-    baseline. None of these rows was used to set a constant."""
+    baseline (the calibration part of bench/planner_published.py)."""
     from meshtron.planner.calibration import predict_published, published_runs
-    runs = [r for r in published_runs() if r.name.startswith("K22") and r.confident]
-    assert len(runs) == 8
+    runs = [r for r in published_runs() if r.name.startswith("K22")]
+    assert len(runs) == 8 and all(r.part == "calibration" for r in runs)
     lines = []
     for run in runs:
         p = predict_published(run)
         lines.append(f"{run.name:<18} published {run.published:6.2f} s, predicted "
                      f"{p.predicted:6.2f} s ({p.error:+.1%})")
         assert abs(p.error) < 0.10, lines[-1]
-        assert abs(p.timing_error) < 0.10, lines[-1]
     with capsys.disabled():
         print("\nKorthikanti et al. 2022:\n" + "\n".join(lines))
 
@@ -301,11 +302,117 @@ def test_korthikanti_2022_runs_within_10_percent(capsys):
 def test_llama3_405b_scaling_from_8k_to_16k_gpus():
     """Llama 3 (2024), Table 4: at a fixed 16M-token batch, doubling dp halves the micro-batches
     per pipeline (32 -> 16 over pp=16) and per-GPU throughput falls from 430 to 400 TFLOP/s; the
-    pipeline-bubble model must reproduce that drop. (The absolute level is not tested: the
-    planner is ~20% optimistic for this run, see bench/planner_published.py.)"""
+    pipeline-bubble model must reproduce that drop. (The absolute level is not tested here: see
+    the validation table, bench/planner_published.py.)"""
     from meshtron.planner.calibration import predict_published, published_runs
     runs = {r.name: r for r in published_runs() if r.name.startswith("Llama3")}
     p8 = predict_published(runs["Llama3 405B 8192"])
     p16 = predict_published(runs["Llama3 405B 16384"])
-    ratio = p16.value(p16.timing) / p8.value(p8.timing)
-    assert ratio == pytest.approx(400.0 / 430.0, abs=0.03)
+    assert p16.predicted / p8.predicted == pytest.approx(400.0 / 430.0, abs=0.03)
+
+
+
+# ---- output a new user sees ------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ("--model", "llama3-70b", "--cluster", "dgx-h100:16", "--global-batch", "1024",
+     "--seq-len", "8192", "--tokens", "15T"),
+    ("--model", "llama3-405b", "--cluster", "dgx-h100:2048", "--global-batch", "2048",
+     "--seq-len", "8192", "--tokens", "15T"),
+    ("--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "4096", "--seq-len", "512",
+     "--tokens", "1000T"),
+    ("--model", "gpt3-175b", "--cluster", "dgx-a100:64", "--global-batch", "1536",
+     "--seq-len", "2048"),
+])
+def test_default_table_fits_100_columns_without_ellipsis(argv):
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from meshtron.planner import cli as plan_cli, report
+
+    parser = argparse.ArgumentParser()
+    plan_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["plan", *argv])
+    model = plan_cli.load_model(args.model)
+    result = search_plans(model, resolve_cluster(args.cluster), args.global_batch, args.seq_len,
+                          top_k=5)
+    for wide, width in ((False, 100), (True, 220)):
+        buf = io.StringIO()
+        report.render(result, plan_cli.parse_tokens(args.tokens),
+                      Console(file=buf, width=width, force_terminal=False), wide=wide)
+        text = buf.getvalue()
+        assert "…" not in text
+        assert max(len(line) for line in text.splitlines()) <= width
+        assert "Cost model: attention=" in text and "dtype=bf16" in text
+        assert "tp/pp/dp" in text
+
+
+def test_output_units_zeros_and_nulls(cli):
+    rc, out, _ = cli("--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "64",
+                     "--seq-len", "256", "--json", "--layout", "tp=1,pp=1")
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert plan["schedule"] is None and plan["time_s"]["tp_comm"] == 0.0
+    assert plan["time_s"]["pp_comm"] == 0.0 and plan["dtype"] == "bf16"
+    assert doc["options"]["attention"] == "flash" and doc["options"]["dtype"] == "bf16"
+    rc, out, _ = cli("--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "64",
+                     "--seq-len", "256", "--layout", "tp=1,pp=1", "--dtype", "fp32")
+    assert rc == 0 and "tiny (3.03M params)" in out and "dtype=fp32" in out
+    assert "0.00B" not in out and "tensor-parallel 0 " in out
+
+
+def test_defaults_and_left_out_families_are_stated(cli):
+    rc, out, _ = cli("--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64")
+    assert rc == 0 and "--seq-len not given: planning at 4096 tokens" in out
+    rc, out, _ = cli("--model", "gpt3-175b", "--cluster", "dgx-a100:64", "--global-batch", "1536",
+                     "--seq-len", "2048", "--json")
+    notes = json.loads(out)["notes"]
+    assert any("layouts left out" in n and "ties its input and output embeddings" in n
+               for n in notes)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (("--global-batch", str(10**12), "--seq-len", "4096"), "plan.global_batch=1000000000000"),
+    (("--global-batch", "1000000", "--seq-len", "8192"), "tokens per step"),
+    (("--global-batch", "64", "--seq-len", "4096", "--tokens", "1e20"), "tokens='1e20'"),
+])
+def test_absurd_sizes_are_refused(cli, extra, needle):
+    rc, _, err = cli("--model", "llama3-8b", "--cluster", "dgx-h100:1", *extra)
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
+      "num_hidden_layers": 6, "vocab_size": 50304, "rotary_pct": 0.25},
+     "rotary_pct=0.25: partial rotary embeddings"),
+    ({"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 27,
+      "num_key_value_heads": 4, "num_hidden_layers": 28, "intermediate_size": 18944,
+      "vocab_size": 152064}, "config.json num_attention_heads=27: must divide config.json "
+                             "hidden_size=3584"),
+    ({"model_type": "gpt2", "n_embd": 0, "n_head": 12, "n_layer": 12, "vocab_size": 50257},
+     "config.json n_embd=0"),
+])
+def test_config_json_errors_name_the_users_keys(cli, tmp_path, cfg, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, _, err = cli("--model", str(path), "--cluster", "dgx-h100:1", "--global-batch", "8")
+    assert rc == 2 and needle in err and "model." not in err
+
+
+def test_old_plan_files_still_load(tmp_path):
+    from meshtron.planner.plan import Plan
+
+    v1 = ('format = "meshtron-plan/1"\nmodel = "tiny"\ncluster = "c"\ngpus = 4\n'
+          'global_batch = 8\nseq_len = 16\ntp = 2\npp = 1\ndp = 2\nzero = 0\n'
+          'micro_batch = 1\nnum_microbatches = 4\nrecompute = "none"\nsp = false\n'
+          'schedule = "1f1b"\nvirtual_stages = 1\nstage_layers = [2]\nattention = "flash"\n'
+          '[predicted]\nstep_time_s = 1.5\n')
+    plan = Plan.from_toml(v1)
+    assert plan.schedule is None and plan.dtype == "fp32" and plan.predicted["step_time_s"] == 1.5
+    text = plan.to_toml()
+    assert 'format = "meshtron-plan/2"' in text and "schedule" not in text
+    assert Plan.from_toml(text) == plan
+    with pytest.raises(ValueError, match="plan.format='meshtron-plan/9'"):
+        Plan.from_toml(v1.replace("plan/1", "plan/9"))

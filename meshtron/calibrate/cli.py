@@ -61,22 +61,37 @@ def run_calibration(world, out: Path | None) -> int:
             tmp.replace(out)  # never a half-written cluster file
         finally:
             tmp.unlink(missing_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(dataclasses.asdict(cal), indent=2))
-        print(f"calibrated {world.world_size} rank(s) on {cal.device}/{cal.backend}: "
-              f"matmul {cal.matmul_tflops * 1e3:.1f} GFLOP/s per rank, memory "
-              f"{cal.memory_gb_per_s:.1f} GB/s, collectives alpha {cal.latency_us:.1f} us "
-              f"per step, {cal.bandwidth_gb_per_s:.2f} GB/s; p2p {cal.p2p_latency_us:.1f} us, "
-              f"{cal.p2p_gb_per_s:.2f} GB/s -> {out}")
+        raw = {**dataclasses.asdict(cal), "samples": cal.intra.samples}  # v1 key: intra level
+        out.with_suffix(".json").write_text(json.dumps(raw, indent=2))
+        print(summary_line(cal, out))
     if world.source != "single":
         shutdown_rank(0)
     return 0
 
 
+def summary_line(cal, out: Path) -> str:
+    """One line per fabric level: what was measured and where it went."""
+    levels = []
+    for name, lv in (("intra-node", cal.intra), ("inter-node", cal.inter)):
+        if lv.group_size > 1:
+            levels.append(f"{name} ({lv.group_size} ranks) alpha {lv.latency_us:.1f} us, "
+                          f"{lv.bandwidth_gb_per_s:.2f} GB/s; p2p {lv.p2p_latency_us:.1f} us, "
+                          f"{lv.p2p_gb_per_s:.2f} GB/s")
+    elementwise = ", ".join(f"{k} {v:.1f}" for k, v in cal.elementwise_gb_per_s.items())
+    return (f"calibrated {cal.world_size} rank(s) on {cal.nodes} node(s), {cal.device}/"
+            f"{cal.backend}: matmul {cal.matmul_tflops * 1e3:.1f} GFLOP/s per rank, memory "
+            f"{cal.memory_gb_per_s:.1f} GB/s, element-wise GB/s: {elementwise}, eager op "
+            f"{cal.kernel_overhead_us:.1f} us; " + ("; ".join(levels) or "no collectives")
+            + f" -> {out}")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure this machine and write a cluster file",
-                       description="Measure matmul throughput, memory bandwidth and collective "
-                                   "latency/bandwidth across N local ranks over the real backend; "
-                                   "write a cluster TOML that `meshtron plan --cluster` accepts.")
+                       description="Measure GEMM throughput by shape, memory and element-wise "
+                                   "bandwidth, eager op overhead, and collective latency/"
+                                   "bandwidth per fabric level (inside a node, across nodes) "
+                                   "over the real backend; write a cluster TOML that "
+                                   "`meshtron plan --cluster` accepts.")
     p.add_argument("--nproc", type=positive_int, default=1,
                    help="local ranks to measure (default 1)")
     p.add_argument("--out", type=output_file,

@@ -1,16 +1,26 @@
 """Measure this machine the way the planner models it, over the real backend.
 
 Run on every rank at once (so ranks contend for cores, memory and links as in training):
-- matrix-multiply throughput per rank (best of a few square GEMMs: the planner's `peak_tflops`
-  with `matmul_efficiency = 1`; its shape model then discounts small GEMMs);
-- memory bandwidth per rank (a large copy: the planner's `hbm_gb_per_s` roofline);
-- all-reduce, all-gather, reduce-scatter and send/recv times over a range of sizes, fitted to the
-  planner's own alpha-beta ring formulas (`meshtron.planner.comm`) by least squares, so the
-  fitted latency and bandwidth are exactly the parameters the planner's formulas take.
+
+- single-device figures (`kernels.py`): matrix-multiply throughput (best square GEMM) and the
+  efficiency of a transformer layer's GEMM shapes, copy bandwidth, the achieved bandwidth of
+  eager element-wise ops, and the per-op overhead of eager dispatch + kernel launch;
+- collectives per fabric level. Node membership comes from the hostnames and LOCAL_WORLD_SIZE
+  (`node_of_ranks`): "intra" groups are the ranks of one node, "inter" groups take one rank per
+  node (the same local rank on every node: with one NIC per GPU, rail-aligned, that is the path
+  a data-parallel ring's inter-node hops take). Every group of a level runs at once. All-reduce,
+  all-gather and reduce-scatter times over a sweep of message sizes (4 KiB to 256 MiB on GPU, to
+  4 MiB on CPU) are fitted by least squares to the planner's alpha-beta ring formulas
+  (`meshtron.planner.comm`): t = steps(n) * alpha + bytes_factor(n) * B / bw, per level, so the
+  fitted latency and bandwidth are the parameters the planner takes; send/recv likewise (one
+  transfer: alpha + B / bw). With a single node the inter level is not measured and the cluster
+  file repeats the intra figures (the planner needs both fields; no group will cross nodes).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -19,7 +29,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SIZES_BYTES = [2**k for k in range(12, 23, 2)]  # 4 KiB .. 4 MiB
+from meshtron.calibrate.kernels import (measure_elementwise, measure_gemm_shapes,
+                                        measure_kernel_overhead, measure_matmul,
+                                        measure_memory_bandwidth, sync)
+
+CPU_SIZES = [2**k for k in range(12, 23, 2)]   # 4 KiB .. 4 MiB
+GPU_SIZES = [2**k for k in range(12, 29, 2)]   # 4 KiB .. 256 MiB
+
+
+@dataclass
+class Level:
+    """Fitted collective model of one fabric level."""
+
+    group_size: int = 0
+    """Ranks per group at this level (0: not measured)."""
+    latency_us: float = 0.0
+    """Fitted per-ring-step latency (alpha), microseconds."""
+    bandwidth_gb_per_s: float = 0.0
+    """Fitted per-rank bandwidth per direction, GB/s."""
+    p2p_latency_us: float = 0.0
+    """Fitted send/recv latency, microseconds."""
+    p2p_gb_per_s: float = 0.0
+    """Fitted send/recv bandwidth, GB/s."""
+    samples: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """Raw (bytes, slowest rank's median seconds) per collective."""
 
 
 @dataclass
@@ -31,103 +64,123 @@ class Calibration:
     backend: str
     dtype: str
     matmul_tflops: float
-    """Slowest rank's best GEMM throughput, TFLOP/s."""
+    """Slowest rank's best square-GEMM throughput, TFLOP/s."""
     memory_gb_per_s: float
     """Slowest rank's copy bandwidth (read + write), GB/s."""
     memory_gib: float
     """Memory available to one rank, GiB."""
-    latency_us: float = 0.0
-    """Fitted per-ring-step latency of the collectives, microseconds."""
-    bandwidth_gb_per_s: float = 0.0
-    """Fitted per-rank link bandwidth of the collectives, GB/s per direction."""
-    p2p_latency_us: float = 0.0
-    p2p_gb_per_s: float = 0.0
-    samples: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    """Raw (bytes, median seconds) per collective."""
+    gpus_per_node: int = 1
+    """Ranks per node (from hostnames / LOCAL_WORLD_SIZE)."""
+    nodes: int = 1
+    """Nodes the ranks span."""
+    gpu: str | None = None
+    """Catalogue name of the device when recognised (CUDA)."""
+    gemm: list[dict[str, float]] = field(default_factory=list)
+    """Transformer GEMM shapes: m, n, k and the slowest rank's TFLOP/s."""
+    elementwise_gb_per_s: dict[str, float] = field(default_factory=dict)
+    """Achieved bandwidth of eager RMSNorm, silu(a)*b, softmax (slowest rank), GB/s."""
+    kernel_overhead_us: float = 0.0
+    """Per tiny eager op (dispatch + launch), slowest rank, microseconds."""
+    intra: Level = field(default_factory=Level)
+    """Collectives inside a node."""
+    inter: Level = field(default_factory=Level)
+    """Collectives across nodes (measured only when the ranks span several nodes)."""
+
+    # kept for readers of the version-1 JSON (tests, scripts): the intra-node figures
+    @property
+    def latency_us(self) -> float:
+        return self.intra.latency_us
+
+    @property
+    def bandwidth_gb_per_s(self) -> float:
+        return self.intra.bandwidth_gb_per_s
+
+    @property
+    def samples(self) -> dict[str, list[tuple[int, float]]]:
+        return self.intra.samples
+
+    def peak(self) -> float:
+        """Peak TFLOP/s the cluster file states: the catalogue's for a recognised GPU (so MFU is
+        against the datasheet), else the measured best GEMM."""
+        if self.gpu is not None:
+            from meshtron.planner.cluster import gpu_type
+
+            return gpu_type(self.gpu).peak_tflops
+        return self.matmul_tflops
 
     def cluster_dict(self, name: str = "local") -> dict[str, Any]:
         """The cluster TOML keys the planner reads (meshtron/planner/cluster.py)."""
-        return {
-            "name": name,
-            "peak_tflops": round(self.matmul_tflops, 6),
-            "matmul_efficiency": 1.0,
+        peak = self.peak()
+        inter = self.inter if self.inter.group_size else self.intra
+        out: dict[str, Any] = {"name": name}
+        if self.gpu is not None:
+            out["gpu"] = self.gpu
+        out.update({
+            "peak_tflops": round(peak, 6),
+            "matmul_efficiency": round(min(1.0, self.matmul_tflops / peak), 4),
             "memory_gib": round(self.memory_gib, 3),
             "hbm_gb_per_s": round(self.memory_gb_per_s, 3),
-            "gpus_per_node": self.world_size,
-            "nodes": 1,
-            "intra_node_gb_per_s": round(self.bandwidth_gb_per_s, 6),
-            "inter_node_gb_per_s": round(self.bandwidth_gb_per_s, 6),
-            "intra_node_latency_us": round(self.latency_us, 3),
-            "inter_node_latency_us": round(self.latency_us, 3),
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "intra_node_gb_per_s": round(self.intra.bandwidth_gb_per_s, 6),
+            "inter_node_gb_per_s": round(inter.bandwidth_gb_per_s, 6),
+            "intra_node_latency_us": round(self.intra.latency_us, 3),
+            "inter_node_latency_us": round(inter.latency_us, 3),
             "bandwidth_efficiency": 1.0,
-        }
+        })
+        if self.gemm:
+            out["gemm_efficiency"] = [
+                {"m": g["m"], "n": g["n"], "k": g["k"],
+                 "efficiency": round(min(1.0, g["tflops"] / peak), 4)} for g in self.gemm]
+        if self.elementwise_gb_per_s:
+            out["elementwise_gb_per_s"] = round(
+                statistics.median(self.elementwise_gb_per_s.values()), 3)
+        if self.kernel_overhead_us > 0:
+            out["eager_kernel_overhead_us"] = round(self.kernel_overhead_us, 3)
+        return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# ---- nodes and groups --------------------------------------------------------------------------
+def node_of_ranks(hostnames: list[str], local_world_size: int) -> list[int]:
+    """Node index of every rank: ranks on different hosts are on different nodes; on one host,
+    LOCAL_WORLD_SIZE consecutive ranks form a node (torchrun and Slurm number ranks node by
+    node). Nodes are numbered by their lowest rank."""
+    keys = [(host, r // max(1, local_world_size)) for r, host in enumerate(hostnames)]
+    index: dict[tuple[str, int], int] = {}
+    return [index.setdefault(k, len(index)) for k in keys]
 
 
-def _best_time(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def level_groups(nodes: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """(intra groups: the ranks of each node; inter groups: the i-th rank of every node)."""
+    by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    intra = list(by_node.values())
+    if len(intra) == 1 or len({len(g) for g in intra}) > 1:
+        return intra, []  # one node, or nodes of unequal size: no rail-aligned inter groups
+    return intra, [[g[i] for g in intra] for i in range(len(intra[0]))]
 
 
-def _sustained_time(fn, device: torch.device, seconds: float) -> float:
-    """Seconds per call of `fn` run back to back for about `seconds` (after one warm-up call).
-
-    Sustained, not best-of: when ranks share cores (more CPU ranks than cores), a short burst
-    can land on an idle core and report a rate no rank keeps up during training."""
-    fn()
-    _sync(device)
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        if calls % 4 == 0:
-            _sync(device)
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                return elapsed / calls
+def _my_group(groups: list[list[int]], rank: int):
+    """Create every group (a collective call: all ranks create all groups); return this rank's."""
+    mine = None
+    for members in groups:
+        pg = dist.new_group(members)
+        if rank in members:
+            mine = pg
+    return mine
 
 
-def measure_matmul(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
-    """Best sustained TFLOP/s over square GEMMs (the largest sizes reach the achievable
-    ceiling), measured while every rank runs the same loop."""
-    sizes = [256, 512, 1024] if device.type == "cpu" else [2048, 4096, 8192]
-    best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        t = _sustained_time(lambda: a @ b, device, seconds)
-        best = max(best, 2 * n**3 / t / 1e12)
-    return best
-
-
-def measure_memory_bandwidth(device: torch.device) -> float:
-    nbytes = 64 * 2**20 if device.type == "cpu" else 1 * 2**30
-    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    t = _best_time(lambda: dst.copy_(src), device, repeats=3)
-    return 2 * nbytes / t / 1e9  # read + write
-
-
+# ---- collectives -------------------------------------------------------------------------------
 def _time_collective(fn, group, device: torch.device, repeats: int) -> float:
     fn()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     # Every rank waits for the slowest: the collective's time is the max over ranks.
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
@@ -135,28 +188,28 @@ def _time_collective(fn, group, device: torch.device, repeats: int) -> float:
     return float(t.item())
 
 
-def measure_collectives(group, device: torch.device, dtype: torch.dtype,
+def measure_collectives(group, device: torch.device, dtype: torch.dtype, sizes: list[int],
                         repeats: int = 5) -> dict[str, list[tuple[int, float]]]:
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
     elem = torch.tensor([], dtype=dtype).element_size()
     out: dict[str, list[tuple[int, float]]] = {"all_reduce": [], "all_gather": [],
                                                "reduce_scatter": [], "send_recv": []}
-    for nbytes in SIZES_BYTES:
+    for nbytes in sizes:
         numel = max(n, nbytes // elem // n * n)
         full = torch.ones(numel, device=device, dtype=dtype)
         shard = torch.ones(numel // n, device=device, dtype=dtype)
+        reps = repeats if nbytes <= 2**24 else 3
         out["all_reduce"].append(
             (numel * elem, _time_collective(lambda: dist.all_reduce(full, group=group),
-                                            group, device, repeats)))
+                                            group, device, reps)))
         out["all_gather"].append(
             (numel * elem, _time_collective(
-                lambda: dist.all_gather_single(full, shard, group=group),
-                group, device, repeats)))
+                lambda: dist.all_gather_single(full, shard, group=group), group, device, reps)))
         out["reduce_scatter"].append(
             (numel * elem, _time_collective(
-                lambda: dist.reduce_scatter_single(shard, full, group=group),
-                group, device, repeats)))
+                lambda: dist.reduce_scatter_single(shard, full, group=group), group, device,
+                reps)))
 
         def ping_pong() -> None:
             # Ranks pair up (0<->1, 2<->3, ...); half a round trip is one transfer.
@@ -172,7 +225,7 @@ def measure_collectives(group, device: torch.device, dtype: torch.dtype,
                 dist.send(full, dst, group=group)
 
         out["send_recv"].append((numel * elem, _time_collective(ping_pong, group, device,
-                                                                repeats) / 2))
+                                                                reps) / 2))
     return out
 
 
@@ -218,37 +271,95 @@ def _nonneg_lstsq(rows: list[tuple[float, float]], ts: list[float]) -> tuple[flo
     return alpha, bw
 
 
-def memory_per_rank_gib(device: torch.device, world_size: int) -> float:
+def measure_level(group, device: torch.device, dtype: torch.dtype, sizes: list[int]) -> Level:
+    """Sweep, then fit, one fabric level on this rank's group of it (all groups at once)."""
+    n = dist.get_world_size(group)
+    samples = measure_collectives(group, device, dtype, sizes)
+    # every group of the level ran at once; keep the slowest group's times
+    for name, rows in samples.items():
+        t = torch.tensor([s for _, s in rows], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        samples[name] = [(b, float(s)) for (b, _), s in zip(rows, t.tolist())]
+    alpha, bw = fit_alpha_beta(samples, n)
+    p_alpha, p_bw = fit_p2p(samples["send_recv"])
+    return Level(group_size=n, latency_us=alpha * 1e6, bandwidth_gb_per_s=bw / 1e9,
+                 p2p_latency_us=p_alpha * 1e6, p2p_gb_per_s=p_bw / 1e9, samples=samples)
+
+
+# ---- the whole calibration ---------------------------------------------------------------------
+def memory_per_rank_gib(device: torch.device, local_ranks: int) -> float:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2**30
-    import os
-
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total / world_size / 2**30
+    return total / local_ranks / 2**30
 
 
-def calibrate(device: torch.device, group=None) -> Calibration:
-    """Collective: every rank of `group` must call it. Returns the same result on every rank."""
-    n = dist.get_world_size(group) if dist.is_initialized() else 1
+def catalogue_gpu(device: torch.device) -> str | None:
+    """The catalogue entry matching this CUDA device's name and memory, if any."""
+    if device.type != "cuda":
+        return None
+    from meshtron.planner.cluster import GPU_CATALOGUE
+
+    props = torch.cuda.get_device_properties(device)
+    name = props.name.upper().replace(" ", "-")
+    gib = props.total_memory / 2**30
+    for key, g in GPU_CATALOGUE.items():
+        model = key.split("-")[0]
+        if model in name and abs(g.memory_gib - gib) / g.memory_gib < 0.1:
+            return key
+    return None
+
+
+def _slowest(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)  # rates: the slowest rank has the smallest
+    return t.tolist()
+
+
+def calibrate(device: torch.device, sizes: list[int] | None = None) -> Calibration:
+    """Collective over the default group: every rank calls it; same result on every rank.
+    `sizes`: message sizes of the collective sweep (default: CPU_SIZES or GPU_SIZES)."""
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if n > 1:
-        dist.barrier(group=group)  # measure all ranks at once: they share cores and memory
-    tflops = torch.tensor([measure_matmul(device, dtype),
-                           measure_memory_bandwidth(device)], dtype=torch.float64, device=device)
+        dist.barrier()  # measure all ranks at once: they share cores and memory
+    gemm = measure_gemm_shapes(device, dtype)
+    elementwise = measure_elementwise(device, dtype)
+    rates = _slowest([measure_matmul(device, dtype), measure_memory_bandwidth(device)]
+                     + [g["tflops"] for g in gemm] + list(elementwise.values()), device)
+    overhead = measure_kernel_overhead(device)
     if n > 1:
-        dist.all_reduce(tflops, op=dist.ReduceOp.MIN, group=group)
+        t = torch.tensor([overhead], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        overhead = float(t.item())
+    for g, r in zip(gemm, rates[2:2 + len(gemm)]):
+        g["tflops"] = r
+    elementwise = dict(zip(elementwise, rates[2 + len(gemm):]))
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    hosts: list[Any] = [socket.gethostname()] * n
+    if n > 1:
+        dist.all_gather_object(hosts, socket.gethostname())
+    nodes = node_of_ranks(hosts, local_ws)
+    intra, inter = level_groups(nodes)
     cal = Calibration(world_size=n, device=device.type,
-                      backend=dist.get_backend(group) if n > 1 else "none",
-                      dtype=str(dtype).removeprefix("torch."), matmul_tflops=float(tflops[0]),
-                      memory_gb_per_s=float(tflops[1]),
-                      memory_gib=memory_per_rank_gib(device, n))
-    if n > 1:
-        cal.samples = measure_collectives(group, device, dtype)
-        alpha, bw = fit_alpha_beta(cal.samples, n)
-        cal.latency_us, cal.bandwidth_gb_per_s = alpha * 1e6, bw / 1e9
-        p_alpha, p_bw = fit_p2p(cal.samples["send_recv"])
-        cal.p2p_latency_us, cal.p2p_gb_per_s = p_alpha * 1e6, p_bw / 1e9
-    else:
-        # One rank never communicates; any finite figures keep the planner's formulas defined.
-        cal.latency_us, cal.bandwidth_gb_per_s = 1.0, cal.memory_gb_per_s
+                      backend=dist.get_backend() if n > 1 else "none",
+                      dtype=str(dtype).removeprefix("torch."), matmul_tflops=rates[0],
+                      memory_gb_per_s=rates[1],
+                      memory_gib=memory_per_rank_gib(device, len(intra[0])),
+                      gpus_per_node=min(len(g) for g in intra), nodes=len(intra),
+                      gpu=catalogue_gpu(device), gemm=gemm, elementwise_gb_per_s=elementwise,
+                      kernel_overhead_us=overhead)
+    sizes = sizes or (CPU_SIZES if device.type == "cpu" else GPU_SIZES)
+    if len(intra[0]) > 1:
+        group = _my_group(intra, rank) if len(intra) > 1 else None
+        cal.intra = measure_level(group, device, dtype, sizes)
+    if inter:
+        cal.inter = measure_level(_my_group(inter, rank), device, dtype, sizes)
+    if not cal.intra.group_size:
+        # One rank per node never talks inside a node; any finite figures keep the formulas
+        # defined (no group is costed on this level).
+        cal.intra = Level(group_size=1, latency_us=1.0,
+                          bandwidth_gb_per_s=cal.memory_gb_per_s)
     return cal

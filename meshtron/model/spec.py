@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -219,7 +220,31 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     return from_hf_dict(cfg, name=path.parent.name or path.stem)
 
 
+_HF_KEYS = {
+    "llama": {"layers": "num_hidden_layers", "hidden": "hidden_size",
+              "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+              "ffn_hidden": "intermediate_size", "vocab": "vocab_size",
+              "max_seq": "max_position_embeddings"},
+    "gpt2": {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "kv_heads": "n_head",
+             "ffn_hidden": "n_inner", "vocab": "vocab_size", "max_seq": "n_positions"},
+}
+_HF_KEYS["gpt_neox"] = dict(_HF_KEYS["llama"], kv_heads="num_attention_heads")
+
+
 def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
+    """A ModelSpec from a config.json's keys; errors name the config's keys (`hidden_size`),
+    not ModelSpec's fields (`model.hidden`)."""
+    try:
+        return _from_hf_dict(cfg, name)
+    except UserError as exc:
+        keys = _HF_KEYS.get("llama" if cfg.get("model_type") in _HF_LLAMA_LIKE
+                            else str(cfg.get("model_type")), {})
+        text = re.sub(r"model\.(\w+)", lambda m: f"config.json {keys[m.group(1)]}"
+                      if m.group(1) in keys else m.group(0), str(exc))
+        raise UserError(text) from None
+
+
+def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     mtype = cfg.get("model_type")
     if mtype not in _HF_TYPES:
         raise UserError(
@@ -264,8 +289,9 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         hidden = need("hidden_size")
         rotary_pct = cfg.get("rotary_pct", 1.0)
         if not _is_number(rotary_pct) or rotary_pct != 1.0:
-            raise UserError(f"config.json rotary_pct={rotary_pct!r}: only full rotary (1.0) "
-                             "is supported")
+            raise UserError(f"config.json rotary_pct={rotary_pct!r}: partial rotary embeddings "
+                             "(RoPE on part of each head, as in Pythia) are not supported by "
+                             "meshtron's model; only rotary_pct = 1.0")
         return ModelSpec(
             name=name, layers=need("num_hidden_layers"), hidden=hidden,
             heads=need("num_attention_heads"), kv_heads=need("num_attention_heads"),

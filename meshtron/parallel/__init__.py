@@ -1,6 +1,7 @@
 """Parallel runtime: device mesh from a plan, and parallelism applied from outside the model.
 
-- `build_mesh(plan)` -> DeviceMesh with axes ("dp_replicate", "dp_shard", "pp", "tp") (+ "dp").
+- `build_mesh(plan)` -> DeviceMesh with axes ("pp", "dp_replicate", "dp_shard", "tp") (+ "dp").
+- `plan`: a meshtron Plan, a saved plan file, or a dict of Plan fields (else UserError).
 - `parallelize(model, plan, mesh)` -> ParallelModel (pipeline, tensor/sequence parallel,
   activation checkpointing, FSDP2 per ZeRO stage, in that order).
 - `build_optimizer(pm, lr)` -> AdamW over the rank's model parts (ZeRO-1 sharded when asked).
@@ -14,9 +15,10 @@ from meshtron.parallel.api import (
     grad_norm,
     parallelize,
 )
-from meshtron.parallel.mesh import MESH_DIMS, Layout, build_mesh, release_mesh, resolve_plan
+from meshtron.parallel.mesh import MESH_DIMS, build_mesh, release_mesh, resolve_plan
+from meshtron.planner.plan import Plan
 
 __all__ = [
-    "MESH_DIMS", "Layout", "ParallelModel", "ParallelOptimizer", "build_mesh", "build_optimizer",
+    "MESH_DIMS", "ParallelModel", "Plan", "ParallelOptimizer", "build_mesh", "build_optimizer",
     "grad_norm", "parallelize", "release_mesh", "resolve_plan",
 ]

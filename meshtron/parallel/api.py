@@ -38,7 +38,9 @@ from torch import nn
 
 from meshtron.errors import UserError
 from meshtron.parallel.data_parallel import apply_data_parallel, zero1_optimizer
-from meshtron.parallel.mesh import Layout, data_mesh, resolve_plan
+from meshtron.parallel.mesh import MESH_DIMS, data_mesh, resolve_plan
+from meshtron.planner.placement import axis_sizes
+from meshtron.planner.plan import Plan, as_plan, microbatch_problem
 from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import apply_tensor_parallel
@@ -82,7 +84,7 @@ def clean_name(name: str) -> str:
 class ParallelModel:
     """A model parallelized over a mesh. Build with `parallelize`."""
 
-    def __init__(self, model_parts: list[nn.Module], stage_ids: list[int], layout: Layout, mesh,
+    def __init__(self, model_parts: list[nn.Module], stage_ids: list[int], layout: Plan, mesh,
                  loss_fn: Callable, device: torch.device):
         self.model_parts = model_parts
         self.stage_ids = stage_ids
@@ -143,6 +145,9 @@ class ParallelModel:
             raise UserError(f"plan.micro_batch={lay.micro_batch}: must divide the per-rank batch "
                              f"{local_batch} (global batch / dp)")
         n_micro = local_batch // lay.micro_batch
+        problem = microbatch_problem(lay.schedule, lay.pp, lay.virtual_stages, n_micro)
+        if problem:
+            raise UserError(problem)
         inputs = inputs.to(self.device, non_blocking=True)  # no stream sync (see LocalEngine)
         targets = targets.to(self.device, non_blocking=True)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -300,11 +305,12 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     mean cross-entropy; under tp>1 it runs inside `loss_parallel()` on vocabulary-sharded logits.
     """
     spec = getattr(model, "spec", None)
-    lay = resolve_plan(plan, mesh.size(), spec)
-    if tuple(mesh.mesh_dim_names[:4]) != ("dp_replicate", "dp_shard", "pp", "tp") or \
-            tuple(mesh.shape) != lay.mesh_shape:
-        raise UserError(f"mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}: does not "
-                         f"match the plan's {lay.mesh_shape}; build it with build_mesh(plan)")
+    lay = resolve_plan(as_plan(plan), mesh.size(), spec)
+    sizes = axis_sizes(lay)
+    want = tuple(sizes[a] for a in MESH_DIMS)
+    if tuple(mesh.mesh_dim_names or ())[:4] != MESH_DIMS or tuple(mesh.shape) != want:
+        raise UserError(f"mesh {tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)}: does not "
+                         f"match the plan's {MESH_DIMS} {want}; build it with build_mesh(plan)")
     device = _mesh_device(mesh)
     if not any(p.is_meta for p in model.parameters()):
         model.to(device)

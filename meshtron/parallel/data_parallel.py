@@ -24,7 +24,7 @@ ZeRO stage -> mechanism (Rajbhandari et al. 2020 for the stages):
 Gradients are averaged over the data-parallel ranks (FSDP2's default), so with a per-rank mean
 loss they equal the single-process gradient of the global-batch mean.
 
-Mixed precision (plan.precision='bf16'): FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
+Mixed precision (plan.dtype='bf16'): FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32): bf16 compute, fp32 master parameters, gradients and optimizer states. With
 dp=1 and bf16 FSDP2 is still applied (on the size-1 data axis) to get that policy.
 """
@@ -41,19 +41,19 @@ from meshtron.errors import UserError
 
 def data_parallel_mesh(mesh, lay):
     """The mesh FSDP2 runs on: 1-D "dp_shard" or 2-D ("dp_replicate", "dp_shard") for HSDP."""
-    if lay.dp_replicate > 1:
+    if lay.replicas > 1:  # the mesh's "dp_replicate" axis (all of dp for zero 0/1)
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
 
 
 def apply_data_parallel(model: nn.Module, mesh, lay, reshard_root: bool | None = None) -> nn.Module:
     """Apply FSDP2 to `model` (a Transformer or pipeline chunk) per the layout's ZeRO stage."""
-    if lay.dp == 1 and lay.precision == "fp32":
+    if lay.dp == 1 and lay.dtype == "fp32":
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = data_parallel_mesh(mesh, lay)
-    if lay.precision == "bf16":
+    if lay.dtype == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()

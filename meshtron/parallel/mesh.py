@@ -1,177 +1,56 @@
-"""Device mesh from a plan, and the plan's validation against world size and model.
+"""Device mesh from a plan: the planner's placement, built as a real DeviceMesh.
 
-Mesh axes, outermost to innermost (the last axis varies fastest with the global rank):
+Mesh axes, outermost to innermost (meshtron.planner.placement.MESH_AXES; the last axis varies
+fastest with the global rank):
 
-    ("dp_replicate", "dp_shard", "pp", "tp")
+    ("pp", "dp_replicate", "dp_shard", "tp")
 
-    rank = ((r_dp_replicate * dp_shard + r_dp_shard) * pp + r_pp) * tp + r_tp
+    rank = ((r_pp * dp_replicate + r_dp_replicate) * dp_shard + r_dp_shard) * tp + r_tp
 
-so a tensor-parallel group is `tp` consecutive ranks (the same node when tp <= GPUs per node
-and ranks are numbered node by node, as torchrun does), the `pp` stages of one pipeline are the
-next closest, and data parallelism spans the farthest ranks. Size-1 axes are kept, so code can
-always ask for `mesh["tp"]` etc. A flattened axis "dp" = ("dp_replicate", "dp_shard") is added
-for data loading and loss averaging.
+so a tensor-parallel group is `tp` consecutive ranks (the same node when tp divides the GPUs
+per node and ranks are numbered node by node, as torchrun does), data-parallel groups are the
+next closest, and pipeline neighbours are the farthest (Megatron-LM's and torchtitan's order;
+the cost model costs exactly this placement). Size-1 axes are kept, so code can always ask for
+`mesh["tp"]` etc. A flattened axis "dp" = ("dp_replicate", "dp_shard") is added for data
+loading, loss averaging and ZeRO-1.
 
-How the plan's data-parallel degree `dp` is split between the two data axes depends on ZeRO:
-zero 0 and 1 put all of it on "dp_replicate" (parameters and gradients replicated); zero 2 and 3
-put it on "dp_shard" (FSDP2 shards over it), except that `plan.dp_replicate = r > 1` with zero
-2/3 asks for HSDP: replicate over r groups, shard inside each.
+The data-parallel degree `dp` is split between the two data axes by ZeRO stage: zero 0 and 1
+put all of it on "dp_replicate" (parameters and gradients replicated); zero 2 and 3 put it on
+"dp_shard" (FSDP2 shards over it), except that `dp_replicate = r > 1` with zero 2/3 asks for
+HSDP: replicate over r groups, shard inside each.
 
-Plan attributes read (duck-typed, with defaults): tp=1, pp=1, dp=1, zero=0, micro_batch=1,
-recompute='none', sp=False, schedule='1f1b', virtual_stages=1, stage_layers=[],
-dp_replicate=1, precision='fp32' (or `mixed_precision`/`dtype`: 'bf16' enables bf16 compute).
+A plan is a `meshtron.planner.plan.Plan`, a saved plan file, or a dict of Plan fields
+(`meshtron.planner.plan.as_plan`); it is validated by the planner's own rules
+(`Plan.validate`) against the world size and the model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from meshtron.errors import UserError
+from meshtron.planner.placement import MESH_AXES, placement
+from meshtron.planner.plan import Plan, as_plan
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
-RECOMPUTE = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A plan resolved and validated: every knob the runtime uses, with defaults filled in."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    zero: int = 0
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    micro_batch: int = 1
-    recompute: str = "none"
-    sp: bool = False
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    stage_layers: tuple[int, ...] = field(default_factory=tuple)
-    precision: str = "fp32"
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
-
-    @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.pp, self.tp)
+MESH_DIMS = MESH_AXES
 
 
-def _int(plan: Any, name: str, default: int, minimum: int = 1) -> int:
-    value = getattr(plan, name, default)
-    if value is None:
-        value = default
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise UserError(f"plan.{name}={value!r}: must be an integer >= {minimum}")
-    return value
+def resolve_plan(plan: Any, world_size: int | None = None, spec: Any = None) -> Plan:
+    """The plan (Plan, plan file or dict of fields) as a Plan, checked against `world_size` and
+    `spec` (a ModelSpec) when given. Bad input: UserError naming the field."""
+    return as_plan(plan).validate(world_size, spec)
 
 
-def resolve_plan(plan: Any, world_size: int | None = None, spec: Any = None) -> Layout:
-    """Read a plan (any object with the attributes above) into a validated Layout.
-
-    `world_size` and `spec` (a ModelSpec) are checked when given. Errors are one-line
-    ValueErrors that name the offending knob.
-    """
-    if isinstance(plan, Layout):
-        layout = plan
-    else:
-        tp = _int(plan, "tp", 1)
-        pp = _int(plan, "pp", 1)
-        dp = _int(plan, "dp", 1)
-        zero = _int(plan, "zero", 0, minimum=0)
-        if zero > 3:
-            raise UserError(f"plan.zero={zero}: allowed values are 0, 1, 2, 3")
-        micro_batch = _int(plan, "micro_batch", 1)
-        recompute = getattr(plan, "recompute", "none") or "none"
-        if recompute not in RECOMPUTE:
-            raise UserError(f"plan.recompute={recompute!r}: allowed values are "
-                             f"{', '.join(RECOMPUTE)}")
-        sp = bool(getattr(plan, "sp", False))
-        schedule = str(getattr(plan, "schedule", "1f1b") or "1f1b").lower()
-        if schedule not in SCHEDULES:
-            raise UserError(f"plan.schedule={schedule!r}: allowed values are "
-                             f"{', '.join(SCHEDULES)}")
-        virtual_stages = _int(plan, "virtual_stages", 1)
-        stage_layers = tuple(getattr(plan, "stage_layers", None) or ())
-        if schedule == "zbv":  # zero bubble on a V of two stages per rank
-            schedule = "zb"
-            if pp > 1 and virtual_stages == 1 and len(stage_layers) != pp:
-                virtual_stages = 2
-        precision = str(getattr(plan, "precision", None) or getattr(plan, "mixed_precision", None)
-                        or getattr(plan, "dtype", None) or "fp32").lower()
-        precision = {"bfloat16": "bf16", "float32": "fp32", "true": "bf16",
-                     "false": "fp32"}.get(precision, precision)
-        if precision not in ("fp32", "bf16"):
-            raise UserError(f"plan.precision={precision!r}: allowed values are fp32, bf16")
-        r = _int(plan, "dp_replicate", 1)
-        if zero >= 2:
-            if dp % r:
-                raise UserError(f"plan.dp_replicate={r}: must divide plan.dp={dp}")
-            dp_replicate, dp_shard = r, dp // r
-        else:
-            dp_replicate, dp_shard = dp, 1
-        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, dp_replicate=dp_replicate,
-                        dp_shard=dp_shard, micro_batch=micro_batch, recompute=recompute, sp=sp,
-                        schedule=schedule, virtual_stages=virtual_stages,
-                        stage_layers=stage_layers, precision=precision)
-    _validate(layout, world_size, spec)
-    return layout
-
-
-def _validate(lay: Layout, world_size: int | None, spec: Any) -> None:
-    if world_size is not None and lay.world_size != world_size:
-        raise UserError(f"plan.dp*tp*pp={lay.dp}*{lay.tp}*{lay.pp}={lay.world_size}: must equal "
-                         f"the world size {world_size}")
-    if lay.pp == 1 and lay.virtual_stages != 1:
-        raise UserError(f"plan.virtual_stages={lay.virtual_stages}: needs plan.pp > 1")
-    if lay.schedule == "zb" and lay.pp > 1 and lay.zero == 3:
-        # Measured: zero-bubble schedules + FSDP2 reshard_after_forward=True silently drift.
-        raise UserError("plan.schedule='zb' with plan.zero=3: zero-bubble schedules give wrong "
-                         "gradients with FSDP2 resharding after forward on torch 2.13; use zero=2 "
-                         "or another schedule")
-    if lay.stage_layers and len(lay.stage_layers) != lay.num_stages:
-        raise UserError(f"plan.stage_layers has {len(lay.stage_layers)} entries: must be "
-                         f"pp*virtual_stages={lay.num_stages}")
-    if spec is None:
-        return
-    if spec.heads % lay.tp:
-        raise UserError(f"plan.tp={lay.tp}: must divide model.heads={spec.heads}")
-    if spec.kv_heads % lay.tp:
-        raise UserError(f"plan.tp={lay.tp}: must divide model.kv_heads={spec.kv_heads} "
-                         "(key/value heads are not replicated across tensor-parallel ranks)")
-    if spec.ffn_hidden % lay.tp:
-        raise UserError(f"plan.tp={lay.tp}: must divide model.ffn_hidden={spec.ffn_hidden}")
-    if lay.pp > 1 and getattr(spec, "tied_embeddings", False):
-        raise UserError("plan.pp>1 with model.tied_embeddings: tied input/output embeddings "
-                         "across pipeline stages are not supported")
-    if lay.num_stages > 1:
-        stage_layer_counts(lay, spec.layers)
-
-
-def stage_layer_counts(lay: Layout, num_layers: int) -> list[int]:
+def stage_layer_counts(plan: Plan, num_layers: int) -> list[int]:
     """Layers per (virtual) stage: the plan's `stage_layers`, or an even split."""
-    n = lay.num_stages
-    if lay.stage_layers:
-        counts = list(lay.stage_layers)
-        if any((not isinstance(c, int)) or c < 0 for c in counts):
-            raise UserError(f"plan.stage_layers={counts}: entries must be integers >= 0")
+    n = plan.num_stages
+    if plan.stage_layers:
+        counts = list(plan.stage_layers)
         if sum(counts) != num_layers:
             raise UserError(f"plan.stage_layers={counts}: sums to {sum(counts)}, the model has "
                              f"{num_layers} layers")
-        for i, c in enumerate(counts):
-            if c == 0 and 0 < i < n - 1:
-                raise UserError(f"plan.stage_layers={counts}: middle stage {i} has no layers")
         return counts
     if n > num_layers:
         raise UserError(f"plan.pp*virtual_stages={n}: more pipeline stages than model layers "
@@ -185,25 +64,40 @@ def stage_layer_counts(lay: Layout, num_layers: int) -> list[int]:
     return counts
 
 
+def _gpus_per_node(world_size: int) -> int:
+    """Ranks per node of this launch (torchrun's LOCAL_WORLD_SIZE), for the placement's view of
+    which groups cross nodes; the rank grid itself does not depend on it."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    except ValueError:
+        return world_size
+
+
 def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None = None,
                spec: Any = None):
-    """A DeviceMesh with axes ("dp_replicate", "dp_shard", "pp", "tp") (+ flattened "dp").
+    """A DeviceMesh with axes ("pp", "dp_replicate", "dp_shard", "tp") (+ flattened "dp"),
+    built from the planner's placement of this plan's ranks.
 
     Needs the default process group to be initialised (torchrun / init_process_group).
     `device_type` defaults to "cuda" when CUDA is available, else "cpu".
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
+    p = as_plan(plan)  # refuse what is not a plan before anything else
     if not dist.is_initialized():
         raise RuntimeError("build_mesh: torch.distributed is not initialised "
                            "(call init_process_group first)")
     if world_size is None:
         world_size = dist.get_world_size()
-    lay = resolve_plan(plan, world_size, spec)
+    p = p.validate(world_size, spec)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device_type, lay.mesh_shape, mesh_dim_names=MESH_DIMS)
+    place = placement(p, _gpus_per_node(world_size))
+    mesh = DeviceMesh(device_type, torch.tensor(place.rank_grid(), dtype=torch.int),
+                      mesh_dim_names=place.axes)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh
 

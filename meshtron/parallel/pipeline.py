@@ -17,8 +17,8 @@ Schedules (plan.schedule, plan.virtual_stages = v):
 - 'zb': zero bubble (Qi et al. 2024). v=1 (the planner's ZB-H1: one stage per rank):
   ScheduleInterleavedZeroBubble with one local stage; v=2: ScheduleZBVZeroBubble, V placement
   (rank r holds stages r and 2pp-1-r); other v: ScheduleInterleavedZeroBubble, looped.
-  'zbv' = 'zb' with v=2 by default.
-  Zero-bubble + ZeRO-3 is refused at plan validation (measured silent drift with FSDP2
+  'zbv' is read as 'zb' with v=2 (planner/plan.py).
+  Zero-bubble + ZeRO-3 is refused by the plan's rules (planner/plan.py) (measured silent drift with FSDP2
   reshard_after_forward=True on torch 2.13).
 
 Gradients are scaled by 1/n_microbatches by the schedule (scale_grads=True) and the loss is the
@@ -31,10 +31,11 @@ import torch
 from torch import nn
 
 from meshtron.errors import UserError
-from meshtron.parallel.mesh import Layout, stage_layer_counts
+from meshtron.parallel.mesh import stage_layer_counts
+from meshtron.planner.plan import Plan
 
 
-def stage_ids_for_rank(lay: Layout, pp_rank: int) -> list[int]:
+def stage_ids_for_rank(lay: Plan, pp_rank: int) -> list[int]:
     """Global stage indices held by pipeline rank `pp_rank`, in increasing order."""
     n, pp = lay.num_stages, lay.pp
     if lay.schedule == "zb" and lay.virtual_stages == 2:
@@ -63,7 +64,7 @@ def make_stage_module(model: nn.Module, stage: int, num_stages: int,
     return chunk
 
 
-def split_model(model: nn.Module, lay: Layout, pp_rank: int) -> list[tuple[int, nn.Module]]:
+def split_model(model: nn.Module, lay: Plan, pp_rank: int) -> list[tuple[int, nn.Module]]:
     """[(stage index, stage module)] for this pipeline rank."""
     num_layers = len(model.layers)
     counts = stage_layer_counts(lay, num_layers)
@@ -75,7 +76,7 @@ def split_model(model: nn.Module, lay: Layout, pp_rank: int) -> list[tuple[int, 
             for s in stage_ids_for_rank(lay, pp_rank)]
 
 
-def build_schedule(stages: list, lay: Layout, n_microbatches: int, loss_fn):
+def build_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
     """The torch.distributed.pipelining schedule object for the layout."""
     from torch.distributed.pipelining import schedules as S
 
@@ -88,20 +89,17 @@ def build_schedule(stages: list, lay: Layout, n_microbatches: int, loss_fn):
         cls = S.ScheduleInterleaved1F1B
     elif lay.schedule == "zb":
         cls = S.ScheduleZBVZeroBubble if v == 2 else S.ScheduleInterleavedZeroBubble
-    else:  # resolve_plan already rejects these
+    else:  # Plan validation already rejects these
         raise UserError(f"plan.schedule={lay.schedule!r}: unknown")
     if issubclass(cls, S.PipelineScheduleSingle):
         if len(stages) != 1:
             raise UserError(f"plan.schedule={lay.schedule!r}: single-stage schedule but this "
                              f"rank holds {len(stages)} stages")
-        if cls is S.Schedule1F1B and n_microbatches < lay.pp:
-            raise UserError(f"plan.micro_batch: {n_microbatches} micro-batches per step, 1F1B "
-                             f"needs at least pp={lay.pp}")
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
-def pipeline_stage(module: nn.Module, stage: int, lay: Layout, pp_group, device: torch.device):
+def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: torch.device):
     from torch.distributed.pipelining import PipelineStage
 
     return PipelineStage(module, stage, lay.num_stages, device, group=pp_group)

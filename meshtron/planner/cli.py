@@ -20,6 +20,12 @@ from meshtron.argtypes import output_file, positive_int
 from meshtron.errors import UserError
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens, typical LLM pre-training batch
+DEFAULT_SEQ_LEN = 4096
+"""--seq-len when omitted: min(the model's max_position_embeddings, 4096). Models advertise
+their longest context (Qwen2-7B: 131,072), which pre-training rarely uses: Llama 2/3 and Qwen2
+pre-train at 4,096-8,192 and extend the context later."""
+MAX_TOKENS = 1e16
+"""--tokens above this (10,000T; Llama 3 trained on 15T) is taken for a typo."""
 
 
 def register(subparsers: Any) -> None:
@@ -35,7 +41,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per step (default: about 4M tokens' worth)")
     p.add_argument("--seq-len", type=positive_int, default=None,
-                   help="tokens per sequence (default: the model's max_seq)")
+                   help=f"tokens per sequence (default: min(max_position_embeddings, "
+                        f"{DEFAULT_SEQ_LEN}), stated in the output)")
     p.add_argument("--tokens", default="1T",
                    help="training budget in tokens for days / GPU-hours, e.g. 15T, 300B, 2e12")
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
@@ -44,13 +51,22 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recompute", help="fix recomputation: none | selective | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
-    p.add_argument("--schedule", help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | gpipe")
+    p.add_argument("--schedule",
+                   help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe")
     p.add_argument("--attention", default="flash",
                    help="attention kernel the cost model assumes: flash (default) | unfused")
     p.add_argument("--dropout", action="store_true",
                    help="model dropout kernels (GPT-2/3-era training; modern LLMs use none)")
+    p.add_argument("--stack", default="eager",
+                   help="software stack the cost model assumes: eager (plain PyTorch, meshtron's "
+                        "runtime; default) | fused (Megatron/Transformer Engine or torch.compile)")
+    p.add_argument("--dtype", default=None,
+                   help="precision of the run: bf16 (default: mixed precision) | fp32")
+    p.add_argument("--wide", action="store_true",
+                   help="wide table: time and memory breakdown per plan, HFU, GPU-hours")
     p.add_argument("--json", action="store_true", help="print JSON (schema in planner/report.py)")
-    p.add_argument("--save", metavar="PLAN.toml", type=output_file, help="write the best plan for `meshtron train`")
+    p.add_argument("--save", metavar="PLAN.toml", type=output_file,
+                   help="write the best plan for `meshtron train`")
     p.set_defaults(func=run)
 
 
@@ -62,6 +78,9 @@ def parse_tokens(text: str) -> float:
     value = float(m.group(1)) * scale
     if value <= 0:
         raise UserError(f"tokens={text!r}: must be positive")
+    if value > MAX_TOKENS:
+        raise UserError(f"tokens={text!r}: more than {MAX_TOKENS:.0e} tokens "
+                         "(the largest published runs train on ~15T)")
     return value
 
 
@@ -85,7 +104,7 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
     from meshtron.planner.plan import fixed_knobs
 
     return fixed_knobs(args.layout, args.zero, args.recompute, args.sp, args.micro_batch,
-                       args.schedule)
+                       args.schedule, args.dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +120,13 @@ def run(args: argparse.Namespace) -> int:
     tokens = parse_tokens(args.tokens)
     if args.top <= 0:
         raise UserError(f"top={args.top}: must be a positive integer")
-    seq = args.seq_len if args.seq_len is not None else model.max_seq
+    notes = []
+    seq = args.seq_len
+    if seq is None:
+        seq = min(model.max_seq, DEFAULT_SEQ_LEN)
+        notes.append(f"--seq-len not given: planning at {seq} tokens per sequence, the smaller "
+                     f"of the model's max_position_embeddings ({model.max_seq}) and "
+                     f"{DEFAULT_SEQ_LEN}")
     if seq <= 0:
         raise UserError(f"seq-len={seq}: must be a positive integer")
     if seq > model.max_seq:
@@ -109,19 +134,23 @@ def run(args: argparse.Namespace) -> int:
     batch = args.global_batch
     if batch is None:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
+        notes.append(f"--global-batch not given: planning at {batch} sequences per step "
+                     f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
     if batch <= 0:
         raise UserError(f"global-batch={batch}: must be a positive integer")
-    opts = KernelOptions(attention=args.attention, dropout=args.dropout)
+    opts = KernelOptions(attention=args.attention, dropout=args.dropout, stack=args.stack)
     result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
                           options=opts)
-    console = Console(stderr=False, width=200 if not sys.stdout.isatty() else None)
+    result.notes[:0] = notes
+    width = None if sys.stdout.isatty() else (220 if args.wide else 100)
+    console = Console(stderr=False, width=width)
     if args.json:
         print(json.dumps(report.to_json(result, tokens), indent=2))
     else:
-        report.render(result, tokens, console)
+        report.render(result, tokens, console, wide=args.wide)
     if not result.fits:
         line = report.render_no_fit(result, Console(file=sys.stderr if args.json else sys.stdout,
-                                                     width=200))
+                                                     width=width))
         raise UserError(line)
     if args.save:
         plan = result.best.to_plan(args.model, args.cluster, cluster.num_gpus, batch, seq,

@@ -29,6 +29,10 @@ Cluster TOML (`--cluster my.toml`)::
     inter_node_latency_us = 8       # optional, per ring step
     # bandwidth_efficiency = 1.0    # optional: fraction of the stated bandwidths collectives reach
     price_per_gpu_hour = 2.5        # optional, currency units, for the cost column
+    # measured by `meshtron calibrate` (optional):
+    # elementwise_gb_per_s = 2400   # achieved bandwidth of eager element-wise ops, GB/s
+    # eager_kernel_overhead_us = 6  # one tiny eager op (dispatch + launch), microseconds
+    # gemm_efficiency = [{m = 8192, n = 12288, k = 4096, efficiency = 0.72}, ...]
 """
 
 from __future__ import annotations
@@ -137,6 +141,15 @@ class ClusterSpec:
     """Fraction of the stated bandwidths that collectives reach; None: 0.8 NVLink, 0.9 network."""
     price_per_gpu_hour: float | None = None
     """Optional price of one device-hour, for the cost column."""
+    gemm_efficiency: tuple[GemmPoint, ...] | None = None
+    """Measured fraction of peak_tflops reached by GEMM shapes (m x k times k x n), e.g. a
+    transformer layer's; `meshtron calibrate` writes it. None: the roofline model's figure."""
+    elementwise_gb_per_s: float | None = None
+    """Achieved memory bandwidth of eager element-wise ops (RMSNorm, silu(a)*b, softmax), GB/s:
+    what memory-bound non-matmul work reaches, below the copy bandwidth `hbm_gb_per_s`."""
+    eager_kernel_overhead_us: float | None = None
+    """Time of one tiny eager op issued back to back (Python dispatch + kernel launch), us:
+    the floor under every small kernel of an eager (uncompiled) step."""
 
     def __post_init__(self) -> None:
         for field in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gb_per_s"):
@@ -155,6 +168,15 @@ class ClusterSpec:
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise UserError(f"cluster.{field}={value!r}: must be a fraction in (0, 1]")
+        if self.elementwise_gb_per_s is not None:
+            _positive("cluster.elementwise_gb_per_s", self.elementwise_gb_per_s)
+        value = self.eager_kernel_overhead_us
+        if value is not None and not (isinstance(value, (int, float))
+                                      and not isinstance(value, bool) and 0 <= value < 1e6):
+            raise UserError(f"cluster.eager_kernel_overhead_us={value!r}: must be a number of "
+                             "microseconds >= 0")
+        if self.gemm_efficiency is not None:
+            object.__setattr__(self, "gemm_efficiency", _gemm_points(self.gemm_efficiency))
         if self.price_per_gpu_hour is not None and not (
                 isinstance(self.price_per_gpu_hour, (int, float)) and self.price_per_gpu_hour >= 0):
             raise UserError(f"cluster.price_per_gpu_hour={self.price_per_gpu_hour!r}: "
@@ -192,7 +214,49 @@ class ClusterSpec:
         return dataclasses.replace(self, nodes=nodes, name=re.sub(r":\d+$", f":{nodes}", self.name))
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        if self.gemm_efficiency is not None:
+            out["gemm_efficiency"] = [dataclasses.asdict(g) for g in self.gemm_efficiency]
+        return out
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    """One measured GEMM shape: (m x k) @ (k x n)."""
+
+    m: int
+    """Rows of the left operand (tokens)."""
+    n: int
+    """Columns of the result."""
+    k: int
+    """Reduction dimension."""
+    efficiency: float
+    """Achieved fraction of the cluster's peak_tflops, in (0, 1]."""
+
+
+def _gemm_points(value: Any) -> tuple[GemmPoint, ...]:
+    """Validate `gemm_efficiency`: a list of {m, n, k, efficiency} tables (or GemmPoints)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise UserError(f"cluster.gemm_efficiency={value!r}: must be a non-empty list of "
+                         "{m, n, k, efficiency} tables")
+    points = []
+    for i, item in enumerate(value):
+        if isinstance(item, GemmPoint):
+            item = dataclasses.asdict(item)
+        if not isinstance(item, dict) or set(item) != {"m", "n", "k", "efficiency"}:
+            raise UserError(f"cluster.gemm_efficiency[{i}]={item!r}: must be a table with "
+                             "exactly the keys m, n, k, efficiency")
+        for key in ("m", "n", "k"):
+            v = item[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UserError(f"cluster.gemm_efficiency[{i}].{key}={v!r}: must be a "
+                                 "positive integer")
+        e = item["efficiency"]
+        if not (isinstance(e, (int, float)) and not isinstance(e, bool) and 0 < e <= 1):
+            raise UserError(f"cluster.gemm_efficiency[{i}].efficiency={e!r}: must be a "
+                             "fraction in (0, 1]")
+        points.append(GemmPoint(item["m"], item["n"], item["k"], float(e)))
+    return tuple(points)
 
 
 def _positive(field: str, value: Any) -> None:
@@ -216,7 +280,8 @@ def preset_cluster(kind: str, nodes: int) -> ClusterSpec:
 _CLUSTER_KEYS = {"name", "gpu", "peak_tflops", "memory_gib", "gpus_per_node", "nodes",
                  "intra_node_gb_per_s", "inter_node_gb_per_s", "intra_node_latency_us",
                  "inter_node_latency_us", "hbm_gb_per_s", "matmul_efficiency",
-                 "bandwidth_efficiency", "price_per_gpu_hour"}
+                 "bandwidth_efficiency", "price_per_gpu_hour", "gemm_efficiency",
+                 "elementwise_gb_per_s", "eager_kernel_overhead_us"}
 
 
 def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:

@@ -1,31 +1,50 @@
-"""Alpha-beta costs of the collectives hybrid parallelism uses, and which fabric a group crosses.
+"""Costs of the collectives hybrid parallelism issues, as NCCL runs them.
 
-Model (Hockney's alpha-beta model; ring algorithms as analysed by Thakur, Rabenseifner & Gropp 2005,
-"Optimization of Collective Communication Operations in MPICH"): a message of B bytes over a link
-of bandwidth bw takes alpha + B/bw. For a ring of n members, each holding B bytes:
+Model: NCCL's own tuning model (NVIDIA/nccl, src/graph/tuning.cc, `ncclTopoTuneModel` and
+`ncclTopoGetAlgoTime`): the time of one collective is a latency plus bytes over an algorithm
+bandwidth,
 
-* reduce-scatter and all-gather: (n-1) steps, each moving B/n bytes -> (n-1)*alpha + (n-1)/n * B/bw
-* all-reduce = reduce-scatter + all-gather -> 2(n-1)*alpha + 2(n-1)/n * B/bw
-* point-to-point: alpha + B/bw
+    t = latency + B_alg / bw_alg,
 
-Groups that span nodes run hierarchically (as NCCL's multi-ring / 2D algorithms do; Jia et al. 2018
-"Highly scalable deep learning training system with mixed-precision", hierarchical all-reduce):
-reduce-scatter inside the node over NVLink among the g local members, all-reduce of the 1/g shard
-across the N nodes (every local member drives its own NIC, in parallel), all-gather inside the node.
+with, for a ring of n ranks spread over N nodes (nsteps = n-1 for reduce-scatter and all-gather,
+2(n-1) for all-reduce; nInterSteps = N-1 resp. 2(N-1)):
 
-Rank order is Megatron's: tensor-parallel ranks are consecutive GPUs, then data-parallel, then
-pipeline (Narayanan et al. 2021, section 3). So a tensor group lives in one node, a data-parallel
-group has gpus_per_node/tp members in each node it touches, and pipeline neighbours are tp*dp
-ranks apart.
+* latency = baseLat + (nsteps - nInterSteps) * hwLat_NVLink + nInterSteps * hwLat_NET. NCCL's
+  table for the Simple protocol (used for the large buffers of training): baseLat(ring) 8.4 us,
+  hwLat_NVLink(ring) 3.4 us, hwLat_NET(ring) 9.6-14 us per step. The per-step hardware latencies
+  are the cluster's `intra_node_latency_us` / `inter_node_latency_us`; `BASE_LATENCY_S` is
+  baseLat. Latency therefore grows linearly with the ranks in the ring: a 1,536-rank ring pays
+  over 1,500 step latencies per collective, whatever its size.
+* bandwidth: the ring's bus bandwidth is nChannels x per-channel speed; across nodes NCCL lays
+  one channel per NIC (rail-aligned), so a flat ring whose members fill `local` GPUs of each node
+  drives `local` NICs per node and reaches min(NVLink, local x NIC) per rank (a data-parallel
+  group with one member per node, as under tp=8, runs at one NIC's rate). Ring all-gather and
+  reduce-scatter move (n-1)/n of the buffer per rank; all-reduce twice that.
+* all-reduce may also run as NCCL's double binary tree: latency baseLat + 2((n/N - 1) hwLat_NVLink
+  + log2(N) hwLat_NET), bandwidth 0.9 of the ring's (tuning.cc's tree refinements); NCCL picks
+  the faster, so do we.
 
-Achieved bandwidth is a fraction of the datasheet figure: NCCL's all-reduce bus bandwidth on DGX
-nodes is about 80% of NVLink's per-direction figure (~230 of 300 GB/s on A100, ~360 of 450 on
-H100) and about 90% of the NIC line rate across nodes (nccl-tests results published by NVIDIA).
-A cluster file may override both with `bandwidth_efficiency` (e.g. 1.0 for measured figures).
+The size dependence of achieved bandwidth follows from the latency term: a ring step moves a
+per-rank chunk B/n, so busbw = ((n-1)/n) B / t falls well below link speed when B/n is a few
+hundred kB (e.g. ZeRO-3's per-layer all-gathers over hundreds of ranks). `bus_bandwidth` reports it.
+
+Groups are flat rings over all their members (NCCL's default, one communicator per group).
+HSDP's two levels are two real groups (shard, then replica), costed as such in estimate.py;
+`hierarchical=True` gives the two-level scheme (reduce-scatter inside the node, collective of
+the 1/g shard across nodes, all-gather inside) for a runtime that splits one group that way.
+
+Achieved link rates: NCCL's all-reduce bus bandwidth on DGX nodes is about 80% of NVLink's
+per-direction figure (NCCL caps A100 rings at 235 of 300 GB/s in tuning.cc; ~360 of 450 on H100
+in nccl-tests) and about 90% of the NIC line rate across nodes. A cluster file may override both
+with `bandwidth_efficiency` (e.g. 1.0 for measured figures).
+
+Which ranks form each group, and so how many nodes it spans and how many members share a node,
+comes from placement.py (the same placement the runtime's mesh is built from).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshtron.planner.cluster import ClusterSpec
@@ -34,6 +53,10 @@ NVLINK_EFFICIENCY = 0.8
 """Fraction of NVLink's per-direction bandwidth a ring collective reaches (nccl-tests busbw)."""
 NETWORK_EFFICIENCY = 0.9
 """Fraction of the per-GPU NIC line rate a ring collective reaches (nccl-tests busbw)."""
+BASE_LATENCY_S = 8.4e-6
+"""NCCL's base latency of a ring collective with the Simple protocol (tuning.cc baseLat)."""
+TREE_BW_FACTOR = 0.9
+"""NCCL's tree all-reduce reaches 0.9 of the ring's bus bandwidth (tuning.cc)."""
 
 
 @dataclass(frozen=True)
@@ -43,13 +66,15 @@ class Fabric:
     intra_bw: float
     """Achieved intra-node bandwidth, bytes/s per GPU per direction."""
     inter_bw: float
-    """Achieved inter-node bandwidth, bytes/s per GPU per direction."""
+    """Achieved inter-node bandwidth, bytes/s per GPU (one NIC) per direction."""
     intra_alpha: float
-    """Per-step latency inside a node, seconds."""
+    """Per-step latency of a ring step over NVLink, seconds (NCCL hwLat NVLink)."""
     inter_alpha: float
-    """Per-step latency across nodes, seconds."""
+    """Per-step latency of a ring step across nodes, seconds (NCCL hwLat NET)."""
     gpus_per_node: int
     """GPUs per node, to place groups."""
+    base_latency: float = BASE_LATENCY_S
+    """Fixed latency of one collective launch, seconds (NCCL baseLat)."""
 
     @classmethod
     def of(cls, cluster: ClusterSpec) -> "Fabric":
@@ -63,15 +88,30 @@ class Fabric:
                    gpus_per_node=cluster.gpus_per_node)
 
 
+@dataclass(frozen=True)
+class Group:
+    """Where the members of a communicating group sit (placement.py computes it)."""
+
+    size: int
+    """Members in the group."""
+    local: int
+    """Members sharing one node (the group spans size/local nodes)."""
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.size // max(1, self.local))
+
+
+# ---- primitive formulas --------------------------------------------------------------------
 def ring_all_reduce(nbytes: float, n: int, bw: float, alpha: float) -> float:
-    """Ring all-reduce of `nbytes` per member among n members: 2(n-1)a + 2(n-1)/n B/bw."""
+    """Textbook ring all-reduce among n members of one link type: 2(n-1)a + 2(n-1)/n B/bw."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw
 
 
 def ring_reduce_scatter(nbytes: float, n: int, bw: float, alpha: float) -> float:
-    """Ring reduce-scatter of a full `nbytes` buffer: (n-1)a + (n-1)/n B/bw."""
+    """Textbook ring reduce-scatter of a full `nbytes` buffer: (n-1)a + (n-1)/n B/bw."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (n - 1) * alpha + (n - 1) / n * nbytes / bw
@@ -86,69 +126,78 @@ def p2p(nbytes: float, bw: float, alpha: float) -> float:
     return alpha + nbytes / bw if nbytes > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class Group:
-    """Where the members of a communicating group sit."""
-
-    size: int
-    """Members in the group."""
-    local: int
-    """Members sharing one node (the group spans size/local nodes)."""
-
-    @property
-    def nodes(self) -> int:
-        return max(1, self.size // max(1, self.local))
-
-
-def tp_group(tp: int) -> Group:
-    """Tensor-parallel group: consecutive ranks, always inside one node."""
-    return Group(tp, tp)
-
-
-def dp_group(tp: int, dp: int, gpus_per_node: int) -> Group:
-    """Data-parallel group: stride tp, so gpus_per_node/tp members per node (or all dp of them)."""
-    per_node = max(1, gpus_per_node // tp)
-    return Group(dp, min(dp, per_node))
-
-
-def pp_crosses_nodes(tp: int, dp: int, pp: int, gpus_per_node: int) -> bool:
-    """Pipeline neighbours are tp*dp ranks apart: they share a node only if the whole
-    tp*dp*pp block fits in one node (otherwise the slowest boundary crosses the network)."""
-    return tp * dp * pp > gpus_per_node
-
-
-def all_reduce(nbytes: float, group: Group, fab: Fabric) -> float:
-    """All-reduce over a group placed on one or more nodes (hierarchical when it spans nodes)."""
-    if group.size <= 1:
-        return 0.0
+# ---- NCCL's model ---------------------------------------------------------------------------
+def ring_bus_bw(group: Group, fab: Fabric) -> float:
+    """Bus bandwidth per rank of a flat ring: NVLink inside a node; across nodes one NIC per
+    member of the node (rail-aligned channels), never more than NVLink carries."""
     if group.nodes <= 1:
-        return ring_all_reduce(nbytes, group.size, fab.intra_bw, fab.intra_alpha)
-    g = group.local
-    t = ring_reduce_scatter(nbytes, g, fab.intra_bw, fab.intra_alpha)
-    t += ring_all_reduce(nbytes / g, group.nodes, fab.inter_bw, fab.inter_alpha)
-    t += ring_all_gather(nbytes, g, fab.intra_bw, fab.intra_alpha)
-    return t
+        return fab.intra_bw
+    return min(fab.intra_bw, max(1, group.local) * fab.inter_bw)
 
 
-def reduce_scatter(nbytes: float, group: Group, fab: Fabric) -> float:
-    """Reduce-scatter of a full `nbytes` buffer over a (possibly multi-node) group: intra-node
-    reduce-scatter, then inter-node reduce-scatter of the 1/g shard."""
-    if group.size <= 1:
+def ring_latency(group: Group, fab: Fabric, all_reduce: bool = False) -> float:
+    """baseLat + (nsteps - nInterSteps) * hwLat_NVLink + nInterSteps * hwLat_NET."""
+    k = 2 if all_reduce else 1
+    steps = k * (group.size - 1)
+    inter = k * (group.nodes - 1)
+    return fab.base_latency + (steps - inter) * fab.intra_alpha + inter * fab.inter_alpha
+
+
+def _ring(nbytes: float, group: Group, fab: Fabric, all_reduce: bool) -> float:
+    n = group.size
+    volume = (2.0 if all_reduce else 1.0) * (n - 1) / n * nbytes
+    return ring_latency(group, fab, all_reduce) + volume / ring_bus_bw(group, fab)
+
+
+def _tree_all_reduce(nbytes: float, group: Group, fab: Fabric) -> float:
+    local = max(1, group.local)
+    lat = fab.base_latency + 2 * ((local - 1) * fab.intra_alpha
+                                  + math.log2(max(1, group.nodes)) * fab.inter_alpha)
+    return lat + 2.0 * nbytes / (TREE_BW_FACTOR * ring_bus_bw(group, fab))
+
+
+def all_reduce(nbytes: float, group: Group, fab: Fabric, hierarchical: bool = False) -> float:
+    """All-reduce of `nbytes` per member: NCCL's faster of ring and tree (flat groups), or the
+    two-level scheme (hierarchical=True)."""
+    if group.size <= 1 or nbytes <= 0:
         return 0.0
+    if hierarchical and group.nodes > 1 and group.local > 1:
+        g = group.local
+        inner, outer = Group(g, g), Group(group.nodes, 1)
+        return (reduce_scatter(nbytes, inner, fab) + all_reduce(nbytes / g, outer, fab)
+                + all_gather(nbytes, inner, fab))
+    ring = _ring(nbytes, group, fab, all_reduce=True)
     if group.nodes <= 1:
-        return ring_reduce_scatter(nbytes, group.size, fab.intra_bw, fab.intra_alpha)
-    g = group.local
-    return (ring_reduce_scatter(nbytes, g, fab.intra_bw, fab.intra_alpha)
-            + ring_reduce_scatter(nbytes / g, group.nodes, fab.inter_bw, fab.inter_alpha))
+        return ring
+    return min(ring, _tree_all_reduce(nbytes, group, fab))
 
 
-def all_gather(nbytes: float, group: Group, fab: Fabric) -> float:
+def reduce_scatter(nbytes: float, group: Group, fab: Fabric, hierarchical: bool = False) -> float:
+    """Reduce-scatter of a full `nbytes` buffer (each member keeps nbytes/size): NCCL ring."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    if hierarchical and group.nodes > 1 and group.local > 1:
+        g = group.local
+        return (reduce_scatter(nbytes, Group(g, g), fab)
+                + reduce_scatter(nbytes / g, Group(group.nodes, 1), fab))
+    return _ring(nbytes, group, fab, all_reduce=False)
+
+
+def all_gather(nbytes: float, group: Group, fab: Fabric, hierarchical: bool = False) -> float:
     """All-gather into a full `nbytes` buffer: the mirror image of reduce_scatter."""
-    return reduce_scatter(nbytes, group, fab)
+    return reduce_scatter(nbytes, group, fab, hierarchical)
+
+
+def bus_bandwidth(nbytes: float, group: Group, fab: Fabric) -> float:
+    """Achieved bus bandwidth (nccl-tests' busbw) of an all-gather of `nbytes`: falls with the
+    per-rank chunk nbytes/size as the step latencies dominate."""
+    t = all_gather(nbytes, group, fab)
+    return (group.size - 1) / group.size * nbytes / t if t > 0 else 0.0
 
 
 def send(nbytes: float, crosses_nodes: bool, fab: Fabric) -> float:
-    """Point-to-point transfer between pipeline neighbours."""
+    """Point-to-point transfer between pipeline neighbours (NCCL send/recv: baseLat-free p2p
+    with one step's latency)."""
     if crosses_nodes:
         return p2p(nbytes, fab.inter_bw, fab.inter_alpha)
     return p2p(nbytes, fab.intra_bw, fab.intra_alpha)

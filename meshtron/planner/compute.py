@@ -10,17 +10,33 @@ inside its backward kernel is not counted as hardware FLOPs, as is customary.
 Timing. Each GEMM (m x k) @ (k x n) is timed with a roofline:
     t = max(2mnk / (peak * ceiling * s(m) s(n) s(k)),  2(mk + kn + mn) bytes / HBM bandwidth)
 where `ceiling` is the GPU's maximum achievable matmul fraction (cluster.py) and
-s(x) = x / (x + 128) models tile quantisation and SM under-occupancy of small dimensions: cuBLAS
-tiles are 64-256 wide, so a 1024-wide shard loses about 11% per small dimension and a 128-wide
-one (an attention head) about half (e.g. NVIDIA's "Matrix Multiplication Background" guide on
-tile and wave quantisation). Small per-GPU shards (large tp) therefore run less efficiently.
+s(x) = x / (x + d) models tile quantisation and SM under-occupancy of small dimensions: cuBLAS
+tiles are 64-256 wide, so on A100 (d = 128) a 1024-wide shard loses about 11% per small dimension
+and a 128-wide one (an attention head) about half (e.g. NVIDIA's "Matrix Multiplication
+Background" guide on tile and wave quantisation). d grows with the GPU's FLOP-per-byte balance
+(`REFERENCE_RIDGE`): about 240 on H100, about 110 on V100. Small per-GPU shards (large tp)
+therefore run less efficiently, more so on newer GPUs.
 Backward runs two GEMMs of the forward's shape per weight (input gradient and weight gradient).
 
 Non-GEMM work (norms, residual adds, activation functions, rotary embedding, softmax, dropout,
-cross-entropy) is memory-bound: time = bytes moved / (HBM bandwidth * 0.8), 0.8 being what
-streaming kernels reach (STREAM-like copy rates on A100/H100 HBM). The bytes per token are
-itemised in `_elementwise_bytes`. Backward moves about twice the forward's bytes (it reads the
-saved input and the incoming gradient and writes the outgoing one).
+casts, cross-entropy) is memory-bound: time = bytes moved / (HBM bandwidth * 0.8), 0.8 being what
+streaming kernels reach (STREAM-like copy rates on A100/H100 HBM). What moves depends on the
+software stack (`KernelOptions.stack`), itemised per operation in `_elementwise_bytes`:
+
+* 'eager' (meshtron's own runtime; plain PyTorch modules without torch.compile): every operation
+  is its own kernel that reads its inputs from HBM and writes its output back. RMSNorm as written
+  in Llama-style code upcasts to fp32 and runs five kernels; rotary embedding is half-split
+  slicing, a negation, a concatenation, two products and a sum; SwiGLU is a SiLU kernel plus a
+  product; cross-entropy upcasts the logits to fp32. Each kernel also costs the host-side
+  dispatch of eager PyTorch (about 10 us per operation with autograd recording; e.g. H. He,
+  "Making Deep Learning Go Brrrr From First Principles", 2022): a layer cannot run faster than
+  its kernels can be issued.
+* 'fused' (Megatron-LM / Transformer Engine, or torch.compile): norms, rotary embedding, the
+  activation and the bias-dropout-add are single kernels that read each input once and write
+  each output once (Megatron's fused kernels, Shoeybi et al. 2019; Korthikanti et al. 2022).
+
+Backward moves about twice the forward's bytes (it reads the saved input and the incoming
+gradient and writes the outgoing one).
 
 Attention core: 'flash' (FlashAttention-2, Dao 2023) skips the masked half of a causal square,
 keeps no s x s matrix in memory, and its backward executes 2.5x the forward's matmul FLOPs (5
@@ -37,16 +53,28 @@ from functools import lru_cache
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
+from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
 
 SAT_DIM = 128.0
-"""Half-efficiency dimension of the GEMM shape model s(x) = x / (x + SAT_DIM)."""
+"""Half-efficiency dimension of the GEMM shape model s(x) = x / (x + d) on the reference GPU."""
+REFERENCE_RIDGE = 0.80 * 312e12 / 2.039e12
+"""Achieved FLOP per HBM byte of the reference GPU (A100 80GB: its matmul ceiling times peak over
+bandwidth) at which SAT_DIM holds. A GEMM tile of width x reuses each operand byte in proportion
+to x, so the width at which feeding the tensor cores costs as much as the math grows with the
+machine balance: d = SAT_DIM * ridge / REFERENCE_RIDGE (about 240 on H100 SXM, whose peak grew
+3.2x over A100 and its bandwidth 1.6x; this is why Hopper kernels use 128x256 tiles)."""
 HBM_EFFICIENCY = 0.8
 """Fraction of HBM bandwidth reached by memory-bound elementwise kernels."""
 BF16 = 2
 """Bytes per bf16 element."""
 
 ATTENTION_KINDS = ("flash", "unfused")
+STACKS = ("eager", "fused")
+SHARDINGS = ("fsdp", "zero")
+DISPATCH_S = 10e-6
+"""Host-side cost of issuing one operation from Python (module docstring); fused stacks issue
+fewer kernels per layer, Megatron still dispatches them from Python."""
 
 
 @dataclass(frozen=True)
@@ -65,16 +93,70 @@ class KernelOptions:
     """Pipeline sends split the activation over the tensor group and re-gather it over NVLink
     (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1). False: every tensor
     rank sends the whole [micro_batch*s, h] activation (DeepSpeed's pipeline engine)."""
+    p2p_blocking: bool = False
+    """Pipeline sends and receives are blocking steps of each stage's instruction stream
+    (DeepSpeed's pipeline engine, 2021-2022): per micro-batch and direction a stage pays both its
+    receive and its send. False: Megatron's batched isend/irecv, one transfer per boundary."""
+    stack: str = "eager"
+    """'eager' (plain PyTorch modules, meshtron's runtime) or 'fused' (Megatron-LM / Transformer
+    Engine fused kernels, or torch.compile): what the memory-bound operations cost."""
+    shard_units_per_layer: int = 1
+    """Parameter all-gathers per layer and pass under ZeRO-3: FSDP wraps one transformer block (1);
+    DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
+    output projection, two MLP linears; Rajbhandari et al. 2021, ZeRO-Infinity, section 6)."""
+
+    prefetch_params: float | None = None
+    """Parameters ZeRO-3 all-gathers ahead of the unit computing (None: the whole next unit, as
+    FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) caps it:
+    only that share of a larger unit's all-gather can hide behind the previous unit's compute."""
+
+    recompute_regathers: bool = False
+    """Under ZeRO-3 with full recomputation, the recomputed forward gathers a unit's parameters
+    again and the backward once more (DeepSpeed: its per-submodule hooks release parameters
+    after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
+    serves both."""
+
+    list_collectives: bool = False
+    """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
+    PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
+    into a list gathers into a flat buffer and copies every chunk out, reduce_scatter from a list
+    flattens its input first): 3 extra HBM bytes per gathered byte, 2 per reduce-scattered byte."""
+    sharding: str = "fsdp"
+    """How ZeRO stages 0-2 run. 'fsdp' (meshtron's runtime on FSDP2, torchtitan, llm-foundry):
+    gradients are reduced after every micro-batch; ZeRO-1 all-reduces them and each owner
+    broadcasts its updated fp32 parameters after the step (parallel/data_parallel.py); ZeRO-2
+    gathers each unit's parameters before every micro-batch's forward and keeps them for its
+    backward. 'zero' (DeepSpeed, Megatron's distributed optimizer): gradients accumulate locally
+    and are reduced once per step, ZeRO-1/2 reduce-scatter them and all-gather the updated bf16
+    weights once."""
+    fp32_params_autocast: bool = False
+    """Parameters stay fp32 and autocast casts each weight to bf16 in every forward (Composer's
+    2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4
+    bytes per parameter, and each forward (recomputed ones too) reads 4 and writes 2 bytes per
+    local weight."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
             raise UserError(f"attention={self.attention!r}: allowed values are "
                              f"{', '.join(ATTENTION_KINDS)}")
+        if self.stack not in STACKS:
+            raise UserError(f"stack={self.stack!r}: allowed values are {', '.join(STACKS)}")
+        if self.sharding not in SHARDINGS:
+            raise UserError(f"sharding={self.sharding!r}: allowed values are "
+                             f"{', '.join(SHARDINGS)}")
+        pre = self.prefetch_params
+        if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
+                                or pre < 0):
+            raise UserError(f"prefetch_params={pre!r}: must be None or a number >= 0")
+        if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
+            raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
+                             "positive integer")
 
 
 def gemm_time(m: float, n: float, k: float, peak: float, hbm: float) -> float:
     """Roofline time of an (m x k) @ (k x n) bf16 GEMM; `peak` already includes the ceiling."""
-    sat = (m / (m + SAT_DIM)) * (n / (n + SAT_DIM)) * (k / (k + SAT_DIM))
+    d = SAT_DIM * (peak / hbm) / REFERENCE_RIDGE
+    sat = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
     t_flops = 2.0 * m * n * k / (peak * sat)
     t_bytes = BF16 * (m * k + k * n + m * n) / hbm
     return t_flops if t_flops > t_bytes else t_bytes
@@ -130,22 +212,60 @@ class EdgeCost:
     """Weight-gradient part of `compute`."""
 
 
+# Bytes per element read + written by one forward operation, bf16 activations (2 bytes) and fp32
+# intermediates (4 bytes) where the code upcasts. Eager figures follow the operations as written
+# in plain PyTorch (meshtron/model/transformer.py, torchtitan's and Hugging Face's Llama):
+#   RMSNorm: cast to fp32 (2+4), square (4+4), mean (4), scale (4+4), cast back (4+2), weight (2+2)
+#   LayerNorm: one ATen kernel (2+2) in both stacks
+#   RoPE (q and k): negate half (1+1), concatenate (2+2), x*cos (2+2), rotated*sin (2+2), sum (4+2)
+#   SwiGLU: SiLU (2+2) and product (4+2) per ffn element; fused: one kernel (4+2)
+#   GeLU: one kernel (2+2) in both stacks (Megatron fuses it with the bias add)
+#   residual add: (4+2) per add in both stacks (Megatron fuses bias-dropout-add: same traffic)
+#   dropout: eager mask + scale kernel (2+2+1) before the add; fused: +1 byte of mask
+#   head-major transposes around the attention kernel: the output copied back (2+2) in eager
+_NORM_BYTES = {("eager", "rmsnorm"): 36.0, ("fused", "rmsnorm"): 4.0,
+               ("eager", "layernorm"): 4.0, ("fused", "layernorm"): 4.0}
+_NORM_KERNELS = {("eager", "rmsnorm"): 6, ("fused", "rmsnorm"): 1,
+                 ("eager", "layernorm"): 1, ("fused", "layernorm"): 1}
+_ROPE_BYTES = {"eager": 20.0, "fused": 4.0}
+_SWIGLU_BYTES = {"eager": 10.0, "fused": 6.0}
+
+
 def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) -> float:
     """HBM bytes moved per token by one layer's memory-bound kernels in the forward pass.
 
-    Replicated across tensor-parallel ranks unless sequence parallelism shards them
-    (Korthikanti et al. 2022, section 4.2.2): two norms (read + write h: 8h bytes), two fused
-    bias(-dropout)-add-residual kernels (read 2h, write h: 12h; with dropout also a 1-byte mask
-    each: +2h). Sharded by tp: rotary embedding of q and k (read + write: 4(h + kv)) and the MLP
-    activation (GeLU: read f, write f = 4f; SwiGLU: read 2f, write f = 6f). The unfused
-    attention's softmax/dropout traffic is counted with the attention core in `layer_cost`; GEMM
-    inputs and outputs are part of the GEMM roofline, not counted here.
+    Per operation as in the table above. Replicated across tensor-parallel ranks unless sequence
+    parallelism shards them (Korthikanti et al. 2022, section 4.2.2): the two norms, the two
+    residual adds and the hidden dropouts. Sharded by tp: rotary embedding of q and k, the MLP
+    activation and the attention-output copy. The unfused attention's softmax/dropout traffic is
+    counted with the attention core in `layer_cost`; GEMM inputs and outputs are part of the GEMM
+    roofline, not counted here.
     """
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    replicated = 8 * h + 12 * h + (2 * h if opts.dropout else 0)
-    sharded = (4 * (h + kv) if model.position == "rope" else 0)
-    sharded += 6 * f if model.mlp == "swiglu" else 4 * f
+    st = opts.stack
+    replicated = 2 * _NORM_BYTES[(st, model.norm)] * h + 2 * 6.0 * h
+    if opts.dropout:
+        replicated += 2 * (5.0 if st == "eager" else 1.0) * h
+    sharded = _ROPE_BYTES[st] * (h + kv) if model.position == "rope" else 0.0
+    sharded += (_SWIGLU_BYTES[st] if model.mlp == "swiglu" else 4.0) * f
+    if st == "eager":
+        sharded += 4.0 * h
     return (replicated / tp if sp else replicated) + sharded / tp
+
+
+def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
+    """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations)."""
+    st = opts.stack
+    n = 2 * _NORM_KERNELS[(st, model.norm)] + 2  # norms, residual adds
+    n += (3 if model.mlp == "swiglu" else 2) + 4  # MLP and attention linears (q, k, v, out)
+    n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
+    if model.position == "rope":
+        n += 10 if st == "eager" else 1
+    if st == "eager":
+        n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
+        n += 1  # attention-output copy
+        n += 2 if opts.dropout else 0
+    return n
 
 
 @lru_cache(maxsize=4096)
@@ -177,19 +297,26 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
         # read + write 2s bytes each = 4s; with dropout a separate kernel reads the
         # probabilities, writes the dropped copy and a 1-byte mask: +5s (the tensors of
-        # Korthikanti et al. 2022's activation list). The GEMMs' own reads and writes of the
-        # scores are in their roofline.
-        score_bytes = (9 if opts.dropout else 4) * heads_local * seq * tokens
+        # Korthikanti et al. 2022's activation list). Eager code masks in a kernel of its own
+        # before the softmax: +4s. The GEMMs' own reads and writes of the scores are in their
+        # roofline.
+        per_score = (9 if opts.dropout else 4) + (4 if opts.stack == "eager" else 0)
+        score_bytes = per_score * heads_local * seq * tokens
         core_fwd += score_bytes / (hbm * HBM_EFFICIENCY)
         core_bwd = 2.0 * core_fwd
     elementwise = tokens * _elementwise_bytes(model, tp, sp, opts) / (hbm * HBM_EFFICIENCY)
-    fwd = linear + core_fwd + elementwise
-    bwd = 2.0 * linear + core_bwd + 2.0 * elementwise
+    # the host must issue every kernel: a layer is never faster than its dispatch
+    issue = kernels_per_layer(model, opts) * DISPATCH_S
+    if opts.fp32_params_autocast:
+        weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
+        elementwise += 6.0 * weights / (hbm * HBM_EFFICIENCY)
+    fwd = max(linear + core_fwd + elementwise, issue)
+    bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise, 2.0 * issue)
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
     # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2).
     fab = comm.Fabric.of(cluster)
-    group = comm.tp_group(tp)
+    group = tp_group(tp, cluster.gpus_per_node)
     act_bytes = BF16 * tokens * h
     if sp:
         one_tp = comm.reduce_scatter(act_bytes, group, fab) + comm.all_gather(act_bytes, group, fab)
@@ -201,11 +328,13 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
 
 @lru_cache(maxsize=4096)
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
-              sp: bool) -> EdgeCost:
+              sp: bool, stack: str = "fused") -> EdgeCost:
     """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
 
-    The head GEMM is [tokens, h] x [h, V/tp]; the loss reads bf16 logits and writes fp32
-    probabilities (6 bytes per logit) forward, and the reverse backward (Megatron's
+    The head GEMM is [tokens, h] x [h, V/tp]; the fused loss reads bf16 logits and writes fp32
+    probabilities (6 bytes per logit) forward, and the reverse backward; eager PyTorch casts the
+    logits to fp32 (2+4), runs log-softmax (4+4) and, backward, its gradient (4+4+4) and the cast
+    back (4+2): 14 bytes per logit forward, 18 backward (Megatron's
     vocab-parallel cross-entropy; only 3 floats per token cross the tensor group, in three
     fp32 all-reduces: max logit, target logit, sum of exponentials).
 
@@ -219,12 +348,14 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     hbm = cluster.hbm_bytes_per_s * HBM_EFFICIENCY
     tokens = micro_batch * seq
     gemm = gemm_time(tokens, model.vocab / tp, model.hidden, peak, cluster.hbm_bytes_per_s)
-    loss = tokens * model.vocab / tp * 6 / hbm
-    norm = tokens * 4 * model.hidden / (tp if sp else 1) / hbm
-    fwd_c = gemm + loss + norm
-    compute = fwd_c + 2 * gemm + loss + 2 * norm
+    logits = tokens * model.vocab / tp
+    loss_f, loss_b = (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
+    norm_b = _NORM_BYTES[(stack, model.norm)]
+    norm = tokens * norm_b * model.hidden / (tp if sp else 1) / hbm
+    fwd_c = gemm + logits * loss_f / hbm + norm
+    compute = fwd_c + 2 * gemm + logits * loss_b / hbm + 2 * norm
     fab = comm.Fabric.of(cluster)
-    group = comm.tp_group(tp)
+    group = tp_group(tp, cluster.gpus_per_node)
     nbytes = BF16 * tokens * model.hidden
     loss_ar = 3 * comm.all_reduce(4.0 * tokens, group, fab)
     if sp:
@@ -248,7 +379,7 @@ def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch:
     nbytes = BF16 * tokens * model.hidden
     compute = 3 * nbytes / hbm
     fab = comm.Fabric.of(cluster)
-    group = comm.tp_group(tp)
+    group = tp_group(tp, cluster.gpus_per_node)
     if sp:
         tp_f = comm.reduce_scatter(nbytes, group, fab)
         tp_b = comm.all_gather(nbytes, group, fab)

@@ -13,19 +13,29 @@ Step time (per optimizer step, on the critical pipeline stage c):
   [micro_batch*s, h] activation split over the tensor group ("scatter/gather", Narayanan et al.
   2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink;
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
-  (DeepSpeed's pipeline engine).
+  and p2p_blocking=True pays a stage's receive and its send per direction (DeepSpeed's
+  pipeline engine: blocking transfers in each stage's instruction stream).
 * dp_exposed: gradient synchronisation over the data-parallel group (comm.py) overlapped with
   backward work (bucketed all-reduce as in PyTorch DDP, Li et al. 2020; Megatron's
   overlap_grad_reduce): ZeRO-0 all-reduces once per step, during the last micro-batch's backward;
   stage i finishes its backward i stage-backwards before stage 0, which hides more. ZeRO-1
   reduce-scatters instead and all-gathers updated bf16 weights, hidden behind the next step's
   first forward. ZeRO-2 must reduce-scatter after every micro-batch (gradients are not kept
-  whole), ZeRO-3 also all-gathers each layer's weights before its forward and its backward
-  (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al. 2023), each hidden behind the compute it
-  precedes where possible.
-* optimizer: AdamW is memory bound; per local parameter it reads and writes fp32 master and two
-  moments, reads the gradient and writes bf16 weights: 28 bytes (30 with an fp32 gradient
-  buffer) at 80% of HBM bandwidth.
+  whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); FSDP-based
+  runtimes, meshtron's included (sharding='fsdp', the default), reduce gradients after every
+  micro-batch, run ZeRO-1 as all-reduce plus owner broadcasts of the updated fp32 parameters
+  (parallel/data_parallel.py), and ZeRO-2 as ZeRO-3 without the backward all-gather.
+  ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
+  before each unit's forward, one before its backward (two when recomputation re-gathers), one
+  reduce-scatter after it, each an NCCL collective with its own latency over the shard group
+  (then an all-reduce over the replica group under HSDP); prefetching hides a unit's collective
+  behind the previous unit's compute only (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al.
+  2023, section 3.3), so per unit max(0, comm - compute) stays exposed, plus the first
+  all-gather and the last reduce-scatter.
+* optimizer: AdamW is memory bound; fused (apex / Transformer Engine, stack 'fused') it reads
+  and writes fp32 master and two moments, reads the gradient and writes bf16 weights: 28 bytes
+  (30 with an fp32 gradient buffer); torch.optim's unfused AdamW (stack 'eager') makes a pass
+  per arithmetic step, 86 bytes; both at 80% of HBM bandwidth.
 
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
@@ -34,56 +44,28 @@ al. 2022); hardware TFLOP/s adds recomputed FLOPs (HFU).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, compute, memory, pipeline
+from meshtron.planner import comm, compute, memory, pipeline, placement
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.plan import Plan
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
-"""AdamW update traffic per local parameter (see module docstring)."""
+"""Fused AdamW update traffic per local parameter (see module docstring)."""
+EAGER_OPTIMIZER_BYTES_PER_PARAM = 86.0
+"""torch.optim.AdamW without fusion (for-loop or foreach: multi-tensor launches, same bytes):
+weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (4+4, 4+4+4),
+sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
+of the fp32 master (4+2): 86 bytes per parameter."""
 OVERLAP_INTERFERENCE = 0.15
 """Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
 communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
 part of data-parallel traffic costs this fraction of its duration."""
-
-
-@dataclass(frozen=True)
-class Config:
-    """A point of the search space (everything but the layer partition)."""
-
-    tp: int
-    """Tensor-parallel degree."""
-    pp: int
-    """Pipeline stages."""
-    dp: int
-    """Data-parallel degree."""
-    zero: int
-    """ZeRO stage."""
-    micro_batch: int
-    """Sequences per micro-batch."""
-    recompute: str
-    """'none' | 'selective' | 'full'."""
-    sp: bool
-    """Sequence parallelism."""
-    schedule: str
-    """Pipeline schedule."""
-    virtual_stages: int = 1
-    """Model chunks per GPU stage (interleaved)."""
-
-    def layout(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
-
-    def describe(self) -> str:
-        sched = self.schedule if self.pp > 1 else "-"
-        if self.schedule == "interleaved":
-            sched = f"interleaved:{self.virtual_stages}"
-        return (f"{self.layout()} zero={self.zero} mb={self.micro_batch} "
-                f"recompute={self.recompute} sp={'on' if self.sp else 'off'} schedule={sched}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +100,7 @@ class TimeBreakdown:
 class Estimate:
     """The planner's prediction for one plan."""
 
-    config: Config
+    config: Plan
     """Knobs of the plan."""
     stage_layers: list[int]
     """Layers per (virtual) stage, pipeline order."""
@@ -154,11 +136,10 @@ class Estimate:
     def to_plan(self, model_name: str, cluster_name: str, gpus: int, global_batch: int,
                 seq_len: int, attention: str) -> Plan:
         c = self.config
-        return Plan(model=model_name, cluster=cluster_name, gpus=gpus, global_batch=global_batch,
-                    seq_len=seq_len, tp=c.tp, pp=c.pp, dp=c.dp, zero=c.zero,
-                    micro_batch=c.micro_batch, recompute=c.recompute, sp=c.sp,
-                    schedule=c.schedule, virtual_stages=c.virtual_stages,
-                    stage_layers=list(self.stage_layers), attention=attention,
+        if gpus != c.gpus:
+            raise ValueError(f"to_plan: gpus={gpus} but the plan has tp*pp*dp={c.gpus}")
+        return c.replace(model=model_name, cluster=cluster_name, global_batch=global_batch,
+                    seq_len=seq_len, stage_layers=tuple(self.stage_layers), attention=attention,
                     predicted={"step_time_s": round(self.step_time_s, 6),
                                "tokens_per_s": round(self.tokens_per_s, 1),
                                "memory_gib": round(self.memory.total, 3),
@@ -171,6 +152,7 @@ class Estimate:
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "micro_batch": c.micro_batch,
             "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
             "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+            "dp_replicate": c.dp_replicate, "dtype": c.dtype,
             "stage_layers": list(self.stage_layers), "fits": self.fits,
             "memory_gib": self.memory.to_dict(), "time_s": self.time.to_dict(),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -194,17 +176,20 @@ def _exposed(comm_time: float, window: float) -> float:
 
 
 class Evaluator:
-    """Cost model bound to one model, cluster and batch; evaluates Configs (cached pieces)."""
+    """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 opts: KernelOptions | None = None) -> None:
+                 opts: KernelOptions | None = None,
+                 mem: memory.MemoryOptions | None = None) -> None:
         self.model, self.cluster = model, cluster
         self.global_batch, self.seq = global_batch, seq_len
         self.opts = opts or KernelOptions()
+        # the framework decides the bytes (memory.py; default: meshtron's runtime), the plan's
+        # dtype the precision
+        self.mem = mem or memory.options_for(self.opts)
         self.fab = comm.Fabric.of(cluster)
         self.capacity = cluster.memory_bytes
-        self.ws_fixed = min(memory.WORKSPACE_FIXED_GIB * memory.GIB,
-                            memory.WORKSPACE_FIXED_MAX_FRACTION * self.capacity)
+        self.ws_fixed = memory.workspace_fixed(self.capacity)
         # Tensors must fit in what the allowance leaves: (tensors)(1 + frag) + fixed <= capacity.
         self.tensor_budget = (self.capacity - self.ws_fixed) / (1.0 + memory.FRAGMENTATION)
         tokens = global_batch * seq_len
@@ -216,7 +201,10 @@ class Evaluator:
         self.grad_bytes = 4.0 if self.opts.fp32_grad_reduce else memory.GRAD_BYTES
         # AdamW traffic per local parameter: 24 bytes of fp32 master + moments read and written,
         # bf16 weight written (2), gradient read (2 or 4)
-        self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
+        if self.opts.stack == "eager":
+            self.opt_bytes = EAGER_OPTIMIZER_BYTES_PER_PARAM
+        else:
+            self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
         self._cache: dict[Any, Any] = {}
         self.evaluated = 0
 
@@ -230,28 +218,54 @@ class Evaluator:
         lc = compute.layer_cost(m, cl, tp, mb, s, sp, opts)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp)
-        head = compute.head_cost(m, cl, tp, mb, s, sp)
-        act = memory.activation_bytes(m, tp, sp, mb, s, rec, opts)
-        work = memory.recompute_working_bytes(m, tp, sp, mb, s, rec, opts)
-        logits = memory.logits_bytes(m, tp, mb, s)
+        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack)
         # pipeline p2p: [mb*s, h] bf16 split over the tensor group, re-gathered on NVLink
         # (already split with sequence parallelism); without scatter/gather each tensor rank
         # sends the whole activation over its own link
         p2p_bytes = compute.BF16 * mb * s * m.hidden / tp
-        gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, comm.tp_group(tp), self.fab)
+        gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, self._tp_group(tp), self.fab)
         if not opts.p2p_scatter_gather and not sp:
             p2p_bytes, gather = p2p_bytes * tp, 0.0
-        hit = (c_l, tpc_l, f_l, w_l, emb, head, act, work, logits, p2p_bytes, gather)
+        hit = (c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather)
         self._cache[key] = hit
         return hit
 
-    def _params(self, tp: int, pp: int) -> tuple[float, float, float]:
+    def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str):
+        """(memory options, activations per layer, recompute working set, logits) in bytes for
+        one micro-batch at the plan's dtype (memory.py)."""
+        key = ("mem", tp, mb, sp, rec, dtype)
+        hit = self._cache.get(key)
+        if hit is None:
+            mem = self.mem
+            if mem.dtype != dtype:
+                mem = dataclasses.replace(mem, dtype=dtype)
+            args = (self.model, tp, sp, mb, self.seq, rec, self.opts, mem)
+            hit = (mem, memory.activation_bytes(*args), memory.recompute_working_bytes(*args),
+                   memory.logits_bytes(self.model, tp, mb, self.seq, mem))
+            self._cache[key] = hit
+        return hit
+
+    def _groups(self, cfg: Plan) -> dict[str, Any]:
+        """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
+        key = ("groups", cfg.tp, cfg.pp, cfg.dp, cfg.zero >= 2, cfg.dp_replicate,
+               cfg.virtual_stages > 1)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = placement.groups_for_cost(cfg, self.cluster.gpus_per_node)
+            self._cache[key] = hit
+        return hit
+
+    def _tp_group(self, tp: int) -> comm.Group:
+        return placement.tp_group(tp, self.cluster.gpus_per_node)
+
+    def _params(self, tp: int, pp: int) -> tuple[float, float, float, float]:
         key = ("params", tp, pp)
         hit = self._cache.get(key)
         if hit is None:
             hit = (memory.layer_params_local(self.model, tp),
                    memory.embedding_params_local(self.model, tp),
-                   memory.head_params_local(self.model, tp, pp))
+                   memory.head_params_local(self.model, tp, pp),
+                   memory.largest_param_local(self.model, tp))
             self._cache[key] = hit
         return hit
 
@@ -272,35 +286,83 @@ class Evaluator:
             self._cache[key] = hit
         return hit
 
-    def _dp_time(self, params: float, zero: int, dp: int, tp: int, m: int, fwd: float,
-                 bwd: float) -> float:
-        """Exposed data-parallel time of a stage holding `params` parameters (module docstring)."""
-        key = ("dp", params, zero, dp, tp, m, fwd, bwd)
+    def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
+                 bwd: float, layers: int = 1, regather: bool = False) -> float:
+        """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
+        (module docstring)."""
+        group = groups["dp"]
+        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        group = comm.dp_group(tp, dp, self.cluster.gpus_per_node)
-        nbytes = (4.0 if self.opts.fp32_grad_reduce else compute.BF16) * params
-        wbytes = compute.BF16 * params
+        gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
+        nbytes = gsize * params
+        wbytes = (4.0 if self.opts.fp32_params_autocast else compute.BF16) * params
+        fsdp = self.opts.sharding == "fsdp"
+        if zero == 3 or (zero == 2 and fsdp):  # per unit, with its own overlap rules
+            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+                                                 backward_gather=zero == 3)
+            self._cache[key] = exp
+            return exp
         if not self.opts.overlap_grad_reduce:
             fwd = bwd = 0.0
         if zero == 0:
-            exp = _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
+            exp = (m if fsdp else 1) * _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
+        elif zero == 1 and fsdp:
+            # every micro-batch all-reduces; after the step each owner broadcasts its updated
+            # fp32 parameters: the volume of an all-gather, one call (and latency) per owner
+            bcast = (comm.all_gather(4.0 * params, group, self.fab)
+                     + (group.size - 1) * self.fab.base_latency)
+            exp = m * _exposed(comm.all_reduce(nbytes, group, self.fab), bwd) + bcast
         elif zero == 1:
             exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
                    + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
-        elif zero == 2:
-            exp = (m * _exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
-                   + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
         else:
-            ag = comm.all_gather(wbytes, group, self.fab)
-            rs = comm.reduce_scatter(nbytes, group, self.fab)
-            exp = m * (_exposed(ag, fwd) + _exposed(ag + rs, bwd))
+            shard, rep = groups["dp_shard"], groups["dp_replicate"]
+            rs = (comm.reduce_scatter(nbytes, shard, self.fab)
+                  + comm.all_reduce(nbytes / shard.size, rep, self.fab))
+            exp = m * _exposed(rs, bwd) + _exposed(comm.all_gather(wbytes, shard, self.fab), fwd)
         self._cache[key] = exp
         return exp
 
+    def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
+                              fwd: float, bwd: float, regather: bool = False,
+                              backward_gather: bool = True) -> float:
+        """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
+        backward (parameters are resharded after the forward) and one reduce-scatter of its
+        gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
+        replica group); the next unit's collectives are prefetched while this unit computes
+        (FSDP's forward/backward prefetch, Zhao et al. 2023, section 3.3; DeepSpeed's parameter
+        prefetch). Exposed per unit: max(0, comm - compute) plus the interference of the hidden
+        part; the first unit's all-gather (fill) and the last reduce-scatter (drain) are never
+        hidden. Collectives are counted per unit, each paying its own NCCL latency. Without
+        `backward_gather` (FSDP's ZeRO-2: no resharding after the forward) the backward only
+        reduce-scatters."""
+        units = max(1, layers * self.opts.shard_units_per_layer)
+        shard, rep = groups["dp_shard"], groups["dp_replicate"]
+        gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
+        wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
+        ag = comm.all_gather(wsize * params / units, shard, self.fab)
+        rs = comm.reduce_scatter(gsize * params / units, shard, self.fab)
+        if self.opts.list_collectives:  # staging copies on the collective's critical path
+            ag += 3.0 * wsize * params / units / self.hbm
+            rs += 2.0 * gsize * params / units / self.hbm
+        rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
+        f_u, b_u = fwd / units, bwd / units
+        # share of a unit's all-gather that prefetching can start early
+        pre = self.opts.prefetch_params
+        hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
+        fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
+        # recomputation that re-gathers: a second all-gather per unit in the backward
+        ag_b = (2 * ag if regather else ag) if backward_gather else 0.0
+        # gradient reduce-scatters hide behind the next unit's backward only when reduction
+        # overlaps (DeepSpeed's overlap_comm, on in FSDP)
+        rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
+        bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
+        return ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
+
     # ---- the cost model --------------------------------------------------------------------
-    def evaluate(self, cfg: Config, keep_infeasible: bool = True,
+    def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
                  exact_memory: bool = True, cutoff: float = float("inf")) -> Estimate | None:
         """Estimate a config. Infeasible ones come back with fits == False and the memory they
         need under the most memory-balanced layer split (`exact_memory`; otherwise under the
@@ -311,24 +373,27 @@ class Evaluator:
         tp, pp, dp, zero, mb, rec = cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute
         v = cfg.virtual_stages
         m = self.global_batch // (dp * mb)
-        (c_l, tpc_l, f_l, w_l, emb, head, act, work, logits, p2p_bytes,
-         gather) = self._micro(tp, mb, cfg.sp, rec)
+        c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec)
+        mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype)
         t_layer = c_l + tpc_l
         e_first = emb.compute + emb.tp
         e_last = head.compute + head.tp
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
-        p_layer, p_emb, p_head = self._params(tp, pp)
-        wb, gb, ob = memory.state_bytes(zero, dp, self.grad_bytes)
-        sb = wb + gb + ob
-        z3_buffer = 2.0 * compute.BF16 * p_layer if zero == 3 else 0.0
-        # memory of stage i = n_i * per_layer[i] + fixed[i]
+        p_layer, p_emb, p_head, largest = self._params(tp, pp)
+        states = memory.state_bytes(zero, dp, self.grad_bytes, mem_opts)
+        # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
-        state_layer = p_layer * sb
-        per_layer = [state_layer + act * x for x in inflight]
-        fixed = [work + z3_buffer] * pp
-        fixed[0] += p_emb * sb
-        fixed[-1] += p_head * sb + logits
+        roots = [0.0] * pp
+        roots[0] += p_emb
+        roots[-1] += p_head
+        per_layer, fixed = [], []
+        for i in range(pp):
+            sm = memory.stage_memory(mem_opts, zero, dp, states, p_layer, roots[i], largest, act,
+                                     inflight[i], work, logits if i == pp - 1 else 0.0,
+                                     self.grad_bytes)
+            per_layer.append(sm.per_layer)
+            fixed.append(sm.fixed)
         budget = self.tensor_budget
         n = self._time_partition(pp, v, t_layer, e_first, e_last)
         fits = n is not None and all(
@@ -363,13 +428,16 @@ class Evaluator:
         stage_w[-1] += head.wgrad
         crit = max(range(pp), key=stage_t.__getitem__)
         compute_t = m * stage_c[crit]
-        tp_t = m * (stage_t[crit] - stage_c[crit])
+        # exactly zero without tensor parallelism (the difference of sums leaves rounding)
+        tp_t = m * (stage_t[crit] - stage_c[crit]) if tp > 1 else 0.0
         bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w)
+        groups = self._groups(cfg)
         pp_t = 0.0
         if pp > 1:
-            cross = comm.pp_crosses_nodes(tp, dp, pp, self.cluster.gpus_per_node)
+            cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
-            pp_t = (m * v + pp - 1) * 2.0 * hop
+            per_boundary = 4.0 if self.opts.p2p_blocking else 2.0
+            pp_t = (m * v + pp - 1) * per_boundary * hop
         dp_t = 0.0
         opt_t = 0.0
         seen: set[tuple[int, bool, bool]] = set()
@@ -384,8 +452,9 @@ class Evaluator:
             if dp > 1:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
-                dp_t = max(dp_t, self._dp_time(params_i, zero, dp, tp, m, stage_f[i],
-                                               bwd if zero >= 2 else (1 + i) * bwd))
+                dp_t = max(dp_t, self._dp_time(params_i, zero, groups, m, stage_f[i],
+                                               bwd if zero >= 2 else (1 + i) * bwd, k,
+                                               rec == "full" and self.opts.recompute_regathers))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
         step = times.total
@@ -395,17 +464,10 @@ class Evaluator:
         # ---- memory breakdown of the fullest stage -------------------------------------------
         totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
         worst = max(range(pp), key=totals.__getitem__)
-        k = n[worst]
-        params_w = k * p_layer + (p_emb if worst == 0 else 0.0) + (p_head if worst == pp - 1 else 0.0)
-        acts = k * act * inflight[worst] + work
-        lg = logits if worst == pp - 1 else 0.0
-        tensors = totals[worst]
-        gib = memory.GIB
-        mem = memory.MemoryBreakdown(
-            params=(params_w * wb + z3_buffer) / gib, grads=params_w * gb / gib,
-            optimizer=params_w * ob / gib, activations=acts / gib, logits=lg / gib,
-            workspace=(self.ws_fixed + memory.FRAGMENTATION * tensors) / gib,
-            capacity=self.capacity / gib, stage=worst)
+        mem = memory.breakdown(mem_opts, zero, dp, states, n[worst], p_layer, roots[worst],
+                               largest, act, inflight[worst], work,
+                               logits if worst == pp - 1 else 0.0, self.capacity, worst,
+                               self.grad_bytes)
         hw_flops = self.model_flops + compute.recompute_flops_per_token(
             model, seq, rec, self.opts.attention) * self.tokens
         peak = self.cluster.peak_flops
@@ -418,7 +480,7 @@ class Evaluator:
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
             mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
 
-    def lower_bound_step(self, cfg: Config) -> float:
+    def lower_bound_step(self, cfg: Plan) -> float:
         """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
         pipeline or data-parallel communication."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)

@@ -1,54 +1,98 @@
-"""Memory per GPU: model states per ZeRO stage, activations, logits, workspace.
+"""Memory per GPU, component by component, for the dtype and the framework a run uses.
 
-Model states (Rajbhandari et al. 2020, "ZeRO", section 3 and 5): mixed-precision AdamW keeps
-bf16 weights (2 bytes/param), bf16 gradients (2) and fp32 master weights + two moments (K = 12),
-16 bytes per parameter in all (18 when gradients accumulate in an fp32 buffer, as in
-Megatron-LM's main_grad; KernelOptions.fp32_grad_reduce). ZeRO-1 shards the optimizer states
-over the data-parallel group, ZeRO-2 also the gradients, ZeRO-3 also the weights. ZeRO-3
-re-gathers the weights of a layer before using them; we keep two layers' gathered bf16 weights
-(current + prefetch).
+The peak of a training step is at the start of the backward pass of the fullest pipeline
+stage's last in-flight micro-batch: model states, the unsharded parameter copies the data-parallel
+wrapper keeps for compute, the stored activations of every in-flight micro-batch, the working set
+of the layer being recomputed, and (last stage) the logits and their gradients.
 
-Activations per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", section 4, eqs. 1-5), generalised to grouped-query
-attention and SwiGLU by listing the stored tensors (bytes per token; h hidden, kv key/value width,
-f MLP width, a heads, s sequence, t tensor-parallel degree):
+Model states, bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sections 3 and 5):
 
-* replicated over the tensor group unless sequence parallelism shards them by t: the inputs of
-  the two norms (4h), the QKV and MLP inputs (2h + 2h), dropout masks (2 x 1h, with dropout);
-  Korthikanti's "10 sbh" term;
-* sharded by t: Q (2h), K and V (4kv), the attention-output input (2h), the MLP's inner
-  activations (GeLU: input + output 4f; SwiGLU: gate, up and product 6f); Korthikanti's 24/t
-  term for GPT (f = 4h);
-* the attention core, sharded by t: unfused kernels keep the softmax output (2as), with dropout
-  also its mask and output (5as, Korthikanti's 5as^2b); FlashAttention keeps only a fp32
-  log-sum-exp per head (4a bytes).
+* `fsdp2` (meshtron's own runtime, torchtitan): the parameters ARE the fp32 master weights
+  (FSDP2's sharded parameters keep their dtype; MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32) only casts the all-gathered copy, FSDP2 docs), fp32 gradients (the sharded
+  gradient takes the sharded parameter's dtype) and AdamW's two fp32 moments: 4 + 4 + 8 = 16 bytes
+  in fp32 and in bf16 runs alike. The compute copy (2 bytes in bf16, 4 in fp32) exists only
+  while a unit is all-gathered (see `gathered_bytes`).
+* `megatron` / `deepspeed` (mixed-precision AdamW as in the ZeRO paper): 2-byte weights,
+  2-byte gradients (4 with Megatron-LM's fp32 main_grad, `KernelOptions.fp32_grad_reduce`) and
+  K = 12 bytes of fp32 master weights and moments; fp32 runs: 4 + 4 + 8.
 
-Selective recomputation drops the attention core (Korthikanti, section 5); with FlashAttention it
-stores what no recomputation stores. Full recomputation keeps only each layer's input (2h, /t with
-sequence parallelism) and, while one layer is being recomputed, that layer's full activations.
+Sharding over the data-parallel group: ZeRO-1 the optimizer states, ZeRO-2 also the gradients,
+ZeRO-3 also the weights. meshtron's ZeRO-2 is FSDP2 without resharding after forward, so its
+parameters are sharded at rest too; its ZeRO-1 keeps parameters and gradients whole and gives
+each data-parallel rank the AdamW state of the parameters it owns.
 
-Pipeline schedules keep several micro-batches in flight (pipeline.py). The last stage also holds
-one micro-batch of logits: bf16 logits plus the fp32 copy the loss works on, 6 bytes per
-[token, vocab/t] element (Megatron's vocab-parallel cross-entropy).
+Unsharded compute copies (`gathered_bytes`): FSDP2 all-gathers one wrapped unit (a transformer
+block, or the root: embedding + final norm + head) at a time into a new buffer in the compute
+dtype and prefetches the next unit (FSDP2 docs, "implicit prefetching"); with
+reshard_after_forward=True (ZeRO-3) at most the current and the prefetched unit are alive; with
+False (ZeRO-2, and the replicate path meshtron uses for ZeRO-0/1 under FSDP2) every unit stays
+gathered from its forward to its backward, i.e. the whole stage's parameters in the compute
+dtype. A shard group of one rank (meshtron's ZeRO-0/1 under FSDP2) still copies the parameters
+into that buffer (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, `wait_for_unshard`),
+in fp32 too. During a unit's backward its unsharded gradient exists in the compute dtype (the fp32
+copy for reduce_dtype=fp32 is made after the unit's backward, when its activations are gone).
+DeepSpeed ZeRO-3 gathers per submodule and caps the parameters
+alive at `stage3_max_live_parameters` (default 1e9) plus a `stage3_prefetch_bucket_size`
+(default 5e8) prefetch; its gradients go through a `reduce_bucket_size` (default 5e8 elements)
+bucket (DeepSpeed configuration docs). Megatron-LM uses the bf16 weights directly.
 
-Workspace and fragmentation allowance: 1 GiB for the CUDA context, cuBLAS and NCCL workspaces
-(NCCL's default buffers are 4 MiB per channel and peer; a CUDA context takes 0.3-0.5 GiB), capped
-at 5% of the device for small devices, plus 8% of all tensors for the caching allocator's
-fragmentation (PyTorch typically reserves 5-15% more than it allocates in LLM training).
+Activations per layer and micro-batch: the tensors autograd saves, listed op by op
+(`activation_bytes`). Three lists:
+
+* `korthikanti` (Megatron-LM / Transformer Engine fused kernels; Korthikanti et al. 2022,
+  section 4, eqs. 1-5, generalised to grouped-query attention and SwiGLU): norm inputs 4h, QKV
+  and MLP inputs 4h (both /t with sequence parallelism), Q 2h, K and V 4kv, attention output 2h,
+  MLP 6f (SwiGLU, fused: gate and up inputs + product) or 4f (GeLU), dropout masks 2h; the
+  attention core 2as (unfused; 5as with dropout), or a fp32 log-sum-exp per head with
+  FlashAttention. Selective recomputation drops the attention core.
+* `eager` (meshtron's model in eager PyTorch, read off its autograd graph; checked against
+  `torch.autograd.graph.saved_tensors_hooks` in tests/test_memory.py): norm inputs (x, x1), the
+  normed inputs of QKV and of the MLP (gathered, so full width even with sequence parallelism:
+  DTensor saves the all-gathered input), Q and K after RoPE and V as SDPA sees them (K and V
+  repeated to all query heads for grouped-query attention), SDPA's output and its reshaped copy
+  (the out-projection's input), the log-sum-exp, and SwiGLU's gate, up, SiLU output and product
+  (GeLU: pre-activation and output). Selective recomputation (meshtron's policy,
+  meshtron/parallel/recompute.py) keeps the block input, every matmul output (the row-parallel
+  ones at full width, before their reduction) and every collective's output.
+* `alternate-matmul` (torchtitan's selective "op" policy): the block input, every other matmul
+  output (wq, wv, w1, w2) and the SDPA output with its log-sum-exp.
+
+Full recomputation keeps each block's input (/t with sequence parallelism) and, while one block
+is recomputed, that block's activations (`recompute_working_bytes`).
+
+Logits (last stage, one micro-batch; [tokens, vocab/t] elements): the eager loss casts the
+logits to fp32 and takes log_softmax, whose fp32 output is saved; at the start of backward the
+saved output, the incoming gradient and log_softmax's input gradient are alive together: 12
+bytes per element (the compute-dtype logits are freed after the loss, nothing saves them;
+pipeline schedules keep the stage output, + the compute dtype's bytes). Megatron's fused
+vocabulary-parallel cross-entropy keeps bf16 logits + an fp32 softmax that its backward
+overwrites in place: 6 bytes; flash-attn's fused loss with in-place backward (llm-foundry's
+default) only the 16-bit logits: 2 bytes (`MemoryOptions.loss`).
+
+Workspace (device memory outside the tensors): the CUDA context and kernels (~0.5 GiB on
+A100/H100), cuBLAS workspaces and NCCL's buffers (NCCL_BUFFSIZE = 4 MiB per channel and peer,
+over several communicators), 1 GiB together, capped at 5% of a small device; and the caching
+allocator's fragmentation: it rounds requests >= 1 MiB to 2 MiB and carves them from cached
+segments it does not return (PyTorch CUDA semantics docs), so reserved memory exceeds the
+allocated peak; 8% of the tensors (reserved/allocated of LLM training runs is typically 1.05-1.15).
+`MemoryBreakdown.allocated` is the figure `torch.cuda.max_memory_allocated` reports, `total` the
+one the device must hold.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
 
 GIB = float(2**30)
 WEIGHT_BYTES = 2.0
-"""bf16 weights."""
+"""bf16 weights (mixed-precision frameworks that keep 16-bit parameters)."""
 GRAD_BYTES = 2.0
-"""bf16 gradients (4.0 with an fp32 accumulation buffer, see `state_bytes`)."""
+"""bf16 gradients (4.0 with an fp32 accumulation buffer)."""
 OPTIMIZER_BYTES = 12.0
 """fp32 master weights + AdamW first and second moments (ZeRO's K = 12)."""
 WORKSPACE_FIXED_GIB = 1.0
@@ -56,19 +100,112 @@ WORKSPACE_FIXED_GIB = 1.0
 WORKSPACE_FIXED_MAX_FRACTION = 0.05
 """Cap of the fixed allowance on small devices, as a fraction of device memory."""
 FRAGMENTATION = 0.08
-"""Allocator fragmentation allowance, fraction of all tensors."""
+"""Caching-allocator fragmentation allowance, fraction of all tensors."""
+DEEPSPEED_MAX_LIVE_PARAMS = 1e9
+"""DeepSpeed `stage3_max_live_parameters` default."""
+DEEPSPEED_PREFETCH_PARAMS = 5e8
+"""DeepSpeed `stage3_prefetch_bucket_size` default (elements)."""
+DEEPSPEED_REDUCE_BUCKET = 5e8
+"""DeepSpeed `reduce_bucket_size` default (elements)."""
+
+RNG_STATE_BYTES = 5056.0
+"""A checkpointed block keeps the CPU generator's state to replay dropout identically
+(torch.utils.checkpoint, preserve_rng_state=True; torch.get_rng_state() is 5056 bytes)."""
+
+DTYPES = ("bf16", "fp32")
+FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
+SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
+LOSSES = ("eager", "vocab-parallel", "inplace")
 
 
-def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES) -> tuple[float, float, float]:
+@dataclass(frozen=True)
+class MemoryOptions:
+    """What decides the bytes of a plan besides its layout: precision and framework."""
+
+    dtype: str = "bf16"
+    """Compute dtype of the run: 'bf16' (mixed precision, fp32 master weights) or 'fp32'."""
+    framework: str = "fsdp2"
+    """'fsdp2' (meshtron's runtime, torchtitan), 'megatron' (Megatron-LM) or 'deepspeed'."""
+    activations: str | None = None
+    """Saved-tensor list: 'eager', 'korthikanti' or 'alternate-matmul' (torchtitan's selective
+    op policy); None: 'eager' for fsdp2, 'korthikanti' for the others."""
+    loss: str | None = None
+    """Cross-entropy implementation: 'eager' (fp32 copy + log_softmax, 12 bytes per logit at the
+    start of backward), 'vocab-parallel' (Megatron-LM: bf16 logits + fp32 softmax overwritten by
+    its gradient, 6) or 'inplace' (flash-attn's fused loss as llm-foundry uses it: the gradient
+    overwrites the 16-bit logits, 2); None: 'eager' for fsdp2, 'vocab-parallel' otherwise."""
+    fused_norm: bool = True
+    """RMSNorm runs as one kernel saving only its input (CUDA: aten._fused_rms_norm, PyTorch
+    PR #153666); False: the composite path (PyTorch on CPU), which also saves an fp32 copy of
+    the input and the fp32 normalised tensor."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UserError(f"dtype={self.dtype!r}: allowed values are {', '.join(DTYPES)}")
+        if self.framework not in FRAMEWORKS:
+            raise UserError(f"memory.framework={self.framework!r}: allowed values are "
+                             f"{', '.join(FRAMEWORKS)}")
+        if self.loss is not None and self.loss not in LOSSES:
+            raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
+        if self.activations is not None and self.activations not in SELECTIVE:
+            raise UserError(f"memory.activations={self.activations!r}: allowed values are "
+                             f"{', '.join(SELECTIVE)}")
+
+    @property
+    def compute_bytes(self) -> float:
+        """Bytes of one activation / compute-copy element."""
+        return 2.0 if self.dtype == "bf16" else 4.0
+
+    @property
+    def saved(self) -> str:
+        if self.activations is not None:
+            return self.activations
+        return "eager" if self.framework == "fsdp2" else "korthikanti"
+
+    @property
+    def loss_kind(self) -> str:
+        if self.loss is not None:
+            return self.loss
+        return "eager" if self.framework == "fsdp2" else "vocab-parallel"
+
+
+DEFAULT = MemoryOptions()
+
+
+def options_for(opts: KernelOptions | None, dtype: str = "bf16") -> MemoryOptions:
+    """The memory layout that goes with the cost model's options: `sharding='fsdp'` (FSDP2 /
+    FSDP: meshtron's runtime, torchtitan, llm-foundry) keeps fp32 parameters and gathers compute
+    copies; `sharding='zero'` (Megatron-LM, DeepSpeed) keeps 16-bit weights with fp32 master
+    weights in the optimizer. Without a `sharding` option, `stack='fused'` means Megatron-LM."""
+    sharding = getattr(opts, "sharding", None)
+    if sharding is not None:
+        framework = "fsdp2" if sharding == "fsdp" else "megatron"
+    else:
+        framework = "megatron" if getattr(opts, "stack", "eager") == "fused" else "fsdp2"
+    return MemoryOptions(dtype=dtype, framework=framework)
+
+
+# ---- model states -------------------------------------------------------------------------------
+def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
+                mem: MemoryOptions | None = None) -> tuple[float, float, float]:
     """Bytes per parameter held by one GPU for (weights, gradients, optimizer) at a ZeRO stage.
 
-    `grad_bytes` is 4 when gradients are accumulated in an fp32 buffer (Megatron-LM's main_grad,
-    `KernelOptions.fp32_grad_reduce`): bf16 weights + fp32 gradients + 12 bytes of optimizer
-    states = 18 bytes per parameter, 6 + 12/d with a distributed optimizer (the table of
-    Megatron-LM's docs/distrib_optimizer.md)."""
-    w = WEIGHT_BYTES / dp if zero >= 3 else WEIGHT_BYTES
-    g = grad_bytes / dp if zero >= 2 else grad_bytes
-    o = OPTIMIZER_BYTES / dp if zero >= 1 else OPTIMIZER_BYTES
+    Mixed-precision frameworks (megatron, deepspeed): `grad_bytes` is 4 with an fp32 gradient
+    buffer (Megatron-LM's main_grad): 2 + 4 + 12 = 18 bytes per parameter, 6 + 12/d with the
+    distributed optimizer (the table of Megatron-LM's docs/distrib_optimizer.md). fsdp2: fp32
+    parameters and gradients, 8 bytes of moments (module docstring)."""
+    mem = mem or DEFAULT
+    if mem.framework == "fsdp2":
+        w, g, o = 4.0, 4.0, 8.0
+        w = w / dp if zero >= 2 else w  # FSDP2 shards parameters at rest for ZeRO-2 too
+    elif mem.dtype == "fp32":
+        w, g, o = 4.0, 4.0, 8.0
+        w = w / dp if zero >= 3 else w
+    else:
+        w, g, o = WEIGHT_BYTES, grad_bytes, OPTIMIZER_BYTES
+        w = w / dp if zero >= 3 else w
+    g = g / dp if zero >= 2 else g
+    o = o / dp if zero >= 1 else o
     return w, g, o
 
 
@@ -78,7 +215,7 @@ def layer_params_local(model: ModelSpec, tp: int) -> float:
 
 
 def embedding_params_local(model: ModelSpec, tp: int) -> float:
-    """Vocabulary-parallel token embedding (+ replicated learned position table)."""
+    """Vocabulary-parallel token embedding (+ vocabulary-parallel learned position table)."""
     return model.embedding_params() - model.vocab * model.hidden + model.vocab * model.hidden / tp
 
 
@@ -90,42 +227,157 @@ def head_params_local(model: ModelSpec, tp: int, pp: int) -> float:
     return model.norm_params + out
 
 
-def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
-                     recompute: str, opts: KernelOptions) -> float:
-    """Bytes one layer keeps for one micro-batch until its backward pass (see module docstring)."""
+def largest_param_local(model: ModelSpec, tp: int) -> float:
+    """Elements of the largest single weight matrix of a layer on one tensor rank."""
+    return max(model.hidden * model.ffn_hidden, model.hidden * model.hidden) / tp
+
+
+def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: float,
+                   p_root: float, largest: float, grad_bytes: float = GRAD_BYTES) -> float:
+    """Unsharded compute copies of parameters and gradients alive at the peak (module docstring).
+
+    `layers` and `p_layer`: the stage's blocks and the parameters of one on this GPU; `p_root`:
+    parameters outside the blocks on this stage (embedding, final norm, head)."""
+    cb = mem.compute_bytes
+    if mem.framework == "fsdp2":
+        if dp == 1 and mem.dtype == "fp32":
+            return 0.0  # no FSDP2 at all: the fp32 parameters are used directly
+        # one unit's unsharded gradient in the compute dtype; its fp32 copy for the reduction
+        # is made after the unit's backward, once its activations are freed
+        grad_unit = cb * max(p_layer, p_root)
+        if zero == 3 and dp > 1:
+            # current + prefetched unit; at the start of backward the root (head) is gathered
+            # together with the prefetched last block
+            return cb * max(2.0 * p_layer, p_root + p_layer) + grad_unit
+        return cb * (layers * p_layer + p_root) + grad_unit
+    if zero == 3 and dp > 1:
+        # DeepSpeed's per-module gathering, the ZeRO-3 of 16-bit-weight frameworks
+        live = max(largest, min(DEEPSPEED_MAX_LIVE_PARAMS, p_layer + p_root))
+        return cb * (live + DEEPSPEED_PREFETCH_PARAMS) + grad_bytes * max(largest,
+                                                                          DEEPSPEED_REDUCE_BUCKET)
+    if mem.framework == "deepspeed" and zero == 2 and dp > 1:
+        return grad_bytes * DEEPSPEED_REDUCE_BUCKET
+    return 0.0
+
+
+# ---- activations ---------------------------------------------------------------------------------
+def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attention: str,
+                seq: int) -> float:
+    """Bytes per token one eager block saves without recomputation (module docstring)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
-    tokens = micro_batch * seq
-    if recompute == "full":
-        return tokens * 2.0 * h / (tp if sp else 1)
+    cb = mem.compute_bytes
+    kv_sdpa = h if model.heads != model.kv_heads else kv  # repeat_interleave for GQA
+    h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
+    if model.norm == "rmsnorm" and not mem.fused_norm:
+        # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
+        norm = 2.0 * (4.0 * h_in + 4.0 * h_in)
+    else:
+        norm = 2.0 * cb * h_in                             # input (+ per-row statistics)
+    stats = (8.0 if model.norm == "layernorm" else 4.0) / (tp if sp else 1)  # fp32 mean/rstd
+    norm += 2.0 * stats
+    gathered = 2.0 * h                                     # normed inputs of QKV and MLP
+    # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
+    # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
+    attn = 2.0 * h + 2.0 * kv_sdpa
+    mlp = 4.0 * f if model.mlp == "swiglu" else 2.0 * f
+    core = 4.0 * a                                          # fp32 log-sum-exp per head
+    if attention == "unfused":
+        core += cb * a * seq                                # softmax output
+    return norm + cb * (gathered + (attn + mlp) / tp) + core / tp
+
+
+def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions) -> float:
+    """Per layer and micro-batch: RoPE's cos/sin cast to a 16-bit compute dtype (2 calls x 2)."""
+    if model.position != "rope" or mem.dtype == "fp32":
+        return 0.0
+    return 4.0 * seq * model.head_dim * mem.compute_bytes
+
+
+def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
+    """meshtron's selective policy: block input, matmul outputs, collective outputs."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    block_in = h / (tp if sp else 1)
+    col = h + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
+    row = 2.0 * h  # wo and w2 outputs: full width on every tensor rank before the reduction
+    coll = 0.0
+    if tp > 1:
+        coll = 2.0 * h + (2.0 * h / tp if sp else 0.0)  # all-gathers (SP) or all-reduces; + RS
+    return cb * (block_in + col / tp + row + coll)
+
+
+def _alternate_matmul(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
+    """torchtitan's selective op policy: block input, wq, wv, w1, w2 and SDPA outputs."""
+    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    block_in = h / (tp if sp else 1)
+    return cb * (block_in + (h + kv + f + h) / tp + h) + 4.0 * a / tp
+
+
+def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOptions,
+                 seq: int) -> float:
+    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
     replicated = 8.0 * h + (2.0 * h if opts.dropout else 0.0)
     sharded = 4.0 * h + 4.0 * kv + (6.0 * f if model.mlp == "swiglu" else 4.0 * f)
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:
         core = 4.0 * a
-    return tokens * ((replicated / tp if sp else replicated) + (sharded + core) / tp)
+    return (replicated / tp if sp else replicated) + (sharded + core) / tp
+
+
+def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
+                     recompute: str, opts: KernelOptions,
+                     mem: MemoryOptions | None = None) -> float:
+    """Bytes one layer keeps for one micro-batch until its backward pass (module docstring)."""
+    mem = mem or DEFAULT
+    tokens = micro_batch * seq
+    sp = sp and tp > 1
+    if recompute == "full":
+        return tokens * mem.compute_bytes * model.hidden / (tp if sp else 1) + RNG_STATE_BYTES
+    cb = mem.compute_bytes
+    if mem.saved == "korthikanti":
+        per_token = _korthikanti(model, tp, sp, recompute, opts, seq) * cb / 2.0
+    elif recompute == "none":
+        per_token = _eager_none(model, tp, sp, mem, opts.attention, seq)
+        return tokens * per_token + rope_copy_bytes(model, seq, mem)
+    elif mem.saved == "alternate-matmul":
+        per_token = _alternate_matmul(model, tp, sp, cb)
+    else:
+        per_token = _eager_selective(model, tp, sp, cb)
+    return tokens * per_token + (RNG_STATE_BYTES if mem.saved != "korthikanti" else 0.0)
 
 
 def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
-                            recompute: str, opts: KernelOptions) -> float:
+                            recompute: str, opts: KernelOptions,
+                            mem: MemoryOptions | None = None) -> float:
     """Extra bytes alive while a recomputed layer runs its backward (one layer, one micro-batch)."""
     if recompute == "none":
         return 0.0
+    full = activation_bytes(model, tp, sp, micro_batch, seq, "none", opts, mem)
     if recompute == "full":
-        return activation_bytes(model, tp, sp, micro_batch, seq, "none", opts)
-    return (activation_bytes(model, tp, sp, micro_batch, seq, "none", opts)
-            - activation_bytes(model, tp, sp, micro_batch, seq, "selective", opts))
+        return full
+    return max(0.0, full - activation_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem))
 
 
-def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int) -> float:
-    """bf16 logits + fp32 loss copy of one micro-batch on the last stage."""
-    return micro_batch * seq * model.vocab / tp * 6.0
+def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
+                 mem: MemoryOptions | None = None, pipelined: bool = False) -> float:
+    """Logits of one micro-batch and their gradients at the loss (module docstring)."""
+    mem = mem or DEFAULT
+    elements = micro_batch * seq * model.vocab / tp
+    if mem.loss_kind == "vocab-parallel":
+        return elements * 6.0
+    if mem.loss_kind == "inplace":
+        return elements * mem.compute_bytes
+    return elements * (12.0 + (mem.compute_bytes if pipelined else 0.0))
 
 
 def workspace_bytes(tensors: float, capacity: float) -> float:
     """Workspace and fragmentation allowance for a GPU holding `tensors` bytes."""
-    fixed = min(WORKSPACE_FIXED_GIB * GIB, WORKSPACE_FIXED_MAX_FRACTION * capacity)
-    return fixed + FRAGMENTATION * tensors
+    return workspace_fixed(capacity) + FRAGMENTATION * tensors
+
+
+def workspace_fixed(capacity: float) -> float:
+    """The fixed part of the workspace (CUDA context, cuBLAS, NCCL) on a device of `capacity`."""
+    return min(WORKSPACE_FIXED_GIB * GIB, WORKSPACE_FIXED_MAX_FRACTION * capacity)
 
 
 @dataclass(frozen=True)
@@ -133,33 +385,111 @@ class MemoryBreakdown:
     """Memory of the fullest GPU of a plan, GiB."""
 
     params: float
-    """bf16 weights (plus ZeRO-3's gathered-layer buffers)."""
+    """Parameters at rest (fp32 master shards for FSDP2; 16-bit weights otherwise)."""
     grads: float
-    """bf16 gradients."""
+    """Gradients (accumulation buffers / sharded gradients)."""
     optimizer: float
-    """fp32 master weights and AdamW moments."""
+    """AdamW moments (+ fp32 master weights for 16-bit-weight frameworks)."""
+    gathered: float
+    """Unsharded compute copies of parameters and gradients alive at the peak (FSDP/ZeRO)."""
     activations: float
-    """Stored activations of all in-flight micro-batches plus the recomputation working set."""
+    """Stored activations of one micro-batch in all of the stage's layers."""
+    in_flight: float
+    """Stored activations of the other in-flight micro-batches (pipeline schedules)."""
+    recompute: float
+    """Working set of the layer being recomputed."""
     logits: float
-    """Logits of one micro-batch (last stage only)."""
+    """Logits of one micro-batch and their gradients (last stage only)."""
     workspace: float
     """Workspace and fragmentation allowance."""
     capacity: float
     """Device memory."""
     stage: int
     """Pipeline stage this breakdown belongs to (the fullest one)."""
+    dtype: str = "bf16"
+    """Compute dtype the breakdown assumes."""
+
+    @property
+    def allocated(self) -> float:
+        """Peak of the tensors (what torch.cuda.max_memory_allocated reports)."""
+        return (self.params + self.grads + self.optimizer + self.gathered + self.activations
+                + self.in_flight + self.recompute + self.logits)
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.activations + self.logits
-                + self.workspace)
+        return self.allocated + self.workspace
 
     @property
     def fits(self) -> bool:
         return self.total <= self.capacity
 
-    def to_dict(self) -> dict[str, float]:
+    def parts(self) -> list[tuple[str, float]]:
+        """(component, GiB) in the order they add up to `total`."""
+        return [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                ("gathered", self.gathered), ("activations", self.activations),
+                ("in-flight", self.in_flight), ("recompute", self.recompute),
+                ("logits", self.logits), ("workspace", self.workspace)]
+
+    def describe(self) -> str:
+        """'params 1.2 + grads 1.2 + ...' listing the non-zero components, GiB."""
+        return " + ".join(f"{name} {gib:.3g}" for name, gib in self.parts() if gib > 0)
+
+    def to_dict(self) -> dict[str, float | int | str]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "logits": self.logits,
-                "workspace": self.workspace, "total": self.total, "capacity": self.capacity,
-                "stage": self.stage}
+                "gathered": self.gathered, "activations": self.activations,
+                "in_flight": self.in_flight, "recompute": self.recompute,
+                "logits": self.logits, "workspace": self.workspace,
+                "allocated": self.allocated, "total": self.total, "capacity": self.capacity,
+                "stage": self.stage, "dtype": self.dtype}
+
+
+# ---- one stage ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes of pipeline stage i as a function of its layer count k: k * per_layer + fixed."""
+
+    per_layer: float
+    """States, gathered copies and in-flight activations per layer of the stage."""
+    fixed: float
+    """Embedding / head states, logits, recompute working set, fixed buffers."""
+
+
+def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
+                 p_layer: float, p_root: float, largest: float, act: float, in_flight: float,
+                 work: float, logits: float, grad_bytes: float = GRAD_BYTES) -> StageMemory:
+    """Linear model of one stage's memory in its layer count (used by the layer partition).
+
+    FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
+    with ZeRO-3 they do not (two units)."""
+    sb = sum(states)
+    per_layer = p_layer * sb + act * in_flight
+    cb = mem.compute_bytes
+    fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
+                and not (zero == 3 and dp > 1))
+    if fsdp_all:
+        per_layer += cb * p_layer
+        fixed_gather = gathered_bytes(mem, zero, dp, 0, p_layer, p_root, largest, grad_bytes)
+    else:
+        fixed_gather = gathered_bytes(mem, zero, dp, 1, p_layer, p_root, largest, grad_bytes)
+    return StageMemory(per_layer=per_layer,
+                       fixed=p_root * sb + logits + work + fixed_gather)
+
+
+def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
+              layers: int, p_layer: float, p_root: float, largest: float, act: float,
+              in_flight: float, work: float, logits: float, capacity: float, stage: int,
+              grad_bytes: float = GRAD_BYTES) -> MemoryBreakdown:
+    """The component breakdown of a stage holding `layers` blocks (GiB)."""
+    wb, gb, ob = states
+    params = layers * p_layer + p_root
+    gathered = gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes)
+    all_acts = layers * act * in_flight
+    acts = min(layers * act, all_acts)
+    extra = all_acts - acts
+    tensors = params * (wb + gb + ob) + gathered + all_acts + work + logits
+    return MemoryBreakdown(
+        params=params * wb / GIB, grads=params * gb / GIB, optimizer=params * ob / GIB,
+        gathered=gathered / GIB, activations=acts / GIB,
+        in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,
+        workspace=workspace_bytes(tensors, capacity) / GIB, capacity=capacity / GIB,
+        stage=stage, dtype=mem.dtype)

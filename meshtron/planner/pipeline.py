@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 
-SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
+from meshtron.planner.plan import SCHEDULES  # noqa: F401  (the one list, re-exported)
 
 
 def in_flight(schedule: str, p: int, v: int, m: int, stage: int) -> float:

@@ -1,23 +1,34 @@
 """Human (rich) and machine (JSON) output of a plan search.
 
-JSON schema "meshtron-plan-search/1" (`meshtron plan --json`)::
+The table fits 100 columns by default (`render(..., wide=False)`): layout, knobs, memory of
+the fullest GPU against capacity, step time, tokens/s, MFU and days; the best plan's time and
+memory breakdown follow on their own lines. `wide=True` (`meshtron plan --wide`) adds the
+breakdowns per plan, hardware FLOP/s and GPU-hours. Numbers are never cut short: columns wrap
+rather than end in an ellipsis. Every output states the cost model's options (all fields of
+KernelOptions, e.g. the attention kernel and the software stack) and the run precision.
+
+JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
 
     {
-      "schema": "meshtron-plan-search/1",
-      "model": {"name": str, "params": int, "layers": int, "hidden": int, "heads": int},
+      "schema": "meshtron-plan-search/2",
+      "model": {"name": str, "params": int, "layers": int, "hidden": int, "heads": int,
+                "kv_heads": int, "vocab": int},
       "cluster": {ClusterSpec fields..., "num_gpus": int},
       "global_batch": int, "seq_len": int, "tokens": float,      # tokens = training budget
-      "options": {"attention": "flash"|"unfused", "dropout": bool, ...},
+      "options": {every KernelOptions field: "attention", "dropout", ..., "dtype": str},
       "fits": bool,                                               # some plan fits in memory
       "evaluated": int, "feasible": int, "search_time_s": float,
+      "notes": [str],                                             # knob families left out, why
       "plans": [                                                  # best first, at most --top
         {"rank": int, "tp": int, "pp": int, "dp": int, "zero": int, "micro_batch": int,
-         "num_microbatches": int, "recompute": str, "sp": bool, "schedule": str,
-         "virtual_stages": int, "stage_layers": [int], "fits": bool,
+         "num_microbatches": int, "recompute": str, "sp": bool,
+         "schedule": str|null,                                    # null when pp = 1
+         "virtual_stages": int, "dp_replicate": int, "dtype": str,
+         "stage_layers": [int], "fits": bool,
          "memory_gib": {"params", "grads", "optimizer", "activations", "logits",
                         "workspace", "total", "capacity": float, "stage": int},
          "time_s": {"compute", "tp_comm", "pp_comm", "dp_comm_exposed", "bubble",
-                    "optimizer": float},
+                    "optimizer": float},                          # exact 0.0 when absent
          "step_time_s": float, "tokens_per_s": float,
          "model_tflops_per_gpu": float, "hardware_tflops_per_gpu": float,
          "mfu": float, "hfu": float,                              # fractions of peak
@@ -27,23 +38,20 @@ JSON schema "meshtron-plan-search/1" (`meshtron plan --json`)::
                         "step_time_s": float|null, "memory_gib": float|null}],
       "near_miss": plan object (as above, fits = false) | null    # only when nothing fits
     }
+
+Version 2 (was 1): `schedule` is null without a pipeline, plans carry `dtype` and
+`dp_replicate`, `options` carries `dtype`, and `notes` is new.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.search import SearchResult
 
-SCHEMA = "meshtron-plan-search/1"
-
-
-def _sched(est: Estimate) -> str:
-    c = est.config
-    if c.pp == 1:
-        return "-"
-    return f"interleaved:{c.virtual_stages}" if c.schedule == "interleaved" else c.schedule
+SCHEMA = "meshtron-plan-search/2"
 
 
 def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
@@ -59,9 +67,10 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
                   "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads, "vocab": m.vocab},
         "cluster": {**result.cluster.to_dict(), "num_gpus": n},
         "global_batch": result.global_batch, "seq_len": result.seq_len, "tokens": tokens,
-        "options": dict(result.options.__dict__),
+        "options": {**options_dict(result.options), "dtype": result.dtype},
         "fits": result.fits, "evaluated": result.evaluated, "feasible": result.feasible,
         "search_time_s": result.seconds,
+        "notes": list(result.notes),
         "plans": plans,
         "alternatives": [a.to_dict() for a in result.alternatives],
         "near_miss": (result.near_miss.to_dict(tokens, n, price)
@@ -69,50 +78,142 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
     }
 
 
-def _fmt_tokens(x: float) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+# ---- number formatting -------------------------------------------------------------------------
+def options_dict(options: Any) -> dict[str, Any]:
+    """Every field of the cost model's options (a dataclass), whatever fields it grows."""
+    if dataclasses.is_dataclass(options):
+        return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    return dict(vars(options))
+
+
+def options_line(options: Any, dtype: str) -> str:
+    """'attention=flash, dropout=off, ..., dtype=bf16': the assumptions behind every figure."""
+    parts = []
+    for name, value in options_dict(options).items():
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        parts.append(f"{name}={value}")
+    return ", ".join(parts + [f"dtype={dtype}"])
+
+
+def fmt_count(x: float) -> str:
+    """1234 -> '1.23K', 6.7e9 -> '6.74B': three significant digits with a unit."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def fmt_tokens(x: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if x >= div:
             return f"{x / div:g}{unit}"
     return f"{x:g}"
 
 
-def render(result: SearchResult, tokens: float, console) -> None:
-    """Print the ranked table, the memory/time breakdown and why other families lose."""
+def fmt_s(x: float) -> str:
+    """Seconds, three significant digits; an exact zero stays '0'."""
+    if x == 0:
+        return "0"
+    if x >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.3g}"
+
+
+def fmt_days(x: float) -> str:
+    if x >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.3g}"
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return one if n == 1 else many.format(n)
+
+
+def _layout(est: Estimate) -> str:
+    c = est.config
+    return f"{c.tp}/{c.pp}/{c.dp}"
+
+
+def breakdown_line(est: Estimate) -> str:
+    t = est.time
+    return (f"step {fmt_s(est.step_time_s)} s = compute {fmt_s(t.compute)} + tensor-parallel "
+            f"{fmt_s(t.tp_comm)} + pipeline {fmt_s(t.pp_comm)} + data-parallel exposed "
+            f"{fmt_s(t.dp_comm)} + bubble {fmt_s(t.bubble)} + optimizer {fmt_s(t.optimizer)}")
+
+
+def memory_line(est: Estimate) -> str:
+    m = est.memory
+    return (f"memory of the fullest GPU (stage {m.stage}, {m.dtype}): {m.describe()} = "
+            f"{m.total:.3g} of {m.capacity:g} GiB")
+
+
+# ---- the table ----------------------------------------------------------------------------------
+def _table(result: SearchResult, tokens: float, wide: bool):
+    from rich import box
     from rich.table import Table
 
-    m, cl = result.model, result.cluster
-    n = cl.num_gpus
-    console.print(
-        f"[bold]{m.name}[/] ({m.num_params() / 1e9:.2f}B params) on [bold]{cl.name}[/] "
-        f"({n} x {cl.gpu or f'{cl.peak_tflops:g} TFLOP/s device'}, {cl.memory_gib:g} GiB), "
-        f"global batch {result.global_batch} x {result.seq_len} tokens; "
-        f"{result.evaluated} plans evaluated in {result.seconds * 1000:.0f} ms")
-    if not result.fits:
-        return
-    table = Table(title=f"Top {len(result.plans)} plans (step-time breakdown in seconds; "
-                        f"time for {_fmt_tokens(tokens)} tokens)", show_lines=False)
-    for col in ("#", "tp", "pp", "dp", "zero", "mb", "recomp", "sp", "schedule",
-                "mem GiB (p/g/o/act/total)", "step s", "comp/tp/pp/dp/bubble",
-                "tok/s", "TFLOP/s mdl/hw", "MFU", "HFU", "days", "GPU-h"):
-        table.add_column(col, justify="right" if col not in ("recomp", "schedule") else "left")
+    n = result.cluster.num_gpus
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+                  title=f"{_plural(len(result.plans), 'Top plan', 'Top {} plans')} "
+                        f"(time for {fmt_tokens(tokens)} tokens)")
+    cols = ["#", "tp/pp/dp", "zero", "mb", "recomp", "sp", "schedule", "mem GiB", "step s",
+            "tok/s", "MFU", "days"]
+    if wide:
+        cols[7:8] = ["mem GiB p/g/o/act/total/cap"]
+        cols[8:9] = ["step s", "comp/tp/pp/dp/bubble/opt s"]
+        cols += ["TFLOP/s mdl/hw", "HFU", "GPU-h"]
+    for col in cols:
+        left = col in ("recomp", "schedule", "tp/pp/dp")
+        table.add_column(col, justify="left" if left else "right", overflow="fold")
     for i, e in enumerate(result.plans, 1):
         c, mem, t = e.config, e.memory, e.time
-        table.add_row(
-            str(i), str(c.tp), str(c.pp), str(c.dp), str(c.zero), str(c.micro_batch),
-            c.recompute, "on" if c.sp else "off", _sched(e),
-            f"{mem.params:.1f}/{mem.grads:.1f}/{mem.optimizer:.1f}/{mem.activations:.1f}/"
-            f"[bold]{mem.total:.1f}[/]/{mem.capacity:g}",
-            f"{e.step_time_s:.3g}",
-            f"{t.compute:.3g}/{t.tp_comm:.2g}/{t.pp_comm:.2g}/{t.dp_comm:.2g}/{t.bubble:.2g}",
-            f"{e.tokens_per_s:,.0f}",
-            f"{e.model_tflops_per_gpu:.0f}/{e.hardware_tflops_per_gpu:.0f}",
-            f"{e.mfu * 100:.1f}%", f"{e.hfu * 100:.1f}%",
-            f"{e.days(tokens):.1f}", f"{e.gpu_hours(tokens, n):,.0f}")
-    console.print(table)
+        row = [str(i), _layout(e), str(c.zero), str(c.micro_batch), c.recompute,
+               "on" if c.sp else "off", c.schedule_label(),
+               f"{mem.total:.1f}/{mem.capacity:g}", fmt_s(e.step_time_s),
+               f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%", fmt_days(e.days(tokens))]
+        if wide:
+            row[7] = (f"{mem.params:.1f}/{mem.grads:.1f}/{mem.optimizer:.1f}/"
+                      f"{mem.activations:.1f}/{mem.total:.1f}/{mem.capacity:g}")
+            row[8:9] = [fmt_s(e.step_time_s), "/".join(fmt_s(x) for x in (
+                t.compute, t.tp_comm, t.pp_comm, t.dp_comm, t.bubble, t.optimizer))]
+            row += [f"{e.model_tflops_per_gpu:.0f}/{e.hardware_tflops_per_gpu:.0f}",
+                    f"{e.hfu * 100:.1f}%", f"{e.gpu_hours(tokens, n):,.0f}"]
+        table.add_row(*row)
+    return table
+
+
+def header(result: SearchResult) -> list[str]:
+    m, cl = result.model, result.cluster
+    n = cl.num_gpus
+    device = cl.gpu or f"{cl.peak_tflops:g} TFLOP/s device"
+    return [
+        f"[bold]{m.name}[/] ({fmt_count(m.num_params())} params) on [bold]{cl.name}[/] "
+        f"({n} x {device}, {cl.memory_gib:g} GiB); global batch {result.global_batch} x "
+        f"{result.seq_len} tokens; {_plural(result.evaluated, '1 plan', '{} plans')} evaluated in "
+        f"{result.seconds * 1000:.0f} ms",
+        f"Cost model: {options_line(result.options, result.dtype)}",
+    ]
+
+
+def render(result: SearchResult, tokens: float, console, wide: bool = False) -> None:
+    """Print the ranked table, the best plan's breakdown, what the search left out and why
+    the others lose."""
+    for line in header(result):
+        console.print(line)
+    for note in result.notes:
+        console.print(f"Note: {note}")
+    if not result.fits:
+        return
+    console.print(_table(result, tokens, wide))
     best = result.plans[0]
+    n = result.cluster.num_gpus
+    cl = result.cluster
+    console.print(f"Best plan: {breakdown_line(best)}")
+    console.print(f"Best plan: {memory_line(best)}")
     if cl.price_per_gpu_hour is not None:
         cost = best.gpu_hours(tokens, n) * cl.price_per_gpu_hour
-        console.print(f"Best plan costs about {cost:,.0f} for {_fmt_tokens(tokens)} tokens "
+        console.print(f"Best plan costs about {cost:,.0f} for {fmt_tokens(tokens)} tokens "
                       f"at {cl.price_per_gpu_hour:g} per GPU-hour.")
     c = best.config
     if c.pp > 1:
@@ -134,10 +235,8 @@ def render_no_fit(result: SearchResult, console) -> str:
     mem = nm.memory
     console.print(
         f"[bold red]Nothing fits.[/] The leanest plan, {nm.config.describe()}, needs "
-        f"{mem.total:.1f} GiB per GPU ({mem.params:.1f} params, {mem.grads:.1f} grads, "
-        f"{mem.optimizer:.1f} optimizer, {mem.activations:.1f} activations, "
-        f"{mem.logits:.1f} logits, {mem.workspace:.1f} workspace) > {mem.capacity:g} GiB; "
-        f"it would run at {nm.step_time_s:.3g} s per step if it fitted.")
+        f"{mem.total:.1f} GiB per GPU ({mem.describe()}) > {mem.capacity:g} GiB; "
+        f"it would run at {fmt_s(nm.step_time_s)} s per step if it fitted.")
     return (f"model={result.model.name}: fits on no layout of {result.cluster.name}; needs at "
             f"least {mem.total:.1f} GiB per GPU > {mem.capacity:g} GiB (near miss: "
             f"{nm.config.describe()})")

@@ -23,12 +23,17 @@ from typing import Any
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import memory
+from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
-from meshtron.planner.estimate import Config, Estimate, Evaluator
-from meshtron.planner.plan import RECOMPUTE, Knobs
+from meshtron.planner.estimate import Estimate, Evaluator
+from meshtron.planner.plan import (RECOMPUTE, Knobs, Plan, check, microbatch_problem,
+                                    plan_problems, schedule_zero_problem)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+DEFAULT_DTYPE = "bf16"
+"""The run precision planned for when the knobs do not fix one: GPU pre-training runs bf16
+mixed precision (bf16 compute, fp32 master weights)."""
 FAMILIES = {
     "dp": "pure data parallel / ZeRO (tp=1, pp=1)",
     "tp": "tensor + data parallel (pp=1)",
@@ -37,7 +42,7 @@ FAMILIES = {
 }
 
 
-def family_of(cfg: Config) -> str:
+def family_of(cfg: Plan) -> str:
     """'dp', 'tp', 'pp' or '3d' (keys of FAMILIES)."""
     return _family(cfg.tp, cfg.pp)
 
@@ -95,6 +100,10 @@ class SearchResult:
     """Configs that fit in memory."""
     seconds: float = 0.0
     """Wall time of the search."""
+    notes: list[str] = field(default_factory=list)
+    """Knob families left out of the search, and why."""
+    dtype: str = DEFAULT_DTYPE
+    """The run precision planned for."""
 
     @property
     def best(self) -> Estimate | None:
@@ -106,82 +115,78 @@ class SearchResult:
 
 
 class _Space:
-    """The knob values open to the search, after validating fixed knobs."""
+    """The knob values open to the search. Fixed knobs go through the plan's own validity
+    function (plan.py `check`); layouts are filtered by it too, and the reason a whole family
+    of layouts is left out is kept for the output (`notes`). The one search policy of its own:
+    tensor parallelism stays inside a node (its all-reduces are on the critical path)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                  knobs: Knobs, opts: KernelOptions) -> None:
         n = cluster.num_gpus
         gpn = cluster.gpus_per_node
         k = knobs
-        if global_batch <= 0 or seq_len <= 0:
-            raise UserError(f"global_batch={global_batch}, seq_len={seq_len}: must be positive")
-        if k.tp is not None:
-            if k.tp > gpn:
-                raise UserError(f"tp={k.tp}: must be at most gpus_per_node={gpn} "
-                                 "(tensor parallelism stays inside a node)")
-            if gpn % k.tp:
-                raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn}")
-            if model.heads % k.tp or model.kv_heads % k.tp:
-                raise UserError(f"tp={k.tp}: must divide heads={model.heads} and "
-                                 f"kv_heads={model.kv_heads}")
-        if k.pp is not None and k.pp > model.layers:
-            raise UserError(f"pp={k.pp}: must be at most layers={model.layers}")
-        if k.tp and k.pp and k.dp and k.tp * k.pp * k.dp != n:
-            raise UserError(f"layout tp={k.tp},pp={k.pp},dp={k.dp}: tp*pp*dp = "
-                             f"{k.tp * k.pp * k.dp}, but the cluster has {n} GPUs")
-        for name in ("tp", "pp", "dp"):
-            val = getattr(k, name)
-            if val is not None and n % val:
-                raise UserError(f"{name}={val}: must divide the cluster's {n} GPUs")
-        fixed_prod = (k.tp or 1) * (k.pp or 1) * (k.dp or 1)
-        if n % fixed_prod:
-            raise UserError(f"layout {k.to_dict()}: product {fixed_prod} does not divide "
-                             f"the cluster's {n} GPUs")
-        if k.dp is not None and global_batch % k.dp:
-            raise UserError(f"global_batch={global_batch}: must be divisible by dp={k.dp}")
-        if k.dp is not None and k.micro_batch is not None and global_batch % (k.dp * k.micro_batch):
-            raise UserError(f"micro_batch={k.micro_batch}: global_batch={global_batch} must be "
-                             f"divisible by dp*micro_batch = {k.dp * k.micro_batch}")
-        if k.micro_batch is not None and global_batch % k.micro_batch:
-            raise UserError(f"micro_batch={k.micro_batch}: must divide global_batch={global_batch}")
-        if k.schedule not in (None, "1f1b") and k.pp == 1:
-            raise UserError(f"schedule={k.schedule}: needs pp > 1 (pp=1 has no pipeline)")
-        if k.sp and k.tp == 1:
-            raise UserError("sp=on: sequence parallelism needs tp > 1")
-        if k.virtual_stages is not None and k.pp is not None and k.virtual_stages > 1 \
-                and k.virtual_stages * k.pp > model.layers:
-            raise UserError(f"schedule=interleaved:{k.virtual_stages}: needs at least "
-                             f"{k.virtual_stages} layers per stage (pp={k.pp}, layers={model.layers})")
+        self.context = {"global_batch": global_batch, "seq_len": seq_len}
+        check({**k.to_dict(), **self.context}, n, model)
+        if k.tp is not None and (k.tp > gpn or gpn % k.tp):
+            raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn} "
+                             "(tensor parallelism stays inside a node)")
         self.knobs = k
-        if k.pp is not None and k.pp > 1 and model.tied_embeddings:
-            raise UserError(f"pp={k.pp}: model {model.name} ties its input and output "
-                             "embeddings, which the runtime cannot split across pipeline stages")
-        if k.tp is not None and model.ffn_hidden % k.tp:
-            raise UserError(f"tp={k.tp}: must divide ffn_hidden={model.ffn_hidden}")
-        if k.schedule == "zb" and k.zero == 3 and (k.pp or 2) > 1:
-            raise UserError("schedule=zb with zero=3: zero-bubble schedules drift silently with "
-                             "FSDP2 resharding after forward on torch 2.13; use zero 0-2")
-        self.tps = [k.tp] if k.tp else [t for t in _divisors(gpn)
-                                         if model.heads % t == 0 and model.kv_heads % t == 0
-                                         and model.ffn_hidden % t == 0 and n % t == 0]
+        self.dtype = k.dtype or DEFAULT_DTYPE
+        self.replicate = k.dp_replicate or 1
+        self.notes: list[str] = []
+        self.n, self.model, self.global_batch = n, model, global_batch
+        self.tps = [k.tp] if k.tp else []
+        if not k.tp:
+            why = ""
+            for t in _divisors(gpn):
+                problems = plan_problems({"tp": t}, model=model)
+                if n % t == 0 and not problems:
+                    self.tps.append(t)
+                elif problems and not why:
+                    why = problems[0]
+            if self.tps == [1] and why:
+                self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) "
+                                  f"left out: {why}")
         self.recomputes = [k.recompute] if k.recompute else [
             r for r in RECOMPUTE if not (r == "selective" and opts.attention == "flash")]
-        self.n, self.model, self.global_batch = n, model, global_batch
+        if not k.recompute and opts.attention == "flash":
+            self.notes.append("recompute=selective left out: with FlashAttention it keeps the "
+                              "same tensors as none (the attention core is never stored)")
+        self._layouts = self._valid_layouts()
+        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, p, _ in
+                                                                  self._layouts):
+            self.notes.append("schedule=zb with zero=3 left out: "
+                              + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
 
-    def layouts(self):
+    def _valid_layouts(self) -> list[tuple[int, int, int]]:
         k, n = self.knobs, self.n
+        fixed = {**k.to_dict(), **self.context}
+        out, left_out = [], {}
         for tp in self.tps:
             for pp in ([k.pp] if k.pp else _divisors(n // tp)):
-                if pp > self.model.layers or (n // tp) % pp:
+                if (n // tp) % pp:
                     continue
-                if pp > 1 and self.model.tied_embeddings:
-                    continue  # the runtime cannot split tied embeddings across stages
                 dp = n // (tp * pp)
                 if k.dp and dp != k.dp:
                     continue
-                if self.global_batch % dp:
+                problems = plan_problems({**fixed, "tp": tp, "pp": pp, "dp": dp}, n, self.model)
+                if problems:
+                    left_out.setdefault(_family(tp, pp), problems[0])
                     continue
-                yield tp, pp, dp
+                out.append((tp, pp, dp))
+        found = {_family(tp, pp) for tp, pp, _ in out}
+        by_reason: dict[str, list[str]] = {}
+        for fam, reason in left_out.items():
+            if fam not in found:
+                # "plan.pp=2: model ... ties ..." -> the reason, shared by every pp value
+                why = reason.split(": ", 1)[1] if reason.startswith("plan.") else reason
+                by_reason.setdefault(why, []).append(FAMILIES[fam])
+        for why, fams in by_reason.items():
+            self.notes.append(f"{' and '.join(fams)} layouts left out: {why}")
+        return out
+
+    def layouts(self):
+        return iter(self._layouts)
 
     def micro_batches(self, dp: int) -> list[int]:
         per_replica = self.global_batch // dp
@@ -190,23 +195,27 @@ class _Space:
         return [d for d in _divisors(per_replica) if d <= 64]
 
     def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
+        """Schedules searched for pp stages and m micro-batches per step: 1F1B, ZB-H1 and
+        interleaved (v in VIRTUAL_STAGES, at least one layer per virtual stage); GPipe and other
+        virtual-stage counts only when fixed. Each must pass the schedules' own limits."""
         k = self.knobs
         if pp == 1:
-            return [("1f1b", 1)]
+            return [(None, 1)]
         layers_per_stage = self.model.layers // pp
-        out: list[tuple[str, int]] = []
-        # torch.distributed.pipelining's 1F1B and zero-bubble schedules need at least one
-        # micro-batch per stage in flight.
-        if k.schedule in (None, "1f1b") and m >= pp:
-            out.append(("1f1b", 1))
-        if k.schedule in (None, "zb") and m >= pp:
-            out.append(("zb", 1))
-        if k.schedule == "gpipe":
-            out.append(("gpipe", 1))
-        if k.schedule in (None, "interleaved") and m % pp == 0:
+        if k.schedule is not None:
+            if k.schedule == "interleaved" and not k.virtual_stages:
+                cands = [("interleaved", v) for v in VIRTUAL_STAGES if v <= layers_per_stage]
+            else:
+                cands = [(k.schedule, k.virtual_stages or 1)]
+        else:
             vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
-            out += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
-        return out
+            cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
+            cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
+        ok = [(s, v) for s, v in cands if v <= layers_per_stage
+              and microbatch_problem(s, pp, v, m) is None]
+        if k.schedule is None:
+            ok = [(s, v) for s, v in ok if _formulas_hold(s, pp, m)]
+        return ok
 
     def sps(self, tp: int) -> list[bool]:
         if self.knobs.sp is not None:
@@ -216,17 +225,32 @@ class _Space:
     def zeros(self, dp: int) -> list[int]:
         if self.knobs.zero is not None:
             return [self.knobs.zero]
+        if (self.knobs.dp_replicate or 1) > 1:
+            return [2, 3]  # HSDP: replicas of sharded groups
         return [0, 1, 2, 3] if dp > 1 else [0]
 
 
+def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
+    """Search policy for schedules the user did not fix: pipeline.py's bubble and in-flight
+    formulas assume 1F1B and ZB-H1 keep pp micro-batches in flight (m >= pp) and interleaving
+    runs whole rounds of pp (m % pp == 0, as Megatron-LM requires)."""
+    if schedule in ("1f1b", "zb"):
+        return m >= pp
+    if schedule == "interleaved":
+        return m % pp == 0
+    return True
+
+
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 fixed: Knobs | dict[str, Any] | None = None, top_k: int = 5,
-                 options: KernelOptions | None = None, explain: bool = True) -> SearchResult:
-    """Search every plan allowed by `fixed` and return the top_k fastest that fit."""
+                 fixed: Knobs | Plan | dict[str, Any] | None = None, top_k: int = 5,
+                 options: KernelOptions | None = None, explain: bool = True,
+                 mem: MemoryOptions | None = None) -> SearchResult:
+    """Search every plan allowed by `fixed` and return the top_k fastest that fit. `mem`
+    overrides whose memory layout is costed (memory.MemoryOptions; the dtype is the plan's)."""
     t0 = time.perf_counter()
     opts = options or KernelOptions()
     space = _Space(model, cluster, global_batch, seq_len, Knobs.of(fixed), opts)
-    ev = Evaluator(model, cluster, global_batch, seq_len, opts)
+    ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
     result = _search(ev, space, top_k, explain)
     result.seconds = time.perf_counter() - t0
     return result
@@ -242,13 +266,14 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
     counter = 0
     budget = ev.tensor_budget
     any_layout = False
-    queue: list[tuple[float, str, Config]] = []
+    queue: list[tuple[float, str, Plan]] = []
     hopeless = 0
     for tp, pp, dp in space.layouts():
         any_layout = True
         fam = _family(tp, pp)
         # Lower bound of memory: model states at the most sharded ZeRO stage allowed.
-        per_param = min(sum(memory.state_bytes(z, dp)) for z in space.zeros(dp))
+        per_param = min(sum(memory.state_bytes(z, dp, ev.grad_bytes, ev.mem))
+                        for z in space.zeros(dp))
         if per_param * model.num_params() / (tp * pp) > budget:
             # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
             est = _leanest(ev, space, tp, pp, dp)
@@ -267,9 +292,10 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
                 for sp in space.sps(tp):
                     for sched, v in space.schedules(pp, m):
                         for zero in space.zeros(dp):
-                            if sched == "zb" and zero == 3:
-                                continue  # silently wrong on torch 2.13 (shared notes)
-                            cfg = Config(tp, pp, dp, zero, mb, rec, sp, sched, v)
+                            if schedule_zero_problem(sched, zero, pp):
+                                continue  # the runtime refuses it (plan.py)
+                            cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype,
+                                               space.replicate)
                             queue.append((ev.lower_bound_step(cfg), fam, cfg))
     # Branch and bound, best bound first: a config whose bound is slower than the k-th best
     # plan and than its family's best cannot change the answer.
@@ -312,7 +338,8 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
         round(e.step_time_s, 9), e.config.zero, rec_order[e.config.recompute], e.memory.total))
     result = SearchResult(model=model, cluster=cluster, global_batch=global_batch,
                           seq_len=ev.seq, options=ev.opts, plans=plans, evaluated=counter,
-                          feasible=feasible, enumerated=len(queue) + hopeless)
+                          feasible=feasible, enumerated=len(queue) + hopeless,
+                          notes=list(space.notes), dtype=space.dtype)
     if not plans:
         # re-evaluate the leanest plan with the memory-balanced split for an exact figure
         result.near_miss = ev.evaluate(lean.config) if lean is not None else None
@@ -338,13 +365,17 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, pp: int, dp: int) -> Estimat
     scheds = space.schedules(pp, m)
     if not scheds:
         return None
-    order = {"zb": 0, "1f1b": 0, "interleaved": 1, "gpipe": 2}
+    order = {None: 0, "1f1b": 0, "zb": 1, "interleaved": 2, "gpipe": 3}
     sched, v = min(scheds, key=lambda sv: (order[sv[0]], sv[1]))
     rec = "full" if "full" in space.recomputes else space.recomputes[0]
     sps = space.sps(tp)
     if not sps:
         return None
-    cfg = Config(tp, pp, dp, max(space.zeros(dp)), mb, rec, max(sps), sched, v)
+    zeros = [z for z in space.zeros(dp) if not schedule_zero_problem(sched, z, pp)]
+    if not zeros:
+        return None
+    cfg = Plan.trusted(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, space.dtype,
+                       space.replicate)
     return ev.evaluate(cfg)
 
 
@@ -434,12 +465,12 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
 
 
 def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                  fixed: Knobs | dict[str, Any], options: KernelOptions | None = None
-                  ) -> Estimate:
+                  fixed: Knobs | Plan | dict[str, Any], options: KernelOptions | None = None,
+                  mem: MemoryOptions | None = None) -> Estimate:
     """Evaluate one plan. Knobs left open are searched (best value), so a fully fixed plan is
     evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
     result = search_plans(model, cluster, global_batch, seq_len, fixed, top_k=1,
-                          options=options, explain=False)
+                          options=options, explain=False, mem=mem)
     est = result.best or result.near_miss
     if est is None:
         raise UserError(f"layout {Knobs.of(fixed).to_dict()}: no valid plan on "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import time
-import types
 from typing import Any
 
 DEFAULT_CFG: dict[str, Any] = {
@@ -120,14 +119,14 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]],
         t0 = time.perf_counter()
         cfg, plan_attrs = layout_cfg(base_cfg, layout)
         inputs, targets = make_data(cfg)
-        plan = types.SimpleNamespace(**plan_attrs)
+        plan = dict(plan_attrs)
         mesh = build_mesh(plan, world, device_type="cpu")
         torch.manual_seed(cfg["seed"])
         model = Transformer(make_spec(cfg))
         pm = parallelize(model, plan, mesh)
         opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
                               weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
-        dp, dp_rank = data_mesh(mesh).size(), mesh.get_local_rank("dp")
+        dp, dp_rank = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
         rows = cfg["batch"] // dp
         losses, norms = [], []
         for step in range(cfg["steps"]):

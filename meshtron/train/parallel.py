@@ -9,7 +9,6 @@ layout reproduce the single-process losses (tests/test_parallel*.py).
 from __future__ import annotations
 
 import json
-import types
 from typing import Any
 
 import torch
@@ -44,10 +43,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def runtime_plan(plan, dtype: str) -> types.SimpleNamespace:
-    """The plan's knobs plus the run's precision, as `parallelize` reads them."""
-    return types.SimpleNamespace(**{k: v for k, v in plan.to_dict().items() if k != "predicted"},
-                                 precision=dtype)
+def runtime_plan(plan, dtype: str):
+    """The plan with the run's precision, as `parallelize` reads it (the Plan type)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, dtype=dtype)
 
 
 class ParallelEngine:

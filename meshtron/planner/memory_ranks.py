@@ -1,0 +1,259 @@
+"""Exact model-state bytes of every rank of a meshtron run, from the plan alone (no torch).
+
+`memory.py` costs a plan per parameter (bytes/param x parameters/GPU); this module counts what
+meshtron's runtime really holds on each global rank, tensor by tensor, so the planner's numbers
+match a run's `memory.json` byte for byte (tests/test_memory.py, bench/memory_vs_measured.py):
+
+* `param_shapes` lists the model's parameters in `meshtron.model.Transformer`'s registration
+  order (checked against the module in tests), cut into pipeline stages as
+  `meshtron.parallel.pipeline` does (embeddings on the first stage, final norm and head on the
+  last; stage s on pipeline rank s % pp, or the V placement of zero-bubble with v = 2);
+* tensor parallelism shards each weight like `meshtron.parallel.tensor` does (column-parallel
+  weights and biases on dim 0, row-parallel weights on dim 1, vocabulary-parallel embeddings and
+  head on dim 0, norms and row-parallel biases replicated), FSDP2 then shards dim 0 of the
+  tensor-parallel shard over "dp_shard"; both with torch.chunk's sizes (ceil(d/n), the last
+  ranks smaller or empty), which is what DTensor's Shard and FSDP2 use;
+* parameters and gradients are fp32 in both dtypes (FSDP2 keeps fp32 master parameters and
+  reduces in fp32); AdamW keeps two fp32 moments per element of the parameters it updates: all
+  local ones, or with ZeRO-1 those this data-parallel rank owns under the runtime's greedy
+  partition (largest first onto the least-loaded owner, `meshtron.parallel.data_parallel`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from meshtron.model.spec import ModelSpec
+
+FP32 = 4
+ADAM_MOMENTS = 2
+
+_COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.",
+            "feed_forward.w3.")
+_ROWWISE = ("attention.wo.", "feed_forward.w2.")
+_VOCAB = ("tok_embeddings.weight", "pos_embeddings.weight", "output.weight")
+
+
+def _chunk(size: int, parts: int, index: int) -> int:
+    """Length of torch.chunk(size, parts)[index] (0 when that chunk does not exist)."""
+    step = math.ceil(size / parts) if size else 0
+    return max(0, min(step, size - index * step))
+
+
+def tp_shard_dim(name: str) -> int | None:
+    """Tensor dim a parameter is sharded on under tensor parallelism (None: replicated)."""
+    name = name.replace("_checkpoint_wrapped_module.", "")
+    if name in _VOCAB:
+        return 0
+    if any(k in name for k in _COLWISE):
+        return 0
+    if any(k in name for k in _ROWWISE):
+        return 1 if name.endswith("weight") else None
+    return None
+
+
+def local_shape(name: str, shape: tuple[int, ...], tp: int, r_tp: int, dp_shard: int,
+                r_dp: int, fsdp: bool) -> tuple[int, ...]:
+    """Shape of the rank's local piece of a parameter."""
+    out = list(shape)
+    dim = tp_shard_dim(name)
+    if tp > 1 and dim is not None:
+        out[dim] = _chunk(out[dim], tp, r_tp)
+    if fsdp and dp_shard > 1:
+        out[0] = _chunk(out[0], dp_shard, r_dp)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Bytes one rank holds at the end of a step (what memory.json measures)."""
+
+    rank: int
+    """Global rank."""
+    params: int
+    """Local parameter bytes."""
+    grads: int
+    """Local gradient bytes (after backward)."""
+    optimizer: int
+    """AdamW state bytes (exp_avg + exp_avg_sq)."""
+    layers: int
+    """Transformer blocks on this rank."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def to_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "total": self.total}
+
+
+def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    h, kv, f = spec.hidden, spec.kv_dim, spec.ffn_hidden
+    q = spec.heads * spec.head_dim
+    qkv_bias = spec.bias or spec.qkv_bias
+    pre = f"layers.{i}."
+    out: list[tuple[str, tuple[int, ...]]] = []
+
+    def norm(name: str) -> None:
+        out.append((pre + name + ".weight", (h,)))
+        if spec.norm == "layernorm":
+            out.append((pre + name + ".bias", (h,)))
+
+    def linear(name: str, n_out: int, n_in: int, bias: bool) -> None:
+        out.append((pre + name + ".weight", (n_out, n_in)))
+        if bias:
+            out.append((pre + name + ".bias", (n_out,)))
+
+    norm("attention_norm")
+    linear("attention.wq", q, h, qkv_bias)
+    linear("attention.wk", kv, h, qkv_bias)
+    linear("attention.wv", kv, h, qkv_bias)
+    linear("attention.wo", h, q, spec.bias)
+    norm("ffn_norm")
+    linear("feed_forward.w1", f, h, spec.bias)
+    linear("feed_forward.w2", h, f, spec.bias)
+    if spec.mlp == "swiglu":
+        linear("feed_forward.w3", f, h, spec.bias)
+    return out
+
+
+def param_shapes(spec: ModelSpec, layers: range, first: bool, last: bool
+                 ) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of a model part's parameters in registration order."""
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if first:
+        out.append(("tok_embeddings.weight", (spec.vocab, spec.hidden)))
+        if spec.position == "learned":
+            out.append(("pos_embeddings.weight", (spec.max_seq, spec.hidden)))
+    for i in layers:
+        out += _block_shapes(spec, i)
+    if last:
+        out.append(("norm.weight", (spec.hidden,)))
+        if spec.norm == "layernorm":
+            out.append(("norm.bias", (spec.hidden,)))
+        if not (spec.tied_embeddings and first):  # a tied head is the embedding itself
+            out.append(("output.weight", (spec.vocab, spec.hidden)))
+    return out
+
+
+def greedy_owners(numels: list[int], n: int) -> list[int]:
+    """ZeRO-1 owner of each parameter: largest first onto the least-loaded owner (ties: the
+    earlier parameter, the lower owner), the runtime's rule."""
+    load = [0] * n
+    owner = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        j = min(range(n), key=lambda k: (load[k], k))
+        owner[i] = j
+        load[j] += numels[i]
+    return owner
+
+
+def stages_of_rank(pp: int, v: int, schedule: str, pp_rank: int) -> list[int]:
+    """Global (virtual) stage indices held by pipeline rank `pp_rank`."""
+    n = pp * v
+    if schedule == "zb" and v == 2:
+        return sorted({pp_rank, n - 1 - pp_rank})
+    return list(range(pp_rank, n, pp))
+
+
+def _stage_ranges(plan: Any, layers: int) -> list[range]:
+    n = plan.pp * plan.virtual_stages
+    counts = list(getattr(plan, "stage_layers", None) or [])
+    if not counts:  # the runtime's even split: remainder layers to the middle stages first
+        base, extra = divmod(layers, n)
+        order = sorted(range(n), key=lambda i: (i in (0, n - 1), abs(i - (n - 1) / 2)))
+        counts = [base + (1 if s in order[:extra] else 0) for s in range(n)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankState]:
+    """Exact parameter, gradient and AdamW bytes of every global rank of `plan` (tp, pp, dp,
+    zero, virtual_stages, schedule, stage_layers, dp_replicate), ranks placed by
+    `meshtron.planner.placement` as the runtime's mesh is. The same in
+    fp32 and bf16 runs (module docstring); `dtype` only decides whether FSDP2 is applied with a
+    single data-parallel rank."""
+    from meshtron.planner.placement import placement
+
+    tp, pp, dp, zero = plan.tp, plan.pp, plan.dp, plan.zero
+    v = getattr(plan, "virtual_stages", 1) or 1
+    place = placement(plan, tp * pp * dp)
+    dp_shard = place.size("dp_shard")
+    fsdp = dp > 1 or dtype == "bf16"
+    ranges = _stage_ranges(plan, spec.layers)
+    n_stages = pp * v
+    out: list[RankState] = []
+    for rank in range(place.world_size):
+        c = place.coords(rank)
+        r_tp, r_pp, r_shard = c["tp"], c["pp"], c["dp_shard"]
+        r_dp = c["dp_replicate"] * dp_shard + r_shard  # rank in the flattened "dp" group
+        params = opt = layers = 0
+        for s in stages_of_rank(pp, v, getattr(plan, "schedule", "1f1b"), r_pp):
+            shapes = [local_shape(name, shape, tp, r_tp, dp_shard, r_shard, fsdp)
+                      for name, shape in param_shapes(spec, ranges[s], s == 0, s == n_stages - 1)]
+            numels = [math.prod(sh) for sh in shapes]
+            layers += len(ranges[s])
+            params += FP32 * sum(numels)
+            if zero == 1 and dp > 1:
+                owner = greedy_owners(numels, dp)
+                opt += FP32 * ADAM_MOMENTS * sum(k for k, o in zip(numels, owner) if o == r_dp)
+            else:
+                opt += FP32 * ADAM_MOMENTS * sum(numels)
+        out.append(RankState(rank, params, params, opt, layers))
+    return out
+
+
+def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
+                  opts: Any = None) -> list[tuple[RankState, Any]]:
+    """Per rank: the exact model states and the planner's full breakdown (memory.breakdown) with
+    those states, for meshtron's own runtime (FSDP2 framework, `dtype`). `plan` also needs
+    global_batch, seq_len, micro_batch, recompute and sp."""
+    from meshtron.planner import memory, pipeline
+    from meshtron.planner.compute import KernelOptions
+
+    opts = opts or KernelOptions()
+    mem = memory.MemoryOptions(dtype=dtype, framework="fsdp2")
+    from meshtron.planner.placement import placement
+
+    tp, pp, dp = plan.tp, plan.pp, plan.dp
+    v = getattr(plan, "virtual_stages", 1) or 1
+    place = placement(plan, tp * pp * dp)
+    m = plan.global_batch // (dp * plan.micro_batch)
+    args = (spec, tp, plan.sp, plan.micro_batch, plan.seq_len, plan.recompute, opts, mem)
+    act = memory.activation_bytes(*args)
+    work = memory.recompute_working_bytes(*args)
+    logits = memory.logits_bytes(spec, tp, plan.micro_batch, plan.seq_len, mem, pipelined=pp > 1)
+    p_layer = memory.layer_params_local(spec, tp)
+    largest = memory.largest_param_local(spec, tp)
+    out = []
+    for st in rank_states(spec, plan, dtype):
+        r_pp = place.coords(st.rank)["pp"]
+        stages = stages_of_rank(pp, v, getattr(plan, "schedule", "1f1b"), r_pp)
+        first, last = 0 in stages, pp * v - 1 in stages
+        p_root = ((memory.embedding_params_local(spec, tp) if first else 0.0)
+                  + (memory.head_params_local(spec, tp, pp) if last else 0.0))
+        inflight = pipeline.in_flight(getattr(plan, "schedule", "1f1b"), pp, v, m, r_pp)
+        n_params = st.params / FP32
+        per_param = (st.params / n_params, st.grads / n_params, st.optimizer / n_params) \
+            if n_params else (0.0, 0.0, 0.0)
+        bd = memory.breakdown(mem, plan.zero, dp, per_param, st.layers, p_layer, p_root, largest,
+                              act, inflight, work, logits if last else 0.0,
+                              capacity_gib * memory.GIB, r_pp)
+        # breakdown() multiplies per-parameter bytes by the analytic parameter count; put the
+        # exact bytes back
+        exact = {"params": st.params / memory.GIB, "grads": st.grads / memory.GIB,
+                 "optimizer": st.optimizer / memory.GIB}
+        out.append((st, _replace(bd, **exact)))
+    return out
+
+
+def _replace(bd: Any, **fields: float) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(bd, **fields)

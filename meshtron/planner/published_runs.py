@@ -1,0 +1,301 @@
+"""The rows of the validation table (see published.py for what every field and metric means).
+
+Sources, abbreviated in the rows:
+
+* N21: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM" (SC'21), Table 2 (PTD-P vs DeepSpeed ZeRO-3 without model parallelism,
+  Selene DGX A100 80GB, 8 x HDR 200 Gb/s per node).
+* K22: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", Tables 3 and 5 (Selene).
+* MTNLG: Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B",
+  section 2.3 (Selene, batch 1920).
+* L3: Llama Team 2024, "The Llama 3 Herd of Models", Table 4 (H100 700 W, 400 Gb/s RoCE).
+* TT24: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3
+  (Llama 3.1 8B, H100 96 GB HBM2e 500 W, 400 Gb/s per GPU).
+* TTA: pytorch/torchtitan docs/performance.md (2024 version), Llama 3 and Llama 2 tables
+  (FSDP2, 64 A100 80GB, eager: torch.compile was off by default).
+* LF: mosaicml/llm-foundry scripts/train/benchmarking/README.md, MPT throughput tables
+  (Composer + PyTorch FSDP, FlashAttention/Triton attention, low-precision LayerNorm, no
+  torch.compile; T/s/GPU column).
+* M19: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models
+  Using Model Parallelism", section 5.1 and Figure 1 (DGX-2H V100 32GB).
+* BLOOM: BigScience 2022, "BLOOM", section 3.4 (Jean Zay A100 80GB).
+* OPT: Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", section 2.4.
+* NEOX: Black et al. 2022, "GPT-NeoX-20B: An Open-Source Autoregressive Language Model",
+  sections 2.3 and 3 (12 nodes of 8 A100-SXM4-40GB, 4 ConnectX-6 HDR HCAs per node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtron.model.spec import ModelSpec, preset
+from meshtron.planner.cluster import ClusterSpec, preset_cluster
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory import MemoryOptions
+from meshtron.planner.published import (PublishedRun, dgx2h, gpt_model, grand_teton_h100_500w,
+                                        jean_zay, mpt_model)
+
+# Software stacks as KernelOptions -----------------------------------------------------------------
+MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                              fp32_grad_reduce=True, stack="fused", sharding="zero")
+"""Megatron-LM 2021-2022: fused kernels, materialised attention scores with dropout, fp32
+main_grad reduced after the backward pass."""
+DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                                    fp32_grad_reduce=False, p2p_scatter_gather=False,
+                                    p2p_blocking=True, stack="fused", sharding="zero")
+"""Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
+DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
+                                     overlap_grad_reduce=False, stack="fused", sharding="zero",
+                                     shard_units_per_layer=12, prefetch_params=0.0,
+                                     recompute_regathers=True, list_collectives=True)
+"""DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py and
+partition_parameters.py at that version): `fetch_sub_module` all-gathers each parameter of a
+submodule separately (`_allgather_param`, 12 per GPT layer with biases), each after a
+torch.cuda.synchronize(), then synchronizes again: no all-gather overlaps compute (prefetch 0);
+gradients are reduce-scattered per parameter (`_reduce_scatter_gradients`) with overlap_comm
+off by default; parameters are released after every forward, so the recomputed forward gathers
+them again; gather buffers are zero-filled and the list-based collectives of PyTorch 1.8 stage
+through flat copies (list_collectives)."""
+LLM_FOUNDRY_MEMORY = MemoryOptions(framework="fsdp2", loss="inplace")
+"""llm-foundry's MPT: FSDP with fp32 sharded parameters, and flash-attn's fused cross-entropy
+(its default `loss_fn: fused_crossentropy`), whose backward overwrites the logits in place."""
+DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
+"""DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
+gathering per submodule under stage3_max_live_parameters."""
+TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager")
+"""torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter."""
+TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused")
+"""torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops)."""
+LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
+                                stack="eager")
+"""llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT, as Composer defined it in 2023:
+fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction."""
+LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager")
+"""llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
+MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                              fp32_grad_reduce=False, stack="eager", sharding="zero")
+"""Megatron-LM 2019: apex fused LayerNorm only; softmax, GeLU, dropout as separate kernels; fp16
+gradients all-reduced after the backward pass (its 'local' DDP)."""
+
+
+def _calibration() -> list[PublishedRun]:
+    """K22 Table 5 (dp = 1, no data-parallel traffic): the rows earlier planner versions were
+    developed against; calibration part."""
+    src = "K22 Tables 3 and 5 (Selene DGX A100 80GB)"
+    runs = []
+    k22 = [  # name, layers, hidden, heads, tp, pp, gpus, batch, selective+SP s, full s
+        ("22B", 48, 6144, 64, 8, 1, 8, 4, 1.10, 1.42),
+        ("175B", 96, 12288, 96, 8, 8, 64, 64, 13.75, 18.13),
+        ("530B", 105, 20480, 128, 8, 35, 280, 280, 37.83, 49.05),
+        ("1T", 128, 25600, 160, 8, 64, 512, 512, 71.49, 94.42),
+    ]
+    for name, L, h, a, tp, pp, gpus, B, t_sel, t_full in k22:
+        model = gpt_model(f"gpt-{name}", L, h, a, tied=False)
+        cl = preset_cluster("dgx-a100", gpus // 8)
+        mbs = (4,) if name == "22B" else (1,)
+        sch = ("1f1b",) if pp == 1 else ("1f1b", "interleaved")
+        for label, rec, sp, t in (("sel+SP", "selective", True, t_sel),
+                                  ("full", "full", False, t_full)):
+            runs.append(PublishedRun(
+                f"K22 {name} {label}", src, "Megatron-LM", model, cl, B, 2048, tp, pp, 1, 0, rec,
+                sp, MEGATRON_2021, "step_s", t, "calibration", mbs, sch,
+                note="dp=1; full-recompute baseline with SP off"))
+    return runs
+
+
+def _n21_table2() -> list[PublishedRun]:
+    src = "N21 Table 2 (Selene DGX A100 80GB)"
+    gpt175 = gpt_model("gpt-175B", 96, 12288, 96)
+    gpt530 = gpt_model("gpt-530B", 105, 20480, 128)
+    runs = []
+    for gpus, tf in ((384, 153.0), (768, 149.0), (1536, 141.0)):
+        runs.append(PublishedRun(
+            f"N21 PTD-P 175B {gpus}", src, "Megatron-LM", gpt175,
+            preset_cluster("dgx-a100", gpus // 8), 1536, 2048, 8, 12, gpus // 96, 0, "full",
+            False, MEGATRON_2021, "hw_tflops", tf, schedules=("interleaved",),
+            note="model-parallel size 96 = tp 8 x pp 12; micro-batch 1 (published)"))
+    for gpus, tf in ((560, 171.0), (1120, 167.0), (2240, 159.0)):
+        runs.append(PublishedRun(
+            f"N21 PTD-P 530B {gpus}", src, "Megatron-LM", gpt530,
+            preset_cluster("dgx-a100", gpus // 8), 2240, 2048, 8, 35, gpus // 280, 0, "full",
+            False, MEGATRON_2021, "hw_tflops", tf, schedules=("interleaved",),
+            note="model-parallel size 280 = tp 8 x pp 35; micro-batch 1 (published)"))
+    for model, gpus, batch, mb, tf in ((gpt175, 384, 1536, 4, 144.0), (gpt175, 768, 1536, 2, 88.0),
+                                       (gpt175, 1536, 1536, 1, 44.0),
+                                       (gpt530, 640, 2560, 4, 138.0),
+                                       (gpt530, 1120, 2240, 2, 98.0),
+                                       (gpt530, 2240, 2240, 1, 48.0)):
+        runs.append(PublishedRun(
+            f"N21 ZeRO-3 {model.name[4:]} {gpus}", src, "DeepSpeed ZeRO-3", model,
+            preset_cluster("dgx-a100", gpus // 8), batch, 2048, 1, 1, gpus, 3, "full", False,
+            DEEPSPEED_ZERO3_2021, "hw_tflops", tf, micro_batches=(mb,), memory=DEEPSPEED_MEMORY,
+            note="no model parallelism; micro-batch as published; full recomputation assumed "
+                 "(the published FLOP formula counts it)"))
+    return runs
+
+
+def _megatron_deepspeed() -> list[PublishedRun]:
+    runs = []
+    mtnlg = gpt_model("mt-nlg-530b", 105, 20480, 128, tied=False)
+    for nodes, tf in ((280, 126.0), (350, 121.0), (420, 113.0)):
+        runs.append(PublishedRun(
+            f"MT-NLG 530B {nodes * 8}", "MTNLG section 2.3 (Selene, batch 1920)",
+            "Megatron-DeepSpeed", mtnlg, preset_cluster("dgx-a100", nodes), 1920, 2048, 8, 35,
+            nodes * 8 // 280, 1, "full", False, DEEPSPEED_PIPE_2021, "hw_tflops", tf,
+            note="DeepSpeed 1F1B pipeline, ZeRO-1, micro-batch 1 (assumed)"))
+    runs.append(PublishedRun(
+        "BLOOM 176B 384", "BLOOM section 3.4 (~150 TFLOP/s per GPU)", "Megatron-DeepSpeed",
+        gpt_model("bloom-176b", 70, 14336, 112, vocab=250880, tied=False), jean_zay(48),
+        2048, 2048, 4, 12, 8, 1, "full", False,
+        KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
+                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
+                      sharding="zero"),
+        "hw_tflops", 150.0, micro_batches=(2,),
+        note="ZeRO-1, micro-batch 2, full recomputation; ALiBi modelled as learned positions; "
+             "'about 150' TFLOP/s", confident=False))
+    neox = ModelSpec(name="gpt-neox-20b", layers=44, hidden=6144, heads=64, kv_heads=64,
+                     ffn_hidden=4 * 6144, vocab=50432, max_seq=2048, mlp="gelu",
+                     norm="layernorm", position="rope", tied_embeddings=False, bias=True,
+                     parallel_residual=True)
+    runs.append(PublishedRun(
+        "GPT-NeoX 20B 96", "NEOX section 3 (117 TFLOP/s per GPU, 96 A100-SXM4-40GB)",
+        "Megatron-DeepSpeed (GPT-NeoX)", neox, _a100_40gb(12, 12.5), 1536, 2048, 2, 4, 12, 1,
+        "full", False,
+        KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
+                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
+                      sharding="zero"),
+        "hw_tflops", 117.0, micro_batches=(1, 2, 4, 8),
+        note="tp 2, pp 4, ZeRO-1 (published); batch 1538 rounded to 1536 for dp 12; 4 HDR "
+             "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE",
+        confident=False))
+    runs.append(PublishedRun(
+        "OPT 175B 992", "OPT section 2.4 (147 TFLOP/s per A100 80GB)",
+        "Metaseq (FSDP + Megatron TP)",
+        gpt_model("opt-175b", 96, 12288, 96, tied=False), preset_cluster("dgx-a100", 124),
+        992, 2048, 8, 1, 124, 3, "full", False,
+        KernelOptions(attention="unfused", dropout=True, stack="fused"),
+        "hw_tflops", 147.0, micro_batches=(1, 2, 4, 8),
+        note="FSDP + Megatron TP 8; batch 992 (~2M tokens), full recomputation and the FLOP "
+             "convention assumed", confident=False))
+    return runs
+
+
+def _llama3() -> list[PublishedRun]:
+    return [PublishedRun(
+        f"Llama3 405B {nodes * 8}", "L3 Table 4", "Meta (Llama 3)", preset("llama3-405b"),
+        preset_cluster("dgx-h100", nodes), 2048, 8192, 8, 16, dp, 1, "none", True,
+        KernelOptions(stack="fused", sharding="zero"), "model_tflops", tf,
+        schedules=("interleaved",),
+        note="FlashAttention, SP, no recomputation, ZeRO-1-like sharding, micro-batch 1 (assumed)")
+        for nodes, dp, tf in ((1024, 64, 430.0), (2048, 128, 400.0))]
+
+
+def _torchtitan() -> list[PublishedRun]:
+    runs = []
+    l31 = preset("llama3-8b")
+    for gpus, eager, compiled in ((8, 5762.0, 6667.0), (128, 5605.0, 6514.0)):
+        for label, opts, tps in (("eager", TORCHTITAN_EAGER, eager),
+                                 ("compile", TORCHTITAN_COMPILED, compiled)):
+            runs.append(PublishedRun(
+                f"TT Llama3.1 8B {gpus} {label}", f"TT24 Table {1 if gpus == 8 else 3}",
+                f"torchtitan FSDP2 {label}", l31, grand_teton_h100_500w(gpus // 8), 2 * gpus,
+                8192, 1, 1, gpus, 3, "half", False, opts, "tokens_per_gpu", tps,
+                micro_batches=(2,),
+                note="local batch 2, selective (op) activation checkpointing; 500 W H100 "
+                     "peak assumed 912 TFLOP/s"))
+    a100 = [  # name, model, seq, local batch, recompute, TPS/GPU
+        ("Llama3 8B sel-layer", preset("llama3-8b"), 8192, 1, "half", 2904.0),
+        ("Llama3 8B sel-op", preset("llama3-8b"), 8192, 1, "half", 2973.0),
+        ("Llama3 70B full", preset("llama3-70b"), 8192, 1, "full", 331.0),
+        ("Llama2 13B no-AC", preset("llama2-13b"), 4096, 2, "none", 2162.0),
+        ("Llama2 13B sel-layer", preset("llama2-13b"), 4096, 2, "half", 1914.0),
+        ("Llama2 70B sel-op", preset("llama2-70b"), 4096, 1, "half", 355.0),
+        ("Llama2 70B full", preset("llama2-70b"), 4096, 2, "full", 353.0),
+    ]
+    for name, model, seq, lb, rec, tps in a100:
+        runs.append(PublishedRun(
+            f"TT {name}", "TTA (64 A100 80GB)", "torchtitan FSDP2 eager", model,
+            preset_cluster("dgx-a100", 8), 64 * lb, seq, 1, 1, 64, 3, rec, False,
+            TORCHTITAN_EAGER, "tokens_per_gpu", tps, micro_batches=(lb,),
+            note="network not stated: 8 x 200 Gb/s per node assumed; 'selective op' costed "
+                 "as every second layer recomputed"))
+    return runs
+
+
+def _llm_foundry() -> list[PublishedRun]:
+    mpt = {"1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
+           "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
+    # size, seq, gpus, gpu preset, micro-batch, grad accumulation, global batch, activation
+    # checkpointing, ZeRO stage (3 FULL_SHARD, 2 SHARD_GRAD_OP), precision, T/s/GPU
+    rows = [
+        ("70b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 1007.0),
+        ("70b", 2048, 128, "dgx-h100", 8, 1, 1024, True, 3, "amp", 1058.0),
+        ("30b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 2115.0),
+        ("13b", 2048, 512, "dgx-h100", 16, 1, 8192, True, 3, "amp", 4952.0),
+        ("7b", 2048, 512, "dgx-h100", 6, 1, 3072, False, 3, "amp", 9670.0),
+        ("7b", 2048, 128, "dgx-h100", 6, 1, 768, False, 3, "amp", 10475.0),
+        ("3b", 2048, 512, "dgx-h100", 8, 1, 4096, False, 2, "amp", 21664.0),
+        ("1b", 2048, 512, "dgx-h100", 12, 1, 6144, False, 2, "amp", 39837.0),
+        ("7b", 2048, 8, "dgx-h100", 6, 1, 48, False, 3, "amp", 10643.0),
+        ("13b", 2048, 8, "dgx-h100", 2, 1, 16, False, 3, "amp", 4792.0),
+        ("7b", 8192, 8, "dgx-h100", 8, 2, 128, True, 3, "amp", 6935.0),
+        ("7b", 2048, 8, "dgx-a100", 6, 2, 96, False, 3, "amp", 4641.0),
+        ("13b", 2048, 8, "dgx-a100", 2, 3, 48, False, 3, "amp", 2262.0),
+        ("30b", 2048, 8, "dgx-a100", 3, 21, 504, True, 3, "amp", 916.0),
+        ("70b", 2048, 64, "dgx-a100", 8, 4, 2048, True, 3, "pure", 410.0),
+        ("70b", 2048, 128, "a100-40gb", 4, 1, 512, True, 3, "pure", 376.0),
+        ("13b", 2048, 128, "a100-40gb", 16, 1, 2048, True, 3, "pure", 1972.0),
+        ("7b", 2048, 128, "a100-40gb", 18, 1, 2304, True, 3, "pure", 3623.0),
+    ]
+    runs = []
+    for size, seq, gpus, kind, mb, ga, gbs, ac, zero, prec, tps in rows:
+        L, h, a = mpt[size]
+        if kind == "a100-40gb":
+            cl = _a100_40gb(max(1, gpus // 8))
+            table = "A100 40GB, 1600 Gbps RoCE per node"
+        else:
+            cl = preset_cluster(kind, max(1, gpus // 8))
+            table = ("H100 80GB" if kind == "dgx-h100" else "A100 80GB, 1600 Gbps RoCE per node")
+        gpu = "H100" if kind == "dgx-h100" else "A100"
+        runs.append(PublishedRun(
+            f"LF MPT-{size} s{seq} {gpus}x{gpu}", f"LF, {table} table", "llm-foundry FSDP",
+            mpt_model(f"mpt-{size}", L, h, a, seq), cl, gbs, seq, 1, 1, gpus, zero,
+            "full" if ac else "none", False,
+            LLM_FOUNDRY_AMP if prec == "amp" else LLM_FOUNDRY_PURE, "tokens_per_gpu", tps,
+            micro_batches=(mb,), memory=LLM_FOUNDRY_MEMORY,
+            note=f"micro-batch {mb} x {ga} accumulation; "
+                 f"{'SHARD_GRAD_OP' if zero == 2 else 'FULL_SHARD'}; {prec}"))
+    return runs
+
+
+def _megatron_2019() -> list[PublishedRun]:
+    gpt83 = gpt_model("gpt2-8.3b", 72, 3072, 32, seq=1024)
+    gpt12 = gpt_model("gpt2-1.2b", 40, 1536, 16, seq=1024)
+    src = "M19 section 5.1, Figure 1 (DGX-2H V100 32GB)"
+    note = "batch 8 per replica assumed; FLOPs by the paper's appendix formula (recomputation)"
+    return [
+        PublishedRun("M19 1.2B 1xV100", src, "Megatron-LM 2019", gpt12, dgx2h(1, 1), 8, 1024, 1, 1,
+                     1, 0, "full", False, MEGATRON_2019, "hw_tflops", 39.0, micro_batches=(8,),
+                     note=note + "; one GPU of the node", confident=False),
+        PublishedRun("M19 8.3B 8xV100", src, "Megatron-LM 2019", gpt83, dgx2h(1, 8), 8, 1024, 8, 1,
+                     1, 0, "full", False, MEGATRON_2019, "hw_tflops", 0.77 * 39.0,
+                     micro_batches=(8,), note=note + "; 77% weak-scaling efficiency of 39",
+                     confident=False),
+        PublishedRun("M19 8.3B 512xV100", src, "Megatron-LM 2019", gpt83, dgx2h(32), 512, 1024,
+                     8, 1, 64, 0, "full", False, MEGATRON_2019, "hw_tflops", 15.1e3 / 512,
+                     micro_batches=(8,), note=note + "; 15.1 PFLOP/s over 512 GPUs"),
+    ]
+
+
+def _a100_40gb(nodes: int, nic_gb_per_s: float = 25.0) -> ClusterSpec:
+    """A100-SXM4-40GB nodes of 8 on NVLink with `nic_gb_per_s` of network per GPU."""
+    return dataclasses.replace(preset_cluster("dgx-a100", nodes), gpu="A100-SXM4-40GB",
+                               memory_gib=40.0, hbm_gb_per_s=1555.0,
+                               inter_node_gb_per_s=nic_gb_per_s, name=f"a100-40gb:{nodes}")
+
+
+def published_runs() -> list[PublishedRun]:
+    """Every published run of the table, calibration part first."""
+    return (_calibration() + _n21_table2() + _megatron_deepspeed() + _llama3() + _torchtitan()
+            + _llm_foundry() + _megatron_2019())

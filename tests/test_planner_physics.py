@@ -1,0 +1,199 @@
+"""Physics of the planner's time model: NCCL collectives, ZeRO-3 per-unit communication, the
+software stack, and the honest validation table (bench/planner_published.py) as a regression."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshtron.model.spec import PRESETS
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.comm import (Fabric, Group, all_gather, all_reduce, bus_bandwidth,
+                                   reduce_scatter, ring_bus_bw, ring_latency)
+from meshtron.planner.compute import KernelOptions, layer_cost
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.plan import Plan
+from meshtron.planner.published import gpt_model, predict_published, summary
+from meshtron.planner.published_runs import DEEPSPEED_ZERO3_2021, published_runs
+
+FAB = Fabric.of(resolve_cluster("dgx-a100:256"))
+
+
+# ---- collectives -------------------------------------------------------------------------------
+def test_ring_latency_grows_with_ranks_and_nodes():
+    # NCCL tuning model: baseLat + (nsteps - nInterSteps) hwLat_NVLink + nInterSteps hwLat_NET
+    one_node = ring_latency(Group(8, 8), FAB)
+    assert one_node == pytest.approx(FAB.base_latency + 7 * FAB.intra_alpha)
+    lats = [ring_latency(Group(n, 8), FAB) for n in (64, 256, 1024)]
+    assert lats == sorted(lats) and lats[-1] > 10 * lats[0]
+    expected = FAB.base_latency + (1023 - 127) * FAB.intra_alpha + 127 * FAB.inter_alpha
+    assert lats[-1] == pytest.approx(expected)
+    # an all-reduce runs the ring twice
+    assert ring_latency(Group(64, 8), FAB, all_reduce=True) == pytest.approx(
+        2 * ring_latency(Group(64, 8), FAB) - FAB.base_latency)
+
+
+def test_small_per_rank_chunks_never_reach_link_speed():
+    group = Group(1024, 8)
+    peak = ring_bus_bw(group, FAB)
+    big, small = bus_bandwidth(64e9, group, FAB), bus_bandwidth(64e6, group, FAB)
+    assert big > 0.9 * peak
+    assert small < 0.2 * peak  # 64 kB per rank: the 1,023 step latencies dominate
+    # the same buffer over more ranks is slower (latency grows, volume does not)
+    assert all_gather(256e6, Group(1024, 8), FAB) > all_gather(256e6, Group(64, 8), FAB)
+
+
+def test_flat_rings_use_one_nic_per_member_in_a_node():
+    # rail-aligned: a group with one member per node runs at one NIC's rate, a group filling
+    # nodes at min(NVLink, 8 NICs)
+    assert ring_bus_bw(Group(32, 1), FAB) == pytest.approx(FAB.inter_bw)
+    assert ring_bus_bw(Group(256, 8), FAB) == pytest.approx(min(FAB.intra_bw, 8 * FAB.inter_bw))
+    assert ring_bus_bw(Group(8, 8), FAB) == pytest.approx(FAB.intra_bw)
+    assert all_reduce(1e9, Group(32, 1), FAB) > all_reduce(1e9, Group(256, 8), FAB)
+
+
+def test_tree_all_reduce_wins_for_small_messages_at_scale():
+    group = Group(4096, 8)
+    ring_only = ring_latency(group, FAB, all_reduce=True) + 2 * 1e4 / ring_bus_bw(group, FAB)
+    assert all_reduce(1e4, group, FAB) < 0.2 * ring_only  # log2(nodes) latency, not 2n
+    # large buffers: the ring's full bandwidth
+    assert all_reduce(1e10, group, FAB) <= ring_latency(group, FAB, True) + 2e10 / ring_bus_bw(
+        group, FAB)
+
+
+def test_hierarchical_reduce_scatter_is_two_levels():
+    group = Group(64, 8)
+    two = reduce_scatter(1e9, group, FAB, hierarchical=True)
+    expected = reduce_scatter(1e9, Group(8, 8), FAB) + reduce_scatter(1e9 / 8, Group(8, 1), FAB)
+    assert two == pytest.approx(expected)
+
+
+# ---- ZeRO-3 / FSDP -----------------------------------------------------------------------------
+def _zero3(gpus: int, opts: KernelOptions, batch: int = 1536, mb: int | None = None):
+    model = gpt_model("gpt-175B", 96, 12288, 96)
+    cl = dataclasses.replace(resolve_cluster(f"dgx-a100:{gpus // 8}"), memory_gib=1e6)
+    mb = mb or batch // gpus
+    ev = Evaluator(model, cl, batch, 2048, opts)
+    return ev.evaluate(Plan(1, 1, gpus, 3, mb, "full", False, None, 1, dtype="bf16",
+                            attention=opts.attention))
+
+
+def test_zero3_per_gpu_throughput_falls_as_gpus_grow_at_fixed_batch():
+    # FSDP-style (one unit per layer, one-unit prefetch): falls, gently
+    fsdp = KernelOptions(attention="unfused", dropout=True, stack="fused")
+    tf = [_zero3(g, fsdp).hardware_tflops_per_gpu for g in (384, 768, 1536)]
+    assert tf[0] > tf[1] > tf[2]
+    # DeepSpeed 2021 (per-submodule fetches, 5e7-parameter prefetch, re-gather around
+    # recomputation): the ring latencies of ~2,300 collectives per step grow with the ranks
+    ds = [_zero3(g, DEEPSPEED_ZERO3_2021).hardware_tflops_per_gpu for g in (384, 768, 1536)]
+    assert ds[0] > ds[1] > ds[2]
+    assert ds[2] < 0.6 * ds[0]
+    # Megatron's 3D layout at the same scale keeps per-GPU throughput nearly flat (N21, Table 2)
+    runs = {r.name: r for r in published_runs()}
+    ptd = [predict_published(runs[f"N21 PTD-P 175B {g}"]).predicted for g in (384, 1536)]
+    assert ptd[1] > 0.9 * ptd[0]
+
+
+def test_zero3_collectives_are_counted_per_unit():
+    base = KernelOptions(attention="unfused", dropout=True, stack="fused")
+    per_layer = _zero3(1536, base).time.dp_comm
+    per_module = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6)).time.dp_comm
+    capped = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6,
+                                              prefetch_params=5e7)).time.dp_comm
+    assert per_module > per_layer  # six times the collectives, each with its ring latency
+    assert capped > per_module  # a small prefetch bucket hides less
+    staged = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6, prefetch_params=5e7,
+                                              list_collectives=True)).time.dp_comm
+    assert staged > capped  # staging copies on the collectives' path
+
+
+def test_zero3_hides_comm_behind_compute_when_units_are_big_enough():
+    # 8B on one node: per-layer all-gathers over NVLink hide behind each layer's compute, only
+    # the first unit's fill, the last reduce-scatter and the interference remain
+    model = PRESETS["llama3-8b"]
+    ev = Evaluator(model, dataclasses.replace(resolve_cluster("dgx-h100:1"), memory_gib=1e6), 16,
+                   8192, KernelOptions())
+    est = ev.evaluate(Plan(1, 1, 8, 3, 2, "none", False, None, 1, dtype="bf16"))
+    assert est.time.dp_comm < 0.05 * est.time.compute
+
+
+# ---- software stack ----------------------------------------------------------------------------
+def test_eager_pytorch_is_slower_than_fused_kernels():
+    cl = resolve_cluster("dgx-h100:1")
+    llama = PRESETS["llama3-8b"]
+    eager = layer_cost(llama, cl, 1, 2, 8192, False, KernelOptions(stack="eager"))
+    fused = layer_cost(llama, cl, 1, 2, 8192, False, KernelOptions(stack="fused"))
+    assert eager.fwd > 1.05 * fused.fwd and eager.bwd > 1.05 * fused.bwd
+    # GPT-style layers (one-kernel LayerNorm and GeLU in both stacks) differ much less
+    gpt = PRESETS["gpt3-175b"]
+    g_e = layer_cost(gpt, cl, 8, 1, 2048, False, KernelOptions(stack="eager"))
+    g_f = layer_cost(gpt, cl, 8, 1, 2048, False, KernelOptions(stack="fused"))
+    assert g_e.fwd / g_f.fwd < eager.fwd / fused.fwd
+
+
+def test_eager_dispatch_bounds_tiny_layers():
+    cl = resolve_cluster("dgx-h100:1")
+    tiny = PRESETS["tiny"]
+    eager = layer_cost(tiny, cl, 1, 1, 128, False, KernelOptions(stack="eager"))
+    assert eager.fwd >= 20 * 10e-6  # dozens of kernels at ~10 us of host dispatch each
+
+
+def test_torchtitan_compile_speedup_matches_the_stack_model():
+    runs = {r.name: r for r in published_runs()}
+    eager = predict_published(runs["TT Llama3.1 8B 8 eager"])
+    comp = predict_published(runs["TT Llama3.1 8B 8 compile"])
+    published = comp.run.published / eager.run.published  # 6667 / 5762
+    assert comp.predicted / eager.predicted == pytest.approx(published, rel=0.06)
+
+
+# ---- the validation table (bench/planner_published.py) -----------------------------------------
+@pytest.fixture(scope="module")
+def table():
+    return [predict_published(r) for r in published_runs()]
+
+
+def test_validation_table_covers_stacks_and_gpu_generations(table):
+    val = [p for p in table if p.run.part == "validation"]
+    assert len(val) >= 25
+    assert len({p.run.stack.split()[0] for p in val}) >= 4
+    gens = {(p.run.cluster.gpu or "").split("-")[0] for p in val}
+    assert {"V100", "A100", "H100"} <= gens
+
+
+def test_validation_errors_do_not_regress(table, capsys):
+    """Honest current numbers (see bench/planner_published.py): validation mean 13.2%, max 64.4%
+    (DeepSpeed's 2021 ZeRO-3 at 2,240 GPUs); without the six ZeRO-3 rows mean 10.3%, max 33%.
+    Tighten these bounds as the physics improves, never by editing rows."""
+    val = summary([p for p in table if p.run.part == "validation"])
+    cal = summary([p for p in table if p.run.part == "calibration"])
+    with capsys.disabled():
+        print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%}; "
+              f"calibration (K22): mean {cal['mean']:.1%} max {cal['max']:.1%}")
+    assert cal["max"] < 0.10
+    assert val["mean"] < 0.14
+    assert val["max"] < 0.70
+    no_z3 = summary([p for p in table if p.run.part == "validation"
+                     and not p.run.stack.startswith("DeepSpeed ZeRO-3")])
+    assert no_z3["mean"] < 0.12 and no_z3["max"] < 0.36
+
+
+def test_runtime_zero_stages_cost_what_fsdp2_runs():
+    """meshtron's runtime (sharding='fsdp') reduces gradients every micro-batch and runs ZeRO-1
+    as all-reduce plus owner broadcasts; DeepSpeed/Megatron (sharding='zero') reduce once per
+    step. With 8 micro-batches over 64 GPUs on a slow network the difference shows."""
+    model = PRESETS["llama3-8b"]
+    cl = dataclasses.replace(resolve_cluster("dgx-h100:8"), memory_gib=1e6,
+                             inter_node_gb_per_s=5.0)
+
+    def dp_time(zero: int, sharding: str) -> float:
+        ev = Evaluator(model, cl, 512, 4096, KernelOptions(sharding=sharding))
+        return ev.evaluate(Plan(1, 1, 64, zero, 1, "none", False, None, 1,
+                                dtype="bf16")).time.dp_comm
+
+    assert dp_time(1, "fsdp") > 2 * dp_time(1, "zero")
+    assert dp_time(0, "fsdp") > 2 * dp_time(0, "zero")
+    # FSDP's ZeRO-2 gathers before every micro-batch's forward, ZeRO-3 before its backward too
+    assert dp_time(3, "fsdp") > dp_time(2, "fsdp") > dp_time(2, "zero")
+    with pytest.raises(ValueError, match="sharding="):
+        KernelOptions(sharding="ddp")
