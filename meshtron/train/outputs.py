@@ -157,10 +157,11 @@ def print_plan(plan, cluster) -> None:
     from rich.console import Console
 
     pred = plan.predicted or {}
-    virtual = f":{plan.virtual_stages}" if plan.virtual_stages > 1 else ""
+    pipeline = (f" schedule={plan.schedule_label()} stage_layers={list(plan.stage_layers)}"
+                if plan.pp > 1 else "")
     Console().print(
         f"[bold]plan[/] {plan.layout()} zero={plan.zero} micro_batch={plan.micro_batch} "
-        f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'} "
-        f"schedule={plan.schedule}{virtual} stage_layers={plan.stage_layers} on {cluster.name}; "
+        f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'}{pipeline} "
+        f"on {cluster.name}; "
         f"predicted step {pred.get('step_time_s', float('nan')):.3f} s, "
         f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank", soft_wrap=True)
