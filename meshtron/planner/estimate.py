@@ -31,7 +31,11 @@ Step time (per optimizer step, on the critical pipeline stage c):
   (then an all-reduce over the replica group under HSDP); prefetching hides a unit's collective
   behind the previous unit's compute only (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al.
   2023, section 3.3), so per unit max(0, comm - compute) stays exposed, plus the first
-  all-gather and the last reduce-scatter.
+  all-gather and the last reduce-scatter. Runtimes that reduce every parameter separately
+  (DeepSpeed 0.3.x) pay more reduce-scatters than gathers (`reduce_units_per_layer`); those that
+  pass lists of per-rank chunks to torch.distributed (DeepSpeed 0.3.x on PyTorch <= 1.10) also
+  pay the host's walk over every rank of every call (`LIST_HOST_S_PER_RANK`), which grows with
+  the group like NCCL's ring latency does.
 * optimizer: AdamW is memory bound; fused (apex / Transformer Engine, stack 'fused') it reads
   and writes fp32 master and two moments, reads the gradient and writes bf16 weights: 28 bytes
   (30 with an fp32 gradient buffer); torch.optim's unfused AdamW (stack 'eager') makes a pass
