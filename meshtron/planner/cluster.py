@@ -88,10 +88,11 @@ CLUSTER_PRESETS = {
     "dgx-h200": "H200-SXM-141GB",
 }
 
-# Default per-step latencies (alpha of the alpha-beta model). NCCL's per-hop latency is a few
-# microseconds over NVLink and 5-10 us over InfiniBand (NCCL tests, small messages).
-DEFAULT_INTRA_LATENCY_US = 3.0
-DEFAULT_INTER_LATENCY_US = 8.0
+# Default per-step latencies (alpha of the alpha-beta model): NCCL's own figures for a ring step
+# with the Simple protocol, 3.4 us over NVLink and 9.6 us over the network (NVIDIA/nccl
+# src/graph/tuning.cc, hwLat table, v2.8-2.9).
+DEFAULT_INTRA_LATENCY_US = 3.4
+DEFAULT_INTER_LATENCY_US = 9.6
 # Device memory bandwidth assumed when only peak_tflops is given: ~150 FLOP per byte is the
 # balance point of A100-class GPUs (312 TFLOP/s / 2.0 TB/s).
 DEFAULT_FLOP_PER_BYTE = 150.0

@@ -105,6 +105,12 @@ class KernelOptions:
     DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
     output projection, two MLP linears; Rajbhandari et al. 2021, ZeRO-Infinity, section 6)."""
 
+    reduce_units_per_layer: int | None = None
+    """Gradient reduce-scatters per layer and micro-batch under ZeRO-3 (None: one per gather
+    unit). DeepSpeed 0.3.x reduces every parameter separately, biases and norms included (12 for
+    a GPT layer with biases), while it gathers only the parameters above
+    `stage3_param_persistence_threshold` (the four weight matrices); FSDP reduces per unit."""
+
     prefetch_params: float | None = None
     """Parameters ZeRO-3 all-gathers ahead of the unit computing (None: the whole next unit, as
     FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) caps it:
@@ -148,6 +154,9 @@ class KernelOptions:
         if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
                                 or pre < 0):
             raise UserError(f"prefetch_params={pre!r}: must be None or a number >= 0")
+        ru = self.reduce_units_per_layer
+        if ru is not None and (isinstance(ru, bool) or not isinstance(ru, int) or ru < 1):
+            raise UserError(f"reduce_units_per_layer={ru!r}: must be None or a positive integer")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")
