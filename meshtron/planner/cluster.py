@@ -27,7 +27,7 @@ Cluster TOML (`--cluster my.toml`)::
     inter_node_gb_per_s = 50        # per GPU per direction
     intra_node_latency_us = 3       # optional, per ring step
     inter_node_latency_us = 8       # optional, per ring step
-    # collective_base_latency_us = 8.4  # optional, fixed latency of one collective call
+    # collective_base_latency_us = 8.4  # optional, fixed latency per collective call
     # bandwidth_efficiency = 1.0    # optional: fraction of the stated bandwidths collectives reach
     price_per_gpu_hour = 2.5        # optional, currency units, for the cost column
     # measured by `meshtron calibrate` (optional):
