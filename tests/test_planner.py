@@ -344,7 +344,7 @@ def test_default_table_fits_100_columns_without_ellipsis(argv):
         text = buf.getvalue()
         assert "…" not in text
         assert max(len(line) for line in text.splitlines()) <= width
-        assert "Cost model: attention=" in text and "dtype=bf16" in text
+        assert "Cost model: stack=" in text and "dtype=bf16" in text
         assert "tp/pp/dp" in text
 
 

@@ -10,11 +10,16 @@ Run on every rank at once (so ranks contend for cores, memory and links as in tr
   node (the same local rank on every node: with one NIC per GPU, rail-aligned, that is the path
   a data-parallel ring's inter-node hops take). Every group of a level runs at once. All-reduce,
   all-gather and reduce-scatter times over a sweep of message sizes (4 KiB to 256 MiB on GPU, to
-  4 MiB on CPU) are fitted by least squares to the planner's alpha-beta ring formulas
-  (`meshtron.planner.comm`): t = steps(n) * alpha + bytes_factor(n) * B / bw, per level, so the
-  fitted latency and bandwidth are the parameters the planner takes; send/recv likewise (one
-  transfer: alpha + B / bw). With a single node the inter level is not measured and the cluster
-  file repeats the intra figures (the planner needs both fields; no group will cross nodes).
+  4 MiB on CPU) are fitted by least squares to the formulas the planner costs them with
+  (`meshtron.planner.comm.level_terms`, NCCL's tuning model): t = baseLat + steps(n) * hwLat +
+  bytes_factor(n) * B / bw, the fastest of ring and tree for an all-reduce across more than two
+  nodes. baseLat, the fixed latency of one call, is fitted on the intra level (its all-reduce
+  has twice the steps of its all-gather, which tells baseLat from hwLat) and kept for the inter
+  level, whose fit gives that level's hwLat and bw; the cluster file carries all of them
+  (`collective_base_latency_us`, `*_node_latency_us`, `*_node_gb_per_s`), so the planner
+  reproduces the measured times. Send/recv is fitted on its own (alpha + B / bw) for the report.
+  With a single node the inter level is not measured and the cluster file repeats the intra
+  figures (the planner needs both fields; no group will cross nodes).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import torch.distributed as dist
 from meshtron.calibrate.kernels import (measure_elementwise, measure_gemm_shapes,
                                         measure_kernel_overhead, measure_matmul,
                                         measure_memory_bandwidth, sync)
+from meshtron.planner import comm
+from meshtron.planner.comm import Group
 
 CPU_SIZES = [2**k for k in range(12, 23, 2)]   # 4 KiB .. 4 MiB
 GPU_SIZES = [2**k for k in range(12, 29, 2)]   # 4 KiB .. 256 MiB
@@ -44,7 +51,10 @@ class Level:
     group_size: int = 0
     """Ranks per group at this level (0: not measured)."""
     latency_us: float = 0.0
-    """Fitted per-ring-step latency (alpha), microseconds."""
+    """Fitted per-ring-step latency (alpha, NCCL's hwLat), microseconds."""
+    base_latency_us: float = 0.0
+    """Fixed latency of one collective call (NCCL's baseLat), microseconds: fitted on the intra
+    level, carried over to the inter level."""
     bandwidth_gb_per_s: float = 0.0
     """Fitted per-rank bandwidth per direction, GB/s."""
     p2p_latency_us: float = 0.0
@@ -126,6 +136,9 @@ class Calibration:
             "inter_node_gb_per_s": round(inter.bandwidth_gb_per_s, 6),
             "intra_node_latency_us": round(self.intra.latency_us, 3),
             "inter_node_latency_us": round(inter.latency_us, 3),
+            "collective_base_latency_us": round(self.intra.base_latency_us
+                                                if self.intra.group_size > 1
+                                                else inter.base_latency_us, 3),
             "bandwidth_efficiency": 1.0,
         })
         if self.gemm:
@@ -229,50 +242,85 @@ def measure_collectives(group, device: torch.device, dtype: torch.dtype, sizes: 
     return out
 
 
-def fit_alpha_beta(samples: dict[str, list[tuple[int, float]]], n: int) -> tuple[float, float]:
-    """Least-squares fit of t = steps(n)*alpha + bytes_factor(n)*B/bw to all three collectives,
-    with the ring formulas of `meshtron.planner.comm`; returns (alpha seconds, bw bytes/s)."""
-    rows, ts = [], []
-    for name, (steps, factor) in {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
-                                  "all_gather": (n - 1, (n - 1) / n),
-                                  "reduce_scatter": (n - 1, (n - 1) / n)}.items():
-        for nbytes, t in samples[name]:
-            rows.append((steps, factor * nbytes))
-            ts.append(t)
-    return _nonneg_lstsq(rows, ts)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def fit_level(samples: dict[str, list[tuple[int, float]]], group: Group,
+              base: float | None = None) -> tuple[float, float, float]:
+    """Least-squares fit of the planner's collective formulas (`comm.level_terms`) to the
+    all-reduce, all-gather and reduce-scatter samples of one level's `group`; returns
+    (baseLat seconds, per-step latency seconds, bandwidth bytes/s). `base` given: baseLat is
+    held at it and only the other two are fitted. Where NCCL may choose between ring and tree
+    (all-reduce across > 2 nodes) each sample is assigned the algorithm the current fit makes
+    faster, and the fit repeated until the assignment settles (as the planner takes the min)."""
+    rows = [(terms, float(t)) for op in COLLECTIVES for b, t in samples[op]
+            for terms in [comm.level_terms(op, b, group)]]
+    choice = [0] * len(rows)
+    for _ in range(8):
+        a = [terms[c] for (terms, _), c in zip(rows, choice)]
+        ts = [t for _, t in rows]
+        if base is None:
+            x = _nonneg_lstsq(a, ts, ts)
+            params = (x[0], x[1], x[2])
+        else:
+            x = _nonneg_lstsq([r[1:] for r in a], [t - r[0] * base for r, t in zip(a, ts)], ts)
+            params = (base, x[0], x[1])
+        new = [min(range(len(terms)), key=lambda i: _predict(terms[i], params))
+               for terms, _ in rows]
+        if new == choice:
+            break
+        choice = new
+    inv_bw = params[2]
+    return params[0], params[1], 1.0 / inv_bw if inv_bw > 0 else 1e15
+
+
+def _predict(terms: tuple[float, ...], params: tuple[float, float, float]) -> float:
+    return sum(c * p for c, p in zip(terms, params))
 
 
 def fit_p2p(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    return _nonneg_lstsq([(1.0, float(b)) for b, _ in samples], [t for _, t in samples])
+    """One transfer: t = alpha + B / bw; returns (alpha seconds, bw bytes/s)."""
+    ts = [t for _, t in samples]
+    alpha, inv_bw = _nonneg_lstsq([(1.0, float(b)) for b, _ in samples], ts, ts)
+    return alpha, 1.0 / inv_bw if inv_bw > 0 else 1e15
 
 
-def _nonneg_lstsq(rows: list[tuple[float, float]], ts: list[float]) -> tuple[float, float]:
-    """Solve t = x0*a + x1*b with x >= 0 (2 unknowns: try the unconstrained solution, then each
-    single-variable one), weighting rows by 1/t so small and large messages count alike."""
+def _nonneg_lstsq(rows: list[tuple[float, ...]], ts: list[float],
+                  scale: list[float]) -> list[float]:
+    """Solve t = rows @ x with x >= 0, weighting each row by 1/scale (its measured time) so small
+    and large messages count alike. Few unknowns: if the unconstrained solution has a negative
+    entry, take the best solution over every subset of the unknowns (the rest held at 0) that
+    is itself non-negative."""
+    import itertools
+
     import numpy as np
 
     a = np.array(rows, dtype=np.float64)
     t = np.array(ts, dtype=np.float64)
-    w = 1.0 / np.maximum(t, 1e-9)
+    w = 1.0 / np.maximum(np.array(scale, dtype=np.float64), 1e-9)
     aw, tw = a * w[:, None], t * w
     x, *_ = np.linalg.lstsq(aw, tw, rcond=None)
     if (x < 0).any():
-        candidates = []
-        for j in (0, 1):
-            col = aw[:, j]
-            xj = max(0.0, float(col @ tw / (col @ col)))
-            xx = np.zeros(2)
-            xx[j] = xj
-            candidates.append((float(((aw @ xx - tw) ** 2).sum()), xx))
-        x = min(candidates, key=lambda c: c[0])[1]
-    alpha = float(x[0])
-    inv_bw = float(x[1])
-    bw = 1.0 / inv_bw if inv_bw > 0 else 1e15
-    return alpha, bw
+        best = (float(tw @ tw), np.zeros(a.shape[1]))
+        for r in range(1, a.shape[1]):
+            for cols in itertools.combinations(range(a.shape[1]), r):
+                xs, *_ = np.linalg.lstsq(aw[:, cols], tw, rcond=None)
+                if (xs < 0).any():
+                    continue
+                xx = np.zeros(a.shape[1])
+                xx[list(cols)] = xs
+                res = float(((aw @ xx - tw) ** 2).sum())
+                if res < best[0]:
+                    best = (res, xx)
+        x = best[1]
+    return [float(v) for v in x]
 
 
-def measure_level(group, device: torch.device, dtype: torch.dtype, sizes: list[int]) -> Level:
-    """Sweep, then fit, one fabric level on this rank's group of it (all groups at once)."""
+def measure_level(group, device: torch.device, dtype: torch.dtype, sizes: list[int],
+                  shape: Group, base: float | None = None) -> Level:
+    """Sweep, then fit, one fabric level on this rank's group of it (all groups at once).
+    `shape`: where the group's members sit (one node, or one per node); `base`: baseLat fitted
+    on another level, seconds (None: fit it here)."""
     n = dist.get_world_size(group)
     samples = measure_collectives(group, device, dtype, sizes)
     # every group of the level ran at once; keep the slowest group's times
@@ -280,10 +328,11 @@ def measure_level(group, device: torch.device, dtype: torch.dtype, sizes: list[i
         t = torch.tensor([s for _, s in rows], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         samples[name] = [(b, float(s)) for (b, _), s in zip(rows, t.tolist())]
-    alpha, bw = fit_alpha_beta(samples, n)
+    base, alpha, bw = fit_level(samples, shape, base)
     p_alpha, p_bw = fit_p2p(samples["send_recv"])
-    return Level(group_size=n, latency_us=alpha * 1e6, bandwidth_gb_per_s=bw / 1e9,
-                 p2p_latency_us=p_alpha * 1e6, p2p_gb_per_s=p_bw / 1e9, samples=samples)
+    return Level(group_size=n, latency_us=alpha * 1e6, base_latency_us=base * 1e6,
+                 bandwidth_gb_per_s=bw / 1e9, p2p_latency_us=p_alpha * 1e6,
+                 p2p_gb_per_s=p_bw / 1e9, samples=samples)
 
 
 # ---- the whole calibration ---------------------------------------------------------------------
@@ -354,9 +403,11 @@ def calibrate(device: torch.device, sizes: list[int] | None = None) -> Calibrati
     sizes = sizes or (CPU_SIZES if device.type == "cpu" else GPU_SIZES)
     if len(intra[0]) > 1:
         group = _my_group(intra, rank) if len(intra) > 1 else None
-        cal.intra = measure_level(group, device, dtype, sizes)
+        cal.intra = measure_level(group, device, dtype, sizes, Group(len(intra[0]), len(intra[0])))
     if inter:
-        cal.inter = measure_level(_my_group(inter, rank), device, dtype, sizes)
+        base = cal.intra.base_latency_us * 1e-6 if cal.intra.group_size else None
+        cal.inter = measure_level(_my_group(inter, rank), device, dtype, sizes,
+                                  Group(len(inter[0]), 1), base)
     if not cal.intra.group_size:
         # One rank per node never talks inside a node; any finite figures keep the formulas
         # defined (no group is costed on this level).

@@ -9,6 +9,7 @@ Python API (no torch import)::
     plan = best.to_plan("llama3-70b", "dgx-h100:16", 128, 1024, 8192, "flash")
     plan.save("plan.toml"); load_plan("plan.toml")
     est = evaluate_plan(model_spec, cluster, 1024, 8192, plan)   # a Plan fixes every knob
+    from meshtron.planner.placement import placement       # (the module keeps its own name)
     placement(plan, gpus_per_node=8).groups("tp")                # which ranks form each group
 
 Modules: plan (the one Plan type, its validity rules `plan_problems`, fixed Knobs), placement
@@ -22,7 +23,7 @@ partition), estimate (one plan's cost), search (enumeration, ranking, explanatio
 from meshtron.planner.cluster import GPU_CATALOGUE, ClusterSpec, resolve_cluster
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Estimate, Evaluator
-from meshtron.planner.placement import Placement, placement
+from meshtron.planner.placement import Placement
 from meshtron.planner.plan import Knobs, Plan, as_plan, load_plan, plan_problems
 from meshtron.planner.search import SearchResult, evaluate_plan, search_plans
 
@@ -34,5 +35,5 @@ def plan_knobs(plan: Plan) -> Knobs:
 
 __all__ = ["ClusterSpec", "Estimate", "Evaluator", "GPU_CATALOGUE", "KernelOptions",
            "Knobs", "Placement", "Plan", "SearchResult", "as_plan", "evaluate_plan", "load_plan",
-           "placement", "plan_knobs", "plan_problems",
+           "plan_knobs", "plan_problems",
            "resolve_cluster", "search_plans"]

@@ -27,6 +27,7 @@ Cluster TOML (`--cluster my.toml`)::
     inter_node_gb_per_s = 50        # per GPU per direction
     intra_node_latency_us = 3       # optional, per ring step
     inter_node_latency_us = 8       # optional, per ring step
+    # collective_base_latency_us = 8.4  # optional, fixed latency per collective call
     # bandwidth_efficiency = 1.0    # optional: fraction of the stated bandwidths collectives reach
     price_per_gpu_hour = 2.5        # optional, currency units, for the cost column
     # measured by `meshtron calibrate` (optional):
@@ -88,10 +89,11 @@ CLUSTER_PRESETS = {
     "dgx-h200": "H200-SXM-141GB",
 }
 
-# Default per-step latencies (alpha of the alpha-beta model). NCCL's per-hop latency is a few
-# microseconds over NVLink and 5-10 us over InfiniBand (NCCL tests, small messages).
-DEFAULT_INTRA_LATENCY_US = 3.0
-DEFAULT_INTER_LATENCY_US = 8.0
+# Default per-step latencies (alpha of the alpha-beta model): NCCL's own figures for a ring step
+# with the Simple protocol, 3.4 us over NVLink and 9.6 us over the network (NVIDIA/nccl
+# src/graph/tuning.cc, hwLat table, v2.8-2.9).
+DEFAULT_INTRA_LATENCY_US = 3.4
+DEFAULT_INTER_LATENCY_US = 9.6
 # Device memory bandwidth assumed when only peak_tflops is given: ~150 FLOP per byte is the
 # balance point of A100-class GPUs (312 TFLOP/s / 2.0 TB/s).
 DEFAULT_FLOP_PER_BYTE = 150.0
@@ -150,6 +152,9 @@ class ClusterSpec:
     eager_kernel_overhead_us: float | None = None
     """Time of one tiny eager op issued back to back (Python dispatch + kernel launch), us:
     the floor under every small kernel of an eager (uncompiled) step."""
+    collective_base_latency_us: float | None = None
+    """Fixed latency of one collective call on top of its per-step latencies, us (NCCL's
+    baseLat); `meshtron calibrate` fits it. None: NCCL's 8.4 us (comm.BASE_LATENCY_S)."""
 
     def __post_init__(self) -> None:
         for field in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gb_per_s"):
@@ -170,11 +175,12 @@ class ClusterSpec:
                 raise UserError(f"cluster.{field}={value!r}: must be a fraction in (0, 1]")
         if self.elementwise_gb_per_s is not None:
             _positive("cluster.elementwise_gb_per_s", self.elementwise_gb_per_s)
-        value = self.eager_kernel_overhead_us
-        if value is not None and not (isinstance(value, (int, float))
-                                      and not isinstance(value, bool) and 0 <= value < 1e6):
-            raise UserError(f"cluster.eager_kernel_overhead_us={value!r}: must be a number of "
-                             "microseconds >= 0")
+        for field in ("eager_kernel_overhead_us", "collective_base_latency_us"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float))
+                                          and not isinstance(value, bool) and 0 <= value < 1e6):
+                raise UserError(f"cluster.{field}={value!r}: must be a number of "
+                                 "microseconds >= 0")
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _gemm_points(self.gemm_efficiency))
         if self.price_per_gpu_hour is not None and not (
@@ -281,7 +287,8 @@ _CLUSTER_KEYS = {"name", "gpu", "peak_tflops", "memory_gib", "gpus_per_node", "n
                  "intra_node_gb_per_s", "inter_node_gb_per_s", "intra_node_latency_us",
                  "inter_node_latency_us", "hbm_gb_per_s", "matmul_efficiency",
                  "bandwidth_efficiency", "price_per_gpu_hour", "gemm_efficiency",
-                 "elementwise_gb_per_s", "eager_kernel_overhead_us"}
+                 "elementwise_gb_per_s", "eager_kernel_overhead_us",
+                 "collective_base_latency_us"}
 
 
 def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:

@@ -12,9 +12,10 @@ with, for a ring of n ranks spread over N nodes (nsteps = n-1 for reduce-scatter
 * latency = baseLat + (nsteps - nInterSteps) * hwLat_NVLink + nInterSteps * hwLat_NET. NCCL's
   table for the Simple protocol (used for the large buffers of training): baseLat(ring) 8.4 us,
   hwLat_NVLink(ring) 3.4 us, hwLat_NET(ring) 9.6-14 us per step. The per-step hardware latencies
-  are the cluster's `intra_node_latency_us` / `inter_node_latency_us`; `BASE_LATENCY_S` is
-  baseLat. Latency therefore grows linearly with the ranks in the ring: a 1,536-rank ring pays
-  over 1,500 step latencies per collective, whatever its size.
+  are the cluster's `intra_node_latency_us` / `inter_node_latency_us`; baseLat is its
+  `collective_base_latency_us` (`meshtron calibrate` fits all three), `BASE_LATENCY_S` if unset.
+  Latency therefore grows linearly with the ranks in the ring: a 1,536-rank ring pays over 1,500
+  step latencies per collective, whatever its size.
 * bandwidth: the ring's bus bandwidth is nChannels x per-channel speed; across nodes NCCL lays
   one channel per NIC (rail-aligned), so a flat ring whose members fill `local` GPUs of each node
   drives `local` NICs per node and reaches min(NVLink, local x NIC) per rank (a data-parallel
@@ -80,12 +81,14 @@ class Fabric:
     def of(cls, cluster: ClusterSpec) -> "Fabric":
         e_intra = cluster.bandwidth_efficiency or NVLINK_EFFICIENCY
         e_inter = cluster.bandwidth_efficiency or NETWORK_EFFICIENCY
+        base = cluster.collective_base_latency_us
         # A single-node cluster never uses the network; keep the numbers anyway.
         return cls(intra_bw=cluster.intra_node_gb_per_s * 1e9 * e_intra,
                    inter_bw=cluster.inter_node_gb_per_s * 1e9 * e_inter,
                    intra_alpha=cluster.intra_node_latency_us * 1e-6,
                    inter_alpha=cluster.inter_node_latency_us * 1e-6,
-                   gpus_per_node=cluster.gpus_per_node)
+                   gpus_per_node=cluster.gpus_per_node,
+                   base_latency=BASE_LATENCY_S if base is None else base * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,28 @@ def reduce_scatter(nbytes: float, group: Group, fab: Fabric, hierarchical: bool 
 def all_gather(nbytes: float, group: Group, fab: Fabric, hierarchical: bool = False) -> float:
     """All-gather into a full `nbytes` buffer: the mirror image of reduce_scatter."""
     return reduce_scatter(nbytes, group, fab, hierarchical)
+
+
+def level_terms(op: str, nbytes: float, group: Group) -> list[tuple[float, float, float]]:
+    """The formulas above as linear terms, for fitting measurements (`meshtron calibrate`).
+
+    For a group on one fabric level (all members in one node, or one member per node as a
+    rail-aligned data-parallel ring), every algorithm NCCL may pick for `op` ('all_reduce',
+    'all_gather', 'reduce_scatter') costs  c_base * baseLat + c_step * hwLat + c_bytes / bw
+    with the level's per-step latency hwLat and bus bandwidth bw (across nodes: the NIC's, which
+    `ring_bus_bw` assumes no faster than NVLink). Returns (c_base, c_step, c_bytes) per algorithm
+    (the ring, and for an all-reduce across nodes also the tree); the collective's time is the
+    smallest of them, as in `all_reduce`.
+    """
+    if group.size <= 1 or nbytes <= 0:
+        return [(0.0, 0.0, 0.0)]
+    if group.nodes > 1 and group.local != 1:
+        raise ValueError(f"level_terms: group {group} spans two fabric levels")
+    k = 2.0 if op == "all_reduce" else 1.0
+    out = [(1.0, k * (group.size - 1), k * (group.size - 1) / group.size * nbytes)]
+    if op == "all_reduce" and group.nodes > 1:
+        out.append((1.0, 2.0 * math.log2(group.nodes), 2.0 * nbytes / TREE_BW_FACTOR))
+    return out
 
 
 def bus_bandwidth(nbytes: float, group: Group, fab: Fabric) -> float:

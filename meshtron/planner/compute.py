@@ -16,12 +16,19 @@ and a 128-wide one (an attention head) about half (e.g. NVIDIA's "Matrix Multipl
 Background" guide on tile and wave quantisation). d grows with the GPU's FLOP-per-byte balance
 (`REFERENCE_RIDGE`): about 240 on H100, about 110 on V100. Small per-GPU shards (large tp)
 therefore run less efficiently, more so on newer GPUs.
+A calibrated cluster (`cluster.gemm_efficiency`, measured by `meshtron calibrate`) replaces the
+ceiling and the saturation term by the measured efficiency of the nearest measured shape
+(`measured_gemm_efficiency`); the bandwidth bound stays.
 Backward runs two GEMMs of the forward's shape per weight (input gradient and weight gradient).
 
 Non-GEMM work (norms, residual adds, activation functions, rotary embedding, softmax, dropout,
 casts, cross-entropy) is memory-bound: time = bytes moved / (HBM bandwidth * 0.8), 0.8 being what
 streaming kernels reach (STREAM-like copy rates on A100/H100 HBM). What moves depends on the
 software stack (`KernelOptions.stack`), itemised per operation in `_elementwise_bytes`:
+
+A calibrated cluster's `elementwise_gb_per_s` (what eager RMSNorm, silu(a)*b and softmax reach on
+it) replaces HBM bandwidth * 0.8 for the eager stack, and its `eager_kernel_overhead_us` replaces
+the per-kernel dispatch constant below.
 
 * 'eager' (meshtron's own runtime; plain PyTorch modules without torch.compile): every operation
   is its own kernel that reads its inputs from HBM and writes its output back. RMSNorm as written
@@ -47,6 +54,7 @@ GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -105,6 +113,12 @@ class KernelOptions:
     DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
     output projection, two MLP linears; Rajbhandari et al. 2021, ZeRO-Infinity, section 6)."""
 
+    reduce_units_per_layer: int | None = None
+    """Gradient reduce-scatters per layer and micro-batch under ZeRO-3 (None: one per gather
+    unit). DeepSpeed 0.3.x reduces every parameter separately, biases and norms included (12 for
+    a GPT layer with biases), while it gathers only the parameters above
+    `stage3_param_persistence_threshold` (the four weight matrices); FSDP reduces per unit."""
+
     prefetch_params: float | None = None
     """Parameters ZeRO-3 all-gathers ahead of the unit computing (None: the whole next unit, as
     FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) caps it:
@@ -148,6 +162,9 @@ class KernelOptions:
         if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
                                 or pre < 0):
             raise UserError(f"prefetch_params={pre!r}: must be None or a number >= 0")
+        ru = self.reduce_units_per_layer
+        if ru is not None and (isinstance(ru, bool) or not isinstance(ru, int) or ru < 1):
+            raise UserError(f"reduce_units_per_layer={ru!r}: must be None or a positive integer")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")
@@ -162,11 +179,55 @@ def gemm_time(m: float, n: float, k: float, peak: float, hbm: float) -> float:
     return t_flops if t_flops > t_bytes else t_bytes
 
 
+def measured_gemm_efficiency(m: float, n: float, k: float, cluster: ClusterSpec) -> float:
+    """Measured fraction of peak of the calibrated shape nearest to (m, n, k).
+
+    Nearest in log space, |log(m/m_i)| + |log(n/n_i)| + |log(k/k_i)|: what costs a GEMM its
+    efficiency (tile and wave quantisation, SM occupancy, operand reuse) acts per dimension and
+    multiplies (the s(m)s(n)s(k) of the analytical model), so it depends on ratios of dimensions,
+    not on differences: a 512-wide shard is as far from a 1024-wide one as 4096 from 8192.
+    Nearest-neighbour rather than interpolation: a measured point is never averaged with one
+    that runs in a different kernel regime, and a shape in the table gets exactly its measurement.
+    """
+    lm, ln, lk = math.log(m), math.log(n), math.log(k)
+    best = min(cluster.gemm_efficiency,
+               key=lambda g: (abs(lm - math.log(g.m)) + abs(ln - math.log(g.n))
+                              + abs(lk - math.log(g.k)), -g.efficiency))
+    return best.efficiency
+
+
+def cluster_gemm_time(m: float, n: float, k: float, cluster: ClusterSpec) -> float:
+    """Time of an (m x k) @ (k x n) bf16 GEMM on `cluster`: the measured efficiency of the
+    nearest calibrated shape when the cluster has a `gemm_efficiency` table (the bandwidth bound
+    still applies, for shapes less arithmetic-intense than any measured), else `gemm_time`."""
+    if cluster.gemm_efficiency is None:
+        return gemm_time(m, n, k, cluster.peak_flops * cluster.matmul_ceiling,
+                         cluster.hbm_bytes_per_s)
+    t_flops = 2.0 * m * n * k / (cluster.peak_flops * measured_gemm_efficiency(m, n, k, cluster))
+    t_bytes = BF16 * (m * k + k * n + m * n) / cluster.hbm_bytes_per_s
+    return t_flops if t_flops > t_bytes else t_bytes
+
+
 def gemm_efficiency(m: float, n: float, k: float, cluster: ClusterSpec) -> float:
-    """Fraction of peak the roofline model predicts for one GEMM shape (for display and tests)."""
-    peak = cluster.peak_flops * cluster.matmul_ceiling
-    t = gemm_time(m, n, k, peak, cluster.hbm_bytes_per_s)
-    return 2.0 * m * n * k / t / cluster.peak_flops
+    """Fraction of peak the cost model uses for one GEMM shape (for display and tests)."""
+    return 2.0 * m * n * k / cluster_gemm_time(m, n, k, cluster) / cluster.peak_flops
+
+
+def membound_bytes_per_s(cluster: ClusterSpec, stack: str) -> float:
+    """Bandwidth memory-bound (non-matmul) kernels reach: the calibrated eager element-wise
+    bandwidth for the eager stack when measured, else HBM bandwidth * HBM_EFFICIENCY (fused
+    kernels are not what `meshtron calibrate` times, so they keep the streaming figure)."""
+    if stack == "eager" and cluster.elementwise_gb_per_s is not None:
+        return cluster.elementwise_gb_per_s * 1e9
+    return cluster.hbm_bytes_per_s * HBM_EFFICIENCY
+
+
+def dispatch_s(cluster: ClusterSpec) -> float:
+    """Host cost of issuing one kernel: the calibrated `eager_kernel_overhead_us`, else
+    DISPATCH_S."""
+    if cluster.eager_kernel_overhead_us is not None:
+        return cluster.eager_kernel_overhead_us * 1e-6
+    return DISPATCH_S
 
 
 @dataclass(frozen=True)
@@ -272,27 +333,26 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
                sp: bool, opts: KernelOptions) -> LayerCost:
     """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens."""
-    peak = cluster.peak_flops * cluster.matmul_ceiling
-    hbm = cluster.hbm_bytes_per_s
+    bw = membound_bytes_per_s(cluster, opts.stack)
     tokens = micro_batch * seq
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     up = 2 * f if model.mlp == "swiglu" else f
     # Megatron tensor parallelism (Shoeybi et al. 2019): QKV and MLP-up split by columns,
     # attention output and MLP-down split by rows.
-    linear = (gemm_time(tokens, (h + 2 * kv) / tp, h, peak, hbm)
-              + gemm_time(tokens, h, h / tp, peak, hbm)
-              + gemm_time(tokens, up / tp, h, peak, hbm)
-              + gemm_time(tokens, h, f / tp, peak, hbm))
+    linear = (cluster_gemm_time(tokens, (h + 2 * kv) / tp, h, cluster)
+              + cluster_gemm_time(tokens, h, h / tp, cluster)
+              + cluster_gemm_time(tokens, up / tp, h, cluster)
+              + cluster_gemm_time(tokens, h, f / tp, cluster))
     heads_local = model.heads / tp
     hd = model.head_dim
     batch_heads = micro_batch * heads_local
     if opts.attention == "flash":
         # Causal FlashAttention computes about half the square; per head: QK^T and PV.
-        one = gemm_time(seq, seq, hd, peak, hbm) + gemm_time(seq, hd, seq, peak, hbm)
+        one = cluster_gemm_time(seq, seq, hd, cluster) + cluster_gemm_time(seq, hd, seq, cluster)
         core_fwd = 0.5 * batch_heads * one
         core_bwd = 2.5 * core_fwd
     else:
-        one = gemm_time(seq, seq, hd, peak, hbm) + gemm_time(seq, hd, seq, peak, hbm)
+        one = cluster_gemm_time(seq, seq, hd, cluster) + cluster_gemm_time(seq, hd, seq, cluster)
         core_fwd = batch_heads * one
         # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
         # read + write 2s bytes each = 4s; with dropout a separate kernel reads the
@@ -302,14 +362,14 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         # roofline.
         per_score = (9 if opts.dropout else 4) + (4 if opts.stack == "eager" else 0)
         score_bytes = per_score * heads_local * seq * tokens
-        core_fwd += score_bytes / (hbm * HBM_EFFICIENCY)
+        core_fwd += score_bytes / bw
         core_bwd = 2.0 * core_fwd
-    elementwise = tokens * _elementwise_bytes(model, tp, sp, opts) / (hbm * HBM_EFFICIENCY)
+    elementwise = tokens * _elementwise_bytes(model, tp, sp, opts) / bw
     # the host must issue every kernel: a layer is never faster than its dispatch
-    issue = kernels_per_layer(model, opts) * DISPATCH_S
+    issue = kernels_per_layer(model, opts) * dispatch_s(cluster)
     if opts.fp32_params_autocast:
         weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
-        elementwise += 6.0 * weights / (hbm * HBM_EFFICIENCY)
+        elementwise += 6.0 * weights / bw
     fwd = max(linear + core_fwd + elementwise, issue)
     bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise, 2.0 * issue)
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
@@ -344,10 +404,9 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     input gradient [tokens, h]; with it, the sequence-sharded input is all-gathered forward and
     its gradient reduce-scattered backward.
     """
-    peak = cluster.peak_flops * cluster.matmul_ceiling
-    hbm = cluster.hbm_bytes_per_s * HBM_EFFICIENCY
+    hbm = membound_bytes_per_s(cluster, stack)
     tokens = micro_batch * seq
-    gemm = gemm_time(tokens, model.vocab / tp, model.hidden, peak, cluster.hbm_bytes_per_s)
+    gemm = cluster_gemm_time(tokens, model.vocab / tp, model.hidden, cluster)
     logits = tokens * model.vocab / tp
     loss_f, loss_b = (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
     norm_b = _NORM_BYTES[(stack, model.norm)]

@@ -31,7 +31,11 @@ Step time (per optimizer step, on the critical pipeline stage c):
   (then an all-reduce over the replica group under HSDP); prefetching hides a unit's collective
   behind the previous unit's compute only (Rajbhandari et al. 2020, section 7; FSDP, Zhao et al.
   2023, section 3.3), so per unit max(0, comm - compute) stays exposed, plus the first
-  all-gather and the last reduce-scatter.
+  all-gather and the last reduce-scatter. Runtimes that reduce every parameter separately
+  (DeepSpeed 0.3.x) pay more reduce-scatters than gathers (`reduce_units_per_layer`); those that
+  pass lists of per-rank chunks to torch.distributed (DeepSpeed 0.3.x on PyTorch <= 1.10) also
+  pay the host's walk over every rank of every call (`LIST_HOST_S_PER_RANK`), which grows with
+  the group like NCCL's ring latency does.
 * optimizer: AdamW is memory bound; fused (apex / Transformer Engine, stack 'fused') it reads
   and writes fp32 master and two moments, reads the gradient and writes bf16 weights: 28 bytes
   (30 with an fp32 gradient buffer); torch.optim's unfused AdamW (stack 'eager') makes a pass
@@ -66,6 +70,15 @@ OVERLAP_INTERFERENCE = 0.15
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
 communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
 part of data-parallel traffic costs this fraction of its duration."""
+
+LIST_HOST_S_PER_RANK = 8e-6
+"""Host time per group member of one list-based collective (KernelOptions.list_collectives):
+DeepSpeed 0.3.x builds the per-rank chunk list in a Python loop (`narrow` per rank in
+partition_parameters.py `_allgather_param` / `_reduce_scatter_gradient`), and PyTorch's
+ProcessGroupNCCL (<= 1.10) copies every chunk separately (`copy_` per rank after all_gather,
+before reduce_scatter via flatten_for_scatter_gather). About 2 us for a Python tensor view plus
+about 3 us to issue one small copy (cudaMemcpyAsync launch); the host does this for every rank
+of every call, serially, because ZeRO-3 of that era synchronises the device around each fetch."""
 
 
 @dataclass(frozen=True)
@@ -338,15 +351,23 @@ class Evaluator:
         hidden. Collectives are counted per unit, each paying its own NCCL latency. Without
         `backward_gather` (FSDP's ZeRO-2: no resharding after the forward) the backward only
         reduce-scatters."""
-        units = max(1, layers * self.opts.shard_units_per_layer)
+        opts = self.opts
+        units = max(1, layers * opts.shard_units_per_layer)
+        # gradient reductions per step may be finer than the gathers (DeepSpeed reduces every
+        # parameter, biases and norms included); spread over the gather units for the overlap
+        r_units = max(1, layers * (opts.reduce_units_per_layer or opts.shard_units_per_layer))
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
-        gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
-        wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
+        gsize = 4.0 if opts.fp32_grad_reduce else compute.BF16
+        wsize = 4.0 if opts.fp32_params_autocast else compute.BF16
         ag = comm.all_gather(wsize * params / units, shard, self.fab)
-        rs = comm.reduce_scatter(gsize * params / units, shard, self.fab)
-        if self.opts.list_collectives:  # staging copies on the collective's critical path
-            ag += 3.0 * wsize * params / units / self.hbm
-            rs += 2.0 * gsize * params / units / self.hbm
+        rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
+        if opts.list_collectives:
+            # staging copies on the collective's critical path, and the host's per-rank list
+            # handling (one chunk view and one chunk copy issued per member, every call)
+            host = shard.size * LIST_HOST_S_PER_RANK
+            ag += 3.0 * wsize * params / units / self.hbm + host
+            rs_one += 2.0 * gsize * params / r_units / self.hbm + host
+        rs = rs_one * r_units / units
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
         f_u, b_u = fwd / units, bwd / units
         # share of a unit's all-gather that prefetching can start early

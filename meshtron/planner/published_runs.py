@@ -47,16 +47,22 @@ DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_g
 """Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",
-                                     shard_units_per_layer=12, prefetch_params=0.0,
+                                     shard_units_per_layer=4, reduce_units_per_layer=12,
+                                     prefetch_params=0.0,
                                      recompute_regathers=True, list_collectives=True)
-"""DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py and
-partition_parameters.py at that version): `fetch_sub_module` all-gathers each parameter of a
-submodule separately (`_allgather_param`, 12 per GPT layer with biases), each after a
-torch.cuda.synchronize(), then synchronizes again: no all-gather overlaps compute (prefetch 0);
-gradients are reduce-scattered per parameter (`_reduce_scatter_gradients`) with overlap_comm
-off by default; parameters are released after every forward, so the recomputed forward gathers
-them again; gather buffers are zero-filled and the list-based collectives of PyTorch 1.8 stage
-through flat copies (list_collectives)."""
+"""DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py,
+partition_parameters.py and constants.py at that version). Gathers: `fetch_sub_module` gathers
+each parameter of a submodule with its own `_allgather_param` call, each after a
+torch.cuda.synchronize(), then synchronizes again; parameters below
+`stage3_param_persistence_threshold` (default 1e5 elements: biases and norms) stay gathered, so a
+GPT layer gathers its four weight matrices (shard_units_per_layer=4). The prefetch issues its
+gathers the same way and every fetch synchronises the whole device (prefetch 0). Reductions:
+every parameter's gradient is reduce-scattered by its own call (`_reduce_scatter_gradients`, 12
+per GPT layer with biases); ZeRO-3's overlap_comm defaults to on, but the device-wide
+synchronisation of the next fetch waits for it, so it is costed as not overlapped. Parameters
+are released after every forward, so the recomputed forward gathers them again. Every call goes
+through list-based collectives: zero-filled gather buffers, PyTorch 1.8's per-chunk staging
+copies and a Python loop over the ranks (list_collectives; estimate.LIST_HOST_S_PER_RANK)."""
 LLM_FOUNDRY_MEMORY = MemoryOptions(framework="fsdp2", loss="inplace")
 """llm-foundry's MPT: FSDP with fp32 sharded parameters, and flash-attn's fused cross-entropy
 (its default `loss_fn: fused_crossentropy`), whose backward overwrites the logits in place."""
@@ -165,8 +171,9 @@ def _megatron_deepspeed() -> list[PublishedRun]:
         KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
                       p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
                       sharding="zero"),
-        "hw_tflops", 117.0, micro_batches=(1, 2, 4, 8),
-        note="tp 2, pp 4, ZeRO-1 (published); batch 1538 rounded to 1536 for dp 12; 4 HDR "
+        "hw_tflops", 117.0, micro_batches=(4,),
+        note="tp 2, pp 4, ZeRO-1, micro-batch 4 x 32 accumulation steps (published: "
+             "EleutherAI/gpt-neox configs/20B.yml); batch 1538 rounded to 1536 for dp 12; 4 HDR "
              "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE",
         confident=False))
     runs.append(PublishedRun(

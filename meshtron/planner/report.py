@@ -86,10 +86,21 @@ def options_dict(options: Any) -> dict[str, Any]:
     return dict(vars(options))
 
 
+HEADLINE_OPTIONS = ("stack", "attention", "dropout", "sharding")
+"""Cost-model options every text output states; the others appear only when they differ from
+their defaults (a planning run for meshtron's own runtime leaves them all at default). The JSON
+output carries all of them."""
+
+
 def options_line(options: Any, dtype: str) -> str:
-    """'attention=flash, dropout=off, ..., dtype=bf16': the assumptions behind every figure."""
+    """'stack=eager, attention=flash, ..., dtype=bf16': the assumptions behind every figure."""
+    values = options_dict(options)
+    defaults = options_dict(type(options)()) if dataclasses.is_dataclass(options) else {}
+    shown = [n for n in HEADLINE_OPTIONS if n in values]
+    shown += [n for n in values if n not in HEADLINE_OPTIONS and defaults.get(n, ...) != values[n]]
     parts = []
-    for name, value in options_dict(options).items():
+    for name in shown:
+        value = values[name]
         if isinstance(value, bool):
             value = "on" if value else "off"
         parts.append(f"{name}={value}")
