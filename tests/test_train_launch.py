@@ -85,7 +85,12 @@ def test_two_ranks_through_the_cli_match_single_process(tmp_path):
     # ZeRO-3 over 2 ranks: each holds about half of the fp32 parameters.
     total_param_bytes = 4 * 125_632
     assert all(0.4 < r["params"] / total_param_bytes < 0.6 for r in ranks)
-    assert memory["predicted_gib"]["total"] > 0
+    # The planner's per-rank model states equal the measured bytes exactly, in the run's dtype.
+    predicted = {r["rank"]: r for r in memory["predicted"]["bytes_per_rank"]}
+    for rank, measured in enumerate(ranks):
+        for key in ("params", "grads", "optimizer"):
+            assert predicted[rank][key] == measured[key], (rank, key)
+    assert memory["predicted"]["fullest_rank_gib"]["total"] > 0
     plan = (tmp_path / "dp2" / "plan.toml").read_text()
     assert "dp = 2" in plan and "zero = 3" in plan
     assert "vs planner" in proc.stdout

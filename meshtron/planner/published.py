@@ -38,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshtron.errors import UserError
-from meshtron.model.spec import ModelSpec, preset
+from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import ClusterSpec, preset_cluster
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Estimate, Evaluator

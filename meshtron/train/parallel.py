@@ -117,21 +117,28 @@ class ParallelEngine:
         release_mesh(self.mesh)
 
 
-def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, float] | None:
-    """The planner's memory breakdown (GiB) for exactly this plan on `cluster`."""
-    if cluster is None:
-        return None
+def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
+    """The planner's prediction for exactly this plan and the run's dtype: the fullest rank's
+    breakdown (GiB) on `cluster`, and every rank's parameter, gradient and optimizer-state bytes
+    (the part memory.json measures exactly)."""
+    import dataclasses
+
+    from meshtron.planner.memory_ranks import rank_states
     from meshtron.planner.search import evaluate_plan
     from meshtron.train.planning import sized_cluster
 
-    knobs = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "zero", "micro_batch", "recompute",
-                                           "sp", "schedule", "virtual_stages")}
-    sized = sized_cluster(cluster, plan.gpus)
-    try:
-        est = evaluate_plan(cfg.model, sized, plan.global_batch, plan.seq_len, knobs)
-    except UserError:
-        return None
-    return est.memory.to_dict()
+    run_plan = dataclasses.replace(plan, dtype=cfg.train.dtype)
+    out: dict[str, Any] = {"bytes_per_rank": [
+        {"rank": st.rank, "params": st.params, "grads": st.grads, "optimizer": st.optimizer,
+         "total": st.total} for st in rank_states(cfg.model, run_plan, cfg.train.dtype)]}
+    if cluster is not None:
+        try:
+            est = evaluate_plan(cfg.model, sized_cluster(cluster, plan.gpus), plan.global_batch,
+                                plan.seq_len, run_plan)
+            out["fullest_rank_gib"] = est.memory.to_dict()
+        except UserError:
+            pass
+    return out
 
 
 def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
@@ -161,11 +168,12 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     (run_dir / "memory.json").write_text(json.dumps({
         "measured_bytes_per_rank": gathered,
         "measured_max_rank_gib": {k: max(m[k] for m in gathered) / 2**30 for k in gathered[0]},
-        "predicted_gib": predicted_memory(cfg, plan, cluster),
-        "note": "measured on CPU: bytes of each rank's parameter, gradient and optimizer-state "
-                "shards (fp32); on CUDA also the allocator's peak. The prediction is the "
-                "planner's fullest rank (bf16 params/grads + fp32 master and moments), plus "
-                "activations and workspace",
+        "predicted": predicted_memory(cfg, plan, cluster),
+        "note": "measured: bytes of each rank's parameter, gradient (after backward) and "
+                "optimizer-state shards; on CUDA also the allocator's peak. predicted: the "
+                "planner's bytes for every rank (same components) and its full breakdown of "
+                "the fullest rank (plus activations, gathered copies and workspace), for the "
+                "run's dtype",
     }, indent=2))
     outputs.finish_run(run_dir, summary, result.records)
     return summary

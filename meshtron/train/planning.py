@@ -111,8 +111,10 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
     if sized.num_gpus != world_size:
         raise UserError(f"cluster {cluster.name}: has {cluster.num_gpus} devices, the run "
                         f"has {world_size} ranks")
+    # The run's precision is not a knob to search: predict for the dtype the run uses.
     result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
-                          _runnable(knobs, cfg), top_k=1, explain=False)
+                          {**_runnable(knobs, cfg), "dtype": cfg.train.dtype}, top_k=1,
+                          explain=False)
     best = result.best
     if best is None:
         near = result.near_miss
