@@ -131,13 +131,14 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
     out: dict[str, Any] = {"bytes_per_rank": [
         {"rank": st.rank, "params": st.params, "grads": st.grads, "optimizer": st.optimizer,
          "total": st.total} for st in rank_states(cfg.model, run_plan, cfg.train.dtype)]}
+    out["fullest_rank_gib"] = None  # no cluster, or one the plan cannot be costed on
     if cluster is not None:
         try:
             est = evaluate_plan(cfg.model, sized_cluster(cluster, plan.gpus), plan.global_batch,
                                 plan.seq_len, run_plan)
-            out["fullest_rank_gib"] = est.memory.to_dict()
         except UserError:
-            pass
+            return out
+        out["fullest_rank_gib"] = est.memory.to_dict()
     return out
 
 
