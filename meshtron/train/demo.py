@@ -53,7 +53,8 @@ def show_plans(job: TrainJob) -> None:
 
     cfg, request = job.cfg, job.parallel or ParallelRequest()
     cluster = local_cluster(request.nproc or 1, request.cluster)
-    result = search_plans(cfg.model, cluster, cfg.data.global_batch, cfg.data.seq_len, top_k=3)
+    result = search_plans(cfg.model, cluster, cfg.data.global_batch, cfg.data.seq_len,
+                          {"dtype": cfg.train.dtype}, top_k=3)
     console = Console()
     if not console.is_terminal:  # logs: wide enough that the table's columns stay readable
         console = Console(width=200)
