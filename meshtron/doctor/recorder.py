@@ -1,0 +1,271 @@
+"""The collective recorder: every collective and point-to-point operation this rank issues,
+in a bounded ring buffer.
+
+A `TorchDispatchMode` sees every operator call of the thread that entered it, including the
+collectives FSDP2 (`c10d::_allgather_base_`, `_reduce_scatter_base_`), DTensor
+(`_c10d_functional::all_reduce`, ...) and the pipeline schedules (`c10d::send`, `recv_`) issue
+internally (measured on torch 2.13 gloo; shared notes "Seeing collectives"). PyTorch's own Flight
+Recorder covers NCCL only in full (on gloo it keeps state "scheduled", no times and no
+send/recv), so this recorder runs on every backend and `dump.py` adds the Flight Recorder's
+NCCL trace beside it when there is one.
+
+Numbering: collectives get a per-group sequence number (every member of a group issues the same
+collectives in the same order, so records of different ranks align by it). Point-to-point
+operations are numbered apart, per (group, direction, peer): the k-th send from A to B matches
+the k-th receive on B from A.
+
+Cost per operator: one frozenset lookup for the non-collective operators (the vast majority);
+a collective adds a record (a short list), a walk of at most `STACK_FRAMES` Python frames
+(raw (file, line, function) tuples, formatted only when dumped) and, for c10d operations that
+return a Work, a completion callback on its future. `bench/recorder_overhead.py` measures it.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+WATCHED_NAMESPACES = frozenset(("c10d", "_c10d_functional"))
+# Operators that are bookkeeping, not communication.
+IGNORED_OPS = frozenset(("wait_tensor", "_wrap_tensor_autograd", "barrier_wait"))
+P2P_OPS = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
+# c10d's operator names -> the Python API's names (the functional ones already are).
+_RENAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "all_to_all",
+            "allreduce_coalesced": "all_reduce_coalesced",
+            "allgather_into_tensor_coalesced": "all_gather_coalesced",
+            "allgather_coalesced": "all_gather_coalesced", "alltoall_base": "all_to_all_single",
+            "allgather_base": "all_gather_into_tensor",
+            "reduce_scatter_base": "reduce_scatter_tensor",
+            "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced"}
+
+
+def op_name(raw: str) -> str:
+    """'_allgather_base_' -> 'all_gather_into_tensor', 'allreduce_' -> 'all_reduce'."""
+    name = raw.strip("_")
+    return _RENAMES.get(name, name)
+STACK_FRAMES = 8
+# Frames of these files say nothing about where the user's code is.
+_SKIP_FILES = ("torch/utils/_python_dispatch.py", "meshtron/doctor/", "torch/_ops.py",
+               "torch/distributed/c10d_logger.py")
+
+# Record fields (a list per record: cheaper than an object).
+SEQ, GROUP, OP, SHAPES, DTYPES, T_ENQUEUE, T_START, T_END, STATE, STACK, PEER = range(11)
+
+
+class GroupInfo:
+    """A process group as the dumps describe it."""
+
+    __slots__ = ("name", "ranks", "axis", "desc")
+
+    def __init__(self, name: str, ranks: list[int], axis: str | None, desc: str):
+        self.name, self.ranks, self.axis, self.desc = name, ranks, axis, desc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranks": self.ranks, "axis": self.axis, "desc": self.desc}
+
+
+def _short_stack() -> tuple[tuple[str, int, str], ...]:
+    """Innermost first, at most STACK_FRAMES frames outside torch's dispatch and this package."""
+    out = []
+    frame = sys._getframe(2)
+    while frame is not None and len(out) < STACK_FRAMES:
+        code = frame.f_code
+        name = code.co_filename
+        if not any(s in name for s in _SKIP_FILES):
+            out.append((name, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return tuple(out)
+
+
+def _shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
+    if isinstance(value, torch.Tensor):
+        shapes.append(list(value.shape))
+        dtypes.append(str(value.dtype).replace("torch.", ""))
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _shape_dtype(v, shapes, dtypes)
+
+
+class _OpInfo:
+    """What the schema says about one collective operator (computed once per operator)."""
+
+    __slots__ = ("name", "raw", "group_index", "peer_index", "p2p", "tensor_indices")
+
+    def __init__(self, func):
+        schema = func._schema
+        self.raw = func._overloadpacket.__name__
+        self.name = op_name(self.raw)
+        self.p2p = P2P_OPS.get(self.raw)
+        self.group_index = self.peer_index = None
+        self.tensor_indices = []
+        for i, arg in enumerate(schema.arguments):
+            text = str(arg.type)
+            if "ProcessGroup" in text or arg.name == "group_name":
+                self.group_index = i
+            elif arg.name in ("dst", "src", "srcRank", "dstRank"):
+                self.peer_index = i
+            elif "Tensor" in text and arg.name not in ("sparse_indices",):
+                self.tensor_indices.append(i)
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records the collectives issued on this thread while entered (`with recorder:`).
+
+    `capacity`: records kept (the oldest are dropped). `on_issue`: called with no arguments at
+    each collective (the watchdog's progress signal)."""
+
+    def __init__(self, rank: int, capacity: int = 2000, on_issue=None):
+        super().__init__()
+        self.rank = rank
+        self.records: collections.deque = collections.deque(maxlen=capacity)
+        self.groups: dict[str, GroupInfo] = {}
+        self._by_object: dict[int, tuple[Any, GroupInfo]] = {}
+        self._axes: dict[str, str] = {}
+        self._seq: dict[str, int] = collections.defaultdict(int)
+        self._p2p_seq: dict[tuple, int] = collections.defaultdict(int)
+        self._ops: dict[Any, _OpInfo] = {}
+        self._pending_functional: dict[int, list] = {}
+        self._on_issue = on_issue
+        self._lock = threading.Lock()
+
+    # -- mesh axes -----------------------------------------------------------------------------
+    def name_axis(self, group, axis: str) -> None:
+        """Call a process group by its mesh axis name in the records."""
+        self._axes[group.group_name] = axis
+        info = self.groups.get(group.group_name)
+        if info is not None:
+            info.axis = axis
+
+    # -- the dispatch hook ---------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace not in WATCHED_NAMESPACES:
+            return func(*args, **(kwargs or {}))
+        info = self._ops.get(func)
+        if info is None:
+            info = self._ops[func] = _OpInfo(func)
+        if info.raw in IGNORED_OPS or info.group_index is None:
+            out = func(*args, **(kwargs or {}))
+            if info.raw == "wait_tensor" and self._pending_functional:
+                rec = self._pending_functional.pop(id(args[0]), None)
+                if rec is not None:
+                    rec[T_END], rec[STATE] = time.time(), "completed"
+            return out
+        rec = self._record(info, args, kwargs or {})
+        out = func(*args, **(kwargs or {}))
+        rec[T_START] = time.time()
+        self._watch_completion(rec, out)
+        return out
+
+    def _record(self, info: _OpInfo, args, kwargs) -> list:
+        now = time.time()
+        group = self._group(args[info.group_index] if info.group_index < len(args)
+                            else kwargs.get("group_name"))
+        shapes: list = []
+        dtypes: list = []
+        for i in info.tensor_indices:
+            if i < len(args):
+                _shape_dtype(args[i], shapes, dtypes)
+        name = group.name if group is not None else "?"
+        peer = None
+        if info.p2p is not None:  # numbered per (group, direction, peer)
+            local = int(args[info.peer_index]) if info.peer_index is not None else -1
+            peer = group.ranks[local] if group and 0 <= local < len(group.ranks) else local
+            key = (name, info.p2p, peer)
+            self._p2p_seq[key] += 1
+            seq = self._p2p_seq[key]
+        else:  # numbered per group
+            self._seq[name] += 1
+            seq = self._seq[name]
+        rec = [seq, name, info.p2p or info.name, shapes, dtypes, now, None, None,
+               "issued", _short_stack(), peer]
+        self.records.append(rec)
+        if self._on_issue is not None:
+            self._on_issue()
+        return rec
+
+    def _group(self, ref) -> GroupInfo | None:
+        """The GroupInfo of a ProcessGroup script object or a functional group name."""
+        from torch._C._distributed_c10d import ProcessGroup
+
+        if isinstance(ref, str):
+            key, obj = ref, ref
+        else:
+            try:  # a new script-object wrapper per call, the same ProcessGroup behind it
+                obj = ProcessGroup.unbox(ref)
+            except RuntimeError:
+                return None
+            key = id(obj)
+        hit = self._by_object.get(key)
+        if hit is not None and (hit[0] is obj or hit[0] == obj):
+            return hit[1]
+        import torch.distributed as dist
+
+        try:
+            if isinstance(ref, str):
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                pg = _resolve_process_group(ref)
+            else:
+                pg = obj
+            name = pg.group_name
+            info = self.groups.get(name)
+            if info is None:
+                info = GroupInfo(name, list(dist.get_process_group_ranks(pg)),
+                                 self._axes.get(name), getattr(pg, "group_desc", "") or "")
+                self.groups[name] = info
+        except (RuntimeError, ValueError, KeyError):
+            return None
+        self._by_object[key] = (obj, info)
+        return info
+
+    def _watch_completion(self, rec: list, out) -> None:
+        """Completion time: a c10d Work's future callback, or the functional wait_tensor."""
+        work = out[1] if isinstance(out, tuple) and len(out) == 2 else out
+        if isinstance(work, torch.ScriptObject):
+            from torch._C._distributed_c10d import Work
+
+            try:
+                fut = Work.unbox(work).get_future()
+            except RuntimeError:  # a backend without futures for this op
+                return
+            fut.add_done_callback(lambda f, r=rec: _complete(r, f))
+        elif isinstance(out, torch.Tensor):
+            rec[STATE] = "started"
+            if len(self._pending_functional) > 4096:  # never waited: forget the oldest
+                self._pending_functional.clear()
+            self._pending_functional[id(out)] = rec
+
+    # -- reading -------------------------------------------------------------------------------
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The records, oldest first, as plain dicts (safe to call from any thread)."""
+        rows = list(self.records)
+        out = []
+        for r in rows:
+            group = self.groups.get(r[GROUP])
+            d = {"seq": r[SEQ], "group": r[GROUP], "op": r[OP], "shapes": r[SHAPES],
+                 "dtypes": r[DTYPES], "enqueue_t": r[T_ENQUEUE], "start_t": r[T_START],
+                 "end_t": r[T_END], "state": r[STATE],
+                 "axis": group.axis if group else None,
+                 "stack": [f"{f}:{line} in {fn}" for f, line, fn in r[STACK]]}
+            if r[PEER] is not None:
+                d["peer"] = r[PEER]
+            out.append(d)
+        return out
+
+    def group_table(self) -> dict[str, dict[str, Any]]:
+        return {name: g.to_dict() for name, g in list(self.groups.items())}
+
+
+def _complete(rec: list, fut) -> None:
+    rec[T_END] = time.time()
+    try:
+        fut.value()
+        rec[STATE] = "completed"
+    except Exception:  # noqa: BLE001 - the op failed (a peer died, an abort)
+        rec[STATE] = "failed"
