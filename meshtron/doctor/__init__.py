@@ -10,14 +10,24 @@ handlers are), never per process group.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meshtron.doctor.session import EXIT_WATCHDOG, DoctorSession
+if TYPE_CHECKING:
+    from meshtron.doctor.session import DoctorSession
 
 __all__ = ["DoctorSession", "EXIT_WATCHDOG", "start", "current", "beat", "watch_mesh",
            "trace_dir", "prepare_env"]
 
-_session: DoctorSession | None = None
+_session: "DoctorSession | None" = None
+
+
+def __getattr__(name: str):
+    # Lazy: `meshtron doctor RUN_DIR` reads JSON and must not pay for `import torch`.
+    if name in ("DoctorSession", "EXIT_WATCHDOG"):
+        from meshtron.doctor import session
+
+        return getattr(session, name)
+    raise AttributeError(name)
 
 
 def trace_dir(run_dir: Path | str) -> Path:
@@ -35,16 +45,18 @@ def prepare_env() -> None:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 
 
-def start(run_dir: Path | str, rank: int, world_size: int, **options: Any) -> DoctorSession:
+def start(run_dir: Path | str, rank: int, world_size: int, **options: Any) -> "DoctorSession":
     """Start this process's session (replacing an earlier one); options as DoctorSession."""
     global _session
+    from meshtron.doctor.session import DoctorSession
+
     if _session is not None:
         _session.close(final_dump=False)
     _session = DoctorSession(trace_dir(run_dir), rank, world_size, **options).start()
     return _session
 
 
-def current() -> DoctorSession | None:
+def current() -> "DoctorSession | None":
     return _session
 
 

@@ -21,6 +21,15 @@ FORMAT = "meshtron-trace/1"
 ABORT_FILE = "ABORT.json"
 
 
+def clear_trace(run_dir: Path) -> None:
+    """Remove an earlier run's trace (a stale ABORT.json would stop the new run at once)."""
+    tdir = Path(run_dir) / "trace"
+    if tdir.is_dir():
+        for path in tdir.iterdir():
+            if path.is_file():
+                path.unlink(missing_ok=True)
+
+
 def dump_path(trace_dir: Path, rank: int) -> Path:
     return trace_dir / f"rank_{rank}.json"
 

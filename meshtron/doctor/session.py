@@ -67,7 +67,7 @@ class DoctorSession:
         self.step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
         self.exception: str | None = None
         self.timed_out: dict[str, Any] | None = None
-        self._last_progress = self._last_step_t = time.time()
+        self._started_t = self._last_progress = self._last_step_t = time.time()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._store_abort = threading.Event()
@@ -273,9 +273,13 @@ class DoctorSession:
         path = self.trace_dir / dumpfile.ABORT_FILE
         if path.exists():
             try:
-                return json.loads(path.read_text())
-            except ValueError:  # being written
-                return {"rank": None}
+                info = json.loads(path.read_text())
+            except ValueError:  # being written: read it at the next poll
+                return None
+            # An earlier run's file (a run folder reused outside `meshtron train --nproc`,
+            # which clears it): every rank starts before any rank can time out.
+            if info.get("time", 0) >= self._started_t:
+                return info
         if self._store_abort.is_set():
             return {"rank": None, "via": "store"}
         return None
