@@ -136,3 +136,58 @@ def test_doctor_bad_input_is_one_line(tmp_path, capsys):
     assert main(["doctor", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "not a folder" in err[0] and "no trace" in err[1], err
+
+
+NCCL = Path(__file__).parent / "data" / "nccl"
+
+
+def _codes(report):
+    return {f["code"] for f in report.flags}
+
+
+def test_nccl_logs_healthy_and_broken():
+    from meshtron.doctor.nccl import analyze_files
+
+    good = analyze_files([str(NCCL / "good_2x4_tp4.log")], tp=4)
+    assert good.flags == [] and good.warnings == [] and good.timeouts == []
+    d = good.to_dict()
+    assert d["hosts"] == ["gpu-a01", "gpu-a02"] and d["processes"] == 8
+    assert d["versions"] == {"2.21.5+cuda12.4": 8}
+    sizes = sorted(c["nranks"] for c in d["communicators"])
+    assert sizes == [2, 2, 2, 2, 4, 4, 8]
+    tp_comms = [c for c in d["communicators"] if c["nranks"] == 4]
+    assert all(len(c["hosts"]) == 1 and set(c["transports"]) == {"NVLink"} for c in tp_comms)
+    world = d["communicators"][0]
+    assert world["nranks"] == 8 and set(world["transports"]) == {"NVLink", "IB/GDRDMA"}
+
+    bad_files = sorted(str(p) for p in NCCL.glob("bad_*.log"))
+    bad = analyze_files(bad_files, tp=4)
+    assert _codes(bad) == {"mixed_versions", "mixed_drivers", "intra_node_shm",
+                           "socket_transport", "tp_crosses_nodes", "tp_over_sockets",
+                           "timeout", "nccl_warn"}, bad.flags
+    crossing = [f for f in bad.flags if f["code"] == "tp_crosses_nodes"]
+    assert len(crossing) == 2 and "gpu-b01, gpu-b02" in crossing[0]["text"]
+    assert {(t["rank"], t["seq"], t["op"]) for t in bad.timeouts} == {
+        (2, 412, "ALLREDUCE"), (6, 412, "ALLREDUCE")}
+    assert "tp_crosses_nodes" not in _codes(analyze_files(bad_files))  # tp unknown: not guessed
+
+    one = analyze_files([str(NCCL / "one_node_p2p_off.log")])
+    assert _codes(one) == {"intra_node_network", "no_gdr"}, one.flags
+
+
+def test_nccl_log_cli(tmp_path, capsys):
+    from meshtron.cli import main
+
+    bad = sorted(str(p) for p in NCCL.glob("bad_*.log"))
+    assert main(["doctor", "--nccl-log", *bad, "--tp", "4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "tp_over_sockets" in {f["code"] for f in doc["flags"]}
+    assert main(["doctor", "--nccl-log", str(NCCL / "good_2x4_tp4.log")]) == 0
+    assert capsys.readouterr().out.startswith("no problem found in the NCCL logs of 8 processes")
+    empty = tmp_path / "empty.log"
+    empty.write_text("hello\n")
+    assert main(["doctor", "--nccl-log", str(empty)]) == 2
+    assert main(["doctor", "--nccl-log", str(tmp_path / "nope.log")]) == 2
+    assert main(["doctor", "--nccl-log", str(empty), "--tp", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "no NCCL log lines" in err[0] and "no such file" in err[1], err

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from meshtron.argtypes import positive_int
 from meshtron.errors import UserError
 
 
@@ -47,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="machine-readable: verdict, kind, culprit_ranks, evidence")
     p.add_argument("--nccl-log", nargs="+", metavar="FILE",
                    help="NCCL_DEBUG=INFO/WARN log files (one per rank, or one merged)")
-    p.add_argument("--tp", type=int, metavar="N",
+    p.add_argument("--tp", type=positive_int, metavar="N",
                    help="with --nccl-log: the tensor-parallel degree (communicators of this "
                         "size are read as tensor-parallel groups)")
     p.set_defaults(func=cmd_doctor)
