@@ -52,3 +52,30 @@ def faulty_loop(trace_dir: str, fault: str, mesh_shape: tuple, axes: tuple,
         raise
     session.close()
     return rank
+
+
+def signalled_loop(trace_dir: str, marker: str) -> str:
+    """Rank 0 blocks in an all-reduce (C++, GIL released) until rank 1 joins; rank 1 has a
+    SIGTERM handler of its own (like a preemption checkpoint) and waits for the test's SIGTERM
+    before joining. The test sends SIGUSR1 to rank 0 while it is blocked, SIGTERM to rank 1."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.doctor import DoctorSession
+
+    rank = dist.get_rank()
+    got = []
+    if rank == 1:
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    session = DoctorSession(trace_dir, rank, 2).start()
+    x = torch.ones(4)
+    if rank == 1:
+        deadline = time.time() + 60
+        while not got and time.time() < deadline:
+            time.sleep(0.05)
+        Path(marker).write_text(f"previous handler called {len(got)} time(s)")
+    dist.all_reduce(x)
+    session.close()
+    return f"rank {rank} done"

@@ -124,6 +124,7 @@ def test_train_watchdog_ends_a_hang_and_doctor_names_the_rank(tmp_path):
     assert doc["verdict"].startswith("rank 1 (dp=1) never entered all_reduce #"), doc
     assert "on the data-parallel group [0, 1]; it is at sitecustomize.py:" in doc["verdict"]
     assert "in load_batch; rank 0 has waited" in doc["verdict"], doc
+    print(f"hang to dumps: {doc['hang_to_dump_s']:.1f} s (watchdog timeout 4 s)")
     text = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir)],
                           capture_output=True, text=True, timeout=60).stdout
     assert text.splitlines()[0] == doc["verdict"]
@@ -191,3 +192,45 @@ def test_nccl_log_cli(tmp_path, capsys):
     assert main(["doctor", "--nccl-log", str(empty), "--tp", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "no NCCL log lines" in err[0] and "no such file" in err[1], err
+
+
+def test_signals_dump_a_blocked_rank_and_chain_to_the_previous_handler(tmp_path):
+    """SIGUSR1 dumps a rank blocked in a collective (where Python runs no signal handler);
+    SIGTERM dumps and calls the handler installed before (a preemption checkpoint's), without
+    ending the process itself."""
+    import signal
+    import threading
+    import time
+
+    trace, marker = tmp_path / "trace", tmp_path / "marker"
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(run_on_ranks(
+        doctor_faults.signalled_loop, 2, str(trace), str(marker), timeout=120)))
+    runner.start()
+
+    def wait_for(path: Path):
+        deadline = time.time() + 90
+        while not path.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert path.exists(), path
+
+    pids = {}
+    for rank in (0, 1):
+        wait_for(trace / f"rank_{rank}.hello.json")
+        pids[rank] = json.loads((trace / f"rank_{rank}.hello.json").read_text())["pid"]
+    deadline = time.time() + 60
+    dump0, doc = trace / "rank_0.json", {}
+    while not doc.get("records") and time.time() < deadline:  # until it sits in all_reduce
+        os.kill(pids[0], signal.SIGUSR1)
+        time.sleep(1.0)
+        doc = json.loads(dump0.read_text()) if dump0.exists() else {}
+    assert doc["reason"] == "SIGUSR1", doc["reason"]
+    assert doc["records"] and doc["records"][-1]["op"] == "all_reduce"
+    assert doc["records"][-1]["state"] != "completed"
+    os.kill(pids[1], signal.SIGTERM)
+    wait_for(marker)
+    runner.join(120)
+    assert outcome and outcome[0] == ["rank 0 done", "rank 1 done"], outcome
+    assert marker.read_text() == "previous handler called 1 time(s)"
+    last = json.loads((trace / "rank_1.json").read_text())
+    assert last["reason"] == "exit" and [d["reason"] for d in last["earlier_dumps"]] == ["SIGTERM"]

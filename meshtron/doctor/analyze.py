@@ -39,10 +39,13 @@ class Diagnosis:
     culprit_ranks: list[int]
     evidence: list[str] = field(default_factory=list)
     divergence: dict[str, Any] | None = None
+    hang_to_dump_s: float | None = None
+    """Seconds from the last progress of any rank to the last dump (watchdog runs)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "kind": self.kind, "culprit_ranks": self.culprit_ranks,
-                "evidence": self.evidence, "divergence": self.divergence}
+                "evidence": self.evidence, "divergence": self.divergence,
+                "hang_to_dump_s": self.hang_to_dump_s}
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -337,6 +340,9 @@ def diagnose(trace: Trace) -> Diagnosis:
         else:
             diagnosis = _straggler(trace) or _nothing(trace)
     diagnosis.evidence = diagnosis.evidence + evidence(trace)
+    if trace.abort and trace.dumps:
+        diagnosis.hang_to_dump_s = (max(d["time"] for d in trace.dumps.values())
+                                    - max(d["last_progress_t"] for d in trace.dumps.values()))
     return diagnosis
 
 

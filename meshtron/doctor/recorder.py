@@ -1,10 +1,13 @@
 """The collective recorder: every collective and point-to-point operation this rank issues,
 in a bounded ring buffer.
 
-A `TorchDispatchMode` sees every operator call of the thread that entered it, including the
-collectives FSDP2 (`c10d::_allgather_base_`, `_reduce_scatter_base_`), DTensor
+A `TorchDispatchMode` on the `c10d` and `_c10d_functional` namespaces sees every collective,
+including those FSDP2 (`c10d::_allgather_base_`, `_reduce_scatter_base_`), DTensor
 (`_c10d_functional::all_reduce`, ...) and the pipeline schedules (`c10d::send`, `recv_`) issue
-internally (measured on torch 2.13 gloo; shared notes "Seeing collectives"). PyTorch's own Flight
+internally (measured on torch 2.13 gloo; shared notes "Seeing collectives"), but it also puts
+every other operator through Python. So a training rank uses `install()`, which intercepts
+exactly those operators and nothing else (see its docstring), and the mode stays as the
+reference the tests compare it with. PyTorch's own Flight
 Recorder covers NCCL only in full (on gloo it keeps state "scheduled", no times and no
 send/recv), so this recorder runs on every backend and `dump.py` adds the Flight Recorder's
 NCCL trace beside it when there is one.
@@ -14,8 +17,7 @@ collectives in the same order, so records of different ranks align by it). Point
 operations are numbered apart, per (group, direction, peer): the k-th send from A to B matches
 the k-th receive on B from A.
 
-Cost per operator: one frozenset lookup for the non-collective operators (the vast majority);
-a collective adds a record (a short list), a walk of at most `STACK_FRAMES` Python frames
+Cost: nothing for the non-collective operators with `install()`; a collective adds a record (a short list), a walk of at most `STACK_FRAMES` Python frames
 (raw (file, line, function) tuples, formatted only when dumped) and, for c10d operations that
 return a Work, a completion callback on its future. `bench/recorder_overhead.py` measures it.
 """
@@ -115,7 +117,9 @@ class _OpInfo:
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """Records the collectives issued on this thread while entered (`with recorder:`).
+    """Records collectives: process-wide after `install()` (what a training rank runs), or on
+    this thread while entered as a dispatch mode (`with recorder:`, the reference path: every
+    operator goes through Python, 1.5-2x slower steps on small models).
 
     `capacity`: records kept (the oldest are dropped). `on_issue`: called with no arguments at
     each collective (the watchdog's progress signal)."""
@@ -133,6 +137,16 @@ class CollectiveRecorder(TorchDispatchMode):
         self._pending_functional: dict[int, list] = {}
         self._on_issue = on_issue
         self._lock = threading.Lock()
+        self._libs: dict[str, Any] = {}
+        self._proxies: dict[str, Any] = {}
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps every mode's __torch_dispatch__ in a dynamo-disable wrapper,
+        # which cost 100-350 us per operator on a loaded 2-core machine (cProfile: 800 calls,
+        # 0.3 s per step of the debug model) and made steps 1.5-2.5x slower. The recorder never
+        # runs compiled code, so it opts out (bench/recorder_overhead.py).
+        return False
 
     # -- mesh axes -----------------------------------------------------------------------------
     def name_axis(self, group, axis: str) -> None:
@@ -142,25 +156,81 @@ class CollectiveRecorder(TorchDispatchMode):
         if info is not None:
             info.axis = axis
 
-    # -- the dispatch hook ---------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace not in WATCHED_NAMESPACES:
-            return func(*args, **(kwargs or {}))
-        info = self._ops.get(func)
-        if info is None:
-            info = self._ops[func] = _OpInfo(func)
+    # -- interception ----------------------------------------------------------------------------
+    def _call(self, info: _OpInfo, run, args, kwargs):
+        """Record the collective, run it (`run(*args, **kwargs)`), note when it completes."""
         if info.raw in IGNORED_OPS or info.group_index is None:
-            out = func(*args, **(kwargs or {}))
+            out = run(*args, **kwargs)
             if info.raw == "wait_tensor" and self._pending_functional:
                 rec = self._pending_functional.pop(id(args[0]), None)
                 if rec is not None:
                     rec[T_END], rec[STATE] = time.time(), "completed"
             return out
-        rec = self._record(info, args, kwargs or {})
-        out = func(*args, **(kwargs or {}))
+        rec = self._record(info, args, kwargs)
+        out = run(*args, **kwargs)
         rec[T_START] = time.time()
         self._watch_completion(rec, out)
         return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """The reference path (`with recorder:`): sees every operator of this thread."""
+        if func.namespace not in WATCHED_NAMESPACES:
+            return func(*args, **(kwargs or {}))
+        info = self._ops.get(func)
+        if info is None:
+            info = self._ops[func] = _OpInfo(func)
+        return self._call(info, func, args, kwargs or {})
+
+    def install(self) -> None:
+        """The low-overhead path, process-wide: only collectives reach Python.
+
+        - `c10d` operators (ProcessGroup methods: FSDP2, DDP, pipeline send/recv, the
+          torch.distributed API) get a Python kernel at the Autograd dispatch key, where they
+          have none (autograd falls through for them); it records and redispatches below
+          autograd, exactly what the fall-through did.
+        - `_c10d_functional` operators (DTensor, funcol) are called by DTensor below the
+          autograd keys, where no kernel can be put in front of them; their Python entry
+          points (`torch.ops._c10d_functional.<op>`, looked up at each call by
+          torch.distributed._functional_collectives) are replaced by recording proxies.
+
+        `tests/test_doctor_recorder.py` checks that this records the same operations as the
+        dispatch mode on FSDP2, tensor- and pipeline-parallel steps."""
+        if self._libs:
+            return
+        below = torch._C._AutoDispatchBelowAutograd
+        for name in torch._C._dispatch_get_all_op_names():
+            ns, _, raw = name.partition("::")
+            if ns not in WATCHED_NAMESPACES:
+                continue
+            namespace = getattr(torch.ops, ns)
+            packet = getattr(namespace, raw)
+            if ns == "_c10d_functional":
+                info = _OpInfo(packet.default)
+                self._proxies[raw] = packet
+                setattr(namespace, raw, _FunctionalProxy(self, info, packet))
+                continue
+            lib = self._libs.setdefault(ns, torch.library.Library(ns, "IMPL"))
+            for overload in packet.overloads():
+                func = getattr(packet, overload)
+                info = _OpInfo(func)
+
+                def kernel(*args, _info=info, _func=func, **kwargs):
+                    def run(*a, **k):
+                        with below():
+                            return _func(*a, **k)
+                    return self._call(_info, run, args, kwargs)
+
+                lib.impl(raw if overload == "default" else f"{raw}.{overload}", kernel,
+                         "Autograd")
+
+    def uninstall(self) -> None:
+        for lib in self._libs.values():
+            lib._destroy()
+        self._libs.clear()
+        namespace = torch.ops._c10d_functional
+        for raw, packet in self._proxies.items():
+            setattr(namespace, raw, packet)
+        self._proxies.clear()
 
     def _record(self, info: _OpInfo, args, kwargs) -> list:
         now = time.time()
@@ -173,15 +243,16 @@ class CollectiveRecorder(TorchDispatchMode):
                 _shape_dtype(args[i], shapes, dtypes)
         name = group.name if group is not None else "?"
         peer = None
-        if info.p2p is not None:  # numbered per (group, direction, peer)
-            local = int(args[info.peer_index]) if info.peer_index is not None else -1
-            peer = group.ranks[local] if group and 0 <= local < len(group.ranks) else local
-            key = (name, info.p2p, peer)
-            self._p2p_seq[key] += 1
-            seq = self._p2p_seq[key]
-        else:  # numbered per group
-            self._seq[name] += 1
-            seq = self._seq[name]
+        with self._lock:  # collectives may come from several threads (kernels are global)
+            if info.p2p is not None:  # numbered per (group, direction, peer)
+                local = int(args[info.peer_index]) if info.peer_index is not None else -1
+                peer = group.ranks[local] if group and 0 <= local < len(group.ranks) else local
+                key = (name, info.p2p, peer)
+                self._p2p_seq[key] += 1
+                seq = self._p2p_seq[key]
+            else:  # numbered per group
+                self._seq[name] += 1
+                seq = self._seq[name]
         rec = [seq, name, info.p2p or info.name, shapes, dtypes, now, None, None,
                "issued", _short_stack(), peer]
         self.records.append(rec)
@@ -260,6 +331,20 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def group_table(self) -> dict[str, dict[str, Any]]:
         return {name: g.to_dict() for name, g in list(self.groups.items())}
+
+
+class _FunctionalProxy:
+    """Stands in for `torch.ops._c10d_functional.<op>` (an OpOverloadPacket): calls record;
+    attributes (`.default`, overloads, schemas) are the packet's."""
+
+    def __init__(self, recorder: CollectiveRecorder, info: _OpInfo, packet):
+        self._recorder, self._info, self._packet = recorder, info, packet
+
+    def __call__(self, *args, **kwargs):
+        return self._recorder._call(self._info, self._packet, args, kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._packet, name)
 
 
 def _complete(rec: list, fut) -> None:

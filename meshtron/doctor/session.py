@@ -76,13 +76,14 @@ class DoctorSession:
         self._old_wakeup_fd = -1
         self._thread: threading.Thread | None = None
         self._entered = False
+        self._dumps: list[dict[str, Any]] = []
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> "DoctorSession":
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         dumpfile.write_hello(self.trace_dir, self.rank, self.world_size)
         if self.recorder is not None:
-            self.recorder.__enter__()
+            self.recorder.install()
             self._entered = True
         self._install_signals()
         self._thread = threading.Thread(target=self._watch, name="meshtron-doctor",
@@ -100,7 +101,7 @@ class DoctorSession:
             self.dump("exit")
         self._stop.set()
         if self._entered and self.recorder is not None:
-            self.recorder.__exit__(None, None, None)
+            self.recorder.uninstall()
             self._entered = False
         self._restore_signals()
 
@@ -157,6 +158,7 @@ class DoctorSession:
                              "first_step_timeout_s": self.first_step_timeout_s,
                              "fired": self.timed_out},
                 "exception": self.exception,
+                "earlier_dumps": list(self._dumps),
                 "mesh": self.mesh,
                 "groups": self.recorder.group_table() if self.recorder else {},
                 "records": self.recorder.snapshot() if self.recorder else [],
@@ -170,6 +172,7 @@ class DoctorSession:
                 doc["flight_recorder"] = fr
             path = dumpfile.dump_path(self.trace_dir, self.rank)
             dumpfile.write_json_atomic(path, doc)
+            self._dumps.append({"reason": reason, "time": doc["time"]})
             return path
 
     # -- signals -------------------------------------------------------------------------------
