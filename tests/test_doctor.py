@@ -234,3 +234,26 @@ def test_signals_dump_a_blocked_rank_and_chain_to_the_previous_handler(tmp_path)
     assert marker.read_text() == "previous handler called 1 time(s)"
     last = json.loads((trace / "rank_1.json").read_text())
     assert last["reason"] == "exit" and [d["reason"] for d in last["earlier_dumps"]] == ["SIGTERM"]
+
+
+def test_sigterm_handler_installed_later_owns_the_exit(tmp_path):
+    """A handler installed after the session's (a graceful preemption checkpoint) replaces it:
+    the session still dumps on SIGTERM but leaves the process alive for that handler."""
+    import signal
+    import time
+
+    from meshtron.doctor import DoctorSession
+
+    got: list = []
+    session = DoctorSession(tmp_path, 0, 1, recorder=False).start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 10
+        while not (tmp_path / "rank_0.json").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert json.loads((tmp_path / "rank_0.json").read_text())["reason"] == "SIGTERM"
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        session.close(final_dump=False)

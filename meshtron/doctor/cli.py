@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from meshtron.argtypes import positive_int
 from meshtron.errors import UserError

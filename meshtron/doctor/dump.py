@@ -40,7 +40,7 @@ def hello_path(trace_dir: Path, rank: int) -> Path:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.write_text(json.dumps(obj, default=str))
     os.replace(tmp, path)
 
 

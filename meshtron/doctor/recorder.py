@@ -17,9 +17,10 @@ collectives in the same order, so records of different ranks align by it). Point
 operations are numbered apart, per (group, direction, peer): the k-th send from A to B matches
 the k-th receive on B from A.
 
-Cost: nothing for the non-collective operators with `install()`; a collective adds a record (a short list), a walk of at most `STACK_FRAMES` Python frames
-(raw (file, line, function) tuples, formatted only when dumped) and, for c10d operations that
-return a Work, a completion callback on its future. `bench/recorder_overhead.py` measures it.
+Cost: nothing for the non-collective operators with `install()`; a collective adds a record (a
+short list), a walk of at most `STACK_FRAMES` Python frames (code objects and lines, formatted
+only when dumped) and, for c10d operations that return a Work, keeping the Work to poll its
+completion. `bench/recorder_overhead.py` measures it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def op_name(raw: str) -> str:
     name = raw.strip("_")
     return _RENAMES.get(name, name)
 STACK_FRAMES = 8
+PENDING_PER_GROUP = 8
 # Frames of these files say nothing about where the user's code is.
 _SKIP_FILES = ("torch/utils/_python_dispatch.py", "meshtron/doctor/", "torch/_ops.py",
                "torch/distributed/c10d_logger.py")
@@ -72,16 +74,24 @@ class GroupInfo:
         return {"ranks": self.ranks, "axis": self.axis, "desc": self.desc}
 
 
-def _short_stack() -> tuple[tuple[str, int, str], ...]:
-    """Innermost first, at most STACK_FRAMES frames outside torch's dispatch and this package."""
+_SKIPPED: dict[Any, bool] = {}
+
+
+def _short_stack() -> tuple[tuple[Any, int], ...]:
+    """(code, line) of the innermost STACK_FRAMES frames outside torch's dispatch and this
+    package, innermost first; names are formatted only when dumped."""
     out = []
     frame = sys._getframe(2)
-    while frame is not None and len(out) < STACK_FRAMES:
+    depth = 0
+    while frame is not None and len(out) < STACK_FRAMES and depth < 64:
         code = frame.f_code
-        name = code.co_filename
-        if not any(s in name for s in _SKIP_FILES):
-            out.append((name, frame.f_lineno, code.co_name))
+        skip = _SKIPPED.get(code)
+        if skip is None:
+            skip = _SKIPPED[code] = any(s in code.co_filename for s in _SKIP_FILES)
+        if not skip:
+            out.append((code, frame.f_lineno))
         frame = frame.f_back
+        depth += 1
     return tuple(out)
 
 
@@ -138,6 +148,8 @@ class CollectiveRecorder(TorchDispatchMode):
         self._on_issue = on_issue
         self._lock = threading.Lock()
         self._libs: dict[str, Any] = {}
+        self._pending_works: dict[str, collections.deque] = collections.defaultdict(
+            collections.deque)
         self._proxies: dict[str, Any] = {}
 
     @classmethod
@@ -214,10 +226,12 @@ class CollectiveRecorder(TorchDispatchMode):
                 func = getattr(packet, overload)
                 info = _OpInfo(func)
 
-                def kernel(*args, _info=info, _func=func, **kwargs):
+                def kernel(*args, _info=info, _op=func._op, **kwargs):
+                    # `_op`: the C++ operator itself, without OpOverload.__call__'s checks for
+                    # fake script objects (a third of the recorder's cost per collective).
                     def run(*a, **k):
                         with below():
-                            return _func(*a, **k)
+                            return _op(*a, **k)
                     return self._call(_info, run, args, kwargs)
 
                 lib.impl(raw if overload == "default" else f"{raw}.{overload}", kernel,
@@ -253,6 +267,7 @@ class CollectiveRecorder(TorchDispatchMode):
             else:  # numbered per group
                 self._seq[name] += 1
                 seq = self._seq[name]
+        self._sweep(name)
         rec = [seq, name, info.p2p or info.name, shapes, dtypes, now, None, None,
                "issued", _short_stack(), peer]
         self.records.append(rec)
@@ -296,25 +311,55 @@ class CollectiveRecorder(TorchDispatchMode):
         return info
 
     def _watch_completion(self, rec: list, out) -> None:
-        """Completion time: a c10d Work's future callback, or the functional wait_tensor."""
+        """Completion: a c10d Work is kept (at most PENDING_PER_GROUP per group) and polled with
+        `is_completed()` at the group's next operation and at dumps. Polling, not a future
+        callback: the callback runs on the backend's thread and had to take the GIL from the
+        training thread, which cost ~2.5 ms per collective on a loaded 2-core machine
+        (bench/recorder_overhead.py). Functional collectives complete at their wait_tensor."""
         work = out[1] if isinstance(out, tuple) and len(out) == 2 else out
         if isinstance(work, torch.ScriptObject):
             from torch._C._distributed_c10d import Work
 
             try:
-                fut = Work.unbox(work).get_future()
-            except RuntimeError:  # a backend without futures for this op
+                work = Work.unbox(work)
+            except RuntimeError:
                 return
-            fut.add_done_callback(lambda f, r=rec: _complete(r, f))
+            pending = self._pending_works[rec[GROUP]]
+            pending.append((rec, work))
+            if len(pending) > PENDING_PER_GROUP:
+                pending.popleft()  # forget it: its state stays "issued"
         elif isinstance(out, torch.Tensor):
             rec[STATE] = "started"
-            if len(self._pending_functional) > 4096:  # never waited: forget the oldest
+            if len(self._pending_functional) > 4096:  # never waited: forget them
                 self._pending_functional.clear()
             self._pending_functional[id(out)] = rec
+
+    def _sweep(self, group: str) -> None:
+        """Mark the finished Works of a group completed."""
+        pending = self._pending_works.get(group)
+        if not pending:
+            return
+        now = time.time()
+        for item in list(pending):
+            rec, work = item
+            try:
+                if not work.is_completed():
+                    continue
+            except RuntimeError:
+                pass
+            # Completed or failed: Work's success/exception getters are deprecated (and warn);
+            # a failure reaches the training thread as an exception, which the dump records.
+            rec[T_END], rec[STATE] = now, "completed"
+            try:
+                pending.remove(item)
+            except ValueError:  # swept by another thread
+                pass
 
     # -- reading -------------------------------------------------------------------------------
     def snapshot(self) -> list[dict[str, Any]]:
         """The records, oldest first, as plain dicts (safe to call from any thread)."""
+        for group in list(self._pending_works):
+            self._sweep(group)
         rows = list(self.records)
         out = []
         for r in rows:
@@ -323,7 +368,7 @@ class CollectiveRecorder(TorchDispatchMode):
                  "dtypes": r[DTYPES], "enqueue_t": r[T_ENQUEUE], "start_t": r[T_START],
                  "end_t": r[T_END], "state": r[STATE],
                  "axis": group.axis if group else None,
-                 "stack": [f"{f}:{line} in {fn}" for f, line, fn in r[STACK]]}
+                 "stack": [f"{c.co_filename}:{line} in {c.co_name}" for c, line in r[STACK]]}
             if r[PEER] is not None:
                 d["peer"] = r[PEER]
             out.append(d)
@@ -345,12 +390,3 @@ class _FunctionalProxy:
 
     def __getattr__(self, name: str):
         return getattr(self._packet, name)
-
-
-def _complete(rec: list, fut) -> None:
-    rec[T_END] = time.time()
-    try:
-        fut.value()
-        rec[STATE] = "completed"
-    except Exception:  # noqa: BLE001 - the op failed (a peer died, an abort)
-        rec[STATE] = "failed"

@@ -11,8 +11,9 @@ rank's), an exception (`dump_exception`), SIGTERM, SIGUSR1, and `dump()` on dema
 Signals: a rank hung in a collective sits in C++ with the GIL released, where Python never runs
 its signal handlers. So the handlers installed here only chain to the handler that was there
 before (e.g. a preemption checkpoint handler); the dump itself is done by the watcher thread,
-woken through `signal.set_wakeup_fd`, which the C-level handler writes immediately. A SIGTERM
-that had the default action keeps its meaning: after the dump the process exits with 128+15.
+woken through `signal.set_wakeup_fd`, which the C-level handler writes immediately (also when a
+handler installed later replaced ours). A SIGTERM that had the default action, and still has
+ours, keeps its meaning: after the dump the process exits with 128+15.
 
 Watchdog: progress is a finished step or a collective issued. With none for `timeout` seconds
 (`first_step_timeout` before the first step: start-up, compilation, first all-gathers), the
@@ -73,9 +74,8 @@ class DoctorSession:
         self._store_abort = threading.Event()
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
-        self._old_wakeup_fd = -1
         self._thread: threading.Thread | None = None
-        self._entered = False
+        self._installed = False
         self._dumps: list[dict[str, Any]] = []
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -84,7 +84,7 @@ class DoctorSession:
         dumpfile.write_hello(self.trace_dir, self.rank, self.world_size)
         if self.recorder is not None:
             self.recorder.install()
-            self._entered = True
+            self._installed = True
         self._install_signals()
         self._thread = threading.Thread(target=self._watch, name="meshtron-doctor",
                                         daemon=True)
@@ -100,9 +100,11 @@ class DoctorSession:
         if final_dump:
             self.dump("exit")
         self._stop.set()
-        if self._entered and self.recorder is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S + 1.0)
+        if self._installed and self.recorder is not None:
             self.recorder.uninstall()
-            self._entered = False
+            self._installed = False
         self._restore_signals()
 
     def __enter__(self) -> "DoctorSession":
@@ -233,7 +235,11 @@ class DoctorSession:
             import faulthandler
 
             faulthandler.dump_traceback(all_threads=True)  # also readable on stderr
-        elif self._previous.get(signum) == signal.SIG_DFL:
+        elif (self._previous.get(signum) == signal.SIG_DFL
+              and signal.getsignal(signum) == self._chain):
+            # Nobody else handles SIGTERM (a handler installed after ours, e.g. a graceful
+            # preemption checkpoint, replaces _chain and then owns the exit): keep SIGTERM's
+            # default meaning, ending the process, now that the trace is written.
             print(f"[rank {self.rank}] SIGTERM: trace written to {self.trace_dir}",
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
@@ -242,7 +248,10 @@ class DoctorSession:
     def _watch(self) -> None:
         while not self._stop.is_set():
             if self._wakeup is not None:
-                select.select([self._wakeup[0]], [], [], POLL_S)
+                try:
+                    select.select([self._wakeup[0]], [], [], POLL_S)
+                except (OSError, ValueError):  # closed by close(): we are done
+                    return
                 for signum in self._signals_received():
                     self._on_signal(signum)
             else:

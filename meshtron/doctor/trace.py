@@ -11,9 +11,9 @@ from typing import Any
 from meshtron.doctor import dump as dumpfile
 from meshtron.errors import UserError
 
-AXIS_WORDS = {"tp": "tensor-parallel", "dp": "data-parallel", "dp_shard": "data-parallel (shard)",
-              "dp_replicate": "data-parallel (replicate)", "pp": "pipeline", "cp": "context-parallel",
-              "ep": "expert-parallel"}
+AXIS_WORDS = {"tp": "tensor-parallel", "dp": "data-parallel",
+              "dp_shard": "data-parallel (shard)", "dp_replicate": "data-parallel (replicate)",
+              "pp": "pipeline", "cp": "context-parallel", "ep": "expert-parallel"}
 # Frames that say where a rank waits, not where the user's code is.
 _INFRA = ("/torch/", "/threading.py", "/selectors.py", "meshtron/doctor/",
           "meshtron/testing/multiproc.py", "/runpy.py")
