@@ -135,8 +135,15 @@ def test_doctor_bad_input_is_one_line(tmp_path, capsys):
 
     assert main(["doctor", str(tmp_path / "missing")]) == 2
     assert main(["doctor", str(tmp_path)]) == 2
+    run = ["train", "--model", "debug", "--seq-len", "32", "--steps", "1", "--run-dir",
+           str(tmp_path / "run")]
+    assert main([*run, "--watchdog-timeout", "0.5"]) == 2
+    assert main([*run, "--watchdog-timeout", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "not a folder" in err[0] and "no trace" in err[1], err
+    assert len(err) == 4 and "not a folder" in err[0] and "no trace" in err[1], err
+    assert "--watchdog-timeout=0.5: allowed a finite number of seconds >= 1" in err[2], err
+    assert "argument --watchdog-timeout: '0'" in err[3], err
+    assert not (tmp_path / "run").exists()
 
 
 NCCL = Path(__file__).parent / "data" / "nccl"

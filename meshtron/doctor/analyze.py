@@ -310,12 +310,12 @@ def _straggler(trace: Trace) -> Diagnosis | None:
     if (mean[worst] < floor or mean[worst] < 3 * max(others, default=0.0)
             or last[worst] < total / 2):
         return None
-    text = (f"{trace.label(worst)} is a straggler: it reaches the collectives "
-            f"{mean[worst]:.3f} s after the first rank (median) "
-            f"(last in {last[worst]} of {total} collectives)")
+    text = (f"{trace.label(worst)} is a straggler: it reaches the collectives a median "
+            f"{mean[worst]:.3f} s after the first rank (last in {last[worst]} of {total} "
+            "collectives")
     if step:
-        text += f", {100 * mean[worst] / step:.0f}% of the median step time {step:.3f} s"
-    return Diagnosis("straggler", text + ".", [worst],
+        text += f"; {100 * mean[worst] / step:.0f}% of the median step time {step:.3f} s"
+    return Diagnosis("straggler", text + ").", [worst],
                      [f"rank {r}: median lateness {v:.3f} s" for r, v in sorted(mean.items())])
 
 

@@ -43,3 +43,12 @@ class TrainJob:
     launched_rank: bool = False
     """This process is a rank started by `meshtron train --nproc` on this machine: the parent
     process validated everything, saved the plan and reports the result."""
+
+    def __post_init__(self):
+        # The watchdog polls every 0.2 s; under a second it could only abort healthy runs.
+        t = self.watchdog_timeout_s
+        if t is not None and not (1.0 <= t < float("inf")):
+            from meshtron.errors import UserError
+
+            raise UserError(f"--watchdog-timeout={t!r}: allowed a finite number of seconds "
+                            ">= 1")
