@@ -53,6 +53,9 @@ def op_name(raw: str) -> str:
     name = raw.strip("_")
     return _RENAMES.get(name, name)
 STACK_FRAMES = 8
+# Arguments that only the root fills (scatter's inputs, gather's outputs): not recorded, so that
+# every member's record of one collective has the same shapes.
+ROOT_ONLY = {"scatter_": ("input_tensors",), "gather_": ("output_tensors",)}
 PENDING_PER_GROUP = 8
 # Frames of these files say nothing about where the user's code is.
 _SKIP_FILES = ("torch/utils/_python_dispatch.py", "meshtron/doctor/", "torch/_ops.py",
@@ -122,7 +125,7 @@ class _OpInfo:
                 self.group_index = i
             elif arg.name in ("dst", "src", "srcRank", "dstRank"):
                 self.peer_index = i
-            elif "Tensor" in text and arg.name not in ("sparse_indices",):
+            elif "Tensor" in text and arg.name not in ROOT_ONLY.get(self.raw, ("sparse_indices",)):
                 self.tensor_indices.append(i)
 
 
