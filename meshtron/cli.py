@@ -19,6 +19,8 @@ COMMAND_MODULES = [
     "meshtron.train.cli",
     "meshtron.calibrate.cli",
     "meshtron.planner.cli",
+    "meshtron.cost.cli",
+    "meshtron.simulate.cli",
 ]
 
 
