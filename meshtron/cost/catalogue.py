@@ -59,19 +59,19 @@ class GpuEconomics:
                             f"GPU's own power tdp_w={self.tdp_w!r}")
 
 
-def _aws(name: str, instance_usd_h: float, tdp: float, system: float, src: str) -> GpuEconomics:
+def _aws(instance_usd_h: float, tdp: float, system: float, src: str) -> GpuEconomics:
     od = instance_usd_h / 8.0
     return GpuEconomics(od, od * SPOT_FRACTION, tdp, system, src)
 
 
 DEFAULTS: dict[str, GpuEconomics] = {
-    "V100-SXM2-32GB": _aws("V100", 24.48, 300.0, 3500 / 8, "AWS p3.16xlarge list (2017)"),
-    "A100-SXM4-40GB": _aws("A100", 32.77, 400.0, 6500 / 8, "AWS p4d.24xlarge list (2020-11)"),
-    "A100-SXM4-80GB": _aws("A100", 40.97, 400.0, 6500 / 8, "AWS p4de.24xlarge list (2022)"),
-    "H100-SXM5-80GB": _aws("H100", 98.32, 700.0, 10200 / 8, "AWS p5.48xlarge list (2023-07)"),
-    "H200-SXM-141GB": _aws("H200", 98.32, 700.0, 10200 / 8,
+    "V100-SXM2-32GB": _aws(24.48, 300.0, 3500 / 8, "AWS p3.16xlarge list (2017)"),
+    "A100-SXM4-40GB": _aws(32.77, 400.0, 6500 / 8, "AWS p4d.24xlarge list (2020-11)"),
+    "A100-SXM4-80GB": _aws(40.97, 400.0, 6500 / 8, "AWS p4de.24xlarge list (2022)"),
+    "H100-SXM5-80GB": _aws(98.32, 700.0, 10200 / 8, "AWS p5.48xlarge list (2023-07)"),
+    "H200-SXM-141GB": _aws(98.32, 700.0, 10200 / 8,
                            "H100's AWS p5.48xlarge list (2023-07); H200 list unverified"),
-    "B200": _aws("B200", 113.93, 1000.0, 14300 / 8, "AWS p6-b200.48xlarge list (2025)"),
+    "B200": _aws(113.93, 1000.0, 14300 / 8, "AWS p6-b200.48xlarge list (2025)"),
 }
 assert set(DEFAULTS) == set(GPU_CATALOGUE), "every catalogue GPU needs a price and a power"
 
@@ -81,27 +81,36 @@ def economics_for(cluster: ClusterSpec, on_demand: float | None = None,
                   system_w: float | None = None,
                   overrides: dict[str, dict[str, float]] | None = None) -> GpuEconomics:
     """The cluster GPU's figures: defaults, then a price TOML's table for that GPU, then the
-    cluster file's price_per_gpu_hour (on-demand), then explicit flags. A cluster described by
-    numbers only (no `gpu`) must be given every figure."""
+    cluster file's price_per_gpu_hour (on-demand), then explicit flags; a spot price nobody gave
+    is SPOT_FRACTION of the on-demand one. A cluster described by numbers only (no `gpu`) must
+    be given an on-demand price and a power."""
     base = DEFAULTS.get(cluster.gpu) if cluster.gpu else None
-    fields: dict[str, Any] = dict(vars(base)) if base else {"source": "given"}
+    fields: dict[str, Any] = dict(vars(base)) if base else {}
+    sources = [base.source] if base else []
+    spot_given = False
     if cluster.gpu and overrides and cluster.gpu in overrides:
         fields.update(overrides[cluster.gpu])
-        fields["source"] = "price file"
+        spot_given = "spot" in overrides[cluster.gpu]
+        sources.append("price file")
     if cluster.price_per_gpu_hour is not None:
         fields["on_demand"] = cluster.price_per_gpu_hour
-        fields.setdefault("spot", cluster.price_per_gpu_hour * SPOT_FRACTION)
-        fields["source"] = "cluster file"
-    for key, value in (("on_demand", on_demand), ("spot", spot), ("tdp_w", tdp_w),
-                       ("system_w_per_gpu", system_w)):
-        if value is not None:
-            fields[key] = value
-            fields["source"] = "flags" if fields.get("source") != "given" else "given"
+        sources.append("cluster file")
+    given = {"on_demand": on_demand, "spot": spot, "tdp_w": tdp_w, "system_w_per_gpu": system_w}
+    if any(v is not None for v in given.values()):
+        fields.update({k: v for k, v in given.items() if v is not None})
+        spot_given = spot_given or spot is not None
+        sources.append("flags")
+    if not spot_given and "on_demand" in fields:
+        fields["spot"] = fields["on_demand"] * SPOT_FRACTION  # spot follows a given on-demand
+    if not sources:
+        sources = ["flags"]
+    fields["source"] = sources[0] + (f" (overridden by {', '.join(sources[1:])})"
+                                     if len(sources) > 1 else "")
     if "tdp_w" in fields and "system_w_per_gpu" not in fields:
         fields["system_w_per_gpu"] = fields["tdp_w"]
-    missing = [k for k in ("on_demand", "spot", "tdp_w") if k not in fields]
+    missing = [k for k in ("on_demand", "tdp_w") if k not in fields]
     if missing:
-        flag = {"on_demand": "--price-on-demand", "spot": "--price-spot", "tdp_w": "--gpu-watts"}
+        flag = {"on_demand": "--price-on-demand", "tdp_w": "--gpu-watts"}
         raise UserError(f"cluster.gpu=None: a cluster described by numbers has no catalogue "
                         f"price or power; give {', '.join(flag[k] for k in missing)}")
     return GpuEconomics(**fields)

@@ -123,14 +123,14 @@ def _run_sweep(args: argparse.Namespace, model, opts) -> int:
             "below_threshold_why": stop.cause if stop else None,
             "points": [p.row() for p in pts]}
     if args.json:
-        print(json.dumps(doc, indent=2, default=_nan_none))
+        print(json.dumps(doc, indent=2, allow_nan=False))
     else:
         print(_render_sweep(doc))
     return 0
 
 
-def _nan_none(x):
-    return None
+def _num(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def _render_sweep(doc: dict[str, Any]) -> str:
@@ -140,8 +140,8 @@ def _render_sweep(doc: dict[str, Any]) -> str:
         lines.append(f"  {'GPUs':>7} {'batch':>6} {'plan':52} {'tok/s':>11} {'eff':>6} "
                      f"{'MFU':>6} {'marginal':>9}  why it scales worse")
         for r in s["points"]:
-            eff = r["scaling_efficiency"]
-            marg = r["marginal"]
+            eff = _num(r["scaling_efficiency"])
+            marg = _num(r["marginal"])
             lines.append(f"  {r['gpus']:7d} {r['global_batch']:6d} {r['plan'][:52]:52} "
                          f"{r['tokens_per_s']:11.4g} {eff:6.3f} {r['mfu']:6.3f} "
                          f"{marg:9.4f}  {r['cause']}")

@@ -105,8 +105,9 @@ class SweepPoint:
     def row(self) -> dict[str, Any]:
         d = asdict(self)
         parts = d.pop("parts_s")
-        d.update({f"{k}_s": parts.get(k, float("nan")) for k in PARTS})
-        return d
+        d.update({f"{k}_s": parts.get(k) for k in PARTS})
+        # no number where there is none (strict JSON has no NaN; the CSV cell stays empty)
+        return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
 
 
 def sweep(model: ModelSpec, cluster: ClusterSpec, counts: list[int], global_batch: int,
