@@ -167,3 +167,25 @@ def test_price_file_overrides_and_numbers_only_cluster(cost_cli, tmp_path):
     rc, _, err = cost_cli("--model", "llama2-7b", "--cluster", str(cluster), "--global-batch",
                           "256", "--seq-len", "4096")
     assert rc == 2 and "--price-on-demand" in err and err.count("\n") == 1
+
+
+def test_cost_of_a_saved_plan_and_a_fixed_interval(cost_cli, tmp_path):
+    from meshtron.model.spec import resolve_model
+    from meshtron.planner import resolve_cluster, search_plans
+
+    best = search_plans(resolve_model("llama2-7b"), resolve_cluster("dgx-a100:2"), 256, 4096,
+                        {"tp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, top_k=1,
+                        explain=False).best
+    path = tmp_path / "plan.toml"
+    best.to_plan("llama2-7b", "dgx-a100:2", 16, 256, 4096, "flash").save(path)
+    rc, out, err = cost_cli("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--plan",
+                            str(path), "--tokens", "100B", "--runs", "200", "--mtbf-hours", "5",
+                            "--checkpoint-interval-min", "120", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["plan"] == best.config.describe()
+    assert doc["step_time_s"] == pytest.approx(best.step_time_s)
+    assert doc["on_demand"]["checkpoint_interval_s"] == 7200.0
+    # a 2-hour interval against a 5-hour MTBF loses more than Daly's ~17 minutes would
+    daly = json.loads(cost_cli(*BASE, "--mtbf-hours", "5", "--json")[1])
+    assert doc["days"] / doc["failure_free_days"] > daly["days"] / daly["failure_free_days"]

@@ -14,7 +14,9 @@ planner/pipeline.py `split_virtual`).
   backwards the same with chunks reversed; warm-up (p - s - 1) 2 + (v - 1) p forwards.
 * zb (ZB-H1, Qi et al. 2024): the 1F1B order of forwards and input-gradient backwards, with
   each weight-gradient W run whenever the device would otherwise wait for its next input (the
-  greedy rule that fills 1F1B's bubble), and the rest at the end. That order depends on the
+  greedy rule that fills 1F1B's bubble), at the latest when p - s of them wait (ZB-H1 keeps
+  1F1B's activation memory: device s holds at most p - s micro-batches), and the rest at the
+  end. That order depends on the
   durations, so it is taken from an event-driven run at the nominal durations (`zb_orders`) and
   then kept fixed, as a runtime's static schedule is.
 """
@@ -22,6 +24,7 @@ planner/pipeline.py `split_virtual`).
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 Op = tuple[str, int, int]
 """(kind, virtual stage, micro-batch)."""
@@ -76,7 +79,7 @@ def zb_orders(p: int, v: int, m: int, fwd: list[float], bwd: list[float], wgrad:
     nv = p * v
     done: dict[tuple[str, int, int], float] = {}
     pos = [0] * p
-    pending: list[list[Op]] = [[] for _ in range(p)]
+    pending: list[deque[Op]] = [deque() for _ in range(p)]
     free = [0.0] * p
     out: list[list[Op]] = [[] for _ in range(p)]
     events: list[tuple[float, int]] = [(0.0, s) for s in range(p)]
@@ -100,14 +103,19 @@ def zb_orders(p: int, v: int, m: int, fwd: list[float], bwd: list[float], wgrad:
             continue
         if pos[s] == len(base[s]):
             if pending[s]:
-                op = pending[s].pop(0)
+                op = pending[s].popleft()
                 free[s] = max(now, free[s]) + wgrad[op[1]]
                 out[s].append(op)
                 heapq.heappush(events, (free[s], s))
             continue
         op = base[s][pos[s]]
         ready = arrival(op)
-        if ready is not None and ready <= now + 1e-15:
+        if len(pending[s]) >= p - s or (pending[s] and (ready is None or ready > now + 1e-15)):
+            w = pending[s].popleft()  # memory cap reached, or the device would wait: a W
+            free[s] = now + wgrad[w[1]]
+            out[s].append(w)
+            heapq.heappush(events, (free[s], s))
+        elif ready is not None and ready <= now + 1e-15:
             kind, j, mb = op
             dur = fwd[j] if kind == "F" else bwd[j] - wgrad[j]
             free[s] = now + dur
@@ -117,11 +125,6 @@ def zb_orders(p: int, v: int, m: int, fwd: list[float], bwd: list[float], wgrad:
             if kind == "B":
                 pending[s].append(("W", j, mb))
             _wake_neighbours(events, op, free[s], hop, p, nv)
-            heapq.heappush(events, (free[s], s))
-        elif pending[s] and (ready is None or ready > now):
-            w = pending[s].pop(0)
-            free[s] = now + wgrad[w[1]]
-            out[s].append(w)
             heapq.heappush(events, (free[s], s))
         elif ready is not None:
             heapq.heappush(events, (ready, s))

@@ -41,6 +41,11 @@ from meshtron.planner.estimate import Estimate, Evaluator, StepPieces, step_piec
 from meshtron.simulate.schedule import device_orders, zb_orders
 
 
+MAX_BUCKETS = 8
+"""Gradient buckets per released chunk at most (one per layer; DDP's 25 MB buckets are finer,
+but more of them only refine when the last one leaves)."""
+
+
 @dataclass(frozen=True)
 class Perturbation:
     """What makes ranks differ: slow GPUs and random per-operation noise."""
@@ -109,7 +114,9 @@ class _Graph:
         self.sync.append(sync)
         return len(self.dur) - 1
 
-    def run(self, classes: int) -> list[np.ndarray]:
+    def run(self, classes: int) -> list[Any]:
+        if classes == 1 and not any(isinstance(d, np.ndarray) for d in self.dur):
+            return self._run_scalar()
         zero = np.zeros(classes)
         end: list[np.ndarray] = []
         for preds, dur, sync in zip(self.preds, self.dur, self.sync):
@@ -118,6 +125,18 @@ class _Graph:
                 start = np.maximum(start, end[i] + lag)
             if sync:
                 start = np.full(classes, start.max())
+            end.append(start + dur)
+        return end
+
+    def _run_scalar(self) -> list[Any]:
+        """One class with fixed durations: the same pass on floats (much faster)."""
+        end: list[float] = []
+        for preds, dur in zip(self.preds, self.dur):
+            start = 0.0
+            for i, lag in preds:
+                t = end[i] + lag
+                if t > start:
+                    start = t
             end.append(start + dur)
         return end
 
@@ -163,9 +182,10 @@ def simulate_step(ev: Evaluator, est: Estimate, pert: Perturbation | None = None
     cfg = est.config
     pieces = step_pieces(ev, est)
     factors, counts, notes = _classes(cfg, pert)
-    graph, compute_s = _build(cfg, est.num_microbatches, pieces, factors, pert)
+    graph, compute_s = _build(cfg, est.num_microbatches, pieces, factors, pert,
+                              est.stage_layers)
     end = graph.run(len(counts))
-    per_class = np.max(np.vstack([end[i] for i in graph.finals]), axis=0)
+    per_class = np.max(np.vstack([np.atleast_1d(end[i]) for i in graph.finals]), axis=0)
     return StepResult(step_time_s=float(per_class.max()), class_step_s=per_class,
                       class_counts=counts, compute_s=compute_s, analytical_s=est.step_time_s,
                       events=len(end), classes=len(counts), seconds=time.perf_counter() - t0,
@@ -180,7 +200,8 @@ def _noise(rng: np.random.Generator | None, classes: int, tp: int, sigma: float)
     return np.exp(sigma * z - 0.5 * sigma * sigma)
 
 
-def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation):
+def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation,
+           stage_layers: list[int]):
     """The event graph of one step; returns it and the nominal compute of the busiest device."""
     p, v = cfg.pp, cfg.virtual_stages
     nv = p * v
@@ -223,15 +244,19 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation)
                     pc.reduce_every_microbatch or mb == m - 1) else 0.0
                 nominal = base + fold + inter
                 compute[s] += nominal
-                dur = nominal * factors[:, s] * _noise(rng, classes, cfg.tp, pert.jitter) \
-                    if classes > 1 or rng is not None else nominal * factors[0, s]
+                # a slow or noisy GPU stretches its computation, not the network's share
+                if classes > 1 or rng is not None:
+                    dur = (base * factors[:, s] * _noise(rng, classes, cfg.tp, pert.jitter)
+                           + fold + inter)
+                else:
+                    dur = base * float(factors[0, s]) + fold + inter
                 e = g.add(preds, dur, sync=per_unit and kind in ("F", "B"))
                 done[(kind, j, mb)] = e
                 last[s] = e
                 pos[s] += 1
                 progressed = True
                 if releases and red > 0 and (pc.reduce_every_microbatch or mb == m - 1):
-                    nic_jobs[s].append((e, nominal, red, layers_share[j]))
+                    nic_jobs[s].append((e, nominal, red, stage_layers[j]))
     if any(pos[s] < len(pending[s]) for s in range(p)):
         raise RuntimeError("pipeline schedule deadlocked (an operation waits for one that "
                            "never runs)")
@@ -240,8 +265,8 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation)
         tail = last[s]
         # gradient buckets on the device's network link, FIFO in release order
         link = None
-        for e, nominal, red, share in nic_jobs[s]:
-            k = max(1, round(share * 8))  # buckets per release (about one per layer)
+        for e, nominal, red, layers in nic_jobs[s]:
+            k = max(1, min(MAX_BUCKETS, layers))  # buckets per release: one per layer
             for b in range(k):
                 ready = (e, -nominal * (k - 1 - b) / k)
                 preds = [ready] + ([(link, 0.0)] if link is not None else [])

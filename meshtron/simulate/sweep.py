@@ -240,9 +240,15 @@ def write_plots(points: list[SweepPoint], out: Path, title: str) -> list[Path]:
     for name, ylabel, get, logy in figs:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for series in dict.fromkeys(p.series for p in points):
-            pts = [p for p in points if p.series == series and p.tokens_per_s > 0]
+            # the marginal plot keeps the sizes no plan can use (their added GPUs bring 0)
+            pts = [p for p in points if p.series == series and get(p) == get(p)
+                   and (p.tokens_per_s > 0 or name == "marginal")]
             ax.plot([p.gpus for p in pts], [get(p) for p in pts], marker="o",
                     label=f"{series} batch")
+            idle = [p for p in pts if p.tokens_per_s <= 0]
+            if idle:
+                ax.plot([p.gpus for p in idle], [get(p) for p in idle], "x", color="red",
+                        ms=10, label=f"{series} batch: no plan (batch too small / no fit)")
         ax.set_xscale("log", base=2)
         if logy:
             ax.set_yscale("log")
