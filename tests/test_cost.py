@@ -189,3 +189,14 @@ def test_cost_of_a_saved_plan_and_a_fixed_interval(cost_cli, tmp_path):
     # a 2-hour interval against a 5-hour MTBF loses more than Daly's ~17 minutes would
     daly = json.loads(cost_cli(*BASE, "--mtbf-hours", "5", "--json")[1])
     assert doc["days"] / doc["failure_free_days"] > daly["days"] / daly["failure_free_days"]
+
+
+def test_a_plan_that_does_not_fit_is_one_line(cost_cli, tmp_path):
+    from meshtron.planner.plan import Plan
+
+    plan = Plan.trusted(1, 1, 16, 0, 1, "none", False, None, 1, "bf16", 1).replace(
+        global_batch=256, seq_len=4096)
+    path = tmp_path / "plan.toml"
+    plan.save(path)
+    rc, _, err = cost_cli("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--plan", str(path))
+    assert rc == 2 and err.count("\n") == 1 and "does not fit" in err

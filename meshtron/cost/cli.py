@@ -81,7 +81,11 @@ def _estimate(args: argparse.Namespace, model, cluster):
         if batch is None or seq is None:
             raise UserError(f"plan={args.plan!r}: has no global_batch/seq_len; give "
                             "--global-batch and --seq-len")
-        return evaluate_plan(model, cluster, batch, seq, plan, options=opts), batch, seq
+        est = evaluate_plan(model, cluster, batch, seq, plan, options=opts)
+        if not est.fits:
+            raise UserError(f"plan={args.plan!r}: does not fit on {args.cluster} (needs "
+                            f"{est.memory.total:.1f} GiB per GPU of {est.memory.capacity:.0f})")
+        return est, batch, seq
     if args.global_batch is None or args.seq_len is None:
         raise UserError("global-batch/seq-len: both are required without --plan")
     fixed = {"dtype": args.dtype} if args.dtype else None

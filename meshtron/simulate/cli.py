@@ -168,6 +168,9 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
     batch, seq = args.global_batch, args.seq_len
     if args.plan:
         est = evaluate_plan(model, cluster, batch, seq, load_plan(args.plan), options=opts)
+        if not est.fits:
+            raise UserError(f"plan={args.plan!r}: does not fit on {args.cluster} (needs "
+                            f"{est.memory.total:.1f} GiB per GPU of {est.memory.capacity:.0f})")
     else:
         result = search_plans(model, cluster, batch, seq, None, top_k=1, options=opts,
                               explain=False)
