@@ -30,27 +30,29 @@ def step_at_16k() -> None:
     ev = Evaluator(model, cluster, 2048, 8192)
     base = simulate_step(ev, est)
     print(f"{'case':34} {'step s':>8} {'x analytical':>13} {'x unperturbed':>14} "
-          f"{'classes':>8} {'events':>7} {'sim s':>7}")
+          f"{'classes':>8} {'events':>7} {'sim s':>7} {'CPU s':>6}")
     cases = [("unperturbed", Perturbation()),
              ("one GPU 1.2x slow", Perturbation(stragglers=((0, 1.2),))),
              ("one GPU 2x slow", Perturbation(stragglers=((9000, 2.0),))),
              ("jitter sigma 0.02, every rank", Perturbation(jitter=0.02)),
              ("jitter sigma 0.05, every rank", Perturbation(jitter=0.05))]
     for name, pert in cases:
-        r = simulate_step(ev, est, pert) if name != "unperturbed" else base
+        c0 = time.process_time()
+        r = simulate_step(ev, est, pert)
+        cpu = time.process_time() - c0
         print(f"{name:34} {r.step_time_s:8.3f} {r.step_time_s / est.step_time_s:13.3f} "
               f"{r.step_time_s / base.step_time_s:14.3f} {r.classes:8d} {r.events:7d} "
-              f"{r.seconds:7.2f}")
+              f"{r.seconds:7.2f} {cpu:6.2f}")
 
 
 def sweep_405b(quick: bool) -> None:
     model, cluster = resolve_model("llama3-405b"), resolve_cluster("dgx-h100:1")
     counts = gpu_counts("512..16384" if quick else "64..131072")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     points = sweep(model, cluster, counts, 2048, 8192, growth_cap=16384)
-    dt = time.perf_counter() - t0
-    print(f"\nsweep {counts[0]}..{counts[-1]} GPUs, fixed and growing batch: {dt:.1f} s "
-          f"({len(points)} plans searched)")
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(f"\nsweep {counts[0]}..{counts[-1]} GPUs, fixed and growing batch: {dt:.1f} s wall, "
+          f"{cpu:.1f} s CPU ({len(points)} plans searched; wall > CPU on a shared machine)")
     print(f"{'series':8} {'GPUs':>7} {'batch':>6} {'eff':>6} {'MFU':>6} {'marginal':>9}  "
           "plan / why")
     for p in points:

@@ -218,8 +218,10 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation,
     g = _Graph()
     done: dict[tuple[str, int, int], int] = {}
     last = [None] * p  # last event on each device
-    nic_jobs: list[list[tuple[float, list, float, bool]]] = [[] for _ in range(p)]
-    # pass 1: compute and transfers (transfers between neighbours: their own link direction)
+    # per device: (releasing event, its nominal duration, reduction seconds, layers)
+    nic_jobs: list[list[tuple[int, float, float, int]]] = [[] for _ in range(p)]
+    # operations in an order where every input exists: sweep the devices, each as far as its
+    # inputs allow; a transfer delays the receiver by the hop (its own link direction)
     pending = [list(o) for o in orders]
     pos = [0] * p
     progressed = True
