@@ -63,7 +63,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (0: a dry run that leaves every weight unchanged)."""
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine decay, as a fraction of `lr`."""
     warmup_steps: int = 20
@@ -80,7 +80,9 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def __post_init__(self) -> None:
-        _positive("optim", self, "lr", "eps")
+        _positive("optim", self, "eps")
+        if self.lr < 0:  # 0 is a dry run that changes no weight (e.g. a load/export check)
+            raise UserError(f"optim.lr={self.lr!r}: must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UserError(f"optim.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]")
         for name in ("beta1", "beta2"):
@@ -108,6 +110,12 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard
     package)."""
+    init_from: str | None = None
+    """A Hugging Face checkpoint folder (config.json + *.safetensors) to start from instead of
+    the seed's initialization; each rank reads only its own slices (meshtron/hf/)."""
+    export: str | None = None
+    """Write the final weights to this folder as a Hugging Face checkpoint (safetensors +
+    config.json + tokenizer files) that transformers loads."""
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "log_every")

@@ -15,8 +15,6 @@ Written to survive being sharded from outside, the way torchtitan's models are:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,39 +110,48 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """The plain model. Initial values come from `init_seed` alone (meshtron/model/init.py:
+    a function of the seed, the parameter's name and the element's index), so any shard of a
+    meta-device copy can be materialized to exactly these values. `init_seed=None` draws one
+    number from torch's global CPU generator, so `torch.manual_seed(s); Transformer(spec)` is
+    reproducible and consumes the same randomness on every device, meta included.
+
+    Built under `with torch.device("meta")` the model allocates nothing; `parallelize` then
+    materializes only this rank's shards (`meshtron.model.init.materialize`)."""
+
+    def __init__(self, spec: ModelSpec, init_seed: int | None = None):
         super().__init__()
         self.spec = spec
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
-        self.pos_embeddings: nn.Embedding | None = (
-            nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
-        self.norm: nn.Module | None = _norm(spec)
-        self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        if spec.tied_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        # Not persistent: derived from the spec, so checkpoints hold only trainable state.
-        self.register_buffer("rope", rope_cache(spec) if spec.position == "rope" else None,
-                             persistent=False)
-        self.init_weights()
+        self.init_seed = (int(torch.randint(0, 2**62, (), device="cpu")) if init_seed is None
+                          else int(init_seed))
+        target = torch.get_default_device()
+        # Modules are created on meta (no memory, no throw-away default init), then allocated
+        # once on the target device and initialized by `init_weights`.
+        with torch.device("meta"):
+            self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+            self.pos_embeddings: nn.Embedding | None = (
+                nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
+            self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
+            self.norm: nn.Module | None = _norm(spec)
+            self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+            if spec.tied_embeddings:
+                self.output.weight = self.tok_embeddings.weight
+            # Not persistent: derived from the spec, so checkpoints hold only trainable state.
+            self.register_buffer("rope", rope_cache(spec) if spec.position == "rope" else None,
+                                 persistent=False)
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """GPT-2 style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)
-        (Radford et al. 2019), so the residual stream's variance stays flat with depth."""
-        out_std = std / math.sqrt(2 * self.spec.layers)
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
-                else:
-                    nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, out_std)
-            else:
-                nn.init.normal_(p, 0.0, std)
+    def init_weights(self) -> None:
+        """GPT-2 style init from `init_seed` (values in meshtron/model/init.py)."""
+        from meshtron.model.init import init_parameters, retie_embeddings
+
+        retie_embeddings(self)
+        init_parameters([self], self.init_seed, self.spec.layers)
         if self.rope is not None:
-            self.rope.copy_(rope_cache(self.spec, self.rope.device))
+            self.rope = rope_cache(self.spec, self.rope.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a pipeline

@@ -25,6 +25,7 @@ from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer, cross_entropy_loss
 from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
+from meshtron.hf.hooks import export_at_end, hf_fill
 
 
 class StepOutput(NamedTuple):
@@ -114,7 +115,11 @@ class LocalEngine:
     def __init__(self, cfg: RunConfig):
         torch.manual_seed(cfg.train.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = Transformer(cfg.model).to(self.device)
+        with torch.device(self.device):
+            self.model = Transformer(cfg.model)
+        fill = hf_fill(cfg)
+        if fill is not None:
+            fill([self.model])
         self.optimizer = build_adamw([self.model], cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.micro = cfg.data.micro_batch or cfg.data.global_batch
@@ -251,7 +256,9 @@ def train(cfg: RunConfig, show_progress: bool = True, overwrite: bool = False,
     data = build_run_data(cfg) if data is None else data
     # Bad input fails above, before anything is written to the run folder.
     run_dir = outputs.prepare_run_dir(cfg)
+    engine = LocalEngine(cfg)
     with outputs.extra_writers(cfg, run_dir) as writers:
-        result = run_loop(LocalEngine(cfg), data, cfg, run_dir, show_progress, writers=writers)
+        result = run_loop(engine, data, cfg, run_dir, show_progress, writers=writers)
+    export_at_end(cfg, run_dir, model=engine.model)
     outputs.finish_run(run_dir, result.to_dict(), result.records)
     return result

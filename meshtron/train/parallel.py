@@ -1,7 +1,8 @@
 """Training on many ranks: the plan's mesh, `meshtron.parallelize`, and the shared loop.
 
-Every rank builds the same full model from the same seed, then `parallelize` keeps and shards
-its part, so each layout starts from exactly the single-process weights; data-parallel rank r
+Every rank builds the model on the meta device from the same seed, `parallelize` shards it and
+materializes only this rank's shards, initialized to exactly the single-process weights
+(meshtron/model/init.py) or read from a Hugging Face checkpoint (`train.init_from`); data-parallel rank r
 reads rows [r*B/dp, (r+1)*B/dp) of the single-process global batch. Together these make every
 layout reproduce the single-process losses (tests/test_parallel*.py).
 """
@@ -21,6 +22,7 @@ from meshtron.model import Transformer
 from meshtron.train import outputs
 from meshtron.train.loop import StepOutput, build_run_data, read_values, run_loop
 from meshtron.train.optim import adamw_kernel, build_scheduler, param_groups
+from meshtron.hf.hooks import export_at_end, hf_fill
 
 
 def _adamw_factory(weight_decay: float, device_type: str):
@@ -61,7 +63,9 @@ class ParallelEngine:
         self.mesh = build_mesh(rt, device_type=device.type, spec=cfg.model)
         self.dp_rank = data_mesh(self.mesh).get_local_rank()
         torch.manual_seed(cfg.train.seed)
-        self.pm = parallelize(Transformer(cfg.model), rt, self.mesh)
+        with torch.device("meta"):  # no rank ever holds the whole model
+            model = Transformer(cfg.model)
+        self.pm = parallelize(model, rt, self.mesh, fill=hf_fill(cfg))
         self.optimizer = build_optimizer(
             self.pm, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
             weight_decay=cfg.optim.weight_decay,
@@ -156,6 +160,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     with outputs.extra_writers(cfg, run_dir, engine.is_main) as writers:
         result = run_loop(engine, data, cfg, run_dir, show_progress, peak_flops=peak,
                           writers=writers)
+    export_at_end(cfg, run_dir, pm=engine.pm)
     memory = engine.memory_bytes()
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, memory)

@@ -1,0 +1,157 @@
+"""Read a Hugging Face safetensors checkpoint into this rank's shards only.
+
+A checkpoint folder holds `config.json` and either one `model.safetensors` (or several
+`*.safetensors`) or shards listed by `model.safetensors.index.json`. `Checkpoint` reads only the
+files' JSON headers (names, shapes, dtypes: a few KB each) to check the folder against the model
+before any rank starts; `load_into(parts)` then copies, for every parameter a rank holds, only
+the box of rows/columns that rank owns, through safetensors' lazy slicing (`get_slice`), which
+reads those bytes from the memory-mapped file and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtron.errors import UserError
+from meshtron.hf.names import check_supported, is_ignorable, meshtron_to_hf
+from meshtron.model.spec import ModelSpec
+
+INDEX = "model.safetensors.index.json"
+FIELD = "train.init_from"
+
+
+def _header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file: {name: {"dtype", "shape", "data_offsets"}}."""
+    try:
+        with open(path, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            if size > 100_000_000:
+                raise ValueError("header larger than 100 MB")
+            header = json.loads(f.read(size))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{FIELD}: {str(path)!r} is not a safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{FIELD}: {str(path)!r} is not a safetensors file")
+    header.pop("__metadata__", None)
+    return header
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face checkpoint folder: name -> (file, shape), from headers."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise UserError(f"{FIELD}={str(folder)!r}: not a folder (a Hugging Face checkpoint "
+                             "folder holds config.json and *.safetensors)")
+        self.files: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        index = self.folder / INDEX
+        if index.is_file():
+            self._read_index(index)
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise UserError(f"{FIELD}={str(folder)!r}: holds no *.safetensors file")
+            for path in files:
+                for name, meta in _header(path).items():
+                    self.files[name] = path
+                    self.shapes[name] = tuple(meta.get("shape", ()))
+        self._handles: dict[Path, Any] = {}
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+            raise UserError(f"{FIELD}: {str(index)!r} has no weight_map object") from None
+        headers: dict[str, dict[str, Any]] = {}
+        for name, file in weight_map.items():
+            path = self.folder / str(file)
+            if str(file) not in headers:
+                if not path.is_file():
+                    raise UserError(f"{FIELD}: shard {file!r} (holding tensor {name}) is "
+                                    f"missing from {str(self.folder)!r}")
+                headers[str(file)] = _header(path)
+            meta = headers[str(file)].get(name)
+            if meta is None:
+                raise UserError(f"{FIELD}: tensor {name} is listed in {INDEX} under {file!r} "
+                                 "but that shard does not hold it")
+            self.files[name] = path
+            self.shapes[name] = tuple(meta.get("shape", ()))
+
+    def check(self, spec: ModelSpec, want_shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+        """Check names and shapes against the model; returns meshtron name -> HF name."""
+        check_supported(spec, FIELD)
+        mapping = meshtron_to_hf(spec)
+        known = set(mapping.values())
+        for name in sorted(self.shapes):
+            if name not in known and not is_ignorable(name, spec):
+                raise UserError(f"{FIELD}: unknown tensor {name} in {self.files[name].name} "
+                                f"(not a parameter of a {spec.layers}-layer "
+                                f"{check_supported(spec, FIELD)} model)")
+        for ours, theirs in mapping.items():
+            if theirs not in self.shapes:
+                raise UserError(f"{FIELD}: tensor {theirs} (meshtron {ours}) is missing from "
+                                 f"{str(self.folder)!r}")
+            got, want = self.shapes[theirs], want_shapes[ours]
+            if got != want:
+                raise UserError(f"{FIELD}: tensor {theirs} has shape {list(got)}; the model "
+                                 f"needs {list(want)}")
+        return mapping
+
+    def read(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The box `offset : offset + shape` of tensor `name` (only those bytes are read)."""
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        sl = self._handles[path].get_slice(name)
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        return sl[index] if index else sl[:]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def model_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Global shapes of every parameter of the plain model (built on meta: no memory)."""
+    from meshtron.model.init import named_unique_parameters
+    from meshtron.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(spec, init_seed=0)
+    return {n: tuple(p.shape) for n, p in named_unique_parameters([model])}
+
+
+def check_checkpoint(folder: str | Path, spec: ModelSpec) -> Checkpoint:
+    """Validate a checkpoint folder against `spec` (headers only); UserError naming the tensor."""
+    ckpt = Checkpoint(folder)
+    ckpt.check(spec, model_shapes(spec))
+    return ckpt
+
+
+@torch.no_grad()
+def load_into(parts: list[torch.nn.Module], folder: str | Path, spec: ModelSpec) -> int:
+    """Fill this rank's shards of `parts` (materialized, e.g. by `parallelize`) from the
+    checkpoint; returns the bytes read."""
+    from meshtron.model.init import fill_local, local_box, named_unique_parameters
+
+    ckpt = Checkpoint(folder)
+    mapping = ckpt.check(spec, model_shapes(spec))
+    read = 0
+    for name, p in named_unique_parameters(parts):
+        _, offset, local = local_box(p)
+        if 0 in local:
+            continue
+        values = ckpt.read(mapping[name], offset, local)
+        fill_local(p, values)
+        read += values.numel() * values.element_size()
+    ckpt.close()
+    return read
