@@ -38,7 +38,9 @@ class DataConfig:
     """'stdlib' (the Python standard library's own sources, present on every machine), a text
     file or folder, a .jsonl file (`text` field) or a pre-tokenized .bin shard."""
     tokenizer: str = "byte"
-    """'byte' (259 ids: 256 bytes + BOS/EOS/PAD) or 'bpe' (byte-level BPE trained locally)."""
+    """'byte' (259 ids: 256 bytes + BOS/EOS/PAD), 'bpe' (byte-level BPE trained locally, once,
+    on rank 0) or a Hugging Face tokenizer.json (or a folder holding one); the model's
+    vocabulary follows a tokenizer.json unless the weights come from train.init_from."""
     bpe_vocab: int = 2048
     """Vocabulary size of the locally trained BPE tokenizer (tokenizer='bpe' only)."""
     seq_len: int = 256
@@ -54,7 +56,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         _positive("data", self, "bpe_vocab", "seq_len", "global_batch", "micro_batch", "eval_batches")
         if self.tokenizer not in ("byte", "bpe"):
-            raise UserError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, bpe")
+            from meshtron.data.tokenizer import tokenizer_file
+
+            if tokenizer_file(self.tokenizer) is None:
+                raise UserError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, "
+                                 "bpe, a tokenizer.json or a folder holding one")
         if self.micro_batch is not None and self.global_batch % self.micro_batch:
             raise UserError(f"data.micro_batch={self.micro_batch}: must divide "
                              f"data.global_batch={self.global_batch}")

@@ -19,7 +19,7 @@ from meshtron.train.job import ParallelRequest, TrainJob
 _FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "preset name or path to a Hugging Face config.json"),
     "--data": ("data.source", str, "'stdlib', a text file/folder, a .jsonl or a .bin token shard"),
-    "--tokenizer": ("data.tokenizer", str, "byte | bpe"),
+    "--tokenizer": ("data.tokenizer", str, "byte | bpe | a tokenizer.json (or its folder)"),
     "--seq-len": ("data.seq_len", int, "tokens per sequence"),
     "--global-batch": ("data.global_batch", int, "sequences per optimizer step"),
     "--micro-batch": ("data.micro_batch", int, "sequences per forward/backward (accumulation)"),
@@ -100,7 +100,9 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         table.get("init_from") if isinstance(table, dict) else None)
     if init_from and overrides.get("model") is None and "model" not in doc:
         overrides["model"] = init_from  # the checkpoint's config.json
-    return config_from_dict(apply_overrides(doc, overrides))
+    from meshtron.data.tokenizer import follow_tokenizer
+
+    return follow_tokenizer(config_from_dict(apply_overrides(doc, overrides)))
 
 
 def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from meshtron.train import outputs
 from meshtron.train.loop import StepOutput, build_run_data, read_values, run_loop
 from meshtron.train.optim import adamw_kernel, build_scheduler, param_groups
 from meshtron.hf.hooks import export_at_end, hf_fill
+from meshtron.data.tokenizer import keep_tokenizer
 
 
 def _adamw_factory(weight_decay: float, device_type: str):
@@ -147,13 +148,18 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
 
 
 def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
-                  cluster=None, show_progress: bool = True) -> dict[str, Any] | None:
+                  cluster=None, show_progress: bool = True,
+                  fresh_tokenizer: bool = True) -> dict[str, Any] | None:
     """Run the plan on this rank (process group already initialised); rank 0 writes the run's
     outputs and returns the summary, with the planner's prediction beside the measurement when
-    a cluster is known."""
+    a cluster is known. `fresh_tokenizer`: no launching parent has trained the run's BPE
+    tokenizer yet (rank 0 trains it)."""
     engine = ParallelEngine(cfg, plan, device)
-    data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp)
+    data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp, main=engine.is_main,
+                          barrier=dist.barrier, fresh=fresh_tokenizer)
     run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
+    if engine.is_main:
+        keep_tokenizer(data.tokenizer, run_dir)
     # MFU needs a real peak: the calibrated or catalogue figure, not the nominal placeholder.
     known = cluster is not None and not cluster.name.startswith("nominal")
     peak = world.world_size * cluster.peak_tflops * 1e12 if known else None
