@@ -52,6 +52,9 @@ class DataConfig:
     accumulation. Default: the whole share at once."""
     eval_batches: int = 4
     """Held-out batches (of global_batch sequences) averaged for the eval loss."""
+    attention_mask: str = "causal"
+    """'causal' (every token sees all earlier tokens of its sequence) or 'document' (packed
+    documents: attention stays inside each document, RoPE positions restart; no pipelining)."""
 
     def __post_init__(self) -> None:
         _positive("data", self, "bpe_vocab", "seq_len", "global_batch", "micro_batch", "eval_batches")
@@ -61,6 +64,9 @@ class DataConfig:
             if tokenizer_file(self.tokenizer) is None:
                 raise UserError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, "
                                  "bpe, a tokenizer.json or a folder holding one")
+        if self.attention_mask not in ("causal", "document"):
+            raise UserError(f"data.attention_mask={self.attention_mask!r}: allowed values are "
+                             "causal, document")
         if self.micro_batch is not None and self.global_batch % self.micro_batch:
             raise UserError(f"data.micro_batch={self.micro_batch}: must divide "
                              f"data.global_batch={self.global_batch}")

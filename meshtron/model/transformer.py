@@ -42,10 +42,14 @@ def rope_cache(spec: ModelSpec, device: torch.device | None = None) -> torch.Ten
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]."""
+    """x: [batch, seq, heads, head_dim]; cache: the [2, max_seq, hd] table (positions 0..seq-1)
+    or per-token angles [2, batch, seq, hd] (document positions)."""
     seq = x.shape[1]
-    cos = cache[0, :seq][None, :, None, :].to(x.dtype)
-    sin = cache[1, :seq][None, :, None, :].to(x.dtype)
+    if cache.dim() == 4:
+        cos, sin = cache[0][:, :, None, :].to(x.dtype), cache[1][:, :, None, :].to(x.dtype)
+    else:
+        cos = cache[0, :seq][None, :, None, :].to(x.dtype)
+        sin = cache[1, :seq][None, :, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
@@ -62,7 +66,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=spec.bias)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | tuple | None) -> torch.Tensor:
+        """`rope`: the RoPE table, or (per-token RoPE angles or None, attention mask) for
+        packed documents (`document_context`)."""
+        mask = None
+        if isinstance(rope, tuple):
+            rope, mask = rope
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds heads/tp of them.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -75,7 +84,10 @@ class Attention(nn.Module):
         if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -153,9 +165,16 @@ class Transformer(nn.Module):
         if self.rope is not None:
             self.rope = rope_cache(self.spec, self.rope.device)
 
+    document_eos: int | None = None
+    """Set (to the tokenizer's end-of-text id) for packed documents: attention stays inside
+    each document and RoPE positions restart at 0 after every end-of-text token."""
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a pipeline
         stage that lacks the embedding or the output head)."""
+        rope = self.rope
+        if self.document_eos is not None:
+            rope = document_context(tokens, self.document_eos, self.rope)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.pos_embeddings is not None:
             # The full sequence length: under sequence parallelism `h` holds a sequence shard,
@@ -163,12 +182,38 @@ class Transformer(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = h + self.pos_embeddings(positions)
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h = block(h, rope)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
         return h
+
+
+def document_positions(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document index, position inside the document), each [batch, seq], of packed tokens:
+    a document starts at position 0 and after every `eos` token (which ends its document)."""
+    seq = tokens.shape[1]
+    ends = tokens == eos
+    starts = torch.zeros_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    doc = starts.long().cumsum(dim=1)
+    idx = torch.arange(seq, device=tokens.device).expand_as(tokens)
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return doc, idx - first
+
+
+def document_context(tokens: torch.Tensor, eos: int, rope: torch.Tensor | None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """What attention needs for packed documents: per-token RoPE angles at the positions inside
+    each document (None without RoPE) and the boolean mask [batch, 1, seq, seq] that lets a
+    token see only earlier tokens of its own document."""
+    doc, pos = document_positions(tokens, eos)
+    seq = tokens.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    angles = rope[:, pos] if rope is not None else None  # [2, batch, seq, hd]
+    return angles, mask[:, None]
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

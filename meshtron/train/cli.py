@@ -31,6 +31,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--eval-every": ("train.eval_every", int, "eval period in steps (0: off)"),
     "--log-every": ("train.log_every", int, "metrics line (and host sync) every N steps"),
     "--run-dir": ("train.run_dir", str, "output folder"),
+    "--attention-mask": ("data.attention_mask", str, "causal | document (packed documents)"),
     "--init-from": ("train.init_from", str, "Hugging Face checkpoint folder to start from"),
     "--export": ("train.export", str, "write the final weights here as a Hugging Face folder"),
 }

@@ -26,6 +26,7 @@ from meshtron.model import Transformer, cross_entropy_loss
 from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
 from meshtron.hf.hooks import export_at_end, hf_fill
+from meshtron.data.documents import apply_document_mask
 from meshtron.data.tokenizer import keep_tokenizer
 
 
@@ -276,6 +277,7 @@ def train(cfg: RunConfig, show_progress: bool = True, overwrite: bool = False,
     run_dir = outputs.prepare_run_dir(cfg)
     keep_tokenizer(data.tokenizer, run_dir)
     engine = LocalEngine(cfg)
+    apply_document_mask([engine.model], cfg, data.tokenizer)
     with outputs.extra_writers(cfg, run_dir) as writers:
         result = run_loop(engine, data, cfg, run_dir, show_progress, writers=writers)
     export_at_end(cfg, run_dir, model=engine.model)

@@ -23,6 +23,7 @@ from meshtron.train import outputs
 from meshtron.train.loop import StepOutput, build_run_data, read_values, run_loop
 from meshtron.train.optim import adamw_kernel, build_scheduler, param_groups
 from meshtron.hf.hooks import export_at_end, hf_fill
+from meshtron.data.documents import apply_document_mask, check_document_layout
 from meshtron.data.tokenizer import keep_tokenizer
 
 
@@ -60,6 +61,7 @@ class ParallelEngine:
         from meshtron.parallel import build_mesh, build_optimizer, parallelize
         from meshtron.parallel.mesh import data_mesh
 
+        check_document_layout(cfg, plan)
         rt = runtime_plan(plan, cfg.train.dtype)
         self.mesh = build_mesh(rt, device_type=device.type, spec=cfg.model)
         self.dp_rank = data_mesh(self.mesh).get_local_rank()
@@ -160,6 +162,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
     if engine.is_main:
         keep_tokenizer(data.tokenizer, run_dir)
+    apply_document_mask(engine.pm.model_parts, cfg, data.tokenizer)
     # MFU needs a real peak: the calibrated or catalogue figure, not the nominal placeholder.
     known = cluster is not None and not cluster.name.startswith("nominal")
     peak = world.world_size * cluster.peak_tflops * 1e12 if known else None
