@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "meshtron.train.cli",
     "meshtron.calibrate.cli",
     "meshtron.planner.cli",
+    "meshtron.hf.cli",
 ]
 
 

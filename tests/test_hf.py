@@ -161,6 +161,11 @@ def _round_trip(folder: str, target: str, batch: torch.Tensor) -> dict:
     pm.forward_backward(batch[0, :, :-1], batch[0, :, 1:])
     opt.step()
     export_parallel(pm, spec, target)
+    # A DCP checkpoint of the same state, as a run saves it, for `meshtron export`.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": pm.state_dict()}, checkpoint_id=str(Path(target) / "run" / "checkpoints"
+                                                          / "step_000001"))
     release_mesh(mesh)
     return {"export": target}
 
@@ -174,6 +179,19 @@ def test_load_train_export_under_tp_and_pp(checkpoints, tmp_path):
     assert set(got) == set(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+    # `meshtron export RUN_DIR`: the tp x pp checkpoint consolidated in one process.
+    run_dir = Path(results[0][-1]["export"]) / "run"
+    from meshtron.model.spec import from_hf_config
+
+    spec = from_hf_config(checkpoints["llama"] / "config.json")
+    (run_dir / "config.json").write_text(json.dumps({"model": spec.to_dict(),
+                                                    "data": {"seq_len": 16}}))
+    code, err = _run_main(["export", str(run_dir), "--to", str(tmp_path / "cli-export")])
+    assert code == 0, err
+    got = _tensors(tmp_path / "cli-export")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    code, err = _run_main(["export", str(run_dir), "--step", "7", "--to", str(tmp_path / "x")])
+    assert code == 2 and "--step=7" in err and len(err.strip().splitlines()) == 1, err
     for j, first in enumerate(results[0][:-1]):
         ref, _ = _hf_logits(checkpoints[first["kind"]], tokens)
         rows = [r[j] for r in results if r[j]["loaded"] is not None]

@@ -65,7 +65,7 @@ LAYOUTS = [
     dict(dp=4, tp=2, zero=3, sp=True),                        # FSDP over tp: strided shards
     dict(dp=4, tp=2, zero=2, model=dict(GPT_MODEL, name="gpt")),  # tied, biases, positions
     dict(pp=2, tp=2, dp=2, zero=3, schedule="1f1b"),          # 3-D
-    dict(pp=4, dp=2, zero=1, schedule="interleaved", virtual_stages=2),  # ZeRO-1, 2 stages/rank
+    dict(pp=2, dp=4, zero=1, schedule="interleaved", virtual_stages=2),  # ZeRO-1, 2 stages/rank
 ]
 
 
