@@ -11,6 +11,7 @@ reads those bytes from the memory-mapped file and nothing else.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,12 @@ def check_checkpoint(folder: str | Path, spec: ModelSpec) -> Checkpoint:
 def load_into(parts: list[torch.nn.Module], folder: str | Path, spec: ModelSpec) -> int:
     """Fill this rank's shards of `parts` (materialized, e.g. by `parallelize`) from the
     checkpoint; returns the bytes read."""
-    from meshtron.model.init import fill_local, local_box, named_unique_parameters
+    from meshtron.model.init import (
+        BLOCK_ELEMS,
+        local_box,
+        local_tensor,
+        named_unique_parameters,
+    )
 
     ckpt = Checkpoint(folder)
     mapping = ckpt.check(spec, model_shapes(spec))
@@ -150,8 +156,14 @@ def load_into(parts: list[torch.nn.Module], folder: str | Path, spec: ModelSpec)
         _, offset, local = local_box(p)
         if 0 in local:
             continue
-        values = ckpt.read(mapping[name], offset, local)
-        fill_local(p, values)
-        read += values.numel() * values.element_size()
+        # Row blocks: the transient copy is one block, not the whole shard.
+        target = local_tensor(p)
+        row = max(1, math.prod(local[1:]))
+        step = max(1, BLOCK_ELEMS // row)
+        for r in range(0, local[0], step):
+            n = min(step, local[0] - r)
+            values = ckpt.read(mapping[name], (offset[0] + r, *offset[1:]), (n, *local[1:]))
+            target[r:r + n].copy_(values)
+            read += values.numel() * values.element_size()
     ckpt.close()
     return read

@@ -10,8 +10,8 @@ initialization (tests/test_meta_init.py compares them for dp, tp, pp and 3-D lay
 How: a parameter is cut along dim 0 into blocks of at most `BLOCK_ELEMS` elements (whole rows);
 block b is drawn from its own CPU generator seeded with sha256(seed, name, b). A rank that owns
 the box [r0:r1, c0:c1] draws only the blocks overlapping rows r0..r1 and keeps its columns. The
-memory cost of initialization is therefore one block (16 MiB in fp32) on top of the shard, never
-the full tensor; the compute cost is the rows a rank touches times the full row width
+memory cost of initialization is therefore one block (16 MiB in fp32) on top of the shard (the
+values are written into the shard's own storage block by block), never the full tensor; the compute cost is the rows a rank touches times the full row width
 (a row-parallel shard, Shard(1), draws tp times its own size).
 
 Values (GPT-2 style, Radford et al. 2019): weights N(0, 0.02), the residual output projections
@@ -54,18 +54,28 @@ def init_box(name: str, global_shape: tuple[int, ...], offset: tuple[int, ...],
              local_shape: tuple[int, ...], seed: int, layers: int,
              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The initial values of the box `offset : offset + local_shape` of parameter `name`
-    (a CPU tensor of `local_shape`)."""
-    if len(global_shape) <= 1:  # norm weights and biases: constants
-        fill = 0.0 if name.endswith("bias") else 1.0
-        return torch.full(local_shape, fill, dtype=dtype)
+    (a new CPU tensor of `local_shape`)."""
     out = torch.empty(local_shape, dtype=dtype)
+    init_into(out, name, global_shape, offset, seed, layers)
+    return out
+
+
+@torch.no_grad()
+def init_into(out: torch.Tensor, name: str, global_shape: tuple[int, ...],
+              offset: tuple[int, ...], seed: int, layers: int) -> None:
+    """Write the initial values of the box at `offset` (of `out`'s shape) of parameter `name`
+    into `out` (any device and dtype), one generator block at a time: the only memory beyond
+    `out` is one block."""
     if out.numel() == 0:
-        return out
+        return
+    if len(global_shape) <= 1:  # norm weights and biases: constants
+        out.fill_(0.0 if name.endswith("bias") else 1.0)
+        return
     std = param_std(name, layers)
     row_elems = math.prod(global_shape[1:])
     rows_per_block = max(1, BLOCK_ELEMS // row_elems)
-    r0, r1 = offset[0], offset[0] + local_shape[0]
-    cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:]))
+    r0, r1 = offset[0], offset[0] + out.shape[0]
+    cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
     g = torch.Generator(device="cpu")
     for block in range(r0 // rows_per_block, (r1 - 1) // rows_per_block + 1):
         b0 = block * rows_per_block
@@ -73,8 +83,7 @@ def init_box(name: str, global_shape: tuple[int, ...], offset: tuple[int, ...],
         g.manual_seed(block_seed(seed, name, block))
         values = torch.randn((b1 - b0, *global_shape[1:]), generator=g, dtype=torch.float32)
         lo, hi = max(r0, b0), min(r1, b1)
-        out[lo - r0:hi - r0] = values[(slice(lo - b0, hi - b0), *cols)].mul_(std)
-    return out
+        out[lo - r0:hi - r0].copy_(values[(slice(lo - b0, hi - b0), *cols)].mul_(std))
 
 
 def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -127,8 +136,8 @@ def fill_local(param: torch.Tensor, values: torch.Tensor) -> None:
 def init_parameters(modules: Iterable[nn.Module], seed: int, layers: int) -> None:
     """Initialize this rank's part of every parameter of `modules` in place."""
     for name, p in named_unique_parameters(modules):
-        shape, offset, local = local_box(p)
-        fill_local(p, init_box(name, shape, offset, local, seed, layers))
+        shape, offset, _ = local_box(p)
+        init_into(local_tensor(p), name, shape, offset, seed, layers)
 
 
 def retie_embeddings(module: nn.Module) -> None:
