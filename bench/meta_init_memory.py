@@ -8,7 +8,9 @@ the speed of loading it from safetensors, side by side:
 
 Each rank reports its peak RSS (getrusage ru_maxrss) minus its RSS before the model existed
 (torch, the process group and the mesh already up), next to the bytes of the parameter shard it
-holds; the goal is peak <= 1.3 x shard + fixed buffers (the init block, 16 MiB). Then the
+holds; the goal is peak <= 1.3 x shard + fixed buffers (the init block, 16 MiB). ("file-backed"
+is the growth of the pages mapped from files: safetensors memory-maps the checkpoint, and the
+pages a rank reads stay resident, and counted in RSS, until the kernel reclaims them.) Then the
 meta-initialized model is exported (safetensors, one file per stage) and loaded back with
 `--init-from`'s reader on a fresh meta model: every rank reads only its slices; printed are
 MB/s per rank and in total.
@@ -31,6 +33,15 @@ def _rss_now() -> int:
     """Current resident bytes (from /proc)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _file_rss() -> int:
+    """Resident bytes of file-backed pages (the memory-mapped safetensors files count here)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _peak_rss() -> int:
@@ -57,7 +68,7 @@ def rank_fn(spec_fields: dict, mode: str, folder: str | None) -> dict:
     warm_pm = parallelize(warm, plan, mesh)
     del warm_pm, warm
     dist.barrier()
-    base = _rss_now()
+    base, base_file = _rss_now(), _file_rss()
     torch.manual_seed(0)
     t0 = time.perf_counter()
     fill = None
@@ -72,7 +83,8 @@ def rank_fn(spec_fields: dict, mode: str, folder: str | None) -> dict:
     seconds = time.perf_counter() - t0
     shard = sum(local_tensor(p).numel() * local_tensor(p).element_size()
                 for p in pm.parameters())
-    out = {"base": base, "peak": _peak_rss(), "shard": shard, "seconds": seconds}
+    out = {"base": base, "peak": _peak_rss(), "shard": shard, "seconds": seconds,
+           "file": _file_rss() - base_file}
     if mode == "meta" and folder is not None:
         from meshtron.hf import export_parallel
 
@@ -113,13 +125,14 @@ def main() -> int:
         if not args.skip_full:
             rows["full"] = _run(fields, "full", args.nproc, None)
         size = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
-    print(f"{'init':<6}{'rank':>5}{'shard MiB':>11}{'peak-base MiB':>15}{'ratio':>8}{'s':>7}")
+    print(f"{'init':<6}{'rank':>5}{'shard MiB':>11}{'peak-base MiB':>15}{'ratio':>8}{'s':>7}"
+          f"{'file-backed MiB':>17}")
     for mode, results in rows.items():
         for r, res in enumerate(results):
             grown = (res["peak"] - res["base"]) / 2**20
             shard = res["shard"] / 2**20
             print(f"{mode:<6}{r:>5}{shard:>11.0f}{grown:>15.0f}{grown / shard:>8.2f}"
-                  f"{res['seconds']:>7.1f}")
+                  f"{res['seconds']:>7.1f}{res['file'] / 2**20:>17.0f}")
     load_s = max(res["seconds"] for res in rows["load"])
     per_rank = [res["shard"] / 2**20 / res["seconds"] for res in rows["load"]]
     print(f"load from safetensors ({size / 2**20:.0f} MiB on disk): {size / 2**20 / load_s:.0f} "
