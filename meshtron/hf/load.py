@@ -63,7 +63,6 @@ class Checkpoint:
                 for name, meta in _header(path).items():
                     self.files[name] = path
                     self.shapes[name] = tuple(meta.get("shape", ()))
-        self._handles: dict[Path, Any] = {}
 
     def _read_index(self, index: Path) -> None:
         try:
@@ -106,19 +105,31 @@ class Checkpoint:
                                  f"needs {list(want)}")
         return mapping
 
-    def read(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The box `offset : offset + shape` of tensor `name` (only those bytes are read)."""
+    def read_into(self, name: str, target: torch.Tensor, offset: tuple[int, ...],
+                  block_elems: int) -> int:
+        """Copy the box of tensor `name` at `offset` (of `target`'s shape) into `target`, in row
+        blocks of at most `block_elems` elements; returns the bytes read. The file is mapped
+        only while this tensor is read, so its pages do not accumulate in the process."""
         from safetensors import safe_open
 
-        path = self.files[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        sl = self._handles[path].get_slice(name)
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        return sl[index] if index else sl[:]
-
-    def close(self) -> None:
-        self._handles.clear()
+        shape = tuple(target.shape)
+        row = max(1, math.prod(shape[1:]))
+        step = max(1, block_elems // row)
+        read = 0
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            sl = f.get_slice(name)
+            if not shape:
+                target.copy_(sl[:])
+                return target.element_size()
+            for r in range(0, shape[0], step):
+                n = min(step, shape[0] - r)
+                index = (slice(offset[0] + r, offset[0] + r + n),
+                         *(slice(o, o + k) for o, k in zip(offset[1:], shape[1:])))
+                values = sl[index]
+                target[r:r + n].copy_(values)
+                read += values.numel() * values.element_size()
+            del sl
+        return read
 
 
 def model_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -157,13 +168,5 @@ def load_into(parts: list[torch.nn.Module], folder: str | Path, spec: ModelSpec)
         if 0 in local:
             continue
         # Row blocks: the transient copy is one block, not the whole shard.
-        target = local_tensor(p)
-        row = max(1, math.prod(local[1:]))
-        step = max(1, BLOCK_ELEMS // row)
-        for r in range(0, local[0], step):
-            n = min(step, local[0] - r)
-            values = ckpt.read(mapping[name], (offset[0] + r, *offset[1:]), (n, *local[1:]))
-            target[r:r + n].copy_(values)
-            read += values.numel() * values.element_size()
-    ckpt.close()
+        read += ckpt.read_into(mapping[name], local_tensor(p), offset, BLOCK_ELEMS)
     return read
