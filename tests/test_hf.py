@@ -1,4 +1,4 @@
-"""Hugging Face weights in and out: tiny random Llama and Qwen2 checkpoints written by
+"""Hugging Face weights in and out: tiny random Llama, Qwen2 and GPT-2 checkpoints written by
 `transformers` (fp32), loaded with meshtron's sharded reader under tp=2 and pp=2 (each rank
 reading only its slices), compared logit by logit with `transformers`; trained, exported from
 the parallel layout, and reloaded in `transformers`; a tp=2 x pp=2 dry run (lr 0) through the
@@ -51,7 +51,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.05)
     qwen.save_pretrained(root / "qwen2")
-    return {"llama": root / "llama", "qwen2": root / "qwen2"}
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, bos_token_id=0,
+        eos_token_id=0))
+    with torch.no_grad():  # q | k | v biases differ, so a wrong column offset shows
+        for block in gpt2.transformer.h:
+            block.attn.c_attn.bias.normal_(0.0, 0.05)
+    gpt2.save_pretrained(root / "gpt2")
+    return {"llama": root / "llama", "qwen2": root / "qwen2", "gpt2": root / "gpt2"}
 
 
 def _hf_logits(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -118,6 +125,8 @@ def hf_rank_fn(checkpoints: dict[str, str], layouts: list[dict], out_dir: str) -
     for kind, folder in checkpoints.items():
         spec = from_hf_config(Path(folder) / "config.json")
         for i, layout in enumerate(layouts):
+            if spec.tied_embeddings and layout.get("pp", 1) > 1:
+                continue  # tied embeddings cannot be split across stages (GPT-2)
             mesh = build_mesh(layout, dist.get_world_size(), device_type="cpu", spec=spec)
             with torch.device("meta"):
                 model = Transformer(spec)

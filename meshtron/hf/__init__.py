@@ -1,5 +1,5 @@
 """Hugging Face interoperability: safetensors weights in (`load_into`, reading only this rank's
-slices) and out (`save_hf`, `export_parallel`), name mapping for Llama, Mistral and Qwen2."""
+slices) and out (`save_hf`, `export_parallel`), name mapping for Llama, Mistral, Qwen2, GPT-2."""
 
 from meshtron.hf.export import export_parallel, save_hf
 from meshtron.hf.load import Checkpoint, check_checkpoint, load_into

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from meshtron.errors import UserError
-from meshtron.hf.names import hf_config, meshtron_to_hf
+from meshtron.hf.names import HFTensors, hf_config, sources
 from meshtron.model.spec import ModelSpec
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -97,24 +97,27 @@ def save_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir: str | Path
     """Write `state` (every parameter, meshtron names, full tensors) as a Hugging Face folder."""
     out = prepare_export_dir(out_dir, field)
     out.mkdir(parents=True, exist_ok=True)
-    mapping = meshtron_to_hf(spec)
-    missing = sorted(set(mapping) - set(state))
+    from meshtron.hf.load import model_shapes
+
+    names = sources(spec)
+    missing = sorted(set(names) - set(state))
     if missing:
         raise UserError(f"export: the state has no tensor {missing[0]}")
+    convert = HFTensors(spec, model_shapes(spec))
     weight_map: dict[str, str] = {}
     buf: dict[str, torch.Tensor] = {}
     size, n = 0, 0
-    for ours, theirs in mapping.items():
-        t = state[ours].detach().cpu()
-        buf[theirs] = t
-        size += t.numel() * t.element_size()
+    for ours in names:
+        for theirs, t in convert.add(ours, state[ours].detach().cpu()):
+            buf[theirs] = t
+            size += t.numel() * t.element_size()
         if size >= max_shard_bytes:
             n = _flush(buf, out, f"model-{n:05d}.safetensors", weight_map, n)
             size = 0
     if buf:
         _flush(buf, out, f"model-{n:05d}.safetensors", weight_map, n)
     write_metadata(out, spec, weight_map, config, tokenizer_dir,
-                   _dtype_name(state[next(iter(mapping))]))
+                   _dtype_name(state[next(iter(names))]))
     return out
 
 
@@ -145,7 +148,9 @@ def export_parallel(pm, spec: ModelSpec, out_dir: str | Path,
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    mapping = meshtron_to_hf(spec)
+    from meshtron.hf.load import model_shapes
+
+    convert = HFTensors(spec, model_shapes(spec))
     weight_map: dict[str, str] = {}
     buf: dict[str, torch.Tensor] = {}
     size, n, dtype = 0, 0, "float32"
@@ -155,8 +160,9 @@ def export_parallel(pm, spec: ModelSpec, out_dir: str | Path,
             continue
         t = full.detach().to("cpu", copy=True)
         dtype = _dtype_name(t)
-        buf[mapping[name]] = t
-        size += t.numel() * t.element_size()
+        for theirs, done in convert.add(name, t):
+            buf[theirs] = done
+            size += done.numel() * done.element_size()
         if size >= max_shard_bytes:
             n = _flush(buf, out, f"model-pp{stage:03d}-{n:05d}.safetensors", weight_map, n)
             size = 0

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from meshtron.errors import UserError
-from meshtron.hf.names import check_supported, is_ignorable, meshtron_to_hf
+from meshtron.hf.names import Source, check_supported, hf_shapes, is_ignorable, sources
 from meshtron.model.spec import ModelSpec
 
 INDEX = "model.safetensors.index.json"
@@ -85,47 +85,61 @@ class Checkpoint:
             self.files[name] = path
             self.shapes[name] = tuple(meta.get("shape", ()))
 
-    def check(self, spec: ModelSpec, want_shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
-        """Check names and shapes against the model; returns meshtron name -> HF name."""
-        check_supported(spec, FIELD)
-        mapping = meshtron_to_hf(spec)
-        known = set(mapping.values())
-        for name in sorted(self.shapes):
-            if name not in known and not is_ignorable(name, spec):
-                raise UserError(f"{FIELD}: unknown tensor {name} in {self.files[name].name} "
-                                f"(not a parameter of a {spec.layers}-layer "
-                                f"{check_supported(spec, FIELD)} model)")
-        for ours, theirs in mapping.items():
-            if theirs not in self.shapes:
-                raise UserError(f"{FIELD}: tensor {theirs} (meshtron {ours}) is missing from "
-                                 f"{str(self.folder)!r}")
-            got, want = self.shapes[theirs], want_shapes[ours]
-            if got != want:
-                raise UserError(f"{FIELD}: tensor {theirs} has shape {list(got)}; the model "
-                                 f"needs {list(want)}")
-        return mapping
+    def _resolve(self, name: str) -> str | None:
+        """The stored name of Hugging Face tensor `name`: itself, or without GPT-2's
+        "transformer." prefix (the original GPT-2 files store "h.0.attn.c_attn.weight")."""
+        if name in self.shapes:
+            return name
+        bare = name.removeprefix("transformer.")
+        return bare if bare in self.shapes else None
 
-    def read_into(self, name: str, target: torch.Tensor, offset: tuple[int, ...],
+    def check(self, spec: ModelSpec, want_shapes: dict[str, tuple[int, ...]]
+              ) -> dict[str, Source]:
+        """Check names and shapes against the model; returns meshtron name -> Source (with the
+        stored names)."""
+        mtype = check_supported(spec, FIELD)
+        srcs = sources(spec)
+        expected = hf_shapes(spec, want_shapes)
+        stored = {self._resolve(s.name): s.name for s in srcs.values()}
+        for name in sorted(self.shapes):
+            if name not in stored and not is_ignorable(name, spec):
+                raise UserError(f"{FIELD}: unknown tensor {name} in {self.files[name].name} "
+                                f"(not a parameter of a {spec.layers}-layer {mtype} model)")
+        out = {}
+        for ours, src in srcs.items():
+            real = self._resolve(src.name)
+            if real is None:
+                raise UserError(f"{FIELD}: tensor {src.name} (meshtron {ours}) is missing from "
+                                 f"{str(self.folder)!r}")
+            got, want = self.shapes[real], expected[src.name]
+            if got != want:
+                raise UserError(f"{FIELD}: tensor {src.name} has shape {list(got)}; the model "
+                                 f"needs {list(want)}")
+            out[ours] = Source(real, src.transpose, src.offset)
+        return out
+
+    def read_into(self, src: Source, target: torch.Tensor, offset: tuple[int, ...],
                   block_elems: int) -> int:
-        """Copy the box of tensor `name` at `offset` (of `target`'s shape) into `target`, in row
-        blocks of at most `block_elems` elements; returns the bytes read. The file is mapped
-        only while this tensor is read, so its pages do not accumulate in the process."""
+        """Copy the box at `offset` (of `target`'s shape, in meshtron's orientation) of the
+        tensor `src` points at into `target`, in row blocks of at most `block_elems` elements;
+        returns the bytes read. The file is mapped only while this tensor is read, so its pages
+        do not accumulate in the process."""
         from safetensors import safe_open
 
         shape = tuple(target.shape)
         row = max(1, math.prod(shape[1:]))
         step = max(1, block_elems // row)
         read = 0
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            sl = f.get_slice(name)
-            if not shape:
-                target.copy_(sl[:])
-                return target.element_size()
+        with safe_open(str(self.files[src.name]), framework="pt") as f:
+            sl = f.get_slice(src.name)
             for r in range(0, shape[0], step):
                 n = min(step, shape[0] - r)
-                index = (slice(offset[0] + r, offset[0] + r + n),
-                         *(slice(o, o + k) for o, k in zip(offset[1:], shape[1:])))
-                values = sl[index]
+                rows = slice(src.offset + offset[0] + r, src.offset + offset[0] + r + n)
+                cols = tuple(slice(o, o + k) for o, k in zip(offset[1:], shape[1:]))
+                if src.transpose:
+                    values = sl[(cols[0], rows)].t()
+                else:
+                    values = sl[(rows, *cols)]
                 target[r:r + n].copy_(values)
                 read += values.numel() * values.element_size()
             del sl
