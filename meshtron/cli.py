@@ -20,6 +20,8 @@ COMMAND_MODULES = [
     "meshtron.calibrate.cli",
     "meshtron.planner.cli",
     "meshtron.hf.cli",
+    "meshtron.cost.cli",
+    "meshtron.simulate.cli",
 ]
 
 
