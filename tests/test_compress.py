@@ -1,0 +1,108 @@
+"""meshtron.compress without processes: quantization error bounds, wire sizes, error feedback
+over many steps (through a one-process simulation of the qgZ reduction), and plan rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.compress.quant import Codec, dequantize, padded_len, quantize
+from meshtron.errors import UserError
+from meshtron.planner.plan import Plan
+
+
+@pytest.mark.parametrize("block", [4, 32, 256])
+def test_quantize_error_bound_per_block(block):
+    g = torch.Generator().manual_seed(block)
+    # Blocks of very different magnitudes: each block's error must follow its own maximum.
+    x = torch.randn(64 * block, generator=g) * torch.logspace(-6, 3, 64).repeat_interleave(block)
+    x[:block] = 0.0  # an all-zero block stays exactly zero
+    q, s = quantize(x, block)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.numel() == 64
+    err = (dequantize(q, s, block) - x).abs().reshape(-1, block).amax(dim=1)
+    bound = x.abs().reshape(-1, block).amax(dim=1) / 254  # half a step of max/127
+    assert torch.all(err <= bound * (1 + 1e-5) + 1e-30)
+    assert torch.all(err[0] == 0)
+    assert int(q.abs().max()) == 127  # every nonzero block uses the whole range
+
+
+def test_bf16_codec_and_wire_bytes():
+    x = torch.randn(4, 512)
+    c = Codec("bf16")
+    y = c.decode(c.encode(x))
+    assert torch.all((y - x).abs() <= x.abs() * 2.0**-8)
+    assert Codec("int8", 256).wire_bytes(1 << 20) / (4 << 20) == pytest.approx(0.25 + 1 / 256)
+    assert Codec("bf16").wire_bytes(1000) == 2000 and Codec("none").wire_bytes(10) == 40
+    assert padded_len(257, 256) == 512
+
+
+def _qgz_sum(inputs, residuals, codec):
+    """One-process model of Reducer._all_reduce_flat: every rank encodes its rows (with its
+    residual), the owner sums the decoded rows in fp32 and re-encodes (keeping that error)."""
+    n, cols = len(inputs), inputs[0].numel() // len(inputs)
+    xs = [x.view(n, cols) + e for x, e in zip(inputs, residuals)]
+    sent = [codec.decode(codec.encode(x)) for x in xs]
+    new_res = [x - s for x, s in zip(xs, sent)]
+    out = torch.empty(n, cols)
+    for j in range(n):
+        total = sum(s[j] for s in sent)
+        back = codec.decode(codec.encode(total[None]))[0]
+        new_res[j][j] += total - back
+        out[j] = back
+    return out.reshape(-1), [r for r in new_res]
+
+
+def test_error_feedback_running_sum_tracks_true_sum():
+    """Over 300 steps the delivered sum stays within the current residuals of the true sum;
+    without error feedback the gap grows (biased rounding of small, persistent values)."""
+    n, numel, steps = 4, 4 * 256, 300
+    codec = Codec("int8", 256)
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(n, numel, generator=g) * 1e-3  # persistent small components
+    res = [torch.zeros(n, numel // n) for _ in range(n)]
+    delivered = torch.zeros(numel)
+    delivered_no_ef = torch.zeros(numel)
+    true = torch.zeros(numel)
+    for _ in range(steps):
+        # One large outlier per block sets the scale; the small values mostly round to 0.
+        inputs = [bias[r] + torch.randn(numel, generator=g) * 1e-4 for r in range(n)]
+        for x in inputs:
+            x[::256] = 1.0
+        out, res = _qgz_sum(inputs, res, codec)
+        zero = [torch.zeros(n, numel // n) for _ in range(n)]
+        out_no_ef, _ = _qgz_sum(inputs, zero, codec)
+        delivered += out
+        delivered_no_ef += out_no_ef
+        true += sum(inputs)
+    owed = sum(r.reshape(-1) for r in res)
+    # Exact bookkeeping: delivered + what is still owed = the true sum (fp32 rounding only).
+    assert torch.allclose(delivered + owed, true, rtol=0, atol=1e-3)
+    gap_ef = (delivered - true).abs().max().item()
+    gap_plain = (delivered_no_ef - true).abs().max().item()
+    # Bounded by one step's quantization step (max 1.0 per block / 127 per rank and owner).
+    assert gap_ef < (n + 1) * 1.0 / 127
+    assert gap_plain > 20 * gap_ef
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dp=2, grad_compression="int4"), r"plan.grad_compression='int4': allowed values"),
+    (dict(grad_compression="int8"), r"needs plan.dp > 1"),
+    (dict(dp=2, grad_compression_block=6), r"plan.grad_compression_block=6"),
+    (dict(dp=2, compress_scope="inter_node"), r"needs plan.grad_compression bf16 or int8"),
+    (dict(dp=2, zero=1, diloco=4), r"plan.diloco=4 with plan.zero=1"),
+    (dict(dp=4, zero=3, diloco=4), r"the replicas are the dp_replicate axis"),
+    (dict(dp=4, zero=2, dp_replicate=2, grad_compression="int8"), r"HSDP's replica all-reduce"),
+    (dict(dp=2, diloco=-1), r"plan.diloco=-1"),
+    (dict(dp=2, diloco=2, outer_momentum=1.0), r"plan.outer_momentum=1.0"),
+    (dict(dp=2, ranks_per_node=0, grad_compression="int8"), r"plan.ranks_per_node=0"),
+])
+def test_plan_rules(kw, match):
+    with pytest.raises(UserError, match=match):
+        Plan(**kw)
+
+
+def test_plan_file_keeps_comm_keys():
+    p = Plan(dp=4, zero=2, dp_replicate=2, diloco=8, grad_compression="int8", outer_lr=0.5)
+    back = Plan.from_toml(p.to_toml())
+    assert back == p and back.to_dict()["diloco"] == 8
+    assert "diloco" not in Plan(dp=2).to_dict()  # defaults stay out of old-style files
