@@ -106,3 +106,54 @@ def test_plan_file_keeps_comm_keys():
     back = Plan.from_toml(p.to_toml())
     assert back == p and back.to_dict()["diloco"] == 8
     assert "diloco" not in Plan(dp=2).to_dict()  # defaults stay out of old-style files
+
+
+# ---- planner ---------------------------------------------------------------------------------
+def _slow_network_cluster():
+    from meshtron.planner.cluster import cluster_from_dict
+
+    return cluster_from_dict({"name": "eth", "gpu": "H100-SXM5-80GB", "gpus_per_node": 8,
+                              "nodes": 8, "intra_node_gb_per_s": 450,
+                              "inter_node_gb_per_s": 1})
+
+
+def test_cost_model_counts_compressed_bytes_and_work():
+    from meshtron.compress import cost
+    from meshtron.model.spec import resolve_model
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.placement import groups_for_cost
+
+    ev = Evaluator(resolve_model("llama3-8b"), _slow_network_cluster(), 64, 4096)
+    base = Plan(tp=8, dp=8, zero=0, dtype="bf16")
+    plain = ev.evaluate(base).time.dp_comm
+    int8 = ev.evaluate(base.replace(grad_compression="int8")).time.dp_comm
+    hier = ev.evaluate(base.replace(grad_compression="int8", compress_scope="inter_node"))
+    dil = ev.evaluate(base.replace(diloco=16)).time.dp_comm
+    assert int8 < 0.6 * plain and dil < plain / 10
+    # tp=8 fills each node: the dp group has one member per node, so hierarchy changes nothing
+    assert hier.time.dp_comm == pytest.approx(int8)
+    # the wire and the codec: int8 bytes per element, and the memory-bound work on top
+    group = groups_for_cost(base, 8)["dp"]
+    params = 1e9
+    p8 = base.replace(grad_compression="int8")
+    t_wire = cost.reduce_time(p8, params, group, ev.fab, float("inf"), 4.0)
+    t_work = cost.reduce_time(p8, params, group, ev.fab, ev.hbm, 4.0) - t_wire
+    assert t_work == pytest.approx(cost.CODEC_BYTES_PER_ELEMENT * params / ev.hbm)
+    assert cost.wire_bytes(p8, 4.0) == pytest.approx(1 + 4 / 256)
+
+
+def test_plan_recommends_when_inter_node_bound():
+    from meshtron.compress.cost import advice
+    from meshtron.model.spec import resolve_model
+    from meshtron.planner.search import search_plans
+
+    result = search_plans(resolve_model("llama2-7b"), _slow_network_cluster(), 512, 4096, {},
+                          top_k=1, explain=False)
+    line = advice(result)
+    assert line and line.startswith("inter-node bound") and "--grad-compression int8" in line
+    assert "--diloco 16" in line
+    from meshtron.planner.cluster import resolve_cluster
+
+    fast = search_plans(resolve_model("llama2-7b"), resolve_cluster("dgx-h100:1"), 64, 4096,
+                        {}, top_k=1, explain=False)
+    assert advice(fast) is None  # one node: nothing crosses nodes
