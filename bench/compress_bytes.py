@@ -22,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+ROWS = 2
+"""Sequences per rank per step, in one micro-batch (FSDP2 reduces after every micro-batch;
+meshtron.compress's ZeRO-0/1 path once per step, so more micro-batches would favour it)."""
 CASES = [  # (label, plan)
     ("zero0 fp32", dict(dp=4)),
     ("zero0 bf16", dict(dp=4, grad_compression="bf16")),
@@ -126,6 +129,7 @@ def rank_body(cases, steps):
     out = []
     n = dist.get_world_size()
     for label, plan in cases:
+        plan = dict(plan, micro_batch=ROWS)  # one micro-batch: FSDP2 reduces once per step too
         mesh = build_mesh(plan, n, device_type="cpu")
         torch.manual_seed(0)
         pm = parallelize(Transformer(preset("tiny")), plan, mesh)
@@ -140,7 +144,7 @@ def rank_body(cases, steps):
         params = sum(p.numel() for p in Transformer(preset("tiny")).parameters())
         sent = grad = 0.0
         for step in range(steps):
-            x = torch.randint(0, 259, (2, 65), generator=g)
+            x = torch.randint(0, 259, (ROWS, 65), generator=g)
             counter = current[0] = _counter()
             with counter:
                 pm.forward_backward(x[:, :-1], x[:, 1:])

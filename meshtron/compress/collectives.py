@@ -59,6 +59,14 @@ class Topology:
         """Index inside the node (l); the node is rank // per_node."""
         return self.rank % self.per_node
 
+    def release(self) -> None:
+        """Destroy the intra-/inter-node subgroups this topology created (not `group`, which
+        belongs to the mesh)."""
+        for g in (self.intra, self.inter):
+            if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(g)
+        self.intra = self.inter = None
+
 
 def node_groups(member_lists: list[list[int]], ranks_per_node: int) -> tuple[list, list, int, int]:
     """Intra-node and inter-node rank lists of every data-parallel group (global ranks, each

@@ -84,6 +84,10 @@ class DiLoCo:
             t.copy_(g.to(t.dtype))
         self.syncs += 1
 
+    def release(self) -> None:
+        """Destroy the hierarchical subgroups (before the mesh is released)."""
+        self.reducer.topo.release()
+
     # ---- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """theta_global, momentum and residual per parameter, and the inner step count. A

@@ -162,6 +162,10 @@ class GradCompression:
                 else:
                     g.copy_(new)
 
+    def release(self) -> None:
+        """Destroy the hierarchical subgroups (before the mesh is released)."""
+        self.reducer.topo.release()
+
     # ---- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Mean residual per parameter (ZeRO-0/1) or per FSDP unit (ZeRO-2/3); see module doc.

@@ -120,7 +120,9 @@ class ParallelEngine:
         """Drop the model and optimizer and destroy the mesh's process groups."""
         from meshtron.parallel.mesh import release_mesh
 
-        del self.pm, self.optimizer, self.scheduler
+        if self.compress_state is not None:
+            self.compress_state.release()
+        del self.pm, self.optimizer, self.scheduler, self.diloco, self.compress_state
         release_mesh(self.mesh)
 
 
