@@ -157,3 +157,15 @@ def test_plan_recommends_when_inter_node_bound():
     fast = search_plans(resolve_model("llama2-7b"), resolve_cluster("dgx-h100:1"), 64, 4096,
                         {}, top_k=1, explain=False)
     assert advice(fast) is None  # one node: nothing crosses nodes
+
+
+def test_node_groups_split_data_parallel_groups():
+    from meshtron.compress.collectives import node_groups
+
+    # dp groups of a tp=2 x dp=4 world with 4 ranks per node: {0,2,4,6}, {1,3,5,7}
+    intra, inter, per_node, nodes = node_groups([[0, 2, 4, 6], [1, 3, 5, 7]], 4)
+    assert (per_node, nodes) == (2, 2)
+    assert intra == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert inter == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    with pytest.raises(ValueError, match="uneven"):
+        node_groups([[0, 1, 2]], 2)

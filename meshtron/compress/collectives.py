@@ -49,6 +49,9 @@ class Topology:
     """Members of `group` per node (k)."""
     nodes: int = 1
     """Nodes `group` spans (m); size = nodes * per_node."""
+    crosses_nodes: bool = True
+    """False when compression is asked for the inter-node hop only and the group sits in one
+    node: nothing is compressed then."""
 
     @property
     def hierarchical(self) -> bool:
@@ -101,6 +104,7 @@ def build_topology(group, member_lists: list[list[int]], ranks_per_node: int | N
         return topo
     intra, inter, per_node, nodes = node_groups(member_lists, ranks_per_node)
     topo.per_node, topo.nodes = per_node, nodes
+    topo.crosses_nodes = nodes > 1
     if per_node > 1 and nodes > 1:
         topo.intra, _ = dist.new_subgroups_by_enumeration(intra)
         topo.inter, _ = dist.new_subgroups_by_enumeration(inter)
@@ -136,7 +140,9 @@ class Reducer:
 
     def __init__(self, topo: Topology, codec: Codec, error_feedback: bool = True):
         self.topo = topo
-        self.codec = codec
+        # compress_scope='inter_node' on a group inside one node: every hop stays in the node
+        self.codec = codec if topo.crosses_nodes else Codec("none", codec.block)
+        codec = self.codec
         self.error_feedback = error_feedback and codec.mode != "none"
         self.residuals: dict[str, torch.Tensor] = {}
         self.bytes_sent = 0
