@@ -169,3 +169,13 @@ def test_node_groups_split_data_parallel_groups():
     assert inter == [[0, 4], [2, 6], [1, 5], [3, 7]]
     with pytest.raises(ValueError, match="uneven"):
         node_groups([[0, 1, 2]], 2)
+
+
+def test_pack_roundtrip():
+    c = Codec("int8", 8)
+    x = torch.randn(3, 32)
+    wire = c.encode(x)
+    packed = c.pack(wire)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 32 + 4 * 4)
+    q, s = c.unpack(packed)
+    assert torch.equal(q, wire[0]) and torch.equal(s, wire[1])

@@ -111,23 +111,17 @@ def build_topology(group, member_lists: list[list[int]], ranks_per_node: int | N
     return topo
 
 
-def _exchange(wire: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """All-to-all of every wire tensor (row j goes to rank j)."""
-    out = []
-    for w in wire:
-        r = torch.empty_like(w)
-        dist.all_to_all_single(r, w.contiguous(), group=group)
-        out.append(r)
+def _exchange(payload: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all of a packed [n, bytes] tensor (row j goes to rank j)."""
+    out = torch.empty_like(payload)
+    dist.all_to_all_single(out, payload.contiguous(), group=group)
     return out
 
 
-def _gather(wire: list[torch.Tensor], group, n: int) -> list[torch.Tensor]:
-    """All-gather of every wire tensor (shape [1, ...]) into [n, ...]."""
-    out = []
-    for w in wire:
-        r = torch.empty((n, *w.shape[1:]), dtype=w.dtype, device=w.device)
-        dist.all_gather_single(r, w.contiguous(), group=group)
-        out.append(r)
+def _gather(payload: torch.Tensor, group, n: int) -> torch.Tensor:
+    """All-gather of a packed [1, bytes] tensor into [n, bytes]."""
+    out = torch.empty((n, *payload.shape[1:]), dtype=payload.dtype, device=payload.device)
+    dist.all_gather_single(out, payload.contiguous(), group=group)
     return out
 
 
@@ -166,11 +160,12 @@ class Reducer:
         x = self._with_residual(key, x)
         wire = self.codec.encode(x)
         self._keep(key, x, self.codec.decode(wire))
-        self._count(wire, (n - 1) / n)
-        return self.codec.decode(_exchange(wire, group)).sum(dim=0)
+        payload = self.codec.pack(wire)
+        self._count(payload, (n - 1) / n)
+        return self.codec.decode(self.codec.unpack(_exchange(payload, group))).sum(dim=0)
 
-    def _count(self, wire: list[torch.Tensor], fraction: float) -> None:
-        self.bytes_sent += int(sum(w.numel() * w.element_size() for w in wire) * fraction)
+    def _count(self, payload: torch.Tensor, fraction: float) -> None:
+        self.bytes_sent += int(payload.numel() * payload.element_size() * fraction)
 
     def _all_reduce_flat(self, flat: torch.Tensor, group, n: int, me: int, key: str
                          ) -> torch.Tensor:
@@ -183,8 +178,9 @@ class Reducer:
         wire = self.codec.encode(mine[None])
         if self.error_feedback:  # the owner keeps the error of re-encoding its sum
             self.residuals[key].view(n, cols)[me] += mine - self.codec.decode(wire)[0]
-        self._count(wire, n - 1)
-        full = self.codec.decode(_gather(wire, group, n))
+        payload = self.codec.pack(wire)
+        self._count(payload, n - 1)
+        full = self.codec.decode(self.codec.unpack(_gather(payload, group, n)))
         return full.reshape(-1)[:numel]
 
     # ---- public reductions ---------------------------------------------------------------------

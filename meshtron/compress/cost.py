@@ -35,6 +35,25 @@ OUTER_BYTES_PER_PARAM = 24.0
 """HBM bytes per parameter of DiLoCo's outer step (three fp32 reads, three fp32 writes)."""
 
 
+def extra_state_bytes(plan) -> float:
+    """Bytes per parameter a rank keeps for compression or DiLoCo, beyond the optimizer's:
+    the fp32 error-feedback residual (whole local gradients: ZeRO-2/3's reduce-scatter input
+    is the unsharded unit), and DiLoCo's fp32 outer parameters and momentum (sharded like the
+    parameters inside a replica)."""
+    extra = 4.0 if plan.grad_compression != "none" else 0.0
+    if plan.diloco > 0:
+        shard = plan.dp_shard
+        extra = (8.0 + extra) / shard
+    return extra
+
+
+def with_state_bytes(plan, states: tuple[float, float, float]) -> tuple[float, float, float]:
+    """memory.state_bytes' (weights, gradients, optimizer) with `extra_state_bytes` counted as
+    optimizer state."""
+    w, g, o = states
+    return w, g, o + extra_state_bytes(plan)
+
+
 def changes_dp(plan) -> bool:
     """The plan's data-parallel traffic differs from the uncompressed default."""
     return plan.grad_compression != "none" or plan.diloco > 0

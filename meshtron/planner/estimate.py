@@ -406,7 +406,8 @@ class Evaluator:
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
-        states = memory.state_bytes(zero, dp, self.grad_bytes, mem_opts)
+        states = compress_cost.with_state_bytes(
+            cfg, memory.state_bytes(zero, dp, self.grad_bytes, mem_opts))
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         roots = [0.0] * pp
