@@ -179,3 +179,39 @@ def test_pack_roundtrip():
     assert packed.dtype == torch.uint8 and packed.shape == (3, 32 + 4 * 4)
     q, s = c.unpack(packed)
     assert torch.equal(q, wire[0]) and torch.equal(s, wire[1])
+
+
+COMM_FLAGS = ["--grad-compression", "--grad-compression-block", "--compress-scope",
+              "--ranks-per-node", "--diloco", "--outer-lr", "--outer-momentum"]
+FLAG_TEXT = ["0", "-1", "1", "2", "7", "8", "256", "1e-3", "nan", "inf", "-inf", "1e308", "",
+             "x", "1.5", "0x10", "int8", "bf16", "none", "inter_node", "all", "10000000000000"]
+
+
+def test_comm_flags_end_in_a_plan_or_one_line_error():
+    """Every damaged value of the compression / DiLoCo flags, two at a time, through parsing,
+    the job and plan resolution for 2 ranks: a plan, or one UserError line."""
+    import itertools
+    import random
+
+    from meshtron.cli import build_parser
+    from meshtron.train.cli import job_from_args
+    from meshtron.train.planning import resolve_run_plan
+
+    rng = random.Random(0)
+    pairs = list(itertools.combinations(COMM_FLAGS, 2))
+    outcomes = {"plan": 0, "error": 0}
+    good = [["--grad-compression", "int8", "--grad-compression-block", "64"],
+            ["--diloco", "8", "--outer-lr", "1.0"], ["--grad-compression", "bf16",
+                                                     "--compress-scope", "inter_node"]]
+    cases = good + [[a, rng.choice(FLAG_TEXT), b, rng.choice(FLAG_TEXT)] for a, b in pairs * 3]
+    for flags in cases:
+        argv = ["train", "--model", "debug", "--seq-len", "32", "--global-batch", "8",
+                "--run-dir", "runs/fuzz-never-written", "--plan", "dp=2", *flags]
+        try:
+            job = job_from_args(build_parser().parse_args(argv))
+            resolve_run_plan(job.cfg, job.parallel, 2)
+            outcomes["plan"] += 1
+        except UserError as exc:
+            assert "\n" not in str(exc), (argv, str(exc))
+            outcomes["error"] += 1
+    assert outcomes["plan"] >= len(good) and outcomes["error"] > 0
