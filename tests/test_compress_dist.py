@@ -99,6 +99,12 @@ def diloco_equals_dp(tokens, plan, model):
     return {"sgd_dp": ref, "sgd_diloco1": dil, "sgd_param_diff": diff, "outer_syncs": syncs}
 
 
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _rank_body(tokens, ckpt_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
@@ -127,6 +133,14 @@ def _rank_body(tokens, ckpt_dir):
     ]:
         losses, pm, mesh, _ = _train(tokens, plan, SHORT, model="debug")
         out[name] = losses
+        # residual export / import in this layout (flat, hierarchical, FSDP2 reduce-scatter):
+        # what the group owes survives the round trip
+        before = pm.grad_sync.state_dict()
+        pm.grad_sync.load_state_dict(before)
+        after = pm.grad_sync.state_dict()
+        out[name + "_roundtrip"] = (max(float((_full(after[k]) - _full(v)).abs().max())
+                                        for k, v in before.items()),
+                                    sum(float(_full(v).abs().sum()) for v in before.values()))
         _release(pm, mesh)
     ref, pm, mesh, _ = _train(tokens, dict(dp=4), SHORT, model="debug")
     out["debug_fp32"] = ref
@@ -173,6 +187,8 @@ def test_compression_and_diloco_on_gloo(tmp_path):
         rel = max(abs(a - b) / b for a, b in zip(r[name], r["debug_fp32"]))
         assert rel < 0.02, (name, r[name], r["debug_fp32"])
         assert r[name] != r["debug_fp32"]
+        err, owed = r[name + "_roundtrip"]
+        assert owed > 0 and err <= 1e-6 * owed, (name, err, owed)
     _check_diloco_equals_dp(r)
     # Residual checkpoint: nonzero, resharded to dp=2 x tp=2 exactly (mean kept).
     assert r["residual_total"] > 0 and r["residual_is_dtensor"]
