@@ -10,7 +10,7 @@ import argparse
 import ast
 from typing import Any
 
-from meshtron.argtypes import positive_int
+from meshtron.argtypes import positive_float, positive_int
 from meshtron.config import RunConfig, apply_overrides, config_from_dict, load_toml
 from meshtron.errors import UserError
 from meshtron.train.job import ParallelRequest, TrainJob
@@ -73,6 +73,11 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=["none", "selective", "full"],
                    help="activation recomputation")
     g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with tp > 1)")
+    g.add_argument("--watchdog-timeout", type=positive_float, metavar="S",
+                   help="abort when a rank makes no progress for S seconds (longer before the "
+                        "first step): every rank dumps RUN_DIR/trace for `meshtron doctor`")
+    g.add_argument("--no-recorder", action="store_true",
+                   help="do not record collectives (the trace then holds stacks only)")
     g.add_argument("--launched-rank", action="store_true", help=argparse.SUPPRESS)
     from meshtron.compress.cli import add_arguments as add_compress_arguments
 
@@ -130,7 +135,7 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
     comm = requested(args)
     flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
     if all(f is None for f in flags) and not comm and (nproc or 1) == 1 \
-            and not args.launched_rank:
+            and not args.launched_rank and args.watchdog_timeout is None:
         return None
     knobs = fixed_knobs(plan, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
                         args.schedule)
@@ -149,7 +154,8 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
     cfg = run_config(args, defaults)
     return TrainJob(cfg=cfg,
                     parallel=parallel_request(args, cfg, args.plan or plan, args.nproc or nproc),
-                    overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank)
+                    overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank,
+                    watchdog_timeout_s=args.watchdog_timeout, recorder=not args.no_recorder)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from meshtron import doctor
 from meshtron.config import RunConfig
 from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer, cross_entropy_loss
@@ -186,6 +187,7 @@ def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = 
         for step in range(1, steps + 1):
             inputs, targets = data.next_batch()
             out = engine.train_step(inputs, targets)
+            doctor.beat(step)
             pending += 1
             evaluating = bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0
                                                          or step == steps)

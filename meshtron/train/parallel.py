@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtron import doctor
 from meshtron.config import RunConfig
 from meshtron.errors import UserError
 from meshtron.launch import World
@@ -157,6 +158,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     outputs and returns the summary, with the planner's prediction beside the measurement when
     a cluster is known."""
     engine = ParallelEngine(cfg, plan, device)
+    doctor.watch_mesh(engine.mesh)
     data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp)
     run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
     # MFU needs a real peak: the calibrated or catalogue figure, not the nominal placeholder.
