@@ -94,6 +94,8 @@ class ParallelModel:
         self.device = device
         self._schedules: dict[int, Any] = {}
         self._stages = None
+        self.grad_sync = None
+        """meshtron.compress.runtime.GradCompression when the plan compresses gradients."""
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -131,6 +133,8 @@ class ParallelModel:
         (a detached 0-d tensor: reading it is the caller's host synchronisation)."""
         loss = self._run(inputs, targets, backward=True)
         self._align_grad_placements()
+        if self.grad_sync is not None:
+            self.grad_sync.sync()
         return loss
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -338,8 +342,12 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
         materialize(parts, device, fill=fill)
     elif fill is not None:
         fill(parts)
-    return ParallelModel(parts, [s for s, _ in pieces], lay, mesh, loss_fn or _default_loss,
-                         device)
+    pm = ParallelModel(parts, [s for s, _ in pieces], lay, mesh, loss_fn or _default_loss,
+                       device)
+    from meshtron.compress.runtime import attach
+
+    pm.grad_sync = attach(pm, lay)
+    return pm
 
 
 class ParallelOptimizer(torch.optim.Optimizer):

@@ -82,6 +82,9 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-recorder", action="store_true",
                    help="do not record collectives (the trace then holds stacks only)")
     g.add_argument("--launched-rank", action="store_true", help=argparse.SUPPRESS)
+    from meshtron.compress.cli import add_arguments as add_compress_arguments
+
+    add_compress_arguments(p.add_argument_group("less communication (meshtron/compress)"))
 
 
 def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:
@@ -136,15 +139,20 @@ def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -
 def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
                      nproc: int | None) -> ParallelRequest | None:
     """The parallel part of the command line; None when nothing asks for torch.distributed."""
-    from meshtron.train.planning import fixed_knobs
+    from meshtron.compress.cli import requested, search_knobs
+    from meshtron.train.planning import fixed_knobs, is_plan_file
 
+    comm = requested(args)
     flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
-    if all(f is None for f in flags) and (nproc or 1) == 1 and not args.launched_rank \
-            and args.watchdog_timeout is None:
+    if all(f is None for f in flags) and not comm and (nproc or 1) == 1 \
+            and not args.launched_rank and args.watchdog_timeout is None:
         return None
     knobs = fixed_knobs(plan, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
                         args.schedule)
-    return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs)
+    if not is_plan_file(plan):
+        knobs = search_knobs(comm, knobs)
+    return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs,
+                           comm=comm)
 
 
 def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None,

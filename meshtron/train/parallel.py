@@ -75,6 +75,11 @@ class ParallelEngine:
             weight_decay=cfg.optim.weight_decay,
             optimizer_cls=_adamw_factory(cfg.optim.weight_decay, device.type))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        from meshtron.compress import diloco
+
+        self.diloco = diloco.attach(self.pm, rt)
+        # Error-feedback residuals or DiLoCo's outer state: a Stateful to checkpoint (or None).
+        self.compress_state = self.diloco or self.pm.grad_sync
         self.grad_clip = cfg.optim.grad_clip
         self.is_main = dist.get_rank() == 0
         self.grad_bytes: int | None = None
@@ -88,6 +93,8 @@ class ParallelEngine:
         norm = self.pm.clip_grad_norm_(self.grad_clip) if self.grad_clip > 0 else None
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        if self.diloco is not None:
+            self.diloco.after_inner_step()
         self.scheduler.step()
         self.optimizer.zero_grad()
         return StepOutput(loss, norm, lr)
@@ -121,7 +128,9 @@ class ParallelEngine:
         """Drop the model and optimizer and destroy the mesh's process groups."""
         from meshtron.parallel.mesh import release_mesh
 
-        del self.pm, self.optimizer, self.scheduler
+        if self.compress_state is not None:
+            self.compress_state.release()
+        del self.pm, self.optimizer, self.scheduler, self.diloco, self.compress_state
         release_mesh(self.mesh)
 
 
