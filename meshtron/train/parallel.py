@@ -143,19 +143,24 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
 
 
 def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
-                  cluster=None, show_progress: bool = True) -> dict[str, Any] | None:
+                  cluster=None, show_progress: bool = True, checkpoint=None
+                  ) -> dict[str, Any] | None:
     """Run the plan on this rank (process group already initialised); rank 0 writes the run's
     outputs and returns the summary, with the planner's prediction beside the measurement when
-    a cluster is known."""
+    a cluster is known. `checkpoint`: a `meshtron.checkpoint.CheckpointConfig`, or None."""
+    from meshtron.checkpoint.checkpointer import make_checkpointer
+
     engine = ParallelEngine(cfg, plan, device)
     data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp)
-    run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
+    ckpt = make_checkpointer(checkpoint, cfg, engine, data, plan)
+    run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()},
+                                      resume=ckpt is not None and ckpt.may_resume)
     # MFU needs a real peak: the calibrated or catalogue figure, not the nominal placeholder.
     known = cluster is not None and not cluster.name.startswith("nominal")
     peak = world.world_size * cluster.peak_tflops * 1e12 if known else None
     with outputs.extra_writers(cfg, run_dir, engine.is_main) as writers:
         result = run_loop(engine, data, cfg, run_dir, show_progress, peak_flops=peak,
-                          writers=writers)
+                          writers=writers, checkpointer=ckpt)
     memory = engine.memory_bytes()
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, memory)
