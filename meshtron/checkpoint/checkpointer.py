@@ -17,6 +17,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,8 @@ class Checkpointer:
         if self.distributed:
             self.save_group = dist.new_group(backend="gloo")
             self.vote_group = dist.new_group(backend="gloo")
+        if not self.distributed:  # one process: DCP warns that it assumes one process
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         self.state = state.EngineState(engine)
         self.every: int | None = ckpt.every if isinstance(ckpt.every, int) else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtron-ckpt")
@@ -264,8 +267,9 @@ class Checkpointer:
             doc = {"step": step, "seconds_after_signal": seconds,
                    "grace_s": self.ckpt.preempt_grace_s}
             store.write_json(self.root / store.PREEMPTED, doc)
-            history.append(self.run_dir / "metrics.jsonl", {"event": "preempted", **doc,
-                                                             "time": time.time()})
+            history.append(self.run_dir / "metrics.jsonl", {
+                "event": "preempted", "checkpoint_step": step, "seconds_after_signal": seconds,
+                "grace_s": self.ckpt.preempt_grace_s, "time": time.time()})
             late = "" if seconds <= self.ckpt.preempt_grace_s else (
                 f" (over the {self.ckpt.preempt_grace_s:g} s grace: lower --checkpoint-every "
                 "so less work is at risk, or raise --preempt-grace)")

@@ -22,8 +22,8 @@ class CheckpointConfig:
 
     every: int | str = 0
     """Save every this many optimizer steps; 'auto': Daly's optimal interval from the measured
-    save stall and the mean time between failures; 0: no periodic checkpoints (a SIGTERM still
-    writes one)."""
+    save stall and the mean time between failures; 0: off (SIGTERM is then not intercepted
+    either, unless --resume or --max-restarts is given)."""
     keep: int = DEFAULT_KEEP
     """Complete checkpoints kept on disk (the oldest are deleted after a new one commits)."""
     resume: bool = False

@@ -29,12 +29,16 @@ def truncate(path: Path, step: int) -> tuple[list[dict[str, Any]], int | None]:
     """Keep the step records up to `step` and every event record (rewritten atomically);
     returns (the step records kept, the last step logged before the cut)."""
     records = _records(path)
-    logged = [r["step"] for r in records if "step" in r]
-    kept = [r for r in records if "step" not in r or r["step"] <= step]
+    logged = [r["step"] for r in records if _is_step(r)]
+    kept = [r for r in records if not _is_step(r) or r["step"] <= step]
     tmp = path.with_name(path.name + ".part")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
-    return [r for r in kept if "step" in r], (max(logged) if logged else None)
+    return [r for r in kept if _is_step(r)], (max(logged) if logged else None)
+
+
+def _is_step(record: dict[str, Any]) -> bool:
+    return "event" not in record and isinstance(record.get("step"), int)
 
 
 def append(path: Path, record: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -94,7 +95,10 @@ def set_schedule_position(scheduler: torch.optim.lr_scheduler.LRScheduler,
     """Put the LR schedule at `last_epoch` and write its learning rate into every parameter group,
     exactly as the uninterrupted run's `scheduler.step()` computed it (same formula, same inputs)."""
     scheduler.last_epoch = last_epoch - 1
-    scheduler.step()
+    with warnings.catch_warnings():
+        # "lr_scheduler.step() before optimizer.step()": expected here, nothing is skipped
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
+        scheduler.step()
 
 
 def rng_state() -> dict[str, Any]:
