@@ -177,3 +177,22 @@ def test_resume_without_a_checkpoint_and_a_fresh_run_over_checkpoints(saved, tmp
     assert "checkpoints" in capsys.readouterr().err
     with pytest.raises(UserError, match="--checkpoint-every"):
         CheckpointConfig(every=True)
+
+
+def test_checkpoint_every_auto_measures_and_applies_daly(tmp_path, capsys):
+    from meshtron.reliability import cluster_mtbf_s, interval_steps
+
+    run_dir = tmp_path / "auto"
+    assert main(["train", *RUN, "--steps", "4", "--run-dir", str(run_dir),
+                 "--checkpoint-every", "auto"]) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "--checkpoint-every auto" in x)
+    stall_ms = float(line.split("save stall ")[1].split(" ms")[0])
+    step_ms = float(line.split("step ")[1].split(" ms")[0])
+    every = int(line.split("checkpoint every ")[1].split(" steps")[0])
+    assert "1 GPU(s)" in line and "expected overhead" in line
+    # The printed interval is Daly's, from the printed (rounded) measurements and 1 GPU's MTBF.
+    assert abs(every - interval_steps(step_ms / 1e3, stall_ms / 1e3, cluster_mtbf_s(1))) \
+        <= 0.01 * every
+    # Saved at the probe (step 3) and at the end; with a 1-GPU MTBF nothing in between.
+    assert [s for s, _ in store.committed(store.checkpoint_root(run_dir))] == [4, 3]
