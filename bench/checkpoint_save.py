@@ -1,4 +1,4 @@
-"""Checkpoint cost: how long training is blocked per save, asynchronous vs synchronous, side by side.
+"""Checkpoint cost: how long training is blocked per save, asynchronous vs synchronous.
 
 One process, one model, one optimizer state (after a real training step), the same Checkpointer
 that `meshtron train --checkpoint-every` uses, alternating rounds (sync, async, sync, ...) so

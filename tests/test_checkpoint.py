@@ -153,6 +153,9 @@ def test_resume_falls_back_with_a_clear_message_and_fails_cleanly_when_nothing_i
     (["--checkpoint-every", "often"], "--checkpoint-every='often'"),
     (["--max-restarts", "-2"], "--max-restarts=-2"),
     (["--preempt-grace", "0"], "--preempt-grace=0.0"),
+    (["--preempt-grace", "inf"], "--preempt-grace=inf"),
+    (["--mtbf-hours", "nan"], "--mtbf-hours=nan"),
+    (["--keep", "two"], "--keep"),
     (["--resume", "--set", "model.layers=3"], "model.layers=2"),
 ])
 def test_bad_checkpoint_input_is_one_line_and_deletes_nothing(saved, tmp_path, capsys, argv,

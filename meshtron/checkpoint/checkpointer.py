@@ -92,7 +92,6 @@ class Checkpointer:
         self.watch = PreemptionWatch(self.rank)
         self.start_step = 0
         self.resumed = False
-        self.probe_step: int | None = None
         self.stalls_s: list[float] = []
         """Seconds the training thread was blocked by each save (staging, plus waiting for the
         previous save when it was still in flight)."""

@@ -92,8 +92,9 @@ class EngineState:
 
 def set_schedule_position(scheduler: torch.optim.lr_scheduler.LRScheduler,
                           last_epoch: int) -> None:
-    """Put the LR schedule at `last_epoch` and write its learning rate into every parameter group,
-    exactly as the uninterrupted run's `scheduler.step()` computed it (same formula, same inputs)."""
+    """Put the LR schedule at `last_epoch` and write its learning rate into every parameter
+    group, exactly as the uninterrupted run's `scheduler.step()` computed it (same formula,
+    same inputs)."""
     scheduler.last_epoch = last_epoch - 1
     with warnings.catch_warnings():
         # "lr_scheduler.step() before optimizer.step()": expected here, nothing is skipped
