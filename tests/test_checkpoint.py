@@ -199,3 +199,25 @@ def test_checkpoint_every_auto_measures_and_applies_daly(tmp_path, capsys):
         <= 0.01 * every
     # Saved at the probe (step 3) and at the end; with a 1-GPU MTBF nothing in between.
     assert [s for s, _ in store.committed(store.checkpoint_root(run_dir))] == [4, 3]
+
+
+def test_sigterm_handler_records_and_chains_to_the_previous_one():
+    import os
+    import signal
+
+    from meshtron.checkpoint.preempt import PreemptionWatch
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        watch = PreemptionWatch(rank=0)
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled between bytecodes
+        for _ in range(1000):
+            if watch.requested:
+                break
+        assert watch.requested and watch.count == 1 and seen == [signal.SIGTERM]
+        watch.close()
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
