@@ -11,6 +11,7 @@ the world is taken as it is. meshtron never implements its own launcher or trans
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -95,7 +96,9 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     """
     check_nproc(nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "meshtron"]
+           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+           # torchrun's own SIGTERM handling gives the workers this long before SIGKILL
+           f"--shutdown-timeout={math.ceil(grace_s)}", "-m", "meshtron"]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env[ARGV_ENV] = json.dumps(argv)
