@@ -19,6 +19,9 @@ COMMAND_MODULES = [
     "meshtron.train.cli",
     "meshtron.calibrate.cli",
     "meshtron.planner.cli",
+    "meshtron.doctor.cli",
+    "meshtron.cost.cli",
+    "meshtron.simulate.cli",
 ]
 
 

@@ -103,3 +103,17 @@ def interval_steps(step_time_s: float, save_cost_s: float, mtbf_s: float) -> int
     """Daly's optimum rounded to whole optimizer steps (at least 1)."""
     step = _positive("step_time_s", step_time_s)
     return max(1, round(daly_interval_s(save_cost_s, mtbf_s) / step))
+
+
+def expected_lost_work_s(interval_s: float, save_cost_s: float, mtbf_s: float) -> float:
+    """Expected work lost to one failure that strikes a segment of tau + delta seconds (work
+    plus checkpoint write): the time from the segment's start to an exponential failure given
+    that it falls inside the segment, E[X | X < L] = M - L e^(-L/M) / (1 - e^(-L/M)) with
+    L = tau + delta; about L / 2 when L << M (the first-order term above)."""
+    tau = _positive("interval_s", interval_s)
+    m = _positive("mtbf_s", mtbf_s)
+    seg = tau + _non_negative("save_cost_s", save_cost_s)
+    x = seg / m
+    if x < 1e-6:
+        return seg / 2.0  # the series' first term; the closed form cancels catastrophically
+    return m - seg / math.expm1(x)

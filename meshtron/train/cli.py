@@ -10,7 +10,7 @@ import argparse
 import ast
 from typing import Any
 
-from meshtron.argtypes import positive_int
+from meshtron.argtypes import positive_float, positive_int
 from meshtron.config import RunConfig, apply_overrides, config_from_dict, load_toml
 from meshtron.errors import UserError
 from meshtron.train.job import ParallelRequest, TrainJob
@@ -73,6 +73,11 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=["none", "selective", "full"],
                    help="activation recomputation")
     g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with tp > 1)")
+    g.add_argument("--watchdog-timeout", type=positive_float, metavar="S",
+                   help="abort when a rank makes no progress for S seconds (longer before the "
+                        "first step): every rank dumps RUN_DIR/trace for `meshtron doctor`")
+    g.add_argument("--no-recorder", action="store_true",
+                   help="do not record collectives (the trace then holds stacks only)")
     g.add_argument("--launched-rank", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -153,7 +158,7 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
 
     flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
     if all(f is None for f in flags) and (nproc or 1) == 1 and not args.launched_rank \
-            and not force:
+            and args.watchdog_timeout is None and not force:
         return None
     knobs = fixed_knobs(plan, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
                         args.schedule)
@@ -173,6 +178,7 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
                     parallel=parallel_request(args, cfg, args.plan or plan, args.nproc or nproc,
                                               force=ckpt.max_restarts > 0),
                     overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank,
+                    watchdog_timeout_s=args.watchdog_timeout, recorder=not args.no_recorder,
                     checkpoint=ckpt)
 
 

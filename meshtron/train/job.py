@@ -36,8 +36,22 @@ class TrainJob:
     world, which always means the parallel path)."""
     overwrite: bool = False
     """Replace the outputs of a run already in cfg.train.run_dir."""
+    watchdog_timeout_s: float | None = None
+    """Abort the run (every rank dumps its trace, then exits non-zero) when a rank makes no
+    progress for this many seconds (longer before the first step); None: no watchdog."""
+    recorder: bool = True
+    """Record every collective (meshtron doctor); dumps still happen without it."""
     launched_rank: bool = False
     """This process is a rank started by `meshtron train --nproc` on this machine: the parent
     process validated everything, saved the plan and reports the result."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints, --resume, automatic restarts and preemption (meshtron.checkpoint)."""
+
+    def __post_init__(self):
+        # The watchdog polls every 0.2 s; under a second it could only abort healthy runs.
+        t = self.watchdog_timeout_s
+        if t is not None and not (1.0 <= t < float("inf")):
+            from meshtron.errors import UserError
+
+            raise UserError(f"--watchdog-timeout={t!r}: allowed a finite number of seconds "
+                            ">= 1")

@@ -84,6 +84,9 @@ def launch_ranks(job: TrainJob) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "plan.toml")
     write_run_file(job, run_dir / "run.toml")
+    from meshtron.doctor.dump import clear_trace
+
+    clear_trace(run_dir)
     outputs.print_plan(plan, cluster)
     code = launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
@@ -117,4 +120,8 @@ def rank_command(job: TrainJob, run_dir: Path, request: ParallelRequest) -> list
             str(run_dir / "plan.toml"), "--launched-rank"]
     if request.cluster:
         argv += ["--cluster", request.cluster]
+    if job.watchdog_timeout_s:
+        argv += ["--watchdog-timeout", repr(job.watchdog_timeout_s)]
+    if not job.recorder:
+        argv += ["--no-recorder"]
     return argv + job.checkpoint.rank_argv()

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from meshtron import doctor
 from meshtron.config import RunConfig
 from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer, cross_entropy_loss
@@ -202,6 +203,7 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
         for step in range(start_step + 1, steps + 1):
             inputs, targets = data.next_batch()
             out = engine.train_step(inputs, targets)
+            doctor.beat(step)
             pending += 1
             evaluating = bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0
                                                          or step == steps)

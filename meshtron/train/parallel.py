@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtron import doctor
 from meshtron.config import RunConfig
 from meshtron.errors import UserError
 from meshtron.launch import World
@@ -151,6 +152,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     from meshtron.checkpoint.checkpointer import make_checkpointer
 
     engine = ParallelEngine(cfg, plan, device)
+    doctor.watch_mesh(engine.mesh)
     data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp)
     ckpt = make_checkpointer(checkpoint, cfg, engine, data, plan)
     run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()},

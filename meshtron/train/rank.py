@@ -25,15 +25,19 @@ EXIT_USAGE = 2
 
 def run_rank(job: TrainJob, world: World) -> NoReturn:
     """Train this rank's part of the job, then exit the process (never returns)."""
+    from meshtron import doctor
     from meshtron.runtime import init_rank, shutdown_rank
 
     from meshtron.checkpoint import EXIT_PREEMPTED
     from meshtron.checkpoint.checkpointer import Preempted
 
     try:
+        doctor.prepare_env()
         _join_attempt(job, world)
         device = init_rank(world)
         plan, cluster = agreed_plan(job, world)
+        doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
+                     watchdog_timeout_s=job.watchdog_timeout_s, recorder=job.recorder)
         from meshtron.train.parallel import train_on_rank
 
         summary = train_on_rank(job.cfg, plan, world, device, cluster,
@@ -47,17 +51,21 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
             plan.save(run_dir / "plan.toml")
             outputs.print_result(job.cfg, summary, run_dir)
     except Preempted:
+        doctor.stop()
         shutdown_rank(EXIT_PREEMPTED)
     except UserError as exc:
         _abort(world, f"error: {exc}", EXIT_USAGE)
     except RunFailed as exc:
         _note(job, world, f"RunFailed: {exc}")
+        _dump(exc)
         _abort(world, f"failed: {exc}", 1)
     except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, and no hung peers
         _note(job, world, f"{type(exc).__name__}: {exc}")
+        _dump(exc)
         for line in traceback.format_exc().rstrip().splitlines():
             print(f"[rank {world.rank}] {line}", file=sys.stderr)
         _abort(world, f"failed: {type(exc).__name__}: {exc}", 1)
+    doctor.stop()
     shutdown_rank(0)
 
 
@@ -78,6 +86,15 @@ def _note(job: TrainJob, world: World, cause: str) -> None:
         from meshtron.checkpoint.restart import note_failure
 
         note_failure(job.cfg.train.run_dir, world.rank, cause)
+
+
+def _dump(exc: BaseException) -> None:
+    """The rank's trace on a failure, for `meshtron doctor`."""
+    from meshtron import doctor
+
+    session = doctor.current()
+    if session is not None:
+        session.dump_exception(exc)
 
 
 def agreed_plan(job: TrainJob, world: World):

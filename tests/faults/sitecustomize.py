@@ -22,3 +22,24 @@ if _AT:
         return inputs, targets
 
     TrainLoader.next_batch = next_batch
+
+# With MESHTRON_TEST_HANG_AT=K (and MESHTRON_TEST_HANG_RANK=R, default 1): rank R stalls in its
+# data loader at its K-th batch (a sleep far past any test's timeout), so its peers wait in the
+# step's first collective: the hang `meshtron train --watchdog-timeout` must turn into an exit.
+_HANG = os.environ.get("MESHTRON_TEST_HANG_AT")
+
+if _HANG and os.environ.get("RANK") == os.environ.get("MESHTRON_TEST_HANG_RANK", "1"):
+    import time
+
+    from meshtron.data.dataset import TrainLoader
+
+    _next = TrainLoader.next_batch
+    _seen = [0]
+
+    def load_batch(self):
+        _seen[0] += 1
+        if _seen[0] == int(_HANG):
+            time.sleep(3600)
+        return _next(self)
+
+    TrainLoader.next_batch = load_batch

@@ -1,0 +1,178 @@
+"""`meshtron cost`: days, GPU-hours, energy and money of a training run, failures included.
+
+    meshtron cost --model llama3-405b --cluster dgx-h100:2048 --global-batch 2048 \\
+        --seq-len 8192 --tokens 15T
+    meshtron cost --plan plan.toml --model llama3-70b --cluster dgx-h100:16 --tokens 2T --json
+
+Pure Python (no torch import). Exit status 0, or 2 with one line for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from meshtron.argtypes import positive_int
+from meshtron.errors import UserError
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "cost", help="days, GPU-hours, energy and money of a run, with failures and spot",
+        description="Cost a training run on the planner's best plan (or --plan), with the "
+                    "expected overhead of failures and spot preemptions (Young/Daly checkpoint "
+                    "interval) and a Monte Carlo of the whole run (P50/P90).")
+    p.add_argument("--model", required=True, help="preset, config.json or model TOML")
+    p.add_argument("--cluster", required=True, help="dgx-h100:N etc. or a cluster TOML")
+    p.add_argument("--global-batch", type=positive_int, help="sequences per step")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
+    p.add_argument("--tokens", default="1T", help="training budget in tokens (15T, 300B, 2e12)")
+    p.add_argument("--plan", metavar="PLAN.toml", help="cost this plan instead of the best one")
+    p.add_argument("--stack", default="eager", help="eager | fused (planner cost model)")
+    p.add_argument("--dtype", default=None, help="bf16 (default) | fp32")
+    p.add_argument("--price-on-demand", type=_number, help="USD per GPU-hour")
+    p.add_argument("--price-spot", type=_number, help="USD per GPU-hour")
+    p.add_argument("--prices", metavar="PRICES.toml", help="per-GPU price/power tables")
+    p.add_argument("--gpu-watts", type=_number, help="GPU board power, W")
+    p.add_argument("--system-watts", type=_number, help="server power per GPU, W")
+    p.add_argument("--pue", type=_number, default=None, help="facility PUE (default 1.2)")
+    p.add_argument("--storage-gb-per-s", type=_number, default=None,
+                   help="aggregate checkpoint write bandwidth, GB/s (default 100)")
+    p.add_argument("--restart-min", type=_number, default=None,
+                   help="fixed restart time after a failure, minutes (default 10)")
+    p.add_argument("--failures-per-gpu-hour", type=_number, default=None,
+                   help="hardware failure rate (default: Llama 3's 1.97e-5)")
+    p.add_argument("--mtbf-hours", type=_number, default=None,
+                   help="the whole job's MTBF in hours, instead of a per-GPU rate")
+    p.add_argument("--spot-preemptions-per-node-hour", type=_number, default=None,
+                   help="spot preemption rate (default 0.2 per node-month)")
+    p.add_argument("--spot-notice-s", type=_number, default=None,
+                   help="preemption notice, seconds (default 120)")
+    p.add_argument("--spot-reacquire-min", type=_number, default=None,
+                   help="minutes to get spot capacity back (default 30)")
+    p.add_argument("--checkpoint-interval-min", type=_number, default=None,
+                   help="work between checkpoints, minutes (default: Daly's optimum)")
+    p.add_argument("--deadline-days", type=_number, default=None,
+                   help="recommend only a pricing whose P90 meets this")
+    p.add_argument("--runs", type=positive_int, default=2000, help="Monte Carlo runs")
+    p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
+    p.add_argument("--json", action="store_true", help="print JSON (schema meshtron-cost/1)")
+    p.set_defaults(func=run)
+
+
+def _estimate(args: argparse.Namespace, model, cluster):
+    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.plan import load_plan
+    from meshtron.planner.search import evaluate_plan, search_plans
+
+    opts = KernelOptions(stack=args.stack)
+    if args.plan:
+        plan = load_plan(args.plan)
+        batch = args.global_batch or plan.global_batch
+        seq = args.seq_len or plan.seq_len
+        if batch is None or seq is None:
+            raise UserError(f"plan={args.plan!r}: has no global_batch/seq_len; give "
+                            "--global-batch and --seq-len")
+        est = evaluate_plan(model, cluster, batch, seq, plan, options=opts)
+        if not est.fits:
+            raise UserError(f"plan={args.plan!r}: does not fit on {args.cluster} (needs "
+                            f"{est.memory.total:.1f} GiB per GPU of {est.memory.capacity:.0f})")
+        return est, batch, seq
+    if args.global_batch is None or args.seq_len is None:
+        raise UserError("global-batch/seq-len: both are required without --plan")
+    fixed = {"dtype": args.dtype} if args.dtype else None
+    result = search_plans(model, cluster, args.global_batch, args.seq_len, fixed, top_k=1,
+                          options=opts, explain=False)
+    if not result.fits:
+        raise UserError(f"cluster={args.cluster!r}: no plan of {args.model} fits "
+                        f"({cluster.num_gpus} GPUs, global batch {args.global_batch})")
+    return result.best, args.global_batch, args.seq_len
+
+
+def run_spec(args: argparse.Namespace, est, model, cluster, batch: int, seq: int):
+    from meshtron.cost.model import RunSpec
+    from meshtron.planner.cli import parse_tokens
+
+    kw: dict[str, Any] = {}
+    if args.mtbf_hours is not None and args.failures_per_gpu_hour is not None:
+        raise UserError("mtbf-hours: give it or --failures-per-gpu-hour, not both")
+    if args.mtbf_hours is not None:
+        if not args.mtbf_hours > 0:
+            raise UserError(f"mtbf-hours={args.mtbf_hours!r}: must be a positive number")
+        kw["failures_per_gpu_hour"] = 1.0 / (args.mtbf_hours * cluster.num_gpus)
+    elif args.failures_per_gpu_hour is not None:
+        kw["failures_per_gpu_hour"] = args.failures_per_gpu_hour
+    for flag, key, scale in (("storage_gb_per_s", "storage_gb_per_s", 1),
+                             ("restart_min", "restart_s", 60),
+                             ("spot_preemptions_per_node_hour", "spot_preemptions_per_node_hour",
+                              1),
+                             ("spot_notice_s", "spot_notice_s", 1),
+                             ("spot_reacquire_min", "spot_reacquire_s", 60),
+                             ("checkpoint_interval_min", "interval_s", 60), ("pue", "pue", 1)):
+        value = getattr(args, flag)
+        if value is not None:
+            kw[key] = value * scale
+    return RunSpec(gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
+                   step_time_s=est.step_time_s, tokens_per_step=float(batch * seq),
+                   tokens=parse_tokens(args.tokens), params=float(model.num_params()), **kw)
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshtron.cost.catalogue import economics_for, load_price_overrides
+    from meshtron.cost.model import cost_run, summary
+    from meshtron.planner.cli import load_model
+    from meshtron.planner.cluster import resolve_cluster
+
+    model = load_model(args.model)
+    cluster = resolve_cluster(args.cluster)
+    for flag in ("price_on_demand", "price_spot", "gpu_watts", "system_watts"):
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:
+            raise UserError(f"{flag.replace('_', '-')}={value!r}: must be a number >= 0")
+    if args.deadline_days is not None and not args.deadline_days > 0:
+        raise UserError(f"deadline-days={args.deadline_days!r}: must be a positive number")
+    econ = economics_for(cluster, args.price_on_demand, args.price_spot, args.gpu_watts,
+                         args.system_watts,
+                         load_price_overrides(args.prices) if args.prices else None)
+    est, batch, seq = _estimate(args, model, cluster)
+    spec = run_spec(args, est, model, cluster, batch, seq)
+    doc = summary(spec, econ, cost_run(spec, econ, runs=args.runs, seed=args.seed),
+                  args.deadline_days)
+    doc["plan"] = est.config.describe()
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render(doc))
+    return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The human-readable report."""
+    od, sp, ck, pr = doc["on_demand"], doc["spot"], doc["checkpoint"], doc["prices"]
+    lines = [
+        f"Plan: {doc['plan']} on {doc['gpus']:,} GPUs, step {doc['step_time_s']:.2f} s, "
+        f"{doc['tokens']:.3g} tokens: {doc['failure_free_days']:.1f} days without failures",
+        f"Checkpoint: save {ck['save_s']:.0f} s, restart {ck['restart_s']:.0f} s, job MTBF "
+        f"{ck['mtbf_s'] / 3600:.2f} h, Daly interval {ck['daly_interval_s'] / 60:.1f} min",
+        f"Prices: on-demand ${pr['on_demand']:.2f}, spot ${pr['spot']:.2f} per GPU-hour "
+        f"({pr['source']}); power {pr['system_w_per_gpu']:.0f} W per GPU x PUE {pr['pue']:g}",
+        "",
+        f"{'':12} {'days':>7} {'P50':>7} {'P90':>7} {'GPU-hours':>13} {'cost USD':>15} "
+        f"{'P90 cost USD':>15}",
+    ]
+    for name, p in (("on-demand", od), ("spot", sp)):
+        lines.append(f"{name:12} {p['days']:7.1f} {p['p50_days']:7.1f} {p['p90_days']:7.1f} "
+                     f"{p['gpu_hours']:13,.0f} {p['cost_usd']:15,.0f} {p['p90_cost_usd']:15,.0f}")
+    lines += ["", f"Energy: {doc['energy_kwh']:,.0f} kWh at the facility "
+                  f"({doc['gpu_energy_kwh']:,.0f} kWh in the GPUs)", "",
+              f"Recommendation: {doc['recommendation']['pricing'].replace('_', '-')}"]
+    lines += [f"  - {r}" for r in doc["recommendation"]["reasons"]]
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""meshtron doctor: the collective recorder and watchdog that run inside every rank, and the
+analysis that turns their dumps into one sentence naming the culprit (`meshtron doctor`).
+
+The trainer calls `start(...)` once per rank, `watch_mesh(mesh)` when the mesh exists,
+`beat(step)` after each step and `current().close()` at the end; these are no-ops when no
+session runs (one process, or the recorder turned off). The session is per process (signal
+handlers are), never per process group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshtron.doctor.session import DoctorSession
+
+__all__ = ["DoctorSession", "EXIT_WATCHDOG", "start", "current", "beat", "watch_mesh",
+           "trace_dir", "prepare_env"]
+
+_session: "DoctorSession | None" = None
+
+
+def __getattr__(name: str):
+    # Lazy: `meshtron doctor RUN_DIR` reads JSON and must not pay for `import torch`.
+    if name in ("DoctorSession", "EXIT_WATCHDOG"):
+        from meshtron.doctor import session
+
+        return getattr(session, name)
+    raise AttributeError(name)
+
+
+def trace_dir(run_dir: Path | str) -> Path:
+    return Path(run_dir) / "trace"
+
+
+def prepare_env() -> None:
+    """Before the process group exists: ask PyTorch's Flight Recorder to keep a trace on NCCL
+    (it must be sized before the communicators are made; gloo gets nothing from it)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+
+
+def start(run_dir: Path | str, rank: int, world_size: int, **options: Any) -> "DoctorSession":
+    """Start this process's session (replacing an earlier one); options as DoctorSession."""
+    global _session
+    from meshtron.doctor.session import DoctorSession
+
+    if _session is not None:
+        _session.close(final_dump=False)
+    _session = DoctorSession(trace_dir(run_dir), rank, world_size, **options).start()
+    return _session
+
+
+def current() -> "DoctorSession | None":
+    return _session
+
+
+def stop(final_dump: bool = True) -> None:
+    global _session
+    if _session is not None:
+        _session.close(final_dump=final_dump)
+        _session = None
+
+
+def beat(step: int) -> None:
+    if _session is not None:
+        _session.beat(step)
+
+
+def watch_mesh(mesh) -> None:
+    """Name groups by mesh axis; a meshtron mesh's flattened data axis is named "dp"."""
+    if _session is None:
+        return
+    extra = {}
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names and "dp_shard" in names:
+        from meshtron.parallel.mesh import data_mesh
+
+        extra["dp"] = data_mesh(mesh)
+    _session.watch_mesh(mesh, extra)

@@ -1,0 +1,383 @@
+"""From a run's dumps to one verdict: align every group's operations by sequence number, find
+the first divergence in time, and classify it.
+
+Kinds, in the order they are looked for:
+- `frozen_rank` / `dead_rank`: a rank left no dump. Its peers' dumps say whether its process
+  was stopped (SIGSTOP, a debugger) or gone (/proc, same host), or, across hosts, whether they
+  failed with a broken connection (dead) or timed out waiting (frozen).
+- `mismatched_op`, `mismatched_shape` (dtype too), `never_entered`: the first (group, sequence
+  number) where the members' records disagree: a different operation, different shapes or
+  dtypes, or members that never issued it. Point-to-point operations align the k-th send from A
+  to B with the k-th receive on B from A. Culprits are the minority (ties: the higher ranks).
+- `straggler`: no divergence, but one rank reaches the collectives late: for every collective
+  all members recorded, each member's lateness after the earliest member; a rank whose mean
+  lateness is at least `STRAGGLER_MIN_S` and `STRAGGLER_FRACTION` of the median step time.
+- `none`: nothing of the above.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtron.doctor.trace import Trace, frame_text
+
+KINDS = ("never_entered", "mismatched_op", "mismatched_shape", "dead_rank", "frozen_rank",
+         "straggler", "none")
+STRAGGLER_MIN_S = 0.02
+STRAGGLER_FRACTION = 0.1
+_BROKEN = ("connection closed", "connection reset", "broken pipe", "connection refused",
+           "remote process exited", "peer")
+
+
+@dataclass
+class Diagnosis:
+    kind: str
+    verdict: str
+    culprit_ranks: list[int]
+    evidence: list[str] = field(default_factory=list)
+    divergence: dict[str, Any] | None = None
+    hang_to_dump_s: float | None = None
+    """Seconds from the last progress of any rank to the last dump (watchdog runs)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "kind": self.kind, "culprit_ranks": self.culprit_ranks,
+                "evidence": self.evidence, "divergence": self.divergence,
+                "hang_to_dump_s": self.hang_to_dump_s}
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _op_text(rec: dict[str, Any]) -> str:
+    return f"{rec['op']} #{rec['seq']}"
+
+
+def _sig(rec: dict[str, Any]) -> str:
+    return ", ".join(f"{s} {d}" for s, d in zip(rec["shapes"], rec["dtypes"])) or "no tensors"
+
+
+# -- loading records ---------------------------------------------------------------------------
+def _collectives(trace: Trace) -> dict[str, dict[int, dict[int, dict[str, Any]]]]:
+    """group -> rank -> seq -> record (collectives only)."""
+    out: dict[str, dict[int, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    for rank, d in trace.dumps.items():
+        for rec in d.get("records", []):
+            if "peer" not in rec:
+                out[rec["group"]][rank][rec["seq"]] = rec
+    return out
+
+
+def _p2p(trace: Trace) -> dict[tuple, dict[int, dict[str, Any]]]:
+    """(group, op, this rank, peer) -> seq -> record."""
+    out: dict[tuple, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for rank, d in trace.dumps.items():
+        for rec in d.get("records", []):
+            if "peer" in rec:
+                out[(rec["group"], rec["op"], rank, rec["peer"])][rec["seq"]] = rec
+    return out
+
+
+# -- divergences -------------------------------------------------------------------------------
+def _first_collective_divergence(trace: Trace, group: str, by_rank) -> dict[str, Any] | None:
+    members = [r for r in trace.group_ranks(group) if r in trace.dumps]
+    if len(members) < 2:
+        return None
+    spans = {r: (min(by_rank[r]), max(by_rank[r])) if by_rank.get(r) else (None, 0)
+             for r in members}
+    lows = [lo for lo, _ in spans.values() if lo is not None]
+    if not lows:
+        return None
+    start, end = max(lows), max(hi for _, hi in spans.values())
+    for seq in range(start, end + 1):
+        present = {r: by_rank[r][seq] for r in members if seq in by_rank.get(r, {})}
+        if not present:
+            continue
+        ops = Counter(rec["op"] for rec in present.values())
+        if len(ops) > 1:
+            return _mismatch("mismatched_op", group, seq, present, lambda rec: rec["op"])
+        sigs = Counter(_sig(rec) for rec in present.values())
+        # all-to-all may split unevenly: its members' shapes legitimately differ.
+        if len(sigs) > 1 and not next(iter(ops)).startswith("all_to_all"):
+            return _mismatch("mismatched_shape", group, seq, present, _sig)
+        absent = [r for r in members if r not in present and spans[r][1] < seq]
+        if absent:
+            waiting = {r: rec for r, rec in present.items() if rec["state"] != "completed"}
+            return {"kind": "never_entered", "group": group, "seq": seq, "culprits": absent,
+                    "records": present, "waiting": waiting or present,
+                    "t": min(rec["enqueue_t"] for rec in present.values())}
+    return None
+
+
+def _mismatch(kind: str, group: str, seq: int, present, key) -> dict[str, Any]:
+    counts = Counter(key(rec) for rec in present.values())
+    top = max(counts.values())
+    majority = [k for k, c in counts.items() if c == top]
+    # Ties: the value of the lowest rank counts as the expected one.
+    expected = majority[0] if len(majority) == 1 else key(present[min(present)])
+    culprits = sorted(r for r, rec in present.items() if key(rec) != expected)
+    return {"kind": kind, "group": group, "seq": seq, "culprits": culprits, "records": present,
+            "expected": expected, "t": min(rec["enqueue_t"] for rec in present.values())}
+
+
+def _p2p_divergences(trace: Trace) -> list[dict[str, Any]]:
+    table = _p2p(trace)
+    out = []
+    for (group, op, rank, peer), recs in table.items():
+        if peer not in trace.dumps:
+            continue
+        other = table.get((group, "recv" if op == "send" else "send", peer, rank), {})
+        other_max = max(other) if other else 0
+        for seq in sorted(recs):
+            rec = recs[seq]
+            if seq in other:
+                if _sig(rec) != _sig(other[seq]) and op == "send":
+                    out.append({"kind": "mismatched_shape", "group": group, "seq": seq,
+                                "culprits": sorted({rank, peer}), "t": rec["enqueue_t"],
+                                "records": {rank: rec, peer: other[seq]}, "p2p": True})
+                    break
+            elif seq > other_max and rec["state"] != "completed":
+                out.append({"kind": "never_entered", "group": group, "seq": seq,
+                            "culprits": [peer], "t": rec["enqueue_t"], "records": {rank: rec},
+                            "waiting": {rank: rec}, "p2p": True})
+                break
+    return out
+
+
+def find_divergence(trace: Trace) -> dict[str, Any] | None:
+    """The earliest divergence over all groups, or None."""
+    found = [d for group, by_rank in _collectives(trace).items()
+             if (d := _first_collective_divergence(trace, group, by_rank)) is not None]
+    found += _p2p_divergences(trace)
+    return min(found, key=lambda d: d["t"]) if found else None
+
+
+# -- verdicts ----------------------------------------------------------------------------------
+def _waited(trace: Trace, waiting: dict[int, dict[str, Any]]) -> tuple[int, float] | None:
+    best = None
+    for r, rec in waiting.items():
+        if rec.get("state") == "completed":
+            continue
+        s = (rec.get("end_t") or trace.dumps[r]["time"]) - rec["enqueue_t"]
+        if best is None or s > best[1]:
+            best = (r, s)
+    return best
+
+
+def _never_entered(trace: Trace, d: dict[str, Any]) -> Diagnosis:
+    culprits = d["culprits"]
+    rec = next(iter(d["records"].values()))
+    if d.get("p2p"):
+        sender = next(iter(d["records"]))
+        peer_op = "recv" if rec["op"] == "send" else "send"
+        what = f"the {peer_op} matching rank {sender}'s {rec['op']} #{d['seq']}"
+    else:
+        what = _op_text(rec)
+    text = (f"{'; '.join(trace.label(r) for r in culprits)} never entered {what} on "
+            f"{trace.group_label(d['group'])}")
+    for r in culprits:
+        where = trace.where(r)
+        if where:
+            text += f"; {'it' if len(culprits) == 1 else f'rank {r}'} is at {where}"
+    wait = _waited(trace, d["waiting"])
+    if wait:
+        text += f"; rank {wait[0]} has waited {wait[1]:.1f} s"
+    return Diagnosis("never_entered", text + ".", culprits, divergence=_public(d))
+
+
+def _issued_at(stack: list[str]) -> str | None:
+    """'file.py:12 in fn' of a record's stack (innermost first), outside torch."""
+    frames = []
+    for entry in reversed(stack):
+        place, _, function = entry.partition(" in ")
+        file, _, line = place.rpartition(":")
+        frames.append({"file": file, "line": int(line or 0), "function": function})
+    return frame_text(frames) if frames else None
+
+
+def _mismatch_verdict(trace: Trace, d: dict[str, Any]) -> Diagnosis:
+    culprits = d["culprits"]
+    recs = d["records"]
+    others = sorted(r for r in recs if r not in culprits)
+    bad = recs[culprits[0]]
+    good = recs[others[0]] if others else bad
+    names = "; ".join(trace.label(r) for r in culprits)
+    group = trace.group_label(d["group"])
+    if d["kind"] == "mismatched_op":
+        text = (f"{names} issued {bad['op']} #{d['seq']} on {group} where "
+                f"{_ranks_text(others)} issued {good['op']} #{d['seq']}")
+    else:
+        text = (f"{names} issued {bad['op']} #{d['seq']} on {group} with {_sig(bad)} where "
+                f"{_ranks_text(others)} used {_sig(good)}")
+    where = _issued_at(bad.get("stack") or [])
+    if where:
+        text += f"; it was issued at {where}"
+    return Diagnosis(d["kind"], text + ".", culprits, divergence=_public(d))
+
+
+def _public(d: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": d["kind"], "group": d["group"], "seq": d["seq"], "culprits": d["culprits"],
+            "ops": {str(r): {"op": rec["op"], "shapes": rec["shapes"], "dtypes": rec["dtypes"],
+                             "state": rec["state"]} for r, rec in d["records"].items()}}
+
+
+def _missing_ranks(trace: Trace) -> Diagnosis | None:
+    missing = [r for r in range(trace.world_size) if r not in trace.dumps]
+    if not missing or not trace.dumps:
+        return None
+    states: dict[int, str] = {}
+    for r in missing:
+        seen = [d.get("peers", {}).get(str(r), {}).get("state") for d in trace.dumps.values()]
+        if "stopped" in seen:
+            states[r] = "stopped"
+        elif "gone" in seen or "never_started" in seen and r not in trace.hellos:
+            states[r] = "gone"
+        else:
+            broken = any(_is_broken(d) for d in trace.dumps.values())
+            states[r] = "gone" if broken else "unresponsive"
+    dead = [r for r in missing if states[r] == "gone"]
+    frozen = [r for r in missing if r not in dead]
+    kind, culprits = ("dead_rank", dead) if dead else ("frozen_rank", frozen)
+    names = "; ".join(trace.label(r) for r in culprits)
+    if kind == "dead_rank":
+        text = f"{names} died (its process is gone and it left no dump)"
+    elif all(states[r] == "stopped" for r in culprits):
+        text = f"{names} is frozen (its process is stopped, e.g. by SIGSTOP, and could not dump)"
+    else:
+        text = f"{names} is frozen (it did not answer the watchdog and left no dump)"
+    wait = _waiting_for(trace, culprits)
+    if wait:
+        r, rec, secs = wait
+        text += (f"; rank {r} waited {secs:.1f} s for it in {_op_text(rec)} on "
+                 f"{trace.group_label(rec['group'])}")
+    failed = [(r, d["reason"]) for r, d in sorted(trace.dumps.items())
+              if d["reason"].startswith("exception")]
+    evidence = [f"rank {r}: {reason.splitlines()[0][:160]}" for r, reason in failed[:4]]
+    if len(culprits) > 1:
+        text = text.replace("its process is", "their processes are").replace(
+            " is frozen", " are frozen").replace("it left", "they left").replace(
+            "for it in", "for them in")
+    return Diagnosis(kind, text + ".", culprits, evidence)
+
+
+def _is_broken(dump: dict[str, Any]) -> bool:
+    text = (dump.get("reason", "") + " " + (dump.get("exception") or "")).lower()
+    return dump.get("reason", "").startswith("exception") and any(b in text for b in _BROKEN)
+
+
+def _waiting_for(trace: Trace, culprits: list[int]):
+    """(rank, record, seconds): the longest any dumped rank waited in an unfinished operation
+    of a group that contains a culprit."""
+    best = None
+    for r, d in trace.dumps.items():
+        for rec in reversed(d.get("records", [])):
+            ranks = trace.group_ranks(rec["group"])
+            if rec["state"] == "completed" or not any(c in ranks for c in culprits):
+                continue
+            secs = d["time"] - rec["enqueue_t"]
+            if best is None or secs > best[2]:
+                best = (r, rec, secs)
+            break
+    return best
+
+
+def _straggler(trace: Trace) -> Diagnosis | None:
+    lateness: dict[int, list[float]] = defaultdict(list)
+    last: Counter = Counter()
+    total = 0
+    for group, by_rank in _collectives(trace).items():
+        members = trace.group_ranks(group)
+        if len(members) < 2 or any(r not in by_rank for r in members):
+            continue
+        common = set.intersection(*(set(by_rank[r]) for r in members))
+        for seq in common:
+            times = {r: by_rank[r][seq]["enqueue_t"] for r in members}
+            first = min(times.values())
+            for r, t in times.items():
+                lateness[r].append(t - first)
+            last[max(times, key=times.get)] += 1
+            total += 1
+    if not total:
+        return None
+    # Medians: one late start (start-up, a one-off stall) does not make a straggler.
+    mean = {r: statistics.median(v) for r, v in lateness.items()}
+    worst = max(mean, key=mean.get)
+    step = _median_step(trace)
+    floor = max(STRAGGLER_MIN_S, STRAGGLER_FRACTION * step) if step else STRAGGLER_MIN_S
+    others = [v for r, v in mean.items() if r != worst]
+    if (mean[worst] < floor or mean[worst] < 3 * max(others, default=0.0)
+            or last[worst] < total / 2):
+        return None
+    text = (f"{trace.label(worst)} is a straggler: it reaches the collectives a median "
+            f"{mean[worst]:.3f} s after the first rank (last in {last[worst]} of {total} "
+            "collectives")
+    if step:
+        text += f"; {100 * mean[worst] / step:.0f}% of the median step time {step:.3f} s"
+    return Diagnosis("straggler", text + ").", [worst],
+                     [f"rank {r}: median lateness {v:.3f} s" for r, v in sorted(mean.items())])
+
+
+def _median_step(trace: Trace) -> float | None:
+    times = [st["seconds"] for d in trace.dumps.values() for st in d.get("step_times", [])
+             if st["step"] > 1]
+    if times:
+        return statistics.median(times)
+    steady = [m["step_time_s"] for m in trace.metrics if m.get("step", 0) > 1
+              and m.get("step_time_s")]
+    return statistics.median(steady) if steady else None
+
+
+def diagnose(trace: Trace) -> Diagnosis:
+    """The verdict for a run's trace, with its evidence."""
+    diagnosis = _missing_ranks(trace)
+    if diagnosis is None:
+        d = find_divergence(trace)
+        if d is not None:
+            diagnosis = (_never_entered(trace, d) if d["kind"] == "never_entered"
+                         else _mismatch_verdict(trace, d))
+        else:
+            diagnosis = _straggler(trace) or _nothing(trace)
+    diagnosis.evidence = diagnosis.evidence + evidence(trace)
+    if trace.abort and trace.dumps:
+        diagnosis.hang_to_dump_s = (max(d["time"] for d in trace.dumps.values())
+                                    - max(d["last_progress_t"] for d in trace.dumps.values()))
+    return diagnosis
+
+
+def _nothing(trace: Trace) -> Diagnosis:
+    reasons = Counter(d["reason"].split(":")[0] for d in trace.dumps.values())
+    if "watchdog" in reasons:
+        return Diagnosis("none", "every rank stopped in the same operations: no rank is behind "
+                         "or issued anything different (a hang inside the transport itself, "
+                         "or a step longer than the watchdog timeout).", [])
+    if any(r.startswith("exception") for r in reasons):
+        return Diagnosis("none", "the ranks agree on every collective they issued; the run "
+                         "failed with an exception (see the evidence).", [])
+    return Diagnosis("none", "no divergence and no straggler: every rank issued the same "
+                     "collectives in the same order.", [])
+
+
+def evidence(trace: Trace) -> list[str]:
+    """One line per rank: why it dumped, its step, its last operation, where it is."""
+    lines = []
+    if trace.abort:
+        lines.append(f"watchdog: rank {trace.abort.get('rank')} saw no progress for "
+                     f"{trace.abort.get('limit_s')} s at step {trace.abort.get('step')}")
+    for r in range(trace.world_size):
+        d = trace.dumps.get(r)
+        if d is None:
+            lines.append(f"{trace.label(r)}: no dump")
+            continue
+        recs = d.get("records", [])
+        last = recs[-1] if recs else None
+        op = (f"; last {_op_text(last)} on {trace.group_label(last['group'])} ({last['state']})"
+              if last else "")
+        where = trace.where(r)
+        reason = d["reason"].splitlines()[0]
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        lines.append(f"{trace.label(r)}: {reason} at step {d.get('step')}{op}"
+                     + (f"; at {where}" if where else ""))
+    return lines

@@ -1,0 +1,350 @@
+"""One rank's doctor: the collective recorder, the watchdog and the dumps.
+
+    session = DoctorSession(trace_dir, rank, world_size, watchdog_timeout_s=60).start()
+    session.watch_mesh(mesh)          # name groups by their mesh axis
+    ... session.beat(step) after every step ...
+    session.close()                   # a last dump (step times, for stragglers), then off
+
+Dumps (`dump.py`) go to TRACE_DIR/rank_N.json on: a watchdog timeout (this rank's or another
+rank's), an exception (`dump_exception`), SIGTERM, SIGUSR1, and `dump()` on demand.
+
+Signals: a rank hung in a collective sits in C++ with the GIL released, where Python never runs
+its signal handlers. So the handlers installed here only chain to the handler that was there
+before (e.g. a preemption checkpoint handler); the dump itself is done by the watcher thread,
+woken through `signal.set_wakeup_fd`, which the C-level handler writes immediately (also when a
+handler installed later replaced ours). A SIGTERM that had the default action, and still has
+ours, keeps its meaning: after the dump the process exits with 128+15.
+
+Watchdog: progress is a finished step or a collective issued. With none for `timeout` seconds
+(`first_step_timeout` before the first step: start-up, compilation, first all-gathers), the
+rank announces the timeout out of band, never through the possibly hung process groups: a file
+TRACE_DIR/ABORT.json (and, when there is one, a key in the job's c10d store, polled by a thread
+of its own so that a frozen store host cannot block the watchdog). Every rank's watcher polls
+for it, dumps, waits up to `GRACE_S` for the others' dumps, and exits with `EXIT_WATCHDOG`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from meshtron.doctor import dump as dumpfile
+from meshtron.doctor.recorder import CollectiveRecorder
+
+EXIT_WATCHDOG = 3
+GRACE_S = 5.0
+POLL_S = 0.2
+STORE_KEY = "meshtron/doctor/abort"
+STEP_TIMES_KEPT = 500
+
+
+class DoctorSession:
+    """See the module docstring. `recorder=False` keeps the watchdog and dumps without
+    recording collectives."""
+
+    def __init__(self, trace_dir: Path | str, rank: int, world_size: int,
+                 watchdog_timeout_s: float | None = None,
+                 first_step_timeout_s: float | None = None, capacity: int = 2000,
+                 recorder: bool = True, exit_on_timeout: bool = True):
+        self.trace_dir = Path(trace_dir)
+        self.rank, self.world_size = rank, world_size
+        self.timeout_s = watchdog_timeout_s
+        self.first_step_timeout_s = first_step_timeout_s or (
+            max(4 * watchdog_timeout_s, 120.0) if watchdog_timeout_s else None)
+        self.exit_on_timeout = exit_on_timeout
+        self.recorder = CollectiveRecorder(rank, capacity, on_issue=self._progress) \
+            if recorder else None
+        self.mesh: dict[str, Any] | None = None
+        self.step = 0
+        self.step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
+        self.exception: str | None = None
+        self.timed_out: dict[str, Any] | None = None
+        self._started_t = self._last_progress = self._last_step_t = time.time()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._store_abort = threading.Event()
+        self._previous: dict[int, Any] = {}
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._thread: threading.Thread | None = None
+        self._installed = False
+        self._dumps: list[dict[str, Any]] = []
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> "DoctorSession":
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        dumpfile.write_hello(self.trace_dir, self.rank, self.world_size)
+        if self.recorder is not None:
+            self.recorder.install()
+            self._installed = True
+        self._install_signals()
+        self._thread = threading.Thread(target=self._watch, name="meshtron-doctor",
+                                        daemon=True)
+        self._thread.start()
+        if self.timeout_s:
+            threading.Thread(target=self._poll_store, name="meshtron-doctor-store",
+                             daemon=True).start()
+        return self
+
+    def close(self, final_dump: bool = True) -> None:
+        """Stop watching; `final_dump`: write the end-of-run dump (step times and the last
+        collectives, which `meshtron doctor` uses to find stragglers)."""
+        if final_dump:
+            self.dump("exit")
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S + 1.0)
+        if self._installed and self.recorder is not None:
+            self.recorder.uninstall()
+            self._installed = False
+        self._restore_signals()
+
+    def __enter__(self) -> "DoctorSession":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self.dump_exception(exc)
+        self.close(final_dump=exc is None)
+
+    # -- what the trainer tells it -------------------------------------------------------------
+    def watch_mesh(self, mesh, extra: dict[str, Any] | None = None) -> None:
+        """Name the mesh's process groups by axis in the records, and keep the mesh's rank grid
+        (every rank's coordinates, for ranks that cannot dump). `extra`: more named submeshes
+        (e.g. a flattened data axis)."""
+        names = list(mesh.mesh_dim_names or [])
+        self.mesh = {"axes": names, "grid": mesh.mesh.tolist()}
+        subs = {name: mesh[name] for name in names}
+        subs.update(extra or {})
+        if self.recorder is None:
+            return
+        for name, sub in subs.items():
+            self.recorder.name_axis(sub.get_group(), name)
+
+    def beat(self, step: int) -> None:
+        """A step finished (the watchdog's progress signal; per-rank step times)."""
+        now = time.time()
+        self.step_times.append((step, now, now - self._last_step_t))
+        self._last_step_t = self._last_progress = now
+        self.step = step
+
+    def _progress(self) -> None:
+        self._last_progress = time.time()
+
+    # -- dumps ---------------------------------------------------------------------------------
+    def dump_exception(self, exc: BaseException) -> Path:
+        import traceback
+
+        if self.timed_out is not None:  # the hang's dump says more than its aftermath
+            return dumpfile.dump_path(self.trace_dir, self.rank)
+        self.exception = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return self.dump(f"exception: {type(exc).__name__}: {exc}")
+
+    def dump(self, reason: str) -> Path:
+        """Write TRACE_DIR/rank_N.json now (any thread); returns its path."""
+        with self._lock:
+            doc = {
+                "format": dumpfile.FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
+                "time": time.time(), "step": self.step,
+                "last_progress_t": self._last_progress,
+                "watchdog": {"timeout_s": self.timeout_s,
+                             "first_step_timeout_s": self.first_step_timeout_s,
+                             "fired": self.timed_out},
+                "exception": self.exception,
+                "earlier_dumps": list(self._dumps),
+                "mesh": self.mesh,
+                "groups": self.recorder.group_table() if self.recorder else {},
+                "records": self.recorder.snapshot() if self.recorder else [],
+                "step_times": [{"step": s, "end_t": t, "seconds": d}
+                               for s, t, d in list(self.step_times)],
+                "stacks": dumpfile.thread_stacks(),
+                "peers": dumpfile.peer_states(self.trace_dir, self.world_size, self.rank),
+            }
+            fr = dumpfile.flight_recorder_trace()
+            if fr is not None:
+                doc["flight_recorder"] = fr
+            path = dumpfile.dump_path(self.trace_dir, self.rank)
+            dumpfile.write_json_atomic(path, doc)
+            self._dumps.append({"reason": reason, "time": doc["time"]})
+            return path
+
+    # -- signals -------------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        try:
+            old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        except ValueError:
+            r.close()
+            w.close()
+            return
+        if old != -1:  # someone else's wakeup fd (an event loop): leave theirs in place
+            signal.set_wakeup_fd(old)
+            r.close()
+            w.close()
+            return
+        self._wakeup = (r, w)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self._previous[sig] = signal.signal(sig, self._chain)
+
+    def _chain(self, signum, frame) -> None:
+        """Main-thread part of a signal: only the previous Python handler (the watcher thread
+        dumps)."""
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def _restore_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._wakeup is None:
+            return
+        for sig, handler in self._previous.items():
+            if signal.getsignal(sig) == self._chain:
+                signal.signal(sig, handler)
+        signal.set_wakeup_fd(-1)
+        for s in self._wakeup:
+            s.close()
+        self._wakeup = None
+
+    def _signals_received(self) -> list[int]:
+        if self._wakeup is None:
+            return []
+        try:
+            data = self._wakeup[0].recv(64)
+        except (BlockingIOError, OSError):
+            return []
+        return list(data)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if signum not in (signal.SIGTERM, signal.SIGUSR1):
+            return
+        self.dump(name)
+        if signum == signal.SIGUSR1:
+            import faulthandler
+
+            faulthandler.dump_traceback(all_threads=True)  # also readable on stderr
+        elif (self._previous.get(signum) == signal.SIG_DFL
+              and signal.getsignal(signum) == self._chain):
+            # Nobody else handles SIGTERM (a handler installed after ours, e.g. a graceful
+            # preemption checkpoint, replaces _chain and then owns the exit): keep SIGTERM's
+            # default meaning, ending the process, now that the trace is written.
+            print(f"[rank {self.rank}] SIGTERM: trace written to {self.trace_dir}",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+
+    # -- the watcher thread --------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            if self._wakeup is not None:
+                try:
+                    select.select([self._wakeup[0]], [], [], POLL_S)
+                except (OSError, ValueError):  # closed by close(): we are done
+                    return
+                for signum in self._signals_received():
+                    self._on_signal(signum)
+            else:
+                time.sleep(POLL_S)
+            if self._stop.is_set() or not self.timeout_s:
+                continue
+            other = self._abort_announced()
+            if other is not None:
+                self._fire(other)
+            elif time.time() - self._last_progress > self._limit():
+                self._fire(self._announce())
+
+    def _limit(self) -> float:
+        return self.timeout_s if self.step > 0 else self.first_step_timeout_s
+
+    def _announce(self) -> dict[str, Any]:
+        """Tell every rank, out of band, that this one saw no progress."""
+        info = {"rank": self.rank, "step": self.step, "time": time.time(),
+                "limit_s": self._limit(), "idle_s": time.time() - self._last_progress}
+        path = self.trace_dir / dumpfile.ABORT_FILE
+        try:  # the first rank to time out is the one named
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            with os.fdopen(fd, "w") as f:
+                json.dump(info, f)
+        except FileExistsError:
+            pass
+        threading.Thread(target=self._store_set, args=(json.dumps(info),), daemon=True).start()
+        return info
+
+    def _abort_announced(self) -> dict[str, Any] | None:
+        path = self.trace_dir / dumpfile.ABORT_FILE
+        if path.exists():
+            try:
+                info = json.loads(path.read_text())
+            except ValueError:  # being written: read it at the next poll
+                return None
+            # An earlier run's file (a run folder reused outside `meshtron train --nproc`,
+            # which clears it): every rank starts before any rank can time out.
+            if info.get("time", 0) >= self._started_t:
+                return info
+        if self._store_abort.is_set():
+            return {"rank": None, "via": "store"}
+        return None
+
+    def _fire(self, info: dict[str, Any]) -> None:
+        self.timed_out = info
+        who = "this rank" if info.get("rank") == self.rank else f"rank {info.get('rank')}"
+        self.dump(f"watchdog: {who} saw no progress for {info.get('limit_s')} s")
+        if not self.exit_on_timeout:
+            self._stop.set()
+            return
+        deadline = time.time() + GRACE_S
+        while time.time() < deadline and not self._all_dumped():
+            time.sleep(POLL_S)
+        run_dir = self.trace_dir.parent if self.trace_dir.name == "trace" else self.trace_dir
+        print(f"meshtron train (rank {self.rank}): watchdog: no progress for "
+              f"{info.get('limit_s')} s (first seen by {who}); trace written to "
+              f"{self.trace_dir}; run `meshtron doctor {run_dir}`",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_WATCHDOG)
+
+    def _all_dumped(self) -> bool:
+        """Every rank has dumped, or cannot (its process is gone or stopped)."""
+        peers = dumpfile.peer_states(self.trace_dir, self.world_size, self.rank)
+        return all(p.get("dumped") or p["state"] in ("gone", "stopped", "never_started")
+                   for p in peers.values())
+
+    # -- the store channel ---------------------------------------------------------------------
+    def _default_store(self):
+        try:
+            import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            return _get_default_store() if dist.is_initialized() else None
+        except (RuntimeError, ValueError):
+            return None
+
+    def _store_set(self, value: str) -> None:
+        store = self._default_store()
+        if store is not None:
+            try:
+                store.set(STORE_KEY, value)
+            except Exception:  # noqa: BLE001 - the file channel still works
+                pass
+
+    def _poll_store(self) -> None:
+        while not self._stop.wait(1.0):
+            store = self._default_store()
+            if store is None:
+                continue
+            try:
+                if store.check([STORE_KEY]):
+                    self._store_abort.set()
+                    return
+            except Exception:  # noqa: BLE001 - a store that went away: the file still works
+                return

@@ -1,0 +1,155 @@
+"""Reading a run's trace folder: every rank's dump and hello file, and naming ranks and groups
+the way the verdicts print them ("rank 5 (pp=1, dp=0, tp=1)", "the data-parallel group [1, 5]")."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshtron.doctor import dump as dumpfile
+from meshtron.errors import UserError
+
+AXIS_WORDS = {"tp": "tensor-parallel", "dp": "data-parallel",
+              "dp_shard": "data-parallel (shard)", "dp_replicate": "data-parallel (replicate)",
+              "pp": "pipeline", "cp": "context-parallel", "ep": "expert-parallel"}
+# Frames that say where a rank waits, not where the user's code is.
+_INFRA = ("/torch/", "/threading.py", "/selectors.py", "meshtron/doctor/",
+          "meshtron/testing/multiproc.py", "/runpy.py")
+
+
+@dataclass
+class Trace:
+    """Everything a run's ranks left in RUN_DIR/trace (and RUN_DIR/metrics.jsonl)."""
+
+    run_dir: Path
+    world_size: int
+    dumps: dict[int, dict[str, Any]]
+    hellos: dict[int, dict[str, Any]]
+    abort: dict[str, Any] | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    mesh: dict[str, Any] | None = None
+
+    # -- naming --------------------------------------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a rank (size-1 axes left out; the two data axes read as one)."""
+        if not self.mesh:
+            return {}
+        axes, grid = self.mesh["axes"], self.mesh["grid"]
+        sizes, index = _shape(grid), _find(grid, rank)
+        if index is None:
+            return {}
+        c = dict(zip(axes, index))
+        size = dict(zip(axes, sizes))
+        if "dp_replicate" in c and "dp_shard" in c:
+            c["dp"] = c.pop("dp_replicate") * size["dp_shard"] + c.pop("dp_shard")
+            size["dp"] = size["dp_replicate"] * size["dp_shard"]
+        return {a: v for a, v in c.items() if size.get(a, 1) > 1}
+
+    def label(self, rank: int) -> str:
+        c = self.coords(rank)
+        inner = ", ".join(f"{a}={v}" for a, v in c.items())
+        return f"rank {rank} ({inner})" if inner else f"rank {rank}"
+
+    def group_ranks(self, name: str) -> list[int]:
+        for d in self.dumps.values():
+            g = d.get("groups", {}).get(name)
+            if g:
+                return list(g["ranks"])
+        return []
+
+    def group_axis(self, name: str) -> str | None:
+        for d in self.dumps.values():
+            g = d.get("groups", {}).get(name)
+            if g and g.get("axis"):
+                return g["axis"]
+        return None
+
+    def group_label(self, name: str) -> str:
+        ranks = self.group_ranks(name)
+        axis = self.group_axis(name)
+        if axis:
+            kind = AXIS_WORDS.get(axis, f"{axis!r}")
+        elif ranks and sorted(ranks) == list(range(self.world_size)):
+            kind = "world"
+        else:
+            kind = f"process group {name!r},"
+        return f"the {kind} group {ranks}"
+
+    def where(self, rank: int) -> str | None:
+        """'file.py:88 in load_batch': the innermost frame of the rank's main thread outside
+        torch and the doctor, from its dump."""
+        d = self.dumps.get(rank)
+        if not d:
+            return None
+        main = next((t for t in d.get("stacks", []) if t.get("main")), None)
+        if not main or not main["frames"]:
+            return None
+        return frame_text(main["frames"])
+
+
+def frame_text(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame outside the infrastructure (innermost is last)."""
+    for f in reversed(frames):
+        if not any(s in f["file"] for s in _INFRA):
+            return f"{Path(f['file']).name}:{f['line']} in {f['function']}"
+    f = frames[-1]
+    return f"{Path(f['file']).name}:{f['line']} in {f['function']}"
+
+
+def _shape(grid) -> list[int]:
+    out = []
+    while isinstance(grid, list):
+        out.append(len(grid))
+        grid = grid[0] if grid else None
+    return out
+
+
+def _find(grid, rank: int, prefix: tuple = ()) -> tuple | None:
+    if not isinstance(grid, list):
+        return prefix if grid == rank else None
+    for i, sub in enumerate(grid):
+        hit = _find(sub, rank, prefix + (i,))
+        if hit is not None:
+            return hit
+    return None
+
+
+def load_trace(run_dir: Path | str) -> Trace:
+    """RUN_DIR (or RUN_DIR/trace itself) -> Trace. UserError when there is nothing to read."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"RUN_DIR={str(run_dir)!r}: not a folder")
+    tdir = run_dir / "trace" if (run_dir / "trace").is_dir() else run_dir
+    if tdir.name == "trace" and run_dir.name == "trace":
+        run_dir = run_dir.parent
+    dumps: dict[int, dict[str, Any]] = {}
+    hellos: dict[int, dict[str, Any]] = {}
+    for path in sorted(tdir.glob("rank_*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a dump cut short by a kill: as if it were missing
+        if doc.get("format") != dumpfile.FORMAT:
+            continue
+        (hellos if path.name.endswith(".hello.json") else dumps)[int(doc["rank"])] = doc
+    if not dumps and not hellos:
+        raise UserError(f"RUN_DIR={str(run_dir)!r}: no trace (expected trace/rank_N.json, "
+                        "written by `meshtron train` ranks)")
+    world = max(int(d.get("world_size", 0)) for d in [*dumps.values(), *hellos.values()])
+    abort = None
+    if (tdir / dumpfile.ABORT_FILE).is_file():
+        try:
+            abort = json.loads((tdir / dumpfile.ABORT_FILE).read_text())
+        except ValueError:
+            abort = None
+    metrics = []
+    if (run_dir / "metrics.jsonl").is_file():
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                metrics.append(json.loads(line))
+            except ValueError:
+                break
+    mesh = next((d["mesh"] for d in dumps.values() if d.get("mesh")), None)
+    return Trace(run_dir, world, dumps, hellos, abort, metrics, mesh)

@@ -1,0 +1,199 @@
+"""`meshtron simulate`: sweep the GPU count (re-planning at every size), or simulate one step.
+
+    meshtron simulate --model llama3-405b --gpus 512..131072 --global-batch 2048 \\
+        --seq-len 8192 --out runs/scaling --batch-growth 16384
+    meshtron simulate --step --model llama3-405b --cluster dgx-h100:2048 --global-batch 2048 \\
+        --seq-len 8192 --straggler 0:1.2 --jitter 0.05
+
+Pure Python (no torch import). Exit status 0, or 2 with one line for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from meshtron.argtypes import positive_int
+from meshtron.errors import UserError
+
+
+def _straggler(text: str) -> tuple[int, float]:
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*([0-9]*\.?[0-9]+)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RANK:FACTOR, e.g. 0:1.2")
+    return int(m.group(1)), float(m.group(2))
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="sweep GPU counts (re-planning), or simulate one step rank by rank",
+        description="Without --step: plan at every GPU count of --gpus and write CSV + PNG "
+                    "plots of throughput, scaling efficiency, MFU and marginal throughput to "
+                    "--out. With --step: discrete-event simulation of one step of the best "
+                    "plan (or --plan), optionally with slow GPUs or jitter.")
+    p.add_argument("--model", required=True, help="preset, config.json or model TOML")
+    p.add_argument("--cluster", default="dgx-h100",
+                   help="sweep: a preset kind (dgx-h100) or cluster TOML, nodes set per size; "
+                        "--step: dgx-h100:N or a TOML")
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    p.add_argument("--stack", default="eager", help="eager | fused (planner cost model)")
+    p.add_argument("--gpus", default="64..131072",
+                   help="sweep sizes: LO..HI (powers of two) or a list 512,1024,4096")
+    p.add_argument("--out", help="sweep: folder for sweep.csv and the PNG plots")
+    p.add_argument("--batch-growth", type=positive_int, metavar="MAX_BATCH",
+                   help="also sweep a batch growing with the GPUs (tokens per GPU of the first "
+                        "size) up to MAX_BATCH sequences")
+    p.add_argument("--threshold", type=_fraction, default=0.001,
+                   help="report where the added GPUs deliver less than this fraction of a "
+                        "first-size GPU each (default 0.001)")
+    p.add_argument("--step", action="store_true", help="simulate one step instead of sweeping")
+    p.add_argument("--plan", metavar="PLAN.toml", help="--step: this plan, not the best one")
+    p.add_argument("--straggler", type=_straggler, action="append", default=[],
+                   metavar="RANK:FACTOR", help="--step: this GPU is FACTOR x slower (repeatable)")
+    p.add_argument("--jitter", type=_fraction, default=0.0,
+                   help="--step: log-normal per-operation noise (sigma, e.g. 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="--step: seed of the jitter")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshtron.planner.cli import load_model
+    from meshtron.planner.compute import KernelOptions
+
+    model = load_model(args.model)
+    opts = KernelOptions(stack=args.stack)
+    if args.step:
+        return _run_step(args, model, opts)
+    return _run_sweep(args, model, opts)
+
+
+def _sweep_cluster(text: str):
+    from meshtron.planner.cluster import CLUSTER_PRESETS, resolve_cluster
+
+    kind = text.split(":", 1)[0]
+    if kind in CLUSTER_PRESETS:
+        return resolve_cluster(f"{kind}:1")
+    return resolve_cluster(text)
+
+
+def _run_sweep(args: argparse.Namespace, model, opts) -> int:
+    from meshtron.simulate.sweep import gpu_counts, stop_point, sweep, write_csv, write_plots
+
+    if not args.out:
+        raise UserError("out: required for a sweep (a folder for sweep.csv and the plots)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out={args.out!r}: exists and is not a folder")
+    counts = gpu_counts(args.gpus)
+    cluster = _sweep_cluster(args.cluster)
+    points = sweep(model, cluster, counts, args.global_batch, args.seq_len, args.batch_growth,
+                   opts)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(points, out / "sweep.csv")
+    title = f"{model.name}, {args.seq_len} tokens/seq"
+    plots = write_plots(points, out, title)
+    doc = {"schema": "meshtron-sweep/1", "csv": str(out / "sweep.csv"),
+           "plots": [str(p) for p in plots], "search_s": sum(p.search_s for p in points),
+           "series": {}}
+    for series in dict.fromkeys(p.series for p in points):
+        pts = [p for p in points if p.series == series]
+        stop = stop_point(pts, args.threshold)
+        half = stop_point(pts, 0.5)
+        doc["series"][series] = {
+            "threshold": args.threshold,
+            "stops_paying_at": half.gpus if half else None,
+            "stops_paying_why": half.cause if half else None,
+            "below_threshold_at": stop.gpus if stop else None,
+            "below_threshold_why": stop.cause if stop else None,
+            "points": [p.row() for p in pts]}
+    if args.json:
+        print(json.dumps(doc, indent=2, allow_nan=False))
+    else:
+        print(_render_sweep(doc))
+    return 0
+
+
+def _num(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def _render_sweep(doc: dict[str, Any]) -> str:
+    lines = []
+    for series, s in doc["series"].items():
+        lines.append(f"{series} batch:")
+        lines.append(f"  {'GPUs':>7} {'batch':>6} {'plan':52} {'tok/s':>11} {'eff':>6} "
+                     f"{'MFU':>6} {'marginal':>9}  why it scales worse")
+        for r in s["points"]:
+            eff = _num(r["scaling_efficiency"])
+            marg = _num(r["marginal"])
+            lines.append(f"  {r['gpus']:7d} {r['global_batch']:6d} {r['plan'][:52]:52} "
+                         f"{r['tokens_per_s']:11.4g} {eff:6.3f} {r['mfu']:6.3f} "
+                         f"{marg:9.4f}  {r['cause']}")
+        if s["stops_paying_at"]:
+            lines.append(f"  adding GPUs stops paying (each added GPU < 0.5 of a first-size GPU) "
+                         f"at {s['stops_paying_at']:,} GPUs: {s['stops_paying_why']}")
+        if s["below_threshold_at"]:
+            lines.append(f"  marginal throughput < {s['threshold']:g} of a first-size GPU per "
+                         f"added GPU at {s['below_threshold_at']:,} GPUs: "
+                         f"{s['below_threshold_why']}")
+    lines.append(f"Wrote {doc['csv']} and {len(doc['plots'])} plots; planner search "
+                 f"{doc['search_s']:.1f} s in total")
+    return "\n".join(lines)
+
+
+def _run_step(args: argparse.Namespace, model, opts) -> int:
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.plan import load_plan
+    from meshtron.planner.search import evaluate_plan, search_plans
+    from meshtron.simulate.step import Perturbation, simulate_step
+
+    cluster = resolve_cluster(args.cluster)
+    batch, seq = args.global_batch, args.seq_len
+    if args.plan:
+        est = evaluate_plan(model, cluster, batch, seq, load_plan(args.plan), options=opts)
+        if not est.fits:
+            raise UserError(f"plan={args.plan!r}: does not fit on {args.cluster} (needs "
+                            f"{est.memory.total:.1f} GiB per GPU of {est.memory.capacity:.0f})")
+    else:
+        result = search_plans(model, cluster, batch, seq, None, top_k=1, options=opts,
+                              explain=False)
+        if not result.fits:
+            raise UserError(f"cluster={args.cluster!r}: no plan of {args.model} fits")
+        est = result.best
+    ev = Evaluator(model, cluster, batch, seq, opts)
+    pert = Perturbation(stragglers=tuple(args.straggler), jitter=args.jitter, seed=args.seed)
+    base = simulate_step(ev, est)
+    res = simulate_step(ev, est, pert) if (pert.stragglers or pert.jitter) else base
+    doc = {"schema": "meshtron-step-sim/1", "plan": est.config.describe(),
+           "ranks": est.config.gpus, "unperturbed": base.to_dict(), "perturbed": res.to_dict(),
+           "slowdown": res.step_time_s / base.step_time_s}
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"Plan: {doc['plan']} ({doc['ranks']:,} ranks)")
+    print(f"analytical step {est.step_time_s:.3f} s; simulated {base.step_time_s:.3f} s "
+          f"({base.step_time_s / est.step_time_s - 1:+.1%}); {base.events:,} events x "
+          f"{base.classes} class in {base.seconds:.2f} s")
+    if res is not base:
+        print(f"perturbed ({'; '.join(res.notes) or 'jitter'}"
+              f"{f', jitter {args.jitter:g}' if args.jitter and res.notes else ''}): "
+              f"{res.step_time_s:.3f} s = x{doc['slowdown']:.3f} of the unperturbed step; "
+              f"{res.classes} classes in {res.seconds:.2f} s")
+    return 0

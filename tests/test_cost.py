@@ -1,0 +1,202 @@
+"""`meshtron cost`: the Monte Carlo against the closed forms of meshtron.reliability (the code
+the trainer's --checkpoint-every auto uses), the CLI's figures, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from meshtron.cost.montecarlo import RunProcess, simulate
+from meshtron.reliability import daly_interval_s, expected_lost_work_s, expected_wall_s
+
+
+def _within(samples: np.ndarray, expected: float, sigmas: float = 4.0) -> bool:
+    se = samples.std(ddof=1) / math.sqrt(len(samples))
+    return abs(samples.mean() - expected) <= sigmas * se + 1e-9 * expected
+
+
+def test_monte_carlo_matches_daly_expected_wall_time():
+    # R = 0: Daly's formula M (e^((tau+delta)/M) - 1) T/tau is exact for this process
+    m, delta, work = 2 * 3600.0, 60.0, 100 * 3600.0
+    tau = daly_interval_s(delta, m)
+    s = simulate(RunProcess(work_s=work, interval_s=tau, save_s=delta, fail_rate=1 / m,
+                            restart_s=0.0), runs=4000, seed=1)
+    # the formula counts whole segments; the simulated run's last one is shorter
+    full = math.floor(work / tau)
+    exact = (expected_wall_s(full * tau, tau, delta, m)
+             + expected_wall_s(work - full * tau, work - full * tau, delta, m))
+    assert _within(s.wall_s, exact)
+    assert s.wall_s.mean() > work * 1.05  # failures cost something visible at this MTBF
+
+
+def test_restart_adds_its_first_order_share():
+    # restarts not exposed to failures: each failure adds R; Daly's e^(R/M) is R/M to first order
+    m, delta, work, r = 3 * 3600.0, 30.0, 50 * 3600.0, 300.0
+    tau = daly_interval_s(delta, m)
+    s = simulate(RunProcess(work, tau, delta, 1 / m, r), runs=3000, seed=2)
+    daly = expected_wall_s(work, tau, delta, m, r)
+    assert abs(s.wall_s.mean() / daly - 1) < 0.01
+
+
+def test_daly_interval_is_the_monte_carlo_optimum():
+    m, delta, work = 2 * 3600.0, 120.0, 80 * 3600.0
+    tau = daly_interval_s(delta, m)
+    means = {f: simulate(RunProcess(work, tau * f, delta, 1 / m, 0.0), runs=3000,
+                         seed=3).wall_s.mean() for f in (0.5, 1.0, 2.0)}
+    assert means[1.0] < means[0.5] and means[1.0] < means[2.0]
+    # and Daly's closed form sits at the analytical minimum of the expected wall time
+    grid = np.linspace(0.5, 2.0, 301) * tau
+    best = grid[np.argmin([expected_wall_s(work, t, delta, m) for t in grid])]
+    assert abs(best / tau - 1) < 0.02
+
+
+@pytest.mark.parametrize("tau_over_m", [0.05, 1.0])
+def test_expected_lost_work_per_failure(tau_over_m):
+    m, delta = 3600.0, 10.0
+    tau = tau_over_m * m
+    s = simulate(RunProcess(200 * m, tau, delta, 1 / m, 0.0), runs=400, seed=4)
+    per_failure = s.lost_s.sum() / s.interruptions.sum()
+    expected = expected_lost_work_s(tau, delta, m)
+    # every failure's loss is one draw of the truncated exponential: its spread bounds the error
+    seg = tau + delta
+    sd = seg / math.sqrt(12)  # at most a uniform's on [0, L)
+    assert abs(per_failure - expected) < 4 * sd / math.sqrt(s.interruptions.sum())
+    if tau_over_m < 0.1:
+        assert abs(expected / (seg / 2) - 1) < 0.02  # the first-order L/2
+
+
+def test_preemptions_with_notice_lose_no_work():
+    work, tau, delta, rate, reacq = 100 * 3600.0, 1800.0, 60.0, 1 / (10 * 3600.0), 900.0
+    s = simulate(RunProcess(work, tau, delta, 1e-12, 0.0, preempt_rate=rate,
+                            preempt_restart_s=reacq, notice_s=120.0), runs=2000, seed=5)
+    assert s.interruptions.sum() == 0 and s.saved_preemptions.sum() > 0
+    each = delta + reacq
+    base = work + delta * math.ceil(work / tau)
+    expected = base / (1 - rate * each)  # the preemptions' own time draws more preemptions
+    assert _within(s.wall_s, expected)
+    short = simulate(RunProcess(work, tau, delta, 1e-12, 0.0, preempt_rate=rate,
+                                preempt_restart_s=reacq, notice_s=30.0), runs=500, seed=5)
+    assert short.interruptions.sum() > 0 and short.lost_s.sum() > 0
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+@pytest.fixture
+def cost_cli(monkeypatch, capsys):
+    import meshtron.cli as top
+
+    monkeypatch.setattr(top, "COMMAND_MODULES", ["meshtron.cost.cli"])
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        rc = top.main(["cost", *argv])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+    return run
+
+
+BASE = ("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--global-batch", "256",
+        "--seq-len", "4096", "--tokens", "100B", "--runs", "400")
+
+
+def test_cost_json_figures_add_up(cost_cli):
+    rc, out, err = cost_cli(*BASE, "--json", "--mtbf-hours", "5", "--price-on-demand", "2",
+                            "--price-spot", "0.8", "--pue", "1.1")
+    assert rc == 0, err
+    doc = json.loads(out)
+    for key in ("gpu_hours", "days", "energy_kwh", "p50_days", "p90_days"):
+        assert doc[key] > 0
+    assert doc["gpu_hours"] == pytest.approx(16 * doc["days"] * 24)
+    assert doc["cost_usd"]["on_demand"] == pytest.approx(doc["gpu_hours"] * 2.0)
+    assert doc["energy_kwh"] == pytest.approx(doc["gpu_hours"] * 6500 / 8 * 1.1 / 1000)
+    assert doc["checkpoint"]["mtbf_s"] == pytest.approx(5 * 3600)
+    assert doc["days"] > doc["failure_free_days"]  # a 5-hour MTBF costs something
+    assert doc["p50_days"] <= doc["p90_days"]
+    assert abs(doc["p50_days"] / doc["days"] - 1) < 0.02  # MC centred on Daly's expectation
+    assert doc["spot"]["days"] >= doc["on_demand"]["days"]
+    rec = doc["recommendation"]
+    assert rec["pricing"] in ("spot", "on_demand") and len(rec["reasons"]) >= 2
+
+
+def test_cost_text_and_deadline(cost_cli):
+    rc, out, err = cost_cli(*BASE, "--spot-preemptions-per-node-hour", "0.2",
+                            "--spot-notice-s", "0", "--deadline-days", "18.2")
+    assert rc == 0, err
+    assert "on-demand" in out and "Recommendation: on-demand" in out
+    assert "deadline" in out
+
+
+@pytest.mark.parametrize("extra, field", [
+    (("--price-on-demand", "-1"), "price-on-demand=-1.0"),
+    (("--mtbf-hours", "0"), "mtbf-hours=0.0"),
+    (("--failures-per-gpu-hour", "0"), "failures_per_gpu_hour=0.0"),
+    (("--pue", "0.9"), "pue=0.9"),
+    (("--storage-gb-per-s", "0"), "storage_gb_per_s=0.0"),
+    (("--price-spot", "abc"), "--price-spot"),
+])
+def test_bad_input_is_one_line(cost_cli, extra, field):
+    rc, out, err = cost_cli(*BASE, *extra)
+    assert rc == 2
+    assert err.count("\n") == 1 and field in err and "Traceback" not in err
+
+
+def test_unknown_gpu_is_one_line(cost_cli, tmp_path):
+    prices = tmp_path / "prices.toml"
+    prices.write_text("[Z100]\non_demand = 3.0\n")
+    rc, _, err = cost_cli(*BASE, "--prices", str(prices))
+    assert rc == 2 and err.count("\n") == 1 and "'Z100'" in err and "unknown GPU" in err
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('gpu = "Z100"\ngpus_per_node = 8\nnodes = 2\nintra_node_gb_per_s = 300\n'
+                       'inter_node_gb_per_s = 25\n')
+    rc, _, err = cost_cli("--model", "llama2-7b", "--cluster", str(cluster), "--global-batch",
+                          "256", "--seq-len", "4096")
+    assert rc == 2 and err.count("\n") == 1 and "unknown GPU" in err
+
+
+def test_price_file_overrides_and_numbers_only_cluster(cost_cli, tmp_path):
+    prices = tmp_path / "prices.toml"
+    prices.write_text("[A100]\non_demand = 1.5\nspot = 0.5\n")
+    rc, out, err = cost_cli(*BASE, "--prices", str(prices), "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["prices"]["on_demand"] == 1.5 and doc["prices"]["spot"] == 0.5
+    cluster = tmp_path / "n.toml"
+    cluster.write_text("peak_tflops = 312\nmemory_gib = 80\ngpus_per_node = 8\nnodes = 2\n"
+                       "intra_node_gb_per_s = 300\ninter_node_gb_per_s = 25\n")
+    rc, _, err = cost_cli("--model", "llama2-7b", "--cluster", str(cluster), "--global-batch",
+                          "256", "--seq-len", "4096")
+    assert rc == 2 and "--price-on-demand" in err and err.count("\n") == 1
+
+
+def test_cost_of_a_saved_plan_and_a_fixed_interval(cost_cli, tmp_path):
+    from meshtron.model.spec import resolve_model
+    from meshtron.planner import resolve_cluster, search_plans
+
+    best = search_plans(resolve_model("llama2-7b"), resolve_cluster("dgx-a100:2"), 256, 4096,
+                        {"tp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, top_k=1,
+                        explain=False).best
+    path = tmp_path / "plan.toml"
+    best.to_plan("llama2-7b", "dgx-a100:2", 16, 256, 4096, "flash").save(path)
+    rc, out, err = cost_cli("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--plan",
+                            str(path), "--tokens", "100B", "--runs", "200", "--mtbf-hours", "5",
+                            "--checkpoint-interval-min", "120", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["plan"] == best.config.describe()
+    assert doc["step_time_s"] == pytest.approx(best.step_time_s)
+    assert doc["on_demand"]["checkpoint_interval_s"] == 7200.0
+    # a 2-hour interval against a 5-hour MTBF loses more than Daly's ~17 minutes would
+    daly = json.loads(cost_cli(*BASE, "--mtbf-hours", "5", "--json")[1])
+    assert doc["days"] / doc["failure_free_days"] > daly["days"] / daly["failure_free_days"]
+
+
+def test_a_plan_that_does_not_fit_is_one_line(cost_cli, tmp_path):
+    from meshtron.planner.plan import Plan
+
+    plan = Plan.trusted(1, 1, 16, 0, 1, "none", False, None, 1, "bf16", 1).replace(
+        global_batch=256, seq_len=4096)
+    path = tmp_path / "plan.toml"
+    plan.save(path)
+    rc, _, err = cost_cli("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--plan", str(path))
+    assert rc == 2 and err.count("\n") == 1 and "does not fit" in err

@@ -1,0 +1,268 @@
+"""meshtron doctor on real faults: real gloo ranks, real signals, real hangs.
+
+Default suite: a hung `meshtron train --nproc 2 --watchdog-timeout` (exits non-zero with every
+rank's dump; doctor names the rank that never entered the collective), the analysis of dumps
+that real fault runs left (tests/data/doctor/, rewritten by the slow live tests:
+`REGENERATE=1 .venv/bin/python -m pytest -m slow tests/test_doctor.py -k live`), NCCL logs,
+SIGTERM chaining in process. Slow: every fault kind live, a frozen rank with more checks, and
+SIGUSR1/SIGTERM on real ranks (one blocked in a collective)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtron.doctor.analyze import diagnose
+from meshtron.doctor.trace import load_trace
+from meshtron.testing.multiproc import RankError, RankTimeout, run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import doctor_faults  # noqa: E402
+
+DATA = Path(__file__).parent / "data" / "doctor"
+FAULTS = str(Path(__file__).parent / "faults")
+# fault -> (world size, mesh shape, env, expected culprits)
+SCENARIOS = {
+    "never_entered": (4, (2, 2), None, [3]),
+    "mismatched_op": (3, (1, 3), None, [2]),
+    "mismatched_shape": (3, (1, 3), {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, [2]),
+    "dead_rank": (2, (2, 1), None, [1]),
+    "frozen_rank": (2, (2, 1), None, [1]),
+    "straggler": (3, (1, 3), None, [2]),
+}
+
+
+def _run_fault(fault: str, trace_dir: Path):
+    world, shape, env, _ = SCENARIOS[fault]
+    try:
+        return run_on_ranks(doctor_faults.faulty_loop, world, str(trace_dir), fault, shape,
+                            ("dp", "tp"), timeout=90, env=env)
+    except (RankError, RankTimeout) as exc:
+        return exc
+
+
+def _check(fault: str, trace_dir: Path):
+    diagnosis = diagnose(load_trace(trace_dir))
+    assert diagnosis.kind == fault, diagnosis.to_dict()
+    assert diagnosis.culprit_ranks == SCENARIOS[fault][3], diagnosis.to_dict()
+    return diagnosis
+
+
+def _no_process_left(trace_dir: Path):
+    from meshtron.doctor.dump import process_state
+
+    for hello in trace_dir.glob("rank_*.hello.json"):
+        assert process_state(json.loads(hello.read_text())["pid"]) == "gone", hello
+
+
+@pytest.mark.slow
+def test_frozen_rank_is_named_by_the_others(tmp_path):
+    outcome = _run_fault("frozen_rank", tmp_path)
+    assert isinstance(outcome, RankError), outcome  # the watchdog ended the run
+    d = _check("frozen_rank", tmp_path)
+    assert d.verdict.startswith("rank 1 (dp=1) is frozen (its process is stopped"), d.verdict
+    assert "rank 0 waited" in d.verdict and "data-parallel group [0, 1]" in d.verdict
+    dump = json.loads((tmp_path / "rank_0.json").read_text())
+    assert dump["reason"].startswith("watchdog") and dump["peers"]["1"]["state"] == "stopped"
+    assert not (tmp_path / "rank_1.json").exists()
+    _no_process_left(tmp_path)
+
+
+@pytest.mark.parametrize("fault", sorted(SCENARIOS))
+def test_recorded_dumps_of_every_fault_kind(fault):
+    """Dumps written by real runs of each fault (the slow test below rewrites them)."""
+    d = _check(fault, DATA / fault)
+    assert d.verdict.endswith(".") and "\n" not in d.verdict
+    if fault == "never_entered":
+        assert d.verdict.startswith("rank 3 (dp=1, tp=1) never entered all_reduce #3 on the "
+                                    "tensor-parallel group [2, 3]; it is at "
+                                    "doctor_faults.py:"), d.verdict
+        assert "in load_batch; rank 2 has waited" in d.verdict, d.verdict
+    if fault == "mismatched_op":
+        assert "issued broadcast #3" in d.verdict and "issued all_reduce #3" in d.verdict
+    if fault == "mismatched_shape":
+        assert "[16] float32 where ranks 0, 1 used [8] float32" in d.verdict, d.verdict
+    if fault == "dead_rank":
+        assert d.verdict.startswith("rank 1 (dp=1) died"), d.verdict
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(SCENARIOS))
+def test_every_fault_kind_live(fault, tmp_path):
+    _run_fault(fault, tmp_path)
+    _check(fault, tmp_path)
+    _no_process_left(tmp_path)
+    if os.environ.get("REGENERATE"):
+        shutil.rmtree(DATA / fault, ignore_errors=True)
+        shutil.copytree(tmp_path, DATA / fault)
+
+
+def test_train_watchdog_ends_a_hang_and_doctor_names_the_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=FAULTS,
+               MESHTRON_TEST_HANG_AT="3", MESHTRON_TEST_HANG_RANK="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
+         "--watchdog-timeout", "4", "--model", "debug", "--steps", "8", "--seq-len", "32",
+         "--global-batch", "8", "--eval-every", "0", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "watchdog: no progress for 4.0 s" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "trace").glob("rank_?.json")) == \
+        ["rank_0.json", "rank_1.json"]
+    _no_process_left(run_dir / "trace")
+    out = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["kind"] == "never_entered" and doc["culprit_ranks"] == [1], doc
+    assert doc["verdict"].startswith("rank 1 (dp=1) never entered all_reduce #"), doc
+    assert "on the data-parallel group [0, 1]; it is at sitecustomize.py:" in doc["verdict"]
+    assert "in load_batch; rank 0 has waited" in doc["verdict"], doc
+    print(f"hang to dumps: {doc['hang_to_dump_s']:.1f} s (watchdog timeout 4 s)")
+    text = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir)],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert text.splitlines()[0] == doc["verdict"]
+
+
+def test_doctor_bad_input_is_one_line(tmp_path, capsys):
+    from meshtron.cli import main
+
+    assert main(["doctor", str(tmp_path / "missing")]) == 2
+    assert main(["doctor", str(tmp_path)]) == 2
+    run = ["train", "--model", "debug", "--seq-len", "32", "--steps", "1", "--run-dir",
+           str(tmp_path / "run")]
+    assert main([*run, "--watchdog-timeout", "0.5"]) == 2
+    assert main([*run, "--watchdog-timeout", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and "not a folder" in err[0] and "no trace" in err[1], err
+    assert "--watchdog-timeout=0.5: allowed a finite number of seconds >= 1" in err[2], err
+    assert "argument --watchdog-timeout: '0'" in err[3], err
+    assert not (tmp_path / "run").exists()
+
+
+NCCL = Path(__file__).parent / "data" / "nccl"
+
+
+def _codes(report):
+    return {f["code"] for f in report.flags}
+
+
+def test_nccl_logs_healthy_and_broken():
+    from meshtron.doctor.nccl import analyze_files
+
+    good = analyze_files([str(NCCL / "good_2x4_tp4.log")], tp=4)
+    assert good.flags == [] and good.warnings == [] and good.timeouts == []
+    d = good.to_dict()
+    assert d["hosts"] == ["gpu-a01", "gpu-a02"] and d["processes"] == 8
+    assert d["versions"] == {"2.21.5+cuda12.4": 8}
+    sizes = sorted(c["nranks"] for c in d["communicators"])
+    assert sizes == [2, 2, 2, 2, 4, 4, 8]
+    tp_comms = [c for c in d["communicators"] if c["nranks"] == 4]
+    assert all(len(c["hosts"]) == 1 and set(c["transports"]) == {"NVLink"} for c in tp_comms)
+    world = d["communicators"][0]
+    assert world["nranks"] == 8 and set(world["transports"]) == {"NVLink", "IB/GDRDMA"}
+
+    bad_files = sorted(str(p) for p in NCCL.glob("bad_*.log"))
+    bad = analyze_files(bad_files, tp=4)
+    assert _codes(bad) == {"mixed_versions", "mixed_drivers", "intra_node_shm",
+                           "socket_transport", "tp_crosses_nodes", "tp_over_sockets",
+                           "timeout", "nccl_warn"}, bad.flags
+    crossing = [f for f in bad.flags if f["code"] == "tp_crosses_nodes"]
+    assert len(crossing) == 2 and "gpu-b01, gpu-b02" in crossing[0]["text"]
+    assert {(t["rank"], t["seq"], t["op"]) for t in bad.timeouts} == {
+        (2, 412, "ALLREDUCE"), (6, 412, "ALLREDUCE")}
+    assert "tp_crosses_nodes" not in _codes(analyze_files(bad_files))  # tp unknown: not guessed
+
+    one = analyze_files([str(NCCL / "one_node_p2p_off.log")])
+    assert _codes(one) == {"intra_node_network", "no_gdr"}, one.flags
+
+
+def test_nccl_log_cli(tmp_path, capsys):
+    from meshtron.cli import main
+
+    bad = sorted(str(p) for p in NCCL.glob("bad_*.log"))
+    assert main(["doctor", "--nccl-log", *bad, "--tp", "4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "tp_over_sockets" in {f["code"] for f in doc["flags"]}
+    assert main(["doctor", "--nccl-log", str(NCCL / "good_2x4_tp4.log")]) == 0
+    assert capsys.readouterr().out.startswith("no problem found in the NCCL logs of 8 processes")
+    empty = tmp_path / "empty.log"
+    empty.write_text("hello\n")
+    assert main(["doctor", "--nccl-log", str(empty)]) == 2
+    assert main(["doctor", "--nccl-log", str(tmp_path / "nope.log")]) == 2
+    assert main(["doctor", "--nccl-log", str(empty), "--tp", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "no NCCL log lines" in err[0] and "no such file" in err[1], err
+
+
+@pytest.mark.slow
+def test_signals_dump_a_blocked_rank_and_chain_to_the_previous_handler(tmp_path):
+    """SIGUSR1 dumps a rank blocked in a collective (where Python runs no signal handler);
+    SIGTERM dumps and calls the handler installed before (a preemption checkpoint's), without
+    ending the process itself."""
+    import signal
+    import threading
+    import time
+
+    trace, marker = tmp_path / "trace", tmp_path / "marker"
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(run_on_ranks(
+        doctor_faults.signalled_loop, 2, str(trace), str(marker), timeout=120)))
+    runner.start()
+
+    def wait_for(path: Path):
+        deadline = time.time() + 90
+        while not path.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert path.exists(), path
+
+    pids = {}
+    for rank in (0, 1):
+        wait_for(trace / f"rank_{rank}.hello.json")
+        pids[rank] = json.loads((trace / f"rank_{rank}.hello.json").read_text())["pid"]
+    deadline = time.time() + 60
+    dump0, doc = trace / "rank_0.json", {}
+    while not doc.get("records") and time.time() < deadline:  # until it sits in all_reduce
+        os.kill(pids[0], signal.SIGUSR1)
+        time.sleep(1.0)
+        doc = json.loads(dump0.read_text()) if dump0.exists() else {}
+    assert doc["reason"] == "SIGUSR1", doc["reason"]
+    assert doc["records"] and doc["records"][-1]["op"] == "all_reduce"
+    assert doc["records"][-1]["state"] != "completed"
+    os.kill(pids[1], signal.SIGTERM)
+    wait_for(marker)
+    runner.join(120)
+    assert outcome and outcome[0] == ["rank 0 done", "rank 1 done"], outcome
+    assert marker.read_text() == "previous handler called 1 time(s)"
+    last = json.loads((trace / "rank_1.json").read_text())
+    assert last["reason"] == "exit" and [d["reason"] for d in last["earlier_dumps"]] == ["SIGTERM"]
+
+
+def test_sigterm_handler_installed_later_owns_the_exit(tmp_path):
+    """A handler installed after the session's (a graceful preemption checkpoint) replaces it:
+    the session still dumps on SIGTERM but leaves the process alive for that handler."""
+    import signal
+    import time
+
+    from meshtron.doctor import DoctorSession
+
+    got: list = []
+    session = DoctorSession(tmp_path, 0, 1, recorder=False).start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 10
+        while not (tmp_path / "rank_0.json").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert json.loads((tmp_path / "rank_0.json").read_text())["reason"] == "SIGTERM"
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        session.close(final_dump=False)

@@ -1,0 +1,164 @@
+"""`meshtron simulate`: the step-level simulation against the analytical planner on regular
+plans, what it adds (slow GPUs, jitter), the GPU-count sweep, and bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from meshtron.model.spec import resolve_model
+from meshtron.planner import resolve_cluster, search_plans
+from meshtron.planner.estimate import Evaluator
+from meshtron.simulate.schedule import device_orders, zb_orders
+from meshtron.simulate.step import Perturbation, simulate_step
+
+
+def _plan(model: str, cluster: str, batch: int, seq: int, fixed=None):
+    m, c = resolve_model(model), resolve_cluster(cluster)
+    est = search_plans(m, c, batch, seq, fixed, top_k=1, explain=False).best
+    assert est is not None
+    return Evaluator(m, c, batch, seq), est
+
+
+REGULAR = [
+    ("llama3-70b", "dgx-h100:16", 1024, 4096, {"tp": 8, "pp": 4, "schedule": "1f1b"}),
+    ("llama3-70b", "dgx-h100:16", 1024, 4096, {"tp": 8, "pp": 4, "schedule": "zb"}),
+    ("llama3-70b", "dgx-h100:16", 1024, 4096, {"tp": 8, "pp": 4, "schedule": "gpipe"}),
+    ("llama3-70b", "dgx-h100:16", 1024, 4096,
+     {"tp": 8, "pp": 8, "schedule": "interleaved", "virtual_stages": 2}),
+    ("llama2-7b", "dgx-a100:4", 256, 4096, {"tp": 1, "pp": 1, "zero": 1}),
+    ("llama3-8b", "dgx-h100:8", 512, 4096, {"tp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}),
+    ("llama3-8b", "dgx-h100:8", 512, 4096, {"tp": 1, "pp": 1, "zero": 3}),
+]
+
+
+@pytest.mark.parametrize("model, cluster, batch, seq, fixed", REGULAR)
+def test_simulation_agrees_with_planner_on_regular_plans(model, cluster, batch, seq, fixed):
+    ev, est = _plan(model, cluster, batch, seq, fixed)
+    res = simulate_step(ev, est)
+    assert res.classes == 1 and res.events > est.num_microbatches
+    assert abs(res.step_time_s / est.step_time_s - 1) < 0.10, (est.config.describe(),
+                                                                 res.step_time_s, est.step_time_s)
+    assert res.step_time_s >= res.compute_s  # the busiest device's own work is a lower bound
+
+
+def test_schedules_run_every_operation_once():
+    p, v, m = 4, 2, 8
+    for sched, vv in (("1f1b", 1), ("gpipe", 1), ("interleaved", v), ("gpipe", v)):
+        orders = device_orders(sched, p, vv, m)
+        ops = [op for o in orders for op in o]
+        assert len(ops) == len(set(ops)) == 2 * p * vv * m
+        for s, o in enumerate(orders):
+            assert all(j % p == s for _, j, _ in o)
+    fwd, bwd, w = [1.0] * p, [2.0] * p, [0.8] * p
+    zb = zb_orders(p, 1, m, fwd, bwd, w, 0.0)
+    assert sorted(op for o in zb for op in o) == sorted(
+        (k, j, mb) for k in "FBW" for j in range(p) for mb in range(m))
+    # ZB-H1 fills the last device's 1F1B bubble with weight gradients: W before its last B
+    last = zb[-1]
+    assert last.index(("W", p - 1, 0)) < last.index(("B", p - 1, m - 1))
+
+
+def test_straggler_in_synchronous_data_parallel_job():
+    ev, est = _plan("llama2-7b", "dgx-a100:4", 256, 4096, {"tp": 1, "pp": 1, "zero": 1})
+    base = simulate_step(ev, est)
+    slow = simulate_step(ev, est, Perturbation(stragglers=((5, 1.2),)))
+    assert slow.classes == 2 and list(slow.class_counts) == [est.config.dp - 1, 1]
+    # every gradient bucket waits for the slow replica: the whole job runs its compute 1.2x
+    extra = slow.step_time_s - base.step_time_s
+    assert extra == pytest.approx(0.2 * base.compute_s, rel=0.05)
+    # the fast replicas end when the slow one does (synchronous collectives)
+    assert np.ptp(slow.class_step_s) < 0.01 * slow.step_time_s
+
+
+def test_straggler_in_a_pipeline_and_jitter():
+    ev, est = _plan("llama3-70b", "dgx-h100:16", 1024, 4096, {"tp": 8, "pp": 4, "schedule": "1f1b"})
+    base = simulate_step(ev, est)
+    stage2 = 2 * est.config.tp * est.config.dp  # first rank of pipeline stage 2
+    slow = simulate_step(ev, est, Perturbation(stragglers=((stage2, 1.2),)))
+    # the slow stage becomes the pipeline's bottleneck: ~1.2x its m micro-batches
+    assert 1.12 < slow.step_time_s / base.step_time_s < 1.22
+    means = []
+    for sigma in (0.02, 0.1):
+        runs = [simulate_step(ev, est, Perturbation(jitter=sigma, seed=k)).step_time_s
+                for k in range(3)]
+        means.append(np.mean(runs))
+    assert base.step_time_s < means[0] < means[1]  # noise costs time, more noise more
+
+
+def test_sixteen_thousand_ranks_by_symmetry():
+    ev, est = _plan("llama3-405b", "dgx-h100:2048", 2048, 8192)
+    assert est.config.gpus == 16384
+    base = simulate_step(ev, est)
+    slow = simulate_step(ev, est, Perturbation(stragglers=((12345, 1.5),)))
+    assert base.classes == 1 and slow.classes == 2
+    assert slow.step_time_s > base.step_time_s
+    # uneven interleaved chunks (126 layers over 96 virtual stages) cost more than the
+    # analytical bubble formula's even split assumes, but stay close
+    assert 0.95 < base.step_time_s / est.step_time_s < 1.25
+
+
+# ---- sweep and CLI -----------------------------------------------------------------------------
+@pytest.fixture
+def sim_cli(monkeypatch, capsys):
+    import meshtron.cli as top
+
+    monkeypatch.setattr(top, "COMMAND_MODULES", ["meshtron.simulate.cli"])
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        rc = top.main(["simulate", *argv])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+    return run
+
+
+def test_sweep_writes_csv_plots_and_finds_the_limit(sim_cli, tmp_path):
+    rc, out, err = sim_cli("--model", "llama2-7b", "--cluster", "dgx-a100", "--gpus", "8..256",
+                           "--global-batch", "16", "--seq-len", "4096", "--out", str(tmp_path),
+                           "--batch-growth", "256", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert {r["series"] for r in rows} == {"fixed", "growing"} and len(rows) == 12
+    for name in ("throughput", "scaling_efficiency", "mfu", "marginal"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+    fixed = doc["series"]["fixed"]["points"]
+    assert fixed[0]["scaling_efficiency"] == 1.0
+    # 16 sequences cannot feed 256 GPUs (dp x pp <= 16 with tp <= 8): no plan, nothing gained
+    assert fixed[-1]["plan"] == "" and fixed[-1]["marginal"] == 0.0
+    assert "batch too small" in fixed[-1]["cause"]
+    assert doc["series"]["fixed"]["below_threshold_at"] <= 256
+    grow = doc["series"]["growing"]["points"]
+    assert grow[-1]["global_batch"] == 256 and grow[-1]["tokens_per_s"] > fixed[-2]["tokens_per_s"]
+    # a cause is named wherever per-GPU throughput fell
+    for a, b in zip(fixed, fixed[1:]):
+        if b["plan"] and b["scaling_efficiency"] < a["scaling_efficiency"] - 0.01:
+            assert b["cause"] and not b["cause"].startswith("scales")
+
+
+def test_step_cli(sim_cli):
+    rc, out, err = sim_cli("--step", "--model", "llama3-8b", "--cluster", "dgx-h100:8",
+                           "--global-batch", "512", "--seq-len", "4096", "--straggler", "0:1.3",
+                           "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["slowdown"] > 1.05 and doc["perturbed"]["classes"] == 2
+
+
+@pytest.mark.parametrize("extra, field", [
+    (("--gpus", "abc", "--out", "x"), "gpus='abc'"),
+    (("--gpus", "0..8", "--out", "x"), "gpus='0..8'"),
+    (("--gpus", "12", "--out", "x"), "gpus=12"),
+    (("--step", "--cluster", "dgx-h100:8", "--straggler", "x"), "--straggler"),
+    (("--step", "--cluster", "dgx-h100:8", "--straggler", "99999:1.2"), "rank=99999"),
+    (("--step", "--cluster", "dgx-h100:8", "--straggler", "0:0.5"), "factor=0.5"),
+    (("--step", "--cluster", "dgx-h100:8", "--jitter", "-1"), "--jitter"),
+    (("--gpus", "8..16"), "out"),
+])
+def test_bad_input_is_one_line(sim_cli, extra, field):
+    rc, _, err = sim_cli("--model", "llama3-8b", "--global-batch", "512", "--seq-len", "4096",
+                         *extra)
+    assert rc == 2 and err.count("\n") == 1 and field in err and "Traceback" not in err
