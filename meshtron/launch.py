@@ -11,6 +11,7 @@ the world is taken as it is. meshtron never implements its own launcher or trans
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -84,15 +85,20 @@ def check_nproc(nproc: int) -> None:
         raise UserError(f"--nproc={nproc}: allowed 1..{limit} local ranks on this machine")
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
+                 grace_s: float = 30.0) -> int:
     """Run `meshtron <argv>` on `nproc` local ranks under torchrun; returns its exit code.
 
     The ranks run in their own process group so that Ctrl-C or a failure takes all of them down:
-    no rank is left running.
+    no rank is left running. `max_restarts`: torchrun's elastic agent restarts every rank up to
+    this many times when one fails. `grace_s`: after SIGTERM, how long the ranks get to finish
+    (e.g. to write a preemption checkpoint) before SIGKILL.
     """
     check_nproc(nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "meshtron"]
+           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+           # torchrun's own SIGTERM handling gives the workers this long before SIGKILL
+           f"--shutdown-timeout={math.ceil(grace_s)}", "-m", "meshtron"]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env[ARGV_ENV] = json.dumps(argv)
@@ -105,7 +111,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        _stop_group(proc)
+        _stop_group(proc, grace_s)
         return 130
     finally:
         for s, handler in previous.items():

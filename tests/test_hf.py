@@ -175,8 +175,17 @@ def _round_trip(folder: str, target: str, batch: torch.Tensor) -> dict:
     # A DCP checkpoint of the same state, as a run saves it, for `meshtron export`.
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"model": pm.state_dict()}, checkpoint_id=str(Path(target) / "run" / "checkpoints"
-                                                          / "step_000001"))
+    from meshtron.checkpoint import store
+
+    root = Path(target) / "run" / "checkpoints"
+    tmp = root / (store.TMP_PREFIX + store.step_name(1))
+    dcp.save({"model": pm.state_dict()}, checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:  # committed as meshtron.checkpoint commits: manifest, rename
+        store.write_json(tmp / store.META, {"step": 1})
+        store.write_manifest(tmp, 1)
+        store.commit(root, 1)
+    dist.barrier()
     release_mesh(mesh)
     return {"export": target}
 

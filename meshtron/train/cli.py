@@ -87,6 +87,34 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     add_compress_arguments(p.add_argument_group("less communication (meshtron/compress)"))
 
 
+def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("surviving failures (meshtron.checkpoint)")
+    g.add_argument("--checkpoint-every", metavar="N|auto", default="0",
+                   help="save a sharded asynchronous checkpoint every N steps (0: off), or "
+                        "'auto' (Young/Daly optimum from the measured save stall and the MTBF)")
+    g.add_argument("--keep", type=int, default=3, metavar="K",
+                   help="complete checkpoints kept (default 3)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in RUN_DIR/checkpoints")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart all ranks from the last checkpoint when one dies, up to R "
+                        "times (torchrun's elastic agent)")
+    g.add_argument("--preempt-grace", type=float, default=30.0, metavar="S",
+                   help="seconds from SIGTERM to the committed checkpoint; the run then exits "
+                        "with code 75 (default 30)")
+    g.add_argument("--mtbf-hours", type=float, metavar="H",
+                   help="the job's mean time between failures for --checkpoint-every auto "
+                        "(default: from the GPU count and Llama 3's per-GPU failure rate)")
+
+
+def checkpoint_config(args: argparse.Namespace):
+    from meshtron.checkpoint.config import CheckpointConfig, parse_every
+
+    return CheckpointConfig(every=parse_every(args.checkpoint_every), keep=args.keep,
+                            resume=args.resume, max_restarts=args.max_restarts,
+                            preempt_grace_s=args.preempt_grace, mtbf_hours=args.mtbf_hours)
+
+
 def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:
     """The run file (or `defaults`), then flags and --set, then a saved plan's batch geometry."""
     doc = load_toml(args.config) if args.config else dict(defaults or {})
@@ -137,7 +165,7 @@ def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -
 
 
 def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
-                     nproc: int | None) -> ParallelRequest | None:
+                     nproc: int | None, force: bool = False) -> ParallelRequest | None:
     """The parallel part of the command line; None when nothing asks for torch.distributed."""
     from meshtron.compress.cli import requested, search_knobs
     from meshtron.train.planning import fixed_knobs, is_plan_file
@@ -145,7 +173,7 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
     comm = requested(args)
     flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
     if all(f is None for f in flags) and not comm and (nproc or 1) == 1 \
-            and not args.launched_rank and args.watchdog_timeout is None:
+            and not args.launched_rank and args.watchdog_timeout is None and not force:
         return None
     knobs = fixed_knobs(plan, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
                         args.schedule)
@@ -165,10 +193,14 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
     from meshtron.hf.hooks import check_job
 
     check_job(cfg)
+    ckpt = checkpoint_config(args)
     return TrainJob(cfg=cfg,
-                    parallel=parallel_request(args, cfg, args.plan or plan, args.nproc or nproc),
+                    # restarts need torchrun's elastic agent, so they run the parallel path
+                    parallel=parallel_request(args, cfg, args.plan or plan, args.nproc or nproc,
+                                              force=ckpt.max_restarts > 0),
                     overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank,
-                    watchdog_timeout_s=args.watchdog_timeout, recorder=not args.no_recorder)
+                    watchdog_timeout_s=args.watchdog_timeout, recorder=not args.no_recorder,
+                    checkpoint=ckpt)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -198,6 +230,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Train a model. Configure with --config RUN.toml and/or flags.")
     add_run_arguments(p)
     add_parallel_arguments(p)
+    add_checkpoint_arguments(p)
     p.set_defaults(func=cmd_train)
     d = sub.add_parser("demo", help="the main job on the embedded default (no downloads)",
                        description="Calibrate this machine, plan for it, and train the tiny model "
@@ -206,4 +239,5 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "library's sources.")
     add_run_arguments(d)
     add_parallel_arguments(d)
+    add_checkpoint_arguments(d)
     d.set_defaults(func=cmd_demo)

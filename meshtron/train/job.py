@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtron.checkpoint.config import CheckpointConfig
 from meshtron.config import RunConfig
 
 
@@ -45,6 +46,8 @@ class TrainJob:
     launched_rank: bool = False
     """This process is a rank started by `meshtron train --nproc` on this machine: the parent
     process validated everything, saved the plan and reports the result."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints, --resume, automatic restarts and preemption (meshtron.checkpoint)."""
 
     def __post_init__(self):
         # The watchdog polls every 0.2 s; under a second it could only abort healthy runs.

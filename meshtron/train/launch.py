@@ -45,12 +45,18 @@ def warn(job: TrainJob) -> None:
 
 
 def train_here(job: TrainJob) -> int:
+    from meshtron.checkpoint import EXIT_PREEMPTED
+    from meshtron.checkpoint.checkpointer import Preempted, prepare_start
     from meshtron.train.loop import build_run_data, train
 
-    outputs.check_run_dir(job.cfg, job.overwrite)
+    outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     data = build_run_data(job.cfg)
+    prepare_start(job.checkpoint, job.cfg, job.overwrite)
     warn(job)  # once the input is known to be good
-    result = train(job.cfg, overwrite=job.overwrite, data=data)
+    try:
+        result = train(job.cfg, overwrite=job.overwrite, data=data, checkpoint=job.checkpoint)
+    except Preempted:
+        return EXIT_PREEMPTED
     outputs.print_result(job.cfg, result.to_dict(), Path(job.cfg.train.run_dir))
     return 0
 
@@ -62,15 +68,19 @@ def launch_ranks(job: TrainJob) -> int:
     from meshtron.train.loop import build_run_data
     from meshtron.train.planning import resolve_run_plan
 
+    from meshtron.checkpoint import EXIT_PREEMPTED
+    from meshtron.checkpoint.checkpointer import prepare_start, was_preempted
+
     request = job.parallel or ParallelRequest()
     nproc = request.nproc or 1
     check_nproc(nproc)
-    outputs.check_run_dir(job.cfg, job.overwrite)
+    outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     plan, cluster = resolve_run_plan(job.cfg, request, nproc)
     check_document_layout(job.cfg, plan)
     # The data must open on every data-parallel rank: check once here (cheap: the corpus is
     # read, not trained on) so that a bad path is one line, not N tracebacks.
     build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)
+    prepare_start(job.checkpoint, job.cfg, job.overwrite)
     warn(job)
     run_dir = Path(job.cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +90,14 @@ def launch_ranks(job: TrainJob) -> int:
 
     clear_trace(run_dir)
     outputs.print_plan(plan, cluster)
-    code = launch_local(nproc, rank_command(job, run_dir, request))
+    code = launch_local(nproc, rank_command(job, run_dir, request),
+                        max_restarts=job.checkpoint.max_restarts,
+                        grace_s=job.checkpoint.preempt_grace_s + 10.0)
+    preempted = was_preempted(job.cfg)
+    if preempted is not None:
+        print(f"meshtron train: preempted; checkpoint of step {preempted['step']} committed, "
+              f"exit code {EXIT_PREEMPTED}; continue with --resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     if code != 0:
         print(f"meshtron train: the {nproc} ranks failed (exit code {code}); their output is "
               "above", file=sys.stderr)
@@ -109,4 +126,4 @@ def rank_command(job: TrainJob, run_dir: Path, request: ParallelRequest) -> list
         argv += ["--watchdog-timeout", repr(job.watchdog_timeout_s)]
     if not job.recorder:
         argv += ["--no-recorder"]
-    return argv
+    return argv + job.checkpoint.rank_argv()

@@ -172,26 +172,42 @@ def read_values(out: StepOutput, seconds: float, device: torch.device,
 
 
 def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = True,
-             peak_flops: float | None = None, writers: list[Any] | None = None) -> TrainResult:
+             peak_flops: float | None = None, writers: list[Any] | None = None,
+             checkpointer=None) -> TrainResult:
     """Train `cfg.train.steps` steps (numbered 1..N); only the main rank writes and prints.
 
     `peak_flops`: the job's peak FLOP/s (all ranks) for MFU, when known. `writers`: extra
-    record sinks with `write(record)` (e.g. TensorBoard), main rank only."""
+    record sinks with `write(record)` (e.g. TensorBoard), main rank only. `checkpointer`: a
+    `meshtron.checkpoint.Checkpointer` (resume, periodic saves, SIGTERM), or None."""
+    main = engine.is_main
+    ckpt = checkpointer
+    start_step = ckpt.start() if ckpt else 0
+    try:
+        return _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, ckpt,
+                          start_step)
+    finally:
+        if ckpt:
+            ckpt.close()
+
+
+def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, ckpt,
+               start_step) -> TrainResult:
     main = engine.is_main
     steps = cfg.train.steps
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     eval_set = data.eval_batches() if cfg.train.eval_every else []
-    log = MetricsLog(run_dir) if main else None
+    records: list[dict[str, Any]] = ckpt.history() if ckpt and main else []
+    log = MetricsLog(run_dir, resume=bool(ckpt and ckpt.resumed)) if main else None
     sinks = ([log] if log else []) + (list(writers or []) if main else [])
     clock = StepClock(tokens_per_step)
-    records: list[dict[str, Any]] = []
-    first_loss = final_loss = math.nan
+    first_loss = next((r["loss"] for r in records if r["step"] == 1), math.nan)
+    final_loss = records[-1]["loss"] if records else math.nan
     eval_loss: float | None = None
     start = time.perf_counter()
     with TrainProgress(steps, enabled=show_progress and main) as progress:
         mark, pending = time.perf_counter(), 0
-        for step in range(1, steps + 1):
+        for step in range(start_step + 1, steps + 1):
             inputs, targets = data.next_batch()
             out = engine.train_step(inputs, targets)
             doctor.beat(step)
@@ -199,6 +215,8 @@ def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = 
             evaluating = bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0
                                                          or step == steps)
             if not (step == 1 or step == steps or evaluating or step % cfg.train.log_every == 0):
+                if ckpt:
+                    ckpt.after_step(step, steps)
                 continue
             loss, grad_norm, seconds = engine.read_log(out, time.perf_counter() - mark)
             record = {"step": step, "loss": loss, "lr": out.lr,
@@ -225,7 +243,9 @@ def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = 
                 for sink in sinks:
                     sink.write(record)
             progress.update(record)
-            mark = time.perf_counter()  # evaluation and logging are not training time
+            if ckpt:
+                ckpt.after_step(step, steps)
+            mark = time.perf_counter()  # evaluation, logging and saving are not training time
     if log is not None:
         log.close()
     return TrainResult(steps=steps, first_loss=first_loss, final_loss=final_loss,
@@ -267,21 +287,27 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: boo
 
 
 def train(cfg: RunConfig, show_progress: bool = True, overwrite: bool = False,
-          data=None) -> TrainResult:
+          data=None, checkpoint=None) -> TrainResult:
     """Single-process training into `cfg.train.run_dir` (refused when it holds a run, unless
-    `overwrite`): metrics.jsonl, summary.json, curves.png (and TensorBoard files if asked).
-    `data`: the run's data when already built (`build_run_data(cfg)`)."""
+    `overwrite` or resuming): metrics.jsonl, summary.json, curves.png (and TensorBoard files if
+    asked). `data`: the run's data when already built (`build_run_data(cfg)`). `checkpoint`: a
+    `meshtron.checkpoint.CheckpointConfig` (checkpoints, --resume, SIGTERM), or None."""
     from meshtron.train import outputs
 
-    outputs.check_run_dir(cfg, overwrite)
+    from meshtron.checkpoint.checkpointer import make_checkpointer
+
+    resume = bool(checkpoint and checkpoint.resume)
+    outputs.check_run_dir(cfg, overwrite or resume)
     data = build_run_data(cfg) if data is None else data
     # Bad input fails above, before anything is written to the run folder.
-    run_dir = outputs.prepare_run_dir(cfg)
+    run_dir = outputs.prepare_run_dir(cfg, resume=resume)
     keep_tokenizer(data.tokenizer, run_dir)
     engine = LocalEngine(cfg)
     apply_document_mask([engine.model], cfg, data.tokenizer)
+    ckpt = make_checkpointer(checkpoint, cfg, engine, data)
     with outputs.extra_writers(cfg, run_dir) as writers:
-        result = run_loop(engine, data, cfg, run_dir, show_progress, writers=writers)
+        result = run_loop(engine, data, cfg, run_dir, show_progress, writers=writers,
+                          checkpointer=ckpt)
     export_at_end(cfg, run_dir, model=engine.model)
     outputs.finish_run(run_dir, result.to_dict(), result.records)
     return result

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 from meshtron.config import RunConfig
 from meshtron.errors import UserError
 
-RUN_MARKERS = ("metrics.jsonl", "summary.json")
+RUN_MARKERS = ("metrics.jsonl", "summary.json", "checkpoints")
 """Files that mean a folder holds a run (refused unless --overwrite)."""
 STALE_OUTPUTS = ("metrics.jsonl", "summary.json", "memory.json", "curves.png")
 """Outputs of an earlier run removed when a run is started over it (--overwrite)."""
@@ -44,17 +44,17 @@ def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
                         "(pip install tensorboard, or meshtron[tensorboard])")
 
 
-def prepare_run_dir(cfg: RunConfig, main: bool = True, extra: dict[str, Any] | None = None
-                    ) -> Path:
-    """Create the folder, remove an earlier run's outputs (allowed by `check_run_dir`) and write
-    the resolved config.json (main rank)."""
+def prepare_run_dir(cfg: RunConfig, main: bool = True, extra: dict[str, Any] | None = None,
+                    resume: bool = False) -> Path:
+    """Create the folder, remove an earlier run's outputs (allowed by `check_run_dir`; kept when
+    `resume`-ing it) and write the resolved config.json (main rank)."""
     run_dir = Path(cfg.train.run_dir)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for name in STALE_OUTPUTS:
+        for name in STALE_OUTPUTS if not resume else ():
             (run_dir / name).unlink(missing_ok=True)
         tb = run_dir / TENSORBOARD_DIR
-        if tb.is_dir():
+        if tb.is_dir() and not resume:
             for old in tb.glob("events.out.tfevents.*"):
                 old.unlink()
         doc = {**cfg.to_dict(), **(extra or {})}

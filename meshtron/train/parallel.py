@@ -80,6 +80,9 @@ class ParallelEngine:
         self.diloco = diloco.attach(self.pm, rt)
         # Error-feedback residuals or DiLoCo's outer state: a Stateful to checkpoint (or None).
         self.compress_state = self.diloco or self.pm.grad_sync
+        # meshtron.checkpoint saves (and reshards) these beside the model and optimizer.
+        self.checkpoint_extras = ({"compress": self.compress_state}
+                                  if self.compress_state is not None else {})
         self.grad_clip = cfg.optim.grad_clip
         self.is_main = dist.get_rank() == 0
         self.grad_bytes: int | None = None
@@ -161,16 +164,21 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
 
 def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
                   cluster=None, show_progress: bool = True,
-                  fresh_tokenizer: bool = True) -> dict[str, Any] | None:
+                  fresh_tokenizer: bool = True, checkpoint=None) -> dict[str, Any] | None:
     """Run the plan on this rank (process group already initialised); rank 0 writes the run's
     outputs and returns the summary, with the planner's prediction beside the measurement when
     a cluster is known. `fresh_tokenizer`: no launching parent has trained the run's BPE
-    tokenizer yet (rank 0 trains it)."""
+    tokenizer yet (rank 0 trains it). `checkpoint`: a `meshtron.checkpoint.CheckpointConfig`,
+    or None."""
+    from meshtron.checkpoint.checkpointer import make_checkpointer
+
     engine = ParallelEngine(cfg, plan, device)
     doctor.watch_mesh(engine.mesh)
     data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp, main=engine.is_main,
                           barrier=dist.barrier, fresh=fresh_tokenizer)
-    run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
+    ckpt = make_checkpointer(checkpoint, cfg, engine, data, plan)
+    run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()},
+                                      resume=ckpt is not None and ckpt.may_resume)
     if engine.is_main:
         keep_tokenizer(data.tokenizer, run_dir)
     apply_document_mask(engine.pm.model_parts, cfg, data.tokenizer)
@@ -179,7 +187,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     peak = world.world_size * cluster.peak_tflops * 1e12 if known else None
     with outputs.extra_writers(cfg, run_dir, engine.is_main) as writers:
         result = run_loop(engine, data, cfg, run_dir, show_progress, peak_flops=peak,
-                          writers=writers)
+                          writers=writers, checkpointer=ckpt)
     export_at_end(cfg, run_dir, pm=engine.pm)
     memory = engine.memory_bytes()
     gathered: list[Any] = [None] * world.world_size

@@ -28,8 +28,12 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     from meshtron import doctor
     from meshtron.runtime import init_rank, shutdown_rank
 
+    from meshtron.checkpoint import EXIT_PREEMPTED
+    from meshtron.checkpoint.checkpointer import Preempted
+
     try:
         doctor.prepare_env()
+        _join_attempt(job, world)
         device = init_rank(world)
         plan, cluster = agreed_plan(job, world)
         doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
@@ -37,7 +41,8 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         from meshtron.train.parallel import train_on_rank
 
         summary = train_on_rank(job.cfg, plan, world, device, cluster,
-                                fresh_tokenizer=not job.launched_rank)
+                                fresh_tokenizer=not job.launched_rank,
+                                checkpoint=job.checkpoint)
         if summary is not None and not job.launched_rank:
             # Started by an outside torchrun/srun: rank 0 reports (meshtron's own launcher
             # reports from the parent instead).
@@ -46,18 +51,42 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
             run_dir = Path(job.cfg.train.run_dir)
             plan.save(run_dir / "plan.toml")
             outputs.print_result(job.cfg, summary, run_dir)
+    except Preempted:
+        doctor.stop()
+        shutdown_rank(EXIT_PREEMPTED)
     except UserError as exc:
         _abort(world, f"error: {exc}", EXIT_USAGE)
     except RunFailed as exc:
+        _note(job, world, f"RunFailed: {exc}")
         _dump(exc)
         _abort(world, f"failed: {exc}", 1)
     except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, and no hung peers
+        _note(job, world, f"{type(exc).__name__}: {exc}")
         _dump(exc)
         for line in traceback.format_exc().rstrip().splitlines():
             print(f"[rank {world.rank}] {line}", file=sys.stderr)
         _abort(world, f"failed: {type(exc).__name__}: {exc}", 1)
     doctor.stop()
     shutdown_rank(0)
+
+
+def _join_attempt(job: TrainJob, world: World) -> None:
+    """With automatic restarts, join the group on a store namespaced by torchrun's attempt."""
+    if job.checkpoint.max_restarts > 0 and world.source == "torchrun":
+        import torch
+
+        from meshtron.checkpoint.restart import init_attempt_group
+
+        init_attempt_group("nccl" if torch.cuda.is_available() else "gloo", world.rank,
+                           world.world_size, 600.0)
+
+
+def _note(job: TrainJob, world: World, cause: str) -> None:
+    """Leave the cause for the restarted attempt's `restart` record (meshtron.checkpoint)."""
+    if job.checkpoint.max_restarts > 0:
+        from meshtron.checkpoint.restart import note_failure
+
+        note_failure(job.cfg.train.run_dir, world.rank, cause)
 
 
 def _dump(exc: BaseException) -> None:

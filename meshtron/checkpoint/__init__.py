@@ -1,0 +1,15 @@
+"""Surviving failures: sharded asynchronous checkpoints with an integrity manifest, exact resume
+(also on another layout), automatic restarts through torchrun and SIGTERM preemption.
+
+- `CheckpointConfig`: the flags (`--checkpoint-every N|auto`, `--keep`, `--resume`,
+  `--max-restarts`, `--preempt-grace`, `--mtbf-hours`).
+- `Checkpointer`: the training loop's hook (collective; one per rank).
+- `load_full_state_dict(folder)`: a checkpoint as one unsharded state dict with meshtron's
+  parameter names, without a process group (for export).
+- `store`: the on-disk format, commit protocol and verification.
+"""
+
+from meshtron.checkpoint.config import EXIT_PREEMPTED, CheckpointConfig
+from meshtron.checkpoint.export import latest_checkpoint, load_full_state_dict
+
+__all__ = ["EXIT_PREEMPTED", "CheckpointConfig", "latest_checkpoint", "load_full_state_dict"]

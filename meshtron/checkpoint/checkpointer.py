@@ -1,0 +1,371 @@
+"""The training loop's checkpoint manager: resume, periodic asynchronous saves, preemption.
+
+One `Checkpointer` per rank; every method is called by every rank at the same point of the loop
+(they are collective). Saving (Nicolae et al.'s two-phase scheme, as torch.distributed.checkpoint's
+`async_save` implements it): the step's state is copied to host memory on the training thread
+(the only stall), then written by a background thread while training continues. One save is in
+flight at a time: the next one first waits for it. The background thread of rank 0 then writes the
+manifest and commits (store.py). DCP's background collectives run on a gloo group of their own:
+on the training group they crash with 'Connection reset by peer' (shared notes); a second gloo
+group carries the per-step preemption vote, so the two threads never share a group.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtron.checkpoint import history, restart, state, store
+from meshtron.checkpoint.config import CheckpointConfig
+from meshtron.checkpoint.preempt import PreemptionWatch
+from meshtron.errors import UserError
+
+AUTO_PROBE_STEPS = 3
+"""With `--checkpoint-every auto`, the first save happens after this many steps of the attempt:
+its stall is the measured save cost, and the steps before it give the step time."""
+
+
+class Preempted(Exception):
+    """SIGTERM reached a rank; the checkpoint of `step` is committed. Exit with EXIT_PREEMPTED."""
+
+    def __init__(self, step: int, seconds: float):
+        super().__init__(f"preempted after step {step}; checkpoint committed in {seconds:.1f} s")
+        self.step = step
+        self.seconds = seconds
+
+
+def _stager():
+    """One stager for the whole run: it keeps its host buffers (pinned on CUDA) from one save to
+    the next instead of allocating them per save. Safe because a save starts only after the
+    previous one has finished reading them (one save in flight). Staging stays on the training
+    thread: the stall ends once the copy is complete, never while tensors can still change."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
+def make_checkpointer(ckpt: CheckpointConfig | None, cfg: Any, engine: Any, data: Any,
+                      plan: Any = None) -> "Checkpointer | None":
+    """The loop's checkpointer for this job (collective: every rank calls it), or None when the
+    job neither saves nor resumes."""
+    if ckpt is None or not (ckpt.enabled or restart.attempt() > 0):
+        return None
+    return Checkpointer(ckpt, cfg, engine, data, cfg.train.run_dir, plan)
+
+
+class Checkpointer:
+    """See the module docstring. `engine`: LocalEngine or ParallelEngine; `data`: the run's data
+    (its `state_dict` is the sampler position); `plan`: the plan (None on one process)."""
+
+    def __init__(self, ckpt: CheckpointConfig, cfg: Any, engine: Any, data: Any,
+                 run_dir: str | Path, plan: Any = None):
+        self.ckpt, self.cfg, self.data, self.plan = ckpt, cfg, data, plan
+        self.engine = engine
+        self.run_dir = Path(run_dir)
+        self.root = store.checkpoint_root(run_dir)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        if self.distributed:
+            self.save_group = dist.new_group(backend="gloo")
+            self.vote_group = dist.new_group(backend="gloo")
+        if not self.distributed:  # one process: DCP warns that it assumes one process
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        self.state = state.EngineState(engine)
+        self.every: int | None = ckpt.every if isinstance(ckpt.every, int) else None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtron-ckpt")
+        self._stager = _stager()
+        self._inflight: Future | None = None
+        self._step_marks: list[float] = []
+        self.watch = PreemptionWatch(self.rank)
+        self.start_step = 0
+        self.resumed = False
+        self.stalls_s: list[float] = []
+        """Seconds the training thread was blocked by each save (staging, plus waiting for the
+        previous save when it was still in flight)."""
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"meshtron train: {text}", file=sys.stderr, flush=True)
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.vote_group)
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.vote_group)
+        return box[0]
+
+    def _max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.vote_group)
+        return t.tolist()
+
+    @property
+    def may_resume(self) -> bool:
+        """This start continues a run (--resume, or a torchrun restart)."""
+        return self.ckpt.resume or restart.attempt() > 0
+
+    # ---- start ---------------------------------------------------------------------------------
+    def start(self) -> int:
+        """Clear unfinished saves, then resume when asked (or when torchrun restarted us);
+        returns the number of steps already done (0: a fresh start)."""
+        n = restart.attempt()
+        resume = self.may_resume
+        if self.rank == 0:
+            if not resume and self.root.exists():  # a fresh run replaces an old run's state
+                shutil.rmtree(self.root)
+            store.remove_partial(self.root)
+            (self.root / store.PREEMPTED).unlink(missing_ok=True)
+        self._barrier()
+        self.resumed = resume
+        if not resume:
+            return 0
+        found = store.find_latest(self.root) if self.rank == 0 else None
+        if self.rank == 0:
+            for line in found.report():
+                self.say(line)
+        chosen = self._broadcast(None if found is None or found.path is None
+                                 else (found.step, str(found.path)))
+        if chosen is None:
+            if n == 0:
+                raise UserError(f"--resume: no complete checkpoint in {self.root}"
+                                + ("" if found is None or not found.rejected else
+                                   " (" + "; ".join(f"{a}: {b}" for a, b in found.rejected)
+                                   + ")"))
+            self.say(f"restart {n}: no complete checkpoint yet; starting over from step 0")
+            return 0
+        step, path = chosen
+        self.load(Path(path))
+        self.start_step = step
+        return step
+
+    def history(self) -> list[dict[str, Any]]:
+        """Main rank, after `start`: cut metrics.jsonl back to the resumed step (the steps after
+        it are trained again), add the `restart` / `resume` record, and return the step records
+        kept (the earlier part of the run, for summary.json and curves.png)."""
+        if self.rank != 0 or not self.resumed:
+            return []
+        path = self.run_dir / "metrics.jsonl"
+        kept, last = history.truncate(path, self.start_step)
+        n = restart.attempt()
+        if n > 0:
+            event = restart.restart_record(self.run_dir, self.world_size, self.start_step, last)
+            self.say(f"restart {n} (torchrun): {event['cause']}; resumed from step "
+                     f"{self.start_step}, {event['lost_steps']} logged step(s) lost")
+        else:
+            event = {"event": "resume", "resumed_from_step": self.start_step,
+                     "last_logged_step": last, "time": time.time()}
+        history.append(path, event)
+        return kept
+
+    def load(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        meta = store.read_meta(folder)
+        check_compatible(meta, self.cfg, folder)
+        template = self.state.tensors()
+        dcp.load(template, checkpoint_id=str(folder),
+                 process_group=self.save_group if self.distributed else None,
+                 no_dist=not self.distributed)
+        self.state.load_tensors(template)
+        state.set_schedule_position(self.engine.scheduler, meta["schedule_last_epoch"])
+        self.data.load_state_dict(meta["data"])
+        rank_doc = state.read_rank_file(folder, self.rank, meta["world_size"])
+        state.set_rng_state(rank_doc["rng"])
+        self.say(f"resumed from {folder} (step {meta['step']}, saved on "
+                 f"{meta['world_size']} rank(s){_layout(meta.get('plan'))})")
+
+    # ---- saving --------------------------------------------------------------------------------
+    def save(self, step: int, blocking: bool = False) -> float:
+        """Checkpoint the state after `step`; returns the seconds the caller was blocked.
+        `blocking`: write, checksum and commit before returning (no background thread)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        t0 = time.perf_counter()
+        self.wait()
+        tmp = self.root / (store.TMP_PREFIX + store.step_name(step))
+        tmp.mkdir(parents=True, exist_ok=True)
+        state.write_rank_file(tmp, self.rank)
+        if self.rank == 0:
+            store.write_json(tmp / store.META, self._meta(step))
+        writer = FileSystemWriter(str(tmp))
+        group = self.save_group if self.distributed else None
+        tensors = self.state.tensors()
+        if blocking:
+            dcp.save(tensors, storage_writer=writer, process_group=group,
+                     no_dist=not self.distributed)
+            self._commit(step)
+        else:
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=group,
+                                    no_dist=not self.distributed, async_stager=self._stager)
+            self._inflight = self._executor.submit(self._finish, future, step)
+        stall = time.perf_counter() - t0
+        self.stalls_s.append(stall)
+        return stall
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        return {"format": store.FORMAT, "step": step, "world_size": self.world_size,
+                "data": self.data.state_dict(),
+                "schedule_last_epoch": self.engine.scheduler.last_epoch,
+                "plan": self.plan.to_dict() if self.plan is not None else None,
+                "config": json.loads(json.dumps(self.cfg.to_dict(), default=str)),
+                "time": time.time()}
+
+    def _finish(self, future: Any, step: int) -> None:
+        future.result()  # every rank's shards written (DCP gathers them before its metadata)
+        self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        if self.rank != 0:
+            return
+        tmp = self.root / (store.TMP_PREFIX + store.step_name(step))
+        store.write_manifest(tmp, step)
+        final = store.commit(self.root, step)
+        removed = store.prune(self.root, self.ckpt.keep)
+        gone = f"; removed {', '.join(removed)}" if removed else ""
+        print(f"meshtron train: checkpoint {final.name} committed{gone}", file=sys.stderr,
+              flush=True)
+
+    def wait(self) -> None:
+        """Wait for the save in flight (its error, if any, is raised here)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.result()
+
+    # ---- the loop's hook -----------------------------------------------------------------------
+    def after_step(self, step: int, total_steps: int) -> None:
+        """Called by every rank after optimizer step `step`: periodic save, `auto` probe, and
+        the preemption vote (raises `Preempted` once the checkpoint is committed)."""
+        self._step_marks.append(time.perf_counter())
+        if self._preempt_vote():
+            self._preempt(step)
+        if self.every is None and self.ckpt.every == "auto" \
+                and step - self.start_step == min(AUTO_PROBE_STEPS, total_steps - self.start_step):
+            self._choose_interval(step)
+        elif self.every and (step % self.every == 0 or step == total_steps):
+            self.save(step)
+
+    def _preempt_vote(self) -> bool:
+        """Whether any rank got SIGTERM: a one-element MAX all-reduce on a gloo group, so every
+        rank stops after the same step even when one rank alone was signalled."""
+        flag = 1.0 if self.watch.requested else 0.0
+        return self._max([flag])[0] > 0 if self.distributed else flag > 0
+
+    def _preempt(self, step: int) -> None:
+        t0 = self.watch.requested_at or time.monotonic()
+        self.save(step)
+        self.wait()
+        seconds = time.monotonic() - t0
+        if self.rank == 0:
+            doc = {"step": step, "seconds_after_signal": seconds,
+                   "grace_s": self.ckpt.preempt_grace_s}
+            store.write_json(self.root / store.PREEMPTED, doc)
+            history.append(self.run_dir / "metrics.jsonl", {
+                "event": "preempted", "checkpoint_step": step, "seconds_after_signal": seconds,
+                "grace_s": self.ckpt.preempt_grace_s, "time": time.time()})
+            late = "" if seconds <= self.ckpt.preempt_grace_s else (
+                f" (over the {self.ckpt.preempt_grace_s:g} s grace: lower --checkpoint-every "
+                "so less work is at risk, or raise --preempt-grace)")
+            self.say(f"preempted: checkpoint of step {step} committed {seconds:.1f} s after "
+                     f"the signal{late}; continue with --resume")
+        raise Preempted(step, seconds)
+
+    def _choose_interval(self, step: int) -> None:
+        """`--checkpoint-every auto`: save once, measure the stall, apply Daly's interval."""
+        from meshtron.reliability import (
+            cluster_mtbf_s,
+            expected_overhead_fraction,
+            interval_steps,
+        )
+
+        marks = self._step_marks
+        gaps = [b - a for a, b in zip(marks, marks[1:])] or [marks[-1] - marks[0] or 1e-3]
+        stall = self.save(step)
+        stall, step_s = self._max([stall, statistics.median(gaps)])
+        step_s = max(step_s, 1e-6)
+        if self.ckpt.mtbf_hours is not None:
+            mtbf, source = self.ckpt.mtbf_hours * 3600.0, "--mtbf-hours"
+        else:
+            mtbf = cluster_mtbf_s(self.world_size)
+            source = f"{self.world_size} GPU(s) at Llama 3's 1.97e-5 failures per GPU-hour"
+        self.every = interval_steps(step_s, max(stall, 1e-6), mtbf)
+        overhead = expected_overhead_fraction(self.every * step_s, stall, mtbf)
+        self.say(f"--checkpoint-every auto: save stall {stall * 1e3:.1f} ms, step "
+                 f"{step_s * 1e3:.1f} ms, MTBF {mtbf / 3600:.3g} h ({source}) -> checkpoint "
+                 f"every {self.every} steps ({self.every * step_s:.1f} s, Daly 2006); expected "
+                 f"overhead {overhead * 100:.3g}% (stalls + lost work)")
+
+    def close(self, step: int | None = None) -> None:
+        """At the end of the run: wait for the save in flight, release the signal handler."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._stager.close()
+            self.watch.close()
+
+
+def _layout(plan: dict[str, Any] | None) -> str:
+    if not plan:
+        return ""
+    return f", layout tp={plan.get('tp')} pp={plan.get('pp')} dp={plan.get('dp')} " \
+           f"zero={plan.get('zero')}"
+
+
+_SHAPE_IGNORED = ("name",)
+
+
+def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
+    """Refuse a checkpoint of another model shape or batch geometry (one line)."""
+    saved = dict(meta.get("config", {}).get("model", {}))
+    now = json.loads(json.dumps(cfg.to_dict()["model"], default=str))
+    for key in sorted(set(saved) | set(now)):
+        if key not in _SHAPE_IGNORED and saved.get(key) != now.get(key):
+            raise UserError(f"--resume: checkpoint {folder} holds a model with "
+                            f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}; "
+                            "resume with the same model or start a new --run-dir")
+
+
+def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool) -> None:
+    """Checks in the launching process, before any rank starts: `--resume` needs a complete
+    checkpoint (sizes checked here; checksums by the ranks) of the same model; a fresh run over
+    an old one (--overwrite) drops the old checkpoints so a later --resume cannot pick them up."""
+    root = store.checkpoint_root(cfg.train.run_dir)
+    if ckpt.resume:
+        found = store.find_latest(root, deep=False)
+        if found.path is None:
+            why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
+            raise UserError(f"--resume: no complete checkpoint in {root}"
+                            + (f" ({why})" if why else ""))
+        check_compatible(store.read_meta(found.path), cfg, found.path)
+        (root / store.PREEMPTED).unlink(missing_ok=True)
+    elif overwrite and root.exists():
+        shutil.rmtree(root)
+
+
+def was_preempted(cfg: Any) -> dict[str, Any] | None:
+    """The preemption record of the run that just ended, if SIGTERM stopped it."""
+    path = store.checkpoint_root(cfg.train.run_dir) / store.PREEMPTED
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,87 @@
+"""What `meshtron train` is asked to do about failures: the checkpoint flags, typed and checked."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtron.errors import UserError
+
+EXIT_PREEMPTED = 75
+"""Exit code of a run stopped by SIGTERM after writing its checkpoint: sysexits.h EX_TEMPFAIL
+("temporary failure, try again"), so a scheduler script can tell a preemption (requeue with
+`--resume`) from success (0), bad input (2) and a failure (1)."""
+
+DEFAULT_KEEP = 3
+DEFAULT_PREEMPT_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing, resuming, restarts and preemption of one training job."""
+
+    every: int | str = 0
+    """Save every this many optimizer steps; 'auto': Daly's optimal interval from the measured
+    save stall and the mean time between failures; 0: off (SIGTERM is then not intercepted
+    either, unless --resume or --max-restarts is given)."""
+    keep: int = DEFAULT_KEEP
+    """Complete checkpoints kept on disk (the oldest are deleted after a new one commits)."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in RUN_DIR/checkpoints."""
+    max_restarts: int = 0
+    """Restarts of all ranks (through torchrun's elastic agent) after a rank dies."""
+    preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S
+    """Seconds between SIGTERM and the checkpoint being committed (the notice a spot instance or
+    Slurm gives); the launcher waits this long (plus a margin) before killing ranks."""
+    mtbf_hours: float | None = None
+    """The job's mean time between failures for `every='auto'`; None: derived from the GPU
+    count and the Llama 3 per-GPU failure rate (meshtron.reliability)."""
+
+    def __post_init__(self) -> None:
+        every = self.every
+        if isinstance(every, str) and every != "auto" or isinstance(every, bool) or (
+                isinstance(every, int) and every < 0) or not isinstance(every, (int, str)):
+            raise UserError(f"--checkpoint-every={every!r}: allowed an integer >= 0 (steps; 0 = "
+                            "off) or 'auto'")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise UserError(f"--keep={self.keep!r}: allowed an integer >= 1 (complete "
+                            "checkpoints kept)")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) \
+                or self.max_restarts < 0:
+            raise UserError(f"--max-restarts={self.max_restarts!r}: allowed an integer >= 0")
+        if not (isinstance(self.preempt_grace_s, (int, float)) and math.isfinite(
+                self.preempt_grace_s) and self.preempt_grace_s > 0):
+            raise UserError(f"--preempt-grace={self.preempt_grace_s!r}: allowed a positive "
+                            "number of seconds")
+        if self.mtbf_hours is not None and not (
+                isinstance(self.mtbf_hours, (int, float)) and math.isfinite(self.mtbf_hours)
+                and self.mtbf_hours > 0):
+            raise UserError(f"--mtbf-hours={self.mtbf_hours!r}: allowed a positive number of "
+                            "hours")
+
+    @property
+    def enabled(self) -> bool:
+        """Anything to do beyond the plain run (periodic saves or a resume)."""
+        return self.every != 0 or self.resume or self.max_restarts > 0
+
+    def rank_argv(self) -> list[str]:
+        """The same settings as command-line flags, for the ranks a launcher starts."""
+        argv = ["--checkpoint-every", str(self.every), "--keep", str(self.keep),
+                "--preempt-grace", repr(float(self.preempt_grace_s)),
+                "--max-restarts", str(self.max_restarts)]
+        if self.mtbf_hours is not None:
+            argv += ["--mtbf-hours", repr(float(self.mtbf_hours))]
+        if self.resume:
+            argv.append("--resume")
+        return argv
+
+
+def parse_every(text: str) -> int | str:
+    """`--checkpoint-every` value: 'auto' or an integer (range checked by CheckpointConfig)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--checkpoint-every={text!r}: allowed an integer >= 0 (steps; 0 = off) "
+                        "or 'auto'") from None

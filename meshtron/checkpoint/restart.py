@@ -1,0 +1,95 @@
+"""Automatic restarts through torchrun's elastic agent: joining the group again, and saying why.
+
+torchrun (`--max-restarts R`) restarts every rank when one dies; the new ranks see
+TORCHELASTIC_RESTART_COUNT = the attempt number and resume from the newest complete checkpoint.
+
+Joining again on the same host: the agent's store keeps the previous attempt's keys, and new gloo
+groups then hang or fail with 'Gloo connectFullMesh failed ... Connection refused' (shared notes,
+pytorch-2.13-cpu-facts.md). The group is therefore built on a store namespaced per attempt.
+
+Why the previous attempt ended: a rank that fails with a Python exception (including a CUDA
+out-of-memory error) leaves a note (`note_failure`); a rank killed by a signal (SIGKILL, the
+kernel's OOM killer) cannot, so the ranks without a note are reported as killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Mapping
+
+from meshtron.checkpoint import store
+
+ATTEMPTS = "attempts"
+
+
+def attempt(env: Mapping[str, str] | None = None) -> int:
+    """This process's restart attempt (0: the first start)."""
+    env = os.environ if env is None else env
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def init_attempt_group(backend: str, rank: int, world_size: int, timeout_s: float) -> bool:
+    """Join the default process group on a store namespaced by the attempt (torchrun only);
+    returns False when not under torchrun's environment (the caller initialises as usual)."""
+    import torch.distributed as dist
+
+    env = os.environ
+    if "MASTER_ADDR" not in env or "TORCHELASTIC_RESTART_COUNT" not in env \
+            or dist.is_initialized():
+        return False
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    timeout = timedelta(seconds=timeout_s)
+    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                         is_master=not agent_store and rank == 0, timeout=timeout,
+                         multi_tenant=not agent_store)
+    prefixed = dist.PrefixStore(f"meshtron/attempt_{attempt()}", base)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    return True
+
+
+def _notes_dir(run_dir: str | Path, n: int) -> Path:
+    return store.checkpoint_root(run_dir) / ATTEMPTS / f"attempt_{n}"
+
+
+def note_failure(run_dir: str | Path, rank: int, cause: str) -> None:
+    """Record why this rank is failing (best effort: never raises)."""
+    try:
+        folder = _notes_dir(run_dir, attempt())
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank_{rank}.json").write_text(json.dumps(
+            {"rank": rank, "cause": cause[:500], "time": time.time()}))
+    except OSError:
+        pass
+
+
+def previous_cause(run_dir: str | Path, world_size: int) -> str:
+    """Why attempt (this one - 1) ended, from the ranks' notes."""
+    folder = _notes_dir(run_dir, attempt() - 1)
+    notes = []
+    for r in range(world_size):
+        path = folder / f"rank_{r}.json"
+        try:
+            notes.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    silent = sorted(set(range(world_size)) - {n["rank"] for n in notes})
+    if silent:
+        who = ", ".join(str(r) for r in silent)
+        return (f"rank {who} ended without a Python error (killed by a signal: SIGKILL, the "
+                "kernel's out-of-memory killer, or a crash)")
+    first = min(notes, key=lambda n: n["time"])
+    return f"rank {first['rank']} failed: {first['cause']}"
+
+
+def restart_record(run_dir: str | Path, world_size: int, resumed_from: int,
+                   last_logged: int | None) -> dict[str, Any]:
+    """The metrics.jsonl `restart` record of this attempt."""
+    lost = None if last_logged is None else max(0, last_logged - resumed_from)
+    return {"event": "restart", "attempt": attempt(), "cause": previous_cause(run_dir, world_size),
+            "resumed_from_step": resumed_from, "last_logged_step": last_logged,
+            "lost_steps": lost, "time": time.time()}

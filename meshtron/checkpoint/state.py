@@ -1,0 +1,138 @@
+"""What a checkpoint holds, taken from and given back to a training engine.
+
+Tensors go through torch.distributed.checkpoint (DCP), keyed by the plain model's parameter
+names, so they reshard to any layout on load:
+
+- "model.<fqn>": parameters (DTensor shards under FSDP2 / tensor parallelism; each pipeline
+  stage saves its own names);
+- "optim.state.<fqn>.<name>": AdamW moments and step counters, flattened (DCP's
+  `flatten_optimizer_state_dict`), so ZeRO-1 shards and pipeline stages with different
+  parameters save disjoint keys;
+- "<name>.<key>": each extra `Stateful` the trainer registers (e.g. error-feedback residuals, an
+  outer optimizer): its `state_dict()` must hold tensors only (DTensors, or plain tensors equal
+  on every rank that holds the key).
+
+The optimizer's hyper-parameter groups ("optim.param_groups.*") are not saved: they come from the
+run config, and the learning rate from the schedule position, which keeps pickled Python
+objects out of the tensor files. Everything else is JSON: meta.json (step, data-sampler position,
+LR-schedule position, plan, run config) and one rank_<r>.json per rank (its RNG states).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from meshtron.checkpoint import store
+
+_GROUP_PREFIX = "param_groups."
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class EngineState:
+    """The model and optimizer of a training engine (the single-process `LocalEngine` or the
+    parallel `ParallelEngine`), as DCP state dicts with plain-model keys."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        if hasattr(engine, "pm"):  # ParallelModel + ParallelOptimizer: DCP-ready already
+            self.model_sd: Callable[[], dict] = engine.pm.state_dict
+            self.load_model: Callable[[dict], None] = engine.pm.load_state_dict
+            self.optim_sd: Callable[[], dict] = engine.optimizer.state_dict
+            self.load_optim: Callable[[dict], None] = engine.optimizer.load_state_dict
+        else:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            model, opt = engine.model, engine.optimizer
+            flat = StateDictOptions(flatten_optimizer_state_dict=True)
+            self.model_sd = lambda: get_model_state_dict(model)
+            self.load_model = lambda sd: set_model_state_dict(model, sd)
+            self.optim_sd = lambda: get_optimizer_state_dict(model, opt, options=flat)
+            self.load_optim = lambda sd: set_optimizer_state_dict(model, opt, sd, options=flat)
+        self.extras: dict[str, Stateful] = dict(getattr(engine, "checkpoint_extras", {}) or {})
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Checkpoint `obj` too, under `name` (tensors only; see the module docstring)."""
+        if name in ("model", "optim") or name in self.extras:
+            raise ValueError(f"checkpoint state {name!r} is already registered")
+        self.extras[name] = obj
+
+    def tensors(self) -> dict[str, Any]:
+        """The state dict DCP saves (and, from a fresh engine, the template it loads into)."""
+        optim = {k: v for k, v in self.optim_sd().items() if not k.startswith(_GROUP_PREFIX)}
+        out: dict[str, Any] = {"model": self.model_sd(), "optim": optim}
+        for name, obj in self.extras.items():
+            out[name] = obj.state_dict()
+        return out
+
+    def load_tensors(self, loaded: dict[str, Any]) -> None:
+        """Hand the tensors DCP loaded into `tensors()`'s template back to the engine."""
+        self.load_model(loaded["model"])
+        groups = {k: v for k, v in self.optim_sd().items() if k.startswith(_GROUP_PREFIX)}
+        self.load_optim({**loaded["optim"], **groups})
+        for name, obj in self.extras.items():
+            obj.load_state_dict(loaded[name])
+
+
+def set_schedule_position(scheduler: torch.optim.lr_scheduler.LRScheduler,
+                          last_epoch: int) -> None:
+    """Put the LR schedule at `last_epoch` and write its learning rate into every parameter
+    group, exactly as the uninterrupted run's `scheduler.step()` computed it (same formula,
+    same inputs)."""
+    scheduler.last_epoch = last_epoch - 1
+    with warnings.catch_warnings():
+        # "lr_scheduler.step() before optimizer.step()": expected here, nothing is skipped
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
+        scheduler.step()
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states as JSON-safe text."""
+    doc: dict[str, Any] = {"torch": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        doc["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return doc
+
+
+def set_rng_state(doc: dict[str, Any]) -> None:
+    torch.set_rng_state(_unb64(doc["torch"]))
+    if torch.cuda.is_available() and "cuda" in doc:
+        states = [_unb64(s) for s in doc["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def write_rank_file(folder: Path, rank: int) -> None:
+    store.write_json(folder / f"rank_{rank}.json", {"rank": rank, "rng": rng_state()})
+
+
+def read_rank_file(folder: Path, rank: int, saved_world: int) -> dict[str, Any]:
+    """Rank `rank`'s file; under another world size, rank `rank % saved_world`'s (meshtron's
+    training draws no random numbers itself; the states matter for code that does, e.g.
+    dropout, and are exact whenever the world size is unchanged)."""
+    path = folder / f"rank_{rank % max(1, saved_world)}.json"
+    return json.loads(path.read_text())

@@ -1,0 +1,201 @@
+"""Checkpoint folders on disk: atomic commit, integrity manifest, `latest`, retention.
+
+Layout (RUN_DIR/checkpoints/):
+
+    step_00000120/              a complete checkpoint (only ever created by a rename)
+        .metadata               DCP's index of the tensor shards (pickled by DCP)
+        __<rank>_<n>.distcp     DCP tensor shards
+        meta.json               step, data position, LR-schedule position, plan, run config
+        rank_<r>.json           rank r's RNG states (base64), JSON
+        manifest.json           size and SHA-256 of every file above; written last
+    .tmp-step_00000150/         a save in progress (never loaded; removed on the next start)
+    latest                      the name of the newest committed folder (for people and tools)
+    preempted.json              written when a SIGTERM stopped the run (removed on resume)
+
+Commit = every rank's files written and fsynced, then the manifest (fsynced), then
+`os.rename(.tmp-step_N, step_N)` (atomic on POSIX file systems) and `latest` replaced by
+`os.replace`. A crash at any point leaves either the old set of complete checkpoints or the old
+set plus the new one, never a half-visible one. Loading re-checks the manifest: a missing or
+truncated file or a checksum mismatch rejects that checkpoint and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT = "meshtron-checkpoint/1"
+MANIFEST = "manifest.json"
+META = "meta.json"
+LATEST = "latest"
+PREEMPTED = "preempted.json"
+TMP_PREFIX = ".tmp-"
+HASH = "sha256"
+"""Checksum of every file. SHA-256 runs at ~0.5-2 GB/s per core (bench/checkpoint_save.py
+measures it beside blake2b and crc32); it runs on the background thread, off the training path."""
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_CHUNK = 1 << 22
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def file_digest(path: Path, algorithm: str = HASH) -> str:
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (POSIX: the directory entry itself)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """Write, fsync, then rename into place: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(folder: Path, step: int) -> dict[str, Any]:
+    """Sizes and checksums of every file in `folder` (the manifest excluded); written last."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name not in (MANIFEST, MANIFEST + ".part"):
+            files[path.name] = {"bytes": path.stat().st_size, HASH: file_digest(path)}
+    doc = {"format": FORMAT, "step": step, "hash": HASH, "files": files}
+    write_json(folder / MANIFEST, doc)
+    return doc
+
+
+def commit(root: Path, step: int) -> Path:
+    """Rename the finished temporary folder into place and point `latest` at it."""
+    tmp, final = root / (TMP_PREFIX + step_name(step)), root / step_name(step)
+    if final.exists():  # the same step saved again (e.g. after a restart): replace it whole
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    (root / (LATEST + ".part")).write_text(final.name + "\n")
+    os.replace(root / (LATEST + ".part"), root / LATEST)
+    fsync_dir(root)
+    return final
+
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoint folders, newest first (complete or not: see `verify`)."""
+    if not root.is_dir():
+        return []
+    out = []
+    for path in root.iterdir():
+        m = _STEP_DIR.match(path.name)
+        if m and path.is_dir():
+            out.append((int(m.group(1)), path))
+    return sorted(out, reverse=True)
+
+
+def verify(folder: Path, deep: bool = True) -> str | None:
+    """None when `folder` is a complete checkpoint, else what is wrong (one phrase).
+    `deep`: also recompute every checksum (otherwise sizes only)."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return "no manifest.json (the save did not finish)"
+    try:
+        doc = json.loads(manifest.read_text())
+        files = doc["files"]
+        algorithm = doc.get("hash", HASH)
+        if doc.get("format") != FORMAT or not isinstance(files, dict):
+            return f"manifest.json has format {doc.get('format')!r}, expected {FORMAT!r}"
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"manifest.json is not a valid manifest ({exc})"
+    for needed in (".metadata", META):
+        if needed not in files:
+            return f"manifest.json does not list {needed}"
+    for name, entry in files.items():
+        path = folder / name
+        try:
+            size, want_size, want_sum = path.stat().st_size, entry["bytes"], entry[algorithm]
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except (KeyError, TypeError):
+            return f"manifest.json entry for {name} is malformed"
+        if size != want_size:
+            what = "truncated" if size < want_size else "longer than written"
+            return f"{name} has {size} bytes, the manifest says {want_size} ({what})"
+        if deep and file_digest(path, algorithm) != want_sum:
+            return f"{name} does not match its {algorithm} checksum in the manifest"
+    return None
+
+
+@dataclass(frozen=True)
+class Found:
+    """The newest complete checkpoint, and the damaged newer ones skipped to reach it."""
+
+    step: int | None
+    """Its step (None: no complete checkpoint)."""
+    path: Path | None
+    rejected: tuple[tuple[str, str], ...] = ()
+    """(folder name, what is wrong) of every newer checkpoint that failed verification."""
+
+    def report(self) -> list[str]:
+        lines = [f"checkpoint {name} is damaged: {why}; not loaded" for name, why in
+                 self.rejected]
+        if self.rejected and self.path is not None:
+            lines.append(f"using the previous complete checkpoint {self.path.name}")
+        return lines
+
+
+def find_latest(root: Path, deep: bool = True) -> Found:
+    """The newest checkpoint that passes `verify`; damaged newer ones are reported, not used."""
+    rejected = []
+    for step, path in committed(root):
+        problem = verify(path, deep)
+        if problem is None:
+            return Found(step, path, tuple(rejected))
+        rejected.append((path.name, problem))
+    return Found(None, None, tuple(rejected))
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / META).read_text())
+
+
+def remove_partial(root: Path) -> None:
+    """Delete temporary folders of saves that never committed (a crash mid-save)."""
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(TMP_PREFIX) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(root: Path, keep: int) -> list[str]:
+    """Delete all but the `keep` newest complete checkpoints (damaged ones beyond those too);
+    returns the removed folder names."""
+    removed, kept = [], 0
+    for _, path in committed(root):
+        if kept < keep and verify(path, deep=False) is None:
+            kept += 1
+            continue
+        if kept >= keep:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed

@@ -1,0 +1,223 @@
+"""Checkpoints on one process: exact resume, integrity checks with fallback, export, bad input.
+
+Real files throughout: a checkpoint is written by training, then damaged the three ways the issue
+names (truncated shard, deleted shard, edited manifest) and loaded again.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from meshtron.checkpoint import CheckpointConfig, load_full_state_dict, store
+from meshtron.cli import main
+from meshtron.config import config_from_dict
+from meshtron.errors import UserError
+from meshtron.train.loop import train
+
+RUN = ["--model", "debug", "--steps", "6", "--seq-len", "32", "--global-batch", "8",
+       "--eval-every", "0"]
+
+
+def _cfg(run_dir, steps=6):
+    return config_from_dict({"model": "debug", "data": {"seq_len": 32, "global_batch": 8},
+                             "train": {"steps": steps, "eval_every": 0, "run_dir": str(run_dir)}})
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _steps(run_dir):
+    return [(r["step"], r["loss"], r["lr"], r.get("grad_norm")) for r in _records(run_dir)
+            if "step" in r]
+
+
+def _interrupt_after(run_dir, step):
+    """What a kill after `step` leaves: later checkpoints never committed (their temporary
+    folder half-written), metrics of later steps already logged."""
+    root = store.checkpoint_root(run_dir)
+    for s, path in store.committed(root):
+        if s > step:
+            path.rename(root / (store.TMP_PREFIX + path.name))
+            (root / (store.TMP_PREFIX + path.name) / store.MANIFEST).unlink()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One uninterrupted 6-step run saving every 2 steps (keeps step 2, 4 and 6)."""
+    run_dir = tmp_path_factory.mktemp("ckpt") / "full"
+    train(_cfg(run_dir), show_progress=False, checkpoint=CheckpointConfig(every=2))
+    return run_dir
+
+
+def test_resume_is_bit_identical_and_metrics_have_no_duplicates(saved, tmp_path, capsys):
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(saved, run_dir)
+    _interrupt_after(run_dir, 4)
+    capsys.readouterr()
+    assert main(["train", *RUN, "--run-dir", str(run_dir), "--resume",
+                 "--checkpoint-every", "2"]) == 0
+    assert "resumed from" in capsys.readouterr().err
+    # Same losses, learning rates and gradient norms, bit for bit; each step logged once.
+    assert _steps(run_dir) == _steps(saved)
+    assert [r["step"] for r in _records(run_dir) if "step" in r] == [1, 2, 3, 4, 5, 6]
+    events = [r for r in _records(run_dir) if "event" in r]
+    assert events and events[0]["event"] == "resume" and events[0]["resumed_from_step"] == 4
+    # Same final parameters and optimizer moments, bit for bit.
+    want = load_full_state_dict(saved, optimizer=True)
+    got = load_full_state_dict(run_dir, optimizer=True)
+    assert want.keys() == got.keys() and len(want) > 20
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["first_loss"] == _steps(saved)[0][1]
+    assert not list(store.checkpoint_root(run_dir).glob(store.TMP_PREFIX + "*"))
+
+
+def test_checkpoint_folder_is_complete_and_retention_keeps_k(saved):
+    root = store.checkpoint_root(saved)
+    assert [s for s, _ in store.committed(root)] == [6, 4, 2]
+    assert (root / store.LATEST).read_text().strip() == "step_00000006"
+    folder = root / "step_00000006"
+    manifest = json.loads((folder / store.MANIFEST).read_text())
+    names = set(manifest["files"])
+    assert {".metadata", "meta.json", "rank_0.json"} <= names
+    assert any(n.endswith(".distcp") for n in names)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["step"] == 6 and meta["data"]["step"] == 6 and meta["schedule_last_epoch"] == 6
+    assert store.verify(folder) is None
+    # The exported model: full tensors under the plain model's names.
+    full = load_full_state_dict(saved)
+    assert "tok_embeddings.weight" in full and full["tok_embeddings.weight"].shape[1] == 64
+
+
+def _damage(folder, how):
+    shard = sorted(folder.glob("*.distcp"))[0]
+    if how == "truncate":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+    elif how == "delete":
+        shard.unlink()
+    elif how == "edit-manifest":
+        doc = json.loads((folder / store.MANIFEST).read_text())
+        doc["files"][shard.name]["sha256"] = "0" * 64
+        (folder / store.MANIFEST).write_text(json.dumps(doc))
+    elif how == "flip-byte":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how,needle", [("truncate", "truncated"), ("delete", "missing"),
+                                        ("edit-manifest", "checksum"),
+                                        ("flip-byte", "checksum")])
+def test_damaged_checkpoint_is_detected_and_the_previous_one_used(saved, tmp_path, how, needle):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(store.checkpoint_root(saved), root)
+    _damage(root / "step_00000006", how)
+    found = store.find_latest(root)
+    assert found.step == 4
+    (name, why), = found.rejected
+    assert name == "step_00000006" and needle in why, why
+    assert "using the previous complete checkpoint step_00000004" in found.report()[-1]
+
+
+def test_resume_falls_back_with_a_clear_message_and_fails_cleanly_when_nothing_is_left(
+        saved, tmp_path, capsys):
+    run_dir = tmp_path / "damaged"
+    shutil.copytree(saved, run_dir)
+    root = store.checkpoint_root(run_dir)
+    _damage(root / "step_00000006", "truncate")
+    shutil.rmtree(root / "step_00000002")
+    capsys.readouterr()
+    assert main(["train", *RUN, "--run-dir", str(run_dir), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "step_00000006 is damaged" in err and "truncated" in err
+    assert "using the previous complete checkpoint step_00000004" in err
+    assert _steps(run_dir) == _steps(saved)  # steps 5-6 trained again from step 4, exactly
+    # With every checkpoint damaged: one line, exit 2, nothing deleted.
+    for _, path in store.committed(root):
+        _damage(path, "delete")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    assert main(["train", *RUN, "--run-dir", str(run_dir), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no complete checkpoint" in err, err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--keep", "0"], "--keep=0"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every=-1"),
+    (["--checkpoint-every", "often"], "--checkpoint-every='often'"),
+    (["--max-restarts", "-2"], "--max-restarts=-2"),
+    (["--preempt-grace", "0"], "--preempt-grace=0.0"),
+    (["--preempt-grace", "inf"], "--preempt-grace=inf"),
+    (["--mtbf-hours", "nan"], "--mtbf-hours=nan"),
+    (["--keep", "two"], "--keep"),
+    (["--resume", "--set", "model.layers=3"], "model.layers=2"),
+])
+def test_bad_checkpoint_input_is_one_line_and_deletes_nothing(saved, tmp_path, capsys, argv,
+                                                              needle):
+    run_dir = tmp_path / "kept"
+    shutil.copytree(saved, run_dir)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    assert main(["train", *RUN, "--run-dir", str(run_dir), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+def test_resume_without_a_checkpoint_and_a_fresh_run_over_checkpoints(saved, tmp_path, capsys):
+    assert main(["train", *RUN, "--run-dir", str(tmp_path / "none"), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--resume: no complete checkpoint" in err
+    # A folder holding checkpoints is a run: refused without --overwrite or --resume.
+    run_dir = tmp_path / "only-ckpt"
+    shutil.copytree(store.checkpoint_root(saved), store.checkpoint_root(run_dir))
+    assert main(["train", *RUN, "--run-dir", str(run_dir)]) == 2
+    assert "checkpoints" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--checkpoint-every"):
+        CheckpointConfig(every=True)
+
+
+def test_checkpoint_every_auto_measures_and_applies_daly(tmp_path, capsys):
+    from meshtron.reliability import cluster_mtbf_s, interval_steps
+
+    run_dir = tmp_path / "auto"
+    assert main(["train", *RUN, "--steps", "3", "--run-dir", str(run_dir),
+                 "--checkpoint-every", "auto"]) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "--checkpoint-every auto" in x)
+    stall_ms = float(line.split("save stall ")[1].split(" ms")[0])
+    step_ms = float(line.split("step ")[1].split(" ms")[0])
+    every = int(line.split("checkpoint every ")[1].split(" steps")[0])
+    assert "1 GPU(s)" in line and "expected overhead" in line
+    # The printed interval is Daly's, from the printed (rounded) measurements and 1 GPU's MTBF.
+    assert abs(every - interval_steps(step_ms / 1e3, stall_ms / 1e3, cluster_mtbf_s(1))) \
+        <= 0.01 * every
+    # Saved once, at the probe (step 3, the last).
+    assert [s for s, _ in store.committed(store.checkpoint_root(run_dir))] == [3]
+
+
+def test_sigterm_handler_records_and_chains_to_the_previous_one():
+    import os
+    import signal
+
+    from meshtron.checkpoint.preempt import PreemptionWatch
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        watch = PreemptionWatch(rank=0)
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled between bytecodes
+        for _ in range(1000):
+            if watch.requested:
+                break
+        assert watch.requested and watch.count == 1 and seen == [signal.SIGTERM]
+        watch.close()
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
