@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -23,15 +25,20 @@ def pp_run(tmp_path_factory):
          "--eval-every", "0", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir),
-                          "--timeline", "--json"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir),
-                           "--timeline", "--no-png"], capture_output=True, text=True,
-                          timeout=120)
-    assert text.returncode == 0, text.stderr[-3000:]
-    print(text.stdout)
-    return run_dir, json.loads(out.stdout), text.stdout
+    report = _doctor(run_dir, "--json")
+    text = _doctor(run_dir, "--no-png")
+    print(text)
+    return run_dir, json.loads(report), text
+
+
+def _doctor(run_dir, *flags) -> str:
+    """`meshtron doctor RUN_DIR --timeline FLAGS` in this process (the CLI's own entry)."""
+    from meshtron.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["doctor", str(run_dir), "--timeline", *flags]) == 0
+    return out.getvalue()
 
 
 def test_every_rank_writes_its_timeline(pp_run):
