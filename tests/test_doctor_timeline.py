@@ -121,3 +121,19 @@ def test_idle_is_the_wait_before_the_last_peer_enters():
     assert r0["compute"] == pytest.approx(1.3)
     assert r1["idle"] == 0.0 and r1["comm"] == pytest.approx(0.2)
     assert [k for k, _, _ in r0["segments"]] == ["compute", "idle", "comm", "compute"]
+
+
+def test_a_receive_idles_until_the_peer_sends():
+    """Pipeline stage 1 waits for stage 0's activation: idle until the matching send."""
+    docs = {0: {"window": [0.0, 2.0], "waits": [],
+                "records": [{"op": "send", "group": "pp", "seq": 1, "peer": 1,
+                             "enqueue_t": 1.4, "start_t": 1.41, "end_t": 1.6}]},
+            1: {"window": [0.0, 2.0], "waits": [[1.0, 1.6]],
+                "records": [{"op": "recv", "group": "pp", "seq": 1, "peer": 0,
+                             "enqueue_t": 1.0, "start_t": 1.0, "end_t": 1.6}]}}
+    entries = tl.entry_times(docs)
+    r1 = tl.rank_phases(1, docs[1], entries, {"pp": 2})
+    assert r1["idle"] == pytest.approx(0.4) and r1["p2p_idle"] == pytest.approx(0.4)
+    assert r1["comm"] == pytest.approx(0.2)
+    r0 = tl.rank_phases(0, docs[0], entries, {"pp": 2})
+    assert r0["idle"] == 0.0 and r0["comm"] == pytest.approx(0.01)

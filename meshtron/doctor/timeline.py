@@ -105,8 +105,10 @@ class TimelineCapture:
                 "mesh": session.mesh, "groups": session.recorder.group_table(),
                 "window": [t0, t1], "steps": steps,
                 "waits": [list(w) for w in list(self.waits) if w[1] >= t0 and w[0] <= t1],
+                # Operations still outstanding at the window's start count too: a wait in
+                # the window may be for one of them.
                 "records": [r for r in records
-                            if r["enqueue_t"] <= t1 and (r["end_t"] or t1) >= t0 - 60.0]}
+                            if r["enqueue_t"] <= t1 and (r["end_t"] or t1) >= t0]}
 
 
 def step_spans(step_times: list, first_start: float) -> list[dict[str, Any]]:
