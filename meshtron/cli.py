@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "meshtron.calibrate.cli",
     "meshtron.planner.cli",
     "meshtron.doctor.cli",
+    "meshtron.hf.cli",
     "meshtron.cost.cli",
     "meshtron.simulate.cli",
 ]

@@ -38,7 +38,9 @@ class DataConfig:
     """'stdlib' (the Python standard library's own sources, present on every machine), a text
     file or folder, a .jsonl file (`text` field) or a pre-tokenized .bin shard."""
     tokenizer: str = "byte"
-    """'byte' (259 ids: 256 bytes + BOS/EOS/PAD) or 'bpe' (byte-level BPE trained locally)."""
+    """'byte' (259 ids: 256 bytes + BOS/EOS/PAD), 'bpe' (byte-level BPE trained locally, once,
+    on rank 0) or a Hugging Face tokenizer.json (or a folder holding one); the model's
+    vocabulary follows a tokenizer.json unless the weights come from train.init_from."""
     bpe_vocab: int = 2048
     """Vocabulary size of the locally trained BPE tokenizer (tokenizer='bpe' only)."""
     seq_len: int = 256
@@ -50,11 +52,21 @@ class DataConfig:
     accumulation. Default: the whole share at once."""
     eval_batches: int = 4
     """Held-out batches (of global_batch sequences) averaged for the eval loss."""
+    attention_mask: str = "causal"
+    """'causal' (every token sees all earlier tokens of its sequence) or 'document' (packed
+    documents: attention stays inside each document, RoPE positions restart; no pipelining)."""
 
     def __post_init__(self) -> None:
         _positive("data", self, "bpe_vocab", "seq_len", "global_batch", "micro_batch", "eval_batches")
         if self.tokenizer not in ("byte", "bpe"):
-            raise UserError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, bpe")
+            from meshtron.data.tokenizer import tokenizer_file
+
+            if tokenizer_file(self.tokenizer) is None:
+                raise UserError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, "
+                                 "bpe, a tokenizer.json or a folder holding one")
+        if self.attention_mask not in ("causal", "document"):
+            raise UserError(f"data.attention_mask={self.attention_mask!r}: allowed values are "
+                             "causal, document")
         if self.micro_batch is not None and self.global_batch % self.micro_batch:
             raise UserError(f"data.micro_batch={self.micro_batch}: must divide "
                              f"data.global_batch={self.global_batch}")
@@ -63,7 +75,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (0: a dry run that leaves every weight unchanged)."""
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine decay, as a fraction of `lr`."""
     warmup_steps: int = 20
@@ -80,7 +92,9 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def __post_init__(self) -> None:
-        _positive("optim", self, "lr", "eps")
+        _positive("optim", self, "eps")
+        if self.lr < 0:  # 0 is a dry run that changes no weight (e.g. a load/export check)
+            raise UserError(f"optim.lr={self.lr!r}: must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UserError(f"optim.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]")
         for name in ("beta1", "beta2"):
@@ -108,6 +122,12 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard
     package)."""
+    init_from: str | None = None
+    """A Hugging Face checkpoint folder (config.json + *.safetensors) to start from instead of
+    the seed's initialization; each rank reads only its own slices (meshtron/hf/)."""
+    export: str | None = None
+    """Write the final weights to this folder as a Hugging Face checkpoint (safetensors +
+    config.json + tokenizer files) that transformers loads."""
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "log_every")

@@ -41,7 +41,9 @@ from meshtron.data.tokenizer import (
     TOKENIZER_KINDS,
     BPETokenizer,
     ByteTokenizer,
+    HFTokenizer,
     build_tokenizer,
+    tokenizer_file,
     tokenizer_info,
 )
 from meshtron.errors import UserError
@@ -75,9 +77,11 @@ def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
     the documents (never on held-out ones) and saved to `tokenizer_path` when given, else (with
     `cache_dir`) to `cache_dir/bpe-<vocab>-<hash of the training documents>.json` and reused.
     """
-    if tokenizer not in TOKENIZER_KINDS:
+    hf_tok = HFTokenizer.load(tokenizer) if tokenizer_file(tokenizer) is not None else None
+    if hf_tok is None and tokenizer not in TOKENIZER_KINDS:
         allowed = ", ".join(map(repr, TOKENIZER_KINDS))
-        raise UserError(f"data.tokenizer={tokenizer!r}: must be one of {allowed}")
+        raise UserError(f"data.tokenizer={tokenizer!r}: must be one of {allowed}, a "
+                        "tokenizer.json or a folder holding one")
     kind = source_kind(source)
     if kind == "shard":
         return _shard_corpus(Path(source), tokenizer, bpe_vocab, tokenizer_path, holdout_every)
@@ -89,7 +93,9 @@ def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
         docs = list(read_text_files(source))
     if not docs:
         raise UserError(f"data.source='{source}': holds no non-empty documents")
-    if tokenizer == "bpe":
+    if hf_tok is not None:
+        tok = hf_tok
+    elif tokenizer == "bpe":
         train_docs, _ = split_documents(docs, holdout_every)
         if tokenizer_path is None and cache_dir is not None and bpe_vocab is not None:
             # Cache the trained tokenizer too, keyed by what it is trained on.
@@ -113,7 +119,12 @@ def _shard_corpus(path: Path, tokenizer: str, bpe_vocab: int | None,
             raise UserError(
                 f"data.tokenizer='byte': shard '{path}' holds ids of a {shard_vocab}-token "
                 "vocabulary; use tokenizer='bpe' with the tokenizer_path it was written with")
-        tok: ByteTokenizer | BPETokenizer = ByteTokenizer()
+        tok: ByteTokenizer | BPETokenizer | HFTokenizer = ByteTokenizer()
+    elif tokenizer_file(tokenizer) is not None:
+        tok = HFTokenizer.load(tokenizer)
+        if tok.vocab_size > shard_vocab:
+            raise UserError(f"data.tokenizer='{tokenizer}': has {tok.vocab_size} ids but shard "
+                            f"'{path}' was written with vocab_size={shard_vocab}")
     else:
         if tokenizer_path is None or not Path(tokenizer_path).is_file():
             raise UserError(

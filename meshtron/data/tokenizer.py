@@ -205,6 +205,122 @@ class BPETokenizer:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
 
 
+TOKENIZER_FILE = "tokenizer.json"
+
+# Names of the end-of-text token in common Hugging Face tokenizers, tried when the folder has no
+# tokenizer_config.json naming it (GPT-2/NeoX/Qwen, Llama 2/Mistral, Llama 3, Gemma).
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+
+
+def tokenizer_file(value: str | Path) -> Path | None:
+    """The tokenizer.json that `value` names (the file, or a folder holding one); None when
+    `value` names neither (e.g. 'byte')."""
+    path = Path(value)
+    if path.is_dir() and (path / TOKENIZER_FILE).is_file():
+        return path / TOKENIZER_FILE
+    if path.is_file() and path.suffix == ".json":
+        return path
+    return None
+
+
+def _special(config: dict[str, Any], key: str) -> str | None:
+    value = config.get(key)
+    if isinstance(value, dict):  # {"content": "</s>", "lstrip": false, ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (any model the `tokenizers` library reads), so a run
+    uses the tokenizer of the checkpoint it starts from.
+
+    The end-of-text id (the document separator of packed sequences) comes from the folder's
+    `tokenizer_config.json` (`eos_token`), else from the usual names; BOS and PAD fall back to
+    it. `vocab_size` counts added tokens; a model's vocabulary may be larger (checkpoints
+    often pad it), never smaller."""
+
+    kind = "hf"
+
+    def __init__(self, backend: Any, path: Path, config: dict[str, Any]) -> None:
+        self._tok, self.path = backend, path
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+
+        def find(key: str) -> int | None:
+            name = _special(config, key)
+            return vocab.get(name) if name is not None else None
+
+        eos = find("eos_token")
+        if eos is None:
+            eos = next((vocab[n] for n in _EOS_CANDIDATES if n in vocab), None)
+        if eos is None:
+            raise UserError(f"data.tokenizer='{path}': no end-of-text token (eos_token in "
+                             f"tokenizer_config.json, or one of {', '.join(_EOS_CANDIDATES)}); "
+                             "packed documents need a separator")
+        self.eos_id = eos
+        self.bos_id = find("bos_token") if find("bos_token") is not None else eos
+        self.pad_id = find("pad_token") if find("pad_token") is not None else eos
+        self._dtype = token_dtype(self.vocab_size)
+
+    @classmethod
+    def load(cls, value: str | Path) -> HFTokenizer:
+        path = tokenizer_file(value)
+        if path is None:
+            raise UserError(f"data.tokenizer='{value}': not byte, bpe, a tokenizer.json or a "
+                             "folder holding one")
+        tk = _import_tokenizers()
+        try:
+            backend = tk.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception on malformed files
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UserError(f"data.tokenizer='{value}': not a tokenizers JSON file ({first})"
+                            ) from None
+        config: dict[str, Any] = {}
+        cfg_path = path.parent / "tokenizer_config.json"
+        if cfg_path.is_file():
+            import json
+
+            try:
+                loaded = json.loads(cfg_path.read_text())
+                config = loaded if isinstance(loaded, dict) else {}
+            except (ValueError, UnicodeDecodeError):
+                raise UserError(f"data.tokenizer='{value}': {cfg_path} is not valid JSON"
+                                ) from None
+        return cls(backend, path, config)
+
+    def files(self) -> list[Path]:
+        """The tokenizer's files (tokenizer.json and its sidecars) to copy with a run."""
+        from meshtron.hf.export import TOKENIZER_FILES
+
+        return [self.path.parent / n for n in TOKENIZER_FILES
+                if (self.path.parent / n).is_file() and n != self.path.name] + [self.path]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
+        texts = list(texts)
+        if not texts:
+            return np.zeros(0, dtype=self._dtype)
+        eos = np.array([self.eos_id], dtype=self._dtype)
+        parts: list[np.ndarray] = []
+        for enc in self._tok.encode_batch(texts, add_special_tokens=False):
+            parts.append(np.asarray(enc.ids, dtype=self._dtype))
+            parts.append(eos)
+        return np.concatenate(parts)
+
+    @property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()[:16]
+        return f"hf-{self.vocab_size}-{digest}"
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
 TOKENIZER_KINDS = ("byte", "bpe")
 
 
@@ -241,11 +357,56 @@ def build_tokenizer(kind: str = "byte", *, vocab_size: int | None = None,
         if path is not None:
             tok.save(path)
         return tok
+    if tokenizer_file(kind) is not None:
+        return HFTokenizer.load(kind)
     allowed = ", ".join(map(repr, TOKENIZER_KINDS))
-    raise UserError(f"data.tokenizer={kind!r}: must be one of {allowed}")
+    raise UserError(f"data.tokenizer={kind!r}: must be one of {allowed}, a tokenizer.json or "
+                     "a folder holding one")
 
 
 def tokenizer_info(tok: ByteTokenizer | BPETokenizer) -> dict[str, Any]:
     """A small JSON-able description (kind, vocab, special ids, fingerprint) for logs."""
     return {"kind": tok.kind, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
             "eos_id": tok.eos_id, "pad_id": tok.pad_id, "fingerprint": tok.fingerprint}
+
+
+def follow_tokenizer(cfg: Any) -> Any:
+    """The run config with the model's vocabulary set to a tokenizer.json's size (no padding,
+    so the embedding matrix has exactly the rows a Hugging Face model of this tokenizer has).
+    Weights from `train.init_from` keep their checkpoint's vocabulary, which the data pipeline
+    checks is at least the tokenizer's."""
+    import dataclasses
+
+    if tokenizer_file(cfg.data.tokenizer) is None or cfg.train.init_from:
+        return cfg
+    vocab = HFTokenizer.load(cfg.data.tokenizer).vocab_size
+    if vocab == cfg.model.vocab:
+        return cfg
+    return dataclasses.replace(cfg, model=cfg.model.replace(vocab=vocab))
+
+
+RUN_TOKENIZER_DIR = "tokenizer"
+"""Folder of a run that holds its tokenizer files (for resuming and exporting)."""
+
+
+def run_tokenizer_path(cfg: Any) -> Path | None:
+    """Where a run's locally trained BPE tokenizer lives: RUN_DIR/tokenizer/tokenizer.json
+    (trained once, by the main rank; the other ranks load it). None for other tokenizers."""
+    if cfg.data.tokenizer != "bpe":
+        return None
+    return Path(cfg.train.run_dir) / RUN_TOKENIZER_DIR / TOKENIZER_FILE
+
+
+def keep_tokenizer(tok: Any, run_dir: str | Path) -> Path | None:
+    """Copy a Hugging Face tokenizer's files into RUN_DIR/tokenizer (main rank); the BPE one is
+    already saved there. Returns the folder, or None for the byte tokenizer."""
+    import shutil
+
+    folder = Path(run_dir) / RUN_TOKENIZER_DIR
+    if isinstance(tok, HFTokenizer):
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in tok.files():
+            if path.resolve() != (folder / path.name).resolve():
+                shutil.copyfile(path, folder / path.name)
+        return folder
+    return folder if (folder / TOKENIZER_FILE).is_file() else None

@@ -271,6 +271,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         return _hf_int(cfg, key, default)
 
     if mtype in _HF_LLAMA_LIKE:
+        _check_hf_attention(cfg, mtype)
         if cfg.get("hidden_act", "silu") != "silu":
             raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
                              f"supported for model_type {mtype!r}")
@@ -281,8 +282,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
             max_seq=opt_int("max_position_embeddings", 4096),
             tied_embeddings=flag("tie_word_embeddings", False),
-            qkv_bias=(mtype == "qwen2") or flag("attention_bias", False),
-            rope_theta=num("rope_theta", 10000.0),
+            qkv_bias=(mtype == "qwen2") or _no_out_bias(flag("attention_bias", False)),
+            rope_theta=_hf_rope_theta(cfg, "rope_theta", num),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
     if mtype == "gpt_neox":
@@ -299,7 +300,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             max_seq=opt_int("max_position_embeddings", 2048), mlp="gelu", norm="layernorm",
             position="rope", tied_embeddings=flag("tie_word_embeddings", False),
             bias=True, parallel_residual=flag("use_parallel_residual", True),
-            rope_theta=num("rotary_emb_base", 10000.0),
+            rope_theta=_hf_rope_theta(cfg, "rotary_emb_base", num),
             norm_eps=num("layer_norm_eps", 1e-5),
         )
     # gpt2
@@ -311,6 +312,60 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         norm="layernorm", position="learned", tied_embeddings=True, bias=True,
         norm_eps=num("layer_norm_epsilon", 1e-5),
     )
+
+
+def _hf_rope_theta(cfg: dict[str, Any], key: str, num) -> float:
+    """RoPE base: `rope_parameters.rope_theta` (transformers >= 5) or the flat key; scaled
+    variants (llama3, yarn, linear, dynamic) are refused rather than silently run unscaled."""
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    for field, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise UserError(f"config.json {field}={value!r}: must be an object")
+        kind = value.get("rope_type", value.get("type", "default"))
+        if kind != "default":
+            raise UserError(f"config.json {field}.rope_type={kind!r}: scaled rotary "
+                             "embeddings are not supported by meshtron's model; only 'default'")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = params["rope_theta"]
+        if not _is_number(theta) or not math.isfinite(theta) or theta <= 0:
+            raise UserError(f"config.json rope_parameters.rope_theta={theta!r}: must be a "
+                             "positive number")
+        return float(theta)
+    return num(key, 10000.0)
+
+
+def _no_out_bias(attention_bias: bool) -> bool:
+    """Llama's `attention_bias` puts biases on q, k, v and the output projection; meshtron's
+    model has q/k/v biases only (Qwen2), so that variant is refused."""
+    if attention_bias:
+        raise UserError("config.json attention_bias=true: biases on the attention output "
+                         "projection are not supported; only q/k/v biases (model_type qwen2)")
+    return False
+
+
+def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
+    """Refuse what meshtron's attention does not compute: a head size other than
+    hidden/heads, sliding-window attention, biases beyond q/k/v."""
+    hd = cfg.get("head_dim")
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if (hd is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+            and hd != hidden // heads):
+        raise UserError(f"config.json head_dim={hd!r}: meshtron's attention needs "
+                         f"hidden_size/num_attention_heads={hidden // heads}")
+    if cfg.get("use_sliding_window") is True:
+        raise UserError("config.json use_sliding_window=true: sliding-window attention is not "
+                         "supported; only full attention")
+    if mtype == "mistral" and cfg.get("sliding_window") not in (None, 0):
+        window, max_pos = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
+        if not (isinstance(window, int) and isinstance(max_pos, int) and window >= max_pos):
+            raise UserError(f"config.json sliding_window={window!r}: sliding-window attention "
+                             "is not supported; set it to null (full attention)")
+    if cfg.get("mlp_bias") is True:
+        raise UserError("config.json mlp_bias=true: MLP biases are not supported for "
+                         f"model_type {mtype!r}")
 
 
 def _hf_int(cfg: dict[str, Any], key: str, default: Any, required: bool = False) -> Any:

@@ -15,8 +15,6 @@ Written to survive being sharded from outside, the way torchtitan's models are:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,10 +42,14 @@ def rope_cache(spec: ModelSpec, device: torch.device | None = None) -> torch.Ten
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]."""
+    """x: [batch, seq, heads, head_dim]; cache: the [2, max_seq, hd] table (positions 0..seq-1)
+    or per-token angles [2, batch, seq, hd] (document positions)."""
     seq = x.shape[1]
-    cos = cache[0, :seq][None, :, None, :].to(x.dtype)
-    sin = cache[1, :seq][None, :, None, :].to(x.dtype)
+    if cache.dim() == 4:
+        cos, sin = cache[0][:, :, None, :].to(x.dtype), cache[1][:, :, None, :].to(x.dtype)
+    else:
+        cos = cache[0, :seq][None, :, None, :].to(x.dtype)
+        sin = cache[1, :seq][None, :, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
@@ -64,7 +66,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=spec.bias)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | tuple | None) -> torch.Tensor:
+        """`rope`: the RoPE table, or (per-token RoPE angles or None, attention mask) for
+        packed documents (`document_context`)."""
+        mask = None
+        if isinstance(rope, tuple):
+            rope, mask = rope
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds heads/tp of them.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -77,7 +84,10 @@ class Attention(nn.Module):
         if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -112,43 +122,59 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """The plain model. Initial values come from `init_seed` alone (meshtron/model/init.py:
+    a function of the seed, the parameter's name and the element's index), so any shard of a
+    meta-device copy can be materialized to exactly these values. `init_seed=None` draws one
+    number from torch's global CPU generator, so `torch.manual_seed(s); Transformer(spec)` is
+    reproducible and consumes the same randomness on every device, meta included.
+
+    Built under `with torch.device("meta")` the model allocates nothing; `parallelize` then
+    materializes only this rank's shards (`meshtron.model.init.materialize`)."""
+
+    def __init__(self, spec: ModelSpec, init_seed: int | None = None):
         super().__init__()
         self.spec = spec
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
-        self.pos_embeddings: nn.Embedding | None = (
-            nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
-        self.norm: nn.Module | None = _norm(spec)
-        self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        if spec.tied_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        # Not persistent: derived from the spec, so checkpoints hold only trainable state.
-        self.register_buffer("rope", rope_cache(spec) if spec.position == "rope" else None,
-                             persistent=False)
-        self.init_weights()
+        self.init_seed = (int(torch.randint(0, 2**62, (), device="cpu")) if init_seed is None
+                          else int(init_seed))
+        target = torch.get_default_device()
+        # Modules are created on meta (no memory, no throw-away default init), then allocated
+        # once on the target device and initialized by `init_weights`.
+        with torch.device("meta"):
+            self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+            self.pos_embeddings: nn.Embedding | None = (
+                nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
+            self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
+            self.norm: nn.Module | None = _norm(spec)
+            self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+            if spec.tied_embeddings:
+                self.output.weight = self.tok_embeddings.weight
+            # Not persistent: derived from the spec, so checkpoints hold only trainable state.
+            self.register_buffer("rope", rope_cache(spec) if spec.position == "rope" else None,
+                                 persistent=False)
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """GPT-2 style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)
-        (Radford et al. 2019), so the residual stream's variance stays flat with depth."""
-        out_std = std / math.sqrt(2 * self.spec.layers)
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
-                else:
-                    nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, out_std)
-            else:
-                nn.init.normal_(p, 0.0, std)
+    def init_weights(self) -> None:
+        """GPT-2 style init from `init_seed` (values in meshtron/model/init.py)."""
+        from meshtron.model.init import init_parameters, retie_embeddings
+
+        retie_embeddings(self)
+        init_parameters([self], self.init_seed, self.spec.layers)
         if self.rope is not None:
-            self.rope.copy_(rope_cache(self.spec, self.rope.device))
+            self.rope = rope_cache(self.spec, self.rope.device)
+
+    document_eos: int | None = None
+    """Set (to the tokenizer's end-of-text id) for packed documents: attention stays inside
+    each document and RoPE positions restart at 0 after every end-of-text token."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a pipeline
         stage that lacks the embedding or the output head)."""
+        rope = self.rope
+        if self.document_eos is not None:
+            rope = document_context(tokens, self.document_eos, self.rope)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.pos_embeddings is not None:
             # The full sequence length: under sequence parallelism `h` holds a sequence shard,
@@ -156,12 +182,38 @@ class Transformer(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = h + self.pos_embeddings(positions)
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h = block(h, rope)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
         return h
+
+
+def document_positions(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document index, position inside the document), each [batch, seq], of packed tokens:
+    a document starts at position 0 and after every `eos` token (which ends its document)."""
+    seq = tokens.shape[1]
+    ends = tokens == eos
+    starts = torch.zeros_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    doc = starts.long().cumsum(dim=1)
+    idx = torch.arange(seq, device=tokens.device).expand_as(tokens)
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return doc, idx - first
+
+
+def document_context(tokens: torch.Tensor, eos: int, rope: torch.Tensor | None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """What attention needs for packed documents: per-token RoPE angles at the positions inside
+    each document (None without RoPE) and the boolean mask [batch, 1, seq, seq] that lets a
+    token see only earlier tokens of its own document."""
+    doc, pos = document_positions(tokens, eos)
+    seq = tokens.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    angles = rope[:, pos] if rope is not None else None  # [2, batch, seq, hd]
+    return angles, mask[:, None]
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

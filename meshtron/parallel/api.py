@@ -94,6 +94,8 @@ class ParallelModel:
         self.device = device
         self._schedules: dict[int, Any] = {}
         self._stages = None
+        self.grad_sync = None
+        """meshtron.compress.runtime.GradCompression when the plan compresses gradients."""
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -131,6 +133,8 @@ class ParallelModel:
         (a detached 0-d tensor: reading it is the caller's host synchronisation)."""
         loss = self._run(inputs, targets, backward=True)
         self._align_grad_placements()
+        if self.grad_sync is not None:
+            self.grad_sync.sync()
         return loss
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -295,14 +299,19 @@ def grad_norm(pm: ParallelModel, norm_type: float = 2.0) -> torch.Tensor:
     return total[0] if inf else total[0] ** (1.0 / norm_type)
 
 
-def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = None
-                ) -> ParallelModel:
+def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = None,
+                fill: Callable[[list[nn.Module]], None] | None = None) -> ParallelModel:
     """Apply the plan's pipeline, tensor/sequence, recompute and data parallelism to `model`.
 
     `model` is a `meshtron.model.Transformer` (or follows its conventions), built identically on
     every rank (same seed); it is consumed (its modules are sharded and moved into the stages).
     `mesh` comes from `build_mesh(plan)`. `loss_fn(logits, targets)` defaults to the model's
     mean cross-entropy; under tp>1 it runs inside `loss_parallel()` on vocabulary-sharded logits.
+
+    A model built on the meta device (`with torch.device("meta"): Transformer(spec)`) is sharded
+    while still on meta; then only this rank's shards are allocated and filled: by
+    `fill(model_parts)` when given (e.g. `meshtron.hf.load_into`), else with the model's
+    deterministic initialization, equal to the single-process one (meshtron/model/init.py).
     """
     spec = getattr(model, "spec", None)
     lay = resolve_plan(as_plan(plan), mesh.size(), spec)
@@ -312,7 +321,8 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
         raise UserError(f"mesh {tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)}: does not "
                          f"match the plan's {MESH_DIMS} {want}; build it with build_mesh(plan)")
     device = _mesh_device(mesh)
-    if not any(p.is_meta for p in model.parameters()):
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
         model.to(device)
     if lay.pp > 1:
         pieces = split_model(model, lay, mesh.get_local_rank("pp"))
@@ -326,8 +336,18 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
         # With pipelining the root (head / embedding) is reused at once in backward.
         apply_data_parallel(part, mesh, lay, reshard_root=False if lay.pp > 1 else None)
         parts.append(part)
-    return ParallelModel(parts, [s for s, _ in pieces], lay, mesh, loss_fn or _default_loss,
-                         device)
+    if on_meta:
+        from meshtron.model.init import materialize
+
+        materialize(parts, device, fill=fill)
+    elif fill is not None:
+        fill(parts)
+    pm = ParallelModel(parts, [s for s, _ in pieces], lay, mesh, loss_fn or _default_loss,
+                       device)
+    from meshtron.compress.runtime import attach
+
+    pm.grad_sync = attach(pm, lay)
+    return pm
 
 
 class ParallelOptimizer(torch.optim.Optimizer):

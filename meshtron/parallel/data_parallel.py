@@ -47,12 +47,18 @@ def data_parallel_mesh(mesh, lay):
 
 
 def apply_data_parallel(model: nn.Module, mesh, lay, reshard_root: bool | None = None) -> nn.Module:
-    """Apply FSDP2 to `model` (a Transformer or pipeline chunk) per the layout's ZeRO stage."""
-    if lay.dp == 1 and lay.dtype == "fp32":
+    """Apply FSDP2 to `model` (a Transformer or pipeline chunk) per the layout's ZeRO stage.
+
+    With compressed ZeRO-0/1 or DiLoCo, meshtron.compress reduces the "dp_replicate" axis
+    itself: FSDP2 then runs on "dp_shard" only (size 1 for zero 0/1, kept for the bf16 policy)."""
+    from meshtron.compress.runtime import replaces_fsdp_reduction
+
+    own_reduction = replaces_fsdp_reduction(lay)
+    if (lay.dp == 1 or (own_reduction and lay.dp_shard == 1)) and lay.dtype == "fp32":
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = data_parallel_mesh(mesh, lay)
+    dp_mesh = mesh["dp_shard"] if own_reduction else data_parallel_mesh(mesh, lay)
     if lay.dtype == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:

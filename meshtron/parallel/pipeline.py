@@ -1,7 +1,8 @@
 """Pipeline parallelism with `torch.distributed.pipelining`: stage cutting and schedules.
 
 Stages are cut where the plan says (`plan.stage_layers`: layers per stage, in stage order), or
-evenly. The full model is built on every rank (same seed, so identical weights) and each stage
+evenly. The model is built on every rank (usually on the meta device, materialized per shard
+after the split: meshtron/model/init.py) and each stage
 is a *shell* of the same class holding the original module objects it owns: global blocks
 `layers[start:end]` (ModuleDict keys, hence parameter names and checkpoint keys, unchanged),
 the embeddings on stage 0, the final norm and output head on the last stage; the others are

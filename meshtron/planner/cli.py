@@ -142,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
     result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
                           options=opts)
     result.notes[:0] = notes
+    from meshtron.compress.cost import advice
+
+    line = advice(result)  # compression / DiLoCo when the best plan is inter-node bound
+    if line:
+        result.notes.append(line)
     width = None if sys.stdout.isatty() else (220 if args.wide else 100)
     console = Console(stderr=False, width=width)
     if args.json:

@@ -52,6 +52,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from meshtron.compress import cost as compress_cost
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, compute, memory, pipeline, placement
 from meshtron.planner.cluster import ClusterSpec
@@ -300,21 +301,24 @@ class Evaluator:
         return hit
 
     def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
-                 bwd: float, layers: int = 1, regather: bool = False) -> float:
+                 bwd: float, layers: int = 1, regather: bool = False,
+                 wire: float | None = None) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
-        (module docstring)."""
+        (module docstring); `wire`: bytes per gradient element when compressed
+        (meshtron/compress/cost.py)."""
         group = groups["dp"]
-        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather)
+        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
+               wire)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        gsize = 4.0 if self.opts.fp32_grad_reduce else compute.BF16
+        gsize = wire or (4.0 if self.opts.fp32_grad_reduce else compute.BF16)
         nbytes = gsize * params
         wbytes = (4.0 if self.opts.fp32_params_autocast else compute.BF16) * params
         fsdp = self.opts.sharding == "fsdp"
         if zero == 3 or (zero == 2 and fsdp):  # per unit, with its own overlap rules
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
-                                                 backward_gather=zero == 3)
+                                                 backward_gather=zero == 3, wire=wire)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
@@ -340,7 +344,7 @@ class Evaluator:
 
     def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
                               fwd: float, bwd: float, regather: bool = False,
-                              backward_gather: bool = True) -> float:
+                              backward_gather: bool = True, wire: float | None = None) -> float:
         """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
         backward (parameters are resharded after the forward) and one reduce-scatter of its
         gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
@@ -357,7 +361,7 @@ class Evaluator:
         # parameter, biases and norms included); spread over the gather units for the overlap
         r_units = max(1, layers * (opts.reduce_units_per_layer or opts.shard_units_per_layer))
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
-        gsize = 4.0 if opts.fp32_grad_reduce else compute.BF16
+        gsize = wire or (4.0 if opts.fp32_grad_reduce else compute.BF16)
         wsize = 4.0 if opts.fp32_params_autocast else compute.BF16
         ag = comm.all_gather(wsize * params / units, shard, self.fab)
         rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
@@ -402,7 +406,8 @@ class Evaluator:
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
-        states = memory.state_bytes(zero, dp, self.grad_bytes, mem_opts)
+        states = compress_cost.with_state_bytes(
+            cfg, memory.state_bytes(zero, dp, self.grad_bytes, mem_opts))
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         roots = [0.0] * pp
@@ -473,9 +478,12 @@ class Evaluator:
             if dp > 1:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
-                dp_t = max(dp_t, self._dp_time(params_i, zero, groups, m, stage_f[i],
-                                               bwd if zero >= 2 else (1 + i) * bwd, k,
-                                               rec == "full" and self.opts.recompute_regathers))
+                args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
+                        k, rec == "full" and self.opts.recompute_regathers)
+                if compress_cost.changes_dp(cfg):  # gradient compression or DiLoCo
+                    dp_t = max(dp_t, compress_cost.dp_time(self, cfg, *args))
+                else:
+                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:]))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
         step = times.total

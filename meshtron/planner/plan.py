@@ -33,6 +33,14 @@ TOML having no null)::
                                   # is on the first, the LM head on the last
     dtype = "bf16"                # the run's precision: "bf16" (mixed) | "fp32"
     attention = "flash"           # kernel the prediction assumed: "flash" | "unfused"
+    grad_compression = "int8"     # data-parallel traffic: "none" | "bf16" | "int8" (written
+                                  # only when not default, like the other keys below)
+    grad_compression_block = 256  # int8 elements per absmax block (one fp32 scale each)
+    compress_scope = "all"        # "all" hops | "inter_node" (fp32 inside a node)
+    ranks_per_node = 8            # node size for "inter_node" (default: LOCAL_WORLD_SIZE)
+    diloco = 0                    # DiLoCo inner steps H between replica syncs (0: off)
+    outer_lr = 0.7                # DiLoCo outer SGD learning rate
+    outer_momentum = 0.9          # DiLoCo outer Nesterov momentum
 
     [predicted]                   # the planner's estimate, for predicted-vs-measured reports
     step_time_s = 10.2
@@ -72,6 +80,13 @@ KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
          "virtual_stages", "stage_layers", "dp_replicate", "dtype", "attention")
 """The fields that say how to run; the rest of a Plan says what it was made for."""
 CONTEXT = ("model", "cluster", "global_batch", "seq_len", "predicted")
+COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
+                 "compress_scope": "all", "ranks_per_node": None, "diloco": 0,
+                 "outer_lr": 0.7, "outer_momentum": 0.9}
+"""Knobs of the data-parallel traffic (meshtron/compress/): how gradients (or DiLoCo's outer
+gradients) travel. Written to plan files only when they differ from these defaults."""
+COMPRESSIONS = ("none", "bf16", "int8")
+COMPRESS_SCOPES = ("all", "inter_node")
 
 
 MAX_GLOBAL_BATCH = 2**24
@@ -113,6 +128,53 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
     if g("attention") is not None and g("attention") not in ATTENTION:
         yield f"plan.attention={g('attention')!r}: allowed values are {', '.join(ATTENTION)}"
     yield from _consistency(k)
+    yield from comm_problems(k)
+
+
+def comm_problems(k: Mapping[str, Any]) -> Iterator[str]:
+    """Rules on gradient compression and DiLoCo (meshtron/compress/): what the runtime runs,
+    refused here rather than ignored there."""
+    g = k.get
+    mode, block, scope = g("grad_compression"), g("grad_compression_block"), g("compress_scope")
+    h, rpn, zero, dp, rep = g("diloco"), g("ranks_per_node"), g("zero"), g("dp"), g("dp_replicate")
+    if mode is not None and mode not in COMPRESSIONS:
+        yield f"plan.grad_compression={mode!r}: allowed values are {', '.join(COMPRESSIONS)}"
+    elif block is not None and (not _is_int(block) or not 4 <= block <= 2**20 or block % 4):
+        yield (f"plan.grad_compression_block={block!r}: must be a multiple of 4 from 4 to "
+               f"{2**20} (elements per int8 block)")
+    elif scope is not None and scope not in COMPRESS_SCOPES:
+        yield f"plan.compress_scope={scope!r}: allowed values are {', '.join(COMPRESS_SCOPES)}"
+    elif rpn is not None and (not _is_int(rpn) or rpn <= 0):
+        yield f"plan.ranks_per_node={rpn!r}: must be a positive integer"
+    elif h is not None and (not _is_int(h) or h < 0):
+        yield f"plan.diloco={h!r}: must be an integer >= 0 (inner steps; 0 = off)"
+    elif g("outer_lr") is not None and (not isinstance(g("outer_lr"), (int, float))
+                                        or isinstance(g("outer_lr"), bool)
+                                        or not 0 < g("outer_lr") <= 10):
+        yield f"plan.outer_lr={g('outer_lr')!r}: must be a number in (0, 10]"
+    elif g("outer_momentum") is not None and (
+            not isinstance(g("outer_momentum"), (int, float))
+            or isinstance(g("outer_momentum"), bool) or not 0 <= g("outer_momentum") < 1):
+        yield f"plan.outer_momentum={g('outer_momentum')!r}: must be a number in [0, 1)"
+    else:
+        yield from _comm_layout_problems(mode, scope, h or 0, zero, dp, rep)
+
+
+def _comm_layout_problems(mode, scope, h: int, zero, dp, rep) -> Iterator[str]:
+    if scope == "inter_node" and mode in (None, "none"):
+        yield "plan.compress_scope='inter_node': needs plan.grad_compression bf16 or int8"
+    elif (mode not in (None, "none") or h) and dp == 1:
+        what = f"plan.diloco={h}" if h else f"plan.grad_compression={mode!r}"
+        yield f"{what}: needs plan.dp > 1 (it acts on the data-parallel traffic)"
+    elif h and zero == 1:
+        yield (f"plan.diloco={h} with plan.zero=1: DiLoCo replicas step alone, a ZeRO-1 "
+               "optimizer is shared across them; use zero 0, or zero 2/3 with dp_replicate > 1")
+    elif h and zero in (2, 3) and rep == 1:
+        yield (f"plan.diloco={h} with plan.zero={zero}: the replicas are the dp_replicate axis; "
+               "set plan.dp_replicate > 1 (ZeRO shards inside a replica) or use zero 0")
+    elif not h and mode not in (None, "none") and zero in (2, 3) and rep not in (None, 1):
+        yield (f"plan.grad_compression={mode!r} with plan.dp_replicate={rep}: HSDP's replica "
+               "all-reduce is FSDP2's own and cannot be compressed; use dp_replicate=1")
 
 
 def _size_problems(k: Mapping[str, Any]) -> Iterator[str]:
@@ -318,6 +380,24 @@ class Plan:
     """Tokens per sequence (None: not tied to a sequence length)."""
     predicted: Mapping[str, float] = field(default_factory=dict, compare=False)
     """The planner's estimate (step_time_s, tokens_per_s, memory_gib, mfu, ...)."""
+    grad_compression: str = "none"
+    """How data-parallel gradients travel: 'none' (fp32), 'bf16', or 'int8' (block-wise absmax
+    with error feedback, reduced in fp32; meshtron/compress/). With diloco > 0: how the outer
+    gradients travel."""
+    grad_compression_block: int = 256
+    """Elements per int8 block (one fp32 scale each: 1 + 4/block bytes per element)."""
+    compress_scope: str = "all"
+    """'all': compress every data-parallel hop; 'inter_node': fp32 inside a node, compressed
+    between nodes (hierarchical reduction)."""
+    ranks_per_node: int | None = None
+    """Ranks per node for compress_scope='inter_node' (None: torchrun's LOCAL_WORLD_SIZE)."""
+    diloco: int = 0
+    """DiLoCo (Douillard et al. 2023): inner optimizer steps each data-parallel replica takes
+    alone between averaging the replicas' parameter change; 0 = off (plain data parallelism)."""
+    outer_lr: float = 0.7
+    """DiLoCo outer SGD learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo outer Nesterov momentum (the paper's 0.9; 0 = plain SGD)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -368,6 +448,16 @@ class Plan:
     def knobs(self) -> dict[str, Any]:
         """How to run: the KNOBS fields."""
         return {name: getattr(self, name) for name in KNOBS}
+
+    def comm_knobs(self) -> dict[str, Any]:
+        """The data-parallel traffic knobs that differ from their defaults (COMM_DEFAULTS)."""
+        return {name: getattr(self, name) for name, default in COMM_DEFAULTS.items()
+                if getattr(self, name) != default}
+
+    @property
+    def compressed(self) -> bool:
+        """Gradients (or DiLoCo outer gradients) travel compressed."""
+        return self.grad_compression != "none"
 
     def validate(self, world_size: int | None = None, model: Any = None) -> "Plan":
         """Check against a world size and a ModelSpec (UserError naming the first problem)."""
@@ -432,6 +522,7 @@ class Plan:
         for name, value in self.knobs().items():
             d[name] = list(value) if name == "stage_layers" else value
         d["num_microbatches"] = self.num_microbatches
+        d.update(self.comm_knobs())
         if self.predicted:
             d["predicted"] = dict(self.predicted)
         return d

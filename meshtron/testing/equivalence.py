@@ -122,7 +122,10 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]],
         plan = dict(plan_attrs)
         mesh = build_mesh(plan, world, device_type="cpu")
         torch.manual_seed(cfg["seed"])
-        model = Transformer(make_spec(cfg))
+        # On meta: parallelize materializes only this rank's shards, and they must equal the
+        # reference's single-process initialization (meshtron/model/init.py).
+        with torch.device("meta"):
+            model = Transformer(make_spec(cfg))
         pm = parallelize(model, plan, mesh)
         opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
                               weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))

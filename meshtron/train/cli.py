@@ -19,7 +19,7 @@ from meshtron.train.job import ParallelRequest, TrainJob
 _FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "preset name or path to a Hugging Face config.json"),
     "--data": ("data.source", str, "'stdlib', a text file/folder, a .jsonl or a .bin token shard"),
-    "--tokenizer": ("data.tokenizer", str, "byte | bpe"),
+    "--tokenizer": ("data.tokenizer", str, "byte | bpe | a tokenizer.json (or its folder)"),
     "--seq-len": ("data.seq_len", int, "tokens per sequence"),
     "--global-batch": ("data.global_batch", int, "sequences per optimizer step"),
     "--micro-batch": ("data.micro_batch", int, "sequences per forward/backward (accumulation)"),
@@ -31,6 +31,9 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--eval-every": ("train.eval_every", int, "eval period in steps (0: off)"),
     "--log-every": ("train.log_every", int, "metrics line (and host sync) every N steps"),
     "--run-dir": ("train.run_dir", str, "output folder"),
+    "--attention-mask": ("data.attention_mask", str, "causal | document (packed documents)"),
+    "--init-from": ("train.init_from", str, "Hugging Face checkpoint folder to start from"),
+    "--export": ("train.export", str, "write the final weights here as a Hugging Face folder"),
 }
 # Run-file keys a saved plan fixes: taken from the plan when not given, checked when given.
 _PLAN_FIXES = {"data.global_batch": "global_batch", "data.seq_len": "seq_len"}
@@ -79,6 +82,9 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-recorder", action="store_true",
                    help="do not record collectives (the trace then holds stacks only)")
     g.add_argument("--launched-rank", action="store_true", help=argparse.SUPPRESS)
+    from meshtron.compress.cli import add_arguments as add_compress_arguments
+
+    add_compress_arguments(p.add_argument_group("less communication (meshtron/compress)"))
 
 
 def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:
@@ -98,7 +104,14 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
 
     if is_plan_file(getattr(args, "plan", None)):
         _take_from_plan(args.plan, doc, overrides)
-    return config_from_dict(apply_overrides(doc, overrides))
+    table = doc.get("train")
+    init_from = overrides.get("train.init_from") or (
+        table.get("init_from") if isinstance(table, dict) else None)
+    if init_from and overrides.get("model") is None and "model" not in doc:
+        overrides["model"] = init_from  # the checkpoint's config.json
+    from meshtron.data.tokenizer import follow_tokenizer
+
+    return follow_tokenizer(config_from_dict(apply_overrides(doc, overrides)))
 
 
 def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:
@@ -126,15 +139,20 @@ def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -
 def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
                      nproc: int | None) -> ParallelRequest | None:
     """The parallel part of the command line; None when nothing asks for torch.distributed."""
-    from meshtron.train.planning import fixed_knobs
+    from meshtron.compress.cli import requested, search_knobs
+    from meshtron.train.planning import fixed_knobs, is_plan_file
 
+    comm = requested(args)
     flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
-    if all(f is None for f in flags) and (nproc or 1) == 1 and not args.launched_rank \
-            and args.watchdog_timeout is None:
+    if all(f is None for f in flags) and not comm and (nproc or 1) == 1 \
+            and not args.launched_rank and args.watchdog_timeout is None:
         return None
     knobs = fixed_knobs(plan, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
                         args.schedule)
-    return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs)
+    if not is_plan_file(plan):
+        knobs = search_knobs(comm, knobs)
+    return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs,
+                           comm=comm)
 
 
 def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None,
@@ -144,6 +162,9 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
     starts nothing, writes nothing). `defaults`, `plan`, `nproc`, `overwrite`: what a command
     (the demo) uses where the user gave nothing."""
     cfg = run_config(args, defaults)
+    from meshtron.hf.hooks import check_job
+
+    check_job(cfg)
     return TrainJob(cfg=cfg,
                     parallel=parallel_request(args, cfg, args.plan or plan, args.nproc or nproc),
                     overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank,

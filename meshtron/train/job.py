@@ -22,6 +22,8 @@ class ParallelRequest:
     """Cluster to plan for (preset or TOML); None: this machine's calibration file."""
     knobs: dict[str, Any] = field(default_factory=dict)
     """Knobs fixed on the command line (tp/pp/dp, zero, schedule, recompute, sp, micro_batch)."""
+    comm: dict[str, Any] = field(default_factory=dict)
+    """Plan fields of gradient compression / DiLoCo given as flags (meshtron/compress/cli.py)."""
 
 
 @dataclass(frozen=True)

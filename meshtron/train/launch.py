@@ -57,6 +57,7 @@ def train_here(job: TrainJob) -> int:
 
 def launch_ranks(job: TrainJob) -> int:
     """The parent of `--nproc N` local ranks: validate, plan, save, launch, report."""
+    from meshtron.data.documents import check_document_layout
     from meshtron.launch import check_nproc, launch_local
     from meshtron.train.loop import build_run_data
     from meshtron.train.planning import resolve_run_plan
@@ -66,6 +67,7 @@ def launch_ranks(job: TrainJob) -> int:
     check_nproc(nproc)
     outputs.check_run_dir(job.cfg, job.overwrite)
     plan, cluster = resolve_run_plan(job.cfg, request, nproc)
+    check_document_layout(job.cfg, plan)
     # The data must open on every data-parallel rank: check once here (cheap: the corpus is
     # read, not trained on) so that a bad path is one line, not N tracebacks.
     build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)

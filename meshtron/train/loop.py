@@ -26,6 +26,9 @@ from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer, cross_entropy_loss
 from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
+from meshtron.hf.hooks import export_at_end, hf_fill
+from meshtron.data.documents import apply_document_mask
+from meshtron.data.tokenizer import keep_tokenizer
 
 
 class StepOutput(NamedTuple):
@@ -115,7 +118,11 @@ class LocalEngine:
     def __init__(self, cfg: RunConfig):
         torch.manual_seed(cfg.train.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = Transformer(cfg.model).to(self.device)
+        with torch.device(self.device):
+            self.model = Transformer(cfg.model)
+        fill = hf_fill(cfg)
+        if fill is not None:
+            fill([self.model])
         self.optimizer = build_adamw([self.model], cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.micro = cfg.data.micro_batch or cfg.data.global_batch
@@ -228,14 +235,31 @@ def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = 
                        records=records)
 
 
-def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1):
-    """The data pipeline for this data-parallel rank, checked against the model's vocabulary."""
+def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: bool = True,
+                   barrier=None, fresh: bool = True):
+    """The data pipeline for this data-parallel rank, checked against the model's vocabulary.
+    A BPE tokenizer is trained once, by the main rank (or the launching parent), into
+    RUN_DIR/tokenizer/; the other ranks wait (`barrier()`) and load it. `fresh`: this run has
+    not trained it yet (a file left by an earlier run in the folder is replaced)."""
     from meshtron.data import build_data
+    from meshtron.data.tokenizer import run_tokenizer_path
 
-    data = build_data(source=cfg.data.source, tokenizer=cfg.data.tokenizer,
-                      seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch,
-                      seed=cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size,
-                      eval_batches=cfg.data.eval_batches, bpe_vocab=cfg.data.bpe_vocab)
+    tok_path = run_tokenizer_path(cfg)
+    if tok_path is not None and main and fresh:
+        tok_path.unlink(missing_ok=True)  # an earlier run's (--overwrite): train afresh
+    if tok_path is not None and not main and barrier is not None:
+        barrier()
+
+    def build():
+        return build_data(source=cfg.data.source, tokenizer=cfg.data.tokenizer,
+                          seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch,
+                          seed=cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size,
+                          eval_batches=cfg.data.eval_batches, bpe_vocab=cfg.data.bpe_vocab,
+                          tokenizer_path=tok_path)
+
+    data = build()
+    if tok_path is not None and main and barrier is not None:
+        barrier()
     if data.vocab_size > cfg.model.vocab:
         raise UserError(f"model.vocab={cfg.model.vocab}: smaller than the tokenizer's "
                         f"{data.vocab_size} ids")
@@ -253,7 +277,11 @@ def train(cfg: RunConfig, show_progress: bool = True, overwrite: bool = False,
     data = build_run_data(cfg) if data is None else data
     # Bad input fails above, before anything is written to the run folder.
     run_dir = outputs.prepare_run_dir(cfg)
+    keep_tokenizer(data.tokenizer, run_dir)
+    engine = LocalEngine(cfg)
+    apply_document_mask([engine.model], cfg, data.tokenizer)
     with outputs.extra_writers(cfg, run_dir) as writers:
-        result = run_loop(LocalEngine(cfg), data, cfg, run_dir, show_progress, writers=writers)
+        result = run_loop(engine, data, cfg, run_dir, show_progress, writers=writers)
+    export_at_end(cfg, run_dir, model=engine.model)
     outputs.finish_run(run_dir, result.to_dict(), result.records)
     return result

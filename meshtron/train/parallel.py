@@ -1,7 +1,8 @@
 """Training on many ranks: the plan's mesh, `meshtron.parallelize`, and the shared loop.
 
-Every rank builds the same full model from the same seed, then `parallelize` keeps and shards
-its part, so each layout starts from exactly the single-process weights; data-parallel rank r
+Every rank builds the model on the meta device from the same seed, `parallelize` shards it and
+materializes only this rank's shards, initialized to exactly the single-process weights
+(meshtron/model/init.py) or read from a Hugging Face checkpoint (`train.init_from`); data-parallel rank r
 reads rows [r*B/dp, (r+1)*B/dp) of the single-process global batch. Together these make every
 layout reproduce the single-process losses (tests/test_parallel*.py).
 """
@@ -22,6 +23,9 @@ from meshtron.model import Transformer
 from meshtron.train import outputs
 from meshtron.train.loop import StepOutput, build_run_data, read_values, run_loop
 from meshtron.train.optim import adamw_kernel, build_scheduler, param_groups
+from meshtron.hf.hooks import export_at_end, hf_fill
+from meshtron.data.documents import apply_document_mask, check_document_layout
+from meshtron.data.tokenizer import keep_tokenizer
 
 
 def _adamw_factory(weight_decay: float, device_type: str):
@@ -58,16 +62,24 @@ class ParallelEngine:
         from meshtron.parallel import build_mesh, build_optimizer, parallelize
         from meshtron.parallel.mesh import data_mesh
 
+        check_document_layout(cfg, plan)
         rt = runtime_plan(plan, cfg.train.dtype)
         self.mesh = build_mesh(rt, device_type=device.type, spec=cfg.model)
         self.dp_rank = data_mesh(self.mesh).get_local_rank()
         torch.manual_seed(cfg.train.seed)
-        self.pm = parallelize(Transformer(cfg.model), rt, self.mesh)
+        with torch.device("meta"):  # no rank ever holds the whole model
+            model = Transformer(cfg.model)
+        self.pm = parallelize(model, rt, self.mesh, fill=hf_fill(cfg))
         self.optimizer = build_optimizer(
             self.pm, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
             weight_decay=cfg.optim.weight_decay,
             optimizer_cls=_adamw_factory(cfg.optim.weight_decay, device.type))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        from meshtron.compress import diloco
+
+        self.diloco = diloco.attach(self.pm, rt)
+        # Error-feedback residuals or DiLoCo's outer state: a Stateful to checkpoint (or None).
+        self.compress_state = self.diloco or self.pm.grad_sync
         self.grad_clip = cfg.optim.grad_clip
         self.is_main = dist.get_rank() == 0
         self.grad_bytes: int | None = None
@@ -81,6 +93,8 @@ class ParallelEngine:
         norm = self.pm.clip_grad_norm_(self.grad_clip) if self.grad_clip > 0 else None
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        if self.diloco is not None:
+            self.diloco.after_inner_step()
         self.scheduler.step()
         self.optimizer.zero_grad()
         return StepOutput(loss, norm, lr)
@@ -114,7 +128,9 @@ class ParallelEngine:
         """Drop the model and optimizer and destroy the mesh's process groups."""
         from meshtron.parallel.mesh import release_mesh
 
-        del self.pm, self.optimizer, self.scheduler
+        if self.compress_state is not None:
+            self.compress_state.release()
+        del self.pm, self.optimizer, self.scheduler, self.diloco, self.compress_state
         release_mesh(self.mesh)
 
 
@@ -144,20 +160,27 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
 
 
 def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
-                  cluster=None, show_progress: bool = True) -> dict[str, Any] | None:
+                  cluster=None, show_progress: bool = True,
+                  fresh_tokenizer: bool = True) -> dict[str, Any] | None:
     """Run the plan on this rank (process group already initialised); rank 0 writes the run's
     outputs and returns the summary, with the planner's prediction beside the measurement when
-    a cluster is known."""
+    a cluster is known. `fresh_tokenizer`: no launching parent has trained the run's BPE
+    tokenizer yet (rank 0 trains it)."""
     engine = ParallelEngine(cfg, plan, device)
     doctor.watch_mesh(engine.mesh)
-    data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp)
+    data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp, main=engine.is_main,
+                          barrier=dist.barrier, fresh=fresh_tokenizer)
     run_dir = outputs.prepare_run_dir(cfg, engine.is_main, extra={"plan": plan.to_dict()})
+    if engine.is_main:
+        keep_tokenizer(data.tokenizer, run_dir)
+    apply_document_mask(engine.pm.model_parts, cfg, data.tokenizer)
     # MFU needs a real peak: the calibrated or catalogue figure, not the nominal placeholder.
     known = cluster is not None and not cluster.name.startswith("nominal")
     peak = world.world_size * cluster.peak_tflops * 1e12 if known else None
     with outputs.extra_writers(cfg, run_dir, engine.is_main) as writers:
         result = run_loop(engine, data, cfg, run_dir, show_progress, peak_flops=peak,
                           writers=writers)
+    export_at_end(cfg, run_dir, pm=engine.pm)
     memory = engine.memory_bytes()
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, memory)

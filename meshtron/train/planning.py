@@ -69,10 +69,13 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int):
     from meshtron.parallel import resolve_plan
 
     cluster = local_cluster(world_size, request.cluster)
+    from meshtron.compress.cli import apply as apply_comm
+
     if is_plan_file(request.plan):
-        plan = _saved_plan(cfg, request)
+        plan = apply_comm(_saved_plan(cfg, request), request.comm, saved=True)
     else:
-        plan = _searched_plan(cfg, request, world_size, cluster)
+        plan = apply_comm(_searched_plan(cfg, request, world_size, cluster), request.comm,
+                          saved=False)
     # The runtime's own checks (world size, heads, kv_heads, layers, schedule traps).
     resolve_plan(plan, world_size, cfg.model)
     return plan, cluster

@@ -36,7 +36,8 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
                      watchdog_timeout_s=job.watchdog_timeout_s, recorder=job.recorder)
         from meshtron.train.parallel import train_on_rank
 
-        summary = train_on_rank(job.cfg, plan, world, device, cluster)
+        summary = train_on_rank(job.cfg, plan, world, device, cluster,
+                                fresh_tokenizer=not job.launched_rank)
         if summary is not None and not job.launched_rank:
             # Started by an outside torchrun/srun: rank 0 reports (meshtron's own launcher
             # reports from the parent instead).

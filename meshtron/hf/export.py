@@ -1,0 +1,181 @@
+"""Write a Hugging Face checkpoint: safetensors weights + config.json (+ tokenizer files).
+
+Two entry points:
+- `save_hf(state, spec, out_dir)`: from a full state dict in meshtron names (one process; also
+  what a consolidated training checkpoint feeds);
+- `export_parallel(pm, spec, out_dir)`: from a running `ParallelModel`, collective over all
+  ranks. Parameters are gathered one at a time (`DTensor.full_tensor`) in the same order on
+  every rank of a pipeline stage; the stage's first rank (dp and tp coordinate 0) buffers them
+  on the CPU and writes a file whenever `max_shard_bytes` is reached, so no rank ever holds more
+  than one file's worth plus one parameter. Each pipeline stage writes its own files; rank 0
+  writes `model.safetensors.index.json` (or renames a lone file to `model.safetensors`), the
+  config and the tokenizer files.
+
+Tensors are written in the parameters' dtype (fp32 master weights also for bf16 runs), so an
+export of unchanged weights is bit-identical to what was loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtron.errors import UserError
+from meshtron.hf.names import HFTensors, hf_config, sources
+from meshtron.model.spec import ModelSpec
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+"""Largest safetensors file written (Hugging Face's own default is 5 GB)."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+"""Files copied beside the weights when the run has a tokenizer folder."""
+
+
+def prepare_export_dir(out_dir: str | Path, field: str = "train.export") -> Path:
+    """Create `out_dir`; refuse a file, or a folder that already holds weights."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{field}={str(out_dir)!r}: is a file; give a folder")
+    if out.is_dir() and any(out.glob("*.safetensors")):
+        raise UserError(f"{field}={str(out_dir)!r}: already holds *.safetensors weights; "
+                         "choose an empty folder")
+    return out
+
+
+def _write_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={"format": "pt"})
+    tmp.replace(path)
+
+
+def write_metadata(out: Path, spec: ModelSpec, weight_map: dict[str, str],
+                   config: dict[str, Any] | None = None, tokenizer_dir: str | Path | None = None,
+                   dtype: str = "float32") -> None:
+    """config.json, the index (or a lone file renamed to model.safetensors) and the tokenizer."""
+    files = sorted(set(weight_map.values()))
+    if len(files) == 1:
+        (out / files[0]).replace(out / "model.safetensors")
+    else:
+        total = sum((out / f).stat().st_size for f in files)
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2))
+    doc = dict(config) if config else hf_config(spec, dtype)
+    doc["vocab_size"] = spec.vocab
+    (out / "config.json").write_text(json.dumps(doc, indent=2))
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out)
+
+
+def copy_tokenizer(src: str | Path, out: Path) -> list[str]:
+    """Copy the tokenizer files of folder `src` (or the file `src`) into `out`."""
+    src = Path(src)
+    paths = [src] if src.is_file() else [src / n for n in TOKENIZER_FILES]
+    copied = []
+    for path in paths:
+        if path.is_file():
+            shutil.copyfile(path, out / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def save_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir: str | Path,
+            config: dict[str, Any] | None = None, tokenizer_dir: str | Path | None = None,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, field: str = "export --to") -> Path:
+    """Write `state` (every parameter, meshtron names, full tensors) as a Hugging Face folder."""
+    out = prepare_export_dir(out_dir, field)
+    out.mkdir(parents=True, exist_ok=True)
+    from meshtron.hf.load import model_shapes
+
+    names = sources(spec)
+    missing = sorted(set(names) - set(state))
+    if missing:
+        raise UserError(f"export: the state has no tensor {missing[0]}")
+    convert = HFTensors(spec, model_shapes(spec))
+    weight_map: dict[str, str] = {}
+    buf: dict[str, torch.Tensor] = {}
+    size, n = 0, 0
+    for ours in names:
+        for theirs, t in convert.add(ours, state[ours].detach().cpu()):
+            buf[theirs] = t
+            size += t.numel() * t.element_size()
+        if size >= max_shard_bytes:
+            n = _flush(buf, out, f"model-{n:05d}.safetensors", weight_map, n)
+            size = 0
+    if buf:
+        _flush(buf, out, f"model-{n:05d}.safetensors", weight_map, n)
+    write_metadata(out, spec, weight_map, config, tokenizer_dir,
+                   _dtype_name(state[next(iter(names))]))
+    return out
+
+
+def _flush(buf: dict[str, torch.Tensor], out: Path, name: str, weight_map: dict[str, str],
+           n: int) -> int:
+    _write_file(buf, out / name)
+    weight_map.update({k: name for k in buf})
+    buf.clear()
+    return n + 1
+
+
+@torch.no_grad()
+def export_parallel(pm, spec: ModelSpec, out_dir: str | Path,
+                    config: dict[str, Any] | None = None,
+                    tokenizer_dir: str | Path | None = None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path | None:
+    """Write the model of a `ParallelModel` as a Hugging Face folder (collective: every rank
+    calls it). Returns the folder on rank 0, None elsewhere."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from meshtron.model.init import named_unique_parameters
+
+    out = Path(out_dir)
+    mesh = pm.mesh
+    writer = all(mesh.get_local_rank(a) == 0 for a in mesh.mesh_dim_names if a != "pp")
+    stage = mesh.get_local_rank("pp")
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    from meshtron.hf.load import model_shapes
+
+    convert = HFTensors(spec, model_shapes(spec))
+    weight_map: dict[str, str] = {}
+    buf: dict[str, torch.Tensor] = {}
+    size, n, dtype = 0, 0, "float32"
+    for name, p in named_unique_parameters(pm.model_parts):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if not writer:
+            continue
+        t = full.detach().to("cpu", copy=True)
+        dtype = _dtype_name(t)
+        for theirs, done in convert.add(name, t):
+            buf[theirs] = done
+            size += done.numel() * done.element_size()
+        if size >= max_shard_bytes:
+            n = _flush(buf, out, f"model-pp{stage:03d}-{n:05d}.safetensors", weight_map, n)
+            size = 0
+    if writer and buf:
+        _flush(buf, out, f"model-pp{stage:03d}-{n:05d}.safetensors", weight_map, n)
+    maps: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, (weight_map, dtype))
+    if dist.get_rank() != 0:
+        dist.barrier()
+        return None
+    merged: dict[str, str] = {}
+    for m, _ in maps:
+        merged.update(m)
+    write_metadata(out, spec, merged, config, tokenizer_dir, maps[0][1])
+    dist.barrier()
+    return out

@@ -1,0 +1,186 @@
+"""Read a Hugging Face safetensors checkpoint into this rank's shards only.
+
+A checkpoint folder holds `config.json` and either one `model.safetensors` (or several
+`*.safetensors`) or shards listed by `model.safetensors.index.json`. `Checkpoint` reads only the
+files' JSON headers (names, shapes, dtypes: a few KB each) to check the folder against the model
+before any rank starts; `load_into(parts)` then copies, for every parameter a rank holds, only
+the box of rows/columns that rank owns, through safetensors' lazy slicing (`get_slice`), which
+reads those bytes from the memory-mapped file and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtron.errors import UserError
+from meshtron.hf.names import Source, check_supported, hf_shapes, is_ignorable, sources
+from meshtron.model.spec import ModelSpec
+
+INDEX = "model.safetensors.index.json"
+FIELD = "train.init_from"
+
+
+def _header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file: {name: {"dtype", "shape", "data_offsets"}}."""
+    try:
+        with open(path, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            if size > 100_000_000:
+                raise ValueError("header larger than 100 MB")
+            header = json.loads(f.read(size))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{FIELD}: {str(path)!r} is not a safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{FIELD}: {str(path)!r} is not a safetensors file")
+    header.pop("__metadata__", None)
+    return header
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face checkpoint folder: name -> (file, shape), from headers."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise UserError(f"{FIELD}={str(folder)!r}: not a folder (a Hugging Face checkpoint "
+                             "folder holds config.json and *.safetensors)")
+        self.files: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        index = self.folder / INDEX
+        if index.is_file():
+            self._read_index(index)
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise UserError(f"{FIELD}={str(folder)!r}: holds no *.safetensors file")
+            for path in files:
+                for name, meta in _header(path).items():
+                    self.files[name] = path
+                    self.shapes[name] = tuple(meta.get("shape", ()))
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+            raise UserError(f"{FIELD}: {str(index)!r} has no weight_map object") from None
+        headers: dict[str, dict[str, Any]] = {}
+        for name, file in weight_map.items():
+            path = self.folder / str(file)
+            if str(file) not in headers:
+                if not path.is_file():
+                    raise UserError(f"{FIELD}: shard {file!r} (holding tensor {name}) is "
+                                    f"missing from {str(self.folder)!r}")
+                headers[str(file)] = _header(path)
+            meta = headers[str(file)].get(name)
+            if meta is None:
+                raise UserError(f"{FIELD}: tensor {name} is listed in {INDEX} under {file!r} "
+                                 "but that shard does not hold it")
+            self.files[name] = path
+            self.shapes[name] = tuple(meta.get("shape", ()))
+
+    def _resolve(self, name: str) -> str | None:
+        """The stored name of Hugging Face tensor `name`: itself, or without GPT-2's
+        "transformer." prefix (the original GPT-2 files store "h.0.attn.c_attn.weight")."""
+        if name in self.shapes:
+            return name
+        bare = name.removeprefix("transformer.")
+        return bare if bare in self.shapes else None
+
+    def check(self, spec: ModelSpec, want_shapes: dict[str, tuple[int, ...]]
+              ) -> dict[str, Source]:
+        """Check names and shapes against the model; returns meshtron name -> Source (with the
+        stored names)."""
+        mtype = check_supported(spec, FIELD)
+        srcs = sources(spec)
+        expected = hf_shapes(spec, want_shapes)
+        stored = {self._resolve(s.name): s.name for s in srcs.values()}
+        for name in sorted(self.shapes):
+            if name not in stored and not is_ignorable(name, spec):
+                raise UserError(f"{FIELD}: unknown tensor {name} in {self.files[name].name} "
+                                f"(not a parameter of a {spec.layers}-layer {mtype} model)")
+        out = {}
+        for ours, src in srcs.items():
+            real = self._resolve(src.name)
+            if real is None:
+                raise UserError(f"{FIELD}: tensor {src.name} (meshtron {ours}) is missing from "
+                                 f"{str(self.folder)!r}")
+            got, want = self.shapes[real], expected[src.name]
+            if got != want:
+                raise UserError(f"{FIELD}: tensor {src.name} has shape {list(got)}; the model "
+                                 f"needs {list(want)}")
+            out[ours] = Source(real, src.transpose, src.offset)
+        return out
+
+    def read_into(self, src: Source, target: torch.Tensor, offset: tuple[int, ...],
+                  block_elems: int) -> int:
+        """Copy the box at `offset` (of `target`'s shape, in meshtron's orientation) of the
+        tensor `src` points at into `target`, in row blocks of at most `block_elems` elements;
+        returns the bytes read. The file is mapped only while this tensor is read, so its pages
+        do not accumulate in the process."""
+        from safetensors import safe_open
+
+        shape = tuple(target.shape)
+        row = max(1, math.prod(shape[1:]))
+        step = max(1, block_elems // row)
+        read = 0
+        with safe_open(str(self.files[src.name]), framework="pt") as f:
+            sl = f.get_slice(src.name)
+            for r in range(0, shape[0], step):
+                n = min(step, shape[0] - r)
+                rows = slice(src.offset + offset[0] + r, src.offset + offset[0] + r + n)
+                cols = tuple(slice(o, o + k) for o, k in zip(offset[1:], shape[1:]))
+                if src.transpose:
+                    values = sl[(cols[0], rows)].t()
+                else:
+                    values = sl[(rows, *cols)]
+                target[r:r + n].copy_(values)
+                read += values.numel() * values.element_size()
+            del sl
+        return read
+
+
+def model_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Global shapes of every parameter of the plain model (built on meta: no memory)."""
+    from meshtron.model.init import named_unique_parameters
+    from meshtron.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(spec, init_seed=0)
+    return {n: tuple(p.shape) for n, p in named_unique_parameters([model])}
+
+
+def check_checkpoint(folder: str | Path, spec: ModelSpec) -> Checkpoint:
+    """Validate a checkpoint folder against `spec` (headers only); UserError naming the tensor."""
+    ckpt = Checkpoint(folder)
+    ckpt.check(spec, model_shapes(spec))
+    return ckpt
+
+
+@torch.no_grad()
+def load_into(parts: list[torch.nn.Module], folder: str | Path, spec: ModelSpec) -> int:
+    """Fill this rank's shards of `parts` (materialized, e.g. by `parallelize`) from the
+    checkpoint; returns the bytes read."""
+    from meshtron.model.init import (
+        BLOCK_ELEMS,
+        local_box,
+        local_tensor,
+        named_unique_parameters,
+    )
+
+    ckpt = Checkpoint(folder)
+    mapping = ckpt.check(spec, model_shapes(spec))
+    read = 0
+    for name, p in named_unique_parameters(parts):
+        _, offset, local = local_box(p)
+        if 0 in local:
+            continue
+        # Row blocks: the transient copy is one block, not the whole shard.
+        read += ckpt.read_into(mapping[name], local_tensor(p), offset, BLOCK_ELEMS)
+    return read

@@ -1,0 +1,217 @@
+"""meshtron.compress without processes: quantization error bounds, wire sizes, error feedback
+over many steps (through a one-process simulation of the qgZ reduction), and plan rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.compress.quant import Codec, dequantize, padded_len, quantize
+from meshtron.errors import UserError
+from meshtron.planner.plan import Plan
+
+
+@pytest.mark.parametrize("block", [4, 32, 256])
+def test_quantize_error_bound_per_block(block):
+    g = torch.Generator().manual_seed(block)
+    # Blocks of very different magnitudes: each block's error must follow its own maximum.
+    x = torch.randn(64 * block, generator=g) * torch.logspace(-6, 3, 64).repeat_interleave(block)
+    x[:block] = 0.0  # an all-zero block stays exactly zero
+    q, s = quantize(x, block)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.numel() == 64
+    err = (dequantize(q, s, block) - x).abs().reshape(-1, block).amax(dim=1)
+    bound = x.abs().reshape(-1, block).amax(dim=1) / 254  # half a step of max/127
+    assert torch.all(err <= bound * (1 + 1e-5) + 1e-30)
+    assert torch.all(err[0] == 0)
+    assert int(q.abs().max()) == 127  # every nonzero block uses the whole range
+
+
+def test_bf16_codec_and_wire_bytes():
+    x = torch.randn(4, 512)
+    c = Codec("bf16")
+    y = c.decode(c.encode(x))
+    assert torch.all((y - x).abs() <= x.abs() * 2.0**-8)
+    assert Codec("int8", 256).wire_bytes(1 << 20) / (4 << 20) == pytest.approx(0.25 + 1 / 256)
+    assert Codec("bf16").wire_bytes(1000) == 2000 and Codec("none").wire_bytes(10) == 40
+    assert padded_len(257, 256) == 512
+
+
+def _qgz_sum(inputs, residuals, codec):
+    """One-process model of Reducer._all_reduce_flat: every rank encodes its rows (with its
+    residual), the owner sums the decoded rows in fp32 and re-encodes (keeping that error)."""
+    n, cols = len(inputs), inputs[0].numel() // len(inputs)
+    xs = [x.view(n, cols) + e for x, e in zip(inputs, residuals)]
+    sent = [codec.decode(codec.encode(x)) for x in xs]
+    new_res = [x - s for x, s in zip(xs, sent)]
+    out = torch.empty(n, cols)
+    for j in range(n):
+        total = sum(s[j] for s in sent)
+        back = codec.decode(codec.encode(total[None]))[0]
+        new_res[j][j] += total - back
+        out[j] = back
+    return out.reshape(-1), [r for r in new_res]
+
+
+def test_error_feedback_running_sum_tracks_true_sum():
+    """Over 300 steps the delivered sum stays within the current residuals of the true sum;
+    without error feedback the gap grows (biased rounding of small, persistent values)."""
+    n, numel, steps = 4, 4 * 256, 300
+    codec = Codec("int8", 256)
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(n, numel, generator=g) * 1e-3  # persistent small components
+    res = [torch.zeros(n, numel // n) for _ in range(n)]
+    delivered = torch.zeros(numel)
+    delivered_no_ef = torch.zeros(numel)
+    true = torch.zeros(numel)
+    for _ in range(steps):
+        # One large outlier per block sets the scale; the small values mostly round to 0.
+        inputs = [bias[r] + torch.randn(numel, generator=g) * 1e-4 for r in range(n)]
+        for x in inputs:
+            x[::256] = 1.0
+        out, res = _qgz_sum(inputs, res, codec)
+        zero = [torch.zeros(n, numel // n) for _ in range(n)]
+        out_no_ef, _ = _qgz_sum(inputs, zero, codec)
+        delivered += out
+        delivered_no_ef += out_no_ef
+        true += sum(inputs)
+    owed = sum(r.reshape(-1) for r in res)
+    # Exact bookkeeping: delivered + what is still owed = the true sum (fp32 rounding only).
+    assert torch.allclose(delivered + owed, true, rtol=0, atol=1e-3)
+    gap_ef = (delivered - true).abs().max().item()
+    gap_plain = (delivered_no_ef - true).abs().max().item()
+    # Bounded by one step's quantization step (max 1.0 per block / 127 per rank and owner).
+    assert gap_ef < (n + 1) * 1.0 / 127
+    assert gap_plain > 20 * gap_ef
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dp=2, grad_compression="int4"), r"plan.grad_compression='int4': allowed values"),
+    (dict(grad_compression="int8"), r"needs plan.dp > 1"),
+    (dict(dp=2, grad_compression_block=6), r"plan.grad_compression_block=6"),
+    (dict(dp=2, compress_scope="inter_node"), r"needs plan.grad_compression bf16 or int8"),
+    (dict(dp=2, zero=1, diloco=4), r"plan.diloco=4 with plan.zero=1"),
+    (dict(dp=4, zero=3, diloco=4), r"the replicas are the dp_replicate axis"),
+    (dict(dp=4, zero=2, dp_replicate=2, grad_compression="int8"), r"HSDP's replica all-reduce"),
+    (dict(dp=2, diloco=-1), r"plan.diloco=-1"),
+    (dict(dp=2, diloco=2, outer_momentum=1.0), r"plan.outer_momentum=1.0"),
+    (dict(dp=2, ranks_per_node=0, grad_compression="int8"), r"plan.ranks_per_node=0"),
+])
+def test_plan_rules(kw, match):
+    with pytest.raises(UserError, match=match):
+        Plan(**kw)
+
+
+def test_plan_file_keeps_comm_keys():
+    p = Plan(dp=4, zero=2, dp_replicate=2, diloco=8, grad_compression="int8", outer_lr=0.5)
+    back = Plan.from_toml(p.to_toml())
+    assert back == p and back.to_dict()["diloco"] == 8
+    assert "diloco" not in Plan(dp=2).to_dict()  # defaults stay out of old-style files
+
+
+# ---- planner ---------------------------------------------------------------------------------
+def _slow_network_cluster():
+    from meshtron.planner.cluster import cluster_from_dict
+
+    return cluster_from_dict({"name": "eth", "gpu": "H100-SXM5-80GB", "gpus_per_node": 8,
+                              "nodes": 8, "intra_node_gb_per_s": 450,
+                              "inter_node_gb_per_s": 1})
+
+
+def test_cost_model_counts_compressed_bytes_and_work():
+    from meshtron.compress import cost
+    from meshtron.model.spec import resolve_model
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.placement import groups_for_cost
+
+    ev = Evaluator(resolve_model("llama3-8b"), _slow_network_cluster(), 64, 4096)
+    base = Plan(tp=8, dp=8, zero=0, dtype="bf16")
+    plain = ev.evaluate(base).time.dp_comm
+    int8 = ev.evaluate(base.replace(grad_compression="int8")).time.dp_comm
+    hier = ev.evaluate(base.replace(grad_compression="int8", compress_scope="inter_node"))
+    dil = ev.evaluate(base.replace(diloco=16)).time.dp_comm
+    assert int8 < 0.6 * plain and dil < plain / 10
+    # tp=8 fills each node: the dp group has one member per node, so hierarchy changes nothing
+    assert hier.time.dp_comm == pytest.approx(int8)
+    # the wire and the codec: int8 bytes per element, and the memory-bound work on top
+    group = groups_for_cost(base, 8)["dp"]
+    params = 1e9
+    p8 = base.replace(grad_compression="int8")
+    t_wire = cost.reduce_time(p8, params, group, ev.fab, float("inf"), 4.0)
+    t_work = cost.reduce_time(p8, params, group, ev.fab, ev.hbm, 4.0) - t_wire
+    assert t_work == pytest.approx(cost.CODEC_BYTES_PER_ELEMENT * params / ev.hbm)
+    assert cost.wire_bytes(p8, 4.0) == pytest.approx(1 + 4 / 256)
+
+
+def test_plan_recommends_when_inter_node_bound():
+    from meshtron.compress.cost import advice
+    from meshtron.model.spec import resolve_model
+    from meshtron.planner.search import search_plans
+
+    result = search_plans(resolve_model("llama2-7b"), _slow_network_cluster(), 512, 4096, {},
+                          top_k=1, explain=False)
+    line = advice(result)
+    assert line and line.startswith("inter-node bound") and "--grad-compression int8" in line
+    assert "--diloco 16" in line
+    from meshtron.planner.cluster import resolve_cluster
+
+    fast = search_plans(resolve_model("llama2-7b"), resolve_cluster("dgx-h100:1"), 64, 4096,
+                        {}, top_k=1, explain=False)
+    assert advice(fast) is None  # one node: nothing crosses nodes
+
+
+def test_node_groups_split_data_parallel_groups():
+    from meshtron.compress.collectives import node_groups
+
+    # dp groups of a tp=2 x dp=4 world with 4 ranks per node: {0,2,4,6}, {1,3,5,7}
+    intra, inter, per_node, nodes = node_groups([[0, 2, 4, 6], [1, 3, 5, 7]], 4)
+    assert (per_node, nodes) == (2, 2)
+    assert intra == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert inter == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    with pytest.raises(ValueError, match="uneven"):
+        node_groups([[0, 1, 2]], 2)
+
+
+def test_pack_roundtrip():
+    c = Codec("int8", 8)
+    x = torch.randn(3, 32)
+    wire = c.encode(x)
+    packed = c.pack(wire)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 32 + 4 * 4)
+    q, s = c.unpack(packed)
+    assert torch.equal(q, wire[0]) and torch.equal(s, wire[1])
+
+
+COMM_FLAGS = ["--grad-compression", "--grad-compression-block", "--compress-scope",
+              "--ranks-per-node", "--diloco", "--outer-lr", "--outer-momentum"]
+FLAG_TEXT = ["0", "-1", "1", "2", "7", "8", "256", "1e-3", "nan", "inf", "-inf", "1e308", "",
+             "x", "1.5", "0x10", "int8", "bf16", "none", "inter_node", "all", "10000000000000"]
+
+
+def test_comm_flags_end_in_a_plan_or_one_line_error():
+    """Every damaged value of the compression / DiLoCo flags, two at a time, through parsing,
+    the job and plan resolution for 2 ranks: a plan, or one UserError line."""
+    import itertools
+    import random
+
+    from meshtron.cli import build_parser
+    from meshtron.train.cli import job_from_args
+    from meshtron.train.planning import resolve_run_plan
+
+    rng = random.Random(0)
+    pairs = list(itertools.combinations(COMM_FLAGS, 2))
+    outcomes = {"plan": 0, "error": 0}
+    good = [["--grad-compression", "int8", "--grad-compression-block", "64"],
+            ["--diloco", "8", "--outer-lr", "1.0"], ["--grad-compression", "bf16",
+                                                     "--compress-scope", "inter_node"]]
+    cases = good + [[a, rng.choice(FLAG_TEXT), b, rng.choice(FLAG_TEXT)] for a, b in pairs * 3]
+    for flags in cases:
+        argv = ["train", "--model", "debug", "--seq-len", "32", "--global-batch", "8",
+                "--run-dir", "runs/fuzz-never-written", "--plan", "dp=2", *flags]
+        try:
+            job = job_from_args(build_parser().parse_args(argv))
+            resolve_run_plan(job.cfg, job.parallel, 2)
+            outcomes["plan"] += 1
+        except UserError as exc:
+            assert "\n" not in str(exc), (argv, str(exc))
+            outcomes["error"] += 1
+    assert outcomes["plan"] >= len(good) and outcomes["error"] > 0
