@@ -33,13 +33,13 @@ def run_layout(layout: str, nproc: int, args, tmp: Path):
     cmd = [sys.executable, "-m", "meshtron", "train", "--nproc", str(nproc), "--plan", layout,
            "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
            "--global-batch", str(args.global_batch), "--eval-every", "0",
-           "--run-dir", str(run_dir)]
+           "--run-dir", str(run_dir), "--set", f"model.layers={args.layers}"]
     if args.schedule:
         cmd += ["--schedule", args.schedule]
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode != 0:
-        return None, proc.stderr.strip().splitlines()[-1:]
+        return None, [line for line in proc.stderr.splitlines() if "rror" in line][-3:]
     return build_report(run_dir, png=False), None
 
 
@@ -48,12 +48,13 @@ def main() -> int:
     ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS)
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--model", default="debug")
+    ap.add_argument("--layers", type=int, default=8, help="model.layers (pp <= layers)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--schedule", default=None, help="e.g. 1f1b (default: the planner's)")
     args = ap.parse_args()
-    print(f"{args.nproc} ranks, model {args.model}, seq {args.seq_len}, batch "
+    print(f"{args.nproc} ranks, model {args.model} with {args.layers} layers, seq {args.seq_len}, batch "
           f"{args.global_batch}; bubble = share of step time")
     print(f"{'layout':<18}{'schedule':>9}{'m':>4}{'measured':>10}{'planner':>9}"
           f"{'formula@meas':>13}{'compute':>9}{'comm':>7}{'idle':>7}  per stage")
