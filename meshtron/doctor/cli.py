@@ -21,6 +21,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 0
     if not args.run_dir:
         raise UserError("RUN_DIR: missing; give a run folder (or --nccl-log FILE...)")
+    if args.timeline:
+        return _timeline(args)
     from meshtron.doctor.analyze import diagnose
     from meshtron.doctor.trace import load_trace
 
@@ -33,6 +35,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"kind: {diagnosis.kind}; culprit ranks: {diagnosis.culprit_ranks or 'none'}")
     for line in diagnosis.evidence:
         print(f"  {line}")
+    return 0
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from meshtron.doctor.timeline_view import build_report
+
+    report = build_report(args.run_dir, png=not args.no_png)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
     return 0
 
 
@@ -50,6 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=positive_int, metavar="N",
                    help="with --nccl-log: the tensor-parallel degree (communicators of this "
                         "size are read as tensor-parallel groups)")
+    p.add_argument("--timeline", action="store_true",
+                   help="per-rank compute/communication/idle of the last steps: writes "
+                        "RUN_DIR/trace/timeline.json (Chrome trace / Perfetto) and timeline.png, "
+                        "prints the fractions and the pipeline bubble beside the planner's")
+    p.add_argument("--no-png", action="store_true", help="with --timeline: skip the plot")
     p.set_defaults(func=cmd_doctor)
 
 

@@ -154,6 +154,9 @@ class CollectiveRecorder(TorchDispatchMode):
         self._pending_works: dict[str, collections.deque] = collections.defaultdict(
             collections.deque)
         self._proxies: dict[str, Any] = {}
+        # timeline.py's deque of (start, end) of main-thread waits, when it runs
+        self.waits: collections.deque | None = None
+        self._main = threading.main_thread().ident
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -175,7 +178,11 @@ class CollectiveRecorder(TorchDispatchMode):
     def _call(self, info: _OpInfo, run, args, kwargs):
         """Record the collective, run it (`run(*args, **kwargs)`), note when it completes."""
         if info.raw in IGNORED_OPS or info.group_index is None:
+            t0 = time.time()
             out = run(*args, **kwargs)
+            if info.raw == "wait_tensor" and self.waits is not None \
+                    and threading.get_ident() == self._main:
+                self.waits.append((t0, time.time()))  # timeline.py: main thread blocked
             if info.raw == "wait_tensor" and self._pending_functional:
                 rec = self._pending_functional.pop(id(args[0]), None)
                 if rec is not None:

@@ -49,12 +49,13 @@ STEP_TIMES_KEPT = 500
 
 class DoctorSession:
     """See the module docstring. `recorder=False` keeps the watchdog and dumps without
-    recording collectives."""
+    recording collectives. `timeline`: also time the main thread's waits and write
+    timeline_rank_N.json at the end (timeline.py; needs the recorder)."""
 
     def __init__(self, trace_dir: Path | str, rank: int, world_size: int,
                  watchdog_timeout_s: float | None = None,
                  first_step_timeout_s: float | None = None, capacity: int = 2000,
-                 recorder: bool = True, exit_on_timeout: bool = True):
+                 recorder: bool = True, exit_on_timeout: bool = True, timeline: bool = True):
         self.trace_dir = Path(trace_dir)
         self.rank, self.world_size = rank, world_size
         self.timeout_s = watchdog_timeout_s
@@ -77,6 +78,8 @@ class DoctorSession:
         self._thread: threading.Thread | None = None
         self._installed = False
         self._dumps: list[dict[str, Any]] = []
+        self.timeline = timeline and recorder
+        self._timeline = None
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> "DoctorSession":
@@ -85,6 +88,10 @@ class DoctorSession:
         if self.recorder is not None:
             self.recorder.install()
             self._installed = True
+            if self.timeline:
+                from meshtron.doctor.timeline import TimelineCapture
+
+                self._timeline = TimelineCapture(self.recorder).install()
         self._install_signals()
         self._thread = threading.Thread(target=self._watch, name="meshtron-doctor",
                                         daemon=True)
@@ -99,6 +106,10 @@ class DoctorSession:
         collectives, which `meshtron doctor` uses to find stragglers)."""
         if final_dump:
             self.dump("exit")
+            self._write_timeline()
+        if self._timeline is not None:
+            self._timeline.uninstall()
+            self._timeline = None
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_S + 1.0)
@@ -176,6 +187,16 @@ class DoctorSession:
             dumpfile.write_json_atomic(path, doc)
             self._dumps.append({"reason": reason, "time": doc["time"]})
             return path
+
+    def _write_timeline(self) -> None:
+        """TRACE_DIR/timeline_rank_N.json at the end of a run (`meshtron doctor --timeline`)."""
+        if self._timeline is None:
+            return
+        from meshtron.doctor.timeline import timeline_path
+
+        doc = self._timeline.document(self)
+        if doc is not None:
+            dumpfile.write_json_atomic(timeline_path(self.trace_dir, self.rank), doc)
 
     # -- signals -------------------------------------------------------------------------------
     def _install_signals(self) -> None:

@@ -1,0 +1,139 @@
+"""`meshtron doctor RUN_DIR --timeline` on a real pipelined gloo run (`meshtron train --nproc 2
+--plan pp=2`): one run, several checks (Chrome trace, fractions, bubble, PNG)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.doctor import timeline as tl
+
+
+@pytest.fixture(scope="module")
+def pp_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("timeline") / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "pp=2",
+         "--model", "debug", "--steps", "5", "--seq-len", "32", "--global-batch", "16",
+         "--eval-every", "0", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _doctor(run_dir, "--json")
+    text = _doctor(run_dir, "--no-png")
+    print(text)
+    return run_dir, json.loads(report), text
+
+
+def _doctor(run_dir, *flags) -> str:
+    """`meshtron doctor RUN_DIR --timeline FLAGS` in this process (the CLI's own entry)."""
+    from meshtron.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["doctor", str(run_dir), "--timeline", *flags]) == 0
+    return out.getvalue()
+
+
+def test_every_rank_writes_its_timeline(pp_run):
+    run_dir, _, _ = pp_run
+    for rank in range(2):
+        doc = json.loads(tl.timeline_path(run_dir / "trace", rank).read_text())
+        assert doc["format"] == tl.FORMAT and doc["rank"] == rank
+        steps = [s["step"] for s in doc["steps"]]
+        assert steps == [2, 3, 4, 5], steps  # the last steady steps, step 1 left out
+        assert doc["waits"], "no main-thread wait recorded"
+        assert any(r["op"] in ("send", "recv") for r in doc["records"])
+
+
+def test_chrome_trace_is_valid_with_one_process_per_rank(pp_run):
+    run_dir, report, _ = pp_run
+    trace = json.loads((run_dir / "trace" / "timeline.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "rank 0 (pp=0)", 1: "rank 1 (pp=1)"}, names
+    for rank in range(2):
+        xs = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
+        assert {e["cat"] for e in xs} >= {"step", "compute", "comm", "collective"}
+        assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in xs)
+        steps = [e for e in xs if e["cat"] == "step"]
+        assert len(steps) == 4
+        # the phase lane tiles the window exactly
+        lane = sorted((e["ts"], e["dur"]) for e in xs if e["tid"] == 1)
+        window = steps[-1]["ts"] + steps[-1]["dur"] - steps[0]["ts"]
+        assert abs(sum(d for _, d in lane) - window) < 5.0 + 1e-3 * window
+    assert report["trace"] == str(run_dir / "trace" / "timeline.json")
+
+
+def test_fractions_sum_to_one_and_bubble_beside_prediction(pp_run):
+    run_dir, report, text = pp_run
+    for rank, r in report["ranks"].items():
+        total = r["compute"] + r["comm"] + r["idle"]
+        assert abs(total - 1.0) < 1e-6, (rank, r)
+        assert r["compute"] > 0.0 and r["comm"] + r["idle"] > 0.0, (rank, r)
+    b = report["bubble"]
+    assert b["pp"] == 2 and b["schedule"] and b["m"] >= 1
+    assert 0.0 < b["measured"] < 1.0, b
+    assert set(b["per_stage"]) == {"0", "1"}
+    # the planner's prediction, from plan.toml through its own estimate
+    assert b["predicted"] is not None and 0.0 < b["predicted"] < 1.0, b
+    assert 0.0 < b["formula_on_measured"] < 1.0
+    assert "pipeline bubble (" in text and "planner predicted" in text
+    assert text.splitlines()[1].startswith("rank 0 (pp=0)")
+
+
+def test_png_written(pp_run):
+    run_dir, report, _ = pp_run
+    png = run_dir / "trace" / "timeline.png"
+    assert report["png"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_timeline_without_files_is_one_line(tmp_path, capsys):
+    from meshtron.cli import main
+
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "rank_0.hello.json").write_text(json.dumps(
+        {"format": "meshtron-trace/1", "rank": 0, "world_size": 1, "pid": 1, "host": "h"}))
+    assert main(["doctor", str(tmp_path), "--timeline"]) == 2
+    err = capsys.readouterr().err
+    assert "no timeline" in err and len(err.strip().splitlines()) == 1
+
+
+def test_idle_is_the_wait_before_the_last_peer_enters():
+    """Two ranks, one all_reduce: rank 0 waits from 1.0; rank 1 enters at 1.5; done at 1.7."""
+    rec = {"op": "all_reduce", "group": "g", "seq": 1, "start_t": None, "end_t": 1.7}
+    docs = {0: {"window": [0.0, 2.0], "waits": [[1.0, 1.7]],
+                "records": [{**rec, "enqueue_t": 1.0}]},
+            1: {"window": [0.0, 2.0], "waits": [[1.5, 1.7]],
+                "records": [{**rec, "enqueue_t": 1.5}]}}
+    entries = tl.entry_times(docs)
+    r0 = tl.rank_phases(0, docs[0], entries, {"g": 2})
+    r1 = tl.rank_phases(1, docs[1], entries, {"g": 2})
+    assert r0["idle"] == pytest.approx(0.5) and r0["comm"] == pytest.approx(0.2)
+    assert r0["compute"] == pytest.approx(1.3)
+    assert r1["idle"] == 0.0 and r1["comm"] == pytest.approx(0.2)
+    assert [k for k, _, _ in r0["segments"]] == ["compute", "idle", "comm", "compute"]
+
+
+def test_a_receive_idles_until_the_peer_sends():
+    """Pipeline stage 1 waits for stage 0's activation: idle until the matching send."""
+    docs = {0: {"window": [0.0, 2.0], "waits": [],
+                "records": [{"op": "send", "group": "pp", "seq": 1, "peer": 1,
+                             "enqueue_t": 1.4, "start_t": 1.41, "end_t": 1.6}]},
+            1: {"window": [0.0, 2.0], "waits": [[1.0, 1.6]],
+                "records": [{"op": "recv", "group": "pp", "seq": 1, "peer": 0,
+                             "enqueue_t": 1.0, "start_t": 1.0, "end_t": 1.6}]}}
+    entries = tl.entry_times(docs)
+    r1 = tl.rank_phases(1, docs[1], entries, {"pp": 2})
+    assert r1["idle"] == pytest.approx(0.4) and r1["p2p_idle"] == pytest.approx(0.4)
+    assert r1["comm"] == pytest.approx(0.2)
+    r0 = tl.rank_phases(0, docs[0], entries, {"pp": 2})
+    assert r0["idle"] == 0.0 and r0["comm"] == pytest.approx(0.01)
