@@ -106,6 +106,19 @@ def _import_tokenizers() -> Any:
     return tokenizers
 
 
+def encode_with_eos(backend: Any, texts: Sequence[str], eos_id: int, dtype) -> np.ndarray:
+    """Documents through a `tokenizers` backend, each followed by the end-of-text id."""
+    texts = list(texts)
+    if not texts:
+        return np.zeros(0, dtype=dtype)
+    eos = np.array([eos_id], dtype=dtype)
+    parts: list[np.ndarray] = []
+    for enc in backend.encode_batch(texts, add_special_tokens=False):
+        parts.append(np.asarray(enc.ids, dtype=dtype))
+        parts.append(eos)
+    return np.concatenate(parts)
+
+
 class BPETokenizer:
     """Byte-level BPE from the `tokenizers` library, trained locally (no download).
 
@@ -185,16 +198,7 @@ class BPETokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
-        texts = list(texts)
-        if not texts:
-            return np.zeros(0, dtype=self._dtype)
-        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
-        parts: list[np.ndarray] = []
-        eos = np.array([self.eos_id], dtype=self._dtype)
-        for enc in encodings:
-            parts.append(np.asarray(enc.ids, dtype=self._dtype))
-            parts.append(eos)
-        return np.concatenate(parts)
+        return encode_with_eos(self._tok, texts, self.eos_id, self._dtype)
 
     @property
     def fingerprint(self) -> str:
@@ -302,15 +306,7 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
-        texts = list(texts)
-        if not texts:
-            return np.zeros(0, dtype=self._dtype)
-        eos = np.array([self.eos_id], dtype=self._dtype)
-        parts: list[np.ndarray] = []
-        for enc in self._tok.encode_batch(texts, add_special_tokens=False):
-            parts.append(np.asarray(enc.ids, dtype=self._dtype))
-            parts.append(eos)
-        return np.concatenate(parts)
+        return encode_with_eos(self._tok, texts, self.eos_id, self._dtype)
 
     @property
     def fingerprint(self) -> str:
