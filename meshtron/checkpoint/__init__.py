@@ -10,6 +10,15 @@
 """
 
 from meshtron.checkpoint.config import EXIT_PREEMPTED, CheckpointConfig
-from meshtron.checkpoint.export import latest_checkpoint, load_full_state_dict
 
 __all__ = ["EXIT_PREEMPTED", "CheckpointConfig", "latest_checkpoint", "load_full_state_dict"]
+
+
+def __getattr__(name: str):
+    # `export` imports torch; the flags and exit code above must not (`meshtron plan` and
+    # `--help` build every subcommand's parser, which reads CheckpointConfig).
+    if name in ("latest_checkpoint", "load_full_state_dict"):
+        from meshtron.checkpoint import export
+
+        return getattr(export, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
