@@ -1,6 +1,7 @@
 """Context parallelism (meshtron/parallel/context.py) on real gloo process groups.
 
-One 4-rank launch: cp=4 over the world and cp=2 over the pairs {0,1}, {2,3}; for each, causal
+One 4-rank launch: cp=4 over the world, cp=2 over the pairs {0,1}, {2,3}, and tp=2 (with
+sequence parallelism) x cp=2 on a ("cp", "tp") DeviceMesh; for each, causal
 and packed-document masks (documents crossing chunk boundaries) and recomputation none / full /
 selective, a GQA model with YaRN RoPE (global positions matter) runs 3 AdamW steps on its chunks
 (loss / cp backward, gradients summed over the cp group) and must give the single-process loss,
@@ -42,17 +43,32 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _run(cp_group, cp, rank, documents, recompute):
-    """(losses, grads per step, final params) of the reference (cp_group None) or a cp rank."""
+def _run(cp_group, cp, rank, documents, recompute, tp_mesh=None):
+    """(losses, grads per step, final params) of the reference (cp_group None) or a cp rank;
+    with `tp_mesh`, tensor + sequence parallelism first (the runtime's order: TP, recompute,
+    then CP), loss under loss_parallel, gradients and parameters compared as full tensors."""
+    import contextlib
+
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from meshtron.model.transformer import Transformer, cross_entropy_loss
     from meshtron.parallel.context import apply_context_parallel, shard_batch
     from meshtron.parallel.recompute import apply_recompute
+    from meshtron.parallel.tensor import apply_tensor_parallel
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.clone()
 
     model = Transformer(_spec(), init_seed=7)
     if documents:
         model.document_eos = EOS
+    loss_context = contextlib.nullcontext
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        apply_tensor_parallel(model, tp_mesh, sp=True)
+        loss_context = loss_parallel
     if cp_group is not None:
         apply_recompute(model, recompute)
         apply_context_parallel(model, cp_group)
@@ -64,19 +80,23 @@ def _run(cp_group, cp, rank, documents, recompute):
             loss.backward()
         else:
             shard = shard_batch(x, y, cp, rank)
-            loss = cross_entropy_loss(model(shard.tokens), shard.targets)
-            (loss / cp).backward()  # the global mean: every rank holds seq/cp tokens
-            loss = loss.detach().clone()
+            with loss_context():
+                loss = cross_entropy_loss(model(shard.tokens), shard.targets)
+                (loss / cp).backward()  # the global mean: every rank holds seq/cp tokens
+            loss = full(loss.detach())
             dist.all_reduce(loss, group=cp_group)
             loss /= cp
             for p in model.parameters():
-                dist.all_reduce(p.grad, group=cp_group)
+                if isinstance(p.grad, DTensor):  # TP: grads laid out like their parameters
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad,
+                                group=cp_group)
         losses.append(loss.item())
-        grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+        grads.append({n.replace("_checkpoint_wrapped_module.", ""): full(p.grad)
                       for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    params = {n.replace("_checkpoint_wrapped_module.", ""): p.detach().clone()
+    params = {n.replace("_checkpoint_wrapped_module.", ""): full(p.detach())
               for n, p in model.named_parameters()}
     return losses, grads, params
 
@@ -152,8 +172,8 @@ def _flex_matches_mask_path(group, cp, rank) -> float:
 # computation is the single-process function up to rounding.
 DEFAULT_CASES = [("float32", 4, False, "none"), ("float32", 4, True, "selective"),
                  ("float32", 2, False, "full"), ("float32", 2, True, "none"),
-                 ("float64", 4, True, "none")]
-ALL_CASES = [(d, cp, doc, rc) for d in ("float32", "float64") for cp in (4, 2)
+                 ("float32", "tp2cp2", True, "selective"), ("float64", 4, True, "none")]
+ALL_CASES = [(d, cp, doc, rc) for d in ("float32", "float64") for cp in (4, 2, "tp2cp2")
              for doc in (False, True) for rc in ("none", "full", "selective")]
 
 
@@ -163,14 +183,21 @@ def cp_rank_fn(cases: list[tuple]) -> dict:
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     layouts = {4: (dist.group.WORLD, rank), 2: (pairs[rank // 2], rank % 2)}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))  # torchtitan's order
     out: dict = {"equal": {}}
     refs: dict = {}
     for dtype, cp, doc, recompute in cases:
         torch.set_default_dtype(getattr(torch, dtype))
         if (dtype, doc) not in refs:
             refs[dtype, doc] = _run(None, 1, 0, doc, "none")
-        group, cp_rank = layouts[cp]
-        got = _run(group, cp, cp_rank, doc, recompute)
+        if cp == "tp2cp2":
+            got = _run(mesh["cp"].get_group(), 2, mesh.get_local_rank("cp"), doc, recompute,
+                       tp_mesh=mesh["tp"])
+        else:
+            group, cp_rank = layouts[cp]
+            got = _run(group, cp, cp_rank, doc, recompute)
         out["equal"][(dtype, cp, doc, recompute)] = _worst(refs[dtype, doc], got)
     torch.set_default_dtype(torch.float32)
     out["collectives"] = {doc: _count_collectives(dist.group.WORLD, 4, doc) for doc in (False, True)}
