@@ -113,13 +113,14 @@ def _worst(ref, got) -> dict:
             "names": sorted(params) == sorted(r_params)}
 
 
-def _count_collectives(group, cp, documents) -> dict:
+def _count_collectives(group, cp, documents, recompute) -> dict:
     """Collective kinds, counts and bytes of one forward + backward, seen by a dispatch mode
     (functional collectives, as issued by context.py)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from meshtron.model.transformer import Transformer, cross_entropy_loss
     from meshtron.parallel.context import apply_context_parallel, shard_batch
+    from meshtron.parallel.recompute import apply_recompute
 
     seen: dict[str, list[int]] = {}
 
@@ -137,6 +138,7 @@ def _count_collectives(group, cp, documents) -> dict:
     model = Transformer(_spec(), init_seed=7)
     if documents:
         model.document_eos = EOS
+    apply_recompute(model, recompute)
     apply_context_parallel(model, group)
     x, y = _batches()[0]
     shard = shard_batch(x, y, cp, group.rank())
@@ -200,7 +202,8 @@ def cp_rank_fn(cases: list[tuple]) -> dict:
             got = _run(group, cp, cp_rank, doc, recompute)
         out["equal"][(dtype, cp, doc, recompute)] = _worst(refs[dtype, doc], got)
     torch.set_default_dtype(torch.float32)
-    out["collectives"] = {doc: _count_collectives(dist.group.WORLD, 4, doc) for doc in (False, True)}
+    out["collectives"] = {(doc, rc): _count_collectives(dist.group.WORLD, 4, doc, rc)
+                          for doc in (False, True) for rc in ("none", "full", "selective")}
     out["flex"] = _flex_matches_mask_path(dist.group.WORLD, 4, rank)
     return out
 
@@ -224,20 +227,26 @@ def _check(results: list[dict]) -> None:
             # float64 the same runs agree to ~1e-14: the computation is the same function.
             # (The loss is computed in fp32 in both: cross_entropy_loss.)
             tol = {"float32": (TOL, TOL, 5e-5), "float64": (TOL, 1e-12, 1e-12)}[key[0]]
+            if key[:2] == ("float64", "tp2cp2"):
+                # cross_entropy_loss runs in fp32, and loss_parallel's vocabulary-parallel
+                # backward rounds dlogits differently from aten's: ~1e-7 of the gradients.
+                tol = (TOL, 1e-6, 1e-6)
             assert (worst["loss"] < tol[0] and worst["grad"] < tol[1]
                     and worst["param"] < tol[2]), (rank, key, worst)
         assert res["flex"] < 1e-5, (rank, res["flex"])
     spec = _spec()
     # Per layer, forward: all-gather of K and of V, each the full sequence's kv heads in fp32;
-    # backward: one reduce-scatter each of the same size (its input); documents add one
-    # all-gather of the token ids per forward.
+    # backward: one reduce-scatter each of the same size (its input; a rank receives 1/cp).
+    # Full recomputation gathers K and V again in backward; selective keeps the gathered
+    # tensors (collective outputs are saved). Documents add one all-gather of the token ids
+    # per forward (outside the recomputed blocks).
+    L = spec.layers
     kv_bytes = BATCH * spec.kv_heads * SEQ * spec.head_dim * 4
-    expected = {"all_gather_into_tensor": (2 * spec.layers, 2 * spec.layers * kv_bytes),
-                "reduce_scatter_tensor": (2 * spec.layers, 2 * spec.layers * kv_bytes // 4)}
-    assert results[0]["collectives"][False] == expected
-    with_docs = dict(expected, all_gather_into_tensor=(2 * spec.layers + 1,
-                                                       2 * spec.layers * kv_bytes + BATCH * SEQ * 8))
-    assert results[0]["collectives"][True] == with_docs
+    for (doc, recompute), seen in results[0]["collectives"].items():
+        gathers = 2 * L * (2 if recompute == "full" else 1)
+        expected = {"all_gather_into_tensor": (gathers + doc, gathers * kv_bytes + doc * BATCH * SEQ * 8),
+                    "reduce_scatter_tensor": (2 * L, 2 * L * kv_bytes // 4)}
+        assert seen == expected, (doc, recompute, seen)
 
 
 def test_bad_input_is_one_line():

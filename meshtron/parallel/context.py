@@ -9,7 +9,7 @@ process-wide, which this project does not do. The all-gather is the better fit a
 grouped-query attention: K and V have kv_heads heads (8 for Llama 3 70B/405B, against 64/128
 query heads), so gathering them moves 2 * seq * kv_dim elements per layer, a fraction of the
 attention FLOPs' time, and it supports any mask (documents) without ring bookkeeping; backward
-reduce-scatters dK and dV (the autograd of `all_gather_tensor_autograd`).
+reduce-scatters dK and dV (the autograd of `all_gather_single`).
 
 Causal load balancing (Llama 3; torchtitan's "head-tail" sharding): each sequence is cut into
 2*cp chunks and rank r holds chunks r and 2*cp-1-r, so every rank has the same amount of causal
@@ -86,9 +86,9 @@ def _to_global(gathered: torch.Tensor, cp: int, seq_dim: int) -> torch.Tensor:
 def _gather_sequence(x: torch.Tensor, group, cp: int, seq_dim: int) -> torch.Tensor:
     """All-gather of x over the cp group along the sequence, in global order; differentiable
     (backward: reduce-scatter of the gradient)."""
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    from torch.distributed._functional_collectives import all_gather_single
 
-    g = all_gather_tensor_autograd(x.contiguous(), gather_dim=0, group=group)
+    g = all_gather_single(x.contiguous(), gather_dim=0, group=group)
     return _to_global(g, cp, seq_dim)
 
 
@@ -122,11 +122,11 @@ class ContextParallel:
         if model.document_eos is None:
             angles = table[:, pos] if table is not None else None
         else:
-            from torch.distributed._functional_collectives import all_gather_tensor
+            from torch.distributed._functional_collectives import all_gather_single
 
             from meshtron.model.transformer import document_positions
 
-            full = _to_global(all_gather_tensor(tokens.contiguous(), 0, self.group), self.cp, 1)
+            full = _to_global(all_gather_single(tokens.contiguous(), 0, self.group), self.cp, 1)
             kv_doc, doc_pos = document_positions(full, model.document_eos)
             q_doc = kv_doc[:, pos]
             angles = table[:, doc_pos[:, pos]] if table is not None else None
