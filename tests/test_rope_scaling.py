@@ -88,8 +88,25 @@ def test_logits_match_transformers(case, tmp_path):
     with torch.no_grad():
         diff = (model(tokens[:, :20]) - hf(tokens[:, :20]).logits).abs().max().item()
     assert diff < LOGIT_TOL
-    # What meshtron exports reads back to the same model.
-    assert from_hf_dict(hf_config(spec), name=case) == spec
+    # What meshtron exports reads back to the same model, in meshtron and in transformers.
+    exported = hf_config(spec)
+    assert from_hf_dict(exported, name=case) == spec
+    _same_frequencies(exported, spec)
+
+
+def _same_frequencies(cfg: dict, spec) -> None:
+    """transformers' inverse frequencies and attention factor for config.json `cfg` equal
+    meshtron's for `spec` (dynamic NTK: at the original length, as transformers builds it)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from meshtron.model.rope import attention_factor, inv_freq
+
+    cls = transformers.Qwen2Config if cfg["model_type"] == "qwen2" else transformers.LlamaConfig
+    hf_cfg = cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    theirs, factor = ROPE_INIT_FUNCTIONS[spec.rope_type](hf_cfg, "cpu")
+    assert torch.allclose(inv_freq(spec).float(), theirs, rtol=1e-6, atol=0)
+    assert attention_factor(spec) == pytest.approx(factor)
 
 
 LLAMA31_8B = {  # meta-llama/Llama-3.1-8B config.json
@@ -125,15 +142,8 @@ def test_published_long_context_configs_load(tmp_path):
     qwen = from_hf_dict(QWEN25_7B_128K, name="qwen2.5-7b")
     assert (qwen.rope_type, qwen.rope_original_max_seq, qwen.max_seq) == ("yarn", 32768, 131072)
     assert attention_factor(qwen) == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    for cfg, spec, cls in ((LLAMA31_8B, llama, transformers.LlamaConfig),
-                           (QWEN25_7B_128K, qwen, transformers.Qwen2Config)):
-        hf_cfg = cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-        theirs, factor = ROPE_INIT_FUNCTIONS[spec.rope_type](hf_cfg, "cpu")
-        assert torch.allclose(inv_freq(spec).float(), theirs, rtol=1e-6, atol=0)
-        assert attention_factor(spec) == pytest.approx(factor)
+    _same_frequencies(LLAMA31_8B, llama)
+    _same_frequencies(QWEN25_7B_128K, qwen)
 
 
 @pytest.mark.parametrize("rope, message", [
