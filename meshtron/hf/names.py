@@ -159,21 +159,44 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
         "num_hidden_layers": spec.layers,
         "head_dim": spec.head_dim,
         "vocab_size": spec.vocab,
-        "max_position_embeddings": spec.max_seq,
+        "max_position_embeddings": (spec.rope_original_max_seq if spec.rope_type == "dynamic"
+                                    else spec.max_seq),
         "rms_norm_eps": spec.norm_eps,
-        # Both spellings: transformers >= 5 reads rope_parameters, older versions rope_theta.
+        # Both spellings: transformers >= 5 reads rope_parameters, older versions rope_theta
+        # and rope_scaling.
         "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "rope_parameters": rope_parameters(spec),
         "hidden_act": "silu",
         "tie_word_embeddings": spec.tied_embeddings,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+    if spec.rope_type != "default":
+        cfg["rope_scaling"] = {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
     if mtype == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None)
     return cfg
+
+
+def rope_parameters(spec: ModelSpec) -> dict[str, Any]:
+    """config.json's `rope_parameters` (transformers >= 5 spelling) for `spec`'s RoPE."""
+    out: dict[str, Any] = {"rope_type": spec.rope_type, "rope_theta": spec.rope_theta}
+    if spec.rope_type == "default":
+        return out
+    out["factor"] = spec.rope_factor
+    if spec.rope_type in ("llama3", "yarn"):
+        out["original_max_position_embeddings"] = spec.rope_original_max_seq
+    if spec.rope_type == "llama3":
+        out.update(low_freq_factor=spec.rope_low_freq_factor,
+                   high_freq_factor=spec.rope_high_freq_factor)
+    if spec.rope_type == "yarn":
+        out.update(beta_fast=spec.rope_beta_fast, beta_slow=spec.rope_beta_slow,
+                   truncate=spec.rope_truncate)
+        if spec.rope_attention_factor is not None:
+            out["attention_factor"] = spec.rope_attention_factor
+    return out
 
 
 class HFTensors:

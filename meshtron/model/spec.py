@@ -20,6 +20,8 @@ from meshtron.errors import UserError
 MLPKind = Literal["swiglu", "gelu"]
 NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
+RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,26 @@ class ModelSpec:
     """Attention and MLP read the same input and are summed (GPT-NeoX/GPT-J) instead of chained."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_type: RopeKind = "default"
+    """RoPE scaling for long context (meshtron/model/rope.py): 'default' (none), 'linear'
+    (position interpolation), 'dynamic' (dynamic NTK), 'llama3' (Llama 3.1), 'yarn' (YaRN)."""
+    rope_factor: float = 1.0
+    """Context extension factor of the scaled variants."""
+    rope_original_max_seq: int | None = None
+    """Context length the model was pre-trained at (HF `original_max_position_embeddings`;
+    for 'dynamic', HF `max_position_embeddings`); required by dynamic, llama3 and yarn."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original/low_freq_factor are fully interpolated."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original/high_freq_factor are kept."""
+    rope_beta_fast: float = 32.0
+    """yarn: rotation count at the original length above which dimensions extrapolate."""
+    rope_beta_slow: float = 1.0
+    """yarn: rotation count below which dimensions interpolate."""
+    rope_attention_factor: float | None = None
+    """yarn: factor on cos and sin (None: 0.1 ln(factor) + 1, as the paper and transformers)."""
+    rope_truncate: bool = True
+    """yarn: round the ramp's end dimensions to integers (transformers' default)."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers."""
 
@@ -85,6 +107,7 @@ class ModelSpec:
         _check_choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice("model.position", self.position, ("rope", "learned"))
+        _check_rope_scaling(self)
 
     # ---- derived shapes -------------------------------------------------------------------
     @property
@@ -154,6 +177,33 @@ class ModelSpec:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_rope_scaling(spec: ModelSpec) -> None:
+    _check_choice("model.rope_type", spec.rope_type, ROPE_TYPES)
+    if spec.rope_type == "default":
+        return
+    for field in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                  "rope_beta_fast", "rope_beta_slow"):
+        value = getattr(spec, field)
+        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            raise UserError(f"model.{field}={value!r}: must be a positive finite number")
+    if spec.rope_type in ("dynamic", "yarn") and spec.rope_factor < 1:
+        raise UserError(f"model.rope_factor={spec.rope_factor!r}: must be at least 1 for "
+                         f"rope_type {spec.rope_type!r}")
+    original = spec.rope_original_max_seq
+    if spec.rope_type != "linear" and (not isinstance(original, int) or isinstance(original, bool)
+                                       or original <= 0):
+        raise UserError(f"model.rope_original_max_seq={original!r}: must be a positive integer "
+                         f"for rope_type {spec.rope_type!r}")
+    if spec.rope_type == "llama3" and spec.rope_high_freq_factor <= spec.rope_low_freq_factor:
+        raise UserError(f"model.rope_high_freq_factor={spec.rope_high_freq_factor!r}: must "
+                         f"exceed model.rope_low_freq_factor={spec.rope_low_freq_factor!r}")
+    factor = spec.rope_attention_factor
+    if factor is not None and (not _is_number(factor) or not math.isfinite(factor) or factor <= 0):
+        raise UserError(f"model.rope_attention_factor={factor!r}: must be a positive number")
+    if not isinstance(spec.rope_truncate, bool):
+        raise UserError(f"model.rope_truncate={spec.rope_truncate!r}: must be true or false")
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -280,10 +330,9 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
             kv_heads=opt_int("num_key_value_heads", None) or heads,
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
-            max_seq=opt_int("max_position_embeddings", 4096),
             tied_embeddings=flag("tie_word_embeddings", False),
             qkv_bias=(mtype == "qwen2") or _no_out_bias(flag("attention_bias", False)),
-            rope_theta=_hf_rope_theta(cfg, "rope_theta", num),
+            **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
     if mtype == "gpt_neox":
@@ -297,10 +346,10 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             name=name, layers=need("num_hidden_layers"), hidden=hidden,
             heads=need("num_attention_heads"), kv_heads=need("num_attention_heads"),
             ffn_hidden=opt_int("intermediate_size", 4 * hidden), vocab=need("vocab_size"),
-            max_seq=opt_int("max_position_embeddings", 2048), mlp="gelu", norm="layernorm",
+            mlp="gelu", norm="layernorm",
             position="rope", tied_embeddings=flag("tie_word_embeddings", False),
             bias=True, parallel_residual=flag("use_parallel_residual", True),
-            rope_theta=_hf_rope_theta(cfg, "rotary_emb_base", num),
+            **_hf_rope(cfg, "rotary_emb_base", num, opt_int("max_position_embeddings", 2048)),
             norm_eps=num("layer_norm_eps", 1e-5),
         )
     # gpt2
@@ -314,27 +363,75 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     )
 
 
-def _hf_rope_theta(cfg: dict[str, Any], key: str, num) -> float:
-    """RoPE base: `rope_parameters.rope_theta` (transformers >= 5) or the flat key; scaled
-    variants (llama3, yarn, linear, dynamic) are refused rather than silently run unscaled."""
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
+def _hf_rope(cfg: dict[str, Any], key: str, num, max_pos: int) -> dict[str, Any]:
+    """ModelSpec's RoPE fields (and max_seq) from `rope_parameters` (transformers >= 5) or the
+    flat `rope_theta` / `key` with `rope_scaling` (transformers 4.x), read as transformers reads
+    them (`modeling_rope_utils`): original_max_position_embeddings defaults to the top-level key,
+    then to max_position_embeddings; YaRN's mscale/mscale_all_dim become its attention factor."""
+    params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling")
     for field, value in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if value is None:
-            continue
-        if not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict):
             raise UserError(f"config.json {field}={value!r}: must be an object")
-        kind = value.get("rope_type", value.get("type", "default"))
-        if kind != "default":
-            raise UserError(f"config.json {field}.rope_type={kind!r}: scaled rotary "
-                             "embeddings are not supported by meshtron's model; only 'default'")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = params["rope_theta"]
-        if not _is_number(theta) or not math.isfinite(theta) or theta <= 0:
-            raise UserError(f"config.json rope_parameters.rope_theta={theta!r}: must be a "
-                             "positive number")
-        return float(theta)
-    return num(key, 10000.0)
+    field, rope = "rope_parameters", params or {}
+    if _rope_kind(rope) == "default" and scaling:
+        field, rope = "rope_scaling", scaling
+    kind = _rope_kind(rope)
+    if kind not in ROPE_TYPES:
+        raise UserError(f"config.json {field}.rope_type={kind!r}: allowed values are "
+                         f"{', '.join(ROPE_TYPES)}")
+
+    def value(name: str, default: Any, integer: bool = False) -> Any:
+        got = rope.get(name)
+        if got is None:
+            return default
+        if integer and (not isinstance(got, int) or isinstance(got, bool) or got <= 0):
+            raise UserError(f"config.json {field}.{name}={got!r}: must be a positive integer")
+        if not _is_number(got) or not math.isfinite(got) or got <= 0:
+            raise UserError(f"config.json {field}.{name}={got!r}: must be a positive number")
+        return got if integer else float(got)
+
+    partial = (params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UserError(f"config.json partial_rotary_factor={partial!r}: partial rotary "
+                         "embeddings are not supported; only 1.0")
+    theta = (value("rope_theta", None) if isinstance(params, dict) and "rope_theta" in params
+             else num(key, 10000.0))
+    out: dict[str, Any] = {"rope_theta": theta, "max_seq": max_pos}
+    if kind == "default":
+        return out
+    out.update(rope_type=kind, rope_factor=value("factor", None))
+    original = value("original_max_position_embeddings",
+                     _hf_int(cfg, "original_max_position_embeddings", max_pos), integer=True)
+    if kind == "dynamic":
+        original = max_pos  # transformers' dynamic NTK scales from max_position_embeddings
+    if out["rope_factor"] is None:
+        if kind != "yarn":
+            raise UserError(f"config.json {field}.factor: missing (required for rope_type {kind!r})")
+        out["rope_factor"] = max_pos / original  # transformers: implied by the two lengths
+    factor = out["rope_factor"]
+    if kind != "linear":
+        out["rope_original_max_seq"] = original
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=value("low_freq_factor", 1.0),
+                   rope_high_freq_factor=value("high_freq_factor", 4.0))
+    if kind in ("dynamic", "yarn"):  # the point of both: run past the pre-training length
+        out["max_seq"] = max(max_pos, int(factor * original))
+    if kind == "yarn":
+        mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = value("attention_factor", None)
+        if attention is None and mscale and mscale_all:  # DeepSeek's variant of YaRN's mscale
+            attention = 1.0 if factor <= 1 else ((0.1 * mscale * math.log(factor) + 1)
+                                                 / (0.1 * mscale_all * math.log(factor) + 1))
+        truncate = rope.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise UserError(f"config.json {field}.truncate={truncate!r}: must be true or false")
+        out.update(rope_beta_fast=value("beta_fast", 32.0), rope_beta_slow=value("beta_slow", 1.0),
+                   rope_attention_factor=attention, rope_truncate=truncate)
+    return out
+
+
+def _rope_kind(rope: dict[str, Any]) -> Any:
+    return rope.get("rope_type", rope.get("type", "default"))
 
 
 def _no_out_bias(attention_bias: bool) -> bool:

@@ -28,17 +28,17 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden, eps=spec.norm_eps)
 
 
-def rope_cache(spec: ModelSpec, device: torch.device | None = None) -> torch.Tensor:
+def rope_cache(spec: ModelSpec, device: torch.device | None = None,
+               seq_len: int | None = None) -> torch.Tensor:
     """cos and sin of RoPE angles, shape [max_seq, head_dim] each, stacked -> [2, max_seq, hd].
 
-    Su et al. 2021; the half-split ("rotate_half") layout used by Hugging Face Llama checkpoints.
+    Su et al. 2021; the half-split ("rotate_half") layout used by Hugging Face Llama checkpoints;
+    long-context scalings (linear, dynamic NTK, llama3, YaRN) in meshtron/model/rope.py.
+    `seq_len`: the length of the sequence being run (dynamic NTK's frequencies depend on it).
     """
-    hd = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
-    t = torch.arange(spec.max_seq, dtype=torch.float64, device=device)
-    angles = torch.outer(t, inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return torch.stack([angles.cos(), angles.sin()]).to(torch.float32)
+    from meshtron.model.rope import rope_table
+
+    return rope_table(spec, spec.max_seq, seq_len, device)
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -68,10 +68,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | tuple | None) -> torch.Tensor:
         """`rope`: the RoPE table, or (per-token RoPE angles or None, attention mask) for
-        packed documents (`document_context`)."""
-        mask = None
+        packed documents (`document_context`), or a context-parallel `AttentionContext`
+        (meshtron/parallel/context.py: this rank's RoPE angles and the attention function)."""
+        mask = attend = None
         if isinstance(rope, tuple):
             rope, mask = rope
+        elif hasattr(rope, "attend"):
+            rope, attend = rope.angles, rope.attend
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds heads/tp of them.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -80,6 +83,8 @@ class Attention(nn.Module):
         if self.use_rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if attend is not None:  # before any GQA repeat: context parallelism gathers kv heads
+            return self.wo(attend(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
             k = k.repeat_interleave(rep, dim=1)
@@ -165,16 +170,31 @@ class Transformer(nn.Module):
         if self.rope is not None:
             self.rope = rope_cache(self.spec, self.rope.device)
 
+    def rope_for(self, seq_len: int) -> torch.Tensor | None:
+        """The RoPE table for sequences of `seq_len` tokens: the buffer, or, with dynamic NTK
+        scaling past the pre-training length, a table computed for that length."""
+        spec = self.spec
+        if (self.rope is None or spec.rope_type != "dynamic"
+                or seq_len <= spec.rope_original_max_seq):
+            return self.rope
+        return rope_cache(spec, self.rope.device, seq_len)
+
     document_eos: int | None = None
     """Set (to the tokenizer's end-of-text id) for packed documents: attention stays inside
     each document and RoPE positions restart at 0 after every end-of-text token."""
 
+    context_parallel = None
+    """Set by `meshtron.parallel.context.apply_context_parallel`: `tokens` are then this rank's
+    chunks of each sequence and attention runs over the whole sequence."""
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a pipeline
         stage that lacks the embedding or the output head)."""
-        rope = self.rope
-        if self.document_eos is not None:
-            rope = document_context(tokens, self.document_eos, self.rope)
+        rope = self.rope_for(tokens.shape[1])
+        if self.context_parallel is not None:
+            rope = self.context_parallel.context(tokens, self)
+        elif self.document_eos is not None:
+            rope = document_context(tokens, self.document_eos, rope)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.pos_embeddings is not None:
             # The full sequence length: under sequence parallelism `h` holds a sequence shard,

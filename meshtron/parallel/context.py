@@ -1,0 +1,205 @@
+"""Context parallelism: every sequence split over `cp` ranks, attention over the whole sequence.
+
+Which implementation, and why: all-gather K/V, as Llama 3 trained its long-context stage
+(Dubey et al. 2024, section 3.3.2), on torch.distributed's functional collectives. PyTorch's own
+`torch.distributed.tensor.experimental.context_parallel` (ring attention) was tried first on
+PyTorch 2.13: on CPU/gloo it fails (`aten._scaled_dot_product_flash_attention_for_cpu` has no
+DTensor sharding strategy), and it works by replacing `F.scaled_dot_product_attention`
+process-wide, which this project does not do. The all-gather is the better fit anyway for
+grouped-query attention: K and V have kv_heads heads (8 for Llama 3 70B/405B, against 64/128
+query heads), so gathering them moves 2 * seq * kv_dim elements per layer, a fraction of the
+attention FLOPs' time, and it supports any mask (documents) without ring bookkeeping; backward
+reduce-scatters dK and dV (the autograd of `all_gather_single`).
+
+Causal load balancing (Llama 3; torchtitan's "head-tail" sharding): each sequence is cut into
+2*cp chunks and rank r holds chunks r and 2*cp-1-r, so every rank has the same amount of causal
+attention work. RoPE uses the tokens' global positions (`chunk_positions`). Each of the two
+local query chunks attends to the prefix of the gathered keys it can see: with SDPA's lower-right
+causal bias (`causal_lower_right`), a flash kernel on CUDA, no mask tensor. Document masks: the
+document ids come from the gathered token ids (one small all-gather of ints per forward, reusing
+`document_positions`); on CUDA the mask is a FlexAttention block mask built from a `mask_mod`
+(no S x S tensor); on CPU, where FlexAttention has no backward, an exact boolean mask per query
+chunk ([chunk, prefix]).
+
+Use: `apply_context_parallel(model, group)` sets `model.context_parallel`; the model's forward
+then takes this rank's chunks (`shard_batch`) and its attention calls `ContextParallel.attend`.
+The loss of a rank is the mean over its tokens; the global mean is the mean over the cp ranks
+(every rank holds the same number of tokens), and the gradients are summed over the cp group
+(FSDP over dp_shard x cp does it in a full run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from meshtron.errors import UserError
+
+
+def check_sequence(seq_len: int, cp: int) -> None:
+    """The sequence must split into 2*cp equal chunks."""
+    if seq_len % (2 * cp):
+        raise UserError(f"data.seq_len={seq_len}: context parallelism cp={cp} cuts every "
+                         f"sequence into 2*cp={2 * cp} equal chunks; use a multiple of {2 * cp}")
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions [seq_len / cp] of the tokens rank `rank` holds: chunks `rank` and
+    2*cp-1-rank of 2*cp."""
+    check_sequence(seq_len, cp)
+    c = seq_len // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    return torch.cat([first, first + (2 * cp - 1 - 2 * rank) * c])
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One cp rank's part of a batch."""
+
+    tokens: torch.Tensor
+    """[batch, seq/cp] token ids of this rank's two chunks."""
+    targets: torch.Tensor | None
+    """[batch, seq/cp] next-token targets of the same positions."""
+    positions: torch.Tensor
+    """[seq/cp] global positions of these tokens (what RoPE rotates by without documents)."""
+
+
+def shard_batch(tokens: torch.Tensor, targets: torch.Tensor | None, cp: int, rank: int) -> Shard:
+    """This cp rank's chunks of a full batch ([batch, seq] each)."""
+    pos = chunk_positions(tokens.shape[1], cp, rank, tokens.device)
+    return Shard(tokens[:, pos], None if targets is None else targets[:, pos], pos)
+
+
+def _to_global(gathered: torch.Tensor, cp: int, seq_dim: int) -> torch.Tensor:
+    """[cp * d0, ...] gathered in rank order (each rank: its chunks r, 2cp-1-r along `seq_dim`)
+    -> the sequence in global order along `seq_dim`."""
+    per_rank = gathered.chunk(cp, dim=0)
+    heads = [t.chunk(2, dim=seq_dim)[0] for t in per_rank]
+    tails = [t.chunk(2, dim=seq_dim)[1] for t in reversed(per_rank)]
+    return torch.cat(heads + tails, dim=seq_dim)
+
+
+def _gather_sequence(x: torch.Tensor, group, cp: int, seq_dim: int) -> torch.Tensor:
+    """All-gather of x over the cp group along the sequence, in global order; differentiable
+    (backward: reduce-scatter of the gradient)."""
+    from torch.distributed._functional_collectives import all_gather_single
+
+    g = all_gather_single(x.contiguous(), gather_dim=0, group=group)
+    return _to_global(g, cp, seq_dim)
+
+
+@dataclass
+class AttentionContext:
+    """What the model's attention needs under context parallelism, for one forward."""
+
+    angles: torch.Tensor | None
+    """RoPE cos/sin rows of this rank's tokens: [2, seq/cp, hd] or [2, batch, seq/cp, hd]."""
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    """(q [b, h, seq/cp, d], local k, v [b, kv_heads, seq/cp, d]) -> out [b, h, seq/cp, d]."""
+
+
+class ContextParallel:
+    """Context parallelism over one process group, attached as `model.context_parallel`."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def context(self, tokens: torch.Tensor, model: Any) -> AttentionContext:
+        """The attention context of one forward of `model` on this rank's `tokens` ([b, seq/cp]
+        ids, or hidden states on a later pipeline stage)."""
+        seq = tokens.shape[1] * self.cp
+        pos = chunk_positions(seq, self.cp, self.rank, tokens.device)
+        table = model.rope_for(seq)
+        q_doc = kv_doc = None
+        if model.document_eos is None:
+            angles = table[:, pos] if table is not None else None
+        else:
+            from torch.distributed._functional_collectives import all_gather_single
+
+            from meshtron.model.transformer import document_positions
+
+            full = _to_global(all_gather_single(tokens.contiguous(), 0, self.group), self.cp, 1)
+            kv_doc, doc_pos = document_positions(full, model.document_eos)
+            q_doc = kv_doc[:, pos]
+            angles = table[:, doc_pos[:, pos]] if table is not None else None
+        block = None
+        if tokens.is_cuda:  # one block mask per forward, shared by every layer
+            block = block_mask(pos, q_doc, kv_doc, tokens.shape[0], seq)
+        return AttentionContext(angles, partial(self.attend, q_doc=q_doc, kv_doc=kv_doc,
+                                                block=block))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               q_doc: torch.Tensor | None = None, kv_doc: torch.Tensor | None = None,
+               block: Any = None) -> torch.Tensor:
+        """Causal (and, with document ids, document) attention of the local queries against
+        the K/V gathered from every cp rank. `block`: a FlexAttention block mask (`block_mask`;
+        CUDA); without one, the exact CPU path: per query chunk, SDPA against the key prefix
+        it can see with a boolean [chunk, prefix] mask."""
+        k = _gather_sequence(k, self.group, self.cp, 2)
+        v = _gather_sequence(v, self.group, self.cp, 2)
+        if block is not None:
+            return flex_attention(q, k, v, block)
+        c = q.shape[2] // 2
+        outs = []
+        for i, chunk in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
+            end = (chunk + 1) * c  # keys this chunk can see: the prefix up to its last token
+            qi, ki, vi = q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end]
+            mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(end - c)
+            if q_doc is not None:
+                mask = mask & (q_doc[:, None, i * c:(i + 1) * c, None]
+                               == kv_doc[:, None, None, :end])
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                       enable_gqa=True))
+        return torch.cat(outs, dim=2)
+
+
+def block_mask(q_pos: torch.Tensor, q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None,
+               batch: int, seq: int):
+    """FlexAttention block mask of the local queries (global positions `q_pos`) against the
+    whole sequence: causal, and inside each document when document ids are given. Blocks the
+    mask empties are skipped (the causal half of the work on average; no S x S tensor)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if q_doc is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_pos[q_idx]
+        batch = None
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_pos[q_idx]) & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
+    return create_block_mask(mask_mod, batch, None, q_pos.numel(), seq, device=q_pos.device)
+
+
+_FLEX: dict[str, Callable] = {}
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Any) -> torch.Tensor:
+    """FlexAttention with `block` (compiled once per process on CUDA, as torchtitan does; eager
+    elsewhere, a reference path without backward on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if q.is_cuda and "cuda" not in _FLEX:
+        _FLEX["cuda"] = torch.compile(flex)
+    return _FLEX.get("cuda" if q.is_cuda else "", flex)(q, k, v, block_mask=block,
+                                                         enable_gqa=True)
+
+
+def apply_context_parallel(model: Any, group) -> ContextParallel:
+    """Turn context parallelism on for `model` (a Transformer or a pipeline stage of one) over
+    `group`; refuses models whose positions cannot follow a sharded sequence."""
+    spec = model.spec
+    if spec.position != "rope":
+        raise UserError(f"model.position={spec.position!r}: context parallelism needs rotary "
+                         "position embeddings (a learned position table is indexed by the "
+                         "unsharded sequence); use a RoPE model or cp=1")
+    cp = ContextParallel(group)
+    model.context_parallel = cp
+    return cp

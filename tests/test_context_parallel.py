@@ -1,0 +1,274 @@
+"""Context parallelism (meshtron/parallel/context.py) on real gloo process groups.
+
+One 4-rank launch: cp=4 over the world, cp=2 over the pairs {0,1}, {2,3}, and tp=2 (with
+sequence parallelism) x cp=2 on a ("cp", "tp") DeviceMesh; for each, causal
+and packed-document masks (documents crossing chunk boundaries) and recomputation none / full /
+selective, a GQA model with YaRN RoPE (global positions matter) runs 3 AdamW steps on its chunks
+(loss / cp backward, gradients summed over the cp group) and must give the single-process loss,
+every gradient and every parameter (fp32 tolerance). The same launch counts the collectives of
+one forward + backward (kinds, counts, bytes) against the formula, and checks FlexAttention's
+document block mask (the CUDA path; forward only, as CPU FlexAttention has no backward) against
+the CPU mask path. Bad input: a sequence that does not split into 2*cp chunks, a model with
+learned positions -> one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.errors import UserError
+from meshtron.testing.multiproc import run_on_ranks
+
+EOS = 258
+SEQ, BATCH, STEPS = 32, 2, 3
+TOL = 1e-5
+EOS_AT = {0: (5, 13, 14, 27), 1: (2, 19)}  # documents cross the 4- and 8-token chunk boundaries
+
+
+def _spec():
+    from meshtron.model.spec import PRESETS
+
+    return PRESETS["debug"].replace(rope_type="yarn", rope_factor=2.0, rope_original_max_seq=16)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
+        for row, cols in EOS_AT.items():
+            x[row, list(cols)] = EOS
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def _run(cp_group, cp, rank, documents, recompute, tp_mesh=None):
+    """(losses, grads per step, final params) of the reference (cp_group None) or a cp rank;
+    with `tp_mesh`, tensor + sequence parallelism first (the runtime's order: TP, recompute,
+    then CP), loss under loss_parallel, gradients and parameters compared as full tensors."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from meshtron.model.transformer import Transformer, cross_entropy_loss
+    from meshtron.parallel.context import apply_context_parallel, shard_batch
+    from meshtron.parallel.recompute import apply_recompute
+    from meshtron.parallel.tensor import apply_tensor_parallel
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+    model = Transformer(_spec(), init_seed=7)
+    if documents:
+        model.document_eos = EOS
+    loss_context = contextlib.nullcontext
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        apply_tensor_parallel(model, tp_mesh, sp=True)
+        loss_context = loss_parallel
+    if cp_group is not None:
+        apply_recompute(model, recompute)
+        apply_context_parallel(model, cp_group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    losses, grads = [], []
+    for x, y in _batches():
+        if cp_group is None:
+            loss = cross_entropy_loss(model(x), y)
+            loss.backward()
+        else:
+            shard = shard_batch(x, y, cp, rank)
+            with loss_context():
+                loss = cross_entropy_loss(model(shard.tokens), shard.targets)
+                (loss / cp).backward()  # the global mean: every rank holds seq/cp tokens
+            loss = full(loss.detach())
+            dist.all_reduce(loss, group=cp_group)
+            loss /= cp
+            for p in model.parameters():
+                if isinstance(p.grad, DTensor):  # TP: grads laid out like their parameters
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad,
+                                group=cp_group)
+        losses.append(loss.item())
+        grads.append({n.replace("_checkpoint_wrapped_module.", ""): full(p.grad)
+                      for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    params = {n.replace("_checkpoint_wrapped_module.", ""): full(p.detach())
+              for n, p in model.named_parameters()}
+    return losses, grads, params
+
+
+def _worst(ref, got) -> dict:
+    r_loss, r_grads, r_params = ref
+    losses, grads, params = got
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, r_loss))
+    grad = max(((g[n] - rg[n]).abs().max() / rg[n].abs().max().clamp_min(1e-6)).item()
+               for g, rg in zip(grads, r_grads) for n in rg)
+    param, worst = max((((params[n] - r_params[n]).abs().max()
+                         / r_params[n].abs().max().clamp_min(1e-2)).item(), n) for n in r_params)
+    return {"loss": loss, "grad": grad, "param": param, "worst": worst,
+            "names": sorted(params) == sorted(r_params)}
+
+
+def _count_collectives(group, cp, documents, recompute) -> dict:
+    """Collective kinds, counts and bytes of one forward + backward, seen by a dispatch mode
+    (functional collectives, as issued by context.py)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.model.transformer import Transformer, cross_entropy_loss
+    from meshtron.parallel.context import apply_context_parallel, shard_batch
+    from meshtron.parallel.recompute import apply_recompute
+
+    seen: dict[str, list[int]] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func.namespace in ("_c10d_functional", "c10d")
+                    and not func.__name__.startswith(("wait", "_wrap"))):  # not collectives
+                kind = func.__name__.split(".")[0]
+                entry = seen.setdefault(kind, [0, 0])
+                entry[0] += 1
+                entry[1] += out.numel() * out.element_size()
+            return out
+
+    model = Transformer(_spec(), init_seed=7)
+    if documents:
+        model.document_eos = EOS
+    apply_recompute(model, recompute)
+    apply_context_parallel(model, group)
+    x, y = _batches()[0]
+    shard = shard_batch(x, y, cp, group.rank())
+    with Count():
+        cross_entropy_loss(model(shard.tokens), shard.targets).backward()
+    return {k: tuple(v) for k, v in seen.items()}
+
+
+def _flex_matches_mask_path(group, cp, rank) -> float:
+    """The CUDA path (FlexAttention block mask) against the CPU path, causal and documents."""
+    from meshtron.model.transformer import document_positions
+    from meshtron.parallel.context import (ContextParallel, _gather_sequence, block_mask,
+                                           chunk_positions, flex_attention)
+
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(BATCH, 4, SEQ // cp, 16, generator=g)
+    k = torch.randn(BATCH, 2, SEQ // cp, 16, generator=g)
+    v = torch.randn(BATCH, 2, SEQ // cp, 16, generator=g)
+    doc, _ = document_positions(_batches()[0][0], EOS)
+    pos = chunk_positions(SEQ, cp, rank)
+    worst = 0.0
+    with torch.no_grad():
+        for q_doc, kv_doc in ((None, None), (doc[:, pos], doc)):
+            ref = ContextParallel(group).attend(q, k, v, q_doc, kv_doc)
+            block = block_mask(pos, q_doc, kv_doc, BATCH, SEQ)
+            flex = flex_attention(q, _gather_sequence(k, group, cp, 2),
+                                  _gather_sequence(v, group, cp, 2), block)
+            worst = max(worst, (flex - ref).abs().max().item())
+    return worst
+
+
+# (dtype, cp, documents, recompute): the default suite runs one of each kind; float64 shows the
+# computation is the single-process function up to rounding.
+DEFAULT_CASES = [("float32", 4, False, "none"), ("float32", 4, True, "selective"),
+                 ("float32", 2, False, "full"), ("float32", 2, True, "none"),
+                 ("float32", "tp2cp2", True, "selective"), ("float64", 4, True, "none")]
+ALL_CASES = [(d, cp, doc, rc) for d in ("float32", "float64") for cp in (4, 2, "tp2cp2")
+             for doc in (False, True) for rc in ("none", "full", "selective")]
+
+
+def cp_rank_fn(cases: list[tuple]) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    layouts = {4: (dist.group.WORLD, rank), 2: (pairs[rank // 2], rank % 2)}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))  # torchtitan's order
+    out: dict = {"equal": {}}
+    refs: dict = {}
+    for dtype, cp, doc, recompute in cases:
+        torch.set_default_dtype(getattr(torch, dtype))
+        if (dtype, doc) not in refs:
+            refs[dtype, doc] = _run(None, 1, 0, doc, "none")
+        if cp == "tp2cp2":
+            got = _run(mesh["cp"].get_group(), 2, mesh.get_local_rank("cp"), doc, recompute,
+                       tp_mesh=mesh["tp"])
+        else:
+            group, cp_rank = layouts[cp]
+            got = _run(group, cp, cp_rank, doc, recompute)
+        out["equal"][(dtype, cp, doc, recompute)] = _worst(refs[dtype, doc], got)
+    torch.set_default_dtype(torch.float32)
+    out["collectives"] = {(doc, rc): _count_collectives(dist.group.WORLD, 4, doc, rc)
+                          for doc in (False, True) for rc in ("none", "full", "selective")}
+    out["flex"] = _flex_matches_mask_path(dist.group.WORLD, 4, rank)
+    return out
+
+
+def test_context_parallel_matches_one_process():
+    _check(run_on_ranks(cp_rank_fn, 4, DEFAULT_CASES, timeout=300))
+
+
+@pytest.mark.slow
+def test_context_parallel_every_combination():
+    _check(run_on_ranks(cp_rank_fn, 4, ALL_CASES, timeout=600))
+
+
+def _check(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        for key, worst in res["equal"].items():
+            assert worst["names"], (rank, key)
+            # fp32: summation order differs (attention per chunk, gradients summed over ranks):
+            # gradients agree to ~3e-6 of their largest element, and AdamW's normalised step
+            # amplifies that on elements whose gradient is ~eps (parameters to ~1.5e-5). In
+            # float64 the same runs agree to ~1e-14: the computation is the same function.
+            # (The loss is computed in fp32 in both: cross_entropy_loss.)
+            tol = {"float32": (TOL, TOL, 5e-5), "float64": (TOL, 1e-12, 1e-12)}[key[0]]
+            if key[:2] == ("float64", "tp2cp2"):
+                # cross_entropy_loss runs in fp32, and loss_parallel's vocabulary-parallel
+                # backward rounds dlogits differently from aten's: ~1e-7 of the gradients.
+                tol = (TOL, 1e-6, 1e-6)
+            assert (worst["loss"] < tol[0] and worst["grad"] < tol[1]
+                    and worst["param"] < tol[2]), (rank, key, worst)
+        assert res["flex"] < 1e-5, (rank, res["flex"])
+    spec = _spec()
+    # Per layer, forward: all-gather of K and of V, each the full sequence's kv heads in fp32;
+    # backward: one reduce-scatter each of the same size (its input; a rank receives 1/cp).
+    # Full recomputation gathers K and V again in backward; selective keeps the gathered
+    # tensors (collective outputs are saved). Documents add one all-gather of the token ids
+    # per forward (outside the recomputed blocks).
+    L = spec.layers
+    kv_bytes = BATCH * spec.kv_heads * SEQ * spec.head_dim * 4
+    for (doc, recompute), seen in results[0]["collectives"].items():
+        gathers = 2 * L * (2 if recompute == "full" else 1)
+        expected = {"all_gather_into_tensor": (gathers + doc, gathers * kv_bytes + doc * BATCH * SEQ * 8),
+                    "reduce_scatter_tensor": (2 * L, 2 * L * kv_bytes // 4)}
+        assert seen == expected, (doc, recompute, seen)
+
+
+def test_bad_input_is_one_line():
+    from meshtron.model.spec import PRESETS
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel.context import apply_context_parallel, chunk_positions
+
+    with pytest.raises(UserError, match=r"^data.seq_len=36: context parallelism cp=4 cuts every "
+                                        r"sequence into 2\*cp=8 equal chunks; use a multiple of 8$"):
+        chunk_positions(36, 4, 0)
+    with torch.device("meta"):
+        gpt = Transformer(PRESETS["tiny-gpt"], init_seed=0)
+    with pytest.raises(UserError, match=r"^model.position='learned': context parallelism needs"):
+        apply_context_parallel(gpt, None)
+
+
+def test_chunks_cover_the_sequence_balanced():
+    from meshtron.parallel.context import chunk_positions
+
+    for cp in (1, 2, 4):
+        allpos = torch.cat([chunk_positions(32, cp, r) for r in range(cp)])
+        assert sorted(allpos.tolist()) == list(range(32))
+        # causal work (sum of positions + 1) is equal on every rank
+        work = {int((chunk_positions(32, cp, r) + 1).sum()) for r in range(cp)}
+        assert len(work) == 1
