@@ -52,9 +52,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from meshtron.compress import cost as compress_cost
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, compute, memory, pipeline, placement
+from meshtron.planner import comm, compression, compute, memory, pipeline, placement
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.plan import Plan
@@ -223,20 +222,20 @@ class Evaluator:
         self.evaluated = 0
 
     # ---- cached pieces ---------------------------------------------------------------------
-    def _micro(self, tp: int, mb: int, sp: bool, rec: str):
-        key = ("micro", tp, mb, sp, rec)
+    def _micro(self, tp: int, mb: int, sp: bool, rec: str, cp: int = 1, dtype: str = "bf16"):
+        key = ("micro", tp, mb, sp, rec, cp, dtype)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         m, cl, opts, s = self.model, self.cluster, self.opts, self.seq
-        lc = compute.layer_cost(m, cl, tp, mb, s, sp, opts)
+        lc = compute.layer_cost(m, cl, tp, mb, s, sp, opts, cp, dtype)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
-        emb = compute.embedding_cost(m, cl, tp, mb, s, sp)
-        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack)
-        # pipeline p2p: [mb*s, h] bf16 split over the tensor group, re-gathered on NVLink
-        # (already split with sequence parallelism); without scatter/gather each tensor rank
-        # sends the whole activation over its own link
-        p2p_bytes = compute.BF16 * mb * s * m.hidden / tp
+        emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
+        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack, cp, dtype)
+        # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,
+        # re-gathered on NVLink (already split with sequence parallelism); without
+        # scatter/gather each tensor rank sends the whole activation over its own link
+        p2p_bytes = (4.0 if dtype == "fp32" else compute.BF16) * mb * s / cp * m.hidden / tp
         gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, self._tp_group(tp), self.fab)
         if not opts.p2p_scatter_gather and not sp:
             p2p_bytes, gather = p2p_bytes * tp, 0.0
@@ -244,18 +243,21 @@ class Evaluator:
         self._cache[key] = hit
         return hit
 
-    def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str):
+    def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str, cp: int = 1):
         """(memory options, activations per layer, recompute working set, logits) in bytes for
-        one micro-batch at the plan's dtype (memory.py)."""
-        key = ("mem", tp, mb, sp, rec, dtype)
+        one micro-batch at the plan's dtype (memory.py); a context rank holds seq/cp tokens of
+        each sequence (the unfused score matrix is then counted for seq/cp keys: a combination
+        no context-parallel stack runs)."""
+        key = ("mem", tp, mb, sp, rec, dtype, cp)
         hit = self._cache.get(key)
         if hit is None:
             mem = self.mem
             if mem.dtype != dtype:
                 mem = dataclasses.replace(mem, dtype=dtype)
-            args = (self.model, tp, sp, mb, self.seq, rec, self.opts, mem)
+            seq = self.seq // cp
+            args = (self.model, tp, sp, mb, seq, rec, self.opts, mem)
             hit = (mem, memory.activation_bytes(*args), memory.recompute_working_bytes(*args),
-                   memory.logits_bytes(self.model, tp, mb, self.seq, mem))
+                   memory.logits_bytes(self.model, tp, mb, seq, mem))
             self._cache[key] = hit
         return hit
 
@@ -300,51 +302,104 @@ class Evaluator:
             self._cache[key] = hit
         return hit
 
+    def dp_flags(self, cfg: Plan) -> dict[str, Any]:
+        """How a plan's data-parallel collectives run, as keyword arguments of `_dp_time`:
+        `gsize` bytes per gradient element on the wire (the plan's reduce_dtype), `reduce_once`
+        (ZeRO-2/3 reduce-scatter once per step: accumulate_unsharded, or pipelining, whose
+        schedule turns FSDP's gradient sync and resharding off until the last backward in
+        torch.distributed.pipelining), `gather_once` (pipelining: parameters stay gathered
+        over the step's micro-batches, torchtitan's reshard_after_forward=False with pp)."""
+        pipelined = cfg.pp > 1 and self.opts.sharding == "fsdp"
+        return {"gsize": 4.0 if cfg.reduce_dtype == "fp32" else compute.BF16,
+                "reduce_once": cfg.zero >= 2 and (cfg.accumulate_unsharded or pipelined),
+                "gather_once": cfg.zero >= 2 and pipelined}
+
+    def _param_wire(self) -> float:
+        """Bytes per parameter of ZeRO-1/2 parameter all-gathers after the step: FSDP2-based
+        runtimes keep fp32 parameters (meshtron's distributed optimizer gathers them), 16-bit
+        weight frameworks gather the bf16 weights (fp32 with fp32_params_autocast)."""
+        if self.opts.fp32_params_autocast or (self.mem.framework == "fsdp2"
+                                              and self.opts.sharding == "fsdp"):
+            return 4.0
+        return compute.BF16
+
     def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
                  bwd: float, layers: int = 1, regather: bool = False,
-                 wire: float | None = None) -> float:
+                 wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
+                 gather_once: bool = False) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring); `wire`: bytes per gradient element when compressed
-        (meshtron/compress/cost.py)."""
+        (planner/compression.py); the rest: `dp_flags`."""
         group = groups["dp"]
         key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
-               wire)
+               wire, gsize, reduce_once, gather_once)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        gsize = wire or (4.0 if self.opts.fp32_grad_reduce else compute.BF16)
+        gsize = wire or gsize
         nbytes = gsize * params
-        wbytes = (4.0 if self.opts.fp32_params_autocast else compute.BF16) * params
+        wbytes = self._param_wire() * params
         fsdp = self.opts.sharding == "fsdp"
-        if zero == 3 or (zero == 2 and fsdp):  # per unit, with its own overlap rules
+        if (zero == 3 or (zero == 2 and fsdp)) and not (reduce_once or gather_once):
+            # per unit and micro-batch, with its own overlap rules
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
-                                                 backward_gather=zero == 3, wire=wire)
+                                                 backward_gather=zero == 3, wire=gsize)
+            self._cache[key] = exp
+            return exp
+        if zero >= 2 and fsdp:
+            exp = self._fsdp_accumulated(params, groups, layers, m, fwd, bwd, zero, gsize,
+                                         reduce_once, gather_once, regather)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
             fwd = bwd = 0.0
         if zero == 0:
-            exp = (m if fsdp else 1) * _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
-        elif zero == 1 and fsdp:
-            # every micro-batch all-reduces; after the step each owner broadcasts its updated
-            # fp32 parameters: the volume of an all-gather, one call (and latency) per owner
-            bcast = (comm.all_gather(4.0 * params, group, self.fab)
-                     + (group.size - 1) * self.fab.base_latency)
-            exp = m * _exposed(comm.all_reduce(nbytes, group, self.fab), bwd) + bcast
+            # one all-reduce per step (gradient sync off but on the last micro-batch: FSDP2's
+            # set_requires_gradient_sync, DDP's no_sync, Megatron's and DeepSpeed's buffers)
+            exp = _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
         elif zero == 1:
+            # distributed optimizer: reduce-scatter once, step on the shard, all-gather the
+            # updated parameters behind the next step's forward (Megatron-LM
+            # docs/distrib_optimizer.md; meshtron's ZeRO-1)
             exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
                    + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
+        elif zero == 3:  # DeepSpeed-style ZeRO-3 under sharding='zero': per unit per micro-batch
+            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+                                                 backward_gather=True, wire=gsize)
         else:
             shard, rep = groups["dp_shard"], groups["dp_replicate"]
             rs = (comm.reduce_scatter(nbytes, shard, self.fab)
                   + comm.all_reduce(nbytes / shard.size, rep, self.fab))
-            exp = m * _exposed(rs, bwd) + _exposed(comm.all_gather(wbytes, shard, self.fab), fwd)
+            exp = _exposed(rs, bwd) + _exposed(comm.all_gather(wbytes, shard, self.fab), fwd)
         self._cache[key] = exp
         return exp
 
+    def _fsdp_accumulated(self, params: float, groups: dict[str, Any], layers: int, m: int,
+                          fwd: float, bwd: float, zero: int, gsize: float, reduce_once: bool,
+                          gather_once: bool, regather: bool) -> float:
+        """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
+        (one reduce-scatter per unit per step, after the last backward: exposed behind that
+        backward only) and, with pipelining, whose parameters stay gathered (one all-gather
+        per unit per step, before the first forward); otherwise the gathers stay per
+        micro-batch (`_zero3_per_microbatch` with the reduction taken out)."""
+        units = max(1, layers * self.opts.shard_units_per_layer)
+        shard, rep = groups["dp_shard"], groups["dp_replicate"]
+        wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
+        rs = units * (comm.reduce_scatter(gsize * params / units, shard, self.fab)
+                      + comm.all_reduce(gsize * params / units / shard.size, rep, self.fab))
+        out = _exposed(rs, bwd)  # fwd, bwd: one micro-batch's
+        if gather_once:
+            ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
+            return out + _exposed(ag, fwd)
+        per_mb = self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+                                            backward_gather=zero == 3, wire=gsize,
+                                            reduce=False)
+        return out + m * per_mb
+
     def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
                               fwd: float, bwd: float, regather: bool = False,
-                              backward_gather: bool = True, wire: float | None = None) -> float:
+                              backward_gather: bool = True, wire: float | None = None,
+                              reduce: bool = True) -> float:
         """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
         backward (parameters are resharded after the forward) and one reduce-scatter of its
         gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
@@ -361,7 +416,7 @@ class Evaluator:
         # parameter, biases and norms included); spread over the gather units for the overlap
         r_units = max(1, layers * (opts.reduce_units_per_layer or opts.shard_units_per_layer))
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
-        gsize = wire or (4.0 if opts.fp32_grad_reduce else compute.BF16)
+        gsize = wire or 4.0
         wsize = 4.0 if opts.fp32_params_autocast else compute.BF16
         ag = comm.all_gather(wsize * params / units, shard, self.fab)
         rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
@@ -373,6 +428,8 @@ class Evaluator:
             rs_one += 2.0 * gsize * params / r_units / self.hbm + host
         rs = rs_one * r_units / units
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
+        if not reduce:
+            rs = 0.0
         f_u, b_u = fwd / units, bwd / units
         # share of a unit's all-gather that prefetching can start early
         pre = self.opts.prefetch_params
@@ -398,16 +455,23 @@ class Evaluator:
         tp, pp, dp, zero, mb, rec = cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute
         v = cfg.virtual_stages
         m = self.global_batch // (dp * mb)
-        c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec)
-        mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype)
+        cp = cfg.cp
+        c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec,
+                                                                          cp, cfg.dtype)
+        mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp)
+        flags = self.dp_flags(cfg)
+        # ZeRO shards and gradient reductions span dp x cp ranks (FSDP over dp_shard x cp)
+        shard_dp = dp * cp
+        keep = flags["gather_once"] and mem_opts.framework == "fsdp2"
+        accum = flags["gsize"] if flags["reduce_once"] and mem_opts.framework == "fsdp2" else 0.0
         t_layer = c_l + tpc_l
         e_first = emb.compute + emb.tp
         e_last = head.compute + head.tp
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
-        states = compress_cost.with_state_bytes(
-            cfg, memory.state_bytes(zero, dp, self.grad_bytes, mem_opts))
+        states = compression.with_state_bytes(
+            cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts))
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         roots = [0.0] * pp
@@ -415,9 +479,9 @@ class Evaluator:
         roots[-1] += p_head
         per_layer, fixed = [], []
         for i in range(pp):
-            sm = memory.stage_memory(mem_opts, zero, dp, states, p_layer, roots[i], largest, act,
-                                     inflight[i], work, logits if i == pp - 1 else 0.0,
-                                     self.grad_bytes)
+            sm = memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
+                                     largest, act, inflight[i], work,
+                                     logits if i == pp - 1 else 0.0, self.grad_bytes, keep, accum)
             per_layer.append(sm.per_layer)
             fixed.append(sm.fixed)
         budget = self.tensor_budget
@@ -473,17 +537,17 @@ class Evaluator:
                 continue  # an earlier identical stage hides less: it dominates
             seen.add((k, first, last))
             params_i = k * p_layer + (p_emb if first else 0.0) + (p_head if last else 0.0)
-            local = params_i / dp if zero >= 1 else params_i
+            local = params_i / shard_dp if zero >= 1 else params_i
             opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
-            if dp > 1:
+            if shard_dp > 1:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
                 args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
                         k, rec == "full" and self.opts.recompute_regathers)
-                if compress_cost.changes_dp(cfg):  # gradient compression or DiLoCo
-                    dp_t = max(dp_t, compress_cost.dp_time(self, cfg, *args))
+                if compression.changes_dp(cfg):  # gradient compression or DiLoCo
+                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args))
                 else:
-                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:]))
+                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], **flags))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
         step = times.total
@@ -493,10 +557,10 @@ class Evaluator:
         # ---- memory breakdown of the fullest stage -------------------------------------------
         totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
         worst = max(range(pp), key=totals.__getitem__)
-        mem = memory.breakdown(mem_opts, zero, dp, states, n[worst], p_layer, roots[worst],
+        mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], p_layer, roots[worst],
                                largest, act, inflight[worst], work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
-                               self.grad_bytes)
+                               self.grad_bytes, keep, accum)
         hw_flops = self.model_flops + compute.recompute_flops_per_token(
             model, seq, rec, self.opts.attention) * self.tokens
         peak = self.cluster.peak_flops
@@ -514,7 +578,7 @@ class Evaluator:
         pipeline or data-parallel communication."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
         c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
-                                                  cfg.recompute)[:6]
+                                                  cfg.recompute, cfg.cp, cfg.dtype)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
 
@@ -560,7 +624,8 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     tp, pp, v, zero = cfg.tp, cfg.pp, cfg.virtual_stages, cfg.zero
     m = est.num_microbatches
     c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = ev._micro(tp, cfg.micro_batch, cfg.sp,
-                                                                    cfg.recompute)
+                                                                    cfg.recompute, cfg.cp,
+                                                                    cfg.dtype)
     t_layer = c_l + tpc_l
     nv = len(n)
     fwd = [k * f_l for k in n]
@@ -577,43 +642,45 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
         hop = comm.send(p2p_bytes, groups["pp_hop_crosses_nodes"], ev.fab) + gather
     device_layers = [sum(n[j] for j in range(i, nv, pp)) for i in range(pp)]
     p_layer, p_emb, p_head, _ = ev._params(tp, pp)
-    gsize = 4.0 if ev.opts.fp32_grad_reduce else compute.BF16
-    wsize = 4.0 if ev.opts.fp32_params_autocast else compute.BF16
+    flags = ev.dp_flags(cfg)
+    gsize = flags["gsize"]
     fsdp = ev.opts.sharding == "fsdp"
+    shard_dp = cfg.dp * cfg.cp
+    # per-unit ZeRO-3 / FSDP ZeRO-2 collectives are folded into every micro-batch's work (the
+    # evaluator's per-unit overlap model); accumulated ones (reduce_once / gather_once) too,
+    # spread over the micro-batches
     per_unit = zero == 3 or (zero == 2 and fsdp)
     reduce_s, fold, tail, opt = [], [], [], []
     for i, k in enumerate(device_layers):
         params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == pp - 1 else 0.0)
-        local = params / cfg.dp if zero >= 1 else params
+        local = params / shard_dp if zero >= 1 else params
         opt.append(ev.opt_bytes * local / ev.hbm)
         group = groups["dp"]
         red = tl = fo = 0.0
-        if cfg.dp > 1 and per_unit:
+        if shard_dp > 1 and per_unit:
             stage_f = sum(fwd[j] for j in range(i, nv, pp))
             stage_t = sum(tot[j] for j in range(i, nv, pp))
             fo = ev._dp_time(params, zero, groups, m, stage_f, stage_t - stage_f, k,
-                             cfg.recompute == "full" and ev.opts.recompute_regathers) / m
-        elif cfg.dp > 1:
+                             cfg.recompute == "full" and ev.opts.recompute_regathers,
+                             **flags) / m
+        elif shard_dp > 1:
             nbytes = gsize * params
-            if zero == 0 or (zero == 1 and fsdp):
+            window = sum(fwd[j] for j in range(i, nv, pp))
+            if zero == 0:
                 red = comm.all_reduce(nbytes, group, ev.fab)
-                if zero == 1:
-                    tl = (comm.all_gather(4.0 * params, group, ev.fab)
-                          + (group.size - 1) * ev.fab.base_latency)
             elif zero == 1:
                 red = comm.reduce_scatter(nbytes, group, ev.fab)
-                tl = _exposed(comm.all_gather(wsize * params, group, ev.fab),
-                              sum(fwd[j] for j in range(i, nv, pp)))
+                tl = _exposed(comm.all_gather(ev._param_wire() * params, group, ev.fab), window)
             else:  # ZeRO-2, DeepSpeed / Megatron style
                 shard, rep = groups["dp_shard"], groups["dp_replicate"]
                 red = (comm.reduce_scatter(nbytes, shard, ev.fab)
                        + comm.all_reduce(nbytes / shard.size, rep, ev.fab))
-                tl = _exposed(comm.all_gather(wsize * params, shard, ev.fab),
-                              sum(fwd[j] for j in range(i, nv, pp)))
+                tl = _exposed(comm.all_gather(ev._param_wire() * params, shard, ev.fab), window)
         reduce_s.append(red)
         fold.append(fo)
         tail.append(tl)
-    every = fsdp or (zero == 2 and not fsdp)
+    # ZeRO-0/1/2 with raw reductions reduce once per step, in every framework
+    every = False
     return StepPieces(fwd=fwd, bwd=[t - f for t, f in zip(tot, fwd)], wgrad=wg, hop_s=hop,
                       hop_crosses_nodes=bool(pp > 1 and groups["pp_hop_crosses_nodes"]),
                       reduce_s=reduce_s, reduce_every_microbatch=every, fold_s=fold,

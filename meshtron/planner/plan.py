@@ -31,7 +31,8 @@ TOML having no null)::
                                   # pp * virtual_stages (empty: even split); virtual stage j
                                   # lives on GPU stage j % pp (zb with 2: a V); the embedding
                                   # is on the first, the LM head on the last
-    dtype = "bf16"                # the run's precision: "bf16" (mixed) | "fp32"
+    dtype = "bf16"                # the run's precision: "bf16" (mixed) | "fp32" | "fp8" (planned
+                                  # only: the runtime refuses it until FP8 training lands)
     attention = "flash"           # kernel the prediction assumed: "flash" | "unfused"
     grad_compression = "int8"     # data-parallel traffic: "none" | "bf16" | "int8" (written
                                   # only when not default, like the other keys below)
@@ -41,6 +42,9 @@ TOML having no null)::
     diloco = 0                    # DiLoCo inner steps H between replica syncs (0: off)
     outer_lr = 0.7                # DiLoCo outer SGD learning rate
     outer_momentum = 0.9          # DiLoCo outer Nesterov momentum
+    cp = 2                        # context-parallel degree (gpus = tp * cp * pp * dp)
+    reduce_dtype = "bf16"         # gradient reduction dtype: "fp32" (default) | "bf16"
+    accumulate_unsharded = true   # ZeRO-2/3: reduce-scatter once per step, not per micro-batch
 
     [predicted]                   # the planner's estimate, for predicted-vs-measured reports
     step_time_s = 10.2
@@ -73,7 +77,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 """Pipeline schedules (planner/pipeline.py costs them; parallel/pipeline.py runs them). With
 virtual_stages v > 1: gpipe = looped BFS, 1f1b = interleaved 1F1B, zb with v = 2 = ZBV."""
-DTYPES = ("bf16", "fp32")
+DTYPES = ("bf16", "fp32", "fp8")
+"""fp8: the planner costs it (FP8 GEMMs in the blocks, bf16 elsewhere); the runtime refuses it
+until FP8 training lands."""
+REDUCE_DTYPES = ("fp32", "bf16")
 ATTENTION = ("flash", "unfused")
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}
 KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
@@ -85,6 +92,8 @@ COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
                  "outer_lr": 0.7, "outer_momentum": 0.9}
 """Knobs of the data-parallel traffic (meshtron/compress/): how gradients (or DiLoCo's outer
 gradients) travel. Written to plan files only when they differ from these defaults."""
+LAYOUT_DEFAULTS = {"cp": 1, "reduce_dtype": "fp32", "accumulate_unsharded": False}
+"""Shared layout fields written to plan files only when they differ from these defaults."""
 COMPRESSIONS = ("none", "bf16", "int8")
 COMPRESS_SCOPES = ("all", "inter_node")
 
@@ -108,7 +117,7 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
     """Rules on the plan's own fields. `k` maps field names to values; a missing or None value
     is unknown and its rules are skipped (so partial knobs are checked by the same rules)."""
     g = k.get
-    for name in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "dp_replicate",
+    for name in ("tp", "pp", "dp", "cp", "micro_batch", "virtual_stages", "dp_replicate",
                  "global_batch", "seq_len"):
         v = g(name)
         if v is not None and (not _is_int(v) or v <= 0):
@@ -125,6 +134,15 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
         yield f"plan.schedule={g('schedule')!r}: allowed values are {', '.join(SCHEDULES)}"
     if g("dtype") is not None and g("dtype") not in DTYPES:
         yield f"plan.dtype={g('dtype')!r}: allowed values are {', '.join(DTYPES)}"
+    if g("reduce_dtype") is not None and g("reduce_dtype") not in REDUCE_DTYPES:
+        yield (f"plan.reduce_dtype={g('reduce_dtype')!r}: allowed values are "
+               f"{', '.join(REDUCE_DTYPES)}")
+    au = g("accumulate_unsharded")
+    if au is not None and not isinstance(au, bool):
+        yield f"plan.accumulate_unsharded={au!r}: must be true or false"
+    elif au and g("zero") is not None and g("zero") < 2:
+        yield (f"plan.accumulate_unsharded=true with plan.zero={g('zero')}: only ZeRO-2/3 "
+               "reduce-scatter gradients per micro-batch (ZeRO-0/1 already reduce once per step)")
     if g("attention") is not None and g("attention") not in ATTENTION:
         yield f"plan.attention={g('attention')!r}: allowed values are {', '.join(ATTENTION)}"
     yield from _consistency(k)
@@ -198,6 +216,10 @@ def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
         yield f"plan.schedule={g('schedule')!r}: needs plan.pp > 1 (pp=1 has no pipeline)"
     if pp == 1 and v is not None and v != 1:
         yield f"plan.virtual_stages={v}: needs plan.pp > 1"
+    cp, seq = g("cp"), g("seq_len")
+    if cp is not None and cp > 1 and seq is not None and seq % (2 * cp):
+        yield (f"plan.cp={cp}: seq_len={seq} must be divisible by 2*cp={2 * cp} (each context "
+               "rank holds two chunks of every sequence, for a balanced causal mask)")
     r, zero = g("dp_replicate"), g("zero")
     if r is not None and r > 1:
         if zero is not None and zero < 2:
@@ -302,18 +324,22 @@ def model_problems(k: Mapping[str, Any], model: Any) -> Iterator[str]:
 
 
 def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
-    tp, pp, dp = k.get("tp"), k.get("pp"), k.get("dp")
+    tp, pp, dp, cp = k.get("tp"), k.get("pp"), k.get("dp"), k.get("cp") or 1
     if None not in (tp, pp, dp):
-        if tp * pp * dp != world_size:
+        if tp * cp * pp * dp != world_size:
+            if cp > 1:
+                return (f"plan.dp*tp*cp*pp={dp}*{tp}*{cp}*{pp}={dp * tp * cp * pp}: must equal "
+                        f"the world size {world_size}")
             return (f"plan.dp*tp*pp={dp}*{tp}*{pp}={dp * tp * pp}: must equal the world size "
                     f"{world_size}")
         return None
-    for name, val in (("tp", tp), ("pp", pp), ("dp", dp)):
+    for name, val in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp)):
         if val is not None and world_size % val:
             return f"plan.{name}={val}: must divide the world size {world_size}"
-    fixed = (tp or 1) * (pp or 1) * (dp or 1)
+    fixed = (tp or 1) * (pp or 1) * (dp or 1) * cp
     if world_size % fixed:
-        return f"plan tp*pp*dp={fixed} (fixed part): must divide the world size {world_size}"
+        return (f"plan tp*cp*pp*dp={fixed} (fixed part): must divide the world size "
+                f"{world_size}")
     return None
 
 
@@ -398,6 +424,15 @@ class Plan:
     """DiLoCo outer SGD learning rate (the paper's 0.7)."""
     outer_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum (the paper's 0.9; 0 = plain SGD)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence's tokens split over cp ranks (ring / all-gather
+    attention of K/V). World size = tp * cp * pp * dp; FSDP shards over dp_shard x cp; the global
+    batch is split over dp only. Mesh order ("pp", "dp_replicate", "dp_shard", "cp", "tp")."""
+    reduce_dtype: str = "fp32"
+    """Dtype of the data-parallel gradient reduction: 'fp32' (default) or 'bf16'."""
+    accumulate_unsharded: bool = False
+    """ZeRO-2/3: accumulate gradients unsharded over the micro-batches and reduce-scatter once
+    per step (memory for traffic); False: reduce-scatter after every micro-batch (FSDP2)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -425,7 +460,8 @@ class Plan:
     @classmethod
     def trusted(cls, tp: int, pp: int, dp: int, zero: int, micro_batch: int, recompute: str,
                 sp: bool, schedule: str | None, virtual_stages: int = 1,
-                dtype: str = "fp32", dp_replicate: int = 1) -> "Plan":
+                dtype: str = "fp32", dp_replicate: int = 1, cp: int = 1,
+                reduce_dtype: str = "fp32", accumulate_unsharded: bool = False) -> "Plan":
         """A search-space point built without re-running the rules: the search draws every
         value from a space `plan_problems` already vetted (tests check its output validates)."""
         p = cls.__new__(cls)
@@ -436,7 +472,9 @@ class Plan:
                           ("micro_batch", micro_batch), ("recompute", recompute), ("sp", sp),
                           ("schedule", schedule if pp > 1 else None),
                           ("virtual_stages", virtual_stages), ("dtype", dtype),
-                          ("dp_replicate", dp_replicate if zero >= 2 else 1)):
+                          ("dp_replicate", dp_replicate if zero >= 2 else 1), ("cp", cp),
+                          ("reduce_dtype", reduce_dtype),
+                          ("accumulate_unsharded", accumulate_unsharded and zero >= 2)):
             object.__setattr__(p, name, val)
         return p
 
@@ -454,6 +492,11 @@ class Plan:
         return {name: getattr(self, name) for name, default in COMM_DEFAULTS.items()
                 if getattr(self, name) != default}
 
+    def layout_knobs(self) -> dict[str, Any]:
+        """cp, reduce_dtype, accumulate_unsharded where they differ from LAYOUT_DEFAULTS."""
+        return {name: getattr(self, name) for name, default in LAYOUT_DEFAULTS.items()
+                if getattr(self, name) != default}
+
     @property
     def compressed(self) -> bool:
         """Gradients (or DiLoCo outer gradients) travel compressed."""
@@ -466,7 +509,7 @@ class Plan:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     world_size = gpus
 
@@ -495,7 +538,8 @@ class Plan:
         return sum(self.stage_layers)
 
     def layout(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}"
 
     def schedule_label(self) -> str:
         """'-' without a pipeline, 'interleaved:V' with virtual stages, else the schedule."""
@@ -522,6 +566,7 @@ class Plan:
         for name, value in self.knobs().items():
             d[name] = list(value) if name == "stage_layers" else value
         d["num_microbatches"] = self.num_microbatches
+        d.update(self.layout_knobs())
         d.update(self.comm_knobs())
         if self.predicted:
             d["predicted"] = dict(self.predicted)
@@ -557,7 +602,7 @@ class Plan:
         for key, value in derived.items():
             if value != getattr(plan, key):
                 raise UserError(f"plan.{key}={value!r}: must equal "
-                                 + ("tp*pp*dp" if key == "gpus" else
+                                 + ("tp*cp*pp*dp" if key == "gpus" else
                                     "global_batch/(dp*micro_batch)")
                                  + f" = {getattr(plan, key)}")
         return plan
@@ -622,6 +667,12 @@ class Knobs:
     """The run's precision ('bf16' or 'fp32'); not searched, the planner's default when None."""
     dp_replicate: int | None = None
     """HSDP replica groups (with zero 2/3); not searched, 1 when None."""
+    cp: int | None = None
+    """Context-parallel degree (None: searched)."""
+    reduce_dtype: str | None = None
+    """Gradient reduction dtype; not searched (the framework's default when None)."""
+    accumulate_unsharded: bool | None = None
+    """ZeRO-2/3 unsharded accumulation; not searched (False when None)."""
 
     def __post_init__(self) -> None:
         check(self.to_dict())
@@ -656,12 +707,12 @@ class Knobs:
 
 
 def parse_layout(text: str) -> dict[str, int]:
-    """'tp=8,pp=16,dp=64' (any subset) -> {'tp': 8, 'pp': 16, 'dp': 64}."""
+    """'tp=8,cp=2,pp=16,dp=64' (any subset) -> {'tp': 8, 'cp': 2, 'pp': 16, 'dp': 64}."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(tp|pp|dp)\s*=\s*(\d+)", part)
+        m = re.fullmatch(r"(tp|pp|dp|cp)\s*=\s*(\d+)", part)
         if not m:
-            raise UserError(f"layout={text!r}: expected comma-separated tp=N, pp=N, dp=N")
+            raise UserError(f"layout={text!r}: expected comma-separated tp=N, cp=N, pp=N, dp=N")
         key, value = m.group(1), int(m.group(2))
         if value <= 0:
             raise UserError(f"layout {key}={value}: must be a positive integer")
@@ -669,7 +720,7 @@ def parse_layout(text: str) -> dict[str, int]:
             raise UserError(f"layout={text!r}: {key} given twice")
         out[key] = value
     if not out:
-        raise UserError(f"layout={text!r}: expected comma-separated tp=N, pp=N, dp=N")
+        raise UserError(f"layout={text!r}: expected comma-separated tp=N, cp=N, pp=N, dp=N")
     return out
 
 

@@ -180,7 +180,8 @@ def _candidates(run: PublishedRun, recompute: str) -> list[Plan]:
         for sched, v in scheds:
             plans.append(Plan(run.tp, run.pp, run.dp, run.zero, mb, recompute, run.sp, sched, v,
                               dp_replicate=run.dp_replicate, dtype="bf16",
-                              attention=run.opts.attention))
+                              attention=run.opts.attention,
+                              reduce_dtype="fp32" if run.opts.fp32_grad_reduce else "bf16"))
     return plans
 
 

@@ -31,6 +31,8 @@ from meshtron.planner.plan import (RECOMPUTE, Knobs, Plan, check, microbatch_pro
                                     plan_problems, schedule_zero_problem)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+MIN_CP_TOKENS = 8192
+"""Fewest tokens of a sequence per context rank for the search to try that cp (`_Space.cps`)."""
 DEFAULT_DTYPE = "bf16"
 """The run precision planned for when the knobs do not fix one: GPU pre-training runs bf16
 mixed precision (bf16 compute, fp32 master weights)."""
@@ -133,6 +135,8 @@ class _Space:
         self.knobs = k
         self.dtype = k.dtype or DEFAULT_DTYPE
         self.replicate = k.dp_replicate or 1
+        self.reduce_dtype = k.reduce_dtype or "fp32"
+        self.accumulate = bool(k.accumulate_unsharded)
         self.notes: list[str] = []
         self.n, self.model, self.global_batch = n, model, global_batch
         self.tps = [k.tp] if k.tp else []
@@ -153,28 +157,48 @@ class _Space:
             self.notes.append("recompute=selective left out: with FlashAttention it keeps the "
                               "same tensors as none (the attention core is never stored)")
         self._layouts = self._valid_layouts()
-        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, p, _ in
+        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _ in
                                                                   self._layouts):
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
 
-    def _valid_layouts(self) -> list[tuple[int, int, int]]:
+    def cps(self, rest: int) -> list[int]:
+        """Context-parallel degrees searched on `rest` = gpus / tp ranks: the fixed one, else 1
+        and the powers of two that leave every rank at least MIN_CP_TOKENS tokens of each
+        sequence (below that the per-layer K/V exchange cannot hide behind attention: a search
+        policy, cp fixed by --layout is always evaluated)."""
+        if self.knobs.cp:
+            return [self.knobs.cp]
+        seq = self.context["seq_len"]
+        out, c = [1], 2
+        while c <= rest and seq // c >= MIN_CP_TOKENS:
+            if rest % c == 0 and seq % (2 * c) == 0:
+                out.append(c)
+            c *= 2
+        return out
+
+    def _valid_layouts(self) -> list[tuple[int, int, int, int]]:
         k, n = self.knobs, self.n
         fixed = {**k.to_dict(), **self.context}
         out, left_out = [], {}
         for tp in self.tps:
-            for pp in ([k.pp] if k.pp else _divisors(n // tp)):
-                if (n // tp) % pp:
+            for cp in self.cps(n // tp):
+                if (n // tp) % cp:
                     continue
-                dp = n // (tp * pp)
-                if k.dp and dp != k.dp:
-                    continue
-                problems = plan_problems({**fixed, "tp": tp, "pp": pp, "dp": dp}, n, self.model)
-                if problems:
-                    left_out.setdefault(_family(tp, pp), problems[0])
-                    continue
-                out.append((tp, pp, dp))
-        found = {_family(tp, pp) for tp, pp, _ in out}
+                rest = n // (tp * cp)
+                for pp in ([k.pp] if k.pp else _divisors(rest)):
+                    if rest % pp:
+                        continue
+                    dp = rest // pp
+                    if k.dp and dp != k.dp:
+                        continue
+                    problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp, "dp": dp},
+                                             n, self.model)
+                    if problems:
+                        left_out.setdefault(_family(tp, pp), problems[0])
+                        continue
+                    out.append((tp, cp, pp, dp))
+        found = {_family(tp, pp) for tp, _, pp, _ in out}
         by_reason: dict[str, list[str]] = {}
         for fam, reason in left_out.items():
             if fam not in found:
@@ -227,7 +251,7 @@ class _Space:
             return [self.knobs.zero]
         if (self.knobs.dp_replicate or 1) > 1:
             return [2, 3]  # HSDP: replicas of sharded groups
-        return [0, 1, 2, 3] if dp > 1 else [0]
+        return [0, 1, 2, 3] if dp > 1 else [0]  # dp here: every rank sharing gradients (dp*cp)
 
 
 def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
@@ -268,15 +292,15 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
     any_layout = False
     queue: list[tuple[float, str, Plan]] = []
     hopeless = 0
-    for tp, pp, dp in space.layouts():
+    for tp, cp, pp, dp in space.layouts():
         any_layout = True
         fam = _family(tp, pp)
         # Lower bound of memory: model states at the most sharded ZeRO stage allowed.
-        per_param = min(sum(memory.state_bytes(z, dp, ev.grad_bytes, ev.mem))
-                        for z in space.zeros(dp))
+        per_param = min(sum(memory.state_bytes(z, dp * cp, ev.grad_bytes, ev.mem))
+                        for z in space.zeros(dp * cp))
         if per_param * model.num_params() / (tp * pp) > budget:
             # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
-            est = _leanest(ev, space, tp, pp, dp)
+            est = _leanest(ev, space, tp, cp, pp, dp)
             hopeless += 1
             if est is not None:
                 counter += 1
@@ -291,11 +315,12 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
             for rec in space.recomputes:
                 for sp in space.sps(tp):
                     for sched, v in space.schedules(pp, m):
-                        for zero in space.zeros(dp):
+                        for zero in space.zeros(dp * cp):
                             if schedule_zero_problem(sched, zero, pp):
                                 continue  # the runtime refuses it (plan.py)
                             cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype,
-                                               space.replicate)
+                                               space.replicate, cp, space.reduce_dtype,
+                                               space.accumulate)
                             queue.append((ev.lower_bound_step(cfg), fam, cfg))
     # Branch and bound, best bound first: a config whose bound is slower than the k-th best
     # plan and than its family's best cannot change the answer.
@@ -354,7 +379,8 @@ def _family(tp: int, pp: int) -> str:
     return "pp" if tp == 1 else "3d"
 
 
-def _leanest(ev: Evaluator, space: _Space, tp: int, pp: int, dp: int) -> Estimate | None:
+def _leanest(ev: Evaluator, space: _Space, tp: int, cp: int, pp: int,
+             dp: int) -> Estimate | None:
     """The layout at the knob values that minimise memory (most ZeRO, smallest micro-batch,
     most recomputation, sequence parallelism, 1F1B-class schedule)."""
     mbs = space.micro_batches(dp)
@@ -371,11 +397,11 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, pp: int, dp: int) -> Estimat
     sps = space.sps(tp)
     if not sps:
         return None
-    zeros = [z for z in space.zeros(dp) if not schedule_zero_problem(sched, z, pp)]
+    zeros = [z for z in space.zeros(dp * cp) if not schedule_zero_problem(sched, z, pp)]
     if not zeros:
         return None
     cfg = Plan.trusted(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, space.dtype,
-                       space.replicate)
+                       space.replicate, cp, space.reduce_dtype, space.accumulate)
     return ev.evaluate(cfg)
 
 
@@ -445,7 +471,7 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
     for z in (0, 1, 2, 3):
         if z != c.zero and c.dp > 1:
             variants.append((f"zero={z}", {"zero": z}))
-    base = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
+    base = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp}
     for label, change in variants:
         fixed = {**base, **{k: v for k, v in space.knobs.to_dict().items()
                             if k not in base}, **change}
