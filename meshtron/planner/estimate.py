@@ -230,6 +230,17 @@ class Evaluator:
         m, cl, opts, s = self.model, self.cluster, self.opts, self.seq
         lc = compute.layer_cost(m, cl, tp, mb, s, sp, opts, cp, dtype)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
+        if rec == "selective" and opts.attention == "flash":
+            # what the framework's selective policy runs again in the backward (memory.py):
+            # meshtron's keeps matmul and collective outputs only (the attention kernel and the
+            # memory-bound ops are recomputed); torchtitan's "op" policy keeps every other
+            # matmul and the attention output; Korthikanti's recomputes the core, which flash
+            # never stores (nothing)
+            saved = self.mem.saved
+            if saved == "eager":
+                c_l += lc.fwd - lc.wgrad
+            elif saved == "alternate-matmul":
+                c_l += lc.fwd - lc.wgrad - lc.core_fwd + 0.5 * lc.wgrad
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack, cp, dtype)
         # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,

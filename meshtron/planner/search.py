@@ -15,6 +15,7 @@ split per (pp, v, layer time), so each further config costs a few dozen float op
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -106,6 +107,8 @@ class SearchResult:
     """Knob families left out of the search, and why."""
     dtype: str = DEFAULT_DTYPE
     """The run precision planned for."""
+    framework: Any = None
+    """The software stack priced (frameworks.Framework; None: meshtron's runtime)."""
 
     @property
     def best(self) -> Estimate | None:
@@ -123,7 +126,7 @@ class _Space:
     tensor parallelism stays inside a node (its all-reduces are on the critical path)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 knobs: Knobs, opts: KernelOptions) -> None:
+                 knobs: Knobs, opts: KernelOptions, mem: MemoryOptions | None = None) -> None:
         n = cluster.num_gpus
         gpn = cluster.gpus_per_node
         k = knobs
@@ -151,11 +154,14 @@ class _Space:
             if self.tps == [1] and why:
                 self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) "
                                   f"left out: {why}")
+        same = selective_is_none(model, seq_len, opts, mem or memory.options_for(opts),
+                                 self.dtype)
         self.recomputes = [k.recompute] if k.recompute else [
-            r for r in RECOMPUTE if not (r == "selective" and opts.attention == "flash")]
-        if not k.recompute and opts.attention == "flash":
-            self.notes.append("recompute=selective left out: with FlashAttention it keeps the "
-                              "same tensors as none (the attention core is never stored)")
+            r for r in RECOMPUTE if not (r == "selective" and same)]
+        if not k.recompute and same:
+            self.notes.append("recompute=selective left out: with FlashAttention and this "
+                              "framework's selective policy it keeps the same tensors as none "
+                              "(the attention core is never stored)")
         self._layouts = self._valid_layouts()
         if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _ in
                                                                   self._layouts):
@@ -254,6 +260,22 @@ class _Space:
         return [0, 1, 2, 3] if dp > 1 else [0]  # dp here: every rank sharing gradients (dp*cp)
 
 
+def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: MemoryOptions,
+                      dtype: str) -> bool:
+    """Selective recomputation saves nothing over none: Korthikanti's policy (recompute the
+    attention core) with FlashAttention, which never stores the core. Policies that recompute
+    more (meshtron's and torchtitan's: they keep matmul outputs only) save less memory and are
+    searched."""
+    if opts.attention != "flash":
+        return False
+    import dataclasses as dc
+
+    m = dc.replace(mem, dtype=dtype)
+    args = (model, 1, False, 1, seq_len)
+    return (memory.activation_bytes(*args, "selective", opts, m)
+            >= memory.activation_bytes(*args, "none", opts, m))
+
+
 def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
     """Search policy for schedules the user did not fix: pipeline.py's bubble and in-flight
     formulas assume 1F1B and ZB-H1 keep pp micro-batches in flight (m >= pp) and interleaving
@@ -268,15 +290,23 @@ def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                  fixed: Knobs | Plan | dict[str, Any] | None = None, top_k: int = 5,
                  options: KernelOptions | None = None, explain: bool = True,
-                 mem: MemoryOptions | None = None) -> SearchResult:
-    """Search every plan allowed by `fixed` and return the top_k fastest that fit. `mem`
-    overrides whose memory layout is costed (memory.MemoryOptions; the dtype is the plan's)."""
+                 mem: MemoryOptions | None = None, framework: Any = None) -> SearchResult:
+    """Search every plan allowed by `fixed` and return the top_k fastest that fit. `framework`
+    (frameworks.Framework) prices a software stack: its kernel and memory options and its
+    gradient reduction dtype (unless `fixed` has one). Without it, `options` / `mem` override
+    what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime."""
     t0 = time.perf_counter()
+    knobs = Knobs.of(fixed)
+    if framework is not None:
+        options, mem = framework.kernel, framework.memory
+        if knobs.reduce_dtype is None and framework.reduce_dtype != "fp32":
+            knobs = dataclasses.replace(knobs, reduce_dtype=framework.reduce_dtype)
     opts = options or KernelOptions()
-    space = _Space(model, cluster, global_batch, seq_len, Knobs.of(fixed), opts)
     ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
+    space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem)
     result = _search(ev, space, top_k, explain)
     result.seconds = time.perf_counter() - t0
+    result.framework = framework
     return result
 
 
@@ -460,7 +490,8 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
     c = best.config
     variants: list[tuple[str, dict[str, Any]]] = []
     for rec in RECOMPUTE:
-        if rec != c.recompute and not (rec == "selective" and ev.opts.attention == "flash"):
+        if rec != c.recompute and not (rec == "selective" and "selective" not in
+                                       space.recomputes and not space.knobs.recompute):
             variants.append((f"recompute={rec}", {"recompute": rec}))
     if c.tp > 1:
         variants.append((f"sp={'off' if c.sp else 'on'}", {"sp": not c.sp}))
@@ -479,7 +510,7 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
             continue  # the user fixed this knob
         try:
             sub_space = _Space(space.model, ev.cluster, ev.global_batch, ev.seq,
-                               Knobs.of(fixed), ev.opts)
+                               Knobs.of(fixed), ev.opts, ev.mem)
         except UserError:
             continue
         sub = _search(ev, sub_space, 1, False)
@@ -492,11 +523,11 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
 
 def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                   fixed: Knobs | Plan | dict[str, Any], options: KernelOptions | None = None,
-                  mem: MemoryOptions | None = None) -> Estimate:
+                  mem: MemoryOptions | None = None, framework: Any = None) -> Estimate:
     """Evaluate one plan. Knobs left open are searched (best value), so a fully fixed plan is
     evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
     result = search_plans(model, cluster, global_batch, seq_len, fixed, top_k=1,
-                          options=options, explain=False, mem=mem)
+                          options=options, explain=False, mem=mem, framework=framework)
     est = result.best or result.near_miss
     if est is None:
         raise UserError(f"layout {Knobs.of(fixed).to_dict()}: no valid plan on "
