@@ -160,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
     if seq <= 0:
         raise UserError(f"seq-len={seq}: must be a positive integer")
     if seq > model.max_seq:
-        raise UserError(f"seq-len={seq}: exceeds the model's max_seq={model.max_seq}")
+        raise UserError(f"seq-len={seq}: exceeds the model's max_seq={model.max_seq} (its "
+                        "config.json max_position_embeddings, or a smaller sliding_window: "
+                        "meshtron's full attention equals the window's only up to it)")
     batch = args.global_batch
     if batch is None:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)

@@ -142,6 +142,8 @@ class _Space:
         self.accumulate = bool(k.accumulate_unsharded)
         self.notes: list[str] = []
         self.n, self.model, self.global_batch = n, model, global_batch
+        self.why_empty: str | None = None
+        """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = [k.tp] if k.tp else []
         if not k.tp:
             why = ""
@@ -241,8 +243,20 @@ class _Space:
             vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
             cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
             cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
-        ok = [(s, v) for s, v in cands if v <= layers_per_stage
-              and microbatch_problem(s, pp, v, m) is None]
+        ok = []
+        for s, v in cands:
+            if v > layers_per_stage:
+                self.why_empty = self.why_empty or (
+                    f"plan.schedule={s!r} with {v} virtual stages: needs pp*virtual_stages="
+                    f"{pp}*{v}={pp * v} <= the model's {self.model.layers} layers")
+            elif microbatch_problem(s, pp, v, m) is not None:
+                self.why_empty = self.why_empty or microbatch_problem(s, pp, v, m)
+            else:
+                ok.append((s, v))
+        if k.schedule is not None and k.schedule == "interleaved" and not cands:
+            self.why_empty = self.why_empty or (
+                f"plan.schedule='interleaved': needs at least 2 layers per pipeline stage "
+                f"(the model has {self.model.layers} layers over pp={pp})")
         if k.schedule is None:
             ok = [(s, v) for s, v in ok if _formulas_hold(s, pp, m)]
         return ok
@@ -386,6 +400,8 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
                 lean = est
     if not any_layout:
         raise UserError(_no_layout_message(space, cluster, global_batch))
+    if not queue and not hopeless and space.why_empty:
+        raise UserError(space.why_empty)  # the knobs leave nothing to run: not a memory matter
     # Rank by step time; ties (e.g. ZeRO stages whose extra traffic is fully hidden) go to
     # the simpler plan: lower ZeRO stage, less recomputation, then less memory.
     rec_order = {"none": 0, "selective": 1, "full": 2}
