@@ -150,7 +150,7 @@ class Estimate:
                 seq_len: int, attention: str) -> Plan:
         c = self.config
         if gpus != c.gpus:
-            raise ValueError(f"to_plan: gpus={gpus} but the plan has tp*pp*dp={c.gpus}")
+            raise ValueError(f"to_plan: gpus={gpus} but the plan has tp*cp*pp*dp={c.gpus}")
         return c.replace(model=model_name, cluster=cluster_name, global_batch=global_batch,
                     seq_len=seq_len, stage_layers=tuple(self.stage_layers), attention=attention,
                     predicted={"step_time_s": round(self.step_time_s, 6),
@@ -162,7 +162,9 @@ class Estimate:
                 price: float | None = None) -> dict[str, Any]:
         c = self.config
         d: dict[str, Any] = {
-            "tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "micro_batch": c.micro_batch,
+            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "zero": c.zero,
+            "micro_batch": c.micro_batch, "reduce_dtype": c.reduce_dtype,
+            "accumulate_unsharded": c.accumulate_unsharded,
             "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
             "schedule": c.schedule, "virtual_stages": c.virtual_stages,
             "dp_replicate": c.dp_replicate, "dtype": c.dtype,
