@@ -14,8 +14,8 @@ from meshtron.planner.comm import (Fabric, Group, all_gather, all_reduce, bus_ba
 from meshtron.planner.compute import KernelOptions, layer_cost
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.plan import Plan
-from meshtron.planner.published import gpt_model, predict_published, summary
-from meshtron.planner.published_runs import DEEPSPEED_ZERO3_2021, published_runs
+from bench.published.table import gpt_model, predict_published, summary
+from bench.published.runs import DEEPSPEED_ZERO3_2021, published_runs
 
 FAB = Fabric.of(resolve_cluster("dgx-a100:256"))
 
@@ -183,21 +183,20 @@ def test_validation_table_covers_stacks_and_gpu_generations(table):
 
 
 def test_validation_errors_do_not_regress(table, capsys):
-    """Honest current numbers (see bench/planner_published.py): validation mean 10.9%, max 31.5%
-    (DeepSpeed's 2021 ZeRO-3, 530B at 2,240 GPUs); without the six ZeRO-3 rows mean 9.9%,
-    max 29.6% (GPT-NeoX-20B).
-    Tighten these bounds as the physics improves, never by editing rows."""
+    """Honest current numbers (bench/planner_published.py, internal presets): validation (rows
+    nothing looked at) n=27 mean 6.6%, max 25.0% (Megatron-LM 2019 on V100); calibration (K22
+    and every row that steered a mechanism: bench/published/runs.py `steered`) n=33 mean 12.3%
+    (n=43, 10.5% with the Megatron 2021 weak-scaling rows), max 31.5% (DeepSpeed 0.3 ZeRO-3). Tighten these bounds as the physics improves, never by
+    editing rows."""
     val = summary([p for p in table if p.run.part == "validation"])
     cal = summary([p for p in table if p.run.part == "calibration"])
     with capsys.disabled():
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%}; "
-              f"calibration (K22): mean {cal['mean']:.1%} max {cal['max']:.1%}")
-    assert cal["max"] < 0.10
-    assert val["mean"] < 0.115
-    assert val["max"] < 0.33
-    no_z3 = summary([p for p in table if p.run.part == "validation"
-                     and not p.run.stack.startswith("DeepSpeed ZeRO-3")])
-    assert no_z3["mean"] < 0.105 and no_z3["max"] < 0.31
+              f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}")
+    assert val["mean"] < 0.075 and val["max"] < 0.26
+    assert cal["mean"] < 0.13 and cal["max"] < 0.33
+    k22 = summary([p for p in table if p.run.name.startswith("K22")])
+    assert k22["max"] < 0.10
 
 
 def test_runtime_zero_stages_cost_what_fsdp2_runs():
