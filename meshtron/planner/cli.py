@@ -48,6 +48,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     p.add_argument("--layout", help="fix any of tp, cp, pp, dp: e.g. tp=8,cp=2,pp=16,dp=64")
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
+    p.add_argument("--dp-replicate", type=positive_int, default=None,
+                   help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
     p.add_argument("--recompute", help="fix recomputation: none | selective | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
@@ -131,6 +133,8 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
     knobs = fixed_knobs(args.layout, args.zero, args.recompute, args.sp, args.micro_batch,
                         args.schedule, args.dtype)
+    if getattr(args, "dp_replicate", None) is not None:
+        knobs["dp_replicate"] = args.dp_replicate
     if getattr(args, "reduce_dtype", None) is not None:
         knobs["reduce_dtype"] = args.reduce_dtype.strip().lower()
     if getattr(args, "accumulate_unsharded", None):

@@ -295,9 +295,10 @@ def microbatch_problem(schedule: str | None, pp: int, v: int, m: int) -> str | N
     return None
 
 
-def model_problems(k: Mapping[str, Any], model: Any) -> Iterator[str]:
+def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True) -> Iterator[str]:
     """Rules between the plan and the model's shapes (a ModelSpec), incl. the runtime's limit on
-    tied embeddings."""
+    tied embeddings (`runtime`: False when pricing another framework, e.g. Megatron-LM, which
+    keeps a copy of a tied embedding on the last stage and all-reduces its gradient)."""
     tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
     if tp is not None:
         # Named as a user knows them, whether the model came from a preset or a config.json.
@@ -309,7 +310,7 @@ def model_problems(k: Mapping[str, Any], model: Any) -> Iterator[str]:
             if n % tp:
                 yield f"plan.tp={tp}: must divide the model's {n} {what}"
                 return
-    if pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
+    if runtime and pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
                "the runtime cannot split across pipeline stages")
         return
@@ -344,22 +345,24 @@ def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
 
 
 def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
-                  model: Any = None) -> list[str]:
+                  model: Any = None, runtime: bool = True) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
-    against `world_size` and `model` (a ModelSpec) when given. Empty when valid."""
+    against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
+    include meshtron's runtime limits (False when the planner prices another framework)."""
     out = list(field_problems(k))
     if world_size is not None:
         w = world_problem(k, world_size)
         if w:
             out.append(w)
     if model is not None:
-        out.extend(model_problems(k, model))
+        out.extend(model_problems(k, model, runtime))
     return out
 
 
-def check(k: Mapping[str, Any], world_size: int | None = None, model: Any = None) -> None:
+def check(k: Mapping[str, Any], world_size: int | None = None, model: Any = None,
+          runtime: bool = True) -> None:
     """Raise UserError with the first of `plan_problems`."""
-    problems = plan_problems(k, world_size, model)
+    problems = plan_problems(k, world_size, model, runtime)
     if problems:
         raise UserError(problems[0])
 

@@ -126,12 +126,15 @@ class _Space:
     tensor parallelism stays inside a node (its all-reduces are on the critical path)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 knobs: Knobs, opts: KernelOptions, mem: MemoryOptions | None = None) -> None:
+                 knobs: Knobs, opts: KernelOptions, mem: MemoryOptions | None = None,
+                 runtime: bool = True) -> None:
         n = cluster.num_gpus
         gpn = cluster.gpus_per_node
         k = knobs
         self.context = {"global_batch": global_batch, "seq_len": seq_len}
-        check({**k.to_dict(), **self.context}, n, model)
+        # meshtron's runtime limits apply when pricing meshtron (the default stack)
+        self.runtime = runtime
+        check({**k.to_dict(), **self.context}, n, model, runtime)
         if k.tp is not None and (k.tp > gpn or gpn % k.tp):
             raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn} "
                              "(tensor parallelism stays inside a node)")
@@ -148,7 +151,7 @@ class _Space:
         if not k.tp:
             why = ""
             for t in _divisors(gpn):
-                problems = plan_problems({"tp": t}, model=model)
+                problems = plan_problems({"tp": t}, model=model, runtime=runtime)
                 if n % t == 0 and not problems:
                     self.tps.append(t)
                 elif problems and not why:
@@ -201,7 +204,7 @@ class _Space:
                     if k.dp and dp != k.dp:
                         continue
                     problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp, "dp": dp},
-                                             n, self.model)
+                                             n, self.model, self.runtime)
                     if problems:
                         left_out.setdefault(_family(tp, pp), problems[0])
                         continue
@@ -317,7 +320,8 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
             knobs = dataclasses.replace(knobs, reduce_dtype=framework.reduce_dtype)
     opts = options or KernelOptions()
     ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
-    space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem)
+    runtime = framework is None or framework.name == "meshtron"
+    space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime)
     result = _search(ev, space, top_k, explain)
     result.seconds = time.perf_counter() - t0
     result.framework = framework
@@ -526,7 +530,7 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
             continue  # the user fixed this knob
         try:
             sub_space = _Space(space.model, ev.cluster, ev.global_batch, ev.seq,
-                               Knobs.of(fixed), ev.opts, ev.mem)
+                               Knobs.of(fixed), ev.opts, ev.mem, space.runtime)
         except UserError:
             continue
         sub = _search(ev, sub_space, 1, False)
