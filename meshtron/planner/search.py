@@ -247,8 +247,12 @@ class _Space:
             cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
             cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
         ok = []
+        fixed = k.schedule is not None or k.virtual_stages is not None
         for s, v in cands:
-            if v > layers_per_stage:
+            if not fixed:
+                if v <= layers_per_stage and microbatch_problem(s, pp, v, m) is None:
+                    ok.append((s, v))
+            elif v > layers_per_stage:
                 self.why_empty = self.why_empty or (
                     f"plan.schedule={s!r} with {v} virtual stages: needs pp*virtual_stages="
                     f"{pp}*{v}={pp * v} <= the model's {self.model.layers} layers")
