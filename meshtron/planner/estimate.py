@@ -49,13 +49,15 @@ al. 2022); hardware TFLOP/s adds recomputed FLOPs (HFU).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, compression, compute, memory, pipeline, placement
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
+from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
+    LIST_HOST_S_PER_RANK, OVERLAP_INTERFERENCE, DataParallelCost, _exposed)
+from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
 from meshtron.planner.plan import Plan
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
@@ -65,132 +67,56 @@ EAGER_OPTIMIZER_BYTES_PER_PARAM = 86.0
 weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (4+4, 4+4+4),
 sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
 of the fp32 master (4+2): 86 bytes per parameter."""
-OVERLAP_INTERFERENCE = 0.15
-"""Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
-GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
-communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
-part of data-parallel traffic costs this fraction of its duration."""
-
-LIST_HOST_S_PER_RANK = 8e-6
-"""Host time per group member of one list-based collective (KernelOptions.list_collectives):
-DeepSpeed 0.3.x builds the per-rank chunk list in a Python loop (`narrow` per rank in
-partition_parameters.py `_allgather_param` / `_reduce_scatter_gradient`), and PyTorch's
-ProcessGroupNCCL (<= 1.10) copies every chunk separately (`copy_` per rank after all_gather,
-before reduce_scatter via flatten_for_scatter_gather). About 2 us for a Python tensor view plus
-about 3 us to issue one small copy (cudaMemcpyAsync launch); the host does this for every rank
-of every call, serially, because ZeRO-3 of that era synchronises the device around each fetch."""
 
 
-@dataclass(frozen=True)
-class TimeBreakdown:
-    """Seconds of one optimizer step, by cause (they add up to the step time)."""
+class MicroCosts(NamedTuple):
+    """Per micro-batch costs of one (tp, micro-batch, sp, recompute, cp, dtype) choice."""
 
-    compute: float
-    """Computation of the critical stage over all its micro-batches (recomputation included)."""
-    tp_comm: float
-    """Tensor-parallel collectives of the critical stage (not overlapped)."""
-    pp_comm: float
-    """Pipeline point-to-point transfers on the critical path."""
-    dp_comm: float
-    """Data-parallel / ZeRO communication left exposed after overlap with compute."""
-    bubble: float
-    """Pipeline fill and drain idle time."""
-    optimizer: float
-    """AdamW update."""
-
-    @property
-    def total(self) -> float:
-        return (self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble
-                + self.optimizer)
-
-    def to_dict(self) -> dict[str, float]:
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
-                "dp_comm_exposed": self.dp_comm, "bubble": self.bubble,
-                "optimizer": self.optimizer}
+    layer: float
+    """Compute of one layer (recomputation included), seconds."""
+    layer_tp: float
+    """Tensor- and context-parallel communication of one layer, seconds."""
+    layer_fwd: float
+    """Forward part of one layer (compute + communication), seconds."""
+    layer_wgrad: float
+    """Weight-gradient part of one layer, seconds."""
+    emb: compute.EdgeCost
+    """The embedding's costs."""
+    head: compute.EdgeCost
+    """Final norm + head + loss costs."""
+    p2p_bytes: float
+    """Bytes of one pipeline send per tensor rank."""
+    gather: float
+    """Seconds to re-gather a scattered pipeline activation over the tensor group."""
 
 
-@dataclass(frozen=True)
-class Estimate:
-    """The planner's prediction for one plan."""
+class MemoryPieces(NamedTuple):
+    """Bytes of one micro-batch's tensors at the plan's dtype (memory.py)."""
 
-    config: Plan
-    """Knobs of the plan."""
-    stage_layers: list[int]
-    """Layers per (virtual) stage, pipeline order."""
-    num_microbatches: int
-    """Micro-batches per replica per step."""
-    memory: memory.MemoryBreakdown
-    """Memory of the fullest GPU, GiB."""
-    time: TimeBreakdown
-    """Step time by cause, seconds."""
-    tokens_per_s: float
-    """Training throughput of the whole cluster."""
-    model_tflops_per_gpu: float
-    """Model FLOPs (no recomputation) per second per GPU, TFLOP/s."""
-    hardware_tflops_per_gpu: float
-    """Executed FLOPs (recomputation included) per second per GPU, TFLOP/s."""
-    mfu: float
-    """Model FLOPs utilisation: model TFLOP/s / peak."""
-    hfu: float
-    """Hardware FLOPs utilisation: hardware TFLOP/s / peak."""
-    fits: bool
-    """Some layer split keeps every stage within device memory."""
-
-    @property
-    def step_time_s(self) -> float:
-        return self.time.total
-
-    def days(self, tokens: float) -> float:
-        return tokens / self.tokens_per_s / 86400.0
-
-    def gpu_hours(self, tokens: float, gpus: int) -> float:
-        return tokens / self.tokens_per_s / 3600.0 * gpus
-
-    def to_plan(self, model_name: str, cluster_name: str, gpus: int, global_batch: int,
-                seq_len: int, attention: str) -> Plan:
-        c = self.config
-        if gpus != c.gpus:
-            raise ValueError(f"to_plan: gpus={gpus} but the plan has tp*cp*pp*dp={c.gpus}")
-        return c.replace(model=model_name, cluster=cluster_name, global_batch=global_batch,
-                    seq_len=seq_len, stage_layers=tuple(self.stage_layers), attention=attention,
-                    predicted={"step_time_s": round(self.step_time_s, 6),
-                               "tokens_per_s": round(self.tokens_per_s, 1),
-                               "memory_gib": round(self.memory.total, 3),
-                               "mfu": round(self.mfu, 4), "hfu": round(self.hfu, 4)})
-
-    def to_dict(self, tokens: float | None = None, gpus: int | None = None,
-                price: float | None = None) -> dict[str, Any]:
-        c = self.config
-        d: dict[str, Any] = {
-            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "zero": c.zero,
-            "micro_batch": c.micro_batch, "reduce_dtype": c.reduce_dtype,
-            "accumulate_unsharded": c.accumulate_unsharded,
-            "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
-            "schedule": c.schedule, "virtual_stages": c.virtual_stages,
-            "dp_replicate": c.dp_replicate, "dtype": c.dtype,
-            "stage_layers": list(self.stage_layers), "fits": self.fits,
-            "memory_gib": self.memory.to_dict(), "time_s": self.time.to_dict(),
-            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-            "model_tflops_per_gpu": self.model_tflops_per_gpu,
-            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "mfu": self.mfu, "hfu": self.hfu,
-        }
-        if tokens is not None and gpus is not None:
-            d["days"] = self.days(tokens)
-            d["gpu_hours"] = self.gpu_hours(tokens, gpus)
-            d["cost"] = d["gpu_hours"] * price if price is not None else None
-        return d
+    mem: memory.MemoryOptions
+    """The memory options with the plan's dtype."""
+    activations: float
+    """Activations one layer keeps."""
+    work: float
+    """Working set of a recomputed layer."""
+    logits: float
+    """Logits and their gradients (last stage)."""
 
 
-def _exposed(comm_time: float, window: float) -> float:
-    """Communication time not hidden behind `window` seconds of compute, plus the interference
-    the hidden part causes."""
-    if comm_time <= window:
-        return OVERLAP_INTERFERENCE * comm_time
-    return comm_time - window + OVERLAP_INTERFERENCE * window
+class StageParams(NamedTuple):
+    """Parameters on one tensor rank."""
+
+    layer: float
+    """Of one transformer block."""
+    embedding: float
+    """Of the embedding."""
+    head: float
+    """Of the final norm and head."""
+    largest: float
+    """Of the largest single weight matrix."""
 
 
-class Evaluator:
+class Evaluator(DataParallelCost):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -252,7 +178,7 @@ class Evaluator:
         gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, self._tp_group(tp), self.fab)
         if not opts.p2p_scatter_gather and not sp:
             p2p_bytes, gather = p2p_bytes * tp, 0.0
-        hit = (c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather)
+        hit = MicroCosts(c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather)
         self._cache[key] = hit
         return hit
 
@@ -269,8 +195,9 @@ class Evaluator:
                 mem = dataclasses.replace(mem, dtype=dtype)
             seq = self.seq // cp
             args = (self.model, tp, sp, mb, seq, rec, self.opts, mem)
-            hit = (mem, memory.activation_bytes(*args), memory.recompute_working_bytes(*args),
-                   memory.logits_bytes(self.model, tp, mb, seq, mem))
+            hit = MemoryPieces(mem, memory.activation_bytes(*args),
+                               memory.recompute_working_bytes(*args),
+                               memory.logits_bytes(self.model, tp, mb, seq, mem))
             self._cache[key] = hit
         return hit
 
@@ -291,7 +218,7 @@ class Evaluator:
         key = ("params", tp, pp)
         hit = self._cache.get(key)
         if hit is None:
-            hit = (memory.layer_params_local(self.model, tp),
+            hit = StageParams(memory.layer_params_local(self.model, tp),
                    memory.embedding_params_local(self.model, tp),
                    memory.head_params_local(self.model, tp, pp),
                    memory.largest_param_local(self.model, tp))
@@ -314,147 +241,6 @@ class Evaluator:
             hit = [pipeline.in_flight(schedule, pp, v, m, i) for i in range(pp)]
             self._cache[key] = hit
         return hit
-
-    def dp_flags(self, cfg: Plan) -> dict[str, Any]:
-        """How a plan's data-parallel collectives run, as keyword arguments of `_dp_time`:
-        `gsize` bytes per gradient element on the wire (the plan's reduce_dtype), `reduce_once`
-        (ZeRO-2/3 reduce-scatter once per step: accumulate_unsharded, or pipelining, whose
-        schedule turns FSDP's gradient sync and resharding off until the last backward in
-        torch.distributed.pipelining), `gather_once` (pipelining: parameters stay gathered
-        over the step's micro-batches, torchtitan's reshard_after_forward=False with pp)."""
-        pipelined = cfg.pp > 1 and self.opts.sharding == "fsdp"
-        return {"gsize": 4.0 if cfg.reduce_dtype == "fp32" else compute.BF16,
-                "reduce_once": cfg.zero >= 2 and (cfg.accumulate_unsharded or pipelined),
-                "gather_once": cfg.zero >= 2 and pipelined}
-
-    def _param_wire(self) -> float:
-        """Bytes per parameter of ZeRO-1/2 parameter all-gathers after the step: FSDP2-based
-        runtimes keep fp32 parameters (meshtron's distributed optimizer gathers them), 16-bit
-        weight frameworks gather the bf16 weights (fp32 with fp32_params_autocast)."""
-        if self.opts.fp32_params_autocast or (self.mem.framework == "fsdp2"
-                                              and self.opts.sharding == "fsdp"):
-            return 4.0
-        return compute.BF16
-
-    def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
-                 bwd: float, layers: int = 1, regather: bool = False,
-                 wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
-                 gather_once: bool = False) -> float:
-        """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
-        (module docstring); `wire`: bytes per gradient element when compressed
-        (planner/compression.py); the rest: `dp_flags`."""
-        group = groups["dp"]
-        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
-               wire, gsize, reduce_once, gather_once)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        gsize = wire or gsize
-        nbytes = gsize * params
-        wbytes = self._param_wire() * params
-        fsdp = self.opts.sharding == "fsdp"
-        if (zero == 3 or (zero == 2 and fsdp)) and not (reduce_once or gather_once):
-            # per unit and micro-batch, with its own overlap rules
-            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
-                                                 backward_gather=zero == 3, wire=gsize)
-            self._cache[key] = exp
-            return exp
-        if zero >= 2 and fsdp:
-            exp = self._fsdp_accumulated(params, groups, layers, m, fwd, bwd, zero, gsize,
-                                         reduce_once, gather_once, regather)
-            self._cache[key] = exp
-            return exp
-        if not self.opts.overlap_grad_reduce:
-            fwd = bwd = 0.0
-        if zero == 0:
-            # one all-reduce per step (gradient sync off but on the last micro-batch: FSDP2's
-            # set_requires_gradient_sync, DDP's no_sync, Megatron's and DeepSpeed's buffers)
-            exp = _exposed(comm.all_reduce(nbytes, group, self.fab), bwd)
-        elif zero == 1:
-            # distributed optimizer: reduce-scatter once, step on the shard, all-gather the
-            # updated parameters behind the next step's forward (Megatron-LM
-            # docs/distrib_optimizer.md; meshtron's ZeRO-1)
-            exp = (_exposed(comm.reduce_scatter(nbytes, group, self.fab), bwd)
-                   + _exposed(comm.all_gather(wbytes, group, self.fab), fwd))
-        elif zero == 3:  # DeepSpeed-style ZeRO-3 under sharding='zero': per unit per micro-batch
-            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
-                                                 backward_gather=True, wire=gsize)
-        else:
-            shard, rep = groups["dp_shard"], groups["dp_replicate"]
-            rs = (comm.reduce_scatter(nbytes, shard, self.fab)
-                  + comm.all_reduce(nbytes / shard.size, rep, self.fab))
-            exp = _exposed(rs, bwd) + _exposed(comm.all_gather(wbytes, shard, self.fab), fwd)
-        self._cache[key] = exp
-        return exp
-
-    def _fsdp_accumulated(self, params: float, groups: dict[str, Any], layers: int, m: int,
-                          fwd: float, bwd: float, zero: int, gsize: float, reduce_once: bool,
-                          gather_once: bool, regather: bool) -> float:
-        """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
-        (one reduce-scatter per unit per step, after the last backward: exposed behind that
-        backward only) and, with pipelining, whose parameters stay gathered (one all-gather
-        per unit per step, before the first forward); otherwise the gathers stay per
-        micro-batch (`_zero3_per_microbatch` with the reduction taken out)."""
-        units = max(1, layers * self.opts.shard_units_per_layer)
-        shard, rep = groups["dp_shard"], groups["dp_replicate"]
-        wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
-        rs = units * (comm.reduce_scatter(gsize * params / units, shard, self.fab)
-                      + comm.all_reduce(gsize * params / units / shard.size, rep, self.fab))
-        out = _exposed(rs, bwd)  # fwd, bwd: one micro-batch's
-        if gather_once:
-            ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
-            return out + _exposed(ag, fwd)
-        per_mb = self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
-                                            backward_gather=zero == 3, wire=gsize,
-                                            reduce=False)
-        return out + m * per_mb
-
-    def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
-                              fwd: float, bwd: float, regather: bool = False,
-                              backward_gather: bool = True, wire: float | None = None,
-                              reduce: bool = True) -> float:
-        """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
-        backward (parameters are resharded after the forward) and one reduce-scatter of its
-        gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
-        replica group); the next unit's collectives are prefetched while this unit computes
-        (FSDP's forward/backward prefetch, Zhao et al. 2023, section 3.3; DeepSpeed's parameter
-        prefetch). Exposed per unit: max(0, comm - compute) plus the interference of the hidden
-        part; the first unit's all-gather (fill) and the last reduce-scatter (drain) are never
-        hidden. Collectives are counted per unit, each paying its own NCCL latency. Without
-        `backward_gather` (FSDP's ZeRO-2: no resharding after the forward) the backward only
-        reduce-scatters."""
-        opts = self.opts
-        units = max(1, layers * opts.shard_units_per_layer)
-        # gradient reductions per step may be finer than the gathers (DeepSpeed reduces every
-        # parameter, biases and norms included); spread over the gather units for the overlap
-        r_units = max(1, layers * (opts.reduce_units_per_layer or opts.shard_units_per_layer))
-        shard, rep = groups["dp_shard"], groups["dp_replicate"]
-        gsize = wire or 4.0
-        wsize = 4.0 if opts.fp32_params_autocast else compute.BF16
-        ag = comm.all_gather(wsize * params / units, shard, self.fab)
-        rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
-        if opts.list_collectives:
-            # staging copies on the collective's critical path, and the host's per-rank list
-            # handling (one chunk view and one chunk copy issued per member, every call)
-            host = shard.size * LIST_HOST_S_PER_RANK
-            ag += 3.0 * wsize * params / units / self.hbm + host
-            rs_one += 2.0 * gsize * params / r_units / self.hbm + host
-        rs = rs_one * r_units / units
-        rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
-        if not reduce:
-            rs = 0.0
-        f_u, b_u = fwd / units, bwd / units
-        # share of a unit's all-gather that prefetching can start early
-        pre = self.opts.prefetch_params
-        hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
-        fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
-        # recomputation that re-gathers: a second all-gather per unit in the backward
-        ag_b = (2 * ag if regather else ag) if backward_gather else 0.0
-        # gradient reduce-scatters hide behind the next unit's backward only when reduction
-        # overlaps (DeepSpeed's overlap_comm, on in FSDP)
-        rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
-        bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
-        return ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
 
     # ---- the cost model --------------------------------------------------------------------
     def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
@@ -596,105 +382,5 @@ class Evaluator:
         return m * work / cfg.pp
 
 
-
-@dataclass(frozen=True)
-class StepPieces:
-    """One plan's costs per operation, for the step-level simulator (meshtron/simulate): the
-    numbers `Evaluator.evaluate` adds up, before it adds them up."""
-
-    fwd: list[float]
-    """Forward of one micro-batch per virtual stage (pipeline order), tp comm included."""
-    bwd: list[float]
-    """Backward of one micro-batch per virtual stage (input + weight gradients, recomputation
-    and tp comm included)."""
-    wgrad: list[float]
-    """Weight-gradient part of `bwd` (zero-bubble schedules defer it)."""
-    hop_s: float
-    """One pipeline transfer between neighbouring stages."""
-    hop_crosses_nodes: bool
-    """The transfer leaves the node (shares the NIC with data-parallel traffic)."""
-    reduce_s: list[float]
-    """Per device stage: one gradient reduction over the data-parallel group (raw collective
-    time; 0 where `fold_s` carries the data-parallel cost)."""
-    reduce_every_microbatch: bool
-    """Gradients are reduced after every micro-batch (FSDP-style), not once per step."""
-    fold_s: list[float]
-    """Per device stage: exposed ZeRO-3 / FSDP per-unit communication per micro-batch (the
-    planner's per-unit overlap model), added to each micro-batch's work."""
-    tail_s: list[float]
-    """Per device stage: exposed communication after the optimizer (ZeRO-1 parameter
-    all-gather or owners' broadcast)."""
-    optimizer_s: list[float]
-    """Per device stage: optimizer step."""
-    interference: float
-    """Fraction of hidden communication charged to compute (OVERLAP_INTERFERENCE)."""
-
-
-def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
-    """Break an evaluated plan into per-operation costs, with the same formulas and layer split
-    as `ev.evaluate` (stage times, pipeline hop, data-parallel collectives, optimizer)."""
-    cfg, n = est.config, est.stage_layers
-    tp, pp, v, zero = cfg.tp, cfg.pp, cfg.virtual_stages, cfg.zero
-    m = est.num_microbatches
-    c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = ev._micro(tp, cfg.micro_batch, cfg.sp,
-                                                                    cfg.recompute, cfg.cp,
-                                                                    cfg.dtype)
-    t_layer = c_l + tpc_l
-    nv = len(n)
-    fwd = [k * f_l for k in n]
-    tot = [k * t_layer for k in n]
-    wg = [k * w_l for k in n]
-    fwd[0] += emb.fwd
-    tot[0] += emb.compute + emb.tp
-    fwd[-1] += head.fwd
-    tot[-1] += head.compute + head.tp
-    wg[-1] += head.wgrad
-    groups = ev._groups(cfg)
-    hop = 0.0
-    if pp > 1:
-        hop = comm.send(p2p_bytes, groups["pp_hop_crosses_nodes"], ev.fab) + gather
-    device_layers = [sum(n[j] for j in range(i, nv, pp)) for i in range(pp)]
-    p_layer, p_emb, p_head, _ = ev._params(tp, pp)
-    flags = ev.dp_flags(cfg)
-    gsize = flags["gsize"]
-    fsdp = ev.opts.sharding == "fsdp"
-    shard_dp = cfg.dp * cfg.cp
-    # per-unit ZeRO-3 / FSDP ZeRO-2 collectives are folded into every micro-batch's work (the
-    # evaluator's per-unit overlap model); accumulated ones (reduce_once / gather_once) too,
-    # spread over the micro-batches
-    per_unit = zero == 3 or (zero == 2 and fsdp)
-    reduce_s, fold, tail, opt = [], [], [], []
-    for i, k in enumerate(device_layers):
-        params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == pp - 1 else 0.0)
-        local = params / shard_dp if zero >= 1 else params
-        opt.append(ev.opt_bytes * local / ev.hbm)
-        group = groups["dp"]
-        red = tl = fo = 0.0
-        if shard_dp > 1 and per_unit:
-            stage_f = sum(fwd[j] for j in range(i, nv, pp))
-            stage_t = sum(tot[j] for j in range(i, nv, pp))
-            fo = ev._dp_time(params, zero, groups, m, stage_f, stage_t - stage_f, k,
-                             cfg.recompute == "full" and ev.opts.recompute_regathers,
-                             **flags) / m
-        elif shard_dp > 1:
-            nbytes = gsize * params
-            window = sum(fwd[j] for j in range(i, nv, pp))
-            if zero == 0:
-                red = comm.all_reduce(nbytes, group, ev.fab)
-            elif zero == 1:
-                red = comm.reduce_scatter(nbytes, group, ev.fab)
-                tl = _exposed(comm.all_gather(ev._param_wire() * params, group, ev.fab), window)
-            else:  # ZeRO-2, DeepSpeed / Megatron style
-                shard, rep = groups["dp_shard"], groups["dp_replicate"]
-                red = (comm.reduce_scatter(nbytes, shard, ev.fab)
-                       + comm.all_reduce(nbytes / shard.size, rep, ev.fab))
-                tl = _exposed(comm.all_gather(ev._param_wire() * params, shard, ev.fab), window)
-        reduce_s.append(red)
-        fold.append(fo)
-        tail.append(tl)
-    # ZeRO-0/1/2 with raw reductions reduce once per step, in every framework
-    every = False
-    return StepPieces(fwd=fwd, bwd=[t - f for t, f in zip(tot, fwd)], wgrad=wg, hop_s=hop,
-                      hop_crosses_nodes=bool(pp > 1 and groups["pp_hop_crosses_nodes"]),
-                      reduce_s=reduce_s, reduce_every_microbatch=every, fold_s=fold,
-                      tail_s=tail, optimizer_s=opt, interference=OVERLAP_INTERFERENCE)
+# the simulator's view lives in step_pieces.py; re-exported for existing imports
+from meshtron.planner.step_pieces import StepPieces, step_pieces  # noqa: E402,F401
