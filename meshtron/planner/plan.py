@@ -222,8 +222,12 @@ class Plan:
         return self.grad_compression != "none"
 
     def validate(self, world_size: int | None = None, model: Any = None) -> "Plan":
-        """Check against a world size and a ModelSpec (UserError naming the first problem)."""
+        """Check against a world size and a ModelSpec (UserError naming the first problem), and
+        that meshtron's runtime can run it (the runtime validates every plan through here)."""
         check(self.knobs_and_context(), world_size, model)
+        problem = runtime_problem(self)
+        if problem:
+            raise UserError(problem)
         return self
 
     @property
@@ -333,6 +337,17 @@ class Plan:
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"plan: not valid TOML ({exc})") from None
         return cls.from_dict(data)
+
+
+def runtime_problem(plan: Plan) -> str | None:
+    """What the planner can plan but meshtron's runtime does not run yet (one line), or None."""
+    if plan.dtype == "fp8":
+        return ("plan.dtype='fp8': meshtron's runtime does not train in FP8 yet (the planner "
+                "prices it); use bf16")
+    if plan.cp > 1:
+        return (f"plan.cp={plan.cp}: meshtron's runtime has no context parallelism yet (the "
+                "planner prices it); use cp=1")
+    return None
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -180,6 +180,10 @@ class _Space:
         policy, cp fixed by --layout is always evaluated)."""
         if self.knobs.cp:
             return [self.knobs.cp]
+        if self.runtime:
+            # meshtron's runtime has no context parallelism yet (plan.runtime_problem): its
+            # search (and `train --plan auto`) keeps cp=1 until it lands
+            return [1]
         seq = self.context["seq_len"]
         out, c = [1], 2
         while c <= rest and seq // c >= MIN_CP_TOKENS:
