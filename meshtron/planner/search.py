@@ -541,7 +541,10 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
                                Knobs.of(fixed), ev.opts, ev.mem, space.runtime)
         except UserError:
             continue
-        sub = _search(ev, sub_space, 1, False)
+        try:
+            sub = _search(ev, sub_space, 1, False)
+        except UserError:
+            continue  # this knob value leaves nothing to run on the layout (e.g. too few layers)
         est = sub.best or sub.near_miss
         if est is None or (est.fits and est.step_time_s <= best.step_time_s * 1.0005):
             continue  # ties are not a reason to lose
