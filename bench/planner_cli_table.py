@@ -77,15 +77,17 @@ def _args(run, d: Path) -> list[str] | None:
     if recompute is None:
         return None
     model = {k: v for k, v in dataclasses.asdict(run.model).items() if v is not None}
+    model["max_seq"] = max(model["max_seq"], run.seq_len)  # the row trained at that length
     (d / "model.toml").write_text(tomli_w.dumps({"model": model}))
     cl = {k: v for k, v in run.cluster.to_dict().items() if k != "name"}
     (d / "cluster.toml").write_text(tomli_w.dumps(cl))
     fw, diff = _options_for(run)
     args = ["plan", "--model", str(d / "model.toml"), "--cluster", str(d / "cluster.toml"),
             "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
-            "--framework", fw, "--layout", f"tp={run.tp},pp={run.pp},dp={run.dp}",
+            "--framework", fw,
+            "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}",
             "--zero", str(run.zero), "--recompute", recompute,
-            "--sp", "on" if run.sp else "off", "--dtype", "bf16", "--json", "--top", "1"]
+            "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1"]
     if diff:
         clean = {k: v for k, v in diff.items() if v is not None}
         (d / "options.toml").write_text(tomli_w.dumps({"options": clean}))
@@ -100,7 +102,7 @@ def _args(run, d: Path) -> list[str] | None:
 
 
 def _value(run, plan: dict) -> float:
-    gpus = run.tp * run.pp * run.dp
+    gpus = run.gpus
     return {"step_s": plan["step_time_s"], "tokens_per_gpu": plan["tokens_per_s"] / gpus,
             "model_tflops": plan["model_tflops_per_gpu"], "mfu": plan["mfu"],
             "hw_tflops": plan["hardware_tflops_per_gpu"]}[run.metric]
