@@ -9,11 +9,9 @@ from typing import Any
 from meshtron.planner import comm, compute
 from meshtron.planner.plan import Plan
 
-OVERLAP_INTERFERENCE = 0.15
-"""Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
-GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
-communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
-part of data-parallel traffic costs this fraction of its duration."""
+OVERLAP_INTERFERENCE = compute.OVERLAP_INTERFERENCE
+"""The hidden part of overlapped communication costs this fraction of its duration
+(compute.py: NCCL kernels share SMs and HBM bandwidth with the GEMMs they run beside)."""
 
 LIST_HOST_S_PER_RANK = 8e-6
 """Host time per group member of one list-based collective (KernelOptions.list_collectives):
@@ -25,12 +23,9 @@ about 3 us to issue one small copy (cudaMemcpyAsync launch); the host does this 
 of every call, serially, because ZeRO-3 of that era synchronises the device around each fetch."""
 
 
-def _exposed(comm_time: float, window: float) -> float:
-    """Communication time not hidden behind `window` seconds of compute, plus the interference
-    the hidden part causes."""
-    if comm_time <= window:
-        return OVERLAP_INTERFERENCE * comm_time
-    return comm_time - window + OVERLAP_INTERFERENCE * window
+_exposed = compute.overlapped
+"""Communication time not hidden behind `window` seconds of compute, plus the interference the
+hidden part causes (one formula for tensor-, context- and data-parallel overlap)."""
 
 
 class DataParallelCost:
