@@ -123,7 +123,7 @@ def published_table() -> None:
                    mem=memory.MemoryOptions(framework="megatron"))
     rows.append(("Llama3 405B tp8 pp16 dp64 ZeRO-2 H100-80GB",
                  ev.evaluate(Plan.trusted(8, 16, 64, 2, 1, "none", True, "1f1b", dtype="bf16")), "ran"))
-    from meshtron.planner.published import gpt_model
+    from bench.published.table import gpt_model
 
     ev = Evaluator(gpt_model("gpt-530B", 105, 20480, 128, tied=False),
                    preset_cluster("dgx-a100", 80), 2560, 2048,

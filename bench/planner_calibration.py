@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshtron.planner.calibration import megatron_2021_rows, predict_megatron_row  # noqa: E402
+from bench.published.megatron2021 import megatron_2021_rows, predict_megatron_row  # noqa: E402
 
 CSV = ROOT.parent / "shared" / "calibration" / "megatron_2021_weak_scaling.csv"
 if not CSV.is_file():  # a checkout that does not sit beside ../shared: the tests' copy

@@ -21,7 +21,7 @@ import pytest
 
 from meshtron.model.spec import ModelSpec, preset
 from meshtron.planner import memory
-from meshtron.planner.published import gpt_model
+from bench.published.table import gpt_model
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Evaluator

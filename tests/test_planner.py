@@ -13,7 +13,7 @@ import pytest
 from meshtron.planner import (Knobs, evaluate_plan, load_plan, plan_knobs, resolve_cluster,
                               search_plans)
 from meshtron.model.spec import PRESETS, resolve_model
-from meshtron.planner.calibration import megatron_2021_rows, predict_megatron_row
+from bench.published.megatron2021 import megatron_2021_rows, predict_megatron_row
 from meshtron.planner.cluster import ClusterSpec, cluster_from_dict
 from meshtron.planner.comm import Fabric, Group, all_reduce, ring_all_reduce
 from meshtron.planner.compute import gemm_efficiency
@@ -286,7 +286,7 @@ def test_korthikanti_2022_runs_within_10_percent(capsys):
     """Korthikanti et al. 2022, Table 5: 22B-1T GPT on Selene with tp=8, dp=1 (no data-parallel
     traffic), selective recomputation + sequence parallelism and the full-recomputation
     baseline (the calibration part of bench/planner_published.py)."""
-    from meshtron.planner.calibration import predict_published, published_runs
+    from bench.published.megatron2021 import predict_published, published_runs
     runs = [r for r in published_runs() if r.name.startswith("K22")]
     assert len(runs) == 8 and all(r.part == "calibration" for r in runs)
     lines = []
@@ -304,7 +304,7 @@ def test_llama3_405b_scaling_from_8k_to_16k_gpus():
     per pipeline (32 -> 16 over pp=16) and per-GPU throughput falls from 430 to 400 TFLOP/s; the
     pipeline-bubble model must reproduce that drop. (The absolute level is not tested here: see
     the validation table, bench/planner_published.py.)"""
-    from meshtron.planner.calibration import predict_published, published_runs
+    from bench.published.megatron2021 import predict_published, published_runs
     runs = {r.name: r for r in published_runs() if r.name.startswith("Llama3")}
     p8 = predict_published(runs["Llama3 405B 8192"])
     p16 = predict_published(runs["Llama3 405B 16384"])

@@ -14,8 +14,8 @@ from meshtron.planner.comm import (Fabric, Group, all_gather, all_reduce, bus_ba
 from meshtron.planner.compute import KernelOptions, layer_cost
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.plan import Plan
-from meshtron.planner.published import gpt_model, predict_published, summary
-from meshtron.planner.published_runs import DEEPSPEED_ZERO3_2021, published_runs
+from bench.published.table import gpt_model, predict_published, summary
+from bench.published.runs import DEEPSPEED_ZERO3_2021, published_runs
 
 FAB = Fabric.of(resolve_cluster("dgx-a100:256"))
 
@@ -183,39 +183,52 @@ def test_validation_table_covers_stacks_and_gpu_generations(table):
 
 
 def test_validation_errors_do_not_regress(table, capsys):
-    """Honest current numbers (see bench/planner_published.py): validation mean 10.9%, max 31.5%
-    (DeepSpeed's 2021 ZeRO-3, 530B at 2,240 GPUs); without the six ZeRO-3 rows mean 9.9%,
-    max 29.6% (GPT-NeoX-20B).
-    Tighten these bounds as the physics improves, never by editing rows."""
+    """Honest current numbers (bench/planner_published.py, internal presets, memory ignored):
+    validation (rows nothing looked at) n=39 mean 11.6%, max 79.7% (torchtitan's 405B on 3D
+    parallelism, TT24 Table 5: the planner is far too optimistic on its pipeline); the 27 bf16
+    rows of 2019-2024 alone mean 6.6%, max 25.0%; calibration (K22 and every row that steered a
+    mechanism: bench/published/runs.py `steered`) n=33 mean 12.3% (n=43, 10.5% with the
+    Megatron 2021 weak-scaling rows), max 31.5% (DeepSpeed 0.3 ZeRO-3). Tighten these bounds
+    as the physics improves, never by editing rows."""
     val = summary([p for p in table if p.run.part == "validation"])
+    old = summary([p for p in table if p.run.part == "validation" and p.run.dtype == "bf16"])
     cal = summary([p for p in table if p.run.part == "calibration"])
     with capsys.disabled():
-        print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%}; "
-              f"calibration (K22): mean {cal['mean']:.1%} max {cal['max']:.1%}")
-    assert cal["max"] < 0.10
-    assert val["mean"] < 0.115
-    assert val["max"] < 0.33
-    no_z3 = summary([p for p in table if p.run.part == "validation"
-                     and not p.run.stack.startswith("DeepSpeed ZeRO-3")])
-    assert no_z3["mean"] < 0.105 and no_z3["max"] < 0.31
+        print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "
+              f"(bf16 rows: n={old['n']} mean {old['mean']:.1%} max {old['max']:.1%}); "
+              f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}")
+    assert val["mean"] < 0.125 and val["max"] < 0.81
+    assert old["mean"] < 0.075 and old["max"] < 0.26
+    assert cal["mean"] < 0.13 and cal["max"] < 0.33
+    k22 = summary([p for p in table if p.run.name.startswith("K22")])
+    assert k22["max"] < 0.10
 
 
 def test_runtime_zero_stages_cost_what_fsdp2_runs():
-    """meshtron's runtime (sharding='fsdp') reduces gradients every micro-batch and runs ZeRO-1
-    as all-reduce plus owner broadcasts; DeepSpeed/Megatron (sharding='zero') reduce once per
-    step. With 8 micro-batches over 64 GPUs on a slow network the difference shows."""
+    """meshtron's runtime (sharding='fsdp') reduces ZeRO-0/1 gradients once per step whatever
+    the number of micro-batches, in the plan's reduce_dtype, and runs ZeRO-1 as a distributed
+    optimizer (reduce-scatter + all-gather of its fp32 parameters); ZeRO-2/3 reduce-scatter per
+    micro-batch unless accumulate_unsharded. With 8 micro-batches over 64 GPUs on a slow
+    network the differences show."""
     model = PRESETS["llama3-8b"]
     cl = dataclasses.replace(resolve_cluster("dgx-h100:8"), memory_gib=1e6,
                              inter_node_gb_per_s=5.0)
 
-    def dp_time(zero: int, sharding: str) -> float:
-        ev = Evaluator(model, cl, 512, 4096, KernelOptions(sharding=sharding))
+    def dp_time(zero: int, sharding: str, batch: int = 512, **kw) -> float:
+        ev = Evaluator(model, cl, batch, 4096, KernelOptions(sharding=sharding))
         return ev.evaluate(Plan(1, 1, 64, zero, 1, "none", False, None, 1,
-                                dtype="bf16")).time.dp_comm
+                                dtype="bf16", **kw)).time.dp_comm
 
-    assert dp_time(1, "fsdp") > 2 * dp_time(1, "zero")
-    assert dp_time(0, "fsdp") > 2 * dp_time(0, "zero")
-    # FSDP's ZeRO-2 gathers before every micro-batch's forward, ZeRO-3 before its backward too
+    # once per step: 8 micro-batches per step or 1 cost the same all-reduce
+    assert dp_time(0, "fsdp") == pytest.approx(dp_time(0, "fsdp", batch=64), rel=1e-6)
+    assert dp_time(0, "fsdp") == pytest.approx(dp_time(0, "zero"), rel=1e-6)
+    # the wire dtype is the plan's: bf16 reduction moves half the bytes
+    assert dp_time(0, "fsdp", reduce_dtype="bf16") < 0.6 * dp_time(0, "fsdp")
+    # distributed optimizer: reduce-scatter + all-gather ~ one all-reduce of the same bytes;
+    # meshtron all-gathers fp32 parameters, Megatron bf16 weights
+    assert dp_time(1, "zero") < dp_time(1, "fsdp") < 1.6 * dp_time(0, "fsdp")
+    # FSDP's ZeRO-2 reduce-scatters after every micro-batch; accumulating unsharded reduces once
+    assert dp_time(2, "fsdp") > 2 * dp_time(2, "fsdp", accumulate_unsharded=True)
     assert dp_time(3, "fsdp") > dp_time(2, "fsdp") > dp_time(2, "zero")
     with pytest.raises(ValueError, match="sharding="):
         KernelOptions(sharding="ddp")

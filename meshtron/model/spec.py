@@ -332,7 +332,9 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
             tied_embeddings=flag("tie_word_embeddings", False),
             qkv_bias=(mtype == "qwen2") or _no_out_bias(flag("attention_bias", False)),
-            **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
+            # Mistral's sliding window caps the exact length (see _hf_max_seq).
+            **_hf_rope(cfg, "rope_theta", num,
+                       _hf_max_seq(cfg, mtype, opt_int("max_position_embeddings", 4096))),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
     if mtype == "gpt_neox":
@@ -443,6 +445,17 @@ def _no_out_bias(attention_bias: bool) -> bool:
     return False
 
 
+def _hf_max_seq(cfg: dict[str, Any], mtype: str, max_pos: int) -> int:
+    """The longest sequence meshtron computes exactly: Mistral's sliding window (every token
+    attends to at most `sliding_window` predecessors) equals full causal attention on sequences
+    no longer than the window, so the window caps max_seq and longer sequences are refused
+    there (`seq_len ... max_seq`), not the model."""
+    window = cfg.get("sliding_window") if mtype == "mistral" else None
+    if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
+        return window
+    return max_pos
+
+
 def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
     """Refuse what meshtron's attention does not compute: a head size other than
     hidden/heads, sliding-window attention, biases beyond q/k/v."""
@@ -456,10 +469,10 @@ def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
         raise UserError("config.json use_sliding_window=true: sliding-window attention is not "
                          "supported; only full attention")
     if mtype == "mistral" and cfg.get("sliding_window") not in (None, 0):
-        window, max_pos = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
-        if not (isinstance(window, int) and isinstance(max_pos, int) and window >= max_pos):
-            raise UserError(f"config.json sliding_window={window!r}: sliding-window attention "
-                             "is not supported; set it to null (full attention)")
+        window = cfg.get("sliding_window")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise UserError(f"config.json sliding_window={window!r}: must be a positive "
+                             "integer or null")
     if cfg.get("mlp_bias") is True:
         raise UserError("config.json mlp_bias=true: MLP biases are not supported for "
                          f"model_type {mtype!r}")

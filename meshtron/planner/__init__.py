@@ -12,7 +12,11 @@ Python API (no torch import)::
     from meshtron.planner.placement import placement       # (the module keeps its own name)
     placement(plan, gpus_per_node=8).groups("tp")                # which ranks form each group
 
-Modules: plan (the one Plan type, its validity rules `plan_problems`, fixed Knobs), placement
+    step_collectives(plan, model_spec, 1024, 8192)  # ZeRO / pipeline collectives per rank
+    search_plans(..., framework=frameworks.preset("megatron@2024"))  # price another stack
+
+Modules: frameworks (software-stack presets for --framework), collectives (step_collectives),
+compression (cost of gradient compression and DiLoCo), plan (the one Plan type, its validity rules `plan_problems`, fixed Knobs), placement
 (ranks of every tp / pp / dp group, nodes spanned: shared with the runtime's mesh), cluster
 (GPU catalogue, ClusterSpec), compute (FLOPs, GEMM efficiency), memory (ZeRO states,
 activations), comm (alpha-beta collectives over placed groups), pipeline (schedules, layer
@@ -21,8 +25,10 @@ partition), estimate (one plan's cost), search (enumeration, ranking, explanatio
 """
 
 from meshtron.planner.cluster import GPU_CATALOGUE, ClusterSpec, resolve_cluster
+from meshtron.planner.collectives import CollectiveCount, step_collectives
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Estimate, Evaluator
+from meshtron.planner.frameworks import Framework
 from meshtron.planner.placement import Placement
 from meshtron.planner.plan import Knobs, Plan, as_plan, load_plan, plan_problems
 from meshtron.planner.search import SearchResult, evaluate_plan, search_plans
@@ -33,7 +39,8 @@ def plan_knobs(plan: Plan) -> Knobs:
     return Knobs.of(plan)
 
 
-__all__ = ["ClusterSpec", "Estimate", "Evaluator", "GPU_CATALOGUE", "KernelOptions",
+__all__ = ["ClusterSpec", "CollectiveCount", "Estimate", "Evaluator", "Framework",
+           "GPU_CATALOGUE", "KernelOptions", "step_collectives",
            "Knobs", "Placement", "Plan", "SearchResult", "as_plan", "evaluate_plan", "load_plan",
            "plan_knobs", "plan_problems",
            "resolve_cluster", "search_plans"]

@@ -46,28 +46,56 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tokens", default="1T",
                    help="training budget in tokens for days / GPU-hours, e.g. 15T, 300B, 2e12")
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
-    p.add_argument("--layout", help="fix any of tp, pp, dp: e.g. tp=8,pp=16,dp=64")
+    p.add_argument("--layout", help="fix any of tp, cp, pp, dp: e.g. tp=8,cp=2,pp=16,dp=64")
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
+    p.add_argument("--dp-replicate", type=positive_int, default=None,
+                   help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
     p.add_argument("--recompute", help="fix recomputation: none | selective | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
     p.add_argument("--schedule",
                    help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe")
-    p.add_argument("--attention", default="flash",
-                   help="attention kernel the cost model assumes: flash (default) | unfused")
-    p.add_argument("--dropout", action="store_true",
-                   help="model dropout kernels (GPT-2/3-era training; modern LLMs use none)")
-    p.add_argument("--stack", default="eager",
-                   help="software stack the cost model assumes: eager (plain PyTorch, meshtron's "
-                        "runtime; default) | fused (Megatron/Transformer Engine or torch.compile)")
+    add_framework_args(p)
     p.add_argument("--dtype", default=None,
-                   help="precision of the run: bf16 (default: mixed precision) | fp32")
+                   help="precision of the run: bf16 (default: mixed precision) | fp32 (TF32 "
+                        "matmuls on CUDA) | fp8 (FP8 block GEMMs, planned only)")
+    p.add_argument("--reduce-dtype", default=None,
+                   help="gradient reduction dtype: fp32 | bf16 (default: the framework's)")
+    p.add_argument("--accumulate-unsharded", action="store_true", default=None,
+                   help="ZeRO-2/3: accumulate gradients unsharded, reduce-scatter once per step")
     p.add_argument("--wide", action="store_true",
                    help="wide table: time and memory breakdown per plan, HFU, GPU-hours")
     p.add_argument("--json", action="store_true", help="print JSON (schema in planner/report.py)")
     p.add_argument("--save", metavar="PLAN.toml", type=output_file,
                    help="write the best plan for `meshtron train`")
     p.set_defaults(func=run)
+
+
+def add_framework_args(p: argparse.ArgumentParser) -> None:
+    """--framework, --options and the single-option flags (shared by plan, cost, simulate)."""
+    p.add_argument("--framework", default=None, metavar="NAME[@ERA]",
+                   help="software stack to price: meshtron (default: meshtron's runtime), "
+                        "torchtitan, megatron (@2021 PTD-P, @2024 Megatron-Core/NeMo), deepspeed "
+                        "(@2021, @2024); see meshtron/planner/frameworks.py")
+    p.add_argument("--options", default=None, metavar="FILE.toml",
+                   help="TOML file with an [options] table overriding single options of the "
+                        "framework (and optionally framework = \"NAME@ERA\")")
+    p.add_argument("--attention", default=None,
+                   help="override the attention kernel: flash | unfused")
+    p.add_argument("--dropout", action="store_true", default=None,
+                   help="model dropout kernels (GPT-2/3-era training; modern LLMs use none)")
+    p.add_argument("--stack", default=None,
+                   help="override the kernels: eager (plain PyTorch) | fused (Megatron/"
+                        "Transformer Engine or torch.compile)")
+
+
+def framework_of(args: argparse.Namespace):
+    """The Framework the flags ask for (frameworks.resolve)."""
+    from meshtron.planner.frameworks import resolve
+
+    return resolve(getattr(args, "framework", None), getattr(args, "options", None),
+                   stack=getattr(args, "stack", None), attention=getattr(args, "attention", None),
+                   dropout=getattr(args, "dropout", None))
 
 
 def parse_tokens(text: str) -> float:
@@ -103,8 +131,15 @@ def load_model(text: str):
 def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
     from meshtron.planner.plan import fixed_knobs
 
-    return fixed_knobs(args.layout, args.zero, args.recompute, args.sp, args.micro_batch,
-                       args.schedule, args.dtype)
+    knobs = fixed_knobs(args.layout, args.zero, args.recompute, args.sp, args.micro_batch,
+                        args.schedule, args.dtype)
+    if getattr(args, "dp_replicate", None) is not None:
+        knobs["dp_replicate"] = args.dp_replicate
+    if getattr(args, "reduce_dtype", None) is not None:
+        knobs["reduce_dtype"] = args.reduce_dtype.strip().lower()
+    if getattr(args, "accumulate_unsharded", None):
+        knobs["accumulate_unsharded"] = True
+    return knobs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
 
     from meshtron.planner import report
     from meshtron.planner.cluster import resolve_cluster
-    from meshtron.planner.compute import KernelOptions
     from meshtron.planner.search import search_plans
 
     model = load_model(args.model)
@@ -130,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     if seq <= 0:
         raise UserError(f"seq-len={seq}: must be a positive integer")
     if seq > model.max_seq:
-        raise UserError(f"seq-len={seq}: exceeds the model's max_seq={model.max_seq}")
+        raise UserError(f"seq-len={seq}: exceeds the model's max_seq={model.max_seq} (its "
+                        "config.json max_position_embeddings, or a smaller sliding_window: "
+                        "meshtron's full attention equals the window's only up to it)")
     batch = args.global_batch
     if batch is None:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
@@ -138,28 +174,52 @@ def run(args: argparse.Namespace) -> int:
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
     if batch <= 0:
         raise UserError(f"global-batch={batch}: must be a positive integer")
-    opts = KernelOptions(attention=args.attention, dropout=args.dropout, stack=args.stack)
+    fw = framework_of(args)
     result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
-                          options=opts)
+                          framework=fw)
     result.notes[:0] = notes
-    from meshtron.compress.cost import advice
+    from meshtron.planner.compression import advice
 
     line = advice(result)  # compression / DiLoCo when the best plan is inter-node bound
     if line:
         result.notes.append(line)
     width = None if sys.stdout.isatty() else (220 if args.wide else 100)
+    try:
+        return _output(args, result, tokens, width, cluster.num_gpus, batch, seq)
+    except BrokenPipeError:
+        quiet_broken_pipe()
+        return 0
+
+
+def quiet_broken_pipe() -> None:
+    """The reader of stdout went away (`meshtron plan --json | head -1`): point stdout at
+    /dev/null so that the interpreter's final flush cannot raise again, and say nothing."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | None,
+            gpus: int, batch: int, seq: int) -> int:
+    from rich.console import Console
+
+    from meshtron.planner import report
+
     console = Console(stderr=False, width=width)
     if args.json:
-        print(json.dumps(report.to_json(result, tokens), indent=2))
+        print(json.dumps(report.to_json(result, tokens), indent=2), flush=True)
     else:
         report.render(result, tokens, console, wide=args.wide)
     if not result.fits:
-        line = report.render_no_fit(result, Console(file=sys.stderr if args.json else sys.stdout,
-                                                     width=width))
+        # the paragraph goes to stdout with the table (stderr with --json); the one-line error
+        # (printed by the CLI's error handler) to stderr: each once
+        line = report.render_no_fit(result, console if not args.json else
+                                    Console(file=sys.stderr, width=width))
         raise UserError(line)
     if args.save:
-        plan = result.best.to_plan(args.model, args.cluster, cluster.num_gpus, batch, seq,
-                                   args.attention)
+        plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
+                                   result.options.attention)
         plan.save(args.save)
         if not args.json:
             console.print(f"Saved the best plan to {args.save}")

@@ -66,17 +66,26 @@ class GPUType:
     """Typical network bandwidth per GPU per direction in the vendor's reference node, GB/s."""
     matmul_ceiling: float
     """Fraction of peak a large, well-shaped bf16 GEMM reaches (maximum achievable matmul FLOPS)."""
+    tf32_tflops: float | None = None
+    """Dense fp32 matmul peak, TFLOP/s: TF32 tensor cores where the GPU has them (A100 and
+    later; PyTorch uses them for fp32 matmuls with torch.backends.cuda.matmul.allow_tf32, which
+    meshtron's runtime sets on CUDA), CUDA-core FP32 on V100. None: same as peak_tflops."""
+    fp8_tflops: float | None = None
+    """Dense FP8 tensor-core peak, TFLOP/s (Hopper and later); None: the GPU has no FP8."""
 
 
 # name, peak TFLOP/s, GiB, HBM GB/s, NVLink GB/s per direction, NIC GB/s per GPU, matmul ceiling
 GPU_CATALOGUE: dict[str, GPUType] = {g.name: g for g in [
-    GPUType("V100-SXM2-32GB", 125.0, 32.0, 900.0, 150.0, 12.5, 0.75),   # ceiling: estimate
-    GPUType("A100-SXM4-40GB", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.80),  # 0.86 MAMF x 0.93
-    GPUType("A100-SXM4-80GB", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.80),  # 0.86 MAMF x 0.93
-    GPUType("H100-SXM5-80GB", 989.0, 80.0, 3350.0, 450.0, 50.0, 0.75),  # 0.80 MAMF x 0.93
-    GPUType("H200-SXM-141GB", 989.0, 141.0, 4800.0, 450.0, 50.0, 0.75),  # same die as H100
-    GPUType("B200", 2250.0, 180.0, 7700.0, 900.0, 50.0, 0.70),           # ceiling: estimate
+    # fp32 / FP8 dense peaks from the same datasheets (V100: 15.7 FP32; A100: 156 TF32;
+    # H100/H200 SXM: 494.7 TF32, 1,979 FP8; B200: 1,100 TF32, 4,500 FP8 dense)
+    GPUType("V100-SXM2-32GB", 125.0, 32.0, 900.0, 150.0, 12.5, 0.75, 15.7),  # ceiling: estimate
+    GPUType("A100-SXM4-40GB", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.80, 156.0),  # 0.86 MAMF x 0.93
+    GPUType("A100-SXM4-80GB", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.80, 156.0),  # 0.86 MAMF x 0.93
+    GPUType("H100-SXM5-80GB", 989.0, 80.0, 3350.0, 450.0, 50.0, 0.75, 494.7, 1979.0),
+    GPUType("H200-SXM-141GB", 989.0, 141.0, 4800.0, 450.0, 50.0, 0.75, 494.7, 1979.0),
+    GPUType("B200", 2250.0, 180.0, 7700.0, 900.0, 50.0, 0.70, 1100.0, 4500.0),  # ceiling: est.
 ]}
+"""H100 ceiling: 0.80 MAMF x 0.93; H200: the same die as H100."""
 
 # Short aliases accepted on the command line and in TOML files.
 GPU_ALIASES = {"V100": "V100-SXM2-32GB", "A100": "A100-SXM4-80GB", "A100-40GB": "A100-SXM4-40GB",
@@ -215,6 +224,31 @@ class ClusterSpec:
         if self.gpu is not None:
             return gpu_type(self.gpu).matmul_ceiling
         return 0.75
+
+    def peak_tflops_for(self, dtype: str) -> float:
+        """Dense matmul peak in the run's compute dtype: bf16 = peak_tflops; fp32 = TF32 (or
+        FP32) from the catalogue; fp8 = the catalogue's FP8 peak. A cluster given by its numbers
+        (no gpu name: CPUs, calibrated machines) reaches peak_tflops in whatever dtype it runs."""
+        if dtype == "bf16" or self.gpu is None:
+            if dtype == "fp8" and self.gpu is None:
+                raise UserError(f"dtype='fp8': cluster {self.name} names no gpu, so its FP8 peak "
+                                 "is unknown (give gpu = a catalogue name with FP8)")
+            return self.peak_tflops
+        g = gpu_type(self.gpu)
+        scale = self.peak_tflops / g.peak_tflops  # a file may override the bf16 peak
+        if dtype == "fp32":
+            return (g.tf32_tflops or g.peak_tflops) * scale
+        if dtype == "fp8":
+            if g.fp8_tflops is None:
+                raise UserError(f"dtype='fp8': {g.name} has no FP8 tensor cores (Hopper and "
+                                 "later do); use bf16")
+            return g.fp8_tflops * scale
+        raise UserError(f"dtype={dtype!r}: allowed values are bf16, fp32, fp8")
+
+    def at_dtype(self, dtype: str) -> "ClusterSpec":
+        """This cluster with peak_tflops for matmuls in `dtype` (the cost model's view)."""
+        peak = self.peak_tflops_for(dtype)
+        return self if peak == self.peak_tflops else dataclasses.replace(self, peak_tflops=peak)
 
     def with_nodes(self, nodes: int) -> "ClusterSpec":
         return dataclasses.replace(self, nodes=nodes, name=re.sub(r":\d+$", f":{nodes}", self.name))

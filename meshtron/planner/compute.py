@@ -80,6 +80,11 @@ BF16 = 2
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused")
 SHARDINGS = ("fsdp", "zero")
+OVERLAP_INTERFERENCE = 0.15
+"""Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
+GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
+communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
+part of overlapped communication costs this fraction of its duration."""
 DISPATCH_S = 10e-6
 """Host-side cost of issuing one operation from Python (module docstring); fused stacks issue
 fewer kernels per layer, Megatron still dispatches them from Python."""
@@ -148,6 +153,17 @@ class KernelOptions:
     2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4
     bytes per parameter, and each forward (recomputed ones too) reads 4 and writes 2 bytes per
     local weight."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives overlap the GEMMs they feed or follow (Megatron-Core with
+    Transformer Engine `--tp-comm-overlap`: userbuffers pipelining of the sequence-parallel
+    all-gather / reduce-scatter with chunks of the column/row-parallel GEMM; PyTorch async TP
+    does the same with symmetric memory). Needs sequence parallelism; only max(0, comm - GEMM)
+    of each pass stays exposed, plus OVERLAP_INTERFERENCE of the hidden part."""
+    cp_overlap: bool = True
+    """Context parallelism: the K/V exchange of each layer overlaps the attention of the chunks
+    already received (Megatron-Core / Transformer Engine ring attention with p2p; torch's
+    ring rotation). False: K/V are all-gathered before attention and its gradients
+    reduce-scattered after it, exposed (torch's all-gather rotate method without overlap)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -329,30 +345,59 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     return n
 
 
+def compute_dtypes(dtype: str) -> tuple[str, str]:
+    """(dtype of the blocks' linear GEMMs, dtype of everything else): FP8 recipes (Transformer
+    Engine's fp8_autocast around the blocks' Linear layers, torchao float8 on nn.Linear in the
+    blocks) keep the attention core, the output head and the small GEMMs in bf16."""
+    if dtype == "fp8":
+        return "fp8", "bf16"
+    return dtype, dtype
+
+
+def quantisation_bytes(model: ModelSpec, tp: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token an FP8 layer spends casting GEMM operands: every
+    input of the four block GEMMs read in bf16 and written in FP8 (2 + 1 bytes) forward, their
+    output gradients likewise backward (Transformer Engine casts both; the amax reductions ride
+    on the same pass)."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    up = 2 * f if model.mlp == "swiglu" else f
+    fwd_in = h + h / tp + h + f / tp          # qkv in, out-proj in, mlp-up in, mlp-down in
+    bwd_in = (h + 2 * kv) / tp + h + up / tp + h  # their output gradients
+    return 3.0 * fwd_in, 3.0 * bwd_in
+
+
 @lru_cache(maxsize=4096)
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
-               sp: bool, opts: KernelOptions) -> LayerCost:
-    """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens."""
+               sp: bool, opts: KernelOptions, cp: int = 1, dtype: str = "bf16") -> LayerCost:
+    """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens,
+    a 1/cp slice of each sequence's tokens on this rank (context parallelism), GEMMs at the
+    peak of `dtype` (cluster.at_dtype; fp8: block GEMMs only, see compute_dtypes)."""
+    lin_dt, other_dt = compute_dtypes(dtype)
+    lin_cl, cluster = cluster.at_dtype(lin_dt), cluster.at_dtype(other_dt)
     bw = membound_bytes_per_s(cluster, opts.stack)
-    tokens = micro_batch * seq
+    tokens = micro_batch * seq / cp
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     up = 2 * f if model.mlp == "swiglu" else f
     # Megatron tensor parallelism (Shoeybi et al. 2019): QKV and MLP-up split by columns,
     # attention output and MLP-down split by rows.
-    linear = (cluster_gemm_time(tokens, (h + 2 * kv) / tp, h, cluster)
-              + cluster_gemm_time(tokens, h, h / tp, cluster)
-              + cluster_gemm_time(tokens, up / tp, h, cluster)
-              + cluster_gemm_time(tokens, h, f / tp, cluster))
+    linear = (cluster_gemm_time(tokens, (h + 2 * kv) / tp, h, lin_cl)
+              + cluster_gemm_time(tokens, h, h / tp, lin_cl)
+              + cluster_gemm_time(tokens, up / tp, h, lin_cl)
+              + cluster_gemm_time(tokens, h, f / tp, lin_cl))
     heads_local = model.heads / tp
     hd = model.head_dim
     batch_heads = micro_batch * heads_local
+    q_len = seq / cp  # each context rank's queries attend to the whole (causal) sequence
     if opts.attention == "flash":
-        # Causal FlashAttention computes about half the square; per head: QK^T and PV.
-        one = cluster_gemm_time(seq, seq, hd, cluster) + cluster_gemm_time(seq, hd, seq, cluster)
+        # Causal FlashAttention computes about half the square; per head: QK^T and PV (with
+        # context parallelism the load-balanced split gives every rank 1/cp of the square).
+        one = (cluster_gemm_time(q_len, seq, hd, cluster)
+               + cluster_gemm_time(q_len, hd, seq, cluster))
         core_fwd = 0.5 * batch_heads * one
         core_bwd = 2.5 * core_fwd
     else:
-        one = cluster_gemm_time(seq, seq, hd, cluster) + cluster_gemm_time(seq, hd, seq, cluster)
+        one = (cluster_gemm_time(q_len, seq, hd, cluster)
+               + cluster_gemm_time(q_len, hd, seq, cluster))
         core_fwd = batch_heads * one
         # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
         # read + write 2s bytes each = 4s; with dropout a separate kernel reads the
@@ -365,30 +410,67 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         core_fwd += score_bytes / bw
         core_bwd = 2.0 * core_fwd
     elementwise = tokens * _elementwise_bytes(model, tp, sp, opts) / bw
+    q_f = q_b = 0.0
+    if lin_dt == "fp8":
+        # casts of activations (per token) and of the local weights (each micro-batch: the
+        # weight forward, its transpose for the backward's input gradient)
+        weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
+        per_tok_f, per_tok_b = quantisation_bytes(model, tp)
+        q_f = (tokens * per_tok_f + 3.0 * weights) / bw
+        q_b = (tokens * per_tok_b + 3.0 * weights) / bw
     # the host must issue every kernel: a layer is never faster than its dispatch
     issue = kernels_per_layer(model, opts) * dispatch_s(cluster)
     if opts.fp32_params_autocast:
         weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
         elementwise += 6.0 * weights / bw
-    fwd = max(linear + core_fwd + elementwise, issue)
-    bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise, 2.0 * issue)
+    fwd = max(linear + core_fwd + elementwise + q_f, issue)
+    bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise + q_b, 2.0 * issue)
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
     # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2).
     fab = comm.Fabric.of(cluster)
     group = tp_group(tp, cluster.gpus_per_node)
-    act_bytes = BF16 * tokens * h
+    act_bytes = (4.0 if dtype == "fp32" else BF16) * tokens * h
     if sp:
         one_tp = comm.reduce_scatter(act_bytes, group, fab) + comm.all_gather(act_bytes, group, fab)
     else:
         one_tp = comm.all_reduce(act_bytes, group, fab)
+    tp_f, tp_b = 2 * one_tp, 2 * one_tp
+    if opts.tp_comm_overlap and sp and tp > 1:
+        tp_f, tp_b = overlapped(tp_f, linear), overlapped(tp_b, 2.0 * linear)
+    if cp > 1:
+        # K/V of the local tokens travel to the other cp-1 ranks (ring: cp-1 p2p steps of the
+        # local K/V chunk; all-gather: the same volume), their gradients come back in the
+        # backward (Liu et al. 2023 "Ring Attention"; Megatron-Core context parallelism docs)
+        kv_bytes = (4.0 if dtype == "fp32" else BF16) * tokens * 2 * kv / tp
+        cpg = cp_group(tp, cp, cluster.gpus_per_node)
+        cp_f = comm.all_gather(kv_bytes * cp, cpg, fab)
+        cp_b = comm.reduce_scatter(kv_bytes * cp, cpg, fab)
+        if opts.cp_overlap:
+            cp_f, cp_b = overlapped(cp_f, core_fwd), overlapped(cp_b, core_bwd)
+        tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
     return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
-                     tp_fwd=2 * one_tp, tp_bwd=2 * one_tp)
+                     tp_fwd=tp_f, tp_bwd=tp_b)
+
+
+def overlapped(comm_time: float, window: float) -> float:
+    """Exposed time of a collective run beside `window` seconds of compute it overlaps: what
+    does not fit, plus OVERLAP_INTERFERENCE of the hidden part (SMs and HBM shared)."""
+    if comm_time <= window:
+        return OVERLAP_INTERFERENCE * comm_time
+    return comm_time - window + OVERLAP_INTERFERENCE * window
+
+
+def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:
+    """The context-parallel Group: cp ranks tp apart (mesh order ..., "cp", "tp")."""
+    from meshtron.planner.placement import MESH_AXES_CP, Placement
+
+    return Placement(MESH_AXES_CP, (1, 1, 1, cp, tp), gpus_per_node).group("cp")
 
 
 @lru_cache(maxsize=4096)
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
-              sp: bool, stack: str = "fused") -> EdgeCost:
+              sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16") -> EdgeCost:
     """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
 
     The head GEMM is [tokens, h] x [h, V/tp]; the fused loss reads bf16 logits and writes fp32
@@ -403,9 +485,12 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     enters the vocabulary-parallel GEMM through an identity whose backward all-reduces the
     input gradient [tokens, h]; with it, the sequence-sharded input is all-gathered forward and
     its gradient reduce-scattered backward.
+
+    With context parallelism a rank holds 1/cp of the tokens; FP8 recipes keep the head in bf16.
     """
+    cluster = cluster.at_dtype(compute_dtypes(dtype)[1])
     hbm = membound_bytes_per_s(cluster, stack)
-    tokens = micro_batch * seq
+    tokens = micro_batch * seq / cp
     gemm = cluster_gemm_time(tokens, model.vocab / tp, model.hidden, cluster)
     logits = tokens * model.vocab / tp
     loss_f, loss_b = (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
@@ -428,13 +513,13 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
 
 @lru_cache(maxsize=4096)
 def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
-                   sp: bool) -> EdgeCost:
+                   sp: bool, cp: int = 1) -> EdgeCost:
     """Vocabulary-parallel embedding lookup: write [tokens, h] forward, scatter-add backward,
     plus the all-reduce (reduce-scatter with SP) that combines the vocabulary shards forward;
     with SP the backward all-gathers the sequence-sharded gradient (the conjugate of the
     reduce-scatter, Korthikanti et al. 2022, section 4.2.2), without it the backward is local."""
     hbm = cluster.hbm_bytes_per_s * HBM_EFFICIENCY
-    tokens = micro_batch * seq
+    tokens = micro_batch * seq / cp
     nbytes = BF16 * tokens * model.hidden
     compute = 3 * nbytes / hbm
     fab = comm.Fabric.of(cluster)

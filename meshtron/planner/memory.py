@@ -112,7 +112,9 @@ RNG_STATE_BYTES = 5056.0
 """A checkpointed block keeps the CPU generator's state to replay dropout identically
 (torch.utils.checkpoint, preserve_rng_state=True; torch.get_rng_state() is 5056 bytes)."""
 
-DTYPES = ("bf16", "fp32")
+DTYPES = ("bf16", "fp32", "fp8")
+"""fp8 runs keep bf16 activations, weights and compute copies here (Transformer Engine saves
+some GEMM inputs in FP8, which this does not count: memory is not underestimated)."""
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
 LOSSES = ("eager", "vocab-parallel", "inplace")
@@ -233,7 +235,8 @@ def largest_param_local(model: ModelSpec, tp: int) -> float:
 
 
 def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: float,
-                   p_root: float, largest: float, grad_bytes: float = GRAD_BYTES) -> float:
+                   p_root: float, largest: float, grad_bytes: float = GRAD_BYTES,
+                   keep_gathered: bool = False) -> float:
     """Unsharded compute copies of parameters and gradients alive at the peak (module docstring).
 
     `layers` and `p_layer`: the stage's blocks and the parameters of one on this GPU; `p_root`:
@@ -245,9 +248,10 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
         # one unit's unsharded gradient in the compute dtype; its fp32 copy for the reduction
         # is made after the unit's backward, once its activations are freed
         grad_unit = cb * max(p_layer, p_root)
-        if zero == 3 and dp > 1:
+        if zero == 3 and dp > 1 and not keep_gathered:
             # current + prefetched unit; at the start of backward the root (head) is gathered
-            # together with the prefetched last block
+            # together with the prefetched last block (keep_gathered: pipelining, where the
+            # units stay gathered over the step's micro-batches)
             return cb * max(2.0 * p_layer, p_root + p_layer) + grad_unit
         return cb * (layers * p_layer + p_root) + grad_unit
     if zero == 3 and dp > 1:
@@ -456,33 +460,40 @@ class StageMemory:
 
 def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
                  p_layer: float, p_root: float, largest: float, act: float, in_flight: float,
-                 work: float, logits: float, grad_bytes: float = GRAD_BYTES) -> StageMemory:
+                 work: float, logits: float, grad_bytes: float = GRAD_BYTES,
+                 keep_gathered: bool = False, accum: float = 0.0) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
-    with ZeRO-3 they do not (two units)."""
+    with ZeRO-3 they do not (two units) unless `keep_gathered` (pipelining). `accum`: bytes
+    per local parameter of unsharded gradients accumulated over the micro-batches (ZeRO-2/3
+    with accumulate_unsharded or pipelining: FSDP2 keeps them in the reduce dtype)."""
     sb = sum(states)
-    per_layer = p_layer * sb + act * in_flight
+    per_layer = p_layer * (sb + accum) + act * in_flight
     cb = mem.compute_bytes
     fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
-                and not (zero == 3 and dp > 1))
+                and not (zero == 3 and dp > 1 and not keep_gathered))
     if fsdp_all:
         per_layer += cb * p_layer
-        fixed_gather = gathered_bytes(mem, zero, dp, 0, p_layer, p_root, largest, grad_bytes)
+        fixed_gather = gathered_bytes(mem, zero, dp, 0, p_layer, p_root, largest, grad_bytes,
+                                      keep_gathered)
     else:
-        fixed_gather = gathered_bytes(mem, zero, dp, 1, p_layer, p_root, largest, grad_bytes)
+        fixed_gather = gathered_bytes(mem, zero, dp, 1, p_layer, p_root, largest, grad_bytes,
+                                      keep_gathered)
     return StageMemory(per_layer=per_layer,
-                       fixed=p_root * sb + logits + work + fixed_gather)
+                       fixed=p_root * (sb + accum) + logits + work + fixed_gather)
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
               layers: int, p_layer: float, p_root: float, largest: float, act: float,
               in_flight: float, work: float, logits: float, capacity: float, stage: int,
-              grad_bytes: float = GRAD_BYTES) -> MemoryBreakdown:
+              grad_bytes: float = GRAD_BYTES, keep_gathered: bool = False,
+              accum: float = 0.0) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB)."""
     wb, gb, ob = states
     params = layers * p_layer + p_root
-    gathered = gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes)
+    gathered = gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes,
+                              keep_gathered) + accum * params
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
     extra = all_acts - acts

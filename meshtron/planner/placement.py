@@ -30,6 +30,9 @@ from meshtron.planner.comm import Group
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Mesh axes, outermost to innermost."""
+MESH_AXES_CP = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh axes of a plan with context parallelism (cp > 1), torchtitan's order: the cp group is
+tp consecutive ranks apart, next closest after tp (ring attention's K/V traffic is per layer)."""
 
 
 def axis_sizes(plan: Any) -> dict[str, int]:
@@ -39,7 +42,8 @@ def axis_sizes(plan: Any) -> dict[str, int]:
         rep, shard = plan.dp_replicate, plan.dp // plan.dp_replicate
     else:
         rep, shard = plan.dp, 1
-    return {"pp": plan.pp, "dp_replicate": rep, "dp_shard": shard, "tp": plan.tp}
+    return {"pp": plan.pp, "dp_replicate": rep, "dp_shard": shard,
+            "cp": getattr(plan, "cp", 1), "tp": plan.tp}
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,8 @@ def _strided(n: int, stride: int, g: int) -> Group | None:
 def placement(plan: Any, gpus_per_node: int) -> Placement:
     """THE placement of a plan's ranks on nodes of `gpus_per_node` GPUs (module docstring)."""
     sizes = axis_sizes(plan)
-    return Placement(MESH_AXES, tuple(sizes[a] for a in MESH_AXES), gpus_per_node)
+    axes = MESH_AXES_CP if sizes["cp"] > 1 else MESH_AXES
+    return Placement(axes, tuple(sizes[a] for a in axes), gpus_per_node)
 
 
 def tp_group(tp: int, gpus_per_node: int) -> Group:
@@ -184,10 +189,14 @@ def groups_for_cost(plan: Any, gpus_per_node: int) -> dict[str, Any]:
     """The cost model's view: a Group for "tp", "pp", "dp" (all data-parallel ranks) and its two
     parts, and whether a pipeline hop crosses nodes."""
     p = placement(plan, gpus_per_node)
+    # gradients and ZeRO shards span the context ranks too (they hold different tokens of the
+    # same sequences): FSDP shards over dp_shard x cp (torchtitan's "dp_shard_cp" mesh)
+    cp = ("cp",) if "cp" in p.axes else ()
     return {"tp": p.group("tp"), "pp": p.group("pp"),
-            "dp": p.group("dp_replicate", "dp_shard"),
-            "dp_replicate": p.group("dp_replicate"), "dp_shard": p.group("dp_shard"),
+            "dp": p.group("dp_replicate", "dp_shard", *cp),
+            "dp_replicate": p.group("dp_replicate"), "dp_shard": p.group("dp_shard", *cp),
+            "cp": p.group("cp") if cp else Group(1, 1),
             "pp_hop_crosses_nodes": p.hop_crosses_nodes("pp", wrap=plan.virtual_stages > 1)}
 
 
-__all__ = ["MESH_AXES", "Placement", "axis_sizes", "groups_for_cost", "placement", "tp_group"]
+__all__ = ["MESH_AXES", "MESH_AXES_CP", "Placement", "axis_sizes", "groups_for_cost", "placement", "tp_group"]

@@ -1,4 +1,8 @@
-"""The one plan type (`Plan`), its one validity function (`plan_problems`), and fixed knobs.
+"""The one plan type (`Plan`), its file I/O, and the names of its companion modules.
+
+The validity rules are in plan_rules.py (`plan_problems`, THE validity function), the knobs
+fixed for a search in plan_knobs.py (`Knobs`), the command-line spellings in plan_parse.py;
+all are re-exported here, so `from meshtron.planner.plan import ...` keeps working.
 
 A `Plan` is the contract between the planner (which costs it), `meshtron train` (which runs it)
 and the Python API (`meshtron.build_mesh` / `meshtron.parallelize`). It is torch-free, frozen and
@@ -31,7 +35,8 @@ TOML having no null)::
                                   # pp * virtual_stages (empty: even split); virtual stage j
                                   # lives on GPU stage j % pp (zb with 2: a V); the embedding
                                   # is on the first, the LM head on the last
-    dtype = "bf16"                # the run's precision: "bf16" (mixed) | "fp32"
+    dtype = "bf16"                # the run's precision: "bf16" (mixed) | "fp32" | "fp8" (planned
+                                  # only: the runtime refuses it until FP8 training lands)
     attention = "flash"           # kernel the prediction assumed: "flash" | "unfused"
     grad_compression = "int8"     # data-parallel traffic: "none" | "bf16" | "int8" (written
                                   # only when not default, like the other keys below)
@@ -41,6 +46,9 @@ TOML having no null)::
     diloco = 0                    # DiLoCo inner steps H between replica syncs (0: off)
     outer_lr = 0.7                # DiLoCo outer SGD learning rate
     outer_momentum = 0.9          # DiLoCo outer Nesterov momentum
+    cp = 2                        # context-parallel degree (gpus = tp * cp * pp * dp)
+    reduce_dtype = "bf16"         # gradient reduction dtype: "fp32" (default) | "bf16"
+    accumulate_unsharded = true   # ZeRO-2/3: reduce-scatter once per step, not per micro-batch
 
     [predicted]                   # the planner's estimate, for predicted-vs-measured reports
     step_time_s = 10.2
@@ -56,286 +64,23 @@ Unknown keys are rejected.
 from __future__ import annotations
 
 import dataclasses
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import tomli_w
 
 from meshtron.errors import UserError
-
+from meshtron.planner.plan_parse import (  # noqa: F401  (re-exported: one import site)
+    fixed_knobs, parse_layout, parse_on_off, parse_schedule)
+from meshtron.planner.plan_rules import (  # noqa: F401  (re-exported)
+    _DTYPE_ALIASES, ATTENTION, COMM_DEFAULTS, COMPRESS_SCOPES, COMPRESSIONS, CONTEXT, DTYPES, KNOBS,
+    LAYOUT_DEFAULTS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP, RECOMPUTE, REDUCE_DTYPES,
+    SCHEDULES, ZERO_STAGES, _is_int, check, comm_problems, field_problems, microbatch_problem,
+    model_problems, plan_problems, schedule_zero_problem, world_problem)
 FORMAT = "meshtron-plan/2"
 OLD_FORMATS = ("meshtron-plan/1",)
-RECOMPUTE = ("none", "selective", "full")
-ZERO_STAGES = (0, 1, 2, 3)
-SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
-"""Pipeline schedules (planner/pipeline.py costs them; parallel/pipeline.py runs them). With
-virtual_stages v > 1: gpipe = looped BFS, 1f1b = interleaved 1F1B, zb with v = 2 = ZBV."""
-DTYPES = ("bf16", "fp32")
-ATTENTION = ("flash", "unfused")
-_DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}
-KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
-         "virtual_stages", "stage_layers", "dp_replicate", "dtype", "attention")
-"""The fields that say how to run; the rest of a Plan says what it was made for."""
-CONTEXT = ("model", "cluster", "global_batch", "seq_len", "predicted")
-COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
-                 "compress_scope": "all", "ranks_per_node": None, "diloco": 0,
-                 "outer_lr": 0.7, "outer_momentum": 0.9}
-"""Knobs of the data-parallel traffic (meshtron/compress/): how gradients (or DiLoCo's outer
-gradients) travel. Written to plan files only when they differ from these defaults."""
-COMPRESSIONS = ("none", "bf16", "int8")
-COMPRESS_SCOPES = ("all", "inter_node")
-
-
-MAX_GLOBAL_BATCH = 2**24
-"""Sequences per step above which a batch is taken for a typo (published pre-training runs use
-at most a few thousand: Llama 3 405B 2,048 x 8,192 tokens)."""
-MAX_SEQ_LEN = 2**24
-"""Tokens per sequence above which a length is taken for a typo."""
-MAX_TOKENS_PER_STEP = 2**31
-"""global_batch * seq_len above which a step is taken for a typo (~2.1B tokens, over 100x the
-largest published batches of ~16M tokens)."""
-
-
-# ---- the rules: one place, used by Plan, Knobs, the search and the runtime -------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
-    """Rules on the plan's own fields. `k` maps field names to values; a missing or None value
-    is unknown and its rules are skipped (so partial knobs are checked by the same rules)."""
-    g = k.get
-    for name in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "dp_replicate",
-                 "global_batch", "seq_len"):
-        v = g(name)
-        if v is not None and (not _is_int(v) or v <= 0):
-            yield f"plan.{name}={v!r}: must be a positive integer"
-            return
-    yield from _size_problems(k)
-    if g("zero") is not None and (not _is_int(g("zero")) or g("zero") not in ZERO_STAGES):
-        yield f"plan.zero={g('zero')!r}: allowed values are 0, 1, 2, 3"
-    if g("recompute") is not None and g("recompute") not in RECOMPUTE:
-        yield f"plan.recompute={g('recompute')!r}: allowed values are {', '.join(RECOMPUTE)}"
-    if g("sp") is not None and not isinstance(g("sp"), bool):
-        yield f"plan.sp={g('sp')!r}: must be true or false"
-    if g("schedule") is not None and g("schedule") not in SCHEDULES:
-        yield f"plan.schedule={g('schedule')!r}: allowed values are {', '.join(SCHEDULES)}"
-    if g("dtype") is not None and g("dtype") not in DTYPES:
-        yield f"plan.dtype={g('dtype')!r}: allowed values are {', '.join(DTYPES)}"
-    if g("attention") is not None and g("attention") not in ATTENTION:
-        yield f"plan.attention={g('attention')!r}: allowed values are {', '.join(ATTENTION)}"
-    yield from _consistency(k)
-    yield from comm_problems(k)
-
-
-def comm_problems(k: Mapping[str, Any]) -> Iterator[str]:
-    """Rules on gradient compression and DiLoCo (meshtron/compress/): what the runtime runs,
-    refused here rather than ignored there."""
-    g = k.get
-    mode, block, scope = g("grad_compression"), g("grad_compression_block"), g("compress_scope")
-    h, rpn, zero, dp, rep = g("diloco"), g("ranks_per_node"), g("zero"), g("dp"), g("dp_replicate")
-    if mode is not None and mode not in COMPRESSIONS:
-        yield f"plan.grad_compression={mode!r}: allowed values are {', '.join(COMPRESSIONS)}"
-    elif block is not None and (not _is_int(block) or not 4 <= block <= 2**20 or block % 4):
-        yield (f"plan.grad_compression_block={block!r}: must be a multiple of 4 from 4 to "
-               f"{2**20} (elements per int8 block)")
-    elif scope is not None and scope not in COMPRESS_SCOPES:
-        yield f"plan.compress_scope={scope!r}: allowed values are {', '.join(COMPRESS_SCOPES)}"
-    elif rpn is not None and (not _is_int(rpn) or rpn <= 0):
-        yield f"plan.ranks_per_node={rpn!r}: must be a positive integer"
-    elif h is not None and (not _is_int(h) or h < 0):
-        yield f"plan.diloco={h!r}: must be an integer >= 0 (inner steps; 0 = off)"
-    elif g("outer_lr") is not None and (not isinstance(g("outer_lr"), (int, float))
-                                        or isinstance(g("outer_lr"), bool)
-                                        or not 0 < g("outer_lr") <= 10):
-        yield f"plan.outer_lr={g('outer_lr')!r}: must be a number in (0, 10]"
-    elif g("outer_momentum") is not None and (
-            not isinstance(g("outer_momentum"), (int, float))
-            or isinstance(g("outer_momentum"), bool) or not 0 <= g("outer_momentum") < 1):
-        yield f"plan.outer_momentum={g('outer_momentum')!r}: must be a number in [0, 1)"
-    else:
-        yield from _comm_layout_problems(mode, scope, h or 0, zero, dp, rep)
-
-
-def _comm_layout_problems(mode, scope, h: int, zero, dp, rep) -> Iterator[str]:
-    if scope == "inter_node" and mode in (None, "none"):
-        yield "plan.compress_scope='inter_node': needs plan.grad_compression bf16 or int8"
-    elif (mode not in (None, "none") or h) and dp == 1:
-        what = f"plan.diloco={h}" if h else f"plan.grad_compression={mode!r}"
-        yield f"{what}: needs plan.dp > 1 (it acts on the data-parallel traffic)"
-    elif h and zero == 1:
-        yield (f"plan.diloco={h} with plan.zero=1: DiLoCo replicas step alone, a ZeRO-1 "
-               "optimizer is shared across them; use zero 0, or zero 2/3 with dp_replicate > 1")
-    elif h and zero in (2, 3) and rep == 1:
-        yield (f"plan.diloco={h} with plan.zero={zero}: the replicas are the dp_replicate axis; "
-               "set plan.dp_replicate > 1 (ZeRO shards inside a replica) or use zero 0")
-    elif not h and mode not in (None, "none") and zero in (2, 3) and rep not in (None, 1):
-        yield (f"plan.grad_compression={mode!r} with plan.dp_replicate={rep}: HSDP's replica "
-               "all-reduce is FSDP2's own and cannot be compressed; use dp_replicate=1")
-
-
-def _size_problems(k: Mapping[str, Any]) -> Iterator[str]:
-    b, s = k.get("global_batch"), k.get("seq_len")
-    if b is not None and b > MAX_GLOBAL_BATCH:
-        yield (f"plan.global_batch={b}: more than {MAX_GLOBAL_BATCH:,} sequences per step; "
-               "published runs use at most a few thousand")
-    elif s is not None and s > MAX_SEQ_LEN:
-        yield f"plan.seq_len={s}: more than {MAX_SEQ_LEN:,} tokens per sequence"
-    elif b is not None and s is not None and b * s > MAX_TOKENS_PER_STEP:
-        yield (f"plan.global_batch={b} x seq_len={s} = {b * s:,} tokens per step: more than "
-               f"{MAX_TOKENS_PER_STEP:,}; published runs use at most ~16M")
-
-
-def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
-    g = k.get
-    tp, pp, dp, v = g("tp"), g("pp"), g("dp"), g("virtual_stages")
-    if g("sp") and tp == 1:
-        yield "plan.sp=true: sequence parallelism needs plan.tp > 1"
-    if pp == 1 and g("schedule") is not None:
-        yield f"plan.schedule={g('schedule')!r}: needs plan.pp > 1 (pp=1 has no pipeline)"
-    if pp == 1 and v is not None and v != 1:
-        yield f"plan.virtual_stages={v}: needs plan.pp > 1"
-    r, zero = g("dp_replicate"), g("zero")
-    if r is not None and r > 1:
-        if zero is not None and zero < 2:
-            yield (f"plan.dp_replicate={r}: replicated groups of sharded data parallelism (HSDP) "
-                   "need plan.zero 2 or 3")
-        elif dp is not None and dp % r:
-            yield f"plan.dp_replicate={r}: must divide plan.dp={dp}"
-    problem = schedule_zero_problem(g("schedule"), zero, pp)
-    if problem:
-        yield problem
-    yield from _stage_layer_problems(k)
-    b, mb = g("global_batch"), g("micro_batch")
-    if b is not None and mb is not None and dp is None and b % mb:
-        yield f"plan.micro_batch={mb}: must divide plan.global_batch={b}"
-    elif b is not None and dp is not None and b % dp:
-        yield f"plan.global_batch={b}: must be divisible by plan.dp={dp}"
-    elif b is not None and dp is not None and b % (dp * (mb or 1)):
-        yield (f"plan.micro_batch={mb}: must divide the per-replica batch global_batch/dp = "
-               f"{b}/{dp} = {b // dp}")
-    elif b is not None and pp is not None and mb is not None and dp is not None:
-        problem = microbatch_problem(g("schedule"), pp, v or 1, b // (dp * mb))
-        if problem:
-            yield problem
-
-
-def _stage_layer_problems(k: Mapping[str, Any]) -> Iterator[str]:
-    sl = k.get("stage_layers")
-    if not sl:
-        return
-    pp, v = k.get("pp"), k.get("virtual_stages") or 1
-    if any(not _is_int(c) or c < 0 for c in sl):
-        yield f"plan.stage_layers={list(sl)}: entries must be integers >= 0"
-        return
-    if pp is not None and len(sl) != pp * v:
-        yield (f"plan.stage_layers has {len(sl)} entries: must be "
-               f"pp*virtual_stages={pp * v}")
-        return
-    # The first and last stages carry the embedding and the head, so they may hold no layers.
-    for i, c in enumerate(sl):
-        if c == 0 and 0 < i < len(sl) - 1:
-            yield f"plan.stage_layers={list(sl)}: middle stage {i} has no layers"
-            return
-
-
-def schedule_zero_problem(schedule: str | None, zero: int | None, pp: int | None) -> str | None:
-    """The runtime's refusal of zero-bubble schedules with ZeRO-3. Measured (../shared/notes):
-    they drift silently from the reference with FSDP2 reshard_after_forward=True on torch 2.13."""
-    if schedule == "zb" and zero == 3 and (pp is None or pp > 1):
-        return ("plan.schedule='zb' with plan.zero=3: zero-bubble schedules give wrong gradients "
-                "with FSDP2 resharding after forward on torch 2.13; use zero 0-2 or another "
-                "schedule")
-    return None
-
-
-def microbatch_problem(schedule: str | None, pp: int, v: int, m: int) -> str | None:
-    """The pipeline schedules' own limits on the micro-batches per step `m`, as
-    torch.distributed.pipelining 2.13 enforces them: single-stage 1F1B needs one micro-batch
-    per stage in flight; the looped schedules (interleaved 1F1B, and zero bubble other than the
-    V of two stages) run micro-batches in rounds of pp and need m divisible by the number of
-    rounds, max(1, m // pp). GPipe, looped BFS and ZBV take any m."""
-    if pp == 1 or schedule is None:
-        return None
-    if schedule == "1f1b" and v == 1 and m < pp:
-        return (f"plan.micro_batch: {m} micro-batches per step, schedule '1f1b' needs at least "
-                f"pp={pp}")
-    looped = schedule == "interleaved" or (schedule == "1f1b" and v > 1) or \
-        (schedule == "zb" and v != 2)
-    rounds = max(1, m // pp)
-    if looped and m % rounds:
-        return (f"plan.micro_batch: {m} micro-batches per step, schedule {schedule!r} with "
-                f"{v} stage(s) per rank runs them in rounds of pp={pp}: needs fewer than "
-                f"{2 * pp} or a multiple of {rounds}")
-    return None
-
-
-def model_problems(k: Mapping[str, Any], model: Any) -> Iterator[str]:
-    """Rules between the plan and the model's shapes (a ModelSpec), incl. the runtime's limit on
-    tied embeddings."""
-    tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
-    if tp is not None:
-        # Named as a user knows them, whether the model came from a preset or a config.json.
-        for attr, what in (("heads", "attention heads"),
-                           ("kv_heads", "key/value heads (they are not replicated across "
-                                        "tensor ranks)"),
-                           ("ffn_hidden", "FFN width (intermediate size)")):
-            n = getattr(model, attr)
-            if n % tp:
-                yield f"plan.tp={tp}: must divide the model's {n} {what}"
-                return
-    if pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
-        yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
-               "the runtime cannot split across pipeline stages")
-        return
-    sl = k.get("stage_layers")
-    if sl:
-        if sum(sl) != model.layers:
-            yield (f"plan.stage_layers={list(sl)}: sums to {sum(sl)}, the model has "
-                   f"{model.layers} layers")
-    elif pp is not None and pp * v > model.layers:
-        name = f"plan.pp={pp}" if v == 1 else f"plan.pp*virtual_stages={pp}*{v}={pp * v}"
-        yield f"{name}: more pipeline stages than model layers ({model.layers})"
-
-
-def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
-    tp, pp, dp = k.get("tp"), k.get("pp"), k.get("dp")
-    if None not in (tp, pp, dp):
-        if tp * pp * dp != world_size:
-            return (f"plan.dp*tp*pp={dp}*{tp}*{pp}={dp * tp * pp}: must equal the world size "
-                    f"{world_size}")
-        return None
-    for name, val in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if val is not None and world_size % val:
-            return f"plan.{name}={val}: must divide the world size {world_size}"
-    fixed = (tp or 1) * (pp or 1) * (dp or 1)
-    if world_size % fixed:
-        return f"plan tp*pp*dp={fixed} (fixed part): must divide the world size {world_size}"
-    return None
-
-
-def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
-                  model: Any = None) -> list[str]:
-    """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
-    against `world_size` and `model` (a ModelSpec) when given. Empty when valid."""
-    out = list(field_problems(k))
-    if world_size is not None:
-        w = world_problem(k, world_size)
-        if w:
-            out.append(w)
-    if model is not None:
-        out.extend(model_problems(k, model))
-    return out
-
-
-def check(k: Mapping[str, Any], world_size: int | None = None, model: Any = None) -> None:
-    """Raise UserError with the first of `plan_problems`."""
-    problems = plan_problems(k, world_size, model)
-    if problems:
-        raise UserError(problems[0])
 
 
 # ---- the plan --------------------------------------------------------------------------------
@@ -398,6 +143,15 @@ class Plan:
     """DiLoCo outer SGD learning rate (the paper's 0.7)."""
     outer_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum (the paper's 0.9; 0 = plain SGD)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence's tokens split over cp ranks (ring / all-gather
+    attention of K/V). World size = tp * cp * pp * dp; FSDP shards over dp_shard x cp; the global
+    batch is split over dp only. Mesh order ("pp", "dp_replicate", "dp_shard", "cp", "tp")."""
+    reduce_dtype: str = "fp32"
+    """Dtype of the data-parallel gradient reduction: 'fp32' (default) or 'bf16'."""
+    accumulate_unsharded: bool = False
+    """ZeRO-2/3: accumulate gradients unsharded over the micro-batches and reduce-scatter once
+    per step (memory for traffic); False: reduce-scatter after every micro-batch (FSDP2)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -425,7 +179,8 @@ class Plan:
     @classmethod
     def trusted(cls, tp: int, pp: int, dp: int, zero: int, micro_batch: int, recompute: str,
                 sp: bool, schedule: str | None, virtual_stages: int = 1,
-                dtype: str = "fp32", dp_replicate: int = 1) -> "Plan":
+                dtype: str = "fp32", dp_replicate: int = 1, cp: int = 1,
+                reduce_dtype: str = "fp32", accumulate_unsharded: bool = False) -> "Plan":
         """A search-space point built without re-running the rules: the search draws every
         value from a space `plan_problems` already vetted (tests check its output validates)."""
         p = cls.__new__(cls)
@@ -436,7 +191,9 @@ class Plan:
                           ("micro_batch", micro_batch), ("recompute", recompute), ("sp", sp),
                           ("schedule", schedule if pp > 1 else None),
                           ("virtual_stages", virtual_stages), ("dtype", dtype),
-                          ("dp_replicate", dp_replicate if zero >= 2 else 1)):
+                          ("dp_replicate", dp_replicate if zero >= 2 else 1), ("cp", cp),
+                          ("reduce_dtype", reduce_dtype),
+                          ("accumulate_unsharded", accumulate_unsharded and zero >= 2)):
             object.__setattr__(p, name, val)
         return p
 
@@ -454,19 +211,28 @@ class Plan:
         return {name: getattr(self, name) for name, default in COMM_DEFAULTS.items()
                 if getattr(self, name) != default}
 
+    def layout_knobs(self) -> dict[str, Any]:
+        """cp, reduce_dtype, accumulate_unsharded where they differ from LAYOUT_DEFAULTS."""
+        return {name: getattr(self, name) for name, default in LAYOUT_DEFAULTS.items()
+                if getattr(self, name) != default}
+
     @property
     def compressed(self) -> bool:
         """Gradients (or DiLoCo outer gradients) travel compressed."""
         return self.grad_compression != "none"
 
     def validate(self, world_size: int | None = None, model: Any = None) -> "Plan":
-        """Check against a world size and a ModelSpec (UserError naming the first problem)."""
+        """Check against a world size and a ModelSpec (UserError naming the first problem), and
+        that meshtron's runtime can run it (the runtime validates every plan through here)."""
         check(self.knobs_and_context(), world_size, model)
+        problem = runtime_problem(self)
+        if problem:
+            raise UserError(problem)
         return self
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     world_size = gpus
 
@@ -495,7 +261,8 @@ class Plan:
         return sum(self.stage_layers)
 
     def layout(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}"
 
     def schedule_label(self) -> str:
         """'-' without a pipeline, 'interleaved:V' with virtual stages, else the schedule."""
@@ -522,6 +289,7 @@ class Plan:
         for name, value in self.knobs().items():
             d[name] = list(value) if name == "stage_layers" else value
         d["num_microbatches"] = self.num_microbatches
+        d.update(self.layout_knobs())
         d.update(self.comm_knobs())
         if self.predicted:
             d["predicted"] = dict(self.predicted)
@@ -557,7 +325,7 @@ class Plan:
         for key, value in derived.items():
             if value != getattr(plan, key):
                 raise UserError(f"plan.{key}={value!r}: must equal "
-                                 + ("tp*pp*dp" if key == "gpus" else
+                                 + ("tp*cp*pp*dp" if key == "gpus" else
                                     "global_batch/(dp*micro_batch)")
                                  + f" = {getattr(plan, key)}")
         return plan
@@ -569,6 +337,17 @@ class Plan:
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"plan: not valid TOML ({exc})") from None
         return cls.from_dict(data)
+
+
+def runtime_problem(plan: Plan) -> str | None:
+    """What the planner can plan but meshtron's runtime does not run yet (one line), or None."""
+    if plan.dtype == "fp8":
+        return ("plan.dtype='fp8': meshtron's runtime does not train in FP8 yet (the planner "
+                "prices it); use bf16")
+    if plan.cp > 1:
+        return (f"plan.cp={plan.cp}: meshtron's runtime has no context parallelism yet (the "
+                "planner prices it); use cp=1")
+    return None
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -594,135 +373,5 @@ def as_plan(obj: Any) -> Plan:
                      "virtual_stages, stage_layers, dp_replicate, dtype)")
 
 
-# ---- fixed knobs ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Knobs:
-    """Knobs fixed by the user for the search; None leaves a knob to the search. Validated by
-    the same rules as Plan (`plan_problems`), applied to the values given."""
-
-    tp: int | None = None
-    """Tensor-parallel degree."""
-    pp: int | None = None
-    """Pipeline-parallel degree."""
-    dp: int | None = None
-    """Data-parallel degree."""
-    zero: int | None = None
-    """ZeRO stage."""
-    micro_batch: int | None = None
-    """Micro-batch size in sequences."""
-    recompute: str | None = None
-    """'none', 'selective' or 'full'."""
-    sp: bool | None = None
-    """Sequence parallelism."""
-    schedule: str | None = None
-    """'1f1b', 'interleaved', 'zb' or 'gpipe'."""
-    virtual_stages: int | None = None
-    """Virtual stages per GPU stage."""
-    dtype: str | None = None
-    """The run's precision ('bf16' or 'fp32'); not searched, the planner's default when None."""
-    dp_replicate: int | None = None
-    """HSDP replica groups (with zero 2/3); not searched, 1 when None."""
-
-    def __post_init__(self) -> None:
-        check(self.to_dict())
-
-    @classmethod
-    def of(cls, fixed: "Knobs | Plan | Mapping[str, Any] | None") -> "Knobs":
-        if fixed is None:
-            return cls()
-        if isinstance(fixed, Knobs):
-            return fixed
-        if isinstance(fixed, Plan):
-            return cls(**{f.name: getattr(fixed, f.name) for f in dataclasses.fields(cls)})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fixed) - names)
-        if unknown:
-            raise UserError(f"{unknown[0]}: unknown knob; allowed: {', '.join(sorted(names))}")
-        values = dict(fixed)
-        if isinstance(values.get("schedule"), str):
-            sched, v = parse_schedule(values["schedule"])
-            values["schedule"] = sched
-            if v is not None and values.get("virtual_stages") is None:
-                values["virtual_stages"] = v
-        if isinstance(values.get("sp"), str):
-            values["sp"] = parse_on_off("sp", values["sp"])
-        if values.get("pp") == 1 and values.get("schedule") == "1f1b" \
-                and values.get("virtual_stages") in (None, 1):
-            values["schedule"] = None  # the old spelling of "no pipeline"
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-
-def parse_layout(text: str) -> dict[str, int]:
-    """'tp=8,pp=16,dp=64' (any subset) -> {'tp': 8, 'pp': 16, 'dp': 64}."""
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(tp|pp|dp)\s*=\s*(\d+)", part)
-        if not m:
-            raise UserError(f"layout={text!r}: expected comma-separated tp=N, pp=N, dp=N")
-        key, value = m.group(1), int(m.group(2))
-        if value <= 0:
-            raise UserError(f"layout {key}={value}: must be a positive integer")
-        if key in out:
-            raise UserError(f"layout={text!r}: {key} given twice")
-        out[key] = value
-    if not out:
-        raise UserError(f"layout={text!r}: expected comma-separated tp=N, pp=N, dp=N")
-    return out
-
-
-def parse_schedule(text: str) -> tuple[str, int | None]:
-    """'1f1b' | 'interleaved' | 'interleaved:3' | 'zb' | 'zbv' | 'gpipe' -> (schedule, virtual
-    stages or None when not given)."""
-    m = re.fullmatch(r"(1f1b|interleaved|zbv|zb|gpipe)(?::(\d+))?", text.strip().lower())
-    if not m:
-        raise UserError(f"schedule={text!r}: allowed values are 1f1b, interleaved, "
-                         "interleaved:V, zb, zbv, gpipe")
-    sched, v = m.group(1), m.group(2)
-    if sched == "zbv":
-        if v is not None:
-            raise UserError(f"schedule={text!r}: zbv always has 2 virtual stages")
-        return "zb", 2
-    if v is not None:
-        if sched != "interleaved":
-            raise UserError(f"schedule={text!r}: only 'interleaved' takes a virtual-stage count")
-        if int(v) < 2:
-            raise UserError(f"schedule={text!r}: interleaving needs at least 2 virtual stages")
-        return sched, int(v)
-    return sched, (1 if sched != "interleaved" else None)
-
-
-def parse_on_off(name: str, text: str) -> bool:
-    t = text.strip().lower()
-    if t in ("on", "true", "yes", "1"):
-        return True
-    if t in ("off", "false", "no", "0"):
-        return False
-    raise UserError(f"{name}={text!r}: allowed values are on, off")
-
-
-def fixed_knobs(layout: str | None = None, zero: int | None = None, recompute: str | None = None,
-                sp: str | None = None, micro_batch: int | None = None,
-                schedule: str | None = None, dtype: str | None = None) -> dict[str, Any]:
-    """Knobs fixed on a command line (`plan` and `train` share these flags); unset stay open."""
-    fixed: dict[str, Any] = {}
-    if layout:
-        fixed.update(parse_layout(layout))
-    if zero is not None:
-        fixed["zero"] = zero
-    if recompute is not None:
-        fixed["recompute"] = recompute.strip().lower()
-    if sp is not None:
-        fixed["sp"] = parse_on_off("sp", sp)
-    if micro_batch is not None:
-        fixed["micro_batch"] = micro_batch
-    if schedule is not None:
-        sched, v = parse_schedule(schedule)
-        fixed["schedule"] = sched
-        if v is not None:
-            fixed["virtual_stages"] = v
-    if dtype is not None:
-        fixed["dtype"] = dtype.strip().lower()
-    return fixed
+# Knobs lives in plan_knobs.py (it imports Plan lazily); re-exported here for existing imports.
+from meshtron.planner.plan_knobs import Knobs  # noqa: E402,F401

@@ -16,6 +16,8 @@ JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
       "cluster": {ClusterSpec fields..., "num_gpus": int},
       "global_batch": int, "seq_len": int, "tokens": float,      # tokens = training budget
       "options": {every KernelOptions field: "attention", "dropout", ..., "dtype": str},
+      "framework": {"name", "era", "models", "source", "reduce_dtype", "overrides": {...},
+                    "kernel": {KernelOptions}, "memory": {MemoryOptions but dtype}},
       "fits": bool,                                               # some plan fits in memory
       "evaluated": int, "feasible": int, "search_time_s": float,
       "notes": [str],                                             # knob families left out, why
@@ -68,6 +70,7 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
         "cluster": {**result.cluster.to_dict(), "num_gpus": n},
         "global_batch": result.global_batch, "seq_len": result.seq_len, "tokens": tokens,
         "options": {**options_dict(result.options), "dtype": result.dtype},
+        "framework": _framework(result).to_dict(),
         "fits": result.fits, "evaluated": result.evaluated, "feasible": result.feasible,
         "search_time_s": result.seconds,
         "notes": list(result.notes),
@@ -76,6 +79,12 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
         "near_miss": (result.near_miss.to_dict(tokens, n, price)
                       if result.near_miss is not None else None),
     }
+
+
+def _framework(result: SearchResult):
+    from meshtron.planner.frameworks import preset
+
+    return result.framework if result.framework is not None else preset(None)
 
 
 # ---- number formatting -------------------------------------------------------------------------
@@ -143,6 +152,8 @@ def _plural(n: int, one: str, many: str) -> str:
 
 def _layout(est: Estimate) -> str:
     c = est.config
+    if c.cp > 1:  # the column reads tp/pp/dp; context parallelism joins tp as tp.cp
+        return f"{c.tp}x{c.cp}cp/{c.pp}/{c.dp}"
     return f"{c.tp}/{c.pp}/{c.dp}"
 
 
@@ -203,6 +214,7 @@ def header(result: SearchResult) -> list[str]:
         f"({n} x {device}, {cl.memory_gib:g} GiB); global batch {result.global_batch} x "
         f"{result.seq_len} tokens; {_plural(result.evaluated, '1 plan', '{} plans')} evaluated in "
         f"{result.seconds * 1000:.0f} ms",
+        f"Stack: {_framework(result).label} ({_framework(result).models})",
         f"Cost model: {options_line(result.options, result.dtype)}",
     ]
 

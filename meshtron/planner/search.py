@@ -15,6 +15,7 @@ split per (pp, v, layer time), so each further config costs a few dozen float op
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from meshtron.planner.plan import (RECOMPUTE, Knobs, Plan, check, microbatch_pro
                                     plan_problems, schedule_zero_problem)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+MIN_CP_TOKENS = 8192
+"""Fewest tokens of a sequence per context rank for the search to try that cp (`_Space.cps`)."""
 DEFAULT_DTYPE = "bf16"
 """The run precision planned for when the knobs do not fix one: GPU pre-training runs bf16
 mixed precision (bf16 compute, fp32 master weights)."""
@@ -104,6 +107,8 @@ class SearchResult:
     """Knob families left out of the search, and why."""
     dtype: str = DEFAULT_DTYPE
     """The run precision planned for."""
+    framework: Any = None
+    """The software stack priced (frameworks.Framework; None: meshtron's runtime)."""
 
     @property
     def best(self) -> Estimate | None:
@@ -121,25 +126,32 @@ class _Space:
     tensor parallelism stays inside a node (its all-reduces are on the critical path)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                 knobs: Knobs, opts: KernelOptions) -> None:
+                 knobs: Knobs, opts: KernelOptions, mem: MemoryOptions | None = None,
+                 runtime: bool = True) -> None:
         n = cluster.num_gpus
         gpn = cluster.gpus_per_node
         k = knobs
         self.context = {"global_batch": global_batch, "seq_len": seq_len}
-        check({**k.to_dict(), **self.context}, n, model)
+        # meshtron's runtime limits apply when pricing meshtron (the default stack)
+        self.runtime = runtime
+        check({**k.to_dict(), **self.context}, n, model, runtime)
         if k.tp is not None and (k.tp > gpn or gpn % k.tp):
             raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn} "
                              "(tensor parallelism stays inside a node)")
         self.knobs = k
         self.dtype = k.dtype or DEFAULT_DTYPE
         self.replicate = k.dp_replicate or 1
+        self.reduce_dtype = k.reduce_dtype or "fp32"
+        self.accumulate = bool(k.accumulate_unsharded)
         self.notes: list[str] = []
         self.n, self.model, self.global_batch = n, model, global_batch
+        self.why_empty: str | None = None
+        """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = [k.tp] if k.tp else []
         if not k.tp:
             why = ""
             for t in _divisors(gpn):
-                problems = plan_problems({"tp": t}, model=model)
+                problems = plan_problems({"tp": t}, model=model, runtime=runtime)
                 if n % t == 0 and not problems:
                     self.tps.append(t)
                 elif problems and not why:
@@ -147,34 +159,61 @@ class _Space:
             if self.tps == [1] and why:
                 self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) "
                                   f"left out: {why}")
+        same = selective_is_none(model, seq_len, opts, mem or memory.options_for(opts),
+                                 self.dtype)
         self.recomputes = [k.recompute] if k.recompute else [
-            r for r in RECOMPUTE if not (r == "selective" and opts.attention == "flash")]
-        if not k.recompute and opts.attention == "flash":
-            self.notes.append("recompute=selective left out: with FlashAttention it keeps the "
-                              "same tensors as none (the attention core is never stored)")
+            r for r in RECOMPUTE if not (r == "selective" and same)]
+        if not k.recompute and same:
+            self.notes.append("recompute=selective left out: with FlashAttention and this "
+                              "framework's selective policy it keeps the same tensors as none "
+                              "(the attention core is never stored)")
         self._layouts = self._valid_layouts()
-        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, p, _ in
+        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _ in
                                                                   self._layouts):
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
 
-    def _valid_layouts(self) -> list[tuple[int, int, int]]:
+    def cps(self, rest: int) -> list[int]:
+        """Context-parallel degrees searched on `rest` = gpus / tp ranks: the fixed one, else 1
+        and the powers of two that leave every rank at least MIN_CP_TOKENS tokens of each
+        sequence (below that the per-layer K/V exchange cannot hide behind attention: a search
+        policy, cp fixed by --layout is always evaluated)."""
+        if self.knobs.cp:
+            return [self.knobs.cp]
+        if self.runtime:
+            # meshtron's runtime has no context parallelism yet (plan.runtime_problem): its
+            # search (and `train --plan auto`) keeps cp=1 until it lands
+            return [1]
+        seq = self.context["seq_len"]
+        out, c = [1], 2
+        while c <= rest and seq // c >= MIN_CP_TOKENS:
+            if rest % c == 0 and seq % (2 * c) == 0:
+                out.append(c)
+            c *= 2
+        return out
+
+    def _valid_layouts(self) -> list[tuple[int, int, int, int]]:
         k, n = self.knobs, self.n
         fixed = {**k.to_dict(), **self.context}
         out, left_out = [], {}
         for tp in self.tps:
-            for pp in ([k.pp] if k.pp else _divisors(n // tp)):
-                if (n // tp) % pp:
+            for cp in self.cps(n // tp):
+                if (n // tp) % cp:
                     continue
-                dp = n // (tp * pp)
-                if k.dp and dp != k.dp:
-                    continue
-                problems = plan_problems({**fixed, "tp": tp, "pp": pp, "dp": dp}, n, self.model)
-                if problems:
-                    left_out.setdefault(_family(tp, pp), problems[0])
-                    continue
-                out.append((tp, pp, dp))
-        found = {_family(tp, pp) for tp, pp, _ in out}
+                rest = n // (tp * cp)
+                for pp in ([k.pp] if k.pp else _divisors(rest)):
+                    if rest % pp:
+                        continue
+                    dp = rest // pp
+                    if k.dp and dp != k.dp:
+                        continue
+                    problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp, "dp": dp},
+                                             n, self.model, self.runtime)
+                    if problems:
+                        left_out.setdefault(_family(tp, pp), problems[0])
+                        continue
+                    out.append((tp, cp, pp, dp))
+        found = {_family(tp, pp) for tp, _, pp, _ in out}
         by_reason: dict[str, list[str]] = {}
         for fam, reason in left_out.items():
             if fam not in found:
@@ -211,8 +250,24 @@ class _Space:
             vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
             cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
             cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
-        ok = [(s, v) for s, v in cands if v <= layers_per_stage
-              and microbatch_problem(s, pp, v, m) is None]
+        ok = []
+        fixed = k.schedule is not None or k.virtual_stages is not None
+        for s, v in cands:
+            if not fixed:
+                if v <= layers_per_stage and microbatch_problem(s, pp, v, m) is None:
+                    ok.append((s, v))
+            elif v > layers_per_stage:
+                self.why_empty = self.why_empty or (
+                    f"plan.schedule={s!r} with {v} virtual stages: needs pp*virtual_stages="
+                    f"{pp}*{v}={pp * v} <= the model's {self.model.layers} layers")
+            elif microbatch_problem(s, pp, v, m) is not None:
+                self.why_empty = self.why_empty or microbatch_problem(s, pp, v, m)
+            else:
+                ok.append((s, v))
+        if k.schedule is not None and k.schedule == "interleaved" and not cands:
+            self.why_empty = self.why_empty or (
+                f"plan.schedule='interleaved': needs at least 2 layers per pipeline stage "
+                f"(the model has {self.model.layers} layers over pp={pp})")
         if k.schedule is None:
             ok = [(s, v) for s, v in ok if _formulas_hold(s, pp, m)]
         return ok
@@ -227,7 +282,23 @@ class _Space:
             return [self.knobs.zero]
         if (self.knobs.dp_replicate or 1) > 1:
             return [2, 3]  # HSDP: replicas of sharded groups
-        return [0, 1, 2, 3] if dp > 1 else [0]
+        return [0, 1, 2, 3] if dp > 1 else [0]  # dp here: every rank sharing gradients (dp*cp)
+
+
+def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: MemoryOptions,
+                      dtype: str) -> bool:
+    """Selective recomputation saves nothing over none: Korthikanti's policy (recompute the
+    attention core) with FlashAttention, which never stores the core. Policies that recompute
+    more (meshtron's and torchtitan's: they keep matmul outputs only) save less memory and are
+    searched."""
+    if opts.attention != "flash":
+        return False
+    import dataclasses as dc
+
+    m = dc.replace(mem, dtype=dtype)
+    args = (model, 1, False, 1, seq_len)
+    return (memory.activation_bytes(*args, "selective", opts, m)
+            >= memory.activation_bytes(*args, "none", opts, m))
 
 
 def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
@@ -244,15 +315,24 @@ def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                  fixed: Knobs | Plan | dict[str, Any] | None = None, top_k: int = 5,
                  options: KernelOptions | None = None, explain: bool = True,
-                 mem: MemoryOptions | None = None) -> SearchResult:
-    """Search every plan allowed by `fixed` and return the top_k fastest that fit. `mem`
-    overrides whose memory layout is costed (memory.MemoryOptions; the dtype is the plan's)."""
+                 mem: MemoryOptions | None = None, framework: Any = None) -> SearchResult:
+    """Search every plan allowed by `fixed` and return the top_k fastest that fit. `framework`
+    (frameworks.Framework) prices a software stack: its kernel and memory options and its
+    gradient reduction dtype (unless `fixed` has one). Without it, `options` / `mem` override
+    what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime."""
     t0 = time.perf_counter()
+    knobs = Knobs.of(fixed)
+    if framework is not None:
+        options, mem = framework.kernel, framework.memory
+        if knobs.reduce_dtype is None and framework.reduce_dtype != "fp32":
+            knobs = dataclasses.replace(knobs, reduce_dtype=framework.reduce_dtype)
     opts = options or KernelOptions()
-    space = _Space(model, cluster, global_batch, seq_len, Knobs.of(fixed), opts)
     ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
+    runtime = framework is None or framework.name == "meshtron"
+    space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime)
     result = _search(ev, space, top_k, explain)
     result.seconds = time.perf_counter() - t0
+    result.framework = framework
     return result
 
 
@@ -268,15 +348,15 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
     any_layout = False
     queue: list[tuple[float, str, Plan]] = []
     hopeless = 0
-    for tp, pp, dp in space.layouts():
+    for tp, cp, pp, dp in space.layouts():
         any_layout = True
         fam = _family(tp, pp)
         # Lower bound of memory: model states at the most sharded ZeRO stage allowed.
-        per_param = min(sum(memory.state_bytes(z, dp, ev.grad_bytes, ev.mem))
-                        for z in space.zeros(dp))
+        per_param = min(sum(memory.state_bytes(z, dp * cp, ev.grad_bytes, ev.mem))
+                        for z in space.zeros(dp * cp))
         if per_param * model.num_params() / (tp * pp) > budget:
             # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
-            est = _leanest(ev, space, tp, pp, dp)
+            est = _leanest(ev, space, tp, cp, pp, dp)
             hopeless += 1
             if est is not None:
                 counter += 1
@@ -291,11 +371,12 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
             for rec in space.recomputes:
                 for sp in space.sps(tp):
                     for sched, v in space.schedules(pp, m):
-                        for zero in space.zeros(dp):
+                        for zero in space.zeros(dp * cp):
                             if schedule_zero_problem(sched, zero, pp):
                                 continue  # the runtime refuses it (plan.py)
                             cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype,
-                                               space.replicate)
+                                               space.replicate, cp, space.reduce_dtype,
+                                               space.accumulate)
                             queue.append((ev.lower_bound_step(cfg), fam, cfg))
     # Branch and bound, best bound first: a config whose bound is slower than the k-th best
     # plan and than its family's best cannot change the answer.
@@ -331,6 +412,8 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
                 lean = est
     if not any_layout:
         raise UserError(_no_layout_message(space, cluster, global_batch))
+    if not queue and not hopeless and space.why_empty:
+        raise UserError(space.why_empty)  # the knobs leave nothing to run: not a memory matter
     # Rank by step time; ties (e.g. ZeRO stages whose extra traffic is fully hidden) go to
     # the simpler plan: lower ZeRO stage, less recomputation, then less memory.
     rec_order = {"none": 0, "selective": 1, "full": 2}
@@ -354,7 +437,8 @@ def _family(tp: int, pp: int) -> str:
     return "pp" if tp == 1 else "3d"
 
 
-def _leanest(ev: Evaluator, space: _Space, tp: int, pp: int, dp: int) -> Estimate | None:
+def _leanest(ev: Evaluator, space: _Space, tp: int, cp: int, pp: int,
+             dp: int) -> Estimate | None:
     """The layout at the knob values that minimise memory (most ZeRO, smallest micro-batch,
     most recomputation, sequence parallelism, 1F1B-class schedule)."""
     mbs = space.micro_batches(dp)
@@ -371,11 +455,11 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, pp: int, dp: int) -> Estimat
     sps = space.sps(tp)
     if not sps:
         return None
-    zeros = [z for z in space.zeros(dp) if not schedule_zero_problem(sched, z, pp)]
+    zeros = [z for z in space.zeros(dp * cp) if not schedule_zero_problem(sched, z, pp)]
     if not zeros:
         return None
     cfg = Plan.trusted(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, space.dtype,
-                       space.replicate)
+                       space.replicate, cp, space.reduce_dtype, space.accumulate)
     return ev.evaluate(cfg)
 
 
@@ -434,7 +518,8 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
     c = best.config
     variants: list[tuple[str, dict[str, Any]]] = []
     for rec in RECOMPUTE:
-        if rec != c.recompute and not (rec == "selective" and ev.opts.attention == "flash"):
+        if rec != c.recompute and not (rec == "selective" and "selective" not in
+                                       space.recomputes and not space.knobs.recompute):
             variants.append((f"recompute={rec}", {"recompute": rec}))
     if c.tp > 1:
         variants.append((f"sp={'off' if c.sp else 'on'}", {"sp": not c.sp}))
@@ -445,7 +530,7 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
     for z in (0, 1, 2, 3):
         if z != c.zero and c.dp > 1:
             variants.append((f"zero={z}", {"zero": z}))
-    base = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
+    base = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp}
     for label, change in variants:
         fixed = {**base, **{k: v for k, v in space.knobs.to_dict().items()
                             if k not in base}, **change}
@@ -453,10 +538,13 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
             continue  # the user fixed this knob
         try:
             sub_space = _Space(space.model, ev.cluster, ev.global_batch, ev.seq,
-                               Knobs.of(fixed), ev.opts)
+                               Knobs.of(fixed), ev.opts, ev.mem, space.runtime)
         except UserError:
             continue
-        sub = _search(ev, sub_space, 1, False)
+        try:
+            sub = _search(ev, sub_space, 1, False)
+        except UserError:
+            continue  # this knob value leaves nothing to run on the layout (e.g. too few layers)
         est = sub.best or sub.near_miss
         if est is None or (est.fits and est.step_time_s <= best.step_time_s * 1.0005):
             continue  # ties are not a reason to lose
@@ -466,11 +554,11 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
 
 def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                   fixed: Knobs | Plan | dict[str, Any], options: KernelOptions | None = None,
-                  mem: MemoryOptions | None = None) -> Estimate:
+                  mem: MemoryOptions | None = None, framework: Any = None) -> Estimate:
     """Evaluate one plan. Knobs left open are searched (best value), so a fully fixed plan is
     evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
     result = search_plans(model, cluster, global_batch, seq_len, fixed, top_k=1,
-                          options=options, explain=False, mem=mem)
+                          options=options, explain=False, mem=mem, framework=framework)
     est = result.best or result.near_miss
     if est is None:
         raise UserError(f"layout {Knobs.of(fixed).to_dict()}: no valid plan on "

@@ -39,6 +39,8 @@ def _fraction(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
+    from meshtron.planner.cli import add_framework_args
+
     p = subparsers.add_parser(
         "simulate", help="sweep GPU counts (re-planning), or simulate one step rank by rank",
         description="Without --step: plan at every GPU count of --gpus and write CSV + PNG "
@@ -51,7 +53,7 @@ def register(subparsers: Any) -> None:
                         "--step: dgx-h100:N or a TOML")
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
-    p.add_argument("--stack", default="eager", help="eager | fused (planner cost model)")
+    add_framework_args(p)
     p.add_argument("--gpus", default="64..131072",
                    help="sweep sizes: LO..HI (powers of two) or a list 512,1024,4096")
     p.add_argument("--out", help="sweep: folder for sweep.csv and the PNG plots")
@@ -73,11 +75,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshtron.planner.cli import load_model
-    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.cli import framework_of, load_model
 
     model = load_model(args.model)
-    opts = KernelOptions(stack=args.stack)
+    opts = framework_of(args)  # a planner Framework (--framework, --options, --stack ...)
     if args.step:
         return _run_step(args, model, opts)
     return _run_sweep(args, model, opts)
@@ -167,17 +168,17 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
     cluster = resolve_cluster(args.cluster)
     batch, seq = args.global_batch, args.seq_len
     if args.plan:
-        est = evaluate_plan(model, cluster, batch, seq, load_plan(args.plan), options=opts)
+        est = evaluate_plan(model, cluster, batch, seq, load_plan(args.plan), framework=opts)
         if not est.fits:
             raise UserError(f"plan={args.plan!r}: does not fit on {args.cluster} (needs "
                             f"{est.memory.total:.1f} GiB per GPU of {est.memory.capacity:.0f})")
     else:
-        result = search_plans(model, cluster, batch, seq, None, top_k=1, options=opts,
+        result = search_plans(model, cluster, batch, seq, None, top_k=1, framework=opts,
                               explain=False)
         if not result.fits:
             raise UserError(f"cluster={args.cluster!r}: no plan of {args.model} fits")
         est = result.best
-    ev = Evaluator(model, cluster, batch, seq, opts)
+    ev = Evaluator(model, cluster, batch, seq, opts.kernel, mem=opts.memory)
     pert = Perturbation(stragglers=tuple(args.straggler), jitter=args.jitter, seed=args.seed)
     base = simulate_step(ev, est)
     res = simulate_step(ev, est, pert) if (pert.stragglers or pert.jitter) else base

@@ -53,6 +53,11 @@ def gpu_counts(text: str) -> list[int]:
         lo, hi = int(m.group(1)), int(m.group(2))
         if lo < 1 or hi < lo:
             raise UserError(f"gpus={text!r}: expected LO..HI with 1 <= LO <= HI")
+        if lo & (lo - 1) or hi & (hi - 1):
+            bad = [str(x) for x in (lo, hi) if x & (x - 1)]
+            raise UserError(f"gpus={text!r}: LO..HI sweeps powers of two; "
+                            + " and ".join(bad) + (" are not" if len(bad) > 1 else " is not")
+                            + " (give powers of two, or a list like 100,200,300)")
         out, n = [], 1
         while n <= hi:
             if n >= lo:
@@ -146,7 +151,8 @@ def _point(model, cluster, series, gpus, batch, seq, opts) -> SweepPoint:
     t0 = time.perf_counter()
     cl = _cluster_of(cluster, gpus)
     try:
-        result = search_plans(model, cl, batch, seq, None, top_k=1, options=opts, explain=False)
+        stack = {"framework": opts} if hasattr(opts, "kernel") else {"options": opts}
+        result = search_plans(model, cl, batch, seq, None, top_k=1, explain=False, **stack)
         best = result.best
         why = ""
         if best is None and result.near_miss is not None:

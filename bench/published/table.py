@@ -101,6 +101,12 @@ class PublishedRun:
     memory: MemoryOptions | None = None
     """Whose memory layout the run had (memory.MemoryOptions); None: the stack's default
     (memory.options_for: meshtron's FSDP2 runtime for 'eager', Megatron-LM for 'fused')."""
+    cp: int = 1
+    """Context-parallel degree (GPUs = tp * cp * pp * dp)."""
+    dtype: str = "bf16"
+    """Precision: 'bf16', or 'fp8' (Float8 linears, torchao / Transformer Engine)."""
+    published_memory_gib: float | None = None
+    """Peak memory per GPU the source reports, GiB (None: not reported)."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -110,7 +116,7 @@ class PublishedRun:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def gpu(self) -> str:
@@ -118,7 +124,8 @@ class PublishedRun:
 
     def layout(self) -> str:
         z = f" zero={self.zero}" if self.zero else ""
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{z}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{z}"
 
 
 @dataclass(frozen=True)
@@ -179,8 +186,9 @@ def _candidates(run: PublishedRun, recompute: str) -> list[Plan]:
                 scheds.append((s, 1))
         for sched, v in scheds:
             plans.append(Plan(run.tp, run.pp, run.dp, run.zero, mb, recompute, run.sp, sched, v,
-                              dp_replicate=run.dp_replicate, dtype="bf16",
-                              attention=run.opts.attention))
+                              dp_replicate=run.dp_replicate, dtype=run.dtype, cp=run.cp,
+                              attention=run.opts.attention,
+                              reduce_dtype="fp32" if run.opts.fp32_grad_reduce else "bf16"))
     return plans
 
 

@@ -24,9 +24,9 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.plan import Plan
-from meshtron.planner.published import PublishedPrediction, PublishedRun, predict_published
+from bench.published.table import PublishedPrediction, PublishedRun, predict_published
 # The options the validation table uses for Megatron-LM 2021-2022 (published_runs.py).
-from meshtron.planner.published_runs import MEGATRON_2021, published_runs
+from bench.published.runs import MEGATRON_2021, published_runs
 
 __all__ = ["MEGATRON_2021", "Prediction", "PublishedPrediction", "PublishedRun",
            "megatron_2021_rows", "predict_megatron_row", "predict_published", "published_runs"]

@@ -1,0 +1,165 @@
+"""The published table through the command line: what a user of `meshtron plan` gets.
+
+Every row of bench/published/runs.py (plus the Megatron-LM 2021 weak-scaling rows are left to
+bench/planner_published.py) is written out as files a user would write, and run as
+
+    meshtron plan --model ROW.model.toml --cluster ROW.cluster.toml --global-batch B \\
+        --seq-len S --framework NAME@ERA [--options ROW.options.toml] --layout tp=..,pp=..,dp=.. \\
+        --zero Z --recompute R --sp on|off [--micro-batch M] [--schedule S] \\
+        [--dp-replicate N] --dtype bf16 --json
+
+with the framework preset closest to the row's software (fewest differing options) and the
+remaining differences in an [options] table. What the source does not publish (micro-batch,
+virtual stages) is left to the search. A row the planner refuses for memory is counted as
+"rejected" (the goal is none). Rows with torchtitan's selective op AC run as the torchtitan preset's
+`--recompute selective`; its every-other-layer AC (sel-layer rows) cannot be spelled on the
+command line and is listed as not expressible.
+
+Error = predicted / published throughput - 1 (step time: published / predicted - 1).
+
+    python bench/planner_cli_table.py [-v]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import tomli_w  # noqa: E402
+
+from bench.published.runs import published_runs  # noqa: E402
+from meshtron.planner import memory  # noqa: E402
+from meshtron.planner.frameworks import PRESETS  # noqa: E402
+
+
+def _options_for(run) -> tuple[str, dict]:
+    """(closest preset, the option values that differ from it) for a row's software."""
+    kern = dataclasses.asdict(run.opts)
+    mem = run.memory or memory.options_for(run.opts)
+    mem_d = {k: v for k, v in dataclasses.asdict(mem).items() if k != "dtype"}
+    red = "fp32" if run.opts.fp32_grad_reduce else "bf16"
+    best = None
+    for key, fw in PRESETS.items():
+        diff = {k: v for k, v in kern.items() if getattr(fw.kernel, k) != v}
+        fw_mem = dataclasses.asdict(fw.memory)
+        # memory defaults that resolve to the same list/loss count as equal
+        diff.update({k: v for k, v in mem_d.items() if fw_mem[k] != v
+                     and not (k in ("activations", "loss") and v is None)})
+        if fw.reduce_dtype != red:
+            diff["reduce_dtype"] = red
+        rank = (len(diff), 0 if fw.name in run.stack.lower() else 1)
+        if best is None or rank < best[0]:
+            best = (rank, key, diff)
+    return best[1], best[2]
+
+
+def _recompute(run) -> str | None:
+    """The row's recomputation as `--recompute` spells it: torchtitan's selective "op" AC is the
+    torchtitan preset's 'selective'; its every-other-layer AC ('half' of sel-layer rows) has no
+    spelling."""
+    if run.recompute != "half":
+        return run.recompute
+    if "(op)" in run.note or "sel-op" in run.name:
+        return "selective"
+    return None
+
+
+def _args(run, d: Path) -> list[str] | None:
+    recompute = _recompute(run)
+    if recompute is None:
+        return None
+    model = {k: v for k, v in dataclasses.asdict(run.model).items() if v is not None}
+    model["max_seq"] = max(model["max_seq"], run.seq_len)  # the row trained at that length
+    (d / "model.toml").write_text(tomli_w.dumps({"model": model}))
+    cl = {k: v for k, v in run.cluster.to_dict().items() if k != "name"}
+    (d / "cluster.toml").write_text(tomli_w.dumps(cl))
+    fw, diff = _options_for(run)
+    args = ["plan", "--model", str(d / "model.toml"), "--cluster", str(d / "cluster.toml"),
+            "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
+            "--framework", fw,
+            "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}",
+            "--zero", str(run.zero), "--recompute", recompute,
+            "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1"]
+    if diff:
+        clean = {k: v for k, v in diff.items() if v is not None}
+        (d / "options.toml").write_text(tomli_w.dumps({"options": clean}))
+        args += ["--options", str(d / "options.toml")]
+    if len(run.micro_batches) == 1:
+        args += ["--micro-batch", str(run.micro_batches[0])]
+    if run.pp > 1 and len(run.schedules) == 1:
+        args += ["--schedule", run.schedules[0]]
+    if run.dp_replicate > 1:
+        args += ["--dp-replicate", str(run.dp_replicate)]
+    return args
+
+
+def _value(run, plan: dict) -> float:
+    gpus = run.gpus
+    return {"step_s": plan["step_time_s"], "tokens_per_gpu": plan["tokens_per_s"] / gpus,
+            "model_tflops": plan["model_tflops_per_gpu"], "mfu": plan["mfu"],
+            "hw_tflops": plan["hardware_tflops_per_gpu"]}[run.metric]
+
+
+def run_row(run) -> dict:
+    import meshtron.cli as top
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _args(run, Path(tmp))
+        if args is None:
+            return {"run": run, "status": "not expressible"}
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = top.main(args)
+    doc = json.loads(out.getvalue()) if out.getvalue().strip() else {}
+    if rc != 0 or not doc.get("plans"):
+        nm = doc.get("near_miss") or {}
+        need = nm.get("memory_gib", {}).get("total")
+        return {"run": run, "status": "rejected", "need": need,
+                "error": err.getvalue().strip()[-160:]}
+    value = _value(run, doc["plans"][0])
+    error = (run.published / value - 1.0) if run.metric == "step_s" else value / run.published - 1
+    return {"run": run, "status": "ok", "value": value, "error": error, "args": args}
+
+
+def summarise(rows: list[dict], part: str) -> dict:
+    mine = [r for r in rows if r["run"].part == part]
+    ok = [abs(r["error"]) for r in mine if r["status"] == "ok"]
+    return {"n": len(mine), "answered": len(ok),
+            "rejected": sum(r["status"] == "rejected" for r in mine),
+            "not_expressible": sum(r["status"] == "not expressible" for r in mine),
+            "mean": sum(ok) / len(ok) if ok else float("nan"), "max": max(ok, default=float("nan"))}
+
+
+def main(argv: list[str]) -> int:
+    verbose = "-v" in argv
+    rows = [run_row(r) for r in published_runs()]
+    for r in rows:
+        run = r["run"]
+        if r["status"] == "ok":
+            line = f"{r['error']:+7.1%}  predicted {r['value']:.4g} vs {run.published:.4g}"
+        elif r["status"] == "rejected":
+            need = f"needs {r['need']:.1f} GiB" if r.get("need") else r.get("error", "")
+            line = f"REJECTED ({need})"
+        else:
+            line = "not expressible on the command line (recompute 'half')"
+        print(f"{run.part[:3]} {run.name:32} {run.metric:14} {line}")
+        if verbose and r.get("args"):
+            print("      meshtron " + " ".join(a for a in r["args"] if "/tmp" not in a))
+    for part in ("validation", "calibration"):
+        s = summarise(rows, part)
+        print(f"{part}: n={s['n']} answered {s['answered']}, rejected for memory "
+              f"{s['rejected']}, not expressible {s['not_expressible']}; mean |error| "
+              f"{s['mean']:.1%}, max {s['max']:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,180 @@
+"""The data-parallel / ZeRO and pipeline collectives one training step issues, per rank.
+
+`step_collectives(plan, model, global_batch, seq_len)` lists what meshtron's runtime runs for a
+plan (issue 17: one gradient reduction per step for ZeRO-0/1, ZeRO-1 as a distributed
+optimizer, ZeRO-2/3 per micro-batch unless `accumulate_unsharded`, the embedding and
+[final norm, output head] as FSDP units of their own, the last unit not resharded after
+forward, no resharding between micro-batches with pipelining). It is the count the cost model
+prices (planner/estimate.py `dp_flags`) and the one a runtime test checks against the
+collectives it records on real gloo process groups. Torch-free.
+
+What is counted, per rank, per optimizer step:
+
+* FSDP units, in forward order on the rank's (virtual) stages: the token embedding (stage 0),
+  every transformer block, and [final norm + output head] (last stage). A unit's parameters are
+  those one tensor-parallel rank holds (planner/memory.py `*_params_local`), unpadded.
+* ZeRO-0: one `all_reduce` per unit (axis "dp_replicate"), input = the unit's gradient in
+  `plan.reduce_dtype`.
+* ZeRO-1: one `reduce_scatter` per unit (axis "dp_replicate"; input = the whole unit gradient
+  in reduce_dtype) and, after the optimizer step, one `all_gather` per unit of the updated
+  parameters (input = this rank's 1/dp shard in fp32, the dtype meshtron's parameters are
+  stored in).
+* ZeRO-2/3 (axis "dp_shard"): `all_gather` of each unit before its forward (input = the shard,
+  1/dp_shard of the unit, in the compute dtype: bf16, fp8 runs gather bf16, fp32 runs fp32),
+  and with ZeRO-3 before its backward again except for the last unit ([norm, head]: not
+  resharded after forward); `reduce_scatter` of each unit's gradient after its backward (input
+  = the whole unit gradient in reduce_dtype). Without pipelining both happen every micro-batch
+  (the reduce-scatter once per step with `accumulate_unsharded`); with pipelining each unit is
+  gathered once and reduced once per step. HSDP (dp_replicate > 1) adds an `all_reduce` over
+  "dp_replicate" after every reduce-scatter, input = the reduced shard.
+* Pipelining (pp > 1), per micro-batch, for every stage boundary that crosses ranks: the
+  forward `send` of the stage output / `recv` of the input, the backward `send` / `recv` of
+  their gradients, each a [micro_batch, seq_len/cp, hidden] tensor in the compute dtype (1/tp
+  of it with sequence parallelism). Boundaries between two stages on the same rank (the ZBV
+  turn) are not counted.
+* With context parallelism the data-parallel groups span dp x cp ranks (FSDP over dp_shard x
+  cp); the axis is still named "dp_shard" / "dp_replicate", the group size in `group_size`.
+
+Not counted: tensor-parallel and context-parallel activation collectives (per layer, inside
+the blocks), the loss / metric reductions, gradient-norm clipping's all-reduce, evaluation,
+checkpointing, and anything on a group of one rank. Plans with gradient compression or DiLoCo
+are refused (meshtron.compress issues its own collectives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshtron.errors import UserError
+from meshtron.planner import memory
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "all_to_all")
+"""Collective kinds a CollectiveCount can name."""
+AXES = ("dp_shard", "dp_replicate", "tp", "pp", "cp")
+"""Mesh axis names."""
+
+
+@dataclass(frozen=True)
+class CollectiveCount:
+    """Calls of one collective with one message size, per rank per optimizer step."""
+
+    kind: str
+    """'all_reduce' | 'reduce_scatter' | 'all_gather' | 'broadcast' | 'send' | 'recv' |
+    'all_to_all'."""
+    axis: str
+    """Mesh axis the group spans: 'dp_shard', 'dp_replicate', 'tp', 'pp' or 'cp'."""
+    count: int
+    """Calls per step on this rank."""
+    bytes: int
+    """Bytes of the collective's input tensor on this rank, per call (all_gather: the local
+    shard; reduce_scatter: the whole unsharded buffer; all_reduce, send, recv: the tensor)."""
+    group_size: int = 1
+    """Ranks in the group (dp x cp for the data-parallel axes with context parallelism)."""
+
+
+def even_stage_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per (virtual) stage when the plan gives none: an even split whose remainder goes
+    to the middle stages first (the first and last carry the embedding and head); the rule of
+    meshtron/parallel/mesh.py `stage_layer_counts`."""
+    base, extra = divmod(num_layers, num_stages)
+    order = sorted(range(num_stages),
+                   key=lambda i: (i in (0, num_stages - 1), abs(i - (num_stages - 1) / 2)))
+    counts = [base] * num_stages
+    for i in order[:extra]:
+        counts[i] += 1
+    return counts
+
+
+def local_stages(plan: Any, pp_rank: int) -> list[int]:
+    """(Virtual) stage indices pipeline rank `pp_rank` holds (parallel/pipeline.py's rule: the
+    V placement for zb with two stages per rank, else looped)."""
+    n, pp = plan.num_stages, plan.pp
+    if plan.schedule == "zb" and plan.virtual_stages == 2:
+        return sorted({pp_rank, n - 1 - pp_rank})
+    return list(range(pp_rank, n, pp))
+
+
+def _units(plan: Any, model: Any, pp_rank: int) -> list[float]:
+    """Parameters (per tensor rank) of this rank's FSDP units, in forward order."""
+    counts = list(plan.stage_layers) or even_stage_layers(model.layers, plan.num_stages)
+    p_layer = memory.layer_params_local(model, plan.tp)
+    units: list[float] = []
+    last = plan.num_stages - 1
+    for s in local_stages(plan, pp_rank):
+        if s == 0:
+            units.append(memory.embedding_params_local(model, plan.tp))
+        units += [p_layer] * counts[s]
+        if s == last:
+            units.append(memory.head_params_local(model, plan.tp, plan.pp))
+    return [u for u in units if u > 0]
+
+
+def _add(out: dict, kind: str, axis: str, count: int, nbytes: float, size: int) -> None:
+    if count <= 0 or size <= 1:
+        return
+    key = (kind, axis, int(round(nbytes)), size)
+    out[key] = out.get(key, 0) + count
+
+
+def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
+                     pp_rank: int = 0) -> list[CollectiveCount]:
+    """The data-parallel / ZeRO and pipeline collectives of one training step on a rank of
+    pipeline rank `pp_rank` (module docstring: what is and is not counted), one entry per
+    (kind, axis, bytes), sorted."""
+    if plan.grad_compression != "none" or plan.diloco:
+        raise UserError("step_collectives: plans with grad_compression or diloco issue "
+                        "meshtron.compress's own collectives, which are not counted here")
+    if not 0 <= pp_rank < plan.pp:
+        raise UserError(f"pp_rank={pp_rank}: must be in 0..{plan.pp - 1}")
+    m = global_batch // (plan.dp * plan.micro_batch)
+    compute_b = 4.0 if plan.dtype == "fp32" else 2.0
+    reduce_b = 4.0 if plan.reduce_dtype == "fp32" else 2.0
+    units = _units(plan, model, pp_rank)
+    out: dict = {}
+    cp, zero = plan.cp, plan.zero
+    if zero <= 1:
+        size = plan.dp * cp
+        for u in units:
+            if zero == 0:
+                _add(out, "all_reduce", "dp_replicate", 1, reduce_b * u, size)
+            else:
+                _add(out, "reduce_scatter", "dp_replicate", 1, reduce_b * u, size)
+                _add(out, "all_gather", "dp_replicate", 1, 4.0 * u / size, size)
+    else:
+        shard = plan.dp // plan.dp_replicate * cp
+        rep = plan.dp_replicate
+        pipelined = plan.pp > 1
+        gathers = 1 if pipelined else m
+        reduces = 1 if (pipelined or plan.accumulate_unsharded) else m
+        for i, u in enumerate(units):
+            is_last_unit = i == len(units) - 1 and pp_rank == _last_rank(plan)
+            n_ag = gathers
+            if zero == 3 and not pipelined and not is_last_unit:
+                n_ag += m  # re-gathered before the backward (resharded after forward)
+            _add(out, "all_gather", "dp_shard", n_ag, compute_b * u / shard, shard)
+            _add(out, "reduce_scatter", "dp_shard", reduces, reduce_b * u, shard)
+            _add(out, "all_reduce", "dp_replicate", reduces, reduce_b * u / shard, rep)
+    if plan.pp > 1:
+        act = compute_b * plan.micro_batch * seq_len / cp * model.hidden / (plan.tp if plan.sp
+                                                                           else 1)
+        mine = set(local_stages(plan, pp_rank))
+        for s in mine:
+            nxt, prv = s + 1, s - 1
+            if nxt < plan.num_stages and nxt not in mine:
+                _add(out, "send", "pp", m, act, plan.pp)   # forward output
+                _add(out, "recv", "pp", m, act, plan.pp)   # its gradient
+            if prv >= 0 and prv not in mine:
+                _add(out, "recv", "pp", m, act, plan.pp)   # forward input
+                _add(out, "send", "pp", m, act, plan.pp)   # its gradient
+    return sorted((CollectiveCount(k, a, c, b, g) for (k, a, b, g), c in out.items()),
+                  key=lambda x: (x.axis, x.kind, x.bytes))
+
+
+def _last_rank(plan: Any) -> int:
+    """Pipeline rank holding the last stage."""
+    last = plan.num_stages - 1
+    return next(r for r in range(plan.pp) if last in local_stages(plan, r))
+
+
+__all__ = ["CollectiveCount", "step_collectives", "even_stage_layers", "local_stages"]

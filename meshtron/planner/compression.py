@@ -1,0 +1,182 @@
+"""What gradient compression and DiLoCo cost and save, for the planner (planner/estimate.py).
+
+Bytes on the wire per gradient element: int8 1 + 4/block (the fp32 scale of each block), bf16
+2, none: the estimator's gradient size (4 with fp32 reduction, 2 in bf16). The compressed
+all-reduce is an all-to-all then an all-gather (collectives.py); per rank they move the same
+(n-1)/n of the buffer each way as a ring all-reduce (ZeRO++, Wang et al. 2023, section 4.2),
+so it is costed as NCCL's all-reduce of the compressed bytes (comm.py). With
+compress_scope='inter_node' the fp32 reduce-scatter and all-gather stay inside the node and
+only 1/local of the buffer crosses nodes, compressed (comm.py's two-level scheme).
+
+Quantization work is memory-bound: per gradient element on each rank, the absmax pass reads 4
+bytes, scaling reads 4 and writes 1; error feedback reads and writes the fp32 residual (8) and
+the decoded copy it subtracts (4); the receiver reads 1 and accumulates into fp32 (8); the
+all-gather's decode reads 1 and writes 4: about CODEC_BYTES_PER_ELEMENT bytes of HBM traffic
+(bf16 is within a few bytes of it), at the estimator's achieved HBM bandwidth.
+
+meshtron's compressed ZeRO-0/1 reduce once per step after the backward (not overlapped);
+ZeRO-2/3 compress FSDP2's per-unit reduce-scatters, which keep their overlap. DiLoCo
+(Douillard et al. 2023) replaces the per-step gradient reduction by one all-reduce of the
+parameters every H steps (the replicas wait for it) plus the outer Nesterov update (read theta,
+the replica's copy and the momentum, write theta, momentum and the copy: OUTER_BYTES_PER_PARAM).
+The model costs time per step only: DiLoCo's loss per step differs from data parallelism's
+(the paper: close for H up to ~500 at 8 replicas), which the planner does not predict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtron.planner import comm
+
+CODEC_BYTES_PER_ELEMENT = 35.0
+"""HBM bytes per gradient element of quantize + error feedback + decode-and-sum (module doc)."""
+OUTER_BYTES_PER_PARAM = 24.0
+"""HBM bytes per parameter of DiLoCo's outer step (three fp32 reads, three fp32 writes)."""
+
+
+def extra_state_bytes(plan) -> float:
+    """Bytes per parameter a rank keeps for compression or DiLoCo, beyond the optimizer's:
+    the fp32 error-feedback residual (whole local gradients: ZeRO-2/3's reduce-scatter input
+    is the unsharded unit), and DiLoCo's fp32 outer parameters and momentum (sharded like the
+    parameters inside a replica)."""
+    extra = 4.0 if plan.grad_compression != "none" else 0.0
+    if plan.diloco > 0:
+        shard = plan.dp_shard
+        extra = (8.0 + extra) / shard
+    return extra
+
+
+def with_state_bytes(plan, states: tuple[float, float, float]) -> tuple[float, float, float]:
+    """memory.state_bytes' (weights, gradients, optimizer) with `extra_state_bytes` counted as
+    optimizer state."""
+    w, g, o = states
+    return w, g, o + extra_state_bytes(plan)
+
+
+def changes_dp(plan) -> bool:
+    """The plan's data-parallel traffic differs from the uncompressed default."""
+    return plan.grad_compression != "none" or plan.diloco > 0
+
+
+def wire_bytes(plan, gsize: float) -> float:
+    """Bytes per gradient element on the wire (gsize: the uncompressed gradient's)."""
+    if plan.grad_compression == "int8":
+        return 1.0 + 4.0 / plan.grad_compression_block
+    if plan.grad_compression == "bf16":
+        return 2.0
+    return gsize
+
+
+def _hierarchical(plan, group: comm.Group) -> bool:
+    return plan.compress_scope == "inter_node" and group.nodes > 1 and group.local > 1
+
+
+def reduce_time(plan, params: float, group: comm.Group, fab: comm.Fabric, hbm: float,
+                gsize: float) -> float:
+    """One all-reduce of `params` gradients over `group` as meshtron.compress runs it, with the
+    codec's memory-bound work."""
+    if group.size <= 1:
+        return 0.0
+    wire = wire_bytes(plan, gsize)
+    if _hierarchical(plan, group):
+        k = group.local
+        inner, outer = comm.Group(k, k), comm.Group(group.nodes, 1)
+        t = (comm.reduce_scatter(gsize * params, inner, fab)
+             + comm.all_reduce(wire * params / k, outer, fab)
+             + comm.all_gather(gsize * params, inner, fab))
+        work = params / k
+    else:
+        t = comm.all_reduce(wire * params, group, fab)
+        work = params
+    if plan.grad_compression != "none":
+        t += CODEC_BYTES_PER_ELEMENT * work / hbm
+    return t
+
+
+def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: float,
+            bwd: float, layers: int, regather: bool) -> float:
+    """Exposed data-parallel time per step of a stage with `params` parameters, for a plan
+    with compression or DiLoCo (`est`: the planner's Estimator, for its fabric, HBM bandwidth,
+    gradient size and the FSDP per-unit model)."""
+    flags = est.dp_flags(plan)
+    gsize = flags["gsize"]
+    fab, hbm = est.fab, est.hbm
+    if plan.diloco > 0:
+        rep = groups["dp_replicate"]
+        # each rank syncs the parameters it holds: a 1/dp_shard shard under ZeRO-2/3
+        local = params / groups["dp_shard"].size if plan.zero >= 2 else params
+        sync = (reduce_time(plan, local, rep, fab, hbm, 4.0)
+                + OUTER_BYTES_PER_PARAM * local / hbm)
+        inner = 0.0
+        if plan.zero >= 2:  # FSDP2 inside each replica, over its dp_shard ranks only
+            one = comm.Group(1, 1)
+            inner = est._dp_time(params, plan.zero, {**groups, "dp": groups["dp_shard"],
+                                                     "dp_replicate": one}, m, fwd, bwd, layers,
+                                 regather, **flags)
+        return inner + sync / plan.diloco
+    group = groups["dp"]
+    if plan.zero >= 2:
+        wire = wire_bytes(plan, gsize)
+        rs_elems = params  # every unit's reduce-scatter input, each micro-batch
+        reduces = 1 if flags["reduce_once"] else m
+        return (est._dp_time(params, plan.zero, groups, m, fwd, bwd, layers, regather,
+                             wire=wire, **flags)
+                + reduces * CODEC_BYTES_PER_ELEMENT * rs_elems / hbm)
+    t = reduce_time(plan, params, group, fab, hbm, 4.0)
+    if plan.zero == 1:  # owners broadcast updated fp32 parameters (estimate.py, ZeRO-1 fsdp)
+        t += comm.all_gather(4.0 * params, group, fab) + (group.size - 1) * fab.base_latency
+    return t
+
+
+def _best_variant(est, cfg, change: dict, variants) -> tuple[Any, str] | None:
+    """Fastest plan that fits among `cfg` with `change` and each (ZeRO stage, dp_replicate) of
+    `variants`; returns (estimate, its flags)."""
+    found = None
+    for zero, rep in variants:
+        try:
+            plan = cfg.replace(zero=zero, dp_replicate=rep, **change)
+            est_ = est.evaluate(plan)
+        except ValueError:  # the plan rules refuse this combination
+            continue
+        if est_ is not None and est_.fits and (found is None
+                                               or est_.time.total < found[0].time.total):
+            found = (est_, f"--zero {zero}" + (f" (dp_replicate={rep})" if rep > 1 else ""))
+    return found
+
+
+def advice(result) -> str | None:
+    """One line for `meshtron plan` (a SearchResult) when the best plan is bound by inter-node
+    data-parallel traffic (at least 10% of its step, over a group spanning nodes): the best
+    plan's layout with int8 gradient compression (any ZeRO stage that fits) and with DiLoCo
+    (H=16: full replicas with ZeRO-0, or one replica per node sharded inside it), and their
+    step times. None otherwise."""
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.placement import groups_for_cost
+
+    best = result.best
+    if best is None or changes_dp(best.config):
+        return None
+    cfg, t = best.config, best.time
+    group = groups_for_cost(cfg, result.cluster.gpus_per_node)["dp"]
+    if group.nodes <= 1 or t.dp_comm < 0.1 * t.total:
+        return None
+    est = Evaluator(result.model, result.cluster, result.global_batch, result.seq_len,
+                    result.options)
+    options = []
+    per_node = [(z, group.nodes) for z in (2, 3) if cfg.dp % group.nodes == 0]
+    for label, change, variants in (
+            ("--grad-compression int8", dict(grad_compression="int8"),
+             [(z, 1) for z in (0, 1, 2, 3)]),
+            ("--diloco 16", dict(diloco=16), [(0, 1)] + per_node)):
+        found = _best_variant(est, cfg, change, variants)
+        if found is None:
+            options.append(f"{label}: does not fit")
+            continue
+        other, flags = found
+        gain = t.total / other.time.total
+        verdict = f"{gain:.2f}x faster" if gain > 1 else "no gain"
+        options.append(f"{label} {flags}: {other.time.total:.3g} s ({verdict})")
+    return (f"inter-node bound: data-parallel traffic is {t.dp_comm / t.total:.0%} of the "
+            f"{t.total:.3g} s step across {group.nodes} nodes; " + "; ".join(options)
+            + " (DiLoCo's loss per step is not modelled)")

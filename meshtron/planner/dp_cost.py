@@ -1,0 +1,183 @@
+"""Data-parallel / ZeRO communication left exposed per step (the Evaluator's mixin): which
+collectives a plan's framework runs and when (`dp_flags`), and how much of them the compute
+beside them hides (module docstring of estimate.py). Torch-free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtron.planner import comm, compute
+from meshtron.planner.plan import Plan
+
+OVERLAP_INTERFERENCE = compute.OVERLAP_INTERFERENCE
+"""The hidden part of overlapped communication costs this fraction of its duration
+(compute.py: NCCL kernels share SMs and HBM bandwidth with the GEMMs they run beside)."""
+
+LIST_HOST_S_PER_RANK = 8e-6
+"""Host time per group member of one list-based collective (KernelOptions.list_collectives):
+DeepSpeed 0.3.x builds the per-rank chunk list in a Python loop (`narrow` per rank in
+partition_parameters.py `_allgather_param` / `_reduce_scatter_gradient`), and PyTorch's
+ProcessGroupNCCL (<= 1.10) copies every chunk separately (`copy_` per rank after all_gather,
+before reduce_scatter via flatten_for_scatter_gather). About 2 us for a Python tensor view plus
+about 3 us to issue one small copy (cudaMemcpyAsync launch); the host does this for every rank
+of every call, serially, because ZeRO-3 of that era synchronises the device around each fetch."""
+
+
+_exposed = compute.overlapped
+"""Communication time not hidden behind `window` seconds of compute, plus the interference the
+hidden part causes (one formula for tensor-, context- and data-parallel overlap)."""
+
+
+class DataParallelCost:
+    """Mixin of `estimate.Evaluator`: needs self.opts, self.mem, self.fab, self.hbm and
+    self._cache."""
+
+    def dp_flags(self, cfg: Plan) -> dict[str, Any]:
+        """How a plan's data-parallel collectives run, as keyword arguments of `_dp_time`:
+        `gsize` bytes per gradient element on the wire (the plan's reduce_dtype), `reduce_once`
+        (ZeRO-2/3 reduce-scatter once per step: accumulate_unsharded, or pipelining, whose
+        schedule turns FSDP's gradient sync and resharding off until the last backward in
+        torch.distributed.pipelining), `gather_once` (pipelining: parameters stay gathered
+        over the step's micro-batches, torchtitan's reshard_after_forward=False with pp)."""
+        pipelined = cfg.pp > 1 and self.opts.sharding == "fsdp"
+        return {"gsize": 4.0 if cfg.reduce_dtype == "fp32" else compute.BF16,
+                "reduce_once": cfg.zero >= 2 and (cfg.accumulate_unsharded or pipelined),
+                "gather_once": cfg.zero >= 2 and pipelined}
+
+    def _param_wire(self) -> float:
+        """Bytes per parameter of ZeRO-1/2 parameter all-gathers after the step: FSDP2-based
+        runtimes keep fp32 parameters (meshtron's distributed optimizer gathers them), 16-bit
+        weight frameworks gather the bf16 weights (fp32 with fp32_params_autocast)."""
+        if self.opts.fp32_params_autocast or (self.mem.framework == "fsdp2"
+                                              and self.opts.sharding == "fsdp"):
+            return 4.0
+        return compute.BF16
+
+    def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
+                 bwd: float, layers: int = 1, regather: bool = False,
+                 wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
+                 gather_once: bool = False) -> float:
+        """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
+        (module docstring); `wire`: bytes per gradient element when compressed
+        (planner/compression.py); the rest: `dp_flags`."""
+        group = groups["dp"]
+        key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
+               wire, gsize, reduce_once, gather_once)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        gsize = wire or gsize
+        fsdp = self.opts.sharding == "fsdp"
+        if (zero == 3 or (zero == 2 and fsdp)) and not (reduce_once or gather_once):
+            # per unit and micro-batch, with its own overlap rules
+            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+                                                 backward_gather=zero == 3, wire=gsize)
+            self._cache[key] = exp
+            return exp
+        if zero >= 2 and fsdp:
+            exp = self._fsdp_accumulated(params, groups, layers, m, fwd, bwd, zero, gsize,
+                                         reduce_once, gather_once, regather)
+            self._cache[key] = exp
+            return exp
+        if not self.opts.overlap_grad_reduce:
+            fwd = bwd = 0.0
+        if zero == 3:  # DeepSpeed-style ZeRO-3 under sharding='zero': per unit per micro-batch
+            exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+                                                 backward_gather=True, wire=gsize)
+        else:
+            red, gather = self.once_per_step(params, zero, groups, gsize)
+            exp = _exposed(red, bwd) + _exposed(gather, fwd)
+        self._cache[key] = exp
+        return exp
+
+    def once_per_step(self, params: float, zero: int, groups: dict[str, Any],
+                      gsize: float) -> tuple[float, float]:
+        """(gradient reduction, parameter all-gather) seconds of a ZeRO-0/1/2 stage that
+        reduces once per step, as raw collective times (the overlap is the caller's: the
+        evaluator's `_exposed`, the simulator's event queue). ZeRO-0: one all-reduce (gradient
+        sync off but on the last micro-batch: FSDP2's set_requires_gradient_sync, DDP's
+        no_sync, Megatron's and DeepSpeed's buffers); ZeRO-1: a distributed optimizer, one
+        reduce-scatter, the step on the shard, one all-gather of the updated parameters behind
+        the next forward (Megatron-LM docs/distrib_optimizer.md; meshtron's ZeRO-1); ZeRO-2
+        (DeepSpeed / Megatron): the same over the shard group, plus the replicas' all-reduce."""
+        group = groups["dp"]
+        nbytes = gsize * params
+        wbytes = self._param_wire() * params
+        if zero == 0:
+            return comm.all_reduce(nbytes, group, self.fab), 0.0
+        if zero == 1:
+            return (comm.reduce_scatter(nbytes, group, self.fab),
+                    comm.all_gather(wbytes, group, self.fab))
+        shard, rep = groups["dp_shard"], groups["dp_replicate"]
+        return (comm.reduce_scatter(nbytes, shard, self.fab)
+                + comm.all_reduce(nbytes / shard.size, rep, self.fab),
+                comm.all_gather(wbytes, shard, self.fab))
+
+    def _fsdp_accumulated(self, params: float, groups: dict[str, Any], layers: int, m: int,
+                          fwd: float, bwd: float, zero: int, gsize: float, reduce_once: bool,
+                          gather_once: bool, regather: bool) -> float:
+        """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
+        (one reduce-scatter per unit per step, after the last backward: exposed behind that
+        backward only) and, with pipelining, whose parameters stay gathered (one all-gather
+        per unit per step, before the first forward); otherwise the gathers stay per
+        micro-batch (`_zero3_per_microbatch` with the reduction taken out)."""
+        units = max(1, layers * self.opts.shard_units_per_layer)
+        shard, rep = groups["dp_shard"], groups["dp_replicate"]
+        wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
+        rs = units * (comm.reduce_scatter(gsize * params / units, shard, self.fab)
+                      + comm.all_reduce(gsize * params / units / shard.size, rep, self.fab))
+        out = _exposed(rs, bwd)  # fwd, bwd: one micro-batch's
+        if gather_once:
+            ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
+            return out + _exposed(ag, fwd)
+        per_mb = self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+                                            backward_gather=zero == 3, wire=gsize,
+                                            reduce=False)
+        return out + m * per_mb
+
+    def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
+                              fwd: float, bwd: float, regather: bool = False,
+                              backward_gather: bool = True, wire: float | None = None,
+                              reduce: bool = True) -> float:
+        """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
+        backward (parameters are resharded after the forward) and one reduce-scatter of its
+        gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
+        replica group); the next unit's collectives are prefetched while this unit computes
+        (FSDP's forward/backward prefetch, Zhao et al. 2023, section 3.3; DeepSpeed's parameter
+        prefetch). Exposed per unit: max(0, comm - compute) plus the interference of the hidden
+        part; the first unit's all-gather (fill) and the last reduce-scatter (drain) are never
+        hidden. Collectives are counted per unit, each paying its own NCCL latency. Without
+        `backward_gather` (FSDP's ZeRO-2: no resharding after the forward) the backward only
+        reduce-scatters."""
+        opts = self.opts
+        units = max(1, layers * opts.shard_units_per_layer)
+        # gradient reductions per step may be finer than the gathers (DeepSpeed reduces every
+        # parameter, biases and norms included); spread over the gather units for the overlap
+        r_units = max(1, layers * (opts.reduce_units_per_layer or opts.shard_units_per_layer))
+        shard, rep = groups["dp_shard"], groups["dp_replicate"]
+        gsize = wire or 4.0
+        wsize = 4.0 if opts.fp32_params_autocast else compute.BF16
+        ag = comm.all_gather(wsize * params / units, shard, self.fab)
+        rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
+        if opts.list_collectives:
+            # staging copies on the collective's critical path, and the host's per-rank list
+            # handling (one chunk view and one chunk copy issued per member, every call)
+            host = shard.size * LIST_HOST_S_PER_RANK
+            ag += 3.0 * wsize * params / units / self.hbm + host
+            rs_one += 2.0 * gsize * params / r_units / self.hbm + host
+        rs = rs_one * r_units / units
+        rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
+        if not reduce:
+            rs = 0.0
+        f_u, b_u = fwd / units, bwd / units
+        # share of a unit's all-gather that prefetching can start early
+        pre = self.opts.prefetch_params
+        hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
+        fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
+        # recomputation that re-gathers: a second all-gather per unit in the backward
+        ag_b = (2 * ag if regather else ag) if backward_gather else 0.0
+        # gradient reduce-scatters hide behind the next unit's backward only when reduction
+        # overlaps (DeepSpeed's overlap_comm, on in FSDP)
+        rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
+        bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
+        return ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs

@@ -1,0 +1,111 @@
+"""The planner's named results for one plan: `TimeBreakdown` (seconds by cause) and
+`Estimate` (the prediction). Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshtron.planner import memory
+from meshtron.planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one optimizer step, by cause (they add up to the step time)."""
+
+    compute: float
+    """Computation of the critical stage over all its micro-batches (recomputation included)."""
+    tp_comm: float
+    """Tensor-parallel collectives of the critical stage (not overlapped)."""
+    pp_comm: float
+    """Pipeline point-to-point transfers on the critical path."""
+    dp_comm: float
+    """Data-parallel / ZeRO communication left exposed after overlap with compute."""
+    bubble: float
+    """Pipeline fill and drain idle time."""
+    optimizer: float
+    """AdamW update."""
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble
+                + self.optimizer)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
+                "dp_comm_exposed": self.dp_comm, "bubble": self.bubble,
+                "optimizer": self.optimizer}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's prediction for one plan."""
+
+    config: Plan
+    """Knobs of the plan."""
+    stage_layers: list[int]
+    """Layers per (virtual) stage, pipeline order."""
+    num_microbatches: int
+    """Micro-batches per replica per step."""
+    memory: memory.MemoryBreakdown
+    """Memory of the fullest GPU, GiB."""
+    time: TimeBreakdown
+    """Step time by cause, seconds."""
+    tokens_per_s: float
+    """Training throughput of the whole cluster."""
+    model_tflops_per_gpu: float
+    """Model FLOPs (no recomputation) per second per GPU, TFLOP/s."""
+    hardware_tflops_per_gpu: float
+    """Executed FLOPs (recomputation included) per second per GPU, TFLOP/s."""
+    mfu: float
+    """Model FLOPs utilisation: model TFLOP/s / peak."""
+    hfu: float
+    """Hardware FLOPs utilisation: hardware TFLOP/s / peak."""
+    fits: bool
+    """Some layer split keeps every stage within device memory."""
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total
+
+    def days(self, tokens: float) -> float:
+        return tokens / self.tokens_per_s / 86400.0
+
+    def gpu_hours(self, tokens: float, gpus: int) -> float:
+        return tokens / self.tokens_per_s / 3600.0 * gpus
+
+    def to_plan(self, model_name: str, cluster_name: str, gpus: int, global_batch: int,
+                seq_len: int, attention: str) -> Plan:
+        c = self.config
+        if gpus != c.gpus:
+            raise ValueError(f"to_plan: gpus={gpus} but the plan has tp*cp*pp*dp={c.gpus}")
+        return c.replace(model=model_name, cluster=cluster_name, global_batch=global_batch,
+                    seq_len=seq_len, stage_layers=tuple(self.stage_layers), attention=attention,
+                    predicted={"step_time_s": round(self.step_time_s, 6),
+                               "tokens_per_s": round(self.tokens_per_s, 1),
+                               "memory_gib": round(self.memory.total, 3),
+                               "mfu": round(self.mfu, 4), "hfu": round(self.hfu, 4)})
+
+    def to_dict(self, tokens: float | None = None, gpus: int | None = None,
+                price: float | None = None) -> dict[str, Any]:
+        c = self.config
+        d: dict[str, Any] = {
+            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "zero": c.zero,
+            "micro_batch": c.micro_batch, "reduce_dtype": c.reduce_dtype,
+            "accumulate_unsharded": c.accumulate_unsharded,
+            "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
+            "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+            "dp_replicate": c.dp_replicate, "dtype": c.dtype,
+            "stage_layers": list(self.stage_layers), "fits": self.fits,
+            "memory_gib": self.memory.to_dict(), "time_s": self.time.to_dict(),
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu, "hfu": self.hfu,
+        }
+        if tokens is not None and gpus is not None:
+            d["days"] = self.days(tokens)
+            d["gpu_hours"] = self.gpu_hours(tokens, gpus)
+            d["cost"] = d["gpu_hours"] * price if price is not None else None
+        return d

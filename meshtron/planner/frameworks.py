@@ -1,0 +1,263 @@
+"""Software stacks the planner can price: `meshtron plan --framework NAME[@ERA]`.
+
+The same layout costs different time and memory on different software: what the gradient
+reduction moves and when, which kernels are fused, what overlaps, what a rank allocates. A
+`Framework` bundles those choices (compute.KernelOptions for time, memory.MemoryOptions for
+bytes, and the default gradient-reduction dtype), each preset defined by what that software's
+code and documentation do at the version named, never by a published throughput figure.
+
+Presets (NAME@ERA; NAME alone is its newest era):
+
+* `meshtron` (default): meshtron's own runtime (meshtron/parallel/): eager PyTorch modules,
+  FSDP2 with fp32 sharded parameters and MixedPrecisionPolicy(param bf16, reduce fp32); ZeRO-0/1
+  reduce once per step, ZeRO-1 is a distributed optimizer, ZeRO-2/3 reduce-scatter per
+  micro-batch (planner/estimate.py `dp_flags`); selective recomputation saves matmul and
+  collective outputs; the loss upcasts logits to fp32.
+* `torchtitan@2025`: pytorch/torchtitan main 2025 (torchtitan/models/llama3/infra/
+  parallelize.py, torchtitan/config/job_config.py): FSDP2 (fp32 master parameters, bf16
+  compute, `mixed_precision_reduce = "float32"`), compile off by default (eager kernels;
+  `stack = "fused"` in [options] for `--compile.enable`), selective AC "op" policy (every other
+  matmul saved: activations = "alternate-matmul"), cross-entropy on fp32-cast logits, async TP
+  off by default, pipelining through torch.distributed.pipelining.
+* `megatron@2021`: Megatron-LM PTD-P as in Narayanan et al. 2021 (github.com/NVIDIA/
+  Megatron-LM, 2021 tree): fused kernels, unfused attention with dropout, fp32 main_grad
+  (`--accumulate-allreduce-grads-in-fp32`, forced on for bf16 in arguments.py), gradients
+  all-reduced once per step after the backward (no overlap), scatter/gather pipeline sends.
+* `megatron@2024`: Megatron-Core 0.8-0.12 as NeMo 2.0 recipes run it (Megatron-LM
+  docs/source/api-guide/distrib_optimizer.md, megatron/core/distributed/; NeMo
+  nemo/collections/llm/recipes/): Transformer Engine fused kernels and flash attention, no
+  dropout, distributed optimizer with fp32 main grads (`grad_reduce_in_fp32`), gradients
+  reduced once per step with `--overlap-grad-reduce`, `--overlap-param-gather`,
+  `--tp-comm-overlap` (userbuffers: the sequence-parallel all-gather / reduce-scatter hidden
+  behind the GEMMs), ring attention with p2p overlap for context parallelism.
+* `deepspeed@2021`: DeepSpeed 0.3.15 (April 2021; deepspeed/runtime/zero/stage3.py,
+  partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
+  weight separately, device-synchronised (no prefetch), reduces every parameter separately,
+  list-based collectives; the pipeline engine's blocking sends of whole activations.
+* `deepspeed@2024`: DeepSpeed 0.14-0.16 with Hugging Face-style models (eager kernels): ZeRO-3
+  per-submodule fetch (7 linears of a Llama block) with `overlap_comm`, a 5e7-element
+  `stage3_prefetch_bucket_size`, parameters released after every forward (recomputation
+  gathers again); gradients in the model dtype on the wire (`communication_data_type`
+  unset); the pipeline engine's blocking sends.
+
+Any single option overrides from a TOML file (`--options FILE`)::
+
+    framework = "megatron@2024"      # optional: the preset the table modifies
+    [options]
+    tp_comm_overlap = false          # any field of KernelOptions (planner/compute.py)
+    loss = "inplace"                 # or of MemoryOptions (planner/memory.py), but dtype
+    reduce_dtype = "bf16"            # the gradient reduction dtype default
+
+Unknown keys and bad values are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from meshtron.errors import UserError
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory import MemoryOptions
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One software stack as the cost model sees it."""
+
+    name: str
+    """Preset name, e.g. 'megatron'."""
+    era: str
+    """Era (version family) of the preset, e.g. '2024'."""
+    models: str
+    """The version of the software this preset models."""
+    source: str
+    """Where its choices come from (code paths, documentation)."""
+    kernel: KernelOptions
+    """Time-side choices (fusion, overlap, gradient reduction timing, pipeline engine)."""
+    memory: MemoryOptions
+    """Memory-side choices (what the framework allocates); dtype is the plan's."""
+    reduce_dtype: str = "fp32"
+    """Gradient reduction dtype the stack uses unless the plan fixes one."""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """Options changed from the preset by an [options] table, in file order."""
+
+    @property
+    def label(self) -> str:
+        extra = f" +{len(self.overrides)} option(s)" if self.overrides else ""
+        return f"{self.name}@{self.era}{extra}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON: the preset, its source and every option value the cost model used."""
+        return {"name": self.name, "era": self.era, "models": self.models,
+                "source": self.source, "reduce_dtype": self.reduce_dtype,
+                "overrides": dict(self.overrides),
+                "kernel": dataclasses.asdict(self.kernel),
+                "memory": {k: v for k, v in dataclasses.asdict(self.memory).items()
+                           if k != "dtype"}}
+
+
+_MESHTRON = Framework(
+    "meshtron", "2026", "meshtron's runtime (this repository)",
+    "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
+    KernelOptions(), MemoryOptions(framework="fsdp2"), "fp32")
+_TORCHTITAN = Framework(
+    "torchtitan", "2025", "pytorch/torchtitan main, 2025 (FSDP2, torch.compile off by default)",
+    "torchtitan/models/llama3/infra/parallelize.py; torchtitan/config/job_config.py "
+    "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
+    "selective_ac_option 'op')",
+    KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True),
+    MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager"), "fp32")
+_MEGATRON_2021 = Framework(
+    "megatron", "2021", "Megatron-LM PTD-P (Narayanan et al. 2021, SC'21)",
+    "NVIDIA/Megatron-LM 2021: megatron/arguments.py (bf16 forces "
+    "accumulate_allreduce_grads_in_fp32), megatron/model/fused_softmax.py, "
+    "megatron/p2p_communication.py (scatter/gather)",
+    KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                  fp32_grad_reduce=True, stack="fused", sharding="zero"),
+    MemoryOptions(framework="megatron"), "fp32")
+_MEGATRON_2024 = Framework(
+    "megatron", "2024", "Megatron-Core 0.8-0.12 / NeMo 2.0 (Transformer Engine 1.x)",
+    "NVIDIA/Megatron-LM docs/source/api-guide/distrib_optimizer.md, "
+    "megatron/core/distributed/param_and_grad_buffer.py (overlap_grad_reduce, "
+    "overlap_param_gather), megatron/core/tensor_parallel/layers.py + TE userbuffers "
+    "(tp_comm_overlap), megatron/core/transformer/attention.py + TE context parallelism "
+    "(p2p ring); NVIDIA/NeMo nemo/collections/llm/recipes/precision/mixed_precision.py "
+    "(grad_reduce_in_fp32)",
+    KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
+                  fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=True,
+                  cp_overlap=True),
+    MemoryOptions(framework="megatron"), "fp32")
+_DEEPSPEED_2021 = Framework(
+    "deepspeed", "2021", "DeepSpeed 0.3.15 (April 2021) with Megatron-DeepSpeed",
+    "microsoft/DeepSpeed v0.3.15: deepspeed/runtime/zero/stage3.py, partition_parameters.py "
+    "(_allgather_param, _reduce_scatter_gradients), constants.py; deepspeed/runtime/pipe/"
+    "engine.py (blocking p2p of whole activations)",
+    KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                  fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
+                  stack="fused", sharding="zero", shard_units_per_layer=4,
+                  reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
+                  list_collectives=True),
+    MemoryOptions(framework="deepspeed"), "bf16")
+_DEEPSPEED_2024 = Framework(
+    "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
+    "microsoft/DeepSpeed: deepspeed/runtime/zero/parameter_offload.py and "
+    "partitioned_param_coordinator.py (per-submodule fetch, prefetch bucket), "
+    "deepspeed/runtime/zero/config.py (stage3_prefetch_bucket_size 5e7, overlap_comm), "
+    "docs/_pages/config-json.md (communication_data_type), deepspeed/runtime/pipe/engine.py",
+    KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
+                  fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
+                  stack="eager", sharding="zero", shard_units_per_layer=7,
+                  prefetch_params=5e7, recompute_regathers=True),
+    MemoryOptions(framework="deepspeed", activations="eager", loss="eager"), "bf16")
+
+PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
+    _MESHTRON, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _DEEPSPEED_2021, _DEEPSPEED_2024)}
+"""Every preset by NAME@ERA."""
+NEWEST = {"meshtron": "meshtron@2026", "torchtitan": "torchtitan@2025",
+          "megatron": "megatron@2024", "deepspeed": "deepspeed@2024"}
+"""NAME alone means its newest era."""
+ALIASES = {"megatron-lm": "megatron", "megatron-core": "megatron@2024", "mcore": "megatron@2024",
+           "nemo": "megatron@2024", "ptd-p": "megatron@2021"}
+"""Other spellings users type."""
+DEFAULT = "meshtron"
+
+_KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelOptions)}
+_MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryOptions)} - {"dtype"}
+
+
+def preset(text: str | None) -> Framework:
+    """The preset for 'NAME[@ERA]' (None: meshtron), or a UserError naming the choices."""
+    key = (text or DEFAULT).strip().lower()
+    key = ALIASES.get(key, key)
+    if "@" not in key:
+        key = NEWEST.get(key, key)
+    elif key.split("@", 1)[0] in ALIASES:
+        name, era = key.split("@", 1)
+        key = f"{ALIASES[name].split('@')[0]}@{era}"
+    if key not in PRESETS:
+        raise UserError(f"framework={text!r}: allowed values are "
+                        f"{', '.join(sorted(set(NEWEST) | set(PRESETS)))}")
+    return PRESETS[key]
+
+
+def with_options(fw: Framework, options: Mapping[str, Any], where: str = "options") -> Framework:
+    """`fw` with single options overridden (KernelOptions / MemoryOptions fields, reduce_dtype);
+    unknown keys and invalid values are refused by name."""
+    kern, mem, red = {}, {}, fw.reduce_dtype
+    for key, value in options.items():
+        if key in _KERNEL_FIELDS:
+            kern[key] = value
+        elif key in _MEMORY_FIELDS:
+            mem[key] = value
+        elif key == "reduce_dtype":
+            if value not in ("fp32", "bf16"):
+                raise UserError(f"{where}.reduce_dtype={value!r}: allowed values are fp32, bf16")
+            red = value
+        else:
+            allowed = ", ".join(sorted(_KERNEL_FIELDS | _MEMORY_FIELDS | {"reduce_dtype"}))
+            raise UserError(f"{where}.{key}: unknown option; allowed: {allowed}")
+    for key, value in kern.items():
+        default = getattr(fw.kernel, key)
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise UserError(f"{where}.{key}={value!r}: must be true or false")
+    try:
+        kernel = dataclasses.replace(fw.kernel, **kern)
+        memory = dataclasses.replace(fw.memory, **mem)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    except TypeError as exc:  # pragma: no cover - field names are checked above
+        raise UserError(f"{where}: {exc}") from None
+    return dataclasses.replace(fw, kernel=kernel, memory=memory, reduce_dtype=red,
+                               overrides=fw.overrides + tuple(options.items()))
+
+
+def load_options(path: str | Path) -> tuple[str | None, dict[str, Any]]:
+    """(framework or None, [options] table) of an options TOML file."""
+    p = Path(path)
+    if not p.is_file():
+        what = "is a directory" if p.is_dir() else "file does not exist"
+        raise UserError(f"options={str(p)!r}: {what}")
+    try:
+        doc = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"options={str(p)!r}: not valid TOML ({exc})") from None
+    unknown = sorted(set(doc) - {"framework", "options"})
+    if unknown:
+        raise UserError(f"options.{unknown[0]}: unknown key in {p.name}; allowed: framework, "
+                        "[options]")
+    fw = doc.get("framework")
+    if fw is not None and not isinstance(fw, str):
+        raise UserError(f"options.framework={fw!r}: must be a string NAME[@ERA]")
+    table = doc.get("options", {})
+    if not isinstance(table, dict):
+        raise UserError("options.options: must be a table ([options])")
+    return fw, table
+
+
+def resolve(framework: str | None = None, options_file: str | Path | None = None,
+            **flags: Any) -> Framework:
+    """The stack a command line asks for: --framework, then an --options file (whose own
+    `framework` key is used when --framework is not given, and refused when it contradicts
+    it), then single flags (--stack, --attention, --dropout) that were given (not None)."""
+    table: dict[str, Any] = {}
+    if options_file is not None:
+        file_fw, table = load_options(options_file)
+        if file_fw is not None:
+            if framework is not None and preset(framework) != preset(file_fw):
+                raise UserError(f"framework={framework!r}: contradicts {options_file}'s "
+                                f"framework={file_fw!r}")
+            framework = framework or file_fw
+    fw = preset(framework)
+    if table:
+        fw = with_options(fw, table)
+    given = {k: v for k, v in flags.items() if v is not None}
+    if given:
+        fw = with_options(fw, given, where="flag")
+    return fw
+
+
+__all__ = ["Framework", "PRESETS", "preset", "resolve", "with_options", "load_options"]

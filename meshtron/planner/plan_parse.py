@@ -1,0 +1,81 @@
+"""Command-line spellings of plan knobs (`plan` and `train` share these flags): layouts,
+schedules, on/off values."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from meshtron.errors import UserError
+
+def parse_layout(text: str) -> dict[str, int]:
+    """'tp=8,cp=2,pp=16,dp=64' (any subset) -> {'tp': 8, 'cp': 2, 'pp': 16, 'dp': 64}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(tp|pp|dp|cp)\s*=\s*(\d+)", part)
+        if not m:
+            raise UserError(f"layout={text!r}: expected comma-separated tp=N, cp=N, pp=N, dp=N")
+        key, value = m.group(1), int(m.group(2))
+        if value <= 0:
+            raise UserError(f"layout {key}={value}: must be a positive integer")
+        if key in out:
+            raise UserError(f"layout={text!r}: {key} given twice")
+        out[key] = value
+    if not out:
+        raise UserError(f"layout={text!r}: expected comma-separated tp=N, cp=N, pp=N, dp=N")
+    return out
+
+
+def parse_schedule(text: str) -> tuple[str, int | None]:
+    """'1f1b' | 'interleaved' | 'interleaved:3' | 'zb' | 'zbv' | 'gpipe' -> (schedule, virtual
+    stages or None when not given)."""
+    m = re.fullmatch(r"(1f1b|interleaved|zbv|zb|gpipe)(?::(\d+))?", text.strip().lower())
+    if not m:
+        raise UserError(f"schedule={text!r}: allowed values are 1f1b, interleaved, "
+                         "interleaved:V, zb, zbv, gpipe")
+    sched, v = m.group(1), m.group(2)
+    if sched == "zbv":
+        if v is not None:
+            raise UserError(f"schedule={text!r}: zbv always has 2 virtual stages")
+        return "zb", 2
+    if v is not None:
+        if sched != "interleaved":
+            raise UserError(f"schedule={text!r}: only 'interleaved' takes a virtual-stage count")
+        if int(v) < 2:
+            raise UserError(f"schedule={text!r}: interleaving needs at least 2 virtual stages")
+        return sched, int(v)
+    return sched, (1 if sched != "interleaved" else None)
+
+
+def parse_on_off(name: str, text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("on", "true", "yes", "1"):
+        return True
+    if t in ("off", "false", "no", "0"):
+        return False
+    raise UserError(f"{name}={text!r}: allowed values are on, off")
+
+
+def fixed_knobs(layout: str | None = None, zero: int | None = None, recompute: str | None = None,
+                sp: str | None = None, micro_batch: int | None = None,
+                schedule: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+    """Knobs fixed on a command line (`plan` and `train` share these flags); unset stay open."""
+    fixed: dict[str, Any] = {}
+    if layout:
+        fixed.update(parse_layout(layout))
+    if zero is not None:
+        fixed["zero"] = zero
+    if recompute is not None:
+        fixed["recompute"] = recompute.strip().lower()
+    if sp is not None:
+        fixed["sp"] = parse_on_off("sp", sp)
+    if micro_batch is not None:
+        fixed["micro_batch"] = micro_batch
+    if schedule is not None:
+        sched, v = parse_schedule(schedule)
+        fixed["schedule"] = sched
+        if v is not None:
+            fixed["virtual_stages"] = v
+    if dtype is not None:
+        fixed["dtype"] = dtype.strip().lower()
+    return fixed
