@@ -82,10 +82,12 @@ KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
 CONTEXT = ("model", "cluster", "global_batch", "seq_len", "predicted")
 COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
                  "compress_scope": "all", "ranks_per_node": None, "diloco": 0,
-                 "outer_lr": 0.7, "outer_momentum": 0.9}
+                 "outer_lr": 0.7, "outer_momentum": 0.9, "reduce_dtype": "fp32",
+                 "accumulate_unsharded": False}
 """Knobs of the data-parallel traffic (meshtron/compress/): how gradients (or DiLoCo's outer
 gradients) travel. Written to plan files only when they differ from these defaults."""
 COMPRESSIONS = ("none", "bf16", "int8")
+REDUCE_DTYPES = ("fp32", "bf16")
 COMPRESS_SCOPES = ("all", "inter_node")
 
 
@@ -137,6 +139,11 @@ def comm_problems(k: Mapping[str, Any]) -> Iterator[str]:
     g = k.get
     mode, block, scope = g("grad_compression"), g("grad_compression_block"), g("compress_scope")
     h, rpn, zero, dp, rep = g("diloco"), g("ranks_per_node"), g("zero"), g("dp"), g("dp_replicate")
+    if g("reduce_dtype") is not None and g("reduce_dtype") not in REDUCE_DTYPES:
+        yield (f"plan.reduce_dtype={g('reduce_dtype')!r}: allowed values are "
+               f"{', '.join(REDUCE_DTYPES)}")
+    if g("accumulate_unsharded") is not None and not isinstance(g("accumulate_unsharded"), bool):
+        yield f"plan.accumulate_unsharded={g('accumulate_unsharded')!r}: must be true or false"
     if mode is not None and mode not in COMPRESSIONS:
         yield f"plan.grad_compression={mode!r}: allowed values are {', '.join(COMPRESSIONS)}"
     elif block is not None and (not _is_int(block) or not 4 <= block <= 2**20 or block % 4):
@@ -398,6 +405,13 @@ class Plan:
     """DiLoCo outer SGD learning rate (the paper's 0.7)."""
     outer_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum (the paper's 0.9; 0 = plain SGD)."""
+    reduce_dtype: str = "fp32"
+    """Dtype of the data-parallel gradient reduction (FSDP2's MixedPrecisionPolicy
+    reduce_dtype): 'fp32' (default; 4 bytes per element on the wire) or 'bf16'."""
+    accumulate_unsharded: bool = False
+    """ZeRO-2/3: accumulate gradients unsharded over the micro-batches and reduce-scatter once
+    per step (memory for traffic); False = reduce-scatter per micro-batch, as FSDP2 and
+    DeepSpeed do. ZeRO-0/1 always reduce once per step."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
