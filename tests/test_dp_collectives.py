@@ -105,7 +105,7 @@ def _rank_fn(cfg, layouts):
                               weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
         dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
         rows = cfg["batch"] // dp
-        losses, norms, counted = [], [], Counter()
+        losses, norms, counted, nbytes = [], [], Counter(), Counter()
         for step in range(cfg["steps"]):
             rec = CollectiveRecorder(dist.get_rank())
             with rec:
@@ -119,7 +119,11 @@ def _rank_fn(cfg, layouts):
                     if "peer" in rr or numel <= 1:
                         continue
                     ranks = tuple(rec.groups[rr["group"]].ranks)
-                    counted[(rr["op"], label.get(ranks, str(ranks)), rr["dtypes"][0])] += 1
+                    key = (rr["op"], label.get(ranks, str(ranks)), rr["dtypes"][0])
+                    counted[key] += 1
+                    # the largest tensor of the call: the unsharded side
+                    nbytes[key] += max(int(torch.Size(s).numel()) for s in rr["shapes"]) * \
+                        torch.empty((), dtype=getattr(torch, rr["dtypes"][0])).element_size()
             losses.append(float(loss))
             norms.append(float(pm.clip_grad_norm_(cfg["clip"])))
             opt.step()
@@ -128,6 +132,7 @@ def _rank_fn(cfg, layouts):
         keep = mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0
         out.append({"layout": layout, "losses": losses, "norms": norms, "seconds": 0.0,
                     "params": params if keep else None, "counted": dict(counted),
+                    "bytes": dict(nbytes),
                     "pp_rank": mesh.get_local_rank("pp"), "n_micro": rows //
                     layout["micro_batch"]})
         del pm, opt, model
