@@ -342,7 +342,6 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     for _, part in pieces:
         apply_tensor_parallel(part, tp_mesh, sp=lay.sp)
         apply_recompute(part, lay.recompute)
-        # With pipelining the root (head / embedding) is reused at once in backward.
         apply_data_parallel(part, mesh, lay)
         parts.append(part)
     if on_meta:
@@ -364,8 +363,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
     torch.optim.Optimizer, so LR schedulers work on it: its `param_groups` are the parts'
     (live: still the right dicts after `load_state_dict`).
 
-    `zero1_owners[i][j]`: under ZeRO-1, the data-parallel rank that owns (keeps the state of
-    and updates) parameter j of model part i; empty without ZeRO-1."""
+    `zero1_owners[i][j]`: under compressed ZeRO-1 (meshtron.compress reduces the gradients),
+    the data-parallel rank that owns (keeps the state of and updates) parameter j of model part
+    i; empty otherwise (plain ZeRO-1 is FSDP2: the states are sharded with the parameters)."""
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
                  zero1_owners: list[list[int]] | None = None):

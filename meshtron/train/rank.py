@@ -10,7 +10,6 @@ wait for the others at a barrier (torchrun then stops the rest).
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from pathlib import Path
