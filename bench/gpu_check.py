@@ -142,6 +142,9 @@ def memory_report(engine, spec, plan, cluster, device):
            "measured_bytes": {k: measured[k] for k in ("params", "grads", "optimizer")}}
     peak = measured.get("cuda_peak_allocated")
     out["measured_peak_allocated_bytes"] = peak
+    # what the allocator holds beyond the states: gathered copies, activations, logits, ...
+    out["planned_rest_of_allocated_bytes"] = bd.allocated * GIB - sum(
+        planned[k] for k in ("params", "grads", "optimizer"))
     if peak is not None:
         out["measured_rest_of_peak_bytes"] = peak - measured["total"]
         out["measured_over_planned_allocated"] = peak / (bd.allocated * GIB)
