@@ -12,15 +12,57 @@ import torch.distributed as dist
 from meshtron.launch import World
 
 
-def init_rank(world: World, timeout_s: float = 600.0) -> torch.device:
-    """Join the job's default process group; returns this rank's device."""
-    if torch.cuda.is_available():
-        # Modulo: under Slurm each task may see only its own GPU (CUDA_VISIBLE_DEVICES).
-        device = torch.device("cuda", world.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        backend = "nccl"
+NCCL_ENV = {
+    # On a collective timeout or NCCL error the watchdog kills the process without running
+    # NCCL's clean-up (mode 3, SkipCleanUp; mode 1 would abort communicators first, which can
+    # itself hang on a broken fabric): a hang becomes an exit torchrun sees and restarts.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    # Flight Recorder: the last N collectives per rank, dumped when a collective times out
+    # (PyTorch's own record of what every rank was waiting for; `meshtron doctor` reads it).
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+"""Environment defaults for NCCL ranks (a value the user exported wins)."""
+
+
+def nccl_env(dump_prefix: str | None = None) -> dict[str, str]:
+    """NCCL_ENV, plus where the Flight Recorder writes its per-rank dump (the rank is
+    appended to the prefix)."""
+    env = dict(NCCL_ENV)
+    if dump_prefix:
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = dump_prefix
+    return env
+
+
+def local_device(local_rank: int | None = None) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK (modulo the visible GPUs: under Slurm each task may
+    see only its own) made current, or the CPU. Also what `build_mesh` calls for Python-API
+    users who did their own init_process_group."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank is None:
+        if "LOCAL_RANK" not in os.environ:  # not launched per GPU: keep the caller's choice
+            return torch.device("cuda", torch.cuda.current_device())
+        local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_rank(world: World, timeout_s: float = 600.0,
+              dump_prefix: str | None = None) -> torch.device:
+    """Join the job's default process group; returns this rank's device.
+
+    CUDA: NCCL for CUDA tensors and gloo for CPU tensors in one group ("cuda:nccl,cpu:gloo":
+    object broadcasts, checkpoint side groups and CPU metadata need no second group), bound to
+    this rank's GPU (`device_id`: NCCL makes its communicator eagerly, on the right device,
+    and later groups can split from it), with NCCL_ENV. CPU: gloo."""
+    device = local_device(world.local_rank)
+    if device.type == "cuda":
+        backend = "cuda:nccl,cpu:gloo"
+        for key, value in nccl_env(dump_prefix).items():
+            os.environ.setdefault(key, value)
     else:
-        device = torch.device("cpu")
         backend = "gloo"
         # One process per core share: oversubscribed threads made gloo ranks 20-50x slower
         # (shared notes, "Speed on 2 cores").
@@ -31,8 +73,29 @@ def init_rank(world: World, timeout_s: float = 600.0) -> torch.device:
         if world.init_method:  # Slurm: rendezvous at MASTER_ADDR:MASTER_PORT, ranks from srun
             kwargs = dict(init_method=world.init_method, rank=world.rank,
                           world_size=world.world_size)
+        if device.type == "cuda":
+            kwargs["device_id"] = device
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return device
+
+
+def abort_rank(exit_code: int) -> None:
+    """Leave after a failure without waiting for peers: no barrier (they may be stuck in a
+    collective), NCCL communicators aborted (`destroy_process_group` would wait for their
+    pending work, forever if a peer is gone; abort is non-blocking and done for all groups
+    inside one NCCL group call, pytorch#119797), gloo left to the process exit. Never
+    returns."""
+    if dist.is_initialized():
+        try:
+            if torch.cuda.is_available() and dist.get_backend() != "gloo":
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def shutdown_rank(exit_code: int = 0) -> None:

@@ -208,17 +208,43 @@ def test_equivalence_world8_and_rank_order(reference):
         assert rank == ((c["pp"] * 1 + c["dp_replicate"]) * 2 + c["dp_shard"]) * 2 + c["tp"]
 
 
+BF16_LAYOUTS = [dict(dp=2, zero=1, micro_batch=2, dtype="bf16"),
+                dict(dp=2, zero=3, micro_batch=1, dtype="bf16"),
+                dict(pp=2, schedule="1f1b", micro_batch=2, dtype="bf16"),
+                dict(tp=2, micro_batch=4, dtype="bf16")]
+# bf16 tolerance. The reference is one process computing what FSDP2's MixedPrecisionPolicy
+# computes (meshtron.train.precision.BF16Compute), in the layout's micro-batches: the same
+# bf16 operations on the same rows, gradients scaled by powers of two (exact in bf16) and
+# summed in fp32, so data and pipeline parallelism differ from it only by the fp32 summation
+# order (measured <= 1e-7 for ZeRO-0..3 and 1F1B, like fp32 runs: held to 1e-5). Tensor parallelism splits every matmul
+# and adds the partial sums in bf16 (row-parallel all-reduce), which rounds differently:
+# 2^-9 relative per activation: measured 1e-5 on the losses, 4e-4 on the gradient norms and
+# 1.4e-2 on the parameters after 3 steps (held to 1e-4, 5e-3, 5e-2); parameters
+# move by up to 2 lr per step wherever rounding flips the sign of a near-zero gradient that
+# AdamW's first steps turn into +-lr (3 steps x 2e-3 / 0.025 max weight scale).
+BF16_TOL = {"exact": dict(loss=TOL, norm=TOL, param=TOL),
+            "tp": dict(loss=1e-4, norm=5e-3, param=5e-2)}
+
+
 def _bf16_rank_fn(cfg):
-    return parallel_rank_fn(cfg, [dict(dp=2, zero=3, dtype="bf16"),
-                                  dict(tp=2, dtype="bf16")])
+    return parallel_rank_fn(cfg, BF16_LAYOUTS)
 
 
-def test_bf16_mixed_precision_runs(reference):
-    """bf16 compute / fp32 master weights (FSDP2 MixedPrecisionPolicy): close, not exact."""
+def test_bf16_mixed_precision_matches_its_reference():
+    """bf16 compute / fp32 master weights (FSDP2 MixedPrecisionPolicy) against the one-process
+    bf16 reference in the same micro-batches."""
     results = run_on_ranks(_bf16_rank_fn, 2, DEFAULT_CFG, timeout=300)
-    for r in compare(reference, results):
-        assert r["loss_rel"] < 2e-2, r
-        assert r["param_rel"] < 5e-2, r
+
+    def ref(layout):
+        return reference_run(dict(DEFAULT_CFG, dtype="bf16", micro_batch=layout["micro_batch"]))
+
+    report = compare(ref, results)
+    print(format_report(report))
+    for r in report:
+        assert not (r["missing"] or r["extra"]), r
+        tol = BF16_TOL["tp" if r["layout"].get("tp", 1) > 1 else "exact"]
+        assert r["loss_rel"] <= tol["loss"] and r["norm_rel"] <= tol["norm"] \
+            and r["param_rel"] <= tol["param"], r
 
 
 # ---- wider sweep ----------------------------------------------------------------------------------

@@ -158,10 +158,22 @@ def test_pipeline_and_tensor_parallel_eval_matches_single_process(tmp_path):
     assert abs(last["loss"] - want.final_loss) <= 1e-5 * want.final_loss
 
 
-def test_one_rank_plan_runs(tmp_path):
-    proc = _meshtron("train", *RUN, "--nproc", "1", "--plan", "tp=1", "--run-dir", str(tmp_path / "one"))
+def test_one_rank_saved_plan_runs_in_its_dtype(tmp_path):
+    """A saved plan's dtype is what the ranks run (issue 23: it was silently replaced by the
+    run's default), and RUN_DIR/plan.toml and run.toml agree on it."""
+    import tomllib
+
+    from meshtron.planner.plan import Plan
+
+    saved = tmp_path / "p.toml"
+    Plan(model="debug", global_batch=8, seq_len=32, dtype="bf16").save(saved)
+    proc = _meshtron("train", *RUN, "--nproc", "1", "--plan", str(saved),
+                     "--run-dir", str(tmp_path / "one"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_losses(tmp_path / "one" / "metrics.jsonl")) == 3
+    run = tomllib.loads((tmp_path / "one" / "run.toml").read_text())
+    plan = tomllib.loads((tmp_path / "one" / "plan.toml").read_text())
+    assert run["train"]["dtype"] == plan["dtype"] == "bf16"
 
 
 def _rank_pids(marker: str) -> set[int]:

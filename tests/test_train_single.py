@@ -46,14 +46,14 @@ def test_gradient_accumulation_equals_full_batch():
     accum.load_state_dict(full.state_dict())
     x = torch.randint(0, spec.vocab, (8, 16))
     y = torch.randint(0, spec.vocab, (8, 16))
-    l_full = forward_backward(full, x, y, micro_batch=8, dtype="fp32")
-    l_acc = forward_backward(accum, x, y, micro_batch=2, dtype="fp32")
+    l_full = forward_backward(full, x, y, micro_batch=8)
+    l_acc = forward_backward(accum, x, y, micro_batch=2)
     assert abs(l_full - l_acc) < 1e-5
     for p, q in zip(full.parameters(), accum.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_autocast_trains(tmp_path):
+def test_bf16_mixed_precision_trains(tmp_path):
     result = train(_cfg(tmp_path, "bf16", dtype="bf16"), show_progress=False)
     assert result.final_loss < result.first_loss - 1.0
 

@@ -103,7 +103,17 @@ class _CompressedReduceScatter:
 def _fsdp_units(part: nn.Module) -> list[tuple[str, nn.Module]]:
     from torch.distributed.fsdp import FSDPModule
 
-    return [(name, m) for name, m in part.named_modules() if isinstance(m, FSDPModule)]
+    # Units that hold parameters, once each: the root holds none when the embeddings and the
+    # head are their own units, and [norm, output] are two modules of one unit
+    # (meshtron/parallel/data_parallel.py).
+    out, seen = [], set()
+    for name, m in part.named_modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            if state._fsdp_param_groups and id(state) not in seen:
+                seen.add(id(state))
+                out.append((name, m))
+    return out
 
 
 def _fsdp_input_numel(module) -> int:

@@ -37,7 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.errors import UserError
-from meshtron.parallel.data_parallel import apply_data_parallel, zero1_optimizer
+from meshtron.parallel.data_parallel import (
+    apply_data_parallel,
+    set_microbatch_policy,
+    zero1_optimizer,
+)
 from meshtron.parallel.mesh import MESH_DIMS, data_mesh, resolve_plan
 from meshtron.planner.placement import axis_sizes
 from meshtron.planner.plan import Plan, as_plan, microbatch_problem
@@ -168,7 +172,9 @@ class ParallelModel:
                     run(*args)
             else:
                 model = self.model_parts[0]
-                for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
+                for i, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+                    if backward:  # one reduction per step, or per micro-batch (ZeRO-2/3)
+                        set_microbatch_policy(self.model_parts, lay, last=i == n_micro - 1)
                     loss = self.loss_fn(model(x), y)
                     if backward:
                         (loss / n_micro).backward()
@@ -315,6 +321,9 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     """
     spec = getattr(model, "spec", None)
     lay = resolve_plan(as_plan(plan), mesh.size(), spec)
+    if lay.dtype not in ("fp32", "bf16"):
+        raise UserError(f"plan.dtype={lay.dtype!r}: the runtime trains in fp32 or bf16 "
+                         "(fp8 can be planned, not trained yet)")
     sizes = axis_sizes(lay)
     want = tuple(sizes[a] for a in MESH_DIMS)
     if tuple(mesh.mesh_dim_names or ())[:4] != MESH_DIMS or tuple(mesh.shape) != want:
@@ -333,8 +342,7 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     for _, part in pieces:
         apply_tensor_parallel(part, tp_mesh, sp=lay.sp)
         apply_recompute(part, lay.recompute)
-        # With pipelining the root (head / embedding) is reused at once in backward.
-        apply_data_parallel(part, mesh, lay, reshard_root=False if lay.pp > 1 else None)
+        apply_data_parallel(part, mesh, lay)
         parts.append(part)
     if on_meta:
         from meshtron.model.init import materialize
@@ -355,8 +363,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
     torch.optim.Optimizer, so LR schedulers work on it: its `param_groups` are the parts'
     (live: still the right dicts after `load_state_dict`).
 
-    `zero1_owners[i][j]`: under ZeRO-1, the data-parallel rank that owns (keeps the state of
-    and updates) parameter j of model part i; empty without ZeRO-1."""
+    `zero1_owners[i][j]`: under compressed ZeRO-1 (meshtron.compress reduces the gradients),
+    the data-parallel rank that owns (keeps the state of and updates) parameter j of model part
+    i; empty otherwise (plain ZeRO-1 is FSDP2: the states are sharded with the parameters)."""
 
     def __init__(self, pm: ParallelModel, optimizers: list[torch.optim.Optimizer],
                  zero1_owners: list[list[int]] | None = None):
@@ -433,14 +442,18 @@ class ParallelOptimizer(torch.optim.Optimizer):
 def build_optimizer(pm: ParallelModel, lr: float, betas: tuple[float, float] = (0.9, 0.95),
                     eps: float = 1e-8, weight_decay: float = 0.0,
                     optimizer_cls: type = torch.optim.AdamW, **kwargs: Any) -> ParallelOptimizer:
-    """AdamW (or `optimizer_cls`) over `pm.model_parts`; sharded across the data axis for
-    ZeRO-1 (states only for the parameters this data-parallel rank owns)."""
+    """AdamW (or `optimizer_cls`) over `pm.model_parts`. Under ZeRO-1/2/3 the parameters are
+    FSDP2 shards, so the optimizer states are sharded with them; with compressed ZeRO-1 or
+    DiLoCo (meshtron.compress reduces the replicated gradients) ZeRO-1 shards the optimizer by
+    whole parameters (`zero1_optimizer`)."""
+    from meshtron.compress.runtime import replaces_fsdp_reduction
+
     opt_kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
     lay = pm.layout
     optimizers, owners = [], []
     for part in pm.model_parts:
         params = [p for p in part.parameters() if p.requires_grad]
-        if lay.zero == 1 and lay.dp > 1:
+        if lay.zero == 1 and lay.dp > 1 and replaces_fsdp_reduction(lay):
             opt, owner = zero1_optimizer(params, data_mesh(pm.mesh).get_group(), optimizer_cls,
                                          **opt_kwargs)
             optimizers.append(opt)

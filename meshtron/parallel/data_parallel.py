@@ -1,36 +1,51 @@
-"""Data parallelism mapped from the plan's ZeRO stage to real PyTorch mechanisms.
+"""Data parallelism mapped from the plan's ZeRO stage to real PyTorch mechanisms (FSDP2).
 
-ZeRO stage -> mechanism (Rajbhandari et al. 2020 for the stages):
+ZeRO stage -> mechanism (Rajbhandari et al. 2020 for the stages). Every stage is FSDP2
+`fully_shard`; what differs is the mesh it shards over, when it reshards parameters and when
+it reduces gradients (`accumulation_policy`, applied per micro-batch by
+`set_microbatch_policy`):
 
-- zero 3: FSDP2 `fully_shard` per block and on the model (part) root, over the "dp_shard" axis,
-  `reshard_after_forward=True`: parameters, gradients and optimizer states sharded; parameters
-  all-gathered for forward and again for backward.
-- zero 2: the same with `reshard_after_forward=False`: parameters stay unsharded from forward to
-  backward (no second all-gather); gradients reduce-scattered and optimizer states sharded.
-  (FSDP2 frees the unsharded parameters after backward, so between steps parameters are
-  sharded too: ZeRO-2 communication volume and peak, plus sharded parameters at rest.)
-- zero 1: parameters and gradients replicated over the "dp_replicate" axis (FSDP2 on a
-  (dp_replicate=dp, dp_shard=1) mesh: its replicate path all-reduces gradients, like DDP), and
-  the optimizer sharded across the data axis: each data-parallel rank owns whole parameters
-  (greedy balance by size), keeps AdamW state for those only, updates them and broadcasts them
-  to the other data-parallel ranks (`build_optimizer` does this; the idea of PyTorch's
-  ZeroRedundancyOptimizer, written so that it also works on DTensor (tensor-parallel) parameters
-  by broadcasting each rank's local shard inside its data-parallel group).
-- zero 0: replicated data parallelism: FSDP2 on the (dp_replicate=dp, dp_shard=1) mesh, i.e.
-  gradients all-reduced and every rank runs the full optimizer (what DDP does; FSDP2's replicate
-  path is used because DDP does not compose with DTensor tensor parallelism).
+- zero 3: shard over "dp_shard"; parameters resharded after each unit's forward (all-gathered
+  again for backward) and after each micro-batch's backward; gradients reduce-scattered after
+  every micro-batch's backward (FSDP2's and DeepSpeed's behaviour), or, with
+  `plan.accumulate_unsharded`, accumulated unsharded and reduce-scattered once per step.
+- zero 2: the same shards, parameters kept unsharded from the first forward to the last
+  backward of the step (one all-gather per unit per step, as DeepSpeed ZeRO-2 keeps whole
+  parameters), gradients reduce-scattered per micro-batch (or once with
+  `accumulate_unsharded`).
+- zero 1: a distributed optimizer: shard over the whole data axis ("dp"), parameters unsharded
+  through the step, gradients accumulated unsharded and reduce-scattered once per step (after
+  the last micro-batch's backward), AdamW stepping on this rank's shard, parameters
+  all-gathered before the next forward (overlapped by FSDP2's prefetch). The traffic of
+  Megatron-LM's distributed optimizer (reduce-scatter + all-gather, Korthikanti et al. 2022
+  appendix; DeepSpeed ZeRO-1), and between steps parameters are at rest sharded too.
+- zero 0: replicated data parallelism: FSDP2 on the (dp_replicate=dp, dp_shard=1) mesh (its
+  HSDP path with shards of one rank: no reduce-scatter, one all-reduce per unit), gradient sync
+  only on the last micro-batch: one all-reduce per unit per step, like DDP's `no_sync`. FSDP2's
+  replicate path is used because DDP does not compose with DTensor tensor parallelism.
 - with plan.dp_replicate = r > 1 and zero 2/3: HSDP (replicate over r, shard over dp/r).
+
+With pipelining, torch.distributed.pipelining drives the same switches itself
+(`PipelineStage.backward_maybe_with_nosync` turns gradient sync and reshard-after-backward off
+for every micro-batch, `perform_reduce_grad` reduces once after the last one), so every ZeRO
+stage reduces gradients once per step there; parameters are not resharded between
+micro-batches (torchtitan's rule for pipelining: `reshard_after_forward=False`).
+
+FSDP units (torchtitan's `apply_fsdp`): one per transformer block, one for the embeddings, one
+for [final norm, output head] (not resharded after forward: backward starts with it), and the
+root (which keeps tied embeddings, which cannot be split into two units).
 
 Gradients are averaged over the data-parallel ranks (FSDP2's default), so with a per-rank mean
 loss they equal the single-process gradient of the global-batch mean.
 
-Mixed precision (plan.dtype='bf16'): FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32): bf16 compute, fp32 master parameters, gradients and optimizer states. With
-dp=1 and bf16 FSDP2 is still applied (on the size-1 data axis) to get that policy.
+Precision: FSDP2 MixedPrecisionPolicy(param_dtype=bf16 for plan.dtype='bf16',
+reduce_dtype=plan.reduce_dtype): bf16 compute, fp32 master parameters, gradients and optimizer
+states. With dp=1 and bf16 FSDP2 is still applied (on the size-1 data axis) to get that policy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -38,15 +53,78 @@ from torch import nn
 
 from meshtron.errors import UserError
 
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
 
 def data_parallel_mesh(mesh, lay):
-    """The mesh FSDP2 runs on: 1-D "dp_shard" or 2-D ("dp_replicate", "dp_shard") for HSDP."""
-    if lay.replicas > 1:  # the mesh's "dp_replicate" axis (all of dp for zero 0/1)
+    """The mesh FSDP2 runs on: 1-D "dp" for ZeRO-1 (the optimizer sharded over all of dp),
+    2-D ("dp_replicate", "dp_shard") for ZeRO-0 and HSDP, else 1-D "dp_shard"."""
+    from meshtron.parallel.mesh import data_mesh
+
+    if lay.zero == 1 and lay.dp > 1:
+        return data_mesh(mesh)
+    if lay.replicas > 1:  # the mesh's "dp_replicate" axis (all of dp for zero 0)
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
 
 
-def apply_data_parallel(model: nn.Module, mesh, lay, reshard_root: bool | None = None) -> nn.Module:
+@dataclass(frozen=True)
+class AccumulationPolicy:
+    """What FSDP2 does at a micro-batch that is not the step's last (the last always reduces
+    and reshards)."""
+
+    sync_each_microbatch: bool
+    """Reduce(-scatter) gradients after every micro-batch's backward (ZeRO-2/3 default) rather
+    than accumulating them unsharded and reducing once per step."""
+    reshard_each_microbatch: bool
+    """Reshard parameters after every micro-batch's backward (ZeRO-3) rather than keeping them
+    gathered until the step's last backward."""
+
+
+def accumulation_policy(lay) -> AccumulationPolicy:
+    """The per-micro-batch FSDP2 switches for the plan (see the module doc)."""
+    return AccumulationPolicy(
+        sync_each_microbatch=lay.zero >= 2 and not lay.accumulate_unsharded,
+        reshard_each_microbatch=lay.zero == 3)
+
+
+def set_microbatch_policy(parts: list[nn.Module], lay, last: bool) -> None:
+    """Before a micro-batch's forward/backward (no pipeline): FSDP2's gradient-sync, reshard and
+    last-backward switches on every FSDP unit of `parts`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    pol = accumulation_policy(lay)
+    for part in parts:
+        if isinstance(part, FSDPModule):
+            part.set_requires_gradient_sync(last or pol.sync_each_microbatch)
+            part.set_reshard_after_backward(last or pol.reshard_each_microbatch)
+            # `set_is_last_backward` stays True: each micro-batch's backward follows its own
+            # forward, and with False FSDP2 keeps the previous micro-batch's forward order for
+            # backward prefetching, so the last backward re-gathers the [norm, head] unit once
+            # more (measured: 7 all-gathers instead of 6 per ZeRO-1 step). Waiting for the
+            # reductions at the end of each backward is a stream wait on CUDA, not a host sync.
+
+
+def mixed_precision(lay):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param = torch.bfloat16 if lay.dtype == "bf16" else None
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=_DTYPES[lay.reduce_dtype])
+
+
+def _units(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(embedding unit, [norm, head] unit) modules this part holds; empty when the embeddings
+    are tied to the head (one parameter cannot live in two units: the root keeps both)."""
+    if getattr(getattr(model, "spec", None), "tied_embeddings", False):
+        return [], []
+    emb = [m for m in (getattr(model, "tok_embeddings", None),
+                       getattr(model, "pos_embeddings", None)) if m is not None]
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None))
+            if m is not None]
+    return emb, head
+
+
+def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
     """Apply FSDP2 to `model` (a Transformer or pipeline chunk) per the layout's ZeRO stage.
 
     With compressed ZeRO-0/1 or DiLoCo, meshtron.compress reduces the "dp_replicate" axis
@@ -54,22 +132,29 @@ def apply_data_parallel(model: nn.Module, mesh, lay, reshard_root: bool | None =
     from meshtron.compress.runtime import replaces_fsdp_reduction
 
     own_reduction = replaces_fsdp_reduction(lay)
-    if (lay.dp == 1 or (own_reduction and lay.dp_shard == 1)) and lay.dtype == "fp32":
+    if (lay.dp == 1 or (own_reduction and lay.dp_shard == 1)) and lay.dtype == "fp32" \
+            and lay.reduce_dtype == "fp32":
         return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh["dp_shard"] if own_reduction else data_parallel_mesh(mesh, lay)
-    if lay.dtype == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp = MixedPrecisionPolicy()
-    reshard = lay.zero == 3 and lay.dp_shard > 1
+    mp = mixed_precision(lay)
+    # Resharding after forward only where the next use is far: ZeRO-3 without a pipeline
+    # (torchtitan reshards nothing after forward under pipelining: the micro-batches' backward
+    # follows at once).
+    reshard = lay.zero == 3 and lay.dp_shard > 1 and lay.pp == 1
+    emb, head = _units(model)
+    if emb:
+        fully_shard(emb if len(emb) > 1 else emb[0], mesh=dp_mesh,
+                    reshard_after_forward=reshard, mp_policy=mp)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    # The root (embeddings, final norm, head) is needed again right at the start of backward.
-    fully_shard(model, mesh=dp_mesh,
-                reshard_after_forward=reshard if reshard_root is None else reshard_root,
-                mp_policy=mp)
+    if head:
+        # The last unit: backward needs it right after forward (torchtitan keeps it gathered).
+        fully_shard(head if len(head) > 1 else head[0], mesh=dp_mesh,
+                    reshard_after_forward=False, mp_policy=mp)
+    # The root: what is left (tied embeddings, used first in forward and last in backward).
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     return model
 
 

@@ -95,6 +95,12 @@ def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None
     p = p.validate(world_size, spec)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        # Python-API users who called init_process_group themselves: this rank's GPU is made
+        # current before any group, FSDP2 or DTensor allocates on "cuda" (else all on GPU 0).
+        from meshtron.runtime import local_device
+
+        local_device()
     place = placement(p, _gpus_per_node(world_size))
     mesh = DeviceMesh(device_type, torch.tensor(place.rank_grid(), dtype=torch.int),
                       mesh_dim_names=place.axes)

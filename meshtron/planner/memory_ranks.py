@@ -15,8 +15,10 @@ match a run's `memory.json` byte for byte (tests/test_memory.py, bench/memory_vs
   ranks smaller or empty), which is what DTensor's Shard and FSDP2 use;
 * parameters and gradients are fp32 in both dtypes (FSDP2 keeps fp32 master parameters and
   reduces in fp32); AdamW keeps two fp32 moments per element of the parameters it updates: all
-  local ones, or with ZeRO-1 those this data-parallel rank owns under the runtime's greedy
-  partition (largest first onto the least-loaded owner, `meshtron.parallel.data_parallel`).
+  local ones. ZeRO-1 is FSDP2 over the whole data axis (dim 0 sharded over "dp"); only with
+  compressed ZeRO-1 (or DiLoCo) does AdamW keep the parameters this data-parallel rank owns
+  under the runtime's greedy partition (largest first onto the least-loaded owner,
+  `meshtron.parallel.data_parallel`).
 """
 
 from __future__ import annotations
@@ -186,6 +188,12 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
     place = placement(plan, tp * pp * dp)
     dp_shard = place.size("dp_shard")
     fsdp = dp > 1 or dtype == "bf16"
+    # ZeRO-1 is FSDP2 over the whole data axis (meshtron/parallel/data_parallel.py), except
+    # where meshtron.compress reduces the gradients (compressed ZeRO-0/1, DiLoCo): whole
+    # parameters per owner there.
+    own_reduction = getattr(plan, "diloco", 0) > 0 or (
+        getattr(plan, "grad_compression", "none") != "none" and zero <= 1)
+    zero1_fsdp = zero == 1 and dp > 1 and not own_reduction
     ranges = _stage_ranges(plan, spec.layers)
     n_stages = pp * v
     out: list[RankState] = []
@@ -193,14 +201,15 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
         c = place.coords(rank)
         r_tp, r_pp, r_shard = c["tp"], c["pp"], c["dp_shard"]
         r_dp = c["dp_replicate"] * dp_shard + r_shard  # rank in the flattened "dp" group
+        n_sh, r_sh = (dp, r_dp) if zero1_fsdp else (dp_shard, r_shard)
         params = opt = layers = 0
         for s in stages_of_rank(pp, v, getattr(plan, "schedule", "1f1b"), r_pp):
-            shapes = [local_shape(name, shape, tp, r_tp, dp_shard, r_shard, fsdp)
+            shapes = [local_shape(name, shape, tp, r_tp, n_sh, r_sh, fsdp)
                       for name, shape in param_shapes(spec, ranges[s], s == 0, s == n_stages - 1)]
             numels = [math.prod(sh) for sh in shapes]
             layers += len(ranges[s])
             params += FP32 * sum(numels)
-            if zero == 1 and dp > 1:
+            if zero == 1 and dp > 1 and not zero1_fsdp:
                 owner = greedy_owners(numels, dp)
                 opt += FP32 * ADAM_MOMENTS * sum(k for k, o in zip(numels, owner) if o == r_dp)
             else:

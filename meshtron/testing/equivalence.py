@@ -73,11 +73,15 @@ def make_data(cfg: dict[str, Any]):
 
 
 def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The single-process run. cfg["dtype"] = "bf16": the product's one-process bf16 mixed
+    precision (meshtron.train.precision.BF16Compute: what FSDP2's MixedPrecisionPolicy
+    computes), in micro-batches of cfg["micro_batch"] sequences (default: the whole batch)."""
     import torch
 
+    from meshtron.model.transformer import Transformer
+    from meshtron.train.loop import forward_backward
     from meshtron.train.optim import adamw_kernel
-
-    from meshtron.model.transformer import Transformer, cross_entropy_loss
+    from meshtron.train.precision import BF16Compute
 
     torch.manual_seed(cfg["seed"])
     model = Transformer(make_spec(cfg))
@@ -85,15 +89,16 @@ def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
     # exactly the reference's update for their elements.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
                             weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
+    mp = BF16Compute(model) if cfg.get("dtype", "fp32") == "bf16" else None
     inputs, targets = make_data(cfg)
     losses, norms = [], []
     for step in range(cfg["steps"]):
-        loss = cross_entropy_loss(model(inputs[step]), targets[step])
-        loss.backward()
+        loss = forward_backward(model, inputs[step], targets[step],
+                                cfg.get("micro_batch") or cfg["batch"], mp)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(float(loss))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}
 

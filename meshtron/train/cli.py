@@ -26,7 +26,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--lr": ("optim.lr", float, "peak learning rate"),
     "--warmup-steps": ("optim.warmup_steps", int, "linear warm-up steps"),
     "--steps": ("train.steps", int, "optimizer steps"),
-    "--dtype": ("train.dtype", str, "fp32 | bf16"),
+    "--dtype": ("train.dtype", str, "fp32 | bf16 (default: bf16 on CUDA, fp32 on CPU, a saved "
+                "plan's)"),
     "--seed": ("train.seed", int, "seed of weights and data order"),
     "--eval-every": ("train.eval_every", int, "eval period in steps (0: off)"),
     "--log-every": ("train.log_every", int, "metrics line (and host sync) every N steps"),
@@ -133,6 +134,11 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     if is_plan_file(getattr(args, "plan", None)):
         _take_from_plan(args.plan, doc, overrides)
     table = doc.get("train")
+    if overrides.get("train.dtype") is None and not (isinstance(table, dict)
+                                                     and "dtype" in table):
+        from meshtron.train.precision import default_dtype
+
+        overrides["train.dtype"] = default_dtype()  # bf16 on CUDA, fp32 on CPU
     init_from = overrides.get("train.init_from") or (
         table.get("init_from") if isinstance(table, dict) else None)
     if init_from and overrides.get("model") is None and "model" not in doc:
@@ -147,8 +153,16 @@ def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -
     given): flags and the run file may restate them, not contradict them."""
     from meshtron.planner.plan import load_plan
 
+    import tomllib
+    from pathlib import Path
+
     plan = load_plan(path)
-    for key, name in _PLAN_FIXES.items():
+    fixes = dict(_PLAN_FIXES)
+    # A plan that states its precision runs in it (meshtron-plan/1 files had none: the run's
+    # dtype decides there).
+    if "dtype" in tomllib.loads(Path(path).read_text()):
+        fixes["train.dtype"] = "dtype"
+    for key, name in fixes.items():
         section, field = key.split(".")
         given = overrides.get(key)
         if given is None:

@@ -11,7 +11,6 @@ synchronisation per point (`engine.read_log`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer, cross_entropy_loss
 from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
+from meshtron.train.precision import BF16Compute, configure_matmul_precision
 from meshtron.hf.hooks import export_at_end, hf_fill
 from meshtron.data.documents import apply_document_mask
 from meshtron.data.tokenizer import keep_tokenizer
@@ -72,40 +72,40 @@ class TrainResult:
         return {k: v for k, v in self.__dict__.items() if k != "records"}
 
 
-def autocast_context(dtype: str, device_type: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast keeps fp32 master weights and optimizer states (Micikevicius et al. 2018)."""
-    if dtype == "bf16":
-        return torch.autocast(device_type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     micro_batch: int, dtype: str) -> torch.Tensor:
+                     micro_batch: int, mp: BF16Compute | None = None) -> torch.Tensor:
     """Accumulate gradients of the batch mean loss over micro-batches; returns the mean loss
-    (a detached 0-d tensor: no host synchronisation)."""
+    (a detached 0-d tensor: no host synchronisation). With `mp` (bf16 mixed precision) the
+    bf16 copy computes and its gradients land in `model`'s fp32 `.grad`."""
     rows = inputs.shape[0]
     total = torch.zeros((), dtype=torch.float32, device=inputs.device)
-    device_type = inputs.device.type
+    if mp is not None:
+        mp.refresh()
+    compute = mp.model if mp is not None else model
     for start in range(0, rows, micro_batch):
         x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
-        with autocast_context(dtype, device_type):
-            logits = model(x)
-        loss = cross_entropy_loss(logits, y) * (x.shape[0] / rows)
+        # x.shape[0] / rows: a power of two in the usual batch geometries, which scales bf16
+        # gradients exactly (so micro-batching matches data parallelism bit for bit there)
+        loss = cross_entropy_loss(compute(x), y) * (x.shape[0] / rows)
         loss.backward()
+        if mp is not None:
+            mp.accumulate()
         total += loss.detach().float()
     return total
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             micro_batch: int, dtype: str) -> float:
+             micro_batch: int, mp: BF16Compute | None = None) -> float:
+    if mp is not None:
+        mp.refresh()
+        model = mp.model
     model.eval()
     losses = []
     for inputs, targets in batches:
         for start in range(0, inputs.shape[0], micro_batch):
             x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
-            with autocast_context(dtype, x.device.type):
-                losses.append(cross_entropy_loss(model(x), y).float())
+            losses.append(cross_entropy_loss(model(x), y).float())
     model.train()
     return float(torch.stack(losses).mean())
 
@@ -127,7 +127,17 @@ class LocalEngine:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.micro = cfg.data.micro_batch or cfg.data.global_batch
         self.dtype = cfg.train.dtype
+        configure_matmul_precision(self.device, self.dtype)
+        self._mp: BF16Compute | None = None
         self.grad_clip = cfg.optim.grad_clip
+
+    @property
+    def mp(self) -> BF16Compute | None:
+        """The bf16 compute copy (bf16 runs), made at first use: after the run's set-up
+        (document masks, loaded weights) has touched the fp32 model."""
+        if self.dtype == "bf16" and self._mp is None:
+            self._mp = BF16Compute(self.model)
+        return self._mp
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         """Forward, backward, clip, optimizer and schedule step, with no host synchronisation."""
@@ -135,7 +145,7 @@ class LocalEngine:
         # the device (a blocking copy would synchronise the stream every step).
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        loss = forward_backward(self.model, inputs, targets, self.micro, self.dtype)
+        loss = forward_backward(self.model, inputs, targets, self.micro, self.mp)
         norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip,
                                                foreach=True)
                 if self.grad_clip > 0 else None)
@@ -151,7 +161,7 @@ class LocalEngine:
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
-        return evaluate(self.model, batches, self.micro, self.dtype)
+        return evaluate(self.model, batches, self.micro, self.mp)
 
 
 def read_values(out: StepOutput, seconds: float, device: torch.device,

@@ -63,6 +63,9 @@ class ParallelEngine:
         from meshtron.parallel.mesh import data_mesh
 
         check_document_layout(cfg, plan)
+        from meshtron.train.precision import configure_matmul_precision
+
+        configure_matmul_precision(device, cfg.train.dtype)
         rt = runtime_plan(plan, cfg.train.dtype)
         self.mesh = build_mesh(rt, device_type=device.type, spec=cfg.model)
         self.dp_rank = data_mesh(self.mesh).get_local_rank()

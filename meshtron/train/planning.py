@@ -23,9 +23,11 @@ NOMINAL_CPU_CLUSTER = {"name": "nominal-cpu", "peak_tflops": 0.05, "matmul_effic
 
 
 def local_cluster(world_size: int, cluster: str | None):
-    """The cluster to plan for: `cluster`, else this machine's calibration file, else the
-    nominal CPU figures (flagged by their name)."""
+    """The cluster to plan for: `cluster`, else this machine's calibration file (measured),
+    else on a GPU node the detected GPU (meshtron/calibrate/device.py: catalogue figures, the
+    device's memory), else the nominal CPU figures (flagged by their name; CPU only)."""
     from meshtron.calibrate.cli import default_cluster_path
+    from meshtron.calibrate.device import device_cluster
     from meshtron.planner.cluster import cluster_from_dict, resolve_cluster
 
     if cluster:
@@ -33,6 +35,9 @@ def local_cluster(world_size: int, cluster: str | None):
     path = default_cluster_path(world_size)
     if path.is_file():
         return resolve_cluster(str(path))
+    detected = device_cluster(world_size)
+    if detected is not None:
+        return detected
     return cluster_from_dict({**NOMINAL_CPU_CLUSTER, "gpus_per_node": world_size})
 
 

@@ -10,7 +10,6 @@ wait for the others at a barrier (torchrun then stops the rest).
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -34,7 +33,8 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     try:
         doctor.prepare_env()
         _join_attempt(job, world)
-        device = init_rank(world)
+        device = init_rank(world, dump_prefix=str(
+            doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"))
         plan, cluster = agreed_plan(job, world)
         doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
                      watchdog_timeout_s=job.watchdog_timeout_s, recorder=job.recorder)
@@ -127,16 +127,11 @@ def agreed_plan(job: TrainJob, world: World):
 
 
 def _abort(world: World, message: str, code: int) -> NoReturn:
-    import torch.distributed as dist
-
     print(f"meshtron train (rank {world.rank}): {message}", file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
     # No barrier: the other ranks may be stuck in a collective; torchrun (or the job's own
     # launcher) stops them once this rank is gone.
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-    os._exit(code)
+    from meshtron.runtime import abort_rank
+
+    abort_rank(code)
