@@ -73,6 +73,13 @@ def test_resume_is_bit_identical_and_metrics_have_no_duplicates(saved, tmp_path,
         assert torch.equal(want[key], got[key]), key
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["first_loss"] == _steps(saved)[0][1]
+    # tokens/s of the whole run 1..6, each step once: steps 2-4 timed by the first attempt,
+    # step 6 by the resumed one (its first step, 5, is warm-up like step 1).
+    times = {r["step"]: r["step_time_s"] for r in _records(run_dir) if "step" in r}
+    assert summary["tokens"] == 6 * 8 * 32 and summary["resumed_from_step"] == 4
+    want_tps = 4 * 8 * 32 / sum(times[s] for s in (2, 3, 4, 6))
+    assert abs(summary["tokens_per_s"] - want_tps) <= 1e-9 * want_tps
+    assert _records(run_dir)[-1]["tokens_per_s"] == summary["tokens_per_s"]
     assert not list(store.checkpoint_root(run_dir).glob(store.TMP_PREFIX + "*"))
 
 
@@ -157,6 +164,12 @@ def test_resume_falls_back_with_a_clear_message_and_fails_cleanly_when_nothing_i
     (["--mtbf-hours", "nan"], "--mtbf-hours=nan"),
     (["--keep", "two"], "--keep"),
     (["--resume", "--set", "model.layers=3"], "model.layers=2"),
+    # The checkpoint holds the schedule's position, not its shape (issue 23: a changed --steps
+    # silently moved the learning rate).
+    (["--resume", "--steps", "8"], "--resume: train.steps=8: the checkpoint step_00000006 was "
+                                   "saved by a run with train.steps=6"),
+    (["--resume", "--lr", "0.001"], "optim.lr=0.001"),
+    (["--resume", "--warmup-steps", "3"], "allowed: optim.warmup_steps=20"),
 ])
 def test_bad_checkpoint_input_is_one_line_and_deletes_nothing(saved, tmp_path, capsys, argv,
                                                               needle):

@@ -13,8 +13,16 @@ three runs of one layout in one launch:
 Each asserts that the checkpoints commit (and verify), and that B and C reproduce A's training
 and evaluation losses and A's final parameters and optimizer state exactly (same layout, same
 data: bit-identical). Default suite: ZeRO-2 under tp=2 x dp=2 (the crash) and pp=2 x dp=2, in one
-launch. Slow: ZeRO-3, int8 gradient compression and DiLoCo (H=4: saves inside and at the end of a
-round), in a second launch. Restarts through torchrun: tests/test_checkpoint_cli.py (slow).
+launch. Slow: ZeRO-3, int8 gradient compression and DiLoCo (H=4: the saves at steps 2 and 6 fall
+inside a round, where the replicas' parameters differ; at step 4 only their inner optimizers'
+moments do), in a second launch. Restarts through torchrun:
+tests/test_checkpoint_cli.py (slow).
+
+int8 is the one inexact case, by meshtron.compress's design: a checkpoint keeps the data-parallel
+group's mean error-feedback residual (what the group still owes, so it reshards), not each
+rank's; after a resume each rank quantizes a slightly different input. Measured: losses within
+3e-6 relative of the uninterrupted run (asserted: 1e-5); Adam moments of parameters with tiny
+gradients then differ visibly, so its final state is not compared.
 """
 
 import json
@@ -83,7 +91,14 @@ def _losses(run_dir):
             if "event" not in r]
 
 
-def _check(base, name):
+def _close(got, want, rel=1e-5):
+    assert [x[0] for x in got] == [x[0] for x in want]
+    for (s, loss, ev), (_, loss_w, ev_w) in zip(got, want):
+        assert abs(loss - loss_w) <= rel * abs(loss_w), (s, loss, loss_w)
+        assert (ev is None) == (ev_w is None) and (ev is None or abs(ev - ev_w) <= rel * ev_w)
+
+
+def _check(base, name, exact=True):
     a, b, c = (base / f"{name}-{x}" for x in "abc")
     for run_dir in (a, b, c):
         root = store.checkpoint_root(run_dir)
@@ -96,10 +111,13 @@ def _check(base, name):
         (e is not None) == (s % EVERY == 0) for s, _, e in want), want
     full_a = load_full_state_dict(a, optimizer=True)
     for run_dir, resumed_from in ((b, 2), (c, 4)):
-        assert _losses(run_dir) == want, (name, run_dir.name)
         events = [r for r in _records(run_dir) if "event" in r]
         assert events[-1]["event"] == "resume" and events[-1]["resumed_from_step"] == \
             resumed_from, events
+        if not exact:
+            _close(_losses(run_dir), want)
+            continue
+        assert _losses(run_dir) == want, (name, run_dir.name)
         got = load_full_state_dict(run_dir, optimizer=True)
         assert got.keys() == full_a.keys()
         for key in full_a:
@@ -125,4 +143,9 @@ def test_save_after_evaluation_and_after_resume_zero3_compression_diloco(tmp_pat
                        "dp4-int8": ("tp=1,pp=1,dp=4", 0, "int8", 0),
                        "dp4-diloco4": ("tp=1,pp=1,dp=4", 0, "none", 4)}
     for name, *_ in cases:
-        _check(tmp_path, name)
+        _check(tmp_path, name, exact=name != "dp4-int8")
+    # The replicas' states were kept apart, inside a round (2, 6) and at its end (4: the inner
+    # optimizers' moments still differ); see meshtron/checkpoint/state.py.
+    for step in (2, 4, 6):
+        folder = store.checkpoint_root(tmp_path / "dp4-diloco4-a") / store.step_name(step)
+        assert store.read_meta(folder)["replica_states"] == 4
