@@ -48,17 +48,19 @@ class Preempted(Exception):
         self.seconds = seconds
 
 
-def _stager():
+def _stager(staging_thread: bool = True):
     """One stager for the whole run: it keeps its host buffers (pinned on CUDA) from one save to
     the next instead of allocating them per save. Safe because a save starts only after the
     previous one has finished reading them (one save in flight). Staging runs on the stager's
     thread (and CUDA side stream); `Checkpointer.wait_staging` holds back the next optimizer
-    step until the copy is complete, so no tensor changes while it is read."""
+    step until the copy is complete, so no tensor changes while it is read. `staging_thread`
+    False: copy on the training thread inside `save` (bench/checkpoint_save.py compares)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = torch.cuda.is_available()
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=True, use_non_blocking_copy=cuda))
+                                        use_async_staging=staging_thread,
+                                        use_non_blocking_copy=cuda))
 
 
 def make_checkpointer(ckpt: CheckpointConfig | None, cfg: Any, engine: Any, data: Any,
@@ -72,10 +74,11 @@ def make_checkpointer(ckpt: CheckpointConfig | None, cfg: Any, engine: Any, data
 
 class Checkpointer:
     """See the module docstring. `engine`: LocalEngine or ParallelEngine; `data`: the run's data
-    (its `state_dict` is the sampler position); `plan`: the plan (None on one process)."""
+    (its `state_dict` is the sampler position); `plan`: the plan (None on one process);
+    `staging_thread`: see `_stager`."""
 
     def __init__(self, ckpt: CheckpointConfig, cfg: Any, engine: Any, data: Any,
-                 run_dir: str | Path, plan: Any = None):
+                 run_dir: str | Path, plan: Any = None, staging_thread: bool = True):
         self.ckpt, self.cfg, self.data, self.plan = ckpt, cfg, data, plan
         self.engine = engine
         self.run_dir = Path(run_dir)
@@ -91,7 +94,7 @@ class Checkpointer:
         self.state = state.EngineState(engine)
         self.every: int | None = ckpt.every if isinstance(ckpt.every, int) else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtron-ckpt")
-        self._stager = _stager()
+        self._stager = _stager(staging_thread)
         self._inflight: Future | None = None
         self._staging: Future | None = None
         # The optimizer step is the first write to the tensors a save copies: wait there.
