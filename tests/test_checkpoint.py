@@ -234,3 +234,41 @@ def test_sigterm_handler_records_and_chains_to_the_previous_one():
         assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_copy_to_host_runs_off_the_training_thread_and_the_next_step_waits_for_it(
+        tmp_path, monkeypatch):
+    """The copy is delayed by 1 s on the stager's thread: training goes on with the next
+    forward and backward, and its optimizer step must wait for the copy, so the checkpoint
+    holds the state of the step that was saved, not of the one after."""
+    import threading
+    import time
+
+    from torch.distributed.checkpoint import staging
+
+    from meshtron.checkpoint.checkpointer import Checkpointer
+    from meshtron.train.loop import LocalEngine, build_run_data
+
+    cfg = _cfg(tmp_path / "run")
+    data, engine = build_run_data(cfg), LocalEngine(cfg)
+    engine.train_step(*data.next_batch())
+    copied_on_main, original = [], staging.StateDictStager.stage
+
+    def slow_stage(self, *args, **kwargs):
+        copied_on_main.append(threading.current_thread() is threading.main_thread())
+        time.sleep(1.0)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(staging.StateDictStager, "stage", slow_stage)
+    ck = Checkpointer(CheckpointConfig(every=1), cfg, engine, data, tmp_path / "run")
+    ck.start()
+    saved_state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    ck.save(1)
+    engine.train_step(*data.next_batch())
+    ck.close()
+    assert copied_on_main == [False]
+    on_disk = load_full_state_dict(tmp_path / "run")
+    assert on_disk.keys() == saved_state.keys()
+    assert all(torch.equal(on_disk[k], saved_state[k]) for k in saved_state)
+    now = engine.model.state_dict()
+    assert any(not torch.equal(now[k], saved_state[k]) for k in saved_state)
