@@ -73,6 +73,13 @@ def test_resume_is_bit_identical_and_metrics_have_no_duplicates(saved, tmp_path,
         assert torch.equal(want[key], got[key]), key
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["first_loss"] == _steps(saved)[0][1]
+    # tokens/s of the whole run 1..6, each step once: steps 2-4 timed by the first attempt,
+    # step 6 by the resumed one (its first step, 5, is warm-up like step 1).
+    times = {r["step"]: r["step_time_s"] for r in _records(run_dir) if "step" in r}
+    assert summary["tokens"] == 6 * 8 * 32 and summary["resumed_from_step"] == 4
+    want_tps = 4 * 8 * 32 / sum(times[s] for s in (2, 3, 4, 6))
+    assert abs(summary["tokens_per_s"] - want_tps) <= 1e-9 * want_tps
+    assert _records(run_dir)[-1]["tokens_per_s"] == summary["tokens_per_s"]
     assert not list(store.checkpoint_root(run_dir).glob(store.TMP_PREFIX + "*"))
 
 
@@ -157,6 +164,12 @@ def test_resume_falls_back_with_a_clear_message_and_fails_cleanly_when_nothing_i
     (["--mtbf-hours", "nan"], "--mtbf-hours=nan"),
     (["--keep", "two"], "--keep"),
     (["--resume", "--set", "model.layers=3"], "model.layers=2"),
+    # The checkpoint holds the schedule's position, not its shape (issue 23: a changed --steps
+    # silently moved the learning rate).
+    (["--resume", "--steps", "8"], "--resume: train.steps=8: the checkpoint step_00000006 was "
+                                   "saved by a run with train.steps=6"),
+    (["--resume", "--lr", "0.001"], "optim.lr=0.001"),
+    (["--resume", "--warmup-steps", "3"], "allowed: optim.warmup_steps=20"),
 ])
 def test_bad_checkpoint_input_is_one_line_and_deletes_nothing(saved, tmp_path, capsys, argv,
                                                               needle):
@@ -221,3 +234,41 @@ def test_sigterm_handler_records_and_chains_to_the_previous_one():
         assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_copy_to_host_runs_off_the_training_thread_and_the_next_step_waits_for_it(
+        tmp_path, monkeypatch):
+    """The copy is delayed by 1 s on the stager's thread: training goes on with the next
+    forward and backward, and its optimizer step must wait for the copy, so the checkpoint
+    holds the state of the step that was saved, not of the one after."""
+    import threading
+    import time
+
+    from torch.distributed.checkpoint import staging
+
+    from meshtron.checkpoint.checkpointer import Checkpointer
+    from meshtron.train.loop import LocalEngine, build_run_data
+
+    cfg = _cfg(tmp_path / "run")
+    data, engine = build_run_data(cfg), LocalEngine(cfg)
+    engine.train_step(*data.next_batch())
+    copied_on_main, original = [], staging.StateDictStager.stage
+
+    def slow_stage(self, *args, **kwargs):
+        copied_on_main.append(threading.current_thread() is threading.main_thread())
+        time.sleep(1.0)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(staging.StateDictStager, "stage", slow_stage)
+    ck = Checkpointer(CheckpointConfig(every=1), cfg, engine, data, tmp_path / "run")
+    ck.start()
+    saved_state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    ck.save(1)
+    engine.train_step(*data.next_batch())
+    ck.close()
+    assert copied_on_main == [False]
+    on_disk = load_full_state_dict(tmp_path / "run")
+    assert on_disk.keys() == saved_state.keys()
+    assert all(torch.equal(on_disk[k], saved_state[k]) for k in saved_state)
+    now = engine.model.state_dict()
+    assert any(not torch.equal(now[k], saved_state[k]) for k in saved_state)

@@ -3,6 +3,9 @@
 - SIGKILL one rank of a 4-rank hybrid run (dp=2 x tp=2) at a random step, `--max-restarts 2`:
   torchrun restarts every rank from the last complete checkpoint; per-step losses and final
   parameters equal an uninterrupted run's exactly; metrics.jsonl holds a `restart` record.
+  Again with ZeRO-2 and an evaluation on every checkpoint step (the save state that crashed,
+  issue 23), where the saves after the restart must commit too and summary.json's tokens/s
+  covers every step once.
 - SIGTERM to the launcher: every rank finishes its step, checkpoints, exit code 75; `--resume`
   continues exactly.
 - SIGKILL while an asynchronous save is in flight (writes slowed by tests/checkpoint_faults):
@@ -120,6 +123,39 @@ def test_sigkill_one_rank_with_max_restarts_is_exact(tmp_path, uninterrupted):
     assert restart["attempt"] == 1 and str(victim[0]) in restart["cause"], restart
     assert restart["resumed_from_step"] % 2 == 0 and restart["lost_steps"] >= 0
     assert "restart 1 (torchrun)" in out
+
+
+def test_restart_with_evaluation_on_checkpoint_steps_zero2(tmp_path):
+    argv = ["--nproc", "4", "--plan", "tp=2,dp=2", "--zero", "2", "--checkpoint-every", "2",
+            "--eval-every", "2"]
+    ref = tmp_path / "ref"
+    code, out = _run(ref, *argv)
+    assert code == 0, out[-3000:]
+    run_dir = tmp_path / "killed"
+    proc = _start(run_dir, *argv, "--max-restarts", "1")
+    _wait_for_step(run_dir, 5, proc)
+    os.kill(_rank_pids(run_dir)[3], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    want = [(r["step"], r["loss"], r.get("eval_loss")) for r in _records(ref) if "event" not in r]
+    got = [(r["step"], r["loss"], r.get("eval_loss")) for r in _records(run_dir)
+           if "event" not in r]
+    assert got == want and sum(e is not None for *_, e in got) == STEPS // 2
+    restart, = [r for r in _records(run_dir) if r.get("event") == "restart"]
+    root = store.checkpoint_root(run_dir)
+    assert [s for s, _ in store.committed(root)] == [8, 6, 4]
+    assert all(store.verify(p) is None for _, p in store.committed(root))
+    _same_final_state(ref, run_dir)
+    # tokens/s: steps 1..8 once, timed by the attempt that was kept; the first step of each
+    # attempt is warm-up.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    times = {r["step"]: r["step_time_s"] for r in _records(run_dir) if "event" not in r}
+    steady = [s for s in times if s not in (1, restart["resumed_from_step"] + 1)]
+    tokens = 8 * 32
+    assert summary["tokens"] == STEPS * tokens
+    assert summary["resumed_from_step"] == restart["resumed_from_step"]
+    want_tps = len(steady) * tokens / sum(times[s] for s in steady)
+    assert abs(summary["tokens_per_s"] - want_tps) <= 1e-9 * want_tps
 
 
 def test_sigterm_to_the_launcher_checkpoints_exits_75_and_resumes_exactly(tmp_path,

@@ -2,12 +2,16 @@
 
 One `Checkpointer` per rank; every method is called by every rank at the same point of the loop
 (they are collective). Saving (Nicolae et al.'s two-phase scheme, as torch.distributed.checkpoint's
-`async_save` implements it): the step's state is copied to host memory on the training thread
-(the only stall), then written by a background thread while training continues. One save is in
-flight at a time: the next one first waits for it. The background thread of rank 0 then writes the
-manifest and commits (store.py). DCP's background collectives run on a gloo group of their own:
-on the training group they crash with 'Connection reset by peer' (shared notes); a second gloo
-group carries the per-step preemption vote, so the two threads never share a group.
+`async_save` implements it): the step's state is copied to host memory (pinned, with non-blocking
+copies on a side stream, on CUDA) by DCP's stager thread, then written by a background thread,
+while training continues. The training thread blocks only where it must: before the next
+optimizer step (a step pre-hook), the first write to the tensors being copied, if the copy is not
+done by then (torchtitan's `maybe_wait_for_staging` at the same point). One save is in flight at
+a time: the next one first waits for it. Each rank's background thread then hashes the files that
+rank wrote, rank 0 gathers the digests, writes the manifest and commits (integrity.py, store.py).
+DCP's background collectives and the digests run on a gloo group of their own: on the training
+group they crash with 'Connection reset by peer' (shared notes); a second gloo group carries the
+per-step preemption vote, so the two threads never share a group.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint import history, restart, state, store
+from meshtron.checkpoint import history, integrity, restart, state, store
 from meshtron.checkpoint.config import CheckpointConfig
 from meshtron.checkpoint.preempt import PreemptionWatch
+from meshtron.checkpoint.resume import check_compatible, prepare_start  # noqa: F401 (API)
 from meshtron.errors import UserError
 
 AUTO_PROBE_STEPS = 3
@@ -44,16 +49,19 @@ class Preempted(Exception):
         self.seconds = seconds
 
 
-def _stager():
+def _stager(staging_thread: bool = True):
     """One stager for the whole run: it keeps its host buffers (pinned on CUDA) from one save to
     the next instead of allocating them per save. Safe because a save starts only after the
-    previous one has finished reading them (one save in flight). Staging stays on the training
-    thread: the stall ends once the copy is complete, never while tensors can still change."""
+    previous one has finished reading them (one save in flight). Staging runs on the stager's
+    thread (and CUDA side stream); `Checkpointer.wait_staging` holds back the next optimizer
+    step until the copy is complete, so no tensor changes while it is read. `staging_thread`
+    False: copy on the training thread inside `save` (bench/checkpoint_save.py compares)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = torch.cuda.is_available()
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
+                                        use_async_staging=staging_thread,
+                                        use_non_blocking_copy=cuda))
 
 
 def make_checkpointer(ckpt: CheckpointConfig | None, cfg: Any, engine: Any, data: Any,
@@ -67,10 +75,11 @@ def make_checkpointer(ckpt: CheckpointConfig | None, cfg: Any, engine: Any, data
 
 class Checkpointer:
     """See the module docstring. `engine`: LocalEngine or ParallelEngine; `data`: the run's data
-    (its `state_dict` is the sampler position); `plan`: the plan (None on one process)."""
+    (its `state_dict` is the sampler position); `plan`: the plan (None on one process);
+    `staging_thread`: see `_stager`."""
 
     def __init__(self, ckpt: CheckpointConfig, cfg: Any, engine: Any, data: Any,
-                 run_dir: str | Path, plan: Any = None):
+                 run_dir: str | Path, plan: Any = None, staging_thread: bool = True):
         self.ckpt, self.cfg, self.data, self.plan = ckpt, cfg, data, plan
         self.engine = engine
         self.run_dir = Path(run_dir)
@@ -86,15 +95,22 @@ class Checkpointer:
         self.state = state.EngineState(engine)
         self.every: int | None = ckpt.every if isinstance(ckpt.every, int) else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtron-ckpt")
-        self._stager = _stager()
+        self._stager = _stager(staging_thread)
         self._inflight: Future | None = None
+        self._staging: Future | None = None
+        # The optimizer step is the first write to the tensors a save copies: wait there.
+        self._step_hook = engine.optimizer.register_step_pre_hook(self._before_step)
         self._step_marks: list[float] = []
         self.watch = PreemptionWatch(self.rank)
         self.start_step = 0
         self.resumed = False
         self.stalls_s: list[float] = []
-        """Seconds the training thread was blocked by each save (staging, plus waiting for the
-        previous save when it was still in flight)."""
+        """Seconds the training thread was blocked by each save: in `save` (collecting the
+        state, waiting for the previous save when it was still in flight) and before the next
+        optimizer step (the copy to host memory, when not done by then)."""
+        self.commits_s: list[float] = []
+        """Seconds from the start of each save to its commit (main rank; written, hashed,
+        manifest, renamed)."""
 
     # ---- helpers ------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -138,10 +154,10 @@ class Checkpointer:
         self.resumed = resume
         if not resume:
             return 0
-        found = store.find_latest(self.root) if self.rank == 0 else None
-        if self.rank == 0:
-            for line in found.report():
-                self.say(line)
+        found = integrity.find_latest(self.root, self.rank, self.world_size,
+                                      self.vote_group if self.distributed else None)
+        for line in found.report():
+            self.say(line)
         chosen = self._broadcast(None if found is None or found.path is None
                                  else (found.step, str(found.path)))
         if chosen is None:
@@ -176,16 +192,29 @@ class Checkpointer:
         history.append(path, event)
         return kept
 
+    def past_intervals(self) -> list[tuple[int, int, float, bool]]:
+        """Main rank, after `history`: the step clock's intervals of the steps kept from the
+        earlier attempts (so tokens/s covers every step 1..N once)."""
+        if self.rank != 0 or not self.resumed:
+            return []
+        return history.past_intervals(self.run_dir / "metrics.jsonl")
+
     def load(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
         meta = store.read_meta(folder)
         check_compatible(meta, self.cfg, folder)
-        template = self.state.tensors()
+        saved_replicas = int(meta.get("replica_states", 1))
+        per_replica = saved_replicas > 1 and saved_replicas == self.state.replicas
+        if saved_replicas > 1 and not per_replica:
+            self.say(f"{folder.name} was saved inside a DiLoCo round by {saved_replicas} "
+                     f"replicas; this run has {self.state.replicas}: every replica continues "
+                     "from replica 0's model and optimizer")
+        template = self.state.tensors(per_replica)
         dcp.load(template, checkpoint_id=str(folder),
                  process_group=self.save_group if self.distributed else None,
                  no_dist=not self.distributed)
-        self.state.load_tensors(template)
+        self.state.load_tensors(template, per_replica)
         state.set_schedule_position(self.engine.scheduler, meta["schedule_last_epoch"])
         self.data.load_state_dict(meta["data"])
         rank_doc = state.read_rank_file(folder, self.rank, meta["world_size"])
@@ -198,7 +227,7 @@ class Checkpointer:
         """Checkpoint the state after `step`; returns the seconds the caller was blocked.
         `blocking`: write, checksum and commit before returning (no background thread)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
         t0 = time.perf_counter()
         self.wait()
@@ -207,39 +236,76 @@ class Checkpointer:
         state.write_rank_file(tmp, self.rank)
         if self.rank == 0:
             store.write_json(tmp / store.META, self._meta(step))
-        writer = FileSystemWriter(str(tmp))
+        writer = integrity.RecordingWriter(str(tmp))
         group = self.save_group if self.distributed else None
-        tensors = self.state.tensors()
+        tensors = self.state.tensors(per_replica=self.state.diverged())
         if blocking:
             dcp.save(tensors, storage_writer=writer, process_group=group,
                      no_dist=not self.distributed)
-            self._commit(step)
+            self._commit(step, writer, t0)
         else:
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=group,
-                                    no_dist=not self.distributed, async_stager=self._stager)
-            self._inflight = self._executor.submit(self._finish, future, step)
+            self._order_staging_after_compute()
+            response = dcp.async_save(tensors, storage_writer=writer, process_group=group,
+                                      no_dist=not self.distributed, async_stager=self._stager)
+            upload = response
+            if isinstance(response, AsyncSaveResponse):
+                self._staging, upload = response.staging_completion, response.upload_completion
+            self._inflight = self._executor.submit(self._finish, upload, step, writer, t0)
         stall = time.perf_counter() - t0
         self.stalls_s.append(stall)
         return stall
+
+    def _order_staging_after_compute(self) -> None:
+        """CUDA: the stager copies on its own stream, which must first wait for the kernels
+        that produced the state (the last optimizer step may still be queued). A stream wait,
+        not a host synchronisation."""
+        stream = getattr(self._stager, "_staging_stream", None)
+        if stream is not None and torch.cuda.is_available():
+            stream.wait_stream(torch.cuda.current_stream())
+
+    def _before_step(self, *_: Any) -> None:
+        self.wait_staging()
+
+    def wait_staging(self) -> float:
+        """Block until the save in flight has copied the state to host memory (called before
+        every optimizer step); returns the seconds blocked, added to that save's stall."""
+        if self._staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        staging, self._staging = self._staging, None
+        staging.result()
+        waited = time.perf_counter() - t0
+        if self.stalls_s:
+            self.stalls_s[-1] += waited
+        return waited
 
     def _meta(self, step: int) -> dict[str, Any]:
         return {"format": store.FORMAT, "step": step, "world_size": self.world_size,
                 "data": self.data.state_dict(),
                 "schedule_last_epoch": self.engine.scheduler.last_epoch,
+                "replica_states": self.state.replicas if self.state.diverged() else 1,
                 "plan": self.plan.to_dict() if self.plan is not None else None,
                 "config": json.loads(json.dumps(self.cfg.to_dict(), default=str)),
                 "time": time.time()}
 
-    def _finish(self, future: Any, step: int) -> None:
+    def _finish(self, future: Any, step: int, writer: Any, t0: float) -> None:
         future.result()  # every rank's shards written (DCP gathers them before its metadata)
-        self._commit(step)
+        self._commit(step, writer, t0)
 
-    def _commit(self, step: int) -> None:
+    def _commit(self, step: int, writer: Any, t0: float) -> None:
+        """Collective over the save group: every rank hashes the files it wrote; rank 0
+        writes the manifest from the gathered digests and commits."""
+        tmp = self.root / (store.TMP_PREFIX + store.step_name(step))
+        mine = [f"rank_{self.rank}.json", *writer.written]
+        if self.rank == 0:
+            mine += [".metadata", store.META]
+        digests = integrity.gather_digests(tmp, mine, self.rank, self.world_size,
+                                           self.save_group if self.distributed else None)
         if self.rank != 0:
             return
-        tmp = self.root / (store.TMP_PREFIX + store.step_name(step))
-        store.write_manifest(tmp, step)
+        store.write_manifest(tmp, step, digests)
         final = store.commit(self.root, step)
+        self.commits_s.append(time.perf_counter() - t0)
         removed = store.prune(self.root, self.ckpt.keep)
         gone = f"; removed {', '.join(removed)}" if removed else ""
         print(f"meshtron train: checkpoint {final.name} committed{gone}", file=sys.stderr,
@@ -247,6 +313,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for the save in flight (its error, if any, is raised here)."""
+        self.wait_staging()
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
             inflight.result()
@@ -299,7 +366,9 @@ class Checkpointer:
 
         marks = self._step_marks
         gaps = [b - a for a, b in zip(marks, marks[1:])] or [marks[-1] - marks[0] or 1e-3]
-        stall = self.save(step)
+        # The probe waits for the copy to host memory at once: an upper bound of the stall
+        # (later saves overlap it with the next forward and backward).
+        stall = self.save(step) + self.wait_staging()
         stall, step_s = self._max([stall, statistics.median(gaps)])
         step_s = max(step_s, 1e-6)
         if self.ckpt.mtbf_hours is not None:
@@ -319,6 +388,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._step_hook.remove()
             self._executor.shutdown(wait=True)
             self._stager.close()
             self.watch.close()
@@ -329,37 +399,6 @@ def _layout(plan: dict[str, Any] | None) -> str:
         return ""
     return f", layout tp={plan.get('tp')} pp={plan.get('pp')} dp={plan.get('dp')} " \
            f"zero={plan.get('zero')}"
-
-
-_SHAPE_IGNORED = ("name",)
-
-
-def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
-    """Refuse a checkpoint of another model shape or batch geometry (one line)."""
-    saved = dict(meta.get("config", {}).get("model", {}))
-    now = json.loads(json.dumps(cfg.to_dict()["model"], default=str))
-    for key in sorted(set(saved) | set(now)):
-        if key not in _SHAPE_IGNORED and saved.get(key) != now.get(key):
-            raise UserError(f"--resume: checkpoint {folder} holds a model with "
-                            f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}; "
-                            "resume with the same model or start a new --run-dir")
-
-
-def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool) -> None:
-    """Checks in the launching process, before any rank starts: `--resume` needs a complete
-    checkpoint (sizes checked here; checksums by the ranks) of the same model; a fresh run over
-    an old one (--overwrite) drops the old checkpoints so a later --resume cannot pick them up."""
-    root = store.checkpoint_root(cfg.train.run_dir)
-    if ckpt.resume:
-        found = store.find_latest(root, deep=False)
-        if found.path is None:
-            why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
-            raise UserError(f"--resume: no complete checkpoint in {root}"
-                            + (f" ({why})" if why else ""))
-        check_compatible(store.read_meta(found.path), cfg, found.path)
-        (root / store.PREEMPTED).unlink(missing_ok=True)
-    elif overwrite and root.exists():
-        shutil.rmtree(root)
 
 
 def was_preempted(cfg: Any) -> dict[str, Any] | None:

@@ -44,3 +44,24 @@ def _is_step(record: dict[str, Any]) -> bool:
 def append(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def past_intervals(path: Path) -> list[tuple[int, int, float, bool]]:
+    """The training intervals of the step records kept in metrics.jsonl, as the step clock
+    (meshtron/train/metrics.py) recorded them: (last step, steps, seconds, steady). An interval
+    starts after the previous record, or at its attempt's first step (a `resume` / `restart`
+    record's resumed_from_step + 1) when that comes later; the first step of every attempt is
+    warm-up (not steady), as it is for the clock of a fresh run."""
+    records = _records(path)
+    starts = sorted({1} | {r["resumed_from_step"] + 1 for r in records
+                           if r.get("event") in ("resume", "restart")
+                           and isinstance(r.get("resumed_from_step"), int)})
+    out, previous = [], 0
+    for r in sorted((r for r in records if _is_step(r)), key=lambda r: r["step"]):
+        step = r["step"]
+        begin = max([previous + 1] + [s for s in starts if s <= step])
+        n = step - begin + 1
+        if n >= 1 and isinstance(r.get("step_time_s"), (int, float)):
+            out.append((step, n, r["step_time_s"] * n, begin not in starts))
+        previous = step
+    return out

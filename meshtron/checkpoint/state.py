@@ -12,6 +12,14 @@ names, so they reshard to any layout on load:
   outer optimizer): its `state_dict()` must hold tensors only (DTensors, or plain tensors equal
   on every rank that holds the key).
 
+DiLoCo replicas train alone between synchronisations: inside a round their parameters differ,
+and their inner optimizers' moments always do, while their keys are the same. DCP would keep one
+rank's copy of each key, chosen per key to balance the writes, i.e. a mix of replicas (an
+exp_avg of one replica beside the exp_avg_sq of another: updates of hundreds on rows one replica
+never saw). Under DiLoCo replica r > 0 therefore writes its model and optimizer under
+"replica_<r>." (replica 0 keeps the plain keys, which export and resharding read); meta.json's
+"replica_states" says how many replicas were saved.
+
 The optimizer's hyper-parameter groups ("optim.param_groups.*") are not saved: they come from the
 run config, and the learning rate from the schedule position, which keeps pickled Python
 objects out of the tensor files. Everything else is JSON: meta.json (step, data-sampler position,
@@ -31,6 +39,16 @@ import torch
 from meshtron.checkpoint import store
 
 _GROUP_PREFIX = "param_groups."
+REPLICA_PREFIX = "replica_"
+
+
+def replica_of(engine: Any) -> tuple[int, int]:
+    """(index, count) of this rank's DiLoCo replica (the mesh's "dp_replicate" axis, as
+    meshtron.compress.diloco reduces over it); (0, 1) when the replicas never diverge."""
+    diloco = getattr(engine, "diloco", None)
+    if diloco is None or diloco.replicas <= 1:
+        return 0, 1
+    return engine.mesh["dp_replicate"].get_local_rank(), diloco.replicas
 
 
 class Stateful(Protocol):
@@ -66,6 +84,16 @@ class EngineState:
             self.optim_sd = lambda: get_optimizer_state_dict(model, opt, options=flat)
             self.load_optim = lambda sd: set_optimizer_state_dict(model, opt, sd, options=flat)
         self.extras: dict[str, Stateful] = dict(getattr(engine, "checkpoint_extras", {}) or {})
+        self.replica, self.replicas = replica_of(engine)
+        """This rank's DiLoCo replica and the replica count ((0, 1) without DiLoCo)."""
+
+    def diverged(self) -> bool:
+        """The replicas hold different states: always with DiLoCo, since its inner optimizers
+        keep their own moments across rounds (only the parameters agree after a sync)."""
+        return self.replicas > 1
+
+    def _own_key(self, per_replica: bool) -> str | None:
+        return f"{REPLICA_PREFIX}{self.replica}" if per_replica and self.replica > 0 else None
 
     def register(self, name: str, obj: Stateful) -> None:
         """Checkpoint `obj` too, under `name` (tensors only; see the module docstring)."""
@@ -73,19 +101,24 @@ class EngineState:
             raise ValueError(f"checkpoint state {name!r} is already registered")
         self.extras[name] = obj
 
-    def tensors(self) -> dict[str, Any]:
-        """The state dict DCP saves (and, from a fresh engine, the template it loads into)."""
+    def tensors(self, per_replica: bool = False) -> dict[str, Any]:
+        """The state dict DCP saves (and, from a fresh engine, the template it loads into).
+        `per_replica`: each DiLoCo replica's own model and optimizer (see the module doc)."""
         optim = {k: v for k, v in self.optim_sd().items() if not k.startswith(_GROUP_PREFIX)}
-        out: dict[str, Any] = {"model": self.model_sd(), "optim": optim}
+        own: dict[str, Any] = {"model": self.model_sd(), "optim": optim}
+        key = self._own_key(per_replica)
+        out: dict[str, Any] = own if key is None else {key: own}
         for name, obj in self.extras.items():
             out[name] = obj.state_dict()
         return out
 
-    def load_tensors(self, loaded: dict[str, Any]) -> None:
-        """Hand the tensors DCP loaded into `tensors()`'s template back to the engine."""
-        self.load_model(loaded["model"])
+    def load_tensors(self, loaded: dict[str, Any], per_replica: bool = False) -> None:
+        """Hand the tensors DCP loaded into `tensors(per_replica)`'s template back."""
+        key = self._own_key(per_replica)
+        own = loaded if key is None else loaded[key]
+        self.load_model(own["model"])
         groups = {k: v for k, v in self.optim_sd().items() if k.startswith(_GROUP_PREFIX)}
-        self.load_optim({**loaded["optim"], **groups})
+        self.load_optim({**own["optim"], **groups})
         for name, obj in self.extras.items():
             obj.load_state_dict(loaded[name])
 

@@ -17,6 +17,11 @@ Commit = every rank's files written and fsynced, then the manifest (fsynced), th
 `os.replace`. A crash at any point leaves either the old set of complete checkpoints or the old
 set plus the new one, never a half-visible one. Loading re-checks the manifest: a missing or
 truncated file or a checksum mismatch rejects that checkpoint and the previous one is used.
+
+At scale the checksums are shared out: each rank hashes the files it wrote (`digest_files`,
+on its background thread) and the manifest is assembled from their digests (`write_manifest`'s
+`digests`); on resume each rank re-hashes its `share` of the files (`verify`), balanced by size.
+No rank reads the whole checkpoint (0.84 TB for Llama-3-70B with AdamW).
 """
 
 from __future__ import annotations
@@ -78,15 +83,46 @@ def write_json(path: Path, doc: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(folder: Path, step: int) -> dict[str, Any]:
-    """Sizes and checksums of every file in `folder` (the manifest excluded); written last."""
+def digest_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Size and checksum of each named file of `folder` (a manifest's `files` entries)."""
+    return {name: {"bytes": (folder / name).stat().st_size, HASH: file_digest(folder / name)}
+            for name in names}
+
+
+def write_manifest(folder: Path, step: int,
+                   digests: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Sizes and checksums of every file in `folder` (the manifest excluded); written last.
+    `digests`: entries the ranks computed for the files they wrote; a file whose size has
+    changed since, or that no rank reported, is hashed here."""
+    digests = digests or {}
     files = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.name not in (MANIFEST, MANIFEST + ".part"):
-            files[path.name] = {"bytes": path.stat().st_size, HASH: file_digest(path)}
+            entry = digests.get(path.name)
+            if entry is None or entry.get("bytes") != path.stat().st_size:
+                entry = digest_files(folder, [path.name])[path.name]
+            files[path.name] = entry
     doc = {"format": FORMAT, "step": step, "hash": HASH, "files": files}
     write_json(folder / MANIFEST, doc)
     return doc
+
+
+def share(files: dict[str, dict[str, Any]], index: int, count: int) -> set[str]:
+    """The names of `files` (manifest entries) that share `index` of `count` checks: largest
+    first onto the least-loaded share, so every rank computes the same split."""
+    load = [0] * count
+    mine = set()
+    for name in sorted(files, key=lambda n: (-_size(files[n]), n)):
+        j = min(range(count), key=lambda k: (load[k], k))
+        load[j] += _size(files[name])
+        if j == index:
+            mine.add(name)
+    return mine
+
+
+def _size(entry: Any) -> int:
+    size = entry.get("bytes") if isinstance(entry, dict) else None
+    return size if isinstance(size, int) else 0
 
 
 def commit(root: Path, step: int) -> Path:
@@ -113,9 +149,11 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def verify(folder: Path, deep: bool = True) -> str | None:
+def verify(folder: Path, deep: bool = True,
+           part: tuple[int, int] | None = None) -> str | None:
     """None when `folder` is a complete checkpoint, else what is wrong (one phrase).
-    `deep`: also recompute every checksum (otherwise sizes only)."""
+    `deep`: also recompute checksums (otherwise sizes only): of every file, or with
+    `part` = (index, count) of that `share` only (sizes of every file are still checked)."""
     manifest = folder / MANIFEST
     if not manifest.is_file():
         return "no manifest.json (the save did not finish)"
@@ -130,6 +168,7 @@ def verify(folder: Path, deep: bool = True) -> str | None:
     for needed in (".metadata", META):
         if needed not in files:
             return f"manifest.json does not list {needed}"
+    hashed = share(files, *part) if deep and part is not None else set(files)
     for name, entry in files.items():
         path = folder / name
         try:
@@ -141,7 +180,7 @@ def verify(folder: Path, deep: bool = True) -> str | None:
         if size != want_size:
             what = "truncated" if size < want_size else "longer than written"
             return f"{name} has {size} bytes, the manifest says {want_size} ({what})"
-        if deep and file_digest(path, algorithm) != want_sum:
+        if deep and name in hashed and file_digest(path, algorithm) != want_sum:
             return f"{name} does not match its {algorithm} checksum in the manifest"
     return None
 

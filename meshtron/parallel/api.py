@@ -142,9 +142,29 @@ class ParallelModel:
         return loss
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only (the pipeline schedules' `eval`); returns the global-mean loss (0-d)."""
+        """Forward only (the pipeline schedules' `eval`); returns the global-mean loss (0-d).
+        Leaves the parameters sharded, as a training step does (see `reshard`)."""
         with torch.no_grad():
-            return self._run(inputs, targets, backward=False)
+            loss = self._run(inputs, targets, backward=False)
+        self.reshard()
+        return loss
+
+    def reshard(self) -> None:
+        """Free every FSDP2 unit's unsharded parameters and register the sharded ones again.
+
+        Units with `reshard_after_forward=False` (ZeRO-2 blocks, the root unit) are resharded
+        by FSDP2 only at the end of backward. A forward-only pass has no backward, so it would
+        leave them unsharded and *registered on the module*: `named_parameters()` would then
+        yield the unsharded tensors instead of the sharded ones the optimizer holds (DCP's
+        `get_optimizer_state_dict` fails with `KeyError` mapping optimizer ids to names) and
+        the rank would keep full parameters in memory until the next backward. Idempotent: a
+        no-op for units already sharded (ZeRO-3, or after a training step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, backward: bool) -> torch.Tensor:
         lay = self.layout

@@ -55,16 +55,21 @@ class TrainResult:
     eval_loss: float | None
     """Held-out loss at the last evaluation (None: evaluation off)."""
     tokens: int
-    """Tokens trained on."""
+    """Tokens trained on: every step 1..N once, also in a resumed run."""
     wall_s: float
-    """Seconds of the whole loop, evaluation and the first step included."""
+    """Seconds of this attempt's loop (steps resumed_from_step+1..N), evaluation and the first
+    step included."""
     tokens_per_s: float | None
-    """Steady-state throughput: tokens of every step but the first / their training seconds
-    (evaluation excluded). None for a one-step run."""
+    """Steady-state throughput of the run's steps 1..N: tokens of every step but the first of
+    each attempt / their training seconds (evaluation, saving and restarts excluded; a step
+    trained twice counts once, with the time of the attempt that was kept; metrics.jsonl
+    supplies the earlier attempts' times). None when no step is steady."""
     step_time_s: float | None
-    """Median seconds per step over the steady steps (the slowest rank's)."""
+    """Median seconds per step over the same steady steps (the slowest rank's)."""
     params: int
     """Model parameters."""
+    resumed_from_step: int = 0
+    """The checkpoint step this attempt started from (0: a fresh start)."""
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
     """The metrics records, as in metrics.jsonl (main rank only)."""
 
@@ -210,7 +215,9 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
     records: list[dict[str, Any]] = ckpt.history() if ckpt and main else []
     log = MetricsLog(run_dir, resume=bool(ckpt and ckpt.resumed)) if main else None
     sinks = ([log] if log else []) + (list(writers or []) if main else [])
-    clock = StepClock(tokens_per_step)
+    clock = StepClock(tokens_per_step, first_step=start_step + 1)
+    for interval in ckpt.past_intervals() if ckpt and main else []:
+        clock.add(*interval)  # steps kept from earlier attempts: tokens/s covers 1..N once
     first_loss = next((r["loss"] for r in records if r["step"] == 1), math.nan)
     final_loss = records[-1]["loss"] if records else math.nan
     eval_loss: float | None = None
@@ -262,7 +269,7 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
                        eval_loss=eval_loss, tokens=tokens_per_step * steps,
                        wall_s=time.perf_counter() - start, tokens_per_s=clock.tokens_per_s(),
                        step_time_s=clock.median_step_s(), params=cfg.model.num_params(),
-                       records=records)
+                       resumed_from_step=start_step, records=records)
 
 
 def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: bool = True,

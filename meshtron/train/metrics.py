@@ -41,40 +41,49 @@ class StepClock:
     The loop reads the clock at each logging point, right after that point's host
     synchronisation, so an interval holds every step since the previous point; evaluation runs
     after a point and before the clock restarts, so it never counts as training. Steady state
-    is every step but the first (lazy initialisation, allocator and communicator warm-up):
-    tokens/s = tokens of the steady steps / their seconds, the same figure in the console,
-    metrics.jsonl (running, up to that step) and summary.json (the whole run)."""
+    is every step but the first of each attempt (lazy initialisation, allocator and
+    communicator warm-up): tokens/s = tokens of the steady steps / their seconds, the same
+    figure in the console, metrics.jsonl (running, up to that step) and summary.json (the whole
+    run). A resumed run (--resume, a torchrun restart) counts every step 1..N once, with the
+    time of the attempt whose result was kept: the intervals logged before the resumed step
+    are added back from metrics.jsonl (`add(..., steady=...)`), and the resumed attempt's
+    first step is warm-up again (`first_step`)."""
 
-    def __init__(self, tokens_per_step: int):
+    def __init__(self, tokens_per_step: int, first_step: int = 1):
         self.tokens_per_step = tokens_per_step
-        self.intervals: list[tuple[int, int, float]] = []
-        """(last step, steps, seconds) per logging interval."""
+        self.first_step = first_step
+        """This attempt's first step (1, or the step after the resumed checkpoint)."""
+        self.intervals: list[tuple[int, int, float, bool]] = []
+        """(last step, steps, seconds, steady) per logging interval."""
 
-    def add(self, last_step: int, steps: int, seconds: float) -> float:
-        """Record an interval; returns its seconds per step."""
-        self.intervals.append((last_step, steps, seconds))
+    def add(self, last_step: int, steps: int, seconds: float,
+            steady: bool | None = None) -> float:
+        """Record an interval; returns its seconds per step. `steady`: None = unless it holds
+        this attempt's first step (the loop logs that step on its own)."""
+        if steady is None:
+            steady = not last_step - steps + 1 <= self.first_step <= last_step
+        self.intervals.append((last_step, steps, seconds, steady))
         return seconds / steps
 
-    def _steady(self) -> list[tuple[int, int, float]]:
-        # The loop logs step 1 on its own, so no steady interval contains it.
-        return [iv for iv in self.intervals if iv[0] - iv[1] + 1 > 1]
+    def _steady(self) -> list[tuple[int, int, float, bool]]:
+        return [iv for iv in self.intervals if iv[3]]
 
     @property
     def steady_steps(self) -> int:
-        return sum(n for _, n, _ in self._steady())
+        return sum(iv[1] for iv in self._steady())
 
     def tokens_per_s(self) -> float | None:
         """Steady-state tokens per second so far (None until a step after the first)."""
         steady = self._steady()
-        seconds = sum(s for _, _, s in steady)
+        seconds = sum(iv[2] for iv in steady)
         if not steady or seconds <= 0:
             return None
-        return self.tokens_per_step * sum(n for _, n, _ in steady) / seconds
+        return self.tokens_per_step * sum(iv[1] for iv in steady) / seconds
 
     def median_step_s(self) -> float | None:
         """Median seconds per step over the steady intervals (None for a one-step run)."""
         steady = self._steady()
-        return statistics.median(s / n for _, n, s in steady) if steady else None
+        return statistics.median(s / n for _, n, s, _ in steady) if steady else None
 
 
 def _rate(tokens_per_s: float | None) -> str:
