@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
 
 _PREFIX = re.compile(r"^(?:\[[^\]]*\]:?\s*)*")
@@ -271,9 +272,7 @@ def analyze_files(paths: list[str], tp: int | None = None) -> NcclReport:
     """Read the logs (one per rank or node, or one merged) and report."""
     reader = _Reader()
     for path in paths:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"--nccl-log {path!r}: no such file")
+        p = existing_file(path, "--nccl-log")
         with p.open(errors="replace") as f:
             for raw in f:
                 reader.line(raw)
