@@ -93,6 +93,10 @@ class NcclReport:
                 "communicators": [c.to_dict() for c in self.comms], "flags": self.flags,
                 "warnings": self.warnings, "timeouts": self.timeouts}
 
+    def errors(self) -> list[dict[str, str]]:
+        """The error-severity flags (a warning alone is not a failure)."""
+        return [f for f in self.flags if f["severity"] == "error"]
+
     def text(self) -> str:
         d = self.to_dict()
         bad = [f for f in self.flags if f["severity"] == "error"]
