@@ -39,8 +39,8 @@ TOML having no null)::
     compress_scope = "all"        # "all" hops | "inter_node" (fp32 inside a node)
     ranks_per_node = 8            # node size for "inter_node" (default: LOCAL_WORLD_SIZE)
     diloco = 0                    # DiLoCo inner steps H between replica syncs (0: off)
-    outer_lr = 0.7                # DiLoCo outer SGD learning rate
-    outer_momentum = 0.9          # DiLoCo outer Nesterov momentum
+    outer_lr = 0.7                # DiLoCo outer SGD learning rate (default: by H)
+    outer_momentum = 0.9          # DiLoCo outer Nesterov momentum (default: by H)
 
     [predicted]                   # the planner's estimate, for predicted-vs-measured reports
     step_time_s = 10.2
@@ -82,7 +82,7 @@ KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
 CONTEXT = ("model", "cluster", "global_batch", "seq_len", "predicted")
 COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
                  "compress_scope": "all", "ranks_per_node": None, "diloco": 0,
-                 "outer_lr": 0.7, "outer_momentum": 0.9}
+                 "outer_lr": None, "outer_momentum": None}
 """Knobs of the data-parallel traffic (meshtron/compress/): how gradients (or DiLoCo's outer
 gradients) travel. Written to plan files only when they differ from these defaults."""
 COMPRESSIONS = ("none", "bf16", "int8")
@@ -394,10 +394,12 @@ class Plan:
     diloco: int = 0
     """DiLoCo (Douillard et al. 2023): inner optimizer steps each data-parallel replica takes
     alone between averaging the replicas' parameter change; 0 = off (plain data parallelism)."""
-    outer_lr: float = 0.7
-    """DiLoCo outer SGD learning rate (the paper's 0.7)."""
-    outer_momentum: float = 0.9
-    """DiLoCo outer Nesterov momentum (the paper's 0.9; 0 = plain SGD)."""
+    outer_lr: float | None = None
+    """DiLoCo outer SGD learning rate; None: chosen by H (meshtron/compress/diloco.py
+    `outer_settings`: 1.0 below H = 500, the paper's 0.7 from there)."""
+    outer_momentum: float | None = None
+    """DiLoCo outer Nesterov momentum (0 = plain SGD); None: chosen by H (0 below H = 500,
+    the paper's 0.9 from there)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
