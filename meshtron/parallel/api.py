@@ -138,9 +138,19 @@ class ParallelModel:
         return loss
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only (the pipeline schedules' `eval`); returns the global-mean loss (0-d)."""
+        """Forward only (the pipeline schedules' `eval`); returns the global-mean loss (0-d).
+        Leaves every FSDP2 unit resharded: with ZeRO-2 (`reshard_after_forward=False`) a forward
+        without a backward would otherwise keep the gathered parameters until the next backward
+        (memory.json then measured twice the parameter shards at dp=2)."""
+        from torch.distributed.fsdp import FSDPModule
+
         with torch.no_grad():
-            return self._run(inputs, targets, backward=False)
+            loss = self._run(inputs, targets, backward=False)
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return loss
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, backward: bool) -> torch.Tensor:
         lay = self.layout
