@@ -257,11 +257,28 @@ PLAN_NUMERIC = ["--global-batch", "--seq-len", "--top", "--micro-batch", "--zero
 @given(flags=st.lists(st.sampled_from(TRAIN_NUMERIC), min_size=1, max_size=4, unique=True),
        data=st.data())
 def test_train_numeric_flags(flags, data):
+    from meshtron.train.cli import _FLAGS
+
     argv = ["--model", "debug", "--seq-len", "32", "--global-batch", "8", "--run-dir",
             "runs/fuzz-never-written"]
+    given = {}
     for flag in flags:
-        argv += [flag, data.draw(NUMBER_TEXT, label=flag)]
-    _check_train(argv)
+        given[flag] = data.draw(NUMBER_TEXT, label=flag)
+        argv += [flag, given[flag]]
+    keys = [_FLAGS[f][0] for f in flags if f in _FLAGS]
+    job = _check_train(argv, flags + keys)
+    if job is None:
+        return
+    for flag, text in given.items():  # accepted: the number as written, nothing else
+        if flag == "--nproc":
+            got, typ = job.parallel.nproc, int
+        elif flag == "--zero":
+            got, typ = job.parallel.knobs["zero"], int
+        else:
+            key, typ, _ = _FLAGS[flag]
+            section, field = key.split(".")
+            got = getattr(getattr(job.cfg, section), field)
+        assert got == typ(text) and type(got) is typ, (flag, text, got)
 
 
 @SETTINGS
@@ -272,4 +289,5 @@ def test_plan_numeric_flags(flags, data):
             "--recompute", "none", "--sp", "off", "--schedule", "1f1b"]
     for flag in flags:
         argv += [flag, data.draw(NUMBER_TEXT, label=flag)]
-    _check_main(argv)
+    fields = [f.lstrip("-").replace("-", "_") for f in flags]
+    _check_main(argv, flags + fields + [f"{f}=" for f in ("tokens",)] + PLAN_REASONS)
