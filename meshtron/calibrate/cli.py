@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 from meshtron.argtypes import output_file, positive_int, writable_target

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
