@@ -1,5 +1,6 @@
 """The README's Python API example is a file that runs: `examples/train_loop.py` under torchrun
-on 2 gloo ranks (ZeRO-3) trains (the loss falls), and the README shows exactly that file."""
+on 2 gloo ranks (ZeRO-3) trains (the loss falls; slow), and the README shows exactly that file
+(default suite)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_loop.py"
@@ -18,6 +21,7 @@ def test_readme_shows_the_example_file():
     assert EXAMPLE.read_text() in blocks
 
 
+@pytest.mark.slow  # ~18 CPU-s (2 ranks start-up); the default suite's budget goes to DiLoCo parity
 def test_example_trains_on_two_ranks():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(EXAMPLE)], cwd=ROOT,
