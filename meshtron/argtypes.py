@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshtron.errors import UserError
+
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (`--nproc 0` and `--nproc -1` are refused, not run as one rank)."""
@@ -36,3 +38,37 @@ def output_file(text: str) -> str:
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: is a folder; expected a file path")
     return text
+
+
+def existing_file(path: str | Path, field: str) -> Path:
+    """A file to read, as the one check every reader shares: a folder or a missing path is one
+    line naming `field` and saying which it is (a folder is not "file does not exist")."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{field}={str(path)!r}: is a folder; expected a file")
+    if not path.is_file():
+        raise UserError(f"{field}={str(path)!r}: file does not exist")
+    return path
+
+
+def writable_target(path: str | Path, field: str) -> Path:
+    """An output path (file or folder) whose nearest existing parent is a folder this process can
+    create files in: probed with a temporary file, removed at once (`os.access` says yes to root
+    even on /proc). Checked before any work, so an unwritable output path is one line naming
+    `field`, exit 2, nothing written."""
+    import tempfile
+
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{field}={str(path)!r}: {str(folder)!r} is a file, so nothing can be "
+                        "created under it")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UserError(f"{field}={str(path)!r}: cannot write in {str(folder)!r} "
+                        f"({exc.strerror or exc})") from None
+    return path

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.errors import UserError
+from meshtron.argtypes import existing_file
 from meshtron.model.spec import PRESETS, ModelSpec, resolve_model
 
 
@@ -44,7 +45,8 @@ class DataConfig:
     bpe_vocab: int = 2048
     """Vocabulary size of the locally trained BPE tokenizer (tokenizer='bpe' only)."""
     seq_len: int = 256
-    """Tokens per training sequence."""
+    """Tokens per training sequence (when not given: 256, or the model's max_seq when that is
+    shorter, so every preset runs with the defaults)."""
     global_batch: int = 16
     """Sequences per optimizer step, summed over all data-parallel ranks."""
     micro_batch: int | None = None
@@ -254,16 +256,18 @@ def config_from_dict(doc: dict[str, Any]) -> RunConfig:
     for key in doc:
         if key not in allowed:
             raise UserError(f"config key '{key}': unknown; allowed: {', '.join(allowed)}")
-    sections = {name: _build_section(name, cls, doc.get(name, {})) for name, cls in _SECTIONS.items()}
     model = model_from_value(doc["model"]) if "model" in doc else PRESETS["tiny"]
+    data = doc.get("data", {})
+    if isinstance(data, dict) and "seq_len" not in data \
+            and model.max_seq < DataConfig.seq_len:  # a default the model cannot take
+        doc = {**doc, "data": {**data, "seq_len": model.max_seq}}
+    sections = {name: _build_section(name, cls, doc.get(name, {})) for name, cls in _SECTIONS.items()}
     return RunConfig(model=model, **sections)
 
 
 def load_toml(path: str | Path, field: str = "config") -> dict[str, Any]:
     """Read a TOML file; a missing or malformed file is a one-line error naming `field`."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{field}={str(path)!r}: file does not exist")
+    path = existing_file(path, field)
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:

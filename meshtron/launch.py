@@ -1,7 +1,9 @@
 """Where the ranks come from: torchrun on this machine, or an existing torchrun / Slurm world.
 
-`meshtron train --nproc N` starts `python -m torch.distributed.run --standalone
---nproc-per-node N -m meshtron` with the ranks' command line in one environment variable
+`meshtron train --nproc N` starts torchrun (`torch.distributed.run`, through `python -m
+meshtron.launch --standalone --nproc-per-node N -m meshtron`: torchrun's own `parse_args` and
+`run`, with its expected failures reported as one line per rank instead of the traceback of
+its ChildFailedError) with the ranks' command line in one environment variable
 (`MESHTRON_RANK_ARGV`, read only by `rank_argv`: torchrun's own argument parser would otherwise
 claim flags such as --nproc that it abbreviates). Inside an existing allocation (`torchrun ...
 meshtron train` on every node, or `srun meshtron train` with MASTER_ADDR/MASTER_PORT exported)
@@ -95,7 +97,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     (e.g. to write a preemption checkpoint) before SIGKILL.
     """
     check_nproc(nproc)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "meshtron.launch", "--standalone",
            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
            # torchrun's own SIGTERM handling gives the workers this long before SIGKILL
            f"--shutdown-timeout={math.ceil(grace_s)}", "-m", "meshtron"]
@@ -130,3 +132,31 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """torchrun (`torch.distributed.run`'s own argument parser and `run`), reporting what it
+    expects to happen as one line each instead of a traceback: ranks that failed (exit code or
+    signal; a rank that raised has printed its own traceback above) and a signal that stopped
+    the agent. Anything else propagates with its traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as exc:
+        for rank, failure in sorted(exc.failures.items()):
+            how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
+                   else f"exit code {failure.exitcode}")
+            print(f"torchrun: rank {rank} (pid {failure.pid}) failed: {how}", file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        print(f"torchrun: stopped by {exc.sigval.name}; the ranks were stopped",
+              file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))

@@ -215,3 +215,21 @@ def test_comm_flags_end_in_a_plan_or_one_line_error():
             assert "\n" not in str(exc), (argv, str(exc))
             outcomes["error"] += 1
     assert outcomes["plan"] >= len(good) and outcomes["error"] > 0
+
+
+def test_diloco_outer_settings_follow_h_unless_given(tmp_path):
+    """Below the paper's H = 500 the outer step is the replicas' mean (lr 1, no momentum: the
+    paper's 0.7 / 0.9 trains 20% worse at H = 4, meshtron/compress/diloco.py); from H = 500 the
+    paper's values; a plan's own values always win and survive its file."""
+    from meshtron.compress.diloco import PAPER_H, outer_settings
+    from meshtron.planner.plan import load_plan
+
+    assert outer_settings(Plan(dp=2, diloco=4)) == (1.0, 0.0)
+    assert outer_settings(Plan(dp=2, diloco=PAPER_H - 1)) == (1.0, 0.0)
+    assert outer_settings(Plan(dp=2, diloco=PAPER_H)) == (0.7, 0.9)
+    given = Plan(dp=2, diloco=4, outer_lr=0.7, outer_momentum=0.9)
+    assert outer_settings(given) == (0.7, 0.9)
+    given.save(tmp_path / "p.toml")
+    assert outer_settings(load_plan(tmp_path / "p.toml")) == (0.7, 0.9)
+    Plan(dp=2, diloco=4).save(tmp_path / "d.toml")
+    assert "outer" not in (tmp_path / "d.toml").read_text()  # by H: nothing written

@@ -1,13 +1,17 @@
-"""Compressed gradients and DiLoCo on real gloo ranks (one 4-rank launch checks everything).
+"""Compressed gradients and DiLoCo on real gloo ranks (one 4-rank launch for the reductions,
+one 2-rank launch for DiLoCo's loss parity).
 
 The demo model ("tiny" preset) trains on byte-tokenized Python standard-library sources, every
 case from the same seed and the same global batches:
 - int8 (error feedback) reaches the uncompressed loss within 2% after the same steps (ZeRO-0);
-- DiLoCo with H=4 (AdamW inside, outer Nesterov 0.7/0.9) within 5%;
 - DiLoCo with H=1, a plain SGD inner optimizer and outer SGD lr 1 without momentum equals
   data-parallel SGD (losses and parameters to float tolerance);
 - the other reductions (ZeRO-1 hierarchical over two simulated nodes of 2 ranks, ZeRO-2 and
   ZeRO-3 through FSDP2's custom reduce-scatter, bf16) track the uncompressed losses;
+- DiLoCo with its default outer settings, H=4 and H=16, AdamW inside with the run's default
+  schedule, trains as well as data parallelism over 60 steps (losses have moved by half by then):
+  the mean of the last 5 losses within 4% (the paper's 0.7/0.9 at H=4 is +20% here: see
+  meshtron/compress/diloco.py), and the replicas hold identical weights after every sync;
 - the error-feedback residual survives a DCP checkpoint saved at dp=4 and loaded at dp=2 x tp=2
   (what the group owes is kept, in each parameter's tensor-parallel layout).
 """
@@ -114,7 +118,6 @@ def _rank_body(tokens, ckpt_dir):
     for name, plan, kw in [
         ("fp32", dict(dp=4), {}),
         ("int8", dict(dp=4, grad_compression="int8", grad_compression_block=64), {}),
-        ("diloco4", dict(dp=4, diloco=4), dict(diloco=True)),
     ]:
         losses, pm, mesh, _ = _train(tokens, plan, STEPS, **kw)
         out[name] = losses
@@ -181,7 +184,6 @@ def test_compression_and_diloco_on_gloo(tmp_path):
     assert fp32[-1] < 0.8 * fp32[0], fp32  # the model learns in these steps
     last = lambda xs: sum(xs[-3:]) / 3  # noqa: E731 (mean of the last 3 steps)
     assert abs(last(r["int8"]) - last(fp32)) / last(fp32) < 0.02, (r["int8"], fp32)
-    assert abs(last(r["diloco4"]) - last(fp32)) / last(fp32) < 0.05, (r["diloco4"], fp32)
     assert r["int8"] != fp32  # compression really ran (values differ in the last digits)
     for name in ("zero1_hier", "zero2", "zero3_hier_bf16"):
         rel = max(abs(a - b) / b for a, b in zip(r[name], r["debug_fp32"]))
@@ -209,3 +211,69 @@ def test_diloco_composes_with_tp_pp_and_hsdp():
     for per_rank in zip(*res):
         for r in per_rank:
             _check_diloco_equals_dp(r)
+
+
+PARITY_STEPS = 60
+
+
+def _parity_train(tokens, plan):
+    """PARITY_STEPS steps of tiny on 2 ranks with AdamW and the run's default schedule
+    (meshtron.config.OptimConfig: lr 2e-3, warm-up 20, cosine); returns (rank-mean losses,
+    the largest weight difference between the replicas right after each sync)."""
+    import torch.distributed as dist
+
+    from meshtron.compress import diloco as dl
+    from meshtron.config import OptimConfig
+    from meshtron.model import Transformer, preset
+    from meshtron.parallel import build_mesh, build_optimizer, parallelize
+    from meshtron.parallel.mesh import data_mesh
+    from meshtron.train.optim import build_scheduler
+
+    cfg = OptimConfig()
+    mesh = build_mesh(plan, dist.get_world_size(), device_type="cpu")
+    torch.manual_seed(0)
+    pm = parallelize(Transformer(preset("tiny")), plan, mesh)
+    opt = build_optimizer(pm, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    sched = build_scheduler(opt, cfg, PARITY_STEPS)
+    outer = dl.attach(pm, pm.layout)
+    dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
+    rows = tokens.shape[1] // dp
+    losses, spread = [], 0.0
+    for step in range(PARITY_STEPS):
+        batch = tokens[step, r * rows:(r + 1) * rows]
+        loss = pm.forward_backward(batch[:, :-1], batch[:, 1:]).detach().clone()
+        dist.all_reduce(loss)
+        losses.append(float(loss) / dist.get_world_size())
+        pm.clip_grad_norm_(cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if outer is not None and outer.after_inner_step():
+            for p in pm.parameters():
+                hi, lo = p.detach().clone(), p.detach().clone()
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+                spread = max(spread, float((hi - lo).abs().max()))
+    syncs = outer.syncs if outer is not None else 0
+    _release(pm, mesh, outer)
+    return losses, spread, syncs
+
+
+def _parity_body(tokens):
+    return {name: _parity_train(tokens, plan) for name, plan in
+            [("dp", dict(dp=2)), ("h4", dict(dp=2, diloco=4)), ("h16", dict(dp=2, diloco=16))]}
+
+
+def test_diloco_trains_as_well_as_data_parallel():
+    """DiLoCo's defaults (H=4 and H=16) reach data parallelism's loss over a horizon where the
+    losses have moved (see the module doc)."""
+    r = run_on_ranks(_parity_body, 2, demo_tokens(PARITY_STEPS), timeout=900)[0]
+    last = lambda xs: sum(xs[-5:]) / 5  # noqa: E731
+    dp = r["dp"][0]
+    assert last(dp) < 0.6 * dp[0], dp  # trained: far from the initial loss
+    for name, syncs in (("h4", PARITY_STEPS // 4), ("h16", PARITY_STEPS // 16)):
+        losses, spread, n = r[name]
+        assert n == syncs, (name, n)
+        assert spread == 0.0, (name, spread)  # every replica restarts from theta_global
+        assert losses != dp  # the replicas really stepped alone
+        assert abs(last(losses) - last(dp)) / last(dp) < 0.04, (name, last(losses), last(dp))

@@ -188,9 +188,13 @@ def test_nccl_log_cli(tmp_path, capsys):
     from meshtron.cli import main
 
     bad = sorted(str(p) for p in NCCL.glob("bad_*.log"))
-    assert main(["doctor", "--nccl-log", *bad, "--tp", "4", "--json"]) == 0
+    # errors found: exit code 3 (documented), with or without --json
+    assert main(["doctor", "--nccl-log", *bad, "--tp", "4", "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
     assert "tp_over_sockets" in {f["code"] for f in doc["flags"]}
+    assert any(f["severity"] == "error" for f in doc["flags"])
+    assert main(["doctor", "--nccl-log", *bad, "--tp", "4"]) == 3
+    assert capsys.readouterr().out.split()[1] == "problem(s)"
     assert main(["doctor", "--nccl-log", str(NCCL / "good_2x4_tp4.log")]) == 0
     assert capsys.readouterr().out.startswith("no problem found in the NCCL logs of 8 processes")
     empty = tmp_path / "empty.log"
@@ -198,8 +202,10 @@ def test_nccl_log_cli(tmp_path, capsys):
     assert main(["doctor", "--nccl-log", str(empty)]) == 2
     assert main(["doctor", "--nccl-log", str(tmp_path / "nope.log")]) == 2
     assert main(["doctor", "--nccl-log", str(empty), "--tp", "0"]) == 2
+    assert main(["doctor", "--nccl-log", str(tmp_path)]) == 2  # a folder, named as one
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and "no NCCL log lines" in err[0] and "no such file" in err[1], err
+    assert len(err) == 4 and "no NCCL log lines" in err[0], err
+    assert "file does not exist" in err[1] and "is a folder" in err[3], err
 
 
 @pytest.mark.slow

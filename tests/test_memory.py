@@ -136,6 +136,7 @@ LAYOUTS = [  # 4 ranks: every ZeRO stage, both dtypes, tp / pp / interleaving / 
     dict(tp=1, pp=2, dp=2, zero=1, dtype="bf16", schedule="interleaved", virtual_stages=2,
          stage_layers=[1, 1, 1, 1]),
     dict(tp=1, pp=1, dp=4, zero=1, dtype="fp32", model="tiny-gpt"),
+    dict(tp=1, pp=1, dp=4, zero=2, dtype="fp32"),  # forward-only eval must not keep gathers
 ]
 
 
@@ -150,8 +151,8 @@ def _plan(layout: dict) -> Plan:
 
 
 def measure_states_rank_fn(layouts: list[dict]) -> list[dict]:
-    """Per rank (under run_on_ranks): one training step of each layout with the runtime's own
-    engine, then the bytes it reports for memory.json."""
+    """Per rank (under run_on_ranks): one training step and one evaluation of each layout with
+    the runtime's own engine, then the bytes it reports for memory.json."""
     import torch
     import torch.distributed as dist
 
@@ -168,7 +169,9 @@ def measure_states_rank_fn(layouts: list[dict]) -> list[dict]:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, cfg.model.vocab, (8, 33), generator=g)
         r = engine.dp_rank
-        engine.train_step(tokens[r * rows:(r + 1) * rows, :-1], tokens[r * rows:(r + 1) * rows, 1:])
+        x, y = tokens[r * rows:(r + 1) * rows, :-1], tokens[r * rows:(r + 1) * rows, 1:]
+        engine.train_step(x, y)
+        engine.evaluate([(x, y)])  # as a run ends: evaluation at the last step, then memory.json
         out.append(engine.memory_bytes())
         del engine
         dist.barrier()

@@ -126,3 +126,101 @@ def test_torch_error_in_a_step_is_a_traceback_not_bad_input(tmp_path):
                for line in lines), ranks.stderr[-3000:]
     assert any("IndexError" in line and line.startswith("[rank ") for line in lines)
     assert "the 2 ranks failed" in ranks.stderr
+
+
+def test_saved_plan_without_nproc_takes_its_world_size(capsys, tmp_path):
+    from meshtron.cli import build_parser
+    from meshtron.planner.plan import Plan
+    from meshtron.train.cli import job_from_args
+    from meshtron.train.planning import local_world_size
+
+    plan = tmp_path / "plan.toml"
+    Plan(model="debug", global_batch=16, seq_len=64, tp=1, pp=1, dp=2, zero=0, micro_batch=8,
+         recompute="none", sp=False, dtype="fp32").save(plan)
+    job = job_from_args(build_parser().parse_args(["train", "--plan", str(plan)]))
+    assert job.parallel.nproc is None and local_world_size(job.parallel) == 2
+    capsys.readouterr()
+    # an explicit --nproc that contradicts the plan is still one clear line
+    _one_line(capsys, main(["train", "--plan", str(plan), "--nproc", "4",
+                            "--run-dir", str(tmp_path / "r")]), "world size")
+
+
+def test_unwritable_output_paths_are_one_line_and_write_nothing(capsys, tmp_path):
+    import tomli_w
+
+    from meshtron.config import config_from_dict
+
+    _one_line(capsys, main(["train", *RUN, "--run-dir", "/proc/nope"]), "train.run_dir")
+    _one_line(capsys, main(["calibrate", "--out", "/proc/x.toml"]), "--out")
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config_from_dict({"model": "debug", "data": {"seq_len": 32}})
+    (run / "run.toml").write_text(tomli_w.dumps(cfg.to_toml_dict()))
+    _one_line(capsys, main(["export", str(run), "--to", "/proc/x"]), "export --to")
+    assert not Path("/proc/nope").exists() and not Path("/proc/x").exists()
+    assert sorted(p.name for p in run.iterdir()) == ["run.toml"]
+
+
+def test_folders_and_missing_files_are_named_as_such(capsys, tmp_path):
+    _one_line(capsys, main(["train", "--config", str(tmp_path)]), "is a folder")
+    _one_line(capsys, main(["plan", "--model", "tiny", "--cluster", str(tmp_path)]),
+              "is a folder")
+    _one_line(capsys, main(["plan", "--model", str(tmp_path), "--cluster", "dgx-h100:1"]),
+              "holds no config.json")
+    _one_line(capsys, main(["plan", "--model", str(tmp_path / "c.json"), "--cluster",
+                            "dgx-h100:1"]), "file does not exist")
+    _one_line(capsys, main(["plan", "--model", "tiniest", "--cluster", "dgx-h100:1"]),
+              "unknown preset")
+
+
+@pytest.mark.parametrize("name", ["debug", "tiny", "tiny-gpt", "llama3-8b"])
+def test_every_preset_runs_with_the_defaults_and_with_bpe(name, tmp_path):
+    from meshtron.cli import build_parser
+    from meshtron.config import DataConfig
+    from meshtron.model.spec import PRESETS
+    from meshtron.train.cli import job_from_args
+
+    job = job_from_args(build_parser().parse_args(["train", "--model", name]))
+    assert job.cfg.data.seq_len == min(DataConfig.seq_len, PRESETS[name].max_seq)
+    bpe = job_from_args(build_parser().parse_args(["train", "--model", name, "--tokenizer",
+                                                   "bpe"])).cfg
+    assert bpe.model.vocab == max(PRESETS[name].vocab, bpe.data.bpe_vocab)
+    assert {**bpe.model.to_dict(), "vocab": 0} == {**PRESETS[name].to_dict(), "vocab": 0}
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_one_line_per_rank_not_tracebacks(tmp_path):
+    """SIGKILL one rank of a 2-rank run without restarts: the survivor says its peer is gone,
+    torchrun names each rank's end, no traceback (a real bug keeps its traceback: above)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-m", "meshtron", "train", *RUN[:2], "--steps",
+                             "2000", *RUN[4:], "--nproc", "2", "--plan", "dp=2", "--run-dir",
+                             str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    victim = None
+    for d in Path("/proc").iterdir():
+        try:
+            env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0")
+                       if b"=" in x)
+        except OSError:
+            continue
+        if str(run_dir).encode() in env.get(b"MESHTRON_RANK_ARGV", b"") \
+                and env.get(b"RANK") == b"1":
+            victim = int(d.name)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "torchrun: rank 1" in out and "killed by SIGKILL" in out, out[-3000:]
+    # rank 0 notices first (one line), or torchrun stops it first (its line names rank 0)
+    assert ("meshtron train (rank 0): stopped: a peer rank is gone" in out
+            or "torchrun: rank 0" in out), out[-3000:]

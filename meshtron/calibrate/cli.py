@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 
-from meshtron.argtypes import output_file, positive_int
+from meshtron.argtypes import output_file, positive_int, writable_target
 from meshtron.errors import UserError
 
 DEFAULT_DIR = Path("runs/calibration")
@@ -22,11 +21,7 @@ def check_out(out: Path) -> None:
     """The cluster file can be written: checked before anything is measured."""
     if out.is_dir():
         raise UserError(f"--out={str(out)!r}: is a folder; expected a file path")
-    existing = out.parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--out={str(out)!r}: {str(existing)!r} is not a writable folder")
+    writable_target(out, "--out")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

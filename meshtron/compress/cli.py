@@ -27,9 +27,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
                          "node size for --compress-scope inter_node (default: local ranks)"),
     "--diloco": ("diloco", int, "DiLoCo: inner steps H each data-parallel replica takes alone "
                                 "between syncs (0: off)"),
-    "--outer-lr": ("outer_lr", float, "DiLoCo outer SGD learning rate (default 0.7)"),
+    "--outer-lr": ("outer_lr", float, "DiLoCo outer SGD learning rate (default: 1.0, i.e. "
+                                      "parameter averaging, below H=500; the paper's 0.7 from "
+                                      "there)"),
     "--outer-momentum": ("outer_momentum", float,
-                         "DiLoCo outer Nesterov momentum (default 0.9; 0: plain SGD)"),
+                         "DiLoCo outer Nesterov momentum (default: 0 below H=500; the paper's "
+                         "0.9 from there)"),
 }
 
 

@@ -368,11 +368,19 @@ def tokenizer_info(tok: ByteTokenizer | BPETokenizer) -> dict[str, Any]:
 
 def follow_tokenizer(cfg: Any) -> Any:
     """The run config with the model's vocabulary set to a tokenizer.json's size (no padding,
-    so the embedding matrix has exactly the rows a Hugging Face model of this tokenizer has).
+    so the embedding matrix has exactly the rows a Hugging Face model of this tokenizer has),
+    or raised to data.bpe_vocab for the locally trained BPE.
     Weights from `train.init_from` keep their checkpoint's vocabulary, which the data pipeline
     checks is at least the tokenizer's."""
     import dataclasses
 
+    if cfg.data.tokenizer == "bpe" and not cfg.train.init_from:
+        # Trained later (on rank 0, from the data) with at most bpe_vocab ids: size the model
+        # for that bound now, before the plan and the run file are fixed (unused rows are
+        # never a target; a larger vocabulary given on purpose is kept).
+        if cfg.model.vocab >= cfg.data.bpe_vocab:
+            return cfg
+        return dataclasses.replace(cfg, model=cfg.model.replace(vocab=cfg.data.bpe_vocab))
     if tokenizer_file(cfg.data.tokenizer) is None or cfg.train.init_from:
         return cfg
     vocab = HFTokenizer.load(cfg.data.tokenizer).vocab_size

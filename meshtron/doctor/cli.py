@@ -9,6 +9,11 @@ from meshtron.argtypes import positive_int
 from meshtron.errors import UserError
 
 
+EXIT_NCCL_PROBLEMS = 3
+"""`doctor --nccl-log` exit code when the logs show at least one error-severity problem (0: none,
+warnings allowed; 2: bad input; 1: a bug), so a script or CI step can gate on it."""
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     if args.nccl_log:
         from meshtron.doctor import nccl
@@ -18,7 +23,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(json.dumps(report.to_dict(), indent=2))
         else:
             print(report.text())
-        return 0
+        return EXIT_NCCL_PROBLEMS if report.errors() else 0
     if not args.run_dir:
         raise UserError("RUN_DIR: missing; give a run folder (or --nccl-log FILE...)")
     if args.timeline:
@@ -56,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="machine-readable: verdict, kind, culprit_ranks, evidence")
     p.add_argument("--nccl-log", nargs="+", metavar="FILE",
-                   help="NCCL_DEBUG=INFO/WARN log files (one per rank, or one merged)")
+                   help="NCCL_DEBUG=INFO/WARN log files (one per rank, or one merged); exit code "
+                        "3 when they show a problem (error), 0 otherwise")
     p.add_argument("--tp", type=positive_int, metavar="N",
                    help="with --nccl-log: the tensor-parallel degree (communicators of this "
                         "size are read as tensor-parallel groups)")

@@ -27,9 +27,9 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
 
 _PREFIX = re.compile(r"^(?:\[[^\]]*\]:?\s*)*")
@@ -91,6 +91,10 @@ class NcclReport:
                                          if p.get("version"))),
                 "communicators": [c.to_dict() for c in self.comms], "flags": self.flags,
                 "warnings": self.warnings, "timeouts": self.timeouts}
+
+    def errors(self) -> list[dict[str, str]]:
+        """The error-severity flags (a warning alone is not a failure)."""
+        return [f for f in self.flags if f["severity"] == "error"]
 
     def text(self) -> str:
         d = self.to_dict()
@@ -271,9 +275,7 @@ def analyze_files(paths: list[str], tp: int | None = None) -> NcclReport:
     """Read the logs (one per rank or node, or one merged) and report."""
     reader = _Reader()
     for path in paths:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"--nccl-log {path!r}: no such file")
+        p = existing_file(path, "--nccl-log")
         with p.open(errors="replace") as f:
             for raw in f:
                 reader.line(raw)

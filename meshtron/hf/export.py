@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from meshtron.argtypes import writable_target
 from meshtron.errors import UserError
 from meshtron.hf.names import HFTensors, hf_config, sources
 from meshtron.model.spec import ModelSpec
@@ -44,6 +45,7 @@ def prepare_export_dir(out_dir: str | Path, field: str = "train.export") -> Path
     if out.is_dir() and any(out.glob("*.safetensors")):
         raise UserError(f"{field}={str(out_dir)!r}: already holds *.safetensors weights; "
                          "choose an empty folder")
+    writable_target(out, field)  # before the checkpoint is read: nothing half-written
     return out
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
 
 MLPKind = Literal["swiglu", "gelu"]
@@ -258,9 +259,7 @@ _HF_TYPES = _HF_LLAMA_LIKE + ("gpt_neox", "gpt2")
 
 def from_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face `config.json` into a ModelSpec."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"model={str(path)!r}: file does not exist")
+    path = existing_file(path, "model")
     try:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -496,7 +495,10 @@ def resolve_model(model: str | Path) -> ModelSpec:
         return PRESETS[text]
     path = Path(text)
     if path.is_dir():
-        path = path / "config.json"
-    if text.endswith(".json") or path.exists():
-        return from_hf_config(path)
+        if not (path / "config.json").is_file():
+            raise UserError(f"model={text!r}: the folder holds no config.json (give a preset "
+                            f"or a Hugging Face model folder or config.json)")
+        return from_hf_config(path / "config.json")
+    if text.endswith(".json") or path.exists() or "/" in text or text.startswith("."):
+        return from_hf_config(path)  # a path, not a preset: say what is wrong with the file
     return preset(text)

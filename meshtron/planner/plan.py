@@ -44,8 +44,8 @@ TOML having no null)::
     compress_scope = "all"        # "all" hops | "inter_node" (fp32 inside a node)
     ranks_per_node = 8            # node size for "inter_node" (default: LOCAL_WORLD_SIZE)
     diloco = 0                    # DiLoCo inner steps H between replica syncs (0: off)
-    outer_lr = 0.7                # DiLoCo outer SGD learning rate
-    outer_momentum = 0.9          # DiLoCo outer Nesterov momentum
+    outer_lr = 0.7                # DiLoCo outer SGD learning rate (default: by H)
+    outer_momentum = 0.9          # DiLoCo outer Nesterov momentum (default: by H)
     cp = 2                        # context-parallel degree (gpus = tp * cp * pp * dp)
     reduce_dtype = "bf16"         # gradient reduction dtype: "fp32" (default) | "bf16"
     accumulate_unsharded = true   # ZeRO-2/3: reduce-scatter once per step, not per micro-batch
@@ -139,10 +139,12 @@ class Plan:
     diloco: int = 0
     """DiLoCo (Douillard et al. 2023): inner optimizer steps each data-parallel replica takes
     alone between averaging the replicas' parameter change; 0 = off (plain data parallelism)."""
-    outer_lr: float = 0.7
-    """DiLoCo outer SGD learning rate (the paper's 0.7)."""
-    outer_momentum: float = 0.9
-    """DiLoCo outer Nesterov momentum (the paper's 0.9; 0 = plain SGD)."""
+    outer_lr: float | None = None
+    """DiLoCo outer SGD learning rate; None: chosen by H (meshtron/compress/diloco.py
+    `outer_settings`: 1.0 below H = 500, the paper's 0.7 from there)."""
+    outer_momentum: float | None = None
+    """DiLoCo outer Nesterov momentum (0 = plain SGD); None: chosen by H (0 below H = 500,
+    the paper's 0.9 from there)."""
     cp: int = 1
     """Context-parallel degree: each sequence's tokens split over cp ranks (ring / all-gather
     attention of K/V). World size = tp * cp * pp * dp; FSDP shards over dp_shard x cp; the global

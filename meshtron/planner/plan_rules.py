@@ -28,7 +28,7 @@ KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",
 CONTEXT = ("model", "cluster", "global_batch", "seq_len", "predicted")
 COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
                  "compress_scope": "all", "ranks_per_node": None, "diloco": 0,
-                 "outer_lr": 0.7, "outer_momentum": 0.9}
+                 "outer_lr": None, "outer_momentum": None}
 """Knobs of the data-parallel traffic (meshtron/compress/): how gradients (or DiLoCo's outer
 gradients) travel. Written to plan files only when they differ from these defaults."""
 LAYOUT_DEFAULTS = {"cp": 1, "reduce_dtype": "fp32", "accumulate_unsharded": False}

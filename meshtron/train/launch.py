@@ -66,13 +66,13 @@ def launch_ranks(job: TrainJob) -> int:
     from meshtron.data.documents import check_document_layout
     from meshtron.launch import check_nproc, launch_local
     from meshtron.train.loop import build_run_data
-    from meshtron.train.planning import resolve_run_plan
+    from meshtron.train.planning import local_world_size, resolve_run_plan
 
     from meshtron.checkpoint import EXIT_PREEMPTED
     from meshtron.checkpoint.checkpointer import prepare_start, was_preempted
 
     request = job.parallel or ParallelRequest()
-    nproc = request.nproc or 1
+    nproc = local_world_size(request)
     check_nproc(nproc)
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     plan, cluster = resolve_run_plan(job.cfg, request, nproc)

@@ -282,6 +282,9 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: boo
     from meshtron.data.tokenizer import run_tokenizer_path
 
     tok_path = run_tokenizer_path(cfg)
+    if tok_path is not None and cfg.data.bpe_vocab > cfg.model.vocab:  # before training it
+        raise UserError(f"model.vocab={cfg.model.vocab}: smaller than data.bpe_vocab="
+                        f"{cfg.data.bpe_vocab} (the BPE tokenizer's ids)")
     if tok_path is not None and main and fresh:
         tok_path.unlink(missing_ok=True)  # an earlier run's (--overwrite): train afresh
     if tok_path is not None and not main and barrier is not None:
@@ -294,7 +297,15 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: boo
                           eval_batches=cfg.data.eval_batches, bpe_vocab=cfg.data.bpe_vocab,
                           tokenizer_path=tok_path)
 
-    data = build()
+    made = tok_path is not None and main and not tok_path.parent.exists()
+    try:
+        data = build()
+    except UserError:
+        if made:  # nothing half-written: the folder this call created goes
+            import shutil
+
+            shutil.rmtree(tok_path.parent, ignore_errors=True)
+        raise
     if tok_path is not None and main and barrier is not None:
         barrier()
     if data.vocab_size > cfg.model.vocab:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from meshtron.argtypes import writable_target
 from meshtron.config import RunConfig
 from meshtron.errors import UserError
 
@@ -32,13 +32,7 @@ def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
     if held and not overwrite:
         raise UserError(f"{where}: holds a run ({held[0]}); pass --overwrite to replace it "
                         "or choose another --run-dir")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(f"{where}: {str(existing)!r} is a file, so the folder cannot be created")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{where}: {str(existing)!r} is not writable")
+    writable_target(path, "train.run_dir")
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("train.tensorboard=true: the tensorboard package is not installed "
                         "(pip install tensorboard, or meshtron[tensorboard])")

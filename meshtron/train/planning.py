@@ -46,6 +46,19 @@ def is_plan_file(text: str | None) -> bool:
     return bool(text) and text != "auto" and (text.endswith(".toml") or Path(text).is_file())
 
 
+def local_world_size(request: ParallelRequest) -> int:
+    """Local ranks to start: --nproc, else the size of a saved plan (a plan for 8 ranks runs on
+    8 without restating it; an explicit --nproc that contradicts it fails in
+    `resolve_run_plan`), else 1."""
+    if request.nproc is not None:
+        return request.nproc
+    if is_plan_file(request.plan):
+        from meshtron.planner.plan import load_plan
+
+        return load_plan(request.plan).gpus
+    return 1
+
+
 def fixed_knobs(plan: str | None, zero: int | None, recompute: str | None, sp: str | None,
                 micro_batch: int | None, schedule: str | None) -> dict[str, Any]:
     """Knobs fixed by flags; a layout given as `plan` fixes its axes."""

@@ -4,7 +4,8 @@ or by an outside torchrun / srun for multi-node jobs).
 Joins the process group, takes the plan rank 0 resolved (broadcast, so nodes with different
 local files cannot disagree), trains, and leaves. Exit codes: 0 done; 2 bad input (one line);
 1 anything else, a bug or a failed run, with this rank's traceback, every line prefixed by
-`[rank N]` so that interleaved output from many ranks stays readable. A failing rank does not
+`[rank N]` so that interleaved output from many ranks stays readable; a collective that fails
+because a peer process died (expected after another rank's failure) is one line instead. A failing rank does not
 wait for the others at a barrier (torchrun then stops the rest).
 """
 
@@ -63,11 +64,34 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, and no hung peers
         _note(job, world, f"{type(exc).__name__}: {exc}")
         _dump(exc)
+        if peer_lost(exc):  # expected once another rank died: that rank says why
+            _abort(world, f"stopped: a peer rank is gone ({_first_line(exc)}); the rank that "
+                          "failed reports why (trace: meshtron doctor RUN_DIR)", 1)
         for line in traceback.format_exc().rstrip().splitlines():
             print(f"[rank {world.rank}] {line}", file=sys.stderr)
         _abort(world, f"failed: {type(exc).__name__}: {exc}", 1)
     doctor.stop()
     shutdown_rank(0)
+
+
+# What the backends raise in a collective whose peer process died (gloo's tcp transport,
+# NCCL's remote-error and watchdog texts): the consequence of another rank's failure.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "ncclRemoteError", "remote process exited")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """`exc` is a collective failing because a peer rank is gone (not this rank's bug)."""
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOST)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error's first line without gloo's source-location prefix, cut at 120 characters."""
+    import re
+
+    lines = str(exc).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
+    return f"{type(exc).__name__}: {text[:120]}"
 
 
 def _join_attempt(job: TrainJob, world: World) -> None:
