@@ -9,8 +9,9 @@ bench/planner_published.py) is written out as files a user would write, and run 
         [--dp-replicate N] --dtype bf16 --json
 
 with the framework preset closest to the row's software (fewest differing options) and the
-remaining differences in an [options] table. What the source does not publish (micro-batch,
-virtual stages) is left to the search. A row the planner refuses for memory is counted as
+remaining differences in an [options] table. Every knob the run fixed (micro-batch, virtual
+stages, schedule: from the source or from the software's documented default, see each row's
+note) is passed; only what neither fixes (recompute 'any', micro-batch lists) is searched. A row the planner refuses for memory is counted as
 "rejected" (the goal is none). Rows with torchtitan's selective op AC run as the torchtitan preset's
 `--recompute selective`; its every-other-layer AC (sel-layer rows) cannot be spelled on the
 command line and is listed as not expressible.
@@ -86,8 +87,10 @@ def _args(run, d: Path) -> list[str] | None:
             "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
             "--framework", fw,
             "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}",
-            "--zero", str(run.zero), "--recompute", recompute,
+            "--zero", str(run.zero),
             "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1"]
+    if recompute != "any":  # 'any': the source does not say; the search picks what fits
+        args += ["--recompute", recompute]
     if diff:
         clean = {k: v for k, v in diff.items() if v is not None}
         (d / "options.toml").write_text(tomli_w.dumps({"options": clean}))
@@ -95,7 +98,10 @@ def _args(run, d: Path) -> list[str] | None:
     if len(run.micro_batches) == 1:
         args += ["--micro-batch", str(run.micro_batches[0])]
     if run.pp > 1 and len(run.schedules) == 1:
-        args += ["--schedule", run.schedules[0]]
+        sched = run.schedules[0]
+        if sched == "interleaved" and run.virtual_stages:
+            sched = f"interleaved:{run.virtual_stages}"
+        args += ["--schedule", sched]
     if run.dp_replicate > 1:
         args += ["--dp-replicate", str(run.dp_replicate)]
     return args

@@ -21,6 +21,9 @@ Sources, abbreviated in the rows:
   Using Model Parallelism", section 5.1 and Figure 1 (DGX-2H V100 32GB).
 * BLOOM: BigScience 2022, "BLOOM", section 3.4 (Jean Zay A100 80GB).
 * OPT: Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", section 2.4.
+* MB: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11 NeMo container) and
+  docs/performance-summary-archive.md (26.02 NeMo container), DGX-H100 pre-training tables
+  (Megatron-Core through Megatron-Bridge's performance recipes, scripts/performance/).
 * NEOX: Black et al. 2022, "GPT-NeoX-20B: An Open-Source Autoregressive Language Model",
   sections 2.3 and 3 (12 nodes of 8 A100-SXM4-40GB, 4 ConnectX-6 HDR HCAs per node).
 """
@@ -342,6 +345,41 @@ def _torchtitan_nd() -> list[PublishedRun]:
     return runs
 
 
+def _megatron_bridge_h100() -> list[PublishedRun]:
+    """MB, DGX-H100 rows of dense Llama models (the MoE rows are not expressible: the planner has
+    no expert parallelism). Added to the validation part, with their layout, micro-batch and
+    virtual stages as published, before they were ever run through the planner (round 2 of
+    issue 18); nothing was changed after seeing their errors. The tables do not state the
+    recomputation: 'any' (the fastest the memory model accepts)."""
+    from meshtron.planner.frameworks import PRESETS
+
+    mcore = PRESETS["megatron@2024"].kernel
+    models = {"8b": preset("llama3-8b"), "70b": preset("llama3-70b"),
+              "405b": preset("llama3-405b")}
+    rows = [  # container, model, gpus, GBS, FSDP, tp, pp, cp, vp, tokens/s/GPU
+        ("25.11", "8b", 8, 128, True, 1, 1, 1, None, 14451.0),
+        ("25.11", "70b", 64, 128, False, 4, 8, 1, 5, 1602.0),
+        ("25.11", "405b", 1024, 512, False, 8, 8, 2, 8, 292.0),
+        ("26.02", "70b", 64, 256, False, 4, 8, 1, 5, 1621.0),
+        ("26.02", "405b", 1024, 1536, False, 8, 8, 2, 8, 311.0),
+    ]
+    runs = []
+    for ver, size, gpus, gbs, fsdp, tp, pp, cp, vp, tps in rows:
+        dp = gpus // (tp * pp * cp)
+        runs.append(PublishedRun(
+            f"MB{ver} Llama3 {size} {gpus}xH100", f"MB {ver} NeMo container, DGX-H100 table",
+            "Megatron-Core (Megatron-Bridge)", models[size], preset_cluster("dgx-h100", gpus // 8),
+            gbs, 8192, tp, pp, dp, 3 if fsdp else 1, "any", tp > 1, mcore, "tokens_per_gpu",
+            tps, micro_batches=(1,), schedules=("interleaved",) if vp else ("1f1b",), cp=cp,
+            dtype="fp8", virtual_stages=vp, memory=MemoryOptions(framework="megatron"),
+            confident=False,
+            note=f"FP8 (current scaling), micro-batch 1, VP {vp or '-'} as published; "
+                 f"{'Megatron-FSDP' if fsdp else 'distributed optimizer (DDP column 0)'}; "
+                 "sequence parallel with TP (required by tp_comm_overlap); recomputation "
+                 "not published"))
+    return runs
+
+
 def steered(run: PublishedRun) -> bool:
     """The row uses a mechanism added while looking at rows of this table (a code review of
     issue 18 found commits that added them and quoted the new errors): DeepSpeed 0.3's ZeRO-3
@@ -357,5 +395,5 @@ def published_runs() -> list[PublishedRun]:
     """Every published run of the table, calibration part first; rows that steered a choice
     (`steered`) are relabelled calibration."""
     runs = (_calibration() + _n21_table2() + _megatron_deepspeed() + _llama3() + _torchtitan()
-            + _torchtitan_nd() + _llm_foundry() + _megatron_2019())
+            + _torchtitan_nd() + _llm_foundry() + _megatron_2019() + _megatron_bridge_h100())
     return [dataclasses.replace(r, part="calibration") if steered(r) else r for r in runs]

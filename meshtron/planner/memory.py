@@ -59,7 +59,9 @@ Activations per layer and micro-batch: the tensors autograd saves, listed op by 
   output (wq, wv, w1, w2) and the SDPA output with its log-sum-exp.
 
 Full recomputation keeps each block's input (/t with sequence parallelism) and, while one block
-is recomputed, that block's activations (`recompute_working_bytes`).
+is recomputed, that block's activations (`recompute_working_bytes`). That working set and the
+loss's (below) are alive at different times of the backward: the peak holds the larger
+(`loss_or_recompute`).
 
 Logits (last stage, one micro-batch; [tokens, vocab/t] elements): the eager loss casts the
 logits to fp32 and takes log_softmax, whose fp32 output is saved; at the start of backward the
@@ -374,6 +376,16 @@ def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
     return elements * (12.0 + (mem.compute_bytes if pipelined else 0.0))
 
 
+def loss_or_recompute(logits: float, work: float) -> float:
+    """Bytes of the loss's working set and of a recomputed block's, which are never alive
+    together: autograd runs the loss's backward (logits, their fp32 copies and gradients) and
+    the head's to completion, freeing them, before the last block's checkpointed forward is
+    replayed (torch.utils.checkpoint recomputes inside the block's backward node), so the peak
+    holds the larger of the two, not their sum. In a pipeline schedule one micro-batch's loss
+    and another's recomputation do not overlap either: a stage runs one action at a time."""
+    return max(logits, work)
+
+
 def workspace_bytes(tensors: float, capacity: float) -> float:
     """Workspace and fragmentation allowance for a GPU holding `tensors` bytes."""
     return workspace_fixed(capacity) + FRAGMENTATION * tensors
@@ -401,7 +413,8 @@ class MemoryBreakdown:
     in_flight: float
     """Stored activations of the other in-flight micro-batches (pipeline schedules)."""
     recompute: float
-    """Working set of the layer being recomputed."""
+    """Working set of the layer being recomputed beyond the logits' bytes (the two are alive at
+    different times, `loss_or_recompute`)."""
     logits: float
     """Logits of one micro-batch and their gradients (last stage only)."""
     workspace: float
@@ -481,7 +494,8 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
         fixed_gather = gathered_bytes(mem, zero, dp, 1, p_layer, p_root, largest, grad_bytes,
                                       keep_gathered)
     return StageMemory(per_layer=per_layer,
-                       fixed=p_root * (sb + accum) + logits + work + fixed_gather)
+                       fixed=p_root * (sb + accum) + loss_or_recompute(logits, work)
+                       + fixed_gather)
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -497,6 +511,7 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
     extra = all_acts - acts
+    work = loss_or_recompute(logits, work) - logits  # what recomputation needs beyond the loss
     tensors = params * (wb + gb + ob) + gathered + all_acts + work + logits
     return MemoryBreakdown(
         params=params * wb / GIB, grads=params * gb / GIB, optimizer=params * ob / GIB,
