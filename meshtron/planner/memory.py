@@ -158,7 +158,8 @@ class MemoryOptions:
     @property
     def compute_bytes(self) -> float:
         """Bytes of one activation / compute-copy element."""
-        return 2.0 if self.dtype == "bf16" else 4.0
+        # fp8 runs keep bf16 activations and compute copies (DTYPES): only fp32 is 4 bytes
+        return 4.0 if self.dtype == "fp32" else 2.0
 
     @property
     def saved(self) -> str:
