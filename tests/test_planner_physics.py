@@ -184,12 +184,12 @@ def test_validation_table_covers_stacks_and_gpu_generations(table):
 
 def test_validation_errors_do_not_regress(table, capsys):
     """Honest current numbers (bench/planner_published.py, internal presets, memory ignored):
-    validation (rows nothing looked at) n=39 mean 11.6%, max 79.7% (torchtitan's 405B on 3D
-    parallelism, TT24 Table 5: the planner is far too optimistic on its pipeline); the 27 bf16
-    rows of 2019-2024 alone mean 6.6%, max 25.0%; calibration (K22 and every row that steered a
-    mechanism: bench/published/runs.py `steered`) n=33 mean 12.3% (n=43, 10.5% with the
-    Megatron 2021 weak-scaling rows), max 31.5% (DeepSpeed 0.3 ZeRO-3). Tighten these bounds
-    as the physics improves, never by editing rows."""
+    validation (rows nothing looked at) n=31 mean 7.9%, max 25.2% (Megatron-Bridge's 405B on
+    1024 H100, added in round 2 of issue 18 and run once); the 26 bf16 rows of 2019-2024 alone
+    mean 6.4%, max 25.0%; calibration (K22, every row that steered a mechanism: `steered`, and
+    the torchtitan 2D/3D/4D and Llama 3 405B rows looked at in round 2: `LOOKED_AT`) n=46 mean
+    13.1%, max 31.5% (DeepSpeed 0.3 ZeRO-3). Tighten these bounds as the physics improves, never
+    by editing rows."""
     val = summary([p for p in table if p.run.part == "validation"])
     old = summary([p for p in table if p.run.part == "validation" and p.run.dtype == "bf16"])
     cal = summary([p for p in table if p.run.part == "calibration"])
@@ -197,9 +197,9 @@ def test_validation_errors_do_not_regress(table, capsys):
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "
               f"(bf16 rows: n={old['n']} mean {old['mean']:.1%} max {old['max']:.1%}); "
               f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}")
-    assert val["mean"] < 0.125 and val["max"] < 0.81
-    assert old["mean"] < 0.075 and old["max"] < 0.26
-    assert cal["mean"] < 0.13 and cal["max"] < 0.33
+    assert val["mean"] < 0.085 and val["max"] < 0.26
+    assert old["mean"] < 0.07 and old["max"] < 0.26
+    assert cal["mean"] < 0.135 and cal["max"] < 0.33
     k22 = summary([p for p in table if p.run.name.startswith("K22")])
     assert k22["max"] < 0.10
 
