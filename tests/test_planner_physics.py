@@ -232,3 +232,36 @@ def test_runtime_zero_stages_cost_what_fsdp2_runs():
     assert dp_time(3, "fsdp") > dp_time(2, "fsdp") > dp_time(2, "zero")
     with pytest.raises(ValueError, match="sharding="):
         KernelOptions(sharding="ddp")
+
+
+# ---- memory: what is alive together -------------------------------------------------------------
+def _memory(dtype: str, recompute: str):
+    model = PRESETS["llama3-8b"]
+    ev = Evaluator(model, resolve_cluster("dgx-h100:1"), 8, 32768)
+    est = ev.evaluate(Plan(1, 1, 8, 3, 1, recompute, False, "1f1b", 1, dtype=dtype))
+    return est.memory
+
+
+def test_loss_and_recomputed_block_are_not_alive_together():
+    """The loss's backward (12 bytes per fp32-upcast logit) completes before the last
+    checkpointed block is replayed: the peak holds the larger working set, not both. Llama 3 8B
+    at 32k tokens (torchtitan TT24 Table 2 shapes): logits 47 GiB, a recomputed block ~6."""
+    from meshtron.planner import memory
+
+    m = _memory("bf16", "full")
+    logits = 32768 * 128256 * 12 / memory.GIB
+    assert m.logits == pytest.approx(logits, rel=1e-6)
+    assert m.recompute == 0.0  # the block's working set fits inside the freed loss's bytes
+    assert memory.loss_or_recompute(3.0, 5.0) == 5.0 and memory.loss_or_recompute(5.0, 3.0) == 5.0
+    m_none = _memory("bf16", "none")
+    assert m_none.logits == pytest.approx(m.logits)  # the loss is the same without recompute
+
+
+def test_fp8_runs_count_bf16_activations_and_compute_copies():
+    """Float8 linears (torchao, Transformer Engine) keep bf16 activations and gather bf16
+    compute copies (memory.DTYPES): an fp8 plan's activations and gathered copies equal the bf16
+    plan's, and are half an fp32 plan's."""
+    fp8, bf16, fp32 = (_memory(d, "full") for d in ("fp8", "bf16", "fp32"))
+    assert fp8.activations == pytest.approx(bf16.activations)
+    assert fp8.gathered == pytest.approx(bf16.gathered)
+    assert fp32.gathered > 1.9 * bf16.gathered
