@@ -13,8 +13,7 @@ remaining differences in an [options] table. Every knob the run fixed (micro-bat
 stages, schedule: from the source or from the software's documented default, see each row's
 note) is passed; only what neither fixes (recompute 'any', micro-batch lists) is searched. A row the planner refuses for memory is counted as
 "rejected" (the goal is none). Rows with torchtitan's selective op AC run as the torchtitan preset's
-`--recompute selective`; its every-other-layer AC (sel-layer rows) cannot be spelled on the
-command line and is listed as not expressible.
+`--recompute selective`; its every-other-layer AC (sel-layer rows) as `--recompute half`.
 
 Error = predicted / published throughput - 1 (step time: published / predicted - 1).
 
@@ -62,21 +61,17 @@ def _options_for(run) -> tuple[str, dict]:
     return best[1], best[2]
 
 
-def _recompute(run) -> str | None:
+def _recompute(run) -> str:
     """The row's recomputation as `--recompute` spells it: torchtitan's selective "op" AC is the
-    torchtitan preset's 'selective'; its every-other-layer AC ('half' of sel-layer rows) has no
-    spelling."""
-    if run.recompute != "half":
-        return run.recompute
-    if "(op)" in run.note or "sel-op" in run.name:
+    torchtitan preset's 'selective'; its every-other-layer AC (selective_ac_option "2") is
+    'half'."""
+    if run.recompute == "half" and ("(op)" in run.note or "sel-op" in run.name):
         return "selective"
-    return None
+    return run.recompute
 
 
 def _args(run, d: Path) -> list[str] | None:
     recompute = _recompute(run)
-    if recompute is None:
-        return None
     model = {k: v for k, v in dataclasses.asdict(run.model).items() if v is not None}
     model["max_seq"] = max(model["max_seq"], run.seq_len)  # the row trained at that length
     (d / "model.toml").write_text(tomli_w.dumps({"model": model}))

@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
     p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
-    p.add_argument("--recompute", help="fix recomputation: none | selective | full")
+    p.add_argument("--recompute", help="fix recomputation: none | selective | half (every second block) | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
     p.add_argument("--schedule",

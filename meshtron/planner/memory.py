@@ -336,6 +336,10 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
                      mem: MemoryOptions | None = None) -> float:
     """Bytes one layer keeps for one micro-batch until its backward pass (module docstring)."""
     mem = mem or DEFAULT
+    if recompute == "half":
+        # every second block keeps only its input, the others everything: the mean per block
+        return 0.5 * sum(activation_bytes(model, tp, sp, micro_batch, seq, r, opts, mem)
+                         for r in ("none", "full"))
     tokens = micro_batch * seq
     sp = sp and tp > 1
     if recompute == "full":
@@ -360,7 +364,7 @@ def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: in
     if recompute == "none":
         return 0.0
     full = activation_bytes(model, tp, sp, micro_batch, seq, "none", opts, mem)
-    if recompute == "full":
+    if recompute in ("full", "half"):  # 'half': a checkpointed block replays all of itself
         return full
     return max(0.0, full - activation_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem))
 
