@@ -9,11 +9,11 @@ bench/planner_published.py) is written out as files a user would write, and run 
         [--dp-replicate N] --dtype bf16 --json
 
 with the framework preset closest to the row's software (fewest differing options) and the
-remaining differences in an [options] table. What the source does not publish (micro-batch,
-virtual stages) is left to the search. A row the planner refuses for memory is counted as
+remaining differences in an [options] table. Every knob the run fixed (micro-batch, virtual
+stages, schedule: from the source or from the software's documented default, see each row's
+note) is passed; only what neither fixes (recompute 'any', micro-batch lists) is searched. A row the planner refuses for memory is counted as
 "rejected" (the goal is none). Rows with torchtitan's selective op AC run as the torchtitan preset's
-`--recompute selective`; its every-other-layer AC (sel-layer rows) cannot be spelled on the
-command line and is listed as not expressible.
+`--recompute selective`; its every-other-layer AC (sel-layer rows) as `--recompute half`.
 
 Error = predicted / published throughput - 1 (step time: published / predicted - 1).
 
@@ -61,21 +61,17 @@ def _options_for(run) -> tuple[str, dict]:
     return best[1], best[2]
 
 
-def _recompute(run) -> str | None:
+def _recompute(run) -> str:
     """The row's recomputation as `--recompute` spells it: torchtitan's selective "op" AC is the
-    torchtitan preset's 'selective'; its every-other-layer AC ('half' of sel-layer rows) has no
-    spelling."""
-    if run.recompute != "half":
-        return run.recompute
-    if "(op)" in run.note or "sel-op" in run.name:
+    torchtitan preset's 'selective'; its every-other-layer AC (selective_ac_option "2") is
+    'half'."""
+    if run.recompute == "half" and ("(op)" in run.note or "sel-op" in run.name):
         return "selective"
-    return None
+    return run.recompute
 
 
 def _args(run, d: Path) -> list[str] | None:
     recompute = _recompute(run)
-    if recompute is None:
-        return None
     model = {k: v for k, v in dataclasses.asdict(run.model).items() if v is not None}
     model["max_seq"] = max(model["max_seq"], run.seq_len)  # the row trained at that length
     (d / "model.toml").write_text(tomli_w.dumps({"model": model}))
@@ -86,8 +82,10 @@ def _args(run, d: Path) -> list[str] | None:
             "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
             "--framework", fw,
             "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}",
-            "--zero", str(run.zero), "--recompute", recompute,
+            "--zero", str(run.zero),
             "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1"]
+    if recompute != "any":  # 'any': the source does not say; the search picks what fits
+        args += ["--recompute", recompute]
     if diff:
         clean = {k: v for k, v in diff.items() if v is not None}
         (d / "options.toml").write_text(tomli_w.dumps({"options": clean}))
@@ -95,7 +93,10 @@ def _args(run, d: Path) -> list[str] | None:
     if len(run.micro_batches) == 1:
         args += ["--micro-batch", str(run.micro_batches[0])]
     if run.pp > 1 and len(run.schedules) == 1:
-        args += ["--schedule", run.schedules[0]]
+        sched = run.schedules[0]
+        if sched == "interleaved" and run.virtual_stages:
+            sched = f"interleaved:{run.virtual_stages}"
+        args += ["--schedule", sched]
     if run.dp_replicate > 1:
         args += ["--dp-replicate", str(run.dp_replicate)]
     return args

@@ -26,6 +26,16 @@ COMMAND_MODULES = [
 ]
 
 
+COMMANDS = {"train": "meshtron.train.cli", "demo": "meshtron.train.cli",
+            "calibrate": "meshtron.calibrate.cli", "plan": "meshtron.planner.cli",
+            "doctor": "meshtron.doctor.cli", "export": "meshtron.hf.cli",
+            "cost": "meshtron.cost.cli", "simulate": "meshtron.simulate.cli"}
+"""The module that registers each subcommand: `meshtron plan ...` builds only the planner's
+parser, so it does not import the training, checkpoint and launcher modules that `train`'s
+flags need (about half of a plain `plan`'s start-up on a loaded machine; bench/planner_speed.py
+--startup). `--help` and unknown commands build them all."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with its usage errors raised as `UserError` (one line, exit code 2) instead of
     a usage dump and `sys.exit`; `--help` still prints and exits 0."""
@@ -34,11 +44,13 @@ class Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or only of `command`'s module when it is a known one."""
     parser = Parser(prog="meshtron",
                     description="Plan, run, protect and explain LLM training across many GPUs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
+    only = COMMANDS.get(command or "")
+    for name in [only] if only in COMMAND_MODULES else COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
@@ -51,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv)
     name = f"meshtron {argv[0]}" if argv and not argv[0].startswith("-") else "meshtron"
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
         return int(args.func(args) or 0)
     except UserError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)

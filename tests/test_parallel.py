@@ -160,6 +160,7 @@ def _check(reference, world, layouts, timeout=600):
 WORLD2 = [
     dict(dp=2, zero=0), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
     dict(dp=2, zero=3, micro_batch=2, recompute="full"),
+    dict(dp=2, zero=3, micro_batch=2, recompute="half"),
     dict(tp=2), dict(tp=2, sp=True, micro_batch=4, recompute="selective"),
     dict(pp=2, schedule="gpipe", micro_batch=2),
     dict(pp=2, schedule="1f1b", micro_batch=2, recompute="full"),

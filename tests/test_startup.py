@@ -35,3 +35,17 @@ def test_command_does_not_import_torch(argv):
                          cwd=ROOT, timeout=120)
     last = out.stdout.strip().splitlines()[-1]
     assert last.split() == ["NO-TORCH", "0"], (argv, out.stdout[-500:], out.stderr[-500:])
+
+
+def test_plan_builds_only_the_planner_parser():
+    """`meshtron plan` registers only the planner's subcommand (meshtron/cli.py COMMANDS): the
+    training, checkpoint and launcher modules that `train`'s flags import stay unimported, and
+    rich is imported only to draw tables (not for --json)."""
+    probe = ("import sys; from meshtron.cli import main; rc = main(sys.argv[1:]); "
+             "bad = sorted(m for m in ('meshtron.train.job', 'meshtron.checkpoint', 'rich') "
+             "if m in sys.modules); print('IMPORTED', *bad, rc)")
+    argv = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "64",
+            "--seq-len", "4096", "--top", "1", "--json"]
+    out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "IMPORTED 0", out.stderr[-500:]

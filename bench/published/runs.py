@@ -21,6 +21,9 @@ Sources, abbreviated in the rows:
   Using Model Parallelism", section 5.1 and Figure 1 (DGX-2H V100 32GB).
 * BLOOM: BigScience 2022, "BLOOM", section 3.4 (Jean Zay A100 80GB).
 * OPT: Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", section 2.4.
+* MB: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11 NeMo container) and
+  docs/performance-summary-archive.md (26.02 NeMo container), DGX-H100 pre-training tables
+  (Megatron-Core through Megatron-Bridge's performance recipes, scripts/performance/).
 * NEOX: Black et al. 2022, "GPT-NeoX-20B: An Open-Source Autoregressive Language Model",
   sections 2.3 and 3 (12 nodes of 8 A100-SXM4-40GB, 4 ConnectX-6 HDR HCAs per node).
 """
@@ -329,8 +332,12 @@ def _torchtitan_nd() -> list[PublishedRun]:
         runs.append(PublishedRun(
             f"TT 405B FSDP8 TP8 PP8 {sched}", src.format(5), "torchtitan FSDP2 compile",
             l31_405b, grand_teton_h100_500w(64), 256, 8192, 8, 8, 8, 3, "full", True, async_tp,
-            "tokens_per_gpu", tps, micro_batches=(1, 2, 4, 8), schedules=(sched,), dtype="fp8",
-            published_memory_gib=mem, note="local batch 32; micro-batch not published"))
+            "tokens_per_gpu", tps, micro_batches=(4,), schedules=(sched,), dtype="fp8",
+            virtual_stages=2 if sched == "interleaved" else None, published_memory_gib=mem,
+            note="local batch 32 in torchtitan's default pipeline_parallel_microbatches = pp "
+                 "degree (8) micro-batches of 4 (torchtitan/parallelisms/pipelining_utils.py, "
+                 "build_pipeline_schedule, 2024); interleaved: generate_split_points' default "
+                 "of 2 stages per rank for multi-stage schedules"))
     for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 76.0, 75.3), (4, 2, 65536, 47.0, 75.9),
                                     (2, 4, 131072, 31.0, 77.1), (1, 8, 262144, 16.0, 84.9)):
         runs.append(PublishedRun(
@@ -339,6 +346,41 @@ def _torchtitan_nd() -> list[PublishedRun]:
             grand_teton_h100_500w(64), 8 * fsdp, seq, 8, 8, fsdp, 3, "full", True, async_tp,
             "tokens_per_gpu", tps, micro_batches=(1,), schedules=("1f1b",), cp=cp, dtype="fp8",
             published_memory_gib=mem, note="local batch 8, 1F1B; Float8 + AsyncTP"))
+    return runs
+
+
+def _megatron_bridge_h100() -> list[PublishedRun]:
+    """MB, DGX-H100 rows of dense Llama models (the MoE rows are not expressible: the planner has
+    no expert parallelism). Added to the validation part, with their layout, micro-batch and
+    virtual stages as published, before they were ever run through the planner (round 2 of
+    issue 18); nothing was changed after seeing their errors. The tables do not state the
+    recomputation: 'any' (the fastest the memory model accepts)."""
+    from meshtron.planner.frameworks import PRESETS
+
+    mcore = PRESETS["megatron@2024"].kernel
+    models = {"8b": preset("llama3-8b"), "70b": preset("llama3-70b"),
+              "405b": preset("llama3-405b")}
+    rows = [  # container, model, gpus, GBS, FSDP, tp, pp, cp, vp, tokens/s/GPU
+        ("25.11", "8b", 8, 128, True, 1, 1, 1, None, 14451.0),
+        ("25.11", "70b", 64, 128, False, 4, 8, 1, 5, 1602.0),
+        ("25.11", "405b", 1024, 512, False, 8, 8, 2, 8, 292.0),
+        ("26.02", "70b", 64, 256, False, 4, 8, 1, 5, 1621.0),
+        ("26.02", "405b", 1024, 1536, False, 8, 8, 2, 8, 311.0),
+    ]
+    runs = []
+    for ver, size, gpus, gbs, fsdp, tp, pp, cp, vp, tps in rows:
+        dp = gpus // (tp * pp * cp)
+        runs.append(PublishedRun(
+            f"MB{ver} Llama3 {size} {gpus}xH100", f"MB {ver} NeMo container, DGX-H100 table",
+            "Megatron-Core (Megatron-Bridge)", models[size], preset_cluster("dgx-h100", gpus // 8),
+            gbs, 8192, tp, pp, dp, 3 if fsdp else 1, "any", tp > 1, mcore, "tokens_per_gpu",
+            tps, micro_batches=(1,), schedules=("interleaved",) if vp else ("1f1b",), cp=cp,
+            dtype="fp8", virtual_stages=vp, memory=MemoryOptions(framework="megatron"),
+            confident=False,
+            note=f"FP8 (current scaling), micro-batch 1, VP {vp or '-'} as published; "
+                 f"{'Megatron-FSDP' if fsdp else 'distributed optimizer (DDP column 0)'}; "
+                 "sequence parallel with TP (required by tp_comm_overlap); recomputation "
+                 "not published"))
     return runs
 
 
@@ -353,9 +395,36 @@ def steered(run: PublishedRun) -> bool:
                 or o.reduce_units_per_layer or o.recompute_regathers)
 
 
+LOOKED_AT = {
+    **{f"TT 8B FSDP{8 // cp} CP{cp} {32 * cp}k": "their 96-106 GiB memory rejections led to "
+       "the loss / recomputation peak (memory.loss_or_recompute) and the fp8 compute_bytes fix"
+       for cp in (1, 2, 4, 8)},
+    "TT 70B FSDP32 TP8 2D": "memory rejection: loss / recomputation peak, fp8 compute bytes",
+    "TT 70B FSDP32 TP8 2D+AsyncTP": "memory rejection: loss / recomputation peak, fp8 bytes",
+    **{f"TT 405B TP8 PP8 FSDP{8 // cp} CP{cp} {32 * cp}k": "its 96 GiB memory breakdown showed "
+       "fp8 compute copies counted at 4 bytes (memory.MemoryOptions.compute_bytes)"
+       for cp in (1, 2, 4, 8)},
+    "TT 405B FSDP8 TP8 PP8 1f1b": "micro-batch fixed to torchtitan's default after its +80% "
+                                  "error was known",
+    "TT 405B FSDP8 TP8 PP8 interleaved": "micro-batch and virtual stages fixed to torchtitan's "
+                                         "defaults after its +68% error was known",
+    "Llama3 405B 8192": "its 86 GiB rejection was examined (round 2 of issue 18)",
+}
+"""Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
+steered: calibration from then on."""
+
+
 def published_runs() -> list[PublishedRun]:
     """Every published run of the table, calibration part first; rows that steered a choice
-    (`steered`) are relabelled calibration."""
+    (`steered`, `LOOKED_AT`) are relabelled calibration, with what they steered in the note."""
     runs = (_calibration() + _n21_table2() + _megatron_deepspeed() + _llama3() + _torchtitan()
-            + _torchtitan_nd() + _llm_foundry() + _megatron_2019())
-    return [dataclasses.replace(r, part="calibration") if steered(r) else r for r in runs]
+            + _torchtitan_nd() + _llm_foundry() + _megatron_2019() + _megatron_bridge_h100())
+    out = []
+    for r in runs:
+        if r.name in LOOKED_AT:
+            r = dataclasses.replace(r, part="calibration",
+                                    note=f"{r.note}; calibration: {LOOKED_AT[r.name]}")
+        elif steered(r):
+            r = dataclasses.replace(r, part="calibration")
+        out.append(r)
+    return out

@@ -77,7 +77,8 @@ class PublishedRun:
     """ZeRO stage (3 = fully sharded: FSDP FULL_SHARD, ZeRO-3; 2 = SHARD_GRAD_OP)."""
     recompute: str
     """'none' | 'selective' | 'full' | 'half' (every second layer fully recomputed: torchtitan's
-    selective layer AC; its op-level AC recomputes a comparable share and is costed the same)."""
+    selective layer AC; its op-level AC recomputes a comparable share and is costed the same) |
+    'any' (not published: the fastest the memory model accepts, as for micro-batches)."""
     sp: bool
     """Sequence parallelism."""
     opts: KernelOptions
@@ -107,6 +108,9 @@ class PublishedRun:
     """Precision: 'bf16', or 'fp8' (Float8 linears, torchao / Transformer Engine)."""
     published_memory_gib: float | None = None
     """Peak memory per GPU the source reports, GiB (None: not reported)."""
+    virtual_stages: int | None = None
+    """Virtual pipeline stages per rank of an interleaved schedule, where the source or the
+    software's default fixes them (None: searched)."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -180,7 +184,8 @@ def _candidates(run: PublishedRun, recompute: str) -> list[Plan]:
         scheds: list[tuple[str, int]] = []
         for s in run.schedules if run.pp > 1 else ("1f1b",):
             if s == "interleaved":
-                scheds += [("interleaved", v) for v in (2, 3, 4, 6, 8)
+                vs = (run.virtual_stages,) if run.virtual_stages else (2, 3, 4, 6, 8)
+                scheds += [("interleaved", v) for v in vs
                            if run.model.layers // run.pp >= v and m % run.pp == 0]
             else:
                 scheds.append((s, 1))
@@ -213,6 +218,16 @@ def _fastest(run: PublishedRun, recompute: str) -> tuple[Estimate, Estimate | No
 
 def predict_published(run: PublishedRun) -> PublishedPrediction:
     """Evaluate `run` with its published layout (see PublishedPrediction)."""
+    if run.recompute == "any":
+        best = None
+        for rec in ("none", "selective", "full"):
+            t, f = _fastest(run, rec)
+            if f is not None and (best is None or f.step_time_s < best[1].step_time_s):
+                best = (t, f)
+        if best is None:
+            t, f = _fastest(run, "full")
+            return PublishedPrediction(run, t, None, t.step_time_s)
+        return PublishedPrediction(run, best[0], best[1], best[0].step_time_s)
     if run.recompute == "half":
         t0, f0 = _fastest(run, "none")
         t1, f1 = _fastest(run, "full")

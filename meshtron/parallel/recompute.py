@@ -5,6 +5,8 @@ Modes, with the planner's meaning:
 - "none": keep every activation.
 - "full": keep only each block's input; the whole block is recomputed in backward
   (Chen et al. 2016; Megatron "full" recompute).
+- "half": "full" on every second block (the 2nd, 4th, ... as torchtitan's layer-frequency
+  selective AC, selective_ac_option = "2", counts them), the others keep everything.
 - "selective": Korthikanti et al. 2022, section 4: recompute the attention core - QK^T,
   softmax, dropout and the product with V, whose activations grow with seq^2 and cost few FLOPs -
   and keep the outputs of every linear layer. Implemented as a non-reentrant checkpoint around
@@ -64,19 +66,22 @@ def _selective_context():
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Wrap each block of `model.layers` for recomputation ('none' | 'selective' | 'full')."""
+    """Wrap each block of `model.layers` for recomputation ('none' | 'selective' | 'half' |
+    'full'; 'half' wraps every second block)."""
     if mode == "none":
         return model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         checkpoint_wrapper,
     )
 
-    if mode == "full":
+    if mode in ("full", "half"):
         wrap = partial(checkpoint_wrapper, preserve_rng_state=True)
     elif mode == "selective":
         wrap = partial(checkpoint_wrapper, context_fn=_selective_context, preserve_rng_state=True)
     else:
-        raise UserError(f"plan.recompute={mode!r}: allowed values are none, selective, full")
-    for key, block in list(model.layers.items()):
-        model.layers[key] = wrap(block)
+        raise UserError(f"plan.recompute={mode!r}: allowed values are none, selective, half, "
+                        "full")
+    for i, (key, block) in enumerate(list(model.layers.items())):
+        if mode != "half" or i % 2 == 1:
+            model.layers[key] = wrap(block)
     return model

@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
     p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
-    p.add_argument("--recompute", help="fix recomputation: none | selective | full")
+    p.add_argument("--recompute", help="fix recomputation: none | selective | half (every second block) | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
     p.add_argument("--schedule",
@@ -143,8 +143,6 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from meshtron.planner import report
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.search import search_plans
@@ -202,16 +200,19 @@ def quiet_broken_pipe() -> None:
 
 def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | None,
             gpus: int, batch: int, seq: int) -> int:
-    from rich.console import Console
-
     from meshtron.planner import report
 
-    console = Console(stderr=False, width=width)
+    console = None
     if args.json:
         print(json.dumps(report.to_json(result, tokens), indent=2), flush=True)
     else:
+        from rich.console import Console  # only tables need rich (~0.1 s of imports)
+
+        console = Console(stderr=False, width=width)
         report.render(result, tokens, console, wide=args.wide)
     if not result.fits:
+        from rich.console import Console
+
         # the paragraph goes to stdout with the table (stderr with --json); the one-line error
         # (printed by the CLI's error handler) to stderr: each once
         line = report.render_no_fit(result, console if not args.json else
@@ -221,6 +222,6 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
         plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
                                    result.options.attention)
         plan.save(args.save)
-        if not args.json:
+        if console is not None:
             console.print(f"Saved the best plan to {args.save}")
     return 0

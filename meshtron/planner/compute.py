@@ -267,9 +267,10 @@ class LayerCost:
         """(compute, tp comm, forward part, weight-grad part) of fwd+bwd with recomputation."""
         compute = self.fwd + self.bwd
         tpc = self.tp_fwd + self.tp_bwd
-        if recompute == "full":
-            compute += self.fwd
-            tpc += self.tp_fwd
+        if recompute in ("full", "half"):
+            share = 1.0 if recompute == "full" else 0.5  # 'half': every second block
+            compute += share * self.fwd
+            tpc += share * self.tp_fwd
         elif recompute == "selective" and attention == "unfused":
             compute += self.core_fwd
         return compute, tpc, self.fwd + self.tp_fwd, self.wgrad
@@ -540,8 +541,10 @@ def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:
 def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
     """FLOPs executed again by recomputation, per token (see module docstring)."""
     core = 4.0 * model.layers * model.hidden * seq  # QK^T + AV forward, full square
-    if recompute == "full":
-        return 2.0 * model.layers * (model.attention_params() + model.mlp_params()) + core
+    if recompute in ("full", "half"):
+        share = 1.0 if recompute == "full" else 0.5  # 'half': every second block
+        return share * (2.0 * model.layers * (model.attention_params() + model.mlp_params())
+                        + core)
     if recompute == "selective" and attention == "unfused":
         return core
     return 0.0

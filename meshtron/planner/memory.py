@@ -59,7 +59,9 @@ Activations per layer and micro-batch: the tensors autograd saves, listed op by 
   output (wq, wv, w1, w2) and the SDPA output with its log-sum-exp.
 
 Full recomputation keeps each block's input (/t with sequence parallelism) and, while one block
-is recomputed, that block's activations (`recompute_working_bytes`).
+is recomputed, that block's activations (`recompute_working_bytes`). That working set and the
+loss's (below) are alive at different times of the backward: the peak holds the larger
+(`loss_or_recompute`).
 
 Logits (last stage, one micro-batch; [tokens, vocab/t] elements): the eager loss casts the
 logits to fp32 and takes log_softmax, whose fp32 output is saved; at the start of backward the
@@ -156,7 +158,8 @@ class MemoryOptions:
     @property
     def compute_bytes(self) -> float:
         """Bytes of one activation / compute-copy element."""
-        return 2.0 if self.dtype == "bf16" else 4.0
+        # fp8 runs keep bf16 activations and compute copies (DTYPES): only fp32 is 4 bytes
+        return 4.0 if self.dtype == "fp32" else 2.0
 
     @property
     def saved(self) -> str:
@@ -333,6 +336,10 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
                      mem: MemoryOptions | None = None) -> float:
     """Bytes one layer keeps for one micro-batch until its backward pass (module docstring)."""
     mem = mem or DEFAULT
+    if recompute == "half":
+        # every second block keeps only its input, the others everything: the mean per block
+        return 0.5 * sum(activation_bytes(model, tp, sp, micro_batch, seq, r, opts, mem)
+                         for r in ("none", "full"))
     tokens = micro_batch * seq
     sp = sp and tp > 1
     if recompute == "full":
@@ -357,7 +364,7 @@ def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: in
     if recompute == "none":
         return 0.0
     full = activation_bytes(model, tp, sp, micro_batch, seq, "none", opts, mem)
-    if recompute == "full":
+    if recompute in ("full", "half"):  # 'half': a checkpointed block replays all of itself
         return full
     return max(0.0, full - activation_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem))
 
@@ -372,6 +379,16 @@ def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
     if mem.loss_kind == "inplace":
         return elements * mem.compute_bytes
     return elements * (12.0 + (mem.compute_bytes if pipelined else 0.0))
+
+
+def loss_or_recompute(logits: float, work: float) -> float:
+    """Bytes of the loss's working set and of a recomputed block's, which are never alive
+    together: autograd runs the loss's backward (logits, their fp32 copies and gradients) and
+    the head's to completion, freeing them, before the last block's checkpointed forward is
+    replayed (torch.utils.checkpoint recomputes inside the block's backward node), so the peak
+    holds the larger of the two, not their sum. In a pipeline schedule one micro-batch's loss
+    and another's recomputation do not overlap either: a stage runs one action at a time."""
+    return max(logits, work)
 
 
 def workspace_bytes(tensors: float, capacity: float) -> float:
@@ -401,7 +418,8 @@ class MemoryBreakdown:
     in_flight: float
     """Stored activations of the other in-flight micro-batches (pipeline schedules)."""
     recompute: float
-    """Working set of the layer being recomputed."""
+    """Working set of the layer being recomputed beyond the logits' bytes (the two are alive at
+    different times, `loss_or_recompute`)."""
     logits: float
     """Logits of one micro-batch and their gradients (last stage only)."""
     workspace: float
@@ -481,7 +499,8 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
         fixed_gather = gathered_bytes(mem, zero, dp, 1, p_layer, p_root, largest, grad_bytes,
                                       keep_gathered)
     return StageMemory(per_layer=per_layer,
-                       fixed=p_root * (sb + accum) + logits + work + fixed_gather)
+                       fixed=p_root * (sb + accum) + loss_or_recompute(logits, work)
+                       + fixed_gather)
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -497,6 +516,7 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
     extra = all_acts - acts
+    work = loss_or_recompute(logits, work) - logits  # what recomputation needs beyond the loss
     tensors = params * (wb + gb + ob) + gathered + all_acts + work + logits
     return MemoryBreakdown(
         params=params * wb / GIB, grads=params * gb / GIB, optimizer=params * ob / GIB,

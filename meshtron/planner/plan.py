@@ -99,7 +99,8 @@ class Plan:
     micro_batch: int = 1
     """Sequences per micro-batch per data-parallel replica."""
     recompute: str = "none"
-    """Activation recomputation: 'none', 'selective' (attention core) or 'full'."""
+    """Activation recomputation: 'none', 'selective' (attention core), 'half' (every second
+    block fully) or 'full'."""
     sp: bool = False
     """Sequence parallelism for the norm/dropout regions (needs tp > 1)."""
     schedule: str | None = None

@@ -26,7 +26,7 @@ class Knobs:
     micro_batch: int | None = None
     """Micro-batch size in sequences."""
     recompute: str | None = None
-    """'none', 'selective' or 'full'."""
+    """'none', 'selective', 'half' or 'full'."""
     sp: bool | None = None
     """Sequence parallelism."""
     schedule: str | None = None

@@ -11,7 +11,11 @@ from typing import Any, Iterator, Mapping
 
 from meshtron.errors import UserError
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "half", "full")
+"""'half': every second block fully recomputed, the others keep everything (torchtitan's
+activation_checkpoint mode = "selective" with selective_ac_option = "2": its apply_ac wraps
+every block whose 1-based count is a multiple of 2; meshtron/parallel/recompute.py does the
+same)."""
 ZERO_STAGES = (0, 1, 2, 3)
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 """Pipeline schedules (planner/pipeline.py costs them; parallel/pipeline.py runs them). With

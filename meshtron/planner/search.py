@@ -416,7 +416,7 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
         raise UserError(space.why_empty)  # the knobs leave nothing to run: not a memory matter
     # Rank by step time; ties (e.g. ZeRO stages whose extra traffic is fully hidden) go to
     # the simpler plan: lower ZeRO stage, less recomputation, then less memory.
-    rec_order = {"none": 0, "selective": 1, "full": 2}
+    rec_order = {"none": 0, "selective": 1, "half": 2, "full": 3}
     plans = sorted((e for _, _, e in top), key=lambda e: (
         round(e.step_time_s, 9), e.config.zero, rec_order[e.config.recompute], e.memory.total))
     result = SearchResult(model=model, cluster=cluster, global_batch=global_batch,
