@@ -151,6 +151,18 @@ def _check(layouts):
             # the data and pipeline axes: tensor-parallel collectives are not planned here
             counted = Counter({k: v for k, v in got["counted"].items() if k[1] != "tp"})
             assert counted == want, (rank, plan, sorted(counted.items()), sorted(want.items()))
+            if rank in (0, 3):  # pipeline ranks 0 and 1 of the pp layouts: the README table
+                print(rank, plan, _summary(counted))
+
+
+def _summary(counted: Counter) -> str:
+    """'calls kind (bytes) + ...' per kind and axis, for the README table."""
+    calls, nbytes = Counter(), Counter()
+    for (kind, axis, size, _, dtype), n in counted.items():
+        calls[(kind, axis, dtype)] += n
+        nbytes[(kind, axis, dtype)] += n * size
+    return " + ".join(f"{calls[k]} {k[0]} {k[2]} ({nbytes[k] / 1e6:.3f} MB)"
+                      for k in sorted(calls))
 
 
 def test_collectives_per_step_and_equivalence():
