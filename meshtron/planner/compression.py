@@ -95,7 +95,8 @@ def reduce_time(plan, params: float, group: comm.Group, fab: comm.Fabric, hbm: f
 
 
 def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: float,
-            bwd: float, layers: int, regather: bool, units: int | None = None) -> float:
+            bwd: float, layers: int, regather: bool, units: int | None = None,
+            kept: float = 0.0) -> float:
     """Exposed data-parallel time per step of a stage with `params` parameters, for a plan
     with compression or DiLoCo (`est`: the planner's Estimator, for its fabric, HBM bandwidth,
     gradient size and the FSDP per-unit model; `units`: the stage's FSDP units)."""
@@ -113,7 +114,7 @@ def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: 
             one = comm.Group(1, 1)
             inner = est._dp_time(params, plan.zero, {**groups, "dp": groups["dp_shard"],
                                                      "dp_replicate": one}, m, fwd, bwd, layers,
-                                 regather, units=units, **flags)
+                                 regather, units=units, kept=kept, **flags)
         return inner + sync / plan.diloco
     group = groups["dp"]
     if plan.zero >= 2:
@@ -121,7 +122,7 @@ def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: 
         rs_elems = params  # every unit's reduce-scatter input, each micro-batch
         reduces = 1 if flags["reduce_once"] else m
         return (est._dp_time(params, plan.zero, groups, m, fwd, bwd, layers, regather,
-                             wire=wire, units=units, **flags)
+                             wire=wire, units=units, kept=kept, **flags)
                 + reduces * CODEC_BYTES_PER_ELEMENT * rs_elems / hbm)
     # compress/runtime.py: one flat fp32 bucket per model part, compressed on the wire
     t = reduce_time(plan, params, group, fab, hbm, 4.0)

@@ -145,9 +145,9 @@ class KernelOptions:
     one collective per FSDP unit (embedding, blocks, [norm, head]); ZeRO-0/1 reduce once per
     step, ZeRO-1 as reduce-scatter + all-gather in the compute dtype; ZeRO-2 gathers each unit
     once per step and reduce-scatters per micro-batch (parallel/data_parallel.py; the list
-    planner/collectives.py `step_collectives` counts). 'zero' (DeepSpeed, Megatron's distributed optimizer): gradients accumulate locally
-    and are reduced once per step, ZeRO-1/2 reduce-scatter them and all-gather the updated bf16
-    weights once."""
+    planner/collectives.py `step_collectives` counts). 'zero' (DeepSpeed, Megatron's
+    distributed optimizer): gradients accumulate locally and are reduced once per step,
+    ZeRO-1/2 reduce-scatter them and all-gather the updated bf16 weights once."""
     fp32_params_autocast: bool = False
     """Parameters stay fp32 and autocast casts each weight to bf16 in every forward (Composer's
     2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4

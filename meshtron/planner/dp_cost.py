@@ -72,15 +72,16 @@ class DataParallelCost:
                  bwd: float, layers: int = 1, regather: bool = False,
                  wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
                  gather_once: bool = False, wsize: float = compute.BF16,
-                 units: int | None = None) -> float:
+                 units: int | None = None, kept: float = 0.0) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring); `wire`: bytes per gradient element when compressed
         (planner/compression.py); `units`: its FSDP units (`fsdp_units`; default: the
-        layers' own); the rest: `dp_flags`."""
+        layers' own); `kept`: parameters of its last unit, not re-gathered for backward
+        (FSDP's [norm, head]); the rest: `dp_flags`."""
         group = groups["dp"]
         units = units or max(1, layers * self.opts.shard_units_per_layer)
         key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
-               wire, gsize, reduce_once, gather_once, wsize, units)
+               wire, gsize, reduce_once, gather_once, wsize, units, kept)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -90,12 +91,12 @@ class DataParallelCost:
             # per unit and micro-batch, with its own overlap rules
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
                                                  backward_gather=zero == 3, wire=gsize,
-                                                 wsize=wsize, units=units)
+                                                 wsize=wsize, units=units, kept=kept)
             self._cache[key] = exp
             return exp
         if zero >= 2 and fsdp:
             exp = self._fsdp_accumulated(params, groups, units, m, fwd, bwd, zero, gsize,
-                                         reduce_once, gather_once, regather, wsize)
+                                         reduce_once, gather_once, regather, wsize, kept)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
@@ -139,7 +140,8 @@ class DataParallelCost:
 
     def _fsdp_accumulated(self, params: float, groups: dict[str, Any], units: int, m: int,
                           fwd: float, bwd: float, zero: int, gsize: float, reduce_once: bool,
-                          gather_once: bool, regather: bool, wsize: float) -> float:
+                          gather_once: bool, regather: bool, wsize: float,
+                          kept: float = 0.0) -> float:
         """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
         (`reduce_once`: one reduce-scatter per unit per step, after the last backward: exposed
         behind that backward only; else one per micro-batch, behind its backward) and/or
@@ -155,14 +157,15 @@ class DataParallelCost:
             return out + _exposed(ag, fwd)
         per_mb = self._zero3_per_microbatch(params, groups, 1, fwd, bwd, regather,
                                             backward_gather=zero == 3, wire=gsize,
-                                            reduce=False, wsize=wsize, units=units)
+                                            reduce=False, wsize=wsize, units=units,
+                                            kept=kept)
         return out + m * per_mb
 
     def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
                               fwd: float, bwd: float, regather: bool = False,
                               backward_gather: bool = True, wire: float | None = None,
                               reduce: bool = True, wsize: float = compute.BF16,
-                              units: int | None = None) -> float:
+                              units: int | None = None, kept: float = 0.0) -> float:
         """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
         backward (parameters are resharded after the forward) and one reduce-scatter of its
         gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
@@ -174,7 +177,7 @@ class DataParallelCost:
         `backward_gather` (FSDP's ZeRO-2: no resharding after the forward) the backward only
         reduce-scatters. FSDP (`units` given: `fsdp_units`) keeps the last unit ([norm, head])
         gathered after its forward: the backward starts without a gather and re-gathers the
-        other units - 1."""
+        other units - 1 (`kept`: the last unit's parameters; 0: an average unit)."""
         opts = self.opts
         keep_last = units is not None and opts.sharding == "fsdp"
         units = units or max(1, layers * opts.shard_units_per_layer)
@@ -185,13 +188,17 @@ class DataParallelCost:
             max(1, layers * rpl)
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
         gsize = wire or 4.0
-        ag = comm.all_gather(wsize * params / units, shard, self.fab)
         rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
-        if opts.list_collectives:
-            # staging copies on the collective's critical path, and the host's per-rank list
+        host = shard.size * LIST_HOST_S_PER_RANK if opts.list_collectives else 0.0
+
+        def gather(elems: float) -> float:
+            # + staging copies on the collective's critical path, and the host's per-rank list
             # handling (one chunk view and one chunk copy issued per member, every call)
-            host = shard.size * LIST_HOST_S_PER_RANK
-            ag += 3.0 * wsize * params / units / self.hbm + host
+            t = comm.all_gather(wsize * elems, shard, self.fab)
+            return t + (3.0 * wsize * elems / self.hbm + host if opts.list_collectives else 0.0)
+
+        ag = gather(params / units)
+        if opts.list_collectives:
             rs_one += 2.0 * gsize * params / r_units / self.hbm + host
         rs = rs_one * r_units / units
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
@@ -203,7 +210,12 @@ class DataParallelCost:
         hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
         fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
         # recomputation that re-gathers: a second all-gather per unit in the backward
-        ag_b = (2 * ag if regather else ag) if backward_gather else 0.0
+        if keep_last and units > 1 and kept > 0:
+            # the backward gathers everything but the kept unit, over the other units - 1
+            ag_rest = gather((params - kept) / (units - 1))
+        else:
+            ag_rest = ag
+        ag_b = (2 * ag_rest if regather else ag_rest) if backward_gather else 0.0
         # gradient reduce-scatters hide behind the next unit's backward only when reduction
         # overlaps (DeepSpeed's overlap_comm, on in FSDP)
         rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)

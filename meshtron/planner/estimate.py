@@ -346,11 +346,13 @@ class Evaluator(DataParallelCost):
                 args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
                         k, rec == "full" and self.opts.recompute_regathers)
                 units = self.fsdp_units(k, first, last)
+                kept = p_head if last else 0.0  # FSDP's [norm, head]: not re-gathered
                 if compression.changes_dp(cfg):  # gradient compression or DiLoCo
-                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args, units=units))
+                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args, units=units,
+                                                         kept=kept))
                 else:
                     dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
-                                                   **flags))
+                                                   kept=kept, **flags))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
         step = times.total
