@@ -3,7 +3,7 @@
 One 4-rank launch trains every ZeRO stage with 4 micro-batches per step, without and with a
 pipeline (dp=4; dp=2 x pp=2, 1F1B), with `accumulate_unsharded`, a bf16 reduction and bf16
 compute (the slow suite adds HSDP, ZeRO-0 and ZeRO-2 under the pipeline, ZeRO-2 accumulating
-unsharded, bf16 ZeRO-3 HSDP):
+unsharded, bf16 ZeRO-3 HSDP, bf16 ZeRO-1 under the pipeline):
 
 - every data-parallel and pipeline collective of the second step (the first includes FSDP2's
   lazy initialisation), as the collective recorder sees them (its dispatch-mode path: every
@@ -50,6 +50,7 @@ SLOW_LAYOUTS = [
     dict(dp=2, pp=2, zero=0, schedule="1f1b", micro_batch=2),
     dict(dp=2, pp=2, zero=2, schedule="1f1b", micro_batch=2, reduce_dtype="bf16"),
     dict(dp=4, zero=3, dp_replicate=2, micro_batch=1, dtype="bf16"),
+    dict(dp=2, pp=2, zero=1, schedule="1f1b", micro_batch=2, dtype="bf16"),
 ]
 
 
