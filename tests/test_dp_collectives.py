@@ -1,20 +1,22 @@
-"""Data-parallel collectives per step, counted on real gloo steps, and their numerics.
+"""The planner's collective list (`meshtron.planner.step_collectives`) against real gloo steps.
 
 One 4-rank launch trains every ZeRO stage with 4 micro-batches per step, without and with a
-pipeline (dp=4; dp=2 x pp=2, 1F1B), and with `accumulate_unsharded` and a bf16 reduction (the
-slow suite adds HSDP, ZeRO-0 and ZeRO-2 under the pipeline, ZeRO-2 accumulating unsharded):
+pipeline (dp=4; dp=2 x pp=2, 1F1B), with `accumulate_unsharded`, a bf16 reduction and bf16
+compute (the slow suite adds HSDP, ZeRO-0 and ZeRO-2 under the pipeline, ZeRO-2 accumulating
+unsharded, bf16 ZeRO-3 HSDP, bf16 ZeRO-1 under the pipeline):
 
-- the gradient and parameter collectives of the second step (the first includes FSDP2's lazy
-  initialisation), as the collective recorder sees them (its dispatch-mode path: every c10d op
-  of this thread), must equal exactly, per (kind, mesh axis, dtype), what `expected_collectives`
-  says: e.g. ZeRO-0 one all-reduce per FSDP unit per step whatever the micro-batches, ZeRO-1 one
-  reduce-scatter and one all-gather per unit, ZeRO-3 an all-gather per unit per micro-batch in
-  forward and backward (the [norm, head] unit kept gathered) and a reduce-scatter per unit per
-  micro-batch;
-- losses, gradient norms and parameters must match the single-process run (fp32: 1e-5).
+- every data-parallel and pipeline collective of the second step (the first includes FSDP2's
+  lazy initialisation), as the collective recorder sees them (its dispatch-mode path: every
+  c10d op of this thread), grouped by (kind, mesh axis, bytes of the input per call, group
+  size, dtype), must equal exactly, call counts included, what the planner's
+  `step_collectives(plan, model, global_batch, seq_len, pp_rank)` lists for that rank: the
+  same list the planner's time model prices (tests/test_planner_stacks.py);
+- fp32 losses, gradient norms and parameters must match the single-process run (1e-5); the
+  bf16-compute layouts are checked for their collectives only (their numerics are the bf16
+  equivalence sweep's subject).
 
-`expected_collectives` is the one place the expected numbers come from; once the planner's
-`meshtron.planner.step_collectives(plan, model, global_batch, seq_len)` lands, it replaces it.
+The vocabulary is a multiple of the data-parallel groups: FSDP2 pads every parameter's dim 0
+to a multiple of the group and the planner counts unpadded parameters (a row per rank at most).
 """
 
 from __future__ import annotations
@@ -27,13 +29,17 @@ from meshtron.testing.equivalence import DEFAULT_CFG, compare, format_report, re
 from meshtron.testing.multiproc import run_on_ranks
 
 TOL = 1e-5
-CFG = dict(DEFAULT_CFG, batch=16, steps=2)
-SPEC_LAYERS = CFG["spec"]["layers"]
+CFG = dict(DEFAULT_CFG, batch=16, steps=2, spec=dict(DEFAULT_CFG["spec"], vocab=132))
+# recorder op names -> the planner's kinds
+KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_reduce": "all_reduce", "send": "send", "recv": "recv"}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 LAYOUTS = [
     dict(dp=4, zero=0, micro_batch=1), dict(dp=4, zero=1, micro_batch=1),
     dict(dp=4, zero=2, micro_batch=1), dict(dp=4, zero=3, micro_batch=1),
     dict(dp=4, zero=3, micro_batch=1, accumulate_unsharded=True, reduce_dtype="bf16"),
+    dict(dp=4, zero=1, micro_batch=1, dtype="bf16"),
     dict(dp=2, pp=2, zero=1, schedule="1f1b", micro_batch=2),
     dict(dp=2, pp=2, zero=3, schedule="1f1b", micro_batch=2),
 ]
@@ -43,44 +49,22 @@ SLOW_LAYOUTS = [
     dict(dp=4, zero=3, dp_replicate=2, micro_batch=1),
     dict(dp=2, pp=2, zero=0, schedule="1f1b", micro_batch=2),
     dict(dp=2, pp=2, zero=2, schedule="1f1b", micro_batch=2, reduce_dtype="bf16"),
+    dict(dp=4, zero=3, dp_replicate=2, micro_batch=1, dtype="bf16"),
+    dict(dp=2, pp=2, zero=1, schedule="1f1b", micro_batch=2, dtype="bf16"),
 ]
 
 
-def expected_collectives(plan: dict, n_micro: int, units: int,
-                         param_dtype: str = "float32") -> Counter:
-    """Gradient/parameter collectives of one step on one rank: {(kind, mesh axis, dtype): n}.
+def planned(layout: dict, pp_rank: int) -> Counter:
+    """The planner's list for this layout on a rank of pipeline rank `pp_rank`:
+    {(kind, axis, bytes per call, group size, dtype): calls per step}."""
+    from meshtron.parallel.mesh import resolve_plan
+    from meshtron.planner import step_collectives
+    from meshtron.testing.equivalence import make_spec
 
-    `units`: FSDP units holding parameters on this rank (blocks, embeddings, [norm, head]); the
-    last of them ([norm, head]) is not resharded after forward. See
-    meshtron/parallel/data_parallel.py for the policy these numbers restate."""
-    zero, pp = plan.get("zero", 0), plan.get("pp", 1)
-    red = {"fp32": "float32", "bf16": "bfloat16"}[plan.get("reduce_dtype", "fp32")]
-    once = plan.get("accumulate_unsharded", False) or pp > 1
-    hsdp = zero >= 2 and plan.get("dp_replicate", 1) > 1
-    out: Counter = Counter()
-    if plan.get("dp", 1) == 1:
-        return out
-    if zero == 0:
-        out[("all_reduce", "dp", red)] = units
-        return out
-    axis = "dp_shard" if hsdp else "dp"  # "dp": the whole data axis
-    reductions = units if zero == 1 or once else units * n_micro
-    out[("reduce_scatter_tensor", axis, red)] = reductions
-    if hsdp:  # then the shards' all-reduce across the replicas
-        out[("all_reduce", "dp_replicate", red)] = reductions
-    if zero == 3 and pp == 1:
-        # forward: every unit per micro-batch; backward: all but the last unit again
-        out[("all_gather_into_tensor", axis, param_dtype)] = units * n_micro + \
-            (units - 1) * n_micro
-    else:  # gathered once, kept until the step's last backward
-        out[("all_gather_into_tensor", axis, param_dtype)] = units
-    return out
-
-
-def _units_on_rank(plan: dict, pp_rank: int) -> int:
-    pp = plan.get("pp", 1)
-    blocks = SPEC_LAYERS // pp
-    return blocks + (pp_rank == 0) + (pp_rank == pp - 1)
+    spec = make_spec(CFG)
+    plan = resolve_plan(layout, 4, spec)
+    return Counter({(c.kind, c.axis, c.bytes, c.group_size, c.dtype): c.count
+                    for c in step_collectives(plan, spec, CFG["batch"], CFG["seq"], pp_rank)})
 
 
 def _rank_fn(cfg, layouts):
@@ -98,12 +82,11 @@ def _rank_fn(cfg, layouts):
     out = []
     for layout in layouts:
         mesh = build_mesh(layout, device_type="cpu")
-        # Groups by their ranks: one that spans the whole data axis is "dp" whichever mesh
-        # axis or flattened group FSDP2 used for it.
+        # Groups by their ranks, named as the planner names them: ZeRO-1's flattened "dp"
+        # group has the ranks of "dp_replicate" (dp_shard is 1 there).
         label = {}
         for axis in ("pp", "tp", "dp_replicate", "dp_shard"):
             label[tuple(dist.get_process_group_ranks(mesh[axis].get_group()))] = axis
-        label[tuple(dist.get_process_group_ranks(data_mesh(mesh).get_group()))] = "dp"
         torch.manual_seed(cfg["seed"])
         with torch.device("meta"):
             model = Transformer(make_spec(cfg))
@@ -112,7 +95,7 @@ def _rank_fn(cfg, layouts):
                               weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
         dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
         rows = cfg["batch"] // dp
-        losses, norms, counted, nbytes = [], [], Counter(), Counter()
+        losses, norms, counted = [], [], Counter()
         for step in range(cfg["steps"]):
             rec = CollectiveRecorder(dist.get_rank())
             with rec:
@@ -120,17 +103,18 @@ def _rank_fn(cfg, layouts):
                                            targets[step, r * rows:(r + 1) * rows])
             if step == cfg["steps"] - 1:
                 for rr in rec.snapshot():
-                    numel = sum(int(torch.Size(s).numel()) for s in rr["shapes"])
-                    # the loss's scalar reductions and the pipeline's activations are not
-                    # gradient/parameter traffic
-                    if "peer" in rr or numel <= 1:
+                    sizes = [int(torch.Size(s).numel()) for s in rr["shapes"]]
+                    # the loss's scalar reductions are not gradient/parameter traffic
+                    if "peer" not in rr and max(sizes) <= 1:
                         continue
+                    # bytes of the input per call: all_gather's is its shard (the smaller
+                    # tensor), reduce_scatter's the whole buffer, the others' their tensor
+                    numel = min(sizes) if rr["op"] == "all_gather_into_tensor" else max(sizes)
+                    dtype = rr["dtypes"][0]
+                    width = torch.empty((), dtype=getattr(torch, dtype)).element_size()
                     ranks = tuple(rec.groups[rr["group"]].ranks)
-                    key = (rr["op"], label.get(ranks, str(ranks)), rr["dtypes"][0])
-                    counted[key] += 1
-                    # the largest tensor of the call: the unsharded side
-                    nbytes[key] += max(int(torch.Size(s).numel()) for s in rr["shapes"]) * \
-                        torch.empty((), dtype=getattr(torch, rr["dtypes"][0])).element_size()
+                    counted[(KINDS.get(rr["op"], rr["op"]), label.get(ranks, str(ranks)),
+                             numel * width, len(ranks), DTYPES.get(dtype, dtype))] += 1
             losses.append(float(loss))
             norms.append(float(pm.clip_grad_norm_(cfg["clip"])))
             opt.step()
@@ -139,9 +123,7 @@ def _rank_fn(cfg, layouts):
         keep = mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0
         out.append({"layout": layout, "losses": losses, "norms": norms, "seconds": 0.0,
                     "params": params if keep else None, "counted": dict(counted),
-                    "bytes": dict(nbytes),
-                    "pp_rank": mesh.get_local_rank("pp"), "n_micro": rows //
-                    layout["micro_batch"]})
+                    "pp_rank": mesh.get_local_rank("pp")})
         del pm, opt, model
         release_mesh(mesh)
     return out
@@ -149,7 +131,8 @@ def _rank_fn(cfg, layouts):
 
 def _check(layouts):
     results = run_on_ranks(_rank_fn, 4, CFG, layouts, timeout=600)
-    report = compare(reference_run(CFG), results)
+    fp32 = [i for i, lay in enumerate(layouts) if lay.get("dtype", "fp32") == "fp32"]
+    report = compare(reference_run(CFG), [[per[i] for i in fp32] for per in results])
     print(format_report(report))
     for r in report:
         assert not (r["missing"] or r["extra"]), r
@@ -165,12 +148,22 @@ def _check(layouts):
     for rank, per_layout in enumerate(results):
         for got in per_layout:
             plan = got["layout"]
-            want = expected_collectives(plan, got["n_micro"],
-                                        _units_on_rank(plan, got["pp_rank"]))
-            # Only the data axes: tp/pp collectives are not the subject here.
-            counted = Counter({k: v for k, v in got["counted"].items()
-                               if k[1] in ("dp", "dp_shard", "dp_replicate")})
-            assert counted == want, (rank, plan, dict(counted), dict(want))
+            want = planned(plan, got["pp_rank"])
+            # the data and pipeline axes: tensor-parallel collectives are not planned here
+            counted = Counter({k: v for k, v in got["counted"].items() if k[1] != "tp"})
+            assert counted == want, (rank, plan, sorted(counted.items()), sorted(want.items()))
+            if rank in (0, 3):  # pipeline ranks 0 and 1 of the pp layouts: the README table
+                print(rank, plan, _summary(counted))
+
+
+def _summary(counted: Counter) -> str:
+    """'calls kind (bytes) + ...' per kind and axis, for the README table."""
+    calls, nbytes = Counter(), Counter()
+    for (kind, axis, size, _, dtype), n in counted.items():
+        calls[(kind, axis, dtype)] += n
+        nbytes[(kind, axis, dtype)] += n * size
+    return " + ".join(f"{calls[k]} {k[0]} {k[2]} ({nbytes[k] / 1e6:.3f} MB)"
+                      for k in sorted(calls))
 
 
 def test_collectives_per_step_and_equivalence():

@@ -207,9 +207,11 @@ def test_validation_errors_do_not_regress(table, capsys):
 def test_runtime_zero_stages_cost_what_fsdp2_runs():
     """meshtron's runtime (sharding='fsdp') reduces ZeRO-0/1 gradients once per step whatever
     the number of micro-batches, in the plan's reduce_dtype, and runs ZeRO-1 as a distributed
-    optimizer (reduce-scatter + all-gather of its fp32 parameters); ZeRO-2/3 reduce-scatter per
-    micro-batch unless accumulate_unsharded. With 8 micro-batches over 64 GPUs on a slow
-    network the differences show."""
+    optimizer (reduce-scatter + all-gather of its parameters in the compute dtype: FSDP2 casts
+    the shard to param_dtype first); one collective per FSDP unit (34 here: embedding, 32
+    blocks, [norm, head]; tests/test_dp_collectives.py counts them on gloo); ZeRO-2/3
+    reduce-scatter per micro-batch unless accumulate_unsharded. With 8 micro-batches over 64
+    GPUs on a slow network the differences show."""
     model = PRESETS["llama3-8b"]
     cl = dataclasses.replace(resolve_cluster("dgx-h100:8"), memory_gib=1e6,
                              inter_node_gb_per_s=5.0)
@@ -221,12 +223,14 @@ def test_runtime_zero_stages_cost_what_fsdp2_runs():
 
     # once per step: 8 micro-batches per step or 1 cost the same all-reduce
     assert dp_time(0, "fsdp") == pytest.approx(dp_time(0, "fsdp", batch=64), rel=1e-6)
-    assert dp_time(0, "fsdp") == pytest.approx(dp_time(0, "zero"), rel=1e-6)
+    # the same bytes as one bucketed all-reduce, plus 33 more calls' latency (measured +1.1%)
+    assert dp_time(0, "zero") < dp_time(0, "fsdp") < 1.02 * dp_time(0, "zero")
     # the wire dtype is the plan's: bf16 reduction moves half the bytes
     assert dp_time(0, "fsdp", reduce_dtype="bf16") < 0.6 * dp_time(0, "fsdp")
-    # distributed optimizer: reduce-scatter + all-gather ~ one all-reduce of the same bytes;
-    # meshtron all-gathers fp32 parameters, Megatron bf16 weights
-    assert dp_time(1, "zero") < dp_time(1, "fsdp") < 1.6 * dp_time(0, "fsdp")
+    # distributed optimizer: fp32 reduce-scatter + bf16 all-gather, less than the fp32
+    # all-reduce; the bytes of Megatron's bf16 weights, plus per-unit latencies
+    assert dp_time(1, "zero") < dp_time(1, "fsdp") < 1.02 * dp_time(1, "zero")
+    assert dp_time(1, "fsdp") < 0.8 * dp_time(0, "fsdp")
     # FSDP's ZeRO-2 reduce-scatters after every micro-batch; accumulating unsharded reduces once
     assert dp_time(2, "fsdp") > 2 * dp_time(2, "fsdp", accumulate_unsharded=True)
     assert dp_time(3, "fsdp") > dp_time(2, "fsdp") > dp_time(2, "zero")

@@ -211,6 +211,46 @@ def test_step_collectives_count_what_meshtron_runs():
         step_collectives(Plan(dp=2, grad_compression="int8"), model, 8, 64)
 
 
+@pytest.mark.parametrize("kw", [
+    dict(zero=0), dict(zero=1), dict(zero=1, dtype="bf16"), dict(zero=2, reduce_dtype="bf16"),
+    dict(zero=3, dtype="bf16"), dict(zero=3, accumulate_unsharded=True),
+    dict(zero=2, dp_replicate=2, dtype="bf16")])
+def test_time_model_prices_the_counted_collectives(kw):
+    """The cost model's dp inputs (dp_flags, fsdp_units) describe step_collectives' list, the one
+    tests/test_dp_collectives.py counts on gloo: calls per step, bytes per element on the wire,
+    total bytes (one stage, 4 micro-batches)."""
+    model = PRESETS["debug"]
+    ev = Evaluator(model, resolve_cluster("dgx-h100:8"), 16, 64)
+    plan = Plan(dp=4, micro_batch=1, **kw)
+    flags = ev.dp_flags(plan)
+    units = ev.fsdp_units(model.layers, True, True)
+    m = 4
+    p_layer, p_emb, p_head, _ = ev._params(1, 1)
+    params = model.layers * p_layer + p_emb + p_head
+    listed = step_collectives(plan, model, 16, 64)
+    red = [c for c in listed if c.kind in ("reduce_scatter", "all_reduce")
+           and c.axis == ("dp_shard" if plan.zero >= 2 else "dp_replicate")]
+    gat = [c for c in listed if c.kind == "all_gather"]
+    n_red = units * (1 if plan.zero <= 1 or flags["reduce_once"] else m)
+    n_gat = 0 if plan.zero == 0 else units * (1 if plan.zero == 1 or flags["gather_once"] else m)
+    if plan.zero == 3 and not flags["gather_once"]:
+        n_gat += (units - 1) * m  # the backward re-gathers all but the kept [norm, head]
+    assert sum(c.count for c in red) == n_red
+    assert sum(c.count for c in gat) == n_gat
+    width = {"fp32": 4.0, "bf16": 2.0}
+    assert {width[c.dtype] for c in red} == {flags["gsize"]}
+    assert {width[c.dtype] for c in gat} <= {flags["wsize"]}
+    per_round = n_red // units
+    assert sum(c.count * c.bytes for c in red) == pytest.approx(
+        per_round * flags["gsize"] * params, rel=1e-9)
+    # gathered per step: every unit per round, the backward's rounds without the kept head
+    shard = plan.dp if plan.zero <= 1 else plan.dp_shard
+    rounds = n_gat // units if plan.zero < 3 or flags["gather_once"] else m
+    back = m if plan.zero == 3 and not flags["gather_once"] else 0
+    assert sum(c.count * c.bytes for c in gat) == pytest.approx(
+        flags["wsize"] * (rounds * params + back * (params - p_head)) / shard, rel=1e-3)
+
+
 # ---- CLI edges (issue 23) -------------------------------------------------------------------------
 def test_plan_json_into_head_ends_quietly():
     cmd = (f"{sys.executable} -m meshtron plan --model llama3-8b --cluster dgx-h100:1 "

@@ -12,21 +12,24 @@ What is counted, per rank, per optimizer step:
 
 * FSDP units, in forward order on the rank's (virtual) stages: the token embedding (stage 0),
   every transformer block, and [final norm + output head] (last stage). A unit's parameters are
-  those one tensor-parallel rank holds (planner/memory.py `*_params_local`), unpadded.
+  those one tensor-parallel rank holds (planner/memory.py `*_params_local`), unpadded (FSDP2
+  pads each parameter's dim 0 to a multiple of the group: less than one row per rank more).
 * ZeRO-0: one `all_reduce` per unit (axis "dp_replicate"), input = the unit's gradient in
   `plan.reduce_dtype`.
 * ZeRO-1: one `reduce_scatter` per unit (axis "dp_replicate"; input = the whole unit gradient
-  in reduce_dtype) and, after the optimizer step, one `all_gather` per unit of the updated
-  parameters (input = this rank's 1/dp shard in fp32, the dtype meshtron's parameters are
-  stored in).
+  in reduce_dtype) and one `all_gather` per unit of the updated parameters before the next
+  forward (input = this rank's 1/dp shard in the compute dtype: FSDP2 casts the fp32 shard to
+  MixedPrecisionPolicy.param_dtype before gathering, so bf16 runs gather bf16).
 * ZeRO-2/3 (axis "dp_shard"): `all_gather` of each unit before its forward (input = the shard,
   1/dp_shard of the unit, in the compute dtype: bf16, fp8 runs gather bf16, fp32 runs fp32),
   and with ZeRO-3 before its backward again except for the last unit ([norm, head]: not
   resharded after forward); `reduce_scatter` of each unit's gradient after its backward (input
-  = the whole unit gradient in reduce_dtype). Without pipelining both happen every micro-batch
-  (the reduce-scatter once per step with `accumulate_unsharded`); with pipelining each unit is
+  = the whole unit gradient in reduce_dtype). ZeRO-3 without pipelining gathers every
+  micro-batch; ZeRO-2 keeps the parameters gathered from the step's first forward to its last
+  backward (one gather per unit per step). Without pipelining the reduce-scatter runs every
+  micro-batch (once per step with `accumulate_unsharded`); with pipelining each unit is
   gathered once and reduced once per step. HSDP (dp_replicate > 1) adds an `all_reduce` over
-  "dp_replicate" after every reduce-scatter, input = the reduced shard.
+  "dp_replicate" after every reduce-scatter, input = the reduced shard, in reduce_dtype.
 * Pipelining (pp > 1), per micro-batch, for every stage boundary that crosses ranks: the
   forward `send` of the stage output / `recv` of the input, the backward `send` / `recv` of
   their gradients, each a [micro_batch, seq_len/cp, hidden] tensor in the compute dtype (1/tp
@@ -71,6 +74,8 @@ class CollectiveCount:
     shard; reduce_scatter: the whole unsharded buffer; all_reduce, send, recv: the tensor)."""
     group_size: int = 1
     """Ranks in the group (dp x cp for the data-parallel axes with context parallelism)."""
+    dtype: str = ""
+    """Element type on the wire: 'fp32' or 'bf16' (the collective's input tensor)."""
 
 
 def even_stage_layers(num_layers: int, num_stages: int) -> list[int]:
@@ -110,10 +115,12 @@ def _units(plan: Any, model: Any, pp_rank: int) -> list[float]:
     return [u for u in units if u > 0]
 
 
-def _add(out: dict, kind: str, axis: str, count: int, nbytes: float, size: int) -> None:
+def _add(out: dict, kind: str, axis: str, count: int, elems: float, size: int,
+         width: float) -> None:
+    """Count `count` calls of `elems` elements of `width` bytes (4: fp32, 2: bf16)."""
     if count <= 0 or size <= 1:
         return
-    key = (kind, axis, int(round(nbytes)), size)
+    key = (kind, axis, int(round(width * elems)), size, "fp32" if width == 4.0 else "bf16")
     out[key] = out.get(key, 0) + count
 
 
@@ -137,37 +144,37 @@ def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
         size = plan.dp * cp
         for u in units:
             if zero == 0:
-                _add(out, "all_reduce", "dp_replicate", 1, reduce_b * u, size)
+                _add(out, "all_reduce", "dp_replicate", 1, u, size, reduce_b)
             else:
-                _add(out, "reduce_scatter", "dp_replicate", 1, reduce_b * u, size)
-                _add(out, "all_gather", "dp_replicate", 1, 4.0 * u / size, size)
+                _add(out, "reduce_scatter", "dp_replicate", 1, u, size, reduce_b)
+                _add(out, "all_gather", "dp_replicate", 1, u / size, size, compute_b)
     else:
         shard = plan.dp // plan.dp_replicate * cp
         rep = plan.dp_replicate
         pipelined = plan.pp > 1
-        gathers = 1 if pipelined else m
+        # parameters stay gathered over the micro-batches with pipelining and under ZeRO-2
+        gathers = 1 if (pipelined or zero == 2) else m
         reduces = 1 if (pipelined or plan.accumulate_unsharded) else m
         for i, u in enumerate(units):
             is_last_unit = i == len(units) - 1 and pp_rank == _last_rank(plan)
             n_ag = gathers
             if zero == 3 and not pipelined and not is_last_unit:
                 n_ag += m  # re-gathered before the backward (resharded after forward)
-            _add(out, "all_gather", "dp_shard", n_ag, compute_b * u / shard, shard)
-            _add(out, "reduce_scatter", "dp_shard", reduces, reduce_b * u, shard)
-            _add(out, "all_reduce", "dp_replicate", reduces, reduce_b * u / shard, rep)
+            _add(out, "all_gather", "dp_shard", n_ag, u / shard, shard, compute_b)
+            _add(out, "reduce_scatter", "dp_shard", reduces, u, shard, reduce_b)
+            _add(out, "all_reduce", "dp_replicate", reduces, u / shard, rep, reduce_b)
     if plan.pp > 1:
-        act = compute_b * plan.micro_batch * seq_len / cp * model.hidden / (plan.tp if plan.sp
-                                                                           else 1)
+        act = plan.micro_batch * seq_len / cp * model.hidden / (plan.tp if plan.sp else 1)
         mine = set(local_stages(plan, pp_rank))
         for s in mine:
             nxt, prv = s + 1, s - 1
             if nxt < plan.num_stages and nxt not in mine:
-                _add(out, "send", "pp", m, act, plan.pp)   # forward output
-                _add(out, "recv", "pp", m, act, plan.pp)   # its gradient
+                _add(out, "send", "pp", m, act, plan.pp, compute_b)   # forward output
+                _add(out, "recv", "pp", m, act, plan.pp, compute_b)   # its gradient
             if prv >= 0 and prv not in mine:
-                _add(out, "recv", "pp", m, act, plan.pp)   # forward input
-                _add(out, "send", "pp", m, act, plan.pp)   # its gradient
-    return sorted((CollectiveCount(k, a, c, b, g) for (k, a, b, g), c in out.items()),
+                _add(out, "recv", "pp", m, act, plan.pp, compute_b)   # forward input
+                _add(out, "send", "pp", m, act, plan.pp, compute_b)   # its gradient
+    return sorted((CollectiveCount(k, a, c, b, g, d) for (k, a, b, g, d), c in out.items()),
                   key=lambda x: (x.axis, x.kind, x.bytes))
 
 

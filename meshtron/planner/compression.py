@@ -95,10 +95,11 @@ def reduce_time(plan, params: float, group: comm.Group, fab: comm.Fabric, hbm: f
 
 
 def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: float,
-            bwd: float, layers: int, regather: bool) -> float:
+            bwd: float, layers: int, regather: bool, units: int | None = None,
+            kept: float = 0.0) -> float:
     """Exposed data-parallel time per step of a stage with `params` parameters, for a plan
     with compression or DiLoCo (`est`: the planner's Estimator, for its fabric, HBM bandwidth,
-    gradient size and the FSDP per-unit model)."""
+    gradient size and the FSDP per-unit model; `units`: the stage's FSDP units)."""
     flags = est.dp_flags(plan)
     gsize = flags["gsize"]
     fab, hbm = est.fab, est.hbm
@@ -113,7 +114,7 @@ def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: 
             one = comm.Group(1, 1)
             inner = est._dp_time(params, plan.zero, {**groups, "dp": groups["dp_shard"],
                                                      "dp_replicate": one}, m, fwd, bwd, layers,
-                                 regather, **flags)
+                                 regather, units=units, kept=kept, **flags)
         return inner + sync / plan.diloco
     group = groups["dp"]
     if plan.zero >= 2:
@@ -121,12 +122,25 @@ def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: 
         rs_elems = params  # every unit's reduce-scatter input, each micro-batch
         reduces = 1 if flags["reduce_once"] else m
         return (est._dp_time(params, plan.zero, groups, m, fwd, bwd, layers, regather,
-                             wire=wire, **flags)
+                             wire=wire, units=units, kept=kept, **flags)
                 + reduces * CODEC_BYTES_PER_ELEMENT * rs_elems / hbm)
+    # compress/runtime.py: one flat fp32 bucket per model part, compressed on the wire
     t = reduce_time(plan, params, group, fab, hbm, 4.0)
-    if plan.zero == 1:  # owners broadcast updated fp32 parameters (estimate.py, ZeRO-1 fsdp)
-        t += comm.all_gather(4.0 * params, group, fab) + (group.size - 1) * fab.base_latency
+    if plan.zero == 1:
+        # parallel/data_parallel.py `zero1_optimizer` (compressed ZeRO-1 keeps FSDP2 off the
+        # data axis): each of the n owners broadcasts its fp32 parameters after the step, n
+        # broadcasts of params/n; a pipelined broadcast delivers its whole buffer to every rank
+        n = group.size
+        t += n * _broadcast(4.0 * params / n, group, fab)
     return t
+
+
+def _broadcast(nbytes: float, group: comm.Group, fab: comm.Fabric) -> float:
+    """NCCL's pipelined ring broadcast: the chain's n-1 step latencies, then the whole buffer
+    at the ring's bus bandwidth (every member receives all of it)."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    return comm.ring_latency(group, fab) + nbytes / comm.ring_bus_bw(group, fab)
 
 
 def _best_variant(est, cfg, change: dict, variants) -> tuple[Any, str] | None:

@@ -142,12 +142,12 @@ class KernelOptions:
     flattens its input first): 3 extra HBM bytes per gathered byte, 2 per reduce-scattered byte."""
     sharding: str = "fsdp"
     """How ZeRO stages 0-2 run. 'fsdp' (meshtron's runtime on FSDP2, torchtitan, llm-foundry):
-    gradients are reduced after every micro-batch; ZeRO-1 all-reduces them and each owner
-    broadcasts its updated fp32 parameters after the step (parallel/data_parallel.py); ZeRO-2
-    gathers each unit's parameters before every micro-batch's forward and keeps them for its
-    backward. 'zero' (DeepSpeed, Megatron's distributed optimizer): gradients accumulate locally
-    and are reduced once per step, ZeRO-1/2 reduce-scatter them and all-gather the updated bf16
-    weights once."""
+    one collective per FSDP unit (embedding, blocks, [norm, head]); ZeRO-0/1 reduce once per
+    step, ZeRO-1 as reduce-scatter + all-gather in the compute dtype; ZeRO-2 gathers each unit
+    once per step and reduce-scatters per micro-batch (parallel/data_parallel.py; the list
+    planner/collectives.py `step_collectives` counts). 'zero' (DeepSpeed, Megatron's
+    distributed optimizer): gradients accumulate locally and are reduced once per step,
+    ZeRO-1/2 reduce-scatter them and all-gather the updated bf16 weights once."""
     fp32_params_autocast: bool = False
     """Parameters stay fp32 and autocast casts each weight to bf16 in every forward (Composer's
     2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4

@@ -33,36 +33,55 @@ class DataParallelCost:
     self._cache."""
 
     def dp_flags(self, cfg: Plan) -> dict[str, Any]:
-        """How a plan's data-parallel collectives run, as keyword arguments of `_dp_time`:
-        `gsize` bytes per gradient element on the wire (the plan's reduce_dtype), `reduce_once`
-        (ZeRO-2/3 reduce-scatter once per step: accumulate_unsharded, or pipelining, whose
-        schedule turns FSDP's gradient sync and resharding off until the last backward in
-        torch.distributed.pipelining), `gather_once` (pipelining: parameters stay gathered
-        over the step's micro-batches, torchtitan's reshard_after_forward=False with pp)."""
-        pipelined = cfg.pp > 1 and self.opts.sharding == "fsdp"
+        """How a plan's data-parallel collectives run, as keyword arguments of `_dp_time`; the
+        same list planner/collectives.py `step_collectives` counts and
+        tests/test_dp_collectives.py checks on real gloo steps. `gsize` bytes per gradient
+        element on the wire (the plan's reduce_dtype), `wsize` per gathered parameter
+        (`_param_wire`), `reduce_once` (ZeRO-2/3 reduce-scatter once per step:
+        accumulate_unsharded, or pipelining, whose schedule turns FSDP's gradient sync and
+        resharding off until the last backward in torch.distributed.pipelining),
+        `gather_once` (parameters stay gathered over the step's micro-batches: pipelining,
+        torchtitan's reshard_after_forward=False with pp, and FSDP ZeRO-2, which meshtron
+        reshards only after the step's last backward)."""
+        fsdp = self.opts.sharding == "fsdp"
+        pipelined = cfg.pp > 1 and fsdp
         return {"gsize": 4.0 if cfg.reduce_dtype == "fp32" else compute.BF16,
+                "wsize": self._param_wire(cfg),
                 "reduce_once": cfg.zero >= 2 and (cfg.accumulate_unsharded or pipelined),
-                "gather_once": cfg.zero >= 2 and pipelined}
+                "gather_once": cfg.zero >= 2 and (pipelined or (cfg.zero == 2 and fsdp))}
 
-    def _param_wire(self) -> float:
-        """Bytes per parameter of ZeRO-1/2 parameter all-gathers after the step: FSDP2-based
-        runtimes keep fp32 parameters (meshtron's distributed optimizer gathers them), 16-bit
-        weight frameworks gather the bf16 weights (fp32 with fp32_params_autocast)."""
-        if self.opts.fp32_params_autocast or (self.mem.framework == "fsdp2"
-                                              and self.opts.sharding == "fsdp"):
+    def _param_wire(self, cfg: Plan) -> float:
+        """Bytes per parameter of parameter all-gathers: FSDP2 casts its fp32 shards to
+        MixedPrecisionPolicy.param_dtype before gathering (bf16 for bf16 and fp8 plans, none
+        for fp32 ones), 16-bit-weight frameworks gather their bf16 weights; fp32 with
+        fp32_params_autocast (Composer's param_dtype fp32)."""
+        if self.opts.fp32_params_autocast or (self.opts.sharding == "fsdp"
+                                              and cfg.dtype == "fp32"):
             return 4.0
         return compute.BF16
+
+    def fsdp_units(self, layers: int, first: bool, last: bool) -> int:
+        """Collective calls per stage and per gather/reduce round: FSDP runtimes wrap the
+        embedding (first stage) and [final norm, head] (last stage) as units of their own
+        beside every block (torchtitan's apply_fsdp, parallel/data_parallel.py);
+        'zero'-sharding frameworks bucket by layer only."""
+        extra = int(first) + int(last) if self.opts.sharding == "fsdp" else 0
+        return max(1, layers * self.opts.shard_units_per_layer + extra)
 
     def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
                  bwd: float, layers: int = 1, regather: bool = False,
                  wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
-                 gather_once: bool = False) -> float:
+                 gather_once: bool = False, wsize: float = compute.BF16,
+                 units: int | None = None, kept: float = 0.0) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring); `wire`: bytes per gradient element when compressed
-        (planner/compression.py); the rest: `dp_flags`."""
+        (planner/compression.py); `units`: its FSDP units (`fsdp_units`; default: the
+        layers' own); `kept`: parameters of its last unit, not re-gathered for backward
+        (FSDP's [norm, head]); the rest: `dp_flags`."""
         group = groups["dp"]
+        units = units or max(1, layers * self.opts.shard_units_per_layer)
         key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
-               wire, gsize, reduce_once, gather_once)
+               wire, gsize, reduce_once, gather_once, wsize, units, kept)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -71,27 +90,31 @@ class DataParallelCost:
         if (zero == 3 or (zero == 2 and fsdp)) and not (reduce_once or gather_once):
             # per unit and micro-batch, with its own overlap rules
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
-                                                 backward_gather=zero == 3, wire=gsize)
+                                                 backward_gather=zero == 3, wire=gsize,
+                                                 wsize=wsize, units=units, kept=kept)
             self._cache[key] = exp
             return exp
         if zero >= 2 and fsdp:
-            exp = self._fsdp_accumulated(params, groups, layers, m, fwd, bwd, zero, gsize,
-                                         reduce_once, gather_once, regather)
+            exp = self._fsdp_accumulated(params, groups, units, m, fwd, bwd, zero, gsize,
+                                         reduce_once, gather_once, regather, wsize, kept)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
             fwd = bwd = 0.0
         if zero == 3:  # DeepSpeed-style ZeRO-3 under sharding='zero': per unit per micro-batch
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
-                                                 backward_gather=True, wire=gsize)
+                                                 backward_gather=True, wire=gsize,
+                                                 wsize=wsize)
         else:
-            red, gather = self.once_per_step(params, zero, groups, gsize)
+            red, gather = self.once_per_step(params, zero, groups, gsize, wsize,
+                                             units if fsdp else 1)
             exp = _exposed(red, bwd) + _exposed(gather, fwd)
         self._cache[key] = exp
         return exp
 
     def once_per_step(self, params: float, zero: int, groups: dict[str, Any],
-                      gsize: float) -> tuple[float, float]:
+                      gsize: float, wsize: float = compute.BF16,
+                      units: int = 1) -> tuple[float, float]:
         """(gradient reduction, parameter all-gather) seconds of a ZeRO-0/1/2 stage that
         reduces once per step, as raw collective times (the overlap is the caller's: the
         evaluator's `_exposed`, the simulator's event queue). ZeRO-0: one all-reduce (gradient
@@ -99,46 +122,50 @@ class DataParallelCost:
         no_sync, Megatron's and DeepSpeed's buffers); ZeRO-1: a distributed optimizer, one
         reduce-scatter, the step on the shard, one all-gather of the updated parameters behind
         the next forward (Megatron-LM docs/distrib_optimizer.md; meshtron's ZeRO-1); ZeRO-2
-        (DeepSpeed / Megatron): the same over the shard group, plus the replicas' all-reduce."""
+        (DeepSpeed / Megatron): the same over the shard group, plus the replicas' all-reduce.
+        `units` calls of each (FSDP: one per unit, `fsdp_units`), `wsize` bytes per gathered
+        parameter."""
         group = groups["dp"]
-        nbytes = gsize * params
-        wbytes = self._param_wire() * params
+        nbytes = gsize * params / units
+        wbytes = wsize * params / units
         if zero == 0:
-            return comm.all_reduce(nbytes, group, self.fab), 0.0
+            return units * comm.all_reduce(nbytes, group, self.fab), 0.0
         if zero == 1:
-            return (comm.reduce_scatter(nbytes, group, self.fab),
-                    comm.all_gather(wbytes, group, self.fab))
+            return (units * comm.reduce_scatter(nbytes, group, self.fab),
+                    units * comm.all_gather(wbytes, group, self.fab))
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
-        return (comm.reduce_scatter(nbytes, shard, self.fab)
-                + comm.all_reduce(nbytes / shard.size, rep, self.fab),
-                comm.all_gather(wbytes, shard, self.fab))
+        return (units * (comm.reduce_scatter(nbytes, shard, self.fab)
+                         + comm.all_reduce(nbytes / shard.size, rep, self.fab)),
+                units * comm.all_gather(wbytes, shard, self.fab))
 
-    def _fsdp_accumulated(self, params: float, groups: dict[str, Any], layers: int, m: int,
+    def _fsdp_accumulated(self, params: float, groups: dict[str, Any], units: int, m: int,
                           fwd: float, bwd: float, zero: int, gsize: float, reduce_once: bool,
-                          gather_once: bool, regather: bool) -> float:
+                          gather_once: bool, regather: bool, wsize: float,
+                          kept: float = 0.0) -> float:
         """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
-        (one reduce-scatter per unit per step, after the last backward: exposed behind that
-        backward only) and, with pipelining, whose parameters stay gathered (one all-gather
+        (`reduce_once`: one reduce-scatter per unit per step, after the last backward: exposed
+        behind that backward only; else one per micro-batch, behind its backward) and/or
+        whose parameters stay gathered (`gather_once`, pipelining or ZeRO-2: one all-gather
         per unit per step, before the first forward); otherwise the gathers stay per
         micro-batch (`_zero3_per_microbatch` with the reduction taken out)."""
-        units = max(1, layers * self.opts.shard_units_per_layer)
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
-        wsize = 4.0 if self.opts.fp32_params_autocast else compute.BF16
         rs = units * (comm.reduce_scatter(gsize * params / units, shard, self.fab)
                       + comm.all_reduce(gsize * params / units / shard.size, rep, self.fab))
-        out = _exposed(rs, bwd)  # fwd, bwd: one micro-batch's
+        out = (1 if reduce_once else m) * _exposed(rs, bwd)  # fwd, bwd: one micro-batch's
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
             return out + _exposed(ag, fwd)
-        per_mb = self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
+        per_mb = self._zero3_per_microbatch(params, groups, 1, fwd, bwd, regather,
                                             backward_gather=zero == 3, wire=gsize,
-                                            reduce=False)
+                                            reduce=False, wsize=wsize, units=units,
+                                            kept=kept)
         return out + m * per_mb
 
     def _zero3_per_microbatch(self, params: float, groups: dict[str, Any], layers: int,
                               fwd: float, bwd: float, regather: bool = False,
                               backward_gather: bool = True, wire: float | None = None,
-                              reduce: bool = True) -> float:
+                              reduce: bool = True, wsize: float = compute.BF16,
+                              units: int | None = None, kept: float = 0.0) -> float:
         """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
         backward (parameters are resharded after the forward) and one reduce-scatter of its
         gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
@@ -148,22 +175,30 @@ class DataParallelCost:
         part; the first unit's all-gather (fill) and the last reduce-scatter (drain) are never
         hidden. Collectives are counted per unit, each paying its own NCCL latency. Without
         `backward_gather` (FSDP's ZeRO-2: no resharding after the forward) the backward only
-        reduce-scatters."""
+        reduce-scatters. FSDP (`units` given: `fsdp_units`) keeps the last unit ([norm, head])
+        gathered after its forward: the backward starts without a gather and re-gathers the
+        other units - 1 (`kept`: the last unit's parameters; 0: an average unit)."""
         opts = self.opts
-        units = max(1, layers * opts.shard_units_per_layer)
+        keep_last = units is not None and opts.sharding == "fsdp"
+        units = units or max(1, layers * opts.shard_units_per_layer)
         # gradient reductions per step may be finer than the gathers (DeepSpeed reduces every
         # parameter, biases and norms included); spread over the gather units for the overlap
-        r_units = max(1, layers * (opts.reduce_units_per_layer or opts.shard_units_per_layer))
+        rpl = opts.reduce_units_per_layer or opts.shard_units_per_layer
+        r_units = max(1, round(units * rpl / opts.shard_units_per_layer)) if keep_last else \
+            max(1, layers * rpl)
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
         gsize = wire or 4.0
-        wsize = 4.0 if opts.fp32_params_autocast else compute.BF16
-        ag = comm.all_gather(wsize * params / units, shard, self.fab)
         rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
-        if opts.list_collectives:
-            # staging copies on the collective's critical path, and the host's per-rank list
+        host = shard.size * LIST_HOST_S_PER_RANK if opts.list_collectives else 0.0
+
+        def gather(elems: float) -> float:
+            # + staging copies on the collective's critical path, and the host's per-rank list
             # handling (one chunk view and one chunk copy issued per member, every call)
-            host = shard.size * LIST_HOST_S_PER_RANK
-            ag += 3.0 * wsize * params / units / self.hbm + host
+            t = comm.all_gather(wsize * elems, shard, self.fab)
+            return t + (3.0 * wsize * elems / self.hbm + host if opts.list_collectives else 0.0)
+
+        ag = gather(params / units)
+        if opts.list_collectives:
             rs_one += 2.0 * gsize * params / r_units / self.hbm + host
         rs = rs_one * r_units / units
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
@@ -175,9 +210,18 @@ class DataParallelCost:
         hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
         fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
         # recomputation that re-gathers: a second all-gather per unit in the backward
-        ag_b = (2 * ag if regather else ag) if backward_gather else 0.0
+        if keep_last and units > 1 and kept > 0:
+            # the backward gathers everything but the kept unit, over the other units - 1
+            ag_rest = gather((params - kept) / (units - 1))
+        else:
+            ag_rest = ag
+        ag_b = (2 * ag_rest if regather else ag_rest) if backward_gather else 0.0
         # gradient reduce-scatters hide behind the next unit's backward only when reduction
         # overlaps (DeepSpeed's overlap_comm, on in FSDP)
         rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
         bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
+        if keep_last and backward_gather:
+            # the kept unit's backward gathers nothing; the next unit's gather hides behind it
+            kept = rs_exposed + _exposed(rs_hidden, b_u)
+            return ag + units * fwd_u + (units - 1) * bwd_u + kept + rs
         return ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs

@@ -21,10 +21,12 @@ Step time (per optimizer step, on the critical pipeline stage c):
   stage i finishes its backward i stage-backwards before stage 0, which hides more. ZeRO-1
   reduce-scatters instead and all-gathers updated bf16 weights, hidden behind the next step's
   first forward. ZeRO-2 must reduce-scatter after every micro-batch (gradients are not kept
-  whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); FSDP-based
-  runtimes, meshtron's included (sharding='fsdp', the default), reduce gradients after every
-  micro-batch, run ZeRO-1 as all-reduce plus owner broadcasts of the updated fp32 parameters
-  (parallel/data_parallel.py), and ZeRO-2 as ZeRO-3 without the backward all-gather.
+  whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); meshtron's
+  runtime (sharding='fsdp', the default) reduces ZeRO-0/1 once per step too, one collective per
+  FSDP unit (embedding, every block, [norm, head]: `fsdp_units`), runs ZeRO-1 as a distributed
+  optimizer (reduce-scatter, all-gather in the compute dtype before the next forward) and
+  ZeRO-2 with the parameters gathered once per step and a reduce-scatter per micro-batch
+  (parallel/data_parallel.py): the list planner/collectives.py `step_collectives` counts.
   ZeRO-3 / FSDP is costed per wrapped unit (`_zero3_per_microbatch`): one all-gather
   before each unit's forward, one before its backward (two when recomputation re-gathers), one
   reduce-scatter after it, each an NCCL collective with its own latency over the shard group
@@ -343,10 +345,14 @@ class Evaluator(DataParallelCost):
                 # stage i finishes its last backward about i stage-backwards before stage 0
                 args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
                         k, rec == "full" and self.opts.recompute_regathers)
+                units = self.fsdp_units(k, first, last)
+                kept = p_head if last else 0.0  # FSDP's [norm, head]: not re-gathered
                 if compression.changes_dp(cfg):  # gradient compression or DiLoCo
-                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args))
+                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args, units=units,
+                                                         kept=kept))
                 else:
-                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], **flags))
+                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
+                                                   kept=kept, **flags))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t)
         step = times.total

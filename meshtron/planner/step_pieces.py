@@ -92,11 +92,14 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
             stage_t = sum(tot[j] for j in range(i, nv, pp))
             fo = ev._dp_time(params, zero, groups, m, stage_f, stage_t - stage_f, k,
                              cfg.recompute == "full" and ev.opts.recompute_regathers,
-                             **flags) / m
+                             units=ev.fsdp_units(k, i == 0, i == pp - 1),
+                             kept=p_head if i == pp - 1 else 0.0, **flags) / m
         elif shard_dp > 1:
             # the evaluator's own collectives; the simulator overlaps the reduction itself, the
             # parameter all-gather hides behind the next forward as in the evaluator
-            red, gather = ev.once_per_step(params, zero, groups, gsize)
+            red, gather = ev.once_per_step(params, zero, groups, gsize, flags["wsize"],
+                                           ev.fsdp_units(k, i == 0, i == pp - 1) if fsdp
+                                           else 1)
             tl = _exposed(gather, sum(fwd[j] for j in range(i, nv, pp))) if gather else 0.0
         reduce_s.append(red)
         fold.append(fo)
