@@ -344,9 +344,6 @@ def runtime_problem(plan: Plan) -> str | None:
     if plan.dtype == "fp8":
         return ("plan.dtype='fp8': meshtron's runtime does not train in FP8 yet (the planner "
                 "prices it); use bf16")
-    if plan.cp > 1:
-        return (f"plan.cp={plan.cp}: meshtron's runtime has no context parallelism yet (the "
-                "planner prices it); use cp=1")
     return None
 
 
