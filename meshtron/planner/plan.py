@@ -174,7 +174,9 @@ class Plan:
         if isinstance(self.dtype, str):
             d = self.dtype.strip().lower()
             set_(self, "dtype", _DTYPE_ALIASES.get(d, d))
-        check(self.knobs_and_context())
+        # the plan's own rules; meshtron's runtime limits apply in `validate` (a plan may
+        # describe another framework's run)
+        check(self.knobs_and_context(), runtime=False)
 
     @classmethod
     def trusted(cls, tp: int, pp: int, dp: int, zero: int, micro_batch: int, recompute: str,
