@@ -269,3 +269,52 @@ def test_cp_runs_and_is_searched():
     for p in plans:  # every plan the search returns runs: the runtime's rules applied
         if p.cp > 1:
             assert p.pp == 1 and p.zero >= 2, p.describe()
+
+
+# ---- `meshtron train` ------------------------------------------------------------------------
+RUN = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "4",
+       "--eval-every", "0", "--log-every", "1"]
+
+
+@pytest.mark.parametrize("plan, extra, needle", [
+    ("cp=2,pp=2", [], "plan.cp=2 with plan.pp=2: meshtron's runtime does not run context"),
+    ("cp=2,dp=2", ["--zero", "1"], "plan.zero=1 with plan.cp=2"),
+    ("cp=3", ["--nproc", "3"], "plan.cp=3: seq_len=32 must be divisible by 2*cp=6"),
+    ("cp=2,dp=2", ["--set", "model.position=learned"], "position embeddings"),
+])
+def test_train_refuses_what_cp_does_not_run(capsys, tmp_path, plan, extra, needle):
+    from meshtron.cli import main
+
+    nproc = [] if "--nproc" in extra else ["--nproc", "4"]
+    code = main(["train", *nproc, "--plan", plan, *RUN, *extra, "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def _metrics(run_dir):
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_train_cli_tp2_cp2_with_documents_equals_one_process(tmp_path):
+    """`meshtron train --plan tp=2,cp=2 --attention-mask document` on 4 gloo ranks logs the
+    single-process run's losses and gradient norms (fp32)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    rows = {}
+    for name, args in (("one", ["--nproc", "1"]), ("cp", ["--nproc", "4", "--plan", "tp=2,cp=2"])):
+        out = subprocess.run([sys.executable, "-m", "meshtron", "train", *args, *RUN,
+                              "--attention-mask", "document", "--run-dir", str(tmp_path / name)],
+                             capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows[name] = _metrics(tmp_path / name)
+    assert len(rows["one"]) == len(rows["cp"]) == 3
+    for a, b in zip(rows["one"], rows["cp"]):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)

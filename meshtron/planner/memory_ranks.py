@@ -241,7 +241,8 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
     m = plan.global_batch // (dp * plan.micro_batch)
     seq = plan.seq_len // cp  # a context rank holds seq/cp tokens (as estimate.py costs it)
     args = (spec, tp, plan.sp, plan.micro_batch, seq, plan.recompute, opts, mem)
-    act = memory.activation_bytes(*args)
+    act = memory.activation_bytes(*args) + memory.gathered_kv_bytes(
+        spec, tp, plan.micro_batch, plan.seq_len, cp, plan.recompute, opts, mem)
     work = memory.recompute_working_bytes(*args)
     logits = memory.logits_bytes(spec, tp, plan.micro_batch, seq, mem, pipelined=pp > 1)
     p_layer = memory.layer_params_local(spec, tp)
