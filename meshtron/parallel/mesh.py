@@ -89,8 +89,9 @@ def _gpus_per_node(world_size: int) -> int:
 
 def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None = None,
                spec: Any = None):
-    """A DeviceMesh with axes ("pp", "dp_replicate", "dp_shard", "tp") (+ flattened "dp"),
-    built from the planner's placement of this plan's ranks.
+    """A DeviceMesh with axes ("pp", "dp_replicate", "dp_shard", "tp") (+ flattened "dp"), or
+    with cp > 1 ("pp", "dp_replicate", "dp_shard", "cp", "tp") (+ "dp", "dp_shard_cp",
+    "dp_cp"), built from the planner's placement of this plan's ranks.
 
     Needs the default process group to be initialised (torchrun / init_process_group).
     `device_type` defaults to "cuda" when CUDA is available, else "cpu".
