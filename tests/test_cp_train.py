@@ -1,16 +1,17 @@
-"""Context parallelism through the runtime (`parallelize`, `build_mesh`, `forward_backward`)
-and the plan's validity rules.
+"""Context parallelism through the runtime (`parallelize`, `build_mesh`, `forward_backward`),
+`meshtron train` and the plan's validity rules.
 
-One 4-rank gloo launch: cp=2 x dp=2 (FSDP ZeRO-3 and ZeRO-2 over dp_shard x cp, one with
-micro-batches, full recomputation and packed documents crossing every chunk boundary),
-cp=2 x tp=2 with sequence parallelism (ZeRO-2; and ZeRO-3 with documents and selective
-recomputation), and cp=4 alone train 3 AdamW steps each (gradient clipping active) and must give
-the single-process run's losses, gradient norms and every parameter to 1e-5 relative (the
-existing sweep's tolerance, tests/test_parallel.py). The same launch saves a DCP checkpoint at
-cp=2 x dp=2 and resumes it at cp=1 (dp=4 ZeRO-3, and tp=2 x dp=2): the next step's loss and
-parameters must equal continuing at cp=2.
-Refusals (no processes): what the runtime does not run with cp > 1 is one line from the one
-validity function.
+Default suite, one 4-rank gloo launch: cp=2 x dp=2 (FSDP ZeRO-3 over dp_shard x cp) with packed
+documents crossing every chunk boundary, and cp=2 x tp=2 with sequence parallelism (ZeRO-2),
+train 3 AdamW steps each (gradient clipping active) and must give the single-process run's
+losses, gradient norms and every parameter to 1e-5 relative (the sweep's tolerance,
+tests/test_parallel.py); the same launch counts one step's collectives against the planner
+(FSDP2's: `step_collectives`; attention's K/V all-gathers and reduce-scatters: counts and bytes).
+Slow: more compositions (ZeRO-2 with micro-batches, full recomputation and documents; tp x cp
+ZeRO-3 with selective recomputation and documents; cp=4), a DCP checkpoint saved at cp=2 x dp=2
+and resumed at cp=1 (dp=4 ZeRO-3, and tp=2 x dp=2): the next step's loss and parameters equal
+continuing at cp=2; and `meshtron train --plan tp=2,cp=2 --attention-mask document` against one
+process through the CLI. Refusals (no ranks start): one line, exit 2.
 """
 
 from __future__ import annotations
