@@ -118,9 +118,10 @@ def test_cp_in_layout_splits_tokens_and_prices_kv_exchange(cli):
         Plan(cp=3, seq_len=4096)
     with pytest.raises(UserError, match=r"tp\*cp\*pp=1\*2\*2\*1=4: must equal the world size 2"):
         Plan(dp=1, cp=2, tp=2).validate(2)
-    # planned, not run: the runtime (which validates every plan) refuses with one line
-    with pytest.raises(UserError, match="plan.cp=2: meshtron's runtime has no context"):
-        Plan(dp=1, cp=2, tp=2).validate(4)
+    # cp runs now on FSDP ZeRO-2/3 without a pipeline; the rest is refused with one line
+    Plan(dp=1, cp=2, tp=2, zero=2).validate(4)
+    with pytest.raises(UserError, match="plan.cp=2 with plan.pp=2: meshtron's runtime"):
+        Plan(dp=1, cp=2, pp=2, zero=2).validate(4)
     with pytest.raises(UserError, match="plan.dtype='fp8': meshtron's runtime does not train"):
         Plan(dp=2, dtype="fp8").validate(2)
 
@@ -130,10 +131,12 @@ def test_search_tries_cp_on_long_sequences():
                      {"dtype": "bf16"}, top_k=20, explain=False, framework=preset("torchtitan"))
     assert any(e.config.cp > 1 for e in r.plans)
     assert all(e.config.gpus == 8 for e in r.plans)
-    # meshtron's own runtime has no context parallelism yet: its search keeps cp=1
+    # meshtron's own runtime runs cp with FSDP ZeRO-2/3 and no pipeline: its search tries
+    # exactly those (plan_rules.cp_runtime_problems)
     r = search_plans(PRESETS["llama3-8b"], resolve_cluster("dgx-h100:1"), 8, 65536,
                      {"dtype": "bf16"}, top_k=20, explain=False)
-    assert r.plans and all(e.config.cp == 1 for e in r.plans)
+    assert r.plans and any(e.config.cp > 1 for e in r.plans)
+    assert all(e.config.pp == 1 and e.config.zero >= 2 for e in r.plans if e.config.cp > 1)
 
 
 def test_fp8_uses_the_fp8_peak_for_block_gemms_and_tf32_for_fp32():

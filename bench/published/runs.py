@@ -74,7 +74,7 @@ DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 gathering per submodule under stage3_max_live_parameters."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter."""
-TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused")
+TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused", cp_overlap=True)
 """torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops)."""
 LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
                                 stack="eager")

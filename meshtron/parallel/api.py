@@ -9,7 +9,11 @@
         opt.step(); opt.zero_grad()
 
 Order of application (fixed): pipeline split -> tensor/sequence parallel -> activation
-checkpointing -> data parallel (FSDP2 per ZeRO stage) -> pipeline stages and schedule.
+checkpointing -> context parallel (cp > 1) -> data parallel (FSDP2 per ZeRO stage; over
+dp_shard x cp with context parallelism) -> pipeline stages and schedule.
+
+With plan.cp > 1 `forward_backward` still takes whole sequences (every rank of a cp group the
+same rows) and keeps this rank's two chunks of each (meshtron/parallel/context.py).
 
 `forward_backward` hides pipeline vs no pipeline: it takes this data-parallel rank's local batch
 (`inputs`, `targets` of shape [global_batch/dp, seq]; every rank of a tp/pp group passes the
@@ -42,9 +46,10 @@ from meshtron.parallel.data_parallel import (
     set_microbatch_policy,
     zero1_optimizer,
 )
-from meshtron.parallel.mesh import MESH_DIMS, data_mesh, resolve_plan
+from meshtron.parallel.mesh import data_mesh, mesh_axes, resolve_plan
 from meshtron.planner.placement import axis_sizes
 from meshtron.planner.plan import Plan, as_plan, microbatch_problem
+from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import apply_tensor_parallel
@@ -176,6 +181,12 @@ class ParallelModel:
         problem = microbatch_problem(lay.schedule, lay.pp, lay.virtual_stages, n_micro)
         if problem:
             raise UserError(problem)
+        if lay.cp > 1:
+            # Every rank of a cp group gets the same rows; it keeps its two chunks of each
+            # sequence (head/tail load balancing, meshtron/parallel/context.py), sliced before
+            # the copy to the device so only seq/cp tokens travel there.
+            shard = shard_batch(inputs, targets, lay.cp, self.mesh.get_local_rank("cp"))
+            inputs, targets = shard.tokens, shard.targets
         inputs = inputs.to(self.device, non_blocking=True)  # no stream sync (see LocalEngine)
         targets = targets.to(self.device, non_blocking=True)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -199,14 +210,23 @@ class ParallelModel:
                     if backward:
                         (loss / n_micro).backward()
                     total = total + _plain(loss).detach().float() / n_micro
-        # Loss lives on the last pipeline stage: sum over pp (others add 0), mean over dp.
+        # Loss lives on the last pipeline stage: sum over pp (others add 0), mean over dp (and
+        # cp: every cp rank holds seq/cp tokens of each row, so the mean of the ranks' means is
+        # the global token mean).
         total = total.reshape(1).clone()
         if self.is_pipelined:
             dist.all_reduce(total, group=self.mesh["pp"].get_group())
-        if lay.dp > 1:
-            dist.all_reduce(total, group=data_mesh(self.mesh).get_group())
-            total /= lay.dp
+        if lay.dp * lay.cp > 1:
+            dist.all_reduce(total, group=self._loss_mesh().get_group())
+            total /= lay.dp * lay.cp
         return total[0]
+
+    def _loss_mesh(self):
+        """The ranks over which the loss is averaged: "dp", or "dp_cp" with context
+        parallelism (build_mesh made both; `_flatten` returns them without a new group)."""
+        if self.layout.cp > 1:
+            return self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return data_mesh(self.mesh)
 
     @torch.no_grad()
     def _align_grad_placements(self) -> None:
@@ -345,10 +365,11 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
         raise UserError(f"plan.dtype={lay.dtype!r}: the runtime trains in fp32 or bf16 "
                          "(fp8 can be planned, not trained yet)")
     sizes = axis_sizes(lay)
-    want = tuple(sizes[a] for a in MESH_DIMS)
-    if tuple(mesh.mesh_dim_names or ())[:4] != MESH_DIMS or tuple(mesh.shape) != want:
+    axes = mesh_axes(lay)
+    want = tuple(sizes[a] for a in axes)
+    if tuple(mesh.mesh_dim_names or ()) != axes or tuple(mesh.shape) != want:
         raise UserError(f"mesh {tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)}: does not "
-                         f"match the plan's {MESH_DIMS} {want}; build it with build_mesh(plan)")
+                         f"match the plan's {axes} {want}; build it with build_mesh(plan)")
     device = _mesh_device(mesh)
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
@@ -362,6 +383,8 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     for _, part in pieces:
         apply_tensor_parallel(part, tp_mesh, sp=lay.sp)
         apply_recompute(part, lay.recompute)
+        if lay.cp > 1:  # after TP and recompute, before FSDP (torchtitan's order)
+            apply_context_parallel(part, mesh["cp"].get_group())
         apply_data_parallel(part, mesh, lay)
         parts.append(part)
     if on_meta:

@@ -58,8 +58,16 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def data_parallel_mesh(mesh, lay):
     """The mesh FSDP2 runs on: 1-D "dp" for ZeRO-1 (the optimizer sharded over all of dp),
-    2-D ("dp_replicate", "dp_shard") for ZeRO-0 and HSDP, else 1-D "dp_shard"."""
+    2-D ("dp_replicate", "dp_shard") for ZeRO-0 and HSDP, else 1-D "dp_shard". With context
+    parallelism (ZeRO-2/3 only: plan_rules.cp_runtime_problems) "dp_shard" becomes the
+    flattened "dp_shard_cp" (torchtitan's FSDP mesh): cp ranks' gradients are averaged too."""
     from meshtron.parallel.mesh import data_mesh
+
+    if lay.cp > 1:
+        shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if lay.replicas > 1:
+            return mesh["dp_replicate", "dp_shard_cp"]
+        return shard_cp
 
     if lay.zero == 1 and lay.dp > 1:
         return data_mesh(mesh)
@@ -132,8 +140,8 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
     from meshtron.compress.runtime import replaces_fsdp_reduction
 
     own_reduction = replaces_fsdp_reduction(lay)
-    if (lay.dp == 1 or (own_reduction and lay.dp_shard == 1)) and lay.dtype == "fp32" \
-            and lay.reduce_dtype == "fp32":
+    if (lay.dp * lay.cp == 1 or (own_reduction and lay.dp_shard == 1)) \
+            and lay.dtype == "fp32" and lay.reduce_dtype == "fp32":
         return model
     from torch.distributed.fsdp import fully_shard
 
@@ -142,7 +150,7 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
     # Resharding after forward only where the next use is far: ZeRO-3 without a pipeline
     # (torchtitan reshards nothing after forward under pipelining: the micro-batches' backward
     # follows at once).
-    reshard = lay.zero == 3 and lay.dp_shard > 1 and lay.pp == 1
+    reshard = lay.zero == 3 and lay.dp_shard * lay.cp > 1 and lay.pp == 1
     emb, head = _units(model)
     if emb:
         fully_shard(emb if len(emb) > 1 else emb[0], mesh=dp_mesh,

@@ -14,6 +14,12 @@ the cost model costs exactly this placement). Size-1 axes are kept, so code can 
 `mesh["tp"]` etc. A flattened axis "dp" = ("dp_replicate", "dp_shard") is added for data
 loading, loss averaging and ZeRO-1.
 
+With context parallelism (plan.cp > 1) the mesh has torchtitan's five axes
+("pp", "dp_replicate", "dp_shard", "cp", "tp") (placement.MESH_AXES_CP) and two more flattened
+axes, as torchtitan builds them: "dp_shard_cp" = ("dp_shard", "cp"), which FSDP2 shards over
+(cp ranks hold different tokens of the same sequences, so their gradients are averaged like
+data-parallel ones), and "dp_cp" = ("dp_replicate", "dp_shard", "cp") for the loss mean.
+
 The data-parallel degree `dp` is split between the two data axes by ZeRO stage: zero 0 and 1
 put all of it on "dp_replicate" (parameters and gradients replicated); zero 2 and 3 put it on
 "dp_shard" (FSDP2 shards over it), except that `dp_replicate = r > 1` with zero 2/3 asks for
@@ -31,10 +37,16 @@ from typing import Any
 import torch
 
 from meshtron.errors import UserError
-from meshtron.planner.placement import MESH_AXES, placement
+from meshtron.planner.placement import MESH_AXES, MESH_AXES_CP, placement
 from meshtron.planner.plan import Plan, as_plan
 
 MESH_DIMS = MESH_AXES
+
+
+def mesh_axes(plan: Plan) -> tuple[str, ...]:
+    """The named axes of the plan's mesh (the placement's): MESH_AXES, or MESH_AXES_CP with
+    context parallelism."""
+    return MESH_AXES_CP if plan.cp > 1 else MESH_AXES
 
 
 def resolve_plan(plan: Any, world_size: int | None = None, spec: Any = None) -> Plan:
@@ -77,8 +89,9 @@ def _gpus_per_node(world_size: int) -> int:
 
 def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None = None,
                spec: Any = None):
-    """A DeviceMesh with axes ("pp", "dp_replicate", "dp_shard", "tp") (+ flattened "dp"),
-    built from the planner's placement of this plan's ranks.
+    """A DeviceMesh with axes ("pp", "dp_replicate", "dp_shard", "tp") (+ flattened "dp"), or
+    with cp > 1 ("pp", "dp_replicate", "dp_shard", "cp", "tp") (+ "dp", "dp_shard_cp",
+    "dp_cp"), built from the planner's placement of this plan's ranks.
 
     Needs the default process group to be initialised (torchrun / init_process_group).
     `device_type` defaults to "cuda" when CUDA is available, else "cpu".
@@ -105,6 +118,9 @@ def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None
     mesh = DeviceMesh(device_type, torch.tensor(place.rank_grid(), dtype=torch.int),
                       mesh_dim_names=place.axes)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if "cp" in place.axes:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     return mesh
 
 
@@ -131,7 +147,11 @@ def release_mesh(mesh) -> None:
     if not dist.is_initialized():
         return
     seen: set[int] = set()
-    for sub in [mesh[name] for name in MESH_DIMS] + [data_mesh(mesh)]:
+    subs = [mesh[name] for name in mesh.mesh_dim_names] + [data_mesh(mesh)]
+    if "cp" in mesh.mesh_dim_names:
+        subs += [mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+                 mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")]
+    for sub in subs:
         group = sub.get_group()
         if group is dist.group.WORLD or id(group) in seen:
             continue
@@ -163,4 +183,4 @@ def _forget_cached_meshes() -> None:
 
 def mesh_coords(mesh) -> dict[str, int]:
     """This rank's coordinate on each named axis."""
-    return {name: mesh.get_local_rank(name) for name in MESH_DIMS}
+    return {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}

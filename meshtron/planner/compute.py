@@ -159,11 +159,12 @@ class KernelOptions:
     all-gather / reduce-scatter with chunks of the column/row-parallel GEMM; PyTorch async TP
     does the same with symmetric memory). Needs sequence parallelism; only max(0, comm - GEMM)
     of each pass stays exposed, plus OVERLAP_INTERFERENCE of the hidden part."""
-    cp_overlap: bool = True
+    cp_overlap: bool = False
     """Context parallelism: the K/V exchange of each layer overlaps the attention of the chunks
     already received (Megatron-Core / Transformer Engine ring attention with p2p; torch's
-    ring rotation). False: K/V are all-gathered before attention and its gradients
-    reduce-scattered after it, exposed (torch's all-gather rotate method without overlap)."""
+    ring rotation). False (meshtron's runtime, meshtron/parallel/context.py): K/V are
+    all-gathered before attention and its gradients reduce-scattered after it, exposed, and
+    the gathered K/V are kept for backward (memory.gathered_kv_bytes)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:

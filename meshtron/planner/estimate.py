@@ -197,7 +197,8 @@ class Evaluator(DataParallelCost):
                 mem = dataclasses.replace(mem, dtype=dtype)
             seq = self.seq // cp
             args = (self.model, tp, sp, mb, seq, rec, self.opts, mem)
-            hit = MemoryPieces(mem, memory.activation_bytes(*args),
+            kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)
+            hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv,
                                memory.recompute_working_bytes(*args),
                                memory.logits_bytes(self.model, tp, mb, seq, mem))
             self._cache[key] = hit

@@ -109,7 +109,7 @@ _TORCHTITAN = Framework(
     "torchtitan/models/llama3/infra/parallelize.py; torchtitan/config/job_config.py "
     "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
     "selective_ac_option 'op')",
-    KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True),
+    KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager"), "fp32")
 _MEGATRON_2021 = Framework(
     "megatron", "2021", "Megatron-LM PTD-P (Narayanan et al. 2021, SC'21)",

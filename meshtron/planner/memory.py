@@ -369,6 +369,18 @@ def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: in
     return max(0.0, full - activation_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem))
 
 
+def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp: int,
+                      recompute: str, opts: KernelOptions, mem: MemoryOptions) -> float:
+    """Bytes one layer keeps for backward of the K/V gathered over the cp ranks (one micro-batch,
+    `seq` the whole sequence): with the all-gather design (`opts.cp_overlap` False: meshtron's
+    runtime, meshtron/parallel/context.py) attention saves the whole sequence's K and V on every
+    cp rank, which do not shrink with cp (measured: bench/cp_memory.py); full recomputation
+    gathers them again in backward instead. Ring attention (p2p) keeps only the local chunk."""
+    if cp == 1 or opts.cp_overlap or recompute == "full":
+        return 0.0
+    return 2.0 * micro_batch * seq * model.kv_dim / tp * mem.compute_bytes
+
+
 def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
                  mem: MemoryOptions | None = None, pipelined: bool = False) -> float:
     """Logits of one micro-batch and their gradients at the loss (module docstring)."""

@@ -185,9 +185,12 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
 
     tp, pp, dp, zero = plan.tp, plan.pp, plan.dp, plan.zero
     v = getattr(plan, "virtual_stages", 1) or 1
-    place = placement(plan, tp * pp * dp)
-    dp_shard = place.size("dp_shard")
-    fsdp = dp > 1 or dtype == "bf16"
+    cp = getattr(plan, "cp", 1) or 1
+    place = placement(plan, tp * cp * pp * dp)
+    # with context parallelism FSDP2 shards over the flattened ("dp_shard", "cp") axis
+    # (meshtron/parallel/data_parallel.py): cp ranks hold shards like data-parallel ones
+    dp_shard = place.size("dp_shard") * cp
+    fsdp = dp * cp > 1 or dtype == "bf16"
     # ZeRO-1 is FSDP2 over the whole data axis (meshtron/parallel/data_parallel.py), except
     # where meshtron.compress reduces the gradients (compressed ZeRO-0/1, DiLoCo): whole
     # parameters per owner there.
@@ -199,7 +202,8 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
     out: list[RankState] = []
     for rank in range(place.world_size):
         c = place.coords(rank)
-        r_tp, r_pp, r_shard = c["tp"], c["pp"], c["dp_shard"]
+        r_tp, r_pp = c["tp"], c["pp"]
+        r_shard = c["dp_shard"] * cp + c.get("cp", 0)  # rank in "dp_shard" (x "cp")
         r_dp = c["dp_replicate"] * dp_shard + r_shard  # rank in the flattened "dp" group
         n_sh, r_sh = (dp, r_dp) if zero1_fsdp else (dp_shard, r_shard)
         params = opt = layers = 0
@@ -231,13 +235,16 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
     from meshtron.planner.placement import placement
 
     tp, pp, dp = plan.tp, plan.pp, plan.dp
+    cp = getattr(plan, "cp", 1) or 1
     v = getattr(plan, "virtual_stages", 1) or 1
-    place = placement(plan, tp * pp * dp)
+    place = placement(plan, tp * cp * pp * dp)
     m = plan.global_batch // (dp * plan.micro_batch)
-    args = (spec, tp, plan.sp, plan.micro_batch, plan.seq_len, plan.recompute, opts, mem)
-    act = memory.activation_bytes(*args)
+    seq = plan.seq_len // cp  # a context rank holds seq/cp tokens (as estimate.py costs it)
+    args = (spec, tp, plan.sp, plan.micro_batch, seq, plan.recompute, opts, mem)
+    act = memory.activation_bytes(*args) + memory.gathered_kv_bytes(
+        spec, tp, plan.micro_batch, plan.seq_len, cp, plan.recompute, opts, mem)
     work = memory.recompute_working_bytes(*args)
-    logits = memory.logits_bytes(spec, tp, plan.micro_batch, plan.seq_len, mem, pipelined=pp > 1)
+    logits = memory.logits_bytes(spec, tp, plan.micro_batch, seq, mem, pipelined=pp > 1)
     p_layer = memory.layer_params_local(spec, tp)
     largest = memory.largest_param_local(spec, tp)
     out = []
@@ -251,7 +258,7 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
         n_params = st.params / FP32
         per_param = (st.params / n_params, st.grads / n_params, st.optimizer / n_params) \
             if n_params else (0.0, 0.0, 0.0)
-        bd = memory.breakdown(mem, plan.zero, dp, per_param, st.layers, p_layer, p_root, largest,
+        bd = memory.breakdown(mem, plan.zero, dp * cp, per_param, st.layers, p_layer, p_root, largest,
                               act, inflight, work, logits if last else 0.0,
                               capacity_gib * memory.GIB, r_pp)
         # breakdown() multiplies per-parameter bytes by the analytic parameter count; put the

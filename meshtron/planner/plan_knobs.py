@@ -45,7 +45,7 @@ class Knobs:
     """ZeRO-2/3 unsharded accumulation; not searched (False when None)."""
 
     def __post_init__(self) -> None:
-        check(self.to_dict())
+        check(self.to_dict(), runtime=False)  # runtime limits: the search applies them
 
     @classmethod
     def of(cls, fixed: "Knobs | Any | Mapping[str, Any] | None") -> "Knobs":

@@ -300,7 +300,33 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
             out.append(w)
     if model is not None:
         out.extend(model_problems(k, model, runtime))
+    if runtime:
+        out.extend(cp_runtime_problems(k, model))
     return out
+
+
+def cp_runtime_problems(k: Mapping[str, Any], model: Any = None) -> Iterator[str]:
+    """What meshtron's runtime does not run with context parallelism (cp > 1) yet: only the
+    compositions tests/test_cp_train.py proves equal to one process are allowed (cp with FSDP
+    ZeRO-2/3 over dp_shard x cp, tensor/sequence parallelism, recomputation, document masks).
+    A pipeline, ZeRO-0/1 (replicated gradients: cp ranks still need FSDP's reduction over
+    dp_shard x cp), gradient compression, DiLoCo and learned position tables are refused."""
+    cp = k.get("cp") or 1
+    if cp == 1:
+        return
+    g = k.get
+    if g("pp") is not None and g("pp") > 1:
+        yield (f"plan.cp={cp} with plan.pp={g('pp')}: meshtron's runtime does not run context "
+               "parallelism inside a pipeline yet; use pp=1")
+    elif g("zero") is not None and g("zero") < 2:
+        yield (f"plan.zero={g('zero')} with plan.cp={cp}: context parallelism runs on FSDP over "
+               "dp_shard x cp; use zero 2 or 3")
+    elif g("grad_compression") not in (None, "none") or (g("diloco") or 0) > 0:
+        yield (f"plan.cp={cp}: gradient compression and DiLoCo are not run with context "
+               "parallelism yet; use grad_compression='none', diloco=0 or cp=1")
+    elif model is not None and getattr(model, "position", "rope") != "rope":
+        yield (f"plan.cp={cp}: model {model.name} has {model.position!r} position embeddings; "
+               "context parallelism needs rotary (RoPE) positions; use cp=1")
 
 
 def check(k: Mapping[str, Any], world_size: int | None = None, model: Any = None,

@@ -180,10 +180,6 @@ class _Space:
         policy, cp fixed by --layout is always evaluated)."""
         if self.knobs.cp:
             return [self.knobs.cp]
-        if self.runtime:
-            # meshtron's runtime has no context parallelism yet (plan.runtime_problem): its
-            # search (and `train --plan auto`) keeps cp=1 until it lands
-            return [1]
         seq = self.context["seq_len"]
         out, c = [1], 2
         while c <= rest and seq // c >= MIN_CP_TOKENS:
@@ -277,11 +273,13 @@ class _Space:
             return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
         return [False, True] if tp > 1 else [False]
 
-    def zeros(self, dp: int) -> list[int]:
+    def zeros(self, dp: int, cp: int = 1) -> list[int]:
         if self.knobs.zero is not None:
             return [self.knobs.zero]
-        if (self.knobs.dp_replicate or 1) > 1:
-            return [2, 3]  # HSDP: replicas of sharded groups
+        if (self.knobs.dp_replicate or 1) > 1 or (cp > 1 and self.runtime):
+            # HSDP: replicas of sharded groups; meshtron runs cp on FSDP ZeRO-2/3 only
+            # (plan_rules.cp_runtime_problems)
+            return [2, 3]
         return [0, 1, 2, 3] if dp > 1 else [0]  # dp here: every rank sharing gradients (dp*cp)
 
 
@@ -353,7 +351,7 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
         fam = _family(tp, pp)
         # Lower bound of memory: model states at the most sharded ZeRO stage allowed.
         per_param = min(sum(memory.state_bytes(z, dp * cp, ev.grad_bytes, ev.mem))
-                        for z in space.zeros(dp * cp))
+                        for z in space.zeros(dp * cp, cp))
         if per_param * model.num_params() / (tp * pp) > budget:
             # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
             est = _leanest(ev, space, tp, cp, pp, dp)
@@ -371,7 +369,7 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
             for rec in space.recomputes:
                 for sp in space.sps(tp):
                     for sched, v in space.schedules(pp, m):
-                        for zero in space.zeros(dp * cp):
+                        for zero in space.zeros(dp * cp, cp):
                             if schedule_zero_problem(sched, zero, pp):
                                 continue  # the runtime refuses it (plan.py)
                             cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype,
@@ -455,7 +453,7 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, cp: int, pp: int,
     sps = space.sps(tp)
     if not sps:
         return None
-    zeros = [z for z in space.zeros(dp * cp) if not schedule_zero_problem(sched, z, pp)]
+    zeros = [z for z in space.zeros(dp * cp, cp) if not schedule_zero_problem(sched, z, pp)]
     if not zeros:
         return None
     cfg = Plan.trusted(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, space.dtype,

@@ -48,8 +48,11 @@ GPT_PARALLEL_RESIDUAL_MODEL: dict[str, Any] = dict(GPT_MODEL, name="equiv-gpt-pr
 
 
 def layout_cfg(cfg: dict[str, Any], layout: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(cfg for this layout, plan attributes): a layout's "model" entry overrides cfg["spec"]."""
-    plan = {k: v for k, v in layout.items() if k != "model"}
+    """(cfg for this layout, plan attributes): a layout's "model" entry overrides cfg["spec"];
+    "documents": True trains packed documents under the document mask (`document_eos`)."""
+    plan = {k: v for k, v in layout.items() if k not in ("model", "documents")}
+    if layout.get("documents"):
+        cfg = dict(cfg, documents=True)
     if not layout.get("model"):
         return cfg, plan
     return dict(cfg, spec=dict(cfg["spec"], **layout["model"])), plan
@@ -69,7 +72,22 @@ def make_data(cfg: dict[str, Any]):
     spec = make_spec(cfg)
     tokens = torch.randint(0, spec.vocab, (cfg["steps"], cfg["batch"], cfg["seq"] + 1),
                            generator=g)
+    eos = document_eos(cfg)
+    if eos is not None:
+        # documents of DOCUMENT_EVERY tokens, offset per row: they cross every chunk boundary
+        # of context parallelism (chunks of seq/(2*cp) tokens)
+        for row in range(cfg["batch"]):
+            tokens[:, row, row % DOCUMENT_EVERY::DOCUMENT_EVERY] = eos
     return tokens[..., :-1], tokens[..., 1:]
+
+
+DOCUMENT_EVERY = 5
+"""Tokens per packed document of `make_data` with cfg["documents"]."""
+
+
+def document_eos(cfg: dict[str, Any]) -> int | None:
+    """The end-of-document token of cfg["documents"] runs (the vocabulary's last id), else None."""
+    return cfg["spec"]["vocab"] - 1 if cfg.get("documents") else None
 
 
 def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +103,7 @@ def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(cfg["seed"])
     model = Transformer(make_spec(cfg))
+    model.document_eos = document_eos(cfg)
     # The product's AdamW kernel (fused on CPU): element-wise, so every layout's shards get
     # exactly the reference's update for their elements.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
@@ -132,6 +151,8 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]],
         with torch.device("meta"):
             model = Transformer(make_spec(cfg))
         pm = parallelize(model, plan, mesh)
+        for part in pm.model_parts:  # as meshtron.data.documents.apply_document_mask
+            part.document_eos = document_eos(cfg)
         opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
                               weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
         dp, dp_rank = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()

@@ -120,13 +120,16 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
     from meshtron.planner.search import search_plans
 
     knobs = request.knobs
-    for axis in ("tp", "pp", "dp"):
+    for axis in ("tp", "cp", "pp", "dp"):
         if axis in knobs and world_size % knobs[axis]:
             raise UserError(f"plan {axis}={knobs[axis]}: must divide the world size {world_size}")
     given = [knobs.get(a) for a in ("tp", "pp", "dp")]
-    if all(given) and given[0] * given[1] * given[2] != world_size:
-        raise UserError(f"plan dp*tp*pp={given[2]}*{given[0]}*{given[1]}="
-                        f"{given[0] * given[1] * given[2]}: must equal the world size "
+    cp = knobs.get("cp") or 1
+    if all(given) and given[0] * given[1] * given[2] * cp != world_size:
+        what = "dp*tp*pp" if cp == 1 else "dp*tp*cp*pp"
+        sizes = [given[2], given[0]] + ([cp] if cp > 1 else []) + [given[1]]
+        raise UserError(f"plan {what}={'*'.join(map(str, sizes))}="
+                        f"{given[0] * given[1] * given[2] * cp}: must equal the world size "
                         f"{world_size}")
     sized = sized_cluster(cluster, world_size)
     if sized.num_gpus != world_size:

@@ -1,0 +1,321 @@
+"""Context parallelism through the runtime (`parallelize`, `build_mesh`, `forward_backward`),
+`meshtron train` and the plan's validity rules.
+
+Default suite, one 4-rank gloo launch: cp=2 x dp=2 (FSDP ZeRO-3 over dp_shard x cp) with packed
+documents crossing every chunk boundary, and cp=2 x tp=2 with sequence parallelism (ZeRO-2),
+train 3 AdamW steps each (gradient clipping active) and must give the single-process run's
+losses, gradient norms and every parameter to 1e-5 relative (the sweep's tolerance,
+tests/test_parallel.py); the same launch counts one step's collectives against the planner
+(FSDP2's: `step_collectives`; attention's K/V all-gathers and reduce-scatters: counts and bytes).
+Slow: more compositions (ZeRO-2 with micro-batches, full recomputation and documents; tp x cp
+ZeRO-3 with selective recomputation and documents; cp=4), a DCP checkpoint saved at cp=2 x dp=2
+and resumed at cp=1 (dp=4 ZeRO-3, and tp=2 x dp=2): the next step's loss and parameters equal
+continuing at cp=2; and `meshtron train --plan tp=2,cp=2 --attention-mask document` against one
+process through the CLI. Refusals (no ranks start): one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.errors import UserError
+from meshtron.planner.plan import Plan
+from meshtron.testing.equivalence import (
+    DEFAULT_CFG,
+    GPT_MODEL,
+    compare,
+    format_report,
+    layout_cfg,
+    make_spec,
+    parallel_rank_fn,
+    reference_run,
+)
+from meshtron.testing.multiproc import run_on_ranks
+
+TOL = 1e-5
+
+LAYOUTS = [
+    dict(cp=2, dp=2, zero=3, documents=True),
+    dict(cp=2, tp=2, sp=True, zero=2),
+]
+"""The default suite's layouts (one launch with the collective count)."""
+SLOW_LAYOUTS = [
+    dict(cp=2, dp=2, zero=2, micro_batch=2, recompute="full", documents=True),
+    dict(cp=2, tp=2, sp=True, zero=3, recompute="selective", documents=True),
+    dict(cp=4, zero=3),
+    dict(cp=2, dp=2, zero=3),
+]
+"""`make test-slow`: more compositions, with the DCP resume at cp=1."""
+SAVE = dict(cp=2, dp=2, zero=3)
+RESUME = {"dp4": dict(dp=4, zero=3), "tp2dp2": dict(tp=2, dp=2, zero=3, sp=True)}
+
+
+def _dcp_cp_to_cp1(cfg, ckpt_dir):
+    """Train 2 steps at SAVE, save model + optimizer with DCP, take step 3; load the checkpoint
+    into each RESUME layout (a different init, which the load must overwrite) and take step 3
+    there. Returns the losses and worst parameter differences."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel import build_mesh, build_optimizer, parallelize
+    from meshtron.parallel.mesh import data_mesh, release_mesh
+    from meshtron.testing.equivalence import make_data
+
+    inputs, targets = make_data(cfg)
+
+    def build(layout, seed):
+        mesh = build_mesh(dict(layout), device_type="cpu")
+        torch.manual_seed(seed)
+        pm = parallelize(Transformer(make_spec(cfg)), dict(layout), mesh)
+        opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
+                              weight_decay=cfg["weight_decay"])
+        return pm, opt, mesh
+
+    def step(pm, opt, mesh, i):
+        dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
+        rows = cfg["batch"] // dp
+        loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
+                                   targets[i, r * rows:(r + 1) * rows])
+        pm.clip_grad_norm_(cfg["clip"])
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    pm, opt, mesh = build(SAVE, cfg["seed"])
+    for i in range(2):
+        step(pm, opt, mesh, i)
+    dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    out = {"want_loss": step(pm, opt, mesh, 2)}
+    want = pm.full_parameters()
+    del pm, opt
+    release_mesh(mesh)
+    for name, layout in RESUME.items():
+        pm2, opt2, mesh2 = build(layout, cfg["seed"] + 99)
+        state = {"model": pm2.state_dict(), "optim": opt2.state_dict()}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        pm2.load_state_dict(state["model"])
+        opt2.load_state_dict(state["optim"])
+        loss = step(pm2, opt2, mesh2, 2)
+        got = pm2.full_parameters()
+        out[name] = (loss, max(float((got[k] - want[k]).abs().max() / want[k].abs().max())
+                               for k in want), sorted(got) == sorted(want))
+        del pm2, opt2
+        release_mesh(mesh2)
+    return out
+
+
+COUNT = dict(cp=2, dp=2, zero=3, micro_batch=2)
+"""The layout whose second step's collectives are counted (2 micro-batches per step)."""
+
+
+def _count_step(cfg):
+    """Collectives of the second training step of COUNT on this rank, by (op, group, dtype):
+    group "cp" (attention's K/V), "dp_shard_cp" (FSDP2), or the ranks; the loss and metric
+    scalars are left out. Also the bytes of every cp collective's largest tensor."""
+    from collections import Counter
+
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.doctor.recorder import CollectiveRecorder
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel import build_mesh, build_optimizer, parallelize
+    from meshtron.parallel.mesh import data_mesh, release_mesh
+    from meshtron.testing.equivalence import make_data
+
+    inputs, targets = make_data(cfg)
+    mesh = build_mesh(dict(COUNT), device_type="cpu")
+    label = {tuple(dist.get_process_group_ranks(mesh["cp"].get_group())): "cp",
+             tuple(dist.get_process_group_ranks(
+                 mesh["dp_shard", "cp"]._flatten("dp_shard_cp").get_group())): "dp_shard_cp"}
+    torch.manual_seed(cfg["seed"])
+    pm = parallelize(Transformer(make_spec(cfg)), dict(COUNT), mesh)
+    opt = build_optimizer(pm, lr=cfg["lr"])
+    rows = cfg["batch"] // 2
+    r = data_mesh(mesh).get_local_rank()
+    counted, cp_bytes = Counter(), Counter()
+    for step in range(2):
+        rec = CollectiveRecorder(dist.get_rank())
+        with rec:
+            pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
+                                targets[step, r * rows:(r + 1) * rows])
+        opt.step()
+        opt.zero_grad()
+    for rr in rec.snapshot():
+        numel = max(int(torch.Size(sh).numel()) for sh in rr["shapes"])
+        if numel <= 1:
+            continue
+        group = label.get(tuple(rec.groups[rr["group"]].ranks), "other")
+        counted[(rr["op"], group)] += 1
+        if group == "cp":
+            cp_bytes[rr["op"]] += numel * 4
+    del pm, opt
+    release_mesh(mesh)
+    return {"counts": dict(counted), "cp_bytes": dict(cp_bytes)}
+
+
+def cp_rank_fn(cfg, layouts, ckpt_dir=None):
+    out = {"layouts": parallel_rank_fn(cfg, layouts)}
+    if ckpt_dir is None:
+        out["collectives"] = _count_step(cfg)
+    else:
+        out["dcp"] = _dcp_cp_to_cp1(cfg, ckpt_dir)
+    return out
+
+
+def test_cp_layouts_match_one_process_and_count_collectives():
+    results = run_on_ranks(cp_rank_fn, 4, DEFAULT_CFG, LAYOUTS, timeout=600)
+    _check_layouts(results, LAYOUTS)
+    _check_collectives(results)
+
+
+@pytest.mark.slow
+def test_cp_more_layouts_and_resume_at_cp1(tmp_path):
+    results = run_on_ranks(cp_rank_fn, 4, DEFAULT_CFG, SLOW_LAYOUTS, str(tmp_path / "ckpt"),
+                           timeout=1200)
+    _check_layouts(results, SLOW_LAYOUTS)
+    for r in results:
+        d = r["dcp"]
+        for name in RESUME:
+            loss, diff, same_names = d[name]
+            assert same_names, name
+            assert abs(loss - d["want_loss"]) <= TOL * abs(d["want_loss"]), (name, loss, d)
+            assert diff <= TOL, (name, diff)
+
+
+def _check_layouts(results, layouts):
+    refs: dict[bool, dict] = {}
+
+    def reference(layout):
+        docs = bool(layout.get("documents"))
+        if docs not in refs:
+            refs[docs] = reference_run(layout_cfg(DEFAULT_CFG, layout)[0])
+        return refs[docs]
+
+    report = compare(reference, [r["layouts"] for r in results])
+    print("\n" + format_report(report))
+    bad = [r for r in report if r["missing"] or r["extra"]
+           or max(r["loss_rel"], r["norm_rel"], r["param_rel"]) > TOL]
+    assert len(report) == len(layouts) and not bad, format_report(bad)
+    # documents change the loss: the document-mask layouts were compared with their own run
+    assert refs[True]["losses"] != refs[False]["losses"]
+
+
+def _check_collectives(results):
+    """The counted step equals the planner: FSDP2's collectives on dp_shard x cp are what
+    `step_collectives` says (its "dp_shard" axis spans dp x cp ranks); attention's are, per
+    micro-batch and layer, an all-gather of K and one of V in forward and a reduce-scatter of
+    each in backward (the planner prices the same bytes as one all-gather and one
+    reduce-scatter of K and V together per layer: compute.layer_cost)."""
+    from collections import Counter
+
+    from meshtron.planner.collectives import step_collectives
+
+    spec = make_spec(DEFAULT_CFG)
+    plan = Plan(**COUNT, global_batch=DEFAULT_CFG["batch"], seq_len=DEFAULT_CFG["seq"])
+    m = DEFAULT_CFG["batch"] // (plan.dp * plan.micro_batch)
+    want: Counter = Counter()
+    for c in step_collectives(plan, spec, plan.global_batch, plan.seq_len):
+        assert c.axis == "dp_shard" and c.group_size == 4, c
+        want[({"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+              [c.kind], "dp_shard_cp")] += c.count
+    want[("all_gather_into_tensor", "cp")] = 2 * spec.layers * m
+    want[("reduce_scatter_tensor", "cp")] = 2 * spec.layers * m
+    # [rows/m, kv_heads, seq, head_dim] fp32: the gathered K or V (the reduce-scatter's
+    # input); the all-gather's input is this rank's 1/cp of it
+    kv = DEFAULT_CFG["batch"] // (plan.dp * m) * spec.kv_heads * DEFAULT_CFG["seq"] * \
+        spec.head_dim * 4
+    for r in results:
+        assert Counter(r["collectives"]["counts"]) == want, r["collectives"]
+        assert r["collectives"]["cp_bytes"] == {
+            "all_gather_into_tensor": 2 * spec.layers * m * kv // plan.cp,
+            "reduce_scatter_tensor": 2 * spec.layers * m * kv}, r["collectives"]
+
+
+# ---- refusals: the one validity function (no processes) -------------------------------------
+SPEC = make_spec(DEFAULT_CFG)
+
+
+@pytest.mark.parametrize("kw, world, model, match", [
+    (dict(cp=2, pp=2), 4, None, r"^plan.cp=2 with plan.pp=2: .*use pp=1$"),
+    (dict(cp=2, dp=2, zero=1), 4, None, r"^plan.zero=1 with plan.cp=2: .*use zero 2 or 3$"),
+    (dict(cp=2, dp=2, zero=0), 4, None, r"^plan.zero=0 with plan.cp=2"),
+    (dict(cp=2, dp=2, zero=2, grad_compression="int8"), 4, None,
+     r"^plan.cp=2: gradient compression and DiLoCo"),
+    (dict(cp=2, zero=3), 2, GPT_MODEL, r"^plan.cp=2: model equiv-gpt has 'learned' position"),
+    (dict(cp=2, zero=3, seq_len=18), 2, None, r"^plan.cp=2: seq_len=18 must be divisible by 2\*cp=4"),
+])
+def test_cp_refusals_are_one_line(kw, world, model, match):
+    spec = make_spec(dict(DEFAULT_CFG, spec=dict(DEFAULT_CFG["spec"], **model))) if model \
+        else SPEC
+    with pytest.raises(UserError, match=match) as e:
+        Plan(**kw).validate(world, spec)
+    assert "\n" not in str(e.value)
+
+
+def test_cp_runs_and_is_searched():
+    """The plans that run validate; meshtron's own search (runtime limits on) now tries cp."""
+    for kw in (dict(cp=2, dp=2, zero=3), dict(cp=2, tp=2, sp=True, zero=2), dict(cp=4, zero=2)):
+        Plan(**kw).validate(4, SPEC)
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.search import search_plans
+    from meshtron.model.spec import PRESETS
+
+    # 128k tokens of Llama 3 8B on 8 H100s: without cp only tp*pp can split the activations
+    res = search_plans(PRESETS["llama3-8b"], resolve_cluster("dgx-h100:1"), 8, 131072,
+                       {}, top_k=20, explain=False)
+    plans = [e.config for e in res.plans]
+    assert plans and any(p.cp > 1 for p in plans), [p.describe() for p in plans]
+    for p in plans:  # every plan the search returns runs: the runtime's rules applied
+        if p.cp > 1:
+            assert p.pp == 1 and p.zero >= 2, p.describe()
+
+
+# ---- `meshtron train` ------------------------------------------------------------------------
+RUN = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "4",
+       "--eval-every", "0", "--log-every", "1"]
+
+
+@pytest.mark.parametrize("plan, extra, needle", [
+    ("cp=2,pp=2", [], "plan.cp=2 with plan.pp=2: meshtron's runtime does not run context"),
+    ("cp=2,dp=2", ["--zero", "1"], "plan.zero=1 with plan.cp=2"),
+    ("cp=3", ["--nproc", "3"], "plan.cp=3: seq_len=32 must be divisible by 2*cp=6"),
+    ("cp=2,dp=2", ["--set", "model.position=learned"], "position embeddings"),
+])
+def test_train_refuses_what_cp_does_not_run(capsys, tmp_path, plan, extra, needle):
+    from meshtron.cli import main
+
+    nproc = [] if "--nproc" in extra else ["--nproc", "4"]
+    code = main(["train", *nproc, "--plan", plan, *RUN, *extra, "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def _metrics(run_dir):
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_train_cli_tp2_cp2_with_documents_equals_one_process(tmp_path):
+    """`meshtron train --plan tp=2,cp=2 --attention-mask document` on 4 gloo ranks logs the
+    single-process run's losses and gradient norms (fp32)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    rows = {}
+    for name, args in (("one", ["--nproc", "1"]), ("cp", ["--nproc", "4", "--plan", "tp=2,cp=2"])):
+        out = subprocess.run([sys.executable, "-m", "meshtron", "train", *args, *RUN,
+                              "--attention-mask", "document", "--run-dir", str(tmp_path / name)],
+                             capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows[name] = _metrics(tmp_path / name)
+    assert len(rows["one"]) == len(rows["cp"]) == 3
+    for a, b in zip(rows["one"], rows["cp"]):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)
