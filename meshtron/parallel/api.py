@@ -169,7 +169,9 @@ class ParallelModel:
             else:
                 model = self.model_parts[0]
                 for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
-                    loss = self.loss_fn(model(x), y)
+                    # The default loss is the model's own, chunked over tokens (model/loss.py).
+                    loss = (model(x, y) if self.loss_fn is _default_loss
+                            else self.loss_fn(model(x), y))
                     if backward:
                         (loss / n_micro).backward()
                     total = total + _plain(loss).detach().float() / n_micro

@@ -23,7 +23,7 @@ import torch
 from meshtron import doctor
 from meshtron.config import RunConfig
 from meshtron.errors import RunFailed, UserError
-from meshtron.model import Transformer, cross_entropy_loss
+from meshtron.model import Transformer
 from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
 from meshtron.hf.hooks import export_at_end, hf_fill
@@ -89,8 +89,7 @@ def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
     for start in range(0, rows, micro_batch):
         x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
         with autocast_context(dtype, device_type):
-            logits = model(x)
-        loss = cross_entropy_loss(logits, y) * (x.shape[0] / rows)
+            loss = model(x, y) * (x.shape[0] / rows)  # chunked head + loss (model/loss.py)
         loss.backward()
         total += loss.detach().float()
     return total
@@ -105,7 +104,7 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
         for start in range(0, inputs.shape[0], micro_batch):
             x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
             with autocast_context(dtype, x.device.type):
-                losses.append(cross_entropy_loss(model(x), y).float())
+                losses.append(model(x, y).float())
     model.train()
     return float(torch.stack(losses).mean())
 
