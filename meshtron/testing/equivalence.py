@@ -47,9 +47,16 @@ GPT_PARALLEL_RESIDUAL_MODEL: dict[str, Any] = dict(GPT_MODEL, name="equiv-gpt-pr
                                                    parallel_residual=True)
 
 
+DOCUMENT_EOS = 5
+"""The end-of-text token of layouts with "documents": True (packed documents, document mask)."""
+
+
 def layout_cfg(cfg: dict[str, Any], layout: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(cfg for this layout, plan attributes): a layout's "model" entry overrides cfg["spec"]."""
-    plan = {k: v for k, v in layout.items() if k != "model"}
+    """(cfg for this layout, plan attributes): a layout's "model" entry overrides cfg["spec"];
+    "documents": True trains packed documents with the document mask."""
+    plan = {k: v for k, v in layout.items() if k not in ("model", "documents")}
+    if layout.get("documents"):
+        cfg = dict(cfg, document_eos=DOCUMENT_EOS)
     if not layout.get("model"):
         return cfg, plan
     return dict(cfg, spec=dict(cfg["spec"], **layout["model"])), plan
@@ -69,6 +76,9 @@ def make_data(cfg: dict[str, Any]):
     spec = make_spec(cfg)
     tokens = torch.randint(0, spec.vocab, (cfg["steps"], cfg["batch"], cfg["seq"] + 1),
                            generator=g)
+    if cfg.get("document_eos") is not None:  # packed documents: ends at about 1 token in 5
+        ends = torch.rand(tokens.shape, generator=g) < 0.2
+        tokens = torch.where(ends, cfg["document_eos"], tokens)
     return tokens[..., :-1], tokens[..., 1:]
 
 
@@ -81,6 +91,7 @@ def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(cfg["seed"])
     model = Transformer(make_spec(cfg))
+    model.document_eos = cfg.get("document_eos")
     # The product's AdamW kernel (fused on CPU): element-wise, so every layout's shards get
     # exactly the reference's update for their elements.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
@@ -127,6 +138,8 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]],
         with torch.device("meta"):
             model = Transformer(make_spec(cfg))
         pm = parallelize(model, plan, mesh)
+        for part in pm.model_parts:
+            part.document_eos = cfg.get("document_eos")
         opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
                               weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
         dp, dp_rank = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
