@@ -72,7 +72,29 @@ def _records_both_ways(plans):
     dist.all_reduce(torch.ones(2))
     assert not rec.records
     out.append(_compiled_block_with_recorder("aot_eager"))
+    out.append(_flight_recorder_source())
     return out
+
+
+def _flight_recorder_source() -> dict:
+    """flight.py on this rank's real Flight Recorder trace (gloo records collectives too):
+    the progress signal moves when a collective is issued, and the last record reads back."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.doctor.flight import FlightRecorderSource
+
+    src = FlightRecorderSource(dist.get_rank())
+    before = src.last_issue_t
+    time.sleep(0.01)
+    dist.all_reduce(torch.ones(3, dtype=torch.bfloat16))
+    moved = src.last_issue_t > before
+    last = src.snapshot()[-1]
+    groups = src.group_table()
+    return {"moved": moved, "last": (last["op"], last["shapes"], last["dtypes"]),
+            "ranks": groups[last["group"]]["ranks"], "seq": last["seq"]}
 
 
 def _compiled_block_with_recorder(backend: str) -> dict:
@@ -135,6 +157,9 @@ def test_installed_recorder_sees_what_the_dispatch_mode_sees():
     results = run_on_ranks(_records_both_ways, 2, LAYOUTS, timeout=240,
                            env={"TORCH_FR_BUFFER_SIZE": "20000"})
     for rank, per_layout in enumerate(results):
+        fr = per_layout.pop()  # the Flight Recorder source on a real trace
+        assert fr["moved"] and fr["last"] == ("all_reduce", [[3]], ["bfloat16"]), fr
+        assert fr["ranks"] == [0, 1] and fr["seq"] > 1, fr
         compiled = per_layout.pop()  # torch.compile with the recorder installed
         assert compiled["err"] < 1e-5 and compiled["after"] == 1, compiled
         assert compiled["traced_records"] == 0, compiled  # aot_eager calls the op itself

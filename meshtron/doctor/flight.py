@@ -102,7 +102,26 @@ class FlightRecorderSource:
             maxlen=int(os.environ.get("TORCH_FR_BUFFER_SIZE", "2000") or 2000))
         self._axes: dict[str, str] = {}
         self._cache: dict[str, Any] | None = None
-        self.last_issue_t = 0.0
+        self._enqueued: Any = None
+        self._changed_t = 0.0
+
+    @property
+    def last_issue_t(self) -> float:
+        """Wall time at which a group's last enqueued collective was first seen to change (the
+        watchdog's progress signal; it polls every 0.2 s from its own thread). Reads only the
+        trace's per-group status, not its entries."""
+        import time
+
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace_json
+
+            status = json.loads(_dump_fr_trace_json(includeCollectives=False)).get("pg_status")
+        except Exception:  # noqa: BLE001 - no trace: progress comes from steps alone
+            return self._changed_t
+        now = {k: v.get("last_enqueued_collective") for k, v in (status or {}).items()}
+        if now != self._enqueued:
+            self._enqueued, self._changed_t = now, time.time()
+        return self._changed_t
 
     def name_axis(self, group, axis: str) -> None:
         self._axes[group.group_name] = axis
@@ -117,16 +136,36 @@ class FlightRecorderSource:
         return t
 
     def _trace(self) -> dict[str, Any]:
-        from meshtron.doctor.dump import flight_recorder_trace
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace_json
 
-        fr = flight_recorder_trace() or {}
-        self._cache = fr if "entries" in fr else {}
-        return self._cache
+            fr = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False))
+        except Exception:  # noqa: BLE001 - a dump must never fail because of it
+            fr = {}
+        self._cache = fr
+        return fr
+
+    def _groups(self, fr: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The trace's groups, completed from this process's own process groups where the
+        trace's pg_config lacks them (gloo leaves it unfilled)."""
+        groups = groups_from_trace(fr, self._axes)
+        names = {str((e.get("process_group") or ["?"])[0]) for e in fr.get("entries") or []}
+        for name in names - {n for n, g in groups.items() if g["ranks"]}:
+            try:
+                import torch.distributed as dist
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                pg = _resolve_process_group(name)
+                groups[name] = {"ranks": list(dist.get_process_group_ranks(pg)),
+                                "axis": self._axes.get(name),
+                                "desc": getattr(pg, "group_desc", "") or ""}
+            except (RuntimeError, ValueError, KeyError):
+                continue
+        return groups
 
     def group_table(self) -> dict[str, dict[str, Any]]:
-        return groups_from_trace(self._cache if self._cache is not None else self._trace(),
-                                 self._axes)
+        return self._groups(self._cache if self._cache is not None else self._trace())
 
     def snapshot(self) -> list[dict[str, Any]]:
         fr = self._trace()
-        return records_from_trace(fr, self.rank, groups_from_trace(fr, self._axes))
+        return records_from_trace(fr, self.rank, self._groups(fr))

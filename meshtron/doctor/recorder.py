@@ -312,7 +312,6 @@ class CollectiveRecorder(TorchDispatchMode):
             else:  # numbered per group
                 self._seq[name] += 1
                 seq = self._seq[name]
-        self._sweep(name)
         rec = [seq, name, info.p2p or info.name, shapes, dtypes, now, None, None,
                "issued", _short_stack() if self.stacks else (), peer]
         self.records.append(rec)
@@ -357,7 +356,9 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def _watch_completion(self, rec: list, out) -> None:
         """Completion: a c10d Work is kept (at most PENDING_PER_GROUP per group) and polled with
-        `is_completed()` at the group's next operation and at dumps. Polling, not a future
+        `is_completed()` when the group's list is full (so about one poll per collective, not
+        one per pending Work), after every main-thread wait (timeline.py) and at dumps; the
+        completion time is when a poll saw it. Polling, not a future
         callback: the callback runs on the backend's thread and had to take the GIL from the
         training thread, which cost ~2.5 ms per collective on a loaded 2-core machine
         (bench/recorder_overhead.py). Functional collectives complete at their wait_tensor."""
@@ -370,9 +371,11 @@ class CollectiveRecorder(TorchDispatchMode):
             except RuntimeError:
                 return
             pending = self._pending_works[rec[GROUP]]
+            if len(pending) >= PENDING_PER_GROUP:
+                self._sweep(rec[GROUP])
+                if len(pending) >= PENDING_PER_GROUP:
+                    pending.popleft()  # forget it: its state stays "issued"
             pending.append((rec, work))
-            if len(pending) > PENDING_PER_GROUP:
-                pending.popleft()  # forget it: its state stays "issued"
         elif isinstance(out, torch.Tensor):
             rec[STATE] = "started"
             if len(self._pending_functional) > 4096:  # never waited: forget them

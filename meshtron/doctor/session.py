@@ -300,8 +300,8 @@ class DoctorSession:
         """Wall time of the latest progress: a step, or a collective issued (the recorder
         keeps that time itself; no call per collective)."""
         rec = self.recorder
-        issued = rec.wall(rec.last_issue_t) if rec is not None and rec.last_issue_t else 0.0
-        return max(self._last_progress, issued)
+        last = rec.last_issue_t if rec is not None else 0.0
+        return max(self._last_progress, rec.wall(last) if last else 0.0)
 
     def _limit(self) -> float:
         return self.timeout_s if self.step > 0 else self.first_step_timeout_s
