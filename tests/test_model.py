@@ -139,3 +139,93 @@ def test_gqa_equals_explicit_repeated_heads():
     mha.load_state_dict(sd)
     x = torch.randint(0, spec.vocab, (2, 10))
     assert torch.allclose(gqa(x), mha(x), atol=1e-5)
+
+
+def test_gqa_passes_kv_heads_to_the_kernel_uncopied():
+    """Native GQA: SDPA receives the kv_heads key/value heads; nothing repeats them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    spec = PRESETS["debug"].replace(layers=1)  # heads 4, kv_heads 2
+    model = Transformer(spec, init_seed=0)
+    seen: list = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in str(func) and "backward" not in str(func):
+                seen.append(("sdpa", args[0].shape[1], args[1].shape[1]))
+            elif "repeat" in str(func):
+                seen.append(("repeat",))
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        model(torch.randint(0, spec.vocab, (2, 10))).sum().backward()
+    assert seen == [("sdpa", spec.heads, spec.kv_heads)]
+
+
+def _loss_and_grads(model, x, y, chunked: bool, dtype=None):
+    from meshtron.model import cross_entropy_loss
+
+    model.zero_grad(set_to_none=True)
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+    with ctx:
+        loss = model(x, y) if chunked else cross_entropy_loss(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["debug", "tiny-gpt"])
+def test_chunked_cross_entropy_equals_plain_loss_and_gradients(name):
+    """model(x, targets): head + loss per chunk of tokens, recomputed in backward, equals the
+    whole-logits fp32 loss (loss and every gradient, tied embeddings included)."""
+    spec = PRESETS[name].replace(layers=1)
+    model = Transformer(spec, init_seed=3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, spec.vocab, (3, 17), generator=g)  # 51 tokens: uneven chunks
+    y = torch.randint(0, spec.vocab, (3, 17), generator=g)
+    ref_loss, ref_grads = _loss_and_grads(model, x, y, chunked=False)
+    loss, grads = _loss_and_grads(model, x, y, chunked=True)
+    assert abs(float(loss - ref_loss)) < 1e-6 * float(ref_loss)
+    for n, gr in ref_grads.items():
+        assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-9, n
+    # bf16 autocast: bf16 logits per chunk with fp32 math inside, as the plain loss computes.
+    ref_loss, ref_grads = _loss_and_grads(model, x, y, chunked=False, dtype=torch.bfloat16)
+    loss, grads = _loss_and_grads(model, x, y, chunked=True, dtype=torch.bfloat16)
+    assert abs(float(loss - ref_loss)) < 1e-3 * float(ref_loss)
+    for n, gr in ref_grads.items():
+        assert (grads[n] - gr).abs().max() <= 2e-2 * gr.abs().max() + 1e-6, n
+
+
+def test_chunked_cross_entropy_chunks_and_ignore_index():
+    """Any chunk size gives the same loss; ignored targets leave the mean as F.cross_entropy
+    does; the whole [tokens, vocab] logits never exist (largest float tensor is one chunk's)."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.model.loss import chunked_cross_entropy
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    h = torch.randn(2, 40, 16, requires_grad=True)
+    t = torch.randint(0, 300, (2, 40))
+    t[0, :7] = -100
+    want = F.cross_entropy(head(h).flatten(0, 1), t.flatten())
+    want_grad = torch.autograd.grad(want, (h, head.weight))
+    largest = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                largest.append(out.numel())
+            return out
+
+    for chunk in (1, 7, 80, 1000):
+        largest.clear()
+        with Sizes():
+            got = chunked_cross_entropy(head, h, t, chunk=chunk)
+            got_grad = torch.autograd.grad(got, (h, head.weight))
+        assert abs(float(got.detach() - want.detach())) < 1e-6
+        for a, b in zip(got_grad, want_grad):
+            assert (a - b).abs().max() < 1e-6
+        if chunk < 80:  # logits of at most one chunk alive (weights' grad is 300 x 16)
+            assert max(largest) <= max(chunk * 300, 300 * 16, 80 * 16)

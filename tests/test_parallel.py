@@ -134,7 +134,7 @@ _REFERENCES: dict[str, dict] = {}
 def _reference_for(layout):
     """The single-process run of the layout's model (DEFAULT_CFG's, or its "model" override)."""
     cfg, _ = layout_cfg(DEFAULT_CFG, layout)
-    key = repr(sorted(cfg["spec"].items()))
+    key = repr((sorted(cfg["spec"].items()), cfg.get("document_eos")))
     if key not in _REFERENCES:
         _REFERENCES[key] = reference_run(cfg)
     return _REFERENCES[key]
@@ -171,6 +171,8 @@ WORLD2 = [
     # embeddings), tied embeddings under TP; untied + parallel residual through a pipeline.
     dict(tp=2, sp=True, model=GPT_MODEL), dict(tp=2, model=GPT_MODEL),
     dict(pp=2, schedule="1f1b", micro_batch=2, model=GPT_PARALLEL_RESIDUAL_MODEL),
+    # Packed documents with the document mask (per-document attention kernel, RoPE restarts).
+    dict(tp=2, sp=True, micro_batch=4, documents=True),
 ]
 
 WORLD4 = [
@@ -181,6 +183,7 @@ WORLD4 = [
     dict(tp=4), dict(pp=4, schedule="1f1b", micro_batch=2), dict(dp=4, zero=3, dp_replicate=2),
     dict(dp=2, tp=2, zero=3, sp=True, model=GPT_MODEL),
     dict(tp=2, pp=2, sp=True, micro_batch=2, model=GPT_PARALLEL_RESIDUAL_MODEL),
+    dict(dp=2, tp=2, zero=3, sp=True, documents=True),
 ]
 
 WORLD8 = [

@@ -6,7 +6,9 @@ With the document mask the model (meshtron/model/transformer.py, `document_conte
 token attend only to earlier tokens of its own document and restarts RoPE positions at 0 for
 every document, as production trainers do for packed sequences (a sequence then computes
 exactly what each of its documents computes alone). Learned absolute position tables (GPT-2
-style) keep their absolute positions; only the mask applies there.
+style) keep their absolute positions; only the mask applies there. The mask is never a dense
+[seq, seq] tensor: FlexAttention's block mask on CUDA, one causal SDPA call per document on CPU
+(meshtron/model/attention.py).
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ def prepare_env() -> None:
 
     if torch.cuda.is_available():
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        # CUDA events around each NCCL kernel: the Flight Recorder's duration_ms (GPU time of
+        # every collective, for the timeline; flight.py).
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
 
 
 def start(run_dir: Path | str, rank: int, world_size: int, **options: Any) -> "DoctorSession":

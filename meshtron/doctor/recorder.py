@@ -18,14 +18,26 @@ operations are numbered apart, per (group, direction, peer): the k-th send from 
 the k-th receive on B from A.
 
 Cost: nothing for the non-collective operators with `install()`; a collective adds a record (a
-short list), a walk of at most `STACK_FRAMES` Python frames (code objects and lines, formatted
-only when dumped) and, for c10d operations that return a Work, keeping the Work to poll its
-completion. `bench/recorder_overhead.py` measures it.
+short list, times from the monotonic clock, converted to wall time only when read) and, for c10d
+operations that return a Work, keeping the Work to poll its completion. The Python stack of each
+collective (at most `STACK_FRAMES` frames) is captured only with `stacks=True` or
+MESHTRON_DOCTOR_STACKS=1: the dumps' thread stacks already say where a hung rank is.
+`bench/recorder_overhead.py` measures it.
+
+torch.compile: inside a compiled region (dynamo tracing, AOT tracing, the compiled graph) the
+recorder steps aside: the proxies hand dynamo the real operator, so collectives become graph
+nodes (no graph break), and they are not recorded (on NCCL PyTorch's Flight Recorder, which
+records in C++, covers them; every rank runs the same compiled code, so the per-group numbering
+of what is recorded still agrees across ranks).
+
+On NCCL a training rank does not install this recorder at all: `flight.py` turns the Flight
+Recorder's own trace into these records at dump time (session.py).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import time
@@ -63,6 +75,11 @@ _SKIP_FILES = ("torch/utils/_python_dispatch.py", "meshtron/doctor/", "torch/_op
 
 # Record fields (a list per record: cheaper than an object).
 SEQ, GROUP, OP, SHAPES, DTYPES, T_ENQUEUE, T_START, T_END, STATE, STACK, PEER = range(11)
+STACKS_ENV = "MESHTRON_DOCTOR_STACKS"
+"""Set to 1 to keep each collective's Python stack (a debugging aid: a frame walk per call)."""
+_clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: never jumps; wall time added when read
+_is_compiling = torch.compiler.is_compiling
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 class GroupInfo:
@@ -101,7 +118,10 @@ def _short_stack() -> tuple[tuple[Any, int], ...]:
 def _shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
     if isinstance(value, torch.Tensor):
         shapes.append(list(value.shape))
-        dtypes.append(str(value.dtype).replace("torch.", ""))
+        name = _DTYPE_NAMES.get(value.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[value.dtype] = str(value.dtype).replace("torch.", "")
+        dtypes.append(name)
     elif isinstance(value, (list, tuple)):
         for v in value:
             _shape_dtype(v, shapes, dtypes)
@@ -135,11 +155,19 @@ class CollectiveRecorder(TorchDispatchMode):
     operator goes through Python, 1.5-2x slower steps on small models).
 
     `capacity`: records kept (the oldest are dropped). `on_issue`: called with no arguments at
-    each collective (the watchdog's progress signal)."""
+    each collective (the watchdog reads `last_issue_t` instead, which costs nothing per call).
+    `stacks`: keep each collective's Python stack (default: MESHTRON_DOCTOR_STACKS=1)."""
 
-    def __init__(self, rank: int, capacity: int = 2000, on_issue=None):
+    def __init__(self, rank: int, capacity: int = 2000, on_issue=None,
+                 stacks: bool | None = None):
         super().__init__()
         self.rank = rank
+        self.stacks = os.environ.get(STACKS_ENV) == "1" if stacks is None else stacks
+        # Wall time of the monotonic clock's origin: records keep monotonic seconds, readers
+        # get wall seconds (comparable across the ranks of a host, as the analysis needs).
+        self._wall_offset = time.time() - _clock()
+        self.last_issue_t = 0.0
+        """Monotonic time of the latest collective issued (the watchdog's progress signal)."""
         self.records: collections.deque = collections.deque(maxlen=capacity)
         self.groups: dict[str, GroupInfo] = {}
         self._by_object: dict[int, tuple[Any, GroupInfo]] = {}
@@ -175,22 +203,29 @@ class CollectiveRecorder(TorchDispatchMode):
             info.axis = axis
 
     # -- interception ----------------------------------------------------------------------------
+    def wall(self, t: float | None) -> float | None:
+        """Wall-clock seconds of a monotonic time of this recorder."""
+        return None if t is None else t + self._wall_offset
+
     def _call(self, info: _OpInfo, run, args, kwargs):
         """Record the collective, run it (`run(*args, **kwargs)`), note when it completes."""
+        if _is_compiling():  # tracing for torch.compile: no records of traced (fake) calls
+            return run(*args, **kwargs)
         if info.raw in IGNORED_OPS or info.group_index is None:
-            t0 = time.time()
+            if info.raw != "wait_tensor":
+                return run(*args, **kwargs)
+            t0 = _clock()
             out = run(*args, **kwargs)
-            if info.raw == "wait_tensor" and self.waits is not None \
-                    and threading.get_ident() == self._main:
-                self.waits.append((t0, time.time()))  # timeline.py: main thread blocked
-            if info.raw == "wait_tensor" and self._pending_functional:
+            if self.waits is not None and threading.get_ident() == self._main:
+                self.waits.append((t0, _clock()))  # timeline.py: main thread blocked
+            if self._pending_functional:
                 rec = self._pending_functional.pop(id(args[0]), None)
                 if rec is not None:
-                    rec[T_END], rec[STATE] = time.time(), "completed"
+                    rec[T_END], rec[STATE] = _clock(), "completed"
             return out
         rec = self._record(info, args, kwargs)
         out = run(*args, **kwargs)
-        rec[T_START] = time.time()
+        rec[T_START] = _clock()
         self._watch_completion(rec, out)
         return out
 
@@ -219,7 +254,7 @@ class CollectiveRecorder(TorchDispatchMode):
         dispatch mode on FSDP2, tensor- and pipeline-parallel steps."""
         if self._libs:
             return
-        below = torch._C._AutoDispatchBelowAutograd
+        after_autograd = torch._C._after_autograd_keyset
         for name in torch._C._dispatch_get_all_op_names():
             ns, _, raw = name.partition("::")
             if ns not in WATCHED_NAMESPACES:
@@ -236,16 +271,16 @@ class CollectiveRecorder(TorchDispatchMode):
                 func = getattr(packet, overload)
                 info = _OpInfo(func)
 
-                def kernel(*args, _info=info, _op=func._op, **kwargs):
-                    # `_op`: the C++ operator itself, without OpOverload.__call__'s checks for
-                    # fake script objects (a third of the recorder's cost per collective).
+                def kernel(keyset, *args, _info=info, _func=func, **kwargs):
+                    # Redispatch below autograd with the keyset the dispatcher handed us: half
+                    # the cost of a guard plus a fresh call into the operator (bench
+                    # recorder_overhead.py --per-call: 7 us added per collective, not 20).
                     def run(*a, **k):
-                        with below():
-                            return _op(*a, **k)
+                        return _func.redispatch(keyset & after_autograd, *a, **k)
                     return self._call(_info, run, args, kwargs)
 
                 lib.impl(raw if overload == "default" else f"{raw}.{overload}", kernel,
-                         "Autograd")
+                         "Autograd", with_keyset=True)
 
     def uninstall(self) -> None:
         for lib in self._libs.values():
@@ -257,7 +292,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self._proxies.clear()
 
     def _record(self, info: _OpInfo, args, kwargs) -> list:
-        now = time.time()
+        now = self.last_issue_t = _clock()
         group = self._group(args[info.group_index] if info.group_index < len(args)
                             else kwargs.get("group_name"))
         shapes: list = []
@@ -277,9 +312,8 @@ class CollectiveRecorder(TorchDispatchMode):
             else:  # numbered per group
                 self._seq[name] += 1
                 seq = self._seq[name]
-        self._sweep(name)
         rec = [seq, name, info.p2p or info.name, shapes, dtypes, now, None, None,
-               "issued", _short_stack(), peer]
+               "issued", _short_stack() if self.stacks else (), peer]
         self.records.append(rec)
         if self._on_issue is not None:
             self._on_issue()
@@ -322,7 +356,9 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def _watch_completion(self, rec: list, out) -> None:
         """Completion: a c10d Work is kept (at most PENDING_PER_GROUP per group) and polled with
-        `is_completed()` at the group's next operation and at dumps. Polling, not a future
+        `is_completed()` when the group's list is full (so about one poll per collective, not
+        one per pending Work), after every main-thread wait (timeline.py) and at dumps; the
+        completion time is when a poll saw it. Polling, not a future
         callback: the callback runs on the backend's thread and had to take the GIL from the
         training thread, which cost ~2.5 ms per collective on a loaded 2-core machine
         (bench/recorder_overhead.py). Functional collectives complete at their wait_tensor."""
@@ -335,9 +371,11 @@ class CollectiveRecorder(TorchDispatchMode):
             except RuntimeError:
                 return
             pending = self._pending_works[rec[GROUP]]
+            if len(pending) >= PENDING_PER_GROUP:
+                self._sweep(rec[GROUP])
+                if len(pending) >= PENDING_PER_GROUP:
+                    pending.popleft()  # forget it: its state stays "issued"
             pending.append((rec, work))
-            if len(pending) > PENDING_PER_GROUP:
-                pending.popleft()  # forget it: its state stays "issued"
         elif isinstance(out, torch.Tensor):
             rec[STATE] = "started"
             if len(self._pending_functional) > 4096:  # never waited: forget them
@@ -349,7 +387,7 @@ class CollectiveRecorder(TorchDispatchMode):
         pending = self._pending_works.get(group)
         if not pending:
             return
-        now = time.time()
+        now = _clock()
         for item in list(pending):
             rec, work = item
             try:
@@ -375,8 +413,9 @@ class CollectiveRecorder(TorchDispatchMode):
         for r in rows:
             group = self.groups.get(r[GROUP])
             d = {"seq": r[SEQ], "group": r[GROUP], "op": r[OP], "shapes": r[SHAPES],
-                 "dtypes": r[DTYPES], "enqueue_t": r[T_ENQUEUE], "start_t": r[T_START],
-                 "end_t": r[T_END], "state": r[STATE],
+                 "dtypes": r[DTYPES], "enqueue_t": self.wall(r[T_ENQUEUE]),
+                 "start_t": self.wall(r[T_START]), "end_t": self.wall(r[T_END]),
+                 "state": r[STATE],
                  "axis": group.axis if group else None,
                  "stack": [f"{c.co_filename}:{line} in {c.co_name}" for c, line in r[STACK]]}
             if r[PEER] is not None:
@@ -396,6 +435,8 @@ class _FunctionalProxy:
         self._recorder, self._info, self._packet = recorder, info, packet
 
     def __call__(self, *args, **kwargs):
+        if _is_compiling():  # dynamo traces this: the real operator goes into the graph
+            return self._packet(*args, **kwargs)
         return self._recorder._call(self._info, self._packet, args, kwargs)
 
     def __getattr__(self, name: str):

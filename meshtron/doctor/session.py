@@ -47,6 +47,18 @@ STORE_KEY = "meshtron/doctor/abort"
 STEP_TIMES_KEPT = 500
 
 
+def _recorder(rank: int, capacity: int):
+    """On NCCL PyTorch's Flight Recorder (nothing in Python per collective; flight.py);
+    elsewhere meshtron's recorder (gloo's Flight Recorder has no times, states or p2p)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        from meshtron.doctor.flight import FlightRecorderSource
+
+        return FlightRecorderSource(rank)
+    return CollectiveRecorder(rank, capacity)
+
+
 class DoctorSession:
     """See the module docstring. `recorder=False` keeps the watchdog and dumps without
     recording collectives. `timeline`: also time the main thread's waits and write
@@ -62,8 +74,7 @@ class DoctorSession:
         self.first_step_timeout_s = first_step_timeout_s or (
             max(4 * watchdog_timeout_s, 120.0) if watchdog_timeout_s else None)
         self.exit_on_timeout = exit_on_timeout
-        self.recorder = CollectiveRecorder(rank, capacity, on_issue=self._progress) \
-            if recorder else None
+        self.recorder = _recorder(rank, capacity) if recorder else None
         self.mesh: dict[str, Any] | None = None
         self.step = 0
         self.step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
@@ -166,7 +177,7 @@ class DoctorSession:
                 "format": dumpfile.FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
                 "time": time.time(), "step": self.step,
-                "last_progress_t": self._last_progress,
+                "last_progress_t": self._progress_t(),
                 "watchdog": {"timeout_s": self.timeout_s,
                              "first_step_timeout_s": self.first_step_timeout_s,
                              "fired": self.timed_out},
@@ -282,8 +293,15 @@ class DoctorSession:
             other = self._abort_announced()
             if other is not None:
                 self._fire(other)
-            elif time.time() - self._last_progress > self._limit():
+            elif time.time() - self._progress_t() > self._limit():
                 self._fire(self._announce())
+
+    def _progress_t(self) -> float:
+        """Wall time of the latest progress: a step, or a collective issued (the recorder
+        keeps that time itself; no call per collective)."""
+        rec = self.recorder
+        last = rec.last_issue_t if rec is not None else 0.0
+        return max(self._last_progress, rec.wall(last) if last else 0.0)
 
     def _limit(self) -> float:
         return self.timeout_s if self.step > 0 else self.first_step_timeout_s
@@ -291,7 +309,7 @@ class DoctorSession:
     def _announce(self) -> dict[str, Any]:
         """Tell every rank, out of band, that this one saw no progress."""
         info = {"rank": self.rank, "step": self.step, "time": time.time(),
-                "limit_s": self._limit(), "idle_s": time.time() - self._last_progress}
+                "limit_s": self._limit(), "idle_s": time.time() - self._progress_t()}
         path = self.trace_dir / dumpfile.ABORT_FILE
         try:  # the first rank to time out is the one named
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)

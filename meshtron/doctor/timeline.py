@@ -23,15 +23,20 @@ no start/end of the transfer itself, so "communication" is measured as main-thre
 not wire time; communication overlapped with compute (FSDP2 prefetch) shows as compute. The
 idle/communication split compares `time.time()` across processes: exact on one host, off by
 the clock skew (NTP: about a millisecond) across hosts. A wait that overlaps several
-outstanding operations is charged idle up to the latest peer entry among them. On NCCL the
-same split holds for the host thread; GPU-side idle would need CUDA events (not recorded).
+outstanding operations is charged idle up to the latest peer entry among them.
+
+On NCCL nothing is patched: the host does not block in `Work.wait` there (it only makes the
+compute stream wait), so the blocked intervals are the GPU's instead: each collective's
+[start, start + duration] from the Flight Recorder, whose duration comes from the CUDA events
+ProcessGroupNCCL puts around the kernel (TORCH_NCCL_ENABLE_TIMING=1, set by `prepare_env`).
+(Written as PyTorch documents it; not yet run on a GPU.) Times are kept on the monotonic clock
+and turned into wall time when the document is written.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +61,21 @@ class TimelineCapture:
     def install(self) -> "TimelineCapture":
         from torch._C._distributed_c10d import Work
 
-        if self._orig is not None:
-            return self
+        from meshtron.doctor.recorder import _clock as clock
+
+        if self._orig is not None or not hasattr(self.recorder, "_pending_works"):
+            return self  # installed, or NCCL (Flight Recorder source: GPU times, no patch)
         orig = self._orig = Work.wait
         waits, main, recorder = self.waits, self._main, self.recorder
 
         def wait(work, *args, **kwargs):
             if threading.get_ident() != main:
                 return orig(work, *args, **kwargs)
-            t0 = time.time()
+            t0 = clock()
             try:
                 return orig(work, *args, **kwargs)
             finally:
-                waits.append((t0, time.time()))
+                waits.append((t0, clock()))
                 # Completion times: the recorder polls Works at its next operation; the end of
                 # a wait is the moment this thread learnt of it.
                 for group in list(recorder._pending_works):
@@ -101,10 +108,16 @@ class TimelineCapture:
         if not steps:
             return None
         t0, t1 = steps[0]["start_t"], steps[-1]["end_t"]
+        wall = self.recorder.wall
+        if self._orig is not None:
+            waits = [(wall(a), wall(b)) for a, b in list(self.waits)]
+        else:  # Flight Recorder: the collectives' GPU intervals
+            waits = [(r["start_t"], r["start_t"] + r["gpu_s"]) for r in records
+                     if r.get("start_t") and r.get("gpu_s")]
         return {"format": FORMAT, "rank": session.rank, "world_size": session.world_size,
                 "mesh": session.mesh, "groups": session.recorder.group_table(),
                 "window": [t0, t1], "steps": steps,
-                "waits": [list(w) for w in list(self.waits) if w[1] >= t0 and w[0] <= t1],
+                "waits": [list(w) for w in waits if w[1] >= t0 and w[0] <= t1],
                 # Operations still outstanding at the window's start count too: a wait in
                 # the window may be for one of them.
                 "records": [r for r in records

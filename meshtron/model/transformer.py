@@ -19,7 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtron.model.attention import DocumentMask, attention, document_mask
+from meshtron.model.loss import chunked_cross_entropy, cross_entropy_loss
 from meshtron.model.spec import ModelSpec
+
+__all__ = ["Transformer", "cross_entropy_loss", "document_context", "document_positions"]
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
@@ -67,7 +71,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=spec.bias)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | tuple | None) -> torch.Tensor:
-        """`rope`: the RoPE table, or (per-token RoPE angles or None, attention mask) for
+        """`rope`: the RoPE table, or (per-token RoPE angles or None, DocumentMask) for
         packed documents (`document_context`), or a context-parallel `AttentionContext`
         (meshtron/parallel/context.py: this rank's RoPE angles and the attention function)."""
         mask = attend = None
@@ -83,16 +87,10 @@ class Attention(nn.Module):
         if self.use_rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if attend is not None:  # before any GQA repeat: context parallelism gathers kv heads
+        if attend is not None:  # context parallelism gathers the kv heads itself
             return self.wo(attend(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # Grouped-query attention natively (no K/V copies); document masks without S x S.
+        out = attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -187,9 +185,11 @@ class Transformer(nn.Module):
     """Set by `meshtron.parallel.context.apply_context_parallel`: `tokens` are then this rank's
     chunks of each sequence and attention runs over the whole sequence."""
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a pipeline
-        stage that lacks the embedding or the output head)."""
+        stage that lacks the embedding or the output head). With `targets` [batch, seq] (and
+        the output head here): the mean cross-entropy instead, without whole logits
+        (`loss`)."""
         rope = self.rope_for(tokens.shape[1])
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)
@@ -206,8 +206,22 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
+            if targets is not None:
+                return self.loss(h, targets)
             h = self.output(h)
         return h
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the head on final hidden states `h`. Chunked over tokens
+        (meshtron/model/loss.py); a tensor-parallel head (vocabulary-sharded DTensor logits)
+        keeps the whole-logits loss, which the caller runs under `loss_parallel()`: its
+        per-rank logits are already 1/tp of the vocabulary, and chunking the tokens of a
+        sequence-sharded DTensor is not something loss_parallel supports."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(self.output.weight, DTensor):
+            return cross_entropy_loss(self.output(h), targets)
+        return chunked_cross_entropy(self.output, h, targets)
 
 
 def document_positions(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,18 +238,10 @@ def document_positions(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, to
 
 
 def document_context(tokens: torch.Tensor, eos: int, rope: torch.Tensor | None
-                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                     ) -> tuple[torch.Tensor | None, DocumentMask]:
     """What attention needs for packed documents: per-token RoPE angles at the positions inside
-    each document (None without RoPE) and the boolean mask [batch, 1, seq, seq] that lets a
-    token see only earlier tokens of its own document."""
+    each document (None without RoPE) and the DocumentMask that lets a token see only earlier
+    tokens of its own document (meshtron/model/attention.py; no [seq, seq] tensor)."""
     doc, pos = document_positions(tokens, eos)
-    seq = tokens.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
-    mask = (doc[:, :, None] == doc[:, None, :]) & causal
     angles = rope[:, pos] if rope is not None else None  # [2, batch, seq, hd]
-    return angles, mask[:, None]
-
-
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in nats, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return angles, document_mask(doc)

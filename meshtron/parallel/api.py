@@ -206,7 +206,9 @@ class ParallelModel:
                 for i, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
                     if backward:  # one reduction per step, or per micro-batch (ZeRO-2/3)
                         set_microbatch_policy(self.model_parts, lay, last=i == n_micro - 1)
-                    loss = self.loss_fn(model(x), y)
+                    # The default loss is the model's own, chunked over tokens (model/loss.py).
+                    loss = (model(x, y) if self.loss_fn is _default_loss
+                            else self.loss_fn(model(x), y))
                     if backward:
                         (loss / n_micro).backward()
                     total = total + _plain(loss).detach().float() / n_micro

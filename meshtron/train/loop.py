@@ -22,7 +22,7 @@ import torch
 from meshtron import doctor
 from meshtron.config import RunConfig
 from meshtron.errors import RunFailed, UserError
-from meshtron.model import Transformer, cross_entropy_loss
+from meshtron.model import Transformer
 from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
 from meshtron.train.precision import BF16Compute, configure_matmul_precision
@@ -91,7 +91,7 @@ def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
         x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
         # x.shape[0] / rows: a power of two in the usual batch geometries, which scales bf16
         # gradients exactly (so micro-batching matches data parallelism bit for bit there)
-        loss = cross_entropy_loss(compute(x), y) * (x.shape[0] / rows)
+        loss = compute(x, y) * (x.shape[0] / rows)  # chunked head + loss (model/loss.py)
         loss.backward()
         if mp is not None:
             mp.accumulate()
@@ -110,7 +110,7 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
     for inputs, targets in batches:
         for start in range(0, inputs.shape[0], micro_batch):
             x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
-            losses.append(cross_entropy_loss(model(x), y).float())
+            losses.append(model(x, y).float())
     model.train()
     return float(torch.stack(losses).mean())
 

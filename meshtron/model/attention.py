@@ -1,0 +1,119 @@
+"""The attention core: causal scaled-dot-product attention with native grouped-query attention,
+and document masks for packed sequences that never build an S x S tensor.
+
+- Causal: `F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`: SDPA reads each
+  key/value head for its group of query heads itself (flash / memory-efficient kernels on CUDA),
+  so K/V are never copied `heads/kv_heads` times (`repeat_interleave` did).
+- Documents on CUDA: FlexAttention (Dong et al. 2024, `torch.nn.attention.flex_attention`) with a
+  block mask built from the tokens' document ids, compiled as torchtitan does: blocks outside
+  every document are skipped, the rest run in a fused kernel; no dense mask, no host sync.
+- Documents elsewhere (CPU): FlexAttention has no CPU backward in torch 2.13 ("FlexAttention
+  does not support backward on CPU"), so each document runs as its own causal SDPA call on its
+  slice of the packed row (the variable-length idea of FlashAttention-2's `cu_seqlens`, as a
+  loop). Exact: a token's softmax runs over the same keys as with the dense mask. Memory is the
+  longest document's square, never the sequence's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class DocumentMask:
+    """Which keys each query of a packed batch may attend to: earlier tokens of its document.
+    Built once per forward (`document_mask`) and shared by every layer."""
+
+    __slots__ = ("doc", "segments", "block_mask")
+
+    def __init__(self, doc: torch.Tensor, segments: list[list[tuple[int, int]]] | None,
+                 block_mask=None):
+        self.doc = doc
+        """[batch, seq] document index of every token (0, 1, ... along each row)."""
+        self.segments = segments
+        """CPU path: per batch row, the (start, end) token range of each document."""
+        self.block_mask = block_mask
+        """CUDA path: FlexAttention's BlockMask for the document-causal mask."""
+
+    def dense(self) -> torch.Tensor:
+        """The boolean [batch, 1, seq, seq] mask this stands for (tests and debugging only)."""
+        seq = self.doc.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=self.doc.device).tril()
+        return ((self.doc[:, :, None] == self.doc[:, None, :]) & causal)[:, None]
+
+
+def document_mask(doc: torch.Tensor, kernel: str | None = None) -> DocumentMask:
+    """The mask of document ids `doc` [batch, seq]. `kernel`: "flex" (default on CUDA) or
+    "segments" (default elsewhere)."""
+    kernel = kernel or ("flex" if doc.is_cuda else "segments")
+    if kernel == "flex":
+        return DocumentMask(doc, None, _flex_block_mask(doc))
+    if kernel != "segments":
+        raise ValueError(f"kernel={kernel!r}: expected 'flex' or 'segments'")
+    # One device->host copy per forward; only on the CPU path, where it costs nothing.
+    rows = []
+    for row in doc.cpu():
+        _, counts = torch.unique_consecutive(row, return_counts=True)
+        ends = counts.cumsum(0).tolist()
+        rows.append(list(zip([0] + ends[:-1], ends)))
+    return DocumentMask(doc, rows)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str):
+    """FlexAttention and its block-mask builder compiled once per process: eager FlexAttention
+    materialises the scores (a debugging path); compiled, it is a fused kernel (torchtitan
+    compiles both the same way)."""
+    fn = _COMPILED.get(name)
+    if fn is None:
+        from torch.nn.attention import flex_attention as fa
+
+        fn = _COMPILED[name] = torch.compile(getattr(fa, name))
+    return fn
+
+
+def _flex_block_mask(doc: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+
+    bsz, seq = doc.shape
+    build = _compiled("create_block_mask") if doc.is_cuda else create_block_mask
+    return build(document_causal, bsz, None, seq, seq, device=doc.device)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: DocumentMask | None = None) -> torch.Tensor:
+    """q [batch, heads, seq, hd], k/v [batch, kv_heads, seq, hd] (heads a multiple of
+    kv_heads) -> [batch, heads, seq, hd]; causal, or document-causal with `mask`."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if mask.block_mask is not None:
+        flex = _compiled("flex_attention") if q.is_cuda else _eager_flex()
+        return flex(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+    return _segment_attention(q, k, v, mask.segments, gqa)
+
+
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def _segment_attention(q, k, v, segments, gqa: bool) -> torch.Tensor:
+    rows = []
+    for b, row in enumerate(segments):
+        if len(row) == 1:  # one document: the plain causal kernel on the whole row
+            rows.append(F.scaled_dot_product_attention(
+                q[b:b + 1], k[b:b + 1], v[b:b + 1], is_causal=True, enable_gqa=gqa))
+            continue
+        parts = [F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e],
+                                                v[b:b + 1, :, s:e], is_causal=True,
+                                                enable_gqa=gqa)
+                 for s, e in row]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
