@@ -37,8 +37,9 @@ def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
     return max(1, math.ceil(tokens / math.ceil(vocab / hidden)))
 
 
-def _chunk_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(h).float(), targets, reduction="sum",
+def _chunk_loss(weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight, bias).float(), targets, reduction="sum",
                            ignore_index=IGNORE_INDEX)
 
 
@@ -46,8 +47,10 @@ def chunked_cross_entropy(head: nn.Module, h: torch.Tensor, targets: torch.Tenso
                           chunk: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of `head(h)` against `targets` ([batch, seq, hidden] and [batch, seq])
     without the [tokens, vocab] logits: the head runs on `chunk` tokens at a time (default
-    `chunk_tokens`) and is recomputed in backward. `head` is called as a module (so FSDP's
-    hooks see it), once per chunk."""
+    `chunk_tokens`) and is recomputed in backward. The head's weight is used directly (not
+    `head(...)` per chunk): called from `OutputHead.forward`, FSDP2 has gathered it once for
+    the whole call, and a module called once per chunk would reduce its gradient once per
+    chunk (one collective per chunk and step instead of one)."""
     from torch.utils.checkpoint import checkpoint
 
     flat_h, flat_t = h.flatten(0, 1), targets.flatten()
@@ -58,9 +61,21 @@ def chunked_cross_entropy(head: nn.Module, h: torch.Tensor, targets: torch.Tenso
     # slices would each scatter into a zero-filled [tokens, hidden] gradient.
     pieces = zip(flat_h.split(chunk), flat_t.split(chunk))
     if torch.is_grad_enabled() and (flat_h.requires_grad or weight.requires_grad):
-        sums = [checkpoint(_chunk_loss, head, hc, tc, use_reentrant=False)
+        sums = [checkpoint(_chunk_loss, weight, head.bias, hc, tc, use_reentrant=False)
                 for hc, tc in pieces]
     else:
-        sums = [_chunk_loss(head, hc, tc) for hc, tc in pieces]
+        sums = [_chunk_loss(weight, head.bias, hc, tc) for hc, tc in pieces]
     count = (flat_t != IGNORE_INDEX).sum()
     return torch.stack(sums).sum() / count
+
+
+class OutputHead(nn.Linear):
+    """The output head: an `nn.Linear` (same parameters and names) whose forward also takes
+    `targets` and then returns the chunked mean cross-entropy instead of logits. The loss runs
+    inside the head's own single call, so FSDP2's hooks gather its weight once and reduce its
+    gradient once per backward, however many chunks there are."""
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(h)
+        return chunked_cross_entropy(self, h, targets)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.model.attention import DocumentMask, attention, document_mask
-from meshtron.model.loss import chunked_cross_entropy, cross_entropy_loss
+from meshtron.model.loss import OutputHead, cross_entropy_loss
 from meshtron.model.spec import ModelSpec
 
 __all__ = ["Transformer", "cross_entropy_loss", "document_context", "document_positions"]
@@ -148,7 +148,7 @@ class Transformer(nn.Module):
                 nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
             self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
             self.norm: nn.Module | None = _norm(spec)
-            self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+            self.output: nn.Linear | None = OutputHead(spec.hidden, spec.vocab, bias=False)
             if spec.tied_embeddings:
                 self.output.weight = self.tok_embeddings.weight
             # Not persistent: derived from the spec, so checkpoints hold only trainable state.
@@ -221,7 +221,7 @@ class Transformer(nn.Module):
 
         if isinstance(self.output.weight, DTensor):
             return cross_entropy_loss(self.output(h), targets)
-        return chunked_cross_entropy(self.output, h, targets)
+        return self.output(h, targets)
 
 
 def document_positions(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
