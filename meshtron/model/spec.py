@@ -410,7 +410,8 @@ def preset(name: str) -> ModelSpec:
 
 # ---- Hugging Face config.json -----------------------------------------------------------------
 _HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
-_HF_TYPES = _HF_LLAMA_LIKE + ("gpt_neox", "gpt2")
+_HF_MOE = ("mixtral", "qwen3_moe")
+_HF_TYPES = _HF_LLAMA_LIKE + _HF_MOE + ("gpt_neox", "gpt2")
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -444,7 +445,7 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     try:
         return _from_hf_dict(cfg, name)
     except UserError as exc:
-        keys = _HF_KEYS.get("llama" if cfg.get("model_type") in _HF_LLAMA_LIKE
+        keys = _HF_KEYS.get("llama" if cfg.get("model_type") in _HF_LLAMA_LIKE + _HF_MOE
                             else str(cfg.get("model_type")), {})
         text = re.sub(r"model\.(\w+)", lambda m: f"config.json {keys[m.group(1)]}"
                       if m.group(1) in keys else m.group(0), str(exc))
@@ -492,6 +493,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
+    if mtype in _HF_MOE:
+        return _hf_moe(cfg, mtype, name, need, num, flag, opt_int)
     if mtype == "gpt_neox":
         hidden = need("hidden_size")
         rotary_pct = cfg.get("rotary_pct", 1.0)
@@ -517,6 +520,41 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         vocab=need("vocab_size"), max_seq=opt_int("n_positions", 1024), mlp="gelu",
         norm="layernorm", position="learned", tied_embeddings=True, bias=True,
         norm_eps=num("layer_norm_epsilon", 1e-5),
+    )
+
+
+def _hf_moe(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_int) -> ModelSpec:
+    """Mixtral (Jiang et al. 2024) and Qwen3-MoE config.json files."""
+    qwen = mtype == "qwen3_moe"
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
+                         f"supported for model_type {mtype!r}")
+    if cfg.get("use_sliding_window") is True or (not qwen and cfg.get("sliding_window")):
+        raise UserError(f"config.json sliding_window={cfg.get('sliding_window')!r}: "
+                         "sliding-window attention is not supported; set it to null")
+    _no_out_bias(flag("attention_bias", False))
+    if qwen:
+        sparse_step, dense_only = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers", [])
+        if sparse_step != 1 or dense_only:
+            raise UserError(f"config.json decoder_sparse_step={sparse_step!r}, mlp_only_layers="
+                             f"{dense_only!r}: only every layer an MoE layer (1, []) is supported")
+    experts_key = "num_experts" if qwen and "num_experts" in cfg else "num_local_experts"
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    head_dim = opt_int("head_dim", None)
+    return ModelSpec(
+        name=name, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
+        kv_heads=opt_int("num_key_value_heads", None) or heads,
+        ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
+        tied_embeddings=flag("tie_word_embeddings", False),
+        head_size=head_dim if head_dim not in (None, hidden // heads) or qwen else None,
+        qk_norm=qwen,
+        **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
+        norm_eps=num("rms_norm_eps", 1e-6 if qwen else 1e-5),
+        moe_experts=need(experts_key), moe_top_k=need("num_experts_per_tok"),
+        moe_ffn_hidden=need("moe_intermediate_size") if qwen else need("intermediate_size"),
+        moe_norm_topk=flag("norm_topk_prob", False) if qwen else True,
+        moe_aux_loss=float(cfg.get("router_aux_loss_coef", 0.001)),
     )
 
 
