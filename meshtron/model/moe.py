@@ -65,7 +65,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden] sorted by expert; counts [experts] tokens per expert (sum = rows of
         x) -> [tokens, hidden]."""
-        w1, w2, w3 = self.w1.weight, self.w2.weight, self.w3.weight
+        w1, w2, w3 = (_local(lin.weight) for lin in (self.w1, self.w2, self.w3))
         if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             return _grouped_mm_swiglu(x, counts, w1, w2, w3)
         out = torch.empty_like(x)
@@ -78,6 +78,12 @@ class GroupedExperts(nn.Module):
                 out[start:start + n] = (F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t()
             start += n
         return out
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: under expert parallelism the weights are DTensors sharded on the
+    expert dimension (meshtron/parallel/expert.py); `to_local` is differentiable."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 def _grouped_mm_swiglu(x, counts, w1, w2, w3):
@@ -235,7 +241,8 @@ class MoE(nn.Module):
             out_sorted = self.experts(tokens, counts)
             global_counts, total = counts, None
         else:
-            out_sorted, global_counts, total = self.dispatcher(self.experts, tokens, counts)
+            out_sorted, global_counts = self.dispatcher(self.experts, tokens, counts)
+            total = flat.shape[0] * self.dispatcher.token_ranks
         # Combine: weight each slot's output and sum the k slots of every token.
         weights = routing.weights.reshape(-1).index_select(0, order).to(out_sorted.dtype)
         out = torch.zeros_like(flat).index_add_(0, order // k, out_sorted * weights[:, None])
