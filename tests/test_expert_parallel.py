@@ -120,7 +120,38 @@ def _count(mesh, name) -> dict:
     return {k: tuple(v) for k, v in seen.items()}
 
 
-def ep_rank_fn(dtypes: tuple[str, ...] = ("float64", "float32")) -> dict:
+def _shards_from_meta_and_hf(mesh, folder: str) -> dict:
+    """A meta-device model under ep, materialized shard-locally, holds the single-process
+    init's experts; loading a Hugging Face Mixtral folder reads only this rank's experts."""
+    from torch.distributed.tensor import DTensor
+
+    from meshtron.hf.load import load_into
+    from meshtron.model.init import materialize
+    from meshtron.model.spec import resolve_model
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel.expert import apply_expert_parallel
+
+    spec = _spec("tiny-moe")
+    ref = dict(Transformer(spec, init_seed=5).named_parameters())
+    with torch.device("meta"):
+        model = Transformer(spec, init_seed=5)
+    apply_expert_parallel(model, mesh)
+    materialize([model], torch.device("cpu"))
+    init = max((p.full_tensor() if isinstance(p, DTensor) else p).sub(ref[n]).abs().max().item()
+               for n, p in model.named_parameters())
+    hf_spec = resolve_model(folder)
+    hf_model = Transformer(hf_spec, init_seed=1)
+    apply_expert_parallel(hf_model, mesh)
+    read = load_into([hf_model], folder, hf_spec)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4
+                for p in hf_model.parameters())
+    saved = dict(Transformer(hf_spec, init_seed=11).named_parameters())  # what the folder holds
+    loaded = max((p.full_tensor() if isinstance(p, DTensor) else p).sub(saved[n]).abs().max().item()
+                 for n, p in hf_model.named_parameters())
+    return {"init": init, "read": read, "local_bytes": local, "loaded": loaded}
+
+
+def ep_rank_fn(folder: str, dtypes: tuple[str, ...] = ("float64", "float32")) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -137,12 +168,23 @@ def ep_rank_fn(dtypes: tuple[str, ...] = ("float64", "float32")) -> dict:
                                                          _run(name, batches, mesh))
     torch.set_default_dtype(torch.float32)
     out["collectives"] = _count(world["ep"], "tiny-moe")
+    out["shards"] = _shards_from_meta_and_hf(world["ep"], folder)
     out["rank"] = dist.get_rank()
     return out
 
 
-def test_expert_parallel_matches_one_process():
-    results = run_on_ranks(ep_rank_fn, 4, timeout=400)
+def test_expert_parallel_matches_one_process(tmp_path):
+    from meshtron.hf.export import save_hf
+    from meshtron.model.transformer import Transformer
+
+    spec = _spec("tiny-moe").replace(name="mixtral-tiny")
+    save_hf({n: p.detach() for n, p in Transformer(spec, init_seed=11).named_parameters()},
+            spec, tmp_path / "hf")
+    results = run_on_ranks(ep_rank_fn, 4, str(tmp_path / "hf"), timeout=400)
+    for res in results:
+        shards = res["shards"]
+        assert shards["init"] == 0 and shards["loaded"] == 0, shards
+        assert shards["read"] == shards["local_bytes"], shards  # only this rank's experts
     for res in results:
         for key, worst in res["equal"].items():
             assert worst["names"] and worst["grad_names"], key

@@ -232,6 +232,8 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
                    "num_experts_per_tok": spec.moe_top_k,
                    "router_aux_loss_coef": spec.moe_aux_loss}
         cfg.update(experts, use_sliding_window=False, sliding_window=None)
+        if mtype == "mixtral":  # Mixtral's experts are `intermediate_size` wide (no dense MLP)
+            cfg["intermediate_size"] = spec.moe_ffn_hidden
         if mtype == "qwen3_moe":
             cfg.update(moe_intermediate_size=spec.moe_ffn_hidden, decoder_sparse_step=1,
                        mlp_only_layers=[], norm_topk_prob=spec.moe_norm_topk,
