@@ -1,12 +1,15 @@
 """Expert parallelism (meshtron/parallel/expert.py) on real gloo process groups.
 
 One 4-rank launch: ep=4 over the world and ep=2 over the pairs of a (dp, ep) = (2, 2)
-DeviceMesh, each with both router kinds (softmax top-2 + auxiliary loss; DeepSeek-V3 sigmoid,
+DeviceMesh, and ep=4 composed with FSDP2 of every non-expert module over the same ranks
+(float64), each with both router kinds (softmax top-2 + auxiliary loss; DeepSeek-V3 sigmoid,
 group-limited, shared expert, dense first block, bias balancing). Every rank routes its own
 tokens (ep folded over the data ranks); 3 AdamW steps must give the loss, every gradient and
 every parameter (experts gathered from their shards) of one process training on the union of
 the ranks' batches (fp32 tolerance). The same launch counts the collectives of one forward +
-backward (kinds, counts, bytes) against the formula. Bad input: ep not dividing the experts.
+backward (kinds, counts, bytes) against the formula; a meta-device model under ep materializes
+the single-process init; a Hugging Face Mixtral folder loads with each rank reading only its
+experts. Bad input: ep not dividing the experts; tensor parallelism of an MoE model.
 """
 
 from __future__ import annotations
@@ -73,6 +76,50 @@ def _run(name, batches, mesh=None):
         opt.step()
         opt.zero_grad()
         update_router_bias(model)  # counts are global already (all-reduced over ep)
+    return losses, grads, {n: full(p) for n, p in model.named_parameters()}
+
+
+def _run_fsdp(name, batches, mesh):
+    """This ep rank with FSDP2 over the same ranks for everything but the experts (ep folded
+    over the data ranks): local mean loss, FSDP averages, `average_grads=True`."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from meshtron.model.moe import MoE, update_router_bias
+    from meshtron.model.transformer import Transformer, cross_entropy_loss
+    from meshtron.parallel.expert import apply_expert_parallel
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+    model = Transformer(_spec(name), init_seed=5)
+    apply_expert_parallel(model, mesh, average_grads=True)
+    for block in model.layers.values():
+        ffn = block.feed_forward
+        parts = [block.attention, block.attention_norm, block.ffn_norm]
+        parts += ([ffn.router] + ([ffn.shared] if ffn.shared is not None else [])
+                  if isinstance(ffn, MoE) else [ffn])
+        for part in parts:
+            fully_shard(part, mesh=mesh, reshard_after_forward=False)
+    for part in (model.tok_embeddings, model.norm, model.output):
+        fully_shard(part, mesh=mesh, reshard_after_forward=False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3,
+                            weight_decay=0.1, foreach=False)
+    ep, rank = mesh.size(), mesh.get_local_rank()
+    losses, grads = [], []
+    for batch in batches:
+        rows = batch[rank * BATCH:(rank + 1) * BATCH]
+        loss = cross_entropy_loss(model(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        loss = loss.detach()
+        dist.all_reduce(loss, group=mesh.get_group())
+        losses.append(loss.item() / ep)
+        grads.append({n: full(p.grad) for n, p in model.named_parameters()
+                      if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+        update_router_bias(model)
     return losses, grads, {n: full(p) for n, p in model.named_parameters()}
 
 
@@ -181,6 +228,11 @@ def ep_rank_fn(folder: str, dtypes: tuple[str, ...] = ("float64", "float32")) ->
                 batches = _batches(ep, seed)
                 out["equal"][(dtype, name, ep)] = _worst(_run(name, batches),
                                                          _run(name, batches, mesh))
+        if dtype == "float64":  # composed with FSDP2 of the rest over the same 4 ranks
+            for name in ("tiny-moe", "tiny-moe-ds"):
+                batches = _batches(4, 1)
+                out["equal"][(dtype, name, "ep4+fsdp")] = _worst(
+                    _run(name, batches), _run_fsdp(name, batches, world["ep"]))
     torch.set_default_dtype(torch.float32)
     out["collectives"] = _count(world["ep"], "tiny-moe")
     out["shards"] = _shards_from_meta_and_hf(world["ep"], folder)
@@ -198,6 +250,8 @@ def test_expert_parallel_matches_one_process(tmp_path):
             spec, tmp_path / "hf")
     results = run_on_ranks(ep_rank_fn, 4, str(tmp_path / "hf"), timeout=400)
     for res in results:
+        # 2 dtypes x 2 routers x (ep=4, ep=2 x dp 2), and float64 ep=4 + FSDP2 x 2 routers
+        assert len(res["equal"]) == 10 and ("float64", "tiny-moe-ds", "ep4+fsdp") in res["equal"]
         assert res["tp_refusal"].startswith("tp=2: tensor parallelism of mixture-of-experts "
                                             "models (model 'tiny-moe') is not implemented yet")
         shards = res["shards"]

@@ -281,8 +281,14 @@ def update_router_bias(model: nn.Module, reduce=None) -> None:
             if reduce is not None:
                 reduce(load)
             gamma = module.spec.moe_bias_update
+            step = (load.mean() - load).sign()
             bias = module.router.expert_bias
-            bias.add_((load.mean() - load).sign().to(bias.dtype), alpha=gamma)
+            if hasattr(bias, "to_local"):  # sharded by FSDP: update this rank's rows only
+                from meshtron.model.init import local_box
+
+                _, offset, shape = local_box(bias)
+                bias, step = bias.to_local(), step[offset[0]:offset[0] + shape[0]]
+            bias.add_(step.to(bias.dtype), alpha=gamma)
             load.zero_()
 
 

@@ -87,11 +87,17 @@ class ExpertParallel:
         return out, global_counts
 
 
-def apply_expert_parallel(model: Any, mesh) -> ExpertParallel:
+def apply_expert_parallel(model: Any, mesh, average_grads: bool = False) -> ExpertParallel:
     """Shard the routed experts of every MoE layer of `model` over the 1-D DeviceMesh `mesh`
     (rank r keeps experts r*E/ep .. (r+1)*E/ep - 1 as DTensor Shard(0) parameters; a meta model
     stays on meta, to be materialized shard-locally by `meshtron.model.init.materialize`) and
-    route tokens through all-to-alls."""
+    route tokens through all-to-alls.
+
+    `average_grads`: the convention of FSDP/DDP over the same ranks (each rank back-propagates
+    its local mean loss; replicated gradients are averaged): the experts' gradients, which sum
+    every rank's tokens, are then divided by ep (a gradient hook), and each rank's auxiliary
+    loss term is injected ep times (its share of the global loss, averaged). Without it, the
+    module docstring's convention (local mean / ep, replicated gradients summed)."""
     from torch import nn
     from torch.distributed.tensor import DTensor, Shard
 
@@ -114,6 +120,10 @@ def apply_expert_parallel(model: Any, mesh) -> ExpertParallel:
                                                          run_check=False,
                                                          shape=full.shape,
                                                          stride=full.stride()))
+            if average_grads:
+                lin.weight.register_hook(lambda g, ep=dispatcher.ep: g / ep)
         module.experts.num_experts = dispatcher.local
         module.dispatcher = dispatcher
+        if average_grads:
+            module.aux_loss_scale *= dispatcher.ep
     return dispatcher
