@@ -101,12 +101,18 @@ class Checkpoint:
         srcs = sources(spec)
         expected = hf_shapes(spec, want_shapes)
         stored = {self._resolve(s.name): s.name for s in srcs.values()}
+        stored.update({n: n for s in srcs.values() for n in s.stacked})
         for name in sorted(self.shapes):
             if name not in stored and not is_ignorable(name, spec):
                 raise UserError(f"{FIELD}: unknown tensor {name} in {self.files[name].name} "
                                 f"(not a parameter of a {spec.layers}-layer {mtype} model)")
         out = {}
         for ours, src in srcs.items():
+            if src.stacked:
+                for name in src.stacked:
+                    self._check_one(name, ours, expected)
+                out[ours] = src
+                continue
             real = self._resolve(src.name)
             if real is None:
                 raise UserError(f"{FIELD}: tensor {src.name} (meshtron {ours}) is missing from "
@@ -118,13 +124,25 @@ class Checkpoint:
             out[ours] = Source(real, src.transpose, src.offset)
         return out
 
+    def _check_one(self, name: str, ours: str, expected: dict[str, tuple[int, ...]]) -> None:
+        if name not in self.shapes:
+            raise UserError(f"{FIELD}: tensor {name} (meshtron {ours}) is missing from "
+                             f"{str(self.folder)!r}")
+        if tuple(self.shapes[name]) != tuple(expected[name]):
+            raise UserError(f"{FIELD}: tensor {name} has shape {list(self.shapes[name])}; the "
+                             f"model needs {list(expected[name])}")
+
     def read_into(self, src: Source, target: torch.Tensor, offset: tuple[int, ...],
                   block_elems: int) -> int:
         """Copy the box at `offset` (of `target`'s shape, in meshtron's orientation) of the
         tensor `src` points at into `target`, in row blocks of at most `block_elems` elements;
         returns the bytes read. The file is mapped only while this tensor is read, so its pages
-        do not accumulate in the process."""
+        do not accumulate in the process. Stacked experts: only the experts in the box."""
         from safetensors import safe_open
+
+        if src.stacked:
+            return sum(self.read_into(Source(src.stacked[offset[0] + e]), target[e], offset[1:],
+                                      block_elems) for e in range(target.shape[0]))
 
         shape = tuple(target.shape)
         row = max(1, math.prod(shape[1:]))

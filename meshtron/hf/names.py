@@ -17,7 +17,7 @@ from typing import Any
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3_moe")
 """model_type values whose weights load and export."""
 
 
@@ -33,6 +33,10 @@ class Source:
     offset: int = 0
     """First row of the meshtron tensor inside a fused Hugging Face tensor (in meshtron's
     orientation: a column offset of the stored tensor when `transpose`)."""
+    stacked: tuple[str, ...] = ()
+    """MoE experts: the meshtron tensor [experts, out, in] stacks these per-expert Hugging Face
+    tensors (expert e is `stacked[e]`; `name` is the first). A rank holding experts e0..e1
+    reads only theirs."""
 
 
 _LLAMA_LAYER = {
@@ -56,9 +60,35 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 frequencies, old GPT-2 files' causal-mask buffers)."""
 
 
+# MoE blocks: (router, per-expert prefix, (w1, w3, w2) names) of each model type.
+_MOE_LAYER = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.",
+                ("w1.weight", "w3.weight", "w2.weight")),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.",
+                  ("gate_proj.weight", "up_proj.weight", "down_proj.weight")),
+}
+
+
 def check_supported(spec: ModelSpec, where: str) -> str:
-    """The model_type meshtron reads and writes for `spec` (llama, qwen2 or gpt2); a UserError
-    naming `where` for other architectures."""
+    """The model_type meshtron reads and writes for `spec` (llama, qwen2, gpt2, mixtral or
+    qwen3_moe); a UserError naming `where` for other architectures."""
+    llama_like = (spec.mlp == "swiglu" and spec.norm == "rmsnorm" and spec.position == "rope"
+                  and not spec.bias and not spec.parallel_residual)
+    if spec.is_moe:
+        plain = (spec.moe_router == "softmax" and not spec.moe_shared_experts
+                 and not spec.moe_dense_layers and spec.moe_route_scale == 1.0)
+        if llama_like and plain and not spec.qkv_bias and not spec.qk_norm and \
+                spec.head_size is None and spec.moe_norm_topk:
+            return "mixtral"
+        if llama_like and plain and not spec.qkv_bias and spec.qk_norm:
+            return "qwen3_moe"
+        raise UserError(f"{where}: Hugging Face weights of mixtures of experts are supported for "
+                         f"model_type mixtral and qwen3_moe; model {spec.name!r} has another "
+                         "architecture (DeepSeek-V3's sigmoid router, shared experts or dense "
+                         "first layers are not)")
+    if spec.qk_norm or spec.head_size is not None:
+        raise UserError(f"{where}: Hugging Face weights with head_size or qk_norm are supported "
+                         f"for model_type qwen3_moe only; model {spec.name!r} is dense")
     if (spec.mlp == "swiglu" and spec.norm == "rmsnorm" and spec.position == "rope"
             and not spec.bias and not spec.parallel_residual):
         return "qwen2" if spec.qkv_bias else "llama"
@@ -74,17 +104,36 @@ def check_supported(spec: ModelSpec, where: str) -> str:
 def sources(spec: ModelSpec) -> dict[str, Source]:
     """Every meshtron parameter name (tied weights once, as `named_parameters` gives them) ->
     where it lives in a Hugging Face checkpoint."""
-    if check_supported(spec, "model") == "gpt2":
+    mtype = check_supported(spec, "model")
+    if mtype == "gpt2":
         return _gpt2_sources(spec)
     out = {"tok_embeddings.weight": Source("model.embed_tokens.weight")}
     for i in range(spec.layers):
         for ours, theirs in _LLAMA_LAYER.items():
             if ours.endswith(".bias") and not spec.qkv_bias:
                 continue
+            if ours.startswith("feed_forward.") and spec.is_moe_layer(i):
+                continue
             out[f"layers.{i}.{ours}"] = Source(f"model.layers.{i}.{theirs}")
+        if spec.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                out[f"layers.{i}.attention.{n}.weight"] = Source(
+                    f"model.layers.{i}.self_attn.{n}.weight")
+        if spec.is_moe_layer(i):
+            out.update(_moe_sources(spec, mtype, i))
     out["norm.weight"] = Source("model.norm.weight")
     if not spec.tied_embeddings:
         out["output.weight"] = Source(LM_HEAD)
+    return out
+
+
+def _moe_sources(spec: ModelSpec, mtype: str, i: int) -> dict[str, Source]:
+    router, expert, (w1, w3, w2) = _MOE_LAYER[mtype]
+    base = f"model.layers.{i}."
+    out = {f"layers.{i}.feed_forward.router.gate.weight": Source(base + router)}
+    for ours, theirs in (("w1", w1), ("w3", w3), ("w2", w2)):
+        names = tuple(base + expert.format(e=e) + theirs for e in range(spec.moe_experts))
+        out[f"layers.{i}.feed_forward.experts.{ours}.weight"] = Source(names[0], stacked=names)
     return out
 
 
@@ -122,6 +171,9 @@ def hf_shapes(spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
     out: dict[str, list[int]] = {}
     for ours, src in sources(spec).items():
         shape = list(shapes[ours])
+        if src.stacked:  # one [out, in] tensor per expert
+            out.update({name: shape[1:] for name in src.stacked})
+            continue
         if src.transpose:
             shape = shape[::-1]
         dim = 1 if src.transpose else 0
@@ -149,8 +201,10 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
                 "vocab_size": spec.vocab, "layer_norm_epsilon": spec.norm_eps,
                 "activation_function": "gelu_new", "tie_word_embeddings": True,
                 "torch_dtype": dtype, "dtype": dtype}
+    arch = {"qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}.get(mtype, "LlamaForCausalLM")
     cfg: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if mtype == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [arch],
         "model_type": mtype,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.ffn_hidden,
@@ -173,7 +227,18 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
     }
     if spec.rope_type != "default":
         cfg["rope_scaling"] = {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
-    if mtype == "llama":
+    if spec.is_moe:
+        experts = {"num_local_experts": spec.moe_experts, "num_experts": spec.moe_experts,
+                   "num_experts_per_tok": spec.moe_top_k,
+                   "router_aux_loss_coef": spec.moe_aux_loss}
+        cfg.update(experts, use_sliding_window=False, sliding_window=None)
+        if mtype == "mixtral":  # Mixtral's experts are `intermediate_size` wide (no dense MLP)
+            cfg["intermediate_size"] = spec.moe_ffn_hidden
+        if mtype == "qwen3_moe":
+            cfg.update(moe_intermediate_size=spec.moe_ffn_hidden, decoder_sparse_step=1,
+                       mlp_only_layers=[], norm_topk_prob=spec.moe_norm_topk,
+                       attention_bias=False)
+    elif mtype == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None)
@@ -214,6 +279,8 @@ class HFTensors:
         import torch
 
         src = self.sources[name]
+        if src.stacked:
+            return [(n, tensor[e].contiguous()) for e, n in enumerate(src.stacked)]
         t = tensor.t().contiguous() if src.transpose else tensor
         total = self.want[src.name][1 if src.transpose else 0]
         if src.offset == 0 and t.shape[1 if src.transpose else 0] == total:

@@ -22,6 +22,7 @@ MLPKind = Literal["swiglu", "gelu"]
 NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
 RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
+RouterKind = Literal["softmax", "sigmoid"]
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -83,13 +84,43 @@ class ModelSpec:
     """yarn: round the ramp's end dimensions to integers (transformers' default)."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers."""
+    head_size: int | None = None
+    """Attention head size when it is not hidden/heads (Qwen3: 128 with hidden 2048, 32 heads)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3, OLMo 2)."""
+    # ---- mixture of experts (meshtron/model/moe.py); moe_experts = 0: a dense model ----------
+    moe_experts: int = 0
+    """Routed experts per MoE layer (0: every feed-forward is dense)."""
+    moe_top_k: int = 0
+    """Routed experts each token uses (the active experts)."""
+    moe_ffn_hidden: int = 0
+    """Inner width of one routed expert (SwiGLU); `ffn_hidden` stays the dense layers' width."""
+    moe_shared_experts: int = 0
+    """Shared experts every token uses (DeepSeek); one SwiGLU of width shared * moe_ffn_hidden."""
+    moe_dense_layers: int = 0
+    """The first k blocks keep a dense feed-forward (DeepSeek `first_k_dense_replace`)."""
+    moe_router: RouterKind = "softmax"
+    """'softmax' top-k (Mixtral, Qwen3-MoE) or 'sigmoid' with group-limited top-k and
+    bias-based balancing (DeepSeek-V3)."""
+    moe_norm_topk: bool = True
+    """Renormalise the top-k weights to sum to 1 (Mixtral always; Qwen3 `norm_topk_prob`)."""
+    moe_route_scale: float = 1.0
+    """Factor on the routed experts' weights (DeepSeek-V3 `routed_scaling_factor` 2.5)."""
+    moe_groups: int = 1
+    """Expert groups of group-limited routing (DeepSeek-V3 `n_group` 8)."""
+    moe_topk_groups: int = 1
+    """Groups a token may route into (DeepSeek-V3 `topk_group` 4)."""
+    moe_aux_loss: float = 0.0
+    """Coefficient of the load-balancing auxiliary loss (Switch Transformer; 0: none)."""
+    moe_bias_update: float = 0.0
+    """Bias update speed of auxiliary-loss-free balancing (DeepSeek-V3 gamma 0.001; sigmoid)."""
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise UserError(f"model.{field}={value!r}: must be a positive integer")
-        if self.hidden % self.heads:
+        if self.head_size is None and self.hidden % self.heads:
             raise UserError(
                 f"model.heads={self.heads}: must divide model.hidden={self.hidden}")
         if self.heads % self.kv_heads:
@@ -109,11 +140,24 @@ class ModelSpec:
         _check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice("model.position", self.position, ("rope", "learned"))
         _check_rope_scaling(self)
+        _check_moe(self)
 
     # ---- derived shapes -------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Block `index` has a routed feed-forward (after the first `moe_dense_layers`)."""
+        return self.is_moe and index >= self.moe_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.moe_dense_layers if self.is_moe else 0
 
     @property
     def kv_dim(self) -> int:
@@ -125,24 +169,38 @@ class ModelSpec:
 
     # ---- exact parameter counts -----------------------------------------------------------
     def attention_params(self) -> int:
-        h, kv = self.hidden, self.kv_dim
-        weights = h * h + 2 * h * kv + h * h  # q, k, v, o
+        h, kv, q = self.hidden, self.kv_dim, self.heads * self.head_dim
+        weights = h * q + 2 * h * kv + q * h  # q, k, v, o
         biases = 0
         if self.bias:
-            biases = h + 2 * kv + h
+            biases = q + 2 * kv + h
         elif self.qkv_bias:
-            biases = h + 2 * kv
-        return weights + biases
+            biases = q + 2 * kv
+        return weights + biases + (2 * self.head_dim if self.qk_norm else 0)
 
-    def mlp_params(self) -> int:
-        h, f = self.hidden, self.ffn_hidden
+    def mlp_params(self, width: int | None = None) -> int:
+        """A dense feed-forward of inner width `width` (default `ffn_hidden`)."""
+        h, f = self.hidden, self.ffn_hidden if width is None else width
         if self.mlp == "swiglu":
             return 3 * h * f + ((2 * f + h) if self.bias else 0)
         return 2 * h * f + ((f + h) if self.bias else 0)
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer block (attention, MLP, two norms)."""
-        return self.attention_params() + self.mlp_params() + 2 * self.norm_params
+    def moe_params(self, active: bool = False) -> int:
+        """One MoE feed-forward: router, routed experts (all, or the top_k a token uses when
+        `active`), shared experts. The balancing bias is a buffer-like constant, not counted."""
+        routed = self.moe_top_k if active else self.moe_experts
+        shared = self.mlp_params(self.moe_shared_experts * self.moe_ffn_hidden) \
+            if self.moe_shared_experts else 0
+        return self.hidden * self.moe_experts + routed * self.mlp_params(self.moe_ffn_hidden) \
+            + shared
+
+    def ffn_params(self, index: int, active: bool = False) -> int:
+        return self.moe_params(active) if self.is_moe_layer(index) else self.mlp_params()
+
+    def layer_params(self, index: int = 0, active: bool = False) -> int:
+        """Parameters of block `index` (attention, feed-forward, two norms); `active`: those a
+        token computes with (MoE: top_k of the routed experts)."""
+        return self.attention_params() + self.ffn_params(index, active) + 2 * self.norm_params
 
     def embedding_params(self) -> int:
         """Token embedding plus learned position table, if any."""
@@ -154,20 +212,29 @@ class ModelSpec:
         out = 0 if self.tied_embeddings else self.vocab * self.hidden
         return self.norm_params + out
 
-    def num_params(self) -> int:
-        """Exact trainable parameter count (tied weights counted once)."""
-        return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
+    def num_params(self, active: bool = False) -> int:
+        """Exact trainable parameter count (tied weights counted once); `active`: the
+        parameters one token uses (MoE: top_k routed experts per layer)."""
+        blocks = sum(self.layer_params(i, active) for i in range(self.layers))
+        return self.embedding_params() + blocks + self.head_params()
+
+    def active_params(self) -> int:
+        return self.num_params(active=True)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of forward + backward per token: 6 x (matmul params) plus attention scores.
 
         6N counts a multiply-add as 2 FLOPs and backward as twice forward (Kaplan et al. 2020);
         the attention term 12 * layers * hidden * seq is QK^T and AV (Narayanan et al. 2021, eq. 3),
-        counting a full (non-causal) square as Megatron does.
+        counting a full (non-causal) square as Megatron does (heads * head_dim for hidden).
+        MoE: the active parameters only (router, top_k experts, shared experts), as
+        DeepSeek-V3's and Megatron-Core's MoE MFU count; norms and biases are not matmuls.
         """
-        matmul_params = self.layers * (self.attention_params() + self.mlp_params())
+        matmul_params = sum(self.attention_params() + self.ffn_params(i, active=True)
+                            for i in range(self.layers))
         matmul_params += self.vocab * self.hidden  # LM head
-        return 6.0 * matmul_params + 12.0 * self.layers * self.hidden * seq_len
+        attn_width = self.heads * self.head_dim
+        return 6.0 * matmul_params + 12.0 * self.layers * attn_width * seq_len
 
     def replace(self, **changes: Any) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
@@ -207,6 +274,57 @@ def _check_rope_scaling(spec: ModelSpec) -> None:
         raise UserError(f"model.rope_truncate={spec.rope_truncate!r}: must be true or false")
 
 
+def _check_moe(spec: ModelSpec) -> None:
+    """MoE fields: all zero for a dense model; otherwise experts, top_k, width consistent."""
+    for field in ("moe_experts", "moe_top_k", "moe_ffn_hidden", "moe_shared_experts",
+                  "moe_dense_layers"):
+        value = getattr(spec, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UserError(f"model.{field}={value!r}: must be a non-negative integer")
+    if spec.head_size is not None and (not isinstance(spec.head_size, int)
+                                       or isinstance(spec.head_size, bool) or spec.head_size <= 0):
+        raise UserError(f"model.head_size={spec.head_size!r}: must be a positive integer or null")
+    if not isinstance(spec.qk_norm, bool):
+        raise UserError(f"model.qk_norm={spec.qk_norm!r}: must be true or false")
+    if not spec.is_moe:
+        return
+    if spec.mlp != "swiglu":
+        raise UserError(f"model.mlp={spec.mlp!r}: MoE experts are SwiGLU; use mlp 'swiglu'")
+    if not 1 <= spec.moe_top_k <= spec.moe_experts:
+        raise UserError(f"model.moe_top_k={spec.moe_top_k!r}: must be between 1 and "
+                         f"model.moe_experts={spec.moe_experts}")
+    if spec.moe_ffn_hidden <= 0:
+        raise UserError(f"model.moe_ffn_hidden={spec.moe_ffn_hidden!r}: must be a positive "
+                         "integer for an MoE model")
+    if spec.moe_dense_layers >= spec.layers:
+        raise UserError(f"model.moe_dense_layers={spec.moe_dense_layers}: must be below "
+                         f"model.layers={spec.layers}")
+    _check_choice("model.moe_router", spec.moe_router, ("softmax", "sigmoid"))
+    for field in ("moe_groups", "moe_topk_groups"):
+        value = getattr(spec, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"model.{field}={value!r}: must be a positive integer")
+    if spec.moe_experts % spec.moe_groups:
+        raise UserError(f"model.moe_groups={spec.moe_groups}: must divide "
+                         f"model.moe_experts={spec.moe_experts}")
+    if spec.moe_topk_groups > spec.moe_groups:
+        raise UserError(f"model.moe_topk_groups={spec.moe_topk_groups}: must be at most "
+                         f"model.moe_groups={spec.moe_groups}")
+    if spec.moe_topk_groups * (spec.moe_experts // spec.moe_groups) < spec.moe_top_k:
+        raise UserError(f"model.moe_topk_groups={spec.moe_topk_groups}: the chosen groups hold "
+                         f"fewer experts than model.moe_top_k={spec.moe_top_k}")
+    if spec.moe_groups > 1 and spec.moe_router != "sigmoid":
+        raise UserError(f"model.moe_groups={spec.moe_groups}: group-limited routing is "
+                         "implemented for moe_router 'sigmoid' (DeepSeek-V3) only")
+    for field in ("moe_route_scale", "moe_aux_loss", "moe_bias_update"):
+        value = getattr(spec, field)
+        if not _is_number(value) or not math.isfinite(value) or value < 0:
+            raise UserError(f"model.{field}={value!r}: must be a non-negative number")
+    if spec.moe_bias_update and spec.moe_router != "sigmoid":
+        raise UserError(f"model.moe_bias_update={spec.moe_bias_update}: bias-based balancing "
+                         "needs moe_router 'sigmoid'")
+
+
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in allowed:
         raise UserError(f"{field}={value!r}: allowed values are {', '.join(allowed)}")
@@ -216,6 +334,21 @@ def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, max_seq, theta=10000.0, eps=1e-5):
     return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                      ffn_hidden=ffn, vocab=vocab, max_seq=max_seq, rope_theta=theta, norm_eps=eps)
+
+
+def _qwen3_moe(name, layers, hidden, heads, kv_heads, head_size, expert):
+    return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                     ffn_hidden=6144 if hidden == 2048 else 12288, vocab=151936, max_seq=40960,
+                     rope_theta=1e6, norm_eps=1e-6, head_size=head_size, qk_norm=True,
+                     moe_experts=128, moe_top_k=8, moe_ffn_hidden=expert, moe_aux_loss=0.001)
+
+
+def _deepseek_moe(name, heads, experts, groups, topk_groups, dense, vocab, scale):
+    return ModelSpec(name=name, layers=61, hidden=7168, heads=heads, kv_heads=2, head_size=128,
+                     ffn_hidden=18432, vocab=vocab, max_seq=4096, norm_eps=1e-6,
+                     moe_experts=experts, moe_top_k=8, moe_ffn_hidden=2048, moe_shared_experts=1,
+                     moe_dense_layers=dense, moe_router="sigmoid", moe_groups=groups,
+                     moe_topk_groups=topk_groups, moe_route_scale=scale, moe_bias_update=1e-3)
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -236,6 +369,30 @@ PRESETS: dict[str, ModelSpec] = {
                   vocab=259, max_seq=512),
         ModelSpec(name="debug", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=176,
                   vocab=259, max_seq=128),
+        # Mixtures of experts (meshtron/model/moe.py). Values from each model's config.json.
+        ModelSpec(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8,
+                  ffn_hidden=14336, vocab=32000, max_seq=32768, rope_theta=1e6,
+                  moe_experts=8, moe_top_k=2, moe_ffn_hidden=14336, moe_aux_loss=0.02),
+        _qwen3_moe("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 768),
+        _qwen3_moe("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 1536),
+        # DeepSeek-V3 and Kimi K2 use multi-head latent attention (MLA), which meshtron's model
+        # does not implement: these presets replace it by GQA with MLA's head count and a
+        # 128-wide head, 2 KV heads (a 512-wide K and V per token against MLA's 576-wide
+        # latent cache). MoE fields are exact; attention has more parameters than MLA (see
+        # README: 674.6B instead of 671B total for DeepSeek-V3).
+        _deepseek_moe("deepseek-v3", heads=128, experts=256, groups=8, topk_groups=4,
+                      dense=3, vocab=129280, scale=2.5),
+        _deepseek_moe("kimi-k2", heads=64, experts=384, groups=1, topk_groups=1, dense=1,
+                      vocab=163840, scale=2.827),
+        # Tiny MoEs that train on a CPU in seconds: Mixtral-style (softmax top-2, auxiliary
+        # loss) and DeepSeek-style (sigmoid, 4 groups, shared expert, first block dense).
+        ModelSpec(name="tiny-moe", layers=4, hidden=128, heads=4, kv_heads=2, ffn_hidden=344,
+                  vocab=259, max_seq=512, moe_experts=8, moe_top_k=2, moe_ffn_hidden=96,
+                  moe_aux_loss=0.01),
+        ModelSpec(name="tiny-moe-ds", layers=4, hidden=128, heads=4, kv_heads=2, ffn_hidden=344,
+                  vocab=259, max_seq=512, moe_experts=8, moe_top_k=2, moe_ffn_hidden=64,
+                  moe_shared_experts=1, moe_dense_layers=1, moe_router="sigmoid",
+                  moe_groups=4, moe_topk_groups=2, moe_route_scale=2.5, moe_bias_update=1e-3),
         ModelSpec(name="tiny-gpt", layers=4, hidden=256, heads=8, kv_heads=8, ffn_hidden=1024,
                   vocab=259, max_seq=512, mlp="gelu", norm="layernorm", position="learned",
                   tied_embeddings=True, bias=True),
@@ -254,7 +411,8 @@ def preset(name: str) -> ModelSpec:
 
 # ---- Hugging Face config.json -----------------------------------------------------------------
 _HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
-_HF_TYPES = _HF_LLAMA_LIKE + ("gpt_neox", "gpt2")
+_HF_MOE = ("mixtral", "qwen3_moe")
+_HF_TYPES = _HF_LLAMA_LIKE + _HF_MOE + ("gpt_neox", "gpt2")
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -286,7 +444,7 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     try:
         return _from_hf_dict(cfg, name)
     except UserError as exc:
-        keys = _HF_KEYS.get("llama" if cfg.get("model_type") in _HF_LLAMA_LIKE
+        keys = _HF_KEYS.get("llama" if cfg.get("model_type") in _HF_LLAMA_LIKE + _HF_MOE
                             else str(cfg.get("model_type")), {})
         text = re.sub(r"model\.(\w+)", lambda m: f"config.json {keys[m.group(1)]}"
                       if m.group(1) in keys else m.group(0), str(exc))
@@ -336,6 +494,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                        _hf_max_seq(cfg, mtype, opt_int("max_position_embeddings", 4096))),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
+    if mtype in _HF_MOE:
+        return _hf_moe(cfg, mtype, name, need, num, flag, opt_int)
     if mtype == "gpt_neox":
         hidden = need("hidden_size")
         rotary_pct = cfg.get("rotary_pct", 1.0)
@@ -361,6 +521,41 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         vocab=need("vocab_size"), max_seq=opt_int("n_positions", 1024), mlp="gelu",
         norm="layernorm", position="learned", tied_embeddings=True, bias=True,
         norm_eps=num("layer_norm_epsilon", 1e-5),
+    )
+
+
+def _hf_moe(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_int) -> ModelSpec:
+    """Mixtral (Jiang et al. 2024) and Qwen3-MoE config.json files."""
+    qwen = mtype == "qwen3_moe"
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
+                         f"supported for model_type {mtype!r}")
+    if cfg.get("use_sliding_window") is True or (not qwen and cfg.get("sliding_window")):
+        raise UserError(f"config.json sliding_window={cfg.get('sliding_window')!r}: "
+                         "sliding-window attention is not supported; set it to null")
+    _no_out_bias(flag("attention_bias", False))
+    if qwen:
+        sparse_step, dense_only = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers", [])
+        if sparse_step != 1 or dense_only:
+            raise UserError(f"config.json decoder_sparse_step={sparse_step!r}, mlp_only_layers="
+                             f"{dense_only!r}: only every layer an MoE layer (1, []) is supported")
+    experts_key = "num_experts" if qwen and "num_experts" in cfg else "num_local_experts"
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    head_dim = opt_int("head_dim", None)
+    return ModelSpec(
+        name=name, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
+        kv_heads=opt_int("num_key_value_heads", None) or heads,
+        ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
+        tied_embeddings=flag("tie_word_embeddings", False),
+        head_size=head_dim if head_dim not in (None, hidden // heads) or qwen else None,
+        qk_norm=qwen,
+        **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
+        norm_eps=num("rms_norm_eps", 1e-6 if qwen else 1e-5),
+        moe_experts=need(experts_key), moe_top_k=need("num_experts_per_tok"),
+        moe_ffn_hidden=need("moe_intermediate_size") if qwen else need("intermediate_size"),
+        moe_norm_topk=flag("norm_topk_prob", False) if qwen else True,
+        moe_aux_loss=float(cfg.get("router_aux_loss_coef", 0.001)),
     )
 
 

@@ -69,6 +69,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=spec.bias)
+        self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | tuple | None) -> torch.Tensor:
         """`rope`: the RoPE table, or (per-token RoPE angles or None, DocumentMask) for
@@ -84,6 +86,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -109,13 +113,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
         self.parallel_residual = spec.parallel_residual
         self.attention_norm = _norm(spec)
         self.attention = Attention(spec)
         self.ffn_norm = _norm(spec)
-        self.feed_forward = FeedForward(spec)
+        if spec.is_moe_layer(index):  # mixture of experts (meshtron/model/moe.py)
+            from meshtron.model.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(spec)
+        else:
+            self.feed_forward = FeedForward(spec)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         if self.parallel_residual:
@@ -146,7 +155,7 @@ class Transformer(nn.Module):
             self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
             self.pos_embeddings: nn.Embedding | None = (
                 nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
-            self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
+            self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.layers)})
             self.norm: nn.Module | None = _norm(spec)
             self.output: nn.Linear | None = OutputHead(spec.hidden, spec.vocab, bias=False)
             if spec.tied_embeddings:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtron.errors import UserError
+
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Module:
     """Shard `model` (a Transformer or a pipeline-stage chunk of one) over `tp_mesh` in place."""
@@ -41,6 +43,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Mod
 
     if tp_mesh.size() == 1:
         return model
+    spec = getattr(model, "spec", None)
+    if spec is not None and spec.is_moe:
+        raise UserError(f"tp={tp_mesh.size()}: tensor parallelism of mixture-of-experts models "
+                         f"(model {spec.name!r}) is not implemented yet; use tp=1 (experts are "
+                         "sharded by expert parallelism, meshtron/parallel/expert.py)")
     seq = Shard(1) if sp else Replicate()
     top: dict[str, Any] = {}
     tied = (getattr(model, "tok_embeddings", None) is not None
