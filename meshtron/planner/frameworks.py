@@ -110,7 +110,8 @@ _TORCHTITAN = Framework(
     "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
     "selective_ac_option 'op')",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True),
-    MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager"), "fp32")
+    MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
+                  gqa_copies=True), "fp32")
 _MEGATRON_2021 = Framework(
     "megatron", "2021", "Megatron-LM PTD-P (Narayanan et al. 2021, SC'21)",
     "NVIDIA/Megatron-LM 2021: megatron/arguments.py (bf16 forces "
@@ -152,7 +153,7 @@ _DEEPSPEED_2024 = Framework(
                   fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, recompute_regathers=True),
-    MemoryOptions(framework="deepspeed", activations="eager", loss="eager"), "bf16")
+    MemoryOptions(framework="deepspeed", activations="eager", loss="eager", gqa_copies=True), "bf16")
 
 PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
     _MESHTRON, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _DEEPSPEED_2021, _DEEPSPEED_2024)}

@@ -50,7 +50,7 @@ Activations per layer and micro-batch: the tensors autograd saves, listed op by 
   `torch.autograd.graph.saved_tensors_hooks` in tests/test_memory.py): norm inputs (x, x1), the
   normed inputs of QKV and of the MLP (gathered, so full width even with sequence parallelism:
   DTensor saves the all-gathered input), Q and K after RoPE and V as SDPA sees them (K and V
-  repeated to all query heads for grouped-query attention), SDPA's output and its reshaped copy
+  at kv width with native GQA; repeated to all query heads where `gqa_copies`), SDPA's output and its reshaped copy
   (the out-projection's input), the log-sum-exp, and SwiGLU's gate, up, SiLU output and product
   (GeLU: pre-activation and output). Selective recomputation (meshtron's policy,
   meshtron/parallel/recompute.py) keeps the block input, every matmul output (the row-parallel
@@ -138,6 +138,11 @@ class MemoryOptions:
     start of backward), 'vocab-parallel' (Megatron-LM: bf16 logits + fp32 softmax overwritten by
     its gradient, 6) or 'inplace' (flash-attn's fused loss as llm-foundry uses it: the gradient
     overwrites the 16-bit logits, 2); None: 'eager' for fsdp2, 'vocab-parallel' otherwise."""
+    gqa_copies: bool = False
+    """Grouped-query attention copies K and V to every query head before attention
+    (`repeat_kv` in torchtitan's and Hugging Face's Llama, saved for backward at full width);
+    False: SDPA's native GQA (`enable_gqa=True`, meshtron/model/attention.py) keeps them at
+    kv width."""
     fused_norm: bool = True
     """RMSNorm runs as one kernel saving only its input (CUDA: aten._fused_rms_norm, PyTorch
     PR #153666); False: the composite path (PyTorch on CPU), which also saves an fp32 copy of
@@ -273,7 +278,7 @@ def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attenti
     """Bytes per token one eager block saves without recomputation (module docstring)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
     cb = mem.compute_bytes
-    kv_sdpa = h if model.heads != model.kv_heads else kv  # repeat_interleave for GQA
+    kv_sdpa = h if mem.gqa_copies and model.heads != model.kv_heads else kv
     h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
     if model.norm == "rmsnorm" and not mem.fused_norm:
         # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor

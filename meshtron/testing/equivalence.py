@@ -93,10 +93,12 @@ def document_eos(cfg: dict[str, Any]) -> int | None:
 def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
     """The single-process run. cfg["dtype"] = "bf16": the product's one-process bf16 mixed
     precision (meshtron.train.precision.BF16Compute: what FSDP2's MixedPrecisionPolicy
-    computes), in micro-batches of cfg["micro_batch"] sequences (default: the whole batch)."""
+    computes), in micro-batches of cfg["micro_batch"] sequences (default: the whole batch).
+    cfg["whole_logits"]: the loss on whole logits, as a pipeline's last stage computes it (the
+    chunked loss accumulates the head's bf16 gradient chunk by chunk)."""
     import torch
 
-    from meshtron.model.transformer import Transformer
+    from meshtron.model.transformer import Transformer, cross_entropy_loss
     from meshtron.train.loop import forward_backward
     from meshtron.train.optim import adamw_kernel
     from meshtron.train.precision import BF16Compute
@@ -113,7 +115,8 @@ def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
     losses, norms = [], []
     for step in range(cfg["steps"]):
         loss = forward_backward(model, inputs[step], targets[step],
-                                cfg.get("micro_batch") or cfg["batch"], mp)
+                                cfg.get("micro_batch") or cfg["batch"], mp,
+                                cross_entropy_loss if cfg.get("whole_logits") else None)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -78,10 +78,13 @@ class TrainResult:
 
 
 def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     micro_batch: int, mp: BF16Compute | None = None) -> torch.Tensor:
+                     micro_batch: int, mp: BF16Compute | None = None,
+                     loss_fn=None) -> torch.Tensor:
     """Accumulate gradients of the batch mean loss over micro-batches; returns the mean loss
     (a detached 0-d tensor: no host synchronisation). With `mp` (bf16 mixed precision) the
-    bf16 copy computes and its gradients land in `model`'s fp32 `.grad`."""
+    bf16 copy computes and its gradients land in `model`'s fp32 `.grad`. `loss_fn(logits,
+    targets)`: a whole-logits loss instead of the model's chunked one (what a pipeline's last
+    stage computes; the equivalence tests' bf16 reference of pipelined layouts)."""
     rows = inputs.shape[0]
     total = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if mp is not None:
@@ -91,7 +94,8 @@ def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
         x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
         # x.shape[0] / rows: a power of two in the usual batch geometries, which scales bf16
         # gradients exactly (so micro-batching matches data parallelism bit for bit there)
-        loss = compute(x, y) * (x.shape[0] / rows)  # chunked head + loss (model/loss.py)
+        loss = (compute(x, y) if loss_fn is None  # chunked head + loss (model/loss.py)
+                else loss_fn(compute(x), y)) * (x.shape[0] / rows)
         loss.backward()
         if mp is not None:
             mp.accumulate()
