@@ -115,6 +115,15 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
     linear("attention.wv", kv, h, qkv_bias)
     linear("attention.wo", h, q, spec.bias)
     norm("ffn_norm")
+    if spec.is_moe_layer(i):  # meshtron/model/moe.py (the balancing bias is not trained)
+        e, fe, fs = spec.moe_experts, spec.moe_ffn_hidden, spec.moe_shared_experts * spec.moe_ffn_hidden
+        out.append((pre + "feed_forward.router.gate.weight", (e, h)))
+        for name, shape in (("w1", (e, fe, h)), ("w3", (e, fe, h)), ("w2", (e, h, fe))):
+            out.append((pre + f"feed_forward.experts.{name}.weight", shape))
+        if fs:
+            for name, n_out, n_in in (("w1", fs, h), ("w3", fs, h), ("w2", h, fs)):
+                linear(f"feed_forward.shared.{name}", n_out, n_in, False)
+        return out
     linear("feed_forward.w1", f, h, spec.bias)
     linear("feed_forward.w2", h, f, spec.bias)
     if spec.mlp == "swiglu":
@@ -228,7 +237,7 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
     those states, for meshtron's own runtime (FSDP2 framework, `dtype`). `plan` also needs
     global_batch, seq_len, micro_batch, recompute and sp."""
     from meshtron.planner import memory, pipeline
-    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.compute import KernelOptions, active_equivalent
 
     opts = opts or KernelOptions()
     mem = memory.MemoryOptions(dtype=dtype, framework="fsdp2")
@@ -240,12 +249,13 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
     place = placement(plan, tp * cp * pp * dp)
     m = plan.global_batch // (dp * plan.micro_batch)
     seq = plan.seq_len // cp  # a context rank holds seq/cp tokens (as estimate.py costs it)
-    args = (spec, tp, plan.sp, plan.micro_batch, seq, plan.recompute, opts, mem)
+    act_spec = active_equivalent(spec)  # activations: the experts a token runs through
+    args = (act_spec, tp, plan.sp, plan.micro_batch, seq, plan.recompute, opts, mem)
     act = memory.activation_bytes(*args) + memory.gathered_kv_bytes(
         spec, tp, plan.micro_batch, plan.seq_len, cp, plan.recompute, opts, mem)
     work = memory.recompute_working_bytes(*args)
     logits = memory.logits_bytes(spec, tp, plan.micro_batch, seq, mem, pipelined=pp > 1)
-    p_layer = memory.layer_params_local(spec, tp)
+    p_layer = memory.layer_params_local(spec, tp, pp)
     largest = memory.largest_param_local(spec, tp)
     out = []
     for st in rank_states(spec, plan, dtype):
