@@ -139,8 +139,9 @@ def dp2_rank_fn(models: list[str]) -> list[dict]:
             rows = tokens[4 * r:4 * r + 4]
             losses.append(float(engine.train_step(rows[:, :-1], rows[:, 1:]).loss))
         record = engine.router_record()
+        memory = engine.memory_bytes()
         biases = [b.tolist() for b in _biases(engine.pm.model_parts[0])]
-        out.append({"losses": losses, "record": record, "biases": biases})
+        out.append({"losses": losses, "record": record, "biases": biases, "memory": memory})
         engine.release()
         dist.barrier()
     return out
@@ -163,5 +164,15 @@ def test_dp2_matches_one_process():
             rec = got["record"]
             assert rec["moe_dropped"] == 0 and rec["moe_imbalance_max"] >= 1.0
         assert results[0][i]["record"] == results[1][i]["record"]
+        # the planner's per-rank states (the balancing bias a parameter without gradient or
+        # AdamW state) are the bytes the runtime holds
+        from meshtron.planner.memory_ranks import rank_states
+        from meshtron.planner.plan import Plan
+
+        plan = Plan(1, 1, 2, 3, 2, "none", False, None, 1, dtype="fp32")
+        for rank, st in enumerate(rank_states(PRESETS[name], plan, "fp32")):
+            got = results[rank][i]["memory"]
+            assert (got["params"], got["grads"], got["optimizer"]) == (
+                st.params, st.grads, st.optimizer), (name, rank)
         if name == "tiny-moe-ds":
             assert any(torch.tensor(b).abs().max() > 0 for b in results[0][i]["biases"])

@@ -43,6 +43,20 @@ def test_memory_counts_every_expert():
     assert memory.layer_params_local(ds, 1, pp=8) == ds.layer_params(ds.layers - 1)
 
 
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-ds"])
+def test_param_shapes_follow_the_moe_module(name):
+    import torch
+
+    from meshtron.model import Transformer
+    from meshtron.planner.memory_ranks import param_shapes
+
+    spec = PRESETS[name]
+    with torch.device("meta"):
+        model = Transformer(spec)
+    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert param_shapes(spec, range(spec.layers), True, True) == real
+
+
 def test_rank_states_list_the_expert_tensors():
     spec = PRESETS["tiny-moe"]
     plan = Plan(1, 1, 2, 3, 1, "none", False, None, 1, dtype="fp32")

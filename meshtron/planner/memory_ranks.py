@@ -30,6 +30,8 @@ from typing import Any
 from meshtron.model.spec import ModelSpec
 
 FP32 = 4
+FROZEN = "feed_forward.router.expert_bias"
+"""DeepSeek-V3's balancing bias (meshtron/model/moe.py): held, never given a gradient."""
 ADAM_MOMENTS = 2
 
 _COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.",
@@ -115,8 +117,10 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
     linear("attention.wv", kv, h, qkv_bias)
     linear("attention.wo", h, q, spec.bias)
     norm("ffn_norm")
-    if spec.is_moe_layer(i):  # meshtron/model/moe.py (the balancing bias is not trained)
+    if spec.is_moe_layer(i):  # meshtron/model/moe.py
         e, fe, fs = spec.moe_experts, spec.moe_ffn_hidden, spec.moe_shared_experts * spec.moe_ffn_hidden
+        if spec.moe_router == "sigmoid":  # the balancing bias: a Parameter nothing trains
+            out.append((pre + FROZEN, (e,)))  # (the router's own, before its gate's)
         out.append((pre + "feed_forward.router.gate.weight", (e, h)))
         for name, shape in (("w1", (e, fe, h)), ("w3", (e, fe, h)), ("w2", (e, h, fe))):
             out.append((pre + f"feed_forward.experts.{name}.weight", shape))
@@ -215,11 +219,15 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
         r_shard = c["dp_shard"] * cp + c.get("cp", 0)  # rank in "dp_shard" (x "cp")
         r_dp = c["dp_replicate"] * dp_shard + r_shard  # rank in the flattened "dp" group
         n_sh, r_sh = (dp, r_dp) if zero1_fsdp else (dp_shard, r_shard)
-        params = opt = layers = 0
+        params = opt = layers = frozen = 0
         for s in stages_of_rank(pp, v, getattr(plan, "schedule", "1f1b"), r_pp):
-            shapes = [local_shape(name, shape, tp, r_tp, n_sh, r_sh, fsdp)
-                      for name, shape in param_shapes(spec, ranges[s], s == 0, s == n_stages - 1)]
-            numels = [math.prod(sh) for sh in shapes]
+            numels = []
+            for name, shape in param_shapes(spec, ranges[s], s == 0, s == n_stages - 1):
+                n = math.prod(local_shape(name, shape, tp, r_tp, n_sh, r_sh, fsdp))
+                if name.endswith(FROZEN):  # no gradient, no AdamW state: a parameter only
+                    frozen += FP32 * n
+                else:
+                    numels.append(n)
             layers += len(ranges[s])
             params += FP32 * sum(numels)
             if zero == 1 and dp > 1 and not zero1_fsdp:
@@ -227,7 +235,7 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
                 opt += FP32 * ADAM_MOMENTS * sum(k for k, o in zip(numels, owner) if o == r_dp)
             else:
                 opt += FP32 * ADAM_MOMENTS * sum(numels)
-        out.append(RankState(rank, params, params, opt, layers))
+        out.append(RankState(rank, params + frozen, params, opt, layers))
     return out
 
 

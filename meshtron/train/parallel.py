@@ -91,6 +91,7 @@ class ParallelEngine:
         self.grad_bytes: int | None = None
         self.spec = cfg.model
         self._moe: list | None = None
+        self._dp_group: Any = False  # not made yet (see _data_group)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         """One optimizer step with no host synchronisation."""
@@ -106,7 +107,7 @@ class ParallelEngine:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         if moe:  # every data rank applies the update of the summed load
-            router.update_bias(self.pm.model_parts, group=self.pm._loss_mesh().get_group())
+            router.update_bias(self.pm.model_parts, group=self._data_group())
         if self.diloco is not None:
             self.diloco.after_inner_step()
         self.scheduler.step()
@@ -118,12 +119,21 @@ class ParallelEngine:
             self._moe = router.moe_layers(self.pm.model_parts) if self.spec.is_moe else []
         return self._moe
 
+    def _data_group(self):
+        """The ranks that route different tokens through the same experts: dp (x cp); None
+        when alone. Made once (with cp, a `_flatten`: every rank reaches it at step 1)."""
+        if self._dp_group is False:
+            lay = self.pm.layout
+            self._dp_group = (self.pm._loss_mesh().get_group() if lay.dp * lay.cp > 1
+                              else None)
+        return self._dp_group
+
     def router_record(self) -> dict[str, float]:
         """Router statistics over every rank's MoE layers (meshtron/train/router.py)."""
         lay = self.pm.layout
         return router.router_record(
-            self._moe_layers(), self.spec, self.pm.device,
-            dp_group=self.pm._loss_mesh().get_group(), dp=lay.dp * lay.cp,
+            self._moe_layers(), self.spec, self.pm.device, dp_group=self._data_group(),
+            dp=lay.dp * lay.cp,
             pp_group=self.mesh["pp"].get_group() if self.pm.is_pipelined else None)
 
     def read_log(self, out: StepOutput, seconds: float) -> tuple[float, float | None, float]:
