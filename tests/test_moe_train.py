@@ -118,9 +118,14 @@ def test_train_writes_router_statistics(tmp_path):
         assert 0.9 < r["moe_aux_loss"] < 8.0
 
 
-def dp2_rank_fn(models: list[str]) -> list[dict]:
-    """Per rank (under run_on_ranks): STEPS steps of each model with dp=2, ZeRO-3, 2 micro-
-    batches per rank, on rows [4r, 4r+4) of the single-process batches."""
+CASES = [("tiny-moe", dict(dp=2, zero=3)), ("tiny-moe-ds", dict(dp=2, zero=3)),
+         ("tiny-moe-ds", dict(pp=2, zero=0, schedule="1f1b"))]
+
+
+def two_rank_fn(cases) -> list[dict]:
+    """Per rank (under run_on_ranks): STEPS steps of each case, 2 micro-batches of 2 rows per
+    data rank: dp=2 (ZeRO-3) on rows [4r, 4r+4) of the single-process batches, or pp=2 (1F1B,
+    whose first step infers shapes with an extra forward per stage) on all of them."""
     import torch.distributed as dist
 
     from meshtron.planner.plan import Plan
@@ -128,16 +133,17 @@ def dp2_rank_fn(models: list[str]) -> list[dict]:
 
     torch.set_num_threads(1)
     out = []
-    for name in models:
+    for name, kw in cases:
         cfg = _cfg(name)
-        plan = Plan(model=name, cluster="test", global_batch=8, seq_len=32, tp=1, pp=1, dp=2,
-                    zero=3, micro_batch=2, recompute="none", dtype="fp32")
+        kw = {"tp": 1, "pp": 1, "dp": 1, **kw}
+        plan = Plan(model=name, cluster="test", global_batch=8, seq_len=32, micro_batch=2,
+                    recompute="none", dtype="fp32", **kw)
         engine = ParallelEngine(cfg, plan, torch.device("cpu"))
-        r = engine.dp_rank
+        r, rows = engine.dp_rank, 8 // kw["dp"]
         losses = []
         for tokens in _batches(cfg.model.vocab):
-            rows = tokens[4 * r:4 * r + 4]
-            losses.append(float(engine.train_step(rows[:, :-1], rows[:, 1:]).loss))
+            part = tokens[rows * r:rows * (r + 1)]
+            losses.append(float(engine.train_step(part[:, :-1], part[:, 1:]).loss))
         record = engine.router_record()
         memory = engine.memory_bytes()
         biases = [b.tolist() for b in _biases(engine.pm.model_parts[0])]
@@ -147,32 +153,36 @@ def dp2_rank_fn(models: list[str]) -> list[dict]:
     return out
 
 
-def test_dp2_matches_one_process():
+def test_dp2_and_pp2_match_one_process():
+    from meshtron.planner.memory_ranks import rank_states
+    from meshtron.planner.plan import Plan
     from meshtron.testing.multiproc import run_on_ranks
 
-    models = ["tiny-moe", "tiny-moe-ds"]
-    results = run_on_ranks(dp2_rank_fn, 2, models, timeout=300)
-    for i, name in enumerate(models):
-        engine, ref = _local_run(name)
+    results = run_on_ranks(two_rank_fn, 2, CASES, timeout=300)
+    refs = {name: _local_run(name) for name in {n for n, _ in CASES}}
+    for i, (name, kw) in enumerate(CASES):
+        engine, ref = refs[name]
         ref_bias = _biases(engine.model)
+        got = [results[rank][i] for rank in range(2)]
         for rank in range(2):
-            got = results[rank][i]
-            assert got["losses"] == pytest.approx(ref, rel=1e-5), (name, rank)
-            assert len(got["biases"]) == len(ref_bias)
-            for b, want in zip(got["biases"], ref_bias):
-                assert torch.allclose(torch.tensor(b), want, atol=1e-9), (name, rank)
-            rec = got["record"]
+            assert got[rank]["losses"] == pytest.approx(ref, rel=1e-5), (name, kw, rank)
+            rec = got[rank]["record"]
             assert rec["moe_dropped"] == 0 and rec["moe_imbalance_max"] >= 1.0
-        assert results[0][i]["record"] == results[1][i]["record"]
-        # the planner's per-rank states (the balancing bias a parameter without gradient or
-        # AdamW state) are the bytes the runtime holds
-        from meshtron.planner.memory_ranks import rank_states
-        from meshtron.planner.plan import Plan
-
-        plan = Plan(1, 1, 2, 3, 2, "none", False, None, 1, dtype="fp32")
-        for rank, st in enumerate(rank_states(PRESETS[name], plan, "fp32")):
-            got = results[rank][i]["memory"]
-            assert (got["params"], got["grads"], got["optimizer"]) == (
-                st.params, st.grads, st.optimizer), (name, rank)
+        assert got[0]["record"] == got[1]["record"]
+        # dp: every rank holds every bias; pp: each stage its layers'
+        biases = (got[0]["biases"] + got[1]["biases"] if kw.get("pp") else got[0]["biases"])
+        if kw.get("dp"):
+            assert got[0]["biases"] == got[1]["biases"]
+        assert len(biases) == len(ref_bias)
+        for b, want in zip(biases, ref_bias):
+            assert torch.allclose(torch.tensor(b), want, atol=1e-9), (name, kw)
         if name == "tiny-moe-ds":
-            assert any(torch.tensor(b).abs().max() > 0 for b in results[0][i]["biases"])
+            assert any(torch.tensor(b).abs().max() > 0 for b in biases)
+        if kw.get("dp"):
+            # the planner's per-rank states (the balancing bias a parameter without gradient
+            # or AdamW state) are the bytes the runtime holds
+            plan = Plan(1, 1, 2, 3, 2, "none", False, None, 1, dtype="fp32")
+            for rank, st in enumerate(rank_states(PRESETS[name], plan, "fp32")):
+                m = got[rank]["memory"]
+                assert (m["params"], m["grads"], m["optimizer"]) == (
+                    st.params, st.grads, st.optimizer), (name, rank)

@@ -214,6 +214,10 @@ class MoE(nn.Module):
     """The micro-batch's share of the step (1/M for M accumulated micro-batches, as its loss
     is weighted; set by the training loop, meshtron/train/router.py)."""
 
+    count_load: bool = True
+    """Count this forward's tokens into `load_since_update` (off while the pipeline schedule
+    infers tensor shapes, meshtron/parallel/pipeline.py)."""
+
     dispatcher = None
     """Set by `meshtron.parallel.expert.apply_expert_parallel`: sends the sorted tokens to the
     ranks holding their experts and back (None: all experts are local)."""
@@ -267,7 +271,7 @@ class MoE(nn.Module):
         load = counts.float()
         if self.load_since_update is None:
             self.load_since_update = torch.zeros_like(load)
-        if self.training:  # evaluation tokens do not steer the balancing bias
+        if self.training and self.count_load:  # evaluation tokens do not steer the bias
             self.load_since_update += load
         self.last_stats = {"load": load, "imbalance": load.max() / load.mean().clamp_min(1e-9),
                            "dropped": torch.zeros((), device=load.device)}
