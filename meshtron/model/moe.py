@@ -208,7 +208,15 @@ class MoE(nn.Module):
     """The MoE feed-forward of one block: x [batch, seq, hidden] -> same shape."""
 
     aux_loss_scale: float = 1.0
-    """Extra factor on the auxiliary loss's gradient (1/M for M accumulated micro-batches)."""
+    """Extra factor on the auxiliary loss's gradient (expert parallelism: x ep, expert.py)."""
+
+    accum_scale: float = 1.0
+    """The micro-batch's share of the step (1/M for M accumulated micro-batches, as its loss
+    is weighted; set by the training loop, meshtron/train/router.py)."""
+
+    count_load: bool = True
+    """Count this forward's tokens into `load_since_update` (off while the pipeline schedule
+    infers tensor shapes, meshtron/parallel/pipeline.py)."""
 
     dispatcher = None
     """Set by `meshtron.parallel.expert.apply_expert_parallel`: sends the sorted tokens to the
@@ -252,7 +260,8 @@ class MoE(nn.Module):
         if spec.moe_aux_loss > 0 and self.training and torch.is_grad_enabled():
             aux = aux_loss(routing, global_counts, spec.moe_experts, k, total)
             self.last_stats["aux_loss"] = aux.detach()
-            out = AuxLossInjector.apply(out, aux, spec.moe_aux_loss * self.aux_loss_scale)
+            out = AuxLossInjector.apply(out, aux, spec.moe_aux_loss * self.aux_loss_scale
+                                      * self.accum_scale)
         return out.view(shape)
 
     @torch.no_grad()
@@ -262,7 +271,8 @@ class MoE(nn.Module):
         load = counts.float()
         if self.load_since_update is None:
             self.load_since_update = torch.zeros_like(load)
-        self.load_since_update += load
+        if self.training and self.count_load:  # evaluation tokens do not steer the bias
+            self.load_since_update += load
         self.last_stats = {"load": load, "imbalance": load.max() / load.mean().clamp_min(1e-9),
                            "dropped": torch.zeros((), device=load.device)}
 

@@ -103,5 +103,32 @@ def build_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
 def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: torch.device):
     from torch.distributed.pipelining import PipelineStage
 
-    return PipelineStage(module, stage, lay.num_stages, device, group=pp_group)
+    st = PipelineStage(module, stage, lay.num_stages, device, group=pp_group)
+    _uncounted_metadata_forward(st, module)
+    return st
+
+
+def _uncounted_metadata_forward(st, module: nn.Module) -> None:
+    """torch.distributed.pipelining infers the stages' tensor metadata with one forward per
+    stage at the first step (PipelineStage._forward_metadata_inference: the first stage on the
+    real micro-batch, the others on uninitialized tensors). Routers must not count those
+    tokens into the balancing bias's load (meshtron/model/moe.py): only this stage object's
+    method is wrapped, nothing process-wide."""
+    from meshtron.model.moe import MoE
+
+    moe = [m for m in module.modules() if isinstance(m, MoE)]
+    infer = getattr(st, "_forward_metadata_inference", None)
+    if not moe or infer is None:
+        return
+
+    def uncounted(*args, **kwargs):
+        for m in moe:
+            m.count_load = False
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            for m in moe:
+                m.count_load = True
+
+    st._forward_metadata_inference = uncounted
 

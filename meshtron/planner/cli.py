@@ -142,6 +142,11 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
     return knobs
 
 
+MOE_NOTE = ("mixture of experts: memory counts every expert, compute only the active ones; "
+            "expert parallelism and its all-to-all are not modelled yet (no ep axis), nor "
+            "tensor parallelism of the experts (tp=1 only)")
+
+
 def run(args: argparse.Namespace) -> int:
     from meshtron.planner import report
     from meshtron.planner.cluster import resolve_cluster
@@ -153,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top <= 0:
         raise UserError(f"top={args.top}: must be a positive integer")
     notes = []
+    if model.is_moe:
+        notes.append(MOE_NOTE)
     seq = args.seq_len
     if seq is None:
         seq = min(model.max_seq, DEFAULT_SEQ_LEN)

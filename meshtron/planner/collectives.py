@@ -103,7 +103,7 @@ def local_stages(plan: Any, pp_rank: int) -> list[int]:
 def _units(plan: Any, model: Any, pp_rank: int) -> list[float]:
     """Parameters (per tensor rank) of this rank's FSDP units, in forward order."""
     counts = list(plan.stage_layers) or even_stage_layers(model.layers, plan.num_stages)
-    p_layer = memory.layer_params_local(model, plan.tp)
+    p_layer = memory.layer_params_local(model, plan.tp, plan.pp)
     units: list[float] = []
     last = plan.num_stages - 1
     for s in local_stages(plan, pp_rank):

@@ -534,6 +534,24 @@ def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch:
     return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=nbytes / hbm + tp_f, wgrad=0.0)
 
 
+def active_equivalent(model: ModelSpec) -> ModelSpec:
+    """The dense model that computes what a token of `model` computes: a mixture of experts
+    becomes one SwiGLU per block of the mean active width (top_k routed experts + shared
+    experts, the router's E outputs as E/3 more columns of the three GEMMs: same FLOPs), so
+    GEMM time, memory-bound traffic and saved activations count active parameters only
+    (memory counts all of them: `memory.layer_params_local`). Not modelled: the per-expert
+    GEMMs' smaller shapes (grouped-GEMM efficiency), the token permutation copies and the
+    expert all-to-all (no ep axis yet). A dense model is returned unchanged."""
+    if not model.is_moe:
+        return model
+    moe = (model.moe_top_k + model.moe_shared_experts) * model.moe_ffn_hidden \
+        + model.moe_experts / 3.0
+    width = (model.moe_dense_layers * model.ffn_hidden + model.moe_layers * moe) / model.layers
+    return model.replace(ffn_hidden=max(1, round(width)), mlp="swiglu", moe_experts=0,
+                         moe_top_k=0, moe_ffn_hidden=0, moe_shared_experts=0,
+                         moe_dense_layers=0, moe_aux_loss=0.0, moe_bias_update=0.0)
+
+
 def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:
     """Model FLOPs of one optimizer step (forward + backward, no recomputation)."""
     return model.flops_per_token(seq) * tokens
@@ -544,8 +562,10 @@ def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attent
     core = 4.0 * model.layers * model.hidden * seq  # QK^T + AV forward, full square
     if recompute in ("full", "half"):
         share = 1.0 if recompute == "full" else 0.5  # 'half': every second block
-        return share * (2.0 * model.layers * (model.attention_params() + model.mlp_params())
-                        + core)
+        # active parameters only: recomputation replays the experts a token ran through
+        matmul = sum(model.attention_params() + model.ffn_params(i, active=True)
+                     for i in range(model.layers))
+        return share * (2.0 * matmul + core)
     if recompute == "selective" and attention == "unfused":
         return core
     return 0.0

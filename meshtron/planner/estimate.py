@@ -125,6 +125,9 @@ class Evaluator(DataParallelCost):
                  opts: KernelOptions | None = None,
                  mem: memory.MemoryOptions | None = None) -> None:
         self.model, self.cluster = model, cluster
+        # what a token computes (a mixture of experts: its active experts); memory and the
+        # data-parallel traffic count every parameter (self.model)
+        self.active = compute.active_equivalent(model)
         self.global_batch, self.seq = global_batch, seq_len
         self.opts = opts or KernelOptions()
         # the framework decides the bytes (memory.py; default: meshtron's runtime), the plan's
@@ -158,7 +161,7 @@ class Evaluator(DataParallelCost):
         if hit is not None:
             return hit
         m, cl, opts, s = self.model, self.cluster, self.opts, self.seq
-        lc = compute.layer_cost(m, cl, tp, mb, s, sp, opts, cp, dtype)
+        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         if rec == "selective" and opts.attention == "flash":
             # what the framework's selective policy runs again in the backward (memory.py):
@@ -196,7 +199,7 @@ class Evaluator(DataParallelCost):
             if mem.dtype != dtype:
                 mem = dataclasses.replace(mem, dtype=dtype)
             seq = self.seq // cp
-            args = (self.model, tp, sp, mb, seq, rec, self.opts, mem)
+            args = (self.active, tp, sp, mb, seq, rec, self.opts, mem)
             kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)
             hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv,
                                memory.recompute_working_bytes(*args),
@@ -221,7 +224,7 @@ class Evaluator(DataParallelCost):
         key = ("params", tp, pp)
         hit = self._cache.get(key)
         if hit is None:
-            hit = StageParams(memory.layer_params_local(self.model, tp),
+            hit = StageParams(memory.layer_params_local(self.model, tp, pp),
                    memory.embedding_params_local(self.model, tp),
                    memory.head_params_local(self.model, tp, pp),
                    memory.largest_param_local(self.model, tp))

@@ -219,8 +219,17 @@ def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
     return w, g, o
 
 
-def layer_params_local(model: ModelSpec, tp: int) -> float:
-    """Parameters of one layer held by one tensor-parallel rank (norm weights replicated)."""
+def layer_params_local(model: ModelSpec, tp: int, pp: int = 1) -> float:
+    """Parameters of one layer held by one tensor-parallel rank (norm weights replicated).
+
+    Mixtures of experts hold ALL their experts (`ModelSpec.layer_params`, total parameters;
+    only the active ones compute, `compute.active_equivalent`). With dense first layers
+    (DeepSeek-V3) the blocks differ: without pipelining the mean block (the stage's total is
+    exact), with it the largest (the fullest stage holds MoE blocks only)."""
+    if model.is_moe:
+        sizes = [model.layer_params(i) for i in range(model.layers)]
+        per = sum(sizes) / len(sizes) if pp == 1 else max(sizes)
+        return (per - 2 * model.norm_params) / tp + 2 * model.norm_params
     return (model.attention_params() + model.mlp_params()) / tp + 2 * model.norm_params
 
 

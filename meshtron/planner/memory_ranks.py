@@ -30,6 +30,8 @@ from typing import Any
 from meshtron.model.spec import ModelSpec
 
 FP32 = 4
+FROZEN = "feed_forward.router.expert_bias"
+"""DeepSeek-V3's balancing bias (meshtron/model/moe.py): held, never given a gradient."""
 ADAM_MOMENTS = 2
 
 _COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.",
@@ -115,6 +117,17 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
     linear("attention.wv", kv, h, qkv_bias)
     linear("attention.wo", h, q, spec.bias)
     norm("ffn_norm")
+    if spec.is_moe_layer(i):  # meshtron/model/moe.py
+        e, fe, fs = spec.moe_experts, spec.moe_ffn_hidden, spec.moe_shared_experts * spec.moe_ffn_hidden
+        if spec.moe_router == "sigmoid":  # the balancing bias: a Parameter nothing trains
+            out.append((pre + FROZEN, (e,)))  # (the router's own, before its gate's)
+        out.append((pre + "feed_forward.router.gate.weight", (e, h)))
+        for name, shape in (("w1", (e, fe, h)), ("w3", (e, fe, h)), ("w2", (e, h, fe))):
+            out.append((pre + f"feed_forward.experts.{name}.weight", shape))
+        if fs:
+            for name, n_out, n_in in (("w1", fs, h), ("w3", fs, h), ("w2", h, fs)):
+                linear(f"feed_forward.shared.{name}", n_out, n_in, False)
+        return out
     linear("feed_forward.w1", f, h, spec.bias)
     linear("feed_forward.w2", h, f, spec.bias)
     if spec.mlp == "swiglu":
@@ -206,11 +219,15 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
         r_shard = c["dp_shard"] * cp + c.get("cp", 0)  # rank in "dp_shard" (x "cp")
         r_dp = c["dp_replicate"] * dp_shard + r_shard  # rank in the flattened "dp" group
         n_sh, r_sh = (dp, r_dp) if zero1_fsdp else (dp_shard, r_shard)
-        params = opt = layers = 0
+        params = opt = layers = frozen = 0
         for s in stages_of_rank(pp, v, getattr(plan, "schedule", "1f1b"), r_pp):
-            shapes = [local_shape(name, shape, tp, r_tp, n_sh, r_sh, fsdp)
-                      for name, shape in param_shapes(spec, ranges[s], s == 0, s == n_stages - 1)]
-            numels = [math.prod(sh) for sh in shapes]
+            numels = []
+            for name, shape in param_shapes(spec, ranges[s], s == 0, s == n_stages - 1):
+                n = math.prod(local_shape(name, shape, tp, r_tp, n_sh, r_sh, fsdp))
+                if name.endswith(FROZEN):  # no gradient, no AdamW state: a parameter only
+                    frozen += FP32 * n
+                else:
+                    numels.append(n)
             layers += len(ranges[s])
             params += FP32 * sum(numels)
             if zero == 1 and dp > 1 and not zero1_fsdp:
@@ -218,7 +235,7 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
                 opt += FP32 * ADAM_MOMENTS * sum(k for k, o in zip(numels, owner) if o == r_dp)
             else:
                 opt += FP32 * ADAM_MOMENTS * sum(numels)
-        out.append(RankState(rank, params, params, opt, layers))
+        out.append(RankState(rank, params + frozen, params, opt, layers))
     return out
 
 
@@ -228,7 +245,7 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
     those states, for meshtron's own runtime (FSDP2 framework, `dtype`). `plan` also needs
     global_batch, seq_len, micro_batch, recompute and sp."""
     from meshtron.planner import memory, pipeline
-    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.compute import KernelOptions, active_equivalent
 
     opts = opts or KernelOptions()
     mem = memory.MemoryOptions(dtype=dtype, framework="fsdp2")
@@ -240,12 +257,13 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
     place = placement(plan, tp * cp * pp * dp)
     m = plan.global_batch // (dp * plan.micro_batch)
     seq = plan.seq_len // cp  # a context rank holds seq/cp tokens (as estimate.py costs it)
-    args = (spec, tp, plan.sp, plan.micro_batch, seq, plan.recompute, opts, mem)
+    act_spec = active_equivalent(spec)  # activations: the experts a token runs through
+    args = (act_spec, tp, plan.sp, plan.micro_batch, seq, plan.recompute, opts, mem)
     act = memory.activation_bytes(*args) + memory.gathered_kv_bytes(
         spec, tp, plan.micro_batch, plan.seq_len, cp, plan.recompute, opts, mem)
     work = memory.recompute_working_bytes(*args)
     logits = memory.logits_bytes(spec, tp, plan.micro_batch, seq, mem, pipelined=pp > 1)
-    p_layer = memory.layer_params_local(spec, tp)
+    p_layer = memory.layer_params_local(spec, tp, pp)
     largest = memory.largest_param_local(spec, tp)
     out = []
     for st in rank_states(spec, plan, dtype):

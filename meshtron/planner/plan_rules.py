@@ -244,6 +244,12 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True) -> It
     tied embeddings (`runtime`: False when pricing another framework, e.g. Megatron-LM, which
     keeps a copy of a tied embedding on the last stage and all-reduces its gradient)."""
     tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
+    if tp is not None and tp > 1 and getattr(model, "is_moe", False):
+        # the runtime refuses it (meshtron/parallel/tensor.py) and the cost model has no
+        # sharded-expert GEMMs or expert all-to-all to price it with
+        yield (f"plan.tp={tp}: tensor parallelism of mixture-of-experts models (model "
+               f"{model.name}) is not implemented; use tp=1")
+        return
     if tp is not None:
         # Named as a user knows them, whether the model came from a preset or a config.json.
         for attr, what in (("heads", "attention heads"),

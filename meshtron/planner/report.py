@@ -66,7 +66,8 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "model": {"name": m.name, "params": m.num_params(), "layers": m.layers,
-                  "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads, "vocab": m.vocab},
+                  "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads, "vocab": m.vocab,
+                  **({"active_params": m.num_params(active=True)} if m.is_moe else {})},
         "cluster": {**result.cluster.to_dict(), "num_gpus": n},
         "global_batch": result.global_batch, "seq_len": result.seq_len, "tokens": tokens,
         "options": {**options_dict(result.options), "dtype": result.dtype},
@@ -210,7 +211,9 @@ def header(result: SearchResult) -> list[str]:
     n = cl.num_gpus
     device = cl.gpu or f"{cl.peak_tflops:g} TFLOP/s device"
     return [
-        f"[bold]{m.name}[/] ({fmt_count(m.num_params())} params) on [bold]{cl.name}[/] "
+        f"[bold]{m.name}[/] ({fmt_count(m.num_params())} params"
+        f"{f', {fmt_count(m.num_params(active=True))} active' if m.is_moe else ''}) on "
+        f"[bold]{cl.name}[/] "
         f"({n} x {device}, {cl.memory_gib:g} GiB); global batch {result.global_batch} x "
         f"{result.seq_len} tokens; {_plural(result.evaluated, '1 plan', '{} plans')} evaluated in "
         f"{result.seconds * 1000:.0f} ms",

@@ -26,6 +26,7 @@ from meshtron.model import Transformer
 from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
 from meshtron.train.precision import BF16Compute, configure_matmul_precision
+from meshtron.train import router
 from meshtron.hf.hooks import export_at_end, hf_fill
 from meshtron.data.documents import apply_document_mask
 from meshtron.data.tokenizer import keep_tokenizer
@@ -90,8 +91,11 @@ def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
     if mp is not None:
         mp.refresh()
     compute = mp.model if mp is not None else model
+    spec = getattr(compute, "spec", None)
+    moe = router.moe_layers([compute]) if spec is not None and spec.is_moe else []
     for start in range(0, rows, micro_batch):
         x, y = inputs[start:start + micro_batch], targets[start:start + micro_batch]
+        router.set_accum_scale(moe, x.shape[0] / rows)  # the aux loss weighted like the loss
         # x.shape[0] / rows: a power of two in the usual batch geometries, which scales bf16
         # gradients exactly (so micro-batching matches data parallelism bit for bit there)
         loss = (compute(x, y) if loss_fn is None  # chunked head + loss (model/loss.py)
@@ -139,6 +143,7 @@ class LocalEngine:
         configure_matmul_precision(self.device, self.dtype)
         self._mp: BF16Compute | None = None
         self.grad_clip = cfg.optim.grad_clip
+        self.spec = cfg.model
 
     @property
     def mp(self) -> BF16Compute | None:
@@ -160,9 +165,16 @@ class LocalEngine:
                 if self.grad_clip > 0 else None)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        if self.spec.is_moe:
+            router.update_bias([self.model], compute=[self.mp.model] if self.mp else None)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutput(loss, norm, lr)
+
+    def router_record(self) -> dict[str, float]:
+        """Router statistics for metrics.jsonl (meshtron/train/router.py)."""
+        model = self.mp.model if self.mp is not None else self.model
+        return router.router_record(router.moe_layers([model]), self.spec, self.device)
 
     def read_log(self, out: StepOutput, seconds: float) -> tuple[float, float | None, float]:
         """(loss, grad norm, seconds): the logging point's one host synchronisation."""
@@ -243,6 +255,8 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
             record = {"step": step, "loss": loss, "lr": out.lr,
                       "step_time_s": clock.add(step, pending, seconds)}
             pending = 0
+            if cfg.model.is_moe:  # before evaluation, whose forwards replace the statistics
+                record.update(engine.router_record())
             if not math.isfinite(loss):
                 raise RunFailed(f"loss became {loss} at step {step}; lower optim.lr or raise "
                                 "optim.warmup_steps")

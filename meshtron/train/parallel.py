@@ -20,7 +20,7 @@ from meshtron.config import RunConfig
 from meshtron.errors import UserError
 from meshtron.launch import World
 from meshtron.model import Transformer
-from meshtron.train import outputs
+from meshtron.train import outputs, router
 from meshtron.train.loop import StepOutput, build_run_data, read_values, run_loop
 from meshtron.train.optim import adamw_kernel, build_scheduler, param_groups
 from meshtron.hf.hooks import export_at_end, hf_fill
@@ -89,9 +89,16 @@ class ParallelEngine:
         self.grad_clip = cfg.optim.grad_clip
         self.is_main = dist.get_rank() == 0
         self.grad_bytes: int | None = None
+        self.spec = cfg.model
+        self._moe: list | None = None
+        self._dp_group: Any = False  # not made yet (see _data_group)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         """One optimizer step with no host synchronisation."""
+        moe = self._moe_layers()
+        if moe:  # pipeline schedules scale every gradient by 1/M (scale_grads), aux included
+            n_micro = inputs.shape[0] // self.pm.layout.micro_batch
+            router.set_accum_scale(moe, 1.0 if self.pm.is_pipelined else 1.0 / n_micro)
         loss = self.pm.forward_backward(inputs, targets)
         if self.grad_bytes is None:  # measured where gradients peak: after backward
             self.grad_bytes = sum(_local(p.grad).numel() * _local(p.grad).element_size()
@@ -99,11 +106,35 @@ class ParallelEngine:
         norm = self.pm.clip_grad_norm_(self.grad_clip) if self.grad_clip > 0 else None
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        if moe:  # every data rank applies the update of the summed load
+            router.update_bias(self.pm.model_parts, group=self._data_group())
         if self.diloco is not None:
             self.diloco.after_inner_step()
         self.scheduler.step()
         self.optimizer.zero_grad()
         return StepOutput(loss, norm, lr)
+
+    def _moe_layers(self) -> list:
+        if self._moe is None:
+            self._moe = router.moe_layers(self.pm.model_parts) if self.spec.is_moe else []
+        return self._moe
+
+    def _data_group(self):
+        """The ranks that route different tokens through the same experts: dp (x cp); None
+        when alone. Made once (with cp, a `_flatten`: every rank reaches it at step 1)."""
+        if self._dp_group is False:
+            lay = self.pm.layout
+            self._dp_group = (self.pm._loss_mesh().get_group() if lay.dp * lay.cp > 1
+                              else None)
+        return self._dp_group
+
+    def router_record(self) -> dict[str, float]:
+        """Router statistics over every rank's MoE layers (meshtron/train/router.py)."""
+        lay = self.pm.layout
+        return router.router_record(
+            self._moe_layers(), self.spec, self.pm.device, dp_group=self._data_group(),
+            dp=lay.dp * lay.cp,
+            pp_group=self.mesh["pp"].get_group() if self.pm.is_pipelined else None)
 
     def read_log(self, out: StepOutput, seconds: float) -> tuple[float, float | None, float]:
         """(loss, grad norm, the slowest rank's seconds): one all-reduce, one host read."""
