@@ -43,7 +43,7 @@ from meshtron.planner.frameworks import PRESETS  # noqa: E402
 def _options_for(run) -> tuple[str, dict]:
     """(closest preset, the option values that differ from it) for a row's software."""
     kern = dataclasses.asdict(run.opts)
-    mem = run.memory or memory.options_for(run.opts)
+    mem = run.row_memory
     mem_d = {k: v for k, v in dataclasses.asdict(mem).items() if k != "dtype"}
     red = "fp32" if run.opts.fp32_grad_reduce else "bf16"
     best = None

@@ -90,7 +90,8 @@ def _measured_block_bytes(spec: ModelSpec, dtype: str, recompute: str, batch: in
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_eager_activation_list_matches_autograd(name, dtype):
     spec = preset(name)
-    mem = MemoryOptions(dtype=dtype, fused_norm=False)  # PyTorch's CPU rms_norm is composite
+    # PyTorch's CPU rms_norm is composite; meshtron's attention is SDPA's native GQA
+    mem = MemoryOptions(dtype=dtype, fused_norm=False)
     for rec in ("none", "selective", "full"):
         measured = _measured_block_bytes(spec, dtype, rec, 2, 64)
         predicted = memory.activation_bytes(spec, 1, False, 2, 64, rec, KernelOptions(), mem)

@@ -102,6 +102,19 @@ class PublishedRun:
     memory: MemoryOptions | None = None
     """Whose memory layout the run had (memory.MemoryOptions); None: the stack's default
     (memory.options_for: meshtron's FSDP2 runtime for 'eager', Megatron-LM for 'fused')."""
+
+    @property
+    def row_memory(self) -> MemoryOptions:
+        """`memory` (or the stack's default) as the run's model code kept it: every published
+        stack here repeated K and V per query head for grouped-query attention (torchtitan's
+        and Hugging Face's `repeat_kv`; Megatron's saved-tensor list does not read it), so
+        `gqa_copies` is set, where meshtron's own model uses SDPA's native GQA."""
+        import dataclasses
+
+        from meshtron.planner import memory as _memory
+
+        return dataclasses.replace(self.memory or _memory.options_for(self.opts),
+                                   gqa_copies=True)
     cp: int = 1
     """Context-parallel degree (GPUs = tp * cp * pp * dp)."""
     dtype: str = "bf16"
@@ -199,9 +212,9 @@ def _candidates(run: PublishedRun, recompute: str) -> list[Plan]:
 
 def _fastest(run: PublishedRun, recompute: str) -> tuple[Estimate, Estimate | None]:
     ev = Evaluator(run.model, run.cluster, run.global_batch, run.seq_len, run.opts,
-                   mem=run.memory)
+                   mem=run.row_memory)
     roomy = dataclasses.replace(run.cluster, memory_gib=1e6)
-    ev_t = Evaluator(run.model, roomy, run.global_batch, run.seq_len, run.opts, mem=run.memory)
+    ev_t = Evaluator(run.model, roomy, run.global_batch, run.seq_len, run.opts, mem=run.row_memory)
     timing: Estimate | None = None
     fitting: Estimate | None = None
     for plan in _candidates(run, recompute):

@@ -153,7 +153,8 @@ _DEEPSPEED_2024 = Framework(
                   fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, recompute_regathers=True),
-    MemoryOptions(framework="deepspeed", activations="eager", loss="eager", gqa_copies=True), "bf16")
+    MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
+                  gqa_copies=True), "bf16")
 
 PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
     _MESHTRON, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _DEEPSPEED_2021, _DEEPSPEED_2024)}

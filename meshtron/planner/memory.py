@@ -140,9 +140,9 @@ class MemoryOptions:
     overwrites the 16-bit logits, 2); None: 'eager' for fsdp2, 'vocab-parallel' otherwise."""
     gqa_copies: bool = False
     """Grouped-query attention copies K and V to every query head before attention
-    (`repeat_kv` in torchtitan's and Hugging Face's Llama, saved for backward at full width);
-    False: SDPA's native GQA (`enable_gqa=True`, meshtron/model/attention.py) keeps them at
-    kv width."""
+    (`repeat_kv` in torchtitan's and Hugging Face's Llama, saved for backward at full width:
+    the torchtitan and DeepSpeed@2024 presets); False: SDPA's native GQA (`enable_gqa=True`,
+    meshtron/model/attention.py) keeps them at kv width."""
     fused_norm: bool = True
     """RMSNorm runs as one kernel saving only its input (CUDA: aten._fused_rms_norm, PyTorch
     PR #153666); False: the composite path (PyTorch on CPU), which also saves an fp32 copy of
