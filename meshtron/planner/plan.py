@@ -49,6 +49,12 @@ TOML having no null)::
     cp = 2                        # context-parallel degree (gpus = tp * cp * pp * dp)
     reduce_dtype = "bf16"         # gradient reduction dtype: "fp32" (default) | "bf16"
     accumulate_unsharded = true   # ZeRO-2/3: reduce-scatter once per step, not per micro-batch
+    ep = 8                        # expert-parallel degree (MoE): folded over dp_shard x cp ranks
+    compile = true                # per-block torch.compile (after TP and recomputation, before FSDP)
+    async_tp = true               # micro-pipelined TP collectives with the matmuls (needs compile)
+    fp8_recipe = "tensorwise"     # with dtype = "fp8": "rowwise" (default) | "tensorwise" scaling
+    offload = "full"              # host offload: "none" | "optimizer" | "full"
+    offload_activations = true    # saved activations kept in pinned host memory
 
     [predicted]                   # the planner's estimate, for predicted-vs-measured reports
     step_time_s = 10.2
@@ -155,6 +161,29 @@ class Plan:
     accumulate_unsharded: bool = False
     """ZeRO-2/3: accumulate gradients unsharded over the micro-batches and reduce-scatter once
     per step (memory for traffic); False: reduce-scatter after every micro-batch (FSDP2)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models): each expert lives on one of ep ranks and tokens
+    travel to it by all-to-all. The ep ranks are taken from the data (and context) ranks, as
+    torchtitan and Megatron-Core fold them: ep divides dp_shard x cp (dp_shard = dp /
+    dp_replicate); it does not change the world size. Experts are FSDP-sharded over the
+    remaining dp_shard x cp / ep ranks."""
+    compile: bool = False
+    """Per-block torch.compile, applied as torchtitan does: after tensor parallelism and
+    activation checkpointing, before FSDP (what the planner's 'fused' stack assumes)."""
+    async_tp: bool = False
+    """Asynchronous tensor parallelism: TP all-gathers/reduce-scatters micro-pipelined with the
+    matmuls (torch's symmetric-memory pass under torch.compile; needs tp > 1 and compile)."""
+    fp8_recipe: str = "rowwise"
+    """With dtype='fp8' (torchao float8 training): 'rowwise' scaling (one scale per row, the
+    default for accuracy) or 'tensorwise' (one scale per tensor; allows FP8 all-gathers in
+    FSDP2)."""
+    offload: str = "none"
+    """Host-memory offload: 'none'; 'optimizer' (fp32 master weights, gradients and optimizer
+    states on the host, optimizer step on the CPU: DeepSpeed ZeRO-Offload, Ren et al. 2021);
+    'full' (also the sharded parameters live on the host and are copied in for each
+    all-gather: FSDP2's CPUOffloadPolicy, ZeRO-Infinity's parameter offload)."""
+    offload_activations: bool = False
+    """Saved activations kept in pinned host memory between forward and backward."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -185,7 +214,8 @@ class Plan:
     def trusted(cls, tp: int, pp: int, dp: int, zero: int, micro_batch: int, recompute: str,
                 sp: bool, schedule: str | None, virtual_stages: int = 1,
                 dtype: str = "fp32", dp_replicate: int = 1, cp: int = 1,
-                reduce_dtype: str = "fp32", accumulate_unsharded: bool = False) -> "Plan":
+                reduce_dtype: str = "fp32", accumulate_unsharded: bool = False, ep: int = 1,
+                compile: bool = False, offload: str = "none") -> "Plan":
         """A search-space point built without re-running the rules: the search draws every
         value from a space `plan_problems` already vetted (tests check its output validates)."""
         p = cls.__new__(cls)
@@ -198,7 +228,8 @@ class Plan:
                           ("virtual_stages", virtual_stages), ("dtype", dtype),
                           ("dp_replicate", dp_replicate if zero >= 2 else 1), ("cp", cp),
                           ("reduce_dtype", reduce_dtype),
-                          ("accumulate_unsharded", accumulate_unsharded and zero >= 2)):
+                          ("accumulate_unsharded", accumulate_unsharded and zero >= 2),
+                          ("ep", ep), ("compile", compile), ("offload", offload)):
             object.__setattr__(p, name, val)
         return p
 
@@ -217,7 +248,8 @@ class Plan:
                 if getattr(self, name) != default}
 
     def layout_knobs(self) -> dict[str, Any]:
-        """cp, reduce_dtype, accumulate_unsharded where they differ from LAYOUT_DEFAULTS."""
+        """cp, ep, reduce_dtype, accumulate_unsharded, compile, fp8_recipe, offload, ... where
+        they differ from LAYOUT_DEFAULTS."""
         return {name: getattr(self, name) for name, default in LAYOUT_DEFAULTS.items()
                 if getattr(self, name) != default}
 
@@ -267,7 +299,8 @@ class Plan:
 
     def layout(self) -> str:
         cp = f",cp={self.cp}" if self.cp > 1 else ""
-        return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}"
+        ep = f",ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}{ep}"
 
     def schedule_label(self) -> str:
         """'-' without a pipeline, 'interleaved:V' with virtual stages, else the schedule."""
@@ -349,6 +382,16 @@ def runtime_problem(plan: Plan) -> str | None:
     if plan.dtype == "fp8":
         return ("plan.dtype='fp8': meshtron's runtime does not train in FP8 yet (the planner "
                 "prices it); use bf16")
+    if plan.ep > 1:
+        return (f"plan.ep={plan.ep}: meshtron's runtime does not run expert parallelism from a "
+                "plan yet (the Python API meshtron.parallel.expert does); use ep=1")
+    if plan.compile or plan.async_tp:
+        what = "async_tp" if plan.async_tp else "compile"
+        return f"plan.{what}=true: meshtron's runtime does not compile yet; use {what}=false"
+    if plan.offload != "none" or plan.offload_activations:
+        what = (f"offload={plan.offload!r}" if plan.offload != "none"
+                else "offload_activations=true")
+        return f"plan.{what}: meshtron's runtime does not offload yet; use offload='none'"
     return None
 
 

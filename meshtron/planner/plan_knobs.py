@@ -43,6 +43,14 @@ class Knobs:
     """Gradient reduction dtype; not searched (the framework's default when None)."""
     accumulate_unsharded: bool | None = None
     """ZeRO-2/3 unsharded accumulation; not searched (False when None)."""
+    ep: int | None = None
+    """Expert-parallel degree (MoE; None: searched where the planner searches it, else 1)."""
+    compile: bool | None = None
+    """Per-block torch.compile; not searched (the framework's default when None)."""
+    fp8_recipe: str | None = None
+    """torchao float8 scaling with dtype fp8 ('rowwise' when None)."""
+    offload: str | None = None
+    """Host offload ('none', 'optimizer', 'full'; None: chosen only when nothing else fits)."""
 
     def __post_init__(self) -> None:
         check(self.to_dict(), runtime=False)  # runtime limits: the search applies them

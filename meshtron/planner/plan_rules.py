@@ -35,9 +35,16 @@ COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
                  "outer_lr": None, "outer_momentum": None}
 """Knobs of the data-parallel traffic (meshtron/compress/): how gradients (or DiLoCo's outer
 gradients) travel. Written to plan files only when they differ from these defaults."""
-LAYOUT_DEFAULTS = {"cp": 1, "reduce_dtype": "fp32", "accumulate_unsharded": False}
+LAYOUT_DEFAULTS = {"cp": 1, "reduce_dtype": "fp32", "accumulate_unsharded": False, "ep": 1,
+                   "compile": False, "async_tp": False, "fp8_recipe": "rowwise",
+                   "offload": "none", "offload_activations": False}
 """Shared layout fields written to plan files only when they differ from these defaults."""
 COMPRESSIONS = ("none", "bf16", "int8")
+FP8_RECIPES = ("rowwise", "tensorwise")
+"""torchao float8 scaling recipes (Float8LinearConfig.from_recipe_name)."""
+OFFLOADS = ("none", "optimizer", "full")
+"""Host offload: 'optimizer' = ZeRO-Offload (Ren et al. 2021), 'full' = also the parameters
+(FSDP2 CPUOffloadPolicy, ZeRO-Infinity)."""
 COMPRESS_SCOPES = ("all", "inter_node")
 
 
@@ -61,7 +68,7 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
     """Rules on the plan's own fields. `k` maps field names to values; a missing or None value
     is unknown and its rules are skipped (so partial knobs are checked by the same rules)."""
     g = k.get
-    for name in ("tp", "pp", "dp", "cp", "micro_batch", "virtual_stages", "dp_replicate",
+    for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "dp_replicate",
                  "global_batch", "seq_len"):
         v = g(name)
         if v is not None and (not _is_int(v) or v <= 0):
@@ -87,6 +94,14 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
     elif au and g("zero") is not None and g("zero") < 2:
         yield (f"plan.accumulate_unsharded=true with plan.zero={g('zero')}: only ZeRO-2/3 "
                "reduce-scatter gradients per micro-batch (ZeRO-0/1 already reduce once per step)")
+    for name in ("compile", "async_tp", "offload_activations"):
+        if g(name) is not None and not isinstance(g(name), bool):
+            yield f"plan.{name}={g(name)!r}: must be true or false"
+    if g("fp8_recipe") is not None and g("fp8_recipe") not in FP8_RECIPES:
+        yield (f"plan.fp8_recipe={g('fp8_recipe')!r}: allowed values are "
+               f"{', '.join(FP8_RECIPES)}")
+    if g("offload") is not None and g("offload") not in OFFLOADS:
+        yield f"plan.offload={g('offload')!r}: allowed values are {', '.join(OFFLOADS)}"
     if g("attention") is not None and g("attention") not in ATTENTION:
         yield f"plan.attention={g('attention')!r}: allowed values are {', '.join(ATTENTION)}"
     yield from _consistency(k)
@@ -164,6 +179,17 @@ def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
     if cp is not None and cp > 1 and seq is not None and seq % (2 * cp):
         yield (f"plan.cp={cp}: seq_len={seq} must be divisible by 2*cp={2 * cp} (each context "
                "rank holds two chunks of every sequence, for a balanced causal mask)")
+    if g("async_tp") and tp == 1:
+        yield "plan.async_tp=true: asynchronous tensor parallelism needs plan.tp > 1"
+    elif g("async_tp") and g("compile") is False:
+        yield ("plan.async_tp=true: torch runs asynchronous TP as a torch.compile pass; "
+               "needs plan.compile=true")
+    ep = g("ep")
+    if ep is not None and ep > 1 and dp is not None:
+        shard = dp // (g("dp_replicate") or 1) * (cp or 1)
+        if shard % ep:
+            yield (f"plan.ep={ep}: must divide the data x context ranks it is folded over, "
+                   f"dp/dp_replicate*cp = {shard}")
     r, zero = g("dp_replicate"), g("zero")
     if r is not None and r > 1:
         if zero is not None and zero < 2:
