@@ -393,8 +393,9 @@ def h800(nodes: int) -> ClusterSpec:
     GB/s bidirectional (200 per direction; 160 achieved, as the preset's 0.8 gives) and one
     400 Gb/s InfiniBand NIC per GPU (50 GB/s)."""
     c = preset_cluster("dgx-h100", nodes)
-    return dataclasses.replace(c, name=f"h800:{nodes}", gpu="H800-SXM5-80GB",
-                               intra_node_gb_per_s=200.0, inter_node_gb_per_s=50.0)
+    # the catalogue's H100-SXM5-80GB: the same compute and HBM (the cut is NVLink only)
+    return dataclasses.replace(c, name=f"h800:{nodes}", intra_node_gb_per_s=200.0,
+                               inter_node_gb_per_s=50.0)
 
 
 def _moe_runs() -> list[PublishedRun]:
