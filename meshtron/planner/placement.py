@@ -221,7 +221,7 @@ def expert_groups(plan: Any, gpus_per_node: int, groups: dict[str, Any]) -> dict
     stride tp*ep; the HSDP replica group is the dense units' own."""
     ep = getattr(plan, "ep", 1)
     if ep <= 1:
-        return groups
+        return dict(groups)
     stride = plan.tp * ep
 
     def strided(n: int) -> Group:
