@@ -159,7 +159,18 @@ class _Space:
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = [k.tp] if k.tp else []
-        if not k.tp:
+        if model.is_moe and k.tp is not None and k.tp > 1:
+            raise UserError(f"plan.tp={k.tp}: the planner does not price tensor parallelism of "
+                             f"mixture-of-experts models (model {model.name}): its expert "
+                             "costs (planner/moe_cost.py) assume tp=1; use tp=1")
+        if model.is_moe and not k.tp:
+            # a pricing policy, whatever the runtime runs: experts replicated or split over tp
+            # have no cost terms here
+            self.tps = [1]
+            self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) left "
+                              "out: the planner does not price tensor parallelism of "
+                              "mixture-of-experts models")
+        elif not k.tp:
             why = ""
             for t in _divisors(gpn):
                 problems = plan_problems({"tp": t}, model=model, runtime=runtime)
