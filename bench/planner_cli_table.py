@@ -81,7 +81,8 @@ def _args(run, d: Path) -> list[str] | None:
     args = ["plan", "--model", str(d / "model.toml"), "--cluster", str(d / "cluster.toml"),
             "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
             "--framework", fw,
-            "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}",
+            "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}"
+                        + (f",ep={run.ep}" if run.ep > 1 else ""),
             "--zero", str(run.zero),
             "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1"]
     if recompute != "any":  # 'any': the source does not say; the search picks what fits

@@ -103,7 +103,7 @@ def test_tensor_parallel_moe_refused_and_all_to_all_said(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["model"]["params"] == MIXTRAL.num_params()
     assert doc["model"]["active_params"] == MIXTRAL.num_params(active=True)
-    assert any("all-to-all are not modelled" in n for n in doc["notes"])
+    assert any("expert all-to-alls by where the ep group sits" in n for n in doc["notes"])
     assert doc["plans"] and all(p["tp"] == 1 for p in doc["plans"])
     assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100:8", "--layout",
                  "tp=2"]) == 2

@@ -189,9 +189,19 @@ def test_validation_errors_do_not_regress(table, capsys):
     mean 6.4%, max 25.0%; calibration (K22, every row that steered a mechanism: `steered`, and
     the torchtitan 2D/3D/4D and Llama 3 405B rows looked at in round 2: `LOOKED_AT`) n=46 mean
     13.1%, max 31.5% (DeepSpeed 0.3 ZeRO-3). Tighten these bounds as the physics improves, never
-    by editing rows."""
-    val = summary([p for p in table if p.run.part == "validation"])
-    old = summary([p for p in table if p.run.part == "validation" and p.run.dtype == "bf16"])
+    by editing rows.
+
+    The mixture-of-experts rows with expert parallelism (issue 21 part 4, validation, added
+    before they were first run) are summarised apart: DeepSeek-V3's report -6.4%; the two
+    Megatron-Bridge Qwen3-30B-A3B rows on 16 H100 +69% and +138% (the planner is optimistic:
+    128 small experts on 2 nodes, FP8; what it misses there is not known yet)."""
+    dense = [p for p in table if p.run.ep == 1]
+    val = summary([p for p in dense if p.run.part == "validation"])
+    old = summary([p for p in dense if p.run.part == "validation" and p.run.dtype == "bf16"])
+    moe = {p.run.name: p for p in table if p.run.ep > 1}
+    assert len(moe) == 3 and all(p.run.part == "validation" for p in moe.values())
+    assert abs(moe["DSV3 671B 2048xH800"].error) < 0.10
+    assert max(abs(p.error) for p in moe.values()) < 1.45
     cal = summary([p for p in table if p.run.part == "calibration"])
     with capsys.disabled():
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "

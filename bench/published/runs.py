@@ -24,6 +24,10 @@ Sources, abbreviated in the rows:
 * MB: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11 NeMo container) and
   docs/performance-summary-archive.md (26.02 NeMo container), DGX-H100 pre-training tables
   (Megatron-Core through Megatron-Bridge's performance recipes, scripts/performance/).
+* DSV3: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv 2412.19437), sections 3.1-3.3
+  and Table 1: 2,048 H800 (NVLink 160 GB/s and IB 50 GB/s achieved, section 3.2.2), 16-way
+  pipeline (DualPipe), 64-way expert parallelism over 8 nodes, ZeRO-1 data parallelism, no
+  tensor parallelism, FP8 mixed precision, 180K H800 GPU-hours per trillion tokens.
 * NEOX: Black et al. 2022, "GPT-NeoX-20B: An Open-Source Autoregressive Language Model",
   sections 2.3 and 3 (12 nodes of 8 A100-SXM4-40GB, 4 ConnectX-6 HDR HCAs per node).
 """
@@ -384,6 +388,52 @@ def _megatron_bridge_h100() -> list[PublishedRun]:
     return runs
 
 
+def h800(nodes: int) -> ClusterSpec:
+    """DeepSeek's H800 cluster (DSV3 sections 3.1, 3.2.2): H100 silicon with NVLink cut to 400
+    GB/s bidirectional (200 per direction; 160 achieved, as the preset's 0.8 gives) and one
+    400 Gb/s InfiniBand NIC per GPU (50 GB/s)."""
+    c = preset_cluster("dgx-h100", nodes)
+    # the catalogue's H100-SXM5-80GB: the same compute and HBM (the cut is NVLink only)
+    return dataclasses.replace(c, name=f"h800:{nodes}", intra_node_gb_per_s=200.0,
+                               inter_node_gb_per_s=50.0)
+
+
+def _moe_runs() -> list[PublishedRun]:
+    """Published mixture-of-experts runs with their expert-parallel layouts. Added with their
+    sources before the planner ever ran them (issue 21, part 4): validation part; nothing was
+    changed after seeing their errors."""
+    from meshtron.planner.frameworks import PRESETS
+
+    mcore = PRESETS["megatron@2024"].kernel
+    # the Megatron-Bridge tables force-balance the router ("In MoE training benchmarks, we
+    # force-balance the token distribution among experts"): imbalance 1
+    balanced = dataclasses.replace(mcore, expert_imbalance=1.0)
+    # DeepSeek's own stack: Megatron-style fused kernels, DualPipe overlapping both
+    # all-to-alls with another micro-batch, node-limited routing to M = 4 nodes with per-node
+    # deduplication (DSV3 sections 2.1.2, 3.2.1, 3.2.2); imbalance: the documented default
+    dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4)
+    qwen = preset("qwen3-30b-a3b")
+    runs = [PublishedRun(
+        "DSV3 671B 2048xH800", "DSV3 sections 3.1-3.3 (180K H800 GPU-hours per 1T tokens)",
+        "DeepSeek HAI-LLM (DualPipe)", preset("deepseek-v3"), h800(256), 15360, 4096, 1, 16,
+        128, 1, "selective", False, dsv3, "tokens_per_gpu", 1e12 / (180e3 * 3600),
+        micro_batches=(1, 2), schedules=("zb",), dtype="fp8", ep=64,
+        memory=MemoryOptions(framework="megatron"), confident=False,
+        note="batch 15,360 x 4,096 (the schedule's plateau); DualPipe priced as ZB-H1 with "
+             "overlapped all-to-alls; recomputation of norms and MLA up-projections as "
+             "selective; MLA approximated by the preset's GQA; the MTP module not counted")]
+    for ver, gbs, mbs, vp, tps in (("25.11", 512, 2, 24, 5275.0), ("26.02", 1024, 1, 12, 5113.0)):
+        runs.append(PublishedRun(
+            f"MB{ver} Qwen3 30B-A3B 16xH100", f"MB {ver} NeMo container, DGX-H100 table",
+            "Megatron-Core (Megatron-Bridge)", qwen, preset_cluster("dgx-h100", 2), gbs, 4096,
+            1, 2, 8, 1, "any", False, balanced, "tokens_per_gpu", tps, micro_batches=(mbs,),
+            schedules=("interleaved",), dtype="fp8", virtual_stages=vp, ep=8,
+            memory=MemoryOptions(framework="megatron"), confident=False,
+            note=f"FP8, micro-batch {mbs}, VP {vp}, EP 8 as published; distributed optimizer "
+                 "(FSDP 0); router force-balanced; recomputation not published"))
+    return runs
+
+
 def steered(run: PublishedRun) -> bool:
     """The row uses a mechanism added while looking at rows of this table (a code review of
     issue 18 found commits that added them and quoted the new errors): DeepSpeed 0.3's ZeRO-3
@@ -418,7 +468,8 @@ def published_runs() -> list[PublishedRun]:
     """Every published run of the table, calibration part first; rows that steered a choice
     (`steered`, `LOOKED_AT`) are relabelled calibration, with what they steered in the note."""
     runs = (_calibration() + _n21_table2() + _megatron_deepspeed() + _llama3() + _torchtitan()
-            + _torchtitan_nd() + _llm_foundry() + _megatron_2019() + _megatron_bridge_h100())
+            + _torchtitan_nd() + _llm_foundry() + _megatron_2019() + _megatron_bridge_h100()
+            + _moe_runs())
     out = []
     for r in runs:
         if r.name in LOOKED_AT:

@@ -124,6 +124,9 @@ class PublishedRun:
     virtual_stages: int | None = None
     """Virtual pipeline stages per rank of an interleaved schedule, where the source or the
     software's default fixes them (None: searched)."""
+    ep: int = 1
+    """Expert-parallel degree (mixtures of experts; folded over dp x cp, not a factor of the
+    GPUs)."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -142,7 +145,8 @@ class PublishedRun:
     def layout(self) -> str:
         z = f" zero={self.zero}" if self.zero else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{z}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep}{z}"
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,7 @@ def _candidates(run: PublishedRun, recompute: str) -> list[Plan]:
         for sched, v in scheds:
             plans.append(Plan(run.tp, run.pp, run.dp, run.zero, mb, recompute, run.sp, sched, v,
                               dp_replicate=run.dp_replicate, dtype=run.dtype, cp=run.cp,
+                              ep=run.ep,
                               attention=run.opts.attention,
                               reduce_dtype="fp32" if run.opts.fp32_grad_reduce else "bf16"))
     return plans

@@ -24,8 +24,25 @@ def check_out(out: Path) -> None:
     writable_target(out, "--out")
 
 
+def cmd_router_stats(args: argparse.Namespace) -> int:
+    """--router-stats: the expert imbalance of a run, as a plan [options] file."""
+    from meshtron.calibrate.router_stats import measured_imbalance, options_toml
+
+    value, steps = measured_imbalance(args.router_stats)
+    out = Path(args.out) if args.out else DEFAULT_DIR / "router-options.toml"
+    check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(options_toml(value, args.router_stats, steps))
+    print(f"expert imbalance {value:.3f} (max/mean expert load, {steps} logged steps after "
+          f"warm-up) -> {out}; use: meshtron plan --options {out}")
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from meshtron.launch import check_nproc, current_world, launch_local
+
+    if getattr(args, "router_stats", None):
+        return cmd_router_stats(args)
 
     world = current_world()
     out = Path(args.out) if args.out else None
@@ -91,4 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="local ranks to measure (default 1)")
     p.add_argument("--out", type=output_file,
                    help=f"cluster TOML to write (default {DEFAULT_DIR}/local-N.toml)")
+    p.add_argument("--router-stats", metavar="METRICS.jsonl", default=None,
+                   help="instead of measuring the machine: read a MoE run's router statistics "
+                        "and write the planner's expert_imbalance as an [options] TOML "
+                        "(--out; default runs/calibration/router-options.toml)")
     p.set_defaults(func=cmd_calibrate)

@@ -46,7 +46,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tokens", default="1T",
                    help="training budget in tokens for days / GPU-hours, e.g. 15T, 300B, 2e12")
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
-    p.add_argument("--layout", help="fix any of tp, cp, pp, dp: e.g. tp=8,cp=2,pp=16,dp=64")
+    p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep: e.g. tp=8,cp=2,pp=16,dp=64 "
+                                    "or tp=1,pp=16,dp=128,ep=64 (ep folds over dp x cp)")
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
     p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
@@ -142,9 +143,11 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
     return knobs
 
 
-MOE_NOTE = ("mixture of experts: memory counts every expert, compute only the active ones; "
-            "expert parallelism and its all-to-all are not modelled yet (no ep axis), nor "
-            "tensor parallelism of the experts (tp=1 only)")
+MOE_NOTE = ("mixture of experts: memory counts every expert (E/ep per rank under expert "
+            "parallelism), compute the active ones as grouped GEMMs of the per-expert rows, "
+            "routing imbalance {imb:g} (max/mean rank load; framework option "
+            "expert_imbalance), expert all-to-alls by where the ep group sits "
+            "(planner/moe_cost.py); tensor parallelism of MoE models is not priced (tp=1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
     if args.top <= 0:
         raise UserError(f"top={args.top}: must be a positive integer")
     notes = []
+    fw = framework_of(args)
     if model.is_moe:
-        notes.append(MOE_NOTE)
+        notes.append(MOE_NOTE.format(imb=fw.kernel.expert_imbalance))
     seq = args.seq_len
     if seq is None:
         seq = min(model.max_seq, DEFAULT_SEQ_LEN)
@@ -179,7 +183,6 @@ def run(args: argparse.Namespace) -> int:
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
     if batch <= 0:
         raise UserError(f"global-batch={batch}: must be a positive integer")
-    fw = framework_of(args)
     result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
                           framework=fw)
     result.notes[:0] = notes

@@ -35,6 +35,18 @@ What is counted, per rank, per optimizer step:
   their gradients, each a [micro_batch, seq_len/cp, hidden] tensor in the compute dtype (1/tp
   of it with sequence parallelism). Boundaries between two stages on the same rank (the ZBV
   turn) are not counted.
+* Expert parallelism (ep > 1; the runtime's contract, meshtron/parallel/expert.py): per MoE
+  block on the rank and per micro-batch, on axis "ep" (group of ep ranks): one
+  `all_to_all` of the per-expert counts (E int64, E*8 bytes) and four token `all_to_all`s
+  (dispatch and combine forward, their gradients backward), each of mean input
+  T*k*h*b bytes (T = micro_batch*seq_len/cp tokens, k = top_k, b = compute dtype bytes: the
+  uneven ones average it over the group); blocks recomputed in the backward (full, selective,
+  every second one of a stage's blocks with 'half') issue the forward's three again. The
+  routed experts of each MoE block are an FSDP unit of their own over "dp_shard_mod_ep"
+  (dp/dp_replicate*cp/ep ranks): the dense unit of the block no longer holds them; they are
+  gathered, reduce-scattered and HSDP all-reduced like a block (never the last unit). ZeRO-0/1
+  with ep > 1 are not run (the runtime refuses them). Pipeline shape inference (first step
+  only) is not counted.
 * With context parallelism the data-parallel groups span dp x cp ranks (FSDP over dp_shard x
   cp); the axis is still named "dp_shard" / "dp_replicate", the group size in `group_size`.
 
@@ -54,7 +66,7 @@ from meshtron.planner import memory
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "all_to_all")
 """Collective kinds a CollectiveCount can name."""
-AXES = ("dp_shard", "dp_replicate", "tp", "pp", "cp")
+AXES = ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep", "dp_shard_mod_ep")
 """Mesh axis names."""
 
 
@@ -66,7 +78,8 @@ class CollectiveCount:
     """'all_reduce' | 'reduce_scatter' | 'all_gather' | 'broadcast' | 'send' | 'recv' |
     'all_to_all'."""
     axis: str
-    """Mesh axis the group spans: 'dp_shard', 'dp_replicate', 'tp', 'pp' or 'cp'."""
+    """Mesh axis the group spans: 'dp_shard', 'dp_replicate', 'tp', 'pp', 'cp', 'ep' (expert
+    all-to-alls) or 'dp_shard_mod_ep' (FSDP of the routed experts under expert parallelism)."""
     count: int
     """Calls per step on this rank."""
     bytes: int
@@ -75,7 +88,8 @@ class CollectiveCount:
     group_size: int = 1
     """Ranks in the group (dp x cp for the data-parallel axes with context parallelism)."""
     dtype: str = ""
-    """Element type on the wire: 'fp32' or 'bf16' (the collective's input tensor)."""
+    """Element type on the wire: 'fp32', 'bf16' or 'int64' (the expert all-to-all's per-expert
+    counts)."""
 
 
 def even_stage_layers(num_layers: int, num_stages: int) -> list[int]:
@@ -100,19 +114,72 @@ def local_stages(plan: Any, pp_rank: int) -> list[int]:
     return list(range(pp_rank, n, pp))
 
 
-def _units(plan: Any, model: Any, pp_rank: int) -> list[float]:
-    """Parameters (per tensor rank) of this rank's FSDP units, in forward order."""
+def _stage_blocks(plan: Any, model: Any, pp_rank: int) -> list[list[int]]:
+    """Global block indices of each (virtual) stage this rank holds, in forward order."""
     counts = list(plan.stage_layers) or even_stage_layers(model.layers, plan.num_stages)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [list(range(starts[s], starts[s] + counts[s])) for s in local_stages(plan, pp_rank)]
+
+
+def _block_params(model: Any, tp: int, i: int, ep: int) -> tuple[float, float]:
+    """(parameters of block i's own FSDP unit, of its routed-expert unit) on one rank: with
+    expert parallelism the E/ep local experts are a unit of their own."""
+    norms = 2 * model.norm_params
+    dense = (model.layer_params(i) - norms) / tp + norms
+    if ep > 1 and model.is_moe_layer(i):
+        experts = model.moe_experts * model.mlp_params(model.moe_ffn_hidden)
+        return dense - experts, experts / ep
+    return dense, 0.0
+
+
+def _units(plan: Any, model: Any, pp_rank: int) -> list[float]:
+    """Parameters (per tensor rank) of this rank's FSDP units, in forward order (the blocks
+    of a model whose blocks are alike as memory.layer_params_local counts them; a mixture of
+    experts block by block, without its routed experts under expert parallelism)."""
     p_layer = memory.layer_params_local(model, plan.tp, plan.pp)
+    ep = getattr(plan, "ep", 1)
     units: list[float] = []
     last = plan.num_stages - 1
-    for s in local_stages(plan, pp_rank):
+    for s, blocks in zip(local_stages(plan, pp_rank), _stage_blocks(plan, model, pp_rank)):
         if s == 0:
             units.append(memory.embedding_params_local(model, plan.tp))
-        units += [p_layer] * counts[s]
+        if model.is_moe:
+            units += [_block_params(model, plan.tp, i, ep)[0] for i in blocks]
+        else:
+            units += [p_layer] * len(blocks)
         if s == last:
             units.append(memory.head_params_local(model, plan.tp, plan.pp))
     return [u for u in units if u > 0]
+
+
+def _expert_collectives(out: dict, plan: Any, model: Any, pp_rank: int, m: int,
+                        seq_len: int, compute_b: float, reduce_b: float) -> None:
+    """The expert-parallel all-to-alls and the routed experts' FSDP units (module docstring)."""
+    ep, cp = plan.ep, plan.cp
+    tokens = plan.micro_batch * seq_len // cp
+    row = tokens * model.moe_top_k * model.hidden
+    rec = plan.recompute
+    shard = plan.dp // plan.dp_replicate * cp // ep
+    pipelined = plan.pp > 1
+    gathers = 1 if (pipelined or plan.zero == 2) else m
+    if plan.zero == 3 and not pipelined:
+        gathers += m  # experts are resharded after forward and gathered again for backward
+    reduces = 1 if (pipelined or plan.accumulate_unsharded) else m
+    for blocks in _stage_blocks(plan, model, pp_rank):
+        for pos, i in enumerate(blocks):
+            if not model.is_moe_layer(i):
+                continue
+            again = rec in ("full", "selective") or (rec == "half" and pos % 2 == 1)
+            token_calls = 4 + (2 if again else 0)
+            count_calls = 1 + (1 if again else 0)
+            _add(out, "all_to_all", "ep", m * token_calls, row, ep, compute_b)
+            key = ("all_to_all", "ep", model.moe_experts * 8, ep, "int64")
+            out[key] = out.get(key, 0) + m * count_calls
+            u = _block_params(model, plan.tp, i, ep)[1]
+            _add(out, "all_gather", "dp_shard_mod_ep", gathers, u / shard, shard, compute_b)
+            _add(out, "reduce_scatter", "dp_shard_mod_ep", reduces, u, shard, reduce_b)
+            _add(out, "all_reduce", "dp_replicate", reduces, u / shard, plan.dp_replicate,
+                 reduce_b)
 
 
 def _add(out: dict, kind: str, axis: str, count: int, elems: float, size: int,
@@ -140,6 +207,12 @@ def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
     units = _units(plan, model, pp_rank)
     out: dict = {}
     cp, zero = plan.cp, plan.zero
+    ep = getattr(plan, "ep", 1)
+    if ep > 1:
+        if zero <= 1:
+            raise UserError(f"step_collectives: plan.ep={ep} with plan.zero={zero}: meshtron "
+                            "runs expert parallelism on FSDP ZeRO-2/3 only")
+        _expert_collectives(out, plan, model, pp_rank, m, seq_len, compute_b, reduce_b)
     if zero <= 1:
         size = plan.dp * cp
         for u in units:

@@ -61,6 +61,7 @@ from functools import lru_cache
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
+from meshtron.planner.moe_cost import DEFAULT_IMBALANCE
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
 
@@ -165,6 +166,18 @@ class KernelOptions:
     ring rotation). False (meshtron's runtime, meshtron/parallel/context.py): K/V are
     all-gathered before attention and its gradients reduce-scattered after it, exposed, and
     the gathered K/V are kept for backward (memory.gathered_kv_bytes)."""
+    ep_overlap: bool = False
+    """Expert parallelism: the token all-to-alls overlap another micro-batch's computation
+    (DeepSeek's DualPipe, DeepSeek-V3 report section 3.2.1; Megatron-Core's
+    overlap_moe_expert_parallel_comm). False (meshtron's runtime, torchtitan 2025): exposed
+    (planner/moe_cost.py)."""
+    ep_node_limit: int = 0
+    """Node-limited routing with per-node deduplication: a token crosses to at most this many
+    nodes, once per node (DeepSeek-V3: M = 4, with its DeepEP-style dispatch); 0: every one of
+    its top_k copies travels (planner/moe_cost.py `a2a_time`)."""
+    expert_imbalance: float = DEFAULT_IMBALANCE
+    """Routed tokens on the fullest expert-parallel rank over the mean (moe_cost.py
+    DEFAULT_IMBALANCE; measured from router statistics by `meshtron calibrate`)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -182,6 +195,12 @@ class KernelOptions:
         ru = self.reduce_units_per_layer
         if ru is not None and (isinstance(ru, bool) or not isinstance(ru, int) or ru < 1):
             raise UserError(f"reduce_units_per_layer={ru!r}: must be None or a positive integer")
+        im = self.expert_imbalance
+        if isinstance(im, bool) or not isinstance(im, (int, float)) or not 1.0 <= im <= 64.0:
+            raise UserError(f"expert_imbalance={im!r}: must be a number from 1 (balanced) to 64")
+        nl = self.ep_node_limit
+        if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
+            raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")
@@ -539,9 +558,10 @@ def active_equivalent(model: ModelSpec) -> ModelSpec:
     becomes one SwiGLU per block of the mean active width (top_k routed experts + shared
     experts, the router's E outputs as E/3 more columns of the three GEMMs: same FLOPs), so
     GEMM time, memory-bound traffic and saved activations count active parameters only
-    (memory counts all of them: `memory.layer_params_local`). Not modelled: the per-expert
-    GEMMs' smaller shapes (grouped-GEMM efficiency), the token permutation copies and the
-    expert all-to-all (no ep axis yet). A dense model is returned unchanged."""
+    (memory counts all of them: `memory.layer_params_local`). What the experts cost beyond
+    it (grouped GEMMs of the per-expert rows, permutation copies, routing imbalance, the
+    expert-parallel all-to-alls) is planner/moe_cost.py's. A dense model is returned
+    unchanged."""
     if not model.is_moe:
         return model
     moe = (model.moe_top_k + model.moe_shared_experts) * model.moe_ffn_hidden \

@@ -38,6 +38,9 @@ Step time (per optimizer step, on the critical pipeline stage c):
   pass lists of per-rank chunks to torch.distributed (DeepSpeed 0.3.x on PyTorch <= 1.10) also
   pay the host's walk over every rank of every call (`LIST_HOST_S_PER_RANK`), which grows with
   the group like NCCL's ring latency does.
+* ep_comm: expert-parallel all-to-alls of the critical stage's MoE layers (moe_cost.py;
+  exposed unless the framework overlaps them). The MoE layers' grouped GEMMs, imbalance and
+  permutation copies are in compute; their dispatch buffers in activations.
 * optimizer: AdamW is memory bound; fused (apex / Transformer Engine, stack 'fused') it reads
   and writes fp32 master and two moments, reads the gradient and writes bf16 weights: 28 bytes
   (30 with an fp32 gradient buffer); torch.optim's unfused AdamW (stack 'eager') makes a pass
@@ -54,7 +57,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, compression, compute, memory, pipeline, placement
+from meshtron.planner import comm, compression, compute, memory, moe_cost, pipeline, placement
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -77,7 +80,8 @@ class MicroCosts(NamedTuple):
     layer: float
     """Compute of one layer (recomputation included), seconds."""
     layer_tp: float
-    """Tensor- and context-parallel communication of one layer, seconds."""
+    """Tensor-, context- and expert-parallel communication of one layer, seconds (the
+    expert all-to-alls averaged over the blocks: `Evaluator._moe`)."""
     layer_fwd: float
     """Forward part of one layer (compute + communication), seconds."""
     layer_wgrad: float
@@ -155,8 +159,36 @@ class Evaluator(DataParallelCost):
         self.evaluated = 0
 
     # ---- cached pieces ---------------------------------------------------------------------
-    def _micro(self, tp: int, mb: int, sp: bool, rec: str, cp: int = 1, dtype: str = "bf16"):
-        key = ("micro", tp, mb, sp, rec, cp, dtype)
+    def _moe(self, mb: int, rec: str, cp: int, dtype: str, ep: int) -> tuple[float, ...]:
+        """Per average block and micro-batch: (extra compute fwd+bwd+recomputed, its forward
+        part, exposed expert all-to-all fwd+bwd+recomputed, its forward part, dispatch buffers
+        kept for backward) of the MoE layers beyond their dense equivalent (moe_cost.py),
+        averaged over the blocks (moe_layers / layers of them are MoE); zeros for a dense
+        model."""
+        model = self.model
+        if not model.is_moe:
+            return (0.0, 0.0, 0.0, 0.0, 0.0)
+        key = ("moe", mb, rec, cp, dtype, ep)
+        hit = self._cache.get(key)
+        if hit is None:
+            o = self.opts
+            group = placement.ep_group(1, ep, self.cluster.gpus_per_node)
+            mc = moe_cost.moe_layer_cost(model, self.cluster, mb * self.seq / cp, ep, group,
+                                         dtype, float(o.expert_imbalance), o.ep_overlap,
+                                         o.ep_node_limit, o.stack)
+            share = model.moe_layers / model.layers
+            again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
+            kept = 1.0 - again
+            hit = (share * (mc.compute_fwd * (1 + again) + mc.compute_bwd),
+                   share * mc.compute_fwd,
+                   share * (mc.a2a_fwd * (1 + again) + mc.a2a_bwd), share * mc.a2a_fwd,
+                   share * kept * mc.buffer_bytes)
+            self._cache[key] = hit
+        return hit
+
+    def _micro(self, tp: int, mb: int, sp: bool, rec: str, cp: int = 1, dtype: str = "bf16",
+               ep: int = 1):
+        key = ("micro", tp, mb, sp, rec, cp, dtype, ep)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -174,6 +206,8 @@ class Evaluator(DataParallelCost):
                 c_l += lc.fwd - lc.wgrad
             elif saved == "alternate-matmul":
                 c_l += lc.fwd - lc.wgrad - lc.core_fwd + 0.5 * lc.wgrad
+        moe_c, moe_f, a2a, a2a_f, _ = self._moe(mb, rec, cp, dtype, ep)
+        c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack, cp, dtype)
         # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,
@@ -187,12 +221,13 @@ class Evaluator(DataParallelCost):
         self._cache[key] = hit
         return hit
 
-    def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str, cp: int = 1):
+    def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str, cp: int = 1,
+                       ep: int = 1):
         """(memory options, activations per layer, recompute working set, logits) in bytes for
         one micro-batch at the plan's dtype (memory.py); a context rank holds seq/cp tokens of
         each sequence (the unfused score matrix is then counted for seq/cp keys: a combination
         no context-parallel stack runs)."""
-        key = ("mem", tp, mb, sp, rec, dtype, cp)
+        key = ("mem", tp, mb, sp, rec, dtype, cp, ep)
         hit = self._cache.get(key)
         if hit is None:
             mem = self.mem
@@ -201,6 +236,7 @@ class Evaluator(DataParallelCost):
             seq = self.seq // cp
             args = (self.active, tp, sp, mb, seq, rec, self.opts, mem)
             kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)
+            kv += self._moe(mb, rec, cp, dtype, ep)[4]  # MoE dispatch buffers
             hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv,
                                memory.recompute_working_bytes(*args),
                                memory.logits_bytes(self.model, tp, mb, seq, mem))
@@ -210,10 +246,11 @@ class Evaluator(DataParallelCost):
     def _groups(self, cfg: Plan) -> dict[str, Any]:
         """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
         key = ("groups", cfg.tp, cfg.pp, cfg.dp, cfg.zero >= 2, cfg.dp_replicate,
-               cfg.virtual_stages > 1)
+               cfg.virtual_stages > 1, cfg.cp, cfg.ep)
         hit = self._cache.get(key)
         if hit is None:
             hit = placement.groups_for_cost(cfg, self.cluster.gpus_per_node)
+            hit["experts"] = placement.expert_groups(cfg, self.cluster.gpus_per_node, hit)
             self._cache[key] = hit
         return hit
 
@@ -261,9 +298,12 @@ class Evaluator(DataParallelCost):
         v = cfg.virtual_stages
         m = self.global_batch // (dp * mb)
         cp = cfg.cp
+        ep = cfg.ep
         c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec,
-                                                                          cp, cfg.dtype)
-        mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp)
+                                                                          cp, cfg.dtype, ep)
+        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep)[2]
+        mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
+                                                          ep)
         flags = self.dp_flags(cfg)
         # ZeRO shards and gradient reductions span dp x cp ranks (FSDP over dp_shard x cp)
         shard_dp = dp * cp
@@ -277,6 +317,14 @@ class Evaluator(DataParallelCost):
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
         states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts))
+        # expert parallelism: a rank holds E/ep experts per block, their ZeRO states spread
+        # over the dp*cp/ep ranks holding the same experts (moe_cost.py)
+        p_exp, e_states = 0.0, None
+        if ep > 1:
+            p_exp = moe_cost.expert_params_local(model, pp, ep)
+            p_layer = p_layer - p_exp * ep
+            e_states = memory.state_bytes(zero, max(1, shard_dp // ep), self.grad_bytes,
+                                          mem_opts)
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         roots = [0.0] * pp
@@ -286,7 +334,8 @@ class Evaluator(DataParallelCost):
         for i in range(pp):
             sm = memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
                                      largest, act, inflight[i], work,
-                                     logits if i == pp - 1 else 0.0, self.grad_bytes, keep, accum)
+                                     logits if i == pp - 1 else 0.0, self.grad_bytes, keep, accum,
+                                     p_exp, e_states)
             per_layer.append(sm.per_layer)
             fixed.append(sm.fixed)
         budget = self.tensor_budget
@@ -324,7 +373,8 @@ class Evaluator(DataParallelCost):
         crit = max(range(pp), key=stage_t.__getitem__)
         compute_t = m * stage_c[crit]
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
-        tp_t = m * (stage_t[crit] - stage_c[crit]) if tp > 1 else 0.0
+        ep_t = m * n[crit] * ep_l
+        tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
         bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w)
         groups = self._groups(cfg)
         pp_t = 0.0
@@ -343,6 +393,9 @@ class Evaluator(DataParallelCost):
             seen.add((k, first, last))
             params_i = k * p_layer + (p_emb if first else 0.0) + (p_head if last else 0.0)
             local = params_i / shard_dp if zero >= 1 else params_i
+            experts_i = k * p_exp
+            if experts_i:
+                local += experts_i / max(1, shard_dp // ep) if zero >= 1 else experts_i
             opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
             if shard_dp > 1:
                 bwd = stage_t[i] - stage_f[i]
@@ -354,11 +407,14 @@ class Evaluator(DataParallelCost):
                 if compression.changes_dp(cfg):  # gradient compression or DiLoCo
                     dp_t = max(dp_t, compression.dp_time(self, cfg, *args, units=units,
                                                          kept=kept))
+                elif experts_i:
+                    dp_t = max(dp_t, self._dp_with_experts(params_i, experts_i, zero, args,
+                                                           units, kept, flags, groups))
                 else:
                     dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
                                                    kept=kept, **flags))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
-                              bubble=bubble, optimizer=opt_t)
+                              bubble=bubble, optimizer=opt_t, ep_comm=ep_t)
         step = times.total
         if fits and step > cutoff:
             return None
@@ -369,7 +425,7 @@ class Evaluator(DataParallelCost):
         mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], p_layer, roots[worst],
                                largest, act, inflight[worst], work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
-                               self.grad_bytes, keep, accum)
+                               self.grad_bytes, keep, accum, p_exp, e_states)
         hw_flops = self.model_flops + compute.recompute_flops_per_token(
             model, seq, rec, self.opts.attention) * self.tokens
         peak = self.cluster.peak_flops
@@ -382,12 +438,30 @@ class Evaluator(DataParallelCost):
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
             mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
 
+    def _dp_with_experts(self, params: float, experts: float, zero: int, args: tuple,
+                         units: int, kept: float, flags: dict[str, Any],
+                         groups: dict[str, Any]) -> float:
+        """Exposed data-parallel time of a stage whose blocks hold `experts` routed-expert
+        parameters under expert parallelism beside `params` others: the experts are their own
+        FSDP units (one per MoE block) reduced over the dp*cp/ep ranks holding the same experts
+        (placement.expert_groups), the rest over the whole data group. Each part overlaps its
+        share of the stage's forward and backward (by parameters), so the compute is not
+        counted twice."""
+        _, _, m, fwd, bwd, k, regather = args
+        share = experts / (params + experts)
+        dense = self._dp_time(params, zero, groups, m, fwd * (1 - share), bwd * (1 - share), k,
+                              regather, units=units, kept=kept, **flags)
+        moe_units = max(1, round(k * self.model.moe_layers / self.model.layers))
+        exp = self._dp_time(experts, zero, groups["experts"], m, fwd * share, bwd * share, k,
+                            regather, units=moe_units, kept=0.0, **flags)
+        return dense + exp
+
     def lower_bound_step(self, cfg: Plan) -> float:
         """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
         pipeline or data-parallel communication."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
         c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
-                                                  cfg.recompute, cfg.cp, cfg.dtype)[:6]
+                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
 

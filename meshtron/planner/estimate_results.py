@@ -26,16 +26,18 @@ class TimeBreakdown:
     """Pipeline fill and drain idle time."""
     optimizer: float
     """AdamW update."""
+    ep_comm: float = 0.0
+    """Expert-parallel all-to-alls of the critical stage left exposed (planner/moe_cost.py)."""
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble
-                + self.optimizer)
+                + self.optimizer + self.ep_comm)
 
     def to_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
                 "dp_comm_exposed": self.dp_comm, "bubble": self.bubble,
-                "optimizer": self.optimizer}
+                "optimizer": self.optimizer, "ep_comm": self.ep_comm}
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class Estimate:
                 price: float | None = None) -> dict[str, Any]:
         c = self.config
         d: dict[str, Any] = {
-            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "zero": c.zero,
+            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "ep": c.ep, "zero": c.zero,
             "micro_batch": c.micro_batch, "reduce_dtype": c.reduce_dtype,
             "accumulate_unsharded": c.accumulate_unsharded,
             "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,

@@ -8,6 +8,12 @@ code and documentation do at the version named, never by a published throughput 
 
 Presets (NAME@ERA; NAME alone is its newest era):
 
+Expert parallelism (ep > 1, mixture-of-experts models) is priced for the stacks that run it
+(`Framework.expert_parallel`): meshtron, torchtitan@2025, megatron@2024 (Megatron-Core MoE),
+deepspeed@2024 (DeepSpeed-MoE); megatron@2021 and deepspeed@2021 had none and refuse ep > 1.
+DeepSeek's DualPipe (all-to-alls overlapped with another micro-batch) and its node-limited
+routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
+
 * `meshtron` (default): meshtron's own runtime (meshtron/parallel/): eager PyTorch modules,
   FSDP2 with fp32 sharded parameters and MixedPrecisionPolicy(param bf16, reduce fp32); ZeRO-0/1
   reduce once per step, ZeRO-1 is a distributed optimizer, ZeRO-2/3 reduce-scatter per
@@ -84,6 +90,9 @@ class Framework:
     """Gradient reduction dtype the stack uses unless the plan fixes one."""
     overrides: tuple[tuple[str, Any], ...] = ()
     """Options changed from the preset by an [options] table, in file order."""
+    expert_parallel: str = ""
+    """How the stack runs expert parallelism of mixture-of-experts models (what its code
+    does); empty: it has none, and plans with ep > 1 are refused by name."""
 
     @property
     def label(self) -> str:
@@ -94,6 +103,7 @@ class Framework:
         """JSON: the preset, its source and every option value the cost model used."""
         return {"name": self.name, "era": self.era, "models": self.models,
                 "source": self.source, "reduce_dtype": self.reduce_dtype,
+                "expert_parallel": self.expert_parallel,
                 "overrides": dict(self.overrides),
                 "kernel": dataclasses.asdict(self.kernel),
                 "memory": {k: v for k, v in dataclasses.asdict(self.memory).items()
@@ -103,7 +113,10 @@ class Framework:
 _MESHTRON = Framework(
     "meshtron", "2026", "meshtron's runtime (this repository)",
     "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
-    KernelOptions(), MemoryOptions(framework="fsdp2"), "fp32")
+    KernelOptions(), MemoryOptions(framework="fsdp2"), "fp32",
+    expert_parallel="meshtron/parallel/expert.py: ep folded over dp_shard x cp, uneven "
+                    "all_to_all_single dispatch/combine on the compute stream (exposed), experts "
+                    "FSDP-sharded over dp_shard/ep")
 _TORCHTITAN = Framework(
     "torchtitan", "2025", "pytorch/torchtitan main, 2025 (FSDP2, torch.compile off by default)",
     "torchtitan/models/llama3/infra/parallelize.py; torchtitan/config/job_config.py "
@@ -111,7 +124,10 @@ _TORCHTITAN = Framework(
     "selective_ac_option 'op')",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
-                  gqa_copies=True), "fp32")
+                  gqa_copies=True), "fp32",
+    expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
+                    "token dispatch, not overlapped by default), ParallelDims ep folded over "
+                    "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")
 _MEGATRON_2021 = Framework(
     "megatron", "2021", "Megatron-LM PTD-P (Narayanan et al. 2021, SC'21)",
     "NVIDIA/Megatron-LM 2021: megatron/arguments.py (bf16 forces "
@@ -131,7 +147,11 @@ _MEGATRON_2024 = Framework(
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
                   fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=True,
                   cp_overlap=True),
-    MemoryOptions(framework="megatron"), "fp32")
+    MemoryOptions(framework="megatron"), "fp32",
+    expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
+                    "token dispatcher, grouped GEMM; expert tensor parallelism "
+                    "expert_tensor_parallel_size is not priced: tp=1 for MoE); A2A overlap "
+                    "(overlap_moe_expert_parallel_comm) off unless set: ep_overlap option")
 _DEEPSPEED_2021 = Framework(
     "deepspeed", "2021", "DeepSpeed 0.3.15 (April 2021) with Megatron-DeepSpeed",
     "microsoft/DeepSpeed v0.3.15: deepspeed/runtime/zero/stage3.py, partition_parameters.py "
@@ -154,7 +174,9 @@ _DEEPSPEED_2024 = Framework(
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, recompute_regathers=True),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
-                  gqa_copies=True), "bf16")
+                  gqa_copies=True), "bf16",
+    expert_parallel="DeepSpeed-MoE (deepspeed/moe/layer.py, sharded_moe.py: ep_size, "
+                    "_AllToAll dispatch and combine, not overlapped)")
 
 PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
     _MESHTRON, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _DEEPSPEED_2021, _DEEPSPEED_2024)}

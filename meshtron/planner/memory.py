@@ -505,7 +505,8 @@ class StageMemory:
 def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
                  p_layer: float, p_root: float, largest: float, act: float, in_flight: float,
                  work: float, logits: float, grad_bytes: float = GRAD_BYTES,
-                 keep_gathered: bool = False, accum: float = 0.0) -> StageMemory:
+                 keep_gathered: bool = False, accum: float = 0.0, p_expert: float = 0.0,
+                 expert_states: tuple[float, float, float] | None = None) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
@@ -513,7 +514,12 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     per local parameter of unsharded gradients accumulated over the micro-batches (ZeRO-2/3
     with accumulate_unsharded or pipelining: FSDP2 keeps them in the reduce dtype)."""
     sb = sum(states)
-    per_layer = p_layer * (sb + accum) + act * in_flight
+    # routed experts under expert parallelism (`p_expert`: E/ep experts of one block on this
+    # rank, `p_layer` the rest of the block) keep their ZeRO states over the dp*cp/ep ranks
+    # holding the same experts (`expert_states`); the compute copies gather both
+    eb = sum(expert_states) if expert_states is not None else sb
+    per_layer = p_layer * (sb + accum) + p_expert * (eb + accum) + act * in_flight
+    p_layer = p_layer + p_expert
     cb = mem.compute_bytes
     fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
                 and not (zero == 3 and dp > 1 and not keep_gathered))
@@ -533,19 +539,25 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               layers: int, p_layer: float, p_root: float, largest: float, act: float,
               in_flight: float, work: float, logits: float, capacity: float, stage: int,
               grad_bytes: float = GRAD_BYTES, keep_gathered: bool = False,
-              accum: float = 0.0) -> MemoryBreakdown:
-    """The component breakdown of a stage holding `layers` blocks (GiB)."""
+              accum: float = 0.0, p_expert: float = 0.0,
+              expert_states: tuple[float, float, float] | None = None) -> MemoryBreakdown:
+    """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
+    `expert_states`: as stage_memory."""
     wb, gb, ob = states
+    ewb, egb, eob = expert_states if expert_states is not None else states
+    experts = layers * p_expert
     params = layers * p_layer + p_root
-    gathered = gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes,
-                              keep_gathered) + accum * params
+    gathered = gathered_bytes(mem, zero, dp, layers, p_layer + p_expert, p_root, largest,
+                              grad_bytes, keep_gathered) + accum * (params + experts)
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
     extra = all_acts - acts
     work = loss_or_recompute(logits, work) - logits  # what recomputation needs beyond the loss
-    tensors = params * (wb + gb + ob) + gathered + all_acts + work + logits
+    tensors = (params * (wb + gb + ob) + experts * (ewb + egb + eob) + gathered + all_acts
+               + work + logits)
     return MemoryBreakdown(
-        params=params * wb / GIB, grads=params * gb / GIB, optimizer=params * ob / GIB,
+        params=(params * wb + experts * ewb) / GIB, grads=(params * gb + experts * egb) / GIB,
+        optimizer=(params * ob + experts * eob) / GIB,
         gathered=gathered / GIB, activations=acts / GIB,
         in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,
         workspace=workspace_bytes(tensors, capacity) / GIB, capacity=capacity / GIB,

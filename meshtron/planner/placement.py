@@ -199,4 +199,50 @@ def groups_for_cost(plan: Any, gpus_per_node: int) -> dict[str, Any]:
             "pp_hop_crosses_nodes": p.hop_crosses_nodes("pp", wrap=plan.virtual_stages > 1)}
 
 
-__all__ = ["MESH_AXES", "MESH_AXES_CP", "Placement", "axis_sizes", "groups_for_cost", "placement", "tp_group"]
+def ep_group(tp: int, ep: int, gpus_per_node: int) -> Group:
+    """The expert-parallel Group: ep consecutive data (x context) ranks, tp ranks apart (the
+    runtime unflattens the FSDP shard axis into ("dp_shard_mod_ep", "ep") with ep innermost,
+    torchtitan's ParallelDims; Megatron-Core likewise takes expert ranks next to the tensor
+    group). Inside a node when tp * ep divides it."""
+    if ep <= 1:
+        return Group(1, 1)
+    fast = _strided(ep, tp, gpus_per_node)
+    if fast is not None:
+        return fast
+    span = ep * tp
+    nodes = -(-span // gpus_per_node)
+    return Group(ep, max(1, ep // nodes))
+
+
+def expert_groups(plan: Any, gpus_per_node: int, groups: dict[str, Any]) -> dict[str, Any]:
+    """The data-parallel groups of the routed experts under expert parallelism (cost model's
+    view, keys as `groups_for_cost`): the experts of one ep rank are replicated (ZeRO-0/1) or
+    sharded (ZeRO-2/3, "dp_shard_mod_ep") over the dp*cp/ep ranks holding the same experts,
+    stride tp*ep; the HSDP replica group is the dense units' own."""
+    ep = getattr(plan, "ep", 1)
+    if ep <= 1:
+        return dict(groups)
+    stride = plan.tp * ep
+
+    def strided(n: int) -> Group:
+        if n <= 1:
+            return Group(1, 1)
+        fast = _strided(n, stride, gpus_per_node)
+        if fast is not None:
+            return fast
+        nodes = -(-(n * stride) // gpus_per_node)
+        return Group(n, max(1, n // nodes))
+
+    cp = getattr(plan, "cp", 1)
+    out = dict(groups)
+    if plan.zero >= 2:
+        shard = plan.dp // plan.dp_replicate * cp // ep
+        out["dp_shard"] = strided(shard)
+        out["dp"] = strided(plan.dp * cp // ep)
+    else:
+        out["dp"] = strided(plan.dp * cp // ep)
+        out["dp_shard"] = out["dp"]
+    return out
+
+
+__all__ = ["ep_group", "expert_groups", "MESH_AXES", "MESH_AXES_CP", "Placement", "axis_sizes", "groups_for_cost", "placement", "tp_group"]

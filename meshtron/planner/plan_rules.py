@@ -270,6 +270,17 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True) -> It
     tied embeddings (`runtime`: False when pricing another framework, e.g. Megatron-LM, which
     keeps a copy of a tied embedding on the last stage and all-reduces its gradient)."""
     tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
+    ep = k.get("ep")
+    if ep is not None and ep > 1:
+        experts = getattr(model, "moe_experts", 0)
+        if not experts:
+            yield (f"plan.ep={ep}: expert parallelism needs a mixture-of-experts model "
+                   f"(model {model.name} has no experts); use ep=1")
+            return
+        if experts % ep:
+            yield (f"plan.ep={ep}: must divide the model's {experts} experts (every rank "
+                   "holds the same number)")
+            return
     if tp is not None and tp > 1 and getattr(model, "is_moe", False):
         # the runtime refuses it (meshtron/parallel/tensor.py) and the cost model has no
         # sharded-expert GEMMs or expert all-to-all to price it with

@@ -22,7 +22,7 @@ JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
       "evaluated": int, "feasible": int, "search_time_s": float,
       "notes": [str],                                             # knob families left out, why
       "plans": [                                                  # best first, at most --top
-        {"rank": int, "tp": int, "pp": int, "dp": int, "zero": int, "micro_batch": int,
+        {"rank": int, "tp": int, "pp": int, "dp": int, "ep": int, "zero": int, "micro_batch": int,
          "num_microbatches": int, "recompute": str, "sp": bool,
          "schedule": str|null,                                    # null when pp = 1
          "virtual_stages": int, "dp_replicate": int, "dtype": str,
@@ -30,7 +30,7 @@ JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
          "memory_gib": {"params", "grads", "optimizer", "activations", "logits",
                         "workspace", "total", "capacity": float, "stage": int},
          "time_s": {"compute", "tp_comm", "pp_comm", "dp_comm_exposed", "bubble",
-                    "optimizer": float},                          # exact 0.0 when absent
+                    "optimizer", "ep_comm": float},               # exact 0.0 when absent
          "step_time_s": float, "tokens_per_s": float,
          "model_tflops_per_gpu": float, "hardware_tflops_per_gpu": float,
          "mfu": float, "hfu": float,                              # fractions of peak
@@ -153,16 +153,18 @@ def _plural(n: int, one: str, many: str) -> str:
 
 def _layout(est: Estimate) -> str:
     c = est.config
+    ep = f" ep{c.ep}" if c.ep > 1 else ""  # folded over dp: not a factor of the world size
     if c.cp > 1:  # the column reads tp/pp/dp; context parallelism joins tp as tp.cp
-        return f"{c.tp}x{c.cp}cp/{c.pp}/{c.dp}"
-    return f"{c.tp}/{c.pp}/{c.dp}"
+        return f"{c.tp}x{c.cp}cp/{c.pp}/{c.dp}{ep}"
+    return f"{c.tp}/{c.pp}/{c.dp}{ep}"
 
 
 def breakdown_line(est: Estimate) -> str:
     t = est.time
     return (f"step {fmt_s(est.step_time_s)} s = compute {fmt_s(t.compute)} + tensor-parallel "
             f"{fmt_s(t.tp_comm)} + pipeline {fmt_s(t.pp_comm)} + data-parallel exposed "
-            f"{fmt_s(t.dp_comm)} + bubble {fmt_s(t.bubble)} + optimizer {fmt_s(t.optimizer)}")
+            f"{fmt_s(t.dp_comm)} + bubble {fmt_s(t.bubble)} + optimizer {fmt_s(t.optimizer)}"
+            + (f" + expert all-to-all {fmt_s(t.ep_comm)}" if t.ep_comm else ""))
 
 
 def memory_line(est: Estimate) -> str:

@@ -1,7 +1,8 @@
 """Enumerate the search space, prune, rank, and explain why other families of plans lose.
 
 Search space: tp (divides gpus_per_node, heads and kv_heads) x pp (<= layers) x dp (the rest; must
-divide the global batch) x micro-batch (divides the per-replica batch) x recomputation x sequence
+divide the global batch) x ep (mixtures of experts on a stack with expert parallelism: divisors
+of the experts dividing dp/dp_replicate*cp, folded over those ranks) x micro-batch (divides the per-replica batch) x recomputation x sequence
 parallelism (tp > 1) x schedule (pp > 1: 1F1B, interleaved with v = 2, 3, 4, 6, 8 virtual stages,
 zero-bubble ZB-H1; GPipe only when asked for) x ZeRO stage (dp > 1). With FlashAttention,
 'selective' recomputation is the same plan as 'none' and is only evaluated when fixed.
@@ -23,7 +24,7 @@ from typing import Any
 
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import memory
+from meshtron.planner import memory, moe_cost
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
@@ -127,11 +128,12 @@ class _Space:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                  knobs: Knobs, opts: KernelOptions, mem: MemoryOptions | None = None,
-                 runtime: bool = True) -> None:
+                 runtime: bool = True, framework: Any = None) -> None:
         n = cluster.num_gpus
         gpn = cluster.gpus_per_node
         k = knobs
         self.context = {"global_batch": global_batch, "seq_len": seq_len}
+        self.notes: list[str] = []
         # meshtron's runtime limits apply when pricing meshtron (the default stack)
         self.runtime = runtime
         check({**k.to_dict(), **self.context}, n, model, runtime)
@@ -139,16 +141,36 @@ class _Space:
             raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn} "
                              "(tensor parallelism stays inside a node)")
         self.knobs = k
+        self.framework = framework
+        # expert parallelism: searched for mixtures of experts on the stacks that run it
+        self.ep_ok = framework is None or bool(getattr(framework, "expert_parallel", ""))
+        if k.ep is not None and k.ep > 1 and not self.ep_ok:
+            raise UserError(f"plan.ep={k.ep}: framework {framework.label} has no expert "
+                             "parallelism (frameworks.py: megatron@2024, torchtitan@2025, "
+                             "deepspeed@2024 and meshtron run it); use ep=1")
+        if model.is_moe and not k.ep and not self.ep_ok:
+            self.notes.append(f"expert parallelism left out: {framework.label} has none "
+                              "(ep=1: every rank holds every expert)")
         self.dtype = k.dtype or DEFAULT_DTYPE
         self.replicate = k.dp_replicate or 1
         self.reduce_dtype = k.reduce_dtype or "fp32"
         self.accumulate = bool(k.accumulate_unsharded)
-        self.notes: list[str] = []
         self.n, self.model, self.global_batch = n, model, global_batch
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = [k.tp] if k.tp else []
-        if not k.tp:
+        if model.is_moe and k.tp is not None and k.tp > 1:
+            raise UserError(f"plan.tp={k.tp}: the planner does not price tensor parallelism of "
+                             f"mixture-of-experts models (model {model.name}): its expert "
+                             "costs (planner/moe_cost.py) assume tp=1; use tp=1")
+        if model.is_moe and not k.tp:
+            # a pricing policy, whatever the runtime runs: experts replicated or split over tp
+            # have no cost terms here
+            self.tps = [1]
+            self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) left "
+                              "out: the planner does not price tensor parallelism of "
+                              "mixture-of-experts models")
+        elif not k.tp:
             why = ""
             for t in _divisors(gpn):
                 problems = plan_problems({"tp": t}, model=model, runtime=runtime)
@@ -168,7 +190,7 @@ class _Space:
                               "framework's selective policy it keeps the same tensors as none "
                               "(the attention core is never stored)")
         self._layouts = self._valid_layouts()
-        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _ in
+        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _, _ in
                                                                   self._layouts):
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
@@ -188,7 +210,19 @@ class _Space:
             c *= 2
         return out
 
-    def _valid_layouts(self) -> list[tuple[int, int, int, int]]:
+    def eps(self, dp: int, cp: int) -> list[int]:
+        """Expert-parallel degrees searched on a layout: the fixed one, else (mixtures of
+        experts on a stack with expert parallelism) 1 and every divisor of the experts that
+        divides the data x context ranks it folds over (dp/dp_replicate*cp)."""
+        k = self.knobs
+        if k.ep:
+            return [k.ep]
+        if not self.model.is_moe or not self.ep_ok:
+            return [1]
+        shard = dp // (k.dp_replicate or 1) * cp
+        return [e for e in _divisors(self.model.moe_experts) if shard % e == 0]
+
+    def _valid_layouts(self) -> list[tuple[int, int, int, int, int]]:
         k, n = self.knobs, self.n
         fixed = {**k.to_dict(), **self.context}
         out, left_out = [], {}
@@ -203,13 +237,15 @@ class _Space:
                     dp = rest // pp
                     if k.dp and dp != k.dp:
                         continue
-                    problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp, "dp": dp},
-                                             n, self.model, self.runtime)
-                    if problems:
-                        left_out.setdefault(_family(tp, pp), problems[0])
-                        continue
-                    out.append((tp, cp, pp, dp))
-        found = {_family(tp, pp) for tp, _, pp, _ in out}
+                    for ep in self.eps(dp, cp):
+                        problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp,
+                                                  "dp": dp, "ep": ep},
+                                                 n, self.model, self.runtime)
+                        if problems:
+                            left_out.setdefault(_family(tp, pp), problems[0])
+                            continue
+                        out.append((tp, cp, pp, dp, ep))
+        found = {_family(tp, pp) for tp, _, pp, _, _ in out}
         by_reason: dict[str, list[str]] = {}
         for fam, reason in left_out.items():
             if fam not in found:
@@ -273,9 +309,13 @@ class _Space:
             return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
         return [False, True] if tp > 1 else [False]
 
-    def zeros(self, dp: int, cp: int = 1) -> list[int]:
+    def zeros(self, dp: int, cp: int = 1, ep: int = 1) -> list[int]:
         if self.knobs.zero is not None:
             return [self.knobs.zero]
+        if ep > 1 and self.runtime:
+            # meshtron folds ep into FSDP's shard axis: ZeRO-2/3 only (the runtime refuses
+            # ZeRO-0/1 with ep > 1 by name; /work contract of meshtron/parallel/expert.py)
+            return [2, 3]
         if (self.knobs.dp_replicate or 1) > 1 or (cp > 1 and self.runtime):
             # HSDP: replicas of sharded groups; meshtron runs cp on FSDP ZeRO-2/3 only
             # (plan_rules.cp_runtime_problems)
@@ -327,7 +367,8 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     opts = options or KernelOptions()
     ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
     runtime = framework is None or framework.name == "meshtron"
-    space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime)
+    space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime,
+                   framework)
     result = _search(ev, space, top_k, explain)
     result.seconds = time.perf_counter() - t0
     result.framework = framework
@@ -346,15 +387,20 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
     any_layout = False
     queue: list[tuple[float, str, Plan]] = []
     hopeless = 0
-    for tp, cp, pp, dp in space.layouts():
+    experts = moe_cost.expert_params_per_layer(model) * model.moe_layers
+    for tp, cp, pp, dp, ep in space.layouts():
         any_layout = True
         fam = _family(tp, pp)
-        # Lower bound of memory: model states at the most sharded ZeRO stage allowed.
-        per_param = min(sum(memory.state_bytes(z, dp * cp, ev.grad_bytes, ev.mem))
-                        for z in space.zeros(dp * cp, cp))
-        if per_param * model.num_params() / (tp * pp) > budget:
+        # Lower bound of memory: model states at the most sharded ZeRO stage allowed (routed
+        # experts: E/ep of them per rank, sharded over the dp*cp/ep ranks holding them).
+        ex = experts if ep > 1 else 0.0
+        need = min(sum(memory.state_bytes(z, dp * cp, ev.grad_bytes, ev.mem))
+                   * (model.num_params() - ex)
+                   + sum(memory.state_bytes(z, max(1, dp * cp // ep), ev.grad_bytes, ev.mem))
+                   * ex / ep for z in space.zeros(dp * cp, cp, ep))
+        if need / (tp * pp) > budget:
             # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
-            est = _leanest(ev, space, tp, cp, pp, dp)
+            est = _leanest(ev, space, tp, cp, pp, dp, ep)
             hopeless += 1
             if est is not None:
                 counter += 1
@@ -369,12 +415,12 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
             for rec in space.recomputes:
                 for sp in space.sps(tp):
                     for sched, v in space.schedules(pp, m):
-                        for zero in space.zeros(dp * cp, cp):
+                        for zero in space.zeros(dp * cp, cp, ep):
                             if schedule_zero_problem(sched, zero, pp):
                                 continue  # the runtime refuses it (plan.py)
                             cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype,
                                                space.replicate, cp, space.reduce_dtype,
-                                               space.accumulate)
+                                               space.accumulate, ep)
                             queue.append((ev.lower_bound_step(cfg), fam, cfg))
     # Branch and bound, best bound first: a config whose bound is slower than the k-th best
     # plan and than its family's best cannot change the answer.
@@ -436,7 +482,7 @@ def _family(tp: int, pp: int) -> str:
 
 
 def _leanest(ev: Evaluator, space: _Space, tp: int, cp: int, pp: int,
-             dp: int) -> Estimate | None:
+             dp: int, ep: int = 1) -> Estimate | None:
     """The layout at the knob values that minimise memory (most ZeRO, smallest micro-batch,
     most recomputation, sequence parallelism, 1F1B-class schedule)."""
     mbs = space.micro_batches(dp)
@@ -453,11 +499,12 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, cp: int, pp: int,
     sps = space.sps(tp)
     if not sps:
         return None
-    zeros = [z for z in space.zeros(dp * cp, cp) if not schedule_zero_problem(sched, z, pp)]
+    zeros = [z for z in space.zeros(dp * cp, cp, ep)
+             if not schedule_zero_problem(sched, z, pp)]
     if not zeros:
         return None
     cfg = Plan.trusted(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, space.dtype,
-                       space.replicate, cp, space.reduce_dtype, space.accumulate)
+                       space.replicate, cp, space.reduce_dtype, space.accumulate, ep)
     return ev.evaluate(cfg)
 
 
@@ -477,6 +524,7 @@ _CAUSES = {
     "dp_comm": "data-parallel communication exposed",
     "bubble": "pipeline bubble",
     "optimizer": "optimizer step",
+    "ep_comm": "expert-parallel all-to-all exposed",
 }
 
 
@@ -528,7 +576,11 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
     for z in (0, 1, 2, 3):
         if z != c.zero and c.dp > 1:
             variants.append((f"zero={z}", {"zero": z}))
-    base = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp}
+    if space.model.is_moe and not space.knobs.ep:
+        for e in space.eps(c.dp, c.cp):
+            if e != c.ep:
+                variants.append((f"ep={e}", {"ep": e}))
+    base = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep}
     for label, change in variants:
         fixed = {**base, **{k: v for k, v in space.knobs.to_dict().items()
                             if k not in base}, **change}
@@ -536,7 +588,8 @@ def _explain(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, 
             continue  # the user fixed this knob
         try:
             sub_space = _Space(space.model, ev.cluster, ev.global_batch, ev.seq,
-                               Knobs.of(fixed), ev.opts, ev.mem, space.runtime)
+                               Knobs.of(fixed), ev.opts, ev.mem, space.runtime,
+                               space.framework)
         except UserError:
             continue
         try:

@@ -1,0 +1,193 @@
+"""What a mixture-of-experts layer costs beyond its active-parameter equivalent: expert
+parallelism's token all-to-alls, the grouped GEMMs of small per-expert batches, the token
+permutation copies, the routing imbalance, and the memory of the dispatch buffers. Torch-free.
+
+The dense part of the cost model prices a MoE block as the dense block of the same active width
+(`compute.active_equivalent`). This module adds, per MoE layer and micro-batch on one rank
+(T = micro_batch * seq / cp tokens entering the layer, k = top_k, h = hidden, E experts, b
+bytes of the compute dtype, ep the expert-parallel degree):
+
+* All-to-all (`a2a_time`). Dispatch and combine in the forward, their autograd twins in the
+  backward (meshtron/parallel/expert.py; the contract in planner/collectives.py), each moving
+  T*k*h*b bytes of which (ep-1)/ep leave the rank (GShard, Lepikhin et al. 2020; Megatron-Core
+  MoE docs, "Token dispatcher": alltoall). Where the ep group sits comes from placement.py (ep
+  consecutive data ranks, stride tp): inside a node when tp*ep fits, over NVLink; otherwise the
+  share addressed to other nodes crosses the NIC of each GPU (one NIC per GPU, rail-aligned),
+  the rest NVLink, the slower of the two setting the time. Frameworks with node-limited routing
+  and per-node deduplication (DeepSeek-V3 technical report, section 2.1.2 / 3.2.2: each token
+  goes to at most M = 4 nodes, sent once per node over IB and fanned out over NVLink)
+  send min(k, M) copies of a token across nodes instead of k (`KernelOptions.ep_node_limit`).
+  Recomputation replays the forward's two (full: every layer; half: every second).
+  Exposed unless the framework overlaps them with computation (`KernelOptions.ep_overlap`:
+  DeepSeek's DualPipe overlaps both all-to-alls of one micro-batch with the computation of
+  another, technical report section 3.2.1; Megatron-Core's `--overlap-moe-expert-parallel-comm`
+  (1F1B A2A overlap, 2025); meshtron's runtime and torchtitan 2025 run them on the compute
+  stream: exposed).
+* Imbalance (`imbalance`). Dropless routing sends each rank what its experts were chosen for;
+  the step waits for the fullest rank, whose expert GEMMs and received bytes are `imbalance`
+  times the mean. Default DEFAULT_IMBALANCE; `meshtron calibrate --router-stats
+  metrics.jsonl` measures it from a run's router statistics (max/mean load).
+* Grouped GEMMs. The E/ep local experts each multiply the tokens routed to them, T*k*ep/E on
+  average (T*k/E without expert parallelism): small M dimensions lose efficiency to tile
+  quantisation like any small GEMM (compute.py's s(m) model, or the calibrated table), which is
+  what CUTLASS / torch._grouped_mm grouped GEMMs pay (one launch, per-group tiles). The dense
+  equivalent's routed part is replaced by this time.
+* Permutation. Tokens are copied into expert order before dispatch and back after combine,
+  forward and backward (torchtitan's and Megatron-Core's permute / unpermute): 2 passes of
+  T*k*h*b read + written each way, memory bound.
+* Memory. The dispatch buffers a layer keeps for its backward: the permuted tokens, the
+  received tokens (input of the expert GEMMs) and the expert outputs before the combine, each
+  T*k*h*b (times `imbalance` for the received ones), per MoE layer not recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner import comm
+
+DEFAULT_IMBALANCE = 1.25
+"""Tokens on the fullest expert-parallel rank over the mean, when not measured. The capacity
+factor GShard (Lepikhin et al. 2020, section 2.2) and Switch Transformer (Fedus et al. 2022,
+section 2.1 and Table 1: 1.0-1.25) size expert buffers with, i.e. the load a balanced router
+stays under; the aux-loss-free balancing of DeepSeek-V3 keeps the per-batch load near that
+(its Figure 9). A convention, replaced by a measured value from router statistics."""
+
+
+@dataclass(frozen=True)
+class MoeLayerCost:
+    """Seconds (and bytes) one MoE layer adds on one rank for one micro-batch, beyond its
+    dense active-width equivalent."""
+
+    compute_fwd: float
+    """Extra forward compute: grouped GEMMs minus the dense equivalent's routed GEMMs (with
+    imbalance), plus the permutation copies."""
+    compute_bwd: float
+    """The same for the backward (two GEMMs per forward GEMM, permutation gradients)."""
+    a2a_fwd: float
+    """Dispatch + combine all-to-all of the forward, exposed seconds."""
+    a2a_bwd: float
+    """Their backward twins, exposed seconds."""
+    a2a_bytes: float
+    """Bytes one token all-to-all call sends to other ranks (T*k*h*b*(ep-1)/ep)."""
+    buffer_bytes: float
+    """Dispatch buffers kept for the backward (module docstring)."""
+
+
+def a2a_bytes(tokens: float, top_k: int, hidden: int, dtype_bytes: float, ep: int) -> float:
+    """Bytes a rank sends to the other ep-1 ranks in one token all-to-all: its T*k routed rows of
+    h elements, (ep-1)/ep of them addressed to experts elsewhere (uniform routing)."""
+    if ep <= 1:
+        return 0.0
+    return tokens * top_k * hidden * dtype_bytes * (ep - 1) / ep
+
+
+def a2a_time(nbytes: float, group: comm.Group, fab: comm.Fabric, top_k: int = 1,
+             node_limit: int = 0) -> float:
+    """One all-to-all of `nbytes` per rank (already (ep-1)/ep of the buffer) over `group`:
+    NCCL runs it as ep-1 grouped send/recv pairs (one launch: base latency plus one step
+    latency per link type used). Of what leaves the rank, (local-1)/(ep-1) stays in the node
+    (NVLink) and the rest crosses the network on the GPU's NIC; `node_limit` M > 0 (DeepSeek's
+    node-limited routing with per-node deduplication) scales the cross-node part by
+    min(top_k, M)/top_k."""
+    n, local = group.size, max(1, min(group.local, group.size))
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    intra = nbytes * (local - 1) / (n - 1)
+    inter = nbytes - intra
+    if inter > 0 and node_limit > 0 and top_k > node_limit:
+        inter *= node_limit / top_k
+    t_intra = intra / fab.intra_bw + (fab.intra_alpha if local > 1 else 0.0)
+    t_inter = inter / fab.inter_bw + fab.inter_alpha if inter > 0 else 0.0
+    return fab.base_latency + max(t_intra, t_inter)
+
+
+def routed_tokens_per_expert(tokens: float, model: ModelSpec, ep: int) -> float:
+    """Rows one local expert multiplies per micro-batch on average: every ep rank routes T*k
+    slots over E experts, and a rank holds E/ep of them."""
+    return tokens * model.moe_top_k * ep / model.moe_experts
+
+
+@lru_cache(maxsize=2048)
+def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group: comm.Group,
+                   dtype: str, imbalance: float, ep_overlap: bool, node_limit: int,
+                   stack: str) -> MoeLayerCost:
+    """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank."""
+    from meshtron.planner import compute
+
+    lin_dt, other_dt = compute.compute_dtypes(dtype)
+    lin_cl = cluster.at_dtype(lin_dt)
+    h, fe, k, e = model.hidden, model.moe_ffn_hidden, model.moe_top_k, model.moe_experts
+    b = 4.0 if dtype == "fp32" else compute.BF16
+    # dense equivalent's routed part: [T, k*fe] up (x2 for SwiGLU's gate) and down GEMMs
+    dense = (compute.cluster_gemm_time(tokens, 2 * k * fe, h, lin_cl)
+             + compute.cluster_gemm_time(tokens, h, k * fe, lin_cl))
+    rows = max(1.0, routed_tokens_per_expert(tokens, model, ep) * imbalance)
+    local = e / ep
+    grouped = local * (compute.cluster_gemm_time(rows, 2 * fe, h, lin_cl)
+                       + compute.cluster_gemm_time(rows, h, fe, lin_cl))
+    bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
+    slots = tokens * k * h * b
+    permute = 2 * 2 * slots / bw  # permute + unpermute, each read + write
+    extra_f = grouped - dense + permute
+    extra_b = 2 * (grouped - dense) + 2 * permute
+    fab = comm.Fabric.of(cluster)
+    nbytes = a2a_bytes(tokens, k, h, b, ep)
+    one = a2a_time(nbytes * imbalance, group, fab, k, node_limit)
+    a2a_f = a2a_b = 2 * one
+    if ep_overlap:
+        # hidden behind another micro-batch's computation of the same layer (DualPipe);
+        # what does not fit stays exposed, the hidden part interferes (compute.overlapped)
+        layer_fwd = max(dense, grouped)
+        a2a_f = compute.overlapped(a2a_f, layer_fwd)
+        a2a_b = compute.overlapped(a2a_b, 2 * layer_fwd)
+    buffers = slots * (2 + imbalance)
+    return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes, buffers)
+
+
+def expert_params_per_layer(model: ModelSpec) -> float:
+    """Routed expert parameters of one MoE layer (3 matrices of fe x h per expert)."""
+    if not model.is_moe:
+        return 0.0
+    return model.moe_experts * model.mlp_params(model.moe_ffn_hidden)
+
+
+def expert_params_local(model: ModelSpec, pp: int, ep: int) -> float:
+    """Routed expert parameters of one block on one rank, as memory.layer_params_local averages
+    blocks: the mean over the model's blocks without pipelining, the MoE block's with it."""
+    per = expert_params_per_layer(model)
+    if pp == 1:
+        per = per * model.moe_layers / model.layers
+    return per / ep
+
+
+def moe_share(model: ModelSpec, pp: int) -> float:
+    """Fraction of the blocks of an average stage that are MoE layers (as layer_params_local:
+    exact without pipelining, the MoE-only fullest stage with it)."""
+    if not model.is_moe:
+        return 0.0
+    return 1.0 if pp > 1 else model.moe_layers / model.layers
+
+
+def measured_imbalance(loads: list[float]) -> float:
+    """max/mean of per-expert-parallel-rank loads (router statistics)."""
+    loads = [float(x) for x in loads]
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def rank_loads(expert_loads: list[float], ep: int) -> list[float]:
+    """Per-rank loads of `ep` ranks holding contiguous blocks of E/ep experts (expert.py)."""
+    e = len(expert_loads)
+    if ep < 1 or e % ep:
+        raise ValueError(f"ep={ep} must divide the {e} experts")
+    per = e // ep
+    return [sum(expert_loads[i * per:(i + 1) * per]) for i in range(ep)]
+
+
+__all__ = ["DEFAULT_IMBALANCE", "MoeLayerCost", "a2a_bytes", "a2a_time", "moe_layer_cost",
+           "expert_params_local", "expert_params_per_layer", "measured_imbalance",
+           "rank_loads", "routed_tokens_per_expert", "moe_share"]

@@ -1,0 +1,257 @@
+"""Expert parallelism in the planner (issue 21, part 4): the ep axis in the search and on the
+command line, expert memory, the all-to-all cost terms, the runtime's collective contract in
+step_collectives, refusals by framework, router-statistics calibration. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from meshtron.errors import UserError
+from meshtron.model.spec import preset
+from meshtron.planner import comm, memory, moe_cost, placement
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.collectives import step_collectives
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.frameworks import preset as framework
+from meshtron.planner.plan import Plan, plan_problems
+from meshtron.planner.search import evaluate_plan, search_plans
+
+
+def _ev(model="mixtral-8x7b", cluster="dgx-h100:4", batch=256, seq=4096, opts=None, mem=None):
+    return Evaluator(preset(model), resolve_cluster(cluster), batch, seq, opts, mem=mem)
+
+
+def _plan(tp=1, pp=1, dp=32, zero=2, mb=1, rec="full", ep=1, sched=None, v=1):
+    return Plan.trusted(tp, pp, dp, zero, mb, rec, False, sched, v, "bf16", 1, 1, "fp32",
+                        False, ep)
+
+
+# ---- search and layouts -----------------------------------------------------------------------
+def test_search_picks_ep_for_a_moe_and_every_plan_validates():
+    model, cl = preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4")
+    r = search_plans(model, cl, 256, 4096)
+    best = r.best.config
+    assert best.ep > 1  # Mixtral's 8 experts do not fit replicated with full activations
+    for est in r.plans:
+        c = est.config
+        assert model.moe_experts % c.ep == 0 and (c.dp // c.dp_replicate * c.cp) % c.ep == 0
+        # the plan rules (the runtime's own refusal of ep > 1 is lifted by branch eprun)
+        full = c.replace(global_batch=256, seq_len=4096)
+        assert plan_problems(full.knobs_and_context(), cl.num_gpus, model) == []
+    assert any(a.label.endswith("with ep=1") or "ep=1" in a.label for a in r.alternatives)
+
+
+def test_cli_layout_fixes_ep_and_prints_it(capsys):
+    import meshtron.cli as top
+
+    rc = top.main(["plan", "--model", "deepseek-v3", "--cluster", "dgx-h100:256",
+                   "--global-batch", "4096", "--seq-len", "4096",
+                   "--layout", "tp=1,pp=16,dp=128,ep=64", "--json", "--top", "1"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    p = doc["plans"][0]
+    assert (p["tp"], p["pp"], p["dp"], p["ep"]) == (1, 16, 128, 64)
+    # 64 ranks of 8 nodes: the all-to-alls cross the network and are exposed in meshtron
+    assert p["time_s"]["ep_comm"] > 0.1 * p["step_time_s"]
+
+
+def test_dense_model_never_gets_ep_and_ep_must_divide_experts():
+    r = search_plans(preset("llama3-8b"), resolve_cluster("dgx-h100:1"), 64, 4096)
+    assert all(e.config.ep == 1 for e in r.plans)
+    with pytest.raises(UserError, match=r"plan.ep=2: expert parallelism needs a mixture-of-experts model"):
+        search_plans(preset("llama3-8b"), resolve_cluster("dgx-h100:1"), 64, 4096, {"ep": 2})
+    with pytest.raises(UserError, match=r"plan.ep=3: must divide the model's 8 "):
+        search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:1"), 48, 4096,
+                     {"ep": 3})
+
+
+@pytest.mark.parametrize("name", ["megatron@2021", "deepspeed@2021"])
+def test_frameworks_without_expert_parallelism_refuse_ep_by_name(name):
+    with pytest.raises(UserError, match=rf"plan.ep=8: framework {name} has no expert"):
+        search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
+                     {"ep": 8, "tp": 1}, framework=framework(name))
+    r = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:8"), 256, 4096,
+                     {"tp": 1, "pp": 4}, framework=framework(name), explain=False)
+    assert all(e.config.ep == 1 for e in r.plans)
+    assert any("expert parallelism left out" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("name", ["torchtitan@2025", "megatron@2024", "deepspeed@2024",
+                                  "meshtron"])
+def test_frameworks_with_expert_parallelism_say_how(name):
+    assert framework(name).expert_parallel
+
+
+def test_meshtron_runs_ep_on_zero_2_3_only():
+    r = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
+                     {"ep": 8, "pp": 2, "tp": 1}, explain=False)
+    assert r.plans and all(e.config.zero >= 2 for e in r.plans)
+    m = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
+                     {"ep": 8, "pp": 2, "tp": 1}, framework=framework("megatron@2024"),
+                     explain=False, top_k=50)
+    assert any(e.config.zero == 1 for e in m.plans)
+
+
+# ---- memory -----------------------------------------------------------------------------------
+def test_expert_states_divide_by_ep_and_shard_over_the_rest():
+    model = preset("mixtral-8x7b")
+    experts = moe_cost.expert_params_per_layer(model) * model.moe_layers
+    fw = framework("megatron@2024")
+    ev = _ev(opts=fw.kernel, mem=fw.memory)
+    gib = memory.GIB
+    base = ev.evaluate(_plan(zero=1, ep=1)).memory
+    ep8 = ev.evaluate(_plan(zero=1, ep=8)).memory
+    # 16-bit weights and fp32 main grads of 7/8 of the experts leave the rank
+    assert base.params - ep8.params == pytest.approx(experts * 7 / 8 * 2 / gib, rel=1e-9)
+    assert base.grads - ep8.grads == pytest.approx(experts * 7 / 8 * 4 / gib, rel=1e-9)
+    # ZeRO-1 optimizer states: over dp = 32 ranks dense, over dp/ep = 4 for the experts: the
+    # same per rank (E/ep experts over S/ep ranks = E over S)
+    assert base.optimizer == pytest.approx(ep8.optimizer, rel=1e-9)
+    # FSDP2 ZeRO-3: shards equal, but only E/ep experts are gathered at a time
+    z3 = _ev()
+    a, b = z3.evaluate(_plan(zero=3, ep=1)).memory, z3.evaluate(_plan(zero=3, ep=8)).memory
+    assert a.params == pytest.approx(b.params, rel=1e-9)
+    assert b.gathered < a.gathered / 4
+
+
+def test_dispatch_buffers_count_in_activations_unless_recomputed():
+    ev = _ev()
+    none = ev._memory_pieces(1, 1, False, "none", "bf16", 1, 8).activations
+    ev_dense = ev._memory_pieces(1, 1, False, "none", "bf16", 1, 1).activations
+    model = preset("mixtral-8x7b")
+    slots = 4096 * model.moe_top_k * model.hidden * 2
+    assert none - ev_dense == pytest.approx(0.0, abs=1.0)  # ep does not change the buffers
+    assert ev._moe(1, "none", 1, "bf16", 8)[4] == pytest.approx(
+        slots * (2 + KernelOptions().expert_imbalance))
+    assert ev._moe(1, "full", 1, "bf16", 8)[4] == 0.0
+
+
+# ---- all-to-all and grouped GEMM terms --------------------------------------------------------
+def test_a2a_bytes_and_placement_of_the_ep_group():
+    assert moe_cost.a2a_bytes(4096, 8, 7168, 2, 64) == 4096 * 8 * 7168 * 2 * 63 / 64
+    assert moe_cost.a2a_bytes(4096, 8, 7168, 2, 1) == 0.0
+    assert placement.ep_group(1, 8, 8) == comm.Group(8, 8)
+    assert placement.ep_group(1, 64, 8) == comm.Group(64, 8)
+    assert placement.ep_group(2, 8, 8) == comm.Group(8, 4)  # tp*ep = 16 spans two nodes
+
+
+def test_a2a_time_intra_node_is_nvlink_and_inter_node_is_the_nic():
+    fab = comm.Fabric.of(resolve_cluster("dgx-h100:8"))
+    nbytes = 64e6
+    intra = moe_cost.a2a_time(nbytes, comm.Group(8, 8), fab)
+    assert intra == pytest.approx(fab.base_latency + nbytes / fab.intra_bw + fab.intra_alpha)
+    inter = moe_cost.a2a_time(nbytes, comm.Group(64, 8), fab)
+    off_node = nbytes * 56 / 63
+    assert inter == pytest.approx(fab.base_latency + off_node / fab.inter_bw + fab.inter_alpha)
+    # DeepSeek's node-limited routing: a token crosses to at most M nodes, once each
+    limited = moe_cost.a2a_time(nbytes, comm.Group(64, 8), fab, top_k=8, node_limit=4)
+    assert limited == pytest.approx(fab.base_latency + off_node / 2 / fab.inter_bw
+                                    + fab.inter_alpha)
+
+
+def test_all_to_all_counted_per_layer_fwd_bwd_and_recompute():
+    ev = _ev()
+    model = preset("mixtral-8x7b")
+    group = placement.ep_group(1, 8, 8)
+    mc = moe_cost.moe_layer_cost(model, ev.cluster, 4096.0, 8, group, "bf16",
+                                 KernelOptions().expert_imbalance, False, 0, "eager")
+    fab = comm.Fabric.of(ev.cluster)
+    one = moe_cost.a2a_time(mc.a2a_bytes * KernelOptions().expert_imbalance, group, fab)
+    assert mc.a2a_fwd == pytest.approx(2 * one) and mc.a2a_bwd == pytest.approx(2 * one)
+    share = model.moe_layers / model.layers
+    assert ev._moe(1, "none", 1, "bf16", 8)[2] == pytest.approx(share * 4 * one)
+    assert ev._moe(1, "full", 1, "bf16", 8)[2] == pytest.approx(share * 6 * one)
+    est = ev.evaluate(_plan(pp=1, rec="full", ep=8))
+    assert est.time.ep_comm == pytest.approx(est.num_microbatches * model.layers * share * 6
+                                             * one, rel=1e-9)
+    assert est.step_time_s == pytest.approx(est.time.total)
+
+
+def test_overlap_and_imbalance_change_the_cost_in_the_right_direction():
+    plan = _plan(pp=1, rec="full", ep=8)
+    base = _ev().evaluate(plan)
+    hidden = _ev(opts=KernelOptions(ep_overlap=True)).evaluate(plan)
+    skewed = _ev(opts=KernelOptions(expert_imbalance=2.0)).evaluate(plan)
+    assert hidden.time.ep_comm < 0.5 * base.time.ep_comm
+    assert skewed.time.ep_comm > base.time.ep_comm and skewed.time.compute > base.time.compute
+    with pytest.raises(UserError, match=r"expert_imbalance=0.5"):
+        KernelOptions(expert_imbalance=0.5)
+
+
+def test_grouped_gemm_rows_grow_with_ep_and_small_ones_cost_more():
+    model = preset("qwen3-30b-a3b")  # 128 experts of 768: small per-expert GEMMs
+    assert moe_cost.routed_tokens_per_expert(4096, model, 1) == 4096 * 8 / 128
+    assert moe_cost.routed_tokens_per_expert(4096, model, 8) == 4096 * 8 * 8 / 128
+    cl = resolve_cluster("dgx-h100:1")
+    g = comm.Group(1, 1)
+    no_ep = moe_cost.moe_layer_cost(model, cl, 4096.0, 1, g, "bf16", 1.0, False, 0, "fused")
+    ep8 = moe_cost.moe_layer_cost(model, cl, 4096.0, 8, placement.ep_group(1, 8, 8), "bf16",
+                                  1.0, False, 0, "fused")
+    # 256 rows per expert lose to tile quantisation against the dense equivalent's 4096
+    assert no_ep.compute_fwd > 0 and ep8.compute_fwd < no_ep.compute_fwd
+
+
+# ---- step_collectives: the runtime's contract (meshtron/parallel/expert.py) --------------------
+def _counts(plan, model, batch, seq, pp_rank=0):
+    return {(c.kind, c.axis, c.bytes, c.dtype): (c.count, c.group_size)
+            for c in step_collectives(plan, model, batch, seq, pp_rank)}
+
+
+def test_step_collectives_ep_matches_the_runtime_contract():
+    model = preset("tiny-moe")  # 4 MoE blocks, E = 8, k = 2, h = 128, expert width 96
+    plan = Plan(tp=1, pp=1, dp=4, zero=3, micro_batch=2, ep=2, global_batch=16, seq_len=64)
+    got = _counts(plan, model, 16, 64)
+    m = 16 // (4 * 2)
+    row = 2 * 64 * 2 * 128 * 4  # T * k * h * fp32
+    assert got[("all_to_all", "ep", row, "fp32")] == (4 * m * 4, 2)
+    assert got[("all_to_all", "ep", 8 * 8, "int64")] == (4 * m, 2)
+    local = 8 // 2 * 3 * 96 * 128  # E/ep experts of one block
+    shard = 4 // 2
+    assert got[("all_gather", "dp_shard_mod_ep", local // shard * 4, "fp32")] == (4 * 2 * m,
+                                                                                  shard)
+    assert got[("reduce_scatter", "dp_shard_mod_ep", local * 4, "fp32")] == (4 * m, shard)
+    # the block's own FSDP unit no longer holds the experts
+    block = model.layer_params(0) - 8 * 3 * 96 * 128
+    assert ("reduce_scatter", "dp_shard", block * 4, "fp32") in got
+
+
+def test_step_collectives_ep_recompute_dense_layers_and_pipeline():
+    model = preset("tiny-moe-ds")  # block 0 dense
+    row = 1 * 64 * 2 * 128 * 2  # bf16
+    full = Plan(tp=1, pp=1, dp=2, zero=2, micro_batch=1, ep=2, recompute="full",
+                dtype="bf16", global_batch=4, seq_len=64)
+    got = _counts(full, model, 4, 64)
+    m = 2
+    assert got[("all_to_all", "ep", row, "bf16")] == (3 * m * 6, 2)  # 3 MoE blocks
+    assert got[("all_to_all", "ep", 64, "int64")] == (3 * m * 2, 2)
+    half = dataclasses.replace(full, recompute="half")
+    # local positions 1 and 3 recomputed: blocks 1 and 3, both MoE
+    assert _counts(half, model, 4, 64)[("all_to_all", "ep", row, "bf16")] == (
+        m * (6 + 4 + 6), 2)
+    piped = Plan(tp=1, pp=2, dp=2, zero=2, micro_batch=1, ep=2, dtype="bf16",
+                 global_batch=8, seq_len=64)
+    first, last = _counts(piped, model, 8, 64, 0), _counts(piped, model, 8, 64, 1)
+    assert first[("all_to_all", "ep", row, "bf16")] == (4 * 4 * 1, 2)  # block 1 only
+    assert last[("all_to_all", "ep", row, "bf16")] == (4 * 4 * 2, 2)
+    with pytest.raises(UserError, match=r"plan.ep=2 with plan.zero=1"):
+        step_collectives(Plan(tp=1, dp=2, zero=1, ep=2), model, 4, 64)
+
+
+# ---- calibration from router statistics -------------------------------------------------------
+def test_calibrate_router_stats_writes_the_imbalance_option(tmp_path, capsys):
+    import meshtron.cli as top
+    from meshtron.planner.frameworks import resolve
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": i, "loss": 1.0, "moe_imbalance_mean": 3.0 if i == 0 else 1.5}
+            for i in range(10)]
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "router.toml"
+    assert top.main(["calibrate", "--router-stats", str(metrics), "--out", str(out)]) == 0
+    assert "expert imbalance 1.500" in capsys.readouterr().out
+    assert resolve(None, out).kernel.expert_imbalance == 1.5
+    assert top.main(["calibrate", "--router-stats", str(tmp_path / "none.jsonl")]) == 2
