@@ -1,0 +1,126 @@
+"""Expert parallelism from a plan (`ep` in the Plan, the placement's mesh and `parallelize`)
+against one process, on real gloo process groups.
+
+Each layout trains STEPS AdamW steps of a small MoE (both router kinds: softmax top-2 with the
+auxiliary loss, as Mixtral; DeepSeek-V3's sigmoid, group-limited, shared expert, first block
+dense) through `meshtron.testing.equivalence.parallel_rank_fn`, the sweep every other layout
+passes: losses, gradient norms and every parameter (experts gathered from their ep x FSDP
+shards) must equal the single-process run on the same seed and data within its fp32 tolerance.
+The reference uses the plan's micro-batch (the auxiliary loss is per micro-batch in both).
+
+Default suite: one 4-rank launch with ep=2 x dp=2 (ZeRO-3, softmax), ep=4 (ZeRO-2, sigmoid),
+ep=2 with tp=2 (sequence parallel) and ep=2 inside a 1F1B pipeline (pp=2). Slow: the rest of
+the grid (ZeRO-3 with experts FSDP-sharded over dp_shard_mod_ep, HSDP, recomputation,
+interleaved 1F1B, tp without sp, both router kinds everywhere). Bad input: ep not dividing the
+experts or the ranks, ep on a dense model, ep with ZeRO-1: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.testing.equivalence import DEFAULT_CFG, compare, format_report, layout_cfg, \
+    parallel_rank_fn, reference_run
+from meshtron.testing.multiproc import run_on_ranks
+
+TOL = 1e-5
+MICRO = 1
+CFG = dict(DEFAULT_CFG, micro_batch=MICRO)
+SOFTMAX = dict(name="equiv-moe", moe_experts=8, moe_top_k=2, moe_ffn_hidden=32,
+               moe_aux_loss=0.01)
+SIGMOID = dict(name="equiv-moe-ds", moe_experts=8, moe_top_k=2, moe_ffn_hidden=32,
+               moe_shared_experts=1, moe_dense_layers=1, moe_router="sigmoid", moe_groups=4,
+               moe_topk_groups=2, moe_route_scale=2.5, moe_bias_update=1e-3)
+
+
+def _layout(model, **kw):
+    return {"model": model, "micro_batch": MICRO, "zero": 3, **kw}
+
+
+LAYOUTS = [
+    _layout(SOFTMAX, dp=2, ep=2, tp=2, sp=True),
+    _layout(SIGMOID, dp=4, ep=4, zero=2),
+    _layout(SOFTMAX, dp=2, pp=2, ep=2, schedule="1f1b"),
+    _layout(SOFTMAX, dp=4, ep=2),
+]
+SLOW_LAYOUTS = [
+    _layout(SIGMOID, dp=2, ep=2, tp=2, sp=True),
+    _layout(SIGMOID, dp=2, ep=2, tp=2),
+    _layout(SOFTMAX, dp=4, ep=4),
+    _layout(SIGMOID, dp=4, ep=2),
+    _layout(SOFTMAX, dp=4, ep=2, dp_replicate=2),
+    _layout(SIGMOID, dp=4, ep=4, recompute="full"),
+    _layout(SOFTMAX, dp=4, ep=2, recompute="selective"),
+    _layout(SIGMOID, dp=2, pp=2, ep=2, schedule="1f1b"),
+    _layout(SOFTMAX, dp=2, pp=2, ep=2, schedule="interleaved", virtual_stages=2),
+]
+
+
+def _check(layouts):
+    refs: dict = {}
+
+    def ref_for(layout):
+        cfg, _ = layout_cfg(CFG, layout)
+        key = cfg["spec"]["name"]
+        if key not in refs:
+            refs[key] = reference_run(cfg)
+        return refs[key]
+
+    results = run_on_ranks(parallel_rank_fn, 4, CFG, layouts, timeout=600)
+    report = compare(ref_for, results)
+    print(format_report(report))
+    bad = [r for r in report if r["missing"] or r["extra"]
+           or max(r["loss_rel"], r["norm_rel"], r["param_rel"]) > TOL]
+    assert not bad, f"layouts off the single-process run by more than {TOL}:\n" + \
+        format_report(bad)
+
+
+def test_ep_layouts_match_one_process():
+    _check(LAYOUTS)
+
+
+@pytest.mark.slow
+def test_ep_layouts_match_one_process_slow():
+    _check(SLOW_LAYOUTS)
+
+
+@pytest.mark.parametrize("layout, match", [
+    ("ep=3,dp=3", r"^plan.ep=3: must divide the model's 8 routed experts"),
+    ("ep=4,dp=2", r"^plan.ep=4: must divide the data x context ranks it is folded over"),
+])
+def test_bad_ep_is_one_line(layout, match):
+    from meshtron.errors import UserError
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner.plan import Plan, parse_layout
+
+    kw = parse_layout(layout)
+    plan = Plan(**{"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": "none",
+                   "sp": False, "schedule": None, "virtual_stages": 1, **kw})
+    with pytest.raises(UserError, match=match):
+        plan.validate(plan.gpus, PRESETS["tiny-moe"])
+
+
+def test_bad_ep_rules():
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner.plan_rules import plan_problems
+
+    moe, dense = PRESETS["tiny-moe"], PRESETS["tiny"]
+    base = dict(tp=1, pp=1, dp=2, zero=3, ep=2)
+    assert plan_problems(base, 2, moe) == []
+    assert plan_problems(dict(base), 2, dense)[0].startswith(
+        "plan.ep=2: expert parallelism needs a mixture-of-experts model")
+    assert plan_problems(dict(base, zero=1), 2, moe)[0].startswith(
+        "plan.zero=1 with plan.ep=2: expert parallelism is folded over FSDP's shard axis")
+    assert plan_problems(dict(base, dp=2, cp=2, ep=3), 4, moe)[0].startswith("plan.ep=3")
+
+
+def test_cli_refuses_bad_ep_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "meshtron", "train", "--model", "tiny-moe",
+                          "--plan", "ep=3,dp=3", "--steps", "1", "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "plan.ep=3: must divide the model's 8 routed experts" in lines[0]
