@@ -59,7 +59,7 @@ SLOW_LAYOUTS = [
 ]
 
 
-def _check(layouts):
+def _check(layouts, ckpt_dir=None):
     refs: dict = {}
 
     def ref_for(layout):
@@ -69,7 +69,17 @@ def _check(layouts):
             refs[key] = reference_run(cfg)
         return refs[key]
 
-    results = run_on_ranks(parallel_rank_fn, 4, CFG, layouts, timeout=TIMEOUT)
+    if ckpt_dir is None:
+        results = run_on_ranks(parallel_rank_fn, 4, CFG, layouts, timeout=TIMEOUT)
+    else:
+        ranks = run_on_ranks(ep_dcp_rank_fn, 4, CFG, layouts, ckpt_dir, timeout=TIMEOUT)
+        results = [r["sweep"] for r in ranks]
+        for r in ranks:
+            for ep in (4, 1):
+                loss, diff, same_names = r[ep]
+                assert same_names, ep
+                assert abs(loss - r["want_loss"]) <= TOL * abs(r["want_loss"]), (ep, r)
+                assert diff <= TOL, (ep, r)
     report = compare(ref_for, results)
     print(format_report(report))
     bad = [r for r in report if r["missing"] or r["extra"]
@@ -78,8 +88,8 @@ def _check(layouts):
         format_report(bad)
 
 
-def test_ep_layouts_match_one_process():
-    _check(LAYOUTS)
+def test_ep_layouts_match_one_process_and_dcp_reshards_across_ep(tmp_path):
+    _check(LAYOUTS, str(tmp_path / "ckpt"))
 
 
 @pytest.mark.slow
@@ -126,3 +136,62 @@ def test_cli_refuses_bad_ep_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "plan.ep=3: must divide the model's 8 routed experts" in lines[0]
+
+
+def ep_dcp_rank_fn(cfg, layouts, ckpt_dir):
+    """The equivalence layouts, then DCP across ep sizes: train 2 steps at ep=2 x dp=4
+    (ZeRO-3), save model + optimizer, take step 3; load the checkpoint into ep=4 and into ep=1
+    (a fresh, differently seeded model each) and take the same step 3: losses and every
+    parameter must match continuing at ep=2 (the expert weights are DTensors sharded on the
+    expert dimension, so DCP reshards them)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel import build_mesh, build_optimizer, parallelize
+    from meshtron.parallel.mesh import data_mesh
+    from meshtron.testing.equivalence import make_data, make_spec
+
+    out = {"sweep": parallel_rank_fn(cfg, layouts)}
+    cfg, _ = layout_cfg(cfg, {"model": SIGMOID})
+    inputs, targets = make_data(cfg)
+
+    def build(ep, seed):
+        plan = dict(dp=4, zero=3, ep=ep, micro_batch=MICRO)
+        mesh = build_mesh(plan, device_type="cpu")
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = Transformer(make_spec(cfg))
+        pm = parallelize(model, plan, mesh)
+        opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
+                              weight_decay=cfg["weight_decay"])
+        return pm, opt, mesh
+
+    def step(pm, opt, mesh, i):
+        dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
+        rows = cfg["batch"] // dp
+        loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
+                                   targets[i, r * rows:(r + 1) * rows])
+        pm.clip_grad_norm_(cfg["clip"])
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    pm, opt, mesh = build(2, cfg["seed"])
+    for i in range(2):
+        step(pm, opt, mesh, i)
+    dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    out["want_loss"] = step(pm, opt, mesh, 2)
+    want = pm.full_parameters()
+    for ep in (4, 1):
+        pm2, opt2, mesh2 = build(ep, cfg["seed"] + 99)  # another init: must be overwritten
+        state = {"model": pm2.state_dict(), "optim": opt2.state_dict()}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        pm2.load_state_dict(state["model"])
+        opt2.load_state_dict(state["optim"])
+        loss = step(pm2, opt2, mesh2, 2)
+        got = pm2.full_parameters()
+        diff = max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-2))
+                   for k in want)
+        out[ep] = (loss, diff, sorted(got) == sorted(want))
+    return out
