@@ -195,3 +195,28 @@ def ep_dcp_rank_fn(cfg, layouts, ckpt_dir):
                    for k in want)
         out[ep] = (loss, diff, sorted(got) == sorted(want))
     return out
+
+
+def test_doctor_names_a_skipped_all_to_all(tmp_path):
+    """One rank of an ep pair skips its MoE forward (tests/doctor_faults.py): the doctor names
+    it, the collective (the dispatcher's counts all-to-all), its kind, the ep group and the
+    sizes the waiting rank sent."""
+    from pathlib import Path
+
+    from meshtron.doctor.analyze import diagnose
+    from meshtron.doctor.trace import load_trace
+    from meshtron.testing.multiproc import RankError, RankTimeout
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import doctor_faults
+
+    with pytest.raises((RankError, RankTimeout)):
+        run_on_ranks(doctor_faults.skipped_all_to_all, 4, str(tmp_path), timeout=90)
+    d = diagnose(load_trace(tmp_path))
+    assert d.kind == "never_entered" and d.culprit_ranks == [3], d.to_dict()
+    assert d.verdict.startswith("rank 3 (dp=1, ep=1) never entered all_to_all_single #"), \
+        d.verdict
+    assert "on the expert-parallel group [2, 3]" in d.verdict, d.verdict
+    op = d.divergence["ops"]["2"]
+    assert op["op"] == "all_to_all_single" and op["dtypes"] == ["int64", "int64"]
+    assert op["shapes"] == [[2, 4], [2, 4]]  # [ep, experts/ep] counts out and in
