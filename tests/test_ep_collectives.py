@@ -1,4 +1,5 @@
-"""Expert-parallel collectives per step on real gloo ranks, against the documented contract.
+"""Expert-parallel collectives per step on real gloo ranks, against the documented contract
+(slow suite: ~2 min on a loaded 2-core machine).
 
 One 4-rank launch trains a small softmax MoE (3 MoE layers) at ep=2 x dp=4 (ZeRO-3: the
 experts FSDP-sharded over dp_shard_mod_ep = 2) and at ep=4 x dp=4 (ZeRO-2), 2 micro-batches
@@ -136,6 +137,7 @@ def _planner_ep(layout: dict, spec):
     return ep or None
 
 
+@pytest.mark.slow
 def test_ep_collectives_match_the_contract():
     from meshtron.testing.equivalence import make_spec
 

@@ -18,6 +18,10 @@ One MoE layer's forward on a rank (`ExpertParallel.__call__`), tokens already so
 5. the global per-expert counts (an all-reduce of the counts over the ep group: the same on
    every rank) for the auxiliary loss and the balancing bias.
 Backward runs the two token all-to-alls in reverse (the autograd of `all_to_all_single`).
+From a plan (`parallelize` with plan.ep > 1, ExpertParallel(global_counts=False)) step 5 is
+skipped: the auxiliary loss and router statistics use this rank's counts, and per MoE layer
+and micro-batch the ep group sees 1 counts all-to-all (E int64) + 4 token all-to-alls of
+T*k*hidden elements on average (tests/test_ep_collectives.py checks that contract).
 
 Gradient convention (what the test checks against one process on the union of the ranks'
 data): each rank back-propagates its share of the global mean loss (local mean / ep); the
