@@ -79,3 +79,41 @@ def signalled_loop(trace_dir: str, marker: str) -> str:
     dist.all_reduce(x)
     session.close()
     return f"rank {rank} done"
+
+
+def skipped_all_to_all(trace_dir: str, timeout_s: float = 3.0, steps: int = 5,
+                       fault_step: int = 3) -> int:
+    """Expert parallelism on a (dp, ep) = (2, 2) mesh: every rank runs a small MoE whose
+    experts are sharded over ep (meshtron/parallel/expert.py: counts all-to-all, then the
+    uneven token all-to-alls); at `fault_step` the last rank skips its forward (a rank that
+    took another branch), so its ep peer waits in the all-to-all alone."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshtron.doctor import DoctorSession
+    from meshtron.model.spec import PRESETS
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel.expert import apply_expert_parallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    session = DoctorSession(trace_dir, rank, world, watchdog_timeout_s=timeout_s,
+                            first_step_timeout_s=30.0).start()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    session.watch_mesh(mesh)
+    model = Transformer(PRESETS["tiny-moe"].replace(layers=1), init_seed=0)
+    apply_expert_parallel(model, mesh["ep"], global_counts=False)
+    g = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(1, steps + 1):
+            if not (rank == world - 1 and step == fault_step):
+                with torch.no_grad():
+                    model(torch.randint(0, 259, (1, 8), generator=g))
+            else:
+                load_batch(120)
+            session.beat(step)
+    except BaseException as exc:
+        session.dump_exception(exc)
+        raise
+    session.close()
+    return rank

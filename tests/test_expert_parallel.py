@@ -9,7 +9,8 @@ every parameter (experts gathered from their shards) of one process training on 
 the ranks' batches (fp32 tolerance). The same launch counts the collectives of one forward +
 backward (kinds, counts, bytes) against the formula; a meta-device model under ep materializes
 the single-process init; a Hugging Face Mixtral folder loads with each rank reading only its
-experts. Bad input: ep not dividing the experts; tensor parallelism of an MoE model.
+experts. Bad input: ep not dividing the experts. (MoE under tensor parallelism and ep from a
+plan: tests/test_ep_train.py.)
 """
 
 from __future__ import annotations
@@ -198,19 +199,6 @@ def _shards_from_meta_and_hf(mesh, folder: str) -> dict:
     return {"init": init, "read": read, "local_bytes": local, "loaded": loaded}
 
 
-def _tp_refusal(mesh) -> str:
-    """Tensor parallelism of an MoE model is refused in one line (not implemented yet)."""
-    from meshtron.model.spec import PRESETS
-    from meshtron.model.transformer import Transformer
-    from meshtron.parallel.tensor import apply_tensor_parallel
-
-    with torch.device("meta"):
-        model = Transformer(PRESETS["tiny-moe"], init_seed=0)
-    try:
-        apply_tensor_parallel(model, mesh)
-    except UserError as exc:
-        return str(exc)
-    return "not refused"
 
 
 def ep_rank_fn(folder: str, dtypes: tuple[str, ...] = ("float64", "float32")) -> dict:
@@ -236,7 +224,6 @@ def ep_rank_fn(folder: str, dtypes: tuple[str, ...] = ("float64", "float32")) ->
     torch.set_default_dtype(torch.float32)
     out["collectives"] = _count(world["ep"], "tiny-moe")
     out["shards"] = _shards_from_meta_and_hf(world["ep"], folder)
-    out["tp_refusal"] = _tp_refusal(pairs["ep"])
     out["rank"] = dist.get_rank()
     return out
 
@@ -252,8 +239,6 @@ def test_expert_parallel_matches_one_process(tmp_path):
     for res in results:
         # 2 dtypes x 2 routers x (ep=4, ep=2 x dp 2), and float64 ep=4 + FSDP2 x 2 routers
         assert len(res["equal"]) == 10 and ("float64", "tiny-moe-ds", "ep4+fsdp") in res["equal"]
-        assert res["tp_refusal"].startswith("tp=2: tensor parallelism of mixture-of-experts "
-                                            "models (model 'tiny-moe') is not implemented yet")
         shards = res["shards"]
         assert shards["init"] == 0 and shards["loaded"] == 0, shards
         assert shards["read"] == shards["local_bytes"], shards  # only this rank's experts

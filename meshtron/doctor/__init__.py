@@ -85,4 +85,9 @@ def watch_mesh(mesh) -> None:
         from meshtron.parallel.mesh import data_mesh
 
         extra["dp"] = data_mesh(mesh)
+    from meshtron.parallel.mesh import expert_meshes
+
+    experts = expert_meshes(mesh)
+    if experts is not None:  # expert parallelism: the all-to-alls' group is named "ep"
+        extra.update(experts.names)
     _session.watch_mesh(mesh, extra)

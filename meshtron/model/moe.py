@@ -55,6 +55,10 @@ class ExpertLinear(nn.Module):
 class GroupedExperts(nn.Module):
     """`experts` SwiGLU experts applied to tokens already sorted by expert."""
 
+    grad_scale: float = 1.0
+    """Factor on the gradient reaching the weights (expert parallelism under FSDP: 1/ep, as the
+    experts' gradients sum the tokens of ep ranks; meshtron/parallel/expert.py)."""
+
     def __init__(self, experts: int, hidden: int, width: int):
         super().__init__()
         self.num_experts = experts
@@ -66,6 +70,8 @@ class GroupedExperts(nn.Module):
         """x [tokens, hidden] sorted by expert; counts [experts] tokens per expert (sum = rows of
         x) -> [tokens, hidden]."""
         w1, w2, w3 = (_local(lin.weight) for lin in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             return _grouped_mm_swiglu(x, counts, w1, w2, w3)
         out = torch.empty_like(x)
@@ -78,6 +84,21 @@ class GroupedExperts(nn.Module):
                 out[start:start + n] = (F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t()
             start += n
         return out
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale` (inside the graph, so it
+    holds for the unsharded parameters FSDP2 computes with, where a hook on the sharded
+    parameter would not run)."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

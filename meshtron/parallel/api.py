@@ -8,9 +8,11 @@
         pm.clip_grad_norm_(1.0)
         opt.step(); opt.zero_grad()
 
-Order of application (fixed): pipeline split -> tensor/sequence parallel -> activation
-checkpointing -> context parallel (cp > 1) -> data parallel (FSDP2 per ZeRO stage; over
-dp_shard x cp with context parallelism) -> pipeline stages and schedule.
+Order of application (fixed): pipeline split -> expert parallel (ep > 1: routed experts
+sharded over the ep ranks, tokens exchanged by all-to-all, meshtron/parallel/expert.py) ->
+tensor/sequence parallel -> activation checkpointing -> context parallel (cp > 1) -> data
+parallel (FSDP2 per ZeRO stage; over dp_shard x cp with context parallelism; the routed experts
+over what ep leaves of it) -> pipeline stages and schedule.
 
 With plan.cp > 1 `forward_backward` still takes whole sequences (every rank of a cp group the
 same rows) and keeps this rank's two chunks of each (meshtron/parallel/context.py).
@@ -46,7 +48,8 @@ from meshtron.parallel.data_parallel import (
     set_microbatch_policy,
     zero1_optimizer,
 )
-from meshtron.parallel.mesh import data_mesh, mesh_axes, resolve_plan
+from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.parallel.mesh import data_mesh, expert_meshes, mesh_axes, resolve_plan
 from meshtron.planner.placement import axis_sizes
 from meshtron.planner.plan import Plan, as_plan, microbatch_problem
 from meshtron.parallel.context import apply_context_parallel, shard_batch
@@ -83,6 +86,14 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _set_aux_weight(model: nn.Module, scale: float) -> None:
+    from meshtron.model.moe import MoE
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.accum_scale = scale
 
 
 def clean_name(name: str) -> str:
@@ -190,6 +201,10 @@ class ParallelModel:
         inputs = inputs.to(self.device, non_blocking=True)  # no stream sync (see LocalEngine)
         targets = targets.to(self.device, non_blocking=True)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        # MoE auxiliary losses weighted like their micro-batch's loss (1/M; the pipeline
+        # schedules scale every gradient by 1/M themselves), as one process does.
+        for part in self.model_parts:
+            _set_aux_weight(part, 1.0 if self.is_pipelined else 1.0 / n_micro)
         with self._loss_context():
             if self.is_pipelined:
                 sched = self._schedule(n_micro)
@@ -381,8 +396,14 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     else:
         pieces = [(0, model)]
     tp_mesh = mesh["tp"]
+    experts = expert_meshes(mesh) if lay.ep > 1 else None
+    if lay.ep > 1 and experts is None:
+        raise UserError(f"plan.ep={lay.ep}: the mesh has no expert axis; build it with "
+                         "build_mesh(plan)")
     parts = []
     for _, part in pieces:
+        if experts is not None:  # before TP: the experts are DTensors on the ep mesh
+            apply_expert_parallel(part, experts.ep, global_counts=False)
         apply_tensor_parallel(part, tp_mesh, sp=lay.sp)
         apply_recompute(part, lay.recompute)
         if lay.cp > 1:  # after TP and recompute, before FSDP (torchtitan's order)

@@ -156,6 +156,7 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
         fully_shard(emb if len(emb) > 1 else emb[0], mesh=dp_mesh,
                     reshard_after_forward=reshard, mp_policy=mp)
     for block in model.layers.values():
+        _shard_experts(block, mesh, lay, reshard, mp)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     if head:
         # The last unit: backward needs it right after forward (torchtitan keeps it gathered).
@@ -164,6 +165,32 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
     # The root: what is left (tied embeddings, used first in forward and last in backward).
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     return model
+
+
+def _shard_experts(block: nn.Module, mesh, lay, reshard: bool, mp) -> None:
+    """Expert parallelism (plan.ep > 1): the routed experts of a MoE block are their own FSDP2
+    unit over what ep leaves of the shard axis ("dp_shard_mod_ep", with "dp_replicate" for
+    HSDP; torchtitan's layout). Their gradients already sum the tokens of the ep ranks: the
+    experts scale them by 1/ep in backward (`GroupedExperts.grad_scale`, set by
+    apply_expert_parallel) and FSDP averages over their group, 1/(dp x cp) in all: the
+    single-process gradient of the global mean. (torchtitan sets FSDP's gradient divide factor
+    instead; its PREMUL_SUM reduction does not exist on gloo.)"""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from meshtron.parallel.mesh import expert_meshes
+
+    experts = getattr(getattr(block, "feed_forward", None), "experts", None)
+    meshes = expert_meshes(mesh) if lay.ep > 1 else None
+    if experts is None or meshes is None:
+        return
+    local = experts.num_experts  # this ep rank's experts (dim 0 of its weights)
+    group = meshes.fsdp.size(meshes.fsdp.ndim - 1)
+    # Shard dim 0 (experts) when it splits evenly over the group, else dim 1 (torchtitan's
+    # choice when there are more shard ranks than local experts).
+    dim = 0 if local % group == 0 else 1
+    fully_shard(experts, mesh=meshes.fsdp, reshard_after_forward=reshard, mp_policy=mp,
+                shard_placement_fn=lambda p: Shard(dim))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

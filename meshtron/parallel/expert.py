@@ -18,6 +18,10 @@ One MoE layer's forward on a rank (`ExpertParallel.__call__`), tokens already so
 5. the global per-expert counts (an all-reduce of the counts over the ep group: the same on
    every rank) for the auxiliary loss and the balancing bias.
 Backward runs the two token all-to-alls in reverse (the autograd of `all_to_all_single`).
+From a plan (`parallelize` with plan.ep > 1, ExpertParallel(global_counts=False)) step 5 is
+skipped: the auxiliary loss and router statistics use this rank's counts, and per MoE layer
+and micro-batch the ep group sees 1 counts all-to-all (E int64) + 4 token all-to-alls of
+T*k*hidden elements on average (tests/test_ep_collectives.py checks that contract).
 
 Gradient convention (what the test checks against one process on the union of the ranks'
 data): each rank back-propagates its share of the global mean loss (local mean / ep); the
@@ -47,17 +51,22 @@ class ExpertParallel:
     """The token dispatcher of expert parallelism over a 1-D ep DeviceMesh; set as
     `MoE.dispatcher` by `apply_expert_parallel`."""
 
-    def __init__(self, mesh, experts: int):
+    def __init__(self, mesh, experts: int, global_counts: bool = True):
         self.mesh = mesh
         self.group = mesh.get_group()
         self.ep = mesh.size()
         self.rank = mesh.get_local_rank()
         self.local = experts // self.ep
+        self.global_counts = global_counts
+        """Return the per-expert counts summed over the ep group (one all-reduce per layer),
+        else this rank's own counts (the training runtime: auxiliary loss, statistics and the
+        balancing load per micro-batch of this rank, exactly as one process computes them on
+        the same micro-batch)."""
 
     @property
     def token_ranks(self) -> int:
         """Ranks whose tokens one layer's counts sum over (for the global token count)."""
-        return self.ep
+        return self.ep if self.global_counts else 1
 
     def __call__(self, experts: torch.nn.Module, tokens: torch.Tensor, counts: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,12 +91,15 @@ class ExpertParallel:
         out_local = experts(arrived.index_select(0, order), recv.sum(0))
         back = torch.empty_like(out_local).index_copy(0, order, out_local)
         out = all_to_all_single_autograd(back, in_splits, out_splits, self.group)
+        if not self.global_counts:
+            return out, counts
         global_counts = counts.clone()
         dist.all_reduce(global_counts, group=self.group)
         return out, global_counts
 
 
-def apply_expert_parallel(model: Any, mesh, average_grads: bool = False) -> ExpertParallel:
+def apply_expert_parallel(model: Any, mesh, average_grads: bool = False,
+                          global_counts: bool = True) -> ExpertParallel:
     """Shard the routed experts of every MoE layer of `model` over the 1-D DeviceMesh `mesh`
     (rank r keeps experts r*E/ep .. (r+1)*E/ep - 1 as DTensor Shard(0) parameters; a meta model
     stays on meta, to be materialized shard-locally by `meshtron.model.init.materialize`) and
@@ -97,7 +109,13 @@ def apply_expert_parallel(model: Any, mesh, average_grads: bool = False) -> Expe
     its local mean loss; replicated gradients are averaged): the experts' gradients, which sum
     every rank's tokens, are then divided by ep (a gradient hook), and each rank's auxiliary
     loss term is injected ep times (its share of the global loss, averaged). Without it, the
-    module docstring's convention (local mean / ep, replicated gradients summed)."""
+    module docstring's convention (local mean / ep, replicated gradients summed).
+
+    `global_counts=False` (`parallelize` from a plan): the auxiliary loss and router statistics
+    use each rank's own counts (ExpertParallel.global_counts), no counts all-reduce; the
+    experts' gradients are scaled by 1/ep inside the graph (`GroupedExperts.grad_scale`) and
+    FSDP2 averages them over the data ranks outside ep (meshtron/parallel/data_parallel.py):
+    together 1/(dp x cp), the data ranks' mean. `average_grads` must then stay False."""
     from torch import nn
     from torch.distributed.tensor import DTensor, Shard
 
@@ -108,7 +126,7 @@ def apply_expert_parallel(model: Any, mesh, average_grads: bool = False) -> Expe
         raise UserError(f"model={spec.name!r}: expert parallelism needs a mixture-of-experts "
                          "model (model.moe_experts > 0)")
     check_expert_parallel(spec.moe_experts, mesh.size())
-    dispatcher = ExpertParallel(mesh, spec.moe_experts)
+    dispatcher = ExpertParallel(mesh, spec.moe_experts, global_counts)
     lo = dispatcher.rank * dispatcher.local
     for module in model.modules():
         if not isinstance(module, MoE):
@@ -123,7 +141,9 @@ def apply_expert_parallel(model: Any, mesh, average_grads: bool = False) -> Expe
             if average_grads:
                 lin.weight.register_hook(lambda g, ep=dispatcher.ep: g / ep)
         module.experts.num_experts = dispatcher.local
+        if not global_counts:  # FSDP averages over the data ranks outside ep (data_parallel.py)
+            module.experts.grad_scale = 1.0 / dispatcher.ep
         module.dispatcher = dispatcher
-        if average_grads:
+        if average_grads and global_counts:
             module.aux_loss_scale *= dispatcher.ep
     return dispatcher

@@ -121,7 +121,50 @@ def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None
     if "cp" in place.axes:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    if p.ep > 1:
+        mesh._meshtron_experts = _expert_meshes(mesh, p)
     return mesh
+
+
+class ExpertMeshes:
+    """The expert-parallel views of a `build_mesh` mesh (plan.ep > 1), torchtitan's
+    ParallelDims layout: FSDP's shard axis (dp_shard x cp, size S) is split into
+    ("dp_shard_mod_ep", ep) with ep innermost; ep = dp_shard_in_ep x cp. The same ranks and
+    root mesh as the placement's (`DeviceMesh._unflatten` of "dp_shard"), so an expert weight
+    can be a DTensor on `ep` and FSDP2-sharded over `fsdp` at once."""
+
+    def __init__(self, ep, fsdp, names: dict):
+        self.ep = ep
+        """1-D mesh of the ep ranks that exchange tokens (all-to-all)."""
+        self.fsdp = fsdp
+        """Mesh the routed experts are FSDP-sharded over: "dp_shard_mod_ep" (size S/ep), with
+        "dp_replicate" in front for HSDP."""
+        self.names = names
+        """Axis name -> 1-D submesh (for the doctor's group names and `release_mesh`)."""
+
+
+def _expert_meshes(mesh, p: Plan) -> ExpertMeshes:
+    """Build the ExpertMeshes of plan `p` on `mesh` (a collective: new process groups)."""
+    cp = p.cp
+    mod = p.dp_shard * cp // p.ep
+    if cp == 1:
+        split = mesh._unflatten("dp_shard", (mod, p.ep), ("dp_shard_mod_ep", "ep"))
+        ep = split["ep"]
+        names = {"ep": ep}
+    else:  # ep = (dp_shard_in_ep, cp): the cp ranks of a sequence route into the same experts
+        inner = p.ep // cp
+        split = mesh._unflatten("dp_shard", (mod, inner), ("dp_shard_mod_ep", "dp_shard_in_ep"))
+        ep = split["dp_shard_in_ep", "cp"]._flatten("ep")
+        names = {"ep": ep, "dp_shard_in_ep": split["dp_shard_in_ep"]}
+    names["dp_shard_mod_ep"] = split["dp_shard_mod_ep"]
+    fsdp = (split["dp_replicate", "dp_shard_mod_ep"] if p.replicas > 1
+            else split["dp_shard_mod_ep"])
+    return ExpertMeshes(ep, fsdp, names)
+
+
+def expert_meshes(mesh) -> ExpertMeshes | None:
+    """The ExpertMeshes `build_mesh` made for an ep > 1 plan, else None."""
+    return getattr(mesh, "_meshtron_experts", None)
 
 
 def data_mesh(mesh):
@@ -151,6 +194,9 @@ def release_mesh(mesh) -> None:
     if "cp" in mesh.mesh_dim_names:
         subs += [mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
                  mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")]
+    experts = expert_meshes(mesh)
+    if experts is not None:
+        subs += list(experts.names.values())
     for sub in subs:
         group = sub.get_group()
         if group is dist.group.WORLD or id(group) in seen:

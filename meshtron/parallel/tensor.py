@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.errors import UserError
+from meshtron.model.moe import MoE
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Module:
@@ -43,11 +43,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Mod
 
     if tp_mesh.size() == 1:
         return model
-    spec = getattr(model, "spec", None)
-    if spec is not None and spec.is_moe:
-        raise UserError(f"tp={tp_mesh.size()}: tensor parallelism of mixture-of-experts models "
-                         f"(model {spec.name!r}) is not implemented yet; use tp=1 (experts are "
-                         "sharded by expert parallelism, meshtron/parallel/expert.py)")
     seq = Shard(1) if sp else Replicate()
     top: dict[str, Any] = {}
     tied = (getattr(model, "tok_embeddings", None) is not None
@@ -77,19 +72,39 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Mod
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if getattr(block.feed_forward, "w3", None) is not None:
-            plan["feed_forward.w3"] = ColwiseParallel()
+        if isinstance(block.feed_forward, MoE):
+            plan.update(_moe_plan(seq))
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,),
+                                                   desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            })
+            if getattr(block.feed_forward, "w3", None) is not None:
+                plan["feed_forward.w3"] = ColwiseParallel()
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
     _replicate_leftover_params(model, tp_mesh)
     return model
+
+
+def _moe_plan(seq) -> dict[str, Any]:
+    """A mixture-of-experts feed-forward under TP: replicated over the tp ranks and fed the
+    full tokens (the dense FFN's all-gather under sp), as plain tensors in and out; its output
+    goes back to the block's layout (a local slice under sp, whose backward all-gathers the
+    gradient, so every tp rank back-propagates the same full gradient and the MoE parameters'
+    gradients are equal on all tp ranks without a reduction). Routing, experts and the
+    all-to-alls of expert parallelism see the same tokens on every tp rank."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return {"feed_forward": PrepareModuleInputOutput(
+        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)}
 
 
 def _replicate_leftover_params(model: nn.Module, tp_mesh) -> None:
@@ -108,7 +123,12 @@ def _replicate_leftover_params(model: nn.Module, tp_mesh) -> None:
     def outputs_to_local(mod, outputs, mesh):
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
+    from meshtron.model.moe import MoE
+
+    skip = {id(m) for moe in model.modules() if isinstance(moe, MoE) for m in moe.modules()}
     for module in list(model.modules()):
+        if id(module) in skip:  # replicated plain modules fed plain tensors (`_moe_plan`)
+            continue
         own = list(module.named_parameters(recurse=False))
         if own and not any(isinstance(p, DTensor) for _, p in own):
             distribute_module(module, tp_mesh, input_fn=inputs_to_dtensor,

@@ -382,9 +382,6 @@ def runtime_problem(plan: Plan) -> str | None:
     if plan.dtype == "fp8":
         return ("plan.dtype='fp8': meshtron's runtime does not train in FP8 yet (the planner "
                 "prices it); use bf16")
-    if plan.ep > 1:
-        return (f"plan.ep={plan.ep}: meshtron's runtime does not run expert parallelism from a "
-                "plan yet (the Python API meshtron.parallel.expert does); use ep=1")
     if plan.compile or plan.async_tp:
         what = "async_tp" if plan.async_tp else "compile"
         return f"plan.{what}=true: meshtron's runtime does not compile yet; use {what}=false"

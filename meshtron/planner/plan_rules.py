@@ -270,22 +270,14 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True) -> It
     tied embeddings (`runtime`: False when pricing another framework, e.g. Megatron-LM, which
     keeps a copy of a tied embedding on the last stage and all-reduces its gradient)."""
     tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
-    ep = k.get("ep")
-    if ep is not None and ep > 1:
-        experts = getattr(model, "moe_experts", 0)
-        if not experts:
-            yield (f"plan.ep={ep}: expert parallelism needs a mixture-of-experts model "
-                   f"(model {model.name} has no experts); use ep=1")
-            return
-        if experts % ep:
-            yield (f"plan.ep={ep}: must divide the model's {experts} experts (every rank "
-                   "holds the same number)")
-            return
-    if tp is not None and tp > 1 and getattr(model, "is_moe", False):
-        # the runtime refuses it (meshtron/parallel/tensor.py) and the cost model has no
-        # sharded-expert GEMMs or expert all-to-all to price it with
-        yield (f"plan.tp={tp}: tensor parallelism of mixture-of-experts models (model "
-               f"{model.name}) is not implemented; use tp=1")
+    ep = k.get("ep") or 1
+    if ep > 1 and not getattr(model, "is_moe", False):
+        yield (f"plan.ep={ep}: expert parallelism needs a mixture-of-experts model (model "
+               f"{model.name} has no routed experts); use ep=1")
+        return
+    if ep > 1 and model.moe_experts % ep:
+        yield (f"plan.ep={ep}: must divide the model's {model.moe_experts} routed experts "
+               "(every ep rank holds the same number)")
         return
     if tp is not None:
         # Named as a user knows them, whether the model came from a preset or a config.json.
@@ -345,7 +337,34 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
         out.extend(model_problems(k, model, runtime))
     if runtime:
         out.extend(cp_runtime_problems(k, model))
+        out.extend(ep_runtime_problems(k))
     return out
+
+
+def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
+    """What meshtron's runtime does not run with expert parallelism (ep > 1): ep is folded over
+    FSDP's shard axis (dp_shard x cp, meshtron/parallel/mesh.py `expert_mesh`), so ZeRO-0/1
+    (no shard axis: dp is all replicas) are refused, and so are gradient compression and DiLoCo
+    (they replace FSDP's reduction, which the experts' own FSDP unit relies on), and pipelines
+    (see below)."""
+    ep, g = k.get("ep") or 1, k.get
+    if ep == 1:
+        return
+    if g("zero") is not None and g("zero") < 2:
+        yield (f"plan.zero={g('zero')} with plan.ep={ep}: expert parallelism is folded over "
+               "FSDP's shard axis (dp_shard x cp); use zero 2 or 3")
+    elif (g("pp") or 1) > 1:
+        # torch.distributed.pipelining's first-step shape inference runs the stages' backward
+        # on uninitialized inputs; with the experts' all-to-alls in that backward the ranks of
+        # a last stage fell out of step (hang, torch 2.13 gloo): not run until that is solved
+        yield (f"plan.ep={ep} with plan.pp={g('pp')}: meshtron's runtime does not run expert "
+               "parallelism inside a pipeline yet; use pp=1")
+    elif (g("cp") or 1) > 1 and ep % g("cp"):
+        yield (f"plan.ep={ep} with plan.cp={g('cp')}: ep spans whole context groups "
+               "(ep = dp_shard_in_ep x cp); use a multiple of cp")
+    elif g("grad_compression") not in (None, "none") or (g("diloco") or 0) > 0:
+        yield (f"plan.ep={ep}: gradient compression and DiLoCo are not run with expert "
+               "parallelism; use grad_compression='none', diloco=0 or ep=1")
 
 
 def cp_runtime_problems(k: Mapping[str, Any], model: Any = None) -> Iterator[str]:

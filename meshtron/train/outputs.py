@@ -103,9 +103,11 @@ def write_curves(path: Path, records: list[dict[str, Any]]) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(12, 3.6), layout="constrained")
+    moe = [r for r in records if "moe_imbalance_max" in r]
+    fig = Figure(figsize=(20 if moe else 12, 3.6), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_loss, ax_tps, ax_lr = fig.subplots(1, 3)
+    axes = fig.subplots(1, 5 if moe else 3)
+    ax_loss, ax_tps, ax_lr = axes[:3]
     steps = [r["step"] for r in records]
     ax_loss.plot(steps, [r["loss"] for r in records], label="train", linewidth=1.2)
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
@@ -119,10 +121,33 @@ def write_curves(path: Path, records: list[dict[str, Any]]) -> None:
     ax_tps.set(title="throughput (steady tokens/s)", xlabel="step")
     ax_lr.plot(steps, [r["lr"] for r in records], color="tab:orange")
     ax_lr.set(title="learning rate", xlabel="step")
-    for ax in (ax_loss, ax_tps, ax_lr):
+    if moe:
+        _router_panels(axes[3], axes[4], moe)
+    for ax in axes[:4] if moe else axes:
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=100)
+
+
+def _router_panels(ax_imb, ax_load, moe: list[dict[str, Any]]) -> None:
+    """Mixture-of-experts runs: the router's imbalance (max / mean tokens per expert; 1 is
+    perfect balance) against step, and each expert's share of the routed slots at the last
+    logged step (meshtron/train/router.py), with the dropped tokens (0: dropless)."""
+    steps = [r["step"] for r in moe]
+    ax_imb.plot(steps, [r["moe_imbalance_max"] for r in moe], label="max over layers",
+                color="tab:red")
+    ax_imb.plot(steps, [r["moe_imbalance_mean"] for r in moe], label="mean over layers",
+                color="tab:purple")
+    dropped = sum(r.get("moe_dropped", 0) for r in moe)
+    ax_imb.set(title=f"router imbalance (dropped tokens: {dropped})", xlabel="step")
+    ax_imb.legend()
+    last = next((r for r in reversed(moe) if r.get("moe_load")), None)
+    if last is not None:
+        load = last["moe_load"]
+        ax_load.bar(range(len(load)), load, color="tab:blue")
+        ax_load.axhline(1.0 / len(load), color="black", linewidth=0.8, linestyle="--")
+        ax_load.set(title=f"load per expert (step {last['step']})", xlabel="expert",
+                    ylabel="share of routed slots")
 
 
 def _rate(value: float | None) -> str:

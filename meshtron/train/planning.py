@@ -145,8 +145,14 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
         need = f"; the leanest plan needs {near.memory.total:.2f} GiB per rank" if near else ""
         raise UserError(f"plan={request.plan!r}: no plan fits {world_size} ranks of "
                         f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
-    return best.to_plan(cfg.model.name, cluster.name, world_size, cfg.data.global_batch,
+    plan = best.to_plan(cfg.model.name, cluster.name, world_size, cfg.data.global_batch,
                         cfg.data.seq_len, attention=result.options.attention)
+    ep = knobs.get("ep") or 1
+    if ep > 1 and plan.ep != ep:  # a search that does not place ep itself: the given ep
+        import dataclasses
+
+        plan = dataclasses.replace(plan, ep=ep)
+    return plan
 
 
 def sized_cluster(cluster, world_size: int):
@@ -160,4 +166,9 @@ def _runnable(knobs: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     knobs = dict(knobs)
     if cfg.model.tied_embeddings and "pp" not in knobs:
         knobs["pp"] = 1  # tied embeddings across pipeline stages are not supported
+    if (knobs.get("ep") or 1) > 1:
+        # expert parallelism runs folded over FSDP's shard axis, without a pipeline
+        # (plan_rules.ep_runtime_problems): search only among those plans
+        knobs.setdefault("zero", 3)
+        knobs.setdefault("pp", 1)
     return knobs

@@ -7,8 +7,9 @@
   the same update (`update_bias`; DeepSeek-V3 report, section 2.1.2).
 * Router statistics for metrics.jsonl at logging points (`router_record`): the imbalance
   (max / mean load over the experts of a layer, on the data-parallel ranks' summed load) as the
-  max and the mean over the MoE layers, dropped tokens (0: dropless routing) and the mean
-  auxiliary loss. They describe the step's last micro-batch.
+  max and the mean over the MoE layers, the load per expert (`moe_load`: each expert's share
+  of the routed slots, over all MoE layers), dropped tokens (0: dropless routing) and the mean
+  auxiliary loss. They describe the step's last micro-batch; curves.png draws them.
 
 Everything stays on the device except `router_record`'s one read at a logging point.
 """
@@ -80,18 +81,24 @@ def router_record(layers: list[Any], spec: Any, device: torch.device, dp_group=N
         imbalance = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
         sums = torch.stack([imbalance.sum(), imbalance.new_tensor(float(len(stats))),
                             aux.sum(), dropped[0]])
+        sums = torch.cat([sums, load.sum(dim=0)])  # + tokens per expert over the layers
         top = imbalance.max().reshape(1)
     else:
-        sums = torch.zeros(4, dtype=f64, device=device)
+        sums = torch.zeros(4 + spec.moe_experts, dtype=f64, device=device)
         top = torch.zeros(1, dtype=f64, device=device)
     if pp_group is not None:
         dist.all_reduce(sums, group=pp_group)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=pp_group)
-    imb_sum, n, aux_sum, dropped_n, imb_max = torch.cat([sums, top]).tolist()
+    values = torch.cat([sums, top]).tolist()
+    imb_sum, n, aux_sum, dropped_n = values[:4]
+    per_expert, imb_max = values[4:-1], values[-1]
     if n == 0:
         return {}
+    total = sum(per_expert) or 1.0
     out = {"moe_imbalance_max": imb_max, "moe_imbalance_mean": imb_sum / n,
-           "moe_dropped": int(dropped_n)}
+           "moe_dropped": int(dropped_n),
+           # share of the routed slots each expert received, summed over the MoE layers
+           "moe_load": [round(x / total, 6) for x in per_expert]}
     if aux_on:
         out["moe_aux_loss"] = aux_sum / n
     return out

@@ -1,0 +1,224 @@
+"""Expert parallelism from a plan (`ep` in the Plan, the placement's mesh and `parallelize`)
+against one process, on real gloo process groups.
+
+Each layout trains STEPS AdamW steps of a small MoE (both router kinds: softmax top-2 with the
+auxiliary loss, as Mixtral; DeepSeek-V3's sigmoid, group-limited, shared expert, first block
+dense) through `meshtron.testing.equivalence.parallel_rank_fn`, the sweep every other layout
+passes: losses, gradient norms and every parameter (experts gathered from their ep x FSDP
+shards) must equal the single-process run on the same seed and data within its fp32 tolerance.
+The reference uses the plan's micro-batch (the auxiliary loss is per micro-batch in both).
+
+Default suite: one 4-rank launch with ep=2 x dp=4 (ZeRO-3: experts FSDP-sharded over
+dp_shard_mod_ep = 2, sigmoid router) and the DCP resharding below; the doctor's skipped
+all-to-all; the bad-input rules. Slow: the rest of the grid (ep=2 x tp=2 with and without sequence
+parallelism, ep=4 ZeRO-2 and ZeRO-3, HSDP, recomputation full/selective, both router kinds
+everywhere). Pipelines with ep are refused (plan_rules.ep_runtime_problems).
+Bad input: ep not dividing the experts or the ranks, ep on a dense model, ep with ZeRO-1,
+ep with pp: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.testing.equivalence import DEFAULT_CFG, compare, format_report, layout_cfg, \
+    parallel_rank_fn, reference_run
+from meshtron.testing.multiproc import run_on_ranks
+
+TOL = 1e-5
+TIMEOUT = 600
+MICRO = 1
+CFG = dict(DEFAULT_CFG, micro_batch=MICRO)
+SOFTMAX = dict(name="equiv-moe", moe_experts=8, moe_top_k=2, moe_ffn_hidden=32,
+               moe_aux_loss=0.01)
+SIGMOID = dict(name="equiv-moe-ds", moe_experts=8, moe_top_k=2, moe_ffn_hidden=32,
+               moe_shared_experts=1, moe_dense_layers=1, moe_router="sigmoid", moe_groups=4,
+               moe_topk_groups=2, moe_route_scale=2.5, moe_bias_update=1e-3)
+
+
+def _layout(model, **kw):
+    return {"model": model, "micro_batch": MICRO, "zero": 3, **kw}
+
+
+LAYOUTS = [
+    _layout(SIGMOID, dp=4, ep=2),
+]
+SLOW_LAYOUTS = [
+    _layout(SOFTMAX, dp=2, ep=2, tp=2, sp=True),
+    _layout(SIGMOID, dp=4, ep=4, zero=2),
+    _layout(SOFTMAX, dp=4, ep=2),
+    _layout(SIGMOID, dp=2, ep=2, tp=2, sp=True),
+    _layout(SIGMOID, dp=2, ep=2, tp=2),
+    _layout(SOFTMAX, dp=4, ep=4),
+    _layout(SIGMOID, dp=4, ep=2),
+    _layout(SOFTMAX, dp=4, ep=2, dp_replicate=2),
+    _layout(SIGMOID, dp=4, ep=4, recompute="full"),
+    _layout(SOFTMAX, dp=4, ep=2, recompute="selective"),
+    _layout(SOFTMAX, dp=2, ep=2, zero=2, tp=2, recompute="full"),
+]
+
+
+def _check(layouts, ckpt_dir=None):
+    refs: dict = {}
+
+    def ref_for(layout):
+        cfg, _ = layout_cfg(CFG, layout)
+        key = cfg["spec"]["name"]
+        if key not in refs:
+            refs[key] = reference_run(cfg)
+        return refs[key]
+
+    if ckpt_dir is None:
+        results = run_on_ranks(parallel_rank_fn, 4, CFG, layouts, timeout=TIMEOUT)
+    else:
+        ranks = run_on_ranks(ep_dcp_rank_fn, 4, CFG, layouts, ckpt_dir, timeout=TIMEOUT)
+        results = [r["sweep"] for r in ranks]
+        for r in ranks:
+            for ep in (4, 1):
+                loss, diff, same_names = r[ep]
+                assert same_names, ep
+                assert abs(loss - r["want_loss"]) <= TOL * abs(r["want_loss"]), (ep, r)
+                assert diff <= TOL, (ep, r)
+    report = compare(ref_for, results)
+    print(format_report(report))
+    bad = [r for r in report if r["missing"] or r["extra"]
+           or max(r["loss_rel"], r["norm_rel"], r["param_rel"]) > TOL]
+    assert not bad, f"layouts off the single-process run by more than {TOL}:\n" + \
+        format_report(bad)
+
+
+def test_ep_layouts_match_one_process_and_dcp_reshards_across_ep(tmp_path):
+    _check(LAYOUTS, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.slow
+def test_ep_layouts_match_one_process_slow():
+    _check(SLOW_LAYOUTS)
+
+
+@pytest.mark.parametrize("layout, match", [
+    ("ep=3,dp=3", r"^plan.ep=3: must divide the model's 8 routed experts"),
+    ("ep=4,dp=2", r"^plan.ep=4: must divide the data x context ranks it is folded over"),
+])
+def test_bad_ep_is_one_line(layout, match):
+    from meshtron.errors import UserError
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner.plan import Plan, parse_layout
+
+    kw = parse_layout(layout)
+    with pytest.raises(UserError, match=match):
+        plan = Plan(**{"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": "none",
+                       "sp": False, "schedule": None, "virtual_stages": 1, **kw})
+        plan.validate(plan.gpus, PRESETS["tiny-moe"])
+
+
+def test_bad_ep_rules():
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner.plan_rules import plan_problems
+
+    moe, dense = PRESETS["tiny-moe"], PRESETS["tiny"]
+    base = dict(tp=1, pp=1, dp=2, zero=3, ep=2)
+    assert plan_problems(base, 2, moe) == []
+    assert plan_problems(dict(base), 2, dense)[0].startswith(
+        "plan.ep=2: expert parallelism needs a mixture-of-experts model")
+    assert plan_problems(dict(base, zero=1), 2, moe)[0].startswith(
+        "plan.zero=1 with plan.ep=2: expert parallelism is folded over FSDP's shard axis")
+    assert plan_problems(dict(base, dp=2, cp=2, ep=3), 4, moe)[0].startswith("plan.ep=3")
+    assert plan_problems(dict(base, pp=2), 4, moe)[0].startswith(
+        "plan.ep=2 with plan.pp=2: meshtron's runtime does not run expert parallelism inside")
+
+
+def test_cli_refuses_bad_ep_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "meshtron", "train", "--model", "tiny-moe",
+                          "--plan", "ep=3,dp=3", "--steps", "1", "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "plan.ep=3: must divide the model's 8 routed experts" in lines[0]
+
+
+def ep_dcp_rank_fn(cfg, layouts, ckpt_dir):
+    """The equivalence layouts, then DCP across ep sizes: train 2 steps at ep=2 x dp=4
+    (ZeRO-3), save model + optimizer, take step 3; load the checkpoint into ep=4 and into ep=1
+    (a fresh, differently seeded model each) and take the same step 3: losses and every
+    parameter must match continuing at ep=2 (the expert weights are DTensors sharded on the
+    expert dimension, so DCP reshards them)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel import build_mesh, build_optimizer, parallelize
+    from meshtron.parallel.mesh import data_mesh
+    from meshtron.testing.equivalence import make_data, make_spec
+
+    out = {"sweep": parallel_rank_fn(cfg, layouts)}
+    cfg, _ = layout_cfg(cfg, {"model": SIGMOID})
+    inputs, targets = make_data(cfg)
+
+    def build(ep, seed):
+        plan = dict(dp=4, zero=3, ep=ep, micro_batch=MICRO)
+        mesh = build_mesh(plan, device_type="cpu")
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = Transformer(make_spec(cfg))
+        pm = parallelize(model, plan, mesh)
+        opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
+                              weight_decay=cfg["weight_decay"])
+        return pm, opt, mesh
+
+    def step(pm, opt, mesh, i):
+        dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
+        rows = cfg["batch"] // dp
+        loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
+                                   targets[i, r * rows:(r + 1) * rows])
+        pm.clip_grad_norm_(cfg["clip"])
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    pm, opt, mesh = build(2, cfg["seed"])
+    for i in range(2):
+        step(pm, opt, mesh, i)
+    dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    out["want_loss"] = step(pm, opt, mesh, 2)
+    want = pm.full_parameters()
+    for ep in (4, 1):
+        pm2, opt2, mesh2 = build(ep, cfg["seed"] + 99)  # another init: must be overwritten
+        state = {"model": pm2.state_dict(), "optim": opt2.state_dict()}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        pm2.load_state_dict(state["model"])
+        opt2.load_state_dict(state["optim"])
+        loss = step(pm2, opt2, mesh2, 2)
+        got = pm2.full_parameters()
+        diff = max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-2))
+                   for k in want)
+        out[ep] = (loss, diff, sorted(got) == sorted(want))
+    return out
+
+
+def test_doctor_names_a_skipped_all_to_all(tmp_path):
+    """One rank of an ep pair skips its MoE forward (tests/doctor_faults.py): the doctor names
+    it, the collective (the dispatcher's counts all-to-all), its kind, the ep group and the
+    sizes the waiting rank sent."""
+    from pathlib import Path
+
+    from meshtron.doctor.analyze import diagnose
+    from meshtron.doctor.trace import load_trace
+    from meshtron.testing.multiproc import RankError, RankTimeout
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import doctor_faults
+
+    with pytest.raises((RankError, RankTimeout)):
+        run_on_ranks(doctor_faults.skipped_all_to_all, 4, str(tmp_path), timeout=90)
+    d = diagnose(load_trace(tmp_path))
+    assert d.kind == "never_entered" and d.culprit_ranks == [3], d.to_dict()
+    assert d.verdict.startswith("rank 3 (dp=1, ep=1) never entered all_to_all_single #"), \
+        d.verdict
+    assert "on the expert-parallel group [2, 3]" in d.verdict, d.verdict
+    op = d.divergence["ops"]["2"]
+    assert op["op"] == "all_to_all_single" and op["dtypes"] == ["int64", "int64"]
+    assert op["shapes"] == [[2, 4], [2, 4]]  # [ep, experts/ep] counts out and in
