@@ -133,7 +133,8 @@ def test_bad_ep_rules():
 
 def test_cli_refuses_bad_ep_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "meshtron", "train", "--model", "tiny-moe",
-                          "--plan", "ep=3,dp=3", "--steps", "1", "--run-dir",
+                          "--plan", "ep=3,dp=3", "--nproc", "3", "--global-batch", "12",
+                          "--steps", "1", "--run-dir",
                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
