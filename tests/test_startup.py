@@ -23,6 +23,7 @@ print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code or 0)
 @pytest.mark.parametrize("argv", [
     ["--help"],
     ["plan", "--help"],
+    ["merge", "--help"],
     ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "64",
      "--seq-len", "4096", "--top", "1"],
     ["cost", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--tokens", "1T",

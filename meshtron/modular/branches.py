@@ -1,0 +1,196 @@
+"""The inputs of `meshtron merge`: dense runs (a run folder with checkpoints) or exported weights
+(a Hugging Face folder), described from their small files first and checked against each other
+before any tensor is read, then loaded one at a time as full CPU tensors in meshtron names.
+
+A branch's base (what it started from) is known for run folders: the `train.init_from` folder
+it was trained from (identified by the SHA-256 of its weight files, so a copy of the base is
+the same base), or the seed of the deterministic initialization when it started from scratch.
+Exported weights do not record it; for them, and as a second guard for all, `check_close`
+refuses branches whose shared weights lie farther apart than two independent initializations'
+halfway point (see RELATIVE_DISTANCE_LIMIT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshtron.errors import UserError
+from meshtron.model.spec import ModelSpec
+
+FIELD = "merge --experts"
+
+RELATIVE_DISTANCE_LIMIT = 1.0
+"""Largest ||W_i - W_0|| / ||W_0|| over the matrices every branch shares (attention, embeddings,
+head) for branches of one base. Two independent draws of the same initialization are sqrt(2)
+apart; fine-tuned branches of one base stay far below (0.07-0.2 in bench/btx.py's runs)."""
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One input of a merge, described without reading its tensors."""
+
+    path: Path
+    """The folder given on the command line."""
+    kind: str
+    """'run' (a meshtron run folder: run.toml or config.json, and checkpoints/) or 'weights'
+    (an exported Hugging Face folder: config.json and *.safetensors)."""
+    spec: ModelSpec
+    """The dense model it holds."""
+    base: str | None
+    """What it started from: 'init:<sha256 of the base's weights>', 'seed:<seed>', or None
+    (exported weights record no origin)."""
+    tokenizer: str | None
+    """'byte', 'sha256:<digest of tokenizer.json>', or None when unknown."""
+    tokenizer_dir: Path | None
+    """A folder holding its tokenizer.json (copied next to the merged weights), if any."""
+
+
+def describe(path: str | Path) -> Branch:
+    """Read a branch's configuration (not its weights); UserError naming the folder when it is
+    neither a run folder with a checkpoint nor exported weights."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError(f"{FIELD}={str(path)!r}: not a folder (give a run folder with "
+                        "checkpoints/ or an exported weights folder)")
+    if (folder / "run.toml").is_file() or (folder / "checkpoints").is_dir():
+        return _describe_run(folder)
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return _describe_weights(folder)
+    raise UserError(f"{FIELD}={str(path)!r}: neither a meshtron run folder (run.toml and "
+                    "checkpoints/) nor exported weights (config.json and *.safetensors)")
+
+
+def _describe_run(folder: Path) -> Branch:
+    from meshtron.checkpoint import store
+    from meshtron.hf.cli import run_config
+    from meshtron.hf.hooks import tokenizer_source
+
+    cfg = run_config(folder)
+    root = store.checkpoint_root(folder)
+    if not (root.is_dir() and store.committed(root)):
+        raise UserError(f"{FIELD}={str(folder)!r}: the run saved no checkpoint (train it with "
+                        "--checkpoint-every N, or give its --export folder)")
+    if cfg.train.init_from:
+        base = _base_of(Path(cfg.train.init_from))
+    else:
+        base = f"seed:{cfg.train.seed}"
+    tok_dir = tokenizer_source(cfg, folder)
+    if tok_dir is not None:
+        tok = "sha256:" + _sha256(tok_dir / "tokenizer.json")
+    elif cfg.data.tokenizer == "byte":
+        tok = "byte"
+    else:
+        tok = None
+    return Branch(folder, "run", cfg.model, base, tok, tok_dir)
+
+
+def _describe_weights(folder: Path) -> Branch:
+    from meshtron.model.spec import from_hf_config
+
+    spec = from_hf_config(folder / "config.json")
+    tok_file = folder / "tokenizer.json"
+    tok = "sha256:" + _sha256(tok_file) if tok_file.is_file() else None
+    return Branch(folder, "weights", spec, None, tok, folder if tok_file.is_file() else None)
+
+
+def _base_of(base: Path) -> str:
+    """The identity of a base folder: the SHA-256 of its weight files (names and bytes), so a
+    copy of the base is the same base; its resolved path when it is gone."""
+    files = sorted(base.glob("*.safetensors")) if base.is_dir() else []
+    if not files:
+        return f"path:{base.resolve()}"
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(_sha256(f).encode())
+    return "init:" + h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    from meshtron.checkpoint.store import file_digest
+
+    return file_digest(path)
+
+
+def check_compatible(branches: list[Branch]) -> None:
+    """Every branch dense, SwiGLU, of the first one's shapes and vocabulary, tokenizer and base;
+    the first mismatch is one line naming both folders and the field."""
+    first = branches[0]
+    for b in branches:
+        if b.spec.is_moe:
+            raise UserError(f"{FIELD}={str(b.path)!r}: is already a mixture of experts "
+                            f"(model.moe_experts={b.spec.moe_experts}); give dense models")
+        if b.spec.mlp != "swiglu":
+            raise UserError(f"{FIELD}={str(b.path)!r}: model.mlp={b.spec.mlp!r}; experts are "
+                            "SwiGLU, so only SwiGLU dense models merge")
+    for b in branches[1:]:
+        diff = _spec_difference(first.spec, b.spec)
+        if diff:
+            field, mine, theirs = diff
+            raise UserError(f"{FIELD}={str(b.path)!r}: model.{field}={theirs!r} but "
+                            f"{str(first.path)!r} has {mine!r}: branches must have the same "
+                            "shapes and vocabulary")
+        if b.tokenizer and first.tokenizer and b.tokenizer != first.tokenizer:
+            raise UserError(f"{FIELD}={str(b.path)!r}: tokenizer {b.tokenizer[:19]} differs "
+                            f"from {str(first.path)!r}'s {first.tokenizer[:19]}: branches "
+                            "must share one tokenizer")
+        if b.base and first.base and b.base != first.base:
+            raise UserError(f"{FIELD}={str(b.path)!r}: started from {b.base[:24]} but "
+                            f"{str(first.path)!r} from {first.base[:24]}: branches must "
+                            "share one base")
+    seen: set[Path] = set()
+    for b in branches:
+        if b.path.resolve() in seen:
+            raise UserError(f"{FIELD}={str(b.path)!r}: given twice (use --copies to repeat "
+                            "one model's MLP)")
+        seen.add(b.path.resolve())
+
+
+def _spec_difference(a: ModelSpec, b: ModelSpec) -> tuple[str, Any, Any] | None:
+    for f in dataclasses.fields(ModelSpec):
+        if f.name != "name" and getattr(a, f.name) != getattr(b, f.name):
+            return f.name, getattr(a, f.name), getattr(b, f.name)
+    return None
+
+
+def load_state(branch: Branch) -> dict[str, Any]:
+    """Full CPU tensors of a branch, keyed by meshtron's parameter names (a run: its newest
+    intact checkpoint; exported weights: every tensor, read through safetensors)."""
+    import torch
+
+    if branch.kind == "run":
+        from meshtron.checkpoint import load_full_state_dict
+
+        return load_full_state_dict(branch.path)
+    from meshtron.hf.load import Checkpoint, model_shapes
+    from meshtron.model.init import BLOCK_ELEMS
+
+    ckpt = Checkpoint(branch.path)
+    shapes = model_shapes(branch.spec)
+    out = {}
+    for name, src in ckpt.check(branch.spec, shapes).items():
+        target = torch.empty(shapes[name], dtype=torch.float32)
+        ckpt.read_into(src, target, (0,) * target.dim(), BLOCK_ELEMS)
+        out[name] = target
+    return out
+
+
+def check_close(branch: Branch, state: dict[str, Any], first: Branch,
+                first_state: dict[str, Any]) -> float:
+    """The relative distance of `state` from `first_state` over the matrices they share (not
+    the MLPs, which branches specialise); UserError above RELATIVE_DISTANCE_LIMIT."""
+    num = den = 0.0
+    for name, t in first_state.items():
+        if t.dim() >= 2 and ".feed_forward." not in name:
+            num += float((state[name].double() - t.double()).pow(2).sum())
+            den += float(t.double().pow(2).sum())
+    dist = (num / den) ** 0.5 if den else 0.0
+    if dist > RELATIVE_DISTANCE_LIMIT:
+        raise UserError(f"{FIELD}={str(branch.path)!r}: its attention and embedding weights "
+                        f"are {dist:.2f} (relative) from {str(first.path)!r}'s, above "
+                        f"{RELATIVE_DISTANCE_LIMIT}: not branches of one base")
+    return dist

@@ -1,0 +1,127 @@
+"""`meshtron merge --experts RUN_A RUN_B ... --to DIR [--top-k K] [--copies C]`.
+
+N dense branches of one base (run folders with a checkpoint, or exported weights) -> one MoE
+Hugging Face folder (safetensors + config.json + the branches' tokenizer + merge.json) that
+`meshtron train --init-from DIR` starts from. One input with `--copies E` is sparse upcycling.
+Everything that can be checked is checked before a tensor is read (the inputs' configurations,
+shapes, vocabulary, tokenizer and base, the output folder); the folder is written under a
+temporary name and renamed into place, so an error leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from meshtron.argtypes import positive_int
+from meshtron.errors import UserError
+
+
+def _fields(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("model."):
+            raise UserError(f"merge --set {item!r}: expected model.KEY=VALUE, e.g. "
+                            "model.moe_router=sigmoid")
+        try:
+            out[key[len("model."):]] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key[len("model."):]] = value
+    return out
+
+
+def _prepare_output(to: str) -> Path:
+    """The output folder: absent or empty, and creatable (probed now, before any work)."""
+    from meshtron.argtypes import writable_target
+
+    out = Path(to)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"merge --to={to!r}: already exists and is not an empty folder; "
+                        "choose a new folder")
+    writable_target(out, "merge --to")
+    return out
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from meshtron.hf.names import check_supported
+    from meshtron.modular import branches as br
+    from meshtron.modular.upcycle import moe_spec
+
+    if args.seed < 0:
+        raise UserError(f"merge --seed={args.seed}: must be >= 0")
+    out = _prepare_output(args.to)
+    inputs = [br.describe(p) for p in args.experts]
+    br.check_compatible(inputs)
+    copies = args.copies or (1 if len(inputs) > 1 else 0)
+    if copies * len(inputs) < 2:
+        raise UserError("merge --copies: one input needs --copies E (E >= 2) to upcycle into E "
+                        "experts")
+    experts = copies * len(inputs)
+    spec = moe_spec(inputs[0].spec, experts, args.top_k or min(2, experts), _fields(args.set))
+    check_supported(spec, "merge --to")  # the folder must be one --init-from reads
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        summary = _write(inputs, spec, copies, args.seed, tmp)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"merged {len(inputs)} dense model(s) into {out}: {experts} experts, top-"
+          f"{spec.moe_top_k}, {spec.num_params():,} parameters ({spec.active_params():,} "
+          f"active); router {summary['router']['gate']}; train it with "
+          f"`meshtron train --init-from {out}`")
+    return 0
+
+
+def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
+    from meshtron.hf.export import save_hf
+    from meshtron.modular import branches as br
+    from meshtron.modular.upcycle import merge_states
+
+    states, distances = [], []
+    for b in inputs:  # the experts need every branch's MLP; the rest is averaged
+        state = br.load_state(b)
+        distances.append(br.check_close(b, state, inputs[0], states[0]) if states else 0.0)
+        states.append(state)
+    merged, init = merge_states(states, spec, copies, seed)
+    del states
+    save_hf(merged, spec, tmp, tokenizer_dir=inputs[0].tokenizer_dir, field="merge --to")
+    summary = {
+        "format": "meshtron-merge/1",
+        "method": "upcycle" if len(inputs) == 1 else "branch-train-mix",
+        "branches": [{"path": str(b.path.resolve()), "kind": b.kind, "base": b.base,
+                      "tokenizer": b.tokenizer, "relative_distance": d}
+                     for b, d in zip(inputs, distances)],
+        "copies": copies, "router_seed": seed, "router": init.to_dict(),
+        "model": spec.to_dict(),
+    }
+    (tmp / "merge.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("merge", help="dense runs -> one mixture of experts (upcycling, BTX)",
+                       description="Branch-Train-MiX: expert i = branch i's MLP, the other "
+                       "weights averaged, router fresh. Sparse upcycling: one input with "
+                       "--copies E (logits equal the dense model's before any step).")
+    p.add_argument("--experts", nargs="+", required=True, metavar="RUN",
+                   help="dense run folders (with a checkpoint) or exported weights folders of "
+                        "one base")
+    p.add_argument("--to", required=True, metavar="DIR",
+                   help="output folder (new or empty): weights for --init-from")
+    p.add_argument("--top-k", type=positive_int, metavar="K",
+                   help="experts per token (default: 2, or 1 with one expert)")
+    p.add_argument("--copies", type=positive_int, metavar="C",
+                   help="experts per input (default 1; upcycling one input needs C >= 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fresh router (default 0)")
+    p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="an MoE field of the result, e.g. model.moe_aux_loss=0.02 (repeatable)")
+    p.set_defaults(func=cmd_merge)

@@ -1,0 +1,173 @@
+"""`meshtron merge`: sparse upcycling reproduces the dense model's logits for every router kind;
+Branch-Train-MiX of two trained branches loads and trains; bad input is one line, exit 2, and
+leaves nothing behind."""
+
+import json
+
+import pytest
+import torch
+
+from meshtron.cli import main
+from meshtron.model import PRESETS, Transformer
+from meshtron.model.init import named_unique_parameters
+from meshtron.modular.branches import describe, load_state
+from meshtron.modular.upcycle import load_state as fill
+from meshtron.modular.upcycle import merge_states, moe_spec
+
+DENSE = PRESETS["debug"]
+
+
+def _dense_model():
+    """A dense model whose MLPs matter: w2 scaled up so that dropping the MLPs moves the
+    logits by far more than the tolerance."""
+    model = Transformer(DENSE, init_seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("feed_forward.w2.weight"):
+                p.mul_(40)
+            if name.endswith("norm.weight"):
+                p.add_(torch.rand_like(p))
+    return model
+
+
+ROUTERS = {
+    "softmax-top2": (2, {}),
+    "softmax-top1": (1, {}),
+    "softmax-unnormalised": (2, {"moe_norm_topk": False}),
+    "sigmoid-deepseek": (2, {"moe_router": "sigmoid", "moe_groups": 2, "moe_topk_groups": 1,
+                             "moe_shared_experts": 1, "moe_dense_layers": 1,
+                             "moe_route_scale": 2.5, "moe_bias_update": 1e-3}),
+    "sigmoid-unnormalised": (2, {"moe_router": "sigmoid", "moe_norm_topk": False,
+                                 "moe_shared_experts": 2}),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROUTERS))
+def test_upcycled_logits_equal_dense(kind):
+    top_k, fields = ROUTERS[kind]
+    dense = _dense_model()
+    state = {n: p.detach().clone() for n, p in named_unique_parameters([dense])}
+    spec = moe_spec(DENSE, 4, top_k, fields)
+    merged, init = merge_states([state], spec, copies=4, seed=1)
+    moe = Transformer(spec, init_seed=0)
+    fill(moe, merged)
+    tokens = torch.randint(0, DENSE.vocab, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = dense(tokens)
+        got = moe(tokens)
+        no_mlp = Transformer(DENSE, init_seed=3)
+        fill(no_mlp, {n: (torch.zeros_like(t) if ".w2." in n else t) for n, t in state.items()})
+        far = (no_mlp(tokens) - ref).abs().max()
+    assert init.gate == ("random" if top_k > 1 and fields.get("moe_norm_topk", True) else "zero")
+    assert far > 1.0  # the MLPs carry the logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def _write_text(folder, text, files=12):
+    folder.mkdir(parents=True)
+    for i in range(files):
+        (folder / f"doc{i:02d}.txt").write_text(text * (20 + i))
+    return folder
+
+
+def _train(*args):
+    assert main(["train", "--seq-len", "32", "--global-batch", "4", "--eval-every", "0",
+                 "--warmup-steps", "1", *args]) == 0
+
+
+@pytest.fixture(scope="module")
+def branches(tmp_path_factory):
+    """A base (trained 3 steps, exported) and two branches of it on different text."""
+    root = tmp_path_factory.mktemp("btx")
+    code = _write_text(root / "code", "def add(a, b):\n    return a + b\n\n")
+    prose = _write_text(root / "prose", "The quick brown fox jumps over the lazy dog. ")
+    _train("--model", "debug", "--data", str(prose), "--steps", "2", "--run-dir",
+           str(root / "base"), "--export", str(root / "base_w"), "--checkpoint-every", "2")
+    for name, data in (("a", code), ("b", prose)):
+        _train("--init-from", str(root / "base_w"), "--data", str(data), "--steps", "3",
+               "--run-dir", str(root / name), "--checkpoint-every", "3")
+    return root
+
+
+def test_btx_merge_loads_and_trains(branches, tmp_path):
+    out = tmp_path / "merged"
+    assert main(["merge", "--experts", str(branches / "a"), str(branches / "b"),
+                 "--to", str(out), "--top-k", "1"]) == 0
+    doc = json.loads((out / "merge.json").read_text())
+    assert doc["method"] == "branch-train-mix" and doc["router"]["gate"] == "random"
+    scale = doc["router"]["routed_w2"]  # top-1 of a softmax over 2: weights start near 1/2
+    assert scale == pytest.approx(2.0)
+    bases = [b["base"] for b in doc["branches"]]
+    assert bases[0] == bases[1] and bases[0].startswith("init:")  # base_w's weights' digest
+    merged = load_state(describe(out))
+    a, b = (load_state(describe(branches / n)) for n in ("a", "b"))
+    for i in range(DENSE.layers):
+        p = f"layers.{i}.feed_forward."
+        for w in ("w1", "w2", "w3"):  # expert 0 = branch a's MLP, expert 1 = branch b's
+            f = scale if w == "w2" else 1.0
+            for e, branch in enumerate((a, b)):
+                torch.testing.assert_close(merged[f"{p}experts.{w}.weight"][e],
+                                           branch[f"{p}{w}.weight"] * f, rtol=0, atol=0)
+    for name in ("tok_embeddings.weight", "layers.1.attention.wq.weight", "norm.weight"):
+        torch.testing.assert_close(merged[name], (a[name] + b[name]) / 2)
+    run = tmp_path / "run"
+    _train("--init-from", str(out), "--data", str(branches / "code"), "--steps", "6",
+           "--lr", "3e-3", "--run-dir", str(run))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"] - 0.05, summary
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "moe_imbalance_max" in lines[-1]
+
+
+def test_upcycle_through_the_cli_keeps_logits(branches, tmp_path):
+    out = tmp_path / "up"
+    assert main(["merge", "--experts", str(branches / "base_w"), "--copies", "4",
+                 "--to", str(out)]) == 0
+    dense_b, moe_b = describe(branches / "base_w"), describe(out)
+    assert moe_b.spec.moe_experts == 4 and moe_b.spec.moe_top_k == 2
+    dense, moe = Transformer(dense_b.spec, init_seed=0), Transformer(moe_b.spec, init_seed=0)
+    fill(dense, load_state(dense_b))
+    fill(moe, load_state(moe_b))
+    tokens = torch.randint(0, DENSE.vocab, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(tokens), dense(tokens), rtol=1e-5, atol=1e-5)
+
+
+def _weights(folder, spec, seed):
+    """An exported weights folder of a fresh model (save_hf, as `meshtron export` writes)."""
+    from meshtron.hf.export import save_hf
+
+    model = Transformer(spec, init_seed=seed)
+    save_hf(dict(named_unique_parameters([model])), spec, folder)
+    return str(folder)
+
+
+def test_bad_input_one_line_exit_2(branches, tmp_path, capsys):
+    other = _weights(tmp_path / "other", DENSE.replace(ffn_hidden=128), 0)  # another shape
+    fresh = _weights(tmp_path / "fresh", DENSE, 5)  # no recorded base, far from the branches
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    a, b = str(branches / "a"), str(branches / "b")
+    cases = {
+        "model.ffn_hidden=128": [a, other],
+        "must share one base": [a, str(branches / "base")],  # from the seed, not base_w
+        "given twice": [a, a],
+        "neither a meshtron run folder": [a, str(tmp_path / "full")],
+        "--copies E": [a],
+        "not branches of one base": [a, fresh],
+    }
+    out = tmp_path / "out"
+    for needle, experts in cases.items():
+        assert main(["merge", "--experts", *experts, "--to", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    for needle, extra in {"--to='/proc/x'": ["--to", "/proc/x"],
+                          "not an empty folder": ["--to", str(tmp_path / "full")],
+                          "--top-k=3": ["--to", str(out), "--top-k", "3"],
+                          "model.hidden": ["--to", str(out), "--set", "model.hidden=8"],
+                          "mixtral and qwen3_moe": ["--to", str(out), "--set",
+                                                    "model.moe_router=sigmoid"]}.items():
+        assert main(["merge", "--experts", a, b, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
