@@ -206,3 +206,53 @@ def summary_model(run_dir):
     from meshtron.config import config_from_dict, load_toml
 
     return config_from_dict(load_toml(run_dir / "run.toml")).model
+
+
+HYB = ["--nproc", "4", "--plan", "tp=2,dp=2", "--zero", "3", "--ranks-per-node", "2",
+       "--checkpoint-every", "4", "--steps", "10"]
+
+
+def _wait_after_restart(run_dir, n, step, proc, timeout=600):
+    """Wait until the `n`-th restart record is followed by a record of `step`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists():
+            recs = _records(run_dir)
+            marks = [i for i, r in enumerate(recs) if r.get("event") == "restart"]
+            if len(marks) >= n and any(r.get("step") == step for r in recs[marks[n - 1]:]):
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} after restart {n} never logged ({proc.poll()})")
+
+
+@pytest.mark.slow
+def test_two_failures_memory_then_disk_equal_an_uninterrupted_run(tmp_path):
+    from tests.test_checkpoint_cli import _run, _same_final_state
+
+    ref = tmp_path / "ref"
+    code, out = _run(ref, *HYB)
+    assert code == 0, out[-3000:]
+    run_dir, shm = tmp_path / "killed", tmp_path / "shm"
+    root = files.job_root(run_dir, str(shm))
+    proc = _start(run_dir, *HYB, "--snapshot-every", "3", "--max-restarts", "2",
+                  MESHTRON_SNAPSHOT_DIR=str(shm))
+    try:
+        _wait_for_step(run_dir, 7, proc)
+        _kill(_rank_pids(run_dir)[2])  # node 1 (ranks 2, 3) is lost with its memory
+        shutil.rmtree(root / "node_1")
+        _wait_after_restart(run_dir, 1, 9, proc)
+        for pid in _rank_pids(run_dir).values():  # every node lost: shards and copies gone
+            _kill(pid)
+        shutil.rmtree(root)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    first, second = [r for r in _records(run_dir) if r.get("event") == "restart"]
+    assert first["restored_from"] == "memory" and first["resumed_from_step"] == 6, first
+    assert first["from_peer"] == [2, 3]
+    assert second["restored_from"] == "disk" and second["resumed_from_step"] in (4, 8), second
+    assert "no complete in-memory generation" in out
+    assert _losses(run_dir) == _losses(ref)
+    _same_final_state(ref, run_dir)
