@@ -107,6 +107,7 @@ def one_round(work: Path, argv: list[str], every: int, wipe: bool, timeout: floa
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"restored_from": restart["restored_from"], "resumed": restart["resumed_from_step"],
             "restore_s": restart["restore_s"], "kill_to_resume_s": restart["time"] - killed_at,
+            "parts": restart.get("restore_parts_s"), "stall_s": summary["snapshot"]["stall_s_max"],
             "bytes": summary["snapshot"]["bytes_per_rank"][0]}
 
 
@@ -131,8 +132,11 @@ def main() -> None:
                 r = one_round(Path(tmp), argv, a.every, name == "disk", a.timeout)
                 assert r["restored_from"] == name, r
                 results[name].append(r)
-                print(f"round {i + 1} {name}: restore {r['restore_s']:.3f} s, kill -> resumed "
-                      f"{r['kill_to_resume_s']:.2f} s", flush=True)
+                parts = ", ".join(f"{k} {v:.3f}" for k, v in (r["parts"] or {}).items())
+                print(f"round {i + 1} {name}: restore {r['restore_s']:.3f} s"
+                      f"{f' ({parts})' if parts else ''}, kill -> resumed "
+                      f"{r['kill_to_resume_s']:.2f} s; snapshot stall max {r['stall_s']:.3f} s",
+                      flush=True)
     b = results["memory"][0]["bytes"]
     print(f"\nstate per rank {b['own'] / 2**20:.1f} MiB (snapshot host memory per rank "
           f"{b['host_total'] / 2**20:.1f} MiB: own + peer copy, 2 generations)")

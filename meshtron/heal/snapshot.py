@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -201,9 +202,8 @@ class Snapshots:
                stream: Any) -> None:
         buf = _mapped(slot / DATA, meta["bytes"], create=True)
         with torch.no_grad():
-            ctx = torch.cuda.stream(stream) if stream is not None else _null()
-            with ctx:
-                for (path, dtype, shape, offset), t in zip(meta["entries"], tensors):
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                for (_, dtype, shape, offset), t in zip(meta["entries"], tensors):
                     _view(buf, dtype, shape, offset).copy_(t)
             if stream is not None:
                 stream.synchronize()  # this thread only: the training stream runs on
@@ -269,17 +269,24 @@ class Snapshots:
             why = "no complete in-memory generation" if choice is None else \
                 f"the disk checkpoint of step {disk_step} is newer than snapshot {choice.step}"
             self.say(f"in-memory snapshots not used ({why}); loading from disk")
+            self._drop_others(None, None)  # the run continues from an older step
             return None
+        t1 = time.perf_counter()
         self._fetch(choice, gathered)
+        t2 = time.perf_counter()
         k = mine["own"].get(choice.step)
         k = (choice.step // self.every) % SLOTS if k is None else k
         slot = self.lay.slot(self.root, "own", self.lay.rank, k)
         self._load(slot)
         self._drop_others(choice.step, k)
-        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.group)
+        t3 = time.perf_counter()
+        parts = torch.tensor([t3 - t0, t1 - t0, t2 - t1, t3 - t2], dtype=torch.float64)
+        dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=self.group)
+        seconds = parts[0]
         self.restored = {"restored_from": "memory", "restore_s": float(seconds),
-                         "snapshot_step": choice.step, "from_peer": list(choice.from_keeper)}
+                         "snapshot_step": choice.step, "from_peer": list(choice.from_keeper),
+                         "restore_parts_s": dict(zip(("decide", "fetch", "load"),
+                                                     parts[1:].tolist()))}
         peers = (f"; rank(s) {', '.join(map(str, choice.from_keeper))} from their keeper's "
                  "copy over the network" if choice.from_keeper else "")
         self.say(f"restored step {choice.step} from in-memory snapshots in "
@@ -340,9 +347,10 @@ class Snapshots:
         self.data.load_state_dict(meta["data"])
         set_rng_state(meta["rng"])
 
-    def _drop_others(self, step: int, k: int) -> None:
-        """Invalidate every other generation this rank holds (a newer, incomplete one from the
-        failed attempt must never be mixed with the timeline that continues from `step`)."""
+    def _drop_others(self, step: int | None, k: int | None) -> None:
+        """Invalidate every generation this rank holds but `step` (in slot `k`; None: all): a
+        newer, incomplete one of the failed attempt must never be mixed with the timeline that
+        continues from the restored step."""
         for j in range(SLOTS):
             own = self.lay.slot(self.root, "own", self.lay.rank, j)
             if j != k:
@@ -351,14 +359,6 @@ class Snapshots:
             doc = files.read_meta(held)
             if doc is not None and doc["step"] != step:
                 files.invalidate(held)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _send_recv(group: Any, dst: int | None, src: int | None, meta: dict[str, Any] | None,
