@@ -5,10 +5,12 @@ both alike).
 Every round starts `meshtron train --nproc 2 --plan dp=2 --zero 3 --ranks-per-node 1
 --snapshot-every S --checkpoint-every S --max-restarts 1` (both taken at the same steps), waits
 until step S's disk checkpoint is committed and its snapshot (own slot and the peer's copy) is
-complete on both ranks, then SIGKILLs both ranks (every "node" fails at once). The `memory`
-round leaves host memory alone, so torchrun's restart restores from the snapshots; the `disk`
-round deletes the snapshots too (both shards and their copies gone), so it restores from the
-checkpoint (manifest verified, SHA-256 of each rank's share, DCP load). Reported per strategy:
+complete on both ranks, then SIGKILLs both ranks. The `memory` round leaves host memory alone
+(the processes died, the hosts did not), so torchrun's restart restores from each rank's own
+snapshot; the `peer` round deletes node 1's memory (the loss of that host), so rank 1's shard
+comes from rank 0's copy over gloo; the `disk` round deletes every snapshot (both shards and
+their copies gone), so it restores from the checkpoint (manifest verified, SHA-256 of each
+rank's share, DCP load). Reported per strategy:
 
   restore_s       seconds to get the state back (the restart record's figure: slowest rank,
                   from the decision to a loaded engine);
@@ -77,8 +79,8 @@ def _ready(run_dir: Path, step: int, every: int) -> bool:
     return True
 
 
-def one_round(work: Path, argv: list[str], every: int, wipe: bool, timeout: float) -> dict:
-    run_dir = work / ("disk" if wipe else "memory")
+def one_round(work: Path, argv: list[str], every: int, name: str, timeout: float) -> dict:
+    run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "meshtron", "train", *argv, "--run-dir",
@@ -95,8 +97,10 @@ def one_round(work: Path, argv: list[str], every: int, wipe: bool, timeout: floa
         killed_at = time.time()
         for pid in pids.values():
             os.kill(pid, signal.SIGKILL)
-        if wipe:
+        if name == "disk":
             shutil.rmtree(files.job_root(run_dir))
+        elif name == "peer":
+            shutil.rmtree(files.job_root(run_dir) / "node_1")
         out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
@@ -105,7 +109,7 @@ def one_round(work: Path, argv: list[str], every: int, wipe: bool, timeout: floa
         raise RuntimeError(out[-3000:])
     restart, = [r for r in _records(run_dir) if r.get("event") == "restart"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"restored_from": restart["restored_from"], "resumed": restart["resumed_from_step"],
+    return {"restored_from": restart["restored_from"], "from_peer": restart.get("from_peer"), "resumed": restart["resumed_from_step"],
             "restore_s": restart["restore_s"], "kill_to_resume_s": restart["time"] - killed_at,
             "parts": restart.get("restore_parts_s"), "stall_s": summary["snapshot"]["stall_s_max"],
             "bytes": summary["snapshot"]["bytes_per_rank"][0]}
@@ -125,12 +129,13 @@ def main() -> None:
             "--global-batch", "8", "--eval-every", "0", "--nproc", "2", "--plan", "dp=2",
             "--zero", "3", "--ranks-per-node", "1", "--snapshot-every", str(a.every),
             "--checkpoint-every", str(a.every), "--max-restarts", "1"]
-    results: dict[str, list[dict]] = {"memory": [], "disk": []}
+    results: dict[str, list[dict]] = {"memory": [], "peer": [], "disk": []}
     with tempfile.TemporaryDirectory(prefix="meshtron-recovery-") as tmp:
         for i in range(a.rounds):
-            for name in ("memory", "disk"):
-                r = one_round(Path(tmp), argv, a.every, name == "disk", a.timeout)
-                assert r["restored_from"] == name, r
+            for name in results:
+                r = one_round(Path(tmp), argv, a.every, name, a.timeout)
+                assert r["restored_from"] == ("disk" if name == "disk" else "memory"), r
+                assert name != "peer" or r["from_peer"] == [1], r
                 results[name].append(r)
                 parts = ", ".join(f"{k} {v:.3f}" for k, v in (r["parts"] or {}).items())
                 print(f"round {i + 1} {name}: restore {r['restore_s']:.3f} s"
@@ -147,8 +152,9 @@ def main() -> None:
         med[name] = (statistics.median(r["restore_s"] for r in rs),
                      statistics.median(r["kill_to_resume_s"] for r in rs))
         print(f"{name:<8} {med[name][0]:>10.3f} {med[name][1]:>17.2f}")
-    print(f"disk / memory: restore {med['disk'][0] / med['memory'][0]:.1f}x, kill -> resumed "
-          f"{med['disk'][1] / med['memory'][1]:.2f}x")
+    for name in ("memory", "peer"):
+        print(f"disk / {name}: restore {med['disk'][0] / med[name][0]:.1f}x, kill -> resumed "
+              f"{med['disk'][1] / med[name][1]:.2f}x")
 
 
 if __name__ == "__main__":

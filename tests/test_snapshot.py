@@ -167,12 +167,27 @@ def _kill(pid):
         time.sleep(0.01)
 
 
+def _wait_for_copies(root, world, rpn, owners, step, every, timeout=300):
+    """Until the keepers hold complete copies of `owners`' snapshot `step` (the exchange runs
+    behind training: without this a kill could come before it finished)."""
+    deadline = time.monotonic() + timeout
+    k = (step // every) % files.SLOTS
+    while time.monotonic() < deadline:
+        docs = [files.read_meta(files.Layout((r + rpn) % world, world, rpn).slot(
+            root, "held", r, k)) for r in owners]
+        if all(d is not None and d["step"] == step for d in docs):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the copies of snapshot {step} never completed")
+
+
 def test_sigkill_restores_from_the_peer_snapshot_and_repeats_the_losses(tmp_path):
     run_dir = tmp_path / "killed"
     shm = tmp_path / "shm"
     proc = _start(run_dir, *SNAP, "--max-restarts", "1", MESHTRON_SNAPSHOT_DIR=str(shm))
     try:
         _wait_for_step(run_dir, 7, proc)
+        _wait_for_copies(files.job_root(run_dir, str(shm)), 2, 1, [1], 6, 3)
         before = dict(_losses(run_dir))
         _kill(_rank_pids(run_dir)[1])
         shutil.rmtree(files.job_root(run_dir, str(shm)) / "node_1")  # node 1's memory is gone
@@ -238,6 +253,7 @@ def test_two_failures_memory_then_disk_equal_an_uninterrupted_run(tmp_path):
                   MESHTRON_SNAPSHOT_DIR=str(shm))
     try:
         _wait_for_step(run_dir, 7, proc)
+        _wait_for_copies(root, 4, 2, [2, 3], 6, 3)
         _kill(_rank_pids(run_dir)[2])  # node 1 (ranks 2, 3) is lost with its memory
         shutil.rmtree(root / "node_1")
         _wait_after_restart(run_dir, 1, 9, proc)
