@@ -93,6 +93,14 @@ class Checkpointer:
         if not self.distributed:  # one process: DCP warns that it assumes one process
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         self.state = state.EngineState(engine)
+        from meshtron.heal.snapshot import make_snapshots
+
+        self.snapshots = make_snapshots(ckpt, self.state, engine, data, run_dir, plan) \
+            if self.distributed else None
+        """In-memory snapshots (--snapshot-every), or None."""
+        self.restored: dict[str, Any] = {}
+        """How a restarted attempt got its state: restored_from (memory | disk), restore_s."""
+        self._finished = False
         self.every: int | None = ckpt.every if isinstance(ckpt.every, int) else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtron-ckpt")
         self._stager = _stager(staging_thread)
@@ -150,10 +158,21 @@ class Checkpointer:
                 shutil.rmtree(self.root)
             store.remove_partial(self.root)
             (self.root / store.PREEMPTED).unlink(missing_ok=True)
+        if self.snapshots is not None and n == 0:
+            self.snapshots.clear()
         self._barrier()
         self.resumed = resume
         if not resume:
             return 0
+        if n > 0 and self.snapshots is not None:
+            newest = self._broadcast(next((s for s, _ in store.committed(self.root)), None)
+                                     if self.rank == 0 else None)
+            step = self.snapshots.restore(newest)
+            if step is not None:
+                self.restored = dict(self.snapshots.restored or {})
+                self.start_step = step
+                return step
+        t0 = time.perf_counter()
         found = integrity.find_latest(self.root, self.rank, self.world_size,
                                       self.vote_group if self.distributed else None)
         for line in found.report():
@@ -170,6 +189,8 @@ class Checkpointer:
             return 0
         step, path = chosen
         self.load(Path(path))
+        self.restored = {"restored_from": "disk",
+                         "restore_s": self._max([time.perf_counter() - t0])[0]}
         self.start_step = step
         return step
 
@@ -184,6 +205,7 @@ class Checkpointer:
         n = restart.attempt()
         if n > 0:
             event = restart.restart_record(self.run_dir, self.world_size, self.start_step, last)
+            event.update(self.restored)
             self.say(f"restart {n} (torchrun): {event['cause']}; resumed from step "
                      f"{self.start_step}, {event['lost_steps']} logged step(s) lost")
         else:
@@ -265,6 +287,8 @@ class Checkpointer:
 
     def _before_step(self, *_: Any) -> None:
         self.wait_staging()
+        if self.snapshots is not None:
+            self.snapshots.wait_staging()
 
     def wait_staging(self) -> float:
         """Block until the save in flight has copied the state to host memory (called before
@@ -330,6 +354,9 @@ class Checkpointer:
             self._choose_interval(step)
         elif self.every and (step % self.every == 0 or step == total_steps):
             self.save(step)
+        if self.snapshots is not None:
+            self.snapshots.after_step(step, total_steps)
+        self._finished = step == total_steps
 
     def _preempt_vote(self) -> bool:
         """Whether any rank got SIGTERM: a one-element MAX all-reduce on a gloo group, so every
@@ -387,6 +414,8 @@ class Checkpointer:
         """At the end of the run: wait for the save in flight, release the signal handler."""
         try:
             self.wait()
+            if self.snapshots is not None:
+                self.snapshots.close(self._finished)
         finally:
             self._step_hook.remove()
             self._executor.shutdown(wait=True)

@@ -36,6 +36,10 @@ class CheckpointConfig:
     mtbf_hours: float | None = None
     """The job's mean time between failures for `every='auto'`; None: derived from the GPU
     count and the Llama 3 per-GPU failure rate (meshtron.reliability)."""
+    snapshot_every: int = 0
+    """Take an in-memory snapshot (own shard + a copy on the next node, meshtron.heal.snapshot)
+    every this many steps; a restarted attempt restores from it before looking at disk. 0: off.
+    The node size is the plan's `ranks_per_node` (--ranks-per-node; default LOCAL_WORLD_SIZE)."""
 
     def __post_init__(self) -> None:
         every = self.every
@@ -59,6 +63,8 @@ class CheckpointConfig:
             raise UserError(f"--mtbf-hours={self.mtbf_hours!r}: allowed a positive number of "
                             "hours")
 
+        _check_snapshots(self)
+
     @property
     def enabled(self) -> bool:
         """Anything to do beyond the plain run (periodic saves or a resume)."""
@@ -69,11 +75,22 @@ class CheckpointConfig:
         argv = ["--checkpoint-every", str(self.every), "--keep", str(self.keep),
                 "--preempt-grace", repr(float(self.preempt_grace_s)),
                 "--max-restarts", str(self.max_restarts)]
+        if self.snapshot_every:
+            argv += ["--snapshot-every", str(self.snapshot_every)]
         if self.mtbf_hours is not None:
             argv += ["--mtbf-hours", repr(float(self.mtbf_hours))]
         if self.resume:
             argv.append("--resume")
         return argv
+
+
+def _check_snapshots(c: CheckpointConfig) -> None:
+    every = c.snapshot_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise UserError(f"--snapshot-every={every!r}: allowed an integer >= 0 (steps; 0 = off)")
+    if every and c.max_restarts < 1:
+        raise UserError(f"--snapshot-every={every}: needs --max-restarts >= 1 (only a restarted "
+                        "attempt reads a snapshot)")
 
 
 def parse_every(text: str) -> int | str:

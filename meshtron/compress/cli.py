@@ -24,7 +24,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
                          "all | inter_node: compress every hop, or only between nodes "
                          "(fp32 inside a node)"),
     "--ranks-per-node": ("ranks_per_node", positive_int,
-                         "node size for --compress-scope inter_node (default: local ranks)"),
+                         "node size for --compress-scope inter_node and --snapshot-every "
+                         "(default: local ranks)"),
     "--diloco": ("diloco", int, "DiLoCo: inner steps H each data-parallel replica takes alone "
                                 "between syncs (0: off)"),
     "--outer-lr": ("outer_lr", float, "DiLoCo outer SGD learning rate (default: 1.0, i.e. "

@@ -239,6 +239,9 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
     cl = result.cluster
     console.print(f"Best plan: {breakdown_line(best)}")
     console.print(f"Best plan: {memory_line(best)}")
+    from meshtron.planner.snapshot_memory import snapshot_line
+
+    console.print(f"Best plan: {snapshot_line(best.memory)}")
     if cl.price_per_gpu_hour is not None:
         cost = best.gpu_hours(tokens, n) * cl.price_per_gpu_hour
         console.print(f"Best plan costs about {cost:,.0f} for {fmt_tokens(tokens)} tokens "

@@ -103,6 +103,10 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preempt-grace", type=float, default=30.0, metavar="S",
                    help="seconds from SIGTERM to the committed checkpoint; the run then exits "
                         "with code 75 (default 30)")
+    g.add_argument("--snapshot-every", type=int, default=0, metavar="N",
+                   help="keep an in-memory snapshot every N steps (own shard + a copy on the "
+                        "next node of --ranks-per-node ranks; needs --max-restarts): a restart "
+                        "restores from memory before disk (0: off)")
     g.add_argument("--mtbf-hours", type=float, metavar="H",
                    help="the job's mean time between failures for --checkpoint-every auto "
                         "(default: from the GPU count and Llama 3's per-GPU failure rate)")
@@ -113,7 +117,8 @@ def checkpoint_config(args: argparse.Namespace):
 
     return CheckpointConfig(every=parse_every(args.checkpoint_every), keep=args.keep,
                             resume=args.resume, max_restarts=args.max_restarts,
-                            preempt_grace_s=args.preempt_grace, mtbf_hours=args.mtbf_hours)
+                            preempt_grace_s=args.preempt_grace, mtbf_hours=args.mtbf_hours,
+                            snapshot_every=args.snapshot_every)
 
 
 def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:

@@ -77,6 +77,10 @@ def launch_ranks(job: TrainJob) -> int:
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     plan, cluster = resolve_run_plan(job.cfg, request, nproc)
     check_document_layout(job.cfg, plan)
+    if job.checkpoint.snapshot_every:
+        from meshtron.heal.snapshot_files import node_size
+
+        node_size(plan.ranks_per_node, nproc, nproc)
     # The data must open on every data-parallel rank: check once here (cheap: the corpus is
     # read, not trained on) so that a bad path is one line, not N tracebacks.
     build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)
@@ -93,6 +97,10 @@ def launch_ranks(job: TrainJob) -> int:
     code = launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
                         grace_s=job.checkpoint.preempt_grace_s + 10.0)
+    if job.checkpoint.snapshot_every:  # the ranks' host-memory snapshots on this machine
+        from meshtron.heal.snapshot_files import remove_job
+
+        remove_job(run_dir)
     preempted = was_preempted(job.cfg)
     if preempted is not None:
         print(f"meshtron train: preempted; checkpoint of step {preempted['step']} committed, "

@@ -233,6 +233,8 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     summary = {**result.to_dict(), "plan": plan.to_dict(), "world_size": world.world_size,
                "measured_step_time_s": result.step_time_s,
                "predicted_step_time_s": predicted.get("step_time_s")}
+    if ckpt is not None and ckpt.snapshots is not None:  # host memory: own + peer copy
+        summary["snapshot"] = ckpt.snapshots.summary()
     (run_dir / "memory.json").write_text(json.dumps({
         "measured_bytes_per_rank": gathered,
         "measured_max_rank_gib": {k: max(m[k] for m in gathered) / 2**30 for k in gathered[0]},

@@ -1,0 +1,48 @@
+"""Host memory that in-memory snapshots (`meshtron train --snapshot-every`, meshtron/heal/
+snapshot.py) take per rank: its own shard of the model and optimizer state and a copy of a
+peer's (Gemini, Wang et al. 2023), in 2 generations (the previous one stays whole while the next
+is written). Gradients are not snapshotted (they are rebuilt by the next step). Torch-free.
+
+The snapshot of a rank holds what its checkpoint shard holds: fp32 parameters and AdamW's two
+fp32 moments (`memory_ranks`, exact per rank); the runtime's files add the optimizer's step
+counters and 64-byte alignment per tensor (meshtron/heal/snapshot_files.py), a few hundred bytes
+per parameter tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SLOTS = 2
+"""Generations kept (meshtron/heal/snapshot_files.py SLOTS)."""
+
+
+def snapshot_host_bytes(spec: Any, plan: Any, ranks_per_node: int | None = None
+                        ) -> list[dict[str, int]]:
+    """Per global rank: own shard bytes, the peer copy it keeps (rank - ranks_per_node's) and
+    the host total over both generations, exact from the plan (small plans: every rank)."""
+    from meshtron.planner.memory_ranks import rank_states
+
+    states = rank_states(spec, plan)
+    world = len(states)
+    rpn = ranks_per_node or getattr(plan, "ranks_per_node", None) or world
+    own = [st.params + st.optimizer for st in states]
+    out = []
+    for r in range(world):
+        peer = own[(r - rpn) % world] if world > rpn else 0
+        out.append({"own": own[r], "peer_copy": peer, "host_total": SLOTS * (own[r] + peer)})
+    return out
+
+
+def snapshot_host_gib(memory: Any) -> float:
+    """Host GiB per rank for a plan's fullest GPU (`MemoryBreakdown`): own parameter and
+    optimizer shards plus an equal peer copy (the ring pairs ranks of the same position on the
+    next node, which hold the same shard sizes), twice (generations)."""
+    return SLOTS * 2 * (memory.params + memory.optimizer)
+
+
+def snapshot_line(memory: Any) -> str:
+    """The line `meshtron plan` prints under the best plan."""
+    return (f"in-memory snapshots (train --snapshot-every): {snapshot_host_gib(memory):.3g} "
+            "GiB of host memory per GPU (own parameter + optimizer shard and a peer's copy, "
+            f"{SLOTS} generations)")
