@@ -37,6 +37,10 @@ class CheckpointConfig:
     """The job's mean time between failures for `every='auto'`; None: derived from the GPU
     count and the Llama 3 per-GPU failure rate (meshtron.reliability)."""
 
+    resume_if_any: bool = False
+    """Continue from the newest complete checkpoint when there is one, else start at step 0
+    (every round of an elastic job, meshtron/heal/elastic.py; set by the rank, not a flag)."""
+
     def __post_init__(self) -> None:
         every = self.every
         if isinstance(every, str) and every != "auto" or isinstance(every, bool) or (

@@ -1,0 +1,1 @@
+"""Keep training through failures: elastic world sizes with re-planning (elastic.py)."""
