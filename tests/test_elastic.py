@@ -1,9 +1,10 @@
 """Elastic world sizes (meshtron/heal/elastic.py): the re-plan decision, the data position, and
 real elastic jobs whose nodes are SIGKILLed.
 
-Default suite: the decision and the refusals (no process), and one real job: a 4-rank node is
-killed (-9) after a checkpoint and the job continues on a 2-rank node, re-planned, with the
-data position exact and the losses of one process. Slow: the whole story on two simulated
+Default suite: the decision and the refusals (no process). Slow (real jobs: ~45 s of CPU
+each, more than the default suite's budget on 2 cores): a 2-rank node is killed (-9) after a
+checkpoint and the job continues on a 1-rank node, re-planned, with the data position exact
+and the losses of one process; and the whole story on two simulated
 nodes of two ranks (tests/elastic_nodes.py): one node lost, the job continues on the other,
 a node added back returns it to the 4-rank layout, compared with an uninterrupted elastic run.
 """
@@ -35,6 +36,11 @@ BASE = ["--model", "debug", "--seq-len", str(SEQ), "--global-batch", str(GLOBAL_
 # sums reduced in another order (other micro-batches, pipeline stages, data-parallel groups);
 # tests/test_parallel.py holds every layout to 1e-5 of one process, measured ~1e-6 here.
 LOSS_TOL = 1e-5
+# Over a long run the rounding differences of a layout change grow: measured 0 before the first
+# re-plan, <= 5e-7 over the next ~40 steps, then amplified by loss spikes (1.5e-5 at step 51,
+# grad norm 1.6); held to 1e-4 (3e-5 of the loss), still ~100x below one step's loss change
+# (~1e-2: a sample skipped or seen twice would show there, and in the sample hashes exactly).
+LONG_LOSS_TOL = 1e-4
 
 
 def expected_samples(step: int) -> dict:
@@ -135,14 +141,16 @@ def _node_cmd(run_dir: Path, nproc: int, port: int, extra: list[str]) -> list[st
                        "--rdzv-id", "elastic-default", *extra]
 
 
+@pytest.mark.slow
 def test_lost_node_continues_on_fewer_ranks(tmp_path):
-    """A 4-rank node is SIGKILLed after its step-4 checkpoint; the job started again on a
-    2-rank node re-plans (a record and a log line), reshards the checkpoint and trains steps
-    5..12 at the data position of an uninterrupted run, with one process's losses."""
+    """A 2-rank node is SIGKILLed after its step-4 checkpoint; the job started again on a
+    1-rank node re-plans (a record and a log line), reshards the checkpoint and trains the
+    rest at the data position of an uninterrupted run, with one process's losses. (4 -> 2
+    ranks over two simulated nodes: the slow test below.)"""
     run = tmp_path / "run"
     common = ["--steps", "12", "--checkpoint-every", "4", "--plan", "auto"]
-    first = Node("four", [*BASE, "--run-dir", str(run), "--nnodes", "1:1", "--nproc", "4",
-                          *common], free_port(), "elastic-default", True, tmp_path)
+    first = Node("two", [*BASE, "--run-dir", str(run), "--nnodes", "1:1", "--nproc", "2",
+                         *common], free_port(), "elastic-default", True, tmp_path)
     try:
         wait_for(lambda: (run / "checkpoints" / "step_00000004").is_dir(), 240, [first],
                  "the step-4 checkpoint")
@@ -151,14 +159,15 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
         first.stop()
     killed_at = max(steps(run))
     assert killed_at < 12, "the run ended before the kill"
-    second = subprocess.run(_node_cmd(run, 2, free_port(), common), cwd=ROOT,
+    second = subprocess.run(_node_cmd(run, 1, free_port(), common), cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-4000:]
     [rec] = replans(run)
-    assert rec["old"]["world_size"] == 4 and rec["new"]["world_size"] == 2
+    assert rec["old"]["world_size"] == 2 and rec["new"]["world_size"] == 1
+    assert rec["old"]["plan"]["dp"] == 2 and rec["new"]["plan"]["dp"] == 1
     resumed = rec["resumed_from_step"]
     assert resumed in (4, 8) and resumed <= killed_at
-    assert "replan: world 4 -> 2 ranks" in second.stderr
+    assert "replan: world 2 -> 1 ranks" in second.stderr
     got = steps(run)
     assert sorted(got) == list(range(1, 13))
     for s in got:  # no sample skipped, none seen twice: every step at its uninterrupted position
@@ -170,7 +179,7 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
     want = steps(ref)
     for s in range(1, 13):
         assert got[s]["loss"] == pytest.approx(want[s]["loss"], abs=LOSS_TOL), s
-    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 1
 
 
 # ---- the whole story (slow) ---------------------------------------------------------------------
@@ -241,7 +250,7 @@ def test_lose_a_node_and_get_it_back(tmp_path):
         for key in ("samples_from", "samples_sha"):
             assert got[s][key] == want[s][key], (s, key)
         assert got[s]["samples_from"] == (s - 1) * GLOBAL_BATCH
-        assert got[s]["loss"] == pytest.approx(want[s]["loss"], abs=LOSS_TOL), s
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], abs=LONG_LOSS_TOL), s
     # Steps before the first re-plan ran the reference's layout from the same start: exact.
     for s in range(1, shrink["resumed_from_step"] + 1):
         assert got[s]["loss"] == want[s]["loss"], s
