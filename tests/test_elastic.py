@@ -70,6 +70,7 @@ def test_parse_nnodes():
     (["--nnodes", "2:1", "--nproc", "2", "--checkpoint-every", "2"], "--nnodes='2:1'"),
     (["--nnodes", "1:2", "--nproc", "2"], "--checkpoint-every=0"),
     (["--rdzv-id", "x"], "--rdzv-id: needs --nnodes"),
+    (["--rdzv-conf", "a=1"], "--rdzv-conf: needs --nnodes"),
     (["--nnodes", "1:2", "--nproc", "2", "--checkpoint-every", "2", "--plan", "tp=2,dp=2"],
      "at 1 node(s) (2 ranks)"),
     (["--nnodes", "1:2", "--nproc", "2", "--checkpoint-every", "2", "--diloco", "4"],
@@ -120,6 +121,30 @@ def test_replan_decision():
     rec = elastic.replan_record(fam4.to_dict(), 4, fam2, 2, nodes=1, node_range="1:2", step=2,
                                 family="tp=2")
     assert "best plan of the family tp=2 for 2 ranks" in rec["why"]
+
+
+def test_rank_command_keeps_the_family(tmp_path):
+    """Every round's ranks get the run file and the plan family with its fixed knobs, never a
+    plan for one world size."""
+    from meshtron.cli import build_parser
+    from meshtron.train.cli import job_from_args
+    from meshtron.train.launch import write_run_file
+
+    argv = ["train", *BASE, "--steps", "8", "--plan", "tp=2", "--zero", "1", "--recompute",
+            "full", "--run-dir", str(tmp_path / "r"), "--nnodes", "1:3", "--nproc", "2",
+            "--checkpoint-every", "2", "--max-restarts", "2"]
+    job = job_from_args(build_parser("train").parse_args(argv))
+    assert (job.elastic.min_nodes, job.elastic.max_nodes, job.elastic.nproc_per_node) == (1, 3, 2)
+    assert job.elastic.world_sizes() == [2, 4, 6]
+    write_run_file(job, tmp_path / "run.toml")
+    rank_argv = elastic.rank_argv(job, tmp_path / "run.toml", job.elastic)
+    rank = job_from_args(build_parser("train").parse_args(rank_argv))
+    assert rank.elastic.rank and rank.elastic.node_range == "1:3"
+    assert rank.parallel.plan == "tp=2" and rank.parallel.nproc is None
+    assert rank.parallel.knobs == job.parallel.knobs
+    assert rank.cfg.to_dict() == job.cfg.to_dict()
+    assert rank.checkpoint == job.checkpoint
+    assert "--rdzv-conf" not in job.elastic.torchrun_args()
 
 
 def test_sample_fields_follow_the_sampler():

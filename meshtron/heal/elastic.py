@@ -140,7 +140,7 @@ def from_args(args, nproc: int | None) -> ElasticConfig | None:
         return ElasticConfig(lo, hi, rank=True)
     text = getattr(args, "nnodes", None)
     if text is None:
-        for flag in ("rdzv_endpoint", "rdzv_id"):
+        for flag in ("rdzv_endpoint", "rdzv_id", "rdzv_conf"):
             if getattr(args, flag, None):
                 raise UserError(f"--{flag.replace('_', '-')}: needs --nnodes MIN:MAX")
         return None
