@@ -88,23 +88,26 @@ def check_nproc(nproc: int) -> None:
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
-                 grace_s: float = 30.0) -> int:
+                 grace_s: float = 30.0, rendezvous: list[str] | None = None,
+                 env: Mapping[str, str] | None = None) -> int:
     """Run `meshtron <argv>` on `nproc` local ranks under torchrun; returns its exit code.
 
     The ranks run in their own process group so that Ctrl-C or a failure takes all of them down:
     no rank is left running. `max_restarts`: torchrun's elastic agent restarts every rank up to
     this many times when one fails. `grace_s`: after SIGTERM, how long the ranks get to finish
-    (e.g. to write a preemption checkpoint) before SIGKILL.
+    (e.g. to write a preemption checkpoint) before SIGKILL. `rendezvous`: torchrun's
+    rendezvous arguments instead of `--standalone` (an elastic node, meshtron/heal/elastic.py);
+    `env`: variables set for torchrun and the ranks.
     """
     check_nproc(nproc)
-    cmd = [sys.executable, "-m", "meshtron.launch", "--standalone",
+    cmd = [sys.executable, "-m", "meshtron.launch", *(rendezvous or ["--standalone"]),
            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
            # torchrun's own SIGTERM handling gives the workers this long before SIGKILL
            f"--shutdown-timeout={math.ceil(grace_s)}", "-m", "meshtron"]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env[ARGV_ENV] = json.dumps(argv)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env[ARGV_ENV] = json.dumps(argv)
+    proc = subprocess.Popen(cmd, env=child_env, start_new_session=True)
 
     def _forward(signum, frame):  # SIGTERM/SIGHUP to us: stop the ranks, then go
         raise KeyboardInterrupt

@@ -145,7 +145,7 @@ class Checkpointer:
     @property
     def may_resume(self) -> bool:
         """This start continues a run (--resume, or a torchrun restart)."""
-        return self.ckpt.resume or restart.attempt() > 0
+        return self.ckpt.resume or self.ckpt.resume_if_any or restart.attempt() > 0
 
     # ---- start ---------------------------------------------------------------------------------
     def start(self) -> int:
@@ -180,6 +180,9 @@ class Checkpointer:
         chosen = self._broadcast(None if found is None or found.path is None
                                  else (found.step, str(found.path)))
         if chosen is None:
+            if self.ckpt.resume_if_any:  # an elastic job before its first checkpoint: step 0
+                self.resumed = False
+                return 0
             if n == 0:
                 raise UserError(f"--resume: no complete checkpoint in {self.root}"
                                 + ("" if found is None or not found.rejected else
@@ -203,7 +206,9 @@ class Checkpointer:
         path = self.run_dir / "metrics.jsonl"
         kept, last = history.truncate(path, self.start_step)
         n = restart.attempt()
-        if n > 0:
+        # An elastic job's agents count their restarts each on its own (a node that joins later
+        # starts at 0), so attempt notes do not name a cause there: its `replan` record does.
+        if n > 0 and not self.ckpt.resume_if_any:
             event = restart.restart_record(self.run_dir, self.world_size, self.start_step, last)
             event.update(self.restored)
             self.say(f"restart {n} (torchrun): {event['cause']}; resumed from step "
@@ -211,6 +216,8 @@ class Checkpointer:
         else:
             event = {"event": "resume", "resumed_from_step": self.start_step,
                      "last_logged_step": last, "time": time.time()}
+            if self.ckpt.resume_if_any:
+                event["lost_steps"] = None if last is None else max(0, last - self.start_step)
         history.append(path, event)
         return kept
 

@@ -41,6 +41,10 @@ class CheckpointConfig:
     every this many steps; a restarted attempt restores from it before looking at disk. 0: off.
     The node size is the plan's `ranks_per_node` (--ranks-per-node; default LOCAL_WORLD_SIZE)."""
 
+    resume_if_any: bool = False
+    """Continue from the newest complete checkpoint when there is one, else start at step 0
+    (every round of an elastic job, meshtron/heal/elastic.py; set by the rank, not a flag)."""
+
     def __post_init__(self) -> None:
         every = self.every
         if isinstance(every, str) and every != "auto" or isinstance(every, bool) or (

@@ -213,10 +213,14 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
 
     check_job(cfg)
     ckpt = checkpoint_config(args)
+    from meshtron.heal.elastic import from_args as elastic_from_args
+
+    elastic = elastic_from_args(args, args.nproc or nproc)
     return TrainJob(cfg=cfg,
                     # restarts need torchrun's elastic agent, so they run the parallel path
                     parallel=parallel_request(args, cfg, args.plan or plan, args.nproc or nproc,
-                                              force=ckpt.max_restarts > 0),
+                                              force=ckpt.max_restarts > 0 or elastic is not None),
+                    elastic=elastic,
                     overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank,
                     watchdog_timeout_s=args.watchdog_timeout, recorder=not args.no_recorder,
                     checkpoint=ckpt)
@@ -250,6 +254,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p)
     add_parallel_arguments(p)
     add_checkpoint_arguments(p)
+    from meshtron.heal.elastic import add_arguments as add_elastic_arguments
+
+    add_elastic_arguments(p)
     p.set_defaults(func=cmd_train)
     d = sub.add_parser("demo", help="the main job on the embedded default (no downloads)",
                        description="Calibrate this machine, plan for it, and train the tiny model "

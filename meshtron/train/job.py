@@ -48,6 +48,9 @@ class TrainJob:
     process validated everything, saved the plan and reports the result."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints, --resume, automatic restarts and preemption (meshtron.checkpoint)."""
+    elastic: Any = None
+    """A `meshtron.heal.elastic.ElasticConfig` (--nnodes MIN:MAX: the world may change between
+    rendezvous rounds, each round re-plans), or None."""
 
     def __post_init__(self):
         # The watchdog polls every 0.2 s; under a second it could only abort healthy runs.

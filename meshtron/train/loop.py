@@ -204,25 +204,26 @@ def read_values(out: StepOutput, seconds: float, device: torch.device,
 
 def run_loop(engine, data, cfg: RunConfig, run_dir: Path, show_progress: bool = True,
              peak_flops: float | None = None, writers: list[Any] | None = None,
-             checkpointer=None) -> TrainResult:
+             checkpointer=None, trace_samples: bool = False) -> TrainResult:
     """Train `cfg.train.steps` steps (numbered 1..N); only the main rank writes and prints.
 
     `peak_flops`: the job's peak FLOP/s (all ranks) for MFU, when known. `writers`: extra
     record sinks with `write(record)` (e.g. TensorBoard), main rank only. `checkpointer`: a
-    `meshtron.checkpoint.Checkpointer` (resume, periodic saves, SIGTERM), or None."""
+    `meshtron.checkpoint.Checkpointer` (resume, periodic saves, SIGTERM), or None.
+    `trace_samples`: add the step's global sample position and hash to every record."""
     main = engine.is_main
     ckpt = checkpointer
     start_step = ckpt.start() if ckpt else 0
     try:
         return _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, ckpt,
-                          start_step)
+                          start_step, trace_samples)
     finally:
         if ckpt:
             ckpt.close()
 
 
 def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, ckpt,
-               start_step) -> TrainResult:
+               start_step, trace_samples=False) -> TrainResult:
     main = engine.is_main
     steps = cfg.train.steps
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
@@ -255,6 +256,10 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
             record = {"step": step, "loss": loss, "lr": out.lr,
                       "step_time_s": clock.add(step, pending, seconds)}
             pending = 0
+            if trace_samples and main:
+                from meshtron.heal.elastic import sample_fields
+
+                record.update(sample_fields(data))
             if cfg.model.is_moe:  # before evaluation, whose forwards replace the statistics
                 record.update(engine.router_record())
             if not math.isfinite(loss):

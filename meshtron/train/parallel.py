@@ -198,12 +198,14 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
 
 def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
                   cluster=None, show_progress: bool = True,
-                  fresh_tokenizer: bool = True, checkpoint=None) -> dict[str, Any] | None:
+                  fresh_tokenizer: bool = True, checkpoint=None,
+                  trace_samples: bool = False) -> dict[str, Any] | None:
     """Run the plan on this rank (process group already initialised); rank 0 writes the run's
     outputs and returns the summary, with the planner's prediction beside the measurement when
     a cluster is known. `fresh_tokenizer`: no launching parent has trained the run's BPE
     tokenizer yet (rank 0 trains it). `checkpoint`: a `meshtron.checkpoint.CheckpointConfig`,
-    or None."""
+    or None. `trace_samples`: every metrics record names its step's samples (elastic runs:
+    meshtron/heal/elastic.py `sample_fields`)."""
     from meshtron.checkpoint.checkpointer import make_checkpointer
 
     engine = ParallelEngine(cfg, plan, device)
@@ -221,7 +223,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     peak = world.world_size * cluster.peak_tflops * 1e12 if known else None
     with outputs.extra_writers(cfg, run_dir, engine.is_main) as writers:
         result = run_loop(engine, data, cfg, run_dir, show_progress, peak_flops=peak,
-                          writers=writers, checkpointer=ckpt)
+                          writers=writers, checkpointer=ckpt, trace_samples=trace_samples)
     export_at_end(cfg, run_dir, pm=engine.pm)
     memory = engine.memory_bytes()
     gathered: list[Any] = [None] * world.world_size

@@ -36,14 +36,23 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         _join_attempt(job, world)
         device = init_rank(world, dump_prefix=str(
             doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"))
+        if job.elastic is not None:  # a rendezvous round: start or continue the job
+            from meshtron.heal.elastic import begin_round
+
+            job = begin_round(job, world)
         plan, cluster = agreed_plan(job, world)
+        if job.elastic is not None:
+            from meshtron.heal.elastic import announce_replan
+
+            announce_replan(job, world, plan)
         doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
                      watchdog_timeout_s=job.watchdog_timeout_s, recorder=job.recorder)
         from meshtron.train.parallel import train_on_rank
 
         summary = train_on_rank(job.cfg, plan, world, device, cluster,
                                 fresh_tokenizer=not job.launched_rank,
-                                checkpoint=job.checkpoint)
+                                checkpoint=job.checkpoint,
+                                trace_samples=job.elastic is not None)
         if summary is not None and not job.launched_rank:
             # Started by an outside torchrun/srun: rank 0 reports (meshtron's own launcher
             # reports from the parent instead).
@@ -95,8 +104,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _join_attempt(job: TrainJob, world: World) -> None:
-    """With automatic restarts, join the group on a store namespaced by torchrun's attempt."""
-    if job.checkpoint.max_restarts > 0 and world.source == "torchrun":
+    """With automatic restarts, join the group on a store namespaced by torchrun's attempt.
+    Elastic rounds need not: each round's rank 0 hosts a fresh store (heal/elastic.py)."""
+    if job.checkpoint.max_restarts > 0 and world.source == "torchrun" and job.elastic is None:
         import torch
 
         from meshtron.checkpoint.restart import init_attempt_group
