@@ -1,0 +1,1 @@
+"""Keep training through failures: elastic world sizes, in-memory snapshots, replica fault tolerance."""
