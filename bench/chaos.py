@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -104,14 +105,28 @@ def _progress(kind: str, run_dir: Path) -> list[dict]:
                 if old is None or r["t"] < old["t"]:
                     recs[r["step"]] = r
         return [recs[k] for k in sorted(recs)]
-    return _lines(run_dir / "metrics.jsonl")
+    # metrics.jsonl: step records, and a restart event before each resumed attempt's records
+    # (the resumed attempt rewrites the history after its checkpoint step)
+    out, attempt = [], 0
+    for r in _lines(run_dir / "metrics.jsonl"):
+        if r.get("event") == "restart":
+            attempt = r["attempt"]
+            out.append(r)
+        elif "step" in r:
+            out.append({**r, "attempt": attempt})
+    return out
+
+
+def _key(r: dict):
+    return ("restart", r["attempt"]) if r.get("event") == "restart" else (r.get("attempt"),
+                                                                          r["step"])
 
 
 def run_strategy(kind: str, cmd: list[str], run_dir: Path, every: int, seed: int,
                  timeout_s: float) -> dict:
     rng = random.Random(seed)
     pids_of = _group_pids if kind == "replica_ft" else _rank_pids
-    stamps: list[float] = []  # restart_from_disk: bench-side time each metrics line appeared
+    seen: dict = {}  # restart_from_disk: bench-side time each (attempt, step) record appeared
     kills: list[dict] = []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -122,9 +137,11 @@ def run_strategy(kind: str, cmd: list[str], run_dir: Path, every: int, seed: int
             proc.kill()
             raise SystemExit(f"{kind}: no finish within {timeout_s:.0f} s")
         recs = _progress(kind, run_dir)
-        while len(stamps) < len(recs):
-            stamps.append(time.time())
-            since_kill += 1
+        for r in recs:
+            if _key(r) not in seen:
+                seen[_key(r)] = (time.time(), r)
+                since_kill += "step" in r
+        recs = [r for r in recs if "step" in r]
         pids = pids_of(run_dir)
         # Kill only at full strength: every rank up, every replica group in the last quorum
         # (killing the one group that holds the live state while its replacement is still
@@ -143,16 +160,22 @@ def run_strategy(kind: str, cmd: list[str], run_dir: Path, every: int, seed: int
     err = proc.stderr.read().decode(errors="replace")
     if proc.returncode != 0:
         raise SystemExit(f"{kind}: exit {proc.returncode}\n{err[-2000:]}")
-    recs = _progress(kind, run_dir)
-    while len(stamps) < len(recs):
-        stamps.append(time.time())
-    return summarize(kind, recs, stamps, kills, run_dir)
+    for r in _progress(kind, run_dir):
+        seen.setdefault(_key(r), (time.time(), r))
+    recs = [r for r in _progress(kind, run_dir) if "step" in r]
+    return summarize(kind, recs, seen, kills, run_dir)
 
 
-def summarize(kind: str, recs: list[dict], stamps: list[float], kills: list[dict],
+def summarize(kind: str, recs: list[dict], seen: dict, kills: list[dict],
               run_dir: Path) -> dict:
-    times = [r["t"] for r in recs] if kind == "replica_ft" else stamps
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    if kind == "replica_ft":
+        times = [r["t"] for r in recs]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+    else:  # every step record of every attempt, in the order the bench saw them
+        steps = sorted((t, r) for k, (t, r) in seen.items() if "step" in r)
+        times = [t for t, _ in steps]
+        gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:])
+                if a[1]["attempt"] == b[1]["attempt"]]
     step_s = statistics.median(gaps)
     wall = times[-1] - times[0] + step_s  # first step's own time counted once
     out = {"kills": len(kills), "median_step_s": step_s, "wall_s": wall}
@@ -177,8 +200,14 @@ def summarize(kind: str, recs: list[dict], stamps: list[float], kills: list[dict
         out.update(stall_s=stalls, rejoin_s=rejoins)
     else:
         useful = len({r["step"] for r in recs})
-        out["steps_lost"] = len(recs) - useful
-        out["recovery_s"] = [next((s for s in stamps if s > k["t"]), stamps[-1]) - k["t"]
+        restarts = [r for k, (t, r) in seen.items() if k[0] == "restart"]
+        out["steps_lost"] = sum(r["lost_steps"] for r in restarts)
+        # kill -> the first step record of the attempt that followed it
+        firsts = sorted(t for k, (t, r) in seen.items()
+                        if "step" in r and r["attempt"] > 0
+                        and t == min(t2 for k2, (t2, r2) in seen.items()
+                                     if "step" in r2 and r2["attempt"] == r["attempt"]))
+        out["recovery_s"] = [next((t for t in firsts if t > k["t"]), math.nan) - k["t"]
                              for k in kills]
     out["goodput"] = useful * step_s / wall
     return out

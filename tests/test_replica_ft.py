@@ -19,7 +19,7 @@ from meshtron.reliability.goodput import (RecoveryTimes, checkpoint_goodput, goo
                                           load_recovery_times, replica_goodput)
 
 RUN = ["--model", "tiny", "--global-batch", "4", "--seq-len", "32", "--eval-every", "0"]
-STEPS = 150  # long enough for the replacement to rejoin before the survivor finishes
+STEPS = 120  # long enough for the replacement to rejoin before the survivor finishes
 
 
 def _wait(pred, timeout, what):

@@ -218,6 +218,14 @@ def check_replica_ft(cfg, parallel_asked: bool) -> int:
     if parallel_asked:
         raise UserError(f"train.replica_ft={g}: runs one process per replica group (plain data "
                         "parallelism); drop --nproc/--plan/--zero and the other layout flags")
+    for what, bad in (("train.dtype", cfg.train.dtype != "fp32"),
+                      ("model (MoE)", cfg.model.is_moe),
+                      ("data.attention_mask", cfg.data.attention_mask != "causal"),
+                      ("train.export", cfg.train.export is not None),
+                      ("train.tensorboard", cfg.train.tensorboard)):
+        if bad:
+            raise UserError(f"train.replica_ft={g}: not wired for {what} yet; replica groups "
+                            "run fp32 dense causal models (drop --replica-ft or that setting)")
     if cfg.data.global_batch % g:
         raise UserError(f"train.replica_ft={g}: must divide data.global_batch="
                         f"{cfg.data.global_batch} (each group trains B/G rows)")
