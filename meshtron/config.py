@@ -130,9 +130,17 @@ class TrainConfig:
     export: str | None = None
     """Write the final weights to this folder as a Hugging Face checkpoint (safetensors +
     config.json + tokenizer files) that transformers loads."""
+    replica_ft: int = 0
+    """Replica groups (one process each, the whole model) trained with per-step fault
+    tolerance (meshtron/heal/replica.py, torchft): a dead group drops out of the step and a
+    replacement rejoins with the live weights. 0: off."""
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "log_every")
+        if not (isinstance(self.replica_ft, int) and (self.replica_ft == 0
+                                                      or self.replica_ft >= 2)):
+            raise UserError(f"train.replica_ft={self.replica_ft!r}: allowed 0 (off) or a whole "
+                            "number >= 2 of replica groups")
         if self.dtype not in ("fp32", "bf16"):
             raise UserError(f"train.dtype={self.dtype!r}: allowed values are fp32, bf16")
         if self.eval_every < 0:

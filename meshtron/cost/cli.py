@@ -70,6 +70,11 @@ def register(subparsers: Any) -> None:
                    help="minutes to get spot capacity back (default 30)")
     p.add_argument("--checkpoint-interval-min", type=_number, default=None,
                    help="work between checkpoints, minutes (default: Daly's optimum)")
+    p.add_argument("--replica-groups", type=positive_int, default=None,
+                   help="replica groups for the replica-FT goodput (default: the plan's "
+                        "replicated data-parallel groups)")
+    p.add_argument("--peer-gb-per-s", type=_number, default=None,
+                   help="network GB/s per GPU for peer state copies (default 25)")
     p.add_argument("--deadline-days", type=_number, default=None,
                    help="recommend only a pricing whose P90 meets this")
     p.add_argument("--runs", type=positive_int, default=2000,
@@ -188,15 +193,36 @@ def run(args: argparse.Namespace) -> int:
                   args.deadline_days)
     doc["plan"] = est.config.describe()
     doc["framework"] = framework_of(args).label
+    doc["goodput"], doc["_goodput_lines"] = goodput_section(args, spec, est.config)
     warning = _deadline_warning(doc, args.deadline_days)
     doc["warnings"] = [warning] if warning else []
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
+    lines = doc.pop("_goodput_lines")
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(render(doc))
+        print(render(doc) + "\n\n" + "\n".join(lines))
     return 0
+
+
+def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any], list[str]]:
+    """Goodput of restart-from-disk, in-memory recovery and replica FT at the run's failure
+    rate, from the measured recovery seconds (meshtron/reliability/goodput.py)."""
+    from meshtron.reliability.goodput import (DEFAULT_PEER_GB_PER_S, goodput_doc, goodput_table,
+                                              load_recovery_times, render_goodput)
+
+    times = load_recovery_times()
+    if args.restart_min is not None:  # the user's restart time replaces the measured one
+        import dataclasses
+
+        times = dataclasses.replace(times, restart_from_disk_s=args.restart_min * 60,
+                                    source=times.source + "; restart-from-disk: --restart-min")
+    groups = args.replica_groups if args.replica_groups is not None else plan.replicas
+    bw = args.peer_gb_per_s if args.peer_gb_per_s is not None else DEFAULT_PEER_GB_PER_S
+    rows = goodput_table(spec.step_time_s, spec.mtbf_s, spec.params, spec.gpus, spec.save_s,
+                         groups, times, peer_gb_per_s=bw)
+    return goodput_doc(rows, times, spec.mtbf_s), render_goodput(rows, times, spec.mtbf_s)
 
 
 def _deadline_warning(doc: dict[str, Any], deadline: float | None) -> str | None:

@@ -70,6 +70,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--jitter", type=_fraction, default=0.0,
                    help="--step: log-normal per-operation noise (sigma, e.g. 0.05)")
     p.add_argument("--seed", type=int, default=0, help="--step: seed of the jitter")
+    p.add_argument("--mtbf-hours", type=float, default=None,
+                   help="--step: the job's MTBF in hours for the goodput of the three recovery "
+                        "strategies (default: Llama 3's per-GPU failure rate)")
+    p.add_argument("--failures-per-gpu-hour", type=float, default=None,
+                   help="--step: per-GPU failure rate instead of --mtbf-hours")
+    p.add_argument("--replica-groups", type=positive_int, default=None,
+                   help="--step: replica groups for replica-FT goodput (default: the plan's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -81,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     opts = framework_of(args)  # a planner Framework (--framework, --options, --stack ...)
     if args.step:
         return _run_step(args, model, opts)
+    for flag in ("mtbf_hours", "failures_per_gpu_hour", "replica_groups"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"{flag.replace('_', '-')}={getattr(args, flag)!r}: applies to "
+                            "--step only (goodput of one plan)")
     return _run_sweep(args, model, opts)
 
 
@@ -185,6 +196,7 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
     doc = {"schema": "meshtron-step-sim/1", "plan": est.config.describe(),
            "ranks": est.config.gpus, "unperturbed": base.to_dict(), "perturbed": res.to_dict(),
            "slowdown": res.step_time_s / base.step_time_s}
+    doc["goodput"], lines = _goodput(args, model, est, res.step_time_s)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -197,4 +209,32 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
               f"{f', jitter {args.jitter:g}' if args.jitter and res.notes else ''}): "
               f"{res.step_time_s:.3f} s = x{doc['slowdown']:.3f} of the unperturbed step; "
               f"{res.classes} classes in {res.seconds:.2f} s")
+    print("\n".join(lines))
     return 0
+
+
+def _goodput(args: argparse.Namespace, model, est, step_s: float):
+    """Goodput of the three recovery strategies for the simulated step (the cost model's
+    checkpoint size at its default storage bandwidth)."""
+    from meshtron.cost.model import CHECKPOINT_BYTES_PER_PARAM, DEFAULT_STORAGE_GB_PER_S
+    from meshtron.reliability import DEFAULT_GPU_FAILURES_PER_HOUR, cluster_mtbf_s
+    from meshtron.reliability.goodput import (goodput_doc, goodput_table, load_recovery_times,
+                                              render_goodput)
+
+    gpus = est.config.gpus
+    if args.mtbf_hours is not None and args.failures_per_gpu_hour is not None:
+        raise UserError("mtbf-hours: give it or --failures-per-gpu-hour, not both")
+    if args.mtbf_hours is not None:
+        if not (args.mtbf_hours > 0 and args.mtbf_hours < float("inf")):
+            raise UserError(f"mtbf-hours={args.mtbf_hours!r}: must be a positive finite number")
+        mtbf = args.mtbf_hours * 3600.0
+    else:
+        mtbf = cluster_mtbf_s(gpus, args.failures_per_gpu_hour
+                              if args.failures_per_gpu_hour is not None
+                              else DEFAULT_GPU_FAILURES_PER_HOUR)
+    params = float(model.num_params())
+    save_s = CHECKPOINT_BYTES_PER_PARAM * params / (DEFAULT_STORAGE_GB_PER_S * 1e9)
+    times = load_recovery_times()
+    groups = args.replica_groups if args.replica_groups is not None else est.config.replicas
+    rows = goodput_table(step_s, mtbf, params, gpus, save_s, groups, times)
+    return goodput_doc(rows, times, mtbf), render_goodput(rows, times, mtbf)

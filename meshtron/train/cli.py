@@ -35,6 +35,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--attention-mask": ("data.attention_mask", str, "causal | document (packed documents)"),
     "--init-from": ("train.init_from", str, "Hugging Face checkpoint folder to start from"),
     "--export": ("train.export", str, "write the final weights here as a Hugging Face folder"),
+    "--replica-ft": ("train.replica_ft", int, "G replica groups with per-step fault tolerance "
+                     "(torchft; --max-restarts R replacements rejoin with the live weights)"),
 }
 # Run-file keys a saved plan fixes: taken from the plan when not given, checked when given.
 _PLAN_FIXES = {"data.global_batch": "global_batch", "data.seq_len": "seq_len"}
@@ -229,6 +231,14 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
 def cmd_train(args: argparse.Namespace) -> int:
     from meshtron.train.launch import run_job
 
+    cfg = run_config(args)
+    if cfg.train.replica_ft:
+        from meshtron.heal.replica import check_replica_ft, run_replica_ft
+
+        check_replica_ft(cfg, parallel_asked=parallel_request(args, cfg, args.plan,
+                                                              args.nproc) is not None)
+        return run_replica_ft(cfg, max_restarts=max(args.max_restarts, 0),
+                              overwrite=args.overwrite)
     return run_job(job_from_args(args))
 
 

@@ -1,0 +1,290 @@
+"""Chaos bench: SIGKILL a random rank every K steps of a long run, and report goodput and steps
+lost per recovery strategy, side by side in one invocation (same model, batch, steps, ranks).
+
+    .venv/bin/python bench/chaos.py                       # 60 steps, a kill every 15
+    .venv/bin/python bench/chaos.py --steps 120 --every 20 --write-recovery
+
+Strategies (STRATEGIES below):
+- restart_from_disk: `meshtron train --nproc 2 --checkpoint-every C --max-restarts R`: every
+  rank restarts (torchrun's agent) and resumes from the newest checkpoint.
+- replica_ft: `meshtron train --replica-ft 2 --max-restarts R`: the surviving group goes on, a
+  warm spare rejoins with the live weights.
+- in_memory: a hook (`in_memory_command` returns None: skipped) for in-memory snapshots
+  (meshtron/heal/snapshot.py), to be filled in when that lands.
+
+Figures per strategy:
+- goodput = useful step-seconds / wall seconds from the first step to the last, where useful =
+  (the strategy's failure-free median step) x (steps, counting a replica-FT step run by k of G
+  groups as k/G of a step); startup before step 1 is excluded (equal for all);
+- steps lost: steps trained again after a restart (restart_from_disk), or batch fractions
+  dropped while a group was out (replica_ft: sum of 1 - k/G);
+- recovery seconds: kill -> the next committed step (restart); the survivors' extra seconds at
+  the failed step, and kill -> the replacement's first committed step (replica_ft).
+
+`--write-recovery` stores the medians in meshtron/reliability/recovery.toml, which `meshtron
+cost` and `meshtron simulate --step` read (the in-memory figure stays as it is there).
+On a shared 2-core machine the absolute seconds are dominated by process start-up (import
+torch: several seconds under load); the ratios between strategies are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["--model", "tiny", "--global-batch", "4", "--seq-len", "32", "--eval-every", "0",
+          "--overwrite"]
+
+
+def _lines(path: Path) -> list[dict]:
+    try:
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def restart_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int) -> list[str]:
+    return [sys.executable, "-m", "meshtron", "train", *COMMON, "--steps", str(steps),
+            "--nproc", "2", "--plan", "dp=2", "--checkpoint-every", str(ckpt_every),
+            "--max-restarts", str(restarts), "--run-dir", str(run_dir)]
+
+
+def replica_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int) -> list[str]:
+    return [sys.executable, "-m", "meshtron", "train", *COMMON, "--steps", str(steps),
+            "--replica-ft", "2", "--max-restarts", str(restarts), "--run-dir", str(run_dir)]
+
+
+def in_memory_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int):
+    """Hook for the in-memory snapshot strategy (meshtron/heal/snapshot.py): return its
+    `meshtron train` command line, and give `rank_pids`/`progress` its files. None: skipped."""
+    return None
+
+
+def _rank_pids(run_dir: Path) -> list[int]:
+    """torchrun's worker processes of this run: their environment carries the rank argv
+    (meshtron/launch.py MESHTRON_RANK_ARGV, naming the run folder) and torchrun's RANK."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0")
+                       if b"=" in x)
+        except OSError:
+            continue
+        if str(run_dir).encode() in env.get(b"MESHTRON_RANK_ARGV", b"") and b"RANK" in env:
+            pids.append(int(d.name))
+    return pids
+
+
+def _group_pids(run_dir: Path) -> list[int]:
+    try:
+        return list(json.loads((run_dir / "replica_ft" / "pids.json").read_text()).values())
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def _progress(kind: str, run_dir: Path) -> list[dict]:
+    """Committed step records so far, in order, each with a wall time 't'."""
+    if kind == "replica_ft":
+        recs: dict[int, dict] = {}
+        for f in sorted((run_dir / "replica_ft").glob("group*_*.jsonl")):
+            for r in _lines(f):
+                old = recs.get(r["step"])
+                if old is None or r["t"] < old["t"]:
+                    recs[r["step"]] = r
+        return [recs[k] for k in sorted(recs)]
+    # metrics.jsonl: step records, and a restart event before each resumed attempt's records
+    # (the resumed attempt rewrites the history after its checkpoint step)
+    out, attempt = [], 0
+    for r in _lines(run_dir / "metrics.jsonl"):
+        if r.get("event") == "restart":
+            attempt = r["attempt"]
+            out.append(r)
+        elif "step" in r:
+            out.append({**r, "attempt": attempt})
+    return out
+
+
+def _key(r: dict):
+    return ("restart", r["attempt"]) if r.get("event") == "restart" else (r.get("attempt"),
+                                                                          r["step"])
+
+
+def run_strategy(kind: str, cmd: list[str], run_dir: Path, every: int, seed: int,
+                 timeout_s: float) -> dict:
+    rng = random.Random(seed)
+    pids_of = _group_pids if kind == "replica_ft" else _rank_pids
+    seen: dict = {}  # restart_from_disk: bench-side time each (attempt, step) record appeared
+    kills: list[dict] = []
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + timeout_s
+    since_kill = 0
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"{kind}: no finish within {timeout_s:.0f} s")
+        recs = _progress(kind, run_dir)
+        for r in recs:
+            if _key(r) not in seen:
+                seen[_key(r)] = (time.time(), r)
+                since_kill += "step" in r
+        recs = [r for r in recs if "step" in r]
+        pids = pids_of(run_dir)
+        # Kill only at full strength: every rank up, every replica group in the last quorum
+        # (killing the one group that holds the live state while its replacement is still
+        # copying would end a replica-FT run: nothing is left to copy from).
+        full = kind != "replica_ft" or (recs and recs[-1]["participants"] == 2)
+        if since_kill >= every and len(pids) >= 2 and full:
+            victim = rng.choice(sorted(pids))
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kills.append({"t": time.time(), "after_records": len(recs),
+                          "last_step": recs[-1]["step"] if recs else 0})
+            since_kill = 0
+        time.sleep(0.02)
+    err = proc.stderr.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind}: exit {proc.returncode}\n{err[-2000:]}")
+    for r in _progress(kind, run_dir):
+        seen.setdefault(_key(r), (time.time(), r))
+    recs = [r for r in _progress(kind, run_dir) if "step" in r]
+    return summarize(kind, recs, seen, kills, run_dir)
+
+
+def summarize(kind: str, recs: list[dict], seen: dict, kills: list[dict],
+              run_dir: Path) -> dict:
+    if kind == "replica_ft":
+        times = [r["t"] for r in recs]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+    else:  # every step record of every attempt, in the order the bench saw them
+        steps = sorted((t, r) for k, (t, r) in seen.items() if "step" in r)
+        times = [t for t, _ in steps]
+        gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:])
+                if a[1]["attempt"] == b[1]["attempt"]]
+    step_s = statistics.median(gaps)
+    wall = times[-1] - times[0] + step_s  # first step's own time counted once
+    out = {"kills": len(kills), "median_step_s": step_s, "wall_s": wall}
+    if kind == "replica_ft":
+        groups = max(r["participants"] for r in recs)
+        useful = sum(r["participants"] / groups for r in recs)
+        out["steps_lost"] = len(recs) - useful
+        stalls, rejoins = [], []
+        events = _lines(run_dir / "replica_ft" / "events.jsonl")
+        for k in kills:
+            after = [r for r in recs if r["t"] > k["t"]]
+            before = [r for r in recs if r["t"] <= k["t"]]
+            if after and before:
+                stalls.append(max(0.0, after[0]["t"] - before[-1]["t"] - step_s))
+            rep = next((e for e in events if e["event"] == "replace" and e["t"] >= k["t"] - 1),
+                       None)
+            if rep is not None:
+                f = run_dir / "replica_ft" / f"group{rep['group']}_{rep['attempt']}.jsonl"
+                first = _lines(f)
+                if first:
+                    rejoins.append(first[0]["t"] - k["t"])
+        out.update(stall_s=stalls, rejoin_s=rejoins)
+    else:
+        useful = len({r["step"] for r in recs})
+        restarts = [r for k, (t, r) in seen.items() if k[0] == "restart"]
+        out["steps_lost"] = sum(r["lost_steps"] for r in restarts)
+        # kill -> the first step record of the attempt that followed it
+        firsts = sorted(t for k, (t, r) in seen.items()
+                        if "step" in r and r["attempt"] > 0
+                        and t == min(t2 for k2, (t2, r2) in seen.items()
+                                     if "step" in r2 and r2["attempt"] == r["attempt"]))
+        out["recovery_s"] = [next((t for t in firsts if t > k["t"]), math.nan) - k["t"]
+                             for k in kills]
+    out["goodput"] = useful * step_s / wall
+    return out
+
+
+STRATEGIES = {"restart_from_disk": restart_command, "in_memory": in_memory_command,
+              "replica_ft": replica_command}
+
+
+def write_recovery(results: dict, path: Path, note: str) -> None:
+    import tomllib
+
+    doc = tomllib.loads(path.read_text())
+    med = lambda xs: round(statistics.median(xs), 2) if xs else None  # noqa: E731
+    r, f = results.get("restart_from_disk"), results.get("replica_ft")
+    vals = {"restart_from_disk_s": med(r["recovery_s"]) if r else None,
+            "replica_stall_s": med(f["stall_s"]) if f else None,
+            "replica_rejoin_s": med(f["rejoin_s"]) if f else None}
+    text = path.read_text()
+    for key, v in vals.items():
+        if v is None:
+            continue
+        lines = text.splitlines()
+        text = "\n".join(f"{key} = {v}" if ln.startswith(f"{key} =") else ln
+                         for ln in lines) + "\n"
+    text = "\n".join(f'source = "{note}"' if ln.startswith("source =") else ln
+                     for ln in text.splitlines()) + "\n"
+    path.write_text(text)
+    tomllib.loads(text)  # still valid
+    print(f"wrote {path}: {vals} (in_memory_s kept: {doc['in_memory_s']})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--every", type=int, default=15, help="kill a random rank every K steps")
+    ap.add_argument("--checkpoint-every", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=900.0, help="per strategy, seconds")
+    ap.add_argument("--write-recovery", action="store_true")
+    ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = ap.parse_args()
+    restarts = args.steps // args.every + 2
+    results = {}
+    tmp = tempfile.mkdtemp(prefix="chaos_")  # kept when a strategy fails, for its logs
+    for kind, make in STRATEGIES.items():
+        run_dir = Path(tmp) / kind
+        cmd = make(run_dir, args.steps, restarts, args.checkpoint_every)
+        if cmd is None:
+            print(f"{kind:18} skipped (hook not filled in: bench/chaos.py {make.__name__})")
+            continue
+        results[kind] = run_strategy(kind, cmd, run_dir, args.every, args.seed, args.timeout)
+    print(f"\n{args.steps} steps, a random rank SIGKILLed every {args.every} steps "
+          f"(checkpoint every {args.checkpoint_every} for restart_from_disk), 2 ranks each")
+    print(f"{'strategy':18} {'kills':>5} {'goodput':>8} {'steps lost':>10} {'step s':>7} "
+          f"{'wall s':>7}  recovery")
+    for kind, r in results.items():
+        rec = (f"kill->step {', '.join(f'{x:.1f}' for x in r['recovery_s'])} s"
+               if "recovery_s" in r else
+               f"stall {', '.join(f'{x:.1f}' for x in r['stall_s'])} s; rejoin "
+               f"{', '.join(f'{x:.1f}' for x in r['rejoin_s'])} s")
+        print(f"{kind:18} {r['kills']:5d} {r['goodput']:8.1%} {r['steps_lost']:10.2f} "
+              f"{r['median_step_s']:7.3f} {r['wall_s']:7.1f}  {rec}")
+    if "restart_from_disk" in results and "replica_ft" in results:
+        print(f"replica_ft / restart_from_disk goodput: "
+              f"x{results['replica_ft']['goodput'] / results['restart_from_disk']['goodput']:.2f}")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.write_recovery:
+        write_recovery(results, ROOT / "meshtron" / "reliability" / "recovery.toml",
+                       f"bench/chaos.py {time.strftime('%Y-%m-%d')}, tiny model, 2 ranks on "
+                       f"{os.cpu_count()} CPU cores (gloo)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Goodput (useful step time / wall time) under failures for three recovery strategies, from
+measured recovery times (meshtron/reliability/recovery.toml, written by bench/chaos.py).
+
+Failures are a Poisson process with the job's MTBF M (reliability/interval.py). Per strategy:
+
+- restart-from-disk: every rank restarts and reads the newest checkpoint. Daly's complete model
+  (interval.py `expected_wall_s`) with the checkpoint save stall delta, Daly's interval, and
+  recovery R = measured fixed seconds + reading the checkpoint back at storage bandwidth.
+  Goodput = 1 / (expected wall seconds per useful second).
+- in-memory: the same model with the in-memory snapshot's stall (asynchronous: ~0, so a snapshot
+  every step) and R = measured fixed seconds + each GPU's state shard over the network from a
+  peer's host memory (Gemini, Wang et al. SOSP 2023).
+- replica fault tolerance (meshtron/heal/replica.py): no restart. Each failure costs every
+  group the measured stall plus the half step in flight on average (the step is retried), and
+  takes 1/G of the throughput away while the replacement rejoins (measured rejoin seconds +
+  its state shard over the network): lost useful seconds L = stall + step/2 + rejoin/G per
+  failure, goodput = 1 - L / M (first order: failures during a recovery are not compounded).
+  A failure of every group at once is outside this model (a disk checkpoint covers it).
+
+Sizes: the checkpoint is CHECKPOINT_BYTES_PER_PARAM bytes per parameter (fp32 master weights
+and two AdamW moments), spread over the GPUs; in replica FT each group holds a full copy over
+gpus / G GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshtron.errors import UserError
+from meshtron.reliability.interval import daly_interval_s, expected_wall_s
+
+RECOVERY_FILE = Path(__file__).with_name("recovery.toml")
+"""The measured recovery seconds; bench/chaos.py --write-recovery rewrites it."""
+CHECKPOINT_BYTES_PER_PARAM = 12.0
+"""fp32 master weights + two fp32 AdamW moments (as meshtron/cost/model.py)."""
+DEFAULT_PEER_GB_PER_S = 25.0
+"""Network bandwidth per GPU for a peer-to-peer state copy, GB/s: one 400 Gb/s NIC per GPU
+(DGX H100)."""
+
+
+@dataclass(frozen=True)
+class RecoveryTimes:
+    """Measured fixed recovery seconds (tiny model: the state transfer is added per run)."""
+
+    restart_from_disk_s: float
+    """A rank's death to every rank training again, restarted from the disk checkpoint."""
+    in_memory_s: float
+    """The same, restored from peers' host memory."""
+    replica_stall_s: float
+    """Surviving replica groups' extra seconds at the failed step, beyond one step."""
+    replica_rejoin_s: float
+    """A group's death to its replacement back in the quorum with the live state."""
+    in_memory_measured: bool = False
+    """False: in_memory_s is the documented default, not a measurement."""
+    source: str = ""
+    """Where and how the numbers were measured."""
+
+
+def load_recovery_times(path: Path | str | None = None) -> RecoveryTimes:
+    """RecoveryTimes from a TOML file (default: the packaged RECOVERY_FILE)."""
+    p = Path(path) if path is not None else RECOVERY_FILE
+    try:
+        doc = tomllib.loads(p.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise UserError(f"recovery times {str(p)!r}: cannot be read ({e})") from None
+    fields = ("restart_from_disk_s", "in_memory_s", "replica_stall_s", "replica_rejoin_s")
+    for name in fields:
+        v = doc.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v >= 0):
+            raise UserError(f"{p}: {name}={v!r}; give a finite number of seconds >= 0")
+    return RecoveryTimes(**{n: float(doc[n]) for n in fields},
+                         in_memory_measured=bool(doc.get("in_memory_measured", False)),
+                         source=str(doc.get("source", "")))
+
+
+@dataclass(frozen=True)
+class StrategyGoodput:
+    """One strategy's figures at the given failure rate."""
+
+    name: str
+    """restart_from_disk | in_memory | replica_ft."""
+    goodput: float | None
+    """Useful step time / wall time in [0, 1]; None when the strategy does not apply."""
+    recovery_s: float | None
+    """Seconds of one recovery (fixed + transfer); None when it does not apply."""
+    lost_per_failure_s: float | None
+    """Expected seconds one failure costs: for the checkpoint strategies the wall overhead
+    per MTBF, (1/goodput - 1) M (recovery, redone work and checkpoint stalls); for replica FT
+    the useful seconds lost (stall, half a step, rejoin / G)."""
+    note: str = ""
+    """Why it does not apply, or where a number comes from."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _check(name: str, value: float, positive: bool = True) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (value > 0 if positive else value >= 0):
+        raise UserError(f"{name}={value!r}: must be a {'positive' if positive else 'non-negative'}"
+                        " finite number")
+    return float(value)
+
+
+def checkpoint_goodput(step_s: float, mtbf_s: float, save_s: float, recovery_s: float
+                       ) -> tuple[float, float]:
+    """(goodput, checkpoint interval s) of a checkpoint/restart strategy: Daly's model at
+    Daly's interval (at least one step); a zero save stall snapshots every step."""
+    tau = step_s if save_s == 0 else max(step_s, daly_interval_s(save_s, mtbf_s))
+    return 1.0 / expected_wall_s(1.0, tau, save_s, mtbf_s, recovery_s), tau
+
+
+def replica_goodput(step_s: float, mtbf_s: float, groups: int, stall_s: float,
+                    rejoin_s: float) -> tuple[float, float]:
+    """(goodput, lost useful seconds per failure) of replica fault tolerance over G groups."""
+    lost = stall_s + step_s / 2.0 + rejoin_s / groups
+    return max(0.0, 1.0 - lost / mtbf_s), lost
+
+
+def goodput_table(step_s: float, mtbf_s: float, params: float, gpus: int, save_s: float,
+                  replica_groups: int, times: RecoveryTimes,
+                  peer_gb_per_s: float = DEFAULT_PEER_GB_PER_S,
+                  snapshot_stall_s: float = 0.0) -> list[StrategyGoodput]:
+    """The three strategies side by side. `save_s`: the disk checkpoint's save (and read)
+    seconds; `replica_groups`: G (< 2: replica FT does not apply)."""
+    step_s, mtbf_s = _check("step_time_s", step_s), _check("mtbf_s", mtbf_s)
+    _check("params", params)
+    _check("save_s", save_s, positive=False)
+    bw = _check("peer_gb_per_s", peer_gb_per_s) * 1e9
+    if not (isinstance(gpus, int) and gpus >= 1):
+        raise UserError(f"gpus={gpus!r}: must be a whole number >= 1")
+    if not (isinstance(replica_groups, int) and 1 <= replica_groups <= gpus):
+        raise UserError(f"replica-groups={replica_groups!r}: must be a whole number in 1..{gpus}")
+    state = CHECKPOINT_BYTES_PER_PARAM * params
+    out = []
+    r_disk = times.restart_from_disk_s + save_s
+    g, tau = checkpoint_goodput(step_s, mtbf_s, save_s, r_disk)
+    out.append(StrategyGoodput("restart_from_disk", g, r_disk, (1.0 / g - 1.0) * mtbf_s,
+                               f"checkpoint every {tau:.0f} s of work"))
+    r_mem = times.in_memory_s + state / gpus / bw
+    g, tau = checkpoint_goodput(step_s, mtbf_s, _check("snapshot_stall_s", snapshot_stall_s,
+                                                       positive=False), r_mem)
+    out.append(StrategyGoodput("in_memory", g, r_mem, (1.0 / g - 1.0) * mtbf_s,
+                               "" if times.in_memory_measured else
+                               "recovery time: documented default, not measured"))
+    if replica_groups < 2:
+        out.append(StrategyGoodput("replica_ft", None, None, None,
+                                   "needs >= 2 replica groups (dp with zero 0/1, or HSDP "
+                                   "dp_replicate); try --replica-groups"))
+    else:
+        r_rep = times.replica_rejoin_s + state * replica_groups / gpus / bw
+        g, lost = replica_goodput(step_s, mtbf_s, replica_groups, times.replica_stall_s, r_rep)
+        out.append(StrategyGoodput("replica_ft", g, r_rep, lost,
+                                   f"{replica_groups} replica groups"))
+    return out
+
+
+def goodput_doc(rows: list[StrategyGoodput], times: RecoveryTimes, mtbf_s: float
+                ) -> dict[str, Any]:
+    """The 'goodput' section of `meshtron cost` / `simulate --step` JSON."""
+    return {"mtbf_s": mtbf_s, "recovery_source": times.source,
+            "strategies": {r.name: r.to_dict() for r in rows}}
+
+
+def render_goodput(rows: list[StrategyGoodput], times: RecoveryTimes, mtbf_s: float
+                   ) -> list[str]:
+    """Text lines: one per strategy."""
+    lines = [f"Goodput at job MTBF {mtbf_s / 3600:.2f} h (recovery seconds: {times.source}):"]
+    for r in rows:
+        if r.goodput is None:
+            lines.append(f"  {r.name:18} n/a: {r.note}")
+            continue
+        lines.append(f"  {r.name:18} {r.goodput:7.2%}  recovery {r.recovery_s:8.1f} s"
+                     f"{'  (' + r.note + ')' if r.note else ''}")
+    return lines
