@@ -112,7 +112,11 @@ class TrainConfig:
     steps: int = 200
     """Optimizer steps to run."""
     dtype: str = "fp32"
-    """'fp32', or 'bf16' autocast with fp32 master weights."""
+    """'fp32'; 'bf16' compute with fp32 master weights; 'fp8': bf16 with the blocks' large
+    Linear GEMMs in FP8 (torchao float8; emulated on CPU, meshtron/parallel/fp8.py)."""
+    fp8_recipe: str = "rowwise"
+    """FP8 scaling with dtype 'fp8': 'rowwise' (per-row scales) or 'tensorwise' (one per tensor;
+    FP8 all-gather under FSDP2 on CUDA)."""
     seed: int = 0
     """Seed of the weights and of the data order: same seed, same losses."""
     eval_every: int = 50
@@ -141,8 +145,11 @@ class TrainConfig:
                                                       or self.replica_ft >= 2)):
             raise UserError(f"train.replica_ft={self.replica_ft!r}: allowed 0 (off) or a whole "
                             "number >= 2 of replica groups")
-        if self.dtype not in ("fp32", "bf16"):
-            raise UserError(f"train.dtype={self.dtype!r}: allowed values are fp32, bf16")
+        if self.dtype not in ("fp32", "bf16", "fp8"):
+            raise UserError(f"train.dtype={self.dtype!r}: allowed values are fp32, bf16, fp8")
+        if self.fp8_recipe not in ("rowwise", "tensorwise"):
+            raise UserError(f"train.fp8_recipe={self.fp8_recipe!r}: allowed values are "
+                            "rowwise, tensorwise")
         if self.eval_every < 0:
             raise UserError(f"train.eval_every={self.eval_every}: must be >= 0")
         if self.seed < 0:

@@ -153,15 +153,22 @@ def retie_embeddings(module: nn.Module) -> None:
 
 @torch.no_grad()
 def materialize(parts: list[nn.Module], device: torch.device, seed: int | None = None,
-                fill=None) -> None:
+                fill=None, param_device: torch.device | None = None) -> None:
     """Allocate this rank's shards of meta-device `parts` (model parts after `parallelize`) on
     `device` and fill them: `fill(parts)` when given (e.g. loading a checkpoint), else the
     deterministic initialization with `seed` (default: the model's own `init_seed`). Buffers
-    derived from the spec (the RoPE table) are recomputed."""
+    derived from the spec (the RoPE table) are recomputed. `param_device`: where the
+    parameters live when not on `device` (the host, with FSDP2's CPU offload; buffers stay on
+    `device`, which FSDP2 does not offload)."""
     from meshtron.model.transformer import rope_cache
 
     for part in parts:
-        part.to_empty(device=device)
+        part.to_empty(device=param_device or device)
+        if param_device is not None:
+            for module in part.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.to(device)
         retie_embeddings(part)
         if getattr(part, "rope", None) is not None:
             part.rope = rope_cache(part.spec, device)

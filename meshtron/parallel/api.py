@@ -54,6 +54,7 @@ from meshtron.planner.placement import axis_sizes
 from meshtron.planner.plan import Plan, as_plan, microbatch_problem
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
+from meshtron.parallel.offload import activation_offload
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import apply_tensor_parallel
 
@@ -116,6 +117,8 @@ class ParallelModel:
         self._stages = None
         self.grad_sync = None
         """meshtron.compress.runtime.GradCompression when the plan compresses gradients."""
+        self.fp8_all_gather = False
+        """FSDP2 gathers FP8 weights (tensorwise FP8 on CUDA): call `after_optimizer_step`."""
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -222,8 +225,10 @@ class ParallelModel:
                     if backward:  # one reduction per step, or per micro-batch (ZeRO-2/3)
                         set_microbatch_policy(self.model_parts, lay, last=i == n_micro - 1)
                     # The default loss is the model's own, chunked over tokens (model/loss.py).
-                    loss = (model(x, y) if self.loss_fn is _default_loss
-                            else self.loss_fn(model(x), y))
+                    with activation_offload(lay.offload_activations and backward,
+                                            self.device):
+                        loss = (model(x, y) if self.loss_fn is _default_loss
+                                else self.loss_fn(model(x), y))
                     if backward:
                         (loss / n_micro).backward()
                     total = total + _plain(loss).detach().float() / n_micro
@@ -286,6 +291,14 @@ class ParallelModel:
                 torch._foreach_mul_(grads, coef.to(device))
         return total
 
+    def after_optimizer_step(self) -> None:
+        """After every optimizer step: FP8 weight scales for the next all-gather (a no-op
+        unless `fp8_all_gather`)."""
+        if self.fp8_all_gather:
+            from meshtron.parallel.fp8 import after_optimizer_step
+
+            after_optimizer_step(self.model_parts)
+
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Model state of the parts this rank owns, keyed by the plain model's names (DTensor
@@ -341,6 +354,7 @@ def grad_norm(pm: ParallelModel, norm_type: float = 2.0) -> torch.Tensor:
             local = g.to_local().float()
             key = (id(g.device_mesh), tuple(g.placements))
             val = local.abs().max() if inf else local.norm(norm_type) ** norm_type
+            val = val.to(pm.device, non_blocking=True)  # offload='full': host gradients
             if key not in groups:
                 groups[key] = (g.device_mesh, g.placements, torch.zeros_like(val))
             mesh, placements, acc = groups[key]
@@ -378,9 +392,6 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     """
     spec = getattr(model, "spec", None)
     lay = resolve_plan(as_plan(plan), mesh.size(), spec)
-    if lay.dtype not in ("fp32", "bf16"):
-        raise UserError(f"plan.dtype={lay.dtype!r}: the runtime trains in fp32 or bf16 "
-                         "(fp8 can be planned, not trained yet)")
     sizes = axis_sizes(lay)
     axes = mesh_axes(lay)
     want = tuple(sizes[a] for a in axes)
@@ -390,7 +401,7 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     device = _mesh_device(mesh)
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
-        model.to(device)
+        model.to(device)  # offload='full': fully_shard moves the shards to the host
     if lay.pp > 1:
         pieces = split_model(model, lay, mesh.get_local_rank("pp"))
     else:
@@ -401,9 +412,15 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
         raise UserError(f"plan.ep={lay.ep}: the mesh has no expert axis; build it with "
                          "build_mesh(plan)")
     parts = []
+    fp8_gather = False
     for _, part in pieces:
         if experts is not None:  # before TP: the experts are DTensors on the ep mesh
             apply_expert_parallel(part, experts.ep, global_counts=False)
+        if lay.dtype == "fp8":  # before TP, recompute and FSDP2 (torchtitan's order)
+            from meshtron.parallel.fp8 import convert_to_fp8, fp8_all_gather
+
+            fp8_gather = fp8_all_gather(lay.fp8_recipe, device, lay.dp_shard * lay.cp)
+            convert_to_fp8(part, lay.fp8_recipe, device, all_gather=fp8_gather)
         apply_tensor_parallel(part, tp_mesh, sp=lay.sp)
         apply_recompute(part, lay.recompute)
         if lay.cp > 1:  # after TP and recompute, before FSDP (torchtitan's order)
@@ -413,11 +430,13 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     if on_meta:
         from meshtron.model.init import materialize
 
-        materialize(parts, device, fill=fill)
+        materialize(parts, device, fill=fill,
+                    param_device=torch.device("cpu") if lay.offload == "full" else None)
     elif fill is not None:
         fill(parts)
     pm = ParallelModel(parts, [s for s, _ in pieces], lay, mesh, loss_fn or _default_loss,
                        device)
+    pm.fp8_all_gather = fp8_gather
     from meshtron.compress.runtime import attach
 
     pm.grad_sync = attach(pm, lay)

@@ -41,6 +41,10 @@ loss they equal the single-process gradient of the global-batch mean.
 Precision: FSDP2 MixedPrecisionPolicy(param_dtype=bf16 for plan.dtype='bf16',
 reduce_dtype=plan.reduce_dtype): bf16 compute, fp32 master parameters, gradients and optimizer
 states. With dp=1 and bf16 FSDP2 is still applied (on the size-1 data axis) to get that policy.
+plan.dtype='fp8' uses the bf16 policy (the FP8 casts happen inside torchao's Float8Linear).
+
+Host offload (plan.offload='full', ZeRO-2/3): every unit gets FSDP2's CPUOffloadPolicy (see
+meshtron/parallel/offload.py); FSDP2 is applied even at dp=1 to get it.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def set_microbatch_policy(parts: list[nn.Module], lay, last: bool) -> None:
 def mixed_precision(lay):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    param = torch.bfloat16 if lay.dtype == "bf16" else None
+    param = torch.bfloat16 if lay.dtype in ("bf16", "fp8") else None  # fp8: bf16 outside FP8 GEMMs
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=_DTYPES[lay.reduce_dtype])
 
 
@@ -141,12 +145,18 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
 
     own_reduction = replaces_fsdp_reduction(lay)
     if (lay.dp * lay.cp == 1 or (own_reduction and lay.dp_shard == 1)) \
-            and lay.dtype == "fp32" and lay.reduce_dtype == "fp32":
+            and lay.dtype == "fp32" and lay.reduce_dtype == "fp32" and lay.offload == "none":
         return model
+    from functools import partial
+
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh["dp_shard"] if own_reduction else data_parallel_mesh(mesh, lay)
     mp = mixed_precision(lay)
+    if lay.offload == "full":  # parameter, gradient and optimizer-state shards on the host
+        from meshtron.parallel.offload import offload_policy
+
+        fully_shard = partial(fully_shard, offload_policy=offload_policy(mesh.device_type))
     # Resharding after forward only where the next use is far: ZeRO-3 without a pipeline
     # (torchtitan reshards nothing after forward under pipelining: the micro-batches' backward
     # follows at once).

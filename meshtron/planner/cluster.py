@@ -108,6 +108,23 @@ DEFAULT_INTER_LATENCY_US = 9.6
 DEFAULT_FLOP_PER_BYTE = 150.0
 
 
+# Host link per GPU per direction, GB/s (host offload). PCIe Gen5 x16: 32 GT/s x 16 lanes x
+# 128/130 / 8 = 63 GB/s (PCI-SIG PCIe 5.0 base specification), the H100/H200 SXM datasheets'
+# "PCIe Gen5: 128 GB/s" (both directions); A100 SXM: PCIe Gen4, 64 GB/s both directions
+# (datasheet); V100 SXM2: PCIe Gen3, 32 GB/s (datasheet); HGX B200: PCIe Gen5. A GH200's
+# NVLink-C2C is 900 GB/s both directions (NVIDIA GH200 Grace Hopper Superchip datasheet):
+# give host_link_gb_per_s = 450 in its cluster file.
+HOST_LINK_GB_PER_S = {"V100-SXM2-32GB": 16.0, "A100-SXM4-40GB": 32.0, "A100-SXM4-80GB": 32.0,
+                      "H100-SXM5-80GB": 63.0, "H200-SXM-141GB": 63.0, "B200": 63.0}
+DEFAULT_HOST_LINK_GB_PER_S = 32.0
+"""A GPU outside the table: PCIe Gen4 x16."""
+GH200_C2C_GB_PER_S = 450.0
+"""NVLink-C2C per direction of a GH200 (datasheet: 900 GB/s total)."""
+HOST_MEMORY_GB_PER_S = 77.0
+"""Host memory bandwidth per GPU: a DGX H100 node's two Xeon 8480C sockets with 8 channels of
+DDR5-4800 each (2 x 8 x 38.4 = 614 GB/s theoretical) shared by 8 GPUs."""
+
+
 def gpu_type(name: str, field: str = "gpu") -> GPUType:
     """Look a GPU up by catalogue name or alias; unknown names are an error, never a fallback."""
     key = GPU_ALIASES.get(name, name)
@@ -164,6 +181,13 @@ class ClusterSpec:
     collective_base_latency_us: float | None = None
     """Fixed latency of one collective call on top of its per-step latencies, us (NCCL's
     baseLat); `meshtron calibrate` fits it. None: NCCL's 8.4 us (comm.BASE_LATENCY_S)."""
+    host_link_gb_per_s: float | None = None
+    """Host <-> device bandwidth per GPU per direction, GB/s, for host offload: PCIe or
+    NVLink-C2C (GH200: 450). None: the GPU's catalogue default (HOST_LINK_GB_PER_S), else
+    PCIe Gen4 x16."""
+    host_memory_gb_per_s: float | None = None
+    """Host memory bandwidth one GPU's share of its node reaches, GB/s (the offloaded optimizer
+    step is bound by it). None: HOST_MEMORY_GB_PER_S."""
 
     def __post_init__(self) -> None:
         for field in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gb_per_s"):
@@ -190,6 +214,9 @@ class ClusterSpec:
                                           and not isinstance(value, bool) and 0 <= value < 1e6):
                 raise UserError(f"cluster.{field}={value!r}: must be a number of "
                                  "microseconds >= 0")
+        for field in ("host_link_gb_per_s", "host_memory_gb_per_s"):
+            if getattr(self, field) is not None:
+                _positive(f"cluster.{field}", getattr(self, field))
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _gemm_points(self.gemm_efficiency))
         if self.price_per_gpu_hour is not None and not (
@@ -224,6 +251,18 @@ class ClusterSpec:
         if self.gpu is not None:
             return gpu_type(self.gpu).matmul_ceiling
         return 0.75
+
+    @property
+    def host_link_bytes_per_s(self) -> float:
+        """Host <-> device bytes/s per GPU per direction (theoretical: PCIe's 128b/130b
+        coding is in the figure; achieved pinned-memory copies reach ~80-90% of it)."""
+        if self.host_link_gb_per_s is not None:
+            return self.host_link_gb_per_s * 1e9
+        return HOST_LINK_GB_PER_S.get(self.gpu or "", DEFAULT_HOST_LINK_GB_PER_S) * 1e9
+
+    @property
+    def host_memory_bytes_per_s(self) -> float:
+        return (self.host_memory_gb_per_s or HOST_MEMORY_GB_PER_S) * 1e9
 
     def peak_tflops_for(self, dtype: str) -> float:
         """Dense matmul peak in the run's compute dtype: bf16 = peak_tflops; fp32 = TF32 (or
@@ -322,7 +361,7 @@ _CLUSTER_KEYS = {"name", "gpu", "peak_tflops", "memory_gib", "gpus_per_node", "n
                  "inter_node_latency_us", "hbm_gb_per_s", "matmul_efficiency",
                  "bandwidth_efficiency", "price_per_gpu_hour", "gemm_efficiency",
                  "elementwise_gb_per_s", "eager_kernel_overhead_us",
-                 "collective_base_latency_us"}
+                 "collective_base_latency_us", "host_link_gb_per_s", "host_memory_gb_per_s"}
 
 
 def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:

@@ -57,7 +57,8 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, compression, compute, memory, moe_cost, pipeline, placement
+from meshtron.planner import (comm, compression, compute, memory, moe_cost, offload, pipeline,
+                               placement)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -317,14 +318,15 @@ class Evaluator(DataParallelCost):
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
         states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts))
+        states = offload.device_states(cfg.offload, states)  # what stays on the device
         # expert parallelism: a rank holds E/ep experts per block, their ZeRO states spread
         # over the dp*cp/ep ranks holding the same experts (moe_cost.py)
         p_exp, e_states = 0.0, None
         if ep > 1:
             p_exp = moe_cost.expert_params_local(model, pp, ep)
             p_layer = p_layer - p_exp * ep
-            e_states = memory.state_bytes(zero, max(1, shard_dp // ep), self.grad_bytes,
-                                          mem_opts)
+            e_states = offload.device_states(cfg.offload, memory.state_bytes(
+                zero, max(1, shard_dp // ep), self.grad_bytes, mem_opts))
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         roots = [0.0] * pp
@@ -385,6 +387,7 @@ class Evaluator(DataParallelCost):
             pp_t = (m * v + pp - 1) * per_boundary * hop
         dp_t = 0.0
         opt_t = 0.0
+        off_t = 0.0
         seen: set[tuple[int, bool, bool]] = set()
         for i, k in enumerate(n):
             first, last = i == 0, i == pp - 1
@@ -396,7 +399,14 @@ class Evaluator(DataParallelCost):
             experts_i = k * p_exp
             if experts_i:
                 local += experts_i / max(1, shard_dp // ep) if zero >= 1 else experts_i
-            opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
+            if cfg.offload == "none":
+                opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
+            else:  # host-link copies and the optimizer step on the host
+                oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
+                                          self.cluster.host_link_bytes_per_s,
+                                          self.cluster.host_memory_bytes_per_s)
+                opt_t = max(opt_t, oc.host_step_s)
+                off_t = max(off_t, oc.transfer_s)
             if shard_dp > 1:
                 bwd = stage_t[i] - stage_f[i]
                 # stage i finishes its last backward about i stage-backwards before stage 0
@@ -414,7 +424,7 @@ class Evaluator(DataParallelCost):
                     dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
                                                    kept=kept, **flags))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
-                              bubble=bubble, optimizer=opt_t, ep_comm=ep_t)
+                              bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
         step = times.total
         if fits and step > cutoff:
             return None

@@ -25,19 +25,24 @@ class TimeBreakdown:
     bubble: float
     """Pipeline fill and drain idle time."""
     optimizer: float
-    """AdamW update."""
+    """AdamW update (on the host with plan.offload)."""
     ep_comm: float = 0.0
     """Expert-parallel all-to-alls of the critical stage left exposed (planner/moe_cost.py)."""
+    offload: float = 0.0
+    """Host-link copies of offloaded shards and gradients (planner/offload.py), not overlapped."""
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble
-                + self.optimizer + self.ep_comm)
+                + self.optimizer + self.ep_comm + self.offload)
 
     def to_dict(self) -> dict[str, float]:
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
-                "dp_comm_exposed": self.dp_comm, "bubble": self.bubble,
-                "optimizer": self.optimizer, "ep_comm": self.ep_comm}
+        out = {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
+               "dp_comm_exposed": self.dp_comm, "bubble": self.bubble,
+               "optimizer": self.optimizer, "ep_comm": self.ep_comm}
+        if self.offload:
+            out["offload"] = self.offload
+        return out
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ class Estimate:
             "accumulate_unsharded": c.accumulate_unsharded,
             "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
             "schedule": c.schedule, "virtual_stages": c.virtual_stages,
-            "dp_replicate": c.dp_replicate, "dtype": c.dtype,
+            "dp_replicate": c.dp_replicate, "dtype": c.dtype, "offload": c.offload,
             "stage_layers": list(self.stage_layers), "fits": self.fits,
             "memory_gib": self.memory.to_dict(), "time_s": self.time.to_dict(),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,

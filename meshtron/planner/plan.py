@@ -379,16 +379,34 @@ class Plan:
 
 def runtime_problem(plan: Plan) -> str | None:
     """What the planner can plan but meshtron's runtime does not run yet (one line), or None."""
-    if plan.dtype == "fp8":
-        return ("plan.dtype='fp8': meshtron's runtime does not train in FP8 yet (the planner "
-                "prices it); use bf16")
+    if plan.dtype == "fp8" and plan.tp > 1:
+        return (f"plan.dtype='fp8' with tp={plan.tp}: meshtron's runtime trains FP8 without "
+                "tensor parallelism only (torchao's Float8ColwiseParallel is not wired in); "
+                "use tp=1 or bf16")
     if plan.compile or plan.async_tp:
         what = "async_tp" if plan.async_tp else "compile"
         return f"plan.{what}=true: meshtron's runtime does not compile yet; use {what}=false"
-    if plan.offload != "none" or plan.offload_activations:
-        what = (f"offload={plan.offload!r}" if plan.offload != "none"
-                else "offload_activations=true")
-        return f"plan.{what}: meshtron's runtime does not offload yet; use offload='none'"
+    problem = offload_runtime_problem(plan)
+    if problem:
+        return problem
+    return None
+
+
+def offload_runtime_problem(plan: Plan) -> str | None:
+    """Host offload the runtime does not run (meshtron/parallel/offload.py runs the rest)."""
+    if plan.offload == "optimizer":
+        return ("plan.offload='optimizer': planned only (DeepSpeed ZeRO-Offload: fp32 master "
+                "weights, gradients and AdamW states on the host, bf16 weights on the GPU); "
+                "meshtron runs offload='full' (FSDP2 CPUOffloadPolicy)")
+    if plan.offload == "full" and plan.zero < 2:
+        return (f"plan.offload='full' with zero={plan.zero}: FSDP2's CPU offload keeps the "
+                "parameter shards on the host, which is ZeRO-2/3 (zero=2 or 3)")
+    if plan.offload == "full" and plan.pp > 1:
+        return (f"plan.offload='full' with pp={plan.pp}: not run with pipelining (the schedules drive "
+                "FSDP2's gradient sync and resharding themselves: not verified); use pp=1")
+    if plan.offload_activations and plan.pp > 1:
+        return (f"plan.offload_activations=true with pp={plan.pp}: not run with pipelining "
+                "(the schedules run forward and backward themselves); use pp=1")
     return None
 
 

@@ -164,6 +164,8 @@ def breakdown_line(est: Estimate) -> str:
     return (f"step {fmt_s(est.step_time_s)} s = compute {fmt_s(t.compute)} + tensor-parallel "
             f"{fmt_s(t.tp_comm)} + pipeline {fmt_s(t.pp_comm)} + data-parallel exposed "
             f"{fmt_s(t.dp_comm)} + bubble {fmt_s(t.bubble)} + optimizer {fmt_s(t.optimizer)}"
+            + (f" (on the host) + host-link copies {fmt_s(t.offload)} (offload="
+               f"{est.config.offload})" if est.config.offload != "none" else "")
             + (f" + expert all-to-all {fmt_s(t.ep_comm)}" if t.ep_comm else ""))
 
 
@@ -241,7 +243,8 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
     console.print(f"Best plan: {memory_line(best)}")
     from meshtron.planner.snapshot_memory import snapshot_line
 
-    console.print(f"Best plan: {snapshot_line(best.memory)}")
+    if best.config.offload == "none":  # offloaded states already live on the host
+        console.print(f"Best plan: {snapshot_line(best.memory)}")
     if cl.price_per_gpu_hour is not None:
         cost = best.gpu_hours(tokens, n) * cl.price_per_gpu_hour
         console.print(f"Best plan costs about {cost:,.0f} for {fmt_tokens(tokens)} tokens "

@@ -24,13 +24,14 @@ from typing import Any
 
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import memory, moe_cost
+from meshtron.planner import memory, moe_cost, offload
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.plan import (RECOMPUTE, Knobs, Plan, check, microbatch_problem,
-                                    plan_problems, schedule_zero_problem)
+                                    offload_runtime_problem, plan_problems,
+                                    schedule_zero_problem)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -155,6 +156,8 @@ class _Space:
         self.replicate = k.dp_replicate or 1
         self.reduce_dtype = k.reduce_dtype or "fp32"
         self.accumulate = bool(k.accumulate_unsharded)
+        self.offload = k.offload or "none"
+        self.fp8_recipe = k.fp8_recipe or "rowwise"
         self.n, self.model, self.global_batch = n, model, global_batch
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
@@ -194,6 +197,18 @@ class _Space:
                                                                   self._layouts):
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
+
+    def point(self, tp: int, pp: int, dp: int, zero: int, mb: int, rec: str, sp: bool,
+              sched: str | None, v: int, cp: int, ep: int = 1) -> Plan | None:
+        """The plan at these knobs, or None where the runtime does not run its host offload
+        (plan.py `offload_runtime_problem`: ZeRO-2/3 and no pipeline for offload='full')."""
+        cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, self.dtype, self.replicate,
+                           cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
+        if self.dtype == "fp8" and self.fp8_recipe != "rowwise":
+            cfg = dataclasses.replace(cfg, fp8_recipe=self.fp8_recipe)
+        if self.offload != "none" and self.runtime and offload_runtime_problem(cfg):
+            return None
+        return cfg
 
     def cps(self, rest: int) -> list[int]:
         """Context-parallel degrees searched on `rest` = gpus / tp ranks: the fixed one, else 1
@@ -314,8 +329,11 @@ class _Space:
             return [self.knobs.zero]
         if ep > 1 and self.runtime:
             # meshtron folds ep into FSDP's shard axis: ZeRO-2/3 only (the runtime refuses
-            # ZeRO-0/1 with ep > 1 by name; /work contract of meshtron/parallel/expert.py)
+            # ZeRO-0/1 with ep > 1 by name: plan_rules.ep_runtime_problems)
             return [2, 3]
+        if self.offload == "full" and self.runtime:
+            # FSDP2's CPU offload is of shards (ZeRO-2/3); alone, ZeRO-2 gathers once a step
+            return [2, 3] if dp > 1 else [2]
         if (self.knobs.dp_replicate or 1) > 1 or (cp > 1 and self.runtime):
             # HSDP: replicas of sharded groups; meshtron runs cp on FSDP ZeRO-2/3 only
             # (plan_rules.cp_runtime_problems)
@@ -370,8 +388,35 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime,
                    framework)
     result = _search(ev, space, top_k, explain)
+    if not result.plans and knobs.offload is None:
+        result = _with_offload(ev, result, model, cluster, global_batch, seq_len, knobs, opts,
+                               runtime, top_k, explain, framework)
     result.seconds = time.perf_counter() - t0
     result.framework = framework
+    return result
+
+
+def _with_offload(ev: Evaluator, result: SearchResult, model: ModelSpec, cluster: ClusterSpec,
+                  global_batch: int, seq_len: int, knobs: Knobs, opts: KernelOptions,
+                  runtime: bool, top_k: int, explain: bool,
+                  framework: Any = None) -> SearchResult:
+    """Nothing fits in device memory: search again with host offload (what meshtron runs,
+    'full'; for other frameworks first DeepSpeed's 'optimizer', which moves less). Host offload
+    is only chosen here: it only adds host-link traffic and a slower optimizer step
+    (planner/offload.py), so a plan that fits without it is never slower with it at the same
+    knobs."""
+    for off in (("full",) if runtime else ("optimizer", "full")):
+        k = dataclasses.replace(knobs, offload=off)
+        try:
+            space = _Space(model, cluster, global_batch, seq_len, k, opts, ev.mem, runtime,
+                           framework)
+            found = _search(ev, space, top_k, explain)
+        except UserError:
+            continue
+        if found.plans:
+            found.notes.append(f"offload={off!r}: chosen because no plan fits in device "
+                               "memory without host offload")
+            return found
     return result
 
 
@@ -392,12 +437,17 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
         any_layout = True
         fam = _family(tp, pp)
         # Lower bound of memory: model states at the most sharded ZeRO stage allowed (routed
-        # experts: E/ep of them per rank, sharded over the dp*cp/ep ranks holding them).
+        # experts: E/ep of them per rank, sharded over the dp*cp/ep ranks holding them; with
+        # host offload only what stays on the device).
         ex = experts if ep > 1 else 0.0
-        need = min(sum(memory.state_bytes(z, dp * cp, ev.grad_bytes, ev.mem))
-                   * (model.num_params() - ex)
-                   + sum(memory.state_bytes(z, max(1, dp * cp // ep), ev.grad_bytes, ev.mem))
-                   * ex / ep for z in space.zeros(dp * cp, cp, ep))
+
+        def _states(z: int, ranks: int) -> float:
+            return sum(offload.device_states(
+                space.offload, memory.state_bytes(z, ranks, ev.grad_bytes, ev.mem)))
+
+        need = min(_states(z, dp * cp) * (model.num_params() - ex)
+                   + _states(z, max(1, dp * cp // ep)) * ex / ep
+                   for z in space.zeros(dp * cp, cp, ep))
         if need / (tp * pp) > budget:
             # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
             est = _leanest(ev, space, tp, cp, pp, dp, ep)
@@ -418,9 +468,9 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
                         for zero in space.zeros(dp * cp, cp, ep):
                             if schedule_zero_problem(sched, zero, pp):
                                 continue  # the runtime refuses it (plan.py)
-                            cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, space.dtype,
-                                               space.replicate, cp, space.reduce_dtype,
-                                               space.accumulate, ep)
+                            cfg = space.point(tp, pp, dp, zero, mb, rec, sp, sched, v, cp, ep)
+                            if cfg is None:
+                                continue
                             queue.append((ev.lower_bound_step(cfg), fam, cfg))
     # Branch and bound, best bound first: a config whose bound is slower than the k-th best
     # plan and than its family's best cannot change the answer.
@@ -503,9 +553,8 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, cp: int, pp: int,
              if not schedule_zero_problem(sched, z, pp)]
     if not zeros:
         return None
-    cfg = Plan.trusted(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, space.dtype,
-                       space.replicate, cp, space.reduce_dtype, space.accumulate, ep)
-    return ev.evaluate(cfg)
+    cfg = space.point(tp, pp, dp, max(zeros), mb, rec, max(sps), sched, v, cp, ep)
+    return ev.evaluate(cfg) if cfg is not None else None
 
 
 def _no_layout_message(space: _Space, cluster: ClusterSpec, global_batch: int) -> str:

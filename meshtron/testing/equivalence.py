@@ -91,7 +91,8 @@ def document_eos(cfg: dict[str, Any]) -> int | None:
 
 
 def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The single-process run. cfg["dtype"] = "bf16": the product's one-process bf16 mixed
+    """The single-process run. cfg["dtype"] = "bf16" ("fp8": the same with the blocks' Linears
+    in emulated FP8, cfg["fp8_recipe"]): the product's one-process bf16 mixed
     precision (meshtron.train.precision.BF16Compute: what FSDP2's MixedPrecisionPolicy
     computes), in micro-batches of cfg["micro_batch"] sequences (default: the whole batch).
     cfg["whole_logits"]: the loss on whole logits, as a pipeline's last stage computes it (the
@@ -110,7 +111,11 @@ def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
     # exactly the reference's update for their elements.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
                             weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
-    mp = BF16Compute(model) if cfg.get("dtype", "fp32") == "bf16" else None
+    mp = BF16Compute(model) if cfg.get("dtype", "fp32") in ("bf16", "fp8") else None
+    if cfg.get("dtype") == "fp8":  # the bf16 copy's block Linears in (emulated) FP8
+        from meshtron.parallel.fp8 import convert_to_fp8
+
+        convert_to_fp8(mp.model, cfg.get("fp8_recipe", "rowwise"), torch.device("cpu"))
     inputs, targets = make_data(cfg)
     losses, norms = [], []
     for step in range(cfg["steps"]):

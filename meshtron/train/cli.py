@@ -26,8 +26,10 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--lr": ("optim.lr", float, "peak learning rate"),
     "--warmup-steps": ("optim.warmup_steps", int, "linear warm-up steps"),
     "--steps": ("train.steps", int, "optimizer steps"),
-    "--dtype": ("train.dtype", str, "fp32 | bf16 (default: bf16 on CUDA, fp32 on CPU, a saved "
-                "plan's)"),
+    "--dtype": ("train.dtype", str, "fp32 | bf16 | fp8 (default: bf16 on CUDA, fp32 on CPU, a "
+                "saved plan's; fp8: torchao float8, emulated on CPU)"),
+    "--fp8-recipe": ("train.fp8_recipe", str, "rowwise | tensorwise (FP8 scaling, with --dtype "
+                     "fp8)"),
     "--seed": ("train.seed", int, "seed of weights and data order"),
     "--eval-every": ("train.eval_every", int, "eval period in steps (0: off)"),
     "--log-every": ("train.log_every", int, "metrics line (and host sync) every N steps"),
@@ -79,6 +81,12 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=["none", "selective", "half", "full"],
                    help="activation recomputation")
     g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with tp > 1)")
+    g.add_argument("--offload", choices=["none", "optimizer", "full"],
+                   help="host offload: full = FSDP2 CPU offload of parameter, gradient and "
+                        "optimizer-state shards (zero 2/3); optimizer = ZeRO-Offload (planned "
+                        "only)")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="keep the activations saved for backward in (pinned) host memory")
     g.add_argument("--watchdog-timeout", type=positive_float, metavar="S",
                    help="abort when a rank makes no progress for S seconds (longer before the "
                         "first step): every rank dumps RUN_DIR/trace for `meshtron doctor`")
@@ -167,8 +175,11 @@ def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -
     fixes = dict(_PLAN_FIXES)
     # A plan that states its precision runs in it (meshtron-plan/1 files had none: the run's
     # dtype decides there).
-    if "dtype" in tomllib.loads(Path(path).read_text()):
+    saved = tomllib.loads(Path(path).read_text())
+    if "dtype" in saved:
         fixes["train.dtype"] = "dtype"
+    if "fp8_recipe" in saved:
+        fixes["train.fp8_recipe"] = "fp8_recipe"
     for key, name in fixes.items():
         section, field = key.split(".")
         given = overrides.get(key)
@@ -192,12 +203,18 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
     from meshtron.train.planning import fixed_knobs, is_plan_file
 
     comm = requested(args)
-    flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp)
-    if all(f is None for f in flags) and not comm and (nproc or 1) == 1 \
+    offload = getattr(args, "offload", None)
+    offload_act = getattr(args, "offload_activations", False)
+    flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp, offload)
+    if all(f is None for f in flags) and not comm and (nproc or 1) == 1 and not offload_act \
             and not args.launched_rank and args.watchdog_timeout is None and not force:
         return None
     knobs = fixed_knobs(plan, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
                         args.schedule)
+    if offload is not None:
+        knobs["offload"] = offload
+    if offload_act:
+        knobs["offload_activations"] = True
     if not is_plan_file(plan):
         knobs = search_knobs(comm, knobs)
     return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs,

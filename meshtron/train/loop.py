@@ -140,6 +140,11 @@ class LocalEngine:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.micro = cfg.data.micro_batch or cfg.data.global_batch
         self.dtype = cfg.train.dtype
+        self.fp8_recipe = cfg.train.fp8_recipe
+        if self.dtype == "fp8":  # refuse a device without FP8 before anything runs
+            from meshtron.parallel.fp8 import fp8_emulated
+
+            fp8_emulated(self.device)
         configure_matmul_precision(self.device, self.dtype)
         self._mp: BF16Compute | None = None
         self.grad_clip = cfg.optim.grad_clip
@@ -149,8 +154,12 @@ class LocalEngine:
     def mp(self) -> BF16Compute | None:
         """The bf16 compute copy (bf16 runs), made at first use: after the run's set-up
         (document masks, loaded weights) has touched the fp32 model."""
-        if self.dtype == "bf16" and self._mp is None:
+        if self.dtype in ("bf16", "fp8") and self._mp is None:
             self._mp = BF16Compute(self.model)
+            if self.dtype == "fp8":  # the bf16 copy's block Linears compute in FP8
+                from meshtron.parallel.fp8 import convert_to_fp8
+
+                convert_to_fp8(self._mp.model, self.fp8_recipe, self.device)
         return self._mp
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:

@@ -48,10 +48,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def runtime_plan(plan, dtype: str):
-    """The plan with the run's precision, as `parallelize` reads it (the Plan type)."""
+def runtime_plan(plan, dtype: str, fp8_recipe: str | None = None):
+    """The plan with the run's precision (and FP8 recipe), as `parallelize` reads it."""
     import dataclasses
 
+    if dtype == "fp8" and fp8_recipe is not None:
+        return dataclasses.replace(plan, dtype=dtype, fp8_recipe=fp8_recipe)
     return dataclasses.replace(plan, dtype=dtype)
 
 
@@ -66,7 +68,7 @@ class ParallelEngine:
         from meshtron.train.precision import configure_matmul_precision
 
         configure_matmul_precision(device, cfg.train.dtype)
-        rt = runtime_plan(plan, cfg.train.dtype)
+        rt = runtime_plan(plan, cfg.train.dtype, cfg.train.fp8_recipe)
         self.mesh = build_mesh(rt, device_type=device.type, spec=cfg.model)
         self.dp_rank = data_mesh(self.mesh).get_local_rank()
         torch.manual_seed(cfg.train.seed)
@@ -106,6 +108,7 @@ class ParallelEngine:
         norm = self.pm.clip_grad_norm_(self.grad_clip) if self.grad_clip > 0 else None
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        self.pm.after_optimizer_step()  # FP8 all-gather: the weights' scales
         if moe:  # every data rank applies the update of the summed load
             router.update_bias(self.pm.model_parts, group=self._data_group())
         if self.diloco is not None:

@@ -135,10 +135,19 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
     if sized.num_gpus != world_size:
         raise UserError(f"cluster {cluster.name}: has {cluster.num_gpus} devices, the run "
                         f"has {world_size} ranks")
-    # The run's precision is not a knob to search: predict for the dtype the run uses.
+    # The run's precision is not a knob to search: predict for the dtype the run uses (FP8
+    # emulated on a device without an FP8 peak is planned as the bf16 it computes at).
+    dtype = cfg.train.dtype
+    fixed = {k: v for k, v in _runnable(knobs, cfg).items() if k != "offload_activations"}
+    if dtype == "fp8":
+        fixed["fp8_recipe"] = cfg.train.fp8_recipe
+        from meshtron.planner.cluster import gpu_type
+
+        if sized.gpu is None or gpu_type(sized.gpu).fp8_tflops is None:
+            dtype = "bf16"
+            fixed.pop("fp8_recipe")
     result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
-                          {**_runnable(knobs, cfg), "dtype": cfg.train.dtype}, top_k=1,
-                          explain=False)
+                          {**fixed, "dtype": dtype}, top_k=1, explain=False)
     best = result.best
     if best is None:
         near = result.near_miss
@@ -152,6 +161,8 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
         import dataclasses
 
         plan = dataclasses.replace(plan, ep=ep)
+    if knobs.get("offload_activations"):  # not a search knob: the runtime's choice
+        plan = dataclasses.replace(plan, offload_activations=True)
     return plan
 
 
