@@ -37,7 +37,7 @@ def _run_cli(capsys, *argv):
     (["train", "--steps", "0"], "train.steps=0"),
     (["train", "--global-batch", "-4"], "data.global_batch=-4"),
     (["train", "--data", "/does/not/exist.txt"], "/does/not/exist.txt"),
-    (["train", "--dtype", "fp8"], "train.dtype='fp8'"),
+    (["train", "--dtype", "fp16"], "train.dtype='fp16'"),
     (["train", "--set", "optim.nope=1"], "optim.nope"),
     (["train", "--global-batch", "6", "--micro-batch", "4"], "data.micro_batch=4"),
     (["train", "--seq-len", "100000"], "data.seq_len=100000"),

@@ -33,6 +33,7 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+@pytest.mark.slow  # ~30 s idle, 409 s under load: a real torchft Lighthouse + SIGKILL
 def test_replica_ft_steps_through_a_killed_group_and_the_rejoined_weights_are_equal(tmp_path):
     """Two replica groups; group 1 is SIGKILLed after step 3. Group 0 keeps stepping (alone)
     with no restart, a replacement for group 1 copies the live state and rejoins, and at the
