@@ -158,6 +158,8 @@ class _Space:
         self.accumulate = bool(k.accumulate_unsharded)
         self.offload = k.offload or "none"
         self.fp8_recipe = k.fp8_recipe or "rowwise"
+        if runtime and self.offload == "optimizer":  # refused by name, not "nothing fits"
+            raise UserError(offload_runtime_problem(Plan(offload="optimizer", dp=2, zero=3)))
         self.n, self.model, self.global_batch = n, model, global_batch
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
