@@ -124,33 +124,37 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", help="work folder (default: a temporary one)")
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--base-steps", type=int, default=BASE_STEPS)
+    p.add_argument("--branch-steps", type=int, default=BRANCH_STEPS)
+    p.add_argument("--extra-steps", type=int, default=EXTRA_STEPS)
     p.add_argument("--dense-reference", action="store_true",
                    help="also continue the base for BRANCH_STEPS + EXTRA_STEPS on the union")
     args = p.parse_args()
+    base_steps, branch_steps, extra_steps = args.base_steps, args.branch_steps, args.extra_steps
     root = Path(args.out or tempfile.mkdtemp(prefix="btx-"))
     t0 = time.time()
     data = corpora(root / "data")
     evals = {"code": data["code"] / "eval", "prose": data["prose"] / "eval"}
-    base = train(root / "base", data["union"] / "train", BASE_STEPS)
-    branch = {n: train(root / f"branch_{n}", data[n] / "train", BRANCH_STEPS, base)
+    base = train(root / "base", data["union"] / "train", base_steps)
+    branch = {n: train(root / f"branch_{n}", data[n] / "train", branch_steps, base)
               for n in ("code", "prose")}
     merged_dir = root / "merged"
     meshtron("merge", "--experts", str(root / "branch_code"), str(root / "branch_prose"),
              "--to", str(merged_dir), "--top-k", str(args.top_k))
-    finals = {"merged (BTX)": train(root / "merged_run", data["union"] / "train", EXTRA_STEPS,
+    finals = {"merged (BTX)": train(root / "merged_run", data["union"] / "train", extra_steps,
                                     merged_dir)}
     for n in ("code", "prose"):
         finals[f"branch {n} +"] = train(root / f"cont_{n}", data["union"] / "train",
-                                        EXTRA_STEPS, branch[n])
+                                        extra_steps, branch[n])
     if args.dense_reference:
         finals["base +"] = train(root / "cont_base", data["union"] / "train",
-                                 BRANCH_STEPS + EXTRA_STEPS, base)
+                                 branch_steps + extra_steps, base)
     rows = {"base": eval_loss(base, evals), "branch code": eval_loss(branch["code"], evals),
             "branch prose": eval_loss(branch["prose"], evals),
             "merged, step 0": eval_loss(merged_dir, evals)}
     rows.update({k: eval_loss(v, evals) for k, v in finals.items()})
-    print(f"steps: base {BASE_STEPS}, branches {BRANCH_STEPS}, extra {EXTRA_STEPS} "
-          f"(union; base + {BRANCH_STEPS + EXTRA_STEPS}); top-{args.top_k} of 2 experts; "
+    print(f"steps: base {base_steps}, branches {branch_steps}, extra {extra_steps} "
+          f"(union; base + {branch_steps + extra_steps}); top-{args.top_k} of 2 experts; "
           f"{time.time() - t0:.0f} s")
     print(f"{'model':16s} {'code':>7s} {'prose':>7s} {'union':>7s}")
     for name, r in rows.items():
