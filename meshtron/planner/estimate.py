@@ -188,13 +188,13 @@ class Evaluator(DataParallelCost):
         return hit
 
     def _micro(self, tp: int, mb: int, sp: bool, rec: str, cp: int = 1, dtype: str = "bf16",
-               ep: int = 1):
-        key = ("micro", tp, mb, sp, rec, cp, dtype, ep)
+               ep: int = 1, fp8_recipe: str = "rowwise"):
+        key = ("micro", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         m, cl, opts, s = self.model, self.cluster, self.opts, self.seq
-        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype)
+        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, fp8_recipe)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         if rec == "selective" and opts.attention == "flash":
             # what the framework's selective policy runs again in the backward (memory.py):
@@ -301,7 +301,8 @@ class Evaluator(DataParallelCost):
         cp = cfg.cp
         ep = cfg.ep
         c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec,
-                                                                          cp, cfg.dtype, ep)
+                                                                          cp, cfg.dtype, ep,
+                                                                          cfg.fp8_recipe)
         ep_l = self._moe(mb, rec, cp, cfg.dtype, ep)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep)
@@ -471,7 +472,8 @@ class Evaluator(DataParallelCost):
         pipeline or data-parallel communication."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
         c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
-                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep)[:6]
+                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
+                                                  cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
 
