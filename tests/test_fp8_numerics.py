@@ -125,11 +125,11 @@ def test_planner_fp8_cost_follows_the_rule():
     from meshtron.planner.cluster import preset_cluster
 
     cl = preset_cluster("dgx-h100", 1)
-    opts = compute.KernelOptions()
+    opts = compute.KernelOptions()  # meshtron's preset: fp8_filter="torchao"
     for name, faster in (("tiny", False), ("llama3-8b", True)):
         spec = preset(name)
         b = compute.layer_cost(spec, cl, 1, 1, 2048, False, opts, 1, "bf16")
-        f = compute.layer_cost(spec, cl, 1, 1, 2048, False, opts, 1, "fp8")
+        f = compute.layer_cost(spec, cl, 1, 1, 2048, False, opts, 1, "fp8")  # torchao rule
         if faster:
             assert f.wgrad < 0.8 * b.wgrad
         else:

@@ -64,7 +64,7 @@ from meshtron.planner import comm
 from meshtron.planner.moe_cost import DEFAULT_IMBALANCE
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
-from meshtron.planner.fp8 import fp8_fractions
+from meshtron.planner.fp8 import FP8_FILTERS, GEMM_GROUPS, fp8_fractions
 
 SAT_DIM = 128.0
 """Half-efficiency dimension of the GEMM shape model s(x) = x / (x + d) on the reference GPU."""
@@ -137,6 +137,10 @@ class KernelOptions:
     after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
     serves both."""
 
+    fp8_filter: str = "torchao"
+    """With dtype fp8, which block Linears run in FP8 (planner/fp8.py FP8_FILTERS): 'torchao'
+    (meshtron's runtime: torchao's size thresholds, the rule its conversion applies) or 'all'
+    (Transformer Engine, torchtitan, DeepSeek-V3: every aligned Linear)."""
     list_collectives: bool = False
     """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
     PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
@@ -189,6 +193,9 @@ class KernelOptions:
         if self.sharding not in SHARDINGS:
             raise UserError(f"sharding={self.sharding!r}: allowed values are "
                              f"{', '.join(SHARDINGS)}")
+        if self.fp8_filter not in FP8_FILTERS:
+            raise UserError(f"fp8_filter={self.fp8_filter!r}: allowed values are "
+                             f"{', '.join(FP8_FILTERS)}")
         pre = self.prefetch_params
         if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
                                 or pre < 0):
@@ -399,11 +406,14 @@ def quantisation_bytes(model: ModelSpec, tp: int,
 @lru_cache(maxsize=4096)
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
                sp: bool, opts: KernelOptions, cp: int = 1, dtype: str = "bf16",
-               fp8_recipe: str = "rowwise") -> LayerCost:
+               fp8_frac: tuple[float, ...] | None = None) -> LayerCost:
     """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens,
     a 1/cp slice of each sequence's tokens on this rank (context parallelism), GEMMs at the
     peak of `dtype` (cluster.at_dtype; fp8: the block GEMMs whose Linears pass the runtime's
-    rule, planner/fp8.py `fp8_linear`, the rest in bf16, see compute_dtypes)."""
+    rule, planner/fp8.py `fp8_linear`, the rest in bf16, see compute_dtypes). `fp8_frac`: the
+    FP8 share of each GEMM group (planner/fp8.py GEMM_GROUPS, `fp8_fractions` of the real
+    model: `model` may be a mixture's active equivalent, whose averaged width is no Linear's);
+    None: from `model` with torchao's thresholds (opts.fp8_filter)."""
     lin_dt, other_dt = compute_dtypes(dtype)
     lin_cl, cluster = cluster.at_dtype(lin_dt), cluster.at_dtype(other_dt)
     bw = membound_bytes_per_s(cluster, opts.stack)
@@ -412,7 +422,10 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     up = 2 * f if model.mlp == "swiglu" else f
     # Megatron tensor parallelism (Shoeybi et al. 2019): QKV and MLP-up split by columns,
     # attention output and MLP-down split by rows.
-    frac = fp8_fractions(model, tp, fp8_recipe) if lin_dt == "fp8" else None
+    frac = None
+    if lin_dt == "fp8":
+        frac = (dict(zip(GEMM_GROUPS, fp8_frac)) if fp8_frac is not None
+                else fp8_fractions(model, tp, "rowwise", opts.fp8_filter))
     linear = (_gemm_group(tokens, (h + 2 * kv) / tp, h, lin_cl, cluster, frac, "qkv", True)
               + _gemm_group(tokens, h, h / tp, lin_cl, cluster, frac, "out", False)
               + _gemm_group(tokens, up / tp, h, lin_cl, cluster, frac, "up", True)

@@ -64,6 +64,7 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
     LIST_HOST_S_PER_RANK, OVERLAP_INTERFERENCE, DataParallelCost, _exposed)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
+from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
@@ -194,7 +195,10 @@ class Evaluator(DataParallelCost):
         if hit is not None:
             return hit
         m, cl, opts, s = self.model, self.cluster, self.opts, self.seq
-        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, fp8_recipe)
+        frac = None
+        if dtype == "fp8":  # the runtime's rule on the real model's Linears (planner/fp8.py)
+            frac = tuple(fp8_fractions(m, tp, fp8_recipe, opts.fp8_filter).values())
+        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, frac)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         if rec == "selective" and opts.attention == "flash":
             # what the framework's selective policy runs again in the backward (memory.py):

@@ -59,7 +59,9 @@ def fp8_linear(fqn: str, out_features: int, in_features: int, recipe: str = "row
                emulate: bool = False) -> bool:
     """The one rule: does the block Linear named `fqn` (relative to a block list, e.g.
     'layers.0.attention.wq') with this weight shape run in FP8? Never for NEVER_FP8 names;
-    emulated (CPU, numerics only) for every aligned shape; else `fp8_gemm`."""
+    emulated (CPU, numerics only) for every aligned shape; else `fp8_gemm`. (The planner
+    prices other frameworks, which convert every aligned Linear, with emulate=True: see
+    FP8_FILTERS.)"""
     if any(part in NEVER_FP8 for part in fqn.split(".")):
         return False
     if emulate:
@@ -73,6 +75,10 @@ def block_linears(model: Any, tp: int = 1) -> list[tuple[str, str, int, int]]:
     under Megatron tensor parallelism (column-parallel wq/wk/wv/w1/w3 split their outputs,
     row-parallel wo/w2 their inputs: the local GEMM is what the FP8 kernel runs)."""
     h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_dim, model.ffn_hidden
+    if getattr(model, "is_moe", False):
+        # a mixture of experts: the MLP GEMMs judged on one expert's Linear (shared experts'
+        # are multiples of it); the router's gate is NEVER_FP8
+        f = model.moe_ffn_hidden
     out = [("qkv", "attention.wq", q // tp, h), ("qkv", "attention.wk", kv // tp, h),
            ("qkv", "attention.wv", kv // tp, h), ("out", "attention.wo", h, q // tp),
            ("up", "feed_forward.w1", f // tp, h)]
@@ -82,13 +88,23 @@ def block_linears(model: Any, tp: int = 1) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def fp8_fractions(model: Any, tp: int = 1, recipe: str = "rowwise") -> dict[str, float]:
+FP8_FILTERS = ("torchao", "all")
+"""Which block Linears a framework runs in FP8 (compute.KernelOptions.fp8_filter): 'torchao'
+= `fp8_gemm`'s size thresholds (meshtron's runtime on a GPU); 'all' = every aligned one
+(Transformer Engine's fp8_autocast converts every te.Linear; torchtitan's float8 converter
+skips only `filter_fqns`, default the output head; DeepSeek-V3's FP8 framework, section 3.3,
+every GEMM of the blocks)."""
+
+
+def fp8_fractions(model: Any, tp: int = 1, recipe: str = "rowwise",
+                  fp8_filter: str = "torchao") -> dict[str, float]:
     """Per GEMM group, the fraction of its FLOPs whose Linears run in FP8 under `fp8_linear`
-    (e.g. Llama-3-8B rowwise: wk and wv, N = 1024, stay bf16, so qkv is 4096/6144 FP8)."""
+    (e.g. Llama-3-8B rowwise: wk and wv, N = 1024, stay bf16, so qkv is 4096/6144 FP8);
+    fp8_filter='all': every aligned Linear."""
     total = dict.fromkeys(GEMM_GROUPS, 0.0)
     fp8 = dict.fromkeys(GEMM_GROUPS, 0.0)
     for group, name, n, k in block_linears(model, tp):
         total[group] += n * k
-        if fp8_linear(name, n, k, recipe):
+        if fp8_linear(name, n, k, recipe, emulate=fp8_filter == "all"):
             fp8[group] += n * k
     return {g: fp8[g] / total[g] if total[g] else 0.0 for g in GEMM_GROUPS}
