@@ -398,7 +398,11 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     if not result.plans and knobs.offload is None:
         result = _with_offload(ev, result, model, cluster, global_batch, seq_len, knobs, opts,
                                runtime, top_k, explain, framework)
-    elif knobs.offload is None:
+    elif knobs.offload is None and (cluster.gpu is not None
+                                    or cluster.host_link_gb_per_s is not None):
+        # a device with a host link to price (a catalogue GPU or a given link); a cluster of
+        # bare numbers (the nominal CPU figures `meshtron train` plans with on a CPU) has its
+        # "device" memory in the host already: offload is only a last resort there
         result = _offload_if_faster(ev, result, space, knobs, runtime, top_k)
     result.seconds = time.perf_counter() - t0
     result.framework = framework
