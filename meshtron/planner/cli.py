@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
     add_framework_args(p)
     p.add_argument("--dtype", default=None,
                    help="precision of the run: bf16 (default: mixed precision) | fp32 (TF32 "
-                        "matmuls on CUDA) | fp8 (FP8 block GEMMs, planned only)")
+                        "matmuls on CUDA) | fp8 (FP8 block GEMMs, torchao float8)")
     p.add_argument("--reduce-dtype", default=None,
                    help="gradient reduction dtype: fp32 | bf16 (default: the framework's)")
     p.add_argument("--accumulate-unsharded", action="store_true", default=None,
