@@ -134,3 +134,18 @@ def test_planner_fp8_cost_follows_the_rule():
             assert f.wgrad < 0.8 * b.wgrad
         else:
             assert f.wgrad == pytest.approx(b.wgrad) and f.fwd == pytest.approx(b.fwd)
+
+
+def test_routed_experts_fp8_only_where_the_stack_converts_them():
+    """meshtron's routed experts are grouped GEMMs torchao does not convert: bf16 in an FP8
+    plan; Transformer Engine / DeepSeek-style stacks (fp8_filter='all') run them in FP8."""
+    from meshtron.model.spec import preset
+    from meshtron.planner import compute
+    from meshtron.planner.cluster import preset_cluster
+    from meshtron.planner.estimate import Evaluator
+
+    spec, cl = preset("qwen3-30b-a3b"), preset_cluster("dgx-h100", 2)
+    ours = Evaluator(spec, cl, 64, 4096, compute.KernelOptions())
+    te = Evaluator(spec, cl, 64, 4096, compute.KernelOptions(fp8_filter="all"))
+    assert ours._moe(1, "none", 1, "fp8", 8) == ours._moe(1, "none", 1, "bf16", 8)
+    assert te._moe(1, "none", 1, "fp8", 8)[0] != te._moe(1, "none", 1, "bf16", 8)[0]

@@ -175,8 +175,11 @@ class Evaluator(DataParallelCost):
         if hit is None:
             o = self.opts
             group = placement.ep_group(1, ep, self.cluster.gpus_per_node)
+            # meshtron's routed experts stay bf16 in an FP8 run (torchao converts nn.Linear
+            # only: planner/fp8.py); Transformer Engine's and DeepSeek's grouped GEMMs are FP8
+            e_dtype = "bf16" if dtype == "fp8" and o.fp8_filter == "torchao" else dtype
             mc = moe_cost.moe_layer_cost(model, self.cluster, mb * self.seq / cp, ep, group,
-                                         dtype, float(o.expert_imbalance), o.ep_overlap,
+                                         e_dtype, float(o.expert_imbalance), o.ep_overlap,
                                          o.ep_node_limit, o.stack)
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed

@@ -77,7 +77,8 @@ def block_linears(model: Any, tp: int = 1) -> list[tuple[str, str, int, int]]:
     h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_dim, model.ffn_hidden
     if getattr(model, "is_moe", False):
         # a mixture of experts: the MLP GEMMs judged on one expert's Linear (shared experts'
-        # are multiples of it); the router's gate is NEVER_FP8
+        # are multiples of it); the router's gate is NEVER_FP8. (meshtron's routed experts are
+        # grouped GEMMs, not nn.Linear: torchao never converts them, see fp8_fractions.)
         f = model.moe_ffn_hidden
     out = [("qkv", "attention.wq", q // tp, h), ("qkv", "attention.wk", kv // tp, h),
            ("qkv", "attention.wv", kv // tp, h), ("out", "attention.wo", h, q // tp),
@@ -103,8 +104,11 @@ def fp8_fractions(model: Any, tp: int = 1, recipe: str = "rowwise",
     fp8_filter='all': every aligned Linear."""
     total = dict.fromkeys(GEMM_GROUPS, 0.0)
     fp8 = dict.fromkeys(GEMM_GROUPS, 0.0)
+    routed_bf16 = fp8_filter == "torchao" and getattr(model, "is_moe", False)
     for group, name, n, k in block_linears(model, tp):
         total[group] += n * k
+        if routed_bf16 and group in ("up", "down"):
+            continue  # the active MLP is mostly routed experts: bf16 grouped GEMMs here
         if fp8_linear(name, n, k, recipe, emulate=fp8_filter == "all"):
             fp8[group] += n * k
     return {g: fp8[g] / total[g] if total[g] else 0.0 for g in GEMM_GROUPS}
