@@ -28,7 +28,9 @@ JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
          "virtual_stages": int, "dp_replicate": int, "dtype": str,
          "stage_layers": [int], "fits": bool,
          "memory_gib": {"params", "grads", "optimizer", "activations", "logits",
-                        "workspace", "total", "capacity": float, "stage": int},
+                        "workspace", "total", "capacity": float, "stage": int,
+                        "host": float,                            # per node, host offload
+                        "host_capacity": float|null},             # usable; null: unknown
          "time_s": {"compute", "tp_comm", "pp_comm", "dp_comm_exposed", "bubble",
                     "optimizer", "ep_comm": float},               # exact 0.0 when absent
          "step_time_s": float, "tokens_per_s": float,
