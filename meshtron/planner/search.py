@@ -200,6 +200,10 @@ class _Space:
                               "framework's selective policy it keeps the same tensors as none "
                               "(the attention core is never stored)")
         self._layouts = self._valid_layouts()
+        if self.offload == "full" and runtime:
+            # FSDP2's CPU offload does not run in a pipeline (plan.py offload_runtime_problem):
+            # drop those layouts before their knobs are enumerated (`point` would refuse each)
+            self._layouts = [lay for lay in self._layouts if lay[2] == 1]
         if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _, _ in
                                                                   self._layouts):
             self.notes.append("schedule=zb with zero=3 left out: "
