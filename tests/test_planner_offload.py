@@ -116,3 +116,13 @@ def test_offload_compared_but_not_chosen_on_pcie():
     r = search_plans(PRESETS["llama3-8b"], resolve_cluster("dgx-h100:8"), 512, 4096)
     assert r.offload_compared and r.offload_best is None
     assert r.best.config.offload == "none"
+
+
+def test_plan_offload_flag_is_checked_by_name(capsys):
+    from meshtron.cli import main
+
+    rc = main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64",
+               "--seq-len", "4096", "--offload", "disk"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "plan.offload='disk': allowed values are none, optimizer, full" in err
