@@ -194,6 +194,130 @@ def recorder_report(engine, batch, device, pairs: int):
             "on_over_off": statistics.median(on) / statistics.median(off)}
 
 
+def _case_engine(spec, plan, seq_len, global_batch, device, dtype="bf16", fp8_recipe=None):
+    """An engine for one case of the fp8 / offload checks: `spec` and `plan` as given, the run's
+    precision `dtype` (fp8: `fp8_recipe`)."""
+    from meshtron.config import config_from_dict
+    from meshtron.train.parallel import ParallelEngine
+
+    model = {"preset": "llama3-8b", "layers": spec.layers} if spec.name.startswith(
+        "llama3-shape") else spec.name
+    train = {"dtype": dtype, "steps": 1000}
+    if fp8_recipe is not None:
+        train["fp8_recipe"] = fp8_recipe
+    cfg = config_from_dict({"model": model,
+                            "data": {"seq_len": seq_len, "global_batch": global_batch},
+                            "optim": {"warmup_steps": 0}, "train": train})
+    return ParallelEngine(cfg, plan, device)
+
+
+def _case_spec(spec, dry_run: bool):
+    """The model of the fp8 / offload cases: half the layers of the one that fills the GPU in
+    bf16 (FP8's casts and an offloaded run's staging buffers need headroom), the whole toy
+    model on a dry run."""
+    import dataclasses
+
+    if dry_run or spec.layers <= 2:
+        return spec
+    layers = max(2, spec.layers // 2)
+    return dataclasses.replace(spec, name=f"llama3-shape-{layers}l", layers=layers)
+
+
+def _timed_case(engine, batch, device, warmup: int, steps: int) -> dict:
+    """Median step time, the losses of the timed steps and the CUDA allocator's peak."""
+    import torch
+
+    _steps(engine, batch, device, warmup)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, times = [], []
+    x, y = batch
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = engine.train_step(x, y)
+        losses.append(float(out.loss))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    return {"step_time_s": step, "tokens_per_s": x.numel() / step, "losses": losses,
+            "peak_allocated_bytes": (torch.cuda.max_memory_allocated(device)
+                                     if device.type == "cuda" else None)}
+
+
+def _predicted(spec, cluster, plan, global_batch, seq_len):
+    """The planner's estimate of `plan` exactly as given, or None where it cannot price it
+    (a CPU cluster has no FP8 peak)."""
+    from meshtron.errors import UserError
+    from meshtron.planner.estimate import Evaluator
+
+    try:
+        return Evaluator(spec, cluster, global_batch, seq_len).evaluate(plan,
+                                                                       keep_infeasible=True)
+    except UserError:
+        return None
+
+
+def fp8_report(spec, plan, cluster, batch, device, seq_len, global_batch, dry_run: bool,
+               warmup: int, steps: int) -> dict:
+    """bf16 vs FP8 (rowwise) on the same model, plan, seed and batch: step time, tokens/s,
+    the loss delta over the timed steps, and the planner's predicted speed-up. On CPU FP8 is
+    torchao's emulation (numerics only: its step time says nothing about a GPU)."""
+    import dataclasses
+
+    spec = _case_spec(spec, dry_run)
+    out = {"model": spec.name, "layers": spec.layers, "emulated": device.type != "cuda"}
+    for dtype in ("bf16", "fp8"):
+        p = dataclasses.replace(plan, dtype=dtype, fp8_recipe="rowwise")
+        eng = _case_engine(spec, p, seq_len, global_batch, device, dtype,
+                           "rowwise" if dtype == "fp8" else None)
+        if dtype == "fp8":  # what the shared rule converted (planner/fp8.py fp8_linear)
+            out["fp8_linears"] = sum(1 for part in eng.pm.model_parts for m in part.modules()
+                                     if type(m).__name__ == "Float8Linear")
+        out[dtype] = _timed_case(eng, batch, device, warmup, steps)
+        est = _predicted(spec, cluster, p, global_batch, seq_len)
+        out[dtype]["predicted_step_time_s"] = est.step_time_s if est is not None else None
+        eng.release()
+    b, f = out["bf16"], out["fp8"]
+    out["fp8_over_bf16_tokens_per_s"] = f["tokens_per_s"] / b["tokens_per_s"]
+    out["loss_delta_mean"] = statistics.mean(x - y for x, y in zip(f["losses"], b["losses"]))
+    out["loss_delta_max_abs"] = max(abs(x - y) for x, y in zip(f["losses"], b["losses"]))
+    if b["predicted_step_time_s"] and f["predicted_step_time_s"]:
+        out["predicted_fp8_over_bf16_tokens_per_s"] = (b["predicted_step_time_s"]
+                                                       / f["predicted_step_time_s"])
+    return out
+
+
+def offload_report(spec, plan, cluster, batch, device, seq_len, global_batch, dry_run: bool,
+                   warmup: int, steps: int) -> dict:
+    """FSDP2 CPU offload (offload='full', ZeRO-3) vs the same plan on the device: step time,
+    the allocator's peak against the planner's `allocated` for each, the planner's host-link
+    and host-optimizer time, and whether the losses agree (offload moves tensors only)."""
+    import dataclasses
+
+    spec = _case_spec(spec, dry_run)
+    out = {"model": spec.name, "layers": spec.layers}
+    for name, off in (("device", "none"), ("offloaded", "full")):
+        p = dataclasses.replace(plan, zero=3, offload=off)
+        eng = _case_engine(spec, p, seq_len, global_batch, device)
+        out[name] = _timed_case(eng, batch, device, warmup, steps)
+        eng.release()
+        est = _predicted(spec, cluster, p, global_batch, seq_len)
+        out[name]["predicted_step_time_s"] = est.step_time_s
+        out[name]["predicted_allocated_bytes"] = est.memory.allocated * GIB
+        out[name]["predicted_host_bytes_per_node"] = est.memory.host * GIB
+        out[name]["predicted_offload_s"] = est.time.offload
+        peak = out[name]["peak_allocated_bytes"]
+        out[name]["measured_over_predicted_peak"] = (
+            peak / (est.memory.allocated * GIB) if peak is not None else None)
+    d, o = out["device"], out["offloaded"]
+    out["offloaded_over_device_step_time"] = o["step_time_s"] / d["step_time_s"]
+    out["predicted_offloaded_over_device_step_time"] = (o["predicted_step_time_s"]
+                                                        / d["predicted_step_time_s"])
+    out["loss_max_abs_diff"] = max(abs(x - y) for x, y in zip(o["losses"], d["losses"]))
+    return out
+
+
 def run(out_path: str, dry_run: bool, seq_len: int | None, global_batch: int | None,
         steps: int | None, ckpt_gib: float) -> dict:
     import torch
@@ -234,6 +358,10 @@ def run(out_path: str, dry_run: bool, seq_len: int | None, global_batch: int | N
         report["recorder"] = recorder_report(engine, batch, device, 1 if dry_run else 4)
         report["checkpoint"] = checkpoint_report(engine, tmp, ckpt_gib)
         engine.release()
+        case = (spec, plan, cluster, batch, device, seq_len, global_batch, dry_run,
+                0 if dry_run else 2, 2 if dry_run else steps)
+        report["fp8"] = fp8_report(*case)
+        report["offload"] = offload_report(*case)
         torch.distributed.destroy_process_group()
     report["wall_s"] = time.perf_counter() - t_start
     Path(out_path).write_text(json.dumps(report, indent=2, default=float) + "\n")

@@ -84,7 +84,8 @@ def _args(run, d: Path) -> list[str] | None:
             "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}"
                         + (f",ep={run.ep}" if run.ep > 1 else ""),
             "--zero", str(run.zero),
-            "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1"]
+            "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1",
+            "--offload", "none"]  # no published row offloads to the host
     if recompute != "any":  # 'any': the source does not say; the search picks what fits
         args += ["--recompute", recompute]
     if diff:

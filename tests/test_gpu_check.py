@@ -31,3 +31,15 @@ def test_gpu_check_dry_run_writes_its_json(tmp_path):
     c = r["checkpoint"]
     assert c["bytes"] > 0 and c["sync_save_s"] > 0 and c["async_total_s"] >= c["async_blocking_s"]
     assert r["recorder"]["step_time_on_s"] > 0 and r["recorder"]["step_time_off_s"] > 0
+    # fp8: the tiny model's 4 blocks x 7 Linears in emulated FP8 next to bf16, same batches
+    f = r["fp8"]
+    assert f["emulated"] is True and f["fp8_linears"] == 28
+    assert f["bf16"]["step_time_s"] > 0 and f["fp8"]["step_time_s"] > 0
+    assert 0 < f["loss_delta_max_abs"] < 0.05  # e4m3 rounding, two steps (test_fp8_numerics)
+    # offload: FSDP2 CPU offload moves tensors, so the losses are the same; the planner's
+    # device memory drops by the offloaded states and reappears as host memory
+    o = r["offload"]
+    assert o["loss_max_abs_diff"] <= 1e-6
+    assert o["offloaded"]["predicted_allocated_bytes"] < o["device"]["predicted_allocated_bytes"]
+    assert o["offloaded"]["predicted_host_bytes_per_node"] > 0
+    assert o["device"]["predicted_host_bytes_per_node"] == 0

@@ -76,9 +76,10 @@ LLM_FOUNDRY_MEMORY = MemoryOptions(framework="fsdp2", loss="inplace")
 DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""
-TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager")
+TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter."""
-TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused", cp_overlap=True)
+TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused", cp_overlap=True,
+                                    fp8_filter="all")
 """torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops)."""
 LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
                                 stack="eager")

@@ -7,7 +7,7 @@ cast to float8 e4m3 with dynamic scales (rowwise: one scale per row of each oper
 "rowwise" recipe; tensorwise: one per tensor, e5m2 for the output gradient) and the product
 accumulated in higher precision. The master weights, gradients and AdamW states stay fp32.
 
-Which Linears (meshtron/planner/fp8.py `fp8_gemm`, the rule the planner prices): the blocks'
+Which Linears (meshtron/planner/fp8.py `fp8_linear`, the rule the planner prices): the blocks'
 attention and MLP projections (dense and the MoE's shared experts) whose shape is a multiple of
 16 and above torchao's published size thresholds; the output head, the embeddings and the MoE
 router stay bf16. With torchao's emulation (CPU: no FP8 GEMM kernels) every aligned block Linear
@@ -30,14 +30,10 @@ import torch
 from torch import nn
 
 from meshtron.errors import UserError
-from meshtron.planner.fp8 import FP8_RECIPES, fp8_aligned, fp8_gemm
+from meshtron.planner.fp8 import FP8_RECIPES, fp8_linear
 
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0, Blackwell 10.x)."""
-
-_NEVER = ("router", "gate", "output")
-"""Module names that stay bf16 whatever their shape (see the module doc)."""
-
 
 def _torchao_float8():
     """torchao.float8, imported with its logger quiet: the CPU wheel logs one warning per CUDA
@@ -88,12 +84,14 @@ def fp8_config(recipe: str, emulate: bool, all_gather: bool = False):
     return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
 
 
-def _chooser(recipe: str, emulate: bool):
+def fp8_chooser(recipe: str, emulate: bool):
+    """torchao's module filter: an nn.Linear converts exactly when the planner's rule
+    (meshtron/planner/fp8.py `fp8_linear`, also behind the planner's FP8 GEMM cost) says so."""
     def choose(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or any(p in _NEVER for p in fqn.split(".")):
+        if not isinstance(module, nn.Linear):
             return False
         out_f, in_f = module.weight.shape
-        return fp8_aligned(out_f, in_f) if emulate else fp8_gemm(out_f, in_f, recipe)
+        return fp8_linear(fqn, out_f, in_f, recipe, emulate)
 
     return choose
 
@@ -109,7 +107,7 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device,
     layers = getattr(model, "layers", None)
     if layers is None:
         return []
-    choose = _chooser(recipe, emulate)
+    choose = fp8_chooser(recipe, emulate)
     done: list[str] = []
 
     def record(module: nn.Module, fqn: str) -> bool:

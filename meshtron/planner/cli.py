@@ -59,11 +59,14 @@ def register(subparsers: Any) -> None:
     add_framework_args(p)
     p.add_argument("--dtype", default=None,
                    help="precision of the run: bf16 (default: mixed precision) | fp32 (TF32 "
-                        "matmuls on CUDA) | fp8 (FP8 block GEMMs, planned only)")
+                        "matmuls on CUDA) | fp8 (FP8 block GEMMs, torchao float8)")
     p.add_argument("--reduce-dtype", default=None,
                    help="gradient reduction dtype: fp32 | bf16 (default: the framework's)")
     p.add_argument("--accumulate-unsharded", action="store_true", default=None,
                    help="ZeRO-2/3: accumulate gradients unsharded, reduce-scatter once per step")
+    p.add_argument("--offload", default=None,
+                   help="fix host offload: none | optimizer | full (default: searched, kept "
+                        "when nothing fits without it or it is faster)")
     p.add_argument("--wide", action="store_true",
                    help="wide table: time and memory breakdown per plan, HFU, GPU-hours")
     p.add_argument("--json", action="store_true", help="print JSON (schema in planner/report.py)")
@@ -140,6 +143,8 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
         knobs["reduce_dtype"] = args.reduce_dtype.strip().lower()
     if getattr(args, "accumulate_unsharded", None):
         knobs["accumulate_unsharded"] = True
+    if getattr(args, "offload", None) is not None:
+        knobs["offload"] = args.offload.strip().lower()
     return knobs
 
 

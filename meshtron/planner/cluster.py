@@ -30,6 +30,8 @@ Cluster TOML (`--cluster my.toml`)::
     # collective_base_latency_us = 8.4  # optional, fixed latency per collective call
     # bandwidth_efficiency = 1.0    # optional: fraction of the stated bandwidths collectives reach
     price_per_gpu_hour = 2.5        # optional, currency units, for the cost column
+    # host_link_gb_per_s = 450      # optional: host <-> GPU per direction (GH200 NVLink-C2C)
+    # host_memory_gib = 3576        # optional: host memory per node (8 GH200: 8 x 447 GiB)
     # measured by `meshtron calibrate` (optional):
     # elementwise_gb_per_s = 2400   # achieved bandwidth of eager element-wise ops, GB/s
     # eager_kernel_overhead_us = 6  # one tiny eager op (dispatch + launch), microseconds
@@ -120,6 +122,19 @@ DEFAULT_HOST_LINK_GB_PER_S = 32.0
 """A GPU outside the table: PCIe Gen4 x16."""
 GH200_C2C_GB_PER_S = 450.0
 """NVLink-C2C per direction of a GH200 (datasheet: 900 GB/s total)."""
+# Host (CPU) memory per node, GiB, of each GPU's reference node (what host offload may fill):
+# DGX-1 with V100: 512 GB (DGX-1 datasheet); DGX A100 320GB: 1 TB, DGX A100 640GB: 2 TB (DGX
+# A100 datasheet, "System Memory 1TB / 2TB"); DGX H100 and DGX H200: 2 TB (datasheets); DGX
+# B200: 2 TB, configurable to 4 TB (datasheet). The DIMMs are binary sizes, so "2 TB" is 2 TiB.
+HOST_MEMORY_GIB_PER_NODE = {"V100-SXM2-32GB": 512.0, "A100-SXM4-40GB": 1024.0,
+                            "A100-SXM4-80GB": 2048.0, "H100-SXM5-80GB": 2048.0,
+                            "H200-SXM-141GB": 2048.0, "B200": 2048.0}
+GH200_HOST_MEMORY_GIB = 480e9 / 2**30
+"""LPDDR5X of one GH200 superchip: up to 480 GB (NVIDIA GH200 Grace Hopper Superchip
+datasheet) = 447 GiB; a GH200 node's host_memory_gib is this times its superchips."""
+HOST_USABLE_FRACTION = 0.9
+"""Share of a node's host memory offload may pin: the kernel, the CUDA driver, data loader
+workers and the page cache keep the rest, and pinned pages cannot be swapped out."""
 HOST_MEMORY_GB_PER_S = 77.0
 """Host memory bandwidth per GPU: a DGX H100 node's two Xeon 8480C sockets with 8 channels of
 DDR5-4800 each (2 x 8 x 38.4 = 614 GB/s theoretical) shared by 8 GPUs."""
@@ -188,6 +203,11 @@ class ClusterSpec:
     host_memory_gb_per_s: float | None = None
     """Host memory bandwidth one GPU's share of its node reaches, GB/s (the offloaded optimizer
     step is bound by it). None: HOST_MEMORY_GB_PER_S."""
+    host_memory_gib: float | None = None
+    """Host (CPU) memory of one node, GiB: what the states host offload moves off all the
+    node's GPUs must fit in (HOST_USABLE_FRACTION of it). None: the GPU's reference node
+    (HOST_MEMORY_GIB_PER_NODE, e.g. DGX H100 2048); a GPU outside the table: not checked.
+    GH200: 447 per superchip (GH200_HOST_MEMORY_GIB)."""
 
     def __post_init__(self) -> None:
         for field in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gb_per_s"):
@@ -214,7 +234,7 @@ class ClusterSpec:
                                           and not isinstance(value, bool) and 0 <= value < 1e6):
                 raise UserError(f"cluster.{field}={value!r}: must be a number of "
                                  "microseconds >= 0")
-        for field in ("host_link_gb_per_s", "host_memory_gb_per_s"):
+        for field in ("host_link_gb_per_s", "host_memory_gb_per_s", "host_memory_gib"):
             if getattr(self, field) is not None:
                 _positive(f"cluster.{field}", getattr(self, field))
         if self.gemm_efficiency is not None:
@@ -263,6 +283,14 @@ class ClusterSpec:
     @property
     def host_memory_bytes_per_s(self) -> float:
         return (self.host_memory_gb_per_s or HOST_MEMORY_GB_PER_S) * 1e9
+
+    @property
+    def host_memory_per_node_gib(self) -> float | None:
+        """Host memory of one node, GiB (the field, else the GPU's reference node), or None
+        when unknown."""
+        if self.host_memory_gib is not None:
+            return float(self.host_memory_gib)
+        return HOST_MEMORY_GIB_PER_NODE.get(self.gpu or "")
 
     def peak_tflops_for(self, dtype: str) -> float:
         """Dense matmul peak in the run's compute dtype: bf16 = peak_tflops; fp32 = TF32 (or
@@ -361,7 +389,8 @@ _CLUSTER_KEYS = {"name", "gpu", "peak_tflops", "memory_gib", "gpus_per_node", "n
                  "inter_node_latency_us", "hbm_gb_per_s", "matmul_efficiency",
                  "bandwidth_efficiency", "price_per_gpu_hour", "gemm_efficiency",
                  "elementwise_gb_per_s", "eager_kernel_overhead_us",
-                 "collective_base_latency_us", "host_link_gb_per_s", "host_memory_gb_per_s"}
+                 "collective_base_latency_us", "host_link_gb_per_s", "host_memory_gb_per_s",
+                 "host_memory_gib"}
 
 
 def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:

@@ -64,6 +64,7 @@ from meshtron.planner import comm
 from meshtron.planner.moe_cost import DEFAULT_IMBALANCE
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
+from meshtron.planner.fp8 import FP8_FILTERS, GEMM_GROUPS, fp8_fractions
 
 SAT_DIM = 128.0
 """Half-efficiency dimension of the GEMM shape model s(x) = x / (x + d) on the reference GPU."""
@@ -136,6 +137,10 @@ class KernelOptions:
     after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
     serves both."""
 
+    fp8_filter: str = "torchao"
+    """With dtype fp8, which block Linears run in FP8 (planner/fp8.py FP8_FILTERS): 'torchao'
+    (meshtron's runtime: torchao's size thresholds, the rule its conversion applies) or 'all'
+    (Transformer Engine, torchtitan, DeepSeek-V3: every aligned Linear)."""
     list_collectives: bool = False
     """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
     PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
@@ -188,6 +193,9 @@ class KernelOptions:
         if self.sharding not in SHARDINGS:
             raise UserError(f"sharding={self.sharding!r}: allowed values are "
                              f"{', '.join(SHARDINGS)}")
+        if self.fp8_filter not in FP8_FILTERS:
+            raise UserError(f"fp8_filter={self.fp8_filter!r}: allowed values are "
+                             f"{', '.join(FP8_FILTERS)}")
         pre = self.prefetch_params
         if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
                                 or pre < 0):
@@ -375,24 +383,37 @@ def compute_dtypes(dtype: str) -> tuple[str, str]:
     return dtype, dtype
 
 
-def quantisation_bytes(model: ModelSpec, tp: int) -> tuple[float, float]:
+def quantisation_bytes(model: ModelSpec, tp: int,
+                       frac: dict[str, float] | None = None) -> tuple[float, float]:
     """(forward, backward) HBM bytes per token an FP8 layer spends casting GEMM operands: every
-    input of the four block GEMMs read in bf16 and written in FP8 (2 + 1 bytes) forward, their
-    output gradients likewise backward (Transformer Engine casts both; the amax reductions ride
-    on the same pass)."""
+    input of the block GEMMs that run in FP8 read in bf16 and written in FP8 (2 + 1 bytes)
+    forward, their output gradients likewise backward (Transformer Engine casts both; the amax
+    reductions ride on the same pass). `frac`: planner/fp8.py `fp8_fractions` (all FP8 when
+    None); a group's input is cast when any of its Linears is FP8, its output gradient in
+    proportion."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     up = 2 * f if model.mlp == "swiglu" else f
-    fwd_in = h + h / tp + h + f / tp          # qkv in, out-proj in, mlp-up in, mlp-down in
-    bwd_in = (h + 2 * kv) / tp + h + up / tp + h  # their output gradients
+    fr = frac or dict.fromkeys(("qkv", "out", "up", "down"), 1.0)
+    on = {g: 1.0 if v > 0 else 0.0 for g, v in fr.items()}
+    # qkv in, out-proj in, mlp-up in, mlp-down in
+    fwd_in = on["qkv"] * h + on["out"] * h / tp + on["up"] * h + on["down"] * f / tp
+    # their output gradients
+    bwd_in = (fr["qkv"] * (h + 2 * kv) / tp + fr["out"] * h + fr["up"] * up / tp
+              + fr["down"] * h)
     return 3.0 * fwd_in, 3.0 * bwd_in
 
 
 @lru_cache(maxsize=4096)
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
-               sp: bool, opts: KernelOptions, cp: int = 1, dtype: str = "bf16") -> LayerCost:
+               sp: bool, opts: KernelOptions, cp: int = 1, dtype: str = "bf16",
+               fp8_frac: tuple[float, ...] | None = None) -> LayerCost:
     """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens,
     a 1/cp slice of each sequence's tokens on this rank (context parallelism), GEMMs at the
-    peak of `dtype` (cluster.at_dtype; fp8: block GEMMs only, see compute_dtypes)."""
+    peak of `dtype` (cluster.at_dtype; fp8: the block GEMMs whose Linears pass the runtime's
+    rule, planner/fp8.py `fp8_linear`, the rest in bf16, see compute_dtypes). `fp8_frac`: the
+    FP8 share of each GEMM group (planner/fp8.py GEMM_GROUPS, `fp8_fractions` of the real
+    model: `model` may be a mixture's active equivalent, whose averaged width is no Linear's);
+    None: from `model` with torchao's thresholds (opts.fp8_filter)."""
     lin_dt, other_dt = compute_dtypes(dtype)
     lin_cl, cluster = cluster.at_dtype(lin_dt), cluster.at_dtype(other_dt)
     bw = membound_bytes_per_s(cluster, opts.stack)
@@ -401,10 +422,14 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     up = 2 * f if model.mlp == "swiglu" else f
     # Megatron tensor parallelism (Shoeybi et al. 2019): QKV and MLP-up split by columns,
     # attention output and MLP-down split by rows.
-    linear = (cluster_gemm_time(tokens, (h + 2 * kv) / tp, h, lin_cl)
-              + cluster_gemm_time(tokens, h, h / tp, lin_cl)
-              + cluster_gemm_time(tokens, up / tp, h, lin_cl)
-              + cluster_gemm_time(tokens, h, f / tp, lin_cl))
+    frac = None
+    if lin_dt == "fp8":
+        frac = (dict(zip(GEMM_GROUPS, fp8_frac)) if fp8_frac is not None
+                else fp8_fractions(model, tp, "rowwise", opts.fp8_filter))
+    linear = (_gemm_group(tokens, (h + 2 * kv) / tp, h, lin_cl, cluster, frac, "qkv", True)
+              + _gemm_group(tokens, h, h / tp, lin_cl, cluster, frac, "out", False)
+              + _gemm_group(tokens, up / tp, h, lin_cl, cluster, frac, "up", True)
+              + _gemm_group(tokens, h, f / tp, lin_cl, cluster, frac, "down", False))
     heads_local = model.heads / tp
     hd = model.head_dim
     batch_heads = micro_batch * heads_local
@@ -435,8 +460,9 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if lin_dt == "fp8":
         # casts of activations (per token) and of the local weights (each micro-batch: the
         # weight forward, its transpose for the backward's input gradient)
-        weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
-        per_tok_f, per_tok_b = quantisation_bytes(model, tp)
+        weights = (frac["qkv"] * h * (h + 2 * kv) + frac["out"] * h * h
+                   + frac["up"] * h * up + frac["down"] * h * f) / tp
+        per_tok_f, per_tok_b = quantisation_bytes(model, tp, frac)
         q_f = (tokens * per_tok_f + 3.0 * weights) / bw
         q_b = (tokens * per_tok_b + 3.0 * weights) / bw
     # the host must issue every kernel: a layer is never faster than its dispatch
@@ -472,6 +498,22 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
     return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
                      tp_fwd=tp_f, tp_bwd=tp_b)
+
+
+def _gemm_group(tokens: float, n: float, k: float, fp8_cl: ClusterSpec, bf16_cl: ClusterSpec,
+                frac: dict[str, float] | None, group: str, split_n: bool) -> float:
+    """One fused block GEMM [tokens, k] x [k, n]: at `fp8_cl`'s peak when `frac` is None (or
+    all of its Linears are FP8), else split into its FP8 and bf16 parts (along n for the
+    column-parallel fused QKV / MLP-up, whole for the single-Linear groups)."""
+    f = 1.0 if frac is None else frac[group]
+    if f >= 1.0:
+        return cluster_gemm_time(tokens, n, k, fp8_cl)
+    if f <= 0.0:
+        return cluster_gemm_time(tokens, n, k, bf16_cl)
+    if not split_n:  # pragma: no cover - a one-Linear group is all or nothing
+        raise AssertionError(group)
+    return (cluster_gemm_time(tokens, n * f, k, fp8_cl)
+            + cluster_gemm_time(tokens, n * (1.0 - f), k, bf16_cl))
 
 
 def overlapped(comm_time: float, window: float) -> float:

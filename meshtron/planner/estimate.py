@@ -59,11 +59,12 @@ from typing import Any, NamedTuple
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, memory, moe_cost, offload, pipeline,
                                placement)
-from meshtron.planner.cluster import ClusterSpec
+from meshtron.planner.cluster import HOST_USABLE_FRACTION, ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
     LIST_HOST_S_PER_RANK, OVERLAP_INTERFERENCE, DataParallelCost, _exposed)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
+from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
@@ -174,8 +175,11 @@ class Evaluator(DataParallelCost):
         if hit is None:
             o = self.opts
             group = placement.ep_group(1, ep, self.cluster.gpus_per_node)
+            # meshtron's routed experts stay bf16 in an FP8 run (torchao converts nn.Linear
+            # only: planner/fp8.py); Transformer Engine's and DeepSeek's grouped GEMMs are FP8
+            e_dtype = "bf16" if dtype == "fp8" and o.fp8_filter == "torchao" else dtype
             mc = moe_cost.moe_layer_cost(model, self.cluster, mb * self.seq / cp, ep, group,
-                                         dtype, float(o.expert_imbalance), o.ep_overlap,
+                                         e_dtype, float(o.expert_imbalance), o.ep_overlap,
                                          o.ep_node_limit, o.stack)
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
@@ -188,13 +192,16 @@ class Evaluator(DataParallelCost):
         return hit
 
     def _micro(self, tp: int, mb: int, sp: bool, rec: str, cp: int = 1, dtype: str = "bf16",
-               ep: int = 1):
-        key = ("micro", tp, mb, sp, rec, cp, dtype, ep)
+               ep: int = 1, fp8_recipe: str = "rowwise"):
+        key = ("micro", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         m, cl, opts, s = self.model, self.cluster, self.opts, self.seq
-        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype)
+        frac = None
+        if dtype == "fp8":  # the runtime's rule on the real model's Linears (planner/fp8.py)
+            frac = tuple(fp8_fractions(m, tp, fp8_recipe, opts.fp8_filter).values())
+        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, frac)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         if rec == "selective" and opts.attention == "flash":
             # what the framework's selective policy runs again in the backward (memory.py):
@@ -301,7 +308,8 @@ class Evaluator(DataParallelCost):
         cp = cfg.cp
         ep = cfg.ep
         c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec,
-                                                                          cp, cfg.dtype, ep)
+                                                                          cp, cfg.dtype, ep,
+                                                                          cfg.fp8_recipe)
         ep_l = self._moe(mb, rec, cp, cfg.dtype, ep)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep)
@@ -316,17 +324,19 @@ class Evaluator(DataParallelCost):
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
-        states = compression.with_state_bytes(
+        full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts))
-        states = offload.device_states(cfg.offload, states)  # what stays on the device
+        states = offload.device_states(cfg.offload, full_states)  # what stays on the device
+        moved = sum(full_states) - sum(states)  # bytes per parameter on the host
         # expert parallelism: a rank holds E/ep experts per block, their ZeRO states spread
         # over the dp*cp/ep ranks holding the same experts (moe_cost.py)
-        p_exp, e_states = 0.0, None
+        p_exp, e_states, e_moved = 0.0, None, 0.0
         if ep > 1:
             p_exp = moe_cost.expert_params_local(model, pp, ep)
             p_layer = p_layer - p_exp * ep
-            e_states = offload.device_states(cfg.offload, memory.state_bytes(
-                zero, max(1, shard_dp // ep), self.grad_bytes, mem_opts))
+            e_full = memory.state_bytes(zero, max(1, shard_dp // ep), self.grad_bytes, mem_opts)
+            e_states = offload.device_states(cfg.offload, e_full)
+            e_moved = sum(e_full) - sum(e_states)
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         roots = [0.0] * pp
@@ -388,6 +398,7 @@ class Evaluator(DataParallelCost):
         dp_t = 0.0
         opt_t = 0.0
         off_t = 0.0
+        host_gpu = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
         seen: set[tuple[int, bool, bool]] = set()
         for i, k in enumerate(n):
             first, last = i == 0, i == pp - 1
@@ -399,6 +410,7 @@ class Evaluator(DataParallelCost):
             experts_i = k * p_exp
             if experts_i:
                 local += experts_i / max(1, shard_dp // ep) if zero >= 1 else experts_i
+            host_gpu = max(host_gpu, params_i * moved + experts_i * e_moved)
             if cfg.offload == "none":
                 opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
             else:  # host-link copies and the optimizer step on the host
@@ -436,6 +448,11 @@ class Evaluator(DataParallelCost):
                                largest, act, inflight[worst], work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
                                self.grad_bytes, keep, accum, p_exp, e_states)
+        if cfg.offload != "none" or cfg.offload_activations:
+            mem = self._with_host(mem, cfg, host_gpu)
+            fits = fits and mem.host_fits
+            if not fits and not keep_infeasible:
+                return None
         hw_flops = self.model_flops + compute.recompute_flops_per_token(
             model, seq, rec, self.opts.attention) * self.tokens
         peak = self.cluster.peak_flops
@@ -447,6 +464,21 @@ class Evaluator(DataParallelCost):
             model_tflops_per_gpu=self.model_flops / per_gpu / 1e12,
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
             mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
+
+    def _with_host(self, mem: memory.MemoryBreakdown, cfg: Plan,
+                   host_gpu: float) -> memory.MemoryBreakdown:
+        """`mem` with the host memory of one node: every GPU of the node offloads what its
+        fullest stage does (states moved by plan.offload; with offload_activations, the
+        stage's saved activations, which torch.autograd.graph.save_on_cpu copies out whole),
+        against the node's usable host memory (cluster.host_memory_gib)."""
+        gib = host_gpu / memory.GIB
+        if cfg.offload_activations:
+            gib += mem.activations + mem.in_flight
+        per_node = min(self.cluster.gpus_per_node, self.n_gpus)
+        cap = self.cluster.host_memory_per_node_gib
+        return dataclasses.replace(
+            mem, host=gib * per_node,
+            host_capacity=None if cap is None else cap * HOST_USABLE_FRACTION)
 
     def _dp_with_experts(self, params: float, experts: float, zero: int, args: tuple,
                          units: int, kept: float, flags: dict[str, Any],
@@ -471,7 +503,8 @@ class Evaluator(DataParallelCost):
         pipeline or data-parallel communication."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
         c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
-                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep)[:6]
+                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
+                                                  cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
 

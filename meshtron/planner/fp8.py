@@ -10,6 +10,8 @@ Megatron-Core's FP8 recipes).
 
 from __future__ import annotations
 
+from typing import Any
+
 FP8_RECIPES = ("rowwise", "tensorwise")
 """torchao float8 scaling recipes meshtron runs (torchao.float8.Float8LinearConfig
 .from_recipe_name): per-row scales (axiswise) or one scale per tensor."""
@@ -42,3 +44,71 @@ def fp8_gemm(out_features: int, in_features: int, recipe: str = "rowwise") -> bo
         if (n_max is None or out_features <= n_max) and (k_max is None or in_features <= k_max):
             return False
     return True
+
+
+NEVER_FP8 = ("router", "gate", "output")
+"""Module names that stay bf16 whatever their shape (see the module doc): the MoE router (its
+gate Linear) and the output head."""
+
+GEMM_GROUPS = ("qkv", "out", "up", "down")
+"""The block GEMMs the planner prices (compute.layer_cost): fused QKV, attention output, MLP up
+(with SwiGLU's gate), MLP down."""
+
+
+def fp8_linear(fqn: str, out_features: int, in_features: int, recipe: str = "rowwise",
+               emulate: bool = False) -> bool:
+    """The one rule: does the block Linear named `fqn` (relative to a block list, e.g.
+    'layers.0.attention.wq') with this weight shape run in FP8? Never for NEVER_FP8 names;
+    emulated (CPU, numerics only) for every aligned shape; else `fp8_gemm`. (The planner
+    prices other frameworks, which convert every aligned Linear, with emulate=True: see
+    FP8_FILTERS.)"""
+    if any(part in NEVER_FP8 for part in fqn.split(".")):
+        return False
+    if emulate:
+        return fp8_aligned(out_features, in_features)
+    return fp8_gemm(out_features, in_features, recipe)
+
+
+def block_linears(model: Any, tp: int = 1) -> list[tuple[str, str, int, int]]:
+    """(GEMM group, module path in a dense block, out_features, in_features) of every Linear of
+    one dense block as meshtron/model/transformer.py builds it, the shapes a rank multiplies
+    under Megatron tensor parallelism (column-parallel wq/wk/wv/w1/w3 split their outputs,
+    row-parallel wo/w2 their inputs: the local GEMM is what the FP8 kernel runs)."""
+    h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_dim, model.ffn_hidden
+    if getattr(model, "is_moe", False):
+        # a mixture of experts: the MLP GEMMs judged on one expert's Linear (shared experts'
+        # are multiples of it); the router's gate is NEVER_FP8. (meshtron's routed experts are
+        # grouped GEMMs, not nn.Linear: torchao never converts them, see fp8_fractions.)
+        f = model.moe_ffn_hidden
+    out = [("qkv", "attention.wq", q // tp, h), ("qkv", "attention.wk", kv // tp, h),
+           ("qkv", "attention.wv", kv // tp, h), ("out", "attention.wo", h, q // tp),
+           ("up", "feed_forward.w1", f // tp, h)]
+    if model.mlp == "swiglu":
+        out.append(("up", "feed_forward.w3", f // tp, h))
+    out.append(("down", "feed_forward.w2", h, f // tp))
+    return out
+
+
+FP8_FILTERS = ("torchao", "all")
+"""Which block Linears a framework runs in FP8 (compute.KernelOptions.fp8_filter): 'torchao'
+= `fp8_gemm`'s size thresholds (meshtron's runtime on a GPU); 'all' = every aligned one
+(Transformer Engine's fp8_autocast converts every te.Linear; torchtitan's float8 converter
+skips only `filter_fqns`, default the output head; DeepSeek-V3's FP8 framework, section 3.3,
+every GEMM of the blocks)."""
+
+
+def fp8_fractions(model: Any, tp: int = 1, recipe: str = "rowwise",
+                  fp8_filter: str = "torchao") -> dict[str, float]:
+    """Per GEMM group, the fraction of its FLOPs whose Linears run in FP8 under `fp8_linear`
+    (e.g. Llama-3-8B rowwise: wk and wv, N = 1024, stay bf16, so qkv is 4096/6144 FP8);
+    fp8_filter='all': every aligned Linear."""
+    total = dict.fromkeys(GEMM_GROUPS, 0.0)
+    fp8 = dict.fromkeys(GEMM_GROUPS, 0.0)
+    routed_bf16 = fp8_filter == "torchao" and getattr(model, "is_moe", False)
+    for group, name, n, k in block_linears(model, tp):
+        total[group] += n * k
+        if routed_bf16 and group in ("up", "down"):
+            continue  # the active MLP is mostly routed experts: bf16 grouped GEMMs here
+        if fp8_linear(name, n, k, recipe, emulate=fp8_filter == "all"):
+            fp8[group] += n * k
+    return {g: fp8[g] / total[g] if total[g] else 0.0 for g in GEMM_GROUPS}

@@ -122,7 +122,8 @@ _TORCHTITAN = Framework(
     "torchtitan/models/llama3/infra/parallelize.py; torchtitan/config/job_config.py "
     "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
     "selective_ac_option 'op')",
-    KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True),
+    KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
+                  fp8_filter="all"),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
                   gqa_copies=True), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
@@ -134,7 +135,7 @@ _MEGATRON_2021 = Framework(
     "accumulate_allreduce_grads_in_fp32), megatron/model/fused_softmax.py, "
     "megatron/p2p_communication.py (scatter/gather)",
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                  fp32_grad_reduce=True, stack="fused", sharding="zero"),
+                  fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all"),
     MemoryOptions(framework="megatron"), "fp32")
 _MEGATRON_2024 = Framework(
     "megatron", "2024", "Megatron-Core 0.8-0.12 / NeMo 2.0 (Transformer Engine 1.x)",
@@ -146,7 +147,7 @@ _MEGATRON_2024 = Framework(
     "(grad_reduce_in_fp32)",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
                   fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=True,
-                  cp_overlap=True),
+                  cp_overlap=True, fp8_filter="all"),
     MemoryOptions(framework="megatron"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
                     "token dispatcher, grouped GEMM; expert tensor parallelism "
@@ -161,7 +162,7 @@ _DEEPSPEED_2021 = Framework(
                   fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
-                  list_collectives=True),
+                  list_collectives=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed"), "bf16")
 _DEEPSPEED_2024 = Framework(
     "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
@@ -172,7 +173,7 @@ _DEEPSPEED_2024 = Framework(
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
                   fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
                   stack="eager", sharding="zero", shard_units_per_layer=7,
-                  prefetch_params=5e7, recompute_regathers=True),
+                  prefetch_params=5e7, recompute_regathers=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
                   gqa_copies=True), "bf16",
     expert_parallel="DeepSpeed-MoE (deepspeed/moe/layer.py, sharded_moe.py: ep_size, "

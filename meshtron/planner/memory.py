@@ -456,6 +456,17 @@ class MemoryBreakdown:
     """Pipeline stage this breakdown belongs to (the fullest one)."""
     dtype: str = "bf16"
     """Compute dtype the breakdown assumes."""
+    host: float = 0.0
+    """Host memory one node fills with what host offload moves off its GPUs (their parameter,
+    gradient and optimizer shards, the saved activations with offload_activations), GiB."""
+    host_capacity: float | None = None
+    """Host memory of one node offload may use (cluster host_memory_gib x
+    HOST_USABLE_FRACTION), GiB; None: unknown, not checked."""
+
+    @property
+    def host_fits(self) -> bool:
+        """The offloaded states of all the node's GPUs fit in its host memory."""
+        return self.host_capacity is None or self.host <= self.host_capacity
 
     @property
     def allocated(self) -> float:
@@ -488,7 +499,8 @@ class MemoryBreakdown:
                 "in_flight": self.in_flight, "recompute": self.recompute,
                 "logits": self.logits, "workspace": self.workspace,
                 "allocated": self.allocated, "total": self.total, "capacity": self.capacity,
-                "stage": self.stage, "dtype": self.dtype}
+                "stage": self.stage, "dtype": self.dtype, "host": self.host,
+                "host_capacity": self.host_capacity}
 
 
 # ---- one stage ---------------------------------------------------------------------------------

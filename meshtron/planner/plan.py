@@ -35,8 +35,8 @@ TOML having no null)::
                                   # pp * virtual_stages (empty: even split); virtual stage j
                                   # lives on GPU stage j % pp (zb with 2: a V); the embedding
                                   # is on the first, the LM head on the last
-    dtype = "bf16"                # the run's precision: "bf16" (mixed) | "fp32" | "fp8" (planned
-                                  # only: the runtime refuses it until FP8 training lands)
+    dtype = "bf16"                # the run's precision: "bf16" (mixed) | "fp32" | "fp8" (torchao
+                                  # float8 on the block Linears; emulated on CPU)
     attention = "flash"           # kernel the prediction assumed: "flash" | "unfused"
     grad_compression = "int8"     # data-parallel traffic: "none" | "bf16" | "int8" (written
                                   # only when not default, like the other keys below)

@@ -21,8 +21,8 @@ SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 """Pipeline schedules (planner/pipeline.py costs them; parallel/pipeline.py runs them). With
 virtual_stages v > 1: gpipe = looped BFS, 1f1b = interleaved 1F1B, zb with v = 2 = ZBV."""
 DTYPES = ("bf16", "fp32", "fp8")
-"""fp8: the planner costs it (FP8 GEMMs in the blocks, bf16 elsewhere); the runtime refuses it
-until FP8 training lands."""
+"""fp8: FP8 GEMMs in the blocks (the Linears planner/fp8.py's rule picks), bf16 elsewhere; the
+runtime trains it with torchao float8 (meshtron/parallel/fp8.py, emulated on CPU)."""
 REDUCE_DTYPES = ("fp32", "bf16")
 ATTENTION = ("flash", "unfused")
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}

@@ -28,7 +28,9 @@ JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
          "virtual_stages": int, "dp_replicate": int, "dtype": str,
          "stage_layers": [int], "fits": bool,
          "memory_gib": {"params", "grads", "optimizer", "activations", "logits",
-                        "workspace", "total", "capacity": float, "stage": int},
+                        "workspace", "total", "capacity": float, "stage": int,
+                        "host": float,                            # per node, host offload
+                        "host_capacity": float|null},             # usable; null: unknown
          "time_s": {"compute", "tp_comm", "pp_comm", "dp_comm_exposed", "bubble",
                     "optimizer", "ep_comm": float},               # exact 0.0 when absent
          "step_time_s": float, "tokens_per_s": float,
@@ -172,7 +174,15 @@ def breakdown_line(est: Estimate) -> str:
 def memory_line(est: Estimate) -> str:
     m = est.memory
     return (f"memory of the fullest GPU (stage {m.stage}, {m.dtype}): {m.describe()} = "
-            f"{m.total:.3g} of {m.capacity:g} GiB")
+            f"{m.total:.3g} of {m.capacity:g} GiB" + host_text(m))
+
+
+def host_text(m) -> str:
+    """'; host memory per node ...' for a plan with host offload, else ''."""
+    if not m.host:
+        return ""
+    cap = "unknown capacity" if m.host_capacity is None else f"{m.host_capacity:.4g} GiB usable"
+    return f"; host memory per node (offload): {m.host:.4g} GiB of {cap}"
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -267,6 +277,15 @@ def render_no_fit(result: SearchResult, console) -> str:
     if nm is None:
         return "no plan: no layout is valid for this model, cluster and batch"
     mem = nm.memory
+    if mem.total <= mem.capacity and not mem.host_fits:
+        console.print(
+            f"[bold red]Nothing fits.[/] The leanest plan, {nm.config.describe()}, fits in "
+            f"device memory only with host offload, and then needs {mem.host:.1f} GiB of host "
+            f"memory per node > {mem.host_capacity:.4g} GiB usable.")
+        return (f"model={result.model.name}: fits on no layout of {result.cluster.name}; with "
+                f"host offload it needs {mem.host:.1f} GiB of host memory per node > "
+                f"{mem.host_capacity:.4g} GiB usable (cluster.host_memory_gib; near miss: "
+                f"{nm.config.describe()})")
     console.print(
         f"[bold red]Nothing fits.[/] The leanest plan, {nm.config.describe()}, needs "
         f"{mem.total:.1f} GiB per GPU ({mem.describe()}) > {mem.capacity:g} GiB; "

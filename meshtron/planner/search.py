@@ -111,6 +111,11 @@ class SearchResult:
     """The run precision planned for."""
     framework: Any = None
     """The software stack priced (frameworks.Framework; None: meshtron's runtime)."""
+    offload_best: Estimate | None = None
+    """When plans fit without host offload and offload was left to the search: the fastest
+    offloaded plan that could beat them (None: none could, by its bound or its full cost)."""
+    offload_compared: bool = False
+    """Offloaded plans were priced against the plans without offload (search_plans)."""
 
     @property
     def best(self) -> Estimate | None:
@@ -195,6 +200,10 @@ class _Space:
                               "framework's selective policy it keeps the same tensors as none "
                               "(the attention core is never stored)")
         self._layouts = self._valid_layouts()
+        if self.offload == "full" and runtime:
+            # FSDP2's CPU offload does not run in a pipeline (plan.py offload_runtime_problem):
+            # drop those layouts before their knobs are enumerated (`point` would refuse each)
+            self._layouts = [lay for lay in self._layouts if lay[2] == 1]
         if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _, _ in
                                                                   self._layouts):
             self.notes.append("schedule=zb with zero=3 left out: "
@@ -393,6 +402,12 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     if not result.plans and knobs.offload is None:
         result = _with_offload(ev, result, model, cluster, global_batch, seq_len, knobs, opts,
                                runtime, top_k, explain, framework)
+    elif knobs.offload is None and (cluster.gpu is not None
+                                    or cluster.host_link_gb_per_s is not None):
+        # a device with a host link to price (a catalogue GPU or a given link); a cluster of
+        # bare numbers (the nominal CPU figures `meshtron train` plans with on a CPU) has its
+        # "device" memory in the host already: offload is only a last resort there
+        result = _offload_if_faster(ev, result, space, knobs, runtime, top_k)
     result.seconds = time.perf_counter() - t0
     result.framework = framework
     return result
@@ -407,6 +422,7 @@ def _with_offload(ev: Evaluator, result: SearchResult, model: ModelSpec, cluster
     is only chosen here: it only adds host-link traffic and a slower optimizer step
     (planner/offload.py), so a plan that fits without it is never slower with it at the same
     knobs."""
+    host_bound = None
     for off in (("full",) if runtime else ("optimizer", "full")):
         k = dataclasses.replace(knobs, offload=off)
         try:
@@ -419,10 +435,57 @@ def _with_offload(ev: Evaluator, result: SearchResult, model: ModelSpec, cluster
             found.notes.append(f"offload={off!r}: chosen because no plan fits in device "
                                "memory without host offload")
             return found
+        nm = found.near_miss
+        if nm is not None and nm.memory.total <= nm.memory.capacity \
+                and not nm.memory.host_fits:
+            host_bound = found  # offload would fit the devices but not the hosts: say so
+    return host_bound if host_bound is not None else result
+
+
+def _offload_if_faster(ev: Evaluator, result: SearchResult, space: _Space, knobs: Knobs,
+                       runtime: bool, top_k: int) -> SearchResult:
+    """Plans fit without host offload: price the offloaded ones too, bounded by the best plan's
+    step time (only an offloaded config whose lower bound beats it is evaluated, so this costs
+    little where offload cannot win), and keep one if it is faster. It can be: offload frees
+    the device memory of the states, which can buy a larger micro-batch, no recomputation or
+    less tensor parallelism, and on a fast host link (GH200 NVLink-C2C) that can outweigh the
+    copies and the host's optimizer step."""
+    best = result.plans[0]
+    for off in (("full",) if runtime else ("optimizer", "full")):
+        k = dataclasses.replace(knobs, offload=off)
+        try:
+            sub = _Space(ev.model, ev.cluster, ev.global_batch, ev.seq, k, ev.opts, ev.mem,
+                         runtime, space.framework)
+            found = _search(ev, sub, top_k, False, cutoff=best.step_time_s)
+        except UserError:  # the knobs leave no offloaded plan (e.g. a pipeline): nothing to add
+            continue
+        result.evaluated += found.evaluated
+        result.enumerated += found.enumerated
+        result.offload_compared = True
+        cand = found.best
+        if cand is None or cand.step_time_s >= best.step_time_s:
+            continue
+        if result.offload_best is None or cand.step_time_s < result.offload_best.step_time_s:
+            result.offload_best = cand
+    win = result.offload_best
+    if win is not None:
+        plans = sorted(result.plans + [win], key=lambda e: e.step_time_s)[:top_k]
+        result.notes.append(
+            f"offload={win.config.offload!r}: chosen because faster ({win.step_time_s:.4g} s "
+            f"per step vs {best.step_time_s:.4g} s without host offload)")
+        # the other families' reasons, now against the offloaded winner
+        others = [Alternative(a.label, a.estimate, loss_reason(win, a.estimate))
+                  if a.estimate is not None else a for a in result.alternatives]
+        result.alternatives = [Alternative("best plan without host offload", best,
+                                           loss_reason(win, best))] + others
+        result.plans = plans
     return result
 
 
-def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchResult:
+def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool,
+            cutoff: float = float("inf")) -> SearchResult:
+    """Branch and bound over `space`; `cutoff`: a step time no plan of interest exceeds (the
+    best plan of another search), below which configs are bounded away."""
     model, cluster, global_batch = ev.model, ev.cluster, ev.global_batch
     top: list[tuple[float, int, Estimate]] = []  # max-heap by -step
     fam_best: dict[str, Estimate] = {}
@@ -479,14 +542,16 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool) -> SearchRe
     queue.sort(key=lambda x: x[0])
     inf = float("inf")
     for bound, fam, cfg in queue:
+        if bound >= cutoff:
+            break  # sorted by bound: nothing further can beat the other search's best
         kth = -top[0][0] if len(top) >= top_k else inf
         fb = fam_best.get(fam)
         fb_t = fb.step_time_s if fb is not None else inf
         if bound > kth and bound > fb_t:
             continue
         # infeasible configs only matter while their family has no plan
-        est = ev.evaluate(cfg, keep_infeasible=fb is None, exact_memory=False,
-                          cutoff=max(kth, fb_t))
+        est = ev.evaluate(cfg, keep_infeasible=fb is None and cutoff == inf,
+                          exact_memory=False, cutoff=min(max(kth, fb_t), cutoff))
         counter += 1
         if est is None:
             continue
@@ -582,6 +647,10 @@ _CAUSES = {
 def loss_reason(winner: Estimate, other: Estimate) -> str:
     """'12% slower, data-parallel all-gather exposed (+0.8 s)' style explanation."""
     if not other.fits:
+        m = other.memory
+        if m.total <= m.capacity and not m.host_fits:
+            return (f"needs {m.host:.1f} GiB of host memory per node > {m.host_capacity:.4g} "
+                    f"GiB usable (offload={other.config.offload}; {other.config.describe()})")
         return (f"needs {other.memory.total:.1f} GiB > {other.memory.capacity:.0f} GiB "
                 f"per GPU (at its leanest: {other.config.describe()})")
     slower = other.step_time_s / winner.step_time_s - 1.0
