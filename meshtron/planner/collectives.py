@@ -24,8 +24,9 @@ What is counted, per rank, per optimizer step:
   1/dp_shard of the unit, in the compute dtype: bf16, fp8 runs gather bf16, fp32 runs fp32),
   and with ZeRO-3 before its backward again except for the last unit ([norm, head]: not
   resharded after forward); `reduce_scatter` of each unit's gradient after its backward (input
-  = the whole unit gradient in reduce_dtype). ZeRO-3 without pipelining gathers every
-  micro-batch; ZeRO-2 keeps the parameters gathered from the step's first forward to its last
+  = the whole unit gradient in reduce_dtype; a sigmoid router's balancing bias, E values per
+  MoE block with no gradient, is gathered with its block but not reduced). ZeRO-3 without
+  pipelining gathers every micro-batch; ZeRO-2 keeps the parameters gathered from the step's first forward to its last
   backward (one gather per unit per step). Without pipelining the reduce-scatter runs every
   micro-batch (once per step with `accumulate_unsharded`); with pipelining each unit is
   gathered once and reduced once per step. HSDP (dp_replicate > 1) adds an `all_reduce` over
@@ -132,24 +133,35 @@ def _block_params(model: Any, tp: int, i: int, ep: int) -> tuple[float, float]:
     return dense, 0.0
 
 
-def _units(plan: Any, model: Any, pp_rank: int) -> list[float]:
-    """Parameters (per tensor rank) of this rank's FSDP units, in forward order (the blocks
-    of a model whose blocks are alike as memory.layer_params_local counts them; a mixture of
-    experts block by block, without its routed experts under expert parallelism)."""
+def _frozen(model: Any, i: int) -> int:
+    """Elements of block i's DeepSeek-V3 balancing bias (sigmoid router: E fp32 values,
+    meshtron/model/moe.py `Router.expert_bias`): a Parameter without gradient, so FSDP2
+    gathers it with the block's unit but never reduce-scatters it (not a trained parameter:
+    ModelSpec does not count it)."""
+    moe = model.is_moe and model.is_moe_layer(i) and model.moe_router == "sigmoid"
+    return model.moe_experts if moe else 0
+
+
+def _units(plan: Any, model: Any, pp_rank: int) -> list[tuple[float, float]]:
+    """(trained parameters, gathered-only elements: `_frozen`) per tensor rank of this rank's
+    FSDP units, in forward order (the blocks of a model whose blocks are alike as
+    memory.layer_params_local counts them; a mixture of experts block by block, without its
+    routed experts under expert parallelism)."""
     p_layer = memory.layer_params_local(model, plan.tp, plan.pp)
     ep = getattr(plan, "ep", 1)
-    units: list[float] = []
+    units: list[tuple[float, float]] = []
     last = plan.num_stages - 1
     for s, blocks in zip(local_stages(plan, pp_rank), _stage_blocks(plan, model, pp_rank)):
         if s == 0:
-            units.append(memory.embedding_params_local(model, plan.tp))
+            units.append((memory.embedding_params_local(model, plan.tp), 0))
         if model.is_moe:
-            units += [_block_params(model, plan.tp, i, ep)[0] for i in blocks]
+            units += [(_block_params(model, plan.tp, i, ep)[0], _frozen(model, i))
+                      for i in blocks]
         else:
-            units += [p_layer] * len(blocks)
+            units += [(p_layer, 0)] * len(blocks)
         if s == last:
-            units.append(memory.head_params_local(model, plan.tp, plan.pp))
-    return [u for u in units if u > 0]
+            units.append((memory.head_params_local(model, plan.tp, plan.pp), 0))
+    return [u for u in units if u[0] > 0]
 
 
 def _expert_collectives(out: dict, plan: Any, model: Any, pp_rank: int, m: int,
@@ -215,7 +227,7 @@ def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
         _expert_collectives(out, plan, model, pp_rank, m, seq_len, compute_b, reduce_b)
     if zero <= 1:
         size = plan.dp * cp
-        for u in units:
+        for u, _ in units:  # (ZeRO-1's gather of the balancing bias: not measured yet)
             if zero == 0:
                 _add(out, "all_reduce", "dp_replicate", 1, u, size, reduce_b)
             else:
@@ -228,12 +240,14 @@ def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
         # parameters stay gathered over the micro-batches with pipelining and under ZeRO-2
         gathers = 1 if (pipelined or zero == 2) else m
         reduces = 1 if (pipelined or plan.accumulate_unsharded) else m
-        for i, u in enumerate(units):
+        for i, (u, frozen) in enumerate(units):
             is_last_unit = i == len(units) - 1 and pp_rank == _last_rank(plan)
             n_ag = gathers
             if zero == 3 and not pipelined and not is_last_unit:
                 n_ag += m  # re-gathered before the backward (resharded after forward)
-            _add(out, "all_gather", "dp_shard", n_ag, u / shard, shard, compute_b)
+            # the balancing bias travels with its block (counted in the unit's dtype: measured
+            # in fp32, tests/test_ep_pp.py)
+            _add(out, "all_gather", "dp_shard", n_ag, (u + frozen) / shard, shard, compute_b)
             _add(out, "reduce_scatter", "dp_shard", reduces, u, shard, reduce_b)
             _add(out, "all_reduce", "dp_replicate", reduces, u / shard, rep, reduce_b)
     if plan.pp > 1:

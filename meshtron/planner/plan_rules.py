@@ -345,8 +345,9 @@ def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
     """What meshtron's runtime does not run with expert parallelism (ep > 1): ep is folded over
     FSDP's shard axis (dp_shard x cp, meshtron/parallel/mesh.py `expert_mesh`), so ZeRO-0/1
     (no shard axis: dp is all replicas) are refused, and so are gradient compression and DiLoCo
-    (they replace FSDP's reduction, which the experts' own FSDP unit relies on), and pipelines
-    (see below)."""
+    (they replace FSDP's reduction, which the experts' own FSDP unit relies on). Pipelines run,
+    every schedule (tests/test_ep_pp.py: 1F1B, interleaved, GPipe, ZB-H1, ZBV equal one
+    process)."""
     ep, g = k.get("ep") or 1, k.get
     if ep == 1:
         return
