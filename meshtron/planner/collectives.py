@@ -127,6 +127,10 @@ def _block_params(model: Any, tp: int, i: int, ep: int) -> tuple[float, float]:
     expert parallelism the E/ep local experts are a unit of their own."""
     norms = 2 * model.norm_params
     dense = (model.layer_params(i) - norms) / tp + norms
+    if model.is_moe_layer(i):
+        # the runtime replicates an MoE feed-forward over the tp ranks (parallel/tensor.py):
+        # only attention is split (measured: tests/test_ep_pp.py, tp=2)
+        dense = model.attention_params() / tp + model.moe_params() + norms
     if ep > 1 and model.is_moe_layer(i):
         experts = model.moe_experts * model.mlp_params(model.moe_ffn_hidden)
         return dense - experts, experts / ep
