@@ -9,8 +9,8 @@ of a last stage then sent every token to the experts of one ep rank (measured: c
 `GroupedExperts` returned a fresh tensor with no autograd edge to its input, so that rank's
 backward never reached the dispatch / combine all-to-alls' backwards its peer was waiting in.
 The fix is in meshtron/model/moe.py (an expert group with no token still hangs off its input
-and weights); it also covers a router that sends a rank no token in real training, which
-`test_no_token_for_one_ep_rank` forces with the balancing bias.
+and weights); it also covers a router that sends a rank no token in real training, which the
+default launch forces with the balancing bias (`no_token_rank_fn`).
 
 Default: one 4-rank launch, dp=2 x ep=2 x pp=2 (ep folded over dp_shard) with 1F1B (sigmoid
 router, ZeRO-3) and the interleaved schedule (softmax router + auxiliary loss, ZeRO-2): losses,
@@ -78,8 +78,15 @@ def _tokens(counted: Counter) -> tuple[Counter, Counter]:
     return calls, nbytes
 
 
-def _check(layouts, world):
-    results = run_on_ranks(_rank_fn, world, CFG, layouts, timeout=900)
+def default_rank_fn(cfg, layouts, spec_kw):
+    """The default launch: the layouts (test_dp_collectives._rank_fn), then the no-token case
+    on the same 4 ranks (one launch saves CI its start-up)."""
+    return {"layouts": _rank_fn(cfg, layouts), "no_token": no_token_rank_fn(spec_kw)}
+
+
+def _check(layouts, world, results=None):
+    if results is None:
+        results = run_on_ranks(_rank_fn, world, CFG, layouts, timeout=900)
     refs: dict = {}
 
     def ref(layout):  # the pipeline's last stage takes the loss on whole logits
@@ -115,8 +122,18 @@ def _check(layouts, world):
         assert group_bytes == group_want, (layout, group_bytes, group_want)
 
 
+NO_TOKEN_SPEC = dict(CFG["spec"], **SIGMOID, layers=2)
+
+
 def test_ep_in_a_pipeline_matches_one_process_and_the_planner():
-    _check(LAYOUTS, 4)
+    """Also: every token routed to ep rank 1's experts, rank 0's get none, and both ranks still
+    meet in every all-to-all of the backward (this hung before the fix), equal to one process."""
+    ranks = run_on_ranks(default_rank_fn, 4, CFG, LAYOUTS, NO_TOKEN_SPEC, timeout=900)
+    for res in (r["no_token"] for r in ranks):
+        assert res["worst"] <= TOL, res
+        assert abs(res["loss"] - res["want"]) <= TOL * abs(res["want"]), res
+        assert res["unused"] and max(res["unused"]) == 0.0, res
+    _check(LAYOUTS, 4, [r["layouts"] for r in ranks])
 
 
 @pytest.mark.slow
@@ -182,14 +199,3 @@ def no_token_rank_fn(spec_kw: dict) -> dict:
     with torch.no_grad():
         want = float(ref(x, y))
     return {"worst": worst, "loss": float(total), "want": want, "unused": unused}
-
-
-def test_no_token_for_one_ep_rank():
-    """Every token routed to ep rank 1's experts: rank 0's experts get none, and both ranks
-    still meet in every all-to-all of the backward (this hung before the fix)."""
-    spec = dict(CFG["spec"], **SIGMOID, layers=2)
-    results = run_on_ranks(no_token_rank_fn, 4, spec, timeout=120)
-    for res in results:
-        assert res["worst"] <= TOL, res
-        assert abs(res["loss"] - res["want"]) <= TOL * abs(res["want"]), res
-        assert res["unused"] and max(res["unused"]) == 0.0, res
