@@ -19,7 +19,7 @@ collective of the second step equals `meshtron.planner.step_collectives` for the
 pipeline rank (dp_shard, pp send/recv, the experts' counts all-to-all, exactly; the uneven
 token all-to-alls by calls per rank and bytes summed over the ep group). Slow: GPipe, ZB-H1,
 ZBV, full recomputation, and 8 ranks (experts FSDP-sharded over dp_shard_mod_ep = 2; tp=2 with
-sequence parallelism).
+sequence parallelism; HSDP with dp_replicate = 2).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ SLOW_LAYOUTS = [
 SLOW_LAYOUTS_8 = [
     dict(P, dp=4, model=SOFTMAX, zero=3, schedule="1f1b"),
     dict(P, tp=2, sp=True, model=SIGMOID, zero=3, schedule="interleaved", virtual_stages=2),
+    dict(P, dp=4, dp_replicate=2, model=SIGMOID, zero=2, schedule="1f1b"),  # HSDP
 ]
 
 
