@@ -121,7 +121,7 @@ def _rank_fn(cfg, layouts):
                         continue
                     # bytes of the input per call: all_gather's is its shard (the smaller
                     # tensor), reduce_scatter's the whole buffer, the others' their tensor
-                    # (all_to_all_single: the first, its input; uneven splits differ from the output)
+                    # (all_to_all_single: the first, its input; uneven splits change the output)
                     numel = (min(sizes) if rr["op"] == "all_gather_into_tensor"
                              else sizes[0] if rr["op"] == "all_to_all_single" else max(sizes))
                     dtype = rr["dtypes"][0]

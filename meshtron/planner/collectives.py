@@ -26,11 +26,12 @@ What is counted, per rank, per optimizer step:
   resharded after forward); `reduce_scatter` of each unit's gradient after its backward (input
   = the whole unit gradient in reduce_dtype; a sigmoid router's balancing bias, E values per
   MoE block with no gradient, is gathered with its block but not reduced). ZeRO-3 without
-  pipelining gathers every micro-batch; ZeRO-2 keeps the parameters gathered from the step's first forward to its last
-  backward (one gather per unit per step). Without pipelining the reduce-scatter runs every
-  micro-batch (once per step with `accumulate_unsharded`); with pipelining each unit is
-  gathered once and reduced once per step. HSDP (dp_replicate > 1) adds an `all_reduce` over
-  "dp_replicate" after every reduce-scatter, input = the reduced shard, in reduce_dtype.
+  pipelining gathers every micro-batch; ZeRO-2 keeps the parameters gathered from the step's
+  first forward to its last backward (one gather per unit per step). Without pipelining the
+  reduce-scatter runs every micro-batch (once per step with `accumulate_unsharded`); with
+  pipelining each unit is gathered once and reduced once per step. HSDP (dp_replicate > 1)
+  adds an `all_reduce` over "dp_replicate" after every reduce-scatter, input = the reduced
+  shard, in reduce_dtype.
 * Pipelining (pp > 1), per micro-batch, for every stage boundary that crosses ranks: the
   forward `send` of the stage output / `recv` of the input, the backward `send` / `recv` of
   their gradients, each a [micro_batch, seq_len/cp, hidden] tensor in the compute dtype (1/tp
@@ -47,7 +48,9 @@ What is counted, per rank, per optimizer step:
   (dp/dp_replicate*cp/ep ranks): the dense unit of the block no longer holds them; they are
   gathered, reduce-scattered and HSDP all-reduced like a block (never the last unit). ZeRO-0/1
   with ep > 1 are not run (the runtime refuses them). Pipeline shape inference (first step
-  only) is not counted.
+  only) is not counted. Under tp the MoE feed-forward (router, shared and routed experts) is
+  replicated over the tp ranks, as the runtime runs it; only attention is split. Checked with
+  pipelines (each pipeline rank's list, tp=2 and HSDP included) by tests/test_ep_pp.py.
 * With context parallelism the data-parallel groups span dp x cp ranks (FSDP over dp_shard x
   cp); the axis is still named "dp_shard" / "dp_replicate", the group size in `group_size`.
 
