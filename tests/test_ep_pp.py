@@ -19,7 +19,7 @@ collective of the second step equals `meshtron.planner.step_collectives` for the
 pipeline rank (dp_shard, pp send/recv, the experts' counts all-to-all, exactly; the uneven
 token all-to-alls by calls per rank and bytes summed over the ep group). Slow: GPipe, ZB-H1,
 ZBV, full recomputation, and 8 ranks (experts FSDP-sharded over dp_shard_mod_ep = 2; tp=2 with
-sequence parallelism; HSDP with dp_replicate = 2).
+sequence parallelism; HSDP with dp_replicate = 2); the balancing bias's gathers without ep.
 """
 
 from __future__ import annotations
@@ -77,6 +77,23 @@ def _tokens(counted: Counter) -> tuple[Counter, Counter]:
             calls[(axis, group, dtype)] += n
             nbytes[(axis, group, dtype)] += n * size
     return calls, nbytes
+
+
+BIAS_LAYOUTS = [dict(dp=4, zero=z, micro_batch=1, model=SIGMOID) for z in (0, 1, 3)] + \
+    [dict(dp=2, pp=2, zero=1, micro_batch=1, model=SIGMOID)]
+
+
+@pytest.mark.slow
+def test_balancing_bias_is_gathered_not_reduced_without_ep():
+    """The sigmoid router's balancing bias (no gradient) in step_collectives without ep: ZeRO-1
+    and ZeRO-3 gather it with its block, nothing reduces it (collectives only)."""
+    results = run_on_ranks(_rank_fn, 4, CFG, BIAS_LAYOUTS, timeout=600)
+    for i, layout in enumerate(BIAS_LAYOUTS):
+        for rank, per in enumerate(results):
+            got = Counter({k: v for k, v in per[i]["counted"].items() if k[1] != "tp"})
+            want = planned(layout, 4, per[i]["pp_rank"])
+            assert got == want, (rank, layout, sorted((got - want).items()),
+                                 sorted((want - got).items()))
 
 
 def default_rank_fn(cfg, layouts, spec_kw):

@@ -25,8 +25,8 @@ What is counted, per rank, per optimizer step:
   and with ZeRO-3 before its backward again except for the last unit ([norm, head]: not
   resharded after forward); `reduce_scatter` of each unit's gradient after its backward (input
   = the whole unit gradient in reduce_dtype; a sigmoid router's balancing bias, E values per
-  MoE block with no gradient, is gathered with its block but not reduced). ZeRO-3 without
-  pipelining gathers every micro-batch; ZeRO-2 keeps the parameters gathered from the step's
+  MoE block with no gradient, is gathered with its block but not reduced, as under ZeRO-1).
+  ZeRO-3 without pipelining gathers every micro-batch; ZeRO-2 keeps the parameters gathered from the step's
   first forward to its last backward (one gather per unit per step). Without pipelining the
   reduce-scatter runs every micro-batch (once per step with `accumulate_unsharded`); with
   pipelining each unit is gathered once and reduced once per step. HSDP (dp_replicate > 1)
@@ -234,12 +234,13 @@ def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
         _expert_collectives(out, plan, model, pp_rank, m, seq_len, compute_b, reduce_b)
     if zero <= 1:
         size = plan.dp * cp
-        for u, _ in units:  # (ZeRO-1's gather of the balancing bias: not measured yet)
+        for u, frozen in units:  # the balancing bias: gathered by ZeRO-1, never reduced
             if zero == 0:
                 _add(out, "all_reduce", "dp_replicate", 1, u, size, reduce_b)
             else:
                 _add(out, "reduce_scatter", "dp_replicate", 1, u, size, reduce_b)
-                _add(out, "all_gather", "dp_replicate", 1, u / size, size, compute_b)
+                _add(out, "all_gather", "dp_replicate", 1, (u + frozen) / size, size,
+                     compute_b)
     else:
         shard = plan.dp // plan.dp_replicate * cp
         rep = plan.dp_replicate
