@@ -26,12 +26,12 @@ What is counted, per rank, per optimizer step:
   resharded after forward); `reduce_scatter` of each unit's gradient after its backward (input
   = the whole unit gradient in reduce_dtype; a sigmoid router's balancing bias, E values per
   MoE block with no gradient, is gathered with its block but not reduced, as under ZeRO-1).
-  ZeRO-3 without pipelining gathers every micro-batch; ZeRO-2 keeps the parameters gathered from the step's
-  first forward to its last backward (one gather per unit per step). Without pipelining the
-  reduce-scatter runs every micro-batch (once per step with `accumulate_unsharded`); with
-  pipelining each unit is gathered once and reduced once per step. HSDP (dp_replicate > 1)
-  adds an `all_reduce` over "dp_replicate" after every reduce-scatter, input = the reduced
-  shard, in reduce_dtype.
+  ZeRO-3 without pipelining gathers every micro-batch; ZeRO-2 keeps the parameters gathered
+  from the step's first forward to its last backward (one gather per unit per step). Without
+  pipelining the reduce-scatter runs every micro-batch (once per step with
+  `accumulate_unsharded`); with pipelining each unit is gathered once and reduced once per
+  step. HSDP (dp_replicate > 1) adds an `all_reduce` over "dp_replicate" after every
+  reduce-scatter, input = the reduced shard, in reduce_dtype.
 * Pipelining (pp > 1), per micro-batch, for every stage boundary that crosses ranks: the
   forward `send` of the stage output / `recv` of the input, the backward `send` / `recv` of
   their gradients, each a [micro_batch, seq_len/cp, hidden] tensor in the compute dtype (1/tp
