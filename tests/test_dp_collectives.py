@@ -32,8 +32,9 @@ TOL = 1e-5
 CFG = dict(DEFAULT_CFG, batch=16, steps=2, spec=dict(DEFAULT_CFG["spec"], vocab=132))
 # recorder op names -> the planner's kinds
 KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-         "all_reduce": "all_reduce", "send": "send", "recv": "recv"}
-DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+         "all_reduce": "all_reduce", "send": "send", "recv": "recv",
+         "all_to_all_single": "all_to_all"}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "int64": "int64"}
 
 LAYOUTS = [
     dict(dp=4, zero=0, micro_batch=1), dict(dp=4, zero=1, micro_batch=1),
@@ -68,29 +69,40 @@ def planned(layout: dict, pp_rank: int) -> Counter:
 
 
 def _rank_fn(cfg, layouts):
+    """Per rank: train each layout (a "model" entry overrides cfg's spec: equivalence.layout_cfg)
+    and count the last step's collectives by (kind, axis, bytes, group size, dtype); expert
+    parallelism's all-to-alls are on axis "ep", the routed experts' FSDP on "dp_shard_mod_ep"
+    (tests/test_ep_pp.py reuses this)."""
     import torch
     import torch.distributed as dist
 
     from meshtron.doctor.recorder import CollectiveRecorder
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from meshtron.parallel.mesh import data_mesh, release_mesh
-    from meshtron.testing.equivalence import make_data, make_spec
+    from meshtron.parallel.mesh import data_mesh, expert_meshes, release_mesh
+    from meshtron.testing.equivalence import layout_cfg, make_data, make_spec
     from meshtron.train.optim import adamw_kernel
 
-    inputs, targets = make_data(cfg)
+    base_cfg = cfg
     out = []
     for layout in layouts:
-        mesh = build_mesh(layout, device_type="cpu")
+        cfg, plan = layout_cfg(base_cfg, layout)
+        inputs, targets = make_data(cfg)
+        mesh = build_mesh(plan, device_type="cpu")
         # Groups by their ranks, named as the planner names them: ZeRO-1's flattened "dp"
         # group has the ranks of "dp_replicate" (dp_shard is 1 there).
         label = {}
         for axis in ("pp", "tp", "dp_replicate", "dp_shard"):
             label[tuple(dist.get_process_group_ranks(mesh[axis].get_group()))] = axis
+        experts, a2a = expert_meshes(mesh), None
+        if experts is not None:  # the all-to-alls' group may have the ranks of "dp_shard"
+            a2a = tuple(dist.get_process_group_ranks(experts.ep.get_group()))
+            mod = experts.names["dp_shard_mod_ep"].get_group()
+            label[tuple(dist.get_process_group_ranks(mod))] = "dp_shard_mod_ep"
         torch.manual_seed(cfg["seed"])
         with torch.device("meta"):
             model = Transformer(make_spec(cfg))
-        pm = parallelize(model, layout, mesh)
+        pm = parallelize(model, plan, mesh)
         opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
                               weight_decay=cfg["weight_decay"], **adamw_kernel("cpu"))
         dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
@@ -109,11 +121,15 @@ def _rank_fn(cfg, layouts):
                         continue
                     # bytes of the input per call: all_gather's is its shard (the smaller
                     # tensor), reduce_scatter's the whole buffer, the others' their tensor
-                    numel = min(sizes) if rr["op"] == "all_gather_into_tensor" else max(sizes)
+                    # (all_to_all_single: the first, its input; uneven splits change the output)
+                    numel = (min(sizes) if rr["op"] == "all_gather_into_tensor"
+                             else sizes[0] if rr["op"] == "all_to_all_single" else max(sizes))
                     dtype = rr["dtypes"][0]
                     width = torch.empty((), dtype=getattr(torch, dtype)).element_size()
                     ranks = tuple(rec.groups[rr["group"]].ranks)
-                    counted[(KINDS.get(rr["op"], rr["op"]), label.get(ranks, str(ranks)),
+                    axis = ("ep" if rr["op"] == "all_to_all_single" and ranks == a2a
+                            else label.get(ranks, str(ranks)))
+                    counted[(KINDS.get(rr["op"], rr["op"]), axis,
                              numel * width, len(ranks), DTYPES.get(dtype, dtype))] += 1
             losses.append(float(loss))
             norms.append(float(pm.clip_grad_norm_(cfg["clip"])))

@@ -12,9 +12,9 @@ Default suite: one 4-rank launch with ep=2 x dp=4 (ZeRO-3: experts FSDP-sharded 
 dp_shard_mod_ep = 2, sigmoid router) and the DCP resharding below; the doctor's skipped
 all-to-all; the bad-input rules. Slow: the rest of the grid (ep=2 x tp=2 with and without sequence
 parallelism, ep=4 ZeRO-2 and ZeRO-3, HSDP, recomputation full/selective, both router kinds
-everywhere). Pipelines with ep are refused (plan_rules.ep_runtime_problems).
-Bad input: ep not dividing the experts or the ranks, ep on a dense model, ep with ZeRO-1,
-ep with pp: one line, exit 2.
+everywhere). Pipelines with ep: tests/test_ep_pp.py.
+Bad input: ep not dividing the experts or the ranks, ep on a dense model, ep with ZeRO-1:
+one line, exit 2.
 """
 
 from __future__ import annotations
@@ -127,8 +127,7 @@ def test_bad_ep_rules():
     assert plan_problems(dict(base, zero=1), 2, moe)[0].startswith(
         "plan.zero=1 with plan.ep=2: expert parallelism is folded over FSDP's shard axis")
     assert plan_problems(dict(base, dp=2, cp=2, ep=3), 4, moe)[0].startswith("plan.ep=3")
-    assert plan_problems(dict(base, pp=2), 4, moe)[0].startswith(
-        "plan.ep=2 with plan.pp=2: meshtron's runtime does not run expert parallelism inside")
+    assert plan_problems(dict(base, pp=2), 4, moe) == []  # ep in a pipeline runs
 
 
 def test_cli_refuses_bad_ep_in_one_line(tmp_path):

@@ -39,7 +39,7 @@ def test_search_picks_ep_for_a_moe_and_every_plan_validates():
     for est in r.plans:
         c = est.config
         assert model.moe_experts % c.ep == 0 and (c.dp // c.dp_replicate * c.cp) % c.ep == 0
-        # the plan rules (the runtime's own refusal of ep > 1 is lifted by branch eprun)
+        # the plan rules, meshtron's runtime limits included
         full = c.replace(global_batch=256, seq_len=4096)
         assert plan_problems(full.knobs_and_context(), cl.num_gpus, model) == []
     assert any(a.label.endswith("with ep=1") or "ep=1" in a.label for a in r.alternatives)
@@ -58,12 +58,14 @@ def test_cli_layout_fixes_ep_and_prints_it(capsys):
     assert (p["tp"], p["pp"], p["dp"], p["ep"]) == (1, 16, 128, 64)
     # 64 ranks of 8 nodes: the all-to-alls cross the network and are exposed in meshtron
     assert p["time_s"]["ep_comm"] > 0.1 * p["step_time_s"]
-    # meshtron's own runtime does not run ep inside a pipeline yet: refused by name
+    # meshtron's own runtime runs ep inside a pipeline too (tests/test_ep_pp.py)
     rc = top.main(["plan", "--model", "deepseek-v3", "--cluster", "dgx-h100:256",
                    "--global-batch", "4096", "--seq-len", "4096",
-                   "--layout", "tp=1,pp=16,dp=128,ep=64"])
-    assert rc == 2 and "does not run expert parallelism inside a pipeline" in \
-        capsys.readouterr().err
+                   "--layout", "tp=1,pp=16,dp=128,ep=64", "--json", "--top", "1"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    p = doc["plans"][0]
+    assert (p["tp"], p["pp"], p["dp"], p["ep"]) == (1, 16, 128, 64) and p["zero"] >= 2
 
 
 def test_dense_model_never_gets_ep_and_ep_must_divide_experts():
@@ -96,7 +98,7 @@ def test_frameworks_with_expert_parallelism_say_how(name):
 def test_meshtron_runs_ep_on_zero_2_3_only():
     r = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
                      {"ep": 8, "tp": 1}, explain=False)
-    assert r.plans and all(e.config.zero >= 2 and e.config.pp == 1 for e in r.plans)
+    assert r.plans and all(e.config.zero >= 2 for e in r.plans)
     m = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
                      {"ep": 8, "pp": 2, "tp": 1}, framework=framework("megatron@2024"),
                      explain=False, top_k=50)

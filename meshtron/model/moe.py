@@ -83,6 +83,14 @@ class GroupedExperts(nn.Module):
                 xe = x[start:start + n]
                 out[start:start + n] = (F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t()
             start += n
+        if not start:
+            # No token reached these experts (under expert parallelism: no rank routed any to
+            # this rank's experts, e.g. a pipeline's shape inference on uninitialized inputs,
+            # or a collapsed router). The output must still hang off `x` and the weights:
+            # autograd runs the dispatch all-to-all's backward, and FSDP2 the experts'
+            # reduce-scatter, only where the graph reaches them, and every ep / FSDP rank must
+            # join those collectives (else the other ranks hang in them). `x` has 0 rows here.
+            out = x * 0 + (w1.sum() + w2.sum() + w3.sum()) * 0
         return out
 
 

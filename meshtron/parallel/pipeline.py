@@ -113,7 +113,12 @@ def _uncounted_metadata_forward(st, module: nn.Module) -> None:
     stage at the first step (PipelineStage._forward_metadata_inference: the first stage on the
     real micro-batch, the others on uninitialized tensors). Routers must not count those
     tokens into the balancing bias's load (meshtron/model/moe.py): only this stage object's
-    method is wrapped, nothing process-wide."""
+    method is wrapped, nothing process-wide. Under expert parallelism that inference also runs
+    the all-to-alls on garbage routing (often every token to one ep rank's experts): the experts
+    keep an autograd edge when they get no token (moe.py `GroupedExperts`), so all ep ranks
+    meet in the backward's all-to-alls (tests/test_ep_pp.py). Static `input_args`/`output_args`
+    would skip the inference, but torch 2.13 then also needs gradient metadata for the DTensor
+    logits of a tensor-parallel last stage; torchtitan lets the stages infer too."""
     from meshtron.model.moe import MoE
 
     moe = [m for m in module.modules() if isinstance(m, MoE)]

@@ -24,12 +24,14 @@ What is counted, per rank, per optimizer step:
   1/dp_shard of the unit, in the compute dtype: bf16, fp8 runs gather bf16, fp32 runs fp32),
   and with ZeRO-3 before its backward again except for the last unit ([norm, head]: not
   resharded after forward); `reduce_scatter` of each unit's gradient after its backward (input
-  = the whole unit gradient in reduce_dtype). ZeRO-3 without pipelining gathers every
-  micro-batch; ZeRO-2 keeps the parameters gathered from the step's first forward to its last
-  backward (one gather per unit per step). Without pipelining the reduce-scatter runs every
-  micro-batch (once per step with `accumulate_unsharded`); with pipelining each unit is
-  gathered once and reduced once per step. HSDP (dp_replicate > 1) adds an `all_reduce` over
-  "dp_replicate" after every reduce-scatter, input = the reduced shard, in reduce_dtype.
+  = the whole unit gradient in reduce_dtype; a sigmoid router's balancing bias, E values per
+  MoE block with no gradient, is gathered with its block but not reduced, as under ZeRO-1).
+  ZeRO-3 without pipelining gathers every micro-batch; ZeRO-2 keeps the parameters gathered
+  from the step's first forward to its last backward (one gather per unit per step). Without
+  pipelining the reduce-scatter runs every micro-batch (once per step with
+  `accumulate_unsharded`); with pipelining each unit is gathered once and reduced once per
+  step. HSDP (dp_replicate > 1) adds an `all_reduce` over "dp_replicate" after every
+  reduce-scatter, input = the reduced shard, in reduce_dtype.
 * Pipelining (pp > 1), per micro-batch, for every stage boundary that crosses ranks: the
   forward `send` of the stage output / `recv` of the input, the backward `send` / `recv` of
   their gradients, each a [micro_batch, seq_len/cp, hidden] tensor in the compute dtype (1/tp
@@ -46,7 +48,9 @@ What is counted, per rank, per optimizer step:
   (dp/dp_replicate*cp/ep ranks): the dense unit of the block no longer holds them; they are
   gathered, reduce-scattered and HSDP all-reduced like a block (never the last unit). ZeRO-0/1
   with ep > 1 are not run (the runtime refuses them). Pipeline shape inference (first step
-  only) is not counted.
+  only) is not counted. Under tp the MoE feed-forward (router, shared and routed experts) is
+  replicated over the tp ranks, as the runtime runs it; only attention is split. Checked with
+  pipelines (each pipeline rank's list, tp=2 and HSDP included) by tests/test_ep_pp.py.
 * With context parallelism the data-parallel groups span dp x cp ranks (FSDP over dp_shard x
   cp); the axis is still named "dp_shard" / "dp_replicate", the group size in `group_size`.
 
@@ -126,30 +130,45 @@ def _block_params(model: Any, tp: int, i: int, ep: int) -> tuple[float, float]:
     expert parallelism the E/ep local experts are a unit of their own."""
     norms = 2 * model.norm_params
     dense = (model.layer_params(i) - norms) / tp + norms
+    if model.is_moe_layer(i):
+        # the runtime replicates an MoE feed-forward over the tp ranks (parallel/tensor.py):
+        # only attention is split (measured: tests/test_ep_pp.py, tp=2)
+        dense = model.attention_params() / tp + model.moe_params() + norms
     if ep > 1 and model.is_moe_layer(i):
         experts = model.moe_experts * model.mlp_params(model.moe_ffn_hidden)
         return dense - experts, experts / ep
     return dense, 0.0
 
 
-def _units(plan: Any, model: Any, pp_rank: int) -> list[float]:
-    """Parameters (per tensor rank) of this rank's FSDP units, in forward order (the blocks
-    of a model whose blocks are alike as memory.layer_params_local counts them; a mixture of
-    experts block by block, without its routed experts under expert parallelism)."""
+def _frozen(model: Any, i: int) -> int:
+    """Elements of block i's DeepSeek-V3 balancing bias (sigmoid router: E fp32 values,
+    meshtron/model/moe.py `Router.expert_bias`): a Parameter without gradient, so FSDP2
+    gathers it with the block's unit but never reduce-scatters it (not a trained parameter:
+    ModelSpec does not count it)."""
+    moe = model.is_moe and model.is_moe_layer(i) and model.moe_router == "sigmoid"
+    return model.moe_experts if moe else 0
+
+
+def _units(plan: Any, model: Any, pp_rank: int) -> list[tuple[float, float]]:
+    """(trained parameters, gathered-only elements: `_frozen`) per tensor rank of this rank's
+    FSDP units, in forward order (the blocks of a model whose blocks are alike as
+    memory.layer_params_local counts them; a mixture of experts block by block, without its
+    routed experts under expert parallelism)."""
     p_layer = memory.layer_params_local(model, plan.tp, plan.pp)
     ep = getattr(plan, "ep", 1)
-    units: list[float] = []
+    units: list[tuple[float, float]] = []
     last = plan.num_stages - 1
     for s, blocks in zip(local_stages(plan, pp_rank), _stage_blocks(plan, model, pp_rank)):
         if s == 0:
-            units.append(memory.embedding_params_local(model, plan.tp))
+            units.append((memory.embedding_params_local(model, plan.tp), 0))
         if model.is_moe:
-            units += [_block_params(model, plan.tp, i, ep)[0] for i in blocks]
+            units += [(_block_params(model, plan.tp, i, ep)[0], _frozen(model, i))
+                      for i in blocks]
         else:
-            units += [p_layer] * len(blocks)
+            units += [(p_layer, 0)] * len(blocks)
         if s == last:
-            units.append(memory.head_params_local(model, plan.tp, plan.pp))
-    return [u for u in units if u > 0]
+            units.append((memory.head_params_local(model, plan.tp, plan.pp), 0))
+    return [u for u in units if u[0] > 0]
 
 
 def _expert_collectives(out: dict, plan: Any, model: Any, pp_rank: int, m: int,
@@ -215,12 +234,13 @@ def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
         _expert_collectives(out, plan, model, pp_rank, m, seq_len, compute_b, reduce_b)
     if zero <= 1:
         size = plan.dp * cp
-        for u in units:
+        for u, frozen in units:  # the balancing bias: gathered by ZeRO-1, never reduced
             if zero == 0:
                 _add(out, "all_reduce", "dp_replicate", 1, u, size, reduce_b)
             else:
                 _add(out, "reduce_scatter", "dp_replicate", 1, u, size, reduce_b)
-                _add(out, "all_gather", "dp_replicate", 1, u / size, size, compute_b)
+                _add(out, "all_gather", "dp_replicate", 1, (u + frozen) / size, size,
+                     compute_b)
     else:
         shard = plan.dp // plan.dp_replicate * cp
         rep = plan.dp_replicate
@@ -228,12 +248,14 @@ def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
         # parameters stay gathered over the micro-batches with pipelining and under ZeRO-2
         gathers = 1 if (pipelined or zero == 2) else m
         reduces = 1 if (pipelined or plan.accumulate_unsharded) else m
-        for i, u in enumerate(units):
+        for i, (u, frozen) in enumerate(units):
             is_last_unit = i == len(units) - 1 and pp_rank == _last_rank(plan)
             n_ag = gathers
             if zero == 3 and not pipelined and not is_last_unit:
                 n_ag += m  # re-gathered before the backward (resharded after forward)
-            _add(out, "all_gather", "dp_shard", n_ag, u / shard, shard, compute_b)
+            # the balancing bias travels with its block (counted in the unit's dtype: measured
+            # in fp32, tests/test_ep_pp.py)
+            _add(out, "all_gather", "dp_shard", n_ag, (u + frozen) / shard, shard, compute_b)
             _add(out, "reduce_scatter", "dp_shard", reduces, u, shard, reduce_b)
             _add(out, "all_reduce", "dp_replicate", reduces, u / shard, rep, reduce_b)
     if plan.pp > 1:
