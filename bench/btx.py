@@ -18,7 +18,7 @@ model is measured here on fixed windows of both eval parts (never trained on), a
 is their mean. `--top-k 1` merges sparsely (one expert per token: the active parameters of a
 branch).
 
-    .venv/bin/python bench/btx.py [--out DIR] [--top-k 2]     # 10-25 min on 2 shared cores
+    .venv/bin/python bench/btx.py [--out DIR] [--top-k 2]     # 1-10 min on 2 shared cores (load)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 MODEL = ["--model", "debug"]
 BATCH = ["--seq-len", "64", "--global-batch", "8", "--lr", "3e-3", "--seed", "0",
          "--eval-every", "0", "--log-every", "10"]
-BASE_STEPS, BRANCH_STEPS, EXTRA_STEPS = 40, 60, 30
+BASE_STEPS, BRANCH_STEPS, EXTRA_STEPS = 40, 200, 80
 EVAL_WINDOWS = 64
 SEQ = 64
 
