@@ -219,7 +219,8 @@ def rank_hashing(args, run_dir: str, rounds: int) -> dict[str, list[float]] | No
 
 
 def bench_ranks(args, work: Path) -> None:
-    from meshtron.testing.multiproc import run_on_ranks
+    sys.path.append(str(Path(__file__).resolve().parent.parent))  # testkit/
+    from testkit.multiproc import run_on_ranks
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from checkpoint_save import rank_hashing  # importable by the ranks (not __main__)

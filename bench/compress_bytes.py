@@ -163,7 +163,7 @@ def rank_body(cases, steps):
 
 
 def main() -> None:
-    from meshtron.testing.multiproc import run_on_ranks
+    from testkit.multiproc import run_on_ranks
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from compress_bytes import rank_body as body  # importable by the ranks (not __main__)

@@ -69,7 +69,7 @@ def rank_fn(cp: int) -> list[dict]:
 
 
 def main() -> None:
-    from meshtron.testing.multiproc import run_on_ranks
+    from testkit.multiproc import run_on_ranks
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cp_memory import rank_fn as body  # importable by the ranks (not __main__)

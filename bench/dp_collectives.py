@@ -31,7 +31,8 @@ def main() -> int:
     sys.path.insert(0, args.tree)
     import test_dp_collectives as t
 
-    from meshtron.testing.multiproc import run_on_ranks
+    sys.path.append(str(Path(__file__).resolve().parent.parent))  # testkit/
+    from testkit.multiproc import run_on_ranks
 
     import meshtron
 

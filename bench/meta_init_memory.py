@@ -96,7 +96,8 @@ def rank_fn(spec_fields: dict, mode: str, folder: str | None) -> dict:
 def _run(spec_fields: dict, mode: str, nproc: int, folder: str | None) -> list[dict]:
     import meta_init_memory as me  # importable by the ranks (this folder is on sys.path)
 
-    from meshtron.testing.multiproc import run_on_ranks
+    sys.path.append(str(Path(__file__).resolve().parent.parent))  # testkit/
+    from testkit.multiproc import run_on_ranks
 
     return run_on_ranks(me.rank_fn, nproc, spec_fields, mode, folder, timeout=3600)
 

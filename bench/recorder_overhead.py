@@ -1,7 +1,7 @@
 """Step-time overhead of meshtron doctor's collective recorder (goal: ratio <= 1.02).
 
 Same ranks, same model and optimizer, same batches; rounds alternate recorder OFF / ON / OFF /
-ON ... inside one multi-rank gloo launch (`meshtron.testing.multiproc`), so machine noise (other
+ON ... inside one multi-rank gloo launch (`testkit.multiproc`), so machine noise (other
 jobs on a shared machine) hits both sides alike. A round is `--steps` optimizer steps of the
 engine `meshtron train` runs (`ParallelEngine.train_step`); its step time is the slowest rank's
 median. ON installs the recorder (`CollectiveRecorder.install`) as a training rank does for
@@ -189,7 +189,7 @@ def main() -> int:
         for side, (a, b) in res.items():
             print(f"{side:<8}{a:>10.1f}{b:>10.1f}   added {a - off[0]:>7.1f} {b - off[1]:>7.1f}")
         return 0
-    from meshtron.testing.multiproc import run_on_ranks
+    from testkit.multiproc import run_on_ranks
 
     import recorder_overhead
 

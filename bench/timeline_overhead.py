@@ -93,7 +93,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per round")
     ap.add_argument("--pairs", type=int, default=4, help="rounds of each side")
     args = ap.parse_args()
-    from meshtron.testing.multiproc import run_on_ranks
+    from testkit.multiproc import run_on_ranks
 
     import timeline_overhead
 

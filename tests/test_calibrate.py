@@ -123,7 +123,7 @@ def calibrate_two_nodes_rank_fn() -> dict:
 
 def test_calibration_spanning_two_nodes_fits_both_levels():
     from meshtron.planner.cluster import cluster_from_dict as build
-    from meshtron.testing.multiproc import run_on_ranks
+    from testkit.multiproc import run_on_ranks
 
     results = run_on_ranks(calibrate_two_nodes_rank_fn, 4, timeout=300)
     assert all(r == results[0] for r in results)  # the same cluster on every rank

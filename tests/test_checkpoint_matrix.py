@@ -35,7 +35,7 @@ import torch
 
 from meshtron.checkpoint import CheckpointConfig, load_full_state_dict, store
 from meshtron.config import config_from_dict
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 STEPS, EVERY = 6, 2
 

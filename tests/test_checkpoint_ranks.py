@@ -1,4 +1,4 @@
-"""Checkpoints on real gloo ranks (meshtron/testing/multiproc.py): bit-identical resume of a
+"""Checkpoints on real gloo ranks (testkit/multiproc.py): bit-identical resume of a
 pipeline run, a SIGTERM delivered to one rank alone, and resumes on other layouts (pp=2 -> one
 process, ZeRO-1 -> ZeRO-3), all in two launches of two ranks. Also who hashes what: at a save
 each rank hashes only the files it wrote, off the training thread; on resume each rank re-hashes
@@ -20,7 +20,7 @@ import torch
 
 from meshtron.checkpoint import CheckpointConfig, load_full_state_dict, store
 from meshtron.config import config_from_dict
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 from meshtron.train.loop import train
 
 STEPS = 4

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 STEPS = 16
 SHORT = 5

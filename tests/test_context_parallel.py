@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from meshtron.errors import UserError
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 EOS = 258
 SEQ, BATCH, STEPS = 32, 2, 3

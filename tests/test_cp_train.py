@@ -20,7 +20,7 @@ import pytest
 
 from meshtron.errors import UserError
 from meshtron.planner.plan import Plan
-from meshtron.testing.equivalence import (
+from testkit.equivalence import (
     DEFAULT_CFG,
     GPT_MODEL,
     compare,
@@ -30,7 +30,7 @@ from meshtron.testing.equivalence import (
     parallel_rank_fn,
     reference_run,
 )
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 TOL = 1e-5
 
@@ -60,7 +60,7 @@ def _dcp_cp_to_cp1(cfg, ckpt_dir):
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
     from meshtron.parallel.mesh import data_mesh, release_mesh
-    from meshtron.testing.equivalence import make_data
+    from testkit.equivalence import make_data
 
     inputs, targets = make_data(cfg)
 
@@ -122,7 +122,7 @@ def _count_step(cfg):
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
     from meshtron.parallel.mesh import data_mesh, release_mesh
-    from meshtron.testing.equivalence import make_data
+    from testkit.equivalence import make_data
 
     inputs, targets = make_data(cfg)
     mesh = build_mesh(dict(COUNT), device_type="cpu")

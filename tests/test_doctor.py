@@ -21,7 +21,7 @@ import pytest
 
 from meshtron.doctor.analyze import diagnose
 from meshtron.doctor.trace import load_trace
-from meshtron.testing.multiproc import RankError, RankTimeout, run_on_ranks
+from testkit.multiproc import RankError, RankTimeout, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 import doctor_faults  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 
 from collections import Counter
 
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 LAYOUTS = [{"dp": 2, "zero": 3}, {"tp": 2},
            {"pp": 2, "schedule": "1f1b", "global_batch": 4, "micro_batch": 1}]

@@ -10,7 +10,7 @@ import torch
 from meshtron.data.tokenizer import ByteTokenizer
 from meshtron.model.spec import ModelSpec
 from meshtron.model.transformer import Transformer, document_positions
-from meshtron.testing.equivalence import DEFAULT_CFG, GPT_MODEL
+from testkit.equivalence import DEFAULT_CFG, GPT_MODEL
 
 SPEC = ModelSpec(**dict(DEFAULT_CFG["spec"], vocab=259, max_seq=64))
 TEXTS = ["def f(x):\n", "import os", "a = 1\nb = 2\n"]

@@ -25,8 +25,8 @@ from collections import Counter
 
 import pytest
 
-from meshtron.testing.equivalence import DEFAULT_CFG, compare, format_report, reference_run
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.equivalence import DEFAULT_CFG, compare, format_report, reference_run
+from testkit.multiproc import run_on_ranks
 
 TOL = 1e-5
 CFG = dict(DEFAULT_CFG, batch=16, steps=2, spec=dict(DEFAULT_CFG["spec"], vocab=132))
@@ -60,7 +60,7 @@ def planned(layout: dict, pp_rank: int) -> Counter:
     {(kind, axis, bytes per call, group size, dtype): calls per step}."""
     from meshtron.parallel.mesh import resolve_plan
     from meshtron.planner import step_collectives
-    from meshtron.testing.equivalence import make_spec
+    from testkit.equivalence import make_spec
 
     spec = make_spec(CFG)
     plan = resolve_plan(layout, 4, spec)
@@ -80,7 +80,7 @@ def _rank_fn(cfg, layouts):
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
     from meshtron.parallel.mesh import data_mesh, expert_meshes, release_mesh
-    from meshtron.testing.equivalence import layout_cfg, make_data, make_spec
+    from testkit.equivalence import layout_cfg, make_data, make_spec
     from meshtron.train.optim import adamw_kernel
 
     base_cfg = cfg

@@ -30,8 +30,8 @@ from collections import Counter
 
 import pytest
 
-from meshtron.testing.equivalence import DEFAULT_CFG
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.equivalence import DEFAULT_CFG
+from testkit.multiproc import run_on_ranks
 
 MOE = dict(name="equiv-moe", moe_experts=8, moe_top_k=2, moe_ffn_hidden=32,
            moe_aux_loss=0.01, layers=3)
@@ -66,7 +66,7 @@ def _rank_fn(cfg, layouts):
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
     from meshtron.parallel.mesh import data_mesh, expert_meshes, release_mesh
-    from meshtron.testing.equivalence import make_data, make_spec
+    from testkit.equivalence import make_data, make_spec
 
     inputs, targets = make_data(cfg)
     out = []
@@ -139,7 +139,7 @@ def _planner_ep(layout: dict, spec):
 
 @pytest.mark.slow
 def test_ep_collectives_match_the_contract():
-    from meshtron.testing.equivalence import make_spec
+    from testkit.equivalence import make_spec
 
     spec = make_spec(CFG)
     results = run_on_ranks(_rank_fn, 4, CFG, LAYOUTS, timeout=600)

@@ -28,8 +28,8 @@ from collections import Counter
 
 import pytest
 
-from meshtron.testing.equivalence import compare, format_report, layout_cfg, reference_run
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.equivalence import compare, format_report, layout_cfg, reference_run
+from testkit.multiproc import run_on_ranks
 from test_dp_collectives import _rank_fn
 from test_ep_train import CFG as EP_CFG
 from test_ep_train import SIGMOID, SOFTMAX, TOL
@@ -60,7 +60,7 @@ def planned(layout: dict, world: int, pp_rank: int) -> Counter:
     """step_collectives for this layout on pipeline rank `pp_rank`, as the recorder keys them."""
     from meshtron.parallel.mesh import resolve_plan
     from meshtron.planner import step_collectives
-    from meshtron.testing.equivalence import make_spec
+    from testkit.equivalence import make_spec
 
     cfg, attrs = layout_cfg(CFG, layout)
     spec = make_spec(cfg)

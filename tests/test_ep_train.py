@@ -3,7 +3,7 @@ against one process, on real gloo process groups.
 
 Each layout trains STEPS AdamW steps of a small MoE (both router kinds: softmax top-2 with the
 auxiliary loss, as Mixtral; DeepSeek-V3's sigmoid, group-limited, shared expert, first block
-dense) through `meshtron.testing.equivalence.parallel_rank_fn`, the sweep every other layout
+dense) through `testkit.equivalence.parallel_rank_fn`, the sweep every other layout
 passes: losses, gradient norms and every parameter (experts gathered from their ep x FSDP
 shards) must equal the single-process run on the same seed and data within its fp32 tolerance.
 The reference uses the plan's micro-batch (the auxiliary loss is per micro-batch in both).
@@ -24,9 +24,9 @@ import sys
 
 import pytest
 
-from meshtron.testing.equivalence import DEFAULT_CFG, compare, format_report, layout_cfg, \
+from testkit.equivalence import DEFAULT_CFG, compare, format_report, layout_cfg, \
     parallel_rank_fn, reference_run
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 TOL = 1e-5
 TIMEOUT = 600
@@ -152,7 +152,7 @@ def ep_dcp_rank_fn(cfg, layouts, ckpt_dir):
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
     from meshtron.parallel.mesh import data_mesh
-    from meshtron.testing.equivalence import make_data, make_spec
+    from testkit.equivalence import make_data, make_spec
 
     out = {"sweep": parallel_rank_fn(cfg, layouts)}
     cfg, _ = layout_cfg(cfg, {"model": SIGMOID})
@@ -207,7 +207,7 @@ def test_doctor_names_a_skipped_all_to_all(tmp_path):
 
     from meshtron.doctor.analyze import diagnose
     from meshtron.doctor.trace import load_trace
-    from meshtron.testing.multiproc import RankError, RankTimeout
+    from testkit.multiproc import RankError, RankTimeout
 
     sys.path.insert(0, str(Path(__file__).parent))
     import doctor_faults

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from meshtron.errors import UserError
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 SEQ, BATCH, STEPS = 16, 2, 3
 

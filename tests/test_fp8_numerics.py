@@ -1,5 +1,5 @@
 """FP8 (torchao float8, emulated on CPU) trains like bf16: loss curves of the debug model on
-byte-level stdlib text, same seed and batches (meshtron/testing/fp8_numerics.py), and one rule
+byte-level stdlib text, same seed and batches (testkit/fp8_numerics.py), and one rule
 for which Linears are FP8, shared by the runtime's conversion and the planner's cost.
 
 Tolerances. e4m3 keeps 3 mantissa bits: each GEMM input is rounded to a relative error of up
@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshtron.testing.fp8_numerics import CurveConfig, _windows, smoothed, train_curve
+from testkit.fp8_numerics import CurveConfig, _windows, smoothed, train_curve
 
 SMOOTH_TOL = 0.12
 FINAL_TOL = 0.06

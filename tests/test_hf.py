@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from meshtron.cli import main
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 
 def _transformers():

@@ -180,7 +180,7 @@ def measure_states_rank_fn(layouts: list[dict]) -> list[dict]:
 
 
 def test_planner_states_equal_the_runtimes_bytes_on_every_rank():
-    from meshtron.testing.multiproc import run_on_ranks
+    from testkit.multiproc import run_on_ranks
 
     measured = run_on_ranks(measure_states_rank_fn, 4, LAYOUTS, timeout=600)
     for i, layout in enumerate(LAYOUTS):

@@ -13,8 +13,8 @@ import torch
 from meshtron.model import init as minit
 from meshtron.model.spec import ModelSpec
 from meshtron.model.transformer import Transformer
-from meshtron.testing.equivalence import DEFAULT_CFG, GPT_MODEL
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.equivalence import DEFAULT_CFG, GPT_MODEL
+from testkit.multiproc import run_on_ranks
 
 SPEC = dict(DEFAULT_CFG["spec"])
 

@@ -156,7 +156,7 @@ def two_rank_fn(cases) -> list[dict]:
 def test_dp2_and_pp2_match_one_process():
     from meshtron.planner.memory_ranks import rank_states
     from meshtron.planner.plan import Plan
-    from meshtron.testing.multiproc import run_on_ranks
+    from testkit.multiproc import run_on_ranks
 
     results = run_on_ranks(two_rank_fn, 2, CASES, timeout=300)
     refs = {name: _local_run(name) for name in {n for n, _ in CASES}}

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from meshtron.testing.multiproc import RankError, RankTimeout, run_on_ranks
+from testkit.multiproc import RankError, RankTimeout, run_on_ranks
 
 
 def _all_reduce(base):

@@ -9,9 +9,9 @@ import pytest
 
 from meshtron.errors import UserError
 from meshtron.planner.plan import Plan, runtime_problem
-from meshtron.testing.equivalence import DEFAULT_CFG, compare, format_report, parallel_rank_fn, \
+from testkit.equivalence import DEFAULT_CFG, compare, format_report, parallel_rank_fn, \
     reference_run
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 TOL = 1e-5  # tests/test_parallel.py: fp32 summation order only
 

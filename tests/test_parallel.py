@@ -21,7 +21,7 @@ from meshtron.parallel.mesh import data_mesh, resolve_plan, stage_layer_counts
 from meshtron.planner.placement import axis_sizes
 from meshtron.planner.plan import Plan
 from meshtron.parallel.pipeline import stage_ids_for_rank
-from meshtron.testing.equivalence import (
+from testkit.equivalence import (
     DEFAULT_CFG,
     GPT_MODEL,
     GPT_PARALLEL_RESIDUAL_MODEL,
@@ -32,7 +32,7 @@ from meshtron.testing.equivalence import (
     parallel_rank_fn,
     reference_run,
 )
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 TOL = 1e-5
 
@@ -295,7 +295,7 @@ def _dcp_rank_fn(cfg, ckpt_dir):
 
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from meshtron.testing.equivalence import make_data
+    from testkit.equivalence import make_data
 
     inputs, targets = make_data(cfg)
 
@@ -381,7 +381,7 @@ def _dcp_optimizer_rank_fn(cfg, ckpt_root, cases):
 
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from meshtron.testing.equivalence import PARAM_SCALE_FLOOR, make_data
+    from testkit.equivalence import PARAM_SCALE_FLOOR, make_data
 
     inputs, targets = make_data(cfg)
 

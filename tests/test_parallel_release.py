@@ -2,8 +2,8 @@
 that builds one layout after another (the equivalence sweep, an API user trying layouts) keeps
 a flat thread count instead of accumulating every earlier layout's backend threads."""
 
-from meshtron.testing.equivalence import DEFAULT_CFG, parallel_rank_fn
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.equivalence import DEFAULT_CFG, parallel_rank_fn
+from testkit.multiproc import run_on_ranks
 
 # The same layouts twice: the second build of a mesh equal to a released one must not meet the
 # released mesh again through torch's caches (DTensor sharding propagation).

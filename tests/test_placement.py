@@ -23,7 +23,7 @@ from meshtron.planner.estimate import Evaluator
 from meshtron.planner.placement import groups_for_cost, placement
 from meshtron.planner.plan import Plan, as_plan
 from meshtron.planner.search import evaluate_plan
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 
 def _divisors(n):

@@ -1,6 +1,6 @@
 """In-memory snapshots (meshtron/heal/snapshot.py) on real gloo ranks and real SIGKILLs.
 
-- Two ranks in one launch (meshtron/testing/multiproc.py), ZeRO-3 over dp=2, one rank per
+- Two ranks in one launch (testkit/multiproc.py), ZeRO-3 over dp=2, one rank per
   "node": a snapshot, two more steps, then a fresh engine restores it bit for bit (every tensor,
   the data position, the LR-schedule position, the RNG state), once with rank 1's node folder
   gone (its shard comes back from its keeper, rank 0, over gloo) and then with every copy gone
@@ -28,7 +28,7 @@ import torch
 
 from meshtron.heal import snapshot_files as files
 from meshtron.heal.snapshot_files import Choice, choose
-from meshtron.testing.multiproc import run_on_ranks
+from testkit.multiproc import run_on_ranks
 
 from tests.test_checkpoint_cli import _losses, _rank_pids, _records, _start, _wait_for_step
 

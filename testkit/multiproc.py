@@ -103,7 +103,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 out = open(tmpdir / f"rank{rank}.log", "wb")
                 logs.append(out)
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "meshtron.testing.multiproc", str(tmpdir), str(rank),
+                    [sys.executable, "-m", "testkit.multiproc", str(tmpdir), str(rank),
                      str(world_size), str(os.getpid())],
                     stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True))
             return _wait(procs, tmpdir, world_size, timeout)
