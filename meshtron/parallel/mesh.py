@@ -164,7 +164,11 @@ def _expert_meshes(mesh, p: Plan) -> ExpertMeshes:
     if p.zero < 2:  # dp on "dp_replicate" (cp > 1 needs ZeRO-2/3: plan_rules)
         split = mesh._unflatten("dp_replicate", (p.dp // p.ep, p.ep), ("dp_mod_ep", "ep"))
         names = {"ep": split["ep"], "dp_mod_ep": split["dp_mod_ep"]}
-        fsdp = split["dp_mod_ep", "dp_shard"] if p.zero == 0 else split["dp_mod_ep"]
+        # ZeRO-0: FSDP2's HSDP path with shards of one rank (one all-reduce per step); with
+        # ep = dp there is no replica and the 1-D mesh of one rank issues no collective (the
+        # HSDP path would still all-reduce on the one-rank group, measured on torch 2.13)
+        two_d = p.zero == 0 and p.dp > p.ep
+        fsdp = split["dp_mod_ep", "dp_shard"] if two_d else split["dp_mod_ep"]
         return ExpertMeshes(names["ep"], fsdp, names, "dp_mod_ep")
     mod = p.dp_shard * cp // p.ep
     if cp == 1:
