@@ -144,7 +144,8 @@ class ExpertMeshes:
         "dp_replicate" in front for HSDP; ZeRO-1 "dp_mod_ep" (optimizer states and gradients
         sharded over the expert replicas, as the dense parts over "dp"); ZeRO-0
         ("dp_mod_ep", "dp_shard") (FSDP2's HSDP path with shards of one rank: one all-reduce
-        per step, as the dense parts over ("dp_replicate", "dp_shard"))."""
+        per step, as the dense parts over ("dp_replicate", "dp_shard")); "dp_mod_ep" alone
+        when ep = dp."""
         self.names = names
         """Axis name -> 1-D submesh (for the doctor's group names and `release_mesh`)."""
         self.data_axis = data_axis
