@@ -97,8 +97,8 @@ def _rank_fn(cfg, layouts):
         experts, a2a = expert_meshes(mesh), None
         if experts is not None:  # the all-to-alls' group may have the ranks of "dp_shard"
             a2a = tuple(dist.get_process_group_ranks(experts.ep.get_group()))
-            mod = experts.names["dp_shard_mod_ep"].get_group()
-            label[tuple(dist.get_process_group_ranks(mod))] = "dp_shard_mod_ep"
+            mod = experts.data.get_group()  # dp_shard_mod_ep (ZeRO-2/3) or dp_mod_ep (0/1)
+            label[tuple(dist.get_process_group_ranks(mod))] = experts.data_axis
         torch.manual_seed(cfg["seed"])
         with torch.device("meta"):
             model = Transformer(make_spec(cfg))

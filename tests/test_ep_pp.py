@@ -13,13 +13,16 @@ and weights); it also covers a router that sends a rank no token in real trainin
 default launch forces with the balancing bias (`no_token_rank_fn`).
 
 Default: one 4-rank launch, dp=2 x ep=2 x pp=2 (ep folded over dp_shard) with 1F1B (sigmoid
-router, ZeRO-3) and the interleaved schedule (softmax router + auxiliary loss, ZeRO-2): losses,
+router, ZeRO-3) and the interleaved schedule (softmax router + auxiliary loss, ZeRO-2), and
+without a pipeline ep=2 x dp=4 under ZeRO-0 (softmax) and ZeRO-1 (sigmoid), the experts over
+"dp_mod_ep" (issue 21: ep with every ZeRO stage): losses,
 gradient norms and every parameter equal the single-process run within 1e-5, and every
 collective of the second step equals `meshtron.planner.step_collectives` for the rank's
-pipeline rank (dp_shard, pp send/recv, the experts' counts all-to-all, exactly; the uneven
-token all-to-alls by calls per rank and bytes summed over the ep group). Slow: GPipe, ZB-H1,
-ZBV, full recomputation, and 8 ranks (experts FSDP-sharded over dp_shard_mod_ep = 2; tp=2 with
-sequence parallelism; HSDP with dp_replicate = 2); the balancing bias's gathers without ep.
+pipeline rank (dp_shard, dp_replicate, dp_mod_ep, pp send/recv, the experts' counts
+all-to-all, exactly; the uneven token all-to-alls by calls per rank and bytes summed over the
+ep group). Slow: ZeRO-0/1 inside pipelines, GPipe, ZB-H1, ZBV, full recomputation, and 8 ranks
+(experts FSDP-sharded over dp_shard_mod_ep = 2; tp=2 with sequence parallelism; HSDP with
+dp_replicate = 2; ZeRO-0/1 with dp_mod_ep = 2); the balancing bias's gathers without ep.
 """
 
 from __future__ import annotations
@@ -39,11 +42,18 @@ from test_ep_train import SIGMOID, SOFTMAX, TOL
 CFG = dict(EP_CFG, spec=dict(EP_CFG["spec"], vocab=132))
 
 P = dict(dp=2, ep=2, pp=2, micro_batch=1)
+# ep=2 x dp=4 without a pipeline under ZeRO-0 and ZeRO-1: the experts replicated (all-reduced)
+# or optimizer-sharded over "dp_mod_ep" (the 2 ranks holding the same experts), the dense
+# parts over all 4 data ranks; here for the count-for-count check in the same launch.
+ZERO01 = [dict(dp=4, ep=2, micro_batch=1, model=SOFTMAX, zero=0),
+          dict(dp=4, ep=2, micro_batch=1, model=SIGMOID, zero=1)]
 LAYOUTS = [
     dict(P, model=SIGMOID, zero=3, schedule="1f1b"),
     dict(P, model=SOFTMAX, zero=2, schedule="interleaved", virtual_stages=2),
-]
+] + ZERO01
 SLOW_LAYOUTS = [
+    dict(P, model=SIGMOID, zero=1, schedule="1f1b"),
+    dict(P, model=SOFTMAX, zero=0, schedule="interleaved", virtual_stages=2),
     dict(P, model=SIGMOID, zero=3, schedule="gpipe"),
     dict(P, model=SOFTMAX, zero=2, schedule="zb"),
     dict(P, model=SIGMOID, zero=2, schedule="zbv"),
@@ -53,6 +63,8 @@ SLOW_LAYOUTS_8 = [
     dict(P, dp=4, model=SOFTMAX, zero=3, schedule="1f1b"),
     dict(P, tp=2, sp=True, model=SIGMOID, zero=3, schedule="interleaved", virtual_stages=2),
     dict(P, dp=4, dp_replicate=2, model=SIGMOID, zero=2, schedule="1f1b"),  # HSDP
+    dict(P, dp=4, model=SOFTMAX, zero=0, schedule="1f1b"),  # experts all-reduced over 2
+    dict(P, dp=4, model=SIGMOID, zero=1, schedule="interleaved", virtual_stages=2),
 ]
 
 

@@ -12,9 +12,10 @@ Default suite: one 4-rank launch with ep=2 x dp=4 (ZeRO-3: experts FSDP-sharded 
 dp_shard_mod_ep = 2, sigmoid router) and the DCP resharding below; the doctor's skipped
 all-to-all; the bad-input rules. Slow: the rest of the grid (ep=2 x tp=2 with and without sequence
 parallelism, ep=4 ZeRO-2 and ZeRO-3, HSDP, recomputation full/selective, both router kinds
-everywhere). Pipelines with ep: tests/test_ep_pp.py.
-Bad input: ep not dividing the experts or the ranks, ep on a dense model, ep with ZeRO-1:
-one line, exit 2.
+everywhere; ZeRO-0/1 with ep=4 (no expert replicas) and with tp=2), and DCP from ZeRO-3 ep=2 into
+ZeRO-1 ep=2 and ZeRO-0 ep=4. Pipelines with ep, and the default check of ep=2 x dp=4 under
+ZeRO-0 / ZeRO-1 (with the planner's collectives): tests/test_ep_pp.py.
+Bad input: ep not dividing the experts or the ranks, ep on a dense model: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -58,10 +59,18 @@ SLOW_LAYOUTS = [
     _layout(SIGMOID, dp=4, ep=4, recompute="full"),
     _layout(SOFTMAX, dp=4, ep=2, recompute="selective"),
     _layout(SOFTMAX, dp=2, ep=2, zero=2, tp=2, recompute="full"),
+    _layout(SIGMOID, dp=4, ep=4, zero=0),
+    _layout(SOFTMAX, dp=4, ep=4, zero=1),
+    _layout(SOFTMAX, dp=2, ep=2, zero=0, tp=2, sp=True),
+    _layout(SIGMOID, dp=2, ep=2, zero=1, tp=2),
 ]
 
 
-def _check(layouts, ckpt_dir=None):
+DCP_TARGETS = ((4, 3), (1, 3))
+"""(ep, zero) the default launch loads its ZeRO-3 ep=2 checkpoint into."""
+
+
+def _check(layouts, ckpt_dir=None, targets=DCP_TARGETS):
     refs: dict = {}
 
     def ref_for(layout):
@@ -74,14 +83,15 @@ def _check(layouts, ckpt_dir=None):
     if ckpt_dir is None:
         results = run_on_ranks(parallel_rank_fn, 4, CFG, layouts, timeout=TIMEOUT)
     else:
-        ranks = run_on_ranks(ep_dcp_rank_fn, 4, CFG, layouts, ckpt_dir, timeout=TIMEOUT)
+        ranks = run_on_ranks(ep_dcp_rank_fn, 4, CFG, layouts, ckpt_dir, targets,
+                             timeout=TIMEOUT)
         results = [r["sweep"] for r in ranks]
         for r in ranks:
-            for ep in (4, 1):
-                loss, diff, same_names = r[ep]
-                assert same_names, ep
-                assert abs(loss - r["want_loss"]) <= TOL * abs(r["want_loss"]), (ep, r)
-                assert diff <= TOL, (ep, r)
+            for target in targets:
+                loss, diff, same_names = r[target]
+                assert same_names, target
+                assert abs(loss - r["want_loss"]) <= TOL * abs(r["want_loss"]), (target, r)
+                assert diff <= TOL, (target, r)
     report = compare(ref_for, results)
     print(format_report(report))
     bad = [r for r in report if r["missing"] or r["extra"]
@@ -97,6 +107,13 @@ def test_ep_layouts_match_one_process_and_dcp_reshards_across_ep(tmp_path):
 @pytest.mark.slow
 def test_ep_layouts_match_one_process_slow():
     _check(SLOW_LAYOUTS)
+
+
+@pytest.mark.slow
+def test_ep_dcp_resumes_across_zero_stages(tmp_path):
+    """The ZeRO-3 ep=2 checkpoint resumed under ZeRO-1 ep=2 (experts' optimizer states sharded
+    over dp_mod_ep) and ZeRO-0 ep=4 (replicated): the same step 3."""
+    _check([], str(tmp_path / "ckpt"), targets=((2, 1), (4, 0)))
 
 
 @pytest.mark.parametrize("layout, match", [
@@ -124,8 +141,9 @@ def test_bad_ep_rules():
     assert plan_problems(base, 2, moe) == []
     assert plan_problems(dict(base), 2, dense)[0].startswith(
         "plan.ep=2: expert parallelism needs a mixture-of-experts model")
-    assert plan_problems(dict(base, zero=1), 2, moe)[0].startswith(
-        "plan.zero=1 with plan.ep=2: expert parallelism is folded over FSDP's shard axis")
+    for zero in (0, 1):  # issue 21: ep folds over dp_replicate (parallel/mesh.py ExpertMeshes)
+        assert plan_problems(dict(base, zero=zero), 2, moe) == []
+        assert plan_problems(dict(base, zero=zero, dp=4), 4, moe) == []
     assert plan_problems(dict(base, dp=2, cp=2, ep=3), 4, moe)[0].startswith("plan.ep=3")
     assert plan_problems(dict(base, pp=2), 4, moe) == []  # ep in a pipeline runs
 
@@ -140,12 +158,12 @@ def test_cli_refuses_bad_ep_in_one_line(tmp_path):
     assert len(lines) == 1 and "plan.ep=3: must divide the model's 8 routed experts" in lines[0]
 
 
-def ep_dcp_rank_fn(cfg, layouts, ckpt_dir):
+def ep_dcp_rank_fn(cfg, layouts, ckpt_dir, loads=DCP_TARGETS):
     """The equivalence layouts, then DCP across ep sizes: train 2 steps at ep=2 x dp=4
-    (ZeRO-3), save model + optimizer, take step 3; load the checkpoint into ep=4 and into ep=1
-    (a fresh, differently seeded model each) and take the same step 3: losses and every
-    parameter must match continuing at ep=2 (the expert weights are DTensors sharded on the
-    expert dimension, so DCP reshards them)."""
+    (ZeRO-3), save model + optimizer, take step 3; load the checkpoint into each (ep, zero) of
+    `loads` (a fresh, differently seeded model each) and take the same step 3: losses and
+    every parameter must match continuing at ep=2 (the expert weights are DTensors sharded on
+    the expert dimension, so DCP reshards them)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -158,8 +176,8 @@ def ep_dcp_rank_fn(cfg, layouts, ckpt_dir):
     cfg, _ = layout_cfg(cfg, {"model": SIGMOID})
     inputs, targets = make_data(cfg)
 
-    def build(ep, seed):
-        plan = dict(dp=4, zero=3, ep=ep, micro_batch=MICRO)
+    def build(ep, seed, zero=3):
+        plan = dict(dp=4, zero=zero, ep=ep, micro_batch=MICRO)
         mesh = build_mesh(plan, device_type="cpu")
         torch.manual_seed(seed)
         with torch.device("meta"):
@@ -185,8 +203,8 @@ def ep_dcp_rank_fn(cfg, layouts, ckpt_dir):
     dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
     out["want_loss"] = step(pm, opt, mesh, 2)
     want = pm.full_parameters()
-    for ep in (4, 1):
-        pm2, opt2, mesh2 = build(ep, cfg["seed"] + 99)  # another init: must be overwritten
+    for ep, zero in loads:
+        pm2, opt2, mesh2 = build(ep, cfg["seed"] + 99, zero)  # another init: overwritten
         state = {"model": pm2.state_dict(), "optim": opt2.state_dict()}
         dcp.load(state, checkpoint_id=ckpt_dir)
         pm2.load_state_dict(state["model"])
@@ -195,7 +213,7 @@ def ep_dcp_rank_fn(cfg, layouts, ckpt_dir):
         got = pm2.full_parameters()
         diff = max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-2))
                    for k in want)
-        out[ep] = (loss, diff, sorted(got) == sorted(want))
+        out[(ep, zero)] = (loss, diff, sorted(got) == sorted(want))
     return out
 
 

@@ -65,7 +65,10 @@ def test_cli_layout_fixes_ep_and_prints_it(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0
     p = doc["plans"][0]
-    assert (p["tp"], p["pp"], p["dp"], p["ep"]) == (1, 16, 128, 64) and p["zero"] >= 2
+    # any ZeRO stage (issue 21: ZeRO-0/1 with ep run too; with dp = 128 the distributed
+    # optimizer's one reduction per step is the cheapest here)
+    assert (p["tp"], p["pp"], p["dp"], p["ep"]) == (1, 16, 128, 64)
+    assert p["zero"] in (0, 1, 2, 3)
 
 
 def test_dense_model_never_gets_ep_and_ep_must_divide_experts():
@@ -95,10 +98,15 @@ def test_frameworks_with_expert_parallelism_say_how(name):
     assert framework(name).expert_parallel
 
 
-def test_meshtron_runs_ep_on_zero_2_3_only():
-    r = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
-                     {"ep": 8, "tp": 1}, explain=False)
-    assert r.plans and all(e.config.zero >= 2 for e in r.plans)
+def test_meshtron_runs_ep_with_every_zero_stage():
+    """Issue 21: ep composes with ZeRO 0-3 in the runtime (tests/test_ep_pp.py), so the search
+    offers ZeRO-0/1 with ep too, and every plan it returns validates."""
+    for zero in (0, 1):
+        r = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
+                         {"ep": 8, "tp": 1, "zero": zero}, explain=False)
+        assert r.plans and all(e.config.zero == zero and e.config.ep == 8 for e in r.plans)
+        for e in r.plans:
+            e.config.validate(32, preset("mixtral-8x7b"))  # UserError if not
     m = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
                      {"ep": 8, "pp": 2, "tp": 1}, framework=framework("megatron@2024"),
                      explain=False, top_k=50)
@@ -120,6 +128,14 @@ def test_expert_states_divide_by_ep_and_shard_over_the_rest():
     # ZeRO-1 optimizer states: over dp = 32 ranks dense, over dp/ep = 4 for the experts: the
     # same per rank (E/ep experts over S/ep ranks = E over S)
     assert base.optimizer == pytest.approx(ep8.optimizer, rel=1e-9)
+    # meshtron (FSDP2) ZeRO-0 vs ZeRO-1 with ep=8 on dp=32: ZeRO-1 shards the dense parts'
+    # moments (8 bytes) over 32 ranks, the E/ep local experts' over the dp/ep = 4 holding them
+    fs = _ev()
+    z0, z1 = fs.evaluate(_plan(zero=0, ep=8)).memory, fs.evaluate(_plan(zero=1, ep=8)).memory
+    dense = model.num_params() - experts
+    assert z0.optimizer - z1.optimizer == pytest.approx(
+        8 * (dense * (1 - 1 / 32) + experts / 8 * (1 - 1 / 4)) / gib, rel=1e-9)
+    assert z0.params == pytest.approx(z1.params, rel=1e-9)  # unsharded through the step
     # FSDP2 ZeRO-3: shards equal, but only E/ep experts are gathered at a time
     z3 = _ev()
     a, b = z3.evaluate(_plan(zero=3, ep=1)).memory, z3.evaluate(_plan(zero=3, ep=8)).memory
@@ -246,8 +262,42 @@ def test_step_collectives_ep_recompute_dense_layers_and_pipeline():
     first, last = _counts(piped, model, 8, 64, 0), _counts(piped, model, 8, 64, 1)
     assert first[("all_to_all", "ep", row, "bf16")] == (4 * 4 * 1, 2)  # block 1 only
     assert last[("all_to_all", "ep", row, "bf16")] == (4 * 4 * 2, 2)
-    with pytest.raises(UserError, match=r"plan.ep=2 with plan.zero=1"):
-        step_collectives(Plan(tp=1, dp=2, zero=1, ep=2), model, 4, 64)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_zero01_experts_priced_as_step_collectives_counts_them(zero):
+    """ZeRO-0/1 with ep: the routed experts of each MoE block are reduced once a step over the
+    dp/ep ranks holding them ("dp_mod_ep", as the runtime runs it: tests/test_ep_pp.py counts
+    it on gloo); the evaluator's expert reduction and gather time (estimate._dp_with_experts ->
+    once_per_step on placement.expert_groups) is exactly those calls priced by comm.py."""
+    model = preset("mixtral-8x7b")
+    ev = _ev()
+    plan = _plan(zero=zero, dp=32, ep=8)
+    groups = ev._groups(plan)["experts"]
+    assert groups["dp"].size == 32 // 8
+    counts = [c for c in step_collectives(plan, model, 256, 4096) if c.axis == "dp_mod_ep"]
+    assert {c.kind for c in counts} == ({"all_reduce"} if zero == 0
+                                        else {"reduce_scatter", "all_gather"})
+    assert all(c.count == model.moe_layers and c.group_size == 4 for c in counts)
+    # nothing of the experts is left on the dense axes: only the MoE blocks' dense units
+    dense = {c.bytes for c in step_collectives(plan, model, 256, 4096)
+             if c.axis == "dp_replicate"}
+    block = model.layer_params(0) - moe_cost.expert_params_per_layer(model)
+    assert block * 4 in dense
+    flags = ev.dp_flags(plan)
+    experts = moe_cost.expert_params_local(model, 1, 8) * model.layers
+    red, gather = ev.once_per_step(experts, zero, groups, flags["gsize"], flags["wsize"],
+                                   model.moe_layers)
+    fns = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter}
+    want_red = sum(c.count * fns[c.kind](c.bytes, groups["dp"], ev.fab) for c in counts
+                   if c.kind in fns)
+    want_gather = sum(c.count * comm.all_gather(c.bytes * c.group_size, groups["dp"], ev.fab)
+                      for c in counts if c.kind == "all_gather")
+    assert red > 0 and red == pytest.approx(want_red, rel=1e-12)
+    assert gather == pytest.approx(want_gather, rel=1e-12)
+    assert (gather > 0) == (zero == 1)
+    est = ev.evaluate(plan)
+    assert est.time.dp_comm > 0 and est.config.zero == zero
 
 
 # ---- calibration from router statistics -------------------------------------------------------

@@ -179,8 +179,11 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
 
 def _shard_experts(block: nn.Module, mesh, lay, reshard: bool, mp) -> None:
     """Expert parallelism (plan.ep > 1): the routed experts of a MoE block are their own FSDP2
-    unit over what ep leaves of the shard axis ("dp_shard_mod_ep", with "dp_replicate" for
-    HSDP; torchtitan's layout). Their gradients already sum the tokens of the ep ranks: the
+    unit over the data ranks ep leaves (mesh.ExpertMeshes.fsdp; torchtitan's layout for
+    ZeRO-2/3: "dp_shard_mod_ep", with "dp_replicate" for HSDP; Megatron-Core's expert data
+    parallel group for ZeRO-0/1: "dp_mod_ep", replicated with one all-reduce per step under
+    ZeRO-0, optimizer states and gradients sharded under ZeRO-1). The dense parts keep the
+    whole data axis. Their gradients already sum the tokens of the ep ranks: the
     experts scale them by 1/ep in backward (`GroupedExperts.grad_scale`, set by
     apply_expert_parallel) and FSDP averages over their group, 1/(dp x cp) in all: the
     single-process gradient of the global mean. (torchtitan sets FSDP's gradient divide factor

@@ -128,24 +128,49 @@ def build_mesh(plan: Any, world_size: int | None = None, device_type: str | None
 
 class ExpertMeshes:
     """The expert-parallel views of a `build_mesh` mesh (plan.ep > 1), torchtitan's
-    ParallelDims layout: FSDP's shard axis (dp_shard x cp, size S) is split into
-    ("dp_shard_mod_ep", ep) with ep innermost; ep = dp_shard_in_ep x cp. The same ranks and
-    root mesh as the placement's (`DeviceMesh._unflatten` of "dp_shard"), so an expert weight
-    can be a DTensor on `ep` and FSDP2-sharded over `fsdp` at once."""
+    ParallelDims layout: the data axis the dp ranks lie on is split into (outer, ep) with ep
+    innermost. ZeRO-2/3: FSDP's shard axis (dp_shard x cp, size S) becomes
+    ("dp_shard_mod_ep", ep), ep = dp_shard_in_ep x cp. ZeRO-0/1 (dp all on "dp_replicate",
+    dp_shard = cp = 1): "dp_replicate" becomes ("dp_mod_ep", ep), Megatron-Core's expert data
+    parallel group (the dp/ep ranks holding the same experts). The same ranks and root mesh as
+    the placement's (`DeviceMesh._unflatten`), so an expert weight can be a DTensor on `ep` and
+    FSDP2-sharded (or replicated) over `fsdp` at once."""
 
-    def __init__(self, ep, fsdp, names: dict):
+    def __init__(self, ep, fsdp, names: dict, data_axis: str):
         self.ep = ep
         """1-D mesh of the ep ranks that exchange tokens (all-to-all)."""
         self.fsdp = fsdp
-        """Mesh the routed experts are FSDP-sharded over: "dp_shard_mod_ep" (size S/ep), with
-        "dp_replicate" in front for HSDP."""
+        """Mesh FSDP2 runs the routed experts on: ZeRO-2/3 "dp_shard_mod_ep" (size S/ep), with
+        "dp_replicate" in front for HSDP; ZeRO-1 "dp_mod_ep" (optimizer states and gradients
+        sharded over the expert replicas, as the dense parts over "dp"); ZeRO-0
+        ("dp_mod_ep", "dp_shard") (FSDP2's HSDP path with shards of one rank: one all-reduce
+        per step, as the dense parts over ("dp_replicate", "dp_shard")); "dp_mod_ep" alone
+        when ep = dp."""
         self.names = names
         """Axis name -> 1-D submesh (for the doctor's group names and `release_mesh`)."""
+        self.data_axis = data_axis
+        """Name of the 1-D axis of the ranks holding the same experts: "dp_shard_mod_ep"
+        (ZeRO-2/3) or "dp_mod_ep" (ZeRO-0/1); the axis planner/collectives.py counts the
+        experts' gradient and parameter collectives on."""
+
+    @property
+    def data(self):
+        """1-D mesh of the ranks holding the same experts (`data_axis`)."""
+        return self.names[self.data_axis]
 
 
 def _expert_meshes(mesh, p: Plan) -> ExpertMeshes:
     """Build the ExpertMeshes of plan `p` on `mesh` (a collective: new process groups)."""
     cp = p.cp
+    if p.zero < 2:  # dp on "dp_replicate" (cp > 1 needs ZeRO-2/3: plan_rules)
+        split = mesh._unflatten("dp_replicate", (p.dp // p.ep, p.ep), ("dp_mod_ep", "ep"))
+        names = {"ep": split["ep"], "dp_mod_ep": split["dp_mod_ep"]}
+        # ZeRO-0: FSDP2's HSDP path with shards of one rank (one all-reduce per step); with
+        # ep = dp there is no replica and the 1-D mesh of one rank issues no collective (the
+        # HSDP path would still all-reduce on the one-rank group, measured on torch 2.13)
+        two_d = p.zero == 0 and p.dp > p.ep
+        fsdp = split["dp_mod_ep", "dp_shard"] if two_d else split["dp_mod_ep"]
+        return ExpertMeshes(names["ep"], fsdp, names, "dp_mod_ep")
     mod = p.dp_shard * cp // p.ep
     if cp == 1:
         split = mesh._unflatten("dp_shard", (mod, p.ep), ("dp_shard_mod_ep", "ep"))
@@ -159,7 +184,7 @@ def _expert_meshes(mesh, p: Plan) -> ExpertMeshes:
     names["dp_shard_mod_ep"] = split["dp_shard_mod_ep"]
     fsdp = (split["dp_replicate", "dp_shard_mod_ep"] if p.replicas > 1
             else split["dp_shard_mod_ep"])
-    return ExpertMeshes(ep, fsdp, names)
+    return ExpertMeshes(ep, fsdp, names, "dp_shard_mod_ep")
 
 
 def expert_meshes(mesh) -> ExpertMeshes | None:

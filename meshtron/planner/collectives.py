@@ -47,7 +47,10 @@ What is counted, per rank, per optimizer step:
   routed experts of each MoE block are an FSDP unit of their own over "dp_shard_mod_ep"
   (dp/dp_replicate*cp/ep ranks): the dense unit of the block no longer holds them; they are
   gathered, reduce-scattered and HSDP all-reduced like a block (never the last unit). ZeRO-0/1
-  with ep > 1 are not run (the runtime refuses them). Pipeline shape inference (first step
+  (dp all replicas): the experts' unit is reduced over "dp_mod_ep" (the dp/ep ranks holding
+  the same experts, Megatron-Core's expert data parallel group) like a dense unit over
+  "dp_replicate": once a step, ZeRO-0 one `all_reduce`, ZeRO-1 one `reduce_scatter` and one
+  `all_gather` of the 1/(dp/ep) shard (tests/test_ep_train.py). Pipeline shape inference (first step
   only) is not counted. Under tp the MoE feed-forward (router, shared and routed experts) is
   replicated over the tp ranks, as the runtime runs it; only attention is split. Checked with
   pipelines (each pipeline rank's list, tp=2 and HSDP included) by tests/test_ep_pp.py.
@@ -70,7 +73,7 @@ from meshtron.planner import memory
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "all_to_all")
 """Collective kinds a CollectiveCount can name."""
-AXES = ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep", "dp_shard_mod_ep")
+AXES = ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep", "dp_shard_mod_ep", "dp_mod_ep")
 """Mesh axis names."""
 
 
@@ -83,7 +86,8 @@ class CollectiveCount:
     'all_to_all'."""
     axis: str
     """Mesh axis the group spans: 'dp_shard', 'dp_replicate', 'tp', 'pp', 'cp', 'ep' (expert
-    all-to-alls) or 'dp_shard_mod_ep' (FSDP of the routed experts under expert parallelism)."""
+    all-to-alls), 'dp_shard_mod_ep' (FSDP of the routed experts under expert parallelism,
+    ZeRO-2/3) or 'dp_mod_ep' (their replicas under ZeRO-0/1)."""
     count: int
     """Calls per step on this rank."""
     bytes: int
@@ -178,8 +182,11 @@ def _expert_collectives(out: dict, plan: Any, model: Any, pp_rank: int, m: int,
     tokens = plan.micro_batch * seq_len // cp
     row = tokens * model.moe_top_k * model.hidden
     rec = plan.recompute
-    shard = plan.dp // plan.dp_replicate * cp // ep
     pipelined = plan.pp > 1
+    if plan.zero <= 1:  # the expert data-parallel group "dp_mod_ep": dp/ep ranks, once a step
+        shard = plan.dp // ep
+    else:
+        shard = plan.dp // plan.dp_replicate * cp // ep
     gathers = 1 if (pipelined or plan.zero == 2) else m
     if plan.zero == 3 and not pipelined:
         gathers += m  # experts are resharded after forward and gathered again for backward
@@ -195,6 +202,13 @@ def _expert_collectives(out: dict, plan: Any, model: Any, pp_rank: int, m: int,
             key = ("all_to_all", "ep", model.moe_experts * 8, ep, "int64")
             out[key] = out.get(key, 0) + m * count_calls
             u = _block_params(model, plan.tp, i, ep)[1]
+            if plan.zero == 0:
+                _add(out, "all_reduce", "dp_mod_ep", 1, u, shard, reduce_b)
+                continue
+            if plan.zero == 1:
+                _add(out, "reduce_scatter", "dp_mod_ep", 1, u, shard, reduce_b)
+                _add(out, "all_gather", "dp_mod_ep", 1, u / shard, shard, compute_b)
+                continue
             _add(out, "all_gather", "dp_shard_mod_ep", gathers, u / shard, shard, compute_b)
             _add(out, "reduce_scatter", "dp_shard_mod_ep", reduces, u, shard, reduce_b)
             _add(out, "all_reduce", "dp_replicate", reduces, u / shard, plan.dp_replicate,
@@ -228,9 +242,6 @@ def step_collectives(plan: Any, model: Any, global_batch: int, seq_len: int,
     cp, zero = plan.cp, plan.zero
     ep = getattr(plan, "ep", 1)
     if ep > 1:
-        if zero <= 1:
-            raise UserError(f"step_collectives: plan.ep={ep} with plan.zero={zero}: meshtron "
-                            "runs expert parallelism on FSDP ZeRO-2/3 only")
         _expert_collectives(out, plan, model, pp_rank, m, seq_len, compute_b, reduce_b)
     if zero <= 1:
         size = plan.dp * cp

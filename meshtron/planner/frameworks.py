@@ -114,9 +114,10 @@ _MESHTRON = Framework(
     "meshtron", "2026", "meshtron's runtime (this repository)",
     "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
     KernelOptions(), MemoryOptions(framework="fsdp2"), "fp32",
-    expert_parallel="meshtron/parallel/expert.py: ep folded over dp_shard x cp, uneven "
-                    "all_to_all_single dispatch/combine on the compute stream (exposed), experts "
-                    "FSDP-sharded over dp_shard/ep")
+    expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
+                    "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
+                    "dispatch/combine on the compute stream (exposed), experts FSDP-sharded "
+                    "over dp_shard/ep (ZeRO-2/3) or reduced over the dp/ep replicas (ZeRO-0/1)")
 _TORCHTITAN = Framework(
     "torchtitan", "2025", "pytorch/torchtitan main, 2025 (FSDP2, torch.compile off by default)",
     "torchtitan/models/llama3/infra/parallelize.py; torchtitan/config/job_config.py "

@@ -49,7 +49,7 @@ TOML having no null)::
     cp = 2                        # context-parallel degree (gpus = tp * cp * pp * dp)
     reduce_dtype = "bf16"         # gradient reduction dtype: "fp32" (default) | "bf16"
     accumulate_unsharded = true   # ZeRO-2/3: reduce-scatter once per step, not per micro-batch
-    ep = 8                        # expert-parallel degree (MoE): folded over dp_shard x cp ranks
+    ep = 8                        # expert-parallel degree (MoE): folded over the data (x cp) ranks
     compile = true                # per-block torch.compile (after TP and recomputation, before FSDP)
     async_tp = true               # micro-pipelined TP collectives with the matmuls (needs compile)
     fp8_recipe = "tensorwise"     # with dtype = "fp8": "rowwise" (default) | "tensorwise" scaling
@@ -165,8 +165,10 @@ class Plan:
     """Expert-parallel degree (MoE models): each expert lives on one of ep ranks and tokens
     travel to it by all-to-all. The ep ranks are taken from the data (and context) ranks, as
     torchtitan and Megatron-Core fold them: ep divides dp_shard x cp (dp_shard = dp /
-    dp_replicate); it does not change the world size. Experts are FSDP-sharded over the
-    remaining dp_shard x cp / ep ranks."""
+    dp_replicate); it does not change the world size. Experts are FSDP-sharded (ZeRO-2/3) over
+    the remaining dp_shard x cp / ep ranks; under ZeRO-0/1 replicated over the dp / ep ranks
+    holding the same experts, reduced (ZeRO-0) or optimizer-sharded (ZeRO-1) over them
+    (meshtron/parallel/mesh.py ExpertMeshes)."""
     compile: bool = False
     """Per-block torch.compile, applied as torchtitan does: after tensor parallelism and
     activation checkpointing, before FSDP (what the planner's 'fused' stack assumes)."""

@@ -343,18 +343,16 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
 
 def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
     """What meshtron's runtime does not run with expert parallelism (ep > 1): ep is folded over
-    FSDP's shard axis (dp_shard x cp, meshtron/parallel/mesh.py `expert_mesh`), so ZeRO-0/1
-    (no shard axis: dp is all replicas) are refused, and so are gradient compression and DiLoCo
-    (they replace FSDP's reduction, which the experts' own FSDP unit relies on). Pipelines run,
+    the data ranks (meshtron/parallel/mesh.py `ExpertMeshes`: FSDP's shard axis dp_shard x cp
+    for ZeRO-2/3, "dp_replicate" for ZeRO-0/1; every stage equals one process,
+    tests/test_ep_train.py); gradient compression and DiLoCo are refused (they replace FSDP's
+    reduction, which the experts' own FSDP unit relies on). Pipelines run,
     every schedule (tests/test_ep_pp.py: 1F1B, interleaved, GPipe, ZB-H1, ZBV equal one
     process)."""
     ep, g = k.get("ep") or 1, k.get
     if ep == 1:
         return
-    if g("zero") is not None and g("zero") < 2:
-        yield (f"plan.zero={g('zero')} with plan.ep={ep}: expert parallelism is folded over "
-               "FSDP's shard axis (dp_shard x cp); use zero 2 or 3")
-    elif (g("cp") or 1) > 1 and ep % g("cp"):
+    if (g("cp") or 1) > 1 and ep % g("cp"):
         yield (f"plan.ep={ep} with plan.cp={g('cp')}: ep spans whole context groups "
                "(ep = dp_shard_in_ep x cp); use a multiple of cp")
     elif g("grad_compression") not in (None, "none") or (g("diloco") or 0) > 0:

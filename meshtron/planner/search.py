@@ -338,10 +338,8 @@ class _Space:
     def zeros(self, dp: int, cp: int = 1, ep: int = 1) -> list[int]:
         if self.knobs.zero is not None:
             return [self.knobs.zero]
-        if ep > 1 and self.runtime:
-            # meshtron folds ep into FSDP's shard axis: ZeRO-2/3 only (the runtime refuses
-            # ZeRO-0/1 with ep > 1 by name: plan_rules.ep_runtime_problems)
-            return [2, 3]
+        # ep > 1: every stage (meshtron folds ep over the data ranks of any ZeRO stage:
+        # parallel/mesh.py ExpertMeshes); with cp only ZeRO-2/3, as below
         if self.offload == "full" and self.runtime:
             # FSDP2's CPU offload is of shards (ZeRO-2/3); alone, ZeRO-2 gathers once a step
             return [2, 3] if dp > 1 else [2]

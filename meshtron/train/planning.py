@@ -178,8 +178,7 @@ def _runnable(knobs: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     if cfg.model.tied_embeddings and "pp" not in knobs:
         knobs["pp"] = 1  # tied embeddings across pipeline stages are not supported
     if (knobs.get("ep") or 1) > 1:
-        # expert parallelism runs folded over FSDP's shard axis, without a pipeline
-        # (plan_rules.ep_runtime_problems): search only among those plans
-        knobs.setdefault("zero", 3)
+        # expert parallelism (any ZeRO stage, plan_rules.ep_runtime_problems) is searched
+        # without a pipeline here
         knobs.setdefault("pp", 1)
     return knobs
