@@ -177,8 +177,4 @@ def _runnable(knobs: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     knobs = dict(knobs)
     if cfg.model.tied_embeddings and "pp" not in knobs:
         knobs["pp"] = 1  # tied embeddings across pipeline stages are not supported
-    if (knobs.get("ep") or 1) > 1:
-        # expert parallelism (any ZeRO stage, plan_rules.ep_runtime_problems) is searched
-        # without a pipeline here
-        knobs.setdefault("pp", 1)
     return knobs
