@@ -10,7 +10,8 @@
 
 Order of application (fixed): pipeline split -> expert parallel (ep > 1: routed experts
 sharded over the ep ranks, tokens exchanged by all-to-all, meshtron/parallel/expert.py) ->
-tensor/sequence parallel -> activation checkpointing -> context parallel (cp > 1) -> data
+tensor/sequence parallel -> activation checkpointing -> context parallel (cp > 1) -> per-block
+torch.compile (plan.compile, meshtron/parallel/compile.py) -> data
 parallel (FSDP2 per ZeRO stage; over dp_shard x cp with context parallelism; the routed experts
 over what ep leaves of it) -> pipeline stages and schedule.
 
@@ -425,6 +426,10 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
         apply_recompute(part, lay.recompute)
         if lay.cp > 1:  # after TP and recompute, before FSDP (torchtitan's order)
             apply_context_parallel(part, mesh["cp"].get_group())
+        if lay.compile:  # per block, after TP and recompute, before FSDP (torchtitan's order)
+            from meshtron.parallel.compile import apply_compile
+
+            apply_compile(part)
         apply_data_parallel(part, mesh, lay)
         parts.append(part)
     if on_meta:

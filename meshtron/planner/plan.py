@@ -383,9 +383,11 @@ def runtime_problem(plan: Plan) -> str | None:
         return (f"plan.dtype='fp8' with tp={plan.tp}: meshtron's runtime trains FP8 without "
                 "tensor parallelism only (torchao's Float8ColwiseParallel is not wired in); "
                 "use tp=1 or bf16")
-    if plan.compile or plan.async_tp:
-        what = "async_tp" if plan.async_tp else "compile"
-        return f"plan.{what}=true: meshtron's runtime does not compile yet; use {what}=false"
+    from meshtron.planner.plan_rules import compile_runtime_problem
+
+    problem = compile_runtime_problem(plan)
+    if problem:
+        return problem
     problem = offload_runtime_problem(plan)
     if problem:
         return problem

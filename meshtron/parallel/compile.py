@@ -1,0 +1,70 @@
+"""Per-block `torch.compile` (plan.compile, `meshtron train --compile`).
+
+Applied as torchtitan's `apply_compile` does (torchtitan/models/llama3/infra/parallelize.py):
+each transformer block is compiled on its own, after tensor parallelism and activation
+checkpointing (the block may be a `CheckpointWrapper`: the recomputation is traced with it)
+and before FSDP2 (whose hooks on the block stay outside the graph: dynamo skips FSDP2's hooks,
+`torch._dynamo.config.skip_fsdp_hooks`). Blocks are compiled with `Module.compile()`, in place,
+so module names, parameter names and checkpoint keys do not change (a `torch.compile(block)`
+wrapper would add `_orig_mod.`). Every block has the same code and shapes, so dynamo compiles
+one graph and reuses it for the others (with `inline_inbuilt_nn_modules`, parameters are graph
+inputs, not guards on module identity).
+
+Embeddings, the final norm, the output head and the loss stay eager (torchtitan does the same;
+the chunked loss of meshtron/model/loss.py has its own memory-saving structure).
+
+The first steps compile (the forward at the first call, the backward at the first backward);
+`compile_seconds()` reports the time dynamo and inductor spent, so the run reports it apart
+from the step time (meshtron/train/loop.py `compile_time_s`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtron.errors import UserError
+
+
+def apply_compile(model: nn.Module) -> nn.Module:
+    """Compile each block of `model.layers` (a Transformer or a pipeline stage chunk) in
+    place; returns `model`."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise UserError("plan.compile=true: the model has no `layers` of transformer blocks to "
+                        "compile")
+    emb = getattr(model, "tok_embeddings", None)
+    if emb is not None:
+        emb.register_forward_hook(_wait_async_output)
+    for block in layers.values():
+        # fullgraph=False: a graph break (e.g. a data-dependent MoE routing branch) falls back
+        # to eager for that piece instead of failing the run.
+        block.compile(fullgraph=True)
+    return model
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (dynamo tracing, AOT autograd and
+    inductor, forward and backward): torch's own compile-time counters, summed over the
+    top-level phases only (the nested ones are inside them)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    total = 0.0
+    for name in ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"):
+        total += sum(compilation_time_metrics.get(name, ()))
+    return total
+
+
+def _wait_async_output(module: nn.Module, args, out):
+    """The first block's input, made a plain tensor. Under tensor parallelism the embedding's
+    output is the result of an asynchronous all-reduce / reduce-scatter (RowwiseParallel with
+    `use_local_output`): an `AsyncCollectiveTensor`, a tensor subclass. A compiled block fed
+    that subclass traces it as such and its compiled backward hands autograd a gradient of
+    the wrong kind: the eager DTensor redistribution behind the embedding then receives a
+    plain tensor (AttributeError `_local_tensor` on torch 2.13, measured). Any non-view op
+    on it waits for the collective and returns a plain tensor; `clone` is the cheapest
+    (one [batch, seq, hidden] copy per forward, once per model, not per block). Later blocks
+    get plain tensors already (the residual add waits)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
