@@ -412,6 +412,10 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     if lay.ep > 1 and experts is None:
         raise UserError(f"plan.ep={lay.ep}: the mesh has no expert axis; build it with "
                          "build_mesh(plan)")
+    if lay.async_tp:  # before anything compiles: the inductor pass must see every block
+        from meshtron.parallel.compile import enable_async_tp
+
+        enable_async_tp(tp_mesh)
     parts = []
     fp8_gather = False
     for _, part in pieces:

@@ -43,6 +43,46 @@ def apply_compile(model: nn.Module) -> nn.Module:
     return model
 
 
+def async_tp_problem(device_type: str, backend: str | None = None) -> str | None:
+    """Why asynchronous TP cannot run on this device / process-group backend (one line), or
+    None. torch's async TP is an inductor pass (`_micro_pipeline_tp`) that rewrites
+    all-gather + matmul and matmul + reduce-scatter into symmetric-memory kernels
+    (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter): CUDA devices
+    with peer access and NCCL only."""
+    if device_type != "cuda":
+        return (f"plan.async_tp=true: the device {device_type!r} does not support it "
+                "(torch's async TP runs symmetric-memory CUDA kernels over NCCL); use "
+                "async_tp=false")
+    if backend is not None and backend != "nccl":
+        return (f"plan.async_tp=true: the process-group backend {backend!r} does not support "
+                "it (NCCL only); use async_tp=false")
+    return None
+
+
+def enable_async_tp(tp_mesh) -> None:
+    """Turn on torch's micro-pipelined TP for the compiled blocks, as torchtitan does
+    (torchtitan/distributed/tensor_parallel.py `maybe_enable_async_tp`): the inductor pass
+    flag and symmetric memory on the tp group (`enable_symm_mem_for_group`, deprecated in
+    torch 2.13 as no longer needed but harmless; kept for older versions). The flag is inductor's process-wide
+    configuration: every process of a run compiles the same blocks with it, which is what
+    asynchronous TP means for the run."""
+    import torch.distributed as dist
+
+    problem = async_tp_problem(tp_mesh.device_type, dist.get_backend(tp_mesh.get_group()))
+    if problem:
+        raise UserError(problem)
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
+    import warnings
+
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
 def compile_seconds() -> float:
     """Seconds this process has spent compiling so far (dynamo tracing, AOT autograd and
     inductor, forward and backward): torch's own compile-time counters, summed over the

@@ -184,6 +184,10 @@ def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
     elif g("async_tp") and g("compile") is False:
         yield ("plan.async_tp=true: torch runs asynchronous TP as a torch.compile pass; "
                "needs plan.compile=true")
+    elif g("async_tp") and g("sp") is False:
+        yield ("plan.async_tp=true: torch's micro-pipelining fuses the sequence-parallel "
+               "all-gather / reduce-scatter with their matmuls (no all-reduce form); needs "
+               "plan.sp=true")
     ep = g("ep")
     if ep is not None and ep > 1 and dp is not None:
         shard = dp // (g("dp_replicate") or 1) * (cp or 1)

@@ -96,6 +96,14 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int):
                           saved=False)
     # The runtime's own checks (world size, heads, kv_heads, layers, schedule traps).
     resolve_plan(plan, world_size, cfg.model)
+    if plan.async_tp:  # before any rank starts: the ranks pick the device the same way
+        import torch
+
+        from meshtron.parallel.compile import async_tp_problem
+
+        problem = async_tp_problem("cuda" if torch.cuda.is_available() else "cpu")
+        if problem:
+            raise UserError(problem)
     return plan, cluster
 
 
