@@ -1,0 +1,177 @@
+"""Per-block torch.compile (plan.compile, `train --compile`) and asynchronous TP's refusals.
+
+Equivalence: compiled runs train the equivalence model (meshtron/testing/equivalence.py: GQA,
+odd vocabulary, 3 AdamW steps with lr/eps = 10, clipping on) and must match the eager
+single-process run to 1e-5 relative, the tolerance of every parallel layout
+(tests/test_parallel.py). Why it holds for inductor's code too: inductor fuses the element-wise
+ops and the norms' reductions and keeps fp32 throughout (no reduced-precision shortcuts on
+CPU), so it only reorders fp32 sums: ~1e-7 relative per op, 5e-7 to 8e-7 on the parameters
+after 3 steps (measured, the same size as the data-parallel layouts' summation-order noise). A
+wrong gradient (the 5.8e-2 the lost first attempt saw under TP) is 4 orders above it.
+
+The first compile of a block is slow on a cold inductor cache (C++ codegen: tens of seconds on
+2 cores); the cache (/tmp/torchinductor_$USER) makes later runs seconds. Layout sweeps are
+`slow`; the default tests are one in-process pair (the single-process engine, eager vs
+compiled) and one 2-rank launch of the layouts most likely to break (TP + SP: DTensor
+subclasses at the block boundary; ZeRO-3 with recomputation: FSDP2's hooks around a compiled,
+checkpointed block).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.errors import UserError
+from meshtron.planner.plan import Plan
+from meshtron.testing.equivalence import (
+    DEFAULT_CFG,
+    compare,
+    format_report,
+    make_data,
+    make_spec,
+    parallel_rank_fn,
+    reference_run,
+)
+from meshtron.testing.multiproc import run_on_ranks
+
+TOL = 1e-5
+
+
+# ---- rules and refusals (no processes) ---------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    (dict(async_tp=True, compile=True), r"^plan.async_tp=true: asynchronous tensor parallelism "
+                                        r"needs plan.tp > 1$"),
+    (dict(tp=2, sp=True, async_tp=True), r"^plan.async_tp=true: torch runs asynchronous TP as "
+                                         r"a torch.compile pass; needs plan.compile=true$"),
+    (dict(tp=2, compile=True, async_tp=True), r"needs plan.sp=true$"),
+    (dict(compile="yes"), r"^plan.compile='yes': must be true or false$"),
+])
+def test_plan_rules(kw, match):
+    with pytest.raises(UserError, match=match):
+        Plan(**kw)
+
+
+def test_async_tp_refused_off_cuda():
+    from meshtron.parallel.compile import async_tp_problem
+
+    assert async_tp_problem("cuda", "nccl") is None
+    text = async_tp_problem("cpu")
+    assert text.startswith("plan.async_tp=true: the device 'cpu' does not support it")
+    assert "\n" not in text
+    assert "NCCL only" in async_tp_problem("cuda", "gloo")
+    # the runtime runs compiled plans: no refusal of compile itself (the device is checked
+    # where it is known: planning.resolve_run_plan, parallelize)
+    Plan(tp=2, sp=True, compile=True, async_tp=True).validate(2, make_spec(DEFAULT_CFG))
+    Plan(pp=2, dp=2, zero=3, compile=True, recompute="full").validate(4, make_spec(DEFAULT_CFG))
+
+
+def test_train_async_tp_on_cpu_is_one_line_exit_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshtron", "train", "--model", "tiny", "--steps", "1",
+         "--nproc", "2", "--plan", "tp=2", "--sp", "on", "--compile", "--async-tp",
+         "--global-batch", "4", "--seq-len", "32", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "plan.async_tp=true: the device 'cpu' does not support it" \
+        in lines[0], proc.stderr
+    assert not (tmp_path / "run" / "plan.toml").exists()  # refused before any rank started
+
+
+# ---- the single-process engine, eager vs compiled ------------------------------------------------
+def _local_run(compile: bool):
+    """3 steps of meshtron's LocalEngine (the product's one-process path) on DEFAULT_CFG's
+    model and data; (losses, grad norms, parameters, compile seconds)."""
+    import torch
+
+    from meshtron.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+    from meshtron.train.loop import CompileClock, LocalEngine
+
+    c = DEFAULT_CFG
+    cfg = RunConfig(model=make_spec(c),
+                    data=DataConfig(seq_len=c["seq"], global_batch=c["batch"], micro_batch=4),
+                    optim=OptimConfig(lr=c["lr"], eps=c["eps"], weight_decay=c["weight_decay"],
+                                      grad_clip=c["clip"], warmup_steps=0),
+                    train=TrainConfig(steps=c["steps"], seed=c["seed"], compile=compile))
+    clock = CompileClock() if compile else None
+    engine = LocalEngine(cfg)
+    inputs, targets = make_data(c)
+    losses, norms = [], []
+    for step in range(c["steps"]):
+        out = engine.train_step(inputs[step], targets[step])
+        losses.append(float(out.loss))
+        norms.append(float(out.grad_norm))
+    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return losses, norms, params, clock.take() if clock else 0.0
+
+
+def test_local_engine_compiled_equals_eager():
+    eager_l, eager_n, eager_p, _ = _local_run(False)
+    comp_l, comp_n, comp_p, seconds = _local_run(True)
+    assert seconds > 0  # torch's counters saw the compilation (the loop's compile_time_s)
+    assert set(comp_p) == set(eager_p)  # Module.compile: no `_orig_mod.` in the names
+    for a, b in zip(comp_l + comp_n, eager_l + eager_n):
+        assert abs(a - b) <= TOL * abs(b), (comp_l, eager_l, comp_n, eager_n)
+    worst = max(float((comp_p[n] - p).abs().max() / p.abs().max().clamp_min(1e-2))
+                for n, p in eager_p.items())
+    assert worst <= TOL, worst
+
+
+# ---- multi-rank layouts against the eager single-process run ---------------------------------
+def _check(world, layouts, timeout=900):
+    ref = reference_run(DEFAULT_CFG)
+    results = run_on_ranks(parallel_rank_fn, world, DEFAULT_CFG, layouts, timeout=timeout)
+    report = compare(ref, results)
+    print(f"\nworld {world}:\n{format_report(report)}")
+    bad = [r for r in report if r["missing"] or r["extra"]
+           or max(r["loss_rel"], r["norm_rel"], r["param_rel"]) > TOL]
+    assert not bad, f"compiled layouts off the eager run by more than {TOL}:\n" + \
+        format_report(bad)
+
+
+def test_compiled_tp_sp_and_zero3_equal_one_process():
+    _check(2, [dict(tp=2, sp=True, compile=True),
+               dict(dp=2, zero=3, micro_batch=2, recompute="full", compile=True)])
+
+
+@pytest.mark.slow
+def test_compiled_layouts_world2():
+    _check(2, [dict(dp=2, zero=0, compile=True), dict(dp=2, zero=1, compile=True),
+               dict(dp=2, zero=2, micro_batch=2, compile=True),
+               dict(cp=2, compile=True), dict(tp=2, compile=True),
+               dict(tp=2, sp=True, micro_batch=4, recompute="selective", compile=True),
+               dict(pp=2, schedule="gpipe", micro_batch=2, compile=True),
+               dict(pp=2, schedule="1f1b", micro_batch=2, recompute="full", compile=True),
+               dict(pp=2, schedule="zb", micro_batch=2, compile=True),
+               dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batch=1,
+                    compile=True)])
+
+
+@pytest.mark.slow
+def test_compiled_layouts_world4():
+    _check(4, [dict(dp=2, tp=2, zero=3, sp=True, compile=True),
+               dict(tp=2, pp=2, sp=True, micro_batch=2, compile=True),
+               dict(dp=2, cp=2, zero=3, compile=True)])
+
+
+@pytest.mark.slow
+def test_train_compile_reports_compile_time(tmp_path):
+    """`meshtron train --compile` in one process: compile_time_s in the summary and in every
+    metrics record, apart from the step times."""
+    import json
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshtron", "train", "--model", "tiny", "--steps", "3",
+         "--compile", "--global-batch", "2", "--seq-len", "32", "--eval-every", "0",
+         "--run-dir", str(run)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["compile_time_s"] > 0
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["compile_time_s"] == summary["compile_time_s"] for r in records)
