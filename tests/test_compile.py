@@ -142,7 +142,7 @@ def test_compiled_tp_sp_and_zero3_equal_one_process():
 def test_compiled_layouts_world2():
     _check(2, [dict(dp=2, zero=0, compile=True), dict(dp=2, zero=1, compile=True),
                dict(dp=2, zero=2, micro_batch=2, compile=True),
-               dict(cp=2, compile=True), dict(tp=2, compile=True),
+               dict(cp=2, zero=2, compile=True), dict(tp=2, compile=True),
                dict(tp=2, sp=True, micro_batch=4, recompute="selective", compile=True),
                dict(pp=2, schedule="gpipe", micro_batch=2, compile=True),
                dict(pp=2, schedule="1f1b", micro_batch=2, recompute="full", compile=True),

@@ -20,10 +20,29 @@ from the step time (meshtron/train/loop.py `compile_time_s`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from meshtron.errors import UserError
+
+
+BACKEND = "inductor"
+"""The torch.compile backend of `apply_compile`. Only bench/gpu_check.py --dry-run changes it
+(`compile_backend("aot_eager")`: the same dynamo + AOT-autograd tracing without inductor's C++
+code generation, which costs tens of seconds on a 2-core CPU)."""
+
+
+@contextlib.contextmanager
+def compile_backend(name: str):
+    """Blocks compiled inside use backend `name` (see BACKEND)."""
+    global BACKEND
+    old, BACKEND = BACKEND, name
+    try:
+        yield
+    finally:
+        BACKEND = old
 
 
 def apply_compile(model: nn.Module) -> nn.Module:
@@ -37,9 +56,9 @@ def apply_compile(model: nn.Module) -> nn.Module:
     if emb is not None:
         emb.register_forward_hook(_wait_async_output)
     for block in layers.values():
-        # fullgraph=False: a graph break (e.g. a data-dependent MoE routing branch) falls back
-        # to eager for that piece instead of failing the run.
-        block.compile(fullgraph=True)
+        # fullgraph=True as torchtitan: a graph break would silently split the block into
+        # eager pieces between graphs (and DTensors crossing them); better to fail loudly.
+        block.compile(backend=BACKEND, fullgraph=True)
     return model
 
 

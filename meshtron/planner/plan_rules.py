@@ -405,5 +405,20 @@ def check(k: Mapping[str, Any], world_size: int | None = None, model: Any = None
 
 def compile_runtime_problem(plan: Any) -> str | None:
     """Compiled layouts the runtime does not run (meshtron/parallel/compile.py runs the rest);
-    one line, or None."""
+    one line, or None.
+
+    Zero-bubble schedules split each stage's backward into an input-gradient pass
+    (`retain_graph=True`) and a later weight-gradient pass (torch.distributed.pipelining
+    `stage_backward_input` / `stage_backward_weight`, which walk the autograd graph between
+    the stage's inputs and its parameters). A compiled block is one autograd node, and on
+    torch 2.13: with AOT autograd's donated buffers the retained backward fails (RuntimeError
+    "compiled with non-empty donated buffers ... retain_graph=False"); with donation off
+    (`torch._functorch.config.donated_buffer=False`) it runs but the weight gradients come out
+    wrong (parameters 4e-2 off the eager run after 3 steps, zb and zbv on pp=2, measured).
+    Every other schedule matches eager to 1e-6 (tests/test_compile.py)."""
+    if plan.compile and plan.pp > 1 and plan.schedule == "zb":
+        return (f"plan.compile=true with plan.schedule='zb': zero-bubble's split backward "
+                "(input then weight gradients) gives wrong weight gradients through compiled "
+                "blocks on torch 2.13; use schedule 1f1b, interleaved or gpipe, or "
+                "compile=false")
     return None

@@ -32,6 +32,7 @@ from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.plan import (RECOMPUTE, Knobs, Plan, check, microbatch_problem,
                                     offload_runtime_problem, plan_problems,
                                     schedule_zero_problem)
+from meshtron.planner.plan_rules import compile_runtime_problem
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -214,6 +215,8 @@ class _Space:
             return None  # async TP pipelines the sequence-parallel collectives (plan_rules)
         if self.compile:
             cfg = dataclasses.replace(cfg, compile=True, async_tp=self.async_tp)
+            if self.runtime and compile_runtime_problem(cfg):
+                return None  # compiled zero-bubble (plan_rules.compile_runtime_problem)
         if self.offload != "none" and self.runtime and offload_runtime_problem(cfg):
             return None
         return cfg
@@ -393,7 +396,7 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     opts = options or KernelOptions()
     if knobs.compile or knobs.async_tp:  # what --compile runs is the 'fused' stack
         opts = dataclasses.replace(opts, stack="fused",
-                                   tp_comm_overlap=opts.tp_comm_overlap or bool(knobs.async_tp))
+                                   async_tp=opts.async_tp or bool(knobs.async_tp))
     ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
     runtime = framework is None or framework.name == "meshtron"
     space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime,
