@@ -433,7 +433,11 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
         if lay.compile:  # per block, after TP and recompute, before FSDP (torchtitan's order)
             from meshtron.parallel.compile import apply_compile
 
-            apply_compile(part)
+            # Under TP a compiled region that holds the checkpoint fails on torch 2.13 (AOT
+            # autograd is handed the DeviceMesh to save); the checkpoint then runs eagerly
+            # around the compiled block (selective recompute + TP + compile: refused,
+            # plan_rules.compile_runtime_problem).
+            apply_compile(part, inside_checkpoint=lay.tp > 1 and lay.recompute != "none")
         apply_data_parallel(part, mesh, lay)
         parts.append(part)
     if on_meta:

@@ -45,9 +45,12 @@ def compile_backend(name: str):
         BACKEND = old
 
 
-def apply_compile(model: nn.Module) -> nn.Module:
+def apply_compile(model: nn.Module, inside_checkpoint: bool = False) -> nn.Module:
     """Compile each block of `model.layers` (a Transformer or a pipeline stage chunk) in
-    place; returns `model`."""
+    place; returns `model`. `inside_checkpoint`: a recomputed block's wrapped module is
+    compiled and the (full) checkpoint runs eagerly around it: the forward is then recomputed
+    by the compiled code too (see `parallelize`'s call; never with selective recomputation,
+    whose op-level policy cannot see inside a compiled graph)."""
     layers = getattr(model, "layers", None)
     if layers is None:
         raise UserError("plan.compile=true: the model has no `layers` of transformer blocks to "
@@ -56,6 +59,8 @@ def apply_compile(model: nn.Module) -> nn.Module:
     if emb is not None:
         emb.register_forward_hook(_wait_async_output)
     for block in layers.values():
+        if inside_checkpoint:
+            block = getattr(block, "_checkpoint_wrapped_module", block)
         # fullgraph=True as torchtitan: a graph break would silently split the block into
         # eager pieces between graphs (and DTensors crossing them); better to fail loudly.
         block.compile(backend=BACKEND, fullgraph=True)
