@@ -22,7 +22,9 @@ bf16 FSDP2 mixed precision, eager):
    training thread is blocked, and time to completion) of the model's state (capped at
    --ckpt-gib), on a gloo side group as async_save needs (shared notes);
 5. recorder: step time with meshtron's collective recorder installed vs not, alternating
-   steps (one rank: the hot-path cost of the installed kernels, not the per-collective cost).
+   steps (one rank: the hot-path cost of the installed kernels, not the per-collective cost);
+6. compile: the same plan with `--compile` (`compile_report`): compile seconds apart, compiled
+   vs eager step time and tokens/s, beside the planner's 'fused' / 'eager' ratio.
 
 `--dry-run` runs all of it on CPU with the tiny preset in seconds (tests/test_gpu_check.py).
 """

@@ -31,3 +31,4 @@ def test_gpu_check_dry_run_writes_its_json(tmp_path):
     c = r["checkpoint"]
     assert c["bytes"] > 0 and c["sync_save_s"] > 0 and c["async_total_s"] >= c["async_blocking_s"]
     assert r["recorder"]["step_time_on_s"] > 0 and r["recorder"]["step_time_off_s"] > 0
+    assert r["compile"]["compile_time_s"] > 0 and r["compile"]["step_time_s"] > 0

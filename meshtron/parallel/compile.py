@@ -55,6 +55,11 @@ def apply_compile(model: nn.Module, inside_checkpoint: bool = False) -> nn.Modul
     if layers is None:
         raise UserError("plan.compile=true: the model has no `layers` of transformer blocks to "
                         "compile")
+    from meshtron.model.moe import MoE
+    from meshtron.planner.plan_rules import MOE_COMPILE_PROBLEM
+
+    if any(isinstance(m, MoE) for m in layers.modules()):
+        raise UserError(MOE_COMPILE_PROBLEM)
     emb = getattr(model, "tok_embeddings", None)
     if emb is not None:
         emb.register_forward_hook(_wait_async_output)

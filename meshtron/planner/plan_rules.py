@@ -342,7 +342,17 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if runtime:
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
+        if k.get("compile") and model is not None and getattr(model, "is_moe", False):
+            out.append(MOE_COMPILE_PROBLEM)
     return out
+
+
+MOE_COMPILE_PROBLEM = (
+    "plan.compile=true: mixture-of-experts blocks are not compiled (their routing reads token "
+    "counts on the host, which breaks the block's graph; not verified against eager); use "
+    "compile=false")
+"""Per-block compile compiles each block as one graph (fullgraph, as torchtitan); MoE blocks
+(meshtron/model/moe.py, parallel/expert.py `.tolist()` of the splits) cannot be one graph."""
 
 
 def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
