@@ -3,8 +3,8 @@
 Applied as torchtitan's `apply_compile` does (torchtitan/models/llama3/infra/parallelize.py):
 each transformer block is compiled on its own, after tensor parallelism and activation
 checkpointing (the block may be a `CheckpointWrapper`: the recomputation is traced with it)
-and before FSDP2 (whose hooks on the block stay outside the graph: dynamo skips FSDP2's hooks,
-`torch._dynamo.config.skip_fsdp_hooks`). Blocks are compiled with `Module.compile()`, in place,
+and before FSDP2 (whose hooks on the block stay outside the graph: FSDP2 wraps them in
+`torch._dynamo.disable`, torch/distributed/fsdp/_fully_shard/_fsdp_common.py `_dynamo_disable`). Blocks are compiled with `Module.compile()`, in place,
 so module names, parameter names and checkpoint keys do not change (a `torch.compile(block)`
 wrapper would add `_orig_mod.`). Every block has the same code and shapes, so dynamo compiles
 one graph and reuses it for the others (with `inline_inbuilt_nn_modules`, parameters are graph
@@ -92,8 +92,8 @@ def enable_async_tp(tp_mesh) -> None:
     """Turn on torch's micro-pipelined TP for the compiled blocks, as torchtitan does
     (torchtitan/distributed/tensor_parallel.py `maybe_enable_async_tp`): the inductor pass
     flag and symmetric memory on the tp group (`enable_symm_mem_for_group`, deprecated in
-    torch 2.13 as no longer needed but harmless; kept for older versions). The flag is inductor's process-wide
-    configuration: every process of a run compiles the same blocks with it, which is what
+    torch 2.13 as no longer needed but harmless; kept for older versions). The flag is
+    inductor's process-wide configuration: every process of a run compiles the same blocks with it, which is what
     asynchronous TP means for the run."""
     import torch.distributed as dist
 

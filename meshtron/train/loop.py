@@ -79,7 +79,8 @@ class TrainResult:
     """The metrics records, as in metrics.jsonl (main rank only)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "records"}
+        return {k: v for k, v in self.__dict__.items()
+                if k != "records" and not (k == "compile_time_s" and v is None)}
 
 
 def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
