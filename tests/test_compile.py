@@ -11,10 +11,10 @@ wrong gradient (the 5.8e-2 the lost first attempt saw under TP) is 4 orders abov
 
 The first compile of a block is slow on a cold inductor cache (C++ codegen: tens of seconds on
 2 cores); the cache (/tmp/torchinductor_$USER) makes later runs seconds. Layout sweeps are
-`slow`; the default tests are one in-process pair (the single-process engine, eager vs
-compiled) and one 2-rank launch of the layouts most likely to break (TP + SP: DTensor
-subclasses at the block boundary; ZeRO-3 with recomputation: FSDP2's hooks around a compiled,
-checkpointed block).
+`slow`; the one default launch (2 ranks) runs the layouts most likely to break (TP + SP:
+DTensor subclasses at the block boundary; ZeRO-3 with recomputation: FSDP2's hooks around a
+compiled, checkpointed block) and, on rank 0, the compiled single-process engine (with an
+evaluation on a new shape: a dynamic-shape recompilation) against the eager one.
 """
 
 from __future__ import annotations
@@ -121,14 +121,14 @@ def test_train_async_tp_on_cpu_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "run" / "plan.toml").exists()  # refused before any rank started
 
 
-# ---- the single-process engine, eager vs compiled ------------------------------------------------
-def _local_run(compile: bool):
+# ---- the single-process engine, eager vs compiled (run inside the default launch) ---------------
+def _local_run(compile: bool, backend: str = "inductor"):
     """3 steps of meshtron's LocalEngine (the product's one-process path) on DEFAULT_CFG's
     model and data; (losses, grad norms, parameters, compile seconds)."""
-    import torch
+    from meshtron.parallel.compile import compile_backend
 
     from meshtron.config import DataConfig, OptimConfig, RunConfig, TrainConfig
-    from meshtron.train.loop import CompileClock, LocalEngine
+    from meshtron.train.loop import CompileClock
 
     c = DEFAULT_CFG
     cfg = RunConfig(model=make_spec(c),
@@ -137,6 +137,13 @@ def _local_run(compile: bool):
                                       grad_clip=c["clip"], warmup_steps=0),
                     train=TrainConfig(steps=c["steps"], seed=c["seed"], compile=compile))
     clock = CompileClock() if compile else None
+    with compile_backend(backend):
+        return _train_local(cfg, c, clock)
+
+
+def _train_local(cfg, c, clock):
+    from meshtron.train.loop import LocalEngine
+
     engine = LocalEngine(cfg)
     inputs, targets = make_data(c)
     losses, norms = [], []
@@ -151,9 +158,22 @@ def _local_run(compile: bool):
     return losses + [short], norms, params, clock.take() if clock else 0.0
 
 
-def test_local_engine_compiled_equals_eager():
+# ---- multi-rank layouts against the eager single-process run ---------------------------------
+def _rank_fn(cfg, layouts, local: bool):
+    """Per rank: the layouts (parallel_rank_fn); with `local`, rank 0 then also trains the
+    compiled single-process engine (it needs no process group; running it here saves a
+    process's compiler start-up)."""
+    import torch.distributed as dist
+
+    out = parallel_rank_fn(cfg, layouts)
+    return out, (_local_run(True) if local and dist.get_rank() == 0 else None)
+
+
+def _check_local(compiled):
+    """The compiled LocalEngine (losses, the short-sequence evaluation, grad norms and
+    parameters) against the eager one."""
     eager_l, eager_n, eager_p, _ = _local_run(False)
-    comp_l, comp_n, comp_p, seconds = _local_run(True)
+    comp_l, comp_n, comp_p, seconds = compiled
     assert seconds > 0  # torch's counters saw the compilation (the loop's compile_time_s)
     assert set(comp_p) == set(eager_p)  # Module.compile: no `_orig_mod.` in the names
     for a, b in zip(comp_l + comp_n, eager_l + eager_n):
@@ -163,10 +183,12 @@ def test_local_engine_compiled_equals_eager():
     assert worst <= TOL, worst
 
 
-# ---- multi-rank layouts against the eager single-process run ---------------------------------
-def _check(world, layouts, timeout=900):
+def _check(world, layouts, timeout=900, local=False):
     ref = reference_run(DEFAULT_CFG)
-    results = run_on_ranks(parallel_rank_fn, world, DEFAULT_CFG, layouts, timeout=timeout)
+    out = run_on_ranks(_rank_fn, world, DEFAULT_CFG, layouts, local, timeout=timeout)
+    results = [r for r, _ in out]
+    if local:
+        _check_local(out[0][1])
     report = compare(ref, results)
     print(f"\nworld {world}:\n{format_report(report)}")
     bad = [r for r in report if r["missing"] or r["extra"]
@@ -175,9 +197,12 @@ def _check(world, layouts, timeout=900):
         format_report(bad)
 
 
-def test_compiled_tp_sp_and_zero3_equal_one_process():
+def test_compiled_equals_eager_one_and_two_processes():
+    """The feature's one default launch: the single-process engine compiled (rank 0, after
+    the layouts) against eager, and the 2-rank layouts compiled against the eager
+    single-process reference."""
     _check(2, [dict(tp=2, sp=True, compile=True),
-               dict(dp=2, zero=3, micro_batch=2, recompute="full", compile=True)])
+               dict(dp=2, zero=3, micro_batch=2, recompute="full", compile=True)], local=True)
 
 
 @pytest.mark.slow
