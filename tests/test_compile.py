@@ -163,9 +163,18 @@ def _rank_fn(cfg, layouts, local: bool):
     """Per rank: the layouts (parallel_rank_fn); with `local`, rank 0 then also trains the
     compiled single-process engine (it needs no process group; running it here saves a
     process's compiler start-up)."""
+    import torch._dynamo
     import torch.distributed as dist
 
-    out = parallel_rank_fn(cfg, layouts)
+    out = []
+    for layout in layouts:
+        # Each layout compiles afresh, as a run does: without the reset the same block code
+        # recompiles for every layout's shapes in this one process, dynamically after the
+        # second (a chain of symbolic shapes that ended in a RecursionError in inductor's
+        # tracing after several layouts, measured); a run has one layout.
+        torch._dynamo.reset()
+        out += parallel_rank_fn(cfg, [layout])
+    torch._dynamo.reset()
     return out, (_local_run(True) if local and dist.get_rank() == 0 else None)
 
 
