@@ -121,6 +121,20 @@ def test_train_async_tp_on_cpu_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "run" / "plan.toml").exists()  # refused before any rank started
 
 
+def test_train_compile_on_saved_zero_bubble_plan_is_one_line_exit_2(tmp_path):
+    """--compile on a saved eager plan compiles that plan: its schedule is checked as a
+    compiled one before any rank starts."""
+    plan = tmp_path / "zb.toml"
+    Plan(pp=2, schedule="zb", micro_batch=2, model="tiny", global_batch=4, seq_len=32).save(plan)
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshtron", "train", "--plan", str(plan), "--compile",
+         "--steps", "1", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "plan.compile=true with plan.schedule='zb'" in lines[0]
+
+
 # ---- the single-process engine, eager vs compiled (run inside the default launch) ---------------
 def _local_run(compile: bool, backend: str = "inductor"):
     """3 steps of meshtron's LocalEngine (the product's one-process path) on DEFAULT_CFG's
