@@ -196,8 +196,8 @@ def recorder_report(engine, batch, device, pairs: int):
             "on_over_off": statistics.median(on) / statistics.median(off)}
 
 
-def compile_report(spec, est, cluster, seq_len, global_batch, device, batch, eager: dict,
-                   dry_run: bool, steps: int):
+def compile_report(spec, plan, cfg, cluster, device, batch, eager: dict, dry_run: bool,
+                   steps: int):
     """`--compile` (per-block torch.compile, meshtron/parallel/compile.py) on the same plan:
     compile seconds (torch's counters) apart from the timed steps, compiled vs eager step
     time and tokens/s, and the planner's predicted ratio ('fused' vs 'eager' stack). Dry run:
@@ -209,8 +209,6 @@ def compile_report(spec, est, cluster, seq_len, global_batch, device, batch, eag
     from meshtron.planner.search import evaluate_plan
     from meshtron.train.parallel import ParallelEngine
 
-    engine, plan, cfg = _engine(spec, est, cluster, seq_len, global_batch, device)
-    engine.release()  # only its plan and config: one model on the device at a time
     plan = dataclasses.replace(plan, compile=True)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
     c0 = compile_seconds()
@@ -221,7 +219,7 @@ def compile_report(spec, est, cluster, seq_len, global_batch, device, batch, eag
     times = _steps(engine, batch, device, steps)
     engine.release()
     step = statistics.median(times)
-    predicted = evaluate_plan(spec, cluster, global_batch, seq_len, plan).step_time_s
+    predicted = evaluate_plan(spec, cluster, plan.global_batch, plan.seq_len, plan).step_time_s
     return {"compile_time_s": compile_s, "first_steps_s": first, "step_time_s": step,
             "step_times_s": times, "tokens_per_s": batch[0].numel() / step,
             "eager_step_time_s": eager["step_time_s"],
@@ -271,8 +269,8 @@ def run(out_path: str, dry_run: bool, seq_len: int | None, global_batch: int | N
         report["recorder"] = recorder_report(engine, batch, device, 1 if dry_run else 4)
         report["checkpoint"] = checkpoint_report(engine, tmp, ckpt_gib)
         engine.release()
-        report["compile"] = compile_report(spec, est, cluster, seq_len, global_batch, device,
-                                           batch, report["throughput"], dry_run, steps)
+        report["compile"] = compile_report(spec, plan, cfg, cluster, device, batch,
+                                           report["throughput"], dry_run, steps)
         torch.distributed.destroy_process_group()
     report["wall_s"] = time.perf_counter() - t_start
     Path(out_path).write_text(json.dumps(report, indent=2, default=float) + "\n")
