@@ -22,7 +22,9 @@ bf16 FSDP2 mixed precision, eager):
    training thread is blocked, and time to completion) of the model's state (capped at
    --ckpt-gib), on a gloo side group as async_save needs (shared notes);
 5. recorder: step time with meshtron's collective recorder installed vs not, alternating
-   steps (one rank: the hot-path cost of the installed kernels, not the per-collective cost).
+   steps (one rank: the hot-path cost of the installed kernels, not the per-collective cost);
+6. compile: the same plan with `--compile` (`compile_report`): compile seconds apart, compiled
+   vs eager step time and tokens/s, beside the planner's 'fused' / 'eager' ratio.
 
 `--dry-run` runs all of it on CPU with the tiny preset in seconds (tests/test_gpu_check.py).
 """
@@ -316,6 +318,37 @@ def offload_report(spec, plan, cluster, batch, device, seq_len, global_batch, dr
                                                         / d["predicted_step_time_s"])
     out["loss_max_abs_diff"] = max(abs(x - y) for x, y in zip(o["losses"], d["losses"]))
     return out
+def compile_report(spec, plan, cfg, cluster, device, batch, eager: dict, dry_run: bool,
+                   steps: int):
+    """`--compile` (per-block torch.compile, meshtron/parallel/compile.py) on the same plan:
+    compile seconds (torch's counters) apart from the timed steps, compiled vs eager step
+    time and tokens/s, and the planner's predicted ratio ('fused' vs 'eager' stack). Dry run:
+    the aot_eager backend (the same tracing without inductor's CPU code generation)."""
+    import contextlib
+    import dataclasses
+
+    from meshtron.parallel.compile import compile_backend, compile_seconds
+    from meshtron.planner.search import evaluate_plan
+    from meshtron.train.parallel import ParallelEngine
+
+    plan = dataclasses.replace(plan, compile=True)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
+    c0 = compile_seconds()
+    with compile_backend("aot_eager") if dry_run else contextlib.nullcontext():
+        engine = ParallelEngine(cfg, plan, device)
+        first = _steps(engine, batch, device, 2)  # forward and backward graphs compile here
+    compile_s = compile_seconds() - c0
+    times = _steps(engine, batch, device, steps)
+    engine.release()
+    step = statistics.median(times)
+    predicted = evaluate_plan(spec, cluster, plan.global_batch, plan.seq_len, plan).step_time_s
+    return {"compile_time_s": compile_s, "first_steps_s": first, "step_time_s": step,
+            "step_times_s": times, "tokens_per_s": batch[0].numel() / step,
+            "eager_step_time_s": eager["step_time_s"],
+            "compiled_over_eager_step_time": step / eager["step_time_s"],
+            "predicted_step_time_s": predicted,
+            "predicted_compiled_over_eager": predicted / eager["predicted_step_time_s"],
+            "backend": "aot_eager" if dry_run else "inductor"}
 
 
 def run(out_path: str, dry_run: bool, seq_len: int | None, global_batch: int | None,
@@ -362,6 +395,8 @@ def run(out_path: str, dry_run: bool, seq_len: int | None, global_batch: int | N
                 0 if dry_run else 2, 2 if dry_run else steps)
         report["fp8"] = fp8_report(*case)
         report["offload"] = offload_report(*case)
+        report["compile"] = compile_report(spec, plan, cfg, cluster, device, batch,
+                                           report["throughput"], dry_run, steps)
         torch.distributed.destroy_process_group()
     report["wall_s"] = time.perf_counter() - t_start
     Path(out_path).write_text(json.dumps(report, indent=2, default=float) + "\n")

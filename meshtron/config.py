@@ -117,6 +117,9 @@ class TrainConfig:
     fp8_recipe: str = "rowwise"
     """FP8 scaling with dtype 'fp8': 'rowwise' (per-row scales) or 'tensorwise' (one per tensor;
     FP8 all-gather under FSDP2 on CUDA)."""
+    compile: bool = False
+    """Per-block torch.compile (meshtron/parallel/compile.py), one process or many (the plan's
+    `compile`); the compile time is reported apart from the step time (`compile_time_s`)."""
     seed: int = 0
     """Seed of the weights and of the data order: same seed, same losses."""
     eval_every: int = 50
@@ -150,6 +153,8 @@ class TrainConfig:
         if self.fp8_recipe not in ("rowwise", "tensorwise"):
             raise UserError(f"train.fp8_recipe={self.fp8_recipe!r}: allowed values are "
                             "rowwise, tensorwise")
+        if not isinstance(self.compile, bool):
+            raise UserError(f"train.compile={self.compile!r}: must be true or false")
         if self.eval_every < 0:
             raise UserError(f"train.eval_every={self.eval_every}: must be >= 0")
         if self.seed < 0:
@@ -170,6 +175,10 @@ class RunConfig:
     """Loop length, precision, seed and outputs."""
 
     def __post_init__(self) -> None:
+        if self.train.compile and self.model.is_moe:
+            from meshtron.planner.plan_rules import MOE_COMPILE_PROBLEM
+
+            raise UserError(MOE_COMPILE_PROBLEM.replace("plan.compile", "train.compile"))
         if self.data.seq_len > self.model.max_seq:
             raise UserError(f"data.seq_len={self.data.seq_len}: exceeds the model's max_seq="
                              f"{self.model.max_seq}")

@@ -43,3 +43,4 @@ def test_gpu_check_dry_run_writes_its_json(tmp_path):
     assert o["offloaded"]["predicted_allocated_bytes"] < o["device"]["predicted_allocated_bytes"]
     assert o["offloaded"]["predicted_host_bytes_per_node"] > 0
     assert o["device"]["predicted_host_bytes_per_node"] == 0
+    assert r["compile"]["compile_time_s"] > 0 and r["compile"]["step_time_s"] > 0

@@ -89,7 +89,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: DocumentMask | None = None) -> torch.Tensor:
     """q [batch, heads, seq, hd], k/v [batch, kv_heads, seq, hd] (heads a multiple of
     kv_heads) -> [batch, heads, seq, hd]; causal, or document-causal with `mask`."""
-    gqa = q.shape[1] != k.shape[1]
+    # A branch, not the comparison itself: under torch.compile with dynamic shapes (a second
+    # shape recompiles the blocks dynamically) the comparison is a SymBool, which SDPA's
+    # `enable_gqa` refuses; branching on it makes dynamo guard and pass a plain bool.
+    gqa = True if q.shape[1] != k.shape[1] else False
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask.block_mask is not None:

@@ -10,7 +10,8 @@
 
 Order of application (fixed): pipeline split -> expert parallel (ep > 1: routed experts
 sharded over the ep ranks, tokens exchanged by all-to-all, meshtron/parallel/expert.py) ->
-tensor/sequence parallel -> activation checkpointing -> context parallel (cp > 1) -> data
+tensor/sequence parallel -> activation checkpointing -> context parallel (cp > 1) -> per-block
+torch.compile (plan.compile, meshtron/parallel/compile.py) -> data
 parallel (FSDP2 per ZeRO stage; over dp_shard x cp with context parallelism; the routed experts
 over what ep leaves of it) -> pipeline stages and schedule.
 
@@ -411,6 +412,10 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     if lay.ep > 1 and experts is None:
         raise UserError(f"plan.ep={lay.ep}: the mesh has no expert axis; build it with "
                          "build_mesh(plan)")
+    if lay.async_tp:  # before anything compiles: the inductor pass must see every block
+        from meshtron.parallel.compile import enable_async_tp
+
+        enable_async_tp(tp_mesh)
     parts = []
     fp8_gather = False
     for _, part in pieces:
@@ -425,6 +430,14 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
         apply_recompute(part, lay.recompute)
         if lay.cp > 1:  # after TP and recompute, before FSDP (torchtitan's order)
             apply_context_parallel(part, mesh["cp"].get_group())
+        if lay.compile:  # per block, after TP and recompute, before FSDP (torchtitan's order)
+            from meshtron.parallel.compile import apply_compile
+
+            # Under TP a compiled region that holds the checkpoint fails on torch 2.13 (AOT
+            # autograd is handed the DeviceMesh to save); the checkpoint then runs eagerly
+            # around the compiled block (selective recompute + TP + compile: refused,
+            # plan_rules.compile_runtime_problem).
+            apply_compile(part, inside_checkpoint=lay.tp > 1 and lay.recompute != "none")
         apply_data_parallel(part, mesh, lay)
         parts.append(part)
     if on_meta:

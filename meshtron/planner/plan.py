@@ -51,7 +51,7 @@ TOML having no null)::
     accumulate_unsharded = true   # ZeRO-2/3: reduce-scatter once per step, not per micro-batch
     ep = 8                        # expert-parallel degree (MoE): folded over the data (x cp) ranks
     compile = true                # per-block torch.compile (after TP and recomputation, before FSDP)
-    async_tp = true               # micro-pipelined TP collectives with the matmuls (needs compile)
+    async_tp = true               # micro-pipelined TP collectives with the matmuls (compile, sp)
     fp8_recipe = "tensorwise"     # with dtype = "fp8": "rowwise" (default) | "tensorwise" scaling
     offload = "full"              # host offload: "none" | "optimizer" | "full"
     offload_activations = true    # saved activations kept in pinned host memory
@@ -174,7 +174,8 @@ class Plan:
     activation checkpointing, before FSDP (what the planner's 'fused' stack assumes)."""
     async_tp: bool = False
     """Asynchronous tensor parallelism: TP all-gathers/reduce-scatters micro-pipelined with the
-    matmuls (torch's symmetric-memory pass under torch.compile; needs tp > 1 and compile)."""
+    matmuls (torch's symmetric-memory pass under torch.compile; needs tp > 1, sp and compile;
+    CUDA + NCCL only: meshtron/parallel/compile.py `async_tp_problem`)."""
     fp8_recipe: str = "rowwise"
     """With dtype='fp8' (torchao float8 training): 'rowwise' scaling (one scale per row, the
     default for accuracy) or 'tensorwise' (one scale per tensor; allows FP8 all-gathers in
@@ -385,9 +386,11 @@ def runtime_problem(plan: Plan) -> str | None:
         return (f"plan.dtype='fp8' with tp={plan.tp}: meshtron's runtime trains FP8 without "
                 "tensor parallelism only (torchao's Float8ColwiseParallel is not wired in); "
                 "use tp=1 or bf16")
-    if plan.compile or plan.async_tp:
-        what = "async_tp" if plan.async_tp else "compile"
-        return f"plan.{what}=true: meshtron's runtime does not compile yet; use {what}=false"
+    from meshtron.planner.plan_rules import compile_runtime_problem
+
+    problem = compile_runtime_problem(plan)
+    if problem:
+        return problem
     problem = offload_runtime_problem(plan)
     if problem:
         return problem

@@ -46,7 +46,11 @@ class Knobs:
     ep: int | None = None
     """Expert-parallel degree (MoE; None: searched where the planner searches it, else 1)."""
     compile: bool | None = None
-    """Per-block torch.compile; not searched (the framework's default when None)."""
+    """Per-block torch.compile; not searched (the framework's default when None). True prices
+    the 'fused' stack (compute.py: what `--compile` runs)."""
+    async_tp: bool | None = None
+    """Asynchronous TP (needs compile, tp > 1 and sp); not searched (False when None). True
+    prices the TP collectives overlapped with the matmuls (compute.py `KernelOptions.async_tp`)."""
     fp8_recipe: str | None = None
     """torchao float8 scaling with dtype fp8 ('rowwise' when None)."""
     offload: str | None = None

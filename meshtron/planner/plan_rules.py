@@ -184,6 +184,10 @@ def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
     elif g("async_tp") and g("compile") is False:
         yield ("plan.async_tp=true: torch runs asynchronous TP as a torch.compile pass; "
                "needs plan.compile=true")
+    elif g("async_tp") and g("sp") is False:
+        yield ("plan.async_tp=true: torch's micro-pipelining fuses the sequence-parallel "
+               "all-gather / reduce-scatter with their matmuls (no all-reduce form); needs "
+               "plan.sp=true")
     ep = g("ep")
     if ep is not None and ep > 1 and dp is not None:
         shard = dp // (g("dp_replicate") or 1) * (cp or 1)
@@ -338,7 +342,17 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if runtime:
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
+        if k.get("compile") and model is not None and getattr(model, "is_moe", False):
+            out.append(MOE_COMPILE_PROBLEM)
     return out
+
+
+MOE_COMPILE_PROBLEM = (
+    "plan.compile=true: mixture-of-experts blocks are not compiled (their routing reads token "
+    "counts on the host, which breaks the block's graph; not verified against eager); use "
+    "compile=false")
+"""Per-block compile compiles each block as one graph (fullgraph, as torchtitan); MoE blocks
+(meshtron/model/moe.py, parallel/expert.py `.tolist()` of the splits) cannot be one graph."""
 
 
 def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
@@ -390,3 +404,36 @@ def check(k: Mapping[str, Any], world_size: int | None = None, model: Any = None
     problems = plan_problems(k, world_size, model, runtime)
     if problems:
         raise UserError(problems[0])
+
+
+def compile_runtime_problem(plan: Any) -> str | None:
+    """Compiled layouts the runtime does not run (meshtron/parallel/compile.py runs the rest);
+    one line, or None.
+
+    Zero-bubble schedules split each stage's backward into an input-gradient pass
+    (`retain_graph=True`) and a later weight-gradient pass (torch.distributed.pipelining
+    `stage_backward_input` / `stage_backward_weight`, which walk the autograd graph between
+    the stage's inputs and its parameters). A compiled block is one autograd node, and on
+    torch 2.13: with AOT autograd's donated buffers the retained backward fails (RuntimeError
+    "compiled with non-empty donated buffers ... retain_graph=False"); with donation off
+    (`torch._functorch.config.donated_buffer=False`) it runs but the weight gradients come out
+    wrong (parameters 4e-2 off the eager run after 3 steps, zb and zbv on pp=2, measured).
+    Every other schedule matches eager to 1e-6 (tests/test_compile.py).
+
+    Selective recomputation under TP: compiling the checkpointed block (torchtitan's order)
+    fails in AOT autograd ("expected all tensors_saved_with_vc_check to be Tensors", a
+    DeviceMesh among them: DTensor redistributions inside a selective checkpoint); compiling
+    inside the checkpoint runs, but the selective policy, which picks the ops to keep from the
+    dispatched operators, no longer sees the compiled ones and the gradients come out wrong
+    (1e-1 on the parameters, measured). Full and half recomputation under TP run with the
+    checkpoint around the compiled block and match eager; selective without TP matches too."""
+    if plan.compile and plan.tp > 1 and plan.recompute == "selective":
+        return (f"plan.compile=true with plan.recompute='selective' and tp={plan.tp}: "
+                "torch 2.13 cannot compile selective recomputation of tensor-parallel blocks "
+                "correctly; use recompute full, half or none, or compile=false")
+    if plan.compile and plan.pp > 1 and plan.schedule == "zb":
+        return (f"plan.compile=true with plan.schedule='zb': zero-bubble's split backward "
+                "(input then weight gradients) gives wrong weight gradients through compiled "
+                "blocks on torch 2.13; use schedule 1f1b, interleaved or gpipe, or "
+                "compile=false")
+    return None

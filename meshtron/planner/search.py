@@ -32,6 +32,7 @@ from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.plan import (RECOMPUTE, Knobs, Plan, check, microbatch_problem,
                                     offload_runtime_problem, plan_problems,
                                     schedule_zero_problem)
+from meshtron.planner.plan_rules import compile_runtime_problem
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -163,6 +164,8 @@ class _Space:
         self.accumulate = bool(k.accumulate_unsharded)
         self.offload = k.offload or "none"
         self.fp8_recipe = k.fp8_recipe or "rowwise"
+        self.compile = bool(k.compile) or bool(k.async_tp)
+        self.async_tp = bool(k.async_tp)
         if runtime and self.offload == "optimizer":  # refused by name, not "nothing fits"
             raise UserError(offload_runtime_problem(Plan(offload="optimizer", dp=2, zero=3)))
         self.n, self.model, self.global_batch = n, model, global_batch
@@ -217,6 +220,12 @@ class _Space:
                            cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
         if self.dtype == "fp8" and self.fp8_recipe != "rowwise":
             cfg = dataclasses.replace(cfg, fp8_recipe=self.fp8_recipe)
+        if self.async_tp and not (tp > 1 and sp):
+            return None  # async TP pipelines the sequence-parallel collectives (plan_rules)
+        if self.compile:
+            cfg = dataclasses.replace(cfg, compile=True, async_tp=self.async_tp)
+            if self.runtime and compile_runtime_problem(cfg):
+                return None  # compiled zero-bubble (plan_rules.compile_runtime_problem)
         if self.offload != "none" and self.runtime and offload_runtime_problem(cfg):
             return None
         return cfg
@@ -392,6 +401,9 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
         if knobs.reduce_dtype is None and framework.reduce_dtype != "fp32":
             knobs = dataclasses.replace(knobs, reduce_dtype=framework.reduce_dtype)
     opts = options or KernelOptions()
+    if knobs.compile or knobs.async_tp:  # what --compile runs is the 'fused' stack
+        opts = dataclasses.replace(opts, stack="fused",
+                                   async_tp=opts.async_tp or bool(knobs.async_tp))
     ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
     runtime = framework is None or framework.name == "meshtron"
     space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime,

@@ -60,6 +60,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="override any config key, e.g. --set optim.beta2=0.99 (repeatable)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the outputs of a run already in --run-dir (refused otherwise)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (after TP and recomputation, "
+                        "before FSDP); compile time is reported apart from step time "
+                        "[train.compile]")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to RUN_DIR/tensorboard "
                         "[train.tensorboard]")
@@ -85,6 +89,10 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="host offload: full = FSDP2 CPU offload of parameter, gradient and "
                         "optimizer-state shards (zero 2/3); optimizer = ZeRO-Offload (planned "
                         "only)")
+    g.add_argument("--async-tp", action="store_true",
+                   help="asynchronous tensor parallelism: TP all-gathers/reduce-scatters "
+                        "micro-pipelined with the matmuls (CUDA + NCCL; needs --compile, tp > 1 "
+                        "and sequence parallelism)")
     g.add_argument("--offload-activations", action="store_true",
                    help="keep the activations saved for backward in (pinned) host memory")
     g.add_argument("--watchdog-timeout", type=positive_float, metavar="S",
@@ -144,6 +152,8 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         overrides[key] = _literal(value)
     if args.tensorboard:
         overrides["train.tensorboard"] = True
+    if getattr(args, "compile", False):
+        overrides["train.compile"] = True
     from meshtron.train.planning import is_plan_file
 
     if is_plan_file(getattr(args, "plan", None)):
@@ -180,6 +190,8 @@ def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -
         fixes["train.dtype"] = "dtype"
     if "fp8_recipe" in saved:
         fixes["train.fp8_recipe"] = "fp8_recipe"
+    if saved.get("compile"):  # a compiled plan runs compiled (--compile may restate it)
+        overrides["train.compile"] = True
     for key, name in fixes.items():
         section, field = key.split(".")
         given = overrides.get(key)
@@ -205,8 +217,10 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
     comm = requested(args)
     offload = getattr(args, "offload", None)
     offload_act = getattr(args, "offload_activations", False)
+    async_tp = getattr(args, "async_tp", False)
     flags = (plan, args.cluster, args.zero, args.schedule, args.recompute, args.sp, offload)
     if all(f is None for f in flags) and not comm and (nproc or 1) == 1 and not offload_act \
+            and not async_tp \
             and not args.launched_rank and args.watchdog_timeout is None and not force:
         return None
     knobs = fixed_knobs(plan, args.zero, args.recompute, args.sp, cfg.data.micro_batch,
@@ -215,6 +229,10 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
         knobs["offload"] = offload
     if offload_act:
         knobs["offload_activations"] = True
+    if cfg.train.compile and not is_plan_file(plan):
+        knobs["compile"] = True  # the planner prices the compiled ('fused') stack
+    if async_tp:
+        knobs["async_tp"] = True
     if not is_plan_file(plan):
         knobs = search_knobs(comm, knobs)
     return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs,

@@ -71,11 +71,16 @@ class TrainResult:
     """Model parameters."""
     resumed_from_step: int = 0
     """The checkpoint step this attempt started from (0: a fresh start)."""
+    compile_time_s: float | None = None
+    """Seconds this attempt spent in torch.compile (main rank; forward and backward graphs,
+    recompilations and evaluation's graphs included), taken out of the step times above;
+    None when the run does not compile."""
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
     """The metrics records, as in metrics.jsonl (main rank only)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "records"}
+        return {k: v for k, v in self.__dict__.items()
+                if k != "records" and not (k == "compile_time_s" and v is None)}
 
 
 def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
@@ -149,6 +154,12 @@ class LocalEngine:
         self._mp: BF16Compute | None = None
         self.grad_clip = cfg.optim.grad_clip
         self.spec = cfg.model
+        self.compiles = cfg.train.compile
+        """Per-block torch.compile (meshtron/parallel/compile.py) of the model that computes."""
+        if self.compiles and self.dtype == "fp32":
+            from meshtron.parallel.compile import apply_compile
+
+            apply_compile(self.model)
 
     @property
     def mp(self) -> BF16Compute | None:
@@ -160,6 +171,10 @@ class LocalEngine:
                 from meshtron.parallel.fp8 import convert_to_fp8
 
                 convert_to_fp8(self._mp.model, self.fp8_recipe, self.device)
+            if self.compiles:  # the bf16 copy computes (after FP8 conversion, as torchtitan)
+                from meshtron.parallel.compile import apply_compile
+
+                apply_compile(self._mp.model)
         return self._mp
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
@@ -247,6 +262,7 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
     first_loss = next((r["loss"] for r in records if r["step"] == 1), math.nan)
     final_loss = records[-1]["loss"] if records else math.nan
     eval_loss: float | None = None
+    compiled = CompileClock() if getattr(engine, "compiles", False) else None
     start = time.perf_counter()
     with TrainProgress(steps, enabled=show_progress and main) as progress:
         mark, pending = time.perf_counter(), 0
@@ -261,9 +277,14 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
                 if ckpt:
                     ckpt.after_step(step, steps)
                 continue
-            loss, grad_norm, seconds = engine.read_log(out, time.perf_counter() - mark)
+            seconds = time.perf_counter() - mark
+            if compiled is not None:  # compiling is not training: out of the step time
+                seconds -= compiled.take()
+            loss, grad_norm, seconds = engine.read_log(out, seconds)
             record = {"step": step, "loss": loss, "lr": out.lr,
                       "step_time_s": clock.add(step, pending, seconds)}
+            if compiled is not None:
+                record["compile_time_s"] = compiled.total
             pending = 0
             if trace_samples and main:
                 from meshtron.heal.elastic import sample_fields
@@ -294,6 +315,8 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
             progress.update(record)
             if ckpt:
                 ckpt.after_step(step, steps)
+            if compiled is not None:
+                compiled.take()  # evaluation's own graphs (no_grad) count as compile time
             mark = time.perf_counter()  # evaluation, logging and saving are not training time
     if log is not None:
         log.close()
@@ -301,7 +324,28 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
                        eval_loss=eval_loss, tokens=tokens_per_step * steps,
                        wall_s=time.perf_counter() - start, tokens_per_s=clock.tokens_per_s(),
                        step_time_s=clock.median_step_s(), params=cfg.model.num_params(),
-                       resumed_from_step=start_step, records=records)
+                       resumed_from_step=start_step, records=records,
+                       compile_time_s=compiled.total if compiled is not None else None)
+
+
+class CompileClock:
+    """Seconds spent compiling, read from torch's compile-time counters
+    (meshtron/parallel/compile.py `compile_seconds`) at each logging point."""
+
+    def __init__(self):
+        from meshtron.parallel.compile import compile_seconds
+
+        self._read = compile_seconds
+        self._seen = compile_seconds()
+        self.total = 0.0
+        """Compile seconds of this attempt so far."""
+
+    def take(self) -> float:
+        """Compile seconds since the last call (added to `total`)."""
+        now = self._read()
+        delta, self._seen = now - self._seen, now
+        self.total += delta
+        return delta
 
 
 def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: bool = True,

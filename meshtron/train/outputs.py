@@ -164,11 +164,13 @@ def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None
     vs = (f"; step time (median of steady steps) {meas:.3f} s vs planner {pred:.3f} s "
           f"(x{meas / pred:.2f})" if pred and meas else "")
     extra = ", memory in memory.json" if summary.get("world_size") else ""
+    compiled = (f" ({summary['compile_time_s']:.1f} s of it compiling)"
+                if summary.get("compile_time_s") is not None else "")
     Console().print(
         f"[bold]done[/]: {cfg.model.name} ({summary['params']:,} params){ranks}, "
         f"{summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f}{ev} nats/token, {_rate(summary['tokens_per_s'])} tok/s, "
-        f"{summary['wall_s']:.1f} s{vs}; metrics in {run_dir}/metrics.jsonl, curves in "
+        f"{summary['wall_s']:.1f} s{compiled}{vs}; metrics in {run_dir}/metrics.jsonl, curves in "
         f"{run_dir}/curves.png{extra}", soft_wrap=True)
 
 
@@ -180,7 +182,8 @@ def print_plan(plan, cluster) -> None:
                 if plan.pp > 1 else "")
     Console().print(
         f"[bold]plan[/] {plan.layout()} zero={plan.zero} micro_batch={plan.micro_batch} "
-        f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'}{pipeline} "
+        f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'}{pipeline}"
+        f"{' compile' if plan.compile else ''}{' async_tp' if plan.async_tp else ''} "
         f"on {cluster.name}; "
         f"predicted step {pred.get('step_time_s', float('nan')):.3f} s, "
         f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank", soft_wrap=True)

@@ -48,13 +48,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def runtime_plan(plan, dtype: str, fp8_recipe: str | None = None):
-    """The plan with the run's precision (and FP8 recipe), as `parallelize` reads it."""
+def runtime_plan(plan, dtype: str, fp8_recipe: str | None = None, compile: bool = False):
+    """The plan with the run's precision (and FP8 recipe), compiled when the plan or the run
+    (`train.compile`, `--compile`) says so, as `parallelize` reads it."""
     import dataclasses
 
     if dtype == "fp8" and fp8_recipe is not None:
-        return dataclasses.replace(plan, dtype=dtype, fp8_recipe=fp8_recipe)
-    return dataclasses.replace(plan, dtype=dtype)
+        plan = dataclasses.replace(plan, fp8_recipe=fp8_recipe)
+    return dataclasses.replace(plan, dtype=dtype, compile=plan.compile or compile)
 
 
 class ParallelEngine:
@@ -68,7 +69,9 @@ class ParallelEngine:
         from meshtron.train.precision import configure_matmul_precision
 
         configure_matmul_precision(device, cfg.train.dtype)
-        rt = runtime_plan(plan, cfg.train.dtype, cfg.train.fp8_recipe)
+        rt = runtime_plan(plan, cfg.train.dtype, cfg.train.fp8_recipe, cfg.train.compile)
+        self.compiles = rt.compile
+        """Per-block torch.compile (the loop reports `compile_time_s` apart)."""
         self.mesh = build_mesh(rt, device_type=device.type, spec=cfg.model)
         self.dp_rank = data_mesh(self.mesh).get_local_rank()
         torch.manual_seed(cfg.train.seed)

@@ -94,8 +94,21 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int):
     else:
         plan = apply_comm(_searched_plan(cfg, request, world_size, cluster), request.comm,
                           saved=False)
-    # The runtime's own checks (world size, heads, kv_heads, layers, schedule traps).
+    if cfg.train.compile and not plan.compile:  # --compile on a saved eager plan: the plan
+        import dataclasses                        # the ranks run (and plan.toml) says so
+
+        plan = dataclasses.replace(plan, compile=True)
+    # The runtime's own checks (world size, heads, kv_heads, layers, schedule traps, what
+    # compiles: plan.py `runtime_problem`).
     resolve_plan(plan, world_size, cfg.model)
+    if plan.async_tp:  # before any rank starts: the ranks pick the device the same way
+        import torch
+
+        from meshtron.parallel.compile import async_tp_problem
+
+        problem = async_tp_problem("cuda" if torch.cuda.is_available() else "cpu")
+        if problem:
+            raise UserError(problem)
     return plan, cluster
 
 
