@@ -65,10 +65,13 @@ def replica_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int) -
             "--replica-ft", "2", "--max-restarts", str(restarts), "--run-dir", str(run_dir)]
 
 
-def in_memory_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int):
-    """Hook for the in-memory snapshot strategy (meshtron/heal/snapshot.py): return its
-    `meshtron train` command line, and give `rank_pids`/`progress` its files. None: skipped."""
-    return None
+def in_memory_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int) -> list[str]:
+    """In-memory snapshots every step (meshtron/heal/snapshot.py; each rank its own and the
+    other "node"'s copy, --ranks-per-node 1), the disk checkpoint as for restart_from_disk: a
+    killed rank's host memory survives it (a process death, not a host loss), so the restart
+    restores the newest snapshot and at most one step is trained again."""
+    return [*restart_command(run_dir, steps, restarts, ckpt_every), "--snapshot-every", "1",
+            "--ranks-per-node", "1"]
 
 
 def _rank_pids(run_dir: Path) -> list[int]:
@@ -247,9 +250,15 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0, help="per strategy, seconds")
+    ap.add_argument("--hidden", type=int, default=256, help="model.hidden (tiny: 256)")
+    ap.add_argument("--layers", type=int, default=4, help="model.layers (tiny: 4)")
     ap.add_argument("--write-recovery", action="store_true")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args()
+    # A step long enough that a replacement replica group (seconds to start and copy the
+    # live state) rejoins before the survivors finish the run: otherwise no rejoin is seen.
+    COMMON.extend(["--set", f"model.hidden={args.hidden}", "--set", f"model.layers={args.layers}",
+                   "--set", f"model.ffn_hidden={args.hidden * 8 // 3}"])
     restarts = args.steps // args.every + 2
     results = {}
     tmp = tempfile.mkdtemp(prefix="chaos_")  # kept when a strategy fails, for its logs

@@ -27,6 +27,7 @@ page cache: a real restart from shared storage is slower, so the disk figure is 
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import shutil
@@ -40,6 +41,14 @@ from pathlib import Path
 
 from meshtron.checkpoint import store
 from meshtron.heal import snapshot_files as files
+
+
+# Rank 0's start-up marks (meshtron/heal/phases.py) in order, and the phases between the kill,
+# those marks and the first step record of the resumed attempt.
+PHASE_MARKS = ("process_start", "rank_entry", "torch_imported", "group_ready", "engine_built",
+               "restored")
+PHASES = ("detect_respawn", "python_start", "import_torch", "process_group", "build",
+          "restore", "first_step")
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -101,6 +110,16 @@ def one_round(work: Path, argv: list[str], every: int, name: str, timeout: float
             shutil.rmtree(files.job_root(run_dir))
         elif name == "peer":
             shutil.rmtree(files.job_root(run_dir) / "node_1")
+        first_step_at = None  # bench-side: when the resumed attempt's first step record appeared
+        while proc.poll() is None and first_step_at is None:
+            recs = _records(run_dir)
+            at = next((i for i, r in enumerate(recs) if r.get("event") == "restart"), None)
+            if at is not None and any("step" in r for r in recs[at + 1:]):
+                first_step_at = time.time()
+            elif time.monotonic() > deadline:
+                raise RuntimeError("no step after the restart")
+            else:
+                time.sleep(0.01)
         out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
@@ -109,9 +128,16 @@ def one_round(work: Path, argv: list[str], every: int, name: str, timeout: float
         raise RuntimeError(out[-3000:])
     restart, = [r for r in _records(run_dir) if r.get("event") == "restart"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"restored_from": restart["restored_from"], "from_peer": restart.get("from_peer"), "resumed": restart["resumed_from_step"],
-            "restore_s": restart["restore_s"], "kill_to_resume_s": restart["time"] - killed_at,
-            "parts": restart.get("restore_parts_s"), "stall_s": summary["snapshot"]["stall_s_max"],
+    marks = restart["phases"]
+    times = [killed_at, *(marks[k] for k in PHASE_MARKS), first_step_at or math.nan]
+    phases = dict(zip(PHASES, (b - a for a, b in zip(times, times[1:]))))
+    return {"restored_from": restart["restored_from"], "from_peer": restart.get("from_peer"),
+            "resumed": restart["resumed_from_step"], "restore_s": restart["restore_s"],
+            "restore": phases["restore"],
+            "kill_to_resume_s": marks["restored"] - killed_at,
+            "kill_to_first_step_s": (first_step_at or math.nan) - killed_at,
+            "phases": phases, "parts": restart.get("restore_parts_s"),
+            "stall_s": summary["snapshot"]["stall_s_max"],
             "bytes": summary["snapshot"]["bytes_per_rank"][0]}
 
 
@@ -122,6 +148,11 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--only", nargs="+", choices=["memory", "peer", "disk"],
+                    default=["memory", "peer", "disk"], help="strategies to run")
+    ap.add_argument("--json", metavar="PATH", help="also write every round here")
+    ap.add_argument("--write-recovery", action="store_true",
+                    help="store the fixed seconds in meshtron/reliability/recovery.toml")
     a = ap.parse_args()
     argv = ["--model", "tiny", "--set", f"model.hidden={a.hidden}", "--set",
             f"model.layers={a.layers}", "--set", f"model.ffn_hidden={a.hidden * 8 // 3}",
@@ -129,7 +160,7 @@ def main() -> None:
             "--global-batch", "8", "--eval-every", "0", "--nproc", "2", "--plan", "dp=2",
             "--zero", "3", "--ranks-per-node", "1", "--snapshot-every", str(a.every),
             "--checkpoint-every", str(a.every), "--max-restarts", "1"]
-    results: dict[str, list[dict]] = {"memory": [], "peer": [], "disk": []}
+    results: dict[str, list[dict]] = {k: [] for k in a.only}
     with tempfile.TemporaryDirectory(prefix="meshtron-recovery-") as tmp:
         for i in range(a.rounds):
             for name in results:
@@ -138,23 +169,76 @@ def main() -> None:
                 assert name != "peer" or r["from_peer"] == [1], r
                 results[name].append(r)
                 parts = ", ".join(f"{k} {v:.3f}" for k, v in (r["parts"] or {}).items())
-                print(f"round {i + 1} {name}: restore {r['restore_s']:.3f} s"
-                      f"{f' ({parts})' if parts else ''}, kill -> resumed "
-                      f"{r['kill_to_resume_s']:.2f} s; snapshot stall max {r['stall_s']:.3f} s",
-                      flush=True)
-    b = results["memory"][0]["bytes"]
+                ph = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+                print(f"round {i + 1} {name}: kill -> first step {r['kill_to_first_step_s']:.2f}"
+                      f" s ({ph}); restore {r['restore_s']:.3f} s ({parts}); snapshot stall "
+                      f"max {r['stall_s']:.3f} s", flush=True)
+    b = next(iter(results.values()))[0]["bytes"]
+    load = os.getloadavg()[0]
     print(f"\nstate per rank {b['own'] / 2**20:.1f} MiB (snapshot host memory per rank "
-          f"{b['host_total'] / 2**20:.1f} MiB: own + peer copy, 2 generations)")
-    print(f"{'strategy':<8} {'restore_s':>10} {'kill_to_resume_s':>17}   (median of "
-          f"{a.rounds})")
-    med = {}
-    for name, rs in results.items():
-        med[name] = (statistics.median(r["restore_s"] for r in rs),
-                     statistics.median(r["kill_to_resume_s"] for r in rs))
-        print(f"{name:<8} {med[name][0]:>10.3f} {med[name][1]:>17.2f}")
-    for name in ("memory", "peer"):
-        print(f"disk / {name}: restore {med['disk'][0] / med[name][0]:.1f}x, kill -> resumed "
-              f"{med['disk'][1] / med[name][1]:.2f}x")
+          f"{b['host_total'] / 2**20:.1f} MiB: own + peer copy, 2 generations); "
+          f"{os.cpu_count()} cores, load average {load:.1f} at the end")
+    med = {name: summarize(rs) for name, rs in results.items()}
+    cols = [*PHASES, "kill_to_first_step_s"]
+    print(f"median of {a.rounds} round(s), seconds:")
+    print(f"{'phase':<22}" + "".join(f"{n:>10}" for n in med))
+    for c in cols:
+        print(f"{c:<22}" + "".join(f"{m[c]:>10.3f}" for m in med.values()))
+    parts = sorted({k for m in med.values() for k in m["parts"]})
+    print("restore parts (slowest rank):")
+    for c in parts:
+        print(f"  {c:<20}" + "".join(f"{m['parts'].get(c, math.nan):>10.3f}"
+                                     for m in med.values()))
+    print(f"  {'beyond template':<20}" + "".join(f"{m['restore_beyond_template_s']:>10.3f}"
+                                                for m in med.values()))
+    for name in [n for n in ("memory", "peer") if n in med and "disk" in med]:
+        d, m = med["disk"], med[name]
+        print(f"disk / {name}: restore x{d['restore'] / m['restore']:.2f}, restore beyond "
+              f"the template x{d['restore_beyond_template_s'] / m['restore_beyond_template_s']:.2f}"
+              f", kill -> first step x{d['kill_to_first_step_s'] / m['kill_to_first_step_s']:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"argv": argv, "rounds": results, "median": med,
+                                            "load_average": load}, indent=1))
+    if a.write_recovery:
+        write_recovery(med, b["own"], a, load)
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Medians per phase, per restore part, and the fixed seconds for recovery.toml."""
+    m = {c: statistics.median(r["phases"][c] for r in rounds) for c in PHASES}
+    m["kill_to_first_step_s"] = statistics.median(r["kill_to_first_step_s"] for r in rounds)
+    keys = {k for r in rounds for k in (r["parts"] or {})}
+    m["parts"] = {k: statistics.median(r["parts"].get(k, 0.0) for r in rounds) for k in keys}
+    # The strategy's own restore work: all but the state-dict template, which both paths
+    # build alike (for FSDP2 its optimizer half is a zero-lr AdamW step on DTensors, torch's
+    # _init_optim_state, whose DTensor sharding propagation the first step would pay anyway).
+    m["restore_beyond_template_s"] = statistics.median(
+        r["restore_s"] - r["parts"].get("template", 0.0) for r in rounds)
+    # The state transfer (disk: verify + DCP read; memory: peer fetch + copy), which
+    # meshtron/reliability/goodput.py adds per model at the target's bandwidth; the rest is
+    # the fixed part recovery.toml holds.
+    moved = ("verify", "read", "fetch")
+    m["fixed_s"] = statistics.median(
+        r["kill_to_first_step_s"] - sum(r["parts"].get(k, 0.0) for k in moved) for r in rounds)
+    return m
+
+
+def write_recovery(med: dict, own_bytes: int, a: argparse.Namespace, load: float) -> None:
+    """Put the measured fixed seconds into meshtron/reliability/recovery.toml (restart from
+    disk: the `disk` rounds; in memory: the `memory` rounds), each with where/when/what."""
+    from meshtron.reliability.goodput import RECOVERY_FILE, update_recovery_file
+
+    label = (f"bench/recovery.py {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
+             f"kill -9 of both ranks -> first step, minus the state transfer, median of "
+             f"{a.rounds}; 2 gloo ranks (dp=2 ZeRO-3, {own_bytes / 2**20:.0f} MiB state per "
+             f"rank) on {os.cpu_count()} CPU cores, load average {load:.1f}")
+    values = {}
+    if "disk" in med:
+        values["restart_from_disk_s"] = (round(med["disk"]["fixed_s"], 2), label)
+    if "memory" in med:
+        values["in_memory_s"] = (round(med["memory"]["fixed_s"], 2), label)
+    update_recovery_file(RECOVERY_FILE, values)
+    print(f"wrote {RECOVERY_FILE}: " + ", ".join(f"{k} = {v[0]}" for k, v in values.items()))
 
 
 if __name__ == "__main__":
