@@ -220,27 +220,22 @@ STRATEGIES = {"restart_from_disk": restart_command, "in_memory": in_memory_comma
               "replica_ft": replica_command}
 
 
-def write_recovery(results: dict, path: Path, note: str) -> None:
-    import tomllib
+def write_recovery(results: dict, note: str) -> None:
+    """The replica-FT medians into meshtron/reliability/recovery.toml, labelled with this run
+    (the restart and in-memory values there come from bench/recovery.py, which splits them
+    into phases and takes the state transfer out)."""
+    sys.path.insert(0, str(ROOT))
+    from meshtron.reliability.goodput import RECOVERY_FILE, update_recovery_file
 
-    doc = tomllib.loads(path.read_text())
-    med = lambda xs: round(statistics.median(xs), 2) if xs else None  # noqa: E731
-    r, f = results.get("restart_from_disk"), results.get("replica_ft")
-    vals = {"restart_from_disk_s": med(r["recovery_s"]) if r else None,
-            "replica_stall_s": med(f["stall_s"]) if f else None,
-            "replica_rejoin_s": med(f["rejoin_s"]) if f else None}
-    text = path.read_text()
-    for key, v in vals.items():
-        if v is None:
-            continue
-        lines = text.splitlines()
-        text = "\n".join(f"{key} = {v}" if ln.startswith(f"{key} =") else ln
-                         for ln in lines) + "\n"
-    text = "\n".join(f'source = "{note}"' if ln.startswith("source =") else ln
-                     for ln in text.splitlines()) + "\n"
-    path.write_text(text)
-    tomllib.loads(text)  # still valid
-    print(f"wrote {path}: {vals} (in_memory_s kept: {doc['in_memory_s']})")
+    f = results.get("replica_ft")
+    values = {}
+    for key, xs in (("replica_stall_s", f and f["stall_s"]), ("replica_rejoin_s",
+                                                              f and f["rejoin_s"])):
+        if xs:
+            values[key] = (round(statistics.median(xs), 2),
+                           f"{note}; median of {len(xs)}")
+    update_recovery_file(RECOVERY_FILE, values)
+    print(f"wrote {RECOVERY_FILE}: {({k: v[0] for k, v in values.items()})}")
 
 
 def main() -> int:
@@ -289,9 +284,11 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.write_recovery:
-        write_recovery(results, ROOT / "meshtron" / "reliability" / "recovery.toml",
-                       f"bench/chaos.py {time.strftime('%Y-%m-%d')}, tiny model, 2 ranks on "
-                       f"{os.cpu_count()} CPU cores (gloo)")
+        write_recovery(results, f"bench/chaos.py {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+                       f": {args.steps} steps, a SIGKILL every {args.every}, model hidden "
+                       f"{args.hidden} x {args.layers} layers, 2 replica groups of 1 rank on "
+                       f"{os.cpu_count()} CPU cores (gloo), load average "
+                       f"{os.getloadavg()[0]:.1f}")
     return 0
 
 

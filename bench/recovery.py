@@ -129,6 +129,9 @@ def one_round(work: Path, argv: list[str], every: int, name: str, timeout: float
     restart, = [r for r in _records(run_dir) if r.get("event") == "restart"]
     summary = json.loads((run_dir / "summary.json").read_text())
     marks = restart["phases"]
+    recs = _records(run_dir)
+    at = next(i for i, r in enumerate(recs) if r.get("event") == "restart")
+    resumed_steps = [r["step_time_s"] for r in recs[at + 1:] if "step_time_s" in r]
     times = [killed_at, *(marks[k] for k in PHASE_MARKS), first_step_at or math.nan]
     phases = dict(zip(PHASES, (b - a for a, b in zip(times, times[1:]))))
     return {"restored_from": restart["restored_from"], "from_peer": restart.get("from_peer"),
@@ -137,6 +140,10 @@ def one_round(work: Path, argv: list[str], every: int, name: str, timeout: float
             "kill_to_resume_s": marks["restored"] - killed_at,
             "kill_to_first_step_s": (first_step_at or math.nan) - killed_at,
             "phases": phases, "parts": restart.get("restore_parts_s"),
+            # the resumed attempt's steps: its first (warm-up: FSDP lazy init, first DTensor
+            # dispatches) and the median of the others
+            "first_step_time_s": resumed_steps[0],
+            "steady_step_s": statistics.median(resumed_steps[1:] or resumed_steps),
             "stall_s": summary["snapshot"]["stall_s_max"],
             "bytes": summary["snapshot"]["bytes_per_rank"][0]}
 
@@ -179,7 +186,7 @@ def main() -> None:
           f"{b['host_total'] / 2**20:.1f} MiB: own + peer copy, 2 generations); "
           f"{os.cpu_count()} cores, load average {load:.1f} at the end")
     med = {name: summarize(rs) for name, rs in results.items()}
-    cols = [*PHASES, "kill_to_first_step_s"]
+    cols = [*PHASES, "kill_to_first_step_s", "first_step_time_s", "steady_step_s"]
     print(f"median of {a.rounds} round(s), seconds:")
     print(f"{'phase':<22}" + "".join(f"{n:>10}" for n in med))
     for c in cols:
@@ -206,7 +213,8 @@ def main() -> None:
 def summarize(rounds: list[dict]) -> dict:
     """Medians per phase, per restore part, and the fixed seconds for recovery.toml."""
     m = {c: statistics.median(r["phases"][c] for r in rounds) for c in PHASES}
-    m["kill_to_first_step_s"] = statistics.median(r["kill_to_first_step_s"] for r in rounds)
+    for c in ("kill_to_first_step_s", "first_step_time_s", "steady_step_s"):
+        m[c] = statistics.median(r[c] for r in rounds)
     keys = {k for r in rounds for k in (r["parts"] or {})}
     m["parts"] = {k: statistics.median(r["parts"].get(k, 0.0) for r in rounds) for k in keys}
     # The strategy's own restore work: all but the state-dict template, which both paths

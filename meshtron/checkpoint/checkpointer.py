@@ -258,6 +258,8 @@ class Checkpointer:
             self.say(f"{folder.name} was saved inside a DiLoCo round by {saved_replicas} "
                      f"replicas; this run has {self.state.replicas}: every replica continues "
                      "from replica 0's model and optimizer")
+        if not per_replica:  # no zero-lr optimizer step to build the template (state.py)
+            self.state.presize_optimizer(_saved_optimizer_states(folder))
         template = self.state.tensors(per_replica)
         t1 = time.perf_counter()
         dcp.load(template, checkpoint_id=str(folder),
@@ -450,6 +452,19 @@ class Checkpointer:
             self._executor.shutdown(wait=True)
             self._stager.close()
             self.watch.close()
+
+
+def _saved_optimizer_states(folder: Path) -> dict[str, tuple[torch.dtype, bool]]:
+    """{'state.<fqn>.<name>': (dtype, scalar)} of the optimizer tensors in DCP's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = {}
+    prefix = "optim.state."
+    for key, md in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
+            out[key[len("optim."):]] = (md.properties.dtype, len(md.size) == 0)
+    return out
 
 
 def _layout(plan: dict[str, Any] | None) -> str:

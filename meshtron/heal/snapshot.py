@@ -134,6 +134,9 @@ class Snapshots:
         and waiting for the copy before the next optimizer step)."""
         self.restored: dict[str, Any] | None = None
         """What `restore` did (for the restart record), None when it did not restore."""
+        self.presized = False
+        """The last restore built the optimizer's states from the snapshot's index (no zero-lr
+        optimizer step: EngineState.presize_optimizer)."""
 
     def say(self, text: str) -> None:
         if self.lay.rank == 0:
@@ -287,6 +290,7 @@ class Snapshots:
         seconds = parts[0]
         self.restored = {"restored_from": "memory", "restore_s": float(seconds),
                          "snapshot_step": choice.step, "from_peer": list(choice.from_keeper),
+                         "presized_optimizer": self.presized,
                          "restore_parts_s": dict(zip(names, parts[1:].tolist()))}
         peers = (f"; rank(s) {', '.join(map(str, choice.from_keeper))} from their keeper's "
                  "copy over the network" if choice.from_keeper else "")
@@ -328,6 +332,10 @@ class Snapshots:
         if meta is None:
             raise RuntimeError(f"snapshot slot {slot} vanished during the restore")
         per_replica = bool(meta.get("per_replica"))
+        # no zero-lr optimizer step to build the template (state.py presize_optimizer)
+        self.presized = not per_replica and self.state.presize_optimizer({
+            e[0][1]: (_dtype(e[1]), not e[2]) for e in meta["entries"]
+            if len(e[0]) == 2 and e[0][0] == "optim"})
         template = self.state.tensors(per_replica)
         leaves = flatten(template)
         want = {tuple(e[0]) for e in meta["entries"]} | {tuple(json.loads(p))
