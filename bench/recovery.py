@@ -137,6 +137,7 @@ def one_round(work: Path, argv: list[str], every: int, name: str, timeout: float
     return {"restored_from": restart["restored_from"], "from_peer": restart.get("from_peer"),
             "resumed": restart["resumed_from_step"], "restore_s": restart["restore_s"],
             "restore": phases["restore"],
+            "presized_optimizer": restart.get("presized_optimizer"),
             "kill_to_resume_s": marks["restored"] - killed_at,
             "kill_to_first_step_s": (first_step_at or math.nan) - killed_at,
             "phases": phases, "parts": restart.get("restore_parts_s"),

@@ -98,6 +98,9 @@ class Checkpointer:
         self.snapshots = make_snapshots(ckpt, self.state, engine, data, run_dir, plan) \
             if self.distributed else None
         """In-memory snapshots (--snapshot-every), or None."""
+        self.presized = False
+        """The last load built the optimizer's states from the checkpoint's metadata (no
+        zero-lr optimizer step: EngineState.presize_optimizer)."""
         self.restored: dict[str, Any] = {}
         """How a restarted attempt got its state: restored_from (memory | disk), restore_s."""
         self._finished = False
@@ -206,6 +209,7 @@ class Checkpointer:
         parts = self.load(Path(path))
         total, *maxed = self._max([time.perf_counter() - t0, t1 - t0, *parts.values()])
         self.restored = {"restored_from": "disk", "restore_s": total,
+                         "presized_optimizer": self.presized,
                          "restore_parts_s": dict(zip(("verify", *parts), maxed))}
         self.start_step = step
         return step
@@ -258,7 +262,8 @@ class Checkpointer:
             self.say(f"{folder.name} was saved inside a DiLoCo round by {saved_replicas} "
                      f"replicas; this run has {self.state.replicas}: every replica continues "
                      "from replica 0's model and optimizer")
-        if not per_replica:  # no zero-lr optimizer step to build the template (state.py)
+        # no zero-lr optimizer step to build the template (state.py presize_optimizer)
+        self.presized = not per_replica and \
             self.state.presize_optimizer(_saved_optimizer_states(folder))
         template = self.state.tensors(per_replica)
         t1 = time.perf_counter()
