@@ -259,6 +259,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0, help="per strategy, seconds")
     ap.add_argument("--snapshot-every", type=int, default=1, help="in_memory strategy")
+    ap.add_argument("--only", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
+    ap.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
     ap.add_argument("--hidden", type=int, default=256, help="model.hidden (tiny: 256)")
     ap.add_argument("--layers", type=int, default=4, help="model.layers (tiny: 4)")
     ap.add_argument("--write-recovery", action="store_true")
@@ -273,6 +275,8 @@ def main() -> int:
     results = {}
     tmp = tempfile.mkdtemp(prefix="chaos_")  # kept when a strategy fails, for its logs
     for kind, make in STRATEGIES.items():
+        if kind not in args.only:
+            continue
         run_dir = Path(tmp) / kind
         cmd = make(run_dir, args.steps, restarts, args.checkpoint_every)
         if cmd is None:
@@ -308,7 +312,10 @@ def main() -> int:
                   f"(vs base x{a['goodput_base'] / b['goodput_base']:.2f})")
     import shutil
 
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep:
+        print(f"run folders kept in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.write_recovery:
