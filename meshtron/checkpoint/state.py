@@ -141,21 +141,25 @@ class EngineState:
                 by_fqn.setdefault(fqn, {})[name] = value
         todo = []
         for part, o in zip(engine.pm.model_parts, opt.optimizers):
-            mine = {id(p) for g in o.param_groups for p in g["params"]}
+            group_of = {id(p): g for g in o.param_groups for p in g["params"]}
             seen = 0
             for name, p in part.named_parameters():
-                if id(p) not in mine:
+                if id(p) not in group_of:
                     continue
                 found = by_fqn.get(clean_name(name))
                 if not found:
                     return False
-                todo.append((o, p, found))
+                # Scalars where torch's Adam/AdamW put them: on the parameter's device when
+                # fused or capturable, else on the host (no device sync to read the step).
+                g = group_of[id(p)]
+                where = p.device if g.get("fused") or g.get("capturable") else "cpu"
+                todo.append((o, p, found, where))
                 seen += 1
-            if seen != len(mine):
+            if seen != len(group_of):
                 return False
         with torch.no_grad():
-            for o, p, found in todo:
-                o.state[p] = {name: torch.zeros((), dtype=dt, device=p.device) if scalar
+            for o, p, found, where in todo:
+                o.state[p] = {name: torch.zeros((), dtype=dt, device=where) if scalar
                               else torch.empty_like(p, dtype=dt)
                               for name, (dt, scalar) in found.items()}
         return True
