@@ -278,6 +278,9 @@ def test_two_failures_memory_then_disk_equal_an_uninterrupted_run(tmp_path):
     assert first["restored_from"] == "memory" and first["resumed_from_step"] == 6, first
     assert first["from_peer"] == [2, 3]
     assert second["restored_from"] == "disk" and second["resumed_from_step"] in (4, 8), second
+    # both loads built the optimizer's states from the saved index (tp x dp DTensors), no
+    # zero-lr optimizer step
+    assert first["presized_optimizer"] and second["presized_optimizer"], (first, second)
     assert "no complete in-memory generation" in out
     assert _losses(run_dir) == _losses(ref)
     _same_final_state(ref, run_dir)
