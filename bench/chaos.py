@@ -2,27 +2,35 @@
 lost per recovery strategy, side by side in one invocation (same model, batch, steps, ranks).
 
     .venv/bin/python bench/chaos.py                       # 60 steps, a kill every 15
-    .venv/bin/python bench/chaos.py --steps 120 --every 20 --write-recovery
+    .venv/bin/python bench/chaos.py --steps 150 --every 30 --hidden 384 --write-recovery
 
-Strategies (STRATEGIES below):
+Strategies (STRATEGIES below), 2 ranks or 2 replica groups each:
 - restart_from_disk: `meshtron train --nproc 2 --checkpoint-every C --max-restarts R`: every
   rank restarts (torchrun's agent) and resumes from the newest checkpoint.
+- in_memory: the same with `--snapshot-every S --ranks-per-node 1` (meshtron/heal/snapshot.py):
+  the restart restores the newest in-memory snapshot (the killed process's host memory
+  survives it, as on a real host), so at most S steps are trained again.
 - replica_ft: `meshtron train --replica-ft 2 --max-restarts R`: the surviving group goes on, a
-  warm spare rejoins with the live weights.
-- in_memory: a hook (`in_memory_command` returns None: skipped) for in-memory snapshots
-  (meshtron/heal/snapshot.py), to be filled in when that lands.
+  warm spare rejoins with the live weights (torchft copies them from the healthy group). A
+  group is killed only at full strength (after the previous replacement rejoined), and a
+  replacement that rejoins after the survivors finished is not seen: the model must be large
+  enough (--hidden, --layers) that the steps after a kill outlast a replacement's start.
 
 Figures per strategy:
 - goodput = useful step-seconds / wall seconds from the first step to the last, where useful =
   (the strategy's failure-free median step) x (steps, counting a replica-FT step run by k of G
-  groups as k/G of a step); startup before step 1 is excluded (equal for all);
+  groups as k/G of a step); startup before step 1 is excluded (equal for all); "vs base" uses
+  restart_from_disk's median step instead, so a strategy's own per-step cost (snapshot copies,
+  torchft quorums) counts as lost too;
+- rejoined: replacement groups seen committing a step with the live weights (replica_ft);
 - steps lost: steps trained again after a restart (restart_from_disk), or batch fractions
   dropped while a group was out (replica_ft: sum of 1 - k/G);
 - recovery seconds: kill -> the next committed step (restart); the survivors' extra seconds at
   the failed step, and kill -> the replacement's first committed step (replica_ft).
 
-`--write-recovery` stores the medians in meshtron/reliability/recovery.toml, which `meshtron
-cost` and `meshtron simulate --step` read (the in-memory figure stays as it is there).
+`--write-recovery` stores the replica-FT medians (stall, rejoin) in
+meshtron/reliability/recovery.toml, labelled with this run, which `meshtron cost` and `meshtron
+simulate --step` read (its restart and in-memory values come from bench/recovery.py).
 On a shared 2-core machine the absolute seconds are dominated by process start-up (import
 torch: several seconds under load); the ratios between strategies are the result.
 """
@@ -65,10 +73,18 @@ def replica_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int) -
             "--replica-ft", "2", "--max-restarts", str(restarts), "--run-dir", str(run_dir)]
 
 
-def in_memory_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int):
-    """Hook for the in-memory snapshot strategy (meshtron/heal/snapshot.py): return its
-    `meshtron train` command line, and give `rank_pids`/`progress` its files. None: skipped."""
-    return None
+SNAPSHOT_EVERY = [1]
+"""--snapshot-every of the in_memory strategy (set from the command line)."""
+
+
+def in_memory_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int) -> list[str]:
+    """In-memory snapshots every step (meshtron/heal/snapshot.py; each rank its own and the
+    other "node"'s copy, --ranks-per-node 1), the disk checkpoint as for restart_from_disk: a
+    killed rank's host memory survives it (a process death, not a host loss), so the restart
+    restores the newest snapshot and at most one step is trained again."""
+    return [*restart_command(run_dir, steps, restarts, ckpt_every), "--snapshot-every",
+            str(SNAPSHOT_EVERY[0]),
+            "--ranks-per-node", "1"]
 
 
 def _rank_pids(run_dir: Path) -> list[int]:
@@ -217,27 +233,22 @@ STRATEGIES = {"restart_from_disk": restart_command, "in_memory": in_memory_comma
               "replica_ft": replica_command}
 
 
-def write_recovery(results: dict, path: Path, note: str) -> None:
-    import tomllib
+def write_recovery(results: dict, note: str) -> None:
+    """The replica-FT medians into meshtron/reliability/recovery.toml, labelled with this run
+    (the restart and in-memory values there come from bench/recovery.py, which splits them
+    into phases and takes the state transfer out)."""
+    sys.path.insert(0, str(ROOT))
+    from meshtron.reliability.goodput import RECOVERY_FILE, update_recovery_file
 
-    doc = tomllib.loads(path.read_text())
-    med = lambda xs: round(statistics.median(xs), 2) if xs else None  # noqa: E731
-    r, f = results.get("restart_from_disk"), results.get("replica_ft")
-    vals = {"restart_from_disk_s": med(r["recovery_s"]) if r else None,
-            "replica_stall_s": med(f["stall_s"]) if f else None,
-            "replica_rejoin_s": med(f["rejoin_s"]) if f else None}
-    text = path.read_text()
-    for key, v in vals.items():
-        if v is None:
-            continue
-        lines = text.splitlines()
-        text = "\n".join(f"{key} = {v}" if ln.startswith(f"{key} =") else ln
-                         for ln in lines) + "\n"
-    text = "\n".join(f'source = "{note}"' if ln.startswith("source =") else ln
-                     for ln in text.splitlines()) + "\n"
-    path.write_text(text)
-    tomllib.loads(text)  # still valid
-    print(f"wrote {path}: {vals} (in_memory_s kept: {doc['in_memory_s']})")
+    f = results.get("replica_ft")
+    values = {}
+    for key, xs in (("replica_stall_s", f and f["stall_s"]), ("replica_rejoin_s",
+                                                              f and f["rejoin_s"])):
+        if xs:
+            values[key] = (round(statistics.median(xs), 2),
+                           f"{note}; median of {len(xs)}")
+    update_recovery_file(RECOVERY_FILE, values)
+    print(f"wrote {RECOVERY_FILE}: {({k: v[0] for k, v in values.items()})}")
 
 
 def main() -> int:
@@ -247,13 +258,25 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0, help="per strategy, seconds")
+    ap.add_argument("--snapshot-every", type=int, default=1, help="in_memory strategy")
+    ap.add_argument("--only", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
+    ap.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
+    ap.add_argument("--hidden", type=int, default=256, help="model.hidden (tiny: 256)")
+    ap.add_argument("--layers", type=int, default=4, help="model.layers (tiny: 4)")
     ap.add_argument("--write-recovery", action="store_true")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args()
+    # A step long enough that a replacement replica group (seconds to start and copy the
+    # live state) rejoins before the survivors finish the run: otherwise no rejoin is seen.
+    COMMON.extend(["--set", f"model.hidden={args.hidden}", "--set", f"model.layers={args.layers}",
+                   "--set", f"model.ffn_hidden={args.hidden * 8 // 3}"])
+    SNAPSHOT_EVERY[0] = args.snapshot_every
     restarts = args.steps // args.every + 2
     results = {}
     tmp = tempfile.mkdtemp(prefix="chaos_")  # kept when a strategy fails, for its logs
     for kind, make in STRATEGIES.items():
+        if kind not in args.only:
+            continue
         run_dir = Path(tmp) / kind
         cmd = make(run_dir, args.steps, restarts, args.checkpoint_every)
         if cmd is None:
@@ -261,28 +284,47 @@ def main() -> int:
             continue
         results[kind] = run_strategy(kind, cmd, run_dir, args.every, args.seed, args.timeout)
     print(f"\n{args.steps} steps, a random rank SIGKILLed every {args.every} steps "
-          f"(checkpoint every {args.checkpoint_every} for restart_from_disk), 2 ranks each")
-    print(f"{'strategy':18} {'kills':>5} {'goodput':>8} {'steps lost':>10} {'step s':>7} "
-          f"{'wall s':>7}  recovery")
+          f"(checkpoint every {args.checkpoint_every} for restart_from_disk and in_memory, "
+          f"in-memory snapshot every {SNAPSHOT_EVERY[0]}), 2 ranks or 2 replica groups each; "
+          f"model hidden {args.hidden} x {args.layers} layers; {os.cpu_count()} cores, load "
+          f"average {os.getloadavg()[0]:.1f}")
+    # goodput_own: useful steps x the strategy's own failure-free step / wall; goodput_base:
+    # x the plain restart_from_disk step (what the same steps cost without the strategy's
+    # per-step overheads: snapshots, replica-FT quorums), so those overheads count as lost.
+    base = results.get("restart_from_disk", {}).get("median_step_s")
+    for r in results.values():
+        r["goodput_base"] = r["goodput"] * base / r["median_step_s"] if base else None
+    print(f"{'strategy':18} {'kills':>5} {'rejoined':>8} {'goodput':>8} {'vs base':>8} "
+          f"{'steps lost':>10} {'step s':>7} {'wall s':>7}  recovery")
     for kind, r in results.items():
         rec = (f"kill->step {', '.join(f'{x:.1f}' for x in r['recovery_s'])} s"
                if "recovery_s" in r else
                f"stall {', '.join(f'{x:.1f}' for x in r['stall_s'])} s; rejoin "
                f"{', '.join(f'{x:.1f}' for x in r['rejoin_s'])} s")
-        print(f"{kind:18} {r['kills']:5d} {r['goodput']:8.1%} {r['steps_lost']:10.2f} "
-              f"{r['median_step_s']:7.3f} {r['wall_s']:7.1f}  {rec}")
-    if "restart_from_disk" in results and "replica_ft" in results:
-        print(f"replica_ft / restart_from_disk goodput: "
-              f"x{results['replica_ft']['goodput'] / results['restart_from_disk']['goodput']:.2f}")
+        rejoined = str(len(r["rejoin_s"])) if "rejoin_s" in r else "-"
+        gb = f"{r['goodput_base']:8.1%}" if r["goodput_base"] is not None else f"{'-':>8}"
+        print(f"{kind:18} {r['kills']:5d} {rejoined:>8} {r['goodput']:8.1%} {gb} "
+              f"{r['steps_lost']:10.2f} {r['median_step_s']:7.3f} {r['wall_s']:7.1f}  {rec}")
+    for kind in ("in_memory", "replica_ft"):
+        if "restart_from_disk" in results and kind in results:
+            a, b = results[kind], results["restart_from_disk"]
+            print(f"{kind} / restart_from_disk goodput: x{a['goodput'] / b['goodput']:.2f} "
+                  f"(vs base x{a['goodput_base'] / b['goodput_base']:.2f})")
     import shutil
 
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep:
+        print(f"run folders kept in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.write_recovery:
-        write_recovery(results, ROOT / "meshtron" / "reliability" / "recovery.toml",
-                       f"bench/chaos.py {time.strftime('%Y-%m-%d')}, tiny model, 2 ranks on "
-                       f"{os.cpu_count()} CPU cores (gloo)")
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        write_recovery(results, f"bench/chaos.py {when}: {args.steps} steps, a SIGKILL every "
+                       f"{args.every}, model hidden "
+                       f"{args.hidden} x {args.layers} layers, 2 replica groups of 1 rank on "
+                       f"{os.cpu_count()} CPU cores (gloo), load average "
+                       f"{os.getloadavg()[0]:.1f}")
     return 0
 
 

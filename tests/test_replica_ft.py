@@ -15,8 +15,9 @@ import pytest
 from meshtron.cli import main
 from meshtron.errors import UserError
 from meshtron.reliability import expected_wall_s, first_order_overhead_fraction
-from meshtron.reliability.goodput import (RecoveryTimes, checkpoint_goodput, goodput_table,
-                                          load_recovery_times, replica_goodput)
+from meshtron.reliability.goodput import (RECOVERY_FILE, RecoveryTimes, checkpoint_goodput,
+                                          goodput_table, load_recovery_times, replica_goodput,
+                                          update_recovery_file)
 
 RUN = ["--model", "tiny", "--global-batch", "4", "--seq-len", "32", "--eval-every", "0"]
 STEPS = 120  # long enough for the replacement to rejoin before the survivor finishes
@@ -142,6 +143,19 @@ def test_goodput_table_orders_the_strategies_and_counts_the_state_transfer():
 def test_recovery_times_file_is_packaged_and_checked(tmp_path):
     times = load_recovery_times()
     assert times.restart_from_disk_s > 0 and times.source
+    # every packaged value says which bench measured it (not an assumption)
+    for name, bench in (("restart_from_disk_s", "bench/recovery.py"),
+                        ("in_memory_s", "bench/recovery.py"),
+                        ("replica_stall_s", "bench/chaos.py"),
+                        ("replica_rejoin_s", "bench/chaos.py")):
+        assert times.sources[name].startswith(bench), (name, times.sources[name])
+    mine = tmp_path / "mine.toml"
+    mine.write_text(RECOVERY_FILE.read_text())
+    update_recovery_file(mine, {"in_memory_s": (1.25, 'bench "x" today')})
+    again = load_recovery_times(mine)
+    assert again.in_memory_s == 1.25 and again.sources["in_memory_s"] == "bench 'x' today"
+    assert again.restart_from_disk_s == times.restart_from_disk_s
+    assert again.sources["replica_rejoin_s"] == times.sources["replica_rejoin_s"]
     bad = tmp_path / "r.toml"
     bad.write_text("restart_from_disk_s = -1\nin_memory_s = 1\nreplica_stall_s = 1\n"
                    "replica_rejoin_s = 1\n")

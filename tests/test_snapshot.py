@@ -148,6 +148,7 @@ def test_restore_bit_identical_also_from_the_peer_copy(tmp_path):
     for step, restored, newer_disk, nothing in got:
         assert step == 2 and newer_disk is None and nothing is None
         assert restored["restored_from"] == "memory" and restored["from_peer"] == [1]
+        assert restored["presized_optimizer"]  # no zero-lr optimizer step for the template
 
 
 # ---- torchrun, SIGKILL, --max-restarts ---------------------------------------------------------
@@ -200,6 +201,14 @@ def test_sigkill_restores_from_the_peer_snapshot_and_repeats_the_losses(tmp_path
     assert restart["restored_from"] == "memory" and restart["resumed_from_step"] == 6, restart
     assert restart["snapshot_step"] == 6 and restart["from_peer"] == [1]
     assert restart["restore_s"] > 0 and "restored step 6 from in-memory snapshots" in out
+    assert set(restart["restore_parts_s"]) == {"decide", "fetch", "template", "read", "apply"}
+    assert restart["restore_parts_s"]["fetch"] > 0  # rank 1's shard came over gloo
+    from meshtron.heal.phases import ORDER
+
+    marks = restart["phases"]  # the restarted rank 0's start-up, in order
+    assert list(marks) == list(ORDER), marks
+    assert all(a <= b for a, b in zip(marks.values(), list(marks.values())[1:])), marks
+    assert restart["time"] >= marks["restored"]
     after = dict(_losses(run_dir))
     assert sorted(after) == list(range(1, 11))
     assert all(after[s] == before[s] for s in before), (before, after)  # bit for bit
@@ -269,6 +278,9 @@ def test_two_failures_memory_then_disk_equal_an_uninterrupted_run(tmp_path):
     assert first["restored_from"] == "memory" and first["resumed_from_step"] == 6, first
     assert first["from_peer"] == [2, 3]
     assert second["restored_from"] == "disk" and second["resumed_from_step"] in (4, 8), second
+    # both loads built the optimizer's states from the saved index (tp x dp DTensors), no
+    # zero-lr optimizer step
+    assert first["presized_optimizer"] and second["presized_optimizer"], (first, second)
     assert "no complete in-memory generation" in out
     assert _losses(run_dir) == _losses(ref)
     _same_final_state(ref, run_dir)

@@ -98,6 +98,9 @@ class Checkpointer:
         self.snapshots = make_snapshots(ckpt, self.state, engine, data, run_dir, plan) \
             if self.distributed else None
         """In-memory snapshots (--snapshot-every), or None."""
+        self.presized = False
+        """The last load built the optimizer's states from the checkpoint's metadata (no
+        zero-lr optimizer step: EngineState.presize_optimizer)."""
         self.restored: dict[str, Any] = {}
         """How a restarted attempt got its state: restored_from (memory | disk), restore_s."""
         self._finished = False
@@ -150,6 +153,17 @@ class Checkpointer:
     # ---- start ---------------------------------------------------------------------------------
     def start(self) -> int:
         """Clear unfinished saves, then resume when asked (or when torchrun restarted us);
+        returns the number of steps already done (0: a fresh start). Marks the start-up phases
+        (meshtron/heal/phases.py) around it."""
+        from meshtron.heal import phases
+
+        phases.mark("engine_built")
+        step = self._resume()
+        phases.mark("restored")
+        return step
+
+    def _resume(self) -> int:
+        """Clear unfinished saves, then resume when asked (or when torchrun restarted us);
         returns the number of steps already done (0: a fresh start)."""
         n = restart.attempt()
         resume = self.may_resume
@@ -191,9 +205,12 @@ class Checkpointer:
             self.say(f"restart {n}: no complete checkpoint yet; starting over from step 0")
             return 0
         step, path = chosen
-        self.load(Path(path))
-        self.restored = {"restored_from": "disk",
-                         "restore_s": self._max([time.perf_counter() - t0])[0]}
+        t1 = time.perf_counter()
+        parts = self.load(Path(path))
+        total, *maxed = self._max([time.perf_counter() - t0, t1 - t0, *parts.values()])
+        self.restored = {"restored_from": "disk", "restore_s": total,
+                         "presized_optimizer": self.presized,
+                         "restore_parts_s": dict(zip(("verify", *parts), maxed))}
         self.start_step = step
         return step
 
@@ -211,6 +228,9 @@ class Checkpointer:
         if n > 0 and not self.ckpt.resume_if_any:
             event = restart.restart_record(self.run_dir, self.world_size, self.start_step, last)
             event.update(self.restored)
+            from meshtron.heal import phases
+
+            event["phases"] = phases.marks()  # this rank's start-up, for the benches
             self.say(f"restart {n} (torchrun): {event['cause']}; resumed from step "
                      f"{self.start_step}, {event['lost_steps']} logged step(s) lost")
         else:
@@ -228,9 +248,12 @@ class Checkpointer:
             return []
         return history.past_intervals(self.run_dir / "metrics.jsonl")
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path) -> dict[str, float]:
+        """Load the checkpoint in `folder` (collective); returns its parts' seconds (template:
+        the engine's state dict DCP loads into; read: dcp.load; apply: into the engine)."""
         import torch.distributed.checkpoint as dcp
 
+        t0 = time.perf_counter()
         meta = store.read_meta(folder)
         check_compatible(meta, self.cfg, folder)
         saved_replicas = int(meta.get("replica_states", 1))
@@ -239,10 +262,15 @@ class Checkpointer:
             self.say(f"{folder.name} was saved inside a DiLoCo round by {saved_replicas} "
                      f"replicas; this run has {self.state.replicas}: every replica continues "
                      "from replica 0's model and optimizer")
+        # no zero-lr optimizer step to build the template (state.py presize_optimizer)
+        self.presized = not per_replica and \
+            self.state.presize_optimizer(_saved_optimizer_states(folder))
         template = self.state.tensors(per_replica)
+        t1 = time.perf_counter()
         dcp.load(template, checkpoint_id=str(folder),
                  process_group=self.save_group if self.distributed else None,
                  no_dist=not self.distributed)
+        t2 = time.perf_counter()
         self.state.load_tensors(template, per_replica)
         state.set_schedule_position(self.engine.scheduler, meta["schedule_last_epoch"])
         self.data.load_state_dict(meta["data"])
@@ -250,6 +278,7 @@ class Checkpointer:
         state.set_rng_state(rank_doc["rng"])
         self.say(f"resumed from {folder} (step {meta['step']}, saved on "
                  f"{meta['world_size']} rank(s){_layout(meta.get('plan'))})")
+        return {"template": t1 - t0, "read": t2 - t1, "apply": time.perf_counter() - t2}
 
     # ---- saving --------------------------------------------------------------------------------
     def save(self, step: int, blocking: bool = False) -> float:
@@ -428,6 +457,19 @@ class Checkpointer:
             self._executor.shutdown(wait=True)
             self._stager.close()
             self.watch.close()
+
+
+def _saved_optimizer_states(folder: Path) -> dict[str, tuple[torch.dtype, bool]]:
+    """{'state.<fqn>.<name>': (dtype, scalar)} of the optimizer tensors in DCP's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = {}
+    prefix = "optim.state."
+    for key, md in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
+            out[key[len("optim."):]] = (md.properties.dtype, len(md.size) == 0)
+    return out
 
 
 def _layout(plan: dict[str, Any] | None) -> str:

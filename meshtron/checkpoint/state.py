@@ -112,6 +112,58 @@ class EngineState:
             out[name] = obj.state_dict()
         return out
 
+    def presize_optimizer(self, states: dict[str, tuple[torch.dtype, bool]]) -> bool:
+        """Create the optimizer's (still empty) state tensors from a saved state's index, so
+        that `tensors()` builds the load template without a zero-lr optimizer step.
+
+        get_optimizer_state_dict fills an optimizer without state by torch's
+        `_init_optim_state`: zero gradients, then one optimizer step at lr 0 over every
+        parameter. Under FSDP2 that step runs through DTensor dispatch with cold sharding caches,
+        and it was most of a restore's seconds (bench/recovery.py, cProfile: 0.8 of 1.1 s for
+        a 134 MiB shard per rank); the load overwrites every value it produced. Here each state
+        is allocated as the saved one says (`empty_like` the parameter for per-element states,
+        a 0-d tensor for scalars such as AdamW's step) and the load writes into it.
+
+        `states`: flat optimizer key 'state.<fqn>.<name>' -> (dtype, scalar). Returns False
+        and changes nothing unless this is a ParallelOptimizer (FSDP2 / DTensor states, not
+        compressed ZeRO-1 owners, no DiLoCo replicas) without state whose every parameter's
+        plain-model name has states in `states`."""
+        from meshtron.parallel.api import clean_name
+
+        engine, opt = self.engine, getattr(self.engine, "optimizer", None)
+        if not hasattr(engine, "pm") or self.replicas > 1 or getattr(opt, "zero1_owners", True) \
+                or any(o.state for o in opt.optimizers):
+            return False
+        by_fqn: dict[str, dict[str, tuple[torch.dtype, bool]]] = {}
+        for key, value in states.items():
+            if key.startswith("state."):
+                fqn, _, name = key[len("state."):].rpartition(".")
+                by_fqn.setdefault(fqn, {})[name] = value
+        todo = []
+        for part, o in zip(engine.pm.model_parts, opt.optimizers):
+            group_of = {id(p): g for g in o.param_groups for p in g["params"]}
+            seen = 0
+            for name, p in part.named_parameters():
+                if id(p) not in group_of:
+                    continue
+                found = by_fqn.get(clean_name(name))
+                if not found:
+                    return False
+                # Scalars where torch's Adam/AdamW put them: on the parameter's device when
+                # fused or capturable, else on the host (no device sync to read the step).
+                g = group_of[id(p)]
+                where = p.device if g.get("fused") or g.get("capturable") else "cpu"
+                todo.append((o, p, found, where))
+                seen += 1
+            if seen != len(group_of):
+                return False
+        with torch.no_grad():
+            for o, p, found, where in todo:
+                o.state[p] = {name: torch.zeros((), dtype=dt, device=where) if scalar
+                              else torch.empty_like(p, dtype=dt)
+                              for name, (dt, scalar) in found.items()}
+        return True
+
     def load_tensors(self, loaded: dict[str, Any], per_replica: bool = False) -> None:
         """Hand the tensors DCP loaded into `tensors(per_replica)`'s template back."""
         key = self._own_key(per_replica)

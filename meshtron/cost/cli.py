@@ -217,7 +217,9 @@ def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any
         import dataclasses
 
         times = dataclasses.replace(times, restart_from_disk_s=args.restart_min * 60,
-                                    source=times.source + "; restart-from-disk: --restart-min")
+                                    source=times.source + "; restart-from-disk: --restart-min",
+                                    sources={**times.sources, "restart_from_disk_s":
+                                             f"--restart-min {args.restart_min:g} (given)"})
     groups = args.replica_groups if args.replica_groups is not None else plan.replicas
     bw = args.peer_gb_per_s if args.peer_gb_per_s is not None else DEFAULT_PEER_GB_PER_S
     rows = goodput_table(spec.step_time_s, spec.mtbf_s, spec.params, spec.gpus, spec.save_s,

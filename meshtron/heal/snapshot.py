@@ -134,6 +134,9 @@ class Snapshots:
         and waiting for the copy before the next optimizer step)."""
         self.restored: dict[str, Any] | None = None
         """What `restore` did (for the restart record), None when it did not restore."""
+        self.presized = False
+        """The last restore built the optimizer's states from the snapshot's index (no zero-lr
+        optimizer step: EngineState.presize_optimizer)."""
 
     def say(self, text: str) -> None:
         if self.lay.rank == 0:
@@ -277,16 +280,18 @@ class Snapshots:
         k = mine["own"].get(choice.step)
         k = (choice.step // self.every) % SLOTS if k is None else k
         slot = self.lay.slot(self.root, "own", self.lay.rank, k)
-        self._load(slot)
+        load_parts = self._load(slot)
         self._drop_others(choice.step, k)
         t3 = time.perf_counter()
-        parts = torch.tensor([t3 - t0, t1 - t0, t2 - t1, t3 - t2], dtype=torch.float64)
+        names = ("decide", "fetch", *load_parts)
+        parts = torch.tensor([t3 - t0, t1 - t0, t2 - t1, *load_parts.values()],
+                             dtype=torch.float64)
         dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=self.group)
         seconds = parts[0]
         self.restored = {"restored_from": "memory", "restore_s": float(seconds),
                          "snapshot_step": choice.step, "from_peer": list(choice.from_keeper),
-                         "restore_parts_s": dict(zip(("decide", "fetch", "load"),
-                                                     parts[1:].tolist()))}
+                         "presized_optimizer": self.presized,
+                         "restore_parts_s": dict(zip(names, parts[1:].tolist()))}
         peers = (f"; rank(s) {', '.join(map(str, choice.from_keeper))} from their keeper's "
                  "copy over the network" if choice.from_keeper else "")
         self.say(f"restored step {choice.step} from in-memory snapshots in "
@@ -316,13 +321,21 @@ class Snapshots:
         if recv:
             files.write_meta(slot, got)
 
-    def _load(self, slot: Path) -> None:
+    def _load(self, slot: Path) -> dict[str, float]:
+        """Load the slot into the engine; returns its parts' seconds (template: the engine's
+        state dict to copy into, the same DCP template a disk load builds; read: the copy
+        from host memory; apply: handing it to the model and optimizer)."""
         from meshtron.checkpoint.state import set_rng_state, set_schedule_position
 
+        t0 = time.perf_counter()
         meta = files.read_meta(slot)
         if meta is None:
             raise RuntimeError(f"snapshot slot {slot} vanished during the restore")
         per_replica = bool(meta.get("per_replica"))
+        # no zero-lr optimizer step to build the template (state.py presize_optimizer)
+        self.presized = not per_replica and self.state.presize_optimizer({
+            e[0][1]: (_dtype(e[1]), not e[2]) for e in meta["entries"]
+            if len(e[0]) == 2 and e[0][0] == "optim"})
         template = self.state.tensors(per_replica)
         leaves = flatten(template)
         want = {tuple(e[0]) for e in meta["entries"]} | {tuple(json.loads(p))
@@ -330,6 +343,7 @@ class Snapshots:
         if want != set(leaves):
             raise RuntimeError(f"snapshot {slot}: its keys differ from this engine's state "
                                f"({len(want ^ set(leaves))} differ)")
+        t1 = time.perf_counter()
         buf = _mapped(slot / DATA, meta["bytes"], create=False)
         with torch.no_grad():
             for path, dtype, shape, offset in meta["entries"]:
@@ -342,10 +356,12 @@ class Snapshots:
                 dst.copy_(src)
         for p, value in meta["values"].items():
             _set(template, tuple(json.loads(p)), value)
+        t2 = time.perf_counter()
         self.state.load_tensors(template, per_replica)
         set_schedule_position(self.engine.scheduler, meta["schedule_last_epoch"])
         self.data.load_state_dict(meta["data"])
         set_rng_state(meta["rng"])
+        return {"template": t1 - t0, "read": t2 - t1, "apply": time.perf_counter() - t2}
 
     def _drop_others(self, step: int | None, k: int | None) -> None:
         """Invalidate every generation this rank holds but `step` (in slot `k`; None: all): a

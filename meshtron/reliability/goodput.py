@@ -1,5 +1,6 @@
 """Goodput (useful step time / wall time) under failures for three recovery strategies, from
-measured recovery times (meshtron/reliability/recovery.toml, written by bench/chaos.py).
+measured recovery times (meshtron/reliability/recovery.toml, written by bench/recovery.py and
+bench/chaos.py, each value labelled with the run that measured it).
 
 Failures are a Poisson process with the job's MTBF M (reliability/interval.py). Per strategy:
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ from meshtron.errors import UserError
 from meshtron.reliability.interval import daly_interval_s, expected_wall_s
 
 RECOVERY_FILE = Path(__file__).with_name("recovery.toml")
-"""The measured recovery seconds; bench/chaos.py --write-recovery rewrites it."""
+"""The measured recovery seconds; bench/recovery.py and bench/chaos.py --write-recovery
+rewrite their values in it (update_recovery_file)."""
 CHECKPOINT_BYTES_PER_PARAM = 12.0
 """fp32 master weights + two fp32 AdamW moments (as meshtron/cost/model.py)."""
 DEFAULT_PEER_GB_PER_S = 25.0
@@ -42,9 +44,23 @@ DEFAULT_PEER_GB_PER_S = 25.0
 (DGX H100)."""
 
 
+FIELDS = ("restart_from_disk_s", "in_memory_s", "replica_stall_s", "replica_rejoin_s")
+"""The recovery seconds recovery.toml holds, each with a `<name>_source` label beside it."""
+_HEADER = """\
+# Measured recovery seconds for meshtron/reliability/goodput.py (`meshtron cost`, `meshtron
+# simulate --step`). Written by the benches, each value with the run that measured it:
+#   restart_from_disk_s, in_memory_s: python bench/recovery.py --write-recovery
+#     (SIGKILL -> every rank's first step again, minus the state transfer, which goodput.py
+#     adds per model: checkpoint read at storage bandwidth, peer copy at network bandwidth);
+#   replica_stall_s, replica_rejoin_s: python bench/chaos.py --write-recovery
+#     (replica FT: the survivors' extra seconds at the failed step beyond one step, and
+#     SIGKILL -> the replacement group's first committed step with the live weights).
+"""
+
+
 @dataclass(frozen=True)
 class RecoveryTimes:
-    """Measured fixed recovery seconds (tiny model: the state transfer is added per run)."""
+    """Measured fixed recovery seconds (small models: the state transfer is added per run)."""
 
     restart_from_disk_s: float
     """A rank's death to every rank training again, restarted from the disk checkpoint."""
@@ -54,10 +70,10 @@ class RecoveryTimes:
     """Surviving replica groups' extra seconds at the failed step, beyond one step."""
     replica_rejoin_s: float
     """A group's death to its replacement back in the quorum with the live state."""
-    in_memory_measured: bool = False
-    """False: in_memory_s is the documented default, not a measurement."""
     source: str = ""
-    """Where and how the numbers were measured."""
+    """Where the numbers come from (the file, or a caller's note)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Per value (FIELDS): what measured it, where and when."""
 
 
 def load_recovery_times(path: Path | str | None = None) -> RecoveryTimes:
@@ -67,15 +83,33 @@ def load_recovery_times(path: Path | str | None = None) -> RecoveryTimes:
         doc = tomllib.loads(p.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise UserError(f"recovery times {str(p)!r}: cannot be read ({e})") from None
-    fields = ("restart_from_disk_s", "in_memory_s", "replica_stall_s", "replica_rejoin_s")
-    for name in fields:
+    for name in FIELDS:
         v = doc.get(name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                 math.isfinite(v) and v >= 0):
             raise UserError(f"{p}: {name}={v!r}; give a finite number of seconds >= 0")
-    return RecoveryTimes(**{n: float(doc[n]) for n in fields},
-                         in_memory_measured=bool(doc.get("in_memory_measured", False)),
-                         source=str(doc.get("source", "")))
+    sources = {n: str(doc.get(f"{n}_source", "unlabelled")) for n in FIELDS}
+    where = "packaged" if path is None else str(p)
+    return RecoveryTimes(**{n: float(doc[n]) for n in FIELDS},
+                         source=f"{p.name} ({where}), measured by the benches named per value",
+                         sources=sources)
+
+
+def update_recovery_file(path: Path, values: dict[str, tuple[float, str]]) -> None:
+    """Set some of the recovery seconds in `path` (name -> (seconds, label: what measured it,
+    where, when)); the other values and their labels stay."""
+    doc = tomllib.loads(path.read_text()) if path.exists() else {}
+    for name, (seconds, label) in values.items():
+        if name not in FIELDS:
+            raise ValueError(f"{name}: not one of {FIELDS}")
+        doc[name], doc[f"{name}_source"] = float(seconds), label
+    lines = [_HEADER]
+    for name in FIELDS:
+        label = str(doc.get(f"{name}_source", "unlabelled")).replace("\\", "/").replace('"', "'")
+        lines.append(f'{name} = {doc.get(name, 0.0)}\n{name}_source = "{label}"\n')
+    text = "\n".join(lines)
+    tomllib.loads(text)  # still valid
+    path.write_text(text)
 
 
 @dataclass(frozen=True)
@@ -146,8 +180,7 @@ def goodput_table(step_s: float, mtbf_s: float, params: float, gpus: int, save_s
     g, tau = checkpoint_goodput(step_s, mtbf_s, _check("snapshot_stall_s", snapshot_stall_s,
                                                        positive=False), r_mem)
     out.append(StrategyGoodput("in_memory", g, r_mem, (1.0 / g - 1.0) * mtbf_s,
-                               "" if times.in_memory_measured else
-                               "recovery time: documented default, not measured"))
+                               "a snapshot every step" if snapshot_stall_s == 0 else ""))
     if replica_groups < 2:
         out.append(StrategyGoodput("replica_ft", None, None, None,
                                    "needs >= 2 replica groups (dp with zero 0/1, or HSDP "
@@ -164,6 +197,8 @@ def goodput_doc(rows: list[StrategyGoodput], times: RecoveryTimes, mtbf_s: float
                 ) -> dict[str, Any]:
     """The 'goodput' section of `meshtron cost` / `simulate --step` JSON."""
     return {"mtbf_s": mtbf_s, "recovery_source": times.source,
+            "recovery_fixed_s": {n: getattr(times, n) for n in FIELDS},
+            "recovery_sources": dict(times.sources),
             "strategies": {r.name: r.to_dict() for r in rows}}
 
 
@@ -177,4 +212,7 @@ def render_goodput(rows: list[StrategyGoodput], times: RecoveryTimes, mtbf_s: fl
             continue
         lines.append(f"  {r.name:18} {r.goodput:7.2%}  recovery {r.recovery_s:8.1f} s"
                      f"{'  (' + r.note + ')' if r.note else ''}")
+    for name in FIELDS:
+        if name in times.sources:
+            lines.append(f"  fixed {name} = {getattr(times, name):g} s: {times.sources[name]}")
     return lines

@@ -25,6 +25,12 @@ EXIT_USAGE = 2
 
 def run_rank(job: TrainJob, world: World) -> NoReturn:
     """Train this rank's part of the job, then exit the process (never returns)."""
+    from meshtron.heal import phases
+
+    phases.mark("rank_entry")  # interpreter up, the command line parsed
+    import torch  # noqa: F401 - here, so its import time is a phase of its own
+
+    phases.mark("torch_imported")
     from meshtron import doctor
     from meshtron.runtime import init_rank, shutdown_rank
 
@@ -36,6 +42,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         _join_attempt(job, world)
         device = init_rank(world, dump_prefix=str(
             doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"))
+        phases.mark("group_ready")
         if job.elastic is not None:  # a rendezvous round: start or continue the job
             from meshtron.heal.elastic import begin_round
 
