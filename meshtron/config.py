@@ -175,10 +175,6 @@ class RunConfig:
     """Loop length, precision, seed and outputs."""
 
     def __post_init__(self) -> None:
-        if self.train.compile and self.model.is_moe:
-            from meshtron.planner.plan_rules import MOE_COMPILE_PROBLEM
-
-            raise UserError(MOE_COMPILE_PROBLEM.replace("plan.compile", "train.compile"))
         if self.data.seq_len > self.model.max_seq:
             raise UserError(f"data.seq_len={self.data.seq_len}: exceeds the model's max_seq="
                              f"{self.model.max_seq}")

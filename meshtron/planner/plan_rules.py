@@ -342,17 +342,7 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if runtime:
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
-        if k.get("compile") and model is not None and getattr(model, "is_moe", False):
-            out.append(MOE_COMPILE_PROBLEM)
     return out
-
-
-MOE_COMPILE_PROBLEM = (
-    "plan.compile=true: mixture-of-experts blocks are not compiled (their routing reads token "
-    "counts on the host, which breaks the block's graph; not verified against eager); use "
-    "compile=false")
-"""Per-block compile compiles each block as one graph (fullgraph, as torchtitan); MoE blocks
-(meshtron/model/moe.py, parallel/expert.py `.tolist()` of the splits) cannot be one graph."""
 
 
 def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
@@ -420,6 +410,11 @@ def compile_runtime_problem(plan: Any) -> str | None:
     wrong (parameters 4e-2 off the eager run after 3 steps, zb and zbv on pp=2, measured).
     Every other schedule matches eager to 1e-6 (tests/test_compile.py).
 
+    Mixture-of-experts blocks compile with graph breaks (meshtron/parallel/compile.py: the
+    routing reads token counts on the host) and match eager without expert parallelism; with
+    ep > 1 dynamo's fake-tensor tracing of the experts' matmul meets their DTensor weights on
+    the ep mesh next to plain activations and fails (measured, torch 2.13).
+
     Selective recomputation under TP: compiling the checkpointed block (torchtitan's order)
     fails in AOT autograd ("expected all tensors_saved_with_vc_check to be Tensors", a
     DeviceMesh among them: DTensor redistributions inside a selective checkpoint); compiling
@@ -435,5 +430,10 @@ def compile_runtime_problem(plan: Any) -> str | None:
         return (f"plan.compile=true with plan.schedule='zb': zero-bubble's split backward "
                 "(input then weight gradients) gives wrong weight gradients through compiled "
                 "blocks on torch 2.13; use schedule 1f1b, interleaved or gpipe, or "
+                "compile=false")
+    if plan.compile and getattr(plan, "ep", 1) > 1:
+        return (f"plan.compile=true with plan.ep={plan.ep}: torch 2.13 fails to trace "
+                "compiled mixture-of-experts blocks under expert parallelism (the experts' "
+                "DTensor weights on the ep mesh meet plain tensors in the graph); use ep=1 or "
                 "compile=false")
     return None
