@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # meshtron, testkit
 COMMON = ["--model", "tiny", "--global-batch", "4", "--seq-len", "32", "--eval-every", "0",
           "--overwrite"]
 
@@ -85,23 +86,6 @@ def in_memory_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int)
     return [*restart_command(run_dir, steps, restarts, ckpt_every), "--snapshot-every",
             str(SNAPSHOT_EVERY[0]),
             "--ranks-per-node", "1"]
-
-
-def _rank_pids(run_dir: Path) -> list[int]:
-    """torchrun's worker processes of this run: their environment carries the rank argv
-    (meshtron/launch.py MESHTRON_RANK_ARGV, naming the run folder) and torchrun's RANK."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0")
-                       if b"=" in x)
-        except OSError:
-            continue
-        if str(run_dir).encode() in env.get(b"MESHTRON_RANK_ARGV", b"") and b"RANK" in env:
-            pids.append(int(d.name))
-    return pids
 
 
 def _group_pids(run_dir: Path) -> list[int]:
@@ -141,7 +125,7 @@ def _key(r: dict):
 def run_strategy(kind: str, cmd: list[str], run_dir: Path, every: int, seed: int,
                  timeout_s: float) -> dict:
     rng = random.Random(seed)
-    pids_of = _group_pids if kind == "replica_ft" else _rank_pids
+    pids_of = _group_pids if kind == "replica_ft" else _rank_pid_list
     seen: dict = {}  # restart_from_disk: bench-side time each (attempt, step) record appeared
     kills: list[dict] = []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -229,6 +213,13 @@ def summarize(kind: str, recs: list[dict], seen: dict, kills: list[dict],
     return out
 
 
+def _rank_pid_list(run_dir: Path) -> list[int]:
+    """torchrun's worker processes of this run (testkit/procs.py)."""
+    from testkit.procs import rank_pids
+
+    return list(rank_pids(run_dir).values())
+
+
 STRATEGIES = {"restart_from_disk": restart_command, "in_memory": in_memory_command,
               "replica_ft": replica_command}
 
@@ -237,7 +228,6 @@ def write_recovery(results: dict, note: str) -> None:
     """The replica-FT medians into meshtron/reliability/recovery.toml, labelled with this run
     (the restart and in-memory values there come from bench/recovery.py, which splits them
     into phases and takes the state transfer out)."""
-    sys.path.insert(0, str(ROOT))
     from meshtron.reliability.goodput import RECOVERY_FILE, update_recovery_file
 
     f = results.get("replica_ft")

@@ -46,8 +46,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshtron.checkpoint import store
-from meshtron.heal import snapshot_files as files
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # meshtron, testkit
+
+from meshtron.checkpoint import store  # noqa: E402
+from meshtron.heal import snapshot_files as files  # noqa: E402
+from testkit.procs import rank_pids as _rank_pids, records as _records  # noqa: E402
 
 
 # Rank 0's start-up marks (meshtron/heal/phases.py) in order, and the phases between the kill,
@@ -56,28 +59,6 @@ from meshtron.heal import snapshot_files as files
 # python_start holds the imports.)
 PHASE_MARKS = ("process_start", "rank_entry", "group_ready", "engine_built", "restored")
 PHASES = ("detect_respawn", "python_start", "process_group", "build", "restore", "first_step")
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def _rank_pids(run_dir: Path) -> dict[int, int]:
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0")
-                       if b"=" in x)
-        except OSError:
-            continue
-        if str(run_dir).encode() in env.get(b"MESHTRON_RANK_ARGV", b"") and b"RANK" in env:
-            out[int(env[b"RANK"])] = int(d.name)
-    return out
 
 
 def _ready(run_dir: Path, step: int, every: int) -> bool:

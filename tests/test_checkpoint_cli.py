@@ -29,6 +29,7 @@ import torch
 from meshtron.checkpoint import EXIT_PREEMPTED, load_full_state_dict, store
 from meshtron.config import config_from_dict
 from meshtron.train.loop import train
+from testkit.procs import rank_pids as _rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -75,22 +76,6 @@ def _wait_for_step(run_dir, step, proc, timeout=600):
             return
         time.sleep(0.02)
     raise AssertionError(f"step {step} never logged (exit code {proc.poll()})")
-
-
-def _rank_pids(run_dir):
-    """{rank: pid} of the ranks working on `run_dir` (read from /proc: real processes)."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0")
-                       if b"=" in x)
-        except OSError:
-            continue
-        if str(run_dir).encode() in env.get(b"MESHTRON_RANK_ARGV", b"") and b"RANK" in env:
-            out[int(env[b"RANK"])] = int(d.name)
-    return out
 
 
 def _same_final_state(a, b):

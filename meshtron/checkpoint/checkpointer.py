@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint import history, integrity, restart, state, store
+from meshtron.checkpoint import history, integrity, restart, staging, state, store
 from meshtron.checkpoint.config import CheckpointConfig
 from meshtron.checkpoint.preempt import PreemptionWatch
 from meshtron.checkpoint.resume import check_compatible, prepare_start  # noqa: F401 (API)
@@ -329,15 +329,7 @@ class Checkpointer:
     def wait_staging(self) -> float:
         """Block until the save in flight has copied the state to host memory (called before
         every optimizer step); returns the seconds blocked, added to that save's stall."""
-        if self._staging is None:
-            return 0.0
-        t0 = time.perf_counter()
-        staging, self._staging = self._staging, None
-        staging.result()
-        waited = time.perf_counter() - t0
-        if self.stalls_s:
-            self.stalls_s[-1] += waited
-        return waited
+        return staging.wait_staging(self)
 
     def _meta(self, step: int) -> dict[str, Any]:
         return {"format": store.FORMAT, "step": step, "world_size": self.world_size,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtron.checkpoint import staging
 from meshtron.heal import snapshot_files as files
 from meshtron.heal.snapshot_files import ALIGN, DATA, SLOTS, Layout
 
@@ -226,15 +227,7 @@ class Snapshots:
 
     def wait_staging(self) -> float:
         """Block until the copy to host memory is done (before every optimizer step)."""
-        if self._staging is None:
-            return 0.0
-        t0 = time.perf_counter()
-        staging, self._staging = self._staging, None
-        staging.result()
-        waited = time.perf_counter() - t0
-        if self.stalls_s:
-            self.stalls_s[-1] += waited
-        return waited
+        return staging.wait_staging(self)
 
     def wait(self) -> None:
         """Wait for the snapshot in flight (its error, if any, is raised here)."""
