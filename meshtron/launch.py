@@ -13,20 +13,34 @@ the world is taken as it is. meshtron never implements its own launcher or trans
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Mapping
 
-from meshtron.errors import UserError
+from meshtron.errors import RunFailed, UserError
 
 # gloo on one host: more ranks than this only thrash the CPU (see the shared notes: 8 ranks on
 # 2 cores already run 5-10x slower than one process).
 MAX_CPU_RANKS = 32
 ARGV_ENV = "MESHTRON_RANK_ARGV"
+PARENT_ENV = "MESHTRON_PARENT_PID"
+"""The pid a process started by `launch_local` must die with (`bind_to_parent`): the
+launcher's for torchrun's agent, the agent's for the ranks."""
+EXIT_LAUNCHER = 3
+"""torchrun's agent itself failed (not the ranks): its own line says why."""
+EXIT_MARGIN_S = 10.0
+"""Time for processes to exit once their work is done, on top of a grace period."""
+TORCHRUN_SHUTDOWN_S = 30
+"""What torchrun gives workers between SIGTERM and SIGKILL when it has no --shutdown-timeout."""
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -87,67 +101,215 @@ def check_nproc(nproc: int) -> None:
         raise UserError(f"--nproc={nproc}: allowed 1..{limit} local ranks on this machine")
 
 
+def torchrun_args(nproc: int, max_restarts: int = 0, grace_s: float = 30.0,
+                  rendezvous: list[str] | None = None, parser=None) -> list[str]:
+    """torchrun's command line for `launch_local` (without the program): the flags every torch
+    of the supported range knows, plus the newer ones that `parser` (torchrun's own,
+    `torch.distributed.run.get_args_parser()`) accepts. Feature detection, not version checks:
+    `--shutdown-timeout` came after torch 2.11, whose torchrun refuses it."""
+    if parser is None:
+        from torch.distributed.run import get_args_parser
+
+        parser = get_args_parser()
+    args = [*(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}"]
+    # torchrun's own SIGTERM handling gives the workers this long before SIGKILL
+    optional = [f"--shutdown-timeout={math.ceil(grace_s + EXIT_MARGIN_S)}"]
+    return args + [flag for flag in optional if accepts(parser, flag)]
+
+
+def accepts(parser, flag: str) -> bool:
+    """torchrun's parser takes `flag` (`--name=value`) as one of its own options."""
+    try:
+        _, unknown = parser.parse_known_args([flag, "program"])
+    except SystemExit:  # a known flag with a value it refuses
+        return False
+    return flag not in unknown
+
+
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
                  grace_s: float = 30.0, rendezvous: list[str] | None = None,
                  env: Mapping[str, str] | None = None) -> int:
     """Run `meshtron <argv>` on `nproc` local ranks under torchrun; returns its exit code.
 
-    The ranks run in their own process group so that Ctrl-C or a failure takes all of them down:
-    no rank is left running. `max_restarts`: torchrun's elastic agent restarts every rank up to
-    this many times when one fails. `grace_s`: after SIGTERM, how long the ranks get to finish
-    (e.g. to write a preemption checkpoint) before SIGKILL. `rendezvous`: torchrun's
+    torchrun runs in its own session, so that a terminal's Ctrl-C reaches only this process,
+    which stops the ranks in order: SIGINT is forwarded to torchrun (which forwards it to the
+    ranks; they leave at once) and then raises KeyboardInterrupt here, as in one process;
+    SIGTERM and SIGHUP are forwarded as a preemption notice (ranks may checkpoint); a second
+    signal, or no exit within the grace period, kills torchrun. If this process dies without
+    that (SIGKILL, a crash), torchrun and its ranks die with it: each arms the kernel's
+    parent-death signal (`bind_to_parent`). `max_restarts`: torchrun's elastic agent restarts
+    every rank up to this many times when one fails. `grace_s`: after SIGTERM, how long the
+    ranks get to finish (e.g. to write a preemption checkpoint). `rendezvous`: torchrun's
     rendezvous arguments instead of `--standalone` (an elastic node, meshtron/heal/elastic.py);
     `env`: variables set for torchrun and the ranks.
     """
     check_nproc(nproc)
-    cmd = [sys.executable, "-m", "meshtron.launch", *(rendezvous or ["--standalone"]),
-           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-           # torchrun's own SIGTERM handling gives the workers this long before SIGKILL
-           f"--shutdown-timeout={math.ceil(grace_s)}", "-m", "meshtron"]
+    cmd = [sys.executable, "-m", "meshtron.launch",
+           *torchrun_args(nproc, max_restarts, grace_s, rendezvous), "-m", "meshtron"]
+    warn_unsupported(cmd, grace_s)
     child_env = {**os.environ, **(env or {})}
     child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env[ARGV_ENV] = json.dumps(argv)
-    proc = subprocess.Popen(cmd, env=child_env, start_new_session=True)
-
-    def _forward(signum, frame):  # SIGTERM/SIGHUP to us: stop the ranks, then go
-        raise KeyboardInterrupt
-
-    previous = {s: signal.signal(s, _forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    child_env[PARENT_ENV] = str(os.getpid())
+    forward = _Forward(grace_s + 2 * EXIT_MARGIN_S)
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        _stop_group(proc, grace_s)
-        return 130
+        forward.proc = subprocess.Popen(cmd, env=child_env, start_new_session=True)
+        forward.send_pending()
+        code = forward.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if proc.poll() is None:
-            _stop_group(proc)
+        if forward.proc is not None and forward.proc.poll() is None:
+            _stop_group(forward.proc)
+    if signal.SIGINT in forward.received:
+        raise KeyboardInterrupt  # the caller's one line, exit 130, as one process
+    if code == EXIT_LAUNCHER:
+        raise RunFailed("torchrun could not run the ranks (its error is above)")
+    return code
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM torchrun and its ranks (their own process group), SIGKILL after a grace period."""
+def warn_unsupported(cmd: list[str], grace_s: float) -> None:
+    """One line when this torch's torchrun cannot give the ranks the grace period asked."""
+    if not any(a.startswith("--shutdown-timeout") for a in cmd) \
+            and grace_s + EXIT_MARGIN_S > TORCHRUN_SHUTDOWN_S:
+        import torch
+
+        print(f"meshtron: warning: torchrun of torch {torch.__version__} has no "
+              f"--shutdown-timeout: after SIGTERM the ranks get its fixed "
+              f"{TORCHRUN_SHUTDOWN_S} s, not {math.ceil(grace_s + EXIT_MARGIN_S)} s",
+              file=sys.stderr, flush=True)
+
+
+class _Forward:
+    """The launcher's handler of SIGINT/SIGTERM/SIGHUP while torchrun runs: the first signal
+    goes to torchrun's process group (torchrun forwards it to the ranks, which live in
+    sessions of their own), a second one, or the grace period running out, kills torchrun
+    (and with it the ranks, by their parent-death signal)."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.proc: subprocess.Popen | None = None
+        self.received: list[int] = []
+        self.deadline: float | None = None
+
+    def __call__(self, signum: int, frame) -> None:
+        self.received.append(signum)
+        self.send_pending()
+
+    def send_pending(self) -> None:
+        if self.proc is None or self.proc.returncode is not None or not self.received:
+            return  # not started yet (sent once it is), or already reaped
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace_s
+            _signal_group(self.proc, self.received[0])
+        elif len(self.received) > 1:
+            _signal_group(self.proc, signal.SIGKILL)
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        while True:
+            try:  # wakes up to enforce the deadline (a signal handler cannot)
+                return self.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    _signal_group(self.proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(proc.pid, signum)
     except ProcessLookupError:
         pass
 
 
+def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM torchrun (its own process group), SIGKILL after a grace period."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def bind_to_parent(parent_pid: int | None = None, use_prctl: bool = True) -> str | None:
+    """End this process (SIGKILL) when its parent ends: torchrun's agent with the launcher, a
+    rank with the agent. Linux: the kernel's parent-death signal (prctl PR_SET_PDEATHSIG),
+    which needs no thread and fires even when the parent was SIGKILLed; elsewhere (or
+    `use_prctl=False`) a daemon thread that watches the parent pid every 0.2 s. SIGKILL, not
+    SIGTERM: SIGTERM means preemption and would let ranks write a checkpoint into a folder whose
+    launcher, and lock, are gone. `parent_pid`: from PARENT_ENV when None; nothing to do when
+    neither names one (not launched by meshtron). Returns the mechanism ('prctl', 'watch') or
+    None."""
+    if parent_pid is None:
+        text = os.environ.get(PARENT_ENV)
+        if not text:
+            return None
+        parent_pid = int(text)
+    mode = "prctl" if use_prctl and _arm_parent_death_signal() else "watch"
+    if mode == "watch":
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                         name="meshtron-parent-watch").start()
+    if os.getppid() != parent_pid:  # the parent ended before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return mode
+
+
+def _arm_parent_death_signal() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _not_about_sigint(record: logging.LogRecord) -> bool:
+    """False for torchrun's log lines about forwarding SIGINT to the ranks (a rank it then
+    has to kill stays reported)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return "forcefully" in str(record.msg) or not any(a == "SIGINT" or (isinstance(a, signal.Signals) and a == signal.SIGINT)
+                   for a in args)
+
+
 def torchrun_main(argv: list[str]) -> int:
-    """torchrun (`torch.distributed.run`'s own argument parser and `run`), reporting what it
-    expects to happen as one line each instead of a traceback: ranks that failed (exit code or
-    signal; a rank that raised has printed its own traceback above) and a signal that stopped
-    the agent. Anything else propagates with its traceback."""
+    """torchrun (`torch.distributed.run`'s own argument parser and `run`), bound to the
+    launcher's life, reporting what it expects to happen as one line each instead of a
+    traceback: ranks that failed (exit code or signal; a rank that raised has printed its own
+    traceback above), a signal that stopped the agent (SIGINT: nothing, the launcher says
+    "interrupted"), and torchrun itself failing (EXIT_LAUNCHER: its command line refused by
+    this torch's torchrun, or an error of the agent, with its traceback)."""
+    bind_to_parent()
+    os.environ[PARENT_ENV] = str(os.getpid())  # the ranks end with this agent
+    import torch
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import get_args_parser, run
 
+    for module in (agent_api, mp_api):  # Ctrl-C: the launcher's one line, not torchrun's
+        logging.getLogger(module.__name__).addFilter(_not_about_sigint)
+
+    args, unknown = get_args_parser().parse_known_args(argv)
+    if unknown:
+        print(f"meshtron: torchrun of torch {torch.__version__} does not know "
+              f"{' '.join(unknown)}; no rank started", file=sys.stderr)
+        return EXIT_LAUNCHER
     try:
-        run(parse_args(argv))
+        run(args)
     except ChildFailedError as exc:
         for rank, failure in sorted(exc.failures.items()):
             how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
@@ -155,9 +317,14 @@ def torchrun_main(argv: list[str]) -> int:
             print(f"torchrun: rank {rank} (pid {failure.pid}) failed: {how}", file=sys.stderr)
         return 1
     except SignalException as exc:
-        print(f"torchrun: stopped by {exc.sigval.name}; the ranks were stopped",
-              file=sys.stderr)
+        if exc.sigval != signal.SIGINT:
+            print(f"torchrun: stopped by {exc.sigval.name}; the ranks were stopped",
+                  file=sys.stderr)
         return 128 + int(exc.sigval)
+    except Exception as exc:  # noqa: BLE001 - the agent's own failure: say it is torchrun's
+        traceback.print_exc()
+        print(f"meshtron: torchrun failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_LAUNCHER
     return 0
 
 

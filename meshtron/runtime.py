@@ -49,28 +49,37 @@ def local_device(local_rank: int | None = None) -> torch.device:
     return device
 
 
-def init_rank(world: World, timeout_s: float = 600.0,
-              dump_prefix: str | None = None) -> torch.device:
-    """Join the job's default process group; returns this rank's device.
+def process_group_backend(device: torch.device) -> str:
+    """The default group's backend for ranks on `device`: on CUDA, NCCL for CUDA tensors and
+    gloo for CPU tensors in one group (object broadcasts, checkpoint side groups and CPU
+    metadata need no second group); elsewhere gloo."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
-    CUDA: NCCL for CUDA tensors and gloo for CPU tensors in one group ("cuda:nccl,cpu:gloo":
-    object broadcasts, checkpoint side groups and CPU metadata need no second group), bound to
-    this rank's GPU (`device_id`: NCCL makes its communicator eagerly, on the right device,
-    and later groups can split from it), with NCCL_ENV. CPU: gloo."""
+
+def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = None,
+              store: dist.Store | None = None) -> torch.device:
+    """Join the job's default process group; returns this rank's device. The one place a
+    meshtron rank makes its group, in every mode (torchrun, Slurm, restarts, elastic).
+
+    CUDA: `process_group_backend`, bound to this rank's GPU (`device_id`: NCCL makes its
+    communicator eagerly, on the right device, and later groups can split from it), with
+    NCCL_ENV set first. CPU: gloo. `store`: the rendezvous store to use instead of torchrun's
+    environment (restart mode: one namespaced per attempt, meshtron.checkpoint.restart)."""
     device = local_device(world.local_rank)
+    backend = process_group_backend(device)
     if device.type == "cuda":
-        backend = "cuda:nccl,cpu:gloo"
         for key, value in nccl_env(dump_prefix).items():
             os.environ.setdefault(key, value)
     else:
-        backend = "gloo"
         # One process per core share: oversubscribed threads made gloo ranks 20-50x slower
         # (shared notes, "Speed on 2 cores").
         cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(1, world.local_world_size)))
     if world.source != "single" and not dist.is_initialized():  # a 1-rank world too
         kwargs = {}
-        if world.init_method:  # Slurm: rendezvous at MASTER_ADDR:MASTER_PORT, ranks from srun
+        if store is not None:
+            kwargs = dict(store=store, rank=world.rank, world_size=world.world_size)
+        elif world.init_method:  # Slurm: rendezvous at MASTER_ADDR:MASTER_PORT, ranks from srun
             kwargs = dict(init_method=world.init_method, rank=world.rank,
                           world_size=world.world_size)
         if device.type == "cuda":

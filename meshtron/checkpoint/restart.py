@@ -32,24 +32,21 @@ def attempt(env: Mapping[str, str] | None = None) -> int:
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def init_attempt_group(backend: str, rank: int, world_size: int, timeout_s: float) -> bool:
-    """Join the default process group on a store namespaced by the attempt (torchrun only);
-    returns False when not under torchrun's environment (the caller initialises as usual)."""
+def attempt_store(rank: int, world_size: int, timeout_s: float):
+    """The store of this attempt's default process group: torchrun's, namespaced by the
+    attempt; None when not under torchrun's environment (the usual rendezvous applies). The
+    group itself is made by `meshtron.runtime.init_rank`, as in every other mode."""
     import torch.distributed as dist
 
     env = os.environ
     if "MASTER_ADDR" not in env or "TORCHELASTIC_RESTART_COUNT" not in env \
             or dist.is_initialized():
-        return False
+        return None
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    timeout = timedelta(seconds=timeout_s)
     base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
-                         is_master=not agent_store and rank == 0, timeout=timeout,
-                         multi_tenant=not agent_store)
-    prefixed = dist.PrefixStore(f"meshtron/attempt_{attempt()}", base)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                            timeout=timeout)
-    return True
+                         is_master=not agent_store and rank == 0,
+                         timeout=timedelta(seconds=timeout_s), multi_tenant=not agent_store)
+    return dist.PrefixStore(f"meshtron/attempt_{attempt()}", base)
 
 
 def _notes_dir(run_dir: str | Path, n: int) -> Path:

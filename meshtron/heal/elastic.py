@@ -243,7 +243,7 @@ def launch_node(job) -> int:
               f"{elastic.run_id}", file=sys.stderr, flush=True)
         code = launch_local(elastic.nproc_per_node, rank_argv(job, run_file, elastic),
                             max_restarts=job.checkpoint.max_restarts,
-                            grace_s=job.checkpoint.preempt_grace_s + 10.0,
+                            grace_s=job.checkpoint.preempt_grace_s,
                             rendezvous=elastic.torchrun_args(),
                             env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     finally:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshtron.errors import UserError
 from meshtron.launch import World, current_world
-from meshtron.train import outputs
+from meshtron.train import outputs, run_lock
 from meshtron.train.job import ParallelRequest, TrainJob
 
 EXIT_USAGE = 2
@@ -50,12 +50,13 @@ def warn(job: TrainJob) -> None:
 
 def train_here(job: TrainJob) -> int:
     from meshtron.checkpoint import EXIT_PREEMPTED
-    from meshtron.checkpoint.checkpointer import Preempted, prepare_start
+    from meshtron.checkpoint.checkpointer import Preempted
     from meshtron.train.loop import build_run_data, train
 
+    run_lock.check_free(job.cfg.train.run_dir)
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     data = build_run_data(job.cfg)
-    prepare_start(job.checkpoint, job.cfg, job.overwrite)
+    claim_run_dir(job)
     warn(job)  # once the input is known to be good
     try:
         result = train(job.cfg, overwrite=job.overwrite, data=data, checkpoint=job.checkpoint)
@@ -73,11 +74,12 @@ def launch_ranks(job: TrainJob) -> int:
     from meshtron.train.planning import local_world_size, resolve_run_plan
 
     from meshtron.checkpoint import EXIT_PREEMPTED
-    from meshtron.checkpoint.checkpointer import prepare_start, was_preempted
+    from meshtron.checkpoint.checkpointer import was_preempted
 
     request = job.parallel or ParallelRequest()
     nproc = local_world_size(request)
     check_nproc(nproc)
+    run_lock.check_free(job.cfg.train.run_dir)
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     plan, cluster = resolve_run_plan(job.cfg, request, nproc)
     check_document_layout(job.cfg, plan)
@@ -88,31 +90,33 @@ def launch_ranks(job: TrainJob) -> int:
     # The data must open on every data-parallel rank: check once here (cheap: the corpus is
     # read, not trained on) so that a bad path is one line, not N tracebacks.
     build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)
-    prepare_start(job.checkpoint, job.cfg, job.overwrite)
+    claim_run_dir(job)
     warn(job)
     run_dir = Path(job.cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "plan.toml")
     write_run_file(job, run_dir / "run.toml")
     from meshtron.doctor.dump import clear_trace
 
     clear_trace(run_dir)
     outputs.print_plan(plan, cluster)
-    code = launch_local(nproc, rank_command(job, run_dir, request),
-                        max_restarts=job.checkpoint.max_restarts,
-                        grace_s=job.checkpoint.preempt_grace_s + 10.0)
-    if job.checkpoint.snapshot_every:  # the ranks' host-memory snapshots on this machine
-        from meshtron.heal.snapshot_files import remove_job
+    try:
+        code = launch_local(nproc, rank_command(job, run_dir, request),
+                            max_restarts=job.checkpoint.max_restarts,
+                            grace_s=job.checkpoint.preempt_grace_s)
+    finally:
+        if job.checkpoint.snapshot_every:  # the ranks' host-memory snapshots on this machine
+            from meshtron.heal.snapshot_files import remove_job
 
-        remove_job(run_dir)
+            remove_job(run_dir)
     preempted = was_preempted(job.cfg)
     if preempted is not None:
         print(f"meshtron train: preempted; checkpoint of step {preempted['step']} committed, "
               f"exit code {EXIT_PREEMPTED}; continue with --resume", file=sys.stderr)
         return EXIT_PREEMPTED
     if code != 0:
-        print(f"meshtron train: the {nproc} ranks failed (exit code {code}); their output is "
-              "above", file=sys.stderr)
+        who = "the rank" if nproc == 1 else f"the {nproc} ranks"
+        print(f"meshtron train: {who} failed (exit code {code}); their output is above",
+              file=sys.stderr)
         return EXIT_USAGE if code == EXIT_USAGE else 1
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
@@ -120,6 +124,20 @@ def launch_ranks(job: TrainJob) -> int:
 
         outputs.print_result(job.cfg, json.loads(summary_path.read_text()), run_dir)
     return 0
+
+
+def claim_run_dir(job: TrainJob) -> None:
+    """Hold the run folder for this run (a second run there is refused while this one lives),
+    then clear what a fresh run replaces. After every check of the input: bad input found
+    here still leaves nothing behind."""
+    from meshtron.checkpoint.checkpointer import prepare_start
+
+    run_lock.claim(job.cfg.train.run_dir)
+    try:
+        prepare_start(job.checkpoint, job.cfg, job.overwrite)
+    except UserError:
+        run_lock.abandon(job.cfg.train.run_dir)
+        raise
 
 
 def write_run_file(job: TrainJob, path: Path) -> None:

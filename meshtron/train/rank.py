@@ -11,6 +11,7 @@ wait for the others at a barrier (torchrun then stops the rest).
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, NoReturn
 
 from meshtron.errors import RunFailed, UserError
 from meshtron.launch import World
+from meshtron.train import run_lock
 from meshtron.train.job import ParallelRequest, TrainJob
 
 EXIT_USAGE = 2
@@ -28,6 +30,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     from meshtron.heal import phases
 
     phases.mark("rank_entry")  # interpreter up, the command line parsed
+    signal.signal(signal.SIGINT, _interrupted)
     import torch  # noqa: F401 - here, so its import time is a phase of its own
 
     phases.mark("torch_imported")
@@ -39,15 +42,16 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
 
     try:
         doctor.prepare_env()
-        _join_attempt(job, world)
         device = init_rank(world, dump_prefix=str(
-            doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"))
+            doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"),
+            store=_attempt_store(job, world))
         phases.mark("group_ready")
         if job.elastic is not None:  # a rendezvous round: start or continue the job
             from meshtron.heal.elastic import begin_round
 
             job = begin_round(job, world)
         plan, cluster = agreed_plan(job, world)
+        run_lock.join(job.cfg.train.run_dir)  # after rank 0's claim (agreed_plan)
         if job.elastic is not None:
             from meshtron.heal.elastic import announce_replan
 
@@ -110,16 +114,24 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:120]}"
 
 
-def _join_attempt(job: TrainJob, world: World) -> None:
-    """With automatic restarts, join the group on a store namespaced by torchrun's attempt.
-    Elastic rounds need not: each round's rank 0 hosts a fresh store (heal/elastic.py)."""
+def _interrupted(signum, frame) -> None:
+    """SIGINT (Ctrl-C; torchrun forwards it): leave at once and quietly, exit code 130; the
+    launcher says "interrupted" once for all ranks. Not KeyboardInterrupt: a rank blocked in
+    a collective would unwind into "peer gone" errors and tracebacks."""
+    from meshtron.runtime import abort_rank
+
+    abort_rank(130)
+
+
+def _attempt_store(job: TrainJob, world: World):
+    """With automatic restarts, the group's store namespaced by torchrun's attempt (None:
+    the usual rendezvous). Elastic rounds need not: each round's rank 0 hosts a fresh store
+    (heal/elastic.py)."""
     if job.checkpoint.max_restarts > 0 and world.source == "torchrun" and job.elastic is None:
-        import torch
+        from meshtron.checkpoint.restart import attempt_store
 
-        from meshtron.checkpoint.restart import init_attempt_group
-
-        init_attempt_group("nccl" if torch.cuda.is_available() else "gloo", world.rank,
-                           world.world_size, 600.0)
+        return attempt_store(world.rank, world.world_size, 600.0)
+    return None
 
 
 def _note(job: TrainJob, world: World, cause: str) -> None:
@@ -151,14 +163,19 @@ def agreed_plan(job: TrainJob, world: World):
     payload: list[Any] = [None]
     if world.rank == 0:
         try:
-            if not job.launched_rank:
+            if not job.launched_rank:  # an outside torchrun/srun: no parent claimed it
                 from meshtron.train import outputs
 
+                if job.elastic is None:
+                    run_lock.check_free(job.cfg.train.run_dir)
                 outputs.check_run_dir(job.cfg, job.overwrite)
+                if job.elastic is None:  # elastic: heal/elastic.py claims it per job
+                    run_lock.claim(job.cfg.train.run_dir)
             plan, cluster = resolve_run_plan(job.cfg, job.parallel or ParallelRequest(),
                                              world.world_size)
             payload[0] = {"plan": plan.to_dict(), "cluster": cluster.to_dict()}
         except UserError as exc:
+            run_lock.abandon(job.cfg.train.run_dir)  # nothing left behind by bad input
             payload[0] = {"error": str(exc)}
     if dist.is_initialized() and world.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
