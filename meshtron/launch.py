@@ -153,7 +153,9 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     child_env[ARGV_ENV] = json.dumps(argv)
     child_env[PARENT_ENV] = str(os.getpid())
     forward = _Forward(grace_s + 2 * EXIT_MARGIN_S)
-    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    # A signal this process ignores (a background job's SIGINT, nohup's SIGHUP) stays ignored
+    previous = {s: signal.signal(s, forward) for s in FORWARDED
+                if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         forward.proc = subprocess.Popen(cmd, env=child_env, start_new_session=True)
         forward.send_pending()
@@ -280,8 +282,9 @@ def _not_about_sigint(record: logging.LogRecord) -> bool:
     """False for torchrun's log lines about forwarding SIGINT to the ranks (a rank it then
     has to kill stays reported)."""
     args = record.args if isinstance(record.args, tuple) else ()
-    return "forcefully" in str(record.msg) or not any(a == "SIGINT" or (isinstance(a, signal.Signals) and a == signal.SIGINT)
-                   for a in args)
+    about_sigint = any(a == "SIGINT" or (isinstance(a, signal.Signals) and a == signal.SIGINT)
+                       for a in args)
+    return not about_sigint or "forcefully" in str(record.msg)
 
 
 def torchrun_main(argv: list[str]) -> int:

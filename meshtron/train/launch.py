@@ -62,6 +62,8 @@ def train_here(job: TrainJob) -> int:
         result = train(job.cfg, overwrite=job.overwrite, data=data, checkpoint=job.checkpoint)
     except Preempted:
         return EXIT_PREEMPTED
+    finally:
+        run_lock.release(job.cfg.train.run_dir)
     outputs.print_result(job.cfg, result.to_dict(), Path(job.cfg.train.run_dir))
     return 0
 
@@ -69,7 +71,7 @@ def train_here(job: TrainJob) -> int:
 def launch_ranks(job: TrainJob) -> int:
     """The parent of `--nproc N` local ranks: validate, plan, save, launch, report."""
     from meshtron.data.documents import check_document_layout
-    from meshtron.launch import check_nproc, launch_local
+    from meshtron.launch import check_nproc
     from meshtron.train.loop import build_run_data
     from meshtron.train.planning import local_world_size, resolve_run_plan
 
@@ -91,23 +93,15 @@ def launch_ranks(job: TrainJob) -> int:
     # read, not trained on) so that a bad path is one line, not N tracebacks.
     build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)
     claim_run_dir(job)
-    warn(job)
     run_dir = Path(job.cfg.train.run_dir)
-    plan.save(run_dir / "plan.toml")
-    write_run_file(job, run_dir / "run.toml")
-    from meshtron.doctor.dump import clear_trace
-
-    clear_trace(run_dir)
-    outputs.print_plan(plan, cluster)
     try:
-        code = launch_local(nproc, rank_command(job, run_dir, request),
-                            max_restarts=job.checkpoint.max_restarts,
-                            grace_s=job.checkpoint.preempt_grace_s)
-    finally:
+        code = start_ranks(job, plan, cluster, request, nproc)
+    finally:  # the ranks are gone
         if job.checkpoint.snapshot_every:  # the ranks' host-memory snapshots on this machine
             from meshtron.heal.snapshot_files import remove_job
 
             remove_job(run_dir)
+        run_lock.release(run_dir)
     preempted = was_preempted(job.cfg)
     if preempted is not None:
         print(f"meshtron train: preempted; checkpoint of step {preempted['step']} committed, "
@@ -124,6 +118,22 @@ def launch_ranks(job: TrainJob) -> int:
 
         outputs.print_result(job.cfg, json.loads(summary_path.read_text()), run_dir)
     return 0
+
+
+def start_ranks(job: TrainJob, plan, cluster, request: ParallelRequest, nproc: int) -> int:
+    """Save what the ranks read (run.toml, plan.toml), start them, wait; their exit code."""
+    from meshtron.doctor.dump import clear_trace
+    from meshtron.launch import launch_local
+
+    warn(job)
+    run_dir = Path(job.cfg.train.run_dir)
+    plan.save(run_dir / "plan.toml")
+    write_run_file(job, run_dir / "run.toml")
+    clear_trace(run_dir)
+    outputs.print_plan(plan, cluster)
+    return launch_local(nproc, rank_command(job, run_dir, request),
+                        max_restarts=job.checkpoint.max_restarts,
+                        grace_s=job.checkpoint.preempt_grace_s)
 
 
 def claim_run_dir(job: TrainJob) -> None:

@@ -31,6 +31,8 @@ _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
 
 def check_free(run_dir: str | Path) -> None:
     """Refuse a folder that a live run holds (creates and writes nothing)."""
+    if str(Path(run_dir).resolve()) in _HELD:  # this process's own run (API callers)
+        return
     path = Path(run_dir) / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDWR)
@@ -46,7 +48,8 @@ def check_free(run_dir: str | Path) -> None:
 
 
 def claim(run_dir: str | Path) -> None:
-    """Take the run folder for this run (created if missing), held until this process exits."""
+    """Take the run folder for this run (created if missing), held until `release` or until
+    this process exits."""
     key = str(Path(run_dir).resolve())
     if key in _HELD:
         return
@@ -64,6 +67,15 @@ def claim(run_dir: str | Path) -> None:
         os.close(fd)
         raise error
     _HELD[key] = (fd, created)
+
+
+def release(run_dir: str | Path) -> None:
+    """This process's run in `run_dir` is over (its ranks are gone): let the folder go. A
+    process that exits releases it anyway; this is for callers that live on (the Python
+    API, tests calling the command line in-process)."""
+    held = _HELD.pop(str(Path(run_dir).resolve()), None)
+    if held is not None:
+        os.close(held[0])
 
 
 def abandon(run_dir: str | Path) -> None:
