@@ -23,9 +23,9 @@ from pathlib import Path
 from meshtron.errors import UserError
 
 LOCK_NAME = ".meshtron.lock"
-_HELD: dict[str, tuple[int, bool]] = {}
-"""run folder -> (the open lock file of this process, kept open until the process exits;
-whether the claim created the folder)."""
+_HELD: dict[str, tuple[int, bool, bool]] = {}
+"""run folder -> (the open lock file of this process, kept open until the run ends; whether
+the claim created the folder; whether it created the lock file)."""
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
 
 
@@ -55,6 +55,7 @@ def claim(run_dir: str | Path) -> None:
         return
     created = not Path(run_dir).exists()
     Path(run_dir).mkdir(parents=True, exist_ok=True)
+    new_file = not (Path(run_dir) / LOCK_NAME).exists()
     fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     if not _try(fd, fcntl.LOCK_EX):
         error = _in_use(run_dir, fd)
@@ -66,7 +67,7 @@ def claim(run_dir: str | Path) -> None:
         error = _in_use(run_dir, fd)
         os.close(fd)
         raise error
-    _HELD[key] = (fd, created)
+    _HELD[key] = (fd, created, new_file)
 
 
 def release(run_dir: str | Path) -> None:
@@ -80,12 +81,13 @@ def release(run_dir: str | Path) -> None:
 
 def abandon(run_dir: str | Path) -> None:
     """Undo `claim` when the run stops before writing anything (bad input found after the
-    claim): the lock file goes, and the folder too when the claim created it."""
+    claim): what the claim created (the lock file, the folder) goes."""
     held = _HELD.pop(str(Path(run_dir).resolve()), None)
     if held is None:
         return
-    fd, created = held
-    (Path(run_dir) / LOCK_NAME).unlink(missing_ok=True)
+    fd, created, new_file = held
+    if new_file:
+        (Path(run_dir) / LOCK_NAME).unlink(missing_ok=True)
     os.close(fd)
     if created:
         try:
@@ -107,7 +109,7 @@ def join(run_dir: str | Path) -> None:
         if exc.errno in _NO_LOCKS:
             return
         raise
-    _HELD[key] = (fd, False)
+    _HELD[key] = (fd, False, False)
 
 
 def _try(fd: int, kind: int) -> bool:
