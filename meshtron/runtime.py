@@ -57,13 +57,14 @@ def init_rank(world: World, timeout_s: float = 600.0,
     object broadcasts, checkpoint side groups and CPU metadata need no second group), bound to
     this rank's GPU (`device_id`: NCCL makes its communicator eagerly, on the right device,
     and later groups can split from it), with NCCL_ENV. CPU: gloo."""
+    from meshtron.backend import backend_for
+
     device = local_device(world.local_rank)
+    backend = backend_for(device.type)
     if device.type == "cuda":
-        backend = "cuda:nccl,cpu:gloo"
         for key, value in nccl_env(dump_prefix).items():
             os.environ.setdefault(key, value)
     else:
-        backend = "gloo"
         # One process per core share: oversubscribed threads made gloo ranks 20-50x slower
         # (shared notes, "Speed on 2 cores").
         cores = os.cpu_count() or 1
@@ -87,7 +88,9 @@ def abort_rank(exit_code: int) -> None:
     returns."""
     if dist.is_initialized():
         try:
-            if torch.cuda.is_available() and dist.get_backend() != "gloo":
+            from meshtron.backend import group_is_nccl
+
+            if group_is_nccl():
                 from torch.distributed.distributed_c10d import _abort_process_group
 
                 _abort_process_group()

@@ -83,7 +83,9 @@ def async_tp_problem(device_type: str, backend: str | None = None) -> str | None
         return (f"plan.async_tp=true: the device {device_type!r} does not support it "
                 "(torch's async TP runs symmetric-memory CUDA kernels over NCCL); use "
                 "async_tp=false")
-    if backend is not None and backend != "nccl":
+    from meshtron.backend import is_nccl
+
+    if backend is not None and not is_nccl(backend):
         return (f"plan.async_tp=true: the process-group backend {backend!r} does not support "
                 "it (NCCL only); use async_tp=false")
     return None
