@@ -49,24 +49,19 @@ def local_device(local_rank: int | None = None) -> torch.device:
     return device
 
 
-def process_group_backend(device: torch.device) -> str:
-    """The default group's backend for ranks on `device`: on CUDA, NCCL for CUDA tensors and
-    gloo for CPU tensors in one group (object broadcasts, checkpoint side groups and CPU
-    metadata need no second group); elsewhere gloo."""
-    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-
-
 def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = None,
               store: dist.Store | None = None) -> torch.device:
     """Join the job's default process group; returns this rank's device. The one place a
     meshtron rank makes its group, in every mode (torchrun, Slurm, restarts, elastic).
 
-    CUDA: `process_group_backend`, bound to this rank's GPU (`device_id`: NCCL makes its
-    communicator eagerly, on the right device, and later groups can split from it), with
-    NCCL_ENV set first. CPU: gloo. `store`: the rendezvous store to use instead of torchrun's
+    CUDA: `meshtron.backend.backend_for` (NCCL for CUDA tensors, gloo for CPU ones), bound to
+    this rank's GPU (`device_id`: NCCL makes its communicator eagerly, on the right device,
+    and later groups can split from it), with NCCL_ENV set first. CPU: gloo. `store`: the rendezvous store to use instead of torchrun's
     environment (restart mode: one namespaced per attempt, meshtron.checkpoint.restart)."""
+    from meshtron.backend import backend_for
+
     device = local_device(world.local_rank)
-    backend = process_group_backend(device)
+    backend = backend_for(device.type)
     if device.type == "cuda":
         for key, value in nccl_env(dump_prefix).items():
             os.environ.setdefault(key, value)
@@ -96,7 +91,9 @@ def abort_rank(exit_code: int) -> None:
     returns."""
     if dist.is_initialized():
         try:
-            if torch.cuda.is_available() and dist.get_backend() != "gloo":
+            from meshtron.backend import group_is_nccl
+
+            if group_is_nccl():
                 from torch.distributed.distributed_c10d import _abort_process_group
 
                 _abort_process_group()

@@ -272,9 +272,7 @@ def test_every_rank_group_is_made_in_one_place():
     (injected here: the CUDA branch is checked on CPU)."""
     import ast
 
-    import torch
-
-    from meshtron.runtime import process_group_backend
+    from meshtron.backend import backend_for
 
     callers = []
     for path in sorted((ROOT / "meshtron").rglob("*.py")):
@@ -284,5 +282,5 @@ def test_every_rank_group_is_made_in_one_place():
                 if name == "init_process_group":
                     callers.append(path.relative_to(ROOT).as_posix())
     assert callers == ["meshtron/runtime.py"], callers
-    assert process_group_backend(torch.device("cuda", 1)) == "cuda:nccl,cpu:gloo"
-    assert process_group_backend(torch.device("cpu")) == "gloo"
+    assert backend_for("cuda") == "cuda:nccl,cpu:gloo"
+    assert backend_for("cpu") == "gloo"

@@ -56,12 +56,7 @@ def _stager(staging_thread: bool = True):
     thread (and CUDA side stream); `Checkpointer.wait_staging` holds back the next optimizer
     step until the copy is complete, so no tensor changes while it is read. `staging_thread`
     False: copy on the training thread inside `save` (bench/checkpoint_save.py compares)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=staging_thread,
-                                        use_non_blocking_copy=cuda))
+    return staging.OrderedStager(staging_thread, staging.device_streams())
 
 
 def make_checkpointer(ckpt: CheckpointConfig | None, cfg: Any, engine: Any, data: Any,
@@ -140,7 +135,7 @@ class Checkpointer:
         return box[0]
 
     def _max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device="cpu")
         if self.distributed:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.vote_group)
         return t.tolist()
@@ -302,7 +297,6 @@ class Checkpointer:
                      no_dist=not self.distributed)
             self._commit(step, writer, t0)
         else:
-            self._order_staging_after_compute()
             response = dcp.async_save(tensors, storage_writer=writer, process_group=group,
                                       no_dist=not self.distributed, async_stager=self._stager)
             upload = response
@@ -312,14 +306,6 @@ class Checkpointer:
         stall = time.perf_counter() - t0
         self.stalls_s.append(stall)
         return stall
-
-    def _order_staging_after_compute(self) -> None:
-        """CUDA: the stager copies on its own stream, which must first wait for the kernels
-        that produced the state (the last optimizer step may still be queued). A stream wait,
-        not a host synchronisation."""
-        stream = getattr(self._stager, "_staging_stream", None)
-        if stream is not None and torch.cuda.is_available():
-            stream.wait_stream(torch.cuda.current_stream())
 
     def _before_step(self, *_: Any) -> None:
         self.wait_staging()

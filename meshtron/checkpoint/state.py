@@ -187,20 +187,40 @@ def set_schedule_position(scheduler: torch.optim.lr_scheduler.LRScheduler,
         scheduler.step()
 
 
-def rng_state() -> dict[str, Any]:
-    """This rank's RNG states as JSON-safe text."""
+def _own_device(accel: Any) -> tuple[Any, int] | None:
+    """(device module, index) of this rank's accelerator: `accel` (injected by tests) or
+    torch.cuda when available; None on a CPU rank."""
+    if accel is None:
+        accel = torch.cuda if torch.cuda.is_available() else None
+    return None if accel is None else (accel, accel.current_device())
+
+
+def rng_state(accel: Any = None) -> dict[str, Any]:
+    """This rank's RNG states as JSON-safe text: the CPU generator's and its own device's
+    (only that one: every rank touching every visible GPU, as `get_rng_state_all` does, makes a
+    context on each of them)."""
     doc: dict[str, Any] = {"torch": _b64(torch.get_rng_state())}
-    if torch.cuda.is_available():
-        doc["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    own = _own_device(accel)
+    if own is not None:
+        module, index = own
+        doc["cuda"] = _b64(module.get_rng_state(index))
+        doc["cuda_device"] = index
     return doc
 
 
-def set_rng_state(doc: dict[str, Any]) -> None:
+def set_rng_state(doc: dict[str, Any], accel: Any = None) -> None:
+    """Restore what `rng_state` saved into this rank's generators (its own device only)."""
     torch.set_rng_state(_unb64(doc["torch"]))
-    if torch.cuda.is_available() and "cuda" in doc:
-        states = [_unb64(s) for s in doc["cuda"]]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
+    own = _own_device(accel)
+    if own is None or "cuda" not in doc:
+        return
+    module, index = own
+    saved = doc["cuda"]
+    if isinstance(saved, list):  # written before: one state per visible GPU
+        if index >= len(saved):
+            return
+        saved = saved[index]
+    module.set_rng_state(_unb64(saved), index)
 
 
 def _b64(t: torch.Tensor) -> str:

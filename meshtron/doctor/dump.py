@@ -103,9 +103,9 @@ def flight_recorder_trace() -> dict[str, Any] | None:
     """PyTorch's Flight Recorder trace on NCCL (real start/end states and times); None on other
     backends, where it records too little to add anything (shared notes)."""
     try:
-        import torch.distributed as dist
+        from meshtron.backend import group_is_nccl
 
-        if not dist.is_initialized() or dist.get_backend() != "nccl":
+        if not group_is_nccl():
             return None
         from torch._C._distributed_c10d import _dump_fr_trace_json
 

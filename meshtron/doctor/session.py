@@ -47,12 +47,13 @@ STORE_KEY = "meshtron/doctor/abort"
 STEP_TIMES_KEPT = 500
 
 
-def _recorder(rank: int, capacity: int):
+def _recorder(rank: int, capacity: int, backend: str | None = None):
     """On NCCL PyTorch's Flight Recorder (nothing in Python per collective; flight.py);
-    elsewhere meshtron's recorder (gloo's Flight Recorder has no times, states or p2p)."""
-    import torch.distributed as dist
+    elsewhere meshtron's recorder (gloo's Flight Recorder has no times, states or p2p).
+    `backend`: the default group's backend string (asked from torch when None)."""
+    from meshtron.backend import group_is_nccl
 
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if group_is_nccl(backend=backend):
         from meshtron.doctor.flight import FlightRecorderSource
 
         return FlightRecorderSource(rank)

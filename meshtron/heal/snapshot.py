@@ -89,7 +89,7 @@ def _mapped(path: Path, nbytes: int, create: bool) -> torch.Tensor:
         with open(path, "wb") as f:
             f.truncate(nbytes)
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
     return torch.from_file(str(path), shared=create, size=nbytes, dtype=torch.uint8)
 
 
@@ -98,7 +98,7 @@ def _view(buf: torch.Tensor, dtype: str, shape: list[int], offset: int) -> torch
     n = 1
     for d in shape:
         n *= d
-    nbytes = n * torch.empty((), dtype=dt).element_size()
+    nbytes = n * dt.itemsize
     return buf[offset:offset + nbytes].view(dt).view(shape)
 
 
@@ -183,7 +183,7 @@ class Snapshots:
     def _count(self, own: int) -> None:
         """Every rank's host bytes (a tiny all-gather on the training thread; the snapshot
         thread is idle here), logged once per attempt."""
-        t = torch.zeros(self.lay.world, dtype=torch.int64)
+        t = torch.zeros(self.lay.world, dtype=torch.int64, device="cpu")
         t[self.lay.rank] = own
         dist.all_reduce(t, group=self.group)
         owns = t.tolist()
@@ -278,7 +278,7 @@ class Snapshots:
         t3 = time.perf_counter()
         names = ("decide", "fetch", *load_parts)
         parts = torch.tensor([t3 - t0, t1 - t0, t2 - t1, *load_parts.values()],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device="cpu")
         dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=self.group)
         seconds = parts[0]
         self.restored = {"restored_from": "memory", "restore_s": float(seconds),
@@ -379,10 +379,10 @@ def _send_recv(group: Any, dst: int | None, src: int | None, meta: dict[str, Any
     send_sizes = recv_sizes = None
     if dst is not None:
         blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-        send_sizes = torch.tensor([blob.numel(), data.numel()], dtype=torch.int64)
+        send_sizes = torch.tensor([blob.numel(), data.numel()], dtype=torch.int64, device="cpu")
         ops.append(dist.P2POp(dist.isend, send_sizes, dst, group))
     if src is not None:
-        recv_sizes = torch.zeros(2, dtype=torch.int64)
+        recv_sizes = torch.zeros(2, dtype=torch.int64, device="cpu")
         ops.append(dist.P2POp(dist.irecv, recv_sizes, src, group))
     for w in dist.batch_isend_irecv(ops):
         w.wait()
@@ -394,7 +394,7 @@ def _send_recv(group: Any, dst: int | None, src: int | None, meta: dict[str, Any
     got_blob = None
     if src is not None:
         n_meta, n_data = recv_sizes.tolist()
-        got_blob = torch.empty(n_meta, dtype=torch.uint8)
+        got_blob = torch.empty(n_meta, dtype=torch.uint8, device="cpu")
         ops.append(dist.P2POp(dist.irecv, got_blob, src, group))
         got = _mapped(out, n_data, create=True)
         if n_data:

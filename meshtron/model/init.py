@@ -1,18 +1,27 @@
 """Deterministic, shard-local parameter initialization: meta-device models at any size.
 
 Every parameter's initial value is a pure function of (init seed, parameter name, element
-index), not of the order in which a global random generator is consumed. So one process that
-builds the whole model and a rank that holds a 1/64 shard of one matrix compute the same
-numbers for the elements they share, and a model built on the meta device, sharded by
-`meshtron.parallel.parallelize` and then materialized holds exactly the single-process
-initialization (tests/test_meta_init.py compares them for dp, tp, pp and 3-D layouts).
+index) on a given kind of device, not of the order in which a global random generator is
+consumed. So one process that builds the whole model and a rank that holds a 1/64 shard of one
+matrix compute the same numbers for the elements they share, and a model built on the meta
+device, sharded by `meshtron.parallel.parallelize` and then materialized holds exactly the
+single-process initialization (tests/test_meta_init.py compares them for dp, tp, pp and 3-D
+layouts).
 
-How: a parameter is cut along dim 0 into blocks of at most `BLOCK_ELEMS` elements (whole rows);
-block b is drawn from its own CPU generator seeded with sha256(seed, name, b). A rank that owns
-the box [r0:r1, c0:c1] draws only the blocks overlapping rows r0..r1 and keeps its columns. The
-memory cost of initialization is therefore one block (16 MiB in fp32) on top of the shard (the
-values are written into the shard's own storage block by block), never the full tensor; the compute cost is the rows a rank touches times the full row width
-(a row-parallel shard, Shard(1), draws tp times its own size).
+How: a parameter is cut into tiles of at most `TILE_ROWS` x `TILE_COLS` over its last two
+dimensions (one index of each leading dimension, e.g. one expert); tile t is drawn from its own
+generator seeded with sha256(seed, name, t), on the device the values are for. A rank that owns
+the box [r0:r1, c0:c1] draws only the tiles overlapping it, so a shard costs about its own size
+whichever dimension is sharded (row- or column-parallel, FSDP chunks, expert shards), and the
+memory beyond the shard is one tile (1 MiB in fp32).
+
+Speed: on a GPU every tile is one randn kernel with a Philox generator (an 8B model in about a
+second on one H200; one host thread drawing every element took ~45 s); on the CPU the tiles are
+drawn by `torch.get_num_threads()` threads (each tile has its own generator, so the values do
+not depend on which thread draws it). A CUDA generator gives other numbers than the CPU one for
+the same seed (and its Philox assignment depends on the GPU model), so the values are the same
+for every layout of a run, not across device kinds: `materialize` draws on the compute device,
+also when the parameters live on the host (offload), so offloading does not change them.
 
 Values (GPT-2 style, Radford et al. 2019): weights N(0, 0.02), the residual output projections
 (`wo`, `w2`) N(0, 0.02/sqrt(2L)) so the residual stream's variance stays flat with depth; norm
@@ -22,14 +31,21 @@ weights 1, biases 0.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import torch
 from torch import nn
 
+TILE_ROWS = 512
+TILE_COLS = 512
+"""Tile extent over a parameter's last two dimensions (rows, columns): 256 Ki elements, so a
+tp=8 shard of a 4096-wide matrix is exactly one tile wide."""
+
 BLOCK_ELEMS = 1 << 22
-"""Elements drawn per generator block (whole rows; at least one row)."""
+"""Elements per piece when a tensor is filled piecewise from a file (hf/load.py)."""
 
 INIT_STD = 0.02
 """Standard deviation of the weight matrices (embeddings, projections)."""
@@ -37,10 +53,18 @@ INIT_STD = 0.02
 _RESIDUAL_OUT = ("wo.weight", "w2.weight")
 
 
-def block_seed(seed: int, name: str, block: int) -> int:
-    """The generator seed of row block `block` of parameter `name` (63 bits)."""
-    digest = hashlib.sha256(f"{seed}:{name}:{block}".encode()).digest()
+def tile_seed(seed: int, name: str, tile: tuple[int, ...]) -> int:
+    """The generator seed of tile `tile` (its index along every dimension) of parameter
+    `name` (63 bits)."""
+    key = ",".join(map(str, tile))
+    digest = hashlib.sha256(f"{seed}:{name}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def tile_shape(global_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tile extent along every dimension of a parameter of `global_shape` (ndim >= 2)."""
+    lead = (1,) * (len(global_shape) - 2)
+    return lead + (min(TILE_ROWS, global_shape[-2]), min(TILE_COLS, global_shape[-1]))
 
 
 def param_std(name: str, layers: int) -> float:
@@ -52,38 +76,69 @@ def param_std(name: str, layers: int) -> float:
 
 def init_box(name: str, global_shape: tuple[int, ...], offset: tuple[int, ...],
              local_shape: tuple[int, ...], seed: int, layers: int,
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+             dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> torch.Tensor:
     """The initial values of the box `offset : offset + local_shape` of parameter `name`
-    (a new CPU tensor of `local_shape`)."""
-    out = torch.empty(local_shape, dtype=dtype)
+    (a new tensor of `local_shape` on `device`, drawn there)."""
+    out = torch.empty(local_shape, dtype=dtype, device=device)
     init_into(out, name, global_shape, offset, seed, layers)
     return out
+
+
+def _tiles(global_shape, offset, local_shape):
+    """(tile index, tile box in the parameter, destination slices in the local box, source
+    slices in the tile) of every tile overlapping the local box."""
+    ext = tile_shape(global_shape)
+    ranges = [range(o // t, (o + n - 1) // t + 1)
+              for o, n, t in zip(offset, local_shape, ext)]
+    for tile in itertools.product(*ranges):
+        starts = [i * t for i, t in zip(tile, ext)]
+        shape = tuple(min(t, g - s) for t, g, s in zip(ext, global_shape, starts))
+        lo = [max(o, s) for o, s in zip(offset, starts)]
+        hi = [min(o + n, s + n_t) for o, n, s, n_t in zip(offset, local_shape, starts, shape)]
+        dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))
+        src = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, starts))
+        yield tile, shape, dst, src
+
+
+def _draw_tiles(out: torch.Tensor, name: str, seed: int, std: float, tiles) -> None:
+    """Draw `tiles` (from `_tiles`) into `out`, on `out`'s device with a generator there."""
+    gen = torch.Generator(device=out.device)
+    for tile, shape, dst, src in tiles:
+        gen.manual_seed(tile_seed(seed, name, tile))
+        values = torch.randn(shape, generator=gen, device=out.device, dtype=torch.float32)
+        out[dst].copy_(values[src].mul_(std))
+
+
+def _threads(device: torch.device, work: int) -> int:
+    """Host threads for drawing `work` elements: the intra-op thread count on the CPU (one
+    draw is one thread's loop), one for a device (its kernels are queued in order anyway)."""
+    if device.type != "cpu" or work < 4 * TILE_ROWS * TILE_COLS:
+        return 1
+    return max(1, torch.get_num_threads())
 
 
 @torch.no_grad()
 def init_into(out: torch.Tensor, name: str, global_shape: tuple[int, ...],
               offset: tuple[int, ...], seed: int, layers: int) -> None:
     """Write the initial values of the box at `offset` (of `out`'s shape) of parameter `name`
-    into `out` (any device and dtype), one generator block at a time: the only memory beyond
-    `out` is one block."""
+    into `out` (any device and dtype; drawn on `out`'s device), one tile at a time: the only
+    memory beyond `out` is one tile per drawing thread."""
     if out.numel() == 0:
         return
     if len(global_shape) <= 1:  # norm weights and biases: constants
         out.fill_(0.0 if name.endswith("bias") else 1.0)
         return
     std = param_std(name, layers)
-    row_elems = math.prod(global_shape[1:])
-    rows_per_block = max(1, BLOCK_ELEMS // row_elems)
-    r0, r1 = offset[0], offset[0] + out.shape[0]
-    cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
-    g = torch.Generator(device="cpu")
-    for block in range(r0 // rows_per_block, (r1 - 1) // rows_per_block + 1):
-        b0 = block * rows_per_block
-        b1 = min(b0 + rows_per_block, global_shape[0])
-        g.manual_seed(block_seed(seed, name, block))
-        values = torch.randn((b1 - b0, *global_shape[1:]), generator=g, dtype=torch.float32)
-        lo, hi = max(r0, b0), min(r1, b1)
-        out[lo - r0:hi - r0].copy_(values[(slice(lo - b0, hi - b0), *cols)].mul_(std))
+    tiles = list(_tiles(global_shape, offset, tuple(out.shape)))
+    threads = min(_threads(out.device, out.numel()), len(tiles))
+    if threads == 1:
+        _draw_tiles(out, name, seed, std, tiles)
+        return
+    # Disjoint destination boxes: the threads never write the same element.
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda part: _draw_tiles(out, name, seed, std, part),
+                      [tiles[i::threads] for i in range(threads)]))
 
 
 def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -133,11 +188,20 @@ def fill_local(param: torch.Tensor, values: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def init_parameters(modules: Iterable[nn.Module], seed: int, layers: int) -> None:
-    """Initialize this rank's part of every parameter of `modules` in place."""
+def init_parameters(modules: Iterable[nn.Module], seed: int, layers: int,
+                    device: torch.device | None = None) -> None:
+    """Initialize this rank's part of every parameter of `modules` in place. `device`: where
+    the values are drawn (default: each parameter's own device); parameters elsewhere (on the
+    host with offloading) receive a copy, so they hold what the device would."""
     for name, p in named_unique_parameters(modules):
         shape, offset, _ = local_box(p)
-        init_into(local_tensor(p), name, shape, offset, seed, layers)
+        local = local_tensor(p)
+        if device is None or local.device.type == device.type or local.numel() == 0:
+            init_into(local, name, shape, offset, seed, layers)
+            continue
+        drawn = torch.empty(local.shape, dtype=local.dtype, device=device)
+        init_into(drawn, name, shape, offset, seed, layers)
+        local.copy_(drawn)
 
 
 def retie_embeddings(module: nn.Module) -> None:
@@ -176,4 +240,5 @@ def materialize(parts: list[nn.Module], device: torch.device, seed: int | None =
         fill(parts)
         return
     spec = parts[0].spec
-    init_parameters(parts, parts[0].init_seed if seed is None else seed, spec.layers)
+    init_parameters(parts, parts[0].init_seed if seed is None else seed, spec.layers,
+                    device=device)

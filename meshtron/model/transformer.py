@@ -140,15 +140,19 @@ class Transformer(nn.Module):
     number from torch's global CPU generator, so `torch.manual_seed(s); Transformer(spec)` is
     reproducible and consumes the same randomness on every device, meta included.
 
-    Built under `with torch.device("meta")` the model allocates nothing; `parallelize` then
-    materializes only this rank's shards (`meshtron.model.init.materialize`)."""
+    Built under `with torch.device("meta")` (or with `device="meta"`) the model allocates
+    nothing; `parallelize` then materializes only this rank's shards, and the single-process
+    engine the whole model, the same way (`meshtron.model.init.materialize`)."""
 
-    def __init__(self, spec: ModelSpec, init_seed: int | None = None):
+    def __init__(self, spec: ModelSpec, init_seed: int | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.spec = spec
         self.init_seed = (int(torch.randint(0, 2**62, (), device="cpu")) if init_seed is None
                           else int(init_seed))
-        target = torch.get_default_device()
+        # `device` names where the model lives; without it the default device does (the CPU,
+        # or "meta" under `with torch.device("meta")`, the only context meshtron itself uses).
+        target = torch.device(device) if device is not None else torch.get_default_device()
         # Modules are created on meta (no memory, no throw-away default init), then allocated
         # once on the target device and initialized by `init_weights`.
         with torch.device("meta"):

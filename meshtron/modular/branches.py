@@ -173,7 +173,7 @@ def load_state(branch: Branch) -> dict[str, Any]:
     shapes = model_shapes(branch.spec)
     out = {}
     for name, src in ckpt.check(branch.spec, shapes).items():
-        target = torch.empty(shapes[name], dtype=torch.float32)
+        target = torch.empty(shapes[name], dtype=torch.float32, device="cpu")
         ckpt.read_into(src, target, (0,) * target.dim(), BLOCK_ELEMS)
         out[name] = target
     return out

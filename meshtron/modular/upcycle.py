@@ -95,7 +95,7 @@ def router_init(spec: ModelSpec, identical: bool = True) -> RouterInit:
         gate, total = "random", spec.moe_route_scale
     else:
         # The same fp32 constant the router computes from a zero gate.
-        zero = torch.zeros(1, e)
+        zero = torch.zeros(1, e, device="cpu")
         c = float((zero.softmax(-1) if spec.moe_router == "softmax" else zero.sigmoid())[0, 0])
         gate, total = ("zero" if identical else "random"), k * c * spec.moe_route_scale
     if total <= 0:
@@ -142,10 +142,11 @@ def merge_states(states: list[dict[str, torch.Tensor]], spec: ModelSpec, copies:
             stacked = torch.stack([s[f"{p}{w}.weight"] for s in states for _ in range(copies)])
             out[f"{p}experts.{w}.weight"] = stacked * init.routed_w2 if w == "w2" else stacked
         gate = f"{p}router.gate.weight"
-        out[gate] = (init_box(gate, shapes[gate], (0, 0), shapes[gate], seed, spec.layers)
-                     if init.gate == "random" else torch.zeros(shapes[gate]))
+        out[gate] = (init_box(gate, shapes[gate], (0, 0), shapes[gate], seed, spec.layers,
+                              device="cpu")
+                     if init.gate == "random" else torch.zeros(shapes[gate], device="cpu"))
         if spec.moe_router == "sigmoid":
-            out[f"{p}router.expert_bias"] = torch.zeros(spec.moe_experts)
+            out[f"{p}router.expert_bias"] = torch.zeros(spec.moe_experts, device="cpu")
         if spec.moe_shared_experts:
             s = spec.moe_shared_experts
             w1, w3, w2 = (_mean([st[f"{p}{w}.weight"] for st in states])

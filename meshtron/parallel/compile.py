@@ -83,7 +83,9 @@ def async_tp_problem(device_type: str, backend: str | None = None) -> str | None
         return (f"plan.async_tp=true: the device {device_type!r} does not support it "
                 "(torch's async TP runs symmetric-memory CUDA kernels over NCCL); use "
                 "async_tp=false")
-    if backend is not None and backend != "nccl":
+    from meshtron.backend import is_nccl
+
+    if backend is not None and not is_nccl(backend):
         return (f"plan.async_tp=true: the process-group backend {backend!r} does not support "
                 "it (NCCL only); use async_tp=false")
     return None
@@ -101,13 +103,17 @@ def enable_async_tp(tp_mesh) -> None:
     problem = async_tp_problem(tp_mesh.device_type, dist.get_backend(tp_mesh.get_group()))
     if problem:
         raise UserError(problem)
+    from meshtron.torch_compat import require
+
+    # Private and version-specific: one line naming the torch version where they are absent.
+    require("torch._inductor.config._micro_pipeline_tp", "plan.async_tp=true")
+    enable_symm_mem_for_group = require(
+        "torch.distributed._symmetric_memory.enable_symm_mem_for_group", "plan.async_tp=true")
+    import warnings
+
     import torch._inductor.config as inductor_config
 
     inductor_config._micro_pipeline_tp = True
-    import warnings
-
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -21,6 +21,17 @@ document ids come from the gathered token ids (one small all-gather of ints per 
 (no S x S tensor); on CPU, where FlexAttention has no backward, an exact boolean mask per query
 chunk ([chunk, prefix]).
 
+Block masks on CUDA: built by the compiled `create_block_mask` (eager, it evaluates the mask_mod
+over a dense [seq/cp, seq] grid first: ~2 GB at 128k tokens over cp=8). Without documents the
+mask depends only on the sequence length and the rank, so it is built once per length and kept
+(`ContextParallel.block_for`); with documents, once per forward (the ids change every batch) and
+shared by every layer. Why not SDPA without documents: each local query chunk attends to a key
+prefix with lower-right causal alignment, which SDPA expresses only as
+`torch.nn.attention.bias.causal_lower_right`, and that object does not trace under
+`torch.compile(fullgraph=True)` (torch 2.13: "Calling subclass default constructor with more
+than tensor argument"), which compiled blocks use; torch's own ring attention replaces SDPA
+process-wide (above).
+
 Use: `apply_context_parallel(model, group)` sets `model.context_parallel`; the model's forward
 then takes this rank's chunks (`shard_batch`) and its attention calls `ContextParallel.attend`.
 The loss of a rank is the mean over its tokens; the global mean is the mean over the cp ranks
@@ -105,12 +116,14 @@ class AttentionContext:
 class ContextParallel:
     """Context parallelism over one process group, attached as `model.context_parallel`."""
 
-    def __init__(self, group):
+    def __init__(self, group, cp: int | None = None, rank: int | None = None):
         import torch.distributed as dist
 
         self.group = group
-        self.cp = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.cp = dist.get_world_size(group) if cp is None else cp
+        self.rank = dist.get_rank(group) if rank is None else rank
+        self._causal_blocks: dict[tuple[int, str], Any] = {}
+        """Causal block masks (no documents) by (sequence length, device)."""
 
     def context(self, tokens: torch.Tensor, model: Any) -> AttentionContext:
         """The attention context of one forward of `model` on this rank's `tokens` ([b, seq/cp]
@@ -131,10 +144,21 @@ class ContextParallel:
             q_doc = kv_doc[:, pos]
             angles = table[:, doc_pos[:, pos]] if table is not None else None
         block = None
-        if tokens.is_cuda:  # one block mask per forward, shared by every layer
-            block = block_mask(pos, q_doc, kv_doc, tokens.shape[0], seq)
+        if tokens.is_cuda:  # FlexAttention; the mask is shared by every layer
+            block = self.block_for(pos, q_doc, kv_doc, tokens.shape[0], seq)
         return AttentionContext(angles, partial(self.attend, q_doc=q_doc, kv_doc=kv_doc,
                                                 block=block))
+
+    def block_for(self, pos: torch.Tensor, q_doc: torch.Tensor | None,
+                  kv_doc: torch.Tensor | None, batch: int, seq: int) -> Any:
+        """The block mask of this rank's queries (global positions `pos`): the kept causal one
+        without documents, a new one with them."""
+        if q_doc is not None:
+            return block_mask(pos, q_doc, kv_doc, batch, seq)
+        key = (seq, str(pos.device))
+        if key not in self._causal_blocks:
+            self._causal_blocks[key] = block_mask(pos, None, None, batch, seq)
+        return self._causal_blocks[key]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                q_doc: torch.Tensor | None = None, kv_doc: torch.Tensor | None = None,
@@ -166,8 +190,6 @@ def block_mask(q_pos: torch.Tensor, q_doc: torch.Tensor | None, kv_doc: torch.Te
     """FlexAttention block mask of the local queries (global positions `q_pos`) against the
     whole sequence: causal, and inside each document when document ids are given. Blocks the
     mask empties are skipped (the causal half of the work on average; no S x S tensor)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     if q_doc is None:
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= q_pos[q_idx]
@@ -175,7 +197,20 @@ def block_mask(q_pos: torch.Tensor, q_doc: torch.Tensor | None, kv_doc: torch.Te
     else:
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_pos[q_idx]) & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
-    return create_block_mask(mask_mod, batch, None, q_pos.numel(), seq, device=q_pos.device)
+    build = mask_builder(q_pos.device)
+    return build(mask_mod, batch, None, q_pos.numel(), seq, device=q_pos.device)
+
+
+def mask_builder(device: torch.device) -> Callable:
+    """`create_block_mask`, compiled on CUDA (the process-wide one model/attention.py uses
+    for document masks), eager elsewhere (a reference path)."""
+    if device.type == "cuda":
+        from meshtron.model.attention import _compiled
+
+        return _compiled("create_block_mask")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask
 
 
 _FLEX: dict[str, Callable] = {}

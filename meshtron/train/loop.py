@@ -133,14 +133,16 @@ class LocalEngine:
 
     is_main = True
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, device: torch.device | None = None):
+        from meshtron.model.init import materialize
+        from meshtron.runtime import local_device
+
         torch.manual_seed(cfg.train.seed)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        with torch.device(self.device):
-            self.model = Transformer(cfg.model)
-        fill = hf_fill(cfg)
-        if fill is not None:
-            fill([self.model])
+        self.device = device if device is not None else local_device()
+        # Built on meta and materialized as a parallel engine's parts are (one code path; the
+        # values are drawn on the device: meshtron/model/init.py).
+        self.model = Transformer(cfg.model, device="meta")
+        materialize([self.model], self.device, fill=hf_fill(cfg))
         self.optimizer = build_adamw([self.model], cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.micro = cfg.data.micro_batch or cfg.data.global_batch

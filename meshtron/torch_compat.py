@@ -1,0 +1,126 @@
+"""Every private or version-specific torch symbol meshtron uses, in one registry.
+
+meshtron runs on the torch a GPU image carries (2.11 on the first H200 lent to the project)
+and on the CPU pin (2.13.0). Private names (a leading underscore anywhere in the path) may
+move or vanish between releases, so each one is listed here with what needs it;
+tests/test_torch_compat.py scans the package for private torch symbols and fails on one that
+is not registered, and checks that every registered one exists on the installed torch.
+Callers that cannot work without a symbol ask `require`, which raises one line naming the
+torch version and the feature; callers with a fallback ask `available`.
+
+No torch import at module level (the planner's commands must not import torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from meshtron.errors import UserError
+
+SUPPORTED_TORCH = "2.11 to 2.13"
+"""The torch releases meshtron runs on (CPU CI pins 2.13.0; GPU images carried 2.11)."""
+
+PRIVATE_APIS: dict[str, str] = {
+    # model and parallelism
+    "torch._grouped_mm": "MoE experts on CUDA in bf16, one grouped GEMM per matrix "
+                         "(model/moe.py; per-expert matmuls without it)",
+    "torch._foreach_mul_": "gradient scaling of every gradient in one kernel (parallel/api.py)",
+    "torch._foreach_copy_": "the bf16 compute copy's refresh (train/precision.py)",
+    "torch._utils._flatten_dense_tensors": "bucketed gradient collectives (data_parallel.py)",
+    "torch._utils._unflatten_dense_tensors": "bucketed gradient collectives (data_parallel.py)",
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset":
+        "each rank's box of a sharded parameter, for initialization and loading (model/init.py)",
+    "torch.distributed._functional_collectives.all_gather_single":
+        "context parallelism's K/V all-gather (parallel/context.py)",
+    "torch.distributed._functional_collectives.all_to_all_single_autograd":
+        "expert parallelism's token exchange (parallel/expert.py)",
+    "torch.distributed._functional_collectives.AsyncCollectiveTensor":
+        "waiting for compiled blocks' collectives (parallel/compile.py)",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper":
+        "activation recomputation per block (parallel/recompute.py)",
+    "torch.distributed.tensor._redistribute": "releasing a mesh (parallel/mesh.py)",
+    "torch.distributed.tensor._redistribute.clear_redistribute_planner_cache":
+        "releasing a mesh (parallel/mesh.py)",
+    "torch.distributed.tensor.debug._clear_sharding_prop_cache":
+        "releasing a mesh (parallel/mesh.py)",
+    # compile
+    "torch._inductor.config": "asynchronous tensor parallelism (parallel/compile.py)",
+    "torch._inductor.config._micro_pipeline_tp":
+        "asynchronous tensor parallelism's inductor pass (parallel/compile.py)",
+    "torch.distributed._symmetric_memory.enable_symm_mem_for_group":
+        "asynchronous tensor parallelism's symmetric memory (parallel/compile.py)",
+    "torch._dynamo.utils.compilation_time_metrics": "compile_time_s in metrics (compile.py)",
+    # process groups and the doctor
+    "torch.distributed.distributed_c10d._abort_process_group":
+        "leaving after a failure without waiting for NCCL peers (runtime.py)",
+    "torch.distributed.distributed_c10d._get_default_store": "the doctor's abort flag "
+                                                             "(doctor/session.py)",
+    "torch.distributed.distributed_c10d._resolve_process_group":
+        "naming a collective's group in the doctor's records (doctor/flight.py, recorder.py)",
+    "torch._C._distributed_c10d._dump_fr_trace_json":
+        "the NCCL Flight Recorder's trace (doctor/flight.py, doctor/dump.py)",
+    "torch._C._distributed_c10d.Work": "timing collective waits (doctor/timeline.py)",
+    "torch._C._distributed_c10d.ProcessGroup": "recording collectives (doctor/recorder.py)",
+    "torch._C._after_autograd_keyset": "recording collectives (doctor/recorder.py)",
+    "torch._C._dispatch_get_all_op_names": "recording collectives (doctor/recorder.py)",
+    "torch.ops._c10d_functional": "recording functional collectives (doctor/recorder.py)",
+    "torch.utils._python_dispatch.TorchDispatchMode": "recording collectives "
+                                                      "(doctor/recorder.py)",
+    # checkpoints
+    "torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner":
+        "reading a checkpoint without a model (checkpoint/export.py)",
+    "torch.distributed.checkpoint.state_dict_loader._load_state_dict":
+        "reading a checkpoint without a model (checkpoint/export.py)",
+}
+"""Dotted symbol -> what needs it."""
+
+
+def lookup(symbol: str) -> Any:
+    """The object a dotted `symbol` names on the installed torch, or None when it is absent:
+    the longest importable module prefix, then attributes."""
+    parts = symbol.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name, _MISSING)
+            if obj is _MISSING:
+                return None
+        return obj
+    return None
+
+
+_MISSING = object()
+
+
+def available(symbol: str) -> bool:
+    """Whether the installed torch has `symbol` (registered in PRIVATE_APIS)."""
+    _registered(symbol)
+    return lookup(symbol) is not None
+
+
+def require(symbol: str, feature: str) -> Any:
+    """`symbol`'s object; UserError (one line: the feature, the torch version, the range
+    meshtron supports) when the installed torch lacks it."""
+    _registered(symbol)
+    obj = lookup(symbol)
+    if obj is None:
+        import torch
+
+        raise UserError(f"{feature}: torch {torch.__version__} has no {symbol}, which it needs "
+                        f"(meshtron supports torch {SUPPORTED_TORCH}); use another torch or "
+                        "turn the feature off")
+    return obj
+
+
+def missing() -> list[str]:
+    """Registered symbols the installed torch lacks."""
+    return [s for s in PRIVATE_APIS if lookup(s) is None]
+
+
+def _registered(symbol: str) -> None:
+    if symbol not in PRIVATE_APIS:
+        raise KeyError(f"{symbol}: not in meshtron.torch_compat.PRIVATE_APIS")
