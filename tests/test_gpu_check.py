@@ -19,7 +19,7 @@ KIT = ROOT / "bench" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_check import CASES  # noqa: E402
-from gpukit.profile import busy_us, category, summarize  # noqa: E402
+from gpukit.profile import busy_us, category, rows_of, summarize  # noqa: E402
 
 
 def _kit(tmp_path, *argv, timeout=1500):
@@ -122,10 +122,10 @@ def test_checkpoint_and_cli_smoke(dry_run):
 
 def test_failures_timeouts_and_the_budget_are_recorded_not_fatal(tmp_path):
     # env gets 1 s: torch does not even import; eager needs 3 x 60 s (dry run) of a 100 s
-    # budget: skipped; cli_export alone has no run to export: it raises. The kit still exits 0
-    # with its JSON.
-    proc, out = _kit(tmp_path, "--only", "cli_export,env,eager", "--caps", "env=1",
-                     "--budget", "100", timeout=300)
+    # budget: skipped; cli_train is stopped at 8 s, its command's record kept; cli_export
+    # alone has no run to export: it raises. The kit still exits 0 with its JSON.
+    proc, out = _kit(tmp_path, "--only", "cli_export,env,eager,cli_train", "--caps",
+                     "env=1,cli_train=8", "--budget", "100", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
     e = r["cases"]["cli_export"]
@@ -133,6 +133,9 @@ def test_failures_timeouts_and_the_budget_are_recorded_not_fatal(tmp_path):
     assert any("no run with a committed checkpoint" in x for x in e["output_tail"])
     assert r["cases"]["env"]["status"] == "timeout" and r["cases"]["env"]["seconds"] < 30
     assert r["cases"]["eager"]["status"] == "skipped" and "budget" in r["cases"]["eager"]["reason"]
+    t = r["cases"]["cli_train"]
+    assert t["status"] == "timeout" and t["result"]["train"]["timed_out"] is True
+    assert t["result"]["train"]["argv"][:2] == ["meshtron", "train"]
     assert r["targets"]["cli_smoke"]["all_ok"] is False
 
 
@@ -158,3 +161,21 @@ def test_profile_categories():
                   30, "cuda kernels")
     assert s["busy_us"] == 17 and s["idle_us"] == 13 and s["us"]["communication"] == 7
     assert s["share"]["idle"] == pytest.approx(13 / 30)
+
+
+def test_profile_rows_leave_out_the_annotation_ranges_on_the_device():
+    """On CUDA (torch 2.11, H200) the profiler puts 'Optimizer.step#AdamW.step' on the device
+    timeline around the optimizer's kernels: counted, it would double the optimizer time."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def ev(i, name, start, end, device, annotation=False):
+        return FunctionEvent(i, name, 0, start, end, device_type=device,
+                             is_user_annotation=annotation)
+
+    cuda = [ev(1, "Optimizer.step#AdamW.step", 0, 130, DeviceType.CUDA, annotation=True),
+            ev(2, "multi_tensor_apply_kernel", 10, 75, DeviceType.CUDA),
+            ev(3, "aten::mm", 0, 200, DeviceType.CPU)]
+    rows = rows_of(cuda, cuda=True)
+    assert [r[0] for r in rows] == ["multi_tensor_apply_kernel"] and rows[0][1] == 65
+    assert [r[0] for r in rows_of(cuda, cuda=False)] == ["aten::mm"]

@@ -234,7 +234,7 @@ def case_checkpoint(ctx: C.Ctx) -> None:
     cfg = config_from_dict({
         "model": {"preset": "tiny", "hidden": hidden, "layers": layers,
                   "ffn_hidden": int(hidden * 8 / 3) // 8 * 8},
-        "data": {"seq_len": ctx.seq_len if ctx.dry_run else 1024, "global_batch": 2},
+        "data": {"seq_len": ctx.seq_len if ctx.dry_run else 512, "global_batch": 2},
         "train": {"dtype": "bf16", "steps": 1000, "eval_every": 0, "run_dir": str(run_dir)}})
     est = C.search(cfg.model, clus, dataclasses.replace(ctx, seq_len=cfg.data.seq_len,
                                                         global_batch=2))

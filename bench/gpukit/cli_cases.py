@@ -60,12 +60,21 @@ _RUNNING: list[tuple[subprocess.Popen, Path]] = []
 """The commands started by this case process, with their work folders (for on_sigterm)."""
 
 
+_WAITING: list = [None]
+"""The command `run` is waiting for (it stops and records that one itself)."""
+
+
+class Stopped(Exception):
+    """The driver's time cap (SIGTERM) arrived while a command ran."""
+
+
 def on_sigterm(signum, frame) -> None:
-    """The driver's time cap: stop the commands (and their torchrun ranks), then exit."""
+    """The driver's time cap: `run` records the command it waits for and stops it; anything
+    else this case started is stopped on the way out (with its torchrun ranks)."""
     for proc, folder in _RUNNING:
-        if proc.poll() is None:
-            _stop(proc, folder, grace_s=10.0)
-    raise SystemExit(143)
+        if proc is not _WAITING[0] and proc.poll() is None:
+            _stop(proc, folder, grace_s=5.0)
+    raise Stopped(f"signal {signum}: the case's time cap")
 
 
 def start(ctx: Ctx, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
@@ -89,15 +98,22 @@ def run(ctx: Ctx, name: str, argv: list[str], cap_s: float, run_dir: Path | None
     else:
         log = ctx.work / f"cli-{name}"
     rec = {"argv": ["meshtron", *argv], "cap_s": cap_s}
+    stopped = None
+    _WAITING[0] = proc
     try:
         rec["exit_code"] = proc.wait(timeout=cap_s)
-    except subprocess.TimeoutExpired:
-        _stop(proc, run_dir)
+    except (subprocess.TimeoutExpired, Stopped) as exc:
+        _stop(proc, run_dir, grace_s=5.0 if isinstance(exc, Stopped) else 15.0)
         rec.update(exit_code=None, timed_out=True)
+        stopped = exc if isinstance(exc, Stopped) else None
+    finally:
+        _WAITING[0] = None
     rec["seconds"] = time.perf_counter() - t0
     rec["stderr_tail"] = _tail(Path(f"{log}.err"))
     rec["stdout_tail"] = _tail(Path(f"{log}.out"), 5)
     ctx.emit(**{name: rec})
+    if stopped is not None:
+        raise stopped
     if rec["exit_code"] != 0:
         raise RuntimeError(f"meshtron {argv[0]} exited {rec['exit_code']}: "
                            + " | ".join(rec["stderr_tail"][-3:]))

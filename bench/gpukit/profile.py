@@ -72,10 +72,29 @@ def summarize(rows: list[tuple[str, float, float, float]], wall_us: float,
     return out
 
 
+def rows_of(events, cuda: bool) -> list[tuple[str, float, float, float]]:
+    """(name, self_us, start_us, end_us) of the device kernels (CUDA) or CPU operators. On
+    CUDA the profiler also puts record_function ranges on the device timeline (user
+    annotations such as 'Optimizer.step#AdamW.step', spanning the kernels they launched):
+    those are left out, or every kernel inside would count twice."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for ev in events:
+        on_device = ev.device_type == DeviceType.CUDA
+        if on_device != cuda:
+            continue
+        if on_device and (getattr(ev, "is_user_annotation", False) or "#" in ev.name):
+            continue
+        tr = ev.time_range
+        dur = float(tr.end - tr.start) if on_device else float(ev.self_cpu_time_total)
+        rows.append((ev.name, dur, float(tr.start), float(tr.end)))
+    return rows
+
+
 def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
     """Profile `steps` calls of `step` (already warm) and summarize them."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -89,14 +108,7 @@ def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(dev)
         wall_us = (time.perf_counter() - t0) * 1e6
-    rows = []
-    for ev in prof.events():
-        on_device = ev.device_type == DeviceType.CUDA
-        if on_device != cuda:
-            continue
-        tr = ev.time_range
-        dur = float(tr.end - tr.start) if on_device else float(ev.self_cpu_time_total)
-        rows.append((ev.name, dur, float(tr.start), float(tr.end)))
+    rows = rows_of(prof.events(), cuda)
     if cuda and rows:  # the kernels' own span: the host's launch lead is not device idle
         wall_us = max(wall_us, max(r[3] for r in rows) - min(r[2] for r in rows))
     out = summarize(rows, wall_us, "cuda kernels" if cuda else "cpu ops (dry run)")
