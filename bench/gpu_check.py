@@ -3,6 +3,16 @@
     python3 bench/gpu_check.py --budget 480 --out $OUT/gpu_check.json   # one CUDA GPU
     python3 bench/gpu_check.py --dry-run --out /tmp/x.json               # every case on CPU
 
+On a lent GPU (the image has torch but not torchao / tomli_w: their wheels travel in the
+ignored `.whl/` folder, `carry: [".whl"]`; ../shared/notes/gpu-h200-facts.md), one call:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
+    python3 bench/gpu_check.py --budget 540 --out $OUT/gpu_check.json
+
+(the budget, plus at most 20 s to stop a case at its cap, fits a 600 s call; the cases that
+did not fit run in a second call with `--only NAME,...`).
+
 Every case runs in its own process (`--run-case NAME`, bench/gpukit/) with its own time cap,
 inside a total budget: a case that raises, crashes or runs out of time is recorded (exit code,
 the tail of its output, whatever it measured before) and the next one starts. The JSON is
