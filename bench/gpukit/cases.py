@@ -87,6 +87,8 @@ def run_engine(ctx: C.Ctx, key: str, spec, plan, clus, dev, est, profile: bool =
         finally:
             eng.release()
             del eng
+            if compiled:  # the next engine of this case compiles its own blocks afresh
+                torch._dynamo.reset()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     return out
