@@ -1,424 +1,304 @@
-"""GPU check kit: what one GPU says about meshtron's runtime, in one JSON file, in < 8 minutes.
+"""GPU check kit: what one lent GPU says about meshtron, in one JSON file, in one call.
 
-    python bench/gpu_check.py --out gpu_check.json     # one CUDA GPU
-    python bench/gpu_check.py --dry-run --out x.json   # the same code path on CPU, toy size
+    python3 bench/gpu_check.py --budget 480 --out $OUT/gpu_check.json   # one CUDA GPU
+    python3 bench/gpu_check.py --dry-run --out /tmp/x.json               # every case on CPU
 
-On one rank (a 1-rank process group: NCCL + gloo on CUDA, gloo on CPU), through the product's
-own path (`meshtron.train.parallel.ParallelEngine`: build_mesh + parallelize + build_optimizer,
-bf16 FSDP2 mixed precision, eager):
+On a lent GPU (the image has torch but not torchao / tomli_w: their wheels travel in the
+ignored `.whl/` folder, `carry: [".whl"]`; ../shared/notes/gpu-h200-facts.md), one call:
 
-1. model: a Llama-3-shaped model (llama3-8b's widths, 128k vocabulary) with as many layers as
-   the planner says fit the GPU at the chosen batch (planner search with tp = pp = dp = 1:
-   micro-batch and recomputation are its choice), so the GPU is full;
-2. throughput: median step time over the timed steps (CUDA-synchronised per step: a bench),
-   tokens/s, MFU = model FLOPs per token (`ModelSpec.flops_per_token`) x tokens/s / the
-   catalogue's dense bf16 peak, and the planner's predicted step time and tokens/s for the same
-   plan beside them (ratio measured / predicted);
-3. memory: `torch.cuda.max_memory_allocated` against the planner's `allocated`, and per
-   component the planner's breakdown (params, grads, optimizer exact per rank from
-   meshtron/planner/memory_ranks.py; gathered copies, activations, logits, workspace) with the
-   runtime's measured params/grads/optimizer bytes (memory_bytes) and the rest of the peak;
-4. checkpoint: `torch.distributed.checkpoint.save` (synchronous) vs `async_save` (time the
-   training thread is blocked, and time to completion) of the model's state (capped at
-   --ckpt-gib), on a gloo side group as async_save needs (shared notes);
-5. recorder: step time with meshtron's collective recorder installed vs not, alternating
-   steps (one rank: the hot-path cost of the installed kernels, not the per-collective cost);
-6. compile: the same plan with `--compile` (`compile_report`): compile seconds apart, compiled
-   vs eager step time and tokens/s, beside the planner's 'fused' / 'eager' ratio.
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
+    python3 bench/gpu_check.py --budget 540 --out $OUT/gpu_check.json
 
-`--dry-run` runs all of it on CPU with the tiny preset in seconds (tests/test_gpu_check.py).
+(the budget, plus at most 20 s to stop a case at its cap, fits a 600 s call; the cases that
+did not fit run in a second call with `--only NAME,...`).
+
+Every case runs in its own process (`--run-case NAME`, bench/gpukit/) with its own time cap,
+inside a total budget: a case that raises, crashes or runs out of time is recorded (exit code,
+the tail of its output, whatever it measured before) and the next one starts. The JSON is
+rewritten after every case, and each case rewrites its own part as it measures, so a call cut
+short keeps everything measured so far. Cases run most valuable first; one whose shortest
+useful run (its floor) no longer fits the remaining budget is recorded as skipped, and the
+others run with their cap trimmed to what is left.
+
+Cases (bench/gpukit/*.py say what each measures): env (torch, GPU, bf16 matmul ceiling), eager
+and compile (the largest Llama-3-8B-shaped model the planner fits, with the planner's step
+time, memory and MFU beside each figure, and a profiler window by category), fp8 (bf16 vs FP8
+compiled, half the layers), the CLI smoke (calibrate, plan, train, train --plan auto under
+torchrun, a MoE model, --compile, --dtype fp8, kill + --resume, export), checkpoint (sync vs
+async), hf (the same shape as a plain Hugging Face loop) and offload. The ratios the issue
+targets are computed here (`targets`).
+
+`--dry-run` runs every case on CPU at toy size (same processes, halving, plans and JSON;
+tests/test_gpu_check.py). The kit needs no `pip install`: cases run `python -m meshtron` with
+the checkout on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import importlib
 import json
 import os
-import statistics
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+FORMAT = "meshtron-gpu-check/2"
 
-GIB = 2**30
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _init(device, tmp: str):
-    """A 1-rank default group; returns it (NCCL for CUDA tensors, gloo for CPU ones)."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(os.path.join(tmp, "store"), 1)
-    if device.type == "cuda":
-        dist.init_process_group("cuda:nccl,cpu:gloo", store=store, rank=0, world_size=1,
-                                device_id=device)
-    else:
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-
-
-def choose_model(cluster, dry_run: bool, seq_len: int, global_batch: int):
-    """(ModelSpec, planner Estimate): the largest layer count of the Llama-3 shape that the
-    planner fits on one device of `cluster` (dry run: the tiny preset)."""
-    import dataclasses
-
-    from meshtron.model import preset
-    from meshtron.planner.search import search_plans
-
-    fixed = {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "dtype": "bf16"}
-    if dry_run:
-        spec = preset("tiny")
-        est = search_plans(spec, cluster, global_batch, seq_len, fixed, top_k=1,
-                           explain=False)
-        return spec, est.best or est.near_miss
-    base = preset("llama3-8b")
-    for layers in range(base.layers, 0, -2):
-        spec = dataclasses.replace(base, name=f"llama3-shape-{layers}l", layers=layers)
-        best = search_plans(spec, cluster, global_batch, seq_len, fixed, top_k=1,
-                            explain=False).best
-        if best is not None:
-            return spec, best
-    raise SystemExit("gpu_check: no Llama-3-shaped model fits this GPU")
+# (name, module:function, cap seconds, floor seconds), most valuable first. Caps are generous
+# (model init has cost 15-40 s per engine at 4-7B); the floor is the least time in which the
+# case can still say something.
+CASES = [
+    ("env", "cases:case_env", 90, 15),
+    ("eager", "cases:case_eager", 180, 60),
+    ("compile", "cases:case_compile", 200, 70),
+    ("fp8", "cases:case_fp8", 240, 90),
+    ("checkpoint", "cases:case_checkpoint", 120, 40),
+    ("cli_train", "cli_cases:case_cli_train", 60, 20),
+    ("cli_train_auto", "cli_cases:case_cli_train_auto", 90, 30),
+    ("cli_moe", "cli_cases:case_cli_moe", 60, 20),
+    ("cli_compile", "cli_cases:case_cli_compile", 120, 40),
+    ("cli_fp8", "cli_cases:case_cli_fp8", 90, 25),
+    ("cli_kill_resume", "cli_cases:case_cli_kill_resume", 150, 40),
+    ("cli_export", "cli_cases:case_cli_export", 60, 15),
+    ("cli_calibrate", "cli_cases:case_cli_calibrate", 120, 30),
+    ("cli_plan", "cli_cases:case_cli_plan", 30, 10),
+    ("hf", "hf_case:case_hf", 200, 60),
+    ("offload", "cases:case_offload", 180, 60),
+]
+TARGETS = {"compiled_over_eager_tokens_per_s": 1.10, "fp8_over_bf16_compiled_tokens_per_s": 1.3,
+           "mfu_bf16_compiled": 0.55}
+GRACE_S = 20.0  # SIGTERM to SIGKILL: a CLI case stops its torchrun ranks in between
 
 
-def _engine(spec, est, cluster, seq_len, global_batch, device):
-    from meshtron.config import config_from_dict
-    from meshtron.train.parallel import ParallelEngine
-
-    plan = est.to_plan(spec.name, cluster.name, 1, global_batch, seq_len, attention="flash")
-    model = {"preset": "llama3-8b", "layers": spec.layers} if spec.name.startswith(
-        "llama3-shape") else spec.name
-    cfg = config_from_dict({"model": model,
-                            "data": {"seq_len": seq_len, "global_batch": global_batch},
-                            "optim": {"warmup_steps": 0},
-                            "train": {"dtype": "bf16", "steps": 1000}})
-    return ParallelEngine(cfg, plan, device), plan, cfg
+def say(text: str) -> None:
+    print(text, flush=True)
 
 
-def _steps(engine, batch, device, n: int) -> list[float]:
-    times = []
-    x, y = batch
-    for _ in range(n):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = engine.train_step(x, y)
-        float(out.loss)  # the step's result on the host: the step is done
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+def _child_argv(args, name: str, case_out: Path, work: Path) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--run-case", name,
+            "--case-out", str(case_out), "--work", str(work), "--ckpt-gib", str(args.ckpt_gib)]
+    for flag in ("seq_len", "global_batch", "steps"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv + (["--dry-run"] if args.dry_run else [])
 
 
-def throughput(engine, spec, est, cluster, batch, device, warmup: int, steps: int):
-    _steps(engine, batch, device, warmup)
-    times = _steps(engine, batch, device, steps)
-    step = statistics.median(times)
-    tokens = batch[0].numel()
-    tps = tokens / step
-    flops = spec.flops_per_token(batch[0].shape[1])
-    return {"step_time_s": step, "step_times_s": times, "tokens_per_step": tokens,
-            "tokens_per_s": tps, "mfu": flops * tps / (cluster.peak_tflops * 1e12),
-            "model_tflops": flops * tps / 1e12,
-            "predicted_step_time_s": est.step_time_s,
-            "predicted_tokens_per_s": est.tokens_per_s, "predicted_mfu": est.mfu,
-            "measured_over_predicted_step_time": step / est.step_time_s}
+def _pump(stream, name: str, log: Path, tail: collections.deque) -> None:
+    """Copy the case's output to our stdout (prefixed, flushed) and to its log file."""
+    with open(log, "w") as f:
+        for line in stream:
+            f.write(line)
+            f.flush()
+            tail.append(line.rstrip("\n"))
+            say(f"  [{name}] {line.rstrip()}")
 
 
-def memory_report(engine, spec, plan, cluster, device):
-    from meshtron.planner.memory_ranks import predict_ranks
-
-    state, bd = predict_ranks(spec, plan, "bf16", cluster.memory_gib)[0]
-    measured = engine.memory_bytes()
-    planned = {k: getattr(bd, k) * GIB for k in ("params", "grads", "optimizer", "gathered",
-                                                   "activations", "in_flight", "recompute",
-                                                   "logits", "workspace")}
-    out = {"planned_bytes": planned, "planned_allocated_bytes": bd.allocated * GIB,
-           "planned_total_bytes": bd.total * GIB,
-           "measured_bytes": {k: measured[k] for k in ("params", "grads", "optimizer")}}
-    peak = measured.get("cuda_peak_allocated")
-    out["measured_peak_allocated_bytes"] = peak
-    # what the allocator holds beyond the states: gathered copies, activations, logits, ...
-    out["planned_rest_of_allocated_bytes"] = bd.allocated * GIB - sum(
-        planned[k] for k in ("params", "grads", "optimizer"))
-    if peak is not None:
-        out["measured_rest_of_peak_bytes"] = peak - measured["total"]
-        out["measured_over_planned_allocated"] = peak / (bd.allocated * GIB)
-    return out
-
-
-def checkpoint_report(engine, tmp: str, cap_gib: float):
-    """Synchronous DCP save vs async_save of the model state (first tensors up to cap_gib)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    state, size = {}, 0
-    for k, v in engine.pm.state_dict().items():
-        n = v.numel() * v.element_size()
-        if state and size + n > cap_gib * GIB:
-            break
-        state[k], size = v, size + n
-    side = dist.new_group(backend="gloo")  # async_save on the training group crashes (notes)
-    t0 = time.perf_counter()
-    dcp.save(state, checkpoint_id=os.path.join(tmp, "sync"))
-    sync_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    fut = dcp.async_save(state, checkpoint_id=os.path.join(tmp, "async"), process_group=side)
-    blocked_s = time.perf_counter() - t0
-    fut.result()
-    done_s = time.perf_counter() - t0
-    dist.destroy_process_group(side)
-    return {"bytes": size, "sync_save_s": sync_s, "async_blocking_s": blocked_s,
-            "async_total_s": done_s, "async_blocking_over_sync": blocked_s / sync_s}
-
-
-def recorder_report(engine, batch, device, pairs: int):
-    import torch.distributed as dist
-
-    from meshtron.doctor.recorder import CollectiveRecorder
-
-    off, on = [], []
-    for _ in range(pairs):
-        off += _steps(engine, batch, device, 1)
-        rec = CollectiveRecorder(dist.get_rank())
-        rec.install()
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 10.0)):
         try:
-            on += _steps(engine, batch, device, 1)
-        finally:
-            rec.uninstall()
-    return {"step_time_off_s": statistics.median(off), "step_time_on_s": statistics.median(on),
-            "on_over_off": statistics.median(on) / statistics.median(off)}
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
 
 
-def _case_engine(spec, plan, seq_len, global_batch, device, dtype="bf16", fp8_recipe=None):
-    """An engine for one case of the fp8 / offload checks: `spec` and `plan` as given, the run's
-    precision `dtype` (fp8: `fp8_recipe`)."""
-    from meshtron.config import config_from_dict
-    from meshtron.train.parallel import ParallelEngine
-
-    model = {"preset": "llama3-8b", "layers": spec.layers} if spec.name.startswith(
-        "llama3-shape") else spec.name
-    train = {"dtype": dtype, "steps": 1000}
-    if fp8_recipe is not None:
-        train["fp8_recipe"] = fp8_recipe
-    cfg = config_from_dict({"model": model,
-                            "data": {"seq_len": seq_len, "global_batch": global_batch},
-                            "optim": {"warmup_steps": 0}, "train": train})
-    return ParallelEngine(cfg, plan, device)
-
-
-def _case_spec(spec, dry_run: bool):
-    """The model of the fp8 / offload cases: half the layers of the one that fills the GPU in
-    bf16 (FP8's casts and an offloaded run's staging buffers need headroom), the whole toy
-    model on a dry run."""
-    import dataclasses
-
-    if dry_run or spec.layers <= 2:
-        return spec
-    layers = max(2, spec.layers // 2)
-    return dataclasses.replace(spec, name=f"llama3-shape-{layers}l", layers=layers)
-
-
-def _timed_case(engine, batch, device, warmup: int, steps: int) -> dict:
-    """Median step time, the losses of the timed steps and the CUDA allocator's peak."""
-    import torch
-
-    _steps(engine, batch, device, warmup)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    losses, times = [], []
-    x, y = batch
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = engine.train_step(x, y)
-        losses.append(float(out.loss))
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    return {"step_time_s": step, "tokens_per_s": x.numel() / step, "losses": losses,
-            "peak_allocated_bytes": (torch.cuda.max_memory_allocated(device)
-                                     if device.type == "cuda" else None)}
-
-
-def _predicted(spec, cluster, plan, global_batch, seq_len):
-    """The planner's estimate of `plan` exactly as given, or None where it cannot price it
-    (a CPU cluster has no FP8 peak)."""
-    from meshtron.errors import UserError
-    from meshtron.planner.estimate import Evaluator
-
+def run_one(args, name: str, cap: float, work: Path, logs: Path) -> dict:
+    """Run case `name` in its own process, at most `cap` seconds; its record."""
+    case_out = work / f"{name}.json"
+    tail: collections.deque = collections.deque(maxlen=40)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    if args.dry_run:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(_child_argv(args, name, case_out, work), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=work,
+                            start_new_session=True)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, name, logs / f"{name}.log", tail),
+                            daemon=True)
+    pump.start()
+    rec: dict = {"cap_s": round(cap, 1)}
     try:
-        return Evaluator(spec, cluster, global_batch, seq_len).evaluate(plan,
-                                                                       keep_infeasible=True)
-    except UserError:
-        return None
+        rec["exit_code"] = proc.wait(timeout=cap)
+        rec["status"] = "ok" if rec["exit_code"] == 0 else "error"
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        rec.update(status="timeout", exit_code=proc.returncode)
+    pump.join(timeout=5)
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    try:
+        rec["result"] = json.loads(case_out.read_text())
+    except (OSError, ValueError):
+        rec["result"] = {}
+    if rec["status"] == "ok" and "skipped" in rec["result"]:
+        rec.update(status="skipped", reason=rec["result"]["skipped"])
+    if rec["status"] != "ok":
+        rec["output_tail"] = list(tail)[-25:]
+    return rec
 
 
-def fp8_report(spec, plan, cluster, batch, device, seq_len, global_batch, dry_run: bool,
-               warmup: int, steps: int) -> dict:
-    """bf16 vs FP8 (rowwise) on the same model, plan, seed and batch: step time, tokens/s,
-    the loss delta over the timed steps, and the planner's predicted speed-up. On CPU FP8 is
-    torchao's emulation (numerics only: its step time says nothing about a GPU)."""
-    import dataclasses
+def _get(report: dict, case: str, *keys):
+    rec = report["cases"].get(case) or {}
+    x = rec.get("result", {})
+    for k in keys:
+        if not isinstance(x, dict) or k not in x:
+            return None
+        x = x[k]
+    return x
 
-    spec = _case_spec(spec, dry_run)
-    out = {"model": spec.name, "layers": spec.layers, "emulated": device.type != "cuda"}
-    for dtype in ("bf16", "fp8"):
-        p = dataclasses.replace(plan, dtype=dtype, fp8_recipe="rowwise")
-        eng = _case_engine(spec, p, seq_len, global_batch, device, dtype,
-                           "rowwise" if dtype == "fp8" else None)
-        if dtype == "fp8":  # what the shared rule converted (planner/fp8.py fp8_linear)
-            out["fp8_linears"] = sum(1 for part in eng.pm.model_parts for m in part.modules()
-                                     if type(m).__name__ == "Float8Linear")
-        out[dtype] = _timed_case(eng, batch, device, warmup, steps)
-        est = _predicted(spec, cluster, p, global_batch, seq_len)
-        out[dtype]["predicted_step_time_s"] = est.step_time_s if est is not None else None
-        eng.release()
-    b, f = out["bf16"], out["fp8"]
-    out["fp8_over_bf16_tokens_per_s"] = f["tokens_per_s"] / b["tokens_per_s"]
-    out["loss_delta_mean"] = statistics.mean(x - y for x, y in zip(f["losses"], b["losses"]))
-    out["loss_delta_max_abs"] = max(abs(x - y) for x, y in zip(f["losses"], b["losses"]))
-    if b["predicted_step_time_s"] and f["predicted_step_time_s"]:
-        out["predicted_fp8_over_bf16_tokens_per_s"] = (b["predicted_step_time_s"]
-                                                       / f["predicted_step_time_s"])
+
+def targets(report: dict) -> dict:
+    """The issue's targets, from whatever cases have finished."""
+    eager, comp = _get(report, "eager", "run", "tokens_per_s"), _get(report, "compile", "run",
+                                                                       "tokens_per_s")
+    same = all(_get(report, "eager", "run", k) == _get(report, "compile", "run", k)
+               for k in ("model", "plan"))  # an OOM fallback in one of them: no ratio
+    values = {"compiled_over_eager_tokens_per_s": comp / eager if eager and comp and same
+              else None,
+              "fp8_over_bf16_compiled_tokens_per_s": _get(report, "fp8",
+                                                          "fp8_over_bf16_tokens_per_s"),
+              "mfu_bf16_compiled": _get(report, "compile", "run", "mfu")}
+    out = {k: {"value": v, "target": TARGETS[k], "met": None if v is None else v >= TARGETS[k]}
+           for k, v in values.items()}
+    out["meshtron_over_hf_tokens_per_s"] = {"value": _get(report, "hf",
+                                                          "meshtron_over_hf_tokens_per_s")}
+    cli = {n: r["status"] for n, r in report["cases"].items() if n.startswith("cli_")}
+    out["cli_smoke"] = {"all_ok": bool(cli) and all(s == "ok" for s in cli.values()), **cli}
     return out
 
 
-def offload_report(spec, plan, cluster, batch, device, seq_len, global_batch, dry_run: bool,
-                   warmup: int, steps: int) -> dict:
-    """FSDP2 CPU offload (offload='full', ZeRO-3) vs the same plan on the device: step time,
-    the allocator's peak against the planner's `allocated` for each, the planner's host-link
-    and host-optimizer time, and whether the losses agree (offload moves tensors only)."""
-    import dataclasses
-
-    spec = _case_spec(spec, dry_run)
-    out = {"model": spec.name, "layers": spec.layers}
-    for name, off in (("device", "none"), ("offloaded", "full")):
-        p = dataclasses.replace(plan, zero=3, offload=off)
-        eng = _case_engine(spec, p, seq_len, global_batch, device)
-        out[name] = _timed_case(eng, batch, device, warmup, steps)
-        eng.release()
-        est = _predicted(spec, cluster, p, global_batch, seq_len)
-        out[name]["predicted_step_time_s"] = est.step_time_s
-        out[name]["predicted_allocated_bytes"] = est.memory.allocated * GIB
-        out[name]["predicted_host_bytes_per_node"] = est.memory.host * GIB
-        out[name]["predicted_offload_s"] = est.time.offload
-        peak = out[name]["peak_allocated_bytes"]
-        out[name]["measured_over_predicted_peak"] = (
-            peak / (est.memory.allocated * GIB) if peak is not None else None)
-    d, o = out["device"], out["offloaded"]
-    out["offloaded_over_device_step_time"] = o["step_time_s"] / d["step_time_s"]
-    out["predicted_offloaded_over_device_step_time"] = (o["predicted_step_time_s"]
-                                                        / d["predicted_step_time_s"])
-    out["loss_max_abs_diff"] = max(abs(x - y) for x, y in zip(o["losses"], d["losses"]))
-    return out
-def compile_report(spec, plan, cfg, cluster, device, batch, eager: dict, dry_run: bool,
-                   steps: int):
-    """`--compile` (per-block torch.compile, meshtron/parallel/compile.py) on the same plan:
-    compile seconds (torch's counters) apart from the timed steps, compiled vs eager step
-    time and tokens/s, and the planner's predicted ratio ('fused' vs 'eager' stack). Dry run:
-    the aot_eager backend (the same tracing without inductor's CPU code generation)."""
-    import contextlib
-    import dataclasses
-
-    from meshtron.parallel.compile import compile_backend, compile_seconds
-    from meshtron.planner.search import evaluate_plan
-    from meshtron.train.parallel import ParallelEngine
-
-    plan = dataclasses.replace(plan, compile=True)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
-    c0 = compile_seconds()
-    with compile_backend("aot_eager") if dry_run else contextlib.nullcontext():
-        engine = ParallelEngine(cfg, plan, device)
-        first = _steps(engine, batch, device, 2)  # forward and backward graphs compile here
-    compile_s = compile_seconds() - c0
-    times = _steps(engine, batch, device, steps)
-    engine.release()
-    step = statistics.median(times)
-    predicted = evaluate_plan(spec, cluster, plan.global_batch, plan.seq_len, plan).step_time_s
-    return {"compile_time_s": compile_s, "first_steps_s": first, "step_time_s": step,
-            "step_times_s": times, "tokens_per_s": batch[0].numel() / step,
-            "eager_step_time_s": eager["step_time_s"],
-            "compiled_over_eager_step_time": step / eager["step_time_s"],
-            "predicted_step_time_s": predicted,
-            "predicted_compiled_over_eager": predicted / eager["predicted_step_time_s"],
-            "backend": "aot_eager" if dry_run else "inductor"}
+def write(report: dict, out: Path) -> None:
+    report["targets"] = targets(report)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, out)
 
 
-def run(out_path: str, dry_run: bool, seq_len: int | None, global_batch: int | None,
-        steps: int | None, ckpt_gib: float) -> dict:
-    import torch
+def _headline(rec: dict) -> str:
+    r = rec.get("result", {})
+    run = r.get("run") or {}
+    if "tokens_per_s" in run:
+        return f"{run['tokens_per_s']:.0f} tokens/s, MFU {run['mfu']:.1%}"
+    if "matmul" in r:
+        return f"matmul {r['matmul']['tflops']:.1f} TFLOP/s on {r.get('device')}"
+    for key in ("fp8_over_bf16_tokens_per_s", "meshtron_over_hf_tokens_per_s",
+                "offloaded_over_device_step_time", "async_blocking_over_sync"):
+        if r.get(key) is not None:
+            return f"{key} {r[key]:.3f}"
+    cmds = [f"{k}: exit {v['exit_code']} in {v['seconds']:.1f} s" for k, v in r.items()
+            if isinstance(v, dict) and "argv" in v]
+    if cmds and rec["status"] == "ok":
+        return "; ".join(cmds)
+    return rec.get("reason", "") or (rec.get("output_tail") or [""])[-1][:160]
 
-    from meshtron.calibrate.device import device_cluster
-    from meshtron.train.planning import local_cluster
 
-    if not dry_run and not torch.cuda.is_available():
-        raise SystemExit("gpu_check: no CUDA device (use --dry-run on CPU)")
-    device = torch.device("cuda", 0) if not dry_run else torch.device("cpu")
-    if dry_run:
-        torch.set_num_threads(1)  # a toy model: more threads only contend (shared notes)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    seq_len = seq_len or (32 if dry_run else 4096)
-    global_batch = global_batch or (2 if dry_run else 8)
-    steps = steps or (1 if dry_run else 8)
-    t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="meshtron-gpu-check-") as tmp:
-        _init(device, tmp)
-        cluster = local_cluster(1, None) if dry_run else device_cluster(1)
-        spec, est = choose_model(cluster, dry_run, seq_len, global_batch)
-        engine, plan, cfg = _engine(spec, est, cluster, seq_len, global_batch, device)
-        g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, spec.vocab, (global_batch, seq_len + 1), generator=g)
-        batch = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
-        report = {
-            "format": "meshtron-gpu-check/1", "dry_run": dry_run, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "cluster": cluster.name, "peak_tflops": cluster.peak_tflops,
-            "memory_gib": cluster.memory_gib,
-            "model": {"name": spec.name, "layers": spec.layers, "hidden": spec.hidden,
-                      "params": spec.num_params()},
-            "plan": plan.describe(), "seq_len": seq_len, "global_batch": global_batch}
-        report["throughput"] = throughput(engine, spec, est, cluster, batch, device,
-                                          warmup=0 if dry_run else 2, steps=steps)
-        report["memory"] = memory_report(engine, spec, plan, cluster, device)
-        report["recorder"] = recorder_report(engine, batch, device, 1 if dry_run else 4)
-        report["checkpoint"] = checkpoint_report(engine, tmp, ckpt_gib)
-        engine.release()
-        case = (spec, plan, cluster, batch, device, seq_len, global_batch, dry_run,
-                0 if dry_run else 2, 2 if dry_run else steps)
-        report["fp8"] = fp8_report(*case)
-        report["offload"] = offload_report(*case)
-        report["compile"] = compile_report(spec, plan, cfg, cluster, device, batch,
-                                           report["throughput"], dry_run, steps)
-        torch.distributed.destroy_process_group()
-    report["wall_s"] = time.perf_counter() - t_start
-    Path(out_path).write_text(json.dumps(report, indent=2, default=float) + "\n")
+def drive(args) -> dict:
+    out = Path(args.out or os.path.join(os.environ.get("OUT", ""), "gpu_check.json"))
+    if not args.out and not os.environ.get("OUT"):
+        raise SystemExit("gpu_check: --out FILE (or $OUT) is needed")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logs = out.with_name(out.stem + "_logs")
+    logs.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="meshtron-gpu-check-"))
+    chosen = [c for c in CASES if (not args.only or c[0] in args.only.split(","))]
+    report = {"format": FORMAT, "dry_run": args.dry_run, "budget_s": args.budget,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "order": [c[0] for c in chosen], "cases": {}}
+    t0 = time.perf_counter()
+    try:
+        for name, _, cap, floor in chosen:
+            scale = 3 if args.dry_run else 1  # a shared 2-core CI box, not a GPU node
+            cap = args.caps.get(name, cap * scale)
+            floor = min(floor * scale, cap)
+            left = args.budget - (time.perf_counter() - t0)
+            if left < floor:
+                rec = {"status": "skipped", "reason": f"{left:.0f} s of the budget left, the "
+                       f"case needs at least {floor} s (cap {cap} s)"}
+            else:
+                say(f"[{time.perf_counter() - t0:6.1f} s] {name}: start (cap "
+                    f"{min(cap, left):.0f} s, {left:.0f} s of the budget left)")
+                rec = run_one(args, name, min(cap, left), work, logs)
+            report["cases"][name] = rec
+            report["wall_s"] = round(time.perf_counter() - t0, 2)
+            write(report, out)
+            say(f"[{time.perf_counter() - t0:6.1f} s] {name}: {rec['status']} "
+                f"{rec.get('seconds', 0):.1f} s  {_headline(rec)}")
+    finally:
+        if not args.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+    say(f"wrote {out}: " + ", ".join(f"{n} {r['status']}" for n, r in report["cases"].items()))
+    rest = [n for n, r in report["cases"].items() if r["status"] != "ok"]
+    if "cli_export" in rest and "cli_kill_resume" not in rest:  # exports that run's folder
+        rest.insert(rest.index("cli_export"), "cli_kill_resume")
+    if rest:
+        say(f"to run what did not pass, in another call: --only {','.join(rest)}")
+    say("targets: " + json.dumps(report["targets"], default=str))
     return report
+
+
+def run_case(args) -> int:
+    """Inside a case's process: run it, its result in --case-out."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the gpukit package
+    from gpukit.common import Ctx
+
+    spec = dict((n, f) for n, f, *_ in CASES)[args.run_case]
+    module, fn = spec.split(":")
+    ctx = Ctx(dry_run=args.dry_run, seq_len=args.seq_len or (32 if args.dry_run else 4096),
+              global_batch=args.global_batch or (2 if args.dry_run else 8),
+              steps=args.steps or (2 if args.dry_run else 4), work=Path(args.work),
+              out=Path(args.case_out), ckpt_gib=args.ckpt_gib)
+    mod = importlib.import_module(f"gpukit.{module}")
+    if hasattr(mod, "on_sigterm"):
+        signal.signal(signal.SIGTERM, mod.on_sigterm)
+    getattr(mod, fn)(ctx)
+    ctx.emit(done=True)
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model: the same code path")
+    ap.add_argument("--out", help="JSON file to write (default $OUT/gpu_check.json)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, toy size: every case")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for all cases")
+    ap.add_argument("--only", help="comma-separated case names (default: all, in order)")
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--global-batch", type=int)
-    ap.add_argument("--steps", type=int, help="timed steps")
-    ap.add_argument("--ckpt-gib", type=float, default=2.0,
-                    help="model state saved by the checkpoint check, GiB at most")
+    ap.add_argument("--steps", type=int, help="timed steps per engine")
+    ap.add_argument("--ckpt-gib", type=float, default=3.0,
+                    help="model + optimizer state of the checkpoint case, GiB")
+    ap.add_argument("--caps", help="override caps, e.g. fp8=300,hf=120 (seconds)")
+    ap.add_argument("--keep-work", action="store_true", help="keep the cases' work folder")
+    ap.add_argument("--run-case", help=argparse.SUPPRESS)
+    ap.add_argument("--case-out", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    r = run(args.out, args.dry_run, args.seq_len, args.global_batch, args.steps, args.ckpt_gib)
-    t = r["throughput"]
-    print(f"{r['device']}: {r['model']['name']} ({r['model']['params'] / 1e9:.2f}B) "
-          f"{r['plan']}: {t['tokens_per_s']:.0f} tokens/s, MFU {t['mfu']:.1%} "
-          f"(predicted {t['predicted_mfu']:.1%}), step {t['step_time_s']:.3f} s "
-          f"vs predicted {t['predicted_step_time_s']:.3f} s; wrote {args.out}")
+    if args.only:
+        unknown = set(args.only.split(",")) - {c[0] for c in CASES}
+        if unknown:
+            ap.error(f"--only={args.only}: unknown {sorted(unknown)}; allowed "
+                     f"{', '.join(c[0] for c in CASES)}")
+    try:
+        args.caps = {k: float(v) for k, v in (x.split("=") for x in (args.caps or "").split(",")
+                                               if x)}
+    except ValueError:
+        ap.error(f"--caps={args.caps}: expected NAME=SECONDS[,NAME=SECONDS...]")
+    if set(args.caps) - {c[0] for c in CASES}:
+        ap.error(f"--caps: unknown case in {sorted(args.caps)}")
+    if args.run_case:
+        return run_case(args)
+    drive(args)
     return 0
 
 

@@ -1,5 +1,8 @@
-"""bench/gpu_check.py --dry-run: the GPU check kit's whole code path on CPU at toy size (the
-real run needs one CUDA GPU; this keeps it from rotting)."""
+"""bench/gpu_check.py: the GPU kit. `--dry-run` runs every case on CPU at toy size, each in its
+own process, through the same code (halving, plans built for the shape run, subprocesses, the
+JSON rewritten after every case), so the one call on a lent GPU does not find the kit's own
+bugs. Also: a case that fails, runs out of time or no longer fits the budget is recorded and
+never stops the others."""
 
 from __future__ import annotations
 
@@ -9,38 +12,170 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+KIT = ROOT / "bench" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_check import CASES  # noqa: E402
+from gpukit.profile import busy_us, category, rows_of, summarize  # noqa: E402
 
 
-def test_gpu_check_dry_run_writes_its_json(tmp_path):
+def _kit(tmp_path, *argv, timeout=1500):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, str(KIT), "--dry-run", "--out", str(out), *argv],
+                          capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    proc, out = _kit(tmp_path_factory.mktemp("gpu-kit"), "--budget", "1200")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), out
+
+
+def _ok(report, name):
+    rec = report["cases"][name]
+    assert rec["status"] == "ok", (name, rec.get("output_tail"))
+    return rec["result"]
+
+
+def test_every_case_runs_on_cpu(dry_run):
+    r, out = dry_run
+    assert r["format"] == "meshtron-gpu-check/2" and r["dry_run"] is True
+    assert r["order"] == [c[0] for c in CASES]
+    bad = {n: (c["status"], c.get("output_tail", [])[-5:]) for n, c in r["cases"].items()
+           if c["status"] != "ok"}
+    assert not bad, bad
+    assert all(c["result"].get("done") for c in r["cases"].values())
+    logs = out.with_name("gpu_check_logs")
+    assert {p.stem for p in logs.iterdir()} == {c[0] for c in CASES}
+
+
+def test_throughput_cases_put_the_planner_beside_the_measurement(dry_run):
+    r, _ = dry_run
+    env = _ok(r, "env")
+    assert env["matmul"]["tflops"] > 0 and env["device"] == "cpu"
+    for name in ("eager", "compile"):
+        run = _ok(r, name)["run"]
+        assert run["tokens_per_s"] > 0 and run["mfu"] > 0 and len(run["step_times_s"]) == 2
+        assert run["predicted"]["step_time_s"] > 0 and run["predicted"]["allocated_bytes"] > 0
+        assert run["measured_over_predicted_step_time"] > 0
+        m = run["memory"]  # the planner's exact per-rank states are what the runtime holds
+        for k in ("params", "grads", "optimizer"):
+            assert m["measured_bytes"][k] == m["planned_bytes"][k] > 0, (name, k)
+        prof = run["profile"]
+        assert prof["source"] == "cpu ops (dry run)" and prof["window_us"] > 0
+        assert prof["us"]["gemm"] > 0 and prof["us"]["optimizer"] > 0
+        assert prof["us"]["idle"] >= 0 and prof["top"]
+    c = _ok(r, "compile")
+    assert c["backend"] == "aot_eager" and c["run"]["compiled"] and c["run"]["compile_time_s"] > 0
+    assert c["predicted_compiled_over_eager_tokens_per_s"] > 0
+    t = r["targets"]
+    assert t["compiled_over_eager_tokens_per_s"]["value"] == pytest.approx(
+        c["run"]["tokens_per_s"] / _ok(r, "eager")["run"]["tokens_per_s"])
+    assert t["mfu_bf16_compiled"]["value"] == c["run"]["mfu"]
+    assert t["fp8_over_bf16_compiled_tokens_per_s"]["target"] == 1.3
+
+
+def test_halved_cases_run_plans_built_for_their_own_shape(dry_run):
+    """The old kit passed the full model's plan to the halved model (stage_layers mismatch)."""
+    r, _ = dry_run
+    full = _ok(r, "eager")["largest_fit_layers"]
+    assert full == 4  # tiny fits whole on the nominal CPU cluster
+    f = _ok(r, "fp8")
+    assert f["model"]["layers"] == full // 2 and f["stage_layers"] == [full // 2]
+    assert "cpu dry-run" in f["note"]
+    assert f["bf16"]["compiled"] and f["fp8"]["compiled"] and f["fp8"]["dtype"] == "fp8"
+    assert f["fp8"]["predicted"] is None  # no FP8 peak on a CPU cluster
+    assert 0 < f["loss_delta_max_abs"] < 0.05  # e4m3 rounding over two steps
+    o = _ok(r, "offload")
+    assert o["model"]["layers"] == max(1, full // 8)
+    assert o["loss_max_abs_diff"] <= 1e-6  # offload moves tensors, it changes no number
+    assert o["offloaded"]["predicted"]["allocated_bytes"] < \
+        o["device"]["predicted"]["allocated_bytes"]
+    assert o["predicted_host_bytes"] > 0
+    h = _ok(r, "hf")
+    assert h["model"]["layers"] == full // 2 and h["recompute"] == "full"
+    assert h["hf"]["params"] == h["model"]["params"]  # the same architecture, HF's code
+    assert h["hf"]["tokens_per_s"] > 0 and h["meshtron_over_hf_tokens_per_s"] > 0
+    assert h["hf"]["profile"]["us"]["gemm"] > 0
+
+
+def test_checkpoint_and_cli_smoke(dry_run):
+    r, _ = dry_run
+    c = _ok(r, "checkpoint")
+    assert c["bytes"] > 0 and c["blocking_s"]["sync"][0] > 0 and c["commit_s"]["async"][0] > 0
+    for name in [n for n, *_ in CASES if n.startswith("cli_")]:
+        res = _ok(r, name)
+        for rec in (v for v in res.values() if isinstance(v, dict) and "argv" in v):
+            assert rec["exit_code"] == 0 and rec["argv"][0] == "meshtron", (name, rec)
+    k = _ok(r, "cli_kill_resume")
+    assert k["killed"] and k["killed_after"] and "resumed from" in k["resumed_line"]
+    assert "config.json" in _ok(r, "cli_export")["files"]
+    assert _ok(r, "cli_train_auto")["train_auto"]["argv"][-3:-1] == ["auto", "--run-dir"]
+    assert r["targets"]["cli_smoke"]["all_ok"] is True
+
+
+def test_failures_timeouts_and_the_budget_are_recorded_not_fatal(tmp_path):
+    # env gets 1 s: torch does not even import; eager needs 3 x 60 s (dry run) of a 100 s
+    # budget: skipped; cli_train is stopped at 8 s, its command's record kept; cli_export
+    # alone has no run to export: it raises. The kit still exits 0 with its JSON.
+    proc, out = _kit(tmp_path, "--only", "cli_export,env,eager,cli_train", "--caps",
+                     "env=1,cli_train=8", "--budget", "100", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
-    assert r["dry_run"] is True and r["format"] == "meshtron-gpu-check/1"
-    t = r["throughput"]
-    assert t["tokens_per_step"] == r["global_batch"] * r["seq_len"]
-    assert t["tokens_per_s"] > 0 and 0 < t["mfu"] and t["predicted_step_time_s"] > 0
-    # the planner's exact per-rank states are what the runtime holds
-    m = r["memory"]
-    for k in ("params", "grads", "optimizer"):
-        assert m["measured_bytes"][k] == m["planned_bytes"][k] > 0, k
-    assert m["measured_peak_allocated_bytes"] is None  # CPU: no allocator peak
-    c = r["checkpoint"]
-    assert c["bytes"] > 0 and c["sync_save_s"] > 0 and c["async_total_s"] >= c["async_blocking_s"]
-    assert r["recorder"]["step_time_on_s"] > 0 and r["recorder"]["step_time_off_s"] > 0
-    # fp8: the tiny model's 4 blocks x 7 Linears in emulated FP8 next to bf16, same batches
-    f = r["fp8"]
-    assert f["emulated"] is True and f["fp8_linears"] == 28
-    assert f["bf16"]["step_time_s"] > 0 and f["fp8"]["step_time_s"] > 0
-    assert 0 < f["loss_delta_max_abs"] < 0.05  # e4m3 rounding, two steps (test_fp8_numerics)
-    # offload: FSDP2 CPU offload moves tensors, so the losses are the same; the planner's
-    # device memory drops by the offloaded states and reappears as host memory
-    o = r["offload"]
-    assert o["loss_max_abs_diff"] <= 1e-6
-    assert o["offloaded"]["predicted_allocated_bytes"] < o["device"]["predicted_allocated_bytes"]
-    assert o["offloaded"]["predicted_host_bytes_per_node"] > 0
-    assert o["device"]["predicted_host_bytes_per_node"] == 0
-    assert r["compile"]["compile_time_s"] > 0 and r["compile"]["step_time_s"] > 0
+    e = r["cases"]["cli_export"]
+    assert e["status"] == "error" and e["exit_code"] == 1
+    assert any("no run with a committed checkpoint" in x for x in e["output_tail"])
+    assert r["cases"]["env"]["status"] == "timeout" and r["cases"]["env"]["seconds"] < 30
+    assert r["cases"]["eager"]["status"] == "skipped" and "budget" in r["cases"]["eager"]["reason"]
+    t = r["cases"]["cli_train"]
+    assert t["status"] == "timeout" and t["result"]["train"]["timed_out"] is True
+    assert t["result"]["train"]["argv"][:2] == ["meshtron", "train"]
+    assert r["targets"]["cli_smoke"]["all_ok"] is False
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    proc, _ = _kit(tmp_path, "--only", "nope", timeout=60)
+    assert proc.returncode == 2 and "unknown ['nope']" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_profile_categories():
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert category("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    assert category("flash_fwd_kernel") == "attention"
+    assert category("ncclDevKernel_AllGather_RING_LL") == "communication"
+    assert category("Memcpy HtoD (Pinned -> Device)") == "copies"
+    assert category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == \
+        "optimizer"
+    assert category("triton_poi_fused_add_mul_silu_0") == "elementwise"
+    assert category("aten::mm") == "gemm" and category("aten::add_") == "elementwise"
+    # overlapping kernels on two streams count once; the gap is idle
+    assert busy_us([(0, 10), (5, 12), (20, 25)]) == 17
+    s = summarize([("ncclKernel", 7, 5, 12), ("gemm_a", 10, 0, 10), ("relu", 5, 20, 25)],
+                  30, "cuda kernels")
+    assert s["busy_us"] == 17 and s["idle_us"] == 13 and s["us"]["communication"] == 7
+    assert s["share"]["idle"] == pytest.approx(13 / 30)
+
+
+def test_profile_rows_leave_out_the_annotation_ranges_on_the_device():
+    """On CUDA (torch 2.11, H200) the profiler puts 'Optimizer.step#AdamW.step' on the device
+    timeline around the optimizer's kernels: counted, it would double the optimizer time."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def ev(i, name, start, end, device, annotation=False):
+        return FunctionEvent(i, name, 0, start, end, device_type=device,
+                             is_user_annotation=annotation)
+
+    cuda = [ev(1, "Optimizer.step#AdamW.step", 0, 130, DeviceType.CUDA, annotation=True),
+            ev(2, "multi_tensor_apply_kernel", 10, 75, DeviceType.CUDA),
+            ev(3, "aten::mm", 0, 200, DeviceType.CPU)]
+    rows = rows_of(cuda, cuda=True)
+    assert [r[0] for r in rows] == ["multi_tensor_apply_kernel"] and rows[0][1] == 65
+    assert [r[0] for r in rows_of(cuda, cuda=False)] == ["aten::mm"]

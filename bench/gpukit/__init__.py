@@ -1,0 +1,9 @@
+"""The GPU check kit's cases (bench/gpu_check.py runs each in its own process).
+
+- common.py: the case context (device, 1-rank process group, sizes), the model shapes the
+  planner fits, plans built for the shape actually run, engines, timed steps;
+- profile.py: a short torch.profiler window -> GPU time by category;
+- cases.py: environment, eager / compiled throughput, FP8, offload, checkpoint;
+- hf_case.py: the same shape in a plain Hugging Face `LlamaForCausalLM` loop;
+- cli_cases.py: the `meshtron` command as a user runs it (exit code, last stderr lines).
+"""

@@ -1,0 +1,116 @@
+"""Where a step's GPU time goes: a short torch.profiler window, its device kernels put into
+categories (GEMM, attention, element-wise, optimizer, copies, communication) and the idle
+time (window wall time the device had no kernel running), so that one lent GPU tells the
+next optimisation where to look.
+
+On CPU (dry run) there are no device kernels: the same categories are applied to the CPU
+operators' self time, and the JSON says so (`source`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Callable, Iterable
+
+CATEGORIES = ("gemm", "attention", "elementwise", "optimizer", "copies", "communication")
+# First match wins, so the order matters: an NCCL kernel is communication whatever else its
+# name says; a flash-attention kernel is attention although it does GEMMs inside.
+_RULES = (
+    ("communication", re.compile(r"nccl|c10d::|gloo|all_?reduce|all_?gather|reduce_?scatter"
+                                 r"|broadcast|alltoall")),
+    ("copies", re.compile(r"^memcpy|^memset|aten::copy_|aten::_to_copy|aten::to$"
+                          r"|aten::contiguous|aten::clone")),
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|flex")),
+    ("optimizer", re.compile(r"adam|multi_tensor_apply|_foreach_|optimizer|lamb|sgd")),
+    ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm\d\d_|_mm\b|_mm_|::mm$|::bmm$"
+                        r"|::addmm$|::matmul$|scaled_mm|::linear$|triton_tem|wgmma|hgmma")),
+)
+
+
+def category(name: str) -> str:
+    """The category of a kernel or operator name; element-wise is the rest (triton pointwise
+    and reductions, norms, activations, casts inside kernels, softmax, loss)."""
+    low = name.lower()
+    for cat, rule in _RULES:
+        if rule.search(low):
+            return cat
+    return "elementwise"
+
+
+def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of (start, end) intervals (kernels on several
+    streams overlap: communication under compute counts once)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def summarize(rows: list[tuple[str, float, float, float]], wall_us: float,
+              source: str) -> dict[str, Any]:
+    """rows: (name, self_us, start_us, end_us). Per category: microseconds and share of the
+    window; the top kernels; idle = wall minus the union of busy intervals."""
+    by_cat = dict.fromkeys(CATEGORIES, 0.0)
+    by_name: dict[str, float] = {}
+    for name, self_us, _, _ in rows:
+        by_cat[category(name)] += self_us
+        by_name[name] = by_name.get(name, 0.0) + self_us
+    busy = busy_us((s, e) for _, _, s, e in rows) if source == "cuda kernels" else \
+        sum(by_cat.values())
+    idle = max(0.0, wall_us - busy)
+    out: dict[str, Any] = {"source": source, "window_us": wall_us, "busy_us": busy,
+                           "idle_us": idle, "us": {**by_cat, "idle": idle}}
+    out["share"] = {k: v / wall_us for k, v in out["us"].items()} if wall_us > 0 else {}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    out["top"] = [{"name": n[:120], "us": us, "category": category(n)} for n, us in top]
+    return out
+
+
+def rows_of(events, cuda: bool) -> list[tuple[str, float, float, float]]:
+    """(name, self_us, start_us, end_us) of the device kernels (CUDA) or CPU operators. On
+    CUDA the profiler also puts record_function ranges on the device timeline (user
+    annotations such as 'Optimizer.step#AdamW.step', spanning the kernels they launched):
+    those are left out, or every kernel inside would count twice."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for ev in events:
+        on_device = ev.device_type == DeviceType.CUDA
+        if on_device != cuda:
+            continue
+        if on_device and (getattr(ev, "is_user_annotation", False) or "#" in ev.name):
+            continue
+        tr = ev.time_range
+        dur = float(tr.end - tr.start) if on_device else float(ev.self_cpu_time_total)
+        rows.append((ev.name, dur, float(tr.start), float(tr.end)))
+    return rows
+
+
+def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
+    """Profile `steps` calls of `step` (already warm) and summarize them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(dev)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    rows = rows_of(prof.events(), cuda)
+    if cuda and rows:  # the kernels' own span: the host's launch lead is not device idle
+        wall_us = max(wall_us, max(r[3] for r in rows) - min(r[2] for r in rows))
+    out = summarize(rows, wall_us, "cuda kernels" if cuda else "cpu ops (dry run)")
+    out["steps"] = steps
+    return out
