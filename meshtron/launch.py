@@ -1,13 +1,16 @@
 """Where the ranks come from: torchrun on this machine, or an existing torchrun / Slurm world.
 
 `meshtron train --nproc N` starts torchrun (`torch.distributed.run`, through `python -m
-meshtron.launch --standalone --nproc-per-node N -m meshtron`: torchrun's own `parse_args` and
+meshtron.launch --standalone --nproc-per-node N -m meshtron`: torchrun's own argument parser and
 `run`, with its expected failures reported as one line per rank instead of the traceback of
 its ChildFailedError) with the ranks' command line in one environment variable
 (`MESHTRON_RANK_ARGV`, read only by `rank_argv`: torchrun's own argument parser would otherwise
-claim flags such as --nproc that it abbreviates). Inside an existing allocation (`torchrun ...
-meshtron train` on every node, or `srun meshtron train` with MASTER_ADDR/MASTER_PORT exported)
-the world is taken as it is. meshtron never implements its own launcher or transport.
+claim flags such as --nproc that it abbreviates). torchrun's flags are the ones the installed
+torchrun's parser knows (`torchrun_args`: 2.11 lacks --shutdown-timeout). torchrun and the
+ranks live exactly as long as the launcher (`bind_to_parent`; `launch_local` for how signals
+reach them). Inside an existing allocation (`torchrun ... meshtron train` on every node, or
+`srun meshtron train` with MASTER_ADDR/MASTER_PORT exported) the world is taken as it is.
+meshtron never implements its own launcher or transport.
 """
 
 from __future__ import annotations
@@ -173,14 +176,15 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
 
 
 def warn_unsupported(cmd: list[str], grace_s: float) -> None:
-    """One line when this torch's torchrun cannot give the ranks the grace period asked."""
+    """One line when this torch's torchrun cannot give the ranks the grace period asked
+    (without the flag it gives them a fixed 30 s, enough for the default --preempt-grace)."""
     if not any(a.startswith("--shutdown-timeout") for a in cmd) \
-            and grace_s + EXIT_MARGIN_S > TORCHRUN_SHUTDOWN_S:
+            and grace_s > TORCHRUN_SHUTDOWN_S:
         import torch
 
         print(f"meshtron: warning: torchrun of torch {torch.__version__} has no "
               f"--shutdown-timeout: after SIGTERM the ranks get its fixed "
-              f"{TORCHRUN_SHUTDOWN_S} s, not {math.ceil(grace_s + EXIT_MARGIN_S)} s",
+              f"{TORCHRUN_SHUTDOWN_S} s, less than the {grace_s:g} s asked (--preempt-grace)",
               file=sys.stderr, flush=True)
 
 

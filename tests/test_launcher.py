@@ -249,9 +249,16 @@ def test_a_flag_this_torchrun_lacks_is_left_out_and_said_once(capsys):
     argv = torchrun_args(2, 0, 30.0, parser=old)
     assert not any(a.startswith("--shutdown-timeout") for a in argv)
     assert old.parse_args(argv + ["-m", "meshtron"]).nproc_per_node == "2"
-    warn_unsupported(argv, 30.0)
+    warn_unsupported(argv, 30.0)  # the default --preempt-grace fits torchrun's fixed 30 s
+    assert capsys.readouterr().err == ""
+    warn_unsupported(argv, 45.0)
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "no --shutdown-timeout" in err and "40 s" in err
+    assert len(err.splitlines()) == 1 and "no --shutdown-timeout" in err and "45 s" in err
+    from torch.distributed.run import get_args_parser
+
+    warn_unsupported(torchrun_args(2, 0, 45.0), 45.0)  # this torch: whatever its torchrun has
+    said = "no --shutdown-timeout" in capsys.readouterr().err
+    assert said != accepts(get_args_parser(), "--shutdown-timeout=1")
 
 
 def test_a_torchrun_failure_before_any_rank_is_named_as_such(capfd):
