@@ -37,6 +37,8 @@ ARGV_ENV = "MESHTRON_RANK_ARGV"
 PARENT_ENV = "MESHTRON_PARENT_PID"
 """The pid a process started by `launch_local` must die with (`bind_to_parent`): the
 launcher's for torchrun's agent, the agent's for the ranks."""
+EXIT_INTERRUPTED = 130
+"""Stopped by SIGINT (128 + 2), as the shell reports a Ctrl-C."""
 EXIT_LAUNCHER = 3
 """torchrun's agent itself failed (not the ranks): its own line says why."""
 EXIT_MARGIN_S = 10.0
@@ -263,6 +265,24 @@ def bind_to_parent(parent_pid: int | None = None, use_prctl: bool = True) -> str
     return mode
 
 
+def leave_on_interrupt() -> None:
+    """A rank's SIGINT (the launcher's Ctrl-C, forwarded by torchrun): leave at once and
+    quietly, exit code 130; the launcher says "interrupted" once for all ranks. Not
+    KeyboardInterrupt: a rank blocked in a collective would unwind into "peer gone" errors
+    and tracebacks. Installed before torch is imported, so a Ctrl-C during start-up is quiet
+    too."""
+    signal.signal(signal.SIGINT, _leave)
+
+
+def _leave(signum, frame) -> None:
+    runtime = sys.modules.get("meshtron.runtime")  # imported: NCCL communicators to abort
+    if runtime is not None:
+        runtime.abort_rank(EXIT_INTERRUPTED)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
 def _arm_parent_death_signal() -> bool:
     if not sys.platform.startswith("linux"):
         return False
@@ -336,4 +356,7 @@ def torchrun_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(torchrun_main(sys.argv[1:]))
+    try:
+        sys.exit(torchrun_main(sys.argv[1:]))
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers: no rank started yet
+        sys.exit(EXIT_INTERRUPTED)
