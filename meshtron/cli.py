@@ -59,11 +59,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
-        from meshtron.launch import bind_to_parent, rank_argv
+        from meshtron.launch import bind_to_parent, leave_on_interrupt, rank_argv
 
         argv = rank_argv()
         if argv is not None:  # a rank `launch_local` started: it ends with torchrun's agent
             bind_to_parent()
+            leave_on_interrupt()
         argv = argv or sys.argv[1:]
     argv = list(argv)
     name = f"meshtron {argv[0]}" if argv and not argv[0].startswith("-") else "meshtron"

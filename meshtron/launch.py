@@ -1,13 +1,16 @@
 """Where the ranks come from: torchrun on this machine, or an existing torchrun / Slurm world.
 
 `meshtron train --nproc N` starts torchrun (`torch.distributed.run`, through `python -m
-meshtron.launch --standalone --nproc-per-node N -m meshtron`: torchrun's own `parse_args` and
+meshtron.launch --standalone --nproc-per-node N -m meshtron`: torchrun's own argument parser and
 `run`, with its expected failures reported as one line per rank instead of the traceback of
 its ChildFailedError) with the ranks' command line in one environment variable
 (`MESHTRON_RANK_ARGV`, read only by `rank_argv`: torchrun's own argument parser would otherwise
-claim flags such as --nproc that it abbreviates). Inside an existing allocation (`torchrun ...
-meshtron train` on every node, or `srun meshtron train` with MASTER_ADDR/MASTER_PORT exported)
-the world is taken as it is. meshtron never implements its own launcher or transport.
+claim flags such as --nproc that it abbreviates). torchrun's flags are the ones the installed
+torchrun's parser knows (`torchrun_args`: 2.11 lacks --shutdown-timeout). torchrun and the
+ranks live exactly as long as the launcher (`bind_to_parent`; `launch_local` for how signals
+reach them). Inside an existing allocation (`torchrun ... meshtron train` on every node, or
+`srun meshtron train` with MASTER_ADDR/MASTER_PORT exported) the world is taken as it is.
+meshtron never implements its own launcher or transport.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ ARGV_ENV = "MESHTRON_RANK_ARGV"
 PARENT_ENV = "MESHTRON_PARENT_PID"
 """The pid a process started by `launch_local` must die with (`bind_to_parent`): the
 launcher's for torchrun's agent, the agent's for the ranks."""
+EXIT_INTERRUPTED = 130
+"""Stopped by SIGINT (128 + 2), as the shell reports a Ctrl-C."""
 EXIT_LAUNCHER = 3
 """torchrun's agent itself failed (not the ranks): its own line says why."""
 EXIT_MARGIN_S = 10.0
@@ -173,14 +178,15 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
 
 
 def warn_unsupported(cmd: list[str], grace_s: float) -> None:
-    """One line when this torch's torchrun cannot give the ranks the grace period asked."""
+    """One line when this torch's torchrun cannot give the ranks the grace period asked
+    (without the flag it gives them a fixed 30 s, enough for the default --preempt-grace)."""
     if not any(a.startswith("--shutdown-timeout") for a in cmd) \
-            and grace_s + EXIT_MARGIN_S > TORCHRUN_SHUTDOWN_S:
+            and grace_s > TORCHRUN_SHUTDOWN_S:
         import torch
 
         print(f"meshtron: warning: torchrun of torch {torch.__version__} has no "
               f"--shutdown-timeout: after SIGTERM the ranks get its fixed "
-              f"{TORCHRUN_SHUTDOWN_S} s, not {math.ceil(grace_s + EXIT_MARGIN_S)} s",
+              f"{TORCHRUN_SHUTDOWN_S} s, less than the {grace_s:g} s asked (--preempt-grace)",
               file=sys.stderr, flush=True)
 
 
@@ -259,6 +265,24 @@ def bind_to_parent(parent_pid: int | None = None, use_prctl: bool = True) -> str
     return mode
 
 
+def leave_on_interrupt() -> None:
+    """A rank's SIGINT (the launcher's Ctrl-C, forwarded by torchrun): leave at once and
+    quietly, exit code 130; the launcher says "interrupted" once for all ranks. Not
+    KeyboardInterrupt: a rank blocked in a collective would unwind into "peer gone" errors
+    and tracebacks. Installed before torch is imported, so a Ctrl-C during start-up is quiet
+    too."""
+    signal.signal(signal.SIGINT, _leave)
+
+
+def _leave(signum, frame) -> None:
+    runtime = sys.modules.get("meshtron.runtime")  # imported: NCCL communicators to abort
+    if runtime is not None:
+        runtime.abort_rank(EXIT_INTERRUPTED)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
 def _arm_parent_death_signal() -> bool:
     if not sys.platform.startswith("linux"):
         return False
@@ -332,4 +356,7 @@ def torchrun_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(torchrun_main(sys.argv[1:]))
+    try:
+        sys.exit(torchrun_main(sys.argv[1:]))
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers: no rank started yet
+        sys.exit(EXIT_INTERRUPTED)

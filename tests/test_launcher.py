@@ -49,13 +49,20 @@ def _run_procs(run_dir: Path) -> set[int]:
     return found
 
 
-def _start_run(run_dir: Path) -> subprocess.Popen:
+def _start_run(run_dir: Path, until: str = "training") -> subprocess.Popen:
+    """The run, once it trains (a metrics record), or once its ranks exist ('starting')."""
     proc = subprocess.Popen([sys.executable, "-m", "meshtron", *TRAIN, "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), preexec_fn=_default_sigint)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().strip()):
+
+    def ready():
+        if until == "starting":
+            return len(_run_procs(run_dir)) == 3
+        return metrics.exists() and metrics.read_text().strip()
+
+    while not ready():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             out, err = proc.communicate()
@@ -107,11 +114,14 @@ def test_sigkill_of_the_launcher_ends_every_rank_and_the_folder_is_free(tmp_path
         _reap(procs | _run_procs(run_dir))
 
 
-def test_ctrl_c_on_two_ranks_is_one_line_and_exit_130(tmp_path):
+@pytest.mark.parametrize("moment", ["training", pytest.param("starting",
+                                                              marks=pytest.mark.slow)])
+def test_ctrl_c_on_two_ranks_is_one_line_and_exit_130(tmp_path, moment):
     """SIGINT to the launcher (a terminal's Ctrl-C) with two ranks reads as in one process:
-    "interrupted", exit code 130; no torchrun or rank lines, no rank left."""
+    "interrupted", exit code 130; no torchrun or rank lines, no rank left. While training, and
+    while the ranks still import torch (before any handler of torchrun's or ours)."""
     run_dir = tmp_path / "run"
-    proc = _start_run(run_dir)
+    proc = _start_run(run_dir, moment)
     procs = _run_procs(run_dir)
     try:
         proc.send_signal(signal.SIGINT)
@@ -249,9 +259,16 @@ def test_a_flag_this_torchrun_lacks_is_left_out_and_said_once(capsys):
     argv = torchrun_args(2, 0, 30.0, parser=old)
     assert not any(a.startswith("--shutdown-timeout") for a in argv)
     assert old.parse_args(argv + ["-m", "meshtron"]).nproc_per_node == "2"
-    warn_unsupported(argv, 30.0)
+    warn_unsupported(argv, 30.0)  # the default --preempt-grace fits torchrun's fixed 30 s
+    assert capsys.readouterr().err == ""
+    warn_unsupported(argv, 45.0)
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "no --shutdown-timeout" in err and "40 s" in err
+    assert len(err.splitlines()) == 1 and "no --shutdown-timeout" in err and "45 s" in err
+    from torch.distributed.run import get_args_parser
+
+    warn_unsupported(torchrun_args(2, 0, 45.0), 45.0)  # this torch: whatever its torchrun has
+    said = "no --shutdown-timeout" in capsys.readouterr().err
+    assert said != accepts(get_args_parser(), "--shutdown-timeout=1")
 
 
 def test_a_torchrun_failure_before_any_rank_is_named_as_such(capfd):

@@ -11,14 +11,13 @@ wait for the others at a barrier (torchrun then stops the rest).
 
 from __future__ import annotations
 
-import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
 from meshtron.errors import RunFailed, UserError
-from meshtron.launch import World
+from meshtron.launch import World, leave_on_interrupt
 from meshtron.train import run_lock
 from meshtron.train.job import ParallelRequest, TrainJob
 
@@ -30,7 +29,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     from meshtron.heal import phases
 
     phases.mark("rank_entry")  # interpreter up, the command line parsed
-    signal.signal(signal.SIGINT, _interrupted)
+    leave_on_interrupt()  # an outside torchrun's ranks too
     import torch  # noqa: F401 - here, so its import time is a phase of its own
 
     phases.mark("torch_imported")
@@ -112,15 +111,6 @@ def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
     return f"{type(exc).__name__}: {text[:120]}"
-
-
-def _interrupted(signum, frame) -> None:
-    """SIGINT (Ctrl-C; torchrun forwards it): leave at once and quietly, exit code 130; the
-    launcher says "interrupted" once for all ranks. Not KeyboardInterrupt: a rank blocked in
-    a collective would unwind into "peer gone" errors and tracebacks."""
-    from meshtron.runtime import abort_rank
-
-    abort_rank(130)
 
 
 def _attempt_store(job: TrainJob, world: World):
