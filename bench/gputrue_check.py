@@ -188,29 +188,29 @@ def cases(dry: bool, tmp: str) -> list[tuple[str, list[str], int]]:
     dev = "cpu" if dry else "cuda"
     mt = py + ["-m", "meshtron"]
     steps = "2" if dry else "20"
-    out = [
-        ("env", py + ["-c", ENV], 60),
-        ("init_llama3_8b", py + ["bench/init_speed.py", "--model", "debug" if dry else "llama3-8b",
-                                 "--cases", "full,fsdp8,tp8", "--device", dev], 150),
-        ("init_layouts", py + ["-c", f"DEVICE={dev!r}\n" + INIT_LAYOUT], 90),
-        ("train_debug_compile", mt + ["train", "--model", "debug", "--steps", steps, "--compile",
-                                      "--run-dir", f"{tmp}/debug", "--overwrite"], 240),
-        ("train_moe", mt + ["train", "--model", "tiny-moe-ds", "--steps", "2" if dry else "10",
-                            "--run-dir", f"{tmp}/moe", "--overwrite"], 150),
-        ("train_checkpoint", mt + ["train", "--model", "debug", "--steps", "4" if dry else "30",
-                                   "--checkpoint-every", "2" if dry else "10",
-                                   "--run-dir", f"{tmp}/ckpt", "--overwrite"], 150),
-        ("train_resume", mt + ["train", "--model", "debug", "--steps", "6" if dry else "40",
-                               "--checkpoint-every", "2" if dry else "10", "--resume",
-                               "--run-dir", f"{tmp}/ckpt"], 150),
-    ]
-    if not dry:
-        out += [("backend_nccl", py + ["-c", f"TMP={tmp!r}\n" + BACKEND], 90),
+    gpu_only = [("backend_nccl", py + ["-c", f"TMP={tmp!r}\n" + BACKEND], 90),
                 ("stager_order", py + ["-c", STAGER], 60),
                 ("rng_own_device", py + ["-c", RNG], 30),
                 ("recompute_grouped_mm", py + ["-c", RECOMPUTE], 60),
-                ("cp_block_mask", py + ["-c", CP_MASK], 240)]
-    out.append(("cpu_tests", py + ["-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                ("cp_block_mask", py + ["-c", CP_MASK], 180)]
+    out = [
+        ("env", py + ["-c", ENV], 60),
+        ("init_layouts", py + ["-c", f"DEVICE={dev!r}\n" + INIT_LAYOUT], 90),
+        ("init_llama3_8b", py + ["bench/init_speed.py", "--model", "debug" if dry else "llama3-8b",
+                                 "--cases", "full,fsdp8,tp8", "--device", dev], 150),
+        ("train_moe", mt + ["train", "--model", "tiny-moe-ds", "--steps", "2" if dry else "10",
+                            "--run-dir", f"{tmp}/moe", "--overwrite"], 150),
+        ("train_debug_compile", mt + ["train", "--model", "debug", "--steps", steps, "--compile",
+                                      "--run-dir", f"{tmp}/debug", "--overwrite"], 180),
+        *([] if dry else gpu_only),
+        ("train_checkpoint", mt + ["train", "--model", "debug", "--steps", "4" if dry else "30",
+                                   "--checkpoint-every", "2" if dry else "10",
+                                   "--run-dir", f"{tmp}/ckpt", "--overwrite"], 150),
+        ("train_resume", mt + ["train", "--model", "debug", "--steps", "4" if dry else "30",
+                               "--checkpoint-every", "2" if dry else "10", "--resume",
+                               "--run-dir", f"{tmp}/ckpt"], 150),
+    ]
+    out.append(("cpu_tests", py + ["-m", "pytest", "-q", "-p", "no:cacheprovider",
                                    *TESTS], 300))
     return out
 
