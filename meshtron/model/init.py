@@ -15,8 +15,9 @@ the box [r0:r1, c0:c1] draws only the tiles overlapping it, so a shard costs abo
 whichever dimension is sharded (row- or column-parallel, FSDP chunks, expert shards), and the
 memory beyond the shard is one tile (1 MiB in fp32).
 
-Speed: on a GPU every tile is one randn kernel with a Philox generator (an 8B model in about a
-second on one H200; one host thread drawing every element took ~45 s); on the CPU the tiles are
+Speed: on a GPU every tile is one randn kernel with a Philox generator, so the host only
+launches ~30,000 kernels for an 8B model (one host thread drawing every element took ~45 s;
+`bench/init_speed.py --device cuda` measures it, not yet run on a GPU); on the CPU the tiles are
 drawn by `torch.get_num_threads()` threads (each tile has its own generator, so the values do
 not depend on which thread draws it). A CUDA generator gives other numbers than the CPU one for
 the same seed (and its Philox assignment depends on the GPU model), so the values are the same
