@@ -132,7 +132,8 @@ class Count(TorchDispatchMode):
             Count.calls += 1
         return func(*args, **(kwargs or {}))
 def f(x, w, offs):
-    return torch.nn.functional.silu(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)).float().sum()
+    h = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return torch.nn.functional.silu(h).float().sum()
 def runs(saved):
     Count.calls = 0
     x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -162,8 +163,10 @@ q = torch.randn(batch, 8, seq // 2, 64, device=dev, dtype=torch.bfloat16)
 k, v = (torch.randn(batch, 2, seq, 64, device=dev, dtype=torch.bfloat16) for _ in range(2))
 causal = torch.arange(seq, device=dev)[None, :] <= pos[:, None]
 err = []
-for block, mask in ((first, causal), (docs, causal & (doc[:, None, pos, None] == doc[:, None, None, :]))):
-    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+same_doc = doc[:, None, pos, None] == doc[:, None, None, :]
+for block, mask in ((first, causal), (docs, causal & same_doc)):
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                          enable_gqa=True)
     err.append(float((flex_attention(q, k, v, block).float() - want).abs().max()))
 # Memory of one block mask at 128k tokens over cp=8 (eager evaluated a dense grid: ~2 GB).
 big = ContextParallel(None, cp=8, rank=3)
@@ -174,7 +177,9 @@ big.block_for(bpos, None, None, 1, 131072)
 torch.cuda.synchronize()
 build_s = time.perf_counter() - t0
 peak = torch.cuda.max_memory_allocated() - base
-t0 = time.perf_counter(); big.block_for(bpos, None, None, 1, 131072); again_s = time.perf_counter() - t0
+t0 = time.perf_counter()
+big.block_for(bpos, None, None, 1, 131072)
+again_s = time.perf_counter() - t0
 print(json.dumps({"cached": cached, "max_abs_err_bf16": err, "mask_128k_peak_bytes": peak,
                   "mask_128k_build_s": round(build_s, 3), "mask_128k_again_s": round(again_s, 6)}))
 """
@@ -188,31 +193,35 @@ def cases(dry: bool, tmp: str) -> list[tuple[str, list[str], int]]:
     dev = "cpu" if dry else "cuda"
     mt = py + ["-m", "meshtron"]
     steps = "2" if dry else "20"
-    out = [
-        ("env", py + ["-c", ENV], 60),
-        ("init_llama3_8b", py + ["bench/init_speed.py", "--model", "debug" if dry else "llama3-8b",
-                                 "--cases", "full,fsdp8,tp8", "--device", dev], 150),
-        ("init_layouts", py + ["-c", f"DEVICE={dev!r}\n" + INIT_LAYOUT], 90),
-        ("train_debug_compile", mt + ["train", "--model", "debug", "--steps", steps, "--compile",
-                                      "--run-dir", f"{tmp}/debug", "--overwrite"], 240),
-        ("train_moe", mt + ["train", "--model", "tiny-moe-ds", "--steps", "2" if dry else "10",
-                            "--run-dir", f"{tmp}/moe", "--overwrite"], 150),
-        ("train_checkpoint", mt + ["train", "--model", "debug", "--steps", "4" if dry else "30",
-                                   "--checkpoint-every", "2" if dry else "10",
-                                   "--run-dir", f"{tmp}/ckpt", "--overwrite"], 150),
-        ("train_resume", mt + ["train", "--model", "debug", "--steps", "6" if dry else "40",
-                               "--checkpoint-every", "2" if dry else "10", "--resume",
-                               "--run-dir", f"{tmp}/ckpt"], 150),
-    ]
-    if not dry:
-        out += [("backend_nccl", py + ["-c", f"TMP={tmp!r}\n" + BACKEND], 90),
+    gpu_only = [("backend_nccl", py + ["-c", f"TMP={tmp!r}\n" + BACKEND], 90),
                 ("stager_order", py + ["-c", STAGER], 60),
                 ("rng_own_device", py + ["-c", RNG], 30),
                 ("recompute_grouped_mm", py + ["-c", RECOMPUTE], 60),
-                ("cp_block_mask", py + ["-c", CP_MASK], 240)]
-    out.append(("cpu_tests", py + ["-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                ("cp_block_mask", py + ["-c", CP_MASK], 180)]
+    out = [
+        ("env", py + ["-c", ENV], 60),
+        ("init_layouts", py + ["-c", f"DEVICE={dev!r}\n" + INIT_LAYOUT], 90),
+        ("init_llama3_8b", py + ["bench/init_speed.py", "--model", "debug" if dry else "llama3-8b",
+                                 "--cases", "full,fsdp8,tp8", "--device", dev], 150),
+        ("train_moe", mt + ["train", "--model", "tiny-moe-ds", "--steps", "2" if dry else "10",
+                            "--run-dir", f"{tmp}/moe", "--overwrite"], 150),
+        ("train_debug_compile", mt + ["train", "--model", "debug", "--steps", steps, "--compile",
+                                      "--run-dir", f"{tmp}/debug", "--overwrite"], 180),
+        *([] if dry else gpu_only),
+        ("train_checkpoint", mt + ["train", "--model", "debug", "--steps", "4" if dry else "30",
+                                   "--checkpoint-every", "2" if dry else "10",
+                                   "--run-dir", f"{tmp}/ckpt", "--overwrite"], 150),
+        ("train_resume", mt + ["train", "--model", "debug", "--steps", "4" if dry else "30",
+                               "--checkpoint-every", "2" if dry else "10", "--resume",
+                               "--run-dir", f"{tmp}/ckpt"], 150),
+    ]
+    out.append(("cpu_tests", py + ["-m", "pytest", "-q", "-p", "no:cacheprovider",
                                    *TESTS], 300))
     return out
+
+
+def _text(out) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def main() -> None:
@@ -240,11 +249,7 @@ def main() -> None:
                                       timeout=min(cap, left))
                 rc, text = proc.returncode, proc.stdout + proc.stderr
             except subprocess.TimeoutExpired as exc:
-                rc = "timeout"
-                text = ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes)
-                        else (exc.stdout or "")) + (
-                    (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes)
-                    else (exc.stderr or ""))
+                rc, text = "timeout", _text(exc.stdout) + _text(exc.stderr)
             lines = [ln for ln in text.splitlines() if ln.startswith("{")]
             parsed = []
             for ln in lines:

@@ -9,7 +9,8 @@ Shards of rank 0 of eight, for the 8B Llama-3 shape by default:
   tp8     Megatron tensor parallelism over 8 ranks: wq/wk/wv/w1/w3/output and the token
           embedding by rows (Shard(0)), wo/w2 by columns (Shard(1)), norms whole.
 
-Printed per case: elements held, wall seconds, process CPU seconds and elements per wall second
+`--geometry tiles` draws the accelerators' 2-D tiles on the CPU (the work a GPU does, timed
+on the host). Printed per case: elements held, wall seconds, process CPU seconds and elements per wall second
 (the machine's load shows as CPU < wall x threads). Compare two versions of init.py by running
 this script on each checkout.
 
@@ -43,7 +44,7 @@ def rank0_box(name: str, shape: tuple[int, ...], case: str) -> tuple[tuple, tupl
     return (0,) * len(shape), tuple(local)
 
 
-def run_case(spec, case: str, device: torch.device, seed: int) -> dict:
+def run_case(spec, case: str, device: torch.device, seed: int, geometry: str | None) -> dict:
     shapes = model_shapes(spec)
     boxes = {n: rank0_box(n, s, case) for n, s in shapes.items()}
     outs = {n: torch.empty(local, device=device) for n, (_, local) in boxes.items()}
@@ -51,12 +52,13 @@ def run_case(spec, case: str, device: torch.device, seed: int) -> dict:
         torch.cuda.synchronize(device)
     wall, cpu = time.perf_counter(), time.process_time()
     for name, (offset, _) in boxes.items():
-        minit.init_into(outs[name], name, shapes[name], offset, seed, spec.layers)
+        minit.init_into(outs[name], name, shapes[name], offset, seed, spec.layers, geometry)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     held = sum(t.numel() for t in outs.values())
-    return {"case": case, "model": spec.name, "device": str(device), "elements": held,
+    return {"case": case, "model": spec.name, "device": str(device),
+            "geometry": geometry or minit.geometry_for(device), "elements": held,
             "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
             "threads": torch.get_num_threads(), "elements_per_s": round(held / wall)}
 
@@ -67,10 +69,13 @@ def main() -> None:
     ap.add_argument("--cases", default="fsdp8,tp8", help="comma list of full, fsdp8, tp8")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--geometry", choices=("rows", "tiles"), default=None,
+                    help="tile geometry (default: the device's, rows on the CPU)")
     args = ap.parse_args()
     spec = preset(args.model)
     for case in args.cases.split(","):
-        print(json.dumps(run_case(spec, case, torch.device(args.device), args.seed)), flush=True)
+        print(json.dumps(run_case(spec, case, torch.device(args.device), args.seed,
+                                  args.geometry)), flush=True)
 
 
 if __name__ == "__main__":

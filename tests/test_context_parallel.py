@@ -105,12 +105,11 @@ def _worst(ref, got) -> dict:
     r_loss, r_grads, r_params = ref
     losses, grads, params = got
     loss = max(abs(a - b) / abs(b) for a, b in zip(losses, r_loss))
-    steps = [max(((g[n] - rg[n]).abs().max() / rg[n].abs().max().clamp_min(1e-6)).item()
-                 for n in rg) for g, rg in zip(grads, r_grads)]
-    grad, grad0 = max(steps), steps[0]
+    grad = max(((g[n] - rg[n]).abs().max() / rg[n].abs().max().clamp_min(1e-6)).item()
+               for g, rg in zip(grads, r_grads) for n in rg)
     param, worst = max((((params[n] - r_params[n]).abs().max()
                          / r_params[n].abs().max().clamp_min(1e-2)).item(), n) for n in r_params)
-    return {"loss": loss, "grad0": grad0, "grad": grad, "param": param, "worst": worst,
+    return {"loss": loss, "grad": grad, "param": param, "worst": worst,
             "names": sorted(params) == sorted(r_params)}
 
 
@@ -223,20 +222,17 @@ def _check(results: list[dict]) -> None:
         for key, worst in res["equal"].items():
             assert worst["names"], (rank, key)
             # fp32: summation order differs (attention per chunk, gradients summed over ranks):
-            # the first step's gradients agree to ~5e-7 of their largest element (strict:
-            # TOL). AdamW's normalised step then amplifies that on elements whose gradient is
-            # ~eps, by an amount that depends on the initial weights (init_seed 7: the later
-            # steps' gradients 7e-6 to 9e-5, parameters up to 3e-4, measured), hence the loose
-            # bounds on those. In float64 the same runs agree to ~1e-14 on every step: the
-            # computation is the same function. (The loss is computed in fp32 in both.)
-            tol = {"float32": (TOL, TOL, 5e-4, 2e-3),
-                   "float64": (TOL, 1e-12, 1e-12, 1e-12)}[key[0]]
+            # gradients agree to ~3e-6 of their largest element, and AdamW's normalised step
+            # amplifies that on elements whose gradient is ~eps (parameters to ~1.5e-5). In
+            # float64 the same runs agree to ~1e-14: the computation is the same function.
+            # (The loss is computed in fp32 in both: cross_entropy_loss.)
+            tol = {"float32": (TOL, TOL, 5e-5), "float64": (TOL, 1e-12, 1e-12)}[key[0]]
             if key[:2] == ("float64", "tp2cp2"):
                 # cross_entropy_loss runs in fp32, and loss_parallel's vocabulary-parallel
                 # backward rounds dlogits differently from aten's: ~1e-7 of the gradients.
-                tol = (TOL, 1e-6, 1e-6, 1e-6)
-            assert (worst["loss"] < tol[0] and worst["grad0"] < tol[1]
-                    and worst["grad"] < tol[2] and worst["param"] < tol[3]), (rank, key, worst)
+                tol = (TOL, 1e-6, 1e-6)
+            assert (worst["loss"] < tol[0] and worst["grad"] < tol[1]
+                    and worst["param"] < tol[2]), (rank, key, worst)
         assert res["flex"] < 1e-5, (rank, res["flex"])
     spec = _spec()
     # Per layer, forward: all-gather of K and of V, each the full sequence's kv heads in fp32;

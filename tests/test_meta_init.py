@@ -7,6 +7,8 @@ layout (dp / FSDP, tp, pp, 3-D), and no rank allocates more than its own shards.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -50,24 +52,43 @@ def test_init_statistics_and_tied_embeddings():
 
 
 def test_any_box_equals_the_slice_of_the_whole(monkeypatch):
-    """Tiled generation: a box drawn alone equals the same slice of the whole tensor, also
-    when tiles are smaller than the box and the box straddles tile edges in both dimensions."""
+    """Chunked generation: a box drawn alone equals the same slice of the whole tensor, also
+    when blocks are smaller than the box and the box straddles block edges."""
+    monkeypatch.setattr(minit, "BLOCK_ELEMS", 3 * 17)  # 3 rows of 17 per block
+    whole = minit.init_box("layers.0.attention.wq.weight", (20, 17), (0, 0), (20, 17), 5, 2)
+    for off, shape in [((0, 0), (1, 17)), ((2, 3), (7, 5)), ((19, 16), (1, 1)),
+                       ((4, 0), (16, 17)), ((3, 0), (0, 17))]:
+        box = minit.init_box("layers.0.attention.wq.weight", (20, 17), off, shape, 5, 2)
+        want = whole[off[0]:off[0] + shape[0], off[1]:off[1] + shape[1]]
+        assert torch.equal(box, want), (off, shape)
+    # Threads (several blocks per thread) draw the same values as one thread.
+    monkeypatch.setattr(minit, "_threads", lambda device, work: 3)
+    assert torch.equal(minit.init_box("layers.0.attention.wq.weight", (20, 17), (0, 0),
+                                      (20, 17), 5, 2), whole)
+
+
+def test_device_tiles_any_box_equals_the_slice_of_the_whole(monkeypatch):
+    """The accelerators' geometry (2-D tiles, drawn here on the CPU): a box drawn alone equals
+    the slice of the whole, across tile edges in both dimensions, for expert stacks too; and a
+    column-parallel box draws only the tiles it overlaps."""
     monkeypatch.setattr(minit, "TILE_ROWS", 3)  # tiles of 3 x 4 (edge tiles smaller)
     monkeypatch.setattr(minit, "TILE_COLS", 4)
     name = "layers.0.attention.wq.weight"
-    whole = minit.init_box(name, (20, 17), (0, 0), (20, 17), 5, 2)
+
+    def box(shape, off, local):
+        return minit.init_box(name, shape, off, local, 5, 2, geometry="tiles")
+
+    whole = box((20, 17), (0, 0), (20, 17))
+    assert not torch.equal(whole, minit.init_box(name, (20, 17), (0, 0), (20, 17), 5, 2))
     for off, shape in [((0, 0), (1, 17)), ((2, 3), (7, 5)), ((19, 16), (1, 1)),
                        ((4, 0), (16, 17)), ((3, 0), (0, 17)), ((0, 5), (20, 3))]:
-        box = minit.init_box(name, (20, 17), off, shape, 5, 2)
         want = whole[off[0]:off[0] + shape[0], off[1]:off[1] + shape[1]]
-        assert torch.equal(box, want), (off, shape)
-    # Expert stacks [experts, out, in]: one tile per expert and 2-D tile.
-    experts = minit.init_box(name, (3, 7, 9), (0, 0, 0), (3, 7, 9), 5, 2)
-    box = minit.init_box(name, (3, 7, 9), (1, 2, 5), (2, 4, 3), 5, 2)
-    assert torch.equal(box, experts[1:3, 2:6, 5:8])
-    # Threads (several tiles per thread) draw the same values as one thread.
-    monkeypatch.setattr(minit, "_threads", lambda device, work: 3)
-    assert torch.equal(minit.init_box(name, (20, 17), (0, 0), (20, 17), 5, 2), whole)
+        assert torch.equal(box((20, 17), off, shape), want), (off, shape)
+    experts = box((3, 7, 9), (0, 0, 0), (3, 7, 9))
+    assert torch.equal(box((3, 7, 9), (1, 2, 5), (2, 4, 3)), experts[1:3, 2:6, 5:8])
+    column = list(minit._tiles((20, 17), (0, 8), (20, 4), "tiles"))
+    assert len(column) == 7 and sum(math.prod(t[1]) for t in column) == 20 * 4
+    assert abs(float(box((60, 70), (0, 0), (60, 70)).std()) - 0.02) < 0.001
 
 
 LAYOUTS = [

@@ -8,20 +8,29 @@ device, sharded by `meshtron.parallel.parallelize` and then materialized holds e
 single-process initialization (tests/test_meta_init.py compares them for dp, tp, pp and 3-D
 layouts).
 
-How: a parameter is cut into tiles of at most `TILE_ROWS` x `TILE_COLS` over its last two
-dimensions (one index of each leading dimension, e.g. one expert); tile t is drawn from its own
-generator seeded with sha256(seed, name, t), on the device the values are for. A rank that owns
-the box [r0:r1, c0:c1] draws only the tiles overlapping it, so a shard costs about its own size
-whichever dimension is sharded (row- or column-parallel, FSDP chunks, expert shards), and the
-memory beyond the shard is one tile (1 MiB in fp32).
+How: a parameter is cut into tiles, and tile t is drawn from its own generator seeded with
+sha256(seed, name, t), on the device the values are for. A rank that owns the box
+[r0:r1, c0:c1] draws only the tiles overlapping it and writes them into its own storage (the
+memory beyond the shard is one tile per drawing thread). The tiles' geometry depends on the
+device kind that draws:
 
-Speed: on a GPU every tile is one randn kernel with a Philox generator (an 8B model in about a
-second on one H200; one host thread drawing every element took ~45 s); on the CPU the tiles are
-drawn by `torch.get_num_threads()` threads (each tile has its own generator, so the values do
-not depend on which thread draws it). A CUDA generator gives other numbers than the CPU one for
-the same seed (and its Philox assignment depends on the GPU model), so the values are the same
-for every layout of a run, not across device kinds: `materialize` draws on the compute device,
-also when the parameters live on the host (offload), so offloading does not change them.
+- "tiles" (CUDA and other accelerators): at most `TILE_ROWS` x `TILE_COLS` over the last two
+  dimensions (one index of each leading dimension, e.g. one expert), so a shard costs about its
+  own size whichever dimension is sharded (row- or column-parallel, FSDP chunks, experts). Each
+  tile is one randn kernel with a Philox generator: the host launches ~30,000 small kernels for
+  an 8B model instead of drawing every element on one thread (~45 s);
+  `bench/init_speed.py --device cuda` measures it (not yet run on a GPU).
+- "rows" (the CPU): blocks of whole rows of at most `BLOCK_ELEMS` elements, the values every
+  CPU run, checkpoint and test of meshtron has had (the tests' fp32/bf16 tolerances were
+  measured with them). A column-parallel shard draws whole rows (tp times its size); blocks
+  are drawn by `torch.get_num_threads()` threads (each block has its own generator, so the
+  values do not depend on which thread draws it).
+
+A CUDA generator gives other numbers than the CPU one (and its Philox assignment depends on the
+GPU model), so the values are the same for every layout of a run, not across device kinds:
+`materialize` draws on the compute device, also when the parameters live on the host
+(offload), so offloading does not change them. `init_into(..., geometry=)` draws either
+geometry on any device (the CUDA one is tested on the CPU that way).
 
 Values (GPT-2 style, Radford et al. 2019): weights N(0, 0.02), the residual output projections
 (`wo`, `w2`) N(0, 0.02/sqrt(2L)) so the residual stream's variance stays flat with depth; norm
@@ -41,11 +50,12 @@ from torch import nn
 
 TILE_ROWS = 512
 TILE_COLS = 512
-"""Tile extent over a parameter's last two dimensions (rows, columns): 256 Ki elements, so a
-tp=8 shard of a 4096-wide matrix is exactly one tile wide."""
+"""Tile extent of the "tiles" geometry over a parameter's last two dimensions (rows, columns):
+256 Ki elements, so a tp=8 shard of a 4096-wide matrix is exactly one tile wide."""
 
 BLOCK_ELEMS = 1 << 22
-"""Elements per piece when a tensor is filled piecewise from a file (hf/load.py)."""
+"""Elements per row block of the "rows" geometry (whole rows; at least one row); also the piece
+size when a tensor is filled piecewise from a file (hf/load.py)."""
 
 INIT_STD = 0.02
 """Standard deviation of the weight matrices (embeddings, projections)."""
@@ -53,16 +63,26 @@ INIT_STD = 0.02
 _RESIDUAL_OUT = ("wo.weight", "w2.weight")
 
 
-def tile_seed(seed: int, name: str, tile: tuple[int, ...]) -> int:
+def geometry_for(device: torch.device | str) -> str:
+    """The tile geometry drawn on `device`: "rows" on the CPU, "tiles" elsewhere."""
+    return "rows" if torch.device(device).type == "cpu" else "tiles"
+
+
+def tile_seed(seed: int, name: str, tile: tuple[int, ...], geometry: str = "tiles") -> int:
     """The generator seed of tile `tile` (its index along every dimension) of parameter
-    `name` (63 bits)."""
-    key = ",".join(map(str, tile))
+    `name` (63 bits); a row block is keyed by its row index alone (as it always was)."""
+    key = str(tile[0]) if geometry == "rows" else ",".join(map(str, tile))
     digest = hashlib.sha256(f"{seed}:{name}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def tile_shape(global_shape: tuple[int, ...]) -> tuple[int, ...]:
+def tile_shape(global_shape: tuple[int, ...], geometry: str = "tiles") -> tuple[int, ...]:
     """The tile extent along every dimension of a parameter of `global_shape` (ndim >= 2)."""
+    if geometry == "rows":
+        rows = max(1, BLOCK_ELEMS // math.prod(global_shape[1:]))
+        return (min(rows, global_shape[0]), *global_shape[1:])
+    if geometry != "tiles":
+        raise ValueError(f"geometry={geometry!r}: expected 'rows' or 'tiles'")
     lead = (1,) * (len(global_shape) - 2)
     return lead + (min(TILE_ROWS, global_shape[-2]), min(TILE_COLS, global_shape[-1]))
 
@@ -76,19 +96,19 @@ def param_std(name: str, layers: int) -> float:
 
 def init_box(name: str, global_shape: tuple[int, ...], offset: tuple[int, ...],
              local_shape: tuple[int, ...], seed: int, layers: int,
-             dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> torch.Tensor:
+             dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+             geometry: str | None = None) -> torch.Tensor:
     """The initial values of the box `offset : offset + local_shape` of parameter `name`
-    (a new tensor of `local_shape` on `device`, drawn there)."""
+    (a new tensor of `local_shape` on `device`, drawn there; `geometry`: see `init_into`)."""
     out = torch.empty(local_shape, dtype=dtype, device=device)
-    init_into(out, name, global_shape, offset, seed, layers)
+    init_into(out, name, global_shape, offset, seed, layers, geometry)
     return out
 
 
-def _tiles(global_shape, offset, local_shape):
-    """(tile index, tile box in the parameter, destination slices in the local box, source
-    slices in the tile) of every tile overlapping the local box."""
-    ext = tile_shape(global_shape)
+def _tiles(global_shape, offset, local_shape, geometry):
+    """(tile index, tile shape, destination slices in the local box, source slices in the
+    tile) of every tile overlapping the local box."""
+    ext = tile_shape(global_shape, geometry)
     ranges = [range(o // t, (o + n - 1) // t + 1)
               for o, n, t in zip(offset, local_shape, ext)]
     for tile in itertools.product(*ranges):
@@ -101,11 +121,12 @@ def _tiles(global_shape, offset, local_shape):
         yield tile, shape, dst, src
 
 
-def _draw_tiles(out: torch.Tensor, name: str, seed: int, std: float, tiles) -> None:
+def _draw_tiles(out: torch.Tensor, name: str, seed: int, std: float, geometry: str,
+                tiles) -> None:
     """Draw `tiles` (from `_tiles`) into `out`, on `out`'s device with a generator there."""
     gen = torch.Generator(device=out.device)
     for tile, shape, dst, src in tiles:
-        gen.manual_seed(tile_seed(seed, name, tile))
+        gen.manual_seed(tile_seed(seed, name, tile, geometry))
         values = torch.randn(shape, generator=gen, device=out.device, dtype=torch.float32)
         out[dst].copy_(values[src].mul_(std))
 
@@ -120,24 +141,27 @@ def _threads(device: torch.device, work: int) -> int:
 
 @torch.no_grad()
 def init_into(out: torch.Tensor, name: str, global_shape: tuple[int, ...],
-              offset: tuple[int, ...], seed: int, layers: int) -> None:
+              offset: tuple[int, ...], seed: int, layers: int,
+              geometry: str | None = None) -> None:
     """Write the initial values of the box at `offset` (of `out`'s shape) of parameter `name`
     into `out` (any device and dtype; drawn on `out`'s device), one tile at a time: the only
-    memory beyond `out` is one tile per drawing thread."""
+    memory beyond `out` is one tile per drawing thread. `geometry`: "rows" | "tiles" (default:
+    `geometry_for(out.device)`)."""
     if out.numel() == 0:
         return
     if len(global_shape) <= 1:  # norm weights and biases: constants
         out.fill_(0.0 if name.endswith("bias") else 1.0)
         return
     std = param_std(name, layers)
-    tiles = list(_tiles(global_shape, offset, tuple(out.shape)))
+    geometry = geometry or geometry_for(out.device)
+    tiles = list(_tiles(global_shape, offset, tuple(out.shape), geometry))
     threads = min(_threads(out.device, out.numel()), len(tiles))
     if threads == 1:
-        _draw_tiles(out, name, seed, std, tiles)
+        _draw_tiles(out, name, seed, std, geometry, tiles)
         return
     # Disjoint destination boxes: the threads never write the same element.
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda part: _draw_tiles(out, name, seed, std, part),
+        list(pool.map(lambda part: _draw_tiles(out, name, seed, std, geometry, part),
                       [tiles[i::threads] for i in range(threads)]))
 
 
