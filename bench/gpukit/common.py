@@ -33,6 +33,10 @@ class Ctx:
     work: Path
     out: Path
     ckpt_gib: float
+    fits_layers: int | None = None
+    """Layers the eager case ran after the planner's largest fit ran out of memory (the
+    driver passes it on, so later cases do not run out of memory again); None: the
+    planner's largest fit."""
     result: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def emit(self, **fields: Any) -> None:
@@ -125,8 +129,11 @@ def search(spec, clus, ctx: Ctx, **fixed: Any):
 
 def largest_fit(ctx: Ctx, clus) -> int:
     """The most layers of the base shape the planner fits on one device (bisection: fitting
-    is monotone in the layer count)."""
+    is monotone in the layer count), or what the eager case measured to fit."""
     from meshtron.model import preset
+
+    if ctx.fits_layers:
+        return ctx.fits_layers
 
     lo, hi = 0, preset(ctx.base_model).layers
     while lo < hi:
