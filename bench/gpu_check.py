@@ -60,8 +60,7 @@ CASES = [
     ("env", "cases:case_env", 90, 15),
     ("eager", "cases:case_eager", 240, 60),  # room for a second shape after an OOM
     ("compile", "cases:case_compile", 260, 70),
-    ("fp8", "cases:case_fp8", 240, 90),
-    ("checkpoint", "cases:case_checkpoint", 120, 40),
+    # the user's path next: cheap, and the first GPU run found two of these commands broken
     ("cli_train", "cli_cases:case_cli_train", 60, 20),
     ("cli_train_auto", "cli_cases:case_cli_train_auto", 90, 30),
     ("cli_moe", "cli_cases:case_cli_moe", 60, 20),
@@ -69,6 +68,8 @@ CASES = [
     ("cli_fp8", "cli_cases:case_cli_fp8", 90, 25),
     ("cli_kill_resume", "cli_cases:case_cli_kill_resume", 150, 40),
     ("cli_export", "cli_cases:case_cli_export", 60, 15),
+    ("fp8", "cases:case_fp8", 240, 90),
+    ("checkpoint", "cases:case_checkpoint", 120, 40),
     ("cli_calibrate", "cli_cases:case_cli_calibrate", 120, 30),
     ("cli_plan", "cli_cases:case_cli_plan", 30, 10),
     ("hf", "hf_case:case_hf", 200, 60),
