@@ -78,16 +78,21 @@ def device(ctx: Ctx):
 
 
 def init_group(dev, ctx: Ctx) -> None:
-    """A 1-rank default group as meshtron's runtime makes one (NCCL for CUDA tensors, gloo for
-    CPU ones on a GPU; gloo on CPU)."""
-    import torch.distributed as dist
+    """A 1-rank default group through the product's one init path (`init_rank`: NCCL for CUDA
+    tensors and gloo for CPU ones, bound to the device, NCCL_ENV; gloo on CPU), rendezvous in
+    a file of the case's work folder."""
+    import torch
 
-    store = dist.FileStore(str(ctx.work / f"store-{os.getpid()}"), 1)
-    if dev.type == "cuda":
-        dist.init_process_group("cuda:nccl,cpu:gloo", store=store, rank=0, world_size=1,
-                                device_id=dev)
-    else:
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    from meshtron.launch import World
+    from meshtron.runtime import init_rank
+
+    url = f"file://{ctx.work / f'store-{os.getpid()}'}"
+    got = init_rank(World(rank=0, local_rank=dev.index or 0, world_size=1, source="gpu-kit",
+                          local_world_size=1, init_method=url))
+    if got != dev:
+        raise RuntimeError(f"init_rank chose {got}, the case runs on {dev}")
+    if ctx.dry_run:
+        torch.set_num_threads(1)  # init_rank gives a lone CPU rank every core
 
 
 def close_group() -> None:
