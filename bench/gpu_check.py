@@ -58,10 +58,9 @@ FORMAT = "meshtron-gpu-check/2"
 # case can still say something.
 CASES = [
     ("env", "cases:case_env", 90, 15),
-    ("eager", "cases:case_eager", 180, 60),
-    ("compile", "cases:case_compile", 200, 70),
-    ("fp8", "cases:case_fp8", 240, 90),
-    ("checkpoint", "cases:case_checkpoint", 120, 40),
+    ("eager", "cases:case_eager", 240, 60),  # room for a second shape after an OOM
+    ("compile", "cases:case_compile", 260, 70),
+    # the user's path next: cheap, and the first GPU run found two of these commands broken
     ("cli_train", "cli_cases:case_cli_train", 60, 20),
     ("cli_train_auto", "cli_cases:case_cli_train_auto", 90, 30),
     ("cli_moe", "cli_cases:case_cli_moe", 60, 20),
@@ -69,6 +68,8 @@ CASES = [
     ("cli_fp8", "cli_cases:case_cli_fp8", 90, 25),
     ("cli_kill_resume", "cli_cases:case_cli_kill_resume", 150, 40),
     ("cli_export", "cli_cases:case_cli_export", 60, 15),
+    ("fp8", "cases:case_fp8", 240, 90),
+    ("checkpoint", "cases:case_checkpoint", 120, 40),
     ("cli_calibrate", "cli_cases:case_cli_calibrate", 120, 30),
     ("cli_plan", "cli_cases:case_cli_plan", 30, 10),
     ("hf", "hf_case:case_hf", 200, 60),
@@ -83,9 +84,13 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def _child_argv(args, name: str, case_out: Path, work: Path) -> list[str]:
+def _child_argv(args, name: str, case_out: Path, work: Path, report: dict) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--run-case", name,
             "--case-out", str(case_out), "--work", str(work), "--ckpt-gib", str(args.ckpt_gib)]
+    eager_ok = (report["cases"].get("eager") or {}).get("status") == "ok"
+    if eager_ok and _get(report, "eager", "oom"):
+        # the planner's largest fit did not fit: the later cases start from what did
+        argv += ["--fits-layers", str(_get(report, "eager", "run", "model", "layers"))]
     for flag in ("seq_len", "global_batch", "steps"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -114,7 +119,7 @@ def _stop(proc: subprocess.Popen) -> None:
             return
 
 
-def run_one(args, name: str, cap: float, work: Path, logs: Path) -> dict:
+def run_one(args, name: str, cap: float, work: Path, logs: Path, report: dict) -> dict:
     """Run case `name` in its own process, at most `cap` seconds; its record."""
     case_out = work / f"{name}.json"
     tail: collections.deque = collections.deque(maxlen=40)
@@ -123,7 +128,7 @@ def run_one(args, name: str, cap: float, work: Path, logs: Path) -> dict:
     if args.dry_run:
         env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(_child_argv(args, name, case_out, work), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_child_argv(args, name, case_out, work, report), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=work,
                             start_new_session=True)
     pump = threading.Thread(target=_pump, args=(proc.stdout, name, logs / f"{name}.log", tail),
@@ -229,7 +234,7 @@ def drive(args) -> dict:
             else:
                 say(f"[{time.perf_counter() - t0:6.1f} s] {name}: start (cap "
                     f"{min(cap, left):.0f} s, {left:.0f} s of the budget left)")
-                rec = run_one(args, name, min(cap, left), work, logs)
+                rec = run_one(args, name, min(cap, left), work, logs, report)
             report["cases"][name] = rec
             report["wall_s"] = round(time.perf_counter() - t0, 2)
             write(report, out)
@@ -258,7 +263,7 @@ def run_case(args) -> int:
     ctx = Ctx(dry_run=args.dry_run, seq_len=args.seq_len or (32 if args.dry_run else 4096),
               global_batch=args.global_batch or (2 if args.dry_run else 8),
               steps=args.steps or (2 if args.dry_run else 4), work=Path(args.work),
-              out=Path(args.case_out), ckpt_gib=args.ckpt_gib)
+              out=Path(args.case_out), ckpt_gib=args.ckpt_gib, fits_layers=args.fits_layers)
     mod = importlib.import_module(f"gpukit.{module}")
     if hasattr(mod, "on_sigterm"):
         signal.signal(signal.SIGTERM, mod.on_sigterm)
@@ -283,6 +288,7 @@ def main() -> int:
     ap.add_argument("--run-case", help=argparse.SUPPRESS)
     ap.add_argument("--case-out", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--fits-layers", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only:
         unknown = set(args.only.split(",")) - {c[0] for c in CASES}

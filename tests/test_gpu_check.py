@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KIT = ROOT / "bench" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_check import CASES  # noqa: E402
+from gpu_check import CASES, _child_argv  # noqa: E402
 from gpukit.profile import busy_us, category, rows_of, summarize  # noqa: E402
 
 
@@ -179,3 +179,20 @@ def test_profile_rows_leave_out_the_annotation_ranges_on_the_device():
     rows = rows_of(cuda, cuda=True)
     assert [r[0] for r in rows] == ["multi_tensor_apply_kernel"] and rows[0][1] == 65
     assert [r[0] for r in rows_of(cuda, cuda=False)] == ["aten::mm"]
+
+
+def test_after_an_oom_the_later_cases_start_from_the_shape_that_fitted(tmp_path):
+    """The planner's largest fit ran out of memory in the eager case, which then measured two
+    layers fewer: the next cases are told, instead of running out of memory again."""
+    import argparse
+
+    args = argparse.Namespace(ckpt_gib=3.0, seq_len=None, global_batch=None, steps=None,
+                              dry_run=False)
+    eager = {"status": "ok", "result": {"oom": {"layers": 28},
+                                        "run": {"model": {"layers": 26}}}}
+    argv = _child_argv(args, "compile", tmp_path / "c.json", tmp_path, {"cases": {"eager": eager}})
+    assert argv[argv.index("--fits-layers") + 1] == "26"
+    for report in ({"cases": {}}, {"cases": {"eager": {**eager, "status": "error"}}},
+                   {"cases": {"eager": {"status": "ok", "result": {"run": {}}}}}):
+        assert "--fits-layers" not in _child_argv(args, "compile", tmp_path / "c.json",
+                                                  tmp_path, report)

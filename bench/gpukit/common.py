@@ -33,6 +33,10 @@ class Ctx:
     work: Path
     out: Path
     ckpt_gib: float
+    fits_layers: int | None = None
+    """Layers the eager case ran after the planner's largest fit ran out of memory (the
+    driver passes it on, so later cases do not run out of memory again); None: the
+    planner's largest fit."""
     result: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def emit(self, **fields: Any) -> None:
@@ -74,16 +78,21 @@ def device(ctx: Ctx):
 
 
 def init_group(dev, ctx: Ctx) -> None:
-    """A 1-rank default group as meshtron's runtime makes one (NCCL for CUDA tensors, gloo for
-    CPU ones on a GPU; gloo on CPU)."""
-    import torch.distributed as dist
+    """A 1-rank default group through the product's one init path (`init_rank`: NCCL for CUDA
+    tensors and gloo for CPU ones, bound to the device, NCCL_ENV; gloo on CPU), rendezvous in
+    a file of the case's work folder."""
+    import torch
 
-    store = dist.FileStore(str(ctx.work / f"store-{os.getpid()}"), 1)
-    if dev.type == "cuda":
-        dist.init_process_group("cuda:nccl,cpu:gloo", store=store, rank=0, world_size=1,
-                                device_id=dev)
-    else:
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    from meshtron.launch import World
+    from meshtron.runtime import init_rank
+
+    url = f"file://{ctx.work / f'store-{os.getpid()}'}"
+    got = init_rank(World(rank=0, local_rank=dev.index or 0, world_size=1, source="gpu-kit",
+                          local_world_size=1, init_method=url))
+    if got != dev:
+        raise RuntimeError(f"init_rank chose {got}, the case runs on {dev}")
+    if ctx.dry_run:
+        torch.set_num_threads(1)  # init_rank gives a lone CPU rank every core
 
 
 def close_group() -> None:
@@ -125,8 +134,11 @@ def search(spec, clus, ctx: Ctx, **fixed: Any):
 
 def largest_fit(ctx: Ctx, clus) -> int:
     """The most layers of the base shape the planner fits on one device (bisection: fitting
-    is monotone in the layer count)."""
+    is monotone in the layer count), or what the eager case measured to fit."""
     from meshtron.model import preset
+
+    if ctx.fits_layers:
+        return ctx.fits_layers
 
     lo, hi = 0, preset(ctx.base_model).layers
     while lo < hi:
