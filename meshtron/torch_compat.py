@@ -32,7 +32,9 @@ PRIVATE_APIS: dict[str, str] = {
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset":
         "each rank's box of a sharded parameter, for initialization and loading (model/init.py)",
     "torch.distributed._functional_collectives.all_gather_single":
-        "context parallelism's K/V all-gather (parallel/context.py)",
+        "context parallelism's K/V all-gather (parallel/context.py; torch 2.13 name)",
+    "torch.distributed._functional_collectives.all_gather_tensor":
+        "context parallelism's K/V all-gather on torch before all_gather_single (2.11)",
     "torch.distributed._functional_collectives.all_to_all_single_autograd":
         "expert parallelism's token exchange (parallel/expert.py)",
     "torch.distributed._functional_collectives.AsyncCollectiveTensor":
@@ -114,6 +116,35 @@ def require(symbol: str, feature: str) -> Any:
                         f"(meshtron supports torch {SUPPORTED_TORCH}); use another torch or "
                         "turn the feature off")
     return obj
+
+
+def functional_all_gather(x: Any, gather_dim: int, group: Any) -> Any:
+    """Functional (traceable, differentiable) all-gather of `x` along `gather_dim`: the same
+    `_c10d_functional.all_gather_into_tensor` op under its 2.13 name `all_gather_single` and
+    its 2.11 name `all_gather_tensor` (the H200 image's torch 2.11 lacks the new one)."""
+    name = "torch.distributed._functional_collectives."
+    fn = lookup(name + "all_gather_single") or require(name + "all_gather_tensor",
+                                                       "context parallelism")
+    return fn(x, gather_dim, group)
+
+
+def all_gather_into(out: Any, inp: Any, group: Any = None) -> Any:
+    """`out` = the all-gather of `inp` over `group` along dim 0 (c10d's in-place form):
+    `all_gather_single` where torch has it (2.13 deprecates the old name),
+    `all_gather_into_tensor` before (2.11)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group)
+
+
+def reduce_scatter_into(out: Any, inp: Any, group: Any = None) -> Any:
+    """`out` = this rank's chunk of the SUM of `inp` over `group`: `reduce_scatter_single`
+    where torch has it, `reduce_scatter_tensor` before (2.11)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group)
 
 
 def missing() -> list[str]:

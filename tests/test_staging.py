@@ -113,3 +113,26 @@ def test_checkpointer_uses_no_private_stager_attribute():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value == "_staging_stream":
                 raise AssertionError(f"{path.name}:{node.lineno} reads _staging_stream")
+
+
+def test_a_closed_stager_stages_again_and_keeps_every_leaf():
+    """Some torch releases' dcp.async_save close the stager they were given after each save;
+    the next checkpoint must still stage. Non-tensor leaves (ints, strings, classes, named
+    tuples) come through: torch 2.11's DefaultStager died on a class object on CUDA."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+    stager = OrderedStager(staging_thread=True, streams=None)
+    state = {"w": torch.ones(3), "meta": {"kind": torch.Tensor, "name": "x", "n": 2},
+             "pair": Pair(torch.zeros(2), 5), "items": [torch.arange(3), None]}
+    try:
+        first = stager.stage(state).result(timeout=60)
+        stager.close()
+        state["w"].add_(1.0)
+        second = stager.stage(state).result(timeout=60)
+    finally:
+        stager.close()
+    assert torch.equal(first["w"], torch.ones(3)) and torch.equal(second["w"], torch.full((3,), 2.0))
+    assert second["meta"] == {"kind": torch.Tensor, "name": "x", "n": 2}
+    assert isinstance(second["pair"], Pair) and second["pair"].b == 5
+    assert torch.equal(second["items"][0], torch.arange(3)) and second["items"][1] is None

@@ -39,6 +39,7 @@ from meshtron.calibrate.kernels import (measure_elementwise, measure_gemm_shapes
                                         measure_memory_bandwidth, sync)
 from meshtron.planner import comm
 from meshtron.planner.comm import Group
+from meshtron.torch_compat import all_gather_into, reduce_scatter_into
 
 CPU_SIZES = [2**k for k in range(12, 23, 2)]   # 4 KiB .. 4 MiB
 GPU_SIZES = [2**k for k in range(12, 29, 2)]   # 4 KiB .. 256 MiB
@@ -218,10 +219,10 @@ def measure_collectives(group, device: torch.device, dtype: torch.dtype, sizes: 
                                             group, device, reps)))
         out["all_gather"].append(
             (numel * elem, _time_collective(
-                lambda: dist.all_gather_single(full, shard, group=group), group, device, reps)))
+                lambda: all_gather_into(full, shard, group=group), group, device, reps)))
         out["reduce_scatter"].append(
             (numel * elem, _time_collective(
-                lambda: dist.reduce_scatter_single(shard, full, group=group), group, device,
+                lambda: reduce_scatter_into(shard, full, group=group), group, device,
                 reps)))
 
         def ping_pong() -> None:

@@ -28,9 +28,15 @@ class OrderedStager:
     """A DCP stager (torch's public `AsyncStager` protocol, for `dcp.async_save`) that copies
     the state to host memory on its own thread and, on CUDA, on its own stream ordered after
     the kernels the training thread has queued so far (an event recorded at `stage`, waited on
-    by the copy stream: no host synchronisation on the training thread). Built only from public
-    API: torch's `DefaultStager` does the copies synchronously (its cached, pinned host buffers
-    are reused from one save to the next), this class supplies the thread and the ordering.
+    by the copy stream: no host synchronisation on the training thread).
+
+    The copy is meshtron's own walk over the state (dicts, lists, tuples, tensors, DTensors;
+    other leaves deep-copied) into host buffers kept from one save to the next (pinned on
+    CUDA), not torch's `DefaultStager`: on torch 2.11 (the H200 image) that stager failed on
+    CUDA with `KeyError: <class 'type'>` inside its private deep copy, on the first
+    checkpoint of every `meshtron train --checkpoint-every` run. Built from public tensor API
+    only, it behaves the same on every torch meshtron supports. Buffers are reused because the
+    checkpointer keeps one save in flight (it waits for the previous one before the next).
 
     `streams`: the device's stream API (`torch.cuda` on CUDA, None on the CPU, where copies
     need no ordering); injectable so the ordering is tested on a CPU machine.
@@ -41,21 +47,16 @@ class OrderedStager:
     _synchronize_after_execute = False
 
     def __init__(self, staging_thread: bool = True, streams: Any = None):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        import torch
 
         self._streams = streams
-        pinned = streams is not None
-        # Blocking copies: each waits for its own stream only (a non-blocking copy would make
-        # DefaultStager synchronise the whole device afterwards).
-        self._copier = DefaultStager(StagingOptions(
-            use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-            use_non_blocking_copy=False))
-        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="meshtron-stage")
-                          if staging_thread else None)
-        # Made on the training thread, after its default stream exists (as DefaultStager does).
-        self._stream = streams.Stream() if pinned and staging_thread else None
+        self._pin = streams is not None and torch.cuda.is_available()
+        self._staging_thread = staging_thread
+        self._executor = None
+        self._buffers: dict[tuple, Any] = {}
+        """Host copies by their path in the state, reused by the next save of the same shape."""
+        # Made on the training thread, after its default stream exists.
+        self._stream = streams.Stream() if streams is not None and staging_thread else None
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -63,8 +64,12 @@ class OrderedStager:
 
     def stage(self, state_dict: Any) -> Any:
         """A Future of the host copy of `state_dict` (the copy itself without a thread)."""
-        if self._executor is None:
-            return self._copier.stage(state_dict)  # in order on the current stream
+        if not self._staging_thread:
+            return self._copy_tree(state_dict, ())  # in order on the current stream
+        if self._executor is None:  # first save, or after a close() (see close)
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtron-stage")
         ready = None
         if self._stream is not None:
             ready = self._streams.Event()
@@ -73,18 +78,56 @@ class OrderedStager:
 
     def _copy(self, state_dict: Any, ready: Any) -> Any:
         if ready is None:
-            return self._copier.stage(state_dict)
+            return self._copy_tree(state_dict, ())
         self._stream.wait_event(ready)
         with self._streams.stream(self._stream):
-            return self._copier.stage(state_dict)
+            return self._copy_tree(state_dict, ())
+
+    def _copy_tree(self, obj: Any, path: tuple) -> Any:
+        import copy
+
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):
+            local = self._host(path, obj.to_local())
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                      shape=obj.shape, stride=obj.stride())
+        if isinstance(obj, torch.Tensor):
+            return self._host(path, obj)
+        if isinstance(obj, dict):
+            return {k: self._copy_tree(v, (*path, k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [self._copy_tree(v, (*path, i)) for i, v in enumerate(obj)]
+            if isinstance(obj, list):
+                return items
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        return copy.deepcopy(obj)
+
+    def _host(self, path: tuple, tensor: Any) -> Any:
+        """`tensor`'s value in this path's host buffer. A blocking copy: on CUDA it waits for
+        the copy stream only (a non-blocking one would need a device-wide sync after)."""
+        import torch
+
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                              pin_memory=self._pin)
+            self._buffers[path] = buf
+        buf.copy_(tensor.detach())
+        return buf
 
     def synchronize_staging(self) -> None:
         """Nothing: callers wait on the Future `stage` returned (AsyncSaveResponse)."""
 
     def close(self) -> None:
+        """Release the thread and the host buffers. Not final: a later `stage` starts again,
+        because some torch releases' `dcp.async_save` closes the stager it was given after each
+        save (newer ones leave a caller's stager to the caller)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        self._copier.close()
+            self._executor = None
+        self._buffers.clear()
 
 
 def device_streams() -> Any:

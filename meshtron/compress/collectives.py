@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.compress.quant import Codec, padded_len
+from meshtron.torch_compat import all_gather_into, reduce_scatter_into
 
 
 @dataclass
@@ -121,7 +122,7 @@ def _exchange(payload: torch.Tensor, group) -> torch.Tensor:
 def _gather(payload: torch.Tensor, group, n: int) -> torch.Tensor:
     """All-gather of a packed [1, bytes] tensor into [n, bytes]."""
     out = torch.empty((n, *payload.shape[1:]), dtype=payload.dtype, device=payload.device)
-    dist.all_gather_single(out, payload.contiguous(), group=group)
+    all_gather_into(out, payload.contiguous(), group=group)
     return out
 
 
@@ -197,11 +198,11 @@ class Reducer:
         buf = torch.zeros(k * cols, dtype=torch.float32, device=flat.device)
         buf[:numel] = flat
         part = torch.empty(cols, dtype=torch.float32, device=flat.device)
-        dist.reduce_scatter_single(part, buf, group=t.intra)
+        reduce_scatter_into(part, buf, group=t.intra)
         self.bytes_sent += 4 * cols * (k - 1)
         part = self._all_reduce_flat(part, t.inter, t.nodes, t.rank // k, key)
         full = torch.empty(k * cols, dtype=torch.float32, device=flat.device)
-        dist.all_gather_single(full, part, group=t.intra)
+        all_gather_into(full, part, group=t.intra)
         self.bytes_sent += 4 * cols * (k - 1)
         return full[:numel]
 
@@ -223,7 +224,7 @@ class Reducer:
         # its node's sum of the rows {a*k + l : every node a}, then the nodes exchange them.
         by_local = rows.reshape(m, k, size).transpose(0, 1).contiguous()
         part = torch.empty(m * size, dtype=torch.float32, device=inp.device)
-        dist.reduce_scatter_single(part, by_local.reshape(-1), group=t.intra)
+        reduce_scatter_into(part, by_local.reshape(-1), group=t.intra)
         self.bytes_sent += 4 * m * size * (k - 1)
         x = torch.zeros(m, cols, dtype=torch.float32, device=inp.device)
         x[:, :size] = part.view(m, size)

@@ -97,9 +97,9 @@ def _to_global(gathered: torch.Tensor, cp: int, seq_dim: int) -> torch.Tensor:
 def _gather_sequence(x: torch.Tensor, group, cp: int, seq_dim: int) -> torch.Tensor:
     """All-gather of x over the cp group along the sequence, in global order; differentiable
     (backward: reduce-scatter of the gradient)."""
-    from torch.distributed._functional_collectives import all_gather_single
+    from meshtron.torch_compat import functional_all_gather
 
-    g = all_gather_single(x.contiguous(), gather_dim=0, group=group)
+    g = functional_all_gather(x.contiguous(), 0, group)
     return _to_global(g, cp, seq_dim)
 
 
@@ -135,11 +135,11 @@ class ContextParallel:
         if model.document_eos is None:
             angles = table[:, pos] if table is not None else None
         else:
-            from torch.distributed._functional_collectives import all_gather_single
-
             from meshtron.model.transformer import document_positions
+            from meshtron.torch_compat import functional_all_gather
 
-            full = _to_global(all_gather_single(tokens.contiguous(), 0, self.group), self.cp, 1)
+            full = _to_global(functional_all_gather(tokens.contiguous(), 0, self.group),
+                              self.cp, 1)
             kv_doc, doc_pos = document_positions(full, model.document_eos)
             q_doc = kv_doc[:, pos]
             angles = table[:, doc_pos[:, pos]] if table is not None else None
