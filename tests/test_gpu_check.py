@@ -91,7 +91,9 @@ def test_halved_cases_run_plans_built_for_their_own_shape(dry_run):
     assert "cpu dry-run" in f["note"]
     assert f["bf16"]["compiled"] and f["fp8"]["compiled"] and f["fp8"]["dtype"] == "fp8"
     assert f["fp8"]["predicted"] is None  # no FP8 peak on a CPU cluster
-    assert 0 < f["loss_delta_max_abs"] < 0.05  # e4m3 rounding over two steps
+    # e4m3 rounding, compounding over the 4 steps on one repeated batch: a few percent (the
+    # exact tolerances are tests/test_fp8_numerics.py's); broken FP8 is far off or not finite
+    assert 0 < f["loss_delta_max_rel"] < 0.05
     o = _ok(r, "offload")
     assert o["model"]["layers"] == max(1, full // 8)
     assert o["loss_max_abs_diff"] <= 1e-6  # offload moves tensors, it changes no number

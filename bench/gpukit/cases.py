@@ -191,7 +191,8 @@ def case_fp8(ctx: C.Ctx) -> None:
     deltas = [p - q for p, q in zip(f["losses"], b["losses"])]
     ctx.emit(fp8_over_bf16_tokens_per_s=f["tokens_per_s"] / b["tokens_per_s"],
              loss_delta_mean=statistics.mean(deltas),
-             loss_delta_max_abs=max(abs(d) for d in deltas))
+             loss_delta_max_abs=max(abs(d) for d in deltas),
+             loss_delta_max_rel=max(abs(d) / q for d, q in zip(deltas, b["losses"])))
     if b.get("predicted") and f.get("predicted"):
         ctx.emit(predicted_fp8_over_bf16_tokens_per_s=(b["predicted"]["step_time_s"]
                                                        / f["predicted"]["step_time_s"]))
