@@ -64,7 +64,7 @@ class DiLoCo:
     `after_inner_step()` after every inner optimizer step."""
 
     def __init__(self, pm, plan):
-        from meshtron.parallel.api import clean_name
+        from meshtron.model.init import clean_name
 
         self.pm = pm
         self.inner_steps = plan.diloco
