@@ -19,6 +19,7 @@ from meshtron.errors import UserError
 from meshtron.launch import World, current_world
 from meshtron.train import outputs
 from meshtron.train.job import ParallelRequest, TrainJob
+from meshtron.train.job import warn, write_run_file  # also elastic's: job.py, not here
 
 EXIT_USAGE = 2
 
@@ -41,11 +42,6 @@ def run_job(job: TrainJob, world: World | None = None) -> int:
     if job.parallel is None:
         return train_here(job)
     return launch_ranks(job)
-
-
-def warn(job: TrainJob) -> None:
-    for text in job.cfg.warnings():
-        print(f"meshtron train: warning: {text}", file=sys.stderr)
 
 
 def train_here(job: TrainJob) -> int:
@@ -120,12 +116,6 @@ def launch_ranks(job: TrainJob) -> int:
 
         outputs.print_result(job.cfg, json.loads(summary_path.read_text()), run_dir)
     return 0
-
-
-def write_run_file(job: TrainJob, path: Path) -> None:
-    import tomli_w
-
-    path.write_text(tomli_w.dumps(job.cfg.to_toml_dict()))
 
 
 def rank_command(job: TrainJob, run_dir: Path, request: ParallelRequest) -> list[str]:

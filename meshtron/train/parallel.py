@@ -211,7 +211,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     a cluster is known. `fresh_tokenizer`: no launching parent has trained the run's BPE
     tokenizer yet (rank 0 trains it). `checkpoint`: a `meshtron.checkpoint.CheckpointConfig`,
     or None. `trace_samples`: every metrics record names its step's samples (elastic runs:
-    meshtron/heal/elastic.py `sample_fields`)."""
+    the sampler's `last_step_fields`)."""
     from meshtron.checkpoint.checkpointer import make_checkpointer
 
     engine = ParallelEngine(cfg, plan, device)
