@@ -120,6 +120,9 @@ def _fsdp_input_numel(module) -> int:
 class GradCompression:
     """Compressed data-parallel gradient reduction of one ParallelModel (see module doc)."""
 
+    name = "compress"
+    """Its checkpoint key as an engine feature (meshtron/train/features.py)."""
+
     def __init__(self, pm, plan):
         from meshtron.model.init import clean_name
 
@@ -165,6 +168,9 @@ class GradCompression:
                     p.grad = _as_param_layout(p, new)
                 else:
                     g.copy_(new)
+
+    def after_optimizer_step(self) -> None:
+        """Nothing: the reduction ran after backward (`sync`, called by the ParallelModel)."""
 
     def release(self) -> None:
         """Destroy the hierarchical subgroups (before the mesh is released)."""
