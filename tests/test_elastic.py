@@ -136,7 +136,7 @@ def test_rank_command_keeps_the_family(tmp_path):
     plan for one world size."""
     from meshtron.cli import build_parser
     from meshtron.train.cli import job_from_args
-    from meshtron.train.launch import write_run_file
+    from meshtron.train.job import write_run_file
 
     argv = ["train", *BASE, "--steps", "8", "--plan", "tp=2", "--zero", "1", "--recompute",
             "full", "--run-dir", str(tmp_path / "r"), "--nnodes", "1:3", "--nproc", "2",
@@ -162,7 +162,7 @@ def test_sample_fields_follow_the_sampler():
                       seed=0, dp_rank=1, dp_size=2)
     for step in (1, 2, 3):
         data.next_batch()
-        assert elastic.sample_fields(data) == expected_samples(step)
+        assert data.train.sampler.last_step_fields() == expected_samples(step)
     assert expected_samples(1) != expected_samples(2)
 
 

@@ -1,6 +1,6 @@
-"""The README's Python API example is a file that runs: `examples/train_loop.py` under torchrun
-on 2 gloo ranks (ZeRO-3) trains (the loss falls; slow), and the README shows exactly that file
-(default suite)."""
+"""The documentation's Python API example is a file that runs: `examples/train_loop.py` under
+torchrun on 2 gloo ranks (ZeRO-3) trains (the loss falls; slow), and the guide
+(docs/guides/train.md) shows exactly that file (default suite)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_loop.py"
 
 
-def test_readme_shows_the_example_file():
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+def test_docs_show_the_example_file():
+    guide = (ROOT / "docs" / "guides" / "train.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
     assert EXAMPLE.read_text() in blocks
 
 

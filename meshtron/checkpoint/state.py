@@ -128,7 +128,7 @@ class EngineState:
         and changes nothing unless this is a ParallelOptimizer (FSDP2 / DTensor states, not
         compressed ZeRO-1 owners, no DiLoCo replicas) without state whose every parameter's
         plain-model name has states in `states`."""
-        from meshtron.parallel.api import clean_name
+        from meshtron.model.init import clean_name
 
         engine, opt = self.engine, getattr(self.engine, "optimizer", None)
         if not hasattr(engine, "pm") or self.replicas > 1 or getattr(opt, "zero1_owners", True) \

@@ -61,10 +61,14 @@ def outer_settings(plan) -> tuple[float, float]:
 
 class DiLoCo:
     """The outer loop of DiLoCo over a ParallelModel's replicas (see module doc). Call
-    `after_inner_step()` after every inner optimizer step."""
+    `after_inner_step()` after every inner optimizer step (the training engine does, as an
+    engine feature: meshtron/train/features.py)."""
+
+    name = "compress"
+    """Its checkpoint key (saved checkpoints use it)."""
 
     def __init__(self, pm, plan):
-        from meshtron.parallel.api import clean_name
+        from meshtron.model.init import clean_name
 
         self.pm = pm
         self.inner_steps = plan.diloco
@@ -88,6 +92,9 @@ class DiLoCo:
             return False
         self.sync()
         return True
+
+    def after_optimizer_step(self) -> None:
+        self.after_inner_step()
 
     @torch.no_grad()
     def sync(self) -> None:

@@ -1,7 +1,7 @@
 """Compressed gradient reduction attached to a `ParallelModel`, per ZeRO stage.
 
 - ZeRO-0/1 (replicated parameters and gradients): FSDP2 is not applied over the data axis
-  (`replaces_fsdp_reduction`), so every rank keeps its own gradients after backward;
+  (`parallel.data_parallel.replaces_fsdp_reduction`), so every rank keeps its own gradients after backward;
   `GradCompression.sync` then all-reduces them, one flat bucket per model part, with the codec
   (and the hierarchical split with compress_scope='inter_node'), and divides by dp. ZeRO-1's
   sharded optimizer is unchanged (it reads the reduced gradients).
@@ -32,12 +32,6 @@ from meshtron.compress.collectives import Reducer, Topology, build_topology
 from meshtron.compress.quant import Codec
 
 RESIDUAL_PREFIX = "grad_residual."
-
-
-def replaces_fsdp_reduction(plan) -> bool:
-    """The data axis is reduced by meshtron.compress, not FSDP2: compressed ZeRO-0/1, and
-    DiLoCo (whose replicas never reduce gradients). FSDP2 then runs only on "dp_shard"."""
-    return plan.diloco > 0 or (plan.compressed and plan.zero <= 1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -126,8 +120,11 @@ def _fsdp_input_numel(module) -> int:
 class GradCompression:
     """Compressed data-parallel gradient reduction of one ParallelModel (see module doc)."""
 
+    name = "compress"
+    """Its checkpoint key as an engine feature (meshtron/train/features.py)."""
+
     def __init__(self, pm, plan):
-        from meshtron.parallel.api import clean_name
+        from meshtron.model.init import clean_name
 
         self.pm = pm
         self.plan = plan
@@ -171,6 +168,9 @@ class GradCompression:
                     p.grad = _as_param_layout(p, new)
                 else:
                     g.copy_(new)
+
+    def after_optimizer_step(self) -> None:
+        """Nothing: the reduction ran after backward (`sync`, called by the ParallelModel)."""
 
     def release(self) -> None:
         """Destroy the hierarchical subgroups (before the mesh is released)."""

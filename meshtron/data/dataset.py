@@ -18,6 +18,7 @@ under a different dp size.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -155,6 +156,16 @@ class DistributedBatchSampler:
             out[filled:filled + take] = self.permutation(epoch)[offset:offset + take]
             filled += take
         return out
+
+    def last_step_fields(self) -> dict[str, Any]:
+        """The step just read, as its global stream position: the first stream entry of the
+        step and a hash of the global batch's window ids (every rank's rows, rank order). An
+        elastic run writes them into every metrics record, the proof that a step read the same
+        samples on any layout."""
+        start = self.sample - self.global_batch
+        ids = np.ascontiguousarray(self.stream(start, self.global_batch), dtype="<i8")
+        return {"samples_from": int(start),
+                "samples_sha": hashlib.sha256(ids.tobytes()).hexdigest()[:16]}
 
     def global_indices(self, step: int) -> np.ndarray:
         """Window indices of global step `step` (all ranks, rank order), for a constant batch."""

@@ -210,6 +210,9 @@ class BPETokenizer:
 
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+"""A tokenizer folder's files: copied with a run, and beside exported weights (meshtron/hf/)."""
 
 # Names of the end-of-text token in common Hugging Face tokenizers, tried when the folder has no
 # tokenizer_config.json naming it (GPT-2/NeoX/Qwen, Llama 2/Mistral, Llama 3, Gemma).
@@ -294,8 +297,6 @@ class HFTokenizer:
 
     def files(self) -> list[Path]:
         """The tokenizer's files (tokenizer.json and its sidecars) to copy with a run."""
-        from meshtron.hf.export import TOKENIZER_FILES
-
         return [self.path.parent / n for n in TOKENIZER_FILES
                 if (self.path.parent / n).is_file() and n != self.path.name] + [self.path]
 

@@ -19,7 +19,7 @@ world size; each round's ranks then:
    continue at its data position: the sampler's position is a global sample counter and the
    global batch is fixed, so step s reads stream entries [(s-1)B, sB) whatever the layout (no
    sample skipped or seen twice). Every metrics record of an elastic run carries
-   `samples_from` and `samples_sha` (`sample_fields`), the proof that can be compared with an
+   `samples_from` and `samples_sha` (the sampler's `last_step_fields`), the proof that can be compared with an
    uninterrupted run.
 
 Joining a round: torchrun's agents share one TCP store across rounds by default, and each agent
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -222,7 +221,7 @@ def launch_node(job) -> int:
     """This node's part of an elastic job: check, then run torchrun's agent for the node until
     the job ends; returns its exit code."""
     from meshtron.launch import check_nproc, current_world, launch_local
-    from meshtron.train.launch import warn, write_run_file
+    from meshtron.train.job import warn, write_run_file
     from meshtron.train.loop import build_run_data
 
     elastic = job.elastic
@@ -367,18 +366,3 @@ def replan_record(old_plan: dict[str, Any] | None, old_world: int, new_plan, new
     return {"event": "replan", "resumed_from_step": step, "nodes": nodes,
             "node_range": node_range, "old": old_side, "new": _side(new_plan, new_world),
             "why": "; ".join(reasons), "time": time.time()}
-
-
-# ---- the data position ---------------------------------------------------------------------------
-
-def sample_fields(data) -> dict[str, Any]:
-    """The step just read, as its global stream position: the first stream entry of the step
-    and a hash of the global batch's window ids (every rank's rows, rank order), from the
-    sampler's own position after the step."""
-    import numpy as np
-
-    sampler = data.train.sampler
-    start = sampler.sample - sampler.global_batch
-    ids = np.ascontiguousarray(sampler.stream(start, sampler.global_batch), dtype="<i8")
-    return {"samples_from": int(start),
-            "samples_sha": hashlib.sha256(ids.tobytes()).hexdigest()[:16]}

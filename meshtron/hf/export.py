@@ -25,17 +25,13 @@ from typing import Any
 import torch
 
 from meshtron.argtypes import writable_target
+from meshtron.data.tokenizer import TOKENIZER_FILES
 from meshtron.errors import UserError
 from meshtron.hf.names import HFTensors, hf_config, sources
 from meshtron.model.spec import ModelSpec
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 """Largest safetensors file written (Hugging Face's own default is 5 GB)."""
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
-"""Files copied beside the weights when the run has a tokenizer folder."""
-
 
 def prepare_export_dir(out_dir: str | Path, field: str = "train.export") -> Path:
     """Create `out_dir`; refuse a file, or a folder that already holds weights."""

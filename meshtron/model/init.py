@@ -248,7 +248,7 @@ def materialize(parts: list[nn.Module], device: torch.device, seed: int | None =
     derived from the spec (the RoPE table) are recomputed. `param_device`: where the
     parameters live when not on `device` (the host, with FSDP2's CPU offload; buffers stay on
     `device`, which FSDP2 does not offload)."""
-    from meshtron.model.transformer import rope_cache
+    from meshtron.model.rope import rope_cache
 
     for part in parts:
         part.to_empty(device=param_device or device)

@@ -100,3 +100,12 @@ def rope_table(spec: ModelSpec, positions: int, seq_len: int | None = None,
     angles = torch.outer(t, freq)
     angles = torch.cat([angles, angles], dim=-1)
     return (torch.stack([angles.cos(), angles.sin()]) * attention_factor(spec)).to(torch.float32)
+
+
+def rope_cache(spec: ModelSpec, device: torch.device | None = None,
+               seq_len: int | None = None) -> torch.Tensor:
+    """The model's RoPE buffer: cos and sin of every position up to `spec.max_seq`, stacked ->
+    [2, max_seq, head_dim] (Su et al. 2021, half-split layout). `seq_len`: the length of the
+    sequence being run (dynamic NTK's frequencies depend on it). It lives here, beside the
+    table, so that model/init.py can rebuild the buffer without importing the transformer."""
+    return rope_table(spec, spec.max_seq, seq_len, device)

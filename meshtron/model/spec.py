@@ -379,7 +379,7 @@ PRESETS: dict[str, ModelSpec] = {
         # does not implement: these presets replace it by GQA with MLA's head count and a
         # 128-wide head, 2 KV heads (a 512-wide K and V per token against MLA's 576-wide
         # latent cache). MoE fields are exact; attention has more parameters than MLA (see
-        # README: 674.6B instead of 671B total for DeepSeek-V3).
+        # docs/guides/moe.md: 674.6B instead of 671B total for DeepSeek-V3).
         _deepseek_moe("deepseek-v3", heads=128, experts=256, groups=8, topk_groups=4,
                       dense=3, vocab=129280, scale=2.5),
         _deepseek_moe("kimi-k2", heads=64, experts=384, groups=1, topk_groups=1, dense=1,

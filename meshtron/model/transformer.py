@@ -21,6 +21,7 @@ from torch import nn
 
 from meshtron.model.attention import DocumentMask, attention, document_mask
 from meshtron.model.loss import OutputHead, cross_entropy_loss
+from meshtron.model.rope import rope_cache
 from meshtron.model.spec import ModelSpec
 
 __all__ = ["Transformer", "cross_entropy_loss", "document_context", "document_positions"]
@@ -30,19 +31,6 @@ def _norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
         return nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
     return nn.LayerNorm(spec.hidden, eps=spec.norm_eps)
-
-
-def rope_cache(spec: ModelSpec, device: torch.device | None = None,
-               seq_len: int | None = None) -> torch.Tensor:
-    """cos and sin of RoPE angles, shape [max_seq, head_dim] each, stacked -> [2, max_seq, hd].
-
-    Su et al. 2021; the half-split ("rotate_half") layout used by Hugging Face Llama checkpoints;
-    long-context scalings (linear, dynamic NTK, llama3, YaRN) in meshtron/model/rope.py.
-    `seq_len`: the length of the sequence being run (dynamic NTK's frequencies depend on it).
-    """
-    from meshtron.model.rope import rope_table
-
-    return rope_table(spec, spec.max_seq, seq_len, device)
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.errors import UserError
+from meshtron.model.init import clean_name
 from meshtron.parallel.data_parallel import (
     apply_data_parallel,
+    replaces_fsdp_reduction,
     set_microbatch_policy,
     zero1_optimizer,
 )
@@ -58,8 +60,6 @@ from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_mod
 from meshtron.parallel.offload import activation_offload
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import apply_tensor_parallel
-
-_WRAP_PREFIX = "_checkpoint_wrapped_module."
 
 
 def _default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -96,11 +96,6 @@ def _set_aux_weight(model: nn.Module, scale: float) -> None:
     for m in model.modules():
         if isinstance(m, MoE):
             m.accum_scale = scale
-
-
-def clean_name(name: str) -> str:
-    """Parameter name without wrapper prefixes (activation-checkpoint wrapper)."""
-    return name.replace(_WRAP_PREFIX, "")
 
 
 class ParallelModel:
@@ -544,8 +539,6 @@ def build_optimizer(pm: ParallelModel, lr: float, betas: tuple[float, float] = (
     FSDP2 shards, so the optimizer states are sharded with them; with compressed ZeRO-1 or
     DiLoCo (meshtron.compress reduces the replicated gradients) ZeRO-1 shards the optimizer by
     whole parameters (`zero1_optimizer`)."""
-    from meshtron.compress.runtime import replaces_fsdp_reduction
-
     opt_kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
     lay = pm.layout
     optimizers, owners = [], []

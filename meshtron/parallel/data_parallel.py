@@ -60,6 +60,12 @@ from meshtron.errors import UserError
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def replaces_fsdp_reduction(plan) -> bool:
+    """The data axis is reduced by meshtron.compress, not FSDP2: compressed ZeRO-0/1, and
+    DiLoCo (whose replicas never reduce gradients). FSDP2 then runs only on "dp_shard"."""
+    return plan.diloco > 0 or (plan.compressed and plan.zero <= 1)
+
+
 def data_parallel_mesh(mesh, lay):
     """The mesh FSDP2 runs on: 1-D "dp" for ZeRO-1 (the optimizer sharded over all of dp),
     2-D ("dp_replicate", "dp_shard") for ZeRO-0 and HSDP, else 1-D "dp_shard". With context
@@ -141,8 +147,6 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
 
     With compressed ZeRO-0/1 or DiLoCo, meshtron.compress reduces the "dp_replicate" axis
     itself: FSDP2 then runs on "dp_shard" only (size 1 for zero 0/1, kept for the bf16 policy)."""
-    from meshtron.compress.runtime import replaces_fsdp_reduction
-
     own_reduction = replaces_fsdp_reduction(lay)
     if (lay.dp * lay.cp == 1 or (own_reduction and lay.dp_shard == 1)) \
             and lay.dtype == "fp32" and lay.reduce_dtype == "fp32" and lay.offload == "none":

@@ -30,7 +30,8 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.frameworks import Framework
 from meshtron.planner.placement import Placement
-from meshtron.planner.plan import Knobs, Plan, as_plan, load_plan, plan_problems
+from meshtron.planner.plan import Plan, as_plan, load_plan, plan_problems
+from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.search import SearchResult, evaluate_plan, search_plans
 
 

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
                           framework=fw)
     result.notes[:0] = notes
-    from meshtron.planner.compression import advice
+    from meshtron.planner.compression_advice import advice
 
     line = advice(result)  # compression / DiLoCo when the best plan is inter-node bound
     if line:

@@ -61,7 +61,6 @@ from functools import lru_cache
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
-from meshtron.planner.moe_cost import DEFAULT_IMBALANCE
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.fp8 import FP8_FILTERS, GEMM_GROUPS, fp8_fractions
@@ -90,6 +89,14 @@ part of overlapped communication costs this fraction of its duration."""
 DISPATCH_S = 10e-6
 """Host-side cost of issuing one operation from Python (module docstring); fused stacks issue
 fewer kernels per layer, Megatron still dispatches them from Python."""
+
+
+DEFAULT_IMBALANCE = 1.25
+"""Tokens on the fullest expert-parallel rank over the mean, when not measured. The capacity
+factor GShard (Lepikhin et al. 2020, section 2.2) and Switch Transformer (Fedus et al. 2022,
+section 2.1 and Table 1: 1.0-1.25) size expert buffers with, i.e. the load a balanced router
+stays under; the aux-loss-free balancing of DeepSeek-V3 keeps the per-batch load near that
+(its Figure 9). A convention, replaced by a measured value from router statistics."""
 
 
 @dataclass(frozen=True)
@@ -191,8 +198,8 @@ class KernelOptions:
     nodes, once per node (DeepSeek-V3: M = 4, with its DeepEP-style dispatch); 0: every one of
     its top_k copies travels (planner/moe_cost.py `a2a_time`)."""
     expert_imbalance: float = DEFAULT_IMBALANCE
-    """Routed tokens on the fullest expert-parallel rank over the mean (moe_cost.py
-    DEFAULT_IMBALANCE; measured from router statistics by `meshtron calibrate`)."""
+    """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
+    above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:

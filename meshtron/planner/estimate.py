@@ -507,7 +507,3 @@ class Evaluator(DataParallelCost):
                                                   cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
-
-
-# the simulator's view lives in step_pieces.py; re-exported for existing imports
-from meshtron.planner.step_pieces import StepPieces, step_pieces  # noqa: E402,F401

@@ -48,14 +48,7 @@ from typing import Any
 
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
-
-DEFAULT_IMBALANCE = 1.25
-"""Tokens on the fullest expert-parallel rank over the mean, when not measured. The capacity
-factor GShard (Lepikhin et al. 2020, section 2.2) and Switch Transformer (Fedus et al. 2022,
-section 2.1 and Table 1: 1.0-1.25) size expert buffers with, i.e. the load a balanced router
-stays under; the aux-loss-free balancing of DeepSeek-V3 keeps the per-batch load near that
-(its Figure 9). A convention, replaced by a measured value from router statistics."""
-
+from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions default it prices
 
 @dataclass(frozen=True)
 class MoeLayerCost:

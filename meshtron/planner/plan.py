@@ -1,8 +1,8 @@
 """The one plan type (`Plan`), its file I/O, and the names of its companion modules.
 
 The validity rules are in plan_rules.py (`plan_problems`, THE validity function), the knobs
-fixed for a search in plan_knobs.py (`Knobs`), the command-line spellings in plan_parse.py;
-all are re-exported here, so `from meshtron.planner.plan import ...` keeps working.
+fixed for a search in plan_knobs.py (`Knobs`, which imports this module), the command-line
+spellings in plan_parse.py; the rules and spellings are re-exported here.
 
 A `Plan` is the contract between the planner (which costs it), `meshtron train` (which runs it)
 and the Python API (`meshtron.build_mesh` / `meshtron.parallelize`). It is torch-free, frozen and
@@ -436,7 +436,3 @@ def as_plan(obj: Any) -> Plan:
     raise UserError(f"plan={type(obj).__name__}: expected a meshtron Plan, a plan file path or a "
                      "dict of plan fields (tp, pp, dp, zero, micro_batch, recompute, sp, schedule, "
                      "virtual_stages, stage_layers, dp_replicate, dtype)")
-
-
-# Knobs lives in plan_knobs.py (it imports Plan lazily); re-exported here for existing imports.
-from meshtron.planner.plan_knobs import Knobs  # noqa: E402,F401

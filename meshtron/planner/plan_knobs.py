@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from meshtron.errors import UserError
+from meshtron.planner.plan import Plan
 from meshtron.planner.plan_parse import parse_on_off, parse_schedule
 from meshtron.planner.plan_rules import check
 
@@ -61,8 +62,6 @@ class Knobs:
 
     @classmethod
     def of(cls, fixed: "Knobs | Any | Mapping[str, Any] | None") -> "Knobs":
-        from meshtron.planner.plan import Plan  # the plan module re-exports Knobs
-
         if fixed is None:
             return cls()
         if isinstance(fixed, Knobs):

@@ -29,9 +29,10 @@ from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Estimate, Evaluator
-from meshtron.planner.plan import (RECOMPUTE, Knobs, Plan, check, microbatch_problem,
+from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
                                     offload_runtime_problem, plan_problems,
                                     schedule_zero_problem)
+from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.plan_rules import compile_runtime_problem
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)

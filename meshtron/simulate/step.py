@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from meshtron.errors import UserError
-from meshtron.planner.estimate import Estimate, Evaluator, StepPieces, step_pieces
+from meshtron.planner.estimate import Estimate, Evaluator
+from meshtron.planner.step_pieces import StepPieces, step_pieces
 from meshtron.simulate.schedule import device_orders, zb_orders
 
 

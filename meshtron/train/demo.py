@@ -1,6 +1,6 @@
 """`meshtron demo`: the default model on the embedded corpus, on 4 local ranks with a hybrid
 layout (tensor parallel 2; the planner picks the rest for this machine), 4-8 minutes on a
-shared 2-core machine (README "The demo"). Calibrates this machine once, shows the planner's view of it, then runs the
+shared 2-core machine (docs/measurements.md, "The demo"). Calibrates this machine once, shows the planner's view of it, then runs the
 job like `meshtron train`."""
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshtron.checkpoint.config import CheckpointConfig
@@ -60,3 +62,16 @@ class TrainJob:
 
             raise UserError(f"--watchdog-timeout={t!r}: allowed a finite number of seconds "
                             ">= 1")
+
+
+def warn(job: TrainJob) -> None:
+    """Print the run's valid-but-probably-unintended settings, once, before it starts."""
+    for text in job.cfg.warnings():
+        print(f"meshtron train: warning: {text}", file=sys.stderr)
+
+
+def write_run_file(job: TrainJob, path: Path) -> None:
+    """The resolved run file the ranks read (`--config`)."""
+    import tomli_w
+
+    path.write_text(tomli_w.dumps(job.cfg.to_toml_dict()))

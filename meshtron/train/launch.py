@@ -19,6 +19,7 @@ from meshtron.errors import UserError
 from meshtron.launch import World, current_world
 from meshtron.train import outputs, run_lock
 from meshtron.train.job import ParallelRequest, TrainJob
+from meshtron.train.job import warn, write_run_file  # also elastic's: job.py, not here
 
 EXIT_USAGE = 2
 
@@ -41,11 +42,6 @@ def run_job(job: TrainJob, world: World | None = None) -> int:
     if job.parallel is None:
         return train_here(job)
     return launch_ranks(job)
-
-
-def warn(job: TrainJob) -> None:
-    for text in job.cfg.warnings():
-        print(f"meshtron train: warning: {text}", file=sys.stderr)
 
 
 def train_here(job: TrainJob) -> int:
@@ -148,12 +144,6 @@ def claim_run_dir(job: TrainJob) -> None:
     except UserError:
         run_lock.abandon(job.cfg.train.run_dir)
         raise
-
-
-def write_run_file(job: TrainJob, path: Path) -> None:
-    import tomli_w
-
-    path.write_text(tomli_w.dumps(job.cfg.to_toml_dict()))
 
 
 def rank_command(job: TrainJob, run_dir: Path, request: ParallelRequest) -> list[str]:

@@ -289,9 +289,7 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
                 record["compile_time_s"] = compiled.total
             pending = 0
             if trace_samples and main:
-                from meshtron.heal.elastic import sample_fields
-
-                record.update(sample_fields(data))
+                record.update(data.train.sampler.last_step_fields())
             if cfg.model.is_moe:  # before evaluation, whose forwards replace the statistics
                 record.update(engine.router_record())
             if not math.isfinite(loss):

@@ -21,6 +21,7 @@ from meshtron.errors import UserError
 from meshtron.launch import World
 from meshtron.model import Transformer
 from meshtron.train import outputs, router
+from meshtron.train.features import build_features, stateful_features
 from meshtron.train.loop import StepOutput, build_run_data, read_values, run_loop
 from meshtron.train.optim import adamw_kernel, build_scheduler, param_groups
 from meshtron.hf.hooks import export_at_end, hf_fill
@@ -83,20 +84,19 @@ class ParallelEngine:
             weight_decay=cfg.optim.weight_decay,
             optimizer_cls=_adamw_factory(cfg.optim.weight_decay, device.type))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        from meshtron.compress import diloco
-
-        self.diloco = diloco.attach(self.pm, rt)
-        # Error-feedback residuals or DiLoCo's outer state: a Stateful to checkpoint (or None).
-        self.compress_state = self.diloco or self.pm.grad_sync
-        # meshtron.checkpoint saves (and reshards) these beside the model and optimizer.
-        self.checkpoint_extras = ({"compress": self.compress_state}
-                                  if self.compress_state is not None else {})
         self.grad_clip = cfg.optim.grad_clip
         self.is_main = dist.get_rank() == 0
         self.grad_bytes: int | None = None
         self.spec = cfg.model
         self._moe: list | None = None
         self._dp_group: Any = False  # not made yet (see _data_group)
+        self.features = build_features(self.pm, rt, self._moe_layers(), self._data_group)
+        """Called after every optimizer step (meshtron/train/features.py)."""
+        # Error-feedback residuals or DiLoCo's outer state: a Stateful to checkpoint (or None).
+        self.compress_state = stateful_features(self.features).get("compress")
+        self.diloco = self.compress_state if rt.diloco > 0 else None  # checkpoint/state.py reads it
+        # meshtron.checkpoint saves (and reshards) these beside the model and optimizer.
+        self.checkpoint_extras = stateful_features(self.features)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         """One optimizer step with no host synchronisation."""
@@ -111,11 +111,8 @@ class ParallelEngine:
         norm = self.pm.clip_grad_norm_(self.grad_clip) if self.grad_clip > 0 else None
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        self.pm.after_optimizer_step()  # FP8 all-gather: the weights' scales
-        if moe:  # every data rank applies the update of the summed load
-            router.update_bias(self.pm.model_parts, group=self._data_group())
-        if self.diloco is not None:
-            self.diloco.after_inner_step()
+        for feature in self.features:  # FP8 scales, MoE balancing bias, DiLoCo's outer step
+            feature.after_optimizer_step()
         self.scheduler.step()
         self.optimizer.zero_grad()
         return StepOutput(loss, norm, lr)
@@ -171,9 +168,10 @@ class ParallelEngine:
         """Drop the model and optimizer and destroy the mesh's process groups."""
         from meshtron.parallel.mesh import release_mesh
 
-        if self.compress_state is not None:
-            self.compress_state.release()
+        for feature in self.features:
+            feature.release()
         del self.pm, self.optimizer, self.scheduler, self.diloco, self.compress_state
+        del self.features, self.checkpoint_extras
         release_mesh(self.mesh)
 
 
@@ -211,7 +209,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     a cluster is known. `fresh_tokenizer`: no launching parent has trained the run's BPE
     tokenizer yet (rank 0 trains it). `checkpoint`: a `meshtron.checkpoint.CheckpointConfig`,
     or None. `trace_samples`: every metrics record names its step's samples (elastic runs:
-    meshtron/heal/elastic.py `sample_fields`)."""
+    the sampler's `last_step_fields`)."""
     from meshtron.checkpoint.checkpointer import make_checkpointer
 
     engine = ParallelEngine(cfg, plan, device)
