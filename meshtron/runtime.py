@@ -49,21 +49,33 @@ def local_device(local_rank: int | None = None) -> torch.device:
     return device
 
 
+def cpu_backend(record: bool) -> str:
+    """The backend of a CPU rank's default group: "gloo", or with `record` meshtron doctor's
+    recording gloo group (doctor/backend.py: every collective recorded, nothing of torch
+    patched; its sub-groups, e.g. the mesh axes, inherit it)."""
+    if not record:
+        return "gloo"
+    from meshtron.doctor.backend import register
+
+    return register()
+
+
 def init_rank(world: World, timeout_s: float = 600.0,
-              dump_prefix: str | None = None) -> torch.device:
+              dump_prefix: str | None = None, record: bool = False) -> torch.device:
     """Join the job's default process group; returns this rank's device.
 
     CUDA: NCCL for CUDA tensors and gloo for CPU tensors in one group ("cuda:nccl,cpu:gloo":
     object broadcasts, checkpoint side groups and CPU metadata need no second group), bound to
     this rank's GPU (`device_id`: NCCL makes its communicator eagerly, on the right device,
-    and later groups can split from it), with NCCL_ENV. CPU: gloo."""
+    and later groups can split from it), with NCCL_ENV. CPU: gloo; with `record`, gloo through
+    meshtron doctor's recording process group (`cpu_backend`)."""
     device = local_device(world.local_rank)
     if device.type == "cuda":
         backend = "cuda:nccl,cpu:gloo"
         for key, value in nccl_env(dump_prefix).items():
             os.environ.setdefault(key, value)
     else:
-        backend = "gloo"
+        backend = cpu_backend(record)
         # One process per core share: oversubscribed threads made gloo ranks 20-50x slower
         # (shared notes, "Speed on 2 cores").
         cores = os.cpu_count() or 1

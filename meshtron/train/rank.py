@@ -41,7 +41,8 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         doctor.prepare_env()
         _join_attempt(job, world)
         device = init_rank(world, dump_prefix=str(
-            doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"))
+            doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"),
+            record=job.recorder)
         phases.mark("group_ready")
         if job.elastic is not None:  # a rendezvous round: start or continue the job
             from meshtron.heal.elastic import begin_round
@@ -117,9 +118,10 @@ def _join_attempt(job: TrainJob, world: World) -> None:
         import torch
 
         from meshtron.checkpoint.restart import init_attempt_group
+        from meshtron.runtime import cpu_backend
 
-        init_attempt_group("nccl" if torch.cuda.is_available() else "gloo", world.rank,
-                           world.world_size, 600.0)
+        init_attempt_group("nccl" if torch.cuda.is_available() else cpu_backend(job.recorder),
+                           world.rank, world.world_size, 600.0)
 
 
 def _note(job: TrainJob, world: World, cause: str) -> None:
