@@ -11,13 +11,16 @@ replacement):
   kernel registered with `torch.library.Library(ns, "IMPL")` shows there) and the set of
   Python kernels torch.library has registered (`torch.library._impls`).
 
-`changes(before, after)` lists what differs: a replaced attribute of a module or class (values
-that were not callables or classes are settings and caches, not code: left out), an attribute
-added to a class, a changed dispatcher table or a new Python kernel.
+`changes(before)` lists what differs from then: an attribute of a module or class replaced by
+code that is not torch's own, such code added to a class (values that are not callables or
+classes are settings and caches; torch's own code is torch patching itself as it runs, e.g.
+the Optimizer's profiler hook around `step`), a collective operator's changed dispatcher table
+or a Python kernel registered for one.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -30,6 +33,26 @@ ALLOWED_ADDITIONS = {("torch.distributed.distributed_c10d", "Backend", "MESHTRON
 
 def _is_code(value: Any) -> bool:
     return callable(value) or isinstance(value, (type, staticmethod, classmethod, property))
+
+
+def _torch_made(value: Any) -> bool:
+    """The object's code comes from torch itself (torch keeps patching its own classes as it
+    runs: Optimizer wraps `step` for its profiler hooks, dynamo installs `_init_group`...):
+    a function defined in a file under torch's package folder, or an object of a torch type."""
+    import torch
+
+    home = os.path.dirname(torch.__file__) + os.sep
+    func = value
+    if isinstance(func, (staticmethod, classmethod)):
+        func = func.__func__
+    elif isinstance(func, property):
+        func = func.fget
+    func = getattr(func, "__func__", func)  # bound methods
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        return code.co_filename.startswith(home)
+    module = getattr(value, "__module__", None) or type(value).__module__ or ""
+    return module == "torch" or module.startswith("torch.")
 
 
 def _op_names() -> list[str]:
@@ -93,19 +116,25 @@ def changes(before: dict[str, Any]) -> list[str]:
         present, new = _current(key)
         if not present:
             out.append(f"removed {'.'.join(key)}")
-        elif new is not old:
+        elif new is not old and not _torch_made(new):
             out.append(f"replaced {'.'.join(key)}: {old!r} -> {new!r}")
     for (mod, cls), names in before["classes"].items():
         current = vars(sys.modules[mod]).get(cls)
         if isinstance(current, type):
             for added in sorted(set(vars(current)) - names):
-                if (mod, cls, added) not in ALLOWED_ADDITIONS:
-                    out.append(f"added {mod}.{cls}.{added}")
+                value = vars(current)[added]
+                # torch keeps state and caches on its classes as it runs (pickle's
+                # __slotnames__, dynamo's and the RNG decompositions' trackers): only code
+                # added to a class changes what its instances do.
+                if _is_code(value) and not _torch_made(value) and \
+                        (mod, cls, added) not in ALLOWED_ADDITIONS:
+                    out.append(f"added {mod}.{cls}.{added}: {value!r}")
     for name, table in before["dispatch"].items():
         if torch._C._dispatch_dump(name) != table:
             out.append(f"dispatcher table of {name} changed")
     for impl in sorted(set(getattr(torch.library, "_impls", ())) - before["impls"]):
-        out.append(f"python kernel registered: {impl}")
+        if impl.partition("/")[0] in COLLECTIVE_NAMESPACES:
+            out.append(f"python kernel registered: {impl}")
     return out
 
 
