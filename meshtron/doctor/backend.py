@@ -123,7 +123,9 @@ class RecordedWork(dist.Work):
 
 
 class RecordingProcessGroup(_PG):
-    """A gloo process group whose collectives are recorded (see the module docstring).
+    """A gloo process group whose collectives are recorded (see the module docstring). The
+    shapes recorded are the operator's tensor arguments in the order of its c10d schema
+    (outputs before inputs), as earlier dumps and tests/data/doctor have them.
 
     Each override must be named as the method it overrides and call the base method with
     `self` (pybind recognises the overriding frame by both and then runs the C++ base)."""
@@ -190,32 +192,32 @@ class RecordingProcessGroup(_PG):
         return self._end(rec, _PG.allreduce_coalesced(self, tensors, opts))
 
     def allgather(self, output_tensors, input_tensors, opts):
-        rec = self._begin("all_gather", input_tensors)
+        rec = self._begin("all_gather", [output_tensors, input_tensors])
         return self._end(rec, _PG.allgather(self, output_tensors, input_tensors, opts))
 
     def all_gather_single(self, output, input, opts):
-        rec = self._begin("all_gather_into_tensor", [input])
+        rec = self._begin("all_gather_into_tensor", [output, input])
         return self._end(rec, _PG.all_gather_single(self, output, input, opts))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        rec = self._begin("all_gather_coalesced", inputs)
+        rec = self._begin("all_gather_coalesced", [outputs, inputs])
         return self._end(rec, _PG.all_gather_single_coalesced(self, outputs, inputs, opts))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
-        rec = self._begin("reduce_scatter", output_tensors)
+        rec = self._begin("reduce_scatter", [output_tensors, input_tensors])
         return self._end(rec, _PG.reduce_scatter(self, output_tensors, input_tensors, opts))
 
     def reduce_scatter_single(self, output, input, opts):
-        rec = self._begin("reduce_scatter_tensor", [input])
+        rec = self._begin("reduce_scatter_tensor", [output, input])
         return self._end(rec, _PG.reduce_scatter_single(self, output, input, opts))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        rec = self._begin("reduce_scatter_coalesced", inputs)
+        rec = self._begin("reduce_scatter_coalesced", [outputs, inputs])
         return self._end(rec, _PG.reduce_scatter_single_coalesced(self, outputs, inputs, opts))
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts):
-        # Only the input: members of an uneven all-to-all legitimately differ in outputs.
-        rec = self._begin("all_to_all_single", [input])
+        # (the analysis lets the members of an all-to-all differ: uneven splits)
+        rec = self._begin("all_to_all_single", [output, input])
         return self._end(rec, _PG.all_to_all_single(self, output, input, output_splits,
                                                     input_splits, opts))
 
