@@ -39,6 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch._C._distributed_c10d import (  # noqa: E402
+    _allow_inflight_collective_as_graph_input as _allow_inflight,
+    _register_work,
+)
+
 BACKEND = "meshtron_gloo"
 """The backend name `init_process_group` gets on recorded CPU ranks."""
 _PG = dist.ProcessGroup
@@ -146,7 +151,7 @@ class RecordingProcessGroup(_PG):
                                                     timeout)
         self._set_default_backend(_PG.BackendType.GLOO)
         self._register_backend(torch.device("cpu"), _PG.BackendType.GLOO, backend)
-        self._gloo = gloo
+        self._backend = backend
         self._coll_seq = itertools.count(1)
         self._p2p_seq: dict[tuple[str, int], Any] = {}
         self._ranks: list[int] | None = None
@@ -172,7 +177,10 @@ class RecordingProcessGroup(_PG):
             return None
         return recorder.issue(self, op, seq, tensors, peer)
 
-    def _end(self, rec, work):
+    def _end(self, rec, work, outputs):
+        if _allow_inflight():  # as the base class does (compiled graphs that take in-flight
+            for tensor in outputs:  # collectives' outputs as inputs wait on them)
+                _register_work(tensor, work)
         if rec is None:
             return work
         recorder = _recorder
@@ -182,57 +190,77 @@ class RecordingProcessGroup(_PG):
         recorder.pending(rec, work)
         return RecordedWork(work, rec, recorder)
 
-    # -- collectives: record, then the base class's own implementation -------------------------
+    # -- collectives: record, then the gloo backend's ------------------------------------------
+    # The backend is called through its own bindings, which release the GIL while gloo works.
+    # Not through the base class (`ProcessGroup.allreduce(self, ...)`): pybind's trampoline
+    # runs that with the GIL held, and gloo's worker thread, which frees finished work under
+    # its queue lock, needs the GIL to drop tensors' Python objects: a deadlock (seen in
+    # bench/recorder_overhead.py --per-call). The two coalesced operations have no backend
+    # binding: they go through their c10d operators, which release the GIL too. Either way it
+    # is the call the base class makes (the c10d operator's CPU kernel calls the backend).
     def allreduce(self, tensors, opts):
         rec = self._begin("all_reduce", tensors)
-        return self._end(rec, _PG.allreduce(self, tensors, opts))
+        return self._end(rec, self._backend.allreduce(tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors, opts):
         rec = self._begin("all_reduce_coalesced", tensors)
-        return self._end(rec, _PG.allreduce_coalesced(self, tensors, opts))
+        return self._end(rec, self._backend.allreduce_coalesced(tensors, opts), tensors)
 
     def allgather(self, output_tensors, input_tensors, opts):
         rec = self._begin("all_gather", [output_tensors, input_tensors])
-        return self._end(rec, _PG.allgather(self, output_tensors, input_tensors, opts))
+        return self._end(rec, self._backend.allgather(output_tensors, input_tensors, opts),
+                         [t for ts in output_tensors for t in ts])
 
     def all_gather_single(self, output, input, opts):
         rec = self._begin("all_gather_into_tensor", [output, input])
-        return self._end(rec, _PG.all_gather_single(self, output, input, opts))
+        return self._end(rec, self._backend._allgather_base(output, input, opts), [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
         rec = self._begin("all_gather_coalesced", [outputs, inputs])
-        return self._end(rec, _PG.all_gather_single_coalesced(self, outputs, inputs, opts))
+        work = torch.ops.c10d.allgather_into_tensor_coalesced_(outputs, inputs, self,
+                                                               opts.asyncOp)
+        return self._end(rec, work, outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         rec = self._begin("reduce_scatter", [output_tensors, input_tensors])
-        return self._end(rec, _PG.reduce_scatter(self, output_tensors, input_tensors, opts))
+        return self._end(rec, self._backend.reduce_scatter(output_tensors, input_tensors, opts),
+                         output_tensors)
 
     def reduce_scatter_single(self, output, input, opts):
         rec = self._begin("reduce_scatter_tensor", [output, input])
-        return self._end(rec, _PG.reduce_scatter_single(self, output, input, opts))
+        return self._end(rec, self._backend._reduce_scatter_base(output, input, opts), [output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         rec = self._begin("reduce_scatter_coalesced", [outputs, inputs])
-        return self._end(rec, _PG.reduce_scatter_single_coalesced(self, outputs, inputs, opts))
+        work = torch.ops.c10d.reduce_scatter_tensor_coalesced_(
+            outputs, inputs, self, opts.reduceOp, opts.asyncOp,
+            int(opts.timeout.total_seconds() * 1000))
+        return self._end(rec, work, outputs)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts):
         # (the analysis lets the members of an all-to-all differ: uneven splits)
         rec = self._begin("all_to_all_single", [output, input])
-        return self._end(rec, _PG.all_to_all_single(self, output, input, output_splits,
-                                                    input_splits, opts))
+        return self._end(rec, self._backend.alltoall_base(output, input, output_splits,
+                                                          input_splits, opts), [output])
 
     def broadcast(self, tensors, opts):
         rec = self._begin("broadcast", tensors)
-        return self._end(rec, _PG.broadcast(self, tensors, opts))
+        return self._end(rec, self._backend.broadcast(tensors, opts), tensors)
 
     def barrier(self, opts):
         rec = self._begin("barrier", [])
-        return self._end(rec, _PG.barrier(self, opts))
+        return self._end(rec, self._backend.barrier(opts), [])
 
     def send(self, tensors, dst: int, tag: int):
         rec = self._begin("send", tensors, peer=dst)
-        return self._end(rec, _PG.send(self, tensors, dst, tag))
+        return self._end(rec, self._backend.send(tensors, dst, tag), [])
 
     def recv(self, tensors, src: int, tag: int):
         rec = self._begin("recv", tensors, peer=src)
-        return self._end(rec, _PG.recv(self, tensors, src, tag))
+        return self._end(rec, self._backend.recv(tensors, src, tag), tensors)
+
+    def start_coalescing(self, device) -> None:
+        self._backend._start_coalescing(device)
+
+    def end_coalescing(self, device):
+        return self._backend._end_coalescing(device)
