@@ -127,6 +127,25 @@ class RecordedWork(dist.Work):
         self._work.block_current_stream()
 
 
+class _AllOf(dist.Work):
+    """One Work for several (a coalesced operation issued per tensor pair)."""
+
+    def __init__(self, works: list):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def get_future(self):
+        return torch.futures.collect_all([work.get_future() for work in self._works])
+
+
 class RecordingProcessGroup(_PG):
     """A gloo process group whose collectives are recorded (see the module docstring). The
     shapes recorded are the operator's tensor arguments in the order of its c10d schema
@@ -195,9 +214,11 @@ class RecordingProcessGroup(_PG):
     # Not through the base class (`ProcessGroup.allreduce(self, ...)`): pybind's trampoline
     # runs that with the GIL held, and gloo's worker thread, which frees finished work under
     # its queue lock, needs the GIL to drop tensors' Python objects: a deadlock (seen in
-    # bench/recorder_overhead.py --per-call). The two coalesced operations have no backend
-    # binding: they go through their c10d operators, which release the GIL too. Either way it
-    # is the call the base class makes (the c10d operator's CPU kernel calls the backend).
+    # bench/recorder_overhead.py --per-call). It is the call the base class makes (the c10d
+    # operator's CPU kernel calls the backend). The two coalesced operations have no backend
+    # binding: gloo runs them as one operation per tensor pair (its `_reduce_scatter_base` is
+    # the coalesced call with one pair; each pair reduced apart), so they are issued per pair
+    # here, the same arithmetic, under one Work.
     def allreduce(self, tensors, opts):
         rec = self._begin("all_reduce", tensors)
         return self._end(rec, self._backend.allreduce(tensors, opts), tensors)
@@ -217,8 +238,8 @@ class RecordingProcessGroup(_PG):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
         rec = self._begin("all_gather_coalesced", [outputs, inputs])
-        work = torch.ops.c10d.allgather_into_tensor_coalesced_(outputs, inputs, self,
-                                                               opts.asyncOp)
+        work = _AllOf([self._backend._allgather_base(o, i, opts)
+                       for o, i in zip(outputs, inputs)])
         return self._end(rec, work, outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
@@ -232,9 +253,8 @@ class RecordingProcessGroup(_PG):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         rec = self._begin("reduce_scatter_coalesced", [outputs, inputs])
-        work = torch.ops.c10d.reduce_scatter_tensor_coalesced_(
-            outputs, inputs, self, opts.reduceOp, opts.asyncOp,
-            int(opts.timeout.total_seconds() * 1000))
+        work = _AllOf([self._backend._reduce_scatter_base(o, i, opts)
+                       for o, i in zip(outputs, inputs)])
         return self._end(rec, work, outputs)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts):
