@@ -1,27 +1,27 @@
 """Step-time overhead of meshtron doctor's collective recorder (goal: ratio <= 1.02).
 
-Same ranks, same model and optimizer, same batches; rounds alternate recorder OFF / ON / OFF /
-ON ... inside one multi-rank gloo launch (`testkit.multiproc`), so machine noise (other
-jobs on a shared machine) hits both sides alike. A round is `--steps` optimizer steps of the
-engine `meshtron train` runs (`ParallelEngine.train_step`); its step time is the slowest rank's
-median. ON installs the recorder (`CollectiveRecorder.install`) as a training rank does for
-its whole run; the session's watchdog thread runs in every round. STACKS (column "stacks")
-installs it with a Python stack per collective and a progress callback per collective, what
-every collective paid before stacks became a debugging option (MESHTRON_DOCTOR_STACKS=1).
+The recorder is meshtron's recording gloo process group (meshtron/doctor/backend.py): every
+collective goes through a Python method that records it and wraps its Work. Two measurements,
+each side by side in one run:
 
-Printed per layout: the ratio ON/OFF of the median step times over all rounds, the median of
-the per-pair ratios with its quartiles, the collectives recorded per step, the same ratio of
-CPU seconds per step summed over ranks ("cpu ON": process CPU time, gloo threads included,
-barely affected by other jobs on a shared machine, so it isolates the recorder's own cost), and
-(columns "mode", "cpu mode") the ratios with the recorder as a
-TorchDispatchMode instead (every operator through Python: the reference path, not what a
-rank runs). The installed recorder must record at least what the mode records (asserted).
-
-`--per-call` measures the recorder's own cost per collective instead, in one process (a
-1-rank gloo group, so no peer's scheduling enters): CPU microseconds per `dist.all_reduce`
-(the c10d path FSDP2 and the pipeline use) and per functional all-reduce + wait (DTensor's
-path), rounds OFF / ON / STACKS alternating; a machine too loaded for step-time ratios still
-gives these.
+1. Step time, one multi-rank gloo launch (`testkit.multiproc`, ranks on the recording group as
+   `meshtron train` ranks are): same ranks, model, optimizer and batches; rounds alternate
+   OFF / ON / STACKS / ... so that machine noise (other jobs on a shared machine) hits every
+   side alike. A round is `--steps` optimizer steps of the engine `meshtron train` runs
+   (`ParallelEngine.train_step`); its step time is the slowest rank's median. ON: a recorder
+   attached, as a training rank runs for its whole run; OFF: none attached (the group then only
+   counts sequence numbers and forwards); STACKS: attached with a Python stack and a progress
+   callback per collective (MESHTRON_DOCTOR_STACKS=1). Printed per layout: the ratio ON/OFF of
+   the median step times over all rounds, the median of the per-pair ratios with quartiles,
+   the collectives recorded per step, and the same ratio of CPU seconds per step summed over
+   ranks ("cpu ON": gloo threads included, barely affected by other jobs).
+2. The cost per collective of the group itself, in one process (a 1-rank world, so no peer's
+   scheduling enters): main-thread CPU microseconds per `dist.all_reduce` (the c10d path FSDP2
+   and the pipeline use) and per functional all-reduce + wait (DTensor's path) on a plain gloo
+   group, on the recording group with no recorder and with one, rounds alternating. OFF in (1)
+   already pays the group's forwarding; "vs gloo" adds it back: (ON step time + collectives
+   per step x (forwarding cost)) / OFF step time, the step-time ratio against a run on plain
+   gloo groups (`meshtron train --no-recorder`).
 
     .venv/bin/python bench/recorder_overhead.py
     .venv/bin/python bench/recorder_overhead.py --layouts tp=2 --pairs 6 --model tiny
@@ -62,10 +62,12 @@ def rank_bench(layout: str, model: str, seq_len: int, global_batch: int, steps: 
 
     from meshtron.config import config_from_dict
     from meshtron.doctor import DoctorSession
+    from meshtron.doctor.backend import is_recording_group
     from meshtron.doctor.recorder import CollectiveRecorder
     from meshtron.planner.plan import Plan
     from meshtron.train.parallel import ParallelEngine
 
+    assert is_recording_group(dist.group.WORLD)
     cfg = config_from_dict({"model": model, "data": {"seq_len": seq_len,
                                                      "global_batch": global_batch},
                             "train": {"steps": (steps + 1) * pairs * 3 + 2}})
@@ -76,42 +78,31 @@ def rank_bench(layout: str, model: str, seq_len: int, global_batch: int, steps: 
     recorder = CollectiveRecorder(dist.get_rank(), capacity=2000)
     stacked = CollectiveRecorder(dist.get_rank(), capacity=2000, stacks=True,
                                  on_issue=lambda: time.time())
-    mode = CollectiveRecorder(dist.get_rank(), capacity=2000)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab, (global_batch, seq_len), generator=g)
-    dp = plan.dp
-    rows = global_batch // dp
+    rows = global_batch // plan.dp
     r = engine.dp_rank
     inputs, targets = x[r * rows:(r + 1) * rows], x[r * rows:(r + 1) * rows].roll(1, 1)
     for _ in range(2):  # warm-up: lazy init, first all-gathers
         engine.train_step(inputs, targets)
-    times = {"off": [], "on": [], "stacks": [], "mode": []}
-    cpu = {"off": [], "on": [], "stacks": [], "mode": []}
+    times = {"off": [], "on": [], "stacks": []}
+    cpu = {"off": [], "on": [], "stacks": []}
     for pair in range(pairs):
-        order = ("off", "on", "stacks", "mode") if pair % 2 == 0 else \
-            ("mode", "stacks", "on", "off")
+        order = ("off", "on", "stacks") if pair % 2 == 0 else ("stacks", "on", "off")
         for side in order:
             dist.barrier()
-            if side == "on":
-                recorder.install()
-            elif side == "stacks":
-                stacked.install()
-            # One untimed step after each switch: re-registering the kernels makes the
-            # dispatcher rebuild its tables (a rank installs once, at start).
-            engine.train_step(inputs, targets)
+            attached = {"on": recorder, "stacks": stacked}.get(side)
+            if attached is not None:
+                attached.install()
             step_times, cpu_times = [], []
             for _ in range(steps):
                 t0, c0 = time.perf_counter(), time.process_time()
-                if side == "mode":
-                    with mode:
-                        out = engine.train_step(inputs, targets)
-                else:
-                    out = engine.train_step(inputs, targets)
+                out = engine.train_step(inputs, targets)
                 float(out.loss)
                 step_times.append(time.perf_counter() - t0)
                 cpu_times.append(time.process_time() - c0)
-            recorder.uninstall()
-            stacked.uninstall()
+            if attached is not None:
+                attached.uninstall()
             t = torch.tensor([statistics.median(step_times), 0.0], dtype=torch.float64)
             t[1] = statistics.median(cpu_times)
             wall = t[:1].clone()
@@ -119,56 +110,64 @@ def rank_bench(layout: str, model: str, seq_len: int, global_batch: int, steps: 
             dist.all_reduce(t)  # CPU seconds of all ranks (gloo threads included)
             times[side].append(float(wall))
             cpu[side].append(float(t[1]))
-    per_step = len(recorder.records) / ((steps + 1) * pairs)
-    # The installed recorder also sees what DTensor issues inside its operator handlers,
-    # where the mode is suspended (tests/test_doctor_recorder.py).
-    assert len(recorder.records) >= len(mode.records), (len(recorder.records), len(mode.records))
+    per_step = len(recorder.records) / (steps * pairs)
+    assert per_step > 0 and all(s["state"] == "completed" for s in recorder.snapshot())
     session.close(final_dump=False)
     engine.release()
     return {"times": times, "cpu": cpu, "collectives_per_step": per_step}
 
 
 def per_call(rounds: int = 8, calls: int = 2000) -> dict[str, tuple[float, float]]:
-    """Main-thread CPU microseconds per collective (c10d, functional), off / on / stacks."""
-    import os
-
+    """Main-thread CPU microseconds per collective (c10d, functional): plain gloo group,
+    recording group without and with a recorder (a 1-rank world on the recording group)."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from meshtron.doctor.backend import is_recording_group
     from meshtron.doctor.recorder import CollectiveRecorder
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29631")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    assert is_recording_group(dist.group.WORLD)
+    groups = {"gloo": dist.new_group([0], backend="gloo"), "detached": dist.group.WORLD,
+              "on": dist.group.WORLD}
     t = torch.ones(16)
     wait = torch.ops._c10d_functional.wait_tensor
-    out: dict[str, list] = {"off": [], "on": [], "stacks": []}
+    out: dict[str, list] = {k: [] for k in groups}
+    rec = CollectiveRecorder(0)
     for r in range(rounds):
-        for side in (("off", "on", "stacks") if r % 2 == 0 else ("stacks", "on", "off")):
-            rec = None
-            if side != "off":
-                rec = CollectiveRecorder(0, stacks=side == "stacks",
-                                         on_issue=(lambda: time.time()) if side == "stacks"
-                                         else None)
+        for side in (list(groups) if r % 2 == 0 else list(reversed(groups))):
+            group = groups[side]
+            if side == "on":
                 rec.install()
-            for _ in range(100):  # warm-up after a switch (dispatcher tables rebuilt)
-                dist.all_reduce(t)
+            for _ in range(100):  # warm-up
+                dist.all_reduce(t, group=group)
             # The main thread's CPU time: the recorder runs there; gloo's threads do not.
             c0 = time.thread_time()
             for _ in range(calls):
-                dist.all_reduce(t)
+                dist.all_reduce(t, group=group)
             c1 = time.thread_time()
             for _ in range(calls):
-                wait(funcol.all_reduce(t, "sum", dist.group.WORLD))
+                wait(funcol.all_reduce(t, "sum", group))
             c2 = time.thread_time()
-            if rec is not None:
-                rec.uninstall()
+            rec.uninstall()
             out[side].append(((c1 - c0) / calls * 1e6, (c2 - c1) / calls * 1e6))
-    dist.destroy_process_group()
+    assert len(rec.records) > 0
     # The fastest round: machine noise only ever adds time.
     return {k: (min(a for a, _ in v), min(b for _, b in v)) for k, v in out.items()}
+
+
+def _per_call_table() -> dict[str, tuple[float, float]]:
+    from testkit.multiproc import run_on_ranks
+
+    import recorder_overhead
+
+    res = run_on_ranks(recorder_overhead.per_call, 1, timeout=1800, backend="recorded")[0]
+    gloo = res["gloo"]
+    print("main-thread CPU microseconds per collective (fastest of 8 rounds): c10d all_reduce, "
+          "functional all_reduce + wait; added = over the plain gloo group")
+    for side, (a, b) in res.items():
+        print(f"{side:<10}{a:>10.1f}{b:>10.1f}   added {a - gloo[0]:>7.1f} {b - gloo[1]:>7.1f}")
+    return res
 
 
 def main() -> int:
@@ -179,43 +178,38 @@ def main() -> int:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5, help="steps per round")
     ap.add_argument("--pairs", type=int, default=6, help="OFF/ON round pairs")
-    ap.add_argument("--per-call", action="store_true", help="cost per collective, one process")
+    ap.add_argument("--per-call", action="store_true", help="cost per collective only")
     args = ap.parse_args()
+    calls = _per_call_table()
     if args.per_call:
-        res = per_call()
-        off = res["off"]
-        print("main-thread CPU microseconds per collective (fastest of 8 rounds): c10d all_reduce, "
-              "functional all_reduce + wait")
-        for side, (a, b) in res.items():
-            print(f"{side:<8}{a:>10.1f}{b:>10.1f}   added {a - off[0]:>7.1f} {b - off[1]:>7.1f}")
         return 0
+    # The group's own forwarding, which OFF already pays: the dearer of the two paths.
+    forward_s = max(calls["detached"][i] - calls["gloo"][i] for i in (0, 1)) / 1e6
     from testkit.multiproc import run_on_ranks
 
     import recorder_overhead
 
-    print(f"model {args.model}, seq {args.seq_len}, batch {args.global_batch}, "
+    print(f"\nmodel {args.model}, seq {args.seq_len}, batch {args.global_batch}, "
           f"{args.pairs} pairs x {args.steps} steps; ratio = step time ON / OFF (goal <= 1.02)")
     print(f"{'layout':<22}{'OFF s/step':>12}{'ON s/step':>12}{'ratio':>8}"
-          f"{'pair ratio (q1-q3)':>24}{'colls/step':>12}{'stacks':>8}{'mode':>8}"
-          f"{'cpu ON':>8}{'cpu stk':>8}{'cpu mode':>9}")
+          f"{'pair ratio (q1-q3)':>24}{'colls/step':>12}{'vs gloo':>9}{'stacks':>8}"
+          f"{'cpu ON':>8}{'cpu stk':>8}")
     for layout in args.layouts:
         with tempfile.TemporaryDirectory() as tmp:
             res = run_on_ranks(recorder_overhead.rank_bench, 2, layout, args.model,
                                args.seq_len, args.global_batch, args.steps, args.pairs, tmp,
-                               timeout=1800)[0]
-        off, on, mode = (res["times"][k] for k in ("off", "on", "mode"))
+                               timeout=1800, backend="recorded")[0]
+        off, on = (statistics.median(res["times"][k]) for k in ("off", "on"))
         c = res["cpu"]
-        ratios = sorted(b / a for a, b in zip(off, on))
+        ratios = sorted(b / a for a, b in zip(res["times"]["off"], res["times"]["on"]))
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        print(f"{layout:<22}{statistics.median(off):>12.4f}{statistics.median(on):>12.4f}"
-              f"{statistics.median(on) / statistics.median(off):>8.3f}"
-              f"{q[1]:>10.3f} ({q[0]:.3f}-{q[2]:.3f})"
-              f"{res['collectives_per_step']:>12.1f}"
-              f"{statistics.median(res['times']['stacks']) / statistics.median(off):>8.3f}"
-              f"{statistics.median(mode) / statistics.median(off):>8.3f}"
+        n = res["collectives_per_step"]
+        print(f"{layout:<22}{off:>12.4f}{on:>12.4f}{on / off:>8.3f}"
+              f"{q[1]:>10.3f} ({q[0]:.3f}-{q[2]:.3f}){n:>12.1f}"
+              f"{(on + n * max(forward_s, 0.0)) / off:>9.3f}"
+              f"{statistics.median(res['times']['stacks']) / off:>8.3f}"
               f"{statistics.median(c['on']) / statistics.median(c['off']):>8.3f}"
-              f"{statistics.median(c['stacks']) / statistics.median(c['off']):>8.3f}"
-              f"{statistics.median(c['mode']) / statistics.median(c['off']):>9.3f}")
+              f"{statistics.median(c['stacks']) / statistics.median(c['off']):>8.3f}")
     return 0
 
 

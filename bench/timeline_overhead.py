@@ -1,9 +1,10 @@
 """Step-time overhead of the recorder and of the timeline's wait capture (meshtron doctor).
 
-Same ranks, model, optimizer and batches; rounds alternate OFF (nothing installed) / REC (the
-collective recorder, as a rank runs it) / REC+TL (recorder plus `TimelineCapture`, which wraps
-`Work.wait` and times functional waits: what `meshtron train` runs by default), in alternating
-order inside one 2-rank gloo launch so that machine noise hits every side alike. A round's step
+Same ranks (on meshtron doctor's recording gloo group, as `meshtron train` ranks), model,
+optimizer and batches; rounds alternate OFF (no recorder attached) / REC (the collective
+recorder, as a rank runs it) / REC+TL (recorder plus `TimelineCapture`, which keeps the waits
+the recorded Works report: what `meshtron train` runs by default), in alternating order inside
+one 2-rank gloo launch so that machine noise hits every side alike. A round's step
 time is the slowest rank's median; printed: medians and the ratios REC/OFF and REC+TL/OFF, and
 the same ratios of CPU seconds per step summed over ranks (less sensitive to other jobs).
 
@@ -64,7 +65,6 @@ def rank_bench(layout: str, model: str, seq_len: int, global_batch: int, steps: 
                 recorder.install()
             if side == "rec+tl":
                 capture.install()
-            engine.train_step(inputs, targets)  # untimed: the dispatcher rebuilds its tables
             wall, cpus = [], []
             for _ in range(steps):
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -79,7 +79,7 @@ def rank_bench(layout: str, model: str, seq_len: int, global_batch: int, steps: 
             dist.all_reduce(c)
             times[side].append(float(w))
             cpu[side].append(float(c))
-    waits = len(capture.waits) / ((steps + 1) * pairs)
+    waits = len(capture.waits) / (steps * pairs)
     engine.release()
     return {"times": times, "cpu": cpu, "waits_per_step": waits}
 
@@ -105,7 +105,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             res = run_on_ranks(timeline_overhead.rank_bench, 2, layout, args.model,
                                args.seq_len, args.global_batch, args.steps, args.pairs, tmp,
-                               timeout=1800)[0]
+                               timeout=1800, backend="recorded")[0]
         t = {s: statistics.median(v) for s, v in res["times"].items()}
         c = {s: statistics.median(v) for s, v in res["cpu"].items()}
         print(f"{layout:<22}{t['off']:>12.4f}{t['rec']:>10.4f}{t['rec+tl']:>10.4f}"

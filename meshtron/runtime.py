@@ -49,15 +49,28 @@ def local_device(local_rank: int | None = None) -> torch.device:
     return device
 
 
+def cpu_backend(record: bool) -> str:
+    """The backend of a CPU rank's default group: "gloo", or with `record` meshtron doctor's
+    recording gloo group (doctor/backend.py: every collective recorded, nothing of torch
+    patched; its sub-groups, e.g. the mesh axes, inherit it)."""
+    if not record:
+        return "gloo"
+    from meshtron.doctor.backend import register
+
+    return register()
+
+
 def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = None,
-              store: dist.Store | None = None) -> torch.device:
+              store: dist.Store | None = None, record: bool = False) -> torch.device:
     """Join the job's default process group; returns this rank's device. The one place a
     meshtron rank makes its group, in every mode (torchrun, Slurm, restarts, elastic).
 
     CUDA: `meshtron.backend.backend_for` (NCCL for CUDA tensors, gloo for CPU ones), bound to
     this rank's GPU (`device_id`: NCCL makes its communicator eagerly, on the right device,
-    and later groups can split from it), with NCCL_ENV set first. CPU: gloo. `store`: the rendezvous store to use instead of torchrun's
-    environment (restart mode: one namespaced per attempt, meshtron.checkpoint.restart)."""
+    and later groups can split from it), with NCCL_ENV set first. CPU: gloo; with `record`,
+    gloo through meshtron doctor's recording process group (`cpu_backend`). `store`: the
+    rendezvous store to use instead of torchrun's environment (restart mode: one namespaced per
+    attempt, meshtron.checkpoint.restart)."""
     from meshtron.backend import backend_for
 
     device = local_device(world.local_rank)
@@ -66,6 +79,7 @@ def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = 
         for key, value in nccl_env(dump_prefix).items():
             os.environ.setdefault(key, value)
     else:
+        backend = cpu_backend(record)
         # One process per core share: oversubscribed threads made gloo ranks 20-50x slower
         # (shared notes, "Speed on 2 cores").
         cores = os.cpu_count() or 1

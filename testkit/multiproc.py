@@ -72,8 +72,11 @@ def _tail(path: Path, n: int = _TAIL_CHARS) -> str:
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-                 env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+                 env: dict[str, str] | None = None, backend: str = "gloo",
+                 **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the results by rank.
+    `backend="recorded"`: the ranks join meshtron doctor's recording gloo process group, as
+    `meshtron train` ranks do (meshtron/doctor/backend.py).
 
     Raises RankError when a rank fails (with its traceback), RankTimeout when ranks are still
     running after `timeout` seconds (naming them, with their stacks).
@@ -86,7 +89,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     with tempfile.TemporaryDirectory(prefix="meshtron-ranks-") as tmp:
         tmpdir = Path(tmp)
         payload = tmpdir / "payload.pkl"
-        payload.write_bytes(pickle.dumps({"fn": fn, "args": args, "kwargs": kwargs}))
+        payload.write_bytes(pickle.dumps({"fn": fn, "args": args, "kwargs": kwargs,
+                                          "backend": backend}))
         (tmpdir / "sys_path.json").write_text(json.dumps([p for p in sys.path if p]))
         child_env = dict(os.environ)
         child_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -243,7 +247,12 @@ def _child_main(tmpdir: str, rank: int, world_size: int, parent_pid: int) -> Non
 
         torch.set_num_threads(1)
         store = dist.FileStore(str(tdir / "store"), world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        backend = data.get("backend", "gloo")
+        if backend == "recorded":
+            from meshtron.runtime import cpu_backend
+
+            backend = cpu_backend(record=True)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         value = data["fn"](*data["args"], **data["kwargs"])
         _write_atomic(result_path, ("ok", value))
         ok = True

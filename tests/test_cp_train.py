@@ -118,7 +118,7 @@ def _count_step(cfg):
     import torch
     import torch.distributed as dist
 
-    from meshtron.doctor.recorder import CollectiveRecorder
+    from testkit.collective_mode import CollectiveMode
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
     from meshtron.parallel.mesh import data_mesh, release_mesh
@@ -136,7 +136,7 @@ def _count_step(cfg):
     r = data_mesh(mesh).get_local_rank()
     counted, cp_bytes = Counter(), Counter()
     for step in range(2):
-        rec = CollectiveRecorder(dist.get_rank())
+        rec = CollectiveMode(dist.get_rank())
         with rec:
             pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
                                 targets[step, r * rows:(r + 1) * rows])

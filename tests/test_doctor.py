@@ -43,7 +43,7 @@ def _run_fault(fault: str, trace_dir: Path):
     world, shape, env, _ = SCENARIOS[fault]
     try:
         return run_on_ranks(doctor_faults.faulty_loop, world, str(trace_dir), fault, shape,
-                            ("dp", "tp"), timeout=90, env=env)
+                            ("dp", "tp"), timeout=90, env=env, backend="recorded")
     except (RankError, RankTimeout) as exc:
         return exc
 
@@ -224,7 +224,8 @@ def test_signals_dump_a_blocked_rank_and_chain_to_the_previous_handler(tmp_path)
     trace, marker = tmp_path / "trace", tmp_path / "marker"
     outcome: list = []
     runner = threading.Thread(target=lambda: outcome.append(run_on_ranks(
-        doctor_faults.signalled_loop, 2, str(trace), str(marker), timeout=120)))
+        doctor_faults.signalled_loop, 2, str(trace), str(marker), timeout=120,
+        backend="recorded")))
     runner.start()
 
     def wait_for(path: Path):

@@ -1,10 +1,11 @@
-"""The recorder a training rank installs (dispatcher kernels + functional-collective proxies)
-records every collective a TorchDispatchMode on the c10d namespaces sees (shared notes,
-"Seeing collectives"), on real FSDP2, DTensor and pipeline steps, and, per process group,
-exactly as many collectives as gloo itself ran (PyTorch's Flight Recorder, which on gloo counts
-collectives but not send/recv). The mode misses the collectives DTensor issues inside its own
-operator handlers (the mode is suspended while its handler runs); the installed recorder does
-not."""
+"""meshtron doctor's recorder (the recording process group, meshtron/doctor/backend.py) on real
+FSDP2, DTensor and pipeline steps over gloo: it records, per process group, exactly as many
+collectives as gloo itself ran (PyTorch's Flight Recorder, which on gloo counts collectives but
+not send/recv), and everything a TorchDispatchMode on the c10d namespaces sees
+(testkit/collective_mode.py, the shared notes' way of seeing every collective; the mode misses
+what DTensor issues inside its own operator handlers, the recorder does not). Compiled code's
+collectives reach the group at run time and are recorded like eager ones, with identical
+results (tests/test_compile_recorder.py does the same through `meshtron train`)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ def _records_both_ways(plans):
     import torch.distributed as dist
 
     import meshtron
+    from meshtron.doctor.backend import is_recording_group
     from meshtron.doctor.recorder import CollectiveRecorder
     from meshtron.model import Transformer, preset
+    from testkit.collective_mode import CollectiveMode
 
+    assert is_recording_group(dist.group.WORLD)
     spec = preset("debug")
     out = []
     for plan in plans:
@@ -43,9 +47,10 @@ def _records_both_ways(plans):
         pm = meshtron.parallelize(Transformer(spec), plan, mesh)
         x = torch.randint(0, 200, (4, 16), generator=torch.Generator().manual_seed(0))
         got = {}
-        for how in ("installed", "mode"):
-            rec = CollectiveRecorder(dist.get_rank())
-            if how == "installed":
+        for how in ("recorded", "mode"):
+            rec = CollectiveRecorder(dist.get_rank()) if how == "recorded" else \
+                CollectiveMode(dist.get_rank())
+            if how == "recorded":
                 before = _gloo_counts()
                 rec.install()
                 pm.forward_backward(x, x)
@@ -54,8 +59,9 @@ def _records_both_ways(plans):
                 after = _gloo_counts()
                 got["gloo"] = {g: n - before.get(g, 0) for g, n in after.items()
                                if n > before.get(g, 0)}
-                got["recorded"] = dict(Counter(r["group"] for r in rec.snapshot()
-                                               if "peer" not in r))
+                got["per_group"] = dict(Counter(r["group"] for r in rec.snapshot()
+                                                if "peer" not in r))
+                got["states"] = sorted({r["state"] for r in rec.snapshot()})
             else:
                 with rec:
                     pm.forward_backward(x, x)
@@ -99,9 +105,9 @@ def _flight_recorder_source() -> dict:
 
 def _compiled_block_with_recorder(backend: str) -> dict:
     """A transformer block and a functional all-reduce (what DTensor issues) compiled with
-    fullgraph=True (any graph break raises) while the recorder is installed: same output and
-    gradients as eager without it; compile-time tracing leaves no records; eager collectives
-    after it are still recorded."""
+    fullgraph=True (any graph break raises) while the recorder records: same output and
+    gradients as eager without it, and the compiled code's collectives recorded as the eager
+    code's are (tracing runs on fake tensors and records nothing)."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -127,59 +133,65 @@ def _compiled_block_with_recorder(backend: str) -> dict:
         out.square().sum().backward()
         return out.detach(), inp.grad
 
-    want = run(step)
-    rec = CollectiveRecorder(dist.get_rank())
-    rec.install()
-    try:
-        compiled = torch.compile(step, fullgraph=True, backend=backend)
-        got = run(compiled)
-        traced = len(rec.records)
-        dist.all_reduce(torch.ones(2))
-        after = len(rec.records) - traced
-    finally:
-        rec.uninstall()
-    return {"err": max(float((a - b).abs().max()) for a, b in zip(got, want)),
-            "traced_records": traced, "after": after}
+    def recorded(fn):
+        rec = CollectiveRecorder(dist.get_rank())
+        with rec:
+            result = run(fn)
+        return result, [(r["op"], r["shapes"], r["state"]) for r in rec.snapshot()]
+
+    want, eager_ops = recorded(step)
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    got, compiled_ops = recorded(compiled)  # the first call traces, then runs compiled
+    again, again_ops = recorded(compiled)   # compiled code only
+    return {"err": max(float((a - b).abs().max()) for a, b in zip(got + again, want + want)),
+            "eager_ops": eager_ops, "compiled_ops": compiled_ops, "again_ops": again_ops}
 
 
 def _compiled_rank_fn():
     return _compiled_block_with_recorder("inductor")
 
 
+def _check_compiled(compiled: dict) -> None:
+    assert compiled["err"] < 1e-5, compiled
+    # forward and backward (the functional all-reduce's gradient is an all-reduce)
+    assert [(op, state) for op, _, state in compiled["eager_ops"]] == \
+        [("all_reduce", "completed")] * 2, compiled
+    assert compiled["compiled_ops"] == compiled["eager_ops"] == compiled["again_ops"], compiled
+
+
 @pytest.mark.slow
 def test_recorder_composes_with_inductor():
     """The same with inductor (C++ code generation: gcc, minutes on 2 cores)."""
-    for r in run_on_ranks(_compiled_rank_fn, 2, timeout=900):
-        assert r["err"] < 1e-5 and r["after"] == 1, r
+    for r in run_on_ranks(_compiled_rank_fn, 2, timeout=900, backend="recorded"):
+        _check_compiled(r)
 
 
-def test_installed_recorder_sees_what_the_dispatch_mode_sees():
+def test_recorder_sees_what_gloo_and_the_dispatch_mode_see():
     results = run_on_ranks(_records_both_ways, 2, LAYOUTS, timeout=240,
-                           env={"TORCH_FR_BUFFER_SIZE": "20000"})
+                           env={"TORCH_FR_BUFFER_SIZE": "20000"}, backend="recorded")
     for rank, per_layout in enumerate(results):
         fr = per_layout.pop()  # the Flight Recorder source on a real trace
         assert fr["moved"] and fr["last"] == ("all_reduce", [[3]], ["bfloat16"]), fr
         assert fr["ranks"] == [0, 1] and fr["seq"] > 1, fr
-        compiled = per_layout.pop()  # torch.compile with the recorder installed
-        assert compiled["err"] < 1e-5 and compiled["after"] == 1, compiled
-        assert compiled["traced_records"] == 0, compiled  # aot_eager calls the op itself
+        _check_compiled(per_layout.pop())  # torch.compile with the recorder on
         for plan, got in zip(LAYOUTS, per_layout):
-            assert got["recorded"] == got["gloo"], (rank, plan, got["recorded"], got["gloo"])
+            assert got["per_group"] == got["gloo"], (rank, plan, got["per_group"], got["gloo"])
+            assert got["states"] == ["completed"], (rank, plan, got["states"])
             strip = [(op, ranks, peer, shapes) for op, _, ranks, peer, shapes, _ in
-                     got["installed"]]
+                     got["recorded"]]
             it = iter(strip)  # the mode's records, in order, are a subsequence
             assert all(any(m == r for r in it) for m in
                        [(op, ranks, peer, shapes) for op, _, ranks, peer, shapes, _ in
-                        got["mode"]]), (rank, plan)
-            ops = {op for op, *_ in got["installed"]}
-            assert len(got["installed"]) >= 6, (plan, got["installed"])
+                        got["mode"]]), (rank, plan, got["mode"][:4], got["recorded"][:4])
+            ops = {op for op, *_ in got["recorded"]}
+            assert len(got["recorded"]) >= 6, (plan, got["recorded"])
             if plan.get("zero") == 3:
                 assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= ops, ops
             if plan.get("tp"):
                 assert "all_reduce" in ops
             if plan.get("pp"):
                 assert {"send", "recv"} <= ops and all(
-                    peer == 1 - rank for op, _, _, peer, *_ in got["installed"]
+                    peer == 1 - rank for op, _, _, peer, *_ in got["recorded"]
                     if op in ("send", "recv"))
 
 

@@ -76,7 +76,7 @@ def _rank_fn(cfg, layouts):
     import torch
     import torch.distributed as dist
 
-    from meshtron.doctor.recorder import CollectiveRecorder
+    from testkit.collective_mode import CollectiveMode
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
     from meshtron.parallel.mesh import data_mesh, expert_meshes, release_mesh
@@ -109,7 +109,7 @@ def _rank_fn(cfg, layouts):
         rows = cfg["batch"] // dp
         losses, norms, counted = [], [], Counter()
         for step in range(cfg["steps"]):
-            rec = CollectiveRecorder(dist.get_rank())
+            rec = CollectiveMode(dist.get_rank())
             with rec:
                 loss = pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
                                            targets[step, r * rows:(r + 1) * rows])

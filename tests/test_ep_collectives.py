@@ -62,7 +62,7 @@ def _rank_fn(cfg, layouts):
     import torch
     import torch.distributed as dist
 
-    from meshtron.doctor.recorder import CollectiveRecorder
+    from testkit.collective_mode import CollectiveMode
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
     from meshtron.parallel.mesh import data_mesh, expert_meshes, release_mesh
@@ -94,7 +94,7 @@ def _rank_fn(cfg, layouts):
         rows = cfg["batch"] // dp
         records = []
         for step in range(cfg["steps"]):
-            rec = CollectiveRecorder(dist.get_rank())
+            rec = CollectiveMode(dist.get_rank())
             with rec:
                 pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
                                     targets[step, r * rows:(r + 1) * rows])

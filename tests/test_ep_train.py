@@ -231,7 +231,8 @@ def test_doctor_names_a_skipped_all_to_all(tmp_path):
     import doctor_faults
 
     with pytest.raises((RankError, RankTimeout)):
-        run_on_ranks(doctor_faults.skipped_all_to_all, 4, str(tmp_path), timeout=90)
+        run_on_ranks(doctor_faults.skipped_all_to_all, 4, str(tmp_path), timeout=90,
+                     backend="recorded")
     d = diagnose(load_trace(tmp_path))
     assert d.kind == "never_entered" and d.culprit_ranks == [3], d.to_dict()
     assert d.verdict.startswith("rank 3 (dp=1, ep=1) never entered all_to_all_single #"), \

@@ -1,37 +1,23 @@
-"""The collective recorder: every collective and point-to-point operation this rank issues,
-in a bounded ring buffer.
+"""The collective recorder: every collective and point-to-point operation this rank's recording
+process groups run, in a bounded ring buffer.
 
-A `TorchDispatchMode` on the `c10d` and `_c10d_functional` namespaces sees every collective,
-including those FSDP2 (`c10d::_allgather_base_`, `_reduce_scatter_base_`), DTensor
-(`_c10d_functional::all_reduce`, ...) and the pipeline schedules (`c10d::send`, `recv_`) issue
-internally (measured on torch 2.13 gloo; shared notes "Seeing collectives"), but it also puts
-every other operator through Python. So a training rank uses `install()`, which intercepts
-exactly those operators and nothing else (see its docstring), and the mode stays as the
-reference the tests compare it with. PyTorch's own Flight
-Recorder covers NCCL only in full (on gloo it keeps state "scheduled", no times and no
-send/recv), so this recorder runs on every backend and `dump.py` adds the Flight Recorder's
-NCCL trace beside it when there is one.
+Where the records come from: on CPU a rank of `meshtron train` joins a `RecordingProcessGroup`
+(backend.py), meshtron's own gloo process group, whose collective methods call `issue()` here
+before running the operation. Nothing of torch is patched or replaced, and `torch.compile`
+compiles the same graphs with or without it (backend.py says why; tests/test_no_torch_patching.py
+and tests/test_compile_recorder.py check it). On NCCL the session reads PyTorch's own Flight
+Recorder instead (flight.py). Groups made with an explicit other backend (e.g. the checkpoint
+side groups, `new_group(backend="gloo")`) are not recorded.
 
-Numbering: collectives get a per-group sequence number (every member of a group issues the same
-collectives in the same order, so records of different ranks align by it). Point-to-point
+Numbering: collectives carry their group's sequence number (every member of a group issues the
+same collectives in the same order, so records of different ranks align by it). Point-to-point
 operations are numbered apart, per (group, direction, peer): the k-th send from A to B matches
-the k-th receive on B from A.
+the k-th receive on B from A. The groups count from their creation (backend.py).
 
-Cost: nothing for the non-collective operators with `install()`; a collective adds a record (a
-short list, times from the monotonic clock, converted to wall time only when read) and, for c10d
-operations that return a Work, keeping the Work to poll its completion. The Python stack of each
-collective (at most `STACK_FRAMES` frames) is captured only with `stacks=True` or
-MESHTRON_DOCTOR_STACKS=1: the dumps' thread stacks already say where a hung rank is.
-`bench/recorder_overhead.py` measures it.
-
-torch.compile: inside a compiled region (dynamo tracing, AOT tracing, the compiled graph) the
-recorder steps aside: the proxies hand dynamo the real operator, so collectives become graph
-nodes (no graph break), and they are not recorded (on NCCL PyTorch's Flight Recorder, which
-records in C++, covers them; every rank runs the same compiled code, so the per-group numbering
-of what is recorded still agrees across ranks).
-
-On NCCL a training rank does not install this recorder at all: `flight.py` turns the Flight
-Recorder's own trace into these records at dump time (session.py).
+Cost per collective: a short list (times from the monotonic clock, turned into wall time only
+when read) and a small Work wrapper; the Python stack (at most `STACK_FRAMES` frames) only with
+`stacks=True` or MESHTRON_DOCTOR_STACKS=1 (the dumps' thread stacks already say where a hung
+rank is). `bench/recorder_overhead.py` measures it.
 """
 
 from __future__ import annotations
@@ -44,33 +30,12 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-WATCHED_NAMESPACES = frozenset(("c10d", "_c10d_functional"))
-# Operators that are bookkeeping, not communication.
-IGNORED_OPS = frozenset(("wait_tensor", "_wrap_tensor_autograd", "barrier_wait"))
-P2P_OPS = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
-# c10d's operator names -> the Python API's names (the functional ones already are).
-_RENAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "all_to_all",
-            "allreduce_coalesced": "all_reduce_coalesced",
-            "allgather_into_tensor_coalesced": "all_gather_coalesced",
-            "allgather_coalesced": "all_gather_coalesced", "alltoall_base": "all_to_all_single",
-            "allgather_base": "all_gather_into_tensor",
-            "reduce_scatter_base": "reduce_scatter_tensor",
-            "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced"}
-
-
-def op_name(raw: str) -> str:
-    """'_allgather_base_' -> 'all_gather_into_tensor', 'allreduce_' -> 'all_reduce'."""
-    name = raw.strip("_")
-    return _RENAMES.get(name, name)
 STACK_FRAMES = 8
-# Arguments that only the root fills (scatter's inputs, gather's outputs): not recorded, so that
-# every member's record of one collective has the same shapes.
-ROOT_ONLY = {"scatter_": ("input_tensors",), "gather_": ("output_tensors",)}
-PENDING_PER_GROUP = 8
+PENDING_KEPT = 64
+"""Works kept for a completion check at dump time (those never waited on, e.g. DDP's)."""
 # Frames of these files say nothing about where the user's code is.
-_SKIP_FILES = ("torch/utils/_python_dispatch.py", "meshtron/doctor/", "torch/_ops.py",
+_SKIP_FILES = ("meshtron/doctor/", "torch/distributed/distributed_c10d.py",
                "torch/distributed/c10d_logger.py")
 
 # Record fields (a list per record: cheaper than an object).
@@ -78,8 +43,8 @@ SEQ, GROUP, OP, SHAPES, DTYPES, T_ENQUEUE, T_START, T_END, STATE, STACK, PEER = 
 STACKS_ENV = "MESHTRON_DOCTOR_STACKS"
 """Set to 1 to keep each collective's Python stack (a debugging aid: a frame walk per call)."""
 _clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: never jumps; wall time added when read
-_is_compiling = torch.compiler.is_compiling
 _DTYPE_NAMES: dict[Any, str] = {}
+_SKIPPED: dict[Any, bool] = {}
 
 
 class GroupInfo:
@@ -94,12 +59,9 @@ class GroupInfo:
         return {"ranks": self.ranks, "axis": self.axis, "desc": self.desc}
 
 
-_SKIPPED: dict[Any, bool] = {}
-
-
 def _short_stack() -> tuple[tuple[Any, int], ...]:
-    """(code, line) of the innermost STACK_FRAMES frames outside torch's dispatch and this
-    package, innermost first; names are formatted only when dumped."""
+    """(code, line) of the innermost STACK_FRAMES frames outside this package and c10d's
+    Python wrappers, innermost first; names are formatted only when dumped."""
     out = []
     frame = sys._getframe(2)
     depth = 0
@@ -127,40 +89,17 @@ def _shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
             _shape_dtype(v, shapes, dtypes)
 
 
-class _OpInfo:
-    """What the schema says about one collective operator (computed once per operator)."""
+class CollectiveRecorder:
+    """Records what the recording process groups run while attached (`install()`, for a
+    training rank's whole run; `uninstall()` detaches). `capacity`: records kept (the oldest
+    are dropped). `on_issue`: called with no arguments at each collective (the watchdog reads
+    `last_issue_t` instead, which costs nothing per call). `stacks`: keep each collective's
+    Python stack (default: MESHTRON_DOCTOR_STACKS=1)."""
 
-    __slots__ = ("name", "raw", "group_index", "peer_index", "p2p", "tensor_indices")
-
-    def __init__(self, func):
-        schema = func._schema
-        self.raw = func._overloadpacket.__name__
-        self.name = op_name(self.raw)
-        self.p2p = P2P_OPS.get(self.raw)
-        self.group_index = self.peer_index = None
-        self.tensor_indices = []
-        for i, arg in enumerate(schema.arguments):
-            text = str(arg.type)
-            if "ProcessGroup" in text or arg.name == "group_name":
-                self.group_index = i
-            elif arg.name in ("dst", "src", "srcRank", "dstRank"):
-                self.peer_index = i
-            elif "Tensor" in text and arg.name not in ROOT_ONLY.get(self.raw, ("sparse_indices",)):
-                self.tensor_indices.append(i)
-
-
-class CollectiveRecorder(TorchDispatchMode):
-    """Records collectives: process-wide after `install()` (what a training rank runs), or on
-    this thread while entered as a dispatch mode (`with recorder:`, the reference path: every
-    operator goes through Python, 1.5-2x slower steps on small models).
-
-    `capacity`: records kept (the oldest are dropped). `on_issue`: called with no arguments at
-    each collective (the watchdog reads `last_issue_t` instead, which costs nothing per call).
-    `stacks`: keep each collective's Python stack (default: MESHTRON_DOCTOR_STACKS=1)."""
+    clock = staticmethod(_clock)
 
     def __init__(self, rank: int, capacity: int = 2000, on_issue=None,
                  stacks: bool | None = None):
-        super().__init__()
         self.rank = rank
         self.stacks = os.environ.get(STACKS_ENV) == "1" if stacks is None else stacks
         # Wall time of the monotonic clock's origin: records keep monotonic seconds, readers
@@ -170,31 +109,34 @@ class CollectiveRecorder(TorchDispatchMode):
         """Monotonic time of the latest collective issued (the watchdog's progress signal)."""
         self.records: collections.deque = collections.deque(maxlen=capacity)
         self.groups: dict[str, GroupInfo] = {}
-        self._by_object: dict[int, tuple[Any, GroupInfo]] = {}
+        self._by_group: dict[int, GroupInfo] = {}
         self._axes: dict[str, str] = {}
-        self._seq: dict[str, int] = collections.defaultdict(int)
-        self._p2p_seq: dict[tuple, int] = collections.defaultdict(int)
-        self._ops: dict[Any, _OpInfo] = {}
-        self._pending_functional: dict[int, list] = {}
         self._on_issue = on_issue
-        self._lock = threading.Lock()
-        self._libs: dict[str, Any] = {}
-        self._pending_works: dict[str, collections.deque] = collections.defaultdict(
-            collections.deque)
-        self._proxies: dict[str, Any] = {}
-        # timeline.py's deque of (start, end) of main-thread waits, when it runs
+        self._pending: collections.deque = collections.deque(maxlen=PENDING_KEPT)
         self.waits: collections.deque | None = None
+        """timeline.py's deque of (start, end) of main-thread waits, when it runs."""
         self._main = threading.main_thread().ident
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # By default torch wraps every mode's __torch_dispatch__ in a dynamo-disable wrapper,
-        # which cost 100-350 us per operator on a loaded 2-core machine (cProfile: 800 calls,
-        # 0.3 s per step of the debug model) and made steps 1.5-2.5x slower. The recorder never
-        # runs compiled code, so it opts out (bench/recorder_overhead.py).
-        return False
+    # -- attaching -----------------------------------------------------------------------------
+    def install(self) -> None:
+        """Attach to the recording process groups (backend.py) of this process."""
+        from meshtron.doctor import backend
 
-    # -- mesh axes -----------------------------------------------------------------------------
+        backend.attach(self)
+
+    def uninstall(self) -> None:
+        from meshtron.doctor import backend
+
+        if backend.attached() is self:
+            backend.attach(None)
+
+    def __enter__(self) -> "CollectiveRecorder":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
     def name_axis(self, group, axis: str) -> None:
         """Call a process group by its mesh axis name in the records."""
         self._axes[group.group_name] = axis
@@ -202,215 +144,83 @@ class CollectiveRecorder(TorchDispatchMode):
         if info is not None:
             info.axis = axis
 
-    # -- interception ----------------------------------------------------------------------------
     def wall(self, t: float | None) -> float | None:
         """Wall-clock seconds of a monotonic time of this recorder."""
         return None if t is None else t + self._wall_offset
 
-    def _call(self, info: _OpInfo, run, args, kwargs):
-        """Record the collective, run it (`run(*args, **kwargs)`), note when it completes."""
-        if _is_compiling():  # tracing for torch.compile: no records of traced (fake) calls
-            return run(*args, **kwargs)
-        if info.raw in IGNORED_OPS or info.group_index is None:
-            if info.raw != "wait_tensor":
-                return run(*args, **kwargs)
-            t0 = _clock()
-            out = run(*args, **kwargs)
-            if self.waits is not None and threading.get_ident() == self._main:
-                self.waits.append((t0, _clock()))  # timeline.py: main thread blocked
-            if self._pending_functional:
-                rec = self._pending_functional.pop(id(args[0]), None)
-                if rec is not None:
-                    rec[T_END], rec[STATE] = _clock(), "completed"
-            return out
-        rec = self._record(info, args, kwargs)
-        out = run(*args, **kwargs)
-        rec[T_START] = _clock()
-        self._watch_completion(rec, out)
-        return out
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """The reference path (`with recorder:`): sees every operator of this thread."""
-        if func.namespace not in WATCHED_NAMESPACES:
-            return func(*args, **(kwargs or {}))
-        info = self._ops.get(func)
-        if info is None:
-            info = self._ops[func] = _OpInfo(func)
-        return self._call(info, func, args, kwargs or {})
-
-    def install(self) -> None:
-        """The low-overhead path, process-wide: only collectives reach Python.
-
-        - `c10d` operators (ProcessGroup methods: FSDP2, DDP, pipeline send/recv, the
-          torch.distributed API) get a Python kernel at the Autograd dispatch key, where they
-          have none (autograd falls through for them); it records and redispatches below
-          autograd, exactly what the fall-through did.
-        - `_c10d_functional` operators (DTensor, funcol) are called by DTensor below the
-          autograd keys, where no kernel can be put in front of them; their Python entry
-          points (`torch.ops._c10d_functional.<op>`, looked up at each call by
-          torch.distributed._functional_collectives) are replaced by recording proxies.
-
-        `tests/test_doctor_recorder.py` checks that this records the same operations as the
-        dispatch mode on FSDP2, tensor- and pipeline-parallel steps."""
-        if self._libs:
-            return
-        after_autograd = torch._C._after_autograd_keyset
-        for name in torch._C._dispatch_get_all_op_names():
-            ns, _, raw = name.partition("::")
-            if ns not in WATCHED_NAMESPACES:
-                continue
-            namespace = getattr(torch.ops, ns)
-            packet = getattr(namespace, raw)
-            if ns == "_c10d_functional":
-                info = _OpInfo(packet.default)
-                self._proxies[raw] = packet
-                setattr(namespace, raw, _FunctionalProxy(self, info, packet))
-                continue
-            lib = self._libs.setdefault(ns, torch.library.Library(ns, "IMPL"))
-            for overload in packet.overloads():
-                func = getattr(packet, overload)
-                info = _OpInfo(func)
-
-                def kernel(keyset, *args, _info=info, _func=func, **kwargs):
-                    # Redispatch below autograd with the keyset the dispatcher handed us: half
-                    # the cost of a guard plus a fresh call into the operator (bench
-                    # recorder_overhead.py --per-call: 7 us added per collective, not 20).
-                    def run(*a, **k):
-                        return _func.redispatch(keyset & after_autograd, *a, **k)
-                    return self._call(_info, run, args, kwargs)
-
-                lib.impl(raw if overload == "default" else f"{raw}.{overload}", kernel,
-                         "Autograd", with_keyset=True)
-
-    def uninstall(self) -> None:
-        for lib in self._libs.values():
-            lib._destroy()
-        self._libs.clear()
-        namespace = torch.ops._c10d_functional
-        for raw, packet in self._proxies.items():
-            setattr(namespace, raw, packet)
-        self._proxies.clear()
-
-    def _record(self, info: _OpInfo, args, kwargs) -> list:
+    # -- what the recording groups call ----------------------------------------------------------
+    def issue(self, group, op: str, seq: int, tensors, peer: int | None) -> list:
+        """A new record of `op` (`peer`: the group rank of a send's or receive's peer)."""
         now = self.last_issue_t = _clock()
-        group = self._group(args[info.group_index] if info.group_index < len(args)
-                            else kwargs.get("group_name"))
+        info = self._by_group.get(id(group))
+        if info is None:
+            info = self._group(group)
         shapes: list = []
         dtypes: list = []
-        for i in info.tensor_indices:
-            if i < len(args):
-                _shape_dtype(args[i], shapes, dtypes)
-        name = group.name if group is not None else "?"
-        peer = None
-        with self._lock:  # collectives may come from several threads (kernels are global)
-            if info.p2p is not None:  # numbered per (group, direction, peer)
-                local = int(args[info.peer_index]) if info.peer_index is not None else -1
-                peer = group.ranks[local] if group and 0 <= local < len(group.ranks) else local
-                key = (name, info.p2p, peer)
-                self._p2p_seq[key] += 1
-                seq = self._p2p_seq[key]
-            else:  # numbered per group
-                self._seq[name] += 1
-                seq = self._seq[name]
-        rec = [seq, name, info.p2p or info.name, shapes, dtypes, now, None, None,
-               "issued", _short_stack() if self.stacks else (), peer]
+        _shape_dtype(tensors, shapes, dtypes)
+        if peer is not None:
+            ranks = info.ranks
+            peer = ranks[peer] if 0 <= peer < len(ranks) else peer
+        rec = [seq, info.name, op, shapes, dtypes, now, None, None, "issued",
+               _short_stack() if self.stacks else (), peer]
         self.records.append(rec)
         if self._on_issue is not None:
             self._on_issue()
         return rec
 
-    def _group(self, ref) -> GroupInfo | None:
-        """The GroupInfo of a ProcessGroup script object or a functional group name."""
-        from torch._C._distributed_c10d import ProcessGroup
+    def started(self, rec: list) -> None:
+        """The operation was handed to the backend (its call returned)."""
+        rec[T_START], rec[STATE] = _clock(), "started"
 
-        if isinstance(ref, str):
-            key, obj = ref, ref
-        else:
-            try:  # a new script-object wrapper per call, the same ProcessGroup behind it
-                obj = ProcessGroup.unbox(ref)
-            except RuntimeError:
-                return None
-            key = id(obj)
-        hit = self._by_object.get(key)
-        if hit is not None and (hit[0] is obj or hit[0] == obj):
-            return hit[1]
+    def waited(self, rec: list, t0: float) -> None:
+        """A wait on the operation returned (or raised; a failure reaches the training
+        thread as an exception, which the dump records)."""
+        t1 = _clock()
+        if rec[T_END] is None:
+            rec[T_END], rec[STATE] = t1, "completed"
+        if self.waits is not None and threading.get_ident() == self._main:
+            self.waits.append((t0, t1))  # timeline.py: the main thread was blocked
+
+    def completed(self, rec: list) -> None:
+        if rec[T_END] is None:
+            rec[T_END], rec[STATE] = _clock(), "completed"
+
+    def pending(self, rec: list, work) -> None:
+        """Keep a Work nobody may wait on, to check its completion at dump time."""
+        self._pending.append((rec, work))
+
+    def _group(self, group) -> GroupInfo:
         import torch.distributed as dist
 
-        try:
-            if isinstance(ref, str):
-                from torch.distributed.distributed_c10d import _resolve_process_group
-
-                pg = _resolve_process_group(ref)
-            else:
-                pg = obj
-            name = pg.group_name
-            info = self.groups.get(name)
-            if info is None:
-                info = GroupInfo(name, list(dist.get_process_group_ranks(pg)),
-                                 self._axes.get(name), getattr(pg, "group_desc", "") or "")
-                self.groups[name] = info
-        except (RuntimeError, ValueError, KeyError):
-            return None
-        self._by_object[key] = (obj, info)
+        name = group.group_name
+        info = self.groups.get(name)
+        if info is None:
+            try:
+                ranks = list(dist.get_process_group_ranks(group))
+            except (RuntimeError, ValueError, KeyError):  # not (yet) registered
+                ranks = []
+            info = GroupInfo(name, ranks, self._axes.get(name),
+                             getattr(group, "group_desc", "") or "")
+            self.groups[name] = info
+        if info.ranks:
+            self._by_group[id(group)] = info
         return info
 
-    def _watch_completion(self, rec: list, out) -> None:
-        """Completion: a c10d Work is kept (at most PENDING_PER_GROUP per group) and polled with
-        `is_completed()` when the group's list is full (so about one poll per collective, not
-        one per pending Work), after every main-thread wait (timeline.py) and at dumps; the
-        completion time is when a poll saw it. Polling, not a future
-        callback: the callback runs on the backend's thread and had to take the GIL from the
-        training thread, which cost ~2.5 ms per collective on a loaded 2-core machine
-        (bench/recorder_overhead.py). Functional collectives complete at their wait_tensor."""
-        work = out[1] if isinstance(out, tuple) and len(out) == 2 else out
-        if isinstance(work, torch.ScriptObject):
-            from torch._C._distributed_c10d import Work
-
-            try:
-                work = Work.unbox(work)
-            except RuntimeError:
-                return
-            pending = self._pending_works[rec[GROUP]]
-            if len(pending) >= PENDING_PER_GROUP:
-                self._sweep(rec[GROUP])
-                if len(pending) >= PENDING_PER_GROUP:
-                    pending.popleft()  # forget it: its state stays "issued"
-            pending.append((rec, work))
-        elif isinstance(out, torch.Tensor):
-            rec[STATE] = "started"
-            if len(self._pending_functional) > 4096:  # never waited: forget them
-                self._pending_functional.clear()
-            self._pending_functional[id(out)] = rec
-
-    def _sweep(self, group: str) -> None:
-        """Mark the finished Works of a group completed."""
-        pending = self._pending_works.get(group)
-        if not pending:
-            return
-        now = _clock()
-        for item in list(pending):
-            rec, work = item
-            try:
-                if not work.is_completed():
-                    continue
-            except RuntimeError:
-                pass
-            # Completed or failed: Work's success/exception getters are deprecated (and warn);
-            # a failure reaches the training thread as an exception, which the dump records.
-            rec[T_END], rec[STATE] = now, "completed"
-            try:
-                pending.remove(item)
-            except ValueError:  # swept by another thread
-                pass
-
     # -- reading -------------------------------------------------------------------------------
+    def _sweep(self) -> None:
+        for rec, work in list(self._pending):
+            if rec[T_END] is None:
+                try:
+                    if work.is_completed():
+                        self.completed(rec)
+                except RuntimeError:  # failed: the exception reached its waiter
+                    self.completed(rec)
+
     def snapshot(self) -> list[dict[str, Any]]:
         """The records, oldest first, as plain dicts (safe to call from any thread)."""
-        for group in list(self._pending_works):
-            self._sweep(group)
-        rows = list(self.records)
+        self._sweep()
         out = []
-        for r in rows:
+        for r in list(self.records):
             group = self.groups.get(r[GROUP])
             d = {"seq": r[SEQ], "group": r[GROUP], "op": r[OP], "shapes": r[SHAPES],
                  "dtypes": r[DTYPES], "enqueue_t": self.wall(r[T_ENQUEUE]),
@@ -425,19 +235,3 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def group_table(self) -> dict[str, dict[str, Any]]:
         return {name: g.to_dict() for name, g in list(self.groups.items())}
-
-
-class _FunctionalProxy:
-    """Stands in for `torch.ops._c10d_functional.<op>` (an OpOverloadPacket): calls record;
-    attributes (`.default`, overloads, schemas) are the packet's."""
-
-    def __init__(self, recorder: CollectiveRecorder, info: _OpInfo, packet):
-        self._recorder, self._info, self._packet = recorder, info, packet
-
-    def __call__(self, *args, **kwargs):
-        if _is_compiling():  # dynamo traces this: the real operator goes into the graph
-            return self._packet(*args, **kwargs)
-        return self._recorder._call(self._info, self._packet, args, kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._packet, name)

@@ -2,9 +2,10 @@
 
 Inside a rank (`TimelineCapture`, started by the doctor session with the recorder): the
 recorder already keeps every collective and p2p operation with its enqueue time; the capture
-adds the intervals in which the main thread is blocked waiting on communication: every
-`Work.wait()` (the torch.distributed API, FSDP2 and the pipeline schedules wait through it) and
-every functional `wait_tensor` (DTensor), recorded by the recorder. At the end of the run it
+adds the intervals in which the main thread is blocked waiting on communication: every wait on
+a recorded collective's Work, `Work.wait()` (the torch.distributed API, FSDP2 and the pipeline
+schedules wait through it) and the functional `wait_tensor` (DTensor), which the recording
+process group's Work wrapper reports (backend.py). At the end of the run it
 writes RUN_DIR/trace/timeline_rank_N.json: the step boundaries of a window of steady steps
 (`WINDOW_STEPS` last steps, step 1 left out), those blocked intervals and the op records.
 
@@ -25,7 +26,7 @@ idle/communication split compares `time.time()` across processes: exact on one h
 the clock skew (NTP: about a millisecond) across hosts. A wait that overlaps several
 outstanding operations is charged idle up to the latest peer entry among them.
 
-On NCCL nothing is patched: the host does not block in `Work.wait` there (it only makes the
+On NCCL nothing runs per collective: the host does not block in `Work.wait` there (it only makes the
 compute stream wait), so the blocked intervals are the GPU's instead: each collective's
 [start, start + duration] from the Flight Recorder, whose duration comes from the CUDA events
 ProcessGroupNCCL puts around the kernel (TORCH_NCCL_ENABLE_TIMING=1, set by `prepare_env`).
@@ -50,49 +51,26 @@ def timeline_path(trace_dir: Path, rank: int) -> Path:
 
 
 class TimelineCapture:
-    """Records main-thread waits on c10d Works (process-wide patch of `Work.wait`)."""
+    """Collects the main thread's waits on collectives: the recorder's Work wrappers report
+    every wait (backend.py), from Python (`Work.wait()`: the torch.distributed API, FSDP2, the
+    pipeline schedules) or from C++ (the functional collectives' `wait_tensor`: DTensor)."""
 
     def __init__(self, recorder):
         self.recorder = recorder
         self.waits: collections.deque = collections.deque(maxlen=MAX_WAITS)
-        self._main = threading.main_thread().ident
-        self._orig = None
+        self._on = False
 
     def install(self) -> "TimelineCapture":
-        from torch._C._distributed_c10d import Work
-
-        from meshtron.doctor.recorder import _clock as clock
-
-        if self._orig is not None or not hasattr(self.recorder, "_pending_works"):
-            return self  # installed, or NCCL (Flight Recorder source: GPU times, no patch)
-        orig = self._orig = Work.wait
-        waits, main, recorder = self.waits, self._main, self.recorder
-
-        def wait(work, *args, **kwargs):
-            if threading.get_ident() != main:
-                return orig(work, *args, **kwargs)
-            t0 = clock()
-            try:
-                return orig(work, *args, **kwargs)
-            finally:
-                waits.append((t0, clock()))
-                # Completion times: the recorder polls Works at its next operation; the end of
-                # a wait is the moment this thread learnt of it.
-                for group in list(recorder._pending_works):
-                    recorder._sweep(group)
-
-        Work.wait = wait
-        recorder.waits = self.waits  # functional wait_tensor intervals land here too
+        if not hasattr(self.recorder, "waited"):
+            return self  # NCCL (Flight Recorder source): GPU times, nothing to collect
+        self.recorder.waits = self.waits
+        self._on = True
         return self
 
     def uninstall(self) -> None:
-        if self._orig is None:
-            return
-        from torch._C._distributed_c10d import Work
-
-        Work.wait = self._orig
-        self._orig = None
-        self.recorder.waits = None
+        if self._on:
+            self.recorder.waits = None
+            self._on = False
 
     def document(self, session, window_steps: int = WINDOW_STEPS) -> dict[str, Any] | None:
         """The rank's timeline of its last `window_steps` steady steps; None without steps."""
@@ -109,7 +87,7 @@ class TimelineCapture:
             return None
         t0, t1 = steps[0]["start_t"], steps[-1]["end_t"]
         wall = self.recorder.wall
-        if self._orig is not None:
+        if self._on or self.waits:
             waits = [(wall(a), wall(b)) for a, b in list(self.waits)]
         else:  # Flight Recorder: the collectives' GPU intervals
             waits = [(r["start_t"], r["start_t"] + r["gpu_s"]) for r in records

@@ -43,7 +43,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         doctor.prepare_env()
         device = init_rank(world, dump_prefix=str(
             doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"),
-            store=_attempt_store(job, world))
+            store=_attempt_store(job, world), record=job.recorder)
         phases.mark("group_ready")
         if job.elastic is not None:  # a rendezvous round: start or continue the job
             from meshtron.heal.elastic import begin_round

@@ -1,0 +1,349 @@
+"""A reference recorder for tests: a `TorchDispatchMode` on the `c10d` and `_c10d_functional`
+operator namespaces, which sees every collective the code under `with CollectiveMode(rank):`
+issues on this thread, on any process group (shared notes, "Seeing collectives"), except
+those DTensor issues inside its own operator handlers (the mode is suspended there).
+
+Tests count collectives with it on plain gloo groups (tests/test_dp_collectives.py,
+test_ep_collectives.py, test_cp_train.py) and compare meshtron doctor's recorder with it
+(tests/test_doctor_recorder.py). It is not the product's recorder (meshtron/doctor/backend.py):
+a mode puts every operator of the thread through Python, and torch.compile does not compile
+under one. The records have the product recorder's format (`snapshot()`, `groups`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+WATCHED_NAMESPACES = frozenset(("c10d", "_c10d_functional"))
+# Operators that are bookkeeping, not communication.
+IGNORED_OPS = frozenset(("wait_tensor", "_wrap_tensor_autograd", "barrier_wait"))
+P2P_OPS = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
+# c10d's operator names -> the Python API's names (the functional ones already are).
+_RENAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "all_to_all",
+            "allreduce_coalesced": "all_reduce_coalesced",
+            "allgather_into_tensor_coalesced": "all_gather_coalesced",
+            "allgather_coalesced": "all_gather_coalesced", "alltoall_base": "all_to_all_single",
+            "allgather_base": "all_gather_into_tensor",
+            "reduce_scatter_base": "reduce_scatter_tensor",
+            "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced"}
+
+
+def op_name(raw: str) -> str:
+    """'_allgather_base_' -> 'all_gather_into_tensor', 'allreduce_' -> 'all_reduce'."""
+    name = raw.strip("_")
+    return _RENAMES.get(name, name)
+STACK_FRAMES = 8
+# Arguments that only the root fills (scatter's inputs, gather's outputs): not recorded, so that
+# every member's record of one collective has the same shapes.
+ROOT_ONLY = {"scatter_": ("input_tensors",), "gather_": ("output_tensors",)}
+PENDING_PER_GROUP = 8
+# Frames of these files say nothing about where the user's code is.
+_SKIP_FILES = ("torch/utils/_python_dispatch.py", "meshtron/doctor/", "torch/_ops.py",
+               "torch/distributed/c10d_logger.py")
+
+# Record fields (a list per record: cheaper than an object).
+SEQ, GROUP, OP, SHAPES, DTYPES, T_ENQUEUE, T_START, T_END, STATE, STACK, PEER = range(11)
+STACKS_ENV = "MESHTRON_DOCTOR_STACKS"
+"""Set to 1 to keep each collective's Python stack (a debugging aid: a frame walk per call)."""
+_clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: never jumps; wall time added when read
+_is_compiling = torch.compiler.is_compiling
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+class GroupInfo:
+    """A process group as the dumps describe it."""
+
+    __slots__ = ("name", "ranks", "axis", "desc")
+
+    def __init__(self, name: str, ranks: list[int], axis: str | None, desc: str):
+        self.name, self.ranks, self.axis, self.desc = name, ranks, axis, desc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranks": self.ranks, "axis": self.axis, "desc": self.desc}
+
+
+_SKIPPED: dict[Any, bool] = {}
+
+
+def _short_stack() -> tuple[tuple[Any, int], ...]:
+    """(code, line) of the innermost STACK_FRAMES frames outside torch's dispatch and this
+    package, innermost first; names are formatted only when dumped."""
+    out = []
+    frame = sys._getframe(2)
+    depth = 0
+    while frame is not None and len(out) < STACK_FRAMES and depth < 64:
+        code = frame.f_code
+        skip = _SKIPPED.get(code)
+        if skip is None:
+            skip = _SKIPPED[code] = any(s in code.co_filename for s in _SKIP_FILES)
+        if not skip:
+            out.append((code, frame.f_lineno))
+        frame = frame.f_back
+        depth += 1
+    return tuple(out)
+
+
+def _shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
+    if isinstance(value, torch.Tensor):
+        shapes.append(list(value.shape))
+        name = _DTYPE_NAMES.get(value.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[value.dtype] = str(value.dtype).replace("torch.", "")
+        dtypes.append(name)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _shape_dtype(v, shapes, dtypes)
+
+
+class _OpInfo:
+    """What the schema says about one collective operator (computed once per operator)."""
+
+    __slots__ = ("name", "raw", "group_index", "peer_index", "p2p", "tensor_indices")
+
+    def __init__(self, func):
+        schema = func._schema
+        self.raw = func._overloadpacket.__name__
+        self.name = op_name(self.raw)
+        self.p2p = P2P_OPS.get(self.raw)
+        self.group_index = self.peer_index = None
+        self.tensor_indices = []
+        for i, arg in enumerate(schema.arguments):
+            text = str(arg.type)
+            if "ProcessGroup" in text or arg.name == "group_name":
+                self.group_index = i
+            elif arg.name in ("dst", "src", "srcRank", "dstRank"):
+                self.peer_index = i
+            elif "Tensor" in text and arg.name not in ROOT_ONLY.get(self.raw, ("sparse_indices",)):
+                self.tensor_indices.append(i)
+
+
+class CollectiveMode(TorchDispatchMode):
+    """Records the collectives of this thread while entered (`with mode:`; every operator goes
+    through Python, 1.5-2x slower steps on small models).
+
+    `capacity`: records kept (the oldest are dropped). `on_issue`: called with no arguments at
+    each collective (the watchdog reads `last_issue_t` instead, which costs nothing per call).
+    `stacks`: keep each collective's Python stack (default: MESHTRON_DOCTOR_STACKS=1)."""
+
+    def __init__(self, rank: int, capacity: int = 2000, on_issue=None,
+                 stacks: bool | None = None):
+        super().__init__()
+        self.rank = rank
+        self.stacks = os.environ.get(STACKS_ENV) == "1" if stacks is None else stacks
+        # Wall time of the monotonic clock's origin: records keep monotonic seconds, readers
+        # get wall seconds (comparable across the ranks of a host, as the analysis needs).
+        self._wall_offset = time.time() - _clock()
+        self.last_issue_t = 0.0
+        """Monotonic time of the latest collective issued (the watchdog's progress signal)."""
+        self.records: collections.deque = collections.deque(maxlen=capacity)
+        self.groups: dict[str, GroupInfo] = {}
+        self._by_object: dict[int, tuple[Any, GroupInfo]] = {}
+        self._axes: dict[str, str] = {}
+        self._seq: dict[str, int] = collections.defaultdict(int)
+        self._p2p_seq: dict[tuple, int] = collections.defaultdict(int)
+        self._ops: dict[Any, _OpInfo] = {}
+        self._pending_functional: dict[int, list] = {}
+        self._on_issue = on_issue
+        self._lock = threading.Lock()
+        self._pending_works: dict[str, collections.deque] = collections.defaultdict(
+            collections.deque)
+        # timeline.py's deque of (start, end) of main-thread waits, when it runs
+        self.waits: collections.deque | None = None
+        self._main = threading.main_thread().ident
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps every mode's __torch_dispatch__ in a dynamo-disable wrapper,
+        # which cost 100-350 us per operator on a loaded 2-core machine (cProfile: 800 calls,
+        # 0.3 s per step of the debug model) and made steps 1.5-2.5x slower. The mode never runs
+        # compiled code, so it opts out.
+        return False
+
+    # -- mesh axes -----------------------------------------------------------------------------
+    def name_axis(self, group, axis: str) -> None:
+        """Call a process group by its mesh axis name in the records."""
+        self._axes[group.group_name] = axis
+        info = self.groups.get(group.group_name)
+        if info is not None:
+            info.axis = axis
+
+    # -- interception ----------------------------------------------------------------------------
+    def wall(self, t: float | None) -> float | None:
+        """Wall-clock seconds of a monotonic time of this recorder."""
+        return None if t is None else t + self._wall_offset
+
+    def _call(self, info: _OpInfo, run, args, kwargs):
+        """Record the collective, run it (`run(*args, **kwargs)`), note when it completes."""
+        if _is_compiling():  # tracing for torch.compile: no records of traced (fake) calls
+            return run(*args, **kwargs)
+        if info.raw in IGNORED_OPS or info.group_index is None:
+            if info.raw != "wait_tensor":
+                return run(*args, **kwargs)
+            t0 = _clock()
+            out = run(*args, **kwargs)
+            if self.waits is not None and threading.get_ident() == self._main:
+                self.waits.append((t0, _clock()))  # timeline.py: main thread blocked
+            if self._pending_functional:
+                rec = self._pending_functional.pop(id(args[0]), None)
+                if rec is not None:
+                    rec[T_END], rec[STATE] = _clock(), "completed"
+            return out
+        rec = self._record(info, args, kwargs)
+        out = run(*args, **kwargs)
+        rec[T_START] = _clock()
+        self._watch_completion(rec, out)
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """The reference path (`with recorder:`): sees every operator of this thread."""
+        if func.namespace not in WATCHED_NAMESPACES:
+            return func(*args, **(kwargs or {}))
+        info = self._ops.get(func)
+        if info is None:
+            info = self._ops[func] = _OpInfo(func)
+        return self._call(info, func, args, kwargs or {})
+
+    def _record(self, info: _OpInfo, args, kwargs) -> list:
+        now = self.last_issue_t = _clock()
+        group = self._group(args[info.group_index] if info.group_index < len(args)
+                            else kwargs.get("group_name"))
+        shapes: list = []
+        dtypes: list = []
+        for i in info.tensor_indices:
+            if i < len(args):
+                _shape_dtype(args[i], shapes, dtypes)
+        name = group.name if group is not None else "?"
+        peer = None
+        with self._lock:  # collectives may come from several threads (kernels are global)
+            if info.p2p is not None:  # numbered per (group, direction, peer)
+                local = int(args[info.peer_index]) if info.peer_index is not None else -1
+                peer = group.ranks[local] if group and 0 <= local < len(group.ranks) else local
+                key = (name, info.p2p, peer)
+                self._p2p_seq[key] += 1
+                seq = self._p2p_seq[key]
+            else:  # numbered per group
+                self._seq[name] += 1
+                seq = self._seq[name]
+        rec = [seq, name, info.p2p or info.name, shapes, dtypes, now, None, None,
+               "issued", _short_stack() if self.stacks else (), peer]
+        self.records.append(rec)
+        if self._on_issue is not None:
+            self._on_issue()
+        return rec
+
+    def _group(self, ref) -> GroupInfo | None:
+        """The GroupInfo of a ProcessGroup script object or a functional group name."""
+        from torch._C._distributed_c10d import ProcessGroup
+
+        if isinstance(ref, str):
+            key, obj = ref, ref
+        else:
+            try:  # a new script-object wrapper per call, the same ProcessGroup behind it
+                obj = ProcessGroup.unbox(ref)
+            except RuntimeError:
+                return None
+            key = id(obj)
+        hit = self._by_object.get(key)
+        if hit is not None and (hit[0] is obj or hit[0] == obj):
+            return hit[1]
+        import torch.distributed as dist
+
+        try:
+            if isinstance(ref, str):
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                pg = _resolve_process_group(ref)
+            else:
+                pg = obj
+            name = pg.group_name
+            info = self.groups.get(name)
+            if info is None:
+                info = GroupInfo(name, list(dist.get_process_group_ranks(pg)),
+                                 self._axes.get(name), getattr(pg, "group_desc", "") or "")
+                self.groups[name] = info
+        except (RuntimeError, ValueError, KeyError):
+            return None
+        self._by_object[key] = (obj, info)
+        return info
+
+    def _watch_completion(self, rec: list, out) -> None:
+        """Completion: a c10d Work is kept (at most PENDING_PER_GROUP per group) and polled with
+        `is_completed()` when the group's list is full (so about one poll per collective, not
+        one per pending Work), after every main-thread wait (timeline.py) and at dumps; the
+        completion time is when a poll saw it. Polling, not a future
+        callback: the callback runs on the backend's thread and had to take the GIL from the
+        training thread, which cost ~2.5 ms per collective on a loaded 2-core machine
+        (bench/recorder_overhead.py). Functional collectives complete at their wait_tensor."""
+        work = out[1] if isinstance(out, tuple) and len(out) == 2 else out
+        if isinstance(work, torch.ScriptObject):
+            from torch._C._distributed_c10d import Work
+
+            try:
+                work = Work.unbox(work)
+            except RuntimeError:
+                return
+            pending = self._pending_works[rec[GROUP]]
+            if len(pending) >= PENDING_PER_GROUP:
+                self._sweep(rec[GROUP])
+                if len(pending) >= PENDING_PER_GROUP:
+                    pending.popleft()  # forget it: its state stays "issued"
+            pending.append((rec, work))
+        elif isinstance(out, torch.Tensor):
+            rec[STATE] = "started"
+            if len(self._pending_functional) > 4096:  # never waited: forget them
+                self._pending_functional.clear()
+            self._pending_functional[id(out)] = rec
+
+    def _sweep(self, group: str) -> None:
+        """Mark the finished Works of a group completed."""
+        pending = self._pending_works.get(group)
+        if not pending:
+            return
+        now = _clock()
+        for item in list(pending):
+            rec, work = item
+            try:
+                if not work.is_completed():
+                    continue
+            except RuntimeError:
+                pass
+            # Completed or failed: Work's success/exception getters are deprecated (and warn);
+            # a failure reaches the training thread as an exception, which the dump records.
+            rec[T_END], rec[STATE] = now, "completed"
+            try:
+                pending.remove(item)
+            except ValueError:  # swept by another thread
+                pass
+
+    # -- reading -------------------------------------------------------------------------------
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The records, oldest first, as plain dicts (safe to call from any thread)."""
+        for group in list(self._pending_works):
+            self._sweep(group)
+        rows = list(self.records)
+        out = []
+        for r in rows:
+            group = self.groups.get(r[GROUP])
+            d = {"seq": r[SEQ], "group": r[GROUP], "op": r[OP], "shapes": r[SHAPES],
+                 "dtypes": r[DTYPES], "enqueue_t": self.wall(r[T_ENQUEUE]),
+                 "start_t": self.wall(r[T_START]), "end_t": self.wall(r[T_END]),
+                 "state": r[STATE],
+                 "axis": group.axis if group else None,
+                 "stack": [f"{c.co_filename}:{line} in {c.co_name}" for c, line in r[STACK]]}
+            if r[PEER] is not None:
+                d["peer"] = r[PEER]
+            out.append(d)
+        return out
+
+    def group_table(self) -> dict[str, dict[str, Any]]:
+        return {name: g.to_dict() for name, g in list(self.groups.items())}
+
+
