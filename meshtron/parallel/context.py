@@ -148,6 +148,17 @@ class ContextParallel:
         if block is not None:
             return flex_attention(q, k, v, block)
         c = q.shape[2] // 2
+        gqa = True
+        if torch.compiler.is_compiling() and q.shape[1] != k.shape[1]:
+            # Inductor (torch 2.13, CPU) lowers SDPA with enable_gqa and a mask to
+            # `_scaled_dot_product_flash_attention_for_cpu` and got it wrong for batches of
+            # more than one sequence: `meshtron train --plan cp=2 --compile` trained on
+            # 4e-3..8e-2 wrong losses from the first forward (the harness ran micro-batches of
+            # 1; measured, tests/test_compile.py). Compiled blocks give SDPA the kv heads
+            # repeated per query head instead (the math GQA stands for); eager keeps native
+            # GQA (no copies).
+            rep = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
         outs = []
         for i, chunk in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
             end = (chunk + 1) * c  # keys this chunk can see: the prefix up to its last token
@@ -157,7 +168,7 @@ class ContextParallel:
                 mask = mask & (q_doc[:, None, i * c:(i + 1) * c, None]
                                == kv_doc[:, None, None, :end])
             outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
-                                                       enable_gqa=True))
+                                                       enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
 

@@ -224,11 +224,19 @@ class _Space:
             return None  # async TP pipelines the sequence-parallel collectives (plan_rules)
         if self.compile:
             cfg = dataclasses.replace(cfg, compile=True, async_tp=self.async_tp)
-            if self.runtime and compile_runtime_problem(cfg):
-                return None  # compiled zero-bubble (plan_rules.compile_runtime_problem)
-        if self.offload != "none" and self.runtime and offload_runtime_problem(cfg):
+            if self.runtime and self._refused(compile_runtime_problem(cfg)):
+                return None  # e.g. compiled zero-bubble (plan_rules.compile_runtime_problem)
+        if self.offload != "none" and self.runtime and self._refused(
+                offload_runtime_problem(cfg)):
             return None
         return cfg
+
+    def _refused(self, problem: str | None) -> bool:
+        """Keep the validity function's reason for a point it refuses: when it refuses every
+        point, the search answers with that reason (`_search`), not "nothing fits"."""
+        if problem and self.why_empty is None:
+            self.why_empty = problem
+        return bool(problem)
 
     def cps(self, rest: int) -> list[int]:
         """Context-parallel degrees searched on `rest` = gpus / tp ranks: the fixed one, else 1
