@@ -218,8 +218,9 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
     checkpoint size at its default storage bandwidth)."""
     from meshtron.cost.model import CHECKPOINT_BYTES_PER_PARAM, DEFAULT_STORAGE_GB_PER_S
     from meshtron.reliability import DEFAULT_GPU_FAILURES_PER_HOUR, cluster_mtbf_s
-    from meshtron.reliability.goodput import (goodput_doc, goodput_table, load_recovery_times,
-                                              render_goodput)
+    from meshtron.cost.model import DEFAULT_RESTART_S
+    from meshtron.reliability.goodput import (at_job_scale, goodput_doc, goodput_table,
+                                              load_recovery_times, render_goodput)
 
     gpus = est.config.gpus
     if args.mtbf_hours is not None and args.failures_per_gpu_hour is not None:
@@ -234,7 +235,8 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
                               else DEFAULT_GPU_FAILURES_PER_HOUR)
     params = float(model.num_params())
     save_s = CHECKPOINT_BYTES_PER_PARAM * params / (DEFAULT_STORAGE_GB_PER_S * 1e9)
-    times = load_recovery_times()
+    # the job's restart at its scale, as `meshtron cost` (reliability/goodput.py at_job_scale)
+    times = at_job_scale(load_recovery_times(), DEFAULT_RESTART_S, "cost model default")
     groups = args.replica_groups if args.replica_groups is not None else est.config.replicas
     rows = goodput_table(step_s, mtbf, params, gpus, save_s, groups, times)
     return goodput_doc(rows, times, mtbf), render_goodput(rows, times, mtbf)
