@@ -149,12 +149,14 @@ def _render_sweep(doc: dict[str, Any]) -> str:
     lines = []
     for series, s in doc["series"].items():
         lines.append(f"{series} batch:")
-        lines.append(f"  {'GPUs':>7} {'batch':>6} {'plan':52} {'tok/s':>11} {'eff':>6} "
+        # the plan column as wide as its longest plan: a plan string is never cut
+        w = max([4] + [len(r["plan"]) for r in s["points"]])
+        lines.append(f"  {'GPUs':>7} {'batch':>6} {'plan':{w}} {'tok/s':>11} {'eff':>6} "
                      f"{'MFU':>6} {'marginal':>9}  why it scales worse")
         for r in s["points"]:
             eff = _num(r["scaling_efficiency"])
             marg = _num(r["marginal"])
-            lines.append(f"  {r['gpus']:7d} {r['global_batch']:6d} {r['plan'][:52]:52} "
+            lines.append(f"  {r['gpus']:7d} {r['global_batch']:6d} {r['plan']:{w}} "
                          f"{r['tokens_per_s']:11.4g} {eff:6.3f} {r['mfu']:6.3f} "
                          f"{marg:9.4f}  {r['cause']}")
         if s["stops_paying_at"]:

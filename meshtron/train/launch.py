@@ -97,7 +97,7 @@ def launch_ranks(job: TrainJob) -> int:
     from meshtron.doctor.dump import clear_trace
 
     clear_trace(run_dir)
-    outputs.print_plan(plan, cluster)
+    outputs.print_plan(plan, cluster, dtype_note(job, request, plan))
     code = launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
                         grace_s=job.checkpoint.preempt_grace_s + 10.0)
@@ -120,6 +120,19 @@ def launch_ranks(job: TrainJob) -> int:
 
         outputs.print_result(job.cfg, json.loads(summary_path.read_text()), run_dir)
     return 0
+
+
+def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
+    """' (the saved plan's; ...)' when a saved plan sets a precision other than this machine's
+    default: `meshtron plan --save` plans bf16 unless told otherwise, and a CPU run would
+    otherwise train bf16 without saying so."""
+    from meshtron.train.planning import is_plan_file
+    from meshtron.train.precision import default_dtype
+
+    if not is_plan_file(request.plan) or plan.dtype == default_dtype():
+        return ""
+    return (f" (the saved plan's; runs here default to {default_dtype()}: save the plan with "
+            f"`meshtron plan --dtype {default_dtype()}` for that)")
 
 
 def write_run_file(job: TrainJob, path: Path) -> None:
