@@ -77,6 +77,39 @@ def test_global_batch_not_divisible_names_the_global_batch():
     assert proc.returncode == 2 and "global batch" in line and "multiple of 64" in line, line
 
 
+def test_plan_table_labels_whole_and_explained():
+    """At the table's width for a pipe (100 columns) a layout label with context parallelism
+    is printed whole and explained; a fixed layout the runtime cannot run names why."""
+    proc = meshtron("plan", "--model", "llama3-70b", "--cluster", "dgx-h100:16",
+                    "--global-batch", "512", "--seq-len", "8192", "--layout", "tp=4,cp=8",
+                    "--top", "3", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "4x8cp/1/4" in proc.stdout
+    assert "'TxCcp' is tensor parallelism T times context parallelism C" in \
+        proc.stdout.replace("\n", " ")
+    proc = meshtron("plan", "--model", "llama3-70b", "--cluster", "dgx-h100:16",
+                    "--global-batch", "512", "--seq-len", "8192", "--layout", "tp=8,cp=2",
+                    "--schedule", "interleaved:4", timeout=120)
+    line = one_line(proc)
+    assert proc.returncode == 2 and "context parallelism inside a pipeline" in line, line
+    assert "dividing it" not in line
+
+
+def test_demo_says_why_it_trains_its_own_layout():
+    import types
+
+    from meshtron.train.demo import layout_note
+    from meshtron.train.job import ParallelRequest
+
+    config = types.SimpleNamespace(tp=4, cp=1, pp=1, dp=1, ep=1, layout=lambda: "tp=4,pp=1,dp=1")
+    best = types.SimpleNamespace(config=config)
+    request = ParallelRequest(plan="tp=2", nproc=4, knobs={"tp": 2})
+    note = layout_note(request, best)
+    assert "trains layout tp=2" in note and "tp=4,pp=1,dp=1" in note and "--plan auto" in note
+    config.tp = 2
+    assert layout_note(request, best) == ""
+
+
 # ---- runs ---------------------------------------------------------------------------------------
 def test_offload_activations_trains(tmp_path):
     """Crashed with UnboundLocalError 'dataclasses' (train/planning.py) on every run."""

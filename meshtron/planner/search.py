@@ -644,6 +644,9 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, cp: int, pp: int,
 
 def _no_layout_message(space: _Space, cluster: ClusterSpec, global_batch: int) -> str:
     k = space.knobs
+    left_out = [n for n in space.notes if " layouts left out: " in n]
+    if left_out:  # the validity function refused the layouts: its reason, not the batch's
+        return f"no layout of {cluster.num_gpus} GPUs runs: {'; '.join(left_out)}"
     if k.dp is None:
         return (f"global_batch={global_batch}: no tp x pp x dp layout of {cluster.num_gpus} GPUs "
                 f"has a data-parallel degree dividing it (tp from {space.tps}); "
