@@ -232,7 +232,12 @@ def test_compiled_equals_eager_one_and_two_processes():
 def test_compiled_layouts_world2():
     _check(2, [dict(dp=2, zero=0, compile=True), dict(dp=2, zero=1, compile=True),
                dict(dp=2, zero=2, micro_batch=2, compile=True),
-               dict(cp=2, zero=2, compile=True), dict(tp=2, compile=True),
+               # micro-batches of several sequences: what the planner picks through the
+               # command line (inductor's masked SDPA was wrong there; context.py
+               # _math_attention), with and without recomputation
+               dict(cp=2, zero=2, micro_batch=4, compile=True),
+               dict(cp=2, zero=3, micro_batch=8, recompute="full", compile=True),
+               dict(tp=2, compile=True),
                dict(tp=2, sp=True, micro_batch=4, recompute="full", compile=True),
                dict(tp=2, recompute="half", compile=True),
                dict(dp=2, zero=1, recompute="selective", compile=True),
@@ -273,18 +278,24 @@ def test_compiled_bf16_within_bf16_rounding_of_eager():
     """bf16 compute (FSDP2 MixedPrecisionPolicy) compiled vs the one-process eager bf16
     reference. Inductor's fused element-wise kernels (norms, RoPE, SiLU products, residual
     adds) compute in fp32 and round to bf16 once per kernel where eager rounds after every op:
-    different bf16 rounding, as tensor parallelism's bf16 partial sums are
-    (tests/test_parallel.py BF16_TOL["tp"], whose reasoning and bounds apply: measured 2.7e-5
-    / 2.8e-4 / 1.9e-2 on losses / norms / parameters, against 1e-4 / 5e-3 / 5e-2)."""
+    different bf16 roundings from step 1, as tensor parallelism's bf16 partial sums: the bounds
+    of testkit/bf16.py for layouts that do not run the reference's operations (losses and
+    norms within one bf16 rounding, 2^-8; parameters TP_PARAM; measured 2.7e-5 / 2.8e-4 /
+    1.9e-2)."""
+    from testkit import bf16
+
     cfg = dict(DEFAULT_CFG, dtype="bf16", micro_batch=2)
     layouts = [dict(dp=2, zero=3, micro_batch=2, dtype="bf16", compile=True),
                dict(tp=2, sp=True, micro_batch=2, dtype="bf16", compile=True)]
     out = run_on_ranks(_rank_fn, 2, cfg, layouts, False, timeout=900)
-    report = compare(reference_run(cfg), [r for r, _ in out])
+    with bf16.one_thread():
+        ref = reference_run(cfg)
+    results = [r for r, _ in out]
+    report = compare(ref, results)
     print(format_report(report))
-    for r in report:
-        assert not (r["missing"] or r["extra"]), r
-        assert r["loss_rel"] <= 1e-4 and r["norm_rel"] <= 5e-3 and r["param_rel"] <= 5e-2, r
+    for i, r in enumerate(report):
+        why = bf16.problems(r["layout"], [res[i] for res in results], ref, r, same_ops=False)
+        assert not why, (r["layout"], why)
 
 
 def test_compiled_moe_with_expert_parallelism_refused():

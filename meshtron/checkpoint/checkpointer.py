@@ -453,8 +453,14 @@ def _saved_optimizer_states(folder: Path) -> dict[str, tuple[torch.dtype, bool]]
 def _layout(plan: dict[str, Any] | None) -> str:
     if not plan:
         return ""
-    return f", layout tp={plan.get('tp')} pp={plan.get('pp')} dp={plan.get('dp')} " \
-           f"zero={plan.get('zero')}"
+    cp = f" cp={plan['cp']}" if (plan.get("cp") or 1) > 1 else ""
+    ep = f" ep={plan['ep']}" if (plan.get("ep") or 1) > 1 else ""
+    schedule = ""
+    if (plan.get("pp") or 1) > 1 and plan.get("schedule"):
+        v = plan.get("virtual_stages") or 1
+        schedule = f" schedule={plan['schedule']}" + (f":{v}" if v > 1 else "")
+    return (f", layout tp={plan.get('tp')}{cp} pp={plan.get('pp')} dp={plan.get('dp')}{ep} "
+            f"zero={plan.get('zero')}{schedule}")
 
 
 def was_preempted(cfg: Any) -> dict[str, Any] | None:

@@ -209,17 +209,16 @@ def run(args: argparse.Namespace) -> int:
 def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any], list[str]]:
     """Goodput of restart-from-disk, in-memory recovery and replica FT at the run's failure
     rate, from the measured recovery seconds (meshtron/reliability/goodput.py)."""
-    from meshtron.reliability.goodput import (DEFAULT_PEER_GB_PER_S, goodput_doc, goodput_table,
-                                              load_recovery_times, render_goodput)
+    from meshtron.reliability.goodput import (DEFAULT_PEER_GB_PER_S, at_job_scale, goodput_doc,
+                                              goodput_table, load_recovery_times,
+                                              render_goodput)
 
-    times = load_recovery_times()
-    if args.restart_min is not None:  # the user's restart time replaces the measured one
-        import dataclasses
-
-        times = dataclasses.replace(times, restart_from_disk_s=args.restart_min * 60,
-                                    source=times.source + "; restart-from-disk: --restart-min",
-                                    sources={**times.sources, "restart_from_disk_s":
-                                             f"--restart-min {args.restart_min:g} (given)"})
+    # One restart time for the header and this table: the cost model's job restart (default
+    # or --restart-min), not the seconds measured on a 2-rank CPU run (reliability/goodput.py
+    # at_job_scale).
+    label = (f"--restart-min {args.restart_min:g}" if args.restart_min is not None
+             else "default 10 min, --restart-min")
+    times = at_job_scale(load_recovery_times(), spec.restart_s, label)
     groups = args.replica_groups if args.replica_groups is not None else plan.replicas
     bw = args.peer_gb_per_s if args.peer_gb_per_s is not None else DEFAULT_PEER_GB_PER_S
     rows = goodput_table(spec.step_time_s, spec.mtbf_s, spec.params, spec.gpus, spec.save_s,
@@ -246,7 +245,8 @@ def render(doc: dict[str, Any]) -> str:
     lines = [
         f"Plan: {doc['plan']} on {doc['gpus']:,} GPUs, step {doc['step_time_s']:.2f} s, "
         f"{doc['tokens']:.3g} tokens: {doc['failure_free_days']:.1f} days without failures",
-        f"Checkpoint: save {ck['save_s']:.0f} s, restart {ck['restart_s']:.0f} s, job MTBF "
+        f"Checkpoint: save {ck['save_s']:.0f} s, restart {ck['restart_s']:.0f} s (job restart + "
+        f"reading the checkpoint back), job MTBF "
         f"{ck['mtbf_s'] / 3600:.2f} h, Daly interval {ck['daly_interval_s'] / 60:.1f} min",
         f"Prices: on-demand ${pr['on_demand']:.2f}, spot ${pr['spot']:.2f} per GPU-hour "
         f"({pr['source']}); power {pr['system_w_per_gpu']:.0f} W per GPU x PUE {pr['pue']:g}",

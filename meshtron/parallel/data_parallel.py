@@ -166,6 +166,8 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
     # follows at once).
     reshard = lay.zero == 3 and lay.dp_shard * lay.cp > 1 and lay.pp == 1
     emb, head = _units(model)
+    if emb and lay.tp > 1:
+        _quiet_embedding_view_warning()
     if emb:
         fully_shard(emb if len(emb) > 1 else emb[0], mesh=dp_mesh,
                     reshard_after_forward=reshard, mp_policy=mp)
@@ -179,6 +181,22 @@ def apply_data_parallel(model: nn.Module, mesh, lay) -> nn.Module:
     # The root: what is left (tied embeddings, used first in forward and last in backward).
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     return model
+
+
+def _quiet_embedding_view_warning() -> None:
+    """FSDP2 warns on every rank of every tensor-parallel run that the embedding unit "returned
+    a view tensor" (RowwiseParallel hands the embedding's output on as the local view of its
+    reduced DTensor) and that an in-place op on it "can cause backward to fail or produce
+    wrong gradients". meshtron's model never writes into that output: the position add, the
+    first block's norm and its residual add all consume it out of place
+    (meshtron/model/transformer.py; the compiled path clones it, parallel/compile.py), and
+    every TP layout trains the one-process gradients (tests/test_parallel.py). So this one
+    message, for this one unit, is filtered; any other FSDP2 warning still shows."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view "
+                                    r"tensor")
 
 
 def _shard_experts(block: nn.Module, mesh, lay, reshard: bool, mp) -> None:

@@ -238,5 +238,6 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
                                    result.options.attention)
         plan.save(args.save)
         if console is not None:
-            console.print(f"Saved the best plan to {args.save}")
+            console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: `meshtron "
+                          f"train --plan {args.save}` trains in it; --dtype here changes it)")
     return 0

@@ -209,7 +209,9 @@ def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
     if b is not None and mb is not None and dp is None and b % mb:
         yield f"plan.micro_batch={mb}: must divide plan.global_batch={b}"
     elif b is not None and dp is not None and b % dp:
-        yield f"plan.global_batch={b}: must be divisible by plan.dp={dp}"
+        yield (f"plan.global_batch={b} (the global batch, sequences per step): must be "
+               f"divisible by plan.dp={dp}, every data-parallel rank takes global_batch/dp whole "
+               f"sequences; use a multiple of {dp}")
     elif b is not None and dp is not None and b % (dp * (mb or 1)):
         yield (f"plan.micro_batch={mb}: must divide the per-replica batch global_batch/dp = "
                f"{b}/{dp} = {b // dp}")

@@ -202,7 +202,10 @@ def _table(result: SearchResult, tokens: float, wide: bool):
         cols += ["TFLOP/s mdl/hw", "HFU", "GPU-h"]
     for col in cols:
         left = col in ("recomp", "schedule", "tp/pp/dp")
-        table.add_column(col, justify="left" if left else "right", overflow="fold")
+        # labels ("interleaved:4", "2x8cp/1/4") are never folded mid-word
+        whole = col in ("schedule", "tp/pp/dp", "recomp")
+        table.add_column(col, justify="left" if left else "right", overflow="fold",
+                         no_wrap=whole)
     for i, e in enumerate(result.plans, 1):
         c, mem, t = e.config, e.memory, e.time
         row = [str(i), _layout(e), str(c.zero), str(c.micro_batch), c.recompute,
@@ -218,6 +221,28 @@ def _table(result: SearchResult, tokens: float, wide: bool):
                     f"{e.hfu * 100:.1f}%", f"{e.gpu_hours(tokens, n):,.0f}"]
         table.add_row(*row)
     return table
+
+
+def table_notes(result: SearchResult) -> list[str]:
+    """What the table's compact labels and its order mean, when they need saying: the layout
+    column's cp and ep marks, and plans tied on step time (ranked by simplicity, not memory:
+    search.py)."""
+    out = []
+    if any(e.config.cp > 1 for e in result.plans):
+        out.append("Layout column tp/pp/dp: 'TxCcp' is tensor parallelism T times context "
+                   "parallelism C (each sequence split over C ranks), e.g. 2x8cp/1/4 = tp=2, "
+                   "cp=8, pp=1, dp=4")
+    if any(e.config.ep > 1 for e in result.plans):
+        out.append("Layout column: 'epE' is expert parallelism over E of the data ranks (not a "
+                   "factor of the GPU count)")
+    steps = [round(e.step_time_s, 9) for e in result.plans]
+    ties = [i for i in range(1, len(steps)) if steps[i] == steps[i - 1]]
+    if ties:
+        i = ties[0]
+        out.append(f"Plans {i} and {i + 1} tie on step time: ties go to the simpler plan (lower "
+                   "ZeRO stage, less recomputation) even where it needs more memory, as long "
+                   "as it fits")
+    return out
 
 
 def header(result: SearchResult) -> list[str]:
@@ -246,6 +271,8 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
     if not result.fits:
         return
     console.print(_table(result, tokens, wide))
+    for line in table_notes(result):
+        console.print(line)
     best = result.plans[0]
     n = result.cluster.num_gpus
     cl = result.cluster

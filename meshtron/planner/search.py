@@ -225,11 +225,19 @@ class _Space:
             return None  # async TP pipelines the sequence-parallel collectives (plan_rules)
         if self.compile:
             cfg = dataclasses.replace(cfg, compile=True, async_tp=self.async_tp)
-            if self.runtime and compile_runtime_problem(cfg):
-                return None  # compiled zero-bubble (plan_rules.compile_runtime_problem)
-        if self.offload != "none" and self.runtime and offload_runtime_problem(cfg):
+            if self.runtime and self._refused(compile_runtime_problem(cfg)):
+                return None  # e.g. compiled zero-bubble (plan_rules.compile_runtime_problem)
+        if self.offload != "none" and self.runtime and self._refused(
+                offload_runtime_problem(cfg)):
             return None
         return cfg
+
+    def _refused(self, problem: str | None) -> bool:
+        """Keep the validity function's reason for a point it refuses: when it refuses every
+        point, the search answers with that reason (`_search`), not "nothing fits"."""
+        if problem and self.why_empty is None:
+            self.why_empty = problem
+        return bool(problem)
 
     def cps(self, rest: int) -> list[int]:
         """Context-parallel degrees searched on `rest` = gpus / tp ranks: the fixed one, else 1
@@ -637,6 +645,9 @@ def _leanest(ev: Evaluator, space: _Space, tp: int, cp: int, pp: int,
 
 def _no_layout_message(space: _Space, cluster: ClusterSpec, global_batch: int) -> str:
     k = space.knobs
+    left_out = [n for n in space.notes if " layouts left out: " in n]
+    if left_out:  # the validity function refused the layouts: its reason, not the batch's
+        return f"no layout of {cluster.num_gpus} GPUs runs: {'; '.join(left_out)}"
     if k.dp is None:
         return (f"global_batch={global_batch}: no tp x pp x dp layout of {cluster.num_gpus} GPUs "
                 f"has a data-parallel degree dividing it (tp from {space.tps}); "

@@ -95,6 +95,31 @@ def load_recovery_times(path: Path | str | None = None) -> RecoveryTimes:
                          sources=sources)
 
 
+def at_job_scale(times: RecoveryTimes, restart_s: float, label: str) -> RecoveryTimes:
+    """The fixed recovery seconds of a job at its own scale. recovery.toml's are measured on
+    small runs (a few CPU ranks, no scheduler, no communicator set-up across nodes): the
+    floor of a restart, not its size on thousands of GPUs, where detecting the failure,
+    rescheduling, starting every process and initialising the communicators dominate: the
+    cost model's job restart `restart_s` (cost/model.py DEFAULT_RESTART_S, --restart-min).
+    Every strategy that starts processes again pays it (restart-from-disk, in-memory, a
+    replica group's replacement); they differ by the state transfer goodput_table adds and
+    by how much work they redo. The survivors' stall of replica FT restarts nothing: kept as
+    measured. The larger of the two figures is used, so a measured restart slower than the
+    assumption is never hidden."""
+    _check("restart_s", restart_s, positive=False)
+    fixed = {}
+    sources = dict(times.sources)
+    for name in ("restart_from_disk_s", "in_memory_s", "replica_rejoin_s"):
+        measured = getattr(times, name)
+        fixed[name] = max(restart_s, measured)
+        sources[name] = (f"{label} (the job's restart at this scale; measured {measured:g} s "
+                         f"on a small run: {times.sources.get(name, 'unlabelled')})")
+    return RecoveryTimes(**fixed, replica_stall_s=times.replica_stall_s,
+                         source=f"job restart {restart_s:g} s ({label}) for every strategy that "
+                                f"restarts processes; replica stall measured ({times.source})",
+                         sources=sources)
+
+
 def update_recovery_file(path: Path, values: dict[str, tuple[float, str]]) -> None:
     """Set some of the recovery seconds in `path` (name -> (seconds, label: what measured it,
     where, when)); the other values and their labels stay."""

@@ -149,12 +149,14 @@ def _render_sweep(doc: dict[str, Any]) -> str:
     lines = []
     for series, s in doc["series"].items():
         lines.append(f"{series} batch:")
-        lines.append(f"  {'GPUs':>7} {'batch':>6} {'plan':52} {'tok/s':>11} {'eff':>6} "
+        # the plan column as wide as its longest plan: a plan string is never cut
+        w = max([4] + [len(r["plan"]) for r in s["points"]])
+        lines.append(f"  {'GPUs':>7} {'batch':>6} {'plan':{w}} {'tok/s':>11} {'eff':>6} "
                      f"{'MFU':>6} {'marginal':>9}  why it scales worse")
         for r in s["points"]:
             eff = _num(r["scaling_efficiency"])
             marg = _num(r["marginal"])
-            lines.append(f"  {r['gpus']:7d} {r['global_batch']:6d} {r['plan'][:52]:52} "
+            lines.append(f"  {r['gpus']:7d} {r['global_batch']:6d} {r['plan']:{w}} "
                          f"{r['tokens_per_s']:11.4g} {eff:6.3f} {r['mfu']:6.3f} "
                          f"{marg:9.4f}  {r['cause']}")
         if s["stops_paying_at"]:
@@ -218,8 +220,9 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
     checkpoint size at its default storage bandwidth)."""
     from meshtron.cost.model import CHECKPOINT_BYTES_PER_PARAM, DEFAULT_STORAGE_GB_PER_S
     from meshtron.reliability import DEFAULT_GPU_FAILURES_PER_HOUR, cluster_mtbf_s
-    from meshtron.reliability.goodput import (goodput_doc, goodput_table, load_recovery_times,
-                                              render_goodput)
+    from meshtron.cost.model import DEFAULT_RESTART_S
+    from meshtron.reliability.goodput import (at_job_scale, goodput_doc, goodput_table,
+                                              load_recovery_times, render_goodput)
 
     gpus = est.config.gpus
     if args.mtbf_hours is not None and args.failures_per_gpu_hour is not None:
@@ -234,7 +237,8 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
                               else DEFAULT_GPU_FAILURES_PER_HOUR)
     params = float(model.num_params())
     save_s = CHECKPOINT_BYTES_PER_PARAM * params / (DEFAULT_STORAGE_GB_PER_S * 1e9)
-    times = load_recovery_times()
+    # the job's restart at its scale, as `meshtron cost` (reliability/goodput.py at_job_scale)
+    times = at_job_scale(load_recovery_times(), DEFAULT_RESTART_S, "cost model default")
     groups = args.replica_groups if args.replica_groups is not None else est.config.replicas
     rows = goodput_table(step_s, mtbf, params, gpus, save_s, groups, times)
     return goodput_doc(rows, times, mtbf), render_goodput(rows, times, mtbf)

@@ -60,3 +60,22 @@ def show_plans(job: TrainJob) -> None:
         console = Console(width=200)
     report.render(result, tokens=cfg.train.steps * cfg.data.global_batch * cfg.data.seq_len,
                   console=console)
+    line = layout_note(request, result.best)
+    if line:
+        console.print(line)
+
+
+def layout_note(request: ParallelRequest, best) -> str:
+    """Why the demo then trains another layout than the table's best: the layout it was given
+    (DEMO_LAYOUT, or --plan) fixes some axes and the planner picks the rest under them."""
+    fixed = {k: v for k, v in request.knobs.items() if k in ("tp", "cp", "pp", "dp", "ep")}
+    if best is None or not fixed:
+        return ""
+    differs = {k: v for k, v in fixed.items() if getattr(best.config, k) != v}
+    if not differs:
+        return ""
+    given = ",".join(f"{k}={v}" for k, v in fixed.items())
+    return (f"The run below trains layout {given} (the demo's, to show tensor parallelism; the "
+            f"planner chooses the other knobs under it), not the best plan above "
+            f"({best.config.layout()}); `meshtron train --nproc {request.nproc or DEMO_NPROC} "
+            f"--plan auto` trains the planner's choice.")

@@ -116,6 +116,19 @@ def launch_ranks(job: TrainJob) -> int:
     return 0
 
 
+def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
+    """' (the saved plan's; ...)' when a saved plan sets a precision other than this machine's
+    default: `meshtron plan --save` plans bf16 unless told otherwise, and a CPU run would
+    otherwise train bf16 without saying so."""
+    from meshtron.train.planning import is_plan_file
+    from meshtron.train.precision import default_dtype
+
+    if not is_plan_file(request.plan) or plan.dtype == default_dtype():
+        return ""
+    return (f" (the saved plan's; runs here default to {default_dtype()}: save the plan with "
+            f"`meshtron plan --dtype {default_dtype()}` for that)")
+
+
 def start_ranks(job: TrainJob, plan, cluster, request: ParallelRequest, nproc: int) -> int:
     """Save what the ranks read (run.toml, plan.toml), start them, wait; their exit code."""
     from meshtron.doctor.dump import clear_trace
@@ -126,7 +139,7 @@ def start_ranks(job: TrainJob, plan, cluster, request: ParallelRequest, nproc: i
     plan.save(run_dir / "plan.toml")
     write_run_file(job, run_dir / "run.toml")
     clear_trace(run_dir)
-    outputs.print_plan(plan, cluster)
+    outputs.print_plan(plan, cluster, dtype_note(job, request, plan))
     return launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
                         grace_s=job.checkpoint.preempt_grace_s)

@@ -163,7 +163,7 @@ def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None
     pred, meas = summary.get("predicted_step_time_s"), summary.get("step_time_s")
     vs = (f"; step time (median of steady steps) {meas:.3f} s vs planner {pred:.3f} s "
           f"(x{meas / pred:.2f})" if pred and meas else "")
-    extra = ", memory in memory.json" if summary.get("world_size") else ""
+    extra = f", memory in {run_dir}/memory.json" if summary.get("world_size") else ""
     compiled = (f" ({summary['compile_time_s']:.1f} s of it compiling)"
                 if summary.get("compile_time_s") is not None else "")
     Console().print(
@@ -174,7 +174,9 @@ def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None
         f"{run_dir}/curves.png{extra}", soft_wrap=True)
 
 
-def print_plan(plan, cluster) -> None:
+def print_plan(plan, cluster, dtype_note: str = "") -> None:
+    """The plan line of a multi-rank run. `dtype_note`: where the precision comes from when
+    the user did not choose it (a saved plan's)."""
     from rich.console import Console
 
     pred = plan.predicted or {}
@@ -184,6 +186,6 @@ def print_plan(plan, cluster) -> None:
         f"[bold]plan[/] {plan.layout()} zero={plan.zero} micro_batch={plan.micro_batch} "
         f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'}{pipeline}"
         f"{' compile' if plan.compile else ''}{' async_tp' if plan.async_tp else ''} "
-        f"on {cluster.name}; "
+        f"dtype={plan.dtype}{dtype_note} on {cluster.name}; "
         f"predicted step {pred.get('step_time_s', float('nan')):.3f} s, "
         f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank", soft_wrap=True)

@@ -6,6 +6,7 @@ with one line and no process left behind. Takes typed values only (no argparse o
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +96,7 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int):
         plan = apply_comm(_searched_plan(cfg, request, world_size, cluster), request.comm,
                           saved=False)
     if cfg.train.compile and not plan.compile:  # --compile on a saved eager plan: the plan
-        import dataclasses                        # the ranks run (and plan.toml) says so
-
-        plan = dataclasses.replace(plan, compile=True)
+        plan = dataclasses.replace(plan, compile=True)  # the ranks run (and plan.toml) says so
     # The runtime's own checks (world size, heads, kv_heads, layers, schedule traps, what
     # compiles: plan.py `runtime_problem`).
     resolve_plan(plan, world_size, cfg.model)
@@ -169,10 +168,12 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
                         f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
     plan = best.to_plan(cfg.model.name, cluster.name, world_size, cfg.data.global_batch,
                         cfg.data.seq_len, attention=result.options.attention)
+    if plan.dtype != cfg.train.dtype:  # FP8 priced as bf16 above: the plan the ranks run (and
+        # plan.toml) carries the precision the user asked for, as a one-process run trains it
+        plan = dataclasses.replace(plan, dtype=cfg.train.dtype,
+                                   fp8_recipe=cfg.train.fp8_recipe or plan.fp8_recipe)
     ep = knobs.get("ep") or 1
     if ep > 1 and plan.ep != ep:  # a search that does not place ep itself: the given ep
-        import dataclasses
-
         plan = dataclasses.replace(plan, ep=ep)
     if knobs.get("offload_activations"):  # not a search knob: the runtime's choice
         plan = dataclasses.replace(plan, offload_activations=True)
