@@ -155,6 +155,17 @@ MOE_NOTE = ("mixture of experts: memory counts every expert (E/ep per rank under
             "(planner/moe_cost.py); tensor parallelism of MoE models is not priced (tp=1)")
 
 
+def long_sequence_note(model, seq: int) -> str:
+    """A sequence beyond the model's trained positions is priced, with a warning: the user may
+    extend the context (torchtitan trained Llama 3.1 8B at 262,144 tokens, twice its
+    131,072 positions); the cost of a step does not depend on what the positions mean."""
+    what = ("its learned position table has no rows for it: the run needs a longer table"
+            if model.position == "learned" else "training it needs context extension "
+            "(RoPE scaling) for the quality, not for the cost priced here")
+    return (f"warning: seq-len {seq} exceeds the model's max_seq={model.max_seq} (its "
+            f"config.json max_position_embeddings, or a smaller sliding_window); {what}")
+
+
 def run(args: argparse.Namespace) -> int:
     from meshtron.planner import report
     from meshtron.planner.cluster import resolve_cluster
@@ -178,9 +189,7 @@ def run(args: argparse.Namespace) -> int:
     if seq <= 0:
         raise UserError(f"seq-len={seq}: must be a positive integer")
     if seq > model.max_seq:
-        raise UserError(f"seq-len={seq}: exceeds the model's max_seq={model.max_seq} (its "
-                        "config.json max_position_embeddings, or a smaller sliding_window: "
-                        "meshtron's full attention equals the window's only up to it)")
+        notes.append(long_sequence_note(model, seq))
     batch = args.global_batch
     if batch is None:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
