@@ -125,6 +125,7 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict
     """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict."""
     from meshtron.rehearse import compare
 
+    plan = compare.with_layer_split(plan, model)
     est = compare.planner_estimate(model, cluster, plan, device)
     if rank is None:
         rank = compare.first_rank_of_stage(plan, est.memory.stage)

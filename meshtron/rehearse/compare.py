@@ -45,12 +45,29 @@ def memory_options(plan, device: str):
     return MemoryOptions(dtype=plan.dtype, framework="fsdp2", fused_norm=device != "cpu")
 
 
-def planner_estimate(spec, cluster, plan, device: str):
-    """The planner's Estimate of exactly `plan` (its layer split included) on `cluster`."""
-    from meshtron.planner.search import evaluate_plan
+def with_layer_split(plan, spec):
+    """`plan` with the runtime's layer split written out (parallel/mesh.py's even split when
+    the plan gives none), so that the planner costs the stages the runtime cuts."""
+    if plan.pp == 1 or plan.stage_layers:
+        return plan
+    from meshtron.planner.collectives import even_stage_layers
 
-    return evaluate_plan(spec, cluster, plan.global_batch, plan.seq_len, plan,
-                         mem=memory_options(plan, device))
+    return dataclasses.replace(plan, stage_layers=tuple(even_stage_layers(spec.layers,
+                                                                          plan.num_stages)))
+
+
+def planner_estimate(spec, cluster, plan, device: str):
+    """The planner's Estimate of exactly `plan` (its layer split included) on `cluster`, with
+    meshtron's runtime options (what `meshtron plan` prices by default)."""
+    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.estimate import Evaluator
+
+    opts = KernelOptions()
+    if plan.compile or plan.async_tp:  # as search_plans: what --compile runs
+        opts = dataclasses.replace(opts, stack="fused", async_tp=plan.async_tp)
+    ev = Evaluator(spec, cluster, plan.global_batch, plan.seq_len, opts,
+                   mem=memory_options(plan, device))
+    return ev.evaluate(with_layer_split(plan, spec), keep_infeasible=True)
 
 
 def first_rank_of_stage(plan, stage: int) -> int:

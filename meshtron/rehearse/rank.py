@@ -31,6 +31,7 @@ peak is a steady-state step's: states, gradients and the step's working set toge
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any
 
@@ -136,6 +137,37 @@ def _prime_optimizer(pm, optimizer) -> None:
     optimizer.zero_grad()
 
 
+def _in_sharding_propagation(code) -> bool:
+    """Whether the op being dispatched runs inside DTensor's sharding propagation (`code`):
+    there it computes output metadata on global-shaped fake tensors in the active fake mode,
+    ours, so torch's tracker would count tensors no rank ever holds (measured: 8 bytes per
+    global logit under loss_parallel, i.e. tp times the local logits). Read off the stack:
+    nothing of torch is patched."""
+    frame = sys._getframe(2)
+    for _ in range(48):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _without_propagation(cls):
+    """torch's tracker class `cls`, blind to DTensor's metadata-only propagation ops."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    code = ShardingPropagator._propagate_tensor_meta_non_cached.__code__
+
+    class Tracker(cls):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _in_sharding_propagation(code):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return Tracker
+
+
 def _tracker(pm, optimizer):
     from torch.distributed.fsdp import FSDPModule
 
@@ -143,10 +175,10 @@ def _tracker(pm, optimizer):
     if len(parts) == 1 and isinstance(parts[0], FSDPModule):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return FSDPMemTracker(parts[0], optimizer)
+        return _without_propagation(FSDPMemTracker)(parts[0], optimizer)
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    tracker = _without_propagation(MemTracker)()
     tracker.track_external(*parts, optimizer)
     return tracker
 
