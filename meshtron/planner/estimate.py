@@ -330,6 +330,12 @@ class Evaluator(DataParallelCost):
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
+        if (rec in ("full", "half") and zero == 3 and dp * cp > 1 and not keep
+                and mem_opts.framework == "fsdp2"):
+            # replaying a checkpointed block's forward inside its backward fires FSDP2's
+            # forward prefetch too: the next block's unit is gathered beside the current one
+            # and the backward-prefetched one (rehearsed: three block units alive)
+            work = work + mem_opts.compute_bytes * p_layer
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
         if fsdp_zero1 and accum:

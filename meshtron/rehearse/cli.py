@@ -125,6 +125,10 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict
     """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict."""
     from meshtron.rehearse import compare
 
+    if model.is_moe and device == "cpu":
+        raise UserError(f"model={model.name!r}: a mixture of experts routes tokens by value "
+                        "(bincount, uneven all-to-all splits), which fake tensors cannot "
+                        "size; rehearse it on a GPU (--device cuda)")
     plan = compare.with_layer_split(plan, model)
     est = compare.planner_estimate(model, cluster, plan, device)
     if rank is None:

@@ -44,8 +44,9 @@ GIB = float(2**30)
 def _fake_group(rank: int, world: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_initialized():  # never replace a group someone else made
+        raise RuntimeError("rehearse: torch.distributed is already initialised in this "
+                           "process; rehearse in a process of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
