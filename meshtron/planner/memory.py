@@ -279,10 +279,11 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
         unit = p_root if root_unit is None else root_unit
         grad_unit = cb * max(p_layer, unit)
         if zero == 3 and dp > 1 and not keep_gathered:
-            # current + prefetched unit; at the start of backward the root (head) is gathered
-            # together with the prefetched last block (keep_gathered: pipelining, where the
-            # units stay gathered over the step's micro-batches)
-            return cb * max(2.0 * p_layer, unit + p_layer) + grad_unit
+            # current + prefetched unit in the blocks' backward; at the loss the head's unit
+            # alone (rehearsed: the last block is gathered after the loss's backward)
+            # (keep_gathered: pipelining, where the units stay gathered over the step's
+            # micro-batches)
+            return cb * max(2.0 * p_layer, unit) + grad_unit
         return cb * (layers * p_layer + p_root) + grad_unit
     if zero == 3 and dp > 1:
         # DeepSpeed's per-module gathering, the ZeRO-3 of 16-bit-weight frameworks

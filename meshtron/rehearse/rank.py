@@ -111,12 +111,12 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets) -> None:
         if kind == "F":
             inp = _stage_input(plan, spec, device, dtype, s == 0, x_mb[i])
             with pm._loss_context():
-                out = parts[s](inp)
-                if s == last:
-                    out = pm.loss_fn(out, y_mb[i]) / n_micro
-            live[(s, i)] = (inp, out)
+                out = kept = parts[s](inp)
+                if s == last:  # the schedule keeps the stage's output (the logits) until
+                    out = pm.loss_fn(kept, y_mb[i]) / n_micro  # the micro-batch's backward
+            live[(s, i)] = (inp, out, kept)
             continue
-        inp, out = live.pop((s, i))
+        inp, out, kept = live.pop((s, i))
         done[s] += 1
         grads = None if s == last else torch.empty_like(out)
         inputs = [inp] if s != 0 else []
@@ -124,7 +124,7 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets) -> None:
             stages[s].backward_maybe_with_nosync(
                 "full", {"stage_output": out, "output_grads": grads, "input_values": inputs},
                 last_backward=done[s] == backwards[s])
-        del inp, out
+        del inp, out, kept
     for st in stages.values():
         st.perform_reduce_grad(1)
 
