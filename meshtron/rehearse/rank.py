@@ -74,10 +74,10 @@ def _pipeline_order(pm, plan, n_micro: int, pp_rank: int) -> list[tuple[str, int
     for action in sched.pipeline_order[pp_rank]:
         if action is None:
             continue
-        kind = str(action.computation_type)
-        if kind in ("F", "FORWARD"):
+        kind = getattr(action.computation_type, "value", action.computation_type)
+        if kind == "F":
             out.append(("F", action.stage_index, action.microbatch_index))
-        elif kind in ("B", "I", "FULL_BACKWARD", "BACKWARD_INPUT"):
+        elif kind in ("B", "I"):  # full backward, or a zero-bubble input gradient
             out.append(("B", action.stage_index, action.microbatch_index))
     return out
 
@@ -170,18 +170,47 @@ def _without_propagation(cls):
 
 
 def _tracker(pm, optimizer):
+    """torch's tracker for this rank's model parts. FSDPMemTracker follows one FSDP root and
+    lets a module run once per micro-batch (MemTracker refuses a second call in a step): with
+    several pipeline stages on the rank it follows the first, and the other stages' parameter
+    shards, made before tracking starts, are added by their exact bytes (`untracked`);
+    everything they create during the step is tracked."""
     from torch.distributed.fsdp import FSDPModule
 
     parts = pm.model_parts
-    if len(parts) == 1 and isinstance(parts[0], FSDPModule):
+    if isinstance(parts[0], FSDPModule):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return _without_propagation(FSDPMemTracker)(parts[0], optimizer)
+        tracker = _without_propagation(FSDPMemTracker)(parts[0], optimizer)
+        tracker.untracked = _param_bytes(parts[1:], exclude=parts[0])
+        return tracker
+    if len(parts) > 1:
+        from meshtron.errors import UserError
+
+        raise UserError("rehearse: several pipeline stages per rank without FSDP (fp32, "
+                        "dp=1) cannot be tracked on CPU; rehearse it on a GPU")
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = _without_propagation(MemTracker)()
     tracker.track_external(*parts, optimizer)
+    tracker.untracked = 0.0
     return tracker
+
+
+def _param_bytes(parts, exclude) -> float:
+    """Bytes of the local parameter shards and buffers of `parts` not in `exclude`."""
+    from torch.distributed.tensor import DTensor
+
+    seen = {id(t) for t in list(exclude.parameters()) + list(exclude.buffers())}
+    total = 0.0
+    for part in parts:
+        for t in list(part.parameters()) + list(part.buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            t = t.to_local() if isinstance(t, DTensor) else t
+            total += t.numel() * t.element_size()
+    return total
 
 
 _CATEGORY = {"Sharded Param": "params", "Parameter": "params", "Buffer": "params",
@@ -291,6 +320,8 @@ def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker) -> 
         with tracker:
             _step(pm, plan, spec, dev, optimizer, tokens, targets)
         peak = _categories(tracker.get_tracker_snapshot("peak"))
+        peak["params"] += tracker.untracked  # alive all step: in the peak
+        peak["total"] += tracker.untracked
         # AdamW's states live through the whole step, so they are in the peak; the tracker
         # files the states of the runtime's per-part optimizers as temporaries (it hooks only
         # the optimizer it is given): moved to their category, by their exact bytes
