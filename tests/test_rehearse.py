@@ -113,3 +113,16 @@ def test_bad_input_is_one_line_and_exit_2(args, field):
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr
+
+
+def test_plan_rehearse_rehearses_the_chosen_plan():
+    out = _cli("plan", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16",
+               "--seq-len", "256", "--layout", "dp=8", "--zero", "2", "--top", "1",
+               "--rehearse", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    best, rehearsal = doc["plans"][0], doc["rehearsal"]
+    assert rehearsal["plan"]["dp"] == best["dp"] == 8 and rehearsal["plan"]["zero"] == 2
+    assert rehearsal["plan"]["micro_batch"] == best["micro_batch"]
+    total = {r["row"]: r for r in rehearsal["memory"]}["total"]
+    assert total["rehearsal_gib"] > 0 and total["planner_gib"] > 0

@@ -63,11 +63,16 @@ is recomputed, that block's activations (`recompute_working_bytes`). That workin
 loss's (below) are alive at different times of the backward: the peak holds the larger
 (`loss_or_recompute`).
 
-Logits (last stage, one micro-batch; [tokens, vocab/t] elements): the eager loss casts the
+Logits (last stage, one micro-batch; [tokens, vocab/t] elements): meshtron's runtime at tp = 1
+without a pipeline never builds them (meshtron/model/loss.py chunks the head and the loss over
+tokens): what it holds is one chunk's logits and the head's weight gradients summed over the
+chunks (`chunked_loss_bytes`). Elsewhere the eager loss casts the
 logits to fp32 and takes log_softmax, whose fp32 output is saved; at the start of backward the
 saved output, the incoming gradient and log_softmax's input gradient are alive together: 12
 bytes per element (the compute-dtype logits are freed after the loss, nothing saves them;
-pipeline schedules keep the stage output, + the compute dtype's bytes). Megatron's fused
+pipeline schedules keep the stage output, + the compute dtype's bytes); torch's loss_parallel
+(tensor-parallel heads) 16 (`LOSS_PARALLEL_BYTES`). Every figure of meshtron's own runtime here
+is checked against `meshtron rehearse` (one rank run under fake tensors; tests/test_rehearse.py). Megatron's fused
 vocabulary-parallel cross-entropy keeps bf16 logits + an fp32 softmax that its backward
 overwrites in place: 6 bytes; flash-attn's fused loss with in-place backward (llm-foundry's
 default) only the 16-bit logits: 2 bytes (`MemoryOptions.loss`).

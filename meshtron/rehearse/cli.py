@@ -56,7 +56,8 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _device(text: str) -> str:
+def device_for(text: str) -> str:
+    """The device to rehearse on: cpu, cuda, or auto (cuda when present)."""
     text = (text or "auto").strip().lower()
     if text not in DEVICES:
         raise UserError(f"device={text!r}: allowed values are {', '.join(DEVICES)}")
@@ -111,7 +112,7 @@ def _resolve(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    device = _device(args.device)
+    device = device_for(args.device)
     model, plan, cluster = _resolve(args)
     report = rehearse(model, plan, cluster, device, args.rank)
     if args.json:
