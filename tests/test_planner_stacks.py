@@ -331,3 +331,27 @@ def test_cost_reads_model_and_cluster_from_the_plan(cli, tmp_path):
     rc, out, err = cli("cost", "--plan", str(plan), "--deadline-days", "0.5", "--runs", "200",
                        "--json")
     assert rc == 0 and "no option meets it" in err and json.loads(out)["warnings"]
+
+
+def test_sustained_clock_in_a_cluster_file_scales_the_gemms(cli, tmp_path):
+    """A power-capped or clock-locked cluster (issue 30): `sustained_clock_mhz` scales the
+    large GEMMs by clock / boost in place of the catalogue's 0.93 under-load factor; the same
+    clock as that factor gives the catalogue's plan, a lower one a compute time longer by the
+    ratio, one above the boost clock a one-line error."""
+    def plan(clock):
+        path = tmp_path / f"c{clock}.toml"
+        extra = f"sustained_clock_mhz = {clock}\n" if clock else ""
+        path.write_text('gpu = "H100"\ngpus_per_node = 8\nnodes = 1\n'
+                        'intra_node_gb_per_s = 450\ninter_node_gb_per_s = 50\n' + extra)
+        return cli("plan", "--model", "llama3-8b", "--cluster", str(path), "--global-batch",
+                   "64", "--seq-len", "4096", "--layout", "dp=8", "--zero", "3",
+                   "--micro-batch", "1", "--recompute", "none", "--top", "1", "--json")
+    rc0, out0, _ = plan(None)
+    rc1, out1, _ = plan(round(1980 * 0.93, 3))
+    rc2, out2, _ = plan(1386)  # 0.7 of boost
+    assert rc0 == rc1 == rc2 == 0
+    t0, t1, t2 = (json.loads(o)["plans"][0]["time_s"]["compute"] for o in (out0, out1, out2))
+    assert t1 == pytest.approx(t0, rel=1e-9)
+    assert 1.0 < t2 / t0 <= 0.93 / 0.7 + 1e-9  # GEMMs slower by the clock; memory-bound ops not
+    rc, _, err = plan(2500)
+    assert rc == 2 and "sustained_clock_mhz=2500" in err and "boost" in err
