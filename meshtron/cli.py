@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "meshtron.cost.cli",
     "meshtron.simulate.cli",
     "meshtron.modular.cli",
+    "meshtron.rehearse.cli",
 ]
 
 
@@ -31,7 +32,7 @@ COMMANDS = {"train": "meshtron.train.cli", "demo": "meshtron.train.cli",
             "calibrate": "meshtron.calibrate.cli", "plan": "meshtron.planner.cli",
             "doctor": "meshtron.doctor.cli", "export": "meshtron.hf.cli",
             "cost": "meshtron.cost.cli", "simulate": "meshtron.simulate.cli",
-            "merge": "meshtron.modular.cli"}
+            "merge": "meshtron.modular.cli", "rehearse": "meshtron.rehearse.cli"}
 """The module that registers each subcommand: `meshtron plan ...` builds only the planner's
 parser, so it does not import the training, checkpoint and launcher modules that `train`'s
 flags need (about half of a plain `plan`'s start-up on a loaded machine; bench/planner_speed.py

@@ -249,9 +249,12 @@ def test_runtime_zero_stages_cost_what_fsdp2_runs():
 
 
 # ---- memory: what is alive together -------------------------------------------------------------
-def _memory(dtype: str, recompute: str):
+def _memory(dtype: str, recompute: str, loss: str | None = None):
+    from meshtron.planner.memory import MemoryOptions
+
     model = PRESETS["llama3-8b"]
-    ev = Evaluator(model, resolve_cluster("dgx-h100:1"), 8, 32768)
+    mem = MemoryOptions(loss=loss) if loss else None
+    ev = Evaluator(model, resolve_cluster("dgx-h100:1"), 8, 32768, mem=mem)
     est = ev.evaluate(Plan(1, 1, 8, 3, 1, recompute, False, "1f1b", 1, dtype=dtype))
     return est.memory
 
@@ -262,13 +265,19 @@ def test_loss_and_recomputed_block_are_not_alive_together():
     at 32k tokens (torchtitan TT24 Table 2 shapes): logits 47 GiB, a recomputed block ~6."""
     from meshtron.planner import memory
 
-    m = _memory("bf16", "full")
+    m = _memory("bf16", "full", loss="eager")  # torchtitan's whole-logits loss
     logits = 32768 * 128256 * 12 / memory.GIB
     assert m.logits == pytest.approx(logits, rel=1e-6)
     assert m.recompute == 0.0  # the block's working set fits inside the freed loss's bytes
     assert memory.loss_or_recompute(3.0, 5.0) == 5.0 and memory.loss_or_recompute(5.0, 3.0) == 5.0
-    m_none = _memory("bf16", "none")
+    m_none = _memory("bf16", "none", loss="eager")
     assert m_none.logits == pytest.approx(m.logits)  # the loss is the same without recompute
+    # meshtron's own chunked loss (tp=1, no pipeline) never builds the 47 GiB: two more bf16
+    # copies of the head's gradient and one chunk's logits (rehearsed, tests/test_rehearse.py)
+    chunked = _memory("bf16", "none")
+    assert chunked.logits < 0.1 * m_none.logits
+    assert chunked.logits == pytest.approx(memory.chunked_loss_bytes(
+        PRESETS["llama3-8b"], 32768, memory.MemoryOptions()) / memory.GIB)
 
 
 def test_fp8_runs_count_bf16_activations_and_compute_copies():

@@ -1,4 +1,4 @@
-"""`meshtron plan`, `cost`, `simulate` and `--help` must start without importing torch (the CLI
+"""`meshtron plan`, `cost`, `simulate`, `rehearse --help` and `--help` must start without importing torch (the CLI
 builds every subcommand's parser; a torch import costs 2-4 s per command)."""
 
 import subprocess
@@ -24,6 +24,7 @@ print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code or 0)
     ["--help"],
     ["plan", "--help"],
     ["merge", "--help"],
+    ["rehearse", "--help"],
     ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "64",
      "--seq-len", "4096", "--top", "1"],
     ["cost", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--tokens", "1T",

@@ -373,7 +373,8 @@ def grad_norm(pm: ParallelModel, norm_type: float = 2.0) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = None,
-                fill: Callable[[list[nn.Module]], None] | None = None) -> ParallelModel:
+                fill: Callable[[list[nn.Module]], None] | None = None,
+                allocate: bool = True) -> ParallelModel:
     """Apply the plan's pipeline, tensor/sequence, recompute and data parallelism to `model`.
 
     `model` is a `meshtron.model.Transformer` (or follows its conventions), built identically on
@@ -385,6 +386,9 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
     while still on meta; then only this rank's shards are allocated and filled: by
     `fill(model_parts)` when given (e.g. `meshtron.hf.load_into`), else with the model's
     deterministic initialization, equal to the single-process one (meshtron/model/init.py).
+    `allocate=False` leaves a meta-built model's shards on meta: the caller materializes them
+    (`meshtron rehearse` does, under FakeTensorMode, after sharding outside it: DeviceMesh and
+    DTensor need real tensors while they shard).
     """
     spec = getattr(model, "spec", None)
     lay = resolve_plan(as_plan(plan), mesh.size(), spec)
@@ -435,7 +439,7 @@ def parallelize(model: nn.Module, plan: Any, mesh, loss_fn: Callable | None = No
             apply_compile(part, inside_checkpoint=lay.tp > 1 and lay.recompute != "none")
         apply_data_parallel(part, mesh, lay)
         parts.append(part)
-    if on_meta:
+    if on_meta and allocate:
         from meshtron.model.init import materialize
 
         materialize(parts, device, fill=fill,

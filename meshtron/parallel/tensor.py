@@ -61,6 +61,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Mod
                                         use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if "output" in top:  # the model's loss then takes whole vocabulary-sharded logits
+        model.output.vocab_parallel = True
     if tied:
         model.output.weight = model.tok_embeddings.weight
 

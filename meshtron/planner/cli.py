@@ -72,6 +72,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (schema in planner/report.py)")
     p.add_argument("--save", metavar="PLAN.toml", type=output_file,
                    help="write the best plan for `meshtron train`")
+    p.add_argument("--rehearse", action="store_true",
+                   help="also run one rank of the best plan alone (`meshtron rehearse`: fake "
+                        "process group; fake tensors on CPU, real ones on a GPU) and print "
+                        "its peak memory next to the planner's")
     p.set_defaults(func=run)
 
 
@@ -155,6 +159,17 @@ MOE_NOTE = ("mixture of experts: memory counts every expert (E/ep per rank under
             "(planner/moe_cost.py); tensor parallelism of MoE models is not priced (tp=1)")
 
 
+def long_sequence_note(model, seq: int) -> str:
+    """A sequence beyond the model's trained positions is priced, with a warning: the user may
+    extend the context (torchtitan trained Llama 3.1 8B at 262,144 tokens, twice its
+    131,072 positions); the cost of a step does not depend on what the positions mean."""
+    what = ("its learned position table has no rows for it: the run needs a longer table"
+            if model.position == "learned" else "training it needs context extension "
+            "(RoPE scaling) for the quality, not for the cost priced here")
+    return (f"warning: seq-len {seq} exceeds the model's max_seq={model.max_seq} (its "
+            f"config.json max_position_embeddings, or a smaller sliding_window); {what}")
+
+
 def run(args: argparse.Namespace) -> int:
     from meshtron.planner import report
     from meshtron.planner.cluster import resolve_cluster
@@ -178,9 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if seq <= 0:
         raise UserError(f"seq-len={seq}: must be a positive integer")
     if seq > model.max_seq:
-        raise UserError(f"seq-len={seq}: exceeds the model's max_seq={model.max_seq} (its "
-                        "config.json max_position_embeddings, or a smaller sliding_window: "
-                        "meshtron's full attention equals the window's only up to it)")
+        notes.append(long_sequence_note(model, seq))
     batch = args.global_batch
     if batch is None:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
@@ -204,6 +217,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def _rehearse(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq: int):
+    """`meshtron rehearse` of the best plan (None when nothing fits)."""
+    if not result.fits:
+        return None
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.rehearse.cli import device_for, rehearse
+
+    plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
+                               result.options.attention)
+    return rehearse(load_model(args.model), plan, resolve_cluster(args.cluster),
+                    device_for("auto"))
+
+
 def quiet_broken_pipe() -> None:
     """The reader of stdout went away (`meshtron plan --json | head -1`): point stdout at
     /dev/null so that the interpreter's final flush cannot raise again, and say nothing."""
@@ -218,13 +244,22 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
     from meshtron.planner import report
 
     console = None
+    rehearsal = (_rehearse(args, result, gpus, batch, seq) if getattr(args, "rehearse", False)
+                 else None)
     if args.json:
-        print(json.dumps(report.to_json(result, tokens), indent=2), flush=True)
+        doc = report.to_json(result, tokens)
+        if rehearsal is not None:
+            doc["rehearsal"] = rehearsal
+        print(json.dumps(doc, indent=2), flush=True)
     else:
         from rich.console import Console  # only tables need rich (~0.1 s of imports)
 
         console = Console(stderr=False, width=width)
         report.render(result, tokens, console, wide=args.wide)
+        if rehearsal is not None:
+            from meshtron.rehearse.cli import print_report
+
+            print_report(rehearsal)
     if not result.fits:
         from rich.console import Console
 

@@ -32,6 +32,7 @@ Cluster TOML (`--cluster my.toml`)::
     price_per_gpu_hour = 2.5        # optional, currency units, for the cost column
     # host_link_gb_per_s = 450      # optional: host <-> GPU per direction (GH200 NVLink-C2C)
     # host_memory_gib = 3576        # optional: host memory per node (8 GH200: 8 x 447 GiB)
+    # sustained_clock_mhz = 1620    # optional: SM clock under load (power cap, locked clock)
     # measured by `meshtron calibrate` (optional):
     # elementwise_gb_per_s = 2400   # achieved bandwidth of eager element-wise ops, GB/s
     # eager_kernel_overhead_us = 6  # one tiny eager op (dispatch + launch), microseconds
@@ -74,20 +75,32 @@ class GPUType:
     meshtron's runtime sets on CUDA), CUDA-core FP32 on V100. None: same as peak_tflops."""
     fp8_tflops: float | None = None
     """Dense FP8 tensor-core peak, TFLOP/s (Hopper and later); None: the GPU has no FP8."""
+    boost_clock_mhz: float | None = None
+    """Maximum boost SM clock the datasheet peaks are quoted at, MHz (None: unknown)."""
 
 
 # name, peak TFLOP/s, GiB, HBM GB/s, NVLink GB/s per direction, NIC GB/s per GPU, matmul ceiling
 GPU_CATALOGUE: dict[str, GPUType] = {g.name: g for g in [
     # fp32 / FP8 dense peaks from the same datasheets (V100: 15.7 FP32; A100: 156 TF32;
     # H100/H200 SXM: 494.7 TF32, 1,979 FP8; B200: 1,100 TF32, 4,500 FP8 dense)
-    GPUType("V100-SXM2-32GB", 125.0, 32.0, 900.0, 150.0, 12.5, 0.75, 15.7),  # ceiling: estimate
-    GPUType("A100-SXM4-40GB", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.80, 156.0),  # 0.86 MAMF x 0.93
-    GPUType("A100-SXM4-80GB", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.80, 156.0),  # 0.86 MAMF x 0.93
-    GPUType("H100-SXM5-80GB", 989.0, 80.0, 3350.0, 450.0, 50.0, 0.75, 494.7, 1979.0),
-    GPUType("H200-SXM-141GB", 989.0, 141.0, 4800.0, 450.0, 50.0, 0.75, 494.7, 1979.0),
+    # boost clocks: V100 SXM2 1530, A100 SXM 1410, H100/H200 SXM 1980 MHz (datasheets /
+    # whitepapers: the clocks their peak TFLOP/s are computed at)
+    GPUType("V100-SXM2-32GB", 125.0, 32.0, 900.0, 150.0, 12.5, 0.75, 15.7,  # ceiling: estimate
+            boost_clock_mhz=1530.0),
+    GPUType("A100-SXM4-40GB", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.80, 156.0,  # 0.86 x 0.93
+            boost_clock_mhz=1410.0),
+    GPUType("A100-SXM4-80GB", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.80, 156.0,  # 0.86 x 0.93
+            boost_clock_mhz=1410.0),
+    GPUType("H100-SXM5-80GB", 989.0, 80.0, 3350.0, 450.0, 50.0, 0.75, 494.7, 1979.0, 1980.0),
+    GPUType("H200-SXM-141GB", 989.0, 141.0, 4800.0, 450.0, 50.0, 0.75, 494.7, 1979.0, 1980.0),
     GPUType("B200", 2250.0, 180.0, 7700.0, 900.0, 50.0, 0.70, 1100.0, 4500.0),  # ceiling: est.
 ]}
 """H100 ceiling: 0.80 MAMF x 0.93; H200: the same die as H100."""
+CLOCK_UNDER_LOAD = 0.93
+"""The share of the boost clock a GPU holds under hours of dense tensor-core load at its
+datasheet power limit, folded into every `matmul_ceiling` (module docstring); a cluster's
+`sustained_clock_mhz` replaces it by the clock it states."""
+
 
 # Short aliases accepted on the command line and in TOML files.
 GPU_ALIASES = {"V100": "V100-SXM2-32GB", "A100": "A100-SXM4-80GB", "A100-40GB": "A100-SXM4-40GB",
@@ -203,6 +216,11 @@ class ClusterSpec:
     host_memory_gb_per_s: float | None = None
     """Host memory bandwidth one GPU's share of its node reaches, GB/s (the offloaded optimizer
     step is bound by it). None: HOST_MEMORY_GB_PER_S."""
+    sustained_clock_mhz: float | None = None
+    """SM clock the GPUs hold under training load, MHz: a power cap (torchtitan's 500 W H100s,
+    Llama 3's clusters) or a locked clock. Large GEMMs scale with it: the matmul ceiling becomes
+    the catalogue's short-benchmark MAMF x clock / boost clock instead of x CLOCK_UNDER_LOAD
+    (needs a catalogue `gpu` with a boost clock; `matmul_efficiency` overrides both)."""
     host_memory_gib: float | None = None
     """Host (CPU) memory of one node, GiB: what the states host offload moves off all the
     node's GPUs must fit in (HOST_USABLE_FRACTION of it). None: the GPU's reference node
@@ -237,6 +255,16 @@ class ClusterSpec:
         for field in ("host_link_gb_per_s", "host_memory_gb_per_s", "host_memory_gib"):
             if getattr(self, field) is not None:
                 _positive(f"cluster.{field}", getattr(self, field))
+        if self.sustained_clock_mhz is not None:
+            _positive("cluster.sustained_clock_mhz", self.sustained_clock_mhz)
+            boost = gpu_type(self.gpu).boost_clock_mhz if self.gpu is not None else None
+            if boost is None:
+                raise UserError(f"cluster.sustained_clock_mhz={self.sustained_clock_mhz!r}: "
+                                "needs gpu = a catalogue GPU with a known boost clock (or give "
+                                "matmul_efficiency instead)")
+            if self.sustained_clock_mhz > boost:
+                raise UserError(f"cluster.sustained_clock_mhz={self.sustained_clock_mhz!r}: "
+                                f"above {self.gpu}'s boost clock {boost:g} MHz")
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _gemm_points(self.gemm_efficiency))
         if self.price_per_gpu_hour is not None and not (
@@ -269,7 +297,11 @@ class ClusterSpec:
         if self.matmul_efficiency is not None:
             return float(self.matmul_efficiency)
         if self.gpu is not None:
-            return gpu_type(self.gpu).matmul_ceiling
+            g = gpu_type(self.gpu)
+            if self.sustained_clock_mhz is not None and g.boost_clock_mhz:
+                return (g.matmul_ceiling / CLOCK_UNDER_LOAD
+                        * self.sustained_clock_mhz / g.boost_clock_mhz)
+            return g.matmul_ceiling
         return 0.75
 
     @property
@@ -390,7 +422,7 @@ _CLUSTER_KEYS = {"name", "gpu", "peak_tflops", "memory_gib", "gpus_per_node", "n
                  "bandwidth_efficiency", "price_per_gpu_hour", "gemm_efficiency",
                  "elementwise_gb_per_s", "eager_kernel_overhead_us",
                  "collective_base_latency_us", "host_link_gb_per_s", "host_memory_gb_per_s",
-                 "host_memory_gib"}
+                 "host_memory_gib", "sustained_clock_mhz"}
 
 
 def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:

@@ -230,12 +230,12 @@ class Evaluator(DataParallelCost):
         return hit
 
     def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str, cp: int = 1,
-                       ep: int = 1):
+                       ep: int = 1, pp: int = 1):
         """(memory options, activations per layer, recompute working set, logits) in bytes for
         one micro-batch at the plan's dtype (memory.py); a context rank holds seq/cp tokens of
         each sequence (the unfused score matrix is then counted for seq/cp keys: a combination
         no context-parallel stack runs)."""
-        key = ("mem", tp, mb, sp, rec, dtype, cp, ep)
+        key = ("mem", tp, mb, sp, rec, dtype, cp, ep, pp > 1)
         hit = self._cache.get(key)
         if hit is None:
             mem = self.mem
@@ -247,7 +247,8 @@ class Evaluator(DataParallelCost):
             kv += self._moe(mb, rec, cp, dtype, ep)[4]  # MoE dispatch buffers
             hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv,
                                memory.recompute_working_bytes(*args),
-                               memory.logits_bytes(self.model, tp, mb, seq, mem))
+                               memory.logits_bytes(self.model, tp, mb, seq, mem,
+                                                   pipelined=pp > 1))
             self._cache[key] = hit
         return hit
 
@@ -312,20 +313,35 @@ class Evaluator(DataParallelCost):
                                                                           cfg.fp8_recipe)
         ep_l = self._moe(mb, rec, cp, cfg.dtype, ep)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
-                                                          ep)
+                                                          ep, pp)
         flags = self.dp_flags(cfg)
         # ZeRO shards and gradient reductions span dp x cp ranks (FSDP over dp_shard x cp)
         shard_dp = dp * cp
         keep = flags["gather_once"] and mem_opts.framework == "fsdp2"
-        accum = flags["gsize"] if flags["reduce_once"] and mem_opts.framework == "fsdp2" else 0.0
+        fsdp_zero1 = zero == 1 and not compression.changes_dp(cfg)
+        # unsharded gradients accumulated over the micro-batches (FSDP2 keeps them in the
+        # reduce dtype): ZeRO-2/3 reduced once per step, and meshtron's ZeRO-1 (FSDP2 over dp,
+        # gradient sync on the last micro-batch only: data_parallel.accumulation_policy)
+        accum = flags["gsize"] if mem_opts.framework == "fsdp2" and (
+            flags["reduce_once"] or (fsdp_zero1 and (m > 1 or pp > 1))) else 0.0
         t_layer = c_l + tpc_l
         e_first = emb.compute + emb.tp
         e_last = head.compute + head.tp
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
+        if (rec in ("full", "half") and zero == 3 and dp * cp > 1 and not keep
+                and mem_opts.framework == "fsdp2"):
+            # replaying a checkpointed block's forward inside its backward fires FSDP2's
+            # forward prefetch too: the next block's unit is gathered beside the current one
+            # and the backward-prefetched one (rehearsed: three block units alive)
+            work = work + mem_opts.compute_bytes * p_layer
         full_states = compression.with_state_bytes(
-            cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts))
+            cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
+        if fsdp_zero1 and accum:
+            # the sharded gradients of meshtron's ZeRO-1 appear unit by unit as the last
+            # micro-batch's accumulated ones are reduced and freed (`accum` holds them)
+            full_states = (full_states[0], 0.0, full_states[2])
         states = offload.device_states(cfg.offload, full_states)  # what stays on the device
         moved = sum(full_states) - sum(states)  # bytes per parameter on the host
         # expert parallelism: a rank holds E/ep experts per block, their ZeRO states spread
@@ -342,19 +358,24 @@ class Evaluator(DataParallelCost):
         roots = [0.0] * pp
         roots[0] += p_emb
         roots[-1] += p_head
+        # FSDP2 units outside the blocks: the embedding and [norm, head], wrapped apart
+        root_units = [0.0] * pp
+        root_units[0] = p_emb
+        root_units[-1] = max(root_units[-1], p_head)
         per_layer, fixed = [], []
         for i in range(pp):
             sm = memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
                                      largest, act, inflight[i], work,
                                      logits if i == pp - 1 else 0.0, self.grad_bytes, keep, accum,
-                                     p_exp, e_states)
+                                     p_exp, e_states, root_units[i])
             per_layer.append(sm.per_layer)
             fixed.append(sm.fixed)
         budget = self.tensor_budget
-        n = self._time_partition(pp, v, t_layer, e_first, e_last)
+        given = _given_partition(cfg, model.layers)
+        n = given or self._time_partition(pp, v, t_layer, e_first, e_last)
         fits = n is not None and all(
             k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
-        if not fits:
+        if not fits and given is None:
             caps = [int((budget - f) // a) if budget > f else 0 for a, f in zip(per_layer, fixed)]
             if sum(caps) >= model.layers:
                 n = pipeline.partition_layers(model.layers, pp, t_layer, e_first, e_last, caps, v)
@@ -447,7 +468,8 @@ class Evaluator(DataParallelCost):
         mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], p_layer, roots[worst],
                                largest, act, inflight[worst], work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
-                               self.grad_bytes, keep, accum, p_exp, e_states)
+                               self.grad_bytes, keep, accum, p_exp, e_states,
+                               root_units[worst])
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, host_gpu)
             fits = fits and mem.host_fits
@@ -457,7 +479,8 @@ class Evaluator(DataParallelCost):
             model, seq, rec, self.opts.attention) * self.tokens
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
-        stage_layers = n if v == 1 else pipeline.split_virtual(n, v)
+        stage_layers = (list(cfg.stage_layers) if given else
+                        n if v == 1 else pipeline.split_virtual(n, v))
         return Estimate(
             config=cfg, stage_layers=list(stage_layers), num_microbatches=m, memory=mem,
             time=times, tokens_per_s=self.tokens / step,
@@ -507,3 +530,17 @@ class Evaluator(DataParallelCost):
                                                   cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
+
+
+def _given_partition(cfg: Plan, layers: int) -> list[int] | None:
+    """Layers per pipeline rank of a plan that fixes its split (`stage_layers`, what the
+    runtime cuts: a saved plan, or one being rehearsed), else None (the planner splits)."""
+    counts = list(cfg.stage_layers or ())
+    if cfg.pp == 1 or len(counts) != cfg.num_stages or sum(counts) != layers:
+        return None
+    from meshtron.planner.memory_ranks import stages_of_rank
+
+    return [sum(counts[s] for s in stages_of_rank(cfg.pp, cfg.virtual_stages,
+                                                 cfg.schedule or "1f1b", r))
+            for r in range(cfg.pp)]
+

@@ -63,11 +63,16 @@ is recomputed, that block's activations (`recompute_working_bytes`). That workin
 loss's (below) are alive at different times of the backward: the peak holds the larger
 (`loss_or_recompute`).
 
-Logits (last stage, one micro-batch; [tokens, vocab/t] elements): the eager loss casts the
+Logits (last stage, one micro-batch; [tokens, vocab/t] elements): meshtron's runtime at tp = 1
+without a pipeline never builds them (meshtron/model/loss.py chunks the head and the loss over
+tokens): what it holds is one chunk's logits and the head's weight gradients summed over the
+chunks (`chunked_loss_bytes`). Elsewhere the eager loss casts the
 logits to fp32 and takes log_softmax, whose fp32 output is saved; at the start of backward the
 saved output, the incoming gradient and log_softmax's input gradient are alive together: 12
 bytes per element (the compute-dtype logits are freed after the loss, nothing saves them;
-pipeline schedules keep the stage output, + the compute dtype's bytes). Megatron's fused
+pipeline schedules keep the stage output, + the compute dtype's bytes); torch's loss_parallel
+(tensor-parallel heads) 16 (`LOSS_PARALLEL_BYTES`). Every figure of meshtron's own runtime here
+is checked against `meshtron rehearse` (one rank run under fake tensors; tests/test_rehearse.py). Megatron's fused
 vocabulary-parallel cross-entropy keeps bf16 logits + an fp32 softmax that its backward
 overwrites in place: 6 bytes; flash-attn's fused loss with in-place backward (llm-foundry's
 default) only the 16-bit logits: 2 bytes (`MemoryOptions.loss`).
@@ -119,7 +124,7 @@ DTYPES = ("bf16", "fp32", "fp8")
 some GEMM inputs in FP8, which this does not count: memory is not underestimated)."""
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
-LOSSES = ("eager", "vocab-parallel", "inplace")
+LOSSES = ("chunked", "eager", "vocab-parallel", "inplace")
 
 
 @dataclass(frozen=True)
@@ -134,10 +139,13 @@ class MemoryOptions:
     """Saved-tensor list: 'eager', 'korthikanti' or 'alternate-matmul' (torchtitan's selective
     op policy); None: 'eager' for fsdp2, 'korthikanti' for the others."""
     loss: str | None = None
-    """Cross-entropy implementation: 'eager' (fp32 copy + log_softmax, 12 bytes per logit at the
-    start of backward), 'vocab-parallel' (Megatron-LM: bf16 logits + fp32 softmax overwritten by
-    its gradient, 6) or 'inplace' (flash-attn's fused loss as llm-foundry uses it: the gradient
-    overwrites the 16-bit logits, 2); None: 'eager' for fsdp2, 'vocab-parallel' otherwise."""
+    """Cross-entropy implementation: 'chunked' (meshtron's runtime: the head and loss over
+    chunks of tokens, no whole logits, at tp = 1 without a pipeline; whole logits elsewhere),
+    'eager' (fp32 copy + log_softmax, 12 bytes per logit at the start of backward; 16 under
+    tensor parallelism's loss_parallel), 'vocab-parallel' (Megatron-LM: bf16 logits + fp32
+    softmax overwritten by its gradient, 6) or 'inplace' (flash-attn's fused loss as
+    llm-foundry uses it: the gradient overwrites the 16-bit logits, 2); None: 'chunked' for
+    fsdp2, 'vocab-parallel' otherwise."""
     gqa_copies: bool = False
     """Grouped-query attention copies K and V to every query head before attention
     (`repeat_kv` in torchtitan's and Hugging Face's Llama, saved for backward at full width:
@@ -176,7 +184,7 @@ class MemoryOptions:
     def loss_kind(self) -> str:
         if self.loss is not None:
             return self.loss
-        return "eager" if self.framework == "fsdp2" else "vocab-parallel"
+        return "chunked" if self.framework == "fsdp2" else "vocab-parallel"
 
 
 DEFAULT = MemoryOptions()
@@ -197,18 +205,25 @@ def options_for(opts: KernelOptions | None, dtype: str = "bf16") -> MemoryOption
 
 # ---- model states -------------------------------------------------------------------------------
 def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
-                mem: MemoryOptions | None = None) -> tuple[float, float, float]:
+                mem: MemoryOptions | None = None,
+                fsdp_zero1: bool = True) -> tuple[float, float, float]:
     """Bytes per parameter held by one GPU for (weights, gradients, optimizer) at a ZeRO stage.
 
     Mixed-precision frameworks (megatron, deepspeed): `grad_bytes` is 4 with an fp32 gradient
     buffer (Megatron-LM's main_grad): 2 + 4 + 12 = 18 bytes per parameter, 6 + 12/d with the
     distributed optimizer (the table of Megatron-LM's docs/distrib_optimizer.md). fsdp2: fp32
-    parameters and gradients, 8 bytes of moments (module docstring)."""
+    parameters and gradients, 8 bytes of moments (module docstring). meshtron's ZeRO-1 is
+    FSDP2 over the whole data axis (`fsdp_zero1`; parallel/data_parallel.py): parameters and
+    gradients are sharded at rest like the states, and the gradients of a step's micro-batches
+    accumulate unsharded (the caller's `accum`); False: compressed ZeRO-1 / DiLoCo, whole
+    parameters and gradients, states by owner."""
     mem = mem or DEFAULT
     if mem.framework == "fsdp2":
-        w, g, o = 4.0, 4.0, 8.0
-        w = w / dp if zero >= 2 else w  # FSDP2 shards parameters at rest for ZeRO-2 too
-    elif mem.dtype == "fp32":
+        w, g, o = 4.0, 4.0, 8.0 / dp if zero >= 1 else 8.0
+        if zero >= 2 or (zero == 1 and fsdp_zero1):  # FSDP2 shards parameters at rest
+            w, g = w / dp, g / dp
+        return w, g, o
+    if mem.dtype == "fp32":
         w, g, o = 4.0, 4.0, 8.0
         w = w / dp if zero >= 3 else w
     else:
@@ -253,23 +268,27 @@ def largest_param_local(model: ModelSpec, tp: int) -> float:
 
 def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: float,
                    p_root: float, largest: float, grad_bytes: float = GRAD_BYTES,
-                   keep_gathered: bool = False) -> float:
+                   keep_gathered: bool = False, root_unit: float | None = None) -> float:
     """Unsharded compute copies of parameters and gradients alive at the peak (module docstring).
 
     `layers` and `p_layer`: the stage's blocks and the parameters of one on this GPU; `p_root`:
-    parameters outside the blocks on this stage (embedding, final norm, head)."""
+    parameters outside the blocks on this stage (embedding, final norm, head); `root_unit`:
+    the largest FSDP unit of them (meshtron and torchtitan wrap the embedding and [norm, head]
+    apart: the larger of the two; default `p_root`, one unit)."""
     cb = mem.compute_bytes
     if mem.framework == "fsdp2":
         if dp == 1 and mem.dtype == "fp32":
             return 0.0  # no FSDP2 at all: the fp32 parameters are used directly
         # one unit's unsharded gradient in the compute dtype; its fp32 copy for the reduction
         # is made after the unit's backward, once its activations are freed
-        grad_unit = cb * max(p_layer, p_root)
+        unit = p_root if root_unit is None else root_unit
+        grad_unit = cb * max(p_layer, unit)
         if zero == 3 and dp > 1 and not keep_gathered:
-            # current + prefetched unit; at the start of backward the root (head) is gathered
-            # together with the prefetched last block (keep_gathered: pipelining, where the
-            # units stay gathered over the step's micro-batches)
-            return cb * max(2.0 * p_layer, p_root + p_layer) + grad_unit
+            # current + prefetched unit in the blocks' backward; at the loss the head's unit
+            # alone (rehearsed: the last block is gathered after the loss's backward)
+            # (keep_gathered: pipelining, where the units stay gathered over the step's
+            # micro-batches)
+            return cb * max(2.0 * p_layer, unit) + grad_unit
         return cb * (layers * p_layer + p_root) + grad_unit
     if zero == 3 and dp > 1:
         # DeepSpeed's per-module gathering, the ZeRO-3 of 16-bit-weight frameworks
@@ -395,16 +414,49 @@ def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp:
     return 2.0 * micro_batch * seq * model.kv_dim / tp * mem.compute_bytes
 
 
+LOSS_PARALLEL_BYTES = 16.0
+"""Bytes per local logit at the peak of torch's `loss_parallel` cross-entropy (tensor-parallel
+heads; torch/distributed/tensor/parallel/loss.py): the saved fp32 log-softmax, and in its
+fused nll + log-softmax backward `zeros_like(x)`, `exp(x)` and their sum, alive together
+(measured by `meshtron rehearse` at tp=2 and 4: 4 + 12)."""
+CHUNKED_HEAD_GRAD_COPIES = 2.0
+"""The chunked loss (meshtron/model/loss.py) uses the head's weight once per chunk: autograd
+adds the chunks' weight gradients as they come (the running sum, the new chunk's gradient and
+their sum: three head-sized tensors in the compute dtype; measured by `meshtron rehearse`:
+6 bytes per vocabulary x hidden element in bf16). One of the three is the unit gradient
+`gathered_bytes` already holds: two more here."""
+
+
+def chunked_loss_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> float:
+    """Peak bytes of meshtron's chunked cross-entropy (tp = 1, no pipeline): no whole logits;
+    the head's weight gradients summed over the chunks plus one chunk's logits (Liger's chunk:
+    tokens / ceil(vocab / hidden) tokens, about as many elements as the hidden states) in the
+    compute dtype and fp32 (12 bytes per element, as the whole-logits loss)."""
+    import math
+
+    chunk = max(1, math.ceil(tokens / math.ceil(model.vocab / model.hidden)))
+    cb = mem.compute_bytes
+    return CHUNKED_HEAD_GRAD_COPIES * cb * model.vocab * model.hidden + chunk * model.vocab * (
+        12.0 + cb)
+
+
 def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
                  mem: MemoryOptions | None = None, pipelined: bool = False) -> float:
     """Logits of one micro-batch and their gradients at the loss (module docstring)."""
     mem = mem or DEFAULT
     elements = micro_batch * seq * model.vocab / tp
-    if mem.loss_kind == "vocab-parallel":
+    kind = mem.loss_kind
+    if kind == "vocab-parallel":
         return elements * 6.0
-    if mem.loss_kind == "inplace":
+    if kind == "inplace":
         return elements * mem.compute_bytes
-    return elements * (12.0 + (mem.compute_bytes if pipelined else 0.0))
+    if kind == "chunked" and tp == 1 and not pipelined:
+        return chunked_loss_bytes(model, micro_batch * seq, mem)
+    # whole logits: a pipeline's last stage also keeps its output (the compute dtype's bytes)
+    kept = mem.compute_bytes if pipelined else 0.0
+    if tp > 1:  # vocabulary-parallel logits under loss_parallel
+        return elements * (LOSS_PARALLEL_BYTES + kept)
+    return elements * (12.0 + kept)
 
 
 def loss_or_recompute(logits: float, work: float) -> float:
@@ -518,7 +570,8 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  p_layer: float, p_root: float, largest: float, act: float, in_flight: float,
                  work: float, logits: float, grad_bytes: float = GRAD_BYTES,
                  keep_gathered: bool = False, accum: float = 0.0, p_expert: float = 0.0,
-                 expert_states: tuple[float, float, float] | None = None) -> StageMemory:
+                 expert_states: tuple[float, float, float] | None = None,
+                 root_unit: float | None = None) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
@@ -538,10 +591,10 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     if fsdp_all:
         per_layer += cb * p_layer
         fixed_gather = gathered_bytes(mem, zero, dp, 0, p_layer, p_root, largest, grad_bytes,
-                                      keep_gathered)
+                                      keep_gathered, root_unit)
     else:
         fixed_gather = gathered_bytes(mem, zero, dp, 1, p_layer, p_root, largest, grad_bytes,
-                                      keep_gathered)
+                                      keep_gathered, root_unit)
     return StageMemory(per_layer=per_layer,
                        fixed=p_root * (sb + accum) + loss_or_recompute(logits, work)
                        + fixed_gather)
@@ -552,7 +605,8 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               in_flight: float, work: float, logits: float, capacity: float, stage: int,
               grad_bytes: float = GRAD_BYTES, keep_gathered: bool = False,
               accum: float = 0.0, p_expert: float = 0.0,
-              expert_states: tuple[float, float, float] | None = None) -> MemoryBreakdown:
+              expert_states: tuple[float, float, float] | None = None,
+              root_unit: float | None = None) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
     `expert_states`: as stage_memory."""
     wb, gb, ob = states
@@ -560,7 +614,7 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     experts = layers * p_expert
     params = layers * p_layer + p_root
     gathered = gathered_bytes(mem, zero, dp, layers, p_layer + p_expert, p_root, largest,
-                              grad_bytes, keep_gathered) + accum * (params + experts)
+                              grad_bytes, keep_gathered, root_unit) + accum * (params + experts)
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
     extra = all_acts - acts

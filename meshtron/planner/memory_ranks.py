@@ -240,15 +240,16 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
 
 
 def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
-                  opts: Any = None) -> list[tuple[RankState, Any]]:
+                  opts: Any = None, mem: Any = None) -> list[tuple[RankState, Any]]:
     """Per rank: the exact model states and the planner's full breakdown (memory.breakdown) with
     those states, for meshtron's own runtime (FSDP2 framework, `dtype`). `plan` also needs
-    global_batch, seq_len, micro_batch, recompute and sp."""
+    global_batch, seq_len, micro_batch, recompute and sp. `mem`: other memory options (e.g.
+    the CPU kernels a rehearsal runs)."""
     from meshtron.planner import memory, pipeline
     from meshtron.planner.compute import KernelOptions, active_equivalent
 
     opts = opts or KernelOptions()
-    mem = memory.MemoryOptions(dtype=dtype, framework="fsdp2")
+    mem = mem or memory.MemoryOptions(dtype=dtype, framework="fsdp2")
     from meshtron.planner.placement import placement
 
     tp, pp, dp = plan.tp, plan.pp, plan.dp

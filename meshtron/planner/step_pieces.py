@@ -56,7 +56,8 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     m = est.num_microbatches
     c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = ev._micro(tp, cfg.micro_batch, cfg.sp,
                                                                     cfg.recompute, cfg.cp,
-                                                                    cfg.dtype, cfg.ep)
+                                                                    cfg.dtype, cfg.ep,
+                                                                    cfg.fp8_recipe)
     t_layer = c_l + tpc_l
     nv = len(n)
     fwd = [k * f_l for k in n]

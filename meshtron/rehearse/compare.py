@@ -1,0 +1,110 @@
+"""The planner's side of a rehearsal (torch-free): which rank to rehearse and the planner's
+breakdown of it, folded into the categories the memory tracker reports.
+
+The planner's fullest stage (`MemoryBreakdown.stage`, a pipeline rank) is rehearsed through
+its first global rank (placement.py). The planner is asked with the kernels the rehearsal
+runs: on CPU the composite RMSNorm (`MemoryOptions.fused_norm=False`: PyTorch's CPU path saves
+fp32 copies a CUDA kernel does not). Workspace and fragmentation (`MemoryBreakdown.workspace`)
+are allocator figures no tensor tracker sees: compared are the tensors (`allocated`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GIB = float(2**30)
+
+ROWS = ("params", "grads", "optimizer", "gathered", "activations", "total")
+"""Rows of the comparison; 'activations' holds everything the step makes and frees (stored
+activations, in-flight micro-batches, recomputation, logits, temporaries)."""
+
+
+def planner_rows(bd) -> dict[str, float]:
+    """A MemoryBreakdown (GiB) folded into ROWS, GiB."""
+    return {"params": bd.params, "grads": bd.grads, "optimizer": bd.optimizer,
+            "gathered": bd.gathered,
+            "activations": bd.activations + bd.in_flight + bd.recompute + bd.logits,
+            "total": bd.allocated}
+
+
+def rehearsal_rows(peak_bytes: dict[str, float]) -> dict[str, float]:
+    """The tracker's categories (rank.CATEGORIES, bytes) folded into ROWS, GiB."""
+    g = {k: v / GIB for k, v in peak_bytes.items()}
+    if set(g) == {"total"}:  # CUDA: the allocator's peak only
+        return {"total": g["total"]}
+    return {"params": g["params"], "grads": g["grads"], "optimizer": g["optimizer"],
+            "gathered": g["gathered"], "activations": g["activations"] + g["temporaries"],
+            "total": g["total"]}
+
+
+def memory_options(plan, device: str):
+    """The planner's memory options for meshtron's runtime on `device`'s kernels."""
+    from meshtron.planner.memory import MemoryOptions
+
+    return MemoryOptions(dtype=plan.dtype, framework="fsdp2", fused_norm=device != "cpu")
+
+
+def with_layer_split(plan, spec):
+    """`plan` with the runtime's layer split written out (parallel/mesh.py's even split when
+    the plan gives none), so that the planner costs the stages the runtime cuts."""
+    if plan.pp == 1 or plan.stage_layers:
+        return plan
+    from meshtron.planner.collectives import even_stage_layers
+
+    return dataclasses.replace(plan, stage_layers=tuple(even_stage_layers(spec.layers,
+                                                                          plan.num_stages)))
+
+
+def planner_estimate(spec, cluster, plan, device: str):
+    """The planner's Estimate of exactly `plan` (its layer split included) on `cluster`, with
+    meshtron's runtime options (what `meshtron plan` prices by default)."""
+    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.estimate import Evaluator
+
+    opts = KernelOptions()
+    if plan.compile or plan.async_tp:  # as search_plans: what --compile runs
+        opts = dataclasses.replace(opts, stack="fused", async_tp=plan.async_tp)
+    ev = Evaluator(spec, cluster, plan.global_batch, plan.seq_len, opts,
+                   mem=memory_options(plan, device))
+    return ev.evaluate(with_layer_split(plan, spec), keep_infeasible=True)
+
+
+def first_rank_of_stage(plan, stage: int) -> int:
+    """The lowest global rank on pipeline rank `stage`."""
+    from meshtron.planner.placement import placement
+
+    place = placement(plan, plan.gpus)
+    return place.rank({**{a: 0 for a in place.axes}, "pp": stage})
+
+
+def pp_rank_of(plan, rank: int) -> int:
+    from meshtron.planner.placement import placement
+
+    return placement(plan, plan.gpus).coords(rank)["pp"]
+
+
+def rows_table(rehearsed: dict[str, float], planned: dict[str, float]) -> list[dict[str, Any]]:
+    """[{row, rehearsal_gib, planner_gib, planner_vs_rehearsal}] for the rows both have."""
+    out = []
+    for row in ROWS:
+        if row not in rehearsed:
+            continue
+        r, p = rehearsed[row], planned[row]
+        out.append({"row": row, "rehearsal_gib": r, "planner_gib": p,
+                    "planner_vs_rehearsal": (p / r - 1.0) if r > 0 else None})
+    return out
+
+
+def with_stage_breakdown(est, plan, spec, cluster, device: str, pp_rank: int):
+    """The planner's breakdown of pipeline rank `pp_rank` (est.memory is the fullest one's):
+    re-evaluated with that stage's figures when the rehearsed rank is another one."""
+    if est.memory.stage == pp_rank:
+        return est.memory
+    from meshtron.planner.memory_ranks import predict_ranks
+
+    for st, bd in predict_ranks(spec, plan, plan.dtype, cluster.memory_gib,
+                                mem=memory_options(plan, device)):
+        if pp_rank_of(plan, st.rank) == pp_rank:
+            return dataclasses.replace(bd, workspace=0.0)
+    return est.memory

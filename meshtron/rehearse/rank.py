@@ -1,0 +1,343 @@
+"""One rank of a plan, run alone: a fake process group, the runtime's own build, one step.
+
+`rehearse_rank(spec, plan, rank, device)` joins a fake process group of `plan.gpus` ranks as
+`rank` (torch's `fake` backend: every collective and point-to-point returns at once, buffers
+untouched), builds the mesh with `build_mesh`, the model on meta, shards it with the runtime's
+`parallelize` and `build_optimizer` (the same `Plan`, placement and code `meshtron train`
+runs), then runs one optimizer step at the plan's shapes:
+
+* on CPU nothing is allocated: sharding runs outside FakeTensorMode (DeviceMesh and DTensor
+  build real index tensors while they shard), the shards are materialized under it, and
+  torch's memory tracker (`FSDPMemTracker`, or `MemTracker` when a rank holds several pipeline
+  stages or no FSDP unit) records the peak by category;
+* on CUDA the tensors are real: the allocator's peak and the step's compute time (the fake
+  collectives take no time, so the step is compute-only).
+
+Without a pipeline the step is the runtime's `ParallelModel.forward_backward`. A pipelined
+rank's stages cannot run under `torch.distributed.pipelining`'s schedules here: a non-first
+stage reads its input shape from a receive the fake group never fills. The stage modules
+therefore run directly, one micro-batch at a time in the schedule's order for this pipeline
+rank (1F1B / GPipe orders below, the torch schedule object's own `pipeline_order` for the
+multi-stage ones), with the input shape a stage receives ([micro_batch, seq/cp(/tp with
+sp), hidden] in the compute dtype) and the PipelineStage's own FSDP no-sync and final
+gradient reduction (`backward_maybe_with_nosync`, `perform_reduce_grad`). Zero-bubble
+schedules run each backward whole at its input-gradient slot (their deferred weight
+gradients are not rehearsed apart).
+
+AdamW's states are created before the measured step (one step on zero gradients), so the
+peak is a steady-state step's: states, gradients and the step's working set together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GIB = float(2**30)
+
+
+def _fake_group(rank: int, world: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():  # never replace a group someone else made
+        raise RuntimeError("rehearse: torch.distributed is already initialised in this "
+                           "process; rehearse in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _pipeline_order(pm, plan, n_micro: int, pp_rank: int) -> list[tuple[str, int, int]]:
+    """(kind 'F'/'B', stage index, micro-batch) actions of this pipeline rank, in order."""
+    stage = pm.stage_ids[0]
+    if plan.virtual_stages == 1 and plan.schedule in ("gpipe", "1f1b"):
+        if plan.schedule == "gpipe":
+            return ([("F", stage, i) for i in range(n_micro)]
+                    + [("B", stage, i) for i in range(n_micro)])
+        # torch's Schedule1F1B: min(m, pp - rank) warm-up forwards, then one backward and one
+        # forward in turn, then the remaining backwards
+        warm = min(n_micro, plan.pp - pp_rank)
+        out = [("F", stage, i) for i in range(warm)]
+        f, b = warm, 0
+        while b < n_micro:
+            out.append(("B", stage, b))
+            b += 1
+            if f < n_micro:
+                out.append(("F", stage, f))
+                f += 1
+        return out
+    sched = pm._schedule(n_micro)  # the runtime's schedule object: its per-rank action list
+    out = []
+    for action in sched.pipeline_order[pp_rank]:
+        if action is None:
+            continue
+        kind = getattr(action.computation_type, "value", action.computation_type)
+        if kind == "F":
+            out.append(("F", action.stage_index, action.microbatch_index))
+        elif kind in ("B", "I"):  # full backward, or a zero-bubble input gradient
+            out.append(("B", action.stage_index, action.microbatch_index))
+    return out
+
+
+def _stage_input(plan, spec, device, dtype, first: bool, tokens):
+    """What a stage receives for one micro-batch: the tokens on the first stage, else the
+    previous stage's hidden states (sequence-sharded over tp with sp, as tensor.py leaves
+    them; seq/cp tokens with context parallelism)."""
+    if first:
+        return tokens
+    seq = plan.seq_len // plan.cp // (plan.tp if plan.sp and plan.tp > 1 else 1)
+    return torch.empty(plan.micro_batch, seq, spec.hidden, device=device, dtype=dtype,
+                       requires_grad=True)
+
+
+def _pipelined_step(pm, plan, spec, device, tokens, targets) -> None:
+    """Forward and backward of every micro-batch of this rank's stages in schedule order."""
+    n_micro = tokens.shape[0] // plan.micro_batch
+    pp_rank = pm.mesh.get_local_rank("pp")
+    pm._schedule(n_micro)  # builds the PipelineStage objects (pm._stages)
+    stages = {s: st for s, st in zip(pm.stage_ids, pm._stages)}
+    parts = dict(zip(pm.stage_ids, pm.model_parts))
+    dtype = torch.float32 if plan.dtype == "fp32" else torch.bfloat16
+    last = plan.num_stages - 1
+    live: dict[tuple[int, int], tuple[Any, Any]] = {}
+    order = _pipeline_order(pm, plan, n_micro, pp_rank)
+    backwards = {s: sum(1 for k, st, _ in order if k == "B" and st == s) for s in stages}
+    done = {s: 0 for s in stages}
+    x_mb, y_mb = tokens.chunk(n_micro), targets.chunk(n_micro)
+    for kind, s, i in order:
+        if kind == "F":
+            inp = _stage_input(plan, spec, device, dtype, s == 0, x_mb[i])
+            with pm._loss_context():
+                out = kept = parts[s](inp)
+                if s == last:  # the schedule keeps the stage's output (the logits) until
+                    out = pm.loss_fn(kept, y_mb[i]) / n_micro  # the micro-batch's backward
+            live[(s, i)] = (inp, out, kept)
+            continue
+        inp, out, kept = live.pop((s, i))
+        done[s] += 1
+        grads = None if s == last else torch.empty_like(out)
+        inputs = [inp] if s != 0 else []
+        with pm._loss_context():
+            stages[s].backward_maybe_with_nosync(
+                "full", {"stage_output": out, "output_grads": grads, "input_values": inputs},
+                last_backward=done[s] == backwards[s])
+        del inp, out, kept
+    for st in stages.values():
+        st.perform_reduce_grad(1)
+
+
+def _prime_optimizer(pm, optimizer) -> None:
+    """Create AdamW's states (one step on zero gradients), then drop the gradients."""
+    for p in pm.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _in_sharding_propagation(code) -> bool:
+    """Whether the op being dispatched runs inside DTensor's sharding propagation (`code`):
+    there it computes output metadata on global-shaped fake tensors in the active fake mode,
+    ours, so torch's tracker would count tensors no rank ever holds (measured: 8 bytes per
+    global logit under loss_parallel, i.e. tp times the local logits). Read off the stack:
+    nothing of torch is patched."""
+    frame = sys._getframe(2)
+    for _ in range(48):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _without_propagation(cls):
+    """torch's tracker class `cls`, blind to DTensor's metadata-only propagation ops."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    code = ShardingPropagator._propagate_tensor_meta_non_cached.__code__
+
+    class Tracker(cls):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _in_sharding_propagation(code):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return Tracker
+
+
+def _tracker(pm, optimizer):
+    """torch's tracker for this rank's model parts. FSDPMemTracker follows one FSDP root and
+    lets a module run once per micro-batch (MemTracker refuses a second call in a step): with
+    several pipeline stages on the rank it follows the first, and the other stages' parameter
+    shards, made before tracking starts, are added by their exact bytes (`untracked`);
+    everything they create during the step is tracked."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = pm.model_parts
+    if isinstance(parts[0], FSDPModule):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = _without_propagation(FSDPMemTracker)(parts[0], optimizer)
+        tracker.untracked = _param_bytes(parts[1:], exclude=parts[0])
+        return tracker
+    if len(parts) > 1:
+        from meshtron.errors import UserError
+
+        raise UserError("rehearse: several pipeline stages per rank without FSDP (fp32, "
+                        "dp=1) cannot be tracked on CPU; rehearse it on a GPU")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = _without_propagation(MemTracker)()
+    tracker.track_external(*parts, optimizer)
+    tracker.untracked = 0.0
+    return tracker
+
+
+def _param_bytes(parts, exclude) -> float:
+    """Bytes of the local parameter shards and buffers of `parts` not in `exclude`."""
+    from torch.distributed.tensor import DTensor
+
+    seen = {id(t) for t in list(exclude.parameters()) + list(exclude.buffers())}
+    total = 0.0
+    for part in parts:
+        for t in list(part.parameters()) + list(part.buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            t = t.to_local() if isinstance(t, DTensor) else t
+            total += t.numel() * t.element_size()
+    return total
+
+
+_CATEGORY = {"Sharded Param": "params", "Parameter": "params", "Buffer": "params",
+             "Sharded Grad": "grads", "Gradient": "grads", "Optstate": "optimizer",
+             "Unsharded Param": "gathered", "Unsharded Grad": "gathered",
+             "All Gather": "gathered", "Reduce Scatter": "gathered",
+             "Activation": "activations", "Inputs": "activations", "Temp": "temporaries"}
+CATEGORIES = ("params", "grads", "optimizer", "gathered", "activations", "temporaries")
+
+
+def _categories(snapshot: dict) -> dict[str, float]:
+    """Tracker categories (per device) folded into CATEGORIES, bytes."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    total = 0.0
+    for dev_snap in snapshot.values():
+        for key, value in dev_snap.items():
+            name = getattr(key, "value", key)
+            if name == "Total":
+                total += value
+            else:
+                out[_CATEGORY.get(name, "temporaries")] += value
+    out["total"] = total
+    return out
+
+
+def rehearse_rank(spec, plan, rank: int, device: str = "cpu") -> dict[str, Any]:
+    """Run one step of global rank `rank` of `plan` (a validated Plan with global_batch and
+    seq_len) for model `spec`; returns {"rank", "pp_rank", "stages", "peak_bytes": {category:
+    bytes, "total": bytes}, "wall_s", and on CUDA "step_s"}."""
+    from meshtron.model import Transformer
+    from meshtron.model.init import materialize
+    from meshtron.parallel import build_mesh, build_optimizer, parallelize
+    from meshtron.train.parallel import runtime_plan
+
+    start = time.perf_counter()
+    torch.set_num_threads(1)
+    _fake_group(rank, plan.gpus)
+    try:
+        rt = runtime_plan(plan, plan.dtype)
+        mesh = build_mesh(rt, device_type=device, spec=spec)
+        with torch.device("meta"):
+            model = Transformer(spec)
+        fake = device == "cpu"
+        pm = parallelize(model, rt, mesh, allocate=False)
+        dev = torch.device(device) if fake else pm.device
+        mode = _fake_mode() if fake else contextlib.nullcontext()
+        with mode:
+            materialize(pm.model_parts, dev, fill=_keep_empty)
+            optimizer = build_optimizer(pm, lr=1e-4)
+            tracker = _tracker(pm, optimizer) if fake else None
+            with tracker or contextlib.nullcontext():  # the tracker sees the states made
+                _prime_optimizer(pm, optimizer)
+            local = plan.global_batch // plan.dp
+            tokens = torch.randint(0, spec.vocab, (local, plan.seq_len), device=dev)
+            targets = torch.randint(0, spec.vocab, (local, plan.seq_len), device=dev)
+            result = _measured_step(pm, rt, spec, dev, optimizer, tokens, targets, tracker)
+        result.update(rank=rank, pp_rank=mesh.get_local_rank("pp"), stages=pm.stage_ids,
+                      layers=sum(len(p.layers) for p in pm.model_parts))
+    finally:
+        dist.destroy_process_group()
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def _keep_empty(parts) -> None:
+    """materialize's fill: leave the fake shards uninitialized (nothing to compute)."""
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _step(pm, plan, spec, dev, optimizer, tokens, targets) -> None:
+    if pm.is_pipelined:
+        if plan.cp > 1:
+            from meshtron.parallel.context import shard_batch
+
+            shard = shard_batch(tokens, targets, plan.cp, pm.mesh.get_local_rank("cp"))
+            tokens, targets = shard.tokens, shard.targets
+        _pipelined_step(pm, plan, spec, dev, tokens, targets)
+    else:
+        pm.forward_backward(tokens, targets)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _state_bytes(optimizer) -> float:
+    """Bytes of the optimizer states this rank holds (local shards)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0.0
+    for opt in optimizer.optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    v = v.to_local() if isinstance(v, DTensor) else v
+                    total += v.numel() * v.element_size()
+    return total
+
+
+def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker) -> dict:
+    """The step's peak: the tracker's (entering it again starts its peak from what is held
+    now), or on CUDA the allocator's and the step's time after one warm-up step."""
+    if tracker is not None:
+        with tracker:
+            _step(pm, plan, spec, dev, optimizer, tokens, targets)
+        peak = _categories(tracker.get_tracker_snapshot("peak"))
+        peak["params"] += tracker.untracked  # alive all step: in the peak
+        peak["total"] += tracker.untracked
+        # AdamW's states live through the whole step, so they are in the peak; the tracker
+        # files the states of the runtime's per-part optimizers as temporaries (it hooks only
+        # the optimizer it is given): moved to their category, by their exact bytes
+        states = _state_bytes(optimizer)
+        moved = max(0.0, states - peak["optimizer"])
+        peak["optimizer"] += moved
+        peak["temporaries"] = max(0.0, peak["temporaries"] - moved)
+        return {"peak_bytes": peak, "measured": "fake tensors, torch memory tracker"}
+    torch.cuda.synchronize()
+    _step(pm, plan, spec, dev, optimizer, tokens, targets)  # warm-up (kernels, allocator)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    _step(pm, plan, spec, dev, optimizer, tokens, targets)
+    torch.cuda.synchronize()
+    step_s = time.perf_counter() - t0
+    peak = float(torch.cuda.max_memory_allocated())
+    return {"peak_bytes": {"total": peak}, "step_s": step_s,
+            "measured": "CUDA allocator peak, compute-only step (collectives return at once)"}

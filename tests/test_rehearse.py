@@ -1,0 +1,142 @@
+"""`meshtron rehearse`: one rank of a plan run alone (fake process group, fake tensors on CPU)
+through the runtime's own build, and the planner's memory agreeing with it.
+
+The agreement table runs each layout kind at a size where every term matters (vocabulary,
+hidden and sequence of a small Llama): the planner's tensors (`allocated`) must be within 5%
+of the rehearsed peak. Fake tensors make the cost per operation, not per byte: each case is
+an ordinary few-second step. The default suite runs three kinds in one process; the whole
+table is `slow`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODEL = dict(name="mid", layers=2, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632,
+             vocab=32000, max_seq=4096)
+BASE = dict(tp=1, pp=1, dp=8, zero=1, micro_batch=2, recompute="none", sp=False,
+            dtype="bf16", global_batch=32, seq_len=2048, model="mid")
+KINDS = {
+    "dp zero-0": dict(zero=0),
+    "dp zero-1": dict(zero=1),
+    "dp zero-2": dict(zero=2),
+    "dp zero-3": dict(zero=3),
+    "tp+sp": dict(tp=4, dp=2, zero=3, sp=True),
+    "pp 1f1b": dict(pp=2, dp=4, zero=1, schedule="1f1b"),
+    "cp": dict(cp=2, dp=4, zero=3),
+    "selective": dict(zero=3, recompute="selective"),
+    "full": dict(zero=3, recompute="full"),
+}
+FAST = ("dp zero-3", "tp+sp", "pp 1f1b")
+
+RUN_KINDS = """
+import json, sys
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.plan import as_plan
+from meshtron.rehearse.cli import rehearse
+model, base, kinds = json.loads(sys.argv[1])
+spec = ModelSpec(**model)
+out = {}
+for name, knobs in kinds.items():
+    plan = as_plan({**base, **knobs}).validate(8, spec)
+    report = rehearse(spec, plan, resolve_cluster("dgx-h100:1"), "cpu")
+    out[name] = {r["row"]: [r["rehearsal_gib"], r["planner_gib"]] for r in report["memory"]}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _run_kinds(names) -> dict:
+    arg = json.dumps([MODEL, BASE, {n: KINDS[n] for n in names}])
+    out = subprocess.run([sys.executable, "-c", RUN_KINDS, arg], capture_output=True, text=True,
+                         cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])
+
+
+def _check(results: dict) -> None:
+    off = {}
+    for name, rows in results.items():
+        rehearsed, planned = rows["total"]
+        # the rank's states are exact in both (same shards): a sanity check of the rehearsal
+        assert rows["optimizer"][0] == pytest.approx(rows["optimizer"][1], rel=0.05), name
+        if abs(planned / rehearsed - 1) > 0.05:
+            off[name] = (round(rehearsed, 3), round(planned, 3))
+    assert not off, f"planner vs rehearsal beyond 5% (GiB rehearsed, planned): {off}"
+
+
+def test_planner_agrees_with_rehearsal_on_three_layout_kinds():
+    _check(_run_kinds(FAST))
+
+
+GAPS = {
+    "full": "planner 8.6% under: at a recomputed block's backward the rehearsal holds the "
+            "head's unit and three block units gathered (0.374 GiB), the planner two plus "
+            "the prefetched one in the recompute working set",
+    "tp no-sp zero-1": "planner 13% under: ZeRO-1's unsharded accumulation beside "
+                       "loss_parallel's working set at tp=4 (a fixed 0.24 GiB the planner "
+                       "does not place; per-layer bytes agree exactly)",
+}
+KINDS["tp no-sp zero-1"] = dict(tp=4, dp=2, zero=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [
+    pytest.param(k, marks=pytest.mark.xfail(reason=GAPS[k], strict=True)) if k in GAPS else k
+    for k in KINDS if k not in FAST])
+def test_planner_agrees_with_rehearsal_on_every_layout_kind(kind):
+    _check(_run_kinds([kind]))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtron", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+
+
+def test_rehearse_command_prints_both_sides(tmp_path):
+    """The user's path: a preset model, knobs left open chosen by the planner, JSON out."""
+    out = _cli("rehearse", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16",
+               "--seq-len", "256", "--layout", "tp=2,dp=4", "--zero", "3", "--micro-batch", "2",
+               "--device", "cpu", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    rows = {r["row"]: r for r in report["memory"]}
+    assert set(rows) == {"params", "grads", "optimizer", "gathered", "activations", "total"}
+    assert rows["total"]["rehearsal_gib"] > rows["params"]["rehearsal_gib"] > 0
+    assert report["plan"]["tp"] == 2 and report["plan"]["dp"] == 4 and report["rank"] == 0
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256",
+      "--device", "tpu"], "device='tpu'"),
+    (["--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256"], "--model"),
+    (["--model", "tiny-moe", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len",
+      "256", "--device", "cpu"], "model='tiny-moe'"),
+    (["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256",
+      "--layout", "dp=8", "--rank", "8", "--device", "cpu"], "rank=8"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, field):
+    out = _cli("rehearse", *args)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr
+
+
+def test_plan_rehearse_rehearses_the_chosen_plan():
+    out = _cli("plan", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16",
+               "--seq-len", "256", "--layout", "dp=8", "--zero", "2", "--top", "1",
+               "--rehearse", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    best, rehearsal = doc["plans"][0], doc["rehearsal"]
+    assert rehearsal["plan"]["dp"] == best["dp"] == 8 and rehearsal["plan"]["zero"] == 2
+    assert rehearsal["plan"]["micro_batch"] == best["micro_batch"]
+    total = {r["row"]: r for r in rehearsal["memory"]}["total"]
+    assert total["rehearsal_gib"] > 0 and total["planner_gib"] > 0
