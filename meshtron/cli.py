@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     name = f"meshtron {argv[0]}" if argv and not argv[0].startswith("-") else "meshtron"
     try:
         args = build_parser(argv[0] if argv else None).parse_args(argv)
+        if getattr(args, "rehearse", False) is True:  # `plan --rehearse`: the runtime's part
+            from meshtron.rehearse.cli import print_report, rehearse_best
+
+            args.rehearsal = (rehearse_best, print_report)
         return int(args.func(args) or 0)
     except UserError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)

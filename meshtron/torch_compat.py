@@ -69,6 +69,27 @@ PRIVATE_APIS: dict[str, str] = {
     "torch.ops._c10d_functional": "recording functional collectives (doctor/recorder.py)",
     "torch.utils._python_dispatch.TorchDispatchMode": "recording collectives "
                                                       "(doctor/recorder.py)",
+    # the recording process group on CPU ranks (doctor/backend.py)
+    "torch._C._distributed_c10d._allow_inflight_collective_as_graph_input":
+        "the recording group's waits from compiled code (doctor/backend.py)",
+    "torch._C._distributed_c10d._register_work":
+        "the recording group's Work objects for functional collectives (doctor/backend.py)",
+    "torch.distributed.distributed_c10d._create_process_group_wrapper":
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL checks on the recording group (doctor/backend.py)",
+    "torch.distributed.Backend._plugins": "registering the recording group once (doctor/backend.py)",
+    # rehearsal of one rank (rehearse/rank.py)
+    "torch.testing._internal.distributed.fake_pg.FakeStore":
+        "the fake process group's store (rehearse/rank.py)",
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator":
+        "leaving DTensor's metadata propagation out of rehearsed memory (rehearse/rank.py)",
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator."
+    "_propagate_tensor_meta_non_cached.__code__":
+        "leaving DTensor's metadata propagation out of rehearsed memory (rehearse/rank.py)",
+    "torch.distributed._tools.mem_tracker.MemTracker": "rehearsed memory (rehearse/rank.py)",
+    "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker":
+        "rehearsed memory under FSDP2 (rehearse/rank.py)",
+    "torch._subclasses.fake_tensor.FakeTensorMode": "rehearsing without allocating "
+                                                    "(rehearse/rank.py)",
     # checkpoints
     "torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner":
         "reading a checkpoint without a model (checkpoint/export.py)",

@@ -218,16 +218,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rehearse(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq: int):
-    """`meshtron rehearse` of the best plan (None when nothing fits)."""
+    """`meshtron rehearse` of the best plan (None when nothing fits). The rehearsal runs the
+    runtime, a layer above the planner: `meshtron.cli` hands its entry points in as
+    `args.rehearsal` (run, print) rather than the planner importing them."""
     if not result.fits:
         return None
-    from meshtron.planner.cluster import resolve_cluster
-    from meshtron.rehearse.cli import device_for, rehearse
-
     plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
                                result.options.attention)
-    return rehearse(load_model(args.model), plan, resolve_cluster(args.cluster),
-                    device_for("auto"))
+    return args.rehearsal[0](load_model(args.model), plan, args.cluster)
 
 
 def quiet_broken_pipe() -> None:
@@ -257,9 +255,7 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
         console = Console(stderr=False, width=width)
         report.render(result, tokens, console, wide=args.wide)
         if rehearsal is not None:
-            from meshtron.rehearse.cli import print_report
-
-            print_report(rehearsal)
+            args.rehearsal[1](rehearsal)
     if not result.fits:
         from rich.console import Console
 

@@ -156,6 +156,13 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict
     return report
 
 
+def rehearse_best(model, plan, cluster_name: str) -> dict[str, Any]:
+    """`meshtron plan --rehearse`: the planner's best plan rehearsed on this machine's device."""
+    from meshtron.planner.cluster import resolve_cluster
+
+    return rehearse(model, plan, resolve_cluster(cluster_name), device_for("auto"))
+
+
 def print_report(report: dict[str, Any]) -> None:
     p = report["plan"]
     axes = ",".join(f"{k}={p[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if p.get(k, 1) != 1)
