@@ -52,13 +52,15 @@ def run_case(spec, case: str, device: torch.device, seed: int, geometry: str | N
         torch.cuda.synchronize(device)
     wall, cpu = time.perf_counter(), time.process_time()
     for name, (offset, _) in boxes.items():
-        minit.init_into(outs[name], name, shapes[name], offset, seed, spec.layers, geometry)
+        minit.init_into(outs[name], name, shapes[name], offset, seed, spec.layers,
+                        **({"geometry": geometry} if geometry else {}))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     held = sum(t.numel() for t in outs.values())
     return {"case": case, "model": spec.name, "device": str(device),
-            "geometry": geometry or minit.geometry_for(device), "elements": held,
+            "geometry": geometry or getattr(minit, "geometry_for", lambda d: "rows")(device),
+            "elements": held,
             "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
             "threads": torch.get_num_threads(), "elements_per_s": round(held / wall)}
 

@@ -99,9 +99,12 @@ PRIVATE_APIS: dict[str, str] = {
 """Dotted symbol -> what needs it."""
 
 
-def lookup(symbol: str) -> Any:
-    """The object a dotted `symbol` names on the installed torch, or None when it is absent:
-    the longest importable module prefix, then attributes."""
+_MISSING = object()
+
+
+def lookup(symbol: str, default: Any = None) -> Any:
+    """The object a dotted `symbol` names on the installed torch, or `default` when it is
+    absent: the longest importable module prefix, then attributes."""
     parts = symbol.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -111,26 +114,23 @@ def lookup(symbol: str) -> Any:
         for name in parts[cut:]:
             obj = getattr(obj, name, _MISSING)
             if obj is _MISSING:
-                return None
+                return default
         return obj
-    return None
-
-
-_MISSING = object()
+    return default
 
 
 def available(symbol: str) -> bool:
     """Whether the installed torch has `symbol` (registered in PRIVATE_APIS)."""
     _registered(symbol)
-    return lookup(symbol) is not None
+    return lookup(symbol, _MISSING) is not _MISSING
 
 
 def require(symbol: str, feature: str) -> Any:
     """`symbol`'s object; UserError (one line: the feature, the torch version, the range
     meshtron supports) when the installed torch lacks it."""
     _registered(symbol)
-    obj = lookup(symbol)
-    if obj is None:
+    obj = lookup(symbol, _MISSING)
+    if obj is _MISSING:
         import torch
 
         raise UserError(f"{feature}: torch {torch.__version__} has no {symbol}, which it needs "
@@ -170,7 +170,7 @@ def reduce_scatter_into(out: Any, inp: Any, group: Any = None) -> Any:
 
 def missing() -> list[str]:
     """Registered symbols the installed torch lacks."""
-    return [s for s in PRIVATE_APIS if lookup(s) is None]
+    return [s for s in PRIVATE_APIS if lookup(s, _MISSING) is _MISSING]
 
 
 def _registered(symbol: str) -> None:

@@ -267,6 +267,21 @@ def test_cli_round_trip_tp2_pp2_lr0_is_bit_identical(checkpoints, tmp_path):
     assert cfg["model_type"] == "llama" and cfg["rope_parameters"]["rope_theta"] == 5000.0
 
 
+def test_cli_one_process_lr0_is_bit_identical(checkpoints, tmp_path):
+    """The single-process engine builds on meta and materializes with the checkpoint as its
+    fill (no initialization first): --init-from, one step at lr 0, --export gives the input."""
+    out = tmp_path / "export"
+    code, err = _run_main(["train", "--init-from", str(checkpoints["qwen2"]), "--lr", "0",
+                           "--steps", "1", "--seq-len", "32", "--global-batch", "2",
+                           "--eval-every", "0", "--run-dir", str(tmp_path / "run"),
+                           "--export", str(out)])
+    assert code == 0, err[-3000:]
+    want, got = _tensors(checkpoints["qwen2"]), _tensors(out)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
 def _run_main(argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
