@@ -169,6 +169,8 @@ def print_report(report: dict[str, Any]) -> None:
         rel = r["planner_vs_rehearsal"]
         print(f"{r['row']:<20}{r['rehearsal_gib']:>12.3f}{r['planner_gib']:>12.3f}"
               f"{'' if rel is None else f'{rel:+.1%}':>12}")
+    print("(rows below the total are the tracker's categories, filed by when a tensor is "
+          "made: FSDP's unsharded gradient accumulation lands in activations; compare totals)")
     print(f"(planner adds {report['planner_workspace_gib']:.2f} GiB of workspace and "
           f"fragmentation no tensor tracker sees; device {report['capacity_gib']:.0f} GiB)")
     if "step_s" in report:
