@@ -27,7 +27,7 @@ def main(names: list[str]) -> None:
     from meshtron.model.spec import ModelSpec
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.plan import as_plan
-    from meshtron.rehearse.cli import rehearse
+    from meshtron.rehearse.run import rehearse
 
     warnings.filterwarnings("ignore")
     spec = ModelSpec(**MODEL)

@@ -222,7 +222,7 @@ def _rehearse(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq:
     if not result.fits:
         return None
     from meshtron.planner.cluster import resolve_cluster
-    from meshtron.rehearse.cli import device_for, rehearse
+    from meshtron.rehearse.run import device_for, rehearse
 
     plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
                                result.options.attention)
@@ -257,7 +257,7 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
         console = Console(stderr=False, width=width)
         report.render(result, tokens, console, wide=args.wide)
         if rehearsal is not None:
-            from meshtron.rehearse.cli import print_report
+            from meshtron.rehearse.run import print_report
 
             print_report(rehearsal)
     if not result.fits:
