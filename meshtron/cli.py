@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser(argv[0] if argv else None).parse_args(argv)
         if getattr(args, "rehearse", False) is True:  # `plan --rehearse`: the runtime's part
-            from meshtron.rehearse.cli import print_report, rehearse_best
+            from meshtron.rehearse.run import print_report, rehearse_best
 
             args.rehearsal = (rehearse_best, print_report)
         return int(args.func(args) or 0)

@@ -288,3 +288,26 @@ def test_fp8_runs_count_bf16_activations_and_compute_copies():
     assert fp8.activations == pytest.approx(bf16.activations)
     assert fp8.gathered == pytest.approx(bf16.gathered)
     assert fp32.gathered > 1.9 * bf16.gathered
+
+
+def test_step_pieces_price_the_plans_fp8_recipe():
+    """Issue 30 item 5: `step_pieces` (the simulator's view) asks `_micro` with the plan's
+    fp8_recipe, as `evaluate` does; it used the default (rowwise) for every plan. With a
+    2048-wide model the recipes differ (torchao's rowwise filter skips N <= 2048 GEMMs that
+    tensorwise runs in FP8), so the pieces of a tensorwise plan must be its own."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.step_pieces import step_pieces
+
+    model = ModelSpec(name="w2048", layers=4, hidden=2048, heads=16, kv_heads=4,
+                      ffn_hidden=5632, vocab=32000, max_seq=4096)
+    ev = Evaluator(model, resolve_cluster("dgx-h100:1"), 64, 4096)
+    fwd = {}
+    for recipe in ("rowwise", "tensorwise"):
+        cfg = dataclasses.replace(Plan(1, 1, 8, 3, 1, "none", False, None, 1, dtype="fp8"),
+                                  fp8_recipe=recipe)
+        pieces = step_pieces(ev, ev.evaluate(cfg))
+        micro = ev._micro(1, 1, False, "none", 1, "fp8", 1, recipe)
+        assert pieces.fwd[0] == pytest.approx(
+            model.layers * micro.layer_fwd + micro.emb.fwd + micro.head.fwd, rel=1e-12)
+        fwd[recipe] = pieces.fwd[0]
+    assert fwd["tensorwise"] < fwd["rowwise"]  # more GEMMs in FP8

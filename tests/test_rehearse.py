@@ -40,7 +40,7 @@ import json, sys
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.plan import as_plan
-from meshtron.rehearse.cli import rehearse
+from meshtron.rehearse.run import rehearse
 model, base, kinds = json.loads(sys.argv[1])
 spec = ModelSpec(**model)
 out = {}

@@ -1,0 +1,89 @@
+"""Rehearse a plan and report it (torch-free at import; `meshtron rehearse` and
+`meshtron plan --rehearse` both call `rehearse`)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from meshtron.errors import UserError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def device_for(text: str) -> str:
+    """The device to rehearse on: cpu, cuda, or auto (cuda when present)."""
+    text = (text or "auto").strip().lower()
+    if text not in DEVICES:
+        raise UserError(f"device={text!r}: allowed values are {', '.join(DEVICES)}")
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cuda" and not torch.cuda.is_available():
+        raise UserError("device='cuda': no CUDA device here; use --device cpu (fake tensors)")
+    return text
+
+
+def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict[str, Any]:
+    """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict."""
+    from meshtron.rehearse import compare
+
+    if model.is_moe and device == "cpu":
+        raise UserError(f"model={model.name!r}: a mixture of experts routes tokens by value "
+                        "(bincount, uneven all-to-all splits), which fake tensors cannot "
+                        "size; rehearse it on a GPU (--device cuda)")
+    plan = compare.with_layer_split(plan, model)
+    est = compare.planner_estimate(model, cluster, plan, device)
+    if rank is None:
+        rank = compare.first_rank_of_stage(plan, est.memory.stage)
+    if not 0 <= rank < plan.gpus:
+        raise UserError(f"rank={rank}: the plan has ranks 0..{plan.gpus - 1}")
+    pp_rank = compare.pp_rank_of(plan, rank)
+    bd = compare.with_stage_breakdown(est, plan, model, cluster, device, pp_rank)
+    from meshtron.rehearse.rank import rehearse_rank
+
+    got = rehearse_rank(model, plan, rank, device)
+    rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"]),
+                              compare.planner_rows(bd))
+    report = {"model": model.name, "plan": plan.to_dict(), "device": device, "rank": rank,
+              "pp_rank": pp_rank, "stages": got["stages"], "layers": got["layers"],
+              "measured": got["measured"], "wall_s": round(got["wall_s"], 2),
+              "memory": rows, "planner_workspace_gib": bd.workspace,
+              "planner_fits": est.fits, "capacity_gib": bd.capacity}
+    if "step_s" in got:
+        report["step_s"] = got["step_s"]
+        t = est.time
+        # a rank alone waits for no one: no bubble, and its collectives take no time
+        report["planner_compute_s"] = t.compute + t.optimizer
+    return report
+
+
+def rehearse_best(model, plan, cluster_name: str) -> dict[str, Any]:
+    """`meshtron plan --rehearse`: the planner's best plan rehearsed on this machine's device."""
+    from meshtron.planner.cluster import resolve_cluster
+
+    return rehearse(model, plan, resolve_cluster(cluster_name), device_for("auto"))
+
+
+def print_report(report: dict[str, Any]) -> None:
+    p = report["plan"]
+    axes = ",".join(f"{k}={p[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if p.get(k, 1) != 1)
+    print(f"Rehearsal of rank {report['rank']} (pipeline rank {report['pp_rank']}, stages "
+          f"{report['stages']}, {report['layers']} layers) of {report['model']} "
+          f"{axes or 'dp=1'} zero={p['zero']} micro_batch={p['micro_batch']} "
+          f"recompute={p['recompute']} on {report['device']} ({report['measured']}), "
+          f"{report['wall_s']:.1f} s")
+    print(f"{'peak memory (GiB)':<20}{'rehearsal':>12}{'planner':>12}{'planner vs':>12}")
+    for r in report["memory"]:
+        rel = r["planner_vs_rehearsal"]
+        print(f"{r['row']:<20}{r['rehearsal_gib']:>12.3f}{r['planner_gib']:>12.3f}"
+              f"{'' if rel is None else f'{rel:+.1%}':>12}")
+    print("(rows below the total are the tracker's categories, filed by when a tensor is "
+          "made: FSDP's unsharded gradient accumulation lands in activations; compare totals)")
+    print(f"(planner adds {report['planner_workspace_gib']:.2f} GiB of workspace and "
+          f"fragmentation no tensor tracker sees; device {report['capacity_gib']:.0f} GiB)")
+    if "step_s" in report:
+        print(f"step (compute only): rehearsal {report['step_s']:.3f} s, planner "
+              f"{report['planner_compute_s']:.3f} s")
+    sys.stdout.flush()
