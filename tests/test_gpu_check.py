@@ -30,6 +30,31 @@ def _kit(tmp_path, *argv, timeout=1500):
     return proc, out
 
 
+CORE = "eager,fp8,checkpoint,cli_kill_resume"
+"""The default suite's dry run: a halved model (fp8), the checkpointer's stager and a kill and
+--resume through the CLI (the two paths the first GPU run found broken). Every case: -m slow."""
+
+
+@pytest.fixture(scope="module")
+def dry_run_core(tmp_path_factory):
+    proc, out = _kit(tmp_path_factory.mktemp("gpu-kit-core"), "--budget", "900", "--only", CORE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_core_cases_on_cpu(dry_run_core):
+    r = dry_run_core
+    assert sorted(r["order"]) == sorted(CORE.split(","))
+    full = _ok(r, "eager")["largest_fit_layers"]
+    f = _ok(r, "fp8")
+    assert f["model"]["layers"] == full // 2 and f["stage_layers"] == [full // 2]
+    assert 0 < f["loss_delta_max_rel"] < 0.05
+    c = _ok(r, "checkpoint")
+    assert c["bytes"] > 0 and c["commit_s"]["async"][0] > 0
+    k = _ok(r, "cli_kill_resume")
+    assert k["killed"] and k["killed_after"] and "resumed from" in k["resumed_line"]
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     proc, out = _kit(tmp_path_factory.mktemp("gpu-kit"), "--budget", "1200")
@@ -43,6 +68,7 @@ def _ok(report, name):
     return rec["result"]
 
 
+@pytest.mark.slow
 def test_every_case_runs_on_cpu(dry_run):
     r, out = dry_run
     assert r["format"] == "meshtron-gpu-check/2" and r["dry_run"] is True
@@ -55,6 +81,7 @@ def test_every_case_runs_on_cpu(dry_run):
     assert {p.stem for p in logs.iterdir()} == {c[0] for c in CASES}
 
 
+@pytest.mark.slow
 def test_throughput_cases_put_the_planner_beside_the_measurement(dry_run):
     r, _ = dry_run
     env = _ok(r, "env")
@@ -81,6 +108,7 @@ def test_throughput_cases_put_the_planner_beside_the_measurement(dry_run):
     assert t["fp8_over_bf16_compiled_tokens_per_s"]["target"] == 1.3
 
 
+@pytest.mark.slow
 def test_halved_cases_run_plans_built_for_their_own_shape(dry_run):
     """The old kit passed the full model's plan to the halved model (stage_layers mismatch)."""
     r, _ = dry_run
@@ -107,6 +135,7 @@ def test_halved_cases_run_plans_built_for_their_own_shape(dry_run):
     assert h["hf"]["profile"]["us"]["gemm"] > 0
 
 
+@pytest.mark.slow
 def test_checkpoint_and_cli_smoke(dry_run):
     r, _ = dry_run
     c = _ok(r, "checkpoint")
