@@ -55,9 +55,9 @@ def cpu_backend(record: bool) -> str:
     patched; its sub-groups, e.g. the mesh axes, inherit it)."""
     if not record:
         return "gloo"
-    from meshtron.doctor.backend import register
+    from meshtron.doctor.backend import register, supported
 
-    return register()
+    return register() if supported() else "gloo"
 
 
 def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = None,

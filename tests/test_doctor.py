@@ -277,3 +277,17 @@ def test_sigterm_handler_installed_later_owns_the_exit(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
         session.close(final_dump=False)
+
+
+@pytest.mark.slow
+def test_frozen_rank_among_four_is_named(tmp_path):
+    """The same on a 2 x 2 (dp, tp) mesh of 4 ranks: the last rank is SIGSTOPped."""
+    try:
+        run_on_ranks(doctor_faults.faulty_loop, 4, str(tmp_path), "frozen_rank", (2, 2),
+                     ("dp", "tp"), timeout=90, backend="recorded")
+    except (RankError, RankTimeout):
+        pass
+    d = diagnose(load_trace(tmp_path))
+    assert (d.kind, d.culprit_ranks) == ("frozen_rank", [3]), d.to_dict()
+    assert d.verdict.startswith("rank 3 (dp=1, tp=1) is frozen"), d.verdict
+    _no_process_left(tmp_path)

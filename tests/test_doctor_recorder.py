@@ -159,6 +159,32 @@ def _check_compiled(compiled: dict) -> None:
     assert compiled["compiled_ops"] == compiled["eager_ops"] == compiled["again_ops"], compiled
 
 
+def _many_collectives(n: int) -> int:
+    """c10d and functional all-reduces in a tight loop, recorder attached and not: a
+    recording group that held the GIL while gloo worked deadlocked here within a few thousand
+    calls (gloo's worker frees finished work under its queue lock and needs the GIL for it)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from meshtron.doctor.recorder import CollectiveRecorder
+
+    t = torch.ones(16)
+    rec = CollectiveRecorder(dist.get_rank(), capacity=10)
+    for attached in (False, True):
+        if attached:
+            rec.install()
+        for _ in range(n):
+            dist.all_reduce(t)
+            torch.ops._c10d_functional.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))
+        rec.uninstall()
+    return len(rec.records)
+
+
+def test_recording_group_does_not_deadlock_under_load():
+    assert run_on_ranks(_many_collectives, 2, 3000, timeout=240, backend="recorded") == [10, 10]
+
+
 @pytest.mark.slow
 def test_recorder_composes_with_inductor():
     """The same with inductor (C++ code generation: gcc, minutes on 2 cores)."""

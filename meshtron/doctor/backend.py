@@ -51,6 +51,20 @@ _recorder = None  # the attached CollectiveRecorder (one per process), or None
 _register_lock = threading.Lock()
 
 
+# The ProcessGroup methods overridden below, by the names pybind's trampoline looks up (torch
+# 2.13). A torch whose ProcessGroup lacks them would call its base methods with the GIL held
+# (see the comment above the collectives): `supported()` then says no and ranks use plain gloo.
+_OVERRIDDEN = ("allreduce", "allreduce_coalesced", "allgather", "all_gather_single",
+               "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
+               "reduce_scatter_single_coalesced", "all_to_all_single", "broadcast", "barrier",
+               "send", "recv")
+
+
+def supported() -> bool:
+    """This torch's ProcessGroup has every method the recording group overrides."""
+    return all(hasattr(_PG, name) for name in _OVERRIDDEN)
+
+
 def register() -> str:
     """Register BACKEND with torch.distributed (once per process); returns its name."""
     with _register_lock:

@@ -49,7 +49,9 @@ STEP_TIMES_KEPT = 500
 
 def _recorder(rank: int, capacity: int, backend: str | None = None):
     """On NCCL PyTorch's Flight Recorder (nothing in Python per collective; flight.py);
-    elsewhere meshtron's recorder (gloo's Flight Recorder has no times, states or p2p).
+    elsewhere meshtron's recorder (gloo's Flight Recorder has no times, states or p2p), which
+    records what the recording process groups run (backend.py: `runtime.init_rank(record=True)`
+    makes a CPU rank's groups recording ones; on plain gloo groups it records nothing).
     `backend`: the default group's backend string (asked from torch when None)."""
     from meshtron.backend import group_is_nccl
 
