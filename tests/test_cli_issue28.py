@@ -177,8 +177,8 @@ def test_simulate_sweep_never_cuts_a_plan():
 @pytest.mark.slow
 def test_compiled_context_parallel_equals_eager_through_the_cli(tmp_path):
     """`--plan cp=2 --zero 3 --compile` with the planner's knobs (micro-batch 8, full
-    recomputation): 4e-3 off eager from the first step before the fix (inductor's masked SDPA
-    on micro-batches > 1; parallel/context.py `_math_attention`). fp32: within 1e-5 relative
+    recomputation): 4e-3 off eager from the first step before the fix (inductor's in-place
+    buffers in context-parallel blocks; parallel/compile.py `_options`). fp32: within 1e-5 relative
     per step, the tolerance of every fp32 layout."""
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):

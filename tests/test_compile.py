@@ -233,8 +233,8 @@ def test_compiled_layouts_world2():
     _check(2, [dict(dp=2, zero=0, compile=True), dict(dp=2, zero=1, compile=True),
                dict(dp=2, zero=2, micro_batch=2, compile=True),
                # micro-batches of several sequences: what the planner picks through the
-               # command line (inductor's masked SDPA was wrong there; context.py
-               # _math_attention), with and without recomputation
+               # command line (inductor's in-place buffers were wrong there; compile.py
+               # _options), with and without recomputation
                dict(cp=2, zero=2, micro_batch=4, compile=True),
                dict(cp=2, zero=3, micro_batch=8, recompute="full", compile=True),
                dict(tp=2, compile=True),
