@@ -48,6 +48,8 @@ SMALL = ["--model", "debug", "--seed", "4", "--global-batch", "8", "--seq-len", 
     ("tiny-moe", ["--plan", "ep=2,dp=2"], "plan.compile=true with plan.ep=2"),
     ("tiny-moe", ["--plan", "ep=2"], "plan.compile=true with plan.ep=2"),
     ("debug", ["--plan", "pp=2", "--schedule", "zb"], "plan.compile=true with plan.schedule='zb'"),
+    # issue 28's compiled CP run trained 1e-3..8e-2 off eager: refused until torch compiles it
+    ("tiny", ["--plan", "cp=2", "--zero", "3"], "plan.compile=true with plan.cp=2"),
 ])
 def test_compiled_refusals_name_the_rule_not_memory(tmp_path, model, flags, want):
     run = tmp_path / "run"
@@ -173,26 +175,7 @@ def test_simulate_sweep_never_cuts_a_plan():
     assert plan in _render_sweep(doc)
 
 
-# ---- slow: compiled context parallelism, FP8 and bf16 over ranks -------------------------------
-@pytest.mark.slow
-def test_compiled_context_parallel_equals_eager_through_the_cli(tmp_path):
-    """`--plan cp=2 --zero 3 --compile` with the planner's knobs (micro-batch 8, full
-    recomputation): 4e-3 off eager from the first step before the fix (inductor's in-place
-    buffers in context-parallel blocks; parallel/compile.py `_options`). fp32: within 1e-5 relative
-    per step, the tolerance of every fp32 layout."""
-    runs = {}
-    for name, extra in (("eager", []), ("compiled", ["--compile"])):
-        run = tmp_path / name
-        proc = meshtron("train", *SMALL, "--dtype", "fp32", "--steps", "3", "--nproc", "2",
-                        "--plan", "cp=2", "--zero", "3", *extra, "--run-dir", run)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = losses(run)
-    assert tomllib.loads((tmp_path / "compiled" / "plan.toml").read_text())["micro_batch"] > 1
-    assert len(runs["eager"]) == len(runs["compiled"]) == 3
-    for a, b in zip(runs["compiled"], runs["eager"]):
-        assert abs(a - b) <= 1e-5 * abs(b), runs
-
-
+# ---- slow: FP8 and bf16 over ranks --------------------------------------------------------------
 @pytest.mark.slow
 def test_fp8_on_two_ranks_runs_what_one_process_runs(tmp_path):
     """`--dtype fp8 --nproc 2 --plan dp=2 --zero 3` on a device without FP8: the saved plan

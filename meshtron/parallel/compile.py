@@ -69,24 +69,8 @@ def apply_compile(model: nn.Module, inside_checkpoint: bool = False) -> nn.Modul
         # reads the per-expert token counts on the host (the all-to-all's split sizes,
         # grouped-GEMM offsets), a graph break by construction; the pieces are still compiled.
         moe = any(isinstance(m, MoE) for m in block.modules())
-        block.compile(backend=BACKEND, fullgraph=not moe, **_options(model))
+        block.compile(backend=BACKEND, fullgraph=not moe)
     return model
-
-
-def _options(model: nn.Module) -> dict:
-    """Inductor options of a block of `model`. Under context parallelism inductor's in-place
-    buffer reuse (`inplace_buffers`: a kernel writes its output into a dead input's buffer)
-    miscompiled the block on torch 2.13 (CPU): `meshtron train --plan cp=2 --compile` trained
-    on losses 1e-3..8e-2 off eager from the first forward, for micro-batches of more than one
-    sequence (the harness had run micro-batches of one). Measured on the block alone
-    (RoPE + K/V all-gather + masked SDPA, batch 8): off eager by 0.3 with in-place buffers,
-    equal to 1e-7 without, buffer reuse (`allow_buffer_reuse`) left on; without RoPE it was
-    equal either way. So context-parallel blocks compile without it (a little more memory
-    for the block's temporaries); other blocks keep it. Scoped to these compiles
-    (torch.compile's `options`), not inductor's process-wide configuration."""
-    if BACKEND != "inductor" or getattr(model, "context_parallel", None) is None:
-        return {}
-    return {"options": {"inplace_buffers": False}}
 
 
 def async_tp_problem(device_type: str, backend: str | None = None) -> str | None:
