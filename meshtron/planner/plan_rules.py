@@ -420,12 +420,12 @@ def compile_runtime_problem(plan: Any) -> str | None:
     Context parallelism: `meshtron train --plan cp=2 --compile` trained on losses 1e-3 to
     8e-2 off eager from the first forward whenever a micro-batch held more than one sequence
     (issue 28; the harness had only compiled micro-batches of one). Bisected on the block
-    alone (RoPE, the K/V all-gather, the masked attention): the error needs RoPE and a batch
-    > 1; turning off inductor's in-place buffers fixed `tiny` at seq 128 but not `debug` under
-    full recomputation, and replacing SDPA by plain matmuls fixed `debug` but broke `tiny`
-    again: the miscompile moves with the graph rather than going away, so compiled CP is
-    refused until a torch version compiles it right (eager CP matches one process,
-    tests/test_cp_train.py).
+    alone (RoPE, the K/V all-gather, the masked attention): the error vanished without RoPE
+    and with a batch of one; turning off inductor's in-place buffers fixed `tiny` at seq 128
+    but not `debug` under full recomputation, and replacing SDPA by plain matmuls fixed
+    `debug` but not `tiny` (with or without in-place buffers): the miscompile moves with the
+    graph rather than going away, so compiled CP is refused until a torch version compiles
+    it right (eager CP matches one process, tests/test_cp_train.py).
 
     Selective recomputation under TP: compiling the checkpointed block (torchtitan's order)
     fails in AOT autograd ("expected all tensors_saved_with_vc_check to be Tensors", a
