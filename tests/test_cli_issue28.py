@@ -229,3 +229,14 @@ def test_bf16_ranks_match_one_process_with_the_planners_micro_batch(tmp_path, la
     assert first_norm <= U_BF16
     for step, x in enumerate(rel, 1):
         assert x <= step * U_BF16, (step, rel)
+
+
+@pytest.mark.slow
+def test_tensor_times_data_parallel_prints_no_fsdp_view_warning(tmp_path):
+    """The demo's layout printed FSDP2's "returned a view tensor ... wrong gradients" warning
+    once per rank (four times); meshtron filters exactly that message for the embedding unit
+    (parallel/data_parallel.py `_quiet_embedding_view_warning`, which says why it is safe)."""
+    proc = meshtron("train", *SMALL, "--steps", "1", "--global-batch", "4", "--nproc", "4",
+                    "--plan", "tp=2,dp=2", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "returned a view tensor" not in proc.stderr
