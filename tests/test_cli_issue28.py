@@ -48,6 +48,8 @@ SMALL = ["--model", "debug", "--seed", "4", "--global-batch", "8", "--seq-len", 
     ("tiny-moe", ["--plan", "ep=2,dp=2"], "plan.compile=true with plan.ep=2"),
     ("tiny-moe", ["--plan", "ep=2"], "plan.compile=true with plan.ep=2"),
     ("debug", ["--plan", "pp=2", "--schedule", "zb"], "plan.compile=true with plan.schedule='zb'"),
+    # issue 28's compiled CP run trained 1e-3..8e-2 off eager: refused until torch compiles it
+    ("tiny", ["--plan", "cp=2", "--zero", "3"], "plan.compile=true with plan.cp=2"),
 ])
 def test_compiled_refusals_name_the_rule_not_memory(tmp_path, model, flags, want):
     run = tmp_path / "run"
@@ -173,26 +175,7 @@ def test_simulate_sweep_never_cuts_a_plan():
     assert plan in _render_sweep(doc)
 
 
-# ---- slow: compiled context parallelism, FP8 and bf16 over ranks -------------------------------
-@pytest.mark.slow
-def test_compiled_context_parallel_equals_eager_through_the_cli(tmp_path):
-    """`--plan cp=2 --zero 3 --compile` with the planner's knobs (micro-batch 8, full
-    recomputation): 4e-3 off eager from the first step before the fix (inductor's masked SDPA
-    on micro-batches > 1; parallel/context.py `_math_attention`). fp32: within 1e-5 relative
-    per step, the tolerance of every fp32 layout."""
-    runs = {}
-    for name, extra in (("eager", []), ("compiled", ["--compile"])):
-        run = tmp_path / name
-        proc = meshtron("train", *SMALL, "--dtype", "fp32", "--steps", "3", "--nproc", "2",
-                        "--plan", "cp=2", "--zero", "3", *extra, "--run-dir", run)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = losses(run)
-    assert tomllib.loads((tmp_path / "compiled" / "plan.toml").read_text())["micro_batch"] > 1
-    assert len(runs["eager"]) == len(runs["compiled"]) == 3
-    for a, b in zip(runs["compiled"], runs["eager"]):
-        assert abs(a - b) <= 1e-5 * abs(b), runs
-
-
+# ---- slow: FP8 and bf16 over ranks --------------------------------------------------------------
 @pytest.mark.slow
 def test_fp8_on_two_ranks_runs_what_one_process_runs(tmp_path):
     """`--dtype fp8 --nproc 2 --plan dp=2 --zero 3` on a device without FP8: the saved plan
@@ -246,3 +229,14 @@ def test_bf16_ranks_match_one_process_with_the_planners_micro_batch(tmp_path, la
     assert first_norm <= U_BF16
     for step, x in enumerate(rel, 1):
         assert x <= step * U_BF16, (step, rel)
+
+
+@pytest.mark.slow
+def test_tensor_times_data_parallel_prints_no_fsdp_view_warning(tmp_path):
+    """The demo's layout printed FSDP2's "returned a view tensor ... wrong gradients" warning
+    once per rank (four times); meshtron filters exactly that message for the embedding unit
+    (parallel/data_parallel.py `_quiet_embedding_view_warning`, which says why it is safe)."""
+    proc = meshtron("train", *SMALL, "--steps", "1", "--global-batch", "4", "--nproc", "4",
+                    "--plan", "tp=2,dp=2", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "returned a view tensor" not in proc.stderr

@@ -180,34 +180,9 @@ class ContextParallel:
             if q_doc is not None:
                 mask = mask & (q_doc[:, None, i * c:(i + 1) * c, None]
                                == kv_doc[:, None, None, :end])
-            attend = _math_attention if torch.compiler.is_compiling() else _sdpa
-            outs.append(attend(qi, ki, vi, mask))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                       enable_gqa=True))
         return torch.cat(outs, dim=2)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), masked) v with grouped-query heads, as plain matmuls: what a
-    compiled block runs instead of `_sdpa` on this CPU path. Inductor (torch 2.13, CPU)
-    lowers these masked SDPA calls to `_scaled_dot_product_flash_attention_for_cpu` and got
-    them wrong for micro-batches of more than one sequence: `meshtron train --plan cp=2
-    --compile` trained on losses 4e-3..8e-2 off eager from the first forward, with and
-    without recomputation (measured; the harness had only run micro-batches of one
-    sequence). The r = heads/kv_heads query heads of a kv head are folded into its query
-    rows (SDPA's enable_gqa mapping: head j reads kv head j // r), so K and V are not
-    copied; the mask is tiled over those rows."""
-    b, h, c, d = q.shape
-    kv = k.shape[1]
-    r = h // kv
-    q = q.reshape(b, kv, r * c, d)
-    keep = mask.repeat(*([1] * (mask.dim() - 2)), r, 1)  # [r*c, e] or [b, 1, r*c, e]
-    scores = (q @ k.transpose(-1, -2)) * d ** -0.5
-    scores = scores.masked_fill(~keep, float("-inf"))
-    return (scores.softmax(-1) @ v).reshape(b, h, c, d)
 
 
 def block_mask(q_pos: torch.Tensor, q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None,

@@ -417,6 +417,16 @@ def compile_runtime_problem(plan: Any) -> str | None:
     ep > 1 dynamo's fake-tensor tracing of the experts' matmul meets their DTensor weights on
     the ep mesh next to plain activations and fails (measured, torch 2.13).
 
+    Context parallelism: `meshtron train --plan cp=2 --compile` trained on losses 1e-3 to
+    8e-2 off eager from the first forward whenever a micro-batch held more than one sequence
+    (issue 28; the harness had only compiled micro-batches of one). Bisected on the block
+    alone (RoPE, the K/V all-gather, the masked attention): the error vanished without RoPE
+    and with a batch of one; turning off inductor's in-place buffers fixed `tiny` at seq 128
+    but not `debug` under full recomputation, and replacing SDPA by plain matmuls fixed
+    `debug` but not `tiny` (with or without in-place buffers): the miscompile moves with the
+    graph rather than going away, so compiled CP is refused until a torch version compiles
+    it right (eager CP matches one process, tests/test_cp_train.py).
+
     Selective recomputation under TP: compiling the checkpointed block (torchtitan's order)
     fails in AOT autograd ("expected all tensors_saved_with_vc_check to be Tensors", a
     DeviceMesh among them: DTensor redistributions inside a selective checkpoint); compiling
@@ -432,6 +442,11 @@ def compile_runtime_problem(plan: Any) -> str | None:
         return (f"plan.compile=true with plan.schedule='zb': zero-bubble's split backward "
                 "(input then weight gradients) gives wrong weight gradients through compiled "
                 "blocks on torch 2.13; use schedule 1f1b, interleaved or gpipe, or "
+                "compile=false")
+    if plan.compile and getattr(plan, "cp", 1) > 1:
+        return (f"plan.compile=true with plan.cp={plan.cp}: torch 2.13's inductor miscompiles "
+                "context-parallel blocks (losses 1e-3 to 8e-2 off eager from the first step "
+                "with micro-batches of several sequences, measured); use cp=1 or "
                 "compile=false")
     if plan.compile and getattr(plan, "ep", 1) > 1:
         return (f"plan.compile=true with plan.ep={plan.ep}: torch 2.13 fails to trace "
