@@ -244,22 +244,21 @@ def test_the_copy_to_host_runs_off_the_training_thread_and_the_next_step_waits_f
     import threading
     import time
 
-    from torch.distributed.checkpoint import staging
-
+    from meshtron.checkpoint import staging
     from meshtron.checkpoint.checkpointer import Checkpointer
     from meshtron.train.loop import LocalEngine, build_run_data
 
     cfg = _cfg(tmp_path / "run")
     data, engine = build_run_data(cfg), LocalEngine(cfg)
     engine.train_step(*data.next_batch())
-    copied_on_main, original = [], staging.StateDictStager.stage
+    copied_on_main, original = [], staging.OrderedStager._copy
 
     def slow_stage(self, *args, **kwargs):
         copied_on_main.append(threading.current_thread() is threading.main_thread())
         time.sleep(1.0)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(staging.StateDictStager, "stage", slow_stage)
+    monkeypatch.setattr(staging.OrderedStager, "_copy", slow_stage)
     ck = Checkpointer(CheckpointConfig(every=1), cfg, engine, data, tmp_path / "run")
     ck.start()
     saved_state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}

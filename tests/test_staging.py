@@ -118,7 +118,8 @@ def test_checkpointer_uses_no_private_stager_attribute():
 def test_a_closed_stager_stages_again_and_keeps_every_leaf():
     """Some torch releases' dcp.async_save close the stager they were given after each save;
     the next checkpoint must still stage. Non-tensor leaves (ints, strings, classes, named
-    tuples) come through: torch 2.11's DefaultStager died on a class object on CUDA."""
+    tuples) come through (torch 2.11's DefaultStager raised KeyError: <class 'type'> in its
+    deep copy on CUDA, on the H200)."""
     import collections
 
     Pair = collections.namedtuple("Pair", "a b")
