@@ -91,7 +91,7 @@ def _child_argv(args, name: str, case_out: Path, work: Path, report: dict) -> li
     if eager_ok and _get(report, "eager", "oom"):
         # the planner's largest fit did not fit: the later cases start from what did
         argv += ["--fits-layers", str(_get(report, "eager", "run", "model", "layers"))]
-    for flag in ("seq_len", "global_batch", "steps"):
+    for flag in ("seq_len", "global_batch", "steps", "cli_steps"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv + (["--dry-run"] if args.dry_run else [])
@@ -263,7 +263,8 @@ def run_case(args) -> int:
     ctx = Ctx(dry_run=args.dry_run, seq_len=args.seq_len or (32 if args.dry_run else 4096),
               global_batch=args.global_batch or (2 if args.dry_run else 8),
               steps=args.steps or (2 if args.dry_run else 4), work=Path(args.work),
-              out=Path(args.case_out), ckpt_gib=args.ckpt_gib, fits_layers=args.fits_layers)
+              out=Path(args.case_out), ckpt_gib=args.ckpt_gib, fits_layers=args.fits_layers,
+              cli_steps=args.cli_steps)
     mod = importlib.import_module(f"gpukit.{module}")
     if hasattr(mod, "on_sigterm"):
         signal.signal(signal.SIGTERM, mod.on_sigterm)
@@ -281,6 +282,8 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--global-batch", type=int)
     ap.add_argument("--steps", type=int, help="timed steps per engine")
+    ap.add_argument("--cli-steps", type=int,
+                    help="training steps of the CLI smoke's train commands (default: a few)")
     ap.add_argument("--ckpt-gib", type=float, default=3.0,
                     help="model + optimizer state of the checkpoint case, GiB")
     ap.add_argument("--caps", help="override caps, e.g. fp8=300,hf=120 (seconds)")

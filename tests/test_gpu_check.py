@@ -153,10 +153,12 @@ def test_checkpoint_and_cli_smoke(dry_run):
 
 def test_failures_timeouts_and_the_budget_are_recorded_not_fatal(tmp_path):
     # env gets 1 s: torch does not even import; eager needs 3 x 60 s (dry run) of a 100 s
-    # budget: skipped; cli_train is stopped at 8 s, its command's record kept; cli_export
-    # alone has no run to export: it raises. The kit still exits 0 with its JSON.
+    # budget: skipped; cli_train (a million steps: it cannot finish, however fast the
+    # machine) is stopped at 8 s, its command's record kept; cli_export alone has no run to
+    # export: it raises. The kit still exits 0 with its JSON.
     proc, out = _kit(tmp_path, "--only", "cli_export,env,eager,cli_train", "--caps",
-                     "env=1,cli_train=8", "--budget", "100", timeout=300)
+                     "env=1,cli_train=8", "--budget", "100", "--cli-steps", "1000000",
+                     timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
     e = r["cases"]["cli_export"]

@@ -121,6 +121,8 @@ def run(ctx: Ctx, name: str, argv: list[str], cap_s: float, run_dir: Path | None
 
 
 def _toy(ctx: Ctx, steps: int, gpu_steps: int) -> list[str]:
+    if ctx.cli_steps:
+        steps = gpu_steps = ctx.cli_steps
     if ctx.dry_run:
         return ["--steps", str(steps), "--seq-len", "32", "--global-batch", "2",
                 "--eval-every", "0"]

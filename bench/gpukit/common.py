@@ -37,6 +37,9 @@ class Ctx:
     """Layers the eager case ran after the planner's largest fit ran out of memory (the
     driver passes it on, so later cases do not run out of memory again); None: the
     planner's largest fit."""
+    cli_steps: int | None = None
+    """Training steps of the CLI smoke's train commands (None: each case's own few); the
+    kit's test makes a run long enough to outlast its cap whatever the machine's speed."""
     result: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def emit(self, **fields: Any) -> None:
