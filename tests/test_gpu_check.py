@@ -220,7 +220,7 @@ def test_after_an_oom_the_later_cases_start_from_the_shape_that_fitted(tmp_path)
     import argparse
 
     args = argparse.Namespace(ckpt_gib=3.0, seq_len=None, global_batch=None, steps=None,
-                              dry_run=False)
+                              cli_steps=None, dry_run=False)
     eager = {"status": "ok", "result": {"oom": {"layers": 28},
                                         "run": {"model": {"layers": 26}}}}
     argv = _child_argv(args, "compile", tmp_path / "c.json", tmp_path, {"cases": {"eager": eager}})
