@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 import threading
 import time
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# The product recorder's record format and helpers (the records must read the same).
+from meshtron.doctor.recorder import (  # noqa: F401  (record fields are re-exported for tests)
+    DTYPES, GROUP, OP, PEER, SEQ, SHAPES, STACK, STACKS_ENV, STATE, T_END, T_ENQUEUE, T_START,
+    GroupInfo, clock, shape_dtype, short_stack)
 
 WATCHED_NAMESPACES = frozenset(("c10d", "_c10d_functional"))
 # Operators that are bookkeeping, not communication.
@@ -40,7 +44,8 @@ def op_name(raw: str) -> str:
     """'_allgather_base_' -> 'all_gather_into_tensor', 'allreduce_' -> 'all_reduce'."""
     name = raw.strip("_")
     return _RENAMES.get(name, name)
-STACK_FRAMES = 8
+
+
 # Arguments that only the root fills (scatter's inputs, gather's outputs): not recorded, so that
 # every member's record of one collective has the same shapes.
 ROOT_ONLY = {"scatter_": ("input_tensors",), "gather_": ("output_tensors",)}
@@ -48,59 +53,7 @@ PENDING_PER_GROUP = 8
 # Frames of these files say nothing about where the user's code is.
 _SKIP_FILES = ("torch/utils/_python_dispatch.py", "meshtron/doctor/", "torch/_ops.py",
                "torch/distributed/c10d_logger.py")
-
-# Record fields (a list per record: cheaper than an object).
-SEQ, GROUP, OP, SHAPES, DTYPES, T_ENQUEUE, T_START, T_END, STATE, STACK, PEER = range(11)
-STACKS_ENV = "MESHTRON_DOCTOR_STACKS"
-"""Set to 1 to keep each collective's Python stack (a debugging aid: a frame walk per call)."""
-_clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: never jumps; wall time added when read
 _is_compiling = torch.compiler.is_compiling
-_DTYPE_NAMES: dict[Any, str] = {}
-
-
-class GroupInfo:
-    """A process group as the dumps describe it."""
-
-    __slots__ = ("name", "ranks", "axis", "desc")
-
-    def __init__(self, name: str, ranks: list[int], axis: str | None, desc: str):
-        self.name, self.ranks, self.axis, self.desc = name, ranks, axis, desc
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ranks": self.ranks, "axis": self.axis, "desc": self.desc}
-
-
-_SKIPPED: dict[Any, bool] = {}
-
-
-def _short_stack() -> tuple[tuple[Any, int], ...]:
-    """(code, line) of the innermost STACK_FRAMES frames outside torch's dispatch and this
-    package, innermost first; names are formatted only when dumped."""
-    out = []
-    frame = sys._getframe(2)
-    depth = 0
-    while frame is not None and len(out) < STACK_FRAMES and depth < 64:
-        code = frame.f_code
-        skip = _SKIPPED.get(code)
-        if skip is None:
-            skip = _SKIPPED[code] = any(s in code.co_filename for s in _SKIP_FILES)
-        if not skip:
-            out.append((code, frame.f_lineno))
-        frame = frame.f_back
-        depth += 1
-    return tuple(out)
-
-
-def _shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
-    if isinstance(value, torch.Tensor):
-        shapes.append(list(value.shape))
-        name = _DTYPE_NAMES.get(value.dtype)
-        if name is None:
-            name = _DTYPE_NAMES[value.dtype] = str(value.dtype).replace("torch.", "")
-        dtypes.append(name)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _shape_dtype(v, shapes, dtypes)
 
 
 class _OpInfo:
@@ -140,7 +93,7 @@ class CollectiveMode(TorchDispatchMode):
         self.stacks = os.environ.get(STACKS_ENV) == "1" if stacks is None else stacks
         # Wall time of the monotonic clock's origin: records keep monotonic seconds, readers
         # get wall seconds (comparable across the ranks of a host, as the analysis needs).
-        self._wall_offset = time.time() - _clock()
+        self._wall_offset = time.time() - clock()
         self.last_issue_t = 0.0
         """Monotonic time of the latest collective issued (the watchdog's progress signal)."""
         self.records: collections.deque = collections.deque(maxlen=capacity)
@@ -187,18 +140,18 @@ class CollectiveMode(TorchDispatchMode):
         if info.raw in IGNORED_OPS or info.group_index is None:
             if info.raw != "wait_tensor":
                 return run(*args, **kwargs)
-            t0 = _clock()
+            t0 = clock()
             out = run(*args, **kwargs)
             if self.waits is not None and threading.get_ident() == self._main:
-                self.waits.append((t0, _clock()))  # timeline.py: main thread blocked
+                self.waits.append((t0, clock()))  # timeline.py: main thread blocked
             if self._pending_functional:
                 rec = self._pending_functional.pop(id(args[0]), None)
                 if rec is not None:
-                    rec[T_END], rec[STATE] = _clock(), "completed"
+                    rec[T_END], rec[STATE] = clock(), "completed"
             return out
         rec = self._record(info, args, kwargs)
         out = run(*args, **kwargs)
-        rec[T_START] = _clock()
+        rec[T_START] = clock()
         self._watch_completion(rec, out)
         return out
 
@@ -212,14 +165,14 @@ class CollectiveMode(TorchDispatchMode):
         return self._call(info, func, args, kwargs or {})
 
     def _record(self, info: _OpInfo, args, kwargs) -> list:
-        now = self.last_issue_t = _clock()
+        now = self.last_issue_t = clock()
         group = self._group(args[info.group_index] if info.group_index < len(args)
                             else kwargs.get("group_name"))
         shapes: list = []
         dtypes: list = []
         for i in info.tensor_indices:
             if i < len(args):
-                _shape_dtype(args[i], shapes, dtypes)
+                shape_dtype(args[i], shapes, dtypes)
         name = group.name if group is not None else "?"
         peer = None
         with self._lock:  # collectives may come from several threads (kernels are global)
@@ -233,7 +186,7 @@ class CollectiveMode(TorchDispatchMode):
                 self._seq[name] += 1
                 seq = self._seq[name]
         rec = [seq, name, info.p2p or info.name, shapes, dtypes, now, None, None,
-               "issued", _short_stack() if self.stacks else (), peer]
+               "issued", short_stack(_SKIP_FILES) if self.stacks else (), peer]
         self.records.append(rec)
         if self._on_issue is not None:
             self._on_issue()
@@ -307,7 +260,7 @@ class CollectiveMode(TorchDispatchMode):
         pending = self._pending_works.get(group)
         if not pending:
             return
-        now = _clock()
+        now = clock()
         for item in list(pending):
             rec, work = item
             try:

@@ -42,9 +42,9 @@ _SKIP_FILES = ("meshtron/doctor/", "torch/distributed/distributed_c10d.py",
 SEQ, GROUP, OP, SHAPES, DTYPES, T_ENQUEUE, T_START, T_END, STATE, STACK, PEER = range(11)
 STACKS_ENV = "MESHTRON_DOCTOR_STACKS"
 """Set to 1 to keep each collective's Python stack (a debugging aid: a frame walk per call)."""
-_clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: never jumps; wall time added when read
+clock = _clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: never jumps; wall time added when read
 _DTYPE_NAMES: dict[Any, str] = {}
-_SKIPPED: dict[Any, bool] = {}
+_SKIPPED: dict[tuple[Any, tuple[str, ...]], bool] = {}  # (code, skip list) -> skipped
 
 
 class GroupInfo:
@@ -59,17 +59,18 @@ class GroupInfo:
         return {"ranks": self.ranks, "axis": self.axis, "desc": self.desc}
 
 
-def _short_stack() -> tuple[tuple[Any, int], ...]:
-    """(code, line) of the innermost STACK_FRAMES frames outside this package and c10d's
-    Python wrappers, innermost first; names are formatted only when dumped."""
+def short_stack(skip_files: tuple[str, ...] = _SKIP_FILES) -> tuple[tuple[Any, int], ...]:
+    """(code, line) of the innermost STACK_FRAMES frames above the caller's caller whose file
+    names contain none of `skip_files` (default: this package and c10d's Python wrappers),
+    innermost first; names are formatted only when dumped."""
     out = []
     frame = sys._getframe(2)
     depth = 0
     while frame is not None and len(out) < STACK_FRAMES and depth < 64:
         code = frame.f_code
-        skip = _SKIPPED.get(code)
+        skip = _SKIPPED.get((code, skip_files))
         if skip is None:
-            skip = _SKIPPED[code] = any(s in code.co_filename for s in _SKIP_FILES)
+            skip = _SKIPPED[code, skip_files] = any(s in code.co_filename for s in skip_files)
         if not skip:
             out.append((code, frame.f_lineno))
         frame = frame.f_back
@@ -77,7 +78,8 @@ def _short_stack() -> tuple[tuple[Any, int], ...]:
     return tuple(out)
 
 
-def _shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
+def shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
+    """Append the shape and dtype name of every tensor in `value` (nested lists/tuples)."""
     if isinstance(value, torch.Tensor):
         shapes.append(list(value.shape))
         name = _DTYPE_NAMES.get(value.dtype)
@@ -86,7 +88,7 @@ def _shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
         dtypes.append(name)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _shape_dtype(v, shapes, dtypes)
+            shape_dtype(v, shapes, dtypes)
 
 
 class CollectiveRecorder:
@@ -157,12 +159,12 @@ class CollectiveRecorder:
             info = self._group(group)
         shapes: list = []
         dtypes: list = []
-        _shape_dtype(tensors, shapes, dtypes)
+        shape_dtype(tensors, shapes, dtypes)
         if peer is not None:
             ranks = info.ranks
             peer = ranks[peer] if 0 <= peer < len(ranks) else peer
         rec = [seq, info.name, op, shapes, dtypes, now, None, None, "issued",
-               _short_stack() if self.stacks else (), peer]
+               short_stack() if self.stacks else (), peer]
         self.records.append(rec)
         if self._on_issue is not None:
             self._on_issue()
