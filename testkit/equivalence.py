@@ -188,6 +188,41 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]],
     return out
 
 
+def build_parallel(cfg: dict[str, Any], plan: dict[str, Any], seed: int, **optimizer_kw):
+    """(parallel model, optimizer, mesh) of `plan` on this rank, built on meta and materialized
+    by `parallelize` (the same weights as a single-process init on `seed`)."""
+    import torch
+
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel import build_mesh, build_optimizer, parallelize
+
+    mesh = build_mesh(dict(plan), device_type="cpu")
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Transformer(make_spec(cfg))
+    pm = parallelize(model, dict(plan), mesh)
+    opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
+                          weight_decay=cfg["weight_decay"], **optimizer_kw)
+    return pm, opt, mesh
+
+
+def train_step(pm, opt, mesh, cfg: dict[str, Any], batch: tuple, sched=None) -> float:
+    """One optimizer step of a parallel model on its data-parallel rank's rows of `batch`
+    ((inputs, targets) of the whole global batch): clip, step, (schedule), zero; the loss."""
+    from meshtron.parallel.mesh import data_mesh
+
+    inputs, targets = batch
+    dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
+    rows = cfg["batch"] // dp
+    loss = pm.forward_backward(inputs[r * rows:(r + 1) * rows], targets[r * rows:(r + 1) * rows])
+    pm.clip_grad_norm_(cfg["clip"])
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad()
+    return float(loss)
+
+
 def thread_count() -> int:
     """Threads of this process (backend threads included), from /proc where there is one."""
     import os

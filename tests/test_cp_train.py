@@ -54,33 +54,18 @@ def _dcp_cp_to_cp1(cfg, ckpt_dir):
     """Train 2 steps at SAVE, save model + optimizer with DCP, take step 3; load the checkpoint
     into each RESUME layout (a different init, which the load must overwrite) and take step 3
     there. Returns the losses and worst parameter differences."""
-    import torch
     import torch.distributed.checkpoint as dcp
 
-    from meshtron.model.transformer import Transformer
-    from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from meshtron.parallel.mesh import data_mesh, release_mesh
-    from testkit.equivalence import make_data
+    from meshtron.parallel.mesh import release_mesh
+    from testkit.equivalence import build_parallel, make_data, train_step
 
     inputs, targets = make_data(cfg)
 
     def build(layout, seed):
-        mesh = build_mesh(dict(layout), device_type="cpu")
-        torch.manual_seed(seed)
-        pm = parallelize(Transformer(make_spec(cfg)), dict(layout), mesh)
-        opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
-                              weight_decay=cfg["weight_decay"])
-        return pm, opt, mesh
+        return build_parallel(cfg, layout, seed)
 
     def step(pm, opt, mesh, i):
-        dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
-        rows = cfg["batch"] // dp
-        loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
-                                   targets[i, r * rows:(r + 1) * rows])
-        pm.clip_grad_norm_(cfg["clip"])
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
+        return train_step(pm, opt, mesh, cfg, (inputs[i], targets[i]))
 
     pm, opt, mesh = build(SAVE, cfg["seed"])
     for i in range(2):

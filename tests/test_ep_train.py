@@ -164,38 +164,19 @@ def ep_dcp_rank_fn(cfg, layouts, ckpt_dir, loads=DCP_TARGETS):
     `loads` (a fresh, differently seeded model each) and take the same step 3: losses and
     every parameter must match continuing at ep=2 (the expert weights are DTensors sharded on
     the expert dimension, so DCP reshards them)."""
-    import torch
     import torch.distributed.checkpoint as dcp
 
-    from meshtron.model.transformer import Transformer
-    from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from meshtron.parallel.mesh import data_mesh
-    from testkit.equivalence import make_data, make_spec
+    from testkit.equivalence import build_parallel, make_data, train_step
 
     out = {"sweep": parallel_rank_fn(cfg, layouts)}
     cfg, _ = layout_cfg(cfg, {"model": SIGMOID})
     inputs, targets = make_data(cfg)
 
     def build(ep, seed, zero=3):
-        plan = dict(dp=4, zero=zero, ep=ep, micro_batch=MICRO)
-        mesh = build_mesh(plan, device_type="cpu")
-        torch.manual_seed(seed)
-        with torch.device("meta"):
-            model = Transformer(make_spec(cfg))
-        pm = parallelize(model, plan, mesh)
-        opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
-                              weight_decay=cfg["weight_decay"])
-        return pm, opt, mesh
+        return build_parallel(cfg, dict(dp=4, zero=zero, ep=ep, micro_batch=MICRO), seed)
 
     def step(pm, opt, mesh, i):
-        dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
-        rows = cfg["batch"] // dp
-        loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
-                                   targets[i, r * rows:(r + 1) * rows])
-        pm.clip_grad_norm_(cfg["clip"])
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
+        return train_step(pm, opt, mesh, cfg, (inputs[i], targets[i]))
 
     pm, opt, mesh = build(2, cfg["seed"])
     for i in range(2):

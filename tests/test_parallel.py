@@ -17,7 +17,7 @@ import types
 
 import pytest
 
-from meshtron.parallel.mesh import data_mesh, resolve_plan, stage_layer_counts
+from meshtron.parallel.mesh import resolve_plan, stage_layer_counts
 from meshtron.planner.placement import axis_sizes
 from meshtron.planner.plan import Plan
 from meshtron.parallel.pipeline import stage_ids_for_rank
@@ -293,33 +293,17 @@ def test_equivalence_sweep(reference, world):
 def _dcp_rank_fn(cfg, ckpt_dir):
     """Train on dp2 x tp2 (ZeRO-3), save model + optimizer with DCP, load into tp2 x pp2 and into
     dp4 ZeRO-1, take one more step on each and compare with continuing on the original layout."""
-    import torch
     import torch.distributed.checkpoint as dcp
 
-    from meshtron.model.transformer import Transformer
-    from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from testkit.equivalence import make_data
+    from testkit.equivalence import build_parallel, make_data, train_step
 
     inputs, targets = make_data(cfg)
 
     def build(layout, seed):
-        p = plan(**layout)
-        mesh = build_mesh(p, device_type="cpu")
-        torch.manual_seed(seed)
-        pm = parallelize(Transformer(make_spec(cfg)), p, mesh)
-        opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
-                              weight_decay=cfg["weight_decay"])
-        return pm, opt, mesh
+        return build_parallel(cfg, plan(**layout), seed)
 
     def step(pm, opt, mesh, i):
-        dp, r = data_mesh(mesh).size(), mesh.get_local_rank("dp")
-        rows = cfg["batch"] // dp
-        loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
-                                   targets[i, r * rows:(r + 1) * rows])
-        pm.clip_grad_norm_(cfg["clip"])
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
+        return train_step(pm, opt, mesh, cfg, (inputs[i], targets[i]))
 
     pm, opt, mesh = build(dict(dp=2, tp=2, zero=3), cfg["seed"])
     for i in range(2):
@@ -382,33 +366,18 @@ def _dcp_optimizer_rank_fn(cfg, ckpt_root, cases):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from meshtron.model.transformer import Transformer
-    from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from testkit.equivalence import PARAM_SCALE_FLOOR, make_data
+    from testkit.equivalence import PARAM_SCALE_FLOOR, build_parallel, make_data, train_step
 
     inputs, targets = make_data(cfg)
 
     def build(layout, seed, two_groups):
-        p = plan(**layout)
-        mesh = build_mesh(p, device_type="cpu")
-        torch.manual_seed(seed)
-        pm = parallelize(Transformer(make_spec(cfg)), p, mesh)
         kw = dict(optimizer_cls=_two_group_adamw(cfg["weight_decay"])) if two_groups else {}
-        opt = build_optimizer(pm, lr=cfg["lr"], betas=(0.9, 0.95), eps=cfg["eps"],
-                              weight_decay=cfg["weight_decay"], **kw)
+        pm, opt, mesh = build_parallel(cfg, plan(**layout), seed, **kw)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor)
         return pm, opt, sched, mesh
 
     def step(pm, opt, sched, mesh, i):
-        dp, r = data_mesh(mesh).size(), mesh.get_local_rank("dp")
-        rows = cfg["batch"] // dp
-        loss = pm.forward_backward(inputs[i, r * rows:(r + 1) * rows],
-                                   targets[i, r * rows:(r + 1) * rows])
-        pm.clip_grad_norm_(cfg["clip"])
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        return float(loss)
+        return train_step(pm, opt, mesh, cfg, (inputs[i], targets[i]), sched)
 
     out = []
     for ci, (save, loads, two_groups) in enumerate(cases):
