@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # The product recorder's record format and helpers (the records must read the same).
 from meshtron.doctor.recorder import (  # noqa: F401  (record fields are re-exported for tests)
     DTYPES, GROUP, OP, PEER, SEQ, SHAPES, STACK, STACKS_ENV, STATE, T_END, T_ENQUEUE, T_START,
-    GroupInfo, clock, shape_dtype, short_stack)
+    GroupInfo, clock, record_dict, shape_dtype, short_stack)
 
 WATCHED_NAMESPACES = frozenset(("c10d", "_c10d_functional"))
 # Operators that are bookkeeping, not communication.
@@ -281,20 +281,7 @@ class CollectiveMode(TorchDispatchMode):
         """The records, oldest first, as plain dicts (safe to call from any thread)."""
         for group in list(self._pending_works):
             self._sweep(group)
-        rows = list(self.records)
-        out = []
-        for r in rows:
-            group = self.groups.get(r[GROUP])
-            d = {"seq": r[SEQ], "group": r[GROUP], "op": r[OP], "shapes": r[SHAPES],
-                 "dtypes": r[DTYPES], "enqueue_t": self.wall(r[T_ENQUEUE]),
-                 "start_t": self.wall(r[T_START]), "end_t": self.wall(r[T_END]),
-                 "state": r[STATE],
-                 "axis": group.axis if group else None,
-                 "stack": [f"{c.co_filename}:{line} in {c.co_name}" for c, line in r[STACK]]}
-            if r[PEER] is not None:
-                d["peer"] = r[PEER]
-            out.append(d)
-        return out
+        return [record_dict(r, self.groups.get(r[GROUP]), self.wall) for r in list(self.records)]
 
     def group_table(self) -> dict[str, dict[str, Any]]:
         return {name: g.to_dict() for name, g in list(self.groups.items())}

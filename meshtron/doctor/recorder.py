@@ -91,6 +91,18 @@ def shape_dtype(value: Any, shapes: list, dtypes: list) -> None:
             shape_dtype(v, shapes, dtypes)
 
 
+def record_dict(rec: list, group: GroupInfo | None, wall) -> dict[str, Any]:
+    """One record as the dumps write it; `wall` turns the monotonic clock into wall time."""
+    d = {"seq": rec[SEQ], "group": rec[GROUP], "op": rec[OP], "shapes": rec[SHAPES],
+         "dtypes": rec[DTYPES], "enqueue_t": wall(rec[T_ENQUEUE]),
+         "start_t": wall(rec[T_START]), "end_t": wall(rec[T_END]), "state": rec[STATE],
+         "axis": group.axis if group else None,
+         "stack": [f"{c.co_filename}:{line} in {c.co_name}" for c, line in rec[STACK]]}
+    if rec[PEER] is not None:
+        d["peer"] = rec[PEER]
+    return d
+
+
 class CollectiveRecorder:
     """Records what the recording process groups run while attached (`install()`, for a
     training rank's whole run; `uninstall()` detaches). `capacity`: records kept (the oldest
@@ -221,19 +233,7 @@ class CollectiveRecorder:
     def snapshot(self) -> list[dict[str, Any]]:
         """The records, oldest first, as plain dicts (safe to call from any thread)."""
         self._sweep()
-        out = []
-        for r in list(self.records):
-            group = self.groups.get(r[GROUP])
-            d = {"seq": r[SEQ], "group": r[GROUP], "op": r[OP], "shapes": r[SHAPES],
-                 "dtypes": r[DTYPES], "enqueue_t": self.wall(r[T_ENQUEUE]),
-                 "start_t": self.wall(r[T_START]), "end_t": self.wall(r[T_END]),
-                 "state": r[STATE],
-                 "axis": group.axis if group else None,
-                 "stack": [f"{c.co_filename}:{line} in {c.co_name}" for c, line in r[STACK]]}
-            if r[PEER] is not None:
-                d["peer"] = r[PEER]
-            out.append(d)
-        return out
+        return [record_dict(r, self.groups.get(r[GROUP]), self.wall) for r in list(self.records)]
 
     def group_table(self) -> dict[str, dict[str, Any]]:
         return {name: g.to_dict() for name, g in list(self.groups.items())}
