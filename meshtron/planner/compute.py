@@ -54,6 +54,7 @@ GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -79,8 +80,9 @@ BF16 = 2
 """Bytes per bf16 element."""
 
 ATTENTION_KINDS = ("flash", "unfused")
-STACKS = ("eager", "fused")
+STACKS = ("eager", "fused", "compiled")
 SHARDINGS = ("fsdp", "zero")
+OPTIMIZERS = ("fused", "foreach")
 OVERLAP_INTERFERENCE = 0.15
 """Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
@@ -120,8 +122,9 @@ class KernelOptions:
     (DeepSpeed's pipeline engine, 2021-2022): per micro-batch and direction a stage pays both its
     receive and its send. False: Megatron's batched isend/irecv, one transfer per boundary."""
     stack: str = "eager"
-    """'eager' (plain PyTorch modules, meshtron's runtime) or 'fused' (Megatron-LM / Transformer
-    Engine fused kernels, or torch.compile): what the memory-bound operations cost."""
+    """'eager' (plain PyTorch modules, meshtron's runtime), 'fused' (Megatron-LM / Transformer
+    Engine fused kernels) or 'compiled' (per-block torch.compile: meshtron's --compile,
+    torchtitan's apply_compile): what the memory-bound operations cost (module docstring)."""
     shard_units_per_layer: int = 1
     """Parameter all-gathers per layer and pass under ZeRO-3: FSDP wraps one transformer block (1);
     DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
@@ -200,6 +203,25 @@ class KernelOptions:
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
+    optimizer: str = "fused"
+    """AdamW implementation, which sets the optimizer step's HBM traffic (estimate.py):
+    'fused' (one kernel reads and writes every state once: torch.optim.AdamW(fused=True) as
+    meshtron/train/optim.py builds it on CUDA, torchtitan since Feb 2025 (#881), apex /
+    Transformer Engine FusedAdam in Megatron, DeepSpeed's FusedAdam) or 'foreach' (one pass per
+    arithmetic step: torch's foreach and for-loop AdamW, torchtitan 2024, Composer's
+    DecoupledAdamW). Independent of `stack`: compiling the blocks leaves the optimizer alone."""
+    grad_accum_fusion: bool = False
+    """The weight-gradient GEMM accumulates into the fp32 main gradient (Megatron-LM's
+    --gradient-accumulation-fusion, on by default: fused_weight_gradient_mlp_cuda / Transformer
+    Engine's main_grad epilogue), so accumulating micro-batch gradients costs no pass of its
+    own. False: every micro-batch's gradient is added to the accumulated one by a separate
+    memory-bound kernel (meshtron's BF16Compute.accumulate, FSDP2 without gradient sync, torch
+    DDP's no_sync): `grad_accumulation_bytes`."""
+    @property
+    def head_stack(self) -> str:
+        """The stack the final norm + head + loss are priced with: per-block torch.compile
+        ('compiled') fuses inside the blocks only, the head and the loss stay eager."""
+        return "eager" if self.stack == "compiled" else self.stack
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -223,6 +245,9 @@ class KernelOptions:
         im = self.expert_imbalance
         if isinstance(im, bool) or not isinstance(im, (int, float)) or not 1.0 <= im <= 64.0:
             raise UserError(f"expert_imbalance={im!r}: must be a number from 1 (balanced) to 64")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer={self.optimizer!r}: allowed values are "
+                             f"{', '.join(OPTIMIZERS)}")
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")
@@ -346,12 +371,18 @@ class EdgeCost:
 #   residual add: (4+2) per add in both stacks (Megatron fuses bias-dropout-add: same traffic)
 #   dropout: eager mask + scale kernel (2+2+1) before the add; fused: +1 byte of mask
 #   head-major transposes around the attention kernel: the output copied back (2+2) in eager
+#   compiled (per-block torch.compile): inductor fuses each chain of pointwise ops and the norm
+#   reductions into single kernels, as 'fused'; it cannot fuse into the extern kernels (cuBLAS
+#   GEMMs, the SDPA kernel), so the attention output's head-major -> token-major copy stays
+#   (2+2), and everything outside the compiled blocks (final norm, head, loss) is eager
 _NORM_BYTES = {("eager", "rmsnorm"): 36.0, ("fused", "rmsnorm"): 4.0,
-               ("eager", "layernorm"): 4.0, ("fused", "layernorm"): 4.0}
+               ("eager", "layernorm"): 4.0, ("fused", "layernorm"): 4.0,
+               ("compiled", "rmsnorm"): 4.0, ("compiled", "layernorm"): 4.0}
 _NORM_KERNELS = {("eager", "rmsnorm"): 6, ("fused", "rmsnorm"): 1,
-                 ("eager", "layernorm"): 1, ("fused", "layernorm"): 1}
-_ROPE_BYTES = {"eager": 20.0, "fused": 4.0}
-_SWIGLU_BYTES = {"eager": 10.0, "fused": 6.0}
+                 ("eager", "layernorm"): 1, ("fused", "layernorm"): 1,
+                 ("compiled", "rmsnorm"): 1, ("compiled", "layernorm"): 1}
+_ROPE_BYTES = {"eager": 20.0, "fused": 4.0, "compiled": 4.0}
+_SWIGLU_BYTES = {"eager": 10.0, "fused": 6.0, "compiled": 6.0}
 
 
 def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) -> float:
@@ -371,7 +402,7 @@ def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions)
         replicated += 2 * (5.0 if st == "eager" else 1.0) * h
     sharded = _ROPE_BYTES[st] * (h + kv) if model.position == "rope" else 0.0
     sharded += (_SWIGLU_BYTES[st] if model.mlp == "swiglu" else 4.0) * f
-    if st == "eager":
+    if st in ("eager", "compiled"):  # the attention output's layout copy (table above)
         sharded += 4.0 * h
     return (replicated / tp if sp else replicated) + sharded / tp
 
@@ -384,11 +415,18 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
     if model.position == "rope":
         n += 10 if st == "eager" else 1
+    if st != "fused":
+        n += 1  # attention-output copy
     if st == "eager":
         n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
-        n += 1  # attention-output copy
         n += 2 if opts.dropout else 0
     return n
+
+
+def compiled(opts: KernelOptions) -> KernelOptions:
+    """`opts` as per-block torch.compile runs them (meshtron's --compile): an eager stack
+    becomes 'compiled'; a stack that fuses already keeps its kernels."""
+    return dataclasses.replace(opts, stack="compiled") if opts.stack == "eager" else opts
 
 
 def compute_dtypes(dtype: str) -> tuple[str, str]:

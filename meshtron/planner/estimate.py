@@ -153,7 +153,7 @@ class Evaluator(DataParallelCost):
         self.grad_bytes = 4.0 if self.opts.fp32_grad_reduce else memory.GRAD_BYTES
         # AdamW traffic per local parameter: 24 bytes of fp32 master + moments read and written,
         # bf16 weight written (2), gradient read (2 or 4)
-        if self.opts.stack == "eager":
+        if self.opts.optimizer == "foreach":
             self.opt_bytes = EAGER_OPTIMIZER_BYTES_PER_PARAM
         else:
             self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
@@ -217,7 +217,7 @@ class Evaluator(DataParallelCost):
         moe_c, moe_f, a2a, a2a_f, _ = self._moe(mb, rec, cp, dtype, ep)
         c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
-        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack, cp, dtype)
+        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype)
         # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,
         # re-gathered on NVLink (already split with sequence parallelism); without
         # scatter/gather each tensor rank sends the whole activation over its own link
@@ -404,7 +404,7 @@ class Evaluator(DataParallelCost):
         stage_f[-1] += head.fwd
         stage_w[-1] += head.wgrad
         crit = max(range(pp), key=stage_t.__getitem__)
-        compute_t = m * stage_c[crit]
+        compute_t = m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, flags)
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
@@ -520,6 +520,38 @@ class Evaluator(DataParallelCost):
         exp = self._dp_time(experts, zero, groups["experts"], m, fwd * share, bwd * share, k,
                             regather, units=moe_units, kept=0.0, **flags)
         return dense + exp
+
+    def accumulation_s(self, cfg: Plan, layers: int, stage: int, m: int,
+                       flags: dict[str, Any]) -> float:
+        """Seconds a stage of `layers` blocks spends adding each micro-batch's gradients to
+        the accumulated ones, a memory-bound pass of its own unless the weight-gradient GEMM
+        accumulates in place (KernelOptions.grad_accum_fusion). Gradients kept unsharded over
+        the step (ZeRO-0/1, ZeRO-2/3 reduced once per step, pipelining) add the micro-batch's
+        bf16 gradient into the accumulation dtype: read both, write the sum (2 + 2a bytes per
+        element; the first micro-batch casts: 2 + a, nothing when a is bf16's 2), where a is
+        the reduce dtype under FSDP (FSDP2's unsharded_accumulated_grad; meshtron's
+        BF16Compute.accumulate) and the gradient buffer's elsewhere (Megatron's main_grad,
+        DeepSpeed's buffers). ZeRO-2/3 reduced every micro-batch accumulate the reduced shard
+        only (3a bytes per shard element, m - 1 times)."""
+        if cfg.zero >= 2 and not flags["reduce_once"] and not (
+                cfg.pp > 1 and self.opts.sharding == "fsdp"):
+            elements = self._stage_params(cfg, layers, stage) / (cfg.dp * cfg.cp)
+            acc = flags["gsize"]
+            return (m - 1) * 3.0 * acc * elements / self.hbm
+        if self.opts.grad_accum_fusion:
+            return 0.0
+        acc = flags["gsize"] if self.opts.sharding == "fsdp" else self.grad_bytes
+        per_elem = (m - 1) * (2.0 + 2.0 * acc) + (2.0 + acc if acc != compute.BF16 else 0.0)
+        return per_elem * self._stage_params(cfg, layers, stage) / self.hbm
+
+    def _stage_params(self, cfg: Plan, layers: int, stage: int) -> float:
+        """Parameters one tensor rank of pipeline stage `stage` holds (experts: the ep share)."""
+        p_layer, p_emb, p_head, _ = self._params(cfg.tp, cfg.pp)
+        if cfg.ep > 1:  # a rank holds E/ep of each block's experts
+            p_exp = moe_cost.expert_params_local(self.model, cfg.pp, cfg.ep)
+            p_layer = p_layer - p_exp * cfg.ep + p_exp
+        p = layers * p_layer + (p_emb if stage == 0 else 0.0)
+        return p + (p_head if stage == cfg.pp - 1 else 0.0)
 
     def lower_bound_step(self, cfg: Plan) -> float:
         """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
