@@ -48,11 +48,13 @@ MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_re
                               fp32_grad_reduce=True, stack="fused", sharding="zero")
 """Megatron-LM 2021-2022: fused kernels, materialised attention scores with dropout, fp32
 main_grad reduced after the backward pass."""
-MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, grad_accum_fusion=True)
+MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, grad_accum_fusion=True, megatron_linear=True)
 """Megatron-LM of K22 (spring 2022, the sequence-parallel and selective-recompute commits):
 gradient accumulation fusion (Feb 2022, commit 83b1e42f30, on unless
 --no-gradient-accumulation-fusion) adds each micro-batch's weight gradient to main_grad in the
-wgrad GEMM."""
+wgrad GEMM; its LinearWithGradAccumulationAndAsyncCommunication reduces the input gradient beside
+the weight-gradient GEMM and re-gathers the sequence-parallel input beside the input-gradient
+GEMM (the async tensor-parallel all-reduce of late 2021 and K22's section 4.2.2)."""
 DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                                     fp32_grad_reduce=False, p2p_scatter_gather=False,
                                     p2p_blocking=True, stack="fused", sharding="zero")

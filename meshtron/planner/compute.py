@@ -203,6 +203,14 @@ class KernelOptions:
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
+    megatron_linear: bool = False
+    """Tensor-parallel linears are Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication
+    (megatron/core/tensor_parallel/layers.py; Transformer Engine's Linear does the same): the
+    column-parallel backward launches the input-gradient collective asynchronously beside the
+    weight-gradient GEMM (all-reduce, or reduce-scatter with sequence parallelism), and with
+    sequence parallelism it does not keep the gathered input: it all-gathers it again for the
+    weight gradient, beside the input-gradient GEMM. False: autograd's conjugate collectives
+    (DTensor, torchtitan, meshtron), each exposed, the gathered input saved."""
     optimizer: str = "fused"
     """AdamW implementation, which sets the optimizer step's HBM traffic (estimate.py):
     'fused' (one kernel reads and writes every state once: torch.optim.AdamW(fused=True) as
@@ -481,10 +489,14 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if lin_dt == "fp8":
         frac = (dict(zip(GEMM_GROUPS, fp8_frac)) if fp8_frac is not None
                 else fp8_fractions(model, tp, "rowwise", opts.fp8_filter))
-    linear = (_gemm_group(tokens, (h + 2 * kv) / tp, h, lin_cl, cluster, frac, "qkv", True)
-              + _gemm_group(tokens, h, h / tp, lin_cl, cluster, frac, "out", False)
-              + _gemm_group(tokens, up / tp, h, lin_cl, cluster, frac, "up", True)
-              + _gemm_group(tokens, h, f / tp, lin_cl, cluster, frac, "down", False))
+    shapes = {"qkv": ((h + 2 * kv) / tp, h, True), "out": (h, h / tp, False),
+              "up": (up / tp, h, True), "down": (h, f / tp, False)}
+
+    def gemm(group: str, rows: float = tokens) -> float:
+        n, k, split = shapes[group]
+        return _gemm_group(rows, n, k, lin_cl, cluster, frac, group, split)
+    gemms = {g: gemm(g) for g in shapes}
+    linear = sum(gemms.values())
     heads_local = model.heads / tp
     hd = model.head_dim
     batch_heads = micro_batch * heads_local
@@ -529,20 +541,20 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise + q_b, 2.0 * issue)
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
-    # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2).
+    # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2). Which
+    # GEMM each collective can hide behind: `tp_exposed`.
     fab = comm.Fabric.of(cluster)
     group = tp_group(tp, cluster.gpus_per_node)
     act_bytes = (4.0 if dtype == "fp32" else BF16) * tokens * h
-    if sp:
-        one_tp = comm.reduce_scatter(act_bytes, group, fab) + comm.all_gather(act_bytes, group, fab)
-    else:
-        one_tp = comm.all_reduce(act_bytes, group, fab)
-    tp_f, tp_b = 2 * one_tp, 2 * one_tp
-    if opts.tp_comm_overlap and sp and tp > 1:
-        tp_f, tp_b = overlapped(tp_f, linear), overlapped(tp_b, 2.0 * linear)
-    elif opts.async_tp and sp and tp > 1:
-        hide = (tp - 1) / tp  # every chunk's transfer but the local one's (see KernelOptions)
-        tp_f, tp_b = overlapped(tp_f, hide * linear), overlapped(tp_b, hide * 2.0 * linear)
+    # FP8 recipes cast a column-parallel GEMM's input before gathering it (Transformer
+    # Engine's fp8_buf userbuffers, torchao's Float8ColwiseParallel): 1 byte per element
+    in_bytes = tokens * h if lin_dt == "fp8" else act_bytes
+    colls = {"ag": comm.all_gather(act_bytes, group, fab),
+             "ag_in": comm.all_gather(in_bytes, group, fab),
+             "rs": comm.reduce_scatter(act_bytes, group, fab),
+             "ar": comm.all_reduce(act_bytes, group, fab)}
+    tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster))
+                  if tp > 1 else (0.0, 0.0))
     if cp > 1:
         # K/V of the local tokens travel to the other cp-1 ranks (ring: cp-1 p2p steps of the
         # local K/V chunk; all-gather: the same volume), their gradients come back in the
@@ -580,6 +592,119 @@ def overlapped(comm_time: float, window: float) -> float:
     if comm_time <= window:
         return OVERLAP_INTERFERENCE * comm_time
     return comm_time - window + OVERLAP_INTERFERENCE * window
+
+
+TE_UB_COMM_SMS = 16
+"""SMs Transformer Engine's userbuffers give the communication kernel of a 'pipeline'
+reduce-scatter overlap, taken from the GEMM beside it (`set_sm_margin`;
+transformer_engine/pytorch/module/base.py `initialize_ub` get_default_config: num_sm 16, 4
+splits; NeMo's tuned configs use 24 for the attention projection and 8-16 for MLP-down); the
+'ring_exchange' method moves chunks with the copy engines (num_splits = tp)."""
+TE_UB_PIPELINE_SPLITS = 4
+"""GEMM chunks of TE's 'pipeline' reduce-scatter overlap (proj_fprop, fc2_fprop)."""
+DEFAULT_SMS = 108
+"""SMs assumed for a GPU outside the catalogue (an A100's)."""
+
+
+def sm_count(cluster: ClusterSpec) -> int:
+    """The cluster's GPU's SM count (catalogue), else DEFAULT_SMS."""
+    if cluster.gpu is not None:
+        from meshtron.planner.cluster import gpu_type
+
+        sms = gpu_type(cluster.gpu).sms
+        if sms:
+            return sms
+    return DEFAULT_SMS
+
+
+def sm_margin(gemm_s: float, sms: int, taken: int = TE_UB_COMM_SMS) -> float:
+    """Extra seconds of a GEMM that runs on sms - taken SMs while a communication kernel holds
+    `taken` of them (the GEMM is SM-bound: its waves stretch by sms / (sms - taken))."""
+    return gemm_s * taken / max(1, sms - taken)
+
+
+def tp_exposed(colls: dict[str, float], gemms: dict[str, float], gemm, tokens: float, tp: int,
+               sp: bool, opts: KernelOptions, sms: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's tensor-parallel collectives left on the
+    critical path, each paired with the one GEMM that can hide it (and the cost of hiding it).
+
+    Forward: all-gather before QKV and MLP-up, reduce-scatter after the output projection and
+    MLP-down (without SP: an all-reduce after each of the latter two), exposed unless
+    overlapped with that GEMM: Transformer Engine userbuffers (`tp_comm_overlap`, TE's default
+    methods): the all-gathers as a copy-engine ring exchange in tp chunks (the GEMM runs on
+    tokens/tp rows per chunk, every chunk's transfer but the last hides), the reduce-scatters
+    'pipelined' over 4 chunks on 16 SMs (the last chunk's part exposed, the GEMM slowed by the
+    SM margin); PyTorch async TP (`async_tp`): both decomposed into tp chunks over symmetric
+    memory. Backward, per GEMM group: the row-parallel input gradients need the output
+    gradient all-gathered (SP), the column-parallel ones reduce-scatter (all-reduce) their
+    result; Megatron's linears (`megatron_linear`) run the latter beside the weight-gradient
+    GEMM and re-gather the sequence-sharded input beside the input-gradient GEMM (TE 'bulk':
+    with the SM margin), async TP chunks the dgrad GEMMs as forward, autograd's conjugate
+    collectives (DTensor) stay exposed."""
+    ag, ag_in, rs, ar = colls["ag"], colls["ag_in"], colls["rs"], colls["ar"]
+
+    def chunked(c: float, group: str, chunks: int) -> tuple[float, float]:
+        """(exposed comm, extra GEMM time) of `c` hidden behind `group`'s GEMM split into
+        `chunks` row chunks run one after the other (PyTorch's fused_all_gather_matmul /
+        fused_matmul_reduce_scatter): every chunk's transfer but one overlaps a chunk's
+        product, each product on tokens/chunks rows."""
+        g = gemm(group, tokens / chunks) * chunks
+        return overlapped(c, (chunks - 1) / chunks * g), g - gemms[group]
+
+    def te_ring(c: float, group: str) -> float:
+        """TE's ring exchange: tp chunks moved by the copy engines, the chunk GEMMs spread
+        over several compute streams (so they fill the GPU like the whole GEMM)."""
+        return overlapped(c, (tp - 1) / tp * gemms[group])
+
+    def te_pipeline(c: float, group: str) -> float:
+        """TE's pipelined reduce-scatter: chunk i's scatter beside chunk i+1's GEMM, on 16
+        SMs taken from it (set_sm_margin); the last chunk's part has nothing to hide behind."""
+        splits = TE_UB_PIPELINE_SPLITS
+        g = gemms[group]
+        slow = sm_margin(g, sms)
+        rest = (splits - 1) / splits
+        return c / splits + max(0.0, rest * (c - g - slow)) + slow
+
+    def te_bulk(c: float, group: str) -> float:
+        """TE's bulk overlap as the NeMo / Megatron-Bridge recipes configure it
+        (nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py: 2-24 SMs,
+        set_sm_margin False): the whole collective beside the whole GEMM, sharing SMs."""
+        return overlapped(c, gemms[group])
+
+    ub = opts.tp_comm_overlap and sp
+    atp = opts.async_tp and sp and not ub
+    fwd = bwd = 0.0
+    for col, row in (("qkv", "out"), ("up", "down")):
+        # forward
+        if not sp:
+            fwd += ar
+        elif ub:
+            fwd += te_ring(ag_in, col) + te_pipeline(rs, row)
+        elif atp:
+            fwd += sum(chunked(ag_in, col, tp)) + sum(chunked(rs, row, tp))
+        else:
+            fwd += ag_in + rs
+        # backward: the row-parallel GEMM's input gradient needs the gathered output gradient
+        if sp:
+            if ub:
+                bwd += te_ring(ag, row)
+            elif atp:
+                bwd += sum(chunked(ag, row, tp))
+            else:
+                bwd += ag
+        # the column-parallel GEMM's input gradient is reduced
+        red = rs if sp else ar
+        if opts.megatron_linear:
+            if sp and ub:  # TE bulk overlaps: re-gather beside dgrad, reduce beside wgrad
+                bwd += te_bulk(ag_in, col) + te_bulk(red, col)
+            else:
+                bwd += ((overlapped(ag_in, gemms[col]) if sp else 0.0)
+                        + overlapped(red, gemms[col]))
+        elif atp:
+            bwd += sum(chunked(red, col, tp))
+        else:
+            bwd += red
+    return fwd, bwd
 
 
 def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:

@@ -150,7 +150,8 @@ _MEGATRON_2024 = Framework(
     "(grad_reduce_in_fp32)",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
                   fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=True,
-                  cp_overlap=True, fp8_filter="all", grad_accum_fusion=True),
+                  cp_overlap=True, fp8_filter="all", grad_accum_fusion=True,
+                  megatron_linear=True),
     MemoryOptions(framework="megatron"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
                     "token dispatcher, grouped GEMM; expert tensor parallelism "
