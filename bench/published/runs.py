@@ -84,12 +84,14 @@ DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all",
-                                 optimizer="foreach")
+                                 optimizer="foreach", eager_norm="python")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter;
 foreach AdamW (torchtitan/optimizer.py of December 2024: `--optimizer.fused` off by default,
-fused became the default in February 2025, #881)."""
+fused became the default in February 2025, #881); its own Python RMSNorm (norms.py, until the
+switch to torch.nn.RMSNorm in March 2025, #985)."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_overlap=True,
-                                    fp8_filter="all", optimizer="foreach")
+                                    fp8_filter="all", optimizer="foreach",
+                                    eager_norm="python")
 """torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops of
 each TransformerBlock; train.py of December 2024 leaves `torch.compile(loss_fn)` commented
 out, so the final norm, head and loss stay eager; foreach AdamW as above)."""

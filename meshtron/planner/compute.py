@@ -38,12 +38,29 @@ the per-kernel dispatch constant below.
   dispatch of eager PyTorch (about 10 us per operation with autograd recording; e.g. H. He,
   "Making Deep Learning Go Brrrr From First Principles", 2022): a layer cannot run faster than
   its kernels can be issued.
-* 'fused' (Megatron-LM / Transformer Engine, or torch.compile): norms, rotary embedding, the
-  activation and the bias-dropout-add are single kernels that read each input once and write
-  each output once (Megatron's fused kernels, Shoeybi et al. 2019; Korthikanti et al. 2022).
+* 'fused' (Megatron-LM / Transformer Engine): norms, rotary embedding, the activation and the
+  bias-dropout-add are single kernels that read each input once and write each output once
+  (Megatron's fused kernels, Shoeybi et al. 2019; Korthikanti et al. 2022), the loss too.
+* 'compiled' (per-block torch.compile: meshtron's --compile, torchtitan's apply_compile): inside
+  each block inductor fuses what 'fused' fuses, but not into its extern kernels (cuBLAS, SDPA),
+  so the attention output's layout copy stays; the final norm, head and loss, the optimizer
+  step and the gradient accumulation run outside the compiled blocks, eager. Compile can
+  therefore save no more than the blocks' eager element-wise work and kernel issue (measured on
+  one H200: 5.2% of the step, bench/results/gpu_check_h200_2026-12-04.json).
+
+An eager RMSNorm is one ATen kernel when the model uses torch.nn.RMSNorm on PyTorch >= 2.8
+(`KernelOptions.eager_norm` 'aten'); the reference module's five kernels are 'python'.
 
 Backward moves about twice the forward's bytes (it reads the saved input and the incoming
 gradient and writes the outgoing one).
+
+Tensor-parallel collectives (`tp_exposed`): each all-gather / reduce-scatter can hide only
+behind the GEMM it feeds or follows (QKV, output projection, MLP-up, MLP-down), never behind
+the layer's other GEMMs: Transformer Engine's userbuffers (ring exchange on the copy engines
+for the gathers, a 4-chunk pipelined reduce-scatter on 16 SMs taken from its GEMM, 'bulk'
+overlaps in the backward), PyTorch async TP (tp chunks run one after another), Megatron's
+linears (the input gradient reduced beside the weight-gradient GEMM, the sequence-parallel
+input re-gathered beside the input-gradient GEMM), or nothing (autograd's conjugates).
 
 Attention core: 'flash' (FlashAttention-2, Dao 2023) skips the masked half of a causal square,
 keeps no s x s matrix in memory, and its backward executes 2.5x the forward's matmul FLOPs (5
@@ -83,6 +100,7 @@ ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused", "compiled")
 SHARDINGS = ("fsdp", "zero")
 OPTIMIZERS = ("fused", "foreach")
+EAGER_NORMS = ("aten", "python")
 OVERLAP_INTERFERENCE = 0.15
 """Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
@@ -172,9 +190,9 @@ class KernelOptions:
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives overlap the GEMMs they feed or follow (Megatron-Core with
     Transformer Engine `--tp-comm-overlap`: userbuffers pipelining of the sequence-parallel
-    all-gather / reduce-scatter with chunks of the column/row-parallel GEMM; PyTorch async TP
-    does the same with symmetric memory). Needs sequence parallelism; only max(0, comm - GEMM)
-    of each pass stays exposed, plus OVERLAP_INTERFERENCE of the hidden part."""
+    all-gather / reduce-scatter with chunks of the column/row-parallel GEMM). Needs sequence
+    parallelism; each collective against its own GEMM only, as TE's methods run it
+    (`tp_exposed`)."""
     async_tp: bool = False
     """PyTorch asynchronous TP (plan.async_tp; Wang et al., "[Distributed w/ TorchTitan]
     Introducing Async Tensor Parallelism in PyTorch", PyTorch dev-discuss 2024): inductor
@@ -182,9 +200,9 @@ class KernelOptions:
     chunks over symmetric memory; the local shard's chunk computes while the next shard
     arrives, so the transfers hide behind (tp-1)/tp of the GEMMs (the last chunk's product has
     nothing left to hide). The post measured ~8% end-to-end (up to 29% on the forward) for
-    Llama 3 8B/70B on H100. Needs sequence parallelism; `overlapped` prices what does not fit
-    and OVERLAP_INTERFERENCE of the hidden part (its copy-engine transfers avoid SM
-    contention but still share HBM)."""
+    Llama 3 8B/70B on H100. Needs sequence parallelism; each collective against the chunks of
+    its own GEMM, run one after another at tokens/tp rows (`tp_exposed`), OVERLAP_INTERFERENCE
+    of the hidden part (its copy-engine transfers avoid SM contention but still share HBM)."""
     cp_overlap: bool = False
     """Context parallelism: the K/V exchange of each layer overlaps the attention of the chunks
     already received (Megatron-Core / Transformer Engine ring attention with p2p; torch's
@@ -203,6 +221,12 @@ class KernelOptions:
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
+    eager_norm: str = "aten"
+    """How an eager RMSNorm runs: 'aten' (torch.nn.RMSNorm / F.rms_norm, one fused kernel
+    forward and one backward on CUDA since PyTorch 2.8: aten::_fused_rms_norm, pytorch#153666;
+    meshtron's model, torchtitan since March 2025, #985) or 'python' (the Llama reference
+    module: fp32 cast, square, mean, rsqrt-scale, cast back, weight: five kernels; torchtitan
+    before #985, Hugging Face's LlamaRMSNorm). LayerNorm is one ATen kernel either way."""
     megatron_linear: bool = False
     """Tensor-parallel linears are Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication
     (megatron/core/tensor_parallel/layers.py; Transformer Engine's Linear does the same): the
@@ -253,6 +277,9 @@ class KernelOptions:
         im = self.expert_imbalance
         if isinstance(im, bool) or not isinstance(im, (int, float)) or not 1.0 <= im <= 64.0:
             raise UserError(f"expert_imbalance={im!r}: must be a number from 1 (balanced) to 64")
+        if self.eager_norm not in EAGER_NORMS:
+            raise UserError(f"eager_norm={self.eager_norm!r}: allowed values are "
+                             f"{', '.join(EAGER_NORMS)}")
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"optimizer={self.optimizer!r}: allowed values are "
                              f"{', '.join(OPTIMIZERS)}")
@@ -393,6 +420,14 @@ _ROPE_BYTES = {"eager": 20.0, "fused": 4.0, "compiled": 4.0}
 _SWIGLU_BYTES = {"eager": 10.0, "fused": 6.0, "compiled": 6.0}
 
 
+def norm_key(stack: str, eager_norm: str, norm: str) -> tuple[str, str]:
+    """The `_NORM_BYTES` / `_NORM_KERNELS` entry of a norm: an eager RMSNorm through ATen's
+    fused kernel (KernelOptions.eager_norm 'aten') moves what a fused one does."""
+    if stack == "eager" and eager_norm == "aten":
+        return ("fused", norm)
+    return (stack, norm)
+
+
 def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) -> float:
     """HBM bytes moved per token by one layer's memory-bound kernels in the forward pass.
 
@@ -405,7 +440,7 @@ def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions)
     """
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     st = opts.stack
-    replicated = 2 * _NORM_BYTES[(st, model.norm)] * h + 2 * 6.0 * h
+    replicated = 2 * _NORM_BYTES[norm_key(st, opts.eager_norm, model.norm)] * h + 2 * 6.0 * h
     if opts.dropout:
         replicated += 2 * (5.0 if st == "eager" else 1.0) * h
     sharded = _ROPE_BYTES[st] * (h + kv) if model.position == "rope" else 0.0
@@ -418,7 +453,7 @@ def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions)
 def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations)."""
     st = opts.stack
-    n = 2 * _NORM_KERNELS[(st, model.norm)] + 2  # norms, residual adds
+    n = 2 * _NORM_KERNELS[norm_key(st, opts.eager_norm, model.norm)] + 2  # norms, residual adds
     n += (3 if model.mlp == "swiglu" else 2) + 4  # MLP and attention linears (q, k, v, out)
     n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
     if model.position == "rope":
@@ -716,7 +751,8 @@ def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:
 
 @lru_cache(maxsize=4096)
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
-              sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16") -> EdgeCost:
+              sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16",
+              eager_norm: str = "aten") -> EdgeCost:
     """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
 
     The head GEMM is [tokens, h] x [h, V/tp]; the fused loss reads bf16 logits and writes fp32
@@ -740,7 +776,7 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     gemm = cluster_gemm_time(tokens, model.vocab / tp, model.hidden, cluster)
     logits = tokens * model.vocab / tp
     loss_f, loss_b = (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
-    norm_b = _NORM_BYTES[(stack, model.norm)]
+    norm_b = _NORM_BYTES[norm_key(stack, eager_norm, model.norm)]
     norm = tokens * norm_b * model.hidden / (tp if sp else 1) / hbm
     fwd_c = gemm + logits * loss_f / hbm + norm
     compute = fwd_c + 2 * gemm + logits * loss_b / hbm + 2 * norm

@@ -41,10 +41,15 @@ Step time (per optimizer step, on the critical pipeline stage c):
 * ep_comm: expert-parallel all-to-alls of the critical stage's MoE layers (moe_cost.py;
   exposed unless the framework overlaps them). The MoE layers' grouped GEMMs, imbalance and
   permutation copies are in compute; their dispatch buffers in activations.
-* optimizer: AdamW is memory bound; fused (apex / Transformer Engine, stack 'fused') it reads
-  and writes fp32 master and two moments, reads the gradient and writes bf16 weights: 28 bytes
-  (30 with an fp32 gradient buffer); torch.optim's unfused AdamW (stack 'eager') makes a pass
-  per arithmetic step, 86 bytes; both at 80% of HBM bandwidth.
+* optimizer: AdamW is memory bound; fused (torch.optim.AdamW(fused=True), apex / Transformer
+  Engine FusedAdam: KernelOptions.optimizer 'fused') it reads and writes fp32 master and two
+  moments, reads the gradient and writes bf16 weights: 28 bytes (30 with an fp32 gradient
+  buffer); foreach / for-loop AdamW ('foreach') makes a pass per arithmetic step, 86 bytes;
+  both at 80% of HBM bandwidth. What the optimizer runs is the framework's choice, not the
+  kernel stack's: compiling the blocks leaves it alone.
+* gradient accumulation (in compute): unless the weight-gradient GEMM accumulates in place
+  (Megatron's gradient accumulation fusion), every micro-batch's gradients are added to the
+  accumulated ones by a memory-bound pass of their own (`Evaluator.accumulation_s`).
 
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
@@ -217,7 +222,8 @@ class Evaluator(DataParallelCost):
         moe_c, moe_f, a2a, a2a_f, _ = self._moe(mb, rec, cp, dtype, ep)
         c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
-        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype)
+        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
+                                 opts.eager_norm)
         # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,
         # re-gathered on NVLink (already split with sequence parallelism); without
         # scatter/gather each tensor rank sends the whole activation over its own link
