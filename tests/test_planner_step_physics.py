@@ -201,3 +201,36 @@ def test_catalogue_knows_sm_counts():
     assert C.sm_count(resolve_cluster("dgx-h100:1")) == 132
     bare = dataclasses.replace(resolve_cluster("dgx-a100:1"), gpu=None)
     assert C.sm_count(bare) == C.DEFAULT_SMS
+
+
+# ---- pipeline transfers ---------------------------------------------------------------------------
+def test_pipeline_transfers_fill_chain_and_steady_state():
+    from meshtron.planner.pipeline import p2p_time
+
+    hop, p, v, m = 1.0, 8, 4, 32
+    # without overlap every boundary crossing waits: m*v per direction, plus the fill chain
+    # of the first micro-batch through all p*v virtual stages
+    assert p2p_time(hop, p, v, m) == 2 * (m * v + p * v - 1)
+    assert p2p_time(hop, p, 1, m) == 2 * (m + p - 1)
+    assert p2p_time(hop, p, v, m, blocking=True) == 2 * p2p_time(hop, p, v, m)
+    # Megatron-Core's overlap_p2p_comm hides the steady state, never the fill and drain
+    over = p2p_time(hop, p, v, m, overlap=True)
+    assert 2 * (p * v - 1) < over < p2p_time(hop, p, v, m)
+    assert p2p_time(hop, 1, v, m) == 0.0
+
+
+def test_deep_pipeline_pays_more_for_p2p_latency():
+    """A deeper pipeline's fill chain crosses more boundaries: the same per-hop latency costs
+    a pp=32 plan more than a pp=4 one, and its share of the step grows with the latency."""
+    model = PRESETS["llama3-70b"].replace(layers=64)
+    share = {}
+    for lat in (5.0, 50.0):
+        for pp in (4, 32):
+            cl = dataclasses.replace(resolve_cluster(f"dgx-h100:{pp}"),
+                                     inter_node_latency_us=lat)
+            plan = Plan(tp=8, pp=pp, dp=1, zero=1, micro_batch=1, sp=True, dtype="bf16",
+                        schedule="1f1b")
+            est = Evaluator(model, cl, 64, 4096, preset("megatron@2024").kernel,
+                            mem=preset("megatron@2024").memory).evaluate(plan)
+            share[lat, pp] = est.time.pp_comm / est.step_time_s
+    assert share[50.0, 32] > share[5.0, 32] and share[50.0, 32] > share[50.0, 4]

@@ -221,6 +221,11 @@ class KernelOptions:
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
+    p2p_overlap: bool = False
+    """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
+    overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);
+    False: each transfer waits on the critical path (batched or blocking p2p, torch's
+    pipelining schedules receiving just before the compute). `pipeline.p2p_time`."""
     eager_norm: str = "aten"
     """How an eager RMSNorm runs: 'aten' (torch.nn.RMSNorm / F.rms_norm, one fused kernel
     forward and one backward on CUDA since PyTorch 2.8: aten::_fused_rms_norm, pytorch#153666;

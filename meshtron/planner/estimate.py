@@ -9,7 +9,10 @@ Step time (per optimizer step, on the critical pipeline stage c):
   selective: the attention core again).
 * bubble: pipeline.py (schedule dependent).
 * pp_comm: every micro-batch crosses every (virtual) stage boundary forward and backward, and
-  the fill adds p-1 transfers: (m*v + p - 1) * 2 * (alpha + bytes/bw). Megatron sends the
+  the fill adds the chain of the first micro-batch through the p*v virtual stages:
+  (m*v + p*v - 1) * 2 * (alpha + bytes/bw) (pipeline.p2p_time); Megatron-Core's
+  overlap_p2p_comm (interleaved schedule) hides the steady-state transfers behind the chunks'
+  compute, leaving the fill and drain chains. Megatron sends the
   [micro_batch*s, h] activation split over the tensor group ("scatter/gather", Narayanan et al.
   2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink;
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
@@ -420,8 +423,8 @@ class Evaluator(DataParallelCost):
         if pp > 1:
             cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
-            per_boundary = 4.0 if self.opts.p2p_blocking else 2.0
-            pp_t = (m * v + pp - 1) * per_boundary * hop
+            pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
+                                     self.opts.p2p_overlap and v > 1)
         dp_t = 0.0
         opt_t = 0.0
         off_t = 0.0

@@ -151,7 +151,7 @@ _MEGATRON_2024 = Framework(
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
                   fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=True,
                   cp_overlap=True, fp8_filter="all", grad_accum_fusion=True,
-                  megatron_linear=True),
+                  megatron_linear=True, p2p_overlap=True),
     MemoryOptions(framework="megatron"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
                     "token dispatcher, grouped GEMM; expert tensor parallelism "
