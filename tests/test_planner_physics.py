@@ -99,13 +99,17 @@ def test_zero3_collectives_are_counted_per_unit():
     base = KernelOptions(attention="unfused", dropout=True, stack="fused")
     per_layer = _zero3(1536, base).time.dp_comm
     per_module = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6)).time.dp_comm
-    capped = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6,
+    bucket = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6,
                                               prefetch_params=5e7)).time.dp_comm
+    none = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6,
+                                            prefetch_params=0.0)).time.dp_comm
     assert per_module > per_layer  # six times the collectives, each with its ring latency
-    assert capped > per_module  # a small prefetch bucket hides less
+    # DeepSpeed's bucket admits whole parameters: any bucket prefetches the next unit whole
+    assert bucket == pytest.approx(per_module)
+    assert none > per_module  # no prefetch (DeepSpeed 0.3): every gather exposed
     staged = _zero3(1536, dataclasses.replace(base, shard_units_per_layer=6, prefetch_params=5e7,
                                               list_collectives=True)).time.dp_comm
-    assert staged > capped  # staging copies on the collectives' path
+    assert staged > bucket  # staging copies on the collectives' path
 
 
 def test_list_collectives_pay_host_time_per_rank_and_per_reduced_parameter():

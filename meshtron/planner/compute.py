@@ -156,8 +156,9 @@ class KernelOptions:
 
     prefetch_params: float | None = None
     """Parameters ZeRO-3 all-gathers ahead of the unit computing (None: the whole next unit, as
-    FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) caps it:
-    only that share of a larger unit's all-gather can hide behind the previous unit's compute."""
+    FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) admits
+    whole parameters until it is full, so any bucket > 0 prefetches the next unit whole
+    (partitioned_param_coordinator.py); 0: no prefetch (DeepSpeed 0.3's synchronous fetch)."""
 
     recompute_regathers: bool = False
     """Under ZeRO-3 with full recomputation, the recomputed forward gathers a unit's parameters

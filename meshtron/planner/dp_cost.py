@@ -205,9 +205,13 @@ class DataParallelCost:
         if not reduce:
             rs = 0.0
         f_u, b_u = fwd / units, bwd / units
-        # share of a unit's all-gather that prefetching can start early
+        # share of a unit's all-gather that prefetching can start early: DeepSpeed's
+        # coordinator (partitioned_param_coordinator.py, fetch_sub_module) adds whole
+        # parameters of the coming submodules to the prefetch until the bucket is full, so the
+        # next unit is always prefetched whole once the bucket is not zero; DeepSpeed 0.3's
+        # synchronous fetch (prefetch 0) hides nothing
         pre = self.opts.prefetch_params
-        hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
+        hide = 1.0 if pre is None or pre > 0 else 0.0
         fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
         # recomputation that re-gathers: a second all-gather per unit in the backward
         if keep_last and units > 1 and kept > 0:
