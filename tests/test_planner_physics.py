@@ -239,7 +239,12 @@ def test_runtime_zero_stages_cost_what_fsdp2_runs():
                              inter_node_gb_per_s=5.0)
 
     def dp_time(zero: int, sharding: str, batch: int = 512, **kw) -> float:
-        ev = Evaluator(model, cl, batch, 4096, KernelOptions(sharding=sharding))
+        from meshtron.planner.memory import options_for
+
+        opts = KernelOptions(sharding=sharding)
+        # the same loss (and so the same backward to hide behind) for both shardings
+        mem = dataclasses.replace(options_for(opts), loss="vocab-parallel")
+        ev = Evaluator(model, cl, batch, 4096, opts, mem=mem)
         return ev.evaluate(Plan(1, 1, 64, zero, 1, "none", False, None, 1,
                                 dtype="bf16", **kw)).time.dp_comm
 

@@ -234,3 +234,24 @@ def test_deep_pipeline_pays_more_for_p2p_latency():
                             mem=preset("megatron@2024").memory).evaluate(plan)
             share[lat, pp] = est.time.pp_comm / est.step_time_s
     assert share[50.0, 32] > share[5.0, 32] and share[50.0, 32] > share[50.0, 4]
+
+
+# ---- meshtron's chunked cross-entropy -------------------------------------------------------------
+def test_chunked_loss_replays_the_head_and_sums_its_weight_gradients():
+    """meshtron/model/loss.py runs the head on ceil(vocab/hidden) checkpointed chunks: the
+    backward replays the head GEMM and loss forward and autograd sums one [vocab, hidden]
+    weight gradient per chunk after the first (6 bytes per element in bf16)."""
+    cl = resolve_cluster("dgx-h100:1")
+    extra = C.chunked_loss_extra(L8, cl, 1, 4096)
+    chunks = -(-L8.vocab // L8.hidden)  # 32: 4096 tokens in chunks of 128
+    grad_sum = (chunks - 1) * 6.0 * L8.vocab * L8.hidden / (cl.hbm_bytes_per_s * 0.8)
+    replay = C.cluster_gemm_time(4096, L8.vocab, L8.hidden, cl)
+    assert extra > grad_sum + replay
+    # the plan pays it only where the runtime chunks: meshtron's loss, tp = 1, no pipeline
+    plan = Plan(tp=1, pp=1, dp=8, zero=3, micro_batch=1, dtype="bf16")
+    ev = _ev("meshtron")
+    head = ev._micro(1, 1, False, "none")[5]
+    assert ev.head_for(plan, head).compute == pytest.approx(head.compute + extra)
+    assert ev.head_for(plan.replace(tp=2, dp=4, sp=True), head) is head
+    tt = _ev("torchtitan")  # torch's loss on whole fp32 logits
+    assert tt.head_for(plan, head) is head

@@ -800,6 +800,30 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
 
 
 @lru_cache(maxsize=4096)
+def chunked_loss_extra(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
+                       cp: int = 1, dtype: str = "bf16", stack: str = "eager") -> float:
+    """Seconds meshtron's chunked cross-entropy (meshtron/model/loss.py, tp = 1 without a
+    pipeline) adds to `head_cost` per micro-batch. It runs the head and the loss on chunks of
+    tokens/ceil(vocab/hidden) tokens under activation checkpointing, so the backward (1)
+    replays each chunk's head GEMM and loss forward, (2) computes the head's weight gradient
+    chunk by chunk, a [vocab, hidden] product over only `chunk` tokens each (bound by writing
+    its output), and (3) autograd sums the chunks' weight gradients, one add of a
+    [vocab, hidden] tensor per chunk after the first (read both, write the sum)."""
+    cl = cluster.at_dtype(compute_dtypes(dtype)[1])
+    hbm = membound_bytes_per_s(cl, stack)
+    tokens = micro_batch * seq / cp
+    v, h = model.vocab, model.hidden
+    chunk = math.ceil(tokens / math.ceil(v / h))
+    chunks = math.ceil(tokens / chunk)
+    replay = cluster_gemm_time(tokens, v, h, cl) + tokens * v * (
+        14.0 if stack == "eager" else 6.0) / hbm
+    wgrad = chunks * cluster_gemm_time(v, h, chunk, cl) - cluster_gemm_time(v, h, tokens, cl)
+    elem = 4.0 if dtype == "fp32" else BF16
+    grad_sum = (chunks - 1) * 3.0 * elem * v * h / (cl.hbm_bytes_per_s * HBM_EFFICIENCY)
+    return replay + max(0.0, wgrad) + grad_sum
+
+
+@lru_cache(maxsize=4096)
 def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
                    sp: bool, cp: int = 1) -> EdgeCost:
     """Vocabulary-parallel embedding lookup: write [tokens, h] forward, scatter-add backward,

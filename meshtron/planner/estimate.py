@@ -320,6 +320,7 @@ class Evaluator(DataParallelCost):
         c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec,
                                                                           cp, cfg.dtype, ep,
                                                                           cfg.fp8_recipe)
+        head = self.head_for(cfg, head)
         ep_l = self._moe(mb, rec, cp, cfg.dtype, ep)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep, pp)
@@ -529,6 +530,16 @@ class Evaluator(DataParallelCost):
         exp = self._dp_time(experts, zero, groups["experts"], m, fwd * share, bwd * share, k,
                             regather, units=moe_units, kept=0.0, **flags)
         return dense + exp
+
+    def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:
+        """The last stage's head costs of `cfg`: with meshtron's chunked cross-entropy (the
+        memory model's condition: MemoryOptions loss 'chunked', tp = 1, no pipeline) plus what
+        its chunks replay and sum in the backward (compute.chunked_loss_extra)."""
+        if not (self.mem.loss_kind == "chunked" and cfg.tp == 1 and cfg.pp == 1):
+            return head
+        extra = compute.chunked_loss_extra(self.model, self.cluster, cfg.micro_batch, self.seq,
+                                           cfg.cp, cfg.dtype, self.opts.head_stack)
+        return dataclasses.replace(head, compute=head.compute + extra)
 
     def accumulation_s(self, cfg: Plan, layers: int, stage: int, m: int,
                        flags: dict[str, Any]) -> float:

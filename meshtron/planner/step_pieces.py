@@ -59,6 +59,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
                                                                     cfg.recompute, cfg.cp,
                                                                     cfg.dtype, cfg.ep,
                                                                     cfg.fp8_recipe)
+    head = ev.head_for(cfg, head)
     t_layer = c_l + tpc_l
     nv = len(n)
     fwd = [k * f_l for k in n]
