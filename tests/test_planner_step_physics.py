@@ -255,3 +255,24 @@ def test_chunked_loss_replays_the_head_and_sums_its_weight_gradients():
     assert ev.head_for(plan.replace(tp=2, dp=4, sp=True), head) is head
     tt = _ev("torchtitan")  # torch's loss on whole fp32 logits
     assert tt.head_for(plan, head) is head
+
+
+def test_fsdp2_copies_gathered_units_out_on_the_compute_stream():
+    """FSDP2 copies each gathered unit out of the all-gather buffer on the compute stream
+    (foreach_all_gather_copy_out): read and write of every gathered byte, which no prefetch
+    hides; DeepSpeed and Megatron gather in place."""
+    fsdp = _ev("meshtron")
+    zero = Evaluator(L8, resolve_cluster("dgx-h100:8"), 64, 4096,
+                     dataclasses.replace(preset("meshtron").kernel, sharding="zero"))
+    assert fsdp.copy_out_s(1e9, 2.0) == pytest.approx(4e9 / fsdp.hbm)
+    assert zero.copy_out_s(1e9, 2.0) == 0.0
+    # with an infinitely fast network the per-micro-batch ZeRO-3 cost is the copies: the
+    # forward's whole unit set and the backward's re-gather of all but the kept last unit
+    fast = dataclasses.replace(resolve_cluster("dgx-h100:8"), intra_node_gb_per_s=1e9,
+                               intra_node_latency_us=0.0, collective_base_latency_us=0.0)
+    ev = Evaluator(L8, fast, 64, 4096, preset("meshtron").kernel)
+    groups = ev._groups(Plan(tp=1, pp=1, dp=8, zero=3, micro_batch=1, dtype="bf16"))
+    got = ev._zero3_per_microbatch(8e9, groups, 32, 1.0, 2.0, units=34, kept=5e8,
+                                   wsize=2.0, wire=4.0)
+    expect = ev.copy_out_s(8e9, 2.0) + ev.copy_out_s(8e9 - 5e8, 2.0)
+    assert expect <= got < expect * 1.01
