@@ -197,9 +197,11 @@ def test_validation_errors_do_not_regress(table, capsys):
 
     Issue 30 (physics branch): the tensor-parallel collectives now hide only behind their own
     GEMM, as Transformer Engine's userbuffers run them (compute.tp_exposed), which costs the
-    FP8 Megatron-Bridge 405B rows (tp 8, cp 2: small per-GPU GEMMs) more: n=31 mean 7.2%, max
-    27.9% (MB26.02 405B, too slow); bf16 rows mean 5.2%, max 25.0%; calibration mean 12.0%,
-    max 31.5%. The bound on the maximum moved from 0.26 to 0.29 for that row.
+    FP8 Megatron-Bridge 405B rows (tp 8, cp 2: small per-GPU GEMMs) more; with the other
+    issue-30 terms (optimizer implementation, gradient accumulation, the compiled stack,
+    FSDP2's copy-out, pipeline fill chains and overlap_p2p_comm): n=31 mean 6.8%, max 26.6%
+    (MB26.02 405B, too slow); bf16 rows mean 5.0%, max 25.0%; calibration mean 11.3%, max
+    31.5%. The bound on the maximum moved from 0.26 to 0.28 for that row; the means tightened.
 
     The mixture-of-experts rows with expert parallelism (issue 21 part 4, validation, added
     before they were first run) are summarised apart: DeepSeek-V3's report -6.4%; the two
@@ -219,9 +221,9 @@ def test_validation_errors_do_not_regress(table, capsys):
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "
               f"(bf16 rows: n={old['n']} mean {old['mean']:.1%} max {old['max']:.1%}); "
               f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}")
-    assert val["mean"] < 0.085 and val["max"] < 0.29
-    assert old["mean"] < 0.07 and old["max"] < 0.26
-    assert cal["mean"] < 0.125 and cal["max"] < 0.33
+    assert val["mean"] < 0.075 and val["max"] < 0.28
+    assert old["mean"] < 0.06 and old["max"] < 0.26
+    assert cal["mean"] < 0.12 and cal["max"] < 0.33
     k22 = summary([p for p in table if p.run.name.startswith("K22")])
     assert k22["max"] < 0.10
 
