@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from meshtron.planner.overlap import OVERLAP_INTERFERENCE
 from meshtron.planner.plan import SCHEDULES  # noqa: F401  (the one list, re-exported)
 
 
@@ -61,8 +62,6 @@ def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
     arguments.py; refused without it, schedules.py) posts the steady-state transfers before the
     chunk's compute and waits after it: they cost OVERLAP_INTERFERENCE of their time, the
     fill and drain chains stay exposed."""
-    from meshtron.planner.compute import OVERLAP_INTERFERENCE
-
     if p <= 1:
         return 0.0
     per_boundary = 4.0 if blocking else 2.0
