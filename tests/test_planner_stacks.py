@@ -57,10 +57,10 @@ def test_every_preset_resolves_and_documents_itself():
 
 def test_options_override_single_fields_and_refuse_unknown(tmp_path):
     f = tmp_path / "o.toml"
-    f.write_text('framework = "megatron@2024"\n[options]\ntp_comm_overlap = false\n'
+    f.write_text('framework = "megatron@2024"\n[options]\ntp_comm_overlap = true\n'
                  'loss = "inplace"\nreduce_dtype = "bf16"\n')
     fw = resolve(None, f)
-    assert fw.name == "megatron" and not fw.kernel.tp_comm_overlap
+    assert fw.name == "megatron" and fw.kernel.tp_comm_overlap
     assert fw.memory.loss == "inplace" and fw.reduce_dtype == "bf16" and "+3" in fw.label
     with pytest.raises(UserError, match="contradicts"):
         resolve("deepspeed", f)
@@ -75,10 +75,12 @@ def test_options_override_single_fields_and_refuse_unknown(tmp_path):
 
 def test_tp_comm_overlap_hides_tensor_parallel_traffic():
     plan = Plan(tp=8, pp=1, dp=8, zero=1, micro_batch=1, sp=True, dtype="bf16")
-    on = _eval("megatron@2024", plan, model="llama3-70b")
-    off = Evaluator(PRESETS["llama3-70b"], resolve_cluster("dgx-h100:8"), 512, 4096,
-                    with_options(preset("megatron@2024"), {"tp_comm_overlap": False}).kernel,
-                    mem=preset("megatron@2024").memory).evaluate(plan)
+    # Megatron-Core leaves TE userbuffers off (model_parallel_config.py); options turn them on
+    assert not preset("megatron@2024").kernel.tp_comm_overlap
+    off = _eval("megatron@2024", plan, model="llama3-70b")
+    on = Evaluator(PRESETS["llama3-70b"], resolve_cluster("dgx-h100:8"), 512, 4096,
+                   with_options(preset("megatron@2024"), {"tp_comm_overlap": True}).kernel,
+                   mem=preset("megatron@2024").memory).evaluate(plan)
     # each collective hides behind its own GEMM only (compute.tp_exposed): most of a 70B
     # layer's traffic at tp 8, never all of it
     assert 0.15 * off.time.tp_comm < on.time.tp_comm < 0.6 * off.time.tp_comm

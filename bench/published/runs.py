@@ -379,7 +379,8 @@ def _megatron_bridge_h100() -> list[PublishedRun]:
     recomputation: 'any' (the fastest the memory model accepts)."""
     from meshtron.planner.frameworks import PRESETS
 
-    mcore = PRESETS["megatron@2024"].kernel
+    # Megatron-Bridge's performance recipes (scripts/performance) turn TE userbuffers on
+    mcore = dataclasses.replace(PRESETS["megatron@2024"].kernel, tp_comm_overlap=True)
     models = {"8b": preset("llama3-8b"), "70b": preset("llama3-70b"),
               "405b": preset("llama3-405b")}
     rows = [  # container, model, gpus, GBS, FSDP, tp, pp, cp, vp, tokens/s/GPU

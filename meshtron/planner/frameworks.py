@@ -33,9 +33,12 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   docs/source/api-guide/distrib_optimizer.md, megatron/core/distributed/; NeMo
   nemo/collections/llm/recipes/): Transformer Engine fused kernels and flash attention, no
   dropout, distributed optimizer with fp32 main grads (`grad_reduce_in_fp32`), gradients
-  reduced once per step with `--overlap-grad-reduce`, `--overlap-param-gather`,
-  `--tp-comm-overlap` (userbuffers: the sequence-parallel all-gather / reduce-scatter hidden
-  behind the GEMMs), ring attention with p2p overlap for context parallelism.
+  reduced once per step with `--overlap-grad-reduce`, `--overlap-param-gather` (the NeMo
+  recipes' DistributedDataParallelConfig), gradient accumulation fusion, Megatron's
+  asynchronous tensor-parallel linears, overlap_p2p_comm with the interleaved schedule, ring
+  attention with p2p overlap for context parallelism. `--tp-comm-overlap` (TE userbuffers) is
+  off, as in Megatron-Core (model_parallel_config.py) and NeMo's recipes outside their
+  `performance_mode`: `tp_comm_overlap = true` in [options] prices it.
 * `deepspeed@2021`: DeepSpeed 0.3.15 (April 2021; deepspeed/runtime/zero/stage3.py,
   partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
   weight separately, device-synchronised (no prefetch), reduces every parameter separately,
@@ -149,7 +152,7 @@ _MEGATRON_2024 = Framework(
     "(p2p ring); NVIDIA/NeMo nemo/collections/llm/recipes/precision/mixed_precision.py "
     "(grad_reduce_in_fp32)",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
-                  fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=True,
+                  fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=False,
                   cp_overlap=True, fp8_filter="all", grad_accum_fusion=True,
                   megatron_linear=True, p2p_overlap=True),
     MemoryOptions(framework="megatron"), "fp32",
