@@ -75,8 +75,9 @@ def test_compiled_selective_recompute_under_tp_refused():
 
 
 def test_planner_prices_compile_and_async_tp():
-    """compile=True is the 'fused' stack (less memory-bound time, same communication);
-    async_tp hides TP communication behind (tp-1)/tp of the GEMMs (compute.py)."""
+    """compile=True is the 'compiled' stack (less memory-bound time, same communication);
+    async_tp hides each TP collective behind (tp-1)/tp of its own GEMM's chunks (compute.py
+    tp_exposed): an 8B layer's QKV GEMM at tp 8 is too short to hide its all-gather."""
     from meshtron.model.spec import resolve_model
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.search import evaluate_plan, search_plans
@@ -87,7 +88,7 @@ def test_planner_prices_compile_and_async_tp():
         {}, dict(compile=True), dict(compile=True, async_tp=True)))
     assert fused.time.compute < eager.time.compute and fused.time.tp_comm == eager.time.tp_comm
     assert overlap.time.compute == fused.time.compute
-    assert 0 < overlap.time.tp_comm < 0.5 * fused.time.tp_comm
+    assert 0 < overlap.time.tp_comm < 0.75 * fused.time.tp_comm
     assert (fused.config.compile, overlap.config.async_tp) == (True, True)
     best = search_plans(spec, resolve_cluster("dgx-h100:2"), 256, 4096,
                         dict(compile=True, pp=2), top_k=1, explain=False).best

@@ -80,19 +80,22 @@ def test_plan_cli_refuses_offload_beyond_host_memory(tmp_path, capsys):
 
 def test_gh200_offload_is_chosen_because_faster(capsys):
     """On NVLink-C2C (450 GB/s per direction, 7x PCIe Gen5) and LPDDR5X, offloading the states
-    of llama3-8b frees enough HBM for ZeRO-2 without recomputation; the planner prices it next
-    to the plans that fit without offload and keeps it because its step is shorter."""
+    of llama3-8b frees enough HBM for two sequences per micro-batch without recomputation; the
+    planner prices it next to the plans that fit without offload and keeps it because its step
+    is shorter. (At a global batch of 32 a 2-stage zero-bubble pipeline without offload ties
+    with it since issue 30's accumulation and FSDP2 copy-out terms: 16 keeps the comparison
+    clear-cut.)"""
     from meshtron.cli import main
 
     cl = cluster_from_dict(dict(GH200))
-    r = search_plans(PRESETS["llama3-8b"], cl, 32, 8192)
+    r = search_plans(PRESETS["llama3-8b"], cl, 16, 8192)
     assert r.offload_compared and r.best.config.offload == "full"
     alt = r.alternatives[0]
     assert alt.label == "best plan without host offload" and alt.estimate.config.offload == "none"
     assert alt.estimate.step_time_s > r.best.step_time_s
     assert any("chosen because faster" in n for n in r.notes)
     # forced off: the same search without offload gives that alternative as its best
-    off = search_plans(PRESETS["llama3-8b"], cl, 32, 8192, fixed={"offload": "none"})
+    off = search_plans(PRESETS["llama3-8b"], cl, 16, 8192, fixed={"offload": "none"})
     assert off.best.step_time_s == pytest.approx(alt.estimate.step_time_s)
     assert not off.offload_compared
     # and `plan --json` carries the offload and the host memory
@@ -105,7 +108,7 @@ def test_gh200_offload_is_chosen_because_faster(capsys):
         path = Path(d) / "gh200.toml"
         path.write_text(tomli_w.dumps({k: v for k, v in GH200.items() if k != "name"}))
         assert main(["plan", "--model", "llama3-8b", "--cluster", str(path), "--global-batch",
-                     "32", "--seq-len", "8192", "--json"]) == 0
+                     "16", "--seq-len", "8192", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["plans"][0]["offload"] == "full" and doc["plans"][0]["memory_gib"]["host"] > 100
 

@@ -48,6 +48,13 @@ MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_re
                               fp32_grad_reduce=True, stack="fused", sharding="zero")
 """Megatron-LM 2021-2022: fused kernels, materialised attention scores with dropout, fp32
 main_grad reduced after the backward pass."""
+MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, grad_accum_fusion=True, megatron_linear=True)
+"""Megatron-LM of K22 (spring 2022, the sequence-parallel and selective-recompute commits):
+gradient accumulation fusion (Feb 2022, commit 83b1e42f30, on unless
+--no-gradient-accumulation-fusion) adds each micro-batch's weight gradient to main_grad in the
+wgrad GEMM; its LinearWithGradAccumulationAndAsyncCommunication reduces the input gradient beside
+the weight-gradient GEMM and re-gathers the sequence-parallel input beside the input-gradient
+GEMM (the async tensor-parallel all-reduce of late 2021 and K22's section 4.2.2)."""
 DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                                     fp32_grad_reduce=False, p2p_scatter_gather=False,
                                     p2p_blocking=True, stack="fused", sharding="zero")
@@ -76,21 +83,31 @@ LLM_FOUNDRY_MEMORY = MemoryOptions(framework="fsdp2", loss="inplace")
 DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""
-TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all")
-"""torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter."""
-TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="fused", cp_overlap=True,
-                                    fp8_filter="all")
-"""torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops)."""
+TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all",
+                                 optimizer="foreach", eager_norm="python")
+"""torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter;
+foreach AdamW (torchtitan/optimizer.py of December 2024: `--optimizer.fused` off by default,
+fused became the default in February 2025, #881); its own Python RMSNorm (norms.py, until the
+switch to torch.nn.RMSNorm in March 2025, #985)."""
+TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_overlap=True,
+                                    fp8_filter="all", optimizer="foreach",
+                                    eager_norm="python")
+"""torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops of
+each TransformerBlock; train.py of December 2024 leaves `torch.compile(loss_fn)` commented
+out, so the final norm, head and loss stay eager; foreach AdamW as above)."""
 LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
-                                stack="eager")
+                                stack="eager", optimizer="foreach")
 """llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT, as Composer defined it in 2023:
-fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction."""
-LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager")
+fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction; Composer's
+DecoupledAdamW steps parameter by parameter with separate ops (optimizer 'foreach' bytes)."""
+LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager", optimizer="foreach")
 """llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
 MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                              fp32_grad_reduce=False, stack="eager", sharding="zero")
+                              fp32_grad_reduce=False, stack="eager", sharding="zero",
+                              optimizer="foreach")
 """Megatron-LM 2019: apex fused LayerNorm only; softmax, GeLU, dropout as separate kernels; fp16
-gradients all-reduced after the backward pass (its 'local' DDP)."""
+gradients all-reduced after the backward pass (its 'local' DDP); FP16_Optimizer's separate
+copy / unscale / norm passes around the Adam step (optimizer 'foreach' bytes)."""
 
 
 def _calibration() -> list[PublishedRun]:
@@ -113,7 +130,7 @@ def _calibration() -> list[PublishedRun]:
                                   ("full", "full", False, t_full)):
             runs.append(PublishedRun(
                 f"K22 {name} {label}", src, "Megatron-LM", model, cl, B, 2048, tp, pp, 1, 0, rec,
-                sp, MEGATRON_2021, "step_s", t, "calibration", mbs, sch,
+                sp, MEGATRON_2022, "step_s", t, "calibration", mbs, sch,
                 note="dp=1; full-recompute baseline with SP off"))
     return runs
 
@@ -362,7 +379,8 @@ def _megatron_bridge_h100() -> list[PublishedRun]:
     recomputation: 'any' (the fastest the memory model accepts)."""
     from meshtron.planner.frameworks import PRESETS
 
-    mcore = PRESETS["megatron@2024"].kernel
+    # Megatron-Bridge's performance recipes (scripts/performance) turn TE userbuffers on
+    mcore = dataclasses.replace(PRESETS["megatron@2024"].kernel, tp_comm_overlap=True)
     models = {"8b": preset("llama3-8b"), "70b": preset("llama3-70b"),
               "405b": preset("llama3-405b")}
     rows = [  # container, model, gpus, GBS, FSDP, tp, pp, cp, vp, tokens/s/GPU

@@ -94,7 +94,7 @@ def add_framework_args(p: argparse.ArgumentParser) -> None:
                    help="model dropout kernels (GPT-2/3-era training; modern LLMs use none)")
     p.add_argument("--stack", default=None,
                    help="override the kernels: eager (plain PyTorch) | fused (Megatron/"
-                        "Transformer Engine or torch.compile)")
+                        "Transformer Engine) | compiled (per-block torch.compile)")
 
 
 def framework_of(args: argparse.Namespace):

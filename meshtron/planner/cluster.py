@@ -77,6 +77,10 @@ class GPUType:
     """Dense FP8 tensor-core peak, TFLOP/s (Hopper and later); None: the GPU has no FP8."""
     boost_clock_mhz: float | None = None
     """Maximum boost SM clock the datasheet peaks are quoted at, MHz (None: unknown)."""
+    sms: int | None = None
+    """Streaming multiprocessors (whitepapers: V100 80, A100 108, H100/H200 SXM 132, B200
+    148): a communication kernel that takes SMs beside a GEMM slows it by sms / (sms - taken)
+    (compute.py `sm_margin`). None: unknown."""
 
 
 # name, peak TFLOP/s, GiB, HBM GB/s, NVLink GB/s per direction, NIC GB/s per GPU, matmul ceiling
@@ -86,14 +90,17 @@ GPU_CATALOGUE: dict[str, GPUType] = {g.name: g for g in [
     # boost clocks: V100 SXM2 1530, A100 SXM 1410, H100/H200 SXM 1980 MHz (datasheets /
     # whitepapers: the clocks their peak TFLOP/s are computed at)
     GPUType("V100-SXM2-32GB", 125.0, 32.0, 900.0, 150.0, 12.5, 0.75, 15.7,  # ceiling: estimate
-            boost_clock_mhz=1530.0),
+            boost_clock_mhz=1530.0, sms=80),
     GPUType("A100-SXM4-40GB", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.80, 156.0,  # 0.86 x 0.93
-            boost_clock_mhz=1410.0),
+            boost_clock_mhz=1410.0, sms=108),
     GPUType("A100-SXM4-80GB", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.80, 156.0,  # 0.86 x 0.93
-            boost_clock_mhz=1410.0),
-    GPUType("H100-SXM5-80GB", 989.0, 80.0, 3350.0, 450.0, 50.0, 0.75, 494.7, 1979.0, 1980.0),
-    GPUType("H200-SXM-141GB", 989.0, 141.0, 4800.0, 450.0, 50.0, 0.75, 494.7, 1979.0, 1980.0),
-    GPUType("B200", 2250.0, 180.0, 7700.0, 900.0, 50.0, 0.70, 1100.0, 4500.0),  # ceiling: est.
+            boost_clock_mhz=1410.0, sms=108),
+    GPUType("H100-SXM5-80GB", 989.0, 80.0, 3350.0, 450.0, 50.0, 0.75, 494.7, 1979.0, 1980.0,
+            sms=132),
+    GPUType("H200-SXM-141GB", 989.0, 141.0, 4800.0, 450.0, 50.0, 0.75, 494.7, 1979.0, 1980.0,
+            sms=132),
+    GPUType("B200", 2250.0, 180.0, 7700.0, 900.0, 50.0, 0.70, 1100.0, 4500.0,  # ceiling: est.
+            sms=148),
 ]}
 """H100 ceiling: 0.80 MAMF x 0.93; H200: the same die as H100."""
 CLOCK_UNDER_LOAD = 0.93

@@ -38,12 +38,29 @@ the per-kernel dispatch constant below.
   dispatch of eager PyTorch (about 10 us per operation with autograd recording; e.g. H. He,
   "Making Deep Learning Go Brrrr From First Principles", 2022): a layer cannot run faster than
   its kernels can be issued.
-* 'fused' (Megatron-LM / Transformer Engine, or torch.compile): norms, rotary embedding, the
-  activation and the bias-dropout-add are single kernels that read each input once and write
-  each output once (Megatron's fused kernels, Shoeybi et al. 2019; Korthikanti et al. 2022).
+* 'fused' (Megatron-LM / Transformer Engine): norms, rotary embedding, the activation and the
+  bias-dropout-add are single kernels that read each input once and write each output once
+  (Megatron's fused kernels, Shoeybi et al. 2019; Korthikanti et al. 2022), the loss too.
+* 'compiled' (per-block torch.compile: meshtron's --compile, torchtitan's apply_compile): inside
+  each block inductor fuses what 'fused' fuses, but not into its extern kernels (cuBLAS, SDPA),
+  so the attention output's layout copy stays; the final norm, head and loss, the optimizer
+  step and the gradient accumulation run outside the compiled blocks, eager. Compile can
+  therefore save no more than the blocks' eager element-wise work and kernel issue (measured on
+  one H200: 5.2% of the step, bench/results/gpu_check_h200_2026-12-04.json).
+
+An eager RMSNorm is one ATen kernel when the model uses torch.nn.RMSNorm on PyTorch >= 2.8
+(`KernelOptions.eager_norm` 'aten'); the reference module's five kernels are 'python'.
 
 Backward moves about twice the forward's bytes (it reads the saved input and the incoming
 gradient and writes the outgoing one).
+
+Tensor-parallel collectives (`tp_exposed`): each all-gather / reduce-scatter can hide only
+behind the GEMM it feeds or follows (QKV, output projection, MLP-up, MLP-down), never behind
+the layer's other GEMMs: Transformer Engine's userbuffers (ring exchange on the copy engines
+for the gathers, a 4-chunk pipelined reduce-scatter on 16 SMs taken from its GEMM, 'bulk'
+overlaps in the backward), PyTorch async TP (tp chunks run one after another), Megatron's
+linears (the input gradient reduced beside the weight-gradient GEMM, the sequence-parallel
+input re-gathered beside the input-gradient GEMM), or nothing (autograd's conjugates).
 
 Attention core: 'flash' (FlashAttention-2, Dao 2023) skips the masked half of a causal square,
 keeps no s x s matrix in memory, and its backward executes 2.5x the forward's matmul FLOPs (5
@@ -54,6 +71,7 @@ GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -64,6 +82,9 @@ from meshtron.planner import comm
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.fp8 import FP8_FILTERS, GEMM_GROUPS, fp8_fractions
+from meshtron.planner.overlap import (  # noqa: F401  (re-exported: one formula everywhere)
+    DEFAULT_SMS, OVERLAP_INTERFERENCE, TE_UB_COMM_SMS, TE_UB_PIPELINE_SPLITS, overlapped,
+    sm_count, sm_margin, tp_exposed)
 
 SAT_DIM = 128.0
 """Half-efficiency dimension of the GEMM shape model s(x) = x / (x + d) on the reference GPU."""
@@ -79,13 +100,10 @@ BF16 = 2
 """Bytes per bf16 element."""
 
 ATTENTION_KINDS = ("flash", "unfused")
-STACKS = ("eager", "fused")
+STACKS = ("eager", "fused", "compiled")
 SHARDINGS = ("fsdp", "zero")
-OVERLAP_INTERFERENCE = 0.15
-"""Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
-GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
-communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
-part of overlapped communication costs this fraction of its duration."""
+OPTIMIZERS = ("fused", "foreach")
+EAGER_NORMS = ("aten", "python")
 DISPATCH_S = 10e-6
 """Host-side cost of issuing one operation from Python (module docstring); fused stacks issue
 fewer kernels per layer, Megatron still dispatches them from Python."""
@@ -120,8 +138,9 @@ class KernelOptions:
     (DeepSpeed's pipeline engine, 2021-2022): per micro-batch and direction a stage pays both its
     receive and its send. False: Megatron's batched isend/irecv, one transfer per boundary."""
     stack: str = "eager"
-    """'eager' (plain PyTorch modules, meshtron's runtime) or 'fused' (Megatron-LM / Transformer
-    Engine fused kernels, or torch.compile): what the memory-bound operations cost."""
+    """'eager' (plain PyTorch modules, meshtron's runtime), 'fused' (Megatron-LM / Transformer
+    Engine fused kernels) or 'compiled' (per-block torch.compile: meshtron's --compile,
+    torchtitan's apply_compile): what the memory-bound operations cost (module docstring)."""
     shard_units_per_layer: int = 1
     """Parameter all-gathers per layer and pass under ZeRO-3: FSDP wraps one transformer block (1);
     DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
@@ -135,8 +154,9 @@ class KernelOptions:
 
     prefetch_params: float | None = None
     """Parameters ZeRO-3 all-gathers ahead of the unit computing (None: the whole next unit, as
-    FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) caps it:
-    only that share of a larger unit's all-gather can hide behind the previous unit's compute."""
+    FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) admits
+    whole parameters until it is full, so any bucket > 0 prefetches the next unit whole
+    (partitioned_param_coordinator.py); 0: no prefetch (DeepSpeed 0.3's synchronous fetch)."""
 
     recompute_regathers: bool = False
     """Under ZeRO-3 with full recomputation, the recomputed forward gathers a unit's parameters
@@ -169,9 +189,9 @@ class KernelOptions:
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives overlap the GEMMs they feed or follow (Megatron-Core with
     Transformer Engine `--tp-comm-overlap`: userbuffers pipelining of the sequence-parallel
-    all-gather / reduce-scatter with chunks of the column/row-parallel GEMM; PyTorch async TP
-    does the same with symmetric memory). Needs sequence parallelism; only max(0, comm - GEMM)
-    of each pass stays exposed, plus OVERLAP_INTERFERENCE of the hidden part."""
+    all-gather / reduce-scatter with chunks of the column/row-parallel GEMM). Needs sequence
+    parallelism; each collective against its own GEMM only, as TE's methods run it
+    (`tp_exposed`)."""
     async_tp: bool = False
     """PyTorch asynchronous TP (plan.async_tp; Wang et al., "[Distributed w/ TorchTitan]
     Introducing Async Tensor Parallelism in PyTorch", PyTorch dev-discuss 2024): inductor
@@ -179,9 +199,9 @@ class KernelOptions:
     chunks over symmetric memory; the local shard's chunk computes while the next shard
     arrives, so the transfers hide behind (tp-1)/tp of the GEMMs (the last chunk's product has
     nothing left to hide). The post measured ~8% end-to-end (up to 29% on the forward) for
-    Llama 3 8B/70B on H100. Needs sequence parallelism; `overlapped` prices what does not fit
-    and OVERLAP_INTERFERENCE of the hidden part (its copy-engine transfers avoid SM
-    contention but still share HBM)."""
+    Llama 3 8B/70B on H100. Needs sequence parallelism; each collective against the chunks of
+    its own GEMM, run one after another at tokens/tp rows (`tp_exposed`), OVERLAP_INTERFERENCE
+    of the hidden part (its copy-engine transfers avoid SM contention but still share HBM)."""
     cp_overlap: bool = False
     """Context parallelism: the K/V exchange of each layer overlaps the attention of the chunks
     already received (Megatron-Core / Transformer Engine ring attention with p2p; torch's
@@ -200,6 +220,44 @@ class KernelOptions:
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
+    p2p_overlap: bool = False
+    """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
+    overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);
+    False: each transfer waits on the critical path (batched or blocking p2p, torch's
+    pipelining schedules receiving just before the compute). `pipeline.p2p_time`."""
+    eager_norm: str = "aten"
+    """How an eager RMSNorm runs: 'aten' (torch.nn.RMSNorm / F.rms_norm, one fused kernel
+    forward and one backward on CUDA since PyTorch 2.8: aten::_fused_rms_norm, pytorch#153666;
+    meshtron's model, torchtitan since March 2025, #985) or 'python' (the Llama reference
+    module: fp32 cast, square, mean, rsqrt-scale, cast back, weight: five kernels; torchtitan
+    before #985, Hugging Face's LlamaRMSNorm). LayerNorm is one ATen kernel either way."""
+    megatron_linear: bool = False
+    """Tensor-parallel linears are Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication
+    (megatron/core/tensor_parallel/layers.py; Transformer Engine's Linear does the same): the
+    column-parallel backward launches the input-gradient collective asynchronously beside the
+    weight-gradient GEMM (all-reduce, or reduce-scatter with sequence parallelism), and with
+    sequence parallelism it does not keep the gathered input: it all-gathers it again for the
+    weight gradient, beside the input-gradient GEMM. False: autograd's conjugate collectives
+    (DTensor, torchtitan, meshtron), each exposed, the gathered input saved."""
+    optimizer: str = "fused"
+    """AdamW implementation, which sets the optimizer step's HBM traffic (estimate.py):
+    'fused' (one kernel reads and writes every state once: torch.optim.AdamW(fused=True) as
+    meshtron/train/optim.py builds it on CUDA, torchtitan since Feb 2025 (#881), apex /
+    Transformer Engine FusedAdam in Megatron, DeepSpeed's FusedAdam) or 'foreach' (one pass per
+    arithmetic step: torch's foreach and for-loop AdamW, torchtitan 2024, Composer's
+    DecoupledAdamW). Independent of `stack`: compiling the blocks leaves the optimizer alone."""
+    grad_accum_fusion: bool = False
+    """The weight-gradient GEMM accumulates into the fp32 main gradient (Megatron-LM's
+    --gradient-accumulation-fusion, on by default: fused_weight_gradient_mlp_cuda / Transformer
+    Engine's main_grad epilogue), so accumulating micro-batch gradients costs no pass of its
+    own. False: every micro-batch's gradient is added to the accumulated one by a separate
+    memory-bound kernel (meshtron's BF16Compute.accumulate, FSDP2 without gradient sync, torch
+    DDP's no_sync): `grad_accumulation_bytes`."""
+    @property
+    def head_stack(self) -> str:
+        """The stack the final norm + head + loss are priced with: per-block torch.compile
+        ('compiled') fuses inside the blocks only, the head and the loss stay eager."""
+        return "eager" if self.stack == "compiled" else self.stack
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -223,6 +281,12 @@ class KernelOptions:
         im = self.expert_imbalance
         if isinstance(im, bool) or not isinstance(im, (int, float)) or not 1.0 <= im <= 64.0:
             raise UserError(f"expert_imbalance={im!r}: must be a number from 1 (balanced) to 64")
+        if self.eager_norm not in EAGER_NORMS:
+            raise UserError(f"eager_norm={self.eager_norm!r}: allowed values are "
+                             f"{', '.join(EAGER_NORMS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer={self.optimizer!r}: allowed values are "
+                             f"{', '.join(OPTIMIZERS)}")
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")
@@ -346,12 +410,26 @@ class EdgeCost:
 #   residual add: (4+2) per add in both stacks (Megatron fuses bias-dropout-add: same traffic)
 #   dropout: eager mask + scale kernel (2+2+1) before the add; fused: +1 byte of mask
 #   head-major transposes around the attention kernel: the output copied back (2+2) in eager
+#   compiled (per-block torch.compile): inductor fuses each chain of pointwise ops and the norm
+#   reductions into single kernels, as 'fused'; it cannot fuse into the extern kernels (cuBLAS
+#   GEMMs, the SDPA kernel), so the attention output's head-major -> token-major copy stays
+#   (2+2), and everything outside the compiled blocks (final norm, head, loss) is eager
 _NORM_BYTES = {("eager", "rmsnorm"): 36.0, ("fused", "rmsnorm"): 4.0,
-               ("eager", "layernorm"): 4.0, ("fused", "layernorm"): 4.0}
+               ("eager", "layernorm"): 4.0, ("fused", "layernorm"): 4.0,
+               ("compiled", "rmsnorm"): 4.0, ("compiled", "layernorm"): 4.0}
 _NORM_KERNELS = {("eager", "rmsnorm"): 6, ("fused", "rmsnorm"): 1,
-                 ("eager", "layernorm"): 1, ("fused", "layernorm"): 1}
-_ROPE_BYTES = {"eager": 20.0, "fused": 4.0}
-_SWIGLU_BYTES = {"eager": 10.0, "fused": 6.0}
+                 ("eager", "layernorm"): 1, ("fused", "layernorm"): 1,
+                 ("compiled", "rmsnorm"): 1, ("compiled", "layernorm"): 1}
+_ROPE_BYTES = {"eager": 20.0, "fused": 4.0, "compiled": 4.0}
+_SWIGLU_BYTES = {"eager": 10.0, "fused": 6.0, "compiled": 6.0}
+
+
+def norm_key(stack: str, eager_norm: str, norm: str) -> tuple[str, str]:
+    """The `_NORM_BYTES` / `_NORM_KERNELS` entry of a norm: an eager RMSNorm through ATen's
+    fused kernel (KernelOptions.eager_norm 'aten') moves what a fused one does."""
+    if stack == "eager" and eager_norm == "aten":
+        return ("fused", norm)
+    return (stack, norm)
 
 
 def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) -> float:
@@ -366,12 +444,12 @@ def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions)
     """
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     st = opts.stack
-    replicated = 2 * _NORM_BYTES[(st, model.norm)] * h + 2 * 6.0 * h
+    replicated = 2 * _NORM_BYTES[norm_key(st, opts.eager_norm, model.norm)] * h + 2 * 6.0 * h
     if opts.dropout:
         replicated += 2 * (5.0 if st == "eager" else 1.0) * h
     sharded = _ROPE_BYTES[st] * (h + kv) if model.position == "rope" else 0.0
     sharded += (_SWIGLU_BYTES[st] if model.mlp == "swiglu" else 4.0) * f
-    if st == "eager":
+    if st in ("eager", "compiled"):  # the attention output's layout copy (table above)
         sharded += 4.0 * h
     return (replicated / tp if sp else replicated) + sharded / tp
 
@@ -379,16 +457,23 @@ def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions)
 def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations)."""
     st = opts.stack
-    n = 2 * _NORM_KERNELS[(st, model.norm)] + 2  # norms, residual adds
+    n = 2 * _NORM_KERNELS[norm_key(st, opts.eager_norm, model.norm)] + 2  # norms, residual adds
     n += (3 if model.mlp == "swiglu" else 2) + 4  # MLP and attention linears (q, k, v, out)
     n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
     if model.position == "rope":
         n += 10 if st == "eager" else 1
+    if st != "fused":
+        n += 1  # attention-output copy
     if st == "eager":
         n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
-        n += 1  # attention-output copy
         n += 2 if opts.dropout else 0
     return n
+
+
+def compiled(opts: KernelOptions) -> KernelOptions:
+    """`opts` as per-block torch.compile runs them (meshtron's --compile): an eager stack
+    becomes 'compiled'; a stack that fuses already keeps its kernels."""
+    return dataclasses.replace(opts, stack="compiled") if opts.stack == "eager" else opts
 
 
 def compute_dtypes(dtype: str) -> tuple[str, str]:
@@ -443,10 +528,14 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if lin_dt == "fp8":
         frac = (dict(zip(GEMM_GROUPS, fp8_frac)) if fp8_frac is not None
                 else fp8_fractions(model, tp, "rowwise", opts.fp8_filter))
-    linear = (_gemm_group(tokens, (h + 2 * kv) / tp, h, lin_cl, cluster, frac, "qkv", True)
-              + _gemm_group(tokens, h, h / tp, lin_cl, cluster, frac, "out", False)
-              + _gemm_group(tokens, up / tp, h, lin_cl, cluster, frac, "up", True)
-              + _gemm_group(tokens, h, f / tp, lin_cl, cluster, frac, "down", False))
+    shapes = {"qkv": ((h + 2 * kv) / tp, h, True), "out": (h, h / tp, False),
+              "up": (up / tp, h, True), "down": (h, f / tp, False)}
+
+    def gemm(group: str, rows: float = tokens) -> float:
+        n, k, split = shapes[group]
+        return _gemm_group(rows, n, k, lin_cl, cluster, frac, group, split)
+    gemms = {g: gemm(g) for g in shapes}
+    linear = sum(gemms.values())
     heads_local = model.heads / tp
     hd = model.head_dim
     batch_heads = micro_batch * heads_local
@@ -491,20 +580,20 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise + q_b, 2.0 * issue)
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
-    # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2).
+    # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2). Which
+    # GEMM each collective can hide behind: `tp_exposed`.
     fab = comm.Fabric.of(cluster)
     group = tp_group(tp, cluster.gpus_per_node)
     act_bytes = (4.0 if dtype == "fp32" else BF16) * tokens * h
-    if sp:
-        one_tp = comm.reduce_scatter(act_bytes, group, fab) + comm.all_gather(act_bytes, group, fab)
-    else:
-        one_tp = comm.all_reduce(act_bytes, group, fab)
-    tp_f, tp_b = 2 * one_tp, 2 * one_tp
-    if opts.tp_comm_overlap and sp and tp > 1:
-        tp_f, tp_b = overlapped(tp_f, linear), overlapped(tp_b, 2.0 * linear)
-    elif opts.async_tp and sp and tp > 1:
-        hide = (tp - 1) / tp  # every chunk's transfer but the local one's (see KernelOptions)
-        tp_f, tp_b = overlapped(tp_f, hide * linear), overlapped(tp_b, hide * 2.0 * linear)
+    # FP8 recipes cast a column-parallel GEMM's input before gathering it (Transformer
+    # Engine's fp8_buf userbuffers, torchao's Float8ColwiseParallel): 1 byte per element
+    in_bytes = tokens * h if lin_dt == "fp8" else act_bytes
+    colls = {"ag": comm.all_gather(act_bytes, group, fab),
+             "ag_in": comm.all_gather(in_bytes, group, fab),
+             "rs": comm.reduce_scatter(act_bytes, group, fab),
+             "ar": comm.all_reduce(act_bytes, group, fab)}
+    tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster))
+                  if tp > 1 else (0.0, 0.0))
     if cp > 1:
         # K/V of the local tokens travel to the other cp-1 ranks (ring: cp-1 p2p steps of the
         # local K/V chunk; all-gather: the same volume), their gradients come back in the
@@ -536,14 +625,6 @@ def _gemm_group(tokens: float, n: float, k: float, fp8_cl: ClusterSpec, bf16_cl:
             + cluster_gemm_time(tokens, n * (1.0 - f), k, bf16_cl))
 
 
-def overlapped(comm_time: float, window: float) -> float:
-    """Exposed time of a collective run beside `window` seconds of compute it overlaps: what
-    does not fit, plus OVERLAP_INTERFERENCE of the hidden part (SMs and HBM shared)."""
-    if comm_time <= window:
-        return OVERLAP_INTERFERENCE * comm_time
-    return comm_time - window + OVERLAP_INTERFERENCE * window
-
-
 def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:
     """The context-parallel Group: cp ranks tp apart (mesh order ..., "cp", "tp")."""
     from meshtron.planner.placement import MESH_AXES_CP, Placement
@@ -553,7 +634,8 @@ def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:
 
 @lru_cache(maxsize=4096)
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
-              sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16") -> EdgeCost:
+              sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16",
+              eager_norm: str = "aten") -> EdgeCost:
     """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
 
     The head GEMM is [tokens, h] x [h, V/tp]; the fused loss reads bf16 logits and writes fp32
@@ -577,7 +659,7 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     gemm = cluster_gemm_time(tokens, model.vocab / tp, model.hidden, cluster)
     logits = tokens * model.vocab / tp
     loss_f, loss_b = (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
-    norm_b = _NORM_BYTES[(stack, model.norm)]
+    norm_b = _NORM_BYTES[norm_key(stack, eager_norm, model.norm)]
     norm = tokens * norm_b * model.hidden / (tp if sp else 1) / hbm
     fwd_c = gemm + logits * loss_f / hbm + norm
     compute = fwd_c + 2 * gemm + logits * loss_b / hbm + 2 * norm
@@ -592,6 +674,30 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
         tp_f = loss_ar
         tp_b = comm.all_reduce(nbytes, group, fab)
     return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm)
+
+
+@lru_cache(maxsize=4096)
+def chunked_loss_extra(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
+                       cp: int = 1, dtype: str = "bf16", stack: str = "eager") -> float:
+    """Seconds meshtron's chunked cross-entropy (meshtron/model/loss.py, tp = 1 without a
+    pipeline) adds to `head_cost` per micro-batch. It runs the head and the loss on chunks of
+    tokens/ceil(vocab/hidden) tokens under activation checkpointing, so the backward (1)
+    replays each chunk's head GEMM and loss forward, (2) computes the head's weight gradient
+    chunk by chunk, a [vocab, hidden] product over only `chunk` tokens each (bound by writing
+    its output), and (3) autograd sums the chunks' weight gradients, one add of a
+    [vocab, hidden] tensor per chunk after the first (read both, write the sum)."""
+    cl = cluster.at_dtype(compute_dtypes(dtype)[1])
+    hbm = membound_bytes_per_s(cl, stack)
+    tokens = micro_batch * seq / cp
+    v, h = model.vocab, model.hidden
+    chunk = math.ceil(tokens / math.ceil(v / h))
+    chunks = math.ceil(tokens / chunk)
+    replay = cluster_gemm_time(tokens, v, h, cl) + tokens * v * (
+        14.0 if stack == "eager" else 6.0) / hbm
+    wgrad = chunks * cluster_gemm_time(v, h, chunk, cl) - cluster_gemm_time(v, h, tokens, cl)
+    elem = 4.0 if dtype == "fp32" else BF16
+    grad_sum = (chunks - 1) * 3.0 * elem * v * h / (cl.hbm_bytes_per_s * HBM_EFFICIENCY)
+    return replay + max(0.0, wgrad) + grad_sum
 
 
 @lru_cache(maxsize=4096)

@@ -154,7 +154,7 @@ class DataParallelCost:
         out = (1 if reduce_once else m) * _exposed(rs, bwd)  # fwd, bwd: one micro-batch's
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
-            return out + _exposed(ag, fwd)
+            return out + _exposed(ag, fwd) + self.copy_out_s(params, wsize)
         per_mb = self._zero3_per_microbatch(params, groups, 1, fwd, bwd, regather,
                                             backward_gather=zero == 3, wire=gsize,
                                             reduce=False, wsize=wsize, units=units,
@@ -205,9 +205,13 @@ class DataParallelCost:
         if not reduce:
             rs = 0.0
         f_u, b_u = fwd / units, bwd / units
-        # share of a unit's all-gather that prefetching can start early
+        # share of a unit's all-gather that prefetching can start early: DeepSpeed's
+        # coordinator (partitioned_param_coordinator.py, fetch_sub_module) adds whole
+        # parameters of the coming submodules to the prefetch until the bucket is full, so the
+        # next unit is always prefetched whole once the bucket is not zero; DeepSpeed 0.3's
+        # synchronous fetch (prefetch 0) hides nothing
         pre = self.opts.prefetch_params
-        hide = 1.0 if pre is None else min(1.0, pre * units / max(params, 1.0))
+        hide = 1.0 if pre is None or pre > 0 else 0.0
         fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
         # recomputation that re-gathers: a second all-gather per unit in the backward
         if keep_last and units > 1 and kept > 0:
@@ -220,8 +224,24 @@ class DataParallelCost:
         # overlaps (DeepSpeed's overlap_comm, on in FSDP)
         rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
         bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
+        # FSDP2 copies every gathered unit out of the all-gather buffer into its parameters on
+        # the compute stream (foreach_all_gather_copy_out after waiting for the gather): a
+        # memory-bound pass over the unsharded bytes that no prefetch hides
+        out_b = (params - kept) if keep_last and kept > 0 else params
+        copies = self.copy_out_s(params, wsize) + (
+            (2 if regather else 1) * self.copy_out_s(out_b, wsize) if backward_gather else 0.0)
         if keep_last and backward_gather:
             # the kept unit's backward gathers nothing; the next unit's gather hides behind it
             kept = rs_exposed + _exposed(rs_hidden, b_u)
-            return ag + units * fwd_u + (units - 1) * bwd_u + kept + rs
-        return ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
+            return ag + units * fwd_u + (units - 1) * bwd_u + kept + rs + copies
+        return (ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
+                + copies)
+
+    def copy_out_s(self, params: float, wsize: float) -> float:
+        """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and
+        write `wsize` bytes each; torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
+        foreach_all_gather_copy_out, on the compute stream); 0 for 'zero' sharding (DeepSpeed
+        and Megatron gather into the parameters' own storage)."""
+        if self.opts.sharding != "fsdp":
+            return 0.0
+        return 2.0 * wsize * params / self.hbm

@@ -9,7 +9,10 @@ Step time (per optimizer step, on the critical pipeline stage c):
   selective: the attention core again).
 * bubble: pipeline.py (schedule dependent).
 * pp_comm: every micro-batch crosses every (virtual) stage boundary forward and backward, and
-  the fill adds p-1 transfers: (m*v + p - 1) * 2 * (alpha + bytes/bw). Megatron sends the
+  the fill adds the chain of the first micro-batch through the p*v virtual stages:
+  (m*v + p*v - 1) * 2 * (alpha + bytes/bw) (pipeline.p2p_time); Megatron-Core's
+  overlap_p2p_comm (interleaved schedule) hides the steady-state transfers behind the chunks'
+  compute, leaving the fill and drain chains. Megatron sends the
   [micro_batch*s, h] activation split over the tensor group ("scatter/gather", Narayanan et al.
   2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink;
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
@@ -41,10 +44,15 @@ Step time (per optimizer step, on the critical pipeline stage c):
 * ep_comm: expert-parallel all-to-alls of the critical stage's MoE layers (moe_cost.py;
   exposed unless the framework overlaps them). The MoE layers' grouped GEMMs, imbalance and
   permutation copies are in compute; their dispatch buffers in activations.
-* optimizer: AdamW is memory bound; fused (apex / Transformer Engine, stack 'fused') it reads
-  and writes fp32 master and two moments, reads the gradient and writes bf16 weights: 28 bytes
-  (30 with an fp32 gradient buffer); torch.optim's unfused AdamW (stack 'eager') makes a pass
-  per arithmetic step, 86 bytes; both at 80% of HBM bandwidth.
+* optimizer: AdamW is memory bound; fused (torch.optim.AdamW(fused=True), apex / Transformer
+  Engine FusedAdam: KernelOptions.optimizer 'fused') it reads and writes fp32 master and two
+  moments, reads the gradient and writes bf16 weights: 28 bytes (30 with an fp32 gradient
+  buffer); foreach / for-loop AdamW ('foreach') makes a pass per arithmetic step, 86 bytes;
+  both at 80% of HBM bandwidth. What the optimizer runs is the framework's choice, not the
+  kernel stack's: compiling the blocks leaves it alone.
+* gradient accumulation (in compute): unless the weight-gradient GEMM accumulates in place
+  (Megatron's gradient accumulation fusion), every micro-batch's gradients are added to the
+  accumulated ones by a memory-bound pass of their own (`Evaluator.accumulation_s`).
 
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
@@ -153,7 +161,7 @@ class Evaluator(DataParallelCost):
         self.grad_bytes = 4.0 if self.opts.fp32_grad_reduce else memory.GRAD_BYTES
         # AdamW traffic per local parameter: 24 bytes of fp32 master + moments read and written,
         # bf16 weight written (2), gradient read (2 or 4)
-        if self.opts.stack == "eager":
+        if self.opts.optimizer == "foreach":
             self.opt_bytes = EAGER_OPTIMIZER_BYTES_PER_PARAM
         else:
             self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
@@ -217,7 +225,8 @@ class Evaluator(DataParallelCost):
         moe_c, moe_f, a2a, a2a_f, _ = self._moe(mb, rec, cp, dtype, ep)
         c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
-        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack, cp, dtype)
+        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
+                                 opts.eager_norm)
         # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,
         # re-gathered on NVLink (already split with sequence parallelism); without
         # scatter/gather each tensor rank sends the whole activation over its own link
@@ -311,6 +320,7 @@ class Evaluator(DataParallelCost):
         c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec,
                                                                           cp, cfg.dtype, ep,
                                                                           cfg.fp8_recipe)
+        head = self.head_for(cfg, head)
         ep_l = self._moe(mb, rec, cp, cfg.dtype, ep)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep, pp)
@@ -404,7 +414,7 @@ class Evaluator(DataParallelCost):
         stage_f[-1] += head.fwd
         stage_w[-1] += head.wgrad
         crit = max(range(pp), key=stage_t.__getitem__)
-        compute_t = m * stage_c[crit]
+        compute_t = m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, flags)
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
@@ -414,8 +424,8 @@ class Evaluator(DataParallelCost):
         if pp > 1:
             cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
-            per_boundary = 4.0 if self.opts.p2p_blocking else 2.0
-            pp_t = (m * v + pp - 1) * per_boundary * hop
+            pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
+                                     self.opts.p2p_overlap and v > 1)
         dp_t = 0.0
         opt_t = 0.0
         off_t = 0.0
@@ -520,6 +530,48 @@ class Evaluator(DataParallelCost):
         exp = self._dp_time(experts, zero, groups["experts"], m, fwd * share, bwd * share, k,
                             regather, units=moe_units, kept=0.0, **flags)
         return dense + exp
+
+    def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:
+        """The last stage's head costs of `cfg`: with meshtron's chunked cross-entropy (the
+        memory model's condition: MemoryOptions loss 'chunked', tp = 1, no pipeline) plus what
+        its chunks replay and sum in the backward (compute.chunked_loss_extra)."""
+        if not (self.mem.loss_kind == "chunked" and cfg.tp == 1 and cfg.pp == 1):
+            return head
+        extra = compute.chunked_loss_extra(self.model, self.cluster, cfg.micro_batch, self.seq,
+                                           cfg.cp, cfg.dtype, self.opts.head_stack)
+        return dataclasses.replace(head, compute=head.compute + extra)
+
+    def accumulation_s(self, cfg: Plan, layers: int, stage: int, m: int,
+                       flags: dict[str, Any]) -> float:
+        """Seconds a stage of `layers` blocks spends adding each micro-batch's gradients to
+        the accumulated ones, a memory-bound pass of its own unless the weight-gradient GEMM
+        accumulates in place (KernelOptions.grad_accum_fusion). Gradients kept unsharded over
+        the step (ZeRO-0/1, ZeRO-2/3 reduced once per step, pipelining) add the micro-batch's
+        bf16 gradient into the accumulation dtype: read both, write the sum (2 + 2a bytes per
+        element; the first micro-batch casts: 2 + a, nothing when a is bf16's 2), where a is
+        the reduce dtype under FSDP (FSDP2's unsharded_accumulated_grad; meshtron's
+        BF16Compute.accumulate) and the gradient buffer's elsewhere (Megatron's main_grad,
+        DeepSpeed's buffers). ZeRO-2/3 reduced every micro-batch accumulate the reduced shard
+        only (3a bytes per shard element, m - 1 times)."""
+        if cfg.zero >= 2 and not flags["reduce_once"] and not (
+                cfg.pp > 1 and self.opts.sharding == "fsdp"):
+            elements = self._stage_params(cfg, layers, stage) / (cfg.dp * cfg.cp)
+            acc = flags["gsize"]
+            return (m - 1) * 3.0 * acc * elements / self.hbm
+        if self.opts.grad_accum_fusion:
+            return 0.0
+        acc = flags["gsize"] if self.opts.sharding == "fsdp" else self.grad_bytes
+        per_elem = (m - 1) * (2.0 + 2.0 * acc) + (2.0 + acc if acc != compute.BF16 else 0.0)
+        return per_elem * self._stage_params(cfg, layers, stage) / self.hbm
+
+    def _stage_params(self, cfg: Plan, layers: int, stage: int) -> float:
+        """Parameters one tensor rank of pipeline stage `stage` holds (experts: the ep share)."""
+        p_layer, p_emb, p_head, _ = self._params(cfg.tp, cfg.pp)
+        if cfg.ep > 1:  # a rank holds E/ep of each block's experts
+            p_exp = moe_cost.expert_params_local(self.model, cfg.pp, cfg.ep)
+            p_layer = p_layer - p_exp * cfg.ep + p_exp
+        p = layers * p_layer + (p_emb if stage == 0 else 0.0)
+        return p + (p_head if stage == cfg.pp - 1 else 0.0)
 
     def lower_bound_step(self, cfg: Plan) -> float:
         """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no

@@ -22,7 +22,7 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
 * `torchtitan@2025`: pytorch/torchtitan main 2025 (torchtitan/models/llama3/infra/
   parallelize.py, torchtitan/config/job_config.py): FSDP2 (fp32 master parameters, bf16
   compute, `mixed_precision_reduce = "float32"`), compile off by default (eager kernels;
-  `stack = "fused"` in [options] for `--compile.enable`), selective AC "op" policy (every other
+  `stack = "compiled"` in [options] for `--compile.enable`), selective AC "op" policy (every other
   matmul saved: activations = "alternate-matmul"), cross-entropy on fp32-cast logits, async TP
   off by default, pipelining through torch.distributed.pipelining.
 * `megatron@2021`: Megatron-LM PTD-P as in Narayanan et al. 2021 (github.com/NVIDIA/
@@ -33,9 +33,12 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   docs/source/api-guide/distrib_optimizer.md, megatron/core/distributed/; NeMo
   nemo/collections/llm/recipes/): Transformer Engine fused kernels and flash attention, no
   dropout, distributed optimizer with fp32 main grads (`grad_reduce_in_fp32`), gradients
-  reduced once per step with `--overlap-grad-reduce`, `--overlap-param-gather`,
-  `--tp-comm-overlap` (userbuffers: the sequence-parallel all-gather / reduce-scatter hidden
-  behind the GEMMs), ring attention with p2p overlap for context parallelism.
+  reduced once per step with `--overlap-grad-reduce`, `--overlap-param-gather` (the NeMo
+  recipes' DistributedDataParallelConfig), gradient accumulation fusion, Megatron's
+  asynchronous tensor-parallel linears, overlap_p2p_comm with the interleaved schedule, ring
+  attention with p2p overlap for context parallelism. `--tp-comm-overlap` (TE userbuffers) is
+  off, as in Megatron-Core (model_parallel_config.py) and NeMo's recipes outside their
+  `performance_mode`: `tp_comm_overlap = true` in [options] prices it.
 * `deepspeed@2021`: DeepSpeed 0.3.15 (April 2021; deepspeed/runtime/zero/stage3.py,
   partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
   weight separately, device-synchronised (no prefetch), reduces every parameter separately,
@@ -138,6 +141,8 @@ _MEGATRON_2021 = Framework(
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all"),
     MemoryOptions(framework="megatron"), "fp32")
+# gradient accumulation fusion arrived in Megatron-LM in February 2022 (commit 83b1e42f30): the
+# 2021 tree adds every micro-batch's gradient to main_grad in a backward hook of its own
 _MEGATRON_2024 = Framework(
     "megatron", "2024", "Megatron-Core 0.8-0.12 / NeMo 2.0 (Transformer Engine 1.x)",
     "NVIDIA/Megatron-LM docs/source/api-guide/distrib_optimizer.md, "
@@ -147,8 +152,9 @@ _MEGATRON_2024 = Framework(
     "(p2p ring); NVIDIA/NeMo nemo/collections/llm/recipes/precision/mixed_precision.py "
     "(grad_reduce_in_fp32)",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
-                  fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=True,
-                  cp_overlap=True, fp8_filter="all"),
+                  fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=False,
+                  cp_overlap=True, fp8_filter="all", grad_accum_fusion=True,
+                  megatron_linear=True, p2p_overlap=True),
     MemoryOptions(framework="megatron"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
                     "token dispatcher, grouped GEMM; expert tensor parallelism "

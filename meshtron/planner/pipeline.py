@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from meshtron.planner.overlap import OVERLAP_INTERFERENCE
 from meshtron.planner.plan import SCHEDULES  # noqa: F401  (the one list, re-exported)
 
 
@@ -46,6 +47,28 @@ def in_flight(schedule: str, p: int, v: int, m: int, stage: int) -> float:
         chunks = (p - stage - 1) * 2 + (v - 1) * p + 1
         return min(float(m), chunks / v)
     return float(min(m, p - stage))  # 1f1b, zb
+
+
+def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
+             overlap: bool = False) -> float:
+    """Seconds of pipeline transfers on the critical stage's path, each `hop` seconds.
+
+    The fill (and, mirrored, the drain) waits for the first micro-batch to cross p*v - 1
+    virtual-stage boundaries one after another (p - 1 without interleaving: the chain of the
+    interleaved schedule wraps around the devices v times); in the steady state every
+    micro-batch crosses each of the device's v boundaries forward and backward. Blocking
+    engines (DeepSpeed's) pay a receive and a send per boundary and direction. Megatron-Core's
+    overlap_p2p_comm (on by default with the interleaved schedule, megatron/training/
+    arguments.py; refused without it, schedules.py) posts the steady-state transfers before the
+    chunk's compute and waits after it: they cost OVERLAP_INTERFERENCE of their time, the
+    fill and drain chains stay exposed."""
+    if p <= 1:
+        return 0.0
+    per_boundary = 4.0 if blocking else 2.0
+    chain = p * v - 1
+    if overlap:
+        return per_boundary * hop * (chain + OVERLAP_INTERFERENCE * m * v)
+    return per_boundary * hop * (m * v + chain)
 
 
 def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: list[float]) -> float:

@@ -27,7 +27,7 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner import memory, moe_cost, offload
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.cluster import ClusterSpec
-from meshtron.planner.compute import KernelOptions
+from meshtron.planner.compute import KernelOptions, compiled
 from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
                                     offload_runtime_problem, plan_problems,
@@ -410,9 +410,8 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
         if knobs.reduce_dtype is None and framework.reduce_dtype != "fp32":
             knobs = dataclasses.replace(knobs, reduce_dtype=framework.reduce_dtype)
     opts = options or KernelOptions()
-    if knobs.compile or knobs.async_tp:  # what --compile runs is the 'fused' stack
-        opts = dataclasses.replace(opts, stack="fused",
-                                   async_tp=opts.async_tp or bool(knobs.async_tp))
+    if knobs.compile or knobs.async_tp:  # what --compile runs: compute.compiled
+        opts = dataclasses.replace(compiled(opts), async_tp=opts.async_tp or bool(knobs.async_tp))
     ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
     runtime = framework is None or framework.name == "meshtron"
     space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime,

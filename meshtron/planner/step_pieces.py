@@ -43,7 +43,8 @@ class StepPieces:
     """Per device stage: exposed communication after the optimizer (ZeRO-1 parameter
     all-gather or owners' broadcast)."""
     optimizer_s: list[float]
-    """Per device stage: optimizer step."""
+    """Per device stage: optimizer step, and the gradient accumulation passes of its
+    micro-batches (`Evaluator.accumulation_s`)."""
     interference: float
     """Fraction of hidden communication charged to compute (OVERLAP_INTERFERENCE)."""
 
@@ -58,6 +59,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
                                                                     cfg.recompute, cfg.cp,
                                                                     cfg.dtype, cfg.ep,
                                                                     cfg.fp8_recipe)
+    head = ev.head_for(cfg, head)
     t_layer = c_l + tpc_l
     nv = len(n)
     fwd = [k * f_l for k in n]
@@ -86,7 +88,8 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     for i, k in enumerate(device_layers):
         params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == pp - 1 else 0.0)
         local = params / shard_dp if zero >= 1 else params
-        opt.append(ev.opt_bytes * local / ev.hbm)
+        # the micro-batches' gradient accumulation passes ride with the step's optimizer work
+        opt.append(ev.opt_bytes * local / ev.hbm + ev.accumulation_s(cfg, k, i, m, flags))
         red = tl = fo = 0.0
         if shard_dp > 1 and per_unit:
             stage_f = sum(fwd[j] for j in range(i, nv, pp))

@@ -59,12 +59,12 @@ def with_layer_split(plan, spec):
 def planner_estimate(spec, cluster, plan, device: str):
     """The planner's Estimate of exactly `plan` (its layer split included) on `cluster`, with
     meshtron's runtime options (what `meshtron plan` prices by default)."""
-    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.compute import KernelOptions, compiled
     from meshtron.planner.estimate import Evaluator
 
     opts = KernelOptions()
     if plan.compile or plan.async_tp:  # as search_plans: what --compile runs
-        opts = dataclasses.replace(opts, stack="fused", async_tp=plan.async_tp)
+        opts = dataclasses.replace(compiled(opts), async_tp=plan.async_tp)
     ev = Evaluator(spec, cluster, plan.global_batch, plan.seq_len, opts,
                    mem=memory_options(plan, device))
     return ev.evaluate(with_layer_split(plan, spec), keep_infeasible=True)
