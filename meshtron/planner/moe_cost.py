@@ -35,9 +35,8 @@ bytes of the compute dtype, ep the expert-parallel degree):
 * Permutation. Tokens are copied into expert order before dispatch and back after combine,
   forward and backward (torchtitan's and Megatron-Core's permute / unpermute): 2 passes of
   T*k*h*b read + written each way, memory bound.
-* Memory. The dispatch buffers a layer keeps for its backward: the permuted tokens, the
-  received tokens (input of the expert GEMMs) and the expert outputs before the combine, each
-  T*k*h*b (times `imbalance` for the received ones), per MoE layer not recomputed.
+* Memory: planner/moe_memory.py (what the router, permutation, experts and combine save;
+  where the expert parameters live).
 """
 
 from __future__ import annotations
@@ -66,8 +65,6 @@ class MoeLayerCost:
     """Their backward twins, exposed seconds."""
     a2a_bytes: float
     """Bytes one token all-to-all call sends to other ranks (T*k*h*b*(ep-1)/ep)."""
-    buffer_bytes: float
-    """Dispatch buffers kept for the backward (module docstring)."""
 
 
 def a2a_bytes(tokens: float, top_k: int, hidden: int, dtype_bytes: float, ep: int) -> float:
@@ -137,8 +134,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         layer_fwd = max(dense, grouped)
         a2a_f = compute.overlapped(a2a_f, layer_fwd)
         a2a_b = compute.overlapped(a2a_b, 2 * layer_fwd)
-    buffers = slots * (2 + imbalance)
-    return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes, buffers)
+    return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
 
 
 def expert_params_per_layer(model: ModelSpec) -> float:
