@@ -88,13 +88,15 @@ def block_params(model: ModelSpec, tp: int, pp: int, ep: int,
                  framework: str) -> tuple[float, float]:
     """(parameters outside the routed experts, routed experts) of one block on one rank, as
     memory.layer_params_local averages blocks: the mean over the model's blocks without
-    pipelining (the stage's total is exact), the largest block's with it (the fullest stage
-    holds MoE blocks only)."""
+    pipelining (the stage's total is exact), a MoE block's with it (the convention that the
+    fullest stage holds MoE blocks only: DeepSeek-V3's 3 dense blocks of 61 sit on the first
+    stage beside the embedding; a dense block can have more parameters than a MoE block's
+    share of its experts under ep, but fewer states than a stage of MoE blocks)."""
+    if pp > 1 and model.is_moe:
+        return _block(model, model.moe_dense_layers, tp, ep, framework)
     sizes = [_block(model, i, tp, ep, framework) for i in range(model.layers)]
-    if pp == 1:
-        n = len(sizes)
-        return sum(s[0] for s in sizes) / n, sum(s[1] for s in sizes) / n
-    return max(sizes, key=lambda s: s[0] + s[1])
+    n = len(sizes)
+    return sum(s[0] for s in sizes) / n, sum(s[1] for s in sizes) / n
 
 
 def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbalance: float,
