@@ -161,26 +161,29 @@ class Evaluator(DataParallelCost):
         self.evaluated = 0
 
     # ---- cached pieces ---------------------------------------------------------------------
-    def _moe(self, mb: int, rec: str, cp: int, dtype: str, ep: int) -> tuple[float, ...]:
+    def _moe(self, mb: int, rec: str, cp: int, dtype: str, ep: int,
+             tp: int = 1) -> tuple[float, ...]:
         """Per average block and micro-batch: (extra compute fwd+bwd+recomputed, its forward
         part, exposed expert all-to-all fwd+bwd+recomputed, its forward part) of the MoE
         layers beyond their dense equivalent (moe_cost.py; their memory: `_moe_memory`),
         averaged over the blocks (moe_layers / layers of them are MoE); zeros for a dense
-        model."""
+        model. `tp`: where the ep group sits (ep data ranks tp apart: across nodes when
+        tp * ep exceeds one, placement.ep_group)."""
         model = self.model
         if not model.is_moe:
             return (0.0, 0.0, 0.0, 0.0)
-        key = ("moe", mb, rec, cp, dtype, ep)
+        key = ("moe", mb, rec, cp, dtype, ep, tp)
         hit = self._cache.get(key)
         if hit is None:
             o = self.opts
-            group = placement.ep_group(1, ep, self.cluster.gpus_per_node)
+            group = placement.ep_group(tp, ep, self.cluster.gpus_per_node)
             # meshtron's routed experts stay bf16 in an FP8 run (torchao converts nn.Linear
             # only: planner/fp8.py); Transformer Engine's and DeepSeek's grouped GEMMs are FP8
             e_dtype = "bf16" if dtype == "fp8" and o.fp8_filter == "torchao" else dtype
             mc = moe_cost.moe_layer_cost(model, self.cluster, mb * self.seq / cp, ep, group,
                                          e_dtype, float(o.expert_imbalance), o.ep_overlap,
-                                         o.ep_node_limit, o.stack)
+                                         o.ep_node_limit, o.stack, tp,
+                                         moe_memory.expert_tp(self.mem.framework, tp))
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
             hit = (share * (mc.compute_fwd * (1 + again) + mc.compute_bwd),
@@ -212,7 +215,7 @@ class Evaluator(DataParallelCost):
                 c_l += lc.fwd - lc.wgrad
             elif saved == "alternate-matmul":
                 c_l += lc.fwd - lc.wgrad - lc.core_fwd + 0.5 * lc.wgrad
-        moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep)
+        moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp)
         c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.stack, cp, dtype)
@@ -325,7 +328,7 @@ class Evaluator(DataParallelCost):
         c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec,
                                                                           cp, cfg.dtype, ep,
                                                                           cfg.fp8_recipe)
-        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep)[2]
+        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep, tp)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep, pp)
         flags = self.dp_flags(cfg)

@@ -78,8 +78,9 @@ def print_report(report: dict[str, Any]) -> None:
           f"recompute={p['recompute']} on {report['device']} ({report['measured']}), "
           f"{report['wall_s']:.1f} s")
     if "expert_imbalance" in report:
-        print(f"(experts: tokens per expert fixed at the mean T*k/E, the rehearsed rank's "
-              f"experts at {report['expert_imbalance']:g}x it, on both sides)")
+        hot = (f", the rehearsed rank's experts at {report['expert_imbalance']:g}x it on both "
+               "sides" if p.get("ep", 1) > 1 else "")
+        print(f"(experts: tokens per expert fixed at the mean T*k/E{hot})")
     print(f"{'peak memory (GiB)':<20}{'rehearsal':>12}{'planner':>12}{'planner vs':>12}")
     for r in report["memory"]:
         rel = r["planner_vs_rehearsal"]
