@@ -146,16 +146,21 @@ def test_expert_states_divide_by_ep_and_shard_over_the_rest():
     assert b.gathered < a.gathered / 4
 
 
-def test_dispatch_buffers_count_in_activations_unless_recomputed():
+def test_routed_activations_count_unless_recomputed_and_grow_with_the_imbalance():
+    """moe_memory.py: what the routed part saves beyond the dense equivalent. Without
+    recomputation it is positive and grows with the rows an ep rank receives (imbalance);
+    full recomputation keeps only the block input (no extra), its replay working set holds
+    the extra instead."""
     ev = _ev()
-    none = ev._memory_pieces(1, 1, False, "none", "bf16", 1, 8).activations
-    ev_dense = ev._memory_pieces(1, 1, False, "none", "bf16", 1, 1).activations
-    model = preset("mixtral-8x7b")
-    slots = 4096 * model.moe_top_k * model.hidden * 2
-    assert none - ev_dense == pytest.approx(0.0, abs=1.0)  # ep does not change the buffers
-    assert ev._moe(1, "none", 1, "bf16", 8)[4] == pytest.approx(
-        slots * (2 + KernelOptions().expert_imbalance))
-    assert ev._moe(1, "full", 1, "bf16", 8)[4] == 0.0
+    none = ev._memory_pieces(1, 1, False, "none", "bf16", 1, 8)
+    dense_ep = ev._memory_pieces(1, 1, False, "none", "bf16", 1, 1)
+    assert none.activations > dense_ep.activations  # ep: received rows regrouped, kept
+    extra, _ = ev._moe_memory(1, 1, False, "none", 4096, ev.mem, 8, "bf16")
+    assert extra > 0
+    skewed = _ev(opts=KernelOptions(expert_imbalance=2.0))
+    assert skewed._moe_memory(1, 1, False, "none", 4096, ev.mem, 8, "bf16")[0] > extra
+    full, work = ev._moe_memory(1, 1, False, "full", 4096, ev.mem, 8, "bf16")
+    assert full == pytest.approx(0.0, abs=1.0) and work == pytest.approx(extra)
 
 
 # ---- all-to-all and grouped GEMM terms --------------------------------------------------------

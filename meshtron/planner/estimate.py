@@ -370,6 +370,8 @@ class Evaluator(DataParallelCost):
                 p_layer, p_exp = p_layer + p_exp, 0.0
         if ep > 1:
             e_full = memory.state_bytes(zero, max(1, shard_dp // ep), self.grad_bytes, mem_opts)
+            if fsdp_zero1 and accum:  # as the dense states above: `accum` holds them
+                e_full = (e_full[0], 0.0, e_full[2])
             e_states = offload.device_states(cfg.offload, e_full)
             e_moved = sum(e_full) - sum(e_states)
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
