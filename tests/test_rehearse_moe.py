@@ -154,17 +154,16 @@ def test_routed_saved_bytes_are_what_autograd_saves(model):
 
 
 def test_rehearse_command_runs_a_moe_model_with_defaults():
+    """The user's path: model, cluster and batch only; the planner picks the layout and the
+    knobs, the rank runs on CPU under fake tensors (it used to be refused for a MoE)."""
     out = subprocess.run([sys.executable, "-m", "meshtron", "rehearse", "--model", "tiny-moe-ds",
-                          "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "256",
-                          "--layout", "ep=4", "--json"],
+                          "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "256"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)
-    assert report["model"] == "tiny-moe-ds" and report["plan"]["ep"] == 4
-    assert report["expert_imbalance"] == pytest.approx(1.25)  # the planner's default
-    total = {r["row"]: r for r in report["memory"]}["total"]
-    assert total["rehearsal_gib"] > 0
-    assert abs(total["planner_vs_rehearsal"]) < 0.10
+    assert "of tiny-moe-ds" in out.stdout and "tokens per expert fixed" in out.stdout
+    total = [line.split() for line in out.stdout.splitlines() if line.startswith("total")][0]
+    rehearsed, planned = float(total[1]), float(total[2])
+    assert rehearsed > 0 and abs(planned / rehearsed - 1) < 0.10
 
 
 @pytest.mark.parametrize("value", ["0.5", "x", "65"])
