@@ -131,6 +131,16 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     local, fe_local = e / ep, fe / etp
     grouped = local * (compute.cluster_gemm_time(rows, 2 * fe_local, h, lin_cl)
                        + compute.cluster_gemm_time(rows, h, fe_local, lin_cl))
+    if tp > 1 and etp == 1:
+        # the shared experts run whole on every tp rank too (meshtron/parallel/tensor.py
+        # `_moe_plan`), where the dense equivalent charged 1/tp of them
+        fs = model.moe_shared_experts * fe
+        if fs:
+            def shared(cols):
+                return (compute.cluster_gemm_time(tokens, 2 * cols, h, lin_cl)
+                        + compute.cluster_gemm_time(tokens, h, cols, lin_cl))
+
+            grouped += shared(fs) - shared(fs / tp)
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
     slots = tokens * k * h * b
     permute = permute_passes(stack, ep) * 2 * slots / bw  # each pass reads and writes

@@ -173,17 +173,13 @@ class _Space:
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = [k.tp] if k.tp else []
-        if model.is_moe and k.tp is not None and k.tp > 1:
-            raise UserError(f"plan.tp={k.tp}: the planner does not price tensor parallelism of "
-                             f"mixture-of-experts models (model {model.name}): its expert "
-                             "costs (planner/moe_cost.py) assume tp=1; use tp=1")
         if model.is_moe and not k.tp:
-            # a pricing policy, whatever the runtime runs: experts replicated or split over tp
-            # have no cost terms here
+            # a search policy: tp > 1 of a MoE is priced when fixed (experts replicated over
+            # tp in meshtron's runtime, expert-TP in Megatron-Core: planner/moe_memory.py,
+            # moe_cost.py) but not offered, its replicated routed experts rarely pay
             self.tps = [1]
             self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) left "
-                              "out: the planner does not price tensor parallelism of "
-                              "mixture-of-experts models")
+                              "out for a mixture of experts: fix --layout tp=N to price one")
         elif not k.tp:
             why = ""
             for t in _divisors(gpn):
