@@ -34,15 +34,21 @@ def _plan(tp=1, pp=1, dp=32, zero=2, mb=1, rec="full", ep=1, sched=None, v=1):
 def test_search_picks_ep_for_a_moe_and_every_plan_validates():
     model, cl = preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4")
     r = search_plans(model, cl, 256, 4096)
-    best = r.best.config
-    assert best.ep > 1  # Mixtral's 8 experts do not fit replicated with full activations
+    # Mixtral's 8 experts do not fit replicated with full activations: ep=1 plans recompute,
+    # ep > 1 ones are among the best (since ep with selective recomputation needs ZeRO-3
+    # without a pipeline, plan_rules.ep_runtime_problems, ep=1 ZeRO-3 selective and ep=8
+    # pp=4 ZeRO-1 are within 1% of each other)
+    assert all(e.config.recompute != "none" for e in r.plans if e.config.ep == 1)
+    assert any(e.config.ep > 1 for e in r.plans)
     for est in r.plans:
         c = est.config
         assert model.moe_experts % c.ep == 0 and (c.dp // c.dp_replicate * c.cp) % c.ep == 0
         # the plan rules, meshtron's runtime limits included
         full = c.replace(global_batch=256, seq_len=4096)
         assert plan_problems(full.knobs_and_context(), cl.num_gpus, model) == []
-    assert any(a.label.endswith("with ep=1") or "ep=1" in a.label for a in r.alternatives)
+    # the other ep degrees are explained against the best
+    ep = r.best.config.ep
+    assert any(f"ep={e}" in a.label for a in r.alternatives for e in (1, 2, 4, 8) if e != ep)
 
 
 def test_cli_layout_fixes_ep_and_prints_it(capsys):

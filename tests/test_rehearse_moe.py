@@ -174,3 +174,22 @@ def test_bad_expert_imbalance_is_one_line_and_exit_2(value):
                          cwd=ROOT, timeout=120)
     assert out.returncode == 2
     assert "--expert-imbalance" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_selective_recompute_of_gathered_experts_is_refused_by_name():
+    """Found by rehearsing: with ep the routed experts are an FSDP unit inside the checkpointed
+    block, and where FSDP keeps them gathered (ZeRO-0/1/2, pipelines) torch 2.13's selective
+    checkpoint fails in the replay; the validity function says so instead."""
+    from meshtron.planner.plan_rules import plan_problems
+
+    for knobs in ({"zero": 1}, {"zero": 2}, {"zero": 3, "pp": 2}):
+        problems = plan_problems({"ep": 2, "recompute": "selective", **knobs})
+        assert any("plan.recompute='selective' with plan.ep=2" in p for p in problems), knobs
+    assert not plan_problems({"ep": 2, "recompute": "selective", "zero": 3})
+    assert not plan_problems({"ep": 2, "recompute": "full", "zero": 1})
+    out = subprocess.run([sys.executable, "-m", "meshtron", "rehearse", "--model", "tiny-moe",
+                          "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "128",
+                          "--layout", "dp=8,ep=2", "--zero", "1", "--recompute", "selective"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

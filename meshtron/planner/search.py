@@ -33,7 +33,7 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
                                     offload_runtime_problem, plan_problems,
                                     schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
-from meshtron.planner.plan_rules import compile_runtime_problem
+from meshtron.planner.plan_rules import compile_runtime_problem, ep_runtime_problems
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -226,6 +226,9 @@ class _Space:
         if self.offload != "none" and self.runtime and self._refused(
                 offload_runtime_problem(cfg)):
             return None
+        if ep > 1 and self.runtime and self._refused(next(iter(ep_runtime_problems(
+                {"ep": ep, "cp": cp, "zero": zero, "pp": pp, "recompute": rec})), None)):
+            return None  # e.g. selective recomputation of gathered experts (plan_rules)
         return cfg
 
     def _refused(self, problem: str | None) -> bool:
