@@ -146,6 +146,13 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     permute = permute_passes(stack, ep) * 2 * slots / bw  # each pass reads and writes
     extra_f = grouped - dense + permute
     extra_b = 2 * (grouped - dense) + 2 * permute
+    if lin_dt == "fp8":
+        # FP8 expert GEMMs cast their inputs (Transformer Engine's GroupedLinear; bf16 read,
+        # FP8 written): fc1's input is the T*k routed rows where the dense equivalent casts T
+        # tokens (compute.quantisation_bytes), and backward fc2's output gradient likewise
+        cast = (tokens * k * ep_rows(imbalance, ep) - tokens) * h * 3.0 / bw
+        extra_f += cast
+        extra_b += cast
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     one = a2a_time(nbytes * imbalance, group, fab, k, node_limit)
@@ -157,6 +164,12 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         a2a_f = compute.overlapped(a2a_f, layer_fwd)
         a2a_b = compute.overlapped(a2a_b, 2 * layer_fwd)
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
+
+
+def ep_rows(imbalance: float, ep: int) -> float:
+    """Routed rows on the fullest rank per routed slot of the mean: the imbalance with expert
+    parallelism, 1 without (all experts local)."""
+    return imbalance if ep > 1 else 1.0
 
 
 def permute_passes(stack: str, ep: int) -> float:
