@@ -143,7 +143,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
             grouped += shared(fs) - shared(fs / tp)
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
     slots = tokens * k * h * b
-    permute = permute_passes(stack, ep) * 2 * slots / bw  # each pass reads and writes
+    permute = permute_passes(stack, ep, local) * 2 * slots / bw  # each reads and writes
     extra_f = grouped - dense + permute
     extra_b = 2 * (grouped - dense) + 2 * permute
     if lin_dt == "fp8":
@@ -172,14 +172,15 @@ def ep_rows(imbalance: float, ep: int) -> float:
     return imbalance if ep > 1 else 1.0
 
 
-def permute_passes(stack: str, ep: int) -> float:
+def permute_passes(stack: str, ep: int, local_experts: float = 2.0) -> float:
     """Memory-bound passes over the T*k routed slots one MoE layer's forward makes (module
-    docstring); the backward makes the same."""
-    regroup = 2.0 if ep > 1 else 0.0
+    docstring); the backward makes the same. Megatron-Core sorts the received chunks by local
+    expert only when a rank holds several ("Permutation 2", `num_local_experts > 1`);
+    meshtron's dispatcher regroups always."""
     if stack == "eager":
-        return 5.5 + regroup  # 2 gathers, zero fill (a write: half a pass), scatter, product,
-        # index_add
-    return 2.0 + regroup
+        # 2 gathers, zero fill (a write: half a pass), scatter, product, index_add
+        return 5.5 + (2.0 if ep > 1 else 0.0)
+    return 2.0 + (2.0 if ep > 1 and local_experts > 1 else 0.0)
 
 
 def expert_params_per_layer(model: ModelSpec) -> float:

@@ -327,16 +327,22 @@ class _Space:
             cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
         ok = []
         fixed = k.schedule is not None or k.virtual_stages is not None
+
+        def rounds(s: str, v: int) -> str | None:
+            # torch.distributed.pipelining's limits on the micro-batch count: meshtron's
+            # runtime's, not another stack's (a DualPipe or Megatron schedule priced as zb)
+            return microbatch_problem(s, pp, v, m) if self.runtime else None
+
         for s, v in cands:
             if not fixed:
-                if v <= layers_per_stage and microbatch_problem(s, pp, v, m) is None:
+                if v <= layers_per_stage and rounds(s, v) is None:
                     ok.append((s, v))
             elif v > layers_per_stage:
                 self.why_empty = self.why_empty or (
                     f"plan.schedule={s!r} with {v} virtual stages: needs pp*virtual_stages="
                     f"{pp}*{v}={pp * v} <= the model's {self.model.layers} layers")
-            elif microbatch_problem(s, pp, v, m) is not None:
-                self.why_empty = self.why_empty or microbatch_problem(s, pp, v, m)
+            elif rounds(s, v) is not None:
+                self.why_empty = self.why_empty or rounds(s, v)
             else:
                 ok.append((s, v))
         if k.schedule is not None and k.schedule == "interleaved" and not cands:
