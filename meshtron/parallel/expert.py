@@ -110,7 +110,7 @@ class ExpertParallel:
 
 def _static_received(host_counts: list[int], rank: int, ep: int) -> list[list[int]]:
     """[source rank][local expert] rows `rank` receives when every rank routes as
-    `host_counts` says (meshtron.model.moe.StaticCounts.received)."""
+    `host_counts` says (meshtron.model.moe.StaticCounts: the ranks route alike)."""
     local = len(host_counts) // ep
     mine = host_counts[rank * local:(rank + 1) * local]
     return [list(mine) for _ in range(ep)]
