@@ -92,9 +92,10 @@ def test_compute_counts_active_experts_only():
     assert active_equivalent(dense) is dense
 
 
-def test_tensor_parallel_moe_refused_and_all_to_all_said(capsys):
-    # the runtime runs MoE under tp (experts replicated over tp, meshtron/parallel/tensor.py),
-    # so the plan is valid; the planner does not price it and refuses it in the search
+def test_tensor_parallel_moe_priced_when_fixed_and_all_to_all_said(capsys):
+    # the runtime runs MoE under tp (experts replicated over tp, meshtron/parallel/tensor.py);
+    # the planner prices it when the layout fixes tp (moe_memory.py, moe_cost.py) and leaves
+    # it out of its own search
     assert not plan_problems({"tp": 2}, model=MIXTRAL)
     assert not plan_problems({"tp": 1}, model=MIXTRAL)
     from meshtron.cli import main
@@ -107,6 +108,6 @@ def test_tensor_parallel_moe_refused_and_all_to_all_said(capsys):
     assert any("expert all-to-alls by where the ep group sits" in n for n in doc["notes"])
     assert doc["plans"] and all(p["tp"] == 1 for p in doc["plans"])
     assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100:8", "--layout",
-                 "tp=2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "plan.tp=2: the planner does not price tensor parallelism of mixture-of-experts" in err[0]
+                 "tp=2", "--json", "--top", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plans"] and all(p["tp"] == 2 for p in doc["plans"])

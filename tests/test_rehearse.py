@@ -117,8 +117,6 @@ def test_rehearse_command_prints_both_sides(tmp_path):
     (["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256",
       "--device", "tpu"], "device='tpu'"),
     (["--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256"], "--model"),
-    (["--model", "tiny-moe", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len",
-      "256", "--device", "cpu"], "model='tiny-moe'"),
     (["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256",
       "--layout", "dp=8", "--rank", "8", "--device", "cpu"], "rank=8"),
 ])

@@ -24,7 +24,15 @@ to 1/M (the weight the loop gives each micro-batch's loss).
 Experts (`GroupedExperts`): dropless, every token reaches its k experts (no capacity factor).
 Tokens are sorted by expert; on CUDA in bf16, `torch._grouped_mm` runs all experts in one kernel
 per matrix with the group offsets on the device (no host sync, as torchtitan's MoE); elsewhere
-the exact fallback loops over experts with one matmul per contiguous slice.
+the exact fallback loops over experts with one matmul per contiguous slice
+(`GroupedExperts.kernel` names the path; None chooses by device and dtype).
+
+Token counts per expert (`MoE.counts_policy`): None (training) counts the router's choices on
+the device (`bincount`). A policy (`StaticCounts`) gives them on the host instead, so every
+tensor of the layer has a shape known before it runs: `meshtron rehearse` runs a rank under
+fake tensors, which cannot size tensors by value (bincount's output, the per-expert slices and
+the all-to-all splits). The router still runs (its memory and FLOPs are real); only which
+expert a slot lands on is replaced, which changes no tensor's size beyond the counts.
 """
 
 from __future__ import annotations
@@ -52,8 +60,49 @@ class ExpertLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
 
 
+class StaticCounts:
+    """Tokens per expert fixed on the host (`MoE.counts_policy`): the mean T*k/E each, or with
+    `imbalance` f > 1 the experts [hot[0], hot[1]) (an expert-parallel rank's: the rank a
+    rehearsal runs) receive f times the mean and the others share the rest, so the rank
+    holding them is the step's fullest one (the planner's `expert_imbalance`, max/mean load
+    per ep rank). Every rank of a layer is assumed to route alike (the dispatcher's
+    `_static_received`, meshtron/parallel/expert.py)."""
+
+    def __init__(self, imbalance: float = 1.0, hot: tuple[int, int] | None = None):
+        if not 1.0 <= imbalance:
+            raise ValueError(f"imbalance={imbalance!r}: must be >= 1 (1: balanced)")
+        self.imbalance, self.hot = float(imbalance), hot
+
+    def __call__(self, slots: int, experts: int) -> list[int]:
+        """Counts of `slots` routed slots (T*k) over `experts` experts; they sum to `slots`."""
+        lo, hi = self.hot or (0, 0)
+        n_hot = hi - lo
+        if self.imbalance == 1.0 or not 0 < n_hot < experts:
+            return _spread(slots, [1.0] * experts)
+        hot_share = min(1.0, self.imbalance * n_hot / experts)
+        cold = (1.0 - hot_share) / (experts - n_hot)
+        return _spread(slots, [hot_share / n_hot if lo <= e < hi else cold
+                               for e in range(experts)])
+
+
+def _spread(total: int, weights: list[float]) -> list[int]:
+    """Integers proportional to `weights` summing to `total` (largest remainders)."""
+    norm = sum(weights)
+    exact = [total * w / norm for w in weights]
+    out = [int(x) for x in exact]
+    rest = sorted(range(len(out)), key=lambda i: out[i] - exact[i])[:total - sum(out)]
+    for i in rest:
+        out[i] += 1
+    return out
+
+
 class GroupedExperts(nn.Module):
     """`experts` SwiGLU experts applied to tokens already sorted by expert."""
+
+    kernel: str | None = None
+    """'grouped' (`torch._grouped_mm`), 'loop' (one matmul per expert), None: grouped on CUDA
+    in bf16 where torch has it, else loop. A rehearsal on CPU sets 'grouped' to run (under
+    fake tensors) the kernel a GPU run uses."""
 
     grad_scale: float = 1.0
     """Factor on the gradient reaching the weights (expert parallelism under FSDP: 1/ep, as the
@@ -66,19 +115,25 @@ class GroupedExperts(nn.Module):
         self.w3 = ExpertLinear(experts, hidden, width)
         self.w2 = ExpertLinear(experts, width, hidden)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                host_counts: list[int] | None = None) -> torch.Tensor:
         """x [tokens, hidden] sorted by expert; counts [experts] tokens per expert (sum = rows of
-        x) -> [tokens, hidden]."""
+        x) -> [tokens, hidden]. `host_counts`: the same counts known on the host (a
+        `StaticCounts` policy), read instead of `counts`."""
         w1, w2, w3 = (_local(lin.weight) for lin in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        kernel = self.kernel
+        if kernel is None:
+            kernel = "grouped" if (x.is_cuda and x.dtype == torch.bfloat16
+                                   and hasattr(torch, "_grouped_mm")) else "loop"
+        if kernel == "grouped":
             return _grouped_mm_swiglu(x, counts, w1, w2, w3)
         out = torch.empty_like(x)
         start = 0
         # CPU / fp32 reference path: one host read of the counts, per-expert matmuls on
         # contiguous slices (exact: the same products as a dense matmul per expert).
-        for e, n in enumerate(counts.tolist()):
+        for e, n in enumerate(counts.tolist() if host_counts is None else host_counts):
             if n:
                 xe = x[start:start + n]
                 out[start:start + n] = (F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t()
@@ -247,6 +302,10 @@ class MoE(nn.Module):
     """Count this forward's tokens into `load_since_update` (off while the pipeline schedule
     infers tensor shapes, meshtron/parallel/pipeline.py)."""
 
+    counts_policy = None
+    """None: tokens per expert counted from the router's choices (training). A `StaticCounts`:
+    fixed on the host (a rehearsal under fake tensors; module docstring)."""
+
     dispatcher = None
     """Set by `meshtron.parallel.expert.apply_expert_parallel`: sends the sorted tokens to the
     ranks holding their experts and back (None: all experts are local)."""
@@ -272,13 +331,18 @@ class MoE(nn.Module):
         slot_expert = routing.experts.reshape(-1)  # [T*k]
         # Stable sort: the tokens of an expert keep their order (equal on every layout).
         order = slot_expert.argsort(stable=True)
-        counts = torch.bincount(slot_expert, minlength=spec.moe_experts)
+        host = None
+        if self.counts_policy is None:
+            counts = torch.bincount(slot_expert, minlength=spec.moe_experts)
+        else:  # shapes known before the layer runs (module docstring)
+            host = self.counts_policy(slot_expert.shape[0], spec.moe_experts)
+            counts = torch.tensor(host, device=flat.device)
         tokens = flat.index_select(0, order // k)
         if self.dispatcher is None:
-            out_sorted = self.experts(tokens, counts)
+            out_sorted = self.experts(tokens, counts, host)
             global_counts, total = counts, None
         else:
-            out_sorted, global_counts = self.dispatcher(self.experts, tokens, counts)
+            out_sorted, global_counts = self.dispatcher(self.experts, tokens, counts, host)
             total = flat.shape[0] * self.dispatcher.token_ranks
         # Combine: weight each slot's output and sum the k slots of every token.
         weights = routing.weights.reshape(-1).index_select(0, order).to(out_sorted.dtype)

@@ -68,9 +68,11 @@ class ExpertParallel:
         """Ranks whose tokens one layer's counts sum over (for the global token count)."""
         return self.ep if self.global_counts else 1
 
-    def __call__(self, experts: torch.nn.Module, tokens: torch.Tensor, counts: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(outputs in `tokens`' order, global per-expert counts)."""
+    def __call__(self, experts: torch.nn.Module, tokens: torch.Tensor, counts: torch.Tensor,
+                 host_counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(outputs in `tokens`' order, global per-expert counts). `host_counts`: the counts
+        fixed on the host by the layer's `StaticCounts` policy (a rehearsal): the splits and
+        what arrives come from it instead of the device (the counts all-to-all still runs)."""
         import torch.distributed as dist
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -78,9 +80,16 @@ class ExpertParallel:
         send = counts.view(ep, local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)
-        # The split sizes must be known on the host to size the buffers: one read per layer.
-        in_splits = send.sum(1).tolist()
-        out_splits = recv.sum(1).tolist()
+        if host_counts is None:
+            # The split sizes must be known on the host to size the buffers: one read per layer.
+            in_splits = send.sum(1).tolist()
+            out_splits = recv.sum(1).tolist()
+            rows = None
+        else:
+            rows = _static_received(host_counts, self.rank, ep)
+            recv = torch.tensor(rows, device=counts.device, dtype=counts.dtype)
+            in_splits = [sum(host_counts[r * local:(r + 1) * local]) for r in range(ep)]
+            out_splits = [sum(r) for r in rows]
         arrived = all_to_all_single_autograd(tokens.contiguous(), out_splits, in_splits,
                                              self.group)
         # Arrival order is (source rank, local expert); the experts need (expert, source).
@@ -88,7 +97,8 @@ class ExpertParallel:
                                            recv.reshape(-1), output_size=arrived.shape[0])
         key = (segments % local) * ep + segments // local
         order = key.argsort(stable=True)
-        out_local = experts(arrived.index_select(0, order), recv.sum(0))
+        mine = None if rows is None else [sum(col) for col in zip(*rows)]
+        out_local = experts(arrived.index_select(0, order), recv.sum(0), mine)
         back = torch.empty_like(out_local).index_copy(0, order, out_local)
         out = all_to_all_single_autograd(back, in_splits, out_splits, self.group)
         if not self.global_counts:
@@ -96,6 +106,14 @@ class ExpertParallel:
         global_counts = counts.clone()
         dist.all_reduce(global_counts, group=self.group)
         return out, global_counts
+
+
+def _static_received(host_counts: list[int], rank: int, ep: int) -> list[list[int]]:
+    """[source rank][local expert] rows `rank` receives when every rank routes as
+    `host_counts` says (meshtron.model.moe.StaticCounts: the ranks route alike)."""
+    local = len(host_counts) // ep
+    mine = host_counts[rank * local:(rank + 1) * local]
+    return [list(mine) for _ in range(ep)]
 
 
 def apply_expert_parallel(model: Any, mesh, average_grads: bool = False,

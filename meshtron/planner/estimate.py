@@ -65,8 +65,8 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compression, compute, memory, moe_cost, offload, pipeline,
-                               placement)
+from meshtron.planner import (comm, compression, compute, memory, moe_cost, moe_memory, offload,
+                               pipeline, placement)
 from meshtron.planner.cluster import HOST_USABLE_FRACTION, ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -169,33 +169,34 @@ class Evaluator(DataParallelCost):
         self.evaluated = 0
 
     # ---- cached pieces ---------------------------------------------------------------------
-    def _moe(self, mb: int, rec: str, cp: int, dtype: str, ep: int) -> tuple[float, ...]:
+    def _moe(self, mb: int, rec: str, cp: int, dtype: str, ep: int,
+             tp: int = 1) -> tuple[float, ...]:
         """Per average block and micro-batch: (extra compute fwd+bwd+recomputed, its forward
-        part, exposed expert all-to-all fwd+bwd+recomputed, its forward part, dispatch buffers
-        kept for backward) of the MoE layers beyond their dense equivalent (moe_cost.py),
+        part, exposed expert all-to-all fwd+bwd+recomputed, its forward part) of the MoE
+        layers beyond their dense equivalent (moe_cost.py; their memory: `_moe_memory`),
         averaged over the blocks (moe_layers / layers of them are MoE); zeros for a dense
-        model."""
+        model. `tp`: where the ep group sits (ep data ranks tp apart: across nodes when
+        tp * ep exceeds one, placement.ep_group)."""
         model = self.model
         if not model.is_moe:
-            return (0.0, 0.0, 0.0, 0.0, 0.0)
-        key = ("moe", mb, rec, cp, dtype, ep)
+            return (0.0, 0.0, 0.0, 0.0)
+        key = ("moe", mb, rec, cp, dtype, ep, tp)
         hit = self._cache.get(key)
         if hit is None:
             o = self.opts
-            group = placement.ep_group(1, ep, self.cluster.gpus_per_node)
+            group = placement.ep_group(tp, ep, self.cluster.gpus_per_node)
             # meshtron's routed experts stay bf16 in an FP8 run (torchao converts nn.Linear
             # only: planner/fp8.py); Transformer Engine's and DeepSeek's grouped GEMMs are FP8
             e_dtype = "bf16" if dtype == "fp8" and o.fp8_filter == "torchao" else dtype
             mc = moe_cost.moe_layer_cost(model, self.cluster, mb * self.seq / cp, ep, group,
                                          e_dtype, float(o.expert_imbalance), o.ep_overlap,
-                                         o.ep_node_limit, o.stack)
+                                         o.ep_node_limit, o.stack, tp,
+                                         moe_memory.expert_tp(self.mem.framework, tp))
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
-            kept = 1.0 - again
             hit = (share * (mc.compute_fwd * (1 + again) + mc.compute_bwd),
                    share * mc.compute_fwd,
-                   share * (mc.a2a_fwd * (1 + again) + mc.a2a_bwd), share * mc.a2a_fwd,
-                   share * kept * mc.buffer_bytes)
+                   share * (mc.a2a_fwd * (1 + again) + mc.a2a_bwd), share * mc.a2a_fwd)
             self._cache[key] = hit
         return hit
 
@@ -222,7 +223,7 @@ class Evaluator(DataParallelCost):
                 c_l += lc.fwd - lc.wgrad
             elif saved == "alternate-matmul":
                 c_l += lc.fwd - lc.wgrad - lc.core_fwd + 0.5 * lc.wgrad
-        moe_c, moe_f, a2a, a2a_f, _ = self._moe(mb, rec, cp, dtype, ep)
+        moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp)
         c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
@@ -253,13 +254,29 @@ class Evaluator(DataParallelCost):
             seq = self.seq // cp
             args = (self.active, tp, sp, mb, seq, rec, self.opts, mem)
             kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)
-            kv += self._moe(mb, rec, cp, dtype, ep)[4]  # MoE dispatch buffers
-            hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv,
-                               memory.recompute_working_bytes(*args),
+            moe_act, moe_work = self._moe_memory(tp, mb, sp, rec, seq, mem, ep, dtype)
+            hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv + moe_act,
+                               memory.recompute_working_bytes(*args) + moe_work,
                                memory.logits_bytes(self.model, tp, mb, seq, mem,
                                                    pipelined=pp > 1))
             self._cache[key] = hit
         return hit
+
+    def _moe_memory(self, tp: int, mb: int, sp: bool, rec: str, seq: int, mem, ep: int,
+                    dtype: str) -> tuple[float, float]:
+        """(saved, recompute working set) bytes per average block and micro-batch of the MoE
+        layers beyond their dense equivalent (moe_memory.py)."""
+        def act(spec, r):
+            return memory.activation_bytes(spec, tp, sp, mb, seq, r, self.opts, mem)
+
+        o = self.opts
+        # FP8 expert GEMMs save their quantised input (not meshtron's: torchao keeps experts
+        # in bf16, planner/fp8.py)
+        fp8 = dtype == "fp8" and o.fp8_filter != "torchao"
+        return moe_memory.activation_extra(
+            act, self.active, self.model, mb * seq, tp, ep, float(o.expert_imbalance),
+            mem.compute_bytes, mem.saved, rec, 1.0 if fp8 else None,
+            shared_replicated=mem.framework == "fsdp2")
 
     def _groups(self, cfg: Plan) -> dict[str, Any]:
         """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
@@ -321,7 +338,7 @@ class Evaluator(DataParallelCost):
                                                                           cp, cfg.dtype, ep,
                                                                           cfg.fp8_recipe)
         head = self.head_for(cfg, head)
-        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep)[2]
+        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep, tp)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep, pp)
         flags = self.dp_flags(cfg)
@@ -357,10 +374,14 @@ class Evaluator(DataParallelCost):
         # expert parallelism: a rank holds E/ep experts per block, their ZeRO states spread
         # over the dp*cp/ep ranks holding the same experts (moe_cost.py)
         p_exp, e_states, e_moved = 0.0, None, 0.0
+        if model.is_moe:  # where the stack keeps the MoE parameters (moe_memory.py)
+            p_layer, p_exp = moe_memory.block_params(model, tp, pp, ep, mem_opts.framework)
+            if ep == 1:
+                p_layer, p_exp = p_layer + p_exp, 0.0
         if ep > 1:
-            p_exp = moe_cost.expert_params_local(model, pp, ep)
-            p_layer = p_layer - p_exp * ep
             e_full = memory.state_bytes(zero, max(1, shard_dp // ep), self.grad_bytes, mem_opts)
+            if fsdp_zero1 and accum:  # as the dense states above: `accum` holds them
+                e_full = (e_full[0], 0.0, e_full[2])
             e_states = offload.device_states(cfg.offload, e_full)
             e_moved = sum(e_full) - sum(e_states)
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)

@@ -33,11 +33,18 @@ bytes of the compute dtype, ep the expert-parallel degree):
   what CUTLASS / torch._grouped_mm grouped GEMMs pay (one launch, per-group tiles). The dense
   equivalent's routed part is replaced by this time.
 * Permutation. Tokens are copied into expert order before dispatch and back after combine,
-  forward and backward (torchtitan's and Megatron-Core's permute / unpermute): 2 passes of
-  T*k*h*b read + written each way, memory bound.
-* Memory. The dispatch buffers a layer keeps for its backward: the permuted tokens, the
-  received tokens (input of the expert GEMMs) and the expert outputs before the combine, each
-  T*k*h*b (times `imbalance` for the received ones), per MoE layer not recomputed.
+  forward and backward, memory bound, each pass reading and writing T*k*h*b
+  (`permute_passes`): Megatron-Core's fused permute and unpermute-with-probabilities, plus
+  with expert parallelism the sort and unsort of the received chunks by local expert
+  (moe/token_dispatcher.py `MoEAlltoAllTokenDispatcher`: permute, sort_chunks_by_idxs
+  twice, unpermute); meshtron's eager layer (meshtron/model/moe.py) gathers the slots
+  (index_select), pads them into the grouped GEMM's buffer (a zero fill and an index_copy),
+  gathers the outputs back (index_select), weights them (a product) and sums each token's k
+  (index_add), plus the regrouping gather and scatter of the received rows with expert
+  parallelism. The router's passes over [T, E] fp32 affinities are E*4 bytes per token
+  against the k*h*b of one slot pass: not counted.
+* Memory: planner/moe_memory.py (what the router, permutation, experts and combine save;
+  where the expert parameters live).
 """
 
 from __future__ import annotations
@@ -66,8 +73,6 @@ class MoeLayerCost:
     """Their backward twins, exposed seconds."""
     a2a_bytes: float
     """Bytes one token all-to-all call sends to other ranks (T*k*h*b*(ep-1)/ep)."""
-    buffer_bytes: float
-    """Dispatch buffers kept for the backward (module docstring)."""
 
 
 def a2a_bytes(tokens: float, top_k: int, hidden: int, dtype_bytes: float, ep: int) -> float:
@@ -107,26 +112,47 @@ def routed_tokens_per_expert(tokens: float, model: ModelSpec, ep: int) -> float:
 @lru_cache(maxsize=2048)
 def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group: comm.Group,
                    dtype: str, imbalance: float, ep_overlap: bool, node_limit: int,
-                   stack: str) -> MoeLayerCost:
-    """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank."""
+                   stack: str, tp: int = 1, etp: int = 1) -> MoeLayerCost:
+    """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
+    tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
+    width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
+    replicated over tp, meshtron's runtime; tp for Megatron-Core's default expert tensor
+    parallelism, planner/moe_memory.py `expert_tp`)."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
     lin_cl = cluster.at_dtype(lin_dt)
     h, fe, k, e = model.hidden, model.moe_ffn_hidden, model.moe_top_k, model.moe_experts
     b = 4.0 if dtype == "fp32" else compute.BF16
-    # dense equivalent's routed part: [T, k*fe] up (x2 for SwiGLU's gate) and down GEMMs
-    dense = (compute.cluster_gemm_time(tokens, 2 * k * fe, h, lin_cl)
-             + compute.cluster_gemm_time(tokens, h, k * fe, lin_cl))
+    # dense equivalent's routed part: [T, k*fe/tp] up (x2 for SwiGLU's gate) and down GEMMs
+    dense = (compute.cluster_gemm_time(tokens, 2 * k * fe / tp, h, lin_cl)
+             + compute.cluster_gemm_time(tokens, h, k * fe / tp, lin_cl))
     rows = max(1.0, routed_tokens_per_expert(tokens, model, ep) * imbalance)
-    local = e / ep
-    grouped = local * (compute.cluster_gemm_time(rows, 2 * fe, h, lin_cl)
-                       + compute.cluster_gemm_time(rows, h, fe, lin_cl))
+    local, fe_local = e / ep, fe / etp
+    grouped = local * (compute.cluster_gemm_time(rows, 2 * fe_local, h, lin_cl)
+                       + compute.cluster_gemm_time(rows, h, fe_local, lin_cl))
+    if tp > 1 and etp == 1:
+        # the shared experts run whole on every tp rank too (meshtron/parallel/tensor.py
+        # `_moe_plan`), where the dense equivalent charged 1/tp of them
+        fs = model.moe_shared_experts * fe
+        if fs:
+            def shared(cols):
+                return (compute.cluster_gemm_time(tokens, 2 * cols, h, lin_cl)
+                        + compute.cluster_gemm_time(tokens, h, cols, lin_cl))
+
+            grouped += shared(fs) - shared(fs / tp)
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
     slots = tokens * k * h * b
-    permute = 2 * 2 * slots / bw  # permute + unpermute, each read + write
+    permute = permute_passes(stack, ep, local) * 2 * slots / bw  # each reads and writes
     extra_f = grouped - dense + permute
     extra_b = 2 * (grouped - dense) + 2 * permute
+    if lin_dt == "fp8":
+        # FP8 expert GEMMs cast their inputs (Transformer Engine's GroupedLinear; bf16 read,
+        # FP8 written): fc1's input is the T*k routed rows where the dense equivalent casts T
+        # tokens (compute.quantisation_bytes), and backward fc2's output gradient likewise
+        cast = (tokens * k * ep_rows(imbalance, ep) - tokens) * h * 3.0 / bw
+        extra_f += cast
+        extra_b += cast
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     one = a2a_time(nbytes * imbalance, group, fab, k, node_limit)
@@ -137,8 +163,24 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         layer_fwd = max(dense, grouped)
         a2a_f = compute.overlapped(a2a_f, layer_fwd)
         a2a_b = compute.overlapped(a2a_b, 2 * layer_fwd)
-    buffers = slots * (2 + imbalance)
-    return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes, buffers)
+    return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
+
+
+def ep_rows(imbalance: float, ep: int) -> float:
+    """Routed rows on the fullest rank per routed slot of the mean: the imbalance with expert
+    parallelism, 1 without (all experts local)."""
+    return imbalance if ep > 1 else 1.0
+
+
+def permute_passes(stack: str, ep: int, local_experts: float = 2.0) -> float:
+    """Memory-bound passes over the T*k routed slots one MoE layer's forward makes (module
+    docstring); the backward makes the same. Megatron-Core sorts the received chunks by local
+    expert only when a rank holds several ("Permutation 2", `num_local_experts > 1`);
+    meshtron's dispatcher regroups always."""
+    if stack == "eager":
+        # 2 gathers, zero fill (a write: half a pass), scatter, product, index_add
+        return 5.5 + (2.0 if ep > 1 else 0.0)
+    return 2.0 + (2.0 if ep > 1 and local_experts > 1 else 0.0)
 
 
 def expert_params_per_layer(model: ModelSpec) -> float:
@@ -182,5 +224,6 @@ def rank_loads(expert_loads: list[float], ep: int) -> list[float]:
 
 
 __all__ = ["DEFAULT_IMBALANCE", "MoeLayerCost", "a2a_bytes", "a2a_time", "moe_layer_cost",
+           "permute_passes",
            "expert_params_local", "expert_params_per_layer", "measured_imbalance",
            "rank_loads", "routed_tokens_per_expert", "moe_share"]

@@ -354,10 +354,22 @@ def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
     tests/test_ep_train.py); gradient compression and DiLoCo are refused (they replace FSDP's
     reduction, which the experts' own FSDP unit relies on). Pipelines run,
     every schedule (tests/test_ep_pp.py: 1F1B, interleaved, GPipe, ZB-H1, ZBV equal one
-    process)."""
+    process). Selective recomputation runs with ep only under ZeRO-3 without a pipeline: the
+    routed experts are an FSDP unit inside the checkpointed block, and where FSDP keeps them
+    gathered after forward (ZeRO-0/1/2, or a pipeline's stage) its hooks record one profiler
+    range more in the replay than in the forward, which torch 2.13's selective checkpoint
+    refuses ("profiler._record_function_enter_new ... not found in storage"; measured with
+    `meshtron rehearse --model tiny-moe --layout dp=8,ep=2 --zero 1 --recompute selective`
+    and the same build on real tensors)."""
     ep, g = k.get("ep") or 1, k.get
     if ep == 1:
         return
+    if g("recompute") == "selective" and (
+            (g("zero") is not None and g("zero") < 3) or (g("pp") or 1) > 1):
+        yield (f"plan.recompute='selective' with plan.ep={ep}, zero={g('zero')}, "
+               f"pp={g('pp') or 1}: torch 2.13's selective checkpoint fails on the experts' "
+               "FSDP unit kept gathered after forward; use zero=3 without a pipeline, or "
+               "recompute full, half or none")
     if (g("cp") or 1) > 1 and ep % g("cp"):
         yield (f"plan.ep={ep} with plan.cp={g('cp')}: ep spans whole context groups "
                "(ep = dp_shard_in_ep x cp); use a multiple of cp")

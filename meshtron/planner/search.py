@@ -33,7 +33,7 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
                                     offload_runtime_problem, plan_problems,
                                     schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
-from meshtron.planner.plan_rules import compile_runtime_problem
+from meshtron.planner.plan_rules import compile_runtime_problem, ep_runtime_problems
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -173,17 +173,13 @@ class _Space:
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = [k.tp] if k.tp else []
-        if model.is_moe and k.tp is not None and k.tp > 1:
-            raise UserError(f"plan.tp={k.tp}: the planner does not price tensor parallelism of "
-                             f"mixture-of-experts models (model {model.name}): its expert "
-                             "costs (planner/moe_cost.py) assume tp=1; use tp=1")
         if model.is_moe and not k.tp:
-            # a pricing policy, whatever the runtime runs: experts replicated or split over tp
-            # have no cost terms here
+            # a search policy: tp > 1 of a MoE is priced when fixed (experts replicated over
+            # tp in meshtron's runtime, expert-TP in Megatron-Core: planner/moe_memory.py,
+            # moe_cost.py) but not offered, its replicated routed experts rarely pay
             self.tps = [1]
             self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) left "
-                              "out: the planner does not price tensor parallelism of "
-                              "mixture-of-experts models")
+                              "out for a mixture of experts: fix --layout tp=N to price one")
         elif not k.tp:
             why = ""
             for t in _divisors(gpn):
@@ -230,6 +226,9 @@ class _Space:
         if self.offload != "none" and self.runtime and self._refused(
                 offload_runtime_problem(cfg)):
             return None
+        if ep > 1 and self.runtime and self._refused(next(iter(ep_runtime_problems(
+                {"ep": ep, "cp": cp, "zero": zero, "pp": pp, "recompute": rec})), None)):
+            return None  # e.g. selective recomputation of gathered experts (plan_rules)
         return cfg
 
     def _refused(self, problem: str | None) -> bool:
@@ -328,16 +327,22 @@ class _Space:
             cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
         ok = []
         fixed = k.schedule is not None or k.virtual_stages is not None
+
+        def rounds(s: str, v: int) -> str | None:
+            # torch.distributed.pipelining's limits on the micro-batch count: meshtron's
+            # runtime's, not another stack's (a DualPipe or Megatron schedule priced as zb)
+            return microbatch_problem(s, pp, v, m) if self.runtime else None
+
         for s, v in cands:
             if not fixed:
-                if v <= layers_per_stage and microbatch_problem(s, pp, v, m) is None:
+                if v <= layers_per_stage and rounds(s, v) is None:
                     ok.append((s, v))
             elif v > layers_per_stage:
                 self.why_empty = self.why_empty or (
                     f"plan.schedule={s!r} with {v} virtual stages: needs pp*virtual_stages="
                     f"{pp}*{v}={pp * v} <= the model's {self.model.layers} layers")
-            elif microbatch_problem(s, pp, v, m) is not None:
-                self.why_empty = self.why_empty or microbatch_problem(s, pp, v, m)
+            elif rounds(s, v) is not None:
+                self.why_empty = self.why_empty or rounds(s, v)
             else:
                 ok.append((s, v))
         if k.schedule is not None and k.schedule == "interleaved" and not cands:

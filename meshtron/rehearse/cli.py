@@ -49,8 +49,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="auto",
                    help="cpu (fake tensors, nothing allocated) | cuda (real tensors: measured "
                         "peak and step time) | auto (cuda when present)")
+    p.add_argument("--expert-imbalance", type=imbalance_factor, default=None,
+                   help="mixture of experts: tokens on the rehearsed rank's experts over the "
+                        "mean (1 = balanced; default the planner's expert_imbalance)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
+
+
+def imbalance_factor(text: str) -> float:
+    """--expert-imbalance: a number from 1 to 64 (the planner's expert_imbalance range)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1.0 <= value <= 64.0:
+        raise argparse.ArgumentTypeError(f"--expert-imbalance={text!r}: must be a number "
+                                         "from 1 (balanced) to 64")
+    return value
 
 
 def _resolve(args: argparse.Namespace):
@@ -97,7 +112,7 @@ def _resolve(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     device = device_for(args.device)
     model, plan, cluster = _resolve(args)
-    report = rehearse(model, plan, cluster, device, args.rank)
+    report = rehearse(model, plan, cluster, device, args.rank, args.expert_imbalance)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

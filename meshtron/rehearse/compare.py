@@ -56,13 +56,16 @@ def with_layer_split(plan, spec):
                                                                           plan.num_stages)))
 
 
-def planner_estimate(spec, cluster, plan, device: str):
+def planner_estimate(spec, cluster, plan, device: str, imbalance: float | None = None):
     """The planner's Estimate of exactly `plan` (its layer split included) on `cluster`, with
-    meshtron's runtime options (what `meshtron plan` prices by default)."""
+    meshtron's runtime options (what `meshtron plan` prices by default); `imbalance`: the
+    experts' load on the fullest ep rank over the mean (default the planner's)."""
     from meshtron.planner.compute import KernelOptions, compiled
     from meshtron.planner.estimate import Evaluator
 
     opts = KernelOptions()
+    if imbalance is not None:
+        opts = dataclasses.replace(opts, expert_imbalance=imbalance)
     if plan.compile or plan.async_tp:  # as search_plans: what --compile runs
         opts = dataclasses.replace(compiled(opts), async_tp=plan.async_tp)
     ev = Evaluator(spec, cluster, plan.global_batch, plan.seq_len, opts,

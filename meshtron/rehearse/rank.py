@@ -24,6 +24,12 @@ gradient reduction (`backward_maybe_with_nosync`, `perform_reduce_grad`). Zero-b
 schedules run each backward whole at its input-gradient slot (their deferred weight
 gradients are not rehearsed apart).
 
+A mixture of experts routes by value (bincount, uneven all-to-all splits), which fake
+tensors cannot size: every MoE layer gets a `StaticCounts` policy (meshtron/model/moe.py), the
+mean T*k/E tokens per expert, or `imbalance` times it on the rehearsed rank's experts (the
+planner's `expert_imbalance`: the fullest ep rank), and runs the kernel a GPU run uses (one
+`torch._grouped_mm` per matrix in bf16). The router itself runs.
+
 AdamW's states are created before the measured step (one step on zero gradients), so the
 peak is a steady-state step's: states, gradients and the step's working set together.
 """
@@ -236,10 +242,27 @@ def _categories(snapshot: dict) -> dict[str, float]:
     return out
 
 
-def rehearse_rank(spec, plan, rank: int, device: str = "cpu") -> dict[str, Any]:
+def _static_routing(parts, imbalance: float, dtype: str) -> None:
+    """Fix every MoE layer's tokens per expert on the host (module docstring)."""
+    from meshtron.model.moe import MoE, StaticCounts
+
+    for part in parts:
+        for module in part.modules():
+            if not isinstance(module, MoE):
+                continue
+            d = module.dispatcher
+            hot = None if d is None else (d.rank * d.local, (d.rank + 1) * d.local)
+            module.counts_policy = StaticCounts(imbalance, hot)
+            if dtype != "fp32" and hasattr(torch, "_grouped_mm"):  # a bf16 GPU run's kernel
+                module.experts.kernel = "grouped"
+
+
+def rehearse_rank(spec, plan, rank: int, device: str = "cpu",
+                  imbalance: float = 1.0) -> dict[str, Any]:
     """Run one step of global rank `rank` of `plan` (a validated Plan with global_batch and
     seq_len) for model `spec`; returns {"rank", "pp_rank", "stages", "peak_bytes": {category:
-    bytes, "total": bytes}, "wall_s", and on CUDA "step_s"}."""
+    bytes, "total": bytes}, "wall_s", and on CUDA "step_s"}. `imbalance`: a mixture of
+    experts' load on this rank's experts over the mean (module docstring)."""
     from meshtron.model import Transformer
     from meshtron.model.init import materialize
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
@@ -255,6 +278,8 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu") -> dict[str, Any]:
             model = Transformer(spec)
         fake = device == "cpu"
         pm = parallelize(model, rt, mesh, allocate=False)
+        if spec.is_moe:
+            _static_routing(pm.model_parts, imbalance, plan.dtype)
         dev = torch.device(device) if fake else pm.device
         mode = _fake_mode() if fake else contextlib.nullcontext()
         with mode:

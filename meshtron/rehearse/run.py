@@ -25,16 +25,17 @@ def device_for(text: str) -> str:
     return text
 
 
-def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict[str, Any]:
-    """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict."""
+def rehearse(model, plan, cluster, device: str, rank: int | None = None,
+             imbalance: float | None = None) -> dict[str, Any]:
+    """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict.
+    `imbalance`: a mixture of experts' load on the rehearsed rank's experts over the mean,
+    given to both sides (default the planner's `expert_imbalance`)."""
+    from meshtron.planner.compute import DEFAULT_IMBALANCE
     from meshtron.rehearse import compare
 
-    if model.is_moe and device == "cpu":
-        raise UserError(f"model={model.name!r}: a mixture of experts routes tokens by value "
-                        "(bincount, uneven all-to-all splits), which fake tensors cannot "
-                        "size; rehearse it on a GPU (--device cuda)")
+    imbalance = DEFAULT_IMBALANCE if imbalance is None else imbalance
     plan = compare.with_layer_split(plan, model)
-    est = compare.planner_estimate(model, cluster, plan, device)
+    est = compare.planner_estimate(model, cluster, plan, device, imbalance)
     if rank is None:
         rank = compare.first_rank_of_stage(plan, est.memory.stage)
     if not 0 <= rank < plan.gpus:
@@ -43,7 +44,7 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict
     bd = compare.with_stage_breakdown(est, plan, model, cluster, device, pp_rank)
     from meshtron.rehearse.rank import rehearse_rank
 
-    got = rehearse_rank(model, plan, rank, device)
+    got = rehearse_rank(model, plan, rank, device, imbalance)
     rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"]),
                               compare.planner_rows(bd))
     report = {"model": model.name, "plan": plan.to_dict(), "device": device, "rank": rank,
@@ -51,6 +52,8 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict
               "measured": got["measured"], "wall_s": round(got["wall_s"], 2),
               "memory": rows, "planner_workspace_gib": bd.workspace,
               "planner_fits": est.fits, "capacity_gib": bd.capacity}
+    if model.is_moe:
+        report["expert_imbalance"] = imbalance
     if "step_s" in got:
         report["step_s"] = got["step_s"]
         t = est.time
@@ -74,6 +77,10 @@ def print_report(report: dict[str, Any]) -> None:
           f"{axes or 'dp=1'} zero={p['zero']} micro_batch={p['micro_batch']} "
           f"recompute={p['recompute']} on {report['device']} ({report['measured']}), "
           f"{report['wall_s']:.1f} s")
+    if "expert_imbalance" in report:
+        hot = (f", the rehearsed rank's experts at {report['expert_imbalance']:g}x it on both "
+               "sides" if p.get("ep", 1) > 1 else "")
+        print(f"(experts: tokens per expert fixed at the mean T*k/E{hot})")
     print(f"{'peak memory (GiB)':<20}{'rehearsal':>12}{'planner':>12}{'planner vs':>12}")
     for r in report["memory"]:
         rel = r["planner_vs_rehearsal"]

@@ -1,0 +1,176 @@
+"""Memory of a mixture-of-experts block on one rank: where its parameters live and what its
+routed part saves for the backward. Torch-free; memory.py's terms stay those of the dense
+equivalent (`compute.active_equivalent`), this module says what a MoE block holds beyond it.
+
+Parameters (`block_params`). The routed experts of a block are E/ep per expert-parallel rank
+(GShard; meshtron/parallel/expert.py); their ZeRO states are spread over the ranks holding
+the same experts, the expert-data-parallel group of dp*cp/ep ranks (Megatron-Core's
+"expert data parallel" = world / (pp * ep * etp); torchtitan's "dp_shard_mod_ep";
+meshtron/parallel/mesh.py `ExpertMeshes`). Under tensor parallelism the stacks differ:
+
+* meshtron's runtime (framework 'fsdp2') runs the whole MoE feed-forward (router, shared and
+  routed experts) replicated over the tp ranks, fed the gathered tokens
+  (meshtron/parallel/tensor.py `_moe_plan`): nothing of it is divided by tp;
+* Megatron-Core shards the routed experts over expert-tensor-parallel ranks, whose size
+  defaults to tp (`--expert-tensor-parallel-size`, Megatron-Core MoE README), and the shared
+  experts over tp like a dense MLP; the router is replicated.
+
+Activations (`routed_saved_bytes`, per MoE layer and micro-batch of T tokens entering the
+layer, k = top_k, E experts, R = T*k*f rows reaching the rank's experts with expert
+parallelism (f the routing imbalance of the fullest rank; T*k without), h hidden, fe the
+expert width, b the compute dtype's bytes), read off meshtron/model/moe.py's autograd graph
+(what each op saves for its backward) and checked against `meshtron rehearse`:
+
+* router: the fp32 affinities [T, E] (softmax's / sigmoid's output), the top-k indices
+  (int64 [T, k]), and with renormalised weights the fp32 weights and their sum;
+* permutation: the expert order of the T*k slots and twice the token index of each (int64,
+  saved by the `index_select`s and the combine's `index_add`; `order // k` is computed twice);
+* experts (one `torch._grouped_mm` per matrix, meshtron/model/moe.py `_grouped_mm_swiglu`):
+  the padded input [R + 16 E/ep, h] (each group padded to 16 rows), the gate and up outputs,
+  SiLU's output and the product, [R + 16 E/ep, fe] each, the destination rows (int64 R), and
+  the unpadded input [R, h]: `index_copy` saves its source whole for the shape of its
+  gradient (`expand_as(source)`, tools/autograd/derivatives.yaml); under expert parallelism
+  also the regrouping order of the received rows (int64 R) and, by the same `index_copy`
+  rule, the experts' output [R, h];
+* combine: the expert outputs [T*k, h] and their weights [T*k] (the product's two inputs),
+  and the weighted outputs [T*k, h] (`index_add_`'s source, saved like index_copy's).
+
+Megatron-Core (the 'korthikanti' list, framework 'megatron'/'deepspeed'): the router's fp32
+probabilities, the grouped MLP's input [R, h] (FP8 when the experts' GEMMs run in FP8:
+Transformer Engine's GroupedLinear saves the quantised input; DeepSeek-V3 technical report
+section 3.3.2 caches the dispatched activations in FP8), the fc1 output [R, 2 fe] (SwiGLU's
+input) and SwiGLU's output [R, fe] (fc2's input), and the unpermute's expert outputs
+[T*k, h] with the probabilities (megatron/core/transformer/moe/moe_utils.py `unpermute`).
+Expert GEMMs under expert tensor parallelism hold fe/etp columns.
+
+The dense equivalent already charges a SwiGLU of width k*fe + E/3 for the routed part
+(linear in the width, `dense_routed_bytes`); `activation_extra` is the difference.
+"""
+
+from __future__ import annotations
+
+from meshtron.model.spec import ModelSpec
+
+GROUPED_MM_ALIGN = 16
+"""Rows per expert group are padded to this multiple (meshtron/model/moe.py, the same
+constant: torch._grouped_mm's 16-byte alignment of group offsets)."""
+INDEX_BYTES = 8.0
+"""int64 indices (argsort, index_select, repeat_interleave)."""
+FP32 = 4.0
+
+
+def expert_tp(framework: str, tp: int) -> int:
+    """Tensor-parallel degree of the routed experts (module docstring)."""
+    return 1 if framework == "fsdp2" else tp
+
+
+def expert_shard_group(dp: int, cp: int, ep: int) -> int:
+    """Ranks that hold the same experts and share their ZeRO states: dp*cp/ep."""
+    return max(1, (dp * cp) // max(1, ep))
+
+
+def _block(model: ModelSpec, i: int, tp: int, ep: int, framework: str) -> tuple[float, float]:
+    """(parameters outside the routed experts, routed experts) of block i on one rank."""
+    norms = 2 * model.norm_params
+    attn = model.attention_params() / tp
+    if not model.is_moe_layer(i):
+        return attn + model.mlp_params() / tp + norms, 0.0
+    fe, fs = model.moe_ffn_hidden, model.moe_shared_experts * model.moe_ffn_hidden
+    shared = model.mlp_params(fs) if fs else 0.0
+    router = model.hidden * model.moe_experts
+    if framework != "fsdp2":
+        shared /= tp
+    experts = model.moe_experts * model.mlp_params(fe) / (ep * expert_tp(framework, tp))
+    return attn + router + shared + norms, experts
+
+
+def block_params(model: ModelSpec, tp: int, pp: int, ep: int,
+                 framework: str) -> tuple[float, float]:
+    """(parameters outside the routed experts, routed experts) of one block on one rank, as
+    memory.layer_params_local averages blocks: the mean over the model's blocks without
+    pipelining (the stage's total is exact), a MoE block's with it (the convention that the
+    fullest stage holds MoE blocks only: DeepSeek-V3's 3 dense blocks of 61 sit on the first
+    stage beside the embedding; a dense block can have more parameters than a MoE block's
+    share of its experts under ep, but fewer states than a stage of MoE blocks)."""
+    if pp > 1 and model.is_moe:
+        return _block(model, model.moe_dense_layers, tp, ep, framework)
+    sizes = [_block(model, i, tp, ep, framework) for i in range(model.layers)]
+    n = len(sizes)
+    return sum(s[0] for s in sizes) / n, sum(s[1] for s in sizes) / n
+
+
+def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbalance: float,
+                       cb: float, saved: str, expert_bytes: float | None = None,
+                       recompute: str = "none") -> float:
+    """Bytes one MoE layer's router, permutation, routed experts and combine save for the
+    backward, one micro-batch of `tokens` tokens (module docstring). `saved`: memory.py's list
+    ('eager' meshtron's model; else Megatron-Core's); `expert_bytes`: bytes of a saved expert
+    GEMM input (FP8: 1), default `cb`. Recomputation: 'full' keeps none of it (the block's
+    input only), 'half' every second layer's; meshtron's 'selective' keeps the outputs of the
+    matmuls and collectives only (meshtron/parallel/recompute.py SAVED_OPS): the router's
+    logits, the grouped GEMMs' outputs and the all-to-alls' outputs; Megatron's selective
+    recomputes the attention core only, not the MoE."""
+    if recompute == "full":
+        return 0.0
+    if recompute == "half":
+        return 0.5 * routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved,
+                                        expert_bytes)
+    k, e, h, fe = model.moe_top_k, model.moe_experts, model.hidden, model.moe_ffn_hidden
+    slots = tokens * k
+    rows = slots * (imbalance if ep > 1 else 1.0)
+    xb = cb if expert_bytes is None else expert_bytes
+    if saved == "eager":
+        padded = rows + GROUPED_MM_ALIGN * e / ep
+        if recompute == "selective":
+            a2a = (rows + slots) * h * cb if ep > 1 else 0.0
+            return tokens * e * cb + padded * (2 * fe + h) * cb + a2a
+        router = tokens * e * FP32 + slots * INDEX_BYTES
+        if model.moe_norm_topk and k > 1:
+            router += (slots + tokens) * FP32
+        copies = 2 if ep > 1 else 1  # index_copy sources: the experts' input (+ their output)
+        perm = 3 * slots * INDEX_BYTES + rows * INDEX_BYTES * copies
+        experts = padded * (h * xb + 4 * fe * cb) + copies * rows * h * cb
+        return router + perm + experts + slots * (2 * h + 1) * cb
+    etp = expert_tp("megatron", tp)
+    experts = rows * (h * xb + 3 * fe / etp * cb)
+    return tokens * e * FP32 + slots * INDEX_BYTES + experts + slots * h * cb + slots * FP32
+
+
+def dense_routed_bytes(act, model: ModelSpec, width: float, recompute: str) -> float:
+    """What the dense equivalent's activations (`act(spec, recompute)`: bytes per layer)
+    charge for `width` more SwiGLU columns: activation_bytes is linear in the width."""
+    base = max(1, model.ffn_hidden)
+    return (act(model.replace(ffn_hidden=2 * base), recompute)
+            - act(model, recompute)) * width / base
+
+
+def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp: int,
+                     ep: int, imbalance: float, cb: float, saved: str, recompute: str,
+                     expert_bytes: float | None = None,
+                     shared_replicated: bool = False) -> tuple[float, float]:
+    """(saved, recompute working set) bytes per average block and micro-batch a MoE model's
+    layers hold beyond their dense equivalent `active` (`act(spec, recompute)`:
+    memory.activation_bytes of a spec at the plan's other arguments): the routed part's exact
+    bytes less the SwiGLU columns the equivalent charges for it, over the MoE share of the
+    blocks. The working set of a recomputed layer (memory.recompute_working_bytes: what it
+    saves without recomputation less what it keeps) grows by the same difference.
+    `shared_replicated`: the shared experts run unsharded on every tp rank (meshtron's
+    runtime) where the equivalent charged them /tp."""
+    if not model.is_moe:
+        return 0.0, 0.0
+    share = model.moe_layers / model.layers
+    routed_width = model.moe_top_k * model.moe_ffn_hidden + model.moe_experts / 3.0
+    fs = model.moe_shared_experts * model.moe_ffn_hidden
+
+    def extra(rec: str) -> float:
+        exact = routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved, expert_bytes,
+                                   rec)
+        charged = dense_routed_bytes(act, active, routed_width, rec)
+        if shared_replicated and tp > 1 and fs:
+            exact += dense_routed_bytes(act, active, fs, rec) * (tp - 1)
+        return share * (exact - charged)
+
+    kept = extra(recompute)
+    work = 0.0 if recompute == "none" else max(0.0, extra("none") - (
+        0.0 if recompute in ("full", "half") else kept))
+    return kept, work
