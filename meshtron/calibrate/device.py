@@ -4,7 +4,7 @@ the world as the launcher gives it. `meshtron calibrate` refines this with measu
 nominal CPU figures are never used for a GPU.
 
 The name -> catalogue mapping and the cluster are pure functions of the device properties
-(tested on the names drivers report); only `device_cluster` asks torch.
+(tested on the names drivers report); only `device_cluster` asks torch (calibrate/saved.py).
 """
 
 from __future__ import annotations
@@ -63,13 +63,10 @@ def detected_cluster(device_name: str, total_memory_bytes: int, world_size: int,
 def device_cluster(world_size: int):
     """`detected_cluster` for this node's first visible GPU, nodes of LOCAL_WORLD_SIZE ranks
     (the launcher's), or None without CUDA."""
-    import os
+    from meshtron.calibrate.saved import this_node
 
-    import torch
-
-    if not torch.cuda.is_available():
+    node = this_node()
+    if node.kind != "cuda":
         return None
-    props = torch.cuda.get_device_properties(0)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size,
-                                                          torch.cuda.device_count())))
-    return detected_cluster(props.name, props.total_memory, world_size, per_node)
+    return detected_cluster(node.name, node.memory_bytes or 0, world_size,
+                            node.local_ranks or world_size)

@@ -25,11 +25,13 @@ def device_for(text: str) -> str:
     return text
 
 
-def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict[str, Any]:
-    """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict."""
+def rehearse(model, plan, cluster, device: str, rank: int | None = None,
+             real: bool | None = None) -> dict[str, Any]:
+    """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict.
+    `real`: real tensors (default: on CUDA only; see rank.rehearse_rank)."""
     from meshtron.rehearse import compare
 
-    if model.is_moe and device == "cpu":
+    if model.is_moe and device == "cpu" and not real:
         raise UserError(f"model={model.name!r}: a mixture of experts routes tokens by value "
                         "(bincount, uneven all-to-all splits), which fake tensors cannot "
                         "size; rehearse it on a GPU (--device cuda)")
@@ -43,7 +45,7 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict
     bd = compare.with_stage_breakdown(est, plan, model, cluster, device, pp_rank)
     from meshtron.rehearse.rank import rehearse_rank
 
-    got = rehearse_rank(model, plan, rank, device)
+    got = rehearse_rank(model, plan, rank, device, real)
     rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"]),
                               compare.planner_rows(bd))
     report = {"model": model.name, "plan": plan.to_dict(), "device": device, "rank": rank,
