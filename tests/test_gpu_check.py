@@ -30,9 +30,11 @@ def _kit(tmp_path, *argv, timeout=1500):
     return proc, out
 
 
-CORE = "eager,fp8,checkpoint,cli_kill_resume"
-"""The default suite's dry run: a halved model (fp8), the checkpointer's stager and a kill and
---resume through the CLI (the two paths the first GPU run found broken). Every case: -m slow."""
+CORE = "cli_calibrate,cli_train_auto,eager,fp8,checkpoint,cli_kill_resume,gputrue,rehearse"
+"""The default suite's dry run: calibrate feeding `--plan auto` (and the eager case's calibrated
+prediction), a halved model (fp8), the checkpointer's stager and a kill and --resume through
+the CLI (the two paths the first GPU run found broken), issue 31's device checks and two
+rehearsed ranks. Every case: -m slow."""
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,32 @@ def test_core_cases_on_cpu(dry_run_core):
     assert c["bytes"] > 0 and c["commit_s"]["async"][0] > 0
     k = _ok(r, "cli_kill_resume")
     assert k["killed"] and k["killed_after"] and "resumed from" in k["resumed_line"]
+    assert all(rec["cpu_s"] > 0 for rec in r["cases"].values())
+
+
+def test_plan_auto_plans_with_the_calibration_calibrate_wrote(dry_run_core):
+    r = dry_run_core
+    cal = _ok(r, "cli_calibrate")
+    assert cal["device_name"] == "cpu" and cal["matmul_tflops"] > 0
+    auto = _ok(r, "cli_train_auto")
+    assert auto["cluster_source"].startswith("calibrated on cpu: matmul ")
+    assert "runs/calibration/local-1.toml" in auto["plan_line"] and auto["checkpoints"]
+    run = _ok(r, "eager")["run"]  # the calibrated prediction beside the catalogue's
+    assert run["calibrated"]["predicted"]["step_time_s"] > 0
+    assert run["calibrated"]["predicted"]["step_time_s"] != run["predicted"]["step_time_s"]
+
+
+def test_device_checks_and_rehearsal_run_on_cpu(dry_run_core):
+    g = _ok(dry_run_core, "gputrue")
+    assert g["shared_process"] and g["verdicts"] == dict.fromkeys(g["verdicts"], True)
+    assert set(g["checks"]) == {"stager_order", "rng_own_device", "recompute_grouped_mm",
+                                "cp_block_mask", "backend_nccl"}
+    assert g["checks"]["backend_nccl"]["result"]["get_backend"] == "gloo"
+    ranks = _ok(dry_run_core, "rehearse")["ranks"]
+    assert [ranks[k]["pp_rank"] for k in ("first_stage", "last_stage")] == [0, 1]
+    for rank in ranks.values():  # fake tensors on CPU: the planner's allocation vs the peak
+        assert rank["peak_gib"] > 0 and 0.5 < rank["planner_over_measured_peak"] < 2
+        assert rank["measured"].startswith("fake tensors")
 
 
 @pytest.fixture(scope="module")

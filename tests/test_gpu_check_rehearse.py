@@ -1,0 +1,55 @@
+"""The rehearsal's GPU path (real tensors, a timed compute-only step) run on the CPU at toy
+size, device injected: the code `meshtron rehearse --device cuda` runs on a GPU, which no GPU
+has run yet. Each rehearsal in its own process (a fake process group per process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+RUN = r"""
+import json, sys
+from meshtron.model import preset
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.plan import load_plan
+from meshtron.rehearse.run import rehearse
+model = preset("tiny")
+plan = load_plan(sys.argv[1]).validate(8, model)
+report = rehearse(model, plan, resolve_cluster("dgx-h100:1"), "cpu", int(sys.argv[2]),
+                  real=sys.argv[3] == "real")
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rehearse") / "plan.toml"
+    subprocess.run([sys.executable, "-m", "meshtron", "plan", "--model", "tiny", "--cluster",
+                    "dgx-h100:1", "--global-batch", "8", "--seq-len", "64", "--layout",
+                    "tp=2,pp=2", "--save", str(path)], check=True, capture_output=True,
+                   timeout=120)
+    return path
+
+
+def _rehearse(plan_file, rank: int, tensors: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", RUN, str(plan_file), str(rank), tensors],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("rank", [0, 7])  # first and last pipeline stage (tp=2, pp=2, dp=2)
+def test_real_tensors_time_the_step_and_match_the_fake_rehearsal(plan_file, rank):
+    real = _rehearse(plan_file, rank, "real")
+    fake = _rehearse(plan_file, rank, "fake")
+    assert real["measured"] == "real tensors, torch memory tracker, step timed"
+    assert real["step_s"] > 0 and real["planner_compute_s"] > 0
+    assert "step_s" not in fake and fake["measured"].startswith("fake tensors")
+    assert real["pp_rank"] == fake["pp_rank"] == (0 if rank == 0 else 1)
+    # the same rank, the same tracker: real and fake tensors hold the same bytes
+    got = {r["row"]: r["rehearsal_gib"] for r in real["memory"]}
+    want = {r["row"]: r["rehearsal_gib"] for r in fake["memory"]}
+    assert got == pytest.approx(want, rel=0.02)
