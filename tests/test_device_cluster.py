@@ -76,7 +76,7 @@ def _calibration(folder, device_name, device="cuda", gpu="H200-SXM-141GB", matmu
 
 
 def _node(name="NVIDIA H200", mem_gib=140.4, kind="cuda"):
-    from meshtron.calibrate.saved import NodeDevice
+    from meshtron.calibrate.device import NodeDevice
 
     return NodeDevice(kind, name, int(mem_gib * GIB), 1)
 
@@ -142,7 +142,7 @@ def test_calibrate_records_the_device_it_measured(tmp_path):
     import subprocess
     import sys
 
-    from meshtron.calibrate.saved import NodeDevice
+    from meshtron.calibrate.device import NodeDevice
     from meshtron.train.planning import choose_cluster
 
     out = tmp_path / "local-1.toml"

@@ -74,7 +74,7 @@ def test_device_checks_and_rehearsal_run_on_cpu(dry_run_core):
     g = _ok(dry_run_core, "gputrue")
     assert g["shared_process"] and g["verdicts"] == dict.fromkeys(g["verdicts"], True)
     assert set(g["checks"]) == {"stager_order", "rng_own_device", "recompute_grouped_mm",
-                                "cp_block_mask", "backend_nccl"}
+                                "cp_attention", "backend_nccl"}
     assert g["checks"]["backend_nccl"]["result"]["get_backend"] == "gloo"
     ranks = _ok(dry_run_core, "rehearse")["ranks"]
     assert [ranks[k]["pp_rank"] for k in ("first_stage", "last_stage")] == [0, 1]

@@ -122,7 +122,7 @@ def calibrated(ctx: Ctx):
     """The cluster of this node's calibration that cli_calibrate wrote where `meshtron train
     --plan auto` finds it (the work folder's runs/calibration/local-1.toml), when it applies to
     this device (planning.choose_cluster's rule); None otherwise."""
-    from meshtron.calibrate.saved import this_node
+    from meshtron.calibrate.device import this_node
     from meshtron.train.planning import choose_cluster
 
     path = ctx.work / "runs" / "calibration" / "local-1.toml"

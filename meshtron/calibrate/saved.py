@@ -11,8 +11,8 @@ node); planning an H200 with an A100's GEMM efficiency is worse than the catalog
 written before calibrate recorded the device name (no `device_name`) apply when the device
 kind (cuda / cpu) and the catalogue GPU agree.
 
-Pure functions of the node's device (`NodeDevice`) and the files: the tests inject a device;
-only `this_node` asks torch (and `meshtron plan/cost/simulate` never come here).
+Pure functions of the node's device (device.py's `NodeDevice`) and the files: the tests inject
+a device; only device.py's `this_node` asks torch (`meshtron plan/cost/simulate` never do).
 """
 
 from __future__ import annotations
@@ -22,19 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-@dataclass(frozen=True)
-class NodeDevice:
-    """The device the ranks of this node train on."""
-
-    kind: str
-    """"cuda" or "cpu"."""
-    name: str
-    """As the driver reports it ("NVIDIA H200"); "cpu" on a CPU node."""
-    memory_bytes: int | None = None
-    """Device memory (CUDA), for the catalogue lookup."""
-    local_ranks: int | None = None
-    """Ranks per node the launcher gives (LOCAL_WORLD_SIZE), None: unknown."""
+from meshtron.calibrate.device import NodeDevice, catalogue_gpu
 
 
 @dataclass(frozen=True)
@@ -45,20 +33,6 @@ class Chosen:
     """A planner ClusterSpec."""
     source: str
     """Where its figures come from, e.g. "calibrated on NVIDIA H200: ... (runs/...)"."""
-
-
-def this_node() -> NodeDevice:
-    """This node's first visible GPU, or the CPU (imports torch)."""
-    import os
-
-    import torch
-
-    if not torch.cuda.is_available():
-        return NodeDevice("cpu", "cpu")
-    props = torch.cuda.get_device_properties(0)
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return NodeDevice("cuda", props.name, props.total_memory,
-                      int(local) if local else torch.cuda.device_count())
 
 
 def device_name(device) -> str:
@@ -93,8 +67,6 @@ def applies(record: dict[str, Any] | None, node: NodeDevice) -> bool:
         return _norm(record["device_name"]) == _norm(node.name)
     if node.kind != "cuda":
         return True
-    from meshtron.calibrate.device import catalogue_gpu
-
     return record.get("gpu") == catalogue_gpu(node.name, node.memory_bytes or 0)
 
 

@@ -31,14 +31,14 @@ def local_cluster(world_size: int, cluster: str | None):
 def cluster_choice(world_size: int, cluster: str | None):
     """`choose_cluster` for this node's device (imports torch unless `cluster` is given)."""
     from meshtron.calibrate.cli import default_cluster_path
-    from meshtron.calibrate.saved import NodeDevice, this_node
+    from meshtron.calibrate.device import NodeDevice, this_node
 
     node = NodeDevice("cpu", "cpu") if cluster else this_node()
     return choose_cluster(world_size, cluster, node, default_cluster_path(world_size))
 
 
 def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path):
-    """The cluster for `world_size` local ranks on `node` (a calibrate.saved.NodeDevice) and
+    """The cluster for `world_size` local ranks on `node` (a calibrate.device.NodeDevice) and
     where its figures come from (a `Chosen`): `cluster` as given; else the calibration file
     `calibration` when it was measured on this node's device; else, on a GPU node, the
     catalogue's figures for the detected GPU (its own memory); else the nominal CPU figures
