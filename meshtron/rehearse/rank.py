@@ -261,7 +261,9 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu",
         dev = torch.device("cpu") if device == "cpu" else pm.device
         mode = contextlib.nullcontext() if real else _fake_mode()
         with mode:
-            materialize(pm.model_parts, dev, fill=_keep_empty)
+            # real tensors get the product's initialization (uninitialized memory may hold
+            # NaNs, and a MoE router's choices follow the values); fake ones hold nothing
+            materialize(pm.model_parts, dev, fill=None if real else _keep_empty)
             optimizer = build_optimizer(pm, lr=1e-4)
             tracker = _tracker(pm, optimizer) if dev.type == "cpu" else None
             with tracker or contextlib.nullcontext():  # the tracker sees the states made
