@@ -32,7 +32,8 @@ real tensors: measured peak and compute-only step beside the planner's); hf (the
 a plain Hugging Face loop); offload; eager and compile (the largest Llama-3-8B-shaped model the
 planner fits, with the planner's step time, memory and MFU beside each figure, against the
 catalogue and against this node's calibration, and a profiler window by category); fp8 (bf16
-vs FP8 compiled, half the layers). The ratios the issue targets are computed here (`targets`).
+vs FP8 compiled, half the layers); torch_tests (the CPU tests of the device-explicit pieces
+under the image's torch). The ratios the issue targets are computed here (`targets`).
 Each case's record has its wall `seconds` and `cpu_s` (CPU seconds of it and every process it
 waited for: on a shared machine wall time follows the load, this does not).
 
@@ -89,6 +90,8 @@ CASES = [
     ("compile", "cases:case_compile", 150, 70),  # 73 s
     ("fp8", "cases:case_fp8", 140, 80),  # 68 s
     ("cli_compile", "cli_cases:case_cli_compile", 75, 30),  # 29 s
+    # the CPU tests of the device-explicit pieces under the image's torch (never run there)
+    ("torch_tests", "gputrue:case_torch_tests", 150, 40),
 ]
 TARGETS = {"compiled_over_eager_tokens_per_s": 1.10, "fp8_over_bf16_compiled_tokens_per_s": 1.3,
            "mfu_bf16_compiled": 0.55}
@@ -221,6 +224,8 @@ def _headline(rec: dict) -> str:
         return f"{run['tokens_per_s']:.0f} tokens/s, MFU {run['mfu']:.1%}"
     if "matmul" in r:
         return f"matmul {r['matmul']['tflops']:.1f} TFLOP/s on {r.get('device')}"
+    if "summary" in r and "files" in r:
+        return r["summary"]
     if "verdicts" in r:
         return ", ".join(f"{k} {v}" for k, v in r["verdicts"].items())
     if "ranks" in r:

@@ -294,3 +294,37 @@ def case_gputrue(ctx: C.Ctx) -> None:
     failed = [n for n, r in results.items() if r["exit_code"] != 0]
     if failed:
         raise RuntimeError(f"gputrue checks failed: {', '.join(failed)}")
+
+
+# The CPU tests of the device-explicit pieces and of what this kit checks, under the torch the
+# GPU image carries (2.11 there; CI pins 2.13): private symbols, the torchrun argv, staging,
+# RNG state, recompute ops, the CP flash kernels, the calibration choice.
+TORCH_TESTS = ["tests/test_torch_compat.py", "tests/test_device_init.py", "tests/test_backend.py",
+               "tests/test_staging.py", "tests/test_rng_state.py", "tests/test_recompute_ops.py",
+               "tests/test_device_cluster.py",
+               "tests/test_context_parallel.py::test_without_documents_each_chunk_runs_the_"
+               "flash_kernels_without_a_mask"]
+
+
+def case_torch_tests(ctx: C.Ctx) -> None:
+    """pytest on TORCH_TESTS (dry run: the last one only, the plumbing); pass/fail counts and
+    the failures' summary lines. Needs pytest on the machine (its wheels can travel in .whl/:
+    pytest, pluggy, iniconfig, packaging)."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest") is None:
+        ctx.emit(skipped="pytest is not installed here (carry its wheels in .whl/)")
+        return
+    files = TORCH_TESTS[-1:] if ctx.dry_run else TORCH_TESTS
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-m", "not slow", "-rf", *files], capture_output=True, text=True,
+                          cwd=ROOT, env=env)
+    lines = proc.stdout.splitlines()
+    ctx.emit(files=files, exit_code=proc.returncode, seconds=time.perf_counter() - t0,
+             summary=lines[-1] if lines else "", failed=[x for x in lines
+                                                          if x.startswith("FAILED")][:30])
+    if proc.returncode != 0:
+        raise RuntimeError(f"torch tests: {lines[-1] if lines else proc.stderr[-300:]}")
