@@ -4,7 +4,9 @@
     python3 bench/gpu_check.py --dry-run --out /tmp/x.json               # every case on CPU
 
 On a lent GPU (the image has torch but not torchao / tomli_w: their wheels travel in the
-ignored `.whl/` folder, `carry: [".whl"]`; ../shared/notes/gpu-h200-facts.md), one call:
+ignored `.whl/` folder, `carry: [".whl"]`; ../shared/notes/gpu-h200-facts.md; add
+`pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1` to that download for the torch_tests case, which
+is skipped without pytest), one call:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
