@@ -136,13 +136,14 @@ def test_calibrations_without_a_device_name_match_by_kind_and_catalogue_gpu(tmp_
 
 
 def test_calibrate_records_the_device_it_measured(tmp_path):
-    """`meshtron calibrate` (one CPU rank, real measurements) writes the device's name into
-    its record, so --plan auto on this machine then plans with it."""
+    """`meshtron calibrate` (one rank, real measurements) writes the device's name into its
+    record, so --plan auto on this machine then plans with it (the CPU here; the GPU kit runs
+    this test on a GPU node too)."""
     import json
     import subprocess
     import sys
 
-    from meshtron.calibrate.device import NodeDevice
+    from meshtron.calibrate.device import this_node
     from meshtron.train.planning import choose_cluster
 
     out = tmp_path / "local-1.toml"
@@ -150,6 +151,8 @@ def test_calibrate_records_the_device_it_measured(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads(out.with_suffix(".json").read_text())
-    assert record["device_name"] == "cpu" and record["device"] == "cpu"
-    got = choose_cluster(1, None, NodeDevice("cpu", "cpu"), out)
-    assert got.source.startswith("calibrated on cpu: matmul ") and got.cluster.name == "local-1"
+    node = this_node()
+    assert record["device_name"] == node.name and record["device"] == node.kind
+    got = choose_cluster(1, None, node, out)
+    assert got.source.startswith(f"calibrated on {node.name}: matmul ")
+    assert got.cluster.name == "local-1"
