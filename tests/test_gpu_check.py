@@ -30,11 +30,11 @@ def _kit(tmp_path, *argv, timeout=1500):
     return proc, out
 
 
-CORE = "cli_calibrate,cli_train_auto,eager,fp8,checkpoint,cli_kill_resume,gputrue,rehearse"
+CORE = "cli_calibrate,cli_train_auto,eager,fp8,checkpoint,cli_kill_resume,gputrue"
 """The default suite's dry run: calibrate feeding `--plan auto` (and the eager case's calibrated
 prediction), a halved model (fp8), the checkpointer's stager and a kill and --resume through
-the CLI (the two paths the first GPU run found broken), issue 31's device checks and two
-rehearsed ranks. Every case: -m slow."""
+the CLI (the two paths the first GPU run found broken), issue 31's device checks. Every case
+(the rehearsal too): -m slow."""
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +70,13 @@ def test_plan_auto_plans_with_the_calibration_calibrate_wrote(dry_run_core):
     assert run["calibrated"]["predicted"]["step_time_s"] != run["predicted"]["step_time_s"]
 
 
-def test_device_checks_and_rehearsal_run_on_cpu(dry_run_core):
+def test_device_checks_run_on_cpu(dry_run_core):
     g = _ok(dry_run_core, "gputrue")
     assert g["shared_process"] and g["verdicts"] == dict.fromkeys(g["verdicts"], True)
     assert set(g["checks"]) == {"stager_order", "rng_own_device", "recompute_grouped_mm",
                                 "cp_attention", "backend_nccl"}
     assert g["checks"]["backend_nccl"]["result"]["get_backend"] == "gloo"
-    ranks = _ok(dry_run_core, "rehearse")["ranks"]
-    assert [ranks[k]["pp_rank"] for k in ("first_stage", "last_stage")] == [0, 1]
-    for rank in ranks.values():  # fake tensors on CPU: the planner's allocation vs the peak
-        assert rank["peak_gib"] > 0 and 0.5 < rank["planner_over_measured_peak"] < 2
-        assert rank["measured"].startswith("fake tensors")
+    assert g["checks"]["cp_attention"]["result"]["sdpa_kernel"] == "cpu-flash"
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +157,17 @@ def test_halved_cases_run_plans_built_for_their_own_shape(dry_run):
     assert h["hf"]["params"] == h["model"]["params"]  # the same architecture, HF's code
     assert h["hf"]["tokens_per_s"] > 0 and h["meshtron_over_hf_tokens_per_s"] > 0
     assert h["hf"]["profile"]["us"]["gemm"] > 0
+
+
+@pytest.mark.slow
+def test_rehearsed_ranks_beside_the_planner(dry_run):
+    ranks = _ok(dry_run[0], "rehearse")["ranks"]
+    assert [ranks[k]["pp_rank"] for k in ("first_stage", "last_stage")] == [0, 1]
+    for rank in ranks.values():  # fake tensors on CPU: the planner's allocation vs the peak
+        assert rank["peak_gib"] > 0 and 0.5 < rank["planner_over_measured_peak"] < 2
+        assert rank["measured"].startswith("fake tensors")
+    t = _ok(dry_run[0], "torch_tests")
+    assert t["exit_code"] == 0 and " passed" in t["summary"] and not t["failed"]
 
 
 @pytest.mark.slow

@@ -41,7 +41,8 @@ def _rehearse(plan_file, rank: int, tensors: str) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("rank", [0, 7])  # first and last pipeline stage (tp=2, pp=2, dp=2)
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 7])
+# the last pipeline stage (loss, a received input) by default; the first one in -m slow
 def test_real_tensors_time_the_step_and_match_the_fake_rehearsal(plan_file, rank):
     real = _rehearse(plan_file, rank, "real")
     fake = _rehearse(plan_file, rank, "fake")
