@@ -1,5 +1,6 @@
 """Whether a saved calibration applies to this node, and the words that say where a plan's
-cluster figures come from (train/planning.py's `choose_cluster` decides, in this order): `--cluster` as given; else this node's calibration (`meshtron calibrate` wrote it to
+cluster figures come from. train/planning.py's `choose_cluster` decides, in this order:
+`--cluster` as given; else this node's calibration (`meshtron calibrate` wrote it to
 `runs/calibration/local-N.toml` for N ranks, with what it measured in the `.json` beside it)
 when it was measured on the device this node has; else, on a GPU node, the catalogue's figures
 for the detected GPU (meshtron/calibrate/device.py); else the nominal CPU figures.
