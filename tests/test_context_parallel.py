@@ -350,3 +350,30 @@ def test_document_block_mask_is_exact_and_compiled_on_cuda():
         assert (flex_attention(q, k, v, block) - want).abs().max() < 1e-5
     assert mask_builder(torch.device("cuda")) is _compiled("create_block_mask")
     assert mask_builder(torch.device("cpu")) is not _compiled("create_block_mask")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor",
+                                                               marks=pytest.mark.slow)])
+def test_flash_chunks_trace_under_fullgraph_compile(backend):
+    """The last SDPA attempt (lower-right causal bias) did not trace under
+    torch.compile(fullgraph=True), which compiled blocks use; the per-chunk flash path does and
+    gives eager's output and gradients."""
+    from meshtron.parallel.cp_sdpa import chunk_attention, kernel_for
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 16, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 64, 16, generator=g, requires_grad=True) for _ in range(2))
+
+    def rank_attention(q, k, v):  # rank 1 of cp=4: chunks 1 and 6 of 8
+        kern = kernel_for(q)
+        return torch.cat([chunk_attention(q[:, :, :8], k, v, 1, kern),
+                          chunk_attention(q[:, :, 8:], k, v, 6, kern)], dim=2)
+
+    want = rank_attention(q, k, v)
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    torch._dynamo.reset()
+    got = torch.compile(rank_attention, fullgraph=True, backend=backend)(q, k, v)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    assert (got - want).abs().max() < 1e-5
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max() < 1e-5

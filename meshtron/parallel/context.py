@@ -18,10 +18,10 @@ attention work. RoPE uses the tokens' global positions (`chunk_positions`).
 Without documents, each local query chunk (global chunk j of size c) sees the gathered keys
 [0, jc) fully and the square block [jc, (j+1)c) causally: SDPA's flash kernels with no mask
 (`is_causal=True` on the diagonal block, nothing on the prefix), merged by their log-sum-exp
-(cp_sdpa.py; the split torch's own ring attention makes). An earlier version used SDPA's
-lower-right causal bias over the whole prefix, which does not trace under
-`torch.compile(fullgraph=True)` on torch 2.13, and then FlexAttention with a block mask (~2 GB
-built eagerly at 128k tokens over cp=8). Where the flash kernels do not apply (fp32 on CUDA,
+(cp_sdpa.py; the split torch's own ring attention makes). It traces under
+`torch.compile(fullgraph=True)` (tested with aot_eager and inductor), which SDPA's lower-right
+causal bias over the whole prefix, tried earlier, did not on torch 2.13; FlexAttention with a
+causal block mask (~2 GB built eagerly at 128k tokens over cp=8) was used in between. Where the flash kernels do not apply (fp32 on CUDA,
 head sizes that are not a multiple of 8) the exact boolean-mask path below runs.
 
 Document masks: the document ids come from the gathered token ids (one small all-gather of ints

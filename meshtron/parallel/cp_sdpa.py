@@ -33,6 +33,8 @@ class SdpaKernel:
     """One device's SDPA forward that also returns the log-sum-exp, and its backward."""
 
     name: str
+    device: str
+    """The device type it runs on (its key in KERNELS)."""
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple]]
     """(q, k, v, is_causal, scale) -> (out, lse [b, h, s] fp32, what backward needs)."""
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -64,22 +66,30 @@ def _cuda_backward(dout, q, k, v, out, lse, saved, is_causal, scale):
         scale=scale)
 
 
-KERNELS = {"cpu": SdpaKernel("cpu-flash", _cpu_forward, _cpu_backward),
-           "cuda": SdpaKernel("cuda-flash", _cuda_forward, _cuda_backward)}
+KERNELS = {"cpu": SdpaKernel("cpu-flash", "cpu", _cpu_forward, _cpu_backward),
+           "cuda": SdpaKernel("cuda-flash", "cuda", _cuda_forward, _cuda_backward)}
 _OPS = {"cpu": "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
         "cuda": "torch.ops.aten._scaled_dot_product_flash_attention"}
-"""The private ops each kernel calls (and their `_backward`), feature-detected."""
+"""The private ops each kernel calls (and their `_backward`)."""
+
+
+def _detect() -> dict[str, bool]:
+    from meshtron.torch_compat import available
+
+    return {dev: available(op) and available(op + "_backward") for dev, op in _OPS.items()}
+
+
+_AVAILABLE = _detect()
+"""Which kernels this torch has, found once at import (a constant where torch.compile traces
+`kernel_for`)."""
 
 
 def kernel_for(q: torch.Tensor) -> SdpaKernel | None:
     """The kernel for `q`'s device and shape, or None where the flash kernels do not apply
     (the caller keeps the masked path): a torch without the ops, or on CUDA other than
     16-bit inputs with head sizes that are multiples of 8 up to 256."""
-    from meshtron.torch_compat import available
-
     kern = KERNELS.get(q.device.type)
-    op = _OPS.get(q.device.type)
-    if kern is None or not (available(op) and available(op + "_backward")):
+    if kern is None or not _AVAILABLE[kern.device]:
         return None
     if q.device.type == "cuda" and (q.dtype not in (torch.float16, torch.bfloat16)
                                     or q.shape[-1] % 8 or q.shape[-1] > 256):
@@ -111,6 +121,7 @@ class _ChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, chunk: int, kernel: str, scale: float):
+        """`kernel`: the KERNELS key (a string: what torch.compile can trace through)."""
         kern = KERNELS[kernel]
         c = q.shape[2]
         parts, saved = [], []
@@ -149,6 +160,5 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: in
     gathered sequence's keys (k, v [b, kv_heads, >= (chunk + 1) * c, d]): only the prefix
     they can see is passed on (the rest gets no gradient)."""
     end = (chunk + 1) * q.shape[2]
-    name = next(n for n, kern in KERNELS.items() if kern is kernel)
-    return _ChunkAttention.apply(q, k[:, :, :end], v[:, :, :end], chunk, name,
+    return _ChunkAttention.apply(q, k[:, :, :end], v[:, :, :end], chunk, kernel.device,
                                  q.shape[-1] ** -0.5)
