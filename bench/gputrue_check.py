@@ -8,8 +8,10 @@ for every layout on the GPU (whole, shards, offloaded to the host); `meshtron tr
 process with --compile and with a MoE model (crashed at init before); the backend helper,
 doctor and async-TP decision on a real "cuda:nccl,cpu:gloo" group; the checkpoint stager's
 ordering after queued kernels; per-device RNG state; selective recompute keeping the bf16
-grouped GEMM; context parallelism's compiled block masks (and their memory at 128k tokens);
-and the CPU tests of these items under the device's torch.
+grouped GEMM; context parallelism's attention (flash kernels without documents, compiled block
+masks with them, a mask's memory at 128k tokens); and the CPU tests of these items under the
+device's torch. The device-only checks are the GPU kit's (bench/gpukit/gputrue.py), which runs
+them as its `gputrue` case: prefer `bench/gpu_check.py`, which runs this and more in one call.
 
     python3 bench/gputrue_check.py --out $OUT/gputrue.json          # on the GPU machine
     python3 bench/gputrue_check.py --dry-run --out /tmp/g.json       # the plumbing, on CPU
