@@ -1,6 +1,7 @@
 """The rehearsal's GPU path (real tensors, a timed compute-only step) run on the CPU at toy
 size, device injected: the code `meshtron rehearse --device cuda` runs on a GPU, which no GPU
-has run yet. Each rehearsal in its own process (a fake process group per process)."""
+has run yet. Several rehearsals in one process (each releases its mesh and DTensor's caches
+of it: a second one got the first one's destroyed groups before)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from meshtron.planner.plan import load_plan
 from meshtron.rehearse.run import rehearse
 model = preset("tiny")
 plan = load_plan(sys.argv[1]).validate(8, model)
-report = rehearse(model, plan, resolve_cluster("dgx-h100:1"), "cpu", int(sys.argv[2]),
-                  real=sys.argv[3] == "real")
-print(json.dumps(report))
+out = [rehearse(model, plan, resolve_cluster("dgx-h100:1"), "cpu", int(rank),
+                real=tensors == "real")
+       for rank, tensors in (x.split(":") for x in sys.argv[2:])]
+print(json.dumps(out))
 """
 
 
@@ -34,8 +36,8 @@ def plan_file(tmp_path_factory):
     return path
 
 
-def _rehearse(plan_file, rank: int, tensors: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", RUN, str(plan_file), str(rank), tensors],
+def _rehearse(plan_file, *runs: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-c", RUN, str(plan_file), *runs],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
@@ -44,8 +46,7 @@ def _rehearse(plan_file, rank: int, tensors: str) -> dict:
 @pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 7])
 # the last pipeline stage (loss, a received input) by default; the first one in -m slow
 def test_real_tensors_time_the_step_and_match_the_fake_rehearsal(plan_file, rank):
-    real = _rehearse(plan_file, rank, "real")
-    fake = _rehearse(plan_file, rank, "fake")
+    real, fake = _rehearse(plan_file, f"{rank}:real", f"{rank}:fake")
     assert real["measured"] == "real tensors, torch memory tracker, step timed"
     assert real["step_s"] > 0 and real["planner_compute_s"] > 0
     assert "step_s" not in fake and fake["measured"].startswith("fake tensors")

@@ -251,6 +251,7 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu",
     start = time.perf_counter()
     torch.set_num_threads(1)
     _fake_group(rank, plan.gpus)
+    mesh = None
     try:
         rt = runtime_plan(plan, plan.dtype)
         mesh = build_mesh(rt, device_type=device, spec=spec)
@@ -276,6 +277,10 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu",
         result.update(rank=rank, pp_rank=mesh.get_local_rank("pp"), stages=pm.stage_ids,
                       layers=sum(len(p.layers) for p in pm.model_parts))
     finally:
+        if mesh is not None:  # and DTensor's caches of it: a second rehearsal in this process
+            from meshtron.parallel.mesh import release_mesh  # would get its dead groups
+
+            release_mesh(mesh)
         dist.destroy_process_group()
     result["wall_s"] = time.perf_counter() - start
     return result
