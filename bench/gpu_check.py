@@ -4,14 +4,16 @@
     python3 bench/gpu_check.py --dry-run --out /tmp/x.json               # every case on CPU
 
 On a lent GPU (the image has torch but not torchao / tomli_w: their wheels travel in the
-ignored `.whl/` folder, `carry: [".whl"]`; ../shared/notes/gpu-h200-facts.md), one call:
+ignored `.whl/` folder, `carry: [".whl"]`; ../shared/notes/gpu-h200-facts.md; add
+`pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1` to that download for the torch_tests case, which
+is skipped without pytest), one call:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
-    python3 bench/gpu_check.py --budget 540 --out $OUT/gpu_check.json
+    python3 bench/gpu_check.py --budget 480 --out $OUT/gpu_check.json
 
 (the budget, plus at most 20 s to stop a case at its cap, fits a 600 s call; the cases that
-did not fit run in a second call with `--only NAME,...`).
+did not fit run in a second call with `--only NAME,...`, which the kit prints at its end).
 
 Every case runs in its own process (`--run-case NAME`, bench/gpukit/) with its own time cap,
 inside a total budget: a case that raises, crashes or runs out of time is recorded (exit code,
@@ -21,13 +23,21 @@ short keeps everything measured so far. Cases run most valuable first; one whose
 useful run (its floor) no longer fits the remaining budget is recorded as skipped, and the
 others run with their cap trimmed to what is left.
 
-Cases (bench/gpukit/*.py say what each measures): env (torch, GPU, bf16 matmul ceiling), eager
-and compile (the largest Llama-3-8B-shaped model the planner fits, with the planner's step
-time, memory and MFU beside each figure, and a profiler window by category), fp8 (bf16 vs FP8
-compiled, half the layers), the CLI smoke (calibrate, plan, train, train --plan auto under
-torchrun, a MoE model, --compile, --dtype fp8, kill + --resume, export), checkpoint (sync vs
-async), hf (the same shape as a plain Hugging Face loop) and offload. The ratios the issue
-targets are computed here (`targets`).
+Cases (bench/gpukit/*.py say what each measures, CASES below their order and caps): env
+(torch, GPU, bf16 matmul ceiling); the CLI smoke (calibrate, plan, train, train --plan auto
+under torchrun with checkpoints, planned with the calibration calibrate just wrote, a MoE
+model, --compile, --dtype fp8, kill + --resume, export); gputrue (issue 31's device checks:
+checkpoint stager order, per-device RNG state, the grouped GEMM saved by selective recompute,
+context parallelism's block masks, the backend helper on a real NCCL group); checkpoint (sync
+vs async); rehearse (`meshtron rehearse` of a tp=8 and a pp=4 rank of Llama-3-70B on 64 H200s,
+real tensors: measured peak and compute-only step beside the planner's); hf (the same shape as
+a plain Hugging Face loop); offload; eager and compile (the largest Llama-3-8B-shaped model the
+planner fits, with the planner's step time, memory and MFU beside each figure, against the
+catalogue and against this node's calibration, and a profiler window by category); fp8 (bf16
+vs FP8 compiled, half the layers); torch_tests (the CPU tests of the device-explicit pieces
+under the image's torch). The ratios the issue targets are computed here (`targets`).
+Each case's record has its wall `seconds` and `cpu_s` (CPU seconds of it and every process it
+waited for: on a shared machine wall time follows the load, this does not).
 
 `--dry-run` runs every case on CPU at toy size (same processes, halving, plans and JSON;
 tests/test_gpu_check.py). The kit needs no `pip install`: cases run `python -m meshtron` with
@@ -41,6 +51,7 @@ import collections
 import importlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -53,27 +64,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FORMAT = "meshtron-gpu-check/2"
 
-# (name, module:function, cap seconds, floor seconds), most valuable first. Caps are generous
-# (model init has cost 15-40 s per engine at 4-7B); the floor is the least time in which the
-# case can still say something.
+# (name, module:function, cap seconds, floor seconds). Order: what never ran to its end on a
+# GPU first (the last run, bench/results/gpu_check_h200_2026-12-04.json: two CLI commands died
+# on torch 2.11's DefaultStager, three cases never started within its budget), then what ran
+# there, again for what changed since. Caps: about twice the time measured there (or, never
+# measured, estimated from the shapes), never under 30 s; the floor is the least time in which
+# the case can still say something. A second call with `--only` (printed at the end) runs
+# what did not fit.
 CASES = [
-    ("env", "cases:case_env", 90, 15),
-    ("eager", "cases:case_eager", 240, 60),  # room for a second shape after an OOM
-    ("compile", "cases:case_compile", 260, 70),
-    # the user's path next: cheap, and the first GPU run found two of these commands broken
-    ("cli_train", "cli_cases:case_cli_train", 60, 20),
-    ("cli_train_auto", "cli_cases:case_cli_train_auto", 90, 30),
-    ("cli_moe", "cli_cases:case_cli_moe", 60, 20),
-    ("cli_compile", "cli_cases:case_cli_compile", 120, 40),
-    ("cli_fp8", "cli_cases:case_cli_fp8", 90, 25),
-    ("cli_kill_resume", "cli_cases:case_cli_kill_resume", 150, 40),
-    ("cli_export", "cli_cases:case_cli_export", 60, 15),
-    ("fp8", "cases:case_fp8", 240, 90),
-    ("checkpoint", "cases:case_checkpoint", 120, 40),
-    ("cli_calibrate", "cli_cases:case_cli_calibrate", 120, 30),
-    ("cli_plan", "cli_cases:case_cli_plan", 30, 10),
-    ("hf", "hf_case:case_hf", 200, 60),
-    ("offload", "cases:case_offload", 180, 60),
+    ("env", "cases:case_env", 45, 15),  # 8 s there
+    # 7 s there; writes this node's calibration where `--plan auto` looks (the run's folder):
+    # cli_train_auto then plans with it, and the model cases put its prediction beside
+    ("cli_calibrate", "cli_cases:case_cli_calibrate", 45, 15),
+    ("cli_train_auto", "cli_cases:case_cli_train_auto", 120, 40),  # died at 22 s (stager)
+    ("cli_kill_resume", "cli_cases:case_cli_kill_resume", 150, 45),  # died at 23 s (stager)
+    ("cli_export", "cli_cases:case_cli_export", 45, 15),  # 12 s; exports the resumed run
+    ("gputrue", "gputrue:case_gputrue", 180, 40),  # stager order, RNG, grouped GEMM, CP
+    ("checkpoint", "cases:case_checkpoint", 120, 40),  # never started (budget)
+    ("rehearse", "rehearse_case:case_rehearse", 180, 60),  # 70B ranks on the one GPU; new
+    ("hf", "hf_case:case_hf", 180, 60),  # never started (budget)
+    ("offload", "cases:case_offload", 150, 60),  # never started (budget)
+    ("cli_train", "cli_cases:case_cli_train", 45, 15),  # 15 s there
+    ("cli_moe", "cli_cases:case_cli_moe", 45, 15),  # 13 s
+    ("cli_fp8", "cli_cases:case_cli_fp8", 45, 15),  # 14 s
+    ("cli_plan", "cli_cases:case_cli_plan", 30, 5),  # 1 s
+    ("eager", "cases:case_eager", 140, 60),  # 69 s; room for a second shape after an OOM
+    ("compile", "cases:case_compile", 150, 70),  # 73 s
+    ("fp8", "cases:case_fp8", 140, 80),  # 68 s
+    ("cli_compile", "cli_cases:case_cli_compile", 75, 30),  # 29 s
+    # the CPU tests of the device-explicit pieces under the image's torch (never run there)
+    ("torch_tests", "gputrue:case_torch_tests", 150, 40),
 ]
 TARGETS = {"compiled_over_eager_tokens_per_s": 1.10, "fp8_over_bf16_compiled_tokens_per_s": 1.3,
            "mfu_bf16_compiled": 0.55}
@@ -119,6 +139,11 @@ def _stop(proc: subprocess.Popen) -> None:
             return
 
 
+def _children_cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
 def run_one(args, name: str, cap: float, work: Path, logs: Path, report: dict) -> dict:
     """Run case `name` in its own process, at most `cap` seconds; its record."""
     case_out = work / f"{name}.json"
@@ -127,7 +152,7 @@ def run_one(args, name: str, cap: float, work: Path, logs: Path, report: dict) -
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if args.dry_run:
         env.setdefault("OMP_NUM_THREADS", "1")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
     proc = subprocess.Popen(_child_argv(args, name, case_out, work, report), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=work,
                             start_new_session=True)
@@ -143,6 +168,9 @@ def run_one(args, name: str, cap: float, work: Path, logs: Path, report: dict) -
         rec.update(status="timeout", exit_code=proc.returncode)
     pump.join(timeout=5)
     rec["seconds"] = round(time.perf_counter() - t0, 2)
+    # CPU seconds of the case and every process it waited for: on a shared machine the wall
+    # time follows the load, this does not
+    rec["cpu_s"] = round(_children_cpu_s() - cpu0, 2)
     try:
         rec["result"] = json.loads(case_out.read_text())
     except (OSError, ValueError):
@@ -198,6 +226,14 @@ def _headline(rec: dict) -> str:
         return f"{run['tokens_per_s']:.0f} tokens/s, MFU {run['mfu']:.1%}"
     if "matmul" in r:
         return f"matmul {r['matmul']['tflops']:.1f} TFLOP/s on {r.get('device')}"
+    if "summary" in r and "files" in r:
+        return r["summary"]
+    if "verdicts" in r:
+        return ", ".join(f"{k} {v}" for k, v in r["verdicts"].items())
+    if "ranks" in r:
+        return "; ".join(f"{k}: peak {v['peak_gib']:.2f} GiB (planner {v['planner_allocated_gib']:.2f})"
+                         + (f", step {v['step_s']:.3f} s (planner {v['planner_compute_s']:.3f})"
+                            if "step_s" in v else "") for k, v in r["ranks"].items())
     for key in ("fp8_over_bf16_tokens_per_s", "meshtron_over_hf_tokens_per_s",
                 "offloaded_over_device_step_time", "async_blocking_over_sync"):
         if r.get(key) is not None:
@@ -237,6 +273,7 @@ def drive(args) -> dict:
                 rec = run_one(args, name, min(cap, left), work, logs, report)
             report["cases"][name] = rec
             report["wall_s"] = round(time.perf_counter() - t0, 2)
+            report["cpu_s"] = round(sum(r.get("cpu_s", 0) for r in report["cases"].values()), 2)
             write(report, out)
             say(f"[{time.perf_counter() - t0:6.1f} s] {name}: {rec['status']} "
                 f"{rec.get('seconds', 0):.1f} s  {_headline(rec)}")

@@ -35,6 +35,15 @@ PRIVATE_APIS: dict[str, str] = {
         "context parallelism's K/V all-gather (parallel/context.py; torch 2.13 name)",
     "torch.distributed._functional_collectives.all_gather_tensor":
         "context parallelism's K/V all-gather on torch before all_gather_single (2.11)",
+    "torch.ops.aten._scaled_dot_product_flash_attention":
+        "context parallelism without documents: SDPA's CUDA flash kernel with its "
+        "log-sum-exp (parallel/cp_sdpa.py; the masked path without it)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_backward":
+        "context parallelism without documents, CUDA backward (parallel/cp_sdpa.py)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu":
+        "context parallelism without documents: SDPA's CPU flash kernel (parallel/cp_sdpa.py)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward":
+        "context parallelism without documents, CPU backward (parallel/cp_sdpa.py)",
     "torch.distributed._functional_collectives.all_to_all_single_autograd":
         "expert parallelism's token exchange (parallel/expert.py)",
     "torch.distributed._functional_collectives.AsyncCollectiveTensor":

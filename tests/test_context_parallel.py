@@ -274,33 +274,106 @@ def test_chunks_cover_the_sequence_balanced():
         assert len(work) == 1
 
 
-def test_causal_block_mask_is_built_once_and_compiled_on_cuda():
-    """Without documents the CUDA path's block mask depends only on the sequence length and
-    the rank: built once and kept (it was rebuilt eagerly every forward, ~2 GB at 128k tokens
-    over cp=8); with documents it is rebuilt. On CUDA the builder is the compiled one."""
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.seen[name] = self.seen.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_without_documents_each_chunk_runs_the_flash_kernels_without_a_mask(dtype):
+    """Issue 31: a query chunk's attention is SDPA's flash kernel on the square diagonal block
+    (is_causal) and on the prefix before it (no mask), merged by log-sum-exp; forward and
+    backward equal the masked reference (the CPU kernel here; the CUDA one is the same code
+    with the CUDA ops, checked by the GPU kit's gputrue case). Chunk 0 has no prefix."""
+    import torch.nn.functional as F
+
+    from meshtron.parallel.cp_sdpa import chunk_attention, kernel_for
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv, d, c = 2, 8, 2, 16, 8
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 0.04}[dtype]
+    for chunk in (0, 1, 3):
+        seq = (chunk + 2) * c  # keys beyond the chunk's prefix exist and get no gradient
+        q = torch.randn(b, heads, c, d, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(b, kv, seq, d, generator=g, dtype=torch.float64)
+                for _ in range(2))
+        dout = torch.randn(b, heads, c, d, generator=g, dtype=torch.float64)
+        got_in = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        ops = _CountOps()
+        with ops:
+            out = chunk_attention(*got_in, chunk, kernel_for(got_in[0]))
+            out.backward(dout.to(dtype))
+        flash = ops.seen.get("_scaled_dot_product_flash_attention_for_cpu", 0)
+        assert flash == (1 if chunk == 0 else 2), ops.seen
+        assert ops.seen.get("_scaled_dot_product_flash_attention_for_cpu_backward") == flash
+        assert "tril" not in ops.seen and "logical_and" not in ops.seen  # no mask is built
+        ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        end = (chunk + 1) * c
+        mask = torch.ones(c, end, dtype=torch.bool).tril(end - c)
+        ref = F.scaled_dot_product_attention(ref_in[0], ref_in[1][:, :, :end],
+                                             ref_in[2][:, :, :end], attn_mask=mask,
+                                             enable_gqa=True)
+        ref.backward(dout)
+        assert (out.double() - ref).abs().max() < tol, (chunk, dtype)
+        for a, r in zip(got_in, ref_in):
+            assert (a.grad.double() - r.grad).abs().max() < tol * 2, (chunk, dtype)
+        assert not got_in[1].grad[:, :, end:].any()
+
+
+def test_document_block_mask_is_exact_and_compiled_on_cuda():
+    """With documents the CUDA path's FlexAttention block mask (built per forward by the
+    compiled builder on CUDA) equals the dense causal-and-document mask."""
     import torch.nn.functional as F
 
     from meshtron.model.attention import _compiled
-    from meshtron.parallel.context import ContextParallel, chunk_positions, flex_attention
+    from meshtron.parallel.context import block_mask, chunk_positions, flex_attention
     from meshtron.parallel.context import mask_builder
 
-    cp = ContextParallel(None, cp=2, rank=1)
     pos = chunk_positions(SEQ, 2, 1)
-    first = cp.block_for(pos, None, None, BATCH, SEQ)
-    assert cp.block_for(pos, None, None, BATCH, SEQ) is first
     doc = torch.zeros(BATCH, SEQ, dtype=torch.long)
     doc[:, SEQ // 2:] = 1
-    with_docs = cp.block_for(pos, doc[:, pos], doc, BATCH, SEQ)
-    assert with_docs is not first and cp.block_for(pos, doc[:, pos], doc, BATCH, SEQ) \
-        is not with_docs
+    doc[1, 3 * SEQ // 4:] = 2
+    block = block_mask(pos, doc[:, pos], doc, BATCH, SEQ)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(BATCH, 4, SEQ // 2, 16, generator=g)
     k, v = (torch.randn(BATCH, 2, SEQ, 16, generator=g) for _ in range(2))
-    causal = torch.arange(SEQ)[None, :] <= pos[:, None]
-    for block, mask in ((first, causal), (with_docs, causal & (doc[:, None, pos, None]
-                                                               == doc[:, None, None, :]))):
-        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        with torch.no_grad():
-            assert (flex_attention(q, k, v, block) - want).abs().max() < 1e-5
+    mask = (torch.arange(SEQ)[None, :] <= pos[:, None]) & (doc[:, None, pos, None]
+                                                             == doc[:, None, None, :])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with torch.no_grad():
+        assert (flex_attention(q, k, v, block) - want).abs().max() < 1e-5
     assert mask_builder(torch.device("cuda")) is _compiled("create_block_mask")
     assert mask_builder(torch.device("cpu")) is not _compiled("create_block_mask")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor",
+                                                               marks=pytest.mark.slow)])
+def test_flash_chunks_trace_under_fullgraph_compile(backend):
+    """The last SDPA attempt (lower-right causal bias) did not trace under
+    torch.compile(fullgraph=True), which compiled blocks use; the per-chunk flash path does and
+    gives eager's output and gradients."""
+    from meshtron.parallel.cp_sdpa import chunk_attention, kernel_for
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 16, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 64, 16, generator=g, requires_grad=True) for _ in range(2))
+
+    def rank_attention(q, k, v):  # rank 1 of cp=4: chunks 1 and 6 of 8
+        kern = kernel_for(q)
+        return torch.cat([chunk_attention(q[:, :, :8], k, v, 1, kern),
+                          chunk_attention(q[:, :, 8:], k, v, 6, kern)], dim=2)
+
+    want = rank_attention(q, k, v)
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    torch._dynamo.reset()
+    got = torch.compile(rank_attention, fullgraph=True, backend=backend)(q, k, v)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    assert (got - want).abs().max() < 1e-5
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max() < 1e-5

@@ -53,3 +53,106 @@ def test_plan_auto_fits_a_real_model_on_the_detected_gpu():
     best = search_plans(preset("llama3-8b"), c, 64, 4096, {"dtype": "bf16"}, top_k=1,
                         explain=False).best
     assert best is not None and best.memory.total <= c.memory_gib
+
+
+# ---- which cluster --plan auto plans for: a calibration of this device, else the catalogue ----
+def _calibration(folder, device_name, device="cuda", gpu="H200-SXM-141GB", matmul=654.0):
+    """What `meshtron calibrate` leaves: the cluster TOML and the record beside it."""
+    import json
+
+    import tomli_w
+
+    from meshtron.calibrate.measure import Calibration, Level
+
+    cal = Calibration(world_size=1, device=device, backend="none", dtype="bfloat16",
+                      matmul_tflops=matmul, memory_gb_per_s=4134.0, memory_gib=140.4,
+                      gpu=gpu, device_name=device_name,
+                      intra=Level(group_size=1, latency_us=1.0, bandwidth_gb_per_s=4134.0))
+    path = folder / "local-1.toml"
+    path.write_text(tomli_w.dumps(cal.cluster_dict(name="local-1")))
+    record = {k: v for k, v in vars(cal).items() if k not in ("intra", "inter")}
+    path.with_suffix(".json").write_text(json.dumps(record))
+    return path
+
+
+def _node(name="NVIDIA H200", mem_gib=140.4, kind="cuda"):
+    from meshtron.calibrate.device import NodeDevice
+
+    return NodeDevice(kind, name, int(mem_gib * GIB), 1)
+
+
+def test_plan_auto_uses_the_calibration_of_this_gpu_and_says_so(tmp_path):
+    """The H200's measured 654 TFLOP/s (66% of its 989 peak) is what --plan auto predicts
+    with, not the catalogue's ceiling: a slower predicted step, and the source says where."""
+    from meshtron.model import preset
+    from meshtron.planner.search import search_plans
+    from meshtron.train.planning import choose_cluster
+
+    path = _calibration(tmp_path, "NVIDIA H200")
+    got = choose_cluster(1, None, _node(), path)
+    assert got.cluster.name == "local-1" and got.cluster.matmul_efficiency == pytest.approx(
+        654 / 989, abs=1e-4)
+    assert got.source.startswith("calibrated on NVIDIA H200: matmul 654 TFLOP/s, memory "
+                                 "4134 GB/s") and str(path) in got.source
+    catalogue = choose_cluster(1, None, _node(), tmp_path / "absent.toml")
+    assert catalogue.cluster.name.startswith("detected-H200")
+    assert catalogue.source.startswith("catalogue figures for the detected NVIDIA H200")
+
+    def step(cluster):
+        return search_plans(preset("llama3-8b"), cluster, 8, 4096, {"dtype": "bf16"},
+                            top_k=1, explain=False).best.step_time_s
+
+    assert step(got.cluster) > step(catalogue.cluster)
+
+
+def test_a_calibration_of_another_device_is_not_used_and_the_plan_says_why(tmp_path):
+    from meshtron.train.planning import choose_cluster
+
+    path = _calibration(tmp_path, "NVIDIA A100-SXM4-80GB", gpu="A100-SXM4-80GB", matmul=250.0)
+    got = choose_cluster(1, None, _node(), path)
+    assert got.cluster.name.startswith("detected-H200")
+    assert f"{path} is calibrated on NVIDIA A100-SXM4-80GB" in got.source
+    assert got.source.endswith("not this node's NVIDIA H200: not used")
+    # a GPU's calibration on a CPU machine (a run folder copied off the node): nominal figures
+    cpu = choose_cluster(1, None, _node("cpu", 0, "cpu"), path)
+    assert cpu.cluster.name == "nominal-cpu" and "not used" in cpu.source
+    # --cluster wins over everything
+    given = choose_cluster(1, "dgx-h100:1", _node(), path)
+    assert given.source == "--cluster dgx-h100:1" and given.cluster.gpu == "H100-SXM5-80GB"
+
+
+def test_calibrations_without_a_device_name_match_by_kind_and_catalogue_gpu(tmp_path):
+    """Files written before calibrate recorded the device's name: the kind and the catalogue
+    GPU decide; a hand-written cluster file in the default path (no record) is the user's."""
+    from meshtron.calibrate.saved import applies
+
+    old = {"device": "cuda", "gpu": "H200-SXM-141GB"}
+    assert applies(old, _node()) and applies(old, _node("NVIDIA GH200 480GB", 94.5))
+    assert not applies(old, _node("NVIDIA H100 80GB HBM3", 79.6))
+    assert not applies({"device": "cpu"}, _node())
+    assert applies({"device": "cpu", "device_name": "cpu"}, _node("cpu", 0, "cpu"))
+    assert applies(None, _node())
+    assert applies({"device": "cuda", "device_name": "nvidia  h200"}, _node())
+
+
+def test_calibrate_records_the_device_it_measured(tmp_path):
+    """`meshtron calibrate` (one rank, real measurements) writes the device's name into its
+    record, so --plan auto on this machine then plans with it (the CPU here; the GPU kit runs
+    this test on a GPU node too)."""
+    import json
+    import subprocess
+    import sys
+
+    from meshtron.calibrate.device import this_node
+    from meshtron.train.planning import choose_cluster
+
+    out = tmp_path / "local-1.toml"
+    proc = subprocess.run([sys.executable, "-m", "meshtron", "calibrate", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.with_suffix(".json").read_text())
+    node = this_node()
+    assert record["device_name"] == node.name and record["device"] == node.kind
+    got = choose_cluster(1, None, node, out)
+    assert got.source.startswith(f"calibrated on {node.name}: matmul ")
+    assert got.cluster.name == "local-1"

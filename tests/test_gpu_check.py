@@ -30,9 +30,11 @@ def _kit(tmp_path, *argv, timeout=1500):
     return proc, out
 
 
-CORE = "eager,fp8,checkpoint,cli_kill_resume"
-"""The default suite's dry run: a halved model (fp8), the checkpointer's stager and a kill and
---resume through the CLI (the two paths the first GPU run found broken). Every case: -m slow."""
+CORE = "cli_calibrate,cli_train_auto,eager,fp8,checkpoint,cli_kill_resume,gputrue"
+"""The default suite's dry run: calibrate feeding `--plan auto` (and the eager case's calibrated
+prediction), a halved model (fp8), the checkpointer's stager and a kill and --resume through
+the CLI (the two paths the first GPU run found broken), issue 31's device checks. Every case
+(the rehearsal too): -m slow."""
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,28 @@ def test_core_cases_on_cpu(dry_run_core):
     assert c["bytes"] > 0 and c["commit_s"]["async"][0] > 0
     k = _ok(r, "cli_kill_resume")
     assert k["killed"] and k["killed_after"] and "resumed from" in k["resumed_line"]
+    assert all(rec["cpu_s"] > 0 for rec in r["cases"].values())
+
+
+def test_plan_auto_plans_with_the_calibration_calibrate_wrote(dry_run_core):
+    r = dry_run_core
+    cal = _ok(r, "cli_calibrate")
+    assert cal["device_name"] == "cpu" and cal["matmul_tflops"] > 0
+    auto = _ok(r, "cli_train_auto")
+    assert auto["cluster_source"].startswith("calibrated on cpu: matmul ")
+    assert "runs/calibration/local-1.toml" in auto["plan_line"] and auto["checkpoints"]
+    run = _ok(r, "eager")["run"]  # the calibrated prediction beside the catalogue's
+    assert run["calibrated"]["predicted"]["step_time_s"] > 0
+    assert run["calibrated"]["predicted"]["step_time_s"] != run["predicted"]["step_time_s"]
+
+
+def test_device_checks_run_on_cpu(dry_run_core):
+    g = _ok(dry_run_core, "gputrue")
+    assert g["shared_process"] and g["verdicts"] == dict.fromkeys(g["verdicts"], True)
+    assert set(g["checks"]) == {"stager_order", "rng_own_device", "recompute_grouped_mm",
+                                "cp_attention", "backend_nccl"}
+    assert g["checks"]["backend_nccl"]["result"]["get_backend"] == "gloo"
+    assert g["checks"]["cp_attention"]["result"]["sdpa_kernel"] == "cpu-flash"
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +157,17 @@ def test_halved_cases_run_plans_built_for_their_own_shape(dry_run):
     assert h["hf"]["params"] == h["model"]["params"]  # the same architecture, HF's code
     assert h["hf"]["tokens_per_s"] > 0 and h["meshtron_over_hf_tokens_per_s"] > 0
     assert h["hf"]["profile"]["us"]["gemm"] > 0
+
+
+@pytest.mark.slow
+def test_rehearsed_ranks_beside_the_planner(dry_run):
+    ranks = _ok(dry_run[0], "rehearse")["ranks"]
+    assert [ranks[k]["pp_rank"] for k in ("first_stage", "last_stage")] == [0, 1]
+    for rank in ranks.values():  # fake tensors on CPU: the planner's allocation vs the peak
+        assert rank["peak_gib"] > 0 and 0.5 < rank["planner_over_measured_peak"] < 2
+        assert rank["measured"].startswith("fake tensors")
+    t = _ok(dry_run[0], "torch_tests")
+    assert t["exit_code"] == 0 and " passed" in t["summary"] and not t["failed"]
 
 
 @pytest.mark.slow

@@ -110,6 +110,9 @@ def _measure(ctx, key, out, eng, spec, plan, clus, dev, est, compiled, profile) 
     times, losses = C.timed(step, dev, ctx.steps)
     fig = C.figures(times, spec, ctx, clus, dev)
     out.update(fig, losses=losses, **C.beside(fig, C.predicted(est)))
+    cal = C.calibrated(ctx)
+    if cal is not None:  # what `--plan auto` predicts on this node, once calibrated
+        out["calibrated"] = C.beside(fig, C.predicted(C.evaluate(spec, cal, ctx, plan)))
     out["memory"] = _states(eng, spec, plan, clus)
     ctx.emit(**{key: out})
     if profile:

@@ -7,6 +7,7 @@ fewer steps. Nothing here imports torch: a case is a command and what it left be
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -129,12 +130,22 @@ def _toy(ctx: Ctx, steps: int, gpu_steps: int) -> list[str]:
     return ["--steps", str(gpu_steps)]
 
 
+def calibration(ctx: Ctx) -> Path:
+    """Where `meshtron calibrate` writes a 1-rank calibration run from the kit's work folder
+    (every command runs there), which is where `meshtron train --plan auto` looks for it."""
+    return ctx.work / "runs" / "calibration" / "local-1.toml"
+
+
 def case_cli_calibrate(ctx: Ctx) -> None:
-    run(ctx, "calibrate", ["calibrate", "--out", str(ctx.work / "calibrated.toml")], 240)
+    run(ctx, "calibrate", ["calibrate"], 240)
+    record = json.loads(calibration(ctx).with_suffix(".json").read_text())
+    ctx.emit(file=str(calibration(ctx)), **{k: record.get(k) for k in (
+        "device_name", "gpu", "matmul_tflops", "memory_gb_per_s", "elementwise_gb_per_s",
+        "kernel_overhead_us")})
 
 
 def case_cli_plan(ctx: Ctx) -> None:
-    cal = ctx.work / "calibrated.toml"
+    cal = calibration(ctx)
     cluster = str(cal) if cal.is_file() else "dgx-h200:1"  # cli_calibrate's, else a preset
     model, batch = ("tiny", ["--global-batch", "2", "--seq-len", "32"]) if ctx.dry_run else (
         "llama3-8b", ["--global-batch", "8", "--seq-len", "4096"])
@@ -149,11 +160,22 @@ def case_cli_train(ctx: Ctx) -> None:
 
 
 def case_cli_train_auto(ctx: Ctx) -> None:
-    """torchrun, one rank, the planner's plan, periodic checkpoints."""
+    """torchrun, one rank, the planner's plan, periodic checkpoints; the plan line says which
+    cluster figures it planned with: this node's calibration when cli_calibrate wrote one."""
     d = ctx.work / "run-auto"
-    run(ctx, "train_auto", ["train", "--model", "debug", *_toy(ctx, 4, 30), "--checkpoint-every",
-                            "2" if ctx.dry_run else "10", "--plan", "auto", "--run-dir", str(d)],
-        240, d)
+    rec = run(ctx, "train_auto", ["train", "--model", "debug", *_toy(ctx, 4, 30),
+                                  "--checkpoint-every", "2" if ctx.dry_run else "10", "--plan",
+                                  "auto", "--run-dir", str(d)], 240, d)
+    text = (ctx.work / "cli-train_auto.out").read_text(errors="replace")
+    line = " ".join(x for x in text.splitlines() if x.startswith("plan ") or "cluster:" in x)
+    source = line.split("cluster: ", 1)[1].strip() if "cluster: " in line else None
+    ctx.emit(plan_line=line, cluster_source=source, checkpoints=_committed(d))
+    if calibration(ctx).is_file() and not (source or "").startswith("calibrated on"):
+        raise RuntimeError(f"--plan auto did not plan with this node's calibration "
+                           f"{calibration(ctx)}: {source!r}")
+    if not _committed(d):
+        raise RuntimeError(f"--checkpoint-every: no committed checkpoint in {d} "
+                           f"(exit {rec['exit_code']})")
 
 
 def case_cli_moe(ctx: Ctx) -> None:

@@ -118,6 +118,20 @@ def cluster(ctx: Ctx):
     return device_cluster(1)
 
 
+def calibrated(ctx: Ctx):
+    """The cluster of this node's calibration that cli_calibrate wrote where `meshtron train
+    --plan auto` finds it (the work folder's runs/calibration/local-1.toml), when it applies to
+    this device (planning.choose_cluster's rule); None otherwise."""
+    from meshtron.calibrate.device import this_node
+    from meshtron.train.planning import choose_cluster
+
+    path = ctx.work / "runs" / "calibration" / "local-1.toml"
+    if not path.is_file():
+        return None
+    chosen = choose_cluster(1, None, this_node(), path)
+    return chosen.cluster if chosen.source.startswith("calibrated") else None
+
+
 def shape(ctx: Ctx, layers: int):
     """The base model (llama3-8b's widths, 128k vocabulary; dry run: tiny) with `layers`."""
     from meshtron.model import preset

@@ -4,12 +4,30 @@ the world as the launcher gives it. `meshtron calibrate` refines this with measu
 nominal CPU figures are never used for a GPU.
 
 The name -> catalogue mapping and the cluster are pure functions of the device properties
-(tested on the names drivers report); only `device_cluster` asks torch.
+(tested on the names drivers report); only `this_node` (and `device_cluster` through it) asks
+torch. calibrate/saved.py decides whether a calibration file applies to this node's device.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshtron.errors import UserError
+
+
+@dataclass(frozen=True)
+class NodeDevice:
+    """The device the ranks of this node train on."""
+
+    kind: str
+    """"cuda" or "cpu"."""
+    name: str
+    """As the driver reports it ("NVIDIA H200"); "cpu" on a CPU node."""
+    memory_bytes: int | None = None
+    """Device memory (CUDA), for the catalogue lookup."""
+    local_ranks: int | None = None
+    """Ranks per node the launcher gives (LOCAL_WORLD_SIZE), None: unknown."""
+
 
 # Substrings of `torch.cuda.get_device_properties(i).name` (lower case) -> catalogue entry,
 # first match wins. Names as the drivers report them: "NVIDIA H100 80GB HBM3" (SXM),
@@ -63,13 +81,22 @@ def detected_cluster(device_name: str, total_memory_bytes: int, world_size: int,
 def device_cluster(world_size: int):
     """`detected_cluster` for this node's first visible GPU, nodes of LOCAL_WORLD_SIZE ranks
     (the launcher's), or None without CUDA."""
+    node = this_node()
+    if node.kind != "cuda":
+        return None
+    return detected_cluster(node.name, node.memory_bytes or 0, world_size,
+                            node.local_ranks or world_size)
+
+
+def this_node() -> NodeDevice:
+    """This node's first visible GPU, or the CPU (imports torch)."""
     import os
 
     import torch
 
     if not torch.cuda.is_available():
-        return None
+        return NodeDevice("cpu", "cpu")
     props = torch.cuda.get_device_properties(0)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size,
-                                                          torch.cuda.device_count())))
-    return detected_cluster(props.name, props.total_memory, world_size, per_node)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return NodeDevice("cuda", props.name, props.total_memory,
+                      int(local) if local else torch.cuda.device_count())

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from meshtron.calibrate.kernels import (measure_elementwise, measure_gemm_shapes,
                                         measure_kernel_overhead, measure_matmul,
                                         measure_memory_bandwidth, sync)
+from meshtron.calibrate.saved import device_name
 from meshtron.planner import comm
 from meshtron.planner.comm import Group
 from meshtron.torch_compat import all_gather_into, reduce_scatter_into
@@ -86,6 +87,9 @@ class Calibration:
     """Nodes the ranks span."""
     gpu: str | None = None
     """Catalogue name of the device when recognised (CUDA)."""
+    device_name: str = ""
+    """The device as its driver names it ("NVIDIA H200"; "cpu"): `--plan auto` uses this
+    calibration only on that device (calibrate/saved.py)."""
     gemm: list[dict[str, float]] = field(default_factory=list)
     """Transformer GEMM shapes: m, n, k and the slowest rank's TFLOP/s."""
     elementwise_gb_per_s: dict[str, float] = field(default_factory=dict)
@@ -345,19 +349,14 @@ def memory_per_rank_gib(device: torch.device, local_ranks: int) -> float:
 
 
 def catalogue_gpu(device: torch.device) -> str | None:
-    """The catalogue entry matching this CUDA device's name and memory, if any."""
+    """The catalogue entry of this CUDA device (calibrate/device.py's name and memory rules,
+    the same ones `--plan auto` detects it by), if any."""
     if device.type != "cuda":
         return None
-    from meshtron.planner.cluster import GPU_CATALOGUE
+    from meshtron.calibrate.device import catalogue_gpu as by_name
 
     props = torch.cuda.get_device_properties(device)
-    name = props.name.upper().replace(" ", "-")
-    gib = props.total_memory / 2**30
-    for key, g in GPU_CATALOGUE.items():
-        model = key.split("-")[0]
-        if model in name and abs(g.memory_gib - gib) / g.memory_gib < 0.1:
-            return key
-    return None
+    return by_name(props.name, props.total_memory)
 
 
 def _slowest(values: list[float], device: torch.device) -> list[float]:
@@ -399,7 +398,8 @@ def calibrate(device: torch.device, sizes: list[int] | None = None) -> Calibrati
                       memory_gb_per_s=rates[1],
                       memory_gib=memory_per_rank_gib(device, len(intra[0])),
                       gpus_per_node=min(len(g) for g in intra), nodes=len(intra),
-                      gpu=catalogue_gpu(device), gemm=gemm, elementwise_gb_per_s=elementwise,
+                      gpu=catalogue_gpu(device), device_name=device_name(device), gemm=gemm,
+                      elementwise_gb_per_s=elementwise,
                       kernel_overhead_us=overhead)
     sizes = sizes or (CPU_SIZES if device.type == "cpu" else GPU_SIZES)
     if len(intra[0]) > 1:

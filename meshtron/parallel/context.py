@@ -13,24 +13,22 @@ reduce-scatters dK and dV (the autograd of `all_gather_single`).
 
 Causal load balancing (Llama 3; torchtitan's "head-tail" sharding): each sequence is cut into
 2*cp chunks and rank r holds chunks r and 2*cp-1-r, so every rank has the same amount of causal
-attention work. RoPE uses the tokens' global positions (`chunk_positions`). Each of the two
-local query chunks attends to the prefix of the gathered keys it can see: with SDPA's lower-right
-causal bias (`causal_lower_right`), a flash kernel on CUDA, no mask tensor. Document masks: the
-document ids come from the gathered token ids (one small all-gather of ints per forward, reusing
-`document_positions`); on CUDA the mask is a FlexAttention block mask built from a `mask_mod`
-(no S x S tensor); on CPU, where FlexAttention has no backward, an exact boolean mask per query
-chunk ([chunk, prefix]).
+attention work. RoPE uses the tokens' global positions (`chunk_positions`).
 
-Block masks on CUDA: built by the compiled `create_block_mask` (eager, it evaluates the mask_mod
-over a dense [seq/cp, seq] grid first: ~2 GB at 128k tokens over cp=8). Without documents the
-mask depends only on the sequence length and the rank, so it is built once per length and kept
-(`ContextParallel.block_for`); with documents, once per forward (the ids change every batch) and
-shared by every layer. Why not SDPA without documents: each local query chunk attends to a key
-prefix with lower-right causal alignment, which SDPA expresses only as
-`torch.nn.attention.bias.causal_lower_right`, and that object does not trace under
-`torch.compile(fullgraph=True)` (torch 2.13: "Calling subclass default constructor with more
-than tensor argument"), which compiled blocks use; torch's own ring attention replaces SDPA
-process-wide (above).
+Without documents, each local query chunk (global chunk j of size c) sees the gathered keys
+[0, jc) fully and the square block [jc, (j+1)c) causally: SDPA's flash kernels with no mask
+(`is_causal=True` on the diagonal block, nothing on the prefix), merged by their log-sum-exp
+(cp_sdpa.py; the split torch's own ring attention makes). It traces under
+`torch.compile(fullgraph=True)` (tested with aot_eager and inductor), which SDPA's lower-right
+causal bias over the whole prefix, tried earlier, did not on torch 2.13; FlexAttention with a
+causal block mask (~2 GB built eagerly at 128k tokens over cp=8) was used in between. Where the flash kernels do not apply (fp32 on CUDA,
+head sizes that are not a multiple of 8) the exact boolean-mask path below runs.
+
+Document masks: the document ids come from the gathered token ids (one small all-gather of ints
+per forward, reusing `document_positions`); on CUDA the mask is a FlexAttention block mask built
+by the compiled `create_block_mask` from a `mask_mod` (no S x S tensor), once per forward (the
+ids change every batch) and shared by every layer; on CPU, where FlexAttention has no backward,
+an exact boolean mask per query chunk ([chunk, prefix]).
 
 Use: `apply_context_parallel(model, group)` sets `model.context_parallel`; the model's forward
 then takes this rank's chunks (`shard_batch`) and its attention calls `ContextParallel.attend`.
@@ -49,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.errors import UserError
+from meshtron.parallel.cp_sdpa import chunk_attention, kernel_for
 
 
 def check_sequence(seq_len: int, cp: int) -> None:
@@ -122,8 +121,10 @@ class ContextParallel:
         self.group = group
         self.cp = dist.get_world_size(group) if cp is None else cp
         self.rank = dist.get_rank(group) if rank is None else rank
-        self._causal_blocks: dict[tuple[int, str], Any] = {}
-        """Causal block masks (no documents) by (sequence length, device)."""
+
+    def chunks(self) -> tuple[int, int]:
+        """The global indices of this rank's two chunks (of 2*cp)."""
+        return self.rank, 2 * self.cp - 1 - self.rank
 
     def context(self, tokens: torch.Tensor, model: Any) -> AttentionContext:
         """The attention context of one forward of `model` on this rank's `tokens` ([b, seq/cp]
@@ -144,36 +145,30 @@ class ContextParallel:
             q_doc = kv_doc[:, pos]
             angles = table[:, doc_pos[:, pos]] if table is not None else None
         block = None
-        if tokens.is_cuda:  # FlexAttention; the mask is shared by every layer
-            block = self.block_for(pos, q_doc, kv_doc, tokens.shape[0], seq)
+        if tokens.is_cuda and q_doc is not None:  # FlexAttention, shared by every layer
+            block = block_mask(pos, q_doc, kv_doc, tokens.shape[0], seq)
         return AttentionContext(angles, partial(self.attend, q_doc=q_doc, kv_doc=kv_doc,
                                                 block=block))
-
-    def block_for(self, pos: torch.Tensor, q_doc: torch.Tensor | None,
-                  kv_doc: torch.Tensor | None, batch: int, seq: int) -> Any:
-        """The block mask of this rank's queries (global positions `pos`): the kept causal one
-        without documents, a new one with them."""
-        if q_doc is not None:
-            return block_mask(pos, q_doc, kv_doc, batch, seq)
-        key = (seq, str(pos.device))
-        if key not in self._causal_blocks:
-            self._causal_blocks[key] = block_mask(pos, None, None, batch, seq)
-        return self._causal_blocks[key]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                q_doc: torch.Tensor | None = None, kv_doc: torch.Tensor | None = None,
                block: Any = None) -> torch.Tensor:
         """Causal (and, with document ids, document) attention of the local queries against
-        the K/V gathered from every cp rank. `block`: a FlexAttention block mask (`block_mask`;
-        CUDA); without one, the exact CPU path: per query chunk, SDPA against the key prefix
-        it can see with a boolean [chunk, prefix] mask."""
+        the K/V gathered from every cp rank. `block`: a documents' FlexAttention block mask
+        (`block_mask`; CUDA); without documents SDPA's flash kernels, maskless (cp_sdpa.py);
+        otherwise the exact path: per query chunk, SDPA against the key prefix it can see
+        with a boolean [chunk, prefix] mask."""
         k = _gather_sequence(k, self.group, self.cp, 2)
         v = _gather_sequence(v, self.group, self.cp, 2)
         if block is not None:
             return flex_attention(q, k, v, block)
         c = q.shape[2] // 2
+        kernel = kernel_for(q) if q_doc is None else None
+        if kernel is not None:  # no documents: SDPA's kernels, no mask (cp_sdpa.py)
+            return torch.cat([chunk_attention(q[:, :, i * c:(i + 1) * c], k, v, chunk, kernel)
+                              for i, chunk in enumerate(self.chunks())], dim=2)
         outs = []
-        for i, chunk in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
+        for i, chunk in enumerate(self.chunks()):
             end = (chunk + 1) * c  # keys this chunk can see: the prefix up to its last token
             qi, ki, vi = q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end]
             mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(end - c)

@@ -257,12 +257,14 @@ def _static_routing(parts, imbalance: float, dtype: str) -> None:
                 module.experts.kernel = "grouped"
 
 
-def rehearse_rank(spec, plan, rank: int, device: str = "cpu",
-                  imbalance: float = 1.0) -> dict[str, Any]:
+def rehearse_rank(spec, plan, rank: int, device: str = "cpu", imbalance: float = 1.0,
+                  real: bool | None = None) -> dict[str, Any]:
     """Run one step of global rank `rank` of `plan` (a validated Plan with global_batch and
     seq_len) for model `spec`; returns {"rank", "pp_rank", "stages", "peak_bytes": {category:
-    bytes, "total": bytes}, "wall_s", and on CUDA "step_s"}. `imbalance`: a mixture of
-    experts' load on this rank's experts over the mean (module docstring)."""
+    bytes, "total": bytes}, "wall_s", and with real tensors "step_s"}. `imbalance`: a mixture
+    of experts' load on this rank's experts over the mean (module docstring). `real`: real
+    tensors (default: on CUDA only); real on the CPU runs the GPU path's code at a toy size
+    (timed step, and the tracker's peak: the CPU has no allocator statistics)."""
     from meshtron.model import Transformer
     from meshtron.model.init import materialize
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
@@ -271,30 +273,38 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu",
     start = time.perf_counter()
     torch.set_num_threads(1)
     _fake_group(rank, plan.gpus)
+    mesh = None
     try:
         rt = runtime_plan(plan, plan.dtype)
         mesh = build_mesh(rt, device_type=device, spec=spec)
         with torch.device("meta"):
             model = Transformer(spec)
-        fake = device == "cpu"
+        real = device != "cpu" if real is None else real
         pm = parallelize(model, rt, mesh, allocate=False)
         if spec.is_moe:
             _static_routing(pm.model_parts, imbalance, plan.dtype)
-        dev = torch.device(device) if fake else pm.device
-        mode = _fake_mode() if fake else contextlib.nullcontext()
+        dev = torch.device("cpu") if device == "cpu" else pm.device
+        mode = contextlib.nullcontext() if real else _fake_mode()
         with mode:
-            materialize(pm.model_parts, dev, fill=_keep_empty)
+            # real tensors get the product's initialization (uninitialized memory may hold
+            # NaNs, and a MoE router's choices follow the values); fake ones hold nothing
+            materialize(pm.model_parts, dev, fill=None if real else _keep_empty)
             optimizer = build_optimizer(pm, lr=1e-4)
-            tracker = _tracker(pm, optimizer) if fake else None
+            tracker = _tracker(pm, optimizer) if dev.type == "cpu" else None
             with tracker or contextlib.nullcontext():  # the tracker sees the states made
                 _prime_optimizer(pm, optimizer)
             local = plan.global_batch // plan.dp
             tokens = torch.randint(0, spec.vocab, (local, plan.seq_len), device=dev)
             targets = torch.randint(0, spec.vocab, (local, plan.seq_len), device=dev)
-            result = _measured_step(pm, rt, spec, dev, optimizer, tokens, targets, tracker)
+            result = _measured_step(pm, rt, spec, dev, optimizer, tokens, targets, tracker,
+                                    real)
         result.update(rank=rank, pp_rank=mesh.get_local_rank("pp"), stages=pm.stage_ids,
                       layers=sum(len(p.layers) for p in pm.model_parts))
     finally:
+        if mesh is not None:  # and DTensor's caches of it: a second rehearsal in this process
+            from meshtron.parallel.mesh import release_mesh  # would get its dead groups
+
+            release_mesh(mesh)
         dist.destroy_process_group()
     result["wall_s"] = time.perf_counter() - start
     return result
@@ -338,9 +348,11 @@ def _state_bytes(optimizer) -> float:
     return total
 
 
-def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker) -> dict:
+def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, real) -> dict:
     """The step's peak: the tracker's (entering it again starts its peak from what is held
-    now), or on CUDA the allocator's and the step's time after one warm-up step."""
+    now), or on CUDA the allocator's; with real tensors also the step's time after one
+    warm-up step."""
+    out = _timed_step(pm, plan, spec, dev, optimizer, tokens, targets) if real else {}
     if tracker is not None:
         with tracker:
             _step(pm, plan, spec, dev, optimizer, tokens, targets)
@@ -354,15 +366,31 @@ def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker) -> 
         moved = max(0.0, states - peak["optimizer"])
         peak["optimizer"] += moved
         peak["temporaries"] = max(0.0, peak["temporaries"] - moved)
-        return {"peak_bytes": peak, "measured": "fake tensors, torch memory tracker"}
-    torch.cuda.synchronize()
-    _step(pm, plan, spec, dev, optimizer, tokens, targets)  # warm-up (kernels, allocator)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+        what = "real" if real else "fake"
+        out.update(peak_bytes=peak, measured=f"{what} tensors, torch memory tracker"
+                   + (", step timed" if real else ""))
+    return out
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed_step(pm, plan, spec, dev, optimizer, tokens, targets) -> dict:
+    """One warm-up step (kernels, allocator), then one timed step; on CUDA the allocator's
+    peak of the timed one."""
+    _sync(dev)
+    _step(pm, plan, spec, dev, optimizer, tokens, targets)
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     _step(pm, plan, spec, dev, optimizer, tokens, targets)
-    torch.cuda.synchronize()
-    step_s = time.perf_counter() - t0
-    peak = float(torch.cuda.max_memory_allocated())
-    return {"peak_bytes": {"total": peak}, "step_s": step_s,
-            "measured": "CUDA allocator peak, compute-only step (collectives return at once)"}
+    _sync(dev)
+    out: dict[str, Any] = {"step_s": time.perf_counter() - t0}
+    if dev.type == "cuda":
+        out.update(peak_bytes={"total": float(torch.cuda.max_memory_allocated(dev))},
+                   measured="CUDA allocator peak, compute-only step (collectives return at "
+                            "once)")
+    return out

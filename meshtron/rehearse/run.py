@@ -26,10 +26,11 @@ def device_for(text: str) -> str:
 
 
 def rehearse(model, plan, cluster, device: str, rank: int | None = None,
-             imbalance: float | None = None) -> dict[str, Any]:
+             imbalance: float | None = None, real: bool | None = None) -> dict[str, Any]:
     """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict.
     `imbalance`: a mixture of experts' load on the rehearsed rank's experts over the mean,
-    given to both sides (default the planner's `expert_imbalance`)."""
+    given to both sides (default the planner's `expert_imbalance`). `real`: real tensors
+    (default: on CUDA only; see rank.rehearse_rank)."""
     from meshtron.planner.compute import DEFAULT_IMBALANCE
     from meshtron.rehearse import compare
 
@@ -44,7 +45,7 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
     bd = compare.with_stage_breakdown(est, plan, model, cluster, device, pp_rank)
     from meshtron.rehearse.rank import rehearse_rank
 
-    got = rehearse_rank(model, plan, rank, device, imbalance)
+    got = rehearse_rank(model, plan, rank, device, imbalance, real)
     rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"]),
                               compare.planner_rows(bd))
     report = {"model": model.name, "plan": plan.to_dict(), "device": device, "rank": rank,

@@ -69,7 +69,7 @@ def launch_ranks(job: TrainJob) -> int:
     from meshtron.data.documents import check_document_layout
     from meshtron.launch import check_nproc
     from meshtron.train.loop import build_run_data
-    from meshtron.train.planning import local_world_size, resolve_run_plan
+    from meshtron.train.planning import cluster_choice, local_world_size, resolve_run_plan
 
     from meshtron.checkpoint import EXIT_PREEMPTED
     from meshtron.checkpoint.checkpointer import was_preempted
@@ -79,7 +79,8 @@ def launch_ranks(job: TrainJob) -> int:
     check_nproc(nproc)
     run_lock.check_free(job.cfg.train.run_dir)
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
-    plan, cluster = resolve_run_plan(job.cfg, request, nproc)
+    chosen = cluster_choice(nproc, request.cluster)
+    plan, cluster = resolve_run_plan(job.cfg, request, nproc, chosen.cluster)
     check_document_layout(job.cfg, plan)
     if job.checkpoint.snapshot_every:
         from meshtron.heal.snapshot_files import node_size
@@ -91,7 +92,7 @@ def launch_ranks(job: TrainJob) -> int:
     claim_run_dir(job)
     run_dir = Path(job.cfg.train.run_dir)
     try:
-        code = start_ranks(job, plan, cluster, request, nproc)
+        code = start_ranks(job, plan, chosen, request, nproc)
     finally:  # the ranks are gone
         if job.checkpoint.snapshot_every:  # the ranks' host-memory snapshots on this machine
             from meshtron.heal.snapshot_files import remove_job
@@ -129,7 +130,7 @@ def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
             f"`meshtron plan --dtype {default_dtype()}` for that)")
 
 
-def start_ranks(job: TrainJob, plan, cluster, request: ParallelRequest, nproc: int) -> int:
+def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: int) -> int:
     """Save what the ranks read (run.toml, plan.toml), start them, wait; their exit code."""
     from meshtron.doctor.dump import clear_trace
     from meshtron.launch import launch_local
@@ -139,7 +140,7 @@ def start_ranks(job: TrainJob, plan, cluster, request: ParallelRequest, nproc: i
     plan.save(run_dir / "plan.toml")
     write_run_file(job, run_dir / "run.toml")
     clear_trace(run_dir)
-    outputs.print_plan(plan, cluster, dtype_note(job, request, plan))
+    outputs.print_plan(plan, chosen.cluster, dtype_note(job, request, plan), chosen.source)
     return launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
                         grace_s=job.checkpoint.preempt_grace_s)

@@ -174,9 +174,10 @@ def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None
         f"{run_dir}/curves.png{extra}", soft_wrap=True)
 
 
-def print_plan(plan, cluster, dtype_note: str = "") -> None:
+def print_plan(plan, cluster, dtype_note: str = "", source: str = "") -> None:
     """The plan line of a multi-rank run. `dtype_note`: where the precision comes from when
-    the user did not choose it (a saved plan's)."""
+    the user did not choose it (a saved plan's); `source`: where the cluster's figures come
+    from (a calibration of this device, the catalogue, ...; planning.choose_cluster)."""
     from rich.console import Console
 
     pred = plan.predicted or {}
@@ -188,4 +189,5 @@ def print_plan(plan, cluster, dtype_note: str = "") -> None:
         f"{' compile' if plan.compile else ''}{' async_tp' if plan.async_tp else ''} "
         f"dtype={plan.dtype}{dtype_note} on {cluster.name}; "
         f"predicted step {pred.get('step_time_s', float('nan')):.3f} s, "
-        f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank", soft_wrap=True)
+        f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank"
+        + (f"; cluster: {source}" if source else ""), soft_wrap=True)

@@ -24,22 +24,47 @@ NOMINAL_CPU_CLUSTER = {"name": "nominal-cpu", "peak_tflops": 0.05, "matmul_effic
 
 
 def local_cluster(world_size: int, cluster: str | None):
-    """The cluster to plan for: `cluster`, else this machine's calibration file (measured),
-    else on a GPU node the detected GPU (meshtron/calibrate/device.py: catalogue figures, the
-    device's memory), else the nominal CPU figures (flagged by their name; CPU only)."""
+    """The cluster to plan for (`choose_cluster` on this node)."""
+    return cluster_choice(world_size, cluster).cluster
+
+
+def cluster_choice(world_size: int, cluster: str | None):
+    """`choose_cluster` for this node's device (imports torch unless `cluster` is given)."""
     from meshtron.calibrate.cli import default_cluster_path
-    from meshtron.calibrate.device import device_cluster
+    from meshtron.calibrate.device import NodeDevice, this_node
+
+    node = NodeDevice("cpu", "cpu") if cluster else this_node()
+    return choose_cluster(world_size, cluster, node, default_cluster_path(world_size))
+
+
+def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path):
+    """The cluster for `world_size` local ranks on `node` (a calibrate.device.NodeDevice) and
+    where its figures come from (a `Chosen`): `cluster` as given; else the calibration file
+    `calibration` when it was measured on this node's device; else, on a GPU node, the
+    catalogue's figures for the detected GPU (its own memory); else the nominal CPU figures
+    (CPU only; flagged by their name). A calibration of another device is not used, and the
+    source says so."""
+    from meshtron.calibrate.saved import Chosen, applies, describe, measured_on
     from meshtron.planner.cluster import cluster_from_dict, resolve_cluster
 
     if cluster:
-        return resolve_cluster(cluster)
-    path = default_cluster_path(world_size)
-    if path.is_file():
-        return resolve_cluster(str(path))
-    detected = device_cluster(world_size)
-    if detected is not None:
-        return detected
-    return cluster_from_dict({**NOMINAL_CPU_CLUSTER, "gpus_per_node": world_size})
+        return Chosen(resolve_cluster(cluster), f"--cluster {cluster}")
+    ignored = ""
+    if calibration.is_file():
+        record = measured_on(calibration)
+        if applies(record, node):
+            return Chosen(resolve_cluster(str(calibration)), f"{describe(record)} ({calibration})")
+        ignored = f"; {calibration} is {describe(record)}, not this node's {node.name}: not used"
+    if node.kind == "cuda":
+        from meshtron.calibrate.device import detected_cluster
+
+        clus = detected_cluster(node.name, node.memory_bytes or 0, world_size,
+                                node.local_ranks or world_size)
+        return Chosen(clus, f"catalogue figures for the detected {node.name} (not calibrated: "
+                            f"`meshtron calibrate` measures it){ignored}")
+    return Chosen(cluster_from_dict({**NOMINAL_CPU_CLUSTER, "gpus_per_node": world_size}),
+                  "nominal CPU figures (not calibrated: `meshtron calibrate` measures this "
+                  f"machine){ignored}")
 
 
 def is_plan_file(text: str | None) -> bool:
@@ -82,12 +107,13 @@ def same_model(plan_model: str, spec) -> bool:
     return {**other.to_dict(), "name": ""} == {**spec.to_dict(), "name": ""}
 
 
-def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int):
+def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int,
+                     cluster=None):
     """Returns (Plan, ClusterSpec): a saved plan checked against this run, or the planner's
-    best plan for this world with the fixed knobs."""
+    best plan for this world with the fixed knobs, on `cluster` (None: `local_cluster`)."""
     from meshtron.parallel import resolve_plan
 
-    cluster = local_cluster(world_size, request.cluster)
+    cluster = cluster or local_cluster(world_size, request.cluster)
     from meshtron.compress.cli import apply as apply_comm
 
     if is_plan_file(request.plan):
