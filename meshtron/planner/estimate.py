@@ -330,12 +330,6 @@ class Evaluator(DataParallelCost):
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
-        if (rec in ("full", "half") and zero == 3 and dp * cp > 1 and not keep
-                and mem_opts.framework == "fsdp2"):
-            # replaying a checkpointed block's forward inside its backward fires FSDP2's
-            # forward prefetch too: the next block's unit is gathered beside the current one
-            # and the backward-prefetched one (rehearsed: three block units alive)
-            work = work + mem_opts.compute_bytes * p_layer
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
         if fsdp_zero1 and accum:
@@ -362,12 +356,17 @@ class Evaluator(DataParallelCost):
         root_units = [0.0] * pp
         root_units[0] = p_emb
         root_units[-1] = max(root_units[-1], p_head)
+        grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
+        # a block's backward runs beside the previous block's reduce-scatter input, except
+        # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
+        reduce_bytes = flags["gsize"] if pp == 1 else 0.0
         per_layer, fixed = [], []
         for i in range(pp):
             sm = memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
                                      largest, act, inflight[i], work,
                                      logits if i == pp - 1 else 0.0, self.grad_bytes, keep, accum,
-                                     p_exp, e_states, root_units[i])
+                                     p_exp, e_states, root_units[i], reduce_bytes,
+                                     grad_extra if i == 0 else 0.0)
             per_layer.append(sm.per_layer)
             fixed.append(sm.fixed)
         budget = self.tensor_budget
@@ -469,7 +468,8 @@ class Evaluator(DataParallelCost):
                                largest, act, inflight[worst], work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
                                self.grad_bytes, keep, accum, p_exp, e_states,
-                               root_units[worst])
+                               root_units[worst], reduce_bytes,
+                               grad_extra if worst == 0 else 0.0)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, host_gpu)
             fits = fits and mem.host_fits
