@@ -365,14 +365,20 @@ def block_moment(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: f
     return held + previous - (act if previous else 0.0)
 
 
-def embedding_moment(mem: MemoryOptions, at_block: float, grad_extra: float) -> float:
-    """Bytes beside the states at the embedding's backward on the stage holding it: a block's
-    backward moment (`at_block`: conservative, the first block's activations are released
-    by then) with the embedding's gradient whole in the compute dtype (`grad_extra` elements
-    beyond its shard, `embedding_grad_extra`), made before FSDP2 adds it to the accumulated
-    one or slices its shard. Rehearsed (Llama 3 405B, tp=8, pipeline rank 0): the peak, a
-    3.9 GiB bf16 [128256, 16384] gradient beside the 7.8 GiB fp32 accumulated one."""
-    return at_block + mem.compute_bytes * grad_extra if grad_extra else 0.0
+def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_extra: float,
+                     freed: float) -> float:
+    """`at_embedding` of `peak_moment`: the embedding's backward on the stage holding it, the
+    stage's last op for a micro-batch. The compute copies of the loss's moment (`at_loss`,
+    the accumulated gradients included), the first block's reduce-scatter input
+    (`previous`, without a pipeline) and the embedding's gradient whole in the compute dtype
+    (`grad_extra` elements beyond its shard, `embedding_grad_extra`, made before FSDP2 adds
+    it to the accumulated one or slices its shard), less this micro-batch's activations on
+    the rank (`freed`), all released by then. Rehearsed (Llama 3 405B, tp=8, pipeline rank
+    0): the peak, a 3.9 GiB bf16 [128256, 16384] gradient beside the 7.8 GiB fp32
+    accumulated one."""
+    if not grad_extra:
+        return 0.0
+    return at_loss + previous + mem.compute_bytes * grad_extra - freed
 
 
 def embedding_grad_extra(model: ModelSpec, tp: int) -> float:
@@ -688,8 +694,11 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
         per_layer += cb * p_layer
     args = (mem, zero, dp, k, p_layer, p_root, largest, grad_bytes, keep_gathered, root_unit)
     at_block = block_moment(*args, reduce_bytes, act)
-    gathered, recompute = peak_moment(logits, work, gathered_bytes(*args), at_block,
-                                      embedding_moment(mem, at_block, grad_extra))
+    at_loss = gathered_bytes(*args)
+    # the embedding's moment frees one layer's activations here (k layers' in `breakdown`)
+    previous = previous_gradient_bytes(mem, dp, 2, p_layer, keep_gathered, reduce_bytes)
+    gathered, recompute = peak_moment(logits, work, at_loss, at_block, embedding_moment(
+        mem, at_loss, previous, grad_extra, act))
     return StageMemory(per_layer=per_layer,
                        fixed=p_root * (sb + accum) + grad_extra * accum + gathered + recompute
                        + logits)
@@ -713,8 +722,11 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
             keep_gathered, root_unit)
     at_block = (block_moment(*args, reduce_bytes, act) if layers > 1
                 else backward_gathered_bytes(*args))
-    gathered, work = peak_moment(logits, work, gathered_bytes(*args), at_block,
-                                 embedding_moment(mem, at_block, grad_extra))
+    at_loss = gathered_bytes(*args)
+    previous = previous_gradient_bytes(mem, dp, layers, p_layer + p_expert, keep_gathered,
+                                       reduce_bytes)
+    gathered, work = peak_moment(logits, work, at_loss, at_block, embedding_moment(
+        mem, at_loss, previous, grad_extra, layers * act))
     gathered += accum * (params + experts + grad_extra)
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)

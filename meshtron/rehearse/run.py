@@ -51,6 +51,9 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None) -> dict
               "measured": got["measured"], "wall_s": round(got["wall_s"], 2),
               "memory": rows, "planner_workspace_gib": bd.workspace,
               "planner_fits": est.fits, "capacity_gib": bd.capacity}
+    report["microbatches"] = plan.global_batch // (plan.dp * plan.micro_batch)
+    if "microbatches_run" in got:  # fewer when they reach the same peak (microbatches.py)
+        report["microbatches_run"] = got["microbatches_run"]
     if "step_s" in got:
         report["step_s"] = got["step_s"]
         t = est.time
@@ -74,6 +77,9 @@ def print_report(report: dict[str, Any]) -> None:
           f"{axes or 'dp=1'} zero={p['zero']} micro_batch={p['micro_batch']} "
           f"recompute={p['recompute']} on {report['device']} ({report['measured']}), "
           f"{report['wall_s']:.1f} s")
+    if "microbatches_run" in report:
+        print(f"(ran {report['microbatches_run']} of the step's {report['microbatches']} "
+              "micro-batches: the fewest that reach the step's peak)")
     print(f"{'peak memory (GiB)':<20}{'rehearsal':>12}{'planner':>12}{'planner vs':>12}")
     for r in report["memory"]:
         rel = r["planner_vs_rehearsal"]
