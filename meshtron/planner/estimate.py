@@ -296,11 +296,13 @@ class Evaluator(DataParallelCost):
 
     # ---- the cost model --------------------------------------------------------------------
     def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
-                 exact_memory: bool = True, cutoff: float = float("inf")) -> Estimate | None:
+                 exact_memory: bool = True, cutoff: float = float("inf"),
+                 stage: int | None = None) -> Estimate | None:
         """Estimate a config. Infeasible ones come back with fits == False and the memory they
         need under the most memory-balanced layer split (`exact_memory`; otherwise under the
         time-balanced split), or as None when `keep_infeasible` is False. Feasible ones slower
-        than `cutoff` seconds per step come back as None (the search has no use for them)."""
+        than `cutoff` seconds per step come back as None (the search has no use for them).`stage`: the memory
+        breakdown of that pipeline stage instead of the fullest (`meshtron rehearse --rank`)."""
         self.evaluated += 1
         model, seq = self.model, self.seq
         tp, pp, dp, zero, mb, rec = cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute
@@ -463,7 +465,7 @@ class Evaluator(DataParallelCost):
 
         # ---- memory breakdown of the fullest stage -------------------------------------------
         totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
-        worst = max(range(pp), key=totals.__getitem__)
+        worst = max(range(pp), key=totals.__getitem__) if stage is None else stage
         mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], p_layer, roots[worst],
                                largest, act, inflight[worst], work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
