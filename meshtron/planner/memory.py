@@ -1,9 +1,13 @@
 """Memory per GPU, component by component, for the dtype and the framework a run uses.
 
-The peak of a training step is at the start of the backward pass of the fullest pipeline
-stage's last in-flight micro-batch: model states, the unsharded parameter copies the data-parallel
-wrapper keeps for compute, the stored activations of every in-flight micro-batch, the working set
-of the layer being recomputed, and (last stage) the logits and their gradients.
+The peak of a training step is in the backward pass of the fullest pipeline stage's last
+in-flight micro-batch: model states, the unsharded parameter copies the data-parallel wrapper
+keeps for compute, the stored activations of every in-flight micro-batch, and the working set of
+whichever moment is largest (`peak_moment`): the loss (last stage: the logits and their
+gradients), a block's backward (the layer being recomputed, beside FSDP2's reduce-scatter input
+of the previous block) or, under tensor parallelism, the embedding's backward (its gradient
+made whole over the vocabulary). Each moment is read off the tensors `meshtron rehearse` finds
+alive at the peak (tests/test_rehearse.py).
 
 Model states, bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sections 3 and 5):
 
@@ -368,8 +372,9 @@ def block_moment(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: f
 def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_extra: float,
                      freed: float) -> float:
     """`at_embedding` of `peak_moment`: the embedding's backward on the stage holding it, the
-    stage's last op for a micro-batch. The compute copies of the loss's moment (`at_loss`,
-    the accumulated gradients included), the first block's reduce-scatter input
+    stage's last op for a micro-batch. The compute copies of the loss's moment (`at_loss`;
+    accumulated gradients, alive at every moment, are the caller's), the first block's
+    reduce-scatter input
     (`previous`, without a pipeline) and the embedding's gradient whole in the compute dtype
     (`grad_extra` elements beyond its shard, `embedding_grad_extra`, made before FSDP2 adds
     it to the accumulated one or slices its shard), less this micro-batch's activations on
