@@ -57,8 +57,8 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compression, compute, memory, moe_cost, offload, pipeline,
-                               placement)
+from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, moe_cost,
+                               offload, pipeline, placement)
 from meshtron.planner.cluster import HOST_USABLE_FRACTION, ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -362,15 +362,16 @@ class Evaluator(DataParallelCost):
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
         reduce_bytes = flags["gsize"] if pp == 1 else 0.0
-        per_layer, fixed = [], []
-        for i in range(pp):
-            sm = memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
-                                     largest, act, inflight[i], work,
-                                     logits if i == pp - 1 else 0.0, self.grad_bytes, keep, accum,
-                                     p_exp, e_states, root_units[i], reduce_bytes,
-                                     grad_extra if i == 0 else 0.0)
-            per_layer.append(sm.per_layer)
-            fixed.append(sm.fixed)
+
+        def stage_memories(inflight: list[float]) -> tuple[list[float], list[float]]:
+            sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
+                                       largest, act, inflight[i], work,
+                                       logits if i == pp - 1 else 0.0, self.grad_bytes, keep,
+                                       accum, p_exp, e_states, root_units[i], reduce_bytes,
+                                       grad_extra if i == 0 else 0.0) for i in range(pp)]
+            return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
+
+        per_layer, fixed = stage_memories(inflight)
         budget = self.tensor_budget
         given = _given_partition(cfg, model.layers)
         n = given or self._time_partition(pp, v, t_layer, e_first, e_last)
@@ -391,6 +392,20 @@ class Evaluator(DataParallelCost):
                 else:
                     n = self._time_partition(pp, v, t_layer, e_first, e_last) or \
                         pipeline.min_memory_partition(model.layers, per_layer, fixed, v)[1]
+
+        if (cfg.schedule == "interleaved" and v > 1 and n is not None
+                and mem_opts.framework == "fsdp2"):
+            # the rank's first chunks hold more micro-batches than its last: weighted by their
+            # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
+            # (Megatron-LM requires equal chunks: the even spread is exact there)
+            chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
+            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight)
+            if weighted != inflight:
+                inflight = weighted
+                per_layer, fixed = stage_memories(inflight)
+                fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+                if not fits and not keep_infeasible:
+                    return None
 
         # ---- time -------------------------------------------------------------------------
         stage_t = [k * t_layer for k in n]
