@@ -25,7 +25,10 @@ schedules run each backward whole at its input-gradient slot (their deferred wei
 gradients are not rehearsed apart).
 
 AdamW's states are created before the measured step (one step on zero gradients), so the
-peak is a steady-state step's: states, gradients and the step's working set together.
+peak is a steady-state step's: states, gradients and the step's working set together. On CPU
+the step runs the fewest of its micro-batches that reach the same peak (microbatches.py: every
+micro-batch has the same shapes; `exact=True` runs them all), and a pipelined stage's received
+inputs are freed after their backward as a real stage frees them (`_free_received`).
 """
 
 from __future__ import annotations
