@@ -140,6 +140,13 @@ def test_interleaved_chunks_hold_micro_batches_by_their_own_layers():
     weighted = weighted_in_flight(16, 6, 32, chunks, even)
     assert weighted[5] == pytest.approx(165 / 8) and weighted[5] > even[5]
     assert weighted[4] == even[4]  # equal chunks: the even spread
+    # with accumulated gradients far larger than a layer's activations, and 16 micro-batches
+    # on 16 stages (no steady phase: every forward first), the peak is the last chunk's
+    # first backward: every gradient accumulated, one chunk's 16 micro-batches left
+    # (rehearsed, Llama 3 405B pipeline rank 1: the planner read +10.4% holding both at most)
+    even16 = [pipeline.in_flight("interleaved", 16, 6, 16, s) for s in range(16)]
+    low = weighted_in_flight(16, 6, 16, [1] * 96, even16, act=1.0, grad=100.0)
+    assert even16[1] == 16 and low[1] == pytest.approx(16 / 6)
 
 
 # ---- activations: the eager list against autograd ----------------------------------------------

@@ -397,9 +397,11 @@ class Evaluator(DataParallelCost):
                 and mem_opts.framework == "fsdp2"):
             # the rank's first chunks hold more micro-batches than its last: weighted by their
             # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
-            # (Megatron-LM requires equal chunks: the even spread is exact there)
+            # (Megatron-LM requires equal chunks: the even spread is exact there), at the
+            # moment they are largest beside the gradients accumulated so far
             chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
-            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight)
+            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act,
+                                                          accum * (p_layer + p_exp))
             if weighted != inflight:
                 inflight = weighted
                 per_layer, fixed = stage_memories(inflight)
