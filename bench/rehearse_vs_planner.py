@@ -4,8 +4,8 @@ Each row rehearses the first rank of the planner's fullest stage of one plan (fa
 group and fake tensors: the runtime's own modules, shards, optimizer and step at the plan's
 shapes, nothing allocated) and prints the rehearsed peak next to the planner's tensors
 (`MemoryBreakdown.allocated`, CPU kernels), total and by category (rehearsal/planner, GiB).
-The model is tests/test_rehearse.py's (a 2-layer Llama-shaped model, vocabulary 32,000,
-hidden 2,048, 2 x 2,048 tokens per micro-batch, 8 ranks).
+The model is tests/test_rehearse.py's (a 2-layer Llama-shaped model, 6 layers for the uneven
+interleaved row, vocabulary 32,000, hidden 2,048, 2 x 2,048 tokens per micro-batch, 8 ranks).
 
     python bench/rehearse_vs_planner.py [KIND ...]
 """
@@ -30,12 +30,13 @@ def main(names: list[str]) -> None:
     from meshtron.rehearse.run import rehearse
 
     warnings.filterwarnings("ignore")
-    spec = ModelSpec(**MODEL)
     print("| layout kind | rehearsal GiB | planner GiB | planner vs rehearsal | by category "
           "(rehearsal/planner) | wall |")
     print("|---|---|---|---|---|---|")
     for name in names or list(KINDS):
-        plan = as_plan({**BASE, **KINDS[name]}).validate(8, spec)
+        knobs = dict(KINDS[name])
+        spec = ModelSpec(**dict(MODEL, layers=knobs.pop("layers", MODEL["layers"])))
+        plan = as_plan({**BASE, **knobs}).validate(8, spec)
         r = rehearse(spec, plan, resolve_cluster("dgx-h100:1"), "cpu")
         rows = {x["row"]: (x["rehearsal_gib"], x["planner_gib"]) for x in r["memory"]}
         got, want = rows.pop("total")

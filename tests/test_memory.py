@@ -62,6 +62,93 @@ def test_deepspeed_zero3_gathers_at_most_its_live_parameter_cap():
     assert big == 2 * (1.68e9 + 5e8) + 2 * 1.68e9
 
 
+
+def _zero3_full_recompute(layers: int, reduce_bytes: float, keep: bool = False):
+    """A ZeRO-3 stage with small recomputed blocks (large units, little activation): the peak
+    is a block's backward (memory.peak_moment), in bytes."""
+    mem = MemoryOptions()
+    bd = memory.breakdown(mem, 3, 8, (0.5, 0.5, 1.0), layers, 1e8, 2e7, 5e7, act=1e6,
+                          in_flight=1, work=3e8, logits=1e8, capacity=80 * memory.GIB, stage=0,
+                          keep_gathered=keep, root_unit=2e7, reduce_bytes=reduce_bytes)
+    return bd.allocated * memory.GIB
+
+
+def test_a_block_backward_runs_beside_the_previous_blocks_reduce_scatter_input():
+    """FSDP2 keeps one unit's reduce-scatter input (its gradient in the reduce dtype) until the
+    next unit's post-backward (rehearsed: 0.168 GiB of fp32 gradient of the previous block at
+    a recomputed block's backward, tests/test_rehearse.py 'full'). The reduce dtype's bytes
+    show up per parameter of a block; none with one block (the head's buffer is released
+    before the first block's backward) nor under pipelining (reduced after the last
+    backward); a block's activations freed before it are not in that moment."""
+    p_layer = 1e8
+    assert _zero3_full_recompute(4, 4.0) - _zero3_full_recompute(4, 2.0) == pytest.approx(
+        2.0 * p_layer)
+    assert _zero3_full_recompute(1, 4.0) == _zero3_full_recompute(1, 2.0)
+    assert _zero3_full_recompute(4, 4.0, keep=True) == _zero3_full_recompute(4, 2.0, keep=True)
+    # the moment of the loss stays the peak where the loss's working set is larger
+    mem = MemoryOptions()
+    big_loss = [memory.breakdown(mem, 3, 8, (0.5, 0.5, 1.0), 4, 1e8, 2e7, 5e7, 1e6, 1, 3e8,
+                                 5e9, 80 * memory.GIB, 0, reduce_bytes=r).allocated
+                for r in (2.0, 4.0)]
+    assert big_loss[0] == big_loss[1]
+
+
+def test_tensor_parallel_embedding_accumulates_a_whole_vocabulary_gradient():
+    """DTensor's embedding backward returns the vocabulary-parallel weight's gradient whole
+    (rehearsed at tp=4: [32000, 2048] fp32 where the shard is [8000, 2048]); accumulated
+    unsharded over micro-batches (ZeRO-1) the planner holds tp times the shard, and only on
+    the stage with the embedding, only with accumulation."""
+    spec = ModelSpec(name="mid", layers=2, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632,
+                     vocab=32000, max_seq=4096)
+    assert memory.embedding_grad_extra(spec, 1) == 0.0
+    assert memory.embedding_grad_extra(spec, 4) == 32000 * 2048 * 3 / 4
+    cluster = preset_cluster("dgx-h100", 1)
+
+    def gathered(tp: int, global_batch: int) -> float:
+        ev = Evaluator(spec, cluster, global_batch, 2048, mem=MemoryOptions(fused_norm=False))
+        plan = Plan(tp, 1, 8 // tp, 1, 2, "none", True, "1f1b", 1)
+        return ev.evaluate(plan, keep_infeasible=True).memory.gathered * memory.GIB
+
+    # one micro-batch (nothing accumulated) against two: the accumulated fp32 gradients are
+    # the rank's local parameters plus the embedding's other 3/4
+    local = (2 * memory.layer_params_local(spec, 4) + memory.embedding_params_local(spec, 4)
+             + memory.head_params_local(spec, 4, 1))
+    grown = gathered(4, 8) - gathered(4, 4)
+    assert grown == pytest.approx(4.0 * (local + memory.embedding_grad_extra(spec, 4)),
+                                  rel=1e-9)
+
+
+
+def test_interleaved_chunks_hold_micro_batches_by_their_own_layers():
+    """planner/memory_pipeline.py walks torch's interleaved 1F1B order: with equal chunks it
+    holds exactly pipeline.in_flight's warm-up + 1 chunk-micro-batches; with the first chunks
+    heavier (Llama 3 405B, pp=16, v=6, 32 micro-batches, pipeline rank 5: 2, 2, 1, 1, 1, 1
+    layers) the steady phase's next-round forwards on those chunks make 165 layer-micro-
+    batches, not the even spread's 135 (rehearsed: the planner read 17.5% under before)."""
+    from meshtron.planner import pipeline
+    from meshtron.planner.memory_pipeline import held_layer_microbatches, weighted_in_flight
+
+    for p, v, m in ((16, 6, 32), (4, 2, 12), (2, 2, 12), (16, 6, 16)):
+        for s in range(p):
+            even = pipeline.in_flight("interleaved", p, v, m, s)
+            assert held_layer_microbatches(p, v, m, s, [1] * v) == pytest.approx(even * v)
+    assert held_layer_microbatches(16, 6, 32, 5, [2, 2, 1, 1, 1, 1]) == 165
+    chunks = [1] * 96
+    for c in (0, 1):
+        chunks[c * 16 + 5] = 2
+    even = [pipeline.in_flight("interleaved", 16, 6, 32, s) for s in range(16)]
+    weighted = weighted_in_flight(16, 6, 32, chunks, even)
+    assert weighted[5] == pytest.approx(165 / 8) and weighted[5] > even[5]
+    assert weighted[4] == even[4]  # equal chunks: the even spread
+    # with accumulated gradients far larger than a layer's activations, and 16 micro-batches
+    # on 16 stages (no steady phase: every forward first), the peak is the last chunk's
+    # first backward: every gradient accumulated, one chunk's 16 micro-batches left
+    # (rehearsed, Llama 3 405B pipeline rank 1: the planner read +10.4% holding both at most)
+    even16 = [pipeline.in_flight("interleaved", 16, 6, 16, s) for s in range(16)]
+    low = weighted_in_flight(16, 6, 16, [1] * 96, even16, act=1.0, grad=100.0)
+    assert even16[1] == 16 and low[1] == pytest.approx(16 / 6)
+
+
 # ---- activations: the eager list against autograd ----------------------------------------------
 def _measured_block_bytes(spec: ModelSpec, dtype: str, recompute: str, batch: int,
                           seq: int) -> int:

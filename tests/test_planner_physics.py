@@ -306,10 +306,21 @@ def test_fp8_runs_count_bf16_activations_and_compute_copies():
     """Float8 linears (torchao, Transformer Engine) keep bf16 activations and gather bf16
     compute copies (memory.DTYPES): an fp8 plan's activations and gathered copies equal the bf16
     plan's, and are half an fp32 plan's."""
+    from meshtron.planner import memory
+
     fp8, bf16, fp32 = (_memory(d, "full") for d in ("fp8", "bf16", "fp32"))
     assert fp8.activations == pytest.approx(bf16.activations)
     assert fp8.gathered == pytest.approx(bf16.gathered)
-    assert fp32.gathered > 1.9 * bf16.gathered
+    assert fp32.gathered > bf16.gathered
+    # the compute copies at both moments of the peak double; the previous block's
+    # reduce-scatter input beside a block's backward is fp32 in both (reduce_dtype)
+    args = (3, 8, 32, 2.2e8, 5.3e8, 5.9e7)
+    for moment in (memory.gathered_bytes, memory.backward_gathered_bytes):
+        opts = {d: memory.MemoryOptions(dtype=d) for d in ("fp8", "bf16", "fp32")}
+        assert moment(opts["fp8"], *args) == moment(opts["bf16"], *args)
+        assert moment(opts["fp32"], *args) == 2 * moment(opts["bf16"], *args)
+    assert memory.previous_gradient_bytes(memory.MemoryOptions(), 8, 32, 2.2e8, False,
+                                          4.0) == 4.0 * 2.2e8
 
 
 def test_step_pieces_price_the_plans_fp8_recipe():

@@ -65,8 +65,8 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compression, compute, memory, moe_cost, moe_memory, offload,
-                               pipeline, placement)
+from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, moe_cost,
+                               moe_memory, offload, pipeline, placement)
 from meshtron.planner.cluster import HOST_USABLE_FRACTION, ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -322,11 +322,13 @@ class Evaluator(DataParallelCost):
 
     # ---- the cost model --------------------------------------------------------------------
     def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
-                 exact_memory: bool = True, cutoff: float = float("inf")) -> Estimate | None:
+                 exact_memory: bool = True, cutoff: float = float("inf"),
+                 stage: int | None = None) -> Estimate | None:
         """Estimate a config. Infeasible ones come back with fits == False and the memory they
         need under the most memory-balanced layer split (`exact_memory`; otherwise under the
         time-balanced split), or as None when `keep_infeasible` is False. Feasible ones slower
-        than `cutoff` seconds per step come back as None (the search has no use for them)."""
+        than `cutoff` seconds per step come back as None (the search has no use for them).`stage`: the memory
+        breakdown of that pipeline stage instead of the fullest (`meshtron rehearse --rank`)."""
         self.evaluated += 1
         model, seq = self.model, self.seq
         tp, pp, dp, zero, mb, rec = cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute
@@ -357,12 +359,6 @@ class Evaluator(DataParallelCost):
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
-        if (rec in ("full", "half") and zero == 3 and dp * cp > 1 and not keep
-                and mem_opts.framework == "fsdp2"):
-            # replaying a checkpointed block's forward inside its backward fires FSDP2's
-            # forward prefetch too: the next block's unit is gathered beside the current one
-            # and the backward-prefetched one (rehearsed: three block units alive)
-            work = work + mem_opts.compute_bytes * p_layer
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
         if fsdp_zero1 and accum:
@@ -393,14 +389,20 @@ class Evaluator(DataParallelCost):
         root_units = [0.0] * pp
         root_units[0] = p_emb
         root_units[-1] = max(root_units[-1], p_head)
-        per_layer, fixed = [], []
-        for i in range(pp):
-            sm = memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
-                                     largest, act, inflight[i], work,
-                                     logits if i == pp - 1 else 0.0, self.grad_bytes, keep, accum,
-                                     p_exp, e_states, root_units[i])
-            per_layer.append(sm.per_layer)
-            fixed.append(sm.fixed)
+        grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
+        # a block's backward runs beside the previous block's reduce-scatter input, except
+        # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
+        reduce_bytes = flags["gsize"] if pp == 1 else 0.0
+
+        def stage_memories(inflight: list[float]) -> tuple[list[float], list[float]]:
+            sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
+                                       largest, act, inflight[i], work,
+                                       logits if i == pp - 1 else 0.0, self.grad_bytes, keep,
+                                       accum, p_exp, e_states, root_units[i], reduce_bytes,
+                                       grad_extra if i == 0 else 0.0) for i in range(pp)]
+            return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
+
+        per_layer, fixed = stage_memories(inflight)
         budget = self.tensor_budget
         given = _given_partition(cfg, model.layers)
         n = given or self._time_partition(pp, v, t_layer, e_first, e_last)
@@ -421,6 +423,22 @@ class Evaluator(DataParallelCost):
                 else:
                     n = self._time_partition(pp, v, t_layer, e_first, e_last) or \
                         pipeline.min_memory_partition(model.layers, per_layer, fixed, v)[1]
+
+        if (cfg.schedule == "interleaved" and v > 1 and n is not None
+                and mem_opts.framework == "fsdp2"):
+            # the rank's first chunks hold more micro-batches than its last: weighted by their
+            # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
+            # (Megatron-LM requires equal chunks: the even spread is exact there), at the
+            # moment they are largest beside the gradients accumulated so far
+            chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
+            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act,
+                                                          accum * (p_layer + p_exp))
+            if weighted != inflight:
+                inflight = weighted
+                per_layer, fixed = stage_memories(inflight)
+                fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+                if not fits and not keep_infeasible:
+                    return None
 
         # ---- time -------------------------------------------------------------------------
         stage_t = [k * t_layer for k in n]
@@ -495,12 +513,13 @@ class Evaluator(DataParallelCost):
 
         # ---- memory breakdown of the fullest stage -------------------------------------------
         totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
-        worst = max(range(pp), key=totals.__getitem__)
+        worst = max(range(pp), key=totals.__getitem__) if stage is None else stage
         mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], p_layer, roots[worst],
                                largest, act, inflight[worst], work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
                                self.grad_bytes, keep, accum, p_exp, e_states,
-                               root_units[worst])
+                               root_units[worst], reduce_bytes,
+                               grad_extra if worst == 0 else 0.0)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, host_gpu)
             fits = fits and mem.host_fits

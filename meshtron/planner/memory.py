@@ -1,9 +1,13 @@
 """Memory per GPU, component by component, for the dtype and the framework a run uses.
 
-The peak of a training step is at the start of the backward pass of the fullest pipeline
-stage's last in-flight micro-batch: model states, the unsharded parameter copies the data-parallel
-wrapper keeps for compute, the stored activations of every in-flight micro-batch, the working set
-of the layer being recomputed, and (last stage) the logits and their gradients.
+The peak of a training step is in the backward pass of the fullest pipeline stage's last
+in-flight micro-batch: model states, the unsharded parameter copies the data-parallel wrapper
+keeps for compute, the stored activations of every in-flight micro-batch, and the working set of
+whichever moment is largest (`peak_moment`): the loss (last stage: the logits and their
+gradients), a block's backward (the layer being recomputed, beside FSDP2's reduce-scatter input
+of the previous block) or, under tensor parallelism, the embedding's backward (its gradient
+made whole over the vocabulary). Each moment is read off the tensors `meshtron rehearse` finds
+alive at the peak (tests/test_rehearse.py).
 
 Model states, bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sections 3 and 5):
 
@@ -300,6 +304,101 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
     return 0.0
 
 
+def previous_gradient_bytes(mem: MemoryOptions, dp: int, layers: int, p_layer: float,
+                            keep_gathered: bool, reduce_bytes: float) -> float:
+    """The previous block's gradient a block's backward runs beside. FSDP2
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, `post_backward`) keeps a unit's
+    reduce-scatter input (its whole gradient in the reduce dtype: `reduce_bytes` per
+    parameter, 4 in fp32, two bf16 units' worth) in `reduce_scatter_states` until the NEXT
+    unit's post-backward. The first block in backward order follows the [norm, head] unit,
+    whose buffer is released by then (rehearsed): a stage of one block has none. None either
+    where gradients are reduced after the last backward (pipelining: `reduce_bytes` 0, or
+    `keep_gathered`)."""
+    if (mem.framework != "fsdp2" or keep_gathered or layers < 2
+            or (dp == 1 and mem.dtype == "fp32")):
+        return 0.0
+    return reduce_bytes * p_layer
+
+
+def backward_gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: float,
+                            p_root: float, largest: float, grad_bytes: float = GRAD_BYTES,
+                            keep_gathered: bool = False, root_unit: float | None = None) -> float:
+    """Compute copies alive while a block runs its backward, besides the previous block's
+    gradient (`previous_gradient_bytes`); `gathered_bytes` is the loss's moment and the peak
+    holds the larger (`peak_moment`). FSDP2: the block's unit, its unsharded gradient building
+    up and, with ZeRO-3, the prefetched next unit in backward order (the embedding's for the
+    first block). Rehearsed at a recomputed block's backward (2-layer model, ZeRO-3): 0.374
+    GiB = 0.168 (the previous block's fp32 gradient) + 0.122 (the prefetched embedding) +
+    0.084 (the block)."""
+    if mem.framework != "fsdp2" or keep_gathered or (dp == 1 and mem.dtype == "fp32"):
+        return gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes,
+                              keep_gathered, root_unit)
+    cb = mem.compute_bytes
+    unit = p_root if root_unit is None else root_unit
+    if zero == 3 and dp > 1:
+        held = cb * (p_layer + max(p_layer, unit))  # this block + the prefetched unit
+    else:
+        held = cb * (layers * p_layer + p_root)     # every unit stays gathered
+    return held + cb * p_layer
+
+
+def peak_moment(logits: float, work: float, at_loss: float, at_block: float,
+                at_embedding: float = 0.0) -> tuple[float, float]:
+    """(gathered, recompute) bytes of the peak: the largest of the loss's moment (its working
+    set `logits` beside the compute copies `at_loss`), a block's backward (a recomputed
+    block's working set `work` beside `at_block`: its compute copies and the previous block's
+    gradient, less the previous block's activations, released by then) and the embedding's
+    backward (`at_embedding`: `embedding_moment`), never alive together
+    (`loss_or_recompute`). `recompute` is what recomputation needs beyond the logits and
+    `gathered` the rest, so that gathered + recompute + logits is the peak."""
+    peak = max(at_loss + logits, at_block + work, at_embedding)
+    recompute = max(0.0, work - logits)
+    return peak - logits - recompute, recompute
+
+
+def block_moment(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: float,
+                 p_root: float, largest: float, grad_bytes: float, keep_gathered: bool,
+                 root_unit: float | None, reduce_bytes: float, act: float) -> float:
+    """`at_block` of `peak_moment`: compute copies and the previous block's gradient, less
+    the previous block's stored activations (`act`, one micro-batch), which its backward
+    released before this one ran."""
+    previous = previous_gradient_bytes(mem, dp, max(layers, 2), p_layer, keep_gathered,
+                                       reduce_bytes)
+    held = backward_gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes,
+                                   keep_gathered, root_unit)
+    return held + previous - (act if previous else 0.0)
+
+
+def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_extra: float,
+                     freed: float) -> float:
+    """`at_embedding` of `peak_moment`: the embedding's backward on the stage holding it, the
+    stage's last op for a micro-batch. The compute copies of the loss's moment (`at_loss`;
+    accumulated gradients, alive at every moment, are the caller's), the first block's
+    reduce-scatter input
+    (`previous`, without a pipeline) and the embedding's gradient whole in the compute dtype
+    (`grad_extra` elements beyond its shard, `embedding_grad_extra`, made before FSDP2 adds
+    it to the accumulated one or slices its shard), less this micro-batch's activations on
+    the rank (`freed`), all released by then. Rehearsed (Llama 3 405B, tp=8, pipeline rank
+    0): the peak, a 3.9 GiB bf16 [128256, 16384] gradient beside the 7.8 GiB fp32
+    accumulated one."""
+    if not grad_extra:
+        return 0.0
+    return at_loss + previous + mem.compute_bytes * grad_extra - freed
+
+
+def embedding_grad_extra(model: ModelSpec, tp: int) -> float:
+    """Gradient elements a vocabulary-parallel token embedding makes beyond its local shard.
+    DTensor's embedding backward returns the weight gradient whole ([vocab, hidden],
+    Replicate, on every tensor rank; parallel/api.py `_align_grad_placements` shards it after
+    backward), so where FSDP2 accumulates gradients unsharded over micro-batches (ZeRO-0/1,
+    `accumulate_unsharded`, pipelining) the embedding's is tp times its shard, in the reduce
+    dtype. Rehearsed at tp=4: a [32000, 2048] fp32 gradient (0.244 GiB) beside a 0.061 GiB
+    shard."""
+    if tp == 1:
+        return 0.0
+    return model.vocab * model.hidden * (1.0 - 1.0 / tp)
+
+
 # ---- activations ---------------------------------------------------------------------------------
 def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attention: str,
                 seq: int) -> float:
@@ -571,13 +670,20 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  work: float, logits: float, grad_bytes: float = GRAD_BYTES,
                  keep_gathered: bool = False, accum: float = 0.0, p_expert: float = 0.0,
                  expert_states: tuple[float, float, float] | None = None,
-                 root_unit: float | None = None) -> StageMemory:
+                 root_unit: float | None = None, reduce_bytes: float = 4.0,
+                 grad_extra: float = 0.0) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
     with ZeRO-3 they do not (two units) unless `keep_gathered` (pipelining). `accum`: bytes
     per local parameter of unsharded gradients accumulated over the micro-batches (ZeRO-2/3
-    with accumulate_unsharded or pipelining: FSDP2 keeps them in the reduce dtype)."""
+    with accumulate_unsharded or pipelining: FSDP2 keeps them in the reduce dtype);
+    `grad_extra`: accumulated gradient elements beyond the stage's local parameters
+    (`embedding_grad_extra`); `reduce_bytes`: bytes per element of the reduce-scatter input
+    a block's backward runs beside (the reduce dtype; 0 where gradients are reduced after the
+    last backward: pipelining). The peak is the larger of the loss's and a block's backward
+    moment (`peak_moment`); the block's counts the previous block's gradient on every stage
+    (a one-block stage has none: conservative)."""
     sb = sum(states)
     # routed experts under expert parallelism (`p_expert`: E/ep experts of one block on this
     # rank, `p_layer` the rest of the block) keep their ZeRO states over the dp*cp/ep ranks
@@ -588,16 +694,19 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     cb = mem.compute_bytes
     fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
                 and not (zero == 3 and dp > 1 and not keep_gathered))
+    k = 0 if fsdp_all else 2  # fsdp_all: the gathered blocks are in per_layer
     if fsdp_all:
         per_layer += cb * p_layer
-        fixed_gather = gathered_bytes(mem, zero, dp, 0, p_layer, p_root, largest, grad_bytes,
-                                      keep_gathered, root_unit)
-    else:
-        fixed_gather = gathered_bytes(mem, zero, dp, 1, p_layer, p_root, largest, grad_bytes,
-                                      keep_gathered, root_unit)
+    args = (mem, zero, dp, k, p_layer, p_root, largest, grad_bytes, keep_gathered, root_unit)
+    at_block = block_moment(*args, reduce_bytes, act)
+    at_loss = gathered_bytes(*args)
+    # the embedding's moment frees one layer's activations here (k layers' in `breakdown`)
+    previous = previous_gradient_bytes(mem, dp, 2, p_layer, keep_gathered, reduce_bytes)
+    gathered, recompute = peak_moment(logits, work, at_loss, at_block, embedding_moment(
+        mem, at_loss, previous, grad_extra, act))
     return StageMemory(per_layer=per_layer,
-                       fixed=p_root * (sb + accum) + loss_or_recompute(logits, work)
-                       + fixed_gather)
+                       fixed=p_root * (sb + accum) + grad_extra * accum + gathered + recompute
+                       + logits)
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -606,19 +715,27 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               grad_bytes: float = GRAD_BYTES, keep_gathered: bool = False,
               accum: float = 0.0, p_expert: float = 0.0,
               expert_states: tuple[float, float, float] | None = None,
-              root_unit: float | None = None) -> MemoryBreakdown:
+              root_unit: float | None = None, reduce_bytes: float = 4.0,
+              grad_extra: float = 0.0) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
-    `expert_states`: as stage_memory."""
+    `expert_states`, `reduce_bytes`, `grad_extra`: as stage_memory."""
     wb, gb, ob = states
     ewb, egb, eob = expert_states if expert_states is not None else states
     experts = layers * p_expert
     params = layers * p_layer + p_root
-    gathered = gathered_bytes(mem, zero, dp, layers, p_layer + p_expert, p_root, largest,
-                              grad_bytes, keep_gathered, root_unit) + accum * (params + experts)
+    args = (mem, zero, dp, layers, p_layer + p_expert, p_root, largest, grad_bytes,
+            keep_gathered, root_unit)
+    at_block = (block_moment(*args, reduce_bytes, act) if layers > 1
+                else backward_gathered_bytes(*args))
+    at_loss = gathered_bytes(*args)
+    previous = previous_gradient_bytes(mem, dp, layers, p_layer + p_expert, keep_gathered,
+                                       reduce_bytes)
+    gathered, work = peak_moment(logits, work, at_loss, at_block, embedding_moment(
+        mem, at_loss, previous, grad_extra, layers * act))
+    gathered += accum * (params + experts + grad_extra)
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
     extra = all_acts - acts
-    work = loss_or_recompute(logits, work) - logits  # what recomputation needs beyond the loss
     tensors = (params * (wb + gb + ob) + experts * (ewb + egb + eob) + gathered + all_acts
                + work + logits)
     return MemoryBreakdown(

@@ -56,10 +56,12 @@ def with_layer_split(plan, spec):
                                                                           plan.num_stages)))
 
 
-def planner_estimate(spec, cluster, plan, device: str, imbalance: float | None = None):
+def planner_estimate(spec, cluster, plan, device: str, imbalance: float | None = None,
+                     stage: int | None = None):
     """The planner's Estimate of exactly `plan` (its layer split included) on `cluster`, with
-    meshtron's runtime options (what `meshtron plan` prices by default); `imbalance`: the
-    experts' load on the fullest ep rank over the mean (default the planner's)."""
+    meshtron's runtime options (what `meshtron plan` prices by default); its memory is the
+    fullest stage's, or pipeline rank `stage`'s. `imbalance`: the experts' load on the fullest
+    ep rank over the mean (default the planner's)."""
     from meshtron.planner.compute import KernelOptions, compiled
     from meshtron.planner.estimate import Evaluator
 
@@ -70,7 +72,7 @@ def planner_estimate(spec, cluster, plan, device: str, imbalance: float | None =
         opts = dataclasses.replace(compiled(opts), async_tp=plan.async_tp)
     ev = Evaluator(spec, cluster, plan.global_batch, plan.seq_len, opts,
                    mem=memory_options(plan, device))
-    return ev.evaluate(with_layer_split(plan, spec), keep_infeasible=True)
+    return ev.evaluate(with_layer_split(plan, spec), keep_infeasible=True, stage=stage)
 
 
 def first_rank_of_stage(plan, stage: int) -> int:
@@ -99,15 +101,10 @@ def rows_table(rehearsed: dict[str, float], planned: dict[str, float]) -> list[d
     return out
 
 
-def with_stage_breakdown(est, plan, spec, cluster, device: str, pp_rank: int):
+def with_stage_breakdown(est, plan, spec, cluster, device: str, pp_rank: int,
+                         imbalance: float | None = None):
     """The planner's breakdown of pipeline rank `pp_rank` (est.memory is the fullest one's):
-    re-evaluated with that stage's figures when the rehearsed rank is another one."""
+    the same evaluation, reporting that stage."""
     if est.memory.stage == pp_rank:
         return est.memory
-    from meshtron.planner.memory_ranks import predict_ranks
-
-    for st, bd in predict_ranks(spec, plan, plan.dtype, cluster.memory_gib,
-                                mem=memory_options(plan, device)):
-        if pp_rank_of(plan, st.rank) == pp_rank:
-            return dataclasses.replace(bd, workspace=0.0)
-    return est.memory
+    return planner_estimate(spec, cluster, plan, device, imbalance, stage=pp_rank).memory

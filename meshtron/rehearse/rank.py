@@ -31,7 +31,10 @@ planner's `expert_imbalance`: the fullest ep rank), and runs the kernel a GPU ru
 `torch._grouped_mm` per matrix in bf16). The router itself runs.
 
 AdamW's states are created before the measured step (one step on zero gradients), so the
-peak is a steady-state step's: states, gradients and the step's working set together.
+peak is a steady-state step's: states, gradients and the step's working set together. On CPU
+the step runs the fewest of its micro-batches that reach the same peak (microbatches.py: every
+micro-batch has the same shapes; `exact=True` runs them all), and a pipelined stage's received
+inputs are freed after their backward as a real stage frees them (`_free_received`).
 """
 
 from __future__ import annotations
@@ -99,8 +102,25 @@ def _stage_input(plan, spec, device, dtype, first: bool, tokens):
                        requires_grad=True)
 
 
-def _pipelined_step(pm, plan, spec, device, tokens, targets) -> None:
-    """Forward and backward of every micro-batch of this rank's stages in schedule order."""
+def _schedule_accepts(pm, plan, n: int) -> bool:
+    """Whether the runtime's schedule runs a step of `n` micro-batches (plan_rules)."""
+    from meshtron.planner.plan_rules import microbatch_problem
+
+    if microbatch_problem(plan.schedule, plan.pp, plan.virtual_stages, n):
+        return False
+    try:
+        pm._schedule(n)
+    except (ValueError, RuntimeError, AssertionError):  # torch's own checks of n
+        return False
+    return True
+
+
+def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False) -> int:
+    """Forward and backward of this rank's stages in schedule order, for every micro-batch
+    (`exact`) or for the fewest that reach the same peak (microbatches.py); returns how many
+    micro-batches ran."""
+    from meshtron.rehearse.microbatches import pipeline_microbatches
+
     n_micro = tokens.shape[0] // plan.micro_batch
     pp_rank = pm.mesh.get_local_rank("pp")
     pm._schedule(n_micro)  # builds the PipelineStage objects (pm._stages)
@@ -109,7 +129,10 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets) -> None:
     dtype = torch.float32 if plan.dtype == "fp32" else torch.bfloat16
     last = plan.num_stages - 1
     live: dict[tuple[int, int], tuple[Any, Any]] = {}
-    order = _pipeline_order(pm, plan, n_micro, pp_rank)
+    n_run = n_micro if exact else pipeline_microbatches(
+        n_micro, lambda n: _pipeline_order(pm, plan, n, pp_rank),
+        lambda n: _schedule_accepts(pm, plan, n))
+    order = _pipeline_order(pm, plan, n_run, pp_rank)
     backwards = {s: sum(1 for k, st, _ in order if k == "B" and st == s) for s in stages}
     done = {s: 0 for s in stages}
     x_mb, y_mb = tokens.chunk(n_micro), targets.chunk(n_micro)
@@ -130,9 +153,24 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets) -> None:
             stages[s].backward_maybe_with_nosync(
                 "full", {"stage_output": out, "output_grads": grads, "input_values": inputs},
                 last_backward=done[s] == backwards[s])
-        del inp, out, kept
+        if s != 0:
+            _free_received(inp)
+        del inp, out, kept, inputs
     for st in stages.values():
         st.perform_reduce_grad(1)
+    return n_run
+
+
+def _free_received(inp) -> None:
+    """Free a received stage input once its backward has run, as a real stage does. torch's
+    module tracker registers a multi-grad hook on every module input
+    (`ModTracker._fw_pre_hook`); on a leaf (a received input is one, as in a real stage) the
+    hooks and the autograd nodes they reach keep it alive through C++ (measured: with the
+    tracker all 6 [2, 2048, 2048] inputs of a 1F1B last stage were alive at its peak,
+    without it none; 80 x 32 MiB on a Llama 3 405B pipeline rank). Its storage is released
+    instead (the tracker follows `resize_`, as it does for FSDP2's buffers); nothing reads
+    the input after its backward."""
+    inp.untyped_storage().resize_(0)
 
 
 def _prime_optimizer(pm, optimizer) -> None:
@@ -161,7 +199,12 @@ def _in_sharding_propagation(code) -> bool:
 
 
 def _without_propagation(cls):
-    """torch's tracker class `cls`, blind to DTensor's metadata-only propagation ops."""
+    """torch's tracker class `cls`, blind to DTensor's metadata-only propagation ops, keeping
+    the rank's peak only: torch's `_update_peak_stats` also updates the peak of every module
+    it tracks that is running, walking all of them (a weak dictionary) after every op, a
+    cost that grows with the layers (measured: 4.3 s of a 46 s 7-layer rehearsal; an
+    80-layer rank did not finish in 10 minutes). The rank's peak is computed as torch's."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     code = ShardingPropagator._propagate_tensor_meta_non_cached.__code__
@@ -171,6 +214,12 @@ def _without_propagation(cls):
             if _in_sharding_propagation(code):
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
 
     return Tracker
 
@@ -258,13 +307,15 @@ def _static_routing(parts, imbalance: float, dtype: str) -> None:
 
 
 def rehearse_rank(spec, plan, rank: int, device: str = "cpu", imbalance: float = 1.0,
-                  real: bool | None = None) -> dict[str, Any]:
+                  real: bool | None = None, exact: bool = False) -> dict[str, Any]:
     """Run one step of global rank `rank` of `plan` (a validated Plan with global_batch and
     seq_len) for model `spec`; returns {"rank", "pp_rank", "stages", "peak_bytes": {category:
     bytes, "total": bytes}, "wall_s", and with real tensors "step_s"}. `imbalance`: a mixture
     of experts' load on this rank's experts over the mean (module docstring). `real`: real
     tensors (default: on CUDA only); real on the CPU runs the GPU path's code at a toy size
-    (timed step, and the tracker's peak: the CPU has no allocator statistics)."""
+    (timed step, and the tracker's peak: the CPU has no allocator statistics). The tracked
+    step runs the fewest micro-batches that reach its peak (microbatches.py), all of them with
+    `exact`; a timed step always runs them all."""
     from meshtron.model import Transformer
     from meshtron.model.init import materialize
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
@@ -297,7 +348,7 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu", imbalance: float =
             tokens = torch.randint(0, spec.vocab, (local, plan.seq_len), device=dev)
             targets = torch.randint(0, spec.vocab, (local, plan.seq_len), device=dev)
             result = _measured_step(pm, rt, spec, dev, optimizer, tokens, targets, tracker,
-                                    real)
+                                    real, exact)
         result.update(rank=rank, pp_rank=mesh.get_local_rank("pp"), stages=pm.stage_ids,
                       layers=sum(len(p.layers) for p in pm.model_parts))
     finally:
@@ -320,18 +371,26 @@ def _fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _step(pm, plan, spec, dev, optimizer, tokens, targets) -> None:
+def _step(pm, plan, spec, dev, optimizer, tokens, targets, exact: bool = True) -> int:
+    """One optimizer step; returns the micro-batches run."""
     if pm.is_pipelined:
         if plan.cp > 1:
             from meshtron.parallel.context import shard_batch
 
             shard = shard_batch(tokens, targets, plan.cp, pm.mesh.get_local_rank("cp"))
             tokens, targets = shard.tokens, shard.targets
-        _pipelined_step(pm, plan, spec, dev, tokens, targets)
+        n_run = _pipelined_step(pm, plan, spec, dev, tokens, targets, exact)
     else:
-        pm.forward_backward(tokens, targets)
+        rows = tokens.shape[0]
+        if not exact:  # the first, a middle and the last micro-batch (microbatches.py)
+            from meshtron.rehearse.microbatches import accumulation_microbatches
+
+            rows = accumulation_microbatches(rows // plan.micro_batch) * plan.micro_batch
+        pm.forward_backward(tokens[:rows], targets[:rows])
+        n_run = rows // plan.micro_batch
     optimizer.step()
     optimizer.zero_grad()
+    return n_run
 
 
 def _state_bytes(optimizer) -> float:
@@ -348,14 +407,15 @@ def _state_bytes(optimizer) -> float:
     return total
 
 
-def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, real) -> dict:
+def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, real,
+                   exact: bool = False) -> dict:
     """The step's peak: the tracker's (entering it again starts its peak from what is held
     now), or on CUDA the allocator's; with real tensors also the step's time after one
     warm-up step."""
     out = _timed_step(pm, plan, spec, dev, optimizer, tokens, targets) if real else {}
     if tracker is not None:
         with tracker:
-            _step(pm, plan, spec, dev, optimizer, tokens, targets)
+            n_run = _step(pm, plan, spec, dev, optimizer, tokens, targets, exact)
         peak = _categories(tracker.get_tracker_snapshot("peak"))
         peak["params"] += tracker.untracked  # alive all step: in the peak
         peak["total"] += tracker.untracked
@@ -368,7 +428,7 @@ def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, rea
         peak["temporaries"] = max(0.0, peak["temporaries"] - moved)
         what = "real" if real else "fake"
         out.update(peak_bytes=peak, measured=f"{what} tensors, torch memory tracker"
-                   + (", step timed" if real else ""))
+                   + (", step timed" if real else ""), microbatches_run=n_run)
     return out
 
 
@@ -378,8 +438,8 @@ def _sync(dev) -> None:
 
 
 def _timed_step(pm, plan, spec, dev, optimizer, tokens, targets) -> dict:
-    """One warm-up step (kernels, allocator), then one timed step; on CUDA the allocator's
-    peak of the timed one."""
+    """One warm-up step (kernels, allocator), then one timed step of every micro-batch; on
+    CUDA the allocator's peak of the timed one."""
     _sync(dev)
     _step(pm, plan, spec, dev, optimizer, tokens, targets)
     _sync(dev)

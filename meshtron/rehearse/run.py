@@ -42,7 +42,7 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
     if not 0 <= rank < plan.gpus:
         raise UserError(f"rank={rank}: the plan has ranks 0..{plan.gpus - 1}")
     pp_rank = compare.pp_rank_of(plan, rank)
-    bd = compare.with_stage_breakdown(est, plan, model, cluster, device, pp_rank)
+    bd = compare.with_stage_breakdown(est, plan, model, cluster, device, pp_rank, imbalance)
     from meshtron.rehearse.rank import rehearse_rank
 
     got = rehearse_rank(model, plan, rank, device, imbalance, real)
@@ -55,6 +55,9 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
               "planner_fits": est.fits, "capacity_gib": bd.capacity}
     if model.is_moe:
         report["expert_imbalance"] = imbalance
+    report["microbatches"] = plan.global_batch // (plan.dp * plan.micro_batch)
+    if "microbatches_run" in got:  # fewer when they reach the same peak (microbatches.py)
+        report["microbatches_run"] = got["microbatches_run"]
     if "step_s" in got:
         report["step_s"] = got["step_s"]
         t = est.time
@@ -82,6 +85,9 @@ def print_report(report: dict[str, Any]) -> None:
         hot = (f", the rehearsed rank's experts at {report['expert_imbalance']:g}x it on both "
                "sides" if p.get("ep", 1) > 1 else "")
         print(f"(experts: tokens per expert fixed at the mean T*k/E{hot})")
+    if "microbatches_run" in report:
+        print(f"(ran {report['microbatches_run']} of the step's {report['microbatches']} "
+              "micro-batches: the fewest that reach the step's peak)")
     print(f"{'peak memory (GiB)':<20}{'rehearsal':>12}{'planner':>12}{'planner vs':>12}")
     for r in report["memory"]:
         rel = r["planner_vs_rehearsal"]

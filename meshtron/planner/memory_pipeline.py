@@ -1,0 +1,90 @@
+"""Stored activations of an interleaved pipeline rank whose chunks hold different layer counts.
+
+`pipeline.in_flight` counts the chunk-micro-batches an interleaved 1F1B rank holds at its peak
+(warm-up + 1: (p - s - 1) 2 + (v - 1) p + 1) and spreads them evenly over the rank's v
+chunks. They are not spread evenly: in the steady phase the rank runs the next round's
+forwards on its first chunks while its backwards drain the last ones, so the first chunks
+hold up to every micro-batch of the step (rehearsed, Llama 3 405B tp=8 pp=16 v=6 with 32
+micro-batches, pipeline rank 5: 32, 31, 16 and 16 micro-batches on its first four chunks at
+the peak; this walk: 32, 32, 16, 16, 5, 0). When the runtime's split gives the first chunks
+more layers (126 layers over 96 chunks: 2, 2, 1, 1, 1, 1 on that rank), the even spread
+undercounts (165 layer-micro-batches held against 135: the planner read 17.5% under the
+rehearsal; with the weighting -2.2% on the fullest rank of that plan).
+
+FSDP2 accumulates a chunk's gradients unsharded from its first backward on, so the moment the
+activations are largest need not be the one the gradients are: with 16 micro-batches on 16
+stages (no steady phase) a rank holds every gradient only when one chunk's micro-batches are
+left (Llama 3 405B pipeline rank 1: the planner read +10.4% counting both at most, -3.3% with
+the walk below).
+
+`weighted_in_flight` walks the schedule's order (torch's ScheduleInterleaved1F1B, which is
+Megatron-LM's: forwards visit the chunks in rounds of m / max(1, m // p) micro-batches,
+backwards the same with the chunks reversed, warm-up (v - 1) round + 2 (p - 1 - s)
+forwards) and takes the largest sum over chunks of micro-batches held x layers.
+"""
+
+from __future__ import annotations
+
+
+def _chunk_of(k: int, per_round: int, v: int, backward: bool) -> int:
+    chunk = (k // per_round) % v
+    return v - 1 - chunk if backward else chunk
+
+
+def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1.0,
+               grad: float = 0.0) -> float:
+    """Most bytes of stored activations (`act` per layer and micro-batch) and accumulated
+    gradients (`grad` per layer, alive from a chunk's first backward on: FSDP2 keeps the
+    unsharded gradient it accumulates over the step's micro-batches from then) pipeline rank
+    `s` holds at once under interleaved 1F1B; `layers[c]`: the layers of its c-th chunk
+    (virtual stage c p + s). With `grad` 0: layer-micro-batches held."""
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
+    accumulated = [False] * v
+    now = best = 0.0
+
+    def backward(b: int) -> None:
+        nonlocal now, best
+        cb = _chunk_of(b, per_round, v, True)
+        if not accumulated[cb]:  # its first backward makes the chunk's gradients
+            accumulated[cb] = True
+            now += grad * layers[cb]
+            best = max(best, now)
+        now -= act * layers[cb]
+
+    for k in range(total):  # forward k, then (after warm-up) backward k - warm
+        now += act * layers[_chunk_of(k, per_round, v, False)]
+        best = max(best, now)
+        if k >= warm:
+            backward(k - warm)
+    for b in range(max(0, total - warm), total):  # the drain: backwards only
+        backward(b)
+    return best
+
+
+def held_layer_microbatches(p: int, v: int, m: int, s: int, layers: list[int]) -> int:
+    """Most (micro-batch x layer) activations pipeline rank `s` holds at once under
+    interleaved 1F1B; `layers[c]`: the layers of its c-th chunk (virtual stage c p + s)."""
+    return round(held_bytes(p, v, m, s, layers))
+
+
+def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: list[float],
+                       act: float = 1.0, grad: float = 0.0) -> list[float]:
+    """Per pipeline rank, micro-batches' worth of its layers held at its peak (the multiplier
+    `pipeline.in_flight` gives, `even`, which the planner adds to every layer's accumulated
+    gradient), from the chunks' own layer counts (`chunk_layers`, p v entries in
+    virtual-stage order) and, with accumulated gradients (`grad` bytes per layer beside `act`
+    per layer and micro-batch), from the moment both are largest together: a chunk's
+    gradients appear at its first backward, when its micro-batches start to leave."""
+    out = []
+    for s in range(p):
+        layers = [chunk_layers[c * p + s] for c in range(v)]
+        n = sum(layers)
+        if not n:
+            out.append(even[s])
+            continue
+        peak = held_bytes(p, v, m, s, layers, act, grad)
+        held = (peak - grad * n) / (act * n)  # the multiplier beside every layer's gradients
+        out.append(held if grad else max(even[s], held))
+    return out

@@ -1,0 +1,68 @@
+"""How many of a step's micro-batches a rehearsal runs: the fewest that reach the same peak.
+
+Every micro-batch of a step has the same shapes, so what a rank holds at any moment of the
+step is a function of where the step is, not of which micro-batch it is working on:
+
+* without a pipeline, of whether gradients were accumulated yet (after the first
+  micro-batch) and whether this is the last micro-batch (the one that reduces them:
+  `data_parallel.set_microbatch_policy`). The first, one middle and the last micro-batch
+  show every such moment: min(m, 3) micro-batches give the step's peak exactly;
+* with a pipeline, of the action being run (forward or backward, of which stage, and
+  whether it is the stage's last backward) and, per stage of the rank, the micro-batches in
+  flight (their stored activations), whether the stage has run a forward (its units are
+  gathered) and a backward (its gradients accumulated) and whether it has run all of them.
+  `states` lists those moments of an action order; a schedule of m' < m micro-batches whose
+  set of moments equals the full step's reaches the same peak (1F1B: warm-up + 1 steady
+  micro-batch; a looped schedule: its warm-up and one steady round).
+
+The micro-batches run are the first m' chunks of the rank's whole batch, which stays alive
+as in a real step (only its rows of token ids: the data loader's output).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Iterable
+
+Action = tuple[str, int, int]
+"""(kind 'F' / 'B', stage index, micro-batch index)."""
+
+ACCUMULATION_MOMENTS = 3
+"""First (nothing accumulated), a middle one (accumulated, no reduction) and the last (the
+reduction): every moment of a step of gradient accumulation."""
+
+
+def accumulation_microbatches(m: int) -> int:
+    """Micro-batches a non-pipelined rehearsal runs for a step of `m`."""
+    return min(m, ACCUMULATION_MOMENTS)
+
+
+def states(order: Iterable[Action]) -> set[tuple]:
+    """The moments of an action order (module docstring): one per action, the rank's state
+    before it and the action itself (its micro-batch index left out)."""
+    order = list(order)
+    stages = sorted({s for _, s, _ in order})
+    backwards = Counter(s for kind, s, _ in order if kind == "B")
+    live, fwd, bwd = (dict.fromkeys(stages, 0) for _ in range(3))
+    out = set()
+    for kind, s, _ in order:
+        held = tuple((live[t], fwd[t] > 0, bwd[t] > 0, bwd[t] == backwards[t]) for t in stages)
+        out.add((held, kind, s, kind == "B" and bwd[s] + 1 == backwards[s]))
+        if kind == "F":
+            live[s] += 1
+            fwd[s] += 1
+        else:
+            live[s] -= 1
+            bwd[s] += 1
+    return out
+
+
+def pipeline_microbatches(m: int, order_of: Callable[[int], list[Action]],
+                          allowed: Callable[[int], bool]) -> int:
+    """The fewest micro-batches m' <= m the schedule accepts (`allowed`) whose action order
+    (`order_of(m')`, this pipeline rank's) shows the same moments as the step's `m`."""
+    full = states(order_of(m))
+    for k in range(1, m):
+        if allowed(k) and states(order_of(k)) == full:
+            return k
+    return m
