@@ -95,6 +95,8 @@ PRIVATE_APIS: dict[str, str] = {
     "_propagate_tensor_meta_non_cached.__code__":
         "leaving DTensor's metadata propagation out of rehearsed memory (rehearse/rank.py)",
     "torch.distributed._tools.mem_tracker.MemTracker": "rehearsed memory (rehearse/rank.py)",
+    "torch.distributed._tools.mem_tracker._TOTAL_KEY":
+        "the rank's peak key of the rehearsal's tracker (rehearse/rank.py)",
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker":
         "rehearsed memory under FSDP2 (rehearse/rank.py)",
     "torch._subclasses.fake_tensor.FakeTensorMode": "rehearsing without allocating "
