@@ -328,3 +328,41 @@ def test_calibrate_router_stats_writes_the_imbalance_option(tmp_path, capsys):
     assert "expert imbalance 1.500" in capsys.readouterr().out
     assert resolve(None, out).kernel.expert_imbalance == 1.5
     assert top.main(["calibrate", "--router-stats", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_overlapped_all_to_alls_hide_behind_the_paired_layers_whole_computation():
+    """DualPipe / Megatron-Core's 1F1B A2A overlap pair a forward chunk with another
+    micro-batch's backward chunk: the four all-to-alls of a layer run beside the pair's
+    attention and MLP, not beside the expert GEMMs alone (moe_cost.overlapped_a2a)."""
+    from meshtron.planner.overlap import OVERLAP_INTERFERENCE
+
+    # fits: only the interference of the hidden part remains, split by direction
+    f, b = moe_cost.overlapped_a2a(2.0, 2.0, 3.0, 6.0)
+    assert (f, b) == pytest.approx((OVERLAP_INTERFERENCE * 2.0, OVERLAP_INTERFERENCE * 2.0))
+    # too long: what exceeds the pair's computation stays exposed
+    f, b = moe_cost.overlapped_a2a(6.0, 6.0, 3.0, 6.0)
+    assert f + b == pytest.approx(12.0 - 9.0 + OVERLAP_INTERFERENCE * 9.0)
+    assert f == pytest.approx(b)
+    # a window of the whole dense-equivalent layer hides more than the routed GEMMs alone
+    model, cl = preset("deepseek-v3"), resolve_cluster("dgx-h100:64")
+    group = placement.ep_group(1, 64, 8)
+    args = (model, cl, 4096.0, 64, group, "bf16", 1.0, True, 4, "fused")
+    bare = moe_cost.moe_layer_cost(*args)
+    wide = moe_cost.moe_layer_cost(*args, 1, 1, 0.05, 0.10)
+    assert wide.a2a_fwd + wide.a2a_bwd < bare.a2a_fwd + bare.a2a_bwd
+    closed = moe_cost.moe_layer_cost(*args[:7], False, *args[8:])
+    assert bare.a2a_fwd < closed.a2a_fwd
+
+
+def test_evaluator_passes_the_dense_layer_as_the_overlap_window():
+    # Qwen3-30B-A3B's 128 small experts over 4 nodes: the all-to-alls cross the NICs and
+    # outlast the expert GEMMs, not the whole layer
+    ev = _ev(model="qwen3-30b-a3b", opts=KernelOptions(ep_overlap=True))
+    plan = _plan(pp=1, rec="full", ep=32)
+    est = ev.evaluate(plan)
+    window = ev._cache[("window", 1, 1, False, "full", 1, "bf16", 32, plan.fp8_recipe)]
+    assert window[0] > 0 and window[1] > window[0]
+    hidden = ev._moe(1, "full", 1, "bf16", 32, 1, window)[2]
+    assert hidden < 0.9 * ev._moe(1, "full", 1, "bf16", 32)[2]
+    assert est.time.ep_comm == pytest.approx(
+        est.num_microbatches * preset("qwen3-30b-a3b").layers * hidden, rel=1e-9)

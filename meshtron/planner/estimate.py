@@ -170,17 +170,19 @@ class Evaluator(DataParallelCost):
 
     # ---- cached pieces ---------------------------------------------------------------------
     def _moe(self, mb: int, rec: str, cp: int, dtype: str, ep: int,
-             tp: int = 1) -> tuple[float, ...]:
+             tp: int = 1, window: tuple[float, float] = (0.0, 0.0)) -> tuple[float, ...]:
         """Per average block and micro-batch: (extra compute fwd+bwd+recomputed, its forward
         part, exposed expert all-to-all fwd+bwd+recomputed, its forward part) of the MoE
         layers beyond their dense equivalent (moe_cost.py; their memory: `_moe_memory`),
         averaged over the blocks (moe_layers / layers of them are MoE); zeros for a dense
         model. `tp`: where the ep group sits (ep data ranks tp apart: across nodes when
-        tp * ep exceeds one, placement.ep_group)."""
+        tp * ep exceeds one, placement.ep_group). `window`: the dense equivalent layer's
+        (forward, backward) compute, beside which an overlapping stack hides the all-to-alls
+        (moe_cost.overlapped_a2a); `_micro` passes it and keeps it for `evaluate`."""
         model = self.model
         if not model.is_moe:
             return (0.0, 0.0, 0.0, 0.0)
-        key = ("moe", mb, rec, cp, dtype, ep, tp)
+        key = ("moe", mb, rec, cp, dtype, ep, tp, window)
         hit = self._cache.get(key)
         if hit is None:
             o = self.opts
@@ -191,7 +193,8 @@ class Evaluator(DataParallelCost):
             mc = moe_cost.moe_layer_cost(model, self.cluster, mb * self.seq / cp, ep, group,
                                          e_dtype, float(o.expert_imbalance), o.ep_overlap,
                                          o.ep_node_limit, o.stack, tp,
-                                         moe_memory.expert_tp(self.mem.framework, tp))
+                                         moe_memory.expert_tp(self.mem.framework, tp),
+                                         *window)
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
             hit = (share * (mc.compute_fwd * (1 + again) + mc.compute_bwd),
@@ -223,7 +226,9 @@ class Evaluator(DataParallelCost):
                 c_l += lc.fwd - lc.wgrad
             elif saved == "alternate-matmul":
                 c_l += lc.fwd - lc.wgrad - lc.core_fwd + 0.5 * lc.wgrad
-        moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp)
+        window = (lc.fwd, lc.bwd)
+        self._cache[("window", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = window
+        moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp, window)
         c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
@@ -340,7 +345,8 @@ class Evaluator(DataParallelCost):
                                                                           cp, cfg.dtype, ep,
                                                                           cfg.fp8_recipe)
         head = self.head_for(cfg, head)
-        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep, tp)[2]
+        window = self._cache[("window", tp, mb, cfg.sp, rec, cp, cfg.dtype, ep, cfg.fp8_recipe)]
+        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep, tp, window)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep, pp)
         flags = self.dp_flags(cfg)

@@ -112,12 +112,15 @@ def routed_tokens_per_expert(tokens: float, model: ModelSpec, ep: int) -> float:
 @lru_cache(maxsize=2048)
 def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group: comm.Group,
                    dtype: str, imbalance: float, ep_overlap: bool, node_limit: int,
-                   stack: str, tp: int = 1, etp: int = 1) -> MoeLayerCost:
+                   stack: str, tp: int = 1, etp: int = 1, window_fwd: float = 0.0,
+                   window_bwd: float = 0.0) -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
     replicated over tp, meshtron's runtime; tp for Megatron-Core's default expert tensor
-    parallelism, planner/moe_memory.py `expert_tp`)."""
+    parallelism, planner/moe_memory.py `expert_tp`). `window_fwd`, `window_bwd`: the dense
+    equivalent layer's forward and backward compute (compute.layer_cost), what an overlapped
+    all-to-all runs beside (`overlapped_a2a`); 0 counts the routed GEMMs alone."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
@@ -158,12 +161,31 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     one = a2a_time(nbytes * imbalance, group, fab, k, node_limit)
     a2a_f = a2a_b = 2 * one
     if ep_overlap:
-        # hidden behind another micro-batch's computation of the same layer (DualPipe);
-        # what does not fit stays exposed, the hidden part interferes (compute.overlapped)
-        layer_fwd = max(dense, grouped)
-        a2a_f = compute.overlapped(a2a_f, layer_fwd)
-        a2a_b = compute.overlapped(a2a_b, 2 * layer_fwd)
+        # the whole MoE layer computes beside them: the dense equivalent's layer (attention
+        # included; its routed GEMMs when no window is given) plus the experts' extra
+        win_f = max(window_fwd, dense) + extra_f
+        win_b = max(window_bwd, 2 * dense) + extra_b
+        a2a_f, a2a_b = overlapped_a2a(a2a_f, a2a_b, win_f, win_b)
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
+
+
+def overlapped_a2a(a2a_f: float, a2a_b: float, win_f: float, win_b: float) -> tuple[float, float]:
+    """Exposed (forward, backward) all-to-all seconds of one MoE layer whose stack overlaps
+    them across a pair of micro-batches: DualPipe runs a forward chunk beside a backward chunk
+    of another micro-batch, the dispatch and combine of each direction beside the other's
+    attention and MLP computation (DeepSeek-V3 report section 3.2.1, figure 4); Megatron-Core's
+    `--overlap-moe-expert-parallel-comm` merges the forward and backward of two micro-batches
+    in 1F1B the same way (moe/README.md, "EP A2A overlap"). So all four all-to-alls of a layer
+    hide behind the pair's whole layer computation (forward + backward, attention included),
+    not behind the expert GEMMs alone; what does not fit stays exposed and the hidden part
+    interferes (compute.overlapped). Split back to the directions in proportion."""
+    comm_t = a2a_f + a2a_b
+    if comm_t <= 0:
+        return 0.0, 0.0
+    from meshtron.planner import compute
+
+    exposed = compute.overlapped(comm_t, win_f + win_b)
+    return exposed * a2a_f / comm_t, exposed * a2a_b / comm_t
 
 
 def ep_rows(imbalance: float, ep: int) -> float:
@@ -224,6 +246,6 @@ def rank_loads(expert_loads: list[float], ep: int) -> list[float]:
 
 
 __all__ = ["DEFAULT_IMBALANCE", "MoeLayerCost", "a2a_bytes", "a2a_time", "moe_layer_cost",
-           "permute_passes",
+           "overlapped_a2a", "permute_passes",
            "expert_params_local", "expert_params_per_layer", "measured_imbalance",
            "rank_loads", "routed_tokens_per_expert", "moe_share"]
