@@ -366,3 +366,50 @@ def test_evaluator_passes_the_dense_layer_as_the_overlap_window():
     assert hidden < 0.9 * ev._moe(1, "full", 1, "bf16", 32)[2]
     assert est.time.ep_comm == pytest.approx(
         est.num_microbatches * preset("qwen3-30b-a3b").layers * hidden, rel=1e-9)
+
+
+def test_host_issue_of_a_moe_layer_counts_per_expert_launches_of_te_grouped_linear():
+    """Transformer Engine's GroupedLinear (Megatron-Core) issues split, allocations,
+    quantisation and one cuBLAS GEMM per local expert; torch._grouped_mm one launch: the host
+    time of a layer grows with E/ep only for the former."""
+    d = 10e-6
+    f16, b16 = moe_cost.host_seconds("fp8", 16, True, d)
+    f4, b4 = moe_cost.host_seconds("fp8", 4, True, d)
+    pf, pb = moe_cost.PER_EXPERT_HOST_OPS["fp8"]
+    assert f16 - f4 == pytest.approx(12 * pf * d) and b16 - b4 == pytest.approx(12 * pb * d)
+    g16, g4 = moe_cost.host_seconds("fp8", 16, False, d), moe_cost.host_seconds("fp8", 4, False, d)
+    assert g16 == g4 and g16[0] < f4
+    # bf16 GroupedLinear skips the quantisation and its allocations
+    assert moe_cost.host_seconds("bf16", 16, True, d)[0] < f16
+    assert moe_cost.per_expert_gemms("megatron") and not moe_cost.per_expert_gemms("fsdp2")
+
+
+def test_host_bound_moe_layer_waits_for_its_host_between_syncs():
+    # GPU-bound pair: nothing exposed; host-bound: the excess, split by host share
+    assert moe_cost.host_exposed(3.0, 6.0, 2.0, 4.0) == (0.0, 0.0)
+    f, b = moe_cost.host_exposed(1.0, 2.0, 2.0, 2.0)
+    assert f + b == pytest.approx(1.0) and f == pytest.approx(b)
+    # through moe_layer_cost: a host 100x slower per operation makes a small-expert layer
+    # host-bound, and more local experts (ep 2 vs 8: 64 vs 16 of Qwen3's 128) cost more host
+    model = preset("qwen3-30b-a3b")
+    slow = dataclasses.replace(resolve_cluster("dgx-h100:1"), eager_kernel_overhead_us=1000.0)
+    fast = resolve_cluster("dgx-h100:1")
+
+    def cost(cl, ep, per_expert=True):
+        return moe_layer_cost_with_window(model, cl, ep, per_expert)
+
+    assert cost(slow, 8).compute_fwd > cost(fast, 8).compute_fwd
+    assert cost(slow, 2).compute_fwd - cost(fast, 2).compute_fwd \
+        > cost(slow, 8).compute_fwd - cost(fast, 8).compute_fwd
+    assert cost(slow, 8, False).compute_fwd < cost(slow, 8).compute_fwd
+    # without a window (caller does not know the layer), the host is not priced
+    bare = moe_cost.moe_layer_cost(model, slow, 4096.0, 8, placement.ep_group(1, 8, 8), "fp8",
+                                   1.0, False, 0, "fused", 1, 1, 0.0, 0.0, True)
+    ref = moe_cost.moe_layer_cost(model, fast, 4096.0, 8, placement.ep_group(1, 8, 8), "fp8",
+                                  1.0, False, 0, "fused", 1, 1, 0.0, 0.0, True)
+    assert bare.compute_fwd == pytest.approx(ref.compute_fwd)
+
+
+def moe_layer_cost_with_window(model, cl, ep, per_expert):
+    return moe_cost.moe_layer_cost(model, cl, 4096.0, ep, placement.ep_group(1, ep, 8), "fp8",
+                                   1.0, False, 0, "fused", 1, 1, 1e-3, 2e-3, per_expert)

@@ -194,7 +194,8 @@ class Evaluator(DataParallelCost):
                                          e_dtype, float(o.expert_imbalance), o.ep_overlap,
                                          o.ep_node_limit, o.stack, tp,
                                          moe_memory.expert_tp(self.mem.framework, tp),
-                                         *window)
+                                         *window,
+                                         moe_cost.per_expert_gemms(self.mem.framework))
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
             hit = (share * (mc.compute_fwd * (1 + again) + mc.compute_bwd),
