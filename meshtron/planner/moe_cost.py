@@ -22,7 +22,8 @@ bytes of the compute dtype, ep the expert-parallel degree):
   DeepSeek's DualPipe overlaps both all-to-alls of one micro-batch with the computation of
   another, technical report section 3.2.1; Megatron-Core's `--overlap-moe-expert-parallel-comm`
   (1F1B A2A overlap, 2025); meshtron's runtime and torchtitan 2025 run them on the compute
-  stream: exposed).
+  stream: exposed). Overlapped, the four all-to-alls of a layer run beside the paired
+  micro-batch's whole layer (attention included), forward plus backward (`overlapped_a2a`).
 * Imbalance (`imbalance`). Dropless routing sends each rank what its experts were chosen for;
   the step waits for the fullest rank, whose expert GEMMs and received bytes are `imbalance`
   times the mean. Default DEFAULT_IMBALANCE; `meshtron calibrate --router-stats
