@@ -209,13 +209,23 @@ def test_validation_errors_do_not_regress(table, capsys):
     more memory-bound passes over the T*k slots: the row runs DeepSeek's stack priced as
     Megatron-Core's, whose DeepEP dispatch may not make them); the two Megatron-Bridge
     Qwen3-30B-A3B rows on 16 H100 +53% and +117% (the planner is optimistic: 128 small
-    experts on 2 nodes, FP8; what it misses there is not known yet)."""
+    experts on 2 nodes, FP8; what it misses there is not known yet).
+
+    Issue 30 (moetime): an overlapping stack's all-to-alls hide behind the paired micro-batch's
+    whole layer (DualPipe's forward chunk beside another micro-batch's backward chunk,
+    DeepSeek-V3 report section 3.2.1, which states both all-to-alls are fully hidden), not the
+    expert GEMMs alone (moe_cost.overlapped_a2a). DeepSeek-V3 through the command line (memory
+    counted, micro-batch 1): -37.8% -> -17.8%; here (memory ignored, where the planner's step
+    is 30% shorter than the fitting plan's for reasons outside the MoE terms) -12.1% -> +18.7%.
+    The bound moved from 0.13 to 0.20 for that row; the Qwen3 rows are unchanged (their stack
+    does not overlap the all-to-alls; the per-layer host issue priced with them does not bind
+    at compute.DISPATCH_S)."""
     dense = [p for p in table if p.run.ep == 1]
     val = summary([p for p in dense if p.run.part == "validation"])
     old = summary([p for p in dense if p.run.part == "validation" and p.run.dtype == "bf16"])
     moe = {p.run.name: p for p in table if p.run.ep > 1}
     assert len(moe) == 3 and all(p.run.part == "validation" for p in moe.values())
-    assert abs(moe["DSV3 671B 2048xH800"].error) < 0.13
+    assert abs(moe["DSV3 671B 2048xH800"].error) < 0.20
     # Megatron-Core hides the steady-state pipeline transfers of these interleaved pp=2 rows
     # (overlap_p2p_comm, issue 30), whatever the MoE physics misses
     assert max(abs(p.error) for p in moe.values()) < 1.55
