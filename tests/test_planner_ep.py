@@ -413,3 +413,22 @@ def test_host_bound_moe_layer_waits_for_its_host_between_syncs():
 def moe_layer_cost_with_window(model, cl, ep, per_expert):
     return moe_cost.moe_layer_cost(model, cl, 4096.0, ep, placement.ep_group(1, ep, 8), "fp8",
                                    1.0, False, 0, "fused", 1, 1, 1e-3, 2e-3, per_expert)
+
+
+def test_slow_host_makes_megatrons_small_experts_host_bound_through_the_evaluator():
+    """Through `evaluate`: at a host cost per operation high enough to bind, Megatron-Core's
+    per-expert GroupedLinear pays for every local expert (ep 2 holds 64 of Qwen3's 128, ep 8
+    holds 16), and the same layout on the same slow host is faster with ep 8."""
+    from meshtron.planner.frameworks import PRESETS
+
+    mcore = PRESETS["megatron@2024"]
+    slow = dataclasses.replace(resolve_cluster("dgx-h100:2"), eager_kernel_overhead_us=200.0)
+    fast = resolve_cluster("dgx-h100:2")
+
+    def step(cl, ep):
+        ev = Evaluator(preset("qwen3-30b-a3b"), cl, 256, 4096, mcore.kernel, mem=mcore.memory)
+        return ev.evaluate(_plan(dp=16, zero=1, ep=ep, rec="full")).time.compute
+
+    slow2, slow8, fast2, fast8 = step(slow, 2), step(slow, 8), step(fast, 2), step(fast, 8)
+    assert slow2 > fast2 and slow8 > fast8
+    assert slow2 - fast2 > slow8 - fast8
