@@ -224,3 +224,12 @@ def fp8_input_casts(model: Any, tp: int = 1, recipe: str = "rowwise",
         if fp8_linear(name, out_f, in_f, recipe, emulate=fp8_filter == "all"):
             n[group] += 1
     return n
+
+
+def fp8_gathers_fp8(scaling: str, recipe: str) -> bool:
+    """FSDP2 all-gathers the FP8 Linears' weights in FP8 (torchao's
+    WeightWithDynamicFloat8CastTensor, enable_fsdp_float8_all_gather: tensorwise scales only,
+    a rowwise scale being per row of the gathered weight). meshtron's runtime turns it on for
+    tensorwise plans on CUDA (meshtron/parallel/fp8.py `fp8_all_gather`); torchtitan leaves it
+    off by default (its float8 config's enable_fsdp_float8_all_gather = False)."""
+    return scaling == "torchao" and recipe == "tensorwise"
