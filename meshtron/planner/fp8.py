@@ -170,7 +170,10 @@ _TORCHAO_COMPILED = {
     "tensorwise": CastBytes(input_fwd=4.0, input_bwd=0.0, grad_bwd=4.0, weight_fwd=5.0,
                             weight_bwd=3.0),
 }
-# torchao float8 without compile: every step of a cast is its own ATen kernel
+# torchao float8 without compile: every step of a cast is its own ATen kernel, which is why
+# torchao's speedups assume torch.compile (pytorch/ao#685: an FFN of width 4096 runs slower in
+# eager FP8 than in bf16, 2x faster compiled; pytorch/torchtitan#778: float8 with only the
+# Linears compiled, the casts not fused into their producers, loses to compiled bf16)
 # (float8_utils.tensor_to_amax, float8_training_tensor._ToFloat8ConstrFunc, to_fp8_saturated):
 # abs (2 + 2), amax (2), upcast to fp32 (2 + 4), scale (4 + 4), clamp (4 + 4), cast (4 + 1).
 EAGER_CAST_BYTES = 33.0
