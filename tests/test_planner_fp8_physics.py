@@ -75,6 +75,17 @@ def test_transformer_engine_current_scaling_reads_twice_and_caches_weights():
         assert not cb.per_linear and cb.input_bwd == 0.0  # the transposed copy was saved
 
 
+def test_transformer_engine_norm_writes_the_qkv_and_fc1_inputs_quantised():
+    """Megatron-Core's QKV and fc1 are LayerNormLinear: with delayed scaling the norm writes
+    FP8 (both layouts, 1 + 1 bytes) where it wrote bf16 (2): nothing beyond the bf16 norm; the
+    attention output and the MLP activation are cast by a cast-transpose (2 + 1 + 1)."""
+    h, f = L8.hidden, L8.ffn_hidden
+    fwd, _ = C.quantisation_bytes(L8, 1, ALL, cast_bytes("te-delayed"))
+    assert fwd == pytest.approx(4.0 * (h + f))
+    fwd_cur, _ = C.quantisation_bytes(L8, 1, ALL, cast_bytes("te-current"))
+    assert fwd_cur == pytest.approx(6.0 * (h + h + h + f))  # the amax comes first: unfused
+
+
 def test_eager_torchao_casts_a_shared_input_once_per_linear():
     """Llama's wq/wk/wv and w1/w3 are separate Linears reading one tensor: eager torchao casts
     it once per FP8 Linear; a compiled graph (CSE) or a fused QKV / fc1 (TE) once."""

@@ -511,12 +511,16 @@ def quantisation_bytes(model: ModelSpec, tp: int, frac: dict[str, float] | None 
     fr = frac or dict.fromkeys(GEMM_GROUPS, 1.0)
     copies = {g: max(1, (casts or {}).get(g, 1)) if cb.per_linear else 1 for g in GEMM_GROUPS}
     on = {g: copies[g] if fr[g] > 0 else 0 for g in GEMM_GROUPS}
-    # elements per token of the cast inputs: qkv in, out-proj in, mlp-up in, mlp-down in
-    ins = on["qkv"] * h + on["out"] * h / tp + on["up"] * h + on["down"] * f / tp
+    # elements per token of the cast inputs: qkv in, out-proj in, mlp-up in, mlp-down in (the
+    # first and third a norm's output)
+    normed = on["qkv"] * h + on["up"] * h
+    ins = normed + on["out"] * h / tp + on["down"] * f / tp
     # and of their output gradients
     outs = (fr["qkv"] * (h + 2 * kv) / tp + fr["out"] * h + fr["up"] * up / tp
             + fr["down"] * h)
     fwd = cb.input_fwd * ins
+    if cb.normed_fwd is not None:  # the norm writes them quantised (Transformer Engine)
+        fwd += (cb.normed_fwd - cb.input_fwd) * normed
     bwd = (cb.input_bwd + cb.dgrad_out) * ins + cb.grad_bwd * outs
     return fwd, bwd
 

@@ -145,6 +145,10 @@ class CastBytes:
     """Per element of the weight gradient: a pass over the GEMM's output after it."""
     dgrad_out: float = 0.0
     """Per element of the input gradient: a pass over the GEMM's output after it."""
+    normed_fwd: float | None = None
+    """Per element of the inputs a norm produces (QKV, MLP-up) when the norm kernel writes them
+    quantised instead of in bf16 (Transformer Engine's LayerNormLinear, with_quantized_norm):
+    what that costs beyond the bf16 norm already priced; None: `input_fwd`."""
     per_linear: bool = False
     """Each Linear casts its own input (eager: wq/wk/wv and w1/w3 cast the same tensor again);
     False: once per distinct input (a fused QKV / fc1 GEMM, or inductor's CSE of identical
@@ -195,9 +199,14 @@ _TORCHAO_EAGER = {
 # scaling takes the scale from the amax history (one read). te.Linear casts the weight only on
 # the first micro-batch of a step (is_first_microbatch, which Megatron-Core's forward_step
 # sets through model.set_is_first_microbatch()) and reuses the cached FP8 weight after.
+# Megatron-Core's QKV and fc1 are TELayerNormColumnParallelLinear: with a delayed scale known
+# before the kernel runs, the norm writes its output straight in FP8, both layouts
+# (module/layernorm_linear.py, with_quantized_norm) instead of bf16: 1 + 1 bytes in place of
+# the 2 the bf16 norm output costs, nothing beyond it. Current scaling needs the output's amax
+# first: priced as the unfused cast.
 _TE = {
     "te-delayed": CastBytes(input_fwd=4.0, input_bwd=0.0, grad_bwd=4.0, weight_fwd=0.0,
-                            weight_bwd=0.0, weight_step=4.0),
+                            weight_bwd=0.0, weight_step=4.0, normed_fwd=0.0),
     "te-current": CastBytes(input_fwd=6.0, input_bwd=0.0, grad_bwd=6.0, weight_fwd=0.0,
                             weight_bwd=0.0, weight_step=6.0),
 }
