@@ -183,3 +183,28 @@ def test_unknown_fp8_scaling_is_refused_by_name(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "fp8_scaling='fast'" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_sequence_parallel_inputs_are_cast_on_the_shard_then_transposed():
+    """Transformer Engine under sequence parallelism quantises a gathered tensor on the local
+    1/tp shard (rowwise only), gathers the FP8 and transposes the gathered copy for the weight
+    gradient (Hopper cannot gather the transposed layout): (bytes - 1) / tp + 1 + 1."""
+    h, f, tp = L8.hidden, L8.ffn_hidden, 8
+    cur = cast_bytes("te-current")
+    plain = C.quantisation_bytes(L8, tp, ALL, cur, None, sp=False)
+    fwd, bwd = C.quantisation_bytes(L8, tp, ALL, cur, None, sp=True)
+    # forward: the attention output (h/tp per token) and the MLP activation (f/tp) as without
+    # sequence parallelism; the two normed inputs (h each) on the shard, then transposed
+    assert fwd == pytest.approx(6.0 * (h + f) / tp + ((6.0 - 1.0) / tp + 2.0) * 2 * h)
+    # backward: the row-parallel outputs' gradients (out-proj, MLP-down: h each) are gathered
+    assert bwd - plain[1] == pytest.approx(((6.0 - 1.0) / tp + 2.0 - 6.0) * 2 * h)
+    assert fwd < plain[0] and bwd < plain[1]
+    # torchao gathers FP8 under tensorwise scaling only (Float8ColwiseParallel); rowwise
+    # gathers bf16 and casts the gathered tensor
+    for compiled in (True, False):
+        rw = cast_bytes("torchao-rowwise", compiled=compiled)
+        assert C.quantisation_bytes(L8, tp, ALL, rw, None, sp=True) == \
+            C.quantisation_bytes(L8, tp, ALL, rw, None, sp=False)
+        tw = cast_bytes("torchao-tensorwise", compiled=compiled)
+        assert C.quantisation_bytes(L8, tp, ALL, tw, None, sp=True)[0] < \
+            C.quantisation_bytes(L8, tp, ALL, tw, None, sp=False)[0]

@@ -495,8 +495,8 @@ def compute_dtypes(dtype: str) -> tuple[str, str]:
 
 
 def quantisation_bytes(model: ModelSpec, tp: int, frac: dict[str, float] | None = None,
-                       cb: CastBytes | None = None,
-                       casts: dict[str, int] | None = None) -> tuple[float, float]:
+                       cb: CastBytes | None = None, casts: dict[str, int] | None = None,
+                       sp: bool = False) -> tuple[float, float]:
     """(forward, backward) HBM bytes per token an FP8 layer spends quantising GEMM activations:
     each FP8 group's input (forward, and again for the weight gradient) and its Linears' output
     gradients (backward), at the bytes per element of `cb` (planner/fp8.py `cast_bytes`:
@@ -504,7 +504,10 @@ def quantisation_bytes(model: ModelSpec, tp: int, frac: dict[str, float] | None 
     torchao rowwise, eager). A stack casting per Linear (cb.per_linear) quantises a group's
     input once per FP8 Linear in it (`casts`, planner/fp8.py `fp8_input_casts`), else once.
     `frac`: planner/fp8.py `fp8_fractions` (all FP8 when None); the output gradients in
-    proportion."""
+    proportion. With sequence parallelism a stack that gathers FP8 (cb.gathers_fp8) quantises
+    the gathered tensors (the column-parallel inputs forward, the row-parallel output
+    gradients backward) on its 1/tp shard, rowwise only, and transposes the gathered FP8 for
+    the weight gradient (1 + 1 bytes on the whole tensor)."""
     cb = cb or cast_bytes()
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     up = 2 * f if model.mlp == "swiglu" else f
@@ -518,10 +521,15 @@ def quantisation_bytes(model: ModelSpec, tp: int, frac: dict[str, float] | None 
     # and of their output gradients
     outs = (fr["qkv"] * (h + 2 * kv) / tp + fr["out"] * h + fr["up"] * up / tp
             + fr["down"] * h)
-    fwd = cb.input_fwd * ins
-    if cb.normed_fwd is not None:  # the norm writes them quantised (Transformer Engine)
-        fwd += (cb.normed_fwd - cb.input_fwd) * normed
+    norm_b = cb.input_fwd if cb.normed_fwd is None else cb.normed_fwd
+    fwd = cb.input_fwd * (ins - normed) + norm_b * normed
     bwd = (cb.input_bwd + cb.dgrad_out) * ins + cb.grad_bwd * outs
+    if sp and tp > 1 and cb.gathers_fp8:
+        # gathered, then transposed: the columnwise byte moves from the shard's cast to a
+        # transpose of the whole gathered tensor (read 1, write 1)
+        fwd += ((norm_b - 1.0) / tp + 2.0 - norm_b) * normed
+        row_out = fr["out"] * h + fr["down"] * h  # row-parallel outputs' gradients
+        bwd += ((cb.grad_bwd - 1.0) / tp + 2.0 - cb.grad_bwd) * row_out
     return fwd, bwd
 
 
@@ -614,7 +622,7 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         weights = fp8_weight_elements(model, tp, frac)
         casts = fp8_input_casts(model, tp, fp8_recipe, opts.fp8_filter) if cb.per_linear \
             else None
-        per_tok_f, per_tok_b = quantisation_bytes(model, tp, frac, cb, casts)
+        per_tok_f, per_tok_b = quantisation_bytes(model, tp, frac, cb, casts, sp)
         q_f = (tokens * per_tok_f + cb.weight_fwd * weights) / bw
         q_b = (tokens * per_tok_b + (cb.weight_bwd + cb.wgrad_out) * weights) / bw
     # the host must issue every kernel: a layer is never faster than its dispatch

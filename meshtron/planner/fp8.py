@@ -10,6 +10,7 @@ Megatron-Core's FP8 recipes).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +150,11 @@ class CastBytes:
     """Per element of the inputs a norm produces (QKV, MLP-up) when the norm kernel writes them
     quantised instead of in bf16 (Transformer Engine's LayerNormLinear, with_quantized_norm):
     what that costs beyond the bf16 norm already priced; None: `input_fwd`."""
+    gathers_fp8: bool = False
+    """Sequence-parallel inputs and gradients are quantised on the local shard and gathered in
+    FP8, the transposed copy made after the gather (Transformer Engine: "all-gather of
+    transposed FP8 tensors is not supported [on Hopper]. The rowwise tensor is gathered
+    first, then transposed", docs/features/low_precision_training/fp8_current_scaling)."""
     per_linear: bool = False
     """Each Linear casts its own input (eager: wq/wk/wv and w1/w3 cast the same tensor again);
     False: once per distinct input (a fused QKV / fc1 GEMM, or inductor's CSE of identical
@@ -172,7 +178,7 @@ _TORCHAO_COMPILED = {
     "rowwise": CastBytes(input_fwd=1.0, input_bwd=5.0, grad_bwd=6.0, weight_fwd=3.0,
                          weight_bwd=7.0, wgrad_out=4.0),
     "tensorwise": CastBytes(input_fwd=4.0, input_bwd=0.0, grad_bwd=4.0, weight_fwd=5.0,
-                            weight_bwd=3.0),
+                            weight_bwd=3.0, gathers_fp8=True),
 }
 # torchao float8 without compile: every step of a cast is its own ATen kernel, which is why
 # torchao's speedups assume torch.compile (pytorch/ao#685: an FFN of width 4096 runs slower in
@@ -192,6 +198,11 @@ _TORCHAO_EAGER = {
                       weight_bwd=EAGER_CAST_BYTES + 2.0, wgrad_out=post, dgrad_out=post,
                       per_linear=True)
     for recipe, post in (("rowwise", 4.0), ("tensorwise", 0.0))}
+# torchao's tensor parallelism gathers FP8 for tensorwise scaling only
+# (float8_tensor_parallel.py: Float8ColwiseParallel casts the input shard before its
+# all-gather, "currently assumes tensorwise scaling"; torchtitan applies it to tensorwise)
+_TORCHAO_EAGER["tensorwise"] = dataclasses.replace(_TORCHAO_EAGER["tensorwise"],
+                                                   gathers_fp8=True)
 # Transformer Engine on Hopper (docs/features/low_precision_training/: performance
 # considerations, FP8 current / delayed scaling): a fused cast-transpose reads the bf16 tensor
 # once and writes the rowwise and the transposed (columnwise) FP8 copies (2 + 1 + 1); current
@@ -206,9 +217,9 @@ _TORCHAO_EAGER = {
 # first: priced as the unfused cast.
 _TE = {
     "te-delayed": CastBytes(input_fwd=4.0, input_bwd=0.0, grad_bwd=4.0, weight_fwd=0.0,
-                            weight_bwd=0.0, weight_step=4.0, normed_fwd=0.0),
+                            weight_bwd=0.0, weight_step=4.0, normed_fwd=0.0, gathers_fp8=True),
     "te-current": CastBytes(input_fwd=6.0, input_bwd=0.0, grad_bwd=6.0, weight_fwd=0.0,
-                            weight_bwd=0.0, weight_step=6.0),
+                            weight_bwd=0.0, weight_step=6.0, gathers_fp8=True),
 }
 
 
