@@ -81,8 +81,9 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
-from meshtron.planner.fp8 import (FP8_FILTERS, FP8_SCALINGS, GEMM_GROUPS, CastBytes,
-                                  cast_bytes, fp8_fractions, fp8_input_casts)
+from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exported)
+    FP8_FILTERS, FP8_SCALINGS, GEMM_GROUPS, cast_bytes, fp8_fractions, fp8_input_casts,
+    fp8_weight_elements, quantisation_bytes)
 from meshtron.planner.overlap import (  # noqa: F401  (re-exported: one formula everywhere)
     DEFAULT_SMS, OVERLAP_INTERFERENCE, TE_UB_COMM_SMS, TE_UB_PIPELINE_SPLITS, overlapped,
     sm_count, sm_margin, tp_exposed)
@@ -492,53 +493,6 @@ def compute_dtypes(dtype: str) -> tuple[str, str]:
     if dtype == "fp8":
         return "fp8", "bf16"
     return dtype, dtype
-
-
-def quantisation_bytes(model: ModelSpec, tp: int, frac: dict[str, float] | None = None,
-                       cb: CastBytes | None = None, casts: dict[str, int] | None = None,
-                       sp: bool = False) -> tuple[float, float]:
-    """(forward, backward) HBM bytes per token an FP8 layer spends quantising GEMM activations:
-    each FP8 group's input (forward, and again for the weight gradient) and its Linears' output
-    gradients (backward), at the bytes per element of `cb` (planner/fp8.py `cast_bytes`:
-    torchao's casts, eager or compiled, or Transformer Engine's cast-transpose; default
-    torchao rowwise, eager). A stack casting per Linear (cb.per_linear) quantises a group's
-    input once per FP8 Linear in it (`casts`, planner/fp8.py `fp8_input_casts`), else once.
-    `frac`: planner/fp8.py `fp8_fractions` (all FP8 when None); the output gradients in
-    proportion. With sequence parallelism a stack that gathers FP8 (cb.gathers_fp8) quantises
-    the gathered tensors (the column-parallel inputs forward, the row-parallel output
-    gradients backward) on its 1/tp shard, rowwise only, and transposes the gathered FP8 for
-    the weight gradient (1 + 1 bytes on the whole tensor)."""
-    cb = cb or cast_bytes()
-    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    up = 2 * f if model.mlp == "swiglu" else f
-    fr = frac or dict.fromkeys(GEMM_GROUPS, 1.0)
-    copies = {g: max(1, (casts or {}).get(g, 1)) if cb.per_linear else 1 for g in GEMM_GROUPS}
-    on = {g: copies[g] if fr[g] > 0 else 0 for g in GEMM_GROUPS}
-    # elements per token of the cast inputs: qkv in, out-proj in, mlp-up in, mlp-down in (the
-    # first and third a norm's output)
-    normed = on["qkv"] * h + on["up"] * h
-    ins = normed + on["out"] * h / tp + on["down"] * f / tp
-    # and of their output gradients
-    outs = (fr["qkv"] * (h + 2 * kv) / tp + fr["out"] * h + fr["up"] * up / tp
-            + fr["down"] * h)
-    norm_b = cb.input_fwd if cb.normed_fwd is None else cb.normed_fwd
-    fwd = cb.input_fwd * (ins - normed) + norm_b * normed
-    bwd = (cb.input_bwd + cb.dgrad_out) * ins + cb.grad_bwd * outs
-    if sp and tp > 1 and cb.gathers_fp8:
-        # gathered, then transposed: the columnwise byte moves from the shard's cast to a
-        # transpose of the whole gathered tensor (read 1, write 1)
-        fwd += ((norm_b - 1.0) / tp + 2.0 - norm_b) * normed
-        row_out = fr["out"] * h + fr["down"] * h  # row-parallel outputs' gradients
-        bwd += ((cb.grad_bwd - 1.0) / tp + 2.0 - cb.grad_bwd) * row_out
-    return fwd, bwd
-
-
-def fp8_weight_elements(model: ModelSpec, tp: int, frac: dict[str, float]) -> float:
-    """Elements of one layer's local weights whose GEMMs run in FP8 (`frac` per group)."""
-    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    up = 2 * f if model.mlp == "swiglu" else f
-    return (frac["qkv"] * h * (h + 2 * kv) + frac["out"] * h * h
-            + frac["up"] * h * up + frac["down"] * h * f) / tp
 
 
 def fp8_step_cast_s(model: ModelSpec, cluster: ClusterSpec, tp: int, opts: KernelOptions,
