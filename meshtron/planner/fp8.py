@@ -188,9 +188,10 @@ _TORCHAO_COMPILED = {
 # torchao float8 without compile: every step of a cast is its own ATen kernel, which is why
 # torchao's speedups assume torch.compile (pytorch/ao#685: an FFN of width 4096 runs slower in
 # eager FP8 than in bf16, 2x faster compiled; pytorch/torchtitan#778: float8 with only the
-# Linears compiled, the casts not fused into their producers, loses to compiled bf16)
-# (float8_utils.tensor_to_amax, float8_training_tensor._ToFloat8ConstrFunc, to_fp8_saturated):
-# abs (2 + 2), amax (2), upcast to fp32 (2 + 4), scale (4 + 4), clamp (4 + 4), cast (4 + 1).
+# Linears compiled, the casts not fused into their producers, loses to compiled bf16). The
+# kernels of one cast (float8_utils.tensor_to_amax, float8_training_tensor._ToFloat8ConstrFunc,
+# to_fp8_saturated): abs (2 + 2), amax (2), upcast to fp32 (2 + 4), scale (4 + 4), clamp
+# (4 + 4), cast (4 + 1).
 EAGER_CAST_BYTES = 33.0
 """Bytes per element of one eager torchao cast (above)."""
 # float8_linear.py re-casts input, weight and grad_output for each GEMM that uses them (two
