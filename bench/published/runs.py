@@ -84,13 +84,15 @@ DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all",
+                                 fp8_scaling="torchao-tensorwise",
                                  optimizer="foreach", eager_norm="python")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter;
 foreach AdamW (torchtitan/optimizer.py of December 2024: `--optimizer.fused` off by default,
 fused became the default in February 2025, #881); its own Python RMSNorm (norms.py, until the
 switch to torch.nn.RMSNorm in March 2025, #985)."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_overlap=True,
-                                    fp8_filter="all", optimizer="foreach",
+                                    fp8_filter="all", fp8_scaling="torchao-tensorwise",
+                                    optimizer="foreach",
                                     eager_norm="python")
 """torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops of
 each TransformerBlock; train.py of December 2024 leaves `torch.compile(loss_fn)` commented
@@ -380,7 +382,8 @@ def _megatron_bridge_h100() -> list[PublishedRun]:
     from meshtron.planner.frameworks import PRESETS
 
     # Megatron-Bridge's performance recipes (scripts/performance) turn TE userbuffers on
-    mcore = dataclasses.replace(PRESETS["megatron@2024"].kernel, tp_comm_overlap=True)
+    mcore = dataclasses.replace(PRESETS["megatron@2024"].kernel, tp_comm_overlap=True,
+                                fp8_scaling="te-current")  # the tables' "FP8 (current scaling)"
     models = {"8b": preset("llama3-8b"), "70b": preset("llama3-70b"),
               "405b": preset("llama3-405b")}
     rows = [  # container, model, gpus, GBS, FSDP, tp, pp, cp, vp, tokens/s/GPU

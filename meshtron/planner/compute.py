@@ -81,7 +81,9 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
-from meshtron.planner.fp8 import FP8_FILTERS, GEMM_GROUPS, fp8_fractions
+from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exported)
+    FP8_FILTERS, FP8_SCALINGS, GEMM_GROUPS, cast_bytes, fp8_fractions, fp8_input_casts,
+    fp8_weight_elements, quantisation_bytes)
 from meshtron.planner.overlap import (  # noqa: F401  (re-exported: one formula everywhere)
     DEFAULT_SMS, OVERLAP_INTERFERENCE, TE_UB_COMM_SMS, TE_UB_PIPELINE_SPLITS, overlapped,
     sm_count, sm_margin, tp_exposed)
@@ -168,6 +170,11 @@ class KernelOptions:
     """With dtype fp8, which block Linears run in FP8 (planner/fp8.py FP8_FILTERS): 'torchao'
     (meshtron's runtime: torchao's size thresholds, the rule its conversion applies) or 'all'
     (Transformer Engine, torchtitan, DeepSeek-V3: every aligned Linear)."""
+    fp8_scaling: str = "torchao"
+    """With dtype fp8, how the operands are quantised and what that moves (planner/fp8.py
+    FP8_SCALINGS, `cast_bytes`): 'torchao' (the plan's fp8_recipe: meshtron's runtime),
+    'torchao-rowwise' / 'torchao-tensorwise' (torchtitan's float8 converter), 'te-delayed' /
+    'te-current' (Transformer Engine under Megatron-Core)."""
     list_collectives: bool = False
     """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
     PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
@@ -271,6 +278,9 @@ class KernelOptions:
         if self.fp8_filter not in FP8_FILTERS:
             raise UserError(f"fp8_filter={self.fp8_filter!r}: allowed values are "
                              f"{', '.join(FP8_FILTERS)}")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise UserError(f"fp8_scaling={self.fp8_scaling!r}: allowed values are "
+                             f"{', '.join(FP8_SCALINGS)}")
         pre = self.prefetch_params
         if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
                                 or pre < 0):
@@ -485,37 +495,32 @@ def compute_dtypes(dtype: str) -> tuple[str, str]:
     return dtype, dtype
 
 
-def quantisation_bytes(model: ModelSpec, tp: int,
-                       frac: dict[str, float] | None = None) -> tuple[float, float]:
-    """(forward, backward) HBM bytes per token an FP8 layer spends casting GEMM operands: every
-    input of the block GEMMs that run in FP8 read in bf16 and written in FP8 (2 + 1 bytes)
-    forward, their output gradients likewise backward (Transformer Engine casts both; the amax
-    reductions ride on the same pass). `frac`: planner/fp8.py `fp8_fractions` (all FP8 when
-    None); a group's input is cast when any of its Linears is FP8, its output gradient in
-    proportion."""
-    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    up = 2 * f if model.mlp == "swiglu" else f
-    fr = frac or dict.fromkeys(("qkv", "out", "up", "down"), 1.0)
-    on = {g: 1.0 if v > 0 else 0.0 for g, v in fr.items()}
-    # qkv in, out-proj in, mlp-up in, mlp-down in
-    fwd_in = on["qkv"] * h + on["out"] * h / tp + on["up"] * h + on["down"] * f / tp
-    # their output gradients
-    bwd_in = (fr["qkv"] * (h + 2 * kv) / tp + fr["out"] * h + fr["up"] * up / tp
-              + fr["down"] * h)
-    return 3.0 * fwd_in, 3.0 * bwd_in
+def fp8_step_cast_s(model: ModelSpec, cluster: ClusterSpec, tp: int, opts: KernelOptions,
+                    fp8_frac: tuple[float, ...], recipe: str = "rowwise") -> float:
+    """Seconds per layer and optimizer step casting the FP8 weights once (Transformer Engine's
+    weight cache, CastBytes.weight_step; zero for torchao, which casts every micro-batch)."""
+    cb = cast_bytes(opts.fp8_scaling, recipe, opts.stack == "compiled")
+    if not cb.weight_step:
+        return 0.0
+    frac = dict(zip(GEMM_GROUPS, fp8_frac))
+    cl = cluster.at_dtype("bf16")
+    return cb.weight_step * fp8_weight_elements(model, tp, frac) / membound_bytes_per_s(
+        cl, opts.stack)
 
 
 @lru_cache(maxsize=4096)
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
                sp: bool, opts: KernelOptions, cp: int = 1, dtype: str = "bf16",
-               fp8_frac: tuple[float, ...] | None = None) -> LayerCost:
+               fp8_frac: tuple[float, ...] | None = None,
+               fp8_recipe: str = "rowwise") -> LayerCost:
     """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens,
     a 1/cp slice of each sequence's tokens on this rank (context parallelism), GEMMs at the
     peak of `dtype` (cluster.at_dtype; fp8: the block GEMMs whose Linears pass the runtime's
     rule, planner/fp8.py `fp8_linear`, the rest in bf16, see compute_dtypes). `fp8_frac`: the
     FP8 share of each GEMM group (planner/fp8.py GEMM_GROUPS, `fp8_fractions` of the real
     model: `model` may be a mixture's active equivalent, whose averaged width is no Linear's);
-    None: from `model` with torchao's thresholds (opts.fp8_filter)."""
+    None: from `model` with torchao's thresholds (opts.fp8_filter). `fp8_recipe`: the plan's
+    torchao recipe (what opts.fp8_scaling 'torchao' casts with)."""
     lin_dt, other_dt = compute_dtypes(dtype)
     lin_cl, cluster = cluster.at_dtype(lin_dt), cluster.at_dtype(other_dt)
     bw = membound_bytes_per_s(cluster, opts.stack)
@@ -527,7 +532,7 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     frac = None
     if lin_dt == "fp8":
         frac = (dict(zip(GEMM_GROUPS, fp8_frac)) if fp8_frac is not None
-                else fp8_fractions(model, tp, "rowwise", opts.fp8_filter))
+                else fp8_fractions(model, tp, fp8_recipe, opts.fp8_filter))
     shapes = {"qkv": ((h + 2 * kv) / tp, h, True), "out": (h, h / tp, False),
               "up": (up / tp, h, True), "down": (h, f / tp, False)}
 
@@ -564,13 +569,16 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     elementwise = tokens * _elementwise_bytes(model, tp, sp, opts) / bw
     q_f = q_b = 0.0
     if lin_dt == "fp8":
-        # casts of activations (per token) and of the local weights (each micro-batch: the
-        # weight forward, its transpose for the backward's input gradient)
-        weights = (frac["qkv"] * h * (h + 2 * kv) + frac["out"] * h * h
-                   + frac["up"] * h * up + frac["down"] * h * f) / tp
-        per_tok_f, per_tok_b = quantisation_bytes(model, tp, frac)
-        q_f = (tokens * per_tok_f + 3.0 * weights) / bw
-        q_b = (tokens * per_tok_b + 3.0 * weights) / bw
+        # casts of activations (per token) and of the local weights (torchao: each
+        # micro-batch, forward and transposed for the input gradient, and rowwise's pass over
+        # the weight gradient; Transformer Engine: once per step, fp8_step_cast_s)
+        cb = cast_bytes(opts.fp8_scaling, fp8_recipe, opts.stack == "compiled")
+        weights = fp8_weight_elements(model, tp, frac)
+        casts = fp8_input_casts(model, tp, fp8_recipe, opts.fp8_filter) if cb.per_linear \
+            else None
+        per_tok_f, per_tok_b = quantisation_bytes(model, tp, frac, cb, casts, sp)
+        q_f = (tokens * per_tok_f + cb.weight_fwd * weights) / bw
+        q_b = (tokens * per_tok_b + (cb.weight_bwd + cb.wgrad_out) * weights) / bw
     # the host must issue every kernel: a layer is never faster than its dispatch
     issue = kernels_per_layer(model, opts) * dispatch_s(cluster)
     if opts.fp32_params_autocast:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshtron.planner import comm, compute
+from meshtron.planner.fp8 import fp8_fractions, fp8_gathers_fp8
 from meshtron.planner.plan import Plan
 
 OVERLAP_INTERFERENCE = compute.OVERLAP_INTERFERENCE
@@ -54,11 +55,30 @@ class DataParallelCost:
         """Bytes per parameter of parameter all-gathers: FSDP2 casts its fp32 shards to
         MixedPrecisionPolicy.param_dtype before gathering (bf16 for bf16 and fp8 plans, none
         for fp32 ones), 16-bit-weight frameworks gather their bf16 weights; fp32 with
-        fp32_params_autocast (Composer's param_dtype fp32)."""
+        fp32_params_autocast (Composer's param_dtype fp32). FP8 plans whose stack gathers
+        torchao's float8 weights (fp8.py `fp8_gathers_fp8`: meshtron's runtime with the
+        tensorwise recipe on CUDA, meshtron/parallel/fp8.py `fp8_all_gather`) move 1 byte per
+        parameter of the FP8 Linears."""
         if self.opts.fp32_params_autocast or (self.opts.sharding == "fsdp"
                                               and cfg.dtype == "fp32"):
             return 4.0
+        if (cfg.dtype == "fp8" and self.opts.sharding == "fsdp"
+                and fp8_gathers_fp8(self.opts.fp8_scaling, cfg.fp8_recipe)):
+            return compute.BF16 - self._fp8_block_share(cfg.fp8_recipe)
         return compute.BF16
+
+    def _fp8_block_share(self, recipe: str) -> float:
+        """Share of a dense block's parameters that FSDP2 gathers in FP8 (1 byte instead of
+        2) under torchao's FP8 all-gather: the weights of its FP8 Linears (planner/fp8.py);
+        norms and bf16 Linears gather bf16, and so, in this average, do the embedding and
+        head of the end stages (a few layers' worth at most). Mixtures of experts: none
+        (torchao leaves meshtron's routed experts, most of their parameters, in bf16)."""
+        m = self.model
+        if m.is_moe:
+            return 0.0
+        frac = fp8_fractions(m, 1, recipe, self.opts.fp8_filter)
+        block = m.attention_params() + m.ffn_params(0)
+        return compute.fp8_weight_elements(m, 1, frac) / block if block else 0.0
 
     def fsdp_units(self, layers: int, first: bool, last: bool) -> int:
         """Collective calls per stage and per gather/reduce round: FSDP runtimes wrap the

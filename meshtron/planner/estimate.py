@@ -204,6 +204,15 @@ class Evaluator(DataParallelCost):
             self._cache[key] = hit
         return hit
 
+    def _fp8_step(self, tp: int, dtype: str, fp8_recipe: str) -> float:
+        """Seconds per layer and step casting FP8 weights once per step (Transformer Engine's
+        weight cache: compute.fp8_step_cast_s); 0 for other dtypes and for torchao."""
+        if dtype != "fp8":
+            return 0.0
+        frac = tuple(fp8_fractions(self.model, tp, fp8_recipe, self.opts.fp8_filter).values())
+        return compute.fp8_step_cast_s(self.active, self.cluster, tp, self.opts, frac,
+                                       fp8_recipe)
+
     def _micro(self, tp: int, mb: int, sp: bool, rec: str, cp: int = 1, dtype: str = "bf16",
                ep: int = 1, fp8_recipe: str = "rowwise"):
         key = ("micro", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)
@@ -214,7 +223,8 @@ class Evaluator(DataParallelCost):
         frac = None
         if dtype == "fp8":  # the runtime's rule on the real model's Linears (planner/fp8.py)
             frac = tuple(fp8_fractions(m, tp, fp8_recipe, opts.fp8_filter).values())
-        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, frac)
+        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, frac,
+                                fp8_recipe)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         if rec == "selective" and opts.attention == "flash":
             # what the framework's selective policy runs again in the backward (memory.py):
@@ -460,7 +470,8 @@ class Evaluator(DataParallelCost):
         stage_f[-1] += head.fwd
         stage_w[-1] += head.wgrad
         crit = max(range(pp), key=stage_t.__getitem__)
-        compute_t = m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, flags)
+        compute_t = (m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, flags)
+                     + n[crit] * self._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0

@@ -24,7 +24,9 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   compute, `mixed_precision_reduce = "float32"`), compile off by default (eager kernels;
   `stack = "compiled"` in [options] for `--compile.enable`), selective AC "op" policy (every other
   matmul saved: activations = "alternate-matmul"), cross-entropy on fp32-cast logits, async TP
-  off by default, pipelining through torch.distributed.pipelining.
+  off by default, pipelining through torch.distributed.pipelining; with --dtype fp8 torchao
+  float8 with its float8 config's default recipe (recipe_name None: tensorwise, weights
+  gathered in bf16: enable_fsdp_float8_all_gather off by default).
 * `megatron@2021`: Megatron-LM PTD-P as in Narayanan et al. 2021 (github.com/NVIDIA/
   Megatron-LM, 2021 tree): fused kernels, unfused attention with dropout, fp32 main_grad
   (`--accumulate-allreduce-grads-in-fp32`, forced on for bf16 in arguments.py), gradients
@@ -38,7 +40,9 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   asynchronous tensor-parallel linears, overlap_p2p_comm with the interleaved schedule, ring
   attention with p2p overlap for context parallelism. `--tp-comm-overlap` (TE userbuffers) is
   off, as in Megatron-Core (model_parallel_config.py) and NeMo's recipes outside their
-  `performance_mode`: `tp_comm_overlap = true` in [options] prices it.
+  `performance_mode`: `tp_comm_overlap = true` in [options] prices it. FP8 through Transformer
+  Engine with Megatron-Core's default `--fp8-recipe delayed` (`fp8_scaling = "te-current"` in
+  [options] for 'tensorwise', current scaling); megatron@2021 prices FP8 the same way.
 * `deepspeed@2021`: DeepSpeed 0.3.15 (April 2021; deepspeed/runtime/zero/stage3.py,
   partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
   weight separately, device-synchronised (no prefetch), reduces every parameter separately,
@@ -127,7 +131,7 @@ _TORCHTITAN = Framework(
     "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
     "selective_ac_option 'op')",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
-                  fp8_filter="all"),
+                  fp8_filter="all", fp8_scaling="torchao-tensorwise"),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
                   gqa_copies=True), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
@@ -139,7 +143,8 @@ _MEGATRON_2021 = Framework(
     "accumulate_allreduce_grads_in_fp32), megatron/model/fused_softmax.py, "
     "megatron/p2p_communication.py (scatter/gather)",
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                  fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all"),
+                  fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
+                  fp8_scaling="te-delayed"),
     MemoryOptions(framework="megatron"), "fp32")
 # gradient accumulation fusion arrived in Megatron-LM in February 2022 (commit 83b1e42f30): the
 # 2021 tree adds every micro-batch's gradient to main_grad in a backward hook of its own
@@ -153,7 +158,8 @@ _MEGATRON_2024 = Framework(
     "(grad_reduce_in_fp32)",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
                   fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=False,
-                  cp_overlap=True, fp8_filter="all", grad_accum_fusion=True,
+                  cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
+                  grad_accum_fusion=True,
                   megatron_linear=True, p2p_overlap=True),
     MemoryOptions(framework="megatron"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "

@@ -89,7 +89,9 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
         params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == pp - 1 else 0.0)
         local = params / shard_dp if zero >= 1 else params
         # the micro-batches' gradient accumulation passes ride with the step's optimizer work
-        opt.append(ev.opt_bytes * local / ev.hbm + ev.accumulation_s(cfg, k, i, m, flags))
+        # (and Transformer Engine's once-per-step FP8 weight casts, as `evaluate` adds them)
+        opt.append(ev.opt_bytes * local / ev.hbm + ev.accumulation_s(cfg, k, i, m, flags)
+                   + k * ev._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
         red = tl = fo = 0.0
         if shard_dp > 1 and per_unit:
             stage_f = sum(fwd[j] for j in range(i, nv, pp))

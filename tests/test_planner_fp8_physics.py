@@ -1,0 +1,210 @@
+"""FP8 step-time physics of the planner (issue 30, item 3), each effect pinned from the code it
+comes from: what quantising a Linear's operands moves under torchao's recipes (eager and
+compiled) and Transformer Engine's delayed / current scaling, how often a stack casts a shared
+input, Transformer Engine's once-per-step weight cache, torchao's FP8 all-gather under FSDP2.
+No figure of a published row or of a measured run."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.errors import UserError
+from meshtron.model.spec import PRESETS
+from meshtron.planner import compute as C
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.fp8 import (EAGER_CAST_BYTES, GEMM_GROUPS, cast_bytes, fp8_fractions,
+                                  fp8_gathers_fp8, fp8_input_casts)
+from meshtron.planner.frameworks import preset
+from meshtron.planner.plan import Plan
+
+H100 = resolve_cluster("dgx-h100:1")
+L8 = PRESETS["llama3-8b"]
+ALL = dict.fromkeys(GEMM_GROUPS, 1.0)
+
+
+def _total(cb) -> tuple[float, float, float]:
+    """(per activation element, per output-gradient element, per weight element and
+    micro-batch) over a whole training step of one Linear."""
+    return cb.input_fwd + cb.input_bwd, cb.grad_bwd, cb.weight_fwd + cb.weight_bwd + cb.wgrad_out
+
+
+def test_torchao_compiled_casts_are_torchaos_own_roofline():
+    # rowwise: each activation cast along both axes (fp8 dim0 1 + bf16 transposed copy 2, then
+    # the copy read 2 + fp8 1), the weight twice with a transpose between (3 + 4 + 3), and the
+    # backward's weight-gradient output scaled after cuBLAS (2 + 2)
+    assert _total(cast_bytes("torchao", "rowwise", compiled=True)) == (6.0, 6.0, 14.0)
+    # tensorwise: max-abs fused into the producer, one cast writing both layouts (2 + 1 + 1);
+    # the weight: max-abs read (2) and one cast per pass (3 + 3)
+    assert _total(cast_bytes("torchao", "tensorwise", compiled=True)) == (4.0, 4.0, 8.0)
+    # torchtitan's scaling names the recipe whatever the plan's is
+    assert cast_bytes("torchao-tensorwise", "rowwise", True) == \
+        cast_bytes("torchao", "tensorwise", True)
+
+
+def test_torchao_eager_recasts_every_operand_per_gemm():
+    # abs (2+2), amax (2), fp32 upcast (2+4), scale (4+4), clamp (4+4), fp8 cast (4+1)
+    assert EAGER_CAST_BYTES == 2 + 2 + 2 + 2 + 4 + 4 + 4 + 4 + 4 + 4 + 1
+    cb = cast_bytes("torchao", "rowwise", compiled=False)
+    # two casts per operand (float8_linear.py casts again for each GEMM), one layout copy of
+    # the transposed backward operand (1 + 1), rowwise's in-place rescale of both backward
+    # GEMM outputs (2 + 2)
+    assert _total(cb) == (2 * 33 + 2, 2 * 33 + 2, 2 * 33 + 2 + 4)
+    assert cb.dgrad_out == 4.0 and cb.per_linear
+    assert cast_bytes("torchao", "tensorwise").wgrad_out == 0.0  # cuBLAS scales tensorwise
+    # eager always moves more than compiled
+    for recipe in ("rowwise", "tensorwise"):
+        e, c = (_total(cast_bytes("torchao", recipe, x)) for x in (False, True))
+        assert all(a > b for a, b in zip(e, c))
+
+
+def test_transformer_engine_current_scaling_reads_twice_and_caches_weights():
+    delayed, current = cast_bytes("te-delayed"), cast_bytes("te-current")
+    # a fused cast-transpose: read bf16 once, write both FP8 layouts (2 + 1 + 1)
+    assert (delayed.input_fwd, delayed.grad_bwd) == (4.0, 4.0)
+    # current scaling's amax is a read of its own (TE docs: two tensor reads per quantization)
+    assert (current.input_fwd - delayed.input_fwd, current.grad_bwd - delayed.grad_bwd,
+            current.weight_step - delayed.weight_step) == (2.0, 2.0, 2.0)
+    # the weight is cast once per step (is_first_microbatch), never per micro-batch
+    for cb in (delayed, current):
+        assert cb.weight_fwd == cb.weight_bwd == 0.0 and cb.weight_step > 0
+        assert not cb.per_linear and cb.input_bwd == 0.0  # the transposed copy was saved
+
+
+def test_transformer_engine_norm_writes_the_qkv_and_fc1_inputs_quantised():
+    """Megatron-Core's QKV and fc1 are LayerNormLinear: with delayed scaling the norm writes
+    FP8 (both layouts, 1 + 1 bytes) where it wrote bf16 (2): nothing beyond the bf16 norm; the
+    attention output and the MLP activation are cast by a cast-transpose (2 + 1 + 1)."""
+    h, f = L8.hidden, L8.ffn_hidden
+    fwd, _ = C.quantisation_bytes(L8, 1, ALL, cast_bytes("te-delayed"))
+    assert fwd == pytest.approx(4.0 * (h + f))
+    fwd_cur, _ = C.quantisation_bytes(L8, 1, ALL, cast_bytes("te-current"))
+    assert fwd_cur == pytest.approx(6.0 * (h + h + h + f))  # the amax comes first: unfused
+
+
+def test_eager_torchao_casts_a_shared_input_once_per_linear():
+    """Llama's wq/wk/wv and w1/w3 are separate Linears reading one tensor: eager torchao casts
+    it once per FP8 Linear; a compiled graph (CSE) or a fused QKV / fc1 (TE) once."""
+    assert fp8_input_casts(L8, 1, "rowwise", "all") == {"qkv": 3, "out": 1, "up": 2, "down": 1}
+    # torchao's rowwise filter keeps wk and wv (N = 1024) in bf16: the qkv input is cast once
+    assert fp8_input_casts(L8, 1, "rowwise", "torchao")["qkv"] == 1
+    eager = cast_bytes("torchao", "rowwise", False)
+    casts = fp8_input_casts(L8, 1, "rowwise", "all")
+    once = dataclasses.replace(eager, per_linear=False)
+    f_many, b_many = C.quantisation_bytes(L8, 1, ALL, eager, casts)
+    f_once, b_once = C.quantisation_bytes(L8, 1, ALL, once, casts)
+    h, f = L8.hidden, L8.ffn_hidden
+    extra_inputs = 2 * h + 1 * h  # two more casts of the qkv input, one more of the MLP's
+    assert f_many - f_once == pytest.approx(eager.input_fwd * extra_inputs)
+    assert b_many - b_once == pytest.approx((eager.input_bwd + eager.dgrad_out) * extra_inputs)
+    assert f_once == pytest.approx(eager.input_fwd * (h + h + h + f))
+
+
+def test_layer_cost_difference_between_recipes_is_their_cast_bytes():
+    """At every FP8 Linear (fp8_filter 'all') the two torchao recipes run the same GEMMs: the
+    compiled layers differ by exactly the bytes their casts move over the streaming
+    bandwidth."""
+    opts = C.KernelOptions(stack="compiled", fp8_filter="all")
+    tokens = 8192
+    cost = {r: C.layer_cost(L8, H100, 1, 1, tokens, False, opts, 1, "fp8", None, r)
+            for r in ("rowwise", "tensorwise")}
+    bw = C.membound_bytes_per_s(H100, "compiled")
+    moved = {}
+    for r in cost:
+        cb = cast_bytes("torchao", r, True)
+        f, b = C.quantisation_bytes(L8, 1, ALL, cb)
+        w = C.fp8_weight_elements(L8, 1, ALL)
+        moved[r] = tokens * (f + b) + (cb.weight_fwd + cb.weight_bwd + cb.wgrad_out) * w
+    got = sum(cost["rowwise"].__dict__[k] - cost["tensorwise"].__dict__[k] for k in ("fwd", "bwd"))
+    assert got == pytest.approx((moved["rowwise"] - moved["tensorwise"]) / bw, rel=1e-9)
+    assert got > 0  # rowwise casts every operand along both axes
+
+
+def test_transformer_engine_weight_cast_is_per_step_not_per_microbatch():
+    mcore = preset("megatron@2024").kernel
+    assert mcore.fp8_scaling == "te-delayed"
+    current = dataclasses.replace(mcore, fp8_scaling="te-current")
+    frac = tuple(fp8_fractions(L8, 1, "rowwise", "all").values())
+    w = C.fp8_weight_elements(L8, 1, dict(zip(GEMM_GROUPS, frac)))
+    bw = C.membound_bytes_per_s(H100, "fused")
+    assert C.fp8_step_cast_s(L8, H100, 1, mcore, frac) == pytest.approx(4.0 * w / bw)
+    assert C.fp8_step_cast_s(L8, H100, 1, current, frac) == pytest.approx(6.0 * w / bw)
+    assert C.fp8_step_cast_s(L8, H100, 1, C.KernelOptions(), frac) == 0.0  # torchao: per mb
+    # through the evaluator: one step's weight casts, whatever the number of micro-batches
+    cl = resolve_cluster("dgx-h100:1")
+    small = dataclasses.replace(L8, layers=2)
+    step = {}
+    for scaling in ("te-delayed", "te-current"):
+        opts = dataclasses.replace(mcore, fp8_scaling=scaling)
+        for gb in (2, 8):
+            ev = Evaluator(small, cl, gb, 4096, opts)
+            step[scaling, gb] = ev.evaluate(Plan(1, 1, 1, 0, 1, "none", False, None, 1,
+                                                 dtype="fp8")).step_time_s
+    per_step_extra = 2.0 * small.layers * w / bw  # current - delayed weight bytes, once
+    extra = {gb: step["te-current", gb] - step["te-delayed", gb] for gb in (2, 8)}
+    # the activations' extra amax read scales with the micro-batches, the weights' does not
+    act = (extra[8] - extra[2]) / 6  # per micro-batch
+    assert extra[2] == pytest.approx(2 * act + per_step_extra, rel=1e-6)
+
+
+def test_fp8_all_gather_only_where_the_runtime_gathers_fp8():
+    assert fp8_gathers_fp8("torchao", "tensorwise")            # meshtron, tensorwise on CUDA
+    assert not fp8_gathers_fp8("torchao", "rowwise")           # a rowwise scale spans shards
+    assert not fp8_gathers_fp8("torchao-tensorwise", "tensorwise")  # torchtitan's default off
+    assert not fp8_gathers_fp8("te-delayed", "tensorwise")
+    ev = Evaluator(L8, resolve_cluster("dgx-h100:8"), 64, 8192)
+    plan = Plan(1, 1, 64, 3, 1, "full", False, None, 1, dtype="fp8")
+    rowwise = ev.dp_flags(plan)["wsize"]
+    tensorwise = ev.dp_flags(dataclasses.replace(plan, fp8_recipe="tensorwise"))["wsize"]
+    assert rowwise == C.BF16
+    # the weights of the FP8 Linears (tensorwise's filter leaves wk and wv, N = 1024 and
+    # K = 4096, in bf16) gather 1 byte per parameter instead of 2, the rest of the block 2
+    frac = fp8_fractions(L8, 1, "tensorwise", "torchao")
+    assert frac["qkv"] == pytest.approx(4096 / 6144) and frac["up"] == 1.0
+    block = L8.attention_params() + L8.ffn_params(0)
+    assert tensorwise == pytest.approx(2.0 - C.fp8_weight_elements(L8, 1, frac) / block)
+    assert 1.0 < tensorwise < 1.1
+
+
+def test_unknown_fp8_scaling_is_refused_by_name(tmp_path):
+    with pytest.raises(UserError, match="fp8_scaling='fast'.*te-current"):
+        C.KernelOptions(fp8_scaling="fast")
+    opts = tmp_path / "o.toml"
+    opts.write_text('[options]\nfp8_scaling = "fast"\n')
+    proc = subprocess.run([sys.executable, "-m", "meshtron", "plan", "--model", "llama3-8b",
+                           "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len",
+                           "4096", "--dtype", "fp8", "--options", str(opts)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "fp8_scaling='fast'" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sequence_parallel_inputs_are_cast_on_the_shard_then_transposed():
+    """Transformer Engine under sequence parallelism quantises a gathered tensor on the local
+    1/tp shard (rowwise only), gathers the FP8 and transposes the gathered copy for the weight
+    gradient (Hopper cannot gather the transposed layout): (bytes - 1) / tp + 1 + 1."""
+    h, f, tp = L8.hidden, L8.ffn_hidden, 8
+    cur = cast_bytes("te-current")
+    plain = C.quantisation_bytes(L8, tp, ALL, cur, None, sp=False)
+    fwd, bwd = C.quantisation_bytes(L8, tp, ALL, cur, None, sp=True)
+    # forward: the attention output (h/tp per token) and the MLP activation (f/tp) as without
+    # sequence parallelism; the two normed inputs (h each) on the shard, then transposed
+    assert fwd == pytest.approx(6.0 * (h + f) / tp + ((6.0 - 1.0) / tp + 2.0) * 2 * h)
+    # backward: the row-parallel outputs' gradients (out-proj, MLP-down: h each) are gathered
+    assert bwd - plain[1] == pytest.approx(((6.0 - 1.0) / tp + 2.0 - 6.0) * 2 * h)
+    assert fwd < plain[0] and bwd < plain[1]
+    # torchao gathers FP8 under tensorwise scaling only (Float8ColwiseParallel); rowwise
+    # gathers bf16 and casts the gathered tensor
+    for compiled in (True, False):
+        rw = cast_bytes("torchao-rowwise", compiled=compiled)
+        assert C.quantisation_bytes(L8, tp, ALL, rw, None, sp=True) == \
+            C.quantisation_bytes(L8, tp, ALL, rw, None, sp=False)
+        tw = cast_bytes("torchao-tensorwise", compiled=compiled)
+        assert C.quantisation_bytes(L8, tp, ALL, tw, None, sp=True)[0] < \
+            C.quantisation_bytes(L8, tp, ALL, tw, None, sp=False)[0]
