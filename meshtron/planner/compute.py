@@ -78,7 +78,7 @@ from functools import lru_cache
 
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm
+from meshtron.planner import comm, host
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.fp8 import FP8_FILTERS, GEMM_GROUPS, fp8_fractions
@@ -571,13 +571,11 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         per_tok_f, per_tok_b = quantisation_bytes(model, tp, frac)
         q_f = (tokens * per_tok_f + 3.0 * weights) / bw
         q_b = (tokens * per_tok_b + 3.0 * weights) / bw
-    # the host must issue every kernel: a layer is never faster than its dispatch
-    issue = kernels_per_layer(model, opts) * dispatch_s(cluster)
     if opts.fp32_params_autocast:
         weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
         elementwise += 6.0 * weights / bw
-    fwd = max(linear + core_fwd + elementwise + q_f, issue)
-    bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise + q_b, 2.0 * issue)
+    fwd = linear + core_fwd + elementwise + q_f
+    bwd = 2.0 * linear + core_bwd + 2.0 * elementwise + q_b
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
     # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2). Which
@@ -592,7 +590,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
              "ag_in": comm.all_gather(in_bytes, group, fab),
              "rs": comm.reduce_scatter(act_bytes, group, fab),
              "ar": comm.all_reduce(act_bytes, group, fab)}
-    tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster))
+    tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster),
+                             host.sm_interference(cluster, group.nodes > 1))
                   if tp > 1 else (0.0, 0.0))
     if cp > 1:
         # K/V of the local tokens travel to the other cp-1 ranks (ring: cp-1 p2p steps of the
@@ -603,8 +602,16 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         cp_f = comm.all_gather(kv_bytes * cp, cpg, fab)
         cp_b = comm.reduce_scatter(kv_bytes * cp, cpg, fab)
         if opts.cp_overlap:
-            cp_f, cp_b = overlapped(cp_f, core_fwd), overlapped(cp_b, core_bwd)
+            nccl = host.sm_interference(cluster, cpg.nodes > 1)
+            cp_f, cp_b = overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
         tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
+    # the host launches every kernel and collective: where they are shorter than their launches
+    # the GPU waits on it (planner/host.py), over the layer's compute and exposed communication
+    issue_f, issue_b = host.layer_issue(kernels_per_layer(model, opts),
+                                        host.tp_collectives(tp, sp) + (2 if cp > 1 else 0),
+                                        dispatch_s(cluster))
+    fwd += host.launch_bound(fwd + tp_f, issue_f)
+    bwd += host.launch_bound(bwd + tp_b, issue_b)
     return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
                      tp_fwd=tp_f, tp_bwd=tp_b)
 
