@@ -149,3 +149,21 @@ def test_dp_overlap_interference_depends_on_where_the_group_sits():
     across = Plan(tp=1, pp=1, dp=32, micro_batch=1, zero=3)
     assert ev1.dp_interference(ev1._groups(in_node)) == pytest.approx(32 / 132)
     assert ev4.dp_interference(ev4._groups(across)) == pytest.approx(16 / 132)
+
+
+def _plan_json(capsys, *argv: str) -> dict:
+    import json
+
+    import meshtron.cli as top
+    assert top.main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_says_when_the_gpu_waits_on_launches(capsys):
+    """Through the command line: a tiny model at 64 tokens per micro-batch is launch-bound and
+    the plan says so; Llama-3-8B at its default batch on H100s is not."""
+    tiny = _plan_json(capsys, "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch",
+                      "8", "--seq-len", "64", "--top", "1")
+    assert any("waits on kernel launches" in n for n in tiny["notes"])
+    big = _plan_json(capsys, "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--top", "1")
+    assert not any("waits on kernel launches" in n for n in big["notes"])
