@@ -167,3 +167,13 @@ def test_plan_says_when_the_gpu_waits_on_launches(capsys):
     assert any("waits on kernel launches" in n for n in tiny["notes"])
     big = _plan_json(capsys, "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--top", "1")
     assert not any("waits on kernel launches" in n for n in big["notes"])
+
+
+def test_the_head_and_loss_wait_on_launches_only_when_small():
+    """The final norm, head GEMM and eager loss are launches too: a tiny model's head at 64
+    tokens is launch-bound, Llama-3-8B's at 4,096 tokens is not."""
+    small = C.head_cost(TINY, H100, 1, 1, 64, False, "eager")
+    small_dev = C.head_cost(TINY, NO_LAUNCH, 1, 1, 64, False, "eager")
+    assert small.compute > 2 * small_dev.compute and small.fwd > small_dev.fwd
+    big = C.head_cost(L8, H100, 1, 1, 4096, False, "eager")
+    assert big == C.head_cost(L8, NO_LAUNCH, 1, 1, 4096, False, "eager")

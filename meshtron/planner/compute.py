@@ -680,6 +680,16 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     else:
         tp_f = loss_ar
         tp_b = comm.all_reduce(nbytes, group, fab)
+    # launches (planner/host.py): the norm, the head GEMM and the loss (eager: cast,
+    # log-softmax, target gather, mean; fused: one kernel), the loss's all-reduces with tp
+    kernels = (_NORM_KERNELS[norm_key(stack, eager_norm, model.norm)] + 1
+               + (4 if stack == "eager" else 1))
+    colls = (3 if tp > 1 else 0) + (1 if sp and tp > 1 else 0)
+    issue_f, issue_b = host.layer_issue(kernels, colls, dispatch_s(cluster))
+    wait_f = host.launch_bound(fwd_c + tp_f, issue_f)
+    wait_b = host.launch_bound(compute - fwd_c + tp_b, issue_b)
+    fwd_c += wait_f
+    compute += wait_f + wait_b
     return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm)
 
 
