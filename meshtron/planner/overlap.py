@@ -13,7 +13,10 @@ OVERLAP_INTERFERENCE = 0.15
 """Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
 communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
-part of overlapped communication costs this fraction of its duration."""
+part of overlapped communication costs this fraction of its duration where no NCCL group is
+priced: copy-engine transfers (TE's ring exchange, async TP), pipeline p2p, expert all-to-alls.
+NCCL collectives of the tensor, context and data-parallel groups pay their SM share instead
+(planner/host.py `sm_interference`: their CTAs over the GPU's SMs)."""
 
 
 def overlapped(comm_time: float, window: float,
