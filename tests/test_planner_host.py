@@ -68,8 +68,8 @@ def test_collectives_are_launches_and_the_host_overlaps_exposed_communication():
     f4, b4 = host.layer_issue(k, host.tp_collectives(2, True), d)
     assert f4 - f0 == pytest.approx(4 * d) and b4 - b0 == pytest.approx(4 * d)
     assert host.tp_collectives(1, True) == 0 and host.tp_collectives(4, False) == 2
-    # the backward launches twice the forward's kernels at the measured per-node cost
-    assert b0 == pytest.approx(2 * k * d * host.BACKWARD_HOST_FRACTION)
+    # the backward launches BACKWARD_LAUNCHES per forward kernel at the measured per-node cost
+    assert b0 == pytest.approx(host.BACKWARD_LAUNCHES * k * d * host.BACKWARD_HOST_FRACTION)
     # the GPU waits on the host only by what its compute and exposed communication leave
     assert host.launch_bound(1.0, 1.5) == pytest.approx(0.5)
     assert host.launch_bound(1.5, 1.0) == 0.0
@@ -177,3 +177,44 @@ def test_the_head_and_loss_wait_on_launches_only_when_small():
     assert small.compute > 2 * small_dev.compute and small.fwd > small_dev.fwd
     big = C.head_cost(L8, H100, 1, 1, 4096, False, "eager")
     assert big == C.head_cost(L8, NO_LAUNCH, 1, 1, 4096, False, "eager")
+
+
+def test_eager_kernel_count_is_what_meshtrons_block_launches():
+    """Count the ATen calls that reach a kernel in one eager forward and backward of
+    meshtron's Block on CPU (LayerNorm standing in for the one-kernel fused RMSNorm of CUDA,
+    which decomposes on CPU): the forward is the planner's `kernels_per_layer`, the backward
+    BACKWARD_LAUNCHES times it."""
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.model.rope import rope_cache
+    from meshtron.model.transformer import Block
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in ("empty", "empty_strided", "detach",
+                                                  "_unsafe_view"):
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    spec = dataclasses.replace(TINY, norm="layernorm")
+    torch.manual_seed(0)
+    block = Block(spec).to(torch.bfloat16)
+    x = torch.randn(1, 32, spec.hidden, dtype=torch.bfloat16, requires_grad=True)
+    rope = rope_cache(spec)
+    with Count() as fwd:
+        y = block(x, rope)
+    grad = torch.ones_like(y)
+    with Count() as bwd:
+        y.backward(grad)
+    n_fwd, n_bwd = sum(fwd.ops.values()), sum(bwd.ops.values())
+    assert fwd.ops["mm"] == 7 and bwd.ops["mm"] == 14  # two GEMMs per forward GEMM
+    assert n_fwd == C.kernels_per_layer(TINY, EAGER) == C.kernels_per_layer(spec, EAGER)
+    assert n_bwd / n_fwd == pytest.approx(host.BACKWARD_LAUNCHES, abs=0.05)

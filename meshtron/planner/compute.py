@@ -455,14 +455,19 @@ def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions)
 
 
 def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
-    """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations)."""
+    """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations). The
+    eager count is what meshtron's Block launches, counted from its code path by
+    bench/host_kernel_count.py (tests/test_planner_host.py checks it): eager RoPE is, per q
+    and k, two casts of the cos/sin tables to the activation dtype, a negation, a
+    concatenation, two products and a sum; the flash kernel's output is already token-major,
+    so its transpose + reshape launches nothing in eager code."""
     st = opts.stack
     n = 2 * _NORM_KERNELS[norm_key(st, opts.eager_norm, model.norm)] + 2  # norms, residual adds
     n += (3 if model.mlp == "swiglu" else 2) + 4  # MLP and attention linears (q, k, v, out)
     n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
     if model.position == "rope":
-        n += 10 if st == "eager" else 1
-    if st != "fused":
+        n += 14 if st == "eager" else 1
+    if st == "compiled" or (st == "eager" and opts.attention != "flash"):
         n += 1  # attention-output copy
     if st == "eager":
         n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)

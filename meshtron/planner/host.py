@@ -7,11 +7,11 @@ module code, the dispatcher, autograd's graph recording and cudaLaunchKernel per
 calibrate` measured 10.2 us per tiny eager op on one H200, bench/results, calibration data);
 the backward is replayed by autograd's C++ engine, which skips Python, yet one backward node
 costs the host as much as one forward op (BACKWARD_HOST_FRACTION, measured on CPU by
-bench/host_dispatch.py), and the backward issues about twice the forward's kernels. The
-launches are
-asynchronous: the host runs ahead of the GPU through the stream's queue, so over a stretch of
-work between two host synchronisations the GPU finishes after max(host issue time, device
-time) (plus the first launch). A transformer stack is periodic (every layer issues the same
+bench/host_dispatch.py), and the backward issues 1.25 times the forward's kernels
+(BACKWARD_LAUNCHES, counted on meshtron's Block). The launches are asynchronous: the host
+runs ahead of the GPU through the stream's queue, so over a stretch of work between two host
+synchronisations the GPU finishes after max(host issue time, device time) (plus the first
+launch). A transformer stack is periodic (every layer issues the same
 kernels), so per layer and pass the stretch rule reads max(issue, device): the GPU idles only
 when a layer's kernels are shorter on average than their launches, i.e. small per-GPU work
 (small models, large tp, small micro-batches). Each collective call is one more launch on the
@@ -51,6 +51,12 @@ host's) and its backward: 9.60 us per forward op and 9.27 us per backward node (
 Autograd's C++ engine saves the Python frames but pays the node's bookkeeping (input buffers,
 gradient accumulation) instead; on a GPU both passes add the same cudaLaunchKernel, so the
 ratio carries over."""
+BACKWARD_LAUNCHES = 1.25
+"""Backward launches per forward launch of a layer, counted on meshtron's Block by
+bench/host_kernel_count.py (torch 2.13, llama-style: 28 forward, 35 backward; two GEMMs per
+forward GEMM, but views, casts and the RoPE tables' casts need no backward kernel).
+Accumulating into existing gradients (micro-batches after the first) adds one add per
+parameter tensor, not charged here."""
 SYNC_S = 20e-6
 """GPU idle time one host synchronisation causes: the device-to-host copy's round trip and the
 first launch after it (cudaStreamSynchronize wake-up plus one eager dispatch, about 2 x the
@@ -97,12 +103,11 @@ def launch_bound(device_s: float, issue_s: float) -> float:
 
 def layer_issue(kernels: int, collectives: int, per_kernel_s: float) -> tuple[float, float]:
     """(forward, backward) host seconds to launch one layer's work for one micro-batch:
-    `kernels` forward kernels and `collectives` forward collective calls; the backward runs
-    two GEMMs per forward GEMM and a gradient kernel or two per element-wise one: twice the
-    launches, each at BACKWARD_HOST_FRACTION of a forward launch (autograd's C++ engine), and
-    one collective per forward one (the conjugates)."""
+    `kernels` forward kernels and `collectives` forward collective calls; the backward
+    launches BACKWARD_LAUNCHES per forward kernel, each at BACKWARD_HOST_FRACTION of a forward
+    launch (autograd's C++ engine), and one collective per forward one (the conjugates)."""
     fwd = (kernels + collectives) * per_kernel_s
-    bwd = (2 * kernels + collectives) * per_kernel_s * BACKWARD_HOST_FRACTION
+    bwd = (BACKWARD_LAUNCHES * kernels + collectives) * per_kernel_s * BACKWARD_HOST_FRACTION
     return fwd, bwd
 
 
