@@ -348,10 +348,11 @@ def membound_bytes_per_s(cluster: ClusterSpec, stack: str) -> float:
 
 
 def dispatch_s(cluster: ClusterSpec) -> float:
-    """Host cost of issuing one kernel: the calibrated `eager_kernel_overhead_us`, else
-    DISPATCH_S."""
+    """Host cost of issuing one kernel in a training forward: the calibrated
+    `eager_kernel_overhead_us` (a no-grad op) with autograd's recording (host.AUTOGRAD_RECORD),
+    else DISPATCH_S."""
     if cluster.eager_kernel_overhead_us is not None:
-        return cluster.eager_kernel_overhead_us * 1e-6
+        return cluster.eager_kernel_overhead_us * 1e-6 * host.AUTOGRAD_RECORD
     return DISPATCH_S
 
 

@@ -5,9 +5,9 @@ Host launch overhead. Eager PyTorch issues every kernel from the host: the forwa
 module code, the dispatcher, autograd's graph recording and cudaLaunchKernel per operation
 (about 10 us: H. He, "Making Deep Learning Go Brrrr From First Principles", 2022; `meshtron
 calibrate` measured 10.2 us per tiny eager op on one H200, bench/results, calibration data);
-the backward is replayed by autograd's C++ engine, which skips Python, yet one backward node
-costs the host as much as one forward op (BACKWARD_HOST_FRACTION, measured on CPU by
-bench/host_dispatch.py), and the backward issues 1.25 times the forward's kernels
+the backward is replayed by autograd's C++ engine, which skips Python: one backward kernel
+costs the host 0.93 of a forward one (BACKWARD_HOST_FRACTION, from bench/host_dispatch.py's
+CPU measurement plus the launch), and the backward issues 1.25 times the forward's kernels
 (BACKWARD_LAUNCHES, counted on meshtron's Block). The launches are asynchronous: the host
 runs ahead of the GPU through the stream's queue, so over a stretch of work between two host
 synchronisations the GPU finishes after max(host issue time, device time) (plus the first
@@ -43,14 +43,24 @@ from __future__ import annotations
 from meshtron.planner.cluster import ClusterSpec, gpu_type
 from meshtron.planner.overlap import DEFAULT_SMS, sm_count
 
-BACKWARD_HOST_FRACTION = 1.0
-"""Host cost of one backward kernel over one forward kernel, measured: bench/host_dispatch.py
-times a chain of tiny eager ops on CPU (torch 2.13, 8-element tensors, so the time is the
-host's) and its backward: 9.60 us per forward op and 9.27 us per backward node (2,000 ops x 7),
-7.13 and 7.16 us (4,000 x 9) on this project's shared 2-core machine: a ratio of 0.97-1.00.
-Autograd's C++ engine saves the Python frames but pays the node's bookkeeping (input buffers,
-gradient accumulation) instead; on a GPU both passes add the same cudaLaunchKernel, so the
-ratio carries over."""
+FORWARD_DISPATCH_US = 3.6
+"""Host time of one eager forward op that records autograd's graph, without the CUDA launch:
+bench/host_dispatch.py on CPU (torch 2.13, 8-element tensors, fastest of 41 runs of 500 ops:
+3.58-3.66 us on this project's 2-core machine)."""
+NO_GRAD_DISPATCH_US = 2.87
+"""The same op without autograd recording (2.85-2.89 us)."""
+BACKWARD_NODE_US = 2.87
+"""One backward node run by autograd's C++ engine (2.84-2.97 us)."""
+LAUNCH_US = 10.2 - NO_GRAD_DISPATCH_US
+"""cudaLaunchKernel and the CUDA dispatch path, which the CPU run lacks: `meshtron calibrate`'s
+no-grad op on one H200 (10.2 us, calibration data, bench/results) less its dispatch."""
+BACKWARD_HOST_FRACTION = (BACKWARD_NODE_US + LAUNCH_US) / (FORWARD_DISPATCH_US + LAUNCH_US)
+"""Host cost of one backward kernel over one forward kernel (0.93): the C++ engine saves the
+Python frame and the recording, both pay the launch."""
+AUTOGRAD_RECORD = (FORWARD_DISPATCH_US + LAUNCH_US) / (NO_GRAD_DISPATCH_US + LAUNCH_US)
+"""A training forward op over the no-grad op `meshtron calibrate` times (`x.add_(1)` back to
+back, calibrate/kernels.py): 1.07. A calibrated cluster's per-kernel cost is scaled by it
+(compute.py `dispatch_s`); the constant DISPATCH_S already stands for a training op."""
 BACKWARD_LAUNCHES = 1.25
 """Backward launches per forward launch of a layer, counted on meshtron's Block by
 bench/host_kernel_count.py (torch 2.13, llama-style: 28 forward, 35 backward; two GEMMs per
