@@ -1,8 +1,8 @@
 """Host cost of one eager operation forward (Python + dispatcher + autograd recording) against
 one backward node (autograd's C++ engine), on CPU with tiny tensors, so what is timed is the
-host's work, not the arithmetic. The ratios feed planner/host.py BACKWARD_HOST_FRACTION and AUTOGRAD_RECORD: on a
-GPU both add the same cudaLaunchKernel, which this CPU run lacks, so the GPU ratio lies between
-this one and 1.
+host's work, not the arithmetic. The figures feed planner/host.py (FORWARD_DISPATCH_US,
+NO_GRAD_DISPATCH_US, BACKWARD_NODE_US): on a GPU every op adds the same cudaLaunchKernel,
+which this CPU run lacks (host.py LAUNCH_US), so the GPU ratios lie between these and 1.
 
     python bench/host_dispatch.py [--ops 500] [--repeats 41]
 

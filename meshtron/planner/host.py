@@ -31,7 +31,8 @@ NCCL SM contention. An NCCL collective runs one CTA per channel, and a CTA holds
 kernel's whole life (NCCL never shares an SM with compute: nccl#689, nccl#1656). NCCL launches
 two CTAs per NVLink to saturate NVLink with large messages (nccl#1703; 24 CTAs on a DGX A100's
 12 NVLinks, nccl#1225), capped by its channel limit (MAXCHANNELS 32, NCCL <= 2.22); across
-nodes two per NIC (nccl#689: 16 SMs on a DGX with 8 NICs; one NIC per GPU assumed). A GEMM
+nodes two per NIC (nccl#689: 16 SMs on a DGX with 8 NICs; nccl#1453's 3-node H100 log
+lists 16 ring channels; one NIC per GPU assumed). A GEMM
 beside it runs on the remaining SMs: over the hidden part h of a collective the compute
 progresses at (sms - ctas) / sms of its rate, so it finishes h * ctas / sms later
 (`sm_interference`). Copy-engine transfers (Transformer Engine's ring exchange, PyTorch async

@@ -105,8 +105,8 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
             red, gather = ev.once_per_step(params, zero, groups, gsize, flags["wsize"],
                                            ev.fsdp_units(k, i == 0, i == pp - 1) if fsdp
                                            else 1)
-            tl = (_exposed(gather, sum(fwd[j] for j in range(i, nv, pp)), ev.dp_interference(groups))
-                  if gather else 0.0)
+            stage_f = sum(fwd[j] for j in range(i, nv, pp))
+            tl = _exposed(gather, stage_f, ev.dp_interference(groups)) if gather else 0.0
         reduce_s.append(red)
         fold.append(fo)
         tail.append(tl)
