@@ -206,7 +206,12 @@ def run(args: argparse.Namespace) -> int:
     result.notes[:0] = notes
     from meshtron.planner.compression_advice import advice
 
+    from meshtron.planner.host_advice import launch_note
+
     line = advice(result)  # compression / DiLoCo when the best plan is inter-node bound
+    if line:
+        result.notes.append(line)
+    line = launch_note(result)  # when the GPU waits on the host's kernel launches
     if line:
         result.notes.append(line)
     width = None if sys.stdout.isatty() else (220 if args.wide else 100)

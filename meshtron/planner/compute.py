@@ -78,7 +78,7 @@ from functools import lru_cache
 
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm
+from meshtron.planner import comm, host
 from meshtron.planner.placement import tp_group
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exported)
@@ -358,10 +358,11 @@ def membound_bytes_per_s(cluster: ClusterSpec, stack: str) -> float:
 
 
 def dispatch_s(cluster: ClusterSpec) -> float:
-    """Host cost of issuing one kernel: the calibrated `eager_kernel_overhead_us`, else
-    DISPATCH_S."""
+    """Host cost of issuing one kernel in a training forward: the calibrated
+    `eager_kernel_overhead_us` (a no-grad op) with autograd's recording (host.AUTOGRAD_RECORD),
+    else DISPATCH_S."""
     if cluster.eager_kernel_overhead_us is not None:
-        return cluster.eager_kernel_overhead_us * 1e-6
+        return cluster.eager_kernel_overhead_us * 1e-6 * host.AUTOGRAD_RECORD
     return DISPATCH_S
 
 
@@ -465,14 +466,19 @@ def _elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions)
 
 
 def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
-    """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations)."""
+    """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations). The
+    eager count is what meshtron's Block launches, counted from its code path by
+    bench/host_kernel_count.py (tests/test_planner_host.py checks it): eager RoPE is, per q
+    and k, two casts of the cos/sin tables to the activation dtype, a negation, a
+    concatenation, two products and a sum; the flash kernel's output is already token-major,
+    so its transpose + reshape launches nothing in eager code."""
     st = opts.stack
     n = 2 * _NORM_KERNELS[norm_key(st, opts.eager_norm, model.norm)] + 2  # norms, residual adds
     n += (3 if model.mlp == "swiglu" else 2) + 4  # MLP and attention linears (q, k, v, out)
     n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
     if model.position == "rope":
-        n += 10 if st == "eager" else 1
-    if st != "fused":
+        n += 14 if st == "eager" else 1
+    if st == "compiled" or (st == "eager" and opts.attention != "flash"):
         n += 1  # attention-output copy
     if st == "eager":
         n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
@@ -579,13 +585,11 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         per_tok_f, per_tok_b = quantisation_bytes(model, tp, frac, cb, casts, sp)
         q_f = (tokens * per_tok_f + cb.weight_fwd * weights) / bw
         q_b = (tokens * per_tok_b + (cb.weight_bwd + cb.wgrad_out) * weights) / bw
-    # the host must issue every kernel: a layer is never faster than its dispatch
-    issue = kernels_per_layer(model, opts) * dispatch_s(cluster)
     if opts.fp32_params_autocast:
         weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
         elementwise += 6.0 * weights / bw
-    fwd = max(linear + core_fwd + elementwise + q_f, issue)
-    bwd = max(2.0 * linear + core_bwd + 2.0 * elementwise + q_b, 2.0 * issue)
+    fwd = linear + core_fwd + elementwise + q_f
+    bwd = 2.0 * linear + core_bwd + 2.0 * elementwise + q_b
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
     # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2). Which
@@ -600,7 +604,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
              "ag_in": comm.all_gather(in_bytes, group, fab),
              "rs": comm.reduce_scatter(act_bytes, group, fab),
              "ar": comm.all_reduce(act_bytes, group, fab)}
-    tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster))
+    tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster),
+                             host.sm_interference(cluster, group.nodes > 1))
                   if tp > 1 else (0.0, 0.0))
     if cp > 1:
         # K/V of the local tokens travel to the other cp-1 ranks (ring: cp-1 p2p steps of the
@@ -611,8 +616,16 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         cp_f = comm.all_gather(kv_bytes * cp, cpg, fab)
         cp_b = comm.reduce_scatter(kv_bytes * cp, cpg, fab)
         if opts.cp_overlap:
-            cp_f, cp_b = overlapped(cp_f, core_fwd), overlapped(cp_b, core_bwd)
+            nccl = host.sm_interference(cluster, cpg.nodes > 1)
+            cp_f, cp_b = overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
         tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
+    # the host launches every kernel and collective: where they are shorter than their launches
+    # the GPU waits on it (planner/host.py), over the layer's compute and exposed communication
+    issue_f, issue_b = host.layer_issue(kernels_per_layer(model, opts),
+                                        host.tp_collectives(tp, sp) + (2 if cp > 1 else 0),
+                                        dispatch_s(cluster))
+    fwd += host.launch_bound(fwd + tp_f, issue_f)
+    bwd += host.launch_bound(bwd + tp_b, issue_b)
     return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
                      tp_fwd=tp_f, tp_bwd=tp_b)
 
@@ -681,6 +694,16 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     else:
         tp_f = loss_ar
         tp_b = comm.all_reduce(nbytes, group, fab)
+    # launches (planner/host.py): the norm, the head GEMM and the loss (eager: cast,
+    # log-softmax, target gather, mean; fused: one kernel), the loss's all-reduces with tp
+    kernels = (_NORM_KERNELS[norm_key(stack, eager_norm, model.norm)] + 1
+               + (4 if stack == "eager" else 1))
+    colls = (3 if tp > 1 else 0) + (1 if sp and tp > 1 else 0)
+    issue_f, issue_b = host.layer_issue(kernels, colls, dispatch_s(cluster))
+    wait_f = host.launch_bound(fwd_c + tp_f, issue_f)
+    wait_b = host.launch_bound(compute - fwd_c + tp_b, issue_b)
+    fwd_c += wait_f
+    compute += wait_f + wait_b
     return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm)
 
 

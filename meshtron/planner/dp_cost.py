@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshtron.planner import comm, compute
+from meshtron.planner import comm, compute, host
 from meshtron.planner.fp8 import fp8_fractions, fp8_gathers_fp8
 from meshtron.planner.plan import Plan
 
@@ -30,8 +30,13 @@ hidden part causes (one formula for tensor-, context- and data-parallel overlap)
 
 
 class DataParallelCost:
-    """Mixin of `estimate.Evaluator`: needs self.opts, self.mem, self.fab, self.hbm and
-    self._cache."""
+    """Mixin of `estimate.Evaluator`: needs self.opts, self.mem, self.fab, self.hbm,
+    self.cluster and self._cache."""
+
+    def dp_interference(self, groups: dict[str, Any]) -> float:
+        """What a data-parallel collective hidden beside compute costs it per second: the SMs
+        its NCCL CTAs hold, for a group inside one node or across nodes (planner/host.py)."""
+        return host.sm_interference(self.cluster, groups["dp"].nodes > 1)
 
     def dp_flags(self, cfg: Plan) -> dict[str, Any]:
         """How a plan's data-parallel collectives run, as keyword arguments of `_dp_time`; the
@@ -128,7 +133,8 @@ class DataParallelCost:
         else:
             red, gather = self.once_per_step(params, zero, groups, gsize, wsize,
                                              units if fsdp else 1)
-            exp = _exposed(red, bwd) + _exposed(gather, fwd)
+            nccl = self.dp_interference(groups)
+            exp = _exposed(red, bwd, nccl) + _exposed(gather, fwd, nccl)
         self._cache[key] = exp
         return exp
 
@@ -171,10 +177,11 @@ class DataParallelCost:
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
         rs = units * (comm.reduce_scatter(gsize * params / units, shard, self.fab)
                       + comm.all_reduce(gsize * params / units / shard.size, rep, self.fab))
-        out = (1 if reduce_once else m) * _exposed(rs, bwd)  # fwd, bwd: one micro-batch's
+        nccl = self.dp_interference(groups)
+        out = (1 if reduce_once else m) * _exposed(rs, bwd, nccl)  # fwd, bwd: one micro-batch's
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
-            return out + _exposed(ag, fwd) + self.copy_out_s(params, wsize)
+            return out + _exposed(ag, fwd, nccl) + self.copy_out_s(params, wsize)
         per_mb = self._zero3_per_microbatch(params, groups, 1, fwd, bwd, regather,
                                             backward_gather=zero == 3, wire=gsize,
                                             reduce=False, wsize=wsize, units=units,
@@ -232,7 +239,8 @@ class DataParallelCost:
         # synchronous fetch (prefetch 0) hides nothing
         pre = self.opts.prefetch_params
         hide = 1.0 if pre is None or pre > 0 else 0.0
-        fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u)
+        nccl = self.dp_interference(groups)
+        fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u, nccl)
         # recomputation that re-gathers: a second all-gather per unit in the backward
         if keep_last and units > 1 and kept > 0:
             # the backward gathers everything but the kept unit, over the other units - 1
@@ -243,7 +251,7 @@ class DataParallelCost:
         # gradient reduce-scatters hide behind the next unit's backward only when reduction
         # overlaps (DeepSpeed's overlap_comm, on in FSDP)
         rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
-        bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u)
+        bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u, nccl)
         # FSDP2 copies every gathered unit out of the all-gather buffer into its parameters on
         # the compute stream (foreach_all_gather_copy_out after waiting for the gather): a
         # memory-bound pass over the unsharded bytes that no prefetch hides
@@ -252,7 +260,7 @@ class DataParallelCost:
             (2 if regather else 1) * self.copy_out_s(out_b, wsize) if backward_gather else 0.0)
         if keep_last and backward_gather:
             # the kept unit's backward gathers nothing; the next unit's gather hides behind it
-            kept = rs_exposed + _exposed(rs_hidden, b_u)
+            kept = rs_exposed + _exposed(rs_hidden, b_u, nccl)
             return ag + units * fwd_u + (units - 1) * bwd_u + kept + rs + copies
         return (ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
                 + copies)

@@ -65,8 +65,8 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, moe_cost,
-                               moe_memory, offload, pipeline, placement)
+from meshtron.planner import (comm, compression, compute, host, memory, memory_pipeline,
+                              moe_cost, moe_memory, offload, pipeline, placement)
 from meshtron.planner.cluster import HOST_USABLE_FRACTION, ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -198,8 +198,11 @@ class Evaluator(DataParallelCost):
                                          moe_cost.per_expert_gemms(self.mem.framework))
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
-            hit = (share * (mc.compute_fwd * (1 + again) + mc.compute_bwd),
-                   share * mc.compute_fwd,
+            # with ep > 1 the dispatch reads its split sizes on the host once per MoE layer
+            # forward (meshtron, torchtitan, Megatron's all-to-all dispatcher): a sync each
+            sync = host.SYNC_S if ep > 1 else 0.0
+            hit = (share * ((mc.compute_fwd + sync) * (1 + again) + mc.compute_bwd),
+                   share * (mc.compute_fwd + sync),
                    share * (mc.a2a_fwd * (1 + again) + mc.a2a_bwd), share * mc.a2a_fwd)
             self._cache[key] = hit
         return hit

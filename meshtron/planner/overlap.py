@@ -13,15 +13,21 @@ OVERLAP_INTERFERENCE = 0.15
 """Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the
 GEMMs they run beside (GEMMs slow by 10-25% while overlapped, e.g. Wang et al. 2023 "Overlap
 communication with dependent computation via decomposition", Pati et al. 2024 "T3"). The hidden
-part of overlapped communication costs this fraction of its duration."""
+part of overlapped communication costs this fraction of its duration where no NCCL group is
+priced: copy-engine transfers (TE's ring exchange, async TP), pipeline p2p, expert all-to-alls.
+NCCL collectives of the tensor, context and data-parallel groups pay their SM share instead
+(planner/host.py `sm_interference`: their CTAs over the GPU's SMs)."""
 
 
-def overlapped(comm_time: float, window: float) -> float:
+def overlapped(comm_time: float, window: float,
+               interference: float = OVERLAP_INTERFERENCE) -> float:
     """Exposed time of a collective run beside `window` seconds of compute it overlaps: what
-    does not fit, plus OVERLAP_INTERFERENCE of the hidden part (SMs and HBM shared)."""
+    does not fit, plus `interference` of the hidden part (the SMs and HBM it shares: NCCL's
+    CTAs per SM, planner/host.py `sm_interference`; OVERLAP_INTERFERENCE where no SM is taken
+    or the group is not known)."""
     if comm_time <= window:
-        return OVERLAP_INTERFERENCE * comm_time
-    return comm_time - window + OVERLAP_INTERFERENCE * window
+        return interference * comm_time
+    return comm_time - window + interference * window
 
 
 TE_UB_COMM_SMS = 16
@@ -53,7 +59,8 @@ def sm_margin(gemm_s: float, sms: int, taken: int = TE_UB_COMM_SMS) -> float:
 
 def tp_exposed(colls: dict[str, float], gemms: dict[str, float],
                gemm: Callable[..., float], tokens: float, tp: int, sp: bool,
-               opts: Any, sms: int) -> tuple[float, float]:
+               opts: Any, sms: int,
+               nccl: float = OVERLAP_INTERFERENCE) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's tensor-parallel collectives left on the
     critical path, each paired with the one GEMM that can hide it (and the cost of hiding it).
 
@@ -70,7 +77,9 @@ def tp_exposed(colls: dict[str, float], gemms: dict[str, float],
     GEMM and re-gather the sequence-sharded input beside the input-gradient GEMM (TE 'bulk':
     with the SM margin), async TP chunks the dgrad GEMMs as forward, autograd's conjugate
     collectives (DTensor) stay exposed. `opts`: compute.KernelOptions (its tp_comm_overlap,
-    async_tp and megatron_linear); `gemm(group, rows)`: the group's GEMM time at `rows` rows."""
+    async_tp and megatron_linear); `gemm(group, rows)`: the group's GEMM time at `rows` rows;
+    `nccl`: the interference of an NCCL collective of the tensor group beside a GEMM
+    (planner/host.py `sm_interference`; copy-engine transfers keep OVERLAP_INTERFERENCE)."""
     ag, ag_in, rs, ar = colls["ag"], colls["ag_in"], colls["rs"], colls["ar"]
 
     def chunked(c: float, group: str, chunks: int) -> tuple[float, float]:
@@ -99,7 +108,7 @@ def tp_exposed(colls: dict[str, float], gemms: dict[str, float],
         """TE's bulk overlap as the NeMo / Megatron-Bridge recipes configure it
         (nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py: 2-24 SMs,
         set_sm_margin False): the whole collective beside the whole GEMM, sharing SMs."""
-        return overlapped(c, gemms[group])
+        return overlapped(c, gemms[group], TE_UB_COMM_SMS / sms)
 
     ub = opts.tp_comm_overlap and sp
     atp = opts.async_tp and sp and not ub
@@ -128,8 +137,8 @@ def tp_exposed(colls: dict[str, float], gemms: dict[str, float],
             if sp and ub:  # TE bulk overlaps: re-gather beside dgrad, reduce beside wgrad
                 bwd += te_bulk(ag_in, col) + te_bulk(red, col)
             else:
-                bwd += ((overlapped(ag_in, gemms[col]) if sp else 0.0)
-                        + overlapped(red, gemms[col]))
+                bwd += ((overlapped(ag_in, gemms[col], nccl) if sp else 0.0)
+                        + overlapped(red, gemms[col], nccl))
         elif atp:
             bwd += sum(chunked(red, col, tp))
         else:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshtron.planner import comm
-from meshtron.planner.dp_cost import OVERLAP_INTERFERENCE, _exposed
+from meshtron.planner.dp_cost import _exposed
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ class StepPieces:
     """Per device stage: optimizer step, and the gradient accumulation passes of its
     micro-batches (`Evaluator.accumulation_s`)."""
     interference: float
-    """Fraction of hidden communication charged to compute (OVERLAP_INTERFERENCE)."""
+    """Fraction of hidden data-parallel communication charged to compute (the dp group's
+    NCCL CTAs over the GPU's SMs: `Evaluator.dp_interference`)."""
 
 
 def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
@@ -106,7 +107,8 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
             red, gather = ev.once_per_step(params, zero, groups, gsize, flags["wsize"],
                                            ev.fsdp_units(k, i == 0, i == pp - 1) if fsdp
                                            else 1)
-            tl = _exposed(gather, sum(fwd[j] for j in range(i, nv, pp))) if gather else 0.0
+            stage_f = sum(fwd[j] for j in range(i, nv, pp))
+            tl = _exposed(gather, stage_f, ev.dp_interference(groups)) if gather else 0.0
         reduce_s.append(red)
         fold.append(fo)
         tail.append(tl)
@@ -115,4 +117,5 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     return StepPieces(fwd=fwd, bwd=[t - f for t, f in zip(tot, fwd)], wgrad=wg, hop_s=hop,
                       hop_crosses_nodes=bool(pp > 1 and groups["pp_hop_crosses_nodes"]),
                       reduce_s=reduce_s, reduce_every_microbatch=every, fold_s=fold,
-                      tail_s=tail, optimizer_s=opt, interference=OVERLAP_INTERFERENCE)
+                      tail_s=tail, optimizer_s=opt,
+                      interference=ev.dp_interference(groups))
