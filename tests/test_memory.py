@@ -299,6 +299,41 @@ def test_memory_json_of_a_real_run_matches_the_planner(tmp_path):
             assert getattr(bd, k) * memory.GIB == pytest.approx(measured[rank][k], abs=0.5)
 
 
+def test_predict_ranks_is_the_planners_evaluation_of_each_pipeline_rank():
+    """memory_ranks.predict_ranks reports, per rank, what Evaluator.evaluate(stage=...) gives for
+    the rank's pipeline stage (one description of a rank's memory): every moment of the peak
+    and the gradients accumulated over a step's micro-batches (meshtron's ZeRO-1 keeps them
+    unsharded, in `gathered`, until the last micro-batch's reduction), with the exact bytes of
+    the states the planner holds at the peak."""
+    from meshtron.planner.cluster import preset_cluster as _cluster
+
+    spec = preset("tiny")
+    cluster = dataclasses.replace(_cluster("dgx-h100", 1), memory_gib=4.0)
+    for knobs in (dict(tp=1, pp=1, dp=4, zero=1, global_batch=32),
+                  dict(tp=2, pp=2, dp=1, zero=0, global_batch=8, schedule="1f1b",
+                       stage_layers=(1, 1))):
+        plan = Plan.from_dict(dict(knobs, model="tiny", micro_batch=2, seq_len=64,
+                                   dtype="bf16", recompute="none", sp=False))
+        ev = Evaluator(spec, cluster, plan.global_batch, plan.seq_len, KernelOptions(),
+                       mem=MemoryOptions(dtype="bf16", framework="fsdp2"))
+        for state, bd in predict_ranks(spec, plan, "bf16", 4.0):
+            pp_rank = state.rank // (plan.tp * plan.dp) if plan.pp > 1 else 0
+            want = ev.evaluate(plan, stage=pp_rank).memory
+            for k in ("gathered", "activations", "in_flight", "recompute", "logits"):
+                assert getattr(bd, k) == getattr(want, k), (knobs, state.rank, k)
+            for k in ("params", "optimizer"):
+                assert getattr(bd, k) * memory.GIB == getattr(state, k)
+    # 4 micro-batches at ZeRO-1: the accumulated gradients (4 bytes per local parameter,
+    # unsharded) replace the sharded gradients at the peak
+    one = Plan.from_dict(dict(model="tiny", tp=1, pp=1, dp=4, zero=1, micro_batch=2,
+                              global_batch=8, seq_len=64, dtype="bf16", recompute="none"))
+    four = dataclasses.replace(one, global_batch=32)
+    (s1, b1), (s4, b4) = predict_ranks(spec, one, "bf16", 4.0)[0], \
+        predict_ranks(spec, four, "bf16", 4.0)[0]
+    assert b1.grads * memory.GIB == s1.grads and b4.grads == 0.0
+    assert (b4.gathered - b1.gathered) * memory.GIB == pytest.approx(4 * s1.params, rel=0.01)
+
+
 # ---- published runs that ran must fit ----------------------------------------------------------
 def _fits(ev: Evaluator, *knobs):
     est = ev.evaluate(Plan.trusted(*knobs, dtype="bf16"))

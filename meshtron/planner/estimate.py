@@ -630,9 +630,7 @@ def _given_partition(cfg: Plan, layers: int) -> list[int] | None:
     counts = list(cfg.stage_layers or ())
     if cfg.pp == 1 or len(counts) != cfg.num_stages or sum(counts) != layers:
         return None
-    from meshtron.planner.memory_ranks import stages_of_rank
-
-    return [sum(counts[s] for s in stages_of_rank(cfg.pp, cfg.virtual_stages,
+    return [sum(counts[s] for s in pipeline.stages_of_rank(cfg.pp, cfg.virtual_stages,
                                                  cfg.schedule or "1f1b", r))
             for r in range(cfg.pp)]
 
