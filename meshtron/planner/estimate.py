@@ -393,13 +393,20 @@ class Evaluator(DataParallelCost):
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
         reduce_bytes = flags["gsize"] if pp == 1 else 0.0
+        # the chunk outputs torch's pipelining keeps until their backward (memory_pipeline.py;
+        # Megatron-LM frees their data once sent, deallocate_pipeline_outputs)
+        out_bytes = memory_pipeline.stage_output_bytes(model.hidden, tp, cfg.sp, mb, seq // cp,
+                                                       mem_opts.compute_bytes)
+        outputs = [k * out_bytes if mem_opts.framework == "fsdp2" else 0.0
+                   for k in memory_pipeline.held_outputs(pp, v, inflight)]
 
         def stage_memories(inflight: list[float]) -> tuple[list[float], list[float]]:
             sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
                                        largest, act, inflight[i], work,
                                        logits if i == pp - 1 else 0.0, self.grad_bytes, keep,
                                        accum, p_exp, e_states, root_units[i], reduce_bytes,
-                                       grad_extra if i == 0 else 0.0) for i in range(pp)]
+                                       grad_extra if i == 0 else 0.0, outputs[i])
+                   for i in range(pp)]
             return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
 
         per_layer, fixed = stage_memories(inflight)
@@ -519,7 +526,7 @@ class Evaluator(DataParallelCost):
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
                                self.grad_bytes, keep, accum, p_exp, e_states,
                                root_units[worst], reduce_bytes,
-                               grad_extra if worst == 0 else 0.0)
+                               grad_extra if worst == 0 else 0.0, outputs[worst])
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, host_gpu)
             fits = fits and mem.host_fits

@@ -78,7 +78,8 @@ class MemoryBreakdown:
     activations: float
     """Stored activations of one micro-batch in all of the stage's layers."""
     in_flight: float
-    """Stored activations of the other in-flight micro-batches (pipeline schedules)."""
+    """Stored activations of the other in-flight micro-batches and the chunk outputs a
+    pipeline schedule keeps for their backward (pipeline schedules)."""
     recompute: float
     """Working set of the layer being recomputed beyond the logits' bytes (the two are alive at
     different times, `loss_or_recompute`)."""
@@ -156,7 +157,7 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  keep_gathered: bool = False, accum: float = 0.0, p_expert: float = 0.0,
                  expert_states: tuple[float, float, float] | None = None,
                  root_unit: float | None = None, reduce_bytes: float = 4.0,
-                 grad_extra: float = 0.0) -> StageMemory:
+                 grad_extra: float = 0.0, outputs: float = 0.0) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
@@ -164,7 +165,9 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     per local parameter of unsharded gradients accumulated over the micro-batches (ZeRO-2/3
     with accumulate_unsharded or pipelining: FSDP2 keeps them in the reduce dtype);
     `grad_extra`: accumulated gradient elements beyond the stage's local parameters
-    (`embedding_grad_extra`); `reduce_bytes`: bytes per element of the reduce-scatter input
+    (`embedding_grad_extra`); `outputs`: bytes of the chunk outputs a pipeline schedule
+    keeps for backward (memory_pipeline.held_outputs); `reduce_bytes`: bytes per element of
+    the reduce-scatter input
     a block's backward runs beside (the reduce dtype; 0 where gradients are reduced after the
     last backward: pipelining). The peak is the larger of the loss's and a block's backward
     moment (`peak_moment`); the block's counts the previous block's gradient on every stage
@@ -191,7 +194,7 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
         mem, at_loss, previous, grad_extra, act))
     return StageMemory(per_layer=per_layer,
                        fixed=p_root * (sb + accum) + grad_extra * accum + gathered + recompute
-                       + logits)
+                       + logits + outputs)
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -201,9 +204,10 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               accum: float = 0.0, p_expert: float = 0.0,
               expert_states: tuple[float, float, float] | None = None,
               root_unit: float | None = None, reduce_bytes: float = 4.0,
-              grad_extra: float = 0.0) -> MemoryBreakdown:
+              grad_extra: float = 0.0, outputs: float = 0.0) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
-    `expert_states`, `reduce_bytes`, `grad_extra`: as stage_memory."""
+    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`: as stage_memory (the kept chunk
+    outputs are counted with the in-flight activations)."""
     wb, gb, ob = states
     ewb, egb, eob = expert_states if expert_states is not None else states
     experts = layers * p_expert
@@ -220,9 +224,9 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     gathered += accum * (params + experts + grad_extra)
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
-    extra = all_acts - acts
+    extra = all_acts - acts + outputs
     tensors = (params * (wb + gb + ob) + experts * (ewb + egb + eob) + gathered + all_acts
-               + work + logits)
+               + outputs + work + logits)
     return MemoryBreakdown(
         params=(params * wb + experts * ewb) / GIB, grads=(params * gb + experts * egb) / GIB,
         optimizer=(params * ob + experts * eob) / GIB,

@@ -88,3 +88,32 @@ def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: li
         held = (peak - grad * n) / (act * n)  # the multiplier beside every layer's gradients
         out.append(held if grad else max(even[s], held))
     return out
+
+
+def stage_output_bytes(hidden: int, tp: int, sp: bool, micro_batch: int, seq: int,
+                       compute_bytes: float) -> float:
+    """Bytes of one chunk's output for one micro-batch: the hidden states a stage sends to the
+    next, [micro_batch, seq, hidden] in the compute dtype (`seq` the rank's tokens: seq/cp),
+    sequence-sharded over the tensor group with sequence parallelism (as meshtron's tensor
+    parallelism leaves a block's output), whole on every tensor rank without."""
+    return micro_batch * seq * hidden * compute_bytes / (tp if sp and tp > 1 else 1)
+
+
+def held_outputs(pp: int, v: int, in_flight: list[float]) -> list[float]:
+    """Per pipeline rank, chunk outputs alive at the peak. torch's pipelining keeps each
+    forwarded chunk's output until that micro-batch's backward (PipelineStage.fwd_cache holds
+    (stage_output, input_values) from forward_one_chunk; backward_one_chunk pops it and runs
+    autograd from that output with the gradient received from the next stage): nothing else
+    saves a stage's last block output, so every chunk-micro-batch in flight holds one, plus the
+    received output gradient of the chunk running its backward. `in_flight`: the
+    micro-batches' worth of the rank's layers it holds (`pipeline.in_flight`: chunk
+    micro-batches / v). The last virtual stage's output is the logits (`logits_bytes`, with
+    the pipeline's kept copy): its share of the last rank's chunks has none here. Megatron-LM
+    keeps only the outputs' autograd nodes (`deallocate_output_tensor` frees their data once
+    sent; deallocate_pipeline_outputs, on in its training arguments): the caller counts
+    these for torch's pipelining only."""
+    out = []
+    for s in range(pp):
+        chunks = v - 1 if s == pp - 1 else v  # chunks on this rank whose output is sent
+        out.append(in_flight[s] * chunks + (1.0 if chunks else 0.0) if pp > 1 else 0.0)
+    return out
