@@ -45,8 +45,12 @@ def test_fsdp2_states_are_fp32_master_in_both_dtypes_and_shard_per_zero_stage():
         assert state_bytes(3, 8, mem=mem) == (0.5, 0.5, 1.0)
     # the compute copy is what differs: bf16 gathers 2 bytes per parameter, fp32 4
     kw = dict(zero=3, dp=8, layers=4, p_layer=100.0, p_root=10.0, largest=50.0)
-    assert memory.gathered_bytes(MemoryOptions(dtype="bf16"), **kw) == 2 * (200 + 100)
-    assert memory.gathered_bytes(MemoryOptions(dtype="fp32"), **kw) == 4 * (200 + 100)
+    # ZeRO-3: at the loss the head's unit and its gradient; in a block's backward the block,
+    # the prefetched next one and the block's gradient (memory_peak.py)
+    assert memory.gathered_bytes(MemoryOptions(dtype="bf16"), **kw) == 2 * (10 + 10)
+    assert memory.gathered_bytes(MemoryOptions(dtype="fp32"), **kw) == 4 * (10 + 10)
+    assert memory.backward_gathered_bytes(MemoryOptions(dtype="bf16"), **kw) == 2 * (200 + 100)
+    assert memory.backward_gathered_bytes(MemoryOptions(dtype="fp32"), **kw) == 4 * (200 + 100)
     # ZeRO-2 (no reshard after forward) keeps every block gathered
     assert memory.gathered_bytes(MemoryOptions(), **dict(kw, zero=2)) == 2 * (410 + 100)
     # mixed-precision frameworks: 2 + 2 + 12, fp32 runs 4 + 4 + 8

@@ -56,11 +56,13 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
         unit = p_root if root_unit is None else root_unit
         grad_unit = cb * max(p_layer, unit)
         if zero == 3 and dp > 1 and not keep_gathered:
-            # current + prefetched unit in the blocks' backward; at the loss the head's unit
-            # alone (rehearsed: the last block is gathered after the loss's backward)
+            # at the loss the head's unit alone and its gradient (rehearsed: the last block
+            # is gathered after the loss's backward); the current and prefetched blocks of
+            # the blocks' backward are that moment's (`block_moment`), which the peak weighs
+            # apart: counted here too, a MoE block of large experts was one unit too many
             # (keep_gathered: pipelining, where the units stay gathered over the step's
             # micro-batches)
-            return cb * max(2.0 * p_layer, unit) + grad_unit
+            return 2.0 * cb * unit
         return cb * (layers * p_layer + p_root) + grad_unit
     if zero == 3 and dp > 1:
         # DeepSpeed's per-module gathering, the ZeRO-3 of 16-bit-weight frameworks
@@ -127,14 +129,17 @@ def peak_moment(logits: float, work: float, at_loss: float, at_block: float,
 def block_moment(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: float,
                  p_root: float, largest: float, grad_bytes: float, keep_gathered: bool,
                  root_unit: float | None, reduce_bytes: float, act: float) -> float:
-    """`at_block` of `peak_moment`: compute copies and the previous block's gradient, less
-    the previous block's stored activations (`act`, one micro-batch), which its backward
-    released before this one ran."""
+    """`at_block` of `peak_moment`: the larger of the first block's backward in backward
+    order (its compute copies, no previous block's gradient) and a later one's (the same
+    copies and the previous block's gradient, less the previous block's stored activations
+    (`act`, one micro-batch), which its backward released before this one ran). Where a
+    block's activations outweigh its fp32 gradient (large experts, few tokens) the first
+    block's is the peak."""
     previous = previous_gradient_bytes(mem, dp, max(layers, 2), p_layer, keep_gathered,
                                        reduce_bytes)
     held = backward_gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes,
                                    keep_gathered, root_unit)
-    return held + previous - (act if previous else 0.0)
+    return held + max(0.0, previous - act)
 
 
 def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_extra: float,
