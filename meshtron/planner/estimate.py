@@ -400,12 +400,16 @@ class Evaluator(DataParallelCost):
         outputs = [k * out_bytes if mem_opts.framework == "fsdp2" else 0.0
                    for k in memory_pipeline.held_outputs(pp, v, inflight)]
 
+        # per pipeline rank: (block parameters, experts, activations, recompute working set)
+        # of its mean block; every block a MoE block's until the layer split is known
+        blocks = [(p_layer, p_exp, act, work)] * pp
+
         def stage_memories(inflight: list[float]) -> tuple[list[float], list[float]]:
-            sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
-                                       largest, act, inflight[i], work,
+            sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, blocks[i][0], roots[i],
+                                       largest, blocks[i][2], inflight[i], blocks[i][3],
                                        logits if i == pp - 1 else 0.0, self.grad_bytes, keep,
-                                       accum, p_exp, e_states, root_units[i], reduce_bytes,
-                                       grad_extra if i == 0 else 0.0, outputs[i])
+                                       accum, blocks[i][1], e_states, root_units[i],
+                                       reduce_bytes, grad_extra if i == 0 else 0.0, outputs[i])
                    for i in range(pp)]
             return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
 
@@ -430,6 +434,14 @@ class Evaluator(DataParallelCost):
                 else:
                     n = self._time_partition(pp, v, t_layer, e_first, e_last) or \
                         pipeline.min_memory_partition(model.layers, per_layer, fixed, v)[1]
+
+        if model.is_moe and pp > 1 and n is not None:
+            # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)
+            blocks = self._stage_blocks(cfg, n, given, p_layer, p_exp, act, work, mem_opts)
+            per_layer, fixed = stage_memories(inflight)
+            fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+            if not fits and not keep_infeasible:
+                return None
 
         if (cfg.schedule == "interleaved" and v > 1 and n is not None
                 and mem_opts.framework == "fsdp2"):
@@ -521,10 +533,11 @@ class Evaluator(DataParallelCost):
         # ---- memory breakdown of the fullest stage -------------------------------------------
         totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
         worst = max(range(pp), key=totals.__getitem__) if stage is None else stage
-        mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], p_layer, roots[worst],
-                               largest, act, inflight[worst], work,
+        b_layer, b_exp, b_act, b_work = blocks[worst]
+        mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], b_layer,
+                               roots[worst], largest, b_act, inflight[worst], b_work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
-                               self.grad_bytes, keep, accum, p_exp, e_states,
+                               self.grad_bytes, keep, accum, b_exp, e_states,
                                root_units[worst], reduce_bytes,
                                grad_extra if worst == 0 else 0.0, outputs[worst])
         if cfg.offload != "none" or cfg.offload_activations:
@@ -544,6 +557,38 @@ class Evaluator(DataParallelCost):
             model_tflops_per_gpu=self.model_flops / per_gpu / 1e12,
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
             mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
+
+    def _stage_blocks(self, cfg: Plan, n: list[int], given: list[int] | None, p_layer: float,
+                      p_exp: float, act: float, work: float,
+                      mem_opts: memory.MemoryOptions) -> list[tuple[float, float, float, float]]:
+        """Per pipeline rank of a MoE plan split `n`: (block parameters, routed experts,
+        activations, recompute working set) of the rank's mean block (moe_memory.stage_blocks:
+        DeepSeek-V3's dense first blocks hold a dense MLP, no experts, and save no routed
+        activations), in place of the MoE block's (`p_layer`, `p_exp`) and of the model's
+        mean activations (`act`, `work`: the routed part's over the model's MoE share)."""
+        model, pp, v = self.model, cfg.pp, cfg.virtual_stages
+        chunks = list(cfg.stage_layers) if given else (
+            list(n) if v == 1 else pipeline.split_virtual(n, v))
+        starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        seq = self.seq // cfg.cp
+        moe_act, moe_work = self._moe_memory(cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute,
+                                             seq, mem_opts, cfg.ep, cfg.dtype)
+        share = model.moe_layers / model.layers
+        framework = mem_opts.framework
+        out = []
+        for r in range(pp):
+            layers = [i for s in pipeline.stages_of_rank(pp, v, cfg.schedule or "1f1b", r)
+                      for i in range(starts[s], starts[s] + chunks[s])]
+            if not layers:
+                out.append((p_layer, p_exp, act, work))
+                continue
+            other, experts, mine = moe_memory.stage_blocks(model, layers, cfg.tp, cfg.ep,
+                                                           framework)
+            if cfg.ep == 1:  # the experts are in the block's unit (as `evaluate` merges them)
+                other, experts = other + experts, 0.0
+            scale = mine / share - 1.0
+            out.append((other, experts, act + moe_act * scale, work + moe_work * scale))
+        return out
 
     def _with_host(self, mem: memory.MemoryBreakdown, cfg: Plan,
                    host_gpu: float) -> memory.MemoryBreakdown:

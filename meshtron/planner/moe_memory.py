@@ -174,3 +174,19 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
     work = 0.0 if recompute == "none" else max(0.0, extra("none") - (
         0.0 if recompute in ("full", "half") else kept))
     return kept, work
+
+
+def stage_blocks(model: ModelSpec, layers: list[int], tp: int, ep: int,
+                 framework: str) -> tuple[float, float, float]:
+    """(parameters outside the routed experts, routed experts, MoE share) of the mean block of
+    the global `layers` one pipeline rank holds: a stage with DeepSeek-V3's dense first blocks
+    holds their dense MLPs, not a MoE block's experts (`block_params` prices every pipelined
+    block as a MoE block, which is the fullest stage only when the dense blocks sit beside
+    others). The MoE share scales the routed part's saved activations (`activation_extra`,
+    averaged over the model's blocks)."""
+    if not layers:
+        return 0.0, 0.0, 0.0
+    sizes = [_block(model, i, tp, ep, framework) for i in layers]
+    n = len(layers)
+    share = sum(1 for i in layers if model.is_moe_layer(i)) / n
+    return sum(s[0] for s in sizes) / n, sum(s[1] for s in sizes) / n, share
