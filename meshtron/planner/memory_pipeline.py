@@ -108,12 +108,13 @@ def held_outputs(pp: int, v: int, in_flight: list[float]) -> list[float]:
     received output gradient of the chunk running its backward. `in_flight`: the
     micro-batches' worth of the rank's layers it holds (`pipeline.in_flight`: chunk
     micro-batches / v). The last virtual stage's output is the logits (`logits_bytes`, with
-    the pipeline's kept copy): its share of the last rank's chunks has none here. Megatron-LM
+    the pipeline's kept copy): its share of the last rank's chunks has none here, nor the
+    received gradient (that rank's peak is the loss's moment). Megatron-LM
     keeps only the outputs' autograd nodes (`deallocate_output_tensor` frees their data once
     sent; deallocate_pipeline_outputs, on in its training arguments): the caller counts
     these for torch's pipelining only."""
-    out = []
-    for s in range(pp):
-        chunks = v - 1 if s == pp - 1 else v  # chunks on this rank whose output is sent
-        out.append(in_flight[s] * chunks + (1.0 if chunks else 0.0) if pp > 1 else 0.0)
-    return out
+    if pp == 1:
+        return [0.0] * len(in_flight)
+    # the last rank's peak is its loss (the logits), where no output gradient is received
+    return [in_flight[s] * (v - 1) if s == pp - 1 else in_flight[s] * v + 1.0
+            for s in range(pp)]
