@@ -450,10 +450,15 @@ class Evaluator(DataParallelCost):
             # (Megatron-LM requires equal chunks: the even spread is exact there), at the
             # moment they are largest beside the gradients accumulated so far
             chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
-            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act,
-                                                          accum * (p_layer + p_exp))
-            if weighted != inflight:
-                inflight = weighted
+            grad = accum * (p_layer + p_exp)
+            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
+            # the chunk outputs held at that moment, not at the even spread's most (the last
+            # rank's peak is its loss, whose moment the walk does not single out: as spread)
+            walked = [out_bytes * memory_pipeline.peak_outputs(
+                pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
+                if r < pp - 1 else outputs[r] for r in range(pp)]
+            if weighted != inflight or walked != outputs:
+                inflight, outputs[:] = weighted, walked
                 per_layer, fixed = stage_memories(inflight)
                 fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
                 if not fits and not keep_infeasible:

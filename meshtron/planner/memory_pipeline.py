@@ -63,6 +63,48 @@ def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1
     return best
 
 
+def peak_outputs(p: int, v: int, m: int, s: int, layers: list[int], act: float, grad: float,
+                 out: float) -> float:
+    """Chunk outputs (`held_outputs`) pipeline rank `s` holds at the moment its stored
+    activations (`act` per layer and micro-batch), accumulated gradients (`grad` per layer)
+    and the outputs themselves (`out` bytes each) are largest together under interleaved 1F1B
+    (the walk of `held_bytes`): with few micro-batches per stage the peak comes late, when
+    few are in flight, not at the most chunk-micro-batches of the even spread."""
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
+    sends = [c * p + s != p * v - 1 for c in range(v)]  # the last virtual stage sends none
+    accumulated = [False] * v
+    now = best = 0.0
+    outs = best_outs = 0
+
+    def step(delta: float, d_outs: int) -> None:
+        nonlocal now, best, outs, best_outs
+        now += delta
+        outs += d_outs
+        if now > best:
+            best, best_outs = now, outs
+
+    for k in range(total + warm):
+        if k < total:  # forward k
+            c = _chunk_of(k, per_round, v, False)
+            step(act * layers[c] + (out if sends[c] else 0.0), 1 if sends[c] else 0)
+        b = k - warm
+        if 0 <= b < total:  # backward b, its received gradient beside it while it runs
+            c = _chunk_of(b, per_round, v, True)
+            extra = 0.0
+            if not accumulated[c]:
+                accumulated[c] = True
+                extra = grad * layers[c]
+            if sends[c]:
+                step(extra + out, 1)
+                step(-act * layers[c] - 2.0 * out, -2)
+            else:
+                step(extra, 0)
+                step(-act * layers[c], 0)
+    return float(best_outs)
+
+
 def held_layer_microbatches(p: int, v: int, m: int, s: int, layers: list[int]) -> int:
     """Most (micro-batch x layer) activations pipeline rank `s` holds at once under
     interleaved 1F1B; `layers[c]`: the layers of its c-th chunk (virtual stage c p + s)."""
