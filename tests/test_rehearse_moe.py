@@ -118,7 +118,7 @@ def test_a_stage_of_dense_first_blocks_is_priced_as_its_own_blocks():
     """DeepSeek-style dense first block under ep + pp: pipeline rank 0 holds one dense and one
     MoE block, rank 1 two MoE blocks; the planner prices each stage's own blocks (parameters
     and the routed activations, moe_memory.stage_blocks), both within 5% of the rehearsal
-    (every stage priced as MoE blocks, rank 0 read +16.5% and rank 1 -4.2%)."""
+    (every stage priced as MoE blocks, rank 0 read +15.3% and rank 1 -4.2%)."""
     model, knobs = KINDS["ds ep+pp 1f1b"]
     out = subprocess.run([sys.executable, "-c", RUN_STAGES, json.dumps([BASE, model, knobs])],
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
