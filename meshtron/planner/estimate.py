@@ -437,7 +437,12 @@ class Evaluator(DataParallelCost):
 
         if model.is_moe and pp > 1 and n is not None:
             # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)
-            blocks = self._stage_blocks(cfg, n, given, p_layer, p_exp, act, work, mem_opts)
+            chunks = list(cfg.stage_layers) if given else (
+                list(n) if v == 1 else pipeline.split_virtual(n, v))
+            moe_act, moe_work = self._moe_memory(tp, mb, cfg.sp, rec, seq // cp, mem_opts, ep,
+                                                 cfg.dtype)
+            blocks = moe_memory.stage_pieces(model, cfg, chunks, (p_layer, p_exp, act, work),
+                                             moe_act, moe_work, mem_opts.framework)
             per_layer, fixed = stage_memories(inflight)
             fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
             if not fits and not keep_infeasible:
@@ -562,38 +567,6 @@ class Evaluator(DataParallelCost):
             model_tflops_per_gpu=self.model_flops / per_gpu / 1e12,
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
             mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
-
-    def _stage_blocks(self, cfg: Plan, n: list[int], given: list[int] | None, p_layer: float,
-                      p_exp: float, act: float, work: float,
-                      mem_opts: memory.MemoryOptions) -> list[tuple[float, float, float, float]]:
-        """Per pipeline rank of a MoE plan split `n`: (block parameters, routed experts,
-        activations, recompute working set) of the rank's mean block (moe_memory.stage_blocks:
-        DeepSeek-V3's dense first blocks hold a dense MLP, no experts, and save no routed
-        activations), in place of the MoE block's (`p_layer`, `p_exp`) and of the model's
-        mean activations (`act`, `work`: the routed part's over the model's MoE share)."""
-        model, pp, v = self.model, cfg.pp, cfg.virtual_stages
-        chunks = list(cfg.stage_layers) if given else (
-            list(n) if v == 1 else pipeline.split_virtual(n, v))
-        starts = [sum(chunks[:i]) for i in range(len(chunks))]
-        seq = self.seq // cfg.cp
-        moe_act, moe_work = self._moe_memory(cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute,
-                                             seq, mem_opts, cfg.ep, cfg.dtype)
-        share = model.moe_layers / model.layers
-        framework = mem_opts.framework
-        out = []
-        for r in range(pp):
-            layers = [i for s in pipeline.stages_of_rank(pp, v, cfg.schedule or "1f1b", r)
-                      for i in range(starts[s], starts[s] + chunks[s])]
-            if not layers:
-                out.append((p_layer, p_exp, act, work))
-                continue
-            other, experts, mine = moe_memory.stage_blocks(model, layers, cfg.tp, cfg.ep,
-                                                           framework)
-            if cfg.ep == 1:  # the experts are in the block's unit (as `evaluate` merges them)
-                other, experts = other + experts, 0.0
-            scale = mine / share - 1.0
-            out.append((other, experts, act + moe_act * scale, work + moe_work * scale))
-        return out
 
     def _with_host(self, mem: memory.MemoryBreakdown, cfg: Plan,
                    host_gpu: float) -> memory.MemoryBreakdown:
