@@ -129,8 +129,8 @@ def test_pipeline_chunk_outputs_held_at_the_peak():
     outputs and the received gradient, the last stage none (its output is the logits); under
     interleaving the walk counts those alive at the moment the rank's memory peaks, which with
     16 micro-batches on 16 stages and large accumulated gradients comes late: far fewer than
-    every chunk-micro-batch of the even spread (Llama 3 405B rank 0: the planner read -4.4%
-    of the rehearsal without the outputs, -2.6% with the walk's, +5.7% with the spread's)."""
+    every chunk-micro-batch of the even spread (Llama 3 405B rank 0: the planner read -2.8%
+    of the rehearsal without the outputs, -1.0% with the walk's, +7.5% with the spread's)."""
     from meshtron.planner import pipeline
     from meshtron.planner.memory_pipeline import held_outputs, peak_outputs
 
