@@ -31,6 +31,7 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner.pipeline import stages_of_rank  # noqa: F401  (re-exported)
 
 FP32 = 4
+GIB = float(2**30)
 FROZEN = "feed_forward.router.expert_bias"
 """DeepSeek-V3's balancing bias (meshtron/model/moe.py): held, never given a gradient."""
 ADAM_MOMENTS = 2
@@ -255,9 +256,6 @@ def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
                  for k in ("params", "grads", "optimizer")}
         out.append((st, _replace(bd, **exact)))
     return out
-
-
-GIB = float(2**30)
 
 
 def _stage_estimator(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float, opts: Any,
