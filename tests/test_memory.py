@@ -45,8 +45,12 @@ def test_fsdp2_states_are_fp32_master_in_both_dtypes_and_shard_per_zero_stage():
         assert state_bytes(3, 8, mem=mem) == (0.5, 0.5, 1.0)
     # the compute copy is what differs: bf16 gathers 2 bytes per parameter, fp32 4
     kw = dict(zero=3, dp=8, layers=4, p_layer=100.0, p_root=10.0, largest=50.0)
-    assert memory.gathered_bytes(MemoryOptions(dtype="bf16"), **kw) == 2 * (200 + 100)
-    assert memory.gathered_bytes(MemoryOptions(dtype="fp32"), **kw) == 4 * (200 + 100)
+    # ZeRO-3: at the loss the head's unit and its gradient; in a block's backward the block,
+    # the prefetched next one and the block's gradient (memory_peak.py)
+    assert memory.gathered_bytes(MemoryOptions(dtype="bf16"), **kw) == 2 * (10 + 10)
+    assert memory.gathered_bytes(MemoryOptions(dtype="fp32"), **kw) == 4 * (10 + 10)
+    assert memory.backward_gathered_bytes(MemoryOptions(dtype="bf16"), **kw) == 2 * (200 + 100)
+    assert memory.backward_gathered_bytes(MemoryOptions(dtype="fp32"), **kw) == 4 * (200 + 100)
     # ZeRO-2 (no reshard after forward) keeps every block gathered
     assert memory.gathered_bytes(MemoryOptions(), **dict(kw, zero=2)) == 2 * (410 + 100)
     # mixed-precision frameworks: 2 + 2 + 12, fp32 runs 4 + 4 + 8
@@ -117,6 +121,29 @@ def test_tensor_parallel_embedding_accumulates_a_whole_vocabulary_gradient():
     assert grown == pytest.approx(4.0 * (local + memory.embedding_grad_extra(spec, 4)),
                                   rel=1e-9)
 
+
+
+def test_pipeline_chunk_outputs_held_at_the_peak():
+    """torch's pipelining keeps every in-flight chunk's output until its backward
+    (memory_pipeline.held_outputs): a 1F1B stage that sends holds its warm-up micro-batches'
+    outputs and the received gradient, the last stage none (its output is the logits); under
+    interleaving the walk counts those alive at the moment the rank's memory peaks, which with
+    16 micro-batches on 16 stages and large accumulated gradients comes late: far fewer than
+    every chunk-micro-batch of the even spread (Llama 3 405B rank 0: the planner read -2.8%
+    of the rehearsal without the outputs, -1.0% with the walk's, +7.5% with the spread's)."""
+    from meshtron.planner import pipeline
+    from meshtron.planner.memory_pipeline import held_outputs, peak_outputs
+
+    even = [pipeline.in_flight("1f1b", 4, 1, 8, s) for s in range(4)]
+    assert held_outputs(4, 1, even) == [5.0, 4.0, 3.0, 0.0]
+    assert held_outputs(1, 1, [1.0]) == [0.0]
+    layers = [2, 2, 1, 1, 1, 1]
+    alone = peak_outputs(16, 6, 16, 0, layers, act=1.0, grad=0.0, out=1e-9)
+    late = peak_outputs(16, 6, 16, 0, layers, act=1.0, grad=100.0, out=1e-9)
+    assert alone == 16 * 6 + 1  # no steady phase: every forward, then a received gradient
+    assert 0 < late < alone
+    # the last rank's last chunk (the last virtual stage) sends nothing
+    assert peak_outputs(16, 6, 16, 15, [1] * 6, 1.0, 0.0, 1e-9) <= 16 * 5 + 1
 
 
 def test_interleaved_chunks_hold_micro_batches_by_their_own_layers():
@@ -297,6 +324,41 @@ def test_memory_json_of_a_real_run_matches_the_planner(tmp_path):
         for k in ("params", "grads", "optimizer"):
             assert measured[rank][k] == getattr(state, k), (rank, k)
             assert getattr(bd, k) * memory.GIB == pytest.approx(measured[rank][k], abs=0.5)
+
+
+def test_predict_ranks_is_the_planners_evaluation_of_each_pipeline_rank():
+    """memory_ranks.predict_ranks reports, per rank, what Evaluator.evaluate(stage=...) gives for
+    the rank's pipeline stage (one description of a rank's memory): every moment of the peak
+    and the gradients accumulated over a step's micro-batches (meshtron's ZeRO-1 keeps them
+    unsharded, in `gathered`, until the last micro-batch's reduction), with the exact bytes of
+    the states the planner holds at the peak."""
+    from meshtron.planner.cluster import preset_cluster as _cluster
+
+    spec = preset("tiny")
+    cluster = dataclasses.replace(_cluster("dgx-h100", 1), memory_gib=4.0)
+    for knobs in (dict(tp=1, pp=1, dp=4, zero=1, global_batch=32),
+                  dict(tp=2, pp=2, dp=1, zero=0, global_batch=8, schedule="1f1b",
+                       stage_layers=(1, 1))):
+        plan = Plan.from_dict(dict(knobs, model="tiny", micro_batch=2, seq_len=64,
+                                   dtype="bf16", recompute="none", sp=False))
+        ev = Evaluator(spec, cluster, plan.global_batch, plan.seq_len, KernelOptions(),
+                       mem=MemoryOptions(dtype="bf16", framework="fsdp2"))
+        for state, bd in predict_ranks(spec, plan, "bf16", 4.0):
+            pp_rank = state.rank // (plan.tp * plan.dp) if plan.pp > 1 else 0
+            want = ev.evaluate(plan, stage=pp_rank).memory
+            for k in ("gathered", "activations", "in_flight", "recompute", "logits"):
+                assert getattr(bd, k) == getattr(want, k), (knobs, state.rank, k)
+            for k in ("params", "optimizer"):
+                assert getattr(bd, k) * memory.GIB == getattr(state, k)
+    # 4 micro-batches at ZeRO-1: the accumulated gradients (4 bytes per local parameter,
+    # unsharded) replace the sharded gradients at the peak
+    one = Plan.from_dict(dict(model="tiny", tp=1, pp=1, dp=4, zero=1, micro_batch=2,
+                              global_batch=8, seq_len=64, dtype="bf16", recompute="none"))
+    four = dataclasses.replace(one, global_batch=32)
+    (s1, b1), (s4, b4) = predict_ranks(spec, one, "bf16", 4.0)[0], \
+        predict_ranks(spec, four, "bf16", 4.0)[0]
+    assert b1.grads * memory.GIB == s1.grads and b4.grads == 0.0
+    assert (b4.gathered - b1.gathered) * memory.GIB == pytest.approx(4 * s1.params, rel=0.01)
 
 
 # ---- published runs that ran must fit ----------------------------------------------------------

@@ -5,7 +5,7 @@ defaults on a MoE model.
 
 The agreement table uses a 4-block model whose MoE terms dominate (16 experts of 512, top-4,
 hidden 1024): at 2 blocks the per-step fixed terms (gathered FSDP units at the peak) weigh as
-much as the blocks and hide what the MoE model gets right or wrong. The default suite runs two
+much as the blocks and hide what the MoE model gets right or wrong. The default suite runs three
 kinds in one process; the whole table is `slow`."""
 
 from __future__ import annotations
@@ -40,8 +40,13 @@ KINDS = {
     "ds ep zero-1": (DS, dict(ep=4)),
     "ds ep zero-3": (DS, dict(ep=4, zero=3)),
     "ds ep+tp+sp": (DS, dict(ep=2, tp=2, dp=4, zero=3, sp=True)),
+    # no ep, ZeRO-3: every expert in the block's FSDP unit (the unit is larger than the
+    # head's; planner/memory_peak.py: the loss's moment holds the head's unit only)
+    "zero-3 no ep": (MOE, dict(zero=3)),
+    "zero-3 no ep, 2 blocks": (dict(MOE, layers=2), dict(zero=3)),
+    "ds ep+pp 1f1b": (DS, dict(ep=2, pp=2, dp=4, zero=1, schedule="1f1b")),
 }
-FAST = ("ds ep zero-3", "ep+tp+sp")
+FAST = ("ds ep zero-3", "ep+tp+sp", "zero-3 no ep, 2 blocks")
 
 RUN_KINDS = """
 import json, sys
@@ -80,7 +85,7 @@ def _check(results: dict) -> None:
     assert not off, f"planner vs MoE rehearsal beyond 5% (GiB rehearsed, planned): {off}"
 
 
-def test_planner_agrees_with_moe_rehearsal_on_two_layout_kinds():
+def test_planner_agrees_with_moe_rehearsal_on_three_layout_kinds():
     _check(_run_kinds(FAST))
 
 
@@ -89,6 +94,40 @@ def test_planner_agrees_with_moe_rehearsal_on_two_layout_kinds():
 def test_planner_agrees_with_moe_rehearsal_on_every_layout_kind(kind):
     _check(_run_kinds([kind]))
 
+
+RUN_STAGES = """
+import json, sys
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.plan import as_plan
+from meshtron.rehearse import compare
+from meshtron.rehearse.run import rehearse
+base, model, knobs = json.loads(sys.argv[1])
+spec = ModelSpec(**model)
+plan = as_plan({**base, **knobs, "model": spec.name}).validate(8, spec)
+out = []
+for pp_rank in range(plan.pp):
+    rank = compare.first_rank_of_stage(compare.with_layer_split(plan, spec), pp_rank)
+    report = rehearse(spec, plan, resolve_cluster("dgx-h100:1"), "cpu", rank=rank)
+    out.append({r["row"]: [r["rehearsal_gib"], r["planner_gib"]] for r in report["memory"]})
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_a_stage_of_dense_first_blocks_is_priced_as_its_own_blocks():
+    """DeepSeek-style dense first block under ep + pp: pipeline rank 0 holds one dense and one
+    MoE block, rank 1 two MoE blocks; the planner prices each stage's own blocks (parameters
+    and the routed activations, moe_memory.stage_blocks), both within 5% of the rehearsal
+    (every stage priced as MoE blocks, rank 0 read +15.3% and rank 1 -4.2%)."""
+    model, knobs = KINDS["ds ep+pp 1f1b"]
+    out = subprocess.run([sys.executable, "-c", RUN_STAGES, json.dumps([BASE, model, knobs])],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
+    for pp_rank, rows in enumerate(json.loads(line[len("RESULT"):])):
+        rehearsed, planned = rows["total"]
+        assert rows["optimizer"][0] == pytest.approx(rows["optimizer"][1], rel=0.05), pp_rank
+        assert planned / rehearsed - 1 == pytest.approx(0.0, abs=0.05), (pp_rank, rows)
 
 def test_static_counts_sum_to_the_slots_and_load_the_hot_experts():
     balanced = StaticCounts()(4096 * 4, 16)

@@ -126,10 +126,12 @@ def _states(eng, spec, plan, clus) -> dict:
     from meshtron.planner.memory_ranks import predict_ranks
 
     measured = eng.memory_bytes()
-    _, bd = predict_ranks(spec, plan, plan.dtype, clus.memory_gib)[0]
+    # the exact end-of-step states (memory.json's moment); the breakdown is the peak's, where
+    # gradients accumulated over micro-batches sit unsharded in `gathered` (grads 0 there)
+    state, _ = predict_ranks(spec, plan, plan.dtype, clus.memory_gib)[0]
     keys = ("params", "grads", "optimizer")
     return {"measured_bytes": {k: measured[k] for k in keys},
-            "planned_bytes": {k: getattr(bd, k) * C.GIB for k in keys}}
+            "planned_bytes": {k: getattr(state, k) for k in keys}}
 
 
 def _setup(ctx: C.Ctx):

@@ -413,13 +413,24 @@ class Evaluator(DataParallelCost):
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
         reduce_bytes = flags["gsize"] if pp == 1 else 0.0
+        # the chunk outputs torch's pipelining keeps until their backward (memory_pipeline.py;
+        # Megatron-LM frees their data once sent, deallocate_pipeline_outputs)
+        out_bytes = memory_pipeline.stage_output_bytes(model.hidden, tp, cfg.sp, mb, seq // cp,
+                                                       mem_opts.compute_bytes)
+        outputs = [k * out_bytes if mem_opts.framework == "fsdp2" else 0.0
+                   for k in memory_pipeline.held_outputs(pp, v, inflight)]
+
+        # per pipeline rank: (block parameters, experts, activations, recompute working set)
+        # of its mean block; every block a MoE block's until the layer split is known
+        blocks = [(p_layer, p_exp, act, work)] * pp
 
         def stage_memories(inflight: list[float]) -> tuple[list[float], list[float]]:
-            sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, p_layer, roots[i],
-                                       largest, act, inflight[i], work,
+            sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, blocks[i][0], roots[i],
+                                       largest, blocks[i][2], inflight[i], blocks[i][3],
                                        logits if i == pp - 1 else 0.0, self.grad_bytes, keep,
-                                       accum, p_exp, e_states, root_units[i], reduce_bytes,
-                                       grad_extra if i == 0 else 0.0) for i in range(pp)]
+                                       accum, blocks[i][1], e_states, root_units[i],
+                                       reduce_bytes, grad_extra if i == 0 else 0.0, outputs[i])
+                   for i in range(pp)]
             return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
 
         per_layer, fixed = stage_memories(inflight)
@@ -444,6 +455,19 @@ class Evaluator(DataParallelCost):
                     n = self._time_partition(pp, v, t_layer, e_first, e_last) or \
                         pipeline.min_memory_partition(model.layers, per_layer, fixed, v)[1]
 
+        if model.is_moe and pp > 1 and n is not None:
+            # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)
+            chunks = list(cfg.stage_layers) if given else (
+                list(n) if v == 1 else pipeline.split_virtual(n, v))
+            moe_act, moe_work = self._moe_memory(tp, mb, cfg.sp, rec, seq // cp, mem_opts, ep,
+                                                 cfg.dtype)
+            blocks = moe_memory.stage_pieces(model, cfg, chunks, (p_layer, p_exp, act, work),
+                                             moe_act, moe_work, mem_opts.framework)
+            per_layer, fixed = stage_memories(inflight)
+            fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+            if not fits and not keep_infeasible:
+                return None
+
         if (cfg.schedule == "interleaved" and v > 1 and n is not None
                 and mem_opts.framework == "fsdp2"):
             # the rank's first chunks hold more micro-batches than its last: weighted by their
@@ -451,10 +475,15 @@ class Evaluator(DataParallelCost):
             # (Megatron-LM requires equal chunks: the even spread is exact there), at the
             # moment they are largest beside the gradients accumulated so far
             chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
-            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act,
-                                                          accum * (p_layer + p_exp))
-            if weighted != inflight:
-                inflight = weighted
+            grad = accum * (p_layer + p_exp)
+            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
+            # the chunk outputs held at that moment, not at the even spread's most (the last
+            # rank's peak is its loss, whose moment the walk does not single out: as spread)
+            walked = [out_bytes * memory_pipeline.peak_outputs(
+                pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
+                if r < pp - 1 else outputs[r] for r in range(pp)]
+            if weighted != inflight or walked != outputs:
+                inflight, outputs[:] = weighted, walked
                 per_layer, fixed = stage_memories(inflight)
                 fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
                 if not fits and not keep_infeasible:
@@ -535,12 +564,13 @@ class Evaluator(DataParallelCost):
         # ---- memory breakdown of the fullest stage -------------------------------------------
         totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
         worst = max(range(pp), key=totals.__getitem__) if stage is None else stage
-        mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], p_layer, roots[worst],
-                               largest, act, inflight[worst], work,
+        b_layer, b_exp, b_act, b_work = blocks[worst]
+        mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], b_layer,
+                               roots[worst], largest, b_act, inflight[worst], b_work,
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
-                               self.grad_bytes, keep, accum, p_exp, e_states,
+                               self.grad_bytes, keep, accum, b_exp, e_states,
                                root_units[worst], reduce_bytes,
-                               grad_extra if worst == 0 else 0.0)
+                               grad_extra if worst == 0 else 0.0, outputs[worst])
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, host_gpu)
             fits = fits and mem.host_fits
@@ -651,9 +681,7 @@ def _given_partition(cfg: Plan, layers: int) -> list[int] | None:
     counts = list(cfg.stage_layers or ())
     if cfg.pp == 1 or len(counts) != cfg.num_stages or sum(counts) != layers:
         return None
-    from meshtron.planner.memory_ranks import stages_of_rank
-
-    return [sum(counts[s] for s in stages_of_rank(cfg.pp, cfg.virtual_stages,
+    return [sum(counts[s] for s in pipeline.stages_of_rank(cfg.pp, cfg.virtual_stages,
                                                  cfg.schedule or "1f1b", r))
             for r in range(cfg.pp)]
 

@@ -63,6 +63,48 @@ def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1
     return best
 
 
+def peak_outputs(p: int, v: int, m: int, s: int, layers: list[int], act: float, grad: float,
+                 out: float) -> float:
+    """Chunk outputs (`held_outputs`) pipeline rank `s` holds at the moment its stored
+    activations (`act` per layer and micro-batch), accumulated gradients (`grad` per layer)
+    and the outputs themselves (`out` bytes each) are largest together under interleaved 1F1B
+    (the walk of `held_bytes`): with few micro-batches per stage the peak comes late, when
+    few are in flight, not at the most chunk-micro-batches of the even spread."""
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
+    sends = [c * p + s != p * v - 1 for c in range(v)]  # the last virtual stage sends none
+    accumulated = [False] * v
+    now = best = 0.0
+    outs = best_outs = 0
+
+    def step(delta: float, d_outs: int) -> None:
+        nonlocal now, best, outs, best_outs
+        now += delta
+        outs += d_outs
+        if now > best:
+            best, best_outs = now, outs
+
+    for k in range(total + warm):
+        if k < total:  # forward k
+            c = _chunk_of(k, per_round, v, False)
+            step(act * layers[c] + (out if sends[c] else 0.0), 1 if sends[c] else 0)
+        b = k - warm
+        if 0 <= b < total:  # backward b, its received gradient beside it while it runs
+            c = _chunk_of(b, per_round, v, True)
+            extra = 0.0
+            if not accumulated[c]:
+                accumulated[c] = True
+                extra = grad * layers[c]
+            if sends[c]:
+                step(extra + out, 1)
+                step(-act * layers[c] - 2.0 * out, -2)
+            else:
+                step(extra, 0)
+                step(-act * layers[c], 0)
+    return float(best_outs)
+
+
 def held_layer_microbatches(p: int, v: int, m: int, s: int, layers: list[int]) -> int:
     """Most (micro-batch x layer) activations pipeline rank `s` holds at once under
     interleaved 1F1B; `layers[c]`: the layers of its c-th chunk (virtual stage c p + s)."""
@@ -88,3 +130,33 @@ def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: li
         held = (peak - grad * n) / (act * n)  # the multiplier beside every layer's gradients
         out.append(held if grad else max(even[s], held))
     return out
+
+
+def stage_output_bytes(hidden: int, tp: int, sp: bool, micro_batch: int, seq: int,
+                       compute_bytes: float) -> float:
+    """Bytes of one chunk's output for one micro-batch: the hidden states a stage sends to the
+    next, [micro_batch, seq, hidden] in the compute dtype (`seq` the rank's tokens: seq/cp),
+    sequence-sharded over the tensor group with sequence parallelism (as meshtron's tensor
+    parallelism leaves a block's output), whole on every tensor rank without."""
+    return micro_batch * seq * hidden * compute_bytes / (tp if sp and tp > 1 else 1)
+
+
+def held_outputs(pp: int, v: int, in_flight: list[float]) -> list[float]:
+    """Per pipeline rank, chunk outputs alive at the peak. torch's pipelining keeps each
+    forwarded chunk's output until that micro-batch's backward (PipelineStage.fwd_cache holds
+    (stage_output, input_values) from forward_one_chunk; backward_one_chunk pops it and runs
+    autograd from that output with the gradient received from the next stage): nothing else
+    saves a stage's last block output, so every chunk-micro-batch in flight holds one, plus the
+    received output gradient of the chunk running its backward. `in_flight`: the
+    micro-batches' worth of the rank's layers it holds (`pipeline.in_flight`: chunk
+    micro-batches / v). The last virtual stage's output is the logits (`logits_bytes`, with
+    the pipeline's kept copy): its share of the last rank's chunks has none here, nor the
+    received gradient (that rank's peak is the loss's moment). Megatron-LM
+    keeps only the outputs' autograd nodes (`deallocate_output_tensor` frees their data once
+    sent; deallocate_pipeline_outputs, on in its training arguments): the caller counts
+    these for torch's pipelining only."""
+    if pp == 1:
+        return [0.0] * len(in_flight)
+    # the last rank's peak is its loss (the logits), where no output gradient is received
+    return [in_flight[s] * (v - 1) if s == pp - 1 else in_flight[s] * v + 1.0
+            for s in range(pp)]

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtron.model.spec import ModelSpec
+from meshtron.planner.pipeline import stages_of_rank  # noqa: F401  (re-exported)
 
 FP32 = 4
+GIB = float(2**30)
 FROZEN = "feed_forward.router.expert_bias"
 """DeepSeek-V3's balancing bias (meshtron/model/moe.py): held, never given a gradient."""
 ADAM_MOMENTS = 2
@@ -166,14 +168,6 @@ def greedy_owners(numels: list[int], n: int) -> list[int]:
     return owner
 
 
-def stages_of_rank(pp: int, v: int, schedule: str, pp_rank: int) -> list[int]:
-    """Global (virtual) stage indices held by pipeline rank `pp_rank`."""
-    n = pp * v
-    if schedule == "zb" and v == 2:
-        return sorted({pp_rank, n - 1 - pp_rank})
-    return list(range(pp_rank, n, pp))
-
-
 def _stage_ranges(plan: Any, layers: int) -> list[range]:
     n = plan.pp * plan.virtual_stages
     counts = list(getattr(plan, "stage_layers", None) or [])
@@ -241,51 +235,58 @@ def rank_states(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[RankSta
 
 def predict_ranks(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float,
                   opts: Any = None, mem: Any = None) -> list[tuple[RankState, Any]]:
-    """Per rank: the exact model states and the planner's full breakdown (memory.breakdown) with
-    those states, for meshtron's own runtime (FSDP2 framework, `dtype`). `plan` also needs
-    global_batch, seq_len, micro_batch, recompute and sp. `mem`: other memory options (e.g.
-    the CPU kernels a rehearsal runs)."""
-    from meshtron.planner import memory, pipeline
-    from meshtron.planner.compute import KernelOptions, active_equivalent
-
-    opts = opts or KernelOptions()
-    mem = mem or memory.MemoryOptions(dtype=dtype, framework="fsdp2")
+    """Per rank: the exact model states (`rank_states`) and the planner's breakdown of the
+    rank's pipeline stage, from the planner's own evaluation (`Evaluator.evaluate(stage=...)`
+    of the plan with the runtime's layer split: gradient accumulation and every moment of the
+    peak included; one description of a rank's memory, not two), for meshtron's runtime
+    (FSDP2 framework, `dtype`) on a device of `capacity_gib`. The breakdown's parameters,
+    gradients and optimizer states are the exact bytes where the planner holds them at the
+    peak (a gradient the planner holds as accumulated, unsharded, `gathered`, is 0 there).
+    `plan` also needs global_batch, seq_len, micro_batch, recompute and sp. `opts`: the kernel
+    options (default meshtron's runtime); `mem`: other memory options (e.g. the CPU kernels a
+    rehearsal runs)."""
     from meshtron.planner.placement import placement
 
-    tp, pp, dp = plan.tp, plan.pp, plan.dp
-    cp = getattr(plan, "cp", 1) or 1
-    v = getattr(plan, "virtual_stages", 1) or 1
-    place = placement(plan, tp * cp * pp * dp)
-    m = plan.global_batch // (dp * plan.micro_batch)
-    seq = plan.seq_len // cp  # a context rank holds seq/cp tokens (as estimate.py costs it)
-    act_spec = active_equivalent(spec)  # activations: the experts a token runs through
-    args = (act_spec, tp, plan.sp, plan.micro_batch, seq, plan.recompute, opts, mem)
-    act = memory.activation_bytes(*args) + memory.gathered_kv_bytes(
-        spec, tp, plan.micro_batch, plan.seq_len, cp, plan.recompute, opts, mem)
-    work = memory.recompute_working_bytes(*args)
-    logits = memory.logits_bytes(spec, tp, plan.micro_batch, seq, mem, pipelined=pp > 1)
-    p_layer = memory.layer_params_local(spec, tp, pp)
-    largest = memory.largest_param_local(spec, tp)
+    est_of = _stage_estimator(spec, plan, dtype, capacity_gib, opts, mem)
+    place = placement(plan, plan.tp * (getattr(plan, "cp", 1) or 1) * plan.pp * plan.dp)
     out = []
     for st in rank_states(spec, plan, dtype):
-        r_pp = place.coords(st.rank)["pp"]
-        stages = stages_of_rank(pp, v, getattr(plan, "schedule", "1f1b"), r_pp)
-        first, last = 0 in stages, pp * v - 1 in stages
-        p_root = ((memory.embedding_params_local(spec, tp) if first else 0.0)
-                  + (memory.head_params_local(spec, tp, pp) if last else 0.0))
-        inflight = pipeline.in_flight(getattr(plan, "schedule", "1f1b"), pp, v, m, r_pp)
-        n_params = st.params / FP32
-        per_param = (st.params / n_params, st.grads / n_params, st.optimizer / n_params) \
-            if n_params else (0.0, 0.0, 0.0)
-        bd = memory.breakdown(mem, plan.zero, dp * cp, per_param, st.layers, p_layer, p_root, largest,
-                              act, inflight, work, logits if last else 0.0,
-                              capacity_gib * memory.GIB, r_pp)
-        # breakdown() multiplies per-parameter bytes by the analytic parameter count; put the
-        # exact bytes back
-        exact = {"params": st.params / memory.GIB, "grads": st.grads / memory.GIB,
-                 "optimizer": st.optimizer / memory.GIB}
+        bd = est_of(place.coords(st.rank)["pp"])
+        exact = {k: getattr(st, k) / GIB if getattr(bd, k) > 0 else 0.0
+                 for k in ("params", "grads", "optimizer")}
         out.append((st, _replace(bd, **exact)))
     return out
+
+
+def _stage_estimator(spec: ModelSpec, plan: Any, dtype: str, capacity_gib: float, opts: Any,
+                     mem: Any):
+    """pipeline rank -> the planner's MemoryBreakdown of it (evaluated once per rank)."""
+    import dataclasses
+
+    from meshtron.planner.cluster import preset_cluster
+    from meshtron.planner.collectives import even_stage_layers
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.memory import MemoryOptions
+    from meshtron.planner.plan import as_plan
+
+    mem = mem or MemoryOptions(dtype=dtype, framework="fsdp2")
+    cfg = as_plan(plan)
+    if cfg.dtype != dtype:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    if cfg.pp > 1 and not cfg.stage_layers:  # the runtime's even split, as rank_states cuts
+        cfg = dataclasses.replace(cfg, stage_layers=tuple(
+            even_stage_layers(spec.layers, cfg.num_stages)))
+    # only the device's memory matters here: it sizes the workspace allowance
+    cluster = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=capacity_gib)
+    ev = Evaluator(spec, cluster, cfg.global_batch, cfg.seq_len, opts, mem=mem)
+    cache: dict[int, Any] = {}
+
+    def of(pp_rank: int):
+        if pp_rank not in cache:
+            cache[pp_rank] = ev.evaluate(cfg, keep_infeasible=True, stage=pp_rank).memory
+        return cache[pp_rank]
+
+    return of
 
 
 def _replace(bd: Any, **fields: float) -> Any:

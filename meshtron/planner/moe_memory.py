@@ -49,6 +49,8 @@ The dense equivalent already charges a SwiGLU of width k*fe + E/3 for the routed
 
 from __future__ import annotations
 
+from typing import Any
+
 from meshtron.model.spec import ModelSpec
 
 GROUPED_MM_ALIGN = 16
@@ -174,3 +176,48 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
     work = 0.0 if recompute == "none" else max(0.0, extra("none") - (
         0.0 if recompute in ("full", "half") else kept))
     return kept, work
+
+
+def stage_blocks(model: ModelSpec, layers: list[int], tp: int, ep: int,
+                 framework: str) -> tuple[float, float, float]:
+    """(parameters outside the routed experts, routed experts, MoE share) of the mean block of
+    the global `layers` one pipeline rank holds: a stage with DeepSeek-V3's dense first blocks
+    holds their dense MLPs, not a MoE block's experts (`block_params` prices every pipelined
+    block as a MoE block, which is the fullest stage only when the dense blocks sit beside
+    others). The MoE share scales the routed part's saved activations (`activation_extra`,
+    averaged over the model's blocks)."""
+    if not layers:
+        return 0.0, 0.0, 0.0
+    sizes = [_block(model, i, tp, ep, framework) for i in layers]
+    n = len(layers)
+    share = sum(1 for i in layers if model.is_moe_layer(i)) / n
+    return sum(s[0] for s in sizes) / n, sum(s[1] for s in sizes) / n, share
+
+
+def stage_pieces(model: ModelSpec, cfg: Any, chunks: list[int],
+                 mean: tuple[float, float, float, float], moe_act: float, moe_work: float,
+                 framework: str) -> list[tuple[float, float, float, float]]:
+    """Per pipeline rank of a MoE plan whose (virtual) stages hold `chunks` layers: (block
+    parameters, routed experts, activations, recompute working set) of the rank's mean block
+    (`stage_blocks`), in place of `mean`: the MoE block's parameters and the model's mean
+    activations, whose routed part (`moe_act`, `moe_work`: `activation_extra`) is spread over
+    the model's MoE share. With ep = 1 the experts are in the block's unit, as `evaluate`
+    merges them."""
+    from meshtron.planner.pipeline import stages_of_rank
+
+    pp, v = cfg.pp, cfg.virtual_stages
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    share = model.moe_layers / model.layers
+    out = []
+    for r in range(pp):
+        layers = [i for s in stages_of_rank(pp, v, cfg.schedule or "1f1b", r)
+                  for i in range(starts[s], starts[s] + chunks[s])]
+        if not layers:
+            out.append(mean)
+            continue
+        other, experts, mine = stage_blocks(model, layers, cfg.tp, cfg.ep, framework)
+        if cfg.ep == 1:
+            other, experts = other + experts, 0.0
+        scale = mine / share - 1.0
+        out.append((other, experts, mean[2] + moe_act * scale, mean[3] + moe_work * scale))
+    return out

@@ -49,6 +49,14 @@ def in_flight(schedule: str, p: int, v: int, m: int, stage: int) -> float:
     return float(min(m, p - stage))  # 1f1b, zb
 
 
+def stages_of_rank(pp: int, v: int, schedule: str, pp_rank: int) -> list[int]:
+    """Global (virtual) stage indices held by pipeline rank `pp_rank`."""
+    n = pp * v
+    if schedule == "zb" and v == 2:
+        return sorted({pp_rank, n - 1 - pp_rank})
+    return list(range(pp_rank, n, pp))
+
+
 def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
              overlap: bool = False) -> float:
     """Seconds of pipeline transfers on the critical stage's path, each `hop` seconds.

@@ -1,0 +1,222 @@
+"""Activations per block and micro-batch, the recomputation working set and the loss's
+logits, bytes, for the saved-tensor list and the loss a framework runs.
+
+Activations per layer and micro-batch: the tensors autograd saves, listed op by op
+(`activation_bytes`). Three lists:
+
+* `korthikanti` (Megatron-LM / Transformer Engine fused kernels; Korthikanti et al. 2022,
+  section 4, eqs. 1-5, generalised to grouped-query attention and SwiGLU): norm inputs 4h, QKV
+  and MLP inputs 4h (both /t with sequence parallelism), Q 2h, K and V 4kv, attention output 2h,
+  MLP 6f (SwiGLU, fused: gate and up inputs + product) or 4f (GeLU), dropout masks 2h; the
+  attention core 2as (unfused; 5as with dropout), or a fp32 log-sum-exp per head with
+  FlashAttention. Selective recomputation drops the attention core.
+* `eager` (meshtron's model in eager PyTorch, read off its autograd graph; checked against
+  `torch.autograd.graph.saved_tensors_hooks` in tests/test_memory.py): norm inputs (x, x1), the
+  normed inputs of QKV and of the MLP (gathered, so full width even with sequence parallelism:
+  DTensor saves the all-gathered input), Q and K after RoPE and V as SDPA sees them (K and V
+  at kv width with native GQA; repeated to all query heads where `gqa_copies`), SDPA's output and its reshaped copy
+  (the out-projection's input), the log-sum-exp, and SwiGLU's gate, up, SiLU output and product
+  (GeLU: pre-activation and output). Selective recomputation (meshtron's policy,
+  meshtron/parallel/recompute.py) keeps the block input, every matmul output (the row-parallel
+  ones at full width, before their reduction) and every collective's output.
+* `alternate-matmul` (torchtitan's selective "op" policy): the block input, every other matmul
+  output (wq, wv, w1, w2) and the SDPA output with its log-sum-exp.
+
+Full recomputation keeps each block's input (/t with sequence parallelism) and, while one block
+is recomputed, that block's activations (`recompute_working_bytes`). That working set and the
+loss's (below) are alive at different times of the backward: the peak holds the larger
+(`loss_or_recompute`).
+
+Logits (last stage, one micro-batch; [tokens, vocab/t] elements): meshtron's runtime at tp = 1
+without a pipeline never builds them (meshtron/model/loss.py chunks the head and the loss over
+tokens): what it holds is one chunk's logits and the head's weight gradients summed over the
+chunks (`chunked_loss_bytes`). Elsewhere the eager loss casts the
+logits to fp32 and takes log_softmax, whose fp32 output is saved; at the start of backward the
+saved output, the incoming gradient and log_softmax's input gradient are alive together: 12
+bytes per element (the compute-dtype logits are freed after the loss, nothing saves them;
+pipeline schedules keep the stage output, + the compute dtype's bytes); torch's loss_parallel
+(tensor-parallel heads) 16 (`LOSS_PARALLEL_BYTES`). Every figure of meshtron's own runtime here
+is checked against `meshtron rehearse` (one rank run under fake tensors; tests/test_rehearse.py). Megatron's fused
+vocabulary-parallel cross-entropy keeps bf16 logits + an fp32 softmax that its backward
+overwrites in place: 6 bytes; flash-attn's fused loss with in-place backward (llm-foundry's
+default) only the 16-bit logits: 2 bytes (`MemoryOptions.loss`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory_options import DEFAULT, MemoryOptions
+
+RNG_STATE_BYTES = 5056.0
+"""A checkpointed block keeps the CPU generator's state to replay dropout identically
+(torch.utils.checkpoint, preserve_rng_state=True; torch.get_rng_state() is 5056 bytes)."""
+
+
+def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attention: str,
+                seq: int) -> float:
+    """Bytes per token one eager block saves without recomputation (module docstring)."""
+    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    cb = mem.compute_bytes
+    kv_sdpa = h if mem.gqa_copies and model.heads != model.kv_heads else kv
+    h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
+    if model.norm == "rmsnorm" and not mem.fused_norm:
+        # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
+        norm = 2.0 * (4.0 * h_in + 4.0 * h_in)
+    else:
+        norm = 2.0 * cb * h_in                             # input (+ per-row statistics)
+    stats = (8.0 if model.norm == "layernorm" else 4.0) / (tp if sp else 1)  # fp32 mean/rstd
+    norm += 2.0 * stats
+    gathered = 2.0 * h                                     # normed inputs of QKV and MLP
+    # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
+    # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
+    attn = 2.0 * h + 2.0 * kv_sdpa
+    mlp = 4.0 * f if model.mlp == "swiglu" else 2.0 * f
+    core = 4.0 * a                                          # fp32 log-sum-exp per head
+    if attention == "unfused":
+        core += cb * a * seq                                # softmax output
+    return norm + cb * (gathered + (attn + mlp) / tp) + core / tp
+
+
+def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions) -> float:
+    """Per layer and micro-batch: RoPE's cos/sin cast to a 16-bit compute dtype (2 calls x 2)."""
+    if model.position != "rope" or mem.dtype == "fp32":
+        return 0.0
+    return 4.0 * seq * model.head_dim * mem.compute_bytes
+
+
+def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
+    """meshtron's selective policy: block input, matmul outputs, collective outputs."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    block_in = h / (tp if sp else 1)
+    col = h + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
+    row = 2.0 * h  # wo and w2 outputs: full width on every tensor rank before the reduction
+    coll = 0.0
+    if tp > 1:
+        coll = 2.0 * h + (2.0 * h / tp if sp else 0.0)  # all-gathers (SP) or all-reduces; + RS
+    return cb * (block_in + col / tp + row + coll)
+
+
+def _alternate_matmul(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
+    """torchtitan's selective op policy: block input, wq, wv, w1, w2 and SDPA outputs."""
+    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    block_in = h / (tp if sp else 1)
+    return cb * (block_in + (h + kv + f + h) / tp + h) + 4.0 * a / tp
+
+
+def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOptions,
+                 seq: int) -> float:
+    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    replicated = 8.0 * h + (2.0 * h if opts.dropout else 0.0)
+    sharded = 4.0 * h + 4.0 * kv + (6.0 * f if model.mlp == "swiglu" else 4.0 * f)
+    if opts.attention == "unfused":
+        core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
+    else:
+        core = 4.0 * a
+    return (replicated / tp if sp else replicated) + (sharded + core) / tp
+
+
+def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
+                     recompute: str, opts: KernelOptions,
+                     mem: MemoryOptions | None = None) -> float:
+    """Bytes one layer keeps for one micro-batch until its backward pass (module docstring)."""
+    mem = mem or DEFAULT
+    if recompute == "half":
+        # every second block keeps only its input, the others everything: the mean per block
+        return 0.5 * sum(activation_bytes(model, tp, sp, micro_batch, seq, r, opts, mem)
+                         for r in ("none", "full"))
+    tokens = micro_batch * seq
+    sp = sp and tp > 1
+    if recompute == "full":
+        return tokens * mem.compute_bytes * model.hidden / (tp if sp else 1) + RNG_STATE_BYTES
+    cb = mem.compute_bytes
+    if mem.saved == "korthikanti":
+        per_token = _korthikanti(model, tp, sp, recompute, opts, seq) * cb / 2.0
+    elif recompute == "none":
+        per_token = _eager_none(model, tp, sp, mem, opts.attention, seq)
+        return tokens * per_token + rope_copy_bytes(model, seq, mem)
+    elif mem.saved == "alternate-matmul":
+        per_token = _alternate_matmul(model, tp, sp, cb)
+    else:
+        per_token = _eager_selective(model, tp, sp, cb)
+    return tokens * per_token + (RNG_STATE_BYTES if mem.saved != "korthikanti" else 0.0)
+
+
+def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
+                            recompute: str, opts: KernelOptions,
+                            mem: MemoryOptions | None = None) -> float:
+    """Extra bytes alive while a recomputed layer runs its backward (one layer, one micro-batch)."""
+    if recompute == "none":
+        return 0.0
+    full = activation_bytes(model, tp, sp, micro_batch, seq, "none", opts, mem)
+    if recompute in ("full", "half"):  # 'half': a checkpointed block replays all of itself
+        return full
+    return max(0.0, full - activation_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem))
+
+
+def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp: int,
+                      recompute: str, opts: KernelOptions, mem: MemoryOptions) -> float:
+    """Bytes one layer keeps for backward of the K/V gathered over the cp ranks (one micro-batch,
+    `seq` the whole sequence): with the all-gather design (`opts.cp_overlap` False: meshtron's
+    runtime, meshtron/parallel/context.py) attention saves the whole sequence's K and V on every
+    cp rank, which do not shrink with cp (measured: bench/cp_memory.py); full recomputation
+    gathers them again in backward instead. Ring attention (p2p) keeps only the local chunk."""
+    if cp == 1 or opts.cp_overlap or recompute == "full":
+        return 0.0
+    return 2.0 * micro_batch * seq * model.kv_dim / tp * mem.compute_bytes
+
+
+LOSS_PARALLEL_BYTES = 16.0
+"""Bytes per local logit at the peak of torch's `loss_parallel` cross-entropy (tensor-parallel
+heads; torch/distributed/tensor/parallel/loss.py): the saved fp32 log-softmax, and in its
+fused nll + log-softmax backward `zeros_like(x)`, `exp(x)` and their sum, alive together
+(measured by `meshtron rehearse` at tp=2 and 4: 4 + 12)."""
+CHUNKED_HEAD_GRAD_COPIES = 2.0
+"""The chunked loss (meshtron/model/loss.py) uses the head's weight once per chunk: autograd
+adds the chunks' weight gradients as they come (the running sum, the new chunk's gradient and
+their sum: three head-sized tensors in the compute dtype; measured by `meshtron rehearse`:
+6 bytes per vocabulary x hidden element in bf16). One of the three is the unit gradient
+`gathered_bytes` already holds: two more here."""
+
+
+def chunked_loss_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> float:
+    """Peak bytes of meshtron's chunked cross-entropy (tp = 1, no pipeline): no whole logits;
+    the head's weight gradients summed over the chunks plus one chunk's logits (Liger's chunk:
+    tokens / ceil(vocab / hidden) tokens, about as many elements as the hidden states) in the
+    compute dtype and fp32 (12 bytes per element, as the whole-logits loss)."""
+    chunk = max(1, math.ceil(tokens / math.ceil(model.vocab / model.hidden)))
+    cb = mem.compute_bytes
+    return CHUNKED_HEAD_GRAD_COPIES * cb * model.vocab * model.hidden + chunk * model.vocab * (
+        12.0 + cb)
+
+
+def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
+                 mem: MemoryOptions | None = None, pipelined: bool = False) -> float:
+    """Logits of one micro-batch and their gradients at the loss (module docstring)."""
+    mem = mem or DEFAULT
+    elements = micro_batch * seq * model.vocab / tp
+    kind = mem.loss_kind
+    if kind == "vocab-parallel":
+        return elements * 6.0
+    if kind == "inplace":
+        return elements * mem.compute_bytes
+    if kind == "chunked" and tp == 1 and not pipelined:
+        return chunked_loss_bytes(model, micro_batch * seq, mem)
+    # whole logits: a pipeline's last stage also keeps its output (the compute dtype's bytes)
+    kept = mem.compute_bytes if pipelined else 0.0
+    if tp > 1:  # vocabulary-parallel logits under loss_parallel
+        return elements * (LOSS_PARALLEL_BYTES + kept)
+    return elements * (12.0 + kept)
+
+
+def loss_or_recompute(logits: float, work: float) -> float:
+    """Bytes of the loss's working set and of a recomputed block's, which are never alive
+    together: autograd runs the loss's backward (logits, their fp32 copies and gradients) and
+    the head's to completion, freeing them, before the last block's checkpointed forward is
+    replayed (torch.utils.checkpoint recomputes inside the block's backward node), so the peak
+    holds the larger of the two, not their sum. In a pipeline schedule one micro-batch's loss
+    and another's recomputation do not overlap either: a stage runs one action at a time."""
+    return max(logits, work)
+

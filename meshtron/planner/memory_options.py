@@ -1,0 +1,103 @@
+"""What decides the bytes of a plan besides its layout: the run's precision, the framework
+whose memory layout it has, the saved-tensor list and the loss (`MemoryOptions`), and the
+constants the memory modules share. memory.py describes the peak these options price.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtron.errors import UserError
+from meshtron.planner.compute import KernelOptions
+
+GIB = float(2**30)
+WORKSPACE_FIXED_GIB = 1.0
+"""CUDA context, cuBLAS and NCCL workspaces."""
+WORKSPACE_FIXED_MAX_FRACTION = 0.05
+"""Cap of the fixed allowance on small devices, as a fraction of device memory."""
+FRAGMENTATION = 0.08
+"""Caching-allocator fragmentation allowance, fraction of all tensors."""
+
+DTYPES = ("bf16", "fp32", "fp8")
+"""fp8 runs keep bf16 activations, weights and compute copies here (Transformer Engine saves
+some GEMM inputs in FP8, which this does not count: memory is not underestimated)."""
+FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
+SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
+LOSSES = ("chunked", "eager", "vocab-parallel", "inplace")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """What decides the bytes of a plan besides its layout: precision and framework."""
+
+    dtype: str = "bf16"
+    """Compute dtype of the run: 'bf16' (mixed precision, fp32 master weights) or 'fp32'."""
+    framework: str = "fsdp2"
+    """'fsdp2' (meshtron's runtime, torchtitan), 'megatron' (Megatron-LM) or 'deepspeed'."""
+    activations: str | None = None
+    """Saved-tensor list: 'eager', 'korthikanti' or 'alternate-matmul' (torchtitan's selective
+    op policy); None: 'eager' for fsdp2, 'korthikanti' for the others."""
+    loss: str | None = None
+    """Cross-entropy implementation: 'chunked' (meshtron's runtime: the head and loss over
+    chunks of tokens, no whole logits, at tp = 1 without a pipeline; whole logits elsewhere),
+    'eager' (fp32 copy + log_softmax, 12 bytes per logit at the start of backward; 16 under
+    tensor parallelism's loss_parallel), 'vocab-parallel' (Megatron-LM: bf16 logits + fp32
+    softmax overwritten by its gradient, 6) or 'inplace' (flash-attn's fused loss as
+    llm-foundry uses it: the gradient overwrites the 16-bit logits, 2); None: 'chunked' for
+    fsdp2, 'vocab-parallel' otherwise."""
+    gqa_copies: bool = False
+    """Grouped-query attention copies K and V to every query head before attention
+    (`repeat_kv` in torchtitan's and Hugging Face's Llama, saved for backward at full width:
+    the torchtitan and DeepSpeed@2024 presets); False: SDPA's native GQA (`enable_gqa=True`,
+    meshtron/model/attention.py) keeps them at kv width."""
+    fused_norm: bool = True
+    """RMSNorm runs as one kernel saving only its input (CUDA: aten._fused_rms_norm, PyTorch
+    PR #153666); False: the composite path (PyTorch on CPU), which also saves an fp32 copy of
+    the input and the fp32 normalised tensor."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UserError(f"dtype={self.dtype!r}: allowed values are {', '.join(DTYPES)}")
+        if self.framework not in FRAMEWORKS:
+            raise UserError(f"memory.framework={self.framework!r}: allowed values are "
+                             f"{', '.join(FRAMEWORKS)}")
+        if self.loss is not None and self.loss not in LOSSES:
+            raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
+        if self.activations is not None and self.activations not in SELECTIVE:
+            raise UserError(f"memory.activations={self.activations!r}: allowed values are "
+                             f"{', '.join(SELECTIVE)}")
+
+    @property
+    def compute_bytes(self) -> float:
+        """Bytes of one activation / compute-copy element."""
+        # fp8 runs keep bf16 activations and compute copies (DTYPES): only fp32 is 4 bytes
+        return 4.0 if self.dtype == "fp32" else 2.0
+
+    @property
+    def saved(self) -> str:
+        if self.activations is not None:
+            return self.activations
+        return "eager" if self.framework == "fsdp2" else "korthikanti"
+
+    @property
+    def loss_kind(self) -> str:
+        if self.loss is not None:
+            return self.loss
+        return "chunked" if self.framework == "fsdp2" else "vocab-parallel"
+
+
+DEFAULT = MemoryOptions()
+
+
+def options_for(opts: KernelOptions | None, dtype: str = "bf16") -> MemoryOptions:
+    """The memory layout that goes with the cost model's options: `sharding='fsdp'` (FSDP2 /
+    FSDP: meshtron's runtime, torchtitan, llm-foundry) keeps fp32 parameters and gathers compute
+    copies; `sharding='zero'` (Megatron-LM, DeepSpeed) keeps 16-bit weights with fp32 master
+    weights in the optimizer. Without a `sharding` option, `stack='fused'` means Megatron-LM."""
+    sharding = getattr(opts, "sharding", None)
+    if sharding is not None:
+        framework = "fsdp2" if sharding == "fsdp" else "megatron"
+    else:
+        framework = "megatron" if getattr(opts, "stack", "eager") == "fused" else "fsdp2"
+    return MemoryOptions(dtype=dtype, framework=framework)
+

@@ -1,0 +1,95 @@
+"""Model states per GPU: bytes per parameter of the weights, gradients and optimizer states at
+a ZeRO stage, and the parameters one tensor-parallel rank holds per block, embedding and head.
+
+Model states, bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sections 3 and 5):
+
+* `fsdp2` (meshtron's own runtime, torchtitan): the parameters ARE the fp32 master weights
+  (FSDP2's sharded parameters keep their dtype; MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32) only casts the all-gathered copy, FSDP2 docs), fp32 gradients (the sharded
+  gradient takes the sharded parameter's dtype) and AdamW's two fp32 moments: 4 + 4 + 8 = 16 bytes
+  in fp32 and in bf16 runs alike. The compute copy (2 bytes in bf16, 4 in fp32) exists only
+  while a unit is all-gathered (see `gathered_bytes`).
+* `megatron` / `deepspeed` (mixed-precision AdamW as in the ZeRO paper): 2-byte weights,
+  2-byte gradients (4 with Megatron-LM's fp32 main_grad, `KernelOptions.fp32_grad_reduce`) and
+  K = 12 bytes of fp32 master weights and moments; fp32 runs: 4 + 4 + 8.
+
+Sharding over the data-parallel group: ZeRO-1 the optimizer states, ZeRO-2 also the gradients,
+ZeRO-3 also the weights. meshtron's ZeRO-2 is FSDP2 without resharding after forward, so its
+parameters are sharded at rest too; its ZeRO-1 keeps parameters and gradients whole and gives
+each data-parallel rank the AdamW state of the parameters it owns.
+"""
+
+from __future__ import annotations
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.memory_options import DEFAULT, MemoryOptions
+
+WEIGHT_BYTES = 2.0
+"""bf16 weights (mixed-precision frameworks that keep 16-bit parameters)."""
+GRAD_BYTES = 2.0
+"""bf16 gradients (4.0 with an fp32 accumulation buffer)."""
+OPTIMIZER_BYTES = 12.0
+"""fp32 master weights + AdamW first and second moments (ZeRO's K = 12)."""
+
+
+def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
+                mem: MemoryOptions | None = None,
+                fsdp_zero1: bool = True) -> tuple[float, float, float]:
+    """Bytes per parameter held by one GPU for (weights, gradients, optimizer) at a ZeRO stage.
+
+    Mixed-precision frameworks (megatron, deepspeed): `grad_bytes` is 4 with an fp32 gradient
+    buffer (Megatron-LM's main_grad): 2 + 4 + 12 = 18 bytes per parameter, 6 + 12/d with the
+    distributed optimizer (the table of Megatron-LM's docs/distrib_optimizer.md). fsdp2: fp32
+    parameters and gradients, 8 bytes of moments (module docstring). meshtron's ZeRO-1 is
+    FSDP2 over the whole data axis (`fsdp_zero1`; parallel/data_parallel.py): parameters and
+    gradients are sharded at rest like the states, and the gradients of a step's micro-batches
+    accumulate unsharded (the caller's `accum`); False: compressed ZeRO-1 / DiLoCo, whole
+    parameters and gradients, states by owner."""
+    mem = mem or DEFAULT
+    if mem.framework == "fsdp2":
+        w, g, o = 4.0, 4.0, 8.0 / dp if zero >= 1 else 8.0
+        if zero >= 2 or (zero == 1 and fsdp_zero1):  # FSDP2 shards parameters at rest
+            w, g = w / dp, g / dp
+        return w, g, o
+    if mem.dtype == "fp32":
+        w, g, o = 4.0, 4.0, 8.0
+        w = w / dp if zero >= 3 else w
+    else:
+        w, g, o = WEIGHT_BYTES, grad_bytes, OPTIMIZER_BYTES
+        w = w / dp if zero >= 3 else w
+    g = g / dp if zero >= 2 else g
+    o = o / dp if zero >= 1 else o
+    return w, g, o
+
+
+def layer_params_local(model: ModelSpec, tp: int, pp: int = 1) -> float:
+    """Parameters of one layer held by one tensor-parallel rank (norm weights replicated).
+
+    Mixtures of experts hold ALL their experts (`ModelSpec.layer_params`, total parameters;
+    only the active ones compute, `compute.active_equivalent`). With dense first layers
+    (DeepSeek-V3) the blocks differ: without pipelining the mean block (the stage's total is
+    exact), with it the largest (the fullest stage holds MoE blocks only)."""
+    if model.is_moe:
+        sizes = [model.layer_params(i) for i in range(model.layers)]
+        per = sum(sizes) / len(sizes) if pp == 1 else max(sizes)
+        return (per - 2 * model.norm_params) / tp + 2 * model.norm_params
+    return (model.attention_params() + model.mlp_params()) / tp + 2 * model.norm_params
+
+
+def embedding_params_local(model: ModelSpec, tp: int) -> float:
+    """Vocabulary-parallel token embedding (+ vocabulary-parallel learned position table)."""
+    return model.embedding_params() - model.vocab * model.hidden + model.vocab * model.hidden / tp
+
+
+def head_params_local(model: ModelSpec, tp: int, pp: int) -> float:
+    """Final norm + LM head on the last stage; a tied head needs its own copy when pp > 1."""
+    out = model.vocab * model.hidden / tp
+    if model.tied_embeddings and pp == 1:
+        out = 0.0
+    return model.norm_params + out
+
+
+def largest_param_local(model: ModelSpec, tp: int) -> float:
+    """Elements of the largest single weight matrix of a layer on one tensor rank."""
+    return max(model.hidden * model.ffn_hidden, model.hidden * model.hidden) / tp
+
