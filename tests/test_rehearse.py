@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.rehearsal import check_totals, run_kinds
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = dict(name="mid", layers=2, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632,
@@ -53,23 +55,11 @@ print("RESULT" + json.dumps(out))
 
 
 def _run_kinds(names) -> dict:
-    arg = json.dumps([MODEL, BASE, {n: KINDS[n] for n in names}])
-    out = subprocess.run([sys.executable, "-c", RUN_KINDS, arg], capture_output=True, text=True,
-                         cwd=ROOT, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return run_kinds(RUN_KINDS, [MODEL, BASE, {n: KINDS[n] for n in names}])
 
 
 def _check(results: dict) -> None:
-    off = {}
-    for name, rows in results.items():
-        rehearsed, planned = rows["total"]
-        # the rank's states are exact in both (same shards): a sanity check of the rehearsal
-        assert rows["optimizer"][0] == pytest.approx(rows["optimizer"][1], rel=0.05), name
-        if abs(planned / rehearsed - 1) > 0.05:
-            off[name] = (round(rehearsed, 3), round(planned, 3))
-    assert not off, f"planner vs rehearsal beyond 5% (GiB rehearsed, planned): {off}"
+    check_totals(results, "rehearsal")
 
 
 def test_planner_agrees_with_rehearsal_on_three_layout_kinds():

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.rehearsal import check_totals, run_kinds
+
 from meshtron.model.moe import StaticCounts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,23 +68,11 @@ print("RESULT" + json.dumps(out))
 
 
 def _run_kinds(names) -> dict:
-    arg = json.dumps([BASE, {n: KINDS[n] for n in names}])
-    out = subprocess.run([sys.executable, "-c", RUN_KINDS, arg], capture_output=True, text=True,
-                         cwd=ROOT, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return run_kinds(RUN_KINDS, [BASE, {n: KINDS[n] for n in names}])
 
 
 def _check(results: dict) -> None:
-    off = {}
-    for name, rows in results.items():
-        rehearsed, planned = rows["total"]
-        # AdamW's states of the rank's shards (experts over dp/ep ranks): the same bytes in both
-        assert rows["optimizer"][0] == pytest.approx(rows["optimizer"][1], rel=0.05), name
-        if abs(planned / rehearsed - 1) > 0.05:
-            off[name] = (round(rehearsed, 4), round(planned, 4))
-    assert not off, f"planner vs MoE rehearsal beyond 5% (GiB rehearsed, planned): {off}"
+    check_totals(results, "MoE rehearsal", digits=4)
 
 
 def test_planner_agrees_with_moe_rehearsal_on_three_layout_kinds():
