@@ -44,18 +44,17 @@ bytes of the compute dtype, ep the expert-parallel degree):
   (index_add), plus the regrouping gather and scatter of the received rows with expert
   parallelism. The router's passes over [T, E] fp32 affinities are E*4 bytes per token
   against the k*h*b of one slot pass: not counted.
-* Host issue (`host_exposed`). Both stacks' dispatchers read the split sizes on the host once
-  per layer forward (Megatron-Core's MoEAlltoAllTokenDispatcher: `_maybe_dtoh_and_synchronize`
+* Host issue (planner/moe_host.py). Both stacks' dispatchers read the split sizes on the host
+  once per layer forward (Megatron-Core's MoEAlltoAllTokenDispatcher: `_maybe_dtoh_and_synchronize`
   at `cuda_sync_point`, "before_ep_alltoall" with ep > 1, "before_finish" otherwise, the
   GroupedLinear's m_splits; meshtron/parallel/expert.py: the splits' `tolist()`): the CPU cannot
-  run ahead of the GPU across MoE layers, so a layer costs the larger of its GPU time and the
-  time the host takes to issue it (compute.dispatch_s per operation). Transformer Engine's
-  GroupedLinear (Megatron-Core's TEGroupedMLP) issues work per local expert: m_splits.tolist()
-  splits, per-expert quantisation with two output allocations in FP8, and one cuBLAS GEMM per
-  expert unless NVTE_USE_CUTLASS_GROUPED_GEMM (common/gemm/cublaslt_gemm.cu
-  `multi_stream_cublas_gemm`; TE issue #1499: the per-expert torch.split / torch.empty calls
-  are the host cost), so its host time grows with E/ep; torch._grouped_mm (meshtron) and
-  DeepGEMM issue one launch for all experts.
+  run ahead of the GPU across MoE layers, and after each sync the queue is empty. Between two
+  syncs the GPU finishes no earlier than the host issues, and where host-heavy work follows the
+  sync (Transformer Engine's GroupedLinear, Megatron-Core's TEGroupedMLP, issues a split,
+  allocations, a quantisation and a cuBLAS GEMM per local expert: TE issue #1499) it idles
+  while the host catches up: moe_host.py prices the stretch in issue order
+  (compute.dispatch_s per operation). torch._grouped_mm (meshtron) and DeepGEMM issue one
+  launch for all experts.
 * Memory: planner/moe_memory.py (what the router, permutation, experts and combine save;
   where the expert parameters live).
 """
@@ -69,6 +68,9 @@ from typing import Any
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
 from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions default it prices
+from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWork,
+                                       expert_ops, host_exposed, host_seconds, ordered_wait,
+                                       per_expert_gemms)
 
 @dataclass(frozen=True)
 class MoeLayerCost:
@@ -133,8 +135,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     replicated over tp, meshtron's runtime; tp for Megatron-Core's default expert tensor
     parallelism, planner/moe_memory.py `expert_tp`). `window_fwd`, `window_bwd`: the dense
     equivalent layer's forward and backward compute (compute.layer_cost), what an overlapped
-    all-to-all runs beside (`overlapped_a2a`) and the GPU time the host issue is compared with
-    (`host_exposed`); 0 counts the routed GEMMs alone and leaves the host unpriced.
+    all-to-all runs beside (`overlapped_a2a`) and the GPU work the host issue is ordered with
+    (moe_host.py `ordered_wait`); 0 counts the routed GEMMs alone and leaves the host unpriced.
     `per_expert`: the expert GEMMs are issued one per local expert (`per_expert_gemms`)."""
     from meshtron.planner import compute
 
@@ -162,15 +164,14 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
     slots = tokens * k * h * b
     permute = permute_passes(stack, ep, local) * 2 * slots / bw  # each reads and writes
-    extra_f = grouped - dense + permute
-    extra_b = 2 * (grouped - dense) + 2 * permute
+    cast = 0.0
     if lin_dt == "fp8":
         # FP8 expert GEMMs cast their inputs (Transformer Engine's GroupedLinear; bf16 read,
         # FP8 written): fc1's input is the T*k routed rows where the dense equivalent casts T
         # tokens (compute.quantisation_bytes), and backward fc2's output gradient likewise
         cast = (tokens * k * ep_rows(imbalance, ep) - tokens) * h * 3.0 / bw
-        extra_f += cast
-        extra_b += cast
+    extra_f = grouped - dense + permute + cast
+    extra_b = 2 * (grouped - dense) + 2 * permute + cast
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     one = a2a_time(nbytes * imbalance, group, fab, k, node_limit)
@@ -182,18 +183,35 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         win_b = max(window_bwd, 2 * dense) + extra_b
         a2a_f, a2a_b = overlapped_a2a(a2a_f, a2a_b, win_f, win_b)
     if window_fwd > 0:
-        # the stream also runs the all-to-alls while the host issues what follows them
-        gpu_f = max(window_fwd, dense) + extra_f + a2a_f
-        gpu_b = max(window_bwd, 2 * dense) + extra_b + a2a_b
-        host_f, host_b = host_seconds(lin_dt, local, per_expert, compute.dispatch_s(cluster))
-        # the dense equivalent's own kernels are issued in the same window
-        dense_issue = compute.kernels_per_layer(compute.active_equivalent(model),
-                                                compute.KernelOptions(stack=stack))
-        dense_issue *= compute.dispatch_s(cluster)
-        wait_f, wait_b = host_exposed(gpu_f, gpu_b, host_f + dense_issue,
-                                      host_b + 2 * dense_issue)
+        # the GPU waits for the host where the host issues slower than the GPU runs, after the
+        # sync of each forward (moe_host.py: the stretch between two syncs in issue order)
+        ops = compute.kernels_per_layer(compute.active_equivalent(model),
+                                        compute.KernelOptions(stack=stack))
+        work = _ordered_work(dense, grouped, cast, permute / permute_passes(stack, ep, local),
+                             permute, (a2a_f, a2a_b), (window_fwd, window_bwd),
+                             (ops, *expert_ops(lin_dt, local, per_expert)))
+        wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster))
         extra_f, extra_b = extra_f + wait_f, extra_b + wait_b
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
+
+
+def _ordered_work(dense: float, grouped: float, cast: float, first: float, permute: float,
+                  a2a: tuple[float, float], window: tuple[float, float],
+                  ops: tuple[float, float, float]) -> MoeWork:
+    """One MoE layer's GPU seconds in the order the stretch between two syncs issues them
+    (moe_host.MoeWork): the first permutation (`first`: one pass of `permute`) before the
+    sync, the chunk sort after the dispatch all-to-all, the unsort and the unpermute around
+    the combine; the backward makes the same passes in reverse. `grouped`: the forward's
+    expert GEMMs (twice that backward), `cast`: their input casts per pass; `a2a`, `window`:
+    (forward, backward) exposed all-to-alls and dense-equivalent layer; `ops`: host
+    operations of the dense part and of the experts (forward, backward)."""
+    rest = permute - 2 * first  # chunk sort and unsort, where the stack makes them
+    return MoeWork(pre_f=max(window[0], dense) - dense + first,
+                   dispatch_f=a2a[0] / 2 + rest / 2, experts_f=grouped + cast,
+                   combine_f=a2a[0] / 2 + rest / 2 + first, combine_b=a2a[1] / 2 + permute,
+                   dispatch_b=a2a[1] / 2 + permute, experts_b=2 * grouped + cast,
+                   attn_b=max(window[1], 2 * dense) - 2 * dense,
+                   dense_ops=ops[0], expert_ops_f=ops[1], expert_ops_b=ops[2])
 
 
 def overlapped_a2a(a2a_f: float, a2a_b: float, win_f: float, win_b: float) -> tuple[float, float]:
@@ -213,55 +231,6 @@ def overlapped_a2a(a2a_f: float, a2a_b: float, win_f: float, win_b: float) -> tu
 
     exposed = compute.overlapped(comm_t, win_f + win_b)
     return exposed * a2a_f / comm_t, exposed * a2a_b / comm_t
-
-
-MOE_HOST_OPS = (30, 20)
-"""Host-issued operations of one MoE layer that do not grow with the experts, (forward,
-backward): the router (gating GEMM, top-k, softmax, routing-map scatter, probability gather, the
-auxiliary loss's reductions and products, top-k normalisation: ~12), the dispatcher (routing-map
-sums, the count all-gather, split sums, the device-to-host copies, permute, all-to-all, chunk
-sort and unsort, all-to-all, unpermute: ~16) and the activation with its probability product
-(2), counted from Megatron-Core's moe/router.py and moe/token_dispatcher.py; the backward runs
-the autograd twins of the data movers and the router's gradient."""
-
-PER_EXPERT_HOST_OPS = {"fp8": (10, 12), "bf16": (4, 6)}
-"""Host operations per local expert of Transformer Engine's GroupedLinear pair (fc1, fc2),
-(forward, backward): FP8 forward per linear a split, two quantised-output allocations, the
-quantisation and the GEMM (5); backward per linear the gradient's split, allocations and
-quantisation (4) and the dgrad and wgrad GEMMs (2). BF16: split + GEMM forward, split + two
-GEMMs backward (grouped_linear.py, cpp_extensions/gemm.py `general_grouped_gemm`)."""
-
-
-def per_expert_gemms(framework: str) -> bool:
-    """Whether the stack's expert GEMMs are issued one per local expert: Megatron-Core's
-    TEGroupedMLP (Transformer Engine GroupedLinear on cuBLAS, the default of
-    --moe-grouped-gemm). meshtron and torchtitan call torch._grouped_mm once."""
-    return framework == "megatron"
-
-
-def host_seconds(lin_dt: str, local_experts: float, per_expert: bool,
-                 dispatch: float) -> tuple[float, float]:
-    """(forward, backward) seconds the host spends issuing one MoE layer's router, dispatcher
-    and experts for one micro-batch (MOE_HOST_OPS, PER_EXPERT_HOST_OPS)."""
-    f, b = MOE_HOST_OPS
-    if per_expert:
-        pf, pb = PER_EXPERT_HOST_OPS["fp8" if lin_dt == "fp8" else "bf16"]
-        f, b = f + local_experts * pf, b + local_experts * pb
-    else:
-        f, b = f + 2, b + 4  # one grouped GEMM per linear (two in the backward)
-    return f * dispatch, b * dispatch
-
-
-def host_exposed(gpu_f: float, gpu_b: float, host_f: float, host_b: float) -> tuple[float, float]:
-    """Seconds (forward, backward) a MoE layer waits on its host beyond its GPU time. The
-    dispatcher's device-to-host sync each forward drains the GPU queue, so between two syncs
-    (one layer's forward and, in the pipeline's steady state, another micro-batch's backward)
-    the GPU runs no faster than the host issues: the pair costs max(GPU, host). Split in
-    proportion to the host time of each pass."""
-    host, gpu = host_f + host_b, gpu_f + gpu_b
-    if host <= gpu or host <= 0:
-        return 0.0, 0.0
-    return (host - gpu) * host_f / host, (host - gpu) * host_b / host
 
 
 def ep_rows(imbalance: float, ep: int) -> float:
@@ -322,7 +291,8 @@ def rank_loads(expert_loads: list[float], ep: int) -> list[float]:
 
 
 __all__ = ["DEFAULT_IMBALANCE", "MoeLayerCost", "a2a_bytes", "a2a_time", "moe_layer_cost",
-           "host_exposed", "host_seconds", "overlapped_a2a", "per_expert_gemms",
+           "MOE_HOST_OPS", "PER_EXPERT_HOST_OPS", "host_exposed", "host_seconds",
+           "overlapped_a2a", "per_expert_gemms",
            "permute_passes",
            "expert_params_local", "expert_params_per_layer", "measured_imbalance",
            "rank_loads", "routed_tokens_per_expert", "moe_share"]
