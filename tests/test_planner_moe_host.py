@@ -1,0 +1,88 @@
+"""The host issue of a MoE layer between two dispatcher syncs (planner/moe_host.py): after a
+sync the queue is empty, so host-heavy work right after it starves the GPU whatever the totals
+say. Planner-only, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.model.spec import preset
+from meshtron.planner import compute, moe_cost, moe_host, placement
+from meshtron.planner.cluster import resolve_cluster
+
+
+def test_makespan_is_the_gpu_time_when_the_host_stays_ahead():
+    # every segment issues faster than it runs: the GPU never waits
+    segs = [(1.0, 2.0), (0.5, 3.0), (1.0, 1.5)]
+    assert moe_host.queue_makespan(segs) == pytest.approx(6.5)
+
+
+def test_host_heavy_work_after_the_sync_is_never_recovered():
+    # same totals (host 3, GPU 4) in two orders: GPU-heavy first hides the host entirely;
+    # host-heavy first leaves the GPU idle until the host is done with it
+    gpu_first = [(0.5, 3.0), (2.5, 1.0)]
+    host_first = [(2.5, 1.0), (0.5, 3.0)]
+    assert moe_host.queue_makespan(gpu_first) == pytest.approx(4.0)
+    # the second segment's 3.0 of GPU work is first issued at 2.5, when the host is done
+    # with the first: it ends at 5.5 whatever the totals
+    assert moe_host.queue_makespan(host_first) == pytest.approx(5.5)
+    # the old rule (max of the totals) sees no difference between the two
+    assert moe_host.host_exposed(4.0, 0.0, 3.0, 0.0) == (0.0, 0.0)
+
+
+def test_makespan_is_never_below_either_total():
+    cases = [[(3.0, 1.0)], [(1.0, 1.0), (1.0, 1.0)], [(0.0, 2.0), (4.0, 0.5), (0.1, 0.1)]]
+    for segs in cases:
+        h, g = sum(x for x, _ in segs), sum(y for _, y in segs)
+        assert moe_host.queue_makespan(segs) >= max(h, g) - 1e-12
+
+
+def _work(experts_f, expert_ops_f):
+    return moe_host.MoeWork(pre_f=1.0e-3, dispatch_f=0.3e-3, experts_f=experts_f,
+                            combine_f=0.5e-3, combine_b=0.5e-3, dispatch_b=0.5e-3,
+                            experts_b=2 * experts_f, attn_b=2.0e-3, dense_ops=10,
+                            expert_ops_f=expert_ops_f, expert_ops_b=expert_ops_f)
+
+
+def test_forward_wait_is_what_the_forward_alone_costs():
+    d = 10e-6
+    # experts issuing 160 ops (1.6 ms) beside 0.5 ms of GPU work, right after the sync
+    wait_f, wait_b = moe_host.ordered_wait(_work(0.5e-3, 160), d)
+    fwd = moe_host.forward_segments(_work(0.5e-3, 160), d)
+    own = moe_host.queue_makespan(fwd) - sum(g for _, g in fwd)
+    assert wait_f == pytest.approx(min(own, wait_f + wait_b)) and wait_f > 0
+    # a handful of host ops per layer: nothing to wait for
+    assert moe_host.ordered_wait(_work(0.5e-3, 4), d) == (0.0, 0.0)
+
+
+def _cost(tokens, per_expert, ep=8):
+    model = preset("qwen3-30b-a3b")
+    cl = resolve_cluster("dgx-h100:2")
+    lc = compute.layer_cost(compute.active_equivalent(model), cl, 1, 1, int(tokens), False,
+                            compute.KernelOptions(), 1, "fp8")
+    args = (model, cl, float(tokens), ep, placement.ep_group(1, ep, 8), "fp8", 1.0, False, 0,
+            "fused", 1, 1)
+    return (moe_cost.moe_layer_cost(*args, lc.fwd, lc.bwd, per_expert),
+            moe_cost.moe_layer_cost(*args, 0.0, 0.0, per_expert), lc)
+
+
+def test_megatrons_per_expert_issue_starves_the_gpu_at_small_micro_batches_only():
+    """Qwen3-30B-A3B on H100 with ep 8 (16 local experts, FP8 GroupedLinear): at 4096 tokens
+    the experts' host issue after the sync outlasts their GPU work and the GPU waits, though
+    the layer's host total is below its GPU total (the old rule priced nothing); at 16384
+    tokens the GPU work covers it."""
+    small, small_bare, lc = _cost(4096, True)
+    d = compute.dispatch_s(resolve_cluster("dgx-h100:2"))
+    hf, hb = moe_cost.host_seconds("fp8", 16, True, d)
+    gpu = lc.fwd + lc.bwd + (small_bare.compute_fwd + small_bare.compute_bwd
+                             + small.a2a_fwd + small.a2a_bwd)
+    assert hf + hb < gpu  # the totals alone would hide the host
+    wait = (small.compute_fwd - small_bare.compute_fwd) + (small.compute_bwd
+                                                           - small_bare.compute_bwd)
+    assert wait > 0
+    big, big_bare, _ = _cost(16384, True)
+    assert big.compute_fwd == pytest.approx(big_bare.compute_fwd)
+    assert big.compute_bwd == pytest.approx(big_bare.compute_bwd)
+    # one grouped launch (torch._grouped_mm) issues too little to matter
+    grouped, grouped_bare, _ = _cost(4096, False)
+    assert grouped.compute_fwd == pytest.approx(grouped_bare.compute_fwd)
