@@ -86,3 +86,27 @@ def test_megatrons_per_expert_issue_starves_the_gpu_at_small_micro_batches_only(
     # one grouped launch (torch._grouped_mm) issues too little to matter
     grouped, grouped_bare, _ = _cost(4096, False)
     assert grouped.compute_fwd == pytest.approx(grouped_bare.compute_fwd)
+
+
+def test_fp8_experts_quantise_the_routed_rows_at_the_stacks_cast_bytes():
+    """Transformer Engine's GroupedLinear quantises the T*k permuted rows (both layouts, 4
+    bytes an element under delayed scaling; current scaling's amax pass reads them once more:
+    6), where the dense equivalent's fc1 input came quantised out of its norm (delayed: free,
+    current: 6 bytes a token)."""
+    from meshtron.planner.fp8 import cast_bytes
+
+    routed, dense = 8.0e6, 1.0e6
+    d_f, d_b = moe_cost.expert_cast_bytes("te-delayed", routed, dense)
+    c_f, c_b = moe_cost.expert_cast_bytes("te-current", routed, dense)
+    delayed, current = cast_bytes("te-delayed"), cast_bytes("te-current")
+    assert d_f == pytest.approx(delayed.input_fwd * routed)
+    assert c_f == pytest.approx(current.input_fwd * (routed - dense))
+    assert d_b == pytest.approx(delayed.grad_bwd * (routed - dense))
+    assert c_b > d_b and c_f > d_f
+    # through the layer: current scaling costs the FP8 experts more
+    model = preset("qwen3-30b-a3b")
+    cl = resolve_cluster("dgx-h100:2")
+    args = (model, cl, 4096.0, 8, placement.ep_group(1, 8, 8), "fp8", 1.0, False, 0, "fused")
+    cur = moe_cost.moe_layer_cost(*args, fp8_scaling="te-current")
+    dly = moe_cost.moe_layer_cost(*args, fp8_scaling="te-delayed")
+    assert cur.compute_fwd > dly.compute_fwd and cur.compute_bwd > dly.compute_bwd

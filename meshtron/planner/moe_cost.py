@@ -128,7 +128,8 @@ def routed_tokens_per_expert(tokens: float, model: ModelSpec, ep: int) -> float:
 def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group: comm.Group,
                    dtype: str, imbalance: float, ep_overlap: bool, node_limit: int,
                    stack: str, tp: int = 1, etp: int = 1, window_fwd: float = 0.0,
-                   window_bwd: float = 0.0, per_expert: bool = False) -> MoeLayerCost:
+                   window_bwd: float = 0.0, per_expert: bool = False,
+                   fp8_scaling: str = "te-delayed") -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -137,7 +138,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     equivalent layer's forward and backward compute (compute.layer_cost), what an overlapped
     all-to-all runs beside (`overlapped_a2a`) and the GPU work the host issue is ordered with
     (moe_host.py `ordered_wait`); 0 counts the routed GEMMs alone and leaves the host unpriced.
-    `per_expert`: the expert GEMMs are issued one per local expert (`per_expert_gemms`)."""
+    `per_expert`: the expert GEMMs are issued one per local expert (`per_expert_gemms`).
+    `fp8_scaling`: how the FP8 experts quantise their inputs (`expert_cast_bytes`)."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
@@ -164,14 +166,12 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
     slots = tokens * k * h * b
     permute = permute_passes(stack, ep, local) * 2 * slots / bw  # each reads and writes
-    cast = 0.0
+    cast_f = cast_b = 0.0
     if lin_dt == "fp8":
-        # FP8 expert GEMMs cast their inputs (Transformer Engine's GroupedLinear; bf16 read,
-        # FP8 written): fc1's input is the T*k routed rows where the dense equivalent casts T
-        # tokens (compute.quantisation_bytes), and backward fc2's output gradient likewise
-        cast = (tokens * k * ep_rows(imbalance, ep) - tokens) * h * 3.0 / bw
-    extra_f = grouped - dense + permute + cast
-    extra_b = 2 * (grouped - dense) + 2 * permute + cast
+        routed = tokens * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
+        cast_f, cast_b = (x / bw for x in expert_cast_bytes(fp8_scaling, routed, tokens * h))
+    extra_f = grouped - dense + permute + cast_f
+    extra_b = 2 * (grouped - dense) + 2 * permute + cast_b
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     one = a2a_time(nbytes * imbalance, group, fab, k, node_limit)
@@ -187,7 +187,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         # sync of each forward (moe_host.py: the stretch between two syncs in issue order)
         ops = compute.kernels_per_layer(compute.active_equivalent(model),
                                         compute.KernelOptions(stack=stack))
-        work = _ordered_work(dense, grouped, cast, permute / permute_passes(stack, ep, local),
+        work = _ordered_work(dense, grouped, (cast_f, cast_b),
+                             permute / permute_passes(stack, ep, local),
                              permute, (a2a_f, a2a_b), (window_fwd, window_bwd),
                              (ops, *expert_ops(lin_dt, local, per_expert)))
         wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster))
@@ -195,23 +196,46 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
 
 
-def _ordered_work(dense: float, grouped: float, cast: float, first: float, permute: float,
+def _ordered_work(dense: float, grouped: float, cast: tuple[float, float], first: float,
+                  permute: float,
                   a2a: tuple[float, float], window: tuple[float, float],
                   ops: tuple[float, float, float]) -> MoeWork:
     """One MoE layer's GPU seconds in the order the stretch between two syncs issues them
     (moe_host.MoeWork): the first permutation (`first`: one pass of `permute`) before the
     sync, the chunk sort after the dispatch all-to-all, the unsort and the unpermute around
     the combine; the backward makes the same passes in reverse. `grouped`: the forward's
-    expert GEMMs (twice that backward), `cast`: their input casts per pass; `a2a`, `window`:
+    expert GEMMs (twice that backward), `cast`: their casts (forward, backward); `a2a`, `window`:
     (forward, backward) exposed all-to-alls and dense-equivalent layer; `ops`: host
     operations of the dense part and of the experts (forward, backward)."""
     rest = permute - 2 * first  # chunk sort and unsort, where the stack makes them
     return MoeWork(pre_f=max(window[0], dense) - dense + first,
-                   dispatch_f=a2a[0] / 2 + rest / 2, experts_f=grouped + cast,
+                   dispatch_f=a2a[0] / 2 + rest / 2, experts_f=grouped + cast[0],
                    combine_f=a2a[0] / 2 + rest / 2 + first, combine_b=a2a[1] / 2 + permute,
-                   dispatch_b=a2a[1] / 2 + permute, experts_b=2 * grouped + cast,
+                   dispatch_b=a2a[1] / 2 + permute, experts_b=2 * grouped + cast[1],
                    attn_b=max(window[1], 2 * dense) - 2 * dense,
                    dense_ops=ops[0], expert_ops_f=ops[1], expert_ops_b=ops[2])
+
+
+def expert_cast_bytes(scaling: str, routed: float, dense: float) -> tuple[float, float]:
+    """(forward, backward) HBM bytes the FP8 expert GEMMs spend quantising beyond what the
+    dense equivalent's casts were charged (fp8.quantisation_bytes). `routed`: elements of the
+    T*k routed rows of width h (fullest rank), `dense`: the T*h of the dense equivalent.
+    Forward, fc1's input: Transformer Engine's GroupedLinear quantises the permuted bf16 rows,
+    both layouts for the weight gradient (split_quantize; fp8.CastBytes.input_fwd: 4 bytes
+    delayed scaling, 6 current: its amax pass reads the rows once more), where the dense
+    equivalent's fc1 input is a norm's output (CastBytes.normed_fwd: written in FP8 by
+    TELayerNormLinear under delayed scaling, 0 more) -- a MoE layer's norm cannot: the router
+    and the permutation take it in bf16. Backward: fc2's output gradient, the routed rows
+    against the dense T*h, at CastBytes.grad_bwd (and input_bwd, dgrad_out for stacks that
+    re-cast). fc2's input and fc1's output gradient have the dense equivalent's element
+    counts (T*k*fe): already charged."""
+    from meshtron.planner.fp8 import cast_bytes
+
+    cb = cast_bytes(scaling)
+    normed = cb.input_fwd if cb.normed_fwd is None else cb.normed_fwd
+    fwd = cb.input_fwd * routed - normed * dense
+    bwd = (cb.grad_bwd + cb.input_bwd + cb.dgrad_out) * (routed - dense)
+    return max(0.0, fwd), max(0.0, bwd)
 
 
 def overlapped_a2a(a2a_f: float, a2a_b: float, win_f: float, win_b: float) -> tuple[float, float]:
