@@ -40,7 +40,8 @@ def test_makespan_is_never_below_either_total():
 def _work(experts_f, expert_ops_f):
     return moe_host.MoeWork(pre_f=1.0e-3, dispatch_f=0.3e-3, experts_f=experts_f,
                             combine_f=0.5e-3, combine_b=0.5e-3, dispatch_b=0.5e-3,
-                            experts_b=2 * experts_f, attn_b=2.0e-3, dense_ops=10,
+                            experts_b=2 * experts_f, wgrad_b=experts_f, attn_b=2.0e-3,
+                            dense_ops=10,
                             expert_ops_f=expert_ops_f, expert_ops_b=expert_ops_f)
 
 
@@ -110,3 +111,23 @@ def test_fp8_experts_quantise_the_routed_rows_at_the_stacks_cast_bytes():
     cur = moe_cost.moe_layer_cost(*args, fp8_scaling="te-current")
     dly = moe_cost.moe_layer_cost(*args, fp8_scaling="te-delayed")
     assert cur.compute_fwd > dly.compute_fwd and cur.compute_bwd > dly.compute_bwd
+
+
+def test_merged_schedule_starts_its_stretch_with_the_experts_input_gradients():
+    """Megatron-Core's merged forward-backward (EP all-to-all overlap) issues the experts'
+    input-gradient backward before the dispatch sync: the GPU has it to run while the host
+    issues the delayed weight gradients and the forward experts, so the same work waits less
+    than in separate passes; a host slower than the whole stretch still binds."""
+    d = 10e-6
+    w = _work(0.5e-3, 160)
+    merged = moe_host.merged_segments(w, d)
+    # the backlog first (no host), the next stretch's input-gradient issue last (no GPU)
+    assert merged[0][0] == 0.0 and merged[0][1] == pytest.approx(w.experts_b - w.wgrad_b)
+    assert merged[-1][1] == 0.0
+    assert sum(g for _, g in merged) == pytest.approx(
+        sum(g for _, g in moe_host.stretch_segments(w, d)))
+    assert sum(moe_host.ordered_wait(w, d, merged=True)) <= sum(moe_host.ordered_wait(w, d))
+    slow = 1e-3  # 1 ms per operation: the host is the stretch
+    f, b = moe_host.ordered_wait(w, slow, merged=True)
+    host = sum(h for h, _ in moe_host.merged_segments(w, slow))
+    assert f + b == pytest.approx(host - sum(g for _, g in merged)) and f > 0 and b > 0

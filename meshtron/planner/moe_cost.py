@@ -190,8 +190,9 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         work = _ordered_work(dense, grouped, (cast_f, cast_b),
                              permute / permute_passes(stack, ep, local),
                              permute, (a2a_f, a2a_b), (window_fwd, window_bwd),
-                             (ops, *expert_ops(lin_dt, local, per_expert)))
-        wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster))
+                             (ops, *expert_ops(lin_dt, local, per_expert),
+                              2.0 * (local if per_expert else 1.0)))
+        wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster), ep_overlap)
         extra_f, extra_b = extra_f + wait_f, extra_b + wait_b
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
 
@@ -199,21 +200,23 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
 def _ordered_work(dense: float, grouped: float, cast: tuple[float, float], first: float,
                   permute: float,
                   a2a: tuple[float, float], window: tuple[float, float],
-                  ops: tuple[float, float, float]) -> MoeWork:
+                  ops: tuple[float, float, float, float]) -> MoeWork:
     """One MoE layer's GPU seconds in the order the stretch between two syncs issues them
     (moe_host.MoeWork): the first permutation (`first`: one pass of `permute`) before the
     sync, the chunk sort after the dispatch all-to-all, the unsort and the unpermute around
     the combine; the backward makes the same passes in reverse. `grouped`: the forward's
     expert GEMMs (twice that backward), `cast`: their casts (forward, backward); `a2a`, `window`:
     (forward, backward) exposed all-to-alls and dense-equivalent layer; `ops`: host
-    operations of the dense part and of the experts (forward, backward)."""
+    operations of the dense part, of the experts (forward, backward) and of their weight-
+    gradient GEMMs (one per linear, per expert where issued so)."""
     rest = permute - 2 * first  # chunk sort and unsort, where the stack makes them
     return MoeWork(pre_f=max(window[0], dense) - dense + first,
                    dispatch_f=a2a[0] / 2 + rest / 2, experts_f=grouped + cast[0],
                    combine_f=a2a[0] / 2 + rest / 2 + first, combine_b=a2a[1] / 2 + permute,
                    dispatch_b=a2a[1] / 2 + permute, experts_b=2 * grouped + cast[1],
-                   attn_b=max(window[1], 2 * dense) - 2 * dense,
-                   dense_ops=ops[0], expert_ops_f=ops[1], expert_ops_b=ops[2])
+                   wgrad_b=grouped, attn_b=max(window[1], 2 * dense) - 2 * dense,
+                   dense_ops=ops[0], expert_ops_f=ops[1], expert_ops_b=ops[2],
+                   wgrad_ops=ops[3])
 
 
 def expert_cast_bytes(scaling: str, routed: float, dense: float) -> tuple[float, float]:

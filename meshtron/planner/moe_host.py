@@ -36,7 +36,9 @@ then attention), then the next layer's forward up to its sync (attention, router
 preprocessing and the first permutation). That pairing is the pipeline's steady state with one
 layer per virtual stage (Megatron-Core schedules.py, interleaved: forward and backward chunks
 alternate); with several layers per chunk the forwards between two syncs meet no backward,
-and the forward's own wait (`forward_segments`) is what they cost.
+and the forward's own wait (`forward_segments`) is what they cost. A stack that overlaps the
+all-to-alls by merging a forward with another micro-batch's backward issues the stretch in
+another order (`merged_segments`).
 """
 
 from __future__ import annotations
@@ -139,6 +141,9 @@ class MoeWork:
     combine_b: float
     dispatch_b: float
     experts_b: float
+    """GPU: the expert GEMMs' input and weight gradients with the casts."""
+    wgrad_b: float
+    """GPU: the weight-gradient part of `experts_b`."""
     attn_b: float
     """GPU: the backward of the rest of the layer (attention, norms)."""
     dense_ops: float
@@ -146,6 +151,9 @@ class MoeWork:
     as many, as `moe_cost` prices them)."""
     expert_ops_f: float
     expert_ops_b: float
+    wgrad_ops: float = 0.0
+    """Host operations of the weight-gradient GEMMs among `expert_ops_b` (one per linear and
+    expert issued)."""
 
 
 def forward_segments(w: MoeWork, dispatch: float) -> list[tuple[float, float]]:
@@ -169,12 +177,43 @@ def stretch_segments(w: MoeWork, dispatch: float) -> list[tuple[float, float]]:
     return f[:3] + b + f[3:]
 
 
-def ordered_wait(w: MoeWork, dispatch: float) -> tuple[float, float]:
+def merged_segments(w: MoeWork, dispatch: float) -> list[tuple[float, float]]:
+    """The stretch between two syncs of Megatron-Core's merged forward-backward schedule
+    (`--overlap-moe-expert-parallel-comm` with `--delay-wgrad-compute`;
+    models/common/model_chunk_schedule_plan.py `TransformerLayerSchedulePlan.run`: combine
+    backward, attention forward with the router, experts' input-gradient backward, dispatch
+    forward -- the sync --, delayed weight gradients, dispatch backward, experts forward,
+    combine forward, attention backward), (host, GPU) pairs in issue order from the sync. The
+    experts' input-gradient work was queued before the sync but after the router the sync
+    waits for: the GPU starts the stretch with it (a first segment of no host time), and the
+    next one's is issued at the stretch's end, its GPU time carried to the next stretch.
+    DualPipe (DeepSeek-V3 report section 3.2.1) pairs the same chunks and is priced alike."""
+    post, back = POST_SYNC_OPS, BACKWARD_OPS
+    dgrad_ops = w.expert_ops_b - w.wgrad_ops + back["experts"]
+    return [(0.0, w.experts_b - w.wgrad_b),
+            (post["dispatch"] * dispatch, w.dispatch_f),
+            (w.wgrad_ops * dispatch, w.wgrad_b),
+            (back["dispatch"] * dispatch, w.dispatch_b),
+            ((w.expert_ops_f + post["experts"]) * dispatch, w.experts_f),
+            (post["combine"] * dispatch, w.combine_f),
+            (2 * w.dense_ops * dispatch, w.attn_b),
+            (back["combine"] * dispatch, w.combine_b),
+            ((w.dense_ops + PRE_SYNC_OPS) * dispatch, w.pre_f),
+            (dgrad_ops * dispatch, 0.0)]
+
+
+def ordered_wait(w: MoeWork, dispatch: float, merged: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds the GPU waits on the host over one layer's stretch (its
-    `queue_makespan` less its GPU time): the forward's share is what its own segments cost
-    without a backward beside them, at most the whole."""
-    seg = stretch_segments(w, dispatch)
-    wait = queue_makespan(seg) - sum(g for _, g in seg)
+    `queue_makespan` less its GPU time). Separate passes (`stretch_segments`): the forward's
+    share is what its own segments cost without a backward beside them, at most the whole;
+    the merged schedule (`merged_segments`) runs both in one stretch: split by host time."""
+    seg = merged_segments(w, dispatch) if merged else stretch_segments(w, dispatch)
+    wait = max(0.0, queue_makespan(seg) - sum(g for _, g in seg))
+    if merged:
+        host_f = (w.expert_ops_f + MOE_HOST_OPS[0] + w.dense_ops) * dispatch
+        host = sum(h for h, _ in seg)
+        share = host_f / host if host > 0 else 0.0
+        return wait * share, wait * (1.0 - share)
     fwd = forward_segments(w, dispatch)
     own = queue_makespan(fwd) - sum(g for _, g in fwd)
     wait_f = min(wait, own)
@@ -183,5 +222,6 @@ def ordered_wait(w: MoeWork, dispatch: float) -> tuple[float, float]:
 
 __all__ = ["MOE_HOST_OPS", "PER_EXPERT_HOST_OPS", "PRE_SYNC_OPS", "POST_SYNC_OPS",
            "BACKWARD_OPS", "MoeWork", "expert_ops", "forward_segments", "host_exposed",
+           "merged_segments",
            "host_seconds", "ordered_wait", "per_expert_gemms", "queue_makespan",
            "stretch_segments"]
