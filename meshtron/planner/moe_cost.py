@@ -45,8 +45,8 @@ bytes of the compute dtype, ep the expert-parallel degree):
   parallelism. The router's passes over [T, E] fp32 affinities are E*4 bytes per token
   against the k*h*b of one slot pass: not counted.
 * Host issue (planner/moe_host.py). Both stacks' dispatchers read the split sizes on the host
-  once per layer forward (Megatron-Core's MoEAlltoAllTokenDispatcher: `_maybe_dtoh_and_synchronize`
-  at `cuda_sync_point`, "before_ep_alltoall" with ep > 1, "before_finish" otherwise, the
+  once per layer forward (Megatron-Core's MoEAlltoAllTokenDispatcher:
+  `_maybe_dtoh_and_synchronize` at `cuda_sync_point`, "before_ep_alltoall" with ep > 1, "before_finish" otherwise, the
   GroupedLinear's m_splits; meshtron/parallel/expert.py: the splits' `tolist()`): the CPU cannot
   run ahead of the GPU across MoE layers, and after each sync the queue is empty. Between two
   syncs the GPU finishes no earlier than the host issues, and where host-heavy work follows the
@@ -198,15 +198,14 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
 
 
 def _ordered_work(dense: float, grouped: float, cast: tuple[float, float], first: float,
-                  permute: float,
-                  a2a: tuple[float, float], window: tuple[float, float],
+                  permute: float, a2a: tuple[float, float], window: tuple[float, float],
                   ops: tuple[float, float, float, float]) -> MoeWork:
     """One MoE layer's GPU seconds in the order the stretch between two syncs issues them
     (moe_host.MoeWork): the first permutation (`first`: one pass of `permute`) before the
     sync, the chunk sort after the dispatch all-to-all, the unsort and the unpermute around
     the combine; the backward makes the same passes in reverse. `grouped`: the forward's
-    expert GEMMs (twice that backward), `cast`: their casts (forward, backward); `a2a`, `window`:
-    (forward, backward) exposed all-to-alls and dense-equivalent layer; `ops`: host
+    expert GEMMs (twice that backward), `cast`: their casts (forward, backward); `a2a`,
+    `window`: (forward, backward) exposed all-to-alls and dense-equivalent layer; `ops`: host
     operations of the dense part, of the experts (forward, backward) and of their weight-
     gradient GEMMs (one per linear, per expert where issued so)."""
     rest = permute - 2 * first  # chunk sort and unsort, where the stack makes them
