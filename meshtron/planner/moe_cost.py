@@ -46,8 +46,9 @@ bytes of the compute dtype, ep the expert-parallel degree):
   against the k*h*b of one slot pass: not counted.
 * Host issue (planner/moe_host.py). Both stacks' dispatchers read the split sizes on the host
   once per layer forward (Megatron-Core's MoEAlltoAllTokenDispatcher:
-  `_maybe_dtoh_and_synchronize` at `cuda_sync_point`, "before_ep_alltoall" with ep > 1, "before_finish" otherwise, the
-  GroupedLinear's m_splits; meshtron/parallel/expert.py: the splits' `tolist()`): the CPU cannot
+  `_maybe_dtoh_and_synchronize` at `cuda_sync_point`, "before_ep_alltoall" with ep > 1,
+  "before_finish" otherwise, the GroupedLinear's m_splits; meshtron/parallel/expert.py: the
+  splits' `tolist()`): the CPU cannot
   run ahead of the GPU across MoE layers, and after each sync the queue is empty. Between two
   syncs the GPU finishes no earlier than the host issues, and where host-heavy work follows the
   sync (Transformer Engine's GroupedLinear, Megatron-Core's TEGroupedMLP, issues a split,
