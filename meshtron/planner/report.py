@@ -218,8 +218,8 @@ def _table(result: SearchResult, tokens: float, wide: bool):
         cols += ["TFLOP/s mdl/hw", "HFU", "GPU-h"]
     for col in cols:
         left = col in ("recomp", "schedule", "tp/pp/dp")
-        # labels ("interleaved:4", "2x8cp/1/4") are never folded mid-word
-        whole = col in ("schedule", "tp/pp/dp", "recomp")
+        # labels ("interleaved:4", "2x8cp/1/4") and "197.4>80" are never folded mid-word
+        whole = col in ("schedule", "tp/pp/dp", "recomp", "mem GiB")
         table.add_column(col, justify="left" if left else "right", overflow="fold",
                          no_wrap=whole)
     for i, e in enumerate(result.plans, 1):
