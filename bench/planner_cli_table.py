@@ -85,7 +85,8 @@ def _args(run, d: Path) -> list[str] | None:
             "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
             "--framework", fw,
             "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}"
-                        + (f",ep={run.ep}" if run.ep > 1 else ""),
+                        # ep pins a mixture of experts' layout too (search.layout_pinned)
+                        + (f",ep={run.ep}" if run.ep > 1 or run.model.is_moe else ""),
             "--zero", str(run.zero),
             "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1",
             "--offload", "none"]  # no published row offloads to the host
