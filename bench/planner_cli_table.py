@@ -11,12 +11,13 @@ bench/planner_published.py) is written out as files a user would write, and run 
 with the framework preset closest to the row's software (fewest differing options) and the
 remaining differences in an [options] table. Every knob the run fixed (micro-batch, virtual
 stages, schedule: from the source or from the software's documented default, see each row's
-note) is passed; only what neither fixes (recompute 'any', micro-batch lists) is searched. Every
-row pins its layout (tp, cp, pp, dp, and ep for mixtures of experts), so a row the memory model
-predicts not to fit is still priced (`meshtron plan` answers a pinned layout, fits false): it is
-counted as "answered, predicted not to fit", its error from the priced step like any other. A
-row the planner refuses outright (exit 2) is counted as "rejected" (the goal is none). Rows with torchtitan's selective op AC run as the torchtitan preset's
-`--recompute selective`; its every-other-layer AC (sel-layer rows) as `--recompute half`.
+note) is passed; only what neither fixes (recompute 'any', micro-batch lists) is searched.
+Every row pins its layout (tp, cp, pp, dp, and ep for mixtures of experts), so a row the
+memory model predicts not to fit is still priced (`meshtron plan` answers a pinned layout, fits
+false): it is counted as "answered, predicted not to fit", its error from the priced step like
+any other. A row the planner refuses outright (exit 2) is counted as "rejected" (the goal is
+none). Rows with torchtitan's selective op AC run as the torchtitan preset's `--recompute
+selective`; its every-other-layer AC (sel-layer rows) as `--recompute half`.
 
 Error = predicted / published throughput - 1 (step time: published / predicted - 1).
 
@@ -85,7 +86,7 @@ def _args(run, d: Path) -> list[str] | None:
             "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
             "--framework", fw,
             "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}"
-                        # ep pins a mixture of experts' layout too (search.layout_pinned)
+                        # ep pins a mixture of experts' layout too (pinned.layout_pinned)
                         + (f",ep={run.ep}" if run.ep > 1 or run.model.is_moe else ""),
             "--zero", str(run.zero),
             "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1",

@@ -4,7 +4,7 @@ Through `meshtron plan` (main(), as the command line runs it): Llama 3 405B's pu
 layout on 1,024 DGX H100 nodes at no recomputation, which meshtron's runtime is predicted to
 overfill, is priced (exit 0, fits false, a warning, the cheapest change that fits); the same
 model with only pp fixed stays a one-line refusal; --save of the non-fitting plan writes
-nothing. Which knobs pin a layout: planner/search.py `layout_pinned`.
+nothing. Which knobs pin a layout: planner/pinned.py `layout_pinned`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from meshtron.model.spec import PRESETS
 from meshtron.planner.frameworks import preset
 from meshtron.planner.plan_knobs import Knobs
-from meshtron.planner.search import layout_pinned
+from meshtron.planner.pinned import layout_pinned
 
 L405 = ("--model", "llama3-405b", "--cluster", "dgx-h100:1024", "--global-batch", "2048",
         "--seq-len", "8192")

@@ -117,7 +117,7 @@ def _estimate(args: argparse.Namespace, model, cluster, plan=None):
             raise UserError(f"plan={args.plan!r}: has no global_batch/seq_len; give "
                             "--global-batch and --seq-len")
         # a plan file pins every mesh axis: priced even when predicted not to fit (`run` warns),
-        # as `meshtron plan` answers a pinned layout (planner/search.py layout_pinned)
+        # as `meshtron plan` answers a pinned layout (planner/pinned.py layout_pinned)
         return evaluate_plan(model, cluster, batch, seq, plan, framework=fw), batch, seq
     if args.global_batch is None or args.seq_len is None:
         raise UserError("global-batch/seq-len: both are required without --plan")

@@ -7,8 +7,9 @@
 
 Exit status: 0 with a plan; 2 for a user error or when nothing fits (one line on stderr).
 A layout the user pinned (--layout tp, pp and dp; ep too for a mixture of experts on a stack
-with expert parallelism: search.layout_pinned) is answered even when it is predicted not to
-fit: its leanest candidate, priced, marked fits false, with a warning (exit 0; --save refuses).
+with expert parallelism: planner/pinned.py layout_pinned) is answered even when it is predicted
+not to fit: its leanest candidate, priced, marked fits false, with a warning (exit 0; --save
+refuses).
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def long_sequence_note(model, seq: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from meshtron.planner import report
     from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.pinned import answer_pinned
     from meshtron.planner.search import search_plans
 
     model = load_model(args.model)
@@ -204,8 +206,10 @@ def run(args: argparse.Namespace) -> int:
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
     if batch <= 0:
         raise UserError(f"global-batch={batch}: must be a positive integer")
-    result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
-                          framework=fw, price_pinned=True)
+    knobs = collect_knobs(args)
+    # a pinned layout is priced even when predicted not to fit (planner/pinned.py)
+    result = answer_pinned(search_plans(model, cluster, batch, seq, knobs, top_k=args.top,
+                                        framework=fw), knobs, fw)
     result.notes[:0] = notes
     from meshtron.planner.compression_advice import advice
 

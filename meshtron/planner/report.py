@@ -209,7 +209,7 @@ def _table(result: SearchResult, tokens: float, wide: bool):
              _plural(len(result.plans), 'Top plan', 'Top {} plans'))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
                   title=f"{title} (time for {fmt_tokens(tokens)} tokens)")
-    # a plan over capacity (a pinned layout: search.layout_pinned) reads "197.4>80" in mem GiB
+    # a plan over capacity (a pinned layout: pinned.layout_pinned) reads "197.4>80" in mem GiB
     cols = ["#", "tp/pp/dp", "zero", "mb", "recomp", "sp", "schedule", "mem GiB", "step s",
             "tok/s", "MFU", "days"]
     if wide:

@@ -119,8 +119,8 @@ class SearchResult:
     offload_compared: bool = False
     """Offloaded plans were priced against the plans without offload (search_plans)."""
     pinned: bool = False
-    """The user pinned every mesh axis (`layout_pinned`) and nothing of that layout fits: the
-    one plan is the near miss, priced, with fits False (`search_plans(price_pinned=True)`)."""
+    """The user pinned every mesh axis and nothing of that layout fits: the one plan is the near
+    miss, priced, with fits False (planner/pinned.py `answer_pinned`)."""
     fit_change: tuple[str, Estimate] | None = None
     """With `pinned`: the fastest plan of the same layout that fits when one of the knobs the
     user fixed is freed (or all of them), and what changed ('recompute=full'); None: none."""
@@ -158,7 +158,7 @@ class _Space:
         self.knobs = k
         self.framework = framework
         # expert parallelism: searched for mixtures of experts on the stacks that run it
-        self.ep_ok = _runs_ep(framework)
+        self.ep_ok = runs_ep(framework)
         if k.ep is not None and k.ep > 1 and not self.ep_ok:
             raise UserError(f"plan.ep={k.ep}: framework {framework.label} has no expert "
                              "parallelism (frameworks.py: megatron@2024, torchtitan@2025, "
@@ -380,20 +380,9 @@ class _Space:
         return [0, 1, 2, 3] if dp > 1 else [0]  # dp here: every rank sharing gradients (dp*cp)
 
 
-def _runs_ep(framework: Any) -> bool:
+def runs_ep(framework: Any) -> bool:
     """The stack runs expert parallelism (meshtron's runtime does: framework None)."""
     return framework is None or bool(getattr(framework, "expert_parallel", ""))
-
-
-def layout_pinned(knobs: Knobs, model: ModelSpec, framework: Any = None) -> bool:
-    """The knobs fix every mesh axis: tp, pp and dp, the context-parallel degree then being the
-    rest of the GPU count (gpus / (tp*pp*dp)), and, for a mixture of experts on a stack that
-    runs expert parallelism, ep too (it folds over dp x cp: the GPU count does not fix it).
-    Such a layout is the user's choice (a published run's, say): when none of its candidates
-    fits, the planner still prices the leanest (search_plans(price_pinned=True))."""
-    if not (knobs.tp and knobs.pp and knobs.dp):
-        return False
-    return bool(knobs.ep) or not (model.is_moe and _runs_ep(framework))
 
 
 def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: MemoryOptions,
@@ -426,17 +415,13 @@ def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
 def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                  fixed: Knobs | Plan | dict[str, Any] | None = None, top_k: int = 5,
                  options: KernelOptions | None = None, explain: bool = True,
-                 mem: MemoryOptions | None = None, framework: Any = None,
-                 price_pinned: bool = False) -> SearchResult:
+                 mem: MemoryOptions | None = None, framework: Any = None) -> SearchResult:
     """Search every plan allowed by `fixed` and return the top_k fastest that fit. `framework`
     (frameworks.Framework) prices a software stack: its kernel and memory options and its
     gradient reduction dtype (unless `fixed` has one). Without it, `options` / `mem` override
-    what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime.
-    `price_pinned`: when `fixed` pins every mesh axis (`layout_pinned`) and nothing fits, the
-    near miss becomes the one plan (fits False) and `fit_change` says what would fit."""
+    what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime."""
     t0 = time.perf_counter()
-    given = Knobs.of(fixed)
-    knobs = given
+    knobs = Knobs.of(fixed)
     if framework is not None:
         options, mem = framework.kernel, framework.memory
         if knobs.reduce_dtype is None and framework.reduce_dtype != "fp32":
@@ -458,56 +443,9 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
         # bare numbers (the nominal CPU figures `meshtron train` plans with on a CPU) has its
         # "device" memory in the host already: offload is only a last resort there
         result = _offload_if_faster(ev, result, space, knobs, runtime, top_k)
-    if price_pinned and not result.plans and result.near_miss is not None \
-            and layout_pinned(given, model, framework):
-        result.plans, result.pinned = [result.near_miss], True
-        result.fit_change = _cheapest_fit(result.near_miss, model, cluster, global_batch,
-                                          seq_len, given, options, mem, framework)
     result.seconds = time.perf_counter() - t0
     result.framework = framework
     return result
-
-
-FIT_KNOBS = ("recompute", "zero", "micro_batch", "sp", "schedule", "offload")
-"""Knobs the user may have fixed that trade memory for time on a fixed layout: freed one at a
-time (then all together) to find the cheapest change that fits a pinned layout."""
-
-
-def _cheapest_fit(near: Estimate, model: ModelSpec, cluster: ClusterSpec, global_batch: int,
-                  seq_len: int, knobs: Knobs, options: KernelOptions | None,
-                  mem: MemoryOptions | None, framework: Any) -> tuple[str, Estimate] | None:
-    """The fastest plan of the pinned layout that fits when one fixed knob of FIT_KNOBS is
-    left to the search, else when all of them are; None when neither fits (or none is fixed:
-    the search already tried every value)."""
-    fixed = [k for k in FIT_KNOBS if getattr(knobs, k) is not None]
-    trials = [[k] for k in fixed]
-    best: Estimate | None = None
-    for names in trials + ([fixed] if len(fixed) > 1 else []):
-        if best is not None and len(names) > 1:
-            break  # a single change fits: freeing everything is not the cheapest
-        free: dict[str, Any] = {k: None for k in names}
-        if "schedule" in names:
-            free["virtual_stages"] = None
-        try:
-            found = search_plans(model, cluster, global_batch, seq_len,
-                                 dataclasses.replace(knobs, **free), top_k=1, options=options,
-                                 explain=False, mem=mem, framework=framework)
-        except UserError:
-            continue  # e.g. the freed knob leaves no valid value on this layout
-        if found.fits and (best is None or found.best.step_time_s < best.step_time_s):
-            best = found.best
-    return (change_label(near.config, best.config), best) if best is not None else None
-
-
-def change_label(old: Plan, new: Plan) -> str:
-    """'recompute=full, micro_batch=1': the knobs of FIT_KNOBS where `new` differs."""
-    values = [("recompute", old.recompute, new.recompute), ("zero", old.zero, new.zero),
-              ("micro_batch", old.micro_batch, new.micro_batch),
-              ("sp", old.sp, new.sp), ("schedule", old.schedule_label(), new.schedule_label()),
-              ("offload", old.offload, new.offload)]
-    parts = [f"{k}={'on' if b is True else 'off' if b is False else b}"
-             for k, a, b in values if a != b]
-    return ", ".join(parts) or "a different layer split"
 
 
 def _with_offload(ev: Evaluator, result: SearchResult, model: ModelSpec, cluster: ClusterSpec,
