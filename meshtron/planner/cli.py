@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
                    help="training budget in tokens for days / GPU-hours, e.g. 15T, 300B, 2e12")
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep: e.g. tp=8,cp=2,pp=16,dp=64 "
-                                    "or tp=1,pp=16,dp=128,ep=64 (ep folds over dp x cp)")
+                                    "or tp=1,pp=16,dp=128,ep=64 (ep folds over dp x cp); "
+                                    "with tp, pp and dp (and ep for a mixture of experts) the "
+                                    "layout is pinned: priced even when predicted not to fit")
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
     p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
