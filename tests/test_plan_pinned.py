@@ -113,3 +113,19 @@ def test_which_knobs_pin_a_layout():
     assert not layout_pinned(Knobs(tp=1, pp=2, dp=4), moe)
     assert layout_pinned(Knobs(tp=1, pp=2, dp=4, ep=2), moe)
     assert layout_pinned(Knobs(tp=1, pp=2, dp=4), moe, preset("megatron@2021"))  # no EP there
+
+
+def test_cli_table_counts_a_pinned_row_as_answered():
+    # bench/planner_cli_table.py runs each published row through `meshtron plan` with its layout
+    # pinned: Llama 3 405B at 8,192 GPUs (once refused for memory) is answered, and a row
+    # predicted not to fit is counted apart from the fitting ones, never as rejected
+    import bench.planner_cli_table as table
+    from bench.published.runs import published_runs
+
+    run = next(r for r in published_runs() if r.name == "Llama3 405B 8192")
+    row = table.run_row(run)
+    assert row["status"] in ("ok", "unfit") and row["value"] > 0
+    assert row["error"] == pytest.approx(row["value"] / run.published - 1)
+    s = table.summarise([row], run.part)
+    assert (s["n"], s["answered"], s["rejected"]) == (1, 1, 0)
+    assert s["unfit"] == (row["status"] == "unfit") == (row["need"] > 80)
