@@ -305,7 +305,7 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
         console.print(f"{what}: {snapshot_line(best.memory)}")
     if cl.price_per_gpu_hour is not None:
         cost = best.gpu_hours(tokens, n) * cl.price_per_gpu_hour
-        console.print(f"Best plan costs about {cost:,.0f} for {fmt_tokens(tokens)} tokens "
+        console.print(f"{what} costs about {cost:,.0f} for {fmt_tokens(tokens)} tokens "
                       f"at {cl.price_per_gpu_hour:g} per GPU-hour.")
     c = best.config
     if c.pp > 1:
