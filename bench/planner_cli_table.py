@@ -11,9 +11,13 @@ bench/planner_published.py) is written out as files a user would write, and run 
 with the framework preset closest to the row's software (fewest differing options) and the
 remaining differences in an [options] table. Every knob the run fixed (micro-batch, virtual
 stages, schedule: from the source or from the software's documented default, see each row's
-note) is passed; only what neither fixes (recompute 'any', micro-batch lists) is searched. A row the planner refuses for memory is counted as
-"rejected" (the goal is none). Rows with torchtitan's selective op AC run as the torchtitan preset's
-`--recompute selective`; its every-other-layer AC (sel-layer rows) as `--recompute half`.
+note) is passed; only what neither fixes (recompute 'any', micro-batch lists) is searched.
+Every row pins its layout (tp, cp, pp, dp, and ep for mixtures of experts), so a row the
+memory model predicts not to fit is still priced (`meshtron plan` answers a pinned layout, fits
+false): it is counted as "answered, predicted not to fit", its error from the priced step like
+any other. A row the planner refuses outright (exit 2) is counted as "rejected" (the goal is
+none). Rows with torchtitan's selective op AC run as the torchtitan preset's `--recompute
+selective`; its every-other-layer AC (sel-layer rows) as `--recompute half`.
 
 Error = predicted / published throughput - 1 (step time: published / predicted - 1).
 
@@ -82,7 +86,8 @@ def _args(run, d: Path) -> list[str] | None:
             "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
             "--framework", fw,
             "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}"
-                        + (f",ep={run.ep}" if run.ep > 1 else ""),
+                        # ep pins a mixture of experts' layout too (pinned.layout_pinned)
+                        + (f",ep={run.ep}" if run.ep > 1 or run.model.is_moe else ""),
             "--zero", str(run.zero),
             "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1",
             "--offload", "none"]  # no published row offloads to the host
@@ -122,20 +127,23 @@ def run_row(run) -> dict:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = top.main(args)
     doc = json.loads(out.getvalue()) if out.getvalue().strip() else {}
-    if rc != 0 or not doc.get("plans"):
+    if rc != 0 or not doc.get("plans"):  # refused outright: "rejected"
         nm = doc.get("near_miss") or {}
         need = nm.get("memory_gib", {}).get("total")
         return {"run": run, "status": "rejected", "need": need,
                 "error": err.getvalue().strip()[-160:]}
-    value = _value(run, doc["plans"][0])
+    plan = doc["plans"][0]
+    value = _value(run, plan)
     error = (run.published / value - 1.0) if run.metric == "step_s" else value / run.published - 1
-    return {"run": run, "status": "ok", "value": value, "error": error, "args": args}
+    return {"run": run, "status": "ok" if plan["fits"] else "unfit", "value": value,
+            "error": error, "args": args, "need": plan["memory_gib"]["total"]}
 
 
 def summarise(rows: list[dict], part: str) -> dict:
     mine = [r for r in rows if r["run"].part == part]
-    ok = [abs(r["error"]) for r in mine if r["status"] == "ok"]
+    ok = [abs(r["error"]) for r in mine if r["status"] in ("ok", "unfit")]
     return {"n": len(mine), "answered": len(ok),
+            "unfit": sum(r["status"] == "unfit" for r in mine),
             "rejected": sum(r["status"] == "rejected" for r in mine),
             "not_expressible": sum(r["status"] == "not expressible" for r in mine),
             "mean": sum(ok) / len(ok) if ok else float("nan"), "max": max(ok, default=float("nan"))}
@@ -146,8 +154,10 @@ def main(argv: list[str]) -> int:
     rows = [run_row(r) for r in published_runs()]
     for r in rows:
         run = r["run"]
-        if r["status"] == "ok":
+        if r["status"] in ("ok", "unfit"):
             line = f"{r['error']:+7.1%}  predicted {r['value']:.4g} vs {run.published:.4g}"
+            if r["status"] == "unfit":
+                line += f"  (predicted not to fit: needs {r['need']:.1f} GiB)"
         elif r["status"] == "rejected":
             need = f"needs {r['need']:.1f} GiB" if r.get("need") else r.get("error", "")
             line = f"REJECTED ({need})"
@@ -158,9 +168,10 @@ def main(argv: list[str]) -> int:
             print("      meshtron " + " ".join(a for a in r["args"] if "/tmp" not in a))
     for part in ("validation", "calibration"):
         s = summarise(rows, part)
-        print(f"{part}: n={s['n']} answered {s['answered']}, rejected for memory "
+        print(f"{part}: n={s['n']} answered {s['answered']} ({s['answered'] - s['unfit']} "
+              f"fitting, {s['unfit']} predicted not to fit), rejected for memory "
               f"{s['rejected']}, not expressible {s['not_expressible']}; mean |error| "
-              f"{s['mean']:.1%}, max {s['max']:.1%}")
+              f"{s['mean']:.1%}, max {s['max']:.1%} (over every answered row)")
     return 0
 
 

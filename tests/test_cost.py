@@ -191,12 +191,17 @@ def test_cost_of_a_saved_plan_and_a_fixed_interval(cost_cli, tmp_path):
     assert doc["days"] / doc["failure_free_days"] > daly["days"] / daly["failure_free_days"]
 
 
-def test_a_plan_that_does_not_fit_is_one_line(cost_cli, tmp_path):
+def test_a_plan_that_does_not_fit_is_priced_with_a_warning(cost_cli, tmp_path):
+    # a plan file pins every mesh axis: priced like `meshtron plan`'s pinned layout (issue 30)
     from meshtron.planner.plan import Plan
 
     plan = Plan.trusted(1, 1, 16, 0, 1, "none", False, None, 1, "bf16", 1).replace(
         global_batch=256, seq_len=4096)
     path = tmp_path / "plan.toml"
     plan.save(path)
-    rc, _, err = cost_cli("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--plan", str(path))
-    assert rc == 2 and err.count("\n") == 1 and "does not fit" in err
+    rc, out, err = cost_cli("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--plan",
+                            str(path), "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["fits"] is False and doc["step_time_s"] > 0
+    assert err.count("\n") == 1 and "predicted not to fit" in err and "GiB per GPU > 80" in err
+    assert doc["warnings"] == [err.strip().removeprefix("warning: ")]

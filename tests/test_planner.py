@@ -203,9 +203,11 @@ def test_unknown_gpu_is_an_error_not_a_fallback(cli, tmp_path):
 
 
 def test_model_that_fits_nowhere(cli):
-    # a pipeline of 8 (which meshtron's FSDP2 CPU offload does not run): nothing fits
+    # a pipeline of 8 (which meshtron's FSDP2 CPU offload does not run): nothing fits. Only pp
+    # is fixed (tp and dp are searched), so the search refuses; a pinned layout (tp, pp and dp
+    # given) is priced instead (tests/test_plan_pinned.py)
     rc, out, err = cli("--model", "llama3-405b", "--cluster", "dgx-a100:1",
-                       "--global-batch", "64", "--seq-len", "8192", "--layout", "tp=1,pp=8,dp=1")
+                       "--global-batch", "64", "--seq-len", "8192", "--layout", "pp=8")
     assert rc == 2
     line = err.strip()
     assert len(line.splitlines()) == 1
@@ -217,7 +219,7 @@ def test_json_schema(cli):
     rc, out, _ = cli(*BASE, "--json", "--top", "3", "--tokens", "2T")
     assert rc == 0
     doc = json.loads(out)
-    assert doc["schema"] == "meshtron-plan-search/2" and doc["fits"] is True
+    assert doc["schema"] == "meshtron-plan-search/3" and doc["fits"] is True
     assert len(doc["plans"]) == 3
     for plan in doc["plans"]:
         for key in ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule",

@@ -116,11 +116,9 @@ def _estimate(args: argparse.Namespace, model, cluster, plan=None):
         if batch is None or seq is None:
             raise UserError(f"plan={args.plan!r}: has no global_batch/seq_len; give "
                             "--global-batch and --seq-len")
-        est = evaluate_plan(model, cluster, batch, seq, plan, framework=fw)
-        if not est.fits:
-            raise UserError(f"plan={args.plan!r}: does not fit on {args.cluster} (needs "
-                            f"{est.memory.total:.1f} GiB per GPU of {est.memory.capacity:.0f})")
-        return est, batch, seq
+        # a plan file pins every mesh axis: priced even when predicted not to fit (`run` warns),
+        # as `meshtron plan` answers a pinned layout (planner/pinned.py layout_pinned)
+        return evaluate_plan(model, cluster, batch, seq, plan, framework=fw), batch, seq
     if args.global_batch is None or args.seq_len is None:
         raise UserError("global-batch/seq-len: both are required without --plan")
     fixed = {"dtype": args.dtype} if args.dtype else None
@@ -194,9 +192,11 @@ def run(args: argparse.Namespace) -> int:
     doc["plan"] = est.config.describe()
     doc["framework"] = framework_of(args).label
     doc["goodput"], doc["_goodput_lines"] = goodput_section(args, spec, est.config)
-    warning = _deadline_warning(doc, args.deadline_days)
-    doc["warnings"] = [warning] if warning else []
-    if warning:
+    doc["fits"] = est.fits
+    warnings = [w for w in (_fit_warning(args, est), _deadline_warning(doc, args.deadline_days))
+                if w]
+    doc["warnings"] = warnings
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     lines = doc.pop("_goodput_lines")
     if args.json:
@@ -224,6 +224,17 @@ def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any
     rows = goodput_table(spec.step_time_s, spec.mtbf_s, spec.params, spec.gpus, spec.save_s,
                          groups, times, peer_gb_per_s=bw)
     return goodput_doc(rows, times, spec.mtbf_s), render_goodput(rows, times, spec.mtbf_s)
+
+
+def _fit_warning(args: argparse.Namespace, est) -> str | None:
+    """A line when the --plan priced is predicted not to fit (None when it fits)."""
+    if est.fits:
+        return None
+    from meshtron.planner.report import need_text
+
+    return (f"plan={args.plan!r}: predicted not to fit on {args.cluster}, "
+            f"{need_text(est)}; priced anyway (the memory model is within 5% of a rehearsal "
+            f"of meshtron's runtime; `meshtron rehearse --plan {args.plan}` checks it)")
 
 
 def _deadline_warning(doc: dict[str, Any], deadline: float | None) -> str | None:

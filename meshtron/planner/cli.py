@@ -6,6 +6,10 @@
     meshtron plan --model tiny --cluster cpu.toml --global-batch 64 --seq-len 256 --save plan.toml
 
 Exit status: 0 with a plan; 2 for a user error or when nothing fits (one line on stderr).
+A layout the user pinned (--layout tp, pp and dp; ep too for a mixture of experts on a stack
+with expert parallelism: planner/pinned.py layout_pinned) is answered even when it is predicted
+not to fit: its leanest candidate, priced, marked fits false, with a warning (exit 0; --save
+refuses).
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ def register(subparsers: Any) -> None:
                    help="training budget in tokens for days / GPU-hours, e.g. 15T, 300B, 2e12")
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep: e.g. tp=8,cp=2,pp=16,dp=64 "
-                                    "or tp=1,pp=16,dp=128,ep=64 (ep folds over dp x cp)")
+                                    "or tp=1,pp=16,dp=128,ep=64 (ep folds over dp x cp); "
+                                    "with tp, pp and dp (and ep for a mixture of experts) the "
+                                    "layout is pinned: priced even when predicted not to fit")
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
     p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
@@ -173,6 +179,7 @@ def long_sequence_note(model, seq: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from meshtron.planner import report
     from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.pinned import answer_pinned
     from meshtron.planner.search import search_plans
 
     model = load_model(args.model)
@@ -201,8 +208,10 @@ def run(args: argparse.Namespace) -> int:
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
     if batch <= 0:
         raise UserError(f"global-batch={batch}: must be a positive integer")
-    result = search_plans(model, cluster, batch, seq, collect_knobs(args), top_k=args.top,
-                          framework=fw)
+    knobs = collect_knobs(args)
+    # a pinned layout is priced even when predicted not to fit (planner/pinned.py)
+    result = answer_pinned(search_plans(model, cluster, batch, seq, knobs, top_k=args.top,
+                                        framework=fw), knobs, fw)
     result.notes[:0] = notes
     from meshtron.planner.compression_advice import advice
 
@@ -225,8 +234,9 @@ def run(args: argparse.Namespace) -> int:
 def _rehearse(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq: int):
     """`meshtron rehearse` of the best plan (None when nothing fits). The rehearsal runs the
     runtime, a layer above the planner: `meshtron.cli` hands its entry points in as
-    `args.rehearsal` (run, print) rather than the planner importing them."""
-    if not result.fits:
+    `args.rehearsal` (run, print) rather than the planner importing them. A pinned layout
+    predicted not to fit is rehearsed too: the rehearsal is what checks that prediction."""
+    if not result.plans:
         return None
     plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
                                result.options.attention)
@@ -247,6 +257,11 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
     from meshtron.planner import report
 
     console = None
+    if args.save and result.pinned:  # before any output: one line, nothing written
+        raise UserError(f"save={args.save!r}: not saved, the plan is predicted not to fit "
+                        f"({report.need_text(result.best, parts=False)}); fix a change that fits"
+                        + (f" ({result.fit_change[0]})" if result.fit_change else "")
+                        + " or drop --save")
     rehearsal = (_rehearse(args, result, gpus, batch, seq) if getattr(args, "rehearse", False)
                  else None)
     if args.json:
@@ -261,6 +276,10 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
         report.render(result, tokens, console, wide=args.wide)
         if rehearsal is not None:
             args.rehearsal[1](rehearsal)
+    if result.pinned:  # priced although predicted not to fit: the text said so; JSON on stderr
+        if args.json:
+            print(f"warning: {report.pinned_warning(result)}", file=sys.stderr, flush=True)
+        return 0
     if not result.fits:
         from rich.console import Console
 

@@ -7,10 +7,10 @@ breakdowns per plan, hardware FLOP/s and GPU-hours. Numbers are never cut short:
 rather than end in an ellipsis. Every output states the cost model's options (all fields of
 KernelOptions, e.g. the attention kernel and the software stack) and the run precision.
 
-JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
+JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
 
     {
-      "schema": "meshtron-plan-search/2",
+      "schema": "meshtron-plan-search/3",
       "model": {"name": str, "params": int, "layers": int, "hidden": int, "heads": int,
                 "kv_heads": int, "vocab": int},
       "cluster": {ClusterSpec fields..., "num_gpus": int},
@@ -18,15 +18,22 @@ JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
       "options": {every KernelOptions field: "attention", "dropout", ..., "dtype": str},
       "framework": {"name", "era", "models", "source", "reduce_dtype", "overrides": {...},
                     "kernel": {KernelOptions}, "memory": {MemoryOptions but dtype}},
-      "fits": bool,                                               # some plan fits in memory
+      "fits": bool,                                               # the best plan fits
+      "pinned": bool,             # the user pinned every mesh axis and nothing of it fits:
+                                  # plans = [its leanest candidate, priced, "fits": false]
+      "fit_change": {"change": str, plan object} | null,          # pinned: the fastest plan
+                                  # of the layout that fits with one fixed knob freed (else all)
+      "warnings": [str],                                          # "predicted not to fit: ..."
       "evaluated": int, "feasible": int, "search_time_s": float,
       "notes": [str],                                             # knob families left out, why
-      "plans": [                                                  # best first, at most --top
+      "plans": [                  # best first, at most --top; every one fits unless "pinned"
         {"rank": int, "tp": int, "pp": int, "dp": int, "ep": int, "zero": int, "micro_batch": int,
          "num_microbatches": int, "recompute": str, "sp": bool,
          "schedule": str|null,                                    # null when pp = 1
          "virtual_stages": int, "dp_replicate": int, "dtype": str,
-         "stage_layers": [int], "fits": bool,
+         "stage_layers": [int],
+         "fits": bool,                                            # memory <= capacity (and
+                                                                  # the host's, with offload)
          "memory_gib": {"params", "grads", "optimizer", "activations", "logits",
                         "workspace", "total", "capacity": float, "stage": int,
                         "host": float,                            # per node, host offload
@@ -43,6 +50,8 @@ JSON schema "meshtron-plan-search/2" (`meshtron plan --json`)::
       "near_miss": plan object (as above, fits = false) | null    # only when nothing fits
     }
 
+Version 3 (was 2): a pinned layout that does not fit is answered (`plans` holds it with
+"fits": false; top-level "fits" is false), and `pinned`, `fit_change` and `warnings` are new.
 Version 2 (was 1): `schedule` is null without a pipeline, plans carry `dtype` and
 `dp_replicate`, `options` carries `dtype`, and `notes` is new.
 """
@@ -55,7 +64,7 @@ from typing import Any
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.search import SearchResult
 
-SCHEMA = "meshtron-plan-search/2"
+SCHEMA = "meshtron-plan-search/3"
 
 
 def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
@@ -74,7 +83,12 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
         "global_batch": result.global_batch, "seq_len": result.seq_len, "tokens": tokens,
         "options": {**options_dict(result.options), "dtype": result.dtype},
         "framework": _framework(result).to_dict(),
-        "fits": result.fits, "evaluated": result.evaluated, "feasible": result.feasible,
+        "fits": result.fits, "pinned": result.pinned,
+        "fit_change": ({"change": result.fit_change[0],
+                        **result.fit_change[1].to_dict(tokens, n, price)}
+                       if result.fit_change is not None else None),
+        "warnings": [pinned_warning(result)] if result.pinned else [],
+        "evaluated": result.evaluated, "feasible": result.feasible,
         "search_time_s": result.seconds,
         "notes": list(result.notes),
         "plans": plans,
@@ -191,9 +205,11 @@ def _table(result: SearchResult, tokens: float, wide: bool):
     from rich.table import Table
 
     n = result.cluster.num_gpus
+    title = ("Pinned layout, PREDICTED NOT TO FIT (priced anyway)" if result.pinned else
+             _plural(len(result.plans), 'Top plan', 'Top {} plans'))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
-                  title=f"{_plural(len(result.plans), 'Top plan', 'Top {} plans')} "
-                        f"(time for {fmt_tokens(tokens)} tokens)")
+                  title=f"{title} (time for {fmt_tokens(tokens)} tokens)")
+    # a plan over capacity (a pinned layout: pinned.layout_pinned) reads "197.4>80" in mem GiB
     cols = ["#", "tp/pp/dp", "zero", "mb", "recomp", "sp", "schedule", "mem GiB", "step s",
             "tok/s", "MFU", "days"]
     if wide:
@@ -202,19 +218,21 @@ def _table(result: SearchResult, tokens: float, wide: bool):
         cols += ["TFLOP/s mdl/hw", "HFU", "GPU-h"]
     for col in cols:
         left = col in ("recomp", "schedule", "tp/pp/dp")
-        # labels ("interleaved:4", "2x8cp/1/4") are never folded mid-word
-        whole = col in ("schedule", "tp/pp/dp", "recomp")
+        # labels ("interleaved:4", "2x8cp/1/4") and "197.4>80" are never folded mid-word
+        whole = col in ("schedule", "tp/pp/dp", "recomp", "mem GiB")
         table.add_column(col, justify="left" if left else "right", overflow="fold",
                          no_wrap=whole)
     for i, e in enumerate(result.plans, 1):
         c, mem, t = e.config, e.memory, e.time
         row = [str(i), _layout(e), str(c.zero), str(c.micro_batch), c.recompute,
                "on" if c.sp else "off", c.schedule_label(),
-               f"{mem.total:.1f}/{mem.capacity:g}", fmt_s(e.step_time_s),
+               f"{mem.total:.1f}{'/' if e.fits else '>'}{mem.capacity:g}",
+               fmt_s(e.step_time_s),
                f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%", fmt_days(e.days(tokens))]
         if wide:
             row[7] = (f"{mem.params:.1f}/{mem.grads:.1f}/{mem.optimizer:.1f}/"
-                      f"{mem.activations:.1f}/{mem.total:.1f}/{mem.capacity:g}")
+                      f"{mem.activations:.1f}/{mem.total:.1f}{'/' if e.fits else '>'}"
+                      f"{mem.capacity:g}")
             row[8:9] = [fmt_s(e.step_time_s), "/".join(fmt_s(x) for x in (
                 t.compute, t.tp_comm, t.pp_comm, t.dp_comm, t.bubble, t.optimizer))]
             row += [f"{e.model_tflops_per_gpu:.0f}/{e.hardware_tflops_per_gpu:.0f}",
@@ -268,7 +286,7 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
         console.print(line)
     for note in result.notes:
         console.print(f"Note: {note}")
-    if not result.fits:
+    if not result.plans:
         return
     console.print(_table(result, tokens, wide))
     for line in table_notes(result):
@@ -276,26 +294,59 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
     best = result.plans[0]
     n = result.cluster.num_gpus
     cl = result.cluster
-    console.print(f"Best plan: {breakdown_line(best)}")
-    console.print(f"Best plan: {memory_line(best)}")
+    what = "Pinned plan" if result.pinned else "Best plan"
+    if result.pinned:
+        console.print(f"[bold red]Warning:[/] {pinned_warning(result)}")
+    console.print(f"{what}: {breakdown_line(best)}")
+    console.print(f"{what}: {memory_line(best)}")
     from meshtron.planner.snapshot_memory import snapshot_line
 
     if best.config.offload == "none":  # offloaded states already live on the host
-        console.print(f"Best plan: {snapshot_line(best.memory)}")
+        console.print(f"{what}: {snapshot_line(best.memory)}")
     if cl.price_per_gpu_hour is not None:
         cost = best.gpu_hours(tokens, n) * cl.price_per_gpu_hour
-        console.print(f"Best plan costs about {cost:,.0f} for {fmt_tokens(tokens)} tokens "
+        console.print(f"{what} costs about {cost:,.0f} for {fmt_tokens(tokens)} tokens "
                       f"at {cl.price_per_gpu_hour:g} per GPU-hour.")
     c = best.config
     if c.pp > 1:
         per_gpu = [sum(best.stage_layers[i::c.pp]) for i in range(c.pp)]
         chunks = f" in {c.virtual_stages} chunks each" if c.virtual_stages > 1 else ""
-        console.print(f"Layers per pipeline stage of the best plan: {per_gpu}{chunks} "
+        console.print(f"Layers per pipeline stage of the {what.lower()}: {per_gpu}{chunks} "
                       "(embedding on the first stage, LM head + loss on the last)")
     if result.alternatives:
         console.print("[bold]Why the others lose[/] (vs the best plan):")
         for alt in result.alternatives:
             console.print(f"  - {alt.label}: {alt.reason}")
+
+
+def need_text(est: Estimate, parts: bool = True) -> str:
+    """'needs 93.1 GiB per GPU > 80 GiB (params .. + ..)' (`parts`: with the breakdown), or
+    the host's shortfall when the devices fit only with host offload."""
+    m = est.memory
+    if m.total <= m.capacity and not m.host_fits:
+        return (f"needs {m.host:.1f} GiB of host memory per node > {m.host_capacity:.4g} GiB "
+                f"usable (offload={est.config.offload})")
+    return (f"needs {m.total:.1f} GiB per GPU > {m.capacity:g} GiB"
+            + (f" ({m.describe()})" if parts else ""))
+
+
+def pinned_warning(result: SearchResult) -> str:
+    """The one warning of a pinned layout priced although predicted not to fit: what it needs,
+    how far to trust that (the rehearsal agreement of meshtron's runtime, tests/test_rehearse.py;
+    another stack's own savings are not modelled), and the cheapest change that fits."""
+    est = result.best
+    change = result.fit_change
+    if change is not None:
+        label, fit = change
+        slower = fit.step_time_s / est.step_time_s - 1.0
+        to_fit = (f"to fit: {label} ({fmt_s(fit.step_time_s)} s per step, {slower:+.1%}; "
+                  f"{fit.memory.total:.1f} GiB)")
+    else:
+        to_fit = ("no value of recompute, zero, micro-batch, sp, schedule or offload fits this "
+                  "layout: change the layout")
+    return (f"predicted not to fit: {need_text(est)}; the memory model is within 5% of a "
+            f"rehearsal of meshtron's runtime (another stack's own memory savings are not "
+            f"modelled); `--rehearse` checks this rank; {to_fit}")
 
 
 def render_no_fit(result: SearchResult, console) -> str:

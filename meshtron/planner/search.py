@@ -118,6 +118,12 @@ class SearchResult:
     offloaded plan that could beat them (None: none could, by its bound or its full cost)."""
     offload_compared: bool = False
     """Offloaded plans were priced against the plans without offload (search_plans)."""
+    pinned: bool = False
+    """The user pinned every mesh axis and nothing of that layout fits: the one plan is the near
+    miss, priced, with fits False (planner/pinned.py `answer_pinned`)."""
+    fit_change: tuple[str, Estimate] | None = None
+    """With `pinned`: the fastest plan of the same layout that fits when one of the knobs the
+    user fixed is freed (or all of them), and what changed ('recompute=full'); None: none."""
 
     @property
     def best(self) -> Estimate | None:
@@ -125,7 +131,8 @@ class SearchResult:
 
     @property
     def fits(self) -> bool:
-        return bool(self.plans)
+        """The best plan fits in memory (a pinned layout is answered even when it does not)."""
+        return bool(self.plans) and self.plans[0].fits
 
 
 class _Space:
@@ -151,7 +158,7 @@ class _Space:
         self.knobs = k
         self.framework = framework
         # expert parallelism: searched for mixtures of experts on the stacks that run it
-        self.ep_ok = framework is None or bool(getattr(framework, "expert_parallel", ""))
+        self.ep_ok = runs_ep(framework)
         if k.ep is not None and k.ep > 1 and not self.ep_ok:
             raise UserError(f"plan.ep={k.ep}: framework {framework.label} has no expert "
                              "parallelism (frameworks.py: megatron@2024, torchtitan@2025, "
@@ -371,6 +378,11 @@ class _Space:
             # (plan_rules.cp_runtime_problems)
             return [2, 3]
         return [0, 1, 2, 3] if dp > 1 else [0]  # dp here: every rank sharing gradients (dp*cp)
+
+
+def runs_ep(framework: Any) -> bool:
+    """The stack runs expert parallelism (meshtron's runtime does: framework None)."""
+    return framework is None or bool(getattr(framework, "expert_parallel", ""))
 
 
 def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: MemoryOptions,
