@@ -172,6 +172,15 @@ def main(argv: list[str]) -> int:
               f"fitting, {s['unfit']} predicted not to fit), rejected for memory "
               f"{s['rejected']}, not expressible {s['not_expressible']}; mean |error| "
               f"{s['mean']:.1%}, max {s['max']:.1%} (over every answered row)")
+        known = [r for r in rows if r["run"].part == part and r["run"].regression]
+        if known:
+            s = summarise([r for r in rows if not r["run"].regression], part)
+            print(f"{part} without the {len(known)} row(s) that measure a regression the "
+                  f"software's maintainers fixed (PublishedRun.regression): n={s['n']}, mean "
+                  f"|error| {s['mean']:.1%}, max {s['max']:.1%}")
+    for r in rows:
+        if r["run"].regression:
+            print(f"  {r['run'].name}: {r['run'].regression}")
     return 0
 
 

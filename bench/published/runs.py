@@ -444,15 +444,26 @@ def _moe_runs() -> list[PublishedRun]:
         note="batch 15,360 x 4,096 (the schedule's plateau); DualPipe priced as ZB-H1 with "
              "overlapped all-to-alls; recomputation of norms and MLA up-projections as "
              "selective; MLA approximated by the preset's GQA; the MTP module not counted")]
+    # what the rows' recipes set (Megatron-Bridge tags v0.2.0 / v0.3.0, Qwen3-30B-A3B H100 FP8
+    # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the
+    # 25.11 table), moe_a2a_overlap on (overlap_moe_expert_parallel_comm), gradients reduced in
+    # bf16, no recomputation; corrected from the preset's defaults, which the rows had before
+    qwen_recipe = dataclasses.replace(balanced, fp8_scaling="te-current", ep_overlap=True,
+                                      fp32_grad_reduce=False)
+    dropless = ("Megatron-Bridge issue #1998 (2026-01-20): Qwen3-30B-A3B on H100 and B200 is 2x "
+                "slower with the dropless schedule than with token drop, '25.11 is 2X slower "
+                "than 25.09' (10,494 tokens/s/GPU with token drop in 25.09; 9,058 in the "
+                "26.02.01 patch release)")
     for ver, gbs, mbs, vp, tps in (("25.11", 512, 2, 24, 5275.0), ("26.02", 1024, 1, 12, 5113.0)):
         runs.append(PublishedRun(
             f"MB{ver} Qwen3 30B-A3B 16xH100", f"MB {ver} NeMo container, DGX-H100 table",
             "Megatron-Core (Megatron-Bridge)", qwen, preset_cluster("dgx-h100", 2), gbs, 4096,
-            1, 2, 8, 1, "any", False, balanced, "tokens_per_gpu", tps, micro_batches=(mbs,),
+            1, 2, 8, 1, "none", False, qwen_recipe, "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",), dtype="fp8", virtual_stages=vp, ep=8,
-            memory=MemoryOptions(framework="megatron"), confident=False,
-            note=f"FP8, micro-batch {mbs}, VP {vp}, EP 8 as published; distributed optimizer "
-                 "(FSDP 0); router force-balanced; recomputation not published"))
+            memory=MemoryOptions(framework="megatron"), confident=False, regression=dropless,
+            note=f"FP8 current scaling, micro-batch {mbs}, VP {vp}, EP 8 as published; "
+                 "distributed optimizer (FSDP 0); router force-balanced; A2A overlap, bf16 "
+                 "gradient reduction and no recomputation as the recipe sets them"))
     return runs
 
 

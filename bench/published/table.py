@@ -127,6 +127,10 @@ class PublishedRun:
     ep: int = 1
     """Expert-parallel degree (mixtures of experts; folded over dp x cp, not a factor of the
     GPUs)."""
+    regression: str = ""
+    """Where the software's own maintainers say the figure measures a performance regression
+    they then fixed (an issue or release note): such rows stay in the table and are reported
+    both with and without them."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
