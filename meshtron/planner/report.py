@@ -19,12 +19,16 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
       "framework": {"name", "era", "models", "source", "reduce_dtype", "overrides": {...},
                     "kernel": {KernelOptions}, "memory": {MemoryOptions but dtype}},
       "fits": bool,                                               # the best plan fits
-      "pinned": bool,             # the user pinned every mesh axis and nothing of it fits:
-                                  # plans = [its leanest candidate, priced, "fits": false]
-      "fit_change": {"change": str, plan object} | null,          # pinned: the fastest plan
-                                  # of the layout that fits with one fixed knob freed (else all)
+      "pinned": bool,             # the knobs leave one layout and nothing of it fits: plans
+                                  # = [its leanest candidate priced as candidates are (the
+                                  # time-balanced layer split), "fits": false]
+      "fit_change": {"change": str,                               # pinned: the fastest plan
+                     "fixed_changed": {knob: [pinned, fits]},     # of the layout that fits
+                     "searched_changed": {knob: [pinned, fits]},  # with one fixed knob freed
+                     plan object} | null,                         # (else all of them)
       "warnings": [str],                                          # "predicted not to fit: ..."
-      "evaluated": int, "feasible": int, "search_time_s": float,
+      "evaluated": int,           # full evaluations, the searches for fit_change included
+      "feasible": int, "search_time_s": float,
       "notes": [str],                                             # knob families left out, why
       "plans": [                  # best first, at most --top; every one fits unless "pinned"
         {"rank": int, "tp": int, "pp": int, "dp": int, "ep": int, "zero": int, "micro_batch": int,
@@ -47,7 +51,9 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
       ],
       "alternatives": [{"family": str, "reason": str, "fits": bool, "layout": str|null,
                         "step_time_s": float|null, "memory_gib": float|null}],
-      "near_miss": plan object (as above, fits = false) | null    # only when nothing fits
+      "near_miss": plan object (as above, fits = false) | null    # only when nothing fits:
+                                  # the least memory any candidate needs, on the layer split
+                                  # that minimises it ("needs at least")
     }
 
 Version 3 (was 2): a pinned layout that does not fit is answered (`plans` holds it with
