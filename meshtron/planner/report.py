@@ -325,7 +325,7 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
                       f"at {cl.price_per_gpu_hour:g} per GPU-hour.")
     c = best.config
     if c.pp > 1:
-        per_gpu = [sum(best.stage_layers[i::c.pp]) for i in range(c.pp)]
+        per_gpu = _per_gpu(best)
         chunks = f" in {c.virtual_stages} chunks each" if c.virtual_stages > 1 else ""
         console.print(f"Layers per pipeline stage of the {what.lower()}: {per_gpu}{chunks} "
                       "(embedding on the first stage, LM head + loss on the last)")
@@ -352,6 +352,7 @@ def need_text(est: Estimate, parts: bool = True, lean: Estimate | None = None) -
 
 
 def _per_gpu(est: Estimate) -> list[int]:
+    """Layers per pipeline rank (stage_layers lists the virtual stages in pipeline order)."""
     pp = est.config.pp
     return [sum(est.stage_layers[i::pp]) for i in range(pp)]
 
