@@ -345,7 +345,7 @@ def need_text(est: Estimate, parts: bool = True, lean: Estimate | None = None) -
                 f"usable (offload={est.config.offload})")
     text = (f"needs {m.total:.1f} GiB per GPU > {m.capacity:g} GiB"
             + (f" ({m.describe()})" if parts else ""))
-    if lean is not None and lean.memory.total < m.total - 0.05:
+    if lean is not None and lean.config == est.config and lean.memory.total < m.total - 0.05:
         text += (f"; at least {lean.memory.total:.1f} GiB on the layer split needing the "
                  f"least ({_per_gpu(lean)} layers per GPU)")
     return text
