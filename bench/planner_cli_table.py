@@ -86,7 +86,8 @@ def _args(run, d: Path) -> list[str] | None:
             "--global-batch", str(run.global_batch), "--seq-len", str(run.seq_len),
             "--framework", fw,
             "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}"
-                        # ep pins a mixture of experts' layout too (pinned.layout_pinned)
+                        # a mixture of experts' ep is open unless given where dp x cp > 1
+                        # (pinned.layout_pinned: one layout left to the search)
                         + (f",ep={run.ep}" if run.ep > 1 or run.model.is_moe else ""),
             "--zero", str(run.zero),
             "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1",

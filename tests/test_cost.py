@@ -205,3 +205,49 @@ def test_a_plan_that_does_not_fit_is_priced_with_a_warning(cost_cli, tmp_path):
     assert rc == 0 and doc["fits"] is False and doc["step_time_s"] > 0
     assert err.count("\n") == 1 and "predicted not to fit" in err and "GiB per GPU > 80" in err
     assert doc["warnings"] == [err.strip().removeprefix("warning: ")]
+
+
+def test_a_plan_that_does_not_fit_is_priced_on_the_time_balanced_split(cost_cli, tmp_path):
+    # a pipelined plan file with no stage_layers: priced on the split a fitting plan gets
+    # (time-balanced, 8 layers a stage), not the memory-minimising one ([4, 6, 9, 13]: ~37%
+    # slower), and the text on stdout says it does not fit, not only stderr's warning
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.frameworks import resolve
+    from meshtron.planner.plan import Plan
+
+    plan = Plan.trusted(1, 4, 4, 1, 8, "none", False, "1f1b", 1, "bf16", 1).replace(
+        global_batch=256, seq_len=4096)
+    path = tmp_path / "plan.toml"
+    plan.save(path)
+    args = ("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--plan", str(path), "--runs",
+            "200")
+    rc, out, err = cost_cli(*args, "--json")
+    doc = json.loads(out)
+    fw = resolve(None, None)
+    ev = Evaluator(PRESETS["llama2-7b"], resolve_cluster("dgx-a100:2"), 256, 4096, fw.kernel,
+                   mem=fw.memory)
+    timed, lean = ev.evaluate(plan, exact_memory=False), ev.evaluate(plan)
+    assert rc == 0 and doc["fits"] is False and not timed.fits
+    assert doc["step_time_s"] == pytest.approx(timed.step_time_s, rel=1e-9)
+    assert lean.step_time_s > 1.2 * timed.step_time_s  # the split that was priced before
+    assert f"needs {timed.memory.total:.1f} GiB per GPU > 80 GiB" in err
+    assert "within 5% of a rehearsal of meshtron's runtime" in err  # meshtron's own stack
+    rc, out, err = cost_cli(*args)
+    assert rc == 0 and out.startswith("PREDICTED NOT TO FIT (priced anyway): needs ")
+    assert out.count("PREDICTED NOT TO FIT") == 1 and err.count("\n") == 1
+
+
+def test_another_stacks_shortfall_is_not_vouched_for_by_a_rehearsal(cost_cli, tmp_path):
+    # the rehearsal checks meshtron's runtime only: a Megatron-priced plan's warning says so
+    from meshtron.planner.plan import Plan
+
+    plan = Plan.trusted(1, 1, 16, 0, 1, "none", False, None, 1, "bf16", 1).replace(
+        global_batch=256, seq_len=4096)
+    path = tmp_path / "plan.toml"
+    plan.save(path)
+    rc, out, err = cost_cli("--model", "llama2-7b", "--cluster", "dgx-a100:2", "--plan",
+                            str(path), "--framework", "megatron@2024", "--json", "--runs", "200")
+    assert rc == 0 and json.loads(out)["fits"] is False
+    assert "rehearsal of meshtron" not in err and "modelled, not rehearsed" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -203,15 +204,16 @@ def test_unknown_gpu_is_an_error_not_a_fallback(cli, tmp_path):
 
 
 def test_model_that_fits_nowhere(cli):
-    # a pipeline of 8 (which meshtron's FSDP2 CPU offload does not run): nothing fits. Only pp
-    # is fixed (tp and dp are searched), so the search refuses; a pinned layout (tp, pp and dp
-    # given) is priced instead (tests/test_plan_pinned.py)
-    rc, out, err = cli("--model", "llama3-405b", "--cluster", "dgx-a100:1",
+    # a pipeline of 8 on 16 GPUs (which meshtron's FSDP2 CPU offload does not run): nothing
+    # fits. tp (1 or 2, dp 2 or 1) is the search's, so it refuses; a layout the knobs pin is
+    # priced instead (tests/test_plan_pinned.py)
+    rc, out, err = cli("--model", "llama3-405b", "--cluster", "dgx-a100:2",
                        "--global-batch", "64", "--seq-len", "8192", "--layout", "pp=8")
     assert rc == 2
     line = err.strip()
     assert len(line.splitlines()) == 1
-    assert "needs at least" in line and "GiB" in line and "near miss" in line
+    need = re.search(r"needs at least ([0-9.]+) GiB per GPU > 80 GiB \(near miss: tp=(\d)", line)
+    assert need and float(need.group(1)) > 80 and need.group(2) in "12"
     assert "Nothing fits" in out
 
 

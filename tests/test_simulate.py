@@ -148,6 +148,19 @@ def test_step_cli(sim_cli):
     assert doc["slowdown"] > 1.05 and doc["perturbed"]["classes"] == 2
 
 
+def test_step_of_a_plan_that_does_not_fit_is_refused_in_one_line(sim_cli, tmp_path):
+    # `meshtron cost --plan` prices it anyway; simulate refuses, and says why and where to go
+    from meshtron.planner.plan import Plan
+
+    path = tmp_path / "plan.toml"
+    Plan.trusted(1, 1, 16, 0, 1, "none", False, None, 1, "bf16", 1).save(path)
+    rc, out, err = sim_cli("--step", "--model", "llama2-7b", "--cluster", "dgx-a100:2",
+                           "--global-batch", "256", "--seq-len", "4096", "--plan", str(path))
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "predicted not to fit on dgx-a100:2 (needs " in err and "GiB per GPU > 80 GiB" in err
+    assert "simulate refuses a plan that does not fit" in err
+
+
 @pytest.mark.parametrize("extra, field", [
     (("--gpus", "abc", "--out", "x"), "gpus='abc'"),
     (("--gpus", "0..8", "--out", "x"), "gpus='0..8'"),

@@ -202,8 +202,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(render(doc) + "\n\n" + "\n".join(lines))
+        # stdout marks a plan that does not fit too, not only stderr's warning
+        head = ("" if est.fits else "PREDICTED NOT TO FIT (priced anyway): "
+                f"{_need(est)}\n")
+        print(head + render(doc) + "\n\n" + "\n".join(lines))
     return 0
+
+
+def _need(est) -> str:
+    from meshtron.planner.report import need_text
+
+    return need_text(est, parts=False)
 
 
 def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any], list[str]]:
@@ -227,14 +236,17 @@ def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any
 
 
 def _fit_warning(args: argparse.Namespace, est) -> str | None:
-    """A line when the --plan priced is predicted not to fit (None when it fits)."""
+    """A line when the --plan priced is predicted not to fit (None when it fits); the
+    rehearsal's word only for meshtron's own runtime short of GPU memory (report.trust_text)."""
     if est.fits:
         return None
-    from meshtron.planner.report import need_text
+    from meshtron.planner.cli import framework_of
+    from meshtron.planner.report import need_text, trust_text
 
+    trust = trust_text(est, framework_of(args), f"`meshtron rehearse --plan {args.plan}` "
+                       "checks it")
     return (f"plan={args.plan!r}: predicted not to fit on {args.cluster}, "
-            f"{need_text(est)}; priced anyway (the memory model is within 5% of a rehearsal "
-            f"of meshtron's runtime; `meshtron rehearse --plan {args.plan}` checks it)")
+            f"{need_text(est)}; priced anyway" + (f" ({trust.rstrip('; ')})" if trust else ""))
 
 
 def _deadline_warning(doc: dict[str, Any], deadline: float | None) -> str | None:

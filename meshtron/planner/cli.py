@@ -6,9 +6,9 @@
     meshtron plan --model tiny --cluster cpu.toml --global-batch 64 --seq-len 256 --save plan.toml
 
 Exit status: 0 with a plan; 2 for a user error or when nothing fits (one line on stderr).
-A layout the user pinned (--layout tp, pp and dp; ep too for a mixture of experts on a stack
-with expert parallelism: planner/pinned.py layout_pinned) is answered even when it is predicted
-not to fit: its leanest candidate, priced, marked fits false, with a warning (exit 0; --save
+A pinned layout (the knobs leave the search exactly one tp, cp, pp, dp, ep layout:
+planner/pinned.py layout_pinned) is answered even when it is predicted not to fit: its leanest
+candidate, priced as every candidate is, marked fits false, with a warning (exit 0; --save
 refuses).
 """
 
@@ -52,8 +52,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep: e.g. tp=8,cp=2,pp=16,dp=64 "
                                     "or tp=1,pp=16,dp=128,ep=64 (ep folds over dp x cp); "
-                                    "with tp, pp and dp (and ep for a mixture of experts) the "
-                                    "layout is pinned: priced even when predicted not to fit")
+                                    "when the knobs leave one layout (axes not given count as "
+                                    "fixed where the GPU count allows one value) it is pinned: "
+                                    "priced even when predicted not to fit")
     p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
     p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     if batch <= 0:
         raise UserError(f"global-batch={batch}: must be a positive integer")
     knobs = collect_knobs(args)
-    # a pinned layout is priced even when predicted not to fit (planner/pinned.py)
+    # a pinned layout (one layout left to the search) is priced even when predicted not to fit
     result = answer_pinned(search_plans(model, cluster, batch, seq, knobs, top_k=args.top,
                                         framework=fw), knobs, fw)
     result.notes[:0] = notes
@@ -258,10 +259,13 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
 
     console = None
     if args.save and result.pinned:  # before any output: one line, nothing written
-        raise UserError(f"save={args.save!r}: not saved, the plan is predicted not to fit "
-                        f"({report.need_text(result.best, parts=False)}); fix a change that fits"
-                        + (f" ({result.fit_change[0]})" if result.fit_change else "")
-                        + " or drop --save")
+        change = result.fit_change
+        raise UserError(
+            f"save={args.save!r}: not saved, the plan is predicted not to fit "
+            f"({report.need_text(result.best, parts=False)}); "
+            + (f"fix the change that fits ({change.label}) or drop --save" if change else
+               "no value of the fixed knobs fits this layout: change the layout or drop "
+               "--save"))
     rehearsal = (_rehearse(args, result, gpus, batch, seq) if getattr(args, "rehearse", False)
                  else None)
     if args.json:

@@ -3,60 +3,95 @@
 A published run's layout is a fact about that run; the planner's memory model is a prediction
 about meshtron's runtime (within 5% of a rehearsal of it), not about another stack's private
 savings (Meta deallocates pipeline stage inputs and outputs for Llama 3 405B). Refusing such a
-layout answers nothing, so when the user pins every mesh axis and no candidate of it fits,
-`meshtron plan` prices the leanest candidate (the search's near miss), marks it fits false, and
-names the cheapest change of the knobs the user fixed that would fit (`answer_pinned`). A
-search with any mesh axis left open keeps its refusal: there the planner chose the layout.
+layout answers nothing, so when the knobs leave the search exactly one (tp, cp, pp, dp, ep)
+layout and no candidate of it fits, `meshtron plan` prices the leanest candidate (the search's
+near miss) the way it prices every candidate (`SearchResult.near_miss_priced`: the
+time-balanced layer split, not the memory-minimising one, which can be far slower), marks it
+fits false, and names the cheapest change of the knobs the user fixed that would fit
+(`answer_pinned`). A search with more than one layout open keeps its refusal: there the
+planner chose the layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from meshtron.errors import UserError
-from meshtron.model.spec import ModelSpec
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_knobs import Knobs
-from meshtron.planner.search import SearchResult, runs_ep, search_plans
+from meshtron.planner.search import SearchResult, search_plans
 
 FIT_KNOBS = ("recompute", "zero", "micro_batch", "sp", "schedule", "offload")
 """Knobs that trade memory for time on a fixed layout: the ones the user fixed are freed one at
 a time (then all together) to find the cheapest change that fits a pinned layout."""
 
+CHANGE_KNOBS = ("recompute", "zero", "micro_batch", "sp", "schedule", "virtual_stages",
+                "offload")
+"""What a change that fits may differ in (the schedule's virtual stages apart from its name:
+`--schedule interleaved` fixes the one, not the other)."""
 
-def layout_pinned(knobs: Knobs, model: ModelSpec, framework: Any = None) -> bool:
-    """The knobs fix every mesh axis: tp, pp and dp, the context-parallel degree then being the
-    rest of the GPU count (gpus / (tp*pp*dp)), and, for a mixture of experts on a stack that
-    runs expert parallelism, ep too (it folds over dp x cp: the GPU count does not fix it)."""
-    if not (knobs.tp and knobs.pp and knobs.dp):
-        return False
-    return bool(knobs.ep) or not (model.is_moe and runs_ep(framework))
+
+@dataclass
+class FitChange:
+    """The fastest plan of a pinned layout that fits, and what differs from the pinned plan."""
+
+    estimate: Estimate
+    fixed: dict[str, tuple[Any, Any]]
+    """Knobs the user fixed that change: name -> (pinned value, value that fits)."""
+    searched: dict[str, tuple[Any, Any]]
+    """Knobs the user left to the search that change with them."""
+
+    @property
+    def label(self) -> str:
+        """'recompute=full (fixed: none); with virtual_stages=6 (searched: 4)'."""
+        def values(d: dict[str, tuple[Any, Any]], how: str) -> str:
+            return ", ".join(f"{k}={_show(b)} ({how}: {_show(a)})" for k, (a, b) in d.items())
+
+        parts = [values(self.fixed, "fixed")] if self.fixed else []
+        if self.searched:
+            parts.append(("with " if parts else "") + values(self.searched, "searched"))
+        return "; ".join(parts) or "a different layer split"
+
+    def to_dict(self, tokens: float, gpus: int, price: float | None) -> dict[str, Any]:
+        return {"change": self.label,
+                "fixed_changed": {k: list(v) for k, v in self.fixed.items()},
+                "searched_changed": {k: list(v) for k, v in self.searched.items()},
+                **self.estimate.to_dict(tokens, gpus, price)}
+
+
+def _show(value: Any) -> Any:
+    return "on" if value is True else "off" if value is False else value
+
+
+def layout_pinned(result: SearchResult) -> bool:
+    """The knobs leave the search exactly one (tp, cp, pp, dp, ep) layout, however they were
+    typed: `--layout pp=8` on 8 GPUs, tp=8,pp=16 with dp then forced by the GPU count, a
+    mixture of experts whose dp x cp = 1 leaves ep = 1 (`SearchResult.layouts`)."""
+    return len(result.layouts) == 1
 
 
 def answer_pinned(result: SearchResult, fixed: Knobs | dict[str, Any] | None,
                   framework: Any = None) -> SearchResult:
-    """`result` of search_plans(..., fixed, framework=framework): when nothing fits and `fixed`
-    pins the layout, its near miss becomes the one plan (fits False, `pinned`) and
-    `fit_change` the cheapest change that fits; otherwise `result` unchanged."""
-    knobs = Knobs.of(fixed)
-    if result.plans or result.near_miss is None or not layout_pinned(knobs, result.model,
-                                                                     framework):
+    """`result` of search_plans(..., fixed, framework=framework): when nothing fits and its
+    layout is pinned, the near miss priced as a candidate becomes the one plan (fits False,
+    `pinned`) and `fit_change` the cheapest change that fits; otherwise `result` unchanged."""
+    if result.plans or result.near_miss_priced is None or not layout_pinned(result):
         return result
     t0 = time.perf_counter()
-    result.plans, result.pinned = [result.near_miss], True
-    result.fit_change = cheapest_fit(result, knobs, framework)
+    result.plans, result.pinned = [result.near_miss_priced], True
+    result.fit_change = cheapest_fit(result, Knobs.of(fixed), framework)
     result.seconds += time.perf_counter() - t0
     return result
 
 
-def cheapest_fit(result: SearchResult, knobs: Knobs,
-                 framework: Any = None) -> tuple[str, Estimate] | None:
-    """(what changed, the plan): the fastest plan of the pinned layout that fits when one
-    fixed knob of FIT_KNOBS is left to the search, else when all of them are; None when
-    neither fits (or none is fixed: the search already tried every value)."""
+def cheapest_fit(result: SearchResult, knobs: Knobs, framework: Any = None) -> FitChange | None:
+    """The fastest plan of the pinned layout that fits when one fixed knob of FIT_KNOBS is left
+    to the search, else when all of them are; None when neither fits (or none is fixed: the
+    search already tried every value). Its evaluations count in `result.evaluated`."""
     fixed = [k for k in FIT_KNOBS if getattr(knobs, k) is not None]
     best: Estimate | None = None
     for names in [[k] for k in fixed] + ([fixed] if len(fixed) > 1 else []):
@@ -71,22 +106,25 @@ def cheapest_fit(result: SearchResult, knobs: Knobs,
                                  explain=False, framework=framework)
         except UserError:
             continue  # e.g. the freed knob leaves no valid value on this layout
+        result.evaluated += found.evaluated
         if found.fits and (best is None or found.best.step_time_s < best.step_time_s):
             best = found.best
     if best is None:
         return None
-    return change_label(result.near_miss.config, best.config), best
+    return change_of(result.plans[0].config, best, knobs)
 
 
-def change_label(old: Plan, new: Plan) -> str:
-    """'recompute=full, micro_batch=1': the knobs of FIT_KNOBS where `new` differs."""
-    values = [("recompute", old.recompute, new.recompute), ("zero", old.zero, new.zero),
-              ("micro_batch", old.micro_batch, new.micro_batch),
-              ("sp", old.sp, new.sp), ("schedule", old.schedule_label(), new.schedule_label()),
-              ("offload", old.offload, new.offload)]
-    parts = [f"{k}={'on' if b is True else 'off' if b is False else b}"
-             for k, a, b in values if a != b]
-    return ", ".join(parts) or "a different layer split"
+def change_of(old: Plan, new: Estimate, knobs: Knobs) -> FitChange:
+    """What differs between the pinned plan `old` and `new`, split by whether `knobs` fixed
+    it (a fixed schedule fixes its virtual stages only when they were given)."""
+    fixed: dict[str, tuple[Any, Any]] = {}
+    searched: dict[str, tuple[Any, Any]] = {}
+    for name in CHANGE_KNOBS:
+        a, b = getattr(old, name), getattr(new.config, name)
+        if a != b:
+            (fixed if getattr(knobs, name) is not None else searched)[name] = (a, b)
+    return FitChange(new, fixed, searched)
 
 
-__all__ = ["FIT_KNOBS", "layout_pinned", "answer_pinned", "cheapest_fit", "change_label"]
+__all__ = ["FIT_KNOBS", "CHANGE_KNOBS", "FitChange", "layout_pinned", "answer_pinned",
+           "cheapest_fit", "change_of"]

@@ -19,12 +19,16 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
       "framework": {"name", "era", "models", "source", "reduce_dtype", "overrides": {...},
                     "kernel": {KernelOptions}, "memory": {MemoryOptions but dtype}},
       "fits": bool,                                               # the best plan fits
-      "pinned": bool,             # the user pinned every mesh axis and nothing of it fits:
-                                  # plans = [its leanest candidate, priced, "fits": false]
-      "fit_change": {"change": str, plan object} | null,          # pinned: the fastest plan
-                                  # of the layout that fits with one fixed knob freed (else all)
+      "pinned": bool,             # the knobs leave one layout and nothing of it fits: plans
+                                  # = [its leanest candidate priced as candidates are (the
+                                  # time-balanced layer split), "fits": false]
+      "fit_change": {"change": str,                               # pinned: the fastest plan
+                     "fixed_changed": {knob: [pinned, fits]},     # of the layout that fits
+                     "searched_changed": {knob: [pinned, fits]},  # with one fixed knob freed
+                     plan object} | null,                         # (else all of them)
       "warnings": [str],                                          # "predicted not to fit: ..."
-      "evaluated": int, "feasible": int, "search_time_s": float,
+      "evaluated": int,           # full evaluations, the searches for fit_change included
+      "feasible": int, "search_time_s": float,
       "notes": [str],                                             # knob families left out, why
       "plans": [                  # best first, at most --top; every one fits unless "pinned"
         {"rank": int, "tp": int, "pp": int, "dp": int, "ep": int, "zero": int, "micro_batch": int,
@@ -47,7 +51,9 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
       ],
       "alternatives": [{"family": str, "reason": str, "fits": bool, "layout": str|null,
                         "step_time_s": float|null, "memory_gib": float|null}],
-      "near_miss": plan object (as above, fits = false) | null    # only when nothing fits
+      "near_miss": plan object (as above, fits = false) | null    # only when nothing fits:
+                                  # the least memory any candidate needs, on the layer split
+                                  # that minimises it ("needs at least")
     }
 
 Version 3 (was 2): a pinned layout that does not fit is answered (`plans` holds it with
@@ -84,8 +90,7 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
         "options": {**options_dict(result.options), "dtype": result.dtype},
         "framework": _framework(result).to_dict(),
         "fits": result.fits, "pinned": result.pinned,
-        "fit_change": ({"change": result.fit_change[0],
-                        **result.fit_change[1].to_dict(tokens, n, price)}
+        "fit_change": (result.fit_change.to_dict(tokens, n, price)
                        if result.fit_change is not None else None),
         "warnings": [pinned_warning(result)] if result.pinned else [],
         "evaluated": result.evaluated, "feasible": result.feasible,
@@ -225,20 +230,27 @@ def _table(result: SearchResult, tokens: float, wide: bool):
     for i, e in enumerate(result.plans, 1):
         c, mem, t = e.config, e.memory, e.time
         row = [str(i), _layout(e), str(c.zero), str(c.micro_batch), c.recompute,
-               "on" if c.sp else "off", c.schedule_label(),
-               f"{mem.total:.1f}{'/' if e.fits else '>'}{mem.capacity:g}",
+               "on" if c.sp else "off", c.schedule_label(), f"{mem.total:.1f}{_over(e)}",
                fmt_s(e.step_time_s),
                f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%", fmt_days(e.days(tokens))]
         if wide:
             row[7] = (f"{mem.params:.1f}/{mem.grads:.1f}/{mem.optimizer:.1f}/"
-                      f"{mem.activations:.1f}/{mem.total:.1f}{'/' if e.fits else '>'}"
-                      f"{mem.capacity:g}")
+                      f"{mem.activations:.1f}/{mem.total:.1f}{_over(e)}")
             row[8:9] = [fmt_s(e.step_time_s), "/".join(fmt_s(x) for x in (
                 t.compute, t.tp_comm, t.pp_comm, t.dp_comm, t.bubble, t.optimizer))]
             row += [f"{e.model_tflops_per_gpu:.0f}/{e.hardware_tflops_per_gpu:.0f}",
                     f"{e.hfu * 100:.1f}%", f"{e.gpu_hours(tokens, n):,.0f}"]
         table.add_row(*row)
     return table
+
+
+def _over(e: Estimate) -> str:
+    """The memory cell's capacity part: '/80', '>80' when the GPU is over capacity, '/80 host>'
+    when only the host memory per node is (offload: the warning gives its figures)."""
+    m = e.memory
+    if m.total > m.capacity:
+        return f">{m.capacity:g}"
+    return f"/{m.capacity:g}" + ("" if m.host_fits else " host>")
 
 
 def table_notes(result: SearchResult) -> list[str]:
@@ -253,6 +265,10 @@ def table_notes(result: SearchResult) -> list[str]:
     if any(e.config.ep > 1 for e in result.plans):
         out.append("Layout column: 'epE' is expert parallelism over E of the data ranks (not a "
                    "factor of the GPU count)")
+    if any(e.memory.total <= e.memory.capacity and not e.memory.host_fits
+           for e in result.plans):
+        out.append("Memory column: 'host>' is a plan whose GPUs fit but whose host memory per "
+                   "node (host offload) does not")
     steps = [round(e.step_time_s, 9) for e in result.plans]
     ties = [i for i in range(1, len(steps)) if steps[i] == steps[i - 1]]
     if ties:
@@ -309,7 +325,7 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
                       f"at {cl.price_per_gpu_hour:g} per GPU-hour.")
     c = best.config
     if c.pp > 1:
-        per_gpu = [sum(best.stage_layers[i::c.pp]) for i in range(c.pp)]
+        per_gpu = _per_gpu(best)
         chunks = f" in {c.virtual_stages} chunks each" if c.virtual_stages > 1 else ""
         console.print(f"Layers per pipeline stage of the {what.lower()}: {per_gpu}{chunks} "
                       "(embedding on the first stage, LM head + loss on the last)")
@@ -319,34 +335,57 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
             console.print(f"  - {alt.label}: {alt.reason}")
 
 
-def need_text(est: Estimate, parts: bool = True) -> str:
-    """'needs 93.1 GiB per GPU > 80 GiB (params .. + ..)' (`parts`: with the breakdown), or
-    the host's shortfall when the devices fit only with host offload."""
+def need_text(est: Estimate, parts: bool = True, lean: Estimate | None = None) -> str:
+    """'needs 93.1 GiB per GPU > 80 GiB (params .. + ..)' (`parts`: with the breakdown; `lean`:
+    the same config on the layer split needing the least, stated as 'at least' when lower), or
+    the host's shortfall when the devices fit and only the host memory per node does not."""
     m = est.memory
     if m.total <= m.capacity and not m.host_fits:
         return (f"needs {m.host:.1f} GiB of host memory per node > {m.host_capacity:.4g} GiB "
                 f"usable (offload={est.config.offload})")
-    return (f"needs {m.total:.1f} GiB per GPU > {m.capacity:g} GiB"
+    text = (f"needs {m.total:.1f} GiB per GPU > {m.capacity:g} GiB"
             + (f" ({m.describe()})" if parts else ""))
+    if lean is not None and lean.config == est.config and lean.memory.total < m.total - 0.05:
+        text += (f"; at least {lean.memory.total:.1f} GiB on the layer split needing the "
+                 f"least ({_per_gpu(lean)} layers per GPU)")
+    return text
+
+
+def _per_gpu(est: Estimate) -> list[int]:
+    """Layers per pipeline rank (stage_layers lists the virtual stages in pipeline order)."""
+    pp = est.config.pp
+    return [sum(est.stage_layers[i::pp]) for i in range(pp)]
+
+
+def trust_text(est: Estimate, framework: Any,
+               check: str = "`--rehearse` checks this rank") -> str:
+    """How far to trust a GPU-memory shortfall: meshtron's own runtime is rehearsed (the memory
+    model is within 5% of a rehearsal of it, tests/test_rehearse.py); another stack's is not
+    (nor is the host memory of offload), and its own savings are not modelled."""
+    if est.memory.total <= est.memory.capacity:
+        return ""
+    if framework is None or framework.name == "meshtron":
+        return f"the memory model is within 5% of a rehearsal of meshtron's runtime; {check}; "
+    return (f"{framework.label}'s memory is modelled, not rehearsed (its own savings beyond "
+            "the model are not counted); ")
 
 
 def pinned_warning(result: SearchResult) -> str:
     """The one warning of a pinned layout priced although predicted not to fit: what it needs,
-    how far to trust that (the rehearsal agreement of meshtron's runtime, tests/test_rehearse.py;
-    another stack's own savings are not modelled), and the cheapest change that fits."""
+    how far to trust that, and the cheapest change that fits (pinned.FitChange)."""
     est = result.best
     change = result.fit_change
     if change is not None:
-        label, fit = change
-        slower = fit.step_time_s / est.step_time_s - 1.0
-        to_fit = (f"to fit: {label} ({fmt_s(fit.step_time_s)} s per step, {slower:+.1%}; "
-                  f"{fit.memory.total:.1f} GiB)")
+        fit = change.estimate
+        delta = fit.step_time_s / est.step_time_s - 1.0  # step time vs the pinned plan
+        to_fit = (f"to fit: {change.label} ({fmt_s(fit.step_time_s)} s per step, {delta:+.1%} "
+                  f"vs the pinned plan; {fit.memory.total:.1f} GiB)")
     else:
+        # each fixed knob was freed, then all together: every value was tried
         to_fit = ("no value of recompute, zero, micro-batch, sp, schedule or offload fits this "
                   "layout: change the layout")
-    return (f"predicted not to fit: {need_text(est)}; the memory model is within 5% of a "
-            f"rehearsal of meshtron's runtime (another stack's own memory savings are not "
-            f"modelled); `--rehearse` checks this rank; {to_fit}")
+    return (f"predicted not to fit: {need_text(est, lean=result.near_miss)}; "
+            f"{trust_text(est, result.framework)}{to_fit}")
 
 
 def render_no_fit(result: SearchResult, console) -> str:

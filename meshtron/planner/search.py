@@ -98,7 +98,15 @@ class SearchResult:
     alternatives: list[Alternative] = field(default_factory=list)
     """Why other families lose."""
     near_miss: Estimate | None = None
-    """When nothing fits: the plan needing the least memory."""
+    """When nothing fits: the plan needing the least memory, under the layer split that needs
+    the least (its memory is what "needs at least X GiB" states)."""
+    near_miss_priced: Estimate | None = None
+    """When nothing fits: the near miss's config evaluated as the search prices every candidate
+    (`exact_memory=False`: the time-balanced layer split, or the plan's own `stage_layers`), so
+    its step time compares with a fitting plan's; its memory is that split's."""
+    layouts: tuple[tuple[int, int, int, int, int], ...] = ()
+    """The (tp, cp, pp, dp, ep) layouts the knobs leave to the search (valid ones, before host
+    offload drops pipelines); exactly one: the layout is pinned (planner/pinned.py)."""
     evaluated: int = 0
     """Configs evaluated in full by the cost model."""
     enumerated: int = 0
@@ -119,11 +127,11 @@ class SearchResult:
     offload_compared: bool = False
     """Offloaded plans were priced against the plans without offload (search_plans)."""
     pinned: bool = False
-    """The user pinned every mesh axis and nothing of that layout fits: the one plan is the near
-    miss, priced, with fits False (planner/pinned.py `answer_pinned`)."""
-    fit_change: tuple[str, Estimate] | None = None
+    """The knobs leave one layout (`layouts`) and nothing of it fits: the one plan is the near
+    miss priced as a candidate, with fits False (planner/pinned.py `answer_pinned`)."""
+    fit_change: Any = None
     """With `pinned`: the fastest plan of the same layout that fits when one of the knobs the
-    user fixed is freed (or all of them), and what changed ('recompute=full'); None: none."""
+    user fixed is freed (or all of them), and what changed (pinned.FitChange); None: none."""
 
     @property
     def best(self) -> Estimate | None:
@@ -434,6 +442,7 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     space = _Space(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime,
                    framework)
     result = _search(ev, space, top_k, explain)
+    layouts = result.layouts  # the knobs' layouts, whichever search below answers
     if not result.plans and knobs.offload is None:
         result = _with_offload(ev, result, model, cluster, global_batch, seq_len, knobs, opts,
                                runtime, top_k, explain, framework)
@@ -445,6 +454,7 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
         result = _offload_if_faster(ev, result, space, knobs, runtime, top_k)
     result.seconds = time.perf_counter() - t0
     result.framework = framework
+    result.layouts = layouts
     return result
 
 
@@ -618,10 +628,15 @@ def _search(ev: Evaluator, space: _Space, top_k: int, explain: bool,
     result = SearchResult(model=model, cluster=cluster, global_batch=global_batch,
                           seq_len=ev.seq, options=ev.opts, plans=plans, evaluated=counter,
                           feasible=feasible, enumerated=len(queue) + hopeless,
-                          notes=list(space.notes), dtype=space.dtype)
+                          notes=list(space.notes), dtype=space.dtype,
+                          layouts=tuple(space.layouts()))
     if not plans:
         # re-evaluate the leanest plan with the memory-balanced split for an exact figure
         result.near_miss = ev.evaluate(lean.config) if lean is not None else None
+        # ...and priced like the candidates: the memory-minimising split can be far slower
+        result.near_miss_priced = (ev.evaluate(lean.config, exact_memory=False)
+                                   if lean is not None else None)
+        result.evaluated += 2 if lean is not None else 0
     elif explain:
         result.alternatives = _explain(plans[0], fam_best, fam_lean, ev, space)
     return result
@@ -768,7 +783,8 @@ def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq
     evaluated as given; the result may not fit (check `.fits` and `.memory`)."""
     result = search_plans(model, cluster, global_batch, seq_len, fixed, top_k=1,
                           options=options, explain=False, mem=mem, framework=framework)
-    est = result.best or result.near_miss
+    # not fitting: priced on the split a fitting plan gets, not the memory-minimising one
+    est = result.best or result.near_miss_priced
     if est is None:
         raise UserError(f"layout {Knobs.of(fixed).to_dict()}: no valid plan on "
                          f"{cluster.num_gpus} GPUs for global_batch={global_batch}")

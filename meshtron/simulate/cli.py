@@ -182,9 +182,12 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
     batch, seq = args.global_batch, args.seq_len
     if args.plan:
         est = evaluate_plan(model, cluster, batch, seq, load_plan(args.plan), framework=opts)
-        if not est.fits:
-            raise UserError(f"plan={args.plan!r}: does not fit on {args.cluster} (needs "
-                            f"{est.memory.total:.1f} GiB per GPU of {est.memory.capacity:.0f})")
+        if not est.fits:  # `meshtron cost --plan` prices it; simulating it is refused
+            from meshtron.planner.report import need_text
+
+            raise UserError(f"plan={args.plan!r}: predicted not to fit on {args.cluster} "
+                            f"({need_text(est, parts=False)}); simulate refuses a plan that "
+                            "does not fit (`meshtron cost --plan` prices it anyway)")
     else:
         result = search_plans(model, cluster, batch, seq, None, top_k=1, framework=opts,
                               explain=False)
