@@ -175,6 +175,14 @@ class KernelOptions:
     FP8_SCALINGS, `cast_bytes`): 'torchao' (the plan's fp8_recipe: meshtron's runtime),
     'torchao-rowwise' / 'torchao-tensorwise' (torchtitan's float8 converter), 'te-delayed' /
     'te-current' (Transformer Engine under Megatron-Core)."""
+    fp8_param_gather: bool = False
+    """With dtype fp8, the FP8 Linears' weights are kept as Transformer Engine FP8 tensors and
+    the parameter all-gathers move them at 1 byte per element (Megatron-Core's
+    `--fp8-param-gather`, DistributedDataParallelConfig.fp8_param_gather, default False: the
+    distributed optimizer and Megatron-FSDP quantise the updated shard, then gather FP8;
+    Megatron-Bridge's bf16_with_fp8_current_scaling_mixed precision config, which its
+    performance recipes' 'fp8_cs' use, sets it True). torchao's FSDP2 float8 all-gather is
+    not this option: planner/fp8.py `fp8_gathers_fp8`. Dense models only (dp_cost.py)."""
     list_collectives: bool = False
     """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
     PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
@@ -281,6 +289,10 @@ class KernelOptions:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise UserError(f"fp8_scaling={self.fp8_scaling!r}: allowed values are "
                              f"{', '.join(FP8_SCALINGS)}")
+        if self.fp8_param_gather and not self.fp8_scaling.startswith("te-"):
+            raise UserError(f"fp8_param_gather=True with fp8_scaling={self.fp8_scaling!r}: "
+                             "Transformer Engine's FP8 parameters need fp8_scaling te-delayed "
+                             "or te-current (torchao gathers FP8 by itself for tensorwise)")
         pre = self.prefetch_params
         if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
                                 or pre < 0):
