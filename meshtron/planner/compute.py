@@ -20,15 +20,6 @@ A calibrated cluster (`cluster.gemm_efficiency`, measured by `meshtron calibrate
 ceiling and the saturation term by the measured efficiency of the nearest measured shape
 (`measured_gemm_efficiency`); the bandwidth bound stays.
 Backward runs two GEMMs of the forward's shape per weight (input gradient and weight gradient).
-FP8 GEMMs (1-byte operands, bf16 output) run at the FP8 peak with the same model, its widths
-counted as the kernels tile them: Hopper's FP8 tiles are as wide in m and n as bf16's and twice
-as deep in k, the same 128 bytes per k-step (CUTLASS examples/54_hopper_fp8_warp_specialized_gemm
-TileShape 64x128x128 against 128x128x64 for 16-bit; the cuBLAS kernels profiled on one H200,
-bench/results/gpu_check_h200_2026-12-04.json: FP8 nvjet_sm90_qqtst_128x128_128x6 against bf16
-nvjet_sm90_tst_128x256_64x4). Each operand byte feeds twice the FLOPs at twice the peak, so m
-and n saturate at the bf16 width d (in elements); the k loop runs half the steps per element of
-k for the same prologue and bf16 epilogue, so k saturates at the width the FP8 balance gives,
-2d (`gemm_time` operand_bytes).
 
 Non-GEMM work (norms, residual adds, activation functions, rotary embedding, softmax, dropout,
 casts, cross-entropy) is memory-bound: time = bytes moved / (HBM bandwidth * 0.8), 0.8 being what
@@ -109,8 +100,6 @@ HBM_EFFICIENCY = 0.8
 """Fraction of HBM bandwidth reached by memory-bound elementwise kernels."""
 BF16 = 2
 """Bytes per bf16 element."""
-FP8 = 1
-"""Bytes per FP8 element (e4m3 / e5m2 GEMM operands)."""
 
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused", "compiled")
@@ -328,18 +317,12 @@ class KernelOptions:
                              "positive integer")
 
 
-def gemm_time(m: float, n: float, k: float, peak: float, hbm: float,
-              operand_bytes: float = BF16) -> float:
-    """Roofline time of an (m x k) @ (k x n) GEMM with `operand_bytes`-byte inputs (BF16, or
-    FP8 at the FP8 `peak`) and a bf16 output; `peak` already includes the ceiling. The k width
-    follows the machine balance at this peak; m and n are tiled in elements, whose bytes feed
-    `BF16 / operand_bytes` times the FLOPs of a bf16 element: their width is the k one scaled
-    by operand_bytes / BF16 (module docstring; the same d for bf16)."""
-    d_k = SAT_DIM * (peak / hbm) / REFERENCE_RIDGE
-    d = d_k * operand_bytes / BF16
-    sat = (m / (m + d)) * (n / (n + d)) * (k / (k + d_k))
+def gemm_time(m: float, n: float, k: float, peak: float, hbm: float) -> float:
+    """Roofline time of an (m x k) @ (k x n) bf16 GEMM; `peak` already includes the ceiling."""
+    d = SAT_DIM * (peak / hbm) / REFERENCE_RIDGE
+    sat = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
     t_flops = 2.0 * m * n * k / (peak * sat)
-    t_bytes = (operand_bytes * (m * k + k * n) + BF16 * m * n) / hbm
+    t_bytes = BF16 * (m * k + k * n + m * n) / hbm
     return t_flops if t_flops > t_bytes else t_bytes
 
 
@@ -360,17 +343,15 @@ def measured_gemm_efficiency(m: float, n: float, k: float, cluster: ClusterSpec)
     return best.efficiency
 
 
-def cluster_gemm_time(m: float, n: float, k: float, cluster: ClusterSpec,
-                      operand_bytes: float = BF16) -> float:
-    """Time of an (m x k) @ (k x n) GEMM on `cluster` (`operand_bytes`: BF16, or FP8 on a
-    cluster at its FP8 peak): the measured efficiency of the nearest calibrated shape when the
-    cluster has a `gemm_efficiency` table (the bandwidth bound still applies, for shapes less
-    arithmetic-intense than any measured), else `gemm_time`."""
+def cluster_gemm_time(m: float, n: float, k: float, cluster: ClusterSpec) -> float:
+    """Time of an (m x k) @ (k x n) bf16 GEMM on `cluster`: the measured efficiency of the
+    nearest calibrated shape when the cluster has a `gemm_efficiency` table (the bandwidth bound
+    still applies, for shapes less arithmetic-intense than any measured), else `gemm_time`."""
     if cluster.gemm_efficiency is None:
         return gemm_time(m, n, k, cluster.peak_flops * cluster.matmul_ceiling,
-                         cluster.hbm_bytes_per_s, operand_bytes)
+                         cluster.hbm_bytes_per_s)
     t_flops = 2.0 * m * n * k / (cluster.peak_flops * measured_gemm_efficiency(m, n, k, cluster))
-    t_bytes = (operand_bytes * (m * k + k * n) + BF16 * m * n) / cluster.hbm_bytes_per_s
+    t_bytes = BF16 * (m * k + k * n + m * n) / cluster.hbm_bytes_per_s
     return t_flops if t_flops > t_bytes else t_bytes
 
 
@@ -575,8 +556,7 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
 
     def gemm(group: str, rows: float = tokens) -> float:
         n, k, split = shapes[group]
-        return _gemm_group(rows, n, k, lin_cl, cluster, frac, group, split,
-                           FP8 if lin_dt == "fp8" else BF16)
+        return _gemm_group(rows, n, k, lin_cl, cluster, frac, group, split)
     gemms = {g: gemm(g) for g in shapes}
     linear = sum(gemms.values())
     heads_local = model.heads / tp
@@ -663,20 +643,18 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
 
 
 def _gemm_group(tokens: float, n: float, k: float, fp8_cl: ClusterSpec, bf16_cl: ClusterSpec,
-                frac: dict[str, float] | None, group: str, split_n: bool,
-                ob: float = BF16) -> float:
-    """One fused block GEMM [tokens, k] x [k, n]: at `fp8_cl`'s peak with `ob`-byte operands
-    (FP8 for dtype fp8) when `frac` is None (or all of its Linears are FP8), else split into
-    its FP8 and bf16 parts (along n for the column-parallel fused QKV / MLP-up, whole for the
-    single-Linear groups)."""
+                frac: dict[str, float] | None, group: str, split_n: bool) -> float:
+    """One fused block GEMM [tokens, k] x [k, n]: at `fp8_cl`'s peak when `frac` is None (or
+    all of its Linears are FP8), else split into its FP8 and bf16 parts (along n for the
+    column-parallel fused QKV / MLP-up, whole for the single-Linear groups)."""
     f = 1.0 if frac is None else frac[group]
     if f >= 1.0:
-        return cluster_gemm_time(tokens, n, k, fp8_cl, ob)
+        return cluster_gemm_time(tokens, n, k, fp8_cl)
     if f <= 0.0:
         return cluster_gemm_time(tokens, n, k, bf16_cl)
     if not split_n:  # pragma: no cover - a one-Linear group is all or nothing
         raise AssertionError(group)
-    return (cluster_gemm_time(tokens, n * f, k, fp8_cl, ob)
+    return (cluster_gemm_time(tokens, n * f, k, fp8_cl)
             + cluster_gemm_time(tokens, n * (1.0 - f), k, bf16_cl))
 
 
