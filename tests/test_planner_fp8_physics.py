@@ -77,11 +77,12 @@ def test_transformer_engine_current_scaling_reads_twice_and_caches_weights():
 
 def test_transformer_engine_norm_writes_the_qkv_and_fc1_inputs_quantised():
     """Megatron-Core's QKV and fc1 are LayerNormLinear: with delayed scaling the norm writes
-    FP8 (both layouts, 1 + 1 bytes) where it wrote bf16 (2): nothing beyond the bf16 norm; the
-    attention output and the MLP activation are cast by a cast-transpose (2 + 1 + 1)."""
+    rowwise FP8 (1 byte) where it wrote bf16 (2) and TE transposes that FP8 tensor for the
+    columnwise copy (1 + 1): one byte beyond the bf16 norm; the attention output and the MLP
+    activation are cast by a cast-transpose (2 + 1 + 1)."""
     h, f = L8.hidden, L8.ffn_hidden
     fwd, _ = C.quantisation_bytes(L8, 1, ALL, cast_bytes("te-delayed"))
-    assert fwd == pytest.approx(4.0 * (h + f))
+    assert fwd == pytest.approx(4.0 * (h + f) + (1 + 1 + 1 - 2) * 2 * h)
     fwd_cur, _ = C.quantisation_bytes(L8, 1, ALL, cast_bytes("te-current"))
     # current scaling: the norm computes the amax beside its bf16 output (TE >= 2.7,
     # FUSED_NORM_AMAX_FP8), then one read and both FP8 layouts (2 + 1 + 1); the attention
@@ -98,8 +99,9 @@ def test_transformer_engine_current_scaling_norm_fusion_saves_only_the_amax_read
     f_unfused, b_unfused = C.quantisation_bytes(L8, 1, ALL, unfused)
     assert f_unfused - f_fused == pytest.approx(2.0 * 2 * L8.hidden)
     assert b_fused == b_unfused
-    # delayed scaling knows its scale before the norm runs: the norm writes FP8 itself
-    assert cast_bytes("te-delayed").normed_fwd == 0.0 < cur.normed_fwd < cur.input_fwd
+    # delayed scaling knows its scale before the norm runs: the norm writes FP8 itself, only
+    # the transpose of that FP8 copy is left (1 + 1 - the bf16 byte it no longer writes)
+    assert cast_bytes("te-delayed").normed_fwd == 1.0 < cur.normed_fwd < cur.input_fwd
 
 
 def test_eager_torchao_casts_a_shared_input_once_per_linear():

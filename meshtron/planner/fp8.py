@@ -217,9 +217,11 @@ _TORCHAO_EAGER["tensorwise"] = dataclasses.replace(_TORCHAO_EAGER["tensorwise"],
 # the first micro-batch of a step (is_first_microbatch, which Megatron-Core's forward_step
 # sets through model.set_is_first_microbatch()) and reuses the cached FP8 weight after.
 # Megatron-Core's QKV and fc1 are TELayerNormColumnParallelLinear: with a delayed scale known
-# before the kernel runs, the norm writes its output straight in FP8, both layouts
-# (module/layernorm_linear.py, with_quantized_norm) instead of bf16: 1 + 1 bytes in place of
-# the 2 the bf16 norm output costs, nothing beyond it. Current scaling needs the output's amax
+# before the kernel runs, the norm writes its output straight in FP8 (module/layernorm_linear.py,
+# with_quantized_norm), rowwise, and the columnwise copy is a transpose of that FP8 tensor
+# after the kernel (common/normalization/rmsnorm/rmsnorm_api.cpp and layernorm/ln_api.cpp:
+# "Compute FP8 transpose if required", nvte_transpose): 1 + (1 + 1) bytes in place of the 2
+# the bf16 norm output costs, 1 beyond it. Current scaling needs the output's amax
 # before it can scale: since TE 2.7 (NVIDIA/TransformerEngine#2013, "Fuse amax computation into
 # normalization kernel for current scaling"; pytorch/csrc/extensions/normalization.cpp
 # Impl::FUSED_NORM_AMAX_FP8) the norm kernel writes its bf16 output and the amax in one pass,
@@ -229,7 +231,7 @@ _TORCHAO_EAGER["tensorwise"] = dataclasses.replace(_TORCHAO_EAGER["tensorwise"],
 # defaults to False), so fc2's input pays the unfused current-scaling cast.
 _TE = {
     "te-delayed": CastBytes(input_fwd=4.0, input_bwd=0.0, grad_bwd=4.0, weight_fwd=0.0,
-                            weight_bwd=0.0, weight_step=4.0, normed_fwd=0.0, gathers_fp8=True),
+                            weight_bwd=0.0, weight_step=4.0, normed_fwd=1.0, gathers_fp8=True),
     "te-current": CastBytes(input_fwd=6.0, input_bwd=0.0, grad_bwd=6.0, weight_fwd=0.0,
                             weight_bwd=0.0, weight_step=6.0, normed_fwd=4.0, gathers_fp8=True),
 }
