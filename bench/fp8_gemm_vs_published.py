@@ -13,6 +13,12 @@ same variant):
   (pytorch/ao#2185, 2025-05, benchmarks/float8/bench_linear_float8.py, fast accumulation):
   bf16 and FP8 seconds below.
 
+* GEMM only, DeepSeek's blockwise FP8 (1x128 activation / 128x128 weight scales, promoted to
+  CUDA cores every 128 k-elements: DeepSeek-V3 report section 3.3.2) on H800 (H100 compute),
+  DeepGEMM's first README table (deepseek-ai/DeepGEMM a6d97a1, 2025-02-25, "Normal GEMMs for
+  dense models", M = 4096 rows): TFLOP/s of short benchmarks at boost clock, so the planner's
+  figure is shown also without its clock-under-load factor (cluster.CLOCK_UNDER_LOAD).
+
 The planner's side: three GEMMs per Linear (compute.cluster_gemm_time, bf16 and at the FP8
 peak) and, for the Linear, torchao's compiled rowwise cast bytes (planner/fp8.py
 `cast_bytes`) with what a lone Linear cannot fuse: its input and output gradient are leaves
@@ -32,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.published.table import grand_teton_h100_500w  # noqa: E402
 from meshtron.planner import compute as C  # noqa: E402
+from meshtron.planner.cluster import CLOCK_UNDER_LOAD, preset_cluster  # noqa: E402
 from meshtron.planner.fp8 import cast_bytes  # noqa: E402
 
 # name: (M, K, N) of the forward, float8_experimental#100 GEMM-only speedup,
@@ -42,6 +49,11 @@ PUBLISHED = {
     "ffn.w13": ((16384, 8192, 7168), 2.344, (0.009871, 0.005707)),
     "ffn.w2": ((16384, 3584, 8192), 2.325, (0.005192, 0.003034)),
 }
+
+
+# (M, N, K): DeepGEMM TFLOP/s
+DEEPGEMM = {(4096, 2112, 7168): 1058.0, (4096, 24576, 1536): 990.0, (4096, 32768, 512): 590.0,
+            (4096, 7168, 16384): 1358.0, (4096, 4096, 7168): 1304.0, (4096, 7168, 2048): 1025.0}
 
 
 def predicted(m: int, k: int, n: int) -> tuple[float, float, float]:
@@ -63,6 +75,14 @@ def main() -> int:
         bf16, fp8, casts = predicted(m, k, n)
         print(f"{name:10} {f'{m},{k},{n}':20} {gemm_pub:11.2f} {bf16 / fp8:9.2f} "
               f"{t_bf16 / t_fp8:13.2f} {bf16 / (fp8 + casts):9.2f} {t_bf16 / bf16:16.2f}")
+    h800 = preset_cluster("dgx-h100", 1).at_dtype("fp8")
+    print(f"\n{'DeepGEMM M,N,K':20} {'published TFLOP/s':>18} {'planner':>8} "
+          f"{'planner at boost':>17} {'published/boost':>16}")
+    for (m, n, k), tflops in DEEPGEMM.items():
+        pred = 2.0 * m * n * k / C.cluster_gemm_time(m, n, k, h800) / 1e12
+        boost = pred / CLOCK_UNDER_LOAD
+        print(f"{f'{m},{n},{k}':20} {tflops:18.0f} {pred:8.0f} {boost:17.0f} "
+              f"{tflops / boost:16.2f}")
     return 0
 
 
