@@ -20,7 +20,7 @@ same variant):
   figure is shown also without its clock-under-load factor (cluster.CLOCK_UNDER_LOAD).
 
 The planner's side: three GEMMs per Linear (compute.cluster_gemm_time, bf16 and at the FP8
-peak) and, for the Linear, torchao's compiled rowwise cast bytes (planner/fp8.py
+peak with cuBLAS's FP8 tiling; DeepGEMM's with blockwise tiling, compute.fp8_tile_scale) and, for the Linear, torchao's compiled rowwise cast bytes (planner/fp8.py
 `cast_bytes`) with what a lone Linear cannot fuse: its input and output gradient are leaves
 (no producer to take the first read: +2 bytes each) and the input gradient's rescale has no
 consumer (its own pass, 2 + 2).
@@ -60,7 +60,8 @@ def predicted(m: int, k: int, n: int) -> tuple[float, float, float]:
     """(bf16 Linear s, FP8 GEMMs s, FP8 casts s) of one Linear's forward + backward."""
     cl = grand_teton_h100_500w(1)
     bf16 = 3 * C.cluster_gemm_time(m, n, k, cl.at_dtype("bf16"))
-    fp8 = 3 * C.cluster_gemm_time(m, n, k, cl.at_dtype("fp8"))
+    cublas = C.fp8_tile_scale(C.KernelOptions())  # torch._scaled_mm: cuBLAS, per-tensor scales
+    fp8 = 3 * C.cluster_gemm_time(m, n, k, cl.at_dtype("fp8"), C.FP8, cublas)
     cb = cast_bytes("torchao", "rowwise", compiled=True)
     moved = ((cb.input_fwd + cb.input_bwd + 2.0 + 4.0) * m * k + (cb.grad_bwd + 2.0) * m * n
              + (cb.weight_fwd + cb.weight_bwd + cb.wgrad_out) * n * k)
@@ -76,10 +77,11 @@ def main() -> int:
         print(f"{name:10} {f'{m},{k},{n}':20} {gemm_pub:11.2f} {bf16 / fp8:9.2f} "
               f"{t_bf16 / t_fp8:13.2f} {bf16 / (fp8 + casts):9.2f} {t_bf16 / bf16:16.2f}")
     h800 = preset_cluster("dgx-h100", 1).at_dtype("fp8")
+    block = C.fp8_tile_scale(C.KernelOptions(fp8_gemm="blockwise"))
     print(f"\n{'DeepGEMM M,N,K':20} {'published TFLOP/s':>18} {'planner':>8} "
           f"{'planner at boost':>17} {'published/boost':>16}")
     for (m, n, k), tflops in DEEPGEMM.items():
-        pred = 2.0 * m * n * k / C.cluster_gemm_time(m, n, k, h800) / 1e12
+        pred = 2.0 * m * n * k / C.cluster_gemm_time(m, n, k, h800, C.FP8, block) / 1e12
         boost = pred / CLOCK_UNDER_LOAD
         print(f"{f'{m},{n},{k}':20} {tflops:18.0f} {pred:8.0f} {boost:17.0f} "
               f"{tflops / boost:16.2f}")

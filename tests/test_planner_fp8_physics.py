@@ -256,3 +256,41 @@ def test_sequence_parallel_inputs_are_cast_on_the_shard_then_transposed():
         tw = cast_bytes("torchao-tensorwise", compiled=compiled)
         assert C.quantisation_bytes(L8, tp, ALL, tw, None, sp=True)[0] < \
             C.quantisation_bytes(L8, tp, ALL, tw, None, sp=False)[0]
+
+
+def test_cublas_fp8_gemms_saturate_in_m_and_n_as_bf16_does():
+    """Hopper's FP8 tiles are bf16's in m and n and twice as deep in k (the same 128 bytes per
+    k-step): at twice the peak, an FP8 GEMM's m and n saturate at the bf16 width d, its k at
+    2d. So the FP8 / bf16 speed of a cuBLAS FP8 GEMM depends on k alone, 2 (k + d) / (k + 2d),
+    whatever m and n; blockwise scaling (DeepSeek-V3's promotion every 128 k-elements) keeps
+    m and n at the FP8 balance's width and loses more on narrow shapes."""
+    bf, f8 = H100.at_dtype("bf16"), H100.at_dtype("fp8")
+    assert f8.peak_tflops == pytest.approx(2 * bf.peak_tflops, rel=1e-3)  # 1979 and 989
+    d = C.SAT_DIM * (bf.peak_flops * bf.matmul_ceiling / bf.hbm_bytes_per_s) / C.REFERENCE_RIDGE
+    cublas = C.fp8_tile_scale(C.KernelOptions())
+    block = C.fp8_tile_scale(C.KernelOptions(fp8_gemm="blockwise"))
+    assert (cublas, block) == (0.5, 1.0)
+    k = 4096
+    ratios = {}
+    for n in (1280, 14336):
+        t16 = C.cluster_gemm_time(16384, n, k, bf)
+        ratios[n] = {kind: t16 / C.cluster_gemm_time(16384, n, k, f8, C.FP8, scale)
+                     for kind, scale in (("cublas", cublas), ("blockwise", block))}
+    for n in ratios:
+        assert ratios[n]["cublas"] == pytest.approx(2 * (k + d) / (k + 2 * d), rel=2e-3)
+    assert ratios[1280]["blockwise"] < ratios[14336]["blockwise"] < ratios[14336]["cublas"]
+    # bf16 GEMMs are what they were: the defaults are bf16's bytes and widths
+    assert C.cluster_gemm_time(16384, 1280, k, bf) == C.gemm_time(
+        16384, 1280, k, bf.peak_flops * bf.matmul_ceiling, bf.hbm_bytes_per_s)
+
+
+def test_fp8_gemm_kind_prices_fp8_layers_only_and_is_refused_by_name():
+    block = C.KernelOptions(stack="fused", fp8_filter="all", fp8_gemm="blockwise")
+    cublas = dataclasses.replace(block, fp8_gemm="cublas")
+    fp8 = {o.fp8_gemm: C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "fp8")
+           for o in (block, cublas)}
+    assert fp8["blockwise"].wgrad > fp8["cublas"].wgrad  # the block GEMMs (wgrad = linear)
+    bf16 = [C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "bf16") for o in (block, cublas)]
+    assert bf16[0] == bf16[1]
+    with pytest.raises(UserError, match="fp8_gemm='fast': allowed values are cublas, blockwise"):
+        C.KernelOptions(fp8_gemm="fast")
