@@ -22,10 +22,10 @@ ceiling and the saturation term by the measured efficiency of the nearest measur
 Backward runs two GEMMs of the forward's shape per weight (input gradient and weight gradient).
 FP8 GEMMs (1-byte operands, bf16 output) run at the FP8 peak with the same model, its widths
 counted as the kernels tile them: Hopper's FP8 tiles are as wide in m and n as bf16's and twice
-as deep in k, the same 128 bytes per k-step (CUTLASS examples/54_hopper_fp8_warp_specialized_gemm
-TileShape 64x128x128 against 128x128x64 for 16-bit; the cuBLAS kernels profiled on one H200,
+as deep in k, the same 128 bytes per k-step (the cuBLAS kernels profiled on one H200,
 bench/results/gpu_check_h200_2026-12-04.json: FP8 nvjet_sm90_qqtst_128x128_128x6 against bf16
-nvjet_sm90_tst_128x256_64x4). Each operand byte feeds twice the FLOPs at twice the peak, so m
+nvjet_sm90_tst_128x256_64x4; CUTLASS's Hopper examples: 54_hopper_fp8_warp_specialized_gemm
+TileShape 64x128x128 for FP8, 48_hopper_warp_specialized_gemm 128x128x32 for 4-byte TF32). Each operand byte feeds twice the FLOPs at twice the peak, so m
 and n saturate at the bf16 width d (in elements); the k loop runs half the steps per element of
 k for the same prologue and bf16 epilogue, so k saturates at the width the FP8 balance gives,
 2d (`gemm_time` operand_bytes). Published rates agree: cuBLASLt's tensorwise FP8 GEMMs ran
