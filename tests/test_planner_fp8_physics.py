@@ -77,13 +77,31 @@ def test_transformer_engine_current_scaling_reads_twice_and_caches_weights():
 
 def test_transformer_engine_norm_writes_the_qkv_and_fc1_inputs_quantised():
     """Megatron-Core's QKV and fc1 are LayerNormLinear: with delayed scaling the norm writes
-    FP8 (both layouts, 1 + 1 bytes) where it wrote bf16 (2): nothing beyond the bf16 norm; the
-    attention output and the MLP activation are cast by a cast-transpose (2 + 1 + 1)."""
+    rowwise FP8 (1 byte) where it wrote bf16 (2) and TE transposes that FP8 tensor for the
+    columnwise copy (1 + 1): one byte beyond the bf16 norm; the attention output and the MLP
+    activation are cast by a cast-transpose (2 + 1 + 1)."""
     h, f = L8.hidden, L8.ffn_hidden
     fwd, _ = C.quantisation_bytes(L8, 1, ALL, cast_bytes("te-delayed"))
-    assert fwd == pytest.approx(4.0 * (h + f))
+    assert fwd == pytest.approx(4.0 * (h + f) + (1 + 1 + 1 - 2) * 2 * h)
     fwd_cur, _ = C.quantisation_bytes(L8, 1, ALL, cast_bytes("te-current"))
-    assert fwd_cur == pytest.approx(6.0 * (h + h + h + f))  # the amax comes first: unfused
+    # current scaling: the norm computes the amax beside its bf16 output (TE >= 2.7,
+    # FUSED_NORM_AMAX_FP8), then one read and both FP8 layouts (2 + 1 + 1); the attention
+    # output and Megatron's own SwiGLU output pay the unfused cast (amax read 2 + 2 + 1 + 1)
+    assert fwd_cur == pytest.approx(4.0 * (h + h) + 6.0 * (h + f))
+
+
+def test_transformer_engine_current_scaling_norm_fusion_saves_only_the_amax_read():
+    """The fused norm-amax removes exactly one bf16 read (2 bytes) per element of the two
+    norm-fed inputs (QKV, fc1) per token, and nothing in the backward."""
+    cur = cast_bytes("te-current")
+    unfused = dataclasses.replace(cur, normed_fwd=None)
+    f_fused, b_fused = C.quantisation_bytes(L8, 1, ALL, cur)
+    f_unfused, b_unfused = C.quantisation_bytes(L8, 1, ALL, unfused)
+    assert f_unfused - f_fused == pytest.approx(2.0 * 2 * L8.hidden)
+    assert b_fused == b_unfused
+    # delayed scaling knows its scale before the norm runs: the norm writes FP8 itself, only
+    # the transpose of that FP8 copy is left (1 + 1 - the bf16 byte it no longer writes)
+    assert cast_bytes("te-delayed").normed_fwd == 1.0 < cur.normed_fwd < cur.input_fwd
 
 
 def test_eager_torchao_casts_a_shared_input_once_per_linear():
@@ -170,6 +188,35 @@ def test_fp8_all_gather_only_where_the_runtime_gathers_fp8():
     assert 1.0 < tensorwise < 1.1
 
 
+def test_transformer_engine_fp8_param_gather_moves_one_byte_per_fp8_weight():
+    """Megatron's --fp8-param-gather (KernelOptions.fp8_param_gather): the distributed
+    optimizer / Megatron-FSDP all-gathers the FP8 Linears' weights (every aligned block
+    Linear under TE) at 1 byte; norms stay bf16. Off by default, as in Megatron-Core."""
+    mcore = preset("megatron@2024").kernel
+    assert not mcore.fp8_param_gather
+    assert fp8_gathers_fp8("te-current", "rowwise", True, "zero")
+    assert not fp8_gathers_fp8("te-current", "rowwise", False, "zero")
+    cl = resolve_cluster("dgx-h100:1")
+    plan = Plan(1, 1, 8, 3, 1, "none", False, None, 1, dtype="fp8")
+    on = dataclasses.replace(mcore, fp8_scaling="te-current", fp8_param_gather=True)
+    ev_off = Evaluator(L8, cl, 64, 8192, dataclasses.replace(on, fp8_param_gather=False))
+    ev_on = Evaluator(L8, cl, 64, 8192, on)
+    assert ev_off.dp_flags(plan)["wsize"] == C.BF16
+    block = L8.attention_params() + L8.ffn_params(0)
+    linears = C.fp8_weight_elements(L8, 1, ALL)
+    assert ev_on.dp_flags(plan)["wsize"] == pytest.approx(2.0 - linears / block)
+    assert ev_on.dp_flags(plan)["wsize"] < 1.01  # a dense block's weights are its Linears
+    # the option changes the parameter gathers only: no compute term moves
+    a, b = (ev.evaluate(plan).time for ev in (ev_off, ev_on))
+    assert a.compute == pytest.approx(b.compute)
+    assert b.dp_comm < a.dp_comm  # ZeRO-3 at dp 8 inside a node: the gathers are exposed
+    # bf16 plans gather bf16 whatever the option says
+    assert ev_on.dp_flags(dataclasses.replace(plan, dtype="bf16"))["wsize"] == C.BF16
+    # torchao has no such option: refused by name
+    with pytest.raises(UserError, match="fp8_param_gather=True with fp8_scaling='torchao'"):
+        C.KernelOptions(fp8_param_gather=True)
+
+
 def test_unknown_fp8_scaling_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match="fp8_scaling='fast'.*te-current"):
         C.KernelOptions(fp8_scaling="fast")
@@ -195,7 +242,8 @@ def test_sequence_parallel_inputs_are_cast_on_the_shard_then_transposed():
     fwd, bwd = C.quantisation_bytes(L8, tp, ALL, cur, None, sp=True)
     # forward: the attention output (h/tp per token) and the MLP activation (f/tp) as without
     # sequence parallelism; the two normed inputs (h each) on the shard, then transposed
-    assert fwd == pytest.approx(6.0 * (h + f) / tp + ((6.0 - 1.0) / tp + 2.0) * 2 * h)
+    # (the norm-fed ones at current scaling's fused-amax 4 bytes: 3 on the shard, rowwise)
+    assert fwd == pytest.approx(6.0 * (h + f) / tp + ((4.0 - 1.0) / tp + 2.0) * 2 * h)
     # backward: the row-parallel outputs' gradients (out-proj, MLP-down: h each) are gathered
     assert bwd - plain[1] == pytest.approx(((6.0 - 1.0) / tp + 2.0 - 6.0) * 2 * h)
     assert fwd < plain[0] and bwd < plain[1]
@@ -208,3 +256,41 @@ def test_sequence_parallel_inputs_are_cast_on_the_shard_then_transposed():
         tw = cast_bytes("torchao-tensorwise", compiled=compiled)
         assert C.quantisation_bytes(L8, tp, ALL, tw, None, sp=True)[0] < \
             C.quantisation_bytes(L8, tp, ALL, tw, None, sp=False)[0]
+
+
+def test_cublas_fp8_gemms_saturate_in_m_and_n_as_bf16_does():
+    """Hopper's FP8 tiles are bf16's in m and n and twice as deep in k (the same 128 bytes per
+    k-step): at twice the peak, an FP8 GEMM's m and n saturate at the bf16 width d, its k at
+    2d. So the FP8 / bf16 speed of a cuBLAS FP8 GEMM depends on k alone, 2 (k + d) / (k + 2d),
+    whatever m and n; blockwise scaling (DeepSeek-V3's promotion every 128 k-elements) keeps
+    m and n at the FP8 balance's width and loses more on narrow shapes."""
+    bf, f8 = H100.at_dtype("bf16"), H100.at_dtype("fp8")
+    assert f8.peak_tflops == pytest.approx(2 * bf.peak_tflops, rel=1e-3)  # 1979 and 989
+    d = C.SAT_DIM * (bf.peak_flops * bf.matmul_ceiling / bf.hbm_bytes_per_s) / C.REFERENCE_RIDGE
+    cublas = C.fp8_tile_scale(C.KernelOptions())
+    block = C.fp8_tile_scale(C.KernelOptions(fp8_gemm="blockwise"))
+    assert (cublas, block) == (0.5, 1.0)
+    k = 4096
+    ratios = {}
+    for n in (1280, 14336):
+        t16 = C.cluster_gemm_time(16384, n, k, bf)
+        ratios[n] = {kind: t16 / C.cluster_gemm_time(16384, n, k, f8, C.FP8, scale)
+                     for kind, scale in (("cublas", cublas), ("blockwise", block))}
+    for n in ratios:
+        assert ratios[n]["cublas"] == pytest.approx(2 * (k + d) / (k + 2 * d), rel=2e-3)
+    assert ratios[1280]["blockwise"] < ratios[14336]["blockwise"] < ratios[14336]["cublas"]
+    # bf16 GEMMs are what they were: the defaults are bf16's bytes and widths
+    assert C.cluster_gemm_time(16384, 1280, k, bf) == C.gemm_time(
+        16384, 1280, k, bf.peak_flops * bf.matmul_ceiling, bf.hbm_bytes_per_s)
+
+
+def test_fp8_gemm_kind_prices_fp8_layers_only_and_is_refused_by_name():
+    block = C.KernelOptions(stack="fused", fp8_filter="all", fp8_gemm="blockwise")
+    cublas = dataclasses.replace(block, fp8_gemm="cublas")
+    fp8 = {o.fp8_gemm: C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "fp8")
+           for o in (block, cublas)}
+    assert fp8["blockwise"].wgrad > fp8["cublas"].wgrad  # the block GEMMs (wgrad = linear)
+    bf16 = [C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "bf16") for o in (block, cublas)]
+    assert bf16[0] == bf16[1]
+    with pytest.raises(UserError, match="fp8_gemm='fast': allowed values are cublas, blockwise"):
+        C.KernelOptions(fp8_gemm="fast")

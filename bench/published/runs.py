@@ -377,13 +377,20 @@ def _megatron_bridge_h100() -> list[PublishedRun]:
     """MB, DGX-H100 rows of dense Llama models (the MoE rows are not expressible: the planner has
     no expert parallelism). Added to the validation part, with their layout, micro-batch and
     virtual stages as published, before they were ever run through the planner (round 2 of
-    issue 18); nothing was changed after seeing their errors. The tables do not state the
+    issue 18); nothing was changed after seeing their errors, except two software facts read
+    later from Megatron-Bridge's own code (its current scaling, as the tables state, and its
+    'fp8_cs' precision's FP8 parameter gather, added after their errors were known: a
+    statement of the stack, not a fit; drop it to compare). The tables do not state the
     recomputation: 'any' (the fastest the memory model accepts)."""
     from meshtron.planner.frameworks import PRESETS
 
-    # Megatron-Bridge's performance recipes (scripts/performance) turn TE userbuffers on
+    # Megatron-Bridge's performance recipes (scripts/performance) turn TE userbuffers on; their
+    # 'fp8_cs' precision (scripts/performance/utils/precision.py: the library's
+    # bf16_with_fp8_current_scaling_mixed with first_last_layers_bf16 turned off) keeps FP8
+    # parameters and gathers them in FP8 (fp8_param_gather = True, training/mixed_precision.py)
     mcore = dataclasses.replace(PRESETS["megatron@2024"].kernel, tp_comm_overlap=True,
-                                fp8_scaling="te-current")  # the tables' "FP8 (current scaling)"
+                                fp8_scaling="te-current",  # the tables' "FP8 (current scaling)"
+                                fp8_param_gather=True)
     models = {"8b": preset("llama3-8b"), "70b": preset("llama3-70b"),
               "405b": preset("llama3-405b")}
     rows = [  # container, model, gpus, GBS, FSDP, tp, pp, cp, vp, tokens/s/GPU
@@ -423,7 +430,9 @@ def h800(nodes: int) -> ClusterSpec:
 def _moe_runs() -> list[PublishedRun]:
     """Published mixture-of-experts runs with their expert-parallel layouts. Added with their
     sources before the planner ever ran them (issue 21, part 4): validation part; nothing was
-    changed after seeing their errors."""
+    changed after seeing their errors but one software fact from the report, added in issue
+    30 (fp8m) with the FP8 GEMM kinds: DeepSeek-V3's GEMMs are blockwise-scaled (section
+    3.3.2)."""
     from meshtron.planner.frameworks import PRESETS
 
     mcore = PRESETS["megatron@2024"].kernel
@@ -432,8 +441,9 @@ def _moe_runs() -> list[PublishedRun]:
     balanced = dataclasses.replace(mcore, expert_imbalance=1.0)
     # DeepSeek's own stack: Megatron-style fused kernels, DualPipe overlapping both
     # all-to-alls with another micro-batch, node-limited routing to M = 4 nodes with per-node
-    # deduplication (DSV3 sections 2.1.2, 3.2.1, 3.2.2); imbalance: the documented default
-    dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4)
+    # deduplication (DSV3 sections 2.1.2, 3.2.1, 3.2.2); imbalance: the documented default;
+    # FP8 GEMMs with 1x128 / 128x128 block scales promoted every 128 k-elements (section 3.3.2)
+    dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4, fp8_gemm="blockwise")
     qwen = preset("qwen3-30b-a3b")
     runs = [PublishedRun(
         "DSV3 671B 2048xH800", "DSV3 sections 3.1-3.3 (180K H800 GPU-hours per 1T tokens)",

@@ -20,6 +20,22 @@ A calibrated cluster (`cluster.gemm_efficiency`, measured by `meshtron calibrate
 ceiling and the saturation term by the measured efficiency of the nearest measured shape
 (`measured_gemm_efficiency`); the bandwidth bound stays.
 Backward runs two GEMMs of the forward's shape per weight (input gradient and weight gradient).
+FP8 GEMMs (1-byte operands, bf16 output) run at the FP8 peak with the same model, its widths
+counted as the kernels tile them: Hopper's FP8 tiles are as wide in m and n as bf16's and twice
+as deep in k, the same 128 bytes per k-step (the cuBLAS kernels profiled on one H200,
+bench/results/gpu_check_h200_2026-12-04.json: FP8 nvjet_sm90_qqtst_128x128_128x6 against bf16
+nvjet_sm90_tst_128x256_64x4; CUTLASS's Hopper examples: 54_hopper_fp8_warp_specialized_gemm
+TileShape 64x128x128 for FP8, 48_hopper_warp_specialized_gemm 128x128x32 for 4-byte TF32). Each operand byte feeds twice the FLOPs at twice the peak, so m
+and n saturate at the bf16 width d (in elements); the k loop runs half the steps per element of
+k for the same prologue and bf16 epilogue, so k saturates at the width the FP8 balance gives,
+2d (`gemm_time` operand_bytes). Published rates agree: cuBLASLt's tensorwise FP8 GEMMs ran
+1.94-2.54x bf16's on four training shapes (meta-pytorch/float8_experimental#100), where this
+model gives 1.6-1.9x (bench/fp8_gemm_vs_published.py). Blockwise-scaled FP8 GEMMs
+(KernelOptions.fp8_gemm 'blockwise': DeepSeek-V3's 1x128 / 128x128 scales, the partial sums
+promoted to CUDA cores every 128 k-elements, its report's section 3.3.2) add that promotion
+to every k-step of every output tile; DeepGEMM's published throughput (its first README table,
+H800, M = 4096: 0.79-1.08 of this) matches m and n saturating at the FP8 balance's width too,
+which is how they are priced (`fp8_tile_scale`).
 
 Non-GEMM work (norms, residual adds, activation functions, rotary embedding, softmax, dropout,
 casts, cross-entropy) is memory-bound: time = bytes moved / (HBM bandwidth * 0.8), 0.8 being what
@@ -100,6 +116,13 @@ HBM_EFFICIENCY = 0.8
 """Fraction of HBM bandwidth reached by memory-bound elementwise kernels."""
 BF16 = 2
 """Bytes per bf16 element."""
+FP8 = 1
+"""Bytes per FP8 element (e4m3 / e5m2 GEMM operands)."""
+FP8_GEMMS = ("cublas", "blockwise")
+"""How a stack's FP8 GEMMs scale their operands (KernelOptions.fp8_gemm): 'cublas' = one scale
+per tensor or per row / column, applied in the epilogue (cuBLASLt, torch._scaled_mm:
+Transformer Engine's delayed and current scaling, torchao's tensorwise and rowwise);
+'blockwise' = 1x128 / 128x128 block scales promoted in the k loop (DeepSeek-V3, DeepGEMM)."""
 
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused", "compiled")
@@ -175,6 +198,19 @@ class KernelOptions:
     FP8_SCALINGS, `cast_bytes`): 'torchao' (the plan's fp8_recipe: meshtron's runtime),
     'torchao-rowwise' / 'torchao-tensorwise' (torchtitan's float8 converter), 'te-delayed' /
     'te-current' (Transformer Engine under Megatron-Core)."""
+    fp8_gemm: str = "cublas"
+    """With dtype fp8, the FP8 GEMM kernels' scaling (FP8_GEMMS): 'cublas' (per-tensor or
+    per-row scales in the epilogue: Transformer Engine, torchao, meshtron) or 'blockwise'
+    (DeepSeek-V3's fine-grained 1x128 / 128x128 scales promoted every 128 k-elements), which
+    sets how the GEMM saturates (module docstring, `fp8_tile_scale`)."""
+    fp8_param_gather: bool = False
+    """With dtype fp8, the FP8 Linears' weights are kept as Transformer Engine FP8 tensors and
+    the parameter all-gathers move them at 1 byte per element (Megatron-Core's
+    `--fp8-param-gather`, DistributedDataParallelConfig.fp8_param_gather, default False: the
+    distributed optimizer and Megatron-FSDP quantise the updated shard, then gather FP8;
+    Megatron-Bridge's bf16_with_fp8_current_scaling_mixed precision config, which its
+    performance recipes' 'fp8_cs' use, sets it True). torchao's FSDP2 float8 all-gather is
+    not this option: planner/fp8.py `fp8_gathers_fp8`. Dense models only (dp_cost.py)."""
     list_collectives: bool = False
     """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
     PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
@@ -281,6 +317,13 @@ class KernelOptions:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise UserError(f"fp8_scaling={self.fp8_scaling!r}: allowed values are "
                              f"{', '.join(FP8_SCALINGS)}")
+        if self.fp8_gemm not in FP8_GEMMS:
+            raise UserError(f"fp8_gemm={self.fp8_gemm!r}: allowed values are "
+                             f"{', '.join(FP8_GEMMS)}")
+        if self.fp8_param_gather and not self.fp8_scaling.startswith("te-"):
+            raise UserError(f"fp8_param_gather=True with fp8_scaling={self.fp8_scaling!r}: "
+                             "Transformer Engine's FP8 parameters need fp8_scaling te-delayed "
+                             "or te-current (torchao gathers FP8 by itself for tensorwise)")
         pre = self.prefetch_params
         if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
                                 or pre < 0):
@@ -305,12 +348,18 @@ class KernelOptions:
                              "positive integer")
 
 
-def gemm_time(m: float, n: float, k: float, peak: float, hbm: float) -> float:
-    """Roofline time of an (m x k) @ (k x n) bf16 GEMM; `peak` already includes the ceiling."""
-    d = SAT_DIM * (peak / hbm) / REFERENCE_RIDGE
-    sat = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
+def gemm_time(m: float, n: float, k: float, peak: float, hbm: float,
+              operand_bytes: float = BF16, tile_scale: float = 1.0) -> float:
+    """Roofline time of an (m x k) @ (k x n) GEMM with `operand_bytes`-byte inputs (BF16, or
+    FP8 at the FP8 `peak`) and a bf16 output; `peak` already includes the ceiling. The k width
+    follows the machine balance at this peak; m and n saturate at `tile_scale` times it
+    (`fp8_tile_scale`: FP8 / BF16 for cuBLAS's FP8 kernels, whose operand bytes feed twice a
+    bf16 byte's FLOPs; 1 for bf16 and blockwise FP8; module docstring)."""
+    d_k = SAT_DIM * (peak / hbm) / REFERENCE_RIDGE
+    d = d_k * tile_scale
+    sat = (m / (m + d)) * (n / (n + d)) * (k / (k + d_k))
     t_flops = 2.0 * m * n * k / (peak * sat)
-    t_bytes = BF16 * (m * k + k * n + m * n) / hbm
+    t_bytes = (operand_bytes * (m * k + k * n) + BF16 * m * n) / hbm
     return t_flops if t_flops > t_bytes else t_bytes
 
 
@@ -331,15 +380,18 @@ def measured_gemm_efficiency(m: float, n: float, k: float, cluster: ClusterSpec)
     return best.efficiency
 
 
-def cluster_gemm_time(m: float, n: float, k: float, cluster: ClusterSpec) -> float:
-    """Time of an (m x k) @ (k x n) bf16 GEMM on `cluster`: the measured efficiency of the
-    nearest calibrated shape when the cluster has a `gemm_efficiency` table (the bandwidth bound
-    still applies, for shapes less arithmetic-intense than any measured), else `gemm_time`."""
+def cluster_gemm_time(m: float, n: float, k: float, cluster: ClusterSpec,
+                      operand_bytes: float = BF16, tile_scale: float = 1.0) -> float:
+    """Time of an (m x k) @ (k x n) GEMM on `cluster` (`operand_bytes`, `tile_scale`: BF16 and
+    1, or an FP8 GEMM's on a cluster at its FP8 peak, `gemm_time`): the measured efficiency of
+    the nearest calibrated shape when the cluster has a `gemm_efficiency` table (the bandwidth
+    bound still applies, for shapes less arithmetic-intense than any measured), else
+    `gemm_time`."""
     if cluster.gemm_efficiency is None:
         return gemm_time(m, n, k, cluster.peak_flops * cluster.matmul_ceiling,
-                         cluster.hbm_bytes_per_s)
+                         cluster.hbm_bytes_per_s, operand_bytes, tile_scale)
     t_flops = 2.0 * m * n * k / (cluster.peak_flops * measured_gemm_efficiency(m, n, k, cluster))
-    t_bytes = BF16 * (m * k + k * n + m * n) / cluster.hbm_bytes_per_s
+    t_bytes = (operand_bytes * (m * k + k * n) + BF16 * m * n) / cluster.hbm_bytes_per_s
     return t_flops if t_flops > t_bytes else t_bytes
 
 
@@ -492,6 +544,14 @@ def compiled(opts: KernelOptions) -> KernelOptions:
     return dataclasses.replace(opts, stack="compiled") if opts.stack == "eager" else opts
 
 
+def fp8_tile_scale(opts: KernelOptions) -> float:
+    """Saturation width of an FP8 GEMM's m and n over its k width (`gemm_time` tile_scale):
+    FP8 / BF16 for cuBLAS's per-tensor / per-row scaled kernels (their tiles are bf16's, fed at
+    half the bytes), 1 for blockwise scaling (the per-128-k promotion on CUDA cores: DeepGEMM's
+    published throughput, module docstring)."""
+    return 1.0 if opts.fp8_gemm == "blockwise" else FP8 / BF16
+
+
 def compute_dtypes(dtype: str) -> tuple[str, str]:
     """(dtype of the blocks' linear GEMMs, dtype of everything else): FP8 recipes (Transformer
     Engine's fp8_autocast around the blocks' Linear layers, torchao float8 on nn.Linear in the
@@ -544,7 +604,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
 
     def gemm(group: str, rows: float = tokens) -> float:
         n, k, split = shapes[group]
-        return _gemm_group(rows, n, k, lin_cl, cluster, frac, group, split)
+        return _gemm_group(rows, n, k, lin_cl, cluster, frac, group, split, fp8_kernel)
+    fp8_kernel = (FP8, fp8_tile_scale(opts)) if lin_dt == "fp8" else (BF16, 1.0)
     gemms = {g: gemm(g) for g in shapes}
     linear = sum(gemms.values())
     heads_local = model.heads / tp
@@ -631,18 +692,20 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
 
 
 def _gemm_group(tokens: float, n: float, k: float, fp8_cl: ClusterSpec, bf16_cl: ClusterSpec,
-                frac: dict[str, float] | None, group: str, split_n: bool) -> float:
-    """One fused block GEMM [tokens, k] x [k, n]: at `fp8_cl`'s peak when `frac` is None (or
-    all of its Linears are FP8), else split into its FP8 and bf16 parts (along n for the
+                frac: dict[str, float] | None, group: str, split_n: bool,
+                kernel: tuple[float, float] = (BF16, 1.0)) -> float:
+    """One fused block GEMM [tokens, k] x [k, n]: at `fp8_cl`'s peak with `kernel` =
+    (operand bytes, tile scale) (`gemm_time`; FP8's for dtype fp8) when `frac` is None (or all
+    of its Linears are FP8), else split into its FP8 and bf16 parts (along n for the
     column-parallel fused QKV / MLP-up, whole for the single-Linear groups)."""
     f = 1.0 if frac is None else frac[group]
     if f >= 1.0:
-        return cluster_gemm_time(tokens, n, k, fp8_cl)
+        return cluster_gemm_time(tokens, n, k, fp8_cl, *kernel)
     if f <= 0.0:
         return cluster_gemm_time(tokens, n, k, bf16_cl)
     if not split_n:  # pragma: no cover - a one-Linear group is all or nothing
         raise AssertionError(group)
-    return (cluster_gemm_time(tokens, n * f, k, fp8_cl)
+    return (cluster_gemm_time(tokens, n * f, k, fp8_cl, *kernel)
             + cluster_gemm_time(tokens, n * (1.0 - f), k, bf16_cl))
 
 

@@ -61,14 +61,15 @@ class DataParallelCost:
         MixedPrecisionPolicy.param_dtype before gathering (bf16 for bf16 and fp8 plans, none
         for fp32 ones), 16-bit-weight frameworks gather their bf16 weights; fp32 with
         fp32_params_autocast (Composer's param_dtype fp32). FP8 plans whose stack gathers
-        torchao's float8 weights (fp8.py `fp8_gathers_fp8`: meshtron's runtime with the
-        tensorwise recipe on CUDA, meshtron/parallel/fp8.py `fp8_all_gather`) move 1 byte per
+        FP8 weights (fp8.py `fp8_gathers_fp8`: torchao's float8 all-gather, meshtron's runtime
+        with the tensorwise recipe on CUDA, meshtron/parallel/fp8.py `fp8_all_gather`; or
+        Transformer Engine's FP8 parameters, KernelOptions.fp8_param_gather) move 1 byte per
         parameter of the FP8 Linears."""
-        if self.opts.fp32_params_autocast or (self.opts.sharding == "fsdp"
-                                              and cfg.dtype == "fp32"):
+        o = self.opts
+        if o.fp32_params_autocast or (o.sharding == "fsdp" and cfg.dtype == "fp32"):
             return 4.0
-        if (cfg.dtype == "fp8" and self.opts.sharding == "fsdp"
-                and fp8_gathers_fp8(self.opts.fp8_scaling, cfg.fp8_recipe)):
+        if cfg.dtype == "fp8" and fp8_gathers_fp8(o.fp8_scaling, cfg.fp8_recipe,
+                                                  o.fp8_param_gather, o.sharding):
             return compute.BF16 - self._fp8_block_share(cfg.fp8_recipe)
         return compute.BF16
 

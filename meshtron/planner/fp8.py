@@ -217,15 +217,23 @@ _TORCHAO_EAGER["tensorwise"] = dataclasses.replace(_TORCHAO_EAGER["tensorwise"],
 # the first micro-batch of a step (is_first_microbatch, which Megatron-Core's forward_step
 # sets through model.set_is_first_microbatch()) and reuses the cached FP8 weight after.
 # Megatron-Core's QKV and fc1 are TELayerNormColumnParallelLinear: with a delayed scale known
-# before the kernel runs, the norm writes its output straight in FP8, both layouts
-# (module/layernorm_linear.py, with_quantized_norm) instead of bf16: 1 + 1 bytes in place of
-# the 2 the bf16 norm output costs, nothing beyond it. Current scaling needs the output's amax
-# first: priced as the unfused cast.
+# before the kernel runs, the norm writes its output straight in FP8 (module/layernorm_linear.py,
+# with_quantized_norm), rowwise, and the columnwise copy is a transpose of that FP8 tensor
+# after the kernel (common/normalization/rmsnorm/rmsnorm_api.cpp and layernorm/ln_api.cpp:
+# "Compute FP8 transpose if required", nvte_transpose): 1 + (1 + 1) bytes in place of the 2
+# the bf16 norm output costs, 1 beyond it. Current scaling needs the output's amax
+# before it can scale: since TE 2.7 (NVIDIA/TransformerEngine#2013, "Fuse amax computation into
+# normalization kernel for current scaling"; pytorch/csrc/extensions/normalization.cpp
+# Impl::FUSED_NORM_AMAX_FP8) the norm kernel writes its bf16 output and the amax in one pass,
+# and `quantize_with_amax` reads it once and writes both FP8 layouts (2 + 1 + 1): the separate
+# amax read of the unfused cast is gone for the norm-fed inputs. Megatron-Core's MLP
+# activation stays its own bias-SwiGLU kernel (gpt_layer_specs.py use_te_activation_func
+# defaults to False), so fc2's input pays the unfused current-scaling cast.
 _TE = {
     "te-delayed": CastBytes(input_fwd=4.0, input_bwd=0.0, grad_bwd=4.0, weight_fwd=0.0,
-                            weight_bwd=0.0, weight_step=4.0, normed_fwd=0.0, gathers_fp8=True),
+                            weight_bwd=0.0, weight_step=4.0, normed_fwd=1.0, gathers_fp8=True),
     "te-current": CastBytes(input_fwd=6.0, input_bwd=0.0, grad_bwd=6.0, weight_fwd=0.0,
-                            weight_bwd=0.0, weight_step=6.0, gathers_fp8=True),
+                            weight_bwd=0.0, weight_step=6.0, normed_fwd=4.0, gathers_fp8=True),
 }
 
 
@@ -255,13 +263,19 @@ def fp8_input_casts(model: Any, tp: int = 1, recipe: str = "rowwise",
     return n
 
 
-def fp8_gathers_fp8(scaling: str, recipe: str) -> bool:
-    """FSDP2 all-gathers the FP8 Linears' weights in FP8 (torchao's
-    WeightWithDynamicFloat8CastTensor, enable_fsdp_float8_all_gather: tensorwise scales only,
-    a rowwise scale being per row of the gathered weight). meshtron's runtime turns it on for
-    tensorwise plans on CUDA (meshtron/parallel/fp8.py `fp8_all_gather`); torchtitan leaves it
-    off by default (its float8 config's enable_fsdp_float8_all_gather = False)."""
-    return scaling == "torchao" and recipe == "tensorwise"
+def fp8_gathers_fp8(scaling: str, recipe: str, param_gather: bool = False,
+                    sharding: str = "fsdp") -> bool:
+    """The parameter all-gathers move the FP8 Linears' weights in FP8 (1 byte per element).
+    torchao: FSDP2 (`sharding` 'fsdp') with WeightWithDynamicFloat8CastTensor,
+    enable_fsdp_float8_all_gather: tensorwise scales only, a rowwise scale being per row of
+    the gathered weight; meshtron's runtime turns it on for tensorwise plans on CUDA
+    (meshtron/parallel/fp8.py `fp8_all_gather`), torchtitan leaves it off by default (its
+    float8 config's enable_fsdp_float8_all_gather = False). Transformer Engine: with FP8
+    parameters (`param_gather`, compute.KernelOptions.fp8_param_gather: Megatron-Core's
+    --fp8-param-gather), whatever the sharding (distributed optimizer or Megatron-FSDP)."""
+    if scaling in _TE:
+        return param_gather
+    return sharding == "fsdp" and scaling == "torchao" and recipe == "tensorwise"
 
 
 def quantisation_bytes(model: Any, tp: int, frac: dict[str, float] | None = None,

@@ -42,7 +42,9 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   off, as in Megatron-Core (model_parallel_config.py) and NeMo's recipes outside their
   `performance_mode`: `tp_comm_overlap = true` in [options] prices it. FP8 through Transformer
   Engine with Megatron-Core's default `--fp8-recipe delayed` (`fp8_scaling = "te-current"` in
-  [options] for 'tensorwise', current scaling); megatron@2021 prices FP8 the same way.
+  [options] for 'tensorwise', current scaling; `fp8_param_gather = true` for
+  `--fp8-param-gather`, off by default as in Megatron-Core); megatron@2021 prices FP8 the
+  same way.
 * `deepspeed@2021`: DeepSpeed 0.3.15 (April 2021; deepspeed/runtime/zero/stage3.py,
   partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
   weight separately, device-synchronised (no prefetch), reduces every parameter separately,
