@@ -92,16 +92,19 @@ def test_megatrons_per_expert_issue_starves_the_gpu_at_small_micro_batches_only(
 def test_fp8_experts_quantise_the_routed_rows_at_the_stacks_cast_bytes():
     """Transformer Engine's GroupedLinear quantises the T*k permuted rows (both layouts, 4
     bytes an element under delayed scaling; current scaling's amax pass reads them once more:
-    6), where the dense equivalent's fc1 input came quantised out of its norm (delayed: free,
-    current: 6 bytes a token)."""
+    6), where the dense equivalent's fc1 input came quantised out of its norm (fp8.CastBytes
+    .normed_fwd: delayed scaling's fused norm writes FP8 and transposes it, 1 byte; current
+    scaling's norm computes the amax itself in TE >= 2.7, 4 bytes)."""
     from meshtron.planner.fp8 import cast_bytes
 
     routed, dense = 8.0e6, 1.0e6
     d_f, d_b = moe_cost.expert_cast_bytes("te-delayed", routed, dense)
     c_f, c_b = moe_cost.expert_cast_bytes("te-current", routed, dense)
     delayed, current = cast_bytes("te-delayed"), cast_bytes("te-current")
-    assert d_f == pytest.approx(delayed.input_fwd * routed)
-    assert c_f == pytest.approx(current.input_fwd * (routed - dense))
+    assert (delayed.input_fwd, delayed.normed_fwd, current.input_fwd, current.normed_fwd) == (
+        4.0, 1.0, 6.0, 4.0)
+    assert d_f == pytest.approx(4.0 * 8.0e6 - 1.0 * 1.0e6)
+    assert c_f == pytest.approx(6.0 * 8.0e6 - 4.0 * 1.0e6)
     assert d_b == pytest.approx(delayed.grad_bwd * (routed - dense))
     assert c_b > d_b and c_f > d_f
     # through the layer: current scaling costs the FP8 experts more

@@ -235,7 +235,8 @@ def test_validation_errors_do_not_regress(table, capsys):
     val = summary([p for p in dense if p.run.part == "validation"])
     old = summary([p for p in dense if p.run.part == "validation" and p.run.dtype == "bf16"])
     moe = {p.run.name: p for p in table if p.run.ep > 1}
-    assert len(moe) == 3 and all(p.run.part == "validation" for p in moe.values())
+    # DeepSeek-V3 steered the FP8 GEMM kinds (session 34): calibration, still bounded
+    assert len(moe) == 3 and moe["DSV3 671B 2048xH800"].run.part == "calibration"
     assert abs(moe["DSV3 671B 2048xH800"].error) < 0.25
     # the Qwen3 rows measure Megatron-Bridge's dropless regression (issue #1998, "25.11 is 2X
     # slower than 25.09", PublishedRun.regression): the planner prices the software without it,

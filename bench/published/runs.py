@@ -502,6 +502,13 @@ LOOKED_AT = {
     "TT 405B FSDP8 TP8 PP8 interleaved": "micro-batch and virtual stages fixed to torchtitan's "
                                          "defaults after its +68% error was known",
     "Llama3 405B 8192": "its 86 GiB rejection was examined (round 2 of issue 18)",
+    "DSV3 671B 2048xH800": "an FP8 GEMM tiling change that broke its error bound led to the "
+                           "blockwise FP8 GEMM kind (KernelOptions.fp8_gemm, issue 30 session 34)",
+    **{name: "the fp8_param_gather option was added after its error was known (issue 30 "
+             "session 34): Megatron-Bridge's fp8_cs precision sets it"
+       for name in ("MB25.11 Llama3 8b 8xH100", "MB25.11 Llama3 70b 64xH100",
+                    "MB25.11 Llama3 405b 1024xH100", "MB26.02 Llama3 70b 64xH100",
+                    "MB26.02 Llama3 405b 1024xH100")},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""

@@ -130,7 +130,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    dtype: str, imbalance: float, ep_overlap: bool, node_limit: int,
                    stack: str, tp: int = 1, etp: int = 1, window_fwd: float = 0.0,
                    window_bwd: float = 0.0, per_expert: bool = False,
-                   fp8_scaling: str = "te-delayed") -> MoeLayerCost:
+                   fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas") -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -140,28 +140,32 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     all-to-all runs beside (`overlapped_a2a`) and the GPU work the host issue is ordered with
     (moe_host.py `ordered_wait`); 0 counts the routed GEMMs alone and leaves the host unpriced.
     `per_expert`: the expert GEMMs are issued one per local expert (`per_expert_gemms`).
-    `fp8_scaling`: how the FP8 experts quantise their inputs (`expert_cast_bytes`)."""
+    `fp8_scaling`: how the FP8 experts quantise their inputs (`expert_cast_bytes`); `fp8_gemm`:
+    their GEMM kernel kind (compute.fp8_tile_scale), the same as the dense equivalent's, whose
+    routed GEMMs are subtracted at the time it charged them."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
     lin_cl = cluster.at_dtype(lin_dt)
+    kernel = ((compute.FP8, compute.fp8_tile_scale(compute.KernelOptions(fp8_gemm=fp8_gemm)))
+              if lin_dt == "fp8" else (compute.BF16, 1.0))
     h, fe, k, e = model.hidden, model.moe_ffn_hidden, model.moe_top_k, model.moe_experts
     b = 4.0 if dtype == "fp32" else compute.BF16
     # dense equivalent's routed part: [T, k*fe/tp] up (x2 for SwiGLU's gate) and down GEMMs
-    dense = (compute.cluster_gemm_time(tokens, 2 * k * fe / tp, h, lin_cl)
-             + compute.cluster_gemm_time(tokens, h, k * fe / tp, lin_cl))
+    dense = (compute.cluster_gemm_time(tokens, 2 * k * fe / tp, h, lin_cl, *kernel)
+             + compute.cluster_gemm_time(tokens, h, k * fe / tp, lin_cl, *kernel))
     rows = max(1.0, routed_tokens_per_expert(tokens, model, ep) * imbalance)
     local, fe_local = e / ep, fe / etp
-    grouped = local * (compute.cluster_gemm_time(rows, 2 * fe_local, h, lin_cl)
-                       + compute.cluster_gemm_time(rows, h, fe_local, lin_cl))
+    grouped = local * (compute.cluster_gemm_time(rows, 2 * fe_local, h, lin_cl, *kernel)
+                       + compute.cluster_gemm_time(rows, h, fe_local, lin_cl, *kernel))
     if tp > 1 and etp == 1:
         # the shared experts run whole on every tp rank too (meshtron/parallel/tensor.py
         # `_moe_plan`), where the dense equivalent charged 1/tp of them
         fs = model.moe_shared_experts * fe
         if fs:
             def shared(cols):
-                return (compute.cluster_gemm_time(tokens, 2 * cols, h, lin_cl)
-                        + compute.cluster_gemm_time(tokens, h, cols, lin_cl))
+                return (compute.cluster_gemm_time(tokens, 2 * cols, h, lin_cl, *kernel)
+                        + compute.cluster_gemm_time(tokens, h, cols, lin_cl, *kernel))
 
             grouped += shared(fs) - shared(fs / tp)
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
@@ -226,8 +230,8 @@ def expert_cast_bytes(scaling: str, routed: float, dense: float) -> tuple[float,
     Forward, fc1's input: Transformer Engine's GroupedLinear quantises the permuted bf16 rows,
     both layouts for the weight gradient (split_quantize; fp8.CastBytes.input_fwd: 4 bytes
     delayed scaling, 6 current: its amax pass reads the rows once more), where the dense
-    equivalent's fc1 input is a norm's output (CastBytes.normed_fwd: written in FP8 by
-    TELayerNormLinear under delayed scaling, 0 more) -- a MoE layer's norm cannot: the router
+    equivalent's fc1 input is a norm's output (CastBytes.normed_fwd: what TELayerNormLinear's
+    fused norm adds to write FP8, 1 byte delayed, 4 current) -- a MoE layer's norm cannot: the router
     and the permutation take it in bf16. Backward: fc2's output gradient, the routed rows
     against the dense T*h, at CastBytes.grad_bwd (and input_bwd, dgrad_out for stacks that
     re-cast). fc2's input and fc1's output gradient have the dense equivalent's element
