@@ -113,32 +113,22 @@ class RecordedWork(dist.Work):
             self._recorder.completed(self._rec)
         return done
 
-    def get_future(self):
-        return self._work.get_future()
 
-    def is_success(self) -> bool:
-        return self._work.is_success()
+def _forward(name: str):
+    """`name` of the wrapped Work: an override pybind's trampoline finds like one written in the
+    class body (C++ callers, such as `wait_tensor`, reach the wrapped Work's method too)."""
+    def method(self, *args):
+        return getattr(self._work, name)(*args)
 
-    def exception(self):
-        return self._work.exception()
+    method.__name__, method.__qualname__ = name, f"RecordedWork.{name}"
+    return method
 
-    def source_rank(self) -> int:
-        return self._work.source_rank()
 
-    def _source_rank(self) -> int:
-        return self._work._source_rank()
-
-    def result(self):
-        return self._work.result()
-
-    def synchronize(self) -> None:
-        self._work.synchronize()
-
-    def get_future_result(self):
-        return self._work.get_future_result()
-
-    def block_current_stream(self) -> None:
-        self._work.block_current_stream()
+# What RecordedWork passes through unchanged, by the names of dist.Work's methods
+for _name in ("get_future", "is_success", "exception", "source_rank", "_source_rank", "result",
+              "synchronize", "get_future_result", "block_current_stream"):
+    setattr(RecordedWork, _name, _forward(_name))
+del _name
 
 
 class _AllOf(dist.Work):
