@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
     unknown = [n for n in names if n not in kinds]
     if unknown:
         print(f"rehearse_vs_planner: KIND {unknown[0]!r} is not a row of the "
-              f"{'MoE' if moe else 'dense'} table; allowed: {', '.join(kinds)}", file=sys.stderr)
+              f"{'MoE' if moe else 'dense'} table; allowed: {'; '.join(kinds)}", file=sys.stderr)
         raise SystemExit(2)
     warnings.filterwarnings("ignore")
     print("| layout kind | rehearsal GiB | planner GiB | planner vs rehearsal | by category "
