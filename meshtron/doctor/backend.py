@@ -241,10 +241,8 @@ class RecordingProcessGroup(_PG):
         return self._end(rec, self._backend._allgather_base(output, input, opts), [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        rec = self._begin("all_gather_coalesced", [outputs, inputs])
-        work = _AllOf([self._backend._allgather_base(o, i, opts)
-                       for o, i in zip(outputs, inputs)])
-        return self._end(rec, work, outputs)
+        return self._per_pair("all_gather_coalesced", self._backend._allgather_base, outputs,
+                              inputs, opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         rec = self._begin("reduce_scatter", [output_tensors, input_tensors])
@@ -256,10 +254,15 @@ class RecordingProcessGroup(_PG):
         return self._end(rec, self._backend._reduce_scatter_base(output, input, opts), [output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        rec = self._begin("reduce_scatter_coalesced", [outputs, inputs])
-        work = _AllOf([self._backend._reduce_scatter_base(o, i, opts)
-                       for o, i in zip(outputs, inputs)])
-        return self._end(rec, work, outputs)
+        return self._per_pair("reduce_scatter_coalesced", self._backend._reduce_scatter_base,
+                              outputs, inputs, opts)
+
+    def _per_pair(self, op: str, base, outputs, inputs, opts):
+        """A coalesced operation without a backend binding: `base` per (output, input) pair,
+        recorded once as `op`, under one Work."""
+        rec = self._begin(op, [outputs, inputs])
+        return self._end(rec, _AllOf([base(o, i, opts) for o, i in zip(outputs, inputs)]),
+                         outputs)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts):
         # (the analysis lets the members of an all-to-all differ: uneven splits)
