@@ -40,16 +40,17 @@ def _kit(tmp_path, *argv, timeout=1500):
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out
 
 
-CORE = ("cli_calibrate,cli_train_auto,eager", "cli_kill_resume,gputrue,checkpoint,fp8")
+CORE = ("cli_calibrate,cli_train_auto,gputrue,eager", "cli_kill_resume,checkpoint,fp8")
 """The default suite's dry run: calibrate feeding `--plan auto` (and the eager case's calibrated
 prediction), a halved model (fp8), the checkpointer's stager and a kill and --resume through
 the CLI (the two paths the first GPU run found broken), issue 31's device checks. Every case
 (the rehearsal too): -m slow.
 
-Two kit calls side by side (each case of a call in its own process, one after another, as on
-the GPU): every case is an import of torch and a few toy steps, one core's work, and a CI box
-has two. The first call's cases share its work folder: calibrate's file is what `--plan auto`
-and the eager case find there; the second's need nothing of it."""
+Two kit calls side by side, each running its cases one after another in a process each, as on
+the GPU: a case is mostly imports of torch (and matplotlib, torchao, dynamo) and a few toy
+steps on one core, about 40 CPU seconds in all, and a CI box has two cores (about 21 and 20 CPU
+seconds per call). The first call's cases share its work folder: calibrate's file is what
+`--plan auto` and the eager case find there; the second's need nothing of it."""
 
 
 @pytest.fixture(scope="module")
