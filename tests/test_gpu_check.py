@@ -23,21 +23,22 @@ from gpukit.profile import busy_us, category, rows_of, summarize  # noqa: E402
 
 
 def _start(tmp_path, *argv) -> tuple[subprocess.Popen, Path]:
+    """The kit started, its output in a file beside its JSON (a pipe left unread while the
+    other call is waited for would stall this one)."""
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.Popen([sys.executable, str(KIT), "--dry-run", "--out", str(out), *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with open(tmp_path / "kit.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(KIT), "--dry-run", "--out", str(out), *argv],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
     return proc, out
 
 
 def _kit(tmp_path, *argv, timeout=1500):
-    proc, out = _start(tmp_path, *argv)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(KIT), "--dry-run", "--out", str(out), *argv],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return proc, out
 
 
 CORE = ("cli_calibrate,cli_train_auto,gputrue,eager", "cli_kill_resume,checkpoint,fp8")
@@ -58,17 +59,17 @@ def dry_run_core(tmp_path_factory):
     calls = [_start(tmp_path_factory.mktemp("gpu-kit-core"), "--budget", "900", "--only", only)
              for only in CORE]
     merged: dict = {"order": [], "cases": {}}
-    for proc, out in calls:
-        try:
-            stdout, stderr = proc.communicate(timeout=1500)
-        except subprocess.TimeoutExpired:
-            for other, _ in calls:
-                other.kill()
-            raise
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-        report = json.loads(out.read_text())
-        merged["order"] += report["order"]
-        merged["cases"].update(report["cases"])
+    try:
+        for proc, out in calls:
+            proc.wait(timeout=1500)
+            assert proc.returncode == 0, out.with_name("kit.log").read_text()[-6000:]
+            report = json.loads(out.read_text())
+            merged["order"] += report["order"]
+            merged["cases"].update(report["cases"])
+    finally:
+        for proc, _ in calls:  # the other call, when one failed
+            if proc.poll() is None:
+                proc.kill()
     return merged
 
 

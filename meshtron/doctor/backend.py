@@ -115,8 +115,9 @@ class RecordedWork(dist.Work):
 
 
 def _forward(name: str):
-    """`name` of the wrapped Work: an override pybind's trampoline finds like one written in the
-    class body (C++ callers, such as `wait_tensor`, reach the wrapped Work's method too)."""
+    """A RecordedWork method that returns the wrapped Work's `name`: set on the class, pybind's
+    trampoline finds it as it finds one written in the class body, so C++ callers of the Work
+    (a DDP comm hook's future, for one) reach the wrapped Work as Python callers do."""
     def method(self, *args):
         return getattr(self._work, name)(*args)
 
