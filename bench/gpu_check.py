@@ -62,6 +62,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # the gpukit package (no torch at its import)
+
+from gpukit.common import Ctx, child_env, stop_group  # noqa: E402
+
 FORMAT = "meshtron-gpu-check/2"
 
 # (name, module:function, cap seconds, floor seconds). Order: what never ran to its end on a
@@ -127,18 +131,6 @@ def _pump(stream, name: str, log: Path, tail: collections.deque) -> None:
             say(f"  [{name}] {line.rstrip()}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
-
-
 def _children_cpu_s() -> float:
     use = resource.getrusage(resource.RUSAGE_CHILDREN)
     return use.ru_utime + use.ru_stime
@@ -148,8 +140,7 @@ def run_one(args, name: str, cap: float, work: Path, logs: Path, report: dict) -
     """Run case `name` in its own process, at most `cap` seconds; its record."""
     case_out = work / f"{name}.json"
     tail: collections.deque = collections.deque(maxlen=40)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = child_env()
     if args.dry_run:
         env.setdefault("OMP_NUM_THREADS", "1")
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
@@ -164,7 +155,7 @@ def run_one(args, name: str, cap: float, work: Path, logs: Path, report: dict) -
         rec["exit_code"] = proc.wait(timeout=cap)
         rec["status"] = "ok" if rec["exit_code"] == 0 else "error"
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        stop_group(proc, GRACE_S, 10.0)
         rec.update(status="timeout", exit_code=proc.returncode)
     pump.join(timeout=5)
     rec["seconds"] = round(time.perf_counter() - t0, 2)
@@ -292,9 +283,6 @@ def drive(args) -> dict:
 
 def run_case(args) -> int:
     """Inside a case's process: run it, its result in --case-out."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the gpukit package
-    from gpukit.common import Ctx
-
     spec = dict((n, f) for n, f, *_ in CASES)[args.run_case]
     module, fn = spec.split(":")
     ctx = Ctx(dry_run=args.dry_run, seq_len=args.seq_len or (32 if args.dry_run else 4096),

@@ -20,23 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from testkit.procs import run_processes as run_procs  # noqa: E402
+
 TRAIN = [sys.executable, "-m", "meshtron", "train", "--model", "debug", "--seq-len", "32",
          "--global-batch", "8", "--eval-every", "0", "--plan", "auto"]
-
-
-def run_procs(run_dir: Path) -> dict[int, str]:
-    """pid -> 'agent' or 'rank N' of the processes working on `run_dir`."""
-    found = {}
-    for d in Path("/proc").iterdir():
-        try:
-            env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0")
-                       if b"=" in x)
-        except OSError:
-            continue
-        if str(run_dir).encode() in env.get(b"MESHTRON_RANK_ARGV", b""):
-            rank = env.get(b"RANK")
-            found[int(d.name)] = f"rank {rank.decode()}" if rank else "agent"
-    return found
 
 
 def steps(run_dir: Path) -> list[int]:

@@ -55,61 +55,101 @@ def _plan(text: str, global_batch: int) -> dict:
     return plan
 
 
-def rank_bench(layout: str, model: str, seq_len: int, global_batch: int, steps: int,
-               pairs: int, trace_dir: str):
+def add_arguments(ap: argparse.ArgumentParser, pairs: int, pairs_help: str) -> None:
+    """The flags of both overhead benches (this one and timeline_overhead.py)."""
+    ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS)
+    ap.add_argument("--model", default="debug")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5, help="steps per round")
+    ap.add_argument("--pairs", type=int, default=pairs, help=pairs_help)
+
+
+def on_two_ranks(rank_bench, layout: str, args: argparse.Namespace) -> dict:
+    """`rank_bench` of `layout` with the command line's figures, on two ranks of the recording
+    gloo group (as `meshtron train` ranks are): rank 0's result."""
+    from testkit.multiproc import run_on_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_on_ranks(rank_bench, 2, layout, args.model, args.seq_len, args.global_batch,
+                            args.steps, args.pairs, tmp, timeout=1800, backend="recorded")[0]
+
+
+def bench_engine(layout: str, model: str, seq_len: int, global_batch: int, rounds: int):
+    """This rank's `ParallelEngine` (the engine `meshtron train` runs) for `layout`, its shard
+    of one fixed batch, warmed up (lazy init, first all-gathers): (engine, inputs, targets).
+    `rounds` x (steps + 1) + 2 steps are configured (the schedule's length)."""
     import torch
-    import torch.distributed as dist
 
     from meshtron.config import config_from_dict
-    from meshtron.doctor import DoctorSession
-    from meshtron.doctor.backend import is_recording_group
-    from meshtron.doctor.recorder import CollectiveRecorder
     from meshtron.planner.plan import Plan
     from meshtron.train.parallel import ParallelEngine
 
-    assert is_recording_group(dist.group.WORLD)
     cfg = config_from_dict({"model": model, "data": {"seq_len": seq_len,
                                                      "global_batch": global_batch},
-                            "train": {"steps": (steps + 1) * pairs * 3 + 2}})
+                            "train": {"steps": rounds}})
     plan = Plan.from_dict(_plan(layout, global_batch))
-    session = DoctorSession(trace_dir, dist.get_rank(), dist.get_world_size(),
-                            watchdog_timeout_s=600, recorder=False).start()
     engine = ParallelEngine(cfg, plan, torch.device("cpu"))
-    recorder = CollectiveRecorder(dist.get_rank(), capacity=2000)
-    stacked = CollectiveRecorder(dist.get_rank(), capacity=2000, stacks=True,
-                                 on_issue=lambda: time.time())
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab, (global_batch, seq_len), generator=g)
     rows = global_batch // plan.dp
     r = engine.dp_rank
     inputs, targets = x[r * rows:(r + 1) * rows], x[r * rows:(r + 1) * rows].roll(1, 1)
-    for _ in range(2):  # warm-up: lazy init, first all-gathers
+    for _ in range(2):
         engine.train_step(inputs, targets)
+    return engine, inputs, targets
+
+
+def timed_round(engine, inputs, targets, steps: int, attached=()) -> tuple[float, float]:
+    """`steps` optimizer steps with `attached` installed (in order, removed in reverse): the
+    slowest rank's median step seconds and the median CPU seconds per step summed over ranks
+    (gloo threads included)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    for a in attached:
+        a.install()
+    wall, cpus = [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        float(engine.train_step(inputs, targets).loss)
+        wall.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    for a in reversed(attached):
+        a.uninstall()
+    w = torch.tensor([statistics.median(wall)], dtype=torch.float64)
+    c = torch.tensor([statistics.median(cpus)], dtype=torch.float64)
+    dist.all_reduce(w, op=dist.ReduceOp.MAX)
+    dist.all_reduce(c)
+    return float(w), float(c)
+
+
+def rank_bench(layout: str, model: str, seq_len: int, global_batch: int, steps: int,
+               pairs: int, trace_dir: str):
+    import torch.distributed as dist
+
+    from meshtron.doctor import DoctorSession
+    from meshtron.doctor.backend import is_recording_group
+    from meshtron.doctor.recorder import CollectiveRecorder
+
+    assert is_recording_group(dist.group.WORLD)
+    session = DoctorSession(trace_dir, dist.get_rank(), dist.get_world_size(),
+                            watchdog_timeout_s=600, recorder=False).start()
+    engine, inputs, targets = bench_engine(layout, model, seq_len, global_batch,
+                                           (steps + 1) * pairs * 3 + 2)
+    recorder = CollectiveRecorder(dist.get_rank(), capacity=2000)
+    stacked = CollectiveRecorder(dist.get_rank(), capacity=2000, stacks=True,
+                                 on_issue=lambda: time.time())
+    attach = {"off": (), "on": (recorder,), "stacks": (stacked,)}
     times = {"off": [], "on": [], "stacks": []}
     cpu = {"off": [], "on": [], "stacks": []}
     for pair in range(pairs):
         order = ("off", "on", "stacks") if pair % 2 == 0 else ("stacks", "on", "off")
         for side in order:
-            dist.barrier()
-            attached = {"on": recorder, "stacks": stacked}.get(side)
-            if attached is not None:
-                attached.install()
-            step_times, cpu_times = [], []
-            for _ in range(steps):
-                t0, c0 = time.perf_counter(), time.process_time()
-                out = engine.train_step(inputs, targets)
-                float(out.loss)
-                step_times.append(time.perf_counter() - t0)
-                cpu_times.append(time.process_time() - c0)
-            if attached is not None:
-                attached.uninstall()
-            t = torch.tensor([statistics.median(step_times), 0.0], dtype=torch.float64)
-            t[1] = statistics.median(cpu_times)
-            wall = t[:1].clone()
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank's wall time
-            dist.all_reduce(t)  # CPU seconds of all ranks (gloo threads included)
-            times[side].append(float(wall))
-            cpu[side].append(float(t[1]))
+            wall, cpu_s = timed_round(engine, inputs, targets, steps, attach[side])
+            times[side].append(wall)
+            cpu[side].append(cpu_s)
     per_step = len(recorder.records) / (steps * pairs)
     assert per_step > 0 and all(s["state"] == "completed" for s in recorder.snapshot())
     session.close(final_dump=False)
@@ -172,12 +212,7 @@ def _per_call_table() -> dict[str, tuple[float, float]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS)
-    ap.add_argument("--model", default="debug")
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5, help="steps per round")
-    ap.add_argument("--pairs", type=int, default=6, help="OFF/ON round pairs")
+    add_arguments(ap, 6, "OFF/ON round pairs")
     ap.add_argument("--per-call", action="store_true", help="cost per collective only")
     args = ap.parse_args()
     calls = _per_call_table()
@@ -185,8 +220,6 @@ def main() -> int:
         return 0
     # The group's own forwarding, which OFF already pays: the dearer of the two paths.
     forward_s = max(calls["detached"][i] - calls["gloo"][i] for i in (0, 1)) / 1e6
-    from testkit.multiproc import run_on_ranks
-
     import recorder_overhead
 
     print(f"\nmodel {args.model}, seq {args.seq_len}, batch {args.global_batch}, "
@@ -195,10 +228,7 @@ def main() -> int:
           f"{'pair ratio (q1-q3)':>24}{'colls/step':>12}{'vs gloo':>9}{'stacks':>8}"
           f"{'cpu ON':>8}{'cpu stk':>8}")
     for layout in args.layouts:
-        with tempfile.TemporaryDirectory() as tmp:
-            res = run_on_ranks(recorder_overhead.rank_bench, 2, layout, args.model,
-                               args.seq_len, args.global_batch, args.steps, args.pairs, tmp,
-                               timeout=1800, backend="recorded")[0]
+        res = on_two_ranks(recorder_overhead.rank_bench, layout, args)
         off, on = (statistics.median(res["times"][k]) for k in ("off", "on"))
         c = res["cpu"]
         ratios = sorted(b / a for a, b in zip(res["times"]["off"], res["times"]["on"]))

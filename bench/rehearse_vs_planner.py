@@ -4,10 +4,16 @@ Each row rehearses the first rank of the planner's fullest stage of one plan (fa
 group and fake tensors: the runtime's own modules, shards, optimizer and step at the plan's
 shapes, nothing allocated) and prints the rehearsed peak next to the planner's tensors
 (`MemoryBreakdown.allocated`, CPU kernels), total and by category (rehearsal/planner, GiB).
-The model is tests/test_rehearse.py's (a 2-layer Llama-shaped model, 6 layers for the uneven
-interleaved row, vocabulary 32,000, hidden 2,048, 2 x 2,048 tokens per micro-batch, 8 ranks).
 
-    python bench/rehearse_vs_planner.py [KIND ...]
+Dense (default): tests/test_rehearse.py's table (a 2-layer Llama-shaped model, 6 layers for the
+uneven interleaved row, vocabulary 32,000, hidden 2,048, 2 x 2,048 tokens per micro-batch, 8
+ranks). `--moe`: tests/test_rehearse_moe.py's mixtures of experts (ep with ZeRO 0/1/3, ep+tp+sp,
+ep+pp, recomputation; Mixtral-style softmax routing and DeepSeek-style sigmoid routing with a
+shared expert and a dense first block; every MoE layer routes the mean T*k/E tokens per expert
+and the rehearsed rank's experts 1.25x it, the planner's default `expert_imbalance`, on both
+sides).
+
+    python bench/rehearse_vs_planner.py [--moe] [KIND ...]
 """
 
 from __future__ import annotations
@@ -20,23 +26,44 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_rehearse import BASE, KINDS, MODEL  # noqa: E402
+
+def table(moe: bool) -> tuple[dict, dict]:
+    """(BASE knobs, {kind: (model fields, knobs)}) of the test module's table."""
+    if moe:
+        from test_rehearse_moe import BASE, KINDS
+
+        return BASE, KINDS
+    from test_rehearse import BASE, KINDS, MODEL
+
+    kinds = {}
+    for name, knobs in KINDS.items():  # a dense kind may set its own layer count
+        knobs = dict(knobs)
+        kinds[name] = (dict(MODEL, layers=knobs.pop("layers", MODEL["layers"])), knobs)
+    return BASE, kinds
 
 
-def main(names: list[str]) -> None:
+def main(argv: list[str]) -> None:
     from meshtron.model.spec import ModelSpec
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.plan import as_plan
     from meshtron.rehearse.run import rehearse
 
+    moe = "--moe" in argv
+    base, kinds = table(moe)
+    names = [a for a in argv if a != "--moe"]
+    unknown = [n for n in names if n not in kinds]
+    if unknown:
+        print(f"rehearse_vs_planner: KIND {unknown[0]!r} is not a row of the "
+              f"{'MoE' if moe else 'dense'} table; allowed: {'; '.join(kinds)}", file=sys.stderr)
+        raise SystemExit(2)
     warnings.filterwarnings("ignore")
     print("| layout kind | rehearsal GiB | planner GiB | planner vs rehearsal | by category "
           "(rehearsal/planner) | wall |")
     print("|---|---|---|---|---|---|")
-    for name in names or list(KINDS):
-        knobs = dict(KINDS[name])
-        spec = ModelSpec(**dict(MODEL, layers=knobs.pop("layers", MODEL["layers"])))
-        plan = as_plan({**BASE, **knobs}).validate(8, spec)
+    for name in names or list(kinds):
+        model, knobs = kinds[name]
+        spec = ModelSpec(**model)
+        plan = as_plan({**base, **knobs, "model": spec.name}).validate(8, spec)
         r = rehearse(spec, plan, resolve_cluster("dgx-h100:1"), "cpu")
         rows = {x["row"]: (x["rehearsal_gib"], x["planner_gib"]) for x in r["memory"]}
         got, want = rows.pop("total")

@@ -2,8 +2,8 @@
 
 `rank_pids(run_dir)`: {rank: pid} of the torchrun workers training into `run_dir`, read from
 /proc (their environment carries the rank argv, meshtron/launch.py MESHTRON_RANK_ARGV, which
-names the run folder, and torchrun's RANK). `records(run_dir)`: the run's metrics.jsonl
-records so far ([] before the first)."""
+names the run folder, and torchrun's RANK); `run_processes(run_dir)`: the same with torchrun's
+agent. `records(run_dir)`: the run's metrics.jsonl records so far ([] before the first)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 
 
-def rank_pids(run_dir: Path | str) -> dict[int, int]:
-    """{rank: pid} of the ranks working on `run_dir` now."""
+def run_processes(run_dir: Path | str) -> dict[int, str]:
+    """{pid: "agent" or "rank N"} of the processes working on `run_dir` now: torchrun's agent
+    carries the rank argv too, but no RANK."""
     out = {}
     marker = str(run_dir).encode()
     for d in Path("/proc").iterdir():
@@ -23,9 +24,16 @@ def rank_pids(run_dir: Path | str) -> dict[int, int]:
                        if b"=" in x)
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if marker in env.get(b"MESHTRON_RANK_ARGV", b"") and b"RANK" in env:
-            out[int(env[b"RANK"])] = int(d.name)
+        if marker in env.get(b"MESHTRON_RANK_ARGV", b""):
+            rank = env.get(b"RANK")
+            out[int(d.name)] = f"rank {int(rank)}" if rank else "agent"
     return out
+
+
+def rank_pids(run_dir: Path | str) -> dict[int, int]:
+    """{rank: pid} of the ranks working on `run_dir` now."""
+    return {int(who.split()[1]): pid for pid, who in run_processes(run_dir).items()
+            if who != "agent"}
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -185,6 +185,70 @@ def test_recording_group_does_not_deadlock_under_load():
     assert run_on_ranks(_many_collectives, 2, 3000, timeout=240, backend="recorded") == [10, 10]
 
 
+def _work_passthrough() -> dict:
+    """An async all-reduce's RecordedWork, recorder attached: what its pass-through methods
+    (generated in backend.py, not written out) return against the wrapped gloo Work's."""
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.doctor.backend import RecordedWork
+    from meshtron.doctor.recorder import CollectiveRecorder
+
+    rec = CollectiveRecorder(dist.get_rank())
+    rec.install()
+    t = torch.full((4,), 3.0)
+    work = dist.all_reduce(t, async_op=True)
+    rec.uninstall()
+    out = {"wrapped": isinstance(work, RecordedWork),
+           "overrides": [n for n in ("get_future", "is_success", "exception", "result",
+                                     "synchronize", "source_rank", "get_future_result")
+                         if getattr(RecordedWork, n) is getattr(dist.Work, n)]}
+    work.wait()
+    inner = work._work
+    out["future"] = work.get_future().wait()[0].tolist()
+    out["same"] = [work.is_success() == inner.is_success(), work.exception() is None,
+                   [x.tolist() for x in work.result()] == [x.tolist() for x in inner.result()],
+                   work.synchronize() is None]
+    out["name"] = RecordedWork.get_future.__qualname__
+    return out
+
+
+def test_recorded_work_passes_the_rest_to_gloo():
+    r = run_on_ranks(_work_passthrough, 1, timeout=120, backend="recorded")[0]
+    assert r["wrapped"] and r["overrides"] == [] and r["same"] == [True] * 4
+    assert r["future"] == [3.0] * 4 and r["name"] == "RecordedWork.get_future"
+
+
+def _coalesced() -> tuple[list, list]:
+    """Functional coalesced all-gather and reduce-scatter (gloo has no binding for either: the
+    recording group issues one operation per tensor pair under one Work): values, ops."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from meshtron.doctor.recorder import CollectiveRecorder
+
+    r = dist.get_rank()
+    rec = CollectiveRecorder(r)
+    rec.install()
+    a, b = torch.full((2,), r + 1.0), torch.full((4,), 10.0 * (r + 1))
+    out = funcol.all_gather_into_tensor_coalesced([a, b], dist.group.WORLD)
+    out += funcol.reduce_scatter_tensor_coalesced([b, torch.arange(4.0) + r], "sum", [0, 0],
+                                                  dist.group.WORLD)
+    values = [torch.ops._c10d_functional.wait_tensor(t).tolist() for t in out]
+    rec.uninstall()
+    return values, [(x[2], x[-3]) for x in rec.records]
+
+
+def test_coalesced_operations_are_issued_per_pair_under_one_work():
+    for rank, (values, ops) in enumerate(run_on_ranks(_coalesced, 2, timeout=120,
+                                                      backend="recorded")):
+        assert values == [[1.0, 1.0, 2.0, 2.0], [10.0] * 4 + [20.0] * 4, [30.0, 30.0],
+                          [[1.0, 3.0], [5.0, 7.0]][rank]]
+        assert ops == [("all_gather_coalesced", "completed"),
+                       ("reduce_scatter_coalesced", "completed")]
+
+
 @pytest.mark.slow
 def test_recorder_composes_with_inductor():
     """The same with inductor (C++ code generation: gcc, minutes on 2 cores)."""

@@ -15,16 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from gpukit.common import Ctx
+from gpukit.common import Ctx, child_env, stop_group
 
-ROOT = Path(__file__).resolve().parents[2]
 TAIL = 15
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _tail(path: Path, n: int = TAIL) -> list[str]:
@@ -38,15 +31,7 @@ def _stop(proc: subprocess.Popen, run_dir: Path | None, grace_s: float = 15.0) -
     """SIGTERM the command's process group (meshtron then stops its torchrun ranks), SIGKILL
     after `grace_s`; then any rank still training into `run_dir` (torchrun's ranks run in a
     session of their own)."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            break
+    stop_group(proc, grace_s, 5.0)
     if run_dir is not None:
         from testkit.procs import rank_pids
 
@@ -82,7 +67,7 @@ def start(ctx: Ctx, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]
     log = ctx.work / f"cli-{name}"
     out, err = open(f"{log}.out", "w"), open(f"{log}.err", "w")
     proc = subprocess.Popen([sys.executable, "-m", "meshtron", *argv], cwd=ctx.work,
-                            stdout=out, stderr=err, env=_env(), start_new_session=True)
+                            stdout=out, stderr=err, env=child_env(), start_new_session=True)
     out.close()
     err.close()
     run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else ctx.work
@@ -153,10 +138,16 @@ def case_cli_plan(ctx: Ctx) -> None:
     run(ctx, "plan", ["plan", "--model", model, "--cluster", cluster, *batch], 60)
 
 
+def _train(ctx: Ctx, name: str, model: str, steps: tuple[int, int], *flags: str,
+           cap_s: float = 180) -> dict:
+    """`meshtron train --model MODEL [flags]` for (dry run, GPU) steps, in run-NAME/."""
+    d = ctx.work / f"run-{name}"
+    return run(ctx, name, ["train", "--model", model, *_toy(ctx, *steps), *flags,
+                           "--run-dir", str(d)], cap_s, d)
+
+
 def case_cli_train(ctx: Ctx) -> None:
-    d = ctx.work / "run-train"
-    run(ctx, "train", ["train", "--model", "debug", *_toy(ctx, 3, 20), "--run-dir", str(d)],
-        180, d)
+    _train(ctx, "train", "debug", (3, 20))
 
 
 def case_cli_train_auto(ctx: Ctx) -> None:
@@ -179,23 +170,17 @@ def case_cli_train_auto(ctx: Ctx) -> None:
 
 
 def case_cli_moe(ctx: Ctx) -> None:
-    d = ctx.work / "run-moe"
-    run(ctx, "moe", ["train", "--model", "tiny-moe-ds", *_toy(ctx, 3, 10), "--run-dir", str(d)],
-        180, d)
+    _train(ctx, "moe", "tiny-moe-ds", (3, 10))
 
 
 def case_cli_compile(ctx: Ctx) -> None:
-    d = ctx.work / "run-compile"
-    run(ctx, "compile", ["train", "--model", "debug", *_toy(ctx, 3, 20), "--compile",
-                         "--run-dir", str(d)], 300, d)
+    _train(ctx, "compile", "debug", (3, 20), "--compile", cap_s=300)
 
 
 def case_cli_fp8(ctx: Ctx) -> None:
-    d = ctx.work / "run-fp8"
     if ctx.dry_run:
         ctx.emit(note="cpu dry-run: torchao's emulated float8")
-    run(ctx, "fp8", ["train", "--model", "debug", *_toy(ctx, 3, 10), "--dtype", "fp8",
-                     "--run-dir", str(d)], 180, d)
+    _train(ctx, "fp8", "debug", (3, 10), "--dtype", "fp8")
 
 
 def _committed(run_dir: Path) -> list[str]:

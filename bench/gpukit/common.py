@@ -12,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 FIXED = {"tp": 1, "pp": 1, "dp": 1, "zero": 0}
 """One rank, no sharding: the planner chooses micro-batch and recomputation."""
@@ -57,6 +60,28 @@ class Ctx:
     @property
     def warmup(self) -> int:
         return 0 if self.dry_run else 1
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of every process the kit starts: unbuffered output (a case cut short
+    still shows its last lines) and the checkout on PYTHONPATH (no `pip install` needed)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float, kill_wait_s: float) -> None:
+    """SIGTERM `proc`'s process group (it was started in a session of its own), SIGKILL after
+    `grace_s` seconds, then wait at most `kill_wait_s` for it."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
 
 
 def _plain(x: Any) -> Any:

@@ -22,15 +22,12 @@ bench/gputrue_check.py runs the same scripts standalone.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from gpukit import common as C
-
-ROOT = Path(__file__).resolve().parents[2]
 
 STAGER = r"""
 import json, torch
@@ -206,12 +203,11 @@ def run_check(name: str, body: str, cap: float, device: str, small: bool,
               tmp: Path) -> dict:
     """One check in its own process: its JSON line, exit code, seconds; the output's tail on
     failure."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-c", script(body, device, small, str(tmp))],
-                              capture_output=True, text=True, timeout=cap, env=env, cwd=tmp)
+                              capture_output=True, text=True, timeout=cap, env=C.child_env(),
+                              cwd=tmp)
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout or ""
@@ -316,12 +312,10 @@ def case_torch_tests(ctx: C.Ctx) -> None:
         ctx.emit(skipped="pytest is not installed here (carry its wheels in .whl/)")
         return
     files = TORCH_TESTS[-1:] if ctx.dry_run else TORCH_TESTS
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-m", "not slow", "-rf", *files], capture_output=True, text=True,
-                          cwd=ROOT, env=env)
+                          cwd=C.ROOT, env=C.child_env())
     lines = proc.stdout.splitlines()
     ctx.emit(files=files, exit_code=proc.returncode, seconds=time.perf_counter() - t0,
              summary=lines[-1] if lines else "", failed=[x for x in lines

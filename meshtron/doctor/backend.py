@@ -113,32 +113,23 @@ class RecordedWork(dist.Work):
             self._recorder.completed(self._rec)
         return done
 
-    def get_future(self):
-        return self._work.get_future()
 
-    def is_success(self) -> bool:
-        return self._work.is_success()
+def _forward(name: str):
+    """A RecordedWork method that returns the wrapped Work's `name`: set on the class, pybind's
+    trampoline finds it as it finds one written in the class body, so C++ callers of the Work
+    (a DDP comm hook's future, for one) reach the wrapped Work as Python callers do."""
+    def method(self, *args):
+        return getattr(self._work, name)(*args)
 
-    def exception(self):
-        return self._work.exception()
+    method.__name__, method.__qualname__ = name, f"RecordedWork.{name}"
+    return method
 
-    def source_rank(self) -> int:
-        return self._work.source_rank()
 
-    def _source_rank(self) -> int:
-        return self._work._source_rank()
-
-    def result(self):
-        return self._work.result()
-
-    def synchronize(self) -> None:
-        self._work.synchronize()
-
-    def get_future_result(self):
-        return self._work.get_future_result()
-
-    def block_current_stream(self) -> None:
-        self._work.block_current_stream()
+# What RecordedWork passes through unchanged, by the names of dist.Work's methods
+for _name in ("get_future", "is_success", "exception", "source_rank", "_source_rank", "result",
+              "synchronize", "get_future_result", "block_current_stream"):
+    setattr(RecordedWork, _name, _forward(_name))
+del _name
 
 
 class _AllOf(dist.Work):
@@ -251,10 +242,8 @@ class RecordingProcessGroup(_PG):
         return self._end(rec, self._backend._allgather_base(output, input, opts), [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        rec = self._begin("all_gather_coalesced", [outputs, inputs])
-        work = _AllOf([self._backend._allgather_base(o, i, opts)
-                       for o, i in zip(outputs, inputs)])
-        return self._end(rec, work, outputs)
+        return self._per_pair("all_gather_coalesced", self._backend._allgather_base, outputs,
+                              inputs, opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         rec = self._begin("reduce_scatter", [output_tensors, input_tensors])
@@ -266,10 +255,15 @@ class RecordingProcessGroup(_PG):
         return self._end(rec, self._backend._reduce_scatter_base(output, input, opts), [output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        rec = self._begin("reduce_scatter_coalesced", [outputs, inputs])
-        work = _AllOf([self._backend._reduce_scatter_base(o, i, opts)
-                       for o, i in zip(outputs, inputs)])
-        return self._end(rec, work, outputs)
+        return self._per_pair("reduce_scatter_coalesced", self._backend._reduce_scatter_base,
+                              outputs, inputs, opts)
+
+    def _per_pair(self, op: str, base, outputs, inputs, opts):
+        """A coalesced operation without a backend binding: `base` per (output, input) pair,
+        recorded once as `op`, under one Work."""
+        rec = self._begin(op, [outputs, inputs])
+        return self._end(rec, _AllOf([base(o, i, opts) for o, i in zip(outputs, inputs)]),
+                         outputs)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts):
         # (the analysis lets the members of an all-to-all differ: uneven splits)
