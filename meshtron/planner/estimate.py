@@ -296,7 +296,9 @@ class Evaluator(DataParallelCost):
         return moe_memory.activation_extra(
             act, self.active, self.model, mb * seq, tp, ep, float(o.expert_imbalance),
             mem.compute_bytes, mem.saved, rec, 1.0 if fp8 else None,
-            shared_replicated=mem.framework == "fsdp2")
+            shared_replicated=mem.framework == "fsdp2",
+            dense_fp8=mem.saved == "korthikanti" and memory.te_fp8_inputs(o, mem),
+            weighted_act=mem.moe_weighted_act)
 
     def _groups(self, cfg: Plan) -> dict[str, Any]:
         """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
@@ -403,6 +405,10 @@ class Evaluator(DataParallelCost):
             e_moved = sum(e_full) - sum(e_states)
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
+        if (mem_opts.framework == "megatron" and cfg.schedule == "interleaved" and v > 1
+                and ep > 1 and self.opts.ep_overlap):
+            # Megatron-Core's A2A overlap adds a warm-up forward (memory_pipeline.py)
+            inflight = memory_pipeline.a2a_overlap_in_flight(inflight, v, m)
         roots = [0.0] * pp
         roots[0] += p_emb
         roots[-1] += p_head

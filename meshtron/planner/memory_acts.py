@@ -106,15 +106,39 @@ def _alternate_matmul(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
     return cb * (block_in + (h + kv + f + h) / tp + h) + 4.0 * a / tp
 
 
+def te_fp8_inputs(opts: KernelOptions, mem: MemoryOptions) -> bool:
+    """Transformer Engine's FP8 Linears (Megatron-Core's; `fp8_scaling` 'te-*') keep their
+    input for the weight gradient as the quantised FP8 tensor, 1 byte per element, not the
+    bf16 one (module/linear.py and layernorm_linear.py: the saved `inputmat` / `ln_out` is the
+    quantizer's output, its rowwise data dropped after the forward, `update_usage(rowwise_usage=
+    False)`, the columnwise copy kept): the QKV and fc1 inputs (the norms' outputs), the
+    out-projection's and fc2's. What is not a GEMM input stays in the compute dtype: the norms'
+    inputs, Q, K and V and the attention output FlashAttention saves (FP8 attention is off by
+    default), SwiGLU's input (fc1's bf16 output, Megatron's bias-SwiGLU kernel)."""
+    return mem.dtype == "fp8" and opts.fp8_scaling.startswith("te-")
+
+
 def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOptions,
-                 seq: int) -> float:
+                 seq: int, cb: float = 2.0, fp8_inputs: bool = False) -> float:
+    """Bytes per token (the module docstring's list in the compute dtype `cb`; `fp8_inputs`:
+    the GEMM inputs in FP8, `te_fp8_inputs`). Q and the attention output are heads x head_dim
+    wide, which is not the hidden size everywhere (Qwen3: 32 x 128 over 2048)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
-    replicated = 8.0 * h + (2.0 * h if opts.dropout else 0.0)
-    sharded = 4.0 * h + 4.0 * kv + (6.0 * f if model.mlp == "swiglu" else 4.0 * f)
+    q = model.heads * model.head_dim
+    x = 1.0 if fp8_inputs else cb                       # a saved GEMM input
+    # two norm inputs, the QKV and fc1 inputs (the norms' outputs); dropout masks
+    replicated = 2.0 * cb * h + 2.0 * x * h + (cb * h if opts.dropout else 0.0)
+    # the out-projection's input: FlashAttention keeps its bf16 output O for its own backward,
+    # the same tensor the bf16 Linear saves; an FP8 Linear saves its own FP8 copy beside it
+    out = x * q + (cb * q if fp8_inputs and opts.attention != "unfused" else 0.0)
+    # SwiGLU: fc1's output [2f] (the activation's input) and fc2's input [f]; GeLU: f and f
+    mlp = (2.0 * cb * f if model.mlp == "swiglu" else cb * f) + x * f
+    sharded = cb * q + out + 2.0 * cb * kv + mlp
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:
         core = 4.0 * a
+    core *= cb / 2.0
     return (replicated / tp if sp else replicated) + (sharded + core) / tp
 
 
@@ -133,7 +157,8 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
         return tokens * mem.compute_bytes * model.hidden / (tp if sp else 1) + RNG_STATE_BYTES
     cb = mem.compute_bytes
     if mem.saved == "korthikanti":
-        per_token = _korthikanti(model, tp, sp, recompute, opts, seq) * cb / 2.0
+        per_token = _korthikanti(model, tp, sp, recompute, opts, seq, cb,
+                                 te_fp8_inputs(opts, mem))
     elif recompute == "none":
         per_token = _eager_none(model, tp, sp, mem, opts.attention, seq)
         return tokens * per_token + rope_copy_bytes(model, seq, mem)
