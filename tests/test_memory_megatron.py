@@ -159,3 +159,28 @@ def test_whole_vocabulary_embedding_gradient_is_dtensors_only():
     VocabParallelEmbedding makes the local shard only: no embedding moment."""
     assert memory.embedding_moment(MEGATRON, 1e9, 0.0, 1e8, 0.0) == 0.0
     assert memory.embedding_moment(MemoryOptions(), 1e9, 0.0, 1e8, 0.0) == 1e9 + 2e8
+
+
+def test_te_caches_fp8_weights_rowwise_and_columnwise_over_the_step():
+    """Megatron-Core FP8 without fp8_param_gather: Transformer Engine keeps each block GEMM
+    weight's FP8 copy and its transpose (2 bytes per element) from the first micro-batch to
+    the last, counted with the parameters; none with fp8_param_gather (the parameter is the
+    FP8 copy), none in bf16 and none for meshtron's runtime (torchao casts per micro-batch)."""
+    assert memory.te_weight_cache_bytes(TE, MEGATRON_FP8) == 2.0
+    assert memory.te_weight_cache_bytes(dataclasses.replace(TE, fp8_param_gather=True),
+                                        MEGATRON_FP8) == 0.0
+    assert memory.te_weight_cache_bytes(TE, MEGATRON) == 0.0
+    assert memory.te_weight_cache_bytes(TE, MemoryOptions(dtype="fp8")) == 0.0
+    cluster = preset_cluster("dgx-h100", 1)
+    plan = Plan(2, 2, 2, 1, 1, "none", True, "1f1b", 1, dtype="fp8")
+
+    def params(opts):
+        ev = Evaluator(DENSE, cluster, 64, 4096, opts=opts, mem=MEGATRON_FP8)
+        est = ev.evaluate(plan, keep_infeasible=True)
+        return est.memory, est.stage_layers
+
+    cached, layers = params(TE)
+    plain, _ = params(dataclasses.replace(TE, fp8_param_gather=True))
+    gemm = (DENSE.attention_params() + DENSE.mlp_params()) / 2  # one block's GEMMs at tp=2
+    assert (cached.params - plain.params) * memory.GIB == pytest.approx(
+        2.0 * gemm * layers[cached.stage], rel=1e-9)

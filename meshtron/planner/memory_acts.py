@@ -118,6 +118,25 @@ def te_fp8_inputs(opts: KernelOptions, mem: MemoryOptions) -> bool:
     return mem.dtype == "fp8" and opts.fp8_scaling.startswith("te-")
 
 
+TE_FP8_WEIGHT_CACHE_BYTES = 2.0
+"""Bytes per FP8 GEMM weight element Transformer Engine keeps from a step's first micro-batch
+to its last: the quantised weight rowwise and columnwise (the transpose the dgrad GEMM reads on
+Hopper), cached in the module's `_fp8_workspaces` when Megatron-Core passes
+is_first_microbatch (module/linear.py: cache_name "weight", quantize_weight(cache=True); the
+weight quantizer's columnwise usage is on while grad is enabled). With fp8_param_gather the
+parameter itself is FP8 (1 byte, in place of the bf16 weight the states count) and only its
+columnwise copy is added: 2 bytes, as the states count, nothing here."""
+
+
+def te_weight_cache_bytes(opts: KernelOptions, mem: MemoryOptions) -> float:
+    """`TE_FP8_WEIGHT_CACHE_BYTES` for a Megatron-Core FP8 run without fp8_param_gather, else 0:
+    bytes per element of the blocks' GEMM weights (not the norms, the router, the embedding or
+    Megatron's output layer, which run in bf16)."""
+    if mem.framework != "megatron" or not te_fp8_inputs(opts, mem) or opts.fp8_param_gather:
+        return 0.0
+    return TE_FP8_WEIGHT_CACHE_BYTES
+
+
 def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOptions,
                  seq: int, cb: float = 2.0, fp8_inputs: bool = False) -> float:
     """Bytes per token (the module docstring's list in the compute dtype `cb`; `fp8_inputs`:
