@@ -236,7 +236,8 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     tensors = (params * (wb + gb + ob) + experts * (ewb + egb + eob) + gathered + all_acts
                + outputs + work + logits + cache)
     return MemoryBreakdown(
-        params=(params * wb + experts * ewb + cache) / GIB, grads=(params * gb + experts * egb) / GIB,
+        params=(params * wb + experts * ewb + cache) / GIB,
+        grads=(params * gb + experts * egb) / GIB,
         optimizer=(params * ob + experts * eob) / GIB,
         gathered=gathered / GIB, activations=acts / GIB,
         in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,

@@ -9,7 +9,11 @@ Activations per layer and micro-batch: the tensors autograd saves, listed op by 
   and MLP inputs 4h (both /t with sequence parallelism), Q 2h, K and V 4kv, attention output 2h,
   MLP 6f (SwiGLU, fused: gate and up inputs + product) or 4f (GeLU), dropout masks 2h; the
   attention core 2as (unfused; 5as with dropout), or a fp32 log-sum-exp per head with
-  FlashAttention. Selective recomputation drops the attention core.
+  FlashAttention. Selective recomputation drops the attention core. Q and the attention
+  output are heads x head_dim wide (h for most models; 2h for Qwen3). Under Transformer
+  Engine's FP8 (`te_fp8_inputs`) every GEMM input is saved as its 1-byte quantised copy (QKV's
+  and fc1's inputs, fc2's; the out-projection's beside FlashAttention's bf16 output), and the
+  FP8 weights are cached over the step (`te_weight_cache_bytes`).
 * `eager` (meshtron's model in eager PyTorch, read off its autograd graph; checked against
   `torch.autograd.graph.saved_tensors_hooks` in tests/test_memory.py): norm inputs (x, x1), the
   normed inputs of QKV and of the MLP (gathered, so full width even with sequence parallelism:

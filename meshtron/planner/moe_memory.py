@@ -40,8 +40,11 @@ probabilities, the grouped MLP's input [R, h] (FP8 when the experts' GEMMs run i
 Transformer Engine's GroupedLinear saves the quantised input; DeepSeek-V3 technical report
 section 3.3.2 caches the dispatched activations in FP8), the fc1 output [R, 2 fe] (SwiGLU's
 input, bf16) and SwiGLU's output [R, fe] (fc2's input: FP8 too under FP8 GEMMs, the copy
-GroupedLinear saves; DeepSeek-V3 section 3.3.2 caches the SwiGLU output's FP8 copy), and the unpermute's expert outputs
-[T*k, h] with the probabilities (megatron/core/transformer/moe/moe_utils.py `unpermute`).
+GroupedLinear saves; DeepSeek-V3 section 3.3.2 caches the SwiGLU output's FP8 copy), and the
+unpermute's expert outputs [T*k, h] with the probabilities (megatron/core/transformer/moe/
+moe_utils.py `unpermute`; from Megatron-Core 0.13 the probabilities are applied in the
+experts' weighted SwiGLU instead, which saves them [R] beside its input and leaves the
+unpermute nothing to save: MemoryOptions.moe_weighted_act).
 Expert GEMMs under expert tensor parallelism hold fe/etp columns.
 
 The dense equivalent already charges a SwiGLU of width k*fe + E/3 for the routed part
