@@ -184,3 +184,11 @@ def test_te_caches_fp8_weights_rowwise_and_columnwise_over_the_step():
     gemm = (DENSE.attention_params() + DENSE.mlp_params()) / 2  # one block's GEMMs at tp=2
     assert (cached.params - plain.params) * memory.GIB == pytest.approx(
         2.0 * gemm * layers[cached.stage], rel=1e-9)
+
+
+def test_a_non_boolean_memory_switch_is_refused_by_name():
+    from meshtron.errors import UserError
+
+    with pytest.raises(UserError, match="memory.moe_weighted_act='yes': allowed values are "
+                                        "true, false"):
+        MemoryOptions(framework="megatron", moe_weighted_act="yes")

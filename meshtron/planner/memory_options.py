@@ -72,6 +72,10 @@ class MemoryOptions:
                              f"{', '.join(FRAMEWORKS)}")
         if self.loss is not None and self.loss not in LOSSES:
             raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
+        for name in ("gqa_copies", "fused_norm", "moe_weighted_act"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise UserError(f"memory.{name}={value!r}: allowed values are true, false")
         if self.activations is not None and self.activations not in SELECTIVE:
             raise UserError(f"memory.activations={self.activations!r}: allowed values are "
                              f"{', '.join(SELECTIVE)}")
