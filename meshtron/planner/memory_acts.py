@@ -63,8 +63,9 @@ def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attenti
                 seq: int) -> float:
     """Bytes per token one eager block saves without recomputation (module docstring)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    q = model.heads * model.head_dim                       # query width (Qwen3: 2h)
     cb = mem.compute_bytes
-    kv_sdpa = h if mem.gqa_copies and model.heads != model.kv_heads else kv
+    kv_sdpa = q if mem.gqa_copies and model.heads != model.kv_heads else kv
     h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
     if model.norm == "rmsnorm" and not mem.fused_norm:
         # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
@@ -76,7 +77,7 @@ def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attenti
     gathered = 2.0 * h                                     # normed inputs of QKV and MLP
     # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
     # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
-    attn = 2.0 * h + 2.0 * kv_sdpa
+    attn = 2.0 * q + 2.0 * kv_sdpa
     mlp = 4.0 * f if model.mlp == "swiglu" else 2.0 * f
     core = 4.0 * a                                          # fp32 log-sum-exp per head
     if attention == "unfused":
@@ -94,8 +95,9 @@ def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions) -> float:
 def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
     """meshtron's selective policy: block input, matmul outputs, collective outputs."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    q = model.heads * model.head_dim
     block_in = h / (tp if sp else 1)
-    col = h + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
+    col = q + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
     row = 2.0 * h  # wo and w2 outputs: full width on every tensor rank before the reduction
     coll = 0.0
     if tp > 1:
