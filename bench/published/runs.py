@@ -470,7 +470,10 @@ def _moe_runs() -> list[PublishedRun]:
             "Megatron-Core (Megatron-Bridge)", qwen, preset_cluster("dgx-h100", 2), gbs, 4096,
             1, 2, 8, 1, "none", False, qwen_recipe, "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",), dtype="fp8", virtual_stages=vp, ep=8,
-            memory=MemoryOptions(framework="megatron"), confident=False, regression=dropless,
+            # Megatron-Bridge 25.11 / 26.02 ship Megatron-Core >= 0.13: routing probabilities
+            # applied in the experts' weighted SwiGLU (MemoryOptions.moe_weighted_act)
+            memory=MemoryOptions(framework="megatron", moe_weighted_act=True), confident=False,
+            regression=dropless,
             note=f"FP8 current scaling, micro-batch {mbs}, VP {vp}, EP 8 as published; "
                  "distributed optimizer (FSDP 0); router force-balanced; A2A overlap, bf16 "
                  "gradient reduction and no recomputation as the recipe sets them"))

@@ -296,7 +296,9 @@ class Evaluator(DataParallelCost):
         return moe_memory.activation_extra(
             act, self.active, self.model, mb * seq, tp, ep, float(o.expert_imbalance),
             mem.compute_bytes, mem.saved, rec, 1.0 if fp8 else None,
-            shared_replicated=mem.framework == "fsdp2")
+            shared_replicated=mem.framework == "fsdp2",
+            dense_fp8=mem.saved == "korthikanti" and memory.te_fp8_inputs(o, mem),
+            weighted_act=mem.moe_weighted_act)
 
     def _groups(self, cfg: Plan) -> dict[str, Any]:
         """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
@@ -403,6 +405,10 @@ class Evaluator(DataParallelCost):
             e_moved = sum(e_full) - sum(e_states)
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
+        if (mem_opts.framework == "megatron" and cfg.schedule == "interleaved" and v > 1
+                and ep > 1 and self.opts.ep_overlap):
+            # Megatron-Core's A2A overlap adds a warm-up forward (memory_pipeline.py)
+            inflight = memory_pipeline.a2a_overlap_in_flight(inflight, v, m)
         roots = [0.0] * pp
         roots[0] += p_emb
         roots[-1] += p_head
@@ -424,13 +430,22 @@ class Evaluator(DataParallelCost):
         # per pipeline rank: (block parameters, experts, activations, recompute working set)
         # of its mean block; every block a MoE block's until the layer split is known
         blocks = [(p_layer, p_exp, act, work)] * pp
+        # Transformer Engine's cached FP8 weights (memory_acts.te_weight_cache_bytes): the
+        # block's GEMM weights, not its norms or router
+        cache_b = memory.te_weight_cache_bytes(self.opts, mem_opts)
+        not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
+                                            if model.is_moe else 0)
+
+        def cache_of(i: int) -> float:
+            return cache_b * max(0.0, blocks[i][0] + blocks[i][1] - not_gemm)
 
         def stage_memories(inflight: list[float]) -> tuple[list[float], list[float]]:
             sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, blocks[i][0], roots[i],
                                        largest, blocks[i][2], inflight[i], blocks[i][3],
                                        logits if i == pp - 1 else 0.0, self.grad_bytes, keep,
                                        accum, blocks[i][1], e_states, root_units[i],
-                                       reduce_bytes, grad_extra if i == 0 else 0.0, outputs[i])
+                                       reduce_bytes, grad_extra if i == 0 else 0.0, outputs[i],
+                                       cache_of(i))
                    for i in range(pp)]
             return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
 
@@ -571,7 +586,8 @@ class Evaluator(DataParallelCost):
                                logits if worst == pp - 1 else 0.0, self.capacity, worst,
                                self.grad_bytes, keep, accum, b_exp, e_states,
                                root_units[worst], reduce_bytes,
-                               grad_extra if worst == 0 else 0.0, outputs[worst])
+                               grad_extra if worst == 0 else 0.0, outputs[worst],
+                               cache_of(worst))
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, host_gpu)
             fits = fits and mem.host_fits

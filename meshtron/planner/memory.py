@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from meshtron.planner.memory_acts import (  # noqa: F401  (re-exported)
     CHUNKED_HEAD_GRAD_COPIES, LOSS_PARALLEL_BYTES, RNG_STATE_BYTES, activation_bytes,
     chunked_loss_bytes, gathered_kv_bytes, logits_bytes, loss_or_recompute,
-    recompute_working_bytes, rope_copy_bytes)
+    TE_FP8_WEIGHT_CACHE_BYTES, recompute_working_bytes, rope_copy_bytes, te_fp8_inputs,
+    te_weight_cache_bytes)
 from meshtron.planner.memory_options import (  # noqa: F401  (re-exported)
     DEFAULT, DTYPES, FRAGMENTATION, FRAMEWORKS, GIB, LOSSES, SELECTIVE, WORKSPACE_FIXED_GIB,
     WORKSPACE_FIXED_MAX_FRACTION, MemoryOptions, options_for)
@@ -157,7 +158,8 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  keep_gathered: bool = False, accum: float = 0.0, p_expert: float = 0.0,
                  expert_states: tuple[float, float, float] | None = None,
                  root_unit: float | None = None, reduce_bytes: float = 4.0,
-                 grad_extra: float = 0.0, outputs: float = 0.0) -> StageMemory:
+                 grad_extra: float = 0.0, outputs: float = 0.0,
+                 weight_cache: float = 0.0) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
@@ -166,7 +168,9 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     with accumulate_unsharded or pipelining: FSDP2 keeps them in the reduce dtype);
     `grad_extra`: accumulated gradient elements beyond the stage's local parameters
     (`embedding_grad_extra`); `outputs`: bytes of the chunk outputs a pipeline schedule
-    keeps for backward (memory_pipeline.held_outputs); `reduce_bytes`: bytes per element of
+    keeps for backward (memory_pipeline.held_outputs); `weight_cache`: bytes per block of
+    quantised weight copies kept over the step (memory_acts.te_weight_cache_bytes);
+    `reduce_bytes`: bytes per element of
     the reduce-scatter input
     a block's backward runs beside (the reduce dtype; 0 where gradients are reduced after the
     last backward: pipelining). The peak is the larger of the loss's and a block's backward
@@ -177,7 +181,8 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     # rank, `p_layer` the rest of the block) keep their ZeRO states over the dp*cp/ep ranks
     # holding the same experts (`expert_states`); the compute copies gather both
     eb = sum(expert_states) if expert_states is not None else sb
-    per_layer = p_layer * (sb + accum) + p_expert * (eb + accum) + act * in_flight
+    per_layer = (p_layer * (sb + accum) + p_expert * (eb + accum) + act * in_flight
+                 + weight_cache)
     p_layer = p_layer + p_expert
     cb = mem.compute_bytes
     fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
@@ -204,10 +209,12 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               accum: float = 0.0, p_expert: float = 0.0,
               expert_states: tuple[float, float, float] | None = None,
               root_unit: float | None = None, reduce_bytes: float = 4.0,
-              grad_extra: float = 0.0, outputs: float = 0.0) -> MemoryBreakdown:
+              grad_extra: float = 0.0, outputs: float = 0.0,
+              weight_cache: float = 0.0) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
-    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`: as stage_memory (the kept chunk
-    outputs are counted with the in-flight activations)."""
+    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`: as stage_memory
+    (the kept chunk outputs are counted with the in-flight activations, the cached quantised
+    weights with the parameters)."""
     wb, gb, ob = states
     ewb, egb, eob = expert_states if expert_states is not None else states
     experts = layers * p_expert
@@ -225,10 +232,12 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
     extra = all_acts - acts + outputs
+    cache = layers * weight_cache
     tensors = (params * (wb + gb + ob) + experts * (ewb + egb + eob) + gathered + all_acts
-               + outputs + work + logits)
+               + outputs + work + logits + cache)
     return MemoryBreakdown(
-        params=(params * wb + experts * ewb) / GIB, grads=(params * gb + experts * egb) / GIB,
+        params=(params * wb + experts * ewb + cache) / GIB,
+        grads=(params * gb + experts * egb) / GIB,
         optimizer=(params * ob + experts * eob) / GIB,
         gathered=gathered / GIB, activations=acts / GIB,
         in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,

@@ -9,7 +9,11 @@ Activations per layer and micro-batch: the tensors autograd saves, listed op by 
   and MLP inputs 4h (both /t with sequence parallelism), Q 2h, K and V 4kv, attention output 2h,
   MLP 6f (SwiGLU, fused: gate and up inputs + product) or 4f (GeLU), dropout masks 2h; the
   attention core 2as (unfused; 5as with dropout), or a fp32 log-sum-exp per head with
-  FlashAttention. Selective recomputation drops the attention core.
+  FlashAttention. Selective recomputation drops the attention core. Q and the attention
+  output are heads x head_dim wide (h for most models; 2h for Qwen3). Under Transformer
+  Engine's FP8 (`te_fp8_inputs`) every GEMM input is saved as its 1-byte quantised copy (QKV's
+  and fc1's inputs, fc2's; the out-projection's beside FlashAttention's bf16 output), and the
+  FP8 weights are cached over the step (`te_weight_cache_bytes`).
 * `eager` (meshtron's model in eager PyTorch, read off its autograd graph; checked against
   `torch.autograd.graph.saved_tensors_hooks` in tests/test_memory.py): norm inputs (x, x1), the
   normed inputs of QKV and of the MLP (gathered, so full width even with sequence parallelism:
@@ -59,8 +63,9 @@ def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attenti
                 seq: int) -> float:
     """Bytes per token one eager block saves without recomputation (module docstring)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    q = model.heads * model.head_dim                       # query width (Qwen3: 2h)
     cb = mem.compute_bytes
-    kv_sdpa = h if mem.gqa_copies and model.heads != model.kv_heads else kv
+    kv_sdpa = q if mem.gqa_copies and model.heads != model.kv_heads else kv
     h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
     if model.norm == "rmsnorm" and not mem.fused_norm:
         # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
@@ -72,7 +77,7 @@ def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attenti
     gathered = 2.0 * h                                     # normed inputs of QKV and MLP
     # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
     # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
-    attn = 2.0 * h + 2.0 * kv_sdpa
+    attn = 2.0 * q + 2.0 * kv_sdpa
     mlp = 4.0 * f if model.mlp == "swiglu" else 2.0 * f
     core = 4.0 * a                                          # fp32 log-sum-exp per head
     if attention == "unfused":
@@ -90,8 +95,9 @@ def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions) -> float:
 def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
     """meshtron's selective policy: block input, matmul outputs, collective outputs."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    q = model.heads * model.head_dim
     block_in = h / (tp if sp else 1)
-    col = h + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
+    col = q + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
     row = 2.0 * h  # wo and w2 outputs: full width on every tensor rank before the reduction
     coll = 0.0
     if tp > 1:
@@ -106,15 +112,58 @@ def _alternate_matmul(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
     return cb * (block_in + (h + kv + f + h) / tp + h) + 4.0 * a / tp
 
 
+def te_fp8_inputs(opts: KernelOptions, mem: MemoryOptions) -> bool:
+    """Transformer Engine's FP8 Linears (Megatron-Core's; `fp8_scaling` 'te-*') keep their
+    input for the weight gradient as the quantised FP8 tensor, 1 byte per element, not the
+    bf16 one (module/linear.py and layernorm_linear.py: the saved `inputmat` / `ln_out` is the
+    quantizer's output, its rowwise data dropped after the forward, `update_usage(rowwise_usage=
+    False)`, the columnwise copy kept): the QKV and fc1 inputs (the norms' outputs), the
+    out-projection's and fc2's. What is not a GEMM input stays in the compute dtype: the norms'
+    inputs, Q, K and V and the attention output FlashAttention saves (FP8 attention is off by
+    default), SwiGLU's input (fc1's bf16 output, Megatron's bias-SwiGLU kernel)."""
+    return mem.dtype == "fp8" and opts.fp8_scaling.startswith("te-")
+
+
+TE_FP8_WEIGHT_CACHE_BYTES = 2.0
+"""Bytes per FP8 GEMM weight element Transformer Engine keeps from a step's first micro-batch
+to its last: the quantised weight rowwise and columnwise (the transpose the dgrad GEMM reads on
+Hopper), cached in the module's `_fp8_workspaces` when Megatron-Core passes
+is_first_microbatch (module/linear.py: cache_name "weight", quantize_weight(cache=True); the
+weight quantizer's columnwise usage is on while grad is enabled). With fp8_param_gather the
+parameter itself is FP8 (1 byte, in place of the bf16 weight the states count) and only its
+columnwise copy is added: 2 bytes, as the states count, nothing here."""
+
+
+def te_weight_cache_bytes(opts: KernelOptions, mem: MemoryOptions) -> float:
+    """`TE_FP8_WEIGHT_CACHE_BYTES` for a Megatron-Core FP8 run without fp8_param_gather, else 0:
+    bytes per element of the blocks' GEMM weights (not the norms, the router, the embedding or
+    Megatron's output layer, which run in bf16)."""
+    if mem.framework != "megatron" or not te_fp8_inputs(opts, mem) or opts.fp8_param_gather:
+        return 0.0
+    return TE_FP8_WEIGHT_CACHE_BYTES
+
+
 def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOptions,
-                 seq: int) -> float:
+                 seq: int, cb: float = 2.0, fp8_inputs: bool = False) -> float:
+    """Bytes per token (the module docstring's list in the compute dtype `cb`; `fp8_inputs`:
+    the GEMM inputs in FP8, `te_fp8_inputs`). Q and the attention output are heads x head_dim
+    wide, which is not the hidden size everywhere (Qwen3: 32 x 128 over 2048)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
-    replicated = 8.0 * h + (2.0 * h if opts.dropout else 0.0)
-    sharded = 4.0 * h + 4.0 * kv + (6.0 * f if model.mlp == "swiglu" else 4.0 * f)
+    q = model.heads * model.head_dim
+    x = 1.0 if fp8_inputs else cb                       # a saved GEMM input
+    # two norm inputs, the QKV and fc1 inputs (the norms' outputs); dropout masks
+    replicated = 2.0 * cb * h + 2.0 * x * h + (cb * h if opts.dropout else 0.0)
+    # the out-projection's input: FlashAttention keeps its bf16 output O for its own backward,
+    # the same tensor the bf16 Linear saves; an FP8 Linear saves its own FP8 copy beside it
+    out = x * q + (cb * q if fp8_inputs and opts.attention != "unfused" else 0.0)
+    # SwiGLU: fc1's output [2f] (the activation's input) and fc2's input [f]; GeLU: f and f
+    mlp = (2.0 * cb * f if model.mlp == "swiglu" else cb * f) + x * f
+    sharded = cb * q + out + 2.0 * cb * kv + mlp
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:
         core = 4.0 * a
+    core *= cb / 2.0
     return (replicated / tp if sp else replicated) + (sharded + core) / tp
 
 
@@ -133,7 +182,8 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
         return tokens * mem.compute_bytes * model.hidden / (tp if sp else 1) + RNG_STATE_BYTES
     cb = mem.compute_bytes
     if mem.saved == "korthikanti":
-        per_token = _korthikanti(model, tp, sp, recompute, opts, seq) * cb / 2.0
+        per_token = _korthikanti(model, tp, sp, recompute, opts, seq, cb,
+                                 te_fp8_inputs(opts, mem))
     elif recompute == "none":
         per_token = _eager_none(model, tp, sp, mem, opts.attention, seq)
         return tokens * per_token + rope_copy_bytes(model, seq, mem)

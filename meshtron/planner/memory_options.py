@@ -55,6 +55,15 @@ class MemoryOptions:
     PR #153666); False: the composite path (PyTorch on CPU), which also saves an fp32 copy of
     the input and the fp32 normalised tensor."""
 
+    moe_weighted_act: bool = False
+    """Megatron-Core 0.13 on (ADLR/megatron-lm!2668, "Memory efficient token permutation",
+    April 2025): the routing probabilities scale the experts' SwiGLU output inside the
+    weighted bias-SwiGLU kernel (moe/experts.py TEGroupedMLP, weighted_bias_swiglu_impl) and
+    the combine's unpermute takes none, so it saves no [T*k, h] expert outputs for their
+    gradient, only the permuted probabilities beside the SwiGLU's input
+    (moe_memory.routed_saved_bytes); False: the probabilities applied at the unpermute
+    (Megatron-Core 0.8-0.12, the megatron@2024 preset)."""
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise UserError(f"dtype={self.dtype!r}: allowed values are {', '.join(DTYPES)}")
@@ -63,6 +72,10 @@ class MemoryOptions:
                              f"{', '.join(FRAMEWORKS)}")
         if self.loss is not None and self.loss not in LOSSES:
             raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
+        for name in ("gqa_copies", "fused_norm", "moe_weighted_act"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise UserError(f"memory.{name}={value!r}: allowed values are true, false")
         if self.activations is not None and self.activations not in SELECTIVE:
             raise UserError(f"memory.activations={self.activations!r}: allowed values are "
                              f"{', '.join(SELECTIVE)}")

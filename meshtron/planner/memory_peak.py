@@ -153,8 +153,10 @@ def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_e
     it to the accumulated one or slices its shard), less this micro-batch's activations on
     the rank (`freed`), all released by then. Rehearsed (Llama 3 405B, tp=8, pipeline rank
     0): the peak, a 3.9 GiB bf16 [128256, 16384] gradient beside the 7.8 GiB fp32
-    accumulated one."""
-    if not grad_extra:
+    accumulated one. DTensor's (meshtron's runtime, torchtitan): Megatron-LM's
+    VocabParallelEmbedding and DeepSpeed's embeddings make only the local gradient, which
+    lands in the states' gradient buffer (none here)."""
+    if not grad_extra or mem.framework != "fsdp2":
         return 0.0
     return at_loss + previous + mem.compute_bytes * grad_extra - freed
 

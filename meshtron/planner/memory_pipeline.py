@@ -160,3 +160,14 @@ def held_outputs(pp: int, v: int, in_flight: list[float]) -> list[float]:
     # the last rank's peak is its loss (the logits), where no output gradient is received
     return [in_flight[s] * (v - 1) if s == pp - 1 else in_flight[s] * v + 1.0
             for s in range(pp)]
+
+
+def a2a_overlap_in_flight(in_flight: list[float], v: int, m: int) -> list[float]:
+    """Per pipeline rank, `in_flight` (micro-batches' worth of the rank's layers,
+    `pipeline.in_flight`) under Megatron-Core's interleaved schedule with
+    overlap_moe_expert_parallel_comm: it runs one more warm-up forward on every rank "to
+    ensure the forward and backward computations are independent in all 1f1b steps"
+    (schedules.py get_pp_rank_microbatches: num_warmup_microbatches + 1), whose forward and
+    another micro-batch's backward then run as one combined step: one more chunk-micro-batch
+    (1/v of the rank's layers) alive at the peak, at most every micro-batch of the step."""
+    return [min(float(m), f + 1.0 / v) for f in in_flight]

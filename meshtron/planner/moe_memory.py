@@ -39,8 +39,12 @@ Megatron-Core (the 'korthikanti' list, framework 'megatron'/'deepspeed'): the ro
 probabilities, the grouped MLP's input [R, h] (FP8 when the experts' GEMMs run in FP8:
 Transformer Engine's GroupedLinear saves the quantised input; DeepSeek-V3 technical report
 section 3.3.2 caches the dispatched activations in FP8), the fc1 output [R, 2 fe] (SwiGLU's
-input) and SwiGLU's output [R, fe] (fc2's input), and the unpermute's expert outputs
-[T*k, h] with the probabilities (megatron/core/transformer/moe/moe_utils.py `unpermute`).
+input, bf16) and SwiGLU's output [R, fe] (fc2's input: FP8 too under FP8 GEMMs, the copy
+GroupedLinear saves; DeepSeek-V3 section 3.3.2 caches the SwiGLU output's FP8 copy), and the
+unpermute's expert outputs [T*k, h] with the probabilities (megatron/core/transformer/moe/
+moe_utils.py `unpermute`; from Megatron-Core 0.13 the probabilities are applied in the
+experts' weighted SwiGLU instead, which saves them [R] beside its input and leaves the
+unpermute nothing to save: MemoryOptions.moe_weighted_act).
 Expert GEMMs under expert tensor parallelism hold fe/etp columns.
 
 The dense equivalent already charges a SwiGLU of width k*fe + E/3 for the routed part
@@ -103,7 +107,8 @@ def block_params(model: ModelSpec, tp: int, pp: int, ep: int,
 
 def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbalance: float,
                        cb: float, saved: str, expert_bytes: float | None = None,
-                       recompute: str = "none") -> float:
+                       recompute: str = "none", dense_fp8: bool = False,
+                       weighted_act: bool = False) -> float:
     """Bytes one MoE layer's router, permutation, routed experts and combine save for the
     backward, one micro-batch of `tokens` tokens (module docstring). `saved`: memory.py's list
     ('eager' meshtron's model; else Megatron-Core's); `expert_bytes`: bytes of a saved expert
@@ -111,12 +116,20 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
     input only), 'half' every second layer's; meshtron's 'selective' keeps the outputs of the
     matmuls and collectives only (meshtron/parallel/recompute.py SAVED_OPS): the router's
     logits, the grouped GEMMs' outputs and the all-to-alls' outputs; Megatron's selective
-    recomputes the attention core only, not the MoE."""
+    recomputes the attention core only, not the MoE. `dense_fp8`: the dense equivalent
+    charged its fc1 input (the pre-MLP norm's output) as an FP8 GEMM input
+    (memory_acts.te_fp8_inputs); in a MoE layer that tensor is the router's input, which the
+    router's bf16 GEMM saves in the compute dtype (Megatron-Core's TopKRouter: a plain
+    linear, not a Transformer Engine FP8 module): the difference is added here.
+    `weighted_act`: Megatron-Core's probabilities applied in the experts' SwiGLU
+    (MemoryOptions.moe_weighted_act): the combine saves no expert outputs, the SwiGLU the
+    permuted probabilities (fp32 [R])."""
     if recompute == "full":
         return 0.0
     if recompute == "half":
         return 0.5 * routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved,
-                                        expert_bytes)
+                                        expert_bytes, dense_fp8=dense_fp8,
+                                        weighted_act=weighted_act)
     k, e, h, fe = model.moe_top_k, model.moe_experts, model.hidden, model.moe_ffn_hidden
     slots = tokens * k
     rows = slots * (imbalance if ep > 1 else 1.0)
@@ -134,8 +147,17 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
         experts = padded * (h * xb + 4 * fe * cb) + copies * rows * h * cb
         return router + perm + experts + slots * (2 * h + 1) * cb
     etp = expert_tp("megatron", tp)
-    experts = rows * (h * xb + 3 * fe / etp * cb)
-    return tokens * e * FP32 + slots * INDEX_BYTES + experts + slots * h * cb + slots * FP32
+    # the grouped MLP's input [R, h], fc1's output [R, 2 fe] (SwiGLU's input, bf16) and
+    # fc2's input [R, fe]: both GEMM inputs FP8 where the GEMMs are (GroupedLinear saves
+    # the quantised input; the bf16 SwiGLU output is freed once fc2 has quantised it)
+    experts = rows * (h * xb + fe / etp * (2 * cb + xb))
+    # Megatron-Core runs MoE under tp > 1 with sequence parallelism: the router's input is
+    # the local sequence shard
+    router_in = tokens * h * (cb - 1.0) / tp if dense_fp8 else 0.0
+    # the combine: the unpermute's expert outputs and probabilities (their gradient's
+    # operands), or, with the probabilities in the SwiGLU, the permuted probabilities there
+    combine = rows * FP32 if weighted_act else slots * h * cb + slots * FP32
+    return tokens * e * FP32 + slots * INDEX_BYTES + experts + combine + router_in
 
 
 def dense_routed_bytes(act, model: ModelSpec, width: float, recompute: str) -> float:
@@ -149,7 +171,9 @@ def dense_routed_bytes(act, model: ModelSpec, width: float, recompute: str) -> f
 def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp: int,
                      ep: int, imbalance: float, cb: float, saved: str, recompute: str,
                      expert_bytes: float | None = None,
-                     shared_replicated: bool = False) -> tuple[float, float]:
+                     shared_replicated: bool = False,
+                     dense_fp8: bool = False,
+                     weighted_act: bool = False) -> tuple[float, float]:
     """(saved, recompute working set) bytes per average block and micro-batch a MoE model's
     layers hold beyond their dense equivalent `active` (`act(spec, recompute)`:
     memory.activation_bytes of a spec at the plan's other arguments): the routed part's exact
@@ -157,7 +181,8 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
     blocks. The working set of a recomputed layer (memory.recompute_working_bytes: what it
     saves without recomputation less what it keeps) grows by the same difference.
     `shared_replicated`: the shared experts run unsharded on every tp rank (meshtron's
-    runtime) where the equivalent charged them /tp."""
+    runtime) where the equivalent charged them /tp. `dense_fp8`, `weighted_act`: as
+    `routed_saved_bytes`."""
     if not model.is_moe:
         return 0.0, 0.0
     share = model.moe_layers / model.layers
@@ -166,7 +191,7 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
 
     def extra(rec: str) -> float:
         exact = routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved, expert_bytes,
-                                   rec)
+                                   rec, dense_fp8, weighted_act)
         charged = dense_routed_bytes(act, active, routed_width, rec)
         if shared_replicated and tp > 1 and fs:
             exact += dense_routed_bytes(act, active, fs, rec) * (tp - 1)
