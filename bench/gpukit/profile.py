@@ -9,6 +9,7 @@ operators' self time, and the JSON says so (`source`).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from typing import Any, Callable, Iterable
@@ -92,25 +93,52 @@ def rows_of(events, cuda: bool) -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
-    """Profile `steps` calls of `step` (already warm) and summarize them."""
+def _profiled(step: Callable[[], Any], dev, steps: int, record_shapes: bool):
+    """(profiler, wall microseconds, clock record) of `steps` calls of `step`, the GPU's clock
+    sampled on a background thread meanwhile (gpukit/clocks.py)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from gpukit import clocks
+
     cuda = dev.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sampler, why = clocks.sampler(dev)
     if cuda:
         torch.cuda.synchronize(dev)
-    with profile(activities=acts) as prof:
+    with sampler or contextlib.nullcontext(), profile(activities=acts,
+                                                      record_shapes=record_shapes) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
         if cuda:
             torch.cuda.synchronize(dev)
         wall_us = (time.perf_counter() - t0) * 1e6
+    return prof, wall_us, sampler.summary() if sampler else clocks.unavailable(why)
+
+
+def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
+    """Profile `steps` calls of `step` (already warm) and summarize them: categories, the
+    clock during the window, the idle gaps of the compute stream; then one more step with
+    input shapes recorded for the GEMMs' TFLOP/s per shape (a window of its own: recording
+    shapes adds host time per operator, which would lengthen the launch-bound gaps)."""
+    from gpukit import timeline
+
+    cuda = dev.type == "cuda"
+    prof, wall_us, clock = _profiled(step, dev, steps, record_shapes=False)
     rows = rows_of(prof.events(), cuda)
     if cuda and rows:  # the kernels' own span: the host's launch lead is not device idle
         wall_us = max(wall_us, max(r[3] for r in rows) - min(r[2] for r in rows))
     out = summarize(rows, wall_us, "cuda kernels" if cuda else "cpu ops (dry run)")
     out["steps"] = steps
+    out["clocks"] = clock
+    recs = timeline.records(prof)
+    out["gaps"] = timeline.gaps(recs) if recs is not None else {
+        "source": None, "reason": "this torch's profiler exposes no kineto_results.events()"}
+    del prof, recs
+    prof, wall_us, clock = _profiled(step, dev, 1, record_shapes=True)
+    recs = timeline.records(prof)
+    out["gemm_shapes"] = {"steps": 1, "window_us": wall_us, "clocks": clock, **(
+        timeline.gemm_shapes(recs, lambda name: category(name) == "gemm") if recs is not None
+        else {"source": None, "reason": "no kineto_results.events()"})}
     return out
