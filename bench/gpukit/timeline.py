@@ -69,10 +69,12 @@ def records(prof) -> list[Rec] | None:
     return out
 
 
-def _busiest(recs: Iterable[Rec]) -> int | None:
+def _busiest(recs: Iterable[Rec], by_count: bool = False) -> int | None:
+    """The lane with the most time (or, `by_count`, the most events: the compute stream
+    launches by far the most kernels, a communication stream runs a few long ones)."""
     total: dict[int, float] = {}
     for r in recs:
-        total[r.lane] = total.get(r.lane, 0.0) + r.end - r.start
+        total[r.lane] = total.get(r.lane, 0.0) + (1 if by_count else r.end - r.start)
     return max(total, key=total.get) if total else None
 
 
@@ -102,12 +104,12 @@ def _overlap(recs: Iterable[Rec], lo: float, hi: float) -> float:
 
 def _timeline(recs: list[Rec]):
     """(source, lane, units, launcher-of, lead-of, ops): the units whose gaps are measured
-    (kernels of the busiest stream; on CPU the leaf operators of the busiest thread), the
+    (kernels of the stream that ran the most; on CPU the leaf operators of the busiest thread), the
     operator that launched each, and how long before its start it was launched."""
     ops = sorted((r for r in recs if r.kind == "op"), key=lambda r: (r.lane, r.start, -r.end))
     kernels = [r for r in recs if r.kind == "kernel"]
     if kernels:
-        lane = _busiest(kernels)
+        lane = _busiest(kernels, by_count=True)
         units = sorted((k for k in kernels if k.lane == lane), key=lambda r: r.start)
         by_corr = {o.corr: o for o in ops if o.corr}
         calls = {r.corr: r for r in recs if r.kind == "runtime" and r.corr}
