@@ -39,6 +39,33 @@ under the image's torch). The ratios the issue targets are computed here (`targe
 Each case's record has its wall `seconds` and `cpu_s` (CPU seconds of it and every process it
 waited for: on a shared machine wall time follows the load, this does not).
 
+Each profiler window (`<case>.result.<engine>.profile`: eager, compile, fp8, offload, hf;
+bench/gpukit/profile.py, clocks.py, timeline.py) records, besides the time by category and the
+top kernels:
+- `clocks`: the SM clock (MHz), power (W) and temperature (C) sampled every 50 ms during the
+  window (`source`: pynvml, torch.cuda or nvidia-smi, the first that works), each as
+  {min, median, max}, with `max_sm_clock_mhz` / `power_limit_w` (pynvml), `limit_reasons`
+  (samples per clock-limit reason: `sw_power_cap` is the power limit holding the clock) and the
+  `samples` ({t_s, sm_clock_mhz, power_w, ...}); on CPU `source` is null and `reason` says why;
+- `gaps`: the idle gaps between consecutive kernels on the compute stream (`lane`: the stream
+  that ran the most kernels): `units`, `span_us`, `busy_us`, `gaps`, `idle_in_gaps_us`,
+  `histogram` ({lt_10us, 10_100us, 100us_1ms, ge_1ms}: count and us; launch-bound idle is many
+  small gaps, host syncs a few large ones), `largest` (start_us from the first kernel, us, the
+  kernel `before` and `after`, the `launcher` CPU operator of the kernel after and its shapes,
+  `launch_lead_us` = kernel start - its launch call's start: small means the host launched it
+  just in time, large that it waited on the device; `host_at_gap_start`, the launching thread's
+  operators then, outermost first; `other_streams_busy_us`, kernels of other streams inside the
+  gap) and `by_launcher` (gap time by the operator that launched the kernel after each gap); on
+  CPU the leaf operators of the busiest thread stand in for kernels;
+- `gemm_shapes`: one more step with input shapes recorded (a window of its own: shapes cost host
+  time that would lengthen the gaps), with its own `clocks`: per distinct (op, input shapes) of
+  aten::mm / addmm / bmm / baddbmm / _scaled_mm, `calls`, `kernels`, device `us`, `bmnk`,
+  `tflops` and the main `kernel`; `total` over all of them.
+The cli_calibrate case keeps the cluster file `meshtron calibrate` wrote (`toml`) and its
+sustained GEMM table by transformer shape (`gemm`: m, n, k, tflops). pynvml is not in the GPU
+image: add `nvidia-ml-py` (pure Python) to the wheels for the limit reasons and the power limit;
+without it the kit samples through nvidia-smi.
+
 `--dry-run` runs every case on CPU at toy size (same processes, halving, plans and JSON;
 tests/test_gpu_check.py). The kit needs no `pip install`: cases run `python -m meshtron` with
 the checkout on PYTHONPATH.

@@ -172,7 +172,8 @@ def _smi(dev) -> Sampler:
     if exe is None:
         raise RuntimeError("nvidia-smi is not on PATH")
     index = _smi_index(dev)
-    for extra in (*((r,) for r in SMI_REASONS), ()):  # the reasons field is renamed in newer drivers
+    # the reasons field was renamed in newer drivers; without it, clock and power still tell
+    for extra in (*((r,) for r in SMI_REASONS), ()):
         query = ",".join(SMI_FIELDS + extra)
         probe = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits",
                                 "-i", index], capture_output=True, text=True, timeout=10)

@@ -3,8 +3,14 @@ categories (GEMM, attention, element-wise, optimizer, copies, communication) and
 time (window wall time the device had no kernel running), so that one lent GPU tells the
 next optimisation where to look.
 
+The window also records what the categories cannot say: the SM clock and power meanwhile
+(clocks.py: is a GEMM rate below the datasheet's a power-limited clock?), the idle gaps of the
+compute stream with the host operator behind each (timeline.py: launch-bound or a sync?), and,
+in one more step with input shapes recorded, the GEMMs' achieved TFLOP/s per shape.
+
 On CPU (dry run) there are no device kernels: the same categories are applied to the CPU
-operators' self time, and the JSON says so (`source`).
+operators' self time, the gaps are those between the leaf operators of the busiest thread, no
+clock is sampled, and the JSON says so (`source`, `reason`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ def records(prof) -> list[Rec] | None:
         return None
     out = []
     for e in res.events():
-        get = lambda attr, default=0, e=e: getattr(e, attr)() if hasattr(e, attr) else default  # noqa: E731
+        def get(attr: str, default: Any = 0, e=e) -> Any:
+            return _call(e, attr, default)
+
         dev = e.device_type()
         linked = get("linked_correlation_id")
         if dev == DeviceType.CUDA:
@@ -63,10 +65,25 @@ def records(prof) -> list[Rec] | None:
         else:
             continue
         start = e.start_ns() / 1e3
-        shapes = tuple(tuple(s) for s in get("shapes", [])) if kind == "op" else ()
+        shapes = _frozen(get("shapes", [])) if kind == "op" else ()
         out.append(Rec(e.name(), kind, start, start + e.duration_ns() / 1e3, lane,
                        get("correlation_id"), linked, shapes))
     return out
+
+
+def _call(event, method: str, default: Any) -> Any:
+    """`event.method()`, or `default` where this torch's KinetoEvent lacks the method."""
+    fn = getattr(event, method, None)
+    return fn() if fn is not None else default
+
+
+def _frozen(x: Any) -> Any:
+    """Nested lists (input shapes, tensor lists among them) as nested tuples: hashable."""
+    return tuple(_frozen(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _plain(x: Any) -> Any:
+    return [_plain(v) for v in x] if isinstance(x, tuple) else x
 
 
 def _busiest(recs: Iterable[Rec], by_count: bool = False) -> int | None:
@@ -155,7 +172,7 @@ def gaps(recs: list[Rec], top: int = 10) -> dict[str, Any]:
         largest.append({
             "start_us": before.end - t0, "us": length, "before": before.name[:120],
             "after": after.name[:120], "launcher": op.name[:120] if op else None,
-            "launcher_shapes": [list(s) for s in op.shapes] if op else None,
+            "launcher_shapes": _plain(op.shapes) if op and op.shapes else None,
             # small: the host launched the kernel just in time (host-bound); large: it waited
             # on the device (another stream, an event) although launched long before
             "launch_lead_us": lead[id(after)],
@@ -204,7 +221,7 @@ def gemm_shapes(recs: list[Rec], is_gemm: Callable[[str], bool],
 
     def add(op: Rec, us: float, kernel: str | None, call: bool) -> None:
         key = (op.name, op.shapes)
-        row = acc.setdefault(key, {"op": op.name, "shapes": [list(s) for s in op.shapes],
+        row = acc.setdefault(key, {"op": op.name, "shapes": _plain(op.shapes),
                                    "calls": 0, "kernels": 0, "us": 0.0, "kernel_names": {}})
         row["calls"] += call
         row["us"] += us
