@@ -138,13 +138,24 @@ def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
     out = summarize(rows, wall_us, "cuda kernels" if cuda else "cpu ops (dry run)")
     out["steps"] = steps
     out["clocks"] = clock
-    recs = timeline.records(prof)
-    out["gaps"] = timeline.gaps(recs) if recs is not None else {
-        "source": None, "reason": "this torch's profiler exposes no kineto_results.events()"}
-    del prof, recs
+    out["gaps"] = _analysed(prof, timeline.gaps)
+    del prof
     prof, wall_us, clock = _profiled(step, dev, 1, record_shapes=True)
-    recs = timeline.records(prof)
-    out["gemm_shapes"] = {"steps": 1, "window_us": wall_us, "clocks": clock, **(
-        timeline.gemm_shapes(recs, lambda name: category(name) == "gemm") if recs is not None
-        else {"source": None, "reason": "no kineto_results.events()"})}
+    out["gemm_shapes"] = {"steps": 1, "window_us": wall_us, "clocks": clock, **_analysed(
+        prof, lambda recs: timeline.gemm_shapes(recs, lambda name: category(name) == "gemm"))}
     return out
+
+
+def _analysed(prof, analyse: Callable[[list], dict[str, Any]]) -> dict[str, Any]:
+    """`analyse` of the window's timeline records; an analysis that fails on a torch it was
+    never run on is recorded (`error`), never fatal: the case's measurements stand."""
+    from gpukit import timeline
+
+    try:
+        recs = timeline.records(prof)
+        if recs is None:
+            return {"source": None,
+                    "reason": "this torch's profiler exposes no kineto_results.events()"}
+        return analyse(recs)
+    except Exception as exc:  # noqa: BLE001
+        return {"source": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
