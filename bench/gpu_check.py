@@ -46,7 +46,9 @@ top kernels:
   window (`source`: pynvml, torch.cuda or nvidia-smi, the first that works), each as
   {min, median, max}, with `max_sm_clock_mhz` / `power_limit_w` (pynvml), `limit_reasons`
   (samples per clock-limit reason: `sw_power_cap` is the power limit holding the clock) and the
-  `samples` ({t_s, sm_clock_mhz, power_w, ...}); on CPU `source` is null and `reason` says why;
+  `samples` ({t_s from `t0_unix_ns`, the profiler's clock; sm_clock_mhz, power_w, ...;
+  `gemm_share`: the share of the interval before the sample that GEMM kernels ran, so a clock
+  falling as GEMMs fill the window shows}); on CPU `source` is null and `reason` says why;
 - `gaps`: the idle gaps between consecutive kernels on the compute stream (`lane`: the stream
   that ran the most kernels): `units`, `span_us`, `busy_us`, `gaps`, `idle_in_gaps_us`,
   `histogram` ({lt_10us, 10_100us, 100us_1ms, ge_1ms}: count and us; launch-bound idle is many

@@ -427,6 +427,7 @@ def test_clock_sampler_summary_and_no_clock_on_cpu():
             time.sleep(0.002)
     out = s.summary()
     assert out["source"] == "injected" and out["reason"] is None and out["power_limit_w"] == 700
+    assert out["t0_unix_ns"] > 1.6e18  # the profiler's clock: samples go on its timeline
     assert out["sm_clock_mhz"]["min"] == 1755 and out["sm_clock_mhz"]["max"] == 1980
     assert out["power_w"]["max"] == 700.0 and out["temperature_c"]["min"] == 61
     assert out["limit_reasons"]["sw_power_cap"] == 2 and out["n"] == len(out["samples"])
@@ -434,3 +435,25 @@ def test_clock_sampler_summary_and_no_clock_on_cpu():
     sampler, why = clocks.sampler(torch.device("cpu"))
     assert sampler is None and "no GPU clock" in why
     assert clocks.unavailable(why)["sm_clock_mhz"] is None
+
+
+def test_each_clock_sample_carries_the_gemm_load_of_the_interval_before_it():
+    """A clock that drops as GEMMs fill the window (a power limit) can be told from one that
+    does not only when each sample says how busy the GEMMs kept the GPU meanwhile."""
+    from gpukit.profile import _gemm_load
+
+    t0_us = 1.7e15  # the profiler's Unix-epoch clock, as on a real run
+    recs = [Rec("nvjet_gemm", "kernel", t0_us + 0, t0_us + 500, lane=7),
+            Rec("elementwise_add", "kernel", t0_us + 500, t0_us + 1000, lane=7),
+            Rec("nvjet_gemm", "kernel", t0_us + 1250, t0_us + 1750, lane=7),
+            Rec("nvjet_gemm", "kernel", t0_us + 1900, t0_us + 2100, lane=7)]
+    edges = [t0_us + x for x in (0, 1000, 2000, 3000)]
+    assert timeline.share_over(recs, lambda n: "gemm" in n, edges) == pytest.approx([0.5, 0.6, 0.1])
+    s = clocks.Sampler(lambda: {}, "injected")
+    s.t0_unix_ns = int(t0_us * 1e3)
+    s.samples = [{"t_s": 0.0, "sm_clock_mhz": 1980}, {"t_s": 0.001, "sm_clock_mhz": 1900},
+                 {"t_s": 0.002, "sm_clock_mhz": 1800}]
+    _gemm_load(recs, s)
+    assert "gemm_share" not in s.samples[0]
+    assert [x["gemm_share"] for x in s.samples[1:]] == [pytest.approx(0.5), pytest.approx(0.6)]
+    assert s.summary()["samples"][2]["gemm_share"] == pytest.approx(0.6)

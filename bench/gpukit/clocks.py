@@ -47,11 +47,15 @@ class Sampler:
         self.read, self.source, self.static = read, source, static or {}
         self.interval_s, self._close = interval_s, close
         self.samples: list[dict[str, Any]] = []
+        self.t0_unix_ns: int | None = None
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
+        # the profiler's timestamps are on the same Unix-epoch clock (time.time_ns): a sample
+        # can be placed on the kernel timeline
+        self.t0_unix_ns = time.time_ns()
         t0 = time.perf_counter()
         while not self._stop.is_set():
             try:
@@ -75,7 +79,8 @@ class Sampler:
         """min / median / max of each field, the clock-limit reasons seen (with how many
         samples had each), and the samples themselves (at most `keep`, evenly thinned)."""
         out: dict[str, Any] = {"source": self.source, "reason": None, **self.static,
-                               "interval_s": self.interval_s, "n": len(self.samples)}
+                               "interval_s": self.interval_s, "n": len(self.samples),
+                               "t0_unix_ns": self.t0_unix_ns}
         for f in FIELDS:
             vals = [s[f] for s in self.samples if s.get(f) is not None]
             out[f] = ({"min": min(vals), "median": statistics.median(vals), "max": max(vals)}

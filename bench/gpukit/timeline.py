@@ -253,3 +253,22 @@ def gemm_shapes(recs: list[Rec], is_gemm: Callable[[str], bool],
     total["tflops"] = total["flops"] / (total["us"] * 1e6) if total["us"] else None
     return {"source": "cuda kernels" if kernels else "cpu ops (dry run)", "total": total,
             "distinct_shapes": len(rows), "rows": rows[:top]}
+
+
+def share_over(recs: list[Rec], keep: Callable[[str], bool],
+               edges_us: list[float]) -> list[float | None]:
+    """For each interval between consecutive `edges_us` (the profiler's clock), the share of it
+    that kernels whose name `keep` covered: the GEMM load a clock sample saw, to tell a clock
+    that drops as GEMMs fill the window (power) from one that does not."""
+    ks = sorted((r.start, r.end) for r in recs if r.kind == "kernel" and keep(r.name))
+    out: list[float | None] = []
+    first = 0
+    for lo, hi in zip(edges_us, edges_us[1:]):
+        while first < len(ks) and ks[first][1] <= lo:
+            first += 1
+        covered, i = 0.0, first
+        while i < len(ks) and ks[i][0] < hi:
+            covered += max(0.0, min(ks[i][1], hi) - max(ks[i][0], lo))
+            i += 1
+        out.append(covered / (hi - lo) if hi > lo else None)
+    return out
