@@ -243,7 +243,8 @@ def _headline(rec: dict) -> str:
     r = rec.get("result", {})
     run = r.get("run") or {}
     if "tokens_per_s" in run:
-        return f"{run['tokens_per_s']:.0f} tokens/s, MFU {run['mfu']:.1%}"
+        return f"{run['tokens_per_s']:.0f} tokens/s, MFU {run['mfu']:.1%}" + _window_note(
+            run.get("profile") or {})
     if "matmul" in r:
         return f"matmul {r['matmul']['tflops']:.1f} TFLOP/s on {r.get('device')}"
     if "summary" in r and "files" in r:
@@ -263,6 +264,22 @@ def _headline(rec: dict) -> str:
     if cmds and rec["status"] == "ok":
         return "; ".join(cmds)
     return rec.get("reason", "") or (rec.get("output_tail") or [""])[-1][:160]
+
+
+def _window_note(prof: dict) -> str:
+    """The profiler window in a few words: the SM clock, the idle between kernels and the
+    GEMMs' rate (the JSON has the rest)."""
+    parts = []
+    sm = (prof.get("clocks") or {}).get("sm_clock_mhz")
+    if sm:
+        parts.append(f"SM clock {sm['min']:.0f}/{sm['median']:.0f}/{sm['max']:.0f} MHz")
+    gaps = prof.get("gaps") or {}
+    if "idle_in_gaps_us" in gaps:
+        parts.append(f"{gaps['idle_in_gaps_us'] / 1e3:.1f} ms idle in {gaps['gaps']} gaps")
+    tflops = ((prof.get("gemm_shapes") or {}).get("total") or {}).get("tflops")
+    if tflops:
+        parts.append(f"GEMMs {tflops:.1f} TFLOP/s")
+    return f"; {', '.join(parts)}" if parts else ""
 
 
 def drive(args) -> dict:
