@@ -457,3 +457,33 @@ def test_each_clock_sample_carries_the_gemm_load_of_the_interval_before_it():
     assert "gemm_share" not in s.samples[0]
     assert [x["gemm_share"] for x in s.samples[1:]] == [pytest.approx(0.5), pytest.approx(0.6)]
     assert s.summary()["samples"][2]["gemm_share"] == pytest.approx(0.6)
+
+
+def test_nvidia_smi_sampler_reads_its_lines_and_stops_it(tmp_path, monkeypatch):
+    """The image may lack pynvml: then nvidia-smi samples the window (one `-lms` process).
+    A stand-in nvidia-smi that, like older drivers, rejects the newer reasons field name."""
+    import time
+
+    import torch
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n"
+                   'case "$*" in *clocks_event_reasons*) echo "not a valid field" >&2; exit 2;; '
+                   "esac\n"
+                   'case "$*" in *-lms*) while true; do echo "1755, 699.12, 63, '
+                   '0x0000000000000004"; sleep 0.02; done;; esac\n'
+                   'echo "1980, 120.50, 40, 0x0000000000000000"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert clocks._smi_index(torch.device("cuda", 0)) == "3"
+    s = clocks._smi(torch.device("cuda", 0))
+    with s:
+        deadline = time.monotonic() + 30
+        while len(s.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    out = s.summary()
+    assert out["source"] == "nvidia-smi" and out["n"] >= 3
+    assert out["sm_clock_mhz"]["median"] == 1755 and out["power_w"]["max"] == 699.12
+    assert out["limit_reasons"] == {"sw_power_cap": out["n"]}
+    assert s._thread.is_alive() is False
