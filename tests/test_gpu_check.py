@@ -487,3 +487,20 @@ def test_nvidia_smi_sampler_reads_its_lines_and_stops_it(tmp_path, monkeypatch):
     assert out["sm_clock_mhz"]["median"] == 1755 and out["power_w"]["max"] == 699.12
     assert out["limit_reasons"] == {"sw_power_cap": out["n"]}
     assert s._thread.is_alive() is False
+
+
+def test_gap_analysis_on_host_operators_when_there_are_no_kernels():
+    """The dry run's stand-in: the leaf operators of the busiest thread, the enclosing operator
+    as the launcher (one on another thread never encloses them)."""
+    ops = [Rec("aten::linear", "op", 0, 100, lane=1, corr=1),
+           Rec("aten::mm", "op", 10, 20, lane=1, corr=2),
+           Rec("aten::add", "op", 50, 60, lane=1, corr=3),
+           Rec("autograd::engine", "op", 0, 200, lane=2, corr=4),
+           Rec("aten::fill_", "op", 15, 16, lane=2, corr=5)]
+    g = timeline.gaps(ops)
+    assert g["source"] == "cpu leaf ops (dry run)" and g["lane"] == 1 and g["units"] == 2
+    (gap,) = g["largest"]
+    assert (gap["start_us"], gap["us"], gap["before"], gap["after"]) == (10, 30, "aten::mm",
+                                                                           "aten::add")
+    assert gap["launcher"] == "aten::linear" and gap["host_at_gap_start"] == ["aten::linear"]
+    assert gap["launch_lead_us"] is None and g["histogram"]["10_100us"] == {"count": 1, "us": 30}

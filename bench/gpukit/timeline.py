@@ -101,6 +101,8 @@ def _innermost(ops: list[Rec]) -> dict[int, Rec | None]:
     parent: dict[int, Rec | None] = {}
     stack: list[Rec] = []
     for op in ops:
+        if stack and stack[-1].lane != op.lane:
+            stack = []  # another thread: nothing of the last one encloses it
         while stack and stack[-1].end <= op.start:
             stack.pop()
         parent[id(op)] = stack[-1] if stack else None
@@ -121,8 +123,9 @@ def _overlap(recs: Iterable[Rec], lo: float, hi: float) -> float:
 
 def _timeline(recs: list[Rec]):
     """(source, lane, units, launcher-of, lead-of, ops): the units whose gaps are measured
-    (kernels of the stream that ran the most; on CPU the leaf operators of the busiest thread), the
-    operator that launched each, and how long before its start it was launched."""
+    (kernels of the stream that ran the most; on CPU the leaf operators of the busiest
+    thread), the operator that launched each, and how long before its start it was
+    launched."""
     ops = sorted((r for r in recs if r.kind == "op"), key=lambda r: (r.lane, r.start, -r.end))
     kernels = [r for r in recs if r.kind == "kernel"]
     if kernels:
