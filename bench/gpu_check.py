@@ -39,6 +39,35 @@ under the image's torch). The ratios the issue targets are computed here (`targe
 Each case's record has its wall `seconds` and `cpu_s` (CPU seconds of it and every process it
 waited for: on a shared machine wall time follows the load, this does not).
 
+Each profiler window (`<case>.result.<engine>.profile`: eager, compile, fp8, offload, hf;
+bench/gpukit/profile.py, clocks.py, timeline.py) records, besides the time by category and the
+top kernels:
+- `clocks`: the SM clock (MHz), power (W) and temperature (C) sampled every 50 ms during the
+  window (`source`: pynvml, torch.cuda or nvidia-smi, the first that works), each as
+  {min, median, max}, with `max_sm_clock_mhz` / `power_limit_w` (pynvml), `limit_reasons`
+  (samples per clock-limit reason: `sw_power_cap` is the power limit holding the clock) and the
+  `samples` ({t_s from `t0_unix_ns`, the profiler's clock; sm_clock_mhz, power_w, ...;
+  `gemm_share`: the share of the interval before the sample that GEMM kernels ran, so a clock
+  falling as GEMMs fill the window shows}); on CPU `source` is null and `reason` says why;
+- `gaps`: the idle gaps between consecutive kernels on the compute stream (`lane`: the stream
+  that ran the most kernels): `units`, `span_us`, `busy_us`, `gaps`, `idle_in_gaps_us`,
+  `histogram` ({lt_10us, 10_100us, 100us_1ms, ge_1ms}: count and us; launch-bound idle is many
+  small gaps, host syncs a few large ones), `largest` (start_us from the first kernel, us, the
+  kernel `before` and `after`, the `launcher` CPU operator of the kernel after and its shapes,
+  `launch_lead_us` = kernel start - its launch call's start: small means the host launched it
+  just in time, large that it waited on the device; `host_at_gap_start`, the launching thread's
+  operators then, outermost first; `other_streams_busy_us`, kernels of other streams inside the
+  gap) and `by_launcher` (gap time by the operator that launched the kernel after each gap); on
+  CPU the leaf operators of the busiest thread stand in for kernels;
+- `gemm_shapes`: one more step with input shapes recorded (a window of its own: shapes cost host
+  time that would lengthen the gaps), with its own `clocks`: per distinct (op, input shapes) of
+  aten::mm / addmm / bmm / baddbmm / _scaled_mm, `calls`, `kernels`, device `us`, `bmnk`,
+  `tflops` and the main `kernel`; `total` over all of them.
+The cli_calibrate case keeps the cluster file `meshtron calibrate` wrote (`toml`) and its
+sustained GEMM table by transformer shape (`gemm`: m, n, k, tflops). pynvml is not in the GPU
+image: add `nvidia-ml-py` (pure Python) to the wheels for the limit reasons and the power limit;
+without it the kit samples through nvidia-smi.
+
 `--dry-run` runs every case on CPU at toy size (same processes, halving, plans and JSON;
 tests/test_gpu_check.py). The kit needs no `pip install`: cases run `python -m meshtron` with
 the checkout on PYTHONPATH.
@@ -214,7 +243,8 @@ def _headline(rec: dict) -> str:
     r = rec.get("result", {})
     run = r.get("run") or {}
     if "tokens_per_s" in run:
-        return f"{run['tokens_per_s']:.0f} tokens/s, MFU {run['mfu']:.1%}"
+        return f"{run['tokens_per_s']:.0f} tokens/s, MFU {run['mfu']:.1%}" + _window_note(
+            run.get("profile") or {})
     if "matmul" in r:
         return f"matmul {r['matmul']['tflops']:.1f} TFLOP/s on {r.get('device')}"
     if "summary" in r and "files" in r:
@@ -234,6 +264,22 @@ def _headline(rec: dict) -> str:
     if cmds and rec["status"] == "ok":
         return "; ".join(cmds)
     return rec.get("reason", "") or (rec.get("output_tail") or [""])[-1][:160]
+
+
+def _window_note(prof: dict) -> str:
+    """The profiler window in a few words: the SM clock, the idle between kernels and the
+    GEMMs' rate (the JSON has the rest)."""
+    parts = []
+    sm = (prof.get("clocks") or {}).get("sm_clock_mhz")
+    if sm:
+        parts.append(f"SM clock {sm['min']:.0f}/{sm['median']:.0f}/{sm['max']:.0f} MHz")
+    gaps = prof.get("gaps") or {}
+    if "idle_in_gaps_us" in gaps:
+        parts.append(f"{gaps['idle_in_gaps_us'] / 1e3:.1f} ms idle in {gaps['gaps']} gaps")
+    tflops = ((prof.get("gemm_shapes") or {}).get("total") or {}).get("tflops")
+    if tflops:
+        parts.append(f"GEMMs {tflops:.1f} TFLOP/s")
+    return f"; {', '.join(parts)}" if parts else ""
 
 
 def drive(args) -> dict:

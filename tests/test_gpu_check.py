@@ -19,7 +19,9 @@ KIT = ROOT / "bench" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_check import CASES, _child_argv  # noqa: E402
+from gpukit import clocks, timeline  # noqa: E402
 from gpukit.profile import busy_us, category, rows_of, summarize  # noqa: E402
+from gpukit.timeline import Rec  # noqa: E402
 
 
 def _start(tmp_path, *argv) -> tuple[subprocess.Popen, Path]:
@@ -87,10 +89,35 @@ def test_core_cases_on_cpu(dry_run_core):
     assert all(rec["cpu_s"] > 0 for rec in r["cases"].values())
 
 
+def test_profile_window_records_clock_gaps_and_gemm_shapes_on_cpu(dry_run_core):
+    prof = _ok(dry_run_core, "eager")["run"]["profile"]
+    for clock in (prof["clocks"], prof["gemm_shapes"]["clocks"]):  # nothing to sample on CPU
+        assert clock["source"] is None and "dry run" in clock["reason"]
+        assert clock["sm_clock_mhz"] is None and clock["samples"] == []
+    g = prof["gaps"]  # the leaf operators of the busiest thread stand in for the kernels
+    assert g["source"] == "cpu leaf ops (dry run)" and g["units"] > 10 and g["gaps"] > 0
+    assert sum(b["count"] for b in g["histogram"].values()) == g["gaps"]
+    assert sum(b["us"] for b in g["histogram"].values()) == pytest.approx(g["idle_in_gaps_us"])
+    assert g["busy_us"] + g["idle_in_gaps_us"] <= g["span_us"] * 1.0001
+    lengths = [x["us"] for x in g["largest"]]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > 0
+    assert any(x["launcher"] for x in g["largest"]) and g["by_launcher"]
+    s = prof["gemm_shapes"]  # the forward's and backward's matrix products, by shape
+    assert s["source"] == "cpu ops (dry run)" and s["total"]["tflops"] > 0
+    assert s["distinct_shapes"] >= 2 and {row["op"] for row in s["rows"]} & {"aten::mm",
+                                                                              "aten::addmm"}
+    for row in s["rows"]:
+        b, m, n, k = row["bmnk"]
+        assert row["tflops"] == pytest.approx(2 * b * m * n * k * row["calls"] / row["us"] / 1e6)
+
+
 def test_plan_auto_plans_with_the_calibration_calibrate_wrote(dry_run_core):
     r = dry_run_core
     cal = _ok(r, "cli_calibrate")
     assert cal["device_name"] == "cpu" and cal["matmul_tflops"] > 0
+    # the cluster file itself and the sustained GEMM table travel in the JSON
+    assert 'name = "local-1"' in cal["toml"] and "matmul_efficiency" in cal["toml"]
+    assert cal["gemm"] and all(g["tflops"] > 0 and g["m"] * g["n"] * g["k"] for g in cal["gemm"])
     auto = _ok(r, "cli_train_auto")
     assert auto["cluster_source"].startswith("calibrated on cpu: matmul ")
     assert "runs/calibration/local-1.toml" in auto["plan_line"] and auto["checkpoints"]
@@ -293,3 +320,187 @@ def test_after_an_oom_the_later_cases_start_from_the_shape_that_fitted(tmp_path)
                    {"cases": {"eager": {"status": "ok", "result": {"run": {}}}}}):
         assert "--fits-layers" not in _child_argv(args, "compile", tmp_path / "c.json",
                                                   tmp_path, report)
+
+
+def _synthetic_cuda_window() -> list[Rec]:
+    """Thread 1 launches kernels on stream 7 (compute); stream 9 runs one NCCL kernel. Gaps on
+    stream 7: 2 us (before k2), none (k3 starts as k2 ends), 140 us (k4: launched 5 us before it
+    ran, during an optimizer step: host-bound), 1200 us (k5: launched 1400 us ahead, waiting on
+    the NCCL kernel that fills 1090 us of the gap)."""
+    mm = ((8192, 4096), (4096, 4096))
+    return [
+        Rec("aten::mm", "op", 0, 5, lane=1, corr=101, shapes=mm),
+        Rec("cudaLaunchKernel", "runtime", 1, 3, lane=1, corr=1, linked=101),
+        Rec("nvjet_gemm_a", "kernel", 0, 10, lane=7, corr=1, linked=101),
+        Rec("aten::mm", "op", 6, 11, lane=1, corr=102, shapes=mm),
+        Rec("cudaLaunchKernel", "runtime", 7, 9, lane=1, corr=2, linked=102),
+        Rec("nvjet_gemm_a", "kernel", 12, 50, lane=7, corr=2, linked=102),
+        Rec("aten::add_", "op", 20, 25, lane=1, corr=103),
+        Rec("cudaLaunchKernel", "runtime", 21, 23, lane=1, corr=3, linked=103),
+        Rec("elementwise_add", "kernel", 50, 60, lane=7, corr=3, linked=103),
+        Rec("Optimizer.step#AdamW.step", "op", 40, 400, lane=1, corr=104),
+        Rec("aten::_foreach_add_", "op", 190, 198, lane=1, corr=105),
+        Rec("cudaLaunchKernel", "runtime", 195, 197, lane=1, corr=4, linked=105),
+        Rec("multi_tensor_apply_kernel", "kernel", 200, 300, lane=7, corr=4, linked=105),
+        Rec("ncclDevKernel_AllReduce", "kernel", 400, 1490, lane=9, corr=5, linked=106),
+        Rec("aten::copy_", "op", 99, 102, lane=1, corr=107),
+        Rec("cudaMemcpyAsync", "runtime", 100, 101, lane=1, corr=6, linked=107),
+        Rec("Memcpy DtoD", "kernel", 1500, 1600, lane=7, corr=6, linked=107),
+    ]
+
+
+def test_gap_analysis_of_a_synthetic_kernel_timeline():
+    g = timeline.gaps(_synthetic_cuda_window(), top=10)
+    assert g["source"] == "cuda kernels" and g["lane"] == 7 and g["units"] == 5
+    assert g["gaps"] == 3 and g["idle_in_gaps_us"] == 2 + 140 + 1200
+    assert g["span_us"] == 1600 and g["busy_us"] == 10 + 38 + 10 + 100 + 100
+    h = g["histogram"]
+    assert (h["lt_10us"], h["10_100us"]) == ({"count": 1, "us": 2}, {"count": 0, "us": 0})
+    assert h["100us_1ms"] == {"count": 1, "us": 140} and h["ge_1ms"] == {"count": 1, "us": 1200}
+    big, mid, small = g["largest"]
+    assert (big["start_us"], big["us"], big["before"], big["after"]) == (
+        300, 1200, "multi_tensor_apply_kernel", "Memcpy DtoD")
+    assert big["launcher"] == "aten::copy_" and big["launch_lead_us"] == 1400
+    assert big["other_streams_busy_us"] == 1090  # the NCCL kernel ran in the gap
+    assert big["host_at_gap_start"] == ["Optimizer.step#AdamW.step"]
+    assert (mid["us"], mid["launcher"], mid["launch_lead_us"]) == (140, "aten::_foreach_add_", 5)
+    assert mid["before"] == "elementwise_add" and mid["other_streams_busy_us"] == 0
+    assert (small["us"], small["launcher"], small["launcher_shapes"]) == (
+        2, "aten::mm", [[8192, 4096], [4096, 4096]])
+    assert g["by_launcher"][0] == {"launcher": "aten::copy_", "gaps": 1, "us": 1200}
+
+
+def test_gemm_tflops_per_shape_of_a_synthetic_timeline():
+    recs = _synthetic_cuda_window() + [  # one more call of the same shape, with a split-K
+        Rec("aten::mm", "op", 2000, 2005, lane=1, corr=201, shapes=((8192, 4096), (4096, 4096))),
+        Rec("nvjet_gemm_b", "kernel", 2010, 2062, lane=7, corr=7, linked=201),
+        Rec("splitKreduce_kernel", "kernel", 2062, 2070, lane=7, corr=8, linked=201),
+        Rec("aten::addmm", "op", 2100, 2105, lane=1, corr=202,
+            shapes=((4096,), (1024, 4096), (4096, 4096), (), ())),
+        Rec("cutlass_gemm", "kernel", 2110, 2130, lane=7, corr=9, linked=202)]
+    s = timeline.gemm_shapes(recs, lambda name: category(name) == "gemm" or "splitK" in name)
+    assert s["source"] == "cuda kernels" and s["distinct_shapes"] == 2
+    mm, addmm = s["rows"]
+    assert (mm["op"], mm["calls"], mm["kernels"], mm["us"]) == ("aten::mm", 3, 4, 10 + 38 + 60)
+    assert mm["bmnk"] == [1, 8192, 4096, 4096]
+    assert mm["kernel"] == "nvjet_gemm_b"  # the kernel with the most time: 52 us vs 10 + 38
+    assert mm["tflops"] == pytest.approx(3 * 2 * 8192 * 4096 * 4096 / 108e-6 / 1e12)
+    assert addmm["bmnk"] == [1, 1024, 4096, 4096] and addmm["calls"] == 1
+    assert s["total"]["us"] == 128 and s["total"]["calls"] == 4
+    assert s["total"]["tflops"] == pytest.approx(
+        (3 * 2 * 8192 * 4096**2 + 2 * 1024 * 4096**2) / 128e-6 / 1e12)
+    assert timeline.gemm_flops("aten::bmm", [[4, 8, 16], [4, 16, 32]]) == (
+        2.0 * 4 * 8 * 32 * 16, [4, 8, 32, 16])
+    assert timeline.gemm_flops("aten::mm", [[8]]) is None  # a shape it cannot read
+
+
+def test_profiler_records_on_cpu_carry_operators_with_shapes_and_ids():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        a @ b
+    recs = timeline.records(prof)
+    mm = [r for r in recs if r.name == "aten::mm"]
+    assert mm and mm[0].kind == "op" and mm[0].corr > 0 and mm[0].end > mm[0].start
+    assert mm[0].shapes[:2] == ((8, 16), (16, 4))
+    s = timeline.gemm_shapes(recs, lambda name: category(name) == "gemm")
+    assert s["rows"][0]["bmnk"] == [1, 8, 4, 16] and s["rows"][0]["tflops"] > 0
+
+
+def test_clock_sampler_summary_and_no_clock_on_cpu():
+    import time
+
+    import torch
+
+    readings = iter([(1980, 690.0, 61, 0x4), (1755, 700.0, 63, 0x4), (1830, 650.0, 62, 0x0)])
+    last = [None]
+
+    def read():
+        sm, w, c, mask = next(readings, last[0] or (None, None, None, None))
+        last[0] = (sm, w, c, mask)
+        return {"sm_clock_mhz": sm, "power_w": w, "temperature_c": c, "reasons": mask}
+
+    with clocks.Sampler(read, "injected", {"power_limit_w": 700.0}, interval_s=0.001) as s:
+        while len(s.samples) < 5:
+            time.sleep(0.002)
+    out = s.summary()
+    assert out["source"] == "injected" and out["reason"] is None and out["power_limit_w"] == 700
+    assert out["t0_unix_ns"] > 1.6e18  # the profiler's clock: samples go on its timeline
+    assert out["sm_clock_mhz"]["min"] == 1755 and out["sm_clock_mhz"]["max"] == 1980
+    assert out["power_w"]["max"] == 700.0 and out["temperature_c"]["min"] == 61
+    assert out["limit_reasons"]["sw_power_cap"] == 2 and out["n"] == len(out["samples"])
+    assert clocks.reasons(0x24) == ["sw_power_cap", "sw_thermal"]
+    sampler, why = clocks.sampler(torch.device("cpu"))
+    assert sampler is None and "no GPU clock" in why
+    assert clocks.unavailable(why)["sm_clock_mhz"] is None
+
+
+def test_each_clock_sample_carries_the_gemm_load_of_the_interval_before_it():
+    """A clock that drops as GEMMs fill the window (a power limit) can be told from one that
+    does not only when each sample says how busy the GEMMs kept the GPU meanwhile."""
+    from gpukit.profile import _gemm_load
+
+    t0_us = 1.7e15  # the profiler's Unix-epoch clock, as on a real run
+    recs = [Rec("nvjet_gemm", "kernel", t0_us + 0, t0_us + 500, lane=7),
+            Rec("elementwise_add", "kernel", t0_us + 500, t0_us + 1000, lane=7),
+            Rec("nvjet_gemm", "kernel", t0_us + 1250, t0_us + 1750, lane=7),
+            Rec("nvjet_gemm", "kernel", t0_us + 1900, t0_us + 2100, lane=7)]
+    edges = [t0_us + x for x in (0, 1000, 2000, 3000)]
+    assert timeline.share_over(recs, lambda n: "gemm" in n, edges) == pytest.approx([0.5, 0.6, 0.1])
+    s = clocks.Sampler(lambda: {}, "injected")
+    s.t0_unix_ns = int(t0_us * 1e3)
+    s.samples = [{"t_s": 0.0, "sm_clock_mhz": 1980}, {"t_s": 0.001, "sm_clock_mhz": 1900},
+                 {"t_s": 0.002, "sm_clock_mhz": 1800}]
+    _gemm_load(recs, s)
+    assert "gemm_share" not in s.samples[0]
+    assert [x["gemm_share"] for x in s.samples[1:]] == [pytest.approx(0.5), pytest.approx(0.6)]
+    assert s.summary()["samples"][2]["gemm_share"] == pytest.approx(0.6)
+
+
+def test_nvidia_smi_sampler_reads_its_lines_and_stops_it(tmp_path, monkeypatch):
+    """The image may lack pynvml: then nvidia-smi samples the window (one `-lms` process).
+    A stand-in nvidia-smi that, like older drivers, rejects the newer reasons field name."""
+    import time
+
+    import torch
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n"
+                   'case "$*" in *clocks_event_reasons*) echo "not a valid field" >&2; exit 2;; '
+                   "esac\n"
+                   'case "$*" in *-lms*) while true; do echo "1755, 699.12, 63, '
+                   '0x0000000000000004"; sleep 0.02; done;; esac\n'
+                   'echo "1980, 120.50, 40, 0x0000000000000000"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert clocks._smi_index(torch.device("cuda", 0)) == "3"
+    s = clocks._smi(torch.device("cuda", 0))
+    with s:
+        deadline = time.monotonic() + 30
+        while len(s.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    out = s.summary()
+    assert out["source"] == "nvidia-smi" and out["n"] >= 3
+    assert out["sm_clock_mhz"]["median"] == 1755 and out["power_w"]["max"] == 699.12
+    assert out["limit_reasons"] == {"sw_power_cap": out["n"]}
+    assert s._thread.is_alive() is False
+
+
+def test_gap_analysis_on_host_operators_when_there_are_no_kernels():
+    """The dry run's stand-in: the leaf operators of the busiest thread, the enclosing operator
+    as the launcher (one on another thread never encloses them)."""
+    ops = [Rec("aten::linear", "op", 0, 100, lane=1, corr=1),
+           Rec("aten::mm", "op", 10, 20, lane=1, corr=2),
+           Rec("aten::add", "op", 50, 60, lane=1, corr=3),
+           Rec("autograd::engine", "op", 0, 200, lane=2, corr=4),
+           Rec("aten::fill_", "op", 15, 16, lane=2, corr=5)]
+    g = timeline.gaps(ops)
+    assert g["source"] == "cpu leaf ops (dry run)" and g["lane"] == 1 and g["units"] == 2
+    (gap,) = g["largest"]
+    assert (gap["start_us"], gap["us"], gap["before"], gap["after"]) == (10, 30, "aten::mm",
+                                                                           "aten::add")
+    assert gap["launcher"] == "aten::linear" and gap["host_at_gap_start"] == ["aten::linear"]
+    assert gap["launch_lead_us"] is None and g["histogram"]["10_100us"] == {"count": 1, "us": 30}

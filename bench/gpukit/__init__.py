@@ -2,7 +2,9 @@
 
 - common.py: the case context (device, 1-rank process group, sizes), the model shapes the
   planner fits, plans built for the shape actually run, engines, timed steps;
-- profile.py: a short torch.profiler window -> GPU time by category;
+- profile.py: a short torch.profiler window -> GPU time by category, the clock during it
+  (clocks.py), the compute stream's idle gaps and the GEMMs' TFLOP/s per shape
+  (timeline.py);
 - cases.py: environment, eager / compiled throughput, FP8, offload, checkpoint;
 - hf_case.py: the same shape in a plain Hugging Face `LlamaForCausalLM` loop;
 - cli_cases.py: the `meshtron` command as a user runs it (exit code, last stderr lines).

@@ -124,9 +124,12 @@ def calibration(ctx: Ctx) -> Path:
 def case_cli_calibrate(ctx: Ctx) -> None:
     run(ctx, "calibrate", ["calibrate"], 240)
     record = json.loads(calibration(ctx).with_suffix(".json").read_text())
-    ctx.emit(file=str(calibration(ctx)), **{k: record.get(k) for k in (
-        "device_name", "gpu", "matmul_tflops", "memory_gb_per_s", "elementwise_gb_per_s",
-        "kernel_overhead_us")})
+    # the cluster file itself (the work folder is deleted at the end) and the sustained GEMM
+    # table by transformer shape: what the planner's GEMM rate is compared against
+    ctx.emit(file=str(calibration(ctx)), toml=calibration(ctx).read_text(),
+             gemm=record.get("gemm"), **{k: record.get(k) for k in (
+                 "device_name", "gpu", "matmul_tflops", "memory_gb_per_s",
+                 "elementwise_gb_per_s", "kernel_overhead_us")})
 
 
 def case_cli_plan(ctx: Ctx) -> None:

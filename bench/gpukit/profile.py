@@ -3,12 +3,19 @@ categories (GEMM, attention, element-wise, optimizer, copies, communication) and
 time (window wall time the device had no kernel running), so that one lent GPU tells the
 next optimisation where to look.
 
+The window also records what the categories cannot say: the SM clock and power meanwhile
+(clocks.py: is a GEMM rate below the datasheet's a power-limited clock?), the idle gaps of the
+compute stream with the host operator behind each (timeline.py: launch-bound or a sync?), and,
+in one more step with input shapes recorded, the GEMMs' achieved TFLOP/s per shape.
+
 On CPU (dry run) there are no device kernels: the same categories are applied to the CPU
-operators' self time, and the JSON says so (`source`).
+operators' self time, the gaps are those between the leaf operators of the busiest thread, no
+clock is sampled, and the JSON says so (`source`, `reason`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from typing import Any, Callable, Iterable
@@ -92,25 +99,92 @@ def rows_of(events, cuda: bool) -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
-    """Profile `steps` calls of `step` (already warm) and summarize them."""
+def _profiled(step: Callable[[], Any], dev, steps: int, record_shapes: bool):
+    """(profiler, wall microseconds, clock record, timeline records or why there are none) of
+    `steps` calls of `step`, the GPU's clock sampled on a background thread meanwhile
+    (gpukit/clocks.py), each sample with the share of the interval before it that GEMM kernels
+    ran (`gemm_share`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from gpukit import clocks
+
     cuda = dev.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sampler, why = clocks.sampler(dev)
     if cuda:
         torch.cuda.synchronize(dev)
-    with profile(activities=acts) as prof:
+    with sampler or contextlib.nullcontext(), profile(activities=acts,
+                                                      record_shapes=record_shapes) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
         if cuda:
             torch.cuda.synchronize(dev)
         wall_us = (time.perf_counter() - t0) * 1e6
+    recs = _records(prof)
+    if sampler is None:
+        return prof, wall_us, clocks.unavailable(why), recs
+    if isinstance(recs, list):
+        _gemm_load(recs, sampler)
+    return prof, wall_us, sampler.summary(), recs
+
+
+def _records(prof) -> list | dict[str, Any]:
+    """The window's timeline records (gpukit/timeline.py), or a record of why there are none:
+    reading them on a torch the kit never ran on may fail, and that is never fatal."""
+    from gpukit import timeline
+
+    try:
+        recs = timeline.records(prof)
+    except Exception as exc:  # noqa: BLE001
+        return {"source": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    if recs is None:
+        return {"source": None, "reason": "this torch's profiler exposes no kineto_results"}
+    return recs
+
+
+def _gemm_load(recs: list, sampler) -> None:
+    """Put on each clock sample the share of the interval before it that GEMM kernels ran."""
+    from gpukit import timeline
+
+    if not sampler.samples or sampler.t0_unix_ns is None:
+        return
+    edges = [sampler.t0_unix_ns / 1e3 + s["t_s"] * 1e6 for s in sampler.samples]
+    for s, share in zip(sampler.samples[1:], timeline.share_over(
+            recs, lambda n: category(n) == "gemm", edges)):
+        s["gemm_share"] = share
+
+
+def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
+    """Profile `steps` calls of `step` (already warm) and summarize them: categories, the
+    clock during the window, the idle gaps of the compute stream; then one more step with
+    input shapes recorded for the GEMMs' TFLOP/s per shape (a window of its own: recording
+    shapes adds host time per operator, which would lengthen the launch-bound gaps)."""
+    from gpukit import timeline
+
+    cuda = dev.type == "cuda"
+    prof, wall_us, clock, recs = _profiled(step, dev, steps, record_shapes=False)
     rows = rows_of(prof.events(), cuda)
     if cuda and rows:  # the kernels' own span: the host's launch lead is not device idle
         wall_us = max(wall_us, max(r[3] for r in rows) - min(r[2] for r in rows))
     out = summarize(rows, wall_us, "cuda kernels" if cuda else "cpu ops (dry run)")
     out["steps"] = steps
+    out["clocks"] = clock
+    out["gaps"] = _analysed(recs, timeline.gaps)
+    del prof, recs
+    _, wall_us, clock, recs = _profiled(step, dev, 1, record_shapes=True)
+    out["gemm_shapes"] = {"steps": 1, "window_us": wall_us, "clocks": clock, **_analysed(
+        recs, lambda r: timeline.gemm_shapes(r, lambda name: category(name) == "gemm"))}
     return out
+
+
+def _analysed(recs: list | dict, analyse: Callable[[list], dict[str, Any]]) -> dict[str, Any]:
+    """`analyse` of the window's records; one that fails on a torch it was never run on is
+    recorded (`error`), never fatal: the case's measurements stand."""
+    if not isinstance(recs, list):
+        return recs
+    try:
+        return analyse(recs)
+    except Exception as exc:  # noqa: BLE001
+        return {"source": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
