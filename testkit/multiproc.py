@@ -106,16 +106,20 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
             [pkg_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
         if env:
             child_env.update(env)
-        procs: list[subprocess.Popen] = []
+        procs: list = []
         logs = []
         try:
             for rank in range(world_size):
-                out = open(tmpdir / f"rank{rank}.log", "wb")
-                logs.append(out)
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "testkit.multiproc", str(tmpdir), str(rank),
-                     str(world_size), str(os.getpid())],
-                    stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True))
+                proc = _fork(tmpdir, rank, world_size, child_env)
+                if proc is None:
+                    out = open(tmpdir / f"rank{rank}.log", "wb")
+                    logs.append(out)
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "testkit.multiproc", str(tmpdir), str(rank),
+                         str(world_size), str(os.getpid())],
+                        stdout=out, stderr=subprocess.STDOUT, env=child_env,
+                        start_new_session=True)
+                procs.append(proc)
             return _wait(procs, tmpdir, world_size, timeout)
         finally:
             for p in procs:
@@ -123,6 +127,18 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                     _kill(p)
             for out in logs:
                 out.close()
+
+
+def _fork(tmpdir: Path, rank: int, world_size: int, env: dict[str, str]):
+    """The rank forked from the fork server (testkit/zygote.py: torch imported once per test
+    run, not once per rank), or None: then a fresh interpreter. MESHTRON_TEST_FRESH_RANKS=1
+    always starts fresh interpreters."""
+    if os.environ.get("MESHTRON_TEST_FRESH_RANKS") == "1":
+        return None
+    from testkit import zygote
+
+    return zygote.spawn(str(tmpdir), rank, world_size, env, str(tmpdir / f"rank{rank}.log"),
+                        str(Path(__file__).resolve().parents[1]))
 
 
 def _kill(p: subprocess.Popen) -> None:
