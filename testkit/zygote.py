@@ -1,8 +1,9 @@
-"""A fork server for `run_on_ranks`: one process that has imported torch once forks every rank.
+"""Fork servers for `run_on_ranks`: rank r of every launch is forked from zygote r, a process
+that imported torch once per test run.
 
 A rank started with `python -m testkit.multiproc` spends 2-4 s of CPU importing torch and its
 distributed packages before it reaches `init_process_group`; the default suite starts ~130
-ranks on 2 cores. The zygote imports them once (`PRELOAD`) and forks a rank per request: the
+ranks on 2 cores. A zygote imports them once (`PRELOAD`) and forks a rank per request: the
 child is a new process (its own pid, session, environment, log file, process group and gloo
 threads, all made after the fork) that runs exactly `testkit.multiproc._child_main`, as the
 fresh interpreter would.
@@ -13,7 +14,7 @@ interpreters), so no lock or thread pool is copied half-held. Python's `random` 
 in a forked child; torch's generators are the untouched defaults of a fresh import.
 
 Protocol (lines on stdin/stdout): the parent writes a JSON request {tmpdir, rank, world_size,
-parent_pid, env, cwd, log}; the zygote answers with the child's pid (or "error ..."). When a
+env, cwd, log}; the zygote answers with the child's pid (or "error ..."). When a
 child ends, the zygote writes its exit code (as `Popen.returncode`: -N for signal N) to
 `tmpdir/exit<rank>`. The zygote leaves when stdin closes (the test run ended or died); its
 ranks follow within a second (they watch their parent, `multiproc._watch_parent`).
@@ -140,49 +141,61 @@ class Rank:
         return self.returncode
 
 
-_servers: dict[frozenset, "subprocess.Popen"] = {}
+_servers: dict[tuple, "subprocess.Popen"] = {}
 
 
-def _server_for(env: dict[str, str], root: str):
-    """The zygote for exactly this environment (torch reads some variables at import: a
-    different environment gets its own zygote), started on first use; None if it cannot run."""
+def _servers_for(env: dict[str, str], world_size: int, root: str) -> list | None:
+    """One zygote per rank index and environment, started (in parallel) on first use; None if
+    one cannot run. Per rank index: each zygote is its own interpreter with its own random
+    string-hash seed, so ranks differ in set iteration order as torchrun's ranks do (a
+    collective issued in set order would still deadlock here). Per environment: torch reads
+    some variables at import."""
     import atexit
     import subprocess
 
     # pytest names the running test in PYTEST_CURRENT_TEST: not something torch reads
     key = frozenset((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")
-    server = _servers.get(key)
-    if server is not None and server.poll() is None:
-        return server
     launch_env = dict(env, PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
-    server = subprocess.Popen([sys.executable, "-m", "testkit.zygote"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env=launch_env, cwd=root, text=True)
-    if server.stdout.readline().strip() != "ready":
-        server.kill()
-        return None
-    atexit.register(server.stdin.close)
-    _servers[key] = server
-    return server
+    started = []
+    for rank in range(world_size):
+        server = _servers.get((key, rank))
+        if server is None or server.poll() is not None:
+            server = subprocess.Popen([sys.executable, "-m", "testkit.zygote"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      env=launch_env, cwd=root, text=True)
+            atexit.register(server.stdin.close)
+            _servers[(key, rank)] = server
+            started.append(server)
+    for server in started:
+        if server.stdout.readline().strip() != "ready":
+            server.kill()
+            return None
+    return [_servers[(key, rank)] for rank in range(world_size)]
 
 
-def spawn(tmpdir: str, rank: int, world_size: int, env: dict[str, str], log: str,
-          root: str) -> Rank | None:
-    """Fork rank `rank` from the zygote of `env`; None when no zygote can (the caller then
-    starts a fresh interpreter)."""
-    server = _server_for(env, root)
-    if server is None:
+def spawn_ranks(tmpdir: str, world_size: int, env: dict[str, str], root: str) -> list | None:
+    """Fork ranks 0..world_size-1 (rank r from zygote r of `env`), logging to
+    tmpdir/rank<r>.log; None when that cannot be done (the caller then starts fresh
+    interpreters; nothing forked is left running)."""
+    servers = _servers_for(env, world_size, root)
+    if servers is None:
         return None
-    req = dict(tmpdir=tmpdir, rank=rank, world_size=world_size, env=env, cwd=os.getcwd(),
-               log=log)
-    try:
-        server.stdin.write(json.dumps(req) + "\n")
-        server.stdin.flush()
-        answer = server.stdout.readline().strip()
-    except (BrokenPipeError, OSError):
-        return None
-    if not answer.isdigit():
-        return None
-    return Rank(int(answer), os.path.join(tmpdir, f"exit{rank}"), server)
+    ranks: list[Rank] = []
+    for rank, server in enumerate(servers):
+        req = dict(tmpdir=tmpdir, rank=rank, world_size=world_size, env=env, cwd=os.getcwd(),
+                   log=os.path.join(tmpdir, f"rank{rank}.log"))
+        try:
+            server.stdin.write(json.dumps(req) + "\n")
+            server.stdin.flush()
+            answer = server.stdout.readline().strip()
+        except OSError:  # BrokenPipeError included: the zygote is gone
+            answer = ""
+        if not answer.isdigit():
+            for r in ranks:
+                r.kill()
+            return None
+        ranks.append(Rank(int(answer), os.path.join(tmpdir, f"exit{rank}"), server))
+    return ranks
 
 
 if __name__ == "__main__":
