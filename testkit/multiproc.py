@@ -23,8 +23,7 @@ A rank exits by itself when the launching process disappears (no orphans after a
 run). A rank that returned but then failed in teardown still counts as successful (its result
 was written); the teardown below makes that rare.
 
-Each rank: `torch.set_num_threads(1)` (more threads than cores is 20-50x slower), inductor
-compiling in-process (TORCHINDUCTOR_COMPILE_THREADS=1 unless set), env
+Each rank: `torch.set_num_threads(1)` (more threads than cores is 20-50x slower), env
 RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set, and on success teardown is barrier +
 `destroy_process_group()` + `os._exit(0)`, which avoids the SIGABRT at interpreter shutdown
 that gloo + FSDP2 sometimes produce.
@@ -98,11 +97,6 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         child_env = dict(os.environ)
         child_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                           "PYTHONFAULTHANDLER": "1"})
-        # Inductor compiles in the rank itself: its default is a pool of one worker process
-        # per core in every rank (each importing torch: N ranks x cores processes on the
-        # machine's cores). The generated code is the same; test_compile's default launch
-        # took 39 s with the pools and 21 s without (2 cores, warm cache, measured).
-        child_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         pkg_root = str(Path(__file__).resolve().parents[2])
         child_env["PYTHONPATH"] = os.pathsep.join(
             [pkg_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
