@@ -28,7 +28,10 @@ import select
 import sys
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
-           "torch.distributed.pipelining")
+           "torch.distributed.pipelining",
+           # what test modules import when a rank unpickles its function (meshtron reads no
+           # environment at import: tests/test_no_torch_patching.py imports all of it)
+           "numpy", "pytest", "meshtron.parallel", "meshtron.model.transformer")
 
 _children: dict[int, str] = {}  # pid -> its exit-code file
 
@@ -203,6 +206,9 @@ if __name__ == "__main__":
 
     for name in PRELOAD:
         importlib.import_module(name)
+    import gc
+
+    gc.freeze()  # the imported modules' objects: never scanned (nor copied) by a rank's gc
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     _serve()
