@@ -2,7 +2,9 @@
 
     results = run_on_ranks(fn, world_size, *args, timeout=120, **kwargs)
 
-`fn(*args, **kwargs)` runs once per rank, in its own fresh Python process, after
+`fn(*args, **kwargs)` runs once per rank, in its own new process (forked from rank r's fork
+server, which imported torch once per test run: testkit/zygote.py; a fresh interpreter where
+that cannot run or MESHTRON_TEST_FRESH_RANKS=1), after
 `torch.distributed.init_process_group("gloo")` over a FileStore in a private temporary
 directory (no ports to race for). `fn` must be importable by the child: a module-level
 function of an importable module (a pytest test module works: the parent's `sys.path` is
@@ -100,16 +102,18 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
             [pkg_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
         if env:
             child_env.update(env)
-        procs: list[subprocess.Popen] = []
+        procs: list = []
         logs = []
         try:
-            for rank in range(world_size):
+            procs = _fork(tmpdir, world_size, child_env) or []
+            for rank in range(len(procs), world_size):
                 out = open(tmpdir / f"rank{rank}.log", "wb")
                 logs.append(out)
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "testkit.multiproc", str(tmpdir), str(rank),
                      str(world_size), str(os.getpid())],
-                    stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True))
+                    stdout=out, stderr=subprocess.STDOUT, env=child_env,
+                    start_new_session=True))
             return _wait(procs, tmpdir, world_size, timeout)
         finally:
             for p in procs:
@@ -117,6 +121,18 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                     _kill(p)
             for out in logs:
                 out.close()
+
+
+def _fork(tmpdir: Path, world_size: int, env: dict[str, str]):
+    """The ranks forked from the fork servers (testkit/zygote.py: torch imported once per test
+    run, not once per rank), or None: then fresh interpreters. MESHTRON_TEST_FRESH_RANKS=1
+    always starts fresh interpreters."""
+    if os.environ.get("MESHTRON_TEST_FRESH_RANKS") == "1":
+        return None
+    from testkit import zygote
+
+    return zygote.spawn_ranks(str(tmpdir), world_size, env,
+                              str(Path(__file__).resolve().parents[1]))
 
 
 def _kill(p: subprocess.Popen) -> None:

@@ -109,30 +109,37 @@ def test_async_tp_refused_off_cuda():
     Plan(pp=2, dp=2, zero=3, compile=True, recompute="full").validate(4, make_spec(DEFAULT_CFG))
 
 
-def test_train_async_tp_on_cpu_is_one_line_exit_2(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--model", "tiny", "--steps", "1",
-         "--nproc", "2", "--plan", "tp=2", "--sp", "on", "--compile", "--async-tp",
-         "--global-batch", "4", "--seq-len", "32", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+def _main(capsys, *argv: str) -> tuple[int, str]:
+    """`meshtron <argv>` through the command's entry point in this process (these refusals
+    come before any process starts: a child would only add a torch import); (code, stderr)."""
+    from meshtron.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_train_async_tp_on_cpu_is_one_line_exit_2(capsys, tmp_path):
+    code, err = _main(capsys, "train", "--model", "tiny", "--steps", "1", "--nproc", "2",
+                      "--plan", "tp=2", "--sp", "on", "--compile", "--async-tp",
+                      "--global-batch", "4", "--seq-len", "32", "--run-dir",
+                      str(tmp_path / "run"))
+    assert code == 2, err[-2000:]
+    lines = [l for l in err.splitlines() if l.strip()]
     assert len(lines) == 1 and "plan.async_tp=true: the device 'cpu' does not support it" \
-        in lines[0], proc.stderr
+        in lines[0], err
     assert not (tmp_path / "run" / "plan.toml").exists()  # refused before any rank started
 
 
-def test_train_compile_on_saved_zero_bubble_plan_is_one_line_exit_2(tmp_path):
+def test_train_compile_on_saved_zero_bubble_plan_is_one_line_exit_2(capsys, tmp_path):
     """--compile on a saved eager plan compiles that plan: its schedule is checked as a
     compiled one before any rank starts."""
     plan = tmp_path / "zb.toml"
     Plan(pp=2, schedule="zb", micro_batch=2, model="tiny", global_batch=4, seq_len=32).save(plan)
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--plan", str(plan), "--compile",
-         "--steps", "1", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    code, err = _main(capsys, "train", "--plan", str(plan), "--compile", "--steps", "1",
+                      "--run-dir", str(tmp_path / "run"))
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1, err
     assert "plan.compile=true with plan.schedule='zb'" in lines[0]
 
 

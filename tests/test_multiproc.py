@@ -38,6 +38,7 @@ def _fail_on_rank(bad_rank):
 def _hang_on_rank(bad_rank):
     import torch.distributed as dist
 
+    dist.barrier()  # both ranks started: the one that returns proves the other is in the hang
     if dist.get_rank() == bad_rank:
         time.sleep(600)
     return dist.get_rank()
@@ -67,7 +68,9 @@ def test_failure_propagates_with_traceback():
 def test_timeout_names_hung_rank():
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
-        run_on_ranks(_hang_on_rank, 2, 0, timeout=15)
+        # The test controls the hang: the timeout only has to cover two ranks' start-up
+        # (~3 s on an idle 2-core machine); waiting longer proves nothing more.
+        run_on_ranks(_hang_on_rank, 2, 0, timeout=8)
     assert time.monotonic() - start < 60
     hung = info.value.hung_ranks
     assert 0 in hung

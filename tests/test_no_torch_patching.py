@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "meshtron"
 _REGISTERS = {"impl", "register_kernel", "register_fake", "register_autograd",
@@ -171,7 +173,6 @@ import torch
 from testkit import torch_state
 torch_state.preload({package!r})
 before = torch_state.snapshot()
-{patch}
 import meshtron
 names = [m.name for m in pkgutil.walk_packages(meshtron.__path__, "meshtron.")
          if not m.name.endswith("__main__")]
@@ -180,6 +181,8 @@ for name in names:
 from meshtron.doctor.backend import register
 register()
 print(json.dumps({{"modules": len(names), "changes": torch_state.changes(before)}}))
+{patch}
+print(json.dumps({{"changes": torch_state.changes(before)}}))
 '''
 
 _OLD_PATCHES = '''
@@ -193,23 +196,29 @@ lib.impl("allreduce_", lambda keyset, *a, **k: None, "Autograd", with_keyset=Tru
 '''
 
 
-def _import_all(patch: str = "") -> dict:
-    code = _IMPORT_ALL.format(root=str(ROOT), package=str(PACKAGE), patch=patch)
+@pytest.fixture(scope="module")
+def import_all() -> tuple[dict, dict]:
+    """One fresh interpreter: the snapshot, every product module imported (what changed), then
+    the old recorder's patches applied (what changed now): (after the imports, after the
+    patches). One process for both checks: importing every module takes ~10 s on 2 cores."""
+    code = _IMPORT_ALL.format(root=str(ROOT), package=str(PACKAGE), patch=_OLD_PATCHES)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    imported, patched = map(json.loads, proc.stdout.strip().splitlines()[-2:])
+    return imported, patched
 
 
-def test_importing_every_module_patches_nothing():
-    got = _import_all()
+def test_importing_every_module_patches_nothing(import_all):
+    got = import_all[0]
     assert got["modules"] > 100, got
     assert got["changes"] == [], "\n".join(got["changes"])
 
 
-def test_the_snapshot_sees_the_old_recorders_patches():
-    """The same check, with the old recorder's three patches applied after the snapshot."""
-    changes = _import_all(_OLD_PATCHES)["changes"]
+def test_the_snapshot_sees_the_old_recorders_patches(import_all):
+    """The same check, with the old recorder's three patches applied after the snapshot (and
+    after every product module was imported)."""
+    changes = import_all[1]["changes"]
     assert any(c.startswith("replaced torch.distributed.distributed_c10d.Work.wait") or
                c.startswith("replaced torch._C._distributed_c10d.Work.wait")
                for c in changes), changes
