@@ -67,14 +67,17 @@ class Sync:
     """Up to 6 frames, innermost last, 'path:line func'."""
     callers: frozenset[str] = frozenset()
     """Function names of every `meshtron/` frame on the stack (for `within`)."""
+    inner: str = ""
+    """The innermost frame outside testkit (inside torch when torch made the read)."""
 
     def __str__(self) -> str:
-        return f"{self.op} at {self.site}\n    " + "\n    ".join(self.stack)
+        return (f"{self.op} at {self.site} (innermost: {self.inner})\n    "
+                + "\n    ".join(self.stack))
 
 
-def _where() -> tuple[str, tuple[str, ...], frozenset[str]]:
-    frames = [f for f in traceback.extract_stack()
-              if "/testkit/syncs.py" not in f.filename and "/torch/" not in f.filename]
+def _where() -> tuple[str, tuple[str, ...], frozenset[str], str]:
+    every = [f for f in traceback.extract_stack() if "/testkit/syncs.py" not in f.filename]
+    frames = [f for f in every if "/torch/" not in f.filename]
     ours = [f for f in frames if "/meshtron/" in f.filename]
     def rel(f):
         return str(Path(f.filename)).split("/meshtron/", 1)[-1] if "/meshtron/" in f.filename \
@@ -83,11 +86,23 @@ def _where() -> tuple[str, tuple[str, ...], frozenset[str]]:
     site = f"meshtron/{rel(site_frame)}:{site_frame.name}" if ours else \
         f"{rel(site_frame)}:{site_frame.name}"
     return (site, tuple(f"{rel(f)}:{f.lineno} {f.name}" for f in (ours or frames)[-6:]),
-            frozenset(f.name for f in ours))
+            frozenset(f.name for f in ours),
+            f"{every[-1].filename.split('/site-packages/')[-1]}:{every[-1].lineno} "
+            f"{every[-1].name}" if every else "")
 
 
 def _is_mask(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+
+
+def _masked_fill_path(args, kwargs, indices) -> bool:
+    """`t[mask] = 0`: index_put_ with one mask and a 0-dim host value runs `masked_fill_` with
+    the host scalar (ATen's `canDispatchToMaskedFill`), no nonzero and no sync. On CPU a device
+    scalar looks the same; Python's `t[mask] = 0` always makes a 0-dim CPU value."""
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    return (not accumulate and len(indices) == 1 and isinstance(value, torch.Tensor)
+            and value.dim() == 0 and value.device.type == "cpu")
 
 
 def _aten_sync(func, args, kwargs) -> bool:
@@ -96,8 +111,11 @@ def _aten_sync(func, args, kwargs) -> bool:
     if func in NEEDS_SIZE:
         return kwargs.get("output_size") is None
     if func in MASK_INDEX:
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(_is_mask(i) for i in indices or ())
+        indices = [i for i in (args[1] if len(args) > 1 else kwargs.get("indices", ())) or ()
+                   if i is not None]
+        if func is not aten.index.Tensor and _masked_fill_path(args, kwargs, indices):
+            return False
+        return any(_is_mask(i) for i in indices)
     if func in (aten._to_copy.default, aten.copy_.default):
         # a real device -> host copy (a GPU run); on CPU the Python-level reads catch it
         src = args[1] if func is aten.copy_.default else args[0]

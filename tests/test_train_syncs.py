@@ -56,6 +56,7 @@ def test_detector_sees_what_cuda_would_wait_for():
         x[x > 0], torch.bincount(x.long().clamp(min=0)), torch.repeat_interleave(x.long().abs())
         torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # sized: no sync
         x * 2, x.sum()  # no reads
+        x[x > 5] = 0  # a host scalar through a mask: ATen runs masked_fill_, no sync
     ops = [op for op, _ in d.sites()]
     assert ops == ["float(tensor)", "bool(tensor)", "Tensor.tolist", "aten.index.Tensor",
                    "aten.bincount", "aten.repeat_interleave.Tensor"]
