@@ -195,6 +195,7 @@ class SyncDetector:
         """Each distinct sync once, with its count and a stack (for a failing assertion)."""
         seen: dict[tuple[str, str], Sync] = {}
         for s in self.syncs:
-            seen.setdefault((s.op, s.site), s)
+            if within is None or within in s.callers:
+                seen.setdefault((s.op, s.site), s)
         counts = self.sites(within)
         return "\n".join(f"{n} x {seen[k]}" for k, n in counts.items())
