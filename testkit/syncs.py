@@ -174,22 +174,26 @@ class SyncDetector:
         for m in reversed(self._modes):
             m.__exit__(*exc)
 
-    def sites(self, within: str | None = None) -> Counter:
-        """(op, site) -> count, one entry per read; `within`: only syncs with a frame whose
-        function name is `within` on their stack (e.g. the training loop's `_run_steps`)."""
-        out: Counter = Counter()
+    def reads(self, within: str | None = None) -> list[Sync]:
+        """The syncs, one per host read (the aten op right after a Python read at the same
+        place is that read); `within`: only syncs with a `meshtron/` frame of that function
+        name on their stack (e.g. the training loop's `_run_steps`)."""
+        out: list[Sync] = []
         last_py = None
         for s in self.syncs:
             if within is not None and within not in s.callers:
                 continue
-            # the aten op right after a Python read at the same site is that read
             if s.op == "aten._local_scalar_dense" and last_py is not None \
-                    and last_py.site == s.site and last_py.stack == s.stack:
+                    and last_py.stack == s.stack:
                 last_py = None
                 continue
             last_py = s if not s.op.startswith("aten.") else None
-            out[(s.op, s.site)] += 1
+            out.append(s)
         return out
+
+    def sites(self, within: str | None = None) -> Counter:
+        """(op, site) -> number of reads (`reads`)."""
+        return Counter((s.op, s.site) for s in self.reads(within))
 
     def report(self, within: str | None = None) -> str:
         """Each distinct sync once, with its count and a stack (for a failing assertion)."""
