@@ -126,3 +126,15 @@ def test_parallel_steps_read_the_host_only_at_logging_points(tmp_path):
             forwards = PAR_STEPS * 2 * 4  # 2 micro-batches per step and rank, 4 MoE layers
             assert calls == (forwards if model != "debug" else 0), \
                 f"{calls} dispatcher reads for {forwards} MoE layer forwards\n{report}"
+
+
+def test_batch_to_device_leaves_a_host_batch_alone_on_cpu():
+    """The CPU branch of the batch copy: no page-locking (CPU has none) and no copy; the CUDA
+    branch (pin, then one asynchronous copy) needs a GPU: bench/gpu_check's train step."""
+    import torch
+
+    from meshtron.runtime import batch_to_device
+
+    batch = torch.arange(12).view(3, 4)
+    assert batch_to_device(batch, torch.device("cpu")) is batch
+    assert not batch.is_pinned()

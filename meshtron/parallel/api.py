@@ -55,6 +55,7 @@ from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.mesh import data_mesh, expert_meshes, mesh_axes, resolve_plan
 from meshtron.planner.placement import axis_sizes
 from meshtron.planner.plan import Plan, as_plan, microbatch_problem
+from meshtron.runtime import batch_to_device
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
 from meshtron.parallel.offload import activation_offload
@@ -197,8 +198,8 @@ class ParallelModel:
             # the copy to the device so only seq/cp tokens travel there.
             shard = shard_batch(inputs, targets, lay.cp, self.mesh.get_local_rank("cp"))
             inputs, targets = shard.tokens, shard.targets
-        inputs = inputs.to(self.device, non_blocking=True)  # no stream sync (see LocalEngine)
-        targets = targets.to(self.device, non_blocking=True)
+        inputs = batch_to_device(inputs, self.device)  # no host wait (meshtron/runtime.py)
+        targets = batch_to_device(targets, self.device)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         # MoE auxiliary losses weighted like their micro-batch's loss (1/M; the pipeline
         # schedules scale every gradient by 1/M themselves), as one process does.
