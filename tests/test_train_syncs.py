@@ -89,8 +89,15 @@ def _ranks_body(base: str, layout: str, model: str) -> tuple[dict, str, int]:
     request = ParallelRequest(plan=layout, nproc=world.world_size,
                               knobs=fixed_knobs(layout, None, None, None, 2, None))
     plan, cluster = resolve_run_plan(cfg, request, world.world_size)
-    with SyncDetector() as detector:
-        train_on_rank(cfg, plan, world, torch.device("cpu"), cluster, show_progress=False)
+    from meshtron import doctor
+
+    # the rank's doctor session, as `meshtron train` starts it (heartbeat, watchdog, recorder)
+    doctor.start(cfg.train.run_dir, world.rank, world.world_size, recorder=True)
+    try:
+        with SyncDetector() as detector:
+            train_on_rank(cfg, plan, world, torch.device("cpu"), cluster, show_progress=False)
+    finally:
+        doctor.stop()
     found = {}
     for s in detector.reads("_run_steps"):
         key = f"{s.op}|{s.site}|{'torch' if 'meshtron/' not in s.inner else 'ours'}"
