@@ -49,6 +49,18 @@ def local_device(local_rank: int | None = None) -> torch.device:
     return device
 
 
+def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on `device` without making the host wait for the device. From pageable
+    memory a CUDA copy is staged through the driver's small pinned buffers, and a batch larger
+    than those waits for the DMA of its earlier chunks, i.e. for every kernel queued before it
+    (the stream drains once per step). Copied into page-locked memory first (torch's caching
+    host allocator: reused buffers, each kept until its copy has run), the copy is one
+    asynchronous DMA. Devices without page-locked staging (CPU) copy as before."""
+    if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
 def cpu_backend(record: bool) -> str:
     """The backend of a CPU rank's default group: "gloo", or with `record` meshtron doctor's
     recording gloo group (doctor/backend.py: every collective recorded, nothing of torch

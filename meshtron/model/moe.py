@@ -28,7 +28,7 @@ the exact fallback loops over experts with one matmul per contiguous slice
 (`GroupedExperts.kernel` names the path; None chooses by device and dtype).
 
 Token counts per expert (`MoE.counts_policy`): None (training) counts the router's choices on
-the device (`bincount`). A policy (`StaticCounts`) gives them on the host instead, so every
+the device (`expert_counts`). A policy (`StaticCounts`) gives them on the host instead, so every
 tensor of the layer has a shape known before it runs: `meshtron rehearse` runs a rank under
 fake tensors, which cannot size tensors by value (bincount's output, the per-expert slices and
 the all-to-all splits). The router still runs (its memory and FLOPs are real); only which
@@ -168,6 +168,15 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts: under expert parallelism the weights are DTensors sharded on the
     expert dimension (meshtron/parallel/expert.py); `to_local` is differentiable."""
     return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def expert_counts(slot_expert: torch.Tensor, experts: int) -> torch.Tensor:
+    """Tokens per expert [experts] (int64) on the device. Not `torch.bincount`: on CUDA it
+    reads the input's maximum on the host to size its output (one sync per MoE layer and
+    micro-batch); a scatter-add into a fixed-size buffer needs no host read, and integer
+    atomics keep it exact and deterministic."""
+    return slot_expert.new_zeros(experts).scatter_add_(0, slot_expert,
+                                                       torch.ones_like(slot_expert))
 
 
 def _grouped_mm_swiglu(x, counts, w1, w2, w3):
@@ -333,7 +342,7 @@ class MoE(nn.Module):
         order = slot_expert.argsort(stable=True)
         host = None
         if self.counts_policy is None:
-            counts = torch.bincount(slot_expert, minlength=spec.moe_experts)
+            counts = expert_counts(slot_expert, spec.moe_experts)
         else:  # shapes known before the layer runs (module docstring)
             host = self.counts_policy(slot_expert.shape[0], spec.moe_experts)
             counts = torch.tensor(host, device=flat.device)

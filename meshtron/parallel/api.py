@@ -55,6 +55,7 @@ from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.mesh import data_mesh, expert_meshes, mesh_axes, resolve_plan
 from meshtron.planner.placement import axis_sizes
 from meshtron.planner.plan import Plan, as_plan, microbatch_problem
+from meshtron.runtime import batch_to_device
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.pipeline import build_schedule, pipeline_stage, split_model
 from meshtron.parallel.offload import activation_offload
@@ -139,7 +140,7 @@ class ParallelModel:
     def _schedule(self, n_micro: int):
         if n_micro not in self._schedules:
             if self._stages is None:
-                pp_group = self.mesh["pp"].get_group()
+                pp_group = self.mesh.get_group("pp")
                 self._stages = [pipeline_stage(m, s, self.layout, pp_group, self.device)
                                 for s, m in zip(self.stage_ids, self.model_parts)]
             self._schedules[n_micro] = build_schedule(self._stages, self.layout, n_micro,
@@ -197,8 +198,8 @@ class ParallelModel:
             # the copy to the device so only seq/cp tokens travel there.
             shard = shard_batch(inputs, targets, lay.cp, self.mesh.get_local_rank("cp"))
             inputs, targets = shard.tokens, shard.targets
-        inputs = inputs.to(self.device, non_blocking=True)  # no stream sync (see LocalEngine)
-        targets = targets.to(self.device, non_blocking=True)
+        inputs = batch_to_device(inputs, self.device)  # no host wait (meshtron/runtime.py)
+        targets = batch_to_device(targets, self.device)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         # MoE auxiliary losses weighted like their micro-batch's loss (1/M; the pipeline
         # schedules scale every gradient by 1/M themselves), as one process does.
@@ -233,11 +234,18 @@ class ParallelModel:
         # the global token mean).
         total = total.reshape(1).clone()
         if self.is_pipelined:
-            dist.all_reduce(total, group=self.mesh["pp"].get_group())
+            dist.all_reduce(total, group=self.mesh.get_group("pp"))
         if lay.dp * lay.cp > 1:
-            dist.all_reduce(total, group=self._loss_mesh().get_group())
+            dist.all_reduce(total, group=self._loss_group())
             total /= lay.dp * lay.cp
         return total[0]
+
+    def _loss_group(self):
+        """`_loss_mesh`'s process group, looked up once: slicing a DeviceMesh builds a new one
+        (host work on its rank tensor) on every call, i.e. every step."""
+        if getattr(self, "_loss_pg", None) is None:
+            self._loss_pg = self._loss_mesh().get_group()
+        return self._loss_pg
 
     def _loss_mesh(self):
         """The ranks over which the loss is averaged: "dp", or "dp_cp" with context
@@ -368,7 +376,8 @@ def grad_norm(pm: ParallelModel, norm_type: float = 2.0) -> torch.Tensor:
                 dist.all_reduce(acc, op=op, group=mesh.get_group(dim))
         total = torch.maximum(total, acc) if inf else total + acc
     if pm.layout.pp > 1:
-        dist.all_reduce(total, op=op, group=pm.mesh["pp"].get_group())
+        # get_group("pp"), not mesh["pp"]: no submesh built per step
+        dist.all_reduce(total, op=op, group=pm.mesh.get_group("pp"))
     return total[0] if inf else total[0] ** (1.0 / norm_type)
 
 

@@ -81,9 +81,9 @@ class ExpertParallel:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)
         if host_counts is None:
-            # The split sizes must be known on the host to size the buffers: one read per layer.
-            in_splits = send.sum(1).tolist()
-            out_splits = recv.sum(1).tolist()
+            # The split sizes must be known on the host to size the buffers: one read per layer
+            # (both directions in one copy; two `tolist()` would wait for the device twice).
+            in_splits, out_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
             rows = None
         else:
             rows = _static_received(host_counts, self.rank, ep)

@@ -23,6 +23,7 @@ from meshtron import doctor
 from meshtron.config import RunConfig
 from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer
+from meshtron.runtime import batch_to_device
 from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
 from meshtron.train.optim import build_adamw, build_scheduler
 from meshtron.train.precision import BF16Compute, configure_matmul_precision
@@ -181,10 +182,9 @@ class LocalEngine:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         """Forward, backward, clip, optimizer and schedule step, with no host synchronisation."""
-        # Non-blocking copies from pageable memory are staged by the driver without waiting for
-        # the device (a blocking copy would synchronise the stream every step).
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
+        # Page-locked and non-blocking: the host never waits for the device here (runtime.py).
+        inputs = batch_to_device(inputs, self.device)
+        targets = batch_to_device(targets, self.device)
         loss = forward_backward(self.model, inputs, targets, self.micro, self.mp)
         norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip,
                                                foreach=True)
