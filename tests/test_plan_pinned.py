@@ -20,6 +20,7 @@ from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.frameworks import preset, resolve
 from meshtron.planner.pinned import layout_pinned
 from meshtron.planner.search import search_plans
+from testkit.plan_cli import plan_cli  # noqa: F401  (fixture)
 
 L405 = ("--model", "llama3-405b", "--cluster", "dgx-h100:1024", "--global-batch", "2048",
         "--seq-len", "8192")
@@ -30,16 +31,8 @@ SMALL_HOST = ('gpu = "H100"\ngpus_per_node = 8\nnodes = 1\nintra_node_gb_per_s =
 
 
 @pytest.fixture
-def cli(monkeypatch, capsys):
-    import meshtron.cli as top
-
-    monkeypatch.setattr(top, "COMMAND_MODULES", ["meshtron.planner.cli"])
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        rc = top.main(["plan", *argv])
-        out = capsys.readouterr()
-        return rc, out.out, out.err
-    return run
+def cli(plan_cli):
+    return plan_cli
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +133,18 @@ def test_pinned_layout_text_marks_the_plan(cli):
     assert "Pinned plan: step" in out and "Best plan" not in out
 
 
-def test_host_memory_shortfall_is_marked_apart(cli, tmp_path):
-    # llama3-70b on 8 H100 fits only with host offload, and 512 GiB of host memory per node
-    # cannot take it: the GPUs fit (16.7 of 80 GiB), the host does not
+@pytest.fixture
+def host_bound(tmp_path) -> tuple[str, ...]:
+    """llama3-70b on 8 H100 fits only with host offload, and 512 GiB of host memory per node
+    cannot take it: the GPUs fit (16.7 of 80 GiB), the host does not."""
     cl = tmp_path / "small-host.toml"
     cl.write_text(SMALL_HOST)
-    args = ("--model", "llama3-70b", "--cluster", str(cl), "--global-batch", "16",
+    return ("--model", "llama3-70b", "--cluster", str(cl), "--global-batch", "16",
             "--seq-len", "4096", "--layout", "tp=1,pp=1,dp=8")
+
+
+def test_host_memory_shortfall_is_marked_apart(cli, host_bound):
+    args = host_bound
     rc, out, _ = cli(*args, "--json")
     doc = json.loads(out)
     plan = doc["plans"][0]
@@ -162,12 +160,9 @@ def test_host_memory_shortfall_is_marked_apart(cli, tmp_path):
     assert "'host>' is a plan whose GPUs fit" in out
 
 
-def test_no_fitting_change_is_said_truthfully(cli, tmp_path):
-    # the same host-bound layout: no value of any knob fits it, so there is no change to name
-    cl = tmp_path / "small-host.toml"
-    cl.write_text(SMALL_HOST)
-    args = ("--model", "llama3-70b", "--cluster", str(cl), "--global-batch", "16",
-            "--seq-len", "4096", "--layout", "tp=1,pp=1,dp=8")
+def test_no_fitting_change_is_said_truthfully(cli, host_bound, tmp_path):
+    # the host-bound layout: no value of any knob fits it, so there is no change to name
+    args = host_bound
     rc, out, _ = cli(*args, "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["fit_change"] is None

@@ -20,6 +20,7 @@ from meshtron.planner.comm import Fabric, Group, all_reduce, ring_all_reduce
 from meshtron.planner.compute import gemm_efficiency
 from meshtron.planner.memory import MemoryOptions, state_bytes
 from meshtron.planner.pipeline import in_flight, partition_dp, partition_layers
+from testkit.plan_cli import plan_cli  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 # The shared reference data (../shared) when the checkout sits beside it; otherwise the copy
@@ -159,16 +160,8 @@ def test_calibrated_cpu_cluster_plans_tiny_model(tmp_path):
 
 # ---- CLI -----------------------------------------------------------------------------------------
 @pytest.fixture
-def cli(monkeypatch, capsys):
-    import meshtron.cli as top
-
-    monkeypatch.setattr(top, "COMMAND_MODULES", ["meshtron.planner.cli"])
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        rc = top.main(["plan", *argv])
-        out = capsys.readouterr()
-        return rc, out.out, out.err
-    return run
+def cli(plan_cli):
+    return plan_cli
 
 
 BASE = ("--model", "llama3-70b", "--cluster", "dgx-h100:16", "--global-batch", "512",
