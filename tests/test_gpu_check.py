@@ -423,7 +423,8 @@ def test_clock_sampler_summary_and_no_clock_on_cpu():
         return {"sm_clock_mhz": sm, "power_w": w, "temperature_c": c, "reasons": mask}
 
     with clocks.Sampler(read, "injected", {"power_limit_w": 700.0}, interval_s=0.001) as s:
-        while len(s.samples) < 5:
+        deadline = time.monotonic() + 30
+        while len(s.samples) < 5 and time.monotonic() < deadline:
             time.sleep(0.002)
     out = s.summary()
     assert out["source"] == "injected" and out["reason"] is None and out["power_limit_w"] == 700
