@@ -275,3 +275,21 @@ def test_cli_table_counts_a_pinned_row_as_answered(cli, tmp_path):
     s = table.summarise([row], run.part)
     assert (s["n"], s["answered"], s["rejected"]) == (1, 1, 0)
     assert s["unfit"] == (row["status"] == "unfit")
+
+
+def test_rehearse_takes_the_plan_that_plan_prices(cli):
+    """`meshtron rehearse` of a pinned layout that does not fit rehearses the plan `meshtron
+    plan` prices (the time-balanced split), not the memory-minimising near miss."""
+    import argparse
+
+    from meshtron.rehearse import cli as rehearse_cli
+
+    rc, out, _ = cli(*PINNED, "--offload", "none", "--json")
+    priced = json.loads(out)["plans"][0]
+    parser = argparse.ArgumentParser()
+    rehearse_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["rehearse", *PINNED])
+    _, plan, _ = rehearse_cli._resolve(args)
+    assert rc == 0 and priced["fits"] is False
+    assert list(plan.stage_layers) == priced["stage_layers"]
+    assert plan.virtual_stages == priced["virtual_stages"]

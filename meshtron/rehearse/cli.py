@@ -101,7 +101,9 @@ def _resolve(args: argparse.Namespace):
                                                "offload": None}))
     result = search_plans(model, cluster, args.global_batch, args.seq_len, knobs, top_k=1,
                           explain=False)
-    est = result.best or result.near_miss
+    # nothing fits: the plan `meshtron plan` prices for this layout (the time-balanced split of
+    # the leanest candidate, SearchResult.near_miss_priced), so both commands rehearse the same
+    est = result.best or result.near_miss_priced or result.near_miss
     if est is None:
         raise UserError(f"layout {args.layout!r}: no valid plan on {cluster.num_gpus} GPUs")
     plan = est.to_plan(args.model, cluster.name, cluster.num_gpus, args.global_batch,
