@@ -1,11 +1,11 @@
 """Fork servers for `run_on_ranks`: rank r of every launch is forked from zygote r, a process
 that imported torch once per test run.
 
-A rank started with `python -m testkit.multiproc` spends 2-4 s of CPU importing torch and its
+A rank started with `python -m testkit.rank_child` spends 2-4 s of CPU importing torch and its
 distributed packages before it reaches `init_process_group`; the default suite starts ~130
 ranks on 2 cores. A zygote imports them once (`PRELOAD`) and forks a rank per request: the
 child is a new process (its own pid, session, environment, log file, process group and gloo
-threads, all made after the fork) that runs exactly `testkit.multiproc._child_main`, as the
+threads, all made after the fork) that runs exactly `testkit.rank_child.child_main`, as the
 fresh interpreter would.
 
 Safe to fork: the zygote runs no torch operation and starts no thread (it checks that it has
@@ -17,7 +17,7 @@ Protocol (lines on stdin/stdout): the parent writes a JSON request {tmpdir, rank
 env, cwd, log}; the zygote answers with the child's pid (or "error ..."). When a
 child ends, the zygote writes its exit code (as `Popen.returncode`: -N for signal N) to
 `tmpdir/exit<rank>`. The zygote leaves when stdin closes (the test run ended or died); its
-ranks follow within a second (they watch their parent, `multiproc._watch_parent`).
+ranks follow within a second (they watch their parent, `rank_child._watch_parent`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _reap() -> None:
 
 def _become_rank(req: dict) -> None:
     """In the forked child: a new session, the request's environment, cwd and log; then the
-    rank's body. Never returns (`_child_main` ends in os._exit)."""
+    rank's body. Never returns (`child_main` ends in os._exit)."""
     try:
         os.setsid()
         log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -70,9 +70,9 @@ def _become_rank(req: dict) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
-        from testkit.multiproc import _child_main
+        from testkit.rank_child import child_main
 
-        _child_main(req["tmpdir"], req["rank"], req["world_size"], os.getppid())
+        child_main(req["tmpdir"], req["rank"], req["world_size"], os.getppid())
     finally:
         os._exit(5)
 

@@ -16,7 +16,7 @@ AXIS_WORDS = {"tp": "tensor-parallel", "dp": "data-parallel",
               "pp": "pipeline", "cp": "context-parallel", "ep": "expert-parallel"}
 # Frames that say where a rank waits, not where the user's code is.
 _INFRA = ("/torch/", "/threading.py", "/selectors.py", "meshtron/doctor/",
-          "testkit/multiproc.py", "/runpy.py")
+          "testkit/rank_child.py", "/runpy.py")
 
 
 @dataclass
