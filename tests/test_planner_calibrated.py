@@ -11,10 +11,10 @@ import pytest
 from meshtron.model.spec import PRESETS
 from meshtron.planner import comm, host
 from meshtron.planner.cluster import GemmPoint, resolve_cluster
-from meshtron.planner.compute import (BF16, DISPATCH_S, HBM_EFFICIENCY, KernelOptions,
-                                      _elementwise_bytes, cluster_gemm_time, gemm_efficiency,
-                                      gemm_time, head_cost, kernels_per_layer, layer_cost,
-                                      measured_gemm_efficiency)
+from meshtron.planner.compute import KernelOptions, head_cost, kernels_per_layer, layer_cost
+from meshtron.planner.elementwise import elementwise_bytes
+from meshtron.planner.gemm import (BF16, DISPATCH_S, HBM_EFFICIENCY, cluster_gemm_time,
+                                   gemm_efficiency, gemm_time, measured_gemm_efficiency)
 
 H100 = resolve_cluster("dgx-h100:1")
 MODEL = PRESETS["llama3-8b"]
@@ -63,7 +63,7 @@ def test_elementwise_bandwidth_prices_the_eager_stacks_memory_bound_work():
     bw_gb = 1000.0
     cl = dataclasses.replace(H100, elementwise_gb_per_s=bw_gb)
     base, cal = (layer_cost(MODEL, c, 2, 1, tokens, True, EAGER) for c in (H100, cl))
-    ew_bytes = tokens * _elementwise_bytes(MODEL, 2, True, EAGER)
+    ew_bytes = tokens * elementwise_bytes(MODEL, 2, True, EAGER)
     # same GEMMs and attention; only the element-wise term changes, from HBM x 0.8 to measured
     assert (cal.wgrad, cal.core_fwd) == (base.wgrad, base.core_fwd)
     assert cal.fwd - base.fwd == pytest.approx(

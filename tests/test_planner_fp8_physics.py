@@ -15,6 +15,7 @@ import pytest
 from meshtron.errors import UserError
 from meshtron.model.spec import PRESETS
 from meshtron.planner import compute as C
+from meshtron.planner import gemm as G
 from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.fp8 import (EAGER_CAST_BYTES, GEMM_GROUPS, cast_bytes, fp8_fractions,
@@ -266,7 +267,7 @@ def test_cublas_fp8_gemms_saturate_in_m_and_n_as_bf16_does():
     m and n at the FP8 balance's width and loses more on narrow shapes."""
     bf, f8 = H100.at_dtype("bf16"), H100.at_dtype("fp8")
     assert f8.peak_tflops == pytest.approx(2 * bf.peak_tflops, rel=1e-3)  # 1979 and 989
-    d = C.SAT_DIM * (bf.peak_flops * bf.matmul_ceiling / bf.hbm_bytes_per_s) / C.REFERENCE_RIDGE
+    d = G.SAT_DIM * (bf.peak_flops * bf.matmul_ceiling / bf.hbm_bytes_per_s) / G.REFERENCE_RIDGE
     cublas = C.fp8_tile_scale(C.KernelOptions())
     block = C.fp8_tile_scale(C.KernelOptions(fp8_gemm="blockwise"))
     assert (cublas, block) == (0.5, 1.0)
@@ -280,7 +281,7 @@ def test_cublas_fp8_gemms_saturate_in_m_and_n_as_bf16_does():
         assert ratios[n]["cublas"] == pytest.approx(2 * (k + d) / (k + 2 * d), rel=2e-3)
     assert ratios[1280]["blockwise"] < ratios[14336]["blockwise"] < ratios[14336]["cublas"]
     # bf16 GEMMs are what they were: the defaults are bf16's bytes and widths
-    assert C.cluster_gemm_time(16384, 1280, k, bf) == C.gemm_time(
+    assert C.cluster_gemm_time(16384, 1280, k, bf) == G.gemm_time(
         16384, 1280, k, bf.peak_flops * bf.matmul_ceiling, bf.hbm_bytes_per_s)
 
 

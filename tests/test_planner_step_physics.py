@@ -12,6 +12,7 @@ import pytest
 from meshtron.model.spec import PRESETS
 from meshtron.planner import compute as C
 from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.elementwise import elementwise_bytes
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.frameworks import preset, with_options
 from meshtron.planner.plan import Plan
@@ -27,7 +28,7 @@ def _layer(opts: C.KernelOptions, tp: int = 1, tokens: int = 4096, sp: bool = Fa
 
 
 def _elementwise_s(opts: C.KernelOptions, tokens: int = 4096) -> float:
-    return tokens * C._elementwise_bytes(L8, 1, False, opts) / C.membound_bytes_per_s(
+    return tokens * elementwise_bytes(L8, 1, False, opts) / C.membound_bytes_per_s(
         H100, opts.stack)
 
 
@@ -82,8 +83,8 @@ def test_recomputed_forward_is_compiled_too():
 def test_eager_rmsnorm_through_aten_moves_what_a_fused_one_does():
     """torch.nn.RMSNorm runs ATen's fused kernel on CUDA (PyTorch >= 2.8); the Llama reference
     module's five kernels move 36 bytes per element instead of 4."""
-    aten = C._elementwise_bytes(L8, 1, False, C.KernelOptions(eager_norm="aten"))
-    python = C._elementwise_bytes(L8, 1, False, C.KernelOptions(eager_norm="python"))
+    aten = elementwise_bytes(L8, 1, False, C.KernelOptions(eager_norm="aten"))
+    python = elementwise_bytes(L8, 1, False, C.KernelOptions(eager_norm="python"))
     assert python - aten == pytest.approx(2 * (36 - 4) * L8.hidden)
     assert (C.kernels_per_layer(L8, C.KernelOptions(eager_norm="python"))
             - C.kernels_per_layer(L8, C.KernelOptions())) == 2 * (6 - 1)

@@ -1,0 +1,117 @@
+"""HBM bytes and kernel counts of one layer's memory-bound (non-GEMM) operations, per software
+stack: what planner/compute.py times at `gemm.membound_bytes_per_s`.
+
+Non-GEMM work (norms, residual adds, activation functions, rotary embedding, softmax, dropout,
+casts, cross-entropy) is memory-bound: time = bytes moved / (HBM bandwidth * 0.8), 0.8 being what
+streaming kernels reach (STREAM-like copy rates on A100/H100 HBM). What moves depends on the
+software stack (`KernelOptions.stack`), itemised per operation in `_elementwise_bytes`:
+
+A calibrated cluster's `elementwise_gb_per_s` (what eager RMSNorm, silu(a)*b and softmax reach on
+it) replaces HBM bandwidth * 0.8 for the eager stack, and its `eager_kernel_overhead_us` replaces
+the per-kernel dispatch constant below.
+
+* 'eager' (meshtron's own runtime; plain PyTorch modules without torch.compile): every operation
+  is its own kernel that reads its inputs from HBM and writes its output back. RMSNorm as written
+  in Llama-style code upcasts to fp32 and runs five kernels; rotary embedding is half-split
+  slicing, a negation, a concatenation, two products and a sum; SwiGLU is a SiLU kernel plus a
+  product; cross-entropy upcasts the logits to fp32. Each kernel also costs the host-side
+  dispatch of eager PyTorch (about 10 us per operation with autograd recording; e.g. H. He,
+  "Making Deep Learning Go Brrrr From First Principles", 2022): a layer cannot run faster than
+  its kernels can be issued.
+* 'fused' (Megatron-LM / Transformer Engine): norms, rotary embedding, the activation and the
+  bias-dropout-add are single kernels that read each input once and write each output once
+  (Megatron's fused kernels, Shoeybi et al. 2019; Korthikanti et al. 2022), the loss too.
+* 'compiled' (per-block torch.compile: meshtron's --compile, torchtitan's apply_compile): inside
+  each block inductor fuses what 'fused' fuses, but not into its extern kernels (cuBLAS, SDPA),
+  so the attention output's layout copy stays; the final norm, head and loss, the optimizer
+  step and the gradient accumulation run outside the compiled blocks, eager. Compile can
+  therefore save no more than the blocks' eager element-wise work and kernel issue (measured on
+  one H200: 5.2% of the step, bench/results/gpu_check_h200_2026-12-04.json).
+
+An eager RMSNorm is one ATen kernel when the model uses torch.nn.RMSNorm on PyTorch >= 2.8
+(`KernelOptions.eager_norm` 'aten'); the reference module's five kernels are 'python'.
+
+Backward moves about twice the forward's bytes (it reads the saved input and the incoming
+gradient and writes the outgoing one).
+"""
+
+from __future__ import annotations
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.kernel_options import KernelOptions
+
+# Bytes per element read + written by one forward operation, bf16 activations (2 bytes) and fp32
+# intermediates (4 bytes) where the code upcasts. Eager figures follow the operations as written
+# in plain PyTorch (meshtron/model/transformer.py, torchtitan's and Hugging Face's Llama):
+#   RMSNorm: cast to fp32 (2+4), square (4+4), mean (4), scale (4+4), cast back (4+2), weight (2+2)
+#   LayerNorm: one ATen kernel (2+2) in both stacks
+#   RoPE (q and k): negate half (1+1), concatenate (2+2), x*cos (2+2), rotated*sin (2+2), sum (4+2)
+#   SwiGLU: SiLU (2+2) and product (4+2) per ffn element; fused: one kernel (4+2)
+#   GeLU: one kernel (2+2) in both stacks (Megatron fuses it with the bias add)
+#   residual add: (4+2) per add in both stacks (Megatron fuses bias-dropout-add: same traffic)
+#   dropout: eager mask + scale kernel (2+2+1) before the add; fused: +1 byte of mask
+#   head-major transposes around the attention kernel: the output copied back (2+2) in eager
+#   compiled (per-block torch.compile): inductor fuses each chain of pointwise ops and the norm
+#   reductions into single kernels, as 'fused'; it cannot fuse into the extern kernels (cuBLAS
+#   GEMMs, the SDPA kernel), so the attention output's head-major -> token-major copy stays
+#   (2+2), and everything outside the compiled blocks (final norm, head, loss) is eager
+NORM_BYTES = {("eager", "rmsnorm"): 36.0, ("fused", "rmsnorm"): 4.0,
+               ("eager", "layernorm"): 4.0, ("fused", "layernorm"): 4.0,
+               ("compiled", "rmsnorm"): 4.0, ("compiled", "layernorm"): 4.0}
+NORM_KERNELS = {("eager", "rmsnorm"): 6, ("fused", "rmsnorm"): 1,
+                 ("eager", "layernorm"): 1, ("fused", "layernorm"): 1,
+                 ("compiled", "rmsnorm"): 1, ("compiled", "layernorm"): 1}
+_ROPE_BYTES = {"eager": 20.0, "fused": 4.0, "compiled": 4.0}
+_SWIGLU_BYTES = {"eager": 10.0, "fused": 6.0, "compiled": 6.0}
+
+
+def norm_key(stack: str, eager_norm: str, norm: str) -> tuple[str, str]:
+    """The `NORM_BYTES` / `NORM_KERNELS` entry of a norm: an eager RMSNorm through ATen's
+    fused kernel (KernelOptions.eager_norm 'aten') moves what a fused one does."""
+    if stack == "eager" and eager_norm == "aten":
+        return ("fused", norm)
+    return (stack, norm)
+
+
+def elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) -> float:
+    """HBM bytes moved per token by one layer's memory-bound kernels in the forward pass.
+
+    Per operation as in the table above. Replicated across tensor-parallel ranks unless sequence
+    parallelism shards them (Korthikanti et al. 2022, section 4.2.2): the two norms, the two
+    residual adds and the hidden dropouts. Sharded by tp: rotary embedding of q and k, the MLP
+    activation and the attention-output copy. The unfused attention's softmax/dropout traffic is
+    counted with the attention core in `layer_cost`; GEMM inputs and outputs are part of the GEMM
+    roofline, not counted here.
+    """
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    st = opts.stack
+    replicated = 2 * NORM_BYTES[norm_key(st, opts.eager_norm, model.norm)] * h + 2 * 6.0 * h
+    if opts.dropout:
+        replicated += 2 * (5.0 if st == "eager" else 1.0) * h
+    sharded = _ROPE_BYTES[st] * (h + kv) if model.position == "rope" else 0.0
+    sharded += (_SWIGLU_BYTES[st] if model.mlp == "swiglu" else 4.0) * f
+    if st in ("eager", "compiled"):  # the attention output's layout copy (table above)
+        sharded += 4.0 * h
+    return (replicated / tp if sp else replicated) + sharded / tp
+
+
+def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
+    """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations). The
+    eager count is what meshtron's Block launches, counted from its code path by
+    bench/host_kernel_count.py (tests/test_planner_host.py checks it): eager RoPE is, per q
+    and k, two casts of the cos/sin tables to the activation dtype, a negation, a
+    concatenation, two products and a sum; the flash kernel's output is already token-major,
+    so its transpose + reshape launches nothing in eager code."""
+    st = opts.stack
+    n = 2 * NORM_KERNELS[norm_key(st, opts.eager_norm, model.norm)] + 2  # norms, residual adds
+    n += (3 if model.mlp == "swiglu" else 2) + 4  # MLP and attention linears (q, k, v, out)
+    n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
+    if model.position == "rope":
+        n += 14 if st == "eager" else 1
+    if st == "compiled" or (st == "eager" and opts.attention != "flash"):
+        n += 1  # attention-output copy
+    if st == "eager":
+        n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
+        n += 2 if opts.dropout else 0
+    return n
+

@@ -1,0 +1,247 @@
+"""KernelOptions: the software choices (attention kernel, fused or compiled stack, FP8 scaling,
+ZeRO flavour, communication overlaps, optimizer) that change what the same layout costs. The
+framework presets (planner/frameworks.py) are instances; planner/compute.py, gemm.py and
+elementwise.py read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshtron.errors import UserError
+from meshtron.planner.fp8 import FP8_FILTERS, FP8_SCALINGS
+
+FP8_GEMMS = ("cublas", "blockwise")
+"""How a stack's FP8 GEMMs scale their operands (KernelOptions.fp8_gemm): 'cublas' = one scale
+per tensor or per row / column, applied in the epilogue (cuBLASLt, torch._scaled_mm:
+Transformer Engine's delayed and current scaling, torchao's tensorwise and rowwise);
+'blockwise' = 1x128 / 128x128 block scales promoted in the k loop (DeepSeek-V3, DeepGEMM)."""
+
+ATTENTION_KINDS = ("flash", "unfused")
+STACKS = ("eager", "fused", "compiled")
+SHARDINGS = ("fsdp", "zero")
+OPTIMIZERS = ("fused", "foreach")
+EAGER_NORMS = ("aten", "python")
+
+
+DEFAULT_IMBALANCE = 1.25
+"""Tokens on the fullest expert-parallel rank over the mean, when not measured. The capacity
+factor GShard (Lepikhin et al. 2020, section 2.2) and Switch Transformer (Fedus et al. 2022,
+section 2.1 and Table 1: 1.0-1.25) size expert buffers with, i.e. the load a balanced router
+stays under; the aux-loss-free balancing of DeepSeek-V3 keeps the per-batch load near that
+(its Figure 9). A convention, replaced by a measured value from router statistics."""
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Software choices that change the cost of the same layout."""
+
+    attention: str = "flash"
+    """'flash' (FlashAttention, default) or 'unfused' (materialised scores, Megatron-LM <= 2022)."""
+    dropout: bool = False
+    """Dropout on attention probabilities and hidden outputs (GPT-2/3 era; modern LLMs: off)."""
+    overlap_grad_reduce: bool = True
+    """Gradient reduction overlaps the last backward (DDP buckets; Megatron-LM since 2023)."""
+    fp32_grad_reduce: bool = False
+    """Gradients are accumulated and reduced in fp32 (Megatron-LM's main_grad), not bf16."""
+    p2p_scatter_gather: bool = True
+    """Pipeline sends split the activation over the tensor group and re-gather it over NVLink
+    (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1). False: every tensor
+    rank sends the whole [micro_batch*s, h] activation (DeepSpeed's pipeline engine)."""
+    p2p_blocking: bool = False
+    """Pipeline sends and receives are blocking steps of each stage's instruction stream
+    (DeepSpeed's pipeline engine, 2021-2022): per micro-batch and direction a stage pays both its
+    receive and its send. False: Megatron's batched isend/irecv, one transfer per boundary."""
+    stack: str = "eager"
+    """'eager' (plain PyTorch modules, meshtron's runtime), 'fused' (Megatron-LM / Transformer
+    Engine fused kernels) or 'compiled' (per-block torch.compile: meshtron's --compile,
+    torchtitan's apply_compile): what the memory-bound operations cost (module docstring)."""
+    shard_units_per_layer: int = 1
+    """Parameter all-gathers per layer and pass under ZeRO-3: FSDP wraps one transformer block (1);
+    DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
+    output projection, two MLP linears; Rajbhandari et al. 2021, ZeRO-Infinity, section 6)."""
+
+    reduce_units_per_layer: int | None = None
+    """Gradient reduce-scatters per layer and micro-batch under ZeRO-3 (None: one per gather
+    unit). DeepSpeed 0.3.x reduces every parameter separately, biases and norms included (12 for
+    a GPT layer with biases), while it gathers only the parameters above
+    `stage3_param_persistence_threshold` (the four weight matrices); FSDP reduces per unit."""
+
+    prefetch_params: float | None = None
+    """Parameters ZeRO-3 all-gathers ahead of the unit computing (None: the whole next unit, as
+    FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) admits
+    whole parameters until it is full, so any bucket > 0 prefetches the next unit whole
+    (partitioned_param_coordinator.py); 0: no prefetch (DeepSpeed 0.3's synchronous fetch)."""
+
+    recompute_regathers: bool = False
+    """Under ZeRO-3 with full recomputation, the recomputed forward gathers a unit's parameters
+    again and the backward once more (DeepSpeed: its per-submodule hooks release parameters
+    after every forward, recomputed ones included). False: FSDP, whose pre-backward unshard
+    serves both."""
+
+    fp8_filter: str = "torchao"
+    """With dtype fp8, which block Linears run in FP8 (planner/fp8.py FP8_FILTERS): 'torchao'
+    (meshtron's runtime: torchao's size thresholds, the rule its conversion applies) or 'all'
+    (Transformer Engine, torchtitan, DeepSeek-V3: every aligned Linear)."""
+    fp8_scaling: str = "torchao"
+    """With dtype fp8, how the operands are quantised and what that moves (planner/fp8.py
+    FP8_SCALINGS, `cast_bytes`): 'torchao' (the plan's fp8_recipe: meshtron's runtime),
+    'torchao-rowwise' / 'torchao-tensorwise' (torchtitan's float8 converter), 'te-delayed' /
+    'te-current' (Transformer Engine under Megatron-Core)."""
+    fp8_gemm: str = "cublas"
+    """With dtype fp8, the FP8 GEMM kernels' scaling (FP8_GEMMS): 'cublas' (per-tensor or
+    per-row scales in the epilogue: Transformer Engine, torchao, meshtron) or 'blockwise'
+    (DeepSeek-V3's fine-grained 1x128 / 128x128 scales promoted every 128 k-elements), which
+    sets how the GEMM saturates (module docstring, `fp8_tile_scale`)."""
+    fp8_param_gather: bool = False
+    """With dtype fp8, the FP8 Linears' weights are kept as Transformer Engine FP8 tensors and
+    the parameter all-gathers move them at 1 byte per element (Megatron-Core's
+    `--fp8-param-gather`, DistributedDataParallelConfig.fp8_param_gather, default False: the
+    distributed optimizer and Megatron-FSDP quantise the updated shard, then gather FP8;
+    Megatron-Bridge's bf16_with_fp8_current_scaling_mixed precision config, which its
+    performance recipes' 'fp8_cs' use, sets it True). torchao's FSDP2 float8 all-gather is
+    not this option: planner/fp8.py `fp8_gathers_fp8`. Dense models only (dp_cost.py)."""
+    list_collectives: bool = False
+    """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
+    PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
+    into a list gathers into a flat buffer and copies every chunk out, reduce_scatter from a list
+    flattens its input first): 3 extra HBM bytes per gathered byte, 2 per reduce-scattered byte."""
+    sharding: str = "fsdp"
+    """How ZeRO stages 0-2 run. 'fsdp' (meshtron's runtime on FSDP2, torchtitan, llm-foundry):
+    one collective per FSDP unit (embedding, blocks, [norm, head]); ZeRO-0/1 reduce once per
+    step, ZeRO-1 as reduce-scatter + all-gather in the compute dtype; ZeRO-2 gathers each unit
+    once per step and reduce-scatters per micro-batch (parallel/data_parallel.py; the list
+    planner/collectives.py `step_collectives` counts). 'zero' (DeepSpeed, Megatron's
+    distributed optimizer): gradients accumulate locally and are reduced once per step,
+    ZeRO-1/2 reduce-scatter them and all-gather the updated bf16 weights once."""
+    fp32_params_autocast: bool = False
+    """Parameters stay fp32 and autocast casts each weight to bf16 in every forward (Composer's
+    2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4
+    bytes per parameter, and each forward (recomputed ones too) reads 4 and writes 2 bytes per
+    local weight."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives overlap the GEMMs they feed or follow (Megatron-Core with
+    Transformer Engine `--tp-comm-overlap`: userbuffers pipelining of the sequence-parallel
+    all-gather / reduce-scatter with chunks of the column/row-parallel GEMM). Needs sequence
+    parallelism; each collective against its own GEMM only, as TE's methods run it
+    (`tp_exposed`)."""
+    async_tp: bool = False
+    """PyTorch asynchronous TP (plan.async_tp; Wang et al., "[Distributed w/ TorchTitan]
+    Introducing Async Tensor Parallelism in PyTorch", PyTorch dev-discuss 2024): inductor
+    decomposes each sequence-parallel all-gather + matmul (and matmul + reduce-scatter) into tp
+    chunks over symmetric memory; the local shard's chunk computes while the next shard
+    arrives, so the transfers hide behind (tp-1)/tp of the GEMMs (the last chunk's product has
+    nothing left to hide). The post measured ~8% end-to-end (up to 29% on the forward) for
+    Llama 3 8B/70B on H100. Needs sequence parallelism; each collective against the chunks of
+    its own GEMM, run one after another at tokens/tp rows (`tp_exposed`), OVERLAP_INTERFERENCE
+    of the hidden part (its copy-engine transfers avoid SM contention but still share HBM)."""
+    cp_overlap: bool = False
+    """Context parallelism: the K/V exchange of each layer overlaps the attention of the chunks
+    already received (Megatron-Core / Transformer Engine ring attention with p2p; torch's
+    ring rotation). False (meshtron's runtime, meshtron/parallel/context.py): K/V are
+    all-gathered before attention and its gradients reduce-scattered after it, exposed, and
+    the gathered K/V are kept for backward (memory.gathered_kv_bytes)."""
+    ep_overlap: bool = False
+    """Expert parallelism: the token all-to-alls overlap another micro-batch's computation
+    (DeepSeek's DualPipe, DeepSeek-V3 report section 3.2.1; Megatron-Core's
+    overlap_moe_expert_parallel_comm). False (meshtron's runtime, torchtitan 2025): exposed
+    (planner/moe_cost.py)."""
+    ep_node_limit: int = 0
+    """Node-limited routing with per-node deduplication: a token crosses to at most this many
+    nodes, once per node (DeepSeek-V3: M = 4, with its DeepEP-style dispatch); 0: every one of
+    its top_k copies travels (planner/moe_cost.py `a2a_time`)."""
+    expert_imbalance: float = DEFAULT_IMBALANCE
+    """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
+    above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
+    p2p_overlap: bool = False
+    """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
+    overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);
+    False: each transfer waits on the critical path (batched or blocking p2p, torch's
+    pipelining schedules receiving just before the compute). `pipeline.p2p_time`."""
+    eager_norm: str = "aten"
+    """How an eager RMSNorm runs: 'aten' (torch.nn.RMSNorm / F.rms_norm, one fused kernel
+    forward and one backward on CUDA since PyTorch 2.8: aten::_fused_rms_norm, pytorch#153666;
+    meshtron's model, torchtitan since March 2025, #985) or 'python' (the Llama reference
+    module: fp32 cast, square, mean, rsqrt-scale, cast back, weight: five kernels; torchtitan
+    before #985, Hugging Face's LlamaRMSNorm). LayerNorm is one ATen kernel either way."""
+    megatron_linear: bool = False
+    """Tensor-parallel linears are Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication
+    (megatron/core/tensor_parallel/layers.py; Transformer Engine's Linear does the same): the
+    column-parallel backward launches the input-gradient collective asynchronously beside the
+    weight-gradient GEMM (all-reduce, or reduce-scatter with sequence parallelism), and with
+    sequence parallelism it does not keep the gathered input: it all-gathers it again for the
+    weight gradient, beside the input-gradient GEMM. False: autograd's conjugate collectives
+    (DTensor, torchtitan, meshtron), each exposed, the gathered input saved."""
+    optimizer: str = "fused"
+    """AdamW implementation, which sets the optimizer step's HBM traffic (estimate.py):
+    'fused' (one kernel reads and writes every state once: torch.optim.AdamW(fused=True) as
+    meshtron/train/optim.py builds it on CUDA, torchtitan since Feb 2025 (#881), apex /
+    Transformer Engine FusedAdam in Megatron, DeepSpeed's FusedAdam) or 'foreach' (one pass per
+    arithmetic step: torch's foreach and for-loop AdamW, torchtitan 2024, Composer's
+    DecoupledAdamW). Independent of `stack`: compiling the blocks leaves the optimizer alone."""
+    grad_accum_fusion: bool = False
+    """The weight-gradient GEMM accumulates into the fp32 main gradient (Megatron-LM's
+    --gradient-accumulation-fusion, on by default: fused_weight_gradient_mlp_cuda / Transformer
+    Engine's main_grad epilogue), so accumulating micro-batch gradients costs no pass of its
+    own. False: every micro-batch's gradient is added to the accumulated one by a separate
+    memory-bound kernel (meshtron's BF16Compute.accumulate, FSDP2 without gradient sync, torch
+    DDP's no_sync): `grad_accumulation_bytes`."""
+    @property
+    def head_stack(self) -> str:
+        """The stack the final norm + head + loss are priced with: per-block torch.compile
+        ('compiled') fuses inside the blocks only, the head and the loss stay eager."""
+        return "eager" if self.stack == "compiled" else self.stack
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise UserError(f"attention={self.attention!r}: allowed values are "
+                             f"{', '.join(ATTENTION_KINDS)}")
+        if self.stack not in STACKS:
+            raise UserError(f"stack={self.stack!r}: allowed values are {', '.join(STACKS)}")
+        if self.sharding not in SHARDINGS:
+            raise UserError(f"sharding={self.sharding!r}: allowed values are "
+                             f"{', '.join(SHARDINGS)}")
+        if self.fp8_filter not in FP8_FILTERS:
+            raise UserError(f"fp8_filter={self.fp8_filter!r}: allowed values are "
+                             f"{', '.join(FP8_FILTERS)}")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise UserError(f"fp8_scaling={self.fp8_scaling!r}: allowed values are "
+                             f"{', '.join(FP8_SCALINGS)}")
+        if self.fp8_gemm not in FP8_GEMMS:
+            raise UserError(f"fp8_gemm={self.fp8_gemm!r}: allowed values are "
+                             f"{', '.join(FP8_GEMMS)}")
+        if self.fp8_param_gather and not self.fp8_scaling.startswith("te-"):
+            raise UserError(f"fp8_param_gather=True with fp8_scaling={self.fp8_scaling!r}: "
+                             "Transformer Engine's FP8 parameters need fp8_scaling te-delayed "
+                             "or te-current (torchao gathers FP8 by itself for tensorwise)")
+        pre = self.prefetch_params
+        if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
+                                or pre < 0):
+            raise UserError(f"prefetch_params={pre!r}: must be None or a number >= 0")
+        ru = self.reduce_units_per_layer
+        if ru is not None and (isinstance(ru, bool) or not isinstance(ru, int) or ru < 1):
+            raise UserError(f"reduce_units_per_layer={ru!r}: must be None or a positive integer")
+        im = self.expert_imbalance
+        if isinstance(im, bool) or not isinstance(im, (int, float)) or not 1.0 <= im <= 64.0:
+            raise UserError(f"expert_imbalance={im!r}: must be a number from 1 (balanced) to 64")
+        if self.eager_norm not in EAGER_NORMS:
+            raise UserError(f"eager_norm={self.eager_norm!r}: allowed values are "
+                             f"{', '.join(EAGER_NORMS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer={self.optimizer!r}: allowed values are "
+                             f"{', '.join(OPTIMIZERS)}")
+        nl = self.ep_node_limit
+        if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
+            raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")
+        if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
+            raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
+                             "positive integer")
+
+
+
+def compiled(opts: KernelOptions) -> KernelOptions:
+    """`opts` as per-block torch.compile runs them (meshtron's --compile): an eager stack
+    becomes 'compiled'; a stack that fuses already keeps its kernels."""
+    return dataclasses.replace(opts, stack="compiled") if opts.stack == "eager" else opts
+
