@@ -23,6 +23,10 @@ STACKS = ("eager", "fused", "compiled")
 SHARDINGS = ("fsdp", "zero")
 OPTIMIZERS = ("fused", "foreach")
 EAGER_NORMS = ("aten", "python")
+_CHOICES = (("attention", ATTENTION_KINDS), ("stack", STACKS), ("sharding", SHARDINGS),
+            ("fp8_filter", FP8_FILTERS), ("fp8_scaling", FP8_SCALINGS), ("fp8_gemm", FP8_GEMMS),
+            ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS))
+"""The KernelOptions fields that take one of a few names, with the names each allows."""
 
 
 DEFAULT_IMBALANCE = 1.25
@@ -194,23 +198,10 @@ class KernelOptions:
         return "eager" if self.stack == "compiled" else self.stack
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_KINDS:
-            raise UserError(f"attention={self.attention!r}: allowed values are "
-                             f"{', '.join(ATTENTION_KINDS)}")
-        if self.stack not in STACKS:
-            raise UserError(f"stack={self.stack!r}: allowed values are {', '.join(STACKS)}")
-        if self.sharding not in SHARDINGS:
-            raise UserError(f"sharding={self.sharding!r}: allowed values are "
-                             f"{', '.join(SHARDINGS)}")
-        if self.fp8_filter not in FP8_FILTERS:
-            raise UserError(f"fp8_filter={self.fp8_filter!r}: allowed values are "
-                             f"{', '.join(FP8_FILTERS)}")
-        if self.fp8_scaling not in FP8_SCALINGS:
-            raise UserError(f"fp8_scaling={self.fp8_scaling!r}: allowed values are "
-                             f"{', '.join(FP8_SCALINGS)}")
-        if self.fp8_gemm not in FP8_GEMMS:
-            raise UserError(f"fp8_gemm={self.fp8_gemm!r}: allowed values are "
-                             f"{', '.join(FP8_GEMMS)}")
+        for name, allowed in _CHOICES:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise UserError(f"{name}={value!r}: allowed values are {', '.join(allowed)}")
         if self.fp8_param_gather and not self.fp8_scaling.startswith("te-"):
             raise UserError(f"fp8_param_gather=True with fp8_scaling={self.fp8_scaling!r}: "
                              "Transformer Engine's FP8 parameters need fp8_scaling te-delayed "
@@ -225,19 +216,12 @@ class KernelOptions:
         im = self.expert_imbalance
         if isinstance(im, bool) or not isinstance(im, (int, float)) or not 1.0 <= im <= 64.0:
             raise UserError(f"expert_imbalance={im!r}: must be a number from 1 (balanced) to 64")
-        if self.eager_norm not in EAGER_NORMS:
-            raise UserError(f"eager_norm={self.eager_norm!r}: allowed values are "
-                             f"{', '.join(EAGER_NORMS)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"optimizer={self.optimizer!r}: allowed values are "
-                             f"{', '.join(OPTIMIZERS)}")
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")
-
 
 
 def compiled(opts: KernelOptions) -> KernelOptions:
