@@ -4,7 +4,7 @@ zero, negative, huge, non-finite). Whatever the input, the outcome is one of:
 - refused by name: exit code 2 (a `UserError`), one line, and that line names a damaged field;
 - provably harmless: accepted, and the value the command runs with is the given value itself,
   or the reader's documented normalisation of it (null = the documented default; an integer
-  where a float is read; `HF_READS` below, from meshtron/model/spec.py `from_hf_dict`).
+  where a float is read; `HF_READS` below, from meshtron/model/hf_config.py `from_hf_dict`).
 Never a traceback, and never a damaged value silently replaced by something else.
 
 In process and without training: `train` is parsed and validated into a job (run file, flags,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from meshtron.errors import UserError
-from meshtron.model.spec import from_hf_dict
+from meshtron.model.hf_config import from_hf_dict
 
 SHAPES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=2, vocab_size=128, max_position_embeddings=64)

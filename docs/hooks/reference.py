@@ -25,7 +25,7 @@ CONFIG_CLASSES = [
     ("Run file: `[data]`", "config.py", "DataConfig", "data"),
     ("Run file: `[optim]`", "config.py", "OptimConfig", "optim"),
     ("Run file: `[train]`", "config.py", "TrainConfig", "train"),
-    ("Run file: `[model]` (ModelSpec fields, on top of `preset = ...`)", "model/spec.py",
+    ("Run file: `[model]` (ModelSpec fields, on top of `preset = ...`)", "model/shapes.py",
      "ModelSpec", "model"),
     ("Plan file (`meshtron plan --save`, `meshtron train --plan FILE`)", "planner/plan.py",
      "Plan", None),
@@ -65,7 +65,7 @@ def _cell(text: str) -> str:
 def config_page() -> str:
     out = ["# Configuration keys", "",
            "Generated at build time from the dataclasses' field docstrings "
-           "(`meshtron/config.py`, `meshtron/model/spec.py`, `meshtron/planner/plan.py`). "
+           "(`meshtron/config.py`, `meshtron/model/shapes.py`, `meshtron/planner/plan.py`). "
            "Any key is also settable from the command line with `--set TABLE.KEY=VALUE`.", ""]
     for title, rel, cls_name, table in CONFIG_CLASSES:
         out += [f"## {title}", "", f"`{cls_name}` in `meshtron/{rel}`.", "",

@@ -17,7 +17,7 @@ when a layer's kernels are shorter on average than their launches, i.e. small pe
 (small models, large tp, small micro-batches). Each collective call is one more launch on the
 host (c10d's collectives are dispatcher operations since PyTorch 2.0), and the device time of
 the stretch includes the collectives the stream waits on. What differs per stack is the kernel
-count (compute.py `kernels_per_layer`: eager issues every element-wise operation, Megatron /
+count (elementwise.py `kernels_per_layer`: eager issues every element-wise operation, Megatron /
 Transformer Engine and per-block torch.compile fuse them). Every stack is charged the eager
 per-launch cost: Megatron/TE modules and inductor's generated wrapper still launch each kernel
 from Python (CUDA graphs, which would remove it, are no stack's default here).
@@ -61,7 +61,7 @@ Python frame and the recording, both pay the launch."""
 AUTOGRAD_RECORD = (FORWARD_DISPATCH_US + LAUNCH_US) / (NO_GRAD_DISPATCH_US + LAUNCH_US)
 """A training forward op over the no-grad op `meshtron calibrate` times (`x.add_(1)` back to
 back, calibrate/kernels.py): 1.07. A calibrated cluster's per-kernel cost is scaled by it
-(compute.py `dispatch_s`); the constant DISPATCH_S already stands for a training op."""
+(gemm.py `dispatch_s`); the constant DISPATCH_S already stands for a training op."""
 BACKWARD_LAUNCHES = 1.25
 """Backward launches per forward launch of a layer, counted on meshtron's Block by
 bench/host_kernel_count.py (torch 2.13, llama-style: 28 forward, 35 backward; two GEMMs per

@@ -1,0 +1,286 @@
+"""Hugging Face `config.json` files (llama, mistral, qwen2, mixtral, qwen3_moe, gpt_neox, gpt2)
+read into a ModelSpec; errors name the config's keys."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from meshtron.argtypes import existing_file
+from meshtron.errors import UserError
+from meshtron.model.shapes import ROPE_TYPES, ModelSpec, is_number
+
+_HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
+_HF_MOE = ("mixtral", "qwen3_moe")
+_HF_TYPES = _HF_LLAMA_LIKE + _HF_MOE + ("gpt_neox", "gpt2")
+
+
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """Read a Hugging Face `config.json` into a ModelSpec."""
+    path = existing_file(path, "model")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"model={str(path)!r}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"model={str(path)!r}: config.json must hold a JSON object")
+    return from_hf_dict(cfg, name=path.parent.name or path.stem)
+
+
+_HF_KEYS = {
+    "llama": {"layers": "num_hidden_layers", "hidden": "hidden_size",
+              "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+              "ffn_hidden": "intermediate_size", "vocab": "vocab_size",
+              "max_seq": "max_position_embeddings"},
+    "gpt2": {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "kv_heads": "n_head",
+             "ffn_hidden": "n_inner", "vocab": "vocab_size", "max_seq": "n_positions"},
+}
+_HF_KEYS["gpt_neox"] = dict(_HF_KEYS["llama"], kv_heads="num_attention_heads")
+
+
+def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
+    """A ModelSpec from a config.json's keys; errors name the config's keys (`hidden_size`),
+    not ModelSpec's fields (`model.hidden`)."""
+    try:
+        return _from_hf_dict(cfg, name)
+    except UserError as exc:
+        keys = _HF_KEYS.get("llama" if cfg.get("model_type") in _HF_LLAMA_LIKE + _HF_MOE
+                            else str(cfg.get("model_type")), {})
+        text = re.sub(r"model\.(\w+)", lambda m: f"config.json {keys[m.group(1)]}"
+                      if m.group(1) in keys else m.group(0), str(exc))
+        raise UserError(text) from None
+
+
+def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
+    mtype = cfg.get("model_type")
+    if mtype not in _HF_TYPES:
+        raise UserError(
+            f"config.json model_type={mtype!r}: supported model types are {', '.join(_HF_TYPES)}")
+
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise UserError(f"config.json {key}: missing (required for model_type {mtype!r})")
+        return _hf_int(cfg, key, None, required=True)
+
+    def num(key: str, default: float) -> float:
+        value = cfg.get(key, default)
+        if not is_number(value) or not math.isfinite(value) or value <= 0:
+            raise UserError(f"config.json {key}={value!r}: must be a positive number")
+        return float(value)
+
+    def flag(key: str, default: bool) -> bool:
+        value = cfg.get(key, default)
+        if not isinstance(value, bool):
+            raise UserError(f"config.json {key}={value!r}: must be true or false")
+        return value
+
+    def opt_int(key: str, default: Any) -> Any:
+        return _hf_int(cfg, key, default)
+
+    if mtype in _HF_LLAMA_LIKE:
+        _check_hf_attention(cfg, mtype)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
+                             f"supported for model_type {mtype!r}")
+        heads = need("num_attention_heads")
+        return ModelSpec(
+            name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
+            kv_heads=opt_int("num_key_value_heads", None) or heads,
+            ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
+            tied_embeddings=flag("tie_word_embeddings", False),
+            qkv_bias=(mtype == "qwen2") or _no_out_bias(flag("attention_bias", False)),
+            # Mistral's sliding window caps the exact length (see _hf_max_seq).
+            **_hf_rope(cfg, "rope_theta", num,
+                       _hf_max_seq(cfg, mtype, opt_int("max_position_embeddings", 4096))),
+            norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
+        )
+    if mtype in _HF_MOE:
+        return _hf_moe(cfg, mtype, name, need, num, flag, opt_int)
+    if mtype == "gpt_neox":
+        hidden = need("hidden_size")
+        rotary_pct = cfg.get("rotary_pct", 1.0)
+        if not is_number(rotary_pct) or rotary_pct != 1.0:
+            raise UserError(f"config.json rotary_pct={rotary_pct!r}: partial rotary embeddings "
+                             "(RoPE on part of each head, as in Pythia) are not supported by "
+                             "meshtron's model; only rotary_pct = 1.0")
+        return ModelSpec(
+            name=name, layers=need("num_hidden_layers"), hidden=hidden,
+            heads=need("num_attention_heads"), kv_heads=need("num_attention_heads"),
+            ffn_hidden=opt_int("intermediate_size", 4 * hidden), vocab=need("vocab_size"),
+            mlp="gelu", norm="layernorm",
+            position="rope", tied_embeddings=flag("tie_word_embeddings", False),
+            bias=True, parallel_residual=flag("use_parallel_residual", True),
+            **_hf_rope(cfg, "rotary_emb_base", num, opt_int("max_position_embeddings", 2048)),
+            norm_eps=num("layer_norm_eps", 1e-5),
+        )
+    # gpt2
+    hidden = need("n_embd")
+    return ModelSpec(
+        name=name, layers=need("n_layer"), hidden=hidden, heads=need("n_head"),
+        kv_heads=need("n_head"), ffn_hidden=opt_int("n_inner", None) or 4 * hidden,
+        vocab=need("vocab_size"), max_seq=opt_int("n_positions", 1024), mlp="gelu",
+        norm="layernorm", position="learned", tied_embeddings=True, bias=True,
+        norm_eps=num("layer_norm_epsilon", 1e-5),
+    )
+
+
+def _hf_moe(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_int) -> ModelSpec:
+    """Mixtral (Jiang et al. 2024) and Qwen3-MoE config.json files."""
+    qwen = mtype == "qwen3_moe"
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
+                         f"supported for model_type {mtype!r}")
+    if cfg.get("use_sliding_window") is True or (not qwen and cfg.get("sliding_window")):
+        raise UserError(f"config.json sliding_window={cfg.get('sliding_window')!r}: "
+                         "sliding-window attention is not supported; set it to null")
+    _no_out_bias(flag("attention_bias", False))
+    if qwen:
+        sparse_step, dense_only = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers", [])
+        if sparse_step != 1 or dense_only:
+            raise UserError(f"config.json decoder_sparse_step={sparse_step!r}, mlp_only_layers="
+                             f"{dense_only!r}: only every layer an MoE layer (1, []) is supported")
+    experts_key = "num_experts" if qwen and "num_experts" in cfg else "num_local_experts"
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    head_dim = opt_int("head_dim", None)
+    return ModelSpec(
+        name=name, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
+        kv_heads=opt_int("num_key_value_heads", None) or heads,
+        ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
+        tied_embeddings=flag("tie_word_embeddings", False),
+        head_size=head_dim if head_dim not in (None, hidden // heads) or qwen else None,
+        qk_norm=qwen,
+        **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
+        norm_eps=num("rms_norm_eps", 1e-6 if qwen else 1e-5),
+        moe_experts=need(experts_key), moe_top_k=need("num_experts_per_tok"),
+        moe_ffn_hidden=need("moe_intermediate_size") if qwen else need("intermediate_size"),
+        moe_norm_topk=flag("norm_topk_prob", False) if qwen else True,
+        moe_aux_loss=float(cfg.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+def _hf_rope(cfg: dict[str, Any], key: str, num, max_pos: int) -> dict[str, Any]:
+    """ModelSpec's RoPE fields (and max_seq) from `rope_parameters` (transformers >= 5) or the
+    flat `rope_theta` / `key` with `rope_scaling` (transformers 4.x), read as transformers reads
+    them (`modeling_rope_utils`): original_max_position_embeddings defaults to the top-level key,
+    then to max_position_embeddings; YaRN's mscale/mscale_all_dim become its attention factor."""
+    params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling")
+    for field, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise UserError(f"config.json {field}={value!r}: must be an object")
+    field, rope = "rope_parameters", params or {}
+    if _rope_kind(rope) == "default" and scaling:
+        field, rope = "rope_scaling", scaling
+    kind = _rope_kind(rope)
+    if kind not in ROPE_TYPES:
+        raise UserError(f"config.json {field}.rope_type={kind!r}: allowed values are "
+                         f"{', '.join(ROPE_TYPES)}")
+
+    def value(name: str, default: Any, integer: bool = False) -> Any:
+        got = rope.get(name)
+        if got is None:
+            return default
+        if integer and (not isinstance(got, int) or isinstance(got, bool) or got <= 0):
+            raise UserError(f"config.json {field}.{name}={got!r}: must be a positive integer")
+        if not is_number(got) or not math.isfinite(got) or got <= 0:
+            raise UserError(f"config.json {field}.{name}={got!r}: must be a positive number")
+        return got if integer else float(got)
+
+    partial = (params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UserError(f"config.json partial_rotary_factor={partial!r}: partial rotary "
+                         "embeddings are not supported; only 1.0")
+    theta = (value("rope_theta", None) if isinstance(params, dict) and "rope_theta" in params
+             else num(key, 10000.0))
+    out: dict[str, Any] = {"rope_theta": theta, "max_seq": max_pos}
+    if kind == "default":
+        return out
+    out.update(rope_type=kind, rope_factor=value("factor", None))
+    original = value("original_max_position_embeddings",
+                     _hf_int(cfg, "original_max_position_embeddings", max_pos), integer=True)
+    if kind == "dynamic":
+        original = max_pos  # transformers' dynamic NTK scales from max_position_embeddings
+    if out["rope_factor"] is None:
+        if kind != "yarn":
+            raise UserError(f"config.json {field}.factor: missing (required for rope_type {kind!r})")
+        out["rope_factor"] = max_pos / original  # transformers: implied by the two lengths
+    factor = out["rope_factor"]
+    if kind != "linear":
+        out["rope_original_max_seq"] = original
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=value("low_freq_factor", 1.0),
+                   rope_high_freq_factor=value("high_freq_factor", 4.0))
+    if kind in ("dynamic", "yarn"):  # the point of both: run past the pre-training length
+        out["max_seq"] = max(max_pos, int(factor * original))
+    if kind == "yarn":
+        mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = value("attention_factor", None)
+        if attention is None and mscale and mscale_all:  # DeepSeek's variant of YaRN's mscale
+            attention = 1.0 if factor <= 1 else ((0.1 * mscale * math.log(factor) + 1)
+                                                 / (0.1 * mscale_all * math.log(factor) + 1))
+        truncate = rope.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise UserError(f"config.json {field}.truncate={truncate!r}: must be true or false")
+        out.update(rope_beta_fast=value("beta_fast", 32.0), rope_beta_slow=value("beta_slow", 1.0),
+                   rope_attention_factor=attention, rope_truncate=truncate)
+    return out
+
+
+def _rope_kind(rope: dict[str, Any]) -> Any:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def _no_out_bias(attention_bias: bool) -> bool:
+    """Llama's `attention_bias` puts biases on q, k, v and the output projection; meshtron's
+    model has q/k/v biases only (Qwen2), so that variant is refused."""
+    if attention_bias:
+        raise UserError("config.json attention_bias=true: biases on the attention output "
+                         "projection are not supported; only q/k/v biases (model_type qwen2)")
+    return False
+
+
+def _hf_max_seq(cfg: dict[str, Any], mtype: str, max_pos: int) -> int:
+    """The longest sequence meshtron computes exactly: Mistral's sliding window (every token
+    attends to at most `sliding_window` predecessors) equals full causal attention on sequences
+    no longer than the window, so the window caps max_seq and longer sequences are refused
+    there (`seq_len ... max_seq`), not the model."""
+    window = cfg.get("sliding_window") if mtype == "mistral" else None
+    if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
+        return window
+    return max_pos
+
+
+def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
+    """Refuse what meshtron's attention does not compute: a head size other than
+    hidden/heads, sliding-window attention, biases beyond q/k/v."""
+    hd = cfg.get("head_dim")
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if (hd is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+            and hd != hidden // heads):
+        raise UserError(f"config.json head_dim={hd!r}: meshtron's attention needs "
+                         f"hidden_size/num_attention_heads={hidden // heads}")
+    if cfg.get("use_sliding_window") is True:
+        raise UserError("config.json use_sliding_window=true: sliding-window attention is not "
+                         "supported; only full attention")
+    if mtype == "mistral" and cfg.get("sliding_window") not in (None, 0):
+        window = cfg.get("sliding_window")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise UserError(f"config.json sliding_window={window!r}: must be a positive "
+                             "integer or null")
+    if cfg.get("mlp_bias") is True:
+        raise UserError("config.json mlp_bias=true: MLP biases are not supported for "
+                         f"model_type {mtype!r}")
+
+
+def _hf_int(cfg: dict[str, Any], key: str, default: Any, required: bool = False) -> Any:
+    """A positive integer field of config.json; absent or null gives `default` unless
+    `required`."""
+    value = cfg.get(key)
+    if value is None and not required:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"config.json {key}={value!r}: must be a positive integer")
+    return value

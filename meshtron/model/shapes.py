@@ -1,0 +1,326 @@
+"""ModelSpec: the one description of a decoder's shapes, shared by the planner and the runtime.
+
+A ModelSpec says everything needed to count parameters and FLOPs and to build the plain
+`nn.Module` in `meshtron.model.transformer`; its checks say which combinations a model may take.
+Where specs come from (presets, a Hugging Face config.json, a name or path): model/spec.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from meshtron.errors import UserError
+
+MLPKind = Literal["swiglu", "gelu"]
+NormKind = Literal["rmsnorm", "layernorm"]
+PositionKind = Literal["rope", "learned"]
+RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
+RouterKind = Literal["softmax", "sigmoid"]
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and architectural choices of a decoder-only transformer."""
+
+    name: str
+    """Preset or file name, for display only."""
+    layers: int
+    """Number of transformer blocks."""
+    hidden: int
+    """Model (residual stream) width."""
+    heads: int
+    """Query attention heads."""
+    kv_heads: int
+    """Key/value heads; fewer than `heads` is grouped-query attention (Ainslie et al. 2023)."""
+    ffn_hidden: int
+    """Inner width of the MLP."""
+    vocab: int
+    """Vocabulary size (rows of the embedding table)."""
+    max_seq: int
+    """Longest sequence the position encoding is built for."""
+    mlp: MLPKind = "swiglu"
+    """'swiglu' (gated SiLU, three matrices, Llama) or 'gelu' (two matrices, GPT)."""
+    norm: NormKind = "rmsnorm"
+    """'rmsnorm' (weight only) or 'layernorm' (weight and bias)."""
+    position: PositionKind = "rope"
+    """'rope' rotary embeddings (no parameters) or 'learned' absolute position table (GPT-2/3)."""
+    tied_embeddings: bool = False
+    """Output projection shares the input embedding matrix."""
+    bias: bool = False
+    """Linear layers carry biases (GPT-2, GPT-NeoX) or not (Llama)."""
+    qkv_bias: bool = False
+    """Only the q/k/v projections carry biases (Qwen2)."""
+    parallel_residual: bool = False
+    """Attention and MLP read the same input and are summed (GPT-NeoX/GPT-J) instead of chained."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_type: RopeKind = "default"
+    """RoPE scaling for long context (meshtron/model/rope.py): 'default' (none), 'linear'
+    (position interpolation), 'dynamic' (dynamic NTK), 'llama3' (Llama 3.1), 'yarn' (YaRN)."""
+    rope_factor: float = 1.0
+    """Context extension factor of the scaled variants."""
+    rope_original_max_seq: int | None = None
+    """Context length the model was pre-trained at (HF `original_max_position_embeddings`;
+    for 'dynamic', HF `max_position_embeddings`); required by dynamic, llama3 and yarn."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original/low_freq_factor are fully interpolated."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original/high_freq_factor are kept."""
+    rope_beta_fast: float = 32.0
+    """yarn: rotation count at the original length above which dimensions extrapolate."""
+    rope_beta_slow: float = 1.0
+    """yarn: rotation count below which dimensions interpolate."""
+    rope_attention_factor: float | None = None
+    """yarn: factor on cos and sin (None: 0.1 ln(factor) + 1, as the paper and transformers)."""
+    rope_truncate: bool = True
+    """yarn: round the ramp's end dimensions to integers (transformers' default)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    head_size: int | None = None
+    """Attention head size when it is not hidden/heads (Qwen3: 128 with hidden 2048, 32 heads)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3, OLMo 2)."""
+    # ---- mixture of experts (meshtron/model/moe.py); moe_experts = 0: a dense model ----------
+    moe_experts: int = 0
+    """Routed experts per MoE layer (0: every feed-forward is dense)."""
+    moe_top_k: int = 0
+    """Routed experts each token uses (the active experts)."""
+    moe_ffn_hidden: int = 0
+    """Inner width of one routed expert (SwiGLU); `ffn_hidden` stays the dense layers' width."""
+    moe_shared_experts: int = 0
+    """Shared experts every token uses (DeepSeek); one SwiGLU of width shared * moe_ffn_hidden."""
+    moe_dense_layers: int = 0
+    """The first k blocks keep a dense feed-forward (DeepSeek `first_k_dense_replace`)."""
+    moe_router: RouterKind = "softmax"
+    """'softmax' top-k (Mixtral, Qwen3-MoE) or 'sigmoid' with group-limited top-k and
+    bias-based balancing (DeepSeek-V3)."""
+    moe_norm_topk: bool = True
+    """Renormalise the top-k weights to sum to 1 (Mixtral always; Qwen3 `norm_topk_prob`)."""
+    moe_route_scale: float = 1.0
+    """Factor on the routed experts' weights (DeepSeek-V3 `routed_scaling_factor` 2.5)."""
+    moe_groups: int = 1
+    """Expert groups of group-limited routing (DeepSeek-V3 `n_group` 8)."""
+    moe_topk_groups: int = 1
+    """Groups a token may route into (DeepSeek-V3 `topk_group` 4)."""
+    moe_aux_loss: float = 0.0
+    """Coefficient of the load-balancing auxiliary loss (Switch Transformer; 0: none)."""
+    moe_bias_update: float = 0.0
+    """Bias update speed of auxiliary-loss-free balancing (DeepSeek-V3 gamma 0.001; sigmoid)."""
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UserError(f"model.{field}={value!r}: must be a positive integer")
+        if self.head_size is None and self.hidden % self.heads:
+            raise UserError(
+                f"model.heads={self.heads}: must divide model.hidden={self.hidden}")
+        if self.heads % self.kv_heads:
+            raise UserError(
+                f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise UserError(
+                f"model.hidden/heads={self.head_dim}: rotary embeddings need an even head size")
+        for field in ("rope_theta", "norm_eps"):
+            value = getattr(self, field)
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
+                raise UserError(f"model.{field}={value!r}: must be a positive finite number")
+        for field in ("tied_embeddings", "bias", "qkv_bias", "parallel_residual"):
+            if not isinstance(getattr(self, field), bool):
+                raise UserError(f"model.{field}={getattr(self, field)!r}: must be true or false")
+        _check_choice("model.mlp", self.mlp, ("swiglu", "gelu"))
+        _check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
+        _check_choice("model.position", self.position, ("rope", "learned"))
+        _check_rope_scaling(self)
+        _check_moe(self)
+
+    # ---- derived shapes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Block `index` has a routed feed-forward (after the first `moe_dense_layers`)."""
+        return self.is_moe and index >= self.moe_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.moe_dense_layers if self.is_moe else 0
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    # ---- exact parameter counts -----------------------------------------------------------
+    def attention_params(self) -> int:
+        h, kv, q = self.hidden, self.kv_dim, self.heads * self.head_dim
+        weights = h * q + 2 * h * kv + q * h  # q, k, v, o
+        biases = 0
+        if self.bias:
+            biases = q + 2 * kv + h
+        elif self.qkv_bias:
+            biases = q + 2 * kv
+        return weights + biases + (2 * self.head_dim if self.qk_norm else 0)
+
+    def mlp_params(self, width: int | None = None) -> int:
+        """A dense feed-forward of inner width `width` (default `ffn_hidden`)."""
+        h, f = self.hidden, self.ffn_hidden if width is None else width
+        if self.mlp == "swiglu":
+            return 3 * h * f + ((2 * f + h) if self.bias else 0)
+        return 2 * h * f + ((f + h) if self.bias else 0)
+
+    def moe_params(self, active: bool = False) -> int:
+        """One MoE feed-forward: router, routed experts (all, or the top_k a token uses when
+        `active`), shared experts. The balancing bias is a buffer-like constant, not counted."""
+        routed = self.moe_top_k if active else self.moe_experts
+        shared = self.mlp_params(self.moe_shared_experts * self.moe_ffn_hidden) \
+            if self.moe_shared_experts else 0
+        return self.hidden * self.moe_experts + routed * self.mlp_params(self.moe_ffn_hidden) \
+            + shared
+
+    def ffn_params(self, index: int, active: bool = False) -> int:
+        return self.moe_params(active) if self.is_moe_layer(index) else self.mlp_params()
+
+    def layer_params(self, index: int = 0, active: bool = False) -> int:
+        """Parameters of block `index` (attention, feed-forward, two norms); `active`: those a
+        token computes with (MoE: top_k of the routed experts)."""
+        return self.attention_params() + self.ffn_params(index, active) + 2 * self.norm_params
+
+    def embedding_params(self) -> int:
+        """Token embedding plus learned position table, if any."""
+        pos = self.max_seq * self.hidden if self.position == "learned" else 0
+        return self.vocab * self.hidden + pos
+
+    def head_params(self) -> int:
+        """Final norm plus the output projection (zero extra when tied)."""
+        out = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.norm_params + out
+
+    def num_params(self, active: bool = False) -> int:
+        """Exact trainable parameter count (tied weights counted once); `active`: the
+        parameters one token uses (MoE: top_k routed experts per layer)."""
+        blocks = sum(self.layer_params(i, active) for i in range(self.layers))
+        return self.embedding_params() + blocks + self.head_params()
+
+    def active_params(self) -> int:
+        return self.num_params(active=True)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward per token: 6 x (matmul params) plus attention scores.
+
+        6N counts a multiply-add as 2 FLOPs and backward as twice forward (Kaplan et al. 2020);
+        the attention term 12 * layers * hidden * seq is QK^T and AV (Narayanan et al. 2021, eq. 3),
+        counting a full (non-causal) square as Megatron does (heads * head_dim for hidden).
+        MoE: the active parameters only (router, top_k experts, shared experts), as
+        DeepSeek-V3's and Megatron-Core's MoE MFU count; norms and biases are not matmuls.
+        """
+        matmul_params = sum(self.attention_params() + self.ffn_params(i, active=True)
+                            for i in range(self.layers))
+        matmul_params += self.vocab * self.hidden  # LM head
+        attn_width = self.heads * self.head_dim
+        return 6.0 * matmul_params + 12.0 * self.layers * attn_width * seq_len
+
+    def replace(self, **changes: Any) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_rope_scaling(spec: ModelSpec) -> None:
+    _check_choice("model.rope_type", spec.rope_type, ROPE_TYPES)
+    if spec.rope_type == "default":
+        return
+    for field in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                  "rope_beta_fast", "rope_beta_slow"):
+        value = getattr(spec, field)
+        if not is_number(value) or not math.isfinite(value) or value <= 0:
+            raise UserError(f"model.{field}={value!r}: must be a positive finite number")
+    if spec.rope_type in ("dynamic", "yarn") and spec.rope_factor < 1:
+        raise UserError(f"model.rope_factor={spec.rope_factor!r}: must be at least 1 for "
+                         f"rope_type {spec.rope_type!r}")
+    original = spec.rope_original_max_seq
+    if spec.rope_type != "linear" and (not isinstance(original, int) or isinstance(original, bool)
+                                       or original <= 0):
+        raise UserError(f"model.rope_original_max_seq={original!r}: must be a positive integer "
+                         f"for rope_type {spec.rope_type!r}")
+    if spec.rope_type == "llama3" and spec.rope_high_freq_factor <= spec.rope_low_freq_factor:
+        raise UserError(f"model.rope_high_freq_factor={spec.rope_high_freq_factor!r}: must "
+                         f"exceed model.rope_low_freq_factor={spec.rope_low_freq_factor!r}")
+    factor = spec.rope_attention_factor
+    if factor is not None and (not is_number(factor) or not math.isfinite(factor) or factor <= 0):
+        raise UserError(f"model.rope_attention_factor={factor!r}: must be a positive number")
+    if not isinstance(spec.rope_truncate, bool):
+        raise UserError(f"model.rope_truncate={spec.rope_truncate!r}: must be true or false")
+
+
+def _check_moe(spec: ModelSpec) -> None:
+    """MoE fields: all zero for a dense model; otherwise experts, top_k, width consistent."""
+    for field in ("moe_experts", "moe_top_k", "moe_ffn_hidden", "moe_shared_experts",
+                  "moe_dense_layers"):
+        value = getattr(spec, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UserError(f"model.{field}={value!r}: must be a non-negative integer")
+    if spec.head_size is not None and (not isinstance(spec.head_size, int)
+                                       or isinstance(spec.head_size, bool) or spec.head_size <= 0):
+        raise UserError(f"model.head_size={spec.head_size!r}: must be a positive integer or null")
+    if not isinstance(spec.qk_norm, bool):
+        raise UserError(f"model.qk_norm={spec.qk_norm!r}: must be true or false")
+    if not spec.is_moe:
+        return
+    if spec.mlp != "swiglu":
+        raise UserError(f"model.mlp={spec.mlp!r}: MoE experts are SwiGLU; use mlp 'swiglu'")
+    if not 1 <= spec.moe_top_k <= spec.moe_experts:
+        raise UserError(f"model.moe_top_k={spec.moe_top_k!r}: must be between 1 and "
+                         f"model.moe_experts={spec.moe_experts}")
+    if spec.moe_ffn_hidden <= 0:
+        raise UserError(f"model.moe_ffn_hidden={spec.moe_ffn_hidden!r}: must be a positive "
+                         "integer for an MoE model")
+    if spec.moe_dense_layers >= spec.layers:
+        raise UserError(f"model.moe_dense_layers={spec.moe_dense_layers}: must be below "
+                         f"model.layers={spec.layers}")
+    _check_choice("model.moe_router", spec.moe_router, ("softmax", "sigmoid"))
+    for field in ("moe_groups", "moe_topk_groups"):
+        value = getattr(spec, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"model.{field}={value!r}: must be a positive integer")
+    if spec.moe_experts % spec.moe_groups:
+        raise UserError(f"model.moe_groups={spec.moe_groups}: must divide "
+                         f"model.moe_experts={spec.moe_experts}")
+    if spec.moe_topk_groups > spec.moe_groups:
+        raise UserError(f"model.moe_topk_groups={spec.moe_topk_groups}: must be at most "
+                         f"model.moe_groups={spec.moe_groups}")
+    if spec.moe_topk_groups * (spec.moe_experts // spec.moe_groups) < spec.moe_top_k:
+        raise UserError(f"model.moe_topk_groups={spec.moe_topk_groups}: the chosen groups hold "
+                         f"fewer experts than model.moe_top_k={spec.moe_top_k}")
+    if spec.moe_groups > 1 and spec.moe_router != "sigmoid":
+        raise UserError(f"model.moe_groups={spec.moe_groups}: group-limited routing is "
+                         "implemented for moe_router 'sigmoid' (DeepSeek-V3) only")
+    for field in ("moe_route_scale", "moe_aux_loss", "moe_bias_update"):
+        value = getattr(spec, field)
+        if not is_number(value) or not math.isfinite(value) or value < 0:
+            raise UserError(f"model.{field}={value!r}: must be a non-negative number")
+    if spec.moe_bias_update and spec.moe_router != "sigmoid":
+        raise UserError(f"model.moe_bias_update={spec.moe_bias_update}: bias-based balancing "
+                         "needs moe_router 'sigmoid'")
+
+
+def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise UserError(f"{field}={value!r}: allowed values are {', '.join(allowed)}")
