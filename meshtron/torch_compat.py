@@ -25,7 +25,8 @@ PRIVATE_APIS: dict[str, str] = {
     # model and parallelism
     "torch._grouped_mm": "MoE experts on CUDA in bf16, one grouped GEMM per matrix "
                          "(model/moe.py; per-expert matmuls without it)",
-    "torch._foreach_mul_": "gradient scaling of every gradient in one kernel (parallel/api.py)",
+    "torch._foreach_mul_": "gradient scaling of every gradient in one kernel "
+                           "(parallel/parallel_model.py)",
     "torch._foreach_copy_": "the bf16 compute copy's refresh (train/precision.py)",
     "torch._utils._flatten_dense_tensors": "bucketed gradient collectives (data_parallel.py)",
     "torch._utils._unflatten_dense_tensors": "bucketed gradient collectives (data_parallel.py)",

@@ -107,7 +107,7 @@ def test_optimizer_param_groups_stay_live():
     replaced (torch.optim.Optimizer.load_state_dict does that) they must still reach them."""
     import torch
 
-    from meshtron.parallel.api import ParallelOptimizer
+    from meshtron.parallel.optimizer import ParallelOptimizer
 
     a, b = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
     inner = [torch.optim.AdamW(a.parameters(), lr=1.0),

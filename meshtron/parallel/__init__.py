@@ -8,14 +8,10 @@
 - `release_mesh(mesh)` -> destroys the mesh's process groups (before building another).
 """
 
-from meshtron.parallel.api import (
-    ParallelModel,
-    ParallelOptimizer,
-    build_optimizer,
-    grad_norm,
-    parallelize,
-)
+from meshtron.parallel.api import parallelize
 from meshtron.parallel.mesh import MESH_DIMS, build_mesh, release_mesh, resolve_plan
+from meshtron.parallel.optimizer import ParallelOptimizer, build_optimizer
+from meshtron.parallel.parallel_model import ParallelModel, grad_norm
 from meshtron.planner.plan import Plan
 
 __all__ = [

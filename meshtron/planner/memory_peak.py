@@ -164,8 +164,8 @@ def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_e
 def embedding_grad_extra(model: ModelSpec, tp: int) -> float:
     """Gradient elements a vocabulary-parallel token embedding makes beyond its local shard.
     DTensor's embedding backward returns the weight gradient whole ([vocab, hidden],
-    Replicate, on every tensor rank; parallel/api.py `_align_grad_placements` shards it after
-    backward), so where FSDP2 accumulates gradients unsharded over micro-batches (ZeRO-0/1,
+    Replicate, on every tensor rank; parallel/parallel_model.py `_align_grad_placements` shards
+    it after backward), so where FSDP2 accumulates gradients unsharded over micro-batches (ZeRO-0/1,
     `accumulate_unsharded`, pipelining) the embedding's is tp times its shard, in the reduce
     dtype. Rehearsed at tp=4: a [32000, 2048] fp32 gradient (0.244 GiB) beside a 0.061 GiB
     shard."""
