@@ -7,9 +7,10 @@ lost per recovery strategy, side by side in one invocation (same model, batch, s
 Strategies (STRATEGIES below), 2 ranks or 2 replica groups each:
 - restart_from_disk: `meshtron train --nproc 2 --checkpoint-every C --max-restarts R`: every
   rank restarts (torchrun's agent) and resumes from the newest checkpoint.
-- in_memory: the same with `--snapshot-every S --ranks-per-node 1` (meshtron/heal/snapshot.py):
-  the restart restores the newest in-memory snapshot (the killed process's host memory
-  survives it, as on a real host), so at most S steps are trained again.
+- in_memory: the same with `--snapshot-every S --ranks-per-node 1`
+  (meshtron/checkpoint/snapshot.py): the restart restores the newest in-memory snapshot (the
+  killed process's host memory survives it, as on a real host), so at most S steps are trained
+  again.
 - replica_ft: `meshtron train --replica-ft 2 --max-restarts R`: the surviving group goes on, a
   warm spare rejoins with the live weights (torchft copies them from the healthy group). A
   group is killed only at full strength (after the previous replacement rejoined), and a
@@ -79,7 +80,7 @@ SNAPSHOT_EVERY = [1]
 
 
 def in_memory_command(run_dir: Path, steps: int, restarts: int, ckpt_every: int) -> list[str]:
-    """In-memory snapshots every step (meshtron/heal/snapshot.py; each rank its own and the
+    """In-memory snapshots every step (meshtron/checkpoint/snapshot.py; each rank its own and the
     other "node"'s copy, --ranks-per-node 1), the disk checkpoint as for restart_from_disk: a
     killed rank's host memory survives it (a process death, not a host loss), so the restart
     restores the newest snapshot and at most one step is trained again."""

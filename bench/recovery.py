@@ -13,7 +13,7 @@ their copies gone), so it restores from the checkpoint (manifest verified, SHA-2
 rank's share, DCP load). Reported per strategy, median over the rounds:
 
   phases          kill -> the first step again, split at the restarted rank 0's marks
-                  (meshtron/heal/phases.py, in the restart record): detect_respawn (torchrun
+                  (meshtron/checkpoint/phases.py, in the restart record): detect_respawn (torchrun
                   notices, stops the group, new rendezvous round, spawns), python_start
                   (interpreter and imports, torch included), process_group, build (plan, model,
                   FSDP2, optimizer, side groups), restore, first_step (the bench sees its record);
@@ -49,11 +49,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # meshtron, testkit
 
 from meshtron.checkpoint import store  # noqa: E402
-from meshtron.heal import snapshot_files as files  # noqa: E402
+from meshtron.checkpoint import snapshot_files as files  # noqa: E402
 from testkit.procs import rank_pids as _rank_pids, records as _records  # noqa: E402
 
 
-# Rank 0's start-up marks (meshtron/heal/phases.py) in order, and the phases between the kill,
+# Rank 0's start-up marks (meshtron/checkpoint/phases.py) in order, and the phases between the kill,
 # those marks and the first step record of the resumed attempt.
 # (torch_imported is left out: meshtron's command line imports torch before the rank entry, so
 # python_start holds the imports.)

@@ -14,6 +14,10 @@ FORBIDDEN = {
     "model": {"parallel", "train", "planner", "checkpoint", "compress", "heal", "doctor"},
     "parallel": {"train", "checkpoint", "heal", "doctor"},
     "planner": {"parallel", "train", "checkpoint", "compress", "heal", "doctor"},
+    # checkpoints (in-memory snapshots and restart phases included) sit under what restarts
+    # from them; the doctor runs inside the parallel runtime, which names its groups for it
+    "checkpoint": {"parallel", "train", "heal", "doctor"},
+    "doctor": {"parallel", "heal"},
 }
 
 

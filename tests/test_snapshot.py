@@ -1,4 +1,4 @@
-"""In-memory snapshots (meshtron/heal/snapshot.py) on real gloo ranks and real SIGKILLs.
+"""In-memory snapshots (meshtron/checkpoint/snapshot.py) on real gloo ranks and real SIGKILLs.
 
 - Two ranks in one launch (testkit/multiproc.py), ZeRO-3 over dp=2, one rank per
   "node": a snapshot, two more steps, then a fresh engine restores it bit for bit (every tensor,
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtron.heal import snapshot_files as files
-from meshtron.heal.snapshot_files import Choice, choose
+from meshtron.checkpoint import snapshot_files as files
+from meshtron.checkpoint.snapshot_files import Choice, choose
 from testkit.multiproc import run_on_ranks
 
 from tests.test_checkpoint_cli import _losses, _rank_pids, _records, _start, _wait_for_step
@@ -72,7 +72,7 @@ def test_flags_refused_in_one_line():
 
 # ---- two ranks, one launch: save, restore bit for bit, from a peer, fall back ----------------
 def _tensors(state):
-    from meshtron.heal.snapshot import _local, flatten
+    from meshtron.checkpoint.snapshot import _local, flatten
 
     return {k: _local(v).clone() if isinstance(v, torch.Tensor) else v
             for k, v in flatten(state.tensors()).items()}
@@ -92,7 +92,7 @@ def _restore_rank(run_dir, shm):
     import torch.distributed as dist
 
     from meshtron.config import config_from_dict
-    from meshtron.heal.snapshot import Snapshots
+    from meshtron.checkpoint.snapshot import Snapshots
     from meshtron.launch import current_world
     from meshtron.train.job import ParallelRequest
     from meshtron.train.planning import fixed_knobs, resolve_run_plan
@@ -203,7 +203,7 @@ def test_sigkill_restores_from_the_peer_snapshot_and_repeats_the_losses(tmp_path
     assert restart["restore_s"] > 0 and "restored step 6 from in-memory snapshots" in out
     assert set(restart["restore_parts_s"]) == {"decide", "fetch", "template", "read", "apply"}
     assert restart["restore_parts_s"]["fetch"] > 0  # rank 1's shard came over gloo
-    from meshtron.heal.phases import ORDER
+    from meshtron.checkpoint.phases import ORDER
 
     marks = restart["phases"]  # the restarted rank 0's start-up, in order
     assert list(marks) == list(ORDER), marks

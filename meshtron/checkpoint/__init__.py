@@ -7,6 +7,9 @@
 - `load_full_state_dict(folder)`: a checkpoint as one unsharded state dict with meshtron's
   parameter names, without a process group (for export).
 - `store`: the on-disk format, commit protocol and verification.
+- `snapshot` / `snapshot_files`: in-memory snapshots (own shard + a peer node's copy in host
+  memory) a restarted attempt restores before looking at disk; `phases`: a start-up's
+  wall-clock marks, for the restart record.
 """
 
 from meshtron.checkpoint.config import EXIT_PREEMPTED, CheckpointConfig

@@ -88,7 +88,7 @@ class Checkpointer:
         if not self.distributed:  # one process: DCP warns that it assumes one process
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         self.state = state.EngineState(engine)
-        from meshtron.heal.snapshot import make_snapshots
+        from meshtron.checkpoint.snapshot import make_snapshots
 
         self.snapshots = make_snapshots(ckpt, self.state, engine, data, run_dir, plan) \
             if self.distributed else None
@@ -149,8 +149,8 @@ class Checkpointer:
     def start(self) -> int:
         """Clear unfinished saves, then resume when asked (or when torchrun restarted us);
         returns the number of steps already done (0: a fresh start). Marks the start-up phases
-        (meshtron/heal/phases.py) around it."""
-        from meshtron.heal import phases
+        (meshtron/checkpoint/phases.py) around it."""
+        from meshtron.checkpoint import phases
 
         phases.mark("engine_built")
         step = self._resume()
@@ -223,7 +223,7 @@ class Checkpointer:
         if n > 0 and not self.ckpt.resume_if_any:
             event = restart.restart_record(self.run_dir, self.world_size, self.start_step, last)
             event.update(self.restored)
-            from meshtron.heal import phases
+            from meshtron.checkpoint import phases
 
             event["phases"] = phases.marks()  # this rank's start-up, for the benches
             self.say(f"restart {n} (torchrun): {event['cause']}; resumed from step "

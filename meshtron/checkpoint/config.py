@@ -37,8 +37,9 @@ class CheckpointConfig:
     """The job's mean time between failures for `every='auto'`; None: derived from the GPU
     count and the Llama 3 per-GPU failure rate (meshtron.reliability)."""
     snapshot_every: int = 0
-    """Take an in-memory snapshot (own shard + a copy on the next node, meshtron.heal.snapshot)
-    every this many steps; a restarted attempt restores from it before looking at disk. 0: off.
+    """Take an in-memory snapshot (own shard + a copy on the next node,
+    meshtron.checkpoint.snapshot) every this many steps; a restarted attempt restores from it
+    before looking at disk. 0: off.
     The node size is the plan's `ranks_per_node` (--ranks-per-node; default LOCAL_WORLD_SIZE)."""
 
     resume_if_any: bool = False

@@ -1,5 +1,5 @@
 """The wait for a state copy to host memory, shared by disk checkpoints
-(meshtron/checkpoint/checkpointer.py) and in-memory snapshots (meshtron/heal/snapshot.py):
+(meshtron/checkpoint/checkpointer.py) and in-memory snapshots (meshtron/checkpoint/snapshot.py):
 both copy on a background thread and hold back the next optimizer step, the first write to
 the tensors being copied, until the copy is done (torchtitan's `maybe_wait_for_staging`)."""
 

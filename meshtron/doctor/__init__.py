@@ -75,19 +75,11 @@ def beat(step: int) -> None:
         _session.beat(step)
 
 
-def watch_mesh(mesh) -> None:
-    """Name groups by mesh axis; a meshtron mesh's flattened data axis is named "dp"."""
+def watch_mesh(mesh, extra: dict[str, Any] | None = None) -> None:
+    """Name groups by mesh axis; `extra` names the groups of submeshes the mesh has no axis for
+    (a meshtron mesh's: `meshtron.parallel.mesh.named_submeshes`, its flattened data axis
+    "dp" and the expert-parallel axes). Given by the caller: the doctor sits below the
+    parallel runtime and does not import it."""
     if _session is None:
         return
-    extra = {}
-    names = mesh.mesh_dim_names or ()
-    if "dp_replicate" in names and "dp_shard" in names:
-        from meshtron.parallel.mesh import data_mesh
-
-        extra["dp"] = data_mesh(mesh)
-    from meshtron.parallel.mesh import expert_meshes
-
-    experts = expert_meshes(mesh)
-    if experts is not None:  # expert parallelism: the all-to-alls' group is named "ep"
-        extra.update(experts.names)
     _session.watch_mesh(mesh, extra)

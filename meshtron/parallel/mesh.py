@@ -201,6 +201,20 @@ def data_mesh(mesh):
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
+def named_submeshes(mesh) -> dict:
+    """The 1-D submeshes of a `build_mesh` mesh that are no axis of it, by the name the doctor
+    gives their process groups (`doctor.watch_mesh`): the flattened data axis "dp" and, with
+    expert parallelism, the ExpertMeshes axes ("ep", ...)."""
+    extra = {}
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names and "dp_shard" in names:
+        extra["dp"] = data_mesh(mesh)
+    experts = expert_meshes(mesh)
+    if experts is not None:  # expert parallelism: the all-to-alls' group is named "ep"
+        extra.update(experts.names)
+    return extra
+
+
 def release_mesh(mesh) -> None:
     """Destroy the process groups `build_mesh` created for `mesh`: one per axis and the
     flattened data axis (never the default group). Without this each mesh keeps its groups, and

@@ -5,8 +5,8 @@ is written). Gradients are not snapshotted (they are rebuilt by the next step). 
 
 The snapshot of a rank holds what its checkpoint shard holds: fp32 parameters and AdamW's two
 fp32 moments (`memory_ranks`, exact per rank); the runtime's files add the optimizer's step
-counters and 64-byte alignment per tensor (meshtron/heal/snapshot_files.py), a few hundred bytes
-per parameter tensor.
+counters and 64-byte alignment per tensor (meshtron/checkpoint/snapshot_files.py), a few hundred
+bytes per parameter tensor.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 SLOTS = 2
-"""Generations kept (meshtron/heal/snapshot_files.py SLOTS)."""
+"""Generations kept (meshtron/checkpoint/snapshot_files.py SLOTS)."""
 
 
 def snapshot_host_bytes(spec: Any, plan: Any, ranks_per_node: int | None = None

@@ -83,7 +83,7 @@ def launch_ranks(job: TrainJob) -> int:
     plan, cluster = resolve_run_plan(job.cfg, request, nproc, chosen.cluster)
     check_document_layout(job.cfg, plan)
     if job.checkpoint.snapshot_every:
-        from meshtron.heal.snapshot_files import node_size
+        from meshtron.checkpoint.snapshot_files import node_size
 
         node_size(plan.ranks_per_node, nproc, nproc)
     # The data must open on every data-parallel rank: check once here (cheap: the corpus is
@@ -95,7 +95,7 @@ def launch_ranks(job: TrainJob) -> int:
         code = start_ranks(job, plan, chosen, request, nproc)
     finally:  # the ranks are gone
         if job.checkpoint.snapshot_every:  # the ranks' host-memory snapshots on this machine
-            from meshtron.heal.snapshot_files import remove_job
+            from meshtron.checkpoint.snapshot_files import remove_job
 
             remove_job(run_dir)
         run_lock.release(run_dir)

@@ -211,9 +211,10 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     or None. `trace_samples`: every metrics record names its step's samples (elastic runs:
     the sampler's `last_step_fields`)."""
     from meshtron.checkpoint.checkpointer import make_checkpointer
+    from meshtron.parallel.mesh import named_submeshes
 
     engine = ParallelEngine(cfg, plan, device)
-    doctor.watch_mesh(engine.mesh)
+    doctor.watch_mesh(engine.mesh, named_submeshes(engine.mesh))
     data = build_run_data(cfg, dp_rank=engine.dp_rank, dp_size=plan.dp, main=engine.is_main,
                           barrier=dist.barrier, fresh=fresh_tokenizer)
     ckpt = make_checkpointer(checkpoint, cfg, engine, data, plan)

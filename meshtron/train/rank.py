@@ -26,7 +26,7 @@ EXIT_USAGE = 2
 
 def run_rank(job: TrainJob, world: World) -> NoReturn:
     """Train this rank's part of the job, then exit the process (never returns)."""
-    from meshtron.heal import phases
+    from meshtron.checkpoint import phases
 
     phases.mark("rank_entry")  # interpreter up, the command line parsed
     leave_on_interrupt()  # an outside torchrun's ranks too

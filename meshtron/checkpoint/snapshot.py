@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint import staging
-from meshtron.heal import snapshot_files as files
-from meshtron.heal.snapshot_files import ALIGN, DATA, SLOTS, Layout
+from meshtron.checkpoint import snapshot_files as files
+from meshtron.checkpoint.snapshot_files import ALIGN, DATA, SLOTS, Layout
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
