@@ -4,11 +4,11 @@ stack: what planner/compute.py times at `gemm.membound_bytes_per_s`.
 Non-GEMM work (norms, residual adds, activation functions, rotary embedding, softmax, dropout,
 casts, cross-entropy) is memory-bound: time = bytes moved / (HBM bandwidth * 0.8), 0.8 being what
 streaming kernels reach (STREAM-like copy rates on A100/H100 HBM). What moves depends on the
-software stack (`KernelOptions.stack`), itemised per operation in `_elementwise_bytes`:
+software stack (`KernelOptions.stack`), itemised per operation in `elementwise_bytes`:
 
 A calibrated cluster's `elementwise_gb_per_s` (what eager RMSNorm, silu(a)*b and softmax reach on
 it) replaces HBM bandwidth * 0.8 for the eager stack, and its `eager_kernel_overhead_us` replaces
-the per-kernel dispatch constant below.
+the per-kernel dispatch constant (planner/gemm.py DISPATCH_S).
 
 * 'eager' (meshtron's own runtime; plain PyTorch modules without torch.compile): every operation
   is its own kernel that reads its inputs from HBM and writes its output back. RMSNorm as written

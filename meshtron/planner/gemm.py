@@ -57,8 +57,7 @@ FP8 = 1
 """Bytes per FP8 element (e4m3 / e5m2 GEMM operands)."""
 DISPATCH_S = 10e-6
 """Host-side cost of issuing one operation from Python (planner/elementwise.py's docstring);
-fused stacks issue
-fewer kernels per layer, Megatron still dispatches them from Python."""
+fused stacks issue fewer kernels per layer, Megatron still dispatches them from Python."""
 
 
 def gemm_time(m: float, n: float, k: float, peak: float, hbm: float,

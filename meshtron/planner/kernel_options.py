@@ -60,7 +60,7 @@ class KernelOptions:
     stack: str = "eager"
     """'eager' (plain PyTorch modules, meshtron's runtime), 'fused' (Megatron-LM / Transformer
     Engine fused kernels) or 'compiled' (per-block torch.compile: meshtron's --compile,
-    torchtitan's apply_compile): what the memory-bound operations cost (module docstring)."""
+    torchtitan's apply_compile): what the memory-bound operations cost (planner/elementwise.py)."""
     shard_units_per_layer: int = 1
     """Parameter all-gathers per layer and pass under ZeRO-3: FSDP wraps one transformer block (1);
     DeepSpeed's ZeRO-3 fetches each parameterised submodule (6 for a GPT layer: two norms, QKV,
@@ -97,7 +97,7 @@ class KernelOptions:
     """With dtype fp8, the FP8 GEMM kernels' scaling (FP8_GEMMS): 'cublas' (per-tensor or
     per-row scales in the epilogue: Transformer Engine, torchao, meshtron) or 'blockwise'
     (DeepSeek-V3's fine-grained 1x128 / 128x128 scales promoted every 128 k-elements), which
-    sets how the GEMM saturates (module docstring, `fp8_tile_scale`)."""
+    sets how the GEMM saturates (planner/gemm.py, `fp8_tile_scale`)."""
     fp8_param_gather: bool = False
     """With dtype fp8, the FP8 Linears' weights are kept as Transformer Engine FP8 tensors and
     the parameter all-gathers move them at 1 byte per element (Megatron-Core's
