@@ -139,7 +139,7 @@ class TrainConfig:
     config.json + tokenizer files) that transformers loads."""
     replica_ft: int = 0
     """Replica groups (one process each, the whole model) trained with per-step fault
-    tolerance (meshtron/heal/replica.py, torchft): a dead group drops out of the step and a
+    tolerance (meshtron/train/replica.py, torchft): a dead group drops out of the step and a
     replacement rejoins with the live weights. 0: off."""
 
     def __post_init__(self) -> None:

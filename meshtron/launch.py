@@ -146,7 +146,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     parent-death signal (`bind_to_parent`). `max_restarts`: torchrun's elastic agent restarts
     every rank up to this many times when one fails. `grace_s`: after SIGTERM, how long the
     ranks get to finish (e.g. to write a preemption checkpoint). `rendezvous`: torchrun's
-    rendezvous arguments instead of `--standalone` (an elastic node, meshtron/heal/elastic.py);
+    rendezvous arguments instead of `--standalone` (an elastic node, meshtron/train/elastic.py);
     `env`: variables set for torchrun and the ranks.
     """
     check_nproc(nproc)

@@ -1,4 +1,4 @@
-"""Elastic world sizes (meshtron/heal/elastic.py): the re-plan decision, the data position, and
+"""Elastic world sizes (meshtron/train/elastic.py): the re-plan decision, the data position, and
 real elastic jobs whose nodes are SIGKILLed.
 
 Default suite: the decision and the refusals (no process). Slow (real jobs: ~45 s of CPU
@@ -27,7 +27,7 @@ from elastic_nodes import MESHTRON, ROOT, Node, free_port, replans, steps, wait_
 
 from meshtron.cli import main  # noqa: E402
 from meshtron.errors import UserError  # noqa: E402
-from meshtron.heal import elastic  # noqa: E402
+from meshtron.train import elastic  # noqa: E402
 
 GLOBAL_BATCH, SEQ = 8, 32
 BASE = ["--model", "debug", "--seq-len", str(SEQ), "--global-batch", str(GLOBAL_BATCH),

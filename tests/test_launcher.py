@@ -234,7 +234,7 @@ def test_torchrun_argv_parses_with_torchruns_own_parser():
     torchrun's own parser reads back."""
     from torch.distributed.run import get_args_parser
 
-    from meshtron.heal.elastic import ElasticConfig
+    from meshtron.train.elastic import ElasticConfig
 
     elastic = ElasticConfig(min_nodes=1, max_nodes=2, nproc_per_node=2, endpoint="h:29400",
                             run_id="job")

@@ -1,4 +1,4 @@
-"""Replica fault tolerance (meshtron/heal/replica.py, torchft) with real processes and a real
+"""Replica fault tolerance (meshtron/train/replica.py, torchft) with real processes and a real
 SIGKILL, and the goodput arithmetic of meshtron/reliability/goodput.py."""
 
 import json

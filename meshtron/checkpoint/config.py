@@ -44,7 +44,7 @@ class CheckpointConfig:
 
     resume_if_any: bool = False
     """Continue from the newest complete checkpoint when there is one, else start at step 0
-    (every round of an elastic job, meshtron/heal/elastic.py; set by the rank, not a flag)."""
+    (every round of an elastic job, meshtron/train/elastic.py; set by the rank, not a flag)."""
 
     def __post_init__(self) -> None:
         every = self.every

@@ -1,7 +1,8 @@
-"""Host memory that in-memory snapshots (`meshtron train --snapshot-every`, meshtron/heal/
-snapshot.py) take per rank: its own shard of the model and optimizer state and a copy of a
-peer's (Gemini, Wang et al. 2023), in 2 generations (the previous one stays whole while the next
-is written). Gradients are not snapshotted (they are rebuilt by the next step). Torch-free.
+"""Host memory that in-memory snapshots (`meshtron train --snapshot-every`,
+meshtron/checkpoint/snapshot.py) take per rank: its own shard of the model and optimizer state
+and a copy of a peer's (Gemini, Wang et al. 2023), in 2 generations (the previous one stays
+whole while the next is written). Gradients are not snapshotted (they are rebuilt by the next
+step). Torch-free.
 
 The snapshot of a rank holds what its checkpoint shard holds: fp32 parameters and AdamW's two
 fp32 moments (`memory_ranks`, exact per rank); the runtime's files add the optimizer's step

@@ -11,7 +11,7 @@ Failures are a Poisson process with the job's MTBF M (reliability/interval.py). 
 - in-memory: the same model with the in-memory snapshot's stall (asynchronous: ~0, so a snapshot
   every step) and R = measured fixed seconds + each GPU's state shard over the network from a
   peer's host memory (Gemini, Wang et al. SOSP 2023).
-- replica fault tolerance (meshtron/heal/replica.py): no restart. Each failure costs every
+- replica fault tolerance (meshtron/train/replica.py): no restart. Each failure costs every
   group the measured stall plus the half step in flight on average (the step is retried), and
   takes 1/G of the throughput away while the replacement rejoins (measured rejoin seconds +
   its state shard over the network): lost useful seconds L = stall + step/2 + rejoin/G per

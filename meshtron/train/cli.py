@@ -250,7 +250,7 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
 
     check_job(cfg)
     ckpt = checkpoint_config(args)
-    from meshtron.heal.elastic import from_args as elastic_from_args
+    from meshtron.train.elastic import from_args as elastic_from_args
 
     elastic = elastic_from_args(args, args.nproc or nproc)
     return TrainJob(cfg=cfg,
@@ -268,7 +268,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = run_config(args)
     if cfg.train.replica_ft:
-        from meshtron.heal.replica import check_replica_ft, run_replica_ft
+        from meshtron.train.replica import check_replica_ft, run_replica_ft
 
         check_replica_ft(cfg, parallel_asked=parallel_request(args, cfg, args.plan,
                                                               args.nproc) is not None)
@@ -299,7 +299,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p)
     add_parallel_arguments(p)
     add_checkpoint_arguments(p)
-    from meshtron.heal.elastic import add_arguments as add_elastic_arguments
+    from meshtron.train.elastic import add_arguments as add_elastic_arguments
 
     add_elastic_arguments(p)
     p.set_defaults(func=cmd_train)

@@ -51,7 +51,7 @@ class TrainJob:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints, --resume, automatic restarts and preemption (meshtron.checkpoint)."""
     elastic: Any = None
-    """A `meshtron.heal.elastic.ElasticConfig` (--nnodes MIN:MAX: the world may change between
+    """A `meshtron.train.elastic.ElasticConfig` (--nnodes MIN:MAX: the world may change between
     rendezvous rounds, each round re-plans), or None."""
 
     def __post_init__(self):

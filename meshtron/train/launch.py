@@ -27,7 +27,7 @@ EXIT_USAGE = 2
 def run_job(job: TrainJob, world: World | None = None) -> int:
     """Run the job where it belongs; returns the exit code (0 done, 1 failed ranks)."""
     if job.elastic is not None and not job.elastic.rank:  # this node's agent (also under srun)
-        from meshtron.heal.elastic import launch_node
+        from meshtron.train.elastic import launch_node
 
         return launch_node(job)
     world = world or current_world()

@@ -46,13 +46,13 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
             store=_attempt_store(job, world), record=job.recorder)
         phases.mark("group_ready")
         if job.elastic is not None:  # a rendezvous round: start or continue the job
-            from meshtron.heal.elastic import begin_round
+            from meshtron.train.elastic import begin_round
 
             job = begin_round(job, world)
         plan, cluster = agreed_plan(job, world)
         run_lock.join(job.cfg.train.run_dir)  # after rank 0's claim (agreed_plan)
         if job.elastic is not None:
-            from meshtron.heal.elastic import announce_replan
+            from meshtron.train.elastic import announce_replan
 
             announce_replan(job, world, plan)
         doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
@@ -116,7 +116,7 @@ def _first_line(exc: BaseException) -> str:
 def _attempt_store(job: TrainJob, world: World):
     """With automatic restarts, the group's store namespaced by torchrun's attempt (None:
     the usual rendezvous). Elastic rounds need not: each round's rank 0 hosts a fresh store
-    (heal/elastic.py)."""
+    (elastic.py)."""
     if job.checkpoint.max_restarts > 0 and world.source == "torchrun" and job.elastic is None:
         from meshtron.checkpoint.restart import attempt_store
 
@@ -159,7 +159,7 @@ def agreed_plan(job: TrainJob, world: World):
                 if job.elastic is None:
                     run_lock.check_free(job.cfg.train.run_dir)
                 outputs.check_run_dir(job.cfg, job.overwrite)
-                if job.elastic is None:  # elastic: heal/elastic.py claims it per job
+                if job.elastic is None:  # elastic: elastic.py claims it per job
                     run_lock.claim(job.cfg.train.run_dir)
             plan, cluster = resolve_run_plan(job.cfg, job.parallel or ParallelRequest(),
                                              world.world_size)

@@ -271,7 +271,7 @@ class Launcher:
     def _popen(self, args: list[str], log_name: str) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
         log = (self.dir / log_name).open("w")
-        return subprocess.Popen([sys.executable, "-m", "meshtron.heal.replica",
+        return subprocess.Popen([sys.executable, "-m", "meshtron.train.replica",
                                  str(self.job_path), *args],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
 

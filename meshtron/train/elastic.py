@@ -116,7 +116,7 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 def add_arguments(p) -> None:
     """The elastic flags of `meshtron train` (argparse)."""
-    g = p.add_argument_group("elastic world sizes (meshtron.heal.elastic)")
+    g = p.add_argument_group("elastic world sizes (meshtron.train.elastic)")
     g.add_argument("--nnodes", metavar="MIN:MAX",
                    help="run on MIN..MAX nodes of --nproc ranks (torchrun's elastic c10d "
                         "rendezvous; run the same command on every node); the job re-plans "
