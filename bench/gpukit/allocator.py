@@ -34,7 +34,8 @@ CURRENT = ("allocated_bytes.all.current", "reserved_bytes.all.current",
            "inactive_split_bytes.all.current")
 CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 """The allocator's configuration variables, in the order torch reads them (the first set wins;
-the second is the older, CUDA-only name)."""
+the second is the older, CUDA-only name, "supported with lower priority": the comment in
+c10/core/AllocatorConfig.h of torch 2.13)."""
 
 
 def conf(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -47,7 +48,7 @@ def conf(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     for item in value.split(","):
         key, _, val = item.partition(":")
         if key.strip() == "expandable_segments":
-            on = val.strip().lower() == "true"
+            on = val.strip() == "True"  # torch accepts exactly True / False (AllocatorConfig)
     return {"env": name, "value": value or None, "expandable_segments": on}
 
 
