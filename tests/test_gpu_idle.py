@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_check import CASES, SUITES, case_env, only  # noqa: E402
+from gpu_check import CASES, SUITES, case_env, chosen_cases, only  # noqa: E402
 from gpukit import allocator, hostbound, idle  # noqa: E402
 from gpukit.timeline import Rec  # noqa: E402
 
@@ -202,6 +202,11 @@ def test_the_idle_suite_names_cases_in_the_kits_order():
     assert set(SUITES["idle"]) <= set(names) and {"eager", "eager_expandable"} <= set(
         SUITES["idle"])
     assert only("idle,cli_plan") == [*SUITES["idle"], "cli_plan"]
+    # a suite alone runs in its own order (eager before hf); a list runs in the kit's order
+    assert [c[0] for c in chosen_cases("idle")] == list(SUITES["idle"])
+    assert [c[0] for c in chosen_cases("idle,cli_plan")] == [
+        n for n in names if n in SUITES["idle"] or n == "cli_plan"]
+    assert [c[0] for c in chosen_cases(None)] == names
     assert dict((n, f) for n, f, *_ in CASES)["eager_expandable"] == "cases:case_eager"
 
 
@@ -243,3 +248,10 @@ def test_idle_summary_rows_and_the_expandable_comparison():
     assert verdict == e["verdict"]
     cases["eager_expandable"]["result"]["run"]["plan"] = "other"
     assert idle.summary(cases)["expandable_vs_default"]["same_model_and_plan"] is False
+
+
+def test_other_streams_cover_a_gap_once_however_many_kernels_overlap():
+    cover = hostbound._Coverage([(10, 30), (20, 40), (50, 60), (70, 71)])
+    assert cover(0, 100) == 30 + 10 + 1  # 10-40 once, 50-60, 70-71
+    assert cover(25, 55) == 15 + 5 and cover(41, 49) == 0 and cover(0, 5) == 0
+    assert hostbound._Coverage([])(0, 10) == 0

@@ -22,6 +22,7 @@ every gap is host time there, as it is.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from gpukit.timeline import Rec, gap_list, timeline_of
@@ -45,14 +46,42 @@ def is_call(name: str) -> bool:
     return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as disjoint intervals, sorted."""
+    out: list[tuple[float, float]] = []
     for s, e in sorted(intervals):
-        if s > end:
-            total, end = total + e - s, e
-        elif e > end:
-            total, end = total + e - end, e
-    return total
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in _merged(intervals))
+
+
+class _Coverage:
+    """How much of [lo, hi) a set of intervals covers, in O(log n) per question (a window has
+    thousands of gaps and of other streams' kernels)."""
+
+    def __init__(self, intervals: list[tuple[float, float]]):
+        self.iv = _merged(intervals)
+        self.starts = [s for s, _ in self.iv]
+        self.before = [0.0]  # covered length of the intervals before index i
+        for s, e in self.iv:
+            self.before.append(self.before[-1] + e - s)
+
+    def _upto(self, t: float) -> float:
+        i = bisect.bisect_right(self.starts, t)
+        if i == 0:
+            return 0.0
+        s, e = self.iv[i - 1]
+        return self.before[i - 1] + min(e, t) - s
+
+    def __call__(self, lo: float, hi: float) -> float:
+        return max(0.0, self._upto(hi) - self._upto(lo))
 
 
 def _calls(recs: list[Rec]) -> dict[int, Rec]:
@@ -121,7 +150,7 @@ def analyse(recs: list[Rec], steps: int = 1, micro_batches: int = 1) -> dict[str
         return {"source": source, "reason": "no kernels or operators in the window"}
     calls = _calls(recs)
     kernels = [r for r in recs if r.kind == "kernel"] or units
-    others = [r for r in recs if r.kind == "kernel" and r.lane != lane]
+    others = _Coverage([(r.start, r.end) for r in recs if r.kind == "kernel" and r.lane != lane])
     late_us = early_us = unknown_us = 0.0
     early_other = 0.0
     late_n = early_n = unknown_n = 0
@@ -138,8 +167,7 @@ def analyse(recs: list[Rec], steps: int = 1, micro_batches: int = 1) -> dict[str
             late_len.append(length)
         else:
             early_us, early_n = early_us + length, early_n + 1
-            early_other += sum(max(0.0, min(o.end, after.start) - max(o.start, before.end))
-                               for o in others)
+            early_other += others(before.end, after.start)
     host = [r for r in recs if r.kind != "kernel"]
     doing = _innermost_at(host, queries)
     by_host: dict[str, list] = {}
