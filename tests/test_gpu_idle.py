@@ -141,7 +141,7 @@ def test_allocator_window_from_injected_readers(monkeypatch):
     assert rec["expandable_observed"] == {"segments": 3, "expandable": 3}
     assert allocator.expandable_on(rec) is True
     assert allocator.verdict(rec).startswith("allocator: 2 retries, 6 device frees, 6 device "
-                                             "allocs in the window (a retry")
+                                             "allocs, 2 stream syncs in the window (a retry")
 
 
 def test_allocator_on_a_torch_without_the_device_counters():
@@ -234,6 +234,7 @@ def test_idle_summary_rows_and_the_expandable_comparison():
     assert e["host_late_ms_per_micro_batch"] == pytest.approx(0.198)
     assert (e["allocator_retries"], e["device_frees"], e["allocator_retries_timed_steps"]) == (
         1, 3, 4)
+    assert e["allocator_syncs"] == 0 and e["device_allocs"] == 0
     assert e["verdict"].startswith("host-bound") and e["allocator"].startswith("allocator: 1 ")
     assert s["eager_expandable"]["idle_ms_per_micro_batch"] == 0  # k1, k2: no gap
     cmp = s["expandable_vs_default"]

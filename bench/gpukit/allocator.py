@@ -119,12 +119,14 @@ def deltas(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, Any
                 out["missing"].append(key)
     peak = out["peak_bytes"]
     if "reserved_bytes" in peak and "allocated_bytes" in peak:
-        out["reserved_minus_allocated_peak_bytes"] = peak["reserved_bytes"] - peak["allocated_bytes"]
+        slack = peak["reserved_bytes"] - peak["allocated_bytes"]
+        out["reserved_minus_allocated_peak_bytes"] = slack
     c = out["counters"]
     # device frees: the dedicated counter, else the segments released (one cudaFree each)
     out["device_frees"] = c.get("num_device_free", c.get("segment.all.freed"))
     out["device_allocs"] = c.get("num_device_alloc", c.get("segment.all.allocated"))
     out["retries"] = c.get("num_alloc_retries")
+    out["syncs"] = c.get("num_sync_all_streams")  # each waits for every stream's events
     return out
 
 
@@ -166,7 +168,8 @@ def verdict(rec: Mapping[str, Any]) -> str:
     if rec.get("source") is None:
         return f"allocator: not recorded ({rec.get('reason') or rec.get('error')})"
     line = (f"allocator: {rec.get('retries')} retries, {rec.get('device_frees')} device frees, "
-            f"{rec.get('device_allocs')} device allocs in the window")
+            f"{rec.get('device_allocs')} device allocs, {rec.get('syncs')} stream syncs in the "
+            f"window")
     if rec.get("retries"):
         line += " (a retry frees cached blocks: cudaFree synchronises the device)"
     return line + f"; expandable segments {expandable_on(rec)}"

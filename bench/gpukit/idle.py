@@ -47,6 +47,7 @@ def row(engine: dict[str, Any]) -> dict[str, Any]:
         "allocator_retries": alloc.get("retries"),
         "device_frees": alloc.get("device_frees"),
         "device_allocs": alloc.get("device_allocs"),
+        "allocator_syncs": alloc.get("syncs"),
         "allocator_retries_timed_steps": timed.get("retries"),
         "reserved_minus_allocated_peak_bytes": alloc.get("reserved_minus_allocated_peak_bytes"),
         "expandable_segments": allocator.expandable_on(alloc),
@@ -113,6 +114,7 @@ def lines(summ: dict[str, Any], case: str) -> Iterator[tuple[str, str]]:
     if case == PAIR[1] and cmp:
         yield "expandable_vs_default", (
             f"idle per micro-batch {_num(cmp['idle_ms_per_micro_batch'][0], '.2f')} -> "
-            f"{_num(cmp['idle_ms_per_micro_batch'][1], '.2f')} ms (x{_num(cmp['idle_ratio'], '.2f')})"
+            f"{_num(cmp['idle_ms_per_micro_batch'][1], '.2f')} ms "
+            f"(x{_num(cmp['idle_ratio'], '.2f')})"
             f", tokens/s x{_num(cmp['tokens_per_s_ratio'], '.3f')}"
             + ("" if cmp["same_model_and_plan"] else " (NOT the same model and plan)"))
