@@ -271,7 +271,10 @@ def targets(report: dict) -> dict:
 
 
 def write(report: dict, out: Path) -> None:
-    report["idle"] = idle.summary(report["cases"])
+    try:
+        report["idle"] = idle.summary(report["cases"])
+    except Exception as exc:  # noqa: BLE001 - a summary never costs the cases' records
+        report["idle"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     report["targets"] = targets(report)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
@@ -354,8 +357,9 @@ def drive(args) -> dict:
             write(report, out)
             say(f"[{time.perf_counter() - t0:6.1f} s] {name}: {rec['status']} "
                 f"{rec.get('seconds', 0):.1f} s  {_headline(rec)}")
-            for key, line in idle.lines(report["idle"], name):
-                say(f"    idle {key}: {line}")
+            if "error" not in report["idle"]:
+                for key, line in idle.lines(report["idle"], name):
+                    say(f"    idle {key}: {line}")
     finally:
         if not args.keep_work:
             shutil.rmtree(work, ignore_errors=True)

@@ -256,3 +256,10 @@ def test_other_streams_cover_a_gap_once_however_many_kernels_overlap():
     assert cover(0, 100) == 30 + 10 + 1  # 10-40 once, 50-60, 70-71
     assert cover(25, 55) == 15 + 5 and cover(41, 49) == 0 and cover(0, 5) == 0
     assert hostbound._Coverage([])(0, 10) == 0
+
+
+def test_a_malformed_engine_record_costs_only_its_own_row():
+    cases = {"eager": {"status": "error", "result": {"run": {"profile": {"host": "garbage"}}}}}
+    s = idle.summary(cases)
+    assert "AttributeError" in s["eager"]["error"] and "expandable_vs_default" not in s
+    assert list(idle.lines(s, "eager")) == [("eager", f"no summary: {s['eager']['error']}")]
