@@ -89,6 +89,13 @@ def test_a_device_bound_window_and_kernels_without_launch_records():
     assert h["gaps"] == {"host_late": 0, "device_wait": 1, "unknown": 1}
     assert h["unknown_us_per_micro_batch"] == 10 and h["host_late_share"] == 0
     assert h["verdict"].startswith("not host-bound: 0.00 ms of 0.04 ms idle")
+    # no launch call, but its operator began after the gap did: late, whatever the call's time
+    late_op = recs + [Rec("aten::mul", "op", 85, 88, lane=1, corr=102),
+                      Rec("k4", "kernel", 90, 95, lane=7, corr=4, linked=102)]
+    assert hostbound.analyse(late_op)["gaps"] == {"host_late": 1, "device_wait": 1, "unknown": 1}
+    # most of the idle with no launch record: no verdict either way
+    blind = [Rec("k1", "kernel", 0, 10, lane=7), Rec("k2", "kernel", 50, 60, lane=7)]
+    assert hostbound.analyse(blind)["verdict"].startswith("undecided")
     assert hostbound.analyse([])["reason"] and "no verdict" in hostbound.verdict({})
 
 

@@ -8,7 +8,9 @@ in a call such as cudaFree / cudaMalloc, which synchronise the device) or before
 was queued in time and waited on something else: another stream, an event, a copy engine).
 Summed over the window, per micro-batch, with what the launching thread was doing when each
 late gap began (the innermost host event then: an operator or a runtime call such as cudaFree;
-none means Python or the autograd engine between operators).
+none means Python or the autograd engine between operators). A kernel whose launch call the
+trace lacks is late when the operator that launched it began after the gap did, else `unknown`;
+when unknown idle is most of it, the verdict says it cannot decide.
 
 Beside it, per step: the host's issue time (the window's first host operator to the last
 kernel launch) against the GPU's busy time (the union of every stream's kernels), the number
@@ -145,7 +147,7 @@ def analyse(recs: list[Rec], steps: int = 1, micro_batches: int = 1) -> dict[str
     steps of `micro_batches` each in the window), and the host's issue time per step against
     the GPU's busy time (module docstring)."""
     per = max(1, steps) * max(1, micro_batches)
-    source, lane, units, _, lead, ops = timeline_of(recs)
+    source, lane, units, launcher, lead, ops = timeline_of(recs)
     if not units:
         return {"source": source, "reason": "no kernels or operators in the window"}
     calls = _calls(recs)
@@ -158,6 +160,11 @@ def analyse(recs: list[Rec], steps: int = 1, micro_batches: int = 1) -> dict[str
     late_len: list[float] = []
     for length, before, after in gap_list(units):
         lt = lead[id(after)]
+        op = launcher[id(after)]
+        if lt is None and op is not None and after.start - op.start < length:
+            # no launch call recorded, but the operator that launched it began after the gap
+            # did: the launch, inside it, was late whatever its exact time
+            lt = after.start - op.start
         if lt is None:
             unknown_us, unknown_n = unknown_us + length, unknown_n + 1
         elif lt < length:  # the launch came after the gap began
@@ -211,6 +218,8 @@ def verdict(h: dict[str, Any]) -> str:
     late, idle = h["host_late_us_per_micro_batch"], h["idle_us_per_micro_batch"]
     share = h["host_late_share"]
     kind = "host-bound" if share is not None and share >= 0.5 else "not host-bound"
+    if h["unknown_us_per_micro_batch"] > idle / 2:  # this torch's trace did not link launches
+        kind = "undecided (most gaps' launch unrecorded)"
     line = (f"{kind}: {late / 1e3:.2f} ms of {idle / 1e3:.2f} ms idle per micro-batch had the "
             f"host late")
     if h["late_by_host"]:
