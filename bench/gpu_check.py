@@ -14,6 +14,9 @@ is skipped without pytest), one call:
 
 (the budget, plus at most 20 s to stop a case at its cap, fits a 600 s call; the cases that
 did not fit run in a second call with `--only NAME,...`, which the kit prints at its end).
+To explain the eager step's idle (issue 31) in one call, the same with `--only idle`: the
+JSON's `idle` then says, per micro-batch, how much idle had the host late, what the allocator
+retried and freed, and whether expandable segments change it.
 
 Every case runs in its own process (`--run-case NAME`, bench/gpukit/) with its own time cap,
 inside a total budget: a case that raises, crashes or runs out of time is recorded (exit code,
