@@ -183,6 +183,15 @@ def test_allocator_reader_failures_and_no_allocator_never_stop_the_window():
 
     assert allocator.cuda_reader(torch.device("cpu")) is None
 
+    def oom():  # the window's own error is the case's (its out-of-memory fallback), unchained
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    for reader in (None, allocator.Reader(broken, lambda: None, lambda: None, lambda: None),
+                   _reader(STATS_213, STATS_213)):
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            allocator.measured(reader, oom)
+        assert info.value.__context__ is None
+
 
 def test_allocator_configuration_and_the_expandable_variant_environment(monkeypatch):
     assert allocator.conf({}) == {"env": None, "value": None, "expandable_segments": False}

@@ -144,9 +144,10 @@ def measured(reader: Reader | None, run: Callable[[], Any], why: str = "",
         if reset_peak:
             reader.reset_peak()
     except Exception as exc:  # noqa: BLE001 - a reader this torch lacks: the window still runs
-        run()
-        return {"source": None, "error": f"{type(exc).__name__}: {exc}"[:300], **rec}
-    run()
+        before, rec = None, {"source": None, "error": f"{type(exc).__name__}: {exc}"[:300], **rec}
+    run()  # outside any handler: an out-of-memory error here is the case's to catch, alone
+    if before is None:
+        return rec
     try:
         rec.update(source="torch.cuda.memory_stats", **deltas(before, dict(reader.stats())))
         rec["backend"] = reader.backend()
