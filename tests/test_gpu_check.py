@@ -60,7 +60,7 @@ seconds per call). The first call's cases share its work folder: calibrate's fil
 def dry_run_core(tmp_path_factory):
     calls = [_start(tmp_path_factory.mktemp("gpu-kit-core"), "--budget", "900", "--only", only)
              for only in CORE]
-    merged: dict = {"order": [], "cases": {}}
+    merged: dict = {"order": [], "cases": {}, "idle": {}}
     try:
         for proc, out in calls:
             proc.wait(timeout=1500)
@@ -68,6 +68,8 @@ def dry_run_core(tmp_path_factory):
             report = json.loads(out.read_text())
             merged["order"] += report["order"]
             merged["cases"].update(report["cases"])
+            merged["idle"].update(report["idle"])
+            assert list(report)[:2] == ["format", "idle"]  # the summary at the JSON's top
     finally:
         for proc, _ in calls:  # the other call, when one failed
             if proc.poll() is None:
@@ -109,6 +111,37 @@ def test_profile_window_records_clock_gaps_and_gemm_shapes_on_cpu(dry_run_core):
     for row in s["rows"]:
         b, m, n, k = row["bmnk"]
         assert row["tflops"] == pytest.approx(2 * b * m * n * k * row["calls"] / row["us"] / 1e6)
+
+
+def test_profile_window_says_whether_the_host_was_late_and_what_the_allocator_did(
+        dry_run_core):
+    """Issue 31's idle: on CPU every gap between operators is host time (each starts as its
+    thread issues it), and there is no caching allocator: the record says so, with the
+    configuration the environment sets."""
+    run = _ok(dry_run_core, "eager")["run"]
+    prof = run["profile"]
+    g, h = prof["gaps"], prof["host"]
+    per = h["micro_batches_in_window"]
+    assert per == prof["micro_batches"] >= 1 and h["source"] == g["source"]
+    # the same gaps as the gap analysis, all host-late
+    assert h["idle_us_per_micro_batch"] * per == pytest.approx(g["idle_in_gaps_us"])
+    assert h["gaps"] == {"host_late": g["gaps"], "device_wait": 0, "unknown": 0}
+    assert h["host_late_share"] == 1.0 and h["kernels_per_micro_batch"] * per == g["units"]
+    assert h["host_ops_per_micro_batch"] > h["kernels_per_micro_batch"]
+    assert sum(x["us_per_micro_batch"] for x in h["late_by_host"]) <= h[
+        "host_late_us_per_micro_batch"] * 1.0001 and h["late_by_host"][0]["gaps"] > 0
+    assert h["host_issue_us_per_step"] > 0 and h["gpu_busy_us_per_step"] == pytest.approx(
+        g["busy_us"])
+    assert h["verdict"].startswith("host-bound: ")
+    for rec in (prof["allocator"], run["allocator_timed_steps"]):
+        assert rec["source"] is None and "dry run" in rec["reason"]
+        assert rec["conf"]["expandable_segments"] is False
+    row = dry_run_core["idle"]["eager"]
+    assert row["idle_ms_per_micro_batch"] == pytest.approx(h["idle_us_per_micro_batch"] / 1e3)
+    assert row["host_late_ms_per_micro_batch"] == row["idle_ms_per_micro_batch"]
+    assert row["allocator_retries"] is None and row["expandable_segments"] is False
+    assert row["verdict"] == h["verdict"] and "not recorded" in row["allocator"]
+    assert {"fp8.bf16", "fp8.fp8"} <= set(dry_run_core["idle"])
 
 
 def test_plan_auto_plans_with_the_calibration_calibrate_wrote(dry_run_core):
@@ -180,6 +213,13 @@ def test_throughput_cases_put_the_planner_beside_the_measurement(dry_run):
         assert prof["us"]["idle"] >= 0 and prof["top"]
     c = _ok(r, "compile")
     assert c["backend"] == "aot_eager" and c["run"]["compiled"] and c["run"]["compile_time_s"] > 0
+    # the same step in a process of its own with expandable segments configured, side by side
+    x = _ok(r, "eager_expandable")
+    assert x["allocator_conf"]["expandable_segments"] is True
+    assert _ok(r, "eager")["allocator_conf"]["expandable_segments"] is False
+    cmp = r["idle"]["expandable_vs_default"]
+    assert cmp["same_model_and_plan"] and cmp["expandable_segments"] == [False, True]
+    assert cmp["idle_ratio"] > 0 and cmp["tokens_per_s_ratio"] > 0
     assert c["predicted_compiled_over_eager_tokens_per_s"] > 0
     t = r["targets"]
     assert t["compiled_over_eager_tokens_per_s"]["value"] == pytest.approx(
@@ -504,4 +544,4 @@ def test_gap_analysis_on_host_operators_when_there_are_no_kernels():
     assert (gap["start_us"], gap["us"], gap["before"], gap["after"]) == (10, 30, "aten::mm",
                                                                            "aten::add")
     assert gap["launcher"] == "aten::linear" and gap["host_at_gap_start"] == ["aten::linear"]
-    assert gap["launch_lead_us"] is None and g["histogram"]["10_100us"] == {"count": 1, "us": 30}
+    assert gap["launch_lead_us"] == 0 and g["histogram"]["10_100us"] == {"count": 1, "us": 30}

@@ -4,7 +4,9 @@ rank through `ParallelEngine` (the product's path), and reports through `ctx.emi
 env         torch / CUDA / GPU, and the bf16 matmul ceiling (8192^3; dry run 256^3)
 eager       the largest llama3-8b-shaped model the planner fits, the planner's plan: step
             time, tokens/s, MFU, peak memory (planner's prediction beside each), states
-            measured vs planned, a profiler window by category
+            measured vs planned, a profiler window by category (with the idle's host-late
+            share and the caching allocator's retries and frees); the driver runs it twice,
+            the second time (eager_expandable) with expandable segments in its environment
 compile     the same shape and plan with per-block torch.compile (dry run: aot_eager)
 fp8         half the layers, a plan built for that shape: bf16 compiled vs FP8 (rowwise)
             compiled, same seed and batch
@@ -20,6 +22,7 @@ import platform
 import statistics
 import time
 
+from gpukit import allocator
 from gpukit import common as C
 from gpukit.profile import window
 
@@ -107,7 +110,11 @@ def _measure(ctx, key, out, eng, spec, plan, clus, dev, est, compiled, profile) 
     out["first_steps_s"], _ = C.timed(step, dev, 2 if compiled else 1 + ctx.warmup)
     out["compile_time_s"] = compile_seconds() - c0
     ctx.emit(**{key: out})
-    times, losses = C.timed(step, dev, ctx.steps)
+    got: list = []  # the allocator over every timed step: a retry may miss the window
+    out["allocator_timed_steps"] = allocator.measured(
+        allocator.cuda_reader(dev), lambda: got.append(C.timed(step, dev, ctx.steps)),
+        "dry run: CPU tensors have no caching allocator", reset_peak=False)
+    (times, losses), = got
     fig = C.figures(times, spec, ctx, clus, dev)
     out.update(fig, losses=losses, **C.beside(fig, C.predicted(est)))
     cal = C.calibrated(ctx)
@@ -116,7 +123,7 @@ def _measure(ctx, key, out, eng, spec, plan, clus, dev, est, compiled, profile) 
     out["memory"] = _states(eng, spec, plan, clus)
     ctx.emit(**{key: out})
     if profile:
-        out["profile"] = window(step, dev, 1)
+        out["profile"] = window(step, dev, 1, plan.num_microbatches or 1)
         ctx.emit(**{key: out})
 
 
@@ -147,7 +154,8 @@ def _throughput(ctx: C.Ctx, compiled: bool) -> None:
     import torch
 
     dev, clus, layers = _setup(ctx)
-    ctx.emit(largest_fit_layers=layers, cluster=clus.name, peak_tflops=clus.peak_tflops,
+    ctx.emit(allocator_conf=allocator.conf(),  # eager_expandable: its own environment
+             largest_fit_layers=layers, cluster=clus.name, peak_tflops=clus.peak_tflops,
              backend=("aot_eager" if ctx.dry_run else "inductor") if compiled else "eager")
     for n in (layers, layers - 2):
         spec = C.shape(ctx, n)

@@ -83,5 +83,5 @@ def case_hf(ctx: C.Ctx) -> None:
     times, losses = C.timed(step, dev, ctx.steps)
     hf.update(C.figures(times, spec, ctx, clus, dev), losses=losses)
     ctx.emit(hf=hf)
-    hf["profile"] = window(step, dev, 1)
+    hf["profile"] = window(step, dev, 1, x.shape[0] // plan.micro_batch)
     ctx.emit(hf=hf, meshtron_over_hf_tokens_per_s=m["tokens_per_s"] / hf["tokens_per_s"])

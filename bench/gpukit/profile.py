@@ -156,15 +156,23 @@ def _gemm_load(recs: list, sampler) -> None:
         s["gemm_share"] = share
 
 
-def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
-    """Profile `steps` calls of `step` (already warm) and summarize them: categories, the
-    clock during the window, the idle gaps of the compute stream; then one more step with
-    input shapes recorded for the GEMMs' TFLOP/s per shape (a window of its own: recording
-    shapes adds host time per operator, which would lengthen the launch-bound gaps)."""
-    from gpukit import timeline
+def window(step: Callable[[], Any], dev, steps: int = 1,
+           micro_batches: int = 1) -> dict[str, Any]:
+    """Profile `steps` calls of `step` (already warm, `micro_batches` micro-batches each) and
+    summarize them: categories, the clock during the window, the idle gaps of the compute
+    stream, whether the host was late for them (hostbound.py) and what the caching allocator
+    did meanwhile (allocator.py); then one more step with input shapes recorded for the GEMMs'
+    TFLOP/s per shape (a window of its own: recording shapes adds host time per operator,
+    which would lengthen the launch-bound gaps)."""
+    from gpukit import allocator, hostbound, timeline
 
     cuda = dev.type == "cuda"
-    prof, wall_us, clock, recs = _profiled(step, dev, steps, record_shapes=False)
+    got: list = []
+    alloc = allocator.measured(
+        allocator.cuda_reader(dev),
+        lambda: got.append(_profiled(step, dev, steps, record_shapes=False)),
+        "dry run: CPU tensors have no caching allocator")
+    prof, wall_us, clock, recs = got[0]
     rows = rows_of(prof.events(), cuda)
     if cuda and rows:  # the kernels' own span: the host's launch lead is not device idle
         wall_us = max(wall_us, max(r[3] for r in rows) - min(r[2] for r in rows))
@@ -172,7 +180,10 @@ def window(step: Callable[[], Any], dev, steps: int = 1) -> dict[str, Any]:
     out["steps"] = steps
     out["clocks"] = clock
     out["gaps"] = _analysed(recs, timeline.gaps)
-    del prof, recs
+    out["micro_batches"] = micro_batches
+    out["host"] = _analysed(recs, lambda r: hostbound.analyse(r, steps, micro_batches))
+    out["allocator"] = alloc
+    del prof, recs, got
     _, wall_us, clock, recs = _profiled(step, dev, 1, record_shapes=True)
     out["gemm_shapes"] = {"steps": 1, "window_us": wall_us, "clocks": clock, **_analysed(
         recs, lambda r: timeline.gemm_shapes(r, lambda name: category(name) == "gemm"))}

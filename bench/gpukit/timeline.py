@@ -11,7 +11,7 @@ reads them from a finished `torch.profiler.profile` through the raw Kineto event
 torch's own `_parse_kineto_results` joins on), and the runtime call (cudaLaunchKernel) carries
 the kernel's own `correlation_id()`. On CPU (dry run) there are no kernels: the same analysis
 runs on the leaf operators of the busiest host thread, the enclosing operator standing in for
-the launcher, so every field is exercised.
+the launcher and each launched as it starts (launch lead 0), so every field is exercised.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _overlap(recs: Iterable[Rec], lo: float, hi: float) -> float:
     return sum(max(0.0, min(r.end, hi) - max(r.start, lo)) for r in recs)
 
 
-def _timeline(recs: list[Rec]):
+def timeline_of(recs: list[Rec]):
     """(source, lane, units, launcher-of, lead-of, ops): the units whose gaps are measured
     (kernels of the stream that ran the most; on CPU the leaf operators of the busiest
     thread), the operator that launched each, and how long before its start it was
@@ -142,23 +142,30 @@ def _timeline(recs: list[Rec]):
     lane = _busiest(o for o in ops if id(o) not in has_child)
     units = sorted((o for o in ops if o.lane == lane and id(o) not in has_child),
                    key=lambda r: r.start)
+    # a CPU operator starts when its thread issues it: launch lead 0 (the host is the device)
     return ("cpu leaf ops (dry run)", lane, units, {id(u): parent[id(u)] for u in units},
-            {id(u): None for u in units}, ops)
+            {id(u): 0.0 for u in units}, ops)
 
 
-def gaps(recs: list[Rec], top: int = 10) -> dict[str, Any]:
-    """The idle gaps between consecutive units of the compute stream (module docstring)."""
-    source, lane, units, launcher, lead, ops = _timeline(recs)
-    if not units:
-        return {"source": source, "units": 0, "reason": "no kernels or operators in the window"}
-    others = [r for r in recs if r.kind == "kernel" and r.lane != lane]
-    t0, found = units[0].start, []
-    last = units[0]
+def gap_list(units: list[Rec]) -> list[tuple[float, Rec, Rec]]:
+    """(length, unit before, unit after) of every idle gap between `units` (sorted by start;
+    a unit overlapping a longer one before it closes no gap)."""
+    found, last = [], units[0]
     for u in units[1:]:
         if u.start > last.end:
             found.append((u.start - last.end, last, u))
         if u.end > last.end:
             last = u
+    return found
+
+
+def gaps(recs: list[Rec], top: int = 10) -> dict[str, Any]:
+    """The idle gaps between consecutive units of the compute stream (module docstring)."""
+    source, lane, units, launcher, lead, ops = timeline_of(recs)
+    if not units:
+        return {"source": source, "units": 0, "reason": "no kernels or operators in the window"}
+    others = [r for r in recs if r.kind == "kernel" and r.lane != lane]
+    t0, found = units[0].start, gap_list(units)
     hist = {name: {"count": 0, "us": 0.0} for name, _ in BINS}
     by_launcher: dict[str, list] = {}
     for length, _, after in found:
