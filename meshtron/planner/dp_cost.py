@@ -36,8 +36,9 @@ def unit_chain(total: float, window: float, units: int, interference: float) -> 
     all-gather before any forward (FSDP2 FSDPParamGroup.wait_for_unshard, FSDP1
     _pre_forward's _unshard) or the last unit's reduce-scatter after the last backward (the
     root's post-backward final callback waits for it: FSDP2 _root_post_backward_final_callback,
-    FSDP1 _wait_for_post_backward). The exposed one is a whole collective, ring latency
-    included: over hundreds of ranks it is latency-bound (comm.ring_latency)."""
+    FSDP1 _post_backward_final_callback's wait_stream on the post-backward stream). The
+    exposed one is a whole collective, ring latency included: over hundreds of ranks it is
+    latency-bound (comm.ring_latency)."""
     if total <= 0:
         return 0.0
     units = max(1, units)
