@@ -62,7 +62,7 @@ def test_unit_chain_exposes_one_unit_whatever_the_compute_beside_it():
     assert unit_chain(0.0, 1.0, units, 0.12) == 0.0
 
 
-def _zero2_dp(gpus: int, latency_us: float | None = None) -> float:
+def _zero2_dp(gpus: int, latency_us: float | None = None, zero: int = 2) -> float:
     from meshtron.planner.compute import KernelOptions
     from meshtron.planner.estimate import Evaluator
     from meshtron.planner.plan import Plan
@@ -73,7 +73,7 @@ def _zero2_dp(gpus: int, latency_us: float | None = None) -> float:
     # FSDP ZeRO-2 (SHARD_GRAD_OP): one gather and one reduce-scatter per unit per step, behind
     # a large micro-batch's compute
     ev = Evaluator(PRESETS["llama3-8b"], cl, 16 * gpus, 2048, KernelOptions(sharding="fsdp"))
-    plan = Plan(1, 1, gpus, 2, 16, "none", False, None, 1, dtype="bf16")
+    plan = Plan(1, 1, gpus, zero, 16, "none", False, None, 1, dtype="bf16")
     return ev.evaluate(plan).time.dp_comm
 
 
@@ -97,3 +97,14 @@ def test_fsdp_zero2_step_pays_the_first_gather_and_the_last_reduce_scatter():
     assert slow > 0.9 * 2 * ag  # fp32 reduce-scatter is costlier than the bf16 gather
     # more ranks, longer rings: the exposed ends grow
     assert _zero2_dp(512) > _zero2_dp(64)
+
+
+def test_fsdp_zero1_per_unit_reductions_have_the_same_ends():
+    from meshtron.planner.host import sm_interference
+
+    # meshtron's runtime runs ZeRO-1 as one reduce-scatter and one all-gather per FSDP unit
+    # once a step: the last unit's reduction and the first unit's gather stay exposed too
+    fast, slow = _zero2_dp(512, 9.6, zero=1), _zero2_dp(512, 14.0, zero=1)
+    step = 63 * (14.0 - 9.6) * 1e-6
+    nccl = sm_interference(resolve_cluster("dgx-h100:64"), True)
+    assert slow - fast == pytest.approx(2 * (1 + 33 * nccl) * step, rel=1e-3)

@@ -152,7 +152,10 @@ class DataParallelCost:
             red, gather = self.once_per_step(params, zero, groups, gsize, wsize,
                                              units if fsdp else 1)
             nccl = self.dp_interference(groups)
-            exp = _exposed(red, bwd, nccl) + _exposed(gather, fwd, nccl)
+            if fsdp:  # one collective per FSDP unit: the chain's fill and drain show
+                exp = unit_chain(red, bwd, units, nccl) + unit_chain(gather, fwd, units, nccl)
+            else:  # bucketed reductions (Megatron, DeepSpeed): buckets are not modelled
+                exp = _exposed(red, bwd, nccl) + _exposed(gather, fwd, nccl)
         self._cache[key] = exp
         return exp
 
