@@ -121,10 +121,12 @@ CLUSTER_PRESETS = {
 }
 
 # Default per-step latencies (alpha of the alpha-beta model): NCCL's own figures for a ring step
-# with the Simple protocol, 3.4 us over NVLink and 9.6 us over the network (NVIDIA/nccl
-# src/graph/tuning.cc, hwLat table, v2.8-2.9).
+# with the Simple protocol (NVIDIA/nccl src/graph/tuning.cc, hwLat table): 3.4 us over NVLink
+# (unchanged from v2.8 to master) and 14.0 us over the network, the value of every NCCL since
+# v2.18.1 (2023: PyTorch 2.1 onwards, through master's ncclTunerConstantsDefaults; v2.8-2.16
+# had 9.6). A cluster file that ran an older NCCL (e.g. 2021's Selene runs) may state 9.6.
 DEFAULT_INTRA_LATENCY_US = 3.4
-DEFAULT_INTER_LATENCY_US = 9.6
+DEFAULT_INTER_LATENCY_US = 14.0
 # Device memory bandwidth assumed when only peak_tflops is given: ~150 FLOP per byte is the
 # balance point of A100-class GPUs (312 TFLOP/s / 2.0 TB/s).
 DEFAULT_FLOP_PER_BYTE = 150.0

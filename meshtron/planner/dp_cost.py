@@ -29,6 +29,23 @@ _exposed = compute.overlapped
 hidden part causes (one formula for tensor-, context- and data-parallel overlap)."""
 
 
+def unit_chain(total: float, window: float, units: int, interference: float) -> float:
+    """Exposed time of `units` equal collectives (`total` seconds together) issued one per
+    FSDP unit beside `window` seconds of the units' compute: each hides behind the compute of
+    the units next to it, except one that has no compute beside it, the first unit's
+    all-gather before any forward (FSDP2 FSDPParamGroup.wait_for_unshard, FSDP1
+    _pre_forward's _unshard) or the last unit's reduce-scatter after the last backward (the
+    root's post-backward final callback waits for it: FSDP2 _root_post_backward_final_callback,
+    FSDP1 _post_backward_final_callback's wait_stream on the post-backward stream). The
+    exposed one is a whole collective, ring latency included: over hundreds of ranks it is
+    latency-bound (comm.ring_latency)."""
+    if total <= 0:
+        return 0.0
+    units = max(1, units)
+    one = total / units
+    return one + _exposed(total - one, window * (units - 1) / units, interference)
+
+
 class DataParallelCost:
     """Mixin of `estimate.Evaluator`: needs self.opts, self.mem, self.fab, self.hbm,
     self.cluster and self._cache."""
@@ -135,7 +152,10 @@ class DataParallelCost:
             red, gather = self.once_per_step(params, zero, groups, gsize, wsize,
                                              units if fsdp else 1)
             nccl = self.dp_interference(groups)
-            exp = _exposed(red, bwd, nccl) + _exposed(gather, fwd, nccl)
+            if fsdp:  # one collective per FSDP unit: the chain's fill and drain show
+                exp = unit_chain(red, bwd, units, nccl) + unit_chain(gather, fwd, units, nccl)
+            else:  # bucketed reductions (Megatron, DeepSpeed): buckets are not modelled
+                exp = _exposed(red, bwd, nccl) + _exposed(gather, fwd, nccl)
         self._cache[key] = exp
         return exp
 
@@ -174,15 +194,19 @@ class DataParallelCost:
         behind that backward only; else one per micro-batch, behind its backward) and/or
         whose parameters stay gathered (`gather_once`, pipelining or ZeRO-2: one all-gather
         per unit per step, before the first forward); otherwise the gathers stay per
-        micro-batch (`_zero3_per_microbatch` with the reduction taken out)."""
+        micro-batch (`_zero3_per_microbatch` with the reduction taken out). Like the
+        per-micro-batch chain, the step-level gathers and reductions run unit after unit and
+        have a fill and a drain (`unit_chain`): the first unit's all-gather before any forward,
+        the last unit's reduce-scatter after the last backward."""
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
         rs = units * (comm.reduce_scatter(gsize * params / units, shard, self.fab)
                       + comm.all_reduce(gsize * params / units / shard.size, rep, self.fab))
         nccl = self.dp_interference(groups)
-        out = (1 if reduce_once else m) * _exposed(rs, bwd, nccl)  # fwd, bwd: one micro-batch's
+        # fwd, bwd: one micro-batch's
+        out = (1 if reduce_once else m) * unit_chain(rs, bwd, units, nccl)
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
-            return out + _exposed(ag, fwd, nccl) + self.copy_out_s(params, wsize)
+            return out + unit_chain(ag, fwd, units, nccl) + self.copy_out_s(params, wsize)
         per_mb = self._zero3_per_microbatch(params, groups, 1, fwd, bwd, regather,
                                             backward_gather=zero == 3, wire=gsize,
                                             reduce=False, wsize=wsize, units=units,
