@@ -66,7 +66,8 @@ from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, host, memory, memory_pipeline,
-                              moe_cost, moe_memory, offload, pipeline, placement)
+                              moe_cost, moe_memory, offload, pipeline, pipeline_split,
+                              placement)
 from meshtron.planner.cluster import HOST_USABLE_FRACTION, ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -325,12 +326,20 @@ class Evaluator(DataParallelCost):
             self._cache[key] = hit
         return hit
 
-    def _time_partition(self, pp: int, v: int, t_layer: float, e_first: float, e_last: float):
-        key = ("part", pp, v, t_layer, e_first, e_last)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = pipeline.partition_layers(self.model.layers, pp, t_layer, e_first, e_last,
-                                            None, v)
+    def _time_partition(self, pp: int, v: int, t_layer: float, e_first: float, e_last: float,
+                        caps: list[int] | None = None, weights: tuple = (1.0, 1.0, 1.0)):
+        """Layers per device as the priced stack splits them (pipeline_split.py: meshtron's
+        and torchtitan's any split, time-balanced; Megatron's equal chunks; DeepSpeed's
+        balanced partition), within the memory `caps` where the stack can choose."""
+        rule = self.mem.split_rule
+        key = ("part", rule, pp, v, t_layer, e_first, e_last,
+               tuple(caps) if caps else None, weights)
+        hit = self._cache.get(key, False)
+        if hit is False:
+            hit = pipeline_split.split_for(rule, self.model.layers, pp, v, t_layer, e_first,
+                                           e_last, caps, weights)
+            if hit is not None and caps and any(k > c for k, c in zip(hit, caps)):
+                hit = None  # a computed split (DeepSpeed's) that does not fit
             self._cache[key] = hit
         return hit
 
@@ -452,24 +461,28 @@ class Evaluator(DataParallelCost):
         per_layer, fixed = stage_memories(inflight)
         budget = self.tensor_budget
         given = _given_partition(cfg, model.layers)
-        n = given or self._time_partition(pp, v, t_layer, e_first, e_last)
+        weights = (p_emb, p_layer + p_exp, p_head)  # DeepSpeed's 'parameters' partition
+        n = given or self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
         fits = n is not None and all(
             k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
         if not fits and given is None:
             caps = [int((budget - f) // a) if budget > f else 0 for a, f in zip(per_layer, fixed)]
             if sum(caps) >= model.layers:
-                n = pipeline.partition_layers(model.layers, pp, t_layer, e_first, e_last, caps, v)
+                n = self._time_partition(pp, v, t_layer, e_first, e_last, caps, weights)
             else:
                 n = None
             fits = n is not None
             if n is None:
                 if not keep_infeasible:
                     return None
-                if exact_memory:
+                stack = self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
+                if self.mem.split_rule != "any" and stack is not None:
+                    n = stack  # the stack's own split is what would run out of memory
+                elif exact_memory:
                     _, n = pipeline.min_memory_partition(model.layers, per_layer, fixed, v)
                 else:
-                    n = self._time_partition(pp, v, t_layer, e_first, e_last) or \
-                        pipeline.min_memory_partition(model.layers, per_layer, fixed, v)[1]
+                    n = stack or pipeline.min_memory_partition(model.layers, per_layer, fixed,
+                                                               v)[1]
 
         if model.is_moe and pp > 1 and n is not None:
             # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)

@@ -271,10 +271,12 @@ def microbatch_problem(schedule: str | None, pp: int, v: int, m: int) -> str | N
     return None
 
 
-def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True) -> Iterator[str]:
+def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
+                   split: str | None = None) -> Iterator[str]:
     """Rules between the plan and the model's shapes (a ModelSpec), incl. the runtime's limit on
     tied embeddings (`runtime`: False when pricing another framework, e.g. Megatron-LM, which
-    keeps a copy of a tied embedding on the last stage and all-reduces its gradient)."""
+    keeps a copy of a tied embedding on the last stage and all-reduces its gradient) and the
+    priced stack's layer-to-stage rule (`split`: `split_problem`)."""
     tp, pp, v = k.get("tp"), k.get("pp"), k.get("virtual_stages") or 1
     ep = k.get("ep") or 1
     if ep > 1 and not getattr(model, "is_moe", False):
@@ -300,6 +302,11 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True) -> It
                "the runtime cannot split across pipeline stages")
         return
     sl = k.get("stage_layers")
+    if pp is not None and (not sl or len(sl) == pp * v):
+        problem = split_problem(split, model.layers, pp, v, list(sl) if sl else None)
+        if problem:
+            yield problem
+            return
     if sl:
         if sum(sl) != model.layers:
             yield (f"plan.stage_layers={list(sl)}: sums to {sum(sl)}, the model has "
@@ -307,6 +314,67 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True) -> It
     elif pp is not None and pp * v > model.layers:
         name = f"plan.pp={pp}" if v == 1 else f"plan.pp*virtual_stages={pp}*{v}={pp * v}"
         yield f"{name}: more pipeline stages than model layers ({model.layers})"
+
+
+_MEGATRON_WHY = {
+    "megatron-even": "Megatron-LM builds num_layers // pp layers per stage and "
+                     "num_layers // (pp*virtual_stages) per chunk (megatron/arguments.py asserts "
+                     "the divisions)",
+    "megatron-ends": "Megatron-Core builds equal chunks; only --decoder-first/last-pipeline-"
+                     "num-layers (each a multiple of virtual_stages) or "
+                     "account_for_embedding/loss_in_pipeline_split (num_layers + 1 or 2 "
+                     "divisible by pp*virtual_stages) make the end stages differ "
+                     "(transformer_config.py)"}
+
+
+def megatron_account_for(layers: int, pp: int, v: int) -> list[int]:
+    """Layers counted for the embedding and loss (1 or 2) with which Megatron-Core's
+    account_for_embedding/loss_in_pipeline_split can split `layers` (empty: none)."""
+    return [e for e in (1, 2) if (layers + e) % (pp * v) == 0 and (layers + e) // (pp * v) > 1]
+
+
+def split_problem(rule: str | None, layers: int, pp: int, v: int = 1,
+                  stage_layers: list[int] | None = None) -> str | None:
+    """The stack's own limits on assigning `layers` to pp stages of v chunks (`rule`:
+    memory_options.PIPELINE_SPLITS), one line, or None. Megatron-LM (2021 to Megatron-Core
+    0.8, 'megatron-even') asserts num_layers % pp == 0 and, interleaved, that the layers per
+    stage divide by v; Megatron-Core 0.9-0.12 ('megatron-ends': ADLR/megatron-lm!1881
+    2024-09 --decoder-first/last-pipeline-num-layers; !1961 2025-02 uneven virtual stages and
+    account_for_embedding/loss_in_pipeline_split) sets the end stages apart, the middle ones
+    still equal. So 'megatron-ends' expresses L layers iff v divides L and L >= pp*v, or
+    L + 1 or L + 2 divides by pp*v. Other rules express any split (torchtitan's split points;
+    DeepSpeed's partition is computed, pipeline_split.py). Megatron-Core 0.14+'s
+    pipeline_model_parallel_layout places any layers: `pipeline_split = "any"`."""
+    if pp <= 1 or rule not in _MEGATRON_WHY:
+        return None
+    name = f"plan.pp={pp}" if v == 1 else f"plan.pp={pp} with virtual_stages={v}"
+    if stage_layers:
+        if not _megatron_expresses(rule, pp, v, list(stage_layers)):
+            return (f"plan.stage_layers={list(stage_layers)}: not a split Megatron can "
+                    f"express: {_MEGATRON_WHY[rule]}")
+        return None
+    if rule == "megatron-even" and layers % (pp * v):
+        return (f"{name}: the model's {layers} layers are not divisible by pp*virtual_stages="
+                f"{pp * v}: {_MEGATRON_WHY[rule]}")
+    if rule == "megatron-ends" and (layers % v or layers < pp * v) and \
+            not megatron_account_for(layers, pp, v):
+        return f"{name}: the model's {layers} layers cannot be split: {_MEGATRON_WHY[rule]}"
+    return None
+
+
+def _megatron_expresses(rule: str, pp: int, v: int, sl: list[int]) -> bool:
+    """Whether chunk counts `sl` (virtual stage order) are one of Megatron's splits."""
+    per = [[sl[c * pp + d] for c in range(v)] for d in range(pp)]
+    devices = [sum(c) for c in per]
+    equal_chunks = all(len(set(c)) == 1 for c in per)
+    if rule == "megatron-even":
+        return equal_chunks and len(set(devices)) == 1
+    if equal_chunks and len(set(devices[1:-1])) <= 1 and min(devices) > 0:
+        return True
+    # account_for_embedding/loss: every chunk c, the very first and very last maybe c - 1
+    c = max(sl)
+    inner = sl[1:-1]
+    return all(k == c for k in inner) and sl[0] in (c - 1, c) and sl[-1] in (c - 1, c)
 
 
 def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
@@ -330,17 +398,18 @@ def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
 
 
 def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
-                  model: Any = None, runtime: bool = True) -> list[str]:
+                  model: Any = None, runtime: bool = True, split: str | None = None) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
     against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
-    include meshtron's runtime limits (False when the planner prices another framework)."""
+    include meshtron's runtime limits (False when the planner prices another framework);
+    `split`: the priced stack's layer-to-stage rule (memory_options.PIPELINE_SPLITS)."""
     out = list(field_problems(k))
     if world_size is not None:
         w = world_problem(k, world_size)
         if w:
             out.append(w)
     if model is not None:
-        out.extend(model_problems(k, model, runtime))
+        out.extend(model_problems(k, model, runtime, split))
     if runtime:
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
@@ -403,9 +472,9 @@ def cp_runtime_problems(k: Mapping[str, Any], model: Any = None) -> Iterator[str
 
 
 def check(k: Mapping[str, Any], world_size: int | None = None, model: Any = None,
-          runtime: bool = True) -> None:
+          runtime: bool = True, split: str | None = None) -> None:
     """Raise UserError with the first of `plan_problems`."""
-    problems = plan_problems(k, world_size, model, runtime)
+    problems = plan_problems(k, world_size, model, runtime, split)
     if problems:
         raise UserError(problems[0])
 
