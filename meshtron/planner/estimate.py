@@ -570,6 +570,9 @@ class Evaluator(DataParallelCost):
                 off_t = max(off_t, oc.transfer_s)
             if shard_dp > 1:
                 bwd = stage_t[i] - stage_f[i]
+                # FSDP2 under torch.distributed.pipelining reduces after the stage's last
+                # backward (pipeline.reduce_after_drain); DDP-style stacks during it
+                drain = (v, i, bwd) if pp > 1 and self.opts.sharding == "fsdp" else None
                 # stage i finishes its last backward about i stage-backwards before stage 0
                 args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
                         k, rec == "full" and self.opts.recompute_regathers)
@@ -580,10 +583,12 @@ class Evaluator(DataParallelCost):
                                                          kept=kept))
                 elif experts_i:
                     dp_t = max(dp_t, self._dp_with_experts(params_i, experts_i, zero, args,
-                                                           units, kept, flags, groups))
+                                                           units, kept, {**flags,
+                                                                         "drain": drain},
+                                                           groups))
                 else:
                     dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
-                                                   kept=kept, **flags))
+                                                   kept=kept, drain=drain, **flags))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
         step = times.total

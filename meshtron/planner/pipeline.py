@@ -79,6 +79,31 @@ def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
     return per_boundary * hop * (m * v + chain)
 
 
+def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float,
+                       interference: float = OVERLAP_INTERFERENCE) -> float:
+    """Exposed seconds of a pipeline rank's gradient reduction (`reduce_s`, all its chunks) when
+    torch.distributed.pipelining runs it after each stage's last backward: FSDP's gradient
+    sync is off for the step's micro-batches (stage.py `backward_maybe_with_nosync`:
+    set_requires_gradient_sync(False), set_reshard_after_backward(False)) and the stage's
+    reduce-scatters are issued only after its last backward (torch 2.4-2.5 run_post_backward
+    on last_backward; 2.6+ `perform_reduce_grad`, the REDUCE_GRAD action scheduled after all
+    the stage's B/W actions), which then waits for them (`_root_post_backward_final_callback`
+    puts the reductions back on the default stream before the optimizer reads the shards). So
+    nothing of the rank's own compute is left to hide them but the backwards of its other
+    chunks: with v chunks of reduce_s / v each, chained on one stream behind chunk
+    backwards of bwd / v (`bwd`: one micro-batch's backward of the whole rank), the last
+    chunk's reduction ends max(reduce_s / v, reduce_s - (v-1) bwd / v) after the rank's
+    last backward. Rank `stage` ends its last backward `stage` chunk-backwards before rank 0
+    (1F1B's and the interleaved schedule's drain), idle time that hides the rest: rank 0's
+    reduction is exposed whole (v = 1)."""
+    if reduce_s <= 0.0:
+        return 0.0
+    v = max(1, v)
+    tail = max(reduce_s / v, reduce_s - (v - 1) * bwd / v)
+    exposed = max(0.0, tail - stage * bwd / v)
+    return exposed + interference * (reduce_s - exposed)
+
+
 def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: list[float]) -> float:
     """Idle time of the critical stage beyond its own m micro-batches (see module docstring)."""
     p = len(stage_times)
