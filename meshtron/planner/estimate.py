@@ -487,7 +487,7 @@ class Evaluator(DataParallelCost):
         if model.is_moe and pp > 1 and n is not None:
             # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)
             chunks = list(cfg.stage_layers) if given else (
-                list(n) if v == 1 else pipeline.split_virtual(n, v))
+                list(n) if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
             moe_act, moe_work = self._moe_memory(tp, mb, cfg.sp, rec, seq // cp, mem_opts, ep,
                                                  cfg.dtype)
             blocks = moe_memory.stage_pieces(model, cfg, chunks, (p_layer, p_exp, act, work),
@@ -503,7 +503,8 @@ class Evaluator(DataParallelCost):
             # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
             # (Megatron-LM requires equal chunks: the even spread is exact there), at the
             # moment they are largest beside the gradients accumulated so far
-            chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
+            chunks = list(cfg.stage_layers) if given else \
+                pipeline_split.chunks(self.mem.split_rule, n, v)
             grad = accum * (p_layer + p_exp)
             weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
             # the chunk outputs held at that moment, not at the even spread's most (the last
@@ -616,7 +617,7 @@ class Evaluator(DataParallelCost):
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
         stage_layers = (list(cfg.stage_layers) if given else
-                        n if v == 1 else pipeline.split_virtual(n, v))
+                        n if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
         return Estimate(
             config=cfg, stage_layers=list(stage_layers), num_microbatches=m, memory=mem,
             time=times, tokens_per_s=self.tokens / step,

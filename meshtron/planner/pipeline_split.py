@@ -125,3 +125,22 @@ def deepspeed_split(layers: int, p: int,
     # blocks are items 1..layers
     counts = [max(0, min(b, layers + 1) - max(a, 1)) for a, b in fill(hi)]
     return counts if min(counts) > 0 and sum(counts) == layers else None
+
+
+def chunks(rule: str, stage_layers: list[int], v: int) -> list[int]:
+    """Layers of the p*v virtual stages (pipeline order) from per-device counts: Megatron
+    builds equal chunks, and with account_for_embedding/loss_in_pipeline_split the very first
+    and very last virtual stage are a layer short (transformer_config.py); the other stacks
+    as pipeline.split_virtual spreads them."""
+    if v == 1:
+        return list(stage_layers)
+    out = pipeline.split_virtual(stage_layers, v)
+    if rule in ("megatron-even", "megatron-ends"):
+        p = len(stage_layers)
+        for d in (0, p - 1):
+            if stage_layers[d] % v:  # v*c - 1 layers: the short chunk at the pipeline's end
+                c = -(-stage_layers[d] // v)
+                for k in range(v):
+                    out[k * p + d] = c
+                out[0 if d == 0 else (v - 1) * p + d] = c - 1
+    return out

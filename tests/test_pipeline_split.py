@@ -1,0 +1,162 @@
+"""Each stack's own layer-to-stage split (planner/pipeline_split.py, plan_rules.split_problem)
+and what torch.distributed.pipelining's gradient reduction costs a pipeline rank
+(pipeline.reduce_after_drain)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from meshtron.model.spec import PRESETS
+from meshtron.planner import Plan, resolve_cluster
+from meshtron.planner import comm, pipeline
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.frameworks import preset
+from meshtron.planner.memory import layer_params_local
+from meshtron.planner.pipeline_split import chunks, deepspeed_split, megatron_split
+from meshtron.planner.plan_rules import plan_problems, split_problem
+from testkit.plan_cli import plan_cli  # noqa: F401  (fixture)
+
+L405 = ("--model", "llama3-405b", "--cluster", "dgx-h100:64", "--global-batch", "512",
+        "--seq-len", "8192")
+
+
+# ---- the rules ---------------------------------------------------------------------------------
+def test_megatron_2021_needs_layers_divisible_by_pp_and_chunks():
+    assert split_problem("megatron-even", 32, 4) is None
+    assert split_problem("megatron-even", 32, 4, 2) is None  # 4 layers per chunk
+    problem = split_problem("megatron-even", 30, 4)
+    assert problem.startswith("plan.pp=4: the model's 30 layers are not divisible")
+    assert "\n" not in problem
+    assert split_problem("megatron-even", 32, 4, 3) is not None  # 8 per stage, 3 chunks
+    # torchtitan's split points and meshtron's runtime express any split
+    assert split_problem("any", 30, 4) is None
+    assert split_problem(None, 30, 4) is None
+
+
+def test_megatron_core_sets_the_end_stages_apart():
+    # --decoder-first/last-pipeline-num-layers: 30 = 7 + 8 + 8 + 7
+    assert split_problem("megatron-ends", 30, 4) is None
+    assert split_problem("megatron-ends", 30, 4, stage_layers=[7, 8, 8, 7]) is None
+    # middle stages must stay equal
+    assert split_problem("megatron-ends", 30, 4, stage_layers=[7, 9, 7, 7]) is not None
+    # account_for_embedding/loss_in_pipeline_split: 126 + 2 = 128 = 8 stages x 8 chunks x 2
+    assert split_problem("megatron-ends", 126, 8, 8) is None
+    # neither form: 125 layers, 8 chunks per stage (125 % 8, 126 and 127 not multiples of 64)
+    assert split_problem("megatron-ends", 125, 8, 8) is not None
+
+
+def test_megatron_split_is_expressible_and_the_fastest_of_those():
+    # identical layers, a head worth two layers on the last stage
+    n = megatron_split("megatron-ends", 30, 4, 1, 1.0, 0.0, 2.0)
+    assert sum(n) == 30 and len(set(n[1:-1])) == 1
+    assert split_problem("megatron-ends", 30, 4, stage_layers=n) is None
+    best = pipeline.partition_layers(30, 4, 1.0, 0.0, 2.0)  # any split: 32 units over 4
+    slowest = max(n[0], n[1], n[-1] + 2.0)
+    assert slowest == max(best[0], best[1], best[2], best[-1] + 2.0) == 8  # [8, 8, 8, 6]
+    assert megatron_split("megatron-even", 30, 4, 1, 1.0, 0.0, 2.0) is None
+    assert megatron_split("megatron-even", 32, 4, 1, 1.0, 0.0, 2.0) == [8, 8, 8, 8]
+    # Llama 3 405B on 16 stages: one layer less on the first and the last (Meta's split)
+    assert megatron_split("megatron-ends", 126, 16, 1, 1.0, 0.5, 1.0) == [7] + [8] * 14 + [7]
+
+
+def test_megatron_account_for_chunks_short_at_the_pipeline_ends():
+    n = megatron_split("megatron-ends", 126, 8, 8, 1.0, 0.1, 1.0)
+    assert n == [15] + [16] * 6 + [15]
+    c = chunks("megatron-ends", n, 8)
+    assert c[0] == 1 and c[-1] == 1 and set(c[1:-1]) == {2}
+    assert split_problem("megatron-ends", 126, 8, 8, stage_layers=c) is None
+    # meshtron's spread of the same counts is not one Megatron builds
+    spread = pipeline.split_virtual(n, 8)
+    assert split_problem("megatron-ends", 126, 8, 8, stage_layers=spread) is not None
+
+
+def test_deepspeed_partition_fills_the_first_stages():
+    # type:transformer weighs blocks only: 10 blocks on 4 stages -> _lprobe's 3, 3, 3, 1
+    assert deepspeed_split(10, 4, (0.0, 1.0, 0.0)) == [3, 3, 3, 1]
+    assert deepspeed_split(105, 35, (0.0, 1.0, 0.0)) == [3] * 35
+    # 'parameters': an embedding and a head of half a block each move a block inward
+    assert deepspeed_split(30, 4, (0.5, 1.0, 0.5)) == [7, 8, 8, 7]
+    # a stage left without blocks is not priced
+    assert deepspeed_split(9, 4, (0.0, 1.0, 0.0)) is None
+
+
+def test_the_validity_function_carries_the_stack_rule():
+    model = PRESETS["llama3-405b"]
+    k = {"tp": 8, "pp": 8, "dp": 8}
+    assert plan_problems(k, 512, model, runtime=False) == []
+    problems = plan_problems(k, 512, model, runtime=False, split="megatron-even")
+    assert problems and "126 layers" in problems[0]
+    assert plan_problems(k, 512, model, runtime=False, split="megatron-ends") == []
+
+
+# ---- through the command line ------------------------------------------------------------------
+def test_megatron_refuses_a_pp_it_cannot_split_in_one_line(plan_cli):
+    rc, out, err = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8")
+    assert rc == 2 and out == ""
+    line = err.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert "plan.pp=8" in line and "126 layers" in line
+
+
+def test_megatron_search_proposes_only_expressible_splits(plan_cli):
+    for fw, rule in (("megatron@2021", "megatron-even"), ("megatron@2024", "megatron-ends")):
+        rc, out, _ = plan_cli(*L405, "--framework", fw, "--json", "--top", "10")
+        assert rc == 0
+        plans = json.loads(out)["plans"]
+        assert plans
+        for p in plans:
+            if p["pp"] > 1:
+                assert split_problem(rule, 126, p["pp"], p["virtual_stages"],
+                                     p["stage_layers"]) is None, (fw, p)
+    # a pinned pp=8 on Megatron-Core: only its own splits, every schedule
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2024", "--layout", "tp=8,pp=8,dp=8",
+                          "--json", "--top", "5")
+    assert rc == 0
+    for p in json.loads(out)["plans"]:
+        assert split_problem("megatron-ends", 126, 8, p["virtual_stages"],
+                             p["stage_layers"]) is None, p
+
+
+def test_meshtron_keeps_its_time_balanced_split(plan_cli):
+    args = ("--model", "llama3-8b", "--cluster", "dgx-h100:4", "--global-batch", "64",
+            "--seq-len", "4096", "--layout", "tp=1,pp=4,dp=8", "--schedule", "1f1b", "--json",
+            "--top", "1")
+    rc, out, _ = plan_cli(*args)
+    mesh = json.loads(out)["plans"][0]
+    rc2, out2, _ = plan_cli(*args, "--framework", "megatron@2021")
+    mega = json.loads(out2)["plans"][0]
+    assert rc == rc2 == 0
+    assert mega["stage_layers"] == [8, 8, 8, 8]
+    # the 128k-vocabulary head weighs about two blocks: meshtron gives the last stage fewer
+    assert mesh["stage_layers"][-1] < 8 and sum(mesh["stage_layers"]) == 32
+    assert split_problem("megatron-even", 32, 4, stage_layers=mesh["stage_layers"]) is not None
+
+
+# ---- FSDP2's gradient reduction under torch.distributed.pipelining ------------------------------
+def test_reduce_after_drain_is_exposed_on_rank_zero_and_hidden_by_the_drain():
+    rs, bwd = 0.4, 1.0
+    assert pipeline.reduce_after_drain(rs, 1, 0, bwd, 0.0) == pytest.approx(rs)
+    assert pipeline.reduce_after_drain(rs, 1, 1, bwd, 0.0) == pytest.approx(0.0)
+    # interleaved: the other chunks' reductions hide behind the last chunk's backwards
+    assert pipeline.reduce_after_drain(rs, 2, 0, bwd, 0.0) == pytest.approx(rs / 2)
+    assert pipeline.reduce_after_drain(4.0, 2, 0, bwd, 0.0) == pytest.approx(4.0 - 0.5)
+
+
+def test_torchtitan_pipeline_pays_rank_zeros_reduce_scatter_whole():
+    """torchtitan (FSDP2 + pipelining) ZeRO-3 at pp=2: the first stage's gradient
+    reduce-scatter waits for its last backward and nothing hides it."""
+    fw = preset("torchtitan")
+    model, cluster = PRESETS["llama3-70b"], resolve_cluster("dgx-h100:16")
+    ev = Evaluator(model, cluster, 256, 4096, fw.kernel, mem=fw.memory)
+    plan = Plan(tp=8, pp=2, dp=8, zero=3, micro_batch=1, recompute="full", sp=True,
+                schedule="1f1b")
+    est = ev.evaluate(plan)
+    groups = ev._groups(plan)
+    layers0 = est.stage_layers[0]
+    params0 = layers0 * layer_params_local(model, 8, 2)
+    rs = comm.reduce_scatter(4.0 * params0, groups["dp_shard"], ev.fab)  # fp32 reduce
+    assert rs > 0.05  # big enough to matter
+    assert est.time.dp_comm >= 0.95 * rs
