@@ -160,3 +160,47 @@ def test_torchtitan_pipeline_pays_rank_zeros_reduce_scatter_whole():
     rs = comm.reduce_scatter(4.0 * params0, groups["dp_shard"], ev.fab)  # fp32 reduce
     assert rs > 0.05  # big enough to matter
     assert est.time.dp_comm >= 0.95 * rs
+
+
+# ---- the looped schedules' bubble --------------------------------------------------------------
+def _looped_makespan(p: int, v: int, m: int, f: float, b: float) -> float:
+    """Dependency simulation of a looped schedule run chunk by chunk (looped BFS; torch's
+    Interleaved1F1B with m < p is all forwards first too: its warm-up covers every forward):
+    device d runs F of virtual stage c*p + d for micro-batches 0..m-1, chunk after chunk, then
+    the backwards in reverse; an F waits for the previous virtual stage's F of its micro-batch,
+    a B for the next virtual stage's B (or, on the last, its own F)."""
+    n = p * v
+    done: dict[tuple[str, int, int], float] = {}
+    orders = [[("F", c * p + d, j) for c in range(v) for j in range(m)]
+              + [("B", c * p + d, j) for c in reversed(range(v)) for j in range(m)]
+              for d in range(p)]
+    clock, pos = [0.0] * p, [0] * p
+    while any(pos[d] < len(orders[d]) for d in range(p)):
+        for d in range(p):
+            while pos[d] < len(orders[d]):
+                kind, s, j = orders[d][pos[d]]
+                dep = (("F", s - 1, j) if s > 0 else None) if kind == "F" else \
+                    (("B", s + 1, j) if s < n - 1 else ("F", s, j))
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[d], done.get(dep, 0.0))
+                clock[d] = start + (f if kind == "F" else b) / v
+                done[(kind, s, j)] = clock[d]
+                pos[d] += 1
+    return max(clock)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 1, 8), (4, 1, 2), (4, 2, 8), (4, 2, 4), (4, 2, 2),
+                                   (8, 4, 3), (4, 3, 1)])
+def test_looped_bubble_counts_the_wait_for_the_wave_when_m_is_below_p(p, v, m):
+    f, b = 1.0, 2.0
+    span = _looped_makespan(p, v, m, f, b)
+    t = [f + b] * p
+    assert m * (f + b) + pipeline.bubble_time("gpipe", v, t, [0.0] * p, m) == \
+        pytest.approx(span)
+    # the interleaved schedule has the same fill and, with m < p, the same wait
+    assert pipeline.bubble_time("interleaved", v, t, [0.0] * p, m) == \
+        pipeline.bubble_time("gpipe", v, t, [0.0] * p, m)
+    if m < p:  # without the wait the formula is short by (v-1)(p-m) chunk-times
+        assert pipeline.bubble_time("interleaved", v, t, [0.0] * p) < \
+            pipeline.bubble_time("interleaved", v, t, [0.0] * p, m)

@@ -537,7 +537,7 @@ class Evaluator(DataParallelCost):
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
-        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w)
+        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m)
         groups = self._groups(cfg)
         pp_t = 0.0
         if pp > 1:

@@ -3,7 +3,8 @@
 Schedules, for p stages, m micro-batches, per-micro-batch stage times t_i = F_i + B_i + W_i:
 
 * 'gpipe' (Huang et al. 2019): all forwards then all backwards; bubble (p-1) stage-times, keeps
-  all m micro-batches' activations.
+  all m micro-batches' activations; with v > 1 chunks per device (looped BFS) the bubble is
+  divided by v as interleaving's is (the first micro-batch fills p - 1 chunk-times).
 * '1f1b' (PipeDream-Flush, Narayanan et al. 2021): same bubble, stage i keeps p - i micro-batches.
 * 'interleaved' with v virtual stages per GPU (Narayanan et al. 2021, section 2.2.2): bubble
   divided by v; stage i keeps ((p-i-1)*2 + (v-1)*p + 1) / v micro-batches' worth of its layers,
@@ -104,15 +105,24 @@ def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float,
     return exposed + interference * (reduce_s - exposed)
 
 
-def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: list[float]) -> float:
-    """Idle time of the critical stage beyond its own m micro-batches (see module docstring)."""
+def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: list[float],
+                m: int | None = None) -> float:
+    """Idle time of the critical stage beyond its own m micro-batches (see module docstring).
+
+    Looped schedules (interleaved, and gpipe with v > 1: looped BFS) send micro-batch 0 of
+    chunk c + 1 into device 0 only after it went round all p devices in chunk c. With m >= p
+    micro-batches per round device 0 is busy meanwhile; with fewer (torch's Interleaved1F1B
+    runs rounds of max(1, m // p): m < p is one round of m, schedules.py) it waits p - m
+    chunk-times at each of the v - 1 chunk changes, forward and backward alike: the wave's
+    makespan is v m + p - 1 + (v - 1)(p - m) chunk-slots instead of v m + p - 1."""
     p = len(stage_times)
     if p <= 1:
         return 0.0
     worst = max(stage_times)
     fill = sum(stage_times) - worst
-    if schedule == "interleaved":
-        return fill / v
+    if schedule == "interleaved" or (schedule == "gpipe" and v > 1):
+        idle = (v - 1) * max(0, p - m) * sum(stage_times) / p / v if m else 0.0
+        return fill / v + idle
     if schedule == "zb":
         i = stage_times.index(worst)
         fill_zb = sum(t - 2 * w for t, w in zip(stage_times, wgrad_times)) \
