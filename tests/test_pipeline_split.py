@@ -201,6 +201,6 @@ def test_looped_bubble_counts_the_wait_for_the_wave_when_m_is_below_p(p, v, m):
     # the interleaved schedule has the same fill and, with m < p, the same wait
     assert pipeline.bubble_time("interleaved", v, t, [0.0] * p, m) == \
         pipeline.bubble_time("gpipe", v, t, [0.0] * p, m)
-    if m < p:  # without the wait the formula is short by (v-1)(p-m) chunk-times
+    if m < p and v > 1:  # without the wait the formula is short by (v-1)(p-m) chunk-times
         assert pipeline.bubble_time("interleaved", v, t, [0.0] * p) < \
             pipeline.bubble_time("interleaved", v, t, [0.0] * p, m)
