@@ -55,6 +55,16 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   gathers again); gradients in the model dtype on the wire (`communication_data_type`
   unset); the pipeline engine's blocking sends.
 
+Pipeline stages get the layers each stack's own code would give them (MemoryOptions
+`pipeline_split`, planner/pipeline_split.py; plan_rules.split_problem refuses what a stack
+cannot express): meshtron and torchtitan (`pipeline_parallel_split_points`, any block
+boundary) the time-balanced split; megatron@2021 equal stages and chunks (num_layers % pp == 0
+asserted); megatron@2024 equal middle stages with the end stages set apart
+(--decoder-first/last-pipeline-num-layers, account_for_embedding/loss_in_pipeline_split;
+Megatron-Core 0.14+'s pipeline_model_parallel_layout is `pipeline_split = "any"`);
+deepspeed@2021 Megatron-DeepSpeed's PipelineModule partition_method 'type:transformer',
+deepspeed@2024 PipelineModule's default 'parameters' (DeepSpeed's balanced left-greedy split).
+
 Any single option overrides from a TOML file (`--options FILE`)::
 
     framework = "megatron@2024"      # optional: the preset the table modifies
