@@ -204,3 +204,19 @@ def test_looped_bubble_counts_the_wait_for_the_wave_when_m_is_below_p(p, v, m):
     if m < p and v > 1:  # without the wait the formula is short by (v-1)(p-m) chunk-times
         assert pipeline.bubble_time("interleaved", v, t, [0.0] * p) < \
             pipeline.bubble_time("interleaved", v, t, [0.0] * p, m)
+
+
+def test_megatron_pays_the_tied_embedding_all_reduce_between_the_pipeline_ends():
+    fw = preset("megatron@2021")
+    tied = PRESETS["gpt3-175b"]
+    assert tied.tied_embeddings
+    untied = dataclasses.replace(tied, tied_embeddings=False)
+    cluster = resolve_cluster("dgx-a100:16")
+    plan = Plan(tp=8, pp=8, dp=2, zero=1, micro_batch=1, recompute="full", schedule="1f1b")
+    t = Evaluator(tied, cluster, 512, 2048, fw.kernel, mem=fw.memory).evaluate(plan)
+    u = Evaluator(untied, cluster, 512, 2048, fw.kernel, mem=fw.memory).evaluate(plan)
+    ev = Evaluator(tied, cluster, 512, 2048, fw.kernel, mem=fw.memory)
+    grad = 4.0 * tied.vocab * tied.hidden / 8  # fp32 main_grad of the tied word embedding
+    expected = comm.all_reduce(grad, comm.Group(2, 1), ev.fab)  # stages on different nodes
+    assert expected > 1e-3
+    assert t.time.pp_comm - u.time.pp_comm == pytest.approx(expected, rel=1e-6)

@@ -545,6 +545,9 @@ class Evaluator(DataParallelCost):
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
             pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
                                      self.opts.p2p_overlap and v > 1)
+            if model.tied_embeddings:
+                word = model.vocab * model.hidden / tp  # the tied table, vocabulary-parallel
+                pp_t += pipeline.tied_embedding_reduce(self.grad_bytes * word, cross, self.fab)
         dp_t = 0.0
         opt_t = 0.0
         off_t = 0.0

@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from meshtron.planner import comm
 from meshtron.planner.overlap import OVERLAP_INTERFERENCE
 from meshtron.planner.plan import SCHEDULES  # noqa: F401  (the one list, re-exported)
 
@@ -78,6 +79,18 @@ def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
     if overlap:
         return per_boundary * hop * (chain + OVERLAP_INTERFERENCE * m * v)
     return per_boundary * hop * (m * v + chain)
+
+
+def tied_embedding_reduce(nbytes: float, crosses_nodes: bool, fab: comm.Fabric) -> float:
+    """Seconds of the all-reduce of a tied word embedding's gradient (`nbytes` per rank, in the
+    gradient dtype) between the first stage (input embedding) and the last (the head's copy of
+    it), which Megatron and DeepSpeed run after the step's backward, before the optimizer:
+    Megatron-Core finalize_model_grads.py `_allreduce_word_embedding_grads` over the embedding
+    group (2021: megatron/training.py after allreduce_gradients), DeepSpeed's pipeline engine
+    `ReduceTiedGrads` (runtime/pipe/engine.py `_exec_reduce_tied_grads`). Nothing is left to
+    hide it: rank 0 finishes the step's backward last. (meshtron's runtime refuses tied
+    embeddings across stages, plan_rules.model_problems.)"""
+    return comm.all_reduce(nbytes, comm.Group(2, 1 if crosses_nodes else 2), fab)
 
 
 def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float,
