@@ -220,3 +220,38 @@ def test_megatron_pays_the_tied_embedding_all_reduce_between_the_pipeline_ends()
     expected = comm.all_reduce(grad, comm.Group(2, 1), ev.fab)  # stages on different nodes
     assert expected > 1e-3
     assert t.time.pp_comm - u.time.pp_comm == pytest.approx(expected, rel=1e-6)
+
+
+# ---- the schedules each stack's engine runs ----------------------------------------------------
+def test_stacks_run_only_their_engines_schedules():
+    from meshtron.planner.plan_rules import schedule_problem
+    assert schedule_problem("megatron-ends", "interleaved", 8, 4) is None
+    assert schedule_problem("megatron-even", "1f1b", 8, 1) is None
+    assert "Megatron-Core runs 1F1B" in schedule_problem("megatron-ends", "zb", 8, 1)
+    assert schedule_problem("megatron-even", "gpipe", 8, 1) is not None
+    assert schedule_problem("deepspeed-transformer", "interleaved", 8, 2) is not None
+    assert "virtual_stages=2" in schedule_problem("deepspeed-parameters", "1f1b", 8, 2)
+    for s in ("1f1b", "interleaved", "zb", "gpipe"):  # torch.distributed.pipelining
+        assert schedule_problem("any", s, 8, 2) is None
+    assert schedule_problem("megatron-ends", "zb", 1, 1) is None  # no pipeline
+
+
+def test_megatron_and_deepspeed_plans_use_their_engines_schedules(plan_cli):
+    rc, out, err = plan_cli(*L405, "--framework", "megatron@2024", "--layout", "tp=8,pp=8,dp=8",
+                            "--schedule", "zb")
+    assert rc == 2 and out == "" and "\n" not in err.strip()
+    assert "plan.schedule='zb'" in err and "Traceback" not in err
+    for fw, allowed in (("megatron@2024", {"1f1b", "interleaved"}),
+                        ("deepspeed@2021", {"1f1b"})):
+        rc, out, _ = plan_cli(*L405, "--framework", fw, "--layout", "tp=8,pp=2,dp=32", "--json",
+                              "--top", "10")
+        assert rc == 0, fw
+        plans = json.loads(out)["plans"]
+        assert plans and {p["schedule"] for p in plans} <= allowed, fw
+        if fw.startswith("deepspeed"):
+            assert {p["virtual_stages"] for p in plans} == {1}
+    # torchtitan and meshtron keep every torch schedule
+    for fw in ("meshtron", "torchtitan"):
+        rc, out, _ = plan_cli(*L405, "--framework", fw, "--layout", "tp=8,pp=8,dp=8",
+                              "--schedule", "zb", "--json", "--top", "1")
+        assert rc == 0 and json.loads(out)["plans"][0]["schedule"] == "zb", fw

@@ -104,7 +104,8 @@ class MemoryOptions:
         return "eager" if self.framework == "fsdp2" else "korthikanti"
 
     pipeline_split: str | None = None
-    """The stack's layer-to-stage rule (PIPELINE_SPLITS; the framework presets set theirs);
+    """The stack's layer-to-stage rule (PIPELINE_SPLITS; the framework presets set theirs),
+    which also names the schedules its pipeline engine runs (plan_rules.STACK_SCHEDULES);
     None: 'any'. The split changes every stage's time and memory."""
 
     @property

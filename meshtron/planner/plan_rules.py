@@ -377,6 +377,34 @@ def _megatron_expresses(rule: str, pp: int, v: int, sl: list[int]) -> bool:
     return all(k == c for k in inner) and sl[0] in (c - 1, c) and sl[-1] in (c - 1, c)
 
 
+STACK_SCHEDULES = {
+    "megatron-even": (("1f1b", "interleaved"), "Megatron-LM runs 1F1B and its interleaved "
+                      "schedule only (megatron/core/pipeline_parallel/schedules.py "
+                      "get_forward_backward_func)"),
+    "megatron-ends": (("1f1b", "interleaved"), "Megatron-Core runs 1F1B and its interleaved "
+                      "schedule only (megatron/core/pipeline_parallel/schedules.py "
+                      "get_forward_backward_func)"),
+    "deepspeed-transformer": (("1f1b",), "DeepSpeed's pipeline engine runs its 1F1B "
+                              "TrainSchedule only, one stage per rank (runtime/pipe/schedule.py)"),
+    "deepspeed-parameters": (("1f1b",), "DeepSpeed's pipeline engine runs its 1F1B "
+                             "TrainSchedule only, one stage per rank (runtime/pipe/schedule.py)")}
+"""The schedules each stack's pipeline engine runs, by its split rule (memory_options
+PIPELINE_SPLITS; 'any': every schedule the planner prices, torch.distributed.pipelining's)."""
+
+
+def schedule_problem(rule: str | None, schedule: str | None, pp: int | None,
+                     v: int | None) -> str | None:
+    """A schedule the priced stack's pipeline engine does not run, one line, or None."""
+    if rule not in STACK_SCHEDULES or schedule is None or (pp or 1) <= 1:
+        return None
+    allowed, why = STACK_SCHEDULES[rule]
+    if schedule not in allowed:
+        return (f"plan.schedule={schedule!r}: {why}; allowed: {', '.join(allowed)}")
+    if (v or 1) > 1 and "interleaved" not in allowed:
+        return f"plan.virtual_stages={v}: {why}; use virtual_stages=1"
+    return None
+
+
 def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
     tp, pp, dp, cp = k.get("tp"), k.get("pp"), k.get("dp"), k.get("cp") or 1
     if None not in (tp, pp, dp):
@@ -404,6 +432,9 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     include meshtron's runtime limits (False when the planner prices another framework);
     `split`: the priced stack's layer-to-stage rule (memory_options.PIPELINE_SPLITS)."""
     out = list(field_problems(k))
+    problem = schedule_problem(split, k.get("schedule"), k.get("pp"), k.get("virtual_stages"))
+    if problem:
+        out.append(problem)
     if world_size is not None:
         w = world_problem(k, world_size)
         if w:

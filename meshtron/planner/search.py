@@ -34,7 +34,7 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
                                     schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.plan_rules import (compile_runtime_problem, ep_runtime_problems,
-                                         split_problem)
+                                         schedule_problem, split_problem)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -352,12 +352,17 @@ class _Space:
             return microbatch_problem(s, pp, v, m) if self.runtime else None
 
         def split(v: int) -> str | None:
+            # what the priced stack's pipeline engine builds and runs (plan_rules)
             return split_problem(self.split, self.model.layers, pp, v)
 
         for s, v in cands:
+            engine = schedule_problem(self.split, s, pp, v)
             if not fixed:
-                if v <= layers_per_stage and rounds(s, v) is None and split(v) is None:
+                if v <= layers_per_stage and rounds(s, v) is None and split(v) is None \
+                        and engine is None:
                     ok.append((s, v))
+            elif engine is not None:
+                self.why_empty = self.why_empty or engine
             elif split(v) is not None:
                 self.why_empty = self.why_empty or split(v)
             elif v > layers_per_stage:
