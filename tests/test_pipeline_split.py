@@ -255,3 +255,17 @@ def test_megatron_and_deepspeed_plans_use_their_engines_schedules(plan_cli):
         rc, out, _ = plan_cli(*L405, "--framework", fw, "--layout", "tp=8,pp=8,dp=8",
                               "--schedule", "zb", "--json", "--top", "1")
         assert rc == 0 and json.loads(out)["plans"][0]["schedule"] == "zb", fw
+
+
+def test_deepspeed_rule_and_a_direct_evaluation_refuse_what_the_stack_cannot_build():
+    from meshtron.errors import UserError
+    # 9 blocks on 4 stages: _lprobe gives 3, 3, 3 and nothing to the last stage
+    assert "without blocks" in split_problem("deepspeed-transformer", 9, 4)
+    assert split_problem("deepspeed-transformer", 10, 4) is None
+    fw = preset("megatron@2021")
+    ev = Evaluator(PRESETS["llama3-405b"], resolve_cluster("dgx-h100:64"), 512, 8192, fw.kernel,
+                   mem=fw.memory)
+    plan = Plan(tp=8, pp=8, dp=8, zero=1, micro_batch=1, recompute="full", sp=True,
+                schedule="1f1b")
+    with pytest.raises(UserError, match="126 layers"):
+        ev.evaluate(plan)

@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, host, memory, memory_pipeline,
                               moe_cost, moe_memory, offload, pipeline, pipeline_split,
@@ -75,6 +76,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
 from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
+from meshtron.planner.plan_rules import split_problem
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
 """Fused AdamW update traffic per local parameter (see module docstring)."""
@@ -461,6 +463,10 @@ class Evaluator(DataParallelCost):
         per_layer, fixed = stage_memories(inflight)
         budget = self.tensor_budget
         given = _given_partition(cfg, model.layers)
+        if given is None and pp > 1:  # the search never asks; a direct caller is told
+            problem = split_problem(self.mem.split_rule, model.layers, pp, v)
+            if problem:
+                raise UserError(problem)
         weights = (p_emb, p_layer + p_exp, p_head)  # DeepSpeed's 'parameters' partition
         n = given or self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
         fits = n is not None and all(

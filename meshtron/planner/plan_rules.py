@@ -345,6 +345,12 @@ def split_problem(rule: str | None, layers: int, pp: int, v: int = 1,
     L + 1 or L + 2 divides by pp*v. Other rules express any split (torchtitan's split points;
     DeepSpeed's partition is computed, pipeline_split.py). Megatron-Core 0.14+'s
     pipeline_model_parallel_layout places any layers: `pipeline_split = "any"`."""
+    if pp > 1 and rule == "deepspeed-transformer" and not stage_layers and layers >= pp:
+        per = -(-layers // pp)  # _lprobe fills stages with ceil(L/pp) blocks from the first
+        if -(-layers // per) < pp:
+            return (f"plan.pp={pp}: DeepSpeed's balanced partition of {layers} blocks gives "
+                    f"the first stages {per} each and leaves the last without blocks "
+                    "(runtime/utils.py partition_balanced)")
     if pp <= 1 or rule not in _MEGATRON_WHY:
         return None
     name = f"plan.pp={pp}" if v == 1 else f"plan.pp={pp} with virtual_stages={v}"
