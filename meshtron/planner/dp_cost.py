@@ -177,7 +177,8 @@ class DataParallelCost:
                           drain: tuple[int, int, float] | None = None) -> float:
         """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
         (`reduce_once`: one reduce-scatter per unit per step, after the last backward: exposed
-        behind that backward only; else one per micro-batch, behind its backward) and/or
+        behind that backward only, or under pipelining (`drain`) issued after it,
+        pipeline.reduce_after_drain; else one per micro-batch, behind its backward) and/or
         whose parameters stay gathered (`gather_once`, pipelining or ZeRO-2: one all-gather
         per unit per step, before the first forward); otherwise the gathers stay per
         micro-batch (`_zero3_per_microbatch` with the reduction taken out)."""
