@@ -17,11 +17,15 @@ Step time (per optimizer step, on the critical pipeline stage c):
   2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink;
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
   and p2p_blocking=True pays a stage's receive and its send per direction (DeepSpeed's
-  pipeline engine: blocking transfers in each stage's instruction stream).
+  pipeline engine: blocking transfers in each stage's instruction stream). Megatron and
+  DeepSpeed add the tied word embedding's gradient all-reduce between the end stages
+  (pipeline.tied_embedding_reduce).
 * dp_exposed: gradient synchronisation over the data-parallel group (comm.py) overlapped with
   backward work (bucketed all-reduce as in PyTorch DDP, Li et al. 2020; Megatron's
   overlap_grad_reduce): ZeRO-0 all-reduces once per step, during the last micro-batch's backward;
-  stage i finishes its backward i stage-backwards before stage 0, which hides more. ZeRO-1
+  stage i finishes its backward i stage-backwards before stage 0, which hides more. FSDP2 under
+  torch.distributed.pipelining (meshtron, torchtitan) reduces only after each stage's last
+  backward instead (pipeline.reduce_after_drain): exposed on pipeline rank 0. ZeRO-1
   reduce-scatters instead and all-gathers updated bf16 weights, hidden behind the next step's
   first forward. ZeRO-2 must reduce-scatter after every micro-batch (gradients are not kept
   whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); meshtron's
