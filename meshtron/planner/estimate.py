@@ -664,11 +664,15 @@ class Evaluator(DataParallelCost):
         counted twice."""
         _, _, m, fwd, bwd, k, regather = args
         share = experts / (params + experts)
+        # a pipelined reduction's window (pipeline.reduce_after_drain) is shared the same way
+        drain = flags.get("drain")
+        part = (lambda f: {**flags, "drain": (drain[0], drain[1], drain[2] * f)}) if drain \
+            else (lambda f: flags)
         dense = self._dp_time(params, zero, groups, m, fwd * (1 - share), bwd * (1 - share), k,
-                              regather, units=units, kept=kept, **flags)
+                              regather, units=units, kept=kept, **part(1 - share))
         moe_units = max(1, round(k * self.model.moe_layers / self.model.layers))
         exp = self._dp_time(experts, zero, groups["experts"], m, fwd * share, bwd * share, k,
-                            regather, units=moe_units, kept=0.0, **flags)
+                            regather, units=moe_units, kept=0.0, **part(share))
         return dense + exp
 
     def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:
