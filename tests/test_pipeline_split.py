@@ -269,3 +269,18 @@ def test_deepspeed_rule_and_a_direct_evaluation_refuse_what_the_stack_cannot_bui
                 schedule="1f1b")
     with pytest.raises(UserError, match="126 layers"):
         ev.evaluate(plan)
+
+
+def test_an_options_table_names_another_split_rule(plan_cli, tmp_path):
+    """Megatron-Core 0.14+'s pipeline_model_parallel_layout places any layers: an [options]
+    table says so; a rule that does not exist is refused by name."""
+    opts = tmp_path / "any.toml"
+    opts.write_text('framework = "megatron@2021"\n[options]\npipeline_split = "any"\n')
+    rc, out, _ = plan_cli(*L405, "--options", str(opts), "--layout", "tp=8,pp=8,dp=8", "--json",
+                          "--top", "1")
+    assert rc == 0 and sum(json.loads(out)["plans"][0]["stage_layers"]) == 126
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[options]\npipeline_split = "even"\n')
+    rc, out, err = plan_cli(*L405, "--options", str(bad), "--layout", "tp=8,pp=8,dp=8")
+    assert rc == 2 and "pipeline_split='even'" in err and "megatron-ends" in err
+    assert "\n" not in err.strip()
