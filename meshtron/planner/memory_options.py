@@ -105,7 +105,8 @@ class MemoryOptions:
 
     pipeline_split: str | None = None
     """The stack's layer-to-stage rule (PIPELINE_SPLITS; the framework presets set theirs),
-    which also names the schedules its pipeline engine runs (plan_rules.STACK_SCHEDULES);
+    which also names its pipeline engine: the schedules it runs (plan_rules.STACK_SCHEDULES)
+    and, for DeepSpeed's, the pipe buffers it keeps (memory_pipeline.deepspeed_pipe_buffers);
     None: 'any'. The split changes every stage's time and memory."""
 
     @property
