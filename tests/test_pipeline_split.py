@@ -310,3 +310,19 @@ def test_deepspeed_engine_keeps_its_pipe_buffers():
     held = (3 * 2 + 2) * stage_output_bytes(model.hidden, 1, False, 1, 2048, 2.0)
     # the allocator's fragmentation allowance rides on top of the tensors
     assert held <= extra <= 1.1 * held
+
+
+def test_megatron_interleaving_needs_its_micro_batch_counts():
+    from meshtron.planner.plan_rules import schedule_problem
+    assert "multiple of pp=8" in schedule_problem("megatron-even", "interleaved", 8, 2, 12)
+    assert schedule_problem("megatron-even", "interleaved", 8, 2, 16) is None
+    assert schedule_problem("megatron-ends", "interleaved", 8, 2, 12) is None  # group N = 12
+    assert "at least pp=8" in schedule_problem("megatron-ends", "interleaved", 8, 2, 4)
+    assert schedule_problem("megatron-ends", "1f1b", 8, 1, 4) is None
+    assert schedule_problem("any", "interleaved", 8, 2, 4) is None  # torch: one round of 4
+    k = {"tp": 8, "pp": 8, "dp": 8, "micro_batch": 1, "global_batch": 96,
+         "schedule": "interleaved", "virtual_stages": 2}
+    problems = plan_problems(k, 512, PRESETS["llama3-8b"], runtime=False, split="megatron-even")
+    assert problems and "multiple of pp=8" in problems[0]
+    bad = {**k, "dp": "eight"}  # the field rules speak first; nothing raises
+    assert plan_problems(bad, 512, runtime=False, split="megatron-even")

@@ -399,8 +399,12 @@ PIPELINE_SPLITS; 'any': every schedule the planner prices, torch.distributed.pip
 
 
 def schedule_problem(rule: str | None, schedule: str | None, pp: int | None,
-                     v: int | None) -> str | None:
-    """A schedule the priced stack's pipeline engine does not run, one line, or None."""
+                     v: int | None, m: int | None = None) -> str | None:
+    """A schedule the priced stack's pipeline engine does not run, one line, or None; with
+    `m` (micro-batches per step) also Megatron's limits on its interleaved schedule: Megatron-LM
+    (2021 to Megatron-Core 0.9, schedules.py) raises unless pp divides m; Megatron-Core 0.10+
+    groups microbatch_group_size_per_vp_stage micro-batches, which must lie in [pp, m], so m
+    >= pp."""
     if rule not in STACK_SCHEDULES or schedule is None or (pp or 1) <= 1:
         return None
     allowed, why = STACK_SCHEDULES[rule]
@@ -408,6 +412,14 @@ def schedule_problem(rule: str | None, schedule: str | None, pp: int | None,
         return (f"plan.schedule={schedule!r}: {why}; allowed: {', '.join(allowed)}")
     if (v or 1) > 1 and "interleaved" not in allowed:
         return f"plan.virtual_stages={v}: {why}; use virtual_stages=1"
+    looped = schedule == "interleaved" or (v or 1) > 1
+    if looped and m is not None and rule == "megatron-even" and m % pp:
+        return (f"plan.micro_batch: {m} micro-batches per step, Megatron-LM's interleaved "
+                f"schedule needs a multiple of pp={pp} (schedules.py)")
+    if looped and m is not None and rule == "megatron-ends" and m < pp:
+        return (f"plan.micro_batch: {m} micro-batches per step, Megatron-Core's interleaved "
+                f"schedule needs at least pp={pp} (microbatch_group_size_per_vp_stage in "
+                "[pp, m], schedules.py)")
     return None
 
 
@@ -438,7 +450,11 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     include meshtron's runtime limits (False when the planner prices another framework);
     `split`: the priced stack's layer-to-stage rule (memory_options.PIPELINE_SPLITS)."""
     out = list(field_problems(k))
-    problem = schedule_problem(split, k.get("schedule"), k.get("pp"), k.get("virtual_stages"))
+    g = k.get
+    sizes = (g("global_batch"), g("dp"), g("micro_batch"))
+    m = (sizes[0] // (sizes[1] * sizes[2])
+         if all(_is_int(x) and x > 0 for x in sizes) else None)
+    problem = schedule_problem(split, g("schedule"), g("pp"), g("virtual_stages"), m)
     if problem:
         out.append(problem)
     if world_size is not None:

@@ -356,7 +356,7 @@ class _Space:
             return split_problem(self.split, self.model.layers, pp, v)
 
         for s, v in cands:
-            engine = schedule_problem(self.split, s, pp, v)
+            engine = schedule_problem(self.split, s, pp, v, m)
             if not fixed:
                 if v <= layers_per_stage and rounds(s, v) is None and split(v) is None \
                         and engine is None:
