@@ -11,9 +11,9 @@ The planner prices what the stack runs, so the split is the stack's, not the bes
   counts set by --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
   (transformer_config.py "Uneven PP"), each a multiple of v; or
   account_for_embedding/loss_in_pipeline_split (0.11+): the embedding and the loss count as
-  a layer each, every chunk equal, the first and last chunk one layer short. Of the splits it can express,
-  the one with the fastest slowest stage (ties: fewer layers on the first stage, which holds
-  the most micro-batches), as a user tuning those two flags would pick.
+  a layer each, every chunk equal, the first and last chunk one layer short. Of the splits it
+  can express, the one with the fastest slowest stage (ties: fewer layers on the first stage,
+  which holds the most micro-batches), as a user tuning those flags would pick.
 * 'deepspeed-transformer' / 'deepspeed-parameters': DeepSpeed's PipelineModule
   `_partition_layers` with partition_method 'type:transformer' (Megatron-DeepSpeed's
   GPTModelPipe: every block weighs 1, the embedding and head 0) or 'parameters' (the default:
