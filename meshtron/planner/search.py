@@ -223,7 +223,8 @@ class _Space:
             # drop those layouts before their knobs are enumerated (`point` would refuse each)
             self._layouts = [lay for lay in self._layouts if lay[2] == 1]
         if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _, _ in
-                                                                  self._layouts):
+                                                                  self._layouts) \
+                and schedule_problem(self.split, "zb", 2, 1) is None:  # its engine runs zb
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
 
