@@ -59,6 +59,11 @@ DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_g
                                     fp32_grad_reduce=False, p2p_scatter_gather=False,
                                     p2p_blocking=True, stack="fused", sharding="zero")
 """Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
+MEGATRON_DEEPSPEED_MEMORY = MemoryOptions(framework="megatron",
+                                          pipeline_split="deepspeed-transformer")
+"""Megatron-DeepSpeed's memory layout (16-bit weights, options_for's 'megatron') and its layer
+split: GPTModelPipe builds DeepSpeed's PipelineModule with partition_method='type:transformer'
+(GPT-NeoX: 'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",
                                      shard_units_per_layer=4, reduce_units_per_layer=12,
@@ -176,7 +181,7 @@ def _megatron_deepspeed() -> list[PublishedRun]:
             f"MT-NLG 530B {nodes * 8}", "MTNLG section 2.3 (Selene, batch 1920)",
             "Megatron-DeepSpeed", mtnlg, preset_cluster("dgx-a100", nodes), 1920, 2048, 8, 35,
             nodes * 8 // 280, 1, "full", False, DEEPSPEED_PIPE_2021, "hw_tflops", tf,
-            note="DeepSpeed 1F1B pipeline, ZeRO-1, micro-batch 1 (assumed)"))
+            memory=MEGATRON_DEEPSPEED_MEMORY, note="DeepSpeed 1F1B pipeline, ZeRO-1, micro-batch 1 (assumed)"))
     runs.append(PublishedRun(
         "BLOOM 176B 384", "BLOOM section 3.4 (~150 TFLOP/s per GPU)", "Megatron-DeepSpeed",
         gpt_model("bloom-176b", 70, 14336, 112, vocab=250880, tied=False), jean_zay(48),
@@ -184,7 +189,7 @@ def _megatron_deepspeed() -> list[PublishedRun]:
         KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
                       p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
                       sharding="zero"),
-        "hw_tflops", 150.0, micro_batches=(2,),
+        "hw_tflops", 150.0, micro_batches=(2,), memory=MEGATRON_DEEPSPEED_MEMORY,
         note="ZeRO-1, micro-batch 2, full recomputation; ALiBi modelled as learned positions; "
              "'about 150' TFLOP/s", confident=False))
     neox = ModelSpec(name="gpt-neox-20b", layers=44, hidden=6144, heads=64, kv_heads=64,
@@ -198,7 +203,7 @@ def _megatron_deepspeed() -> list[PublishedRun]:
         KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
                       p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
                       sharding="zero"),
-        "hw_tflops", 117.0, micro_batches=(4,),
+        "hw_tflops", 117.0, micro_batches=(4,), memory=MEGATRON_DEEPSPEED_MEMORY,
         note="tp 2, pp 4, ZeRO-1, micro-batch 4 x 32 accumulation steps (published: "
              "EleutherAI/gpt-neox configs/20B.yml); batch 1538 rounded to 1536 for dp 12; 4 HDR "
              "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE",
@@ -450,7 +455,7 @@ def _moe_runs() -> list[PublishedRun]:
         "DeepSeek HAI-LLM (DualPipe)", preset("deepseek-v3"), h800(256), 15360, 4096, 1, 16,
         128, 1, "selective", False, dsv3, "tokens_per_gpu", 1e12 / (180e3 * 3600),
         micro_batches=(1, 2), schedules=("zb",), dtype="fp8", ep=64,
-        memory=MemoryOptions(framework="megatron"), confident=False,
+        memory=MemoryOptions(framework="megatron", pipeline_split="any"), confident=False,
         note="batch 15,360 x 4,096 (the schedule's plateau); DualPipe priced as ZB-H1 with "
              "overlapped all-to-alls; recomputation of norms and MLA up-projections as "
              "selective; MLA approximated by the preset's GQA; the MTP module not counted")]

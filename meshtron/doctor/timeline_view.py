@@ -179,7 +179,7 @@ def pipeline_bubble(trace: Trace, ranks: dict[int, dict[str, Any]]) -> dict[str,
     m = max(1, plan.num_microbatches)
     per_mb = [sum(compute[s]) / len(compute[s]) / m for s in sorted(compute)]
     bubble = pipeline.bubble_time(plan.schedule or "1f1b", plan.virtual_stages, per_mb,
-                                  [0.0] * len(per_mb))
+                                  [0.0] * len(per_mb), m)
     out["formula_on_measured"] = bubble / (m * max(per_mb) + bubble) if per_mb else 0.0
     try:
         est = _estimate(trace.run_dir, plan)

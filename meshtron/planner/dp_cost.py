@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshtron.planner import comm, compute, host
+from meshtron.planner import comm, compute, host, pipeline
 from meshtron.planner.fp8 import fp8_fractions, fp8_gathers_fp8
 from meshtron.planner.plan import Plan
 
@@ -115,16 +115,19 @@ class DataParallelCost:
                  bwd: float, layers: int = 1, regather: bool = False,
                  wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
                  gather_once: bool = False, wsize: float = compute.BF16,
-                 units: int | None = None, kept: float = 0.0) -> float:
+                 units: int | None = None, kept: float = 0.0,
+                 drain: tuple[int, int, float] | None = None) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring); `wire`: bytes per gradient element when compressed
         (planner/compression.py); `units`: its FSDP units (`fsdp_units`; default: the
         layers' own); `kept`: parameters of its last unit, not re-gathered for backward
-        (FSDP's [norm, head]); the rest: `dp_flags`."""
+        (FSDP's [norm, head]); `drain`: (v, pipeline rank, one micro-batch's backward of the
+        rank) when torch.distributed.pipelining reduces the gradients after the stage's last
+        backward (pipeline.reduce_after_drain); the rest: `dp_flags`."""
         group = groups["dp"]
         units = units or max(1, layers * self.opts.shard_units_per_layer)
         key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
-               wire, gsize, reduce_once, gather_once, wsize, units, kept)
+               wire, gsize, reduce_once, gather_once, wsize, units, kept, drain)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -139,7 +142,7 @@ class DataParallelCost:
             return exp
         if zero >= 2 and fsdp:
             exp = self._fsdp_accumulated(params, groups, units, m, fwd, bwd, zero, gsize,
-                                         reduce_once, gather_once, regather, wsize, kept)
+                                         reduce_once, gather_once, regather, wsize, kept, drain)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
@@ -152,10 +155,12 @@ class DataParallelCost:
             red, gather = self.once_per_step(params, zero, groups, gsize, wsize,
                                              units if fsdp else 1)
             nccl = self.dp_interference(groups)
-            if fsdp:  # one collective per FSDP unit: the chain's fill and drain show
-                exp = unit_chain(red, bwd, units, nccl) + unit_chain(gather, fwd, units, nccl)
-            else:  # bucketed reductions (Megatron, DeepSpeed): buckets are not modelled
-                exp = _exposed(red, bwd, nccl) + _exposed(gather, fwd, nccl)
+            # one collective per FSDP unit: the chain's fill and drain show; bucketed
+            # reductions (Megatron, DeepSpeed): buckets are not modelled
+            chain = unit_chain if fsdp else (lambda t, w, _u, i: _exposed(t, w, i))
+            reduce = pipeline.reduce_after_drain(red, *drain, nccl) if drain else \
+                chain(red, bwd, units, nccl)
+            exp = reduce + chain(gather, fwd, units, nccl)
         self._cache[key] = exp
         return exp
 
@@ -188,10 +193,12 @@ class DataParallelCost:
     def _fsdp_accumulated(self, params: float, groups: dict[str, Any], units: int, m: int,
                           fwd: float, bwd: float, zero: int, gsize: float, reduce_once: bool,
                           gather_once: bool, regather: bool, wsize: float,
-                          kept: float = 0.0) -> float:
+                          kept: float = 0.0,
+                          drain: tuple[int, int, float] | None = None) -> float:
         """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
         (`reduce_once`: one reduce-scatter per unit per step, after the last backward: exposed
-        behind that backward only; else one per micro-batch, behind its backward) and/or
+        behind that backward only, or under pipelining (`drain`) issued after it,
+        pipeline.reduce_after_drain; else one per micro-batch, behind its backward) and/or
         whose parameters stay gathered (`gather_once`, pipelining or ZeRO-2: one all-gather
         per unit per step, before the first forward); otherwise the gathers stay per
         micro-batch (`_zero3_per_microbatch` with the reduction taken out). Like the
@@ -202,8 +209,10 @@ class DataParallelCost:
         rs = units * (comm.reduce_scatter(gsize * params / units, shard, self.fab)
                       + comm.all_reduce(gsize * params / units / shard.size, rep, self.fab))
         nccl = self.dp_interference(groups)
-        # fwd, bwd: one micro-batch's
-        out = (1 if reduce_once else m) * unit_chain(rs, bwd, units, nccl)
+        if drain and reduce_once:  # after the last backward (pipeline.reduce_after_drain)
+            out = pipeline.reduce_after_drain(rs, *drain, nccl)
+        else:  # fwd, bwd: one micro-batch's
+            out = (1 if reduce_once else m) * unit_chain(rs, bwd, units, nccl)
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
             return out + unit_chain(ag, fwd, units, nccl) + self.copy_out_s(params, wsize)

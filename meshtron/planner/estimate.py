@@ -17,11 +17,15 @@ Step time (per optimizer step, on the critical pipeline stage c):
   2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink;
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
   and p2p_blocking=True pays a stage's receive and its send per direction (DeepSpeed's
-  pipeline engine: blocking transfers in each stage's instruction stream).
+  pipeline engine: blocking transfers in each stage's instruction stream). Megatron and
+  DeepSpeed add the tied word embedding's gradient all-reduce between the end stages
+  (pipeline.tied_embedding_reduce).
 * dp_exposed: gradient synchronisation over the data-parallel group (comm.py) overlapped with
   backward work (bucketed all-reduce as in PyTorch DDP, Li et al. 2020; Megatron's
   overlap_grad_reduce): ZeRO-0 all-reduces once per step, during the last micro-batch's backward;
-  stage i finishes its backward i stage-backwards before stage 0, which hides more. ZeRO-1
+  stage i finishes its backward i stage-backwards before stage 0, which hides more. FSDP2 under
+  torch.distributed.pipelining (meshtron, torchtitan) reduces only after each stage's last
+  backward instead (pipeline.reduce_after_drain): exposed on pipeline rank 0. ZeRO-1
   reduce-scatters instead and all-gathers updated bf16 weights, hidden behind the next step's
   first forward. ZeRO-2 must reduce-scatter after every micro-batch (gradients are not kept
   whole). That is DeepSpeed's and Megatron's way (KernelOptions.sharding='zero'); meshtron's
@@ -64,9 +68,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, host, memory, memory_pipeline,
-                              moe_cost, moe_memory, offload, pipeline, placement)
+                              moe_cost, moe_memory, offload, pipeline, pipeline_split,
+                              placement)
 from meshtron.planner.cluster import HOST_USABLE_FRACTION, ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -74,6 +80,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
 from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
+from meshtron.planner.plan_rules import split_problem
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
 """Fused AdamW update traffic per local parameter (see module docstring)."""
@@ -325,12 +332,20 @@ class Evaluator(DataParallelCost):
             self._cache[key] = hit
         return hit
 
-    def _time_partition(self, pp: int, v: int, t_layer: float, e_first: float, e_last: float):
-        key = ("part", pp, v, t_layer, e_first, e_last)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = pipeline.partition_layers(self.model.layers, pp, t_layer, e_first, e_last,
-                                            None, v)
+    def _time_partition(self, pp: int, v: int, t_layer: float, e_first: float, e_last: float,
+                        caps: list[int] | None = None, weights: tuple = (1.0, 1.0, 1.0)):
+        """Layers per device as the priced stack splits them (pipeline_split.py: meshtron's
+        and torchtitan's any split, time-balanced; Megatron's equal chunks; DeepSpeed's
+        balanced partition), within the memory `caps` where the stack can choose."""
+        rule = self.mem.split_rule
+        key = ("part", rule, pp, v, t_layer, e_first, e_last,
+               tuple(caps) if caps else None, weights)
+        hit = self._cache.get(key, False)
+        if hit is False:
+            hit = pipeline_split.split_for(rule, self.model.layers, pp, v, t_layer, e_first,
+                                           e_last, caps, weights)
+            if hit is not None and caps and any(k > c for k, c in zip(hit, caps)):
+                hit = None  # a computed split (DeepSpeed's) that does not fit
             self._cache[key] = hit
         return hit
 
@@ -426,6 +441,8 @@ class Evaluator(DataParallelCost):
                                                        mem_opts.compute_bytes)
         outputs = [k * out_bytes if mem_opts.framework == "fsdp2" else 0.0
                    for k in memory_pipeline.held_outputs(pp, v, inflight)]
+        if mem_opts.split_rule.startswith("deepspeed"):  # DeepSpeed's engine's own buffers
+            outputs = [k * out_bytes for k in memory_pipeline.deepspeed_pipe_buffers(pp, m)]
 
         # per pipeline rank: (block parameters, experts, activations, recompute working set)
         # of its mean block; every block a MoE block's until the layer split is known
@@ -452,29 +469,37 @@ class Evaluator(DataParallelCost):
         per_layer, fixed = stage_memories(inflight)
         budget = self.tensor_budget
         given = _given_partition(cfg, model.layers)
-        n = given or self._time_partition(pp, v, t_layer, e_first, e_last)
+        if given is None and pp > 1:  # the search never asks; a direct caller is told
+            problem = split_problem(self.mem.split_rule, model.layers, pp, v)
+            if problem:
+                raise UserError(problem)
+        weights = (p_emb, p_layer + p_exp, p_head)  # DeepSpeed's 'parameters' partition
+        n = given or self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
         fits = n is not None and all(
             k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
         if not fits and given is None:
             caps = [int((budget - f) // a) if budget > f else 0 for a, f in zip(per_layer, fixed)]
             if sum(caps) >= model.layers:
-                n = pipeline.partition_layers(model.layers, pp, t_layer, e_first, e_last, caps, v)
+                n = self._time_partition(pp, v, t_layer, e_first, e_last, caps, weights)
             else:
                 n = None
             fits = n is not None
             if n is None:
                 if not keep_infeasible:
                     return None
-                if exact_memory:
+                stack = self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
+                if self.mem.split_rule != "any" and stack is not None:
+                    n = stack  # the stack's own split is what would run out of memory
+                elif exact_memory:
                     _, n = pipeline.min_memory_partition(model.layers, per_layer, fixed, v)
                 else:
-                    n = self._time_partition(pp, v, t_layer, e_first, e_last) or \
-                        pipeline.min_memory_partition(model.layers, per_layer, fixed, v)[1]
+                    n = stack or pipeline.min_memory_partition(model.layers, per_layer, fixed,
+                                                               v)[1]
 
         if model.is_moe and pp > 1 and n is not None:
             # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)
             chunks = list(cfg.stage_layers) if given else (
-                list(n) if v == 1 else pipeline.split_virtual(n, v))
+                list(n) if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
             moe_act, moe_work = self._moe_memory(tp, mb, cfg.sp, rec, seq // cp, mem_opts, ep,
                                                  cfg.dtype)
             blocks = moe_memory.stage_pieces(model, cfg, chunks, (p_layer, p_exp, act, work),
@@ -490,7 +515,8 @@ class Evaluator(DataParallelCost):
             # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
             # (Megatron-LM requires equal chunks: the even spread is exact there), at the
             # moment they are largest beside the gradients accumulated so far
-            chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
+            chunks = list(cfg.stage_layers) if given else \
+                pipeline_split.chunks(self.mem.split_rule, n, v)
             grad = accum * (p_layer + p_exp)
             weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
             # the chunk outputs held at that moment, not at the even spread's most (the last
@@ -523,7 +549,7 @@ class Evaluator(DataParallelCost):
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
-        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w)
+        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m)
         groups = self._groups(cfg)
         pp_t = 0.0
         if pp > 1:
@@ -531,6 +557,9 @@ class Evaluator(DataParallelCost):
             hop = comm.send(p2p_bytes, cross, self.fab) + gather
             pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
                                      self.opts.p2p_overlap and v > 1)
+            if model.tied_embeddings:
+                word = model.vocab * model.hidden / tp  # the tied table, vocabulary-parallel
+                pp_t += pipeline.tied_embedding_reduce(self.grad_bytes * word, cross, self.fab)
         dp_t = 0.0
         opt_t = 0.0
         off_t = 0.0
@@ -557,6 +586,9 @@ class Evaluator(DataParallelCost):
                 off_t = max(off_t, oc.transfer_s)
             if shard_dp > 1:
                 bwd = stage_t[i] - stage_f[i]
+                # FSDP2 under torch.distributed.pipelining reduces after the stage's last
+                # backward (pipeline.reduce_after_drain); DDP-style stacks during it
+                drain = (v, i, bwd) if pp > 1 and self.opts.sharding == "fsdp" else None
                 # stage i finishes its last backward about i stage-backwards before stage 0
                 args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
                         k, rec == "full" and self.opts.recompute_regathers)
@@ -567,10 +599,12 @@ class Evaluator(DataParallelCost):
                                                          kept=kept))
                 elif experts_i:
                     dp_t = max(dp_t, self._dp_with_experts(params_i, experts_i, zero, args,
-                                                           units, kept, flags, groups))
+                                                           units, kept, {**flags,
+                                                                         "drain": drain},
+                                                           groups))
                 else:
                     dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
-                                                   kept=kept, **flags))
+                                                   kept=kept, drain=drain, **flags))
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
         step = times.total
@@ -598,7 +632,7 @@ class Evaluator(DataParallelCost):
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
         stage_layers = (list(cfg.stage_layers) if given else
-                        n if v == 1 else pipeline.split_virtual(n, v))
+                        n if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
         return Estimate(
             config=cfg, stage_layers=list(stage_layers), num_microbatches=m, memory=mem,
             time=times, tokens_per_s=self.tokens / step,
@@ -632,11 +666,15 @@ class Evaluator(DataParallelCost):
         counted twice."""
         _, _, m, fwd, bwd, k, regather = args
         share = experts / (params + experts)
+        # a pipelined reduction's window (pipeline.reduce_after_drain) is shared the same way
+        drain = flags.get("drain")
+        part = (lambda f: {**flags, "drain": (drain[0], drain[1], drain[2] * f)}) if drain \
+            else (lambda f: flags)
         dense = self._dp_time(params, zero, groups, m, fwd * (1 - share), bwd * (1 - share), k,
-                              regather, units=units, kept=kept, **flags)
+                              regather, units=units, kept=kept, **part(1 - share))
         moe_units = max(1, round(k * self.model.moe_layers / self.model.layers))
         exp = self._dp_time(experts, zero, groups["experts"], m, fwd * share, bwd * share, k,
-                            regather, units=moe_units, kept=0.0, **flags)
+                            regather, units=moe_units, kept=0.0, **part(share))
         return dense + exp
 
     def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:

@@ -55,6 +55,18 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   gathers again); gradients in the model dtype on the wire (`communication_data_type`
   unset); the pipeline engine's blocking sends.
 
+Pipeline stages get the layers each stack's own code would give them (MemoryOptions
+`pipeline_split`, planner/pipeline_split.py; plan_rules.split_problem refuses what a stack
+cannot express): meshtron and torchtitan (`pipeline_parallel_split_points`, any block
+boundary) the time-balanced split; megatron@2021 equal stages and chunks (num_layers % pp == 0
+asserted); megatron@2024 equal middle stages with the end stages set apart
+(--decoder-first/last-pipeline-num-layers, account_for_embedding/loss_in_pipeline_split;
+Megatron-Core 0.14+'s pipeline_model_parallel_layout is `pipeline_split = "any"`);
+deepspeed@2021 Megatron-DeepSpeed's PipelineModule partition_method 'type:transformer',
+deepspeed@2024 PipelineModule's default 'parameters' (DeepSpeed's balanced left-greedy split).
+The same rule names the schedules the stack's engine runs (plan_rules.STACK_SCHEDULES):
+Megatron 1F1B and interleaved, DeepSpeed 1F1B; meshtron and torchtitan every one priced.
+
 Any single option overrides from a TOML file (`--options FILE`)::
 
     framework = "megatron@2024"      # optional: the preset the table modifies
@@ -147,7 +159,7 @@ _MEGATRON_2021 = Framework(
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
                   fp8_scaling="te-delayed"),
-    MemoryOptions(framework="megatron"), "fp32")
+    MemoryOptions(framework="megatron", pipeline_split="megatron-even"), "fp32")
 # gradient accumulation fusion arrived in Megatron-LM in February 2022 (commit 83b1e42f30): the
 # 2021 tree adds every micro-batch's gradient to main_grad in a backward hook of its own
 _MEGATRON_2024 = Framework(
@@ -163,7 +175,7 @@ _MEGATRON_2024 = Framework(
                   cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
                   grad_accum_fusion=True,
                   megatron_linear=True, p2p_overlap=True),
-    MemoryOptions(framework="megatron"), "fp32",
+    MemoryOptions(framework="megatron", pipeline_split="megatron-ends"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
                     "token dispatcher, grouped GEMM; expert tensor parallelism "
                     "expert_tensor_parallel_size is not priced: tp=1 for MoE); A2A overlap "
@@ -178,7 +190,7 @@ _DEEPSPEED_2021 = Framework(
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
                   list_collectives=True, fp8_filter="all"),
-    MemoryOptions(framework="deepspeed"), "bf16")
+    MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer"), "bf16")
 _DEEPSPEED_2024 = Framework(
     "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
     "microsoft/DeepSpeed: deepspeed/runtime/zero/parameter_offload.py and "
@@ -190,7 +202,7 @@ _DEEPSPEED_2024 = Framework(
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, recompute_regathers=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
-                  gqa_copies=True), "bf16",
+                  gqa_copies=True, pipeline_split="deepspeed-parameters"), "bf16",
     expert_parallel="DeepSpeed-MoE (deepspeed/moe/layer.py, sharded_moe.py: ep_size, "
                     "_AllToAll dispatch and combine, not overlapped)")
 

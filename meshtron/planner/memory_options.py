@@ -24,6 +24,14 @@ some GEMM inputs in FP8, which this does not count: memory is not underestimated
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
 LOSSES = ("chunked", "eager", "vocab-parallel", "inplace")
+PIPELINE_SPLITS = ("any", "megatron-even", "megatron-ends", "deepspeed-transformer",
+                   "deepspeed-parameters")
+"""How a stack assigns layers to pipeline stages (planner/pipeline_split.py, plan_rules
+`split_problem`): 'any' (meshtron's runtime, torchtitan's split points: the planner's
+time-balanced split), 'megatron-even' (Megatron-LM: equal layers per stage and chunk),
+'megatron-ends' (Megatron-Core 0.9+: equal middle stages, first/last stage counts of their
+own), 'deepspeed-transformer' / 'deepspeed-parameters' (DeepSpeed's PipelineModule
+partition_method 'type:transformer' / 'parameters': its balanced left-greedy split)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,9 @@ class MemoryOptions:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(f"memory.{name}={value!r}: allowed values are true, false")
+        if self.pipeline_split is not None and self.pipeline_split not in PIPELINE_SPLITS:
+            raise UserError(f"memory.pipeline_split={self.pipeline_split!r}: allowed values "
+                            f"are {', '.join(PIPELINE_SPLITS)}")
         if self.activations is not None and self.activations not in SELECTIVE:
             raise UserError(f"memory.activations={self.activations!r}: allowed values are "
                              f"{', '.join(SELECTIVE)}")
@@ -91,6 +102,18 @@ class MemoryOptions:
         if self.activations is not None:
             return self.activations
         return "eager" if self.framework == "fsdp2" else "korthikanti"
+
+    pipeline_split: str | None = None
+    """The stack's layer-to-stage rule (PIPELINE_SPLITS; the framework presets set theirs),
+    which also names its pipeline engine: the schedules it runs (plan_rules.STACK_SCHEDULES)
+    and, for DeepSpeed's, the pipe buffers it keeps (memory_pipeline.deepspeed_pipe_buffers);
+    None: 'any'. The split changes every stage's time and memory."""
+
+    @property
+    def split_rule(self) -> str:
+        if self.pipeline_split is not None:
+            return self.pipeline_split
+        return "any"
 
     @property
     def loss_kind(self) -> str:

@@ -162,6 +162,27 @@ def held_outputs(pp: int, v: int, in_flight: list[float]) -> list[float]:
             for s in range(pp)]
 
 
+def deepspeed_pipe_buffers(pp: int, m: int) -> list[float]:
+    """Per pipeline rank, whole stage activations DeepSpeed's pipeline engine keeps beside
+    what autograd saves (deepspeed/runtime/pipe/engine.py): it runs `num_pipe_buffers` =
+    max(2, min(pp - stage, m)) buffers (schedule.py TrainSchedule), each holding the received
+    input (`_exec_recv_activations` stores a clone of the receive buffer; the forward runs on
+    a further clone, which the first block saves as its input) and the stage's output
+    (`_exec_forward_pass` keeps `pipe_buffers['outputs']` until the backward runs autograd
+    from it; only with activation partitioning, `partition_activations`, off by default, is
+    its data cleared). The first stage receives no activation, the last sends none (its
+    output is the loss); each rank also holds the engine's one receive buffer and one
+    gradient buffer for the output's gradient."""
+    if pp == 1:
+        return [0.0]
+    out = []
+    for s in range(pp):
+        buffers = max(2, min(pp - s, m))
+        held = buffers * ((s > 0) + (s < pp - 1))
+        out.append(held + (s > 0) + (s < pp - 1))  # + the receive and the gradient buffer
+    return out
+
+
 def a2a_overlap_in_flight(in_flight: list[float], v: int, m: int) -> list[float]:
     """Per pipeline rank, `in_flight` (micro-batches' worth of the rank's layers,
     `pipeline.in_flight`) under Megatron-Core's interleaved schedule with

@@ -3,7 +3,8 @@
 Schedules, for p stages, m micro-batches, per-micro-batch stage times t_i = F_i + B_i + W_i:
 
 * 'gpipe' (Huang et al. 2019): all forwards then all backwards; bubble (p-1) stage-times, keeps
-  all m micro-batches' activations.
+  all m micro-batches' activations; with v > 1 chunks per device (looped BFS) the bubble is
+  divided by v as interleaving's is (the first micro-batch fills p - 1 chunk-times).
 * '1f1b' (PipeDream-Flush, Narayanan et al. 2021): same bubble, stage i keeps p - i micro-batches.
 * 'interleaved' with v virtual stages per GPU (Narayanan et al. 2021, section 2.2.2): bubble
   divided by v; stage i keeps ((p-i-1)*2 + (v-1)*p + 1) / v micro-batches' worth of its layers,
@@ -33,6 +34,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from meshtron.planner import comm
 from meshtron.planner.overlap import OVERLAP_INTERFERENCE
 from meshtron.planner.plan import SCHEDULES  # noqa: F401  (the one list, re-exported)
 
@@ -79,15 +81,61 @@ def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
     return per_boundary * hop * (m * v + chain)
 
 
-def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: list[float]) -> float:
-    """Idle time of the critical stage beyond its own m micro-batches (see module docstring)."""
+def tied_embedding_reduce(nbytes: float, crosses_nodes: bool, fab: comm.Fabric) -> float:
+    """Seconds of the all-reduce of a tied word embedding's gradient (`nbytes` per rank, in the
+    gradient dtype) between the first stage (input embedding) and the last (the head's copy of
+    it), which Megatron and DeepSpeed run after the step's backward, before the optimizer:
+    Megatron-Core finalize_model_grads.py `_allreduce_word_embedding_grads` over the embedding
+    group (2021: megatron/training.py after allreduce_gradients), DeepSpeed's pipeline engine
+    `ReduceTiedGrads` (runtime/pipe/engine.py `_exec_reduce_tied_grads`). Nothing is left to
+    hide it: rank 0 finishes the step's backward last. (meshtron's runtime refuses tied
+    embeddings across stages, plan_rules.model_problems.)"""
+    return comm.all_reduce(nbytes, comm.Group(2, 1 if crosses_nodes else 2), fab)
+
+
+def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float,
+                       interference: float = OVERLAP_INTERFERENCE) -> float:
+    """Exposed seconds of a pipeline rank's gradient reduction (`reduce_s`, all its chunks) when
+    torch.distributed.pipelining runs it after each stage's last backward: FSDP's gradient
+    sync is off for the step's micro-batches (stage.py `backward_maybe_with_nosync`:
+    set_requires_gradient_sync(False), set_reshard_after_backward(False)) and the stage's
+    reduce-scatters are issued only after its last backward (torch 2.4-2.5 run_post_backward
+    on last_backward; 2.6+ `perform_reduce_grad`, the REDUCE_GRAD action scheduled after all
+    the stage's B/W actions), which then waits for them (`_root_post_backward_final_callback`
+    puts the reductions back on the default stream before the optimizer reads the shards). So
+    nothing of the rank's own compute is left to hide them but the backwards of its other
+    chunks: with v chunks of reduce_s / v each, chained on one stream behind chunk
+    backwards of bwd / v (`bwd`: one micro-batch's backward of the whole rank), the last
+    chunk's reduction ends max(reduce_s / v, reduce_s - (v-1) bwd / v) after the rank's
+    last backward. Rank `stage` ends its last backward `stage` chunk-backwards before rank 0
+    (1F1B's and the interleaved schedule's drain), idle time that hides the rest: rank 0's
+    reduction is exposed whole (v = 1)."""
+    if reduce_s <= 0.0:
+        return 0.0
+    v = max(1, v)
+    tail = max(reduce_s / v, reduce_s - (v - 1) * bwd / v)
+    exposed = max(0.0, tail - stage * bwd / v)
+    return exposed + interference * (reduce_s - exposed)
+
+
+def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: list[float],
+                m: int | None = None) -> float:
+    """Idle time of the critical stage beyond its own m micro-batches (see module docstring).
+
+    Looped schedules (interleaved, and gpipe with v > 1: looped BFS) send micro-batch 0 of
+    chunk c + 1 into device 0 only after it went round all p devices in chunk c. With m >= p
+    micro-batches per round device 0 is busy meanwhile; with fewer (torch's Interleaved1F1B
+    runs rounds of max(1, m // p): m < p is one round of m, schedules.py) it waits p - m
+    chunk-times at each of the v - 1 chunk changes, forward and backward alike: the wave's
+    makespan is v m + p - 1 + (v - 1)(p - m) chunk-slots instead of v m + p - 1."""
     p = len(stage_times)
     if p <= 1:
         return 0.0
     worst = max(stage_times)
     fill = sum(stage_times) - worst
-    if schedule == "interleaved":
-        return fill / v
+    if schedule == "interleaved" or (schedule == "gpipe" and v > 1):
+        idle = (v - 1) * max(0, p - m) * sum(stage_times) / p / v if m else 0.0
+        return fill / v + idle
     if schedule == "zb":
         i = stage_times.index(worst)
         fill_zb = sum(t - 2 * w for t, w in zip(stage_times, wgrad_times)) \

@@ -33,7 +33,8 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
                                     offload_runtime_problem, plan_problems,
                                     schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
-from meshtron.planner.plan_rules import compile_runtime_problem, ep_runtime_problems
+from meshtron.planner.plan_rules import (compile_runtime_problem, ep_runtime_problems,
+                                         schedule_problem, split_problem)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -159,7 +160,9 @@ class _Space:
         self.notes: list[str] = []
         # meshtron's runtime limits apply when pricing meshtron (the default stack)
         self.runtime = runtime
-        check({**k.to_dict(), **self.context}, n, model, runtime)
+        # the priced stack's layer-to-stage rule (Megatron's equal chunks: plan_rules)
+        self.split = (mem or memory.options_for(opts)).split_rule
+        check({**k.to_dict(), **self.context}, n, model, runtime, self.split)
         if k.tp is not None and (k.tp > gpn or gpn % k.tp):
             raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn} "
                              "(tensor parallelism stays inside a node)")
@@ -220,7 +223,8 @@ class _Space:
             # drop those layouts before their knobs are enumerated (`point` would refuse each)
             self._layouts = [lay for lay in self._layouts if lay[2] == 1]
         if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _, _ in
-                                                                  self._layouts):
+                                                                  self._layouts) \
+                and schedule_problem(self.split, "zb", 2, 1) is None:  # its engine runs zb
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
 
@@ -298,7 +302,7 @@ class _Space:
                     for ep in self.eps(dp, cp):
                         problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp,
                                                   "dp": dp, "ep": ep},
-                                                 n, self.model, self.runtime)
+                                                 n, self.model, self.runtime, self.split)
                         if problems:
                             left_out.setdefault(_family(tp, pp), problems[0])
                             continue
@@ -348,10 +352,20 @@ class _Space:
             # runtime's, not another stack's (a DualPipe or Megatron schedule priced as zb)
             return microbatch_problem(s, pp, v, m) if self.runtime else None
 
+        def split(v: int) -> str | None:
+            # what the priced stack's pipeline engine builds and runs (plan_rules)
+            return split_problem(self.split, self.model.layers, pp, v)
+
         for s, v in cands:
+            engine = schedule_problem(self.split, s, pp, v, m)
             if not fixed:
-                if v <= layers_per_stage and rounds(s, v) is None:
+                if v <= layers_per_stage and rounds(s, v) is None and split(v) is None \
+                        and engine is None:
                     ok.append((s, v))
+            elif engine is not None:
+                self.why_empty = self.why_empty or engine
+            elif split(v) is not None:
+                self.why_empty = self.why_empty or split(v)
             elif v > layers_per_stage:
                 self.why_empty = self.why_empty or (
                     f"plan.schedule={s!r} with {v} virtual stages: needs pp*virtual_stages="

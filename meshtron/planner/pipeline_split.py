@@ -1,0 +1,146 @@
+"""The layer-to-stage split a software stack itself makes (memory_options.PIPELINE_SPLITS).
+
+The planner prices what the stack runs, so the split is the stack's, not the best one:
+
+* 'any' (meshtron's runtime; torchtitan, whose `pipeline_parallel_split_points` /
+  `module_fqns_per_model_part` cut the model at any block): pipeline.py's time-balanced split.
+* 'megatron-even' (Megatron-LM 2021 to Megatron-Core 0.8): every stage num_layers // pp layers,
+  every chunk num_layers // (pp*v) (megatron/model/transformer.py, megatron/arguments.py);
+  other layer counts are refused (plan_rules.split_problem).
+* 'megatron-ends' (Megatron-Core 0.9-0.12): equal middle stages, and the first and last stage
+  counts set by --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
+  (transformer_config.py "Uneven PP"), each a multiple of v; or
+  account_for_embedding/loss_in_pipeline_split (0.11+): the embedding and the loss count as
+  a layer each, every chunk equal, the first and last chunk one layer short. Of the splits it
+  can express, the one with the fastest slowest stage (ties: fewer layers on the first stage,
+  which holds the most micro-batches), as a user tuning those flags would pick.
+* 'deepspeed-transformer' / 'deepspeed-parameters': DeepSpeed's PipelineModule
+  `_partition_layers` with partition_method 'type:transformer' (Megatron-DeepSpeed's
+  GPTModelPipe: every block weighs 1, the embedding and head 0) or 'parameters' (the default:
+  every layer spec weighs its parameter count): deepspeed/runtime/utils.py
+  `partition_balanced` binary-searches the smallest bottleneck and `_lprobe` fills the stages
+  from the first, each up to that bottleneck, so the surplus ends on the last stages. The
+  split is not a choice: the memory caps cannot move it.
+"""
+
+from __future__ import annotations
+
+from meshtron.planner import pipeline
+from meshtron.planner.plan_rules import megatron_account_for, split_problem
+
+
+def split_for(rule: str, layers: int, p: int, v: int, layer_time: float, first_extra: float,
+              last_extra: float, caps: list[int] | None = None,
+              weights: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[int] | None:
+    """Layers per device under the stack's `rule`, or None when the stack cannot split the
+    model this way (or, for the choosing rules, not within the memory `caps`). `weights`:
+    (embedding, block, head) parameters, for DeepSpeed's 'parameters' method."""
+    if rule in ("megatron-even", "megatron-ends"):
+        return megatron_split(rule, layers, p, v, layer_time, first_extra, last_extra, caps)
+    if rule == "deepspeed-transformer":
+        return deepspeed_split(layers, p, (0.0, 1.0, 0.0))
+    if rule == "deepspeed-parameters":
+        return deepspeed_split(layers, p, weights)
+    return pipeline.partition_layers(layers, p, layer_time, first_extra, last_extra, caps, v)
+
+
+def megatron_split(rule: str, layers: int, p: int, v: int, layer_time: float,
+                   first_extra: float, last_extra: float,
+                   caps: list[int] | None = None) -> list[int] | None:
+    """The fastest split Megatron can express (module docstring), or None."""
+    if split_problem(rule, layers, p, v):
+        return None
+    caps = caps or [layers] * p
+    if p == 1:
+        return [layers] if caps[0] >= layers else None
+    best, best_key = None, None
+    ends = range(v, layers + 1, v) if rule == "megatron-ends" else [layers // p]
+    for first in ends:
+        for last in ends:
+            rest = layers - first - last
+            if p == 2:
+                mid = 0
+                if rest:
+                    continue
+            elif rest <= 0 or rest % (p - 2) or (rest // (p - 2)) % v:
+                continue
+            else:
+                mid = rest // (p - 2)
+            n = [first] + [mid] * (p - 2) + [last]
+            if any(k > c for k, c in zip(n, caps)):
+                continue
+            slow = max(first * layer_time + first_extra, mid * layer_time,
+                       last * layer_time + last_extra)
+            key = (round(slow, 12), first, -last)
+            if best_key is None or key < best_key:
+                best, best_key = n, key
+    if rule == "megatron-ends":
+        for e in megatron_account_for(layers, p, v):
+            # account_for_embedding (first chunk) then loss (last chunk): one layer less each
+            c = (layers + e) // (p * v)
+            n = [v * c] * p
+            n[0] -= 1
+            if e == 2:
+                n[-1] -= 1
+            if any(k > cap for k, cap in zip(n, caps)):
+                continue
+            slow = max(n[0] * layer_time + first_extra, max(n[1:-1], default=0) * layer_time,
+                       n[-1] * layer_time + last_extra)
+            key = (round(slow, 12), n[0], -n[-1])
+            if best_key is None or key < best_key:
+                best, best_key = n, key
+    return best
+
+
+def deepspeed_split(layers: int, p: int,
+                    weights: tuple[float, float, float]) -> list[int] | None:
+    """Blocks per stage of DeepSpeed's balanced partition of [embedding, blocks..., head]
+    weighing `weights` (embedding, block, head); None when a stage would hold no block."""
+    w_emb, w_blk, w_head = weights
+    items = [w_emb] + [w_blk] * layers + [w_head]
+
+    def fill(bound: float) -> list[tuple[int, int]]:
+        # _lprobe: each stage takes items from the left while it stays within the bound; the
+        # last stage takes what is left (the bound held if it weighs no more)
+        parts, start = [], 0
+        for s in range(p):
+            end, total = start, 0.0
+            while end < len(items) and (s == p - 1 or total + items[end] <= bound * (1 + 1e-9)):
+                total += items[end]
+                end += 1
+            parts.append((start, end))
+            start = end
+        return parts
+
+    lo, hi = 0.0, sum(items)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        last = fill(mid)[-1]
+        if sum(items[last[0]:last[1]]) <= mid * (1 + 1e-9):
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    # blocks are items 1..layers
+    counts = [max(0, min(b, layers + 1) - max(a, 1)) for a, b in fill(hi)]
+    return counts if min(counts) > 0 and sum(counts) == layers else None
+
+
+def chunks(rule: str, stage_layers: list[int], v: int) -> list[int]:
+    """Layers of the p*v virtual stages (pipeline order) from per-device counts: Megatron
+    builds equal chunks, and with account_for_embedding/loss_in_pipeline_split the very first
+    and very last virtual stage are a layer short (transformer_config.py); the other stacks
+    as pipeline.split_virtual spreads them."""
+    if v == 1:
+        return list(stage_layers)
+    out = pipeline.split_virtual(stage_layers, v)
+    if rule in ("megatron-even", "megatron-ends"):
+        p = len(stage_layers)
+        for d in (0, p - 1):
+            if stage_layers[d] % v:  # v*c - 1 layers: the short chunk at the pipeline's end
+                c = -(-stage_layers[d] // v)
+                for k in range(v):
+                    out[k * p + d] = c
+                out[0 if d == 0 else (v - 1) * p + d] = c - 1
+    return out
