@@ -334,6 +334,38 @@ class Evaluator(DataParallelCost):
             self._cache[key] = hit
         return hit
 
+    def _weighted_in_flight(self, pp: int, v: int, m: int, chunks: list[int],
+                            even: list[float], act: float, grad: float) -> list[float]:
+        """memory_pipeline.weighted_in_flight, memoised on all its arguments: the schedule walk
+        is the costliest piece of an interleaved plan's memory, and configs that differ only
+        in knobs it does not read (ZeRO stage at the same gradient bytes, schedule
+        alternatives' time) repeat it."""
+        key = ("weighted", pp, v, m, tuple(chunks), tuple(even), act, grad)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = memory_pipeline.weighted_in_flight(pp, v, m, chunks, even,
+                                                                        act, grad)
+        return list(hit)
+
+    def _peak_outputs(self, pp: int, v: int, m: int, rank: int, layers: list[int], act: float,
+                      grad: float, out: float) -> float:
+        """memory_pipeline.peak_outputs, memoised on all its arguments (as above)."""
+        key = ("peak_outputs", pp, v, m, rank, tuple(layers), act, grad, out)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = memory_pipeline.peak_outputs(pp, v, m, rank, layers, act,
+                                                                  grad, out)
+        return hit
+
+    def _recompute_flops(self, rec: str) -> float:
+        """compute.recompute_flops_per_token of this model and sequence (a sum over blocks)."""
+        key = ("recompute_flops", rec)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = compute.recompute_flops_per_token(
+                self.model, self.seq, rec, self.opts.attention)
+        return hit
+
     def _in_flight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
         key = ("inflight", schedule, pp, v, m)
         hit = self._cache.get(key)
@@ -484,27 +516,6 @@ class Evaluator(DataParallelCost):
             if not fits and not keep_infeasible:
                 return None
 
-        if (cfg.schedule == "interleaved" and v > 1 and n is not None
-                and mem_opts.framework == "fsdp2"):
-            # the rank's first chunks hold more micro-batches than its last: weighted by their
-            # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
-            # (Megatron-LM requires equal chunks: the even spread is exact there), at the
-            # moment they are largest beside the gradients accumulated so far
-            chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
-            grad = accum * (p_layer + p_exp)
-            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
-            # the chunk outputs held at that moment, not at the even spread's most (the last
-            # rank's peak is its loss, whose moment the walk does not single out: as spread)
-            walked = [out_bytes * memory_pipeline.peak_outputs(
-                pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
-                if r < pp - 1 else outputs[r] for r in range(pp)]
-            if weighted != inflight or walked != outputs:
-                inflight, outputs[:] = weighted, walked
-                per_layer, fixed = stage_memories(inflight)
-                fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
-                if not fits and not keep_infeasible:
-                    return None
-
         # ---- time -------------------------------------------------------------------------
         stage_t = [k * t_layer for k in n]
         stage_w = [k * w_l for k in n]
@@ -574,6 +585,31 @@ class Evaluator(DataParallelCost):
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
         step = times.total
+        if fits and step > cutoff and not keep_infeasible:
+            # too slow whatever the walk below finds: fitting, over the cutoff; not fitting,
+            # not wanted (the walk only adds memory, the step time does not depend on it)
+            return None
+        if (cfg.schedule == "interleaved" and v > 1 and n is not None
+                and mem_opts.framework == "fsdp2"):
+            # the rank's first chunks hold more micro-batches than its last: weighted by their
+            # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
+            # (Megatron-LM requires equal chunks: the even spread is exact there), at the
+            # moment they are largest beside the gradients accumulated so far
+            chunks = list(cfg.stage_layers) if given else pipeline.split_virtual(n, v)
+            grad = accum * (p_layer + p_exp)
+            weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
+            # the chunk outputs held at that moment, not at the even spread's most (the last
+            # rank's peak is its loss, whose moment the walk does not single out: as spread)
+            walked = [out_bytes * self._peak_outputs(
+                pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
+                if r < pp - 1 else outputs[r] for r in range(pp)]
+            if weighted != inflight or walked != outputs:
+                inflight, outputs[:] = weighted, walked
+                per_layer, fixed = stage_memories(inflight)
+                fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+                if not fits and not keep_infeasible:
+                    return None
+
         if fits and step > cutoff:
             return None
 
@@ -593,8 +629,7 @@ class Evaluator(DataParallelCost):
             fits = fits and mem.host_fits
             if not fits and not keep_infeasible:
                 return None
-        hw_flops = self.model_flops + compute.recompute_flops_per_token(
-            model, seq, rec, self.opts.attention) * self.tokens
+        hw_flops = self.model_flops + self._recompute_flops(rec) * self.tokens
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
         stage_layers = (list(cfg.stage_layers) if given else
