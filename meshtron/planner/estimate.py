@@ -62,6 +62,7 @@ al. 2022); hardware TFLOP/s adds recomputed FLOPs (HFU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
@@ -358,13 +359,7 @@ class Evaluator(DataParallelCost):
         return hit
 
     def _recompute_flops(self, rec: str) -> float:
-        """compute.recompute_flops_per_token of this model and sequence (a sum over blocks)."""
-        key = ("recompute_flops", rec)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = self._cache[key] = compute.recompute_flops_per_token(
-                self.model, self.seq, rec, self.opts.attention)
-        return hit
+        return _recompute_flops(self.model, self.seq, rec, self.opts.attention)
 
     def _in_flight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
         key = ("inflight", schedule, pp, v, m)
@@ -725,6 +720,14 @@ class Evaluator(DataParallelCost):
                                                   cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
+
+
+@functools.lru_cache(maxsize=256)
+def _recompute_flops(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
+    """compute.recompute_flops_per_token, memoised across Evaluators: it sums over every block,
+    and the searches of one command (offload, knob alternatives, a pinned layout's fits) each
+    build their own Evaluator of the same model (a frozen, hashable ModelSpec)."""
+    return compute.recompute_flops_per_token(model, seq, recompute, attention)
 
 
 def _given_partition(cfg: Plan, layers: int) -> list[int] | None:
