@@ -29,7 +29,12 @@ from meshtron.planner.search import search_plans  # noqa: E402
 
 
 def clear_caches() -> None:
-    for f in (layer_cost, head_cost, embedding_cost):
+    import meshtron.planner.estimate as estimate
+
+    # the process-wide memos of estimate.py (absent before session 35)
+    memos = [getattr(estimate, name, None)
+             for name in ("_recompute_flops", "_weighted_in_flight", "_peak_outputs")]
+    for f in (layer_cost, head_cost, embedding_cost, *filter(None, memos)):
         f.cache_clear()
 
 

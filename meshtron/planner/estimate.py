@@ -337,26 +337,11 @@ class Evaluator(DataParallelCost):
 
     def _weighted_in_flight(self, pp: int, v: int, m: int, chunks: list[int],
                             even: list[float], act: float, grad: float) -> list[float]:
-        """memory_pipeline.weighted_in_flight, memoised on all its arguments: the schedule walk
-        is the costliest piece of an interleaved plan's memory, and configs that differ only
-        in knobs it does not read (ZeRO stage at the same gradient bytes, schedule
-        alternatives' time) repeat it."""
-        key = ("weighted", pp, v, m, tuple(chunks), tuple(even), act, grad)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = self._cache[key] = memory_pipeline.weighted_in_flight(pp, v, m, chunks, even,
-                                                                        act, grad)
-        return list(hit)
+        return list(_weighted_in_flight(pp, v, m, tuple(chunks), tuple(even), act, grad))
 
     def _peak_outputs(self, pp: int, v: int, m: int, rank: int, layers: list[int], act: float,
                       grad: float, out: float) -> float:
-        """memory_pipeline.peak_outputs, memoised on all its arguments (as above)."""
-        key = ("peak_outputs", pp, v, m, rank, tuple(layers), act, grad, out)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = self._cache[key] = memory_pipeline.peak_outputs(pp, v, m, rank, layers, act,
-                                                                  grad, out)
-        return hit
+        return _peak_outputs(pp, v, m, rank, tuple(layers), act, grad, out)
 
     def _recompute_flops(self, rec: str) -> float:
         return _recompute_flops(self.model, self.seq, rec, self.opts.attention)
@@ -720,6 +705,25 @@ class Evaluator(DataParallelCost):
                                                   cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
+
+
+# The interleaved schedule walks (memory_pipeline.py) are the costliest piece of an interleaved
+# plan's memory, O(micro-batches x virtual stages) per pipeline rank, and repeat: configs that
+# differ only in knobs the walk does not read (the schedule's time, ZeRO stages at the same
+# gradient bytes) and the further searches of one command (a pinned layout's fits, offload,
+# knob alternatives), each with its own Evaluator. Pure functions of their (hashable)
+# arguments: memoised process-wide.
+@functools.lru_cache(maxsize=8192)
+def _weighted_in_flight(pp: int, v: int, m: int, chunks: tuple[int, ...],
+                        even: tuple[float, ...], act: float, grad: float) -> tuple[float, ...]:
+    return tuple(memory_pipeline.weighted_in_flight(pp, v, m, list(chunks), list(even), act,
+                                                    grad))
+
+
+@functools.lru_cache(maxsize=32768)
+def _peak_outputs(pp: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
+                  grad: float, out: float) -> float:
+    return memory_pipeline.peak_outputs(pp, v, m, rank, list(layers), act, grad, out)
 
 
 @functools.lru_cache(maxsize=256)
