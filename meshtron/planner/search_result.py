@@ -9,7 +9,7 @@ from typing import Any
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
-from meshtron.planner.estimate import Estimate
+from meshtron.planner.estimate_results import Estimate
 from meshtron.planner.search_space import DEFAULT_DTYPE
 
 
