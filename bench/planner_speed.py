@@ -7,9 +7,15 @@ time, which is larger when the machine is shared.
 
 The last table is the whole command as a user runs it, start-up included: `meshtron plan
 --model llama3-405b --cluster dgx-h100:2048 --global-batch 2048 --seq-len 8192 --json` in a
-fresh interpreter (best of 5; cpu s from the child's rusage), and how many modules it imports.
+fresh interpreter (best of 5; cpu s from the child's rusage), and how many modules it imports;
+then the same for COMMANDS: an open search (70B on 512 GPUs) and a pinned 405B layout that does
+not fit (priced, plus the searches for the cheapest change that fits: planner/pinned.py).
 
-    python bench/planner_speed.py [--startup]     # --startup: only the whole-command table
+    python bench/planner_speed.py [--startup]     # --startup: only the whole-command tables
+
+Before/after a change, run both trees side by side with farm-bench (pairs A B A B ...):
+    farm-bench -n 3 --vs "sh -c 'cd OLD && PYTHONPATH=OLD exec python bench/planner_speed.py'" \
+        -- python bench/planner_speed.py
 """
 
 from __future__ import annotations
@@ -29,7 +35,12 @@ from meshtron.planner.search import search_plans  # noqa: E402
 
 
 def clear_caches() -> None:
-    for f in (layer_cost, head_cost, embedding_cost):
+    import meshtron.planner.estimate as estimate
+
+    # the process-wide memos of estimate.py (absent before session 35)
+    memos = [getattr(estimate, name, None)
+             for name in ("_recompute_flops", "_weighted_in_flight", "_peak_outputs")]
+    for f in (layer_cost, head_cost, embedding_cost, *filter(None, memos)):
         f.cache_clear()
 
 
@@ -47,10 +58,21 @@ def time_search(model_name: str, nodes: int, batch: int, seq: int, repeats: int 
     return best
 
 
-def time_command(repeats: int = 5) -> tuple[float, float, int]:
-    """(best wall s, its cpu s, modules imported) of the 16k-GPU `meshtron plan --json`."""
-    argv = ["plan", "--model", "llama3-405b", "--cluster", "dgx-h100:2048", "--global-batch",
+HEADLINE = ["plan", "--model", "llama3-405b", "--cluster", "dgx-h100:2048", "--global-batch",
             "2048", "--seq-len", "8192", "--top", "1", "--json"]
+COMMANDS = {
+    "open search, 70B on 512 GPUs": ["plan", "--model", "llama3-70b", "--cluster", "dgx-h100:64",
+                                     "--global-batch", "512", "--seq-len", "8192"],
+    "pinned 405B layout, no fit": [
+        "plan", "--model", "llama3-405b", "--cluster", "dgx-h100:1024", "--global-batch", "2048",
+        "--seq-len", "8192", "--layout", "tp=8,cp=1,pp=16,dp=64", "--zero", "1", "--sp", "on",
+        "--recompute", "none", "--micro-batch", "1", "--schedule", "interleaved",
+        "--offload", "none", "--json"],
+}
+
+
+def time_command(repeats: int = 5, argv: list[str] = HEADLINE) -> tuple[float, float, int]:
+    """(best wall s, its cpu s, modules imported) of `meshtron argv` in a fresh interpreter."""
     probe = ("import sys; from meshtron.cli import main; rc = main(sys.argv[1:]); "
              "print(len(sys.modules), file=sys.stderr); sys.exit(rc)")
     best = None
@@ -73,6 +95,9 @@ def main(argv: list[str]) -> int:
     wall, cpu, modules = time_command()
     print(f"\nmeshtron plan, 405B on 16,384 GPUs, whole command: {wall:.3f} s wall, {cpu:.3f} s "
           f"cpu, {modules} modules imported")
+    for name, argv_ in COMMANDS.items():
+        wall, cpu, _ = time_command(argv=argv_)
+        print(f"meshtron plan, {name}, whole command: {wall:.3f} s wall, {cpu:.3f} s cpu")
     return 0
 
 

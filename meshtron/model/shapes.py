@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from meshtron.errors import UserError
 
@@ -211,8 +211,17 @@ class ModelSpec:
     def num_params(self, active: bool = False) -> int:
         """Exact trainable parameter count (tied weights counted once); `active`: the
         parameters one token uses (MoE: top_k routed experts per layer)."""
-        blocks = sum(self.layer_params(i, active) for i in range(self.layers))
+        blocks = self._blocks_sum(lambda i: self.layer_params(i, active))
         return self.embedding_params() + blocks + self.head_params()
+
+    def _blocks_sum(self, per_block: Callable[[int], int]) -> int:
+        """sum(per_block(i) for i in range(layers)) for a function of the block's kind only
+        (dense or routed feed-forward): two calls, not one per block, so a config.json with a
+        million layers is priced (and refused) at once. Integer arithmetic: exactly the sum."""
+        moe = max(0, self.layers - self.moe_dense_layers) if self.is_moe else 0
+        dense = self.layers - moe  # the first blocks (is_moe_layer)
+        return ((dense * per_block(0) if dense else 0)
+                + (moe * per_block(self.layers - 1) if moe else 0))
 
     def active_params(self) -> int:
         return self.num_params(active=True)
@@ -226,8 +235,8 @@ class ModelSpec:
         MoE: the active parameters only (router, top_k experts, shared experts), as
         DeepSeek-V3's and Megatron-Core's MoE MFU count; norms and biases are not matmuls.
         """
-        matmul_params = sum(self.attention_params() + self.ffn_params(i, active=True)
-                            for i in range(self.layers))
+        matmul_params = self._blocks_sum(
+            lambda i: self.attention_params() + self.ffn_params(i, active=True))
         matmul_params += self.vocab * self.hidden  # LM head
         attn_width = self.heads * self.head_dim
         return 6.0 * matmul_params + 12.0 * self.layers * attn_width * seq_len

@@ -66,6 +66,7 @@ al. 2022); hardware TFLOP/s adds recomputed FLOPs (HFU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 from meshtron.errors import UserError
@@ -349,6 +350,17 @@ class Evaluator(DataParallelCost):
             self._cache[key] = hit
         return hit
 
+    def _weighted_in_flight(self, pp: int, v: int, m: int, chunks: list[int],
+                            even: list[float], act: float, grad: float) -> list[float]:
+        return list(_weighted_in_flight(pp, v, m, tuple(chunks), tuple(even), act, grad))
+
+    def _peak_outputs(self, pp: int, v: int, m: int, rank: int, layers: list[int], act: float,
+                      grad: float, out: float) -> float:
+        return _peak_outputs(pp, v, m, rank, tuple(layers), act, grad, out)
+
+    def _recompute_flops(self, rec: str) -> float:
+        return _recompute_flops(self.model, self.seq, rec, self.opts.attention)
+
     def _in_flight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
         key = ("inflight", schedule, pp, v, m)
         hit = self._cache.get(key)
@@ -509,28 +521,6 @@ class Evaluator(DataParallelCost):
             if not fits and not keep_infeasible:
                 return None
 
-        if (cfg.schedule == "interleaved" and v > 1 and n is not None
-                and mem_opts.framework == "fsdp2"):
-            # the rank's first chunks hold more micro-batches than its last: weighted by their
-            # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
-            # (Megatron-LM requires equal chunks: the even spread is exact there), at the
-            # moment they are largest beside the gradients accumulated so far
-            chunks = list(cfg.stage_layers) if given else \
-                pipeline_split.chunks(self.mem.split_rule, n, v)
-            grad = accum * (p_layer + p_exp)
-            weighted = memory_pipeline.weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
-            # the chunk outputs held at that moment, not at the even spread's most (the last
-            # rank's peak is its loss, whose moment the walk does not single out: as spread)
-            walked = [out_bytes * memory_pipeline.peak_outputs(
-                pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
-                if r < pp - 1 else outputs[r] for r in range(pp)]
-            if weighted != inflight or walked != outputs:
-                inflight, outputs[:] = weighted, walked
-                per_layer, fixed = stage_memories(inflight)
-                fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
-                if not fits and not keep_infeasible:
-                    return None
-
         # ---- time -------------------------------------------------------------------------
         stage_t = [k * t_layer for k in n]
         stage_w = [k * w_l for k in n]
@@ -608,6 +598,32 @@ class Evaluator(DataParallelCost):
         times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                               bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
         step = times.total
+        if fits and step > cutoff and not keep_infeasible:
+            # too slow whatever the walk below finds: fitting, over the cutoff; not fitting,
+            # not wanted (the walk only adds memory, the step time does not depend on it)
+            return None
+        if (cfg.schedule == "interleaved" and v > 1 and n is not None
+                and mem_opts.framework == "fsdp2"):
+            # the rank's first chunks hold more micro-batches than its last: weighted by their
+            # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
+            # (Megatron-LM requires equal chunks: the even spread is exact there), at the
+            # moment they are largest beside the gradients accumulated so far
+            chunks = list(cfg.stage_layers) if given else \
+                pipeline_split.chunks(self.mem.split_rule, n, v)
+            grad = accum * (p_layer + p_exp)
+            weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
+            # the chunk outputs held at that moment, not at the even spread's most (the last
+            # rank's peak is its loss, whose moment the walk does not single out: as spread)
+            walked = [out_bytes * self._peak_outputs(
+                pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
+                if r < pp - 1 else outputs[r] for r in range(pp)]
+            if weighted != inflight or walked != outputs:
+                inflight, outputs[:] = weighted, walked
+                per_layer, fixed = stage_memories(inflight)
+                fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+                if not fits and not keep_infeasible:
+                    return None
+
         if fits and step > cutoff:
             return None
 
@@ -627,8 +643,7 @@ class Evaluator(DataParallelCost):
             fits = fits and mem.host_fits
             if not fits and not keep_infeasible:
                 return None
-        hw_flops = self.model_flops + compute.recompute_flops_per_token(
-            model, seq, rec, self.opts.attention) * self.tokens
+        hw_flops = self.model_flops + self._recompute_flops(rec) * self.tokens
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
         stage_layers = (list(cfg.stage_layers) if given else
@@ -728,6 +743,33 @@ class Evaluator(DataParallelCost):
                                                   cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
         return m * work / cfg.pp
+
+
+# The interleaved schedule walks (memory_pipeline.py) are the costliest piece of an interleaved
+# plan's memory, O(micro-batches x virtual stages) per pipeline rank, and repeat: configs that
+# differ only in knobs the walk does not read (the schedule's time, ZeRO stages at the same
+# gradient bytes) and the further searches of one command (a pinned layout's fits, offload,
+# knob alternatives), each with its own Evaluator. Pure functions of their (hashable)
+# arguments: memoised process-wide.
+@functools.lru_cache(maxsize=8192)
+def _weighted_in_flight(pp: int, v: int, m: int, chunks: tuple[int, ...],
+                        even: tuple[float, ...], act: float, grad: float) -> tuple[float, ...]:
+    return tuple(memory_pipeline.weighted_in_flight(pp, v, m, list(chunks), list(even), act,
+                                                    grad))
+
+
+@functools.lru_cache(maxsize=32768)
+def _peak_outputs(pp: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
+                  grad: float, out: float) -> float:
+    return memory_pipeline.peak_outputs(pp, v, m, rank, list(layers), act, grad, out)
+
+
+@functools.lru_cache(maxsize=256)
+def _recompute_flops(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
+    """compute.recompute_flops_per_token, memoised across Evaluators: it sums over every block,
+    and the searches of one command (offload, knob alternatives, a pinned layout's fits) each
+    build their own Evaluator of the same model (a frozen, hashable ModelSpec)."""
+    return compute.recompute_flops_per_token(model, seq, recompute, attention)
 
 
 def _given_partition(cfg: Plan, layers: int) -> list[int] | None:

@@ -70,6 +70,7 @@ Unknown keys are rejected.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,14 @@ OLD_FORMATS = ("meshtron-plan/1",)
 
 
 # ---- the plan --------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _trusted_defaults(cls: type) -> tuple[tuple[str, Any, Any], ...]:
+    """(name, default, default_factory or None) of every field of `cls` (Plan.trusted)."""
+    return tuple((f.name, None if f.default is dataclasses.MISSING else f.default,
+                  None if f.default_factory is dataclasses.MISSING else f.default_factory)
+                 for f in dataclasses.fields(cls))
+
+
 @dataclass(frozen=True)
 class Plan:
     """One parallel layout with all its knobs; the contract between planner and runtime."""
@@ -222,18 +231,18 @@ class Plan:
         """A search-space point built without re-running the rules: the search draws every
         value from a space `plan_problems` already vetted (tests check its output validates)."""
         p = cls.__new__(cls)
-        for f in dataclasses.fields(cls):
-            object.__setattr__(p, f.name, f.default if f.default is not dataclasses.MISSING
-                               else f.default_factory())
-        for name, val in (("tp", tp), ("pp", pp), ("dp", dp), ("zero", zero),
-                          ("micro_batch", micro_batch), ("recompute", recompute), ("sp", sp),
-                          ("schedule", schedule if pp > 1 else None),
-                          ("virtual_stages", virtual_stages), ("dtype", dtype),
-                          ("dp_replicate", dp_replicate if zero >= 2 else 1), ("cp", cp),
-                          ("reduce_dtype", reduce_dtype),
-                          ("accumulate_unsharded", accumulate_unsharded and zero >= 2),
-                          ("ep", ep), ("compile", compile), ("offload", offload)):
-            object.__setattr__(p, name, val)
+        # the search builds thousands: the defaults are read once (`_trusted_defaults`), the
+        # factories still run per plan (no two plans share a mutable default)
+        values = {name: factory() if factory else default
+                  for name, default, factory in _trusted_defaults(cls)}
+        values.update(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch,
+                      recompute=recompute, sp=sp, schedule=schedule if pp > 1 else None,
+                      virtual_stages=virtual_stages, dtype=dtype,
+                      dp_replicate=dp_replicate if zero >= 2 else 1, cp=cp,
+                      reduce_dtype=reduce_dtype,
+                      accumulate_unsharded=accumulate_unsharded and zero >= 2, ep=ep,
+                      compile=compile, offload=offload)
+        p.__dict__.update(values)  # frozen: set as dataclasses' own __init__ does
         return p
 
     # ---- views ---------------------------------------------------------------------------

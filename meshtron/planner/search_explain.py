@@ -1,0 +1,127 @@
+"""Why the other plans lose: the best plan of each other family and of each other knob value on
+the winner's layout, each with a one-line reason ("12% slower, pipeline bubble (+0.8 s)")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtron.errors import UserError
+from meshtron.planner.estimate import Estimate, Evaluator
+from meshtron.planner.plan import RECOMPUTE, Plan
+from meshtron.planner.plan_knobs import Knobs
+from meshtron.planner.search_bound import branch_and_bound
+from meshtron.planner.search_result import Alternative, SearchResult
+from meshtron.planner.search_space import FAMILIES, SearchSpace, family_of
+
+
+_CAUSES = {
+    "compute": "more computation (recomputation or less efficient small GEMMs)",
+    "tp_comm": "tensor-parallel communication",
+    "pp_comm": "pipeline transfers",
+    "dp_comm": "data-parallel communication exposed",
+    "bubble": "pipeline bubble",
+    "optimizer": "optimizer step",
+    "ep_comm": "expert-parallel all-to-all exposed",
+}
+
+
+def loss_reason(winner: Estimate, other: Estimate) -> str:
+    """'12% slower, data-parallel all-gather exposed (+0.8 s)' style explanation."""
+    if not other.fits:
+        m = other.memory
+        if m.total <= m.capacity and not m.host_fits:
+            return (f"needs {m.host:.1f} GiB of host memory per node > {m.host_capacity:.4g} "
+                    f"GiB usable (offload={other.config.offload}; {other.config.describe()})")
+        return (f"needs {other.memory.total:.1f} GiB > {other.memory.capacity:.0f} GiB "
+                f"per GPU (at its leanest: {other.config.describe()})")
+    slower = other.step_time_s / winner.step_time_s - 1.0
+    diffs = {k: getattr(other.time, k) - getattr(winner.time, k) for k in _CAUSES}
+    cause = max(diffs, key=diffs.get)
+    text = _CAUSES[cause]
+    if cause == "dp_comm" and other.config.zero == 3:
+        text = "ZeRO-3 weight all-gathers and gradient reduce-scatters exposed"
+    elif cause == "compute" and other.config.recompute != winner.config.recompute:
+        text = f"recomputation ({other.config.recompute})"
+    if slower < 0.0005:
+        return "as fast (tie)"
+    return f"{slower * 100:.1f}% slower, {text} (+{diffs[cause]:.3g} s per step)"
+
+
+def search_and_explain(ev: Evaluator, space: SearchSpace, top_k: int, explain: bool,
+                       cutoff: float = float("inf")) -> SearchResult:
+    """search_bound.branch_and_bound over `space`, with the reasons the other families and knob
+    values lose (`alternatives`) when `explain` and a plan fits."""
+    result, (fam_best, fam_lean) = branch_and_bound(ev, space, top_k, cutoff)
+    if result.plans and explain:
+        result.alternatives = explain_losses(result.plans[0], fam_best, fam_lean, ev, space)
+    return result
+
+
+def explain_losses(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict[str, Estimate],
+                   ev: Evaluator, space: SearchSpace) -> list[Alternative]:
+    """The best plan of each other family (else its leanest), then the best plan of each other
+    knob value on the winner's layout, each with why it loses to `best`."""
+    out: list[Alternative] = []
+    win_fam = family_of(best.config)
+    for fam, label in FAMILIES.items():
+        if fam == win_fam:
+            continue
+        est = fam_best.get(fam) or fam_lean.get(fam)
+        if est is None:
+            continue
+        name = label
+        if fam == "dp" and est.fits:
+            name = f"pure ZeRO-{est.config.zero} data parallel"
+        out.append(Alternative(f"{name} ({est.config.layout()})", est, loss_reason(best, est)))
+    return out + _knob_losses(best, ev, space)
+
+
+def _knob_variants(c: Plan, space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
+    """(label, change) of every other value of the knobs on the winner `c`'s layout."""
+    variants: list[tuple[str, dict[str, Any]]] = []
+    for rec in RECOMPUTE:
+        if rec != c.recompute and not (rec == "selective" and "selective" not in
+                                       space.recomputes and not space.knobs.recompute):
+            variants.append((f"recompute={rec}", {"recompute": rec}))
+    if c.tp > 1:
+        variants.append((f"sp={'off' if c.sp else 'on'}", {"sp": not c.sp}))
+    if c.pp > 1:
+        for sched in ("1f1b", "interleaved", "zb"):
+            if sched != c.schedule:
+                variants.append((f"schedule={sched}", {"schedule": sched}))
+    for z in (0, 1, 2, 3):
+        if z != c.zero and c.dp > 1:
+            variants.append((f"zero={z}", {"zero": z}))
+    if space.model.is_moe and not space.knobs.ep:
+        for e in space.eps(c.dp, c.cp):
+            if e != c.ep:
+                variants.append((f"ep={e}", {"ep": e}))
+    return variants
+
+
+def _knob_losses(best: Estimate, ev: Evaluator, space: SearchSpace) -> list[Alternative]:
+    """Knob alternatives on the winner's layout: the best plan with each other value (one
+    small search each), unless the user fixed that knob or it ties."""
+    c = best.config
+    out: list[Alternative] = []
+    base = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep}
+    given = space.knobs.to_dict()
+    for label, change in _knob_variants(c, space):
+        fixed = {**base, **{k: v for k, v in given.items() if k not in base}, **change}
+        if any(given.get(k) not in (None, v) for k, v in change.items()):
+            continue  # the user fixed this knob
+        try:
+            sub_space = SearchSpace(space.model, ev.cluster, ev.global_batch, ev.seq,
+                                    Knobs.of(fixed), ev.opts, ev.mem, space.runtime,
+                                    space.framework)
+            sub, _ = branch_and_bound(ev, sub_space, 1)
+        except UserError:
+            continue  # this knob value leaves nothing to run on the layout (e.g. too few layers)
+        est = sub.best or sub.near_miss
+        if est is None or (est.fits and est.step_time_s <= best.step_time_s * 1.0005):
+            continue  # ties are not a reason to lose
+        out.append(Alternative(f"{c.layout()} with {label}", est, loss_reason(best, est)))
+    return out
+
+
+__all__ = ["loss_reason", "explain_losses", "search_and_explain"]

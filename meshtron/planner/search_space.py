@@ -1,0 +1,363 @@
+"""The knob values open to the planner's search (planner/search.py), checked by the plan's own
+validity function: layouts (tp, cp, pp, dp, ep), micro-batches, recomputation, sequence
+parallelism, schedules and ZeRO stages, with the reason a whole family of them is left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from meshtron.errors import UserError
+from meshtron.model.spec import ModelSpec
+from meshtron.planner import memory
+from meshtron.planner.cluster import ClusterSpec
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory import MemoryOptions
+from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
+                                    offload_runtime_problem, plan_problems,
+                                    schedule_zero_problem)
+from meshtron.planner.plan_knobs import Knobs
+from meshtron.planner.plan_rules import (compile_runtime_problem, ep_runtime_problems,
+                                         schedule_problem, split_problem)
+
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+MIN_CP_TOKENS = 8192
+"""Fewest tokens of a sequence per context rank for the search to try that cp
+(`SearchSpace.cps`)."""
+DEFAULT_DTYPE = "bf16"
+"""The run precision planned for when the knobs do not fix one: GPU pre-training runs bf16
+mixed precision (bf16 compute, fp32 master weights)."""
+FAMILIES = {
+    "dp": "pure data parallel / ZeRO (tp=1, pp=1)",
+    "tp": "tensor + data parallel (pp=1)",
+    "pp": "pipeline + data parallel (tp=1)",
+    "3d": "3D: tensor x pipeline x data",
+}
+
+
+def family_of(cfg: Plan) -> str:
+    """'dp', 'tp', 'pp' or '3d' (keys of FAMILIES)."""
+    return family(cfg.tp, cfg.pp)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def family(tp: int, pp: int) -> str:
+    if pp == 1:
+        return "dp" if tp == 1 else "tp"
+    return "pp" if tp == 1 else "3d"
+
+
+class SearchSpace:
+    """The knob values open to the search. Fixed knobs go through the plan's own validity
+    function (plan.py `check`); layouts are filtered by it too, and the reason a whole family
+    of layouts is left out is kept for the output (`notes`). The one search policy of its own:
+    tensor parallelism stays inside a node (its all-reduces are on the critical path)."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
+                 knobs: Knobs, opts: KernelOptions, mem: MemoryOptions | None = None,
+                 runtime: bool = True, framework: Any = None) -> None:
+        k = knobs
+        self.context = {"global_batch": global_batch, "seq_len": seq_len}
+        self.notes: list[str] = []
+        # meshtron's runtime limits apply when pricing meshtron (the default stack)
+        self.runtime = runtime
+        # the priced stack's layer-to-stage rule (Megatron's equal chunks: plan_rules)
+        self.split = (mem or memory.options_for(opts)).split_rule
+        self.knobs = k
+        self.framework = framework
+        self.n, self.model, self.global_batch = cluster.num_gpus, model, global_batch
+        self._check_fixed(cluster.gpus_per_node)
+        self.dtype = k.dtype or DEFAULT_DTYPE
+        self.replicate = k.dp_replicate or 1
+        self.reduce_dtype = k.reduce_dtype or "fp32"
+        self.accumulate = bool(k.accumulate_unsharded)
+        self.offload = k.offload or "none"
+        self.fp8_recipe = k.fp8_recipe or "rowwise"
+        self.compile = bool(k.compile) or bool(k.async_tp)
+        self.async_tp = bool(k.async_tp)
+        if runtime and self.offload == "optimizer":  # refused by name, not "nothing fits"
+            raise UserError(offload_runtime_problem(Plan(offload="optimizer", dp=2, zero=3)))
+        self.why_empty: str | None = None
+        """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
+        self.tps = self._tensor_degrees(cluster.gpus_per_node)
+        self.recomputes = self._recompute_values(seq_len, opts, mem or memory.options_for(opts))
+        self._layouts = self._valid_layouts()
+        if self.offload == "full" and runtime:
+            # FSDP2's CPU offload does not run in a pipeline (plan.py offload_runtime_problem):
+            # drop those layouts before their knobs are enumerated (`point` would refuse each)
+            self._layouts = [lay for lay in self._layouts if lay[2] == 1]
+        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _, _ in
+                                                                  self._layouts) \
+                and schedule_problem(self.split, "zb", 2, 1) is None:  # its engine runs zb
+            self.notes.append("schedule=zb with zero=3 left out: "
+                              + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
+
+    def _check_fixed(self, gpn: int) -> None:
+        """The fixed knobs through the validity function, and the search's own refusals: tp
+        beyond a node, ep on a stack without expert parallelism (`ep_ok`)."""
+        k, model, framework = self.knobs, self.model, self.framework
+        check({**k.to_dict(), **self.context}, self.n, model, self.runtime, self.split)
+        if k.tp is not None and (k.tp > gpn or gpn % k.tp):
+            raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn} "
+                             "(tensor parallelism stays inside a node)")
+        # expert parallelism: searched for mixtures of experts on the stacks that run it
+        self.ep_ok = runs_ep(framework)
+        if k.ep is not None and k.ep > 1 and not self.ep_ok:
+            raise UserError(f"plan.ep={k.ep}: framework {framework.label} has no expert "
+                             "parallelism (frameworks.py: megatron@2024, torchtitan@2025, "
+                             "deepspeed@2024 and meshtron run it); use ep=1")
+        if model.is_moe and not k.ep and not self.ep_ok:
+            self.notes.append(f"expert parallelism left out: {framework.label} has none "
+                              "(ep=1: every rank holds every expert)")
+
+    def _tensor_degrees(self, gpn: int) -> list[int]:
+        """Tensor-parallel degrees searched: the fixed one, else the divisors of a node's GPUs
+        the validity function accepts (a mixture of experts: 1, a search policy)."""
+        k, model = self.knobs, self.model
+        if k.tp:
+            return [k.tp]
+        if model.is_moe:
+            # a search policy: tp > 1 of a MoE is priced when fixed (experts replicated over
+            # tp in meshtron's runtime, expert-TP in Megatron-Core: planner/moe_memory.py,
+            # moe_cost.py) but not offered, its replicated routed experts rarely pay
+            self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) left "
+                              "out for a mixture of experts: fix --layout tp=N to price one")
+            return [1]
+        tps, why = [], ""
+        for t in divisors(gpn):
+            problems = plan_problems({"tp": t}, model=model, runtime=self.runtime)
+            if self.n % t == 0 and not problems:
+                tps.append(t)
+            elif problems and not why:
+                why = problems[0]
+        if tps == [1] and why:
+            self.notes.append(f"tensor-parallel layouts (tp > 1, inside a node of {gpn}) "
+                              f"left out: {why}")
+        return tps
+
+    def _recompute_values(self, seq_len: int, opts: KernelOptions,
+                          mem: MemoryOptions) -> list[str]:
+        """Recomputation searched: the fixed one, else all but a 'selective' that keeps what
+        'none' keeps (`selective_is_none`)."""
+        k = self.knobs
+        same = selective_is_none(self.model, seq_len, opts, mem, self.dtype)
+        if not k.recompute and same:
+            self.notes.append("recompute=selective left out: with FlashAttention and this "
+                              "framework's selective policy it keeps the same tensors as none "
+                              "(the attention core is never stored)")
+        return [k.recompute] if k.recompute else [
+            r for r in RECOMPUTE if not (r == "selective" and same)]
+
+    def point(self, tp: int, pp: int, dp: int, zero: int, mb: int, rec: str, sp: bool,
+              sched: str | None, v: int, cp: int, ep: int = 1) -> Plan | None:
+        """The plan at these knobs, or None where the runtime does not run its host offload
+        (plan.py `offload_runtime_problem`: ZeRO-2/3 and no pipeline for offload='full')."""
+        cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, self.dtype, self.replicate,
+                           cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
+        if self.dtype == "fp8" and self.fp8_recipe != "rowwise":
+            cfg = dataclasses.replace(cfg, fp8_recipe=self.fp8_recipe)
+        if self.async_tp and not (tp > 1 and sp):
+            return None  # async TP pipelines the sequence-parallel collectives (plan_rules)
+        if self.compile:
+            cfg = dataclasses.replace(cfg, compile=True, async_tp=self.async_tp)
+            if self.runtime and self._refused(compile_runtime_problem(cfg)):
+                return None  # e.g. compiled zero-bubble (plan_rules.compile_runtime_problem)
+        if self.offload != "none" and self.runtime and self._refused(
+                offload_runtime_problem(cfg)):
+            return None
+        if ep > 1 and self.runtime and self._refused(next(iter(ep_runtime_problems(
+                {"ep": ep, "cp": cp, "zero": zero, "pp": pp, "recompute": rec})), None)):
+            return None  # e.g. selective recomputation of gathered experts (plan_rules)
+        return cfg
+
+    def _refused(self, problem: str | None) -> bool:
+        """Keep the validity function's reason for a point it refuses: when it refuses every
+        point, the search answers with that reason (`_search`), not "nothing fits"."""
+        if problem and self.why_empty is None:
+            self.why_empty = problem
+        return bool(problem)
+
+    def cps(self, rest: int) -> list[int]:
+        """Context-parallel degrees searched on `rest` = gpus / tp ranks: the fixed one, else 1
+        and the powers of two that leave every rank at least MIN_CP_TOKENS tokens of each
+        sequence (below that the per-layer K/V exchange cannot hide behind attention: a search
+        policy, cp fixed by --layout is always evaluated)."""
+        if self.knobs.cp:
+            return [self.knobs.cp]
+        seq = self.context["seq_len"]
+        out, c = [1], 2
+        while c <= rest and seq // c >= MIN_CP_TOKENS:
+            if rest % c == 0 and seq % (2 * c) == 0:
+                out.append(c)
+            c *= 2
+        return out
+
+    def eps(self, dp: int, cp: int) -> list[int]:
+        """Expert-parallel degrees searched on a layout: the fixed one, else (mixtures of
+        experts on a stack with expert parallelism) 1 and every divisor of the experts that
+        divides the data x context ranks it folds over (dp/dp_replicate*cp)."""
+        k = self.knobs
+        if k.ep:
+            return [k.ep]
+        if not self.model.is_moe or not self.ep_ok:
+            return [1]
+        shard = dp // (k.dp_replicate or 1) * cp
+        return [e for e in divisors(self.model.moe_experts) if shard % e == 0]
+
+    def _valid_layouts(self) -> list[tuple[int, int, int, int, int]]:
+        k, n = self.knobs, self.n
+        fixed = {**k.to_dict(), **self.context}
+        out, left_out = [], {}
+        for tp in self.tps:
+            for cp in self.cps(n // tp):
+                if (n // tp) % cp:
+                    continue
+                rest = n // (tp * cp)
+                for pp in ([k.pp] if k.pp else divisors(rest)):
+                    if rest % pp:
+                        continue
+                    dp = rest // pp
+                    if k.dp and dp != k.dp:
+                        continue
+                    for ep in self.eps(dp, cp):
+                        problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp,
+                                                  "dp": dp, "ep": ep},
+                                                 n, self.model, self.runtime, self.split)
+                        if problems:
+                            left_out.setdefault(family(tp, pp), problems[0])
+                            continue
+                        out.append((tp, cp, pp, dp, ep))
+        found = {family(tp, pp) for tp, _, pp, _, _ in out}
+        by_reason: dict[str, list[str]] = {}
+        for fam, reason in left_out.items():
+            if fam not in found:
+                # "plan.pp=2: model ... ties ..." -> the reason, shared by every pp value
+                why = reason.split(": ", 1)[1] if reason.startswith("plan.") else reason
+                by_reason.setdefault(why, []).append(FAMILIES[fam])
+        for why, fams in by_reason.items():
+            self.notes.append(f"{' and '.join(fams)} layouts left out: {why}")
+        return out
+
+    def layouts(self):
+        return iter(self._layouts)
+
+    def micro_batches(self, dp: int) -> list[int]:
+        per_replica = self.global_batch // dp
+        if self.knobs.micro_batch:
+            return [self.knobs.micro_batch] if per_replica % self.knobs.micro_batch == 0 else []
+        return [d for d in divisors(per_replica) if d <= 64]
+
+    def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
+        """Schedules searched for pp stages and m micro-batches per step: 1F1B, ZB-H1 and
+        interleaved (v in VIRTUAL_STAGES, at least one layer per virtual stage); GPipe and other
+        virtual-stage counts only when fixed. Each must pass the schedules' own limits."""
+        k = self.knobs
+        if pp == 1:
+            return [(None, 1)]
+        layers_per_stage = self.model.layers // pp
+        if k.schedule is not None:
+            if k.schedule == "interleaved" and not k.virtual_stages:
+                cands = [("interleaved", v) for v in VIRTUAL_STAGES if v <= layers_per_stage]
+            else:
+                cands = [(k.schedule, k.virtual_stages or 1)]
+        else:
+            vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
+            cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
+            cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
+        ok = []
+        fixed = k.schedule is not None or k.virtual_stages is not None
+
+        def rounds(s: str, v: int) -> str | None:
+            # torch.distributed.pipelining's limits on the micro-batch count: meshtron's
+            # runtime's, not another stack's (a DualPipe or Megatron schedule priced as zb)
+            return microbatch_problem(s, pp, v, m) if self.runtime else None
+
+        def split(v: int) -> str | None:
+            # what the priced stack's pipeline engine builds and runs (plan_rules)
+            return split_problem(self.split, self.model.layers, pp, v)
+
+        for s, v in cands:
+            engine = schedule_problem(self.split, s, pp, v, m)
+            if not fixed:
+                if v <= layers_per_stage and rounds(s, v) is None and split(v) is None \
+                        and engine is None:
+                    ok.append((s, v))
+            elif engine is not None:
+                self.why_empty = self.why_empty or engine
+            elif split(v) is not None:
+                self.why_empty = self.why_empty or split(v)
+            elif v > layers_per_stage:
+                self.why_empty = self.why_empty or (
+                    f"plan.schedule={s!r} with {v} virtual stages: needs pp*virtual_stages="
+                    f"{pp}*{v}={pp * v} <= the model's {self.model.layers} layers")
+            elif rounds(s, v) is not None:
+                self.why_empty = self.why_empty or rounds(s, v)
+            else:
+                ok.append((s, v))
+        if k.schedule is not None and k.schedule == "interleaved" and not cands:
+            self.why_empty = self.why_empty or (
+                f"plan.schedule='interleaved': needs at least 2 layers per pipeline stage "
+                f"(the model has {self.model.layers} layers over pp={pp})")
+        if k.schedule is None:
+            ok = [(s, v) for s, v in ok if _formulas_hold(s, pp, m)]
+        return ok
+
+    def sps(self, tp: int) -> list[bool]:
+        if self.knobs.sp is not None:
+            return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
+        return [False, True] if tp > 1 else [False]
+
+    def zeros(self, dp: int, cp: int = 1, ep: int = 1) -> list[int]:
+        if self.knobs.zero is not None:
+            return [self.knobs.zero]
+        # ep > 1: every stage (meshtron folds ep over the data ranks of any ZeRO stage:
+        # parallel/mesh.py ExpertMeshes); with cp only ZeRO-2/3, as below
+        if self.offload == "full" and self.runtime:
+            # FSDP2's CPU offload is of shards (ZeRO-2/3); alone, ZeRO-2 gathers once a step
+            return [2, 3] if dp > 1 else [2]
+        if (self.knobs.dp_replicate or 1) > 1 or (cp > 1 and self.runtime):
+            # HSDP: replicas of sharded groups; meshtron runs cp on FSDP ZeRO-2/3 only
+            # (plan_rules.cp_runtime_problems)
+            return [2, 3]
+        return [0, 1, 2, 3] if dp > 1 else [0]  # dp here: every rank sharing gradients (dp*cp)
+
+
+def runs_ep(framework: Any) -> bool:
+    """The stack runs expert parallelism (meshtron's runtime does: framework None)."""
+    return framework is None or bool(getattr(framework, "expert_parallel", ""))
+
+
+def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: MemoryOptions,
+                      dtype: str) -> bool:
+    """Selective recomputation saves nothing over none: Korthikanti's policy (recompute the
+    attention core) with FlashAttention, which never stores the core. Policies that recompute
+    more (meshtron's and torchtitan's: they keep matmul outputs only) save less memory and are
+    searched."""
+    if opts.attention != "flash":
+        return False
+    import dataclasses as dc
+
+    m = dc.replace(mem, dtype=dtype)
+    args = (model, 1, False, 1, seq_len)
+    return (memory.activation_bytes(*args, "selective", opts, m)
+            >= memory.activation_bytes(*args, "none", opts, m))
+
+
+def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
+    """Search policy for schedules the user did not fix: pipeline.py's bubble and in-flight
+    formulas assume 1F1B and ZB-H1 keep pp micro-batches in flight (m >= pp) and interleaving
+    runs whole rounds of pp (m % pp == 0, as Megatron-LM requires)."""
+    if schedule in ("1f1b", "zb"):
+        return m >= pp
+    if schedule == "interleaved":
+        return m % pp == 0
+    return True
+
+
+__all__ = ["VIRTUAL_STAGES", "MIN_CP_TOKENS", "DEFAULT_DTYPE", "FAMILIES", "SearchSpace",
+           "family", "family_of", "divisors", "runs_ep", "selective_is_none"]
