@@ -112,6 +112,13 @@ def _drop_timing(doc) -> None:
             _drop_timing(v)
 
 
+def dump(answers: dict) -> str:
+    """One case a line (a change of answer shows as the lines of the cases it moves)."""
+    lines = [f"{json.dumps(k)}: {json.dumps(v, sort_keys=True, separators=(',', ':'))}"
+             for k, v in sorted(answers.items())]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def first_difference(a, b, where: str = "") -> str | None:
     if type(a) is not type(b):
         return f"{where or '.'}: {a!r} != {b!r}"
@@ -144,7 +151,7 @@ def main_(argv: list[str]) -> int:
         print(f"{name:<28} exit {answers[name]['exit']}  {dt:7.3f} s")
     print(f"{'all':<28}         {total:7.3f} s")
     if "--save" in argv:
-        REFERENCE.write_text(json.dumps(answers, indent=1, sort_keys=True) + "\n")
+        REFERENCE.write_text(dump(answers))
         print(f"saved {REFERENCE.relative_to(ROOT)}")
         return 0
     reference = json.loads(REFERENCE.read_text())

@@ -750,15 +750,16 @@ class Evaluator(DataParallelCost):
 # differ only in knobs the walk does not read (the schedule's time, ZeRO stages at the same
 # gradient bytes) and the further searches of one command (a pinned layout's fits, offload,
 # knob alternatives), each with its own Evaluator. Pure functions of their (hashable)
-# arguments: memoised process-wide.
-@functools.lru_cache(maxsize=8192)
+# arguments: memoised process-wide (typed: an int and a float of equal value are two keys;
+# the tuples hold what pipeline.in_flight and the layer splits give, floats and ints).
+@functools.lru_cache(maxsize=8192, typed=True)
 def _weighted_in_flight(pp: int, v: int, m: int, chunks: tuple[int, ...],
                         even: tuple[float, ...], act: float, grad: float) -> tuple[float, ...]:
     return tuple(memory_pipeline.weighted_in_flight(pp, v, m, list(chunks), list(even), act,
                                                     grad))
 
 
-@functools.lru_cache(maxsize=32768)
+@functools.lru_cache(maxsize=32768, typed=True)
 def _peak_outputs(pp: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
                   grad: float, out: float) -> float:
     return memory_pipeline.peak_outputs(pp, v, m, rank, list(layers), act, grad, out)
