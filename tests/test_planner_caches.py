@@ -1,0 +1,123 @@
+"""The planner's process-wide memo caches never hand one question's answer to another.
+
+estimate.py, compute.py and moe_cost.py memoise pure pieces of the cost model with
+functools.lru_cache across Evaluators (the searches of one command build several: offload,
+knob alternatives, a pinned layout's fits). A key that misses an input the piece reads (the
+dtype, an attention or stack option, the cluster, the model) would return the answer of an
+earlier evaluation in the same process. So: evaluate a set of questions that differ one input
+at a time, in order, with the caches warm from each other; then each again alone, every cache
+cleared first; the answers must be identical, field by field."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import pkgutil
+
+import pytest
+
+import meshtron.planner as planner_pkg
+from meshtron.model.spec import preset
+from meshtron.planner.cluster import preset_cluster
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.plan import Plan
+
+
+def _process_caches() -> list:
+    """Every lru_cache'd function defined in a torch-free meshtron.planner module."""
+    out = []
+    for info in pkgutil.iter_modules(planner_pkg.__path__):
+        mod = importlib.import_module(f"meshtron.planner.{info.name}")
+        for obj in vars(mod).values():
+            if (hasattr(obj, "cache_clear") and isinstance(obj, functools._lru_cache_wrapper)
+                    and getattr(obj, "__module__", None) == mod.__name__):
+                out.append(obj)
+    return out
+
+
+def _questions() -> list[tuple[str, tuple]]:
+    """(label, (model, cluster, seq, opts, plan)): a base question and its one-input variants,
+    each variant changing what at least one memoised piece reads."""
+    dense = preset("llama3-8b")
+    moe = preset("tiny-moe")
+    h100, a100 = preset_cluster("dgx-h100", 2), preset_cluster("dgx-a100", 2)
+    # interleaved under FSDP2 (the memory walks), selective recomputation (the recompute
+    # FLOPs), tensor parallelism (layer and head costs)
+    plan = Plan(tp=2, pp=2, dp=4, zero=1, micro_batch=1, recompute="selective", sp=True,
+                schedule="interleaved", virtual_stages=2, dtype="bf16")
+    base = (dense, h100, 4096, KernelOptions(), plan)
+
+    def vary(**kw):
+        q = dict(zip(("model", "cluster", "seq", "opts", "plan"), base))
+        q.update(kw)
+        return (q["model"], q["cluster"], q["seq"], q["opts"], q["plan"])
+
+    return [
+        ("base", base),
+        ("fp8", vary(plan=plan.replace(dtype="fp8"))),
+        ("fp32", vary(plan=plan.replace(dtype="fp32", reduce_dtype="fp32"))),
+        ("unfused attention", vary(opts=KernelOptions(attention="unfused"))),
+        ("compiled stack", vary(opts=KernelOptions(stack="compiled"))),
+        ("A100", vary(cluster=a100)),
+        ("older NCCL", vary(cluster=dataclasses.replace(h100, inter_node_latency_us=9.6,
+                                                        intra_node_latency_us=5.0))),
+        ("seq 2048", vary(seq=2048)),
+        ("tied embeddings", vary(model=dataclasses.replace(dense, tied_embeddings=True))),
+        ("wider vocabulary", vary(model=dataclasses.replace(dense, vocab=dense.vocab * 2))),
+        ("full recompute", vary(plan=plan.replace(recompute="full", sp=False))),
+        ("micro-batch 2", vary(plan=plan.replace(micro_batch=2))),
+        ("zero 3", vary(plan=plan.replace(zero=3))),
+        ("moe", vary(model=moe, plan=Plan(tp=1, pp=2, dp=8, zero=1, micro_batch=1,
+                                          recompute="selective", sp=False,
+                                          schedule="interleaved", virtual_stages=2, ep=2,
+                                          dtype="bf16"))),
+        ("moe unfused", vary(model=moe, opts=KernelOptions(attention="unfused"),
+                             plan=Plan(tp=1, pp=2, dp=8, zero=1, micro_batch=1,
+                                       recompute="selective", sp=False,
+                                       schedule="interleaved", virtual_stages=2, ep=2,
+                                       dtype="bf16"))),
+    ]
+
+
+def _answer(model, cluster, seq, opts, plan):
+    est = Evaluator(model, cluster, 256, seq, opts).evaluate(plan)
+    assert est is not None
+    return (est.time, est.memory, tuple(est.stage_layers), est.hfu, est.fits)
+
+
+def test_the_planner_has_process_wide_caches_to_check():
+    names = {f.__name__ for f in _process_caches()}
+    # the memoised pieces of estimate.py and compute.py: if they move, this test must follow
+    assert {"_weighted_in_flight", "_peak_outputs", "_recompute_flops",
+            "layer_cost", "head_cost"} <= names
+
+
+def test_warm_caches_answer_as_cold_ones():
+    caches = _process_caches()
+    questions = _questions()
+    for f in caches:
+        f.cache_clear()
+    warm = [(label, _answer(*q)) for label, q in questions]
+    # the variants must differ from the base, or they test no key
+    assert all(ans != warm[0][1] for _, ans in warm[1:])
+    for (label, q), (_, hot) in zip(questions, warm):
+        for f in caches:
+            f.cache_clear()
+        assert _answer(*q) == hot, f"{label}: a warm process-wide cache changed the answer"
+
+
+@pytest.mark.parametrize("label", ["unfused attention", "full recompute", "micro-batch 2"])
+def test_each_variant_is_answered_alone_as_after_the_others(label):
+    """Reverse order too: the base after the variant (a key that drops the varied input would
+    hand the variant's value back to the base)."""
+    caches = _process_caches()
+    q = dict(_questions())
+    for f in caches:
+        f.cache_clear()
+    _answer(*q[label])
+    after_variant = _answer(*q["base"])
+    for f in caches:
+        f.cache_clear()
+    assert after_variant == _answer(*q["base"])
