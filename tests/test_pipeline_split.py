@@ -140,9 +140,56 @@ def test_reduce_after_drain_is_exposed_on_rank_zero_and_hidden_by_the_drain():
     rs, bwd = 0.4, 1.0
     assert pipeline.reduce_after_drain(rs, 1, 0, bwd, 0.0) == pytest.approx(rs)
     assert pipeline.reduce_after_drain(rs, 1, 1, bwd, 0.0) == pytest.approx(0.0)
-    # interleaved: the other chunks' reductions hide behind the last chunk's backwards
-    assert pipeline.reduce_after_drain(rs, 2, 0, bwd, 0.0) == pytest.approx(rs / 2)
-    assert pipeline.reduce_after_drain(4.0, 2, 0, bwd, 0.0) == pytest.approx(4.0 - 0.5)
+    # interleaved: the compute stream waits for each chunk's reductions (FSDP2's
+    # finalize_backward), so nothing but the drain hides them: rank 0 pays them whole, a later
+    # rank hides its last chunk's behind the drain only
+    assert pipeline.reduce_after_drain(rs, 2, 0, bwd, 0.0) == pytest.approx(rs)
+    assert pipeline.reduce_after_drain(4.0, 2, 0, bwd, 0.0) == pytest.approx(4.0)
+    assert pipeline.reduce_after_drain(rs, 2, 1, bwd, 0.0) == pytest.approx(rs / 2)
+
+
+def _drain_walk(p: int, v: int, m: int, f: float, b: float, stall: list[float]) -> float:
+    """Makespan of the interleaved (v = 1: 1F1B) device orders (simulate/schedule.py), chunk
+    forwards f and backwards b, each rank's compute stream stalled `stall[rank]` after each
+    chunk's last backward (torch pipelining's REDUCE_GRAD waiting for FSDP2's reductions)."""
+    from meshtron.simulate.schedule import device_orders
+
+    orders = device_orders("interleaved" if v > 1 else "1f1b", p, v, m)
+    last = {s: k for order in orders for k, (kind, s, _) in enumerate(order) if kind == "B"}
+    n, done, clock, at = p * v, {}, [0.0] * p, [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for d in range(p):
+            while at[d] < len(orders[d]):
+                kind, s, j = orders[d][at[d]]
+                if kind == "F":
+                    ready = done.get(("F", s - 1, j)) if s > 0 else 0.0
+                else:
+                    ready = done.get(("B", s + 1, j)) if s < n - 1 else done.get(("F", s, j))
+                if ready is None:
+                    break
+                clock[d] = max(clock[d], ready) + (f if kind == "F" else b)
+                done[(kind, s, j)] = clock[d]
+                if kind == "B" and last[s] == at[d]:
+                    clock[d] += stall[d]
+                at[d] += 1
+                moved = True
+    assert all(a == len(o) for a, o in zip(at, orders))
+    return max(clock)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 1, 8), (4, 2, 8), (8, 2, 16), (4, 4, 8), (2, 3, 4)])
+def test_reduce_after_drain_matches_an_event_walk_of_the_schedule(p, v, m):
+    f, b = 1.0, 2.0  # per chunk and micro-batch
+    base = _drain_walk(p, v, m, f, b, [0.0] * p)
+    for per_chunk in (0.5, 3.0, 7.0):
+        for rank in range(p):
+            stall = [0.0] * p
+            stall[rank] = per_chunk
+            walked = _drain_walk(p, v, m, f, b, stall) - base
+            model = pipeline.reduce_after_drain(v * per_chunk, v, rank, v * b, 0.0)
+            assert model == pytest.approx(walked), (rank, per_chunk)
 
 
 def test_torchtitan_pipeline_pays_rank_zeros_reduce_scatter_whole():
