@@ -83,6 +83,30 @@ def test_deepspeed_partition_fills_the_first_stages():
     assert deepspeed_split(9, 4, (0.0, 1.0, 0.0)) is None
 
 
+def test_deepspeed_2024_partitions_by_its_dynamic_programme():
+    """DeepSpeed >= 0.12.5 (PR #4312; deepspeed@2024 is 0.14-0.16) replaced the left-greedy
+    probe by a dynamic programme that keeps the smallest heaviest-minus-lightest stage: 10
+    equal blocks on 4 stages are 3, 3, 2, 2 (a difference of 1), not _lprobe's 3, 3, 3, 1
+    (2), and 9 blocks on 4 stages split (3, 2, 2, 2) where the older probe left one empty."""
+    from meshtron.planner.pipeline_split import deepspeed_dp_split, split_for
+
+    assert deepspeed_dp_split(10, 4, (0.0, 1.0, 0.0)) == [3, 3, 2, 2]
+    assert deepspeed_dp_split(9, 4, (0.0, 1.0, 0.0)) == [3, 2, 2, 2]
+    # the older probe's answer when both are balanced
+    assert deepspeed_dp_split(30, 4, (0.5, 1.0, 0.5)) == [7, 8, 8, 7]
+    # the heaviest-minus-lightest programme is path-dependent, not the min-max split: an
+    # 80-block model with heavy ends (what 0.14's PipelineModule gives a Llama's embedding)
+    got = deepspeed_dp_split(80, 8, (1.0, 0.8, 1.0))
+    assert got == [9, 10, 10, 10, 11, 11, 10, 9] and sum(got) == 80
+    # the 2024 preset's rule prices it; the 2021 rule keeps the probe
+    assert split_for("deepspeed-parameters", 10, 4, 1, 1.0, 0.0, 0.0,
+                     weights=(0.0, 1.0, 0.0)) == [3, 3, 2, 2]
+    assert split_for("deepspeed-transformer", 10, 4, 1, 1.0, 0.0, 0.0) == [3, 3, 3, 1]
+    # memoised: a caller's list is its own
+    got.append(0)
+    assert deepspeed_dp_split(80, 8, (1.0, 0.8, 1.0)) == [9, 10, 10, 10, 11, 11, 10, 9]
+
+
 def test_the_validity_function_carries_the_stack_rule():
     model = PRESETS["llama3-405b"]
     k = {"tp": 8, "pp": 8, "dp": 8}

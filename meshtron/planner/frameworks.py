@@ -63,7 +63,8 @@ asserted); megatron@2024 equal middle stages with the end stages set apart
 (--decoder-first/last-pipeline-num-layers, account_for_embedding/loss_in_pipeline_split;
 Megatron-Core 0.14+'s pipeline_model_parallel_layout is `pipeline_split = "any"`);
 deepspeed@2021 Megatron-DeepSpeed's PipelineModule partition_method 'type:transformer',
-deepspeed@2024 PipelineModule's default 'parameters' (DeepSpeed's balanced left-greedy split).
+deepspeed@2024 PipelineModule's default 'parameters' (0.12.5+'s dynamic programme; 2021's
+DeepSpeed filled the stages left-greedy).
 The same rule names the schedules the stack's engine runs (plan_rules.STACK_SCHEDULES):
 Megatron 1F1B and interleaved, DeepSpeed 1F1B; meshtron and torchtitan every one priced.
 
