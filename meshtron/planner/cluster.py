@@ -80,7 +80,7 @@ class GPUType:
     sms: int | None = None
     """Streaming multiprocessors (whitepapers: V100 80, A100 108, H100/H200 SXM 132, B200
     148): a communication kernel that takes SMs beside a GEMM slows it by sms / (sms - taken)
-    (compute.py `sm_margin`). None: unknown."""
+    (overlap.py `sm_margin`). None: unknown."""
 
 
 # name, peak TFLOP/s, GiB, HBM GB/s, NVLink GB/s per direction, NIC GB/s per GPU, matmul ceiling

@@ -17,7 +17,7 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
 * `meshtron` (default): meshtron's own runtime (meshtron/parallel/): eager PyTorch modules,
   FSDP2 with fp32 sharded parameters and MixedPrecisionPolicy(param bf16, reduce fp32); ZeRO-0/1
   reduce once per step, ZeRO-1 is a distributed optimizer, ZeRO-2/3 reduce-scatter per
-  micro-batch (planner/estimate.py `dp_flags`); selective recomputation saves matmul and
+  micro-batch (planner/dp_cost.py `dp_flags`); selective recomputation saves matmul and
   collective outputs; the loss upcasts logits to fp32.
 * `torchtitan@2025`: pytorch/torchtitan main 2025 (torchtitan/models/llama3/infra/
   parallelize.py, torchtitan/config/job_config.py): FSDP2 (fp32 master parameters, bf16
