@@ -93,7 +93,7 @@ def tied_embedding_reduce(nbytes: float, crosses_nodes: bool, fab: comm.Fabric) 
     return comm.all_reduce(nbytes, comm.Group(2, 1 if crosses_nodes else 2), fab)
 
 
-def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float,
+def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float, idle: int = 0,
                        interference: float = OVERLAP_INTERFERENCE) -> float:
     """Exposed seconds of a pipeline rank's gradient reduction (`reduce_s`, all its chunks) when
     torch.distributed.pipelining runs it after each stage's last backward: FSDP's gradient
@@ -111,14 +111,16 @@ def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float,
     each of those v - 1 stalls delays the step whole; the last chunk's reduction comes after
     the rank's last backward, which rank `stage` ends `stage` chunk-backwards (bwd / v each,
     `bwd`: one micro-batch's backward of the whole rank) before rank 0 (1F1B's and the
-    interleaved schedule's drain): that idle hides it. Rank 0 exposes all of it. An event
-    walk of the schedules' device orders with these stalls gives exactly this
+    interleaved schedule's drain): that idle hides it. Rank 0 exposes all of it. A looped
+    schedule with fewer micro-batches than stages waits `idle` (= p - m) chunk-slots at each
+    chunk change (`bubble_time`), which hides that much of each earlier chunk's stall. An
+    event walk of the schedules' device orders with these stalls gives exactly this
     (tests/test_pipeline_split.py)."""
     if reduce_s <= 0.0:
         return 0.0
     v = max(1, v)
-    last = reduce_s / v
-    exposed = (reduce_s - last) + max(0.0, last - stage * bwd / v)
+    last, chunk_bwd = reduce_s / v, bwd / v
+    exposed = (v - 1) * max(0.0, last - idle * chunk_bwd) + max(0.0, last - stage * chunk_bwd)
     return exposed + interference * (reduce_s - exposed)
 
 
