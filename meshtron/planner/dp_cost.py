@@ -122,8 +122,9 @@ class DataParallelCost:
         (planner/compression.py); `units`: its FSDP units (`fsdp_units`; default: the
         layers' own); `kept`: parameters of its last unit, not re-gathered for backward
         (FSDP's [norm, head]); `drain`: (v, pipeline rank, one micro-batch's backward of the
-        rank, chunk-slots idle at each chunk change) when torch.distributed.pipelining reduces the gradients after the stage's last
-        backward (pipeline.reduce_after_drain); the rest: `dp_flags`."""
+        rank, chunk-slots idle at each chunk change) when torch.distributed.pipelining reduces
+        the gradients after the stage's last backward (pipeline.reduce_after_drain); the rest:
+        `dp_flags`."""
         group = groups["dp"]
         units = units or max(1, layers * self.opts.shard_units_per_layer)
         key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
