@@ -38,8 +38,8 @@ def _process_caches() -> list:
 
 
 def _questions() -> list[tuple[str, tuple]]:
-    """(label, (model, cluster, seq, opts, plan)): a base question and its one-input variants,
-    each variant changing what at least one memoised piece reads."""
+    """(label, (model, cluster, seq, opts, plan, global batch)): a base question and its
+    one-input variants, each variant changing what at least one memoised piece reads."""
     dense = preset("llama3-8b")
     moe = preset("tiny-moe")
     h100, a100 = preset_cluster("dgx-h100", 2), preset_cluster("dgx-a100", 2)
@@ -47,12 +47,14 @@ def _questions() -> list[tuple[str, tuple]]:
     # FLOPs), tensor parallelism (layer and head costs)
     plan = Plan(tp=2, pp=2, dp=4, zero=1, micro_batch=1, recompute="selective", sp=True,
                 schedule="interleaved", virtual_stages=2, dtype="bf16")
-    base = (dense, h100, 4096, KernelOptions(), plan)
+    base = (dense, h100, 4096, KernelOptions(), plan, 256)
+    # four micro-batches on four stages: the walk's peak moment moves with the activations
+    deep = plan.replace(pp=4, dp=2)
 
     def vary(**kw):
-        q = dict(zip(("model", "cluster", "seq", "opts", "plan"), base))
+        q = dict(zip(("model", "cluster", "seq", "opts", "plan", "batch"), base))
         q.update(kw)
-        return (q["model"], q["cluster"], q["seq"], q["opts"], q["plan"])
+        return (q["model"], q["cluster"], q["seq"], q["opts"], q["plan"], q["batch"])
 
     return [
         ("base", base),
@@ -67,6 +69,11 @@ def _questions() -> list[tuple[str, tuple]]:
         ("tied embeddings", vary(model=dataclasses.replace(dense, tied_embeddings=True))),
         ("wider vocabulary", vary(model=dataclasses.replace(dense, vocab=dense.vocab * 2))),
         ("full recompute", vary(plan=plan.replace(recompute="full", sp=False))),
+        ("full recompute, sp", vary(plan=plan.replace(recompute="full"))),
+        ("no recompute", vary(plan=plan.replace(recompute="none"))),
+        ("deep", vary(plan=deep, batch=8)),
+        ("deep, full recompute", vary(plan=deep.replace(recompute="full"), batch=8)),
+        ("deep, no recompute", vary(plan=deep.replace(recompute="none"), batch=8)),
         ("micro-batch 2", vary(plan=plan.replace(micro_batch=2))),
         ("zero 3", vary(plan=plan.replace(zero=3))),
         ("moe", vary(model=moe, plan=Plan(tp=1, pp=2, dp=8, zero=1, micro_batch=1,
@@ -81,10 +88,13 @@ def _questions() -> list[tuple[str, tuple]]:
     ]
 
 
-def _answer(model, cluster, seq, opts, plan):
-    est = Evaluator(model, cluster, 256, seq, opts).evaluate(plan)
+def _answer(model, cluster, seq, opts, plan, batch):
+    """The estimate, with every pipeline stage's memory (not only the fullest one's)."""
+    ev = Evaluator(model, cluster, batch, seq, opts)
+    est = ev.evaluate(plan)
     assert est is not None
-    return (est.time, est.memory, tuple(est.stage_layers), est.hfu, est.fits)
+    stages = tuple(ev.evaluate(plan, stage=s).memory for s in range(plan.pp))
+    return (est.time, est.memory, stages, tuple(est.stage_layers), est.hfu, est.fits)
 
 
 def test_the_planner_has_process_wide_caches_to_check():
@@ -108,8 +118,10 @@ def test_warm_caches_answer_as_cold_ones():
         assert _answer(*q) == hot, f"{label}: a warm process-wide cache changed the answer"
 
 
-@pytest.mark.parametrize("label", ["unfused attention", "full recompute", "micro-batch 2"])
-def test_each_variant_is_answered_alone_as_after_the_others(label):
+@pytest.mark.parametrize("base,label", [("base", "unfused attention"),
+                                        ("base", "full recompute"), ("base", "micro-batch 2"),
+                                        ("deep", "deep, full recompute")])
+def test_each_variant_is_answered_alone_as_after_the_others(base, label):
     """Reverse order too: the base after the variant (a key that drops the varied input would
     hand the variant's value back to the base)."""
     caches = _process_caches()
@@ -117,7 +129,7 @@ def test_each_variant_is_answered_alone_as_after_the_others(label):
     for f in caches:
         f.cache_clear()
     _answer(*q[label])
-    after_variant = _answer(*q["base"])
+    after_variant = _answer(*q[base])
     for f in caches:
         f.cache_clear()
-    assert after_variant == _answer(*q["base"])
+    assert after_variant == _answer(*q[base])
