@@ -133,3 +133,29 @@ def test_each_variant_is_answered_alone_as_after_the_others(base, label):
     for f in caches:
         f.cache_clear()
     assert after_variant == _answer(*q[base])
+
+
+def test_one_evaluators_own_cache_answers_each_plan_as_a_fresh_one():
+    """The Evaluator's per-instance cache (`_cache`: micro costs, memory pieces, groups,
+    splits, data-parallel times) is keyed by plan fields; the search asks one Evaluator
+    thousands of plans. Plans that differ one field at a time, asked in a row, must each get a
+    fresh Evaluator's answer."""
+    model, cluster = preset("llama3-8b"), preset_cluster("dgx-h100", 2)
+    base = Plan(tp=2, pp=2, dp=4, zero=1, micro_batch=1, recompute="selective", sp=True,
+                schedule="interleaved", virtual_stages=2, dtype="bf16")
+    plans = [base, base.replace(dtype="fp8"), base.replace(dtype="fp8", fp8_recipe="tensorwise"),
+             base.replace(reduce_dtype="bf16"), base.replace(zero=2),
+             base.replace(zero=3, accumulate_unsharded=True), base.replace(zero=3),
+             base.replace(zero=3, dp_replicate=2), base.replace(schedule="1f1b", virtual_stages=1),
+             base.replace(schedule="gpipe"), base.replace(virtual_stages=4),
+             base.replace(sp=False), base.replace(recompute="full"),
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8),
+             base.replace(tp=1, dp=8, sp=False), base.replace(micro_batch=2),
+             base.replace(zero=3, offload="full"), base.replace(compile=True)]
+    shared = Evaluator(model, cluster, 256, 4096)
+    for plan in plans:
+        warm = shared.evaluate(plan)
+        cold = Evaluator(model, cluster, 256, 4096).evaluate(plan)
+        assert warm is not None and cold is not None
+        assert (warm.time, warm.memory, warm.stage_layers, warm.fits) == \
+            (cold.time, cold.memory, cold.stage_layers, cold.fits), plan.knobs()
