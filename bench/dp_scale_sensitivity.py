@@ -7,8 +7,8 @@ cost model which of its collective parameters could carry such a pattern at all:
 run as `bench/planner_cli_table.py` runs it (`meshtron plan`, the row's layout pinned), once
 as published and once per variant of its cluster:
 
-* `nccl<2.18`: the network step latency of NCCL 2.8-2.16 (tuning.cc hwLat NET ring Simple
-  9.6 us) instead of the default's 14.0 (NCCL >= 2.18);
+* `nccl<2.18`: the network step latency of NCCL 2.7-2.11 and 2.14-2.17 (tuning.cc hwLat NET
+  ring Simple 9.6 us; 2.12-2.13 had 28) instead of the default's 14.0 (NCCL >= 2.18);
 * `2x latency`: both per-step latencies doubled (a ring step twice as slow as NCCL's model);
 * `half bw`: half the collective bandwidth (`bandwidth_efficiency` 0.45, e.g. a congested
   fabric).

@@ -15,7 +15,8 @@ from meshtron.planner.comm import Fabric, Group, all_gather, ring_latency
 
 def test_network_ring_step_costs_nccls_simple_protocol_latency():
     # NVIDIA/nccl src/graph/tuning.cc, hwLat[NET][RING][SIMPLE]: 14.0 us since v2.18.1 (9.6
-    # in v2.8-2.16); NVLink's 3.4 us unchanged. Every preset cluster carries them.
+    # in v2.7-2.11 and v2.14-2.17, 28 in v2.12-2.13); NVLink's 3.4 us unchanged. Every preset
+    # cluster carries them.
     for kind in ("dgx-a100", "dgx-h100", "dgx-h200"):
         cl = resolve_cluster(f"{kind}:64")
         assert cl.inter_node_latency_us == 14.0 and cl.intra_node_latency_us == 3.4
@@ -26,7 +27,7 @@ def test_network_ring_step_costs_nccls_simple_protocol_latency():
 
 
 def test_a_cluster_file_states_the_latency_of_the_nccl_it_ran():
-    # a 2021 run (NCCL 2.8-2.9) states 9.6; its 512-rank gathers are shorter by exactly the
+    # a 2021 run (NCCL 2.7-2.11) states 9.6; its 512-rank gathers are shorter by exactly the
     # 63 network steps' difference, whatever the bytes
     new = resolve_cluster("dgx-h100:64")
     old = dataclasses.replace(new, inter_node_latency_us=9.6)
@@ -108,3 +109,16 @@ def test_fsdp_zero1_per_unit_reductions_have_the_same_ends():
     step = 63 * (14.0 - 9.6) * 1e-6
     nccl = sm_interference(resolve_cluster("dgx-h100:64"), True)
     assert slow - fast == pytest.approx(2 * (1 + 33 * nccl) * step, rel=1e-3)
+
+
+def test_published_rows_of_2021_carry_the_latency_of_their_nccl():
+    # Selene's 2020-2021 runs (N21, MT-NLG) ran NCCL 2.7-2.11, whose tuning.cc charges a
+    # network ring step 9.6 us; today's stacks (Megatron-Bridge, torchtitan) run >= 2.18
+    from bench.published.runs import published_runs
+
+    runs = published_runs()
+    old = [r for r in runs if r.name.startswith(("N21 ", "MT-NLG "))]
+    new = [r for r in runs if r.name.startswith(("MB2", "TT "))]
+    assert len(old) == 15 and new
+    assert {r.cluster.inter_node_latency_us for r in old} == {9.6}
+    assert {r.cluster.inter_node_latency_us for r in new} == {14.0}

@@ -83,6 +83,30 @@ def test_deepspeed_partition_fills_the_first_stages():
     assert deepspeed_split(9, 4, (0.0, 1.0, 0.0)) is None
 
 
+def test_deepspeed_2024_partitions_by_its_dynamic_programme():
+    """DeepSpeed >= 0.12.5 (PR #4312; deepspeed@2024 is 0.14-0.16) replaced the left-greedy
+    probe by a dynamic programme that keeps the smallest heaviest-minus-lightest stage: 10
+    equal blocks on 4 stages are 3, 3, 2, 2 (a difference of 1), not _lprobe's 3, 3, 3, 1
+    (2), and 9 blocks on 4 stages split (3, 2, 2, 2) where the older probe left one empty."""
+    from meshtron.planner.pipeline_split import deepspeed_dp_split, split_for
+
+    assert deepspeed_dp_split(10, 4, (0.0, 1.0, 0.0)) == [3, 3, 2, 2]
+    assert deepspeed_dp_split(9, 4, (0.0, 1.0, 0.0)) == [3, 2, 2, 2]
+    # the older probe's answer when both are balanced
+    assert deepspeed_dp_split(30, 4, (0.5, 1.0, 0.5)) == [7, 8, 8, 7]
+    # the heaviest-minus-lightest programme is path-dependent, not the min-max split: an
+    # 80-block model with heavy ends (what 0.14's PipelineModule gives a Llama's embedding)
+    got = deepspeed_dp_split(80, 8, (1.0, 0.8, 1.0))
+    assert got == [9, 10, 10, 10, 11, 11, 10, 9] and sum(got) == 80
+    # the 2024 preset's rule prices it; the 2021 rule keeps the probe
+    assert split_for("deepspeed-parameters", 10, 4, 1, 1.0, 0.0, 0.0,
+                     weights=(0.0, 1.0, 0.0)) == [3, 3, 2, 2]
+    assert split_for("deepspeed-transformer", 10, 4, 1, 1.0, 0.0, 0.0) == [3, 3, 3, 1]
+    # memoised: a caller's list is its own
+    got.append(0)
+    assert deepspeed_dp_split(80, 8, (1.0, 0.8, 1.0)) == [9, 10, 10, 10, 11, 11, 10, 9]
+
+
 def test_the_validity_function_carries_the_stack_rule():
     model = PRESETS["llama3-405b"]
     k = {"tp": 8, "pp": 8, "dp": 8}
@@ -138,11 +162,65 @@ def test_meshtron_keeps_its_time_balanced_split(plan_cli):
 # ---- FSDP2's gradient reduction under torch.distributed.pipelining ------------------------------
 def test_reduce_after_drain_is_exposed_on_rank_zero_and_hidden_by_the_drain():
     rs, bwd = 0.4, 1.0
-    assert pipeline.reduce_after_drain(rs, 1, 0, bwd, 0.0) == pytest.approx(rs)
-    assert pipeline.reduce_after_drain(rs, 1, 1, bwd, 0.0) == pytest.approx(0.0)
-    # interleaved: the other chunks' reductions hide behind the last chunk's backwards
-    assert pipeline.reduce_after_drain(rs, 2, 0, bwd, 0.0) == pytest.approx(rs / 2)
-    assert pipeline.reduce_after_drain(4.0, 2, 0, bwd, 0.0) == pytest.approx(4.0 - 0.5)
+    assert pipeline.reduce_after_drain(rs, 1, 0, bwd, interference=0.0) == pytest.approx(rs)
+    assert pipeline.reduce_after_drain(rs, 1, 1, bwd, interference=0.0) == pytest.approx(0.0)
+    # interleaved: the compute stream waits for each chunk's reductions (FSDP2's
+    # finalize_backward), so nothing but the drain hides them: rank 0 pays them whole, a later
+    # rank hides its last chunk's behind the drain only
+    assert pipeline.reduce_after_drain(rs, 2, 0, bwd, interference=0.0) == pytest.approx(rs)
+    assert pipeline.reduce_after_drain(4.0, 2, 0, bwd, interference=0.0) == pytest.approx(4.0)
+    assert pipeline.reduce_after_drain(rs, 2, 1, bwd, interference=0.0) == pytest.approx(rs / 2)
+
+
+def _drain_walk(p: int, v: int, m: int, f: float, b: float, stall: list[float],
+                schedule: str = "interleaved") -> float:
+    """Makespan of the schedule's device orders (simulate/schedule.py; interleaved at v = 1 is
+    1F1B), chunk forwards f and backwards b, each rank's compute stream stalled `stall[rank]`
+    after each chunk's last backward (torch pipelining's REDUCE_GRAD waiting for FSDP2's
+    reductions)."""
+    from meshtron.simulate.schedule import device_orders
+
+    orders = device_orders(schedule if v > 1 else "1f1b", p, v, m)
+    last = {s: k for order in orders for k, (kind, s, _) in enumerate(order) if kind == "B"}
+    n, done, clock, at = p * v, {}, [0.0] * p, [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for d in range(p):
+            while at[d] < len(orders[d]):
+                kind, s, j = orders[d][at[d]]
+                if kind == "F":
+                    ready = done.get(("F", s - 1, j)) if s > 0 else 0.0
+                else:
+                    ready = done.get(("B", s + 1, j)) if s < n - 1 else done.get(("F", s, j))
+                if ready is None:
+                    break
+                clock[d] = max(clock[d], ready) + (f if kind == "F" else b)
+                done[(kind, s, j)] = clock[d]
+                if kind == "B" and last[s] == at[d]:
+                    clock[d] += stall[d]
+                at[d] += 1
+                moved = True
+    assert all(a == len(o) for a, o in zip(at, orders))
+    return max(clock)
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [
+    ("interleaved", 4, 1, 8), ("interleaved", 4, 2, 8), ("interleaved", 8, 2, 16),
+    ("interleaved", 4, 4, 8), ("interleaved", 2, 3, 4),
+    # looped BFS, and fewer micro-batches than stages: each chunk change idles p - m slots
+    ("gpipe", 4, 2, 8), ("gpipe", 4, 2, 2), ("gpipe", 8, 3, 4), ("gpipe", 8, 2, 7)])
+def test_reduce_after_drain_matches_an_event_walk_of_the_schedule(schedule, p, v, m):
+    f, b = 1.0, 2.0  # per chunk and micro-batch
+    base = _drain_walk(p, v, m, f, b, [0.0] * p, schedule)
+    for per_chunk in (0.5, 3.0, 7.0, 11.0):
+        for rank in range(p):
+            stall = [0.0] * p
+            stall[rank] = per_chunk
+            walked = _drain_walk(p, v, m, f, b, stall, schedule) - base
+            model = pipeline.reduce_after_drain(v * per_chunk, v, rank, v * b, max(0, p - m),
+                                                0.0)
+            assert model == pytest.approx(walked), (rank, per_chunk)
 
 
 def test_torchtitan_pipeline_pays_rank_zeros_reduce_scatter_whole():
@@ -326,3 +404,30 @@ def test_megatron_interleaving_needs_its_micro_batch_counts():
     assert problems and "multiple of pp=8" in problems[0]
     bad = {**k, "dp": "eight"}  # the field rules speak first; nothing raises
     assert plan_problems(bad, 512, runtime=False, split="megatron-even")
+
+
+def test_the_evaluator_passes_the_looped_schedules_idle_to_the_reduction(monkeypatch):
+    """A torch-pipelined FSDP plan with fewer micro-batches than stages idles p - m
+    chunk-slots at each chunk change (pipeline.bubble_time): the reduction's stalls hide there
+    (pipeline.reduce_after_drain's `idle`), and only on looped schedules."""
+    from meshtron.planner.cluster import preset_cluster
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.plan import Plan
+
+    seen = []
+    real = pipeline.reduce_after_drain
+
+    def spy(reduce_s, v, stage, bwd, idle=0, *rest):
+        seen.append((v, idle))
+        return real(reduce_s, v, stage, bwd, idle, *rest)
+
+    monkeypatch.setattr(pipeline, "reduce_after_drain", spy)
+    model, cluster = PRESETS["llama3-8b"], preset_cluster("dgx-h100", 2)
+    for schedule, v, batch, want in (("interleaved", 2, 4, 2), ("interleaved", 2, 16, 0),
+                                     ("gpipe", 2, 2, 3), ("1f1b", 1, 2, 0)):
+        seen.clear()
+        plan = Plan(tp=2, pp=4, dp=2, zero=1, micro_batch=1, recompute="full", sp=True,
+                    schedule=schedule, virtual_stages=v, dtype="bf16")
+        # m = batch / (dp * micro_batch)
+        assert Evaluator(model, cluster, batch, 4096).evaluate(plan) is not None
+        assert seen and {s for s in seen} == {(v, want)}, (schedule, batch, seen)

@@ -142,6 +142,20 @@ def _calibration() -> list[PublishedRun]:
     return runs
 
 
+NCCL_2021_NET_LATENCY_US = 9.6
+"""Network ring step of the NCCL that Selene's 2020-2021 runs used (N21, MT-NLG): NVIDIA/nccl
+src/graph/tuning.cc hwLat[NET][Ring][Simple] is 9.6 us in every release from v2.7.3 (mid 2020)
+to v2.11 (2021); 28 in v2.12-2.13 (March-August 2022), 9.6 again in v2.14-2.17 and 14.0 from
+v2.18.1 (April 2023), the planner's default (cluster.DEFAULT_INTER_LATENCY_US). Rows whose
+NCCL year is not known (K22's spring 2022 falls on the 2.11/2.12 boundary) keep the default."""
+
+
+def selene_2021(nodes: int) -> ClusterSpec:
+    """Selene (DGX A100 80GB) as its 2021 runs ran it: the NCCL of that year's latency."""
+    return dataclasses.replace(preset_cluster("dgx-a100", nodes),
+                               inter_node_latency_us=NCCL_2021_NET_LATENCY_US)
+
+
 def _n21_table2() -> list[PublishedRun]:
     src = "N21 Table 2 (Selene DGX A100 80GB)"
     gpt175 = gpt_model("gpt-175B", 96, 12288, 96)
@@ -150,13 +164,13 @@ def _n21_table2() -> list[PublishedRun]:
     for gpus, tf in ((384, 153.0), (768, 149.0), (1536, 141.0)):
         runs.append(PublishedRun(
             f"N21 PTD-P 175B {gpus}", src, "Megatron-LM", gpt175,
-            preset_cluster("dgx-a100", gpus // 8), 1536, 2048, 8, 12, gpus // 96, 0, "full",
+            selene_2021(gpus // 8), 1536, 2048, 8, 12, gpus // 96, 0, "full",
             False, MEGATRON_2021, "hw_tflops", tf, schedules=("interleaved",),
             note="model-parallel size 96 = tp 8 x pp 12; micro-batch 1 (published)"))
     for gpus, tf in ((560, 171.0), (1120, 167.0), (2240, 159.0)):
         runs.append(PublishedRun(
             f"N21 PTD-P 530B {gpus}", src, "Megatron-LM", gpt530,
-            preset_cluster("dgx-a100", gpus // 8), 2240, 2048, 8, 35, gpus // 280, 0, "full",
+            selene_2021(gpus // 8), 2240, 2048, 8, 35, gpus // 280, 0, "full",
             False, MEGATRON_2021, "hw_tflops", tf, schedules=("interleaved",),
             note="model-parallel size 280 = tp 8 x pp 35; micro-batch 1 (published)"))
     for model, gpus, batch, mb, tf in ((gpt175, 384, 1536, 4, 144.0), (gpt175, 768, 1536, 2, 88.0),
@@ -166,7 +180,7 @@ def _n21_table2() -> list[PublishedRun]:
                                        (gpt530, 2240, 2240, 1, 48.0)):
         runs.append(PublishedRun(
             f"N21 ZeRO-3 {model.name[4:]} {gpus}", src, "DeepSpeed ZeRO-3", model,
-            preset_cluster("dgx-a100", gpus // 8), batch, 2048, 1, 1, gpus, 3, "full", False,
+            selene_2021(gpus // 8), batch, 2048, 1, 1, gpus, 3, "full", False,
             DEEPSPEED_ZERO3_2021, "hw_tflops", tf, micro_batches=(mb,), memory=DEEPSPEED_MEMORY,
             note="no model parallelism; micro-batch as published; full recomputation assumed "
                  "(the published FLOP formula counts it)"))
@@ -179,7 +193,7 @@ def _megatron_deepspeed() -> list[PublishedRun]:
     for nodes, tf in ((280, 126.0), (350, 121.0), (420, 113.0)):
         runs.append(PublishedRun(
             f"MT-NLG 530B {nodes * 8}", "MTNLG section 2.3 (Selene, batch 1920)",
-            "Megatron-DeepSpeed", mtnlg, preset_cluster("dgx-a100", nodes), 1920, 2048, 8, 35,
+            "Megatron-DeepSpeed", mtnlg, selene_2021(nodes), 1920, 2048, 8, 35,
             nodes * 8 // 280, 1, "full", False, DEEPSPEED_PIPE_2021, "hw_tflops", tf,
             memory=MEGATRON_DEEPSPEED_MEMORY, note="DeepSpeed 1F1B pipeline, ZeRO-1, micro-batch 1 (assumed)"))
     runs.append(PublishedRun(

@@ -80,7 +80,7 @@ class GPUType:
     sms: int | None = None
     """Streaming multiprocessors (whitepapers: V100 80, A100 108, H100/H200 SXM 132, B200
     148): a communication kernel that takes SMs beside a GEMM slows it by sms / (sms - taken)
-    (compute.py `sm_margin`). None: unknown."""
+    (overlap.py `sm_margin`). None: unknown."""
 
 
 # name, peak TFLOP/s, GiB, HBM GB/s, NVLink GB/s per direction, NIC GB/s per GPU, matmul ceiling
@@ -123,8 +123,9 @@ CLUSTER_PRESETS = {
 # Default per-step latencies (alpha of the alpha-beta model): NCCL's own figures for a ring step
 # with the Simple protocol (NVIDIA/nccl src/graph/tuning.cc, hwLat table): 3.4 us over NVLink
 # (unchanged from v2.8 to master) and 14.0 us over the network, the value of every NCCL since
-# v2.18.1 (2023: PyTorch 2.1 onwards, through master's ncclTunerConstantsDefaults; v2.8-2.16
-# had 9.6). A cluster file that ran an older NCCL (e.g. 2021's Selene runs) may state 9.6.
+# v2.18.1 (2023: PyTorch 2.1 onwards, through master's ncclTunerConstantsDefaults; v2.7-2.11
+# and v2.14-2.17 had 9.6, v2.12-2.13 28). A cluster file that ran an older NCCL states its
+# own (2021's Selene runs: bench/published/runs.py `selene_2021`).
 DEFAULT_INTRA_LATENCY_US = 3.4
 DEFAULT_INTER_LATENCY_US = 14.0
 # Device memory bandwidth assumed when only peak_tflops is given: ~150 FLOP per byte is the

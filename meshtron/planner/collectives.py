@@ -5,7 +5,7 @@ plan (issue 17: one gradient reduction per step for ZeRO-0/1, ZeRO-1 as a distri
 optimizer, ZeRO-2/3 per micro-batch unless `accumulate_unsharded`, the embedding and
 [final norm, output head] as FSDP units of their own, the last unit not resharded after
 forward, no resharding between micro-batches with pipelining). It is the count the cost model
-prices (planner/estimate.py `dp_flags`) and the one a runtime test checks against the
+prices (planner/dp_cost.py `dp_flags`) and the one a runtime test checks against the
 collectives it records on real gloo process groups. Torch-free.
 
 What is counted, per rank, per optimizer step:

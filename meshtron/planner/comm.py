@@ -11,8 +11,9 @@ with, for a ring of n ranks spread over N nodes (nsteps = n-1 for reduce-scatter
 
 * latency = baseLat + (nsteps - nInterSteps) * hwLat_NVLink + nInterSteps * hwLat_NET. NCCL's
   table for the Simple protocol (used for the large buffers of training): baseLat(ring) 8.4 us,
-  hwLat_NVLink(ring) 3.4 us, hwLat_NET(ring) 14 us per step (9.6 before NCCL 2.18). The per-step hardware latencies
-  are the cluster's `intra_node_latency_us` / `inter_node_latency_us`; baseLat is its
+  hwLat_NVLink(ring) 3.4 us, hwLat_NET(ring) 14 us per step since NCCL 2.18 (9.6 in 2.7-2.11
+  and 2.14-2.17, 28 in 2.12-2.13). The per-step hardware latencies are the cluster's
+  `intra_node_latency_us` / `inter_node_latency_us`; baseLat is its
   `collective_base_latency_us` (`meshtron calibrate` fits all three), `BASE_LATENCY_S` if unset.
   Latency therefore grows linearly with the ranks in the ring: a 1,536-rank ring pays over 1,500
   step latencies per collective, whatever its size.

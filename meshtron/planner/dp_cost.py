@@ -116,14 +116,15 @@ class DataParallelCost:
                  wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
                  gather_once: bool = False, wsize: float = compute.BF16,
                  units: int | None = None, kept: float = 0.0,
-                 drain: tuple[int, int, float] | None = None) -> float:
+                 drain: tuple[int, int, float, int] | None = None) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring); `wire`: bytes per gradient element when compressed
         (planner/compression.py); `units`: its FSDP units (`fsdp_units`; default: the
         layers' own); `kept`: parameters of its last unit, not re-gathered for backward
         (FSDP's [norm, head]); `drain`: (v, pipeline rank, one micro-batch's backward of the
-        rank) when torch.distributed.pipelining reduces the gradients after the stage's last
-        backward (pipeline.reduce_after_drain); the rest: `dp_flags`."""
+        rank, chunk-slots idle at each chunk change) when torch.distributed.pipelining reduces
+        the gradients after the stage's last backward (pipeline.reduce_after_drain); the rest:
+        `dp_flags`."""
         group = groups["dp"]
         units = units or max(1, layers * self.opts.shard_units_per_layer)
         key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
@@ -194,7 +195,7 @@ class DataParallelCost:
                           fwd: float, bwd: float, zero: int, gsize: float, reduce_once: bool,
                           gather_once: bool, regather: bool, wsize: float,
                           kept: float = 0.0,
-                          drain: tuple[int, int, float] | None = None) -> float:
+                          drain: tuple[int, int, float, int] | None = None) -> float:
         """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
         (`reduce_once`: one reduce-scatter per unit per step, after the last backward: exposed
         behind that backward only, or under pipelining (`drain`) issued after it,

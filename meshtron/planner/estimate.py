@@ -553,6 +553,9 @@ class Evaluator(DataParallelCost):
         dp_t = 0.0
         opt_t = 0.0
         off_t = 0.0
+        # chunk-slots a looped schedule idles at each chunk change (pipeline.bubble_time)
+        looped = v > 1 and (cfg.schedule == "interleaved" or cfg.schedule == "gpipe")
+        idle = max(0, pp - m) if looped else 0
         host_gpu = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
         seen: set[tuple[int, bool, bool]] = set()
         for i, k in enumerate(n):
@@ -578,7 +581,7 @@ class Evaluator(DataParallelCost):
                 bwd = stage_t[i] - stage_f[i]
                 # FSDP2 under torch.distributed.pipelining reduces after the stage's last
                 # backward (pipeline.reduce_after_drain); DDP-style stacks during it
-                drain = (v, i, bwd) if pp > 1 and self.opts.sharding == "fsdp" else None
+                drain = (v, i, bwd, idle) if pp > 1 and self.opts.sharding == "fsdp" else None
                 # stage i finishes its last backward about i stage-backwards before stage 0
                 args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
                         k, rec == "full" and self.opts.recompute_regathers)
@@ -683,8 +686,13 @@ class Evaluator(DataParallelCost):
         share = experts / (params + experts)
         # a pipelined reduction's window (pipeline.reduce_after_drain) is shared the same way
         drain = flags.get("drain")
-        part = (lambda f: {**flags, "drain": (drain[0], drain[1], drain[2] * f)}) if drain \
-            else (lambda f: flags)
+
+        def part(f: float) -> dict[str, Any]:
+            if not drain:
+                return flags
+            v, rank, bwd_s, idle = drain
+            return {**flags, "drain": (v, rank, bwd_s * f, idle)}
+
         dense = self._dp_time(params, zero, groups, m, fwd * (1 - share), bwd * (1 - share), k,
                               regather, units=units, kept=kept, **part(1 - share))
         moe_units = max(1, round(k * self.model.moe_layers / self.model.layers))

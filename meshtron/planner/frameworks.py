@@ -17,7 +17,7 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
 * `meshtron` (default): meshtron's own runtime (meshtron/parallel/): eager PyTorch modules,
   FSDP2 with fp32 sharded parameters and MixedPrecisionPolicy(param bf16, reduce fp32); ZeRO-0/1
   reduce once per step, ZeRO-1 is a distributed optimizer, ZeRO-2/3 reduce-scatter per
-  micro-batch (planner/estimate.py `dp_flags`); selective recomputation saves matmul and
+  micro-batch (planner/dp_cost.py `dp_flags`); selective recomputation saves matmul and
   collective outputs; the loss upcasts logits to fp32.
 * `torchtitan@2025`: pytorch/torchtitan main 2025 (torchtitan/models/llama3/infra/
   parallelize.py, torchtitan/config/job_config.py): FSDP2 (fp32 master parameters, bf16
@@ -63,7 +63,8 @@ asserted); megatron@2024 equal middle stages with the end stages set apart
 (--decoder-first/last-pipeline-num-layers, account_for_embedding/loss_in_pipeline_split;
 Megatron-Core 0.14+'s pipeline_model_parallel_layout is `pipeline_split = "any"`);
 deepspeed@2021 Megatron-DeepSpeed's PipelineModule partition_method 'type:transformer',
-deepspeed@2024 PipelineModule's default 'parameters' (DeepSpeed's balanced left-greedy split).
+deepspeed@2024 PipelineModule's default 'parameters' (0.12.5+'s dynamic programme; 2021's
+DeepSpeed filled the stages left-greedy).
 The same rule names the schedules the stack's engine runs (plan_rules.STACK_SCHEDULES):
 Megatron 1F1B and interleaved, DeepSpeed 1F1B; meshtron and torchtitan every one priced.
 

@@ -31,7 +31,8 @@ PIPELINE_SPLITS = ("any", "megatron-even", "megatron-ends", "deepspeed-transform
 time-balanced split), 'megatron-even' (Megatron-LM: equal layers per stage and chunk),
 'megatron-ends' (Megatron-Core 0.9+: equal middle stages, first/last stage counts of their
 own), 'deepspeed-transformer' / 'deepspeed-parameters' (DeepSpeed's PipelineModule
-partition_method 'type:transformer' / 'parameters': its balanced left-greedy split)."""
+partition_method 'type:transformer' with the left-greedy split of DeepSpeed <= 0.12.4 /
+'parameters' with the dynamic programme of 0.12.5+)."""
 
 
 @dataclass(frozen=True)

@@ -93,28 +93,34 @@ def tied_embedding_reduce(nbytes: float, crosses_nodes: bool, fab: comm.Fabric) 
     return comm.all_reduce(nbytes, comm.Group(2, 1 if crosses_nodes else 2), fab)
 
 
-def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float,
+def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float, idle: int = 0,
                        interference: float = OVERLAP_INTERFERENCE) -> float:
     """Exposed seconds of a pipeline rank's gradient reduction (`reduce_s`, all its chunks) when
     torch.distributed.pipelining runs it after each stage's last backward: FSDP's gradient
     sync is off for the step's micro-batches (stage.py `backward_maybe_with_nosync`:
     set_requires_gradient_sync(False), set_reshard_after_backward(False)) and the stage's
     reduce-scatters are issued only after its last backward (torch 2.4-2.5 run_post_backward
-    on last_backward; 2.6+ `perform_reduce_grad`, the REDUCE_GRAD action scheduled after all
-    the stage's B/W actions), which then waits for them (`_root_post_backward_final_callback`
-    puts the reductions back on the default stream before the optimizer reads the shards). So
-    nothing of the rank's own compute is left to hide them but the backwards of its other
-    chunks: with v chunks of reduce_s / v each, chained on one stream behind chunk
-    backwards of bwd / v (`bwd`: one micro-batch's backward of the whole rank), the last
-    chunk's reduction ends max(reduce_s / v, reduce_s - (v-1) bwd / v) after the rank's
-    last backward. Rank `stage` ends its last backward `stage` chunk-backwards before rank 0
-    (1F1B's and the interleaved schedule's drain), idle time that hides the rest: rank 0's
-    reduction is exposed whole (v = 1)."""
+    on last_backward; 2.6+ `perform_reduce_grad`, the REDUCE_GRAD action that
+    schedules.py `_add_reduce_grad` puts right after the stage's last B/W, before the rank's
+    next action). perform_reduce_grad then calls `_root_post_backward_final_callback` with
+    is_last_backward set, whose FSDPParamGroup.finalize_backward makes the compute stream wait
+    for the reductions (current_stream().wait_event on the post-reduce events): no compute of
+    the rank runs beside them. With v chunks of reduce_s / v each, every chunk but the rank's
+    last finishes its backwards while the rank still has backwards of other chunks to run on
+    the drain's critical chain (the last micro-batch passes every rank once per chunk), so
+    each of those v - 1 stalls delays the step whole; the last chunk's reduction comes after
+    the rank's last backward, which rank `stage` ends `stage` chunk-backwards (bwd / v each,
+    `bwd`: one micro-batch's backward of the whole rank) before rank 0 (1F1B's and the
+    interleaved schedule's drain): that idle hides it. Rank 0 exposes all of it. A looped
+    schedule with fewer micro-batches than stages waits `idle` (= p - m) chunk-slots at each
+    chunk change (`bubble_time`), which hides that much of each earlier chunk's stall. An
+    event walk of the schedules' device orders with these stalls gives exactly this
+    (tests/test_pipeline_split.py)."""
     if reduce_s <= 0.0:
         return 0.0
     v = max(1, v)
-    tail = max(reduce_s / v, reduce_s - (v - 1) * bwd / v)
-    exposed = max(0.0, tail - stage * bwd / v)
+    last, chunk_bwd = reduce_s / v, bwd / v
+    exposed = (v - 1) * max(0.0, last - idle * chunk_bwd) + max(0.0, last - stage * chunk_bwd)
     return exposed + interference * (reduce_s - exposed)
 
 

@@ -17,13 +17,19 @@ The planner prices what the stack runs, so the split is the stack's, not the bes
 * 'deepspeed-transformer' / 'deepspeed-parameters': DeepSpeed's PipelineModule
   `_partition_layers` with partition_method 'type:transformer' (Megatron-DeepSpeed's
   GPTModelPipe: every block weighs 1, the embedding and head 0) or 'parameters' (the default:
-  every layer spec weighs its parameter count): deepspeed/runtime/utils.py
-  `partition_balanced` binary-searches the smallest bottleneck and `_lprobe` fills the stages
-  from the first, each up to that bottleneck, so the surplus ends on the last stages. The
-  split is not a choice: the memory caps cannot move it.
+  every layer spec weighs its parameter count), through deepspeed/runtime/utils.py
+  `partition_balanced`. Up to v0.12.4 (Megatron-DeepSpeed's 2021-2022 runs, deepspeed@2021)
+  it binary-searches the smallest bottleneck and `_lprobe` fills the stages from the first,
+  each up to that bottleneck, so the surplus ends on the last stages (`deepspeed_split`);
+  from v0.12.5 (PR #4312, December 2023; deepspeed@2024 is 0.14-0.16) a dynamic programme
+  over the items keeps, for every prefix and stage count, the split with the smallest
+  difference between its heaviest and lightest stage, ties to the latest cut
+  (`deepspeed_dp_split`). The split is not a choice: the memory caps cannot move it.
 """
 
 from __future__ import annotations
+
+import functools
 
 from meshtron.planner import pipeline
 from meshtron.planner.plan_rules import megatron_account_for, split_problem
@@ -40,7 +46,7 @@ def split_for(rule: str, layers: int, p: int, v: int, layer_time: float, first_e
     if rule == "deepspeed-transformer":
         return deepspeed_split(layers, p, (0.0, 1.0, 0.0))
     if rule == "deepspeed-parameters":
-        return deepspeed_split(layers, p, weights)
+        return deepspeed_dp_split(layers, p, weights)
     return pipeline.partition_layers(layers, p, layer_time, first_extra, last_extra, caps, v)
 
 
@@ -125,6 +131,54 @@ def deepspeed_split(layers: int, p: int,
     # blocks are items 1..layers
     counts = [max(0, min(b, layers + 1) - max(a, 1)) for a, b in fill(hi)]
     return counts if min(counts) > 0 and sum(counts) == layers else None
+
+
+def deepspeed_dp_split(layers: int, p: int,
+                       weights: tuple[float, float, float]) -> list[int] | None:
+    """Blocks per stage of DeepSpeed >= 0.12.5's balanced partition (`_deepspeed_dp`), or
+    None when a stage would hold no block."""
+    counts = _deepspeed_dp(layers, p, tuple(weights))
+    return list(counts) if counts is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _deepspeed_dp(layers: int, p: int,
+                  weights: tuple[float, float, float]) -> tuple[int, ...] | None:
+    """Blocks per stage of DeepSpeed >= 0.12.5's `partition_balanced` over [embedding,
+    blocks..., head] weighing `weights` (module docstring): cost[i][j] = heaviest minus
+    lightest of the best split of the first i items into j stages, extended by every last
+    stage k..i, ties to the largest k (its `>=`); the lightest of a one-stage prefix is that
+    stage (its dp_min starts at infinity). Pure, O(p (L + 2)^2): memoised process-wide (the
+    search prices every plan of one pipeline depth with the same split; the key is every
+    input)."""
+    w_emb, w_blk, w_head = weights
+    items = [w_emb] + [w_blk] * layers + [w_head]
+    n = len(items)
+    if n <= p:
+        return None
+    prefix = [0.0]
+    for w in items:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # state per (i, j): (cost, heaviest, lightest, cut)
+    hi = [[inf] * (p + 1) for _ in range(n + 1)]
+    lo = [[inf] * (p + 1) for _ in range(n + 1)]
+    cost = [[inf] * (p + 1) for _ in range(n + 1)]
+    cut = [[0] * (p + 1) for _ in range(n + 1)]
+    hi[0][0] = cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, p) + 1):
+            for k in range(i):
+                seg = prefix[i] - prefix[k]
+                top, low = max(hi[k][j - 1], seg), min(lo[k][j - 1], seg)
+                if cost[i][j] >= top - low:
+                    cost[i][j], hi[i][j], lo[i][j], cut[i][j] = top - low, top, low, k
+    bounds = [n]
+    for j in range(p, 0, -1):
+        bounds.append(cut[bounds[-1]][j])
+    bounds.reverse()
+    counts = [max(0, min(b, layers + 1) - max(a, 1)) for a, b in zip(bounds, bounds[1:])]
+    return tuple(counts) if min(counts) > 0 and sum(counts) == layers else None
 
 
 def chunks(rule: str, stage_layers: list[int], v: int) -> list[int]:

@@ -51,7 +51,7 @@ class Knobs:
     the 'fused' stack (compute.py: what `--compile` runs)."""
     async_tp: bool | None = None
     """Asynchronous TP (needs compile, tp > 1 and sp); not searched (False when None). True
-    prices the TP collectives overlapped with the matmuls (compute.py `KernelOptions.async_tp`)."""
+    prices the TP collectives overlapped with the matmuls (kernel_options.py `KernelOptions.async_tp`)."""
     fp8_recipe: str | None = None
     """torchao float8 scaling with dtype fp8 ('rowwise' when None)."""
     offload: str | None = None

@@ -2,7 +2,7 @@
 
 What is simulated: every pipeline device runs its forwards, backwards (and zero-bubble weight
 gradients) in its schedule's order (schedule.py), each taking the planner's per-micro-batch
-time for its layers (planner/estimate.py `step_pieces`: the same compute, tensor-parallel and
+time for its layers (planner/step_pieces.py `step_pieces`: the same compute, tensor-parallel and
 recomputation model the analytical planner adds up); activations and their gradients cross
 stage boundaries as transfers; gradients leave in buckets while the backward that produces them
 runs (DDP / FSDP bucketing, about one bucket per layer) and are reduced over the

@@ -1,0 +1,161 @@
+"""The planner's process-wide memo caches never hand one question's answer to another.
+
+estimate.py, compute.py and moe_cost.py memoise pure pieces of the cost model with
+functools.lru_cache across Evaluators (the searches of one command build several: offload,
+knob alternatives, a pinned layout's fits). A key that misses an input the piece reads (the
+dtype, an attention or stack option, the cluster, the model) would return the answer of an
+earlier evaluation in the same process. So: evaluate a set of questions that differ one input
+at a time, in order, with the caches warm from each other; then each again alone, every cache
+cleared first; the answers must be identical, field by field."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import pkgutil
+
+import pytest
+
+import meshtron.planner as planner_pkg
+from meshtron.model.spec import preset
+from meshtron.planner.cluster import preset_cluster
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.plan import Plan
+
+
+def _process_caches() -> list:
+    """Every lru_cache'd function defined in a torch-free meshtron.planner module."""
+    out = []
+    for info in pkgutil.iter_modules(planner_pkg.__path__):
+        mod = importlib.import_module(f"meshtron.planner.{info.name}")
+        for obj in vars(mod).values():
+            if (hasattr(obj, "cache_clear") and isinstance(obj, functools._lru_cache_wrapper)
+                    and getattr(obj, "__module__", None) == mod.__name__):
+                out.append(obj)
+    return out
+
+
+def _questions() -> list[tuple[str, tuple]]:
+    """(label, (model, cluster, seq, opts, plan, global batch)): a base question and its
+    one-input variants, each variant changing what at least one memoised piece reads."""
+    dense = preset("llama3-8b")
+    moe = preset("tiny-moe")
+    h100, a100 = preset_cluster("dgx-h100", 2), preset_cluster("dgx-a100", 2)
+    # interleaved under FSDP2 (the memory walks), selective recomputation (the recompute
+    # FLOPs), tensor parallelism (layer and head costs)
+    plan = Plan(tp=2, pp=2, dp=4, zero=1, micro_batch=1, recompute="selective", sp=True,
+                schedule="interleaved", virtual_stages=2, dtype="bf16")
+    base = (dense, h100, 4096, KernelOptions(), plan, 256)
+    # four micro-batches on four stages: the walk's peak moment moves with the activations
+    deep = plan.replace(pp=4, dp=2)
+
+    def vary(**kw):
+        q = dict(zip(("model", "cluster", "seq", "opts", "plan", "batch"), base))
+        q.update(kw)
+        return (q["model"], q["cluster"], q["seq"], q["opts"], q["plan"], q["batch"])
+
+    return [
+        ("base", base),
+        ("fp8", vary(plan=plan.replace(dtype="fp8"))),
+        ("fp32", vary(plan=plan.replace(dtype="fp32", reduce_dtype="fp32"))),
+        ("unfused attention", vary(opts=KernelOptions(attention="unfused"))),
+        ("compiled stack", vary(opts=KernelOptions(stack="compiled"))),
+        ("A100", vary(cluster=a100)),
+        ("older NCCL", vary(cluster=dataclasses.replace(h100, inter_node_latency_us=9.6,
+                                                        intra_node_latency_us=5.0))),
+        ("seq 2048", vary(seq=2048)),
+        ("tied embeddings", vary(model=dataclasses.replace(dense, tied_embeddings=True))),
+        ("wider vocabulary", vary(model=dataclasses.replace(dense, vocab=dense.vocab * 2))),
+        ("full recompute", vary(plan=plan.replace(recompute="full", sp=False))),
+        ("full recompute, sp", vary(plan=plan.replace(recompute="full"))),
+        ("no recompute", vary(plan=plan.replace(recompute="none"))),
+        ("deep", vary(plan=deep, batch=8)),
+        ("deep, full recompute", vary(plan=deep.replace(recompute="full"), batch=8)),
+        ("deep, no recompute", vary(plan=deep.replace(recompute="none"), batch=8)),
+        ("micro-batch 2", vary(plan=plan.replace(micro_batch=2))),
+        ("zero 3", vary(plan=plan.replace(zero=3))),
+        ("moe", vary(model=moe, plan=Plan(tp=1, pp=2, dp=8, zero=1, micro_batch=1,
+                                          recompute="selective", sp=False,
+                                          schedule="interleaved", virtual_stages=2, ep=2,
+                                          dtype="bf16"))),
+        ("moe unfused", vary(model=moe, opts=KernelOptions(attention="unfused"),
+                             plan=Plan(tp=1, pp=2, dp=8, zero=1, micro_batch=1,
+                                       recompute="selective", sp=False,
+                                       schedule="interleaved", virtual_stages=2, ep=2,
+                                       dtype="bf16"))),
+    ]
+
+
+def _answer(model, cluster, seq, opts, plan, batch):
+    """The estimate, with every pipeline stage's memory (not only the fullest one's)."""
+    ev = Evaluator(model, cluster, batch, seq, opts)
+    est = ev.evaluate(plan)
+    assert est is not None
+    stages = tuple(ev.evaluate(plan, stage=s).memory for s in range(plan.pp))
+    return (est.time, est.memory, stages, tuple(est.stage_layers), est.hfu, est.fits)
+
+
+def test_the_planner_has_process_wide_caches_to_check():
+    names = {f.__name__ for f in _process_caches()}
+    # the memoised pieces of estimate.py and compute.py: if they move, this test must follow
+    assert {"_weighted_in_flight", "_peak_outputs", "_recompute_flops",
+            "layer_cost", "head_cost"} <= names
+
+
+def test_warm_caches_answer_as_cold_ones():
+    caches = _process_caches()
+    questions = _questions()
+    for f in caches:
+        f.cache_clear()
+    warm = [(label, _answer(*q)) for label, q in questions]
+    # the variants must differ from the base, or they test no key
+    assert all(ans != warm[0][1] for _, ans in warm[1:])
+    for (label, q), (_, hot) in zip(questions, warm):
+        for f in caches:
+            f.cache_clear()
+        assert _answer(*q) == hot, f"{label}: a warm process-wide cache changed the answer"
+
+
+@pytest.mark.parametrize("base,label", [("base", "unfused attention"),
+                                        ("base", "full recompute"), ("base", "micro-batch 2"),
+                                        ("deep", "deep, full recompute")])
+def test_each_variant_is_answered_alone_as_after_the_others(base, label):
+    """Reverse order too: the base after the variant (a key that drops the varied input would
+    hand the variant's value back to the base)."""
+    caches = _process_caches()
+    q = dict(_questions())
+    for f in caches:
+        f.cache_clear()
+    _answer(*q[label])
+    after_variant = _answer(*q[base])
+    for f in caches:
+        f.cache_clear()
+    assert after_variant == _answer(*q[base])
+
+
+def test_one_evaluators_own_cache_answers_each_plan_as_a_fresh_one():
+    """The Evaluator's per-instance cache (`_cache`: micro costs, memory pieces, groups,
+    splits, data-parallel times) is keyed by plan fields; the search asks one Evaluator
+    thousands of plans. Plans that differ one field at a time, asked in a row, must each get a
+    fresh Evaluator's answer."""
+    model, cluster = preset("llama3-8b"), preset_cluster("dgx-h100", 2)
+    base = Plan(tp=2, pp=2, dp=4, zero=1, micro_batch=1, recompute="selective", sp=True,
+                schedule="interleaved", virtual_stages=2, dtype="bf16")
+    plans = [base, base.replace(dtype="fp8"), base.replace(dtype="fp8", fp8_recipe="tensorwise"),
+             base.replace(reduce_dtype="bf16"), base.replace(zero=2),
+             base.replace(zero=3, accumulate_unsharded=True), base.replace(zero=3),
+             base.replace(zero=3, dp_replicate=2), base.replace(schedule="1f1b", virtual_stages=1),
+             base.replace(schedule="gpipe"), base.replace(virtual_stages=4),
+             base.replace(sp=False), base.replace(recompute="full"),
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8),
+             base.replace(tp=1, dp=8, sp=False), base.replace(micro_batch=2),
+             base.replace(zero=3, offload="full"), base.replace(compile=True)]
+    shared = Evaluator(model, cluster, 256, 4096)
+    for plan in plans:
+        warm = shared.evaluate(plan)
+        cold = Evaluator(model, cluster, 256, 4096).evaluate(plan)
+        assert warm is not None and cold is not None
+        assert (warm.time, warm.memory, warm.stage_layers, warm.fits) == \
+            (cold.time, cold.memory, cold.stage_layers, cold.fits), plan.knobs()
