@@ -93,12 +93,110 @@ def test_the_validity_function_carries_the_stack_rule():
 
 
 # ---- through the command line ------------------------------------------------------------------
-def test_megatron_refuses_a_pp_it_cannot_split_in_one_line(plan_cli):
-    rc, out, err = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8")
+def test_a_pinned_layout_megatron_2021_cannot_split_is_priced_on_uneven_ends(plan_cli):
+    """Issue 30: a published layout is answered. 126 layers over pp=8 is not one of Megatron-LM
+    2021's equal splits: priced on the uneven end stages Megatron-Core 0.9+ runs, with one
+    warning naming the rule and the split priced."""
+    rc, out, err = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8",
+                            "--schedule", "1f1b", "--json", "--top", "1")
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert plan["stage_layers"] == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert split_problem("megatron-ends", 126, 8, 1, plan["stage_layers"]) is None
+    assert plan["step_time_s"] > 0 and not doc["pinned"]
+    (warning,) = doc["warnings"]
+    assert warning.startswith("megatron@2021 cannot split this pinned layout")
+    assert "126 layers" in warning and "15,16,16,16,16,16,16,15" in warning
+    assert "--decoder-first/last-pipeline-num-layers" in warning
+    assert err.strip() == f"warning: {warning}"  # once on stderr, one line
+    # the text output prints it too
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8",
+                          "--schedule", "1f1b", "--top", "1")
+    assert rc == 0 and "Warning: megatron@2021 cannot split" in " ".join(out.split())
+
+
+def test_a_layout_pinned_by_the_gpu_count_is_answered_too(plan_cli):
+    # tp and dp fixed leave pp=8 on 512 GPUs
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,dp=8",
+                          "--schedule", "1f1b", "--json", "--top", "1")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["plans"][0]["pp"] == 8 and len(doc["warnings"]) == 1
+    assert "126 layers" in doc["warnings"][0]
+
+
+def test_a_fixed_pp_megatron_cannot_split_is_refused_when_the_layout_is_open(plan_cli):
+    # pp=8 with tp (and so dp) open: the planner chooses the layout, the stack's rule stands
+    rc, out, err = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "pp=8")
     assert rc == 2 and out == ""
     line = err.strip()
     assert "\n" not in line and "Traceback" not in line
     assert "plan.pp=8" in line and "126 layers" in line
+
+
+def test_megatron_core_prices_virtual_stages_it_cannot_build_on_any_split(plan_cli):
+    # 126 layers in 8 x 5 chunks: neither uneven ends (126 % 5) nor account_for (127, 128 are
+    # not multiples of 40): priced on the time-balanced split pipeline_model_parallel_layout
+    # can place
+    assert split_problem("megatron-ends", 126, 8, 5) is not None
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2024", "--layout", "tp=8,pp=8,dp=8",
+                          "--schedule", "interleaved:5", "--json", "--top", "1")
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert plan["virtual_stages"] == 5 and sum(plan["stage_layers"]) == 126
+    assert len(plan["stage_layers"]) == 40
+    assert "--pipeline-model-parallel-layout" in doc["warnings"][0]
+
+
+def test_deepspeed_pinned_layout_without_blocks_on_the_last_stage_is_answered(plan_cli):
+    # 32 blocks over 12 stages: partition_balanced fills 3 per stage and leaves the last empty
+    args = ("--model", "llama3-8b", "--cluster", "dgx-h100:12", "--global-batch", "96",
+            "--seq-len", "4096", "--layout", "tp=8,pp=12,dp=1", "--json", "--top", "1")
+    rc, out, _ = plan_cli(*args, "--framework", "deepspeed@2021")
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert min(plan["stage_layers"]) > 0 and sum(plan["stage_layers"]) == 32
+    assert plan["schedule"] == "1f1b" and plan["virtual_stages"] == 1  # still its engine's
+    assert "partition_balanced" in doc["warnings"][0]
+
+
+def test_a_split_priced_instead_keeps_the_stacks_engine():
+    """The split priced instead is only the split: DeepSpeed's engine keeps its pipe buffers
+    (memory_pipeline.deepspeed_pipe_buffers), its schedules stay its own (search_space)."""
+    ds = preset("deepspeed@2021")
+    model, cluster = PRESETS["llama3-8b"], resolve_cluster("dgx-a100:4")
+    plan = Plan(tp=1, pp=4, dp=8, zero=1, micro_batch=1, recompute="full", schedule="1f1b",
+                dtype="bf16")
+
+    def stage1(mem):
+        return Evaluator(model, cluster, 64, 2048, ds.kernel, mem=mem).evaluate(plan, stage=1)
+
+    priced = stage1(dataclasses.replace(ds.memory, split_priced="any"))
+    plain = stage1(dataclasses.replace(ds.memory, pipeline_split="any"))
+    assert priced.stage_layers == plain.stage_layers != [8, 8, 8, 8]
+    assert priced.memory.total > plain.memory.total  # the engine's buffers
+    assert dataclasses.replace(ds.memory, split_priced="any").engine == "deepspeed-transformer"
+
+
+def test_a_split_the_stack_cannot_build_is_saved_with_the_warning(plan_cli, tmp_path):
+    from meshtron.planner.plan import load_plan
+    path = tmp_path / "plan.toml"
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8",
+                          "--schedule", "1f1b", "--top", "1", "--save", str(path))
+    assert rc == 0 and "not megatron@2021's own" in " ".join(out.split())
+    assert list(load_plan(path).stage_layers) == [15, 16, 16, 16, 16, 16, 16, 15]
+
+
+def test_a_schedule_the_stack_has_no_engine_for_stays_refused(plan_cli):
+    for fw, sched in (("megatron@2021", "zb"), ("megatron@2024", "gpipe"),
+                      ("deepspeed@2021", "interleaved:2"), ("deepspeed", "zb")):
+        rc, out, err = plan_cli(*L405, "--framework", fw, "--layout", "tp=8,pp=8,dp=8",
+                                "--schedule", sched)
+        assert rc == 2 and out == "", fw
+        assert "\n" not in err.strip() and "plan.schedule=" in err, (fw, err)
 
 
 def test_megatron_search_proposes_only_expressible_splits(plan_cli):
@@ -106,7 +204,7 @@ def test_megatron_search_proposes_only_expressible_splits(plan_cli):
         rc, out, _ = plan_cli(*L405, "--framework", fw, "--json", "--top", "10")
         assert rc == 0
         plans = json.loads(out)["plans"]
-        assert plans
+        assert plans and json.loads(out)["warnings"] == []  # nothing priced off the rule
         for p in plans:
             if p["pp"] > 1:
                 assert split_problem(rule, 126, p["pp"], p["virtual_stages"],

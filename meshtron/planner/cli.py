@@ -280,9 +280,10 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
         report.render(result, tokens, console, wide=args.wide)
         if rehearsal is not None:
             args.rehearsal[1](rehearsal)
-    if result.pinned:  # priced although predicted not to fit: the text said so; JSON on stderr
-        if args.json:
-            print(f"warning: {report.pinned_warning(result)}", file=sys.stderr, flush=True)
+    if args.json:  # the text printed them; JSON carries them and repeats them on stderr
+        for line in report.warnings(result):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+    if result.pinned:  # priced although predicted not to fit
         return 0
     if not result.fits:
         from rich.console import Console

@@ -128,7 +128,7 @@ class Framework:
                 "overrides": dict(self.overrides),
                 "kernel": dataclasses.asdict(self.kernel),
                 "memory": {k: v for k, v in dataclasses.asdict(self.memory).items()
-                           if k != "dtype"}}
+                           if k not in ("dtype", "split_priced")}}
 
 
 _MESHTRON = Framework(
@@ -218,7 +218,8 @@ ALIASES = {"megatron-lm": "megatron", "megatron-core": "megatron@2024", "mcore":
 DEFAULT = "meshtron"
 
 _KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelOptions)}
-_MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryOptions)} - {"dtype"}
+# the plan's dtype, and the split a search prices for a pinned layout, are not stack options
+_MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryOptions)} - {"dtype", "split_priced"}
 
 
 def preset(text: str | None) -> Framework:

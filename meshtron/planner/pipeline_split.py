@@ -28,6 +28,34 @@ from __future__ import annotations
 from meshtron.planner import pipeline
 from meshtron.planner.plan_rules import megatron_account_for, split_problem
 
+NEAREST = {"megatron-even": ("megatron-ends", "any"), "megatron-ends": ("any",),
+           "deepspeed-transformer": ("any",), "deepspeed-parameters": ("any",)}
+"""For a pinned layout a stack's rule cannot split (search_space.SplitFallback), the rules
+priced instead, nearest first: what the same engine runs when configured further (Megatron-LM
+2021's equal stages -> Megatron-Core 0.9+'s uneven end stages -> Megatron-Core 0.14+'s
+pipeline_model_parallel_layout, any split); DeepSpeed has no option placing layers by count
+(PipelineModule's partition_method is 'parameters', 'uniform' or 'type:REGEX', all computed),
+so its nearest is the time-balanced split. Our reading of a stack's rule can be wrong (versions,
+forks, NeMo recipes): a published layout is a fact, so it is priced, with a warning."""
+
+
+def configured_as(stack: str, priced: str, stage_layers: list[int], v: int) -> str:
+    """How the stack's engine could run the split priced instead of its own (`stage_layers`:
+    per device; `v` chunks each), for the warning (report.split_warning)."""
+    if priced == "megatron-ends":
+        if v > 1 and (stage_layers[0] % v or stage_layers[-1] % v):
+            how = "account_for_embedding/loss_in_pipeline_split (Megatron-Core >= 0.11)"
+        else:
+            how = "--decoder-first/last-pipeline-num-layers (Megatron-Core >= 0.9)"
+        return f"the uneven end stages a Megatron-Core run sets with {how}"
+    if stack.startswith("megatron"):
+        return ("the time-balanced split, which Megatron-Core >= 0.14's "
+                "--pipeline-model-parallel-layout can place")
+    if stack.startswith("deepspeed"):
+        return ("the time-balanced split (meshtron's and torchtitan's), which DeepSpeed's "
+                "partition_balanced does not build")
+    return "the time-balanced split"
+
 
 def split_for(rule: str, layers: int, p: int, v: int, layer_time: float, first_extra: float,
               last_extra: float, caps: list[int] | None = None,

@@ -444,17 +444,21 @@ def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
 
 
 def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
-                  model: Any = None, runtime: bool = True, split: str | None = None) -> list[str]:
+                  model: Any = None, runtime: bool = True, split: str | None = None,
+                  engine: str | None = None) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
     against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
     include meshtron's runtime limits (False when the planner prices another framework);
-    `split`: the priced stack's layer-to-stage rule (memory_options.PIPELINE_SPLITS)."""
+    `split`: the priced stack's layer-to-stage rule (memory_options.PIPELINE_SPLITS);
+    `engine`: the rule naming the stack's pipeline engine, whose schedules are checked, when
+    a pinned layout is priced on another split (search_space.SplitFallback; default `split`)."""
     out = list(field_problems(k))
     g = k.get
     sizes = (g("global_batch"), g("dp"), g("micro_batch"))
     m = (sizes[0] // (sizes[1] * sizes[2])
          if all(_is_int(x) and x > 0 for x in sizes) else None)
-    problem = schedule_problem(split, g("schedule"), g("pp"), g("virtual_stages"), m)
+    problem = schedule_problem(split if engine is None else engine, g("schedule"), g("pp"),
+                               g("virtual_stages"), m)
     if problem:
         out.append(problem)
     if world_size is not None:
