@@ -378,12 +378,13 @@ def warnings(result: SearchResult) -> list[str]:
     return out + ([pinned_warning(result)] if result.pinned else [])
 
 
-def split_warning(result: SearchResult) -> str:
+def split_warning(result: SearchResult, est: Estimate | None = None) -> str:
     """The one warning of a pinned layout the stack's layer-to-stage rule cannot split, priced
-    on the nearest split its engine could be configured to (search_space.SplitFallback)."""
+    on the nearest split its engine could be configured to (search_space.SplitFallback), as
+    `est` (default: the best plan) splits it."""
     from meshtron.planner.pipeline_split import configured_as
 
-    fb, est = result.split_fallback, result.best
+    fb, est = result.split_fallback, est or result.best
     per_gpu, v = _per_gpu(est), est.config.virtual_stages
     chunks = f" ({v} chunks each)" if v > 1 else ""
     label = _framework(result).label
