@@ -83,6 +83,36 @@ def test_deepspeed_partition_fills_the_first_stages():
     assert deepspeed_split(9, 4, (0.0, 1.0, 0.0)) is None
 
 
+def test_deepspeed_0_12_5_partition_keeps_the_stages_range_least():
+    """deepspeed@2024 (DeepSpeed 0.14-0.16) partitions 'parameters' with the dynamic programme
+    of microsoft/DeepSpeed#4312 (0.12.5+), not 0.3.15's bottleneck fill: the pipes work priced
+    the fill, which on Llama 3 8B over 8 stages leaves the last stage only the head (None
+    here), and the evaluator then fell back to a split DeepSpeed does not build."""
+    from meshtron.planner.memory import (embedding_params_local, head_params_local,
+                                         layer_params_local)
+    from meshtron.planner.pipeline_split import deepspeed_range_split
+    # type weights: the fill gives 3, 3, 3, 1 (range 2); the programme a range of 1, its last
+    # cut on ties (DeepSpeed's `>=`), so the surplus on the first stages
+    assert deepspeed_range_split(10, 4, (0.0, 1.0, 0.0)) == [3, 3, 2, 2]
+    assert deepspeed_range_split(30, 4, (0.5, 1.0, 0.5)) == [7, 8, 8, 7]  # as the fill
+    # ends of three blocks' weight each: the ends hold only them (stage sums 3, 3, 3, 3)
+    assert deepspeed_range_split(6, 4, (3.0, 1.0, 3.0)) == [0, 3, 3, 0]
+    m = PRESETS["llama3-8b"]
+    w = (embedding_params_local(m, 1), layer_params_local(m, 1, 8), head_params_local(m, 1, 8))
+    assert deepspeed_split(32, 8, w) is None  # the fill: 2, 5 x 6 and the head alone
+    n = deepspeed_range_split(32, 8, w)
+    assert n == [2, 5, 5, 5, 5, 4, 4, 2]
+    sums = [k * w[1] + (w[0] if i == 0 else 0.0) + (w[2] if i == 7 else 0.0)
+            for i, k in enumerate(n)]
+    assert max(sums) - min(sums) <= w[1]  # one block: 28 middle blocks over 6 stages
+    # through the evaluator: the deepspeed@2024 preset prices that split
+    fw = preset("deepspeed@2024")
+    ev = Evaluator(m, resolve_cluster("dgx-a100:4"), 64, 2048, fw.kernel, mem=fw.memory)
+    plan = Plan(tp=1, pp=8, dp=4, zero=1, micro_batch=1, recompute="full", schedule="1f1b",
+                dtype="bf16")
+    assert ev.evaluate(plan).stage_layers == [2, 5, 5, 5, 5, 4, 4, 2]
+
+
 def test_the_validity_function_carries_the_stack_rule():
     model = PRESETS["llama3-405b"]
     k = {"tp": 8, "pp": 8, "dp": 8}

@@ -31,7 +31,8 @@ PIPELINE_SPLITS = ("any", "megatron-even", "megatron-ends", "deepspeed-transform
 time-balanced split), 'megatron-even' (Megatron-LM: equal layers per stage and chunk),
 'megatron-ends' (Megatron-Core 0.9+: equal middle stages, first/last stage counts of their
 own), 'deepspeed-transformer' / 'deepspeed-parameters' (DeepSpeed's PipelineModule
-partition_method 'type:transformer' / 'parameters': its balanced left-greedy split)."""
+partition_method 'type:transformer' with DeepSpeed 0.3.15's left-greedy bottleneck fill /
+'parameters' with DeepSpeed 0.12.5+'s least-range dynamic programme)."""
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,20 @@ The planner prices what the stack runs, so the split is the stack's, not the bes
 * 'deepspeed-transformer' / 'deepspeed-parameters': DeepSpeed's PipelineModule
   `_partition_layers` with partition_method 'type:transformer' (Megatron-DeepSpeed's
   GPTModelPipe: every block weighs 1, the embedding and head 0) or 'parameters' (the default:
-  every layer spec weighs its parameter count): deepspeed/runtime/utils.py
-  `partition_balanced` binary-searches the smallest bottleneck and `_lprobe` fills the stages
-  from the first, each up to that bottleneck, so the surplus ends on the last stages. The
-  split is not a choice: the memory caps cannot move it.
+  every layer spec weighs its parameter count), each with its preset's
+  deepspeed/runtime/utils.py `partition_balanced`. Up to DeepSpeed 0.12.4 (deepspeed@2021,
+  0.3.15: 'deepspeed-transformer') it binary-searches the smallest bottleneck and `_lprobe`
+  fills the stages from the first, each up to that bottleneck, so the surplus ends on the
+  last stages (`deepspeed_split`). From 0.12.5 (microsoft/DeepSpeed#4312, Dec 2023;
+  deepspeed@2024, 0.14-0.16: 'deepspeed-parameters') a dynamic programme keeps the parts'
+  heaviest-minus-lightest least (`deepspeed_range_split`): Llama 3 8B on 8 stages (embedding
+  and head 2.4 blocks each) is 2, 5, 5, 5, 5, 4, 4, 2, where the bottleneck fill would leave
+  the last stage only the head. The split is not a choice: the memory caps cannot move it.
 """
 
 from __future__ import annotations
+
+import functools
 
 from meshtron.planner import pipeline
 from meshtron.planner.plan_rules import megatron_account_for, split_problem
@@ -68,7 +75,7 @@ def split_for(rule: str, layers: int, p: int, v: int, layer_time: float, first_e
     if rule == "deepspeed-transformer":
         return deepspeed_split(layers, p, (0.0, 1.0, 0.0))
     if rule == "deepspeed-parameters":
-        return deepspeed_split(layers, p, weights)
+        return deepspeed_range_split(layers, p, weights)
     return pipeline.partition_layers(layers, p, layer_time, first_extra, last_extra, caps, v)
 
 
@@ -153,6 +160,46 @@ def deepspeed_split(layers: int, p: int,
     # blocks are items 1..layers
     counts = [max(0, min(b, layers + 1) - max(a, 1)) for a, b in fill(hi)]
     return counts if min(counts) > 0 and sum(counts) == layers else None
+
+
+@functools.lru_cache(maxsize=256)
+def deepspeed_range_split(layers: int, p: int,
+                          weights: tuple[float, float, float]) -> list[int] | None:
+    """Blocks per stage of DeepSpeed >= 0.12.5's partition_balanced of [embedding, blocks...,
+    head] weighing `weights` (microsoft/DeepSpeed#4312, Dec 2023: the deepspeed@2024 preset's
+    0.14-0.16): a dynamic programme over contiguous parts that keeps, for the first i items in
+    j parts, the cut k whose parts' (heaviest - lightest) is least, the last such k on ties,
+    extending each prefix's own best (a greedy of the range, not its optimum); None when a
+    middle stage would hold no block. Only cuts after j-1 items are tried: DeepSpeed's others
+    have no j-1 parts before them, an infinite cost its finite ones always replace."""
+    w_emb, w_blk, w_head = weights
+    items = [w_emb] + [w_blk] * layers + [w_head]
+    n = len(items)
+    if n <= p:
+        return None  # partition_uniform: a stage per item at most, some stages hold no block
+    prefix = [0.0]
+    for w in items:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[i][j] = (heaviest, lightest, cut) of the first i items in j parts
+    best: list[list[tuple[float, float, int] | None]] = [[None] * (p + 1) for _ in range(n + 1)]
+    best[0][0] = (0.0, inf, 0)
+    for i in range(1, n + 1):
+        for j in range(1, min(i, p) + 1):
+            chosen, cost = None, inf
+            for k in (range(j - 1, i) if j > 1 else (0,)):
+                hi_k, lo_k, _ = best[k][j - 1]
+                part = prefix[i] - prefix[k]
+                top, low = max(hi_k, part), min(lo_k, part)
+                if top - low <= cost:  # DeepSpeed's `>=`: the last cut of equal cost
+                    chosen, cost = (top, low, k), top - low
+            best[i][j] = chosen
+    cuts = [n]
+    for j in range(p, 0, -1):
+        cuts.append(best[cuts[-1]][j][2])
+    cuts.reverse()
+    counts = [max(0, min(b, layers + 1) - max(a, 1)) for a, b in zip(cuts, cuts[1:])]
+    return counts if min(counts[1:-1], default=1) > 0 and sum(counts) == layers else None
 
 
 def chunks(rule: str, stage_layers: list[int], v: int) -> list[int]:
