@@ -146,6 +146,21 @@ def test_a_pinned_layout_megatron_2021_cannot_split_is_priced_on_uneven_ends(pla
     assert rc == 0 and "Warning: megatron@2021 cannot split" in " ".join(out.split())
 
 
+def test_the_warning_names_the_megatron_core_release_that_runs_the_split():
+    """Megatron-Core 0.9 and 0.10 assert uneven stages without interleaving
+    (transformer_block.get_num_layers_to_build); 0.11 builds uneven virtual stages and the
+    account_for_* split; 0.13 (ADLR/megatron-lm!2795) any layout."""
+    from meshtron.planner.pipeline_split import configured_as
+    ends = [15] + [16] * 6 + [15]
+    assert "(Megatron-Core >= 0.9)" in configured_as("megatron-even", "megatron-ends", ends, 1)
+    text = configured_as("megatron-even", "megatron-ends", [14] + [16] * 6 + [16], 2)
+    assert "--num-virtual-stages-per-pipeline-rank (Megatron-Core >= 0.11)" in text
+    assert "account_for_embedding/loss_in_pipeline_split (Megatron-Core >= 0.11)" in \
+        configured_as("megatron-even", "megatron-ends", ends, 8)
+    assert ">= 0.13" in configured_as("megatron-ends", "any", ends, 1)
+    assert "DeepSpeed" in configured_as("deepspeed-transformer", "any", ends, 1)
+
+
 def test_a_layout_pinned_by_the_gpu_count_is_answered_too(plan_cli):
     # tp and dp fixed leave pp=8 on 512 GPUs
     rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,dp=8",
@@ -401,7 +416,7 @@ def test_deepspeed_rule_and_a_direct_evaluation_refuse_what_the_stack_cannot_bui
 
 
 def test_an_options_table_names_another_split_rule(plan_cli, tmp_path):
-    """Megatron-Core 0.14+'s pipeline_model_parallel_layout places any layers: an [options]
+    """Megatron-Core 0.13+'s pipeline_model_parallel_layout places any layers: an [options]
     table says so; a rule that does not exist is refused by name."""
     opts = tmp_path / "any.toml"
     opts.write_text('framework = "megatron@2021"\n[options]\npipeline_split = "any"\n')

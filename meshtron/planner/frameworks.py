@@ -61,7 +61,7 @@ cannot express): meshtron and torchtitan (`pipeline_parallel_split_points`, any 
 boundary) the time-balanced split; megatron@2021 equal stages and chunks (num_layers % pp == 0
 asserted); megatron@2024 equal middle stages with the end stages set apart
 (--decoder-first/last-pipeline-num-layers, account_for_embedding/loss_in_pipeline_split;
-Megatron-Core 0.14+'s pipeline_model_parallel_layout is `pipeline_split = "any"`);
+Megatron-Core 0.13+'s pipeline_model_parallel_layout is `pipeline_split = "any"`);
 deepspeed@2021 Megatron-DeepSpeed's PipelineModule partition_method 'type:transformer',
 deepspeed@2024 PipelineModule's default 'parameters' (DeepSpeed's balanced left-greedy split).
 The same rule names the schedules the stack's engine runs (plan_rules.STACK_SCHEDULES):

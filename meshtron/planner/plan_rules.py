@@ -343,7 +343,7 @@ def split_problem(rule: str | None, layers: int, pp: int, v: int = 1,
     account_for_embedding/loss_in_pipeline_split) sets the end stages apart, the middle ones
     still equal. So 'megatron-ends' expresses L layers iff v divides L and L >= pp*v, or
     L + 1 or L + 2 divides by pp*v. Other rules express any split (torchtitan's split points;
-    DeepSpeed's partition is computed, pipeline_split.py). Megatron-Core 0.14+'s
+    DeepSpeed's partition is computed, pipeline_split.py). Megatron-Core 0.13+'s
     pipeline_model_parallel_layout places any layers: `pipeline_split = "any"`."""
     if pp > 1 and rule == "deepspeed-transformer" and not stage_layers and layers >= pp:
         per = -(-layers // pp)  # _lprobe fills stages with ceil(L/pp) blocks from the first
