@@ -46,6 +46,15 @@ def test_megatron_core_sets_the_end_stages_apart():
     assert split_problem("megatron-ends", 126, 8, 8) is None
     # neither form: 125 layers, 8 chunks per stage (125 % 8, 126 and 127 not multiples of 64)
     assert split_problem("megatron-ends", 125, 8, 8) is not None
+    # one counted layer per chunk: the very first and last chunks build none (Megatron-Core
+    # asserts >= 0 layers there), 126 + 2 = 8 stages x 16 chunks
+    assert split_problem("megatron-ends", 126, 8, 16) is None
+    n = megatron_split("megatron-ends", 126, 8, 16, 1.0, 0.1, 1.0)
+    assert n == [15] + [16] * 6 + [15]
+    c = chunks("megatron-ends", n, 16)
+    assert c[0] == 0 and c[-1] == 0 and set(c[1:-1]) == {1}
+    assert plan_problems({"pp": 8, "virtual_stages": 16, "stage_layers": c}, None,
+                         PRESETS["llama3-405b"], runtime=False, split="megatron-ends") == []
 
 
 def test_megatron_split_is_expressible_and_the_fastest_of_those():

@@ -329,8 +329,10 @@ _MEGATRON_WHY = {
 
 def megatron_account_for(layers: int, pp: int, v: int) -> list[int]:
     """Layers counted for the embedding and loss (1 or 2) with which Megatron-Core's
-    account_for_embedding/loss_in_pipeline_split can split `layers` (empty: none)."""
-    return [e for e in (1, 2) if (layers + e) % (pp * v) == 0 and (layers + e) // (pp * v) > 1]
+    account_for_embedding/loss_in_pipeline_split can split `layers` (empty: none). A chunk of
+    one counted layer is allowed: the very first (last) then builds none and holds only the
+    embedding (loss) (transformer_block.get_num_layers_to_build asserts >= 0 layers)."""
+    return [e for e in (1, 2) if (layers + e) % (pp * v) == 0 and (layers + e) // (pp * v) >= 1]
 
 
 def split_problem(rule: str | None, layers: int, pp: int, v: int = 1,
