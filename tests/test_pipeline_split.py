@@ -204,6 +204,29 @@ def test_megatron_core_prices_virtual_stages_it_cannot_build_on_any_split(plan_c
     assert "--pipeline-model-parallel-layout" in doc["warnings"][0]
 
 
+def test_a_pinned_interleaved_schedule_no_chunk_count_of_the_stack_splits(plan_cli, tmp_path):
+    # 125 layers on pp=8: Megatron-Core splits none of v = 2, 3, 4, 6, 8 (125 % v, and 126
+    # and 127 are not multiples of 8v); `--schedule interleaved` fixed, v searched
+    model = tmp_path / "m.toml"
+    model.write_text('[model]\npreset = "llama3-405b"\nlayers = 125\n')
+    args = ("--model", str(model), "--cluster", "dgx-h100:64", "--global-batch", "512",
+            "--seq-len", "8192", "--framework", "megatron@2024", "--layout", "tp=8,pp=8,dp=8",
+            "--schedule", "interleaved", "--json", "--top", "1")
+    rc, out, _ = plan_cli(*args)
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert plan["schedule"] == "interleaved" and sum(plan["stage_layers"]) == 125
+    assert "no searched virtual_stages (2, 3, 4, 6, 8)" in doc["warnings"][0]
+    # pp open: the search leaves those splits out (no pp=8 plan), and warns about nothing
+    rc, out, _ = plan_cli(*args[:-7], "--layout", "tp=8", "--schedule", "interleaved",
+                          "--zero", "1", "--recompute", "full", "--sp", "on", "--micro-batch",
+                          "1", "--json", "--top", "10")
+    assert rc == 0 and json.loads(out)["warnings"] == []
+    assert {p["pp"] for p in json.loads(out)["plans"]} and \
+        8 not in {p["pp"] for p in json.loads(out)["plans"]}
+
+
 def test_deepspeed_pinned_layout_without_blocks_on_the_last_stage_is_answered(plan_cli):
     # 32 blocks over 12 stages: partition_balanced fills 3 per stage and leaves the last empty
     args = ("--model", "llama3-8b", "--cluster", "dgx-h100:12", "--global-batch", "96",

@@ -175,9 +175,30 @@ class SearchSpace:
                     break
             else:
                 self.split, self.notes = stack, stack_notes
+        if self._refusal is None and len(self._layouts) == 1:
+            self._interleaving_refusal(self._layouts[0][2])
         if self._refusal is not None:
             self.split_fallback = SplitFallback(self.mem.split_rule, self.split, self._refusal)
             self.mem = dataclasses.replace(self.mem, split_priced=self.split)
+
+    def _interleaving_refusal(self, pp: int) -> None:
+        """`--schedule interleaved` without virtual stages on a pinned layout: when the stack's
+        rule splits none of the searched counts (`schedules`) and a nearer rule splits one,
+        price on that rule (the schedule the user fixed is the published run's)."""
+        k, layers = self.knobs, self.model.layers
+        if k.schedule != "interleaved" or k.virtual_stages or pp <= 1:
+            return
+        vs = [v for v in VIRTUAL_STAGES if v <= layers // pp]
+        problems = [split_problem(self.split, layers, pp, v) for v in vs]
+        if not vs or not all(problems):
+            return
+        for rule in NEAREST.get(self.split, ()):
+            if any(split_problem(rule, layers, pp, v) is None for v in vs):
+                self._refusal = (f"plan.schedule='interleaved' on pp={pp}: no searched "
+                                 f"virtual_stages ({', '.join(map(str, vs))}) is a split of "
+                                 f"the stack's: {problems[0]}")
+                self.split = rule
+                return
 
     def _tensor_degrees(self, gpn: int) -> list[int]:
         """Tensor-parallel degrees searched: the fixed one, else the divisors of a node's GPUs
