@@ -267,6 +267,21 @@ def test_a_split_the_stack_cannot_build_is_saved_with_the_warning(plan_cli, tmp_
     assert list(load_plan(path).stage_layers) == [15, 16, 16, 16, 16, 16, 16, 15]
 
 
+def test_a_split_priced_instead_that_does_not_fit_says_both(plan_cli, tmp_path):
+    args = (*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8", "--recompute",
+            "none", "--zero", "1", "--offload", "none", "--top", "1")
+    rc, out, err = plan_cli(*args, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["pinned"] and not doc["fits"]
+    split, memory = doc["warnings"]
+    assert "cannot split" in split and memory.startswith("predicted not to fit")
+    assert err.count("\n") == 2
+    # --save refuses the plan predicted not to fit (planner/pinned.py), not the split
+    rc, out, err = plan_cli(*args, "--save", str(tmp_path / "p.toml"))
+    assert rc == 2 and "predicted not to fit" in err and not (tmp_path / "p.toml").exists()
+
+
 def test_a_schedule_the_stack_has_no_engine_for_stays_refused(plan_cli):
     for fw, sched in (("megatron@2021", "zb"), ("megatron@2024", "gpipe"),
                       ("deepspeed@2021", "interleaved:2"), ("deepspeed", "zb")):

@@ -9,7 +9,10 @@ Exit status: 0 with a plan; 2 for a user error or when nothing fits (one line on
 A pinned layout (the knobs leave the search exactly one tp, cp, pp, dp, ep layout:
 planner/pinned.py layout_pinned) is answered even when it is predicted not to fit: its leanest
 candidate, priced as every candidate is, marked fits false, with a warning (exit 0; --save
-refuses).
+refuses). A pinned layout the priced stack's layer-to-stage rule cannot split (--framework
+megatron@2021 with 126 layers over pp=8) is priced on the nearest split that stack's engine
+could be configured to, with a warning naming the rule and the split priced (exit 0; --save
+writes it: search_space.SplitFallback, report.split_warning).
 """
 
 from __future__ import annotations
