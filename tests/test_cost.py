@@ -207,6 +207,24 @@ def test_a_plan_that_does_not_fit_is_priced_with_a_warning(cost_cli, tmp_path):
     assert doc["warnings"] == [err.strip().removeprefix("warning: ")]
 
 
+def test_a_plan_file_the_stack_cannot_split_is_priced_with_a_warning(cost_cli, tmp_path):
+    # 126 layers over pp=8 is not a Megatron-LM 2021 split: priced on Megatron-Core's uneven
+    # end stages, said in one warning (planner/search_space.py SplitFallback), exit 0
+    from meshtron.planner.plan import Plan
+
+    plan = Plan.trusted(8, 8, 8, 1, 1, "full", True, "1f1b", 1, "bf16", 1).replace(
+        global_batch=512, seq_len=8192)
+    path = tmp_path / "plan.toml"
+    plan.save(path)
+    rc, out, err = cost_cli("--model", "llama3-405b", "--cluster", "dgx-h100:64", "--plan",
+                            str(path), "--framework", "megatron@2021", "--runs", "200",
+                            "--json")
+    assert rc == 0
+    (warning,) = [w for w in json.loads(out)["warnings"] if "cannot split" in w]
+    assert "126 layers" in warning and "15,16,16,16,16,16,16,15" in warning
+    assert f"warning: {warning}" in err.splitlines()
+
+
 def test_a_plan_that_does_not_fit_is_priced_on_the_time_balanced_split(cost_cli, tmp_path):
     # a pipelined plan file with no stage_layers: priced on the split a fitting plan gets
     # (time-balanced, 8 layers a stage), not the memory-minimising one ([4, 6, 9, 13]: ~37%

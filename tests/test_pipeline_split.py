@@ -46,6 +46,15 @@ def test_megatron_core_sets_the_end_stages_apart():
     assert split_problem("megatron-ends", 126, 8, 8) is None
     # neither form: 125 layers, 8 chunks per stage (125 % 8, 126 and 127 not multiples of 64)
     assert split_problem("megatron-ends", 125, 8, 8) is not None
+    # one counted layer per chunk: the very first and last chunks build none (Megatron-Core
+    # asserts >= 0 layers there), 126 + 2 = 8 stages x 16 chunks
+    assert split_problem("megatron-ends", 126, 8, 16) is None
+    n = megatron_split("megatron-ends", 126, 8, 16, 1.0, 0.1, 1.0)
+    assert n == [15] + [16] * 6 + [15]
+    c = chunks("megatron-ends", n, 16)
+    assert c[0] == 0 and c[-1] == 0 and set(c[1:-1]) == {1}
+    assert plan_problems({"pp": 8, "virtual_stages": 16, "stage_layers": c}, None,
+                         PRESETS["llama3-405b"], runtime=False, split="megatron-ends") == []
 
 
 def test_megatron_split_is_expressible_and_the_fastest_of_those():
@@ -107,6 +116,36 @@ def test_deepspeed_2024_partitions_by_its_dynamic_programme():
     assert deepspeed_dp_split(80, 8, (1.0, 0.8, 1.0)) == [9, 10, 10, 10, 11, 11, 10, 9]
 
 
+def test_deepspeed_0_12_5_partition_keeps_the_stages_range_least():
+    """deepspeed@2024 (DeepSpeed 0.14-0.16) partitions 'parameters' with the dynamic programme
+    of microsoft/DeepSpeed#4312 (0.12.5+), not 0.3.15's bottleneck fill: the pipes work priced
+    the fill, which on Llama 3 8B over 8 stages leaves the last stage only the head (None
+    here), and the evaluator then fell back to a split DeepSpeed does not build."""
+    from meshtron.planner.memory import (embedding_params_local, head_params_local,
+                                         layer_params_local)
+    from meshtron.planner.pipeline_split import deepspeed_dp_split
+    # type weights: the fill gives 3, 3, 3, 1 (range 2); the programme a range of 1, its last
+    # cut on ties (DeepSpeed's `>=`), so the surplus on the first stages
+    assert deepspeed_dp_split(10, 4, (0.0, 1.0, 0.0)) == [3, 3, 2, 2]
+    assert deepspeed_dp_split(30, 4, (0.5, 1.0, 0.5)) == [7, 8, 8, 7]  # as the fill
+    # ends of three blocks' weight each would hold only them (stage sums 3, 3, 3, 3)
+    assert deepspeed_dp_split(6, 4, (3.0, 1.0, 3.0)) is None  # ends holding no block: that pp is left out
+    m = PRESETS["llama3-8b"]
+    w = (embedding_params_local(m, 1), layer_params_local(m, 1, 8), head_params_local(m, 1, 8))
+    assert deepspeed_split(32, 8, w) is None  # the fill: 2, 5 x 6 and the head alone
+    n = deepspeed_dp_split(32, 8, w)
+    assert n == [2, 5, 5, 5, 5, 4, 4, 2]
+    sums = [k * w[1] + (w[0] if i == 0 else 0.0) + (w[2] if i == 7 else 0.0)
+            for i, k in enumerate(n)]
+    assert max(sums) - min(sums) <= w[1]  # one block: 28 middle blocks over 6 stages
+    # through the evaluator: the deepspeed@2024 preset prices that split
+    fw = preset("deepspeed@2024")
+    ev = Evaluator(m, resolve_cluster("dgx-a100:4"), 64, 2048, fw.kernel, mem=fw.memory)
+    plan = Plan(tp=1, pp=8, dp=4, zero=1, micro_batch=1, recompute="full", schedule="1f1b",
+                dtype="bf16")
+    assert ev.evaluate(plan).stage_layers == [2, 5, 5, 5, 5, 4, 4, 2]
+
+
 def test_the_validity_function_carries_the_stack_rule():
     model = PRESETS["llama3-405b"]
     k = {"tp": 8, "pp": 8, "dp": 8}
@@ -117,12 +156,163 @@ def test_the_validity_function_carries_the_stack_rule():
 
 
 # ---- through the command line ------------------------------------------------------------------
-def test_megatron_refuses_a_pp_it_cannot_split_in_one_line(plan_cli):
-    rc, out, err = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8")
+def test_a_pinned_layout_megatron_2021_cannot_split_is_priced_on_uneven_ends(plan_cli):
+    """Issue 30: a published layout is answered. 126 layers over pp=8 is not one of Megatron-LM
+    2021's equal splits: priced on the uneven end stages Megatron-Core 0.9+ runs, with one
+    warning naming the rule and the split priced."""
+    rc, out, err = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8",
+                            "--schedule", "1f1b", "--json", "--top", "1")
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert plan["stage_layers"] == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert split_problem("megatron-ends", 126, 8, 1, plan["stage_layers"]) is None
+    assert plan["step_time_s"] > 0 and not doc["pinned"]
+    (warning,) = doc["warnings"]
+    assert warning.startswith("megatron@2021 cannot split this pinned layout")
+    assert "126 layers" in warning and "15,16,16,16,16,16,16,15" in warning
+    assert "--decoder-first/last-pipeline-num-layers" in warning
+    assert err.strip() == f"warning: {warning}"  # once on stderr, one line
+    # the text output prints it too
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8",
+                          "--schedule", "1f1b", "--top", "1")
+    assert rc == 0 and "Warning: megatron@2021 cannot split" in " ".join(out.split())
+
+
+def test_the_warning_names_the_megatron_core_release_that_runs_the_split():
+    """Megatron-Core 0.9 and 0.10 assert uneven stages without interleaving
+    (transformer_block.get_num_layers_to_build); 0.11 builds uneven virtual stages and the
+    account_for_* split; 0.13 (ADLR/megatron-lm!2795) any layout."""
+    from meshtron.planner.pipeline_split import configured_as
+    ends = [15] + [16] * 6 + [15]
+    assert "(Megatron-Core >= 0.9)" in configured_as("megatron-even", "megatron-ends", ends, 1)
+    text = configured_as("megatron-even", "megatron-ends", [14] + [16] * 6 + [16], 2)
+    assert "--num-virtual-stages-per-pipeline-rank (Megatron-Core >= 0.11)" in text
+    assert "account_for_embedding/loss_in_pipeline_split (Megatron-Core >= 0.11)" in \
+        configured_as("megatron-even", "megatron-ends", ends, 8)
+    assert ">= 0.13" in configured_as("megatron-ends", "any", ends, 1)
+    assert "DeepSpeed" in configured_as("deepspeed-transformer", "any", ends, 1)
+
+
+def test_a_layout_pinned_by_the_gpu_count_is_answered_too(plan_cli):
+    # tp and dp fixed leave pp=8 on 512 GPUs
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,dp=8",
+                          "--schedule", "1f1b", "--json", "--top", "1")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["plans"][0]["pp"] == 8 and len(doc["warnings"]) == 1
+    assert "126 layers" in doc["warnings"][0]
+
+
+def test_a_fixed_pp_megatron_cannot_split_is_refused_when_the_layout_is_open(plan_cli):
+    # pp=8 with tp (and so dp) open: the planner chooses the layout, the stack's rule stands
+    rc, out, err = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "pp=8")
     assert rc == 2 and out == ""
     line = err.strip()
     assert "\n" not in line and "Traceback" not in line
     assert "plan.pp=8" in line and "126 layers" in line
+
+
+def test_megatron_core_prices_virtual_stages_it_cannot_build_on_any_split(plan_cli):
+    # 126 layers in 8 x 5 chunks: neither uneven ends (126 % 5) nor account_for (127, 128 are
+    # not multiples of 40): priced on the time-balanced split pipeline_model_parallel_layout
+    # can place
+    assert split_problem("megatron-ends", 126, 8, 5) is not None
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2024", "--layout", "tp=8,pp=8,dp=8",
+                          "--schedule", "interleaved:5", "--json", "--top", "1")
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert plan["virtual_stages"] == 5 and sum(plan["stage_layers"]) == 126
+    assert len(plan["stage_layers"]) == 40
+    assert "--pipeline-model-parallel-layout" in doc["warnings"][0]
+
+
+def test_a_pinned_interleaved_schedule_no_chunk_count_of_the_stack_splits(plan_cli, tmp_path):
+    # 125 layers on pp=8: Megatron-Core splits none of v = 2, 3, 4, 6, 8 (125 % v, and 126
+    # and 127 are not multiples of 8v); `--schedule interleaved` fixed, v searched
+    model = tmp_path / "m.toml"
+    model.write_text('[model]\npreset = "llama3-405b"\nlayers = 125\n')
+    args = ("--model", str(model), "--cluster", "dgx-h100:64", "--global-batch", "512",
+            "--seq-len", "8192", "--framework", "megatron@2024", "--layout", "tp=8,pp=8,dp=8",
+            "--schedule", "interleaved", "--json", "--top", "1")
+    rc, out, _ = plan_cli(*args)
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert plan["schedule"] == "interleaved" and sum(plan["stage_layers"]) == 125
+    assert "no searched virtual_stages (2, 3, 4, 6, 8)" in doc["warnings"][0]
+    # pp open: the search leaves those splits out (no pp=8 plan), and warns about nothing
+    rc, out, _ = plan_cli(*args[:-7], "--layout", "tp=8", "--schedule", "interleaved",
+                          "--zero", "1", "--recompute", "full", "--sp", "on", "--micro-batch",
+                          "1", "--json", "--top", "10")
+    assert rc == 0 and json.loads(out)["warnings"] == []
+    assert {p["pp"] for p in json.loads(out)["plans"]} and \
+        8 not in {p["pp"] for p in json.loads(out)["plans"]}
+
+
+def test_deepspeed_pinned_layout_without_blocks_on_the_last_stage_is_answered(plan_cli):
+    # 32 blocks over 12 stages: partition_balanced fills 3 per stage and leaves the last empty
+    args = ("--model", "llama3-8b", "--cluster", "dgx-h100:12", "--global-batch", "96",
+            "--seq-len", "4096", "--layout", "tp=8,pp=12,dp=1", "--json", "--top", "1")
+    rc, out, _ = plan_cli(*args, "--framework", "deepspeed@2021")
+    assert rc == 0
+    doc = json.loads(out)
+    plan = doc["plans"][0]
+    assert min(plan["stage_layers"]) > 0 and sum(plan["stage_layers"]) == 32
+    assert plan["schedule"] == "1f1b" and plan["virtual_stages"] == 1  # still its engine's
+    assert "partition_balanced" in doc["warnings"][0]
+
+
+def test_a_split_priced_instead_keeps_the_stacks_engine():
+    """The split priced instead is only the split: DeepSpeed's engine keeps its pipe buffers
+    (memory_pipeline.deepspeed_pipe_buffers), its schedules stay its own (search_space)."""
+    ds = preset("deepspeed@2021")
+    model, cluster = PRESETS["llama3-8b"], resolve_cluster("dgx-a100:4")
+    plan = Plan(tp=1, pp=4, dp=8, zero=1, micro_batch=1, recompute="full", schedule="1f1b",
+                dtype="bf16")
+
+    def stage1(mem):
+        return Evaluator(model, cluster, 64, 2048, ds.kernel, mem=mem).evaluate(plan, stage=1)
+
+    priced = stage1(dataclasses.replace(ds.memory, split_priced="any"))
+    plain = stage1(dataclasses.replace(ds.memory, pipeline_split="any"))
+    assert priced.stage_layers == plain.stage_layers != [8, 8, 8, 8]
+    assert priced.memory.total > plain.memory.total  # the engine's buffers
+    assert dataclasses.replace(ds.memory, split_priced="any").engine == "deepspeed-transformer"
+
+
+def test_a_split_the_stack_cannot_build_is_saved_with_the_warning(plan_cli, tmp_path):
+    from meshtron.planner.plan import load_plan
+    path = tmp_path / "plan.toml"
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8",
+                          "--schedule", "1f1b", "--top", "1", "--save", str(path))
+    assert rc == 0 and "not megatron@2021's own" in " ".join(out.split())
+    assert list(load_plan(path).stage_layers) == [15, 16, 16, 16, 16, 16, 16, 15]
+
+
+def test_a_split_priced_instead_that_does_not_fit_says_both(plan_cli, tmp_path):
+    args = (*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=8,dp=8", "--recompute",
+            "none", "--zero", "1", "--offload", "none", "--top", "1")
+    rc, out, err = plan_cli(*args, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["pinned"] and not doc["fits"]
+    split, memory = doc["warnings"]
+    assert "cannot split" in split and memory.startswith("predicted not to fit")
+    assert err.count("\n") == 2
+    # --save refuses the plan predicted not to fit (planner/pinned.py), not the split
+    rc, out, err = plan_cli(*args, "--save", str(tmp_path / "p.toml"))
+    assert rc == 2 and "predicted not to fit" in err and not (tmp_path / "p.toml").exists()
+
+
+def test_a_schedule_the_stack_has_no_engine_for_stays_refused(plan_cli):
+    for fw, sched in (("megatron@2021", "zb"), ("megatron@2024", "gpipe"),
+                      ("deepspeed@2021", "interleaved:2"), ("deepspeed", "zb")):
+        rc, out, err = plan_cli(*L405, "--framework", fw, "--layout", "tp=8,pp=8,dp=8",
+                                "--schedule", sched)
+        assert rc == 2 and out == "", fw
+        assert "\n" not in err.strip() and "plan.schedule=" in err, (fw, err)
 
 
 def test_megatron_search_proposes_only_expressible_splits(plan_cli):
@@ -130,7 +320,7 @@ def test_megatron_search_proposes_only_expressible_splits(plan_cli):
         rc, out, _ = plan_cli(*L405, "--framework", fw, "--json", "--top", "10")
         assert rc == 0
         plans = json.loads(out)["plans"]
-        assert plans
+        assert plans and json.loads(out)["warnings"] == []  # nothing priced off the rule
         for p in plans:
             if p["pp"] > 1:
                 assert split_problem(rule, 126, p["pp"], p["virtual_stages"],
@@ -351,7 +541,7 @@ def test_deepspeed_rule_and_a_direct_evaluation_refuse_what_the_stack_cannot_bui
 
 
 def test_an_options_table_names_another_split_rule(plan_cli, tmp_path):
-    """Megatron-Core 0.14+'s pipeline_model_parallel_layout places any layers: an [options]
+    """Megatron-Core 0.13+'s pipeline_model_parallel_layout places any layers: an [options]
     table says so; a rule that does not exist is refused by name."""
     opts = tmp_path / "any.toml"
     opts.write_text('framework = "megatron@2021"\n[options]\npipeline_split = "any"\n')

@@ -161,6 +161,21 @@ def test_step_of_a_plan_that_does_not_fit_is_refused_in_one_line(sim_cli, tmp_pa
     assert "simulate refuses a plan that does not fit" in err
 
 
+def test_step_of_a_plan_the_stack_cannot_split_is_simulated_with_a_warning(sim_cli, tmp_path):
+    # 126 layers over pp=8 is not a Megatron-LM 2021 split: priced (and simulated) on
+    # Megatron-Core's uneven end stages, one warning on stderr (planner/search_space.py)
+    from meshtron.planner.plan import Plan
+
+    path = tmp_path / "plan.toml"
+    Plan.trusted(8, 8, 8, 1, 1, "full", True, "1f1b", 1, "bf16", 1).save(path)
+    rc, out, err = sim_cli("--step", "--model", "llama3-405b", "--cluster", "dgx-h100:64",
+                           "--global-batch", "512", "--seq-len", "8192", "--plan", str(path),
+                           "--framework", "megatron@2021", "--json")
+    assert rc == 0 and json.loads(out)["unperturbed"]
+    assert err.count("\n") == 1 and err.startswith("warning: plan=")
+    assert "cannot split" in err and "15,16,16,16,16,16,16,15" in err
+
+
 @pytest.mark.parametrize("extra, field", [
     (("--gpus", "abc", "--out", "x"), "gpus='abc'"),
     (("--gpus", "0..8", "--out", "x"), "gpus='0..8'"),

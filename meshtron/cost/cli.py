@@ -117,8 +117,19 @@ def _estimate(args: argparse.Namespace, model, cluster, plan=None):
             raise UserError(f"plan={args.plan!r}: has no global_batch/seq_len; give "
                             "--global-batch and --seq-len")
         # a plan file pins every mesh axis: priced even when predicted not to fit (`run` warns),
-        # as `meshtron plan` answers a pinned layout (planner/pinned.py layout_pinned)
-        return evaluate_plan(model, cluster, batch, seq, plan, framework=fw), batch, seq
+        # as `meshtron plan` answers a pinned layout (planner/pinned.py layout_pinned), and on
+        # its own layer split when the stack's rule cannot build it (report.split_warning)
+        result = search_plans(model, cluster, batch, seq, plan, top_k=1, explain=False,
+                              framework=fw)
+        # as evaluate_plan: not fitting, the split a fitting plan gets (it refuses no plan)
+        est = (result.best or result.near_miss_priced
+               or evaluate_plan(model, cluster, batch, seq, plan, framework=fw))
+        split = None
+        if result.split_fallback is not None:
+            from meshtron.planner.report import split_warning
+
+            split = f"plan={args.plan!r}: {split_warning(result, est)}"
+        return est, batch, seq, split
     if args.global_batch is None or args.seq_len is None:
         raise UserError("global-batch/seq-len: both are required without --plan")
     fixed = {"dtype": args.dtype} if args.dtype else None
@@ -127,7 +138,7 @@ def _estimate(args: argparse.Namespace, model, cluster, plan=None):
     if not result.fits:
         raise UserError(f"cluster={args.cluster!r}: no plan of {args.model} fits "
                         f"({cluster.num_gpus} GPUs, global batch {args.global_batch})")
-    return result.best, args.global_batch, args.seq_len
+    return result.best, args.global_batch, args.seq_len, None
 
 
 def run_spec(args: argparse.Namespace, est, model, cluster, batch: int, seq: int):
@@ -185,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     econ = economics_for(cluster, args.price_on_demand, args.price_spot, args.gpu_watts,
                          args.system_watts,
                          load_price_overrides(args.prices) if args.prices else None)
-    est, batch, seq = _estimate(args, model, cluster, plan)
+    est, batch, seq, split = _estimate(args, model, cluster, plan)
     spec = run_spec(args, est, model, cluster, batch, seq)
     doc = summary(spec, econ, cost_run(spec, econ, runs=args.runs, seed=args.seed),
                   args.deadline_days)
@@ -193,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
     doc["framework"] = framework_of(args).label
     doc["goodput"], doc["_goodput_lines"] = goodput_section(args, spec, est.config)
     doc["fits"] = est.fits
-    warnings = [w for w in (_fit_warning(args, est), _deadline_warning(doc, args.deadline_days))
-                if w]
+    warnings = [w for w in (split, _fit_warning(args, est),
+                            _deadline_warning(doc, args.deadline_days)) if w]
     doc["warnings"] = warnings
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)

@@ -9,7 +9,10 @@ Exit status: 0 with a plan; 2 for a user error or when nothing fits (one line on
 A pinned layout (the knobs leave the search exactly one tp, cp, pp, dp, ep layout:
 planner/pinned.py layout_pinned) is answered even when it is predicted not to fit: its leanest
 candidate, priced as every candidate is, marked fits false, with a warning (exit 0; --save
-refuses).
+refuses). A pinned layout the priced stack's layer-to-stage rule cannot split (--framework
+megatron@2021 with 126 layers over pp=8) is priced on the nearest split that stack's engine
+could be configured to, with a warning naming the rule and the split priced (exit 0; --save
+writes it: search_space.SplitFallback, report.split_warning).
 """
 
 from __future__ import annotations
@@ -280,9 +283,10 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
         report.render(result, tokens, console, wide=args.wide)
         if rehearsal is not None:
             args.rehearsal[1](rehearsal)
-    if result.pinned:  # priced although predicted not to fit: the text said so; JSON on stderr
-        if args.json:
-            print(f"warning: {report.pinned_warning(result)}", file=sys.stderr, flush=True)
+    if args.json:  # the text printed them; JSON carries them and repeats them on stderr
+        for line in report.warnings(result):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+    if result.pinned:  # priced although predicted not to fit
         return 0
     if not result.fits:
         from rich.console import Console

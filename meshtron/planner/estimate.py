@@ -453,7 +453,7 @@ class Evaluator(DataParallelCost):
                                                        mem_opts.compute_bytes)
         outputs = [k * out_bytes if mem_opts.framework == "fsdp2" else 0.0
                    for k in memory_pipeline.held_outputs(pp, v, inflight)]
-        if mem_opts.split_rule.startswith("deepspeed"):  # DeepSpeed's engine's own buffers
+        if mem_opts.engine.startswith("deepspeed"):  # DeepSpeed's engine's own buffers
             outputs = [k * out_bytes for k in memory_pipeline.deepspeed_pipe_buffers(pp, m)]
 
         # per pipeline rank: (block parameters, experts, activations, recompute working set)

@@ -61,7 +61,7 @@ cannot express): meshtron and torchtitan (`pipeline_parallel_split_points`, any 
 boundary) the time-balanced split; megatron@2021 equal stages and chunks (num_layers % pp == 0
 asserted); megatron@2024 equal middle stages with the end stages set apart
 (--decoder-first/last-pipeline-num-layers, account_for_embedding/loss_in_pipeline_split;
-Megatron-Core 0.14+'s pipeline_model_parallel_layout is `pipeline_split = "any"`);
+Megatron-Core 0.13+'s pipeline_model_parallel_layout is `pipeline_split = "any"`);
 deepspeed@2021 Megatron-DeepSpeed's PipelineModule partition_method 'type:transformer',
 deepspeed@2024 PipelineModule's default 'parameters' (0.12.5+'s dynamic programme; 2021's
 DeepSpeed filled the stages left-greedy).
@@ -129,7 +129,7 @@ class Framework:
                 "overrides": dict(self.overrides),
                 "kernel": dataclasses.asdict(self.kernel),
                 "memory": {k: v for k, v in dataclasses.asdict(self.memory).items()
-                           if k != "dtype"}}
+                           if k not in ("dtype", "split_priced")}}
 
 
 _MESHTRON = Framework(
@@ -219,7 +219,8 @@ ALIASES = {"megatron-lm": "megatron", "megatron-core": "megatron@2024", "mcore":
 DEFAULT = "meshtron"
 
 _KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelOptions)}
-_MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryOptions)} - {"dtype"}
+# the plan's dtype, and the split a search prices for a pinned layout, are not stack options
+_MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryOptions)} - {"dtype", "split_priced"}
 
 
 def preset(text: str | None) -> Framework:

@@ -88,6 +88,9 @@ class MemoryOptions:
         if self.pipeline_split is not None and self.pipeline_split not in PIPELINE_SPLITS:
             raise UserError(f"memory.pipeline_split={self.pipeline_split!r}: allowed values "
                             f"are {', '.join(PIPELINE_SPLITS)}")
+        if self.split_priced is not None and self.split_priced not in PIPELINE_SPLITS:
+            raise UserError(f"memory.split_priced={self.split_priced!r}: allowed values "
+                            f"are {', '.join(PIPELINE_SPLITS)}")
         if self.activations is not None and self.activations not in SELECTIVE:
             raise UserError(f"memory.activations={self.activations!r}: allowed values are "
                              f"{', '.join(SELECTIVE)}")
@@ -110,8 +113,22 @@ class MemoryOptions:
     and, for DeepSpeed's, the pipe buffers it keeps (memory_pipeline.deepspeed_pipe_buffers);
     None: 'any'. The split changes every stage's time and memory."""
 
+    split_priced: str | None = None
+    """The layer-to-stage rule priced instead of the stack's own, set by the search only for a
+    pinned layout the stack's rule cannot split (search_space.SplitFallback); the stack's
+    engine (`engine`: its schedules, its buffers) stays the stack's. Not a user option."""
+
     @property
     def split_rule(self) -> str:
+        """The layer-to-stage rule priced."""
+        if self.split_priced is not None:
+            return self.split_priced
+        return self.engine
+
+    @property
+    def engine(self) -> str:
+        """The stack's own rule, which names its pipeline engine (plan_rules.STACK_SCHEDULES,
+        memory_pipeline.deepspeed_pipe_buffers)."""
         if self.pipeline_split is not None:
             return self.pipeline_split
         return "any"

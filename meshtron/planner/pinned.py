@@ -9,7 +9,8 @@ near miss) the way it prices every candidate (`SearchResult.near_miss_priced`: t
 time-balanced layer split, not the memory-minimising one, which can be far slower), marks it
 fits false, and names the cheapest change of the knobs the user fixed that would fit
 (`answer_pinned`). A search with more than one layout open keeps its refusal: there the
-planner chose the layout.
+planner chose the layout. A pinned layout the priced stack's layer-to-stage rule cannot split
+is answered in the same spirit, inside the search (search_space.SplitFallback).
 """
 
 from __future__ import annotations

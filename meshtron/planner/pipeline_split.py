@@ -9,7 +9,8 @@ The planner prices what the stack runs, so the split is the stack's, not the bes
   other layer counts are refused (plan_rules.split_problem).
 * 'megatron-ends' (Megatron-Core 0.9-0.12): equal middle stages, and the first and last stage
   counts set by --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
-  (transformer_config.py "Uneven PP"), each a multiple of v; or
+  (transformer_config.py "Uneven PP"), each a multiple of v (0.11+; 0.9 and 0.10 assert
+  uneven stages without interleaving: the rule is the preset's newest, 0.11-0.12); or
   account_for_embedding/loss_in_pipeline_split (0.11+): the embedding and the loss count as
   a layer each, every chunk equal, the first and last chunk one layer short. Of the splits it
   can express, the one with the fastest slowest stage (ties: fewer layers on the first stage,
@@ -33,6 +34,39 @@ import functools
 
 from meshtron.planner import pipeline
 from meshtron.planner.plan_rules import megatron_account_for, split_problem
+
+NEAREST = {"megatron-even": ("megatron-ends", "any"), "megatron-ends": ("any",),
+           "deepspeed-transformer": ("any",), "deepspeed-parameters": ("any",)}
+"""For a pinned layout a stack's rule cannot split (search_space.SplitFallback), the rules
+priced instead, nearest first: what the same engine runs when configured further (Megatron-LM
+2021's equal stages -> Megatron-Core 0.9+'s uneven end stages -> Megatron-Core 0.13+'s
+pipeline_model_parallel_layout, any split: ADLR/megatron-lm!2795, June 2025); DeepSpeed has no option placing layers by count
+(PipelineModule's partition_method is 'parameters', 'uniform' or 'type:REGEX', all computed),
+so its nearest is the time-balanced split. Our reading of a stack's rule can be wrong (versions,
+forks, NeMo recipes): a published layout is a fact, so it is priced, with a warning."""
+
+
+def configured_as(stack: str, priced: str, stage_layers: list[int], v: int) -> str:
+    """How the stack's engine could run the split priced instead of its own (`stage_layers`:
+    per device; `v` chunks each), for the warning (report.split_warning)."""
+    if priced == "megatron-ends":
+        # Megatron-Core 0.9-0.10 assert uneven stages without interleaving
+        # (transformer_block.get_num_layers_to_build); 0.11 builds uneven virtual stages
+        if v > 1 and (stage_layers[0] % v or stage_layers[-1] % v):
+            how = "account_for_embedding/loss_in_pipeline_split (Megatron-Core >= 0.11)"
+        elif v > 1:
+            how = ("--decoder-first/last-pipeline-num-layers and "
+                   "--num-virtual-stages-per-pipeline-rank (Megatron-Core >= 0.11)")
+        else:
+            how = "--decoder-first/last-pipeline-num-layers (Megatron-Core >= 0.9)"
+        return f"the uneven end stages a Megatron-Core run sets with {how}"
+    if stack.startswith("megatron"):
+        return ("the time-balanced split, which Megatron-Core >= 0.13's "
+                "--pipeline-model-parallel-layout can place")
+    if stack.startswith("deepspeed"):
+        return ("the time-balanced split (meshtron's and torchtitan's), which DeepSpeed's "
+                "partition_balanced does not build")
+    return "the time-balanced split"
 
 
 def split_for(rule: str, layers: int, p: int, v: int, layer_time: float, first_extra: float,

@@ -329,8 +329,10 @@ _MEGATRON_WHY = {
 
 def megatron_account_for(layers: int, pp: int, v: int) -> list[int]:
     """Layers counted for the embedding and loss (1 or 2) with which Megatron-Core's
-    account_for_embedding/loss_in_pipeline_split can split `layers` (empty: none)."""
-    return [e for e in (1, 2) if (layers + e) % (pp * v) == 0 and (layers + e) // (pp * v) > 1]
+    account_for_embedding/loss_in_pipeline_split can split `layers` (empty: none). A chunk of
+    one counted layer is allowed: the very first (last) then builds none and holds only the
+    embedding (loss) (transformer_block.get_num_layers_to_build asserts >= 0 layers)."""
+    return [e for e in (1, 2) if (layers + e) % (pp * v) == 0 and (layers + e) // (pp * v) >= 1]
 
 
 def split_problem(rule: str | None, layers: int, pp: int, v: int = 1,
@@ -343,7 +345,7 @@ def split_problem(rule: str | None, layers: int, pp: int, v: int = 1,
     account_for_embedding/loss_in_pipeline_split) sets the end stages apart, the middle ones
     still equal. So 'megatron-ends' expresses L layers iff v divides L and L >= pp*v, or
     L + 1 or L + 2 divides by pp*v. Other rules express any split (torchtitan's split points;
-    DeepSpeed's partition is computed, pipeline_split.py). Megatron-Core 0.14+'s
+    DeepSpeed's partition is computed, pipeline_split.py). Megatron-Core 0.13+'s
     pipeline_model_parallel_layout places any layers: `pipeline_split = "any"`."""
     if pp > 1 and rule == "deepspeed-transformer" and not stage_layers and layers >= pp:
         per = -(-layers // pp)  # _lprobe fills stages with ceil(L/pp) blocks from the first
@@ -444,17 +446,21 @@ def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
 
 
 def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
-                  model: Any = None, runtime: bool = True, split: str | None = None) -> list[str]:
+                  model: Any = None, runtime: bool = True, split: str | None = None,
+                  engine: str | None = None) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
     against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
     include meshtron's runtime limits (False when the planner prices another framework);
-    `split`: the priced stack's layer-to-stage rule (memory_options.PIPELINE_SPLITS)."""
+    `split`: the priced stack's layer-to-stage rule (memory_options.PIPELINE_SPLITS);
+    `engine`: the rule naming the stack's pipeline engine, whose schedules are checked, when
+    a pinned layout is priced on another split (search_space.SplitFallback; default `split`)."""
     out = list(field_problems(k))
     g = k.get
     sizes = (g("global_batch"), g("dp"), g("micro_batch"))
     m = (sizes[0] // (sizes[1] * sizes[2])
          if all(_is_int(x) and x > 0 for x in sizes) else None)
-    problem = schedule_problem(split, g("schedule"), g("pp"), g("virtual_stages"), m)
+    problem = schedule_problem(split if engine is None else engine, g("schedule"), g("pp"),
+                               g("virtual_stages"), m)
     if problem:
         out.append(problem)
     if world_size is not None:

@@ -26,7 +26,8 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
                      "fixed_changed": {knob: [pinned, fits]},     # of the layout that fits
                      "searched_changed": {knob: [pinned, fits]},  # with one fixed knob freed
                      plan object} | null,                         # (else all of them)
-      "warnings": [str],                                          # "predicted not to fit: ..."
+      "warnings": [str],          # "... cannot split this pinned layout ...: priced instead
+                                  # on ...", "predicted not to fit: ..."
       "evaluated": int,           # full evaluations, the searches for fit_change included
       "feasible": int, "search_time_s": float,
       "notes": [str],                                             # knob families left out, why
@@ -92,7 +93,7 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
         "fits": result.fits, "pinned": result.pinned,
         "fit_change": (result.fit_change.to_dict(tokens, n, price)
                        if result.fit_change is not None else None),
-        "warnings": [pinned_warning(result)] if result.pinned else [],
+        "warnings": warnings(result),
         "evaluated": result.evaluated, "feasible": result.feasible,
         "search_time_s": result.seconds,
         "notes": list(result.notes),
@@ -311,8 +312,8 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
     n = result.cluster.num_gpus
     cl = result.cluster
     what = "Pinned plan" if result.pinned else "Best plan"
-    if result.pinned:
-        console.print(f"[bold red]Warning:[/] {pinned_warning(result)}")
+    for line in warnings(result):
+        console.print(f"[bold red]Warning:[/] {line}")
     console.print(f"{what}: {breakdown_line(best)}")
     console.print(f"{what}: {memory_line(best)}")
     from meshtron.planner.snapshot_memory import snapshot_line
@@ -368,6 +369,29 @@ def trust_text(est: Estimate, framework: Any,
         return f"the memory model is within 5% of a rehearsal of meshtron's runtime; {check}; "
     return (f"{framework.label}'s memory is modelled, not rehearsed (its own savings beyond "
             "the model are not counted); ")
+
+
+def warnings(result: SearchResult) -> list[str]:
+    """What the answer to a pinned layout does not say by itself: the stack's rule could not
+    split it (`split_warning`), it is predicted not to fit (`pinned_warning`)."""
+    out = [split_warning(result)] if result.split_fallback is not None and result.plans else []
+    return out + ([pinned_warning(result)] if result.pinned else [])
+
+
+def split_warning(result: SearchResult, est: Estimate | None = None) -> str:
+    """The one warning of a pinned layout the stack's layer-to-stage rule cannot split, priced
+    on the nearest split its engine could be configured to (search_space.SplitFallback), as
+    `est` (default: the best plan) splits it."""
+    from meshtron.planner.pipeline_split import configured_as
+
+    fb, est = result.split_fallback, est or result.best
+    per_gpu, v = _per_gpu(est), est.config.virtual_stages
+    chunks = f" ({v} chunks each)" if v > 1 else ""
+    label = _framework(result).label
+    return (f"{label} cannot split this pinned layout as published: {fb.refusal}; priced "
+            f"instead on {','.join(map(str, per_gpu))} layers per stage{chunks}, "
+            f"{configured_as(fb.stack, fb.priced, per_gpu, v)}. The split (and a --save'd "
+            f"plan, which meshtron's runtime runs as priced) is not {label}'s own")
 
 
 def pinned_warning(result: SearchResult) -> str:

@@ -66,6 +66,8 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     runtime = framework is None or framework.name == "meshtron"
     space = SearchSpace(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime,
                         framework)
+    if space.split_fallback is not None:  # a pinned layout the stack's rule cannot split
+        ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=space.mem)
     result = search_and_explain(ev, space, top_k, explain)
     layouts = result.layouts  # the knobs' layouts, whichever search below answers
     if not result.plans and knobs.offload is None:
@@ -80,6 +82,7 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     result.seconds = time.perf_counter() - t0
     result.framework = framework
     result.layouts = layouts
+    result.split_fallback = space.split_fallback
     return result
 
 

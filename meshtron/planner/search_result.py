@@ -83,6 +83,9 @@ class SearchResult:
     pinned: bool = False
     """The knobs leave one layout (`layouts`) and nothing of it fits: the one plan is the near
     miss priced as a candidate, with fits False (planner/pinned.py `answer_pinned`)."""
+    split_fallback: Any = None
+    """A pinned layout the stack's layer-to-stage rule cannot split, priced on the nearest rule
+    its engine could be configured to (search_space.SplitFallback); None: the stack's own."""
     fit_change: Any = None
     """With `pinned`: the fastest plan of the same layout that fits when one of the knobs the
     user fixed is freed (or all of them), and what changed (pinned.FitChange); None: none."""

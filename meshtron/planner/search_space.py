@@ -18,6 +18,7 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
                                     offload_runtime_problem, plan_problems,
                                     schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
+from meshtron.planner.pipeline_split import NEAREST
 from meshtron.planner.plan_rules import (compile_runtime_problem, ep_runtime_problems,
                                          schedule_problem, split_problem)
 
@@ -34,6 +35,21 @@ FAMILIES = {
     "pp": "pipeline + data parallel (tp=1)",
     "3d": "3D: tensor x pipeline x data",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFallback:
+    """A pinned layout the priced stack's layer-to-stage rule cannot split, priced on the
+    nearest rule its engine could be configured to (pipeline_split.NEAREST): the same spirit
+    as a pinned layout predicted not to fit (planner/pinned.py). An open search keeps leaving
+    such layouts out: there it proposes what the stack runs."""
+
+    stack: str
+    """The stack's own rule (memory_options.PIPELINE_SPLITS)."""
+    priced: str
+    """The rule priced instead."""
+    refusal: str
+    """The stack rule's one-line refusal of the pinned layout."""
 
 
 def family_of(cfg: Plan) -> str:
@@ -66,8 +82,13 @@ class SearchSpace:
         self.notes: list[str] = []
         # meshtron's runtime limits apply when pricing meshtron (the default stack)
         self.runtime = runtime
-        # the priced stack's layer-to-stage rule (Megatron's equal chunks: plan_rules)
-        self.split = (mem or memory.options_for(opts)).split_rule
+        # the priced stack's layer-to-stage rule (Megatron's equal chunks: plan_rules) and its
+        # pipeline engine (the schedules it runs); a pinned layout the rule cannot split is
+        # priced on the nearest rule the engine could be configured to (`_settle_split`)
+        self.mem = mem or memory.options_for(opts)
+        self.split, self.engine = self.mem.split_rule, self.mem.engine
+        self.split_fallback: SplitFallback | None = None
+        self._refusal: str | None = None
         self.knobs = k
         self.framework = framework
         self.n, self.model, self.global_batch = cluster.num_gpus, model, global_batch
@@ -86,14 +107,16 @@ class SearchSpace:
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = self._tensor_degrees(cluster.gpus_per_node)
         self.recomputes = self._recompute_values(seq_len, opts, mem or memory.options_for(opts))
+        notes = list(self.notes)
         self._layouts = self._valid_layouts()
+        self._settle_split(notes)
         if self.offload == "full" and runtime:
             # FSDP2's CPU offload does not run in a pipeline (plan.py offload_runtime_problem):
             # drop those layouts before their knobs are enumerated (`point` would refuse each)
             self._layouts = [lay for lay in self._layouts if lay[2] == 1]
         if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _, _ in
                                                                   self._layouts) \
-                and schedule_problem(self.split, "zb", 2, 1) is None:  # its engine runs zb
+                and schedule_problem(self.engine, "zb", 2, 1) is None:  # its engine runs zb
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
 
@@ -101,7 +124,14 @@ class SearchSpace:
         """The fixed knobs through the validity function, and the search's own refusals: tp
         beyond a node, ep on a stack without expert parallelism (`ep_ok`)."""
         k, model, framework = self.knobs, self.model, self.framework
-        check({**k.to_dict(), **self.context}, self.n, model, self.runtime, self.split)
+        fixed = {**k.to_dict(), **self.context}
+        problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine)
+        if problems:
+            nearer = self._nearer_split(fixed)
+            if nearer is None:
+                raise UserError(problems[0])
+            # kept only if the knobs leave one layout (`_settle_split`), else refused
+            self._refusal, self.split = problems[0], nearer
         if k.tp is not None and (k.tp > gpn or gpn % k.tp):
             raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn} "
                              "(tensor parallelism stays inside a node)")
@@ -114,6 +144,61 @@ class SearchSpace:
         if model.is_moe and not k.ep and not self.ep_ok:
             self.notes.append(f"expert parallelism left out: {framework.label} has none "
                               "(ep=1: every rank holds every expert)")
+
+    def _nearer_split(self, fixed: dict[str, Any]) -> str | None:
+        """The nearest rule (pipeline_split.NEAREST) under which the plan `fixed` has no
+        problem, or None: a problem other than the stack's split."""
+        for rule in NEAREST.get(self.split, ()):
+            if not plan_problems(fixed, self.n, self.model, self.runtime, rule, self.engine):
+                return rule
+        return None
+
+    def _settle_split(self, notes: list[str]) -> None:
+        """Price a pinned layout (exactly one left: pinned.layout_pinned) that the stack's rule
+        cannot split on the nearest rule that can (`SplitFallback`); refuse a layout the rule
+        cannot split when the knobs leave more than one. `notes`: those before the layouts."""
+        if self._refusal is not None and len(self._layouts) != 1:
+            raise UserError(self._refusal)  # the planner chose the layout: the stack's refusal
+        if self._refusal is None and not self._layouts:
+            # the knobs fix a layout only the split refuses, pp then forced by the GPU count
+            stack, fixed = self.split, {**self.knobs.to_dict(), **self.context}
+            stack_notes = self.notes
+            for rule in NEAREST.get(stack, ()):
+                self.split, self.notes = rule, list(notes)
+                layouts = self._valid_layouts()
+                if len(layouts) == 1:
+                    tp, cp, pp, dp, ep = layouts[0]
+                    lay = {**fixed, "tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
+                    self._refusal = plan_problems(lay, self.n, self.model, self.runtime,
+                                                  stack, self.engine)[0]
+                    self._layouts = layouts
+                    break
+            else:
+                self.split, self.notes = stack, stack_notes
+        if self._refusal is None and len(self._layouts) == 1:
+            self._interleaving_refusal(self._layouts[0][2])
+        if self._refusal is not None:
+            self.split_fallback = SplitFallback(self.mem.split_rule, self.split, self._refusal)
+            self.mem = dataclasses.replace(self.mem, split_priced=self.split)
+
+    def _interleaving_refusal(self, pp: int) -> None:
+        """`--schedule interleaved` without virtual stages on a pinned layout: when the stack's
+        rule splits none of the searched counts (`schedules`) and a nearer rule splits one,
+        price on that rule (the schedule the user fixed is the published run's)."""
+        k, layers = self.knobs, self.model.layers
+        if k.schedule != "interleaved" or k.virtual_stages or pp <= 1:
+            return
+        vs = [v for v in VIRTUAL_STAGES if v <= layers // pp]
+        problems = [split_problem(self.split, layers, pp, v) for v in vs]
+        if not vs or not all(problems):
+            return
+        for rule in NEAREST.get(self.split, ()):
+            if any(split_problem(rule, layers, pp, v) is None for v in vs):
+                self._refusal = (f"plan.schedule='interleaved' on pp={pp}: no searched "
+                                 f"virtual_stages ({', '.join(map(str, vs))}) is a split of "
+                                 f"the stack's: {problems[0]}")
+                self.split = rule
+                return
 
     def _tensor_degrees(self, gpn: int) -> list[int]:
         """Tensor-parallel degrees searched: the fixed one, else the divisors of a node's GPUs
@@ -227,7 +312,8 @@ class SearchSpace:
                     for ep in self.eps(dp, cp):
                         problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp,
                                                   "dp": dp, "ep": ep},
-                                                 n, self.model, self.runtime, self.split)
+                                                 n, self.model, self.runtime, self.split,
+                                                 self.engine)
                         if problems:
                             left_out.setdefault(family(tp, pp), problems[0])
                             continue
@@ -282,7 +368,7 @@ class SearchSpace:
             return split_problem(self.split, self.model.layers, pp, v)
 
         for s, v in cands:
-            engine = schedule_problem(self.split, s, pp, v, m)
+            engine = schedule_problem(self.engine, s, pp, v, m)
             if not fixed:
                 if v <= layers_per_stage and rounds(s, v) is None and split(v) is None \
                         and engine is None:
@@ -359,5 +445,5 @@ def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
     return True
 
 
-__all__ = ["VIRTUAL_STAGES", "MIN_CP_TOKENS", "DEFAULT_DTYPE", "FAMILIES", "SearchSpace",
+__all__ = ["SplitFallback", "VIRTUAL_STAGES", "MIN_CP_TOKENS", "DEFAULT_DTYPE", "FAMILIES", "SearchSpace",
            "family", "family_of", "divisors", "runs_ep", "selective_is_none"]

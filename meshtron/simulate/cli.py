@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,17 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
     cluster = resolve_cluster(args.cluster)
     batch, seq = args.global_batch, args.seq_len
     if args.plan:
-        est = evaluate_plan(model, cluster, batch, seq, load_plan(args.plan), framework=opts)
+        plan = load_plan(args.plan)
+        result = search_plans(model, cluster, batch, seq, plan, top_k=1, framework=opts,
+                              explain=False)
+        # as evaluate_plan, which refuses in one line what nothing prices
+        est = (result.best or result.near_miss_priced
+               or evaluate_plan(model, cluster, batch, seq, plan, framework=opts))
+        if result.split_fallback is not None:  # a split the stack cannot build (issue 30)
+            from meshtron.planner.report import split_warning
+
+            print(f"warning: plan={args.plan!r}: {split_warning(result, est)}",
+                  file=sys.stderr, flush=True)
         if not est.fits:  # `meshtron cost --plan` prices it; simulating it is refused
             from meshtron.planner.report import need_text
 
