@@ -207,8 +207,8 @@ def test_doctor_names_a_skipped_all_to_all(tmp_path):
     sizes the waiting rank sent."""
     from pathlib import Path
 
-    from meshtron.doctor.analyze import diagnose
-    from meshtron.doctor.trace import load_trace
+    from meshtron.diagnose.analyze import diagnose
+    from meshtron.diagnose.trace import load_trace
     from testkit.multiproc import RankError, RankTimeout
 
     sys.path.insert(0, str(Path(__file__).parent))
