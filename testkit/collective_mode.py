@@ -252,3 +252,24 @@ class CollectiveMode(TorchDispatchMode, RecordBook):
             self._sweep_group(group)
 
 
+
+
+def record_last_step(pm, opt, mesh, inputs, targets, steps: int) -> CollectiveMode:
+    """Train `steps` steps of a parallel model on this data-parallel rank's rows of `inputs` /
+    `targets` ([step, global batch, ...]), each step's forward and backward under a new
+    CollectiveMode; the last step's (the first steps carry one-time traffic, e.g. lazy state)."""
+    import torch.distributed as dist
+
+    from meshtron.parallel.mesh import data_mesh
+
+    dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
+    rows = inputs.shape[1] // dp
+    rec = None
+    for step in range(steps):
+        rec = CollectiveMode(dist.get_rank())
+        with rec:
+            pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
+                                targets[step, r * rows:(r + 1) * rows])
+        opt.step()
+        opt.zero_grad()
+    return rec

@@ -99,10 +99,10 @@ def _count_step(cfg):
     import torch
     import torch.distributed as dist
 
-    from testkit.collective_mode import CollectiveMode
+    from testkit.collective_mode import record_last_step
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from meshtron.parallel.mesh import data_mesh, release_mesh
+    from meshtron.parallel.mesh import release_mesh
     from testkit.equivalence import make_data
 
     inputs, targets = make_data(cfg)
@@ -113,16 +113,8 @@ def _count_step(cfg):
     torch.manual_seed(cfg["seed"])
     pm = parallelize(Transformer(make_spec(cfg)), dict(COUNT), mesh)
     opt = build_optimizer(pm, lr=cfg["lr"])
-    rows = cfg["batch"] // 2
-    r = data_mesh(mesh).get_local_rank()
     counted, cp_bytes = Counter(), Counter()
-    for step in range(2):
-        rec = CollectiveMode(dist.get_rank())
-        with rec:
-            pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
-                                targets[step, r * rows:(r + 1) * rows])
-        opt.step()
-        opt.zero_grad()
+    rec = record_last_step(pm, opt, mesh, inputs, targets, 2)
     for rr in rec.snapshot():
         numel = max(int(torch.Size(sh).numel()) for sh in rr["shapes"])
         if numel <= 1:
