@@ -180,5 +180,3 @@ def megatron_bridge_h100() -> list[PublishedRun]:
                  "sequence parallel with TP (required by tp_comm_overlap); recomputation "
                  "not published"))
     return runs
-
-

@@ -62,5 +62,3 @@ def moe_runs() -> list[PublishedRun]:
                  "distributed optimizer (FSDP 0); router force-balanced; A2A overlap, bf16 "
                  "gradient reduction and no recomputation as the recipe sets them"))
     return runs
-
-

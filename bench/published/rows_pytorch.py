@@ -145,5 +145,3 @@ def llm_foundry() -> list[PublishedRun]:
             note=f"micro-batch {mb} x {ga} accumulation; "
                  f"{'SHARD_GRAD_OP' if zero == 2 else 'FULL_SHARD'}; {prec}"))
     return runs
-
-

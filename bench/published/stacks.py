@@ -81,4 +81,3 @@ MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_re
 """Megatron-LM 2019: apex fused LayerNorm only; softmax, GeLU, dropout as separate kernels; fp16
 gradients all-reduced after the backward pass (its 'local' DDP); FP16_Optimizer's separate
 copy / unscale / norm passes around the Adam step (optimizer 'foreach' bytes)."""
-

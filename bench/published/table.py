@@ -318,8 +318,6 @@ def a100_40gb(nodes: int, nic_gb_per_s: float = 25.0) -> ClusterSpec:
                                inter_node_gb_per_s=nic_gb_per_s, name=f"a100-40gb:{nodes}")
 
 
-
-
 def h800(nodes: int) -> ClusterSpec:
     """DeepSeek's H800 cluster (DSV3 sections 3.1, 3.2.2): H100 silicon with NVLink cut to 400
     GB/s bidirectional (200 per direction; 160 achieved, as the preset's 0.8 gives) and one
@@ -328,5 +326,3 @@ def h800(nodes: int) -> ClusterSpec:
     # the catalogue's H100-SXM5-80GB: the same compute and HBM (the cut is NVLink only)
     return dataclasses.replace(c, name=f"h800:{nodes}", intra_node_gb_per_s=200.0,
                                inter_node_gb_per_s=50.0)
-
-
