@@ -2,7 +2,7 @@
 
 Calibration part: the ten Megatron-LM 2021 rows (../shared/calibration, Narayanan et al. 2021,
 Table 1) and Korthikanti et al. 2022 (the rows earlier versions were developed against).
-Validation part: every other row (meshtron/planner/published_runs.py, sources per row); no
+Validation part: every other row (bench/published/runs.py, sources per row); no
 constant was set by looking at them. Error = predicted / published throughput - 1.
 Rows marked '?' rest on assumed details (see their notes; -v prints them); '!' marks a published
 layout the planner's memory model rejects.

@@ -27,7 +27,7 @@ DEFAULT_LAYOUTS = ["pp=2,dp=4", "pp=4,dp=2", "pp=8", "tp=2,pp=2,dp=2"]
 
 
 def run_layout(layout: str, nproc: int, args, tmp: Path):
-    from meshtron.doctor.timeline_view import build_report
+    from meshtron.diagnose.timeline_view import build_report
 
     run_dir = tmp / layout.replace(",", "_").replace("=", "")
     cmd = [sys.executable, "-m", "meshtron", "train", "--nproc", str(nproc), "--plan", layout,

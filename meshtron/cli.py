@@ -19,7 +19,7 @@ COMMAND_MODULES = [
     "meshtron.train.cli",
     "meshtron.calibrate.cli",
     "meshtron.planner.cli",
-    "meshtron.doctor.cli",
+    "meshtron.diagnose.cli",
     "meshtron.hf.cli",
     "meshtron.cost.cli",
     "meshtron.simulate.cli",
@@ -30,7 +30,7 @@ COMMAND_MODULES = [
 
 COMMANDS = {"train": "meshtron.train.cli", "demo": "meshtron.train.cli",
             "calibrate": "meshtron.calibrate.cli", "plan": "meshtron.planner.cli",
-            "doctor": "meshtron.doctor.cli", "export": "meshtron.hf.cli",
+            "doctor": "meshtron.diagnose.cli", "export": "meshtron.hf.cli",
             "cost": "meshtron.cost.cli", "simulate": "meshtron.simulate.cli",
             "merge": "meshtron.modular.cli", "rehearse": "meshtron.rehearse.cli"}
 """The module that registers each subcommand: `meshtron plan ...` builds only the planner's

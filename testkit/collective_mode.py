@@ -13,9 +13,7 @@ under one. The records have the product recorder's format (`snapshot()`, `groups
 from __future__ import annotations
 
 import collections
-import os
 import threading
-import time
 from typing import Any
 
 import torch
@@ -24,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # The product recorder's record format and helpers (the records must read the same).
 from meshtron.doctor.recorder import (  # noqa: F401  (record fields are re-exported for tests)
     DTYPES, GROUP, OP, PEER, SEQ, SHAPES, STACK, STACKS_ENV, STATE, T_END, T_ENQUEUE, T_START,
-    GroupInfo, clock, record_dict, shape_dtype, short_stack)
+    GroupInfo, RecordBook, clock, record_dict, shape_dtype, short_stack)
 
 WATCHED_NAMESPACES = frozenset(("c10d", "_c10d_functional"))
 # Operators that are bookkeeping, not communication.
@@ -78,39 +76,23 @@ class _OpInfo:
                 self.tensor_indices.append(i)
 
 
-class CollectiveMode(TorchDispatchMode):
+class CollectiveMode(TorchDispatchMode, RecordBook):
     """Records the collectives of this thread while entered (`with mode:`; every operator goes
-    through Python, 1.5-2x slower steps on small models).
-
-    `capacity`: records kept (the oldest are dropped). `on_issue`: called with no arguments at
-    each collective (the watchdog reads `last_issue_t` instead, which costs nothing per call).
-    `stacks`: keep each collective's Python stack (default: MESHTRON_DOCTOR_STACKS=1)."""
+    through Python, 1.5-2x slower steps on small models). What it keeps, and how it is read:
+    the product recorder's `RecordBook` (same arguments)."""
 
     def __init__(self, rank: int, capacity: int = 2000, on_issue=None,
                  stacks: bool | None = None):
-        super().__init__()
-        self.rank = rank
-        self.stacks = os.environ.get(STACKS_ENV) == "1" if stacks is None else stacks
-        # Wall time of the monotonic clock's origin: records keep monotonic seconds, readers
-        # get wall seconds (comparable across the ranks of a host, as the analysis needs).
-        self._wall_offset = time.time() - clock()
-        self.last_issue_t = 0.0
-        """Monotonic time of the latest collective issued (the watchdog's progress signal)."""
-        self.records: collections.deque = collections.deque(maxlen=capacity)
-        self.groups: dict[str, GroupInfo] = {}
+        TorchDispatchMode.__init__(self)
+        RecordBook.__init__(self, rank, capacity, on_issue, stacks)
         self._by_object: dict[int, tuple[Any, GroupInfo]] = {}
-        self._axes: dict[str, str] = {}
         self._seq: dict[str, int] = collections.defaultdict(int)
         self._p2p_seq: dict[tuple, int] = collections.defaultdict(int)
         self._ops: dict[Any, _OpInfo] = {}
         self._pending_functional: dict[int, list] = {}
-        self._on_issue = on_issue
         self._lock = threading.Lock()
         self._pending_works: dict[str, collections.deque] = collections.defaultdict(
             collections.deque)
-        # timeline.py's deque of (start, end) of main-thread waits, when it runs
-        self.waits: collections.deque | None = None
-        self._main = threading.main_thread().ident
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -120,19 +102,7 @@ class CollectiveMode(TorchDispatchMode):
         # compiled code, so it opts out.
         return False
 
-    # -- mesh axes -----------------------------------------------------------------------------
-    def name_axis(self, group, axis: str) -> None:
-        """Call a process group by its mesh axis name in the records."""
-        self._axes[group.group_name] = axis
-        info = self.groups.get(group.group_name)
-        if info is not None:
-            info.axis = axis
-
     # -- interception ----------------------------------------------------------------------------
-    def wall(self, t: float | None) -> float | None:
-        """Wall-clock seconds of a monotonic time of this recorder."""
-        return None if t is None else t + self._wall_offset
-
     def _call(self, info: _OpInfo, run, args, kwargs):
         """Record the collective, run it (`run(*args, **kwargs)`), note when it completes."""
         if _is_compiling():  # tracing for torch.compile: no records of traced (fake) calls
@@ -245,7 +215,7 @@ class CollectiveMode(TorchDispatchMode):
                 return
             pending = self._pending_works[rec[GROUP]]
             if len(pending) >= PENDING_PER_GROUP:
-                self._sweep(rec[GROUP])
+                self._sweep_group(rec[GROUP])
                 if len(pending) >= PENDING_PER_GROUP:
                     pending.popleft()  # forget it: its state stays "issued"
             pending.append((rec, work))
@@ -255,7 +225,7 @@ class CollectiveMode(TorchDispatchMode):
                 self._pending_functional.clear()
             self._pending_functional[id(out)] = rec
 
-    def _sweep(self, group: str) -> None:
+    def _sweep_group(self, group: str) -> None:
         """Mark the finished Works of a group completed."""
         pending = self._pending_works.get(group)
         if not pending:
@@ -276,14 +246,30 @@ class CollectiveMode(TorchDispatchMode):
             except ValueError:  # swept by another thread
                 pass
 
-    # -- reading -------------------------------------------------------------------------------
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The records, oldest first, as plain dicts (safe to call from any thread)."""
+    # -- reading (RecordBook.snapshot) ------------------------------------------------------------
+    def _sweep(self) -> None:
         for group in list(self._pending_works):
-            self._sweep(group)
-        return [record_dict(r, self.groups.get(r[GROUP]), self.wall) for r in list(self.records)]
-
-    def group_table(self) -> dict[str, dict[str, Any]]:
-        return {name: g.to_dict() for name, g in list(self.groups.items())}
+            self._sweep_group(group)
 
 
+
+
+def record_last_step(pm, opt, mesh, inputs, targets, steps: int) -> CollectiveMode:
+    """Train `steps` steps of a parallel model on this data-parallel rank's rows of `inputs` /
+    `targets` ([step, global batch, ...]), each step's forward and backward under a new
+    CollectiveMode; the last step's (the first steps carry one-time traffic, e.g. lazy state)."""
+    import torch.distributed as dist
+
+    from meshtron.parallel.mesh import data_mesh
+
+    dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
+    rows = inputs.shape[1] // dp
+    rec = None
+    for step in range(steps):
+        rec = CollectiveMode(dist.get_rank())
+        with rec:
+            pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
+                                targets[step, r * rows:(r + 1) * rows])
+        opt.step()
+        opt.zero_grad()
+    return rec

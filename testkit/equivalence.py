@@ -223,6 +223,24 @@ def train_step(pm, opt, mesh, cfg: dict[str, Any], batch: tuple, sched=None) -> 
     return float(loss)
 
 
+def dcp_save(pm, opt, checkpoint_id: str) -> None:
+    """Save `pm` and `opt` with DCP as `dcp_load` reads them (every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=checkpoint_id)
+
+
+def dcp_load(pm, opt, checkpoint_id: str) -> None:
+    """Load a model + optimizer checkpoint saved with DCP (`{"model": ..., "optim": ...}`,
+    possibly from another layout) into `pm` and `opt`, resharding it to their layout."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": pm.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    pm.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+
+
 def thread_count() -> int:
     """Threads of this process (backend threads included), from /proc where there is one."""
     import os

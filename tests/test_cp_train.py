@@ -54,10 +54,9 @@ def _dcp_cp_to_cp1(cfg, ckpt_dir):
     """Train 2 steps at SAVE, save model + optimizer with DCP, take step 3; load the checkpoint
     into each RESUME layout (a different init, which the load must overwrite) and take step 3
     there. Returns the losses and worst parameter differences."""
-    import torch.distributed.checkpoint as dcp
 
     from meshtron.parallel.mesh import release_mesh
-    from testkit.equivalence import build_parallel, make_data, train_step
+    from testkit.equivalence import build_parallel, dcp_load, dcp_save, make_data, train_step
 
     inputs, targets = make_data(cfg)
 
@@ -70,17 +69,14 @@ def _dcp_cp_to_cp1(cfg, ckpt_dir):
     pm, opt, mesh = build(SAVE, cfg["seed"])
     for i in range(2):
         step(pm, opt, mesh, i)
-    dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    dcp_save(pm, opt, ckpt_dir)
     out = {"want_loss": step(pm, opt, mesh, 2)}
     want = pm.full_parameters()
     del pm, opt
     release_mesh(mesh)
     for name, layout in RESUME.items():
         pm2, opt2, mesh2 = build(layout, cfg["seed"] + 99)
-        state = {"model": pm2.state_dict(), "optim": opt2.state_dict()}
-        dcp.load(state, checkpoint_id=ckpt_dir)
-        pm2.load_state_dict(state["model"])
-        opt2.load_state_dict(state["optim"])
+        dcp_load(pm2, opt2, ckpt_dir)
         loss = step(pm2, opt2, mesh2, 2)
         got = pm2.full_parameters()
         out[name] = (loss, max(float((got[k] - want[k]).abs().max() / want[k].abs().max())
@@ -103,10 +99,10 @@ def _count_step(cfg):
     import torch
     import torch.distributed as dist
 
-    from testkit.collective_mode import CollectiveMode
+    from testkit.collective_mode import record_last_step
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from meshtron.parallel.mesh import data_mesh, release_mesh
+    from meshtron.parallel.mesh import release_mesh
     from testkit.equivalence import make_data
 
     inputs, targets = make_data(cfg)
@@ -117,16 +113,8 @@ def _count_step(cfg):
     torch.manual_seed(cfg["seed"])
     pm = parallelize(Transformer(make_spec(cfg)), dict(COUNT), mesh)
     opt = build_optimizer(pm, lr=cfg["lr"])
-    rows = cfg["batch"] // 2
-    r = data_mesh(mesh).get_local_rank()
     counted, cp_bytes = Counter(), Counter()
-    for step in range(2):
-        rec = CollectiveMode(dist.get_rank())
-        with rec:
-            pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
-                                targets[step, r * rows:(r + 1) * rows])
-        opt.step()
-        opt.zero_grad()
+    rec = record_last_step(pm, opt, mesh, inputs, targets, 2)
     for rr in rec.snapshot():
         numel = max(int(torch.Size(sh).numel()) for sh in rr["shapes"])
         if numel <= 1:

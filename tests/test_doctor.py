@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.doctor.analyze import diagnose
-from meshtron.doctor.trace import load_trace
+from meshtron.diagnose.analyze import diagnose
+from meshtron.diagnose.trace import load_trace
 from testkit.multiproc import RankError, RankTimeout, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -159,7 +159,7 @@ def _codes(report):
 
 
 def test_nccl_logs_healthy_and_broken():
-    from meshtron.doctor.nccl import analyze_files
+    from meshtron.diagnose.nccl import analyze_files
 
     good = analyze_files([str(NCCL / "good_2x4_tp4.log")], tp=4)
     assert good.flags == [] and good.warnings == [] and good.timeouts == []

@@ -331,9 +331,9 @@ def test_analysis_reads_the_flight_recorder_format(tmp_path):
     import shutil
     from pathlib import Path
 
-    from meshtron.doctor.analyze import diagnose
+    from meshtron.diagnose.analyze import diagnose
     from meshtron.doctor.flight import groups_from_trace, records_from_trace
-    from meshtron.doctor.trace import load_trace
+    from meshtron.diagnose.trace import load_trace
 
     data = Path(__file__).parent / "data" / "doctor"
     faults = sorted(p.name for p in data.iterdir())

@@ -62,10 +62,10 @@ def _rank_fn(cfg, layouts):
     import torch
     import torch.distributed as dist
 
-    from testkit.collective_mode import CollectiveMode
+    from testkit.collective_mode import record_last_step
     from meshtron.model.transformer import Transformer
     from meshtron.parallel import build_mesh, build_optimizer, parallelize
-    from meshtron.parallel.mesh import data_mesh, expert_meshes, release_mesh
+    from meshtron.parallel.mesh import expert_meshes, release_mesh
     from testkit.equivalence import make_data, make_spec
 
     inputs, targets = make_data(cfg)
@@ -90,16 +90,8 @@ def _rank_fn(cfg, layouts):
             model = Transformer(make_spec(cfg))
         pm = parallelize(model, layout, mesh)
         opt = build_optimizer(pm, lr=cfg["lr"])
-        dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
-        rows = cfg["batch"] // dp
         records = []
-        for step in range(cfg["steps"]):
-            rec = CollectiveMode(dist.get_rank())
-            with rec:
-                pm.forward_backward(inputs[step, r * rows:(r + 1) * rows],
-                                    targets[step, r * rows:(r + 1) * rows])
-            opt.step()
-            opt.zero_grad()
+        rec = record_last_step(pm, opt, mesh, inputs, targets, cfg["steps"])
         for rr in rec.snapshot():
             ranks = tuple(rec.groups[rr["group"]].ranks)
             records.append({"op": rr["op"], "axis": axis(rr["op"], ranks),

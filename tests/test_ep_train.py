@@ -167,9 +167,8 @@ def ep_dcp_rank_fn(cfg, layouts, ckpt_dir, loads=DCP_TARGETS):
     `loads` (a fresh, differently seeded model each) and take the same step 3: losses and
     every parameter must match continuing at ep=2 (the expert weights are DTensors sharded on
     the expert dimension, so DCP reshards them)."""
-    import torch.distributed.checkpoint as dcp
 
-    from testkit.equivalence import build_parallel, make_data, train_step
+    from testkit.equivalence import build_parallel, dcp_load, dcp_save, make_data, train_step
 
     out = {"sweep": parallel_rank_fn(cfg, layouts)}
     cfg, _ = layout_cfg(cfg, {"model": SIGMOID})
@@ -184,15 +183,12 @@ def ep_dcp_rank_fn(cfg, layouts, ckpt_dir, loads=DCP_TARGETS):
     pm, opt, mesh = build(2, cfg["seed"])
     for i in range(2):
         step(pm, opt, mesh, i)
-    dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    dcp_save(pm, opt, ckpt_dir)
     out["want_loss"] = step(pm, opt, mesh, 2)
     want = pm.full_parameters()
     for ep, zero in loads:
         pm2, opt2, mesh2 = build(ep, cfg["seed"] + 99, zero)  # another init: overwritten
-        state = {"model": pm2.state_dict(), "optim": opt2.state_dict()}
-        dcp.load(state, checkpoint_id=ckpt_dir)
-        pm2.load_state_dict(state["model"])
-        opt2.load_state_dict(state["optim"])
+        dcp_load(pm2, opt2, ckpt_dir)
         loss = step(pm2, opt2, mesh2, 2)
         got = pm2.full_parameters()
         diff = max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-2))
@@ -207,8 +203,8 @@ def test_doctor_names_a_skipped_all_to_all(tmp_path):
     sizes the waiting rank sent."""
     from pathlib import Path
 
-    from meshtron.doctor.analyze import diagnose
-    from meshtron.doctor.trace import load_trace
+    from meshtron.diagnose.analyze import diagnose
+    from meshtron.diagnose.trace import load_trace
     from testkit.multiproc import RankError, RankTimeout
 
     sys.path.insert(0, str(Path(__file__).parent))

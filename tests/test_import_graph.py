@@ -18,7 +18,10 @@ FORBIDDEN = {
     # paths that restart from them; the doctor runs inside the parallel runtime, which names
     # its groups for it
     "checkpoint": {"parallel", "train", "doctor"},
-    "doctor": {"parallel"},
+    # what the ranks record sits under the runtime, the calibration and the trainer that start
+    # it; reading a run folder afterwards (`diagnose`, which asks the trainer for its cluster)
+    # is above them
+    "doctor": {"parallel", "train", "runtime", "calibrate", "diagnose"},
 }
 
 

@@ -293,9 +293,8 @@ def test_equivalence_sweep(reference, world):
 def _dcp_rank_fn(cfg, ckpt_dir):
     """Train on dp2 x tp2 (ZeRO-3), save model + optimizer with DCP, load into tp2 x pp2 and into
     dp4 ZeRO-1, take one more step on each and compare with continuing on the original layout."""
-    import torch.distributed.checkpoint as dcp
 
-    from testkit.equivalence import build_parallel, make_data, train_step
+    from testkit.equivalence import build_parallel, dcp_load, dcp_save, make_data, train_step
 
     inputs, targets = make_data(cfg)
 
@@ -308,16 +307,13 @@ def _dcp_rank_fn(cfg, ckpt_dir):
     pm, opt, mesh = build(dict(dp=2, tp=2, zero=3), cfg["seed"])
     for i in range(2):
         step(pm, opt, mesh, i)
-    dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    dcp_save(pm, opt, ckpt_dir)
     want_loss = step(pm, opt, mesh, 2)
     want = pm.full_parameters()
     out = {"want_loss": want_loss}
     for name, layout in (("pp", dict(tp=2, pp=2, micro_batch=2)), ("zero1", dict(dp=4, zero=1))):
         pm2, opt2, mesh2 = build(layout, cfg["seed"] + 99)  # different init: must be overwritten
-        state = {"model": pm2.state_dict(), "optim": opt2.state_dict()}
-        dcp.load(state, checkpoint_id=ckpt_dir)
-        pm2.load_state_dict(state["model"])
-        opt2.load_state_dict(state["optim"])
+        dcp_load(pm2, opt2, ckpt_dir)
         loss = step(pm2, opt2, mesh2, 2)
         got = pm2.full_parameters()
         diff = max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in got)
@@ -364,9 +360,9 @@ def _dcp_optimizer_rank_fn(cfg, ckpt_root, cases):
     run the same 2 steps (scheduler stepped in between) and compare with the wanted result.
     Also reports the inner optimizers' learning rates against the scheduler's after loading."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
-    from testkit.equivalence import PARAM_SCALE_FLOOR, build_parallel, make_data, train_step
+    from testkit.equivalence import (PARAM_SCALE_FLOOR, build_parallel, dcp_load, dcp_save,
+                                     make_data, train_step)
 
     inputs, targets = make_data(cfg)
 
@@ -385,15 +381,12 @@ def _dcp_optimizer_rank_fn(cfg, ckpt_root, cases):
         pm, opt, sched, mesh = build(save, cfg["seed"], two_groups)
         for i in range(2):
             step(pm, opt, sched, mesh, i)
-        dcp.save({"model": pm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
+        dcp_save(pm, opt, ckpt)
         want_losses = [step(pm, opt, sched, mesh, i) for i in (2, 3)]
         want = pm.full_parameters()
         for load in loads:
             pm2, opt2, sched2, mesh2 = build(load, cfg["seed"] + 99, two_groups)
-            state = {"model": pm2.state_dict(), "optim": opt2.state_dict()}
-            dcp.load(state, checkpoint_id=ckpt)
-            pm2.load_state_dict(state["model"])
-            opt2.load_state_dict(state["optim"])
+            dcp_load(pm2, opt2, ckpt)
             sched2.last_epoch = 2  # the scheduler's own (tiny) state, restored by the caller
             losses = [step(pm2, opt2, sched2, mesh2, i) for i in (2, 3)]
             got = pm2.full_parameters()

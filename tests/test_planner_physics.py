@@ -15,7 +15,8 @@ from meshtron.planner.compute import KernelOptions, layer_cost
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.plan import Plan
 from bench.published.table import gpt_model, predict_published, summary
-from bench.published.runs import DEEPSPEED_ZERO3_2021, published_runs
+from bench.published.runs import published_runs
+from bench.published.stacks import DEEPSPEED_ZERO3_2021
 
 FAB = Fabric.of(resolve_cluster("dgx-a100:256"))
 

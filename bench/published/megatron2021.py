@@ -25,8 +25,9 @@ from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.plan import Plan
 from bench.published.table import PublishedPrediction, PublishedRun, predict_published
-# The options the validation table uses for Megatron-LM 2021-2022 (published_runs.py).
-from bench.published.runs import MEGATRON_2021, published_runs
+# The options the validation table uses for Megatron-LM 2021-2022 (stacks.py).
+from bench.published.runs import published_runs
+from bench.published.stacks import MEGATRON_2021
 
 __all__ = ["MEGATRON_2021", "Prediction", "PublishedPrediction", "PublishedRun",
            "megatron_2021_rows", "predict_megatron_row", "predict_published", "published_runs"]

@@ -309,3 +309,20 @@ def dgx2h(nodes: int, gpus_per_node: int = 16) -> ClusterSpec:
     return ClusterSpec(name=f"dgx-2h:{nodes}", gpu="V100-SXM2-32GB", peak_tflops=125.0,
                        memory_gib=32.0, gpus_per_node=gpus_per_node, nodes=nodes,
                        intra_node_gb_per_s=150.0, inter_node_gb_per_s=6.25, hbm_gb_per_s=900.0)
+
+
+def a100_40gb(nodes: int, nic_gb_per_s: float = 25.0) -> ClusterSpec:
+    """A100-SXM4-40GB nodes of 8 on NVLink with `nic_gb_per_s` of network per GPU."""
+    return dataclasses.replace(preset_cluster("dgx-a100", nodes), gpu="A100-SXM4-40GB",
+                               memory_gib=40.0, hbm_gb_per_s=1555.0,
+                               inter_node_gb_per_s=nic_gb_per_s, name=f"a100-40gb:{nodes}")
+
+
+def h800(nodes: int) -> ClusterSpec:
+    """DeepSeek's H800 cluster (DSV3 sections 3.1, 3.2.2): H100 silicon with NVLink cut to 400
+    GB/s bidirectional (200 per direction; 160 achieved, as the preset's 0.8 gives) and one
+    400 Gb/s InfiniBand NIC per GPU (50 GB/s)."""
+    c = preset_cluster("dgx-h100", nodes)
+    # the catalogue's H100-SXM5-80GB: the same compute and HBM (the cut is NVLink only)
+    return dataclasses.replace(c, name=f"h800:{nodes}", intra_node_gb_per_s=200.0,
+                               inter_node_gb_per_s=50.0)

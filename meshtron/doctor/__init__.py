@@ -1,5 +1,6 @@
-"""meshtron doctor: the collective recorder and watchdog that run inside every rank, and the
-analysis that turns their dumps into one sentence naming the culprit (`meshtron doctor`).
+"""meshtron doctor, inside the ranks: the collective recorder and watchdog that run in every
+rank and dump what they saw to RUN_DIR/trace. Reading the dumps afterwards (the verdict naming
+the culprit, the timeline, NCCL logs) is `meshtron.diagnose`, the `meshtron doctor` command.
 
 The trainer calls `start(...)` once per rank, `watch_mesh(mesh)` when the mesh exists,
 `beat(step)` after each step and `current().close()` at the end; these are no-ops when no

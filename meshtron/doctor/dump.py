@@ -2,7 +2,7 @@
 so that a rank that later dies or freezes without dumping is still known), and its dump
 (rank_N.json: recorder, Python stacks of all threads, step times, peers' process states).
 
-Format "meshtron-trace/1"; `meshtron doctor` reads it (`analyze.py`).
+Format "meshtron-trace/1"; `meshtron doctor` reads it (`meshtron/diagnose/analyze.py`).
 """
 
 from __future__ import annotations

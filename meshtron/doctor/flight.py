@@ -5,8 +5,8 @@ sized by TORCH_FR_BUFFER_SIZE, `prepare_env`), with its per-group sequence numbe
 dtypes, creation / start / completion times (the last two from CUDA events, i.e. GPU time) and
 state. Nothing runs in Python per collective, so the recorder costs nothing on the hot path and
 torch.compile'd code is covered too. At dump time `FlightRecorderSource.snapshot()` reads the
-trace (`_dump_fr_trace_json`) and turns its entries into the records `analyze.py` reads, the
-format of `recorder.CollectiveRecorder.snapshot()`:
+trace (`_dump_fr_trace_json`) and turns its entries into the records
+`meshtron/diagnose/analyze.py` reads, the format of `recorder.CollectiveRecorder.snapshot()`:
 
 - collectives keep the Flight Recorder's `collective_seq_id` (the per-group number that aligns
   ranks); point-to-point operations are renumbered per (group, direction, peer), in trace order,

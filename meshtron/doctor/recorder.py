@@ -103,14 +103,14 @@ def record_dict(rec: list, group: GroupInfo | None, wall) -> dict[str, Any]:
     return d
 
 
-class CollectiveRecorder:
-    """Records what the recording process groups run while attached (`install()`, for a
-    training rank's whole run; `uninstall()` detaches). `capacity`: records kept (the oldest
-    are dropped). `on_issue`: called with no arguments at each collective (the watchdog reads
-    `last_issue_t` instead, which costs nothing per call). `stacks`: keep each collective's
-    Python stack (default: MESHTRON_DOCTOR_STACKS=1)."""
-
-    clock = staticmethod(_clock)
+class RecordBook:
+    """What a recorder keeps and how it is read back: the ring of records (`capacity`: the
+    oldest are dropped), the groups with their mesh-axis names, the monotonic clock's offset to
+    wall time, the progress signal. Shared with the tests' reference recorder
+    (testkit/collective_mode.py), so that both keep and read records the same way. `on_issue`:
+    called with no arguments at each collective (the watchdog reads `last_issue_t` instead,
+    which costs nothing per call). `stacks`: keep each collective's Python stack (default:
+    MESHTRON_DOCTOR_STACKS=1)."""
 
     def __init__(self, rank: int, capacity: int = 2000, on_issue=None,
                  stacks: bool | None = None):
@@ -123,13 +123,46 @@ class CollectiveRecorder:
         """Monotonic time of the latest collective issued (the watchdog's progress signal)."""
         self.records: collections.deque = collections.deque(maxlen=capacity)
         self.groups: dict[str, GroupInfo] = {}
-        self._by_group: dict[int, GroupInfo] = {}
         self._axes: dict[str, str] = {}
         self._on_issue = on_issue
-        self._pending: collections.deque = collections.deque(maxlen=PENDING_KEPT)
         self.waits: collections.deque | None = None
         """timeline.py's deque of (start, end) of main-thread waits, when it runs."""
         self._main = threading.main_thread().ident
+
+    def name_axis(self, group, axis: str) -> None:
+        """Call a process group by its mesh axis name in the records."""
+        self._axes[group.group_name] = axis
+        info = self.groups.get(group.group_name)
+        if info is not None:
+            info.axis = axis
+
+    def wall(self, t: float | None) -> float | None:
+        """Wall-clock seconds of a monotonic time of this recorder."""
+        return None if t is None else t + self._wall_offset
+
+    def _sweep(self) -> None:
+        """Mark the records whose operations have finished completed (before a read)."""
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The records, oldest first, as plain dicts (safe to call from any thread)."""
+        self._sweep()
+        return [record_dict(r, self.groups.get(r[GROUP]), self.wall) for r in list(self.records)]
+
+    def group_table(self) -> dict[str, dict[str, Any]]:
+        return {name: g.to_dict() for name, g in list(self.groups.items())}
+
+
+class CollectiveRecorder(RecordBook):
+    """Records what the recording process groups run while attached (`install()`, for a
+    training rank's whole run; `uninstall()` detaches); what it keeps: `RecordBook`."""
+
+    clock = staticmethod(_clock)
+
+    def __init__(self, rank: int, capacity: int = 2000, on_issue=None,
+                 stacks: bool | None = None):
+        super().__init__(rank, capacity, on_issue, stacks)
+        self._by_group: dict[int, GroupInfo] = {}
+        self._pending: collections.deque = collections.deque(maxlen=PENDING_KEPT)
 
     # -- attaching -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -150,17 +183,6 @@ class CollectiveRecorder:
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
-
-    def name_axis(self, group, axis: str) -> None:
-        """Call a process group by its mesh axis name in the records."""
-        self._axes[group.group_name] = axis
-        info = self.groups.get(group.group_name)
-        if info is not None:
-            info.axis = axis
-
-    def wall(self, t: float | None) -> float | None:
-        """Wall-clock seconds of a monotonic time of this recorder."""
-        return None if t is None else t + self._wall_offset
 
     # -- what the recording groups call ----------------------------------------------------------
     def issue(self, group, op: str, seq: int, tensors, peer: int | None) -> list:
@@ -230,10 +252,3 @@ class CollectiveRecorder:
                 except RuntimeError:  # failed: the exception reached its waiter
                     self.completed(rec)
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The records, oldest first, as plain dicts (safe to call from any thread)."""
-        self._sweep()
-        return [record_dict(r, self.groups.get(r[GROUP]), self.wall) for r in list(self.records)]
-
-    def group_table(self) -> dict[str, dict[str, Any]]:
-        return {name: g.to_dict() for name, g in list(self.groups.items())}

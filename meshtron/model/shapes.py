@@ -151,6 +151,13 @@ class ModelSpec:
         """Block `index` has a routed feed-forward (after the first `moe_dense_layers`)."""
         return self.is_moe and index >= self.moe_dense_layers
 
+    def moe_blocks_in(self, span: range) -> int:
+        """How many of the blocks `span` (consecutive indices) have a routed feed-forward:
+        closed form, so a stage of a billion blocks is counted at once."""
+        if not self.is_moe or not span:
+            return 0
+        return max(0, span.stop - max(span.start, self.moe_dense_layers))
+
     @property
     def moe_layers(self) -> int:
         return self.layers - self.moe_dense_layers if self.is_moe else 0
@@ -211,17 +218,28 @@ class ModelSpec:
     def num_params(self, active: bool = False) -> int:
         """Exact trainable parameter count (tied weights counted once); `active`: the
         parameters one token uses (MoE: top_k routed experts per layer)."""
-        blocks = self._blocks_sum(lambda i: self.layer_params(i, active))
+        blocks = self.blocks_sum(lambda i: self.layer_params(i, active))
         return self.embedding_params() + blocks + self.head_params()
 
-    def _blocks_sum(self, per_block: Callable[[int], int]) -> int:
-        """sum(per_block(i) for i in range(layers)) for a function of the block's kind only
-        (dense or routed feed-forward): two calls, not one per block, so a config.json with a
-        million layers is priced (and refused) at once. Integer arithmetic: exactly the sum."""
+    def block_kinds(self) -> tuple[tuple[int, int], ...]:
+        """(how many blocks, the index of one of them) for each kind of block the model has:
+        the first blocks dense, the rest with a routed feed-forward (`is_moe_layer`); a kind
+        with no block is left out. Every per-block figure that depends on the block's kind
+        only is a sum or a max over these two, never over `layers` (a config.json with a
+        billion layers is priced, and refused, at once)."""
         moe = max(0, self.layers - self.moe_dense_layers) if self.is_moe else 0
-        dense = self.layers - moe  # the first blocks (is_moe_layer)
-        return ((dense * per_block(0) if dense else 0)
-                + (moe * per_block(self.layers - 1) if moe else 0))
+        dense = self.layers - moe
+        return tuple((n, i) for n, i in ((dense, 0), (moe, self.layers - 1)) if n)
+
+    def blocks_sum(self, per_block: Callable[[int], int]) -> int:
+        """sum(per_block(i) for i in range(layers)) for a function of the block's kind only:
+        one call a kind. Integer in, integer out: exactly the sum."""
+        return sum(n * per_block(i) for n, i in self.block_kinds())
+
+    def block_matmul_params(self, active: bool = True) -> int:
+        """The blocks' matmul weights (attention and feed-forward; `active`: MoE top_k routed
+        experts), without norms: what a forward pass multiplies a token with."""
+        return self.blocks_sum(lambda i: self.attention_params() + self.ffn_params(i, active))
 
     def active_params(self) -> int:
         return self.num_params(active=True)
@@ -235,9 +253,7 @@ class ModelSpec:
         MoE: the active parameters only (router, top_k experts, shared experts), as
         DeepSeek-V3's and Megatron-Core's MoE MFU count; norms and biases are not matmuls.
         """
-        matmul_params = self._blocks_sum(
-            lambda i: self.attention_params() + self.ffn_params(i, active=True))
-        matmul_params += self.vocab * self.hidden  # LM head
+        matmul_params = self.block_matmul_params() + self.vocab * self.hidden  # + LM head
         attn_width = self.heads * self.head_dim
         return 6.0 * matmul_params + 12.0 * self.layers * attn_width * seq_len
 

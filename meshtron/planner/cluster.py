@@ -125,7 +125,7 @@ CLUSTER_PRESETS = {
 # (unchanged from v2.8 to master) and 14.0 us over the network, the value of every NCCL since
 # v2.18.1 (2023: PyTorch 2.1 onwards, through master's ncclTunerConstantsDefaults; v2.7-2.11
 # and v2.14-2.17 had 9.6, v2.12-2.13 28). A cluster file that ran an older NCCL states its
-# own (2021's Selene runs: bench/published/runs.py `selene_2021`).
+# own (2021's Selene runs: bench/published/rows_megatron.py `selene_2021`).
 DEFAULT_INTRA_LATENCY_US = 3.4
 DEFAULT_INTER_LATENCY_US = 14.0
 # Device memory bandwidth assumed when only peak_tflops is given: ~150 FLOP per byte is the

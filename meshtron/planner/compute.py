@@ -371,9 +371,7 @@ def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attent
     if recompute in ("full", "half"):
         share = 1.0 if recompute == "full" else 0.5  # 'half': every second block
         # active parameters only: recomputation replays the experts a token ran through
-        matmul = sum(model.attention_params() + model.ffn_params(i, active=True)
-                     for i in range(model.layers))
-        return share * (2.0 * matmul + core)
+        return share * (2.0 * model.block_matmul_params(active=True) + core)
     if recompute == "selective" and attention == "unfused":
         return core
     return 0.0

@@ -70,8 +70,8 @@ def layer_params_local(model: ModelSpec, tp: int, pp: int = 1) -> float:
     (DeepSeek-V3) the blocks differ: without pipelining the mean block (the stage's total is
     exact), with it the largest (the fullest stage holds MoE blocks only)."""
     if model.is_moe:
-        sizes = [model.layer_params(i) for i in range(model.layers)]
-        per = sum(sizes) / len(sizes) if pp == 1 else max(sizes)
+        per = (model.blocks_sum(model.layer_params) / model.layers if pp == 1
+               else max(model.layer_params(i) for _, i in model.block_kinds()))
         return (per - 2 * model.norm_params) / tp + 2 * model.norm_params
     return (model.attention_params() + model.mlp_params()) / tp + 2 * model.norm_params
 

@@ -100,9 +100,8 @@ def block_params(model: ModelSpec, tp: int, pp: int, ep: int,
     share of its experts under ep, but fewer states than a stage of MoE blocks)."""
     if pp > 1 and model.is_moe:
         return _block(model, model.moe_dense_layers, tp, ep, framework)
-    sizes = [_block(model, i, tp, ep, framework) for i in range(model.layers)]
-    n = len(sizes)
-    return sum(s[0] for s in sizes) / n, sum(s[1] for s in sizes) / n
+    kinds = [(n, _block(model, i, tp, ep, framework)) for n, i in model.block_kinds()]
+    return tuple(sum(n * size[part] for n, size in kinds) / model.layers for part in (0, 1))
 
 
 def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbalance: float,
@@ -203,20 +202,23 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
     return kept, work
 
 
-def stage_blocks(model: ModelSpec, layers: list[int], tp: int, ep: int,
+def stage_blocks(model: ModelSpec, spans: list[range], tp: int, ep: int,
                  framework: str) -> tuple[float, float, float]:
     """(parameters outside the routed experts, routed experts, MoE share) of the mean block of
-    the global `layers` one pipeline rank holds: a stage with DeepSeek-V3's dense first blocks
-    holds their dense MLPs, not a MoE block's experts (`block_params` prices every pipelined
-    block as a MoE block, which is the fullest stage only when the dense blocks sit beside
-    others). The MoE share scales the routed part's saved activations (`activation_extra`,
-    averaged over the model's blocks)."""
-    if not layers:
+    the global blocks `spans` (ranges of indices) one pipeline rank holds: a stage with
+    DeepSeek-V3's dense first blocks holds their dense MLPs, not a MoE block's experts
+    (`block_params` prices every pipelined block as a MoE block, which is the fullest stage
+    only when the dense blocks sit beside others). The MoE share scales the routed part's
+    saved activations (`activation_extra`, averaged over the model's blocks). Counted per
+    kind of block (`ModelSpec.moe_blocks_in`), never block by block."""
+    n = sum(len(span) for span in spans)
+    if not n:
         return 0.0, 0.0, 0.0
-    sizes = [_block(model, i, tp, ep, framework) for i in layers]
-    n = len(layers)
-    share = sum(1 for i in layers if model.is_moe_layer(i)) / n
-    return sum(s[0] for s in sizes) / n, sum(s[1] for s in sizes) / n, share
+    moe = sum(model.moe_blocks_in(span) for span in spans)
+    dense_block = _block(model, 0, tp, ep, framework) if n > moe else (0.0, 0.0)
+    moe_block = _block(model, model.layers - 1, tp, ep, framework) if moe else (0.0, 0.0)
+    return (((n - moe) * dense_block[0] + moe * moe_block[0]) / n,
+            ((n - moe) * dense_block[1] + moe * moe_block[1]) / n, moe / n)
 
 
 def stage_pieces(model: ModelSpec, cfg: Any, chunks: list[int],
@@ -235,12 +237,12 @@ def stage_pieces(model: ModelSpec, cfg: Any, chunks: list[int],
     share = model.moe_layers / model.layers
     out = []
     for r in range(pp):
-        layers = [i for s in stages_of_rank(pp, v, cfg.schedule or "1f1b", r)
-                  for i in range(starts[s], starts[s] + chunks[s])]
-        if not layers:
+        spans = [range(starts[s], starts[s] + chunks[s])
+                 for s in stages_of_rank(pp, v, cfg.schedule or "1f1b", r)]
+        if not any(spans):
             out.append(mean)
             continue
-        other, experts, mine = stage_blocks(model, layers, cfg.tp, cfg.ep, framework)
+        other, experts, mine = stage_blocks(model, spans, cfg.tp, cfg.ep, framework)
         if cfg.ep == 1:
             other, experts = other + experts, 0.0
         scale = mine / share - 1.0

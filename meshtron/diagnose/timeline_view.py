@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtron.diagnose.trace import Trace, load_trace
 from meshtron.doctor import timeline as tl
-from meshtron.doctor.trace import Trace, load_trace
 from meshtron.errors import UserError
 
 COLORS = {"compute": "#4c9a2a", "comm": "#3d6fb6", "idle": "#d9822b"}

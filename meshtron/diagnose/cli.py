@@ -16,7 +16,7 @@ warnings allowed; 2: bad input; 1: a bug), so a script or CI step can gate on it
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     if args.nccl_log:
-        from meshtron.doctor import nccl
+        from meshtron.diagnose import nccl
 
         report = nccl.analyze_files(args.nccl_log, tp=args.tp)
         if args.json:
@@ -28,8 +28,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         raise UserError("RUN_DIR: missing; give a run folder (or --nccl-log FILE...)")
     if args.timeline:
         return _timeline(args)
-    from meshtron.doctor.analyze import diagnose
-    from meshtron.doctor.trace import load_trace
+    from meshtron.diagnose.analyze import diagnose
+    from meshtron.diagnose.trace import load_trace
 
     diagnosis = diagnose(load_trace(args.run_dir))
     if args.json:
@@ -44,7 +44,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from meshtron.doctor.timeline_view import build_report
+    from meshtron.diagnose.timeline_view import build_report
 
     report = build_report(args.run_dir, png=not args.no_png)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())

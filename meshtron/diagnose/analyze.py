@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshtron.doctor.trace import Trace, frame_text
+from meshtron.diagnose.trace import Trace, frame_text
 
 KINDS = ("never_entered", "mismatched_op", "mismatched_shape", "dead_rank", "frozen_rank",
          "straggler", "none")

@@ -1,0 +1,83 @@
+"""The software stacks of the published runs, as the planner's KernelOptions (kernels, overlap,
+collectives, optimizer) and MemoryOptions (what each framework keeps in memory). Each preset
+states the stack as its source and code of the time had it; the row modules
+(`rows_megatron.py`, `rows_pytorch.py`, `rows_moe.py`) pick one per row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory import MemoryOptions
+
+MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                              fp32_grad_reduce=True, stack="fused", sharding="zero")
+"""Megatron-LM 2021-2022: fused kernels, materialised attention scores with dropout, fp32
+main_grad reduced after the backward pass."""
+MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, grad_accum_fusion=True, megatron_linear=True)
+"""Megatron-LM of K22 (spring 2022, the sequence-parallel and selective-recompute commits):
+gradient accumulation fusion (Feb 2022, commit 83b1e42f30, on unless
+--no-gradient-accumulation-fusion) adds each micro-batch's weight gradient to main_grad in the
+wgrad GEMM; its LinearWithGradAccumulationAndAsyncCommunication reduces the input gradient beside
+the weight-gradient GEMM and re-gathers the sequence-parallel input beside the input-gradient
+GEMM (the async tensor-parallel all-reduce of late 2021 and K22's section 4.2.2)."""
+DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                                    fp32_grad_reduce=False, p2p_scatter_gather=False,
+                                    p2p_blocking=True, stack="fused", sharding="zero")
+"""Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
+MEGATRON_DEEPSPEED_MEMORY = MemoryOptions(framework="megatron",
+                                          pipeline_split="deepspeed-transformer")
+"""Megatron-DeepSpeed's memory layout (16-bit weights, options_for's 'megatron') and its layer
+split: GPTModelPipe builds DeepSpeed's PipelineModule with partition_method='type:transformer'
+(GPT-NeoX: 'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone."""
+DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
+                                     overlap_grad_reduce=False, stack="fused", sharding="zero",
+                                     shard_units_per_layer=4, reduce_units_per_layer=12,
+                                     prefetch_params=0.0,
+                                     recompute_regathers=True, list_collectives=True)
+"""DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py,
+partition_parameters.py and constants.py at that version). Gathers: `fetch_sub_module` gathers
+each parameter of a submodule with its own `_allgather_param` call, each after a
+torch.cuda.synchronize(), then synchronizes again; parameters below
+`stage3_param_persistence_threshold` (default 1e5 elements: biases and norms) stay gathered, so a
+GPT layer gathers its four weight matrices (shard_units_per_layer=4). The prefetch issues its
+gathers the same way and every fetch synchronises the whole device (prefetch 0). Reductions:
+every parameter's gradient is reduce-scattered by its own call (`_reduce_scatter_gradients`, 12
+per GPT layer with biases); ZeRO-3's overlap_comm defaults to on, but the device-wide
+synchronisation of the next fetch waits for it, so it is costed as not overlapped. Parameters
+are released after every forward, so the recomputed forward gathers them again. Every call goes
+through list-based collectives: zero-filled gather buffers, PyTorch 1.8's per-chunk staging
+copies and a Python loop over the ranks (list_collectives; estimate.LIST_HOST_S_PER_RANK)."""
+LLM_FOUNDRY_MEMORY = MemoryOptions(framework="fsdp2", loss="inplace")
+"""llm-foundry's MPT: FSDP with fp32 sharded parameters, and flash-attn's fused cross-entropy
+(its default `loss_fn: fused_crossentropy`), whose backward overwrites the logits in place."""
+DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
+"""DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
+gathering per submodule under stage3_max_live_parameters."""
+TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all",
+                                 fp8_scaling="torchao-tensorwise",
+                                 optimizer="foreach", eager_norm="python")
+"""torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter;
+foreach AdamW (torchtitan/optimizer.py of December 2024: `--optimizer.fused` off by default,
+fused became the default in February 2025, #881); its own Python RMSNorm (norms.py, until the
+switch to torch.nn.RMSNorm in March 2025, #985)."""
+TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_overlap=True,
+                                    fp8_filter="all", fp8_scaling="torchao-tensorwise",
+                                    optimizer="foreach",
+                                    eager_norm="python")
+"""torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops of
+each TransformerBlock; train.py of December 2024 leaves `torch.compile(loss_fn)` commented
+out, so the final norm, head and loss stay eager; foreach AdamW as above)."""
+LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
+                                stack="eager", optimizer="foreach")
+"""llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT, as Composer defined it in 2023:
+fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction; Composer's
+DecoupledAdamW steps parameter by parameter with separate ops (optimizer 'foreach' bytes)."""
+LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager", optimizer="foreach")
+"""llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
+MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                              fp32_grad_reduce=False, stack="eager", sharding="zero",
+                              optimizer="foreach")
+"""Megatron-LM 2019: apex fused LayerNorm only; softmax, GeLU, dropout as separate kernels; fp16
+gradients all-reduced after the backward pass (its 'local' DDP); FP16_Optimizer's separate
+copy / unscale / norm passes around the Adam step (optimizer 'foreach' bytes)."""
