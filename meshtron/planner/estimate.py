@@ -81,7 +81,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
 from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
-from meshtron.planner.plan_rules import split_problem
+from meshtron.planner.plan_rules_pipeline import split_problem
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
 """Fused AdamW update traffic per local parameter (see module docstring)."""
