@@ -82,6 +82,7 @@ from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
 from meshtron.planner.estimate_stage import StageCosts, _given_partition
+from meshtron.planner.estimate_time import StepTimes, Work
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_rules_pipeline import split_problem
 
@@ -93,7 +94,7 @@ weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (
 sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
 of the fp32 master (4+2): 86 bytes per parameter."""
 
-class Evaluator(StageCosts, CostPieces, DataParallelCost):
+class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -136,10 +137,32 @@ class Evaluator(StageCosts, CostPieces, DataParallelCost):
         """Estimate a config. Infeasible ones come back with fits == False and the memory they
         need under the most memory-balanced layer split (`exact_memory`; otherwise under the
         time-balanced split), or as None when `keep_infeasible` is False. Feasible ones slower
-        than `cutoff` seconds per step come back as None (the search has no use for them).`stage`: the memory
-        breakdown of that pipeline stage instead of the fullest (`meshtron rehearse --rank`)."""
+        than `cutoff` seconds per step come back as None (the search has no use for them).
+        `stage`: the memory breakdown of that pipeline stage instead of the fullest
+        (`meshtron rehearse --rank`). Steps: micro-batch inputs, states, the stages' memory
+        model, the layer split, the step time (estimate_time.py), the interleaved schedule's
+        walk, the result."""
         self.evaluated += 1
-        model, seq = self.model, self.seq
+        w = self._inputs(cfg)
+        self._states(w)
+        self._memory_model(w)
+        if not self._split(w, keep_infeasible, exact_memory):
+            return None
+        times = self._times(w)
+        step = times.total
+        if w.fits and step > cutoff and not keep_infeasible:
+            # too slow whatever the walk below finds: fitting, over the cutoff; not fitting,
+            # not wanted (the walk only adds memory, the step time does not depend on it)
+            return None
+        if not self._interleaved_memory(w, keep_infeasible):
+            return None
+        if w.fits and step > cutoff:
+            return None
+        return self._result(w, times, step, stage, keep_infeasible)
+
+    def _inputs(self, cfg: Plan) -> Work:
+        """The plan's per micro-batch costs and memory pieces (estimate_pieces.py), its
+        data-parallel flags, the gradients it accumulates and its edge stages' extra time."""
         tp, pp, dp, zero, mb, rec = cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute
         v = cfg.virtual_stages
         m = self.global_batch // (dp * mb)
@@ -168,6 +191,20 @@ class Evaluator(StageCosts, CostPieces, DataParallelCost):
         e_last = head.compute + head.tp
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
+        return Work(cfg=cfg, tp=tp, pp=pp, dp=dp, zero=zero, mb=mb, rec=rec, v=v, m=m, cp=cp,
+                    ep=ep, c_l=c_l, tpc_l=tpc_l, f_l=f_l, w_l=w_l, emb=emb, head=head,
+                    p2p_bytes=p2p_bytes, gather=gather, ep_l=ep_l, mem_opts=mem_opts, act=act,
+                    work=work, logits=logits, flags=flags, shard_dp=shard_dp, keep=keep,
+                    fsdp_zero1=fsdp_zero1, accum=accum, t_layer=t_layer, e_first=e_first,
+                    e_last=e_last)
+
+    def _states(self, w: Work) -> None:
+        """Parameters per tensor rank (w.p_layer, p_emb, p_head, largest, p_exp) and the bytes
+        per parameter of their states kept on the device and moved to the host, dense
+        (w.states, moved) and routed experts' (w.e_states, e_moved)."""
+        cfg, model, mem_opts = w.cfg, self.model, w.mem_opts
+        tp, pp, ep, zero, shard_dp = w.tp, w.pp, w.ep, w.zero, w.shard_dp
+        fsdp_zero1, accum = w.fsdp_zero1, w.accum
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
@@ -190,6 +227,16 @@ class Evaluator(StageCosts, CostPieces, DataParallelCost):
                 e_full = (e_full[0], 0.0, e_full[2])
             e_states = offload.device_states(cfg.offload, e_full)
             e_moved = sum(e_full) - sum(e_states)
+        w.p_layer, w.p_emb, w.p_head, w.largest, w.p_exp = p_layer, p_emb, p_head, largest, p_exp
+        w.states, w.moved, w.e_states, w.e_moved = states, moved, e_states, e_moved
+
+    def _memory_model(self, w: Work) -> None:
+        """What every pipeline stage holds beside its blocks: micro-batches in flight, root
+        parameters, held chunk outputs, the blocks' pieces (w.blocks); then the stages' memory
+        per layer and fixed (w.per_layer, w.fixed)."""
+        cfg, model, mem_opts = w.cfg, self.model, w.mem_opts
+        tp, pp, v, m, ep, cp, mb = w.tp, w.pp, w.v, w.m, w.ep, w.cp, w.mb
+        p_emb, p_head = w.p_emb, w.p_head
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         if (mem_opts.framework == "megatron" and cfg.schedule == "interleaved" and v > 1
@@ -203,49 +250,62 @@ class Evaluator(StageCosts, CostPieces, DataParallelCost):
         root_units = [0.0] * pp
         root_units[0] = p_emb
         root_units[-1] = max(root_units[-1], p_head)
-        grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
+        w.grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
-        reduce_bytes = flags["gsize"] if pp == 1 else 0.0
+        w.reduce_bytes = w.flags["gsize"] if pp == 1 else 0.0
         # the chunk outputs torch's pipelining keeps until their backward (memory_pipeline.py;
         # Megatron-LM frees their data once sent, deallocate_pipeline_outputs)
-        out_bytes = memory_pipeline.stage_output_bytes(model.hidden, tp, cfg.sp, mb, seq // cp,
-                                                       mem_opts.compute_bytes)
+        out_bytes = memory_pipeline.stage_output_bytes(model.hidden, tp, cfg.sp, mb,
+                                                       self.seq // cp, mem_opts.compute_bytes)
         outputs = [k * out_bytes if mem_opts.framework == "fsdp2" else 0.0
                    for k in memory_pipeline.held_outputs(pp, v, inflight)]
         if mem_opts.engine.startswith("deepspeed"):  # DeepSpeed's engine's own buffers
             outputs = [k * out_bytes for k in memory_pipeline.deepspeed_pipe_buffers(pp, m)]
-
+        w.inflight, w.roots, w.root_units, w.out_bytes, w.outputs = (inflight, roots, root_units,
+                                                                     out_bytes, outputs)
         # per pipeline rank: (block parameters, experts, activations, recompute working set)
         # of its mean block; every block a MoE block's until the layer split is known
-        blocks = [(p_layer, p_exp, act, work)] * pp
+        w.blocks = [(w.p_layer, w.p_exp, w.act, w.work)] * pp
         # Transformer Engine's cached FP8 weights (memory_acts.te_weight_cache_bytes): the
         # block's GEMM weights, not its norms or router
-        cache_b = memory.te_weight_cache_bytes(self.opts, mem_opts)
-        not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
-                                            if model.is_moe else 0)
+        w.cache_b = memory.te_weight_cache_bytes(self.opts, mem_opts)
+        w.not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
+                                              if model.is_moe else 0)
+        w.per_layer, w.fixed = self._stage_memories(w, inflight)
 
-        def cache_of(i: int) -> float:
-            return cache_b * max(0.0, blocks[i][0] + blocks[i][1] - not_gemm)
+    def _te_cache(self, w: Work, i: int) -> float:
+        """Bytes of Transformer Engine's cached FP8 weights on pipeline rank `i`."""
+        return w.cache_b * max(0.0, w.blocks[i][0] + w.blocks[i][1] - w.not_gemm)
 
-        def stage_memories(inflight: list[float]) -> tuple[list[float], list[float]]:
-            sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, blocks[i][0], roots[i],
-                                       largest, blocks[i][2], inflight[i], blocks[i][3],
-                                       logits if i == pp - 1 else 0.0, self.grad_bytes, keep,
-                                       accum, blocks[i][1], e_states, root_units[i],
-                                       reduce_bytes, grad_extra if i == 0 else 0.0, outputs[i],
-                                       cache_of(i))
-                   for i in range(pp)]
-            return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
+    def _stage_memories(self, w: Work,
+                        inflight: list[float]) -> tuple[list[float], list[float]]:
+        """(bytes per layer, fixed bytes) of every pipeline stage (memory.stage_memory)."""
+        pp, blocks = w.pp, w.blocks
+        sms = [memory.stage_memory(w.mem_opts, w.zero, w.shard_dp, w.states, blocks[i][0],
+                                   w.roots[i], w.largest, blocks[i][2], inflight[i],
+                                   blocks[i][3], w.logits if i == pp - 1 else 0.0,
+                                   self.grad_bytes, w.keep, w.accum, blocks[i][1], w.e_states,
+                                   w.root_units[i], w.reduce_bytes,
+                                   w.grad_extra if i == 0 else 0.0, w.outputs[i],
+                                   self._te_cache(w, i))
+               for i in range(pp)]
+        return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
 
-        per_layer, fixed = stage_memories(inflight)
+    def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
+        """The layers per pipeline rank (w.n: the plan's own, else the stack's time-balanced
+        split within memory, else the split that would run out of memory) and whether it fits
+        (w.fits); False when it does not and `keep_infeasible` is False."""
+        cfg, model = w.cfg, self.model
+        pp, v, per_layer, fixed = w.pp, w.v, w.per_layer, w.fixed
+        t_layer, e_first, e_last = w.t_layer, w.e_first, w.e_last
         budget = self.tensor_budget
         given = _given_partition(cfg, model.layers)
         if given is None and pp > 1:  # the search never asks; a direct caller is told
             problem = split_problem(self.mem.split_rule, model.layers, pp, v)
             if problem:
                 raise UserError(problem)
-        weights = (p_emb, p_layer + p_exp, p_head)  # DeepSpeed's 'parameters' partition
+        weights = (w.p_emb, w.p_layer + w.p_exp, w.p_head)  # DeepSpeed's 'parameters' partition
         n = given or self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
         fits = n is not None and all(
             k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
@@ -258,7 +318,7 @@ class Evaluator(StageCosts, CostPieces, DataParallelCost):
             fits = n is not None
             if n is None:
                 if not keep_infeasible:
-                    return None
+                    return False
                 stack = self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
                 if self.mem.split_rule != "any" and stack is not None:
                     n = stack  # the stack's own split is what would run out of memory
@@ -267,152 +327,80 @@ class Evaluator(StageCosts, CostPieces, DataParallelCost):
                 else:
                     n = stack or pipeline.min_memory_partition(model.layers, per_layer, fixed,
                                                                v)[1]
-
+        w.budget, w.given, w.n, w.fits = budget, given, n, fits
         if model.is_moe and pp > 1 and n is not None:
             # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)
             chunks = list(cfg.stage_layers) if given else (
                 list(n) if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
-            moe_act, moe_work = self._moe_memory(tp, mb, cfg.sp, rec, seq // cp, mem_opts, ep,
-                                                 cfg.dtype)
-            blocks = moe_memory.stage_pieces(model, cfg, chunks, (p_layer, p_exp, act, work),
-                                             moe_act, moe_work, mem_opts.framework)
-            per_layer, fixed = stage_memories(inflight)
-            fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
-            if not fits and not keep_infeasible:
-                return None
+            moe_act, moe_work = self._moe_memory(w.tp, w.mb, cfg.sp, w.rec, self.seq // w.cp,
+                                                 w.mem_opts, w.ep, cfg.dtype)
+            w.blocks = moe_memory.stage_pieces(model, cfg, chunks,
+                                               (w.p_layer, w.p_exp, w.act, w.work), moe_act,
+                                               moe_work, w.mem_opts.framework)
+            w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight)
+            w.fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+            if not w.fits and not keep_infeasible:
+                return False
+        return True
 
-        # ---- time -------------------------------------------------------------------------
-        stage_t = [k * t_layer for k in n]
-        stage_w = [k * w_l for k in n]
-        stage_f = [k * f_l for k in n]
-        stage_c = [k * c_l for k in n]
-        stage_t[0] += e_first
-        stage_c[0] += emb.compute
-        stage_f[0] += emb.fwd
-        stage_t[-1] += e_last if pp > 1 else 0.0
-        stage_c[-1] += head.compute
-        stage_f[-1] += head.fwd
-        stage_w[-1] += head.wgrad
-        crit = max(range(pp), key=stage_t.__getitem__)
-        compute_t = (m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, flags)
-                     + n[crit] * self._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
-        # exactly zero without tensor parallelism (the difference of sums leaves rounding)
-        ep_t = m * n[crit] * ep_l
-        tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
-        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m)
-        groups = self._groups(cfg)
-        pp_t = 0.0
-        if pp > 1:
-            cross = groups["pp_hop_crosses_nodes"]
-            hop = comm.send(p2p_bytes, cross, self.fab) + gather
-            pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
-                                     self.opts.p2p_overlap and v > 1)
-            if model.tied_embeddings:
-                word = model.vocab * model.hidden / tp  # the tied table, vocabulary-parallel
-                pp_t += pipeline.tied_embedding_reduce(self.grad_bytes * word, cross, self.fab)
-        dp_t = 0.0
-        opt_t = 0.0
-        off_t = 0.0
-        # chunk-slots a looped schedule idles at each chunk change (pipeline.bubble_time)
-        looped = v > 1 and (cfg.schedule == "interleaved" or cfg.schedule == "gpipe")
-        idle = max(0, pp - m) if looped else 0
-        host_gpu = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
-        seen: set[tuple[int, bool, bool]] = set()
-        for i, k in enumerate(n):
-            first, last = i == 0, i == pp - 1
-            if (k, first, last) in seen:
-                continue  # an earlier identical stage hides less: it dominates
-            seen.add((k, first, last))
-            params_i = k * p_layer + (p_emb if first else 0.0) + (p_head if last else 0.0)
-            local = params_i / shard_dp if zero >= 1 else params_i
-            experts_i = k * p_exp
-            if experts_i:
-                local += experts_i / max(1, shard_dp // ep) if zero >= 1 else experts_i
-            host_gpu = max(host_gpu, params_i * moved + experts_i * e_moved)
-            if cfg.offload == "none":
-                opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
-            else:  # host-link copies and the optimizer step on the host
-                oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
-                                          self.cluster.host_link_bytes_per_s,
-                                          self.cluster.host_memory_bytes_per_s)
-                opt_t = max(opt_t, oc.host_step_s)
-                off_t = max(off_t, oc.transfer_s)
-            if shard_dp > 1:
-                bwd = stage_t[i] - stage_f[i]
-                # FSDP2 under torch.distributed.pipelining reduces after the stage's last
-                # backward (pipeline.reduce_after_drain); DDP-style stacks during it
-                drain = (v, i, bwd, idle) if pp > 1 and self.opts.sharding == "fsdp" else None
-                # stage i finishes its last backward about i stage-backwards before stage 0
-                args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
-                        k, rec == "full" and self.opts.recompute_regathers)
-                units = self.fsdp_units(k, first, last)
-                kept = p_head if last else 0.0  # FSDP's [norm, head]: not re-gathered
-                if compression.changes_dp(cfg):  # gradient compression or DiLoCo
-                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args, units=units,
-                                                         kept=kept))
-                elif experts_i:
-                    dp_t = max(dp_t, self._dp_with_experts(params_i, experts_i, zero, args,
-                                                           units, kept, {**flags,
-                                                                         "drain": drain},
-                                                           groups))
-                else:
-                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
-                                                   kept=kept, drain=drain, **flags))
-        times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
-                              bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
-        step = times.total
-        if fits and step > cutoff and not keep_infeasible:
-            # too slow whatever the walk below finds: fitting, over the cutoff; not fitting,
-            # not wanted (the walk only adds memory, the step time does not depend on it)
-            return None
-        if (cfg.schedule == "interleaved" and v > 1 and n is not None
-                and mem_opts.framework == "fsdp2"):
-            # the rank's first chunks hold more micro-batches than its last: weighted by their
-            # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
-            # (Megatron-LM requires equal chunks: the even spread is exact there), at the
-            # moment they are largest beside the gradients accumulated so far
-            chunks = list(cfg.stage_layers) if given else \
-                pipeline_split.chunks(self.mem.split_rule, n, v)
-            grad = accum * (p_layer + p_exp)
-            weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
-            # the chunk outputs held at that moment, not at the even spread's most (the last
-            # rank's peak is its loss, whose moment the walk does not single out: as spread)
-            walked = [out_bytes * self._peak_outputs(
-                pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
-                if r < pp - 1 else outputs[r] for r in range(pp)]
-            if weighted != inflight or walked != outputs:
-                inflight, outputs[:] = weighted, walked
-                per_layer, fixed = stage_memories(inflight)
-                fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
-                if not fits and not keep_infeasible:
-                    return None
+    def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
+        """Under an interleaved schedule on FSDP2, the stages' memory at the walked peak
+        (memory_pipeline.py) instead of the even spread; False when that no longer fits and
+        `keep_infeasible` is False."""
+        cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m, w.n
+        if not (cfg.schedule == "interleaved" and v > 1 and n is not None
+                and w.mem_opts.framework == "fsdp2"):
+            return True
+        inflight, outputs, act, out_bytes = w.inflight, w.outputs, w.act, w.out_bytes
+        # the rank's first chunks hold more micro-batches than its last: weighted by their
+        # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
+        # (Megatron-LM requires equal chunks: the even spread is exact there), at the
+        # moment they are largest beside the gradients accumulated so far
+        chunks = list(cfg.stage_layers) if w.given else \
+            pipeline_split.chunks(self.mem.split_rule, n, v)
+        grad = w.accum * (w.p_layer + w.p_exp)
+        weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
+        # the chunk outputs held at that moment, not at the even spread's most (the last
+        # rank's peak is its loss, whose moment the walk does not single out: as spread)
+        walked = [out_bytes * self._peak_outputs(
+            pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
+            if r < pp - 1 else outputs[r] for r in range(pp)]
+        if weighted != inflight or walked != outputs:
+            w.inflight, outputs[:] = weighted, walked
+            w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight)
+            w.fits = w.fits and all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
+            if not w.fits and not keep_infeasible:
+                return False
+        return True
 
-        if fits and step > cutoff:
-            return None
-
+    def _result(self, w: Work, times: TimeBreakdown, step: float, stage: int | None,
+                keep_infeasible: bool) -> Estimate | None:
+        """The Estimate: the memory breakdown of the fullest stage (or `stage`), host memory
+        under offload, throughput and FLOP/s."""
+        cfg, pp, v, n, fits, mem_opts = w.cfg, w.pp, w.v, w.n, w.fits, w.mem_opts
         # ---- memory breakdown of the fullest stage -------------------------------------------
-        totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
+        totals = [k * a + f for k, a, f in zip(n, w.per_layer, w.fixed)]
         worst = max(range(pp), key=totals.__getitem__) if stage is None else stage
-        b_layer, b_exp, b_act, b_work = blocks[worst]
-        mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], b_layer,
-                               roots[worst], largest, b_act, inflight[worst], b_work,
-                               logits if worst == pp - 1 else 0.0, self.capacity, worst,
-                               self.grad_bytes, keep, accum, b_exp, e_states,
-                               root_units[worst], reduce_bytes,
-                               grad_extra if worst == 0 else 0.0, outputs[worst],
-                               cache_of(worst))
+        b_layer, b_exp, b_act, b_work = w.blocks[worst]
+        mem = memory.breakdown(mem_opts, w.zero, w.shard_dp, w.states, n[worst], b_layer,
+                               w.roots[worst], w.largest, b_act, w.inflight[worst], b_work,
+                               w.logits if worst == pp - 1 else 0.0, self.capacity, worst,
+                               self.grad_bytes, w.keep, w.accum, b_exp, w.e_states,
+                               w.root_units[worst], w.reduce_bytes,
+                               w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
+                               self._te_cache(w, worst))
         if cfg.offload != "none" or cfg.offload_activations:
-            mem = self._with_host(mem, cfg, host_gpu)
+            mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits
             if not fits and not keep_infeasible:
                 return None
-        hw_flops = self.model_flops + self._recompute_flops(rec) * self.tokens
+        hw_flops = self.model_flops + self._recompute_flops(w.rec) * self.tokens
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
-        stage_layers = (list(cfg.stage_layers) if given else
+        stage_layers = (list(cfg.stage_layers) if w.given else
                         n if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
         return Estimate(
-            config=cfg, stage_layers=list(stage_layers), num_microbatches=m, memory=mem,
+            config=cfg, stage_layers=list(stage_layers), num_microbatches=w.m, memory=mem,
             time=times, tokens_per_s=self.tokens / step,
             model_tflops_per_gpu=self.model_flops / per_gpu / 1e12,
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
