@@ -81,7 +81,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
-from meshtron.planner.estimate_stage import StageCosts, _given_partition
+from meshtron.planner.estimate_stage import StageCosts, given_partition
 from meshtron.planner.estimate_time import StepTimes, Work
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_rules_pipeline import split_problem
@@ -300,7 +300,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         pp, v, per_layer, fixed = w.pp, w.v, w.per_layer, w.fixed
         t_layer, e_first, e_last = w.t_layer, w.e_first, w.e_last
         budget = self.tensor_budget
-        given = _given_partition(cfg, model.layers)
+        given = given_partition(cfg, model.layers)
         if given is None and pp > 1:  # the search never asks; a direct caller is told
             problem = split_problem(self.mem.split_rule, model.layers, pp, v)
             if problem:

@@ -114,7 +114,7 @@ class StageCosts:
         return m * work / cfg.pp
 
 
-def _given_partition(cfg: Plan, layers: int) -> list[int] | None:
+def given_partition(cfg: Plan, layers: int) -> list[int] | None:
     """Layers per pipeline rank of a plan that fixes its split (`stage_layers`, what the
     runtime cuts: a saved plan, or one being rehearsed), else None (the planner splits)."""
     counts = list(cfg.stage_layers or ())
