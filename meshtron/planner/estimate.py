@@ -61,27 +61,30 @@ Step time (per optimizer step, on the critical pipeline stage c):
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
 al. 2022); hardware TFLOP/s adds recomputed FLOPs (HFU).
+
+The cost model's cached pieces are in estimate_pieces.py, the per-stage helpers in
+estimate_stage.py, the data-parallel costs in dp_cost.py, the results in estimate_results.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compression, compute, host, memory, memory_pipeline,
-                              moe_cost, moe_memory, offload, pipeline, pipeline_split,
-                              placement)
-from meshtron.planner.cluster import HOST_USABLE_FRACTION, ClusterSpec
+from meshtron.planner import (comm, compression, compute, memory, memory_pipeline,
+                              moe_memory, offload, pipeline, pipeline_split)
+from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
     LIST_HOST_S_PER_RANK, OVERLAP_INTERFERENCE, DataParallelCost, _exposed)
+from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
+    CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
-from meshtron.planner.fp8 import fp8_fractions
+from meshtron.planner.estimate_stage import StageCosts, given_partition
+from meshtron.planner.estimate_time import StepTimes, Work
 from meshtron.planner.plan import Plan
-from meshtron.planner.plan_rules import split_problem
+from meshtron.planner.plan_rules_pipeline import split_problem
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0
 """Fused AdamW update traffic per local parameter (see module docstring)."""
@@ -91,56 +94,7 @@ weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (
 sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
 of the fp32 master (4+2): 86 bytes per parameter."""
 
-
-class MicroCosts(NamedTuple):
-    """Per micro-batch costs of one (tp, micro-batch, sp, recompute, cp, dtype) choice."""
-
-    layer: float
-    """Compute of one layer (recomputation included), seconds."""
-    layer_tp: float
-    """Tensor-, context- and expert-parallel communication of one layer, seconds (the
-    expert all-to-alls averaged over the blocks: `Evaluator._moe`)."""
-    layer_fwd: float
-    """Forward part of one layer (compute + communication), seconds."""
-    layer_wgrad: float
-    """Weight-gradient part of one layer, seconds."""
-    emb: compute.EdgeCost
-    """The embedding's costs."""
-    head: compute.EdgeCost
-    """Final norm + head + loss costs."""
-    p2p_bytes: float
-    """Bytes of one pipeline send per tensor rank."""
-    gather: float
-    """Seconds to re-gather a scattered pipeline activation over the tensor group."""
-
-
-class MemoryPieces(NamedTuple):
-    """Bytes of one micro-batch's tensors at the plan's dtype (memory.py)."""
-
-    mem: memory.MemoryOptions
-    """The memory options with the plan's dtype."""
-    activations: float
-    """Activations one layer keeps."""
-    work: float
-    """Working set of a recomputed layer."""
-    logits: float
-    """Logits and their gradients (last stage)."""
-
-
-class StageParams(NamedTuple):
-    """Parameters on one tensor rank."""
-
-    layer: float
-    """Of one transformer block."""
-    embedding: float
-    """Of the embedding."""
-    head: float
-    """Of the final norm and head."""
-    largest: float
-    """Of the largest single weight matrix."""
-
-
-class Evaluator(DataParallelCost):
+class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -176,199 +130,6 @@ class Evaluator(DataParallelCost):
         self._cache: dict[Any, Any] = {}
         self.evaluated = 0
 
-    # ---- cached pieces ---------------------------------------------------------------------
-    def _moe(self, mb: int, rec: str, cp: int, dtype: str, ep: int,
-             tp: int = 1, window: tuple[float, float] = (0.0, 0.0)) -> tuple[float, ...]:
-        """Per average block and micro-batch: (extra compute fwd+bwd+recomputed, its forward
-        part, exposed expert all-to-all fwd+bwd+recomputed, its forward part) of the MoE
-        layers beyond their dense equivalent (moe_cost.py; their memory: `_moe_memory`),
-        averaged over the blocks (moe_layers / layers of them are MoE); zeros for a dense
-        model. `tp`: where the ep group sits (ep data ranks tp apart: across nodes when
-        tp * ep exceeds one, placement.ep_group). `window`: the dense equivalent layer's
-        (forward, backward) compute, beside which an overlapping stack hides the all-to-alls
-        (moe_cost.overlapped_a2a); `_micro` passes it and keeps it for `evaluate`."""
-        model = self.model
-        if not model.is_moe:
-            return (0.0, 0.0, 0.0, 0.0)
-        key = ("moe", mb, rec, cp, dtype, ep, tp, window)
-        hit = self._cache.get(key)
-        if hit is None:
-            o = self.opts
-            group = placement.ep_group(tp, ep, self.cluster.gpus_per_node)
-            # meshtron's routed experts stay bf16 in an FP8 run (torchao converts nn.Linear
-            # only: planner/fp8.py); Transformer Engine's and DeepSeek's grouped GEMMs are FP8
-            e_dtype = "bf16" if dtype == "fp8" and o.fp8_filter == "torchao" else dtype
-            mc = moe_cost.moe_layer_cost(model, self.cluster, mb * self.seq / cp, ep, group,
-                                         e_dtype, float(o.expert_imbalance), o.ep_overlap,
-                                         o.ep_node_limit, o.stack, tp,
-                                         moe_memory.expert_tp(self.mem.framework, tp),
-                                         *window,
-                                         moe_cost.per_expert_gemms(self.mem.framework),
-                                         o.fp8_scaling, o.fp8_gemm)
-            share = model.moe_layers / model.layers
-            again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
-            # with ep > 1 the dispatch reads its split sizes on the host once per MoE layer
-            # forward (meshtron, torchtitan, Megatron's all-to-all dispatcher): a sync each
-            sync = host.SYNC_S if ep > 1 else 0.0
-            hit = (share * ((mc.compute_fwd + sync) * (1 + again) + mc.compute_bwd),
-                   share * (mc.compute_fwd + sync),
-                   share * (mc.a2a_fwd * (1 + again) + mc.a2a_bwd), share * mc.a2a_fwd)
-            self._cache[key] = hit
-        return hit
-
-    def _fp8_step(self, tp: int, dtype: str, fp8_recipe: str) -> float:
-        """Seconds per layer and step casting FP8 weights once per step (Transformer Engine's
-        weight cache: compute.fp8_step_cast_s); 0 for other dtypes and for torchao."""
-        if dtype != "fp8":
-            return 0.0
-        frac = tuple(fp8_fractions(self.model, tp, fp8_recipe, self.opts.fp8_filter).values())
-        return compute.fp8_step_cast_s(self.active, self.cluster, tp, self.opts, frac,
-                                       fp8_recipe)
-
-    def _micro(self, tp: int, mb: int, sp: bool, rec: str, cp: int = 1, dtype: str = "bf16",
-               ep: int = 1, fp8_recipe: str = "rowwise"):
-        key = ("micro", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        m, cl, opts, s = self.model, self.cluster, self.opts, self.seq
-        frac = None
-        if dtype == "fp8":  # the runtime's rule on the real model's Linears (planner/fp8.py)
-            frac = tuple(fp8_fractions(m, tp, fp8_recipe, opts.fp8_filter).values())
-        lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, frac,
-                                fp8_recipe)
-        c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
-        if rec == "selective" and opts.attention == "flash":
-            # what the framework's selective policy runs again in the backward (memory.py):
-            # meshtron's keeps matmul and collective outputs only (the attention kernel and the
-            # memory-bound ops are recomputed); torchtitan's "op" policy keeps every other
-            # matmul and the attention output; Korthikanti's recomputes the core, which flash
-            # never stores (nothing)
-            saved = self.mem.saved
-            if saved == "eager":
-                c_l += lc.fwd - lc.wgrad
-            elif saved == "alternate-matmul":
-                c_l += lc.fwd - lc.wgrad - lc.core_fwd + 0.5 * lc.wgrad
-        window = (lc.fwd, lc.bwd)
-        self._cache[("window", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = window
-        moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp, window)
-        c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
-        emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
-        head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
-                                 opts.eager_norm)
-        # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,
-        # re-gathered on NVLink (already split with sequence parallelism); without
-        # scatter/gather each tensor rank sends the whole activation over its own link
-        p2p_bytes = (4.0 if dtype == "fp32" else compute.BF16) * mb * s / cp * m.hidden / tp
-        gather = 0.0 if sp else comm.all_gather(p2p_bytes * tp, self._tp_group(tp), self.fab)
-        if not opts.p2p_scatter_gather and not sp:
-            p2p_bytes, gather = p2p_bytes * tp, 0.0
-        hit = MicroCosts(c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather)
-        self._cache[key] = hit
-        return hit
-
-    def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str, cp: int = 1,
-                       ep: int = 1, pp: int = 1):
-        """(memory options, activations per layer, recompute working set, logits) in bytes for
-        one micro-batch at the plan's dtype (memory.py); a context rank holds seq/cp tokens of
-        each sequence (the unfused score matrix is then counted for seq/cp keys: a combination
-        no context-parallel stack runs)."""
-        key = ("mem", tp, mb, sp, rec, dtype, cp, ep, pp > 1)
-        hit = self._cache.get(key)
-        if hit is None:
-            mem = self.mem
-            if mem.dtype != dtype:
-                mem = dataclasses.replace(mem, dtype=dtype)
-            seq = self.seq // cp
-            args = (self.active, tp, sp, mb, seq, rec, self.opts, mem)
-            kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)
-            moe_act, moe_work = self._moe_memory(tp, mb, sp, rec, seq, mem, ep, dtype)
-            hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv + moe_act,
-                               memory.recompute_working_bytes(*args) + moe_work,
-                               memory.logits_bytes(self.model, tp, mb, seq, mem,
-                                                   pipelined=pp > 1))
-            self._cache[key] = hit
-        return hit
-
-    def _moe_memory(self, tp: int, mb: int, sp: bool, rec: str, seq: int, mem, ep: int,
-                    dtype: str) -> tuple[float, float]:
-        """(saved, recompute working set) bytes per average block and micro-batch of the MoE
-        layers beyond their dense equivalent (moe_memory.py)."""
-        def act(spec, r):
-            return memory.activation_bytes(spec, tp, sp, mb, seq, r, self.opts, mem)
-
-        o = self.opts
-        # FP8 expert GEMMs save their quantised input (not meshtron's: torchao keeps experts
-        # in bf16, planner/fp8.py)
-        fp8 = dtype == "fp8" and o.fp8_filter != "torchao"
-        return moe_memory.activation_extra(
-            act, self.active, self.model, mb * seq, tp, ep, float(o.expert_imbalance),
-            mem.compute_bytes, mem.saved, rec, 1.0 if fp8 else None,
-            shared_replicated=mem.framework == "fsdp2",
-            dense_fp8=mem.saved == "korthikanti" and memory.te_fp8_inputs(o, mem),
-            weighted_act=mem.moe_weighted_act)
-
-    def _groups(self, cfg: Plan) -> dict[str, Any]:
-        """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
-        key = ("groups", cfg.tp, cfg.pp, cfg.dp, cfg.zero >= 2, cfg.dp_replicate,
-               cfg.virtual_stages > 1, cfg.cp, cfg.ep)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = placement.groups_for_cost(cfg, self.cluster.gpus_per_node)
-            hit["experts"] = placement.expert_groups(cfg, self.cluster.gpus_per_node, hit)
-            self._cache[key] = hit
-        return hit
-
-    def _tp_group(self, tp: int) -> comm.Group:
-        return placement.tp_group(tp, self.cluster.gpus_per_node)
-
-    def _params(self, tp: int, pp: int) -> tuple[float, float, float, float]:
-        key = ("params", tp, pp)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = StageParams(memory.layer_params_local(self.model, tp, pp),
-                   memory.embedding_params_local(self.model, tp),
-                   memory.head_params_local(self.model, tp, pp),
-                   memory.largest_param_local(self.model, tp))
-            self._cache[key] = hit
-        return hit
-
-    def _time_partition(self, pp: int, v: int, t_layer: float, e_first: float, e_last: float,
-                        caps: list[int] | None = None, weights: tuple = (1.0, 1.0, 1.0)):
-        """Layers per device as the priced stack splits them (pipeline_split.py: meshtron's
-        and torchtitan's any split, time-balanced; Megatron's equal chunks; DeepSpeed's
-        balanced partition), within the memory `caps` where the stack can choose."""
-        rule = self.mem.split_rule
-        key = ("part", rule, pp, v, t_layer, e_first, e_last,
-               tuple(caps) if caps else None, weights)
-        hit = self._cache.get(key, False)
-        if hit is False:
-            hit = pipeline_split.split_for(rule, self.model.layers, pp, v, t_layer, e_first,
-                                           e_last, caps, weights)
-            if hit is not None and caps and any(k > c for k, c in zip(hit, caps)):
-                hit = None  # a computed split (DeepSpeed's) that does not fit
-            self._cache[key] = hit
-        return hit
-
-    def _weighted_in_flight(self, pp: int, v: int, m: int, chunks: list[int],
-                            even: list[float], act: float, grad: float) -> list[float]:
-        return list(_weighted_in_flight(pp, v, m, tuple(chunks), tuple(even), act, grad))
-
-    def _peak_outputs(self, pp: int, v: int, m: int, rank: int, layers: list[int], act: float,
-                      grad: float, out: float) -> float:
-        return _peak_outputs(pp, v, m, rank, tuple(layers), act, grad, out)
-
-    def _recompute_flops(self, rec: str) -> float:
-        return _recompute_flops(self.model, self.seq, rec, self.opts.attention)
-
-    def _in_flight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
-        key = ("inflight", schedule, pp, v, m)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = [pipeline.in_flight(schedule, pp, v, m, i) for i in range(pp)]
-            self._cache[key] = hit
-        return hit
-
     # ---- the cost model --------------------------------------------------------------------
     def evaluate(self, cfg: Plan, keep_infeasible: bool = True,
                  exact_memory: bool = True, cutoff: float = float("inf"),
@@ -376,10 +137,32 @@ class Evaluator(DataParallelCost):
         """Estimate a config. Infeasible ones come back with fits == False and the memory they
         need under the most memory-balanced layer split (`exact_memory`; otherwise under the
         time-balanced split), or as None when `keep_infeasible` is False. Feasible ones slower
-        than `cutoff` seconds per step come back as None (the search has no use for them).`stage`: the memory
-        breakdown of that pipeline stage instead of the fullest (`meshtron rehearse --rank`)."""
+        than `cutoff` seconds per step come back as None (the search has no use for them).
+        `stage`: the memory breakdown of that pipeline stage instead of the fullest
+        (`meshtron rehearse --rank`). Steps: micro-batch inputs, states, the stages' memory
+        model, the layer split, the step time (estimate_time.py), the interleaved schedule's
+        walk, the result."""
         self.evaluated += 1
-        model, seq = self.model, self.seq
+        w = self._inputs(cfg)
+        self._states(w)
+        self._memory_model(w)
+        if not self._split(w, keep_infeasible, exact_memory):
+            return None
+        times = self._times(w)
+        step = times.total
+        if w.fits and step > cutoff and not keep_infeasible:
+            # too slow whatever the walk below finds: fitting, over the cutoff; not fitting,
+            # not wanted (the walk only adds memory, the step time does not depend on it)
+            return None
+        if not self._interleaved_memory(w, keep_infeasible):
+            return None
+        if w.fits and step > cutoff:
+            return None
+        return self._result(w, times, step, stage, keep_infeasible)
+
+    def _inputs(self, cfg: Plan) -> Work:
+        """The plan's per micro-batch costs and memory pieces (estimate_pieces.py), its
+        data-parallel flags, the gradients it accumulates and its edge stages' extra time."""
         tp, pp, dp, zero, mb, rec = cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute
         v = cfg.virtual_stages
         m = self.global_batch // (dp * mb)
@@ -408,6 +191,20 @@ class Evaluator(DataParallelCost):
         e_last = head.compute + head.tp
         if pp == 1:
             e_first, e_last = e_first + e_last, 0.0
+        return Work(cfg=cfg, tp=tp, pp=pp, dp=dp, zero=zero, mb=mb, rec=rec, v=v, m=m, cp=cp,
+                    ep=ep, c_l=c_l, tpc_l=tpc_l, f_l=f_l, w_l=w_l, emb=emb, head=head,
+                    p2p_bytes=p2p_bytes, gather=gather, ep_l=ep_l, mem_opts=mem_opts, act=act,
+                    work=work, logits=logits, flags=flags, shard_dp=shard_dp, keep=keep,
+                    fsdp_zero1=fsdp_zero1, accum=accum, t_layer=t_layer, e_first=e_first,
+                    e_last=e_last)
+
+    def _states(self, w: Work) -> None:
+        """Parameters per tensor rank (w.p_layer, p_emb, p_head, largest, p_exp) and the bytes
+        per parameter of their states kept on the device and moved to the host, dense
+        (w.states, moved) and routed experts' (w.e_states, e_moved)."""
+        cfg, model, mem_opts = w.cfg, self.model, w.mem_opts
+        tp, pp, ep, zero, shard_dp = w.tp, w.pp, w.ep, w.zero, w.shard_dp
+        fsdp_zero1, accum = w.fsdp_zero1, w.accum
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
@@ -430,6 +227,16 @@ class Evaluator(DataParallelCost):
                 e_full = (e_full[0], 0.0, e_full[2])
             e_states = offload.device_states(cfg.offload, e_full)
             e_moved = sum(e_full) - sum(e_states)
+        w.p_layer, w.p_emb, w.p_head, w.largest, w.p_exp = p_layer, p_emb, p_head, largest, p_exp
+        w.states, w.moved, w.e_states, w.e_moved = states, moved, e_states, e_moved
+
+    def _memory_model(self, w: Work) -> None:
+        """What every pipeline stage holds beside its blocks: micro-batches in flight, root
+        parameters, held chunk outputs, the blocks' pieces (w.blocks); then the stages' memory
+        per layer and fixed (w.per_layer, w.fixed)."""
+        cfg, model, mem_opts = w.cfg, self.model, w.mem_opts
+        tp, pp, v, m, ep, cp, mb = w.tp, w.pp, w.v, w.m, w.ep, w.cp, w.mb
+        p_emb, p_head = w.p_emb, w.p_head
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
         inflight = self._in_flight(cfg.schedule, pp, v, m)
         if (mem_opts.framework == "megatron" and cfg.schedule == "interleaved" and v > 1
@@ -443,49 +250,62 @@ class Evaluator(DataParallelCost):
         root_units = [0.0] * pp
         root_units[0] = p_emb
         root_units[-1] = max(root_units[-1], p_head)
-        grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
+        w.grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
-        reduce_bytes = flags["gsize"] if pp == 1 else 0.0
+        w.reduce_bytes = w.flags["gsize"] if pp == 1 else 0.0
         # the chunk outputs torch's pipelining keeps until their backward (memory_pipeline.py;
         # Megatron-LM frees their data once sent, deallocate_pipeline_outputs)
-        out_bytes = memory_pipeline.stage_output_bytes(model.hidden, tp, cfg.sp, mb, seq // cp,
-                                                       mem_opts.compute_bytes)
+        out_bytes = memory_pipeline.stage_output_bytes(model.hidden, tp, cfg.sp, mb,
+                                                       self.seq // cp, mem_opts.compute_bytes)
         outputs = [k * out_bytes if mem_opts.framework == "fsdp2" else 0.0
                    for k in memory_pipeline.held_outputs(pp, v, inflight)]
         if mem_opts.engine.startswith("deepspeed"):  # DeepSpeed's engine's own buffers
             outputs = [k * out_bytes for k in memory_pipeline.deepspeed_pipe_buffers(pp, m)]
-
+        w.inflight, w.roots, w.root_units, w.out_bytes, w.outputs = (inflight, roots, root_units,
+                                                                     out_bytes, outputs)
         # per pipeline rank: (block parameters, experts, activations, recompute working set)
         # of its mean block; every block a MoE block's until the layer split is known
-        blocks = [(p_layer, p_exp, act, work)] * pp
+        w.blocks = [(w.p_layer, w.p_exp, w.act, w.work)] * pp
         # Transformer Engine's cached FP8 weights (memory_acts.te_weight_cache_bytes): the
         # block's GEMM weights, not its norms or router
-        cache_b = memory.te_weight_cache_bytes(self.opts, mem_opts)
-        not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
-                                            if model.is_moe else 0)
+        w.cache_b = memory.te_weight_cache_bytes(self.opts, mem_opts)
+        w.not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
+                                              if model.is_moe else 0)
+        w.per_layer, w.fixed = self._stage_memories(w, inflight)
 
-        def cache_of(i: int) -> float:
-            return cache_b * max(0.0, blocks[i][0] + blocks[i][1] - not_gemm)
+    def _te_cache(self, w: Work, i: int) -> float:
+        """Bytes of Transformer Engine's cached FP8 weights on pipeline rank `i`."""
+        return w.cache_b * max(0.0, w.blocks[i][0] + w.blocks[i][1] - w.not_gemm)
 
-        def stage_memories(inflight: list[float]) -> tuple[list[float], list[float]]:
-            sms = [memory.stage_memory(mem_opts, zero, shard_dp, states, blocks[i][0], roots[i],
-                                       largest, blocks[i][2], inflight[i], blocks[i][3],
-                                       logits if i == pp - 1 else 0.0, self.grad_bytes, keep,
-                                       accum, blocks[i][1], e_states, root_units[i],
-                                       reduce_bytes, grad_extra if i == 0 else 0.0, outputs[i],
-                                       cache_of(i))
-                   for i in range(pp)]
-            return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
+    def _stage_memories(self, w: Work,
+                        inflight: list[float]) -> tuple[list[float], list[float]]:
+        """(bytes per layer, fixed bytes) of every pipeline stage (memory.stage_memory)."""
+        pp, blocks = w.pp, w.blocks
+        sms = [memory.stage_memory(w.mem_opts, w.zero, w.shard_dp, w.states, blocks[i][0],
+                                   w.roots[i], w.largest, blocks[i][2], inflight[i],
+                                   blocks[i][3], w.logits if i == pp - 1 else 0.0,
+                                   self.grad_bytes, w.keep, w.accum, blocks[i][1], w.e_states,
+                                   w.root_units[i], w.reduce_bytes,
+                                   w.grad_extra if i == 0 else 0.0, w.outputs[i],
+                                   self._te_cache(w, i))
+               for i in range(pp)]
+        return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
 
-        per_layer, fixed = stage_memories(inflight)
+    def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
+        """The layers per pipeline rank (w.n: the plan's own, else the stack's time-balanced
+        split within memory, else the split that would run out of memory) and whether it fits
+        (w.fits); False when it does not and `keep_infeasible` is False."""
+        cfg, model = w.cfg, self.model
+        pp, v, per_layer, fixed = w.pp, w.v, w.per_layer, w.fixed
+        t_layer, e_first, e_last = w.t_layer, w.e_first, w.e_last
         budget = self.tensor_budget
-        given = _given_partition(cfg, model.layers)
+        given = given_partition(cfg, model.layers)
         if given is None and pp > 1:  # the search never asks; a direct caller is told
             problem = split_problem(self.mem.split_rule, model.layers, pp, v)
             if problem:
                 raise UserError(problem)
-        weights = (p_emb, p_layer + p_exp, p_head)  # DeepSpeed's 'parameters' partition
+        weights = (w.p_emb, w.p_layer + w.p_exp, w.p_head)  # DeepSpeed's 'parameters' partition
         n = given or self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
         fits = n is not None and all(
             k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
@@ -498,7 +318,7 @@ class Evaluator(DataParallelCost):
             fits = n is not None
             if n is None:
                 if not keep_infeasible:
-                    return None
+                    return False
                 stack = self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
                 if self.mem.split_rule != "any" and stack is not None:
                     n = stack  # the stack's own split is what would run out of memory
@@ -507,287 +327,81 @@ class Evaluator(DataParallelCost):
                 else:
                     n = stack or pipeline.min_memory_partition(model.layers, per_layer, fixed,
                                                                v)[1]
-
+        w.budget, w.given, w.n, w.fits = budget, given, n, fits
         if model.is_moe and pp > 1 and n is not None:
             # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)
             chunks = list(cfg.stage_layers) if given else (
                 list(n) if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
-            moe_act, moe_work = self._moe_memory(tp, mb, cfg.sp, rec, seq // cp, mem_opts, ep,
-                                                 cfg.dtype)
-            blocks = moe_memory.stage_pieces(model, cfg, chunks, (p_layer, p_exp, act, work),
-                                             moe_act, moe_work, mem_opts.framework)
-            per_layer, fixed = stage_memories(inflight)
-            fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
-            if not fits and not keep_infeasible:
-                return None
+            moe_act, moe_work = self._moe_memory(w.tp, w.mb, cfg.sp, w.rec, self.seq // w.cp,
+                                                 w.mem_opts, w.ep, cfg.dtype)
+            w.blocks = moe_memory.stage_pieces(model, cfg, chunks,
+                                               (w.p_layer, w.p_exp, w.act, w.work), moe_act,
+                                               moe_work, w.mem_opts.framework)
+            w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight)
+            w.fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+            if not w.fits and not keep_infeasible:
+                return False
+        return True
 
-        # ---- time -------------------------------------------------------------------------
-        stage_t = [k * t_layer for k in n]
-        stage_w = [k * w_l for k in n]
-        stage_f = [k * f_l for k in n]
-        stage_c = [k * c_l for k in n]
-        stage_t[0] += e_first
-        stage_c[0] += emb.compute
-        stage_f[0] += emb.fwd
-        stage_t[-1] += e_last if pp > 1 else 0.0
-        stage_c[-1] += head.compute
-        stage_f[-1] += head.fwd
-        stage_w[-1] += head.wgrad
-        crit = max(range(pp), key=stage_t.__getitem__)
-        compute_t = (m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, flags)
-                     + n[crit] * self._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
-        # exactly zero without tensor parallelism (the difference of sums leaves rounding)
-        ep_t = m * n[crit] * ep_l
-        tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
-        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m)
-        groups = self._groups(cfg)
-        pp_t = 0.0
-        if pp > 1:
-            cross = groups["pp_hop_crosses_nodes"]
-            hop = comm.send(p2p_bytes, cross, self.fab) + gather
-            pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
-                                     self.opts.p2p_overlap and v > 1)
-            if model.tied_embeddings:
-                word = model.vocab * model.hidden / tp  # the tied table, vocabulary-parallel
-                pp_t += pipeline.tied_embedding_reduce(self.grad_bytes * word, cross, self.fab)
-        dp_t = 0.0
-        opt_t = 0.0
-        off_t = 0.0
-        # chunk-slots a looped schedule idles at each chunk change (pipeline.bubble_time)
-        looped = v > 1 and (cfg.schedule == "interleaved" or cfg.schedule == "gpipe")
-        idle = max(0, pp - m) if looped else 0
-        host_gpu = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
-        seen: set[tuple[int, bool, bool]] = set()
-        for i, k in enumerate(n):
-            first, last = i == 0, i == pp - 1
-            if (k, first, last) in seen:
-                continue  # an earlier identical stage hides less: it dominates
-            seen.add((k, first, last))
-            params_i = k * p_layer + (p_emb if first else 0.0) + (p_head if last else 0.0)
-            local = params_i / shard_dp if zero >= 1 else params_i
-            experts_i = k * p_exp
-            if experts_i:
-                local += experts_i / max(1, shard_dp // ep) if zero >= 1 else experts_i
-            host_gpu = max(host_gpu, params_i * moved + experts_i * e_moved)
-            if cfg.offload == "none":
-                opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
-            else:  # host-link copies and the optimizer step on the host
-                oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
-                                          self.cluster.host_link_bytes_per_s,
-                                          self.cluster.host_memory_bytes_per_s)
-                opt_t = max(opt_t, oc.host_step_s)
-                off_t = max(off_t, oc.transfer_s)
-            if shard_dp > 1:
-                bwd = stage_t[i] - stage_f[i]
-                # FSDP2 under torch.distributed.pipelining reduces after the stage's last
-                # backward (pipeline.reduce_after_drain); DDP-style stacks during it
-                drain = (v, i, bwd, idle) if pp > 1 and self.opts.sharding == "fsdp" else None
-                # stage i finishes its last backward about i stage-backwards before stage 0
-                args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
-                        k, rec == "full" and self.opts.recompute_regathers)
-                units = self.fsdp_units(k, first, last)
-                kept = p_head if last else 0.0  # FSDP's [norm, head]: not re-gathered
-                if compression.changes_dp(cfg):  # gradient compression or DiLoCo
-                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args, units=units,
-                                                         kept=kept))
-                elif experts_i:
-                    dp_t = max(dp_t, self._dp_with_experts(params_i, experts_i, zero, args,
-                                                           units, kept, {**flags,
-                                                                         "drain": drain},
-                                                           groups))
-                else:
-                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
-                                                   kept=kept, drain=drain, **flags))
-        times = TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
-                              bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
-        step = times.total
-        if fits and step > cutoff and not keep_infeasible:
-            # too slow whatever the walk below finds: fitting, over the cutoff; not fitting,
-            # not wanted (the walk only adds memory, the step time does not depend on it)
-            return None
-        if (cfg.schedule == "interleaved" and v > 1 and n is not None
-                and mem_opts.framework == "fsdp2"):
-            # the rank's first chunks hold more micro-batches than its last: weighted by their
-            # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
-            # (Megatron-LM requires equal chunks: the even spread is exact there), at the
-            # moment they are largest beside the gradients accumulated so far
-            chunks = list(cfg.stage_layers) if given else \
-                pipeline_split.chunks(self.mem.split_rule, n, v)
-            grad = accum * (p_layer + p_exp)
-            weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
-            # the chunk outputs held at that moment, not at the even spread's most (the last
-            # rank's peak is its loss, whose moment the walk does not single out: as spread)
-            walked = [out_bytes * self._peak_outputs(
-                pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
-                if r < pp - 1 else outputs[r] for r in range(pp)]
-            if weighted != inflight or walked != outputs:
-                inflight, outputs[:] = weighted, walked
-                per_layer, fixed = stage_memories(inflight)
-                fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
-                if not fits and not keep_infeasible:
-                    return None
+    def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
+        """Under an interleaved schedule on FSDP2, the stages' memory at the walked peak
+        (memory_pipeline.py) instead of the even spread; False when that no longer fits and
+        `keep_infeasible` is False."""
+        cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m, w.n
+        if not (cfg.schedule == "interleaved" and v > 1 and n is not None
+                and w.mem_opts.framework == "fsdp2"):
+            return True
+        inflight, outputs, act, out_bytes = w.inflight, w.outputs, w.act, w.out_bytes
+        # the rank's first chunks hold more micro-batches than its last: weighted by their
+        # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
+        # (Megatron-LM requires equal chunks: the even spread is exact there), at the
+        # moment they are largest beside the gradients accumulated so far
+        chunks = list(cfg.stage_layers) if w.given else \
+            pipeline_split.chunks(self.mem.split_rule, n, v)
+        grad = w.accum * (w.p_layer + w.p_exp)
+        weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
+        # the chunk outputs held at that moment, not at the even spread's most (the last
+        # rank's peak is its loss, whose moment the walk does not single out: as spread)
+        walked = [out_bytes * self._peak_outputs(
+            pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
+            if r < pp - 1 else outputs[r] for r in range(pp)]
+        if weighted != inflight or walked != outputs:
+            w.inflight, outputs[:] = weighted, walked
+            w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight)
+            w.fits = w.fits and all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
+            if not w.fits and not keep_infeasible:
+                return False
+        return True
 
-        if fits and step > cutoff:
-            return None
-
+    def _result(self, w: Work, times: TimeBreakdown, step: float, stage: int | None,
+                keep_infeasible: bool) -> Estimate | None:
+        """The Estimate: the memory breakdown of the fullest stage (or `stage`), host memory
+        under offload, throughput and FLOP/s."""
+        cfg, pp, v, n, fits, mem_opts = w.cfg, w.pp, w.v, w.n, w.fits, w.mem_opts
         # ---- memory breakdown of the fullest stage -------------------------------------------
-        totals = [k * a + f for k, a, f in zip(n, per_layer, fixed)]
+        totals = [k * a + f for k, a, f in zip(n, w.per_layer, w.fixed)]
         worst = max(range(pp), key=totals.__getitem__) if stage is None else stage
-        b_layer, b_exp, b_act, b_work = blocks[worst]
-        mem = memory.breakdown(mem_opts, zero, shard_dp, states, n[worst], b_layer,
-                               roots[worst], largest, b_act, inflight[worst], b_work,
-                               logits if worst == pp - 1 else 0.0, self.capacity, worst,
-                               self.grad_bytes, keep, accum, b_exp, e_states,
-                               root_units[worst], reduce_bytes,
-                               grad_extra if worst == 0 else 0.0, outputs[worst],
-                               cache_of(worst))
+        b_layer, b_exp, b_act, b_work = w.blocks[worst]
+        mem = memory.breakdown(mem_opts, w.zero, w.shard_dp, w.states, n[worst], b_layer,
+                               w.roots[worst], w.largest, b_act, w.inflight[worst], b_work,
+                               w.logits if worst == pp - 1 else 0.0, self.capacity, worst,
+                               self.grad_bytes, w.keep, w.accum, b_exp, w.e_states,
+                               w.root_units[worst], w.reduce_bytes,
+                               w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
+                               self._te_cache(w, worst))
         if cfg.offload != "none" or cfg.offload_activations:
-            mem = self._with_host(mem, cfg, host_gpu)
+            mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits
             if not fits and not keep_infeasible:
                 return None
-        hw_flops = self.model_flops + self._recompute_flops(rec) * self.tokens
+        hw_flops = self.model_flops + self._recompute_flops(w.rec) * self.tokens
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
-        stage_layers = (list(cfg.stage_layers) if given else
+        stage_layers = (list(cfg.stage_layers) if w.given else
                         n if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
         return Estimate(
-            config=cfg, stage_layers=list(stage_layers), num_microbatches=m, memory=mem,
+            config=cfg, stage_layers=list(stage_layers), num_microbatches=w.m, memory=mem,
             time=times, tokens_per_s=self.tokens / step,
             model_tflops_per_gpu=self.model_flops / per_gpu / 1e12,
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
             mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
-
-    def _with_host(self, mem: memory.MemoryBreakdown, cfg: Plan,
-                   host_gpu: float) -> memory.MemoryBreakdown:
-        """`mem` with the host memory of one node: every GPU of the node offloads what its
-        fullest stage does (states moved by plan.offload; with offload_activations, the
-        stage's saved activations, which torch.autograd.graph.save_on_cpu copies out whole),
-        against the node's usable host memory (cluster.host_memory_gib)."""
-        gib = host_gpu / memory.GIB
-        if cfg.offload_activations:
-            gib += mem.activations + mem.in_flight
-        per_node = min(self.cluster.gpus_per_node, self.n_gpus)
-        cap = self.cluster.host_memory_per_node_gib
-        return dataclasses.replace(
-            mem, host=gib * per_node,
-            host_capacity=None if cap is None else cap * HOST_USABLE_FRACTION)
-
-    def _dp_with_experts(self, params: float, experts: float, zero: int, args: tuple,
-                         units: int, kept: float, flags: dict[str, Any],
-                         groups: dict[str, Any]) -> float:
-        """Exposed data-parallel time of a stage whose blocks hold `experts` routed-expert
-        parameters under expert parallelism beside `params` others: the experts are their own
-        FSDP units (one per MoE block) reduced over the dp*cp/ep ranks holding the same experts
-        (placement.expert_groups), the rest over the whole data group. Each part overlaps its
-        share of the stage's forward and backward (by parameters), so the compute is not
-        counted twice."""
-        _, _, m, fwd, bwd, k, regather = args
-        share = experts / (params + experts)
-        # a pipelined reduction's window (pipeline.reduce_after_drain) is shared the same way
-        drain = flags.get("drain")
-
-        def part(f: float) -> dict[str, Any]:
-            if not drain:
-                return flags
-            v, rank, bwd_s, idle = drain
-            return {**flags, "drain": (v, rank, bwd_s * f, idle)}
-
-        dense = self._dp_time(params, zero, groups, m, fwd * (1 - share), bwd * (1 - share), k,
-                              regather, units=units, kept=kept, **part(1 - share))
-        moe_units = max(1, round(k * self.model.moe_layers / self.model.layers))
-        exp = self._dp_time(experts, zero, groups["experts"], m, fwd * share, bwd * share, k,
-                            regather, units=moe_units, kept=0.0, **part(share))
-        return dense + exp
-
-    def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:
-        """The last stage's head costs of `cfg`: with meshtron's chunked cross-entropy (the
-        memory model's condition: MemoryOptions loss 'chunked', tp = 1, no pipeline) plus what
-        its chunks replay and sum in the backward (compute.chunked_loss_extra)."""
-        if not (self.mem.loss_kind == "chunked" and cfg.tp == 1 and cfg.pp == 1):
-            return head
-        extra = compute.chunked_loss_extra(self.model, self.cluster, cfg.micro_batch, self.seq,
-                                           cfg.cp, cfg.dtype, self.opts.head_stack)
-        return dataclasses.replace(head, compute=head.compute + extra)
-
-    def accumulation_s(self, cfg: Plan, layers: int, stage: int, m: int,
-                       flags: dict[str, Any]) -> float:
-        """Seconds a stage of `layers` blocks spends adding each micro-batch's gradients to
-        the accumulated ones, a memory-bound pass of its own unless the weight-gradient GEMM
-        accumulates in place (KernelOptions.grad_accum_fusion). Gradients kept unsharded over
-        the step (ZeRO-0/1, ZeRO-2/3 reduced once per step, pipelining) add the micro-batch's
-        bf16 gradient into the accumulation dtype: read both, write the sum (2 + 2a bytes per
-        element; the first micro-batch casts: 2 + a, nothing when a is bf16's 2), where a is
-        the reduce dtype under FSDP (FSDP2's unsharded_accumulated_grad; meshtron's
-        BF16Compute.accumulate) and the gradient buffer's elsewhere (Megatron's main_grad,
-        DeepSpeed's buffers). ZeRO-2/3 reduced every micro-batch accumulate the reduced shard
-        only (3a bytes per shard element, m - 1 times)."""
-        if cfg.zero >= 2 and not flags["reduce_once"] and not (
-                cfg.pp > 1 and self.opts.sharding == "fsdp"):
-            elements = self._stage_params(cfg, layers, stage) / (cfg.dp * cfg.cp)
-            acc = flags["gsize"]
-            return (m - 1) * 3.0 * acc * elements / self.hbm
-        if self.opts.grad_accum_fusion:
-            return 0.0
-        acc = flags["gsize"] if self.opts.sharding == "fsdp" else self.grad_bytes
-        per_elem = (m - 1) * (2.0 + 2.0 * acc) + (2.0 + acc if acc != compute.BF16 else 0.0)
-        return per_elem * self._stage_params(cfg, layers, stage) / self.hbm
-
-    def _stage_params(self, cfg: Plan, layers: int, stage: int) -> float:
-        """Parameters one tensor rank of pipeline stage `stage` holds (experts: the ep share)."""
-        p_layer, p_emb, p_head, _ = self._params(cfg.tp, cfg.pp)
-        if cfg.ep > 1:  # a rank holds E/ep of each block's experts
-            p_exp = moe_cost.expert_params_local(self.model, cfg.pp, cfg.ep)
-            p_layer = p_layer - p_exp * cfg.ep + p_exp
-        p = layers * p_layer + (p_emb if stage == 0 else 0.0)
-        return p + (p_head if stage == cfg.pp - 1 else 0.0)
-
-    def lower_bound_step(self, cfg: Plan) -> float:
-        """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
-        pipeline or data-parallel communication."""
-        m = self.global_batch // (cfg.dp * cfg.micro_batch)
-        c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
-                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
-                                                  cfg.fp8_recipe)[:6]
-        work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
-        return m * work / cfg.pp
-
-
-# The interleaved schedule walks (memory_pipeline.py) are the costliest piece of an interleaved
-# plan's memory, O(micro-batches x virtual stages) per pipeline rank, and repeat: configs that
-# differ only in knobs the walk does not read (the schedule's time, ZeRO stages at the same
-# gradient bytes) and the further searches of one command (a pinned layout's fits, offload,
-# knob alternatives), each with its own Evaluator. Pure functions of their (hashable)
-# arguments: memoised process-wide (typed: an int and a float of equal value are two keys;
-# the tuples hold what pipeline.in_flight and the layer splits give, floats and ints).
-@functools.lru_cache(maxsize=8192, typed=True)
-def _weighted_in_flight(pp: int, v: int, m: int, chunks: tuple[int, ...],
-                        even: tuple[float, ...], act: float, grad: float) -> tuple[float, ...]:
-    return tuple(memory_pipeline.weighted_in_flight(pp, v, m, list(chunks), list(even), act,
-                                                    grad))
-
-
-@functools.lru_cache(maxsize=32768, typed=True)
-def _peak_outputs(pp: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
-                  grad: float, out: float) -> float:
-    return memory_pipeline.peak_outputs(pp, v, m, rank, list(layers), act, grad, out)
-
-
-@functools.lru_cache(maxsize=256)
-def _recompute_flops(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
-    """compute.recompute_flops_per_token, memoised across Evaluators: it sums over every block,
-    and the searches of one command (offload, knob alternatives, a pinned layout's fits) each
-    build their own Evaluator of the same model (a frozen, hashable ModelSpec)."""
-    return compute.recompute_flops_per_token(model, seq, recompute, attention)
-
-
-def _given_partition(cfg: Plan, layers: int) -> list[int] | None:
-    """Layers per pipeline rank of a plan that fixes its split (`stage_layers`, what the
-    runtime cuts: a saved plan, or one being rehearsed), else None (the planner splits)."""
-    counts = list(cfg.stage_layers or ())
-    if cfg.pp == 1 or len(counts) != cfg.num_stages or sum(counts) != layers:
-        return None
-    return [sum(counts[s] for s in pipeline.stages_of_rank(cfg.pp, cfg.virtual_stages,
-                                                 cfg.schedule or "1f1b", r))
-            for r in range(cfg.pp)]
-

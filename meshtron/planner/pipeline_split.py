@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 
 from meshtron.planner import pipeline
-from meshtron.planner.plan_rules import megatron_account_for, split_problem
+from meshtron.planner.plan_rules_pipeline import megatron_account_for, split_problem
 
 NEAREST = {"megatron-even": ("megatron-ends", "any"), "megatron-ends": ("any",),
            "deepspeed-transformer": ("any",), "deepspeed-parameters": ("any",)}

@@ -1,0 +1,125 @@
+"""Per-stage costs beside the step's critical path (estimate.Evaluator's helpers): the last
+stage's head with a chunked loss, gradient accumulation passes, a stage's parameters, the
+data-parallel time of a stage holding experts, host memory under offload, the search's
+lower bound, and the layer split a plan fixes itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from meshtron.planner import compute, memory, moe_cost, pipeline
+from meshtron.planner.cluster import HOST_USABLE_FRACTION
+from meshtron.planner.plan import Plan
+
+
+class StageCosts:
+    """Mixin of `estimate.Evaluator`: needs what CostPieces and dp_cost.DataParallelCost give
+    (self._params, self._micro, self._dp_time) and self.model, self.cluster, self.seq,
+    self.opts, self.mem, self.hbm, self.grad_bytes, self.global_batch, self.n_gpus."""
+
+    def _with_host(self, mem: memory.MemoryBreakdown, cfg: Plan,
+                   host_gpu: float) -> memory.MemoryBreakdown:
+        """`mem` with the host memory of one node: every GPU of the node offloads what its
+        fullest stage does (states moved by plan.offload; with offload_activations, the
+        stage's saved activations, which torch.autograd.graph.save_on_cpu copies out whole),
+        against the node's usable host memory (cluster.host_memory_gib)."""
+        gib = host_gpu / memory.GIB
+        if cfg.offload_activations:
+            gib += mem.activations + mem.in_flight
+        per_node = min(self.cluster.gpus_per_node, self.n_gpus)
+        cap = self.cluster.host_memory_per_node_gib
+        return dataclasses.replace(
+            mem, host=gib * per_node,
+            host_capacity=None if cap is None else cap * HOST_USABLE_FRACTION)
+
+    def _dp_with_experts(self, params: float, experts: float, zero: int, args: tuple,
+                         units: int, kept: float, flags: dict[str, Any],
+                         groups: dict[str, Any]) -> float:
+        """Exposed data-parallel time of a stage whose blocks hold `experts` routed-expert
+        parameters under expert parallelism beside `params` others: the experts are their own
+        FSDP units (one per MoE block) reduced over the dp*cp/ep ranks holding the same experts
+        (placement.expert_groups), the rest over the whole data group. Each part overlaps its
+        share of the stage's forward and backward (by parameters), so the compute is not
+        counted twice."""
+        _, _, m, fwd, bwd, k, regather = args
+        share = experts / (params + experts)
+        # a pipelined reduction's window (pipeline.reduce_after_drain) is shared the same way
+        drain = flags.get("drain")
+
+        def part(f: float) -> dict[str, Any]:
+            if not drain:
+                return flags
+            v, rank, bwd_s, idle = drain
+            return {**flags, "drain": (v, rank, bwd_s * f, idle)}
+
+        dense = self._dp_time(params, zero, groups, m, fwd * (1 - share), bwd * (1 - share), k,
+                              regather, units=units, kept=kept, **part(1 - share))
+        moe_units = max(1, round(k * self.model.moe_layers / self.model.layers))
+        exp = self._dp_time(experts, zero, groups["experts"], m, fwd * share, bwd * share, k,
+                            regather, units=moe_units, kept=0.0, **part(share))
+        return dense + exp
+
+    def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:
+        """The last stage's head costs of `cfg`: with meshtron's chunked cross-entropy (the
+        memory model's condition: MemoryOptions loss 'chunked', tp = 1, no pipeline) plus what
+        its chunks replay and sum in the backward (compute.chunked_loss_extra)."""
+        if not (self.mem.loss_kind == "chunked" and cfg.tp == 1 and cfg.pp == 1):
+            return head
+        extra = compute.chunked_loss_extra(self.model, self.cluster, cfg.micro_batch, self.seq,
+                                           cfg.cp, cfg.dtype, self.opts.head_stack)
+        return dataclasses.replace(head, compute=head.compute + extra)
+
+    def accumulation_s(self, cfg: Plan, layers: int, stage: int, m: int,
+                       flags: dict[str, Any]) -> float:
+        """Seconds a stage of `layers` blocks spends adding each micro-batch's gradients to
+        the accumulated ones, a memory-bound pass of its own unless the weight-gradient GEMM
+        accumulates in place (KernelOptions.grad_accum_fusion). Gradients kept unsharded over
+        the step (ZeRO-0/1, ZeRO-2/3 reduced once per step, pipelining) add the micro-batch's
+        bf16 gradient into the accumulation dtype: read both, write the sum (2 + 2a bytes per
+        element; the first micro-batch casts: 2 + a, nothing when a is bf16's 2), where a is
+        the reduce dtype under FSDP (FSDP2's unsharded_accumulated_grad; meshtron's
+        BF16Compute.accumulate) and the gradient buffer's elsewhere (Megatron's main_grad,
+        DeepSpeed's buffers). ZeRO-2/3 reduced every micro-batch accumulate the reduced shard
+        only (3a bytes per shard element, m - 1 times)."""
+        if cfg.zero >= 2 and not flags["reduce_once"] and not (
+                cfg.pp > 1 and self.opts.sharding == "fsdp"):
+            elements = self._stage_params(cfg, layers, stage) / (cfg.dp * cfg.cp)
+            acc = flags["gsize"]
+            return (m - 1) * 3.0 * acc * elements / self.hbm
+        if self.opts.grad_accum_fusion:
+            return 0.0
+        acc = flags["gsize"] if self.opts.sharding == "fsdp" else self.grad_bytes
+        per_elem = (m - 1) * (2.0 + 2.0 * acc) + (2.0 + acc if acc != compute.BF16 else 0.0)
+        return per_elem * self._stage_params(cfg, layers, stage) / self.hbm
+
+    def _stage_params(self, cfg: Plan, layers: int, stage: int) -> float:
+        """Parameters one tensor rank of pipeline stage `stage` holds (experts: the ep share)."""
+        p_layer, p_emb, p_head, _ = self._params(cfg.tp, cfg.pp)
+        if cfg.ep > 1:  # a rank holds E/ep of each block's experts
+            p_exp = moe_cost.expert_params_local(self.model, cfg.pp, cfg.ep)
+            p_layer = p_layer - p_exp * cfg.ep + p_exp
+        p = layers * p_layer + (p_emb if stage == 0 else 0.0)
+        return p + (p_head if stage == cfg.pp - 1 else 0.0)
+
+    def lower_bound_step(self, cfg: Plan) -> float:
+        """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
+        pipeline or data-parallel communication."""
+        m = self.global_batch // (cfg.dp * cfg.micro_batch)
+        c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
+                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
+                                                  cfg.fp8_recipe)[:6]
+        work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
+        return m * work / cfg.pp
+
+
+def given_partition(cfg: Plan, layers: int) -> list[int] | None:
+    """Layers per pipeline rank of a plan that fixes its split (`stage_layers`, what the
+    runtime cuts: a saved plan, or one being rehearsed), else None (the planner splits)."""
+    counts = list(cfg.stage_layers or ())
+    if cfg.pp == 1 or len(counts) != cfg.num_stages or sum(counts) != layers:
+        return None
+    return [sum(counts[s] for s in pipeline.stages_of_rank(cfg.pp, cfg.virtual_stages,
+                                                 cfg.schedule or "1f1b", r))
+            for r in range(cfg.pp)]

@@ -1,0 +1,120 @@
+"""The step time of one plan (estimate.Evaluator's time step; the terms are described in
+estimate.py's module docstring): the stages' compute and tensor-parallel time on the critical
+stage, the bubble, pipeline transfers, and per stage the exposed data-parallel reduction, the
+optimizer step and host offload.
+"""
+
+from __future__ import annotations
+
+import types
+
+from meshtron.planner import comm, compression, offload, pipeline
+from meshtron.planner.estimate_results import TimeBreakdown
+
+
+class Work(types.SimpleNamespace):
+    """What the steps of one `Evaluator.evaluate` call hand each other (estimate.py): the
+    plan's micro-batch costs, its states, the stages' memory model, the layer split and
+    whether it fits, under the names the steps use."""
+
+
+class StepTimes:
+    """Mixin of `estimate.Evaluator`: needs what CostPieces, StageCosts and
+    dp_cost.DataParallelCost give and self.model, self.cluster, self.opts, self.fab,
+    self.grad_bytes, self.opt_bytes, self.hbm."""
+
+    def _times(self, w: Work) -> TimeBreakdown:
+        """The step time by part on the split w.n (w.stage_t, w.stage_f: the stages' times,
+        their forward parts; w.host_gpu: what one GPU keeps in host memory)."""
+        cfg, model, n = w.cfg, self.model, w.n
+        tp, pp, v, m, emb, head = w.tp, w.pp, w.v, w.m, w.emb, w.head
+        stage_t = [k * w.t_layer for k in n]
+        stage_w = [k * w.w_l for k in n]
+        stage_f = [k * w.f_l for k in n]
+        stage_c = [k * w.c_l for k in n]
+        stage_t[0] += w.e_first
+        stage_c[0] += emb.compute
+        stage_f[0] += emb.fwd
+        stage_t[-1] += w.e_last if pp > 1 else 0.0
+        stage_c[-1] += head.compute
+        stage_f[-1] += head.fwd
+        stage_w[-1] += head.wgrad
+        crit = max(range(pp), key=stage_t.__getitem__)
+        compute_t = (m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, w.flags)
+                     + n[crit] * self._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
+        # exactly zero without tensor parallelism (the difference of sums leaves rounding)
+        ep_t = m * n[crit] * w.ep_l
+        tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
+        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m)
+        w.groups = groups = self._groups(cfg)
+        pp_t = 0.0
+        if pp > 1:
+            cross = groups["pp_hop_crosses_nodes"]
+            hop = comm.send(w.p2p_bytes, cross, self.fab) + w.gather
+            pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
+                                     self.opts.p2p_overlap and v > 1)
+            if model.tied_embeddings:
+                word = model.vocab * model.hidden / tp  # the tied table, vocabulary-parallel
+                pp_t += pipeline.tied_embedding_reduce(self.grad_bytes * word, cross, self.fab)
+        w.stage_t, w.stage_f = stage_t, stage_f
+        dp_t, opt_t, off_t = self._stage_sync(w)
+        return TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
+                             bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
+
+    def _stage_sync(self, w: Work) -> tuple[float, float, float]:
+        """(exposed data-parallel time, optimizer step, host-link transfers) of the slowest
+        stage for each, and w.host_gpu."""
+        cfg, n, zero, m, pp, v = w.cfg, w.n, w.zero, w.m, w.pp, w.v
+        shard_dp, ep, flags, groups = w.shard_dp, w.ep, w.flags, w.groups
+        p_layer, p_emb, p_head, p_exp = w.p_layer, w.p_emb, w.p_head, w.p_exp
+        stage_t, stage_f = w.stage_t, w.stage_f
+        dp_t = 0.0
+        opt_t = 0.0
+        off_t = 0.0
+        # chunk-slots a looped schedule idles at each chunk change (pipeline.bubble_time)
+        looped = v > 1 and (cfg.schedule == "interleaved" or cfg.schedule == "gpipe")
+        idle = max(0, pp - m) if looped else 0
+        host_gpu = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
+        seen: set[tuple[int, bool, bool]] = set()
+        for i, k in enumerate(n):
+            first, last = i == 0, i == pp - 1
+            if (k, first, last) in seen:
+                continue  # an earlier identical stage hides less: it dominates
+            seen.add((k, first, last))
+            params_i = k * p_layer + (p_emb if first else 0.0) + (p_head if last else 0.0)
+            local = params_i / shard_dp if zero >= 1 else params_i
+            experts_i = k * p_exp
+            if experts_i:
+                local += experts_i / max(1, shard_dp // ep) if zero >= 1 else experts_i
+            host_gpu = max(host_gpu, params_i * w.moved + experts_i * w.e_moved)
+            if cfg.offload == "none":
+                opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
+            else:  # host-link copies and the optimizer step on the host
+                oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
+                                          self.cluster.host_link_bytes_per_s,
+                                          self.cluster.host_memory_bytes_per_s)
+                opt_t = max(opt_t, oc.host_step_s)
+                off_t = max(off_t, oc.transfer_s)
+            if shard_dp > 1:
+                bwd = stage_t[i] - stage_f[i]
+                # FSDP2 under torch.distributed.pipelining reduces after the stage's last
+                # backward (pipeline.reduce_after_drain); DDP-style stacks during it
+                drain = (v, i, bwd, idle) if pp > 1 and self.opts.sharding == "fsdp" else None
+                # stage i finishes its last backward about i stage-backwards before stage 0
+                args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
+                        k, w.rec == "full" and self.opts.recompute_regathers)
+                units = self.fsdp_units(k, first, last)
+                kept = p_head if last else 0.0  # FSDP's [norm, head]: not re-gathered
+                if compression.changes_dp(cfg):  # gradient compression or DiLoCo
+                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args, units=units,
+                                                         kept=kept))
+                elif experts_i:
+                    dp_t = max(dp_t, self._dp_with_experts(params_i, experts_i, zero, args,
+                                                           units, kept, {**flags,
+                                                                         "drain": drain},
+                                                           groups))
+                else:
+                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
+                                                   kept=kept, drain=drain, **flags))
+        w.host_gpu = host_gpu
+        return dp_t, opt_t, off_t
