@@ -42,11 +42,6 @@ from meshtron.planner.step_pieces import StepPieces, step_pieces
 from meshtron.simulate.schedule import device_orders, zb_orders
 
 
-MAX_BUCKETS = 8
-"""Gradient buckets per released chunk at most (one per layer; DDP's 25 MB buckets are finer,
-but more of them only refine when the last one leaves)."""
-
-
 @dataclass(frozen=True)
 class Perturbation:
     """What makes ranks differ: slow GPUs and random per-operation noise."""
@@ -214,13 +209,13 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation,
         orders = zb_orders(p, v, m, pc.fwd, pc.bwd, pc.wgrad, pc.hop_s)
     else:
         orders = device_orders(cfg.schedule, p, v, m)
-    layers_share = _chunk_shares(pc, p, v)
+    # the operation after which each chunk's gradients are complete (its last B, W under zb)
+    release = "W" if zb else "B"
+    last_of = {op[1]: k for order in orders for k, op in enumerate(order) if op[0] == release}
     per_unit = any(f > 0 for f in pc.fold_s)
     g = _Graph()
     done: dict[tuple[str, int, int], int] = {}
     last = [None] * p  # last event on each device
-    # per device: (releasing event, its nominal duration, reduction seconds, layers)
-    nic_jobs: list[list[tuple[int, float, float, int]]] = [[] for _ in range(p)]
     # operations in an order where every input exists: sweep the devices, each as far as its
     # inputs allow; a transfer delays the receiver by the hop (its own link direction)
     pending = [list(o) for o in orders]
@@ -241,43 +236,30 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation,
                     preds.append((done[dep], hop))
                 base = {"F": pc.fwd[j], "B": b_only[j], "W": pc.wgrad[j]}[kind]
                 fold = pc.fold_s[s] / (2 * v) if kind in ("F", "B") else 0.0
-                releases = kind == ("W" if zb else "B")
-                red = pc.reduce_s[s] * layers_share[j]
-                inter = pc.interference * min(red, base) if releases and red > 0 and (
-                    pc.reduce_every_microbatch or mb == m - 1) else 0.0
-                nominal = base + fold + inter
-                compute[s] += nominal
+                compute[s] += base + fold
                 # a slow or noisy GPU stretches its computation, not the network's share
                 if classes > 1 or rng is not None:
-                    dur = (base * factors[:, s] * _noise(rng, classes, cfg.tp, pert.jitter)
-                           + fold + inter)
+                    dur = base * factors[:, s] * _noise(rng, classes, cfg.tp, pert.jitter) + fold
                 else:
-                    dur = base * float(factors[0, s]) + fold + inter
+                    dur = base * float(factors[0, s]) + fold
                 e = g.add(preds, dur, sync=per_unit and kind in ("F", "B"))
                 done[(kind, j, mb)] = e
                 last[s] = e
+                if pc.drain_s[s] > 0 and last_of[j] == pos[s]:
+                    # FSDP2 under torch pipelining: the chunk's reductions after its last
+                    # backward, the compute stream waiting (pipeline.reduce_after_drain)
+                    last[s] = g.add([(e, 0.0)], pc.drain_s[s] / v, sync=True)
                 pos[s] += 1
                 progressed = True
-                if releases and red > 0 and (pc.reduce_every_microbatch or mb == m - 1):
-                    nic_jobs[s].append((e, nominal, red, stage_layers[j]))
     if any(pos[s] < len(pending[s]) for s in range(p)):
         raise RuntimeError("pipeline schedule deadlocked (an operation waits for one that "
                            "never runs)")
-    finals = []
-    for s in range(p):
-        tail = last[s]
-        # gradient buckets on the device's network link, FIFO in release order
-        link = None
-        for e, nominal, red, layers in nic_jobs[s]:
-            k = max(1, min(MAX_BUCKETS, layers))  # buckets per release: one per layer
-            for b in range(k):
-                ready = (e, -nominal * (k - 1 - b) / k)
-                preds = [ready] + ([(link, 0.0)] if link is not None else [])
-                link = g.add(preds, red / k, sync=True)
-        preds = [(tail, 0.0)] + ([(link, 0.0)] if link is not None else [])
-        opt = g.add(preds, pc.optimizer_s[s])
-        finals.append(g.add([(opt, 0.0)], pc.tail_s[s], sync=pc.tail_s[s] > 0))
-    g.finals = finals
+    # the rest of each device's exposed data-parallel time (a collective: synchronous)
+    ends = [g.add([(last[s], 0.0)], pc.dp_s[s], sync=pc.dp_s[s] > 0) for s in range(p)]
+    if pc.tied_s > 0 and p > 1:  # the end stages' tied-embedding all-reduce, then their steps
+        tied = g.add([(ends[0], 0.0), (ends[-1], 0.0)], pc.tied_s)
+        ends[0] = ends[-1] = tied
+    g.finals = [g.add([(ends[s], 0.0)], pc.optimizer_s[s]) for s in range(p)]
     return g, max(compute)
 
 
@@ -287,10 +269,3 @@ def _input(kind: str, j: int, mb: int, nv: int):
     if kind == "B":
         return ("B", j + 1, mb) if j < nv - 1 else ("F", j, mb)
     return ("B", j, mb)
-
-
-def _chunk_shares(pc: StepPieces, p: int, v: int) -> list[float]:
-    """Each virtual stage's share of its device's gradient volume (by backward time)."""
-    nv = p * v
-    dev = [sum(pc.wgrad[j] for j in range(s, nv, p)) or 1.0 for s in range(p)]
-    return [(pc.wgrad[j] / dev[j % p]) if dev[j % p] else 1.0 / v for j in range(nv)]
