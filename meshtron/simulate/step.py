@@ -171,12 +171,14 @@ def _classes(cfg, pert: Perturbation) -> tuple[np.ndarray, np.ndarray, list[str]
     return np.array(rows), np.array(counts, dtype=np.int64), notes
 
 
-def simulate_step(ev: Evaluator, est: Estimate, pert: Perturbation | None = None) -> StepResult:
-    """Simulate one step of the evaluated plan `est` (from `ev`), perturbed by `pert`."""
+def simulate_step(ev: Evaluator, est: Estimate, pert: Perturbation | None = None,
+                  pieces: StepPieces | None = None) -> StepResult:
+    """Simulate one step of the evaluated plan `est` (from `ev`), perturbed by `pert`;
+    `pieces`: its costs (default: the planner's, `step_pieces`; tests take one out)."""
     t0 = time.perf_counter()
     pert = pert or Perturbation()
     cfg = est.config
-    pieces = step_pieces(ev, est)
+    pieces = pieces or step_pieces(ev, est)
     factors, counts, notes = _classes(cfg, pert)
     graph, compute_s = _build(cfg, est.num_microbatches, pieces, factors, pert,
                               est.stage_layers)
