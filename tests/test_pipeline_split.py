@@ -398,6 +398,8 @@ def _drain_walk(p: int, v: int, m: int, f: float, b: float, stall: list[float],
 @pytest.mark.parametrize("schedule,p,v,m", [
     ("interleaved", 4, 1, 8), ("interleaved", 4, 2, 8), ("interleaved", 8, 2, 16),
     ("interleaved", 4, 4, 8), ("interleaved", 2, 3, 4),
+    # torch's Interleaved1F1B with fewer micro-batches than stages: one round of all m
+    ("interleaved", 8, 2, 4), ("interleaved", 4, 3, 1), ("interleaved", 8, 2, 7),
     # looped BFS, and fewer micro-batches than stages: each chunk change idles p - m slots
     ("gpipe", 4, 2, 8), ("gpipe", 4, 2, 2), ("gpipe", 8, 3, 4), ("gpipe", 8, 2, 7)])
 def test_reduce_after_drain_matches_an_event_walk_of_the_schedule(schedule, p, v, m):

@@ -6,10 +6,10 @@ Tolerances. Without a pipeline every piece is placed end to end and the step is 
 sum: equal to 1e-9 (float rounding of two summation orders). With a pipeline two pieces are the
 event graph's own, deliberately:
 * transfers: the planner charges every steady-state pipeline transfer on the critical stage
-  (pipeline.p2p_time); the event graph delays only the receiving operation (torch pipelining's
-  isend is asynchronous), so it hides up to all of them: the simulated step may be lower by at
-  most the planner's `pp_comm` (its tied-embedding all-reduce, in `pp_comm` too, is the same
-  fixed event in both);
+  (pipeline.p2p_time: a stage waits for its sends as for its receives); the event graph
+  delays only the receiving operation, so it hides up to all of them: the simulated step may
+  be lower by at most the planner's `pp_comm` (its tied-embedding all-reduce, in `pp_comm` too,
+  is the same event in both: test_without_transfers_the_pipelined_step_is_the_planners);
 * bubble: pipeline.bubble_time's closed form is the event walk's makespan for stages with the
   same forward:backward ratio (tests/test_pipeline_split.py walks it); the end stages'
   embedding and head change that ratio, which moves the walk by well under 2% of the bubble

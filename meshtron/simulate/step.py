@@ -3,16 +3,23 @@
 What is simulated: every pipeline device runs its forwards, backwards (and zero-bubble weight
 gradients) in its schedule's order (schedule.py), each taking the planner's per-micro-batch
 time for its layers (planner/step_pieces.py `step_pieces`: the same compute, tensor-parallel and
-recomputation model the analytical planner adds up); activations and their gradients cross
-stage boundaries as transfers; gradients leave in buckets while the backward that produces them
-runs (DDP / FSDP bucketing, about one bucket per layer) and are reduced over the
-data-parallel group on the device's data-parallel link, one FIFO resource whose bandwidth the
-reductions of all its micro-batches and model chunks share (a bucket waits for the ones before
-it); a collective starts only when every member has its bucket (synchronous); then the
-optimizer, and the ZeRO-1 parameter all-gather. Pipeline transfers delay the receiving
-operation by the planner's hop time (each direction of each boundary is its own link). ZeRO-3 / FSDP's per-unit gathers keep the planner's per-unit
-overlap model (their exposed time is added to each micro-batch's work) and synchronise the
-data-parallel replicas at every micro-batch.
+recomputation model the analytical planner adds up, on the planner's layer split); activations
+and their gradients cross stage boundaries as transfers that delay the receiving operation by
+the planner's hop time (a sender's own wait for its send, where a runtime's schedule waits
+on it, is not modelled: the planner's pipeline.p2p_time charges it). Every
+data-parallel cost is the planner's, placed where it happens: FSDP2 under
+torch.distributed.pipelining reduces each chunk's gradients after the chunk's last backward
+with the compute stream waiting (pipeline.reduce_after_drain), so those reductions stall the
+device there and the graph itself finds how much of them the drain hides; the other exposed
+data-parallel time (`_dp_time`: bucketed reductions during the backward, ZeRO-1's
+all-gather, the gathers kept over the step) is one synchronous event after the device's last
+backward, and ZeRO-3 / FSDP per-unit collectives are added to each micro-batch's work
+(synchronising the replicas at every micro-batch). Megatron's and DeepSpeed's tied-embedding
+all-reduce joins the end stages before their optimizer step. So without stragglers or jitter
+the simulated step is the planner's (tests/test_simulate_agrees.py) but for two pieces the
+event graph does itself: the pipeline transfers (the planner charges every steady-state one on
+the critical stage, the graph only where a receiver waits) and the bubble of unequal stages
+(the planner's closed form, pipeline.bubble_time, is the walk's makespan for equal stages).
 
 How ranks are handled: a plan of tp x pp x dp ranks has dp replicas of one pipeline, each
 pipeline stage being tp ranks in lockstep (their tensor-parallel collectives are inside every
