@@ -47,6 +47,8 @@ LAYOUTS = [
      ["--layout", "tp=1,pp=1,dp=16", "--zero", "3"], None),
     ("tp-dp", "llama3-8b", "dgx-h100:2", 512, 4096,
      ["--layout", "tp=2,pp=1,dp=8", "--zero", "1"], None),
+    ("dp-offload-megatron", "llama3-8b", "dgx-h100:8", 512, 4096,
+     ["--layout", "tp=1,pp=1,dp=64", "--zero", "1", "--offload", "optimizer"], "megatron"),
     ("pp-1f1b", "llama3-70b", "dgx-h100:16", 1024, 4096,
      ["--layout", "tp=8,pp=4,dp=4", "--schedule", "1f1b", "--zero", "1"], None),
     ("pp-zero3", "llama3-70b", "dgx-h100:16", 256, 4096,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtron.planner import comm, compression, moe_memory, pipeline
+from meshtron.planner import comm, compression, moe_memory, offload, pipeline
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -48,8 +48,9 @@ class StepPieces:
     """The tied word embedding's gradient all-reduce between the first and the last stage
     after the backward (pipeline.tied_embedding_reduce; 0 without tied embeddings or pp)."""
     optimizer_s: list[float]
-    """Per device stage: optimizer step, and the gradient accumulation passes of its
-    micro-batches (`Evaluator.accumulation_s`)."""
+    """Per device stage: optimizer step (on the host with offload, its copies included:
+    offload.offload_cost), and the gradient accumulation passes of its micro-batches
+    (`Evaluator.accumulation_s`)."""
 
 
 def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
@@ -101,7 +102,13 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
             local += k * p_exp / max(1, shard // cfg.ep) if zero >= 1 else k * p_exp
         # the micro-batches' gradient accumulation passes ride with the step's optimizer work
         # (and Transformer Engine's once-per-step FP8 weight casts, as `evaluate` adds them)
-        opt.append(ev.opt_bytes * local / ev.hbm + ev.accumulation_s(cfg, k, i, m, flags)
+        step = ev.opt_bytes * local / ev.hbm
+        if cfg.offload != "none":  # the host's step and the host-link copies, as `evaluate`
+            oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
+                                      ev.cluster.host_link_bytes_per_s,
+                                      ev.cluster.host_memory_bytes_per_s)
+            step = oc.host_step_s + oc.transfer_s
+        opt.append(step + ev.accumulation_s(cfg, k, i, m, flags)
                    + k * ev._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
         stage_f = sum(fwd[j] for j in range(i, nv, pp))
         stage_b = sum(tot[j] for j in range(i, nv, pp)) - stage_f
