@@ -19,7 +19,8 @@ all-reduce joins the end stages before their optimizer step. So without straggle
 the simulated step is the planner's (tests/test_simulate_agrees.py) but for two pieces the
 event graph does itself: the pipeline transfers (the planner charges every steady-state one on
 the critical stage, the graph only where a receiver waits) and the bubble of unequal stages
-(the planner's closed form, pipeline.bubble_time, is the walk's makespan for equal stages).
+(the planner's closed form, pipeline.bubble_time, is the walk's makespan for equal stages;
+schedule.py's greedy ZB-H1 order idles more than the paper's, which the planner prices).
 
 How ranks are handled: a plan of tp x pp x dp ranks has dp replicas of one pipeline, each
 pipeline stage being tp ranks in lockstep (their tensor-parallel collectives are inside every
