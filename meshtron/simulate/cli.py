@@ -225,6 +225,9 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
     print(f"analytical step {est.step_time_s:.3f} s; simulated {base.step_time_s:.3f} s "
           f"({base.step_time_s / est.step_time_s - 1:+.1%}); {base.events:,} events x "
           f"{base.classes} class in {base.seconds:.2f} s")
+    if est.config.pp > 1:  # everything else is the planner's pieces, placed on the graph
+        print("  (the pipeline's transfers and bubble are walked event by event; the planner "
+              "prices them in closed form)")
     if res is not base:
         print(f"perturbed ({'; '.join(res.notes) or 'jitter'}"
               f"{f', jitter {args.jitter:g}' if args.jitter and res.notes else ''}): "
