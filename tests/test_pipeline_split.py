@@ -398,6 +398,8 @@ def _drain_walk(p: int, v: int, m: int, f: float, b: float, stall: list[float],
 @pytest.mark.parametrize("schedule,p,v,m", [
     ("interleaved", 4, 1, 8), ("interleaved", 4, 2, 8), ("interleaved", 8, 2, 16),
     ("interleaved", 4, 4, 8), ("interleaved", 2, 3, 4),
+    # torch's Interleaved1F1B with fewer micro-batches than stages: one round of all m
+    ("interleaved", 8, 2, 4), ("interleaved", 4, 3, 1), ("interleaved", 8, 2, 7),
     # looped BFS, and fewer micro-batches than stages: each chunk change idles p - m slots
     ("gpipe", 4, 2, 8), ("gpipe", 4, 2, 2), ("gpipe", 8, 3, 4), ("gpipe", 8, 2, 7)])
 def test_reduce_after_drain_matches_an_event_walk_of_the_schedule(schedule, p, v, m):
@@ -411,6 +413,20 @@ def test_reduce_after_drain_matches_an_event_walk_of_the_schedule(schedule, p, v
             model = pipeline.reduce_after_drain(v * per_chunk, v, rank, v * b, max(0, p - m),
                                                 0.0)
             assert model == pytest.approx(walked), (rank, per_chunk)
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [
+    ("interleaved", 4, 2, 2), ("interleaved", 8, 2, 4), ("interleaved", 4, 3, 1),
+    ("interleaved", 8, 2, 7), ("interleaved", 4, 2, 8)])
+def test_interleaved_bubble_is_the_simulators_walk(schedule, p, v, m):
+    """pipeline.bubble_time's m < p idle (p - m chunk-slots per chunk change) is also the
+    makespan of the simulator's interleaved 1F1B order (torch's Interleaved1F1B: one round of
+    all m; test_looped_bubble_counts_the_wait_for_the_wave_when_m_is_below_p walks GPipe's)."""
+    f, b = 1.0, 2.0  # per chunk and micro-batch
+    walked = _drain_walk(p, v, m, f, b, [0.0] * p, schedule)
+    stage = v * (f + b)
+    assert walked == pytest.approx(m * stage + pipeline.bubble_time(schedule, v, [stage] * p,
+                                                                     [0.0] * p, m))
 
 
 def test_torchtitan_pipeline_pays_rank_zeros_reduce_scatter_whole():

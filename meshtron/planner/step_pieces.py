@@ -1,14 +1,16 @@
 """One evaluated plan broken into per-operation costs for the step-level simulator
-(meshtron/simulate): `StepPieces` and `step_pieces`. Its per-unit FSDP parts come from the
-Evaluator's own `_dp_time`. Torch-free."""
+(meshtron/simulate): `StepPieces` and `step_pieces`. Every data-parallel cost is the
+Evaluator's own (`_dp_time` with the arguments `evaluate` passes it, pipeline.reduce_after_drain
+for FSDP2 under torch.distributed.pipelining), the tied embedding's all-reduce is
+pipeline.tied_embedding_reduce: the simulator places the planner's pieces on its event graph
+and prices nothing itself. Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtron.planner import comm
-from meshtron.planner.dp_cost import _exposed
+from meshtron.planner import comm, compression, moe_memory, offload, pipeline
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -31,23 +33,24 @@ class StepPieces:
     """One pipeline transfer between neighbouring stages."""
     hop_crosses_nodes: bool
     """The transfer leaves the node (shares the NIC with data-parallel traffic)."""
-    reduce_s: list[float]
-    """Per device stage: one gradient reduction over the data-parallel group (raw collective
-    time; 0 where `fold_s` carries the data-parallel cost)."""
-    reduce_every_microbatch: bool
-    """Gradients are reduced after every micro-batch (FSDP-style), not once per step."""
     fold_s: list[float]
     """Per device stage: exposed ZeRO-3 / FSDP per-unit communication per micro-batch (the
     planner's per-unit overlap model), added to each micro-batch's work."""
-    tail_s: list[float]
-    """Per device stage: exposed communication after the optimizer (ZeRO-1 parameter
-    all-gather or owners' broadcast)."""
+    drain_s: list[float]
+    """Per device stage: FSDP2's gradient reductions under torch.distributed.pipelining (raw
+    collective seconds, all the device's chunks), issued after each chunk's last backward with
+    the compute stream waiting for them (pipeline.reduce_after_drain): an equal share per chunk
+    stalls the device there. 0 where the reduction is inside `dp_s`."""
+    dp_s: list[float]
+    """Per device stage: the rest of its exposed data-parallel time (the planner's `_dp_time`
+    less what `fold_s` and `drain_s` place), one synchronous event after its last backward."""
+    tied_s: float
+    """The tied word embedding's gradient all-reduce between the first and the last stage
+    after the backward (pipeline.tied_embedding_reduce; 0 without tied embeddings or pp)."""
     optimizer_s: list[float]
-    """Per device stage: optimizer step, and the gradient accumulation passes of its
-    micro-batches (`Evaluator.accumulation_s`)."""
-    interference: float
-    """Fraction of hidden data-parallel communication charged to compute (the dp group's
-    NCCL CTAs over the GPU's SMs: `Evaluator.dp_interference`)."""
+    """Per device stage: optimizer step (on the host with offload, its copies included:
+    offload.offload_cost), and the gradient accumulation passes of its micro-batches
+    (`Evaluator.accumulation_s`)."""
 
 
 def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
@@ -77,45 +80,82 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
         hop = comm.send(p2p_bytes, groups["pp_hop_crosses_nodes"], ev.fab) + gather
     device_layers = [sum(n[j] for j in range(i, nv, pp)) for i in range(pp)]
     p_layer, p_emb, p_head, _ = ev._params(tp, pp)
+    p_exp = 0.0
+    if ev.model.is_moe:  # where the stack keeps the MoE parameters, as `evaluate` asks
+        p_layer, p_exp = moe_memory.block_params(ev.model, tp, pp, cfg.ep, ev.mem.framework)
+        if cfg.ep == 1:
+            p_layer, p_exp = p_layer + p_exp, 0.0
+    tied = 0.0
+    if pp > 1 and ev.model.tied_embeddings:  # as `evaluate` adds it to pp_comm
+        word = ev.model.vocab * ev.model.hidden / tp
+        tied = pipeline.tied_embedding_reduce(ev.grad_bytes * word,
+                                              groups["pp_hop_crosses_nodes"], ev.fab)
     flags = ev.dp_flags(cfg)
-    gsize = flags["gsize"]
-    fsdp = ev.opts.sharding == "fsdp"
-    shard_dp = cfg.dp * cfg.cp
-    # per-unit ZeRO-3 / FSDP ZeRO-2 collectives are folded into every micro-batch's work (the
-    # evaluator's per-unit overlap model); accumulated ones (reduce_once / gather_once) too,
-    # spread over the micro-batches
-    per_unit = zero == 3 or (zero == 2 and fsdp)
-    reduce_s, fold, tail, opt = [], [], [], []
+    looped = v > 1 and cfg.schedule in ("interleaved", "gpipe")
+    idle = max(0, pp - m) if looped else 0
+    fold, drain_s, dp_s, opt = [], [], [], []
     for i, k in enumerate(device_layers):
         params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == pp - 1 else 0.0)
-        local = params / shard_dp if zero >= 1 else params
+        shard = cfg.dp * cfg.cp
+        local = params / shard if zero >= 1 else params
+        if k * p_exp:  # experts' states over the dp*cp/ep ranks holding the same experts
+            local += k * p_exp / max(1, shard // cfg.ep) if zero >= 1 else k * p_exp
         # the micro-batches' gradient accumulation passes ride with the step's optimizer work
         # (and Transformer Engine's once-per-step FP8 weight casts, as `evaluate` adds them)
-        opt.append(ev.opt_bytes * local / ev.hbm + ev.accumulation_s(cfg, k, i, m, flags)
+        step = ev.opt_bytes * local / ev.hbm
+        if cfg.offload != "none":  # the host's step and the host-link copies, as `evaluate`
+            oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
+                                      ev.cluster.host_link_bytes_per_s,
+                                      ev.cluster.host_memory_bytes_per_s)
+            step = oc.host_step_s + oc.transfer_s
+        opt.append(step + ev.accumulation_s(cfg, k, i, m, flags)
                    + k * ev._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
-        red = tl = fo = 0.0
-        if shard_dp > 1 and per_unit:
-            stage_f = sum(fwd[j] for j in range(i, nv, pp))
-            stage_t = sum(tot[j] for j in range(i, nv, pp))
-            fo = ev._dp_time(params, zero, groups, m, stage_f, stage_t - stage_f, k,
-                             cfg.recompute == "full" and ev.opts.recompute_regathers,
-                             units=ev.fsdp_units(k, i == 0, i == pp - 1),
-                             kept=p_head if i == pp - 1 else 0.0, **flags) / m
-        elif shard_dp > 1:
-            # the evaluator's own collectives; the simulator overlaps the reduction itself, the
-            # parameter all-gather hides behind the next forward as in the evaluator
-            red, gather = ev.once_per_step(params, zero, groups, gsize, flags["wsize"],
-                                           ev.fsdp_units(k, i == 0, i == pp - 1) if fsdp
-                                           else 1)
-            stage_f = sum(fwd[j] for j in range(i, nv, pp))
-            tl = _exposed(gather, stage_f, ev.dp_interference(groups)) if gather else 0.0
-        reduce_s.append(red)
+        stage_f = sum(fwd[j] for j in range(i, nv, pp))
+        stage_b = sum(tot[j] for j in range(i, nv, pp)) - stage_f
+        kept = p_head if i == pp - 1 else 0.0  # FSDP's [norm, head]: not re-gathered
+        fo, dr, rest = _stage_dp(ev, cfg, i, k, (params, k * p_exp, kept), m, stage_f, stage_b,
+                                 idle, flags, groups)
         fold.append(fo)
-        tail.append(tl)
-    # ZeRO-0/1/2 with raw reductions reduce once per step, in every framework
-    every = False
+        drain_s.append(dr)
+        dp_s.append(rest)
     return StepPieces(fwd=fwd, bwd=[t - f for t, f in zip(tot, fwd)], wgrad=wg, hop_s=hop,
                       hop_crosses_nodes=bool(pp > 1 and groups["pp_hop_crosses_nodes"]),
-                      reduce_s=reduce_s, reduce_every_microbatch=every, fold_s=fold,
-                      tail_s=tail, optimizer_s=opt,
-                      interference=ev.dp_interference(groups))
+                      fold_s=fold, drain_s=drain_s, dp_s=dp_s, tied_s=tied, optimizer_s=opt)
+
+
+def _stage_dp(ev: Evaluator, cfg, i: int, k: int, held: tuple[float, float, float], m: int,
+              stage_f: float, stage_b: float, idle: int, flags: dict,
+              groups: dict) -> tuple[float, float, float]:
+    """(per micro-batch fold, drained reduction, rest) of pipeline rank i's exposed
+    data-parallel time: the planner's `_dp_time` (or its expert / compression variants) with
+    the arguments `evaluate` passes, split by where the simulator places it. `held`: the
+    rank's (parameters, expert parameters, parameters of its last unit kept gathered)."""
+    zero, pp, v = cfg.zero, cfg.pp, cfg.virtual_stages
+    params, experts, kept = held
+    if cfg.dp * cfg.cp <= 1:
+        return 0.0, 0.0, 0.0
+    first, last = i == 0, i == pp - 1
+    fsdp = ev.opts.sharding == "fsdp"
+    drain = (v, i, stage_b, idle) if pp > 1 and fsdp else None
+    # stage i finishes its last backward about i stage-backwards before stage 0
+    args = (params, groups, m, stage_f, stage_b if zero >= 2 else (1 + i) * stage_b, k,
+            cfg.recompute == "full" and ev.opts.recompute_regathers)
+    units = ev.fsdp_units(k, first, last)
+    if compression.changes_dp(cfg):
+        return 0.0, 0.0, compression.dp_time(ev, cfg, *args, units=units, kept=kept)
+    if experts:
+        return 0.0, 0.0, ev._dp_with_experts(params, experts, zero, args, units, kept,
+                                             {**flags, "drain": drain}, groups)
+    total = ev._dp_time(params, zero, *args[1:], units=units, kept=kept, drain=drain, **flags)
+    per_unit = (zero == 3 or (zero == 2 and fsdp)) and not (flags["reduce_once"]
+                                                           or flags["gather_once"])
+    if per_unit:  # per unit and micro-batch: spread over the micro-batches' work
+        return total / m, 0.0, 0.0
+    if drain is None or (zero >= 2 and not flags["reduce_once"]):
+        return 0.0, 0.0, total
+    # FSDP2 under pipelining: the raw reductions stall the device after each chunk's last
+    # backward (the event graph then exposes what reduce_after_drain says); the rest (the
+    # gathers, the interference of the hidden part) after the last backward
+    raw = ev.once_per_step(params, min(zero, 2), groups, flags["gsize"], flags["wsize"],
+                           units)[0]
+    return 0.0, raw, total - pipeline.reduce_after_drain(raw, *drain, 0.0)

@@ -181,6 +181,7 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
 
     cluster = resolve_cluster(args.cluster)
     batch, seq = args.global_batch, args.seq_len
+    warnings: list[str] = []
     if args.plan:
         plan = load_plan(args.plan)
         result = search_plans(model, cluster, batch, seq, plan, top_k=1, framework=opts,
@@ -191,8 +192,8 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
         if result.split_fallback is not None:  # a split the stack cannot build (issue 30)
             from meshtron.planner.report import split_warning
 
-            print(f"warning: plan={args.plan!r}: {split_warning(result, est)}",
-                  file=sys.stderr, flush=True)
+            # the planner's text (`meshtron plan --json` "warnings"), of the plan simulated
+            warnings.append(split_warning(result, est))
         if not est.fits:  # `meshtron cost --plan` prices it; simulating it is refused
             from meshtron.planner.report import need_text
 
@@ -211,15 +212,22 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
     res = simulate_step(ev, est, pert) if (pert.stragglers or pert.jitter) else base
     doc = {"schema": "meshtron-step-sim/1", "plan": est.config.describe(),
            "ranks": est.config.gpus, "unperturbed": base.to_dict(), "perturbed": res.to_dict(),
-           "slowdown": res.step_time_s / base.step_time_s}
+           "slowdown": res.step_time_s / base.step_time_s, "warnings": warnings}
     doc["goodput"], lines = _goodput(args, model, est, res.step_time_s)
-    if args.json:
+    if args.json:  # JSON carries them and repeats them on stderr, as `meshtron plan --json`
+        for line in warnings:
+            print(f"warning: plan={args.plan!r}: {line}", file=sys.stderr, flush=True)
         print(json.dumps(doc, indent=2))
         return 0
     print(f"Plan: {doc['plan']} ({doc['ranks']:,} ranks)")
+    for line in warnings:
+        print(f"warning: {line}")
     print(f"analytical step {est.step_time_s:.3f} s; simulated {base.step_time_s:.3f} s "
           f"({base.step_time_s / est.step_time_s - 1:+.1%}); {base.events:,} events x "
           f"{base.classes} class in {base.seconds:.2f} s")
+    if est.config.pp > 1:  # everything else is the planner's pieces, placed on the graph
+        print("  (the pipeline's transfers and bubble are walked event by event; the planner "
+              "prices them in closed form)")
     if res is not base:
         print(f"perturbed ({'; '.join(res.notes) or 'jitter'}"
               f"{f', jitter {args.jitter:g}' if args.jitter and res.notes else ''}): "

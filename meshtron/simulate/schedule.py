@@ -11,7 +11,9 @@ planner/pipeline.py `split_virtual`).
 * interleaved (Narayanan et al. 2021, section 2.2.2; Megatron-LM's
   `forward_backward_pipelining_with_interleaving`): forwards visit chunks in rounds of p
   micro-batches, the k-th forward is chunk (k // p) % v of micro-batch (k // (p v)) p + k % p;
-  backwards the same with chunks reversed; warm-up (p - s - 1) 2 + (v - 1) p forwards.
+  backwards the same with chunks reversed; warm-up (p - s - 1) 2 + (v - 1) p forwards. With
+  fewer micro-batches than devices one round of all m (torch's ScheduleInterleaved1F1B): p
+  becomes m in the round arithmetic above.
 * zb (ZB-H1, Qi et al. 2024): the 1F1B order of forwards and input-gradient backwards, with
   each weight-gradient W run whenever the device would otherwise wait for its next input (the
   greedy rule that fills 1F1B's bubble), at the latest when p - s of them wait (ZB-H1 keeps
@@ -32,24 +34,32 @@ Op = tuple[str, int, int]
 
 def _megatron_order(p: int, v: int, m: int, s: int) -> list[Op]:
     total = m * v
+    r = _round(p, m)
 
     def fwd(k: int) -> Op:
-        chunk = (k // p) % v
-        return ("F", chunk * p + s, (k // (p * v)) * p + k % p)
+        chunk = (k // r) % v
+        return ("F", chunk * p + s, (k // (r * v)) * r + k % r)
 
     def bwd(k: int) -> Op:
-        chunk = v - 1 - (k // p) % v
-        return ("B", chunk * p + s, (k // (p * v)) * p + k % p)
+        chunk = v - 1 - (k // r) % v
+        return ("B", chunk * p + s, (k // (r * v)) * r + k % r)
 
     if v == 1:
         warm = min(p - s - 1, m)
     else:
-        warm = min((p - s - 1) * 2 + (v - 1) * p, total)
+        warm = min((p - s - 1) * 2 + (v - 1) * r, total)
     order = [fwd(k) for k in range(warm)]
     for i in range(total - warm):
         order += [fwd(warm + i), bwd(i)]
     order += [bwd(k) for k in range(total - warm, total)]
     return order
+
+
+def _round(p: int, m: int) -> int:
+    """Micro-batches per round of the interleaved schedule: p (Megatron-LM), or all m when
+    there are fewer (torch's ScheduleInterleaved1F1B: max(1, m // p) rounds of m / rounds,
+    schedules.py; planner/pipeline.py `bubble_time` prices the chunk changes' idle slots)."""
+    return p if m >= p else m
 
 
 def _gpipe_order(p: int, v: int, m: int, s: int) -> list[Op]:
@@ -65,8 +75,8 @@ def device_orders(schedule: str | None, p: int, v: int, m: int) -> list[list[Op]
     if schedule == "gpipe":
         return [_gpipe_order(p, v, m, s) for s in range(p)]
     if schedule in ("1f1b", "interleaved", "zb", None):
-        if schedule == "interleaved" and m % p:
-            raise ValueError(f"interleaved schedule needs m % p == 0 (m={m}, p={p})")
+        if schedule == "interleaved" and m > p and m % p:
+            raise ValueError(f"interleaved schedule needs m % p == 0 or m < p (m={m}, p={p})")
         return [_megatron_order(p, v, m, s) for s in range(p)]
     raise ValueError(f"unknown schedule {schedule!r}")
 

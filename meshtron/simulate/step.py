@@ -3,16 +3,24 @@
 What is simulated: every pipeline device runs its forwards, backwards (and zero-bubble weight
 gradients) in its schedule's order (schedule.py), each taking the planner's per-micro-batch
 time for its layers (planner/step_pieces.py `step_pieces`: the same compute, tensor-parallel and
-recomputation model the analytical planner adds up); activations and their gradients cross
-stage boundaries as transfers; gradients leave in buckets while the backward that produces them
-runs (DDP / FSDP bucketing, about one bucket per layer) and are reduced over the
-data-parallel group on the device's data-parallel link, one FIFO resource whose bandwidth the
-reductions of all its micro-batches and model chunks share (a bucket waits for the ones before
-it); a collective starts only when every member has its bucket (synchronous); then the
-optimizer, and the ZeRO-1 parameter all-gather. Pipeline transfers delay the receiving
-operation by the planner's hop time (each direction of each boundary is its own link). ZeRO-3 / FSDP's per-unit gathers keep the planner's per-unit
-overlap model (their exposed time is added to each micro-batch's work) and synchronise the
-data-parallel replicas at every micro-batch.
+recomputation model the analytical planner adds up, on the planner's layer split); activations
+and their gradients cross stage boundaries as transfers that delay the receiving operation by
+the planner's hop time (a sender's own wait for its send, where a runtime's schedule waits
+on it, is not modelled: the planner's pipeline.p2p_time charges it). Every
+data-parallel cost is the planner's, placed where it happens: FSDP2 under
+torch.distributed.pipelining reduces each chunk's gradients after the chunk's last backward
+with the compute stream waiting (pipeline.reduce_after_drain), so those reductions stall the
+device there and the graph itself finds how much of them the drain hides; the other exposed
+data-parallel time (`_dp_time`: bucketed reductions during the backward, ZeRO-1's
+all-gather, the gathers kept over the step) is one synchronous event after the device's last
+backward, and ZeRO-3 / FSDP per-unit collectives are added to each micro-batch's work
+(synchronising the replicas at every micro-batch). Megatron's and DeepSpeed's tied-embedding
+all-reduce joins the end stages before their optimizer step. So without stragglers or jitter
+the simulated step is the planner's (tests/test_simulate_agrees.py) but for two pieces the
+event graph does itself: the pipeline transfers (the planner charges every steady-state one on
+the critical stage, the graph only where a receiver waits) and the bubble of unequal stages
+(the planner's closed form, pipeline.bubble_time, is the walk's makespan for equal stages;
+schedule.py's greedy ZB-H1 order idles more than the paper's, which the planner prices).
 
 How ranks are handled: a plan of tp x pp x dp ranks has dp replicas of one pipeline, each
 pipeline stage being tp ranks in lockstep (their tensor-parallel collectives are inside every
@@ -40,11 +48,6 @@ from meshtron.errors import UserError
 from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.step_pieces import StepPieces, step_pieces
 from meshtron.simulate.schedule import device_orders, zb_orders
-
-
-MAX_BUCKETS = 8
-"""Gradient buckets per released chunk at most (one per layer; DDP's 25 MB buckets are finer,
-but more of them only refine when the last one leaves)."""
 
 
 @dataclass(frozen=True)
@@ -176,12 +179,14 @@ def _classes(cfg, pert: Perturbation) -> tuple[np.ndarray, np.ndarray, list[str]
     return np.array(rows), np.array(counts, dtype=np.int64), notes
 
 
-def simulate_step(ev: Evaluator, est: Estimate, pert: Perturbation | None = None) -> StepResult:
-    """Simulate one step of the evaluated plan `est` (from `ev`), perturbed by `pert`."""
+def simulate_step(ev: Evaluator, est: Estimate, pert: Perturbation | None = None,
+                  pieces: StepPieces | None = None) -> StepResult:
+    """Simulate one step of the evaluated plan `est` (from `ev`), perturbed by `pert`;
+    `pieces`: its costs (default: the planner's, `step_pieces`; tests take one out)."""
     t0 = time.perf_counter()
     pert = pert or Perturbation()
     cfg = est.config
-    pieces = step_pieces(ev, est)
+    pieces = pieces or step_pieces(ev, est)
     factors, counts, notes = _classes(cfg, pert)
     graph, compute_s = _build(cfg, est.num_microbatches, pieces, factors, pert,
                               est.stage_layers)
@@ -214,13 +219,13 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation,
         orders = zb_orders(p, v, m, pc.fwd, pc.bwd, pc.wgrad, pc.hop_s)
     else:
         orders = device_orders(cfg.schedule, p, v, m)
-    layers_share = _chunk_shares(pc, p, v)
+    # the operation after which each chunk's gradients are complete (its last B, W under zb)
+    release = "W" if zb else "B"
+    last_of = {op[1]: k for order in orders for k, op in enumerate(order) if op[0] == release}
     per_unit = any(f > 0 for f in pc.fold_s)
     g = _Graph()
     done: dict[tuple[str, int, int], int] = {}
     last = [None] * p  # last event on each device
-    # per device: (releasing event, its nominal duration, reduction seconds, layers)
-    nic_jobs: list[list[tuple[int, float, float, int]]] = [[] for _ in range(p)]
     # operations in an order where every input exists: sweep the devices, each as far as its
     # inputs allow; a transfer delays the receiver by the hop (its own link direction)
     pending = [list(o) for o in orders]
@@ -241,43 +246,30 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation,
                     preds.append((done[dep], hop))
                 base = {"F": pc.fwd[j], "B": b_only[j], "W": pc.wgrad[j]}[kind]
                 fold = pc.fold_s[s] / (2 * v) if kind in ("F", "B") else 0.0
-                releases = kind == ("W" if zb else "B")
-                red = pc.reduce_s[s] * layers_share[j]
-                inter = pc.interference * min(red, base) if releases and red > 0 and (
-                    pc.reduce_every_microbatch or mb == m - 1) else 0.0
-                nominal = base + fold + inter
-                compute[s] += nominal
+                compute[s] += base + fold
                 # a slow or noisy GPU stretches its computation, not the network's share
                 if classes > 1 or rng is not None:
-                    dur = (base * factors[:, s] * _noise(rng, classes, cfg.tp, pert.jitter)
-                           + fold + inter)
+                    dur = base * factors[:, s] * _noise(rng, classes, cfg.tp, pert.jitter) + fold
                 else:
-                    dur = base * float(factors[0, s]) + fold + inter
+                    dur = base * float(factors[0, s]) + fold
                 e = g.add(preds, dur, sync=per_unit and kind in ("F", "B"))
                 done[(kind, j, mb)] = e
                 last[s] = e
+                if pc.drain_s[s] > 0 and last_of[j] == pos[s]:
+                    # FSDP2 under torch pipelining: the chunk's reductions after its last
+                    # backward, the compute stream waiting (pipeline.reduce_after_drain)
+                    last[s] = g.add([(e, 0.0)], pc.drain_s[s] / v, sync=True)
                 pos[s] += 1
                 progressed = True
-                if releases and red > 0 and (pc.reduce_every_microbatch or mb == m - 1):
-                    nic_jobs[s].append((e, nominal, red, stage_layers[j]))
     if any(pos[s] < len(pending[s]) for s in range(p)):
         raise RuntimeError("pipeline schedule deadlocked (an operation waits for one that "
                            "never runs)")
-    finals = []
-    for s in range(p):
-        tail = last[s]
-        # gradient buckets on the device's network link, FIFO in release order
-        link = None
-        for e, nominal, red, layers in nic_jobs[s]:
-            k = max(1, min(MAX_BUCKETS, layers))  # buckets per release: one per layer
-            for b in range(k):
-                ready = (e, -nominal * (k - 1 - b) / k)
-                preds = [ready] + ([(link, 0.0)] if link is not None else [])
-                link = g.add(preds, red / k, sync=True)
-        preds = [(tail, 0.0)] + ([(link, 0.0)] if link is not None else [])
-        opt = g.add(preds, pc.optimizer_s[s])
-        finals.append(g.add([(opt, 0.0)], pc.tail_s[s], sync=pc.tail_s[s] > 0))
-    g.finals = finals
+    # the rest of each device's exposed data-parallel time (a collective: synchronous)
+    ends = [g.add([(last[s], 0.0)], pc.dp_s[s], sync=pc.dp_s[s] > 0) for s in range(p)]
+    if pc.tied_s > 0 and p > 1:  # the end stages' tied-embedding all-reduce, then their steps
+        tied = g.add([(ends[0], 0.0), (ends[-1], 0.0)], pc.tied_s)
+        ends[0] = ends[-1] = tied
+    g.finals = [g.add([(ends[s], 0.0)], pc.optimizer_s[s]) for s in range(p)]
     return g, max(compute)
 
 
@@ -287,10 +279,3 @@ def _input(kind: str, j: int, mb: int, nv: int):
     if kind == "B":
         return ("B", j + 1, mb) if j < nv - 1 else ("F", j, mb)
     return ("B", j, mb)
-
-
-def _chunk_shares(pc: StepPieces, p: int, v: int) -> list[float]:
-    """Each virtual stage's share of its device's gradient volume (by backward time)."""
-    nv = p * v
-    dev = [sum(pc.wgrad[j] for j in range(s, nv, p)) or 1.0 for s in range(p)]
-    return [(pc.wgrad[j] / dev[j % p]) if dev[j % p] else 1.0 / v for j in range(nv)]

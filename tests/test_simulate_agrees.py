@@ -1,0 +1,150 @@
+"""`meshtron simulate --step --plan P` against `meshtron plan` on the same plan, per layout kind,
+through the CLI: the simulator places the planner's step pieces (planner/step_pieces.py) on
+its event graph and prices nothing itself.
+
+Tolerances. Without a pipeline every piece is placed end to end and the step is the planner's
+sum: equal to 1e-9 (float rounding of two summation orders). With a pipeline two pieces are the
+event graph's own, deliberately:
+* transfers: the planner charges every steady-state pipeline transfer on the critical stage
+  (pipeline.p2p_time: a stage waits for its sends as for its receives); the event graph
+  delays only the receiving operation, so it hides up to all of them: the simulated step may
+  be lower by at most the planner's `pp_comm` (its tied-embedding all-reduce, in `pp_comm` too,
+  is the same event in both: test_without_transfers_the_pipelined_step_is_the_planners);
+* bubble: pipeline.bubble_time's closed form is the event walk's makespan for stages with the
+  same forward:backward ratio (tests/test_pipeline_split.py walks it); the end stages'
+  embedding and head change that ratio, which moves the walk by well under 2% of the bubble
+  (measured 0.07-1.4% on the plans below).
+The drain check is the point of the pipelined rows: before the simulator stalled each chunk
+after its last backward (pipeline.reduce_after_drain) it priced FSDP reductions as bucketed
+during the backward and came out lower by the whole exposed reduction, more than `pp_comm`
+(1F1B: 0.164 s lower with pp_comm 0.101 s; ZeRO-3 pp=2: 0.151 s with 0.013 s), and the
+interleaved schedule with fewer micro-batches than stages did not run at all."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    import meshtron.cli as top
+
+    monkeypatch.setattr(top, "COMMAND_MODULES", ["meshtron.planner.cli",
+                                                 "meshtron.simulate.cli"])
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        rc = top.main(list(argv))
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+    return run
+
+
+# (kind, model, cluster, batch, seq, plan flags, framework)
+LAYOUTS = [
+    ("fsdp-dp", "llama3-8b", "dgx-h100:2", 512, 4096,
+     ["--layout", "tp=1,pp=1,dp=16", "--zero", "3"], None),
+    ("tp-dp", "llama3-8b", "dgx-h100:2", 512, 4096,
+     ["--layout", "tp=2,pp=1,dp=8", "--zero", "1"], None),
+    ("dp-offload-megatron", "llama3-8b", "dgx-h100:8", 512, 4096,
+     ["--layout", "tp=1,pp=1,dp=64", "--zero", "1", "--offload", "optimizer"], "megatron"),
+    ("pp-1f1b", "llama3-70b", "dgx-h100:16", 1024, 4096,
+     ["--layout", "tp=8,pp=4,dp=4", "--schedule", "1f1b", "--zero", "1"], None),
+    ("pp-zero3", "llama3-70b", "dgx-h100:16", 256, 4096,
+     ["--layout", "tp=8,pp=2,dp=8", "--schedule", "1f1b", "--zero", "3"], None),
+    ("pp-interleaved-m<p", "llama3-70b", "dgx-h100:16", 8, 4096,
+     ["--layout", "tp=8,pp=8,dp=2", "--schedule", "interleaved:2", "--zero", "1"], None),
+    ("megatron-tied", "gpt3-175b", "dgx-a100:64", 1536, 2048,
+     ["--layout", "tp=8,pp=8,dp=8", "--schedule", "1f1b"], "megatron"),
+    ("deepspeed", "llama3-8b", "dgx-h100:4", 256, 4096,
+     ["--layout", "tp=4,pp=4,dp=2", "--schedule", "1f1b"], "deepspeed"),
+]
+
+
+@pytest.mark.parametrize("kind, model, cluster, batch, seq, flags, framework", LAYOUTS,
+                         ids=[row[0] for row in LAYOUTS])
+def test_noiseless_simulated_step_is_the_planners(cli, tmp_path, kind, model, cluster, batch,
+                                                  seq, flags, framework):
+    path = tmp_path / "plan.toml"
+    common = ["--model", model, "--cluster", cluster, "--global-batch", str(batch),
+              "--seq-len", str(seq)] + (["--framework", framework] if framework else [])
+    rc, out, err = cli("plan", *common, *flags, "--top", "1", "--json", "--save", str(path))
+    assert rc == 0, err
+    best = json.loads(out)["plans"][0]
+    rc, out, err = cli("simulate", "--step", *common, "--plan", str(path), "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    sim, plan = doc["unperturbed"]["step_time_s"], best["step_time_s"]
+    assert doc["unperturbed"]["analytical_s"] == pytest.approx(plan, rel=1e-12)
+    t = best["time_s"]
+    if t["pp_comm"] == 0.0 and t["bubble"] == 0.0:  # no pipeline: the planner's sum
+        assert sim == pytest.approx(plan, rel=1e-9), kind
+    else:
+        slack = 0.02 * t["bubble"]
+        assert plan - t["pp_comm"] - slack <= sim <= plan + slack, (kind, sim, plan, t)
+    assert doc["warnings"] == []
+
+
+@pytest.mark.parametrize("kind", ["pp-1f1b", "pp-zero3", "megatron-tied"])
+def test_without_transfers_the_pipelined_step_is_the_planners(kind):
+    """Equal stages, the transfers taken out of both (the simulator's hop, the planner's
+    p2p_time): what is left, the FSDP2 reductions stalled after each chunk's last backward
+    (pipeline.reduce_after_drain) and Megatron's tied-embedding all-reduce between the end
+    stages (pipeline.tied_embedding_reduce) included, is the planner's step. Tolerance 1e-6:
+    the planner adds the critical stage's gradient-accumulation passes and the largest
+    stage's optimizer step, the graph the last device's own (they differ by the end stages'
+    embedding or head share: 1e-7 of the step on these plans)."""
+    import dataclasses
+
+    from meshtron.model.spec import resolve_model
+    from meshtron.planner import resolve_cluster, search_plans
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.frameworks import preset
+    from meshtron.planner.step_pieces import step_pieces
+    from meshtron.simulate.step import simulate_step
+
+    _, model, cluster, batch, seq, flags, framework = next(r for r in LAYOUTS if r[0] == kind)
+    fixed = dict(kv.split("=") for kv in flags[1].split(","))
+    fixed = {k: int(x) for k, x in fixed.items()}
+    fixed["schedule"] = flags[flags.index("--schedule") + 1]
+    if "--zero" in flags:
+        fixed["zero"] = int(flags[flags.index("--zero") + 1])
+    fw = preset(framework or "meshtron")
+    m, c = resolve_model(model), resolve_cluster(cluster)
+    est = search_plans(m, c, batch, seq, fixed, top_k=1, explain=False, framework=fw).best
+    ev = Evaluator(m, c, batch, seq, fw.kernel, mem=fw.memory)
+    pieces = step_pieces(ev, est)
+    assert len(set(est.stage_layers)) == 1
+    sim = simulate_step(ev, est, pieces=dataclasses.replace(pieces, hop_s=0.0)).step_time_s
+    want = est.step_time_s - est.time.pp_comm + pieces.tied_s
+    assert sim == pytest.approx(want, rel=1e-6), (sim, want)
+    if kind == "megatron-tied":
+        assert pieces.tied_s > 1e-3  # GPT-3's tied table: 14 ms over InfiniBand
+        assert sum(pieces.drain_s) == 0.0  # Megatron reduces during the backward
+    else:
+        assert pieces.drain_s[0] > 0.01  # FSDP2 under pipelining: after the last backward
+
+
+def test_split_warning_is_in_the_json_and_the_text(cli, tmp_path):
+    """The planner's warning of a split the stack cannot build, same text, in the simulate
+    JSON's `warnings` (and once on stderr) and in its text output."""
+    from meshtron.planner.plan import Plan
+
+    path = tmp_path / "plan.toml"
+    Plan.trusted(8, 8, 8, 1, 1, "full", True, "1f1b", 1, "bf16", 1).save(path)
+    common = ["--model", "llama3-405b", "--cluster", "dgx-h100:64", "--global-batch", "512",
+              "--seq-len", "8192", "--framework", "megatron@2021"]
+    rc, out, err = cli("plan", *common, "--layout", "tp=8,pp=8,dp=8", "--zero", "1",
+                       "--micro-batch", "1", "--recompute", "full", "--sp", "on",
+                       "--schedule", "1f1b", "--top", "1", "--json")
+    assert rc == 0, err
+    planned = json.loads(out)["warnings"]
+    assert len(planned) == 1 and "cannot split" in planned[0]
+    rc, out, err = cli("simulate", "--step", *common, "--plan", str(path), "--json")
+    assert rc == 0, err
+    assert json.loads(out)["warnings"] == planned
+    assert err == f"warning: plan={str(path)!r}: {planned[0]}\n"
+    rc, out, err = cli("simulate", "--step", *common, "--plan", str(path))
+    assert rc == 0 and err == ""
+    assert f"warning: {planned[0]}" in out.splitlines()
