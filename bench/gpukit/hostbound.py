@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from gpukit.timeline import Rec, gap_list, timeline_of
+from gpukit.timeline import Rec, gap_list, is_call, timeline_of
 
 ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemUnmap", "cuMemRelease",
                "cuMemSetAccess", "cuMemAddressReserve", "cuMemAddressFree", "cudaMallocAsync",
@@ -41,11 +41,6 @@ SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchr
 the polls that do not but show a host asking."""
 BETWEEN_OPS = "(between operators: Python, autograd engine)"
 TOP = 8
-
-
-def is_call(name: str) -> bool:
-    """A CUDA runtime or driver call (cudaFree, cuMemMap), not an operator."""
-    return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -132,16 +132,39 @@ def _profiled(step: Callable[[], Any], dev, steps: int, record_shapes: bool):
 
 def _records(prof) -> list | dict[str, Any]:
     """The window's timeline records (gpukit/timeline.py), or a record of why there are none:
-    reading them on a torch the kit never ran on may fail, and that is never fatal."""
+    reading them on a torch the kit never ran on may fail, and that is never fatal. The raw
+    Kineto events first; where this torch's profiler does not expose them, or reading them
+    fails, the Chrome trace the profiler exports (the same events, documented format)."""
     from gpukit import timeline
 
+    why = "this torch's profiler exposes no kineto_results"
     try:
         recs = timeline.records(prof)
+        if recs is not None:
+            return recs
     except Exception as exc:  # noqa: BLE001
-        return {"source": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
-    if recs is None:
-        return {"source": None, "reason": "this torch's profiler exposes no kineto_results"}
-    return recs
+        why = f"kineto_results: {type(exc).__name__}: {exc}"[:300]
+    try:
+        return timeline.from_trace(_exported(prof))
+    except Exception as exc:  # noqa: BLE001
+        return {"source": None, "error": f"{why}; chrome trace: {type(exc).__name__}: "
+                                         f"{exc}"[:300]}
+
+
+def _exported(prof) -> dict:
+    """The window's Chrome trace (`export_chrome_trace`), read back."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(path)
 
 
 def _gemm_load(recs: list, sampler) -> None:
@@ -151,6 +174,13 @@ def _gemm_load(recs: list, sampler) -> None:
     if not sampler.samples or sampler.t0_unix_ns is None:
         return
     edges = [sampler.t0_unix_ns / 1e3 + s["t_s"] * 1e6 for s in sampler.samples]
+    spans = [(r.start, r.end) for r in recs if r.kind == "kernel"]
+    if not spans or edges[-1] <= min(s for s, _ in spans) or edges[0] >= max(e for _, e in
+                                                                            spans):
+        # the kernels' clock is not the sampler's Unix clock on this torch (or the trace's
+        # times are relative): no share rather than a share of zero
+        sampler.static["gemm_share"] = "not computed: the samples and kernels share no time"
+        return
     for s, share in zip(sampler.samples[1:], timeline.share_over(
             recs, lambda n: category(n) == "gemm", edges)):
         s["gemm_share"] = share

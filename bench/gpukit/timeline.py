@@ -40,35 +40,126 @@ class Rec:
     shapes: tuple = ()
 
 
+HIDDEN_OPS = frozenset(("profiler::_record_function_enter", "profiler::_record_function_enter_new",
+                        "profiler::_record_function_exit", "[memory]", "[OutOfMemory]"))
+"""Utility events torch's own `_parse_kineto_results` drops (its `_filter_name`): the
+record_function plumbing would otherwise stand in as leaf operators."""
+HOST_CALLS = frozenset(("cuda_runtime", "cuda_driver"))
+"""Kineto activity types of the host's CUDA calls (`activity_type()`, where the event has it)."""
+DEVICE_SKIP = frozenset(("gpu_user_annotation", "cuda_sync", "cuda_profiler_range"))
+"""Device-timeline activity types that are no kernel: annotation ranges spanning the kernels
+they launched, and CUDA sync records (kineto's optional `enable_cuda_sync_events`)."""
+
+
 def records(prof) -> list[Rec] | None:
     """The window's events as `Rec`s, or None where this torch's profiler does not expose the
     raw Kineto events (feature-detected, never assumed)."""
-    from torch.autograd import DeviceType
-
     res = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if res is None or not hasattr(res, "events"):
         return None
+    return from_kineto(res.events())
+
+
+def from_kineto(events: Iterable) -> list[Rec]:
+    """`Rec`s of raw `_KinetoEvent`s (or objects with their methods: a test injects them);
+    a method this torch's event lacks reads as its default."""
+    from torch.autograd import DeviceType
+
     out = []
-    for e in res.events():
+    for e in events:
         def get(attr: str, default: Any = 0, e=e) -> Any:
             return _call(e, attr, default)
 
-        dev = e.device_type()
+        name = e.name()
+        if get("is_hidden_event", False) or name in HIDDEN_OPS:
+            continue  # what torch's own parser leaves out
+        act, dev = get("activity_type", None), e.device_type()
         linked = get("linked_correlation_id")
         if dev == DeviceType.CUDA:
-            if get("is_user_annotation", False) or "#" in e.name():
+            if get("is_user_annotation", False) or "#" in name or act in DEVICE_SKIP:
                 continue  # annotation ranges spanning the kernels they launched
             kind, lane = "kernel", get("device_resource_id")
         elif dev == DeviceType.CPU:
-            # a runtime call is linked to its operator; an operator is linked to nothing
-            kind, lane = ("runtime" if linked > 0 else "op"), get("start_thread_id")
+            # a CUDA call is linked to its operator, an operator to nothing; a call made
+            # outside any operator (a sync between steps) is unlinked but still a call: its
+            # correlation id is CUPTI's, which would collide with an operator's id
+            call = act in HOST_CALLS or linked > 0 or is_call(name)
+            kind, lane = ("runtime" if call else "op"), get("start_thread_id")
         else:
             continue
         start = e.start_ns() / 1e3
         shapes = _frozen(get("shapes", [])) if kind == "op" else ()
-        out.append(Rec(e.name(), kind, start, start + e.duration_ns() / 1e3, lane,
+        out.append(Rec(name, kind, start, start + e.duration_ns() / 1e3, lane,
                        get("correlation_id"), linked, shapes))
-    return out
+    return _on_launcher_threads(out)
+
+
+def _on_launcher_threads(recs: list[Rec]) -> list[Rec]:
+    """Each linked CUDA call on its operator's thread: torch's own parser does the same
+    ("make sure that 'thread' of a CPU Kineto (e.g. Device Runtime) event is associated with
+    the 'thread' of the corresponding linked PyTorch event", torch/autograd/profiler.py),
+    since a call's own thread id need not be the operator's (CUPTI's system thread id)."""
+    lane_of = {r.corr: r.lane for r in recs if r.kind == "op" and r.corr}
+    return [dataclasses.replace(r, lane=lane_of[r.linked])
+            if r.kind == "runtime" and r.linked in lane_of and lane_of[r.linked] != r.lane
+            else r for r in recs]
+
+
+TRACE_KERNELS = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
+TRACE_OPS = frozenset(("cpu_op", "user_annotation", "operator"))
+
+
+def from_trace(trace: dict | list) -> list[Rec]:
+    """`Rec`s of a Chrome trace as `prof.export_chrome_trace` writes it (the reader when the
+    raw events cannot be read): complete events ("ph": "X") by category: kernels (args
+    "stream", "correlation", "External id" = the launching operator's), CUDA calls
+    ("cuda_runtime" / "cuda_driver": cudaLaunchKernel, cudaLaunchKernelExC, cuLaunchKernel,
+    args "correlation", "External id") and operators (args "External id", "Input Dims").
+    A kernel without a "correlation" arg takes it from its "ac2g" flow: the flow starts ("s")
+    on the launch call and ends ("f") on the kernel, with the correlation id as its id."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    flows = {(ev.get("tid"), _us(ev.get("ts"))): ev.get("id") for ev in events
+             if ev.get("ph") == "f" and ev.get("cat") == "ac2g"}
+    out = []
+    for ev in events:
+        cat, args = str(ev.get("cat", "")).lower(), ev.get("args") or {}
+        if ev.get("ph") != "X" or ev.get("name") in HIDDEN_OPS:
+            continue
+        start = _us(ev.get("ts"))
+        rec = dict(name=ev.get("name", ""), start=start, end=start + _us(ev.get("dur")))
+        ext = _int(args.get("External id"))
+        if cat in TRACE_KERNELS:
+            corr = _int(args.get("correlation")) or _int(flows.get((ev.get("tid"), start)))
+            out.append(Rec(kind="kernel", lane=_int(args.get("stream", ev.get("tid"))),
+                           corr=corr, linked=ext, **rec))
+        elif cat in HOST_CALLS:
+            out.append(Rec(kind="runtime", lane=_int(ev.get("tid")),
+                           corr=_int(args.get("correlation")), linked=ext, **rec))
+        elif cat in TRACE_OPS:
+            out.append(Rec(kind="op", lane=_int(ev.get("tid")), corr=ext,
+                           shapes=_frozen(args.get("Input Dims") or []), **rec))
+    return _on_launcher_threads(out)
+
+
+def _us(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _int(x: Any) -> int:
+    """An id of the trace (an int, or a thread id such as "stream 7" / a string)."""
+    if isinstance(x, int):
+        return x
+    digits = "".join(ch for ch in str(x or "") if ch.isdigit())
+    return int(digits) if digits else 0
+
+
+def is_call(name: str) -> bool:
+    """A CUDA runtime or driver call (cudaFree, cudaLaunchKernelExC, cuLaunchKernel), not an
+    operator."""
+    return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
 
 
 def _call(event, method: str, default: Any) -> Any:
