@@ -164,6 +164,34 @@ there and hf never measured: the budget trims hf's cap to what is left)."""
 TARGETS = {"compiled_over_eager_tokens_per_s": 1.10, "fp8_over_bf16_compiled_tokens_per_s": 1.3,
            "mfu_bf16_compiled": 0.55}
 GRACE_S = 20.0  # SIGTERM to SIGKILL: a CLI case stops its torchrun ranks in between
+WHEELS = {"tomli_w": "tomli_w==1.2.0", "torchao": "torchao==0.18.0", "transformers": None,
+          "pytest": "pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1", "pynvml": "nvidia-ml-py"}
+"""Modules the kit may need that a GPU image may lack, and the wheels that bring them (None:
+in the image; ../shared/notes/gpu-h200-facts.md)."""
+NEEDS = {"fp8": ("torchao",), "cli_fp8": ("torchao",), "hf": ("transformers",),
+         "torch_tests": ("pytest",)}
+"""Modules a case needs beyond meshtron's own (tomli_w: every case imports meshtron, whose
+Plan writes TOML); pynvml is optional (clocks fall back to torch.cuda, then nvidia-smi)."""
+
+
+def preflight(installed=None) -> dict:
+    """Which of WHEELS this Python lacks, found without importing them (seconds each)."""
+    if installed is None:
+        import importlib.util
+
+        def installed(mod: str) -> bool:
+            return importlib.util.find_spec(mod) is not None
+    missing = [m for m in WHEELS if not installed(m)]
+    return {"missing": missing, "carry": [WHEELS[m] for m in missing if WHEELS[m]]}
+
+
+def unmet(name: str, pre: dict) -> str | None:
+    """Why case `name` cannot run with the modules preflight found missing, or None."""
+    lacking = [m for m in ("tomli_w", *NEEDS.get(name, ())) if m in pre["missing"]]
+    if not lacking:
+        return None
+    return (f"{', '.join(lacking)} not installed (carry "
+            f"{' '.join(filter(None, (WHEELS[m] for m in lacking))) or 'its wheel'} in .whl/)")
 
 
 def say(text: str) -> None:
@@ -340,6 +368,10 @@ def drive(args) -> dict:
     report = {"format": FORMAT, "idle": {}, "dry_run": args.dry_run, "budget_s": args.budget,
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "order": [c[0] for c in chosen], "cases": {}}
+    pre = report["preflight"] = preflight()
+    for mod in pre["missing"]:
+        say(f"preflight: {mod} not installed" + ("" if WHEELS[mod] is None else
+                                                 f" (its wheel: {WHEELS[mod]})"))
     t0 = time.perf_counter()
     try:
         for name, _, cap, floor in chosen:
@@ -347,7 +379,9 @@ def drive(args) -> dict:
             cap = args.caps.get(name, cap * scale)
             floor = min(floor * scale, cap)
             left = args.budget - (time.perf_counter() - t0)
-            if left < floor:
+            if unmet(name, pre):
+                rec = {"status": "skipped", "reason": f"skipped: {unmet(name, pre)}"}
+            elif left < floor:
                 rec = {"status": "skipped", "reason": f"{left:.0f} s of the budget left, the "
                        f"case needs at least {floor} s (cap {cap} s)"}
             else:

@@ -203,3 +203,19 @@ def test_a_clock_on_another_timeline_gives_no_gemm_share_rather_than_zero():
     s.t0_unix_ns, s.samples = 0, [{"t_s": 0.0}, {"t_s": 200e-6}]  # the kernels' own clock
     profile._gemm_load(recs, s)
     assert s.samples[1]["gemm_share"] == pytest.approx(160 / 200)
+
+
+def test_cases_whose_wheels_are_missing_are_skipped_by_name_not_crashed():
+    from gpu_check import CASES, preflight, unmet
+
+    image = preflight(lambda mod: mod not in ("torchao", "tomli_w", "pynvml"))  # 2.11's image
+    assert image["missing"] == ["tomli_w", "torchao", "pynvml"]
+    assert image["carry"] == ["tomli_w==1.2.0", "torchao==0.18.0", "nvidia-ml-py"]
+    assert unmet("fp8", image) == ("tomli_w, torchao not installed (carry tomli_w==1.2.0 "
+                                   "torchao==0.18.0 in .whl/)")
+    carried = preflight(lambda mod: mod not in ("torchao", "pynvml"))
+    assert {n for n, *_ in CASES if unmet(n, carried)} == {"fp8", "cli_fp8"}
+    assert "torchao not installed" in unmet("cli_fp8", carried)
+    none = preflight(lambda mod: mod != "pytest")
+    assert {n for n, *_ in CASES if unmet(n, none)} == {"torch_tests"}
+    assert all(unmet(n, preflight(lambda mod: True)) is None for n, *_ in CASES)
