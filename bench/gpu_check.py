@@ -3,15 +3,28 @@
     python3 bench/gpu_check.py --budget 480 --out $OUT/gpu_check.json   # one CUDA GPU
     python3 bench/gpu_check.py --dry-run --out /tmp/x.json               # every case on CPU
 
-On a lent GPU (the image has torch but not torchao / tomli_w: their wheels travel in the
-ignored `.whl/` folder, `carry: [".whl"]`; ../shared/notes/gpu-h200-facts.md; add
-`pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1` to that download for the torch_tests case, which
-is skipped without pytest), one call:
+On a lent GPU: the image (torch 2.11.0+cu130, Python 3.12; ../shared/notes/gpu-h200-facts.md)
+lacks tomli_w (every case needs it: meshtron's Plan writes TOML), torchao (fp8, cli_fp8),
+pytest (torch_tests) and nvidia-ml-py (optional: the clock-limit reasons and the power limit;
+without it clocks come from nvidia-smi), and nothing installs from a registry there. Their
+wheels travel in the ignored `.whl/` folder. Here, once:
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl tomli_w==1.2.0 torchao==0.18.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
+      nvidia-ml-py==13.615.71
+
+then ONE device call (`run`, carry [".whl"], timeout_s 600; do not carry torch: the image's is
+the one under test):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
     python3 bench/gpu_check.py --budget 480 --out $OUT/gpu_check.json
 
+(`--only idle` instead of the full order for the idle explanation alone). The kit starts by
+naming each of those modules it cannot find (`preflight` in the JSON) and records a case whose
+module is missing as "skipped: X not installed (carry ...)", so a missing wheel costs that case,
+never the call. `give_back` right after; commit the JSON under bench/results/.
 (the budget, plus at most 20 s to stop a case at its cap, fits a 600 s call; the cases that
 did not fit run in a second call with `--only NAME,...`, which the kit prints at its end).
 To explain the eager step's idle (issue 31) in one call, the same with `--only idle`: the

@@ -219,3 +219,26 @@ def test_cases_whose_wheels_are_missing_are_skipped_by_name_not_crashed():
     none = preflight(lambda mod: mod != "pytest")
     assert {n for n, *_ in CASES if unmet(n, none)} == {"torch_tests"}
     assert all(unmet(n, preflight(lambda mod: True)) is None for n, *_ in CASES)
+
+
+def test_a_clock_field_nvml_no_longer_answers_costs_that_field_not_the_sampler():
+    from gpukit import clocks
+
+    class FunctionNotFound(Exception):  # NVMLError_FunctionNotFound: a call the driver dropped
+        pass
+
+    def gone():
+        raise FunctionNotFound("nvmlDeviceGetTemperature")
+
+    chosen, why = clocks.working({
+        "sm_clock_mhz": (lambda: 1980,), "power_w": (lambda: 612.5,),
+        "temperature_c": (gone, lambda: 54),  # the old call first, then its V successor
+        "reasons": ()}, "sm_clock_mhz")  # this pynvml has neither reasons call
+    s = clocks.Sampler(clocks._reader(chosen), "pynvml", {"unread": why or None})
+    s.samples.append({"t_s": 0.0, **s.read()})
+    out = s.summary()
+    assert out["temperature_c"]["median"] == 54 and out["sm_clock_mhz"]["max"] == 1980
+    assert out["limit_reasons"] is None and out["unread"] == {
+        "reasons": "no reader in this version"}
+    with pytest.raises(RuntimeError, match="sm_clock_mhz"):
+        clocks.working({"sm_clock_mhz": (gone,), "power_w": (lambda: 1.0,)}, "sm_clock_mhz")

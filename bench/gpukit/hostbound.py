@@ -34,7 +34,11 @@ ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemUnmap"
                "cudaFreeAsync")
 """Device memory calls: the caching allocator's cudaMalloc / cudaFree (a cudaFree, and the
 cache flush after a failed cudaMalloc, synchronise the device) and expandable segments'
-cuMem* driver calls."""
+cuMem* driver calls. Kineto records CUDA runtime calls but a blocklist (cudaGetDevice,
+cudaEventRecord, cudaEventSynchronize, ...) and, of the driver calls, only those it registers
+(the kernel launches: its CuptiActivityProfiler::handleDriverActivity), so the cuMem* rows are
+normally absent: under expandable segments the allocator's counters (allocator.py,
+num_device_alloc / num_device_free) are the record."""
 SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
               "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cudaStreamQuery", "cudaEventQuery")
 """Runtime calls that wait for the device (cudaMemcpy / cudaMemset without Async do too), and
