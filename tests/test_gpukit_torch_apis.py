@@ -242,3 +242,12 @@ def test_a_clock_field_nvml_no_longer_answers_costs_that_field_not_the_sampler()
         "reasons": "no reader in this version"}
     with pytest.raises(RuntimeError, match="sm_clock_mhz"):
         clocks.working({"sm_clock_mhz": (gone,), "power_w": (lambda: 1.0,)}, "sm_clock_mhz")
+
+
+def test_a_cuda_window_without_kernels_gives_no_verdict_rather_than_a_host_bound_one():
+    ops = [r for r in timeline.from_trace(_trace_2_11()) if r.kind != "kernel"]
+    assert hostbound.analyse(ops)["source"] == "cpu leaf ops (dry run)"  # what it would say
+    why = profile.kernels_or_why(ops, cuda=True)
+    assert why["source"] is None and "no CUDA kernel" in why["reason"]
+    assert hostbound.verdict(profile._analysed(why, hostbound.analyse)).startswith("no verdict")
+    assert profile.kernels_or_why(ops, cuda=False) is ops  # a dry run: operators stand in

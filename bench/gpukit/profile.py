@@ -203,10 +203,13 @@ def window(step: Callable[[], Any], dev, steps: int = 1,
         lambda: got.append(_profiled(step, dev, steps, record_shapes=False)),
         "dry run: CPU tensors have no caching allocator")
     prof, wall_us, clock, recs = got[0]
+    recs = kernels_or_why(recs, cuda)
     rows = rows_of(prof.events(), cuda)
     if cuda and rows:  # the kernels' own span: the host's launch lead is not device idle
         wall_us = max(wall_us, max(r[3] for r in rows) - min(r[2] for r in rows))
     out = summarize(rows, wall_us, "cuda kernels" if cuda else "cpu ops (dry run)")
+    if cuda and not rows:
+        out["reason"] = "the profiler recorded no CUDA kernel: idle is the whole window"
     out["steps"] = steps
     out["clocks"] = clock
     out["gaps"] = _analysed(recs, timeline.gaps)
@@ -215,9 +218,20 @@ def window(step: Callable[[], Any], dev, steps: int = 1,
     out["allocator"] = alloc
     del prof, recs, got
     _, wall_us, clock, recs = _profiled(step, dev, 1, record_shapes=True)
+    recs = kernels_or_why(recs, cuda)
     out["gemm_shapes"] = {"steps": 1, "window_us": wall_us, "clocks": clock, **_analysed(
         recs, lambda r: timeline.gemm_shapes(r, lambda name: category(name) == "gemm"))}
     return out
+
+
+def kernels_or_why(recs: list | dict, cuda: bool) -> list | dict[str, Any]:
+    """The records, unless a CUDA window recorded no kernel (CUPTI unavailable or not
+    permitted in the container): the gap analyses would then fall back to the host operators
+    as on a dry run and call every gap host time, a verdict about nothing."""
+    if cuda and isinstance(recs, list) and not any(r.kind == "kernel" for r in recs):
+        return {"source": None, "reason": "the profiler recorded no CUDA kernel (CUPTI "
+                                          "unavailable or not permitted?)"}
+    return recs
 
 
 def _analysed(recs: list | dict, analyse: Callable[[list], dict[str, Any]]) -> dict[str, Any]:
