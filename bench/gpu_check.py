@@ -207,6 +207,20 @@ def unmet(name: str, pre: dict) -> str | None:
             f"{' '.join(filter(None, (WHEELS[m] for m in lacking))) or 'its wheel'} in .whl/)")
 
 
+TERM_GRACE_S = 8.0
+"""The kit itself told to stop (the device call's own time limit sends SIGTERM): the running
+case gets this long to record what it measured (a CLI case stops its command in 5 s)."""
+
+
+class Interrupted(Exception):
+    """SIGTERM to the kit: record the running case as interrupted, write the JSON, stop."""
+
+
+def _on_term(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: the rest would cut the record
+    raise Interrupted(f"signal {signum}")
+
+
 def say(text: str) -> None:
     print(text, flush=True)
 
@@ -268,6 +282,10 @@ def run_one(args, name: str, cap: float, work: Path, logs: Path, report: dict) -
     except subprocess.TimeoutExpired:
         stop_group(proc, GRACE_S, 10.0)
         rec.update(status="timeout", exit_code=proc.returncode)
+    except Interrupted as exc:
+        stop_group(proc, TERM_GRACE_S, 3.0)  # the case records what it has on SIGTERM
+        rec.update(status="interrupted", exit_code=proc.returncode,
+                   reason=f"the kit was stopped ({exc}) while this case ran")
     pump.join(timeout=5)
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     # CPU seconds of the case and every process it waited for: on a shared machine the wall
@@ -386,6 +404,7 @@ def drive(args) -> dict:
         say(f"preflight: {mod} not installed" + ("" if WHEELS[mod] is None else
                                                  f" (its wheel: {WHEELS[mod]})"))
     t0 = time.perf_counter()
+    signal.signal(signal.SIGTERM, _on_term)
     try:
         for name, _, cap, floor in chosen:
             scale = 3 if args.dry_run else 1  # a shared 2-core CI box, not a GPU node
@@ -410,6 +429,14 @@ def drive(args) -> dict:
             if "error" not in report["idle"]:
                 for key, line in idle.lines(report["idle"], name):
                     say(f"    idle {key}: {line}")
+            if rec["status"] == "interrupted":
+                raise Interrupted(rec["reason"])
+    except Interrupted as exc:
+        for name, *_ in chosen:  # what never started: named, so the rerun line lists it
+            report["cases"].setdefault(name, {"status": "skipped",
+                                              "reason": "not started: the kit was stopped"})
+        say(f"stopped: {exc}")
+        write(report, out)
     finally:
         if not args.keep_work:
             shutil.rmtree(work, ignore_errors=True)

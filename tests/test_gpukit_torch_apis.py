@@ -251,3 +251,69 @@ def test_a_cuda_window_without_kernels_gives_no_verdict_rather_than_a_host_bound
     assert why["source"] is None and "no CUDA kernel" in why["reason"]
     assert hostbound.verdict(profile._analysed(why, hostbound.analyse)).startswith("no verdict")
     assert profile.kernels_or_why(ops, cuda=False) is ops  # a dry run: operators stand in
+
+
+def _descendants(pid: int) -> list[int]:
+    """Processes below `pid` (from /proc: the kit starts its cases in sessions of their own,
+    so a process group does not find them)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_kit_stopped_mid_case_records_that_case_and_leaves_json_that_parses(tmp_path):
+    """The device call's time limit SIGTERMs the kit while `meshtron train` (a million steps)
+    runs under cli_train: the finished case (cli_export, which fails alone), the interrupted
+    one with what it recorded, and the never-started one are all in the JSON; nothing it
+    started keeps running."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "kit.json"
+    kit = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run",
+                            "--out", str(out), "--only", "cli_plan,cli_train,cli_export",
+                            "--cli-steps", "1000000"], cwd=tmp_path, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not any("meshtron train" in _cmdline(p) for p in _descendants(kit.pid)):
+            assert kit.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        time.sleep(1.0)
+        below = _descendants(kit.pid)
+        kit.send_signal(signal.SIGTERM)
+        stdout, _ = kit.communicate(timeout=60)
+    finally:
+        if kit.poll() is None:
+            kit.kill()
+    assert kit.returncode == 0, stdout[-2000:]
+    r = json.loads(out.read_text())
+    assert list(r["cases"]) == ["cli_export", "cli_train", "cli_plan"]  # the kit's order
+    assert r["cases"]["cli_export"]["status"] == "error"  # nothing to export: done, recorded
+    t = r["cases"]["cli_train"]
+    assert t["status"] == "interrupted" and "signal 15" in t["reason"]
+    assert t["result"]["train"]["timed_out"] is True  # the case recorded its command
+    assert r["cases"]["cli_plan"] == {"status": "skipped",
+                                      "reason": "not started: the kit was stopped"}
+    assert "--only cli_kill_resume,cli_export,cli_train,cli_plan" in stdout  # the rerun line
+    time.sleep(1.0)
+    assert [p for p in below if _cmdline(p)] == []  # the case and its command are gone
