@@ -24,9 +24,12 @@ the one under test):
 (`--only idle` instead of the full order for the idle explanation alone). The kit starts by
 naming each of those modules it cannot find (`preflight` in the JSON) and records a case whose
 module is missing as "skipped: X not installed (carry ...)", so a missing wheel costs that case,
-never the call. `give_back` right after; commit the JSON under bench/results/.
-(the budget, plus at most 20 s to stop a case at its cap, fits a 600 s call; the cases that
-did not fit run in a second call with `--only NAME,...`, which the kit prints at its end).
+never the call. `give_back` right after; commit the JSON under bench/results/. The budget,
+plus at most 35 s to stop a case at its cap (SIGTERM, 20 s, SIGKILL, 10 s, 5 s for its
+output), fits a 600 s call; if the call's limit still stops the kit (SIGTERM), it records the
+running case as `interrupted` with what it measured, names the cases never started and writes
+the JSON. The cases that did not fit run in a second call with `--only NAME,...`, which the
+kit prints at its end.
 To explain the eager step's idle (issue 31) in one call, the same with `--only idle`: the
 JSON's `idle` then says, per micro-batch, how much idle had the host late, what the allocator
 retried and freed, and whether expandable segments change it.
