@@ -317,3 +317,20 @@ def test_a_kit_stopped_mid_case_records_that_case_and_leaves_json_that_parses(tm
     assert "--only cli_kill_resume,cli_export,cli_train,cli_plan" in stdout  # the rerun line
     time.sleep(1.0)
     assert [p for p in below if _cmdline(p)] == []  # the case and its command are gone
+
+
+def test_a_late_kernel_without_its_launch_call_is_placed_on_its_operators_thread():
+    """A kernel whose launch call the trace lacks (Kineto keeps only the driver calls it
+    registers) was late when its operator began after the gap did; what the host was doing
+    then is read on that operator's thread, not on the kernel's stream."""
+    from gpukit.timeline import Rec
+
+    recs = [Rec("Optimizer.step#AdamW.step", "op", 0, 1000, lane=1, corr=1),
+            Rec("aten::mm", "op", 10, 30, lane=1, corr=5),
+            Rec("cudaLaunchKernel", "runtime", 20, 25, lane=1, corr=900, linked=5),
+            Rec("gemm", "kernel", 40, 200, lane=7, corr=900, linked=5),
+            Rec("aten::mul", "op", 300, 320, lane=1, corr=7),
+            Rec("triton_poi_fused_mul_0", "kernel", 316, 330, lane=7, corr=901, linked=7)]
+    h = hostbound.analyse(recs)
+    assert h["gaps"] == {"host_late": 1, "device_wait": 0, "unknown": 0}
+    assert h["late_by_host"][0]["host"] == "Optimizer.step#AdamW.step"

@@ -169,7 +169,8 @@ def analyse(recs: list[Rec], steps: int = 1, micro_batches: int = 1) -> dict[str
         elif lt < length:  # the launch came after the gap began
             late_us, late_n = late_us + length, late_n + 1
             call = calls.get(after.corr)
-            queries.append((before.end, call.lane if call else after.lane))
+            # the thread that launched it: its call's, else its operator's (never the stream)
+            queries.append((before.end, call.lane if call else op.lane if op else after.lane))
             late_len.append(length)
         else:
             early_us, early_n = early_us + length, early_n + 1
