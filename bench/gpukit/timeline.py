@@ -45,7 +45,7 @@ HIDDEN_OPS = frozenset(("profiler::_record_function_enter", "profiler::_record_f
 """Utility events torch's own `_parse_kineto_results` drops (its `_filter_name`): the
 record_function plumbing would otherwise stand in as leaf operators."""
 HOST_CALLS = frozenset(("cuda_runtime", "cuda_driver"))
-"""Kineto activity types of the host's CUDA calls (`activity_type()`, where the event has it)."""
+"""Chrome-trace categories of the host's CUDA calls."""
 DEVICE_SKIP = frozenset(("gpu_user_annotation", "cuda_sync", "cuda_profiler_range"))
 """Device-timeline activity types that are no kernel: annotation ranges spanning the kernels
 they launched, and CUDA sync records (kineto's optional `enable_cuda_sync_events`)."""
@@ -65,32 +65,32 @@ def from_kineto(events: Iterable) -> list[Rec]:
     a method this torch's event lacks reads as its default."""
     from torch.autograd import DeviceType
 
+    cuda, cpu = DeviceType.CUDA, DeviceType.CPU
     out = []
     for e in events:
-        def get(attr: str, default: Any = 0, e=e) -> Any:
-            return _call(e, attr, default)
-
         name = e.name()
-        if get("is_hidden_event", False) or name in HIDDEN_OPS:
+        if name in HIDDEN_OPS or _call(e, "is_hidden_event", False):
             continue  # what torch's own parser leaves out
-        act, dev = get("activity_type", None), e.device_type()
-        linked = get("linked_correlation_id")
-        if dev == DeviceType.CUDA:
-            if get("is_user_annotation", False) or "#" in name or act in DEVICE_SKIP:
+        dev = e.device_type()
+        if dev == cuda:
+            if "#" in name or _call(e, "is_user_annotation", False) or \
+                    _call(e, "activity_type", None) in DEVICE_SKIP:
                 continue  # annotation ranges spanning the kernels they launched
-            kind, lane = "kernel", get("device_resource_id")
-        elif dev == DeviceType.CPU:
+            linked = e.linked_correlation_id()
+            kind, lane = "kernel", e.device_resource_id()
+        elif dev == cpu:
             # a CUDA call is linked to its operator, an operator to nothing; a call made
             # outside any operator (a sync between steps) is unlinked but still a call: its
             # correlation id is CUPTI's, which would collide with an operator's id
-            call = act in HOST_CALLS or linked > 0 or is_call(name)
-            kind, lane = ("runtime" if call else "op"), get("start_thread_id")
+            linked = e.linked_correlation_id()
+            call = linked > 0 or is_call(name)
+            kind, lane = ("runtime" if call else "op"), e.start_thread_id()
         else:
             continue
         start = e.start_ns() / 1e3
-        shapes = _frozen(get("shapes", [])) if kind == "op" else ()
+        shapes = _frozen(_call(e, "shapes", [])) if kind == "op" else ()
         out.append(Rec(name, kind, start, start + e.duration_ns() / 1e3, lane,
-                       get("correlation_id"), linked, shapes))
+                       e.correlation_id(), linked, shapes))
     return _on_launcher_threads(out)
 
 
