@@ -334,3 +334,14 @@ def test_a_late_kernel_without_its_launch_call_is_placed_on_its_operators_thread
     h = hostbound.analyse(recs)
     assert h["gaps"] == {"host_late": 1, "device_wait": 0, "unknown": 0}
     assert h["late_by_host"][0]["host"] == "Optimizer.step#AdamW.step"
+
+
+def test_an_empty_alloc_conf_still_wins_over_the_cuda_alias_as_in_c10():
+    from gpukit import allocator
+
+    env = {"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert allocator.conf(env) == {"env": "PYTORCH_ALLOC_CONF", "value": None,
+                                   "expandable_segments": False}
+    assert allocator.with_expandable(env) == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    assert allocator.conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})[
+        "expandable_segments"] is True
