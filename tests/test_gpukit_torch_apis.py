@@ -345,3 +345,20 @@ def test_an_empty_alloc_conf_still_wins_over_the_cuda_alias_as_in_c10():
     assert allocator.with_expandable(env) == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     assert allocator.conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})[
         "expandable_segments"] is True
+
+
+def test_a_real_window_whose_raw_events_fail_to_read_falls_back_to_its_trace(monkeypatch):
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        a @ b
+
+    def changed(events):
+        raise TypeError("_KinetoEvent.shapes() takes 1 argument")  # another torch's binding
+
+    monkeypatch.setattr(timeline, "from_kineto", changed)
+    recs = profile._records(prof)
+    mm = [r for r in recs if r.name == "aten::mm"]
+    assert mm and mm[0].kind == "op" and mm[0].shapes[:2] == ((8, 16), (16, 4))
