@@ -181,11 +181,14 @@ TARGETS = {"compiled_over_eager_tokens_per_s": 1.10, "fp8_over_bf16_compiled_tok
            "mfu_bf16_compiled": 0.55}
 GRACE_S = 20.0  # SIGTERM to SIGKILL: a CLI case stops its torchrun ranks in between
 WHEELS = {"tomli_w": "tomli_w==1.2.0", "torchao": "torchao==0.18.0", "transformers": None,
-          "pytest": "pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1", "pynvml": "nvidia-ml-py"}
+          "pytest": "pytest==9.2.0", "pluggy": "pluggy==1.7.0", "iniconfig": "iniconfig==2.3.1",
+          "pygments": "pygments==2.21.0", "packaging": "packaging==26.3",
+          "pynvml": "nvidia-ml-py==13.615.71"}
 """Modules the kit may need that a GPU image may lack, and the wheels that bring them (None:
-in the image; ../shared/notes/gpu-h200-facts.md)."""
+in the image; ../shared/notes/gpu-h200-facts.md: the H200 image has transformers, rich, hence
+pygments, and packaging; pytest 9.2 needs all four of its last entries)."""
 NEEDS = {"fp8": ("torchao",), "cli_fp8": ("torchao",), "hf": ("transformers",),
-         "torch_tests": ("pytest",)}
+         "torch_tests": ("pytest", "pluggy", "iniconfig", "pygments", "packaging")}
 """Modules a case needs beyond meshtron's own (tomli_w: every case imports meshtron, whose
 Plan writes TOML); pynvml is optional (clocks fall back to torch.cuda, then nvidia-smi)."""
 

@@ -210,7 +210,7 @@ def test_cases_whose_wheels_are_missing_are_skipped_by_name_not_crashed():
 
     image = preflight(lambda mod: mod not in ("torchao", "tomli_w", "pynvml"))  # 2.11's image
     assert image["missing"] == ["tomli_w", "torchao", "pynvml"]
-    assert image["carry"] == ["tomli_w==1.2.0", "torchao==0.18.0", "nvidia-ml-py"]
+    assert image["carry"] == ["tomli_w==1.2.0", "torchao==0.18.0", "nvidia-ml-py==13.615.71"]
     assert unmet("fp8", image) == ("tomli_w, torchao not installed (carry tomli_w==1.2.0 "
                                    "torchao==0.18.0 in .whl/)")
     carried = preflight(lambda mod: mod not in ("torchao", "pynvml"))
@@ -218,6 +218,9 @@ def test_cases_whose_wheels_are_missing_are_skipped_by_name_not_crashed():
     assert "torchao not installed" in unmet("cli_fp8", carried)
     none = preflight(lambda mod: mod != "pytest")
     assert {n for n, *_ in CASES if unmet(n, none)} == {"torch_tests"}
+    no_pygments = preflight(lambda mod: mod != "pygments")  # pytest 9.2 imports it
+    assert unmet("torch_tests", no_pygments) == ("pygments not installed (carry "
+                                                 "pygments==2.21.0 in .whl/)")
     assert all(unmet(n, preflight(lambda mod: True)) is None for n, *_ in CASES)
 
 
