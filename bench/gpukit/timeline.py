@@ -9,7 +9,16 @@ reads them from a finished `torch.profiler.profile` through the raw Kineto event
 (`prof.profiler.kineto_results.events()`, torch 2.11-2.13): a device kernel's
 `linked_correlation_id()` is the `correlation_id()` of the CPU operator that launched it (what
 torch's own `_parse_kineto_results` joins on), and the runtime call (cudaLaunchKernel) carries
-the kernel's own `correlation_id()`. On CPU (dry run) there are no kernels: the same analysis
+the kernel's own `correlation_id()`. Two id spaces meet there: operators count their own ids
+and CUPTI counts its, both from small numbers, so a CUDA call is told from an operator by its
+link or its name (cudaDeviceSynchronize outside any operator has no link), and only operators'
+ids name launchers; a linked call is put on its operator's thread, as torch's parser does.
+What torch's parser drops is dropped (`is_hidden_event` where the event has it, the
+record_function plumbing). `from_trace` reads the same from the Chrome trace the profiler
+exports (profile.py falls back to it when the raw events cannot be read): "External id" links
+a kernel to its operator, "correlation" (or the "ac2g" flow) to its launch call, whether
+cudaLaunchKernel, cudaLaunchKernelExC (cuBLAS) or cuLaunchKernel (triton, a driver call).
+On CPU (dry run) there are no kernels: the same analysis
 runs on the leaf operators of the busiest host thread, the enclosing operator standing in for
 the launcher and each launched as it starts (launch lead 0), so every field is exercised.
 """
