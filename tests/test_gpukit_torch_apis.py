@@ -206,7 +206,8 @@ def test_a_clock_on_another_timeline_gives_no_gemm_share_rather_than_zero():
 
 
 def test_cases_whose_wheels_are_missing_are_skipped_by_name_not_crashed():
-    from gpu_check import CASES, preflight, unmet
+    from gpu_check import CASES
+    from gpukit.wheels import preflight, unmet
 
     image = preflight(lambda mod: mod not in ("torchao", "tomli_w", "pynvml"))  # 2.11's image
     assert image["missing"] == ["tomli_w", "torchao", "pynvml"]

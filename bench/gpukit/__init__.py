@@ -11,5 +11,6 @@
 - idle.py: the JSON's `idle` summary and printed lines from the finished cases;
 - cases.py: environment, eager / compiled throughput, FP8, offload, checkpoint;
 - hf_case.py: the same shape in a plain Hugging Face `LlamaForCausalLM` loop;
-- cli_cases.py: the `meshtron` command as a user runs it (exit code, last stderr lines).
+- cli_cases.py: the `meshtron` command as a user runs it (exit code, last stderr lines);
+- wheels.py: the modules a GPU image may lack, found before any case starts.
 """
