@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpukit import hostbound, profile, timeline  # noqa: E402
+from gpukit import events, hostbound, profile, timeline  # noqa: E402
 
 
 class _Ev:
@@ -64,7 +64,7 @@ def _kineto_window() -> list[_Ev]:
 
 
 def test_raw_kineto_events_of_a_cuda_window_as_torch_2_11_gives_them():
-    recs = timeline.from_kineto(_kineto_window())
+    recs = events.from_kineto(_kineto_window())
     names = [r.name for r in recs]
     assert "profiler::_record_function_enter_new" not in names  # torch's parser drops it
     assert "hidden_by_torch_2_13" not in names
@@ -128,7 +128,7 @@ def _trace_2_11() -> dict:
 
 
 def test_the_chrome_trace_torch_2_11_writes_reads_as_the_raw_events_do():
-    recs = timeline.from_trace(_trace_2_11())
+    recs = events.from_trace(_trace_2_11())
     kernels = [r for r in recs if r.kind == "kernel"]
     assert [k.name for k in kernels] == ["nvjet_tst_128x256_64x4",
                                          "vectorized_elementwise_kernel", "triton_poi_fused_mul_0"]
@@ -157,10 +157,10 @@ def test_the_exported_trace_of_this_torch_links_operators_as_its_raw_events_do(t
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         a @ b
-    raw = {r.name: r for r in timeline.records(prof) if r.kind == "op"}
+    raw = {r.name: r for r in events.records(prof) if r.kind == "op"}
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
-    traced = {r.name: r for r in timeline.from_trace(json.loads(path.read_text()))
+    traced = {r.name: r for r in events.from_trace(json.loads(path.read_text()))
               if r.kind == "op"}
     assert raw["aten::mm"].corr == traced["aten::mm"].corr > 0  # "External id" = the id
     assert traced["aten::mm"].shapes[:2] == ((8, 16), (16, 4))
@@ -194,7 +194,7 @@ def test_without_readable_raw_events_the_window_reads_the_exported_trace(raw_err
 def test_a_clock_on_another_timeline_gives_no_gemm_share_rather_than_zero():
     from gpukit.clocks import Sampler
 
-    recs = timeline.from_trace(_trace_2_11())  # kernels at 40..450 us
+    recs = events.from_trace(_trace_2_11())  # kernels at 40..450 us
     s = Sampler(lambda: {}, "test")
     s.t0_unix_ns = 1_700_000_000 * 10**9  # the Unix clock: nowhere near the kernels
     s.samples = [{"t_s": 0.0}, {"t_s": 0.05}]
@@ -249,7 +249,7 @@ def test_a_clock_field_nvml_no_longer_answers_costs_that_field_not_the_sampler()
 
 
 def test_a_cuda_window_without_kernels_gives_no_verdict_rather_than_a_host_bound_one():
-    ops = [r for r in timeline.from_trace(_trace_2_11()) if r.kind != "kernel"]
+    ops = [r for r in events.from_trace(_trace_2_11()) if r.kind != "kernel"]
     assert hostbound.analyse(ops)["source"] == "cpu leaf ops (dry run)"  # what it would say
     why = profile.kernels_or_why(ops, cuda=True)
     assert why["source"] is None and "no CUDA kernel" in why["reason"]
@@ -362,7 +362,7 @@ def test_a_real_window_whose_raw_events_fail_to_read_falls_back_to_its_trace(mon
     def changed(events):
         raise TypeError("_KinetoEvent.shapes() takes 1 argument")  # another torch's binding
 
-    monkeypatch.setattr(timeline, "from_kineto", changed)
+    monkeypatch.setattr(events, "from_kineto", changed)
     recs = profile._records(prof)
     mm = [r for r in recs if r.name == "aten::mm"]
     assert mm and mm[0].kind == "op" and mm[0].shapes[:2] == ((8, 16), (16, 4))

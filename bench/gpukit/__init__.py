@@ -2,6 +2,7 @@
 
 - common.py: the case context (device, 1-rank process group, sizes), the model shapes the
   planner fits, plans built for the shape actually run, engines, timed steps;
+- events.py: a profiler window's events as timeline records (raw Kineto events, or its Chrome trace);
 - profile.py: a short torch.profiler window -> GPU time by category, the clock during it
   (clocks.py), the compute stream's idle gaps and the GEMMs' TFLOP/s per shape
   (timeline.py);

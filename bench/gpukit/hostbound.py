@@ -27,7 +27,8 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from gpukit.timeline import Rec, gap_list, is_call, timeline_of
+from gpukit.events import is_call
+from gpukit.timeline import Rec, gap_list, timeline_of
 
 ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemUnmap", "cuMemRelease",
                "cuMemSetAccess", "cuMemAddressReserve", "cuMemAddressFree", "cudaMallocAsync",

@@ -135,17 +135,17 @@ def _records(prof) -> list | dict[str, Any]:
     reading them on a torch the kit never ran on may fail, and that is never fatal. The raw
     Kineto events first; where this torch's profiler does not expose them, or reading them
     fails, the Chrome trace the profiler exports (the same events, documented format)."""
-    from gpukit import timeline
+    from gpukit import events
 
     why = "this torch's profiler exposes no kineto_results"
     try:
-        recs = timeline.records(prof)
+        recs = events.records(prof)
         if recs is not None:
             return recs
     except Exception as exc:  # noqa: BLE001
         why = f"kineto_results: {type(exc).__name__}: {exc}"[:300]
     try:
-        return timeline.from_trace(_exported(prof))
+        return events.from_trace(_exported(prof))
     except Exception as exc:  # noqa: BLE001
         return {"source": None, "error": f"{why}; chrome trace: {type(exc).__name__}: "
                                          f"{exc}"[:300]}
