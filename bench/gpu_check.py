@@ -3,17 +3,33 @@
     python3 bench/gpu_check.py --budget 480 --out $OUT/gpu_check.json   # one CUDA GPU
     python3 bench/gpu_check.py --dry-run --out /tmp/x.json               # every case on CPU
 
-On a lent GPU (the image has torch but not torchao / tomli_w: their wheels travel in the
-ignored `.whl/` folder, `carry: [".whl"]`; ../shared/notes/gpu-h200-facts.md; add
-`pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1` to that download for the torch_tests case, which
-is skipped without pytest), one call:
+On a lent GPU: the image (torch 2.11.0+cu130, Python 3.12; ../shared/notes/gpu-h200-facts.md)
+lacks tomli_w (every case needs it: meshtron's Plan writes TOML), torchao (fp8, cli_fp8),
+pytest (torch_tests) and nvidia-ml-py (optional: the clock-limit reasons and the power limit;
+without it clocks come from nvidia-smi), and nothing installs from a registry there. Their
+wheels travel in the ignored `.whl/` folder. Here, once:
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl tomli_w==1.2.0 torchao==0.18.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
+      nvidia-ml-py==13.615.71
+
+then ONE device call (`run`, carry [".whl"], timeout_s 600; do not carry torch: the image's is
+the one under test):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
     python3 bench/gpu_check.py --budget 480 --out $OUT/gpu_check.json
 
-(the budget, plus at most 20 s to stop a case at its cap, fits a 600 s call; the cases that
-did not fit run in a second call with `--only NAME,...`, which the kit prints at its end).
+(`--only idle` instead of the full order for the idle explanation alone). The kit starts by
+naming each of those modules it cannot find (`preflight` in the JSON) and records a case whose
+module is missing as "skipped: X not installed (carry ...)", so a missing wheel costs that case,
+never the call. `give_back` right after; commit the JSON under bench/results/. The budget,
+plus at most 35 s to stop a case at its cap (SIGTERM, 20 s, SIGKILL, 10 s, 5 s for its
+output), fits a 600 s call; if the call's limit still stops the kit (SIGTERM), it records the
+running case as `interrupted` with what it measured, names the cases never started and writes
+the JSON. The cases that did not fit run in a second call with `--only NAME,...`, which the
+kit prints at its end.
 To explain the eager step's idle (issue 31) in one call, the same with `--only idle`: the
 JSON's `idle` then says, per micro-batch, how much idle had the host late, what the allocator
 retried and freed, and whether expandable segments change it.
@@ -116,6 +132,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # the gpukit package (no torch at its i
 
 from gpukit import allocator, idle  # noqa: E402
 from gpukit.common import Ctx, child_env, stop_group  # noqa: E402
+from gpukit.wheels import WHEELS, preflight, unmet  # noqa: E402
 
 FORMAT = "meshtron-gpu-check/2"
 
@@ -164,6 +181,18 @@ there and hf never measured: the budget trims hf's cap to what is left)."""
 TARGETS = {"compiled_over_eager_tokens_per_s": 1.10, "fp8_over_bf16_compiled_tokens_per_s": 1.3,
            "mfu_bf16_compiled": 0.55}
 GRACE_S = 20.0  # SIGTERM to SIGKILL: a CLI case stops its torchrun ranks in between
+TERM_GRACE_S = 8.0
+"""The kit itself told to stop (the device call's own time limit sends SIGTERM): the running
+case gets this long to record what it measured (a CLI case stops its command in 5 s)."""
+
+
+class Interrupted(Exception):
+    """SIGTERM to the kit: record the running case as interrupted, write the JSON, stop."""
+
+
+def _on_term(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: the rest would cut the record
+    raise Interrupted(f"signal {signum}")
 
 
 def say(text: str) -> None:
@@ -227,6 +256,10 @@ def run_one(args, name: str, cap: float, work: Path, logs: Path, report: dict) -
     except subprocess.TimeoutExpired:
         stop_group(proc, GRACE_S, 10.0)
         rec.update(status="timeout", exit_code=proc.returncode)
+    except Interrupted as exc:
+        stop_group(proc, TERM_GRACE_S, 3.0)  # the case records what it has on SIGTERM
+        rec.update(status="interrupted", exit_code=proc.returncode,
+                   reason=f"the kit was stopped ({exc}) while this case ran")
     pump.join(timeout=5)
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     # CPU seconds of the case and every process it waited for: on a shared machine the wall
@@ -340,14 +373,21 @@ def drive(args) -> dict:
     report = {"format": FORMAT, "idle": {}, "dry_run": args.dry_run, "budget_s": args.budget,
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "order": [c[0] for c in chosen], "cases": {}}
+    pre = report["preflight"] = preflight()
+    for mod in pre["missing"]:
+        say(f"preflight: {mod} not installed" + ("" if WHEELS[mod] is None else
+                                                 f" (its wheel: {WHEELS[mod]})"))
     t0 = time.perf_counter()
+    signal.signal(signal.SIGTERM, _on_term)
     try:
         for name, _, cap, floor in chosen:
             scale = 3 if args.dry_run else 1  # a shared 2-core CI box, not a GPU node
             cap = args.caps.get(name, cap * scale)
             floor = min(floor * scale, cap)
             left = args.budget - (time.perf_counter() - t0)
-            if left < floor:
+            if unmet(name, pre):
+                rec = {"status": "skipped", "reason": f"skipped: {unmet(name, pre)}"}
+            elif left < floor:
                 rec = {"status": "skipped", "reason": f"{left:.0f} s of the budget left, the "
                        f"case needs at least {floor} s (cap {cap} s)"}
             else:
@@ -363,6 +403,14 @@ def drive(args) -> dict:
             if "error" not in report["idle"]:
                 for key, line in idle.lines(report["idle"], name):
                     say(f"    idle {key}: {line}")
+            if rec["status"] == "interrupted":
+                raise Interrupted(rec["reason"])
+    except Interrupted as exc:
+        for name, *_ in chosen:  # what never started: named, so the rerun line lists it
+            report["cases"].setdefault(name, {"status": "skipped",
+                                              "reason": "not started: the kit was stopped"})
+        say(f"stopped: {exc}")
+        write(report, out)
     finally:
         if not args.keep_work:
             shutil.rmtree(work, ignore_errors=True)

@@ -19,7 +19,7 @@ KIT = ROOT / "bench" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_check import CASES, _child_argv  # noqa: E402
-from gpukit import clocks, timeline  # noqa: E402
+from gpukit import clocks, events, timeline  # noqa: E402
 from gpukit.profile import busy_us, category, rows_of, summarize  # noqa: E402
 from gpukit.timeline import Rec  # noqa: E402
 
@@ -441,7 +441,7 @@ def test_profiler_records_on_cpu_carry_operators_with_shapes_and_ids():
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         a @ b
-    recs = timeline.records(prof)
+    recs = events.records(prof)
     mm = [r for r in recs if r.name == "aten::mm"]
     assert mm and mm[0].kind == "op" and mm[0].corr > 0 and mm[0].end > mm[0].start
     assert mm[0].shapes[:2] == ((8, 16), (16, 4))

@@ -42,7 +42,8 @@ def conf(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The allocator configuration the environment sets: the variable, its value, and whether
     it turns expandable segments on (`expandable_segments:True`, the last entry winning)."""
     environ = os.environ if environ is None else environ
-    name = next((v for v in CONF_VARS if environ.get(v)), None)
+    # set wins, even empty: c10's AllocatorConfig parses the first variable that is present
+    name = next((v for v in CONF_VARS if v in environ), None)
     value = environ.get(name, "") if name else ""
     on = False
     for item in value.split(","):

@@ -124,21 +124,60 @@ def _nvml_handle(pynvml, dev):
     return pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
 
 
+def working(candidates: dict[str, tuple[Callable[[], Any], ...]],
+            required: str) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
+    """Per field, the first candidate reader that answers now (NVML renames and deprecates
+    calls across drivers: nvmlDeviceGetTemperature gave way to nvmlDeviceGetTemperatureV, the
+    throttle reasons to the clocks event reasons), and why each field has none. A field
+    without a reader reads as null; `required` without one fails the sampler (the next
+    source is tried)."""
+    chosen: dict[str, Callable[[], Any]] = {}
+    why: dict[str, str] = {}
+    for field, fns in candidates.items():
+        for fn in fns:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - try the next candidate
+                why[field] = f"{type(exc).__name__}: {exc}"[:160]
+                continue
+            chosen[field] = fn
+            why.pop(field, None)
+            break
+        else:
+            why.setdefault(field, "no reader in this version")
+    if required not in chosen:
+        raise RuntimeError(f"{required}: {why.get(required, 'no reader')}")
+    return chosen, why
+
+
+def _reader(chosen: dict[str, Callable[[], Any]], fields=(*FIELDS, "reasons")):
+    def read() -> dict[str, Any]:
+        return {f: (chosen[f]() if f in chosen else None) for f in fields}
+    return read
+
+
 def _nvml(dev) -> Sampler:
     import pynvml
 
     pynvml.nvmlInit()
-    h = _nvml_handle(pynvml, dev)
-    limit = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-        pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
-
-    def read() -> dict[str, Any]:
-        return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1e3,
-                "temperature_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
-                "reasons": limit(h) if limit else None}
-
-    static: dict[str, Any] = {}
+    try:
+        h = _nvml_handle(pynvml, dev)
+    except Exception:
+        pynvml.nvmlShutdown()
+        raise
+    nv = {name: getattr(pynvml, name) for name in (
+        "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons",
+        "nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature") if hasattr(pynvml, name)}
+    temp = pynvml.NVML_TEMPERATURE_GPU
+    chosen, why = working({
+        "sm_clock_mhz": (lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),),
+        "power_w": (lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1e3,),  # milliwatts
+        "temperature_c": tuple(lambda fn=nv[n]: fn(h, temp) for n in (
+            "nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature") if n in nv),
+        "reasons": tuple(lambda fn=nv[n]: fn(h) for n in (
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            "nvmlDeviceGetCurrentClocksThrottleReasons") if n in nv)}, "sm_clock_mhz")
+    static: dict[str, Any] = {"unread": why or None}
     for key, fn in (("max_sm_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(
             h, pynvml.NVML_CLOCK_SM)), ("power_limit_w", lambda: pynvml.
             nvmlDeviceGetEnforcedPowerLimit(h) / 1e3)):
@@ -146,25 +185,22 @@ def _nvml(dev) -> Sampler:
             static[key] = fn()
         except Exception:  # noqa: BLE001 - optional figures
             static[key] = None
-    read()  # fails here, not in the thread, when NVML cannot read this device
-    return Sampler(read, "pynvml", static, close=pynvml.nvmlShutdown)
+    return Sampler(_reader(chosen), "pynvml", static, close=pynvml.nvmlShutdown)
 
 
 def _torch(dev) -> Sampler:
+    """torch.cuda's readers (they call pynvml, or amdsmi on ROCm): each field on its own, so a
+    torch or driver without one still samples the others."""
     import torch
 
-    fns = {f: getattr(torch.cuda, name, None) for f, name in (
-        ("sm_clock_mhz", "clock_rate"), ("power_w", "power_draw"),
-        ("temperature_c", "temperature"))}
-    if fns["sm_clock_mhz"] is None:
-        raise RuntimeError("torch.cuda.clock_rate is not in this torch")
     scale = {"power_w": 1e-3}  # power_draw: milliwatts
-
-    def read() -> dict[str, Any]:
-        return {f: (fn(dev) * scale.get(f, 1) if fn else None) for f, fn in fns.items()}
-
-    read()
-    return Sampler(read, "torch.cuda")
+    chosen, why = working({f: ((lambda fn=fn, f=f: fn(dev) * scale.get(f, 1)),)
+                           for f, name in (("sm_clock_mhz", "clock_rate"),
+                                           ("power_w", "power_draw"),
+                                           ("temperature_c", "temperature"))
+                           if (fn := getattr(torch.cuda, name, None)) is not None},
+                          "sm_clock_mhz")
+    return Sampler(_reader(chosen, FIELDS), "torch.cuda", {"unread": why or None})
 
 
 SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+from gpukit.events import is_call
 from gpukit.timeline import Rec, gap_list, timeline_of
 
 ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemUnmap", "cuMemRelease",
@@ -34,18 +35,17 @@ ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemUnmap"
                "cudaFreeAsync")
 """Device memory calls: the caching allocator's cudaMalloc / cudaFree (a cudaFree, and the
 cache flush after a failed cudaMalloc, synchronise the device) and expandable segments'
-cuMem* driver calls."""
+cuMem* driver calls. Kineto records CUDA runtime calls but a blocklist (cudaGetDevice,
+cudaEventRecord, cudaEventSynchronize, ...) and, of the driver calls, only those it registers
+(the kernel launches: its CuptiActivityProfiler::handleDriverActivity), so the cuMem* rows are
+normally absent: under expandable segments the allocator's counters (allocator.py,
+num_device_alloc / num_device_free) are the record."""
 SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
               "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cudaStreamQuery", "cudaEventQuery")
 """Runtime calls that wait for the device (cudaMemcpy / cudaMemset without Async do too), and
 the polls that do not but show a host asking."""
 BETWEEN_OPS = "(between operators: Python, autograd engine)"
 TOP = 8
-
-
-def is_call(name: str) -> bool:
-    """A CUDA runtime or driver call (cudaFree, cuMemMap), not an operator."""
-    return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -170,7 +170,8 @@ def analyse(recs: list[Rec], steps: int = 1, micro_batches: int = 1) -> dict[str
         elif lt < length:  # the launch came after the gap began
             late_us, late_n = late_us + length, late_n + 1
             call = calls.get(after.corr)
-            queries.append((before.end, call.lane if call else after.lane))
+            # the thread that launched it: its call's, else its operator's (never the stream)
+            queries.append((before.end, call.lane if call else op.lane if op else after.lane))
             late_len.append(length)
         else:
             early_us, early_n = early_us + length, early_n + 1

@@ -132,16 +132,39 @@ def _profiled(step: Callable[[], Any], dev, steps: int, record_shapes: bool):
 
 def _records(prof) -> list | dict[str, Any]:
     """The window's timeline records (gpukit/timeline.py), or a record of why there are none:
-    reading them on a torch the kit never ran on may fail, and that is never fatal."""
-    from gpukit import timeline
+    reading them on a torch the kit never ran on may fail, and that is never fatal. The raw
+    Kineto events first; where this torch's profiler does not expose them, or reading them
+    fails, the Chrome trace the profiler exports (the same events, documented format)."""
+    from gpukit import events
 
+    why = "this torch's profiler exposes no kineto_results"
     try:
-        recs = timeline.records(prof)
+        recs = events.records(prof)
+        if recs is not None:
+            return recs
     except Exception as exc:  # noqa: BLE001
-        return {"source": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
-    if recs is None:
-        return {"source": None, "reason": "this torch's profiler exposes no kineto_results"}
-    return recs
+        why = f"kineto_results: {type(exc).__name__}: {exc}"[:300]
+    try:
+        return events.from_trace(_exported(prof))
+    except Exception as exc:  # noqa: BLE001
+        return {"source": None, "error": f"{why}; chrome trace: {type(exc).__name__}: "
+                                         f"{exc}"[:300]}
+
+
+def _exported(prof) -> dict:
+    """The window's Chrome trace (`export_chrome_trace`), read back."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(path)
 
 
 def _gemm_load(recs: list, sampler) -> None:
@@ -151,6 +174,13 @@ def _gemm_load(recs: list, sampler) -> None:
     if not sampler.samples or sampler.t0_unix_ns is None:
         return
     edges = [sampler.t0_unix_ns / 1e3 + s["t_s"] * 1e6 for s in sampler.samples]
+    spans = [(r.start, r.end) for r in recs if r.kind == "kernel"]
+    if not spans or edges[-1] <= min(s for s, _ in spans) or edges[0] >= max(e for _, e in
+                                                                            spans):
+        # the kernels' clock is not the sampler's Unix clock on this torch (or the trace's
+        # times are relative): no share rather than a share of zero
+        sampler.static["gemm_share"] = "not computed: the samples and kernels share no time"
+        return
     for s, share in zip(sampler.samples[1:], timeline.share_over(
             recs, lambda n: category(n) == "gemm", edges)):
         s["gemm_share"] = share
@@ -173,10 +203,13 @@ def window(step: Callable[[], Any], dev, steps: int = 1,
         lambda: got.append(_profiled(step, dev, steps, record_shapes=False)),
         "dry run: CPU tensors have no caching allocator")
     prof, wall_us, clock, recs = got[0]
+    recs = kernels_or_why(recs, cuda)
     rows = rows_of(prof.events(), cuda)
     if cuda and rows:  # the kernels' own span: the host's launch lead is not device idle
         wall_us = max(wall_us, max(r[3] for r in rows) - min(r[2] for r in rows))
     out = summarize(rows, wall_us, "cuda kernels" if cuda else "cpu ops (dry run)")
+    if cuda and not rows:
+        out["reason"] = "the profiler recorded no CUDA kernel: idle is the whole window"
     out["steps"] = steps
     out["clocks"] = clock
     out["gaps"] = _analysed(recs, timeline.gaps)
@@ -185,9 +218,20 @@ def window(step: Callable[[], Any], dev, steps: int = 1,
     out["allocator"] = alloc
     del prof, recs, got
     _, wall_us, clock, recs = _profiled(step, dev, 1, record_shapes=True)
+    recs = kernels_or_why(recs, cuda)
     out["gemm_shapes"] = {"steps": 1, "window_us": wall_us, "clocks": clock, **_analysed(
         recs, lambda r: timeline.gemm_shapes(r, lambda name: category(name) == "gemm"))}
     return out
+
+
+def kernels_or_why(recs: list | dict, cuda: bool) -> list | dict[str, Any]:
+    """The records, unless a CUDA window recorded no kernel (CUPTI unavailable or not
+    permitted in the container): the gap analyses would then fall back to the host operators
+    as on a dry run and call every gap host time, a verdict about nothing."""
+    if cuda and isinstance(recs, list) and not any(r.kind == "kernel" for r in recs):
+        return {"source": None, "reason": "the profiler recorded no CUDA kernel (CUPTI "
+                                          "unavailable or not permitted?)"}
+    return recs
 
 
 def _analysed(recs: list | dict, analyse: Callable[[list], dict[str, Any]]) -> dict[str, Any]:

@@ -4,12 +4,9 @@ launched the kernel after it and how far ahead of it that launch came), a histog
 lengths (launch-bound idle shows as many small gaps, host syncs as a few large ones), and the
 achieved TFLOP/s of the GEMMs per distinct shape (the launching operator's input shapes).
 
-The analysis works on plain `Rec`s, so a unit test can hand it a synthetic timeline; `records`
-reads them from a finished `torch.profiler.profile` through the raw Kineto events
-(`prof.profiler.kineto_results.events()`, torch 2.11-2.13): a device kernel's
-`linked_correlation_id()` is the `correlation_id()` of the CPU operator that launched it (what
-torch's own `_parse_kineto_results` joins on), and the runtime call (cudaLaunchKernel) carries
-the kernel's own `correlation_id()`. On CPU (dry run) there are no kernels: the same analysis
+The analysis works on plain `Rec`s, so a unit test can hand it a synthetic timeline;
+gpukit/events.py reads them from a profiler window (its raw Kineto events or its Chrome trace).
+On CPU (dry run) there are no kernels: the same analysis
 runs on the leaf operators of the busiest host thread, the enclosing operator standing in for
 the launcher and each launched as it starts (launch lead 0), so every field is exercised.
 """
@@ -38,48 +35,6 @@ class Rec:
     corr: int = 0
     linked: int = 0
     shapes: tuple = ()
-
-
-def records(prof) -> list[Rec] | None:
-    """The window's events as `Rec`s, or None where this torch's profiler does not expose the
-    raw Kineto events (feature-detected, never assumed)."""
-    from torch.autograd import DeviceType
-
-    res = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if res is None or not hasattr(res, "events"):
-        return None
-    out = []
-    for e in res.events():
-        def get(attr: str, default: Any = 0, e=e) -> Any:
-            return _call(e, attr, default)
-
-        dev = e.device_type()
-        linked = get("linked_correlation_id")
-        if dev == DeviceType.CUDA:
-            if get("is_user_annotation", False) or "#" in e.name():
-                continue  # annotation ranges spanning the kernels they launched
-            kind, lane = "kernel", get("device_resource_id")
-        elif dev == DeviceType.CPU:
-            # a runtime call is linked to its operator; an operator is linked to nothing
-            kind, lane = ("runtime" if linked > 0 else "op"), get("start_thread_id")
-        else:
-            continue
-        start = e.start_ns() / 1e3
-        shapes = _frozen(get("shapes", [])) if kind == "op" else ()
-        out.append(Rec(e.name(), kind, start, start + e.duration_ns() / 1e3, lane,
-                       get("correlation_id"), linked, shapes))
-    return out
-
-
-def _call(event, method: str, default: Any) -> Any:
-    """`event.method()`, or `default` where this torch's KinetoEvent lacks the method."""
-    fn = getattr(event, method, None)
-    return fn() if fn is not None else default
-
-
-def _frozen(x: Any) -> Any:
-    """Nested lists (input shapes, tensor lists among them) as nested tuples: hashable."""
-    return tuple(_frozen(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _plain(x: Any) -> Any:
