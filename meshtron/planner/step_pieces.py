@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtron.planner import comm, compression, moe_memory, offload, pipeline
+from meshtron.planner import comm, moe_memory, offload, pipeline
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -91,8 +91,6 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
         tied = pipeline.tied_embedding_reduce(ev.grad_bytes * word,
                                               groups["pp_hop_crosses_nodes"], ev.fab)
     flags = ev.dp_flags(cfg)
-    looped = v > 1 and cfg.schedule in ("interleaved", "gpipe")
-    idle = max(0, pp - m) if looped else 0
     fold, drain_s, dp_s, opt = [], [], [], []
     for i, k in enumerate(device_layers):
         params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == pp - 1 else 0.0)
@@ -114,7 +112,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
         stage_b = sum(tot[j] for j in range(i, nv, pp)) - stage_f
         kept = p_head if i == pp - 1 else 0.0  # FSDP's [norm, head]: not re-gathered
         fo, dr, rest = _stage_dp(ev, cfg, i, k, (params, k * p_exp, kept), m, stage_f, stage_b,
-                                 idle, flags, groups)
+                                 flags, groups)
         fold.append(fo)
         drain_s.append(dr)
         dp_s.append(rest)
@@ -124,38 +122,23 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
 
 
 def _stage_dp(ev: Evaluator, cfg, i: int, k: int, held: tuple[float, float, float], m: int,
-              stage_f: float, stage_b: float, idle: int, flags: dict,
+              stage_f: float, stage_b: float, flags: dict,
               groups: dict) -> tuple[float, float, float]:
     """(per micro-batch fold, drained reduction, rest) of pipeline rank i's exposed
-    data-parallel time: the planner's `_dp_time` (or its expert / compression variants) with
-    the arguments `evaluate` passes, split by where the simulator places it. `held`: the
-    rank's (parameters, expert parameters, parameters of its last unit kept gathered)."""
-    zero, pp, v = cfg.zero, cfg.pp, cfg.virtual_stages
-    params, experts, kept = held
-    if cfg.dp * cfg.cp <= 1:
-        return 0.0, 0.0, 0.0
-    first, last = i == 0, i == pp - 1
-    fsdp = ev.opts.sharding == "fsdp"
-    drain = (v, i, stage_b, idle) if pp > 1 and fsdp else None
-    # stage i finishes its last backward about i stage-backwards before stage 0
-    args = (params, groups, m, stage_f, stage_b if zero >= 2 else (1 + i) * stage_b, k,
-            cfg.recompute == "full" and ev.opts.recompute_regathers)
-    units = ev.fsdp_units(k, first, last)
-    if compression.changes_dp(cfg):
-        return 0.0, 0.0, compression.dp_time(ev, cfg, *args, units=units, kept=kept)
-    if experts:
-        return 0.0, 0.0, ev._dp_with_experts(params, experts, zero, args, units, kept,
-                                             {**flags, "drain": drain}, groups)
-    total = ev._dp_time(params, zero, *args[1:], units=units, kept=kept, drain=drain, **flags)
-    per_unit = (zero == 3 or (zero == 2 and fsdp)) and not (flags["reduce_once"]
-                                                           or flags["gather_once"])
-    if per_unit:  # per unit and micro-batch: spread over the micro-batches' work
-        return total / m, 0.0, 0.0
-    if drain is None or (zero >= 2 and not flags["reduce_once"]):
-        return 0.0, 0.0, total
+    data-parallel time: the planner's own (`ev.stage_dp`), split by where the simulator
+    places it. `held`: the rank's (parameters, expert parameters, parameters of its last unit
+    kept gathered)."""
+    dp = ev.stage_dp(cfg, i, k, held, m, stage_f, stage_b, flags, groups)
+    if dp.path != "dense":
+        return 0.0, 0.0, dp.total
+    if ev.per_unit_each_microbatch(cfg.zero, flags["reduce_once"], flags["gather_once"]):
+        return dp.total / m, 0.0, 0.0  # spread over the micro-batches' work
+    if dp.drain is None or (cfg.zero >= 2 and not flags["reduce_once"]):
+        return 0.0, 0.0, dp.total
     # FSDP2 under pipelining: the raw reductions stall the device after each chunk's last
     # backward (the event graph then exposes what reduce_after_drain says); the rest (the
     # gathers, the interference of the hidden part) after the last backward
-    raw = ev.once_per_step(params, min(zero, 2), groups, flags["gsize"], flags["wsize"],
+    units = ev.fsdp_units(k, i == 0, i == cfg.pp - 1)
+    raw = ev.once_per_step(held[0], min(cfg.zero, 2), groups, flags["gsize"], flags["wsize"],
                            units)[0]
-    return 0.0, raw, total - pipeline.reduce_after_drain(raw, *drain, 0.0)
+    return 0.0, raw, dp.total - pipeline.reduce_after_drain(raw, *dp.drain, 0.0)
