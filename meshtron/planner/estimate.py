@@ -82,7 +82,8 @@ from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
 from meshtron.planner.estimate_stage import StageCosts, given_partition
-from meshtron.planner.estimate_time import StepTimes, Work
+from meshtron.planner.estimate_time import StepTimes
+from meshtron.planner.estimate_work import Work
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_rules_pipeline import split_problem
 

@@ -6,16 +6,9 @@ optimizer step and host offload.
 
 from __future__ import annotations
 
-import types
-
 from meshtron.planner import comm, offload, pipeline
 from meshtron.planner.estimate_results import TimeBreakdown
-
-
-class Work(types.SimpleNamespace):
-    """What the steps of one `Evaluator.evaluate` call hand each other (estimate.py): the
-    plan's micro-batch costs, its states, the stages' memory model, the layer split and
-    whether it fits, under the names the steps use."""
+from meshtron.planner.estimate_work import Work
 
 
 class StepTimes:
