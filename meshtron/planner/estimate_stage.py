@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from meshtron.planner import compression, compute, memory, moe_cost, pipeline
+from meshtron.planner import compression, compute, memory, moe_cost, moe_memory, pipeline
 from meshtron.planner.cluster import HOST_USABLE_FRACTION
 from meshtron.planner.plan import Plan
 
@@ -46,6 +46,28 @@ class StageCosts:
         return dataclasses.replace(
             mem, host=gib * per_node,
             host_capacity=None if cap is None else cap * HOST_USABLE_FRACTION)
+
+    def block_params(self, tp: int, pp: int, ep: int,
+                     framework: str) -> tuple[float, float, float, float, float]:
+        """Parameters per tensor rank (block, embedding, head, largest matrix, a block's
+        routed experts kept apart under expert parallelism): `_params`, with a MoE block's
+        where the stack keeps them (moe_memory.block_params; ep = 1 folds the experts into
+        the block)."""
+        p_layer, p_emb, p_head, largest = self._params(tp, pp)
+        p_exp = 0.0
+        if self.model.is_moe:
+            p_layer, p_exp = moe_memory.block_params(self.model, tp, pp, ep, framework)
+            if ep == 1:
+                p_layer, p_exp = p_layer + p_exp, 0.0
+        return p_layer, p_emb, p_head, largest, p_exp
+
+    def tied_embedding_s(self, tp: int, crosses_nodes: bool) -> float:
+        """Megatron's and DeepSpeed's all-reduce of the tied word embedding's gradient between
+        the end stages of a pipeline (pipeline.tied_embedding_reduce); 0 when untied."""
+        if not self.model.tied_embeddings:
+            return 0.0
+        word = self.model.vocab * self.model.hidden / tp  # the tied table, vocabulary-parallel
+        return pipeline.tied_embedding_reduce(self.grad_bytes * word, crosses_nodes, self.fab)
 
     def stage_dp(self, cfg: Plan, i: int, k: int, held: tuple[float, float, float], m: int,
                  stage_f: float, stage_b: float, flags: dict[str, Any],

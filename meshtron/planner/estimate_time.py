@@ -47,8 +47,7 @@ class StepTimes:
             pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
                                      self.opts.p2p_overlap and v > 1)
             if model.tied_embeddings:
-                word = model.vocab * model.hidden / tp  # the tied table, vocabulary-parallel
-                pp_t += pipeline.tied_embedding_reduce(self.grad_bytes * word, cross, self.fab)
+                pp_t += self.tied_embedding_s(tp, cross)
         w.stage_t, w.stage_f = stage_t, stage_f
         dp_t, opt_t, off_t = self._stage_sync(w)
         return TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtron.planner import comm, moe_memory, offload, pipeline
+from meshtron.planner import comm, offload, pipeline
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -79,17 +79,9 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     if pp > 1:
         hop = comm.send(p2p_bytes, groups["pp_hop_crosses_nodes"], ev.fab) + gather
     device_layers = [sum(n[j] for j in range(i, nv, pp)) for i in range(pp)]
-    p_layer, p_emb, p_head, _ = ev._params(tp, pp)
-    p_exp = 0.0
-    if ev.model.is_moe:  # where the stack keeps the MoE parameters, as `evaluate` asks
-        p_layer, p_exp = moe_memory.block_params(ev.model, tp, pp, cfg.ep, ev.mem.framework)
-        if cfg.ep == 1:
-            p_layer, p_exp = p_layer + p_exp, 0.0
-    tied = 0.0
-    if pp > 1 and ev.model.tied_embeddings:  # as `evaluate` adds it to pp_comm
-        word = ev.model.vocab * ev.model.hidden / tp
-        tied = pipeline.tied_embedding_reduce(ev.grad_bytes * word,
-                                              groups["pp_hop_crosses_nodes"], ev.fab)
+    p_layer, p_emb, p_head, _, p_exp = ev.block_params(tp, pp, cfg.ep, ev.mem.framework)
+    # as `evaluate` adds it to pp_comm
+    tied = ev.tied_embedding_s(tp, groups["pp_hop_crosses_nodes"]) if pp > 1 else 0.0
     flags = ev.dp_flags(cfg)
     fold, drain_s, dp_s, opt = [], [], [], []
     for i, k in enumerate(device_layers):
