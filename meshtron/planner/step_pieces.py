@@ -1,9 +1,10 @@
 """One evaluated plan broken into per-operation costs for the step-level simulator
 (meshtron/simulate): `StepPieces` and `step_pieces`. Every data-parallel cost is the
-Evaluator's own (`_dp_time` with the arguments `evaluate` passes it, pipeline.reduce_after_drain
-for FSDP2 under torch.distributed.pipelining), the tied embedding's all-reduce is
-pipeline.tied_embedding_reduce: the simulator places the planner's pieces on its event graph
-and prices nothing itself. Torch-free."""
+Evaluator's own choice (`Evaluator.stage_dp`, which the planner's step time calls too;
+pipeline.reduce_after_drain for FSDP2 under torch.distributed.pipelining), the parameters per
+rank and the tied embedding's all-reduce its `block_params` and `tied_embedding_s`: the
+simulator places the planner's pieces on its event graph and prices nothing itself.
+Torch-free."""
 
 from __future__ import annotations
 
