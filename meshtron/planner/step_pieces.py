@@ -58,7 +58,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     """Break an evaluated plan into per-operation costs, with the same formulas and layer split
     as `ev.evaluate` (stage times, pipeline hop, data-parallel collectives, optimizer)."""
     cfg, n = est.config, est.stage_layers
-    tp, pp, v, zero = cfg.tp, cfg.pp, cfg.virtual_stages, cfg.zero
+    tp, pp, zero = cfg.tp, cfg.pp, cfg.zero
     m = est.num_microbatches
     c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = ev._micro(tp, cfg.micro_batch, cfg.sp,
                                                                     cfg.recompute, cfg.cp,
