@@ -111,6 +111,13 @@ class DataParallelCost:
         extra = int(first) + int(last) if self.opts.sharding == "fsdp" else 0
         return max(1, layers * self.opts.shard_units_per_layer + extra)
 
+    def per_unit_each_microbatch(self, zero: int, reduce_once: bool, gather_once: bool) -> bool:
+        """Whether `_dp_time` prices a stage per FSDP unit and micro-batch
+        (`_zero3_per_microbatch`): ZeRO-3, or ZeRO-2 on FSDP, neither reduced nor gathered
+        once per step (`dp_flags`)."""
+        fsdp = self.opts.sharding == "fsdp"
+        return (zero == 3 or (zero == 2 and fsdp)) and not (reduce_once or gather_once)
+
     def _dp_time(self, params: float, zero: int, groups: dict[str, Any], m: int, fwd: float,
                  bwd: float, layers: int = 1, regather: bool = False,
                  wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
@@ -134,7 +141,7 @@ class DataParallelCost:
             return hit
         gsize = wire or gsize
         fsdp = self.opts.sharding == "fsdp"
-        if (zero == 3 or (zero == 2 and fsdp)) and not (reduce_once or gather_once):
+        if self.per_unit_each_microbatch(zero, reduce_once, gather_once):
             # per unit and micro-batch, with its own overlap rules
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
                                                  backward_gather=zero == 3, wire=gsize,

@@ -82,7 +82,8 @@ from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
 from meshtron.planner.estimate_stage import StageCosts, given_partition
-from meshtron.planner.estimate_time import StepTimes, Work
+from meshtron.planner.estimate_time import StepTimes
+from meshtron.planner.estimate_work import Work
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_rules_pipeline import split_problem
 
@@ -202,10 +203,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         """Parameters per tensor rank (w.p_layer, p_emb, p_head, largest, p_exp) and the bytes
         per parameter of their states kept on the device and moved to the host, dense
         (w.states, moved) and routed experts' (w.e_states, e_moved)."""
-        cfg, model, mem_opts = w.cfg, self.model, w.mem_opts
+        cfg, mem_opts = w.cfg, w.mem_opts
         tp, pp, ep, zero, shard_dp = w.tp, w.pp, w.ep, w.zero, w.shard_dp
         fsdp_zero1, accum = w.fsdp_zero1, w.accum
-        p_layer, p_emb, p_head, largest = self._params(tp, pp)
+        p_layer, p_emb, p_head, largest, p_exp = self.block_params(tp, pp, ep,
+                                                                   mem_opts.framework)
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
         if fsdp_zero1 and accum:
@@ -216,11 +218,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         moved = sum(full_states) - sum(states)  # bytes per parameter on the host
         # expert parallelism: a rank holds E/ep experts per block, their ZeRO states spread
         # over the dp*cp/ep ranks holding the same experts (moe_cost.py)
-        p_exp, e_states, e_moved = 0.0, None, 0.0
-        if model.is_moe:  # where the stack keeps the MoE parameters (moe_memory.py)
-            p_layer, p_exp = moe_memory.block_params(model, tp, pp, ep, mem_opts.framework)
-            if ep == 1:
-                p_layer, p_exp = p_layer + p_exp, 0.0
+        e_states, e_moved = None, 0.0
         if ep > 1:
             e_full = memory.state_bytes(zero, max(1, shard_dp // ep), self.grad_bytes, mem_opts)
             if fsdp_zero1 and accum:  # as the dense states above: `accum` holds them

@@ -7,11 +7,24 @@ lower bound, and the layer split a plan fixes itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
-from meshtron.planner import compute, memory, moe_cost, pipeline
+from meshtron.planner import compression, compute, memory, moe_cost, moe_memory, pipeline
 from meshtron.planner.cluster import HOST_USABLE_FRACTION
 from meshtron.planner.plan import Plan
+
+
+class StageDp(NamedTuple):
+    """One pipeline rank's exposed data-parallel time (`StageCosts.stage_dp`) and how it was
+    priced, so the simulator places the same time the planner adds up."""
+
+    total: float
+    path: str
+    """'none' (no data parallelism), 'compressed' (compression.dp_time), 'experts'
+    (`_dp_with_experts`) or 'dense' (`_dp_time`)."""
+    drain: tuple[int, int, float, int] | None
+    """pipeline.reduce_after_drain's (v, rank, backward, idle slots) when FSDP2 under
+    torch.distributed.pipelining reduces after the rank's last backward, else None."""
 
 
 class StageCosts:
@@ -33,6 +46,61 @@ class StageCosts:
         return dataclasses.replace(
             mem, host=gib * per_node,
             host_capacity=None if cap is None else cap * HOST_USABLE_FRACTION)
+
+    def block_params(self, tp: int, pp: int, ep: int,
+                     framework: str) -> tuple[float, float, float, float, float]:
+        """Parameters per tensor rank (block, embedding, head, largest matrix, a block's
+        routed experts kept apart under expert parallelism): `_params`, with a MoE block's
+        where the stack keeps them (moe_memory.block_params; ep = 1 folds the experts into
+        the block)."""
+        p_layer, p_emb, p_head, largest = self._params(tp, pp)
+        p_exp = 0.0
+        if self.model.is_moe:
+            p_layer, p_exp = moe_memory.block_params(self.model, tp, pp, ep, framework)
+            if ep == 1:
+                p_layer, p_exp = p_layer + p_exp, 0.0
+        return p_layer, p_emb, p_head, largest, p_exp
+
+    def tied_embedding_s(self, tp: int, crosses_nodes: bool) -> float:
+        """Megatron's and DeepSpeed's all-reduce of the tied word embedding's gradient between
+        the end stages of a pipeline (pipeline.tied_embedding_reduce); 0 when untied."""
+        if not self.model.tied_embeddings:
+            return 0.0
+        word = self.model.vocab * self.model.hidden / tp  # the tied table, vocabulary-parallel
+        return pipeline.tied_embedding_reduce(self.grad_bytes * word, crosses_nodes, self.fab)
+
+    def stage_dp(self, cfg: Plan, i: int, k: int, held: tuple[float, float, float], m: int,
+                 stage_f: float, stage_b: float, flags: dict[str, Any],
+                 groups: dict[str, Any]) -> StageDp:
+        """Exposed data-parallel time of pipeline rank `i` holding `k` blocks, `held` = its
+        (parameters, routed-expert parameters, parameters of its last unit kept gathered),
+        with `stage_f`, `stage_b` the forward and backward of one micro-batch on it: the one
+        choice between gradient compression, the experts' own groups and `_dp_time` that
+        the planner (estimate_time.py) and the simulator (step_pieces.py) both use."""
+        zero, pp, v = cfg.zero, cfg.pp, cfg.virtual_stages
+        params, experts, kept = held
+        if cfg.dp * cfg.cp <= 1:  # ZeRO shards and reductions span dp x cp ranks
+            return StageDp(0.0, "none", None)
+        first, last = i == 0, i == pp - 1
+        # chunk-slots a looped schedule idles at each chunk change (pipeline.bubble_time)
+        looped = v > 1 and (cfg.schedule == "interleaved" or cfg.schedule == "gpipe")
+        idle = max(0, pp - m) if looped else 0
+        # FSDP2 under torch.distributed.pipelining reduces after the stage's last backward
+        # (pipeline.reduce_after_drain); DDP-style stacks during it
+        drain = (v, i, stage_b, idle) if pp > 1 and self.opts.sharding == "fsdp" else None
+        # stage i finishes its last backward about i stage-backwards before stage 0
+        args = (params, groups, m, stage_f, stage_b if zero >= 2 else (1 + i) * stage_b, k,
+                cfg.recompute == "full" and self.opts.recompute_regathers)
+        units = self.fsdp_units(k, first, last)
+        if compression.changes_dp(cfg):  # gradient compression or DiLoCo
+            return StageDp(compression.dp_time(self, cfg, *args, units=units, kept=kept),
+                           "compressed", None)
+        if experts:
+            return StageDp(self._dp_with_experts(params, experts, zero, args, units, kept,
+                                                 {**flags, "drain": drain}, groups),
+                           "experts", drain)
+        return StageDp(self._dp_time(params, zero, *args[1:], units=units, kept=kept,
+                                     drain=drain, **flags), "dense", drain)
 
     def _dp_with_experts(self, params: float, experts: float, zero: int, args: tuple,
                          units: int, kept: float, flags: dict[str, Any],

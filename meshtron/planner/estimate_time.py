@@ -6,16 +6,9 @@ optimizer step and host offload.
 
 from __future__ import annotations
 
-import types
-
-from meshtron.planner import comm, compression, offload, pipeline
+from meshtron.planner import comm, offload, pipeline
 from meshtron.planner.estimate_results import TimeBreakdown
-
-
-class Work(types.SimpleNamespace):
-    """What the steps of one `Evaluator.evaluate` call hand each other (estimate.py): the
-    plan's micro-batch costs, its states, the stages' memory model, the layer split and
-    whether it fits, under the names the steps use."""
+from meshtron.planner.estimate_work import Work
 
 
 class StepTimes:
@@ -54,8 +47,7 @@ class StepTimes:
             pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
                                      self.opts.p2p_overlap and v > 1)
             if model.tied_embeddings:
-                word = model.vocab * model.hidden / tp  # the tied table, vocabulary-parallel
-                pp_t += pipeline.tied_embedding_reduce(self.grad_bytes * word, cross, self.fab)
+                pp_t += self.tied_embedding_s(tp, cross)
         w.stage_t, w.stage_f = stage_t, stage_f
         dp_t, opt_t, off_t = self._stage_sync(w)
         return TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
@@ -64,16 +56,13 @@ class StepTimes:
     def _stage_sync(self, w: Work) -> tuple[float, float, float]:
         """(exposed data-parallel time, optimizer step, host-link transfers) of the slowest
         stage for each, and w.host_gpu."""
-        cfg, n, zero, m, pp, v = w.cfg, w.n, w.zero, w.m, w.pp, w.v
+        cfg, n, zero, m, pp = w.cfg, w.n, w.zero, w.m, w.pp
         shard_dp, ep, flags, groups = w.shard_dp, w.ep, w.flags, w.groups
         p_layer, p_emb, p_head, p_exp = w.p_layer, w.p_emb, w.p_head, w.p_exp
         stage_t, stage_f = w.stage_t, w.stage_f
         dp_t = 0.0
         opt_t = 0.0
         off_t = 0.0
-        # chunk-slots a looped schedule idles at each chunk change (pipeline.bubble_time)
-        looped = v > 1 and (cfg.schedule == "interleaved" or cfg.schedule == "gpipe")
-        idle = max(0, pp - m) if looped else 0
         host_gpu = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
         seen: set[tuple[int, bool, bool]] = set()
         for i, k in enumerate(n):
@@ -95,26 +84,9 @@ class StepTimes:
                                           self.cluster.host_memory_bytes_per_s)
                 opt_t = max(opt_t, oc.host_step_s)
                 off_t = max(off_t, oc.transfer_s)
-            if shard_dp > 1:
-                bwd = stage_t[i] - stage_f[i]
-                # FSDP2 under torch.distributed.pipelining reduces after the stage's last
-                # backward (pipeline.reduce_after_drain); DDP-style stacks during it
-                drain = (v, i, bwd, idle) if pp > 1 and self.opts.sharding == "fsdp" else None
-                # stage i finishes its last backward about i stage-backwards before stage 0
-                args = (params_i, groups, m, stage_f[i], bwd if zero >= 2 else (1 + i) * bwd,
-                        k, w.rec == "full" and self.opts.recompute_regathers)
-                units = self.fsdp_units(k, first, last)
-                kept = p_head if last else 0.0  # FSDP's [norm, head]: not re-gathered
-                if compression.changes_dp(cfg):  # gradient compression or DiLoCo
-                    dp_t = max(dp_t, compression.dp_time(self, cfg, *args, units=units,
-                                                         kept=kept))
-                elif experts_i:
-                    dp_t = max(dp_t, self._dp_with_experts(params_i, experts_i, zero, args,
-                                                           units, kept, {**flags,
-                                                                         "drain": drain},
-                                                           groups))
-                else:
-                    dp_t = max(dp_t, self._dp_time(args[0], zero, *args[1:], units=units,
-                                                   kept=kept, drain=drain, **flags))
+            kept = p_head if last else 0.0  # FSDP's [norm, head]: not re-gathered
+            dp_t = max(dp_t, self.stage_dp(cfg, i, k, (params_i, experts_i, kept), m,
+                                           stage_f[i], stage_t[i] - stage_f[i], flags,
+                                           groups).total)
         w.host_gpu = host_gpu
         return dp_t, opt_t, off_t

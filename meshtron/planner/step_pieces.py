@@ -1,16 +1,17 @@
 """One evaluated plan broken into per-operation costs for the step-level simulator
 (meshtron/simulate): `StepPieces` and `step_pieces`. Every data-parallel cost is the
-Evaluator's own (`_dp_time` with the arguments `evaluate` passes it, pipeline.reduce_after_drain
-for FSDP2 under torch.distributed.pipelining), the tied embedding's all-reduce is
-pipeline.tied_embedding_reduce: the simulator places the planner's pieces on its event graph
-and prices nothing itself. Torch-free."""
+Evaluator's own choice (`Evaluator.stage_dp`, which the planner's step time calls too;
+pipeline.reduce_after_drain for FSDP2 under torch.distributed.pipelining), the parameters per
+rank and the tied embedding's all-reduce its `block_params` and `tied_embedding_s`: the
+simulator places the planner's pieces on its event graph and prices nothing itself.
+Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtron.planner import comm, compression, moe_memory, offload, pipeline
+from meshtron.planner import comm, offload, pipeline
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     """Break an evaluated plan into per-operation costs, with the same formulas and layer split
     as `ev.evaluate` (stage times, pipeline hop, data-parallel collectives, optimizer)."""
     cfg, n = est.config, est.stage_layers
-    tp, pp, v, zero = cfg.tp, cfg.pp, cfg.virtual_stages, cfg.zero
+    tp, pp, zero = cfg.tp, cfg.pp, cfg.zero
     m = est.num_microbatches
     c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = ev._micro(tp, cfg.micro_batch, cfg.sp,
                                                                     cfg.recompute, cfg.cp,
@@ -79,20 +80,10 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     if pp > 1:
         hop = comm.send(p2p_bytes, groups["pp_hop_crosses_nodes"], ev.fab) + gather
     device_layers = [sum(n[j] for j in range(i, nv, pp)) for i in range(pp)]
-    p_layer, p_emb, p_head, _ = ev._params(tp, pp)
-    p_exp = 0.0
-    if ev.model.is_moe:  # where the stack keeps the MoE parameters, as `evaluate` asks
-        p_layer, p_exp = moe_memory.block_params(ev.model, tp, pp, cfg.ep, ev.mem.framework)
-        if cfg.ep == 1:
-            p_layer, p_exp = p_layer + p_exp, 0.0
-    tied = 0.0
-    if pp > 1 and ev.model.tied_embeddings:  # as `evaluate` adds it to pp_comm
-        word = ev.model.vocab * ev.model.hidden / tp
-        tied = pipeline.tied_embedding_reduce(ev.grad_bytes * word,
-                                              groups["pp_hop_crosses_nodes"], ev.fab)
+    p_layer, p_emb, p_head, _, p_exp = ev.block_params(tp, pp, cfg.ep, ev.mem.framework)
+    # as `evaluate` adds it to pp_comm
+    tied = ev.tied_embedding_s(tp, groups["pp_hop_crosses_nodes"]) if pp > 1 else 0.0
     flags = ev.dp_flags(cfg)
-    looped = v > 1 and cfg.schedule in ("interleaved", "gpipe")
-    idle = max(0, pp - m) if looped else 0
     fold, drain_s, dp_s, opt = [], [], [], []
     for i, k in enumerate(device_layers):
         params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == pp - 1 else 0.0)
@@ -114,7 +105,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
         stage_b = sum(tot[j] for j in range(i, nv, pp)) - stage_f
         kept = p_head if i == pp - 1 else 0.0  # FSDP's [norm, head]: not re-gathered
         fo, dr, rest = _stage_dp(ev, cfg, i, k, (params, k * p_exp, kept), m, stage_f, stage_b,
-                                 idle, flags, groups)
+                                 flags, groups)
         fold.append(fo)
         drain_s.append(dr)
         dp_s.append(rest)
@@ -124,38 +115,23 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
 
 
 def _stage_dp(ev: Evaluator, cfg, i: int, k: int, held: tuple[float, float, float], m: int,
-              stage_f: float, stage_b: float, idle: int, flags: dict,
+              stage_f: float, stage_b: float, flags: dict,
               groups: dict) -> tuple[float, float, float]:
     """(per micro-batch fold, drained reduction, rest) of pipeline rank i's exposed
-    data-parallel time: the planner's `_dp_time` (or its expert / compression variants) with
-    the arguments `evaluate` passes, split by where the simulator places it. `held`: the
-    rank's (parameters, expert parameters, parameters of its last unit kept gathered)."""
-    zero, pp, v = cfg.zero, cfg.pp, cfg.virtual_stages
-    params, experts, kept = held
-    if cfg.dp * cfg.cp <= 1:
-        return 0.0, 0.0, 0.0
-    first, last = i == 0, i == pp - 1
-    fsdp = ev.opts.sharding == "fsdp"
-    drain = (v, i, stage_b, idle) if pp > 1 and fsdp else None
-    # stage i finishes its last backward about i stage-backwards before stage 0
-    args = (params, groups, m, stage_f, stage_b if zero >= 2 else (1 + i) * stage_b, k,
-            cfg.recompute == "full" and ev.opts.recompute_regathers)
-    units = ev.fsdp_units(k, first, last)
-    if compression.changes_dp(cfg):
-        return 0.0, 0.0, compression.dp_time(ev, cfg, *args, units=units, kept=kept)
-    if experts:
-        return 0.0, 0.0, ev._dp_with_experts(params, experts, zero, args, units, kept,
-                                             {**flags, "drain": drain}, groups)
-    total = ev._dp_time(params, zero, *args[1:], units=units, kept=kept, drain=drain, **flags)
-    per_unit = (zero == 3 or (zero == 2 and fsdp)) and not (flags["reduce_once"]
-                                                           or flags["gather_once"])
-    if per_unit:  # per unit and micro-batch: spread over the micro-batches' work
-        return total / m, 0.0, 0.0
-    if drain is None or (zero >= 2 and not flags["reduce_once"]):
-        return 0.0, 0.0, total
+    data-parallel time: the planner's own (`ev.stage_dp`), split by where the simulator
+    places it. `held`: the rank's (parameters, expert parameters, parameters of its last unit
+    kept gathered)."""
+    dp = ev.stage_dp(cfg, i, k, held, m, stage_f, stage_b, flags, groups)
+    if dp.path != "dense":
+        return 0.0, 0.0, dp.total
+    if ev.per_unit_each_microbatch(cfg.zero, flags["reduce_once"], flags["gather_once"]):
+        return dp.total / m, 0.0, 0.0  # spread over the micro-batches' work
+    if dp.drain is None or (cfg.zero >= 2 and not flags["reduce_once"]):
+        return 0.0, 0.0, dp.total
     # FSDP2 under pipelining: the raw reductions stall the device after each chunk's last
     # backward (the event graph then exposes what reduce_after_drain says); the rest (the
     # gathers, the interference of the hidden part) after the last backward
-    raw = ev.once_per_step(params, min(zero, 2), groups, flags["gsize"], flags["wsize"],
+    units = ev.fsdp_units(k, i == 0, i == cfg.pp - 1)
+    raw = ev.once_per_step(held[0], min(cfg.zero, 2), groups, flags["gsize"], flags["wsize"],
                            units)[0]
-    return 0.0, raw, total - pipeline.reduce_after_drain(raw, *drain, 0.0)
+    return 0.0, raw, dp.total - pipeline.reduce_after_drain(raw, *dp.drain, 0.0)

@@ -1,0 +1,89 @@
+"""`Work`: what the steps of one `estimate.Evaluator.evaluate` call hand each other, declared
+and typed, so that a misspelt name fails where it is written (slots) instead of when a later
+step reads it. Fields are grouped by the step that first sets them, in that order: `_inputs`
+(the constructor's arguments), `_states`, `_memory_model`, `_split`, `_times`, `_stage_sync`.
+Per-layer times are seconds per micro-batch, sizes bytes (parameters where named p_*)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtron.planner import compute, memory
+from meshtron.planner.plan import Plan
+
+Block = tuple[float, float, float, float]
+"""A pipeline rank's mean block: (parameters, routed-expert parameters, activations,
+recompute working set)."""
+
+
+@dataclass(slots=True)
+class Work:
+    """One plan's evaluation state (estimate.py), under the names the steps use."""
+
+    # ---- _inputs: the plan and its per micro-batch costs (estimate_pieces.py) ----
+    cfg: Plan
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    mb: int  # micro-batch size
+    rec: str  # recomputation: none, selective or full
+    v: int  # virtual stages per pipeline rank
+    m: int  # micro-batches per step
+    cp: int
+    ep: int
+    c_l: float  # compute of one layer (recomputation included)
+    tpc_l: float  # tensor/context/expert-parallel communication of one layer
+    f_l: float  # forward part of one layer (compute + communication)
+    w_l: float  # weight-gradient part of one layer
+    emb: compute.EdgeCost
+    head: compute.EdgeCost  # final norm + head + loss (with a chunked loss: `head_for`)
+    p2p_bytes: float  # one pipeline send per tensor rank
+    gather: float  # seconds to re-gather a scattered pipeline activation
+    ep_l: float  # expert all-to-alls of one layer (the part of tpc_l that is ep_comm)
+    mem_opts: memory.MemoryOptions  # the memory options at the plan's dtype
+    act: float  # activations one layer keeps
+    work: float  # working set of a recomputed layer
+    logits: float  # logits and their gradients (last stage)
+    flags: dict[str, Any]  # DataParallelCost.dp_flags
+    shard_dp: int  # ranks ZeRO shards and gradient reductions span (dp x cp)
+    keep: bool  # FSDP2 keeps the parameters gathered over the step
+    fsdp_zero1: bool  # meshtron's ZeRO-1 on FSDP2 (no compression or DiLoCo)
+    accum: float  # bytes per parameter of unsharded gradients accumulated over micro-batches
+    t_layer: float  # c_l + tpc_l
+    e_first: float  # first stage's extra time (embedding; with pp = 1 the head too)
+    e_last: float  # last stage's extra time (head; 0 with pp = 1)
+    # ---- _states: parameters per tensor rank and the bytes of their states ----
+    p_layer: float = 0.0  # of one block (without routed experts under ep > 1)
+    p_emb: float = 0.0
+    p_head: float = 0.0
+    largest: float = 0.0  # the largest single weight matrix (StageParams)
+    p_exp: float = 0.0  # routed-expert parameters of one block under ep > 1
+    states: tuple[float, float, float] = (0.0, 0.0, 0.0)  # bytes per parameter on the device
+    moved: float = 0.0  # bytes per parameter moved to the host (offload)
+    e_states: tuple[float, float, float] | None = None  # the experts' `states` (ep > 1)
+    e_moved: float = 0.0  # the experts' `moved`
+    # ---- _memory_model: what every pipeline rank holds beside its blocks ----
+    grad_extra: float = 0.0  # embedding gradient elements beyond the shard (first stage)
+    reduce_bytes: float = 0.0  # previous block's reduce-scatter input beside a backward
+    inflight: list[float] = field(default_factory=list)  # micro-batches in flight per rank
+    roots: list[float] = field(default_factory=list)  # root parameters per rank (emb, head)
+    root_units: list[float] = field(default_factory=list)  # FSDP2 units outside the blocks
+    out_bytes: float = 0.0  # one chunk output held by torch's pipelining
+    outputs: list[float] = field(default_factory=list)  # held chunk outputs' bytes per rank
+    blocks: list[Block] = field(default_factory=list)  # per rank: its mean block
+    cache_b: float = 0.0  # Transformer Engine's cached FP8 bytes per GEMM weight element
+    not_gemm: float = 0.0  # parameters of a block outside its GEMMs (norms, router)
+    per_layer: list[float] = field(default_factory=list)  # per rank: bytes per layer
+    fixed: list[float] = field(default_factory=list)  # per rank: fixed bytes
+    # ---- _split: the layer split ----
+    budget: float = 0.0  # tensor bytes a GPU may hold (Evaluator.tensor_budget)
+    given: list[int] | None = None  # the plan's own split per rank (given_partition)
+    n: list[int] = field(default_factory=list)  # layers per pipeline rank
+    fits: bool = False
+    # ---- _times, _stage_sync ----
+    groups: dict[str, Any] = field(default_factory=dict)  # Evaluator._groups
+    stage_t: list[float] = field(default_factory=list)  # per rank: one micro-batch's time
+    stage_f: list[float] = field(default_factory=list)  # per rank: its forward part
+    host_gpu: float = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
