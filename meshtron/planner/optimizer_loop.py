@@ -1,0 +1,114 @@
+"""The optimizer step of an optimizer that loops over parameters in Python (KernelOptions
+optimizer 'for-loop'): launch-bound on a small per-rank shard. Torch-free.
+
+Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, 2023), which llm-foundry's
+MPT yamls use, steps one parameter tensor at a time: `state['step'] += 1` while it collects the
+tensors, then per tensor `exp_avg.mul_(beta1).add_(grad)`, `exp_avg_sq.mul_(beta2).addcmul_(grad,
+grad)`, `denom = (exp_avg_sq.sqrt() / c2).add_(eps)`, `param.addcdiv_(exp_avg, denom)`: 9
+kernels (the yamls set weight_decay 0.0, which skips `param.mul_`). Each tensor also reads its
+step counter with `state_steps[i].item()`, a device tensor: one host synchronisation per
+tensor. The yamls' gradient clipping (Composer's gradient_clipping algorithm, clipping_type
+norm) calls FSDP's `clip_grad_norm_` on the root, which takes `torch.linalg.vector_norm` of
+every gradient and then `grad.mul_(clip_coef)` per gradient
+(torch/distributed/fsdp/fully_sharded_data_parallel.py): 2 more kernels per tensor.
+
+Which tensors a rank steps: FSDP1 with use_orig_params (Composer's default, `fsdp_config.
+setdefault('use_orig_params', True)`, trainer/dist_strategy.py) flattens each wrapped unit's
+parameters in registration order into one flat parameter, pads it to a multiple of the shard
+degree and gives rank r the r-th equal chunk; an original parameter outside a rank's chunk has
+its gradient set to None (`_use_sharded_grad_views`, torch/distributed/fsdp/_flat_param.py)
+and the loop skips it. A rank therefore steps the tensors its chunks intersect: 1 or 2 per unit
+at a large shard degree, 3 on the rank whose chunk holds a norm weight between two matrices,
+all of them unsharded. Every rank waits for the slowest at the next collective, so the busiest
+rank is priced (`busiest_rank_tensors`).
+
+Time: every kernel is a no-grad launch (the step runs under torch.no_grad: gemm.dispatch_s
+without autograd's recording, host.AUTOGRAD_RECORD), and each `.item()` empties the queue
+(host.SYNC_S). The launches of a tensor run ahead of the GPU only until its next `.item()`, so
+the step is at least max(device, issue) + tensors * SYNC_S (host.launch_bound's stretch rule over
+the whole step; per tensor it is a sum of maxima, a little more where tensors are both large
+and few).
+"""
+
+from __future__ import annotations
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner import gemm, host
+from meshtron.planner.cluster import ClusterSpec
+
+ADAM_KERNELS = 9
+"""Kernels per tensor of DecoupledAdamW.step at weight_decay 0 (module docstring): the step
+counter's increment, mul_ + add_, mul_ + addcmul_, sqrt, div, add_, addcdiv_."""
+CLIP_KERNELS = 2
+"""Kernels per gradient of FSDP's clip_grad_norm_: its vector_norm and the mul_ by the clip
+coefficient (module docstring)."""
+KERNELS_PER_TENSOR = ADAM_KERNELS + CLIP_KERNELS
+SYNCS_PER_TENSOR = 1
+"""`state_steps[i].item()` per tensor (module docstring)."""
+
+
+def layer_tensors(model: ModelSpec, tp: int) -> list[float]:
+    """Elements of one block's parameter tensors on one tensor-parallel rank, in registration
+    order (MPT's MPTBlock: norm_1, attn.Wqkv, attn.out_proj, norm_2, ffn.up_proj,
+    ffn.down_proj; a SwiGLU MLP adds its gate after up); biases after their weights."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    norm = [float(h)] + ([float(h)] if model.bias and model.norm == "layernorm" else [])
+    qkv, out = (h * (h + 2 * kv)) / tp, h * h / tp
+    ups = [h * f / tp] * (2 if model.mlp == "swiglu" else 1)
+    down = h * f / tp
+    out_t: list[float] = list(norm)
+    for w, b in ((qkv, (h + 2 * kv) / tp), (out, h)):
+        out_t += [w] + ([b] if model.bias else [])
+    out_t += norm
+    for w in ups:
+        out_t += [w] + ([f / tp] if model.bias else [])
+    out_t += [down] + ([float(h)] if model.bias else [])
+    return out_t
+
+
+def outer_tensors(model: ModelSpec, tp: int, first: bool, last: bool) -> list[float]:
+    """The tensors outside the blocks on a stage, in one unit (FSDP1's root): the word
+    embedding (+ learned position table) on the first stage, the final norm (+ untied head) on
+    the last."""
+    h = model.hidden
+    t: list[float] = []
+    if first:
+        t.append(model.vocab * h / tp)
+        if model.position == "learned":
+            t.append(float(model.max_seq * h))
+    if last:
+        t += [float(h)] + ([float(h)] if model.bias and model.norm == "layernorm" else [])
+        if not model.tied_embeddings:
+            t.append(model.vocab * h / tp)
+    return t
+
+
+def _chunk_spans(sizes: list[float], shard: int) -> list[tuple[int, int]]:
+    """(first, last) chunk index each tensor of one flat parameter touches when it is split
+    into `shard` equal chunks (FSDP1's padded FlatParameter)."""
+    chunk = -(-int(sum(sizes)) // shard)  # ceil: FSDP pads to a multiple of the shard degree
+    spans, off = [], 0
+    for s in sizes:
+        n = max(1, int(s))
+        spans.append((off // chunk, (off + n - 1) // chunk))
+        off += n
+    return spans
+
+
+def busiest_rank_tensors(units: list[tuple[list[float], int]], shard: int) -> int:
+    """Most parameter tensors any rank steps over `units` ((tensor sizes, how many such units)
+    on the stage), each flattened and split over `shard` ranks. A sum of interval counts peaks
+    at some interval's first chunk, so only those are tried."""
+    spans = [(_chunk_spans(sizes, max(1, shard)), count) for sizes, count in units if sizes]
+    starts = {a for sp, _ in spans for a, _ in sp}
+    return max((sum(count * sum(1 for a, b in sp if a <= r <= b) for sp, count in spans)
+                for r in starts), default=0)
+
+
+def step_s(tensors: int, device_s: float, cluster: ClusterSpec) -> float:
+    """Seconds of a for-loop optimizer step over `tensors` tensors whose memory-bound device
+    time is `device_s` (module docstring)."""
+    launch = gemm.dispatch_s(cluster) / host.AUTOGRAD_RECORD  # no-grad: nothing recorded
+    issue = tensors * KERNELS_PER_TENSOR * launch
+    return (device_s + host.launch_bound(device_s, issue)
+            + tensors * SYNCS_PER_TENSOR * host.SYNC_S)
