@@ -392,7 +392,8 @@ def test_per_parameter_optimizer_loop_is_launch_bound_on_small_shards():
     with use_orig_params a rank steps only the tensors its chunk of each unit intersects: at
     512 ranks MPT-1b's busiest rank holds the end of out_proj, norm_2 and the start of up_proj
     in every block (3 x 24) plus the root's final norm. There the loop dominates the step the
-    'foreach' bytes alone would take; at 8 ranks of a 70B model the bytes dominate."""
+    'foreach' bytes alone would take; at 8 ranks of a 70B model the bytes dominate (the loop
+    adds its launches only where a tensor's device time is shorter, and its synchronisations)."""
     from bench.published.table import mpt_model
     from meshtron.planner import gemm, host, optimizer_loop
 
@@ -414,4 +415,5 @@ def test_per_parameter_optimizer_loop_is_launch_bound_on_small_shards():
     assert small > 20 * opt_time(mpt1b, 512, "foreach")
     mpt70b = mpt_model("mpt-70b", 80, 8192, 64, 2048)
     big, bytes_only = opt_time(mpt70b, 8, "for-loop"), opt_time(mpt70b, 8, "foreach")
-    assert bytes_only < big < 1.05 * bytes_only
+    # the 160 norm weights still cost a launch-bound pass each and every tensor its .item()
+    assert bytes_only < big < 1.1 * bytes_only

@@ -72,8 +72,7 @@ class StepTimes:
             return device
         units = [(optimizer_loop.layer_tensors(self.model, tp), layers),
                  (optimizer_loop.outer_tensors(self.model, tp, first, last), 1)]
-        n = optimizer_loop.busiest_rank_tensors(units, shard)
-        return optimizer_loop.step_s(n, device, self.cluster)
+        return optimizer_loop.step_s(units, shard, device, self.cluster)
 
     def _stage_sync(self, w: Work) -> tuple[float, float, float]:
         """(exposed data-parallel time, optimizer step, host-link transfers) of the slowest

@@ -20,14 +20,13 @@ its gradient set to None (`_use_sharded_grad_views`, torch/distributed/fsdp/_fla
 and the loop skips it. A rank therefore steps the tensors its chunks intersect: 1 or 2 per unit
 at a large shard degree, 3 on the rank whose chunk holds a norm weight between two matrices,
 all of them unsharded. Every rank waits for the slowest at the next collective, so the busiest
-rank is priced (`busiest_rank_tensors`).
+rank is priced (`step_s`).
 
 Time: every kernel is a no-grad launch (the step runs under torch.no_grad: gemm.dispatch_s
 without autograd's recording, host.AUTOGRAD_RECORD), and each `.item()` empties the queue
 (host.SYNC_S). The launches of a tensor run ahead of the GPU only until its next `.item()`, so
-the step is at least max(device, issue) + tensors * SYNC_S (host.launch_bound's stretch rule over
-the whole step; per tensor it is a sum of maxima, a little more where tensors are both large
-and few).
+host.launch_bound's stretch rule applies per tensor: the step is the sum over the rank's tensors
+of max(launches, device time) plus a synchronisation each, on the slowest rank.
 """
 
 from __future__ import annotations
@@ -83,32 +82,56 @@ def outer_tensors(model: ModelSpec, tp: int, first: bool, last: bool) -> list[fl
     return t
 
 
-def _chunk_spans(sizes: list[float], shard: int) -> list[tuple[int, int]]:
-    """(first, last) chunk index each tensor of one flat parameter touches when it is split
-    into `shard` equal chunks (FSDP1's padded FlatParameter)."""
-    chunk = -(-int(sum(sizes)) // shard)  # ceil: FSDP pads to a multiple of the shard degree
-    spans, off = [], 0
-    for s in sizes:
-        n = max(1, int(s))
-        spans.append((off // chunk, (off + n - 1) // chunk))
-        off += n
-    return spans
+Units = list[tuple[list[float], int]]
+"""(tensor sizes of one unit in registration order, how many such units) per unit kind."""
 
 
-def busiest_rank_tensors(units: list[tuple[list[float], int]], shard: int) -> int:
-    """Most parameter tensors any rank steps over `units` ((tensor sizes, how many such units)
-    on the stage), each flattened and split over `shard` ranks. A sum of interval counts peaks
-    at some interval's first chunk, so only those are tried."""
-    spans = [(_chunk_spans(sizes, max(1, shard)), count) for sizes, count in units if sizes]
-    starts = {a for sp, _ in spans for a, _ in sp}
-    return max((sum(count * sum(1 for a, b in sp if a <= r <= b) for sp, count in spans)
-                for r in starts), default=0)
+def _rank_slices(units: Units, shard: int) -> list[list[tuple[float, int]]]:
+    """For each rank that may be the busiest, the (elements in its chunk, how many units)
+    of every tensor it steps, `units` being (tensor sizes in order, how many such units)
+    each flattened, padded and split into `shard` equal chunks (FSDP1's FlatParameter). A
+    rank's tensor count is a sum of interval counts, which peaks at some tensor's first chunk:
+    only those ranks are tried."""
+    laid = []
+    for sizes, count in units:
+        if not sizes:
+            continue
+        chunk = -(-int(sum(sizes)) // max(1, shard))  # ceil: padded to a multiple of shard
+        spans, off = [], 0
+        for s in sizes:
+            n = max(1, int(s))
+            spans.append((off, off + n))
+            off += n
+        laid.append((spans, chunk, count))
+    starts = {a // chunk for spans, chunk, _ in laid for a, _ in spans}
+    out = []
+    for r in sorted(starts):
+        held = []
+        for spans, chunk, count in laid:
+            lo, hi = r * chunk, (r + 1) * chunk
+            held += [(min(b, hi) - max(a, lo), count) for a, b in spans if a < hi and b > lo]
+        out.append(held)
+    return out
 
 
-def step_s(tensors: int, device_s: float, cluster: ClusterSpec) -> float:
-    """Seconds of a for-loop optimizer step over `tensors` tensors whose memory-bound device
-    time is `device_s` (module docstring)."""
+def busiest_rank_tensors(units: Units, shard: int) -> int:
+    """Most parameter tensors any rank steps over `units` (`_rank_slices`)."""
+    return max((sum(c for _, c in held) for held in _rank_slices(units, shard)), default=0)
+
+
+def step_s(units: Units, shard: int, device_s: float, cluster: ClusterSpec) -> float:
+    """Seconds of a for-loop optimizer step on the slowest rank (module docstring), the
+    memory-bound `device_s` of a rank's whole shard shared out by elements. Each tensor's
+    `.item()` empties the queue, so the host runs ahead only within a tensor: per tensor
+    max(its launches, its device time) (host.launch_bound), plus the synchronisation."""
     launch = gemm.dispatch_s(cluster) / host.AUTOGRAD_RECORD  # no-grad: nothing recorded
-    issue = tensors * KERNELS_PER_TENSOR * launch
-    return (device_s + host.launch_bound(device_s, issue)
-            + tensors * SYNCS_PER_TENSOR * host.SYNC_S)
+    issue = KERNELS_PER_TENSOR * launch
+    worst = 0.0
+    for held in _rank_slices(units, shard):
+        elems = sum(e * c for e, c in held)
+        t = 0.0
+        for e, c in held:
+            dev = device_s * e / elems if elems else 0.0
+            t += c * (dev + host.launch_bound(dev, issue) + SYNCS_PER_TENSOR * host.SYNC_S)
+        worst = max(worst, t)
+    return worst
