@@ -19,8 +19,9 @@ degree and gives rank r the r-th equal chunk; an original parameter outside a ra
 its gradient set to None (`_use_sharded_grad_views`, torch/distributed/fsdp/_flat_param.py)
 and the loop skips it. A rank therefore steps the tensors its chunks intersect: 1 or 2 per unit
 at a large shard degree, 3 on the rank whose chunk holds a norm weight between two matrices,
-all of them unsharded. Every rank waits for the slowest at the next collective, so the busiest
-rank is priced (`step_s`).
+all of them unsharded. Every rank waits for the slowest at the next collective, so the slowest
+rank is priced (`step_s`). (FSDP2 shards every parameter over every rank, so a loop over its
+DTensors would step all tensors everywhere; no stack priced here runs that.)
 
 Time: every kernel is a no-grad launch (the step runs under torch.no_grad: gemm.dispatch_s
 without autograd's recording, host.AUTOGRAD_RECORD), and each `.item()` empties the queue
