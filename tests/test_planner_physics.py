@@ -384,3 +384,36 @@ def test_step_pieces_price_the_plans_fp8_recipe():
     # the recipes price different Linears in FP8 and different casts (planner/fp8.py
     # cast_bytes: in eager, tensorwise's extra FP8 GEMMs cost more in casts than they save)
     assert fwd["tensorwise"] != pytest.approx(fwd["rowwise"], rel=1e-3)
+
+
+def test_per_parameter_optimizer_loop_is_launch_bound_on_small_shards():
+    """Composer's DecoupledAdamW ('for-loop') launches 9 kernels per parameter tensor, FSDP's
+    clip 2 more, and reads a step counter per tensor (planner/optimizer_loop.py). Under FSDP1
+    with use_orig_params a rank steps only the tensors its chunk of each unit intersects: at
+    512 ranks MPT-1b's busiest rank holds the end of out_proj, norm_2 and the start of up_proj
+    in every block (3 x 24) plus the root's final norm. There the loop dominates the step the
+    'foreach' bytes alone would take; at 8 ranks of a 70B model the bytes dominate (the loop
+    adds its launches only where a tensor's device time is shorter, and its synchronisations)."""
+    from bench.published.table import mpt_model
+    from meshtron.planner import gemm, host, optimizer_loop
+
+    def opt_time(model, gpus: int, kind: str) -> float:
+        cl = dataclasses.replace(resolve_cluster(f"dgx-h100:{gpus // 8}"), memory_gib=1e6)
+        ev = Evaluator(model, cl, gpus, 2048, KernelOptions(optimizer=kind, stack="eager"))
+        return ev.evaluate(Plan(1, 1, gpus, 3, 1, "none", False, None, 1,
+                                dtype="bf16")).time.optimizer
+
+    mpt1b = mpt_model("mpt-1b", 24, 2048, 16, 2048)
+    units = [(optimizer_loop.layer_tensors(mpt1b, 1), 24),
+             (optimizer_loop.outer_tensors(mpt1b, 1, True, True), 1)]
+    assert optimizer_loop.busiest_rank_tensors(units, 1) == 24 * 6 + 3  # unsharded: all
+    assert optimizer_loop.busiest_rank_tensors(units, 512) == 3 * 24 + 1
+    launch = gemm.DISPATCH_S / host.AUTOGRAD_RECORD
+    loop = (3 * 24 + 1) * (11 * launch + host.SYNC_S)
+    small = opt_time(mpt1b, 512, "for-loop")
+    assert small == pytest.approx(loop, rel=1e-9)  # issue-bound: the bytes take far less
+    assert small > 20 * opt_time(mpt1b, 512, "foreach")
+    mpt70b = mpt_model("mpt-70b", 80, 8192, 64, 2048)
+    big, bytes_only = opt_time(mpt70b, 8, "for-loop"), opt_time(mpt70b, 8, "foreach")
+    # the 160 norm weights still cost a launch-bound pass each and every tensor its .item()
+    assert bytes_only < big < 1.1 * bytes_only

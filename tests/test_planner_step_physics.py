@@ -107,6 +107,28 @@ def test_optimizer_bytes_follow_the_implementation_not_the_kernels():
         C.KernelOptions(optimizer="adam")
 
 
+def test_simulator_prices_the_for_loop_optimizer_as_the_planner():
+    """The per-tensor loop ('for-loop', planner/optimizer_loop.py) is priced once, by
+    Evaluator.optimizer_step_s, for the planner's step and the simulator's pieces alike: on a
+    2-stage plan what the loop adds to the first stage's piece (the pieces also carry the
+    accumulation passes, which the planner counts in compute) is what it adds to the
+    planner's optimizer term (the first stage, with the embedding, is the slowest); at 32
+    ranks of an 8B model it adds half again to the same bytes stepped by foreach."""
+    from meshtron.planner.step_pieces import step_pieces
+
+    piece, planner = {}, {}
+    for kind in ("for-loop", "foreach"):
+        ev = _ev("meshtron", batch=32, cluster="dgx-h100:8", optimizer=kind)
+        est = ev.evaluate(Plan(1, 2, 32, 3, 1, "none", False, "1f1b", 1, dtype="bf16"))
+        piece[kind] = step_pieces(ev, est).optimizer_s[0]
+        planner[kind] = est.time.optimizer
+    added = planner["for-loop"] - planner["foreach"]
+    assert piece["for-loop"] - piece["foreach"] == pytest.approx(added, rel=1e-9)
+    assert _ev("meshtron", optimizer="for-loop").opt_bytes == _ev(
+        "meshtron", optimizer="foreach").opt_bytes
+    assert planner["for-loop"] > 1.4 * planner["foreach"]
+
+
 def test_unfused_gradient_accumulation_costs_a_pass_per_micro_batch():
     """meshtron's ZeRO-0 adds each micro-batch's bf16 gradient into the fp32 accumulator:
     2 + 4 + 4 bytes per local parameter per micro-batch after the first (the first casts:

@@ -75,6 +75,9 @@ LOOKED_AT = {
        for name in ("MB25.11 Llama3 8b 8xH100", "MB25.11 Llama3 70b 64xH100",
                     "MB25.11 Llama3 405b 1024xH100", "MB26.02 Llama3 70b 64xH100",
                     "MB26.02 Llama3 405b 1024xH100")},
+    **{f"LF MPT-{size} s2048 512xH100": "its error growing with the GPU count led to pricing "
+       "Composer's per-tensor optimizer loop (KernelOptions optimizer 'for-loop', issue 30 "
+       "item 3, 2026-12-05)" for size in ("1b", "3b", "7b")},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""

@@ -69,11 +69,13 @@ TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_
 each TransformerBlock; train.py of December 2024 leaves `torch.compile(loss_fn)` commented
 out, so the final norm, head and loss stay eager; foreach AdamW as above)."""
 LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
-                                stack="eager", optimizer="foreach")
+                                stack="eager", optimizer="for-loop")
 """llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT, as Composer defined it in 2023:
 fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction; Composer's
-DecoupledAdamW steps parameter by parameter with separate ops (optimizer 'foreach' bytes)."""
-LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager", optimizer="foreach")
+DecoupledAdamW steps parameter by parameter with separate ops, reading a step counter per
+tensor, after FSDP's per-gradient clip (optimizer 'for-loop': composer/optim/
+decoupled_weight_decay.py of 2023, planner/optimizer_loop.py)."""
+LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager", optimizer="for-loop")
 """llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
 MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                               fp32_grad_reduce=False, stack="eager", sharding="zero",

@@ -51,9 +51,11 @@ Step time (per optimizer step, on the critical pipeline stage c):
 * optimizer: AdamW is memory bound; fused (torch.optim.AdamW(fused=True), apex / Transformer
   Engine FusedAdam: KernelOptions.optimizer 'fused') it reads and writes fp32 master and two
   moments, reads the gradient and writes bf16 weights: 28 bytes (30 with an fp32 gradient
-  buffer); foreach / for-loop AdamW ('foreach') makes a pass per arithmetic step, 86 bytes;
-  both at 80% of HBM bandwidth. What the optimizer runs is the framework's choice, not the
-  kernel stack's: compiling the blocks leaves it alone.
+  buffer); foreach / for-loop AdamW ('foreach', 'for-loop') makes a pass per arithmetic step,
+  86 bytes; both at 80% of HBM bandwidth. A Python loop over parameters ('for-loop': Composer's
+  DecoupledAdamW) also launches every pass per tensor and reads a step counter per tensor:
+  launch-bound on a small shard (optimizer_loop.py). What the optimizer runs is the
+  framework's choice, not the kernel stack's: compiling the blocks leaves it alone.
 * gradient accumulation (in compute): unless the weight-gradient GEMM accumulates in place
   (Megatron's gradient accumulation fusion), every micro-batch's gradients are added to the
   accumulated ones by a memory-bound pass of their own (`Evaluator.accumulation_s`).
@@ -124,7 +126,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         self.grad_bytes = 4.0 if self.opts.fp32_grad_reduce else memory.GRAD_BYTES
         # AdamW traffic per local parameter: 24 bytes of fp32 master + moments read and written,
         # bf16 weight written (2), gradient read (2 or 4)
-        if self.opts.optimizer == "foreach":
+        if self.opts.optimizer != "fused":  # foreach and for-loop: the same passes
             self.opt_bytes = EAGER_OPTIMIZER_BYTES_PER_PARAM
         else:
             self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes

@@ -6,7 +6,7 @@ optimizer step and host offload.
 
 from __future__ import annotations
 
-from meshtron.planner import comm, offload, pipeline
+from meshtron.planner import comm, offload, optimizer_loop, pipeline
 from meshtron.planner.estimate_results import TimeBreakdown
 from meshtron.planner.estimate_work import Work
 
@@ -53,6 +53,19 @@ class StepTimes:
         return TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                              bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
 
+    def optimizer_step_s(self, local: float, layers: int, first: bool, last: bool,
+                         shard: int, tp: int) -> float:
+        """Seconds of the optimizer step of a stage of `layers` blocks whose rank holds
+        `local` parameters, its states sharded over `shard` ranks: memory-bound (opt_bytes per
+        parameter at HBM speed), and for a per-tensor Python loop ('for-loop': Composer's
+        DecoupledAdamW) launch-bound on the busiest rank's tensors (optimizer_loop.py)."""
+        device = self.opt_bytes * local / self.hbm
+        if self.opts.optimizer != "for-loop":
+            return device
+        units = [(optimizer_loop.layer_tensors(self.model, tp), layers),
+                 (optimizer_loop.outer_tensors(self.model, tp, first, last), 1)]
+        return optimizer_loop.step_s(units, shard, device, self.cluster)
+
     def _stage_sync(self, w: Work) -> tuple[float, float, float]:
         """(exposed data-parallel time, optimizer step, host-link transfers) of the slowest
         stage for each, and w.host_gpu."""
@@ -77,7 +90,8 @@ class StepTimes:
                 local += experts_i / max(1, shard_dp // ep) if zero >= 1 else experts_i
             host_gpu = max(host_gpu, params_i * w.moved + experts_i * w.e_moved)
             if cfg.offload == "none":
-                opt_t = max(opt_t, self.opt_bytes * local / self.hbm)
+                opt_t = max(opt_t, self.optimizer_step_s(local, k, first, last,
+                                                         shard_dp if zero >= 1 else 1, w.tp))
             else:  # host-link copies and the optimizer step on the host
                 oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
                                           self.cluster.host_link_bytes_per_s,

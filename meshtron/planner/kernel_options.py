@@ -21,7 +21,7 @@ Transformer Engine's delayed and current scaling, torchao's tensorwise and rowwi
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused", "compiled")
 SHARDINGS = ("fsdp", "zero")
-OPTIMIZERS = ("fused", "foreach")
+OPTIMIZERS = ("fused", "foreach", "for-loop")
 EAGER_NORMS = ("aten", "python")
 _CHOICES = (("attention", ATTENTION_KINDS), ("stack", STACKS), ("sharding", SHARDINGS),
             ("fp8_filter", FP8_FILTERS), ("fp8_scaling", FP8_SCALINGS), ("fp8_gemm", FP8_GEMMS),
@@ -181,9 +181,12 @@ class KernelOptions:
     """AdamW implementation, which sets the optimizer step's HBM traffic (estimate.py):
     'fused' (one kernel reads and writes every state once: torch.optim.AdamW(fused=True) as
     meshtron/train/optim.py builds it on CUDA, torchtitan since Feb 2025 (#881), apex /
-    Transformer Engine FusedAdam in Megatron, DeepSpeed's FusedAdam) or 'foreach' (one pass per
-    arithmetic step: torch's foreach and for-loop AdamW, torchtitan 2024, Composer's
-    DecoupledAdamW). Independent of `stack`: compiling the blocks leaves the optimizer alone."""
+    Transformer Engine FusedAdam in Megatron, DeepSpeed's FusedAdam), 'foreach' (one pass per
+    arithmetic step over all tensors at once: torch's foreach AdamW, torchtitan 2024) or
+    'for-loop' (the same passes, launched tensor by tensor from a Python loop with a step
+    counter read per tensor: Composer's DecoupledAdamW with FSDP's per-gradient clipping, as
+    llm-foundry runs it; launch-bound on a small shard, planner/optimizer_loop.py).
+    Independent of `stack`: compiling the blocks leaves the optimizer alone."""
     grad_accum_fusion: bool = False
     """The weight-gradient GEMM accumulates into the fp32 main gradient (Megatron-LM's
     --gradient-accumulation-fusion, on by default: fused_weight_gradient_mlp_cuda / Transformer

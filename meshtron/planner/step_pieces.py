@@ -93,7 +93,8 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
             local += k * p_exp / max(1, shard // cfg.ep) if zero >= 1 else k * p_exp
         # the micro-batches' gradient accumulation passes ride with the step's optimizer work
         # (and Transformer Engine's once-per-step FP8 weight casts, as `evaluate` adds them)
-        step = ev.opt_bytes * local / ev.hbm
+        step = ev.optimizer_step_s(local, k, i == 0, i == pp - 1,
+                                   shard if zero >= 1 else 1, tp)
         if cfg.offload != "none":  # the host's step and the host-link copies, as `evaluate`
             oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
                                       ev.cluster.host_link_bytes_per_s,
