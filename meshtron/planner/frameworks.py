@@ -68,6 +68,13 @@ DeepSpeed filled the stages left-greedy).
 The same rule names the schedules the stack's engine runs (plan_rules.STACK_SCHEDULES):
 Megatron 1F1B and interleaved, DeepSpeed 1F1B; meshtron and torchtitan every one priced.
 
+Host offload is what each stack's code runs (MemoryOptions `host_offload`,
+plan_rules_offload.STACK_OFFLOADS, which cites the code): meshtron and torchtitan FSDP2's
+CPUOffloadPolicy ('full'); megatron@2021 none; megatron@2024 Megatron-Core 0.12's
+--optimizer-cpu-offload ('optimizer', distributed optimizer); deepspeed ZeRO-Offload
+('optimizer': ZeRO-2/3 in 0.3.15, ZeRO-1/2/3 in 0.14+) and ZeRO-3 parameter offload ('full').
+The search tries only those; another `--offload` is refused by name.
+
 Any single option overrides from a TOML file (`--options FILE`)::
 
     framework = "megatron@2024"      # optional: the preset the table modifies
