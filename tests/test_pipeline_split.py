@@ -246,9 +246,11 @@ def test_a_pinned_interleaved_schedule_no_chunk_count_of_the_stack_splits(plan_c
     rc, out, _ = plan_cli(*args[:-7], "--layout", "tp=8", "--schedule", "interleaved",
                           "--zero", "1", "--recompute", "full", "--sp", "on", "--micro-batch",
                           "1", "--json", "--top", "10")
-    assert rc == 0 and json.loads(out)["warnings"] == []
-    assert {p["pp"] for p in json.loads(out)["plans"]} and \
-        8 not in {p["pp"] for p in json.loads(out)["plans"]}
+    # (only pp=2, v=3 splits 125 + 1: its 2-byte weights and 4-byte grad buffer, which
+    # Megatron-Core's optimizer offload keeps on the device, need 150 GB: nothing fits)
+    doc = json.loads(out)
+    assert rc == 2 and doc["warnings"] == [] and not doc["plans"]
+    assert (doc["near_miss"]["pp"], doc["near_miss"]["virtual_stages"]) == (2, 3)
 
 
 def test_deepspeed_pinned_layout_without_blocks_on_the_last_stage_is_answered(plan_cli):

@@ -216,7 +216,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             # the sharded gradients of meshtron's ZeRO-1 appear unit by unit as the last
             # micro-batch's accumulated ones are reduced and freed (`accum` holds them)
             full_states = (full_states[0], 0.0, full_states[2])
-        states = offload.device_states(cfg.offload, full_states)  # what stays on the device
+        states = offload.device_states(cfg.offload, full_states,  # what stays on the device
+                                       mem_opts.host_offload)
         moved = sum(full_states) - sum(states)  # bytes per parameter on the host
         # expert parallelism: a rank holds E/ep experts per block, their ZeRO states spread
         # over the dp*cp/ep ranks holding the same experts (moe_cost.py)
@@ -225,7 +226,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             e_full = memory.state_bytes(zero, max(1, shard_dp // ep), self.grad_bytes, mem_opts)
             if fsdp_zero1 and accum:  # as the dense states above: `accum` holds them
                 e_full = (e_full[0], 0.0, e_full[2])
-            e_states = offload.device_states(cfg.offload, e_full)
+            e_states = offload.device_states(cfg.offload, e_full, mem_opts.host_offload)
             e_moved = sum(e_full) - sum(e_states)
         w.p_layer, w.p_emb, w.p_head, w.largest, w.p_exp = p_layer, p_emb, p_head, largest, p_exp
         w.states, w.moved, w.e_states, w.e_moved = states, moved, e_states, e_moved

@@ -68,6 +68,13 @@ DeepSpeed filled the stages left-greedy).
 The same rule names the schedules the stack's engine runs (plan_rules.STACK_SCHEDULES):
 Megatron 1F1B and interleaved, DeepSpeed 1F1B; meshtron and torchtitan every one priced.
 
+Host offload is what each stack's code runs (MemoryOptions `host_offload`,
+plan_rules_offload.STACK_OFFLOADS, which cites the code): meshtron and torchtitan FSDP2's
+CPUOffloadPolicy ('full'); megatron@2021 none; megatron@2024 Megatron-Core 0.12's
+--optimizer-cpu-offload ('optimizer', distributed optimizer); deepspeed ZeRO-Offload
+('optimizer': ZeRO-2/3 in 0.3.15, ZeRO-1/2/3 in 0.14+) and ZeRO-3 parameter offload ('full').
+The search tries only those; another `--offload` is refused by name.
+
 Any single option overrides from a TOML file (`--options FILE`)::
 
     framework = "megatron@2024"      # optional: the preset the table modifies
@@ -135,7 +142,7 @@ class Framework:
 _MESHTRON = Framework(
     "meshtron", "2026", "meshtron's runtime (this repository)",
     "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
-    KernelOptions(), MemoryOptions(framework="fsdp2"), "fp32",
+    KernelOptions(), MemoryOptions(framework="fsdp2", host_offload="fsdp2"), "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
                     "dispatch/combine on the compute stream (exposed), experts FSDP-sharded "
@@ -148,7 +155,7 @@ _TORCHTITAN = Framework(
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
                   fp8_filter="all", fp8_scaling="torchao-tensorwise"),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
-                  gqa_copies=True), "fp32",
+                  gqa_copies=True, host_offload="fsdp2"), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
                     "token dispatch, not overlapped by default), ParallelDims ep folded over "
                     "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")
@@ -160,7 +167,8 @@ _MEGATRON_2021 = Framework(
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
                   fp8_scaling="te-delayed"),
-    MemoryOptions(framework="megatron", pipeline_split="megatron-even"), "fp32")
+    MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none"),
+    "fp32")
 # gradient accumulation fusion arrived in Megatron-LM in February 2022 (commit 83b1e42f30): the
 # 2021 tree adds every micro-batch's gradient to main_grad in a backward hook of its own
 _MEGATRON_2024 = Framework(
@@ -176,7 +184,8 @@ _MEGATRON_2024 = Framework(
                   cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
                   grad_accum_fusion=True,
                   megatron_linear=True, p2p_overlap=True),
-    MemoryOptions(framework="megatron", pipeline_split="megatron-ends"), "fp32",
+    MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
+                  host_offload="mcore-optimizer"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
                     "token dispatcher, grouped GEMM; expert tensor parallelism "
                     "expert_tensor_parallel_size is not priced: tp=1 for MoE); A2A overlap "
@@ -191,7 +200,8 @@ _DEEPSPEED_2021 = Framework(
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
                   list_collectives=True, fp8_filter="all"),
-    MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer"), "bf16")
+    MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
+                  host_offload="zero-offload-2021"), "bf16")
 _DEEPSPEED_2024 = Framework(
     "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
     "microsoft/DeepSpeed: deepspeed/runtime/zero/parameter_offload.py and "
@@ -203,7 +213,8 @@ _DEEPSPEED_2024 = Framework(
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, recompute_regathers=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
-                  gqa_copies=True, pipeline_split="deepspeed-parameters"), "bf16",
+                  gqa_copies=True, pipeline_split="deepspeed-parameters",
+                  host_offload="zero-offload"), "bf16",
     expert_parallel="DeepSpeed-MoE (deepspeed/moe/layer.py, sharded_moe.py: ep_size, "
                     "_AllToAll dispatch and combine, not overlapped)")
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from meshtron.errors import UserError
 from meshtron.planner.compute import KernelOptions
+from meshtron.planner.plan_rules_offload import OFFLOAD_RULES
 
 GIB = float(2**30)
 WORKSPACE_FIXED_GIB = 1.0
@@ -88,6 +89,9 @@ class MemoryOptions:
         if self.pipeline_split is not None and self.pipeline_split not in PIPELINE_SPLITS:
             raise UserError(f"memory.pipeline_split={self.pipeline_split!r}: allowed values "
                             f"are {', '.join(PIPELINE_SPLITS)}")
+        if self.host_offload is not None and self.host_offload not in OFFLOAD_RULES:
+            raise UserError(f"memory.host_offload={self.host_offload!r}: allowed values "
+                            f"are {', '.join(OFFLOAD_RULES)}")
         if self.split_priced is not None and self.split_priced not in PIPELINE_SPLITS:
             raise UserError(f"memory.split_priced={self.split_priced!r}: allowed values "
                             f"are {', '.join(PIPELINE_SPLITS)}")
@@ -112,6 +116,11 @@ class MemoryOptions:
     which also names its pipeline engine: the schedules it runs (plan_rules.STACK_SCHEDULES)
     and, for DeepSpeed's, the pipe buffers it keeps (memory_pipeline.deepspeed_pipe_buffers);
     None: 'any'. The split changes every stage's time and memory."""
+
+    host_offload: str | None = None
+    """The host offload the stack's code runs (plan_rules_offload.STACK_OFFLOADS: the kinds and
+    the ZeRO stages it runs them with; the framework presets set theirs): the search tries only
+    those and an explicit other one is refused; None: 'any', every kind priced."""
 
     split_priced: str | None = None
     """The layer-to-stage rule priced instead of the stack's own, set by the search only for a

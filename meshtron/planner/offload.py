@@ -9,7 +9,13 @@ optimizer step (plan.offload; the runtime: meshtron/parallel/offload.py).
   (parameters kept gathered), and one gradient copy per reduction.
 - 'optimizer' (DeepSpeed ZeRO-Offload, Ren et al. 2021, section 4): the weights stay on the
   device, gradients go to the host once per step (4 bytes), AdamW steps there and the updated
-  weights come back (4 bytes: FSDP2 parameters are the fp32 master weights).
+  weights come back (4 bytes: FSDP2 parameters are the fp32 master weights). Megatron-Core's
+  HybridDeviceOptimizer (0.12, --optimizer-cpu-offload) keeps the DDP gradient buffer on the
+  device (the reduce-scatter writes into it; the optimizer copies the shard out): its
+  gradients stay (`device_states` with rule 'mcore-optimizer').
+
+Which kinds each stack runs: plan_rules_offload.STACK_OFFLOADS. DeepSpeed moves 16-bit
+parameters (2 bytes) where FSDP2 moves fp32 shards: priced at 4 bytes, an upper bound there.
 
 The transfers are counted serial with the step (not overlapped with compute): an upper bound
 (FSDP2 issues them on its all-gather stream; ZeRO-Offload overlaps the gradient copy with
@@ -27,6 +33,12 @@ OFFLOAD_BYTES = 4.0
 """Bytes per parameter element that cross the host link per copy: FSDP2's fp32 shards."""
 HOST_ADAM_BYTES = 28.0
 """Host memory bytes one AdamW update touches per parameter (see the module doc)."""
+
+
+GRAD_BUFFER_STAYS = ("mcore-optimizer",)
+"""Stacks whose optimizer offload keeps the gradient buffer on the device (Megatron-Core:
+megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py copies grads out of the DDP buffer,
+megatron/core/distributed/param_and_grad_buffer.py allocates it on the device)."""
 
 
 @dataclass(frozen=True)
@@ -48,13 +60,15 @@ class OffloadCost:
         return self.transfer_s + self.host_step_s
 
 
-def device_states(offload: str, states: tuple[float, float, float]) -> tuple[float, float, float]:
-    """Bytes per parameter of (weights, gradients, optimizer) left on the device."""
+def device_states(offload: str, states: tuple[float, float, float],
+                  rule: str | None = None) -> tuple[float, float, float]:
+    """Bytes per parameter of (weights, gradients, optimizer) left on the device (`rule`: the
+    stack's MemoryOptions.host_offload)."""
     w, g, o = states
     if offload == "full":
         return 0.0, 0.0, 0.0
     if offload == "optimizer":
-        return w, 0.0, 0.0
+        return (w, g if rule in GRAD_BUFFER_STAYS else 0.0, 0.0)
     return states
 
 

@@ -138,7 +138,8 @@ def _states_need(ev: Evaluator, space: SearchSpace, params: float, experts: floa
 
     def states(z: int, ranks: int) -> float:
         return sum(offload.device_states(
-            space.offload, memory.state_bytes(z, ranks, ev.grad_bytes, ev.mem)))
+            space.offload, memory.state_bytes(z, ranks, ev.grad_bytes, ev.mem),
+            ev.mem.host_offload))
 
     return min(states(z, dp * cp) * (params - ex) + states(z, max(1, dp * cp // ep)) * ex / ep
                for z in space.zeros(dp * cp, cp, ep))

@@ -12,6 +12,7 @@ from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.plan_knobs import Knobs
+from meshtron.planner.plan_rules import offload_kinds
 from meshtron.planner.search_explain import loss_reason, search_and_explain
 from meshtron.planner.search_result import Alternative, SearchResult
 from meshtron.planner.search_space import SearchSpace
@@ -21,13 +22,13 @@ def with_offload(ev: Evaluator, result: SearchResult, model: ModelSpec, cluster:
                  global_batch: int, seq_len: int, knobs: Knobs, opts: KernelOptions,
                  runtime: bool, top_k: int, explain: bool,
                  framework: Any = None) -> SearchResult:
-    """Nothing fits in device memory: search again with host offload (what meshtron runs,
-    'full'; for other frameworks first DeepSpeed's 'optimizer', which moves less). Host offload
+    """Nothing fits in device memory: search again with host offload, the kinds the priced
+    stack runs (`_kinds`: meshtron 'full'; else 'optimizer' first, which moves less). Host offload
     is only chosen here: it only adds host-link traffic and a slower optimizer step
     (planner/offload.py), so a plan that fits without it is never slower with it at the same
     knobs."""
     host_bound = None
-    for off in (("full",) if runtime else ("optimizer", "full")):
+    for off in _kinds(ev, runtime):
         k = dataclasses.replace(knobs, offload=off)
         try:
             space = SearchSpace(model, cluster, global_batch, seq_len, k, opts, ev.mem,
@@ -55,7 +56,7 @@ def offload_if_faster(ev: Evaluator, result: SearchResult, space: SearchSpace, k
     less tensor parallelism, and on a fast host link (GH200 NVLink-C2C) that can outweigh the
     copies and the host's optimizer step."""
     best = result.plans[0]
-    for off in (("full",) if runtime else ("optimizer", "full")):
+    for off in _kinds(ev, runtime):
         k = dataclasses.replace(knobs, offload=off)
         try:
             sub = SearchSpace(ev.model, ev.cluster, ev.global_batch, ev.seq, k, ev.opts,
@@ -84,6 +85,14 @@ def offload_if_faster(ev: Evaluator, result: SearchResult, space: SearchSpace, k
                                            loss_reason(win, best))] + others
         result.plans = plans
     return result
+
+
+def _kinds(ev: Evaluator, runtime: bool) -> tuple[str, ...]:
+    """The host offload kinds to try: those the priced stack's code runs (its preset's
+    MemoryOptions.host_offload, plan_rules_offload.STACK_OFFLOADS), and of meshtron's runtime
+    only 'full' ('optimizer' is planned only: plan.offload_runtime_problem)."""
+    kinds = offload_kinds(ev.mem.host_offload)
+    return tuple(k for k in kinds if k == "full") if runtime else kinds
 
 
 __all__ = ["with_offload", "offload_if_faster"]

@@ -20,7 +20,7 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
 from meshtron.planner.plan_rules import (compile_runtime_problem, ep_runtime_problems,
-                                         schedule_problem, split_problem)
+                                         least_zero, schedule_problem, split_problem)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -125,7 +125,8 @@ class SearchSpace:
         beyond a node, ep on a stack without expert parallelism (`ep_ok`)."""
         k, model, framework = self.knobs, self.model, self.framework
         fixed = {**k.to_dict(), **self.context}
-        problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine)
+        problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine,
+                                 self.mem.host_offload)
         if problems:
             nearer = self._nearer_split(fixed)
             if nearer is None:
@@ -406,11 +407,16 @@ class SearchSpace:
         if self.offload == "full" and self.runtime:
             # FSDP2's CPU offload is of shards (ZeRO-2/3); alone, ZeRO-2 gathers once a step
             return [2, 3] if dp > 1 else [2]
+        # the priced stack runs its host offload only from some ZeRO stage (plan_rules_offload);
+        # alone (dp 1) that stage, as the runtime's FSDP2 offload above
+        low = least_zero(self.mem.host_offload, self.offload)
         if (self.knobs.dp_replicate or 1) > 1 or (cp > 1 and self.runtime):
             # HSDP: replicas of sharded groups; meshtron runs cp on FSDP ZeRO-2/3 only
             # (plan_rules.cp_runtime_problems)
-            return [2, 3]
-        return [0, 1, 2, 3] if dp > 1 else [0]  # dp here: every rank sharing gradients (dp*cp)
+            return [z for z in (2, 3) if z >= low]
+        if dp == 1:
+            return [low]
+        return [z for z in (0, 1, 2, 3) if z >= low]  # dp here: every rank sharing gradients
 
 
 def runs_ep(framework: Any) -> bool:
