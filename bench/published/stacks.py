@@ -55,7 +55,7 @@ DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all",
-                                 fp8_scaling="torchao-tensorwise",
+                                 fp8_scaling="torchao-tensorwise", separate_projections=True,
                                  optimizer="foreach", eager_norm="python")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter;
 foreach AdamW (torchtitan/optimizer.py of December 2024: `--optimizer.fused` off by default,
@@ -63,6 +63,7 @@ fused became the default in February 2025, #881); its own Python RMSNorm (norms.
 switch to torch.nn.RMSNorm in March 2025, #985)."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_overlap=True,
                                     fp8_filter="all", fp8_scaling="torchao-tensorwise",
+                                    separate_projections=True,
                                     optimizer="foreach",
                                     eager_norm="python")
 """torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops of

@@ -146,7 +146,8 @@ _TORCHTITAN = Framework(
     "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
     "selective_ac_option 'op')",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
-                  fp8_filter="all", fp8_scaling="torchao-tensorwise"),
+                  fp8_filter="all", fp8_scaling="torchao-tensorwise",
+                  separate_projections=True),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
                   gqa_copies=True), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
