@@ -135,7 +135,7 @@ class Framework:
 _MESHTRON = Framework(
     "meshtron", "2026", "meshtron's runtime (this repository)",
     "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
-    KernelOptions(), MemoryOptions(framework="fsdp2"), "fp32",
+    KernelOptions(separate_projections=True), MemoryOptions(framework="fsdp2"), "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
                     "dispatch/combine on the compute stream (exposed), experts FSDP-sharded "
