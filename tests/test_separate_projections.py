@@ -15,7 +15,7 @@ from meshtron.planner.compute import KernelOptions, cluster_gemm_time, layer_cos
 from meshtron.planner.frameworks import PRESETS as FRAMEWORKS
 
 CLUSTER = resolve_cluster("dgx-h100:8")
-FUSED = KernelOptions(stack="compiled")
+FUSED = KernelOptions(stack="compiled", separate_projections=False)
 SEPARATE = dataclasses.replace(FUSED, separate_projections=True)
 
 

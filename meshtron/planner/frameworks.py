@@ -135,7 +135,7 @@ class Framework:
 _MESHTRON = Framework(
     "meshtron", "2026", "meshtron's runtime (this repository)",
     "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
-    KernelOptions(separate_projections=True), MemoryOptions(framework="fsdp2"), "fp32",
+    KernelOptions(), MemoryOptions(framework="fsdp2"), "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
                     "dispatch/combine on the compute stream (exposed), experts FSDP-sharded "
@@ -159,6 +159,7 @@ _MEGATRON_2021 = Framework(
     "accumulate_allreduce_grads_in_fp32), megatron/model/fused_softmax.py, "
     "megatron/p2p_communication.py (scatter/gather)",
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
                   fp8_scaling="te-delayed"),
     MemoryOptions(framework="megatron", pipeline_split="megatron-even"), "fp32")
@@ -173,6 +174,7 @@ _MEGATRON_2024 = Framework(
     "(p2p ring); NVIDIA/NeMo nemo/collections/llm/recipes/precision/mixed_precision.py "
     "(grad_reduce_in_fp32)",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=False,
                   cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
                   grad_accum_fusion=True,
@@ -188,6 +190,7 @@ _DEEPSPEED_2021 = Framework(
     "(_allgather_param, _reduce_scatter_gradients), constants.py; deepspeed/runtime/pipe/"
     "engine.py (blocking p2p of whole activations)",
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
