@@ -100,6 +100,7 @@ def megatron_deepspeed() -> list[PublishedRun]:
         gpt_model("bloom-176b", 70, 14336, 112, vocab=250880, tied=False), jean_zay(48),
         2048, 2048, 4, 12, 8, 1, "full", False,
         KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
+                      separate_projections=False,
                       p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
                       sharding="zero"),
         "hw_tflops", 150.0, micro_batches=(2,), memory=MEGATRON_DEEPSPEED_MEMORY,
@@ -114,6 +115,7 @@ def megatron_deepspeed() -> list[PublishedRun]:
         "Megatron-DeepSpeed (GPT-NeoX)", neox, a100_40gb(12, 12.5), 1536, 2048, 2, 4, 12, 1,
         "full", False,
         KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
+                      separate_projections=False,
                       p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
                       sharding="zero"),
         "hw_tflops", 117.0, micro_batches=(4,), memory=MEGATRON_DEEPSPEED_MEMORY,
@@ -126,7 +128,8 @@ def megatron_deepspeed() -> list[PublishedRun]:
         "Metaseq (FSDP + Megatron TP)",
         gpt_model("opt-175b", 96, 12288, 96, tied=False), preset_cluster("dgx-a100", 124),
         992, 2048, 8, 1, 124, 3, "full", False,
-        KernelOptions(attention="unfused", dropout=True, stack="fused"),
+        KernelOptions(attention="unfused", dropout=True, stack="fused",
+                      separate_projections=False),
         "hw_tflops", 147.0, micro_batches=(1, 2, 4, 8),
         note="FSDP + Megatron TP 8; batch 992 (~2M tokens), full recomputation and the FLOP "
              "convention assumed", confident=False))

@@ -19,7 +19,8 @@ def llama3() -> list[PublishedRun]:
     return [PublishedRun(
         f"Llama3 405B {nodes * 8}", "L3 Table 4", "Meta (Llama 3)", preset("llama3-405b"),
         preset_cluster("dgx-h100", nodes), 2048, 8192, 8, 16, dp, 1, "none", True,
-        KernelOptions(stack="fused", sharding="zero"), "model_tflops", tf,
+        KernelOptions(stack="fused", sharding="zero", separate_projections=False),
+        "model_tflops", tf,
         schedules=("interleaved",),
         note="FlashAttention, SP, no recomputation, ZeRO-1-like sharding, micro-batch 1 (assumed)")
         for nodes, dp, tf in ((1024, 64, 430.0), (2048, 128, 400.0))]

@@ -64,7 +64,9 @@ LOOKED_AT = {
        "fp8 compute copies counted at 4 bytes (memory.MemoryOptions.compute_bytes)"
        for cp in (1, 2, 4, 8)},
     "TT 405B FSDP8 TP8 PP8 1f1b": "micro-batch fixed to torchtitan's default after its +80% "
-                                  "error was known",
+                                  "error was known; its +20% led to reading torchtitan's "
+                                  "model code (separate wq/wk/wv, w1/w3: "
+                                  "KernelOptions.separate_projections, branch tt405)",
     "TT 405B FSDP8 TP8 PP8 interleaved": "micro-batch and virtual stages fixed to torchtitan's "
                                          "defaults after its +68% error was known",
     "Llama3 405B 8192": "its 86 GiB rejection was examined (round 2 of issue 18)",

@@ -11,6 +11,7 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory import MemoryOptions
 
 MEGATRON_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                              separate_projections=False,
                               fp32_grad_reduce=True, stack="fused", sharding="zero")
 """Megatron-LM 2021-2022: fused kernels, materialised attention scores with dropout, fp32
 main_grad reduced after the backward pass."""
@@ -22,6 +23,7 @@ wgrad GEMM; its LinearWithGradAccumulationAndAsyncCommunication reduces the inpu
 the weight-gradient GEMM and re-gathers the sequence-parallel input beside the input-gradient
 GEMM (the async tensor-parallel all-reduce of late 2021 and K22's section 4.2.2)."""
 DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                                    separate_projections=False,
                                     fp32_grad_reduce=False, p2p_scatter_gather=False,
                                     p2p_blocking=True, stack="fused", sharding="zero")
 """Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
@@ -31,6 +33,7 @@ MEGATRON_DEEPSPEED_MEMORY = MemoryOptions(framework="megatron",
 split: GPTModelPipe builds DeepSpeed's PipelineModule with partition_method='type:transformer'
 (GPT-NeoX: 'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
+                                     separate_projections=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",
                                      shard_units_per_layer=4, reduce_units_per_layer=12,
                                      prefetch_params=0.0,
@@ -55,7 +58,7 @@ DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all",
-                                 fp8_scaling="torchao-tensorwise",
+                                 fp8_scaling="torchao-tensorwise", separate_projections=True,
                                  optimizer="foreach", eager_norm="python")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter;
 foreach AdamW (torchtitan/optimizer.py of December 2024: `--optimizer.fused` off by default,
@@ -63,21 +66,25 @@ fused became the default in February 2025, #881); its own Python RMSNorm (norms.
 switch to torch.nn.RMSNorm in March 2025, #985)."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_overlap=True,
                                     fp8_filter="all", fp8_scaling="torchao-tensorwise",
+                                    separate_projections=True,
                                     optimizer="foreach",
                                     eager_norm="python")
 """torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops of
 each TransformerBlock; train.py of December 2024 leaves `torch.compile(loss_fn)` commented
 out, so the final norm, head and loss stay eager; foreach AdamW as above)."""
 LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
+                                separate_projections=False,
                                 stack="eager", optimizer="for-loop")
 """llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT, as Composer defined it in 2023:
 fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction; Composer's
 DecoupledAdamW steps parameter by parameter with separate ops, reading a step counter per
 tensor, after FSDP's per-gradient clip (optimizer 'for-loop': composer/optim/
 decoupled_weight_decay.py of 2023, planner/optimizer_loop.py)."""
-LLM_FOUNDRY_PURE = KernelOptions(fp32_grad_reduce=False, stack="eager", optimizer="for-loop")
+LLM_FOUNDRY_PURE = KernelOptions(separate_projections=False, fp32_grad_reduce=False,
+                                 stack="eager", optimizer="for-loop")
 """llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
 MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                              separate_projections=False,
                               fp32_grad_reduce=False, stack="eager", sharding="zero",
                               optimizer="foreach")
 """Megatron-LM 2019: apex fused LayerNorm only; softmax, GeLU, dropout as separate kernels; fp16

@@ -146,9 +146,18 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     shapes = {"qkv": ((h + 2 * kv) / tp, h, True), "out": (h, h / tp, False),
               "up": (up / tp, h, True), "down": (h, f / tp, False)}
 
+    # Separate Linears (torchtitan's and meshtron's Llama: wq/wk/wv, w1/w3) run one GEMM each:
+    # the split column-parallel groups are priced piece by piece (a GQA model's wk and wv at
+    # tp = 8 are kv_dim / tp wide, where tile saturation costs most), each piece with its
+    # group's FP8 share.
+    pieces = {"qkv": (h / tp, kv / tp, kv / tp),
+              "up": (f / tp, f / tp) if model.mlp == "swiglu" else (f / tp,)} \
+        if opts.separate_projections else {}
+
     def gemm(group: str, rows: float = tokens) -> float:
         n, k, split = shapes[group]
-        return gemm_group(rows, n, k, lin_cl, cluster, frac, group, split, fp8_kernel)
+        return sum(gemm_group(rows, w, k, lin_cl, cluster, frac, group, split, fp8_kernel)
+                   for w in pieces.get(group, (n,)))
     fp8_kernel = (FP8, fp8_tile_scale(opts)) if lin_dt == "fp8" else (BF16, 1.0)
     gemms = {g: gemm(g) for g in shapes}
     linear = sum(gemms.values())

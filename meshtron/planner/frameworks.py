@@ -153,7 +153,8 @@ _TORCHTITAN = Framework(
     "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
     "selective_ac_option 'op')",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
-                  fp8_filter="all", fp8_scaling="torchao-tensorwise"),
+                  fp8_filter="all", fp8_scaling="torchao-tensorwise",
+                  separate_projections=True),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
                   gqa_copies=True, host_offload="fsdp2"), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
@@ -165,6 +166,7 @@ _MEGATRON_2021 = Framework(
     "accumulate_allreduce_grads_in_fp32), megatron/model/fused_softmax.py, "
     "megatron/p2p_communication.py (scatter/gather)",
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
                   fp8_scaling="te-delayed"),
     MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none"),
@@ -180,6 +182,7 @@ _MEGATRON_2024 = Framework(
     "(p2p ring); NVIDIA/NeMo nemo/collections/llm/recipes/precision/mixed_precision.py "
     "(grad_reduce_in_fp32)",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=False,
                   cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
                   grad_accum_fusion=True,
@@ -196,6 +199,7 @@ _DEEPSPEED_2021 = Framework(
     "(_allgather_param, _reduce_scatter_gradients), constants.py; deepspeed/runtime/pipe/"
     "engine.py (blocking p2p of whole activations)",
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,

@@ -98,6 +98,15 @@ class KernelOptions:
     per-row scales in the epilogue: Transformer Engine, torchao, meshtron) or 'blockwise'
     (DeepSeek-V3's fine-grained 1x128 / 128x128 scales promoted every 128 k-elements), which
     sets how the GEMM saturates (planner/gemm.py, `fp8_tile_scale`)."""
+    separate_projections: bool = True
+    """The blocks' q/k/v projections and SwiGLU's gate and up projections are separate
+    nn.Linear modules, each its own GEMM (meshtron's runtime, meshtron/model/transformer.py;
+    torchtitan's Llama, torchtitan/models/llama/model.py Attention.wq/wk/wv and
+    FeedForward.w1/w3, 2024-25; Hugging Face Llama's q/k/v_proj, gate/up_proj): at tp = 8 on a
+    GQA model wk and wv are GEMMs only kv_dim / tp wide (128 columns for Llama 3 405B), priced
+    by the same shape model (compute.layer_cost). False: one fused GEMM per group
+    (Megatron-LM's query_key_value and Megatron-Core's linear_qkv / linear_fc1,
+    Megatron-DeepSpeed's GPT, MPT's Wqkv)."""
     fp8_param_gather: bool = False
     """With dtype fp8, the FP8 Linears' weights are kept as Transformer Engine FP8 tensors and
     the parameter all-gathers move them at 1 byte per element (Megatron-Core's
