@@ -17,20 +17,11 @@ from meshtron.planner.estimate import Evaluator
 from meshtron.planner.frameworks import PRESETS as STACKS
 from meshtron.planner.frameworks import preset, resolve, with_options
 from meshtron.planner.memory import embedding_params_local, head_params_local, layer_params_local
+from testkit.plan_cli import commands_fixture
 
 
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    import meshtron.cli as top
-
-    monkeypatch.setattr(top, "COMMAND_MODULES", ["meshtron.planner.cli", "meshtron.cost.cli",
-                                                 "meshtron.simulate.cli"])
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        rc = top.main(list(argv))
-        out = capsys.readouterr()
-        return rc, out.out, out.err
-    return run
+cli = commands_fixture("meshtron.planner.cli", "meshtron.cost.cli",
+                       "meshtron.simulate.cli")
 
 
 L8 = ("--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64",

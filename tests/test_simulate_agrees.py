@@ -26,19 +26,10 @@ import json
 
 import pytest
 
+from testkit.plan_cli import commands_fixture
 
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    import meshtron.cli as top
 
-    monkeypatch.setattr(top, "COMMAND_MODULES", ["meshtron.planner.cli",
-                                                 "meshtron.simulate.cli"])
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        rc = top.main(list(argv))
-        out = capsys.readouterr()
-        return rc, out.out, out.err
-    return run
+cli = commands_fixture("meshtron.planner.cli", "meshtron.simulate.cli")
 
 
 # (kind, model, cluster, batch, seq, plan flags, framework)
