@@ -6,8 +6,9 @@ model's shapes, and the runtime's own limits.
 
 The rules are split by topic, this module their one entry point: plan_rules_fields.py (the
 fields and their consistency), plan_rules_pipeline.py (schedules and each stack's layer
-split), plan_rules_offload.py (the host offload each stack runs), plan_rules_zero.py (the ZeRO stages each
-stack runs), plan_rules_runtime.py (meshtron's runtime limits); every name stays importable here.
+split), plan_rules_offload.py (the host offload each stack runs), plan_rules_zero.py (the ZeRO
+stages each stack runs), plan_rules_runtime.py (meshtron's runtime limits); every name stays
+importable here.
 """
 
 from __future__ import annotations
