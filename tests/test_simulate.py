@@ -162,18 +162,19 @@ def test_step_of_a_plan_that_does_not_fit_is_refused_in_one_line(sim_cli, tmp_pa
 
 
 def test_step_of_a_plan_the_stack_cannot_split_is_simulated_with_a_warning(sim_cli, tmp_path):
-    # 126 layers over pp=8 is not a Megatron-LM 2021 split: priced (and simulated) on
+    # 126 layers over pp=16 is not a Megatron-LM 2021 split: priced (and simulated) on
     # Megatron-Core's uneven end stages, one warning on stderr (planner/search_space.py)
     from meshtron.planner.plan import Plan
 
     path = tmp_path / "plan.toml"
-    Plan.trusted(8, 8, 8, 1, 1, "full", True, "1f1b", 1, "bf16", 1).save(path)
+    # zero 0 and pp=16: Megatron-LM 2021 runs no ZeRO (plan_rules_zero); its states fit at pp=16
+    Plan.trusted(8, 16, 4, 0, 1, "full", True, "1f1b", 1, "bf16", 1).save(path)
     rc, out, err = sim_cli("--step", "--model", "llama3-405b", "--cluster", "dgx-h100:64",
                            "--global-batch", "512", "--seq-len", "8192", "--plan", str(path),
                            "--framework", "megatron@2021", "--json")
     assert rc == 0 and json.loads(out)["unperturbed"]
     assert err.count("\n") == 1 and err.startswith("warning: plan=")
-    assert "cannot split" in err and "15,16,16,16,16,16,16,15" in err
+    assert "cannot split" in err and "7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7" in err
 
 
 @pytest.mark.parametrize("extra, field", [

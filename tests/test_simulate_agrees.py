@@ -123,10 +123,12 @@ def test_split_warning_is_in_the_json_and_the_text(cli, tmp_path):
     from meshtron.planner.plan import Plan
 
     path = tmp_path / "plan.toml"
-    Plan.trusted(8, 8, 8, 1, 1, "full", True, "1f1b", 1, "bf16", 1).save(path)
+    # zero 0 and pp=16: Megatron-LM 2021 runs no ZeRO (plan_rules_zero), and its replicated
+    # states fit at pp=16; 126 layers over 16 stages is still not one of its splits
+    Plan.trusted(8, 16, 4, 0, 1, "full", True, "1f1b", 1, "bf16", 1).save(path)
     common = ["--model", "llama3-405b", "--cluster", "dgx-h100:64", "--global-batch", "512",
               "--seq-len", "8192", "--framework", "megatron@2021"]
-    rc, out, err = cli("plan", *common, "--layout", "tp=8,pp=8,dp=8", "--zero", "1",
+    rc, out, err = cli("plan", *common, "--layout", "tp=8,pp=16,dp=4", "--zero", "0",
                        "--micro-batch", "1", "--recompute", "full", "--sp", "on",
                        "--schedule", "1f1b", "--top", "1", "--json")
     assert rc == 0, err

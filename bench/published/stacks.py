@@ -28,10 +28,13 @@ DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_g
                                     p2p_blocking=True, stack="fused", sharding="zero")
 """Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
 MEGATRON_DEEPSPEED_MEMORY = MemoryOptions(framework="megatron",
-                                          pipeline_split="deepspeed-transformer")
+                                          pipeline_split="deepspeed-transformer",
+                                          zero_stages="deepspeed")
 """Megatron-DeepSpeed's memory layout (16-bit weights, options_for's 'megatron') and its layer
 split: GPTModelPipe builds DeepSpeed's PipelineModule with partition_method='type:transformer'
-(GPT-NeoX: 'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone."""
+(GPT-NeoX: 'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone; its ZeRO
+is DeepSpeed's (zero_optimization in the DeepSpeed config), at most stage 1 in the pipeline
+engine (plan_rules_zero.PIPELINE_MAX), not Megatron-LM 2021's replicated optimizer."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
                                      separate_projections=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",

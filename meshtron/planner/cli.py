@@ -58,7 +58,8 @@ def register(subparsers: Any) -> None:
                                     "when the knobs leave one layout (axes not given count as "
                                     "fixed where the GPU count allows one value) it is pinned: "
                                     "priced even when predicted not to fit")
-    p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3)")
+    p.add_argument("--zero", type=int, help="fix the ZeRO stage (0-3; only those the "
+                   "--framework's stack runs: plan_rules_zero.py)")
     p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
     p.add_argument("--recompute", help="fix recomputation: none | selective | half (every second block) | full")

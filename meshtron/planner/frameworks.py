@@ -75,6 +75,12 @@ CPUOffloadPolicy ('full'); megatron@2021 none; megatron@2024 Megatron-Core 0.12'
 ('optimizer': ZeRO-2/3 in 0.3.15, ZeRO-1/2/3 in 0.14+) and ZeRO-3 parameter offload ('full').
 The search tries only those; another `--offload` is refused by name.
 
+ZeRO stages likewise (MemoryOptions `zero_stages`, plan_rules_zero.STACK_ZEROS): meshtron 0-3;
+torchtitan 0 (DDP, data parallelism alone), 2, 3 (FSDP2); megatron@2021 0 (no distributed
+optimizer before 2022); megatron@2024 0-3 (distributed optimizer: 1; its own FSDP: 1-3);
+deepspeed 0-3, at most 1
+with a pipeline (PipelineEngine). The search tries only those; another `--zero` is refused.
+
 Any single option overrides from a TOML file (`--options FILE`)::
 
     framework = "megatron@2024"      # optional: the preset the table modifies
@@ -142,7 +148,8 @@ class Framework:
 _MESHTRON = Framework(
     "meshtron", "2026", "meshtron's runtime (this repository)",
     "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
-    KernelOptions(), MemoryOptions(framework="fsdp2", host_offload="fsdp2"), "fp32",
+    KernelOptions(), MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
+    "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
                     "dispatch/combine on the compute stream (exposed), experts FSDP-sharded "
@@ -156,7 +163,7 @@ _TORCHTITAN = Framework(
                   fp8_filter="all", fp8_scaling="torchao-tensorwise",
                   separate_projections=True),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
-                  gqa_copies=True, host_offload="fsdp2"), "fp32",
+                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan"), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
                     "token dispatch, not overlapped by default), ParallelDims ep folded over "
                     "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")
@@ -169,7 +176,8 @@ _MEGATRON_2021 = Framework(
                   separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
                   fp8_scaling="te-delayed"),
-    MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none"),
+    MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none",
+                  zero_stages="megatron-2021"),
     "fp32")
 # gradient accumulation fusion arrived in Megatron-LM in February 2022 (commit 83b1e42f30): the
 # 2021 tree adds every micro-batch's gradient to main_grad in a backward hook of its own
@@ -188,7 +196,7 @@ _MEGATRON_2024 = Framework(
                   grad_accum_fusion=True,
                   megatron_linear=True, p2p_overlap=True),
     MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
-                  host_offload="mcore-optimizer"), "fp32",
+                  host_offload="mcore-optimizer", zero_stages="megatron-core"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
                     "token dispatcher, grouped GEMM; expert tensor parallelism "
                     "expert_tensor_parallel_size is not priced: tp=1 for MoE); A2A overlap "
@@ -205,7 +213,7 @@ _DEEPSPEED_2021 = Framework(
                   reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
                   list_collectives=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
-                  host_offload="zero-offload-2021"), "bf16")
+                  host_offload="zero-offload-2021", zero_stages="deepspeed"), "bf16")
 _DEEPSPEED_2024 = Framework(
     "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
     "microsoft/DeepSpeed: deepspeed/runtime/zero/parameter_offload.py and "
@@ -218,7 +226,7 @@ _DEEPSPEED_2024 = Framework(
                   prefetch_params=5e7, recompute_regathers=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
                   gqa_copies=True, pipeline_split="deepspeed-parameters",
-                  host_offload="zero-offload"), "bf16",
+                  host_offload="zero-offload", zero_stages="deepspeed"), "bf16",
     expert_parallel="DeepSpeed-MoE (deepspeed/moe/layer.py, sharded_moe.py: ep_size, "
                     "_AllToAll dispatch and combine, not overlapped)")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from meshtron.errors import UserError
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.plan_rules_offload import OFFLOAD_RULES
+from meshtron.planner.plan_rules_zero import ZERO_RULES
 
 GIB = float(2**30)
 WORKSPACE_FIXED_GIB = 1.0
@@ -92,6 +93,9 @@ class MemoryOptions:
         if self.host_offload is not None and self.host_offload not in OFFLOAD_RULES:
             raise UserError(f"memory.host_offload={self.host_offload!r}: allowed values "
                             f"are {', '.join(OFFLOAD_RULES)}")
+        if self.zero_stages is not None and self.zero_stages not in ZERO_RULES:
+            raise UserError(f"memory.zero_stages={self.zero_stages!r}: allowed values "
+                            f"are {', '.join(ZERO_RULES)}")
         if self.split_priced is not None and self.split_priced not in PIPELINE_SPLITS:
             raise UserError(f"memory.split_priced={self.split_priced!r}: allowed values "
                             f"are {', '.join(PIPELINE_SPLITS)}")
@@ -121,6 +125,11 @@ class MemoryOptions:
     """The host offload the stack's code runs (plan_rules_offload.STACK_OFFLOADS: the kinds and
     the ZeRO stages it runs them with; the framework presets set theirs): the search tries only
     those and an explicit other one is refused; None: 'any', every kind priced."""
+
+    zero_stages: str | None = None
+    """The ZeRO stages the stack's code runs (plan_rules_zero.STACK_ZEROS, which cites it; the
+    framework presets set theirs): the search tries only those and an explicit other one is
+    refused; None: 'any', every stage priced."""
 
     split_priced: str | None = None
     """The layer-to-stage rule priced instead of the stack's own, set by the search only for a

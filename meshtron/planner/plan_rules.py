@@ -6,7 +6,9 @@ model's shapes, and the runtime's own limits.
 
 The rules are split by topic, this module their one entry point: plan_rules_fields.py (the
 fields and their consistency), plan_rules_pipeline.py (schedules and each stack's layer
-split), plan_rules_offload.py (the host offload each stack runs), plan_rules_runtime.py (meshtron's runtime limits); every name stays importable here.
+split), plan_rules_offload.py (the host offload each stack runs), plan_rules_zero.py (the ZeRO
+stages each stack runs), plan_rules_runtime.py (meshtron's runtime limits); every name stays
+importable here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
     schedule_zero_problem, split_problem)
 from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
     STACK_OFFLOADS, least_zero, offload_kinds, offload_problem)
+from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
+    STACK_ZEROS, zero_limit, zero_problem)
 from meshtron.planner.plan_rules_runtime import (  # noqa: F401  (re-exported)
     compile_runtime_problem, cp_runtime_problems, ep_runtime_problems)
 
@@ -96,14 +100,16 @@ def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
 
 def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
                   model: Any = None, runtime: bool = True, split: str | None = None,
-                  engine: str | None = None, offload_rule: str | None = None) -> list[str]:
+                  engine: str | None = None, offload_rule: str | None = None,
+                  zero_rule: str | None = None) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
     against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
     include meshtron's runtime limits (False when the planner prices another framework);
     `split`: the priced stack's layer-to-stage rule (memory_options.PIPELINE_SPLITS);
     `engine`: the rule naming the stack's pipeline engine, whose schedules are checked, when
     a pinned layout is priced on another split (search_space.SplitFallback; default `split`);
-    `offload_rule`: the host offload the stack runs (MemoryOptions.host_offload)."""
+    `offload_rule`: the host offload the stack runs (MemoryOptions.host_offload);
+    `zero_rule`: the ZeRO stages it runs (MemoryOptions.zero_stages)."""
     out = list(field_problems(k))
     g = k.get
     sizes = (g("global_batch"), g("dp"), g("micro_batch"))
@@ -114,6 +120,9 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if problem:
         out.append(problem)
     problem = offload_problem(offload_rule, g("offload"), g("zero"))
+    if problem:
+        out.append(problem)
+    problem = zero_problem(zero_rule, g("zero"), g("dp"), g("tp"), g("pp"), g("cp"))
     if problem:
         out.append(problem)
     if world_size is not None:

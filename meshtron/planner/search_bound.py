@@ -106,7 +106,8 @@ def _enumerate(ev: Evaluator, space: SearchSpace,
     for tp, cp, pp, dp, ep in space.layouts():
         any_layout = True
         fam = family(tp, pp)
-        if _states_need(ev, space, params, experts, cp, dp, ep) / (tp * pp) > ev.tensor_budget:
+        need = _states_need(ev, space, params, experts, cp, dp, ep, tp, pp)
+        if need / (tp * pp) > ev.tensor_budget:
             # Hopeless layout: evaluate it once at its leanest knobs, for "needs X GiB".
             est = _leanest(ev, space, tp, cp, pp, dp, ep)
             hopeless += 1
@@ -119,7 +120,7 @@ def _enumerate(ev: Evaluator, space: SearchSpace,
             for rec in space.recomputes:
                 for sp in space.sps(tp):
                     for sched, v in space.schedules(pp, m):
-                        for zero in space.zeros(dp * cp, cp, ep):
+                        for zero in space.zeros(dp * cp, cp, ep, tp, pp):
                             if schedule_zero_problem(sched, zero, pp):
                                 continue  # the runtime refuses it (plan.py)
                             cfg = space.point(tp, pp, dp, zero, mb, rec, sp, sched, v, cp, ep)
@@ -130,7 +131,7 @@ def _enumerate(ev: Evaluator, space: SearchSpace,
 
 
 def _states_need(ev: Evaluator, space: SearchSpace, params: float, experts: float, cp: int,
-                 dp: int, ep: int) -> float:
+                 dp: int, ep: int, tp: int = 1, pp: int = 1) -> float:
     """Lower bound of memory: model states at the most sharded ZeRO stage allowed (routed
     experts: E/ep of them per rank, sharded over the dp*cp/ep ranks holding them; with host
     offload only what stays on the device), before dividing over tp x pp."""
@@ -141,8 +142,9 @@ def _states_need(ev: Evaluator, space: SearchSpace, params: float, experts: floa
             space.offload, memory.state_bytes(z, ranks, ev.grad_bytes, ev.mem),
             ev.mem.host_offload))
 
-    return min(states(z, dp * cp) * (params - ex) + states(z, max(1, dp * cp // ep)) * ex / ep
-               for z in space.zeros(dp * cp, cp, ep))
+    # no stage the stack runs on this layout: nothing to evaluate (inf: hopeless)
+    return min((states(z, dp * cp) * (params - ex) + states(z, max(1, dp * cp // ep)) * ex / ep
+                for z in space.zeros(dp * cp, cp, ep, tp, pp)), default=float("inf"))
 
 
 def _bound(ev: Evaluator, queue: list[tuple[float, str, Plan]], tally: _Tally,
@@ -189,7 +191,7 @@ def _leanest(ev: Evaluator, space: SearchSpace, tp: int, cp: int, pp: int,
     sps = space.sps(tp)
     if not sps:
         return None
-    zeros = [z for z in space.zeros(dp * cp, cp, ep)
+    zeros = [z for z in space.zeros(dp * cp, cp, ep, tp, pp)
              if not schedule_zero_problem(sched, z, pp)]
     if not zeros:
         return None

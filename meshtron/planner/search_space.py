@@ -20,7 +20,8 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
 from meshtron.planner.plan_rules import (compile_runtime_problem, ep_runtime_problems,
-                                         least_zero, schedule_problem, split_problem)
+                                         least_zero, schedule_problem, split_problem,
+                                         zero_limit)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -126,7 +127,7 @@ class SearchSpace:
         k, model, framework = self.knobs, self.model, self.framework
         fixed = {**k.to_dict(), **self.context}
         problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine,
-                                 self.mem.host_offload)
+                                 self.mem.host_offload, self.mem.zero_stages)
         if problems:
             nearer = self._nearer_split(fixed)
             if nearer is None:
@@ -150,7 +151,9 @@ class SearchSpace:
         """The nearest rule (pipeline_split.NEAREST) under which the plan `fixed` has no
         problem, or None: a problem other than the stack's split."""
         for rule in NEAREST.get(self.split, ()):
-            if not plan_problems(fixed, self.n, self.model, self.runtime, rule, self.engine):
+            # with the stack's other rules: a problem they find is not the split's
+            if not plan_problems(fixed, self.n, self.model, self.runtime, rule, self.engine,
+                                 self.mem.host_offload, self.mem.zero_stages):
                 return rule
         return None
 
@@ -399,7 +402,14 @@ class SearchSpace:
             return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
         return [False, True] if tp > 1 else [False]
 
-    def zeros(self, dp: int, cp: int = 1, ep: int = 1) -> list[int]:
+    def zeros(self, dp: int, cp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1) -> list[int]:
+        """The ZeRO stages tried on a layout (`dp`: the data ranks, dp x cp): only those the
+        priced stack runs on it (plan_rules_zero, MemoryOptions.zero_stages)."""
+        rule = self.mem.zero_stages
+        return [z for z in self._zeros(dp, cp, ep)
+                if zero_limit(rule, z, dp, tp, pp, cp) is None]
+
+    def _zeros(self, dp: int, cp: int, ep: int) -> list[int]:
         if self.knobs.zero is not None:
             return [self.knobs.zero]
         # ep > 1: every stage (meshtron folds ep over the data ranks of any ZeRO stage:
