@@ -319,7 +319,9 @@ def test_a_kit_stopped_mid_case_records_that_case_and_leaves_json_that_parses(tm
     assert r["cases"]["cli_plan"] == {"status": "skipped",
                                       "reason": "not started: the kit was stopped"}
     assert "--only cli_kill_resume,cli_export,cli_train,cli_plan" in stdout  # the rerun line
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30  # reaped by now or never: poll, do not guess a delay
+    while [p for p in below if _cmdline(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert [p for p in below if _cmdline(p)] == []  # the case and its command are gone
 
 
