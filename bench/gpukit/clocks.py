@@ -16,6 +16,7 @@ A sampler never touches a CUDA stream: no host sync is added to the window.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -116,11 +117,9 @@ def _nvml_handle(pynvml, dev):
     uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
     if uuid is not None:
         text = str(uuid)
-        try:
+        with contextlib.suppress(Exception):  # an NVML without this lookup: by index below
             return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith("GPU-")
                                                     else f"GPU-{text}")
-        except Exception:  # noqa: BLE001 - fall back to the index
-            pass
     return pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
 
 
