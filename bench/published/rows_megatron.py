@@ -86,6 +86,31 @@ def n21_table2() -> list[PublishedRun]:
     return runs
 
 
+NEOX_ATTENTION_FLOPS = 60
+"""GPT-NeoX's attention term: FLOPs per token per layer per unit of sequence x hidden
+(`attn = seq_length * hidden_size * num_layers * 60` in get_flops, below)."""
+
+
+def neox_logged_step_s(model: ModelSpec, global_batch: int, seq: int, tflops: float,
+                       gpus: int) -> float:
+    """Seconds per step behind a TFLOP/s figure that GPT-NeoX logged. The paper gives no FLOP
+    formula for its 117 TFLOP/s; the code that trained the model (EleutherAI/gpt-neox
+    megatron/logging.py `get_flops`, the same from May 2021 to September 2023: commits
+    da0a017b, bca3f3da of January 2022, a42805b4 of the 20B release in April 2022; replaced by
+    Megatron's formula in #1044) logs "approx flops per GPU" as
+    train_batch_size * seq_length * (6 * total_params + 60 * seq_length * hidden_size *
+    num_layers) / (iteration_time * world_size): 6 FLOPs per parameter and token, no
+    recomputation, with `total_params` the parameters summed over the model-parallel ranks
+    (megatron/utils.py `get_total_params`; the tensor-replicated norms and row-parallel biases
+    counted twice, 0.008% of 20B, left out). For GPT-NeoX-20B at 2048 tokens that is 156.6
+    GFLOP per token where Megatron's hardware formula with full recomputation (the planner's
+    hardware FLOPs, N21 eq. 3) counts 170.2: read as hardware FLOP/s, 117 would mean a step
+    8.7% longer than the one the run logged."""
+    per_token = (6.0 * model.num_params()
+                 + NEOX_ATTENTION_FLOPS * seq * model.hidden * model.layers)
+    return global_batch * seq * per_token / (tflops * 1e12 * gpus)
+
+
 def megatron_deepspeed() -> list[PublishedRun]:
     runs = []
     mtnlg = gpt_model("mt-nlg-530b", 105, 20480, 128, tied=False)
@@ -118,10 +143,13 @@ def megatron_deepspeed() -> list[PublishedRun]:
                       separate_projections=False,
                       p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
                       sharding="zero"),
-        "hw_tflops", 117.0, micro_batches=(4,), memory=MEGATRON_DEEPSPEED_MEMORY,
+        "step_s", neox_logged_step_s(neox, 1536, 2048, 117.0, 96), micro_batches=(4,),
+        memory=MEGATRON_DEEPSPEED_MEMORY,
         note="tp 2, pp 4, ZeRO-1, micro-batch 4 x 32 accumulation steps (published: "
              "EleutherAI/gpt-neox configs/20B.yml); batch 1538 rounded to 1536 for dp 12; 4 HDR "
-             "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE",
+             "HCAs per 8-GPU node; rotary on a quarter of each head costed as full RoPE; the "
+             "117 TFLOP/s converted to seconds per step by GPT-NeoX's own FLOP count "
+             "(neox_logged_step_s), fp16 costed as bf16 (the same A100 peak)",
         confident=False))
     runs.append(PublishedRun(
         "OPT 175B 992", "OPT section 2.4 (147 TFLOP/s per A100 80GB)",
