@@ -86,6 +86,48 @@ def n21_table2() -> list[PublishedRun]:
     return runs
 
 
+BLOOM_STACK = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                            separate_projections=False, fp32_grad_reduce=True,
+                            zero1_all_reduce=True, p2p_scatter_gather=True, p2p_blocking=True,
+                            score_bias_copy=True, launch_blocking=True, stack="fused",
+                            sharding="zero")
+"""BLOOM's stack as bigscience-workshop/bigscience train/tr11-176B-ml (tr11-176B-ml.slurm and
+README.md) ran it: Megatron-DeepSpeed's fused kernels with Megatron's default dropout of 0.1 on
+the attention probabilities and hidden states (megatron/arguments.py --attention-dropout,
+--hidden-dropout; the script sets neither, the README: "default Megatron-LM dropout settings
+are inherited"); DeepSpeed's BF16_Optimizer (ZeRO stage 0 in the DeepSpeed config, "it
+implements its own zero stage 1 equivalent"), which adds every micro-batch's bf16 gradients
+into an fp32 buffer and all-reduces those fp32 gradients once per step (microsoft/DeepSpeed
+v0.6.5 runtime/bf16_optimizer.py update_hp_grads, pipe/engine.py _bf16_reduce_grads:
+fp32_grad_reduce, zero1_all_reduce), then all-gathers the updated bf16 shards; ALiBi as
+torch.baddbmm from the bias tensor (bigscience-workshop/Megatron-DeepSpeed
+megatron/model/transformer.py, March 2022: score_bias_copy); CUDA_LAUNCH_BLOCKING=1, set by
+tr11-176B-ml.slurm against a hang (launch_blocking); DeepSpeed's pipeline engine of 2022 (the olruwase/elastic-ckpt-refresh
+branch, after v0.5.5), which splits both the activation and the gradient it sends over the
+tensor group and re-gathers them (pipe/engine.py is_pipe_partitioned = is_grad_partitioned =
+is_model_parallel, since microsoft/DeepSpeed#1407 of September 2021: p2p_scatter_gather)."""
+
+
+NEOX_STACK = KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
+                           separate_projections=False, zero1_all_reduce=True,
+                           p2p_scatter_gather=True, p2p_grads_whole=True, p2p_blocking=True,
+                           residual_reduce_once=True, stack="fused", sharding="zero")
+"""GPT-NeoX-20B's stack: EleutherAI/gpt-neox of early 2022 (configs/20B.yml; requirements
+pinned EleutherAI/DeeperSpeed eb7f5cff, DeepSpeed 0.3.15): Megatron's fused upper-triangular
+softmax and bias-GeLU kernels, dropout 0 (hidden-dropout and attention-dropout 0: nn.Dropout
+returns its input at p = 0), `gpt_j_residual` (one tensor-parallel all-reduce of the summed
+attention and MLP outputs: residual_reduce_once), fp16 (costed as bf16: the same A100 peak;
+the loss scaler's overflow check is one more pass over the gradients, not priced);
+DeeperSpeed's pipeline engine: blocking transfers, the activation split over the tensor group
+and re-gathered, the gradient sent whole (deepspeed/runtime/pipe/engine.py
+is_pipe_partitioned = is_model_parallel, is_grad_partitioned = False: p2p_grads_whole) and
+ZeRO stage 1 under it reducing by buffered_allreduce_fallback, a whole all-reduce
+(_exec_reduce_grads: zero1_all_reduce). Not priced: the [1, 1, s, s] attention mask the
+engine sends as fp16 beside every activation (has_attention_mask: the class is named
+GPT2ModelPipe; 8 MB a micro-batch at s = 2048) and the torch.cuda.synchronize() DeepSpeed's
+activation checkpointing runs at each checkpointed layer's edges (synchronize-each-layer)."""
+
+
 NEOX_ATTENTION_FLOPS = 60
 """GPT-NeoX's attention term: FLOPs per token per layer per unit of sequence x hidden
 (`attn = seq_length * hidden_size * num_layers * 60` in get_flops, below)."""
@@ -121,16 +163,16 @@ def megatron_deepspeed() -> list[PublishedRun]:
             nodes * 8 // 280, 1, "full", False, DEEPSPEED_PIPE_2021, "hw_tflops", tf,
             memory=MEGATRON_DEEPSPEED_MEMORY, note="DeepSpeed 1F1B pipeline, ZeRO-1, micro-batch 1 (assumed)"))
     runs.append(PublishedRun(
-        "BLOOM 176B 384", "BLOOM section 3.4 (~150 TFLOP/s per GPU)", "Megatron-DeepSpeed",
-        gpt_model("bloom-176b", 70, 14336, 112, vocab=250880, tied=False), jean_zay(48),
-        2048, 2048, 4, 12, 8, 1, "full", False,
-        KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
-                      separate_projections=False,
-                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
-                      sharding="zero"),
-        "hw_tflops", 150.0, micro_batches=(2,), memory=MEGATRON_DEEPSPEED_MEMORY,
-        note="ZeRO-1, micro-batch 2, full recomputation; ALiBi modelled as learned positions; "
-             "'about 150' TFLOP/s", confident=False))
+        "BLOOM 176B 384", "BLOOM section 3.4 (~150 TFLOP/s per GPU); bigscience-workshop/"
+        "bigscience train/tr11-176B-ml/README.md (log at iteration 85376: 104.70 s per "
+        "iteration at batch 2048, 149.77 TFLOP/s)", "Megatron-DeepSpeed",
+        gpt_model("bloom-176b", 70, 14336, 112, vocab=250880), jean_zay(48),
+        2048, 2048, 4, 12, 8, 1, "full", False, BLOOM_STACK,
+        "step_s", 104.70, micro_batches=(2,), memory=MEGATRON_DEEPSPEED_MEMORY,
+        note="tp 4, pp 12, dp 8, micro-batch 2, full recomputation (tr11-176B-ml.slurm); "
+             "BF16_Optimizer's own ZeRO-1 (DeepSpeed stage 0); ALiBi modelled as learned "
+             "positions; the step logged in the training's README (149.77 TFLOP/s by "
+             "Megatron's formula, the paper's 'about 150')", confident=False))
     neox = ModelSpec(name="gpt-neox-20b", layers=44, hidden=6144, heads=64, kv_heads=64,
                      ffn_hidden=4 * 6144, vocab=50432, max_seq=2048, mlp="gelu",
                      norm="layernorm", position="rope", tied_embeddings=False, bias=True,
@@ -139,11 +181,7 @@ def megatron_deepspeed() -> list[PublishedRun]:
         "GPT-NeoX 20B 96", "NEOX section 3 (117 TFLOP/s per GPU, 96 A100-SXM4-40GB)",
         "Megatron-DeepSpeed (GPT-NeoX)", neox, a100_40gb(12, 12.5), 1536, 2048, 2, 4, 12, 1,
         "full", False,
-        KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
-                      separate_projections=False,
-                      p2p_scatter_gather=False, p2p_blocking=True, stack="fused",
-                      sharding="zero"),
-        "step_s", neox_logged_step_s(neox, 1536, 2048, 117.0, 96), micro_batches=(4,),
+        NEOX_STACK, "step_s", neox_logged_step_s(neox, 1536, 2048, 117.0, 96), micro_batches=(4,),
         memory=MEGATRON_DEEPSPEED_MEMORY,
         note="tp 2, pp 4, ZeRO-1, micro-batch 4 x 32 accumulation steps (published: "
              "EleutherAI/gpt-neox configs/20B.yml); batch 1538 rounded to 1536 for dp 12; 4 HDR "

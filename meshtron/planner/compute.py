@@ -186,6 +186,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         score_bytes = per_score * heads_local * seq * tokens
         core_fwd += score_bytes / bw
         core_bwd = 2.0 * core_fwd
+        if opts.score_bias_copy:  # baddbmm(bias, ...): the bias copied in, read by the GEMM
+            core_fwd += 4 * heads_local * seq * tokens / bw
     elementwise = tokens * elementwise_bytes(model, tp, sp, opts) / bw
     q_f = q_b = 0.0
     if lin_dt == "fp8":
@@ -221,6 +223,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster),
                              host.sm_interference(cluster, group.nodes > 1))
                   if tp > 1 else (0.0, 0.0))
+    if tp > 1 and not sp and opts.residual_reduce_once and model.parallel_residual:
+        tp_f -= colls["ar"]  # the two branches' sum reduced once (KernelOptions)
     if cp > 1:
         # K/V of the local tokens travel to the other cp-1 ranks (ring: cp-1 p2p steps of the
         # local K/V chunk; all-gather: the same volume), their gradients come back in the
@@ -238,8 +242,11 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     issue_f, issue_b = host.layer_issue(kernels_per_layer(model, opts),
                                         host.tp_collectives(tp, sp) + (2 if cp > 1 else 0),
                                         dispatch_s(cluster))
-    fwd += host.launch_bound(fwd + tp_f, issue_f)
-    bwd += host.launch_bound(bwd + tp_b, issue_b)
+    if opts.launch_blocking:  # every launch waits for its kernel: no running ahead
+        fwd, bwd = fwd + issue_f, bwd + issue_b
+    else:
+        fwd += host.launch_bound(fwd + tp_f, issue_f)
+        bwd += host.launch_bound(bwd + tp_b, issue_b)
     return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
                      tp_fwd=tp_f, tp_bwd=tp_b)
 

@@ -44,6 +44,10 @@ class StepTimes:
         if pp > 1:
             cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(w.p2p_bytes, cross, self.fab) + w.gather
+            if self.opts.p2p_grads_whole and w.gather:
+                # activations split over the tensor group, gradients sent whole: the mean of
+                # the two directions (each crosses every boundary the same number of times)
+                hop = 0.5 * (hop + comm.send(w.p2p_bytes * tp, cross, self.fab))
             pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
                                      self.opts.p2p_overlap and v > 1)
             if model.tied_embeddings:

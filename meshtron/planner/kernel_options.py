@@ -203,6 +203,34 @@ class KernelOptions:
     own. False: every micro-batch's gradient is added to the accumulated one by a separate
     memory-bound kernel (meshtron's BF16Compute.accumulate, FSDP2 without gradient sync, torch
     DDP's no_sync): `grad_accumulation_bytes`."""
+    zero1_all_reduce: bool = False
+    """ZeRO-1 reduces the gradients with a full all-reduce (every rank receives all of them,
+    steps its shard and all-gathers the parameters), not a reduce-scatter: DeepSpeed's pipeline
+    engine calls buffered_allreduce_fallback whatever the ZeRO stage (microsoft/DeepSpeed
+    v0.3.15 runtime/pipe/engine.py `_exec_reduce_grads`), and BF16_Optimizer's own ZeRO-1
+    all-reduces its fp32 gradients (v0.6.5 pipe/engine.py `_bf16_reduce_grads`)."""
+    p2p_grads_whole: bool = False
+    """With p2p_scatter_gather, the backward's gradients are still sent whole by every tensor
+    rank: DeepSpeed's pipeline engine before v0.5.5 splits the activations it sends over the
+    tensor group (is_pipe_partitioned = is_model_parallel) but not the gradients
+    (is_grad_partitioned = False until microsoft/DeepSpeed#1407, September 2021)."""
+    residual_reduce_once: bool = False
+    """A parallel-residual block (ModelSpec.parallel_residual) adds its attention and MLP
+    outputs before one tensor-parallel all-reduce instead of reducing each (GPT-NeoX's
+    gpt_j_residual, EleutherAI/gpt-neox megatron/model/transformer.py: `residual +
+    self.reduce(output)`); the backward still all-reduces both column-parallel inputs'
+    gradients. False: each branch reduced (meshtron's runtime, DTensor's RowwiseParallel)."""
+    score_bias_copy: bool = False
+    """Unfused attention starts its scores from a materialised bias: Megatron-DeepSpeed's ALiBi
+    (bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py: torch.baddbmm(alibi,
+    q, k^T, beta != 0)) makes ATen copy the broadcast bias into the [b*np, s, s] output and the
+    GEMM read it back: 4 more bytes per bf16 score in each forward (none in the backward: the
+    bias needs no gradient)."""
+    launch_blocking: bool = False
+    """CUDA_LAUNCH_BLOCKING=1: every launch returns when its kernel has finished, so the host's
+    issue time adds to the GPU's instead of running ahead of it (host.layer_issue). BLOOM ran so
+    (bigscience-workshop/bigscience train/tr11-176B-ml README: a workaround for a hang at 40+
+    nodes, "a tiny impact or no impact at all to the throughput")."""
     @property
     def head_stack(self) -> str:
         """The stack the final norm + head + loss are priced with: per-block torch.compile
