@@ -24,9 +24,14 @@ the weight-gradient GEMM and re-gathers the sequence-parallel input beside the i
 GEMM (the async tensor-parallel all-reduce of late 2021 and K22's section 4.2.2)."""
 DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                                     separate_projections=False,
-                                    fp32_grad_reduce=False, p2p_scatter_gather=False,
-                                    p2p_blocking=True, stack="fused", sharding="zero")
-"""Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused kernels, DeepSpeed's pipeline engine."""
+                                    fp32_grad_reduce=False, p2p_scatter_gather=True,
+                                    p2p_grads_whole=True, p2p_blocking=True, stack="fused",
+                                    sharding="zero")
+"""Megatron-DeepSpeed (MT-NLG): Megatron's fused kernels, DeepSpeed's pipeline engine, which
+splits the activation it sends over the tensor group (runtime/pipe/engine.py
+is_pipe_partitioned = is_model_parallel, v0.3.15 on) and, before v0.5.5 (microsoft/DeepSpeed
+#1407), sends the gradient whole (is_grad_partitioned = False; MT-NLG's DeepSpeed version is
+not published: the older engine assumed). BLOOM's stack: rows_megatron.BLOOM_STACK."""
 MEGATRON_DEEPSPEED_MEMORY = MemoryOptions(framework="megatron",
                                           pipeline_split="deepspeed-transformer",
                                           zero_stages="deepspeed")

@@ -205,10 +205,12 @@ _DEEPSPEED_2021 = Framework(
     "deepspeed", "2021", "DeepSpeed 0.3.15 (April 2021) with Megatron-DeepSpeed",
     "microsoft/DeepSpeed v0.3.15: deepspeed/runtime/zero/stage3.py, partition_parameters.py "
     "(_allgather_param, _reduce_scatter_gradients), constants.py; deepspeed/runtime/pipe/"
-    "engine.py (blocking p2p of whole activations)",
+    "engine.py (blocking p2p; activations split over the tensor group, is_pipe_partitioned; "
+    "gradients sent whole, is_grad_partitioned False)",
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                   separate_projections=False,  # fused QKV and fc1 GEMMs
-                  fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
+                  fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_grads_whole=True,
+                  p2p_blocking=True,
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
                   list_collectives=True, fp8_filter="all"),
@@ -221,7 +223,9 @@ _DEEPSPEED_2024 = Framework(
     "deepspeed/runtime/zero/config.py (stage3_prefetch_bucket_size 5e7, overlap_comm), "
     "docs/_pages/config-json.md (communication_data_type), deepspeed/runtime/pipe/engine.py",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
-                  fp32_grad_reduce=False, p2p_scatter_gather=False, p2p_blocking=True,
+                  # pipe/engine.py: is_pipe_partitioned = is_grad_partitioned =
+                  # is_model_parallel (since DeepSpeed#1407, v0.5.5)
+                  fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_blocking=True,
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, recompute_regathers=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",

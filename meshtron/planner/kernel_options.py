@@ -51,8 +51,10 @@ class KernelOptions:
     """Gradients are accumulated and reduced in fp32 (Megatron-LM's main_grad), not bf16."""
     p2p_scatter_gather: bool = True
     """Pipeline sends split the activation over the tensor group and re-gather it over NVLink
-    (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1). False: every tensor
-    rank sends the whole [micro_batch*s, h] activation (DeepSpeed's pipeline engine)."""
+    (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1; DeepSpeed's pipeline
+    engine too, PartitionedTensor over the tensor group: runtime/pipe/engine.py
+    is_pipe_partitioned = is_model_parallel, v0.3.15 on). False: every tensor rank sends the
+    whole [micro_batch*s, h] activation."""
     p2p_blocking: bool = False
     """Pipeline sends and receives are blocking steps of each stage's instruction stream
     (DeepSpeed's pipeline engine, 2021-2022): per micro-batch and direction a stage pays both its
