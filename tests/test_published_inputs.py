@@ -132,3 +132,17 @@ def test_launch_blocking_adds_the_host_issue_time():
     # these layers are far from launch-bound: without blocking the host hides entirely
     assert blocking.fwd - plain.fwd == pytest.approx(issue_f)
     assert blocking.bwd - plain.bwd == pytest.approx(issue_b)
+
+
+def test_deepspeed_presets_split_pipeline_sends_over_the_tensor_group():
+    """DeepSpeed's pipeline engine sends a PartitionedTensor (1/tp of the activation per tensor
+    rank, re-gathered by the receiver) in every version read: 0.3.15 for activations only,
+    0.5.5 on for gradients too. A pipelined tp=2 plan's transfers cost less than whole sends."""
+    from meshtron.planner.frameworks import PRESETS
+
+    old, new = PRESETS["deepspeed@2021"].kernel, PRESETS["deepspeed@2024"].kernel
+    assert old.p2p_scatter_gather and old.p2p_grads_whole
+    assert new.p2p_scatter_gather and not new.p2p_grads_whole
+    whole = _neox_eval(p2p_scatter_gather=False, p2p_grads_whole=False)[2].time.pp_comm
+    assert _neox_eval(p2p_scatter_gather=new.p2p_scatter_gather,
+                      p2p_grads_whole=new.p2p_grads_whole)[2].time.pp_comm < 0.6 * whole
