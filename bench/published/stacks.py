@@ -37,7 +37,9 @@ MEGATRON_DEEPSPEED_MEMORY = MemoryOptions(framework="megatron",
                                           zero_stages="deepspeed")
 """Megatron-DeepSpeed's memory layout (16-bit weights, options_for's 'megatron') and its layer
 split: GPTModelPipe builds DeepSpeed's PipelineModule with partition_method='type:transformer'
-(GPT-NeoX: 'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone; its ZeRO
+(GPT-NeoX: 'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone (BLOOM
+ran 'type:transformer|embedding', [embedding + 5, 6 x 10, 5 + tied head], which no
+pipeline_split states: its first stage is charged 6 blocks and the embedding); its ZeRO
 is DeepSpeed's (zero_optimization in the DeepSpeed config), at most stage 1 in the pipeline
 engine (plan_rules_zero.PIPELINE_MAX), not Megatron-LM 2021's replicated optimizer."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
