@@ -20,7 +20,15 @@ the walk below).
 `weighted_in_flight` walks the schedule's order (torch's ScheduleInterleaved1F1B, which is
 Megatron-LM's: forwards visit the chunks in rounds of m / max(1, m // p) micro-batches,
 backwards the same with the chunks reversed, warm-up (v - 1) round + 2 (p - 1 - s)
-forwards) and takes the largest sum over chunks of micro-batches held x layers.
+forwards) and takes the largest sum over chunks of micro-batches held x layers. The round is
+Megatron-Core's microbatch_group_size_per_vp_stage (default pp; schedules.py refuses a
+remainder of m by it below pp, so m is a multiple of p there and the rounds are the same).
+It is every engine's count that runs this order, Megatron's too: its chunks are uneven under
+account_for_embedding/loss_in_pipeline_split (the first and last chunk a layer short: the
+Llama 3 paper's layout, section 3.3.2, "the first model chunk on the first stage has only the
+embedding") and under the planner's time-balanced split. The even spread over-charged the
+first rank there (Llama 3 405B, pp 16, v 8, 32 micro-batches: 125 layer-micro-batches
+against the 112 its seven one-layer chunks hold) and under-charged the last (99 against 112).
 """
 
 from __future__ import annotations
@@ -118,7 +126,10 @@ def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: li
     gradient), from the chunks' own layer counts (`chunk_layers`, p v entries in
     virtual-stage order) and, with accumulated gradients (`grad` bytes per layer beside `act`
     per layer and micro-batch), from the moment both are largest together: a chunk's
-    gradients appear at its first backward, when its micro-batches start to leave."""
+    gradients appear at its first backward, when its micro-batches start to leave. The walk
+    is the order's own count, below the even spread where a rank's first chunks are the
+    light ones (Megatron-Core's account_for_embedding_in_pipeline_split leaves the very
+    first chunk without its layer, and that chunk holds the most micro-batches)."""
     out = []
     for s in range(p):
         layers = [chunk_layers[c * p + s] for c in range(v)]
@@ -128,7 +139,7 @@ def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: li
             continue
         peak = held_bytes(p, v, m, s, layers, act, grad)
         held = (peak - grad * n) / (act * n)  # the multiplier beside every layer's gradients
-        out.append(held if grad else max(even[s], held))
+        out.append(held)
     return out
 
 
