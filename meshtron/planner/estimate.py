@@ -244,6 +244,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 and ep > 1 and self.opts.ep_overlap):
             # Megatron-Core's A2A overlap adds a warm-up forward (memory_pipeline.py)
             inflight = memory_pipeline.a2a_overlap_in_flight(inflight, v, m)
+            w.extra_warm = 1
         roots = [0.0] * pp
         roots[0] += p_emb
         roots[-1] += p_head
@@ -359,7 +360,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         chunks = list(cfg.stage_layers) if w.given else \
             pipeline_split.chunks(self.mem.split_rule, n, v)
         grad = w.accum * (w.p_layer + w.p_exp)
-        weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
+        weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
+                                            w.extra_warm)
         # the chunk outputs torch's pipelining holds at that moment, not at the even spread's
         # most (the last rank's peak is its loss, whose moment the walk does not single out:
         # as spread); Megatron frees them once sent (deallocate_output_tensor): none

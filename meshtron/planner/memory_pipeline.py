@@ -40,15 +40,16 @@ def _chunk_of(k: int, per_round: int, v: int, backward: bool) -> int:
 
 
 def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1.0,
-               grad: float = 0.0) -> float:
+               grad: float = 0.0, extra: int = 0) -> float:
     """Most bytes of stored activations (`act` per layer and micro-batch) and accumulated
     gradients (`grad` per layer, alive from a chunk's first backward on: FSDP2 keeps the
     unsharded gradient it accumulates over the step's micro-batches from then) pipeline rank
     `s` holds at once under interleaved 1F1B; `layers[c]`: the layers of its c-th chunk
-    (virtual stage c p + s). With `grad` 0: layer-micro-batches held."""
+    (virtual stage c p + s). With `grad` 0: layer-micro-batches held. `extra`: warm-up
+    forwards beyond the schedule's own (`a2a_overlap_in_flight`)."""
     per_round = m // max(1, m // p)
     total = m * v
-    warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
     accumulated = [False] * v
     now = best = 0.0
 
@@ -120,7 +121,7 @@ def held_layer_microbatches(p: int, v: int, m: int, s: int, layers: list[int]) -
 
 
 def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: list[float],
-                       act: float = 1.0, grad: float = 0.0) -> list[float]:
+                       act: float = 1.0, grad: float = 0.0, extra: int = 0) -> list[float]:
     """Per pipeline rank, micro-batches' worth of its layers held at its peak (the multiplier
     `pipeline.in_flight` gives, `even`, which the planner adds to every layer's accumulated
     gradient), from the chunks' own layer counts (`chunk_layers`, p v entries in
@@ -129,7 +130,8 @@ def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: li
     gradients appear at its first backward, when its micro-batches start to leave. The walk
     is the order's own count, below the even spread where a rank's first chunks are the
     light ones (Megatron-Core's account_for_embedding_in_pipeline_split leaves the very
-    first chunk without its layer, and that chunk holds the most micro-batches)."""
+    first chunk without its layer, and that chunk holds the most micro-batches). `extra`:
+    warm-up forwards beyond the schedule's own (`a2a_overlap_in_flight`)."""
     out = []
     for s in range(p):
         layers = [chunk_layers[c * p + s] for c in range(v)]
@@ -137,7 +139,7 @@ def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: li
         if not n:
             out.append(even[s])
             continue
-        peak = held_bytes(p, v, m, s, layers, act, grad)
+        peak = held_bytes(p, v, m, s, layers, act, grad, extra)
         held = (peak - grad * n) / (act * n)  # the multiplier beside every layer's gradients
         out.append(held)
     return out
