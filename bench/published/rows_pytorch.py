@@ -17,7 +17,11 @@ from bench.published.table import (PublishedRun, a100_40gb, grand_teton_h100_500
 
 
 def llama3() -> list[PublishedRun]:
-    opts = KernelOptions(stack="fused", sharding="zero", separate_projections=False)
+    # "FP32 gradient accumulation during backward computation over multiple micro-batches and
+    # ... reduce-scatter gradients in FP32 across data parallel workers" (section 3.3.2,
+    # numerical stability): a 4-byte gradient buffer over the step, reduced in fp32
+    opts = KernelOptions(stack="fused", sharding="zero", separate_projections=False,
+                         fp32_grad_reduce=True)
     # Section 3.3.2: one layer fewer on the first and last stages, "the first model chunk on
     # the first stage has only the embedding, and the last model chunk on the last stage has
     # only output projection and loss calculation": chunks of one layer, 8 per rank over
@@ -31,7 +35,8 @@ def llama3() -> list[PublishedRun]:
         schedules=("interleaved",), virtual_stages=8, memory=mem,
         note="FlashAttention, SP, no recomputation, ZeRO-1-like sharding, micro-batch 1 "
              "(assumed); interleaved, 8 one-layer chunks per rank, embedding-only first and "
-             "loss-only last chunk (section 3.3.2)")
+             "loss-only last chunk; fp32 gradient accumulation and reduce-scatter (section "
+             "3.3.2)")
         for nodes, dp, tf in ((1024, 64, 430.0), (2048, 128, 400.0))]
 
 
