@@ -28,7 +28,7 @@ account_for_embedding/loss_in_pipeline_split (the first and last chunk a layer s
 Llama 3 paper's layout, section 3.3.2, "the first model chunk on the first stage has only the
 embedding") and under the planner's time-balanced split. The even spread over-charged the
 first rank there (Llama 3 405B, pp 16, v 8, 32 micro-batches: 125 layer-micro-batches
-against the 112 its seven one-layer chunks hold) and under-charged the last (99 against 112).
+against the 112 its seven one-layer chunks hold) and under-charged the last (99 against 113).
 """
 
 from __future__ import annotations
