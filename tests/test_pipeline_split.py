@@ -649,3 +649,25 @@ def test_the_evaluator_passes_the_looped_schedules_idle_to_the_reduction(monkeyp
         # m = batch / (dp * micro_batch)
         assert Evaluator(model, cluster, batch, 4096).evaluate(plan) is not None
         assert seen and {s for s in seen} == {(v, want)}, (schedule, batch, seen)
+
+
+def test_megatron_core_builds_an_embedding_only_first_chunk(plan_cli):
+    """Megatron-Core's account_for_embedding/loss_in_pipeline_split counts the embedding and
+    the loss as a layer each: 126 layers on pp 16 with 8 chunks per rank (128 virtual stages,
+    the Llama 3 paper's layout, section 3.3.2) is a split it builds, the very first chunk the
+    embedding alone and the very last the loss alone; stacks without it are refused."""
+    model = PRESETS["llama3-405b"]
+    k = {"tp": 8, "pp": 16, "dp": 4, "virtual_stages": 8, "schedule": "interleaved"}
+    assert plan_problems(k, 512, model, runtime=False, split="megatron-ends") == []
+    problems = plan_problems(k, 512, model, runtime=False, split="any")
+    assert problems and "more pipeline stages than model layers" in problems[0]
+    rc, out, err = plan_cli(*L405, "--framework", "megatron@2024", "--layout",
+                            "tp=8,pp=16,dp=4", "--schedule", "interleaved:8", "--json",
+                            "--top", "1")
+    assert rc == 0, err
+    plan = json.loads(out)["plans"][0]
+    assert plan["virtual_stages"] == 8
+    assert plan["stage_layers"] == [0] + [1] * 126 + [0]
+    rc, _, err = plan_cli(*L405, "--framework", "meshtron", "--layout", "tp=8,pp=16,dp=4",
+                          "--schedule", "interleaved:8", "--json", "--top", "1")
+    assert rc == 2 and "126" in err

@@ -277,6 +277,23 @@ def test_cli_table_counts_a_pinned_row_as_answered(cli, tmp_path):
     assert s["unfit"] == (row["status"] == "unfit")
 
 
+
+def test_llama3_rows_price_the_papers_pipeline_split_and_fp32_gradients(cli, tmp_path):
+    """The Llama 3 405B rows as the paper describes its stack (section 3.3.2): 8 one-layer
+    chunks per pipeline rank, the very first chunk only the embedding and the very last only
+    the loss (Megatron-Core's account_for_embedding/loss split), gradients accumulated and
+    reduced in fp32: a 4-byte gradient buffer on the fullest rank's 8 layers."""
+    import bench.planner_cli_table as table
+    from bench.published.runs import published_runs
+
+    run = next(r for r in published_runs() if r.name == "Llama3 405B 8192")
+    rc, out, _ = cli(*table._args(run, tmp_path)[1:])
+    plan = json.loads(out)["plans"][0]
+    assert rc == 0 and plan["virtual_stages"] == 8 and plan["reduce_dtype"] == "fp32"
+    assert plan["stage_layers"] == [0] + [1] * 126 + [0]
+    mem = plan["memory_gib"]
+    assert mem["stage"] == 1 and mem["grads"] == pytest.approx(2 * mem["params"], rel=1e-9)
+
 def test_rehearse_takes_the_plan_that_plan_prices(cli):
     """`meshtron rehearse` of a pinned layout that does not fit rehearses the plan `meshtron
     plan` prices (the time-balanced split), not the memory-minimising near miss."""

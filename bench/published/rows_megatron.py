@@ -256,8 +256,10 @@ def megatron_bridge_h100() -> list[PublishedRun]:
             "Megatron-Core (Megatron-Bridge)", models[size], preset_cluster("dgx-h100", gpus // 8),
             gbs, 8192, tp, pp, dp, 3 if fsdp else 1, "any", tp > 1, mcore, "tokens_per_gpu",
             tps, micro_batches=(1,), schedules=("interleaved",) if vp else ("1f1b",), cp=cp,
-            dtype="fp8", virtual_stages=vp, memory=MemoryOptions(framework="megatron"),
-            confident=False,
+            dtype="fp8", virtual_stages=vp, confident=False,
+            # Megatron-Core's own split (the megatron@2024 preset's, which the command line
+            # prices): equal chunks, not the time-balanced split of meshtron's runtime
+            memory=MemoryOptions(framework="megatron", pipeline_split="megatron-ends"),
             note=f"FP8 (current scaling), micro-batch 1, VP {vp or '-'} as published; "
                  f"{'Megatron-FSDP' if fsdp else 'distributed optimizer (DDP column 0)'}; "
                  "sequence parallel with TP (required by tp_comm_overlap); recomputation "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtron.model.spec import preset
+from meshtron.planner import memory
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute import KernelOptions
 from bench.published.stacks import (LLM_FOUNDRY_AMP, LLM_FOUNDRY_MEMORY, LLM_FOUNDRY_PURE,
@@ -16,13 +17,26 @@ from bench.published.table import (PublishedRun, a100_40gb, grand_teton_h100_500
 
 
 def llama3() -> list[PublishedRun]:
+    # "FP32 gradient accumulation during backward computation over multiple micro-batches and
+    # ... reduce-scatter gradients in FP32 across data parallel workers" (section 3.3.2,
+    # numerical stability): a 4-byte gradient buffer over the step, reduced in fp32
+    opts = KernelOptions(stack="fused", sharding="zero", separate_projections=False,
+                         fp32_grad_reduce=True)
+    # Section 3.3.2: one layer fewer on the first and last stages, "the first model chunk on
+    # the first stage has only the embedding, and the last model chunk on the last stage has
+    # only output projection and loss calculation": chunks of one layer, 8 per rank over
+    # pp = 16 (126 + 2 = 16 x 8), the split of Megatron-Core's
+    # account_for_embedding/loss_in_pipeline_split ('megatron-ends')
+    mem = dataclasses.replace(memory.options_for(opts), pipeline_split="megatron-ends")
     return [PublishedRun(
         f"Llama3 405B {nodes * 8}", "L3 Table 4", "Meta (Llama 3)", preset("llama3-405b"),
         preset_cluster("dgx-h100", nodes), 2048, 8192, 8, 16, dp, 1, "none", True,
-        KernelOptions(stack="fused", sharding="zero", separate_projections=False),
-        "model_tflops", tf,
-        schedules=("interleaved",),
-        note="FlashAttention, SP, no recomputation, ZeRO-1-like sharding, micro-batch 1 (assumed)")
+        opts, "model_tflops", tf,
+        schedules=("interleaved",), virtual_stages=8, memory=mem,
+        note="FlashAttention, SP, no recomputation, ZeRO-1-like sharding, micro-batch 1 "
+             "(assumed); interleaved, 8 one-layer chunks per rank, embedding-only first and "
+             "loss-only last chunk; fp32 gradient accumulation and reduce-scatter (section "
+             "3.3.2)")
         for nodes, dp, tf in ((1024, 64, 430.0), (2048, 128, 400.0))]
 
 

@@ -69,7 +69,9 @@ LOOKED_AT = {
                                   "KernelOptions.separate_projections, branch tt405)",
     "TT 405B FSDP8 TP8 PP8 interleaved": "micro-batch and virtual stages fixed to torchtitan's "
                                          "defaults after its +68% error was known",
-    "Llama3 405B 8192": "its 86 GiB rejection was examined (round 2 of issue 18)",
+    "Llama3 405B 8192": "its 86 GiB rejection was examined (round 2 of issue 18); its 92.4 "
+                        "GiB breakdown again (issue 30 session 36), which led to the walked "
+                        "Megatron order and the paper's split and fp32 gradients as inputs",
     "DSV3 671B 2048xH800": "an FP8 GEMM tiling change that broke its error bound led to the "
                            "blockwise FP8 GEMM kind (KernelOptions.fp8_gemm, issue 30 session 34)",
     **{name: "the fp8_param_gather option was added after its error was known (issue 30 "

@@ -44,6 +44,7 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.plan import Plan
+from meshtron.planner.plan_rules_pipeline import most_chunks
 
 METRICS = ("hw_tflops", "model_tflops", "mfu", "step_s", "tokens_per_gpu")
 PARTS = ("calibration", "validation")
@@ -206,8 +207,8 @@ def _candidates(run: PublishedRun, recompute: str) -> list[Plan]:
         for s in run.schedules if run.pp > 1 else ("1f1b",):
             if s == "interleaved":
                 vs = (run.virtual_stages,) if run.virtual_stages else (2, 3, 4, 6, 8)
-                scheds += [("interleaved", v) for v in vs
-                           if run.model.layers // run.pp >= v and m % run.pp == 0]
+                most = most_chunks(run.row_memory.split_rule, run.model.layers, run.pp)
+                scheds += [("interleaved", v) for v in vs if most >= v and m % run.pp == 0]
             else:
                 scheds.append((s, 1))
         for sched, v in scheds:

@@ -155,8 +155,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         times = self._times(w)
         step = times.total
         if w.fits and step > cutoff and not keep_infeasible:
-            # too slow whatever the walk below finds: fitting, over the cutoff; not fitting,
-            # not wanted (the walk only adds memory, the step time does not depend on it)
+            # too slow whatever the walk below finds: fitting, over the cutoff (the step
+            # time does not depend on the walk)
             return None
         if not self._interleaved_memory(w, keep_infeasible):
             return None
@@ -245,6 +245,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 and ep > 1 and self.opts.ep_overlap):
             # Megatron-Core's A2A overlap adds a warm-up forward (memory_pipeline.py)
             inflight = memory_pipeline.a2a_overlap_in_flight(inflight, v, m)
+            w.extra_warm = 1
         roots = [0.0] * pp
         roots[0] += p_emb
         roots[-1] += p_head
@@ -346,31 +347,35 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         return True
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
-        """Under an interleaved schedule on FSDP2, the stages' memory at the walked peak
-        (memory_pipeline.py) instead of the even spread; False when that no longer fits and
+        """Under an interleaved schedule, the stages' memory at the walked peak
+        (memory_pipeline.py) instead of the even spread; False when that does not fit and
         `keep_infeasible` is False."""
         cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m, w.n
-        if not (cfg.schedule == "interleaved" and v > 1 and n is not None
-                and w.mem_opts.framework == "fsdp2"):
+        if not (cfg.schedule == "interleaved" and v > 1 and n is not None):
             return True
         inflight, outputs, act, out_bytes = w.inflight, w.outputs, w.act, w.out_bytes
         # the rank's first chunks hold more micro-batches than its last: weighted by their
-        # own layer counts (memory_pipeline.py), which FSDP2 runtimes cut as the plan says
-        # (Megatron-LM requires equal chunks: the even spread is exact there), at the
-        # moment they are largest beside the gradients accumulated so far
+        # own layer counts (memory_pipeline.py; uneven under the time-balanced split and
+        # Megatron-Core's account_for_embedding/loss), at the moment they are largest beside
+        # the gradients FSDP2 has accumulated so far (Megatron's buffer is in the states)
         chunks = list(cfg.stage_layers) if w.given else \
             pipeline_split.chunks(self.mem.split_rule, n, v)
         grad = w.accum * (w.p_layer + w.p_exp)
-        weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad)
-        # the chunk outputs held at that moment, not at the even spread's most (the last
-        # rank's peak is its loss, whose moment the walk does not single out: as spread)
+        weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
+                                            w.extra_warm)
+        # the chunk outputs torch's pipelining holds at that moment, not at the even spread's
+        # most (the last rank's peak is its loss, whose moment the walk does not single out:
+        # as spread); Megatron frees them once sent (deallocate_output_tensor): none
         walked = [out_bytes * self._peak_outputs(
             pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
-            if r < pp - 1 else outputs[r] for r in range(pp)]
+            if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
+            for r in range(pp)]
         if weighted != inflight or walked != outputs:
             w.inflight, outputs[:] = weighted, walked
             w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight)
-            w.fits = w.fits and all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
+            # the walk can also lower a rank's memory (a light first chunk): the split's
+            # memory is what it holds now
+            w.fits = all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
             if not w.fits and not keep_infeasible:
                 return False
         return True

@@ -245,8 +245,9 @@ class CostPieces:
         return hit
 
     def _weighted_in_flight(self, pp: int, v: int, m: int, chunks: list[int],
-                            even: list[float], act: float, grad: float) -> list[float]:
-        return list(_weighted_in_flight(pp, v, m, tuple(chunks), tuple(even), act, grad))
+                            even: list[float], act: float, grad: float,
+                            extra: int = 0) -> list[float]:
+        return list(_weighted_in_flight(pp, v, m, tuple(chunks), tuple(even), act, grad, extra))
 
     def _peak_outputs(self, pp: int, v: int, m: int, rank: int, layers: list[int], act: float,
                       grad: float, out: float) -> float:
@@ -273,9 +274,10 @@ class CostPieces:
 # the tuples hold what pipeline.in_flight and the layer splits give, floats and ints).
 @functools.lru_cache(maxsize=8192, typed=True)
 def _weighted_in_flight(pp: int, v: int, m: int, chunks: tuple[int, ...],
-                        even: tuple[float, ...], act: float, grad: float) -> tuple[float, ...]:
+                        even: tuple[float, ...], act: float, grad: float,
+                        extra: int) -> tuple[float, ...]:
     return tuple(memory_pipeline.weighted_in_flight(pp, v, m, list(chunks), list(even), act,
-                                                    grad))
+                                                    grad, extra))
 
 
 @functools.lru_cache(maxsize=32768, typed=True)

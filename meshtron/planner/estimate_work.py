@@ -68,6 +68,7 @@ class Work:
     grad_extra: float = 0.0  # embedding gradient elements beyond the shard (first stage)
     reduce_bytes: float = 0.0  # previous block's reduce-scatter input beside a backward
     inflight: list[float] = field(default_factory=list)  # micro-batches in flight per rank
+    extra_warm: int = 0  # warm-up forwards beyond the schedule's (A2A overlap)
     roots: list[float] = field(default_factory=list)  # root parameters per rank (emb, head)
     root_units: list[float] = field(default_factory=list)  # FSDP2 units outside the blocks
     out_bytes: float = 0.0  # one chunk output held by torch's pipelining

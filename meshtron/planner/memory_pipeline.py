@@ -20,7 +20,15 @@ the walk below).
 `weighted_in_flight` walks the schedule's order (torch's ScheduleInterleaved1F1B, which is
 Megatron-LM's: forwards visit the chunks in rounds of m / max(1, m // p) micro-batches,
 backwards the same with the chunks reversed, warm-up (v - 1) round + 2 (p - 1 - s)
-forwards) and takes the largest sum over chunks of micro-batches held x layers.
+forwards) and takes the largest sum over chunks of micro-batches held x layers. The round is
+Megatron-Core's microbatch_group_size_per_vp_stage (default pp; schedules.py refuses a
+remainder of m by it below pp, so m is a multiple of p there and the rounds are the same).
+It is every engine's count that runs this order, Megatron's too: its chunks are uneven under
+account_for_embedding/loss_in_pipeline_split (the first and last chunk a layer short: the
+Llama 3 paper's layout, section 3.3.2, "the first model chunk on the first stage has only the
+embedding") and under the planner's time-balanced split. The even spread over-charged the
+first rank there (Llama 3 405B, pp 16, v 8, 32 micro-batches: 125 layer-micro-batches
+against the 112 its seven one-layer chunks hold) and under-charged the last (99 against 113).
 """
 
 from __future__ import annotations
@@ -32,15 +40,16 @@ def _chunk_of(k: int, per_round: int, v: int, backward: bool) -> int:
 
 
 def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1.0,
-               grad: float = 0.0) -> float:
+               grad: float = 0.0, extra: int = 0) -> float:
     """Most bytes of stored activations (`act` per layer and micro-batch) and accumulated
     gradients (`grad` per layer, alive from a chunk's first backward on: FSDP2 keeps the
     unsharded gradient it accumulates over the step's micro-batches from then) pipeline rank
     `s` holds at once under interleaved 1F1B; `layers[c]`: the layers of its c-th chunk
-    (virtual stage c p + s). With `grad` 0: layer-micro-batches held."""
+    (virtual stage c p + s). With `grad` 0: layer-micro-batches held. `extra`: warm-up
+    forwards beyond the schedule's own (`a2a_overlap_in_flight`)."""
     per_round = m // max(1, m // p)
     total = m * v
-    warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
     accumulated = [False] * v
     now = best = 0.0
 
@@ -112,13 +121,17 @@ def held_layer_microbatches(p: int, v: int, m: int, s: int, layers: list[int]) -
 
 
 def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: list[float],
-                       act: float = 1.0, grad: float = 0.0) -> list[float]:
+                       act: float = 1.0, grad: float = 0.0, extra: int = 0) -> list[float]:
     """Per pipeline rank, micro-batches' worth of its layers held at its peak (the multiplier
     `pipeline.in_flight` gives, `even`, which the planner adds to every layer's accumulated
     gradient), from the chunks' own layer counts (`chunk_layers`, p v entries in
     virtual-stage order) and, with accumulated gradients (`grad` bytes per layer beside `act`
     per layer and micro-batch), from the moment both are largest together: a chunk's
-    gradients appear at its first backward, when its micro-batches start to leave."""
+    gradients appear at its first backward, when its micro-batches start to leave. The walk
+    is the order's own count, below the even spread where a rank's first chunks are the
+    light ones (Megatron-Core's account_for_embedding_in_pipeline_split leaves the very
+    first chunk without its layer, and that chunk holds the most micro-batches). `extra`:
+    warm-up forwards beyond the schedule's own (`a2a_overlap_in_flight`)."""
     out = []
     for s in range(p):
         layers = [chunk_layers[c * p + s] for c in range(v)]
@@ -126,9 +139,9 @@ def weighted_in_flight(p: int, v: int, m: int, chunk_layers: list[int], even: li
         if not n:
             out.append(even[s])
             continue
-        peak = held_bytes(p, v, m, s, layers, act, grad)
+        peak = held_bytes(p, v, m, s, layers, act, grad, extra)
         held = (peak - grad * n) / (act * n)  # the multiplier beside every layer's gradients
-        out.append(held if grad else max(even[s], held))
+        out.append(held)
     return out
 
 

@@ -22,7 +22,7 @@ from meshtron.planner.plan_rules_fields import (  # noqa: F401  (re-exported)
     OFFLOADS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, _is_int, comm_problems,
     field_problems)
 from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
-    STACK_SCHEDULES, megatron_account_for, microbatch_problem, schedule_problem,
+    STACK_SCHEDULES, megatron_account_for, microbatch_problem, most_chunks, schedule_problem,
     schedule_zero_problem, split_problem)
 from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
     STACK_OFFLOADS, least_zero, offload_kinds, offload_problem)
@@ -72,7 +72,11 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
         if sum(sl) != model.layers:
             yield (f"plan.stage_layers={list(sl)}: sums to {sum(sl)}, the model has "
                    f"{model.layers} layers")
-    elif pp is not None and pp * v > model.layers:
+    elif pp is not None and pp * v > model.layers and not (
+            split == "megatron-ends" and megatron_account_for(model.layers, pp, v)):
+        # Megatron-Core's account_for_embedding/loss_in_pipeline_split counts the embedding
+        # and the loss as a layer each: pp*v may exceed the blocks by up to two, the very
+        # first (last) chunk holding only the embedding (loss) (megatron_account_for)
         name = f"plan.pp={pp}" if v == 1 else f"plan.pp*virtual_stages={pp}*{v}={pp * v}"
         yield f"{name}: more pipeline stages than model layers ({model.layers})"
 

@@ -57,6 +57,14 @@ def megatron_account_for(layers: int, pp: int, v: int) -> list[int]:
     return [e for e in (1, 2) if (layers + e) % (pp * v) == 0 and (layers + e) // (pp * v) >= 1]
 
 
+def most_chunks(rule: str | None, layers: int, pp: int) -> int:
+    """The most virtual stages per pipeline rank the stack's split can give `layers` blocks:
+    one block per chunk, or with Megatron-Core's account_for_embedding/loss_in_pipeline_split
+    ('megatron-ends') up to two more chunks than blocks, the very first and very last holding
+    only the embedding and the loss (`megatron_account_for`)."""
+    return (layers + 2) // pp if rule == "megatron-ends" else layers // pp
+
+
 def split_problem(rule: str | None, layers: int, pp: int, v: int = 1,
                   stage_layers: list[int] | None = None) -> str | None:
     """The stack's own limits on assigning `layers` to pp stages of v chunks (`rule`:

@@ -20,7 +20,7 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
 from meshtron.planner.plan_rules import (compile_runtime_problem, ep_runtime_problems,
-                                         least_zero, schedule_problem, split_problem,
+                                         least_zero, most_chunks, schedule_problem, split_problem,
                                          zero_limit)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -192,7 +192,7 @@ class SearchSpace:
         k, layers = self.knobs, self.model.layers
         if k.schedule != "interleaved" or k.virtual_stages or pp <= 1:
             return
-        vs = [v for v in VIRTUAL_STAGES if v <= layers // pp]
+        vs = [v for v in VIRTUAL_STAGES if v <= most_chunks(self.split, layers, pp)]
         problems = [split_problem(self.split, layers, pp, v) for v in vs]
         if not vs or not all(problems):
             return
@@ -349,7 +349,7 @@ class SearchSpace:
         k = self.knobs
         if pp == 1:
             return [(None, 1)]
-        layers_per_stage = self.model.layers // pp
+        layers_per_stage = most_chunks(self.split, self.model.layers, pp)  # chunks at most
         if k.schedule is not None:
             if k.schedule == "interleaved" and not k.virtual_stages:
                 cands = [("interleaved", v) for v in VIRTUAL_STAGES if v <= layers_per_stage]
