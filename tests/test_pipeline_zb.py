@@ -178,3 +178,25 @@ def test_1f1b_interleaved_and_gpipe_bubbles_are_the_walk(schedule, vs):
             t = v * (f + b)
             got = pipeline.bubble_time(schedule, v, [t] * p, [0.0] * p, m)
             assert m * t + got == pytest.approx(span, rel=1e-9), (schedule, p, v, m, f, b)
+
+
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_unequal_ranks_are_priced_on_the_walk_of_every_micro_batch(v):
+    """Ranks of unequal work (the end ranks' embedding and head; here random within +-30%):
+    `pipeline_zb.stage_bubble` walks only until the ranks' slack settles; that is the walk of
+    all m micro-batches to 1e-9 of the step."""
+    rng = random.Random(10 + v)
+    for _ in range(12):
+        p = rng.choice([2, 3, 4, 6])
+        f = [rng.uniform(0.7, 1.3) for _ in range(p)]
+        b = [rng.uniform(0.8, 1.6) for _ in range(p)]
+        w = [rng.uniform(0.3, 1.5) for _ in range(p)]
+        where = [pipeline_zb.stage_rank(p, v, s) for s in range(p * v)]
+        worst = max(x + y + z for x, y, z in zip(f, b, w))
+        for m in range(1, 5 * p + 1):
+            if not _runs(v, p, m, v != 2):
+                continue
+            full = pipeline_zb.walk(p, v, m, [f[r] / v for r in where],
+                                    [b[r] / v for r in where], [w[r] / v for r in where])
+            got = pipeline_zb.stage_bubble(v, m, f, b, w)
+            assert m * worst + got == pytest.approx(max(full, m * worst), rel=1e-9), (p, m)

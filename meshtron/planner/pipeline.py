@@ -155,20 +155,16 @@ def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: li
 
 def _zb_bubble(v: int, stage_times: list[float], wgrad_times: list[float],
                fwd_times: list[float] | None, m: int | None) -> float:
-    """torch's zero-bubble step (pipeline_zb.bubble, exact for equal stages) on the mean
-    per-chunk forward, input and weight gradient of the stages other than the critical one:
-    for 1F1B the same reading gives sum_i t_i - max_i t_i. A caller without forward times
-    (diagnose's measured per-stage compute) gets a third of each stage as its forward, the
-    backward twice the forward (its matrix products: twice the FLOPs)."""
+    """torch's zero-bubble step (pipeline_zb.stage_bubble: the walk of its order, closed
+    forms for equal stages). A caller without forward times (diagnose's measured per-stage
+    compute) gets a third of each stage as its forward, the backward twice the forward (its
+    matrix products: twice the FLOPs)."""
     p = len(stage_times)
-    crit = stage_times.index(max(stage_times))
     if fwd_times is None:
         fwd_times = [t / 3.0 for t in stage_times]
-    chunks = (p - 1) * v
-    f = sum(x for i, x in enumerate(fwd_times) if i != crit) / chunks
-    w = sum(x for i, x in enumerate(wgrad_times) if i != crit) / chunks
-    b = sum(x for i, x in enumerate(stage_times) if i != crit) / chunks - f - w
-    return pipeline_zb.bubble(p, v, m if m else 2 * p - 1, f, max(0.0, b), w)
+    bwd_in = [max(0.0, t - f - w) for t, f, w in zip(stage_times, fwd_times, wgrad_times)]
+    return pipeline_zb.stage_bubble(v, m if m else 2 * p, list(fwd_times), bwd_in,
+                                    list(wgrad_times))
 
 
 def _stage_extras(p: int, first_extra: float, last_extra: float) -> list[float]:

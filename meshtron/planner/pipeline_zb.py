@@ -188,3 +188,40 @@ def bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
         two = _walk_bubble(2, 2, 3, f, b, w)
         return two + (p - 2) * (_walk_bubble(3, 2, 5, f, b, w) - two)
     return _walk_bubble(p, v, m, f, b, w)  # fewer micro-batches than the steady state needs
+
+
+def stage_bubble(v: int, m: int, f: list[float], b: list[float], w: list[float]) -> float:
+    """`bubble` for pipeline ranks of unequal work (per rank, all its chunks: forward f, input
+    gradient b, weight gradient w of one micro-batch; the end ranks carry the embedding and
+    the head), beyond m times the slowest rank's work. Equal ranks take the closed forms;
+    otherwise the walk of torch's order with each rank's work split evenly over its chunks.
+    Its bubble stops changing with m once the ranks' slack has settled (a few rounds of p
+    micro-batches: tests/test_pipeline_zb.py compares with the walk of all m), so the walk
+    grows p micro-batches at a time until it stops changing; ZB1P with v >= 3 repeats its
+    rounds of m // max(1, m // p) and is walked whole."""
+    p = len(f)
+    t = [x + y + z for x, y, z in zip(f, b, w)]
+    if p <= 1:
+        return 0.0
+    if max(t) - min(t) <= 1e-12 * max(t) and max(w) - min(w) <= 1e-12 * max(t):
+        return bubble(p, v, m, f[0] / v, b[0] / v, w[0] / v)
+    where = [stage_rank(p, v, s) for s in range(p * v)]
+    per = ([f[r] / v for r in where], [b[r] / v for r in where], [w[r] / v for r in where])
+
+    def idle(runs: int) -> float:
+        return walk(p, v, runs, *per) - runs * max(t)
+
+    if v >= 3:
+        return max(0.0, idle(m))
+    # the ranks' slack settles after a few rounds of p micro-batches: walk until it stops
+    # changing (equal ranks settle at once: p for ZB1P, 2p - 1 for the V)
+    runs = min(m, 2 * p - 1 if v == 2 else 2 * p)
+    last = idle(runs)
+    while runs < m:
+        nxt = min(m, runs + p)
+        now = idle(nxt)
+        settled = abs(now - last) <= 1e-12 * nxt * max(t)
+        runs, last = nxt, now
+        if settled:
+            break
+    return max(0.0, last)
