@@ -198,5 +198,5 @@ def test_unequal_ranks_are_priced_on_the_walk_of_every_micro_batch(v):
                 continue
             full = pipeline_zb.walk(p, v, m, [f[r] / v for r in where],
                                     [b[r] / v for r in where], [w[r] / v for r in where])
-            got = pipeline_zb.stage_bubble(v, m, f, b, w)
+            got = pipeline_zb.stage_bubble(v, m, tuple(f), tuple(b), tuple(w))
             assert m * worst + got == pytest.approx(max(full, m * worst), rel=1e-9), (p, m)

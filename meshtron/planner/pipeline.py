@@ -163,8 +163,8 @@ def _zb_bubble(v: int, stage_times: list[float], wgrad_times: list[float],
     if fwd_times is None:
         fwd_times = [t / 3.0 for t in stage_times]
     bwd_in = [max(0.0, t - f - w) for t, f, w in zip(stage_times, fwd_times, wgrad_times)]
-    return pipeline_zb.stage_bubble(v, m if m else 2 * p, list(fwd_times), bwd_in,
-                                    list(wgrad_times))
+    return pipeline_zb.stage_bubble(v, m if m else 2 * p, tuple(fwd_times), tuple(bwd_in),
+                                    tuple(wgrad_times))
 
 
 def _stage_extras(p: int, first_extra: float, last_extra: float) -> list[float]:

@@ -33,6 +33,8 @@ gradient b, weight gradient w), measured on torch's orders and checked by the te
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 Op = tuple[str, int, int]
 
 
@@ -142,10 +144,27 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
     """Makespan of torch's 'zb' orders, per virtual stage forward f, input gradient b and
     weight gradient w of one micro-batch; a transfer between ranks delays its receiver by
     `hop` (a rank's own sends never hold it: the runtime waits on them at the step's end)."""
+    dur = (f, b, w)
+    end: list[float] = []
+    for kind, stage, prev, dep, cross in _program(p, v, m):
+        start = end[prev] if prev >= 0 else 0.0
+        if dep >= 0:
+            ready = end[dep] + hop if cross else end[dep]
+            if ready > start:
+                start = ready
+        end.append(start + dur[kind][stage])
+    return max(end)
+
+
+@lru_cache(maxsize=128)
+def _program(p: int, v: int, m: int) -> tuple[tuple[int, int, int, int, bool], ...]:
+    """torch's orders as an event list in an order where every input comes first: per
+    operation (kind 0/1/2 for F/B/W, stage, index of the rank's previous operation, index of
+    the operation producing its input, whether that one ran on another rank); -1: none."""
     ords, nv = orders(p, v, m), p * v
-    done: dict[Op, float] = {}
-    clock, at = [0.0] * p, [0] * p
-    dur = {"F": f, "B": b, "W": w}
+    index: dict[Op, int] = {}
+    out: list[tuple[int, int, int, int, bool]] = []
+    last, at = [-1] * p, [0] * p
     moved = True
     while moved:
         moved = False
@@ -153,17 +172,17 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
             while at[r] < len(ords[r]):
                 op = ords[r][at[r]]
                 dep = _input(op, nv)
-                if dep is not None and dep not in done:
+                if dep is not None and dep not in index:
                     break
-                ready = 0.0 if dep is None else done[dep] + (
-                    hop if stage_rank(p, v, dep[1]) != r else 0.0)
-                clock[r] = max(clock[r], ready) + dur[op[0]][op[1]]
-                done[op] = clock[r]
+                d = -1 if dep is None else index[dep]
+                cross = dep is not None and stage_rank(p, v, dep[1]) != r
+                out.append(("FBW".index(op[0]), op[1], last[r], d, cross))
+                index[op] = last[r] = len(out) - 1
                 at[r] += 1
                 moved = True
     if any(a < len(o) for a, o in zip(at, ords)):
         raise RuntimeError(f"zero-bubble order deadlocks at p={p} v={v} m={m}")
-    return max(clock)
+    return tuple(out)
 
 
 def _walk_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
@@ -190,10 +209,13 @@ def bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
     return _walk_bubble(p, v, m, f, b, w)  # fewer micro-batches than the steady state needs
 
 
-def stage_bubble(v: int, m: int, f: list[float], b: list[float], w: list[float]) -> float:
+@lru_cache(maxsize=1024)
+def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
+                 w: tuple[float, ...]) -> float:
     """`bubble` for pipeline ranks of unequal work (per rank, all its chunks: forward f, input
     gradient b, weight gradient w of one micro-batch; the end ranks carry the embedding and
-    the head), beyond m times the slowest rank's work. Equal ranks take the closed forms;
+    the head), beyond m times the slowest rank's work. Cached: the plans a search compares
+    often differ only in what the pipeline does not see (ZeRO stage, data parallelism). Equal ranks take the closed forms;
     otherwise the walk of torch's order with each rank's work split evenly over its chunks.
     Its bubble stops changing with m once the ranks' slack has settled (a few rounds of p
     micro-batches: tests/test_pipeline_zb.py compares with the walk of all m), so the walk
@@ -215,7 +237,7 @@ def stage_bubble(v: int, m: int, f: list[float], b: list[float], w: list[float])
         return max(0.0, idle(m))
     # the ranks' slack settles after a few rounds of p micro-batches: walk until it stops
     # changing (equal ranks settle at once: p for ZB1P, 2p - 1 for the V)
-    runs = min(m, 2 * p - 1 if v == 2 else 2 * p)
+    runs = min(m, 2 * p - 1 if v == 2 else p)
     last = idle(runs)
     while runs < m:
         nxt = min(m, runs + p)
