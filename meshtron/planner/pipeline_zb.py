@@ -214,9 +214,10 @@ def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
                  w: tuple[float, ...]) -> float:
     """`bubble` for pipeline ranks of unequal work (per rank, all its chunks: forward f, input
     gradient b, weight gradient w of one micro-batch; the end ranks carry the embedding and
-    the head), beyond m times the slowest rank's work. Cached: the plans a search compares
-    often differ only in what the pipeline does not see (ZeRO stage, data parallelism). Equal ranks take the closed forms;
-    otherwise the walk of torch's order with each rank's work split evenly over its chunks.
+    the head), beyond m times the slowest rank's work. Equal ranks take the closed forms;
+    otherwise the walk of torch's order with each rank's work split evenly over its chunks
+    (cached: the plans a search compares often differ only in what the pipeline does not
+    see, the ZeRO stage or the data parallelism).
     Its bubble stops changing with m once the ranks' slack has settled (a few rounds of p
     micro-batches: tests/test_pipeline_zb.py compares with the walk of all m), so the walk
     grows p micro-batches at a time until it stops changing; ZB1P with v >= 3 repeats its
@@ -225,7 +226,7 @@ def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
     t = [x + y + z for x, y, z in zip(f, b, w)]
     if p <= 1:
         return 0.0
-    if max(t) - min(t) <= 1e-12 * max(t) and max(w) - min(w) <= 1e-12 * max(t):
+    if all(max(x) - min(x) <= 1e-12 * max(t) for x in (f, b, w)):
         return bubble(p, v, m, f[0] / v, b[0] / v, w[0] / v)
     where = [stage_rank(p, v, s) for s in range(p * v)]
     per = ([f[r] / v for r in where], [b[r] / v for r in where], [w[r] / v for r in where])
