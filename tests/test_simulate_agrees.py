@@ -50,6 +50,11 @@ LAYOUTS = [
      ["--layout", "tp=8,pp=2,dp=8", "--schedule", "1f1b", "--zero", "3"], None),
     ("pp-interleaved-m<p", "llama3-70b", "dgx-h100:16", 8, 4096,
      ["--layout", "tp=8,pp=8,dp=2", "--schedule", "interleaved:2", "--zero", "1"], None),
+    # torch runs rounds of m // max(1, m // p) = 5: the simulator used to refuse m % p != 0
+    # with a traceback
+    ("pp-interleaved-m-not-multiple", "llama3-70b", "dgx-h100:16", 40, 4096,
+     ["--layout", "tp=8,pp=4,dp=4", "--schedule", "interleaved:2", "--micro-batch", "1",
+      "--zero", "1"], None),
     ("pp-zb", "llama3-70b", "dgx-h100:16", 1024, 4096,
      ["--layout", "tp=8,pp=4,dp=4", "--schedule", "zb", "--zero", "1"], None),
     ("pp-zb-m<p", "llama3-70b", "dgx-h100:16", 16, 4096,
