@@ -12,7 +12,7 @@ import pytest
 from meshtron.model.spec import resolve_model
 from meshtron.planner import resolve_cluster, search_plans
 from meshtron.planner.estimate import Evaluator
-from meshtron.simulate.schedule import device_orders, zb_orders
+from meshtron.simulate.schedule import device_orders
 from meshtron.simulate.step import Perturbation, simulate_step
 
 
@@ -53,12 +53,12 @@ def test_schedules_run_every_operation_once():
         assert len(ops) == len(set(ops)) == 2 * p * vv * m
         for s, o in enumerate(orders):
             assert all(j % p == s for _, j, _ in o)
-    fwd, bwd, w = [1.0] * p, [2.0] * p, [0.8] * p
-    zb = zb_orders(p, 1, m, fwd, bwd, w, 0.0)
-    assert sorted(op for o in zb for op in o) == sorted(
-        (k, j, mb) for k in "FBW" for j in range(p) for mb in range(m))
-    # ZB-H1 fills the last device's 1F1B bubble with weight gradients: W before its last B
-    last = zb[-1]
+    for vv in (1, 2, 3):  # zero bubble: torch's ZB1P, its V for v = 2 (tests/test_pipeline_zb.py)
+        zb = device_orders("zb", p, vv, m)
+        assert sorted(op for o in zb for op in o) == sorted(
+            (k, j, mb) for k in "FBW" for j in range(p * vv) for mb in range(m))
+    # ZB1P fills the last device's 1F1B bubble with weight gradients: W before its last B
+    last = device_orders("zb", p, 1, m)[-1]
     assert last.index(("W", p - 1, 0)) < last.index(("B", p - 1, m - 1))
 
 

@@ -13,7 +13,11 @@ event graph's own, deliberately:
 * bubble: pipeline.bubble_time's closed form is the event walk's makespan for stages with the
   same forward:backward ratio (tests/test_pipeline_split.py walks it); the end stages'
   embedding and head change that ratio, which moves the walk by well under 2% of the bubble
-  (measured 0.07-1.4% on the plans below).
+  (measured 0.07-1.4% on the plans below). Zero bubble is priced by the walk of torch's order
+  itself (planner/pipeline_zb.py), the simulator's order: equal with one stage per rank
+  (test_without_transfers_the_pipelined_step_is_the_planners); with ZB-V the simulator puts
+  the head on rank 0, as torch's V does, and the planner still on the last rank (0.02 s on the
+  pp-zbv plan, inside its pp_comm allowance).
 The drain check is the point of the pipelined rows: before the simulator stalled each chunk
 after its last backward (pipeline.reduce_after_drain) it priced FSDP reductions as bucketed
 during the backward and came out lower by the whole exposed reduction, more than `pp_comm`
@@ -46,6 +50,17 @@ LAYOUTS = [
      ["--layout", "tp=8,pp=2,dp=8", "--schedule", "1f1b", "--zero", "3"], None),
     ("pp-interleaved-m<p", "llama3-70b", "dgx-h100:16", 8, 4096,
      ["--layout", "tp=8,pp=8,dp=2", "--schedule", "interleaved:2", "--zero", "1"], None),
+    # torch runs rounds of m // max(1, m // p) = 5: the simulator used to refuse m % p != 0
+    # with a traceback
+    ("pp-interleaved-m-not-multiple", "llama3-70b", "dgx-h100:16", 40, 4096,
+     ["--layout", "tp=8,pp=4,dp=4", "--schedule", "interleaved:2", "--micro-batch", "1",
+      "--zero", "1"], None),
+    ("pp-zb", "llama3-70b", "dgx-h100:16", 1024, 4096,
+     ["--layout", "tp=8,pp=4,dp=4", "--schedule", "zb", "--zero", "1"], None),
+    ("pp-zb-m<p", "llama3-70b", "dgx-h100:16", 16, 4096,
+     ["--layout", "tp=8,pp=8,dp=2", "--schedule", "zb", "--zero", "1"], None),
+    ("pp-zbv", "llama3-70b", "dgx-h100:16", 1024, 4096,
+     ["--layout", "tp=8,pp=4,dp=4", "--schedule", "zbv", "--zero", "1"], None),
     ("megatron-tied", "gpt3-175b", "dgx-a100:64", 1536, 2048,
      ["--layout", "tp=8,pp=8,dp=8", "--schedule", "1f1b"], "megatron"),
     ("deepspeed", "llama3-8b", "dgx-h100:4", 256, 4096,
@@ -77,7 +92,7 @@ def test_noiseless_simulated_step_is_the_planners(cli, tmp_path, kind, model, cl
     assert doc["warnings"] == []
 
 
-@pytest.mark.parametrize("kind", ["pp-1f1b", "pp-zero3", "megatron-tied"])
+@pytest.mark.parametrize("kind", ["pp-1f1b", "pp-zero3", "megatron-tied", "pp-zb", "pp-zb-m<p"])
 def test_without_transfers_the_pipelined_step_is_the_planners(kind):
     """Equal stages, the transfers taken out of both (the simulator's hop, the planner's
     p2p_time): what is left, the FSDP2 reductions stalled after each chunk's last backward

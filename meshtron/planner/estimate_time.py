@@ -38,7 +38,7 @@ class StepTimes:
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * w.ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
-        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m)
+        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m, stage_f)
         w.groups = groups = self._groups(cfg)
         pp_t = 0.0
         if pp > 1:

@@ -10,8 +10,12 @@ Schedules, for p stages, m micro-batches, per-micro-batch stage times t_i = F_i 
   divided by v; stage i keeps ((p-i-1)*2 + (v-1)*p + 1) / v micro-batches' worth of its layers,
   i.e. p(1 + (p-1)/(pv)) on the first stage (Korthikanti et al. 2022, section 4.2.3); Megatron
   requires m to be a multiple of p.
-* 'zb' (ZB-H1, Qi et al. 2024 "Zero Bubble Pipeline Parallelism"): weight-gradient work W is
-  deferred into the bubble, which shrinks from (p-1)(F+B+W) to (p-1)(F+B-W) at 1F1B's memory.
+* 'zb' (Qi et al. 2024 "Zero Bubble Pipeline Parallelism"): weight-gradient work W is deferred
+  into the bubble. Priced as torch.distributed.pipelining orders it (pipeline_zb.py: the ZB1P
+  of ScheduleInterleavedZeroBubble, the V of ScheduleZBVZeroBubble for v = 2): with one stage
+  per rank the bubble is (p-1) max(F+B-W, F, B) (the paper's (p-1)(F+B-W) while W <= F, B),
+  plus (p-m) min(F, B, W) with m < p; per chunk and divided likewise with v >= 3 and m >= p;
+  ZB-V and small m from the walk of torch's order.
 
 With unequal stages the step takes (m - 1) * max_i t_i + sum_i t_i for 1F1B (the critical stage
 runs m micro-batches, the fill and drain pass each other stage once): the bubble is
@@ -34,7 +38,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from meshtron.planner import comm
+from meshtron.planner import comm, pipeline_zb
 from meshtron.planner.overlap import OVERLAP_INTERFERENCE
 from meshtron.planner.plan import SCHEDULES  # noqa: F401  (the one list, re-exported)
 
@@ -125,8 +129,10 @@ def reduce_after_drain(reduce_s: float, v: int, stage: int, bwd: float, idle: in
 
 
 def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: list[float],
-                m: int | None = None) -> float:
-    """Idle time of the critical stage beyond its own m micro-batches (see module docstring).
+                m: int | None = None, fwd_times: list[float] | None = None) -> float:
+    """Idle time of the critical stage beyond its own m micro-batches (see module docstring);
+    stage_times, wgrad_times and fwd_times per device, all its chunks (m None: as many
+    micro-batches as the steady state needs).
 
     Looped schedules (interleaved, and gpipe with v > 1: looped BFS) send micro-batch 0 of
     chunk c + 1 into device 0 only after it went round all p devices in chunk c. With m >= p
@@ -143,11 +149,22 @@ def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: li
         idle = (v - 1) * max(0, p - m) * sum(stage_times) / p / v if m else 0.0
         return fill / v + idle
     if schedule == "zb":
-        i = stage_times.index(worst)
-        fill_zb = sum(t - 2 * w for t, w in zip(stage_times, wgrad_times)) \
-            - (worst - 2 * wgrad_times[i])
-        return max(0.0, fill_zb)
+        return _zb_bubble(v, stage_times, wgrad_times, fwd_times, m)
     return fill
+
+
+def _zb_bubble(v: int, stage_times: list[float], wgrad_times: list[float],
+               fwd_times: list[float] | None, m: int | None) -> float:
+    """torch's zero-bubble step (pipeline_zb.stage_bubble: the walk of its order, closed
+    forms for equal stages). A caller without forward times (diagnose's measured per-stage
+    compute) gets a third of each stage as its forward, the backward twice the forward (its
+    matrix products: twice the FLOPs)."""
+    p = len(stage_times)
+    if fwd_times is None:
+        fwd_times = [t / 3.0 for t in stage_times]
+    bwd_in = [max(0.0, t - f - w) for t, f, w in zip(stage_times, fwd_times, wgrad_times)]
+    return pipeline_zb.stage_bubble(v, m if m else 2 * p, tuple(fwd_times), tuple(bwd_in),
+                                    tuple(wgrad_times))
 
 
 def _stage_extras(p: int, first_extra: float, last_extra: float) -> list[float]:

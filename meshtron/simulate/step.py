@@ -19,8 +19,8 @@ all-reduce joins the end stages before their optimizer step. So without straggle
 the simulated step is the planner's (tests/test_simulate_agrees.py) but for two pieces the
 event graph does itself: the pipeline transfers (the planner charges every steady-state one on
 the critical stage, the graph only where a receiver waits) and the bubble of unequal stages
-(the planner's closed form, pipeline.bubble_time, is the walk's makespan for equal stages;
-schedule.py's greedy ZB-H1 order idles more than the paper's, which the planner prices).
+(the planner's closed form, pipeline.bubble_time, is the walk's makespan for equal stages,
+zero bubble's included: both take torch's order, planner/pipeline_zb.py).
 
 How ranks are handled: a plan of tp x pp x dp ranks has dp replicas of one pipeline, each
 pipeline stage being tp ranks in lockstep (their tensor-parallel collectives are inside every
@@ -47,7 +47,7 @@ import numpy as np
 from meshtron.errors import UserError
 from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.step_pieces import StepPieces, step_pieces
-from meshtron.simulate.schedule import device_orders, zb_orders
+from meshtron.simulate.schedule import device_of, device_orders
 
 
 @dataclass(frozen=True)
@@ -215,10 +215,7 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation,
     rng = np.random.default_rng(pert.seed) if pert.jitter > 0 else None
     zb = cfg.schedule == "zb"
     b_only = [b - w for b, w in zip(pc.bwd, pc.wgrad)] if zb else pc.bwd
-    if zb:
-        orders = zb_orders(p, v, m, pc.fwd, pc.bwd, pc.wgrad, pc.hop_s)
-    else:
-        orders = device_orders(cfg.schedule, p, v, m)
+    orders = device_orders(cfg.schedule, p, v, m)
     # the operation after which each chunk's gradients are complete (its last B, W under zb)
     release = "W" if zb else "B"
     last_of = {op[1]: k for order in orders for k, op in enumerate(order) if op[0] == release}
@@ -242,7 +239,8 @@ def _build(cfg, m: int, pc: StepPieces, factors: np.ndarray, pert: Perturbation,
                 if dep is not None:
                     if dep not in done:
                         break
-                    hop = pc.hop_s if dep[1] != j else 0.0
+                    # no transfer between two stages of one device (the V's turn)
+                    hop = pc.hop_s if device_of(cfg.schedule, p, v, dep[1]) != s else 0.0
                     preds.append((done[dep], hop))
                 base = {"F": pc.fwd[j], "B": b_only[j], "W": pc.wgrad[j]}[kind]
                 fold = pc.fold_s[s] / (2 * v) if kind in ("F", "B") else 0.0

@@ -1,0 +1,250 @@
+"""Zero-bubble pipeline schedules as torch.distributed.pipelining builds them, and their bubble.
+
+meshtron's runtime (parallel/pipeline.py `build_schedule`) runs 'zb' with one stage per rank
+and with v >= 3 as `ScheduleInterleavedZeroBubble` (the paper's ZB1P; Qi et al. 2024, "Zero
+Bubble Pipeline Parallelism", arXiv 2401.10241) and with v = 2 as `ScheduleZBVZeroBubble`
+(the paper's ZB-V, section 6, V placement); torchtitan builds the same classes. `orders`
+re-derives the compute order each rank executes (torch 2.13 schedules.py,
+`_get_1f1b_rank_ops(..., enable_zero_bubble=True)` with `_get_warmup_ops(multiply_factor=1)`
+and `num_1f1b_microbatches = rank`, and `ScheduleZBVZeroBubble._calculate_single_rank_operations`;
+the same in the pre-2.13 source read for comparison). The runtime drops the schedule's None
+slots and runs each rank's list in order, every operation waiting only for its input
+(`_PipelineScheduleRuntime._step_microbatches`: receives posted early, sends not waited on
+until the step's end), so the step is the event walk of these lists (`walk`).
+tests/test_pipeline_zb.py checks `orders` against the lists torch builds and `bubble` against
+the walk.
+
+Operations are (kind, stage, micro-batch): 'F' forward, 'B' input gradient, 'W' weight
+gradient (the simulator's names, simulate/schedule.py).
+
+The bubble of that walk for equal stages (per chunk and micro-batch: forward f, input
+gradient b, weight gradient w), measured on torch's orders and checked by the tests:
+
+* ZB1P, m >= p (and v = 1 for any m): (p-1) max(f+b-w, f, b), plus, with v = 1 and m < p,
+  (p-m) min(f, b, w). The paper's (p-1)(f+b-w) holds only while w <= min(f, b): the
+  schedule puts exactly one W after each steady-state B, so a W longer than f or b cannot
+  fill the slot it was given.
+* ZB-V: W sits at fixed places of the V and the critical path changes with the ratios. From
+  m = 2p - 1 micro-batches on (torch pads its order to 2p - 1 and drops the missing ones)
+  the bubble no longer changes with m and grows linearly with p from p = 2, so two small
+  walks (p = 2 and 3) give it at any depth. Below that, and for ZB1P with v >= 3 and m < p,
+  the walk itself (at most 3 v p^2 operations).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+Op = tuple[str, int, int]
+
+
+def stage_rank(p: int, v: int, stage: int) -> int:
+    """Pipeline rank holding virtual stage `stage` under 'zb': a V for v = 2 (torch's
+    generate_stage_to_rank_mapping(style='v')), looped (stage % p) otherwise."""
+    if v == 2:
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
+def orders(p: int, v: int, m: int) -> list[list[Op]]:
+    """Per pipeline rank, the compute operations torch runs for 'zb' with v stages per rank."""
+    if v == 2:
+        return [_zbv_order(p, m, r) for r in range(p)]
+    return [_zb1p_order(p, v, m, r) for r in range(p)]
+
+
+def _zb1p_order(p: int, v: int, m: int, r: int) -> list[Op]:
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    total = m * v
+    warm = min((v - 1) * per_round + (p - 1 - r), total)
+
+    def f_stage(k: int) -> int:
+        return ((k // per_round) % v) * p + r
+
+    def b_stage(k: int) -> int:
+        return (v - 1 - ((k - warm) // per_round) % v) * p + r
+
+    count: dict[tuple[str, int], int] = {}
+
+    def op(kind: str, stage: int) -> Op:
+        mb = count.get((kind, stage), 0)
+        count[(kind, stage)] = mb + 1
+        return (kind, stage, mb)
+
+    out = [op("F", f_stage(k)) for k in range(warm)]
+    weights = 0  # W of the weights-th backward: one after each B once r of them wait
+    for k in range(warm, total + warm):
+        if k < total:
+            out.append(op("F", f_stage(k)))
+        out.append(op("B", b_stage(k)))
+        if k - warm >= r:
+            out.append(op("W", b_stage(warm + weights)))
+            weights += 1
+    out += [op("W", b_stage(warm + j)) for j in range(weights, total)]
+    return out
+
+
+def _zbv_order(p: int, m: int, r: int) -> list[Op]:
+    n = max(2 * p - 1, m)  # torch pads to 2p - 1 micro-batches, then drops the missing ones
+    c0, c1 = r, 2 * p - 1 - r
+    cnt = {("F", c0): 0, ("F", c1): 0, ("B", c0): 0, ("B", c1): 0}
+    out: list[Op] = []
+
+    def add(kind: str, stage: int, mb: int | None = None) -> None:
+        if mb is None:
+            mb = cnt[(kind, stage)]
+            cnt[(kind, stage)] += 1
+        out.append((kind, stage, mb))
+
+    for _ in range(2 * (p - r) - 1):
+        add("F", c0)
+    for _ in range(r):
+        add("F", c1)
+        add("F", c0)
+    for _ in range(p - r):
+        add("F", c1)
+        b = cnt[("B", c1)]
+        out += [("B", c1, b), ("W", c1, b)]
+        cnt[("B", c1)] += 1
+    while cnt[("F", c1)] < cnt[("F", c0)] or cnt[("F", c0)] < n:
+        if cnt[("F", c0)] < n:
+            add("F", c0)
+        for c in (c0, c1):
+            if c == c1:
+                add("F", c1)
+            b = cnt[("B", c)]
+            out += [("B", c, b), ("W", c, b)]
+            cnt[("B", c)] += 1
+    w0, w1 = cnt[("B", c0)], cnt[("B", c1)]
+    for _ in range(r):
+        add("B", c0)
+        add("B", c1)
+    for _ in range(p - r):
+        add("B", c0)
+        out.append(("W", c0, w0))
+        w0 += 1
+    out += [("W", c1, j) for j in range(w1, cnt[("B", c1)])]
+    out += [("W", c0, j) for j in range(w0, cnt[("B", c0)])]
+    return [o for o in out if o[2] < m]
+
+
+def _input(op: Op, nv: int) -> Op | None:
+    """The operation whose output `op` needs (W: its own B, run earlier on the same rank)."""
+    kind, s, mb = op
+    if kind == "F":
+        return ("F", s - 1, mb) if s > 0 else None
+    if kind == "B":
+        return ("B", s + 1, mb) if s < nv - 1 else ("F", s, mb)
+    return ("B", s, mb)
+
+
+def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
+         hop: float = 0.0) -> float:
+    """Makespan of torch's 'zb' orders, per virtual stage forward f, input gradient b and
+    weight gradient w of one micro-batch; a transfer between ranks delays its receiver by
+    `hop` (a rank's own sends never hold it: the runtime waits on them at the step's end)."""
+    dur = (f, b, w)
+    end: list[float] = []
+    for kind, stage, prev, dep, cross in _program(p, v, m):
+        start = end[prev] if prev >= 0 else 0.0
+        if dep >= 0:
+            ready = end[dep] + hop if cross else end[dep]
+            if ready > start:
+                start = ready
+        end.append(start + dur[kind][stage])
+    return max(end)
+
+
+@lru_cache(maxsize=128)
+def _program(p: int, v: int, m: int) -> tuple[tuple[int, int, int, int, bool], ...]:
+    """torch's orders as an event list in an order where every input comes first: per
+    operation (kind 0/1/2 for F/B/W, stage, index of the rank's previous operation, index of
+    the operation producing its input, whether that one ran on another rank); -1: none."""
+    ords, nv = orders(p, v, m), p * v
+    index: dict[Op, int] = {}
+    out: list[tuple[int, int, int, int, bool]] = []
+    last, at = [-1] * p, [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while at[r] < len(ords[r]):
+                op = ords[r][at[r]]
+                dep = _input(op, nv)
+                if dep is not None and dep not in index:
+                    break
+                d = -1 if dep is None else index[dep]
+                cross = dep is not None and stage_rank(p, v, dep[1]) != r
+                out.append(("FBW".index(op[0]), op[1], last[r], d, cross))
+                index[op] = last[r] = len(out) - 1
+                at[r] += 1
+                moved = True
+    if any(a < len(o) for a, o in zip(at, ords)):
+        raise RuntimeError(f"zero-bubble order deadlocks at p={p} v={v} m={m}")
+    return tuple(out)
+
+
+def _walk_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
+    n = p * v
+    return walk(p, v, m, [f] * n, [b] * n, [w] * n) - m * v * (f + b + w)
+
+
+def bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
+    """Idle time of torch's 'zb' step beyond the rank's own m v (f + b + w), equal stages,
+    per chunk and micro-batch forward f, input gradient b, weight gradient w (module
+    docstring)."""
+    if p <= 1:
+        return 0.0
+    if v == 1 or (v >= 3 and m >= p):
+        idle = (p - 1) * max(f + b - w, f, b)
+        if v == 1 and m < p:
+            idle += (p - m) * min(f, b, w)
+        return idle
+    if v == 2 and m >= 2 * p - 1:
+        # constant in m from 2p - 1 on and affine in p from p = 2: two walks of 3 and 5
+        # micro-batches give it at any depth
+        two = _walk_bubble(2, 2, 3, f, b, w)
+        return two + (p - 2) * (_walk_bubble(3, 2, 5, f, b, w) - two)
+    return _walk_bubble(p, v, m, f, b, w)  # fewer micro-batches than the steady state needs
+
+
+@lru_cache(maxsize=1024)
+def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
+                 w: tuple[float, ...]) -> float:
+    """`bubble` for pipeline ranks of unequal work (per rank, all its chunks: forward f, input
+    gradient b, weight gradient w of one micro-batch; the end ranks carry the embedding and
+    the head), beyond m times the slowest rank's work. Equal ranks take the closed forms;
+    otherwise the walk of torch's order with each rank's work split evenly over its chunks
+    (cached: the plans a search compares often differ only in what the pipeline does not
+    see, the ZeRO stage or the data parallelism).
+    Its bubble stops changing with m once the ranks' slack has settled (a few rounds of p
+    micro-batches: tests/test_pipeline_zb.py compares with the walk of all m), so the walk
+    grows p micro-batches at a time until it stops changing; ZB1P with v >= 3 repeats its
+    rounds of m // max(1, m // p) and is walked whole."""
+    p = len(f)
+    t = [x + y + z for x, y, z in zip(f, b, w)]
+    if p <= 1:
+        return 0.0
+    if all(max(x) - min(x) <= 1e-12 * max(t) for x in (f, b, w)):
+        return bubble(p, v, m, f[0] / v, b[0] / v, w[0] / v)
+    where = [stage_rank(p, v, s) for s in range(p * v)]
+    per = ([f[r] / v for r in where], [b[r] / v for r in where], [w[r] / v for r in where])
+
+    def idle(runs: int) -> float:
+        return walk(p, v, runs, *per) - runs * max(t)
+
+    if v >= 3:
+        return max(0.0, idle(m))
+    # the ranks' slack settles after a few rounds of p micro-batches: walk until it stops
+    # changing (equal ranks settle at once: p for ZB1P, 2p - 1 for the V)
+    runs = min(m, 2 * p - 1 if v == 2 else p)
+    last = idle(runs)
+    while runs < m:
+        nxt = min(m, runs + p)
+        now = idle(nxt)
+        settled = abs(now - last) <= 1e-12 * nxt * max(t)
+        runs, last = nxt, now
+        if settled:
+            break
+    return max(0.0, last)

@@ -1,0 +1,202 @@
+"""Pipeline schedules priced as torch.distributed.pipelining runs them: the orders meshtron
+re-derives (planner/pipeline_zb.py, simulate/schedule.py) are the lists torch 2.13 builds, and
+the planner's bubble (planner/pipeline.py `bubble_time`) is the makespan of an event walk of
+those lists, on a grid of (p, v, m) and forward / input-gradient / weight-gradient ratios.
+
+How the walk compares: every operation starts when its rank is free and its input exists
+(torch's runtime posts receives early and waits on its sends only at the step's end), with
+no transfer time: the planner charges the transfers apart (pipeline.p2p_time, every
+steady-state one on the critical stage), so the bubble is compared with transfers at zero.
+"""
+
+from __future__ import annotations
+
+import random
+from unittest import mock
+
+import pytest
+
+from meshtron.planner import pipeline, pipeline_zb
+from meshtron.simulate.schedule import device_of, device_orders
+
+S = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+_KIND = {"F": "F", "I": "B", "W": "W", "B": "B"}
+
+
+def _torch_orders(cls, p: int, v: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """The compute actions torch's schedule class lists per rank for p ranks of v stages and
+    m micro-batches, Nones dropped (the runtime skips them). Built as torch's own
+    `_schedule_visualizer.get_schedule_ops` builds a schedule without processes: a stand-in
+    for the stage objects, which only the schedule's constructor reads (group size, stage
+    count); no process group is involved."""
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod = 0, p, None
+    stage.num_stages = p * v
+    order = cls([stage] * v, m).pipeline_order
+    return [[(_KIND[a.computation_type.value], a.stage_index, a.microbatch_index)
+             for a in order[r] if a is not None and a.computation_type.value in _KIND]
+            for r in range(p)]
+
+
+def _walk(orders, where, nv: int, f: float, b: float, w: float) -> float:
+    """Makespan of per-rank orders: F after the previous stage's F, B (input gradient, or
+    the whole backward with w = 0) after the next stage's B or, on the last stage, its own
+    F, W after its B; no transfer time."""
+    done: dict[tuple[str, int, int], float] = {}
+    clock, at = [0.0] * len(orders), [0] * len(orders)
+    moved = True
+    while moved:
+        moved = False
+        for r, order in enumerate(orders):
+            while at[r] < len(order):
+                kind, s, j = order[at[r]]
+                dep = {"F": ("F", s - 1, j) if s > 0 else None,
+                       "B": ("B", s + 1, j) if s < nv - 1 else ("F", s, j),
+                       "W": ("B", s, j)}[kind]
+                if dep is not None and dep not in done:
+                    break
+                assert where(s) == r
+                clock[r] = max(clock[r], done[dep] if dep else 0.0) + {"F": f, "B": b,
+                                                                      "W": w}[kind]
+                done[(kind, s, j)] = clock[r]
+                at[r] += 1
+                moved = True
+    assert all(a == len(o) for a, o in zip(at, orders)), "deadlock"
+    return max(clock)
+
+
+def _grid(vs):
+    for p in (2, 3, 4, 5, 8):
+        for v in vs:
+            for m in range(1, 3 * p + 3):
+                yield p, v, m
+
+
+def _runs(v: int, p: int, m: int, looped: bool) -> bool:
+    """Micro-batch counts torch's looped schedules accept (plan_rules_pipeline
+    `microbatch_problem` refuses the others)."""
+    return not looped or m % max(1, m // p) == 0
+
+
+# ---- zero bubble ----------------------------------------------------------------------------
+@pytest.mark.parametrize("v", [1, 2, 3, 4])
+def test_zero_bubble_orders_are_torchs(v):
+    cls = S.ScheduleZBVZeroBubble if v == 2 else S.ScheduleInterleavedZeroBubble
+    for p, _, m in _grid([v]):
+        if not _runs(v, p, m, v != 2):
+            continue
+        assert pipeline_zb.orders(p, v, m) == _torch_orders(cls, p, v, m), (p, v, m)
+        assert device_orders("zb", p, v, m) == pipeline_zb.orders(p, v, m)
+    if v == 2:  # the V: rank r holds stages r and 2p - 1 - r (torch's style='v' mapping)
+        assert [pipeline_zb.stage_rank(4, 2, s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+RATIOS = [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 1.0, 2.0), (0.4, 1.7, 1.6), (1.6, 0.2, 1.0)]
+
+
+@pytest.mark.parametrize("v", [1, 2, 3, 4])
+def test_zero_bubble_is_the_walk_of_torchs_order(v):
+    """The planner's zero-bubble bubble is the walk's to 1e-9 relative, for m below, at and
+    above p (and ZB-V's 2p - 1), m not a multiple of p included, at fixed and random
+    forward / input-gradient / weight-gradient ratios. The paper's (p-1)(F+B-W), which the
+    planner priced before, is short by (p-1)(W - min(F, B)) when W is longer, by
+    (p-m) min(F, B, W) when m < p, and ignored v."""
+    rng = random.Random(v)
+    ratios = RATIOS + [tuple(rng.uniform(0.1, 2.0) for _ in range(3)) for _ in range(3)]
+    for p, _, m in _grid([v]):
+        if not _runs(v, p, m, v != 2):
+            continue
+        orders = pipeline_zb.orders(p, v, m)
+        for f, b, w in ratios:
+            span = _walk(orders, lambda s: pipeline_zb.stage_rank(p, v, s), p * v, f, b, w)
+            t = v * (f + b + w)
+            got = pipeline.bubble_time("zb", v, [t] * p, [v * w] * p, m, [v * f] * p)
+            assert m * t + got == pytest.approx(span, rel=1e-9, abs=1e-12), (p, v, m, f, b, w)
+            # the product's own walk (pipeline_zb.walk) agrees with this one
+            n = p * v
+            assert pipeline_zb.walk(p, v, m, [f] * n, [b] * n, [w] * n) == \
+                pytest.approx(span, rel=1e-12)
+
+
+def test_zero_bubble_one_stage_per_rank_before_and_after():
+    """ZB1P at p = 4, F = B = 1: with W = 1 torch's order meets the paper's (p-1)(F+B-W) = 3;
+    with W = 2 it idles 3, not 0; with m = 2 < p it idles 3 + 2 min(F, B, W) = 5."""
+    t = [4.0] * 4
+    assert pipeline.bubble_time("zb", 1, [3.0] * 4, [1.0] * 4, 8, [1.0] * 4) == 3.0
+    assert pipeline.bubble_time("zb", 1, t, [2.0] * 4, 8, [1.0] * 4) == 3.0
+    assert pipeline.bubble_time("zb", 1, [3.0] * 4, [1.0] * 4, 2, [1.0] * 4) == 5.0
+
+
+def test_zero_bubble_v_is_counted_per_chunk():
+    """ZB-V at p = 8, chunk F = B = W = 1 (rank: 6 per micro-batch), m = 16: rank 7 cannot start
+    before the first micro-batch's 7 forwards, and torch's V makes up none of it: bubble 7,
+    half of the one-stage-per-rank schedule's 14 on the same layers (what the planner
+    charged before, whatever v)."""
+    assert pipeline.bubble_time("zb", 2, [6.0] * 8, [2.0] * 8, 16, [2.0] * 8) == \
+        pytest.approx(7.0)
+    assert pipeline.bubble_time("zb", 1, [6.0] * 8, [2.0] * 8, 16, [2.0] * 8) == \
+        pytest.approx(14.0)
+
+
+# ---- 1F1B, interleaved 1F1B, GPipe and looped BFS -------------------------------------------
+@pytest.mark.parametrize("schedule,v,cls", [("interleaved", 2, "ScheduleInterleaved1F1B"),
+                                            ("interleaved", 3, "ScheduleInterleaved1F1B"),
+                                            ("gpipe", 2, "ScheduleLoopedBFS")])
+def test_looped_orders_are_torchs(schedule, v, cls):
+    """The simulator's interleaved order is torch's ScheduleInterleaved1F1B's (rounds of
+    m // max(1, m // p), also when m is not a multiple of p); looped BFS runs each chunk's
+    backwards in reverse micro-batch order, which the simulator's GPipe order does not:
+    checked as the same multiset per rank, and the same makespan below."""
+    for p, _, m in _grid([v]):
+        if not _runs(v, p, m, True):
+            continue
+        ours = device_orders(schedule, p, v, m)
+        theirs = _torch_orders(getattr(S, cls), p, v, m)
+        if schedule == "interleaved":
+            assert ours == theirs, (p, v, m)
+        else:
+            assert [sorted(o) for o in ours] == [sorted(o) for o in theirs], (p, v, m)
+
+
+@pytest.mark.parametrize("schedule,vs", [("1f1b", [1]), ("interleaved", [2, 3, 4]),
+                                         ("gpipe", [1, 2, 3])])
+def test_1f1b_interleaved_and_gpipe_bubbles_are_the_walk(schedule, vs):
+    """`bubble_time` against the walk of the simulator's orders (torch's, test above; 1F1B's
+    single-stage order is Schedule1F1B._step_microbatches': min(m, p - s) forwards, then
+    backward and forward alternating), forward f and whole backward b per chunk, for every
+    m torch's schedule accepts."""
+    for p, v, m in _grid(vs):
+        looped = schedule == "interleaved"
+        if not _runs(v, p, m, looped) or (schedule == "1f1b" and m < p):
+            continue  # Schedule1F1B refuses m < p (plan_rules_pipeline too)
+        for f, b in ((1.0, 2.0), (1.0, 1.0), (0.3, 1.7)):
+            span = _walk(device_orders(schedule, p, v, m), lambda s: device_of(schedule, p, v, s),
+                         p * v, f, b, 0.0)
+            t = v * (f + b)
+            got = pipeline.bubble_time(schedule, v, [t] * p, [0.0] * p, m)
+            assert m * t + got == pytest.approx(span, rel=1e-9), (schedule, p, v, m, f, b)
+
+
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_unequal_ranks_are_priced_on_the_walk_of_every_micro_batch(v):
+    """Ranks of unequal work (the end ranks' embedding and head; here random within +-30%):
+    `pipeline_zb.stage_bubble` walks only until the ranks' slack settles; that is the walk of
+    all m micro-batches to 1e-9 of the step."""
+    rng = random.Random(10 + v)
+    for _ in range(12):
+        p = rng.choice([2, 3, 4, 6])
+        f = [rng.uniform(0.7, 1.3) for _ in range(p)]
+        b = [rng.uniform(0.8, 1.6) for _ in range(p)]
+        w = [rng.uniform(0.3, 1.5) for _ in range(p)]
+        where = [pipeline_zb.stage_rank(p, v, s) for s in range(p * v)]
+        worst = max(x + y + z for x, y, z in zip(f, b, w))
+        for m in range(1, 5 * p + 1):
+            if not _runs(v, p, m, v != 2):
+                continue
+            full = pipeline_zb.walk(p, v, m, [f[r] / v for r in where],
+                                    [b[r] / v for r in where], [w[r] / v for r in where])
+            got = pipeline_zb.stage_bubble(v, m, tuple(f), tuple(b), tuple(w))
+            assert m * worst + got == pytest.approx(max(full, m * worst), rel=1e-9), (p, m)
