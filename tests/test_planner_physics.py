@@ -150,7 +150,10 @@ def test_eager_pytorch_is_slower_than_fused_kernels():
     llama = PRESETS["llama3-8b"]
     eager = layer_cost(llama, cl, 1, 2, 8192, False, KernelOptions(stack="eager"))
     fused = layer_cost(llama, cl, 1, 2, 8192, False, KernelOptions(stack="fused"))
-    assert eager.fwd > 1.05 * fused.fwd and eager.bwd > 1.05 * fused.bwd
+    # eager's fp32 RMSNorm (36 bytes against 4), 14-kernel RoPE and two-kernel SwiGLU: 4-5% of
+    # the layer at seq 8192 (1.05 until 2026-12-05, when eager still paid a layout copy after
+    # the flash kernel that SDPA does not make: elementwise.py, ttcosts2)
+    assert eager.fwd > 1.04 * fused.fwd and eager.bwd > 1.04 * fused.bwd
     # GPT-style layers (one-kernel LayerNorm and GeLU in both stacks) differ much less
     gpt = PRESETS["gpt3-175b"]
     g_e = layer_cost(gpt, cl, 8, 1, 2048, False, KernelOptions(stack="eager"))
