@@ -150,7 +150,10 @@ def test_eager_pytorch_is_slower_than_fused_kernels():
     llama = PRESETS["llama3-8b"]
     eager = layer_cost(llama, cl, 1, 2, 8192, False, KernelOptions(stack="eager"))
     fused = layer_cost(llama, cl, 1, 2, 8192, False, KernelOptions(stack="fused"))
-    assert eager.fwd > 1.05 * fused.fwd and eager.bwd > 1.05 * fused.bwd
+    # eager's fp32 RMSNorm (36 bytes against 4), 14-kernel RoPE and two-kernel SwiGLU: 4-5% of
+    # the layer at seq 8192 (1.05 until 2026-12-05, when eager still paid a layout copy after
+    # the flash kernel that SDPA does not make: elementwise.py, ttcosts2)
+    assert eager.fwd > 1.04 * fused.fwd and eager.bwd > 1.04 * fused.bwd
     # GPT-style layers (one-kernel LayerNorm and GeLU in both stacks) differ much less
     gpt = PRESETS["gpt3-175b"]
     g_e = layer_cost(gpt, cl, 8, 1, 2048, False, KernelOptions(stack="eager"))
@@ -231,7 +234,15 @@ def test_validation_errors_do_not_regress(table, capsys):
     tracked and fixed (issue #1998: dropless 2x slower than token drop, 25.11 2x slower than
     25.09); their inputs now follow the rows' recipes (FP8 current scaling, A2A overlap, bf16
     gradient reduction, no recomputation), and they are held to "faster than the regressed
-    figure" instead of a bound on their error."""
+    figure" instead of a bound on their error.
+
+    Issue 30 item 3 (ttcosts2, 2026-12-05; main's GEMM-model attention core kept): what the
+    FA2 stacks run around the kernel, from their code: torchtitan's repeat_kv copies and
+    complex RoPE (no inductor code for complex tensors), torch's ring attention (fp32 merges
+    and dk/dv sums, K/V all-gathered at every query head, the last fp32 dk/dv send exposed),
+    context parallelism's calls as made (the causal diagonal plus unmasked chunk pairs, each
+    at its own GEMM shapes) and no layout copy after a flash kernel. Here: validation 5.1% ->
+    5.4% (max 25.0%), calibration 11.0% -> 10.1% (max 31.5%); bounds unchanged."""
     dense = [p for p in table if p.run.ep == 1]
     val = summary([p for p in dense if p.run.part == "validation"])
     old = summary([p for p in dense if p.run.part == "validation" and p.run.dtype == "bf16"])

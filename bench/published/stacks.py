@@ -68,13 +68,18 @@ DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""
 TORCHTITAN_EAGER = KernelOptions(fp32_grad_reduce=True, stack="eager", fp8_filter="all",
+                                 torch_ring=True, complex_rope=True,
                                  fp8_scaling="torchao-tensorwise", separate_projections=True,
                                  optimizer="foreach", eager_norm="python")
 """torchtitan FSDP2 without torch.compile: bf16 parameters, fp32 gradient reduce-scatter;
 foreach AdamW (torchtitan/optimizer.py of December 2024: `--optimizer.fused` off by default,
 fused became the default in February 2025, #881); its own Python RMSNorm (norms.py, until the
-switch to torch.nn.RMSNorm in March 2025, #985)."""
+switch to torch.nn.RMSNorm in March 2025, #985). RoPE: models/llama/model.py
+`apply_rotary_emb` multiplies complex numbers (complex_rope); K/V are repeated per query head
+(`repeat_kv`, the rows' gqa_copies); context parallelism is torch's ring attention
+(torch_ring)."""
 TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_overlap=True,
+                                    torch_ring=True, complex_rope=True,
                                     fp8_filter="all", fp8_scaling="torchao-tensorwise",
                                     separate_projections=True,
                                     optimizer="foreach",

@@ -22,7 +22,9 @@ input re-gathered beside the input-gradient GEMM), or nothing (autograd's conjug
 
 Attention core: 'flash' (FlashAttention-2, Dao 2023) skips the masked half of a causal square,
 keeps no s x s matrix in memory, and its backward executes 2.5x the forward's matmul FLOPs (5
-GEMMs instead of 2); its GEMMs are head_dim wide, timed by the same efficiency model. 'unfused'
+GEMMs instead of 2); its GEMMs are head_dim wide, timed by the same efficiency model; with
+context parallelism, at the shapes of the calls the stack makes (ring_attention.py
+`ring_core_time`). 'unfused'
 (Megatron-LM 2019-2022, used by the calibration runs) computes the full square with two batched
 GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
 """
@@ -36,9 +38,10 @@ from functools import lru_cache
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, host
 from meshtron.planner.placement import tp_group
+from meshtron.planner.ring_attention import ring_core_time, torch_ring_bytes, torch_ring_exposed
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.elementwise import (  # noqa: F401  (kernels_per_layer re-exported)
-    NORM_BYTES, NORM_KERNELS, elementwise_bytes, kernels_per_layer, norm_key)
+    NORM_BYTES, NORM_KERNELS, elementwise_bytes, gqa_repeat_bytes, kernels_per_layer, norm_key)
 from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exported)
     GEMM_GROUPS, cast_bytes, fp8_fractions, fp8_input_casts, fp8_weight_elements,
     quantisation_bytes)
@@ -122,7 +125,7 @@ def fp8_step_cast_s(model: ModelSpec, cluster: ClusterSpec, tp: int, opts: Kerne
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
                sp: bool, opts: KernelOptions, cp: int = 1, dtype: str = "bf16",
                fp8_frac: tuple[float, ...] | None = None,
-               fp8_recipe: str = "rowwise") -> LayerCost:
+               fp8_recipe: str = "rowwise", gqa_repeat: bool = False) -> LayerCost:
     """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens,
     a 1/cp slice of each sequence's tokens on this rank (context parallelism), GEMMs at the
     peak of `dtype` (cluster.at_dtype; fp8: the block GEMMs whose Linears pass the runtime's
@@ -130,7 +133,9 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     FP8 share of each GEMM group (planner/fp8.py GEMM_GROUPS, `fp8_fractions` of the real
     model: `model` may be a mixture's active equivalent, whose averaged width is no Linear's);
     None: from `model` with torchao's thresholds (opts.fp8_filter). `fp8_recipe`: the plan's
-    torchao recipe (what opts.fp8_scaling 'torchao' casts with)."""
+    torchao recipe (what opts.fp8_scaling 'torchao' casts with). `gqa_repeat`: the model code
+    copies K/V to every query head before SDPA (MemoryOptions.gqa_copies: elementwise.py
+    `gqa_repeat_bytes`; context parallelism then moves K/V at every head)."""
     lin_dt, other_dt = compute_dtypes(dtype)
     lin_cl, cluster = cluster.at_dtype(lin_dt), cluster.at_dtype(other_dt)
     bw = membound_bytes_per_s(cluster, opts.stack)
@@ -165,29 +170,7 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     hd = model.head_dim
     batch_heads = micro_batch * heads_local
     q_len = seq / cp  # each context rank's queries attend to the whole (causal) sequence
-    if opts.attention == "flash":
-        # Causal FlashAttention computes about half the square; per head: QK^T and PV (with
-        # context parallelism the load-balanced split gives every rank 1/cp of the square).
-        one = (cluster_gemm_time(q_len, seq, hd, cluster)
-               + cluster_gemm_time(q_len, hd, seq, cluster))
-        core_fwd = 0.5 * batch_heads * one
-        core_bwd = 2.5 * core_fwd
-    else:
-        one = (cluster_gemm_time(q_len, seq, hd, cluster)
-               + cluster_gemm_time(q_len, hd, seq, cluster))
-        core_fwd = batch_heads * one
-        # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
-        # read + write 2s bytes each = 4s; with dropout a separate kernel reads the
-        # probabilities, writes the dropped copy and a 1-byte mask: +5s (the tensors of
-        # Korthikanti et al. 2022's activation list). Eager code masks in a kernel of its own
-        # before the softmax: +4s. The GEMMs' own reads and writes of the scores are in their
-        # roofline.
-        per_score = (9 if opts.dropout else 4) + (4 if opts.stack == "eager" else 0)
-        score_bytes = per_score * heads_local * seq * tokens
-        core_fwd += score_bytes / bw
-        core_bwd = 2.0 * core_fwd
-        if opts.score_bias_copy:  # baddbmm(bias, ...): the bias copied in, read by the GEMM
-            core_fwd += 4 * heads_local * seq * tokens / bw
+    core_fwd, core_bwd, ring = _core_time(cluster, opts, batch_heads, q_len, seq, cp, hd, bw)
     elementwise = tokens * elementwise_bytes(model, tp, sp, opts) / bw
     q_f = q_b = 0.0
     if lin_dt == "fp8":
@@ -206,6 +189,17 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         elementwise += 6.0 * weights / bw
     fwd = linear + core_fwd + elementwise + q_f
     bwd = 2.0 * linear + core_bwd + 2.0 * elementwise + q_b
+    if gqa_repeat:  # repeat_kv's copies and their backward sums (not twice the forward)
+        rep_f, rep_b = gqa_repeat_bytes(model, tp, opts.stack)
+        fwd, bwd = fwd + tokens * rep_f / bw, bwd + tokens * rep_b / bw
+    # K/V elements per rank that context parallelism moves: every query head where repeated
+    kv_moved = h if gqa_repeat else kv
+    # torch's ring: its fp32 merges and copies (ring_attention.py; its byte counts are of a
+    # bf16 core, so an fp32 run keeps the plain exchange)
+    torch_ring = cp > 1 and opts.torch_ring and ring is not None and other_dt == "bf16"
+    if torch_ring:
+        ring_f, ring_b = torch_ring_bytes(tokens * h / tp, tokens * kv_moved / tp, cp)
+        fwd, bwd = fwd + ring_f / bw, bwd + ring_b / bw
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
     # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2). Which
@@ -226,16 +220,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if tp > 1 and not sp and opts.residual_reduce_once and model.parallel_residual:
         tp_f -= colls["ar"]  # the two branches' sum reduced once (KernelOptions)
     if cp > 1:
-        # K/V of the local tokens travel to the other cp-1 ranks (ring: cp-1 p2p steps of the
-        # local K/V chunk; all-gather: the same volume), their gradients come back in the
-        # backward (Liu et al. 2023 "Ring Attention"; Megatron-Core context parallelism docs)
-        kv_bytes = (4.0 if dtype == "fp32" else BF16) * tokens * 2 * kv / tp
-        cpg = cp_group(tp, cp, cluster.gpus_per_node)
-        cp_f = comm.all_gather(kv_bytes * cp, cpg, fab)
-        cp_b = comm.reduce_scatter(kv_bytes * cp, cpg, fab)
-        if opts.cp_overlap:
-            nccl = host.sm_interference(cluster, cpg.nodes > 1)
-            cp_f, cp_b = overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
+        cp_f, cp_b = _cp_exposed(cluster, fab, opts, dtype, tp, cp, tokens * kv_moved / tp,
+                                 core_fwd, core_bwd, ring if torch_ring else None)
         tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
     # the host launches every kernel and collective: where they are shorter than their launches
     # the GPU waits on it (planner/host.py), over the layer's compute and exposed communication
@@ -249,6 +235,63 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         bwd += host.launch_bound(bwd + tp_b, issue_b)
     return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
                      tp_fwd=tp_f, tp_bwd=tp_b)
+
+
+def _core_time(cluster: ClusterSpec, opts: KernelOptions, batch_heads: float, q_len: float,
+               seq: int, cp: int, hd: int,
+               bw: float) -> tuple[float, float, tuple[float, float, float, float] | None]:
+    """(forward, backward, ring) seconds of the attention core on one rank: `q_len` queries
+    per head against the causal `seq`; `ring`: ring_core_time's four figures where a flash
+    core runs with cp > 1, else None.
+
+    Causal FlashAttention computes about half the square; per head: QK^T and PV, head_dim
+    wide, timed by the GEMM model (with context parallelism the load-balanced split gives
+    every rank 1/cp of the square, in cp calls: ring_attention.ring_core_time). The unfused
+    core computes the full square with two batched GEMMs and moves the scores through HBM."""
+    if opts.attention == "flash" and cp > 1:
+        ring = ring_core_time(cluster, batch_heads, q_len, cp, hd)
+        return ring[0], ring[1], ring
+    one = (cluster_gemm_time(q_len, seq, hd, cluster)
+           + cluster_gemm_time(q_len, hd, seq, cluster))
+    if opts.attention == "flash":
+        core_fwd = 0.5 * batch_heads * one
+        return core_fwd, 2.5 * core_fwd, None
+    core_fwd = batch_heads * one
+    # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
+    # read + write 2s bytes each = 4s; with dropout a separate kernel reads the
+    # probabilities, writes the dropped copy and a 1-byte mask: +5s (the tensors of
+    # Korthikanti et al. 2022's activation list). Eager code masks in a kernel of its own
+    # before the softmax: +4s. The GEMMs' own reads and writes of the scores are in their
+    # roofline.
+    per_score = (9 if opts.dropout else 4) + (4 if opts.stack == "eager" else 0)
+    core_fwd += per_score * batch_heads * seq * q_len / bw  # q_len x seq scores per head
+    core_bwd = 2.0 * core_fwd
+    if opts.score_bias_copy:  # baddbmm(bias, ...): the bias copied in, read by the GEMM
+        core_fwd += 4 * batch_heads * seq * q_len / bw
+    return core_fwd, core_bwd, None
+
+
+def _cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtype: str,
+                tp: int, cp: int, kv_elems: float, core_fwd: float, core_bwd: float,
+                ring: tuple[float, float, float, float] | None) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of context parallelism's K/V exchange for
+    `kv_elems` K (= V) elements on this rank. K/V of the local tokens travel to the other
+    cp-1 ranks (ring: cp-1 p2p steps of the local K/V chunk; all-gather: the same volume),
+    their gradients come back in the backward (Liu et al. 2023 "Ring Attention";
+    Megatron-Core context parallelism docs). `ring` (torch's ring attention, with its
+    calls' times): its own collectives, ring_attention.py; else hidden behind the core
+    where the stack overlaps them (`cp_overlap`), exposed otherwise."""
+    kv_bytes = (4.0 if dtype == "fp32" else BF16) * 2 * kv_elems
+    cpg = cp_group(tp, cp, cluster.gpus_per_node)
+    nccl = host.sm_interference(cluster, cpg.nodes > 1)
+    if ring is not None:
+        return torch_ring_exposed(kv_elems, cp, cpg, fab, ring[2], ring[3],
+                                  core_bwd - ring[3], nccl)
+    cp_f = comm.all_gather(kv_bytes * cp, cpg, fab)
+    cp_b = comm.reduce_scatter(kv_bytes * cp, cpg, fab)
+    if opts.cp_overlap:
+        return overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
+    return cp_f, cp_b
 
 
 def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:

@@ -22,8 +22,8 @@ the per-kernel dispatch constant (planner/gemm.py DISPATCH_S).
   bias-dropout-add are single kernels that read each input once and write each output once
   (Megatron's fused kernels, Shoeybi et al. 2019; Korthikanti et al. 2022), the loss too.
 * 'compiled' (per-block torch.compile: meshtron's --compile, torchtitan's apply_compile): inside
-  each block inductor fuses what 'fused' fuses, but not into its extern kernels (cuBLAS, SDPA),
-  so the attention output's layout copy stays; the final norm, head and loss, the optimizer
+  each block inductor fuses what 'fused' fuses, but not into its extern kernels (cuBLAS, SDPA);
+  the final norm, head and loss, the optimizer
   step and the gradient accumulation run outside the compiled blocks, eager. Compile can
   therefore save no more than the blocks' eager element-wise work and kernel issue (measured on
   one H200: 5.2% of the step, bench/results/gpu_check_h200_2026-12-04.json).
@@ -46,15 +46,24 @@ from meshtron.planner.kernel_options import KernelOptions
 #   RMSNorm: cast to fp32 (2+4), square (4+4), mean (4), scale (4+4), cast back (4+2), weight (2+2)
 #   LayerNorm: one ATen kernel (2+2) in both stacks
 #   RoPE (q and k): negate half (1+1), concatenate (2+2), x*cos (2+2), rotated*sin (2+2), sum (4+2)
+#   complex RoPE (torchtitan's apply_rotary_emb, KernelOptions.complex_rope): fp32 upcast (2+4),
+#   complex multiply (4+4, the frequencies broadcast), type_as back (4+2): the same 20 bytes,
+#   in 3 kernels, and under compile too (inductor falls back to ATen for complex tensors)
 #   SwiGLU: SiLU (2+2) and product (4+2) per ffn element; fused: one kernel (4+2)
 #   GeLU: one kernel (2+2) in both stacks (Megatron fuses it with the bias add)
 #   residual add: (4+2) per add in both stacks (Megatron fuses bias-dropout-add: same traffic)
 #   dropout: eager mask + scale kernel (2+2+1) before the add; fused: +1 byte of mask
-#   head-major transposes around the attention kernel: the output copied back (2+2) in eager
+#   head-major transposes around the attention kernel: unfused attention's AV product is
+#   head-major, copied back token-major (2+2) in eager and compiled code; a flash kernel
+#   (SDPA's FLASH / cuDNN backends) takes q, k, v as head-major views of token-major tensors
+#   (only the last dim must be contiguous) and allocates its output with the query's strides
+#   (torch/_meta_registrations.py `meta__scaled_dot_product_flash_attention`:
+#   empty_like(query)), so `.transpose(1, 2).contiguous()` after it returns the tensor itself:
+#   no copy in or out
 #   compiled (per-block torch.compile): inductor fuses each chain of pointwise ops and the norm
 #   reductions into single kernels, as 'fused'; it cannot fuse into the extern kernels (cuBLAS
-#   GEMMs, the SDPA kernel), so the attention output's head-major -> token-major copy stays
-#   (2+2), and everything outside the compiled blocks (final norm, head, loss) is eager
+#   GEMMs, the SDPA kernel), and everything outside the compiled blocks (final norm, head,
+#   loss) is eager
 NORM_BYTES = {("eager", "rmsnorm"): 36.0, ("fused", "rmsnorm"): 4.0,
                ("eager", "layernorm"): 4.0, ("fused", "layernorm"): 4.0,
                ("compiled", "rmsnorm"): 4.0, ("compiled", "layernorm"): 4.0}
@@ -79,8 +88,8 @@ def elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) 
     Per operation as in the table above. Replicated across tensor-parallel ranks unless sequence
     parallelism shards them (Korthikanti et al. 2022, section 4.2.2): the two norms, the two
     residual adds and the hidden dropouts. Sharded by tp: rotary embedding of q and k, the MLP
-    activation and the attention-output copy. The unfused attention's softmax/dropout traffic is
-    counted with the attention core in `layer_cost`; GEMM inputs and outputs are part of the GEMM
+    activation and the unfused attention's output copy. The unfused attention's softmax/dropout
+    traffic is counted with the attention core in `layer_cost`; GEMM inputs and outputs are part of the GEMM
     roofline, not counted here.
     """
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
@@ -88,11 +97,28 @@ def elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) 
     replicated = 2 * NORM_BYTES[norm_key(st, opts.eager_norm, model.norm)] * h + 2 * 6.0 * h
     if opts.dropout:
         replicated += 2 * (5.0 if st == "eager" else 1.0) * h
-    sharded = _ROPE_BYTES[st] * (h + kv) if model.position == "rope" else 0.0
+    rope = "eager" if opts.complex_rope and st == "compiled" else st
+    sharded = _ROPE_BYTES[rope] * (h + kv) if model.position == "rope" else 0.0
     sharded += (_SWIGLU_BYTES[st] if model.mlp == "swiglu" else 4.0) * f
-    if st in ("eager", "compiled"):  # the attention output's layout copy (table above)
+    if st in ("eager", "compiled") and opts.attention != "flash":  # output copy (table above)
         sharded += 4.0 * h
     return (replicated / tp if sp else replicated) + sharded / tp
+
+
+def gqa_repeat_bytes(model: ModelSpec, tp: int, stack: str) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of one layer's K/V repeated to every query head
+    before SDPA, where the model code does so (MemoryOptions.gqa_copies: torchtitan's Llama
+    `repeat_kv` until January 2026, torchtitan#2259; Hugging Face's sdpa attention): the
+    expand + reshape copies K and V (read kv_dim, write hidden wide, bf16), and its backward
+    sums the heads' gradients back (read hidden, write kv_dim wide). Under per-block
+    torch.compile inductor fuses K's copy into the rotary kernel that produces it (its write
+    widens from kv_dim to hidden) and V's stays a copy. Sharded by tp (local heads); zero
+    without grouped-query attention."""
+    h, kv = model.hidden, model.kv_dim
+    if kv >= h:
+        return 0.0, 0.0
+    per = 2.0 * (h - kv) + 2.0 * (kv + h) if stack == "compiled" else 2.0 * 2.0 * (kv + h)
+    return per / tp, per / tp
 
 
 def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
@@ -106,10 +132,12 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     n = 2 * NORM_KERNELS[norm_key(st, opts.eager_norm, model.norm)] + 2  # norms, residual adds
     n += (3 if model.mlp == "swiglu" else 2) + 4  # MLP and attention linears (q, k, v, out)
     n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
-    if model.position == "rope":
+    if model.position == "rope" and opts.complex_rope and st != "fused":
+        n += 6  # per q and k: upcast, complex multiply, cast back
+    elif model.position == "rope":
         n += 14 if st == "eager" else 1
-    if st == "compiled" or (st == "eager" and opts.attention != "flash"):
-        n += 1  # attention-output copy
+    if st in ("eager", "compiled") and opts.attention != "flash":
+        n += 1  # the unfused attention output's copy (no copy after a flash kernel)
     if st == "eager":
         n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
         n += 2 if opts.dropout else 0

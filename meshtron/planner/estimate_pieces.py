@@ -129,8 +129,11 @@ class CostPieces:
         frac = None
         if dtype == "fp8":  # the runtime's rule on the real model's Linears (planner/fp8.py)
             frac = tuple(fp8_fractions(m, tp, fp8_recipe, opts.fp8_filter).values())
+        # K/V copied per query head before the kernel (torchtitan's and Hugging Face's
+        # repeat_kv); Megatron-Core hands TE's fused attention the K/V groups as they are
+        repeat = self.mem.gqa_copies and self.mem.framework != "megatron"
         lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, frac,
-                                fp8_recipe)
+                                fp8_recipe, repeat)
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         if rec == "selective" and opts.attention == "flash":
             # what the framework's selective policy runs again in the backward (memory.py):

@@ -81,6 +81,12 @@ optimizer before 2022); megatron@2024 0-3 (distributed optimizer: 1; its own FSD
 deepspeed 0-3, at most 1
 with a pipeline (PipelineEngine). The search tries only those; another `--zero` is refused.
 
+Around the kernel, torchtitan@2025's Llama (models/llama/model.py, 2024-2025) runs its complex
+RoPE (`complex_rope`: no inductor code for complex tensors, so eager bytes under compile too)
+and `repeat_kv` (MemoryOptions.gqa_copies: the copies and their backward sums priced as
+memory-bound work), and its context parallelism is torch's ring attention (`torch_ring`: fp32
+merges and dk/dv sums, K/V at every query head; planner/ring_attention.py).
+
 Any single option overrides from a TOML file (`--options FILE`)::
 
     framework = "megatron@2024"      # optional: the preset the table modifies
@@ -160,6 +166,7 @@ _TORCHTITAN = Framework(
     "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
     "selective_ac_option 'op')",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
+                  torch_ring=True, complex_rope=True,
                   fp8_filter="all", fp8_scaling="torchao-tensorwise",
                   separate_projections=True),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",

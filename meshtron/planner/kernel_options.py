@@ -157,6 +157,20 @@ class KernelOptions:
     ring rotation). False (meshtron's runtime, meshtron/parallel/context.py): K/V are
     all-gathered before attention and its gradients reduce-scattered after it, exposed, and
     the gathered K/V are kept for backward (memory.gathered_kv_bytes)."""
+    complex_rope: bool = False
+    """Rotary embedding as torchtitan's Llama `apply_rotary_emb` (until 2026): q and k upcast to
+    fp32, multiplied by the frequencies as complex numbers (view_as_complex) and cast back
+    (type_as), three kernels each. Inductor generates no code for complex tensors (it falls
+    back to the ATen kernel: torch/_inductor/lowering.py `unsupported_input_tensor`, the
+    warning torchtitan#15 reports), so under per-block compile this RoPE moves its eager
+    bytes (elementwise.py). False: RoPE as the stack fuses it (meshtron's half-split code
+    under compile, Megatron's fused kernel)."""
+    torch_ring: bool = False
+    """Context parallelism runs torch's experimental `context_parallel` ring attention
+    (torch/distributed/tensor/experimental/_attention.py, torchtitan's CP): per-step flash calls
+    with their outputs merged in fp32, the K/V all-gathered once per pass, the dk/dv partial
+    sums sent around the ring in fp32 (planner/ring_attention.py prices those). False: the
+    exchange priced by `cp_overlap` alone."""
     ep_overlap: bool = False
     """Expert parallelism: the token all-to-alls overlap another micro-batch's computation
     (DeepSeek's DualPipe, DeepSeek-V3 report section 3.2.1; Megatron-Core's

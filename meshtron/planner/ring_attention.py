@@ -1,0 +1,100 @@
+"""Context-parallel flash attention as the stacks call it, and what torch's ring attention
+runs around those calls, per layer.
+
+The calls (`ring_core_time`, every stack with cp > 1): a load-balanced rank holds two chunks
+(head and tail) of s_local / 2 tokens; its first call is the causal square of its own s_local
+queries and keys, each of the other cp - 1 is one unmasked call on a chunk pair, s_local
+queries x s_local / 2 keys or the reverse (torch's `_templated_ring_attention` with the
+round-robin balancer; Transformer Engine's p2p ring likewise; meshtron's calls, a causal c x c
+diagonal and an unmasked prefix per chunk, split the same FLOPs a little differently and are
+priced with this split). Each call's QK^T and PV are timed by the same head_dim-wide GEMM model
+as the whole-sequence core (compute.py): the FLOPs add up to the causal half of
+s_local x cp * s_local, the shorter calls run at their own shapes' efficiency.
+
+torch's experimental `context_parallel` (torch/distributed/tensor/experimental/_attention.py,
+torch 2.6-2.8, the one torchtitan's `experimental.context_parallel_degree` turns on; read at
+pytorch commit 0123248a) replaces each SDPA call of a rank by `_templated_ring_attention`: cp
+flash calls on chunk pairs (their kernel time: `ring_core_time`) and, around them,
+plain PyTorch ops that move the local tensors through HBM, and collectives. Per layer and rank,
+with E the elements of the local queries (= outputs, = their gradients) and K those of the
+local keys (= values; at every query head when the model repeats K/V before SDPA, torchtitan's
+`repeat_kv`), priced for the rank that does the most (the last one: with the round-robin
+balancer its every later step is a full-query, half-key call, `_is_causal_behavior`):
+
+Forward (`_templated_ring_attention`, `_SDPAMerger` with `_cp_options.convert_to_f32`):
+  key/value `.contiguous()` (SDPA's head-major views copied)             2 x (2+2) K
+  `torch.cat([key.flatten(), value.flatten()])` before each of cp-1 sends 2 x (2+2) K each
+  `out.to(float32)` of every call                                        (2+4) E each
+  the merge of each later call: out - sigmoid(dlse) * (out - block_out) (4+4+4) + (4+4) +
+                                                                         (4+4+4) E each
+  `results()`: the merged output back to bf16                            (4+2) E
+Backward (`_templated_ring_attention_backward`, accumulation in fp32):
+  zeros_like of dq, dk, dv in fp32                                       4 E + 2 x 4 K
+  key/value `.contiguous()` again; the cat before each of cp-1 sends     8 K; 8 K each
+  first call: dk, dv, dq += the call's bf16 gradients                    (4+2+4) (2K + E)
+  each later call: dk, dv `_partial_update` (add into the first chunk,
+    torch.cat of the chunks) and dq +=                                   2 x (5 + 8) K + 10 E
+  `torch.cat([grad_key.flatten(), grad_value.flatten()])` in fp32,
+    before each of the cp dk/dv sends                                    2 x (4+4) K each
+  dq and the received dk/dv back to bf16                                 (4+2) E + 2 x (4+2) K
+The log-sum-exp tensors are head_dim times smaller and left out.
+
+Collectives (`_create_rotater`, torchtitan's `context_parallel_rotate_method` default
+'allgather'): forward and backward each all-gather the local K/V once (`_AllGatherRotater`:
+issued before the first call, waited before the second, so only the first call hides it);
+the backward sends the fp32 dk/dv partial sums to the next rank after every call
+(`_AllToAllRotater`, `ft_c.permute_tensor`), each waited after the following call, the last
+one after the loop (nothing hides it).
+"""
+
+from __future__ import annotations
+
+from meshtron.planner import comm
+from meshtron.planner.cluster import ClusterSpec
+from meshtron.planner.gemm import cluster_gemm_time
+from meshtron.planner.overlap import overlapped
+
+
+def _call_fwd(cluster: ClusterSpec, batch_heads: float, q: float, k: float, head_dim: float,
+              causal: bool) -> float:
+    """Forward seconds of one flash call over `batch_heads` heads of `q` queries against `k`
+    keys: its QK^T and PV products by the GEMM model, half of them for a causal square."""
+    one = cluster_gemm_time(q, k, head_dim, cluster) + cluster_gemm_time(q, head_dim, k, cluster)
+    return (0.5 if causal else 1.0) * batch_heads * one
+
+
+def ring_core_time(cluster: ClusterSpec, batch_heads: float, s_local: float, cp: int,
+                   head_dim: float) -> tuple[float, float, float, float]:
+    """(forward, backward, forward of the first call, backward of the first call) seconds of
+    a load-balanced context-parallel flash core on one rank, as the kernels are called
+    (module docstring): the causal s_local square, then cp - 1 unmasked s_local x s_local / 2
+    pairs; each backward 2.5x its forward (5 GEMMs instead of 2, as compute.py's core)."""
+    first_f = _call_fwd(cluster, batch_heads, s_local, s_local, head_dim, causal=True)
+    rest_f = (cp - 1) * _call_fwd(cluster, batch_heads, s_local, s_local / 2, head_dim,
+                                  causal=False)
+    return first_f + rest_f, 2.5 * (first_f + rest_f), first_f, 2.5 * first_f
+
+
+def torch_ring_bytes(e: float, k: float, cp: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per layer and rank of the ops around the flash calls
+    (module docstring), for `e` query and `k` key elements on this rank."""
+    fwd = 8.0 * k + 8.0 * k * (cp - 1) + 6.0 * e * cp + 32.0 * e * (cp - 1) + 6.0 * e
+    bwd = (4.0 * e + 8.0 * k + 8.0 * k + 8.0 * k * (cp - 1) + 10.0 * (2 * k + e)
+           + (26.0 * k + 10.0 * e) * (cp - 1) + 16.0 * k * cp + 6.0 * e + 12.0 * k)
+    return fwd, bwd
+
+
+def torch_ring_exposed(k: float, cp: int, group: comm.Group, fab: comm.Fabric,
+                       first_fwd: float, first_bwd: float, rest_bwd: float,
+                       interference: float) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of the ring's collectives (module docstring): the
+    bf16 K/V all-gather beside the first call of each pass, and in the backward each fp32
+    dk/dv send beside the next call's backward (`rest_bwd` spread over the cp - 1 later
+    calls), the last one exposed."""
+    gather = comm.all_gather(4.0 * k * cp, group, fab)
+    send = comm.send(8.0 * k, group.nodes > 1, fab)
+    per_call = rest_bwd / (cp - 1)
+    fwd = overlapped(gather, first_fwd, interference)
+    bwd = (overlapped(gather, first_bwd, interference)
+           + (cp - 1) * overlapped(send, per_call, interference) + send)
+    return fwd, bwd

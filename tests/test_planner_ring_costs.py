@@ -1,0 +1,168 @@
+"""What FlashAttention-2 stacks run around the attention kernel (issue 30, item 3): torchtitan's
+repeat_kv copies, context parallelism's flash calls as they are called, and torch's ring
+attention's fp32 merges, copies and collectives (planner/elementwise.py gqa_repeat_bytes,
+planner/ring_attention.py ring_core_time, torch_ring_bytes, torch_ring_exposed). Torch-free, fast."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshtron.model.spec import PRESETS
+from meshtron.planner import comm, ring_attention as R
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.compute import KernelOptions, cp_group, layer_cost
+from meshtron.planner.elementwise import gqa_repeat_bytes
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.frameworks import preset
+from meshtron.planner.gemm import cluster_gemm_time, membound_bytes_per_s
+from meshtron.planner.plan import Plan
+
+H100 = resolve_cluster("dgx-h100:1")
+L8 = PRESETS["llama3-8b"]
+TT = preset("torchtitan@2025").kernel
+
+
+def test_repeat_kv_copies_are_priced_where_the_model_repeats():
+    """torchtitan's repeat_kv (expand + reshape before SDPA) copies K and V to every query
+    head and its backward sums them back: with gqa_repeat the layer is slower by exactly
+    those bytes at the stack's memory-bound rate; a model without GQA pays nothing; under
+    per-block compile K's copy rides in the rotary kernel (fewer bytes than eager)."""
+    seq, tp = 8192, 2
+    bw = membound_bytes_per_s(H100, TT.stack)
+    base = layer_cost(L8, H100, tp, 1, seq, False, TT)
+    rep = layer_cost(L8, H100, tp, 1, seq, False, TT, gqa_repeat=True)
+    f, b = gqa_repeat_bytes(L8, tp, TT.stack)
+    h, kv = L8.hidden, L8.kv_dim
+    assert f == b == 4.0 * (h + kv) / tp
+    assert rep.fwd - base.fwd == pytest.approx(seq * f / bw, rel=1e-9)
+    assert rep.bwd - base.bwd == pytest.approx(seq * b / bw, rel=1e-9)
+    assert gqa_repeat_bytes(L8, tp, "compiled")[0] == 4.0 * h / tp < f
+    mha = PRESETS["llama2-13b"]
+    assert gqa_repeat_bytes(mha, tp, "eager") == (0.0, 0.0)
+
+
+def test_megatron_does_not_repeat_kv_and_torchtitan_does():
+    """The Evaluator prices the copies from the stack's memory options (gqa_copies), except
+    Megatron's, whose TE fused attention takes the K/V groups as they are."""
+    cl = resolve_cluster("dgx-h100:2")
+    plan = Plan(tp=1, pp=1, dp=16, zero=3, micro_batch=1, recompute="none", sp=False,
+                dtype="bf16")
+
+    def step(fw_name: str, gqa: bool) -> float:
+        fw = preset(fw_name)
+        mem = dataclasses.replace(fw.memory, gqa_copies=gqa)
+        return Evaluator(L8, cl, 64, 8192, fw.kernel, mem=mem).evaluate(
+            plan, exact_memory=False).step_time_s
+
+    assert step("torchtitan@2025", True) > step("torchtitan@2025", False)
+    assert step("megatron@2024", True) == step("megatron@2024", False)
+
+
+def test_ring_core_is_the_calls_it_makes():
+    """A load-balanced cp core is one causal square of the rank's s/cp tokens plus cp - 1
+    unmasked chunk-pair calls (s/cp x s/2cp), each call's QK^T and PV timed by the GEMM model
+    at its own shape: the same FLOPs as the rank's causal share of the whole sequence, and
+    the layer's core is that sum, not the whole-sequence GEMMs halved."""
+    seq, cp, bh, hd = 16384, 8, 32, 128
+    sl = seq / cp
+
+    def pair(q: float, k: float) -> float:  # QK^T then PV of one head
+        return cluster_gemm_time(q, k, hd, H100) + cluster_gemm_time(q, hd, k, H100)
+
+    fwd, bwd, first_f, first_b = R.ring_core_time(H100, bh, sl, cp, hd)
+    assert first_f == pytest.approx(0.5 * bh * pair(sl, sl), rel=1e-12)
+    assert first_b == pytest.approx(2.5 * first_f, rel=1e-12)
+    assert fwd - first_f == pytest.approx((cp - 1) * bh * pair(sl, sl / 2), rel=1e-12)
+    assert bwd == pytest.approx(2.5 * fwd, rel=1e-12)
+    # FLOPs: the causal diagonal plus cp - 1 full pairs = half of s_local x seq
+    diag, pairs = 0.5 * 4 * sl * sl * hd, (cp - 1) * 4 * sl * (sl / 2) * hd
+    assert diag + pairs == 0.5 * 4 * sl * seq * hd
+    whole = 0.5 * bh * pair(sl, seq)  # one causal call over the whole sequence
+    assert fwd > whole  # the shorter calls saturate the GPU less
+    lc = layer_cost(L8, H100, 1, 1, seq, False, KernelOptions(), cp)
+    assert lc.core_fwd == pytest.approx(R.ring_core_time(H100, L8.heads, sl, cp,
+                                                         L8.head_dim)[0], rel=1e-12)
+
+
+def test_torch_ring_adds_its_merges_and_copies():
+    """torch's ring attention (torch_ring) adds, per layer, the HBM bytes of its fp32 merges,
+    K/V copies and dk/dv accumulation (ring_attention.torch_ring_bytes) to the layer, which
+    grow with cp at the same local length."""
+    seq, cp = 131072, 4
+    cl = resolve_cluster("dgx-h100:1")
+    off = dataclasses.replace(TT, torch_ring=False)
+    base = layer_cost(L8, cl, 1, 1, seq, False, off, cp, gqa_repeat=True)
+    ring = layer_cost(L8, cl, 1, 1, seq, False, TT, cp, gqa_repeat=True)
+    tokens = seq / cp
+    e = k = tokens * L8.hidden  # K/V repeated to every query head
+    f, b = R.torch_ring_bytes(e, k, cp)
+    bw = membound_bytes_per_s(cl, TT.stack)
+    assert ring.fwd - base.fwd == pytest.approx(f / bw, rel=1e-9)
+    assert ring.bwd - base.bwd == pytest.approx(b / bw, rel=1e-9)
+    assert R.torch_ring_bytes(e, k, 8)[0] > f and R.torch_ring_bytes(e, k, 8)[1] > b
+    # one call (cp = 1) has no ring
+    assert layer_cost(L8, cl, 1, 1, 32768, False, TT) == layer_cost(L8, cl, 1, 1, 32768,
+                                                                    False, off)
+
+
+def test_torch_ring_exposes_its_backward_sends_and_moves_every_head():
+    """The ring's collectives: the K/V all-gather hides only behind the first call, the last
+    fp32 dk/dv send behind nothing, so even a long core leaves the backward some exposed
+    time; with repeat_kv the K/V moved are every query head's (8B: 4x its kv_dim)."""
+    seq, cp = 262144, 8
+    cl = resolve_cluster("dgx-h100:1")
+    tokens = seq / cp
+    rep = layer_cost(L8, cl, 1, 1, seq, False, TT, cp, gqa_repeat=True)
+    native = layer_cost(L8, cl, 1, 1, seq, False, TT, cp)
+    fab = comm.Fabric.of(cl)
+    send = comm.send(8.0 * tokens * L8.hidden, False, fab)
+    assert rep.tp_bwd > send > 0.0
+    assert rep.tp_bwd > native.tp_bwd and rep.tp_fwd > native.tp_fwd
+    # any stack that hands SDPA repeated K/V exchanges them at every head (here exposed)
+    plain = dataclasses.replace(TT, torch_ring=False, cp_overlap=False)
+    wide = layer_cost(L8, cl, 1, 1, seq, False, plain, cp, gqa_repeat=True)
+    narrow = layer_cost(L8, cl, 1, 1, seq, False, plain, cp)
+    assert wide.tp_fwd > 3.0 * narrow.tp_fwd  # 4x the bytes, the same latency
+    group = cp_group(1, cp, cl.gpus_per_node)
+    _, _, first_f, first_b = R.ring_core_time(cl, L8.heads, tokens, cp, L8.head_dim)
+    gather = comm.all_gather(4.0 * tokens * L8.hidden * cp, group, fab)
+    exp_f, _ = R.torch_ring_exposed(tokens * L8.hidden, cp, group, fab, first_f, first_b,
+                                    1.0, 0.0)
+    assert exp_f == pytest.approx(max(0.0, gather - first_f), rel=1e-9)
+
+
+@pytest.mark.parametrize("stack", ["eager", "compiled"])
+def test_no_layout_copy_after_a_flash_kernel(stack):
+    """SDPA's flash/cuDNN output has the query's token-major strides, so torchtitan's (and
+    meshtron's) `.transpose(1, 2).contiguous()` copies nothing; the unfused core's head-major
+    AV product is copied back (2+2 bytes per element, one kernel)."""
+    from meshtron.planner.elementwise import elementwise_bytes, kernels_per_layer
+
+    flash = KernelOptions(stack=stack)
+    unfused = KernelOptions(stack=stack, attention="unfused")
+    tp = 2
+    assert elementwise_bytes(L8, tp, False, unfused) - elementwise_bytes(L8, tp, False, flash) \
+        == pytest.approx(4.0 * L8.hidden / tp)
+    # the unfused core launches QK^T, softmax, AV (3 more than flash) plus the copy
+    assert kernels_per_layer(L8, unfused) - kernels_per_layer(L8, flash) == 4
+
+
+def test_complex_rope_keeps_its_eager_bytes_under_compile():
+    """torchtitan's apply_rotary_emb multiplies complex numbers, for which inductor generates
+    no code (ATen fallback): under per-block compile it still moves its eager 20 bytes per q/k
+    element (2+4 upcast, 4+4 multiply, 4+2 cast back) in 3 kernels per tensor, where a real
+    RoPE fuses to one 4-byte kernel; the eager bytes are the same either way."""
+    from meshtron.planner.elementwise import elementwise_bytes, kernels_per_layer
+
+    tp, h, kv = 2, L8.hidden, L8.kv_dim
+    real = KernelOptions(stack="compiled")
+    cplx = KernelOptions(stack="compiled", complex_rope=True)
+    assert elementwise_bytes(L8, tp, False, cplx) - elementwise_bytes(L8, tp, False, real) \
+        == pytest.approx(16.0 * (h + kv) / tp)
+    assert kernels_per_layer(L8, cplx) - kernels_per_layer(L8, real) == 5
+    eager = KernelOptions(stack="eager")
+    assert elementwise_bytes(L8, tp, False, dataclasses.replace(eager, complex_rope=True)) \
+        == elementwise_bytes(L8, tp, False, eager)
+    assert TT.complex_rope and not preset("megatron@2024").kernel.complex_rope
