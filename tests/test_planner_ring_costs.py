@@ -166,3 +166,43 @@ def test_complex_rope_keeps_its_eager_bytes_under_compile():
     assert elementwise_bytes(L8, tp, False, dataclasses.replace(eager, complex_rope=True)) \
         == elementwise_bytes(L8, tp, False, eager)
     assert TT.complex_rope and not preset("megatron@2024").kernel.complex_rope
+
+
+def test_ring_launches_are_counted_per_step_from_the_code():
+    """torch's ring issues, per extra step, forward: a K/V cat, one more flash call, the
+    call's two fp32 casts and the merge's 8 ops; backward: a K/V cat, one more flash
+    backward, dk/dv `_partial_update` (2 + 2) and dq's add, and an fp32 dk/dv cat before its
+    send; plus a fixed set per layer (copies, zeros, the first call's casts/adds, the casts
+    back) and one K/V all-gather per pass and one dk/dv send per step in the backward."""
+    f2, b2, cf2, cb2 = R.torch_ring_launches(2)
+    for cp in (3, 4, 8):
+        f, b, cf, cb = R.torch_ring_launches(cp)
+        assert f - f2 == 12 * (cp - 2) and b - b2 == 8 * (cp - 2)
+        assert cf == 1 and cb == 1 + cp
+    # cp 2 tallied op by op: forward copies 2, cat 1, second call 1, casts 2 x 2, merge 8,
+    # cast back 1; backward zeros 3, copies 2, cat 1, second call 1, first adds 3, partial
+    # updates and dq add 5, fp32 cats before the 2 sends 2, casts back 3
+    assert (f2, b2) == (2 + 1 + 1 + 4 + 8 + 1, 3 + 2 + 1 + 1 + 3 + 5 + 2 + 3)
+
+
+def test_ring_launches_bound_a_layer_of_small_chunks():
+    """At small per-rank chunks (8B, 2,048 tokens over cp 8 and tp 8: 32 tokens a head-group
+    call) the layer's device work is shorter than its launches: the GPU waits on the host, so
+    the layer's forward plus its exposed communication is exactly the host's issue time,
+    which now includes the ring's own ops and collectives at a forward op's cost; at 256k
+    tokens (the torchtitan 8B cp 8 row) the same launches hide behind the calls."""
+    from meshtron.planner import host
+    from meshtron.planner.elementwise import kernels_per_layer
+    from meshtron.planner.gemm import dispatch_s
+
+    tp, cp, per = 8, 8, dispatch_s(H100)
+    lc = layer_cost(L8, H100, tp, 1, 2048, True, TT, cp=cp, gqa_repeat=True)
+    issue_f = host.layer_issue(kernels_per_layer(L8, TT), host.tp_collectives(tp, True),
+                               per)[0]
+    ops_f, _, coll_f, _ = R.torch_ring_launches(cp)
+    assert lc.fwd + lc.tp_fwd == pytest.approx(issue_f + (ops_f + coll_f) * per, rel=1e-9)
+    plain = layer_cost(L8, H100, tp, 1, 2048, True, dataclasses.replace(TT, torch_ring=False),
+                       cp=cp, gqa_repeat=True)
+    assert lc.fwd + lc.tp_fwd > plain.fwd + plain.tp_fwd + 50 * per  # 90 launches, 0.9 ms
+    long = layer_cost(L8, H100, 1, 1, 262144, False, TT, cp=cp, gqa_repeat=True)
+    assert (ops_f + coll_f) * per < 0.01 * long.fwd

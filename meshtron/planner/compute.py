@@ -38,7 +38,8 @@ from functools import lru_cache
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, host
 from meshtron.planner.placement import tp_group
-from meshtron.planner.ring_attention import ring_core_time, torch_ring_bytes, torch_ring_exposed
+from meshtron.planner.ring_attention import (
+    ring_core_time, torch_ring_bytes, torch_ring_exposed, torch_ring_launches)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.elementwise import (  # noqa: F401  (kernels_per_layer re-exported)
     NORM_BYTES, NORM_KERNELS, elementwise_bytes, gqa_repeat_bytes, kernels_per_layer, norm_key)
@@ -226,8 +227,11 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     # the host launches every kernel and collective: where they are shorter than their launches
     # the GPU waits on it (planner/host.py), over the layer's compute and exposed communication
     issue_f, issue_b = host.layer_issue(kernels_per_layer(model, opts),
-                                        host.tp_collectives(tp, sp) + (2 if cp > 1 else 0),
+                                        host.tp_collectives(tp, sp)
+                                        + (2 if cp > 1 and not torch_ring else 0),
                                         dispatch_s(cluster))
+    if torch_ring:  # its Python ops and collectives around the calls, each a launch
+        issue_f, issue_b = _ring_issue(cp, dispatch_s(cluster), issue_f, issue_b)
     if opts.launch_blocking:  # every launch waits for its kernel: no running ahead
         fwd, bwd = fwd + issue_f, bwd + issue_b
     else:
@@ -235,6 +239,15 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         bwd += host.launch_bound(bwd + tp_b, issue_b)
     return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
                      tp_fwd=tp_f, tp_bwd=tp_b)
+
+
+def _ring_issue(cp: int, per_op_s: float, issue_f: float,
+                issue_b: float) -> tuple[float, float]:
+    """Host issue seconds of a layer with torch's ring attention: the plain layer's plus the
+    ring's own ops and collectives (ring_attention.torch_ring_launches), each at a forward
+    op's cost: the ring's backward runs as Python, not in autograd's C++ engine."""
+    ops_f, ops_b, coll_f, coll_b = torch_ring_launches(cp)
+    return issue_f + (ops_f + coll_f) * per_op_s, issue_b + (ops_b + coll_b) * per_op_s
 
 
 def _core_time(cluster: ClusterSpec, opts: KernelOptions, batch_heads: float, q_len: float,

@@ -37,7 +37,8 @@ Backward (`_templated_ring_attention_backward`, accumulation in fp32):
   `torch.cat([grad_key.flatten(), grad_value.flatten()])` in fp32,
     before each of the cp dk/dv sends                                    2 x (4+4) K each
   dq and the received dk/dv back to bf16                                 (4+2) E + 2 x (4+2) K
-The log-sum-exp tensors are head_dim times smaller and left out.
+The log-sum-exp tensors are head_dim times smaller and left out of the bytes (not of the
+launches: `torch_ring_launches`).
 
 Collectives (`_create_rotater`, torchtitan's `context_parallel_rotate_method` default
 'allgather'): forward and backward each all-gather the local K/V once (`_AllGatherRotater`:
@@ -98,3 +99,28 @@ def torch_ring_exposed(k: float, cp: int, group: comm.Group, fab: comm.Fabric,
     bwd = (overlapped(gather, first_bwd, interference)
            + (cp - 1) * overlapped(send, per_call, interference) + send)
     return fwd, bwd
+
+
+def torch_ring_launches(cp: int) -> tuple[int, int, int, int]:
+    """(forward ops, backward ops, forward collectives, backward collectives) the host issues
+    per layer for torch's ring beyond the one SDPA kernel and its backward that every flash
+    layer issues (elementwise.kernels_per_layer), counted from the code of the module
+    docstring for the rank with full-query calls. The ring's backward is Python code run from
+    the SDPA backward's handler, not autograd's C++ engine, so every op costs the host a
+    forward launch (the caller prices them at `dispatch_s`).
+
+    Forward: K/V `.contiguous()` (2); one `torch.cat` of K/V before each of cp - 1 rotations;
+    cp - 1 more flash calls; per call `out.to(float32)` and `lse.to(float32)` (2 cp); per
+    later call the merge, out - sigmoid(block_lse - lse) * (out - block_out) (5 ops) and
+    lse - logsigmoid(lse - block_lse) (3 ops); `results()` casting the output back (1);
+    collectives: one all-gather of K/V (`_AllGatherRotater`).
+    Backward: fp32 zeros for dq, dk, dv (3); K/V `.contiguous()` (2); a K/V cat before each of
+    cp - 1 rotations; cp - 1 more flash backward calls; the first call's three `+=` (3); per
+    later call dk and dv through `_partial_update` (an add into the chunk and a `torch.cat`:
+    2 each) and dq's `+=` (5); an fp32 cat of dk/dv before each of the cp sends; dq, dk, dv
+    back to bf16 (3); collectives: the K/V all-gather and cp dk/dv sends (`_AllToAllRotater`).
+    """
+    later = cp - 1
+    fwd = 2 + later + later + 2 * cp + 8 * later + 1
+    bwd = 3 + 2 + later + later + 3 + 5 * later + cp + 3
+    return fwd, bwd, 1, 1 + cp
