@@ -53,7 +53,26 @@ def main() -> int:
         unit_pub = (pub - rest) / r.cp
         print(f"{r.name:24s} {pub:7.2f} {pred:7.2f} {core:6.2f} {rest:5.2f} {unit_pub:8.2f} "
               f"{core / r.cp:9.2f} {unit_flops / unit_pub / 1e12:8.0f}")
+    _increments(rows + [r for r in published_runs()
+                        if r.name.startswith("TT 405B TP8 PP8 FSDP")])
     return 0
+
+
+def _increments(rows) -> None:
+    """Second view, published figures only: in each table a rank's work is the same but for
+    its attention, which grows by one unit per cp, so the GPU-seconds per million tokens
+    (1e6 / tokens per GPU per second) grow, from one row to the next, by the added units'
+    cost. Printed per added unit, published and predicted, for the 8B and the 405B rows."""
+    print("\nGPU-s per million tokens, added per unit of attention work (cp a -> b: / (b - a))")
+    for prefix in ("TT 8B FSDP", "TT 405B TP8 PP8 FSDP"):
+        group = [r for r in rows if r.name.startswith(prefix)]
+        pred = {r.name: run_row(r)["value"] for r in group}
+        for a, b in zip(group, group[1:]):
+            units = b.cp - a.cp
+            pub = (1e6 / b.published - 1e6 / a.published) / units
+            mod = (1e6 / pred[b.name] - 1e6 / pred[a.name]) / units
+            print(f"{prefix:22s} cp {a.cp} -> {b.cp}: published {pub:8.1f}  predicted {mod:8.1f}"
+                  f"  ratio {pub / mod:5.2f}")
 
 
 if __name__ == "__main__":
