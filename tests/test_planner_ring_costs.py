@@ -186,9 +186,9 @@ def test_ring_launches_are_counted_per_step_from_the_code():
 
 
 def test_ring_launches_bound_a_layer_of_small_chunks():
-    """At small per-rank chunks (8B, 2,048 tokens over cp 8 and tp 8: 32 tokens a head-group
-    call) the layer's device work is shorter than its launches: the GPU waits on the host, so
-    the layer's forward plus its exposed communication is exactly the host's issue time,
+    """At small per-rank chunks (8B, 2,048 tokens over cp 8 and tp 8: 256 tokens a rank,
+    calls of 256 x 128) the layer's device work is shorter than its launches: the GPU waits
+    on the host, so the layer's forward plus its exposed communication is the issue time,
     which now includes the ring's own ops and collectives at a forward op's cost; at 256k
     tokens (the torchtitan 8B cp 8 row) the same launches hide behind the calls."""
     from meshtron.planner import host
