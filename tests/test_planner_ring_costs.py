@@ -166,3 +166,18 @@ def test_complex_rope_keeps_its_eager_bytes_under_compile():
     assert elementwise_bytes(L8, tp, False, dataclasses.replace(eager, complex_rope=True)) \
         == elementwise_bytes(L8, tp, False, eager)
     assert TT.complex_rope and not preset("megatron@2024").kernel.complex_rope
+
+
+def test_torch_ring_keeps_no_gathered_kv_for_backward():
+    """torch's ring attention all-gathers K/V inside the forward call and again in its backward
+    (_templated_ring_attention_backward's own rotater): nothing gathered is saved, whatever
+    cp_overlap says; meshtron's all-gather design keeps the whole sequence's K/V."""
+    from meshtron.planner import memory
+    from meshtron.planner.memory_acts import gathered_kv_bytes
+
+    model = PRESETS["llama3-8b"]
+    mem = memory.options_for(KernelOptions())
+    kept = gathered_kv_bytes(model, 1, 1, 65536, 4, "selective", KernelOptions(), mem)
+    assert kept == 2.0 * 65536 * model.kv_dim * 2.0
+    assert gathered_kv_bytes(model, 1, 1, 65536, 4, "selective",
+                             KernelOptions(torch_ring=True), mem) == 0.0
