@@ -20,6 +20,7 @@ import pytest
 import meshtron.planner as planner_pkg
 from meshtron.model.spec import preset
 from meshtron.planner.cluster import preset_cluster
+from meshtron.planner import memory
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.plan import Plan
@@ -38,8 +39,10 @@ def _process_caches() -> list:
 
 
 def _questions() -> list[tuple[str, tuple]]:
-    """(label, (model, cluster, seq, opts, plan, global batch)): a base question and its
-    one-input variants, each variant changing what at least one memoised piece reads."""
+    """(label, (model, cluster, seq, opts, plan, global batch, memory options)): a base
+    question and its one-input variants, each variant changing what at least one memoised
+    piece reads (every KernelOptions field layer_cost or the data-parallel and pipeline costs
+    read, and MemoryOptions.gqa_copies, which layer_cost takes as its own argument)."""
     dense = preset("llama3-8b")
     moe = preset("tiny-moe")
     h100, a100 = preset_cluster("dgx-h100", 2), preset_cluster("dgx-a100", 2)
@@ -47,14 +50,20 @@ def _questions() -> list[tuple[str, tuple]]:
     # FLOPs), tensor parallelism (layer and head costs)
     plan = Plan(tp=2, pp=2, dp=4, zero=1, micro_batch=1, recompute="selective", sp=True,
                 schedule="interleaved", virtual_stages=2, dtype="bf16")
-    base = (dense, h100, 4096, KernelOptions(), plan, 256)
+    base = (dense, h100, 4096, KernelOptions(), plan, 256, None)
     # four micro-batches on four stages: the walk's peak moment moves with the activations
     deep = plan.replace(pp=4, dp=2)
 
     def vary(**kw):
-        q = dict(zip(("model", "cluster", "seq", "opts", "plan", "batch"), base))
+        q = dict(zip(("model", "cluster", "seq", "opts", "plan", "batch", "mem"), base))
         q.update(kw)
-        return (q["model"], q["cluster"], q["seq"], q["opts"], q["plan"], q["batch"])
+        return (q["model"], q["cluster"], q["seq"], q["opts"], q["plan"], q["batch"], q["mem"])
+
+    # without sequence parallelism: the pipeline hop re-gathers the split activation
+    # (p2p_grads_whole prices it) and a parallel-residual block all-reduces its branches
+    nosp = plan.replace(sp=False)
+    parallel = dataclasses.replace(dense, parallel_residual=True)
+    cp2 = plan.replace(cp=2, dp=2)
 
     return [
         ("base", base),
@@ -85,12 +94,33 @@ def _questions() -> list[tuple[str, tuple]]:
                                        recompute="selective", sp=False,
                                        schedule="interleaved", virtual_stages=2, ep=2,
                                        dtype="bf16"))),
+        # the stack facts of the Megatron-DeepSpeed rows and torchtitan's attention code
+        ("zero-1 all-reduce", vary(opts=KernelOptions(zero1_all_reduce=True))),
+        ("no sp", vary(plan=nosp)),
+        ("no sp, gradients sent whole", vary(plan=nosp,
+                                             opts=KernelOptions(p2p_grads_whole=True))),
+        ("launch blocking", vary(opts=KernelOptions(launch_blocking=True))),
+        ("unfused, bias copy", vary(opts=KernelOptions(attention="unfused",
+                                                       score_bias_copy=True))),
+        ("parallel residual", vary(model=parallel, plan=nosp)),
+        ("parallel residual reduced once", vary(model=parallel, plan=nosp,
+                                                opts=KernelOptions(residual_reduce_once=True))),
+        ("compiled, complex RoPE", vary(opts=KernelOptions(stack="compiled",
+                                                           complex_rope=True))),
+        ("cp 2", vary(plan=cp2)),
+        ("cp 2, torch ring", vary(plan=cp2, opts=KernelOptions(torch_ring=True))),
+        ("K/V repeated", vary(mem=dataclasses.replace(memory.options_for(KernelOptions()),
+                                                      gqa_copies=True))),
+        ("cp 2, torch ring, K/V repeated",
+         vary(plan=cp2, opts=KernelOptions(torch_ring=True),
+              mem=dataclasses.replace(memory.options_for(KernelOptions(torch_ring=True)),
+                                      gqa_copies=True))),
     ]
 
 
-def _answer(model, cluster, seq, opts, plan, batch):
+def _answer(model, cluster, seq, opts, plan, batch, mem=None):
     """The estimate, with every pipeline stage's memory (not only the fullest one's)."""
-    ev = Evaluator(model, cluster, batch, seq, opts)
+    ev = Evaluator(model, cluster, batch, seq, opts, mem=mem)
     est = ev.evaluate(plan)
     assert est is not None
     stages = tuple(ev.evaluate(plan, stage=s).memory for s in range(plan.pp))
@@ -110,8 +140,17 @@ def test_warm_caches_answer_as_cold_ones():
     for f in caches:
         f.cache_clear()
     warm = [(label, _answer(*q)) for label, q in questions]
-    # the variants must differ from the base, or they test no key
+    # the variants must differ from the base, or they test no key; each new stack option
+    # from the one question it adds to (the pairs below)
     assert all(ans != warm[0][1] for _, ans in warm[1:])
+    by = dict(warm)
+    for plain, varied in (("no sp", "no sp, gradients sent whole"),
+                          ("unfused attention", "unfused, bias copy"),
+                          ("parallel residual", "parallel residual reduced once"),
+                          ("compiled stack", "compiled, complex RoPE"),
+                          ("cp 2", "cp 2, torch ring"),
+                          ("cp 2, torch ring", "cp 2, torch ring, K/V repeated")):
+        assert by[plain] != by[varied], f"{varied}: answered as {plain}"
     for (label, q), (_, hot) in zip(questions, warm):
         for f in caches:
             f.cache_clear()
@@ -120,7 +159,12 @@ def test_warm_caches_answer_as_cold_ones():
 
 @pytest.mark.parametrize("base,label", [("base", "unfused attention"),
                                         ("base", "full recompute"), ("base", "micro-batch 2"),
-                                        ("deep", "deep, full recompute")])
+                                        ("deep", "deep, full recompute"),
+                                        ("base", "K/V repeated"),
+                                        ("unfused attention", "unfused, bias copy"),
+                                        ("cp 2", "cp 2, torch ring"),
+                                        ("parallel residual",
+                                         "parallel residual reduced once")])
 def test_each_variant_is_answered_alone_as_after_the_others(base, label):
     """Reverse order too: the base after the variant (a key that drops the varied input would
     hand the variant's value back to the base)."""

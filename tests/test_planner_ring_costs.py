@@ -206,3 +206,18 @@ def test_ring_launches_bound_a_layer_of_small_chunks():
     assert lc.fwd + lc.tp_fwd > plain.fwd + plain.tp_fwd + 50 * per  # 90 launches, 0.9 ms
     long = layer_cost(L8, H100, 1, 1, 262144, False, TT, cp=cp, gqa_repeat=True)
     assert (ops_f + coll_f) * per < 0.01 * long.fwd
+
+
+def test_torch_ring_keeps_no_gathered_kv_for_backward():
+    """torch's ring attention all-gathers K/V inside the forward call and again in its backward
+    (_templated_ring_attention_backward's own rotater): nothing gathered is saved, whatever
+    cp_overlap says; meshtron's all-gather design keeps the whole sequence's K/V."""
+    from meshtron.planner import memory
+    from meshtron.planner.memory_acts import gathered_kv_bytes
+
+    model = PRESETS["llama3-8b"]
+    mem = memory.options_for(KernelOptions())
+    kept = gathered_kv_bytes(model, 1, 1, 65536, 4, "selective", KernelOptions(), mem)
+    assert kept == 2.0 * 65536 * model.kv_dim * 2.0
+    assert gathered_kv_bytes(model, 1, 1, 65536, 4, "selective",
+                             KernelOptions(torch_ring=True), mem) == 0.0

@@ -137,7 +137,7 @@ def test_launch_blocking_adds_the_host_issue_time():
 def test_deepspeed_presets_split_pipeline_sends_over_the_tensor_group():
     """DeepSpeed's pipeline engine sends a PartitionedTensor (1/tp of the activation per tensor
     rank, re-gathered by the receiver) in every version read: 0.3.15 for activations only,
-    0.5.5 on for gradients too. A pipelined tp=2 plan's transfers cost less than whole sends."""
+    0.5.4 on for gradients too. A pipelined tp=2 plan's transfers cost less than whole sends."""
     from meshtron.planner.frameworks import PRESETS
 
     old, new = PRESETS["deepspeed@2021"].kernel, PRESETS["deepspeed@2024"].kernel
@@ -146,3 +146,27 @@ def test_deepspeed_presets_split_pipeline_sends_over_the_tensor_group():
     whole = _neox_eval(p2p_scatter_gather=False, p2p_grads_whole=False)[2].time.pp_comm
     assert _neox_eval(p2p_scatter_gather=new.p2p_scatter_gather,
                       p2p_grads_whole=new.p2p_grads_whole)[2].time.pp_comm < 0.6 * whole
+
+
+def test_deepspeed_0_3_pipeline_all_reduces_zero1_and_its_plain_engine_reduce_scatters():
+    """The deepspeed@2021 preset (DeepSpeed 0.3.15) and the MT-NLG stack run the pipeline
+    engine of 0.3.x, whose `_exec_reduce_grads` all-reduces under ZeRO-1; without a pipeline
+    the engine's ZeRO-1 reduce-scatters (runtime/engine.py allreduce_gradients). The same
+    ZeRO-1 plan on 16 A100s, pp 2 against pp 1, prices its reduction accordingly."""
+    from meshtron.model.spec import preset
+    from meshtron.planner import comm
+    from meshtron.planner.cluster import preset_cluster
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.frameworks import PRESETS
+    from meshtron.planner.plan import Plan
+    from bench.published.stacks import DEEPSPEED_PIPE_2021
+
+    fw = PRESETS["deepspeed@2021"]
+    assert fw.kernel.zero1_all_reduce and DEEPSPEED_PIPE_2021.zero1_all_reduce
+    assert not PRESETS["deepspeed@2024"].kernel.zero1_all_reduce
+    ev = Evaluator(preset("llama2-13b"), preset_cluster("dgx-a100", 2), 256, 2048, fw.kernel,
+                   mem=fw.memory)
+    for pp, collective in ((2, comm.all_reduce), (1, comm.reduce_scatter)):
+        groups = ev._groups(Plan(tp=2, pp=pp, dp=8 // pp, zero=1, micro_batch=1))
+        red, _ = ev.once_per_step(1e9, 1, groups, 2.0)
+        assert red == pytest.approx(collective(2e9, groups["dp"], ev.fab))

@@ -26,12 +26,14 @@ DEEPSPEED_PIPE_2021 = KernelOptions(attention="unfused", dropout=True, overlap_g
                                     separate_projections=False,
                                     fp32_grad_reduce=False, p2p_scatter_gather=True,
                                     p2p_grads_whole=True, p2p_blocking=True, stack="fused",
-                                    sharding="zero")
+                                    sharding="zero", zero1_all_reduce=True)
 """Megatron-DeepSpeed (MT-NLG): Megatron's fused kernels, DeepSpeed's pipeline engine, which
 splits the activation it sends over the tensor group (runtime/pipe/engine.py
-is_pipe_partitioned = is_model_parallel, v0.3.15 on) and, before v0.5.5 (microsoft/DeepSpeed
+is_pipe_partitioned = is_model_parallel, v0.3.15 on) and, before v0.5.4 (microsoft/DeepSpeed
 #1407), sends the gradient whole (is_grad_partitioned = False; MT-NLG's DeepSpeed version is
-not published: the older engine assumed). BLOOM's stack: rows_megatron.BLOOM_STACK."""
+not published: the older engine assumed), and under ZeRO-1 all-reduces the gradients
+(`_exec_reduce_grads`: buffered_allreduce_fallback until v0.3.16, zero1_all_reduce). BLOOM's
+stack: rows_megatron.BLOOM_STACK."""
 MEGATRON_DEEPSPEED_MEMORY = MemoryOptions(framework="megatron",
                                           pipeline_split="deepspeed-transformer",
                                           zero_stages="deepspeed")

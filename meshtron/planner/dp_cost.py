@@ -183,7 +183,7 @@ class DataParallelCost:
         reduce-scatter, the step on the shard, one all-gather of the updated parameters behind
         the next forward (Megatron-LM docs/distrib_optimizer.md; meshtron's ZeRO-1); ZeRO-2
         (DeepSpeed / Megatron): the same over the shard group, plus the replicas' all-reduce.
-        KernelOptions.zero1_all_reduce: ZeRO-1's reduction is a whole all-reduce.
+        KernelOptions.zero1_all_reduce: a pipelined ZeRO-1's reduction is a whole all-reduce.
         `units` calls of each (FSDP: one per unit, `fsdp_units`), `wsize` bytes per gathered
         parameter."""
         group = groups["dp"]
@@ -192,8 +192,10 @@ class DataParallelCost:
         if zero == 0:
             return units * comm.all_reduce(nbytes, group, self.fab), 0.0
         if zero == 1:
-            # DeepSpeed's pipeline engine all-reduces whatever its ZeRO stage (zero1_all_reduce)
-            reduce = comm.all_reduce if self.opts.zero1_all_reduce else comm.reduce_scatter
+            # DeepSpeed's pipeline engine all-reduces whatever its ZeRO stage (zero1_all_reduce);
+            # without a pipeline its engine's ZeRO-1 reduce-scatters
+            pipe_all_reduce = self.opts.zero1_all_reduce and groups["pp"].size > 1
+            reduce = comm.all_reduce if pipe_all_reduce else comm.reduce_scatter
             return (units * reduce(nbytes, group, self.fab),
                     units * comm.all_gather(wbytes, group, self.fab))
         shard, rep = groups["dp_shard"], groups["dp_replicate"]

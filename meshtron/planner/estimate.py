@@ -15,7 +15,7 @@ Step time (per optimizer step, on the critical pipeline stage c):
   compute, leaving the fill and drain chains. Megatron sends the
   [micro_batch*s, h] activation split over the tensor group ("scatter/gather", Narayanan et al.
   2021, section 4.1; already split with sequence parallelism), re-gathered over NVLink
-  (DeepSpeed's engine splits too; before v0.5.5 not the gradients: p2p_grads_whole);
+  (DeepSpeed's engine splits too; before v0.5.4 not the gradients: p2p_grads_whole);
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
   and p2p_blocking=True pays a stage's receive and its send per direction (DeepSpeed's
   pipeline engine: blocking transfers in each stage's instruction stream). Megatron and

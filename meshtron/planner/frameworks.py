@@ -213,11 +213,11 @@ _DEEPSPEED_2021 = Framework(
     "microsoft/DeepSpeed v0.3.15: deepspeed/runtime/zero/stage3.py, partition_parameters.py "
     "(_allgather_param, _reduce_scatter_gradients), constants.py; deepspeed/runtime/pipe/"
     "engine.py (blocking p2p; activations split over the tensor group, is_pipe_partitioned; "
-    "gradients sent whole, is_grad_partitioned False)",
+    "gradients sent whole, is_grad_partitioned False; ZeRO-1 all-reduced, _exec_reduce_grads)",
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                   separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_grads_whole=True,
-                  p2p_blocking=True,
+                  p2p_blocking=True, zero1_all_reduce=True,  # the pipe engine's all-reduce
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
                   list_collectives=True, fp8_filter="all"),
@@ -231,7 +231,7 @@ _DEEPSPEED_2024 = Framework(
     "docs/_pages/config-json.md (communication_data_type), deepspeed/runtime/pipe/engine.py",
     KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
                   # pipe/engine.py: is_pipe_partitioned = is_grad_partitioned =
-                  # is_model_parallel (since DeepSpeed#1407, v0.5.5)
+                  # is_model_parallel (since DeepSpeed#1407, v0.5.4)
                   fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_blocking=True,
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, recompute_regathers=True, fp8_filter="all"),

@@ -220,14 +220,18 @@ class KernelOptions:
     memory-bound kernel (meshtron's BF16Compute.accumulate, FSDP2 without gradient sync, torch
     DDP's no_sync): `grad_accumulation_bytes`."""
     zero1_all_reduce: bool = False
-    """ZeRO-1 reduces the gradients with a full all-reduce (every rank receives all of them,
-    steps its shard and all-gathers the parameters), not a reduce-scatter: DeepSpeed's pipeline
-    engine calls buffered_allreduce_fallback whatever the ZeRO stage (microsoft/DeepSpeed
-    v0.3.15 runtime/pipe/engine.py `_exec_reduce_grads`), and BF16_Optimizer's own ZeRO-1
-    all-reduces its fp32 gradients (v0.6.5 pipe/engine.py `_bf16_reduce_grads`)."""
+    """Under a pipeline (pp > 1), ZeRO-1 reduces the gradients with a full all-reduce (every
+    rank receives all of them, steps its shard and all-gathers the parameters), not a
+    reduce-scatter: DeepSpeed's pipeline engine until v0.3.16 calls
+    buffered_allreduce_fallback whatever the ZeRO stage (microsoft/DeepSpeed v0.3.15
+    runtime/pipe/engine.py `_exec_reduce_grads`; v0.4.0 on: the engine's
+    allreduce_gradients, ZeRO-1's reduce-scatter), and BF16_Optimizer's own ZeRO-1
+    all-reduces its fp32 gradients (v0.6.5 pipe/engine.py `_bf16_reduce_grads`). Without a
+    pipeline the engine's ZeRO-1 reduce-scatters (v0.3.15 runtime/engine.py
+    allreduce_gradients: reduce_scatter_gradients)."""
     p2p_grads_whole: bool = False
     """With p2p_scatter_gather, the backward's gradients are still sent whole by every tensor
-    rank: DeepSpeed's pipeline engine before v0.5.5 splits the activations it sends over the
+    rank: DeepSpeed's pipeline engine before v0.5.4 splits the activations it sends over the
     tensor group (is_pipe_partitioned = is_model_parallel) but not the gradients
     (is_grad_partitioned = False until microsoft/DeepSpeed#1407, September 2021)."""
     residual_reduce_once: bool = False

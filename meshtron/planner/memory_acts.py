@@ -212,8 +212,10 @@ def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp:
     `seq` the whole sequence): with the all-gather design (`opts.cp_overlap` False: meshtron's
     runtime, meshtron/parallel/context.py) attention saves the whole sequence's K and V on every
     cp rank, which do not shrink with cp (measured: bench/cp_memory.py); full recomputation
-    gathers them again in backward instead. Ring attention (p2p) keeps only the local chunk."""
-    if cp == 1 or opts.cp_overlap or recompute == "full":
+    gathers them again in backward instead. Ring attention (p2p) keeps only the local chunk,
+    and so does torch's ring (`opts.torch_ring`: its all-gathered K/V live through the forward
+    call only, its backward gathers them again, _templated_ring_attention_backward)."""
+    if cp == 1 or opts.cp_overlap or opts.torch_ring or recompute == "full":
         return 0.0
     return 2.0 * micro_batch * seq * model.kv_dim / tp * mem.compute_bytes
 
