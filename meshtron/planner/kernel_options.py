@@ -242,6 +242,10 @@ class KernelOptions:
     q, k^T, beta != 0)) makes ATen copy the broadcast bias into the [b*np, s, s] output and the
     GEMM read it back: 4 more bytes per bf16 score in each forward (none in the backward: the
     bias needs no gradient)."""
+    flash_unpad: bool = False
+    """The flash kernel is flash-attn's variable-length one behind `bert_padding`'s unpad / pad
+    of q, k, v and the output (llm-foundry's `attn_impl: flash`, flash_attn_fn): gather /
+    scatter copies and six host synchronisations per layer forward (planner/flash_unpad.py)."""
     launch_blocking: bool = False
     """CUDA_LAUNCH_BLOCKING=1: every launch returns when its kernel has finished, so the host's
     issue time adds to the GPU's instead of running ahead of it (host.layer_issue). BLOOM ran so
