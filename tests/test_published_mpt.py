@@ -99,7 +99,7 @@ def test_flash_unpad_lengthens_the_flash_rows_step():
         ev = Evaluator(run.model, run.cluster, run.global_batch, run.seq_len, kern,
                        mem=run.row_memory)
         plan = Plan(1, 1, run.dp, run.zero, run.micro_batches[0], run.recompute, False,
-                    None, 1)
+                    None, 1, dtype="bf16")
         return ev.evaluate(plan).time.total
 
     rows = {r.name: r for r in _lf_rows()}
