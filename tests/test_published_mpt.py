@@ -106,3 +106,18 @@ def test_flash_unpad_lengthens_the_flash_rows_step():
     one_b = rows["LF MPT-1b s2048 512xH100"]
     assert one_b.opts.flash_unpad
     assert step(one_b, True) > 1.02 * step(one_b, False)
+
+
+def test_mpt_rows_mixed_precision_is_the_composer_they_ran():
+    """Composer's FSDP 'DEFAULT' gathers bf16 parameters since composer#2047 (March 2023) and
+    reduces in fp32 since composer#2628 (v0.16.4): the January 2024 >= 128-GPU rows (Composer
+    0.17.2) reduce in fp32, the October 2023 8-GPU rows (llm-foundry v0.3.0, Composer 0.16.3
+    assumed) in bf16; no row gathers fp32 parameters. PURE: bf16 everywhere."""
+    for run in _lf_rows():
+        gpus = int(run.name.split()[-1].split("x")[0])
+        amp = run.note.split("; ")[2] == "amp"
+        assert not run.opts.fp32_params_autocast, run.name
+        assert run.opts.fp32_grad_reduce == (amp and gpus >= 128), run.name
+        # every row stays calibration: priced before with the fp32-parameter mechanism, or
+        # read as validation from the start (the A100 PURE rows)
+        assert run.part == ("validation" if not amp else "calibration"), run.name

@@ -10,8 +10,8 @@ from meshtron.model.spec import preset
 from meshtron.planner import memory
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute import KernelOptions
-from bench.published.stacks import (LLM_FOUNDRY_AMP, LLM_FOUNDRY_MEMORY, LLM_FOUNDRY_PURE,
-                                    TORCHTITAN_COMPILED, TORCHTITAN_EAGER)
+from bench.published.stacks import (LLM_FOUNDRY_AMP, LLM_FOUNDRY_AMP_2023, LLM_FOUNDRY_MEMORY,
+                                    LLM_FOUNDRY_PURE, TORCHTITAN_COMPILED, TORCHTITAN_EAGER)
 from bench.published.table import (PublishedRun, a100_40gb, grand_teton_h100_500w,
                                    mpt_model)
 
@@ -160,7 +160,10 @@ def llm_foundry() -> list[PublishedRun]:
         # 'flash': flash-attn's varlen kernel behind bert_padding (KernelOptions.flash_unpad);
         # 'triton': llm-foundry's Triton port of FlashAttention, priced as a flash kernel (no
         # published measurement of that kernel on H100 is known to us)
-        opts = LLM_FOUNDRY_AMP if prec == "amp" else LLM_FOUNDRY_PURE
+        # the >= 128-GPU rows ran Composer 0.17.2 (January 2024), the 8-GPU ones 0.16.x
+        # (October 2023, llm-foundry v0.3.0): stacks.py
+        opts = (LLM_FOUNDRY_PURE if prec == "pure" else
+                LLM_FOUNDRY_AMP if gpus >= 128 else LLM_FOUNDRY_AMP_2023)
         opts = dataclasses.replace(opts, flash_unpad=attn == "flash")
         runs.append(PublishedRun(
             f"LF MPT-{size} s{seq} {gpus}x{gpu}", f"LF, {table} table", "llm-foundry FSDP",

@@ -132,7 +132,8 @@ class KernelOptions:
     ZeRO-1/2 reduce-scatter them and all-gather the updated bf16 weights once."""
     fp32_params_autocast: bool = False
     """Parameters stay fp32 and autocast casts each weight to bf16 in every forward (Composer's
-    2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4
+    FSDP mixed precision 'DEFAULT' of v0.12-v0.13, December 2022 to March 2023: param_dtype
+    fp32, reduce_dtype bf16; composer#2047 made it param_dtype bf16): ZeRO-3 gathers 4
     bytes per parameter, and each forward (recomputed ones too) reads 4 and writes 2 bytes per
     local weight."""
     tp_comm_overlap: bool = False
