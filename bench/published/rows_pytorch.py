@@ -10,8 +10,8 @@ from meshtron.model.spec import preset
 from meshtron.planner import memory
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute import KernelOptions
-from bench.published.stacks import (LLM_FOUNDRY_AMP, LLM_FOUNDRY_MEMORY, LLM_FOUNDRY_PURE,
-                                    TORCHTITAN_COMPILED, TORCHTITAN_EAGER)
+from bench.published.stacks import (LLM_FOUNDRY_AMP, LLM_FOUNDRY_AMP_2023, LLM_FOUNDRY_MEMORY,
+                                    LLM_FOUNDRY_PURE, TORCHTITAN_COMPILED, TORCHTITAN_EAGER)
 from bench.published.table import (PublishedRun, a100_40gb, grand_teton_h100_500w,
                                    mpt_model)
 
@@ -117,32 +117,38 @@ def torchtitan_nd() -> list[PublishedRun]:
 
 
 def llm_foundry() -> list[PublishedRun]:
+    # layers, hidden, heads of scripts/train/yamls/pretrain/mpt-*.yaml (30b: 56 heads of 128)
     mpt = {"1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
-           "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
+           "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
     # size, seq, gpus, gpu preset, micro-batch, grad accumulation, global batch, activation
-    # checkpointing, ZeRO stage (3 FULL_SHARD, 2 SHARD_GRAD_OP), precision, T/s/GPU
+    # checkpointing, ZeRO stage (3 FULL_SHARD, 2 SHARD_GRAD_OP), precision, T/s/GPU,
+    # attn_impl. attn_impl: the >= 128-GPU H100 table's runs are scripts/train/benchmarking/
+    # sweep.py's (llm-foundry #838, January 2024: `--attn_impl flash` for 1b, 3b, 7b and 70b,
+    # `triton` for 13b and 30b, flash-attn 2.4.2 from the `gpu-flash2` extra); the 8-GPU rows
+    # are sweep.sh's (#543, October 2023), which passes no --attn_impl: submit_benchmarks.py's
+    # default 'triton'.
     rows = [
-        ("70b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 1007.0),
-        ("70b", 2048, 128, "dgx-h100", 8, 1, 1024, True, 3, "amp", 1058.0),
-        ("30b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 2115.0),
-        ("13b", 2048, 512, "dgx-h100", 16, 1, 8192, True, 3, "amp", 4952.0),
-        ("7b", 2048, 512, "dgx-h100", 6, 1, 3072, False, 3, "amp", 9670.0),
-        ("7b", 2048, 128, "dgx-h100", 6, 1, 768, False, 3, "amp", 10475.0),
-        ("3b", 2048, 512, "dgx-h100", 8, 1, 4096, False, 2, "amp", 21664.0),
-        ("1b", 2048, 512, "dgx-h100", 12, 1, 6144, False, 2, "amp", 39837.0),
-        ("7b", 2048, 8, "dgx-h100", 6, 1, 48, False, 3, "amp", 10643.0),
-        ("13b", 2048, 8, "dgx-h100", 2, 1, 16, False, 3, "amp", 4792.0),
-        ("7b", 8192, 8, "dgx-h100", 8, 2, 128, True, 3, "amp", 6935.0),
-        ("7b", 2048, 8, "dgx-a100", 6, 2, 96, False, 3, "amp", 4641.0),
-        ("13b", 2048, 8, "dgx-a100", 2, 3, 48, False, 3, "amp", 2262.0),
-        ("30b", 2048, 8, "dgx-a100", 3, 21, 504, True, 3, "amp", 916.0),
-        ("70b", 2048, 64, "dgx-a100", 8, 4, 2048, True, 3, "pure", 410.0),
-        ("70b", 2048, 128, "a100-40gb", 4, 1, 512, True, 3, "pure", 376.0),
-        ("13b", 2048, 128, "a100-40gb", 16, 1, 2048, True, 3, "pure", 1972.0),
-        ("7b", 2048, 128, "a100-40gb", 18, 1, 2304, True, 3, "pure", 3623.0),
+        ("70b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 1007.0, "flash"),
+        ("70b", 2048, 128, "dgx-h100", 8, 1, 1024, True, 3, "amp", 1058.0, "flash"),
+        ("30b", 2048, 512, "dgx-h100", 8, 1, 4096, True, 3, "amp", 2115.0, "triton"),
+        ("13b", 2048, 512, "dgx-h100", 16, 1, 8192, True, 3, "amp", 4952.0, "triton"),
+        ("7b", 2048, 512, "dgx-h100", 6, 1, 3072, False, 3, "amp", 9670.0, "flash"),
+        ("7b", 2048, 128, "dgx-h100", 6, 1, 768, False, 3, "amp", 10475.0, "flash"),
+        ("3b", 2048, 512, "dgx-h100", 8, 1, 4096, False, 2, "amp", 21664.0, "flash"),
+        ("1b", 2048, 512, "dgx-h100", 12, 1, 6144, False, 2, "amp", 39837.0, "flash"),
+        ("7b", 2048, 8, "dgx-h100", 6, 1, 48, False, 3, "amp", 10643.0, "triton"),
+        ("13b", 2048, 8, "dgx-h100", 2, 1, 16, False, 3, "amp", 4792.0, "triton"),
+        ("7b", 8192, 8, "dgx-h100", 8, 2, 128, True, 3, "amp", 6935.0, "triton"),
+        ("7b", 2048, 8, "dgx-a100", 6, 2, 96, False, 3, "amp", 4641.0, "triton"),
+        ("13b", 2048, 8, "dgx-a100", 2, 3, 48, False, 3, "amp", 2262.0, "triton"),
+        ("30b", 2048, 8, "dgx-a100", 3, 21, 504, True, 3, "amp", 916.0, "triton"),
+        ("70b", 2048, 64, "dgx-a100", 8, 4, 2048, True, 3, "pure", 410.0, "triton"),
+        ("70b", 2048, 128, "a100-40gb", 4, 1, 512, True, 3, "pure", 376.0, "triton"),
+        ("13b", 2048, 128, "a100-40gb", 16, 1, 2048, True, 3, "pure", 1972.0, "triton"),
+        ("7b", 2048, 128, "a100-40gb", 18, 1, 2304, True, 3, "pure", 3623.0, "triton"),
     ]
     runs = []
-    for size, seq, gpus, kind, mb, ga, gbs, ac, zero, prec, tps in rows:
+    for size, seq, gpus, kind, mb, ga, gbs, ac, zero, prec, tps, attn in rows:
         L, h, a = mpt[size]
         if kind == "a100-40gb":
             cl = a100_40gb(max(1, gpus // 8))
@@ -151,12 +157,19 @@ def llm_foundry() -> list[PublishedRun]:
             cl = preset_cluster(kind, max(1, gpus // 8))
             table = ("H100 80GB" if kind == "dgx-h100" else "A100 80GB, 1600 Gbps RoCE per node")
         gpu = "H100" if kind == "dgx-h100" else "A100"
+        # 'flash': flash-attn's varlen kernel behind bert_padding (KernelOptions.flash_unpad);
+        # 'triton': llm-foundry's Triton port of FlashAttention, priced as a flash kernel (no
+        # published measurement of that kernel on H100 is known to us)
+        # the >= 128-GPU rows ran Composer 0.17.2 (January 2024), the 8-GPU ones 0.16.x
+        # (October 2023, llm-foundry v0.3.0): stacks.py
+        opts = (LLM_FOUNDRY_PURE if prec == "pure" else
+                LLM_FOUNDRY_AMP if gpus >= 128 else LLM_FOUNDRY_AMP_2023)
+        opts = dataclasses.replace(opts, flash_unpad=attn == "flash")
         runs.append(PublishedRun(
             f"LF MPT-{size} s{seq} {gpus}x{gpu}", f"LF, {table} table", "llm-foundry FSDP",
             mpt_model(f"mpt-{size}", L, h, a, seq), cl, gbs, seq, 1, 1, gpus, zero,
-            "full" if ac else "none", False,
-            LLM_FOUNDRY_AMP if prec == "amp" else LLM_FOUNDRY_PURE, "tokens_per_gpu", tps,
+            "full" if ac else "none", False, opts, "tokens_per_gpu", tps,
             micro_batches=(mb,), memory=LLM_FOUNDRY_MEMORY,
             note=f"micro-batch {mb} x {ga} accumulation; "
-                 f"{'SHARD_GRAD_OP' if zero == 2 else 'FULL_SHARD'}; {prec}"))
+                 f"{'SHARD_GRAD_OP' if zero == 2 else 'FULL_SHARD'}; {prec}; attn_impl {attn}"))
     return runs

@@ -82,6 +82,15 @@ LOOKED_AT = {
     **{f"LF MPT-{size} s2048 512xH100": "its error growing with the GPU count led to pricing "
        "Composer's per-tensor optimizer loop (KernelOptions optimizer 'for-loop', issue 30 "
        "item 3, 2026-12-05)" for size in ("1b", "3b", "7b")},
+    **{name: "calibration since issue 18: priced with Composer's fp32 parameters under "
+       "autocast (fp32_params_autocast, added while looking at them, `steered`); their "
+       "inputs read again from llm-foundry's benchmark scripts on 2026-12-05 (branch mpt)"
+       for name in ("LF MPT-70b s2048 512xH100", "LF MPT-70b s2048 128xH100",
+                    "LF MPT-30b s2048 512xH100", "LF MPT-13b s2048 512xH100",
+                    "LF MPT-7b s2048 128xH100", "LF MPT-7b s2048 8xH100",
+                    "LF MPT-13b s2048 8xH100", "LF MPT-7b s8192 8xH100",
+                    "LF MPT-7b s2048 8xA100", "LF MPT-13b s2048 8xA100",
+                    "LF MPT-30b s2048 8xA100")},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""

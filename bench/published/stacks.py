@@ -89,17 +89,25 @@ TORCHTITAN_COMPILED = KernelOptions(fp32_grad_reduce=True, stack="compiled", cp_
 """torchtitan FSDP2 with torch.compile (per-block compilation fuses the memory-bound ops of
 each TransformerBlock; train.py of December 2024 leaves `torch.compile(loss_fn)` commented
 out, so the final norm, head and loss stay eager; foreach AdamW as above)."""
-LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=False, fp32_params_autocast=True,
-                                separate_projections=False,
+LLM_FOUNDRY_AMP = KernelOptions(fp32_grad_reduce=True, separate_projections=False,
                                 stack="eager", optimizer="for-loop")
-"""llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT, as Composer defined it in 2023:
-fp32 parameters (gathered in fp32, cast by autocast), bf16 gradient reduction; Composer's
-DecoupledAdamW steps parameter by parameter with separate ops, reading a step counter per
-tensor, after FSDP's per-gradient clip (optimizer 'for-loop': composer/optim/
-decoupled_weight_decay.py of 2023, planner/optimizer_loop.py)."""
+"""llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT as Composer 0.17.2 (the pin of
+llm-foundry's January 2024 main, setup.py 'mosaicml>=0.17.2,<0.18') defines it
+(composer/trainer/mosaic_fsdp_utils.py `get_mixed_precision`): param_dtype bf16 (FSDP1 casts
+each fp32 shard to bf16 before gathering it), reduce_dtype fp32 (since composer#2628, October
+2023, v0.16.4), buffers bf16. Composer's DecoupledAdamW steps parameter by parameter with
+separate ops, reading a step counter per tensor, after FSDP's per-gradient clip (optimizer
+'for-loop': composer/optim/decoupled_weight_decay.py, planner/optimizer_loop.py)."""
 LLM_FOUNDRY_PURE = KernelOptions(separate_projections=False, fp32_grad_reduce=False,
                                  stack="eager", optimizer="for-loop")
-"""llm-foundry, bf16 with FSDP mixed precision PURE (bf16 gradient reduction)."""
+"""llm-foundry, bf16 with FSDP mixed precision PURE (bf16 parameters, bf16 gradient
+reduction)."""
+LLM_FOUNDRY_AMP_2023 = LLM_FOUNDRY_PURE
+"""llm-foundry v0.3.0 (September 2023, 'mosaicml>=0.16.3,<0.17'), amp_bf16 with DEFAULT: from
+composer#2047 (March 2023) to composer#2628 (v0.16.4, 11 October 2023) DEFAULT set param_dtype
+and buffer_dtype to bf16 and left reduce_dtype None, which FSDP1 reads as param_dtype (bf16
+reduction): PURE's kernels. The October 2023 tables do not say which of 0.16.3 and 0.16.4 ran;
+0.16.3, the one released before 11 October, is assumed."""
 MEGATRON_2019 = KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                               separate_projections=False,
                               fp32_grad_reduce=False, stack="eager", sharding="zero",

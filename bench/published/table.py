@@ -278,12 +278,16 @@ def gpt_model(name: str, layers: int, hidden: int, heads: int, vocab: int = 5120
 
 
 def mpt_model(name: str, layers: int, hidden: int, heads: int, seq: int) -> ModelSpec:
-    """MosaicML MPT (llm-foundry yamls): GeLU MLP of 4h, LayerNorm, no biases, tied embeddings,
-    vocabulary 50368; ALiBi has no parameters and lives inside the attention kernel, modelled as a
-    position table of negligible size."""
+    """MosaicML MPT as llm-foundry's benchmark yamls build it (scripts/train/yamls/pretrain/
+    mpt-*.yaml with MPTConfig's defaults, 2023-24): GeLU MLP of 4h, LayerNorm, tied embeddings,
+    vocabulary 50368, and, since the yamls set neither `no_bias` nor `alibi`, biases in every
+    linear and norm (no_bias=False) and a learned position table (learned_pos_emb=True, alibi
+    False): the benchmark README's NumParams are 12Lh^2 + 13Lh + 50368h + seq*h + 2h exactly
+    (tests/test_published_mpt.py). The released MPT checkpoints' ALiBi and no-bias settings
+    are not what the benchmarks ran."""
     return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
                      ffn_hidden=4 * hidden, vocab=50368, max_seq=seq, mlp="gelu",
-                     norm="layernorm", position="learned", tied_embeddings=True, bias=False)
+                     norm="layernorm", position="learned", tied_embeddings=True, bias=True)
 
 
 # ---- clusters ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, host
+from meshtron.planner import comm, flash_unpad, host
 from meshtron.planner.placement import tp_group
 from meshtron.planner.ring_attention import (
     ring_core_time, torch_ring_bytes, torch_ring_exposed, torch_ring_launches)
@@ -193,6 +193,10 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if gqa_repeat:  # repeat_kv's copies and their backward sums (not twice the forward)
         rep_f, rep_b = gqa_repeat_bytes(model, tp, opts.stack)
         fwd, bwd = fwd + tokens * rep_f / bw, bwd + tokens * rep_b / bw
+    if opts.flash_unpad and opts.attention == "flash":  # bert_padding around the kernel
+        un_f, un_b = flash_unpad.unpad_bytes(model, tp)
+        fwd += tokens * un_f / bw + flash_unpad.unpad_host_s(dispatch_s(cluster))
+        bwd += tokens * un_b / bw
     # K/V elements per rank that context parallelism moves: every query head where repeated
     kv_moved = h if gqa_repeat else kv
     # torch's ring: its fp32 merges and copies (ring_attention.py; its byte counts are of a

@@ -132,7 +132,8 @@ class KernelOptions:
     ZeRO-1/2 reduce-scatter them and all-gather the updated bf16 weights once."""
     fp32_params_autocast: bool = False
     """Parameters stay fp32 and autocast casts each weight to bf16 in every forward (Composer's
-    2023 FSDP mixed precision 'DEFAULT': param_dtype fp32, reduce_dtype bf16): ZeRO-3 gathers 4
+    FSDP mixed precision 'DEFAULT' of v0.12-v0.13, December 2022 to March 2023: param_dtype
+    fp32, reduce_dtype bf16; composer#2047 made it param_dtype bf16): ZeRO-3 gathers 4
     bytes per parameter, and each forward (recomputed ones too) reads 4 and writes 2 bytes per
     local weight."""
     tp_comm_overlap: bool = False
@@ -246,6 +247,10 @@ class KernelOptions:
     q, k^T, beta != 0)) makes ATen copy the broadcast bias into the [b*np, s, s] output and the
     GEMM read it back: 4 more bytes per bf16 score in each forward (none in the backward: the
     bias needs no gradient)."""
+    flash_unpad: bool = False
+    """The flash kernel is flash-attn's variable-length one behind `bert_padding`'s unpad / pad
+    of q, k, v and the output (llm-foundry's `attn_impl: flash`, flash_attn_fn): gather /
+    scatter copies and six host synchronisations per layer forward (planner/flash_unpad.py)."""
     launch_blocking: bool = False
     """CUDA_LAUNCH_BLOCKING=1: every launch returns when its kernel has finished, so the host's
     issue time adds to the GPU's instead of running ahead of it (host.layer_issue). BLOOM ran so
