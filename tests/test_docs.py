@@ -330,3 +330,16 @@ def test_documented_train_commands_run(tmp_path):
                 text += f" --run-dir runs/line{cmd.line}"
             bad += _run_documented([Command(cmd.doc, cmd.line, text)], folder)
     assert not bad, "\n".join(bad)
+
+
+def test_install_lines_name_every_dependency_but_torch():
+    """The GPU-cluster install (`pip install --no-deps -e .` then the rest by hand) names
+    every dependency of pyproject.toml except torch, which the cluster's image keeps."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {re.split(r"[<>=\[ ]", d)[0] for d in deps} - {"torch"}
+    for doc in ("README.md", "docs/getting-started.md"):
+        named = {re.split(r"[<>=\[]", w.strip("'"))[0] for c in fenced_commands()
+                 if c.doc == doc and c.text.startswith("pip install") for w in c.words()[2:]}
+        assert wanted <= named, (doc, wanted - named)
