@@ -1,6 +1,8 @@
 """The documentation site builds with warnings as errors (a broken link, an anchor that does not
 exist or a page left out of the navigation fails), its reference pages are generated from the
-code, and the README's links point at files that exist."""
+code, the README's links point at files that exist, and every command the README and the docs
+show parses, names real flags, and (the cheap ones) runs as typed (tests/doc_commands.py reads
+them from the Markdown)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from doc_commands import (DOCS, Command, fenced_commands, inline_meshtron_spans,  # noqa: E402
+                          inline_spans, meshtron_argv)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,12 +53,6 @@ def test_readme_links_exist_and_readme_is_short():
 
 
 # ---- every command the docs show (tests/doc_commands.py reads them from the Markdown) ----------
-sys.path.insert(0, str(Path(__file__).parent))
-from doc_commands import (DOCS, Command, fenced_commands, inline_meshtron_spans,  # noqa: E402
-                          inline_spans, meshtron_argv)
-
-import pytest  # noqa: E402
-
 # Flags the docs name that belong to other programs (the tool named beside them in the text).
 FOREIGN_FLAGS = {
     "--no-deps": "pip", "--ntasks-per-node": "srun", "--strict": "mkdocs",

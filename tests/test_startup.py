@@ -1,6 +1,6 @@
-"""`meshtron plan`, `cost`, `simulate` (each run and its `--help`), `rehearse --help`, `merge --help` and
-`--help` must start without importing torch (the CLI builds every subcommand's parser; a torch import
-costs 2-4 s per command)."""
+"""`meshtron plan`, `cost`, `simulate` (each run and its `--help`), `rehearse --help`,
+`merge --help` and `--help` must start without importing torch (the CLI builds every
+subcommand's parser; a torch import costs 2-4 s per command)."""
 
 import subprocess
 import sys
