@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `meshtron plan | head`: the reader left; no traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
 
 
 if __name__ == "__main__":

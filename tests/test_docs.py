@@ -1,6 +1,8 @@
 """The documentation site builds with warnings as errors (a broken link, an anchor that does not
 exist or a page left out of the navigation fails), its reference pages are generated from the
-code, and the README's links point at files that exist."""
+code, the README's links point at files that exist, and every command the README and the docs
+show parses, names real flags, and (the cheap ones) runs as typed (tests/doc_commands.py reads
+them from the Markdown)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from doc_commands import (DOCS, Command, fenced_commands, inline_meshtron_spans,  # noqa: E402
+                          inline_spans, meshtron_argv)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +50,298 @@ def test_readme_links_exist_and_readme_is_short():
     assert local, "the README links into docs/"
     for link in local:
         assert (ROOT / link).exists(), link
+
+
+# ---- every command the docs show (tests/doc_commands.py reads them from the Markdown) ----------
+# Flags the docs name that belong to other programs (the tool named beside them in the text).
+FOREIGN_FLAGS = {
+    "--no-deps": "pip", "--ntasks-per-node": "srun", "--strict": "mkdocs",
+    **dict.fromkeys(("--nproc-per-node", "--rdzv-backend", "--shutdown-timeout"), "torchrun"),
+    **dict.fromkeys(("--decoder-first", "--fp8-param-gather", "--recompute-method",
+                     "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
+                     "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+                     "--use-distributed-optimizer", "--use-custom-fsdp",
+                     "--pipeline-model-parallel-layout"), "Megatron-LM"),
+}
+
+# The commands the default suite runs (torch-free: a few seconds each, ~15 s in all), keyed by
+# subcommand; every other documented command is parsed only, for the reason given.
+CHEAP = {"plan", "cost", "simulate", "doctor"}
+NOT_RUN = {
+    "train": "starts torch ranks (tens of seconds each): parsed here, run by the slow "
+             "test_documented_train_commands_run with --steps 2",
+    "demo": "calibrates and trains for minutes", "calibrate": "starts 4 torch ranks (~15 s)",
+    "rehearse": "imports torch; a 70B rank takes ~50-100 s", "export": "needs a trained run",
+    "merge": "needs trained runs", "doctor": "reads a run folder a hung run left",
+}
+
+
+def _subcommands():
+    from meshtron.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sub.choices
+
+
+def test_docs_show_commands():
+    """The extraction finds the commands (a change of the fence syntax must not empty it)."""
+    cmds = fenced_commands()
+    argvs = [meshtron_argv(c) for c in cmds]
+    assert len([a for a in argvs if a]) >= 50, len(cmds)
+    assert {a[0] for a in argvs if a} >= {"plan", "train", "cost", "simulate", "doctor",
+                                          "calibrate", "export", "merge"}
+
+
+@pytest.mark.parametrize("cmd", [c for c in fenced_commands() if meshtron_argv(c)],
+                         ids=lambda c: c.where)
+def test_documented_command_parses(cmd: Command):
+    """Every documented meshtron command line is accepted by the real parser (a renamed or
+    removed flag, or a value of the wrong type, fails here)."""
+    from meshtron.cli import build_parser
+    from meshtron.errors import UserError
+
+    argv = meshtron_argv(cmd)
+    try:
+        build_parser(argv[0]).parse_args(argv)
+    except (UserError, SystemExit) as exc:
+        pytest.fail(f"{cmd.where}: `{cmd.text}` does not parse: {exc}")
+
+
+def test_every_flag_the_docs_name_exists():
+    """Each `--flag` in a code span of the prose is an option of the meshtron subcommand the
+    span runs, or of the bench script it runs; a flag named alone is an option of some
+    subcommand or bench script, or a documented other program's (FOREIGN_FLAGS)."""
+    subs = _subcommands()
+    benches = {p: p.read_text() for p in (ROOT / "bench").glob("*.py")}
+    anywhere = ({o for p in subs.values() for o in p._option_string_actions} | set(FOREIGN_FLAGS)
+                | {f for src in benches.values() for f in re.findall(r'"(--[a-z][\w-]*)"', src)})
+    bad = []
+    for path in DOCS:
+        for line, span in inline_spans(path):
+            sub = re.match(r"(?:\.venv/bin/)?meshtron ([a-z]+)", span)
+            bench = re.match(r"(?:\S*python )?(bench/\w+\.py)", span)
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", span):
+                if sub and sub.group(1) in subs:
+                    ok = flag in subs[sub.group(1)]._option_string_actions
+                elif bench:
+                    ok = f'"{flag}"' in benches[ROOT / bench.group(1)]
+                else:
+                    ok = flag in anywhere
+                if not ok:
+                    bad.append(f"{path.relative_to(ROOT)}:{line}: {flag} in `{span[:80]}`")
+    assert not bad, "\n".join(bad)
+
+
+def test_inline_commands_name_real_subcommands():
+    subs = _subcommands()
+    bad = [f"{c.where}: `{c.text}`" for c in inline_meshtron_spans()
+           if c.text.split()[1] not in subs]
+    assert not bad, bad
+
+
+def test_every_subcommand_help_renders():
+    """`meshtron SUB --help` for every subcommand (the reference page is generated from it)."""
+    for name, parser in _subcommands().items():
+        assert f"usage: meshtron {name}" in parser.format_help()
+
+
+def test_documented_bench_scripts_and_make_targets_exist():
+    makefile = (ROOT / "Makefile").read_text()
+    for cmd in fenced_commands() + inline_meshtron_spans():
+        words = cmd.text.split()
+        if words[0] == "make":
+            assert re.search(rf"^{re.escape(words[1])}:", makefile, re.M), cmd.where
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))):
+        for script in re.findall(r"\b(bench/[\w/]+\.py|tests/[\w/]+\.py)", path.read_text()):
+            assert (ROOT / script).is_file(), f"{path.relative_to(ROOT)}: {script}"
+
+
+def _toml_blocks():
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        text = path.read_text()
+        for m in re.finditer(r"^```toml\n(.*?)^```", text, re.S | re.M):
+            yield f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}", m.group(1)
+
+
+@pytest.mark.parametrize("where,body", list(_toml_blocks()), ids=lambda x: x[:40])
+def test_documented_toml_files_load(where, body, tmp_path):
+    """Each TOML example (plan file, cluster file, --options file, run file) loads with the
+    loader its command uses and passes that loader's checks."""
+    import tomllib
+
+    path = tmp_path / "example.toml"
+    path.write_text(body)
+    doc = tomllib.loads(body)
+    if str(doc.get("format", "")).startswith("meshtron-plan"):
+        from meshtron.planner.plan import load_plan
+
+        plan = load_plan(path)
+        assert plan.gpus == plan.tp * plan.cp * plan.pp * plan.dp, where
+    elif "gpus_per_node" in doc:
+        from meshtron.planner.cluster import resolve_cluster
+
+        assert resolve_cluster(str(path)).num_gpus == doc["gpus_per_node"] * doc["nodes"]
+    elif "options" in doc:
+        from meshtron.planner import frameworks
+
+        frameworks.resolve(None, path)
+    elif "data" in doc or "train" in doc:
+        from meshtron.config import config_from_dict
+
+        config_from_dict(doc)
+    else:
+        pytest.fail(f"{where}: a TOML example of no known kind")
+
+
+HF_CONFIG = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "tie_word_embeddings": False}
+"""What `path/to/config.json` stands for in plan.md: a Llama-3-70B-shaped Hugging Face config."""
+
+EXPECTED_RC = {"doctor --nccl-log": 3}  # the fixture logs show errors: exit 3 (diagnose.md)
+SLOW_ONLY = {"--gpus": "a 9-size sweep re-plans at every size (~55 s)",
+             "runs/calibration/": "needs `meshtron calibrate --nproc 4` first (4 torch ranks)"}
+
+
+def _user_folder(tmp_path: Path) -> Path:
+    """A run folder as a user has it after `make`: `.venv/bin/meshtron`, the files the docs
+    name (their TOML examples, a config.json, NCCL logs)."""
+    import json
+
+    venv = Path(sys.prefix)
+    if not (venv / "bin" / "meshtron").exists():
+        pytest.skip("no meshtron console script in this environment (run `make` first)")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / ".venv").symlink_to(venv)
+    (tmp_path / "path/to").mkdir(parents=True)
+    (tmp_path / "path/to/config.json").write_text(json.dumps(HF_CONFIG))
+    for _, body in _toml_blocks():
+        if "gpus_per_node" in body:
+            (tmp_path / "my-cluster.toml").write_text(body)
+        elif "[options]" in body:
+            (tmp_path / "my-stack.toml").write_text(body)
+    for i, log in enumerate(sorted((ROOT / "tests/data/nccl").glob("bad_gpu-*.log")), 1):
+        (tmp_path / f"node{i}.log").write_text(log.read_text())
+    return tmp_path
+
+
+def _runnable(slow: bool) -> list[Command]:
+    seen, out = set(), []
+    for cmd in fenced_commands():
+        argv = meshtron_argv(cmd)
+        if not argv or argv[0] not in CHEAP or cmd.text in seen:
+            continue
+        if argv[0] == "doctor" and "--nccl-log" not in argv:
+            continue  # reads a hung run's folder: NOT_RUN
+        if any(k in cmd.text for k in SLOW_ONLY) != slow:
+            continue
+        seen.add(cmd.text)
+        out.append(cmd)
+    return out
+
+
+def _run_documented(cmds: list[Command], folder: Path) -> list[str]:
+    """Run each command as typed, in document order in one folder (README's `--save
+    plan.toml` feeds economize.md's `cost --plan plan.toml`); the failures, one line each."""
+    import time
+
+    bad = []
+    for cmd in cmds:
+        start = time.monotonic()
+        proc = subprocess.run(["bash", "-c", cmd.text], cwd=folder, capture_output=True,
+                              text=True, timeout=300)
+        took = time.monotonic() - start
+        want = next((rc for k, rc in EXPECTED_RC.items() if k in cmd.text), 0)
+        print(f"{cmd.where}: exit {proc.returncode} in {took:.1f} s: {cmd.text}")
+        if proc.returncode != want:
+            bad.append(f"{cmd.where}: exit {proc.returncode} (want {want}): {cmd.text}\n"
+                       f"{proc.stderr[-800:]}")
+        elif "Traceback" in proc.stderr:
+            bad.append(f"{cmd.where}: a traceback: {proc.stderr[-800:]}")
+        elif meshtron_argv(cmd)[0] == "plan" and "--json" not in cmd.text:
+            bad += [f"{cmd.where}: {problem}" for problem in _table_problems(proc.stdout)]
+    return bad
+
+
+def _table_problems(text: str) -> list[str]:
+    """`meshtron plan`'s text fits 100 columns off a terminal and no figure of its table is
+    folded over two lines (a row continued on the next line has nothing in its first
+    columns; plan.md: "a ranked table that fits 100 columns", "numbers are never cut")."""
+    out = [f"line over 100 columns: {line!r}" for line in text.splitlines() if len(line) > 100]
+    lines = text.splitlines()
+    for prev, line in zip(lines, lines[1:]):
+        if re.match(r" ?\d+ ", prev) and re.match(r" {20,}\S", line):
+            out.append(f"a table row folded: {prev!r} / {line!r}")
+    return out
+
+
+def test_cheap_documented_commands_run(tmp_path):
+    """The torch-free commands the docs show (plan, cost, simulate --step, doctor --nccl-log:
+    ~15 s in all) run as typed from a user's folder and exit as documented; NOT_RUN says why
+    the others are only parsed (test_documented_command_parses)."""
+    cmds = _runnable(slow=False)
+    assert len(cmds) >= 10, [c.where for c in cmds]
+    bad = _run_documented(cmds, _user_folder(tmp_path))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_slow_documented_commands_run(tmp_path):
+    """The rest of the torch-free commands: the calibration they need first, the sweep."""
+    folder = _user_folder(tmp_path)
+    cal = subprocess.run([str(folder / ".venv/bin/meshtron"), "calibrate", "--nproc", "4"],
+                         cwd=folder, capture_output=True, text=True, timeout=600)
+    assert cal.returncode == 0, cal.stderr[-2000:]
+    bad = _run_documented(_runnable(slow=True), folder)
+    assert not bad, "\n".join(bad)
+
+
+TRAIN_SKIPPED = {"--nproc 8": "8 ranks: more than a CI machine runs at once",
+                 "--nnodes": "elastic: one agent per node", "path/to/": "a Hugging Face folder",
+                 "--plan plan.toml": "a saved plan of the user's own cluster",
+                 "merged/": "needs `meshtron merge` of trained runs"}
+
+
+@pytest.mark.slow
+def test_documented_train_commands_run(tmp_path):
+    """Every documented `meshtron train` line that fits one machine runs as typed with
+    `--steps 2` added (`...` dropped), one folder per page, in page order: a line naming its
+    `--run-dir` shares it with the page's other lines (the README's tour resumes the run it
+    trained), a line naming none gets its own (the page lists alternatives). TRAIN_SKIPPED says
+    why the rest do not run (all of them parse: test_documented_command_parses)."""
+    import tomllib
+
+    bad, seen = [], set()
+    for n, doc in enumerate(dict.fromkeys(c.doc for c in fenced_commands())):
+        folder = _user_folder(tmp_path / f"page{n}")
+        for _, body in _toml_blocks():
+            if "data" in tomllib.loads(body):
+                (folder / "run.toml").write_text(body)
+        for i, cmd in enumerate(c for c in fenced_commands() if c.doc == doc):
+            argv = meshtron_argv(cmd)
+            if not argv or argv[0] != "train" or cmd.text in seen:
+                continue
+            if (any(k in cmd.text for k in TRAIN_SKIPPED)
+                    or cmd.text.startswith(("torchrun", "srun"))):
+                continue
+            seen.add(cmd.text)
+            text = cmd.text.replace(" ...", "") + " --steps 2"
+            if "--run-dir" not in text and "--config" not in text:
+                text += f" --run-dir runs/line{cmd.line}"
+            bad += _run_documented([Command(cmd.doc, cmd.line, text)], folder)
+    assert not bad, "\n".join(bad)
+
+
+def test_install_lines_name_every_dependency_but_torch():
+    """The GPU-cluster install (`pip install --no-deps -e .` then the rest by hand) names
+    every dependency of pyproject.toml except torch, which the cluster's image keeps."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {re.split(r"[<>=\[ ]", d)[0] for d in deps} - {"torch"}
+    for doc in ("README.md", "docs/getting-started.md"):
+        named = {re.split(r"[<>=\[]", w.strip("'"))[0] for c in fenced_commands()
+                 if c.doc == doc and c.text.startswith("pip install") for w in c.words()[2:]}
+        assert wanted <= named, (doc, wanted - named)

@@ -238,5 +238,8 @@ def test_plan_rehearse_rehearses_the_chosen_plan():
     best, rehearsal = doc["plans"][0], doc["rehearsal"]
     assert rehearsal["plan"]["dp"] == best["dp"] == 8 and rehearsal["plan"]["zero"] == 2
     assert rehearsal["plan"]["micro_batch"] == best["micro_batch"]
+    # On a CPU both columns use the CPU's kernels; the report also carries the figure the plan
+    # printed (the GPU's kernels), so the two commands' outputs can be told apart.
+    assert rehearsal["planner_gpu_total_gib"] == pytest.approx(best["memory_gib"]["total"])
     total = {r["row"]: r for r in rehearsal["memory"]}["total"]
     assert total["rehearsal_gib"] > 0 and total["planner_gib"] > 0

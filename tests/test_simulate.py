@@ -148,6 +148,29 @@ def test_step_cli(sim_cli):
     assert doc["slowdown"] > 1.05 and doc["perturbed"]["classes"] == 2
 
 
+def test_step_of_a_saved_plan_needs_nothing_else(sim_cli, tmp_path):
+    """`meshtron simulate --step --plan plan.toml` (plan.md, economize.md) takes the model,
+    cluster, batch and sequence length from the plan file, as `meshtron cost --plan` does; a
+    flag that contradicts the file, a missing size without --plan, and --plan on a sweep are
+    one line each, exit 2."""
+    path = tmp_path / "plan.toml"
+    best = search_plans(resolve_model("llama3-8b"), resolve_cluster("dgx-h100:2"), 64, 4096,
+                        None, top_k=1).best  # what `meshtron plan ... --save` writes
+    best.to_plan("llama3-8b", "dgx-h100:2", 16, 64, 4096, "flash").save(path)
+    rc, out, err = sim_cli("--step", "--plan", str(path), "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["ranks"] == 16 and doc["unperturbed"]["step_time_s"] > 0
+    for argv, field in ((["--step", "--plan", str(path), "--model", "llama3-70b"], "model="),
+                        (["--step", "--model", "llama3-8b", "--cluster", "dgx-h100:1",
+                          "--seq-len", "4096"], "--global-batch"),
+                        (["--step", "--model", "llama3-8b", "--global-batch", "64",
+                          "--seq-len", "4096"], "--cluster"),
+                        (["--plan", str(path), "--out", str(tmp_path / "s")], "--step only")):
+        rc, out, err = sim_cli(*argv)
+        assert rc == 2 and err.count("\n") == 1 and field in err, (argv, err)
+
+
 def test_step_of_a_plan_that_does_not_fit_is_refused_in_one_line(sim_cli, tmp_path):
     # `meshtron cost --plan` prices it anyway; simulate refuses, and says why and where to go
     from meshtron.planner.plan import Plan

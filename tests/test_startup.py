@@ -1,5 +1,6 @@
-"""`meshtron plan`, `cost`, `simulate`, `rehearse --help` and `--help` must start without importing torch (the CLI
-builds every subcommand's parser; a torch import costs 2-4 s per command)."""
+"""`meshtron plan`, `cost`, `simulate` (each run and its `--help`), `rehearse --help`,
+`merge --help` and `--help` must start without importing torch (the CLI builds every
+subcommand's parser; a torch import costs 2-4 s per command)."""
 
 import subprocess
 import sys
@@ -23,6 +24,8 @@ print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code or 0)
 @pytest.mark.parametrize("argv", [
     ["--help"],
     ["plan", "--help"],
+    ["cost", "--help"],
+    ["simulate", "--help"],
     ["merge", "--help"],
     ["rehearse", "--help"],
     ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "64",

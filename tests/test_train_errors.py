@@ -224,3 +224,6 @@ def test_a_killed_rank_is_one_line_per_rank_not_tracebacks(tmp_path):
     # rank 0 notices first (one line), or torchrun stops it first (its line names rank 0)
     assert ("meshtron train (rank 0): stopped: a peer rank is gone" in out
             or "torchrun: rank 0" in out), out[-3000:]
+    for line in out.splitlines():  # the cause cut at a sentence, the run folder named
+        if "stopped: a peer rank is gone" in line:
+            assert line.endswith(f"(trace: meshtron doctor {run_dir})"), line

@@ -213,7 +213,7 @@ def _table(result: SearchResult, tokens: float, wide: bool):
     n = result.cluster.num_gpus
     title = ("Pinned layout, PREDICTED NOT TO FIT (priced anyway)" if result.pinned else
              _plural(len(result.plans), 'Top plan', 'Top {} plans'))
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0),
                   title=f"{title} (time for {fmt_tokens(tokens)} tokens)")
     # a plan over capacity (a pinned layout: pinned.layout_pinned) reads "197.4>80" in mem GiB
     cols = ["#", "tp/pp/dp", "zero", "mb", "recomp", "sp", "schedule", "mem GiB", "step s",

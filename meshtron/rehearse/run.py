@@ -53,6 +53,9 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
               "measured": got["measured"], "wall_s": round(got["wall_s"], 2),
               "memory": rows, "planner_workspace_gib": bd.workspace,
               "planner_fits": est.fits, "capacity_gib": bd.capacity}
+    if device == "cpu":  # what `meshtron plan` printed for this rank: the GPU's kernels
+        gpu = compare.planner_estimate(model, cluster, plan, "cuda", imbalance, stage=pp_rank)
+        report["planner_gpu_total_gib"] = gpu.memory.total
     if model.is_moe:
         report["expert_imbalance"] = imbalance
     report["microbatches"] = plan.global_batch // (plan.dp * plan.micro_batch)
@@ -97,6 +100,10 @@ def print_report(report: dict[str, Any]) -> None:
           "made: FSDP's unsharded gradient accumulation lands in activations; compare totals)")
     print(f"(planner adds {report['planner_workspace_gib']:.2f} GiB of workspace and "
           f"fragmentation no tensor tracker sees; device {report['capacity_gib']:.0f} GiB)")
+    if "planner_gpu_total_gib" in report:  # else the two outputs seem to disagree
+        print("(both sides above use the CPU's kernels: PyTorch's composite RMSNorm saves fp32 "
+              "copies a CUDA kernel does not; `meshtron plan` prices the GPU's: "
+              f"{report['planner_gpu_total_gib']:.1f} GiB with workspace)")
     if "step_s" in report:
         print(f"step (compute only): rehearsal {report['step_s']:.3f} s, planner "
               f"{report['planner_compute_s']:.3f} s")

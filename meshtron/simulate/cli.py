@@ -48,12 +48,15 @@ def register(subparsers: Any) -> None:
                     "plots of throughput, scaling efficiency, MFU and marginal throughput to "
                     "--out. With --step: discrete-event simulation of one step of the best "
                     "plan (or --plan), optionally with slow GPUs or jitter.")
-    p.add_argument("--model", required=True, help="preset, config.json or model TOML")
-    p.add_argument("--cluster", default="dgx-h100",
-                   help="sweep: a preset kind (dgx-h100) or cluster TOML, nodes set per size; "
-                        "--step: dgx-h100:N or a TOML")
-    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    p.add_argument("--model", help="preset, config.json or model TOML (required, except with "
+                                    "--step --plan: the plan's)")
+    p.add_argument("--cluster",
+                   help="sweep: a preset kind (default dgx-h100) or cluster TOML, nodes set per "
+                        "size; --step: dgx-h100:N or a TOML (with --plan: the plan's)")
+    p.add_argument("--global-batch", type=positive_int,
+                   help="sequences per step (required, except with --step --plan: the plan's)")
+    p.add_argument("--seq-len", type=positive_int,
+                   help="tokens per sequence (required, except with --step --plan: the plan's)")
     add_framework_args(p)
     p.add_argument("--gpus", default="64..131072",
                    help="sweep sizes: LO..HI (powers of two) or a list 512,1024,4096")
@@ -65,7 +68,9 @@ def register(subparsers: Any) -> None:
                    help="report where the added GPUs deliver less than this fraction of a "
                         "first-size GPU each (default 0.001)")
     p.add_argument("--step", action="store_true", help="simulate one step instead of sweeping")
-    p.add_argument("--plan", metavar="PLAN.toml", help="--step: this plan, not the best one")
+    p.add_argument("--plan", metavar="PLAN.toml",
+                   help="--step: this plan, not the best one (its model, cluster, batch and "
+                        "sequence length unless given)")
     p.add_argument("--straggler", type=_straggler, action="append", default=[],
                    metavar="RANK:FACTOR", help="--step: this GPU is FACTOR x slower (repeatable)")
     p.add_argument("--jitter", type=_fraction, default=0.0,
@@ -85,6 +90,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from meshtron.planner.cli import framework_of, load_model
 
+    _fill_from_plan(args)
     model = load_model(args.model)
     opts = framework_of(args)  # a planner Framework (--framework, --options, --stack ...)
     if args.step:
@@ -94,6 +100,35 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag.replace('_', '-')}={getattr(args, flag)!r}: applies to "
                             "--step only (goodput of one plan)")
     return _run_sweep(args, model, opts)
+
+
+def _fill_from_plan(args: argparse.Namespace) -> None:
+    """With --step --plan, what the flags leave out comes from the plan file (as `meshtron
+    cost --plan`); a --model or --cluster that contradicts it is refused. Otherwise --model,
+    --global-batch and --seq-len are required."""
+    if args.plan and not args.step:
+        raise UserError(f"plan={args.plan!r}: applies to --step only (a sweep re-plans at "
+                        "every size)")
+    if args.plan:
+        from meshtron.planner.plan import load_plan
+
+        plan = load_plan(args.plan)
+        for flag in ("model", "cluster"):
+            given, saved = getattr(args, flag), getattr(plan, flag)
+            if given is not None and saved is not None and given != saved:
+                raise UserError(f"{flag}={given!r}: contradicts the plan {args.plan}, made for "
+                                f"{flag} {saved!r}; drop --{flag} or re-plan")
+            setattr(args, flag, given or saved)
+        args.global_batch = args.global_batch or plan.global_batch
+        args.seq_len = args.seq_len or plan.seq_len
+    for flag in ("model", "global_batch", "seq_len"):
+        if getattr(args, flag) is None:
+            name = flag.replace("_", "-")
+            raise UserError(f"--{name}: required (or --step --plan PLAN.toml, which names it)")
+    if args.cluster is None and args.step:  # a sweep sets the nodes; one step needs them
+        raise UserError("--cluster: required with --step (dgx-h100:N or a cluster TOML), or "
+                        "--plan PLAN.toml, which names it")
+    args.cluster = args.cluster or "dgx-h100"
 
 
 def _sweep_cluster(text: str):

@@ -85,7 +85,8 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         _dump(exc)
         if peer_lost(exc):  # expected once another rank died: that rank says why
             _abort(world, f"stopped: a peer rank is gone ({_first_line(exc)}); the rank that "
-                          "failed reports why (trace: meshtron doctor RUN_DIR)", 1)
+                          "failed reports why (trace: meshtron doctor "
+                          f"{job.cfg.train.run_dir})", 1)
         for line in traceback.format_exc().rstrip().splitlines():
             print(f"[rank {world.rank}] {line}", file=sys.stderr)
         _abort(world, f"failed: {type(exc).__name__}: {exc}", 1)
@@ -105,12 +106,14 @@ def peer_lost(exc: BaseException) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
-    """The error's first line without gloo's source-location prefix, cut at 120 characters."""
+    """The error's first line without gloo's source-location prefix: its first sentence, or
+    120 characters and '...' (never a word cut off unmarked)."""
     import re
 
     lines = str(exc).strip().splitlines()
     text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
-    return f"{type(exc).__name__}: {text[:120]}"
+    text = text.split(". ")[0].rstrip(".")
+    return f"{type(exc).__name__}: {text if len(text) <= 120 else text[:117] + '...'}"
 
 
 def _attempt_store(job: TrainJob, world: World):
