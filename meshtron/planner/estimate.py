@@ -117,7 +117,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         self.capacity = cluster.memory_bytes
         self.ws_fixed = memory.workspace_fixed(self.capacity)
         # Tensors must fit in what the allowance leaves: (tensors)(1 + frag) + fixed <= capacity.
-        self.tensor_budget = (self.capacity - self.ws_fixed) / (1.0 + memory.FRAGMENTATION)
+        self.tensor_budget = (self.capacity - self.ws_fixed) / (1.0 + self.mem.fragmentation)
         tokens = global_batch * seq_len
         self.tokens = tokens
         self.model_flops = compute.model_flops_per_step(model, tokens, seq_len)

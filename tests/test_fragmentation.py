@@ -1,0 +1,44 @@
+"""The caching allocator's fragmentation allowance per stack (memory_options.FRAGMENTATION, the
+model's one undetermined margin, and FRAGMENTATION_EXPANDABLE): a stack that runs PyTorch's
+allocator with expandable segments (torchtitan's run_train.sh) is charged no fragmentation,
+the others 8% of the tensors at the peak; the fixed workspace is the same for all."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.errors import UserError
+from meshtron.planner import frameworks, memory
+from meshtron.planner.cluster import preset_cluster
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.memory import GIB, MemoryOptions
+from meshtron.planner.plan import Plan
+from meshtron.model.spec import resolve_model
+
+
+@pytest.mark.parametrize("name, expandable", [("meshtron", False), ("torchtitan", True),
+                                              ("megatron", False), ("deepspeed", False)])
+def test_each_stack_workspace_is_fixed_plus_its_fragmentation(name, expandable):
+    fw = frameworks.preset(name)
+    assert fw.memory.expandable_segments is expandable
+    cluster = preset_cluster("dgx-h100", 1)
+    ev = Evaluator(resolve_model("llama3-8b"), cluster, 64, 4096, fw.kernel, mem=fw.memory)
+    cfg = Plan(tp=1, pp=1, dp=8, zero=3, micro_batch=1,
+               recompute="full", dtype="bf16")
+    m = ev.evaluate(cfg).memory
+    frac = memory.FRAGMENTATION_EXPANDABLE if expandable else memory.FRAGMENTATION
+    fixed = memory.workspace_fixed(cluster.memory_bytes) / GIB
+    assert m.workspace == pytest.approx(fixed + frac * m.allocated, rel=1e-9)
+    # the search's budget of tensors is the same equation solved for them
+    assert ev.tensor_budget * (1 + frac) + fixed * GIB == pytest.approx(cluster.memory_bytes)
+
+
+def test_expandable_segments_charge_no_fragmentation_and_the_default_eight_percent():
+    assert MemoryOptions().fragmentation == memory.FRAGMENTATION == 0.08
+    assert MemoryOptions(expandable_segments=True).fragmentation == 0.0
+
+
+def test_expandable_segments_must_be_a_bool():
+    with pytest.raises(UserError, match=r"memory.expandable_segments='yes': allowed values "
+                                        r"are true, false"):
+        MemoryOptions(expandable_segments="yes")
