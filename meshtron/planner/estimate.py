@@ -362,18 +362,18 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         """Whether the interleaved walk could find `w.n` fitting: every rank's memory with a
         lower bound of the walk's in-flight multiplier (memory_pipeline.held_lower_bound) and
         no chunk outputs torch's pipelining holds (the walk counts them at its peak, >= 0)
-        fits. Stage memory grows with both (memory.stage_memory: act x in_flight per layer,
-        outputs in the fixed part), so a rank over budget here is over it after the walk."""
+        fits. Stage memory is linear in both (memory.stage_memory: act x in_flight per layer,
+        the outputs in the fixed part), so the bound is the stages' memory less those terms'
+        shortfall, and a rank over budget here is over it after the walk."""
         low = self._in_flight_lower_bound(w.pp, w.v, w.m, self._chunks(w), w.act,
                                           w.accum * (w.p_layer + w.p_exp), w.extra_warm)
         fsdp2 = w.mem_opts.framework == "fsdp2"
-        outputs = w.outputs
-        w.outputs = [0.0 if fsdp2 and r < w.pp - 1 else o for r, o in enumerate(outputs)]
-        try:
-            per_layer, fixed = self._stage_memories(w, low)
-        finally:
-            w.outputs = outputs
-        return all(k * a + f <= w.budget for k, a, f in zip(w.n, per_layer, fixed))
+        for r, (k, a, f) in enumerate(zip(w.n, w.per_layer, w.fixed)):
+            a_low = a + w.blocks[r][2] * (low[r] - w.inflight[r])
+            f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
+            if k * a_low + f_low > w.budget:
+                return False
+        return True
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak
