@@ -222,7 +222,10 @@ def held_lower_bound(p: int, v: int, m: int, s: int, layers: list[int], act: flo
     per_round = m // max(1, m // p)
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
-    first = sum(layers[_chunk_of(k, per_round, v, False)] for k in range(min(warm + 1, total)))
+    held = min(warm + 1, total)  # forwards 0..warm: whole cycles of v rounds, then the rest
+    cycles, rest = divmod(held, per_round * v)
+    first = sum((cycles * per_round + min(max(rest - c * per_round, 0), per_round)) * n
+                for c, n in enumerate(layers))
     most = held_chunk_microbatches(p, v, m, s, extra)
     return max(act * first, act * most * min(layers), grad * sum(layers))
 
