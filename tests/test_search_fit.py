@@ -48,6 +48,20 @@ def test_lower_bound_never_exceeds_the_walk():
     assert checked > 3000 and tight > checked // 4
 
 
+def test_most_chunk_microbatches_held_is_the_warm_up_plus_one():
+    """The bound's (b): the walk with one layer per chunk peaks at warm-up + 1 forwards (at
+    most m v), the count pipeline.in_flight spreads over the chunks."""
+    for p, v, m, extra in itertools.product(range(2, 7), range(2, 6), range(1, 30), (0, 1)):
+        per_round = m // max(1, m // p)
+        for s in range(p):
+            warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, m * v)
+            assert memory_pipeline.held_bytes(p, v, m, s, [1] * v, extra=extra) == min(
+                warm + 1, m * v), (p, v, m, s, extra)
+            if m % p == 0 and not extra:
+                assert min(warm + 1, m * v) == pytest.approx(
+                    v * pipeline.in_flight("interleaved", p, v, m, s))
+
+
 def _cases():
     """Interleaved plans of MODEL (14 layers: uneven chunks on every pp x v tried) for
     meshtron's runtime (time-balanced split) and Megatron-Core's (a light first and last

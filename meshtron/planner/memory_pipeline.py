@@ -33,8 +33,6 @@ against the 112 its seven one-layer chunks hold) and under-charged the last (99 
 
 from __future__ import annotations
 
-import functools
-
 
 def _chunk_of(k: int, per_round: int, v: int, backward: bool) -> int:
     chunk = (k // per_round) % v
@@ -214,11 +212,12 @@ def held_lower_bound(p: int, v: int, m: int, s: int, layers: list[int], act: flo
     """A lower bound of `held_bytes` (same arguments) in O(v) instead of the walk's O(m v):
     the largest of three values the walk itself reaches, so never above its maximum. (a) Just
     before the first backward: the warm-up's `warm` + 1 forwards are held and no gradient
-    exists yet; they visit the chunks in the forward order, rounds of `per_round`. (b) At the
-    moment the walk holds the most chunk-micro-batches (`held_bytes` with every chunk one layer
-    and no gradient: the count `pipeline.in_flight` gives): each holds at least the lightest
-    chunk's layers. (c) After the last backward: every chunk's gradients, no activation.
-    The search prunes with it (Evaluator._walk_may_fit) and the walk decides the rest."""
+    exists yet; they visit the chunks in the forward order, rounds of `per_round`. (b) That
+    moment is also when the walk holds the most chunk-micro-batches (each later step runs a
+    forward and a backward, the drain only backwards: warm + 1, at most m v, the count
+    `pipeline.in_flight` gives), each holding at least the lightest chunk's layers. (c) After
+    the last backward: every chunk's gradients, no activation. The search prunes with it
+    (Evaluator._walk_may_fit) and the walk decides the rest."""
     per_round = m // max(1, m // p)
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
@@ -226,12 +225,4 @@ def held_lower_bound(p: int, v: int, m: int, s: int, layers: list[int], act: flo
     cycles, rest = divmod(held, per_round * v)
     first = sum((cycles * per_round + min(max(rest - c * per_round, 0), per_round)) * n
                 for c, n in enumerate(layers))
-    most = held_chunk_microbatches(p, v, m, s, extra)
-    return max(act * first, act * most * min(layers), grad * sum(layers))
-
-
-@functools.lru_cache(maxsize=4096)
-def held_chunk_microbatches(p: int, v: int, m: int, s: int, extra: int = 0) -> int:
-    """Most chunk-micro-batches pipeline rank `s` holds at once under interleaved 1F1B (the
-    walk with one layer per chunk)."""
-    return round(held_bytes(p, v, m, s, [1] * v, extra=extra))
+    return max(act * first, act * held * min(layers), grad * sum(layers))
