@@ -170,9 +170,7 @@ _TORCHTITAN = Framework(
                   fp8_filter="all", fp8_scaling="torchao-tensorwise",
                   separate_projections=True),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
-                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan",
-                  expandable_segments=True),  # run_train.sh: PYTORCH_ALLOC_CONF
-    "fp32",
+                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan"), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
                     "token dispatch, not overlapped by default), ParallelDims ep folded over "
                     "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")

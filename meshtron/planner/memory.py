@@ -29,7 +29,8 @@ over several communicators), 1 GiB together, capped at 5% of a small device; and
 allocator's fragmentation: it carves requests from cached segments it does not return
 (PyTorch CUDA semantics docs), so reserved memory exceeds the allocated peak; 8% of the
 tensors without expandable segments (memory_options.FRAGMENTATION, the one undetermined margin
-of the model), none with them (FRAGMENTATION_EXPANDABLE: torchtitan sets them).
+of the model), none with them (FRAGMENTATION_EXPANDABLE: a launch that sets them, as
+torchtitan's run_train.sh does, says so with MemoryOptions.expandable_segments).
 `MemoryBreakdown.allocated` is the figure `torch.cuda.max_memory_allocated` reports, `total` the
 one the device must hold.
 """

@@ -34,7 +34,7 @@ FRAGMENTATION_EXPANDABLE = 0.0
 PyTorch CUDA semantics docs): one segment per stream grows by mapping physical pages and
 unmaps free pages when an allocation would fail, so freed blocks between live ones give their
 memory back; what stays is the 512 B rounding of each block and at most a page per free gap,
-megabytes against tens of GiB: none charged."""
+megabytes against tens of GiB: none charged (`MemoryOptions.expandable_segments`)."""
 
 DTYPES = ("bf16", "fp32", "fp8")
 """fp8 runs keep bf16 activations, weights and compute copies here (Transformer Engine saves
@@ -92,10 +92,13 @@ class MemoryOptions:
     (Megatron-Core 0.8-0.12, the megatron@2024 preset)."""
 
     expandable_segments: bool = False
-    """The stack runs PyTorch's caching allocator with expandable segments (torchtitan's
-    run_train.sh sets PYTORCH_ALLOC_CONF="expandable_segments:True" for torchrun): its
-    fragmentation allowance is FRAGMENTATION_EXPANDABLE, not FRAGMENTATION. False: the
-    allocator's default (meshtron's runtime, Megatron-LM and DeepSpeed set nothing)."""
+    """The run's launch sets PyTorch's caching allocator to expandable segments
+    (PYTORCH_ALLOC_CONF="expandable_segments:True"): its fragmentation allowance is
+    FRAGMENTATION_EXPANDABLE, not FRAGMENTATION. torchtitan's single-node run_train.sh sets it,
+    its multinode_trainer.slurm does not (it sets NCCL_BUFFSIZE=2 MiB instead), so no preset
+    assumes it: an options file says `expandable_segments = true` for a run launched so.
+    False: the allocator's default (meshtron's runtime, Megatron-LM and DeepSpeed set
+    nothing)."""
 
     @property
     def fragmentation(self) -> float:
