@@ -47,3 +47,41 @@ def test_expandable_segments_must_be_a_bool():
     with pytest.raises(UserError, match=r"memory.expandable_segments='yes': allowed values "
                                         r"are true, false"):
         MemoryOptions(expandable_segments="yes")
+
+
+def _plan_json(capsys, *extra: str) -> dict:
+    import json
+
+    from meshtron.cli import main
+
+    rc = main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch",
+               "64", "--seq-len", "4096", "--layout", "tp=1,pp=1,dp=8", "--zero", "3",
+               "--recompute", "full", "--micro-batch", "1", "--json", *extra])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_an_options_file_sets_expandable_segments_through_the_command(capsys, tmp_path):
+    """The user's path: `--options` with `expandable_segments = true` drops the 8% from the
+    workspace of the same plan and says so in the JSON's framework; a non-bool is refused
+    with one line naming the field (exit 2)."""
+    from meshtron.cli import main
+
+    base = _plan_json(capsys, "--framework", "torchtitan")
+    opts = tmp_path / "launch.toml"
+    opts.write_text('framework = "torchtitan"\n[options]\nexpandable_segments = true\n')
+    exp = _plan_json(capsys, "--options", str(opts))
+    assert base["framework"]["memory"]["expandable_segments"] is False
+    assert exp["framework"]["memory"]["expandable_segments"] is True
+    b, e = base["plans"][0]["memory_gib"], exp["plans"][0]["memory_gib"]
+    fixed = memory.workspace_fixed(80 * GIB) / GIB
+    assert b["workspace"] == pytest.approx(fixed + memory.FRAGMENTATION * (b["total"]
+                                                                           - b["workspace"]))
+    assert e["workspace"] == pytest.approx(fixed)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('framework = "torchtitan"\n[options]\nexpandable_segments = "yes"\n')
+    rc = main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch",
+               "64", "--seq-len", "4096", "--options", str(bad)])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "expandable_segments='yes'" in err and "Traceback" not in err
