@@ -15,6 +15,7 @@ import itertools
 
 import pytest
 
+from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import frameworks, memory_pipeline, pipeline
 from meshtron.planner.cluster import preset_cluster
@@ -119,28 +120,48 @@ def test_search_path_keeps_every_plan_the_pinned_path_fits():
 
 
 def test_search_returns_every_fitting_config_of_a_pinned_layout():
-    """Through `search_plans` (branch and bound, the knobs other than the layout open, top k
-    large enough that no plan is bounded away for time): every config the pinned path says
-    fits is among the search's plans, and every plan it answers fits by that figure
-    (Megatron-Core's split of 14 layers on 2 x 8 chunks, a chunk a layer short at each end,
-    at capacities around its need)."""
-    fw = frameworks.preset("megatron@2024")
-    cfg = Plan(tp=1, pp=2, dp=4, zero=0, micro_batch=1, recompute="none",
-               schedule="interleaved", virtual_stages=8, dtype="bf16")
-    need = _evaluator(fw, 80.0).evaluate(cfg, exact_memory=False).memory.total
-    fixed = {"tp": 1, "pp": 2, "dp": 4, "schedule": "interleaved", "virtual_stages": 8,
-             "recompute": "none", "micro_batch": 1}
+    """Through `search_plans` (branch and bound, the ZeRO stage left open, top k large enough
+    that no plan is bounded away for time): on every generated layout and capacity, every
+    ZeRO stage the pinned path says fits is among the search's plans, and every plan the
+    search answers fits by the pinned path's figure. (The search evaluates its first config
+    of a family keeping infeasible ones, the rest without; on these layouts the old tree's
+    order happened to evaluate the borderline stage first, so the strict witness of the old
+    drop is the Evaluator-level test above.)"""
     answered = 0
-    for factor in (0.97, 0.99, 1.0, 1.01):
-        ev = _evaluator(fw, need * factor)
-        result = search_plans(MODEL, ev.cluster, 64, SEQ, fixed, top_k=1000, explain=False,
-                              framework=fw)
-        found = {e.config.zero for e in result.plans}
-        for e in result.plans:
-            assert ev.evaluate(e.config, exact_memory=False).fits
-        for zero in (0, 1):
-            pinned = ev.evaluate(dataclasses.replace(cfg, zero=zero), exact_memory=False)
-            if pinned.fits:
-                answered += 1
-                assert zero in found, (factor, zero)
-    assert answered >= 3
+    for fw, cfg in _cases():
+        if cfg.zero:  # one search per layout: its ZeRO stages are the open knob
+            continue
+        need = _evaluator(fw, 80.0).evaluate(cfg, exact_memory=False).memory.total
+        fixed = {"tp": 1, "pp": cfg.pp, "dp": cfg.dp, "schedule": "interleaved",
+                 "virtual_stages": cfg.virtual_stages, "recompute": "none",
+                 "micro_batch": cfg.micro_batch}
+        for factor in (0.97, 0.99, 1.0, 1.01):
+            ev = _evaluator(fw, need * factor)
+            try:
+                result = search_plans(MODEL, ev.cluster, 64, SEQ, fixed, top_k=1000,
+                                      explain=False, framework=fw)
+            except UserError:  # the stack refuses the layout (meshtron: pp v > layers)
+                break
+            if result.pinned:
+                continue  # nothing fits: the pinned answer, not a search's
+            found = {e.config.zero for e in result.plans}
+            for e in result.plans:
+                assert ev.evaluate(e.config, exact_memory=False).fits
+            for zero in range(4):
+                try:
+                    pinned = ev.evaluate(dataclasses.replace(cfg, zero=zero),
+                                         exact_memory=False)
+                except UserError:  # a stage the stack does not run on this layout
+                    continue
+                if pinned.fits and zero in {z for z in range(4)
+                                            if z in _zeros(fw, cfg.dp)}:
+                    answered += 1
+                    assert zero in found, (fw.name, cfg.pp, cfg.virtual_stages, factor, zero)
+    assert answered >= 20
+
+
+def _zeros(fw, dp: int) -> tuple[int, ...]:
+    """The ZeRO stages the search tries for `fw` (the stack's own, plan_rules_zero)."""
+    if dp == 1:
+        return (0,)
+    return (0, 1) if fw.name != "meshtron" else (0, 1, 2, 3)
