@@ -117,7 +117,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         self.capacity = cluster.memory_bytes
         self.ws_fixed = memory.workspace_fixed(self.capacity)
         # Tensors must fit in what the allowance leaves: (tensors)(1 + frag) + fixed <= capacity.
-        self.tensor_budget = (self.capacity - self.ws_fixed) / (1.0 + memory.FRAGMENTATION)
+        self.tensor_budget = (self.capacity - self.ws_fixed) / (1.0 + self.mem.fragmentation)
         tokens = global_batch * seq_len
         self.tokens = tokens
         self.model_flops = compute.model_flops_per_step(model, tokens, seq_len)
@@ -154,9 +154,9 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             return None
         times = self._times(w)
         step = times.total
-        if w.fits and step > cutoff and not keep_infeasible:
-            # too slow whatever the walk below finds: fitting, over the cutoff (the step
-            # time does not depend on the walk)
+        if step > cutoff and not keep_infeasible:
+            # too slow whatever the walk below finds (the step time does not depend on it):
+            # fitting, over the cutoff; not fitting, of no use
             return None
         if not self._interleaved_memory(w, keep_infeasible):
             return None
@@ -303,6 +303,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         pp, v, per_layer, fixed = w.pp, w.v, w.per_layer, w.fixed
         t_layer, e_first, e_last = w.t_layer, w.e_first, w.e_last
         budget = self.tensor_budget
+        # under an interleaved schedule the walk decides what fits (_interleaved_memory), and it
+        # can hold less than the even spread: a split the spread rejects is rejected here only
+        # when a lower bound of the walk does not fit either (`_walk_may_fit`)
+        walked = cfg.schedule == "interleaved" and v > 1
+        keep = keep_infeasible or walked
         given = given_partition(cfg, model.layers)
         if given is None and pp > 1:  # the search never asks; a direct caller is told
             problem = split_problem(self.mem.split_rule, model.layers, pp, v)
@@ -320,7 +325,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 n = None
             fits = n is not None
             if n is None:
-                if not keep_infeasible:
+                if not keep:
                     return False
                 stack = self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
                 if self.mem.split_rule != "any" and stack is not None:
@@ -342,7 +347,31 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                                                moe_work, w.mem_opts.framework)
             w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight)
             w.fits = fits and all(k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
-            if not w.fits and not keep_infeasible:
+            if not w.fits and not keep:
+                return False
+        if walked and not w.fits and not keep_infeasible and not self._walk_may_fit(w):
+            return False
+        return True
+
+    def _chunks(self, w: Work) -> list[int]:
+        """Layers of the p v virtual stages of the split `w.n` (the plan's own when given)."""
+        return list(w.cfg.stage_layers) if w.given else \
+            pipeline_split.chunks(self.mem.split_rule, w.n, w.v)
+
+    def _walk_may_fit(self, w: Work) -> bool:
+        """Whether the interleaved walk could find `w.n` fitting: every rank's memory with a
+        lower bound of the walk's in-flight multiplier (memory_pipeline.held_lower_bound) and
+        no chunk outputs torch's pipelining holds (the walk counts them at its peak, >= 0)
+        fits. Stage memory is linear in both (memory.stage_memory: act x in_flight per layer,
+        the outputs in the fixed part), so the bound is the stages' memory less those terms'
+        shortfall, and a rank over budget here is over it after the walk."""
+        low = self._in_flight_lower_bound(w.pp, w.v, w.m, self._chunks(w), w.act,
+                                          w.accum * (w.p_layer + w.p_exp), w.extra_warm)
+        fsdp2 = w.mem_opts.framework == "fsdp2"
+        for r, (k, a, f) in enumerate(zip(w.n, w.per_layer, w.fixed)):
+            a_low = a + w.blocks[r][2] * (low[r] - w.inflight[r])
+            f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
+            if k * a_low + f_low > w.budget:
                 return False
         return True
 
@@ -358,8 +387,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # own layer counts (memory_pipeline.py; uneven under the time-balanced split and
         # Megatron-Core's account_for_embedding/loss), at the moment they are largest beside
         # the gradients FSDP2 has accumulated so far (Megatron's buffer is in the states)
-        chunks = list(cfg.stage_layers) if w.given else \
-            pipeline_split.chunks(self.mem.split_rule, n, v)
+        chunks = self._chunks(w)
         grad = w.accum * (w.p_layer + w.p_exp)
         weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
                                             w.extra_warm)
@@ -376,9 +404,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             # the walk can also lower a rank's memory (a light first chunk): the split's
             # memory is what it holds now
             w.fits = all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
-            if not w.fits and not keep_infeasible:
-                return False
-        return True
+        # the walk's figure is the fit decision, the search's as the pinned answer's
+        return w.fits or keep_infeasible
 
     def _result(self, w: Work, times: TimeBreakdown, step: float, stage: int | None,
                 keep_infeasible: bool) -> Estimate | None:

@@ -256,6 +256,12 @@ class CostPieces:
                       grad: float, out: float) -> float:
         return _peak_outputs(pp, v, m, rank, tuple(layers), act, grad, out)
 
+    def _in_flight_lower_bound(self, pp: int, v: int, m: int, chunks: list[int],
+                               act: float, grad: float, extra: int = 0) -> list[float]:
+        """Per pipeline rank, a multiplier never above `_weighted_in_flight`'s (the same
+        conversion of memory_pipeline.held_lower_bound, a lower bound of the walk's peak)."""
+        return list(_in_flight_lower_bound(pp, v, m, tuple(chunks), act, grad, extra))
+
     def _recompute_flops(self, rec: str) -> float:
         return _recompute_flops(self.model, self.seq, rec, self.opts.attention)
 
@@ -287,6 +293,27 @@ def _weighted_in_flight(pp: int, v: int, m: int, chunks: tuple[int, ...],
 def _peak_outputs(pp: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
                   grad: float, out: float) -> float:
     return memory_pipeline.peak_outputs(pp, v, m, rank, list(layers), act, grad, out)
+
+
+@functools.lru_cache(maxsize=8192, typed=True)
+def _in_flight_lower_bound(pp: int, v: int, m: int, chunks: tuple[int, ...], act: float,
+                           grad: float, extra: int) -> tuple[float, ...]:
+    out = []
+    for s in range(pp):
+        layers = [chunks[c * pp + s] for c in range(v)]
+        n = sum(layers)
+        if not n:  # weighted_in_flight keeps the even spread there: no bound, no pruning
+            out.append(0.0)
+            continue
+        low = _held_lower_bound(pp, v, m, s, tuple(layers), act, grad, extra)
+        out.append(max(0.0, (low - grad * n) / (act * n)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=32768, typed=True)
+def _held_lower_bound(pp: int, v: int, m: int, s: int, layers: tuple[int, ...], act: float,
+                      grad: float, extra: int) -> float:
+    return memory_pipeline.held_lower_bound(pp, v, m, s, list(layers), act, grad, extra)
 
 
 @functools.lru_cache(maxsize=256)

@@ -26,9 +26,11 @@ workspace around the tensors. The names of the modules above are re-exported her
 Workspace (device memory outside the tensors): the CUDA context and kernels (~0.5 GiB on
 A100/H100), cuBLAS workspaces and NCCL's buffers (NCCL_BUFFSIZE = 4 MiB per channel and peer,
 over several communicators), 1 GiB together, capped at 5% of a small device; and the caching
-allocator's fragmentation: it rounds requests >= 1 MiB to 2 MiB and carves them from cached
-segments it does not return (PyTorch CUDA semantics docs), so reserved memory exceeds the
-allocated peak; 8% of the tensors (reserved/allocated of LLM training runs is typically 1.05-1.15).
+allocator's fragmentation: it carves requests from cached segments it does not return
+(PyTorch CUDA semantics docs), so reserved memory exceeds the allocated peak; 8% of the
+tensors without expandable segments (memory_options.FRAGMENTATION, the one undetermined margin
+of the model), none with them (FRAGMENTATION_EXPANDABLE: a launch that sets them, as
+torchtitan's run_train.sh does, says so with MemoryOptions.expandable_segments).
 `MemoryBreakdown.allocated` is the figure `torch.cuda.max_memory_allocated` reports, `total` the
 one the device must hold.
 """
@@ -43,8 +45,8 @@ from meshtron.planner.memory_acts import (  # noqa: F401  (re-exported)
     TE_FP8_WEIGHT_CACHE_BYTES, recompute_working_bytes, rope_copy_bytes, te_fp8_inputs,
     te_weight_cache_bytes)
 from meshtron.planner.memory_options import (  # noqa: F401  (re-exported)
-    DEFAULT, DTYPES, FRAGMENTATION, FRAMEWORKS, GIB, LOSSES, SELECTIVE, WORKSPACE_FIXED_GIB,
-    WORKSPACE_FIXED_MAX_FRACTION, MemoryOptions, options_for)
+    DEFAULT, DTYPES, FRAGMENTATION, FRAGMENTATION_EXPANDABLE, FRAMEWORKS, GIB, LOSSES,
+    SELECTIVE, WORKSPACE_FIXED_GIB, WORKSPACE_FIXED_MAX_FRACTION, MemoryOptions, options_for)
 from meshtron.planner.memory_peak import (  # noqa: F401  (re-exported)
     DEEPSPEED_MAX_LIVE_PARAMS, DEEPSPEED_PREFETCH_PARAMS, DEEPSPEED_REDUCE_BUCKET,
     backward_gathered_bytes, block_moment, embedding_grad_extra, embedding_moment,
@@ -54,9 +56,10 @@ from meshtron.planner.memory_states import (  # noqa: F401  (re-exported)
     largest_param_local, layer_params_local, state_bytes)
 
 
-def workspace_bytes(tensors: float, capacity: float) -> float:
-    """Workspace and fragmentation allowance for a GPU holding `tensors` bytes."""
-    return workspace_fixed(capacity) + FRAGMENTATION * tensors
+def workspace_bytes(tensors: float, capacity: float, mem: MemoryOptions = DEFAULT) -> float:
+    """Workspace and fragmentation allowance for a GPU holding `tensors` bytes under the
+    stack's allocator settings (`MemoryOptions.fragmentation`)."""
+    return workspace_fixed(capacity) + mem.fragmentation * tensors
 
 
 def workspace_fixed(capacity: float) -> float:
@@ -241,5 +244,5 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
         optimizer=(params * ob + experts * eob) / GIB,
         gathered=gathered / GIB, activations=acts / GIB,
         in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,
-        workspace=workspace_bytes(tensors, capacity) / GIB, capacity=capacity / GIB,
+        workspace=workspace_bytes(tensors, capacity, mem) / GIB, capacity=capacity / GIB,
         stage=stage, dtype=mem.dtype)

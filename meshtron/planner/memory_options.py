@@ -18,7 +18,23 @@ WORKSPACE_FIXED_GIB = 1.0
 WORKSPACE_FIXED_MAX_FRACTION = 0.05
 """Cap of the fixed allowance on small devices, as a fraction of device memory."""
 FRAGMENTATION = 0.08
-"""Caching-allocator fragmentation allowance, fraction of all tensors."""
+"""The one undetermined margin of the memory model: what PyTorch's CUDA caching allocator
+reserves beyond the tensors alive at the peak, as a fraction of them, for a stack that runs it
+without expandable segments (its default). That allocator (c10/cuda/CUDACachingAllocator.cpp)
+rounds every request to 512 B (kMinBlockSize), serves <= 1 MiB from 2 MiB segments
+(kSmallBuffer) and 1-10 MiB from 20 MiB ones (kLargeBuffer, kMinLargeAlloc), rounds larger
+segments to 2 MiB (kRoundLarge), and keeps freed blocks cached in the segments it cut them
+from: a block freed between two live ones serves only a request that fits it, so the reserved
+peak exceeds the allocated one by an amount that depends on the order of allocations and
+frees, which no closed form of a plan gives. 8% stands for the reserved/allocated ratio of
+1.05-1.15 reported for LLM training; no measurement of ours reads reserved memory (the H200
+check records max_memory_allocated only). See `MemoryOptions.expandable_segments`."""
+FRAGMENTATION_EXPANDABLE = 0.0
+"""The same allowance with expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True,
+PyTorch CUDA semantics docs): one segment per stream grows by mapping physical pages and
+unmaps free pages when an allocation would fail, so freed blocks between live ones give their
+memory back; what stays is the 512 B rounding of each block and at most a page per free gap,
+megabytes against tens of GiB: none charged (`MemoryOptions.expandable_segments`)."""
 
 DTYPES = ("bf16", "fp32", "fp8")
 """fp8 runs keep bf16 activations, weights and compute copies here (Transformer Engine saves
@@ -75,6 +91,20 @@ class MemoryOptions:
     (moe_memory.routed_saved_bytes); False: the probabilities applied at the unpermute
     (Megatron-Core 0.8-0.12, the megatron@2024 preset)."""
 
+    expandable_segments: bool = False
+    """The run's launch sets PyTorch's caching allocator to expandable segments
+    (PYTORCH_ALLOC_CONF="expandable_segments:True"): its fragmentation allowance is
+    FRAGMENTATION_EXPANDABLE, not FRAGMENTATION. torchtitan's single-node run_train.sh sets it,
+    its multinode_trainer.slurm does not (it sets NCCL_BUFFSIZE=2 MiB instead), so no preset
+    assumes it: an options file says `expandable_segments = true` for a run launched so.
+    False: the allocator's default (meshtron's runtime, Megatron-LM and DeepSpeed set
+    nothing)."""
+
+    @property
+    def fragmentation(self) -> float:
+        """Caching-allocator fragmentation allowance, fraction of the tensors at the peak."""
+        return FRAGMENTATION_EXPANDABLE if self.expandable_segments else FRAGMENTATION
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise UserError(f"dtype={self.dtype!r}: allowed values are {', '.join(DTYPES)}")
@@ -83,7 +113,7 @@ class MemoryOptions:
                              f"{', '.join(FRAMEWORKS)}")
         if self.loss is not None and self.loss not in LOSSES:
             raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
-        for name in ("gqa_copies", "fused_norm", "moe_weighted_act"):
+        for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(f"memory.{name}={value!r}: allowed values are true, false")

@@ -28,6 +28,8 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
                      plan object} | null,                         # (else all of them)
       "warnings": [str],          # "... cannot split this pinned layout ...: priced instead
                                   # on ...", "predicted not to fit: ..."
+      "memory_checked": str|null, # what the stack's memory figure was checked against
+                                  # (report.memory_check; null: nothing)
       "evaluated": int,           # full evaluations, the searches for fit_change included
       "feasible": int, "search_time_s": float,
       "notes": [str],                                             # knob families left out, why
@@ -94,6 +96,7 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
         "fit_change": (result.fit_change.to_dict(tokens, n, price)
                        if result.fit_change is not None else None),
         "warnings": warnings(result),
+        "memory_checked": memory_check(result.framework),
         "evaluated": result.evaluated, "feasible": result.feasible,
         "search_time_s": result.seconds,
         "notes": list(result.notes),
@@ -358,17 +361,38 @@ def _per_gpu(est: Estimate) -> list[int]:
     return [sum(est.stage_layers[i::pp]) for i in range(pp)]
 
 
+def memory_check(framework: Any) -> str | None:
+    """What the memory figure of a plan priced for `framework` was checked against, per stack
+    (None: nothing). Only meshtron's runtime is rehearsed (`meshtron rehearse` runs its own
+    modules; the 5% table is tests/test_rehearse.py); an FSDP2 stack (torchtitan, llm-foundry)
+    shares the layout that rehearsal checks but not its code; Megatron-Core's terms are checked
+    against its code (tests/test_memory_megatron.py), not against a run; DeepSpeed's against
+    nothing."""
+    if framework is None or framework.name == "meshtron":
+        return "within 5% of a rehearsal of meshtron's runtime"
+    kind = framework.memory.framework
+    if kind == "fsdp2":
+        return (f"FSDP2's layout, which a rehearsal of meshtron's runtime checks within 5%; "
+                f"{framework.label}'s own code is not rehearsed")
+    if kind == "megatron":
+        return ("term by term against Megatron-Core's and Transformer Engine's code, not "
+                "against a rehearsal or a run")
+    return None
+
+
 def trust_text(est: Estimate, framework: Any,
                check: str = "`--rehearse` checks this rank") -> str:
-    """How far to trust a GPU-memory shortfall: meshtron's own runtime is rehearsed (the memory
-    model is within 5% of a rehearsal of it, tests/test_rehearse.py); another stack's is not
-    (nor is the host memory of offload), and its own savings are not modelled."""
+    """How far to trust a GPU-memory shortfall: what the figure was checked against for the
+    stack priced (`memory_check`); another stack's own savings are not modelled (nor is the
+    host memory of offload rehearsed)."""
     if est.memory.total <= est.memory.capacity:
         return ""
+    checked = memory_check(framework)
     if framework is None or framework.name == "meshtron":
-        return f"the memory model is within 5% of a rehearsal of meshtron's runtime; {check}; "
-    return (f"{framework.label}'s memory is modelled, not rehearsed (its own savings beyond "
-            "the model are not counted); ")
+        return f"the memory model is {checked}; {check}; "
+    against = f"checked: {checked}" if checked else "checked against no rehearsal or run"
+    return (f"{framework.label}'s memory is modelled, not rehearsed ({against}; its own "
+            "savings beyond the model are not counted); ")
 
 
 def warnings(result: SearchResult) -> list[str]:
