@@ -75,7 +75,7 @@ from typing import Any
 
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compression, compute, memory, memory_pipeline,
+from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, memory_zb,
                               moe_memory, offload, pipeline, pipeline_split)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
@@ -265,6 +265,9 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                    for k in memory_pipeline.held_outputs(pp, v, inflight)]
         if mem_opts.engine.startswith("deepspeed"):  # DeepSpeed's engine's own buffers
             outputs = [k * out_bytes for k in memory_pipeline.deepspeed_pipe_buffers(pp, m)]
+        if self._torch_zb(w):  # torch's split backward keeps a micro-batch to its W
+            per_stage = (model.layers / (pp * v),) * (pp * v)  # the split comes later
+            inflight, outputs = self._zb_held(w, per_stage, out_bytes)
         w.inflight, w.roots, w.root_units, w.out_bytes, w.outputs = (inflight, roots, root_units,
                                                                      out_bytes, outputs)
         # per pipeline rank: (block parameters, experts, activations, recompute working set)
@@ -346,11 +349,28 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 return False
         return True
 
+    def _torch_zb(self, w: Work) -> bool:
+        """Whether the plan runs torch's zero-bubble schedules (meshtron, torchtitan: FSDP2
+        under torch.distributed.pipelining), whose split backward memory_zb.py walks."""
+        return (w.cfg.schedule == "zb" and w.pp > 1 and w.mem_opts.framework == "fsdp2")
+
+    def _zb_held(self, w: Work, per_stage: tuple, out_bytes: float) -> tuple[list, list]:
+        """(in flight, held output bytes) per pipeline rank under torch's zero bubble
+        (memory_zb.in_flight) for layers `per_stage` per virtual stage."""
+        tokens = w.mb * self.seq // w.cp
+        cb = w.mem_opts.compute_bytes
+        grad = memory_zb.captured_grad_bytes(self.model, w.tp, w.cfg.sp, tokens, cb)
+        head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb)
+        return memory_zb.in_flight(w.pp, w.v, w.m, tuple(per_stage), w.act, grad, out_bytes,
+                                   head)
+
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak
         (memory_pipeline.py) instead of the even spread; False when that does not fit and
         `keep_infeasible` is False."""
         cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m, w.n
+        if self._torch_zb(w) and n is not None:
+            return self._zb_memory(w, keep_infeasible)
         if not (cfg.schedule == "interleaved" and v > 1 and n is not None):
             return True
         inflight, outputs, act, out_bytes = w.inflight, w.outputs, w.act, w.out_bytes
@@ -379,6 +399,16 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             if not w.fits and not keep_infeasible:
                 return False
         return True
+
+    def _zb_memory(self, w: Work, keep_infeasible: bool) -> bool:
+        """Under torch's zero bubble, the walk of memory_zb.py on the split's own layers per
+        virtual stage; False when that does not fit and `keep_infeasible` is False."""
+        chunks = (list(w.cfg.stage_layers) if w.given else
+                  memory_zb.stage_of_rank_layers(w.pp, w.v, list(w.n)))
+        w.inflight, w.outputs = self._zb_held(w, tuple(chunks), w.out_bytes)
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
+        w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
+        return w.fits or keep_infeasible
 
     def _result(self, w: Work, times: TimeBreakdown, step: float, stage: int | None,
                 keep_infeasible: bool) -> Estimate | None:
