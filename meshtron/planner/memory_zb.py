@@ -88,18 +88,6 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
     return tuple(tuple((k, s) for k, s, _ in o) for o in pipeline_zb.orders(p, v, m))
 
 
-def stage_of_rank_layers(p: int, v: int, rank_layers: list[int]) -> tuple[int, ...]:
-    """Layers per virtual stage from per-rank counts, each rank's split evenly over its
-    stages (placement as pipeline_zb.stage_rank: a V for v = 2)."""
-    out = [0] * (p * v)
-    for r, k in enumerate(rank_layers):
-        mine = [s for s in range(p * v) if pipeline_zb.stage_rank(p, v, s) == r]
-        base, extra = divmod(k, v)
-        for j, s in enumerate(mine):
-            out[s] = base + (1 if j < extra else 0)
-    return tuple(out)
-
-
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
               out: float, head: float) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,

@@ -230,9 +230,33 @@ def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
         return bubble(p, v, m, f[0] / v, b[0] / v, w[0] / v)
     where = [stage_rank(p, v, s) for s in range(p * v)]
     per = ([f[r] / v for r in where], [b[r] / v for r in where], [w[r] / v for r in where])
+    return _settled_idle(p, v, m, per, max(t))
+
+
+@lru_cache(maxsize=1024)
+def chunk_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
+                 w: tuple[float, ...]) -> float:
+    """`stage_bubble` from each virtual stage's own forward f, input gradient b and weight
+    gradient w (p v entries, stage order): a rank's chunks need not be equal (the split's
+    remainder, the head on rank 0 of the V beside the embedding's chunk). Chunks equal on
+    every rank take `stage_bubble` (its closed forms); otherwise the walk at chunk level."""
+    p = len(f) // v
+    rank = [[s for s in range(p * v) if stage_rank(p, v, s) == r] for r in range(p)]
+    tot = [tuple(sum(x[s] for s in mine) for mine in rank) for x in (f, b, w)]
+    scale = max(max(x, default=0.0) for x in (f, b, w)) or 1.0
+    if all(max(x[s] for s in mine) - min(x[s] for s in mine) <= 1e-12 * scale
+           for x in (f, b, w) for mine in rank):
+        return stage_bubble(v, m, *tot)
+    worst = max(x + y + z for x, y, z in zip(*tot))
+    return _settled_idle(p, v, m, (list(f), list(b), list(w)), worst)
+
+
+def _settled_idle(p: int, v: int, m: int, per: tuple, worst: float) -> float:
+    """Idle of the walk of torch's order with per-stage times `per` beyond m times the
+    slowest rank's work `worst` (`stage_bubble`'s docstring: how many micro-batches)."""
 
     def idle(runs: int) -> float:
-        return walk(p, v, runs, *per) - runs * max(t)
+        return walk(p, v, runs, *per) - runs * worst
 
     if v >= 3:
         return max(0.0, idle(m))
@@ -243,7 +267,7 @@ def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
     while runs < m:
         nxt = min(m, runs + p)
         now = idle(nxt)
-        settled = abs(now - last) <= 1e-12 * nxt * max(t)
+        settled = abs(now - last) <= 1e-12 * nxt * worst
         runs, last = nxt, now
         if settled:
             break
