@@ -39,8 +39,14 @@ class StepTimes:
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * w.ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
-        if cfg.schedule == "zb" and v > 1 and pp > 1:  # torch's order walked chunk by chunk
-            bubble = pipeline_zb.chunk_bubble(v, m, *self._chunk_times(w))
+        chunked = self._chunk_times(w) if v > 1 and pp > 1 else None
+        if chunked and cfg.schedule == "zb":  # torch's order walked chunk by chunk
+            bubble = pipeline_zb.chunk_bubble(v, m, *chunked[:3])
+        elif chunked and cfg.schedule == "interleaved" and self._unequal(chunked[3], pp):
+            # a rank's chunks differ: (sum t - max t) / v is not the order's walk
+            f, b, wg, _ = chunked
+            bubble = pipeline_zb.interleaved_bubble(
+                m, f, tuple(x + y for x, y in zip(b, wg)), pp)
         else:
             bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m, stage_f)
         w.groups = groups = self._groups(cfg)
@@ -64,9 +70,12 @@ class StepTimes:
     def _chunk_times(self, w: Work) -> tuple[tuple[float, ...], ...]:
         """Per virtual stage (stage order, the split's own chunks: `pipeline_split.chunks`
         places them as the runtime does), one micro-batch's forward, input gradient and weight
-        gradient; the embedding on stage 0, the head on the last stage (rank 0 on the V)."""
+        gradient, and the chunks' layers; the embedding on stage 0, the head on the last stage
+        (rank 0 on the V)."""
         chunks = (list(w.cfg.stage_layers) if w.given else
                   pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, w.cfg.schedule))
+        if len(chunks) != w.pp * w.v:  # a plan whose own split is per rank
+            chunks = pipeline.split_virtual(list(w.n), w.v, w.cfg.schedule)
         f = [k * w.f_l for k in chunks]
         t = [k * w.t_layer for k in chunks]
         wg = [k * w.w_l for k in chunks]
@@ -75,7 +84,13 @@ class StepTimes:
         f[-1] += w.head.fwd
         t[-1] += w.head.compute + w.head.tp
         wg[-1] += w.head.wgrad
-        return tuple(f), tuple(x - y - z for x, y, z in zip(t, f, wg)), tuple(wg)
+        return (tuple(f), tuple(x - y - z for x, y, z in zip(t, f, wg)), tuple(wg),
+                tuple(chunks))
+
+    @staticmethod
+    def _unequal(chunks: tuple[int, ...], pp: int) -> bool:
+        """Whether some rank's chunks (stage j on rank j % pp) hold different layer counts."""
+        return any(len(set(chunks[r::pp])) > 1 for r in range(pp))
 
     def optimizer_step_s(self, local: float, layers: int, first: bool, last: bool,
                          shard: int, tp: int) -> float:

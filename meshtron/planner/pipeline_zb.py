@@ -53,11 +53,20 @@ def orders(p: int, v: int, m: int) -> list[list[Op]]:
     return [_zb1p_order(p, v, m, r) for r in range(p)]
 
 
-def _zb1p_order(p: int, v: int, m: int, r: int) -> list[Op]:
+def interleaved_orders(p: int, v: int, m: int) -> list[list[Op]]:
+    """Per pipeline rank, the compute operations of torch's ScheduleInterleaved1F1B (the
+    same `_get_1f1b_rank_ops` without zero bubble, `_get_warmup_ops(multiply_factor=2)`:
+    warm-up (v - 1) rounds + 2 (p - 1 - r) forwards; B a whole backward, no W). Megatron's
+    interleaved schedule runs the same order (memory_pipeline.py)."""
+    return [_zb1p_order(p, v, m, r, whole=True) for r in range(p)]
+
+
+def _zb1p_order(p: int, v: int, m: int, r: int, whole: bool = False) -> list[Op]:
     rounds = max(1, m // p)
     per_round = m // rounds
     total = m * v
-    warm = min((v - 1) * per_round + (p - 1 - r), total)
+    warm = min((v - 1) * per_round + (2 if whole else 1) * (p - 1 - r), total)
+    lag = total + warm if whole else r  # the interleaved 1F1B: whole backwards, no W
 
     def f_stage(k: int) -> int:
         return ((k // per_round) % v) * p + r
@@ -78,10 +87,11 @@ def _zb1p_order(p: int, v: int, m: int, r: int) -> list[Op]:
         if k < total:
             out.append(op("F", f_stage(k)))
         out.append(op("B", b_stage(k)))
-        if k - warm >= r:
+        if k - warm >= lag:
             out.append(op("W", b_stage(warm + weights)))
             weights += 1
-    out += [op("W", b_stage(warm + j)) for j in range(weights, total)]
+    if not whole:
+        out += [op("W", b_stage(warm + j)) for j in range(weights, total)]
     return out
 
 
@@ -140,13 +150,14 @@ def _input(op: Op, nv: int) -> Op | None:
 
 
 def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
-         hop: float = 0.0) -> float:
-    """Makespan of torch's 'zb' orders, per virtual stage forward f, input gradient b and
-    weight gradient w of one micro-batch; a transfer between ranks delays its receiver by
-    `hop` (a rank's own sends never hold it: the runtime waits on them at the step's end)."""
+         hop: float = 0.0, schedule: str = "zb") -> float:
+    """Makespan of torch's 'zb' orders (`schedule` 'interleaved': its interleaved 1F1B, b the
+    whole backward, w unused), per virtual stage forward f, input gradient b and weight
+    gradient w of one micro-batch; a transfer between ranks delays its receiver by `hop` (a
+    rank's own sends never hold it: the runtime waits on them at the step's end)."""
     dur = (f, b, w)
     end: list[float] = []
-    for kind, stage, prev, dep, cross in _program(p, v, m):
+    for kind, stage, prev, dep, cross in _program(p, v, m, schedule):
         start = end[prev] if prev >= 0 else 0.0
         if dep >= 0:
             ready = end[dep] + hop if cross else end[dep]
@@ -157,11 +168,14 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
 
 
 @lru_cache(maxsize=128)
-def _program(p: int, v: int, m: int) -> tuple[tuple[int, int, int, int, bool], ...]:
+def _program(p: int, v: int, m: int,
+             schedule: str = "zb") -> tuple[tuple[int, int, int, int, bool], ...]:
     """torch's orders as an event list in an order where every input comes first: per
     operation (kind 0/1/2 for F/B/W, stage, index of the rank's previous operation, index of
     the operation producing its input, whether that one ran on another rank); -1: none."""
-    ords, nv = orders(p, v, m), p * v
+    looped = schedule != "zb"
+    ords = interleaved_orders(p, v, m) if looped else orders(p, v, m)
+    nv = p * v
     index: dict[Op, int] = {}
     out: list[tuple[int, int, int, int, bool]] = []
     last, at = [-1] * p, [0] * p
@@ -175,7 +189,8 @@ def _program(p: int, v: int, m: int) -> tuple[tuple[int, int, int, int, bool], .
                 if dep is not None and dep not in index:
                     break
                 d = -1 if dep is None else index[dep]
-                cross = dep is not None and stage_rank(p, v, dep[1]) != r
+                cross = dep is not None and (dep[1] % p if looped else
+                                             stage_rank(p, v, dep[1])) != r
                 out.append(("FBW".index(op[0]), op[1], last[r], d, cross))
                 index[op] = last[r] = len(out) - 1
                 at[r] += 1
@@ -272,3 +287,18 @@ def _settled_idle(p: int, v: int, m: int, per: tuple, worst: float) -> float:
         if settled:
             break
     return max(0.0, last)
+
+
+@lru_cache(maxsize=1024)
+def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: int) -> float:
+    """Idle of torch's interleaved 1F1B beyond m times the slowest rank's work, from each
+    virtual stage's own forward f and whole backward b (p v entries, stage j on rank j % p):
+    the walk of its order. `pipeline.bubble_time`'s (sum t - max t) / v is this walk's only
+    when a rank's chunks are equal (tests/test_pipeline_zb.py); the split's remainder and
+    the end stages' embedding and head make them unequal (cached: a search meets few
+    distinct chunk-time sets)."""
+    v = len(f) // p
+    work = [sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p)]
+    zero = [0.0] * (p * v)
+    return max(0.0, walk(p, v, m, list(f), list(b), zero, schedule="interleaved")
+               - m * max(work))
