@@ -73,12 +73,19 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
         o = out if s != n - 1 else 0.0  # the last stage's output is the loss
         if kind == "F":
             now_l, now_o = now_l + a, now_o + o
+            if now_l + now_o > sum(best):
+                best = (now_l, now_o)
         elif kind == "B":  # kept until W: captured gradients, the received output gradient
+            # counted from the next operation on: while B runs, its own captured gradients
+            # are its working set, which the memory model charges apart (the loss moment's
+            # logits, a block's backward: memory.stage_memory)
+            if now_l + now_o > sum(best):
+                best = (now_l, now_o)
             now_l, now_o = now_l + g, now_o + h + o
         else:
+            if now_l + now_o > sum(best):  # the W's start: all it frees still held
+                best = (now_l, now_o)
             now_l, now_o = now_l - a - g, now_o - h - 2 * o
-        if now_l + now_o > sum(best):
-            best = (now_l, now_o)
     return best
 
 
