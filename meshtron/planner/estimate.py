@@ -148,6 +148,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         walk, the result."""
         self.evaluated += 1
         w = self._inputs(cfg)
+        if not keep_infeasible:  # nothing above it is returned: walks may be skipped
+            w.cutoff = cutoff
         self._states(w)
         self._memory_model(w)
         if not self._split(w, keep_infeasible, exact_memory):

@@ -39,16 +39,11 @@ class StepTimes:
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * w.ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
-        chunked = self._chunk_times(w) if v > 1 and pp > 1 else None
-        if chunked and cfg.schedule == "zb":  # torch's order walked chunk by chunk
-            bubble = pipeline_zb.chunk_bubble(v, m, *chunked[:3])
-        elif chunked and cfg.schedule == "interleaved" and self._unequal(chunked[3], pp):
-            # a rank's chunks differ: (sum t - max t) / v is not the order's walk
-            f, b, wg, _ = chunked
-            bubble = pipeline_zb.interleaved_bubble(
-                m, f, tuple(x + y for x, y in zip(b, wg)), pp)
-        else:
-            bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m, stage_f)
+        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m, stage_f)
+        chunked = self._chunk_times(w) if v > 1 and pp > 1 and cfg.schedule in (
+            "zb", "interleaved") else None
+        if chunked and cfg.schedule == "interleaved" and not self._unequal(chunked[3], pp):
+            chunked = None  # equal chunks: the formula is the order's walk
         w.groups = groups = self._groups(cfg)
         pp_t = 0.0
         if pp > 1:
@@ -64,8 +59,18 @@ class StepTimes:
                 pp_t += self.tied_embedding_s(tp, cross)
         w.stage_t, w.stage_f = stage_t, stage_f
         dp_t, opt_t, off_t = self._stage_sync(w)
-        return TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
-                             bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
+        parts = dict(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
+                     optimizer=opt_t, ep_comm=ep_t, offload=off_t)
+        if chunked and TimeBreakdown(bubble=0.0, **parts).total <= w.cutoff:
+            # torch's order walked chunk by chunk (a step already over the search's cutoff
+            # without any bubble is dropped whatever the walk finds)
+            if cfg.schedule == "zb":
+                bubble = pipeline_zb.chunk_bubble(v, m, *chunked[:3])
+            else:  # a rank's chunks differ: (sum t - max t) / v is not the order's walk
+                f, b, wg, _ = chunked
+                bubble = pipeline_zb.interleaved_bubble(
+                    m, f, tuple(x + y for x, y in zip(b, wg)), pp)
+        return TimeBreakdown(bubble=bubble, **parts)
 
     def _chunk_times(self, w: Work) -> tuple[tuple[float, ...], ...]:
         """Per virtual stage (stage order, the split's own chunks: `pipeline_split.chunks`

@@ -89,3 +89,4 @@ class Work:
     stage_t: list[float] = field(default_factory=list)  # per rank: one micro-batch's time
     stage_f: list[float] = field(default_factory=list)  # per rank: its forward part
     host_gpu: float = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
+    cutoff: float = float("inf")  # a step above it is dropped: the search's (evaluate)

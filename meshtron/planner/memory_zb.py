@@ -62,37 +62,59 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
     chunk output (and a received output gradient), `head` what the last stage captures beside
     its layers' (`head_grad_bytes`). Layer bytes: activations and captured gradients of the
-    layers; other: outputs, received gradients and the head's captured gradient."""
-    n = p * v
-    now_l = now_o = 0.0
+    layers; other: outputs, received gradients and the head's captured gradient. The walk's
+    moments are counted once per order (`_moments`), then weighed here."""
+    last = p * v - 1
+    stages, moments = _moments(p, v, m, rank)
+    # per stage of the rank: bytes per micro-batch in flight (F..W) and per one waiting (B..W)
+    per_f = [(layers[s] * act, out if s != last else 0.0) for s in stages]
+    per_w = [(layers[s] * (0.0 if s == 0 else grad),
+              (out if s != last else 0.0) + (head if s == last and s != 0 else 0.0))
+             for s in stages]
     best = (0.0, 0.0)
-    for kind, s in _order(p, v, m)[rank]:
-        a = act * layers[s]
-        g = 0.0 if s == 0 else grad * layers[s]
-        h = head if s == n - 1 and s != 0 else 0.0
-        o = out if s != n - 1 else 0.0  # the last stage's output is the loss
-        if kind == "F":
-            now_l, now_o = now_l + a, now_o + o
-            if now_l + now_o > sum(best):
-                best = (now_l, now_o)
-        elif kind == "B":  # kept until W: captured gradients, the received output gradient
-            # counted from the next operation on: while B runs, its own captured gradients
-            # are its working set, which the memory model charges apart (the loss moment's
-            # logits, a block's backward: memory.stage_memory)
-            if now_l + now_o > sum(best):
-                best = (now_l, now_o)
-            now_l, now_o = now_l + g, now_o + h + o
-        else:
-            if now_l + now_o > sum(best):  # the W's start: all it frees still held
-                best = (now_l, now_o)
-            now_l, now_o = now_l - a - g, now_o - h - 2 * o
+    for fw, bw in moments:
+        lay = sum(k * x[0] for k, x in zip(fw, per_f)) + sum(k * x[0] for k, x in zip(bw, per_w))
+        oth = sum(k * x[1] for k, x in zip(fw, per_f)) + sum(k * x[1] for k, x in zip(bw, per_w))
+        if lay + oth > sum(best):
+            best = (lay, oth)
     return best
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=8192)
+def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple]:
+    """(the rank's stages, the moments of its order where what it holds can peak): per stage
+    of the rank, the micro-batches between their F and their W and those of them between B
+    and W, in torch's order (pipeline_zb.orders). F and B only add, W only frees, so the
+    peaks are at the start of a W (the B before it finished: its transient working set gone,
+    what it captured held); of those, the ones no other holds at least as much of everything
+    as (every weight is >= 0)."""
+    order = _order(p, v, m)[rank]
+    stages = tuple(sorted({s for _, s in order}))
+    at = {s: i for i, s in enumerate(stages)}
+    fw, bw = [0] * len(stages), [0] * len(stages)
+    seen: dict[tuple, None] = {}
+    for kind, s in order:
+        i = at[s]
+        if kind == "F":
+            fw[i] += 1
+        elif kind == "B":
+            bw[i] += 1
+        else:
+            seen[(tuple(fw), tuple(bw))] = None
+            fw[i] -= 1
+            bw[i] -= 1
+    flat = sorted(((f + b, (f, b)) for f, b in seen), key=lambda x: -sum(x[0]))
+    kept: list[tuple] = []
+    for vec, moment in flat:
+        if not any(all(x <= y for x, y in zip(vec, k)) for k, _ in kept):
+            kept.append((vec, moment))
+    return stages, tuple(moment for _, moment in kept)
+
+
+@lru_cache(maxsize=1024)
 def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
     """torch's per-rank orders (pipeline_zb.orders), kinds and stages only."""
-    return tuple(tuple((k, s) for k, s, _ in o) for o in pipeline_zb.orders(p, v, m))
+    return tuple(tuple((k, s) for k, s, _ in o) for o in pipeline_zb.cached_orders(p, v, m))
 
 
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,

@@ -53,6 +53,14 @@ def orders(p: int, v: int, m: int) -> list[list[Op]]:
     return [_zb1p_order(p, v, m, r) for r in range(p)]
 
 
+@lru_cache(maxsize=1024)
+def cached_orders(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple[Op, ...], ...]:
+    """`orders` ('zb') or `interleaved_orders` ('interleaved'), built once (the planner's
+    walks and memory_zb.py read them for every plan of a search)."""
+    ords = interleaved_orders(p, v, m) if schedule == "interleaved" else orders(p, v, m)
+    return tuple(tuple(o) for o in ords)
+
+
 def interleaved_orders(p: int, v: int, m: int) -> list[list[Op]]:
     """Per pipeline rank, the compute operations of torch's ScheduleInterleaved1F1B (the
     same `_get_1f1b_rank_ops` without zero bubble, `_get_warmup_ops(multiply_factor=2)`:
@@ -167,14 +175,14 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
     return max(end)
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=2048)
 def _program(p: int, v: int, m: int,
              schedule: str = "zb") -> tuple[tuple[int, int, int, int, bool], ...]:
     """torch's orders as an event list in an order where every input comes first: per
     operation (kind 0/1/2 for F/B/W, stage, index of the rank's previous operation, index of
     the operation producing its input, whether that one ran on another rank); -1: none."""
     looped = schedule != "zb"
-    ords = interleaved_orders(p, v, m) if looped else orders(p, v, m)
+    ords = cached_orders(p, v, m, schedule)
     nv = p * v
     index: dict[Op, int] = {}
     out: list[tuple[int, int, int, int, bool]] = []
@@ -298,7 +306,22 @@ def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: in
     the end stages' embedding and head make them unequal (cached: a search meets few
     distinct chunk-time sets)."""
     v = len(f) // p
-    work = [sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p)]
+    worst = max(sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p))
     zero = [0.0] * (p * v)
-    return max(0.0, walk(p, v, m, list(f), list(b), zero, schedule="interleaved")
-               - m * max(work))
+
+    def idle(runs: int) -> float:
+        return walk(p, v, runs, list(f), list(b), zero, schedule="interleaved") - runs * worst
+
+    if m % p or m < 3 * p:  # rounds of m // (m // p): walked whole
+        return max(0.0, idle(m))
+    # whole rounds of p: the idle settles once the slowest rank's slack has (as
+    # `_settled_idle`); every shorter walk keeps rounds of p
+    runs, last = 2 * p, idle(2 * p)
+    while runs < m:
+        nxt = min(m, runs + p)
+        now = idle(nxt)
+        settled = abs(now - last) <= 1e-12 * nxt * worst
+        runs, last = nxt, now
+        if settled:
+            break
+    return max(0.0, last)
