@@ -21,8 +21,9 @@ rank (1F1B / GPipe orders below, the torch schedule object's own `pipeline_order
 multi-stage ones), with the input shape a stage receives ([micro_batch, seq/cp(/tp with
 sp), hidden] in the compute dtype) and the PipelineStage's own FSDP no-sync and final
 gradient reduction (`backward_maybe_with_nosync`, `perform_reduce_grad`). Zero-bubble
-schedules run each backward whole at its input-gradient slot (their deferred weight
-gradients are not rehearsed apart).
+schedules run their input and weight gradients apart, at their own slots, as the stage does
+(`_input_backward`, `_weight_backward`: torch's stage_backward_input keeps the graph until
+the weight gradient).
 
 A mixture of experts routes by value (bincount, uneven all-to-all splits), which fake
 tensors cannot size: every MoE layer gets a `StaticCounts` policy (meshtron/model/moe.py), the
