@@ -121,3 +121,13 @@ def test_planner_charges_the_walk_for_a_zb_plan():
                                                        rel=1e-9)
     assert one.memory.in_flight * 2**30 < n * act * 1.01 + 3 * out
     assert zb.memory.total > one.memory.total
+
+
+def test_v_places_a_ranks_chunks_at_stages_r_and_2p_minus_1_minus_r():
+    """The saved plan's stage_layers under torch's V (one placement: pipeline.stages_of_rank):
+    rank 0 holds the first and the last stage (the head), rank 1 the middle two."""
+    assert pipeline.split_virtual([3, 5], 2, "zb") == [2, 3, 2, 1]
+    assert pipeline.split_virtual([3, 5], 2, "interleaved") == [2, 3, 1, 2]
+    assert pipeline.head_rank(2, 2, "zb") == 0
+    assert pipeline.head_rank(2, 2, "interleaved") == 1
+    assert pipeline.head_rank(4, 1, "zb") == 3
