@@ -9,9 +9,10 @@ torch.distributed.pipelining splits each backward in two (torch 2.13, stage.py
   reached each of them (`param_group["grads"]`, captured by a pre-hook). The intermediates
   reference the rest of the graph down to the stage input and retain_graph kept every node's
   saved tensors: everything the forward saved stays until W, not only the weight GEMMs'
-  inputs (measured on torch 2.13 CPU, two Llama-style blocks: 100% of the saved bytes alive
-  after B, plus the captured gradients, 26% of them at h = 64, f = 176: exactly the outputs
-  of the q/k/v, o, gate/up and down GEMMs and of the two norms; tests/test_memory_zb.py).
+  inputs (measured on torch 2.13 CPU, two of meshtron's blocks: 100% of the saved bytes
+  alive after B, plus the captured gradients, exactly the outputs of the q, k, v, o, w1, w3,
+  w2 GEMMs and of the two norms: 16% of the saved bytes for the 'debug' preset, 6% for
+  'tiny', at 16 tokens; tests/test_memory_zb.py).
   `backward_state` also keeps the stage's output and the received output gradient until W.
 * The first stage skips B (stage.py: "Skip the backward for the first stage since we will
   perform the weight update with autograd.backward in backward_weight_one_chunk"): its W runs

@@ -66,7 +66,6 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
                                                                     cfg.fp8_recipe)
     head = ev.head_for(cfg, head)
     t_layer = c_l + tpc_l
-    nv = len(n)
     fwd = [k * f_l for k in n]
     tot = [k * t_layer for k in n]
     wg = [k * w_l for k in n]
