@@ -131,3 +131,14 @@ def test_v_places_a_ranks_chunks_at_stages_r_and_2p_minus_1_minus_r():
     assert pipeline.head_rank(2, 2, "zb") == 0
     assert pipeline.head_rank(2, 2, "interleaved") == 1
     assert pipeline.head_rank(4, 1, "zb") == 3
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_moments_of_more_microbatches_are_those_of_4p(p):
+    """memory_zb.held walks 4p micro-batches for ZB1P and the V however many the step has:
+    the steady state repeats (a test, not an assumption)."""
+    from meshtron.planner.memory_zb import _moments
+
+    for v in (1, 2):
+        for m in (4 * p + 1, 5 * p + 2, 8 * p, 8 * p + 3):
+            assert all(_moments(p, v, m, r) == _moments(p, v, 4 * p, r) for r in range(p))

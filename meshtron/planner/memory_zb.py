@@ -66,7 +66,9 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     layers; other: outputs, received gradients and the head's captured gradient. The walk's
     moments are counted once per order (`_moments`), then weighed here."""
     last = p * v - 1
-    stages, moments = _moments(p, v, m, rank)
+    # one stage per rank and the V: the steady state repeats, so the moments of 4p
+    # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
+    stages, moments = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank)
     # per stage of the rank: bytes per micro-batch in flight (F..W) and per one waiting (B..W)
     per_f = [(layers[s] * act, out if s != last else 0.0) for s in stages]
     per_w = [(layers[s] * (0.0 if s == 0 else grad),
