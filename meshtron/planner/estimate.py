@@ -366,7 +366,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         grad = memory_zb.captured_grad_bytes(self.model, w.tp, w.cfg.sp, tokens, cb)
         head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb)
         return memory_zb.in_flight(w.pp, w.v, w.m, tuple(per_stage), w.act, grad, out_bytes,
-                                   head)
+                                   head, w.logits)
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak

@@ -57,61 +57,77 @@ def head_grad_bytes(model, tp: int, tokens: int, compute_bytes: float) -> float:
 
 @lru_cache(maxsize=4096)
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
-         out: float, head: float) -> tuple[float, float]:
+         out: float, head: float, loss: float = 0.0) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
     chunk output (and a received output gradient), `head` what the last stage captures beside
     its layers' (`head_grad_bytes`). Layer bytes: activations and captured gradients of the
     layers; other: outputs, received gradients and the head's captured gradient. The walk's
-    moments are counted once per order (`_moments`), then weighed here."""
+    moments are counted once per order (`_moments`), then weighed here. `loss`: the loss
+    moment's bytes the memory model adds to the last stage's rank (its logits,
+    memory.stage_memory), there only while a B of the last stage runs: a W's start holds
+    them no more, so it counts `loss` less against them (the result is what is held beside
+    them)."""
     last = p * v - 1
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
-    stages, moments = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank)
+    stages, w_moments, b_moments = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank)
     # per stage of the rank: bytes per micro-batch in flight (F..W) and per one waiting (B..W)
     per_f = [(layers[s] * act, out if s != last else 0.0) for s in stages]
     per_w = [(layers[s] * (0.0 if s == 0 else grad),
               (out if s != last else 0.0) + (head if s == last and s != 0 else 0.0))
              for s in stages]
-    best = (0.0, 0.0)
-    for fw, bw in moments:
-        lay = sum(k * x[0] for k, x in zip(fw, per_f)) + sum(k * x[0] for k, x in zip(bw, per_w))
-        oth = sum(k * x[1] for k, x in zip(fw, per_f)) + sum(k * x[1] for k, x in zip(bw, per_w))
-        if lay + oth > sum(best):
-            best = (lay, oth)
-    return best
+    best = (0.0, float("-inf"))
+    for moments, less in ((w_moments, loss if b_moments else 0.0), (b_moments, 0.0)):
+        for fw, bw in moments:
+            lay = (sum(k * x[0] for k, x in zip(fw, per_f))
+                   + sum(k * x[0] for k, x in zip(bw, per_w)))
+            oth = (sum(k * x[1] for k, x in zip(fw, per_f))
+                   + sum(k * x[1] for k, x in zip(bw, per_w)) - less)
+            if lay + oth > sum(best):
+                best = (lay, oth)
+    return best if best[1] > float("-inf") else (0.0, 0.0)
 
 
 @lru_cache(maxsize=8192)
-def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple]:
+def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple, tuple]:
     """(the rank's stages, the moments of its order where what it holds can peak): per stage
     of the rank, the micro-batches between their F and their W and those of them between B
     and W, in torch's order (pipeline_zb.orders). F and B only add, W only frees, so the
     peaks are at the start of a W (the B before it finished: its transient working set gone,
     what it captured held); of those, the ones no other holds at least as much of everything
-    as (every weight is >= 0)."""
+    as (every weight is >= 0). Third: the same at the start of each B of the last stage (the
+    loss moment, when the memory model's logits are alive), if the rank holds it."""
     order = _order(p, v, m)[rank]
     stages = tuple(sorted({s for _, s in order}))
     at = {s: i for i, s in enumerate(stages)}
     fw, bw = [0] * len(stages), [0] * len(stages)
     seen: dict[tuple, None] = {}
+    at_loss: dict[tuple, None] = {}
     for kind, s in order:
         i = at[s]
         if kind == "F":
             fw[i] += 1
         elif kind == "B":
+            if s == p * v - 1:
+                at_loss[(tuple(fw), tuple(bw))] = None
             bw[i] += 1
         else:
             seen[(tuple(fw), tuple(bw))] = None
             fw[i] -= 1
             bw[i] -= 1
+    return stages, _undominated(seen), _undominated(at_loss)
+
+
+def _undominated(seen: dict) -> tuple:
+    """The moments no other holds at least as much of everything as."""
     flat = sorted(((f + b, (f, b)) for f, b in seen), key=lambda x: -sum(x[0]))
     kept: list[tuple] = []
     for vec, moment in flat:
         if not any(all(x <= y for x, y in zip(vec, k)) for k, _ in kept):
             kept.append((vec, moment))
-    return stages, tuple(moment for _, moment in kept)
+    return tuple(moment for _, moment in kept)
 
 
 @lru_cache(maxsize=1024)
@@ -121,7 +137,7 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 
 
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
-              out: float, head: float) -> tuple[list[float], list[float]]:
+              out: float, head: float, loss: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
     counting the captured gradients in activation bytes; bytes of the outputs, received
     gradients and head gradient held then), the multiplier `pipeline.in_flight` gives the
@@ -129,7 +145,7 @@ def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad:
     mult, other = [], []
     for r in range(p):
         n_r = sum(layers[s] for s in range(p * v) if pipeline_zb.stage_rank(p, v, s) == r)
-        lay, oth = held(p, v, m, r, layers, act, grad, out, head)
+        lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss)
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other
