@@ -72,6 +72,9 @@ KINDS["tp+sp zero-1"] = dict(tp=4, dp=2, zero=1, sp=True)
 # last in the steady phase (planner/memory_pipeline.py)
 KINDS["pp interleaved, uneven chunks"] = dict(pp=2, dp=4, zero=1, schedule="interleaved",
                                               virtual_stages=2, global_batch=96, layers=6)
+# zero bubble, B and W apart: every micro-batch's activations live from its F to its W
+# (planner/memory_zb.py); the fullest rank is the last (6 layers: +3.9% measured)
+KINDS["pp zb"] = dict(pp=2, dp=4, zero=1, schedule="zb", layers=6)
 
 
 @pytest.mark.slow
@@ -101,6 +104,9 @@ NON_LAST = {  # name: (knobs, pipeline rank): a stage that sends its output on
     "pp 1f1b, first stage": (dict(pp=2, dp=4, zero=1, schedule="1f1b"), 0),
     "pp 1f1b tp2+sp full, first stage": (dict(pp=2, tp=2, dp=2, zero=1, schedule="1f1b",
                                                sp=True, recompute="full", layers=4), 0),
+    # zero bubble rehearsed with its input and weight gradients apart (rehearse/rank.py): the
+    # first stage's W runs the whole backward, every micro-batch held from F to W
+    "pp zb, first stage": (dict(pp=2, dp=4, zero=1, schedule="zb", layers=6), 0),
 }
 
 

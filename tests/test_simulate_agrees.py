@@ -15,9 +15,9 @@ event graph's own, deliberately:
   embedding and head change that ratio, which moves the walk by well under 2% of the bubble
   (measured 0.07-1.4% on the plans below). Zero bubble is priced by the walk of torch's order
   itself (planner/pipeline_zb.py), the simulator's order: equal with one stage per rank
-  (test_without_transfers_the_pipelined_step_is_the_planners); with ZB-V the simulator puts
-  the head on rank 0, as torch's V does, and the planner still on the last rank (0.02 s on the
-  pp-zbv plan, inside its pp_comm allowance).
+  (test_without_transfers_the_pipelined_step_is_the_planners); with ZB-V both put the head
+  on rank 0, as torch's V does, and walk each chunk's own work (test_zbv_head_on_rank_zero);
+  what still differs there is the FSDP2 drain after the V's deferred weight gradients.
 The drain check is the point of the pipelined rows: before the simulator stalled each chunk
 after its last backward (pipeline.reduce_after_drain) it priced FSDP reductions as bucketed
 during the backward and came out lower by the whole exposed reduction, more than `pp_comm`
@@ -88,6 +88,12 @@ def test_noiseless_simulated_step_is_the_planners(cli, tmp_path, kind, model, cl
         assert sim == pytest.approx(plan, rel=1e-9), kind
     else:
         slack = 0.02 * t["bubble"]
+        if kind == "pp-zbv":
+            # FSDP2's reductions after each chunk's last backward: the planner's
+            # pipeline.reduce_after_drain follows the looped orders' drain; the V's tail of
+            # deferred W differs (0.026 s of 0.199 s exposed on this plan, measured;
+            # test_zbv_head_on_rank_zero compares the rest exactly)
+            slack += 0.15 * t["dp_comm_exposed"]
         assert plan - t["pp_comm"] - slack <= sim <= plan + slack, (kind, sim, plan, t)
     assert doc["warnings"] == []
 
@@ -156,3 +162,32 @@ def test_split_warning_is_in_the_json_and_the_text(cli, tmp_path):
     rc, out, err = cli("simulate", "--step", *common, "--plan", str(path))
     assert rc == 0 and err == ""
     assert f"warning: {planned[0]}" in out.splitlines()
+
+
+def test_zbv_head_on_rank_zero():
+    """torch's V puts the last stage (final norm, head, loss) on rank 0 beside the embedding:
+    the planner's split, time and chunk order follow it (pipeline.head_rank), so with the
+    transfers and the data-parallel pieces taken out of both the simulated step is the
+    planner's (before: 0.02 s apart on this plan, the planner's head on the last rank)."""
+    import dataclasses
+
+    from meshtron.model.spec import resolve_model
+    from meshtron.planner import pipeline, resolve_cluster, search_plans
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.frameworks import preset
+    from meshtron.planner.step_pieces import step_pieces
+    from meshtron.simulate.step import simulate_step
+
+    fw = preset("meshtron")
+    m, c = resolve_model("llama3-70b"), resolve_cluster("dgx-h100:16")
+    fixed = dict(tp=8, pp=4, dp=4, zero=1, schedule="zbv")
+    est = search_plans(m, c, 1024, 4096, fixed, top_k=1, explain=False, framework=fw).best
+    assert pipeline.head_rank(4, 2, est.config.schedule) == 0
+    ev = Evaluator(m, c, 1024, 4096, fw.kernel, mem=fw.memory)
+    pieces = step_pieces(ev, est)
+    none = [0.0] * len(pieces.dp_s)
+    bare = dataclasses.replace(pieces, hop_s=0.0, drain_s=none, dp_s=none,
+                               fold_s=[0.0] * len(pieces.fold_s))
+    sim = simulate_step(ev, est, pieces=bare).step_time_s
+    want = est.step_time_s - est.time.pp_comm - est.time.dp_comm
+    assert sim == pytest.approx(want, rel=1e-4), (sim, want)

@@ -75,7 +75,7 @@ from typing import Any
 
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compression, compute, memory, memory_pipeline,
+from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, memory_zb,
                               moe_memory, offload, pipeline, pipeline_split)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
@@ -148,6 +148,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         walk, the result."""
         self.evaluated += 1
         w = self._inputs(cfg)
+        if not keep_infeasible:  # nothing above it is returned: walks may be skipped
+            w.cutoff = cutoff
         self._states(w)
         self._memory_model(w)
         if not self._split(w, keep_infeasible, exact_memory):
@@ -193,14 +195,15 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         t_layer = c_l + tpc_l
         e_first = emb.compute + emb.tp
         e_last = head.compute + head.tp
-        if pp == 1:
+        head_rank = pipeline.head_rank(pp, v, cfg.schedule)
+        if head_rank == 0:  # no pipeline, or torch's V: the head beside the embedding
             e_first, e_last = e_first + e_last, 0.0
         return Work(cfg=cfg, tp=tp, pp=pp, dp=dp, zero=zero, mb=mb, rec=rec, v=v, m=m, cp=cp,
                     ep=ep, c_l=c_l, tpc_l=tpc_l, f_l=f_l, w_l=w_l, emb=emb, head=head,
                     p2p_bytes=p2p_bytes, gather=gather, ep_l=ep_l, mem_opts=mem_opts, act=act,
                     work=work, logits=logits, flags=flags, shard_dp=shard_dp, keep=keep,
                     fsdp_zero1=fsdp_zero1, accum=accum, t_layer=t_layer, e_first=e_first,
-                    e_last=e_last)
+                    e_last=e_last, head_rank=head_rank)
 
     def _states(self, w: Work) -> None:
         """Parameters per tensor rank (w.p_layer, p_emb, p_head, largest, p_exp) and the bytes
@@ -248,11 +251,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             w.extra_warm = 1
         roots = [0.0] * pp
         roots[0] += p_emb
-        roots[-1] += p_head
+        roots[w.head_rank] += p_head
         # FSDP2 units outside the blocks: the embedding and [norm, head], wrapped apart
         root_units = [0.0] * pp
         root_units[0] = p_emb
-        root_units[-1] = max(root_units[-1], p_head)
+        root_units[w.head_rank] = max(root_units[w.head_rank], p_head)
         w.grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
@@ -265,6 +268,9 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                    for k in memory_pipeline.held_outputs(pp, v, inflight)]
         if mem_opts.engine.startswith("deepspeed"):  # DeepSpeed's engine's own buffers
             outputs = [k * out_bytes for k in memory_pipeline.deepspeed_pipe_buffers(pp, m)]
+        if self._torch_zb(w):  # torch's split backward keeps a micro-batch to its W
+            per_stage = (model.layers / (pp * v),) * (pp * v)  # the split comes later
+            inflight, outputs = self._zb_held(w, per_stage, out_bytes)
         w.inflight, w.roots, w.root_units, w.out_bytes, w.outputs = (inflight, roots, root_units,
                                                                      out_bytes, outputs)
         # per pipeline rank: (block parameters, experts, activations, recompute working set)
@@ -287,7 +293,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         pp, blocks = w.pp, w.blocks
         sms = [memory.stage_memory(w.mem_opts, w.zero, w.shard_dp, w.states, blocks[i][0],
                                    w.roots[i], w.largest, blocks[i][2], inflight[i],
-                                   blocks[i][3], w.logits if i == pp - 1 else 0.0,
+                                   blocks[i][3], w.logits if i == w.head_rank else 0.0,
                                    self.grad_bytes, w.keep, w.accum, blocks[i][1], w.e_states,
                                    w.root_units[i], w.reduce_bytes,
                                    w.grad_extra if i == 0 else 0.0, w.outputs[i],
@@ -339,7 +345,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         if model.is_moe and pp > 1 and n is not None:
             # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)
             chunks = list(cfg.stage_layers) if given else (
-                list(n) if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
+                list(n) if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v,
+                                                               cfg.schedule))
             moe_act, moe_work = self._moe_memory(w.tp, w.mb, cfg.sp, w.rec, self.seq // w.cp,
                                                  w.mem_opts, w.ep, cfg.dtype)
             w.blocks = moe_memory.stage_pieces(model, cfg, chunks,
@@ -375,11 +382,28 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 return False
         return True
 
+    def _torch_zb(self, w: Work) -> bool:
+        """Whether the plan runs torch's zero-bubble schedules (meshtron, torchtitan: FSDP2
+        under torch.distributed.pipelining), whose split backward memory_zb.py walks."""
+        return (w.cfg.schedule == "zb" and w.pp > 1 and w.mem_opts.framework == "fsdp2")
+
+    def _zb_held(self, w: Work, per_stage: tuple, out_bytes: float) -> tuple[list, list]:
+        """(in flight, held output bytes) per pipeline rank under torch's zero bubble
+        (memory_zb.in_flight) for layers `per_stage` per virtual stage."""
+        tokens = w.mb * self.seq // w.cp
+        cb = w.mem_opts.compute_bytes
+        grad = memory_zb.captured_grad_bytes(self.model, w.tp, w.cfg.sp, tokens, cb)
+        head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb)
+        return memory_zb.in_flight(w.pp, w.v, w.m, tuple(per_stage), w.act, grad, out_bytes,
+                                   head, w.logits)
+
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak
         (memory_pipeline.py) instead of the even spread; False when that does not fit and
         `keep_infeasible` is False."""
         cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m, w.n
+        if self._torch_zb(w) and n is not None:
+            return self._zb_memory(w, keep_infeasible)
         if not (cfg.schedule == "interleaved" and v > 1 and n is not None):
             return True
         inflight, outputs, act, out_bytes = w.inflight, w.outputs, w.act, w.out_bytes
@@ -407,6 +431,16 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # the walk's figure is the fit decision, the search's as the pinned answer's
         return w.fits or keep_infeasible
 
+    def _zb_memory(self, w: Work, keep_infeasible: bool) -> bool:
+        """Under torch's zero bubble, the walk of memory_zb.py on the split's own layers per
+        virtual stage; False when that does not fit and `keep_infeasible` is False."""
+        chunks = (list(w.cfg.stage_layers) if w.given else
+                  pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, "zb"))
+        w.inflight, w.outputs = self._zb_held(w, tuple(chunks), w.out_bytes)
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
+        w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
+        return w.fits or keep_infeasible
+
     def _result(self, w: Work, times: TimeBreakdown, step: float, stage: int | None,
                 keep_infeasible: bool) -> Estimate | None:
         """The Estimate: the memory breakdown of the fullest stage (or `stage`), host memory
@@ -418,7 +452,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         b_layer, b_exp, b_act, b_work = w.blocks[worst]
         mem = memory.breakdown(mem_opts, w.zero, w.shard_dp, w.states, n[worst], b_layer,
                                w.roots[worst], w.largest, b_act, w.inflight[worst], b_work,
-                               w.logits if worst == pp - 1 else 0.0, self.capacity, worst,
+                               w.logits if worst == w.head_rank else 0.0, self.capacity, worst,
                                self.grad_bytes, w.keep, w.accum, b_exp, w.e_states,
                                w.root_units[worst], w.reduce_bytes,
                                w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
@@ -432,7 +466,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
         stage_layers = (list(cfg.stage_layers) if w.given else
-                        n if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v))
+                        n if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v,
+                                                               cfg.schedule))
         return Estimate(
             config=cfg, stage_layers=list(stage_layers), num_microbatches=w.m, memory=mem,
             time=times, tokens_per_s=self.tokens / step,

@@ -81,7 +81,7 @@ class StageCosts:
         params, experts, kept = held
         if cfg.dp * cfg.cp <= 1:  # ZeRO shards and reductions span dp x cp ranks
             return StageDp(0.0, "none", None)
-        first, last = i == 0, i == pp - 1
+        first, last = i == 0, i == pipeline.head_rank(pp, v, cfg.schedule)
         # chunk-slots a looped schedule idles at each chunk change (pipeline.bubble_time)
         looped = v > 1 and (cfg.schedule == "interleaved" or cfg.schedule == "gpipe")
         idle = max(0, pp - m) if looped else 0
@@ -169,7 +169,8 @@ class StageCosts:
             p_exp = moe_cost.expert_params_local(self.model, cfg.pp, cfg.ep)
             p_layer = p_layer - p_exp * cfg.ep + p_exp
         p = layers * p_layer + (p_emb if stage == 0 else 0.0)
-        return p + (p_head if stage == cfg.pp - 1 else 0.0)
+        last = pipeline.head_rank(cfg.pp, cfg.virtual_stages, cfg.schedule)
+        return p + (p_head if stage == last else 0.0)
 
     def lower_bound_step(self, cfg: Plan) -> float:
         """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no

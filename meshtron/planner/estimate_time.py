@@ -6,7 +6,7 @@ optimizer step and host offload.
 
 from __future__ import annotations
 
-from meshtron.planner import comm, offload, optimizer_loop, pipeline
+from meshtron.planner import comm, offload, optimizer_loop, pipeline, pipeline_split, pipeline_zb
 from meshtron.planner.estimate_results import TimeBreakdown
 from meshtron.planner.estimate_work import Work
 
@@ -28,10 +28,11 @@ class StepTimes:
         stage_t[0] += w.e_first
         stage_c[0] += emb.compute
         stage_f[0] += emb.fwd
-        stage_t[-1] += w.e_last if pp > 1 else 0.0
-        stage_c[-1] += head.compute
-        stage_f[-1] += head.fwd
-        stage_w[-1] += head.wgrad
+        h = w.head_rank  # the last rank's, or rank 0's on torch's V (e_first holds its time)
+        stage_t[h] += w.e_last if h else 0.0
+        stage_c[h] += head.compute
+        stage_f[h] += head.fwd
+        stage_w[h] += head.wgrad
         crit = max(range(pp), key=stage_t.__getitem__)
         compute_t = (m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, w.flags)
                      + n[crit] * self._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
@@ -39,6 +40,10 @@ class StepTimes:
         ep_t = m * n[crit] * w.ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
         bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m, stage_f)
+        chunked = self._chunk_times(w) if v > 1 and pp > 1 and cfg.schedule in (
+            "zb", "interleaved") else None
+        if chunked and cfg.schedule == "interleaved" and not self._unequal(chunked[3], pp):
+            chunked = None  # equal chunks: the formula is the order's walk
         w.groups = groups = self._groups(cfg)
         pp_t = 0.0
         if pp > 1:
@@ -54,8 +59,43 @@ class StepTimes:
                 pp_t += self.tied_embedding_s(tp, cross)
         w.stage_t, w.stage_f = stage_t, stage_f
         dp_t, opt_t, off_t = self._stage_sync(w)
-        return TimeBreakdown(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
-                             bubble=bubble, optimizer=opt_t, ep_comm=ep_t, offload=off_t)
+        parts = dict(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
+                     optimizer=opt_t, ep_comm=ep_t, offload=off_t)
+        if chunked and TimeBreakdown(bubble=0.0, **parts).total <= w.cutoff:
+            # torch's order walked chunk by chunk (a step already over the search's cutoff
+            # without any bubble is dropped whatever the walk finds)
+            if cfg.schedule == "zb":
+                bubble = pipeline_zb.chunk_bubble(v, m, *chunked[:3])
+            else:  # a rank's chunks differ: (sum t - max t) / v is not the order's walk
+                f, b, wg, _ = chunked
+                bubble = pipeline_zb.interleaved_bubble(
+                    m, f, tuple(x + y for x, y in zip(b, wg)), pp)
+        return TimeBreakdown(bubble=bubble, **parts)
+
+    def _chunk_times(self, w: Work) -> tuple[tuple[float, ...], ...]:
+        """Per virtual stage (stage order, the split's own chunks: `pipeline_split.chunks`
+        places them as the runtime does), one micro-batch's forward, input gradient and weight
+        gradient, and the chunks' layers; the embedding on stage 0, the head on the last stage
+        (rank 0 on the V)."""
+        chunks = (list(w.cfg.stage_layers) if w.given else
+                  pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, w.cfg.schedule))
+        if len(chunks) != w.pp * w.v:  # a plan whose own split is per rank
+            chunks = pipeline.split_virtual(list(w.n), w.v, w.cfg.schedule)
+        f = [k * w.f_l for k in chunks]
+        t = [k * w.t_layer for k in chunks]
+        wg = [k * w.w_l for k in chunks]
+        f[0] += w.emb.fwd
+        t[0] += w.emb.compute + w.emb.tp
+        f[-1] += w.head.fwd
+        t[-1] += w.head.compute + w.head.tp
+        wg[-1] += w.head.wgrad
+        return (tuple(f), tuple(x - y - z for x, y, z in zip(t, f, wg)), tuple(wg),
+                tuple(chunks))
+
+    @staticmethod
+    def _unequal(chunks: tuple[int, ...], pp: int) -> bool:
+        """Whether some rank's chunks (stage j on rank j % pp) hold different layer counts."""
+        return any(len(set(chunks[r::pp])) > 1 for r in range(pp))
 
     def optimizer_step_s(self, local: float, layers: int, first: bool, last: bool,
                          shard: int, tp: int) -> float:
@@ -83,7 +123,7 @@ class StepTimes:
         host_gpu = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
         seen: set[tuple[int, bool, bool]] = set()
         for i, k in enumerate(n):
-            first, last = i == 0, i == pp - 1
+            first, last = i == 0, i == w.head_rank
             if (k, first, last) in seen:
                 continue  # an earlier identical stage hides less: it dominates
             seen.add((k, first, last))

@@ -53,7 +53,8 @@ class Work:
     accum: float  # bytes per parameter of unsharded gradients accumulated over micro-batches
     t_layer: float  # c_l + tpc_l
     e_first: float  # first stage's extra time (embedding; with pp = 1 the head too)
-    e_last: float  # last stage's extra time (head; 0 with pp = 1)
+    e_last: float  # last stage's extra time (head; 0 with pp = 1 and on torch's V)
+    head_rank: int  # pipeline rank of the last virtual stage (pipeline.head_rank)
     # ---- _states: parameters per tensor rank and the bytes of their states ----
     p_layer: float = 0.0  # of one block (without routed experts under ep > 1)
     p_emb: float = 0.0
@@ -88,3 +89,4 @@ class Work:
     stage_t: list[float] = field(default_factory=list)  # per rank: one micro-batch's time
     stage_f: list[float] = field(default_factory=list)  # per rank: its forward part
     host_gpu: float = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
+    cutoff: float = float("inf")  # a step above it is dropped: the search's (evaluate)

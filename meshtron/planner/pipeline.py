@@ -63,6 +63,14 @@ def stages_of_rank(pp: int, v: int, schedule: str, pp_rank: int) -> list[int]:
     return list(range(pp_rank, n, pp))
 
 
+def head_rank(pp: int, v: int, schedule: str | None) -> int:
+    """Pipeline rank holding the last virtual stage (final norm, output head, loss): the last
+    rank, except on torch's V (ScheduleZBVZeroBubble: stages r and 2p-1-r on rank r), where
+    it is rank 0, beside the embedding (`stages_of_rank`)."""
+    last = pp * v - 1
+    return next(r for r in range(pp) if last in stages_of_rank(pp, v, schedule or "1f1b", r))
+
+
 def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
              overlap: bool = False) -> float:
     """Seconds of pipeline transfers on the critical stage's path, each `hop` seconds.
@@ -301,13 +309,14 @@ def min_memory_partition(layers: int, per_layer: list[float], fixed: list[float]
     return max(a * k + f for a, k, f in zip(per_layer, n, fixed)), n
 
 
-def split_virtual(stage_layers: list[int], v: int) -> list[int]:
+def split_virtual(stage_layers: list[int], v: int, schedule: str | None = None) -> list[int]:
     """Split each device's layers into v chunks; returns p*v counts in pipeline order
-    (virtual stage j = chunk * p + device, as Megatron's interleaved schedule numbers them)."""
+    (virtual stage j = chunk * p + device, as Megatron's interleaved schedule numbers them;
+    torch's V for 'zb' with v = 2: `stages_of_rank`)."""
     p = len(stage_layers)
     out = [0] * (p * v)
     for i, n in enumerate(stage_layers):
         base, extra = divmod(n, v)
-        for c in range(v):
-            out[c * p + i] = base + (1 if c < extra else 0)
+        for c, s in enumerate(stages_of_rank(p, v, schedule or "1f1b", i)):
+            out[s] = base + (1 if c < extra else 0)
     return out

@@ -215,14 +215,14 @@ def _deepspeed_dp(layers: int, p: int,
     return tuple(counts) if min(counts) > 0 and sum(counts) == layers else None
 
 
-def chunks(rule: str, stage_layers: list[int], v: int) -> list[int]:
+def chunks(rule: str, stage_layers: list[int], v: int, schedule: str | None = None) -> list[int]:
     """Layers of the p*v virtual stages (pipeline order) from per-device counts: Megatron
     builds equal chunks, and with account_for_embedding/loss_in_pipeline_split the very first
     and very last virtual stage are a layer short (transformer_config.py); the other stacks
     as pipeline.split_virtual spreads them."""
     if v == 1:
         return list(stage_layers)
-    out = pipeline.split_virtual(stage_layers, v)
+    out = pipeline.split_virtual(stage_layers, v, schedule)
     if rule in ("megatron-even", "megatron-ends"):
         p = len(stage_layers)
         for d in (0, p - 1):

@@ -53,11 +53,28 @@ def orders(p: int, v: int, m: int) -> list[list[Op]]:
     return [_zb1p_order(p, v, m, r) for r in range(p)]
 
 
-def _zb1p_order(p: int, v: int, m: int, r: int) -> list[Op]:
+@lru_cache(maxsize=1024)
+def cached_orders(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple[Op, ...], ...]:
+    """`orders` ('zb') or `interleaved_orders` ('interleaved'), built once (the planner's
+    walks and memory_zb.py read them for every plan of a search)."""
+    ords = interleaved_orders(p, v, m) if schedule == "interleaved" else orders(p, v, m)
+    return tuple(tuple(o) for o in ords)
+
+
+def interleaved_orders(p: int, v: int, m: int) -> list[list[Op]]:
+    """Per pipeline rank, the compute operations of torch's ScheduleInterleaved1F1B (the
+    same `_get_1f1b_rank_ops` without zero bubble, `_get_warmup_ops(multiply_factor=2)`:
+    warm-up (v - 1) rounds + 2 (p - 1 - r) forwards; B a whole backward, no W). Megatron's
+    interleaved schedule runs the same order (memory_pipeline.py)."""
+    return [_zb1p_order(p, v, m, r, whole=True) for r in range(p)]
+
+
+def _zb1p_order(p: int, v: int, m: int, r: int, whole: bool = False) -> list[Op]:
     rounds = max(1, m // p)
     per_round = m // rounds
     total = m * v
-    warm = min((v - 1) * per_round + (p - 1 - r), total)
+    warm = min((v - 1) * per_round + (2 if whole else 1) * (p - 1 - r), total)
+    lag = total + warm if whole else r  # the interleaved 1F1B: whole backwards, no W
 
     def f_stage(k: int) -> int:
         return ((k // per_round) % v) * p + r
@@ -78,10 +95,11 @@ def _zb1p_order(p: int, v: int, m: int, r: int) -> list[Op]:
         if k < total:
             out.append(op("F", f_stage(k)))
         out.append(op("B", b_stage(k)))
-        if k - warm >= r:
+        if k - warm >= lag:
             out.append(op("W", b_stage(warm + weights)))
             weights += 1
-    out += [op("W", b_stage(warm + j)) for j in range(weights, total)]
+    if not whole:
+        out += [op("W", b_stage(warm + j)) for j in range(weights, total)]
     return out
 
 
@@ -140,13 +158,14 @@ def _input(op: Op, nv: int) -> Op | None:
 
 
 def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
-         hop: float = 0.0) -> float:
-    """Makespan of torch's 'zb' orders, per virtual stage forward f, input gradient b and
-    weight gradient w of one micro-batch; a transfer between ranks delays its receiver by
-    `hop` (a rank's own sends never hold it: the runtime waits on them at the step's end)."""
+         hop: float = 0.0, schedule: str = "zb") -> float:
+    """Makespan of torch's 'zb' orders (`schedule` 'interleaved': its interleaved 1F1B, b the
+    whole backward, w unused), per virtual stage forward f, input gradient b and weight
+    gradient w of one micro-batch; a transfer between ranks delays its receiver by `hop` (a
+    rank's own sends never hold it: the runtime waits on them at the step's end)."""
     dur = (f, b, w)
     end: list[float] = []
-    for kind, stage, prev, dep, cross in _program(p, v, m):
+    for kind, stage, prev, dep, cross in _program(p, v, m, schedule):
         start = end[prev] if prev >= 0 else 0.0
         if dep >= 0:
             ready = end[dep] + hop if cross else end[dep]
@@ -156,12 +175,15 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
     return max(end)
 
 
-@lru_cache(maxsize=128)
-def _program(p: int, v: int, m: int) -> tuple[tuple[int, int, int, int, bool], ...]:
+@lru_cache(maxsize=2048)
+def _program(p: int, v: int, m: int,
+             schedule: str = "zb") -> tuple[tuple[int, int, int, int, bool], ...]:
     """torch's orders as an event list in an order where every input comes first: per
     operation (kind 0/1/2 for F/B/W, stage, index of the rank's previous operation, index of
     the operation producing its input, whether that one ran on another rank); -1: none."""
-    ords, nv = orders(p, v, m), p * v
+    looped = schedule != "zb"
+    ords = cached_orders(p, v, m, schedule)
+    nv = p * v
     index: dict[Op, int] = {}
     out: list[tuple[int, int, int, int, bool]] = []
     last, at = [-1] * p, [0] * p
@@ -175,7 +197,8 @@ def _program(p: int, v: int, m: int) -> tuple[tuple[int, int, int, int, bool], .
                 if dep is not None and dep not in index:
                     break
                 d = -1 if dep is None else index[dep]
-                cross = dep is not None and stage_rank(p, v, dep[1]) != r
+                cross = dep is not None and (dep[1] % p if looped else
+                                             stage_rank(p, v, dep[1])) != r
                 out.append(("FBW".index(op[0]), op[1], last[r], d, cross))
                 index[op] = last[r] = len(out) - 1
                 at[r] += 1
@@ -230,9 +253,33 @@ def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
         return bubble(p, v, m, f[0] / v, b[0] / v, w[0] / v)
     where = [stage_rank(p, v, s) for s in range(p * v)]
     per = ([f[r] / v for r in where], [b[r] / v for r in where], [w[r] / v for r in where])
+    return _settled_idle(p, v, m, per, max(t))
+
+
+@lru_cache(maxsize=1024)
+def chunk_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
+                 w: tuple[float, ...]) -> float:
+    """`stage_bubble` from each virtual stage's own forward f, input gradient b and weight
+    gradient w (p v entries, stage order): a rank's chunks need not be equal (the split's
+    remainder, the head on rank 0 of the V beside the embedding's chunk). Chunks equal on
+    every rank take `stage_bubble` (its closed forms); otherwise the walk at chunk level."""
+    p = len(f) // v
+    rank = [[s for s in range(p * v) if stage_rank(p, v, s) == r] for r in range(p)]
+    tot = [tuple(sum(x[s] for s in mine) for mine in rank) for x in (f, b, w)]
+    scale = max(max(x, default=0.0) for x in (f, b, w)) or 1.0
+    if all(max(x[s] for s in mine) - min(x[s] for s in mine) <= 1e-12 * scale
+           for x in (f, b, w) for mine in rank):
+        return stage_bubble(v, m, *tot)
+    worst = max(x + y + z for x, y, z in zip(*tot))
+    return _settled_idle(p, v, m, (list(f), list(b), list(w)), worst)
+
+
+def _settled_idle(p: int, v: int, m: int, per: tuple, worst: float) -> float:
+    """Idle of the walk of torch's order with per-stage times `per` beyond m times the
+    slowest rank's work `worst` (`stage_bubble`'s docstring: how many micro-batches)."""
 
     def idle(runs: int) -> float:
-        return walk(p, v, runs, *per) - runs * max(t)
+        return walk(p, v, runs, *per) - runs * worst
 
     if v >= 3:
         return max(0.0, idle(m))
@@ -243,7 +290,37 @@ def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
     while runs < m:
         nxt = min(m, runs + p)
         now = idle(nxt)
-        settled = abs(now - last) <= 1e-12 * nxt * max(t)
+        settled = abs(now - last) <= 1e-12 * nxt * worst
+        runs, last = nxt, now
+        if settled:
+            break
+    return max(0.0, last)
+
+
+@lru_cache(maxsize=1024)
+def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: int) -> float:
+    """Idle of torch's interleaved 1F1B beyond m times the slowest rank's work, from each
+    virtual stage's own forward f and whole backward b (p v entries, stage j on rank j % p):
+    the walk of its order. `pipeline.bubble_time`'s (sum t - max t) / v is this walk's only
+    when a rank's chunks are equal (tests/test_pipeline_zb.py); the split's remainder and
+    the end stages' embedding and head make them unequal (cached: a search meets few
+    distinct chunk-time sets)."""
+    v = len(f) // p
+    worst = max(sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p))
+    zero = [0.0] * (p * v)
+
+    def idle(runs: int) -> float:
+        return walk(p, v, runs, list(f), list(b), zero, schedule="interleaved") - runs * worst
+
+    if m % p or m < 3 * p:  # rounds of m // (m // p): walked whole
+        return max(0.0, idle(m))
+    # whole rounds of p: the idle settles once the slowest rank's slack has (as
+    # `_settled_idle`); every shorter walk keeps rounds of p
+    runs, last = 2 * p, idle(2 * p)
+    while runs < m:
+        nxt = min(m, runs + p)
+        now = idle(nxt)
+        settled = abs(now - last) <= 1e-12 * nxt * worst
         runs, last = nxt, now
         if settled:
             break

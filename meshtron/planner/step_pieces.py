@@ -66,7 +66,6 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
                                                                     cfg.fp8_recipe)
     head = ev.head_for(cfg, head)
     t_layer = c_l + tpc_l
-    nv = len(n)
     fwd = [k * f_l for k in n]
     tot = [k * t_layer for k in n]
     wg = [k * w_l for k in n]
@@ -79,21 +78,24 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     hop = 0.0
     if pp > 1:
         hop = comm.send(p2p_bytes, groups["pp_hop_crosses_nodes"], ev.fab) + gather
-    device_layers = [sum(n[j] for j in range(i, nv, pp)) for i in range(pp)]
+    # the stages each rank holds (torch's V: r and 2p-1-r) and the head's rank (rank 0 there)
+    held = [pipeline.stages_of_rank(pp, cfg.virtual_stages, cfg.schedule, i) for i in range(pp)]
+    last = pipeline.head_rank(pp, cfg.virtual_stages, cfg.schedule)
+    device_layers = [sum(n[j] for j in held[i]) for i in range(pp)]
     p_layer, p_emb, p_head, _, p_exp = ev.block_params(tp, pp, cfg.ep, ev.mem.framework)
     # as `evaluate` adds it to pp_comm
     tied = ev.tied_embedding_s(tp, groups["pp_hop_crosses_nodes"]) if pp > 1 else 0.0
     flags = ev.dp_flags(cfg)
     fold, drain_s, dp_s, opt = [], [], [], []
     for i, k in enumerate(device_layers):
-        params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == pp - 1 else 0.0)
+        params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == last else 0.0)
         shard = cfg.dp * cfg.cp
         local = params / shard if zero >= 1 else params
         if k * p_exp:  # experts' states over the dp*cp/ep ranks holding the same experts
             local += k * p_exp / max(1, shard // cfg.ep) if zero >= 1 else k * p_exp
         # the micro-batches' gradient accumulation passes ride with the step's optimizer work
         # (and Transformer Engine's once-per-step FP8 weight casts, as `evaluate` adds them)
-        step = ev.optimizer_step_s(local, k, i == 0, i == pp - 1,
+        step = ev.optimizer_step_s(local, k, i == 0, i == last,
                                    shard if zero >= 1 else 1, tp)
         if cfg.offload != "none":  # the host's step and the host-link copies, as `evaluate`
             oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
@@ -102,9 +104,9 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
             step = oc.host_step_s + oc.transfer_s
         opt.append(step + ev.accumulation_s(cfg, k, i, m, flags)
                    + k * ev._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
-        stage_f = sum(fwd[j] for j in range(i, nv, pp))
-        stage_b = sum(tot[j] for j in range(i, nv, pp)) - stage_f
-        kept = p_head if i == pp - 1 else 0.0  # FSDP's [norm, head]: not re-gathered
+        stage_f = sum(fwd[j] for j in held[i])
+        stage_b = sum(tot[j] for j in held[i]) - stage_f
+        kept = p_head if i == last else 0.0  # FSDP's [norm, head]: not re-gathered
         fo, dr, rest = _stage_dp(ev, cfg, i, k, (params, k * p_exp, kept), m, stage_f, stage_b,
                                  flags, groups)
         fold.append(fo)

@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Callable, Iterable
 
 Action = tuple[str, int, int]
-"""(kind 'F' / 'B', stage index, micro-batch index)."""
+"""(kind 'F' / 'B' / 'W', stage index, micro-batch index); 'W' only under zero bubble."""
 
 ACCUMULATION_MOMENTS = 3
 """First (nothing accumulated), a middle one (accumulated, no reduction) and the last (the
@@ -42,18 +42,27 @@ def states(order: Iterable[Action]) -> set[tuple]:
     before it and the action itself (its micro-batch index left out)."""
     order = list(order)
     stages = sorted({s for _, s, _ in order})
-    backwards = Counter(s for kind, s, _ in order if kind == "B")
-    live, fwd, bwd = (dict.fromkeys(stages, 0) for _ in range(3))
+    split = any(kind == "W" for kind, _, _ in order)  # zero bubble: B keeps all to its W
+    last = "W" if split else "B"  # the action ending a micro-batch (and the stage's step)
+    ends = Counter(s for kind, s, _ in order if kind == last)
+    live, fwd, bwd, wait, done = (dict.fromkeys(stages, 0) for _ in range(5))
     out = set()
     for kind, s, _ in order:
-        held = tuple((live[t], fwd[t] > 0, bwd[t] > 0, bwd[t] == backwards[t]) for t in stages)
-        out.add((held, kind, s, kind == "B" and bwd[s] + 1 == backwards[s]))
+        held = tuple((live[t], wait[t], fwd[t] > 0, bwd[t] > 0, done[t] == ends[t])
+                     for t in stages)
+        out.add((held, kind, s, kind == last and done[s] + 1 == ends[s]))
         if kind == "F":
             live[s] += 1
             fwd[s] += 1
+        elif kind == "B":
+            bwd[s] += 1
+            wait[s] += split
+            live[s] -= not split
+            done[s] += not split
         else:
             live[s] -= 1
-            bwd[s] += 1
+            wait[s] -= 1
+            done[s] += 1
     return out
 
 

@@ -21,8 +21,9 @@ rank (1F1B / GPipe orders below, the torch schedule object's own `pipeline_order
 multi-stage ones), with the input shape a stage receives ([micro_batch, seq/cp(/tp with
 sp), hidden] in the compute dtype) and the PipelineStage's own FSDP no-sync and final
 gradient reduction (`backward_maybe_with_nosync`, `perform_reduce_grad`). Zero-bubble
-schedules run each backward whole at its input-gradient slot (their deferred weight
-gradients are not rehearsed apart).
+schedules run their input and weight gradients apart, at their own slots, as the stage does
+(`_input_backward`, `_weight_backward`: torch's stage_backward_input keeps the graph until
+the weight gradient).
 
 A mixture of experts routes by value (bincount, uneven all-to-all splits), which fake
 tensors cannot size: every MoE layer gets a `StaticCounts` policy (meshtron/model/moe.py), the
@@ -86,8 +87,9 @@ def _pipeline_order(pm, plan, n_micro: int, pp_rank: int) -> list[tuple[str, int
         kind = getattr(action.computation_type, "value", action.computation_type)
         if kind == "F":
             out.append(("F", action.stage_index, action.microbatch_index))
-        elif kind in ("B", "I"):  # full backward, or a zero-bubble input gradient
-            out.append(("B", action.stage_index, action.microbatch_index))
+        elif kind in ("B", "I", "W"):  # full backward, or zero bubble's input / weight
+            out.append(("W" if kind == "W" else "B", action.stage_index,
+                        action.microbatch_index))
     return out
 
 
@@ -133,22 +135,37 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False
         n_micro, lambda n: _pipeline_order(pm, plan, n, pp_rank),
         lambda n: _schedule_accepts(pm, plan, n))
     order = _pipeline_order(pm, plan, n_run, pp_rank)
-    backwards = {s: sum(1 for k, st, _ in order if k == "B" and st == s) for s in stages}
+    split = any(k == "W" for k, _, _ in order)  # zero bubble: input, then weight gradients
+    ends = "W" if split else "B"
+    backwards = {s: sum(1 for k, st, _ in order if k == ends and st == s) for s in stages}
     done = {s: 0 for s in stages}
+    waiting: dict[tuple[int, int], tuple] = {}
     x_mb, y_mb = tokens.chunk(n_micro), targets.chunk(n_micro)
     for kind, s, i in order:
         if kind == "F":
             inp = _stage_input(plan, spec, device, dtype, s == 0, x_mb[i])
+            if split and s != 0:
+                # a view, not the leaf a real stage receives: torch's module tracker hooks
+                # every module input with a multi-grad hook, which refuses a leaf under the
+                # autograd.grad of zero bubble's input backward (torch 2.13); same storage
+                inp = inp.view_as(inp)
             with pm._loss_context():
                 out = kept = parts[s](inp)
                 if s == last:  # the schedule keeps the stage's output (the logits) until
                     out = pm.loss_fn(kept, y_mb[i]) / n_micro  # the micro-batch's backward
             live[(s, i)] = (inp, out, kept)
             continue
+        if kind == "W":
+            _weight_backward(stages[s], s, waiting.pop((s, i)), done, backwards, pm)
+            continue
         inp, out, kept = live.pop((s, i))
-        done[s] += 1
         grads = None if s == last else torch.empty_like(out)
         inputs = [inp] if s != 0 else []
+        if split:
+            waiting[(s, i)] = _input_backward(stages[s], s, inp, out, kept, grads, inputs, pm)
+            del inp, out, kept, inputs
+            continue
+        done[s] += 1
         with pm._loss_context():
             stages[s].backward_maybe_with_nosync(
                 "full", {"stage_output": out, "output_grads": grads, "input_values": inputs},
@@ -159,6 +176,38 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False
     for st in stages.values():
         st.perform_reduce_grad(1)
     return n_run
+
+
+def _input_backward(stage, s: int, inp, out, kept, grads, inputs, pm) -> tuple:
+    """Zero bubble's B as the PipelineStage runs it (stage.py `backward_one_chunk(
+    full_backward=False)`): the input gradient by `stage_backward_input`, which keeps the
+    graph and the gradients reaching the weight paths until W; the first stage runs nothing
+    here (its W runs the whole backward). What W needs is returned and kept, as the stage's
+    `backward_state` keeps it."""
+    groups = None
+    if s != 0:
+        with pm._loss_context():
+            _, groups = stage.backward_maybe_with_nosync(
+                "input", {"stage_output": (out,), "output_grads": None if grads is None
+                          else [grads], "input_values": inputs}, last_backward=False)
+    return inp, out, kept, grads, inputs, groups
+
+
+def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm) -> None:
+    """Zero bubble's W (`backward_weight_one_chunk`): the weight gradients from what B kept
+    (the first stage: its whole backward), then the received input is freed."""
+    inp, out, kept, grads, inputs, groups = state
+    done[s] += 1
+    with pm._loss_context():
+        if s == 0:
+            stage.backward_maybe_with_nosync(
+                "full", {"stage_output": out, "output_grads": grads, "input_values": inputs},
+                last_backward=done[s] == ends[s])
+        else:
+            stage.backward_maybe_with_nosync(
+                "weight", {"stage_output": (out,), "param_groups": groups},
+                last_backward=done[s] == ends[s])
+            _free_received(inp)
 
 
 def _free_received(inp) -> None:

@@ -1,0 +1,144 @@
+"""Memory under torch's zero-bubble schedules (planner/memory_zb.py): what torch's split
+backward keeps between B and W, measured on meshtron's own blocks, and the walk of torch's
+per-rank lists against the planner's in-flight count."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from meshtron.model.spec import PRESETS
+from meshtron.planner import memory_zb, pipeline
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.plan import Plan
+
+torch = pytest.importorskip("torch")
+from torch.distributed.pipelining._backward import (  # noqa: E402
+    stage_backward_input, stage_backward_weight)
+
+
+def _saved_run(spec_name: str):
+    """Two of meshtron's blocks as a middle stage: forward with every saved tensor recorded,
+    then torch's input backward; (saved bytes, alive after B, captured gradient bytes,
+    alive after W, tokens)."""
+    from meshtron.model.transformer import Transformer
+
+    spec = PRESETS[spec_name]
+    model = Transformer(spec, init_seed=0)
+    blocks = [model.layers["0"], model.layers["1"]]
+    params = [p for b in blocks for p in b.parameters()]
+    seq = 16
+    saved = []
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter) and t.dim():
+            saved.append((weakref.ref(t), t.numel() * t.element_size()))
+        return t
+
+    def alive():
+        gc.collect()
+        return sum(n for r, n in saved if r() is not None)
+
+    x = torch.randn(1, seq, spec.hidden, requires_grad=True)
+    rope = model.rope_for(seq)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = x
+        for b in blocks:
+            y = b(y, rope)
+    total = alive()
+    _, groups = stage_backward_input([y], [torch.randn_like(y)], [x], iter(params))
+    del y
+    after_b = alive()
+    captured = sum(g.numel() * g.element_size() for grp in groups for gs in grp["grads"]
+                   for g in gs if g is not None)
+    stage_backward_weight(iter(params), groups)
+    return spec, total, after_b, captured, seq
+
+
+@pytest.mark.parametrize("name", ["debug", "tiny"])
+def test_split_backward_keeps_every_saved_tensor_and_the_gemm_output_gradients(name):
+    spec, total, after_b, captured, seq = _saved_run(name)
+    assert total > 0
+    assert after_b == total  # retain_graph=True: all of the forward's saved tensors
+    # what the planner charges for the B..W window: each weight GEMM's and norm's output
+    # gradient, per block (fp32 here: 4 bytes)
+    assert captured == pytest.approx(
+        2 * memory_zb.captured_grad_bytes(spec, 1, False, seq, 4.0), rel=1e-12)
+
+
+def _torch_held(cls, p: int, v: int, m: int) -> list[int]:
+    """Most chunk-micro-batches each rank holds between F and W in torch's own lists."""
+    from tests.test_pipeline_zb import _torch_orders
+
+    out = []
+    for order in _torch_orders(cls, p, v, m):
+        now = best = 0
+        for kind, _, _ in order:
+            now += {"F": 1, "B": 0, "W": -1}[kind]
+            best = max(best, now)
+        out.append(best)
+    return out
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 1, 4), (4, 1, 8), (4, 1, 3), (4, 2, 8), (4, 2, 16),
+                                   (3, 2, 2), (4, 3, 8), (8, 1, 32)])
+def test_walk_counts_torch_lists(p, v, m):
+    S = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = S.ScheduleZBVZeroBubble if v == 2 else S.ScheduleInterleavedZeroBubble
+    want = _torch_held(cls, p, v, m)
+    layers = (1,) * (p * v)
+    mult, other = memory_zb.in_flight(p, v, m, layers, 1.0, 0.0, 0.0, 0.0)
+    assert [k * v for k in mult] == pytest.approx(want)
+    assert other == [0.0] * p
+    if m >= p:  # every rank p micro-batches: 1F1B's p - i undercounts all but the first
+        assert mult == pytest.approx([float(p)] * p)
+        assert all(pipeline.in_flight("1f1b", p, v, m, i) < p for i in range(1, p))
+
+
+def test_planner_charges_the_walk_for_a_zb_plan():
+    """A zb plan's rank holds what the walk of torch's order says (1F1B's p - i before)."""
+    from meshtron.planner import memory_pipeline
+
+    ev = Evaluator(PRESETS["llama3-8b"], resolve_cluster("dgx-h100:4"), 64, 4096)
+    base = dict(tp=2, pp=4, dp=4, zero=1, micro_batch=1, recompute="none", sp=True,
+                dtype="bf16")
+    zb = ev.evaluate(Plan(**base, schedule="zb"), stage=2)
+    one = ev.evaluate(Plan(**base, schedule="1f1b"), stage=2)
+    act = ev._memory_pieces(2, 1, True, "none", "bf16", 1, 1, 4)[1]
+    grad = memory_zb.captured_grad_bytes(ev.model, 2, True, 4096, 2.0)
+    out = memory_pipeline.stage_output_bytes(ev.model.hidden, 2, True, 1, 4096, 2.0)
+    head = memory_zb.head_grad_bytes(ev.model, 2, 4096, 2.0)
+    mults, other = memory_zb.in_flight(4, 1, zb.num_microbatches, tuple(zb.stage_layers), act,
+                                       grad, out, head)
+    mult, n = mults[2], zb.stage_layers[2]
+    assert mult > 4.0  # p micro-batches from F to W, and the captured gradients beside them
+    # the breakdown's in-flight term: the micro-batches beyond the running one, and the
+    # outputs and received gradients kept (1F1B's rank 2: p - 2 = 2, one beyond)
+    assert zb.memory.in_flight * 2**30 == pytest.approx(n * act * (mult - 1.0) + other[2],
+                                                       rel=1e-9)
+    assert one.memory.in_flight * 2**30 < n * act * 1.01 + 3 * out
+    assert zb.memory.total > one.memory.total
+
+
+def test_v_places_a_ranks_chunks_at_stages_r_and_2p_minus_1_minus_r():
+    """The saved plan's stage_layers under torch's V (one placement: pipeline.stages_of_rank):
+    rank 0 holds the first and the last stage (the head), rank 1 the middle two."""
+    assert pipeline.split_virtual([3, 5], 2, "zb") == [2, 3, 2, 1]
+    assert pipeline.split_virtual([3, 5], 2, "interleaved") == [2, 3, 1, 2]
+    assert pipeline.head_rank(2, 2, "zb") == 0
+    assert pipeline.head_rank(2, 2, "interleaved") == 1
+    assert pipeline.head_rank(4, 1, "zb") == 3
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_moments_of_more_microbatches_are_those_of_4p(p):
+    """memory_zb.held walks 4p micro-batches for ZB1P and the V however many the step has:
+    the steady state repeats (a test, not an assumption)."""
+    from meshtron.planner.memory_zb import _moments
+
+    for v in (1, 2):
+        for m in (4 * p + 1, 5 * p + 2, 8 * p, 8 * p + 3):
+            assert all(_moments(p, v, m, r) == _moments(p, v, 4 * p, r) for r in range(p))
