@@ -39,12 +39,31 @@ import time
 import zlib
 from pathlib import Path
 
-import torch
 
-from meshtron.checkpoint import CheckpointConfig, store
-from meshtron.checkpoint.checkpointer import Checkpointer
-from meshtron.config import config_from_dict
-from meshtron.train.loop import LocalEngine, build_run_data
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--size-gb", type=float, default=None,
+                   help="size the model so that its checkpoint holds about this many GB "
+                        "(hidden 1024; overrides --hidden/--layers)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--ranks", type=int, default=0,
+                   help="also compare rank-0-alone and shared checksums on this many ranks")
+    p.add_argument("--kill", action="store_true", help="also measure steps lost after SIGKILL")
+    return p
+
+
+if __name__ == "__main__":
+    _parser().parse_args()  # --help and bad options answered before torch loads
+
+import torch  # noqa: E402
+
+from meshtron.checkpoint import CheckpointConfig, store  # noqa: E402
+from meshtron.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from meshtron.config import config_from_dict  # noqa: E402
+from meshtron.train.loop import LocalEngine, build_run_data  # noqa: E402
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -264,18 +283,7 @@ def bench_kill(work: Path, every: int = 4, kill_after: int = 10) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--size-gb", type=float, default=None,
-                   help="size the model so that its checkpoint holds about this many GB "
-                        "(hidden 1024; overrides --hidden/--layers)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--ranks", type=int, default=0,
-                   help="also compare rank-0-alone and shared checksums on this many ranks")
-    p.add_argument("--kill", action="store_true", help="also measure steps lost after SIGKILL")
-    args = p.parse_args()
+    args = _parser().parse_args()
     work = Path(tempfile.mkdtemp(prefix="meshtron-ckpt-bench-"))
     try:
         bench_saves(args, work)

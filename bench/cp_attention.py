@@ -14,10 +14,27 @@ import json
 import statistics
 import time
 
-import torch
-import torch.nn.functional as F
 
-from meshtron.parallel.cp_sdpa import chunk_attention, kernel_for
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--cp", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    return ap
+
+
+if __name__ == "__main__":
+    _parser().parse_args()  # --help and bad options answered before torch loads
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from meshtron.parallel.cp_sdpa import chunk_attention, kernel_for  # noqa: E402
 
 
 def masked(q, k, v, chunks):
@@ -56,16 +73,7 @@ def timed(fn, q, k, v, chunks, reps: int, dev) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--cp", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    args = _parser().parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)

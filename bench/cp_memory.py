@@ -16,6 +16,7 @@ Expected: everything but the gathered K/V divides by cp; K/V per layer are
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -88,5 +89,12 @@ def main() -> None:
                   f"{r['kv'] / 2**20:>17.2f} {rest:>13.3f}")
 
 
+def _parser() -> argparse.ArgumentParser:
+    # No options; the parser is there so --help says what this measures instead of running it.
+    return argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 if __name__ == "__main__":
+    _parser().parse_args()
     main()

@@ -17,6 +17,7 @@ all layers) and the rest, the implied core per unit and its rate in TFLOP/s.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -75,5 +76,12 @@ def _increments(rows) -> None:
                   f"  ratio {pub / mod:5.2f}")
 
 
+def _parser() -> argparse.ArgumentParser:
+    # No options; the parser is there so --help says what this measures instead of running it.
+    return argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 if __name__ == "__main__":
+    _parser().parse_args()
     sys.exit(main())

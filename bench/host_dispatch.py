@@ -15,7 +15,18 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", type=int, default=500)
+    ap.add_argument("--repeats", type=int, default=41)
+    return ap
+
+
+if __name__ == "__main__":
+    _parser().parse_args()  # --help and bad options answered before torch loads
+
+import torch  # noqa: E402
 
 
 def _chain(x: torch.Tensor, ops: int) -> torch.Tensor:
@@ -49,10 +60,7 @@ def measure(ops: int, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", type=int, default=500)
-    ap.add_argument("--repeats", type=int, default=41)
-    args = ap.parse_args()
+    args = _parser().parse_args()
     torch.set_num_threads(1)
     res = measure(args.ops, args.repeats)
     print(f"torch {torch.__version__}, CPU, {args.ops} ops x {args.repeats} repeats (fastest)")

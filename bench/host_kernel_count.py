@@ -18,8 +18,20 @@ import argparse
 import dataclasses
 from collections import Counter
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--norm-as-is", action="store_true")
+    return ap
+
+
+if __name__ == "__main__":
+    _parser().parse_args()  # --help and bad options answered before torch loads
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_unsafe_view"}
 """ATen ops that allocate or alias without a kernel (`_unsafe_view` is a reshape of a fresh
@@ -59,11 +71,7 @@ def count(model_name: str, tokens: int, norm_as_is: bool = False) -> tuple[Count
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--norm-as-is", action="store_true")
-    args = ap.parse_args()
+    args = _parser().parse_args()
     from meshtron.model.spec import PRESETS
     from meshtron.planner.compute import KernelOptions, kernels_per_layer
 

@@ -25,11 +25,26 @@ import json
 import math
 import time
 
-import torch
 
-from meshtron.hf.load import model_shapes
-from meshtron.model import init as minit
-from meshtron.model.spec import preset
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--cases", default="fsdp8,tp8", help="comma list of full, fsdp8, tp8")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--geometry", choices=("rows", "tiles"), default=None,
+                    help="tile geometry (default: the device's, rows on the CPU)")
+    return ap
+
+
+if __name__ == "__main__":
+    _parser().parse_args()  # --help and bad options answered before torch loads
+
+import torch  # noqa: E402
+
+from meshtron.hf.load import model_shapes  # noqa: E402
+from meshtron.model import init as minit  # noqa: E402
+from meshtron.model.spec import preset  # noqa: E402
 
 COLUMN_SHARDED = ("attention.wo.weight", "feed_forward.w2.weight")
 
@@ -66,14 +81,7 @@ def run_case(spec, case: str, device: torch.device, seed: int, geometry: str | N
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama3-8b")
-    ap.add_argument("--cases", default="fsdp8,tp8", help="comma list of full, fsdp8, tp8")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--geometry", choices=("rows", "tiles"), default=None,
-                    help="tile geometry (default: the device's, rows on the CPU)")
-    args = ap.parse_args()
+    args = _parser().parse_args()
     spec = preset(args.model)
     for case in args.cases.split(","):
         print(json.dumps(run_case(spec, case, torch.device(args.device), args.seed,

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -140,8 +141,17 @@ def published_table() -> None:
               f"{parts}")
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="model states for the first layout only (one training run, not all)")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
-    states_table(LAYOUTS[:1] if "--quick" in argv else LAYOUTS)
+    args = parse_args(argv)
+    states_table(LAYOUTS[:1] if args.quick else LAYOUTS)
     activations_table()
     published_table()
     return 0

@@ -11,6 +11,7 @@ Exit 0 when every answer is identical, 1 with the first differing field of each 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -141,7 +142,16 @@ def first_difference(a, b, where: str = "") -> str | None:
     return None if a == b else f"{where or '.'}: {a!r} != {b!r}"
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save", action="store_true",
+                   help="write the answers as the new reference instead of comparing with it")
+    return p.parse_args(argv)
+
+
 def main_(argv: list[str]) -> int:
+    args = parse_args(argv)
     answers, total = {}, 0.0
     for name, case in CASES.items():
         t = time.perf_counter()
@@ -150,7 +160,7 @@ def main_(argv: list[str]) -> int:
         total += dt
         print(f"{name:<28} exit {answers[name]['exit']}  {dt:7.3f} s")
     print(f"{'all':<28}         {total:7.3f} s")
-    if "--save" in argv:
+    if args.save:
         REFERENCE.write_text(dump(answers))
         print(f"saved {REFERENCE.relative_to(ROOT)}")
         return 0

@@ -26,6 +26,7 @@ Error = predicted / published throughput - 1 (step time: published / predicted -
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
@@ -150,8 +151,16 @@ def summarise(rows: list[dict], part: str) -> dict:
             "mean": sum(ok) / len(ok) if ok else float("nan"), "max": max(ok, default=float("nan"))}
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the meshtron command each row runs")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
-    verbose = "-v" in argv
+    verbose = parse_args(argv).verbose
     rows = [run_row(r) for r in published_runs()]
     for r in rows:
         run = r["run"]

@@ -12,6 +12,7 @@ layout the planner's memory model rejects.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import sys
 from pathlib import Path
@@ -43,8 +44,18 @@ def _gpu(name: str | None) -> str:
     return (name or "?").split("-")[0]
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print each row's source, note, plan and step-time terms")
+    p.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
-    verbose = "-v" in argv
+    args = parse_args(argv)
+    verbose = args.verbose
     out_rows = []
     print("CALIBRATION PART (constants were chosen while looking at these)")
     print(HEAD)
@@ -93,9 +104,8 @@ def main(argv: list[str]) -> int:
                 ss = summary([p for p in sel if p.run.stack == st])
                 print(f"  {st:<32} n={ss['n']:>2}  mean {ss['mean'] * 100:5.1f}%  "
                       f"max {ss['max'] * 100:5.1f}%")
-    if "--csv" in argv:
-        path = argv[argv.index("--csv") + 1]
-        with open(path, "w", newline="") as f:
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["part", "run", "gpu", "stack", "layout", "metric", "published",
                         "predicted", "error", "source"])

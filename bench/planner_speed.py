@@ -20,6 +20,7 @@ Before/after a change, run both trees side by side with farm-bench (pairs A B A 
 
 from __future__ import annotations
 
+import argparse
 import resource
 import subprocess
 import sys
@@ -89,8 +90,16 @@ def time_command(repeats: int = 5, argv: list[str] = HEADLINE) -> tuple[float, f
     return best
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--startup", action="store_true",
+                   help="time only the whole `meshtron plan` commands, not the search table")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
-    if "--startup" not in argv:
+    if not parse_args(argv).startup:
         search_table()
     wall, cpu, modules = time_command()
     print(f"\nmeshtron plan, 405B on 16,384 GPUs, whole command: {wall:.3f} s wall, {cpu:.3f} s "

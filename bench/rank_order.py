@@ -13,6 +13,7 @@ group), and the best plan's step time is printed with the ratio. The order is al
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -74,5 +75,12 @@ def main() -> None:
         print(f"{label:62} {t[0]:10.3f} {t[1]:10.3f} {t[1] / t[0]:7.3f}")
 
 
+def _parser() -> argparse.ArgumentParser:
+    # No options; the parser is there so --help says what this measures instead of running it.
+    return argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 if __name__ == "__main__":
+    _parser().parse_args()
     main()

@@ -18,6 +18,7 @@ sides).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -42,15 +43,26 @@ def table(moe: bool) -> tuple[dict, dict]:
     return BASE, kinds
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--moe", action="store_true",
+                   help="the mixture-of-experts table (tests/test_rehearse_moe.py), not the dense")
+    p.add_argument("kinds", nargs="*", metavar="KIND",
+                   help="rows to run (layout kinds of the chosen table); default: every row")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str]) -> None:
+    args = parse_args(argv)  # first: --help answers without importing the runtime (torch)
     from meshtron.model.spec import ModelSpec
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.plan import as_plan
     from meshtron.rehearse.run import rehearse
 
-    moe = "--moe" in argv
+    moe = args.moe
     base, kinds = table(moe)
-    names = [a for a in argv if a != "--moe"]
+    names = args.kinds
     unknown = [n for n in names if n not in kinds]
     if unknown:
         print(f"rehearse_vs_planner: KIND {unknown[0]!r} is not a row of the "

@@ -10,7 +10,7 @@ throughput with the reason scaling degrades.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 
@@ -72,6 +72,15 @@ def sweep_405b(quick: bool) -> None:
         print(f"CSV + 4 plots: {time.perf_counter() - t0:.2f} s")
 
 
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="sweep 512..16,384 GPUs instead of 64..131,072")
+    return p.parse_args()
+
+
 if __name__ == "__main__":
+    args = parse_args()
     step_at_16k()
-    sweep_405b("--quick" in sys.argv)
+    sweep_405b(args.quick)
