@@ -21,6 +21,7 @@ import pytest
 
 from meshtron.model.spec import ModelSpec, preset
 from meshtron.planner import memory
+from bench.memory_vs_measured import TORCHTITAN_8B_PEAK_GIB, torchtitan_8b_row
 from bench.published.table import gpt_model
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute import KernelOptions
@@ -390,22 +391,31 @@ def test_530b_zero3_on_640_a100_fits():
     assert fits, est.memory.to_dict()
 
 
-TORCHTITAN_8B_PEAK_GIB = 82.4
-"""torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: Llama 3.1 8B, 8 H100 96GB
-(Grand Teton), FSDP (eager, no torch.compile), local batch 2, sequence 8192, selective op
-activation checkpointing: peak reserved memory 82.4 GiB."""
-
-
 def test_torchtitan_8b_fsdp_fits_and_its_peak_is_predicted_within_10_percent():
-    # torchtitan: FSDP2 with bf16 params / fp32 reduce, per-block units; its selective "op"
-    # policy saves every other matmul output and the SDPA output (parallelize_llama.py)
-    cl = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=95.0)
-    ev = Evaluator(preset("llama3-8b"), cl, 16, 8192, KernelOptions(),
-                   mem=MemoryOptions(framework="fsdp2", activations="alternate-matmul",
-                                      loss="eager"))
-    fits, est = _fits(ev, 1, 1, 8, 3, 2, "selective", False, None)
-    assert fits, est.memory.to_dict()
+    """The row bench/memory_vs_measured.py prints (one definition, so the two cannot drift):
+    FSDP2 with bf16 params / fp32 reduce, per-block units; the selective "op" policy saves
+    every other matmul output and the SDPA output (parallelize_llama.py). Its loss was the
+    eager one, so the published peak is 55.9 GiB when meshtron's chunked loss is priced in
+    its place (the 2026-12-04 regression of this row)."""
+    ev, plan = torchtitan_8b_row()
+    est = ev.evaluate(plan)
+    assert est.fits, est.memory.to_dict()
     assert est.memory.total == pytest.approx(TORCHTITAN_8B_PEAK_GIB, rel=0.10)
+
+
+def test_torchtitan_8b_row_prices_torchtitan_s_loss_and_saved_list():
+    """Exact inputs: the command line's torchtitan preset's memory layout (not meshtron's
+    defaults), and the eager loss's whole fp32 logits: 12 bytes per element of the local
+    batch's 2 x 8192 tokens x 128256 vocabulary (log_softmax's saved output, the incoming
+    gradient and its input gradient, memory_acts.py)."""
+    from meshtron.planner import frameworks
+
+    ev, plan = torchtitan_8b_row()
+    tt = frameworks.preset("torchtitan").memory
+    for field in ("framework", "activations", "loss", "gqa_copies"):
+        assert getattr(ev.mem, field) == getattr(tt, field), field
+    m = ev.evaluate(plan).memory
+    assert m.logits * 2**30 == pytest.approx(12 * 2 * 8192 * ev.model.vocab, rel=1e-9)
 
 
 def _two_blocks(spec: ModelSpec, recompute: str):

@@ -170,3 +170,17 @@ def test_deepspeed_0_3_pipeline_all_reduces_zero1_and_its_plain_engine_reduce_sc
         groups = ev._groups(Plan(tp=2, pp=pp, dp=8 // pp, zero=1, micro_batch=1))
         red, _ = ev.once_per_step(1e9, 1, groups, 2.0)
         assert red == pytest.approx(collective(2e9, groups["dp"], ev.fab))
+
+
+def test_torchtitan_rows_price_torchtitan_s_eager_loss_on_both_paths():
+    """torchtitan's loss is eager (train.py of December 2024: `torch.compile(loss_fn)`
+    commented out): whole fp32 logits, no chunked head replay. The command line's torchtitan
+    preset says so; the Python path (`PublishedRun.row_memory`) priced these rows with
+    meshtron's chunked loss, the fsdp2 default, until each row stated it."""
+    from meshtron.planner.frameworks import preset
+
+    tt = [r for r in published_runs() if r.stack.startswith("torchtitan")]
+    assert len(tt) >= 20
+    loss = preset("torchtitan").memory.loss_kind
+    assert loss == "eager"
+    assert {r.name: r.row_memory.loss_kind for r in tt} == {r.name: loss for r in tt}

@@ -11,7 +11,8 @@ from meshtron.planner import memory
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute import KernelOptions
 from bench.published.stacks import (LLM_FOUNDRY_AMP, LLM_FOUNDRY_AMP_2023, LLM_FOUNDRY_MEMORY,
-                                    LLM_FOUNDRY_PURE, TORCHTITAN_COMPILED, TORCHTITAN_EAGER)
+                                    LLM_FOUNDRY_PURE, TORCHTITAN_COMPILED, TORCHTITAN_EAGER,
+                                    TORCHTITAN_MEMORY)
 from bench.published.table import (PublishedRun, a100_40gb, grand_teton_h100_500w,
                                    mpt_model)
 
@@ -50,7 +51,7 @@ def torchtitan() -> list[PublishedRun]:
                 f"TT Llama3.1 8B {gpus} {label}", f"TT24 Table {1 if gpus == 8 else 3}",
                 f"torchtitan FSDP2 {label}", l31, grand_teton_h100_500w(gpus // 8), 2 * gpus,
                 8192, 1, 1, gpus, 3, "half", False, opts, "tokens_per_gpu", tps,
-                micro_batches=(2,),
+                micro_batches=(2,), memory=TORCHTITAN_MEMORY,
                 note="local batch 2, selective (op) activation checkpointing; 500 W H100 "
                      "peak assumed 912 TFLOP/s"))
     a100 = [  # name, model, seq, local batch, recompute, TPS/GPU
@@ -66,7 +67,7 @@ def torchtitan() -> list[PublishedRun]:
         runs.append(PublishedRun(
             f"TT {name}", "TTA (64 A100 80GB)", "torchtitan FSDP2 eager", model,
             preset_cluster("dgx-a100", 8), 64 * lb, seq, 1, 1, 64, 3, rec, False,
-            TORCHTITAN_EAGER, "tokens_per_gpu", tps, micro_batches=(lb,),
+            TORCHTITAN_EAGER, "tokens_per_gpu", tps, micro_batches=(lb,), memory=TORCHTITAN_MEMORY,
             note="network not stated: 8 x 200 Gb/s per node assumed; 'selective op' costed "
                  "as every second layer recomputed"))
     return runs
@@ -87,13 +88,15 @@ def torchtitan_nd() -> list[PublishedRun]:
             f"TT 8B FSDP{fsdp} CP{cp} {seq // 1024}k", src.format(2), "torchtitan FSDP2 compile",
             l31_8b.replace(max_seq=seq), grand_teton_h100_500w(1), fsdp, seq, 1, 1, fsdp, 3,
             "full", False, TORCHTITAN_COMPILED, "tokens_per_gpu", tps, cp=cp, dtype="fp8",
+            memory=TORCHTITAN_MEMORY,
             published_memory_gib=mem, note="local batch 1; Float8; 500 W peak assumed 912"))
     for label, opts, tps, mem in (("2D", TORCHTITAN_COMPILED, 829.0, 71.9),
                                   ("2D+AsyncTP", async_tp, 876.0, 67.6)):
         runs.append(PublishedRun(
             f"TT 70B FSDP32 TP8 {label}", src.format(4), "torchtitan FSDP2 compile", l31_70b,
             grand_teton_h100_500w(32), 512, 8192, 8, 1, 32, 3, "full", True, opts,
-            "tokens_per_gpu", tps, micro_batches=(16,), dtype="fp8", published_memory_gib=mem,
+            "tokens_per_gpu", tps, micro_batches=(16,), dtype="fp8",
+            memory=TORCHTITAN_MEMORY, published_memory_gib=mem,
             note="local batch 16; Float8; sequence parallel with TP (torchtitan's default)"))
     for sched, tps, mem in (("1f1b", 100.0, 82.5), ("interleaved", 128.0, 72.7)):
         runs.append(PublishedRun(
@@ -101,6 +104,7 @@ def torchtitan_nd() -> list[PublishedRun]:
             l31_405b, grand_teton_h100_500w(64), 256, 8192, 8, 8, 8, 3, "full", True, async_tp,
             "tokens_per_gpu", tps, micro_batches=(4,), schedules=(sched,), dtype="fp8",
             virtual_stages=2 if sched == "interleaved" else None, published_memory_gib=mem,
+            memory=TORCHTITAN_MEMORY,
             note="local batch 32 in torchtitan's default pipeline_parallel_microbatches = pp "
                  "degree (8) micro-batches of 4 (torchtitan/parallelisms/pipelining_utils.py, "
                  "build_pipeline_schedule, 2024); interleaved: generate_split_points' default "
@@ -112,6 +116,7 @@ def torchtitan_nd() -> list[PublishedRun]:
             "torchtitan FSDP2 compile", l31_405b.replace(max_seq=seq),
             grand_teton_h100_500w(64), 8 * fsdp, seq, 8, 8, fsdp, 3, "full", True, async_tp,
             "tokens_per_gpu", tps, micro_batches=(1,), schedules=("1f1b",), cp=cp, dtype="fp8",
+            memory=TORCHTITAN_MEMORY,
             published_memory_gib=mem, note="local batch 8, 1F1B; Float8 + AsyncTP"))
     return runs
 

@@ -63,6 +63,13 @@ synchronisation of the next fetch waits for it, so it is costed as not overlappe
 are released after every forward, so the recomputed forward gathers them again. Every call goes
 through list-based collectives: zero-filled gather buffers, PyTorch 1.8's per-chunk staging
 copies and a Python loop over the ranks (list_collectives; estimate.LIST_HOST_S_PER_RANK)."""
+TORCHTITAN_MEMORY = MemoryOptions(framework="fsdp2", loss="eager")
+"""torchtitan's loss, eager in both stacks: train.py of December 2024 leaves
+`torch.compile(loss_fn)` commented out ("compiling loss function causes CUDA errors"), so the
+logits are cast to fp32 whole and log_softmax's output is saved (memory_acts.py, 12 bytes per
+logit), and no head replay is priced (that is meshtron's chunked loss, the fsdp2 default). The
+command line's torchtitan preset states the same loss; without it here the Python path of the
+table priced these rows with meshtron's chunked loss."""
 LLM_FOUNDRY_MEMORY = MemoryOptions(framework="fsdp2", loss="inplace")
 """llm-foundry's MPT: FSDP with fp32 sharded parameters, and flash-attn's fused cross-entropy
 (its default `loss_fn: fused_crossentropy`), whose backward overwrites the logits in place."""
