@@ -180,46 +180,55 @@ def _program(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple, ...]:
     previous operation, 1 + the index of the operation producing its input (its own B for a
     W; 0: none), and whether that one ran on another rank. Operations are numbered
     (kind * p v + stage) * m + micro-batch so that finding an input is arithmetic."""
-    looped = schedule != "zb"
-    ords = cached_orders(p, v, m, schedule)
     nv = p * v
-    rank_of = [s % p if looped else stage_rank(p, v, s) for s in range(nv)]
+    ranks = [_coded(o, nv, m) for o in cached_orders(p, v, m, schedule)]
     done = [0] * (3 * nv * m)  # 1 + the event index of each operation once placed
     keys: list[int] = []
     prevs: list[int] = []
     deps: list[int] = []
-    cross: list[bool] = []
     last, at = [0] * p, [0] * p
-    kind_of = {"F": 0, "B": 1, "W": 2}
     moved = True
     while moved:
         moved = False
-        for r in range(p):
-            order, i = ords[r], at[r]
-            while i < len(order):
-                kind_s, s, mb = order[i]
-                kind = kind_of[kind_s]
-                if kind == 0:
-                    dep = ((s - 1) * m + mb) if s > 0 else -1
-                elif kind == 1:
-                    dep = ((nv + s + 1) * m + mb) if s < nv - 1 else s * m + mb
-                else:
-                    dep = (nv + s) * m + mb
+        for r, (ids, inputs) in enumerate(ranks):
+            i, n, prev = at[r], len(ids), last[r]
+            while i < n:
+                dep = inputs[i]
                 d = done[dep] if dep >= 0 else 0
                 if dep >= 0 and not d:
                     break  # its input is not placed yet: another rank's turn
-                key = kind * nv + s
-                keys.append(key)
-                prevs.append(last[r])
+                op = ids[i]
+                keys.append(op // m)
+                prevs.append(prev)
                 deps.append(d)
-                cross.append(dep >= 0 and rank_of[dep // m % nv] != r)
-                done[key * m + mb] = last[r] = len(keys)
+                done[op] = prev = len(keys)
                 i += 1
-                moved = True
-            at[r] = i
-    if any(a < len(o) for a, o in zip(at, ords)):
+            if i > at[r]:
+                at[r], last[r], moved = i, prev, True
+    if any(a < len(ids) for a, (ids, _) in zip(at, ranks)):
         raise RuntimeError(f"zero-bubble order deadlocks at p={p} v={v} m={m}")
-    return tuple(keys), tuple(prevs), tuple(deps), tuple(cross)
+    looped = schedule != "zb"
+    rank_of = [s % p if looped else stage_rank(p, v, s) for s in range(nv)] * 3
+    cross = tuple(d > 0 and rank_of[keys[d - 1]] != rank_of[k] for k, d in zip(keys, deps))
+    return tuple(keys), tuple(prevs), tuple(deps), cross
+
+
+def _coded(order: tuple[Op, ...], nv: int, m: int) -> tuple[list[int], list[int]]:
+    """A rank's order as operation numbers ((kind * nv + stage) * m + micro-batch) and the
+    number of each one's input (-1: none): F of stage s needs F of s - 1, B of s needs B of
+    s + 1 (the last stage: its own F), W its own B."""
+    ids, inputs = [], []
+    for kind, s, mb in order:
+        if kind == "F":
+            ids.append(s * m + mb)
+            inputs.append((s - 1) * m + mb if s > 0 else -1)
+        elif kind == "B":
+            ids.append((nv + s) * m + mb)
+            inputs.append((nv + s + 1) * m + mb if s < nv - 1 else s * m + mb)
+        else:
+            ids.append((2 * nv + s) * m + mb)
+            inputs.append((nv + s) * m + mb)
+    return ids, inputs
 
 
 def _walk_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
@@ -339,3 +348,28 @@ def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: in
         if settled:
             break
     return max(0.0, last)
+
+
+def interleaved_idle_floor(m: int, f: tuple[float, ...], b: tuple[float, ...], p: int) -> float:
+    """A lower bound of `interleaved_bubble` (same arguments) in O(p v), without the walk, for
+    the search to drop a plan whose step is over its cutoff even with this idle. Each rank runs
+    its operations one at a time: it cannot start before micro-batch 0's forwards of the
+    stages before its first (stage r) have run, and after its last operation (the backward of
+    stage `_last_backward`, the last micro-batch) the backwards of the stages below it still
+    run. So the walk's makespan is at least, for every rank, that head + its m micro-batches'
+    work + that tail (hop 0, as `interleaved_bubble` walks); the idle is that minus m times
+    the slowest rank's work. Tight for equal chunks ((p - 1)(f + b) on the last rank); the
+    margin keeps it below the walk's own rounding."""
+    v = len(f) // p
+    work = [sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p)]
+    worst = max(work)
+    span = max(sum(f[:r]) + m * work[r] + sum(b[:_last_backward(p, v, m, r)])
+               for r in range(p))
+    return max(0.0, span - m * worst - 1e-9 * m * worst)
+
+
+def _last_backward(p: int, v: int, m: int, r: int) -> int:
+    """The stage of rank r's last operation in torch's interleaved 1F1B order (the last
+    backward of `_zb1p_order(..., whole=True)`: b_stage of its index m v - 1)."""
+    per_round = m // max(1, m // p)
+    return (v - 1 - ((m * v - 1) // per_round) % v) * p + r
