@@ -91,4 +91,4 @@ def test_interleaved_idle_floor_is_tight_for_equal_chunks(p, v, m):
     f, b = (1.0,) * (p * v), (2.3,) * (p * v)
     walked = pipeline_zb.interleaved_bubble(m, f, b, p)
     assert walked == pytest.approx((p - 1) * 3.3, rel=1e-9)
-    assert pipeline_zb.interleaved_idle_floor(m, f, b, p) == pytest.approx(walked, rel=1e-6)  # less its margin
+    assert pipeline_zb.interleaved_idle_floor(m, f, b, p) == pytest.approx(walked, rel=1e-6)
