@@ -68,8 +68,11 @@ class StepTimes:
                 bubble = pipeline_zb.chunk_bubble(v, m, *chunked[:3])
             else:  # a rank's chunks differ: (sum t - max t) / v is not the order's walk
                 f, b, wg, _ = chunked
-                bubble = pipeline_zb.interleaved_bubble(
-                    m, f, tuple(x + y for x, y in zip(b, wg)), pp)
+                whole = tuple(x + y for x, y in zip(b, wg))
+                bubble = pipeline_zb.interleaved_idle_floor(m, f, whole, pp)
+                if TimeBreakdown(bubble=bubble, **parts).total <= w.cutoff:
+                    # the walk (>= that floor) can only matter for a step under the cutoff
+                    bubble = pipeline_zb.interleaved_bubble(m, f, whole, pp)
         return TimeBreakdown(bubble=bubble, **parts)
 
     def _chunk_times(self, w: Work) -> tuple[tuple[float, ...], ...]:

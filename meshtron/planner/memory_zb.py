@@ -143,8 +143,10 @@ def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad:
     gradients and head gradient held then), the multiplier `pipeline.in_flight` gives the
     memory model."""
     mult, other = [], []
-    for r in range(p):
-        n_r = sum(layers[s] for s in range(p * v) if pipeline_zb.stage_rank(p, v, s) == r)
+    per_rank = [0] * p  # each rank's layers, over its stages in one pass
+    for s in range(p * v):
+        per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
+    for r, n_r in enumerate(per_rank):
         lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss)
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from functools import lru_cache
 
 from meshtron.planner import comm, pipeline_zb
 from meshtron.planner.overlap import OVERLAP_INTERFERENCE
@@ -63,6 +64,7 @@ def stages_of_rank(pp: int, v: int, schedule: str, pp_rank: int) -> list[int]:
     return list(range(pp_rank, n, pp))
 
 
+@lru_cache(maxsize=1024)  # read per plan and per rank by the memory model and the times
 def head_rank(pp: int, v: int, schedule: str | None) -> int:
     """Pipeline rank holding the last virtual stage (final norm, output head, loss): the last
     rank, except on torch's V (ScheduleZBVZeroBubble: stages r and 2p-1-r on rank r), where

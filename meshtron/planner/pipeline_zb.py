@@ -76,30 +76,35 @@ def _zb1p_order(p: int, v: int, m: int, r: int, whole: bool = False) -> list[Op]
     warm = min((v - 1) * per_round + (2 if whole else 1) * (p - 1 - r), total)
     lag = total + warm if whole else r  # the interleaved 1F1B: whole backwards, no W
 
-    def f_stage(k: int) -> int:
-        return ((k // per_round) % v) * p + r
+    f_stage = [((k // per_round) % v) * p + r for k in range(total)]
+    b_stage = [(v - 1 - (j // per_round) % v) * p + r for j in range(total)]  # j = k - warm
+    # micro-batch counters per kind and stage (the rank's chunks only are ever counted)
+    cf, cb, cw = [0] * (p * v), [0] * (p * v), [0] * (p * v)
 
-    def b_stage(k: int) -> int:
-        return (v - 1 - ((k - warm) // per_round) % v) * p + r
-
-    count: dict[tuple[str, int], int] = {}
-
-    def op(kind: str, stage: int) -> Op:
-        mb = count.get((kind, stage), 0)
-        count[(kind, stage)] = mb + 1
-        return (kind, stage, mb)
-
-    out = [op("F", f_stage(k)) for k in range(warm)]
+    out: list[Op] = []
+    for k in range(warm):
+        s = f_stage[k]
+        out.append(("F", s, cf[s]))
+        cf[s] += 1
     weights = 0  # W of the weights-th backward: one after each B once r of them wait
-    for k in range(warm, total + warm):
-        if k < total:
-            out.append(op("F", f_stage(k)))
-        out.append(op("B", b_stage(k)))
-        if k - warm >= lag:
-            out.append(op("W", b_stage(warm + weights)))
+    for j in range(total):  # j = k - warm, the backward's index
+        if j + warm < total:
+            s = f_stage[j + warm]
+            out.append(("F", s, cf[s]))
+            cf[s] += 1
+        s = b_stage[j]
+        out.append(("B", s, cb[s]))
+        cb[s] += 1
+        if j >= lag:
+            s = b_stage[weights]
+            out.append(("W", s, cw[s]))
+            cw[s] += 1
             weights += 1
     if not whole:
-        out += [op("W", b_stage(warm + j)) for j in range(weights, total)]
+        for j in range(weights, total):
+            s = b_stage[j]
+            out.append(("W", s, cw[s]))
+            cw[s] += 1
     return out
 
 
@@ -147,65 +152,83 @@ def _zbv_order(p: int, m: int, r: int) -> list[Op]:
     return [o for o in out if o[2] < m]
 
 
-def _input(op: Op, nv: int) -> Op | None:
-    """The operation whose output `op` needs (W: its own B, run earlier on the same rank)."""
-    kind, s, mb = op
-    if kind == "F":
-        return ("F", s - 1, mb) if s > 0 else None
-    if kind == "B":
-        return ("B", s + 1, mb) if s < nv - 1 else ("F", s, mb)
-    return ("B", s, mb)
-
-
 def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
          hop: float = 0.0, schedule: str = "zb") -> float:
     """Makespan of torch's 'zb' orders (`schedule` 'interleaved': its interleaved 1F1B, b the
     whole backward, w unused), per virtual stage forward f, input gradient b and weight
     gradient w of one micro-batch; a transfer between ranks delays its receiver by `hop` (a
     rank's own sends never hold it: the runtime waits on them at the step's end)."""
-    dur = (f, b, w)
-    end: list[float] = []
-    for kind, stage, prev, dep, cross in _program(p, v, m, schedule):
-        start = end[prev] if prev >= 0 else 0.0
-        if dep >= 0:
-            ready = end[dep] + hop if cross else end[dep]
-            if ready > start:
-                start = ready
-        end.append(start + dur[kind][stage])
+    dur = [*f, *b, *w]  # indexed by kind * p v + stage (`_program`)
+    keys, prevs, deps, cross = _program(p, v, m, schedule)
+    end = [0.0]  # end[0]: "no operation" (index 0 in prevs/deps); operation i ends at end[i + 1]
+    append = end.append
+    if hop:
+        for k, a, d, x in zip(keys, prevs, deps, cross):
+            start, ready = end[a], end[d] + hop if x else end[d]
+            append((start if start > ready else ready) + dur[k])
+    else:  # the search's walks: one max and one add per operation
+        for k, a, d in zip(keys, prevs, deps):
+            start, ready = end[a], end[d]
+            append((start if start > ready else ready) + dur[k])
     return max(end)
 
 
 @lru_cache(maxsize=2048)
-def _program(p: int, v: int, m: int,
-             schedule: str = "zb") -> tuple[tuple[int, int, int, int, bool], ...]:
+def _program(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple, ...]:
     """torch's orders as an event list in an order where every input comes first: per
-    operation (kind 0/1/2 for F/B/W, stage, index of the rank's previous operation, index of
-    the operation producing its input, whether that one ran on another rank); -1: none."""
-    looped = schedule != "zb"
-    ords = cached_orders(p, v, m, schedule)
+    operation, its kind * p v + stage (kinds 0/1/2 for F/B/W), 1 + the index of the rank's
+    previous operation, 1 + the index of the operation producing its input (its own B for a
+    W; 0: none), and whether that one ran on another rank. Operations are numbered
+    (kind * p v + stage) * m + micro-batch so that finding an input is arithmetic."""
     nv = p * v
-    index: dict[Op, int] = {}
-    out: list[tuple[int, int, int, int, bool]] = []
-    last, at = [-1] * p, [0] * p
+    ranks = [_coded(o, nv, m) for o in cached_orders(p, v, m, schedule)]
+    done = [0] * (3 * nv * m)  # 1 + the event index of each operation once placed
+    keys: list[int] = []
+    prevs: list[int] = []
+    deps: list[int] = []
+    last, at = [0] * p, [0] * p
     moved = True
     while moved:
         moved = False
-        for r in range(p):
-            while at[r] < len(ords[r]):
-                op = ords[r][at[r]]
-                dep = _input(op, nv)
-                if dep is not None and dep not in index:
-                    break
-                d = -1 if dep is None else index[dep]
-                cross = dep is not None and (dep[1] % p if looped else
-                                             stage_rank(p, v, dep[1])) != r
-                out.append(("FBW".index(op[0]), op[1], last[r], d, cross))
-                index[op] = last[r] = len(out) - 1
-                at[r] += 1
-                moved = True
-    if any(a < len(o) for a, o in zip(at, ords)):
+        for r, (ids, inputs) in enumerate(ranks):
+            i, n, prev = at[r], len(ids), last[r]
+            while i < n:
+                dep = inputs[i]
+                d = done[dep] if dep >= 0 else 0
+                if dep >= 0 and not d:
+                    break  # its input is not placed yet: another rank's turn
+                op = ids[i]
+                keys.append(op // m)
+                prevs.append(prev)
+                deps.append(d)
+                done[op] = prev = len(keys)
+                i += 1
+            if i > at[r]:
+                at[r], last[r], moved = i, prev, True
+    if any(a < len(ids) for a, (ids, _) in zip(at, ranks)):
         raise RuntimeError(f"zero-bubble order deadlocks at p={p} v={v} m={m}")
-    return tuple(out)
+    looped = schedule != "zb"
+    rank_of = [s % p if looped else stage_rank(p, v, s) for s in range(nv)] * 3
+    cross = tuple(d > 0 and rank_of[keys[d - 1]] != rank_of[k] for k, d in zip(keys, deps))
+    return tuple(keys), tuple(prevs), tuple(deps), cross
+
+
+def _coded(order: tuple[Op, ...], nv: int, m: int) -> tuple[list[int], list[int]]:
+    """A rank's order as operation numbers ((kind * nv + stage) * m + micro-batch) and the
+    number of each one's input (-1: none): F of stage s needs F of s - 1, B of s needs B of
+    s + 1 (the last stage: its own F), W its own B."""
+    ids, inputs = [], []
+    for kind, s, mb in order:
+        if kind == "F":
+            ids.append(s * m + mb)
+            inputs.append((s - 1) * m + mb if s > 0 else -1)
+        elif kind == "B":
+            ids.append((nv + s) * m + mb)
+            inputs.append((nv + s + 1) * m + mb if s < nv - 1 else s * m + mb)
+        else:
+            ids.append((2 * nv + s) * m + mb)
+            inputs.append((nv + s) * m + mb)
+    return ids, inputs
 
 
 def _walk_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
@@ -325,3 +348,28 @@ def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: in
         if settled:
             break
     return max(0.0, last)
+
+
+def interleaved_idle_floor(m: int, f: tuple[float, ...], b: tuple[float, ...], p: int) -> float:
+    """A lower bound of `interleaved_bubble` (same arguments) in O(p v), without the walk, for
+    the search to drop a plan whose step is over its cutoff even with this idle. Each rank runs
+    its operations one at a time: it cannot start before micro-batch 0's forwards of the
+    stages before its first (stage r) have run, and after its last operation (the backward of
+    stage `_last_backward`, the last micro-batch) the backwards of the stages below it still
+    run. So the walk's makespan is at least, for every rank, that head + its m micro-batches'
+    work + that tail (hop 0, as `interleaved_bubble` walks); the idle is that minus m times
+    the slowest rank's work. Tight for equal chunks ((p - 1)(f + b) on the last rank); the
+    margin keeps it below the walk's own rounding."""
+    v = len(f) // p
+    work = [sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p)]
+    worst = max(work)
+    span = max(sum(f[:r]) + m * work[r] + sum(b[:_last_backward(p, v, m, r)])
+               for r in range(p))
+    return max(0.0, span - m * worst - 1e-9 * m * worst)
+
+
+def _last_backward(p: int, v: int, m: int, r: int) -> int:
+    """The stage of rank r's last operation in torch's interleaved 1F1B order (the last
+    backward of `_zb1p_order(..., whole=True)`: b_stage of its index m v - 1)."""
+    per_round = m // max(1, m // p)
+    return (v - 1 - ((m * v - 1) // per_round) % v) * p + r

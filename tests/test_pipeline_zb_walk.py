@@ -1,0 +1,94 @@
+"""The planner's walk of torch's pipeline orders (pipeline_zb.walk) against an independent
+event walk of the same orders, and the interleaved idle floor the search prunes with
+(pipeline_zb.interleaved_idle_floor) against the walk it stands in for. No torch needed:
+tests/test_pipeline_zb.py checks the orders themselves against torch's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshtron.planner import pipeline_zb
+
+
+def _reference_walk(p, v, m, f, b, w, hop, schedule):
+    """Each rank runs its list in order; an operation starts when the rank's previous one
+    has ended and its input has (F: the previous stage's F; B: the next stage's B, or its
+    own F on the last stage; W: its own B), `hop` later when that input ran elsewhere."""
+    nv = p * v
+    orders = pipeline_zb.cached_orders(p, v, m, schedule)
+    where = [s % p if schedule != "zb" else pipeline_zb.stage_rank(p, v, s) for s in range(nv)]
+    dur = {"F": f, "B": b, "W": w}
+    end: dict = {}
+    clock, at = [0.0] * p, [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while at[r] < len(orders[r]):
+                kind, s, j = orders[r][at[r]]
+                dep = {"F": ("F", s - 1, j) if s > 0 else None,
+                       "B": ("B", s + 1, j) if s < nv - 1 else ("F", s, j),
+                       "W": ("B", s, j)}[kind]
+                if dep is not None and dep not in end:
+                    break
+                start = clock[r]
+                if dep is not None:
+                    start = max(start, end[dep] + (hop if where[dep[1]] != r else 0.0))
+                clock[r] = end[(kind, s, j)] = start + dur[kind][s]
+                at[r] += 1
+                moved = True
+    assert all(a == len(o) for a, o in zip(at, orders))
+    return max(end.values())
+
+
+CASES = [(p, v, m, sched) for p in (2, 3, 4) for v in (1, 2, 3) for m in (1, p, 2 * p + 1, 4 * p)
+         for sched in ("zb", "interleaved") if not (sched == "interleaved" and v == 1)]
+
+
+@pytest.mark.parametrize("p,v,m,schedule", CASES)
+def test_walk_is_the_event_walk_of_the_orders(p, v, m, schedule):
+    rng = random.Random(p * 1000 + v * 100 + m)
+    nv = p * v
+    try:
+        pipeline_zb.cached_orders(p, v, m, schedule)
+        pipeline_zb.walk(p, v, m, [1.0] * nv, [1.0] * nv, [1.0] * nv, schedule=schedule)
+    except RuntimeError:
+        pytest.skip("torch's order does not run these micro-batches")  # as before this walk
+    for hop in (0.0, 0.25):
+        f, b, w = ([rng.uniform(0.1, 2.0) for _ in range(nv)] for _ in range(3))
+        got = pipeline_zb.walk(p, v, m, f, b, w, hop=hop, schedule=schedule)
+        assert got == _reference_walk(p, v, m, f, b, w, hop, schedule)
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (3, 3), (4, 2), (4, 4), (8, 3)])
+def test_interleaved_idle_floor_never_above_the_walk(p, v):
+    rng = random.Random(p * 10 + v)
+    nv = p * v
+    walked = 0
+    for m in sorted({1, p - 1, p, p + 1, 2 * p, 3 * p, 3 * p + 2, 5 * p} - {0}):
+        try:
+            pipeline_zb.interleaved_bubble(m, (1.0,) * nv, (1.0,) * nv, p)
+        except RuntimeError:
+            continue  # torch's order does not run these micro-batches
+        walked += 1
+        for r in range(p):  # the stage the floor's tail starts from is the order's last B
+            last = pipeline_zb.cached_orders(p, v, m, "interleaved")[r][-1]
+            assert last[:2] == ("B", pipeline_zb._last_backward(p, v, m, r))
+        for spread in (0.0, 0.2, 1.0):
+            f = tuple(1.0 + spread * rng.random() for _ in range(nv))
+            b = tuple(2.0 + spread * rng.random() for _ in range(nv))
+            floor = pipeline_zb.interleaved_idle_floor(m, f, b, p)
+            assert 0.0 <= floor <= pipeline_zb.interleaved_bubble(m, f, b, p), (m, spread)
+    assert walked >= 4
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (4, 3, 12), (8, 2, 16), (8, 4, 32)])
+def test_interleaved_idle_floor_is_tight_for_equal_chunks(p, v, m):
+    """Equal chunks: the last rank's head and tail are the whole bubble, (p - 1)(f + b), so
+    the floor prunes every plan the walk would (a floor of 0 would prune nothing)."""
+    f, b = (1.0,) * (p * v), (2.3,) * (p * v)
+    walked = pipeline_zb.interleaved_bubble(m, f, b, p)
+    assert walked == pytest.approx((p - 1) * 3.3, rel=1e-9)
+    assert pipeline_zb.interleaved_idle_floor(m, f, b, p) == pytest.approx(walked, rel=1e-6)
