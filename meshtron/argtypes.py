@@ -72,3 +72,18 @@ def writable_target(path: str | Path, field: str) -> Path:
         raise UserError(f"{field}={str(path)!r}: cannot write in {str(folder)!r} "
                         f"({exc.strerror or exc})") from None
     return path
+
+
+def take_from_plan(args: argparse.Namespace, plan, path: str, flags=("model", "cluster"),
+                   require: bool = False) -> None:
+    """Each of `flags` from the saved plan where the command line leaves it out (`cost --plan`,
+    `simulate --step --plan`); a flag that contradicts the file is refused in one line, and with
+    `require` so is a flag neither gives."""
+    for flag in flags:
+        given, saved = getattr(args, flag), getattr(plan, flag)
+        if given is not None and saved is not None and given != saved:
+            raise UserError(f"{flag}={given!r}: contradicts the plan {path}, made for "
+                            f"{flag} {saved!r}; drop --{flag} or re-plan")
+        if require and given is None and saved is None:
+            raise UserError(f"plan={path!r}: names no {flag}; give --{flag}")
+        setattr(args, flag, given or saved)

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from meshtron.argtypes import positive_int
+from meshtron.argtypes import positive_int, take_from_plan
 from meshtron.errors import UserError
 
 
@@ -91,14 +91,7 @@ def _model_and_cluster(args: argparse.Namespace):
         from meshtron.planner.plan import load_plan
 
         plan = load_plan(args.plan)
-        for flag in ("model", "cluster"):
-            given, saved = getattr(args, flag), getattr(plan, flag)
-            if given is not None and saved is not None and given != saved:
-                raise UserError(f"{flag}={given!r}: contradicts the plan {args.plan}, made for "
-                                f"{flag} {saved!r}; drop --{flag} or re-plan")
-            if given is None and saved is None:
-                raise UserError(f"plan={args.plan!r}: names no {flag}; give --{flag}")
-            setattr(args, flag, given or saved)
+        take_from_plan(args, plan, args.plan, require=True)
     for flag in ("model", "cluster"):
         if getattr(args, flag) is None:
             raise UserError(f"{flag}: required (or give --plan PLAN.toml, which names it)")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshtron.argtypes import positive_int
+from meshtron.argtypes import positive_int, take_from_plan
 from meshtron.errors import UserError
 
 
@@ -113,12 +113,7 @@ def _fill_from_plan(args: argparse.Namespace) -> None:
         from meshtron.planner.plan import load_plan
 
         plan = load_plan(args.plan)
-        for flag in ("model", "cluster"):
-            given, saved = getattr(args, flag), getattr(plan, flag)
-            if given is not None and saved is not None and given != saved:
-                raise UserError(f"{flag}={given!r}: contradicts the plan {args.plan}, made for "
-                                f"{flag} {saved!r}; drop --{flag} or re-plan")
-            setattr(args, flag, given or saved)
+        take_from_plan(args, plan, args.plan)
         args.global_batch = args.global_batch or plan.global_batch
         args.seq_len = args.seq_len or plan.seq_len
     for flag in ("model", "global_batch", "seq_len"):
