@@ -144,10 +144,17 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False
     done = {s: 0 for s in stages}
     waiting: dict[tuple[int, int], tuple] = {}
     hooked: dict[tuple[int, int], list] = {}  # the tracker's hooks on each graph
+    local: set[tuple[int, int]] = set()  # inputs passed on this rank: nothing to free
     x_mb, y_mb = tokens.chunk(n_micro), targets.chunk(n_micro)
     for kind, s, i in order:
         if kind == "F":
-            inp = _stage_input(plan, spec, device, dtype, s == 0, x_mb[i])
+            prev = live.get((s - 1, i)) if s - 1 in stages else None
+            if prev is not None:  # the V's turn: torch passes the previous stage's output
+                # detached, its storage shared, no copy (schedules.py `set_local_fwd_input`)
+                inp = prev[1].detach().requires_grad_(True)
+                local.add((s, i))
+            else:
+                inp = _stage_input(plan, spec, device, dtype, s == 0, x_mb[i])
             if split and s != 0:
                 # a view, not the leaf a real stage receives: torch's module tracker hooks
                 # every module input with a multi-grad hook, which refuses a leaf under the
@@ -161,7 +168,8 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False
             hooked[(s, i)] = hooks.take() if hooks is not None else []
             continue
         if kind == "W":
-            _weight_backward(stages[s], s, waiting.pop((s, i)), done, backwards, pm)
+            _weight_backward(stages[s], s, waiting.pop((s, i)), done, backwards, pm,
+                             free=(s, i) not in local)
             release(hooked.pop((s, i)))
             continue
         inp, out, kept = live.pop((s, i))
@@ -176,7 +184,7 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False
             stages[s].backward_maybe_with_nosync(
                 "full", {"stage_output": out, "output_grads": grads, "input_values": inputs},
                 last_backward=done[s] == backwards[s])
-        if s != 0:
+        if s != 0 and (s, i) not in local:
             _free_received(inp)
         release(hooked.pop((s, i)))
         del inp, out, kept, inputs
@@ -200,9 +208,11 @@ def _input_backward(stage, s: int, inp, out, kept, grads, inputs, pm) -> tuple:
     return inp, out, kept, grads, inputs, groups
 
 
-def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm) -> None:
+def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm,
+                     free: bool = True) -> None:
     """Zero bubble's W (`backward_weight_one_chunk`): the weight gradients from what B kept
-    (the first stage: its whole backward), then the received input is freed."""
+    (the first stage: its whole backward), then the received input is freed (`free`; not
+    one passed on this rank, whose storage is the previous stage's output)."""
     inp, out, kept, grads, inputs, groups = state
     done[s] += 1
     with pm._loss_context():
@@ -214,7 +224,8 @@ def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm) ->
             stage.backward_maybe_with_nosync(
                 "weight", {"stage_output": (out,), "param_groups": groups},
                 last_backward=done[s] == ends[s])
-            _free_received(inp)
+            if free:
+                _free_received(inp)
 
 
 def _free_received(inp) -> None:
