@@ -35,7 +35,9 @@ AdamW's states are created before the measured step (one step on zero gradients)
 peak is a steady-state step's: states, gradients and the step's working set together. On CPU
 the step runs the fewest of its micro-batches that reach the same peak (microbatches.py: every
 micro-batch has the same shapes; `exact=True` runs them all), and a pipelined stage's received
-inputs are freed after their backward as a real stage frees them (`_free_received`).
+inputs are freed after their backward as a real stage frees them (`_free_received`), and
+the tracker's own hooks on a micro-batch's graph are emptied after its backward, which
+otherwise keep a split backward's saved tensors to the end of the step (tracker_hooks.py).
 """
 
 from __future__ import annotations
