@@ -249,3 +249,39 @@ def test_plan_rehearse_rehearses_the_chosen_plan():
     assert rehearsal["planner_gpu_total_gib"] == pytest.approx(best["memory_gib"]["total"])
     total = {r["row"]: r for r in rehearsal["memory"]}["total"]
     assert total["rehearsal_gib"] > 0 and total["planner_gib"] > 0
+
+
+ZBV_PEAKS = """
+import json, sys
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.plan import as_plan
+from meshtron.rehearse import compare
+from meshtron.rehearse.rank import rehearse_rank
+model, base, batches = json.loads(sys.argv[1])
+spec = ModelSpec(**dict(model, layers=6))
+out = {}
+for gb in batches:
+    plan = as_plan({**base, "pp": 2, "dp": 4, "schedule": "zbv", "global_batch": gb})
+    plan = plan.validate(8, spec)
+    rank = compare.first_rank_of_stage(compare.with_layer_split(plan, spec), 1)
+    out[gb] = rehearse_rank(spec, plan, rank, "cpu", exact=True)["peak_bytes"]["total"]
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_zbv_middle_rank_peak_does_not_grow_with_the_step():
+    """ZB-V's rank 1 (stages 1 and 2, neither first nor last) holds the same moments at m = 4
+    and m = 8 (memory_zb._moments, torch's order), so its rehearsed peak is the same. Before
+    the tracker's hooks were released after W (rehearse/tracker_hooks.py) every micro-batch's
+    activations stayed to the step's end: 7.65 GiB at m = 4, growing with m."""
+    from meshtron.planner import memory_zb
+
+    assert memory_zb._moments(2, 2, 4, 1) == memory_zb._moments(2, 2, 8, 1)
+    arg = json.dumps([MODEL, BASE, [32, 64]])  # m = 4 and 8 (dp = 4, micro-batch 2)
+    out = subprocess.run([sys.executable, "-c", ZBV_PEAKS, arg], capture_output=True,
+                         text=True, cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
+    peaks = json.loads(line[len("RESULT"):])
+    assert peaks["64"] / peaks["32"] - 1 == pytest.approx(0.0, abs=0.01), peaks

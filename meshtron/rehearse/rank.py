@@ -35,7 +35,9 @@ AdamW's states are created before the measured step (one step on zero gradients)
 peak is a steady-state step's: states, gradients and the step's working set together. On CPU
 the step runs the fewest of its micro-batches that reach the same peak (microbatches.py: every
 micro-batch has the same shapes; `exact=True` runs them all), and a pipelined stage's received
-inputs are freed after their backward as a real stage frees them (`_free_received`).
+inputs are freed after their backward as a real stage frees them (`_free_received`), and
+the tracker's own hooks on a micro-batch's graph are emptied after its backward, which
+otherwise keep a split backward's saved tensors to the end of the step (tracker_hooks.py).
 """
 
 from __future__ import annotations
@@ -117,11 +119,14 @@ def _schedule_accepts(pm, plan, n: int) -> bool:
     return True
 
 
-def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False) -> int:
+def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
+                    hooks=None) -> int:
     """Forward and backward of this rank's stages in schedule order, for every micro-batch
     (`exact`) or for the fewest that reach the same peak (microbatches.py); returns how many
-    micro-batches ran."""
+    micro-batches ran. `hooks` (tracker_hooks.KeepingModTracker): the tracker's hooks on a
+    micro-batch's graph are emptied once its backward is done, as if no tracker held it."""
     from meshtron.rehearse.microbatches import pipeline_microbatches
+    from meshtron.rehearse.tracker_hooks import release
 
     n_micro = tokens.shape[0] // plan.micro_batch
     pp_rank = pm.mesh.get_local_rank("pp")
@@ -140,10 +145,18 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False
     backwards = {s: sum(1 for k, st, _ in order if k == ends and st == s) for s in stages}
     done = {s: 0 for s in stages}
     waiting: dict[tuple[int, int], tuple] = {}
+    hooked: dict[tuple[int, int], list] = {}  # the tracker's hooks on each graph
+    local: set[tuple[int, int]] = set()  # inputs passed on this rank: nothing to free
     x_mb, y_mb = tokens.chunk(n_micro), targets.chunk(n_micro)
     for kind, s, i in order:
         if kind == "F":
-            inp = _stage_input(plan, spec, device, dtype, s == 0, x_mb[i])
+            prev = live.get((s - 1, i)) if s - 1 in stages else None
+            if prev is not None:  # the V's turn: torch passes the previous stage's output
+                # detached, its storage shared, no copy (schedules.py `set_local_fwd_input`)
+                inp = prev[1].detach().requires_grad_(True)
+                local.add((s, i))
+            else:
+                inp = _stage_input(plan, spec, device, dtype, s == 0, x_mb[i])
             if split and s != 0:
                 # a view, not the leaf a real stage receives: torch's module tracker hooks
                 # every module input with a multi-grad hook, which refuses a leaf under the
@@ -154,9 +167,12 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False
                 if s == last:  # the schedule keeps the stage's output (the logits) until
                     out = pm.loss_fn(kept, y_mb[i]) / n_micro  # the micro-batch's backward
             live[(s, i)] = (inp, out, kept)
+            hooked[(s, i)] = hooks.take() if hooks is not None else []
             continue
         if kind == "W":
-            _weight_backward(stages[s], s, waiting.pop((s, i)), done, backwards, pm)
+            _weight_backward(stages[s], s, waiting.pop((s, i)), done, backwards, pm,
+                             free=(s, i) not in local)
+            release(hooked.pop((s, i)))
             continue
         inp, out, kept = live.pop((s, i))
         grads = None if s == last else torch.empty_like(out)
@@ -170,8 +186,9 @@ def _pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False
             stages[s].backward_maybe_with_nosync(
                 "full", {"stage_output": out, "output_grads": grads, "input_values": inputs},
                 last_backward=done[s] == backwards[s])
-        if s != 0:
+        if s != 0 and (s, i) not in local:
             _free_received(inp)
+        release(hooked.pop((s, i)))
         del inp, out, kept, inputs
     for st in stages.values():
         st.perform_reduce_grad(1)
@@ -193,9 +210,11 @@ def _input_backward(stage, s: int, inp, out, kept, grads, inputs, pm) -> tuple:
     return inp, out, kept, grads, inputs, groups
 
 
-def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm) -> None:
+def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm,
+                     free: bool = True) -> None:
     """Zero bubble's W (`backward_weight_one_chunk`): the weight gradients from what B kept
-    (the first stage: its whole backward), then the received input is freed."""
+    (the first stage: its whole backward), then the received input is freed (`free`; not
+    one passed on this rank, whose storage is the previous stage's output)."""
     inp, out, kept, grads, inputs, groups = state
     done[s] += 1
     with pm._loss_context():
@@ -207,7 +226,8 @@ def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm) ->
             stage.backward_maybe_with_nosync(
                 "weight", {"stage_output": (out,), "param_groups": groups},
                 last_backward=done[s] == ends[s])
-            _free_received(inp)
+            if free:
+                _free_received(inp)
 
 
 def _free_received(inp) -> None:
@@ -256,9 +276,17 @@ def _without_propagation(cls):
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+    from meshtron.rehearse.tracker_hooks import KeepingModTracker
+
     code = ShardingPropagator._propagate_tensor_meta_non_cached.__code__
 
     class Tracker(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # torch's module tracker, listing the hooks it leaves on a forward's graph, so a
+            # micro-batch's graph can go after its backward (tracker_hooks.py)
+            self._mod_tracker = KeepingModTracker()
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if _in_sharding_propagation(code):
                 return func(*args, **(kwargs or {}))
@@ -420,15 +448,18 @@ def _fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _step(pm, plan, spec, dev, optimizer, tokens, targets, exact: bool = True) -> int:
-    """One optimizer step; returns the micro-batches run."""
+def _step(pm, plan, spec, dev, optimizer, tokens, targets, exact: bool = True,
+          hooks=None) -> int:
+    """One optimizer step; returns the micro-batches run. `hooks`: the tracker's module
+    tracker (tracker_hooks.py), whose hooks on each micro-batch's graph are released after
+    its backward."""
     if pm.is_pipelined:
         if plan.cp > 1:
             from meshtron.parallel.context import shard_batch
 
             shard = shard_batch(tokens, targets, plan.cp, pm.mesh.get_local_rank("cp"))
             tokens, targets = shard.tokens, shard.targets
-        n_run = _pipelined_step(pm, plan, spec, dev, tokens, targets, exact)
+        n_run = _pipelined_step(pm, plan, spec, dev, tokens, targets, exact, hooks)
     else:
         rows = tokens.shape[0]
         if not exact:  # the first, a middle and the last micro-batch (microbatches.py)
@@ -464,7 +495,8 @@ def _measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, rea
     out = _timed_step(pm, plan, spec, dev, optimizer, tokens, targets) if real else {}
     if tracker is not None:
         with tracker:
-            n_run = _step(pm, plan, spec, dev, optimizer, tokens, targets, exact)
+            n_run = _step(pm, plan, spec, dev, optimizer, tokens, targets, exact,
+                          getattr(tracker, "_mod_tracker", None))
         peak = _categories(tracker.get_tracker_snapshot("peak"))
         peak["params"] += tracker.untracked  # alive all step: in the peak
         peak["total"] += tracker.untracked
