@@ -34,11 +34,6 @@ against the 112 its seven one-layer chunks hold) and under-charged the last (99 
 from __future__ import annotations
 
 
-def _chunk_of(k: int, per_round: int, v: int, backward: bool) -> int:
-    chunk = (k // per_round) % v
-    return v - 1 - chunk if backward else chunk
-
-
 def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1.0,
                grad: float = 0.0, extra: int = 0) -> float:
     """Most bytes of stored activations (`act` per layer and micro-batch) and accumulated
@@ -50,25 +45,26 @@ def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1
     per_round = m // max(1, m // p)
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
+    # per chunk, what its forward adds and its first backward accumulates (the products the
+    # walk would form at each step, formed once: the sums below are the same, in order)
+    stored = [act * n for n in layers]
+    grads = [grad * n for n in layers]
     accumulated = [False] * v
     now = best = 0.0
-
-    def backward(b: int) -> None:
-        nonlocal now, best
-        cb = _chunk_of(b, per_round, v, True)
-        if not accumulated[cb]:  # its first backward makes the chunk's gradients
-            accumulated[cb] = True
-            now += grad * layers[cb]
-            best = max(best, now)
-        now -= act * layers[cb]
-
-    for k in range(total):  # forward k, then (after warm-up) backward k - warm
-        now += act * layers[_chunk_of(k, per_round, v, False)]
-        best = max(best, now)
-        if k >= warm:
-            backward(k - warm)
-    for b in range(max(0, total - warm), total):  # the drain: backwards only
-        backward(b)
+    for k in range(total + warm):  # forward k, then (after warm-up) backward k - warm
+        if k < total:
+            now += stored[(k // per_round) % v]
+            if now > best:
+                best = now
+        b = k - warm
+        if b >= 0:
+            cb = v - 1 - (b // per_round) % v
+            if not accumulated[cb]:  # its first backward makes the chunk's gradients
+                accumulated[cb] = True
+                now += grads[cb]
+                if now > best:
+                    best = now
+            now -= stored[cb]
     return best
 
 
@@ -83,34 +79,42 @@ def peak_outputs(p: int, v: int, m: int, s: int, layers: list[int], act: float, 
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
     sends = [c * p + s != p * v - 1 for c in range(v)]  # the last virtual stage sends none
+    # per chunk, the steps' deltas (the same expressions, formed once)
+    fwd = [act * layers[c] + (out if sends[c] else 0.0) for c in range(v)]
+    fwd_outs = [1 if x else 0 for x in sends]
+    freed = [-act * layers[c] - 2.0 * out if sends[c] else -act * layers[c] for c in range(v)]
+    grads = [grad * n for n in layers]
     accumulated = [False] * v
     now = best = 0.0
     outs = best_outs = 0
-
-    def step(delta: float, d_outs: int) -> None:
-        nonlocal now, best, outs, best_outs
-        now += delta
-        outs += d_outs
-        if now > best:
-            best, best_outs = now, outs
-
     for k in range(total + warm):
         if k < total:  # forward k
-            c = _chunk_of(k, per_round, v, False)
-            step(act * layers[c] + (out if sends[c] else 0.0), 1 if sends[c] else 0)
+            c = (k // per_round) % v
+            now += fwd[c]
+            outs += fwd_outs[c]
+            if now > best:
+                best, best_outs = now, outs
         b = k - warm
         if 0 <= b < total:  # backward b, its received gradient beside it while it runs
-            c = _chunk_of(b, per_round, v, True)
+            c = v - 1 - (b // per_round) % v
             extra = 0.0
             if not accumulated[c]:
                 accumulated[c] = True
-                extra = grad * layers[c]
+                extra = grads[c]
             if sends[c]:
-                step(extra + out, 1)
-                step(-act * layers[c] - 2.0 * out, -2)
+                now += extra + out
+                outs += 1
+                if now > best:
+                    best, best_outs = now, outs
+                now += freed[c]
+                outs -= 2
             else:
-                step(extra, 0)
-                step(-act * layers[c], 0)
+                now += extra
+                if now > best:
+                    best, best_outs = now, outs
+                now += freed[c]
+            if now > best:
+                best, best_outs = now, outs
     return float(best_outs)
 
 
