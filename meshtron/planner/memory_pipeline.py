@@ -34,6 +34,15 @@ against the 112 its seven one-layer chunks hold) and under-charged the last (99 
 from __future__ import annotations
 
 
+def _visits(p: int, v: int, m: int) -> list[int]:
+    """The chunk of the rank's forwards 0 .. m v - 1 in the schedule's order: rounds of
+    m / max(1, m // p) micro-batches, chunks 0 .. v - 1 in turn (backward b visits chunk
+    v - 1 - this of b)."""
+    per_round = m // max(1, m // p)
+    cycle = [c for c in range(v) for _ in range(per_round)]
+    return (cycle * (m * v // len(cycle) + 1))[:m * v]
+
+
 def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1.0,
                grad: float = 0.0, extra: int = 0) -> float:
     """Most bytes of stored activations (`act` per layer and micro-batch) and accumulated
@@ -45,26 +54,30 @@ def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1
     per_round = m // max(1, m // p)
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
-    # per chunk, what its forward adds and its first backward accumulates (the products the
-    # walk would form at each step, formed once: the sums below are the same, in order)
+    visits = _visits(p, v, m)
+    # per chunk, what its forward adds; per forward-order chunk c, what the backward of chunk
+    # v - 1 - c frees and (the first time) accumulates: the walk's products, formed once
     stored = [act * n for n in layers]
-    grads = [grad * n for n in layers]
+    freed = stored[::-1]
+    grads = [grad * n for n in layers[::-1]]
     accumulated = [False] * v
     now = best = 0.0
-    for k in range(total + warm):  # forward k, then (after warm-up) backward k - warm
-        if k < total:
-            now += stored[(k // per_round) % v]
+    for c in visits[:warm]:  # the warm-up: forwards only
+        now += stored[c]
+        if now > best:
+            best = now
+    # forward k, then backward k - warm; then the drain: backwards only
+    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
+        if c >= 0:
+            now += stored[c]
             if now > best:
                 best = now
-        b = k - warm
-        if b >= 0:
-            cb = v - 1 - (b // per_round) % v
-            if not accumulated[cb]:  # its first backward makes the chunk's gradients
-                accumulated[cb] = True
-                now += grads[cb]
-                if now > best:
-                    best = now
-            now -= stored[cb]
+        if not accumulated[cb]:  # its first backward makes the chunk's gradients
+            accumulated[cb] = True
+            now += grads[cb]
+            if now > best:
+                best = now
+        now -= freed[cb]
     return best
 
 
@@ -78,43 +91,49 @@ def peak_outputs(p: int, v: int, m: int, s: int, layers: list[int], act: float, 
     per_round = m // max(1, m // p)
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
+    visits = _visits(p, v, m)
     sends = [c * p + s != p * v - 1 for c in range(v)]  # the last virtual stage sends none
-    # per chunk, the steps' deltas (the same expressions, formed once)
+    # per chunk, the steps' deltas (the same expressions, formed once); the backward's
+    # indexed by the forward-order chunk c of backward b (its chunk: v - 1 - c)
     fwd = [act * layers[c] + (out if sends[c] else 0.0) for c in range(v)]
     fwd_outs = [1 if x else 0 for x in sends]
-    freed = [-act * layers[c] - 2.0 * out if sends[c] else -act * layers[c] for c in range(v)]
-    grads = [grad * n for n in layers]
+    back = [v - 1 - c for c in range(v)]
+    freed = [-act * layers[c] - 2.0 * out if sends[c] else -act * layers[c] for c in back]
+    grads = [grad * layers[c] for c in back]
+    bsends = [sends[c] for c in back]
     accumulated = [False] * v
     now = best = 0.0
     outs = best_outs = 0
-    for k in range(total + warm):
-        if k < total:  # forward k
-            c = (k // per_round) % v
+    for c in visits[:warm]:  # the warm-up: forwards only
+        now += fwd[c]
+        outs += fwd_outs[c]
+        if now > best:
+            best, best_outs = now, outs
+    # forward k, then backward k - warm (its received gradient beside it while it runs);
+    # then the drain: backwards only
+    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
+        if c >= 0:
             now += fwd[c]
             outs += fwd_outs[c]
             if now > best:
                 best, best_outs = now, outs
-        b = k - warm
-        if 0 <= b < total:  # backward b, its received gradient beside it while it runs
-            c = v - 1 - (b // per_round) % v
-            extra = 0.0
-            if not accumulated[c]:
-                accumulated[c] = True
-                extra = grads[c]
-            if sends[c]:
-                now += extra + out
-                outs += 1
-                if now > best:
-                    best, best_outs = now, outs
-                now += freed[c]
-                outs -= 2
-            else:
-                now += extra
-                if now > best:
-                    best, best_outs = now, outs
-                now += freed[c]
+        extra = 0.0
+        if not accumulated[cb]:
+            accumulated[cb] = True
+            extra = grads[cb]
+        if bsends[cb]:
+            now += extra + out
+            outs += 1
             if now > best:
                 best, best_outs = now, outs
+            outs -= 2
+        else:
+            now += extra
+            if now > best:
+                best, best_outs = now, outs
+        now += freed[cb]
+        if now > best:
+            best, best_outs = now, outs
     return float(best_outs)
 
 
