@@ -92,3 +92,13 @@ def test_interleaved_idle_floor_is_tight_for_equal_chunks(p, v, m):
     walked = pipeline_zb.interleaved_bubble(m, f, b, p)
     assert walked == pytest.approx((p - 1) * 3.3, rel=1e-9)
     assert pipeline_zb.interleaved_idle_floor(m, f, b, p) == pytest.approx(walked, rel=1e-6)
+
+
+@pytest.mark.parametrize("p,v", [(1, 2), (2, 2), (3, 3), (4, 2), (4, 6), (8, 3)])
+def test_interleaved_numbering_is_the_orders_numbering(p, v):
+    """The walk numbers torch's interleaved orders directly (no tuples): the same operations,
+    in the same order, with the same inputs as numbering `interleaved_orders`' lists."""
+    for m in range(1, 3 * p + 3):
+        for r, order in enumerate(pipeline_zb.interleaved_orders(p, v, m)):
+            assert pipeline_zb._interleaved_coded(p, v, m, r) == \
+                pipeline_zb._coded(tuple(order), p * v, m)

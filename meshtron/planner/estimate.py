@@ -287,19 +287,24 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         """Bytes of Transformer Engine's cached FP8 weights on pipeline rank `i`."""
         return w.cache_b * max(0.0, w.blocks[i][0] + w.blocks[i][1] - w.not_gemm)
 
-    def _stage_memories(self, w: Work,
-                        inflight: list[float]) -> tuple[list[float], list[float]]:
-        """(bytes per layer, fixed bytes) of every pipeline stage (memory.stage_memory)."""
+    def _stage_memories(self, w: Work, inflight: list[float],
+                        ranks: list[int] | None = None) -> tuple[list[float], list[float]]:
+        """(bytes per layer, fixed bytes) of every pipeline stage (memory.stage_memory);
+        `ranks`: only those recomputed, the others kept from w.per_layer / w.fixed (a walk
+        that changed some ranks' in-flight count or held outputs leaves the rest as they were)."""
         pp, blocks = w.pp, w.blocks
-        sms = [memory.stage_memory(w.mem_opts, w.zero, w.shard_dp, w.states, blocks[i][0],
-                                   w.roots[i], w.largest, blocks[i][2], inflight[i],
-                                   blocks[i][3], w.logits if i == w.head_rank else 0.0,
-                                   self.grad_bytes, w.keep, w.accum, blocks[i][1], w.e_states,
-                                   w.root_units[i], w.reduce_bytes,
-                                   w.grad_extra if i == 0 else 0.0, w.outputs[i],
-                                   self._te_cache(w, i))
-               for i in range(pp)]
-        return [sm.per_layer for sm in sms], [sm.fixed for sm in sms]
+        per_layer = list(w.per_layer) if ranks is not None else [0.0] * pp
+        fixed = list(w.fixed) if ranks is not None else [0.0] * pp
+        for i in range(pp) if ranks is None else ranks:
+            sm = memory.stage_memory(w.mem_opts, w.zero, w.shard_dp, w.states, blocks[i][0],
+                                     w.roots[i], w.largest, blocks[i][2], inflight[i],
+                                     blocks[i][3], w.logits if i == w.head_rank else 0.0,
+                                     self.grad_bytes, w.keep, w.accum, blocks[i][1], w.e_states,
+                                     w.root_units[i], w.reduce_bytes,
+                                     w.grad_extra if i == 0 else 0.0, w.outputs[i],
+                                     self._te_cache(w, i))
+            per_layer[i], fixed[i] = sm.per_layer, sm.fixed
+        return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
         """The layers per pipeline rank (w.n: the plan's own, else the stack's time-balanced
@@ -423,8 +428,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
         if weighted != inflight or walked != outputs:
+            changed = [r for r in range(pp)
+                       if weighted[r] != inflight[r] or walked[r] != outputs[r]]
             w.inflight, outputs[:] = weighted, walked
-            w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight)
+            w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight,
+                                                                           changed)
             # the walk can also lower a rank's memory (a light first chunk): the split's
             # memory is what it holds now
             w.fits = all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
@@ -436,8 +444,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         virtual stage; False when that does not fit and `keep_infeasible` is False."""
         chunks = (list(w.cfg.stage_layers) if w.given else
                   pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, "zb"))
-        w.inflight, w.outputs = self._zb_held(w, tuple(chunks), w.out_bytes)
-        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
+        inflight, outputs = self._zb_held(w, tuple(chunks), w.out_bytes)
+        changed = [r for r in range(w.pp)
+                   if inflight[r] != w.inflight[r] or outputs[r] != w.outputs[r]]
+        w.inflight, w.outputs = inflight, outputs
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight, changed)
         w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
         return w.fits or keep_infeasible
 

@@ -34,9 +34,13 @@ against the 112 its seven one-layer chunks hold) and under-charged the last (99 
 from __future__ import annotations
 
 
-def _chunk_of(k: int, per_round: int, v: int, backward: bool) -> int:
-    chunk = (k // per_round) % v
-    return v - 1 - chunk if backward else chunk
+def _visits(p: int, v: int, m: int) -> list[int]:
+    """The chunk of the rank's forwards 0 .. m v - 1 in the schedule's order: rounds of
+    m / max(1, m // p) micro-batches, chunks 0 .. v - 1 in turn (backward b visits chunk
+    v - 1 - this of b)."""
+    per_round = m // max(1, m // p)
+    cycle = [c for c in range(v) for _ in range(per_round)]
+    return (cycle * (m * v // len(cycle) + 1))[:m * v]
 
 
 def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1.0,
@@ -50,25 +54,30 @@ def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1
     per_round = m // max(1, m // p)
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
+    visits = _visits(p, v, m)
+    # per chunk, what its forward adds; per forward-order chunk c, what the backward of chunk
+    # v - 1 - c frees and (the first time) accumulates: the walk's products, formed once
+    stored = [act * n for n in layers]
+    freed = stored[::-1]
+    grads = [grad * n for n in layers[::-1]]
     accumulated = [False] * v
     now = best = 0.0
-
-    def backward(b: int) -> None:
-        nonlocal now, best
-        cb = _chunk_of(b, per_round, v, True)
+    for c in visits[:warm]:  # the warm-up: forwards only
+        now += stored[c]
+        if now > best:
+            best = now
+    # forward k, then backward k - warm; then the drain: backwards only
+    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
+        if c >= 0:
+            now += stored[c]
+            if now > best:
+                best = now
         if not accumulated[cb]:  # its first backward makes the chunk's gradients
             accumulated[cb] = True
-            now += grad * layers[cb]
-            best = max(best, now)
-        now -= act * layers[cb]
-
-    for k in range(total):  # forward k, then (after warm-up) backward k - warm
-        now += act * layers[_chunk_of(k, per_round, v, False)]
-        best = max(best, now)
-        if k >= warm:
-            backward(k - warm)
-    for b in range(max(0, total - warm), total):  # the drain: backwards only
-        backward(b)
+            now += grads[cb]
+            if now > best:
+                best = now
+        now -= freed[cb]
     return best
 
 
@@ -82,35 +91,49 @@ def peak_outputs(p: int, v: int, m: int, s: int, layers: list[int], act: float, 
     per_round = m // max(1, m // p)
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
+    visits = _visits(p, v, m)
     sends = [c * p + s != p * v - 1 for c in range(v)]  # the last virtual stage sends none
+    # per chunk, the steps' deltas (the same expressions, formed once); the backward's
+    # indexed by the forward-order chunk c of backward b (its chunk: v - 1 - c)
+    fwd = [act * layers[c] + (out if sends[c] else 0.0) for c in range(v)]
+    fwd_outs = [1 if x else 0 for x in sends]
+    back = [v - 1 - c for c in range(v)]
+    freed = [-act * layers[c] - 2.0 * out if sends[c] else -act * layers[c] for c in back]
+    grads = [grad * layers[c] for c in back]
+    bsends = [sends[c] for c in back]
     accumulated = [False] * v
     now = best = 0.0
     outs = best_outs = 0
-
-    def step(delta: float, d_outs: int) -> None:
-        nonlocal now, best, outs, best_outs
-        now += delta
-        outs += d_outs
+    for c in visits[:warm]:  # the warm-up: forwards only
+        now += fwd[c]
+        outs += fwd_outs[c]
         if now > best:
             best, best_outs = now, outs
-
-    for k in range(total + warm):
-        if k < total:  # forward k
-            c = _chunk_of(k, per_round, v, False)
-            step(act * layers[c] + (out if sends[c] else 0.0), 1 if sends[c] else 0)
-        b = k - warm
-        if 0 <= b < total:  # backward b, its received gradient beside it while it runs
-            c = _chunk_of(b, per_round, v, True)
-            extra = 0.0
-            if not accumulated[c]:
-                accumulated[c] = True
-                extra = grad * layers[c]
-            if sends[c]:
-                step(extra + out, 1)
-                step(-act * layers[c] - 2.0 * out, -2)
-            else:
-                step(extra, 0)
-                step(-act * layers[c], 0)
+    # forward k, then backward k - warm (its received gradient beside it while it runs);
+    # then the drain: backwards only
+    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
+        if c >= 0:
+            now += fwd[c]
+            outs += fwd_outs[c]
+            if now > best:
+                best, best_outs = now, outs
+        extra = 0.0
+        if not accumulated[cb]:
+            accumulated[cb] = True
+            extra = grads[cb]
+        if bsends[cb]:
+            now += extra + out
+            outs += 1
+            if now > best:
+                best, best_outs = now, outs
+            outs -= 2
+        else:
+            now += extra
+            if now > best:
+                best, best_outs = now, outs
+        now += freed[cb]
+        if now > best:
+            best, best_outs = now, outs
     return float(best_outs)
 
 

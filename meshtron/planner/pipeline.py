@@ -315,10 +315,15 @@ def split_virtual(stage_layers: list[int], v: int, schedule: str | None = None) 
     """Split each device's layers into v chunks; returns p*v counts in pipeline order
     (virtual stage j = chunk * p + device, as Megatron's interleaved schedule numbers them;
     torch's V for 'zb' with v = 2: `stages_of_rank`)."""
+    return list(_split_virtual(tuple(stage_layers), v, schedule or "1f1b"))
+
+
+@lru_cache(maxsize=4096)  # the time and memory models ask for every plan's split, few differ
+def _split_virtual(stage_layers: tuple[int, ...], v: int, schedule: str) -> tuple[int, ...]:
     p = len(stage_layers)
     out = [0] * (p * v)
     for i, n in enumerate(stage_layers):
         base, extra = divmod(n, v)
-        for c, s in enumerate(stages_of_rank(p, v, schedule or "1f1b", i)):
+        for c, s in enumerate(stages_of_rank(p, v, schedule, i)):
             out[s] = base + (1 if c < extra else 0)
-    return out
+    return tuple(out)

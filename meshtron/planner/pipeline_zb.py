@@ -159,11 +159,11 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
     gradient w of one micro-batch; a transfer between ranks delays its receiver by `hop` (a
     rank's own sends never hold it: the runtime waits on them at the step's end)."""
     dur = [*f, *b, *w]  # indexed by kind * p v + stage (`_program`)
-    keys, prevs, deps, cross = _program(p, v, m, schedule)
+    keys, prevs, deps = _program(p, v, m, schedule)
     end = [0.0]  # end[0]: "no operation" (index 0 in prevs/deps); operation i ends at end[i + 1]
     append = end.append
     if hop:
-        for k, a, d, x in zip(keys, prevs, deps, cross):
+        for k, a, d, x in zip(keys, prevs, deps, _cross(p, v, m, schedule)):
             start, ready = end[a], end[d] + hop if x else end[d]
             append((start if start > ready else ready) + dur[k])
     else:  # the search's walks: one max and one add per operation
@@ -177,40 +177,88 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
 def _program(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple, ...]:
     """torch's orders as an event list in an order where every input comes first: per
     operation, its kind * p v + stage (kinds 0/1/2 for F/B/W), 1 + the index of the rank's
-    previous operation, 1 + the index of the operation producing its input (its own B for a
-    W; 0: none), and whether that one ran on another rank. Operations are numbered
-    (kind * p v + stage) * m + micro-batch so that finding an input is arithmetic."""
+    previous operation and 1 + the index of the operation producing its input (its own B for
+    a W; 0: none). Operations are numbered (kind * p v + stage) * m + micro-batch so that
+    finding an input is arithmetic. Any order with inputs first gives every operation the
+    same end time (one max and one add of the same two ends), so the placement's order is
+    free."""
     nv = p * v
-    ranks = [_coded(o, nv, m) for o in cached_orders(p, v, m, schedule)]
+    if schedule == "interleaved":  # the search's walks: numbered directly, no tuples
+        ranks = [_interleaved_coded(p, v, m, r) for r in range(p)]
+    else:
+        ranks = [_coded(o, nv, m) for o in cached_orders(p, v, m, schedule)]
     done = [0] * (3 * nv * m)  # 1 + the event index of each operation once placed
     keys: list[int] = []
     prevs: list[int] = []
     deps: list[int] = []
+    add_key, add_prev, add_dep = keys.append, prevs.append, deps.append
     last, at = [0] * p, [0] * p
+    placed = 0
     moved = True
     while moved:
         moved = False
         for r, (ids, inputs) in enumerate(ranks):
             i, n, prev = at[r], len(ids), last[r]
+            start = i
             while i < n:
                 dep = inputs[i]
-                d = done[dep] if dep >= 0 else 0
-                if dep >= 0 and not d:
-                    break  # its input is not placed yet: another rank's turn
+                if dep >= 0:
+                    d = done[dep]
+                    if not d:
+                        break  # its input is not placed yet: another rank's turn
+                else:
+                    d = 0
                 op = ids[i]
-                keys.append(op // m)
-                prevs.append(prev)
-                deps.append(d)
-                done[op] = prev = len(keys)
+                add_key(op // m)
+                add_prev(prev)
+                add_dep(d)
+                placed += 1
+                done[op] = prev = placed
                 i += 1
-            if i > at[r]:
+            if i > start:
                 at[r], last[r], moved = i, prev, True
     if any(a < len(ids) for a, (ids, _) in zip(at, ranks)):
         raise RuntimeError(f"zero-bubble order deadlocks at p={p} v={v} m={m}")
+    return tuple(keys), tuple(prevs), tuple(deps)
+
+
+@lru_cache(maxsize=256)
+def _cross(p: int, v: int, m: int, schedule: str = "zb") -> tuple[bool, ...]:
+    """Per operation of `_program`, whether its input ran on another rank (only a walk with
+    a transfer time reads it: the search's walks do not)."""
+    keys, _, deps = _program(p, v, m, schedule)
+    nv = p * v
     looped = schedule != "zb"
     rank_of = [s % p if looped else stage_rank(p, v, s) for s in range(nv)] * 3
-    cross = tuple(d > 0 and rank_of[keys[d - 1]] != rank_of[k] for k, d in zip(keys, deps))
-    return tuple(keys), tuple(prevs), tuple(deps), cross
+    return tuple(d > 0 and rank_of[keys[d - 1]] != rank_of[k] for k, d in zip(keys, deps))
+
+
+def _interleaved_coded(p: int, v: int, m: int, r: int) -> tuple[list[int], list[int]]:
+    """`_coded` of rank r's `interleaved_orders` list, built without the tuples (the same
+    warm-up, rounds and counters as `_zb1p_order(..., whole=True)`; equal:
+    tests/test_pipeline_zb_walk.py)."""
+    nv = p * v
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min((v - 1) * per_round + 2 * (p - 1 - r), total)
+    cf, cb = [0] * v, [0] * v  # micro-batch counters of the rank's chunks
+    ids: list[int] = []
+    inputs: list[int] = []
+    for k in range(total + warm):
+        if k < total:  # forward k
+            c = (k // per_round) % v
+            s, mb = c * p + r, cf[c]
+            cf[c] = mb + 1
+            ids.append(s * m + mb)
+            inputs.append((s - 1) * m + mb if s > 0 else -1)
+        j = k - warm
+        if j >= 0:  # backward j
+            c = v - 1 - (j // per_round) % v
+            s, mb = c * p + r, cb[c]
+            cb[c] = mb + 1
+            ids.append((nv + s) * m + mb)
+            inputs.append((nv + s + 1) * m + mb if s < nv - 1 else s * m + mb)
+    return ids, inputs
 
 
 def _coded(order: tuple[Op, ...], nv: int, m: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,69 @@
+"""memory_pipeline's walks (held_bytes, peak_outputs) against a step-by-step walk of the
+interleaved 1F1B order written independently here: equal to the last bit, for random layer
+counts and byte sizes (the planner's answers must not move when the walks are sped up)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshtron.planner import memory_pipeline
+
+
+def _reference(p, v, m, s, layers, act, grad, out, extra):
+    """(most bytes held, outputs held at that moment): forward k, then backward k - warm;
+    a chunk's gradients appear at its first backward; a chunk that sends holds its output
+    from its forward and the received gradient during its backward."""
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
+    sends = [c * p + s != p * v - 1 for c in range(v)]
+    seen = set()
+    moments = []  # (bytes, outputs) after each step
+    now, outs = 0.0, 0
+
+    def step(delta, d_outs):
+        nonlocal now, outs
+        now += delta
+        outs += d_outs
+        moments.append((now, outs))
+
+    for k in range(total + warm):
+        if k < total:
+            c = (k // per_round) % v
+            step(act * layers[c] + (out if sends[c] else 0.0), 1 if sends[c] else 0)
+        b = k - warm
+        if 0 <= b < total:
+            c = v - 1 - (b // per_round) % v
+            first = c not in seen
+            seen.add(c)
+            g = grad * layers[c] if first else 0.0
+            if sends[c]:
+                step(g + out, 1)
+                step(-act * layers[c] - 2.0 * out, -2)
+            else:
+                step(g, 0)
+                step(-act * layers[c], 0)
+    best, best_outs = 0.0, 0
+    for x, o in moments:  # the first moment of the largest
+        if x > best:
+            best, best_outs = x, o
+    return best, best_outs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_walks_equal_a_step_by_step_walk(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        p, v = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 4, 6])
+        m, s = rng.randint(1, 5 * p + 3), rng.randrange(p)
+        layers = [rng.randint(0, 4) for _ in range(v)]
+        act, out = rng.uniform(0.1, 3.0), rng.uniform(0.0, 2.0)
+        grad = rng.choice([0.0, rng.uniform(0.0, 5.0)])
+        extra = rng.choice([0, 1])
+        held, _ = _reference(p, v, m, s, layers, act, grad, 0.0, extra)
+        got = memory_pipeline.held_bytes(p, v, m, s, layers, act, grad, extra)
+        assert got == held
+        _, outs = _reference(p, v, m, s, layers, act, grad, out, 0)
+        assert memory_pipeline.peak_outputs(p, v, m, s, layers, act, grad, out) == outs
