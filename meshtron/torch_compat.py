@@ -96,6 +96,10 @@ PRIVATE_APIS: dict[str, str] = {
     "_propagate_tensor_meta_non_cached.__code__":
         "leaving DTensor's metadata propagation out of rehearsed memory (rehearse/rank.py)",
     "torch.distributed._tools.mem_tracker.MemTracker": "rehearsed memory (rehearse/rank.py)",
+    "torch.distributed._tools.mod_tracker.ModTracker":
+        "the rehearsal's module tracker that clears its input hooks (rehearse/tracker_hooks.py)",
+    "torch.utils._pytree.tree_flatten":
+        "the tensors among a module's inputs (rehearse/tracker_hooks.py)",
     "torch.distributed._tools.mem_tracker._TOTAL_KEY":
         "the rank's peak key of the rehearsal's tracker (rehearse/rank.py)",
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker":
