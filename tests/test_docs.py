@@ -211,8 +211,8 @@ def _user_folder(tmp_path: Path) -> Path:
     import json
 
     venv = Path(sys.prefix)
-    if not (venv / "bin" / "meshtron").exists():
-        pytest.skip("no meshtron console script in this environment (run `make` first)")
+    assert (venv / "bin" / "meshtron").exists(), \
+        "no meshtron console script in this environment: run the suite through `make test`"
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / ".venv").symlink_to(venv)
     (tmp_path / "path/to").mkdir(parents=True)

@@ -356,16 +356,7 @@ def _settled_idle(p: int, v: int, m: int, per: tuple, worst: float) -> float:
         return max(0.0, idle(m))
     # the ranks' slack settles after a few rounds of p micro-batches: walk until it stops
     # changing (equal ranks settle at once: p for ZB1P, 2p - 1 for the V)
-    runs = min(m, 2 * p - 1 if v == 2 else p)
-    last = idle(runs)
-    while runs < m:
-        nxt = min(m, runs + p)
-        now = idle(nxt)
-        settled = abs(now - last) <= 1e-12 * nxt * worst
-        runs, last = nxt, now
-        if settled:
-            break
-    return max(0.0, last)
+    return _until_settled(idle, min(m, 2 * p - 1 if v == 2 else p), m, p, worst)
 
 
 @lru_cache(maxsize=1024)
@@ -387,7 +378,13 @@ def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: in
         return max(0.0, idle(m))
     # whole rounds of p: the idle settles once the slowest rank's slack has (as
     # `_settled_idle`); every shorter walk keeps rounds of p
-    runs, last = 2 * p, idle(2 * p)
+    return _until_settled(idle, 2 * p, m, p, worst)
+
+
+def _until_settled(idle, runs: int, m: int, p: int, worst: float) -> float:
+    """idle(runs), then idle of p more micro-batches at a time up to m, until two walks agree
+    (the slowest rank's slack has settled): the last value, at least 0."""
+    last = idle(runs)
     while runs < m:
         nxt = min(m, runs + p)
         now = idle(nxt)
