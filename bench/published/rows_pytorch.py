@@ -163,13 +163,15 @@ def llm_foundry() -> list[PublishedRun]:
             table = ("H100 80GB" if kind == "dgx-h100" else "A100 80GB, 1600 Gbps RoCE per node")
         gpu = "H100" if kind == "dgx-h100" else "A100"
         # 'flash': flash-attn's varlen kernel behind bert_padding (KernelOptions.flash_unpad);
-        # 'triton': llm-foundry's Triton port of FlashAttention, priced as a flash kernel (no
-        # published measurement of that kernel on H100 is known to us)
+        # 'triton': llm-foundry's 2022 Triton FlashAttention under triton-pre-mlir, whose
+        # compiler issues Ampere's mma.sync only: half the bf16 peak on H100
+        # (KernelOptions.flash_isa 'sm80', planner/flash_isa.py; unchanged on A100)
         # the >= 128-GPU rows ran Composer 0.17.2 (January 2024), the 8-GPU ones 0.16.x
         # (October 2023, llm-foundry v0.3.0): stacks.py
         opts = (LLM_FOUNDRY_PURE if prec == "pure" else
                 LLM_FOUNDRY_AMP if gpus >= 128 else LLM_FOUNDRY_AMP_2023)
-        opts = dataclasses.replace(opts, flash_unpad=attn == "flash")
+        opts = dataclasses.replace(opts, flash_unpad=attn == "flash",
+                                   flash_isa="sm80" if attn == "triton" else "native")
         runs.append(PublishedRun(
             f"LF MPT-{size} s{seq} {gpus}x{gpu}", f"LF, {table} table", "llm-foundry FSDP",
             mpt_model(f"mpt-{size}", L, h, a, seq), cl, gbs, seq, 1, 1, gpus, zero,

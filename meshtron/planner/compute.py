@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, flash_unpad, host
+from meshtron.planner import comm, flash_isa, flash_unpad, host
 from meshtron.planner.placement import tp_group
 from meshtron.planner.ring_attention import (
     ring_core_time, torch_ring_bytes, torch_ring_exposed, torch_ring_launches)
@@ -271,6 +271,9 @@ def _core_time(cluster: ClusterSpec, opts: KernelOptions, batch_heads: float, q_
     one = (cluster_gemm_time(q_len, seq, hd, cluster)
            + cluster_gemm_time(q_len, hd, seq, cluster))
     if opts.attention == "flash":
+        if opts.flash_isa != "native":  # its GEMMs at the peak its instructions reach
+            sm = flash_isa.core_cluster(cluster, opts.flash_isa)
+            one = cluster_gemm_time(q_len, seq, hd, sm) + cluster_gemm_time(q_len, hd, seq, sm)
         core_fwd = 0.5 * batch_heads * one
         return core_fwd, 2.5 * core_fwd, None
     core_fwd = batch_heads * one

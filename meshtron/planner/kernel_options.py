@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshtron.errors import UserError
+from meshtron.planner.flash_isa import FLASH_ISAS
 from meshtron.planner.fp8 import FP8_FILTERS, FP8_SCALINGS
 
 FP8_GEMMS = ("cublas", "blockwise")
@@ -25,7 +26,7 @@ OPTIMIZERS = ("fused", "foreach", "for-loop")
 EAGER_NORMS = ("aten", "python")
 _CHOICES = (("attention", ATTENTION_KINDS), ("stack", STACKS), ("sharding", SHARDINGS),
             ("fp8_filter", FP8_FILTERS), ("fp8_scaling", FP8_SCALINGS), ("fp8_gemm", FP8_GEMMS),
-            ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS))
+            ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS), ("flash_isa", FLASH_ISAS))
 """The KernelOptions fields that take one of a few names, with the names each allows."""
 
 
@@ -251,6 +252,11 @@ class KernelOptions:
     """The flash kernel is flash-attn's variable-length one behind `bert_padding`'s unpad / pad
     of q, k, v and the output (llm-foundry's `attn_impl: flash`, flash_attn_fn): gather /
     scatter copies and six host synchronisations per layer forward (planner/flash_unpad.py)."""
+    flash_isa: str = "native"
+    """Tensor-core instructions the flash kernel issues (planner/flash_isa.py FLASH_ISAS):
+    'native' (the GPU's own: its core's GEMMs at the datasheet peak) or 'sm80' (Ampere's
+    mma.sync only: llm-foundry's `attn_impl: triton`, the 2022 Triton kernel under
+    triton-pre-mlir), which on Hopper issue at half the datasheet peak."""
     launch_blocking: bool = False
     """CUDA_LAUNCH_BLOCKING=1: every launch returns when its kernel has finished, so the host's
     issue time adds to the GPU's instead of running ahead of it (host.layer_issue). BLOOM ran so
