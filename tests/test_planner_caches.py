@@ -100,6 +100,7 @@ def _questions() -> list[tuple[str, tuple]]:
         ("no sp, gradients sent whole", vary(plan=nosp,
                                              opts=KernelOptions(p2p_grads_whole=True))),
         ("launch blocking", vary(opts=KernelOptions(launch_blocking=True))),
+        ("flash kernel on mma.sync", vary(opts=KernelOptions(flash_isa="sm80"))),
         ("unfused, bias copy", vary(opts=KernelOptions(attention="unfused",
                                                        score_bias_copy=True))),
         ("parallel residual", vary(model=parallel, plan=nosp)),

@@ -54,6 +54,8 @@ def test_mpt_rows_attention_implementation_is_the_sweeps():
         expect = size in flash and gpus >= 128 and "H100" in run.name
         assert run.opts.flash_unpad == expect, run.name
         assert ("attn_impl flash" in run.note) == expect, run.name
+        # the 2022 Triton kernel (triton-pre-mlir) issues Ampere's mma.sync only
+        assert run.opts.flash_isa == ("native" if expect else "sm80"), run.name
 
 
 def _layer(flash_unpad: bool, tp: int = 1):
@@ -121,3 +123,41 @@ def test_mpt_rows_mixed_precision_is_the_composer_they_ran():
         # every row stays calibration: priced before with the fp32-parameter mechanism, or
         # read as validation from the start (the A100 PURE rows)
         assert run.part == ("validation" if not amp else "calibration"), run.name
+
+
+def _core(isa: str, cluster: str, seq: int = 2048) -> float:
+    """Forward attention-core seconds of one MPT-7b layer (12 sequences) with the flash
+    kernel issuing `isa`'s instructions."""
+    from bench.published.table import mpt_model
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.compute import KernelOptions, layer_cost
+
+    model = mpt_model("mpt-7b", 32, 4096, 32, seq)
+    kern = KernelOptions(stack="eager", flash_isa=isa)
+    return layer_cost(model, resolve_cluster(cluster), 1, 12, seq, False, kern).core_fwd
+
+
+def test_mma_sync_flash_kernel_runs_at_half_the_hopper_peak():
+    """planner/flash_isa.py: a kernel compiled to mma.sync (llm-foundry's Triton kernel) sees
+    Ampere's per-SM tensor rate, half an H100's datasheet peak: its core's GEMMs are priced at
+    that peak, slower than a native kernel's by what the GEMM model gives at half the FLOP
+    rate (not exactly 2x: the head_dim-wide GEMMs are partly bandwidth- and tile-bound), and
+    never faster. On an A100 mma.sync is the native instruction: no change."""
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.flash_isa import core_cluster
+
+    h100 = resolve_cluster("dgx-h100:1")
+    assert core_cluster(h100, "sm80").peak_tflops == pytest.approx(h100.peak_tflops / 2)
+    assert core_cluster(h100, "native") is h100
+    for seq in (2048, 8192):
+        native, sm80 = _core("native", "dgx-h100:1", seq), _core("sm80", "dgx-h100:1", seq)
+        assert 1.15 * native < sm80 <= 2.0 * native, seq
+    assert _core("sm80", "dgx-a100:1") == _core("native", "dgx-a100:1")
+
+
+def test_flash_isa_is_one_of_its_names():
+    from meshtron.errors import UserError
+    from meshtron.planner.compute import KernelOptions
+
+    with pytest.raises(UserError, match="flash_isa='wgmma': allowed values are native, sm80"):
+        KernelOptions(flash_isa="wgmma")
