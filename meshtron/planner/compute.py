@@ -271,9 +271,12 @@ def _core_time(cluster: ClusterSpec, opts: KernelOptions, batch_heads: float, q_
     one = (cluster_gemm_time(q_len, seq, hd, cluster)
            + cluster_gemm_time(q_len, hd, seq, cluster))
     if opts.attention == "flash":
-        if opts.flash_isa != "native":  # its GEMMs at the peak its instructions reach
+        if opts.flash_isa != "native":  # its GEMMs at the peak its instructions reach; the
+            # tile model at a lower peak saturates sooner, so it could price short sequences
+            # faster than the native kernel: a slower instruction never is
             sm = flash_isa.core_cluster(cluster, opts.flash_isa)
-            one = cluster_gemm_time(q_len, seq, hd, sm) + cluster_gemm_time(q_len, hd, seq, sm)
+            one = max(one, cluster_gemm_time(q_len, seq, hd, sm)
+                      + cluster_gemm_time(q_len, hd, seq, sm))
         core_fwd = 0.5 * batch_heads * one
         return core_fwd, 2.5 * core_fwd, None
     core_fwd = batch_heads * one
