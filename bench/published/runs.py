@@ -91,6 +91,12 @@ LOOKED_AT = {
                     "LF MPT-13b s2048 8xH100", "LF MPT-7b s8192 8xH100",
                     "LF MPT-7b s2048 8xA100", "LF MPT-13b s2048 8xA100",
                     "LF MPT-30b s2048 8xA100")},
+    **{name: "calibration since issue 18 (fp32_params_autocast, see above); the H100 rows' "
+       "optimism against the A100 ones led to pricing the attn_impl triton kernel's mma.sync "
+       "instructions at half Hopper's peak (KernelOptions.flash_isa, branch lfh100, 2026-12-05)"
+       for name in ("LF MPT-30b s2048 512xH100", "LF MPT-13b s2048 512xH100",
+                    "LF MPT-7b s2048 8xH100", "LF MPT-13b s2048 8xH100",
+                    "LF MPT-7b s8192 8xH100")},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""
