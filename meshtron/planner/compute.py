@@ -24,7 +24,8 @@ Attention core: 'flash' (FlashAttention-2, Dao 2023) skips the masked half of a 
 keeps no s x s matrix in memory, and its backward executes 2.5x the forward's matmul FLOPs (5
 GEMMs instead of 2); its GEMMs are head_dim wide, timed by the same efficiency model; with
 context parallelism, at the shapes of the calls the stack makes (ring_attention.py
-`ring_core_time`). 'unfused'
+`ring_core_time`); a kernel compiled to Ampere's mma.sync (KernelOptions.flash_isa
+'sm80') at the peak those instructions reach on the GPU (planner/flash_isa.py). 'unfused'
 (Megatron-LM 2019-2022, used by the calibration runs) computes the full square with two batched
 GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
 """

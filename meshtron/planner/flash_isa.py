@@ -9,8 +9,10 @@ compiled to `mma.sync` runs on Hopper at Ampere's per-SM rate, half the datashee
 on H100: FlashAttention-2 (CUTLASS 2 `mma.sync`) reaches at most about 35% of the bf16 peak
 (Shah et al. 2024, FlashAttention-3, section 1 and Figures 5-6: 335-370 TFLOP/s forward at
 long sequences), i.e. ~70% of that half-rate peak, the same share FlashAttention-2 reaches of
-A100's peak (Dao 2023: 73% forward); microbenchmarks of the two instructions: Luo et al. 2025,
+A100's peak (Dao 2023: 73% forward); microbenchmarks of Hopper's tensor-core instructions (mma and wgmma): Luo et al. 2025,
 "Dissecting the NVIDIA Hopper Architecture through Microbenchmarking", arXiv 2501.12084.
+With context parallelism the ring's per-step calls keep the native pricing
+(ring_attention.py): no stack here runs an 'sm80' kernel under context parallelism.
 
 'sm80': llm-foundry's `attn_impl: triton` (llmfoundry/models/layers/flash_attn_triton.py, the
 HazyResearch Triton FlashAttention of late 2022, header "only tested on A100"), which needs
