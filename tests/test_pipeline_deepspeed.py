@@ -147,3 +147,31 @@ def test_old_engine_regathers_before_the_gradient_receive():
     assert split == pytest.approx(hops * (comm.send(act / 8, True, comm.Fabric.of(cluster))
                                           + gather))
     assert mixed == pytest.approx(0.5 * (split + whole) + 0.5 * hops * gather)
+
+
+def _pp_comm(capsys, tmp_path, blocking: bool) -> float:
+    """`meshtron plan` with DeepSpeed 2024's preset (split activations and gradients) on a
+    pinned pipeline, its p2p_blocking as stated through an options file."""
+    import json
+
+    from meshtron.cli import main
+
+    opts = tmp_path / f"ds_{blocking}.toml"
+    opts.write_text(f'framework = "deepspeed@2024"\n[options]\np2p_blocking = '
+                    f'{str(blocking).lower()}\n')
+    rc = main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:4", "--global-batch",
+               "64", "--seq-len", "4096", "--layout", "tp=4,pp=8,dp=1", "--zero", "1",
+               "--recompute", "full", "--sp", "off", "--micro-batch", "1", "--schedule",
+               "1f1b", "--options", str(opts), "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)["plans"][0]["time_s"]["pp_comm"]
+
+
+def test_the_command_prices_the_engines_walk(capsys, tmp_path):
+    """Through the user's path: the same hop, DeepSpeed's blocking engine against Megatron's
+    batched exchange (2 (m + p - 1) transfers): the ratio of their counts, m = 64, p = 8."""
+    blocking = _pp_comm(capsys, tmp_path, True)
+    batched = _pp_comm(capsys, tmp_path, False)
+    assert blocking / batched == pytest.approx(
+        pipeline.train_schedule_hops(8, 64) / (2 * (64 + 8 - 1)))  # 264 / 142
