@@ -155,7 +155,11 @@ def neox_logged_step_s(model: ModelSpec, global_batch: int, seq: int, tflops: fl
 
 def megatron_deepspeed() -> list[PublishedRun]:
     runs = []
-    mtnlg = gpt_model("mt-nlg-530b", 105, 20480, 128, tied=False)
+    # tied word embedding: Megatron-DeepSpeed's GPTModelPipe builds the input embedding and
+    # the output head as one TiedLayerSpec('embed', ...) on the first and last stages, whose
+    # gradients the engine all-reduces each step (ReduceTiedGrads); microsoft/Megatron-
+    # DeepSpeed megatron/model/gpt_model.py from June to October 2021 (8a132ced, 54884b5f)
+    mtnlg = gpt_model("mt-nlg-530b", 105, 20480, 128)
     for nodes, tf in ((280, 126.0), (350, 121.0), (420, 113.0)):
         runs.append(PublishedRun(
             f"MT-NLG 530B {nodes * 8}", "MTNLG section 2.3 (Selene, batch 1920)",

@@ -18,7 +18,8 @@ Step time (per optimizer step, on the critical pipeline stage c):
   (DeepSpeed's engine splits too; before v0.5.4 not the gradients: p2p_grads_whole);
   KernelOptions(p2p_scatter_gather=False) sends the whole activation from every tensor rank
   and p2p_blocking=True pays a stage's receive and its send per direction (DeepSpeed's
-  pipeline engine: blocking transfers in each stage's instruction stream). Megatron and
+  pipeline engine: blocking transfers in each stage's instruction stream; without
+  interleaving the walk of its TrainSchedule, pipeline.train_schedule_hops). Megatron and
   DeepSpeed add the tied word embedding's gradient all-reduce between the end stages
   (pipeline.tied_embedding_reduce).
 * dp_exposed: gradient synchronisation over the data-parallel group (comm.py) overlapped with

@@ -51,8 +51,11 @@ class StepTimes:
             hop = comm.send(w.p2p_bytes, cross, self.fab) + w.gather
             if self.opts.p2p_grads_whole and w.gather:
                 # activations split over the tensor group, gradients sent whole: the mean of
-                # the two directions (each crosses every boundary the same number of times)
-                hop = 0.5 * (hop + comm.send(w.p2p_bytes * tp, cross, self.fab))
+                # the two directions (each crosses every boundary the same number of times);
+                # the gradient's receiver first re-gathers its own split output to run the
+                # backward on it (DeepSpeed v0.3.15-v0.5.3 pipe/engine.py _exec_recv_grads:
+                # PartitionedTensor.full() before p2p.recv), a gather in both directions
+                hop = 0.5 * (hop + comm.send(w.p2p_bytes * tp, cross, self.fab)) + 0.5 * w.gather
             pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
                                      self.opts.p2p_overlap and v > 1)
             if model.tied_embeddings:

@@ -59,7 +59,9 @@ class KernelOptions:
     p2p_blocking: bool = False
     """Pipeline sends and receives are blocking steps of each stage's instruction stream
     (DeepSpeed's pipeline engine, 2021-2022): per micro-batch and direction a stage pays both its
-    receive and its send. False: Megatron's batched isend/irecv, one transfer per boundary."""
+    receive and its send; the fill and drain chains one transfer per boundary each
+    (pipeline.train_schedule_hops, the walk of its TrainSchedule). False: Megatron's batched
+    isend/irecv, one transfer per boundary."""
     stack: str = "eager"
     """'eager' (plain PyTorch modules, meshtron's runtime), 'fused' (Megatron-LM / Transformer
     Engine fused kernels) or 'compiled' (per-block torch.compile: meshtron's --compile,

@@ -85,14 +85,41 @@ def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
     overlap_p2p_comm (on by default with the interleaved schedule, megatron/training/
     arguments.py; refused without it, schedules.py) posts the steady-state transfers before the
     chunk's compute and waits after it: they cost OVERLAP_INTERFERENCE of their time, the
-    fill and drain chains stay exposed."""
+    fill and drain chains stay exposed. Blocking without interleaving is DeepSpeed's
+    TrainSchedule, whose walk gives `train_schedule_hops`."""
     if p <= 1:
         return 0.0
+    if blocking and v == 1:
+        return hop * train_schedule_hops(p, m)
     per_boundary = 4.0 if blocking else 2.0
     chain = p * v - 1
     if overlap:
         return per_boundary * hop * (chain + OVERLAP_INTERFERENCE * m * v)
     return per_boundary * hop * (m * v + chain)
+
+
+def train_schedule_hops(p: int, m: int) -> int:
+    """Transfers on the critical path of DeepSpeed's pipeline engine (runtime/pipe/schedule.py
+    TrainSchedule, the same from v0.3.15 to v0.6.7): 2(m + p - 1) steps alternate forward and
+    backward slots, stage s running the forward of micro-batch b at step 2b + s and its
+    backward at 2b + 2p - 1 - s; a forward step receives the activation then sends the
+    previous backward's gradient, a backward step sends the previous forward's activation
+    then receives the gradient (RecvActivation, SendGrad / SendActivation, RecvGrad), each
+    a blocking p2p.send / p2p.recv that completes when its peer posts the matching one.
+    Walking those instruction streams with every transfer a rendezvous of `hop` seconds
+    (tests/test_pipeline_deepspeed.py) gives the 1F1B bubble and this many hops beyond it,
+    for transfers short beside a stage's compute: the first activation's chain and the last
+    gradient's, p - 1 each, and four per micro-batch on the critical stage in the steady
+    state, less the six the ends of that chain share with the fill and the drain; a lone
+    micro-batch pays the two chains only, and with two stages one exchange per direction
+    and micro-batch hides under the other stage's compute."""
+    if p <= 1:
+        return 0
+    if p == 2:
+        return 2 * m
+    if m == 1:
+        return 2 * (p - 1)
+    return 4 * m + 2 * p - 8
 
 
 def tied_embedding_reduce(nbytes: float, crosses_nodes: bool, fab: comm.Fabric) -> float:
