@@ -290,8 +290,53 @@ def test_fp8_gemm_kind_prices_fp8_layers_only_and_is_refused_by_name():
     cublas = dataclasses.replace(block, fp8_gemm="cublas")
     fp8 = {o.fp8_gemm: C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "fp8")
            for o in (block, cublas)}
-    assert fp8["blockwise"].wgrad > fp8["cublas"].wgrad  # the block GEMMs (wgrad = linear)
+    # the forward GEMMs: blockwise promotes, cuBLAS accumulates fast; the backward ones
+    # promote in both (KernelOptions.fp8_split_accum_bwd, on by default)
+    assert fp8["blockwise"].fwd > fp8["cublas"].fwd
+    assert fp8["blockwise"].bwd == fp8["cublas"].bwd
     bf16 = [C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "bf16") for o in (block, cublas)]
     assert bf16[0] == bf16[1]
     with pytest.raises(UserError, match="fp8_gemm='fast': allowed values are cublas, blockwise"):
         C.KernelOptions(fp8_gemm="fast")
+
+
+def test_fp8_backward_gemms_promote_their_partial_sums_the_forward_one_does_not():
+    """torchao (Float8LinearConfig: gemm_config_output fast accumulation, grad_input and
+    grad_weight the Float8GemmConfig default without) and Transformer Engine
+    (`_2X_ACC_FPROP = False`, `_2X_ACC_DGRAD = _2X_ACC_WGRAD = True`) run a Linear's two
+    backward GEMMs with split accumulation: the partial sums leave the tensor cores every few
+    k-steps, the promotion blockwise kernels make, so those GEMMs saturate as blockwise ones
+    do and the forward GEMM as cuBLAS's fast-accumulating kernel. Dropping it (every GEMM
+    with fast accumulation) leaves the forward as it was and speeds up the backward only;
+    bf16 layers never read the option."""
+    fast = C.KernelOptions(stack="fused", fp8_filter="all", fp8_split_accum_bwd=False)
+    split = dataclasses.replace(fast, fp8_split_accum_bwd=True)
+    assert C.KernelOptions().fp8_split_accum_bwd  # the stacks' default
+    assert (C.fp8_tile_scale(split), C.fp8_tile_scale(split, backward=True)) == (0.5, 1.0)
+    assert (C.fp8_tile_scale(fast), C.fp8_tile_scale(fast, backward=True)) == (0.5, 0.5)
+    for tp, tokens in ((1, 8192), (8, 4096)):
+        lc = {o.fp8_split_accum_bwd: C.layer_cost(L8, H100, tp, 1, tokens, tp > 1, o, 1, "fp8")
+              for o in (fast, split)}
+        assert lc[True].fwd == lc[False].fwd
+        assert lc[True].bwd > lc[False].bwd
+        # the weight-gradient GEMMs are the promoted ones: what a zero-bubble W step runs
+        assert lc[True].wgrad > lc[False].wgrad
+        # the backward GEMMs cost what blockwise GEMMs of the same shapes cost
+        block = C.layer_cost(L8, H100, tp, 1, tokens, tp > 1,
+                             dataclasses.replace(fast, fp8_gemm="blockwise"), 1, "fp8")
+        assert lc[True].wgrad == pytest.approx(block.wgrad, rel=1e-12)
+        assert lc[True].bwd - lc[False].bwd == pytest.approx(
+            2 * (lc[True].wgrad - lc[False].wgrad), rel=1e-9)
+    bf16 = [C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "bf16") for o in (fast, split)]
+    assert bf16[0] == bf16[1]
+
+
+def test_fp8_fast_accumulation_option_reads_from_the_options_table():
+    """A stack whose backward GEMMs accumulate fast says so in [options]; a non-boolean is
+    refused in one line naming the field."""
+    from meshtron.planner.frameworks import with_options
+
+    fw = with_options(preset("torchtitan"), {"fp8_split_accum_bwd": False})
+    assert fw.kernel.fp8_split_accum_bwd is False
+    with pytest.raises(UserError, match="fp8_split_accum_bwd"):
+        with_options(preset("torchtitan"), {"fp8_split_accum_bwd": "no"})
