@@ -340,3 +340,27 @@ def test_fp8_fast_accumulation_option_reads_from_the_options_table():
     assert fw.kernel.fp8_split_accum_bwd is False
     with pytest.raises(UserError, match="fp8_split_accum_bwd"):
         with_options(preset("torchtitan"), {"fp8_split_accum_bwd": "no"})
+
+
+def test_selective_recompute_replays_the_forward_gemms_not_the_promoted_backward_ones():
+    """torchtitan's "op" policy keeps every other matmul output, meshtron's keeps them all: what
+    the backward runs again is priced from the forward's GEMMs (LayerCost.linear_fwd), so
+    promoting the backward GEMMs (fp8_split_accum_bwd) adds exactly their extra time to a
+    layer, twice per Linear, and nothing to the replayed forward."""
+    from meshtron.planner.memory import MemoryOptions
+
+    tt = preset("torchtitan").kernel
+    cl = resolve_cluster("dgx-h100:1")
+    for mem in (MemoryOptions(framework="fsdp2", activations="alternate-matmul"),
+                MemoryOptions(framework="fsdp2")):
+        layer = {}
+        for split in (False, True):
+            opts = dataclasses.replace(tt, fp8_split_accum_bwd=split)
+            ev = Evaluator(L8, cl, 8, 8192, opts, mem=mem)
+            micro = ev._micro(1, 1, False, "selective", 1, "fp8", 1, "tensorwise")
+            lc = C.layer_cost(L8, cl, 1, 1, 8192, False, opts, 1, "fp8", None, "tensorwise",
+                              ev.mem.gqa_copies and ev.mem.framework != "megatron")
+            layer[split] = (micro.layer, lc)
+        (fast, lc_fast), (slow, lc_slow) = layer[False], layer[True]
+        assert lc_slow.linear_fwd == lc_fast.linear_fwd < lc_slow.wgrad
+        assert slow - fast == pytest.approx(lc_slow.bwd - lc_fast.bwd, rel=1e-9)

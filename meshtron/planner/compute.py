@@ -66,6 +66,11 @@ class LayerCost:
     """Backward compute (input and weight gradients)."""
     wgrad: float
     """Part of `bwd` that computes weight gradients (deferrable by zero-bubble schedules)."""
+    linear_fwd: float
+    """Part of `fwd` that runs the block GEMMs (what a selective policy that keeps matmul
+    outputs does not run again). Equal to `wgrad` unless the backward GEMMs run another
+    kernel than the forward one (FP8 without fast accumulation:
+    KernelOptions.fp8_split_accum_bwd)."""
     core_fwd: float
     """Forward of the attention core alone (what selective recomputation repeats)."""
     tp_fwd: float
@@ -248,8 +253,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     else:
         fwd += host.launch_bound(fwd + tp_f, issue_f)
         bwd += host.launch_bound(bwd + tp_b, issue_b)
-    return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear_bwd, core_fwd=core_fwd,
-                     tp_fwd=tp_f, tp_bwd=tp_b)
+    return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear_bwd, linear_fwd=linear,
+                     core_fwd=core_fwd, tp_fwd=tp_f, tp_bwd=tp_b)
 
 
 def _ring_issue(cp: int, per_op_s: float, issue_f: float,
