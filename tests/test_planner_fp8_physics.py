@@ -364,3 +364,31 @@ def test_selective_recompute_replays_the_forward_gemms_not_the_promoted_backward
         (fast, lc_fast), (slow, lc_slow) = layer[False], layer[True]
         assert lc_slow.linear_fwd == lc_fast.linear_fwd < lc_slow.wgrad
         assert slow - fast == pytest.approx(lc_slow.bwd - lc_fast.bwd, rel=1e-9)
+
+
+def test_fp8_expert_gemms_promote_in_the_backward_as_the_dense_ones_do():
+    """The routed experts' grouped GEMMs (Transformer Engine's GroupedLinear takes the same
+    split-accumulator flags) are priced, in the backward, with the promoted kernel the dense
+    equivalent's backward was charged with: the expert extra over it moves with the option,
+    the forward's does not; blockwise GEMMs promote whatever the option says."""
+    from meshtron.planner import moe_cost, placement
+
+    moe = PRESETS["qwen3-30b-a3b"]
+    cl = resolve_cluster("dgx-h100:1")
+    group = placement.ep_group(1, 8, 8)
+
+    def cost(split, gemm="cublas"):
+        return moe_cost.moe_layer_cost(moe, cl, 8192.0, 8, group, "fp8", 1.0, False, 0,
+                                       "fused", 1, 1, 0.0, 0.0, True, "te-current", gemm,
+                                       split)
+
+    fast, slow = cost(False), cost(True)
+    assert slow.compute_fwd == fast.compute_fwd
+    # the experts' GEMMs run on few rows each, where promotion costs most: their extra grows
+    assert slow.compute_bwd > fast.compute_bwd
+    assert cost(False, "blockwise") == cost(True, "blockwise")
+    # bf16 experts never read it
+    bf = [moe_cost.moe_layer_cost(moe, cl, 8192.0, 8, group, "bf16", 1.0, False, 0, "fused",
+                                  1, 1, 0.0, 0.0, True, "te-current", "cublas", s)
+          for s in (False, True)]
+    assert bf[0] == bf[1]
