@@ -68,6 +68,8 @@ def _questions() -> list[tuple[str, tuple]]:
     return [
         ("base", base),
         ("fp8", vary(plan=plan.replace(dtype="fp8"))),
+        ("fp8, fast accumulation everywhere",
+         vary(plan=plan.replace(dtype="fp8"), opts=KernelOptions(fp8_split_accum_bwd=False))),
         ("fp32", vary(plan=plan.replace(dtype="fp32", reduce_dtype="fp32"))),
         ("unfused attention", vary(opts=KernelOptions(attention="unfused"))),
         ("compiled stack", vary(opts=KernelOptions(stack="compiled"))),

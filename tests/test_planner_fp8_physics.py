@@ -290,8 +290,105 @@ def test_fp8_gemm_kind_prices_fp8_layers_only_and_is_refused_by_name():
     cublas = dataclasses.replace(block, fp8_gemm="cublas")
     fp8 = {o.fp8_gemm: C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "fp8")
            for o in (block, cublas)}
-    assert fp8["blockwise"].wgrad > fp8["cublas"].wgrad  # the block GEMMs (wgrad = linear)
+    # the forward GEMMs: blockwise promotes, cuBLAS accumulates fast; the backward ones
+    # promote in both (KernelOptions.fp8_split_accum_bwd, on by default)
+    assert fp8["blockwise"].fwd > fp8["cublas"].fwd
+    assert fp8["blockwise"].bwd == fp8["cublas"].bwd
     bf16 = [C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "bf16") for o in (block, cublas)]
     assert bf16[0] == bf16[1]
     with pytest.raises(UserError, match="fp8_gemm='fast': allowed values are cublas, blockwise"):
         C.KernelOptions(fp8_gemm="fast")
+
+
+def test_fp8_backward_gemms_promote_their_partial_sums_the_forward_one_does_not():
+    """torchao (Float8LinearConfig: gemm_config_output fast accumulation, grad_input and
+    grad_weight the Float8GemmConfig default without) and Transformer Engine
+    (`_2X_ACC_FPROP = False`, `_2X_ACC_DGRAD = _2X_ACC_WGRAD = True`) run a Linear's two
+    backward GEMMs with split accumulation: the partial sums leave the tensor cores every few
+    k-steps, the promotion blockwise kernels make, so those GEMMs saturate as blockwise ones
+    do and the forward GEMM as cuBLAS's fast-accumulating kernel. Dropping it (every GEMM
+    with fast accumulation) leaves the forward as it was and speeds up the backward only;
+    bf16 layers never read the option."""
+    fast = C.KernelOptions(stack="fused", fp8_filter="all", fp8_split_accum_bwd=False)
+    split = dataclasses.replace(fast, fp8_split_accum_bwd=True)
+    assert C.KernelOptions().fp8_split_accum_bwd  # the stacks' default
+    assert (C.fp8_tile_scale(split), C.fp8_tile_scale(split, backward=True)) == (0.5, 1.0)
+    assert (C.fp8_tile_scale(fast), C.fp8_tile_scale(fast, backward=True)) == (0.5, 0.5)
+    for tp, tokens in ((1, 8192), (8, 4096)):
+        lc = {o.fp8_split_accum_bwd: C.layer_cost(L8, H100, tp, 1, tokens, tp > 1, o, 1, "fp8")
+              for o in (fast, split)}
+        assert lc[True].fwd == lc[False].fwd
+        assert lc[True].bwd > lc[False].bwd
+        # the weight-gradient GEMMs are the promoted ones: what a zero-bubble W step runs
+        assert lc[True].wgrad > lc[False].wgrad
+        # the backward GEMMs cost what blockwise GEMMs of the same shapes cost
+        block = C.layer_cost(L8, H100, tp, 1, tokens, tp > 1,
+                             dataclasses.replace(fast, fp8_gemm="blockwise"), 1, "fp8")
+        assert lc[True].wgrad == pytest.approx(block.wgrad, rel=1e-12)
+        assert lc[True].bwd - lc[False].bwd == pytest.approx(
+            2 * (lc[True].wgrad - lc[False].wgrad), rel=1e-9)
+    bf16 = [C.layer_cost(L8, H100, 1, 1, 8192, False, o, 1, "bf16") for o in (fast, split)]
+    assert bf16[0] == bf16[1]
+
+
+def test_fp8_fast_accumulation_option_reads_from_the_options_table():
+    """A stack whose backward GEMMs accumulate fast says so in [options]; a non-boolean is
+    refused in one line naming the field."""
+    from meshtron.planner.frameworks import with_options
+
+    fw = with_options(preset("torchtitan"), {"fp8_split_accum_bwd": False})
+    assert fw.kernel.fp8_split_accum_bwd is False
+    with pytest.raises(UserError, match="fp8_split_accum_bwd"):
+        with_options(preset("torchtitan"), {"fp8_split_accum_bwd": "no"})
+
+
+def test_selective_recompute_replays_the_forward_gemms_not_the_promoted_backward_ones():
+    """torchtitan's "op" policy keeps every other matmul output, meshtron's keeps them all: what
+    the backward runs again is priced from the forward's GEMMs (LayerCost.linear_fwd), so
+    promoting the backward GEMMs (fp8_split_accum_bwd) adds exactly their extra time to a
+    layer, twice per Linear, and nothing to the replayed forward."""
+    from meshtron.planner.memory import MemoryOptions
+
+    tt = preset("torchtitan").kernel
+    cl = resolve_cluster("dgx-h100:1")
+    for mem in (MemoryOptions(framework="fsdp2", activations="alternate-matmul"),
+                MemoryOptions(framework="fsdp2")):
+        layer = {}
+        for split in (False, True):
+            opts = dataclasses.replace(tt, fp8_split_accum_bwd=split)
+            ev = Evaluator(L8, cl, 8, 8192, opts, mem=mem)
+            micro = ev._micro(1, 1, False, "selective", 1, "fp8", 1, "tensorwise")
+            lc = C.layer_cost(L8, cl, 1, 1, 8192, False, opts, 1, "fp8", None, "tensorwise",
+                              ev.mem.gqa_copies and ev.mem.framework != "megatron")
+            layer[split] = (micro.layer, lc)
+        (fast, lc_fast), (slow, lc_slow) = layer[False], layer[True]
+        assert lc_slow.linear_fwd == lc_fast.linear_fwd < lc_slow.wgrad
+        assert slow - fast == pytest.approx(lc_slow.bwd - lc_fast.bwd, rel=1e-9)
+
+
+def test_fp8_expert_gemms_promote_in_the_backward_as_the_dense_ones_do():
+    """The routed experts' grouped GEMMs (Transformer Engine's GroupedLinear takes the same
+    split-accumulator flags) are priced, in the backward, with the promoted kernel the dense
+    equivalent's backward was charged with: the expert extra over it moves with the option,
+    the forward's does not; blockwise GEMMs promote whatever the option says."""
+    from meshtron.planner import moe_cost, placement
+
+    moe = PRESETS["qwen3-30b-a3b"]
+    cl = resolve_cluster("dgx-h100:1")
+    group = placement.ep_group(1, 8, 8)
+
+    def cost(split, gemm="cublas"):
+        return moe_cost.moe_layer_cost(moe, cl, 8192.0, 8, group, "fp8", 1.0, False, 0,
+                                       "fused", 1, 1, 0.0, 0.0, True, "te-current", gemm,
+                                       split)
+
+    fast, slow = cost(False), cost(True)
+    assert slow.compute_fwd == fast.compute_fwd
+    # the experts' GEMMs run on few rows each, where promotion costs most: their extra grows
+    assert slow.compute_bwd > fast.compute_bwd
+    assert cost(False, "blockwise") == cost(True, "blockwise")
+    # bf16 experts never read it
+    bf = [moe_cost.moe_layer_cost(moe, cl, 8192.0, 8, group, "bf16", 1.0, False, 0, "fused",
+                                  1, 1, 0.0, 0.0, True, "te-current", "cublas", s)
+          for s in (False, True)]
+    assert bf[0] == bf[1]

@@ -67,6 +67,11 @@ class LayerCost:
     """Backward compute (input and weight gradients)."""
     wgrad: float
     """Part of `bwd` that computes weight gradients (deferrable by zero-bubble schedules)."""
+    linear_fwd: float
+    """Part of `fwd` that runs the block GEMMs (what a selective policy that keeps matmul
+    outputs does not run again). Equal to `wgrad` unless the backward GEMMs run another
+    kernel than the forward one (FP8 without fast accumulation:
+    KernelOptions.fp8_split_accum_bwd)."""
     core_fwd: float
     """Forward of the attention core alone (what selective recomputation repeats)."""
     tp_fwd: float
@@ -161,13 +166,20 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
               "up": (f / tp, f / tp) if model.mlp == "swiglu" else (f / tp,)} \
         if opts.separate_projections else {}
 
-    def gemm(group: str, rows: float = tokens) -> float:
+    def gemm(group: str, rows: float = tokens, backward: bool = False) -> float:
         n, k, split = shapes[group]
-        return sum(gemm_group(rows, w, k, lin_cl, cluster, frac, group, split, fp8_kernel)
+        kernel = bwd_kernel if backward else fp8_kernel
+        return sum(gemm_group(rows, w, k, lin_cl, cluster, frac, group, split, kernel)
                    for w in pieces.get(group, (n,)))
     fp8_kernel = (FP8, fp8_tile_scale(opts)) if lin_dt == "fp8" else (BF16, 1.0)
+    # the input- and weight-gradient GEMMs: FP8 ones without fast accumulation promote their
+    # partial sums (KernelOptions.fp8_split_accum_bwd); each is priced at the forward's shape,
+    # which the saturation model gives the same time when all three widths saturate alike
+    bwd_kernel = (FP8, fp8_tile_scale(opts, backward=True)) if lin_dt == "fp8" else fp8_kernel
     gemms = {g: gemm(g) for g in shapes}
     linear = sum(gemms.values())
+    linear_bwd = (sum(gemm(g, backward=True) for g in shapes) if bwd_kernel != fp8_kernel
+                  else linear)  # one of the two backward GEMMs of every Linear
     heads_local = model.heads / tp
     hd = model.head_dim
     batch_heads = micro_batch * heads_local
@@ -190,7 +202,7 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
         elementwise += 6.0 * weights / bw
     fwd = linear + core_fwd + elementwise + q_f
-    bwd = 2.0 * linear + core_bwd + 2.0 * elementwise + q_b
+    bwd = 2.0 * linear_bwd + core_bwd + 2.0 * elementwise + q_b
     if gqa_repeat:  # repeat_kv's copies and their backward sums (not twice the forward)
         rep_f, rep_b = gqa_repeat_bytes(model, tp, opts.stack)
         fwd, bwd = fwd + tokens * rep_f / bw, bwd + tokens * rep_b / bw
@@ -242,8 +254,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     else:
         fwd += host.launch_bound(fwd + tp_f, issue_f)
         bwd += host.launch_bound(bwd + tp_b, issue_b)
-    return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear, core_fwd=core_fwd,
-                     tp_fwd=tp_f, tp_bwd=tp_b)
+    return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear_bwd, linear_fwd=linear,
+                     core_fwd=core_fwd, tp_fwd=tp_f, tp_bwd=tp_b)
 
 
 def _ring_issue(cp: int, per_op_s: float, issue_f: float,

@@ -98,7 +98,7 @@ class CostPieces:
                                          moe_memory.expert_tp(self.mem.framework, tp),
                                          *window,
                                          moe_cost.per_expert_gemms(self.mem.framework),
-                                         o.fp8_scaling, o.fp8_gemm)
+                                         o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd)
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
             # with ep > 1 the dispatch reads its split sizes on the host once per MoE layer
@@ -143,9 +143,9 @@ class CostPieces:
             # never stores (nothing)
             saved = self.mem.saved
             if saved == "eager":
-                c_l += lc.fwd - lc.wgrad
+                c_l += lc.fwd - lc.linear_fwd
             elif saved == "alternate-matmul":
-                c_l += lc.fwd - lc.wgrad - lc.core_fwd + 0.5 * lc.wgrad
+                c_l += lc.fwd - lc.linear_fwd - lc.core_fwd + 0.5 * lc.linear_fwd
         window = (lc.fwd, lc.bwd)
         self._cache[("window", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = window
         moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp, window)

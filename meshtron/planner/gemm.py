@@ -130,12 +130,19 @@ def dispatch_s(cluster: ClusterSpec) -> float:
     return DISPATCH_S
 
 
-def fp8_tile_scale(opts: KernelOptions) -> float:
+def fp8_tile_scale(opts: KernelOptions, backward: bool = False) -> float:
     """Saturation width of an FP8 GEMM's m and n over its k width (`gemm_time` tile_scale):
-    FP8 / BF16 for cuBLAS's per-tensor / per-row scaled kernels (their tiles are bf16's, fed at
-    half the bytes), 1 for blockwise scaling (the per-128-k promotion on CUDA cores: DeepGEMM's
-    published throughput, module docstring)."""
-    return 1.0 if opts.fp8_gemm == "blockwise" else FP8 / BF16
+    FP8 / BF16 for cuBLAS's per-tensor / per-row scaled kernels with fast accumulation (their
+    tiles are bf16's, fed at half the bytes), 1 where the kernel promotes its partial sums out
+    of the tensor cores every few k-steps: blockwise scaling (the per-128-k promotion on CUDA
+    cores: DeepGEMM's published throughput, module docstring) and, with
+    `opts.fp8_split_accum_bwd`, the two `backward` GEMMs (input and weight gradient) of the
+    cuBLAS kind, which torchao and Transformer Engine run without fast accumulation
+    (KernelOptions.fp8_split_accum_bwd cites both): the same promotion of the accumulator,
+    DeepSeek-V3 report section 3.3.2."""
+    if opts.fp8_gemm == "blockwise" or (backward and opts.fp8_split_accum_bwd):
+        return 1.0
+    return FP8 / BF16
 
 
 

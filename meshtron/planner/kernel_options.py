@@ -103,6 +103,22 @@ class KernelOptions:
     per-row scales in the epilogue: Transformer Engine, torchao, meshtron) or 'blockwise'
     (DeepSeek-V3's fine-grained 1x128 / 128x128 scales promoted every 128 k-elements), which
     sets how the GEMM saturates (planner/gemm.py, `fp8_tile_scale`)."""
+    fp8_split_accum_bwd: bool = True
+    """With dtype fp8, a Linear's input- and weight-gradient GEMMs accumulate without fast
+    accumulation, and only its forward GEMM with it. On Hopper the FP8 tensor cores keep
+    about 14 bits of the accumulator (DeepSeek-V3 report, section 3.3.2), so a kernel
+    without fast accumulation (cuBLASLt CUBLASLT_MATMUL_DESC_FAST_ACCUM 0, Transformer
+    Engine's `use_split_accumulator`) adds its partial sums into fp32 registers every few
+    k-steps: the promotion blockwise kernels also make, priced the same way
+    (gemm.fp8_tile_scale). torchao: Float8LinearConfig's gemm_config_output has
+    use_fast_accum=True, gemm_config_grad_input / grad_weight the Float8GemmConfig default
+    False, for the tensorwise and the rowwise recipe alike (torchao/float8/config.py, at
+    pytorch/ao eab345c of 2024-12-23, the torchtitan benchmarks' pin, and on main; meshtron's
+    runtime takes from_recipe_name's config, meshtron/parallel/fp8.py). Transformer Engine:
+    pytorch/module/base.py `_2X_ACC_FPROP = False`, `_2X_ACC_DGRAD = True`,
+    `_2X_ACC_WGRAD = True`, passed as use_split_accumulator to the dgrad / wgrad GEMMs of
+    Linear, LayerNormLinear and LayerNormMLP. False: all three with fast accumulation (a
+    Float8LinearConfig built with use_fast_accum=True for every GEMM)."""
     separate_projections: bool = True
     """The blocks' q/k/v projections and SwiGLU's gate and up projections are separate
     nn.Linear modules, each its own GEMM (meshtron's runtime, meshtron/model/transformer.py;

@@ -130,7 +130,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    dtype: str, imbalance: float, ep_overlap: bool, node_limit: int,
                    stack: str, tp: int = 1, etp: int = 1, window_fwd: float = 0.0,
                    window_bwd: float = 0.0, per_expert: bool = False,
-                   fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas") -> MoeLayerCost:
+                   fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
+                   fp8_split_accum_bwd: bool = True) -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -142,32 +143,45 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     `per_expert`: the expert GEMMs are issued one per local expert (`per_expert_gemms`).
     `fp8_scaling`: how the FP8 experts quantise their inputs (`expert_cast_bytes`); `fp8_gemm`:
     their GEMM kernel kind (compute.fp8_tile_scale), the same as the dense equivalent's, whose
-    routed GEMMs are subtracted at the time it charged them."""
+    routed GEMMs are subtracted at the time it charged them; `fp8_split_accum_bwd`: the
+    backward GEMMs promote their partial sums (compute.KernelOptions.fp8_split_accum_bwd:
+    Transformer Engine's GroupedLinear takes the same _2X_ACC_DGRAD / _2X_ACC_WGRAD), so the
+    backward's extra is priced with that kernel, as the dense equivalent's backward was."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
     lin_cl = cluster.at_dtype(lin_dt)
-    kernel = ((compute.FP8, compute.fp8_tile_scale(compute.KernelOptions(fp8_gemm=fp8_gemm)))
+    gemm_opts = compute.KernelOptions(fp8_gemm=fp8_gemm, fp8_split_accum_bwd=fp8_split_accum_bwd)
+    kernel = ((compute.FP8, compute.fp8_tile_scale(gemm_opts))
               if lin_dt == "fp8" else (compute.BF16, 1.0))
+    kernel_b = ((compute.FP8, compute.fp8_tile_scale(gemm_opts, backward=True))
+                if lin_dt == "fp8" else kernel)
     h, fe, k, e = model.hidden, model.moe_ffn_hidden, model.moe_top_k, model.moe_experts
     b = 4.0 if dtype == "fp32" else compute.BF16
-    # dense equivalent's routed part: [T, k*fe/tp] up (x2 for SwiGLU's gate) and down GEMMs
-    dense = (compute.cluster_gemm_time(tokens, 2 * k * fe / tp, h, lin_cl, *kernel)
-             + compute.cluster_gemm_time(tokens, h, k * fe / tp, lin_cl, *kernel))
     rows = max(1.0, routed_tokens_per_expert(tokens, model, ep) * imbalance)
     local, fe_local = e / ep, fe / etp
-    grouped = local * (compute.cluster_gemm_time(rows, 2 * fe_local, h, lin_cl, *kernel)
-                       + compute.cluster_gemm_time(rows, h, fe_local, lin_cl, *kernel))
-    if tp > 1 and etp == 1:
-        # the shared experts run whole on every tp rank too (meshtron/parallel/tensor.py
-        # `_moe_plan`), where the dense equivalent charged 1/tp of them
-        fs = model.moe_shared_experts * fe
-        if fs:
-            def shared(cols):
-                return (compute.cluster_gemm_time(tokens, 2 * cols, h, lin_cl, *kernel)
-                        + compute.cluster_gemm_time(tokens, h, cols, lin_cl, *kernel))
 
-            grouped += shared(fs) - shared(fs / tp)
+    def gemms(kern: tuple[float, float]) -> tuple[float, float]:
+        """(the dense equivalent's routed GEMMs, the experts' grouped ones) with `kern`."""
+        # dense equivalent's routed part: [T, k*fe/tp] up (x2 for SwiGLU's gate) and down
+        dense = (compute.cluster_gemm_time(tokens, 2 * k * fe / tp, h, lin_cl, *kern)
+                 + compute.cluster_gemm_time(tokens, h, k * fe / tp, lin_cl, *kern))
+        grouped = local * (compute.cluster_gemm_time(rows, 2 * fe_local, h, lin_cl, *kern)
+                           + compute.cluster_gemm_time(rows, h, fe_local, lin_cl, *kern))
+        if tp > 1 and etp == 1:
+            # the shared experts run whole on every tp rank too (meshtron/parallel/tensor.py
+            # `_moe_plan`), where the dense equivalent charged 1/tp of them
+            fs = model.moe_shared_experts * fe
+            if fs:
+                def shared(cols):
+                    return (compute.cluster_gemm_time(tokens, 2 * cols, h, lin_cl, *kern)
+                            + compute.cluster_gemm_time(tokens, h, cols, lin_cl, *kern))
+
+                grouped += shared(fs) - shared(fs / tp)
+        return dense, grouped
+
+    dense, grouped = gemms(kernel)
+    dense_b, grouped_b = gemms(kernel_b) if kernel_b != kernel else (dense, grouped)
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
     slots = tokens * k * h * b
     permute = permute_passes(stack, ep, local) * 2 * slots / bw  # each reads and writes
@@ -176,7 +190,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         routed = tokens * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
         cast_f, cast_b = (x / bw for x in expert_cast_bytes(fp8_scaling, routed, tokens * h))
     extra_f = grouped - dense + permute + cast_f
-    extra_b = 2 * (grouped - dense) + 2 * permute + cast_b
+    extra_b = 2 * (grouped_b - dense_b) + 2 * permute + cast_b
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     one = a2a_time(nbytes * imbalance, group, fab, k, node_limit)
@@ -185,7 +199,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         # the whole MoE layer computes beside them: the dense equivalent's layer (attention
         # included; its routed GEMMs when no window is given) plus the experts' extra
         win_f = max(window_fwd, dense) + extra_f
-        win_b = max(window_bwd, 2 * dense) + extra_b
+        win_b = max(window_bwd, 2 * dense_b) + extra_b
         a2a_f, a2a_b = overlapped_a2a(a2a_f, a2a_b, win_f, win_b)
     if window_fwd > 0:
         # the GPU waits for the host where the host issues slower than the GPU runs, after the
