@@ -131,14 +131,16 @@ def test_simulator_prices_the_for_loop_optimizer_as_the_planner():
 
 def test_unfused_gradient_accumulation_costs_a_pass_per_micro_batch():
     """meshtron's ZeRO-0 adds each micro-batch's bf16 gradient into the fp32 accumulator:
-    2 + 4 + 4 bytes per local parameter per micro-batch after the first (the first casts:
-    2 + 4); Megatron's gradient-accumulation fusion does it inside the wgrad GEMM."""
+    2 + 4 + 4 bytes per local parameter per micro-batch after the first, an add across dtypes
+    (C.cast_add_bytes_per_s); the first casts: 2 + 4, streaming; Megatron's
+    gradient-accumulation fusion does it inside the wgrad GEMM."""
     plan = Plan(tp=1, pp=1, dp=8, zero=0, micro_batch=1, dtype="bf16")
     ev = _ev("meshtron")
     params = ev._stage_params(plan, L8.layers, 0)
+    add_bw = C.cast_add_bytes_per_s(ev.cluster)
     for m in (1, 4, 16):
         got = ev.accumulation_s(plan, L8.layers, 0, m, ev.dp_flags(plan))
-        assert got == pytest.approx(((m - 1) * 10 + 6) * params / ev.hbm)
+        assert got == pytest.approx((m - 1) * 10 * params / add_bw + 6 * params / ev.hbm)
     mc = _ev("megatron@2024")
     assert mc.accumulation_s(plan, L8.layers, 0, 16, mc.dp_flags(plan)) == 0.0
     # ZeRO-3 reducing every micro-batch accumulates the reduced shard only

@@ -47,14 +47,20 @@ from meshtron.planner.elementwise import (  # noqa: F401  (kernels_per_layer re-
 from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exported)
     GEMM_GROUPS, cast_bytes, fp8_fractions, fp8_input_casts, fp8_weight_elements,
     quantisation_bytes)
-from meshtron.planner.gemm import (  # noqa: F401  (gemm_efficiency, DISPATCH_S re-exported)
-    BF16, DISPATCH_S, FP8, HBM_EFFICIENCY, cluster_gemm_time, dispatch_s, fp8_tile_scale,
-    gemm_efficiency, gemm_group, membound_bytes_per_s)
+from meshtron.planner.gemm import (  # noqa: F401  (re-exported for callers)
+    BF16, CAST_ADD_BYTES_PER_SM, DISPATCH_S, FP8, HBM_EFFICIENCY, cast_add_bytes_per_s,
+    cluster_gemm_time, dispatch_s, fp8_tile_scale, gemm_efficiency, gemm_group,
+    membound_bytes_per_s)
 from meshtron.planner.kernel_options import (  # noqa: F401  (re-exported: callers' one import)
     DEFAULT_IMBALANCE, KernelOptions, compiled)
 from meshtron.planner.overlap import (  # noqa: F401  (re-exported: one formula everywhere)
     DEFAULT_SMS, OVERLAP_INTERFERENCE, TE_UB_COMM_SMS, TE_UB_PIPELINE_SPLITS, overlapped,
     sm_count, sm_margin, tp_exposed)
+
+PART_KINDS = ("gemm", "attention", "elementwise", "fp8_cast", "host_wait")
+"""What a layer's or an edge's compute seconds are made of: GEMMs (block linears, the head),
+the attention core, memory-bound kernels, FP8 quantisation, and the GPU waiting on the host's
+launches (host.launch_bound) or its synchronisations."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,18 @@ class LayerCost:
     """Tensor-parallel communication of the forward pass (2 all-reduces, or RS+AG with SP)."""
     tp_bwd: float
     """Tensor-parallel communication of the backward pass."""
+    parts: tuple[tuple[str, float, float], ...] = ()
+    """(kind, forward seconds, backward seconds) that `fwd` and `bwd` are the sums of, kind
+    one of PART_KINDS: where the layer's time goes, for planner/step_categories.py."""
+
+    def parts_per_microbatch(self, recompute: str, attention: str) -> dict[str, float]:
+        """`parts` over one micro-batch's forward, backward and what recomputation repeats,
+        by kind: they add up to `per_microbatch`'s compute."""
+        share = {"full": 1.0, "half": 0.5}.get(recompute, 0.0)
+        out = {kind: f * (1.0 + share) + b for kind, f, b in self.parts}
+        if recompute == "selective" and attention == "unfused":
+            out["attention"] = out.get("attention", 0.0) + self.core_fwd
+        return out
 
     def per_microbatch(self, recompute: str, attention: str) -> tuple[float, float, float, float]:
         """(compute, tp comm, forward part, weight-grad part) of fwd+bwd with recomputation."""
@@ -104,6 +122,8 @@ class EdgeCost:
     """Forward part (compute + comm) of the above."""
     wgrad: float
     """Weight-gradient part of `compute`."""
+    parts: tuple[tuple[str, float], ...] = ()
+    """(kind, seconds) that `compute` is the sum of, kind one of PART_KINDS."""
 
 
 def compute_dtypes(dtype: str) -> tuple[str, str]:
@@ -201,15 +221,14 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if opts.fp32_params_autocast:
         weights = (h * (h + 2 * kv) + h * h + h * (up + f)) / tp
         elementwise += 6.0 * weights / bw
-    fwd = linear + core_fwd + elementwise + q_f
-    bwd = 2.0 * linear_bwd + core_bwd + 2.0 * elementwise + q_b
+    elem_f, elem_b, host_f = elementwise, 2.0 * elementwise, 0.0
     if gqa_repeat:  # repeat_kv's copies and their backward sums (not twice the forward)
         rep_f, rep_b = gqa_repeat_bytes(model, tp, opts.stack)
-        fwd, bwd = fwd + tokens * rep_f / bw, bwd + tokens * rep_b / bw
+        elem_f, elem_b = elem_f + tokens * rep_f / bw, elem_b + tokens * rep_b / bw
     if opts.flash_unpad and opts.attention == "flash":  # bert_padding around the kernel
         un_f, un_b = flash_unpad.unpad_bytes(model, tp)
-        fwd += tokens * un_f / bw + flash_unpad.unpad_host_s(dispatch_s(cluster))
-        bwd += tokens * un_b / bw
+        elem_f, elem_b = elem_f + tokens * un_f / bw, elem_b + tokens * un_b / bw
+        host_f = flash_unpad.unpad_host_s(dispatch_s(cluster))
     # K/V elements per rank that context parallelism moves: every query head where repeated
     kv_moved = h if gqa_repeat else kv
     # torch's ring: its fp32 merges and copies (ring_attention.py; its byte counts are of a
@@ -217,7 +236,9 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     torch_ring = cp > 1 and opts.torch_ring and ring is not None and other_dt == "bf16"
     if torch_ring:
         ring_f, ring_b = torch_ring_bytes(tokens * h / tp, tokens * kv_moved / tp, cp)
-        fwd, bwd = fwd + ring_f / bw, bwd + ring_b / bw
+        elem_f, elem_b = elem_f + ring_f / bw, elem_b + ring_b / bw
+    fwd = linear + core_fwd + elem_f + q_f + host_f
+    bwd = 2.0 * linear_bwd + core_bwd + elem_b + q_b
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
     # (Shoeybi et al. 2019, fig. 4); with sequence parallelism each becomes a reduce-scatter plus
     # an all-gather of the same total volume (Korthikanti et al. 2022, section 4.2.2). Which
@@ -250,12 +271,15 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if torch_ring:  # its Python ops and collectives around the calls, each a launch
         issue_f, issue_b = _ring_issue(cp, dispatch_s(cluster), issue_f, issue_b)
     if opts.launch_blocking:  # every launch waits for its kernel: no running ahead
-        fwd, bwd = fwd + issue_f, bwd + issue_b
+        wait_f, wait_b = issue_f, issue_b
     else:
-        fwd += host.launch_bound(fwd + tp_f, issue_f)
-        bwd += host.launch_bound(bwd + tp_b, issue_b)
-    return LayerCost(fwd=fwd, bwd=bwd, wgrad=linear_bwd, linear_fwd=linear,
-                     core_fwd=core_fwd, tp_fwd=tp_f, tp_bwd=tp_b)
+        wait_f = host.launch_bound(fwd + tp_f, issue_f)
+        wait_b = host.launch_bound(bwd + tp_b, issue_b)
+    parts = (("gemm", linear, 2.0 * linear_bwd), ("attention", core_fwd, core_bwd),
+             ("elementwise", elem_f, elem_b), ("fp8_cast", q_f, q_b),
+             ("host_wait", host_f + wait_f, wait_b))
+    return LayerCost(fwd=fwd + wait_f, bwd=bwd + wait_b, wgrad=linear_bwd, linear_fwd=linear,
+                     core_fwd=core_fwd, tp_fwd=tp_f, tp_bwd=tp_b, parts=parts)
 
 
 def _ring_issue(cp: int, per_op_s: float, issue_f: float,
@@ -388,31 +412,43 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     wait_b = host.launch_bound(compute - fwd_c + tp_b, issue_b)
     fwd_c += wait_f
     compute += wait_f + wait_b
-    return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm)
+    parts = (("gemm", 3 * gemm),
+             ("elementwise", logits * (loss_f + loss_b) / hbm + 3 * norm),
+             ("host_wait", wait_f + wait_b))
+    return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm, parts=parts)
 
 
 @lru_cache(maxsize=4096)
-def chunked_loss_extra(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
-                       cp: int = 1, dtype: str = "bf16", stack: str = "eager") -> float:
+def chunked_loss_parts(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
+                       cp: int = 1, dtype: str = "bf16",
+                       stack: str = "eager") -> tuple[tuple[str, float], ...]:
     """Seconds meshtron's chunked cross-entropy (meshtron/model/loss.py, tp = 1 without a
-    pipeline) adds to `head_cost` per micro-batch. It runs the head and the loss on chunks of
-    tokens/ceil(vocab/hidden) tokens under activation checkpointing, so the backward (1)
-    replays each chunk's head GEMM and loss forward, (2) computes the head's weight gradient
-    chunk by chunk, a [vocab, hidden] product over only `chunk` tokens each (bound by writing
-    its output), and (3) autograd sums the chunks' weight gradients, one add of a
-    [vocab, hidden] tensor per chunk after the first (read both, write the sum)."""
+    pipeline) adds to `head_cost` per micro-batch, by kind (PART_KINDS). It runs the head and
+    the loss on chunks of tokens/ceil(vocab/hidden) tokens under activation checkpointing, so
+    the backward (1) replays each chunk's head GEMM and loss forward, (2) computes the head's
+    weight gradient chunk by chunk, a [vocab, hidden] product over only `chunk` tokens each
+    (bound by writing its output), and (3) autograd sums the chunks' weight gradients, one
+    add of a [vocab, hidden] tensor per chunk after the first (read both, write the sum).
+    The GEMMs of (1) and (2) are 'gemm', the loss replay and (3) 'elementwise'."""
     cl = cluster.at_dtype(compute_dtypes(dtype)[1])
     hbm = membound_bytes_per_s(cl, stack)
     tokens = micro_batch * seq / cp
     v, h = model.vocab, model.hidden
     chunk = math.ceil(tokens / math.ceil(v / h))
     chunks = math.ceil(tokens / chunk)
-    replay = cluster_gemm_time(tokens, v, h, cl) + tokens * v * (
-        14.0 if stack == "eager" else 6.0) / hbm
     wgrad = chunks * cluster_gemm_time(v, h, chunk, cl) - cluster_gemm_time(v, h, tokens, cl)
+    gemm = cluster_gemm_time(tokens, v, h, cl) + max(0.0, wgrad)
+    loss = tokens * v * (14.0 if stack == "eager" else 6.0) / hbm
     elem = 4.0 if dtype == "fp32" else BF16
     grad_sum = (chunks - 1) * 3.0 * elem * v * h / (cl.hbm_bytes_per_s * HBM_EFFICIENCY)
-    return replay + max(0.0, wgrad) + grad_sum
+    return (("gemm", gemm), ("elementwise", loss + grad_sum))
+
+
+def chunked_loss_extra(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
+                       cp: int = 1, dtype: str = "bf16", stack: str = "eager") -> float:
+    """`chunked_loss_parts` in all: seconds per micro-batch."""
+    return sum(s for _, s in chunked_loss_parts(model, cluster, micro_batch, seq, cp, dtype,
+                                                stack))
 
 
 @lru_cache(maxsize=4096)
@@ -433,7 +469,8 @@ def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch:
         tp_b = comm.all_gather(nbytes, group, fab)
     else:
         tp_f, tp_b = comm.all_reduce(nbytes, group, fab), 0.0
-    return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=nbytes / hbm + tp_f, wgrad=0.0)
+    return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=nbytes / hbm + tp_f, wgrad=0.0,
+                    parts=(("elementwise", compute),))
 
 
 def active_equivalent(model: ModelSpec) -> ModelSpec:

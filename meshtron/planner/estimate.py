@@ -56,11 +56,14 @@ Step time (per optimizer step, on the critical pipeline stage c):
   buffer); foreach / for-loop AdamW ('foreach', 'for-loop') makes a pass per arithmetic step,
   86 bytes; both at 80% of HBM bandwidth. A Python loop over parameters ('for-loop': Composer's
   DecoupledAdamW) also launches every pass per tensor and reads a step counter per tensor:
-  launch-bound on a small shard (optimizer_loop.py). What the optimizer runs is the
-  framework's choice, not the kernel stack's: compiling the blocks leaves it alone.
+  launch-bound on a small shard (optimizer_loop.py). Clipping by the global norm
+  (KernelOptions.grad_clip, every preset's default) reads the gradients once more and scales
+  them in place (`Evaluator.optimizer_bytes`). What the optimizer runs is the framework's
+  choice, not the kernel stack's: compiling the blocks leaves it alone.
 * gradient accumulation (in compute): unless the weight-gradient GEMM accumulates in place
   (Megatron's gradient accumulation fusion), every micro-batch's gradients are added to the
-  accumulated ones by a memory-bound pass of their own (`Evaluator.accumulation_s`).
+  accumulated ones by a memory-bound pass of their own (`Evaluator.accumulation_s`; into a
+  wider dtype PyTorch's add is unvectorised: compute.CAST_ADD_BYTES_PER_SM).
 
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et

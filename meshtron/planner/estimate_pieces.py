@@ -146,6 +146,8 @@ class CostPieces:
                 c_l += lc.fwd - lc.linear_fwd
             elif saved == "alternate-matmul":
                 c_l += lc.fwd - lc.linear_fwd - lc.core_fwd + 0.5 * lc.linear_fwd
+        # the layer's parts by kind, for planner/step_categories.py
+        self._cache[("layer", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = lc
         window = (lc.fwd, lc.bwd)
         self._cache[("window", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = window
         moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp, window)

@@ -132,12 +132,13 @@ class StageCosts:
     def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:
         """The last stage's head costs of `cfg`: with meshtron's chunked cross-entropy (the
         memory model's condition: MemoryOptions loss 'chunked', tp = 1, no pipeline) plus what
-        its chunks replay and sum in the backward (compute.chunked_loss_extra)."""
+        its chunks replay and sum in the backward (compute.chunked_loss_parts)."""
         if not (self.mem.loss_kind == "chunked" and cfg.tp == 1 and cfg.pp == 1):
             return head
-        extra = compute.chunked_loss_extra(self.model, self.cluster, cfg.micro_batch, self.seq,
+        extra = compute.chunked_loss_parts(self.model, self.cluster, cfg.micro_batch, self.seq,
                                            cfg.cp, cfg.dtype, self.opts.head_stack)
-        return dataclasses.replace(head, compute=head.compute + extra)
+        return dataclasses.replace(head, compute=head.compute + sum(s for _, s in extra),
+                                   parts=head.parts + extra)
 
     def accumulation_s(self, cfg: Plan, layers: int, stage: int, m: int,
                        flags: dict[str, Any]) -> float:
@@ -150,7 +151,9 @@ class StageCosts:
         the reduce dtype under FSDP (FSDP2's unsharded_accumulated_grad; meshtron's
         BF16Compute.accumulate) and the gradient buffer's elsewhere (Megatron's main_grad,
         DeepSpeed's buffers). ZeRO-2/3 reduced every micro-batch accumulate the reduced shard
-        only (3a bytes per shard element, m - 1 times)."""
+        only (3a bytes per shard element, m - 1 times). Into a wider dtype PyTorch's add is
+        unvectorised: those adds run at compute.cast_add_bytes_per_s, the first micro-batch's
+        cast streams."""
         if cfg.zero >= 2 and not flags["reduce_once"] and not (
                 cfg.pp > 1 and self.opts.sharding == "fsdp"):
             elements = self._stage_params(cfg, layers, stage) / (cfg.dp * cfg.cp)
@@ -159,8 +162,26 @@ class StageCosts:
         if self.opts.grad_accum_fusion:
             return 0.0
         acc = flags["gsize"] if self.opts.sharding == "fsdp" else self.grad_bytes
-        per_elem = (m - 1) * (2.0 + 2.0 * acc) + (2.0 + acc if acc != compute.BF16 else 0.0)
-        return per_elem * self._stage_params(cfg, layers, stage) / self.hbm
+        params = self._stage_params(cfg, layers, stage)
+        if acc == compute.BF16:  # bf16 += bf16: a vectorised add
+            return (m - 1) * 3.0 * acc * params / self.hbm
+        # bf16 into a wider buffer: the first micro-batch casts (2 + a), every later one adds
+        # across dtypes, which PyTorch runs unvectorised (compute.CAST_ADD_BYTES_PER_SM)
+        return ((2.0 + acc) * params / self.hbm + (m - 1) * (2.0 + 2.0 * acc) * params
+                / compute.cast_add_bytes_per_s(self.cluster))
+
+    def optimizer_bytes(self, gsize: float) -> float:
+        """HBM bytes per local parameter of the step's optimizer work: AdamW (`opt_bytes`)
+        reading the gradients in the dtype they were accumulated in (FSDP: the reduce dtype,
+        `gsize` = dp_flags' 'gsize', as `accumulation_s`; elsewhere the gradient buffer's), and
+        with KernelOptions.grad_clip the norm's read and the scaling's read + write of them
+        (the foreach kernels meshtron's clip_grad_norm_ runs: profiled with the optimizer on
+        one H200, bench/h200_categories.py)."""
+        g = gsize if self.opts.sharding == "fsdp" else self.grad_bytes
+        base = self.opt_bytes
+        if self.opts.optimizer == "fused":  # its 28 bytes count one gradient read
+            base += g - self.grad_bytes
+        return base + (3.0 * g if self.opts.grad_clip else 0.0)
 
     def _stage_params(self, cfg: Plan, layers: int, stage: int) -> float:
         """Parameters one tensor rank of pipeline stage `stage` holds (experts: the ep share)."""

@@ -40,6 +40,7 @@ import math
 from meshtron.planner import host
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.kernel_options import KernelOptions
+from meshtron.planner.overlap import sm_count
 
 SAT_DIM = 128.0
 """Half-efficiency dimension of the GEMM shape model s(x) = x / (x + d) on the reference GPU."""
@@ -121,6 +122,28 @@ def membound_bytes_per_s(cluster: ClusterSpec, stack: str) -> float:
     return cluster.hbm_bytes_per_s * HBM_EFFICIENCY
 
 
+CAST_ADD_BYTES_PER_SM = 2.52e12 / 132
+"""Bytes/s per SM an eager add of operands of different dtypes reaches (fp32 += bf16: gradient
+accumulation into an fp32 buffer). PyTorch's TensorIterator vectorises (8-wide loads:
+vectorized_elementwise_kernel<8, ...>) only when every operand has the result's dtype; otherwise
+it runs unrolled_elementwise_kernel with a cast per element, whose narrower loads keep fewer
+bytes in flight per SM, so by Little's law its rate is bytes in flight over the memory latency
+per SM, not the HBM's. Measured on one H200 (132 SMs; bench/results/gpu_check_h200_2026-12-04
+.json, top kernels of the eager and compile cases): unrolled_elementwise_kernel
+<CUDAFunctor_add<float>> 191.7 / 194.0 ms per step for the 7 accumulating adds of 6.94e9
+parameters (4 + 2 bytes read, 4 written: 486 GB), 2.50-2.53 TB/s, 0.52 of its HBM (the
+same-dtype bf16 adds of that profile: about 0.7). Other GPUs: the same rate per SM (HBM latency
+is alike from A100 to H200), capped by the streaming bandwidth (`cast_add_bytes_per_s`): an
+A100's 108 SMs would reach 2.06 TB/s, above its 0.8 x 2.04, so there it streams."""
+
+
+def cast_add_bytes_per_s(cluster: ClusterSpec) -> float:
+    """Bandwidth of an eager add across dtypes (CAST_ADD_BYTES_PER_SM times the SMs), at most
+    what streaming kernels reach (HBM_EFFICIENCY)."""
+    return min(cluster.hbm_bytes_per_s * HBM_EFFICIENCY,
+               sm_count(cluster) * CAST_ADD_BYTES_PER_SM)
+
+
 def dispatch_s(cluster: ClusterSpec) -> float:
     """Host cost of issuing one kernel in a training forward: the calibrated
     `eager_kernel_overhead_us` (a no-grad op) with autograd's recording (host.AUTOGRAD_RECORD),
@@ -143,7 +166,6 @@ def fp8_tile_scale(opts: KernelOptions, backward: bool = False) -> float:
     if opts.fp8_gemm == "blockwise" or (backward and opts.fp8_split_accum_bwd):
         return 1.0
     return FP8 / BF16
-
 
 
 def gemm_group(tokens: float, n: float, k: float, fp8_cl: ClusterSpec, bf16_cl: ClusterSpec,

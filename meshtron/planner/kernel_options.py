@@ -232,6 +232,12 @@ class KernelOptions:
     counter read per tensor: Composer's DecoupledAdamW with FSDP's per-gradient clipping, as
     llm-foundry runs it; launch-bound on a small shard, planner/optimizer_loop.py).
     Independent of `stack`: compiling the blocks leaves the optimizer alone."""
+    grad_clip: bool = True
+    """Gradients are clipped by their global norm before the optimizer step (meshtron's
+    optim.grad_clip 1.0, torchtitan's max_norm 1.0, Megatron-LM's --clip-grad 1.0: every default
+    here): one pass reads every local gradient for the norm (torch's foreach norm, apex's
+    multi_tensor_l2norm) and one scales it in place (foreach mul, multi_tensor_scale), 3
+    gradient-sized passes beside the optimizer's own (estimate_stage.py `optimizer_bytes`)."""
     grad_accum_fusion: bool = False
     """The weight-gradient GEMM accumulates into the fp32 main gradient (Megatron-LM's
     --gradient-accumulation-fusion, on by default: fused_weight_gradient_mlp_cuda / Transformer

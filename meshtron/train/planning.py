@@ -155,6 +155,7 @@ def _saved_plan(cfg: RunConfig, request: ParallelRequest):
 
 
 def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cluster):
+    from meshtron.planner.compute import KernelOptions
     from meshtron.planner.search import search_plans
 
     knobs = request.knobs
@@ -184,8 +185,10 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
         if sized.gpu is None or gpu_type(sized.gpu).fp8_tflops is None:
             dtype = "bf16"
             fixed.pop("fp8_recipe")
+    # the run's clipping decides whether the optimizer step pays the norm and scale passes
+    options = KernelOptions(grad_clip=cfg.optim.grad_clip > 0)
     result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
-                          {**fixed, "dtype": dtype}, top_k=1, explain=False)
+                          {**fixed, "dtype": dtype}, top_k=1, explain=False, options=options)
     best = result.best
     if best is None:
         near = result.near_miss
