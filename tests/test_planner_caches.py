@@ -102,6 +102,8 @@ def _questions() -> list[tuple[str, tuple]]:
         ("no sp, gradients sent whole", vary(plan=nosp,
                                              opts=KernelOptions(p2p_grads_whole=True))),
         ("launch blocking", vary(opts=KernelOptions(launch_blocking=True))),
+        # the optimizer step's clipping passes (estimate_stage.py optimizer_bytes)
+        ("no clipping", vary(opts=KernelOptions(grad_clip=False))),
         ("flash kernel on mma.sync", vary(opts=KernelOptions(flash_isa="sm80"))),
         ("unfused, bias copy", vary(opts=KernelOptions(attention="unfused",
                                                        score_bias_copy=True))),
@@ -164,6 +166,7 @@ def test_warm_caches_answer_as_cold_ones():
                                         ("base", "full recompute"), ("base", "micro-batch 2"),
                                         ("deep", "deep, full recompute"),
                                         ("base", "K/V repeated"),
+                                        ("base", "no clipping"),
                                         ("unfused attention", "unfused, bias copy"),
                                         ("cp 2", "cp 2, torch ring"),
                                         ("parallel residual",
