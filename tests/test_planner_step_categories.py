@@ -44,6 +44,28 @@ def test_kinds_add_up_to_the_step(plan, opts):
     assert (cats["fp8_cast"] > 0.0) == (plan.get("dtype") == "fp8")
 
 
+@pytest.mark.parametrize("kw, cp, dtype, repeat", [
+    ({}, 1, "bf16", False),
+    ({"launch_blocking": True}, 1, "bf16", False),      # the launches wait: host_wait
+    ({"flash_unpad": True}, 1, "bf16", False),          # unpad copies + the host's syncs
+    ({"fp32_params_autocast": True}, 1, "bf16", False),
+    ({}, 1, "bf16", True),                               # repeat_kv's copies
+    ({"torch_ring": True}, 2, "bf16", False),            # the ring's merges and copies
+    ({}, 1, "fp8", False),
+])
+def test_a_layers_parts_are_its_forward_and_backward(kw, cp, dtype, repeat):
+    """Every term layer_cost adds is in exactly one kind: the parts sum to fwd and bwd."""
+    small = dataclasses.replace(L8, hidden=1024, heads=8, kv_heads=2, ffn_hidden=3584)
+    lc = C.layer_cost(small, H200, 1, 2, 4096, False, C.KernelOptions(**kw), cp, dtype,
+                      None, "rowwise", repeat)
+    assert {k for k, _, _ in lc.parts} == set(C.PART_KINDS)
+    assert sum(f for _, f, _ in lc.parts) == pytest.approx(lc.fwd, rel=1e-12)
+    assert sum(b for _, _, b in lc.parts) == pytest.approx(lc.bwd, rel=1e-12)
+    parts = {k: (f, b) for k, f, b in lc.parts}
+    if kw.get("launch_blocking") or kw.get("flash_unpad"):
+        assert parts["host_wait"][0] > 0.0
+
+
 def test_tensor_parallel_and_moe_plans_add_up_too():
     cl = resolve_cluster("dgx-h100:1")
     ev, est = _evaluated(L8, cl, batch=16, tp=8, sp=True, recompute="full")
@@ -109,13 +131,13 @@ def test_gradient_clipping_adds_three_gradient_passes():
     noclip, est0 = _evaluated(model, opts=C.KernelOptions(grad_clip=False))
     flags = clip.dp_flags(est.config)
     assert flags["gsize"] == 4.0
-    assert noclip.optimizer_bytes(flags["gsize"]) == pytest.approx(28.0 - 2.0 + 4.0)
-    assert clip.optimizer_bytes(flags["gsize"]) - noclip.optimizer_bytes(flags["gsize"]) == pytest.approx(12.0)
-    params = model.num_params() if hasattr(model, "num_params") else None
+    g = flags["gsize"]
+    assert noclip.optimizer_bytes(g) == pytest.approx(28.0 - 2.0 + 4.0)
+    assert clip.optimizer_bytes(g) - noclip.optimizer_bytes(g) == pytest.approx(12.0)
     delta = est.time.optimizer - est0.time.optimizer
     assert delta == pytest.approx(12.0 / 42.0 * est.time.optimizer)
-    if params is not None:
-        assert est.time.optimizer == pytest.approx(42.0 * params / clip.hbm, rel=1e-6)
+    # one rank holds every parameter (tp = dp = 1, ZeRO-0): 42 bytes each at 0.8 x HBM
+    assert est.time.optimizer == pytest.approx(42.0 * model.num_params() / clip.hbm, rel=1e-6)
 
 
 def test_megatron_clips_its_fp32_main_gradients():

@@ -107,8 +107,9 @@ class StepTimes:
                          shard: int, tp: int, gsize: float) -> float:
         """Seconds of the optimizer step of a stage of `layers` blocks whose rank holds
         `local` parameters, its states sharded over `shard` ranks: memory-bound
-        (`optimizer_bytes(gsize)` per parameter at HBM speed, clipping included), and for a per-tensor Python loop ('for-loop': Composer's
-        DecoupledAdamW) launch-bound on the busiest rank's tensors (optimizer_loop.py)."""
+        (`optimizer_bytes(gsize)` per parameter at HBM speed, clipping included), and for a
+        per-tensor Python loop ('for-loop': Composer's DecoupledAdamW) launch-bound on the
+        busiest rank's tensors (optimizer_loop.py)."""
         device = self.optimizer_bytes(gsize) * local / self.hbm
         if self.opts.optimizer != "for-loop":
             return device
