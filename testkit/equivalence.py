@@ -174,10 +174,13 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]],
             opt.step()
             opt.zero_grad()
         params = pm.full_parameters()
+        # forward outputs a pipeline stage still holds after the step (torch keeps each
+        # micro-batch's logits unless the schedule is stepped with return_outputs=False)
+        kept = sum(len(st.output_chunks) for st in (getattr(pm, "_stages", None) or ()))
         keep = mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0
         out.append({"layout": layout, "losses": losses, "norms": norms,
                     "coords": {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names},
-                    "params": params if keep else None,
+                    "params": params if keep else None, "kept_outputs": kept,
                     "seconds": time.perf_counter() - t0, "threads": thread_count()})
         # Free this layout's groups (and their backend threads) before building the next one.
         del pm, opt, model

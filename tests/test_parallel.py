@@ -154,6 +154,11 @@ def _check(reference, world, layouts, timeout=600):
            or max(r["loss_rel"], r["norm_rel"], r["param_rel"]) > TOL]
     assert not bad, f"layouts off the single-process run by more than {TOL}:\n" + \
         format_report(bad)
+    # no pipeline stage keeps its micro-batches' outputs (the last stage's logits) past the
+    # step: parallel/pipeline.py step_options
+    kept = [(r["layout"], r["kept_outputs"]) for rank in results for r in rank
+            if r["kept_outputs"]]
+    assert not kept, f"pipeline stages still hold forward outputs after the step: {kept}"
     return results, report
 
 

@@ -33,7 +33,7 @@ from meshtron.parallel.context import shard_batch
 from meshtron.parallel.data_parallel import set_microbatch_policy
 from meshtron.parallel.mesh import data_mesh
 from meshtron.parallel.offload import activation_offload
-from meshtron.parallel.pipeline import build_schedule, pipeline_stage
+from meshtron.parallel.pipeline import build_schedule, pipeline_stage, step_options
 from meshtron.planner.plan import Plan, microbatch_problem
 from meshtron.runtime import batch_to_device
 
@@ -177,7 +177,7 @@ class ParallelModel:
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.has_first_stage else ()
                 if self.has_last_stage:
-                    run(*args, target=targets, losses=losses)
+                    run(*args, target=targets, losses=losses, **step_options(sched))
                     total = torch.stack([_plain(l).detach().float() for l in losses]).mean()
                 else:
                     run(*args)

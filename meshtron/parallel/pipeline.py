@@ -100,6 +100,21 @@ def build_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
+def step_options(schedule) -> dict:
+    """Keyword arguments for `schedule.step`/`eval` that keep the last stage from holding every
+    micro-batch's output until the step ends. torch's schedules save each forward output in
+    `stage.output_chunks` (`forward_one_chunk(save_forward_output=return_outputs)`) so `step` can
+    return the merged logits; meshtron reads only the losses, and for a last stage those outputs
+    are the logits: [micro_batch, seq, vocab/tp] per micro-batch, ~2 GiB each for Llama 3 8B at
+    8,192 tokens in bf16, all m of them alive at the step's end, which neither the planner nor the
+    rehearsal counts. Detected on the installed torch's signature rather than assumed from a
+    version (a torch without the argument keeps the outputs, as before)."""
+    import inspect
+
+    params = inspect.signature(type(schedule).step).parameters
+    return {"return_outputs": False} if "return_outputs" in params else {}
+
+
 def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: torch.device):
     from torch.distributed.pipelining import PipelineStage
 
