@@ -185,7 +185,7 @@ def test_microbatch_moments_of_a_1f1b_stage():
 
     from meshtron.rehearse.microbatches import (accumulation_microbatches,
                                                 pipeline_microbatches, states)
-    from meshtron.rehearse.rank import _pipeline_order
+    from meshtron.rehearse.pipeline_step import pipeline_order as _pipeline_order
 
     pm = SimpleNamespace(stage_ids=[0])
     plan = SimpleNamespace(virtual_stages=1, schedule="1f1b", pp=4)
