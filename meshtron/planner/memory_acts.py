@@ -194,6 +194,37 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
     return tokens * per_token + (RNG_STATE_BYTES if mem.saved != "korthikanti" else 0.0)
 
 
+FP8_EAGER_CAST_BYTES = 9.0
+"""Bytes per element of one eager torchao float8 cast at its peak: the operand scaled in fp32
+(`tensor.to(torch.float32) * scale`, torchao/float8/float8_training_tensor.py
+`_ToFloat8ConstrFunc.forward`), its clamped copy (float8_utils.py `to_fp8_saturated`:
+`x.clamp(...)`, fp32, while the scaled one is still referenced) and the float8 result
+(`.to(float8_dtype)`, 1 byte): 4 + 4 + 1. Compiled, the cast is one fused kernel (bf16 in,
+fp8 out) and holds only its 1-byte output."""
+
+
+def fp8_cast_working_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
+                           opts: KernelOptions, mem: MemoryOptions,
+                           recipe: str = "rowwise") -> float:
+    """Extra bytes alive while an eager torchao Float8Linear casts its largest operand in the
+    backward (one layer, one micro-batch): its backward casts the output gradient [tokens,
+    out] and the saved input [tokens, in] to float8 for the weight gradient
+    (torchao/float8/float8_linear.py `matmul_with_hp_or_float8_args.backward`), each at
+    FP8_EAGER_CAST_BYTES per element, one at a time. Measured by the rehearsal: a 2-layer
+    2048/5632 block's peak moved into w2's backward, at its input's cast (tests/test_rehearse.py
+    "fp8 eager"). 0 unless meshtron's torchao FP8 runs eagerly (compiled, or Transformer
+    Engine, fuse the cast)."""
+    if mem.dtype != "fp8" or te_fp8_inputs(opts, mem) or opts.stack != "eager":
+        return 0.0
+    from meshtron.planner.fp8 import block_linears, fp8_linear
+
+    widest = 0
+    for _, name, out_f, in_f in block_linears(model, tp):
+        if fp8_linear(f"layers.0.{name}", out_f, in_f, recipe):
+            widest = max(widest, out_f, in_f)
+    return FP8_EAGER_CAST_BYTES * micro_batch * seq * widest
+
+
 def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
                             recompute: str, opts: KernelOptions,
                             mem: MemoryOptions | None = None) -> float:

@@ -51,10 +51,19 @@ def without_propagation(cls):
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        host: tuple[tuple[str, ...], float] | None = None
+        """With host offload: (tracker categories, constant bytes) held in host memory."""
+        on_host = False
+        """While set (the optimizer step of an offloaded rank, run on the host), the
+        device's peak is not updated."""
+
         def _update_peak_stats(self, peak_state) -> None:
+            if self.on_host:
+                return
             for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                value = snap[_TOTAL_KEY] - host_bytes(snap, self.host)
+                if self._peak_mem.get(dev, 0) < value:
+                    self._peak_mem[dev] = value
                     self._peak_mem_snap[dev] = dict(snap)
 
     return Tracker
@@ -113,9 +122,28 @@ _CATEGORY = {"Sharded Param": "params", "Parameter": "params", "Buffer": "params
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "activations", "temporaries")
 
+OFFLOADED = ("Sharded Param", "Sharded Grad")
+"""FSDP2 tracker categories that plan.offload='full' keeps in host memory: CPUOffloadPolicy
+leaves the parameter shards on the host and copies each reduced gradient shard back to it
+(torch/distributed/fsdp/_fully_shard/_fsdp_param.py `offload_to_cpu`, _fsdp_collectives.py
+`foreach_reduce`: `new_sharded_grad.to(cpu)`); AdamW's states follow their parameters. The
+buffers are moved to the device (_fsdp_init.py `_move_states_to_device`). On a CPU rehearsal
+host and device are one device: the host's part is taken out by category."""
 
-def categories(snapshot: dict) -> dict[str, float]:
-    """Tracker categories (per device) folded into CATEGORIES, bytes."""
+
+def host_bytes(snap: dict, host: tuple[tuple[str, ...], float] | None) -> float:
+    """Bytes of one device's tracker snapshot `snap` that live in host memory (`host`: the
+    categories there and constant bytes there, e.g. the optimizer states); 0 without
+    offload."""
+    if host is None:
+        return 0.0
+    names, const = host
+    return const + sum(v for k, v in snap.items() if getattr(k, "value", k) in names)
+
+
+def categories(snapshot: dict, host: tuple[str, ...] = ()) -> dict[str, float]:
+    """Tracker categories (per device) folded into CATEGORIES, bytes; categories in `host`
+    (held in host memory) left out of them and of the total."""
     out = dict.fromkeys(CATEGORIES, 0.0)
     total = 0.0
     for dev_snap in snapshot.values():
@@ -123,6 +151,8 @@ def categories(snapshot: dict) -> dict[str, float]:
             name = getattr(key, "value", key)
             if name == "Total":
                 total += value
+            elif name in host:
+                total -= value
             else:
                 out[_CATEGORY.get(name, "temporaries")] += value
     out["total"] = total

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from meshtron.rehearse.memory import categories, state_bytes
+from meshtron.rehearse.memory import OFFLOADED, categories, state_bytes
 from meshtron.rehearse.pipeline_step import pipelined_step
 
 
@@ -23,10 +23,11 @@ def prime_optimizer(pm, optimizer) -> None:
 
 
 def _step(pm, plan, spec, dev, optimizer, tokens, targets, exact: bool = True,
-          hooks=None) -> int:
+          hooks=None, tracker=None) -> int:
     """One optimizer step; returns the micro-batches run. `hooks`: the tracker's module
     tracker (tracker_hooks.py), whose hooks on each micro-batch's graph are released after
-    its backward."""
+    its backward. `tracker`: with host offload its peak is paused while the optimizer steps
+    (on the host)."""
     if pm.is_pipelined:
         if plan.cp > 1:
             from meshtron.parallel.context import shard_batch
@@ -42,8 +43,13 @@ def _step(pm, plan, spec, dev, optimizer, tokens, targets, exact: bool = True,
             rows = accumulation_microbatches(rows // plan.micro_batch) * plan.micro_batch
         pm.forward_backward(tokens[:rows], targets[:rows])
         n_run = rows // plan.micro_batch
+    host = tracker is not None and tracker.host is not None
+    if host:
+        tracker.on_host = True
     optimizer.step()
     optimizer.zero_grad()
+    if host:
+        tracker.on_host = False
     return n_run
 
 
@@ -54,19 +60,25 @@ def measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, real
     warm-up step."""
     out = _timed_step(pm, plan, spec, dev, optimizer, tokens, targets) if real else {}
     if tracker is not None:
+        states = state_bytes(optimizer)
+        offloaded = getattr(plan, "offload", "none") == "full"
+        if offloaded:  # the device's peak leaves out what CPUOffloadPolicy keeps on the host
+            tracker.host = (OFFLOADED, states)
         with tracker:
             n_run = _step(pm, plan, spec, dev, optimizer, tokens, targets, exact,
-                          getattr(tracker, "_mod_tracker", None))
-        peak = categories(tracker.get_tracker_snapshot("peak"))
+                          getattr(tracker, "_mod_tracker", None), tracker)
+        peak = categories(tracker.get_tracker_snapshot("peak"), OFFLOADED if offloaded else ())
         peak["params"] += tracker.untracked  # alive all step: in the peak
         peak["total"] += tracker.untracked
         # AdamW's states live through the whole step, so they are in the peak; the tracker
         # files the states of the runtime's per-part optimizers as temporaries (it hooks only
         # the optimizer it is given): moved to their category, by their exact bytes
-        states = state_bytes(optimizer)
         moved = max(0.0, states - peak["optimizer"])
         peak["optimizer"] += moved
         peak["temporaries"] = max(0.0, peak["temporaries"] - moved)
+        if offloaded:  # ...or, offloaded, out of the device's peak (in host memory)
+            peak["total"] -= peak["optimizer"]
+            peak["optimizer"] = 0.0
         what = "real" if real else "fake"
         out.update(peak_bytes=peak, measured=f"{what} tensors, torch memory tracker"
                    + (", step timed" if real else ""), microbatches_run=n_run)
