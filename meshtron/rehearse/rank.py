@@ -124,7 +124,9 @@ def _gpu_fp8_kernels(parts) -> None:
     matmuls switched from CPU emulation to `torch._scaled_mm` (whose meta kernel gives the
     bf16 output's shape; nothing is computed). Emulation (torchao float8_ops.py `float8_mm`:
     `torch.mm(a._data.float() / a._scale, ...)`) makes fp32 copies of both operands and an
-    fp32 product that no GPU run holds (measured: +12.9% of a rank's peak)."""
+    fp32 product that no GPU run holds (at the test table's sizes the peak was the same either
+    way: it sits in a cast, not a GEMM). Which Linears convert is still CPU emulation's rule
+    (parallel/fp8.py: every aligned one; a GPU skips those below torchao's size thresholds)."""
     try:
         from torchao.float8.float8_linear import Float8Linear
     except ImportError:  # no fp8 plan without torchao (parallel/fp8.py refuses first)
