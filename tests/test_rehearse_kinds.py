@@ -43,6 +43,7 @@ KINDS = {
     "fp8 rowwise": dict(zero=3, dtype="fp8", vocab=512),
     "fp8 tensorwise": dict(zero=3, dtype="fp8", fp8_recipe="tensorwise", vocab=512),
     "fp8 compile (rehearsed eager)": dict(zero=3, dtype="fp8", compile=True, vocab=512),
+    "fp8 full recompute": dict(zero=3, dtype="fp8", recompute="full"),
 }
 FAST = ("hsdp zero-3", "offload full zero-3", "fp8 rowwise")
 
