@@ -1,5 +1,5 @@
-"""The rehearsal-vs-planner table for the layout kinds issue 30 names beyond tests/test_rehearse.py's:
-HSDP (a replicate x shard mesh), host offload, torch.compile and torchao float8.
+"""The rehearsal-vs-planner table for the layout kinds issue 30 names beyond
+tests/test_rehearse.py's: HSDP (a replicate x shard mesh), host offload, torch.compile and torchao float8.
 
 Each kind runs one rank through `meshtron rehearse`'s code (fake process group, fake tensors on
 CPU) and the planner's total must be within 5% of the rehearsed peak:
