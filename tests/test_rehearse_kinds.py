@@ -122,3 +122,20 @@ def test_rehearse_command_says_a_compiled_fp8_plan_ran_eagerly():
     text = out.stdout
     assert "dtype=fp8 (tensorwise) compile" in text
     assert "compile: not rehearsed" in text and "prices the same plan eager" in text
+
+
+@pytest.mark.parametrize("extra, field", [
+    (["--offload", "optimizer"], "plan.offload='optimizer'"),  # planned only: nothing to run
+    (["--dp-replicate", "2", "--zero", "1"], "plan.dp_replicate=2"),
+    (["--dp-replicate", "3", "--zero", "3"], "plan.dp_replicate=3"),
+])
+def test_kinds_the_runtime_does_not_run_are_one_line_and_exit_2(capsys, extra, field):
+    from meshtron.cli import main
+
+    capsys.readouterr()
+    code = main(["rehearse", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch",
+                 "16", "--seq-len", "256", "--layout", "dp=8", "--device", "cpu", *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in err
