@@ -212,15 +212,18 @@ def fp8_cast_working_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int
     (torchao/float8/float8_linear.py `matmul_with_hp_or_float8_args.backward`), each at
     FP8_EAGER_CAST_BYTES per element, one at a time. Measured by the rehearsal: a 2-layer
     2048/5632 block's peak moved into w2's backward, at its input's cast (tests/test_rehearse.py
-    "fp8 eager"). 0 unless meshtron's torchao FP8 runs eagerly (compiled, or Transformer
-    Engine, fuse the cast)."""
-    if mem.dtype != "fp8" or te_fp8_inputs(opts, mem) or opts.stack != "eager":
+    "fp8 rowwise"). 0 unless torchao's FP8 runs eagerly (torch.compile and Transformer
+    Engine fuse the cast). Which Linears convert: the planner's rule (planner/fp8.py
+    `fp8_linear`; every aligned one for a stack whose `fp8_filter` is 'all')."""
+    if (mem.dtype != "fp8" or not opts.fp8_scaling.startswith("torchao")
+            or opts.stack != "eager"):
         return 0.0
     from meshtron.planner.fp8 import block_linears, fp8_linear
 
+    every = opts.fp8_filter == "all"
     widest = 0
     for _, name, out_f, in_f in block_linears(model, tp):
-        if fp8_linear(f"layers.0.{name}", out_f, in_f, recipe):
+        if fp8_linear(f"layers.0.{name}", out_f, in_f, recipe, emulate=every):
             widest = max(widest, out_f, in_f)
     return FP8_EAGER_CAST_BYTES * micro_batch * seq * widest
 
