@@ -159,7 +159,7 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu", imbalance: float =
     mesh = None
     try:
         rt = runtime_plan(plan, plan.dtype)
-        eager = (rt.compile or rt.async_tp) and not real
+        eager = (rt.compile or rt.async_tp) and device == "cpu"  # where the tracker runs
         if eager:  # the tracker is a dispatch mode, which torch.compile refuses (EAGER_NOTE)
             rt = dataclasses.replace(rt, compile=False, async_tp=False)
         mesh = build_mesh(rt, device_type=device, spec=spec)
