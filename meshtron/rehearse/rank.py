@@ -119,23 +119,36 @@ def _static_routing(parts, imbalance: float, dtype: str) -> None:
                 module.experts.kernel = "grouped"
 
 
-def _gpu_fp8_kernels(parts) -> None:
-    """Fake tensors run the GEMM an FP8 GPU run does: every torchao Float8Linear's scaled
-    matmuls switched from CPU emulation to `torch._scaled_mm` (whose meta kernel gives the
-    bf16 output's shape; nothing is computed). Emulation (torchao float8_ops.py `float8_mm`:
+def _gpu_fp8_kernels(parts, recipe: str) -> None:
+    """Fake tensors run what an FP8 GPU run does. Every torchao Float8Linear's scaled matmuls
+    switch from CPU emulation to `torch._scaled_mm` (whose meta kernel gives the bf16
+    output's shape; nothing is computed): emulation (torchao float8_ops.py `float8_mm`:
     `torch.mm(a._data.float() / a._scale, ...)`) makes fp32 copies of both operands and an
-    fp32 product that no GPU run holds (at the test table's sizes the peak was the same either
-    way: it sits in a cast, not a GEMM). Which Linears convert is still CPU emulation's rule
-    (parallel/fp8.py: every aligned one; a GPU skips those below torchao's size thresholds)."""
+    fp32 product no GPU run holds (at the test table's sizes the peak was the same either
+    way: it sits in a cast, not a GEMM). And a Linear converted only because emulation
+    converts every aligned one (parallel/fp8.py) runs in bf16 as on a GPU, where it is below
+    torchao's size thresholds (planner/fp8.py `fp8_gemm`): its casts are disabled, so
+    torchao multiplies the bf16 operands it saves anyway (float8_linear.py
+    `matmul_with_hp_or_float8_args`)."""
     try:
+        from torchao.float8.config import CastConfig, ScalingType
         from torchao.float8.float8_linear import Float8Linear
     except ImportError:  # no fp8 plan without torchao (parallel/fp8.py refuses first)
         return
+    from meshtron.planner.fp8 import fp8_gemm
+
+    off = CastConfig(scaling_type=ScalingType.DISABLED)
+    casts = ("input", "weight", "grad_output", "input_for_grad_weight",
+             "weight_for_grad_input", "grad_output_for_grad_weight")
     for part in parts:
         for module in part.modules():
-            if isinstance(module, Float8Linear):
-                module.linear_mm_config = type(module.linear_mm_config)(
-                    *(c._replace(emulate=False) for c in module.linear_mm_config))
+            if not isinstance(module, Float8Linear):
+                continue
+            module.linear_mm_config = type(module.linear_mm_config)(
+                *(c._replace(emulate=False) for c in module.linear_mm_config))
+            if not fp8_gemm(*module.weight.shape, recipe):  # global shape, as converted
+                module.config = dataclasses.replace(
+                    module.config, **{f"cast_config_{c}": off for c in casts})
 
 
 def rehearse_rank(spec, plan, rank: int, device: str = "cpu", imbalance: float = 1.0,
@@ -170,7 +183,7 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu", imbalance: float =
         if spec.is_moe:
             _static_routing(pm.model_parts, imbalance, plan.dtype)
         if plan.dtype == "fp8" and not real:
-            _gpu_fp8_kernels(pm.model_parts)
+            _gpu_fp8_kernels(pm.model_parts, rt.fp8_recipe)
         dev = torch.device("cpu") if device == "cpu" else pm.device
         mode = contextlib.nullcontext() if real else _fake_mode()
         with mode:

@@ -92,7 +92,8 @@ def print_report(report: dict[str, Any]) -> None:
         axes += f" dp_replicate={p['dp_replicate']}"
     for key, off in (("offload", "none"), ("dtype", "bf16")):
         if p.get(key, off) != off:
-            axes += f" {key}={p[key]}" + (f" ({p['fp8_recipe']})" if p[key] == "fp8" else "")
+            recipe = p.get("fp8_recipe", "rowwise")
+            axes += f" {key}={p[key]}" + (f" ({recipe})" if p[key] == "fp8" else "")
     if p.get("compile"):
         axes += " compile"
     print(f"Rehearsal of rank {report['rank']} (pipeline rank {report['pp_rank']}, stages "
