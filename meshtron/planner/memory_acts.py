@@ -203,29 +203,39 @@ FP8_EAGER_CAST_BYTES = 9.0
 fp8 out) and holds only its 1-byte output."""
 
 
+UP_PROJECTIONS = ("feed_forward.w1", "feed_forward.w3")
+"""The MLP's input projections: autograd reaches them after the down projection (w2) and the
+activation's backward, which release w2's saved input ([tokens, ffn] in the compute dtype)."""
+
+
 def fp8_cast_working_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
                            opts: KernelOptions, mem: MemoryOptions,
                            recipe: str = "rowwise") -> float:
     """Extra bytes alive while an eager torchao Float8Linear casts its largest operand in the
     backward (one layer, one micro-batch): its backward casts the output gradient [tokens,
-    out] and the saved input [tokens, in] to float8 for the weight gradient
-    (torchao/float8/float8_linear.py `matmul_with_hp_or_float8_args.backward`), each at
-    FP8_EAGER_CAST_BYTES per element, one at a time. Measured by the rehearsal: a 2-layer
-    2048/5632 block's peak moved into w2's backward, at its input's cast (tests/test_rehearse.py
-    "fp8 rowwise"). 0 unless torchao's FP8 runs eagerly (torch.compile and Transformer
-    Engine fuse the cast). Which Linears convert: the planner's rule (planner/fp8.py
-    `fp8_linear`; every aligned one for a stack whose `fp8_filter` is 'all')."""
+    out] and the saved input [tokens, in] to float8 (torchao/float8/float8_linear.py
+    `matmul_with_hp_or_float8_args.backward`), each at FP8_EAGER_CAST_BYTES per element, one
+    at a time. In an up projection's backward (UP_PROJECTIONS) w2's saved input of the same
+    width is already released: the cast holds that much less beyond the saved activations.
+    Measured by the rehearsal (tests/test_rehearse_kinds.py "fp8 ..."): the peak moves into
+    w2's backward at its input's cast (tensorwise: w2 converts), or into w1's at its output
+    gradient's (rowwise: w2 is under torchao's thresholds). 0 unless torchao's FP8 runs
+    eagerly (torch.compile and Transformer Engine fuse the cast). Which Linears convert: the
+    planner's rule (planner/fp8.py `fp8_linear`; every aligned one for a stack whose
+    `fp8_filter` is 'all')."""
     if (mem.dtype != "fp8" or not opts.fp8_scaling.startswith("torchao")
             or opts.stack != "eager"):
         return 0.0
     from meshtron.planner.fp8 import block_linears, fp8_linear
 
     every = opts.fp8_filter == "all"
-    widest = 0
+    peak = 0.0
     for _, name, out_f, in_f in block_linears(model, tp):
-        if fp8_linear(f"layers.0.{name}", out_f, in_f, recipe, emulate=every):
-            widest = max(widest, out_f, in_f)
-    return FP8_EAGER_CAST_BYTES * micro_batch * seq * widest
+        if not fp8_linear(f"layers.0.{name}", out_f, in_f, recipe, emulate=every):
+            continue
+        net = FP8_EAGER_CAST_BYTES - (mem.compute_bytes if name in UP_PROJECTIONS else 0.0)
+        peak = max(peak, net * max(out_f, in_f))
+    return peak * micro_batch * seq
 
 
 def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
