@@ -13,7 +13,12 @@ shared expert and a dense first block; every MoE layer routes the mean T*k/E tok
 and the rehearsed rank's experts 1.25x it, the planner's default `expert_imbalance`, on both
 sides).
 
-    python bench/rehearse_vs_planner.py [--moe] [KIND ...]
+`--more`: tests/test_rehearse_kinds.py's HSDP, host offload (device memory: what FSDP2's
+CPUOffloadPolicy keeps on the host left out), compile (rehearsed eagerly: torch.compile does
+not trace under the memory tracker; the planner's eager figure compared) and torchao float8
+kinds (vocabulary 512 for fp8, so that a block's backward, not the loss, holds the peak).
+
+    python bench/rehearse_vs_planner.py [--moe | --more] [KIND ...]
 """
 
 from __future__ import annotations
@@ -28,18 +33,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def table(moe: bool) -> tuple[dict, dict]:
+def table(moe: bool, more: bool = False) -> tuple[dict, dict]:
     """(BASE knobs, {kind: (model fields, knobs)}) of the test module's table."""
     if moe:
         from test_rehearse_moe import BASE, KINDS
 
         return BASE, KINDS
-    from test_rehearse import BASE, KINDS, MODEL
+    if more:
+        from test_rehearse_kinds import BASE, KINDS, MODEL
+    else:
+        from test_rehearse import BASE, KINDS, MODEL
 
     kinds = {}
-    for name, knobs in KINDS.items():  # a dense kind may set its own layer count
+    for name, knobs in KINDS.items():  # a dense kind may set its own layers and vocabulary
         knobs = dict(knobs)
-        kinds[name] = (dict(MODEL, layers=knobs.pop("layers", MODEL["layers"])), knobs)
+        shape = {k: knobs.pop(k) for k in ("layers", "vocab") if k in knobs}
+        kinds[name] = (dict(MODEL, **shape), knobs)
     return BASE, kinds
 
 
@@ -48,6 +57,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--moe", action="store_true",
                    help="the mixture-of-experts table (tests/test_rehearse_moe.py), not the dense")
+    p.add_argument("--more", action="store_true",
+                   help="the HSDP, host offload, compile and fp8 kinds "
+                        "(tests/test_rehearse_kinds.py)")
     p.add_argument("kinds", nargs="*", metavar="KIND",
                    help="rows to run (layout kinds of the chosen table); default: every row")
     return p.parse_args(argv)
@@ -61,7 +73,7 @@ def main(argv: list[str]) -> None:
     from meshtron.rehearse.run import rehearse
 
     moe = args.moe
-    base, kinds = table(moe)
+    base, kinds = table(moe, args.more)
     names = args.kinds
     unknown = [n for n in names if n not in kinds]
     if unknown:

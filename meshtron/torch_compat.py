@@ -87,23 +87,23 @@ PRIVATE_APIS: dict[str, str] = {
     "torch.distributed.distributed_c10d._create_process_group_wrapper":
         "TORCH_DISTRIBUTED_DEBUG=DETAIL checks on the recording group (doctor/backend.py)",
     "torch.distributed.Backend._plugins": "registering the recording group once (doctor/backend.py)",
-    # rehearsal of one rank (rehearse/rank.py)
+    # rehearsal of one rank (rehearse/rank.py, memory.py)
     "torch.testing._internal.distributed.fake_pg.FakeStore":
         "the fake process group's store (rehearse/rank.py)",
     "torch.distributed.tensor._sharding_prop.ShardingPropagator":
-        "leaving DTensor's metadata propagation out of rehearsed memory (rehearse/rank.py)",
+        "leaving DTensor's metadata propagation out of rehearsed memory (rehearse/memory.py)",
     "torch.distributed.tensor._sharding_prop.ShardingPropagator."
     "_propagate_tensor_meta_non_cached.__code__":
-        "leaving DTensor's metadata propagation out of rehearsed memory (rehearse/rank.py)",
-    "torch.distributed._tools.mem_tracker.MemTracker": "rehearsed memory (rehearse/rank.py)",
+        "leaving DTensor's metadata propagation out of rehearsed memory (rehearse/memory.py)",
+    "torch.distributed._tools.mem_tracker.MemTracker": "rehearsed memory (rehearse/memory.py)",
     "torch.distributed._tools.mod_tracker.ModTracker":
         "the rehearsal's module tracker that clears its input hooks (rehearse/tracker_hooks.py)",
     "torch.utils._pytree.tree_flatten":
         "the tensors among a module's inputs (rehearse/tracker_hooks.py)",
     "torch.distributed._tools.mem_tracker._TOTAL_KEY":
-        "the rank's peak key of the rehearsal's tracker (rehearse/rank.py)",
+        "the rank's peak key of the rehearsal's tracker (rehearse/memory.py)",
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker":
-        "rehearsed memory under FSDP2 (rehearse/rank.py)",
+        "rehearsed memory under FSDP2 (rehearse/memory.py)",
     "torch._subclasses.fake_tensor.FakeTensorMode": "rehearsing without allocating "
                                                     "(rehearse/rank.py)",
     # checkpoints

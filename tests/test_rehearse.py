@@ -104,8 +104,9 @@ NON_LAST = {  # name: (knobs, pipeline rank): a stage that sends its output on
     "pp 1f1b, first stage": (dict(pp=2, dp=4, zero=1, schedule="1f1b"), 0),
     "pp 1f1b tp2+sp full, first stage": (dict(pp=2, tp=2, dp=2, zero=1, schedule="1f1b",
                                                sp=True, recompute="full", layers=4), 0),
-    # zero bubble rehearsed with its input and weight gradients apart (rehearse/rank.py): the
-    # first stage's W runs the whole backward, every micro-batch held from F to W
+    # zero bubble rehearsed with its input and weight gradients apart
+    # (rehearse/pipeline_step.py): the first stage's W runs the whole backward, every
+    # micro-batch held from F to W
     "pp zb, first stage": (dict(pp=2, dp=4, zero=1, schedule="zb", layers=6), 0),
 }
 
@@ -185,7 +186,7 @@ def test_microbatch_moments_of_a_1f1b_stage():
 
     from meshtron.rehearse.microbatches import (accumulation_microbatches,
                                                 pipeline_microbatches, states)
-    from meshtron.rehearse.rank import _pipeline_order
+    from meshtron.rehearse.pipeline_step import pipeline_order as _pipeline_order
 
     pm = SimpleNamespace(stage_ids=[0])
     plan = SimpleNamespace(virtual_stages=1, schedule="1f1b", pp=4)

@@ -14,7 +14,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from meshtron.rehearse.rank import _without_propagation
+from meshtron.rehearse.memory import without_propagation as _without_propagation
 from meshtron.rehearse.tracker_hooks import KeepingModTracker, release
 
 WIDTH, TOKENS, LAYERS = 64, 256, 3

@@ -185,10 +185,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         window = self._cache[("window", tp, mb, cfg.sp, rec, cp, cfg.dtype, ep, cfg.fp8_recipe)]
         ep_l = self._moe(mb, rec, cp, cfg.dtype, ep, tp, window)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
-                                                          ep, pp)
+                                                          ep, pp, cfg.fp8_recipe)
         flags = self.dp_flags(cfg)
-        # ZeRO shards and gradient reductions span dp x cp ranks (FSDP over dp_shard x cp)
-        shard_dp = dp * cp
+        # ZeRO shards span dp_shard x cp ranks: FSDP2 shards over the mesh's ("dp_shard", "cp")
+        # axes and replicates over "dp_replicate" (HSDP; parallel/data_parallel.py gives
+        # fully_shard a 2-D mesh, torch/distributed/fsdp/_fully_shard/_fsdp_param.py shards
+        # dim 0 over the shard axis only); dp_replicate is 1 below ZeRO-2
+        shard_dp = dp // cfg.dp_replicate * cp
         keep = flags["gather_once"] and mem_opts.framework == "fsdp2"
         fsdp_zero1 = zero == 1 and not compression.changes_dp(cfg)
         # unsharded gradients accumulated over the micro-batches (FSDP2 keeps them in the

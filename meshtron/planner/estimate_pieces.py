@@ -167,12 +167,12 @@ class CostPieces:
         return hit
 
     def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str, cp: int = 1,
-                       ep: int = 1, pp: int = 1):
+                       ep: int = 1, pp: int = 1, fp8_recipe: str = "rowwise"):
         """(memory options, activations per layer, recompute working set, logits) in bytes for
         one micro-batch at the plan's dtype (memory.py); a context rank holds seq/cp tokens of
         each sequence (the unfused score matrix is then counted for seq/cp keys: a combination
         no context-parallel stack runs)."""
-        key = ("mem", tp, mb, sp, rec, dtype, cp, ep, pp > 1)
+        key = ("mem", tp, mb, sp, rec, dtype, cp, ep, pp > 1, fp8_recipe)
         hit = self._cache.get(key)
         if hit is None:
             mem = self.mem
@@ -183,7 +183,10 @@ class CostPieces:
             kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)
             moe_act, moe_work = self._moe_memory(tp, mb, sp, rec, seq, mem, ep, dtype)
             hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv + moe_act,
-                               memory.recompute_working_bytes(*args) + moe_work,
+                               memory.recompute_working_bytes(*args) + moe_work
+                               # an eager FP8 cast runs inside the (recomputed) block's backward
+                               + memory.fp8_cast_working_bytes(self.active, tp, mb, seq,
+                                                               self.opts, mem, fp8_recipe),
                                memory.logits_bytes(self.model, tp, mb, seq, mem,
                                                    pipelined=pp > 1))
             self._cache[key] = hit

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from meshtron.planner.memory_acts import (  # noqa: F401  (re-exported)
     CHUNKED_HEAD_GRAD_COPIES, LOSS_PARALLEL_BYTES, RNG_STATE_BYTES, activation_bytes,
     chunked_loss_bytes, gathered_kv_bytes, logits_bytes, loss_or_recompute,
-    TE_FP8_WEIGHT_CACHE_BYTES, recompute_working_bytes, rope_copy_bytes, te_fp8_inputs,
-    te_weight_cache_bytes)
+    TE_FP8_WEIGHT_CACHE_BYTES, fp8_cast_working_bytes, recompute_working_bytes,
+    rope_copy_bytes, te_fp8_inputs, te_weight_cache_bytes)
 from meshtron.planner.memory_options import (  # noqa: F401  (re-exported)
     DEFAULT, DTYPES, FRAGMENTATION, FRAGMENTATION_EXPANDABLE, FRAMEWORKS, GIB, LOSSES,
     SELECTIVE, WORKSPACE_FIXED_GIB, WORKSPACE_FIXED_MAX_FRACTION, MemoryOptions, options_for)

@@ -194,6 +194,50 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
     return tokens * per_token + (RNG_STATE_BYTES if mem.saved != "korthikanti" else 0.0)
 
 
+FP8_EAGER_CAST_BYTES = 9.0
+"""Bytes per element of one eager torchao float8 cast at its peak: the operand scaled in fp32
+(`tensor.to(torch.float32) * scale`, torchao/float8/float8_training_tensor.py
+`_ToFloat8ConstrFunc.forward`), its clamped copy (float8_utils.py `to_fp8_saturated`:
+`x.clamp(...)`, fp32, while the scaled one is still referenced) and the float8 result
+(`.to(float8_dtype)`, 1 byte): 4 + 4 + 1. Compiled, the cast is one fused kernel (bf16 in,
+fp8 out) and holds only its 1-byte output."""
+
+
+UP_PROJECTIONS = ("feed_forward.w1", "feed_forward.w3")
+"""The MLP's input projections: autograd reaches them after the down projection (w2) and the
+activation's backward, which release w2's saved input ([tokens, ffn] in the compute dtype)."""
+
+
+def fp8_cast_working_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
+                           opts: KernelOptions, mem: MemoryOptions,
+                           recipe: str = "rowwise") -> float:
+    """Extra bytes alive while an eager torchao Float8Linear casts its largest operand in the
+    backward (one layer, one micro-batch): its backward casts the output gradient [tokens,
+    out] and the saved input [tokens, in] to float8 (torchao/float8/float8_linear.py
+    `matmul_with_hp_or_float8_args.backward`), each at FP8_EAGER_CAST_BYTES per element, one
+    at a time. In an up projection's backward (UP_PROJECTIONS) w2's saved input of the same
+    width is already released: the cast holds that much less beyond the saved activations.
+    Measured by the rehearsal (tests/test_rehearse_kinds.py "fp8 ..."): the peak moves into
+    w2's backward at its input's cast (tensorwise: w2 converts), or into w1's at its output
+    gradient's (rowwise: w2 is under torchao's thresholds). 0 unless torchao's FP8 runs
+    eagerly (torch.compile and Transformer Engine fuse the cast). Which Linears convert: the
+    planner's rule (planner/fp8.py `fp8_linear`; every aligned one for a stack whose
+    `fp8_filter` is 'all')."""
+    if (mem.dtype != "fp8" or not opts.fp8_scaling.startswith("torchao")
+            or opts.stack != "eager"):
+        return 0.0
+    from meshtron.planner.fp8 import block_linears, fp8_linear
+
+    every = opts.fp8_filter == "all"
+    peak = 0.0
+    for _, name, out_f, in_f in block_linears(model, tp):
+        if not fp8_linear(f"layers.0.{name}", out_f, in_f, recipe, emulate=every):
+            continue
+        net = FP8_EAGER_CAST_BYTES - (mem.compute_bytes if name in UP_PROJECTIONS else 0.0)
+        peak = max(peak, net * max(out_f, in_f))
+    return peak * micro_batch * seq
+
+
 def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
                             recompute: str, opts: KernelOptions,
                             mem: MemoryOptions | None = None) -> float:

@@ -42,7 +42,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size")
     p.add_argument("--schedule", help="fix the pipeline schedule: 1f1b | interleaved[:V] | "
                                       "zb | zbv | gpipe")
+    p.add_argument("--dp-replicate", type=positive_int, default=None,
+                   help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
+    p.add_argument("--offload", default=None,
+                   help="host offload: none | full (FSDP2 CPUOffloadPolicy; 'optimizer' is "
+                        "planned only, not run)")
     p.add_argument("--dtype", default=None, help="bf16 (default) | fp32 | fp8")
+    p.add_argument("--fp8-recipe", default=None, choices=("rowwise", "tensorwise"),
+                   help="with --dtype fp8: torchao's scaling (default rowwise)")
+    p.add_argument("--compile", action="store_true",
+                   help="a compiled plan (per-block torch.compile); on CPU the blocks are "
+                        "rehearsed eagerly and the report says so")
     p.add_argument("--rank", type=int, default=None,
                    help="global rank to rehearse (default: the first rank of the stage the "
                         "planner finds fullest)")
@@ -95,10 +105,8 @@ def _resolve(args: argparse.Namespace):
             raise UserError(f"--{flag.replace('_', '-')}: required without --plan")
     model = load_model(args.model)
     cluster = resolve_cluster(args.cluster)
-    knobs = collect_knobs(argparse.Namespace(**{**vars(args), "dp_replicate": None,
-                                               "reduce_dtype": None,
-                                               "accumulate_unsharded": None,
-                                               "offload": None}))
+    knobs = collect_knobs(argparse.Namespace(**{**vars(args), "reduce_dtype": None,
+                                               "accumulate_unsharded": None}))
     result = search_plans(model, cluster, args.global_batch, args.seq_len, knobs, top_k=1,
                           explain=False)
     # nothing fits: the plan `meshtron plan` prices for this layout (the time-balanced split of
@@ -108,7 +116,20 @@ def _resolve(args: argparse.Namespace):
         raise UserError(f"layout {args.layout!r}: no valid plan on {cluster.num_gpus} GPUs")
     plan = est.to_plan(args.model, cluster.name, cluster.num_gpus, args.global_batch,
                        args.seq_len, result.options.attention)
-    return model, plan.validate(plan.gpus, model), cluster
+    return model, _with_run_flags(plan, args).validate(plan.gpus, model), cluster
+
+
+def _with_run_flags(plan, args: argparse.Namespace):
+    """The plan as the run's flags set it (meshtron train's --compile, --fp8-recipe): knobs
+    the search does not choose."""
+    import dataclasses
+
+    change = {}
+    if getattr(args, "compile", False):
+        change["compile"] = True
+    if getattr(args, "fp8_recipe", None):
+        change["fp8_recipe"] = args.fp8_recipe
+    return dataclasses.replace(plan, **change) if change else plan
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ def planner_rows(bd) -> dict[str, float]:
 
 
 def rehearsal_rows(peak_bytes: dict[str, float]) -> dict[str, float]:
-    """The tracker's categories (rank.CATEGORIES, bytes) folded into ROWS, GiB."""
+    """The tracker's categories (memory.CATEGORIES, bytes) folded into ROWS, GiB."""
     g = {k: v / GIB for k, v in peak_bytes.items()}
     if set(g) == {"total"}:  # CUDA: the allocator's peak only
         return {"total": g["total"]}

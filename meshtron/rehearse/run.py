@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -46,6 +47,11 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
     from meshtron.rehearse.rank import rehearse_rank
 
     got = rehearse_rank(model, plan, rank, device, imbalance, real)
+    compiled = bd
+    if "compile" in got:  # the blocks ran eagerly: set beside the planner's eager pricing
+        eager = dataclasses.replace(plan, compile=False, async_tp=False)
+        bd = compare.planner_estimate(model, cluster, eager, device, imbalance,
+                                      stage=pp_rank).memory
     rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"]),
                               compare.planner_rows(bd))
     report = {"model": model.name, "plan": plan.to_dict(), "device": device, "rank": rank,
@@ -56,6 +62,9 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
     if device == "cpu":  # what `meshtron plan` printed for this rank: the GPU's kernels
         gpu = compare.planner_estimate(model, cluster, plan, "cuda", imbalance, stage=pp_rank)
         report["planner_gpu_total_gib"] = gpu.memory.total
+    if "compile" in got:
+        report["compile"] = got["compile"]
+        report["planner_compiled_total_gib"] = compiled.allocated
     if model.is_moe:
         report["expert_imbalance"] = imbalance
     report["microbatches"] = plan.global_batch // (plan.dp * plan.micro_batch)
@@ -79,6 +88,14 @@ def rehearse_best(model, plan, cluster_name: str) -> dict[str, Any]:
 def print_report(report: dict[str, Any]) -> None:
     p = report["plan"]
     axes = ",".join(f"{k}={p[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if p.get(k, 1) != 1)
+    if p.get("dp_replicate", 1) > 1:
+        axes += f" dp_replicate={p['dp_replicate']}"
+    for key, off in (("offload", "none"), ("dtype", "bf16")):
+        if p.get(key, off) != off:
+            recipe = p.get("fp8_recipe", "rowwise")
+            axes += f" {key}={p[key]}" + (f" ({recipe})" if p[key] == "fp8" else "")
+    if p.get("compile"):
+        axes += " compile"
     print(f"Rehearsal of rank {report['rank']} (pipeline rank {report['pp_rank']}, stages "
           f"{report['stages']}, {report['layers']} layers) of {report['model']} "
           f"{axes or 'dp=1'} zero={p['zero']} micro_batch={p['micro_batch']} "
@@ -88,6 +105,9 @@ def print_report(report: dict[str, Any]) -> None:
         hot = (f", the rehearsed rank's experts at {report['expert_imbalance']:g}x it on both "
                "sides" if p.get("ep", 1) > 1 else "")
         print(f"(experts: tokens per expert fixed at the mean T*k/E{hot})")
+    if "compile" in report:
+        print(f"(compile: {report['compile']}; the planner column prices the same plan eager, "
+              f"compiled it holds {report['planner_compiled_total_gib']:.3f} GiB)")
     if "microbatches_run" in report:
         print(f"(ran {report['microbatches_run']} of the step's {report['microbatches']} "
               "micro-batches: the fewest that reach the step's peak)")
