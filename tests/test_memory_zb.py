@@ -110,9 +110,14 @@ def test_planner_charges_the_walk_for_a_zb_plan():
     act = ev._memory_pieces(2, 1, True, "none", "bf16", 1, 1, 4)[1]
     grad = memory_zb.captured_grad_bytes(ev.model, 2, True, 4096, 2.0)
     out = memory_pipeline.stage_output_bytes(ev.model.hidden, 2, True, 1, 4096, 2.0)
-    head = memory_zb.head_grad_bytes(ev.model, 2, 4096, 2.0)
+    head = memory_zb.head_grad_bytes(ev.model, 2, 4096, 2.0, kept_output=True)
+    from meshtron.planner.memory_states import layer_params_local
+
+    # the W's bf16 gradients wait for the next B (FSDP2 folds them into its fp32 accumulator)
+    pending = 2.0 * layer_params_local(ev.model, 2, 1)
+    work = memory_zb.input_backward_bytes(ev.model, 2, True, 4096, 2.0)
     mults, other = memory_zb.in_flight(4, 1, zb.num_microbatches, tuple(zb.stage_layers), act,
-                                       grad, out, head)
+                                       grad, out, head, 0.0, pending, work)
     mult, n = mults[2], zb.stage_layers[2]
     assert mult > 4.0  # p micro-batches from F to W, and the captured gradients beside them
     # the breakdown's in-flight term: the micro-batches beyond the running one, and the
@@ -142,3 +147,76 @@ def test_moments_of_more_microbatches_are_those_of_4p(p):
     for v in (1, 2):
         for m in (4 * p + 1, 5 * p + 2, 8 * p, 8 * p + 3):
             assert all(_moments(p, v, m, r) == _moments(p, v, 4 * p, r) for r in range(p))
+
+
+def _input_backward_peak(ffn: int, tokens: int = 64):
+    """Two meshtron blocks in bf16 on the CPU (composite RMSNorm) as a middle stage: torch's
+    input backward under torch's memory tracker; (spec, bytes above B's end at its peak,
+    captured gradient bytes)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    from meshtron.model.spec import ModelSpec
+    from meshtron.model.transformer import Transformer
+
+    spec = ModelSpec(name="b", layers=2, hidden=256, heads=4, kv_heads=1, ffn_hidden=ffn,
+                     vocab=512, max_seq=tokens)
+    with torch.device("meta"):
+        model = Transformer(spec)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
+    blocks = [model.layers["0"], model.layers["1"]]
+    params = [p for b in blocks for p in b.parameters()]
+    x = torch.randn(1, tokens, spec.hidden, dtype=torch.bfloat16, requires_grad=True,
+                    generator=torch.Generator().manual_seed(1))
+    y = x
+    for b in blocks:
+        y = b(y, model.rope_for(tokens))
+    tracker = MemTracker()
+    with tracker:
+        _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], iter(params))
+        gc.collect()
+
+    def total(kind):
+        return sum(d[_TOTAL_KEY] for d in tracker.get_tracker_snapshot(kind).values())
+
+    captured = sum(g.numel() * g.element_size() for grp in groups for gs in grp["grads"]
+                   for g in gs if g is not None)
+    return spec, total("peak") - total("current"), captured
+
+
+@pytest.mark.parametrize("ffn", [256, 704])
+def test_input_backward_working_set_is_the_composite_norms(ffn):
+    """B frees nothing (retain_graph), so its temporaries add to what it holds: at its last
+    op, the first norm's backward, five fp32 [tokens, hidden] tensors less the input gradient
+    they become (memory_zb.input_backward_bytes), exactly, whatever the MLP's width; and the
+    norms' captured gradients are fp32 there (the composite norm's weight product)."""
+    spec, above, captured = _input_backward_peak(ffn)
+    assert above == memory_zb.input_backward_bytes(spec, 1, False, 64, 2.0, fused_norm=False)
+    assert above == 64 * spec.hidden * 18  # the norm's, not the MLP's
+    assert captured == 2 * memory_zb.captured_grad_bytes(spec, 1, False, 64, 2.0,
+                                                         fused_norm=False)
+    assert captured > 2 * memory_zb.captured_grad_bytes(spec, 1, False, 64, 2.0)
+
+
+def test_input_backward_working_set_of_a_wide_mlp_is_bounded():
+    """At ffn = 8 hidden the SwiGLU's two [tokens, ffn] gradients are the larger candidate:
+    an upper bound of what B holds above its end (measured below it, never above)."""
+    spec, above, _ = _input_backward_peak(2048)
+    bound = memory_zb.input_backward_bytes(spec, 1, False, 64, 2.0, fused_norm=False)
+    assert bound > 64 * spec.hidden * 18  # the MLP's candidate, not the norm's
+    assert above <= bound
+
+
+def test_w_gradients_wait_for_the_next_b():
+    """The walk's pending weight gradients (set by a stage's W, folded by its next B): the
+    V's middle rank runs W1,0 then B2,1 W2,1 before stage 1's next B, so both its stages hold
+    theirs at once; a ZB1P first stage never does (its W is a whole backward)."""
+    one = (1,) * 4
+    assert memory_zb.held(2, 2, 4, 1, one, 0.0, 0.0, 0.0, 0.0, pending=1.0) == (2.0, 0.0)
+    assert memory_zb.held(2, 1, 4, 0, (1, 1), 0.0, 0.0, 0.0, 0.0, pending=1.0) == (0.0, 0.0)
+    assert memory_zb.held(2, 1, 4, 1, (1, 1), 0.0, 0.0, 0.0, 0.0, pending=1.0) == (1.0, 0.0)
+    # B's working set: only where a B runs (not the first stage's)
+    assert memory_zb.held(2, 1, 4, 0, (1, 1), 0.0, 0.0, 0.0, 0.0, work=1.0) == (0.0, 0.0)
+    assert memory_zb.held(2, 1, 4, 1, (1, 1), 0.0, 0.0, 0.0, 0.0, work=1.0) == (0.0, 1.0)

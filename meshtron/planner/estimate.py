@@ -403,11 +403,14 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         """(in flight, held output bytes) per pipeline rank under torch's zero bubble
         (memory_zb.in_flight) for layers `per_stage` per virtual stage."""
         tokens = w.mb * self.seq // w.cp
-        cb = w.mem_opts.compute_bytes
-        grad = memory_zb.captured_grad_bytes(self.model, w.tp, w.cfg.sp, tokens, cb)
-        head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb)
+        cb, fused = w.mem_opts.compute_bytes, w.mem_opts.fused_norm
+        grad = memory_zb.captured_grad_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)
+        head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb, fused, kept_output=True)
+        # W's gradients wait for the next B where FSDP2 upcasts them into its accumulator
+        pending = cb * (w.p_layer + w.p_exp) if w.accum not in (0.0, cb) else 0.0
+        work = memory_zb.input_backward_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)
         return memory_zb.in_flight(w.pp, w.v, w.m, tuple(per_stage), w.act, grad, out_bytes,
-                                   head, w.logits)
+                                   head, w.logits, pending, work)
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak

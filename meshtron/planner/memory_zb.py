@@ -23,6 +23,23 @@ So under 'zb' a micro-batch's activations live from its F to its W, not its B: e
 holds about p of them under ZB1P (1F1B: p - i on rank i), and the gradients captured for the
 B..W window beside them. `held` walks a rank's order (pipeline_zb.orders, torch's own) and
 returns the largest sum of both, with the chunk outputs alive at that moment.
+
+Three more things the split backward holds that a whole backward does not (read in torch 2.13
+and traced tensor by tensor on the V's middle rank, `meshtron rehearse`, 2026-12-05):
+
+* W's weight gradients wait for the stage's next B. W assigns them itself
+  (`stage_backward_weight`: `weight.grad = dw` on FSDP2's unsharded parameters, in the compute
+  dtype), and FSDP2 folds a unit's `.grad` into its reduce-dtype accumulator only in its
+  `post_backward` (_fsdp_param_group.py, `accumulate_unsharded_grad_if_needed` /
+  `to_accumulated_grad_if_needed`), a hook on the unit's inputs that fires when their
+  gradient is made: in the next B, not in W (W walks the weight paths only). So a non-first
+  stage keeps its layers' compute-dtype gradients from each W to its next B (`pending`); the
+  first stage's W is a whole backward and folds as it goes.
+* B frees nothing while it runs (retain_graph), so its own working set adds to what is held:
+  at its last block the norm's backward (`input_backward_bytes`).
+* `backward_state` keeps the stage's inputs to W and B set their `.grad` to the input
+  gradient (`stage_backward_input`): one more [tokens, hidden] per waiting micro-batch of a
+  non-first stage.
 """
 
 from __future__ import annotations
@@ -32,12 +49,20 @@ from functools import lru_cache
 from meshtron.planner import pipeline_zb
 
 
-def captured_grad_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: float) -> float:
+def _composite_norm(model, fused_norm: bool) -> bool:
+    """Whether the block's RMSNorm runs torch's composite path (the CPU's; memory_acts.py),
+    which upcasts to fp32 and multiplies by the weight in fp32."""
+    return model.norm == "rmsnorm" and not fused_norm
+
+
+def captured_grad_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
+                        fused_norm: bool = True) -> float:
     """Bytes of the gradients `stage_backward_input` captures for one block and micro-batch of
     `tokens` tokens per rank: the output gradient of every weight GEMM (column-parallel q, k, v
     and gate/up: their local 1/tp share; row-parallel o and down: the whole hidden width, the
     gradient of their partial sums) and of each norm's weight product (sequence-sharded with
-    sequence parallelism)."""
+    sequence parallelism; fp32 for the composite RMSNorm, whose weight product runs in fp32:
+    measured, 4 bytes per element on the 'mid' block)."""
     q = model.heads * model.head_dim
     ffn = model.ffn_hidden * (2 if model.mlp == "swiglu" else 1)
     column = q + 2 * model.kv_dim + ffn
@@ -46,45 +71,89 @@ def captured_grad_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: fl
     column /= tp
     row = 2 * model.hidden
     norms = 2 * model.hidden / (tp if sp and tp > 1 else 1)
-    return tokens * (column + row + norms) * compute_bytes
+    norm_bytes = 4.0 if _composite_norm(model, fused_norm) else compute_bytes
+    return tokens * ((column + row) * compute_bytes + norms * norm_bytes)
 
 
-def head_grad_bytes(model, tp: int, tokens: int, compute_bytes: float) -> float:
+def input_backward_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
+                         fused_norm: bool = True) -> float:
+    """Bytes B's own working set adds to what it holds at its end (the captured gradients and
+    the input gradient), at its peak: B frees none of the saved tensors it reads
+    (retain_graph=True), so, unlike a whole backward, nothing it has finished makes room for
+    its temporaries. Two candidates, the larger:
+
+    * the stage's first norm, B's last op: the composite RMSNorm's backward holds five fp32
+      [tokens, hidden] tensors at once (traced op by op on torch 2.13 CPU: the upcast
+      gradient, then div, pow, mul, mul of the mean-square path), less the input gradient
+      they become (made only after them; counted from B's end). Measured on two 'mid'
+      blocks, ffn 2048 to 16384: 9 [tokens, hidden] bf16 tensors above B's end, as here. A
+      fused norm's backward writes the input gradient directly: none.
+    * the last block's SwiGLU backward: the product's and the SiLU output's gradients
+      ([tokens, ffn / tp] each, alive together in the product's backward), less what B has
+      not made yet then (the attention's captured gradients, the attention norm's and the
+      input gradient). An upper bound: measured at ffn = 8 hidden, 1.5 [tokens, hidden]
+      below it."""
+    cb = compute_bytes
+    h_in = model.hidden / (tp if sp and tp > 1 else 1)
+    composite = _composite_norm(model, fused_norm)
+    norm = tokens * h_in * (5 * 4.0 - cb) if composite else 0.0
+    q = model.heads * model.head_dim
+    later = (cb * ((q + 2 * model.kv_dim) / tp + model.hidden + h_in)
+             + (4.0 if composite else cb) * h_in)
+    gates = 2.0 if model.mlp == "swiglu" else 1.0
+    mlp = tokens * (gates * cb * model.ffn_hidden / tp - later)
+    return max(0.0, norm, mlp)
+
+
+def head_grad_bytes(model, tp: int, tokens: int, compute_bytes: float,
+                    fused_norm: bool = True, kept_output: bool = False) -> float:
     """The logits' gradient the output projection's intermediate captures on the last stage
-    (vocabulary-parallel: vocab / tp per rank) and the final norm's output gradient."""
-    return tokens * (model.vocab / tp + model.hidden) * compute_bytes
+    (vocabulary-parallel: vocab / tp per rank) and the final norm's output gradient (fp32
+    for the composite RMSNorm, as `captured_grad_bytes`). `kept_output`: also the logits
+    themselves, which the last stage keeps past B: torch's stage appends every micro-batch's
+    output to `output_chunks` (stage.py `forward_one_chunk`, save_forward_output = the
+    schedule's `return_outputs`, True unless the caller says otherwise, as meshtron's runtime
+    does not) until the step returns them. Counted here to W, as the rehearsal holds them:
+    a lower bound of meshtron's runtime, which keeps all m of them to the step's end."""
+    norm_bytes = 4.0 if _composite_norm(model, fused_norm) else compute_bytes
+    logits = tokens * model.vocab / tp * compute_bytes
+    return logits * (2.0 if kept_output else 1.0) + tokens * model.hidden * norm_bytes
 
 
 @lru_cache(maxsize=4096)
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
-         out: float, head: float, loss: float = 0.0) -> tuple[float, float]:
+         out: float, head: float, loss: float = 0.0, pending: float = 0.0,
+         work: float = 0.0) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
-    chunk output (and a received output gradient), `head` what the last stage captures beside
-    its layers' (`head_grad_bytes`). Layer bytes: activations and captured gradients of the
-    layers; other: outputs, received gradients and the head's captured gradient. The walk's
-    moments are counted once per order (`_moments`), then weighed here. `loss`: the loss
-    moment's bytes the memory model adds to the last stage's rank (its logits,
-    memory.stage_memory), there only while a B of the last stage runs: a W's start holds
-    them no more, so it counts `loss` less against them (the result is what is held beside
+    chunk output (a received output gradient, an input's gradient), `head` what the last
+    stage captures beside its layers' (`head_grad_bytes`), `pending` the weight gradients per
+    layer a W leaves until the stage's next B (module docstring; 0 where the accumulator is
+    the gradient itself), `work` B's working set (`input_backward_bytes`). Layer bytes:
+    activations, captured and pending gradients of the layers; other: outputs, received and
+    input gradients, the head's captured gradient and B's working set. The walk's moments
+    are counted once per order (`_moments`), then weighed here. `loss`: the loss moment's
+    bytes the memory model adds to the last stage's rank (its logits,
+    memory.stage_memory), there only while a B of the last stage starts: at any other moment
+    they are gone, so it counts `loss` less there (the result is what is held beside
     them)."""
     last = p * v - 1
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
-    stages, w_moments, b_moments = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank)
-    # per stage of the rank: bytes per micro-batch in flight (F..W) and per one waiting (B..W)
-    per_f = [(layers[s] * act, out if s != last else 0.0) for s in stages]
-    per_w = [(layers[s] * (0.0 if s == 0 else grad),
-              (out if s != last else 0.0) + (head if s == last and s != 0 else 0.0))
-             for s in stages]
+    stages, moments, at_loss = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank)
+    # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W) and per stage
+    # holding a W's gradients: (layer bytes, other bytes); last: B's working set
+    weights = ([(layers[s] * act, out if s != last else 0.0) for s in stages]
+               + [(layers[s] * (0.0 if s == 0 else grad),
+                   (out if s != last else 0.0) + (out if s != 0 else 0.0)
+                   + (head if s == last and s != 0 else 0.0)) for s in stages]
+               + [(layers[s] * pending, 0.0) for s in stages] + [(0.0, work)])
     best = (0.0, float("-inf"))
-    for moments, less in ((w_moments, loss if b_moments else 0.0), (b_moments, 0.0)):
-        for fw, bw in moments:
-            lay = (sum(k * x[0] for k, x in zip(fw, per_f))
-                   + sum(k * x[0] for k, x in zip(bw, per_w)))
-            oth = (sum(k * x[1] for k, x in zip(fw, per_f))
-                   + sum(k * x[1] for k, x in zip(bw, per_w)) - less)
+    for group, less in ((moments, loss if at_loss else 0.0), (at_loss, 0.0)):
+        for vec in group:
+            lay = sum(k * x[0] for k, x in zip(vec, weights))
+            oth = sum(k * x[1] for k, x in zip(vec, weights)) - less
             if lay + oth > sum(best):
                 best = (lay, oth)
     return best if best[1] > float("-inf") else (0.0, 0.0)
@@ -92,17 +161,21 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
 
 @lru_cache(maxsize=8192)
 def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple, tuple]:
-    """(the rank's stages, the moments of its order where what it holds can peak): per stage
-    of the rank, the micro-batches between their F and their W and those of them between B
-    and W, in torch's order (pipeline_zb.orders). F and B only add, W only frees, so the
-    peaks are at the start of a W (the B before it finished: its transient working set gone,
-    what it captured held); of those, the ones no other holds at least as much of everything
-    as (every weight is >= 0). Third: the same at the start of each B of the last stage (the
-    loss moment, when the memory model's logits are alive), if the rank holds it."""
+    """(the rank's stages, the moments of its order where what it holds can peak, the loss
+    moments): each a vector of, per stage of the rank, the micro-batches between their F and
+    their W, those of them between B and W, and whether the stage holds a W's weight
+    gradients (set by its W, folded by its next B; never for the first stage, whose W is a
+    whole backward), then whether B's working set is alive. F and B only add, W only frees
+    activations, so the peaks are: the end of each B of a non-first stage, its working set
+    alive (the stage's own W gradients folded by then but the last block's, which the memory
+    model's gathered copies count), and the start and end of each W; of those, the ones no
+    other holds at least as much of everything as (every weight is >= 0). The loss moments:
+    the start of each B of the last stage (the memory model's logits alive), if the rank
+    holds it."""
     order = _order(p, v, m)[rank]
     stages = tuple(sorted({s for _, s in order}))
     at = {s: i for i, s in enumerate(stages)}
-    fw, bw = [0] * len(stages), [0] * len(stages)
+    fw, bw, pend = [0] * len(stages), [0] * len(stages), [0] * len(stages)
     seen: dict[tuple, None] = {}
     at_loss: dict[tuple, None] = {}
     for kind, s in order:
@@ -111,23 +184,40 @@ def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple,
             fw[i] += 1
         elif kind == "B":
             if s == p * v - 1:
-                at_loss[(tuple(fw), tuple(bw))] = None
+                at_loss[(*fw, *bw, *pend, 0)] = None
             bw[i] += 1
+            pend[i] = 0
+            if s != 0:  # the first stage runs no B (its W is the whole backward)
+                seen[(*fw, *bw, *pend, 1)] = None
         else:
-            seen[(tuple(fw), tuple(bw))] = None
+            seen[(*fw, *bw, *pend, 0)] = None
             fw[i] -= 1
             bw[i] -= 1
+            pend[i] = int(s != 0)
+            seen[(*fw, *bw, *pend, 0)] = None
     return stages, _undominated(seen), _undominated(at_loss)
 
 
 def _undominated(seen: dict) -> tuple:
-    """The moments no other holds at least as much of everything as."""
-    flat = sorted(((f + b, (f, b)) for f, b in seen), key=lambda x: -sum(x[0]))
+    """The moments no other holds at least as much of everything as (a waiting micro-batch
+    is also one in flight: its activations count in both). Each vector is packed into one
+    integer, a field per count with a guard bit above it, so that `k` holds at least `a`
+    everywhere exactly when every guard bit of (k | guards) - a survives (no field borrows:
+    the counts stay below the guard bit): one subtraction per pair, not a loop over counts
+    (the looped zero bubble's walks hold thousands of moments)."""
+    flat = sorted(seen, key=lambda vec: -sum(vec))
+    if not flat:
+        return ()
+    width = max(max(vec) for vec in flat).bit_length() + 1
+    guards = sum(1 << (i * width + width - 1) for i in range(len(flat[0])))
     kept: list[tuple] = []
-    for vec, moment in flat:
-        if not any(all(x <= y for x, y in zip(vec, k)) for k, _ in kept):
-            kept.append((vec, moment))
-    return tuple(moment for _, moment in kept)
+    packed: list[int] = []
+    for vec in flat:
+        a = sum(x << (i * width) for i, x in enumerate(vec))
+        if not any(((k | guards) - a) & guards == guards for k in packed):
+            kept.append(vec)
+            packed.append(a)
+    return tuple(kept)
 
 
 @lru_cache(maxsize=1024)
@@ -137,17 +227,18 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 
 
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
-              out: float, head: float, loss: float = 0.0) -> tuple[list[float], list[float]]:
+              out: float, head: float, loss: float = 0.0, pending: float = 0.0,
+              work: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
-    counting the captured gradients in activation bytes; bytes of the outputs, received
-    gradients and head gradient held then), the multiplier `pipeline.in_flight` gives the
-    memory model."""
+    counting the captured and pending gradients in activation bytes; bytes of the outputs,
+    received and input gradients, head gradient and B's working set held then), the
+    multiplier `pipeline.in_flight` gives the memory model (`held` for the arguments)."""
     mult, other = [], []
     per_rank = [0] * p  # each rank's layers, over its stages in one pass
     for s in range(p * v):
         per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
     for r, n_r in enumerate(per_rank):
-        lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss)
+        lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work)
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other

@@ -13,7 +13,13 @@ step is a function of where the step is, not of which micro-batch it is working 
   gathered) and a backward (its gradients accumulated) and whether it has run all of them.
   `states` lists those moments of an action order; a schedule of m' < m micro-batches whose
   set of moments equals the full step's reaches the same peak (1F1B: warm-up + 1 steady
-  micro-batch; a looped schedule: its warm-up and one steady round).
+  micro-batch; a looped schedule: its warm-up and one steady round). Under zero bubble a
+  stage's gradients are made by its W, not its B, and FSDP2 folds them into its accumulator
+  only at the stage's next B (planner/memory_zb.py; the first stage's W is a whole backward
+  and folds them itself): whether the stage's accumulator exists yet and whether a W's
+  gradients wait for their fold are part of the state (without them the last stage of a
+  2-stage zb pipeline ran 2 of 4 micro-batches and read 6.26 GiB for the whole step's
+  7.32).
 
 The micro-batches run are the first m' chunks of the rank's whole batch, which stays alive
 as in a real step (only its rows of token ids: the data loader's output).
@@ -45,17 +51,19 @@ def states(order: Iterable[Action]) -> set[tuple]:
     split = any(kind == "W" for kind, _, _ in order)  # zero bubble: B keeps all to its W
     last = "W" if split else "B"  # the action ending a micro-batch (and the stage's step)
     ends = Counter(s for kind, s, _ in order if kind == last)
-    live, fwd, bwd, wait, done = (dict.fromkeys(stages, 0) for _ in range(5))
+    live, fwd, bwd, wait, done, fold, acc = (dict.fromkeys(stages, 0) for _ in range(7))
     out = set()
     for kind, s, _ in order:
         held = tuple((live[t], wait[t], fwd[t] > 0, bwd[t] > 0, done[t] == ends[t])
-                     for t in stages)
+                     + ((acc[t], fold[t]) if split else ()) for t in stages)
         out.add((held, kind, s, kind == last and done[s] + 1 == ends[s]))
         if kind == "F":
             live[s] += 1
             fwd[s] += 1
         elif kind == "B":
             bwd[s] += 1
+            acc[s] |= fold[s]  # the first fold makes the accumulator
+            fold[s] = 0
             wait[s] += split
             live[s] -= not split
             done[s] += not split
@@ -63,6 +71,8 @@ def states(order: Iterable[Action]) -> set[tuple]:
             live[s] -= 1
             wait[s] -= 1
             done[s] += 1
+            acc[s] |= s == 0  # the first stage's W: a whole backward, folding as it goes
+            fold[s] = int(s != 0)
     return out
 
 
