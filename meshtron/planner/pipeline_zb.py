@@ -187,7 +187,12 @@ def _program(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple, ...]:
         ranks = [_interleaved_coded(p, v, m, r) for r in range(p)]
     else:
         ranks = [_coded(o, nv, m) for o in cached_orders(p, v, m, schedule)]
-    done = [0] * (3 * nv * m)  # 1 + the event index of each operation once placed
+    count = 3 * nv * m
+    if max((max(ids, default=0) for ids, _ in ranks), default=0) >= count:
+        raise RuntimeError(f"zero-bubble order deadlocks at p={p} v={v} m={m}")
+    # 1 + the event index of each operation once placed, -1 before; a last slot, 0, read
+    # for "no input" (index -1): one lookup and one test per operation
+    done = [-1] * count + [0]
     keys: list[int] = []
     prevs: list[int] = []
     deps: list[int] = []
@@ -201,13 +206,9 @@ def _program(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple, ...]:
             i, n, prev = at[r], len(ids), last[r]
             start = i
             while i < n:
-                dep = inputs[i]
-                if dep >= 0:
-                    d = done[dep]
-                    if not d:
-                        break  # its input is not placed yet: another rank's turn
-                else:
-                    d = 0
+                d = done[inputs[i]]
+                if d < 0:
+                    break  # its input is not placed yet: another rank's turn
                 op = ids[i]
                 add_key(op // m)
                 add_prev(prev)
