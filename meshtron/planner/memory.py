@@ -180,6 +180,21 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     last backward: pipelining). The peak is the larger of the loss's and a block's backward
     moment (`peak_moment`); the block's counts the previous block's gradient on every stage
     (a one-block stage has none: conservative)."""
+    return StageMemory(*stage_terms(
+        mem, zero, dp, states, p_layer, p_root, largest, act, in_flight, work, logits,
+        grad_bytes, keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes,
+        grad_extra, outputs, weight_cache))
+
+
+def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
+                p_layer: float, p_root: float, largest: float, act: float, in_flight: float,
+                work: float, logits: float, grad_bytes: float, keep_gathered: bool,
+                accum: float, p_expert: float,
+                expert_states: tuple[float, float, float] | None, root_unit: float | None,
+                reduce_bytes: float, grad_extra: float, outputs: float,
+                weight_cache: float) -> tuple[float, float]:
+    """`stage_memory` as (per_layer, fixed), every argument given (the search's ~90k calls:
+    estimate.Evaluator._stage_memories)."""
     base, gathered_per_layer, fixed = _stage_parts(
         mem, zero, dp, states, p_layer, p_root, largest, act, work, logits, grad_bytes,
         keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes, grad_extra)
@@ -188,7 +203,7 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     per_layer = base + act * in_flight + weight_cache
     if gathered_per_layer is not None:
         per_layer += gathered_per_layer
-    return StageMemory(per_layer=per_layer, fixed=fixed + outputs)
+    return per_layer, fixed + outputs
 
 
 @lru_cache(maxsize=16384, typed=True)
