@@ -303,13 +303,14 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         grad_bytes, keep, accum, e_states = self.grad_bytes, w.keep, w.accum, w.e_states
         roots, root_units, outputs, reduce_bytes = (w.roots, w.root_units, w.outputs,
                                                     w.reduce_bytes)
+        cache_b, not_gemm = w.cache_b, w.not_gemm  # `_te_cache`, written out
         for i in range(pp) if ranks is None else ranks:
             b = blocks[i]
             per_layer[i], fixed[i] = terms(
                 mem_opts, zero, dp, states, b[0], roots[i], largest, b[2], inflight[i], b[3],
                 w.logits if i == head else 0.0, grad_bytes, keep, accum, b[1], e_states,
                 root_units[i], reduce_bytes, w.grad_extra if i == 0 else 0.0, outputs[i],
-                self._te_cache(w, i))
+                cache_b * max(0.0, b[0] + b[1] - not_gemm))
         return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
