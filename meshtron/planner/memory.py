@@ -206,6 +206,16 @@ def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, flo
     return per_layer, fixed + outputs
 
 
+_CANONICAL: dict[MemoryOptions, MemoryOptions] = {}
+
+
+def canonical(mem: MemoryOptions) -> MemoryOptions:
+    """One object for every equal MemoryOptions of the process: `_stage_parts`'s memo
+    compares its keys' options, which costs a field-by-field __eq__ per lookup unless they
+    are the same object (each Evaluator, each dtype makes its own equal copy)."""
+    return _CANONICAL.setdefault(mem, mem)
+
+
 @lru_cache(maxsize=16384, typed=True)
 def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
                  p_layer: float, p_root: float, largest: float, act: float, work: float,
