@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import pkgutil
 
 import pytest
@@ -226,7 +227,6 @@ def test_stage_memory_memo_is_keyed_by_every_argument():
                   keep_gathered=True, accum=4.0, p_expert=2e8, expert_states=(1.0, 2.0, 5.0),
                   root_unit=2e9, reduce_bytes=2.0, grad_extra=7e8, outputs=6e7,
                   weight_cache=4e7)
-    import inspect
     assert set(varied) == set(inspect.signature(memory.stage_memory).parameters)
     moved = set()
     for regime in regimes:
