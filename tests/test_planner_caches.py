@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import pkgutil
 
 import pytest
@@ -209,3 +210,38 @@ def test_one_evaluators_own_cache_answers_each_plan_as_a_fresh_one():
         assert warm is not None and cold is not None
         assert (warm.time, warm.memory, warm.stage_layers, warm.fits) == \
             (cold.time, cold.memory, cold.stage_layers, cold.fits), plan.knobs()
+
+
+def test_stage_memory_memo_is_keyed_by_every_argument():
+    """memory.stage_memory memoises the terms of its arguments other than in_flight, outputs
+    and weight_cache (`_stage_parts`, a search's ~90k calls for ~5k keys). Each argument varied
+    alone, right after the base warmed the memo, must be answered as with the memo cleared;
+    and each must change the answer in at least one of the regimes below (else this check
+    could not fail for it)."""
+    fsdp = memory.MemoryOptions(framework="fsdp2")
+    base = dict(mem=fsdp, zero=1, dp=8, states=(2.0, 4.0, 8.0), p_layer=3e8, p_root=5e8,
+                largest=2e8, act=7e8, in_flight=3.0, work=9e8, logits=11e8, grad_bytes=4.0,
+                keep_gathered=False, accum=2.0, p_expert=1e8, expert_states=(1.0, 2.0, 4.0),
+                root_unit=4e8, reduce_bytes=4.0, grad_extra=6e8, outputs=5e7,
+                weight_cache=3e7)
+    regimes = [base, dict(base, zero=3), dict(base, zero=3, keep_gathered=True),
+               dict(base, mem=memory.MemoryOptions(framework="deepspeed"), zero=3),
+               dict(base, work=0.0, logits=0.0)]
+    varied = dict(mem=memory.MemoryOptions(framework="fsdp2", dtype="fp32"), zero=2, dp=1,
+                  states=(2.0, 4.0, 9.0), p_layer=3.5e8, p_root=6e8, largest=9e9, act=8e8,
+                  in_flight=4.0, work=1.3e9, logits=12e8, grad_bytes=2.0,
+                  keep_gathered=True, accum=4.0, p_expert=2e8, expert_states=(1.0, 2.0, 5.0),
+                  root_unit=2e9, reduce_bytes=2.0, grad_extra=7e8, outputs=6e7,
+                  weight_cache=4e7)
+    assert set(varied) == set(inspect.signature(memory.stage_memory).parameters)
+    moved = set()
+    for regime in regimes:
+        for name, value in varied.items():
+            question = dict(regime, **{name: value})
+            memory.stage_memory(**regime)  # warm the memo with the regime's own key
+            warm = memory.stage_memory(**question)
+            memory._stage_parts.cache_clear()
+            assert warm == memory.stage_memory(**question), f"{name}: the memo missed it"
+            if warm != memory.stage_memory(**regime):
+                moved.add(name)
+    assert moved == set(varied), f"never changed the answer: {set(varied) - moved}"

@@ -302,15 +302,22 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         pp, blocks = w.pp, w.blocks
         per_layer = list(w.per_layer) if ranks is not None else [0.0] * pp
         fixed = list(w.fixed) if ranks is not None else [0.0] * pp
+        # memory.stage_memory's terms, what every rank shares read once (the search asks
+        # this for every rank of every plan it evaluates)
+        terms = memory.stage_terms
+        head, mem_opts, zero, dp, states, largest = (w.head_rank, w.mem_opts, w.zero,
+                                                     w.shard_dp, w.states, w.largest)
+        grad_bytes, keep, accum, e_states = self.grad_bytes, w.keep, w.accum, w.e_states
+        roots, root_units, outputs, reduce_bytes = (w.roots, w.root_units, w.outputs,
+                                                    w.reduce_bytes)
+        cache_b, not_gemm = w.cache_b, w.not_gemm  # `_te_cache`, written out
         for i in range(pp) if ranks is None else ranks:
-            sm = memory.stage_memory(w.mem_opts, w.zero, w.shard_dp, w.states, blocks[i][0],
-                                     w.roots[i], w.largest, blocks[i][2], inflight[i],
-                                     blocks[i][3], w.logits if i == w.head_rank else 0.0,
-                                     self.grad_bytes, w.keep, w.accum, blocks[i][1], w.e_states,
-                                     w.root_units[i], w.reduce_bytes,
-                                     w.grad_extra if i == 0 else 0.0, w.outputs[i],
-                                     self._te_cache(w, i))
-            per_layer[i], fixed[i] = sm.per_layer, sm.fixed
+            b = blocks[i]
+            per_layer[i], fixed[i] = terms(
+                mem_opts, zero, dp, states, b[0], roots[i], largest, b[2], inflight[i], b[3],
+                w.logits if i == head else 0.0, grad_bytes, keep, accum, b[1], e_states,
+                root_units[i], reduce_bytes, w.grad_extra if i == 0 else 0.0, outputs[i],
+                cache_b * max(0.0, b[0] + b[1] - not_gemm))
         return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:

@@ -178,6 +178,7 @@ class CostPieces:
             mem = self.mem
             if mem.dtype != dtype:
                 mem = dataclasses.replace(mem, dtype=dtype)
+            mem = memory.canonical(mem)  # one object per value: cheap memo keys downstream
             seq = self.seq // cp
             args = (self.active, tp, sp, mb, seq, rec, self.opts, mem)
             kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)

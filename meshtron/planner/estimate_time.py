@@ -39,7 +39,6 @@ class StepTimes:
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
         ep_t = m * n[crit] * w.ep_l
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
-        bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m, stage_f)
         chunked = self._chunk_times(w) if v > 1 and pp > 1 and cfg.schedule in (
             "zb", "interleaved") else None
         if chunked and cfg.schedule == "interleaved" and not self._unequal(chunked[3], pp):
@@ -64,7 +63,11 @@ class StepTimes:
         dp_t, opt_t, off_t = self._stage_sync(w)
         parts = dict(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                      optimizer=opt_t, ep_comm=ep_t, offload=off_t)
-        if chunked and TimeBreakdown(bubble=0.0, **parts).total <= w.cutoff:
+        if not chunked or TimeBreakdown(bubble=0.0, **parts).total > w.cutoff:
+            # the per-rank bubble (pipeline.bubble_time; for 'zb' the walk of stage_bubble):
+            # only where the chunk-level walk below does not replace it
+            bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m, stage_f)
+        else:
             # torch's order walked chunk by chunk (a step already over the search's cutoff
             # without any bubble is dropped whatever the walk finds)
             if cfg.schedule == "zb":

@@ -38,6 +38,7 @@ one the device must hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from meshtron.planner.memory_acts import (  # noqa: F401  (re-exported)
     CHUNKED_HEAD_GRAD_COPIES, LOSS_PARALLEL_BYTES, RNG_STATE_BYTES, activation_bytes,
@@ -179,20 +180,65 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     last backward: pipelining). The peak is the larger of the loss's and a block's backward
     moment (`peak_moment`); the block's counts the previous block's gradient on every stage
     (a one-block stage has none: conservative)."""
+    return StageMemory(*stage_terms(
+        mem, zero, dp, states, p_layer, p_root, largest, act, in_flight, work, logits,
+        grad_bytes, keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes,
+        grad_extra, outputs, weight_cache))
+
+
+def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
+                p_layer: float, p_root: float, largest: float, act: float, in_flight: float,
+                work: float, logits: float, grad_bytes: float, keep_gathered: bool,
+                accum: float, p_expert: float,
+                expert_states: tuple[float, float, float] | None, root_unit: float | None,
+                reduce_bytes: float, grad_extra: float, outputs: float,
+                weight_cache: float) -> tuple[float, float]:
+    """`stage_memory` as (per_layer, fixed), every argument given (the search's ~90k calls:
+    estimate.Evaluator._stage_memories)."""
+    base, gathered_per_layer, fixed = _stage_parts(
+        mem, zero, dp, states, p_layer, p_root, largest, act, work, logits, grad_bytes,
+        keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes, grad_extra)
+    # the same sums in the same order as written out in `_stage_parts` (bit for bit): the
+    # terms linear in what differs between a plan's ranks, added to the memoised rest
+    per_layer = base + act * in_flight + weight_cache
+    if gathered_per_layer is not None:
+        per_layer += gathered_per_layer
+    return per_layer, fixed + outputs
+
+
+_CANONICAL: dict[MemoryOptions, MemoryOptions] = {}
+
+
+def canonical(mem: MemoryOptions) -> MemoryOptions:
+    """One object for every equal MemoryOptions of the process: `_stage_parts`'s memo
+    compares its keys' options, which costs a field-by-field __eq__ per lookup unless they
+    are the same object (each Evaluator, each dtype makes its own equal copy)."""
+    return _CANONICAL.setdefault(mem, mem)
+
+
+@lru_cache(maxsize=16384, typed=True)
+def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
+                 p_layer: float, p_root: float, largest: float, act: float, work: float,
+                 logits: float, grad_bytes: float, keep_gathered: bool, accum: float,
+                 p_expert: float, expert_states: tuple[float, float, float] | None,
+                 root_unit: float | None, reduce_bytes: float,
+                 grad_extra: float) -> tuple[float, float | None, float]:
+    """`stage_memory` less its terms in `in_flight`, `outputs` and `weight_cache`, which are
+    what a search's plans and a plan's ranks vary most (a search asks ~90k stage memories of
+    ~5k of these): (per-layer sum before the in-flight activations, the gathered copies per
+    layer added after them or None, fixed bytes before the outputs). Keyed by every other
+    argument of `stage_memory` (tests/test_planner_caches.py)."""
     sb = sum(states)
     # routed experts under expert parallelism (`p_expert`: E/ep experts of one block on this
     # rank, `p_layer` the rest of the block) keep their ZeRO states over the dp*cp/ep ranks
     # holding the same experts (`expert_states`); the compute copies gather both
     eb = sum(expert_states) if expert_states is not None else sb
-    per_layer = (p_layer * (sb + accum) + p_expert * (eb + accum) + act * in_flight
-                 + weight_cache)
+    base = p_layer * (sb + accum) + p_expert * (eb + accum)
     p_layer = p_layer + p_expert
     cb = mem.compute_bytes
     fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
                 and not (zero == 3 and dp > 1 and not keep_gathered))
     k = 0 if fsdp_all else 2  # fsdp_all: the gathered blocks are in per_layer
-    if fsdp_all:
-        per_layer += cb * p_layer
     args = (mem, zero, dp, k, p_layer, p_root, largest, grad_bytes, keep_gathered, root_unit)
     at_block = block_moment(*args, reduce_bytes, act)
     at_loss = gathered_bytes(*args)
@@ -200,9 +246,8 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     previous = previous_gradient_bytes(mem, dp, 2, p_layer, keep_gathered, reduce_bytes)
     gathered, recompute = peak_moment(logits, work, at_loss, at_block, embedding_moment(
         mem, at_loss, previous, grad_extra, act))
-    return StageMemory(per_layer=per_layer,
-                       fixed=p_root * (sb + accum) + grad_extra * accum + gathered + recompute
-                       + logits + outputs)
+    return (base, cb * p_layer if fsdp_all else None,
+            p_root * (sb + accum) + grad_extra * accum + gathered + recompute + logits)
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],

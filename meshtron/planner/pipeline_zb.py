@@ -187,7 +187,12 @@ def _program(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple, ...]:
         ranks = [_interleaved_coded(p, v, m, r) for r in range(p)]
     else:
         ranks = [_coded(o, nv, m) for o in cached_orders(p, v, m, schedule)]
-    done = [0] * (3 * nv * m)  # 1 + the event index of each operation once placed
+    count = 3 * nv * m
+    if max((max(ids, default=0) for ids, _ in ranks), default=0) >= count:
+        raise RuntimeError(f"zero-bubble order deadlocks at p={p} v={v} m={m}")
+    # 1 + the event index of each operation once placed, -1 before; a last slot, 0, read
+    # for "no input" (index -1): one lookup and one test per operation
+    done = [-1] * count + [0]
     keys: list[int] = []
     prevs: list[int] = []
     deps: list[int] = []
@@ -201,13 +206,9 @@ def _program(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple, ...]:
             i, n, prev = at[r], len(ids), last[r]
             start = i
             while i < n:
-                dep = inputs[i]
-                if dep >= 0:
-                    d = done[dep]
-                    if not d:
-                        break  # its input is not placed yet: another rank's turn
-                else:
-                    d = 0
+                d = done[inputs[i]]
+                if d < 0:
+                    break  # its input is not placed yet: another rank's turn
                 op = ids[i]
                 add_key(op // m)
                 add_prev(prev)
@@ -235,30 +236,45 @@ def _cross(p: int, v: int, m: int, schedule: str = "zb") -> tuple[bool, ...]:
 
 def _interleaved_coded(p: int, v: int, m: int, r: int) -> tuple[list[int], list[int]]:
     """`_coded` of rank r's `interleaved_orders` list, built without the tuples (the same
-    warm-up, rounds and counters as `_zb1p_order(..., whole=True)`; equal:
-    tests/test_pipeline_zb_walk.py)."""
+    warm-up, rounds and micro-batch counts as `_zb1p_order(..., whole=True)`; equal:
+    tests/test_pipeline_zb_walk.py). Forward k visits chunk (k // round) % v and backward j
+    chunk v - 1 - (j // round) % v; either is the chunk's (k // (round v)) round + k % round-th
+    visit (every earlier visit of it is in a whole round), its micro-batch."""
+    nv = p * v
+    total = m * v
+    warm = min((v - 1) * (m // max(1, m // p)) + 2 * (p - 1 - r), total)
+    chunk, f0, b0 = _interleaved_visits(p, v, m)
+    at = r * m  # stage c p + r: rank 0's numbers + r m
+    f_ids = [x + at for x in f0]
+    # F of stage s needs F of s - 1 (none for stage 0: chunk 0 of rank 0)
+    f_in = [x - m for x in f_ids] if r else [x - m if c else -1 for x, c in zip(f_ids, chunk)]
+    # B of stage s needs B of s + 1; the last stage (rank p - 1's last chunk) its own F
+    b_ids = [x + at for x in b0]
+    b_in = ([x + m for x in b_ids] if r < p - 1 else
+            [x + m if c else x - nv * m for x, c in zip(b_ids, chunk)])
+    # warm-up forwards, then forward k beside backward k - warm, then the drain's backwards
+    steady = total - warm
+    ids = f_ids[:warm] + [0] * (2 * steady) + b_ids[steady:]
+    inputs = f_in[:warm] + [0] * (2 * steady) + b_in[steady:]
+    ids[warm:warm + 2 * steady:2] = f_ids[warm:]
+    ids[warm + 1:warm + 2 * steady:2] = b_ids[:steady]
+    inputs[warm:warm + 2 * steady:2] = f_in[warm:]
+    inputs[warm + 1:warm + 2 * steady:2] = b_in[:steady]
+    return ids, inputs
+
+
+@lru_cache(maxsize=64)
+def _interleaved_visits(p: int, v: int, m: int) -> tuple[list[int], list[int], list[int]]:
+    """Per forward k (and backward k) of rank 0's interleaved order: the chunk forward k
+    visits, the number of forward k and that of backward k (`_interleaved_coded`)."""
     nv = p * v
     per_round = m // max(1, m // p)
-    total = m * v
-    warm = min((v - 1) * per_round + 2 * (p - 1 - r), total)
-    cf, cb = [0] * v, [0] * v  # micro-batch counters of the rank's chunks
-    ids: list[int] = []
-    inputs: list[int] = []
-    for k in range(total + warm):
-        if k < total:  # forward k
-            c = (k // per_round) % v
-            s, mb = c * p + r, cf[c]
-            cf[c] = mb + 1
-            ids.append(s * m + mb)
-            inputs.append((s - 1) * m + mb if s > 0 else -1)
-        j = k - warm
-        if j >= 0:  # backward j
-            c = v - 1 - (j // per_round) % v
-            s, mb = c * p + r, cb[c]
-            cb[c] = mb + 1
-            ids.append((nv + s) * m + mb)
-            inputs.append((nv + s + 1) * m + mb if s < nv - 1 else s * m + mb)
-    return ids, inputs
+    block = per_round * v
+    visit = [(k // block) * per_round + k % per_round for k in range(m * v)]
+    chunk = [(k // per_round) % v for k in range(m * v)]
+    f0 = [c * p * m + mb for c, mb in zip(chunk, visit)]
+    b0 = [(nv + (v - 1 - c) * p) * m + mb for c, mb in zip(chunk, visit)]
+    return chunk, f0, b0
 
 
 def _coded(order: tuple[Op, ...], nv: int, m: int) -> tuple[list[int], list[int]]:
