@@ -156,7 +156,9 @@ class StageCosts:
         cast streams."""
         if cfg.zero >= 2 and not flags["reduce_once"] and not (
                 cfg.pp > 1 and self.opts.sharding == "fsdp"):
-            elements = self._stage_params(cfg, layers, stage) / (cfg.dp * cfg.cp)
+            # the shard of FSDP2's shard group (HSDP replicates it dp_replicate times)
+            elements = self._stage_params(cfg, layers, stage) / (
+                cfg.dp // cfg.dp_replicate * cfg.cp)
             acc = flags["gsize"]
             return (m - 1) * 3.0 * acc * elements / self.hbm
         if self.opts.grad_accum_fusion:
