@@ -27,6 +27,15 @@ class StageDp(NamedTuple):
     torch.distributed.pipelining reduces after the rank's last backward, else None."""
 
 
+FSDP_GRAD_BYTES = 4.0
+"""Bytes per element of the sharded gradient FSDP2 leaves for the optimizer: foreach_reduce
+casts the reduced gradient to the sharded parameter's own dtype (torch/distributed/fsdp/
+_fully_shard/_fsdp_collectives.py, `_to_dtype_if_needed(reduce_output, orig_dtype)`) before it
+assigns or adds it to `.grad`, and the sharded parameters are the fp32 masters
+(parallel/data_parallel.py MixedPrecisionPolicy): fp32 whether the reduce ran in fp32 or
+bf16."""
+
+
 class StageCosts:
     """Mixin of `estimate.Evaluator`: needs what CostPieces and dp_cost.DataParallelCost give
     (self._params, self._micro, self._dp_time) and self.model, self.cluster, self.seq,
@@ -159,7 +168,8 @@ class StageCosts:
             # the shard of FSDP2's shard group (HSDP replicates it dp_replicate times)
             elements = self._stage_params(cfg, layers, stage) / (
                 cfg.dp // cfg.dp_replicate * cfg.cp)
-            acc = flags["gsize"]
+            # FSDP2 adds the reduced shard into `.grad` in the parameter's dtype
+            acc = FSDP_GRAD_BYTES if self.opts.sharding == "fsdp" else flags["gsize"]
             return (m - 1) * 3.0 * acc * elements / self.hbm
         if self.opts.grad_accum_fusion:
             return 0.0
@@ -172,14 +182,14 @@ class StageCosts:
         return ((2.0 + acc) * params / self.hbm + (m - 1) * (2.0 + 2.0 * acc) * params
                 / compute.cast_add_bytes_per_s(self.cluster))
 
-    def optimizer_bytes(self, gsize: float) -> float:
+    def optimizer_bytes(self) -> float:
         """HBM bytes per local parameter of the step's optimizer work: AdamW (`opt_bytes`)
-        reading the gradients in the dtype they were accumulated in (FSDP: the reduce dtype,
-        `gsize` = dp_flags' 'gsize', as `accumulation_s`; elsewhere the gradient buffer's), and
-        with KernelOptions.grad_clip the norm's read and the scaling's read + write of them
-        (the foreach kernels meshtron's clip_grad_norm_ runs: profiled with the optimizer on
-        one H200, bench/h200_categories.py)."""
-        g = gsize if self.opts.sharding == "fsdp" else self.grad_bytes
+        reading the gradients in the dtype the step finds them in (FSDP: FSDP_GRAD_BYTES,
+        whatever the reduce dtype; elsewhere the gradient buffer's), and with
+        KernelOptions.grad_clip the norm's read and the scaling's read + write of them (the
+        foreach kernels meshtron's clip_grad_norm_ runs: profiled with the optimizer on one
+        H200, bench/h200_categories.py)."""
+        g = FSDP_GRAD_BYTES if self.opts.sharding == "fsdp" else self.grad_bytes
         base = self.opt_bytes
         if self.opts.optimizer == "fused":  # its 28 bytes count one gradient read
             base += g - self.grad_bytes

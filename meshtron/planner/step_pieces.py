@@ -97,7 +97,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
         # the micro-batches' gradient accumulation passes ride with the step's optimizer work
         # (and Transformer Engine's once-per-step FP8 weight casts, as `evaluate` adds them)
         step = ev.optimizer_step_s(local, k, i == 0, i == last,
-                                   shard if zero >= 1 else 1, tp, flags["gsize"])
+                                   shard if zero >= 1 else 1, tp)
         if cfg.offload != "none":  # the host's step and the host-link copies, as `evaluate`
             oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
                                       ev.cluster.host_link_bytes_per_s,
