@@ -33,7 +33,8 @@ casts the reduced gradient to the sharded parameter's own dtype (torch/distribut
 _fully_shard/_fsdp_collectives.py, `_to_dtype_if_needed(reduce_output, orig_dtype)`) before it
 assigns or adds it to `.grad`, and the sharded parameters are the fp32 masters
 (parallel/data_parallel.py MixedPrecisionPolicy): fp32 whether the reduce ran in fp32 or
-bf16."""
+bf16. FSDP1 does the same (torch/distributed/fsdp/_runtime_utils.py `_cast_grad_to_param_dtype`:
+"so that the optimizer step runs with that dtype"), for Composer's and llm-foundry's runs."""
 
 
 class StageCosts:
