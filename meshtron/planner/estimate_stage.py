@@ -166,9 +166,13 @@ class StageCosts:
         cast streams."""
         if cfg.zero >= 2 and not flags["reduce_once"] and not (
                 cfg.pp > 1 and self.opts.sharding == "fsdp"):
-            # the shard of FSDP2's shard group (HSDP replicates it dp_replicate times)
-            elements = self._stage_params(cfg, layers, stage) / (
-                cfg.dp // cfg.dp_replicate * cfg.cp)
+            # the shard of FSDP2's shard group (HSDP replicates it dp_replicate times); a
+            # rank's E/ep experts shard over the shard / ep ranks holding the same experts
+            shard = cfg.dp // cfg.dp_replicate * cfg.cp
+            elements = self._stage_params(cfg, layers, stage) / shard
+            if cfg.ep > 1:
+                experts = layers * moe_cost.expert_params_local(self.model, cfg.pp, cfg.ep)
+                elements += experts / max(1, shard // cfg.ep) - experts / shard
             # FSDP2 adds the reduced shard into `.grad` in the parameter's dtype
             acc = FSDP_GRAD_BYTES if self.opts.sharding == "fsdp" else flags["gsize"]
             return (m - 1) * 3.0 * acc * elements / self.hbm
