@@ -161,9 +161,10 @@ class StageCosts:
         the reduce dtype under FSDP (FSDP2's unsharded_accumulated_grad; meshtron's
         BF16Compute.accumulate) and the gradient buffer's elsewhere (Megatron's main_grad,
         DeepSpeed's buffers). ZeRO-2/3 reduced every micro-batch accumulate the reduced shard
-        only (3a bytes per shard element, m - 1 times). Into a wider dtype PyTorch's add is
-        unvectorised: those adds run at compute.cast_add_bytes_per_s, the first micro-batch's
-        cast streams."""
+        only (3a bytes per shard element, m - 1 times; FSDP adds it in the fp32 parameter's
+        dtype, FSDP_GRAD_BYTES; the shard is the shard group's, a rank's experts' their own
+        group's). Into a wider dtype PyTorch's add is unvectorised: those adds run at
+        compute.cast_add_bytes_per_s, the first micro-batch's cast streams."""
         if cfg.zero >= 2 and not flags["reduce_once"] and not (
                 cfg.pp > 1 and self.opts.sharding == "fsdp"):
             # the shard of FSDP2's shard group (HSDP replicates it dp_replicate times); a
