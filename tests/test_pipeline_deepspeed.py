@@ -1,8 +1,9 @@
 """DeepSpeed's pipeline engine as the planner prices it: the instruction streams of its
 TrainSchedule (microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py, unchanged from v0.3.15
-to v0.8.2, each step's two transfers swapped from v0.8.3) re-derived here and walked with blocking sends and receives, against
-pipeline.bubble_time and pipeline.p2p_time; and the old engine's gradient receive, which
-re-gathers the sender's split output first (pipe/engine.py `_exec_recv_grads`)."""
+to v0.8.2, each step's two transfers swapped from v0.8.3) re-derived here and walked with
+blocking sends and receives, against pipeline.bubble_time and pipeline.p2p_time; and the old
+engine's gradient receive, which re-gathers the sender's split output first (pipe/engine.py
+`_exec_recv_grads`)."""
 
 from __future__ import annotations
 
