@@ -1,8 +1,9 @@
 """DeepSpeed's pipeline engine as the planner prices it: the instruction streams of its
 TrainSchedule (microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py, unchanged from v0.3.15
-to v0.6.7) re-derived here and walked with blocking sends and receives, against
-pipeline.bubble_time and pipeline.p2p_time; and the old engine's gradient receive, which
-re-gathers the sender's split output first (pipe/engine.py `_exec_recv_grads`)."""
+to v0.8.2, each step's two transfers swapped from v0.8.3) re-derived here and walked with
+blocking sends and receives, against pipeline.bubble_time and pipeline.p2p_time; and the old
+engine's gradient receive, which re-gathers the sender's split output first (pipe/engine.py
+`_exec_recv_grads`)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,13 @@ def _slot(p: int, s: int, step: int) -> tuple[int, bool]:
     return base - p + 1 + s // 2, False
 
 
-def train_schedule(p: int, m: int, s: int) -> list[tuple[str, int, int]]:
+def train_schedule(p: int, m: int, s: int, swapped: bool = False) -> list[tuple[str, int, int]]:
     """Stage s's instructions (kind, peer stage, micro-batch) in TrainSchedule.steps order:
     a forward step receives the activation then sends the previous step's gradient, a
-    backward step sends the previous step's activation then receives the gradient."""
+    backward step sends the previous step's activation then receives the gradient.
+    `swapped`: each step's two transfers the other way round, as DeepSpeed orders them from
+    v0.8.3 on (schedule.py, #2862 of 2023-03: SendGrad before RecvActivation, RecvGrad
+    before SendActivation), the engine the deepspeed@2024 preset prices."""
     ops, prev = [], -1
 
     def valid(b: int) -> bool:
@@ -42,23 +46,26 @@ def train_schedule(p: int, m: int, s: int) -> list[tuple[str, int, int]]:
 
     for step in range(2 * (m + p - 1)):
         mb, forward = _slot(p, s, step)
+        pair = []
         if forward and s > 0:
-            ops += [("RA", s - 1, mb)] if valid(mb) else []
-            ops += [("SG", s - 1, prev)] if valid(prev) else []
+            pair += [("RA", s - 1, mb)] if valid(mb) else []
+            pair += [("SG", s - 1, prev)] if valid(prev) else []
         elif not forward and s < p - 1:
-            ops += [("SA", s + 1, prev)] if valid(prev) else []
-            ops += [("RG", s + 1, mb)] if valid(mb) else []
+            pair += [("SA", s + 1, prev)] if valid(prev) else []
+            pair += [("RG", s + 1, mb)] if valid(mb) else []
+        ops += pair[::-1] if swapped else pair
         if valid(mb):
             ops.append(("F" if forward else "B", s, mb))
         prev = mb
     return ops
 
 
-def walk(p: int, m: int, fwd: list[float], bwd: list[float], hop: float) -> float:
+def walk(p: int, m: int, fwd: list[float], bwd: list[float], hop: float,
+         swapped: bool = False) -> float:
     """Makespan of the p instruction streams, each send or receive a rendezvous with its
     peer's matching instruction that occupies both for `hop` seconds (p2p.send / p2p.recv
     are blocking calls: the stream goes on once the transfer is done)."""
-    streams = [train_schedule(p, m, s) for s in range(p)]
+    streams = [train_schedule(p, m, s, swapped) for s in range(p)]
     pos, clock = [0] * p, [0.0] * p
     moved = True
     while moved:
@@ -110,14 +117,17 @@ def test_heavier_end_stages_never_exceed_the_planners_bubble():
         assert walk(6, m, fwd, bwd, 0.0) <= bound + 1e-9
 
 
+@pytest.mark.parametrize("swapped", [False, True])
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 8, 35])
-def test_blocking_transfers_on_the_critical_path(p):
+def test_blocking_transfers_on_the_critical_path(p, swapped):
     """The walk's extra time over the transfer-free walk, per hop, is p2p_time's count (the
-    old 4 (m + p - 1) over-counted the fill and drain chains)."""
+    old 4 (m + p - 1) over-counted the fill and drain chains), in either order of a step's
+    two transfers (v0.3.15 to v0.8.2, and v0.8.3 on: `train_schedule` swapped)."""
     hop = 1e-4
     for m in sorted({1, 2, 3, p, p + 1, 2 * p + 3}):
         for f, b in ((1.0, 3.0), (1.0, 1.0), (2.0, 1.0)):
-            extra = walk(p, m, [f] * p, [b] * p, hop) - walk(p, m, [f] * p, [b] * p, 0.0)
+            extra = (walk(p, m, [f] * p, [b] * p, hop, swapped)
+                     - walk(p, m, [f] * p, [b] * p, 0.0, swapped))
             assert pipeline.p2p_time(hop, p, 1, m, blocking=True) == pytest.approx(extra), (m, f, b)
     assert pipeline.train_schedule_hops(35, 160) == 702  # MT-NLG at 3,360 GPUs: 776 before
 

@@ -131,9 +131,8 @@ def test_gradient_clipping_adds_three_gradient_passes():
     noclip, est0 = _evaluated(model, opts=C.KernelOptions(grad_clip=False))
     flags = clip.dp_flags(est.config)
     assert flags["gsize"] == 4.0
-    g = flags["gsize"]
-    assert noclip.optimizer_bytes(g) == pytest.approx(28.0 - 2.0 + 4.0)
-    assert clip.optimizer_bytes(g) - noclip.optimizer_bytes(g) == pytest.approx(12.0)
+    assert noclip.optimizer_bytes() == pytest.approx(28.0 - 2.0 + 4.0)
+    assert clip.optimizer_bytes() - noclip.optimizer_bytes() == pytest.approx(12.0)
     delta = est.time.optimizer - est0.time.optimizer
     assert delta == pytest.approx(12.0 / 42.0 * est.time.optimizer)
     # one rank holds every parameter (tp = dp = 1, ZeRO-0): 42 bytes each at 0.8 x HBM
@@ -144,11 +143,30 @@ def test_megatron_clips_its_fp32_main_gradients():
     """Sharding 'zero' (Megatron, DeepSpeed) reads the gradient buffer's dtype: fp32 main_grad
     with fp32_grad_reduce."""
     ev = Evaluator(L8, H200, 8, 4096, C.KernelOptions(sharding="zero", fp32_grad_reduce=True))
-    flags = ev.dp_flags(Plan(tp=1, pp=1, dp=1, zero=0, micro_batch=1, recompute="none"))
-    assert ev.optimizer_bytes(flags["gsize"]) == pytest.approx(30.0 + 12.0)
+    assert ev.optimizer_bytes() == pytest.approx(30.0 + 12.0)
     foreach = Evaluator(L8, H200, 8, 4096, C.KernelOptions(optimizer="foreach",
                                                            grad_clip=False))
-    assert foreach.optimizer_bytes(flags["gsize"]) == pytest.approx(86.0)
+    assert foreach.optimizer_bytes() == pytest.approx(86.0)
+
+
+def test_fsdp_steps_fp32_gradients_whatever_the_reduce_dtype():
+    """FSDP2 casts each reduced gradient back to its fp32 master parameter's dtype before it
+    lands in `.grad` (estimate_stage.FSDP_GRAD_BYTES): a bf16 reduce halves the wire, not what
+    the optimizer, the clipping or a ZeRO-3 shard's accumulation read and write."""
+    from meshtron.planner.estimate_stage import FSDP_GRAD_BYTES
+
+    assert FSDP_GRAD_BYTES == 4.0
+    ev = Evaluator(L8, resolve_cluster("dgx-h200:1"), 64, 4096, C.KernelOptions())
+    z3 = Plan(tp=1, pp=1, dp=8, zero=3, micro_batch=1, recompute="none", dtype="bf16")
+    steps, accs = [], []
+    for reduce in ("fp32", "bf16"):
+        plan = z3.replace(reduce_dtype=reduce)
+        flags = ev.dp_flags(plan)
+        assert flags["gsize"] == (4.0 if reduce == "fp32" else 2.0)  # the wire does change
+        accs.append(ev.accumulation_s(plan, L8.layers, 0, 8, flags))
+        steps.append(ev.evaluate(plan).time.optimizer)
+    assert accs[1] == pytest.approx(accs[0]) and accs[0] > 0.0
+    assert steps[1] == pytest.approx(steps[0]) and steps[0] > 0.0
 
 
 # ---- gradient accumulation across dtypes --------------------------------------------------------

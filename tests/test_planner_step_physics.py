@@ -149,6 +149,43 @@ def test_unfused_gradient_accumulation_costs_a_pass_per_micro_batch():
     assert shard == pytest.approx(15 * 3 * 4.0 * params / 8 / ev.hbm)
 
 
+def test_hsdp_shards_the_optimizer_and_the_accumulated_shard_over_its_shard_group():
+    """Under HSDP (dp_replicate > 1) ZeRO shards over dp / dp_replicate * cp ranks, not dp *
+    cp (evaluate's shard_dp): the accumulated gradient shard of a ZeRO-3 run reduced every
+    micro-batch is dp_replicate times the unreplicated one's, and the simulator's optimizer
+    piece (step_pieces) steps the same local parameters as the planner's optimizer term."""
+    from meshtron.planner.step_pieces import step_pieces
+
+    ev = _ev("meshtron", batch=64, cluster="dgx-h100:16")
+    flat = Plan(tp=1, pp=1, dp=16, zero=3, micro_batch=1, dtype="bf16")
+    hsdp = flat.replace(dp_replicate=2)
+    acc = {p.dp_replicate: ev.accumulation_s(p, L8.layers, 0, 4, ev.dp_flags(p))
+           for p in (flat, hsdp)}
+    assert acc[2] == pytest.approx(2 * acc[1])
+    for plan in (flat, hsdp):
+        est = ev.evaluate(plan)
+        m = est.num_microbatches
+        piece = step_pieces(ev, est).optimizer_s[0] - ev.accumulation_s(
+            plan, L8.layers, 0, m, ev.dp_flags(plan))
+        assert piece == pytest.approx(est.time.optimizer, rel=1e-9)
+
+
+def test_zero3_accumulates_the_experts_shard_over_their_own_group():
+    """A rank's E/ep experts shard over the dp*cp/ep ranks holding the same experts (as the
+    optimizer step's `local` does), not over all dp*cp: a ZeRO-3 run reducing every
+    micro-batch adds that larger expert shard, 3 x 4 bytes per element and micro-batch after
+    the first."""
+    from meshtron.planner import moe_cost
+
+    model = PRESETS["mixtral-8x7b"]
+    ev = _ev("meshtron", batch=64, model=model)
+    plan = Plan(tp=1, pp=1, dp=8, zero=3, micro_batch=1, dtype="bf16", ep=2)
+    experts = model.layers * moe_cost.expert_params_local(model, 1, 2)
+    dense = ev._stage_params(plan, model.layers, 0) - experts
+    want = 3 * 4.0 * (dense / 8 + experts / 4) / ev.hbm
+    assert ev.accumulation_s(plan, model.layers, 0, 2, ev.dp_flags(plan)) == pytest.approx(want)
+
+
 def test_step_time_grows_with_micro_batches_by_the_accumulation_only():
     plan = Plan(tp=1, pp=1, dp=8, zero=0, micro_batch=1, dtype="bf16")
     few, many = _ev("meshtron", batch=64).evaluate(plan), _ev("meshtron", batch=128).evaluate(plan)

@@ -27,6 +27,16 @@ class StageDp(NamedTuple):
     torch.distributed.pipelining reduces after the rank's last backward, else None."""
 
 
+FSDP_GRAD_BYTES = 4.0
+"""Bytes per element of the sharded gradient FSDP2 leaves for the optimizer: foreach_reduce
+casts the reduced gradient to the sharded parameter's own dtype (torch/distributed/fsdp/
+_fully_shard/_fsdp_collectives.py, `_to_dtype_if_needed(reduce_output, orig_dtype)`) before it
+assigns or adds it to `.grad`, and the sharded parameters are the fp32 masters
+(parallel/data_parallel.py MixedPrecisionPolicy): fp32 whether the reduce ran in fp32 or
+bf16. FSDP1 does the same (torch/distributed/fsdp/_runtime_utils.py `_cast_grad_to_param_dtype`:
+"so that the optimizer step runs with that dtype"), for Composer's and llm-foundry's runs."""
+
+
 class StageCosts:
     """Mixin of `estimate.Evaluator`: needs what CostPieces and dp_cost.DataParallelCost give
     (self._params, self._micro, self._dp_time) and self.model, self.cluster, self.seq,
@@ -151,13 +161,21 @@ class StageCosts:
         the reduce dtype under FSDP (FSDP2's unsharded_accumulated_grad; meshtron's
         BF16Compute.accumulate) and the gradient buffer's elsewhere (Megatron's main_grad,
         DeepSpeed's buffers). ZeRO-2/3 reduced every micro-batch accumulate the reduced shard
-        only (3a bytes per shard element, m - 1 times). Into a wider dtype PyTorch's add is
-        unvectorised: those adds run at compute.cast_add_bytes_per_s, the first micro-batch's
-        cast streams."""
+        only (3a bytes per shard element, m - 1 times; FSDP adds it in the fp32 parameter's
+        dtype, FSDP_GRAD_BYTES; the shard is the shard group's, a rank's experts' their own
+        group's). Into a wider dtype PyTorch's add is unvectorised: those adds run at
+        compute.cast_add_bytes_per_s, the first micro-batch's cast streams."""
         if cfg.zero >= 2 and not flags["reduce_once"] and not (
                 cfg.pp > 1 and self.opts.sharding == "fsdp"):
-            elements = self._stage_params(cfg, layers, stage) / (cfg.dp * cfg.cp)
-            acc = flags["gsize"]
+            # the shard of FSDP2's shard group (HSDP replicates it dp_replicate times); a
+            # rank's E/ep experts shard over the shard / ep ranks holding the same experts
+            shard = cfg.dp // cfg.dp_replicate * cfg.cp
+            elements = self._stage_params(cfg, layers, stage) / shard
+            if cfg.ep > 1:
+                experts = layers * moe_cost.expert_params_local(self.model, cfg.pp, cfg.ep)
+                elements += experts / max(1, shard // cfg.ep) - experts / shard
+            # FSDP2 adds the reduced shard into `.grad` in the parameter's dtype
+            acc = FSDP_GRAD_BYTES if self.opts.sharding == "fsdp" else flags["gsize"]
             return (m - 1) * 3.0 * acc * elements / self.hbm
         if self.opts.grad_accum_fusion:
             return 0.0
@@ -170,14 +188,14 @@ class StageCosts:
         return ((2.0 + acc) * params / self.hbm + (m - 1) * (2.0 + 2.0 * acc) * params
                 / compute.cast_add_bytes_per_s(self.cluster))
 
-    def optimizer_bytes(self, gsize: float) -> float:
+    def optimizer_bytes(self) -> float:
         """HBM bytes per local parameter of the step's optimizer work: AdamW (`opt_bytes`)
-        reading the gradients in the dtype they were accumulated in (FSDP: the reduce dtype,
-        `gsize` = dp_flags' 'gsize', as `accumulation_s`; elsewhere the gradient buffer's), and
-        with KernelOptions.grad_clip the norm's read and the scaling's read + write of them
-        (the foreach kernels meshtron's clip_grad_norm_ runs: profiled with the optimizer on
-        one H200, bench/h200_categories.py)."""
-        g = gsize if self.opts.sharding == "fsdp" else self.grad_bytes
+        reading the gradients in the dtype the step finds them in (FSDP: FSDP_GRAD_BYTES,
+        whatever the reduce dtype; elsewhere the gradient buffer's), and with
+        KernelOptions.grad_clip the norm's read and the scaling's read + write of them (the
+        foreach kernels meshtron's clip_grad_norm_ runs: profiled with the optimizer on one
+        H200, bench/h200_categories.py)."""
+        g = FSDP_GRAD_BYTES if self.opts.sharding == "fsdp" else self.grad_bytes
         base = self.opt_bytes
         if self.opts.optimizer == "fused":  # its 28 bytes count one gradient read
             base += g - self.grad_bytes

@@ -107,13 +107,13 @@ class StepTimes:
         return any(len(set(chunks[r::pp])) > 1 for r in range(pp))
 
     def optimizer_step_s(self, local: float, layers: int, first: bool, last: bool,
-                         shard: int, tp: int, gsize: float) -> float:
+                         shard: int, tp: int) -> float:
         """Seconds of the optimizer step of a stage of `layers` blocks whose rank holds
         `local` parameters, its states sharded over `shard` ranks: memory-bound
-        (`optimizer_bytes(gsize)` per parameter at HBM speed, clipping included), and for a
+        (`optimizer_bytes()` per parameter at HBM speed, clipping included), and for a
         per-tensor Python loop ('for-loop': Composer's DecoupledAdamW) launch-bound on the
         busiest rank's tensors (optimizer_loop.py)."""
-        device = self.optimizer_bytes(gsize) * local / self.hbm
+        device = self.optimizer_bytes() * local / self.hbm
         if self.opts.optimizer != "for-loop":
             return device
         units = [(optimizer_loop.layer_tensors(self.model, tp), layers),
@@ -145,8 +145,7 @@ class StepTimes:
             host_gpu = max(host_gpu, params_i * w.moved + experts_i * w.e_moved)
             if cfg.offload == "none":
                 opt_t = max(opt_t, self.optimizer_step_s(local, k, first, last,
-                                                         shard_dp if zero >= 1 else 1, w.tp,
-                                                         flags["gsize"]))
+                                                         shard_dp if zero >= 1 else 1, w.tp))
             else:  # host-link copies and the optimizer step on the host
                 oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
                                           self.cluster.host_link_bytes_per_s,

@@ -47,7 +47,7 @@ class Work:
     work: float  # working set of a recomputed layer
     logits: float  # logits and their gradients (last stage)
     flags: dict[str, Any]  # DataParallelCost.dp_flags
-    shard_dp: int  # ranks ZeRO shards and gradient reductions span (dp x cp)
+    shard_dp: int  # ranks ZeRO shards over (dp / dp_replicate x cp: HSDP replicates the shard)
     keep: bool  # FSDP2 keeps the parameters gathered over the step
     fsdp_zero1: bool  # meshtron's ZeRO-1 on FSDP2 (no compression or DiLoCo)
     accum: float  # bytes per parameter of unsharded gradients accumulated over micro-batches

@@ -100,7 +100,8 @@ def p2p_time(hop: float, p: int, v: int, m: int, blocking: bool = False,
 
 def train_schedule_hops(p: int, m: int) -> int:
     """Transfers on the critical path of DeepSpeed's pipeline engine (runtime/pipe/schedule.py
-    TrainSchedule, the same from v0.3.15 to v0.6.7): 2(m + p - 1) steps alternate forward and
+    TrainSchedule, the same from v0.3.15 to v0.8.2; v0.8.3 on swaps each step's two transfers,
+    which the walk finds costs the same count): 2(m + p - 1) steps alternate forward and
     backward slots, stage s running the forward of micro-batch b at step 2b + s and its
     backward at 2b + 2p - 1 - s; a forward step receives the activation then sends the
     previous backward's gradient, a backward step sends the previous forward's activation

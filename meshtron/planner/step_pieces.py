@@ -89,14 +89,15 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     fold, drain_s, dp_s, opt = [], [], [], []
     for i, k in enumerate(device_layers):
         params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == last else 0.0)
-        shard = cfg.dp * cfg.cp
+        # ZeRO's shard group: HSDP replicates over dp_replicate (`evaluate`'s shard_dp)
+        shard = cfg.dp // cfg.dp_replicate * cfg.cp
         local = params / shard if zero >= 1 else params
         if k * p_exp:  # experts' states over the dp*cp/ep ranks holding the same experts
             local += k * p_exp / max(1, shard // cfg.ep) if zero >= 1 else k * p_exp
         # the micro-batches' gradient accumulation passes ride with the step's optimizer work
         # (and Transformer Engine's once-per-step FP8 weight casts, as `evaluate` adds them)
         step = ev.optimizer_step_s(local, k, i == 0, i == last,
-                                   shard if zero >= 1 else 1, tp, flags["gsize"])
+                                   shard if zero >= 1 else 1, tp)
         if cfg.offload != "none":  # the host's step and the host-link copies, as `evaluate`
             oc = offload.offload_cost(cfg.offload, local, zero, m, flags["reduce_once"],
                                       ev.cluster.host_link_bytes_per_s,
