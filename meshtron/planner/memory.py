@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from meshtron.planner.memory_acts import (  # noqa: F401  (re-exported)
     CHUNKED_HEAD_GRAD_COPIES, LOSS_PARALLEL_BYTES, RNG_STATE_BYTES, activation_bytes,
     chunked_loss_bytes, gathered_kv_bytes, logits_bytes, loss_or_recompute,
-    TE_FP8_WEIGHT_CACHE_BYTES, fp8_cast_working_bytes, recompute_working_bytes,
+    TE_FP8_WEIGHT_CACHE_BYTES, backward_working_bytes, fp8_cast_working_bytes,
+    recompute_working_bytes,
     rope_copy_bytes, te_fp8_inputs, te_weight_cache_bytes)
 from meshtron.planner.memory_options import (  # noqa: F401  (re-exported)
     DEFAULT, DTYPES, FRAGMENTATION, FRAGMENTATION_EXPANDABLE, FRAMEWORKS, GIB, LOSSES,
@@ -190,7 +191,9 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     cb = mem.compute_bytes
     fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
                 and not (zero == 3 and dp > 1 and not keep_gathered))
-    k = 0 if fsdp_all else 2  # fsdp_all: the gathered blocks are in per_layer
+    # fsdp_all: the gathered blocks are in per_layer; else a stage of 3 blocks or more,
+    # whose later blocks prefetch a block (memory_peak.block_moment)
+    k = 0 if fsdp_all else 3
     if fsdp_all:
         per_layer += cb * p_layer
     args = (mem, zero, dp, k, p_layer, p_root, largest, grad_bytes, keep_gathered, root_unit)

@@ -250,6 +250,23 @@ def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: in
     return max(0.0, full - activation_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem))
 
 
+def backward_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
+                           recompute: str, opts: KernelOptions, mem: MemoryOptions,
+                           recipe: str = "rowwise") -> float:
+    """The block moment's working set (memory_peak.py `peak_moment`'s `work`): the layer
+    being recomputed (`recompute_working_bytes`) and the backward's own fullest moment
+    beyond the saved activations and the unit gradient (memory_bwd.py
+    `block_backward_bytes`, negative where the gradients not yet made outweigh the
+    temporaries) or, where it holds more, an eager FP8 cast (`fp8_cast_working_bytes`: a
+    moment of w2's or w1's backward, measured against the former block moment)."""
+    from meshtron.planner.memory_bwd import block_backward_bytes
+
+    own = block_backward_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem)
+    cast = fp8_cast_working_bytes(model, tp, micro_batch, seq, opts, mem, recipe)
+    return (recompute_working_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem)
+            + (max(own, cast) if cast else own))
+
+
 def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp: int,
                       recompute: str, opts: KernelOptions, mem: MemoryOptions) -> float:
     """Bytes one layer keeps for backward of the K/V gathered over the cp ranks (one micro-batch,
