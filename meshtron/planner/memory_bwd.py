@@ -106,6 +106,10 @@ def block_backward_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, 
     """Bytes a block's backward holds at its fullest moment beyond its saved activations and
     its whole unit gradient (module docstring); negative where the unit gradient not yet
     made outweighs the temporaries. One layer, one micro-batch of `seq` tokens per rank."""
+    if mem.saved != "eager":
+        # rehearsed on meshtron's eager block only; Megatron-LM's and DeepSpeed's fused
+        # kernels (the korthikanti list) are not walked: their block moment is as before
+        return 0.0
     sp = sp and tp > 1
     tokens = micro_batch * seq
     g = unit_grad_bytes(mem)
