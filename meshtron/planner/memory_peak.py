@@ -100,9 +100,9 @@ def backward_gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int,
     up (all of it: what is not made yet at the backward's fullest moment is memory_bwd.py's)
     and, with ZeRO-3, the prefetched next unit in backward order: a block, or for the `last`
     block in backward order the root's unit (the embedding's; on a stage without one
-    `root_unit` is 0: nothing). Rehearsed at a recomputed block's backward (2-layer model, ZeRO-3): 0.374
-    GiB = 0.168 (the previous block's fp32 gradient) + 0.122 (the prefetched embedding) +
-    0.084 (the block)."""
+    `root_unit` is 0: nothing). Rehearsed at a recomputed block's backward (2-layer model,
+    ZeRO-3): 0.374 GiB = 0.168 (the previous block's fp32 gradient) + 0.122 (the
+    prefetched embedding) + 0.084 (the block)."""
     if mem.framework != "fsdp2" or keep_gathered or (dp == 1 and mem.dtype == "fp32"):
         return gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes,
                               keep_gathered, root_unit)
