@@ -14,6 +14,8 @@ The pieces live in their own modules:
 - model states (bytes per parameter, parameters per rank): memory_states.py;
 - the compute copies and gradients of each moment of the peak: memory_peak.py;
 - activations per block, recomputation and the loss's logits: memory_acts.py;
+- a block's own backward temporaries (its gradients between ops, the unit gradient not yet
+  made): memory_bwd.py;
 - the options that decide them (dtype, framework, saved tensors, loss): memory_options.py;
 - interleaved pipelines' uneven chunks: memory_pipeline.py; MoE layers: moe_memory.py;
   every rank of a run, tensor by tensor: memory_ranks.py.

@@ -29,7 +29,9 @@ Activations per layer and micro-batch: the tensors autograd saves, listed op by 
 Full recomputation keeps each block's input (/t with sequence parallelism) and, while one block
 is recomputed, that block's activations (`recompute_working_bytes`). That working set and the
 loss's (below) are alive at different times of the backward: the peak holds the larger
-(`loss_or_recompute`).
+(`loss_or_recompute`). The block's backward also holds its own temporaries (the gradients
+flowing between its ops) while its saved tensors are freed one node at a time: memory_bwd.py,
+added to the block moment's working set by `backward_working_bytes`.
 
 Logits (last stage, one micro-batch; [tokens, vocab/t] elements): meshtron's runtime at tp = 1
 without a pipeline never builds them (meshtron/model/loss.py chunks the head and the loss over
