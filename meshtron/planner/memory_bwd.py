@@ -25,7 +25,9 @@ can hold the most (each read off `meshtron rehearse`'s live tensors at the peak,
   FlashAttention-2's backward (aten/src/ATen/native/transformers/cuda/flash_attn/
   flash_api.cpp `mha_bwd`, from flash-attn's csrc/flash_attn/flash_api.cpp) also allocates
   an fp32 dq accumulator [batch, seq, heads, head_dim] and, for grouped-query attention,
-  dk and dv expanded to every query head before they are summed per group; the CPU's flash
+  dk and dv expanded to every query head before they are summed per group (priced where
+  SDPA picks that kernel; cuDNN's and the memory-efficient kernel's buffers are not priced
+  apart: not measured on a GPU here); the CPU's flash
   kernel (`_scaled_dot_product_flash_attention_for_cpu`) keeps its buffers per thread, and a
   fake-tensor rehearsal sees outputs only: the workspace is priced with the GPU's kernels
   only (`MemoryOptions.fused_norm`, which compare.py sets False for the CPU's kernels).
