@@ -60,6 +60,8 @@ KINDS = {
     "pp middle stage, vocab 512, selective": dict(pp=4, dp=2, zero=1, schedule="1f1b",
                                                   layers=8, vocab=512, pp_rank=1,
                                                   recompute="selective"),
+    "pp middle stage, vocab 512, full": dict(pp=4, dp=2, zero=1, schedule="1f1b", layers=8,
+                                             vocab=512, pp_rank=1, recompute="full"),
 }
 FAST = ("hsdp zero-3", "offload full zero-3", "fp8 rowwise", "bf16 vocab 512",
         "bf16 vocab 512 selective", "bf16 vocab 512 full")
