@@ -49,16 +49,16 @@ def test_the_gpus_flash_backward_workspace_is_priced_only_with_the_gpus_kernels(
     cpu = block_backward_bytes(*args, CPU)
     gpu = block_backward_bytes(*args, gpu_kernels)
     assert gpu > cpu
-    # attention's moment (the last of the walk): per token, the fp32 dq accumulator and the
+    # attention's moment (the third of the walk): per token, the fp32 dq accumulator and the
     # bf16 dk and dv expanded to every query head
     (cpu_held, cpu_unmade), (gpu_held, gpu_unmade) = (
-        _moments(narrow, 1, False, "none", KernelOptions(), m, 2048)[-1]
+        _moments(narrow, 1, False, "none", KernelOptions(), m, 2048)[2]
         for m in (CPU, gpu_kernels))
     q = narrow.heads * narrow.head_dim
     assert cpu_unmade == gpu_unmade and gpu_held - cpu_held == 4.0 * q + 2 * 2.0 * q
     # native GQA off (K and V copied to every head before attention): nothing to expand
     copies = MemoryOptions(dtype="bf16", framework="fsdp2", gqa_copies=True)
-    held, _ = _moments(narrow, 1, False, "none", KernelOptions(), copies, 2048)[-1]
+    held, _ = _moments(narrow, 1, False, "none", KernelOptions(), copies, 2048)[2]
     assert held - gpu_held == 2.0 * 2 * (q - narrow.kv_dim) - 2 * 2.0 * q
 
 
@@ -75,3 +75,16 @@ def test_the_last_block_in_backward_order_prefetches_the_root_unit():
 
     assert moment(3) - moment(2) == 2.0 * (p_layer - unit)
     assert moment(2) == 2.0 * (2 * p_layer + unit) + 4.0 * p_layer - act
+
+
+def test_few_tokens_peak_at_the_blocks_last_op_with_every_gradient_made():
+    """With few tokens per micro-batch the unit gradient outweighs the temporaries: the
+    fullest moment is the block's last op (every weight gradient made, the saved tensors
+    but the attention norm's freed), not the gate product, which has 3/4 of the unit's
+    gradient still to make."""
+    got = block_backward_bytes(MID, 1, False, 1, 128, "none", KernelOptions(), CPU)
+    moments = _moments(MID, 1, False, "none", KernelOptions(), CPU, 128)
+    end_held, end_unmade = moments[-1]
+    gate_held, gate_unmade = moments[0]
+    assert end_unmade == 0 and got == 128 * end_held
+    assert got > 128 * gate_held - 2.0 * gate_unmade

@@ -20,6 +20,9 @@ can hold the most (each read off `meshtron rehearse`'s live tensors at the peak,
   temporaries are alive: the composite RMSNorm (PyTorch on CPU) holds five fp32
   [tokens, hidden] tensors (memory_zb.py `input_backward_bytes`, traced op by op), the fused
   kernel (CUDA, aten._fused_rms_norm) writes the input gradient directly.
+* attention's backward (below), and the block's last op, the attention norm's backward:
+  every weight gradient made, every saved tensor but that norm's freed, the norm's
+  temporaries as the ffn norm's.
 * attention's backward: the MLP's and the ffn norm's saved tensors are freed; alive are the
   residual gradient, the out-projection's input gradient and dq, dk, dv. On a GPU
   FlashAttention-2's backward (aten/src/ATen/native/transformers/cuda/flash_attn/
@@ -100,6 +103,12 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
         core += 4.0 * q / tp + (2.0 * cb * q / tp if kv_sdpa != q else 0.0)
     ffn_norm_saved = (8.0 if composite else cb) * h_in  # memory_acts.py `_eager_none`
     moments.append((dy + core - mlp_saved - ffn_norm_saved - cb * h, attn_w))
+    # the block's last op, the attention norm's backward: every weight gradient made, every
+    # saved tensor but that norm's freed (where the unit gradient outweighs the temporaries)
+    from meshtron.planner.memory_acts import _eager_none
+
+    saved = _eager_none(model, tp, sp, mem, opts.attention, seq)
+    moments.append((dy + norm_tmp - (saved - ffn_norm_saved), 0.0))
     return moments
 
 
