@@ -184,10 +184,9 @@ class CostPieces:
             kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)
             moe_act, moe_work = self._moe_memory(tp, mb, sp, rec, seq, mem, ep, dtype)
             hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv + moe_act,
-                               memory.recompute_working_bytes(*args) + moe_work
-                               # an eager FP8 cast runs inside the (recomputed) block's backward
-                               + memory.fp8_cast_working_bytes(self.active, tp, mb, seq,
-                                                               self.opts, mem, fp8_recipe),
+                               # the (recomputed) block's backward: its own temporaries
+                               # or an eager FP8 cast (memory_acts.backward_working_bytes)
+                               memory.backward_working_bytes(*args, fp8_recipe) + moe_work,
                                memory.logits_bytes(self.model, tp, mb, seq, mem,
                                                    pipelined=pp > 1))
             self._cache[key] = hit

@@ -14,6 +14,8 @@ The pieces live in their own modules:
 - model states (bytes per parameter, parameters per rank): memory_states.py;
 - the compute copies and gradients of each moment of the peak: memory_peak.py;
 - activations per block, recomputation and the loss's logits: memory_acts.py;
+- a block's own backward temporaries (its gradients between ops, the unit gradient not yet
+  made): memory_bwd.py;
 - the options that decide them (dtype, framework, saved tensors, loss): memory_options.py;
 - interleaved pipelines' uneven chunks: memory_pipeline.py; MoE layers: moe_memory.py;
   every rank of a run, tensor by tensor: memory_ranks.py.
@@ -43,7 +45,8 @@ from functools import lru_cache
 from meshtron.planner.memory_acts import (  # noqa: F401  (re-exported)
     CHUNKED_HEAD_GRAD_COPIES, LOSS_PARALLEL_BYTES, RNG_STATE_BYTES, activation_bytes,
     chunked_loss_bytes, gathered_kv_bytes, logits_bytes, loss_or_recompute,
-    TE_FP8_WEIGHT_CACHE_BYTES, fp8_cast_working_bytes, recompute_working_bytes,
+    TE_FP8_WEIGHT_CACHE_BYTES, backward_working_bytes, fp8_cast_working_bytes,
+    recompute_working_bytes,
     rope_copy_bytes, te_fp8_inputs, te_weight_cache_bytes)
 from meshtron.planner.memory_options import (  # noqa: F401  (re-exported)
     DEFAULT, DTYPES, FRAGMENTATION, FRAGMENTATION_EXPANDABLE, FRAMEWORKS, GIB, LOSSES,
@@ -238,7 +241,9 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     cb = mem.compute_bytes
     fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
                 and not (zero == 3 and dp > 1 and not keep_gathered))
-    k = 0 if fsdp_all else 2  # fsdp_all: the gathered blocks are in per_layer
+    # fsdp_all: the gathered blocks are in per_layer; else a stage of 3 blocks or more,
+    # whose later blocks prefetch a block (memory_peak.block_moment)
+    k = 0 if fsdp_all else 3
     args = (mem, zero, dp, k, p_layer, p_root, largest, grad_bytes, keep_gathered, root_unit)
     at_block = block_moment(*args, reduce_bytes, act)
     at_loss = gathered_bytes(*args)

@@ -29,7 +29,9 @@ Activations per layer and micro-batch: the tensors autograd saves, listed op by 
 Full recomputation keeps each block's input (/t with sequence parallelism) and, while one block
 is recomputed, that block's activations (`recompute_working_bytes`). That working set and the
 loss's (below) are alive at different times of the backward: the peak holds the larger
-(`loss_or_recompute`).
+(`loss_or_recompute`). The block's backward also holds its own temporaries (the gradients
+flowing between its ops) while its saved tensors are freed one node at a time: memory_bwd.py,
+added to the block moment's working set by `backward_working_bytes`.
 
 Logits (last stage, one micro-batch; [tokens, vocab/t] elements): meshtron's runtime at tp = 1
 without a pipeline never builds them (meshtron/model/loss.py chunks the head and the loss over
@@ -248,6 +250,23 @@ def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: in
     if recompute in ("full", "half"):  # 'half': a checkpointed block replays all of itself
         return full
     return max(0.0, full - activation_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem))
+
+
+def backward_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
+                           recompute: str, opts: KernelOptions, mem: MemoryOptions,
+                           recipe: str = "rowwise") -> float:
+    """The block moment's working set (memory_peak.py `peak_moment`'s `work`): the layer
+    being recomputed (`recompute_working_bytes`) and the backward's own fullest moment
+    beyond the saved activations and the unit gradient (memory_bwd.py
+    `block_backward_bytes`, negative where the gradients not yet made outweigh the
+    temporaries) or, where it holds more, an eager FP8 cast (`fp8_cast_working_bytes`: a
+    moment of w2's or w1's backward, measured against the former block moment)."""
+    from meshtron.planner.memory_bwd import block_backward_bytes
+
+    own = block_backward_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem)
+    cast = fp8_cast_working_bytes(model, tp, micro_batch, seq, opts, mem, recipe)
+    return (recompute_working_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem)
+            + (max(own, cast) if cast else own))
 
 
 def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp: int,

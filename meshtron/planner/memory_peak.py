@@ -92,21 +92,25 @@ def previous_gradient_bytes(mem: MemoryOptions, dp: int, layers: int, p_layer: f
 
 def backward_gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: float,
                             p_root: float, largest: float, grad_bytes: float = GRAD_BYTES,
-                            keep_gathered: bool = False, root_unit: float | None = None) -> float:
+                            keep_gathered: bool = False, root_unit: float | None = None,
+                            last: bool = False) -> float:
     """Compute copies alive while a block runs its backward, besides the previous block's
     gradient (`previous_gradient_bytes`); `gathered_bytes` is the loss's moment and the peak
     holds the larger (`peak_moment`). FSDP2: the block's unit, its unsharded gradient building
-    up and, with ZeRO-3, the prefetched next unit in backward order (the embedding's for the
-    first block). Rehearsed at a recomputed block's backward (2-layer model, ZeRO-3): 0.374
-    GiB = 0.168 (the previous block's fp32 gradient) + 0.122 (the prefetched embedding) +
-    0.084 (the block)."""
+    up (all of it: what is not made yet at the backward's fullest moment is memory_bwd.py's)
+    and, with ZeRO-3, the prefetched next unit in backward order: a block, or for the `last`
+    block in backward order the root's unit (the embedding's; on a stage without one
+    `root_unit` is 0: nothing). Rehearsed at a recomputed block's backward (2-layer model,
+    ZeRO-3): 0.374 GiB = 0.168 (the previous block's fp32 gradient) + 0.122 (the
+    prefetched embedding) + 0.084 (the block)."""
     if mem.framework != "fsdp2" or keep_gathered or (dp == 1 and mem.dtype == "fp32"):
         return gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes,
                               keep_gathered, root_unit)
     cb = mem.compute_bytes
     unit = p_root if root_unit is None else root_unit
     if zero == 3 and dp > 1:
-        held = cb * (p_layer + max(p_layer, unit))  # this block + the prefetched unit
+        # this block + the prefetched unit
+        held = cb * (p_layer + (unit if last else max(p_layer, unit)))
     else:
         held = cb * (layers * p_layer + p_root)     # every unit stays gathered
     return held + cb * p_layer
@@ -134,12 +138,16 @@ def block_moment(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer: f
     copies and the previous block's gradient, less the previous block's stored activations
     (`act`, one micro-batch), which its backward released before this one ran). Where a
     block's activations outweigh its fp32 gradient (large experts, few tokens) the first
-    block's is the peak."""
+    block's is the peak. Of a stage of two blocks the later one is the last in backward
+    order, which prefetches the root's unit, not a block (rehearsed, 'mid' model at
+    vocabulary 512, full recomputation: the embedding's 2 MiB gathered beside the first
+    block's 172 MiB fp32 gradient)."""
     previous = previous_gradient_bytes(mem, dp, max(layers, 2), p_layer, keep_gathered,
                                        reduce_bytes)
-    held = backward_gathered_bytes(mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes,
-                                   keep_gathered, root_unit)
-    return held + max(0.0, previous - act)
+    args = (mem, zero, dp, layers, p_layer, p_root, largest, grad_bytes, keep_gathered,
+            root_unit)
+    later = backward_gathered_bytes(*args, last=layers == 2) + previous - act
+    return max(backward_gathered_bytes(*args), later)
 
 
 def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_extra: float,

@@ -1,0 +1,128 @@
+"""A block's own backward temporaries: what a block's backward holds beyond its saved
+activations and its unit's whole gradient, at its fullest moment (one layer, one micro-batch).
+
+The block moment of the peak (memory_peak.py `block_moment`) counts the block's saved
+activations (all of them: memory_acts.py `activation_bytes`, or the recomputed block's,
+`recompute_working_bytes`) and, under FSDP2, the block's whole unsharded gradient. Neither is
+what a moment of the backward holds: autograd frees a node's saved tensors once it has run
+(retain_graph=False) and makes the weight gradients one GEMM at a time, while the gradients
+flowing between the ops are alive beside them. The backward is walked at the moments that
+can hold the most (each read off `meshtron rehearse`'s live tensors at the peak, 'mid' model,
+2 layers, vocabulary 512, and torch's autograd formulas, tools/autograd/derivatives.yaml):
+
+* the MLP's gate product (SwiGLU, `silu(w1 x) * w3 x`): `mul.Tensor`'s backward makes
+  grad * other and grad * self, [tokens, ffn / tp] each, while its input gradient (w2's
+  input gradient, made by w2's MmBackward) is still alive; w2's saved input is freed, its
+  weight gradient made. GeLU: `gelu_backward`'s one output beside w2's input gradient.
+  Megatron's fused bias-SwiGLU backward returns one [tokens, 2 ffn] tensor: the same bytes.
+* the ffn norm's backward: the MLP's saved tensors and weight gradients are done; the
+  normed input's gradient (w1's and w3's input gradients summed) and the norm's own
+  temporaries are alive: the composite RMSNorm (PyTorch on CPU) holds five fp32
+  [tokens, hidden] tensors (memory_zb.py `input_backward_bytes`, traced op by op), the fused
+  kernel (CUDA, aten._fused_rms_norm) writes the input gradient directly.
+* attention's backward (below), and the block's last op, the attention norm's backward:
+  every weight gradient made, every saved tensor but that norm's freed, the norm's
+  temporaries as the ffn norm's.
+* attention's backward: the MLP's and the ffn norm's saved tensors are freed; alive are the
+  residual gradient, the out-projection's input gradient and dq, dk, dv. On a GPU
+  FlashAttention-2's backward (aten/src/ATen/native/transformers/cuda/flash_attn/
+  flash_api.cpp `mha_bwd`, from flash-attn's csrc/flash_attn/flash_api.cpp) also allocates
+  an fp32 dq accumulator [batch, seq, heads, head_dim] and, for grouped-query attention,
+  dk and dv expanded to every query head before they are summed per group (priced where
+  SDPA picks that kernel; cuDNN's and the memory-efficient kernel's buffers are not priced
+  apart: not measured on a GPU here); the CPU's flash
+  kernel (`_scaled_dot_product_flash_attention_for_cpu`) keeps its buffers per thread, and a
+  fake-tensor rehearsal sees outputs only: the workspace is priced with the GPU's kernels
+  only (`MemoryOptions.fused_norm`, which compare.py sets False for the CPU's kernels).
+  Unfused attention (`opts.attention == 'unfused'`): the probabilities' gradient and the
+  scores' gradient ([heads, seq] per token each, `_softmax_backward_data`).
+
+At every moment the block's output gradient (the residual stream's, [tokens, hidden], alive
+from the block's first backward op: the residual add hands it to both branches) is held.
+Measured at the gate product ('mid', bf16, ZeRO-3, vocabulary 512): w2's input gradient,
+the two products' gradients and w2's weight gradient beside the SiLU output and w1's and
+w3's outputs, the output gradient alive: 40 MiB over the planner's former block moment,
+whose unit gradient also held the 64 MiB of weight gradients not yet made.
+"""
+
+from __future__ import annotations
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory_options import MemoryOptions
+
+COMPOSITE_NORM_BWD_FP32 = 5.0
+"""fp32 [tokens, hidden] tensors the composite RMSNorm's backward holds at once (torch 2.13 on
+CPU: the upcast gradient, then div, pow, mul, mul of the mean-square path; memory_zb.py)."""
+
+
+def unit_grad_bytes(mem: MemoryOptions) -> float:
+    """Bytes per weight-gradient element the block moment counts for the block's unsharded
+    gradient (memory_peak.py `backward_gathered_bytes`: FSDP2's, in the compute dtype);
+    0 where gradients land in buffers the states count (Megatron-LM's main_grad, DeepSpeed's
+    buckets) and for fp32 (conservative: a dp = 1 fp32 run has no FSDP2 unit gradient)."""
+    if mem.framework != "fsdp2" or mem.dtype == "fp32":
+        return 0.0
+    return mem.compute_bytes
+
+
+def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOptions,
+             mem: MemoryOptions, seq: int) -> list[tuple[float, float]]:
+    """(bytes per token held beyond the saved activations, weight elements whose gradients
+    are not made yet) at each moment of the module docstring, for one tensor rank."""
+    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    q = model.heads * model.head_dim
+    cb = mem.compute_bytes
+    h_in = h / (tp if sp else 1)                       # the residual stream's width
+    swiglu = model.mlp == "swiglu"
+    gpu = mem.fused_norm                               # the GPU's kernels (module docstring)
+    kv_sdpa = q if mem.gqa_copies and a != model.kv_heads else kv
+    attn_w = h * (q + 2 * kv) / tp                    # wq, wk, wv
+    out_w = q * h / tp                                 # wo
+    mlp_w = (3 if swiglu else 2) * h * f / tp
+    mlp_saved = cb * (4 if swiglu else 2) * f / tp     # gate, up, SiLU, product / pre, post
+    dy = cb * h_in
+    # the gate product: w2's input gradient and mul's two outputs (GeLU: gelu_backward's),
+    # w2's saved input freed; w2's weight gradient made
+    gate = dy + cb * (2 if swiglu else 1) * f / tp
+    if recompute == "selective" and mem.saved == "eager":
+        # meshtron's policy caches w2's output, which the replay never reaches (checkpoint's
+        # early stop once every saved tensor is back): alive to the block's end
+        gate += cb * h
+    moments = [(gate, attn_w + out_w + mlp_w - mlp_w / (3 if swiglu else 2))]
+    # the ffn norm's backward: the normed input's gradient and the norm's temporaries
+    # (it replaces the normed input w1 and w3 saved, freed after their backward)
+    composite = model.norm == "rmsnorm" and not gpu
+    norm_tmp = 4.0 * COMPOSITE_NORM_BWD_FP32 * h_in if composite else cb * h_in
+    moments.append((dy + norm_tmp - mlp_saved, attn_w + out_w))
+    # attention: wo's input gradient, dq, dk, dv (+ FlashAttention's workspace on a GPU)
+    core = cb * (2 * q + 2 * kv_sdpa) / tp
+    if opts.attention == "unfused":
+        core += 2.0 * cb * a * seq / tp                 # the probabilities' and scores' grads
+    elif gpu:
+        core += 4.0 * q / tp + (2.0 * cb * q / tp if kv_sdpa != q else 0.0)
+    ffn_norm_saved = (8.0 if composite else cb) * h_in  # memory_acts.py `_eager_none`
+    moments.append((dy + core - mlp_saved - ffn_norm_saved - cb * h, attn_w))
+    # the block's last op, the attention norm's backward: every weight gradient made, every
+    # saved tensor but that norm's freed (where the unit gradient outweighs the temporaries)
+    from meshtron.planner.memory_acts import _eager_none
+
+    saved = _eager_none(model, tp, sp, mem, opts.attention, seq)
+    moments.append((dy + norm_tmp - (saved - ffn_norm_saved), 0.0))
+    return moments
+
+
+def block_backward_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
+                         recompute: str, opts: KernelOptions, mem: MemoryOptions) -> float:
+    """Bytes a block's backward holds at its fullest moment beyond its saved activations and
+    its whole unit gradient (module docstring); negative where the unit gradient not yet
+    made outweighs the temporaries. One layer, one micro-batch of `seq` tokens per rank."""
+    if mem.saved != "eager":
+        # rehearsed on meshtron's eager block only; Megatron-LM's and DeepSpeed's fused
+        # kernels (the korthikanti list) are not walked: their block moment is as before
+        return 0.0
+    sp = sp and tp > 1
+    tokens = micro_batch * seq
+    g = unit_grad_bytes(mem)
+    return max(tokens * held - g * unmade
+               for held, unmade in _moments(model, tp, sp, recompute, opts, mem, seq))
