@@ -105,9 +105,9 @@ def candidates(setting: dict, margin: float, per_side: int):
         key = _memory_key(est)  # ZeRO 2 and 3 of one layout often price alike: rehearse one
         if key in seen:
             continue
-        if 1.0 < ratio <= 1.0 + margin:
+        if not est.fits and ratio <= 1.0 + margin:  # the planner's own fit decision
             rejected.append((ratio - 1.0, est))
-        elif 1.0 - margin <= ratio <= 1.0:
+        elif est.fits and ratio >= 1.0 - margin:
             accepted.append((1.0 - ratio, est))
         else:
             continue
@@ -136,7 +136,7 @@ def rehearse_row(model, cluster, ev, side: str, est, setting_name: str) -> dict:
     tensors = total["rehearsal_gib"]
     allowance = workspace_bytes(tensors * GIB, cap * GIB, ev.mem) / GIB
     planner_total = total["planner_gib"] + r["planner_workspace_gib"]
-    planner_fits = planner_total <= cap
+    planner_fits = r["planner_fits"]  # MemoryBreakdown.fits on the rehearsal's kernels
     rehearsal_fits = tensors + allowance <= cap
     flag = ("REJECTED-FITS" if rehearsal_fits and not planner_fits else
             "ACCEPTED-EXCEEDS" if planner_fits and not rehearsal_fits else "")
