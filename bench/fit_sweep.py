@@ -54,7 +54,9 @@ SETTINGS: dict[str, dict] = {
     "70b-4node-s4096-tp8": dict(model="llama3-70b", cluster="dgx-h100:4", global_batch=32,
                                 seq_len=4096, knobs={"tp": 8}),
     "mixtral-2node-s4096": dict(model="mixtral-8x7b", cluster="dgx-h100:2", global_batch=32,
-                                seq_len=4096, knobs={"tp": 8}),
+                                seq_len=4096, knobs={}),
+    "qwen3moe-1node-s4096": dict(model="qwen3-30b-a3b", cluster="dgx-h100:1", global_batch=32,
+                                 seq_len=4096, knobs={}),
 }
 AGREE = 0.05
 """Issue 30's bound on planner vs rehearsal tensors (the first half of item 2)."""
