@@ -86,8 +86,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def candidates(setting: dict, margin: float, per_side: int):
-    """(model, cluster, evaluator, [(side, Estimate)]): the search's candidates of `setting`
-    within `margin` of the capacity, `per_side` rejected and accepted, nearest first."""
+    """(model, cluster, evaluator, [(side, Estimate)], [Estimate]): the search's candidates
+    of `setting` within `margin` of the capacity, `per_side` rejected and accepted, nearest
+    first; then every candidate whose fit decision disagrees with its own `total <= capacity`
+    (the decision is the stages' linear model after the pipeline walks, the reported total
+    the fullest stage's breakdown)."""
     from meshtron.planner.cli import load_model
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.compute import KernelOptions
@@ -105,11 +108,14 @@ def candidates(setting: dict, margin: float, per_side: int):
                         True, None)
     queue, _, _ = _enumerate(ev, space, _Tally(1))
     rejected, accepted, seen = [], [], set()
+    disagree = []  # the fit decision against the breakdown it reports: should never differ
     for _, _, cfg in queue:
         est = ev.evaluate(cfg, keep_infeasible=True, exact_memory=False)
         if est is None or not est.memory.host_fits:
             continue
         ratio = est.memory.total / est.memory.capacity
+        if est.fits != (ratio <= 1.0):
+            disagree.append(est)
         key = _memory_key(est)  # ZeRO 2 and 3 of one layout often price alike: rehearse one
         if key in seen:
             continue
@@ -122,7 +128,7 @@ def candidates(setting: dict, margin: float, per_side: int):
         seen.add(key)
     pick = ([("rejected", e) for _, e in sorted(rejected, key=lambda x: x[0])[:per_side]]
             + [("accepted", e) for _, e in sorted(accepted, key=lambda x: x[0])[:per_side]])
-    return model, cluster, ev, pick
+    return model, cluster, ev, pick, disagree
 
 
 def _memory_key(est) -> tuple:
@@ -172,7 +178,12 @@ def sweep(names: list[str], margin: float, per_side: int, out=None):
     """Every row of the settings `names`; printed as they come when `out` is given."""
     rows = []
     for name in names:
-        model, cluster, ev, pick = candidates(SETTINGS[name], margin, per_side)
+        model, cluster, ev, pick, disagree = candidates(SETTINGS[name], margin, per_side)
+        if out is not None and disagree:  # e.g. "needs 78.8 GiB per GPU > 80 GiB"
+            e = min(disagree, key=lambda x: x.memory.total)
+            print(f"| {name} | fit decision != breakdown | {len(disagree)} candidates, e.g. "
+                  f"{e.config.describe()}: fits={e.fits} at {e.memory.total:.2f} GiB | "
+                  f"{e.memory.capacity:.0f} | | | | | | | |", file=out, flush=True)
         if out is not None and not pick:
             print(f"| {name} | - | no plan within {margin:.0%} of the capacity | | | | | | |",
                   file=out, flush=True)
