@@ -42,12 +42,12 @@ def _sweep() -> list[dict]:
 @pytest.mark.slow
 def test_no_rejected_plan_fits_when_rehearsed():
     rows = _sweep()
+    bad = wrongly_rejected(rows)
+    assert not bad, "\n".join(fit_sweep.format_row(r) for r in bad)
     sides = {r["side"] for r in rows}
     assert sides == {"rejected", "accepted"}, rows  # the sweep found both near misses
     for r in rows:
         assert r["rehearsal_gib"] > 0.0 and r["capacity_gib"] == 80.0, r
-    bad = wrongly_rejected(rows)
-    assert not bad, "\n".join(fit_sweep.format_row(r) for r in bad)
 
 
 @pytest.mark.slow
