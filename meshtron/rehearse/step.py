@@ -68,8 +68,6 @@ def measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, real
             n_run = _step(pm, plan, spec, dev, optimizer, tokens, targets, exact,
                           getattr(tracker, "_mod_tracker", None), tracker)
         peak = categories(tracker.get_tracker_snapshot("peak"), OFFLOADED if offloaded else ())
-        peak["params"] += tracker.untracked  # alive all step: in the peak
-        peak["total"] += tracker.untracked
         # AdamW's states live through the whole step, so they are in the peak; the tracker
         # files the states of the runtime's per-part optimizers as temporaries (it hooks only
         # the optimizer it is given): moved to their category, by their exact bytes
