@@ -80,7 +80,7 @@ from typing import Any
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, memory_zb,
-                              moe_memory, offload, pipeline, pipeline_split)
+                              moe_memory, offload, pipeline, pipeline_split, zb_recompute)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -187,6 +187,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep, pp, cfg.fp8_recipe)
         flags = self.dp_flags(cfg)
+        # torch's zero bubble runs W as one autograd pass per parameter group, and a
+        # checkpointed block recomputes its forward in each (zb_recompute.py)
+        lc = self._cache[("layer", tp, mb, cfg.sp, rec, cp, cfg.dtype, ep, cfg.fp8_recipe)]
+        w_rec = [zb_recompute.weight_pass_recompute(self.model, rec, cfg.schedule, pp,
+                                                    mem_opts.framework, t)
+                 for t in (lc.fwd, lc.tp_fwd)]
+        c_l, tpc_l, w_l = c_l + w_rec[0], tpc_l + w_rec[1], w_l + sum(w_rec)
         # ZeRO shards span dp_shard x cp ranks: FSDP2 shards over the mesh's ("dp_shard", "cp")
         # axes and replicates over "dp_replicate" (HSDP; parallel/data_parallel.py gives
         # fully_shard a 2-D mesh, torch/distributed/fsdp/_fully_shard/_fsdp_param.py shards
