@@ -69,3 +69,54 @@ def test_a_second_stage_parameters_are_counted_once():
     assert raw["Sharded Param"] == pytest.approx(r["states"] / 2, abs=4096)
     assert peak["params"] == raw["Sharded Param"] + raw["Buffer"]
     assert peak["total"] == raw["Total"]
+
+
+PEAK = """
+import json, sys
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.plan import as_plan
+from meshtron.rehearse.rank import rehearse_rank
+model, base, cases = json.loads(sys.argv[1])
+out = {}
+for name, (knobs, rank) in cases.items():
+    spec = ModelSpec(**model)
+    plan = as_plan({**base, **knobs}).validate(8, spec)
+    out[name] = rehearse_rank(spec, plan, rank, "cpu", exact=True)["peak_bytes"]["total"]
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_a_stage_holds_a_receive_buffer_per_micro_batch():
+    """torch's PipelineStage makes one input buffer per micro-batch of the step on a
+    non-first stage and keeps them all (rehearse/pipeline_step.py `ReceiveBuffers`): the
+    last stage of a 2-stage 1F1B pipeline holds the same at its peak whatever m, except 4
+    more [2, 512, 512] bf16 buffers (1 MiB each) for 4 more micro-batches, and the batch's
+    4 more rows of token ids and targets (int64). Before, received inputs were freed after
+    their backward: only the token ids grew."""
+    cases = {"m=4": (dict(schedule="1f1b", global_batch=32), 4),
+             "m=8": (dict(schedule="1f1b", global_batch=64), 4)}
+    arg = json.dumps([dict(MODEL, layers=2), BASE, cases])
+    out = subprocess.run([sys.executable, "-c", PEAK, arg], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
+    r = json.loads(line[len("RESULT"):])
+    buffer = 2 * 512 * 512 * 2
+    ids = 2 * (4 * 2) * 512 * 8  # tokens and targets: 4 micro-batches of 2 rows more
+    assert r["m=8"] - r["m=4"] == pytest.approx(4 * buffer + ids, abs=4096)
+
+
+def test_planner_counts_the_receive_buffers_torch_keeps():
+    """memory_pipeline.receive_buffers: per rank, m inputs per non-first stage and m output
+    gradients per non-last stage, less those counted elsewhere."""
+    from meshtron.planner.memory_pipeline import receive_buffers
+
+    # 1F1B, 2 ranks, m = 8: rank 0 receives 8 gradients (one already counted beside the
+    # kept outputs), rank 1 keeps 8 inputs; with a fused norm the 2 in flight on rank 1 are
+    # the first block's saved inputs already
+    assert receive_buffers(2, 1, 8, "1f1b", [2.0, 1.0], False, [1.0, 0.0]) == [7.0, 8.0]
+    assert receive_buffers(2, 1, 8, "1f1b", [2.0, 1.0], True, [1.0, 0.0]) == [7.0, 7.0]
+    # torch's V, 2 ranks: rank 0 holds stages 0 and 3 (3 receives inputs, 0 gradients),
+    # rank 1 stages 1 and 2 (both receive both)
+    assert receive_buffers(2, 2, 8, "zb", [0.0, 0.0], False, [0.0, 0.0]) == [16.0, 32.0]
+    assert receive_buffers(1, 1, 8, "1f1b", [1.0], False, [0.0]) == [0.0]
