@@ -77,8 +77,10 @@ KINDS["pp interleaved, uneven chunks"] = dict(pp=2, dp=4, zero=1, schedule="inte
 # the whole step's peak; +3.9% before against 2 of its 4 micro-batches, microbatches.py)
 KINDS["pp zb"] = dict(pp=2, dp=4, zero=1, schedule="zb", layers=6)
 # torch's V: the fullest rank is the middle one (stages 1 and 2), its peak during a B, both
-# stages holding weight gradients from their W (memory_zb.py): -2.0% measured (-9.0% before
-# B's working set and the waiting W gradients were walked); rank 0: ZB_RANKS
+# stages holding weight gradients from their W (memory_zb.py): +0.4% measured with torch's
+# receive buffers on both sides (-0.4% without them, -2.0% while the rehearsal counted the
+# second stage's shards twice; -9.0% before B's working set and the waiting W gradients were
+# walked); rank 0: ZB_RANKS
 KINDS["pp zbv"] = dict(pp=2, dp=4, zero=1, schedule="zbv", layers=6)
 
 
@@ -130,11 +132,13 @@ def test_planner_counts_the_outputs_a_pipeline_stage_keeps():
         assert planned / rehearsed - 1 == pytest.approx(0.0, abs=0.02), (name, rows)
 
 ZB_RANKS = {  # name: (knobs, pipeline rank): zero-bubble ranks beside the table's fullest
-    # the V's rank 0 (stages 0 and 3: embedding and head, its peak the loss's): -3.7%
-    # measured (-5.3% before B's working set and the waiting W gradients were walked)
+    # the V's rank 0 (stages 0 and 3: embedding and head, its peak the loss's): -2.4%
+    # measured (-3.7% while its stage 3's shards were counted twice; -5.3% before B's working
+    # set and the waiting W gradients were walked)
     "pp zbv, rank 0": (dict(pp=2, dp=4, zero=1, schedule="zbv", layers=6), 0),
-    # ZB1P's middle stages, peaking during a B beside their own W's gradients: -0.7% and
-    # -0.4% measured (-6.4% and -7.1% before)
+    # ZB1P's middle stages, peaking during a B beside their own W's gradients: +0.5% and
+    # +1.0% measured with torch's receive buffers (-0.7% and -0.4% without; -6.4% and -7.1%
+    # before)
     "pp=4 zb, rank 1": (dict(pp=4, dp=2, zero=1, schedule="zb", layers=8), 1),
     "pp=4 zb, rank 2": (dict(pp=4, dp=2, zero=1, schedule="zb", layers=8), 2),
 }
