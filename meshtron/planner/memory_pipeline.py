@@ -33,6 +33,8 @@ against the 112 its seven one-layer chunks hold) and under-charged the last (99 
 
 from __future__ import annotations
 
+from meshtron.planner.pipeline import stages_of_rank
+
 
 def _visits(p: int, v: int, m: int) -> list[int]:
     """The chunk of the rank's forwards 0 .. m v - 1 in the schedule's order: rounds of
@@ -219,8 +221,6 @@ def receive_buffers(pp: int, v: int, m: int, schedule: str, in_flight: list[floa
     rank's total +0.52 GiB."""
     if pp == 1:
         return [0.0] * len(in_flight)
-    from meshtron.planner.pipeline import stages_of_rank
-
     last = pp * v - 1
     out = []
     for s in range(pp):
