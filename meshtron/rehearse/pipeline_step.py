@@ -89,6 +89,27 @@ class ReceiveBuffers:
         self.grads = {s: [_stage_input(plan, spec, device, dtype, False, None).detach()
                           for _ in range(n_micro)] for s in stages if s != last}
 
+    def skipped_gradients(self, stages, n_run: int) -> None:
+        """Under zero bubble, the input gradients that the micro-batches a truncated step
+        skips (microbatches.py) would leave as their buffers' `.grad` by its end: made at the
+        start, so the step's later moments, where the peak is, hold every one of them as the
+        whole step does (its earlier moments hold more than the whole step's, below them).
+        On the V the previous stage's output-gradient buffer is that same tensor. They are
+        made inside an autograd pass, as B makes them, so that the tracker files them where
+        it files B's (temporaries)."""
+        def make(grad):
+            for s, inputs in self.inputs.items():
+                for i in range(n_run, len(inputs)):
+                    shared = self.grads[s - 1][i] if s - 1 in stages else None
+                    inputs[i].grad = torch.empty_like(inputs[i]) if shared is None else shared
+            return grad
+
+        some = next(iter(self.inputs.values()), None)
+        if some:
+            seed = torch.zeros((), device=some[0].device, requires_grad=True)
+            seed.register_hook(make)
+            torch.autograd.backward(seed * 1.0)
+
 
 def _schedule_accepts(pm, plan, n: int) -> bool:
     """Whether the runtime's schedule runs a step of `n` micro-batches (plan_rules)."""
@@ -133,6 +154,8 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
     waiting: dict[tuple[int, int], tuple] = {}
     hooked: dict[tuple[int, int], list] = {}  # the tracker's hooks on each graph
     bufs = ReceiveBuffers(plan, spec, device, dtype, stages, n_micro)
+    if split and n_run < n_micro:
+        bufs.skipped_gradients(stages, n_run)
     x_mb, y_mb = tokens.chunk(n_micro), targets.chunk(n_micro)
     for kind, s, i in order:
         if kind == "F":
