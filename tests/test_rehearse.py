@@ -136,8 +136,8 @@ ZB_RANKS = {  # name: (knobs, pipeline rank): zero-bubble ranks beside the table
     # measured (-3.7% while its stage 3's shards were counted twice; -5.3% before B's working
     # set and the waiting W gradients were walked)
     "pp zbv, rank 0": (dict(pp=2, dp=4, zero=1, schedule="zbv", layers=6), 0),
-    # ZB1P's middle stages, peaking during a B beside their own W's gradients: +0.5% and
-    # +1.0% measured with torch's receive buffers (-0.7% and -0.4% without; -6.4% and -7.1%
+    # ZB1P's middle stages, peaking during a B beside their own W's gradients: -0.1% and
+    # +0.5% measured with torch's receive buffers (-0.7% and -0.4% without; -6.4% and -7.1%
     # before)
     "pp=4 zb, rank 1": (dict(pp=4, dp=2, zero=1, schedule="zb", layers=8), 1),
     "pp=4 zb, rank 2": (dict(pp=4, dp=2, zero=1, schedule="zb", layers=8), 2),
