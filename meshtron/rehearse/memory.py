@@ -51,6 +51,15 @@ def without_propagation(cls):
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        others: tuple = ()
+        """(the rank's other stages, its first stage): their shards registered at every entry
+        (`_other_stages`), as torch registers its root's."""
+
+        def _register_module_and_optimizer_hooks(self) -> None:  # FSDPMemTracker's, on entry
+            super()._register_module_and_optimizer_hooks()
+            if self.others:
+                _other_stages(self, *self.others)
+
         host: tuple[tuple[str, ...], float] | None = None
         """With host offload: (tracker categories, constant bytes) held in host memory."""
         on_host = False
@@ -81,8 +90,13 @@ def make_tracker(pm, optimizer):
     if isinstance(parts[0], FSDPModule):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+        for part in parts[1:]:  # FSDP2's first-forward set-up, which re-pads a padded
+            # shard into a new storage (`FSDPParamGroup.lazy_init`: `reset_sharded_param`;
+            # seen with fake tensors), before the shards are registered: as in a steady step
+            part._get_fsdp_state()._lazy_init()
         tracker = without_propagation(FSDPMemTracker)(parts[0], optimizer)
-        _other_stages(tracker, parts[1:], exclude=parts[0])
+        tracker.others = (parts[1:], parts[0])
+        _other_stages(tracker, *tracker.others)
         return tracker
     if len(parts) > 1:
         from meshtron.errors import UserError
@@ -103,7 +117,10 @@ def _other_stages(tracker, parts, exclude) -> None:
     Unregistered, the tracker meets them first as the outputs of AdamW's in-place foreach
     updates and files them as optimizer states for the rest of the process (its `_track`
     never re-files a storage), so adding their bytes apart counted them twice (measured on
-    the 'mid' model, pp=2, zbv: 0.084 GiB on rank 1, 0.103 on rank 0)."""
+    the 'mid' model, pp=2, zbv: 0.084 GiB on rank 1, 0.103 on rank 0). Registered again on
+    every entry (`others`), as torch does for its root: FSDP2 may replace a padded shard's
+    storage as it runs (with fake tensors the head's, which the tracker then met as an
+    activation; with real ones not)."""
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
     seen = {id(t) for t in list(exclude.parameters()) + list(exclude.buffers())}
