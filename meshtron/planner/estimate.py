@@ -80,7 +80,7 @@ from typing import Any
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, memory_zb,
-                              moe_memory, offload, pipeline, pipeline_split)
+                              moe_memory, offload, pipeline, pipeline_split, zb_recompute)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -187,6 +187,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
                                                           ep, pp, cfg.fp8_recipe)
         flags = self.dp_flags(cfg)
+        # torch's zero bubble runs W as one autograd pass per parameter group, and a
+        # checkpointed block recomputes its forward in each (zb_recompute.py)
+        lc = self._cache[("layer", tp, mb, cfg.sp, rec, cp, cfg.dtype, ep, cfg.fp8_recipe)]
+        w_rec = [zb_recompute.weight_pass_recompute(self.model, rec, cfg.schedule, pp,
+                                                    mem_opts.framework, t)
+                 for t in (lc.fwd, lc.tp_fwd)]
+        c_l, tpc_l, w_l = c_l + w_rec[0], tpc_l + w_rec[1], w_l + sum(w_rec)
         # ZeRO shards span dp_shard x cp ranks: FSDP2 shards over the mesh's ("dp_shard", "cp")
         # axes and replicates over "dp_replicate" (HSDP; parallel/data_parallel.py gives
         # fully_shard a 2-D mesh, torch/distributed/fsdp/_fully_shard/_fsdp_param.py shards
@@ -278,6 +285,14 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         if self._torch_zb(w):  # torch's split backward keeps a micro-batch to its W
             per_stage = (model.layers / (pp * v),) * (pp * v)  # the split comes later
             inflight, outputs = self._zb_held(w, per_stage, out_bytes)
+        w.recv = [0.0] * pp
+        if mem_opts.framework == "fsdp2" and not mem_opts.engine.startswith("deepspeed"):
+            # torch's stages keep a receive buffer per micro-batch (memory_pipeline.py)
+            counted = [0.0 if self._torch_zb(w) else g for g in
+                       memory_pipeline.held_outputs(pp, v, [0.0] * pp)]
+            w.recv = [k * out_bytes for k in memory_pipeline.receive_buffers(
+                pp, v, m, cfg.schedule, inflight, mem_opts.fused_norm, counted)]
+            outputs = [o + r for o, r in zip(outputs, w.recv)]
         w.inflight, w.roots, w.root_units, w.out_bytes, w.outputs = (inflight, roots, root_units,
                                                                      out_bytes, outputs)
         # per pipeline rank: (block parameters, experts, activations, recompute working set)
@@ -442,7 +457,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # as spread); Megatron frees them once sent (deallocate_output_tensor): none
         walked = [out_bytes * self._peak_outputs(
             pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
-            if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
+            + w.recv[r] if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
         if weighted != inflight or walked != outputs:
             changed = [r for r in range(pp)
@@ -462,6 +477,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         chunks = (list(w.cfg.stage_layers) if w.given else
                   pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, "zb"))
         inflight, outputs = self._zb_held(w, tuple(chunks), w.out_bytes)
+        outputs = [o + r for o, r in zip(outputs, w.recv)]  # torch's receive buffers
         changed = [r for r in range(w.pp)
                    if inflight[r] != w.inflight[r] or outputs[r] != w.outputs[r]]
         w.inflight, w.outputs = inflight, outputs

@@ -74,6 +74,7 @@ class Work:
     root_units: list[float] = field(default_factory=list)  # FSDP2 units outside the blocks
     out_bytes: float = 0.0  # one chunk output held by torch's pipelining
     outputs: list[float] = field(default_factory=list)  # held chunk outputs' bytes per rank
+    recv: list[float] = field(default_factory=list)  # torch's receive buffers' bytes per rank
     blocks: list[Block] = field(default_factory=list)  # per rank: its mean block
     cache_b: float = 0.0  # Transformer Engine's cached FP8 bytes per GEMM weight element
     not_gemm: float = 0.0  # parameters of a block outside its GEMMs (norms, router)

@@ -33,6 +33,8 @@ against the 112 its seven one-layer chunks hold) and under-charged the last (99 
 
 from __future__ import annotations
 
+from meshtron.planner.pipeline import stages_of_rank
+
 
 def _visits(p: int, v: int, m: int) -> list[int]:
     """The chunk of the rank's forwards 0 .. m v - 1 in the schedule's order: rounds of
@@ -196,6 +198,39 @@ def held_outputs(pp: int, v: int, in_flight: list[float]) -> list[float]:
     # the last rank's peak is its loss (the logits), where no output gradient is received
     return [in_flight[s] * (v - 1) if s == pp - 1 else in_flight[s] * v + 1.0
             for s in range(pp)]
+
+
+def receive_buffers(pp: int, v: int, m: int, schedule: str, in_flight: list[float],
+                    inputs_saved: bool, counted: list[float]) -> list[float]:
+    """Per pipeline rank, stage-sized tensors ([micro_batch, seq, hidden], `stage_output_bytes`)
+    that torch 2.13's PipelineStage keeps for receiving, beyond those counted elsewhere. It
+    makes one buffer per micro-batch of the step, not per micro-batch in flight, when the
+    schedule first runs, and keeps them across steps (stage.py `_setup_forward_recv_info`:
+    `_make_tensor_from_meta` for every chunk into `args_recv_info[chunk]`;
+    `_setup_backward_recv_info`: the same into `grad_recv_info[chunk]`): m inputs on every
+    non-first stage of the rank, m output gradients on every non-last one (torch's V passes
+    its turn's tensors instead of receiving them, `set_local_fwd_input` /
+    `set_local_bwd_input`, and keeps those to the next step in the same places: the same
+    count). A received input is its buffer (`_retrieve_recv_activations`, no copy), so those
+    in flight are already a block's saved input where the first norm saves its input
+    (`inputs_saved`: a fused norm; the composite one saves fp32 copies instead): they are
+    left out here, `in_flight[s]` micro-batches' worth of the rank's v chunks (the
+    non-first ones' share). `counted`: per rank, output gradients already counted beside
+    the kept outputs (`held_outputs`' one received gradient). Measured with the rehearsal
+    (rehearse/pipeline_step.py `ReceiveBuffers`), 'mid', pp=2, m=12, interleaved:2: the
+    rank's total +0.52 GiB."""
+    if pp == 1:
+        return [0.0] * len(in_flight)
+    last = pp * v - 1
+    out = []
+    for s in range(pp):
+        stages = stages_of_rank(pp, v, schedule, s)
+        non_first = sum(j != 0 for j in stages)
+        held = m * (non_first + sum(j != last for j in stages)) - counted[s]
+        if inputs_saved:
+            held -= in_flight[s] * v * non_first / len(stages)
+        out.append(max(0.0, held))
+    return out
 
 
 def deepspeed_pipe_buffers(pp: int, m: int) -> list[float]:

@@ -29,7 +29,8 @@ from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
     STACK_ZEROS, zero_limit, zero_problem)
 from meshtron.planner.plan_rules_runtime import (  # noqa: F401  (re-exported)
-    compile_runtime_problem, cp_runtime_problems, ep_runtime_problems)
+    compile_runtime_problem, cp_runtime_problems, ep_runtime_problems,
+    recompute_runtime_problems)
 
 
 def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
@@ -138,6 +139,7 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if runtime:
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
+        out.extend(recompute_runtime_problems(k))
     return out
 
 

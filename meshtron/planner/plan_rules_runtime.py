@@ -39,6 +39,20 @@ def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
                "parallelism; use grad_compression='none', diloco=0 or ep=1")
 
 
+def recompute_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
+    """Selective recomputation under a zero-bubble pipeline: torch 2.13's split backward runs
+    a second autograd pass (W, `stage_backward_weight`) through every checkpointed block after
+    B, and the selective checkpoint's cache refuses it ("Trying to backward an extra time. You
+    are only allowed to backward once on any region computed under selective activation
+    checkpoint"; measured with `meshtron train --model debug --nproc 2 --plan pp=2 --schedule
+    zb --recompute selective`, rank 1's first W; planner/zb_recompute.py)."""
+    g = k.get
+    if g("recompute") == "selective" and g("schedule") == "zb" and (g("pp") or 1) > 1:
+        yield ("plan.recompute='selective' with plan.schedule='zb': torch 2.13's selective "
+               "checkpoint refuses zero bubble's second (weight) backward; use recompute "
+               "full, half or none, or another schedule")
+
+
 def cp_runtime_problems(k: Mapping[str, Any], model: Any = None) -> Iterator[str]:
     """What meshtron's runtime does not run with context parallelism (cp > 1) yet: only the
     compositions tests/test_cp_train.py proves equal to one process are allowed (cp with FSDP

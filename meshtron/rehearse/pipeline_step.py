@@ -9,8 +9,8 @@ modules therefore run directly (1F1B / GPipe orders below, the torch schedule ob
 FSDP no-sync and final gradient reduction (`backward_maybe_with_nosync`,
 `perform_reduce_grad`). Zero-bubble schedules run their input and weight gradients apart, at
 their own slots, as the stage does (`_input_backward`, `_weight_backward`: torch's
-stage_backward_input keeps the graph until the weight gradient). Received inputs are freed
-after their backward as a real stage frees them (`_free_received`).
+stage_backward_input keeps the graph until the weight gradient). The stage's receive buffers
+are held as torch holds them (`ReceiveBuffers`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,53 @@ def _stage_input(plan, spec, device, dtype, first: bool, tokens):
                        requires_grad=True)
 
 
+class ReceiveBuffers:
+    """A rank's receive buffers as torch 2.13's PipelineStage holds them: one per micro-batch
+    of the schedule's m (not only those in flight), made once when the schedule first runs and
+    kept across steps (stage.py `_setup_forward_recv_info`: `_make_tensor_from_meta` per chunk
+    into `args_recv_info[chunk]`; `_setup_backward_recv_info`: the same per chunk for the
+    output gradient, `grad_recv_info[chunk]`): on every non-first stage the inputs, on every
+    non-last stage the gradients of its output. A received input is that buffer itself, a leaf
+    (`_retrieve_recv_activations`: `info.buffer.requires_grad_`), which the first block saves
+    for backward: the same storage, never copied. torch's V passes a stage its previous
+    stage's output instead (`set_local_fwd_input`: the buffer becomes that output, detached)
+    and the next stage's input gradient as its output gradient (`set_local_bwd_input`): the
+    replaced buffer goes, what replaces it stays to the next step. Under zero bubble the input
+    gradient B computes stays as the buffer's `.grad` (_backward.py `stage_backward_input`:
+    `inp.grad = dinput`) until the next step's `clear_runtime_states`; a whole backward clears
+    it at once (`stage_backward`: `val.grad = None`). On a fake group nothing is received, so
+    the buffers are made here, at the step's start, inside the tracker (they are alive
+    throughout a steady-state step), and kept until the caller has run the optimizer."""
+
+    def __init__(self, plan, spec, device, dtype, stages, n_micro: int) -> None:
+        last = plan.num_stages - 1
+        self.inputs = {s: [_stage_input(plan, spec, device, dtype, False, None)
+                           for _ in range(n_micro)] for s in stages if s != 0}
+        self.grads = {s: [_stage_input(plan, spec, device, dtype, False, None).detach()
+                          for _ in range(n_micro)] for s in stages if s != last}
+
+    def skipped_gradients(self, stages, n_run: int) -> None:
+        """Under zero bubble, the input gradients that the micro-batches a truncated step
+        skips (microbatches.py) would leave as their buffers' `.grad` by its end: made at the
+        start, so the step's later moments, where the peak is, hold every one of them as the
+        whole step does (its earlier moments hold more than the whole step's, below them).
+        On the V the previous stage's output-gradient buffer is that same tensor. They are
+        made inside an autograd pass, as B makes them, so that the tracker files them where
+        it files B's (temporaries)."""
+        def make(grad):
+            for s, inputs in self.inputs.items():
+                for i in range(n_run, len(inputs)):
+                    shared = self.grads[s - 1][i] if s - 1 in stages else None
+                    inputs[i].grad = torch.empty_like(inputs[i]) if shared is None else shared
+            return grad
+
+        some = next(iter(self.inputs.values()), None)
+        if some:
+            seed = torch.zeros((), device=some[0].device, requires_grad=True)
+            seed.register_hook(make)
+            torch.autograd.backward(seed * 1.0)
+
+
 def _schedule_accepts(pm, plan, n: int) -> bool:
     """Whether the runtime's schedule runs a step of `n` micro-batches (plan_rules)."""
     from meshtron.planner.plan_rules import microbatch_problem
@@ -78,11 +125,13 @@ def _schedule_accepts(pm, plan, n: int) -> bool:
 
 
 def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
-                    hooks=None) -> int:
+                    hooks=None) -> tuple[int, ReceiveBuffers]:
     """Forward and backward of this rank's stages in schedule order, for every micro-batch
     (`exact`) or for the fewest that reach the same peak (microbatches.py); returns how many
-    micro-batches ran. `hooks` (tracker_hooks.KeepingModTracker): the tracker's hooks on a
-    micro-batch's graph are emptied once its backward is done, as if no tracker held it."""
+    micro-batches ran and the stages' receive buffers (alive until the next step: the caller
+    keeps them through the optimizer step). `hooks` (tracker_hooks.KeepingModTracker): the
+    tracker's hooks on a micro-batch's graph are emptied once its backward is done, as if no
+    tracker held it."""
     from meshtron.rehearse.microbatches import pipeline_microbatches
     from meshtron.rehearse.tracker_hooks import release
 
@@ -104,17 +153,20 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
     done = {s: 0 for s in stages}
     waiting: dict[tuple[int, int], tuple] = {}
     hooked: dict[tuple[int, int], list] = {}  # the tracker's hooks on each graph
-    local: set[tuple[int, int]] = set()  # inputs passed on this rank: nothing to free
+    bufs = ReceiveBuffers(plan, spec, device, dtype, stages, n_micro)
+    if split and n_run < n_micro:
+        bufs.skipped_gradients(stages, n_run)
     x_mb, y_mb = tokens.chunk(n_micro), targets.chunk(n_micro)
     for kind, s, i in order:
         if kind == "F":
             prev = live.get((s - 1, i)) if s - 1 in stages else None
             if prev is not None:  # the V's turn: torch passes the previous stage's output
-                # detached, its storage shared, no copy (schedules.py `set_local_fwd_input`)
-                inp = prev[1].detach().requires_grad_(True)
-                local.add((s, i))
+                # detached, its storage shared, no copy (stage.py `set_local_fwd_input`)
+                inp = bufs.inputs[s][i] = prev[1].detach().requires_grad_(True)
+            elif s != 0:  # the receive buffer itself, a leaf
+                inp = bufs.inputs[s][i].requires_grad_(True)
             else:
-                inp = _stage_input(plan, spec, device, dtype, s == 0, x_mb[i])
+                inp = x_mb[i]
             if split and s != 0:
                 # a view, not the leaf a real stage receives: torch's module tracker hooks
                 # every module input with a multi-grad hook, which refuses a leaf under the
@@ -128,15 +180,20 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
             hooked[(s, i)] = hooks.take() if hooks is not None else []
             continue
         if kind == "W":
-            _weight_backward(stages[s], s, waiting.pop((s, i)), done, backwards, pm,
-                             free=(s, i) not in local)
+            _weight_backward(stages[s], s, waiting.pop((s, i)), done, backwards, pm)
             release(hooked.pop((s, i)))
             continue
         inp, out, kept = live.pop((s, i))
-        grads = None if s == last else torch.empty_like(out)
+        grads = None if s == last else _output_grad(bufs.grads[s][i], out)
         inputs = [inp] if s != 0 else []
         if split:
-            waiting[(s, i)] = _input_backward(stages[s], s, inp, out, kept, grads, inputs, pm)
+            waiting[(s, i)] = state = _input_backward(stages[s], s, inp, out, kept, grads,
+                                                      inputs, pm)
+            if s != 0 and state[-1] is not None:  # kept as the buffer's .grad to the step's
+                leaf = bufs.inputs[s][i]  # end; the V's previous stage takes it as its
+                leaf.grad = state[-1]  # output gradient (set_local_bwd_input)
+                if s - 1 in stages:
+                    bufs.grads[s - 1][i] = leaf.grad
             del inp, out, kept, inputs
             continue
         done[s] += 1
@@ -144,13 +201,21 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
             stages[s].backward_maybe_with_nosync(
                 "full", {"stage_output": out, "output_grads": grads, "input_values": inputs},
                 last_backward=done[s] == backwards[s])
-        if s != 0 and (s, i) not in local:
-            _free_received(inp)
         release(hooked.pop((s, i)))
         del inp, out, kept, inputs
     for st in stages.values():
         st.perform_reduce_grad(1)
-    return n_run
+    return n_run, bufs
+
+
+def _output_grad(buffer, out):
+    """The output gradient a backward runs with: the stage's receive buffer for it, or, where
+    the output is not a plain tensor of that shape (a DTensor), one like the output."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(out, DTensor) or tuple(out.shape) != tuple(buffer.shape):
+        return torch.empty_like(out)
+    return buffer
 
 
 def _input_backward(stage, s: int, inp, out, kept, grads, inputs, pm) -> tuple:
@@ -159,21 +224,20 @@ def _input_backward(stage, s: int, inp, out, kept, grads, inputs, pm) -> tuple:
     graph and the gradients reaching the weight paths until W; the first stage runs nothing
     here (its W runs the whole backward). What W needs is returned and kept, as the stage's
     `backward_state` keeps it."""
-    groups = None
+    groups = dinput = None
     if s != 0:
         with pm._loss_context():
-            _, groups = stage.backward_maybe_with_nosync(
+            dinputs, groups = stage.backward_maybe_with_nosync(
                 "input", {"stage_output": (out,), "output_grads": None if grads is None
                           else [grads], "input_values": inputs}, last_backward=False)
-    return inp, out, kept, grads, inputs, groups
+        dinput = dinputs[0] if dinputs else None
+    return inp, out, kept, grads, inputs, groups, dinput
 
 
-def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm,
-                     free: bool = True) -> None:
+def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm) -> None:
     """Zero bubble's W (`backward_weight_one_chunk`): the weight gradients from what B kept
-    (the first stage: its whole backward), then the received input is freed (`free`; not
-    one passed on this rank, whose storage is the previous stage's output)."""
-    inp, out, kept, grads, inputs, groups = state
+    (the first stage: its whole backward); the received input stays, the stage's buffer."""
+    inp, out, kept, grads, inputs, groups, _ = state
     done[s] += 1
     with pm._loss_context():
         if s == 0:
@@ -184,18 +248,4 @@ def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm,
             stage.backward_maybe_with_nosync(
                 "weight", {"stage_output": (out,), "param_groups": groups},
                 last_backward=done[s] == ends[s])
-            if free:
-                _free_received(inp)
-
-
-def _free_received(inp) -> None:
-    """Free a received stage input once its backward has run, as a real stage does. torch's
-    module tracker registers a multi-grad hook on every module input
-    (`ModTracker._fw_pre_hook`); on a leaf (a received input is one, as in a real stage) the
-    hooks and the autograd nodes they reach keep it alive through C++ (measured: with the
-    tracker all 6 [2, 2048, 2048] inputs of a 1F1B last stage were alive at its peak,
-    without it none; 80 x 32 MiB on a Llama 3 405B pipeline rank). Its storage is released
-    instead (the tracker follows `resize_`, as it does for FSDP2's buffers); nothing reads
-    the input after its backward."""
-    inp.untyped_storage().resize_(0)
 

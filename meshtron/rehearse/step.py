@@ -28,13 +28,15 @@ def _step(pm, plan, spec, dev, optimizer, tokens, targets, exact: bool = True,
     tracker (tracker_hooks.py), whose hooks on each micro-batch's graph are released after
     its backward. `tracker`: with host offload its peak is paused while the optimizer steps
     (on the host)."""
+    held = None
     if pm.is_pipelined:
         if plan.cp > 1:
             from meshtron.parallel.context import shard_batch
 
             shard = shard_batch(tokens, targets, plan.cp, pm.mesh.get_local_rank("cp"))
             tokens, targets = shard.tokens, shard.targets
-        n_run = pipelined_step(pm, plan, spec, dev, tokens, targets, exact, hooks)
+        # the stages' receive buffers live to the next step: through the optimizer's
+        n_run, held = pipelined_step(pm, plan, spec, dev, tokens, targets, exact, hooks)
     else:
         rows = tokens.shape[0]
         if not exact:  # the first, a middle and the last micro-batch (microbatches.py)
@@ -50,6 +52,7 @@ def _step(pm, plan, spec, dev, optimizer, tokens, targets, exact: bool = True,
     optimizer.zero_grad()
     if host:
         tracker.on_host = False
+    del held
     return n_run
 
 
@@ -68,8 +71,6 @@ def measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, real
             n_run = _step(pm, plan, spec, dev, optimizer, tokens, targets, exact,
                           getattr(tracker, "_mod_tracker", None), tracker)
         peak = categories(tracker.get_tracker_snapshot("peak"), OFFLOADED if offloaded else ())
-        peak["params"] += tracker.untracked  # alive all step: in the peak
-        peak["total"] += tracker.untracked
         # AdamW's states live through the whole step, so they are in the peak; the tracker
         # files the states of the runtime's per-part optimizers as temporaries (it hooks only
         # the optimizer it is given): moved to their category, by their exact bytes
