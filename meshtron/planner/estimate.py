@@ -264,6 +264,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         root_units[0] = p_emb
         root_units[w.head_rank] = max(root_units[w.head_rank], p_head)
         w.grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
+        w.extra_accum = memory.embedding_accum_bytes(mem_opts, cfg.zero, w.accum,
+                                                     w.flags["gsize"], m, pp, w.shard_dp)
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
         w.reduce_bytes = w.flags["gsize"] if pp == 1 else 0.0
@@ -317,7 +319,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 mem_opts, zero, dp, states, b[0], roots[i], largest, b[2], inflight[i], b[3],
                 w.logits if i == head else 0.0, grad_bytes, keep, accum, b[1], e_states,
                 root_units[i], reduce_bytes, w.grad_extra if i == 0 else 0.0, outputs[i],
-                cache_b * max(0.0, b[0] + b[1] - not_gemm))
+                cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum)
         return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
@@ -484,7 +486,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                                self.grad_bytes, w.keep, w.accum, b_exp, w.e_states,
                                w.root_units[worst], w.reduce_bytes,
                                w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
-                               self._te_cache(w, worst))
+                               self._te_cache(w, worst), w.extra_accum)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits
