@@ -267,7 +267,8 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               grad_extra: float = 0.0, outputs: float = 0.0,
               weight_cache: float = 0.0, extra_accum: float | None = None) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
-    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`, `extra_accum`: as stage_memory
+    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`, `extra_accum`:
+    as stage_memory
     (the kept chunk outputs are counted with the in-flight activations, the cached quantised
     weights with the parameters)."""
     wb, gb, ob = states
