@@ -437,13 +437,14 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # the gradients FSDP2 has accumulated so far (Megatron's buffer is in the states)
         chunks = self._chunks(w)
         grad = w.accum * (w.p_layer + w.p_exp)
+        odd = self._half_odd(w)
         weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
-                                            w.extra_warm)
+                                            w.extra_warm, odd)
         # the chunk outputs torch's pipelining holds at that moment, not at the even spread's
         # most (the last rank's peak is its loss, whose moment the walk does not single out:
         # as spread); Megatron frees them once sent (deallocate_output_tensor): none
         walked = [out_bytes * self._peak_outputs(
-            pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
+            pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes, odd)
             if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
         if weighted != inflight or walked != outputs:
@@ -457,6 +458,16 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             w.fits = all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
         # the walk's figure is the fit decision, the search's as the pinned answer's
         return w.fits or keep_infeasible
+
+    def _half_odd(self, w: Work) -> float:
+        """Under `half` recomputation, what a chunk of an odd layer count holds beyond `act`
+        per layer (memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored)."""
+        if w.rec != "half":
+            return 0.0
+        cfg = w.cfg
+        none, full = (self._memory_pieces(w.tp, w.mb, cfg.sp, r, cfg.dtype, w.cp, w.ep, w.pp,
+                                          cfg.fp8_recipe)[1] for r in ("none", "full"))
+        return memory_pipeline.half_odd_bytes(none, full)
 
     def _zb_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under torch's zero bubble, the walk of memory_zb.py on the split's own layers per
