@@ -461,8 +461,10 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
 
     def _half_odd(self, w: Work) -> float:
         """Under `half` recomputation, what a chunk of an odd layer count holds beyond `act`
-        per layer (memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored)."""
-        if w.rec != "half":
+        per layer (memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored).
+        meshtron's rule (FSDP2 stacks); Megatron's and DeepSpeed's `half` are priced at the
+        mean as before (their own per-chunk rules not checked here)."""
+        if w.rec != "half" or w.mem_opts.framework != "fsdp2":
             return 0.0
         cfg = w.cfg
         none, full = (self._memory_pieces(w.tp, w.mb, cfg.sp, r, cfg.dtype, w.cp, w.ep, w.pp,
