@@ -123,6 +123,34 @@ def test_tensor_parallel_embedding_accumulates_a_whole_vocabulary_gradient():
                                   rel=1e-9)
 
 
+def test_zero0_accumulates_the_embeddings_whole_gradient_over_the_step():
+    """ZeRO-0 runs FSDP2 on a size-1 shard axis with gradient sync on the last micro-batch
+    only (and torch's pipelining turns it off to the last backward), so FSDP2 accumulates
+    the embedding's whole [vocab, hidden] gradient in the reduce dtype from the first
+    backward to the step's end (rehearsed, Llama 3 70B tp=8 pp=4 interleaved:8, rank 0: a
+    3.91 GiB fp32 gradient at the peak). The states' fp32 gradient is the local shard's
+    accumulator: what a second micro-batch adds is the embedding's other (tp - 1)/tp, in
+    fp32, on the stage holding it only; one micro-batch without a pipeline adds nothing."""
+    spec = ModelSpec(name="mid", layers=4, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632,
+                     vocab=32000, max_seq=4096)
+    cluster = preset_cluster("dgx-h100", 1)
+
+    def gathered(pp: int, global_batch: int, stage: int = 0) -> float:
+        ev = Evaluator(spec, cluster, global_batch, 2048, mem=MemoryOptions(fused_norm=False))
+        plan = Plan(4, pp, 2 // pp, 0, 2, "none", True, "1f1b", 1)
+        est = ev.evaluate(plan, keep_infeasible=True, stage=stage)
+        return est.memory.gathered * memory.GIB
+
+    extra = 4.0 * memory.embedding_grad_extra(spec, 4)
+    assert gathered(1, 8) - gathered(1, 4) == pytest.approx(extra, rel=1e-9)
+    # pipelined: accumulated even at one micro-batch per pipeline rank's step
+    assert memory.embedding_accum_bytes(MemoryOptions(), 0, 0.0, 4.0, 1, 2, 1) == 4.0
+    assert memory.embedding_accum_bytes(MemoryOptions(), 0, 0.0, 4.0, 1, 1, 2) == 0.0
+    # no FSDP2 (fp32 at one shard): the gradient is sharded after every backward
+    assert memory.embedding_accum_bytes(MemoryOptions(dtype="fp32"), 0, 0.0, 4.0, 4, 2,
+                                        1) == 0.0
+
+
 
 def test_pipeline_chunk_outputs_held_at_the_peak():
     """torch's pipelining keeps every in-flight chunk's output until its backward

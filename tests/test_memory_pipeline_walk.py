@@ -67,3 +67,20 @@ def test_walks_equal_a_step_by_step_walk(seed):
         assert got == held
         _, outs = _reference(p, v, m, s, layers, act, grad, out, 0)
         assert memory_pipeline.peak_outputs(p, v, m, s, layers, act, grad, out) == outs
+
+
+def test_half_recomputation_odd_chunks_hold_a_stored_block_more():
+    """meshtron's `half` stores blocks 0, 2, ... of each model part (parallel/recompute.py),
+    so a chunk of 3 layers holds 2 stored and 1 checkpointed block per micro-batch, half a
+    (stored - checkpointed) block above 3 x their mean: the walk adds `odd` per chunk-micro-
+    batch of an odd chunk and nothing for even ones. Pipeline rank 0 of p=2, v=2, m=4 holds
+    warm-up (1 round of 2 + 2) + 1 = 5 chunk-micro-batches at its peak."""
+    none, full = 10.0, 2.0
+    odd = memory_pipeline.half_odd_bytes(none, full)
+    assert odd == 4.0  # (2 x 10 + 2) - 3 x 6: what a 3-block part holds beyond the mean
+    mean = (none + full) / 2
+    base = memory_pipeline.held_bytes(2, 2, 4, 0, [3, 3], act=mean)
+    assert base == 5 * 3 * mean
+    assert memory_pipeline.held_bytes(2, 2, 4, 0, [3, 3], act=mean, odd=odd) == base + 5 * odd
+    assert (memory_pipeline.held_bytes(2, 2, 4, 0, [4, 4], act=mean, odd=odd)
+            == memory_pipeline.held_bytes(2, 2, 4, 0, [4, 4], act=mean))

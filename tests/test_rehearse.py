@@ -72,6 +72,18 @@ KINDS["tp+sp zero-1"] = dict(tp=4, dp=2, zero=1, sp=True)
 # last in the steady phase (planner/memory_pipeline.py)
 KINDS["pp interleaved, uneven chunks"] = dict(pp=2, dp=4, zero=1, schedule="interleaved",
                                               virtual_stages=2, global_batch=96, layers=6)
+# 8 layers on 8 chunks, tp=4 without sequence parallelism at ZeRO-0 on the first rank: FSDP2
+# accumulates the embedding's whole [vocab, hidden] gradient in fp32 over the step
+# (memory_peak.embedding_accum_bytes; -9.9% without it, -4.8% measured with it; the Llama 3
+# 70B tp=8 pp=4 interleaved:8 rank of the fit sweep held 3.91 GiB of it)
+KINDS["pp interleaved v=4, tp zero-0"] = dict(tp=4, pp=2, dp=1, zero=0, schedule="interleaved",
+                                              virtual_stages=4, global_batch=16, layers=8)
+# half recomputation on chunks of 3 layers: meshtron checkpoints blocks 1, 3, ... of each
+# part, so an odd chunk stores a block more than half (memory_pipeline.half_odd_bytes):
+# +2.8% measured; -10.4% at the mean per layer (16 layers, chunks of 4: -2.5%)
+KINDS["pp interleaved half, odd chunks"] = dict(pp=2, dp=4, zero=1, schedule="interleaved",
+                                                virtual_stages=2, global_batch=32, layers=12,
+                                                recompute="half")
 # zero bubble, B and W apart: every micro-batch's activations live from its F to its W
 # (planner/memory_zb.py); the fullest rank is the last (6 layers: -2.6% measured against
 # the whole step's peak; +3.9% before against 2 of its 4 micro-batches, microbatches.py)

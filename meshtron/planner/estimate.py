@@ -271,6 +271,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         root_units[0] = p_emb
         root_units[w.head_rank] = max(root_units[w.head_rank], p_head)
         w.grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
+        w.extra_accum = memory.embedding_accum_bytes(mem_opts, cfg.zero, w.accum,
+                                                     w.flags["gsize"], m, pp, w.shard_dp)
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
         w.reduce_bytes = w.flags["gsize"] if pp == 1 else 0.0
@@ -332,7 +334,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 mem_opts, zero, dp, states, b[0], roots[i], largest, b[2], inflight[i], b[3],
                 w.logits if i == head else 0.0, grad_bytes, keep, accum, b[1], e_states,
                 root_units[i], reduce_bytes, w.grad_extra if i == 0 else 0.0, outputs[i],
-                cache_b * max(0.0, b[0] + b[1] - not_gemm))
+                cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum)
         return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
@@ -450,13 +452,14 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # the gradients FSDP2 has accumulated so far (Megatron's buffer is in the states)
         chunks = self._chunks(w)
         grad = w.accum * (w.p_layer + w.p_exp)
+        odd = self._half_odd(w)
         weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
-                                            w.extra_warm)
+                                            w.extra_warm, odd)
         # the chunk outputs torch's pipelining holds at that moment, not at the even spread's
         # most (the last rank's peak is its loss, whose moment the walk does not single out:
         # as spread); Megatron frees them once sent (deallocate_output_tensor): none
         walked = [out_bytes * self._peak_outputs(
-            pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes)
+            pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes, odd)
             + w.recv[r] if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
         if weighted != inflight or walked != outputs:
@@ -470,6 +473,18 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             w.fits = all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
         # the walk's figure is the fit decision, the search's as the pinned answer's
         return w.fits or keep_infeasible
+
+    def _half_odd(self, w: Work) -> float:
+        """Under `half` recomputation, what a chunk of an odd layer count holds beyond `act`
+        per layer (memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored).
+        meshtron's rule (FSDP2 stacks); Megatron's and DeepSpeed's `half` are priced at the
+        mean as before (their own per-chunk rules not checked here)."""
+        if w.rec != "half" or w.mem_opts.framework != "fsdp2":
+            return 0.0
+        cfg = w.cfg
+        none, full = (self._memory_pieces(w.tp, w.mb, cfg.sp, r, cfg.dtype, w.cp, w.ep, w.pp,
+                                          cfg.fp8_recipe)[1] for r in ("none", "full"))
+        return memory_pipeline.half_odd_bytes(none, full)
 
     def _zb_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under torch's zero bubble, the walk of memory_zb.py on the split's own layers per
@@ -500,7 +515,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                                self.grad_bytes, w.keep, w.accum, b_exp, w.e_states,
                                w.root_units[worst], w.reduce_bytes,
                                w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
-                               self._te_cache(w, worst))
+                               self._te_cache(w, worst), w.extra_accum)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits

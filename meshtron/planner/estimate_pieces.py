@@ -254,12 +254,13 @@ class CostPieces:
 
     def _weighted_in_flight(self, pp: int, v: int, m: int, chunks: list[int],
                             even: list[float], act: float, grad: float,
-                            extra: int = 0) -> list[float]:
-        return list(_weighted_in_flight(pp, v, m, tuple(chunks), tuple(even), act, grad, extra))
+                            extra: int = 0, odd: float = 0.0) -> list[float]:
+        return list(_weighted_in_flight(pp, v, m, tuple(chunks), tuple(even), act, grad, extra,
+                                        odd))
 
     def _peak_outputs(self, pp: int, v: int, m: int, rank: int, layers: list[int], act: float,
-                      grad: float, out: float) -> float:
-        return _peak_outputs(pp, v, m, rank, tuple(layers), act, grad, out)
+                      grad: float, out: float, odd: float = 0.0) -> float:
+        return _peak_outputs(pp, v, m, rank, tuple(layers), act, grad, out, odd)
 
     def _in_flight_lower_bound(self, pp: int, v: int, m: int, chunks: list[int],
                                act: float, grad: float, extra: int = 0) -> list[float]:
@@ -289,15 +290,15 @@ class CostPieces:
 @functools.lru_cache(maxsize=8192, typed=True)
 def _weighted_in_flight(pp: int, v: int, m: int, chunks: tuple[int, ...],
                         even: tuple[float, ...], act: float, grad: float,
-                        extra: int) -> tuple[float, ...]:
+                        extra: int, odd: float) -> tuple[float, ...]:
     return tuple(memory_pipeline.weighted_in_flight(pp, v, m, list(chunks), list(even), act,
-                                                    grad, extra))
+                                                    grad, extra, odd))
 
 
 @functools.lru_cache(maxsize=32768, typed=True)
 def _peak_outputs(pp: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
-                  grad: float, out: float) -> float:
-    return memory_pipeline.peak_outputs(pp, v, m, rank, list(layers), act, grad, out)
+                  grad: float, out: float, odd: float) -> float:
+    return memory_pipeline.peak_outputs(pp, v, m, rank, list(layers), act, grad, out, odd)
 
 
 @functools.lru_cache(maxsize=8192, typed=True)

@@ -67,6 +67,7 @@ class Work:
     e_moved: float = 0.0  # the experts' `moved`
     # ---- _memory_model: what every pipeline rank holds beside its blocks ----
     grad_extra: float = 0.0  # embedding gradient elements beyond the shard (first stage)
+    extra_accum: float = 0.0  # bytes each of those holds over the step (memory_peak.py)
     reduce_bytes: float = 0.0  # previous block's reduce-scatter input beside a backward
     inflight: list[float] = field(default_factory=list)  # micro-batches in flight per rank
     extra_warm: int = 0  # warm-up forwards beyond the schedule's (A2A overlap)

@@ -53,8 +53,8 @@ from meshtron.planner.memory_options import (  # noqa: F401  (re-exported)
     SELECTIVE, WORKSPACE_FIXED_GIB, WORKSPACE_FIXED_MAX_FRACTION, MemoryOptions, options_for)
 from meshtron.planner.memory_peak import (  # noqa: F401  (re-exported)
     DEEPSPEED_MAX_LIVE_PARAMS, DEEPSPEED_PREFETCH_PARAMS, DEEPSPEED_REDUCE_BUCKET,
-    backward_gathered_bytes, block_moment, embedding_grad_extra, embedding_moment,
-    gathered_bytes, peak_moment, previous_gradient_bytes)
+    backward_gathered_bytes, block_moment, embedding_accum_bytes, embedding_grad_extra,
+    embedding_moment, gathered_bytes, peak_moment, previous_gradient_bytes)
 from meshtron.planner.memory_states import (  # noqa: F401  (re-exported)
     GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, embedding_params_local, head_params_local,
     largest_param_local, layer_params_local, state_bytes)
@@ -166,7 +166,7 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  expert_states: tuple[float, float, float] | None = None,
                  root_unit: float | None = None, reduce_bytes: float = 4.0,
                  grad_extra: float = 0.0, outputs: float = 0.0,
-                 weight_cache: float = 0.0) -> StageMemory:
+                 weight_cache: float = 0.0, extra_accum: float | None = None) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
@@ -174,7 +174,8 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     per local parameter of unsharded gradients accumulated over the micro-batches (ZeRO-2/3
     with accumulate_unsharded or pipelining: FSDP2 keeps them in the reduce dtype);
     `grad_extra`: accumulated gradient elements beyond the stage's local parameters
-    (`embedding_grad_extra`); `outputs`: bytes of the chunk outputs a pipeline schedule
+    (`embedding_grad_extra`), held over the step at `extra_accum` bytes each (default
+    `accum`; `embedding_accum_bytes`); `outputs`: bytes of the chunk outputs a pipeline schedule
     keeps for backward (memory_pipeline.held_outputs); `weight_cache`: bytes per block of
     quantised weight copies kept over the step (memory_acts.te_weight_cache_bytes);
     `reduce_bytes`: bytes per element of
@@ -186,7 +187,7 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     return StageMemory(*stage_terms(
         mem, zero, dp, states, p_layer, p_root, largest, act, in_flight, work, logits,
         grad_bytes, keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes,
-        grad_extra, outputs, weight_cache))
+        grad_extra, outputs, weight_cache, accum if extra_accum is None else extra_accum))
 
 
 def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -195,12 +196,13 @@ def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, flo
                 accum: float, p_expert: float,
                 expert_states: tuple[float, float, float] | None, root_unit: float | None,
                 reduce_bytes: float, grad_extra: float, outputs: float,
-                weight_cache: float) -> tuple[float, float]:
+                weight_cache: float, extra_accum: float) -> tuple[float, float]:
     """`stage_memory` as (per_layer, fixed), every argument given (the search's ~90k calls:
     estimate.Evaluator._stage_memories)."""
     base, gathered_per_layer, fixed = _stage_parts(
         mem, zero, dp, states, p_layer, p_root, largest, act, work, logits, grad_bytes,
-        keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes, grad_extra)
+        keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes, grad_extra,
+        extra_accum)
     # the same sums in the same order as written out in `_stage_parts` (bit for bit): the
     # terms linear in what differs between a plan's ranks, added to the memoised rest
     per_layer = base + act * in_flight + weight_cache
@@ -225,7 +227,7 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  logits: float, grad_bytes: float, keep_gathered: bool, accum: float,
                  p_expert: float, expert_states: tuple[float, float, float] | None,
                  root_unit: float | None, reduce_bytes: float,
-                 grad_extra: float) -> tuple[float, float | None, float]:
+                 grad_extra: float, extra_accum: float) -> tuple[float, float | None, float]:
     """`stage_memory` less its terms in `in_flight`, `outputs` and `weight_cache`, which are
     what a search's plans and a plan's ranks vary most (a search asks ~90k stage memories of
     ~5k of these): (per-layer sum before the in-flight activations, the gathered copies per
@@ -252,7 +254,7 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     gathered, recompute = peak_moment(logits, work, at_loss, at_block, embedding_moment(
         mem, at_loss, previous, grad_extra, act))
     return (base, cb * p_layer if fsdp_all else None,
-            p_root * (sb + accum) + grad_extra * accum + gathered + recompute + logits)
+            p_root * (sb + accum) + grad_extra * extra_accum + gathered + recompute + logits)
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -263,9 +265,10 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               expert_states: tuple[float, float, float] | None = None,
               root_unit: float | None = None, reduce_bytes: float = 4.0,
               grad_extra: float = 0.0, outputs: float = 0.0,
-              weight_cache: float = 0.0) -> MemoryBreakdown:
+              weight_cache: float = 0.0, extra_accum: float | None = None) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
-    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`: as stage_memory
+    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`, `extra_accum`:
+    as stage_memory
     (the kept chunk outputs are counted with the in-flight activations, the cached quantised
     weights with the parameters)."""
     wb, gb, ob = states
@@ -281,7 +284,8 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
                                        reduce_bytes)
     gathered, work = peak_moment(logits, work, at_loss, at_block, embedding_moment(
         mem, at_loss, previous, grad_extra, layers * act))
-    gathered += accum * (params + experts + grad_extra)
+    gathered += accum * (params + experts) + grad_extra * (
+        accum if extra_accum is None else extra_accum)
     all_acts = layers * act * in_flight
     acts = min(layers * act, all_acts)
     extra = all_acts - acts + outputs

@@ -181,3 +181,26 @@ def embedding_grad_extra(model: ModelSpec, tp: int) -> float:
         return 0.0
     return model.vocab * model.hidden * (1.0 - 1.0 / tp)
 
+
+
+def embedding_accum_bytes(mem: MemoryOptions, zero: int, accum: float, gsize: float, m: int,
+                          pp: int, shard_dp: int) -> float:
+    """Bytes per element of `embedding_grad_extra` held over the whole step: where FSDP2
+    accumulates gradients unsharded (`accum`: ZeRO-1/2/3 with one reduction per step), in that
+    accumulator. ZeRO-0 accumulates them unsharded too (FSDP2 on a size-1 shard axis, gradient
+    sync only on the last micro-batch: parallel/data_parallel.py; under pipelining torch's
+    `PipelineStage.backward_maybe_with_nosync` does it), in the reduce dtype (`gsize`;
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py `to_accumulated_grad_if_needed`):
+    its states' gradient is that accumulator for the local shard, but the embedding's
+    accumulates whole, tp times its shard, from the first stage's first backward to the
+    step's end. Rehearsed (Llama 3 70B tp=8 pp=4 dp=1 interleaved:8, pipeline rank 0): a
+    [128256, 8192] fp32 gradient (3.91 GiB) alive at the peak beside a 0.49 GiB shard, which
+    the planner priced only at the embedding's own moment (4.6% under the rehearsal).
+    One micro-batch without a pipeline accumulates nothing (the embedding's moment prices
+    the whole gradient); no FSDP2 (fp32 at dp=1) shards it after every backward."""
+    if accum:
+        return accum
+    if (zero == 0 and mem.framework == "fsdp2" and (m > 1 or pp > 1)
+            and not (shard_dp == 1 and mem.dtype == "fp32")):
+        return gsize
+    return 0.0
