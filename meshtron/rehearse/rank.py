@@ -25,44 +25,9 @@ planner's `expert_imbalance`: the fullest ep rank), and runs the kernel a GPU ru
 AdamW's states are created before the measured step (one step on zero gradients), so the
 peak is a steady-state step's: states, gradients and the step's working set together. On CPU
 the step runs the fewest of its micro-batches that reach the same peak (microbatches.py: every
-micro-batch has the same shapes; `exact=True` runs them all), and a pipelined stage's received
-inputs are freed after their backward as a real stage frees them (pipeline_step.py), and
-the tracker's own hooks on a micro-batch's graph are emptied after its backward, which
-otherwise keep a split backward's saved tensors to the end of the step (tracker_hooks.py).
-
-By responsibility: this module builds the rank (fake group, mesh, shards, routing); step.py
-primes the optimizer, runs and measures the step; pipeline_step.py runs a pipelined rank's
-stages; memory.py holds the tracker and its categories.
-""""""One rank of a plan, run alone: a fake process group, the runtime's own build, one step.
-
-`rehearse_rank(spec, plan, rank, device)` joins a fake process group of `plan.gpus` ranks as
-`rank` (torch's `fake` backend: every collective and point-to-point returns at once, buffers
-untouched), builds the mesh with `build_mesh`, the model on meta, shards it with the runtime's
-`parallelize` and `build_optimizer` (the same `Plan`, placement and code `meshtron train`
-runs), then runs one optimizer step at the plan's shapes:
-
-* on CPU nothing is allocated: sharding runs outside FakeTensorMode (DeviceMesh and DTensor
-  build real index tensors while they shard), the shards are materialized under it, and
-  torch's memory tracker (`FSDPMemTracker`, or `MemTracker` when a rank holds several pipeline
-  stages or no FSDP unit) records the peak by category;
-* on CUDA the tensors are real: the allocator's peak and the step's compute time (the fake
-  collectives take no time, so the step is compute-only).
-
-Without a pipeline the step is the runtime's `ParallelModel.forward_backward`; a pipelined
-rank's stages run directly in its schedule's order (pipeline_step.py).
-
-A mixture of experts routes by value (bincount, uneven all-to-all splits), which fake
-tensors cannot size: every MoE layer gets a `StaticCounts` policy (meshtron/model/moe.py), the
-mean T*k/E tokens per expert, or `imbalance` times it on the rehearsed rank's experts (the
-planner's `expert_imbalance`: the fullest ep rank), and runs the kernel a GPU run uses (one
-`torch._grouped_mm` per matrix in bf16). The router itself runs.
-
-AdamW's states are created before the measured step (one step on zero gradients), so the
-peak is a steady-state step's: states, gradients and the step's working set together. On CPU
-the step runs the fewest of its micro-batches that reach the same peak (microbatches.py: every
-micro-batch has the same shapes; `exact=True` runs them all), and a pipelined stage's received
-inputs are freed after their backward as a real stage frees them (pipeline_step.py), and
-the tracker's own hooks on a micro-batch's graph are emptied after its backward, which
+micro-batch has the same shapes; `exact=True` runs them all), a pipelined stage holds one
+receive buffer per micro-batch of the step, as torch's PipelineStage does (pipeline_step.py),
+and the tracker's own hooks on a micro-batch's graph are emptied after its backward, which
 otherwise keep a split backward's saved tensors to the end of the step (tracker_hooks.py).
 
 By responsibility: this module builds the rank (fake group, mesh, shards, routing); step.py
