@@ -54,37 +54,12 @@ import math
 
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory_bwd import block_backward_bytes, eager_none as _eager_none
 from meshtron.planner.memory_options import DEFAULT, MemoryOptions
 
 RNG_STATE_BYTES = 5056.0
 """A checkpointed block keeps the CPU generator's state to replay dropout identically
 (torch.utils.checkpoint, preserve_rng_state=True; torch.get_rng_state() is 5056 bytes)."""
-
-
-def _eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attention: str,
-                seq: int) -> float:
-    """Bytes per token one eager block saves without recomputation (module docstring)."""
-    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
-    q = model.heads * model.head_dim                       # query width (Qwen3: 2h)
-    cb = mem.compute_bytes
-    kv_sdpa = q if mem.gqa_copies and model.heads != model.kv_heads else kv
-    h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
-    if model.norm == "rmsnorm" and not mem.fused_norm:
-        # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
-        norm = 2.0 * (4.0 * h_in + 4.0 * h_in)
-    else:
-        norm = 2.0 * cb * h_in                             # input (+ per-row statistics)
-    stats = (8.0 if model.norm == "layernorm" else 4.0) / (tp if sp else 1)  # fp32 mean/rstd
-    norm += 2.0 * stats
-    gathered = 2.0 * h                                     # normed inputs of QKV and MLP
-    # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
-    # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
-    attn = 2.0 * q + 2.0 * kv_sdpa
-    mlp = 4.0 * f if model.mlp == "swiglu" else 2.0 * f
-    core = 4.0 * a                                          # fp32 log-sum-exp per head
-    if attention == "unfused":
-        core += cb * a * seq                                # softmax output
-    return norm + cb * (gathered + (attn + mlp) / tp) + core / tp
 
 
 def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions) -> float:
@@ -261,8 +236,6 @@ def backward_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int
     `block_backward_bytes`, negative where the gradients not yet made outweigh the
     temporaries) or, where it holds more, an eager FP8 cast (`fp8_cast_working_bytes`: a
     moment of w2's or w1's backward, measured against the former block moment)."""
-    from meshtron.planner.memory_bwd import block_backward_bytes
-
     own = block_backward_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem)
     cast = fp8_cast_working_bytes(model, tp, micro_batch, seq, opts, mem, recipe)
     return (recompute_working_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem)

@@ -101,13 +101,11 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
         core += 2.0 * cb * a * seq / tp                 # the probabilities' and scores' grads
     elif gpu:
         core += 4.0 * q / tp + (2.0 * cb * q / tp if kv_sdpa != q else 0.0)
-    ffn_norm_saved = (8.0 if composite else cb) * h_in  # memory_acts.py `_eager_none`
+    ffn_norm_saved = (8.0 if composite else cb) * h_in  # `eager_none`
     moments.append((dy + core - mlp_saved - ffn_norm_saved - cb * h, attn_w))
     # the block's last op, the attention norm's backward: every weight gradient made, every
     # saved tensor but that norm's freed (where the unit gradient outweighs the temporaries)
-    from meshtron.planner.memory_acts import _eager_none
-
-    saved = _eager_none(model, tp, sp, mem, opts.attention, seq)
+    saved = eager_none(model, tp, sp, mem, opts.attention, seq)
     moments.append((dy + norm_tmp - (saved - ffn_norm_saved), 0.0))
     return moments
 
@@ -126,3 +124,30 @@ def block_backward_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, 
     g = unit_grad_bytes(mem)
     return max(tokens * held - g * unmade
                for held, unmade in _moments(model, tp, sp, recompute, opts, mem, seq))
+
+
+def eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attention: str,
+                seq: int) -> float:
+    """Bytes per token one eager block saves without recomputation (memory_acts.py's module
+    docstring; here so that this module and memory_acts.py share it without an import circle)."""
+    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
+    q = model.heads * model.head_dim                       # query width (Qwen3: 2h)
+    cb = mem.compute_bytes
+    kv_sdpa = q if mem.gqa_copies and model.heads != model.kv_heads else kv
+    h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
+    if model.norm == "rmsnorm" and not mem.fused_norm:
+        # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
+        norm = 2.0 * (4.0 * h_in + 4.0 * h_in)
+    else:
+        norm = 2.0 * cb * h_in                             # input (+ per-row statistics)
+    stats = (8.0 if model.norm == "layernorm" else 4.0) / (tp if sp else 1)  # fp32 mean/rstd
+    norm += 2.0 * stats
+    gathered = 2.0 * h                                     # normed inputs of QKV and MLP
+    # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
+    # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
+    attn = 2.0 * q + 2.0 * kv_sdpa
+    mlp = 4.0 * f if model.mlp == "swiglu" else 2.0 * f
+    core = 4.0 * a                                          # fp32 log-sum-exp per head
+    if attention == "unfused":
+        core += cb * a * seq                                # softmax output
+    return norm + cb * (gathered + (attn + mlp) / tp) + core / tp
