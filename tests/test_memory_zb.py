@@ -302,10 +302,12 @@ def test_full_recompute_w_keeps_each_groups_recomputation_until_w_ends():
     as long as the graph. B unpacks all of them (its recomputation leaves nothing: B adds
     the same bytes with and without recomputation), but each W group (its own
     `autograd.grad`, its own task id) recomputes the whole block and unpacks only its one
-    op's inputs: the rest of the block stays until W's graph dies. Measured here: W's live
-    bytes climb by about 0.7 of a block's recomputable tensors per group (5.9 stages' worth
-    of them over 18 groups). Not priced by the planner yet (docs/measurements.md
-    #zb-full-recompute)."""
+    op's saved tensors (W runs with retain_graph=False, so the nodes it ran release their
+    holders in every task): what the nodes W never runs saved (rope'd q and k, v, the
+    attention output, the residual, w1's and w3's outputs, the SiLU output) stays, once per
+    group, until W's graph dies. Measured here: W's live bytes climb by about 0.7 of a
+    block's recomputable tensors per group (5.9 stages' worth of them over 18 groups). Not
+    priced by the planner yet (docs/measurements.md #zb-full-recompute)."""
     none, full = _live_through_w("none"), _live_through_w("full")
     assert none["groups"] == full["groups"] == 18  # 9 per block, two blocks
     recomputable = none["f"] - full["f"]  # what the two blocks save beyond their inputs
