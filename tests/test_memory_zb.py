@@ -306,8 +306,8 @@ def test_full_recompute_w_keeps_each_groups_recomputation_until_w_ends():
     holders in every task): what the nodes W never runs saved (rope'd q and k, v, the
     attention output, the residual, w1's and w3's outputs, the SiLU output) stays, once per
     group, until W's graph dies. Measured here: W's live bytes climb by about 0.7 of a
-    block's recomputable tensors per group (5.9 stages' worth of them over 18 groups). Not
-    priced by the planner yet (docs/measurements.md #zb-full-recompute)."""
+    block's recomputable tensors per group (5.9 stages' worth of them over 18 groups), which
+    memory_zb.weight_recompute_kept_bytes prices (docs/measurements.md #zb-full-recompute)."""
     none, full = _live_through_w("none"), _live_through_w("full")
     assert none["groups"] == full["groups"] == 18  # 9 per block, two blocks
     recomputable = none["f"] - full["f"]  # what the two blocks save beyond their inputs
@@ -315,3 +315,7 @@ def test_full_recompute_w_keeps_each_groups_recomputation_until_w_ends():
     assert full["b"] - full["f"] == pytest.approx(none["b"] - none["f"], rel=1e-9)
     grown_full, grown_none = full["w"] - full["b"], none["w"] - none["b"]
     assert grown_full - grown_none > 4 * recomputable  # measured 5.9
+    # the planner's copies (18 groups, fp32, fused-norm count: the upcast is the input here)
+    spec = PRESETS["debug"]
+    priced = 2 * memory_zb.weight_recompute_kept_bytes(spec, 1, False, 64, 4.0)
+    assert grown_full == pytest.approx(priced, rel=0.05)  # measured 224 vs 220.5 units

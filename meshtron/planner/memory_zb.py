@@ -40,6 +40,8 @@ and traced tensor by tensor on the V's middle rank, `meshtron rehearse`, 2026-12
 * `backward_state` keeps the stage's inputs to W and B set their `.grad` to the input
   gradient (`stage_backward_input`): one more [tokens, hidden] per waiting micro-batch of a
   non-first stage.
+* Under checkpointed blocks ('full', 'half') each W parameter group recomputes its block and
+  keeps, until W ends, what the nodes W never runs saved (`weight_recompute_kept_bytes`).
 """
 
 from __future__ import annotations
