@@ -94,6 +94,13 @@ KINDS["pp zb"] = dict(pp=2, dp=4, zero=1, schedule="zb", layers=6)
 # second stage's shards twice; -9.0% before B's working set and the waiting W gradients were
 # walked); rank 0: ZB_RANKS
 KINDS["pp zbv"] = dict(pp=2, dp=4, zero=1, schedule="zbv", layers=6)
+# zero bubble with every block checkpointed: each W parameter group recomputes its block and
+# keeps what the nodes W never runs saved until W ends (memory_zb.weight_recompute_kept_bytes):
+# -0.4% measured (-51.8% before: fitsweep's 8B zb + full row); the V: +7.0%, _OVER_COUNTED
+KINDS["pp zb, full recompute"] = dict(pp=2, dp=4, zero=1, schedule="zb", layers=6,
+                                      recompute="full")
+KINDS["pp zbv, full recompute"] = dict(pp=2, dp=4, zero=1, schedule="zbv", layers=6,
+                                       recompute="full")
 
 
 # Known planner over-counts (2026-12-05, branches pipefix + ilvmem; ilvlast located them): the
@@ -105,13 +112,17 @@ KINDS["pp zbv"] = dict(pp=2, dp=4, zero=1, schedule="zbv", layers=6)
 # "half, odd chunks" is the FIRST rank (stages 0, 2; its last rank agrees at +0.3%): +5.1%
 # only with odd chunks under `half`, not the loss (half_odd_bytes / the checkpointed block's
 # backward moment: not isolated). Safe side both: the planner holds more than the rank.
-_OVER_COUNTED = {"pp interleaved, uneven chunks", "pp interleaved half, odd chunks"}
+_OVER_COUNTED = {"pp interleaved, uneven chunks", "pp interleaved half, odd chunks",
+                 # zbv + full (2026-12-05, branch zbrmem): +7.0%, planner over (was -28.9%);
+                 # which moment of the V's W the rehearsal peaks at is not traced yet: open
+                 "pp zbv, full recompute"}
 
 
 def _kind_param(kind: str):
     if kind in _OVER_COUNTED:
         return pytest.param(kind, marks=pytest.mark.xfail(
-            strict=True, reason="uneven: last rank as spread +6.7%; half odd: first rank +5.1%"))
+            strict=True, reason="planner over the rehearsal (uneven: last rank as spread +6.7%; "
+                                "half odd: first rank +5.1%; zbv + full +7.0%)"))
     return kind
 
 

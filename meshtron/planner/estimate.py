@@ -433,8 +433,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # W's gradients wait for the next B where FSDP2 upcasts them into its accumulator
         pending = cb * (w.p_layer + w.p_exp) if w.accum not in (0.0, cb) else 0.0
         work = memory_zb.input_backward_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)
+        every = {"full": 1, "half": 2}.get(w.cfg.recompute, 0)
+        kept = (memory_zb.weight_recompute_kept_bytes(self.model, w.tp, w.cfg.sp, tokens, cb,
+                                                       fused) if every else 0.0)
         return memory_zb.in_flight(w.pp, w.v, w.m, tuple(per_stage), w.act, grad, out_bytes,
-                                   head, w.logits, pending, work)
+                                   head, w.logits, pending, work, kept, max(every, 1))
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak

@@ -40,6 +40,8 @@ and traced tensor by tensor on the V's middle rank, `meshtron rehearse`, 2026-12
 * `backward_state` keeps the stage's inputs to W and B set their `.grad` to the input
   gradient (`stage_backward_input`): one more [tokens, hidden] per waiting micro-batch of a
   non-first stage.
+* Under checkpointed blocks ('full', 'half') each W parameter group recomputes its block and
+  keeps, until W ends, what the nodes W never runs saved (`weight_recompute_kept_bytes`).
 """
 
 from __future__ import annotations
@@ -120,17 +122,49 @@ def head_grad_bytes(model, tp: int, tokens: int, compute_bytes: float,
     return logits * (2.0 if kept_output else 1.0) + tokens * model.hidden * norm_bytes
 
 
+def weight_recompute_kept_bytes(model, tp: int, sp: bool, tokens: int,
+                                compute_bytes: float, fused_norm: bool = True) -> float:
+    """Bytes W keeps per checkpointed layer of a non-first stage at its end, when the layer's
+    block runs under a non-reentrant checkpoint ('full', the recomputed blocks of 'half').
+    Each W parameter group is its own `autograd.grad`, so its own graph task, and
+    torch/utils/checkpoint.py keeps a task's recomputed tensors (`frame.recomputed[gid]`)
+    until the task unpacks them or their holders die with the graph: a group recomputes the
+    whole block and unpacks only its own op's saved tensors (W runs with retain_graph=False,
+    so the nodes it ran release theirs in every task), so what the nodes W never runs saved
+    stays, once per group (`zb_recompute.weight_groups`), until W ends: the attention's q, k
+    (after rope), v and output, the residual stream the MLP norm reads, and the MLP's
+    activation inputs and output (SwiGLU: w1's and w3's outputs and the SiLU's). B leaves
+    none (it unpacks everything it recomputed). Measured on two 'debug' blocks, torch 2.13
+    CPU: 224 [tokens, hidden] fp32 above B's end after 16 of 18 groups, 18 x 12.25 = 220.5
+    here (tests/test_memory_zb.py, docs/measurements.md #zb-full-recompute). The norms: a
+    fused RMSNorm saves its input (the residual; the attention norm's is the checkpoint's
+    input, not recomputed); the composite one (CPU) saves an fp32 upcast of its input instead,
+    a new tensor for both norms when the compute dtype is narrower, and its fp32 rsqrt."""
+    from meshtron.planner.zb_recompute import weight_groups
+
+    h_res = model.hidden / (tp if sp and tp > 1 else 1)
+    q = model.heads * model.head_dim / tp
+    mlp = (3 if model.mlp == "swiglu" else 1) * model.ffn_hidden / tp
+    norms = h_res * compute_bytes
+    if _composite_norm(model, fused_norm) and compute_bytes < 4.0:
+        norms = 2 * (h_res + 1) * 4.0
+    per_token = (2 * q + 2 * model.kv_dim / tp + mlp) * compute_bytes + norms
+    return weight_groups(model) * tokens * per_token
+
+
 @lru_cache(maxsize=4096)
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
          out: float, head: float, loss: float = 0.0, pending: float = 0.0,
-         work: float = 0.0) -> tuple[float, float]:
+         work: float = 0.0, kept: float = 0.0, every: int = 1) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
     chunk output (a received output gradient, an input's gradient), `head` what the last
     stage captures beside its layers' (`head_grad_bytes`), `pending` the weight gradients per
     layer a W leaves until the stage's next B (module docstring; 0 where the accumulator is
-    the gradient itself), `work` B's working set (`input_backward_bytes`). Layer bytes:
+    the gradient itself), `work` B's working set (`input_backward_bytes`), `kept` what a
+    running W keeps per checkpointed layer (`weight_recompute_kept_bytes`; every `every`-th
+    layer of a stage checkpointed: 1 'full', 2 'half'). Layer bytes:
     activations, captured and pending gradients of the layers; other: outputs, received and
     input gradients, the head's captured gradient and B's working set. The walk's moments
     are counted once per order (`_moments`), then weighed here. `loss`: the loss moment's
@@ -148,7 +182,9 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
                + [(layers[s] * (0.0 if s == 0 else grad),
                    (out if s != last else 0.0) + (out if s != 0 else 0.0)
                    + (head if s == last and s != 0 else 0.0)) for s in stages]
-               + [(layers[s] * pending, 0.0) for s in stages] + [(0.0, work)])
+               + [(layers[s] * pending, 0.0) for s in stages]
+               + [((layers[s] // every) * kept if s != 0 else 0.0, 0.0) for s in stages]
+               + [(0.0, work)])
     best = (0.0, float("-inf"))
     for group, less in ((moments, loss if at_loss else 0.0), (at_loss, 0.0)):
         for vec in group:
@@ -165,7 +201,8 @@ def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple,
     moments): each a vector of, per stage of the rank, the micro-batches between their F and
     their W, those of them between B and W, and whether the stage holds a W's weight
     gradients (set by its W, folded by its next B; never for the first stage, whose W is a
-    whole backward), then whether B's working set is alive. F and B only add, W only frees
+    whole backward), whether the stage's W is at its end (its recomputations kept), then
+    whether B's working set is alive. F and B only add, W only frees
     activations, so the peaks are: the end of each B of a non-first stage, its working set
     alive (the stage's own W gradients folded by then but the last block's, which the memory
     model's gathered copies count), and the start and end of each W; of those, the ones no
@@ -176,6 +213,7 @@ def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple,
     stages = tuple(sorted({s for _, s in order}))
     at = {s: i for i, s in enumerate(stages)}
     fw, bw, pend = [0] * len(stages), [0] * len(stages), [0] * len(stages)
+    run = [0] * len(stages)  # W running on the stage: its groups' recomputations kept
     seen: dict[tuple, None] = {}
     at_loss: dict[tuple, None] = {}
     for kind, s in order:
@@ -184,17 +222,20 @@ def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple,
             fw[i] += 1
         elif kind == "B":
             if s == p * v - 1:
-                at_loss[(*fw, *bw, *pend, 0)] = None
+                at_loss[(*fw, *bw, *pend, *run, 0)] = None
             bw[i] += 1
             pend[i] = 0
             if s != 0:  # the first stage runs no B (its W is the whole backward)
-                seen[(*fw, *bw, *pend, 1)] = None
+                seen[(*fw, *bw, *pend, *run, 1)] = None
         else:
-            seen[(*fw, *bw, *pend, 0)] = None
+            seen[(*fw, *bw, *pend, *run, 0)] = None
+            run[i] = 1  # W's end, before it frees: every group's copies alive
+            seen[(*fw, *bw, *pend, *run, 0)] = None
+            run[i] = 0
             fw[i] -= 1
             bw[i] -= 1
             pend[i] = int(s != 0)
-            seen[(*fw, *bw, *pend, 0)] = None
+            seen[(*fw, *bw, *pend, *run, 0)] = None
     return stages, _undominated(seen), _undominated(at_loss)
 
 
@@ -228,7 +269,8 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
               out: float, head: float, loss: float = 0.0, pending: float = 0.0,
-              work: float = 0.0) -> tuple[list[float], list[float]]:
+              work: float = 0.0, kept: float = 0.0,
+              every: int = 1) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
     counting the captured and pending gradients in activation bytes; bytes of the outputs,
     received and input gradients, head gradient and B's working set held then), the
@@ -238,7 +280,8 @@ def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad:
     for s in range(p * v):
         per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
     for r, n_r in enumerate(per_rank):
-        lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work)
+        lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work, kept,
+                        every)
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other
