@@ -104,6 +104,9 @@ PRIVATE_APIS: dict[str, str] = {
         "the rank's peak key of the rehearsal's tracker (rehearse/memory.py)",
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker":
         "rehearsed memory under FSDP2 (rehearse/memory.py)",
+    "torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType":
+        "filing another stage's shards as parameters in the rehearsal's tracker "
+        "(rehearse/memory.py)",
     "torch._subclasses.fake_tensor.FakeTensorMode": "rehearsing without allocating "
                                                     "(rehearse/rank.py)",
     # checkpoints
