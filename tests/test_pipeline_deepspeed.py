@@ -17,6 +17,7 @@ from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.plan import Plan
+from testkit.pipeline_walk import drain
 
 MATCH = {"RA": "SA", "SA": "RA", "SG": "RG", "RG": "SG"}
 
@@ -66,24 +67,21 @@ def walk(p: int, m: int, fwd: list[float], bwd: list[float], hop: float,
     peer's matching instruction that occupies both for `hop` seconds (p2p.send / p2p.recv
     are blocking calls: the stream goes on once the transfer is done)."""
     streams = [train_schedule(p, m, s, swapped) for s in range(p)]
-    pos, clock = [0] * p, [0.0] * p
-    moved = True
-    while moved:
-        moved = False
-        for s in range(p):
-            while pos[s] < len(streams[s]):
-                kind, peer, mb = streams[s][pos[s]]
-                if kind in ("F", "B"):
-                    clock[s] += fwd[s] if kind == "F" else bwd[s]
-                elif (pos[peer] < len(streams[peer])
-                      and streams[peer][pos[peer]] == (MATCH[kind], s, mb)):
-                    clock[s] = clock[peer] = max(clock[s], clock[peer]) + hop
-                    pos[peer] += 1
-                else:
-                    break
-                pos[s] += 1
-                moved = True
-    assert pos == [len(x) for x in streams], "the streams deadlocked"
+    clock = [0.0] * p
+
+    def step(s: int, op: tuple[str, int, int], pos: list[int]) -> bool:
+        kind, peer, mb = op
+        if kind in ("F", "B"):
+            clock[s] += fwd[s] if kind == "F" else bwd[s]
+        elif (pos[peer] < len(streams[peer])
+              and streams[peer][pos[peer]] == (MATCH[kind], s, mb)):
+            clock[s] = clock[peer] = max(clock[s], clock[peer]) + hop
+            pos[peer] += 1
+        else:
+            return False
+        return True
+
+    drain(streams, step)  # asserts that the streams did not deadlock
     return max(clock)
 
 

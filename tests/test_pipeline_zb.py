@@ -18,6 +18,7 @@ import pytest
 
 from meshtron.planner import pipeline, pipeline_zb
 from meshtron.simulate.schedule import device_of, device_orders
+from testkit.pipeline_walk import event_walk
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -39,56 +40,6 @@ def _torch_orders(cls, p: int, v: int, m: int) -> list[list[tuple[str, int, int]
     return [[(_KIND[a.computation_type.value], a.stage_index, a.microbatch_index)
              for a in order[r] if a is not None and a.computation_type.value in _KIND]
             for r in range(p)]
-
-
-def _walk(orders, where, nv: int, f: float, b: float, w: float) -> float:
-    """Makespan of per-rank orders: F after the previous stage's F, B (input gradient, or
-    the whole backward with w = 0) after the next stage's B or, on the last stage, its own
-    F, W after its B; no transfer time."""
-    done: dict[tuple[str, int, int], float] = {}
-    clock, at = [0.0] * len(orders), [0] * len(orders)
-    moved = True
-    while moved:
-        moved = False
-        for r, order in enumerate(orders):
-            while at[r] < len(order):
-                kind, s, j = order[at[r]]
-                dep = {"F": ("F", s - 1, j) if s > 0 else None,
-                       "B": ("B", s + 1, j) if s < nv - 1 else ("F", s, j),
-                       "W": ("B", s, j)}[kind]
-                if dep is not None and dep not in done:
-                    break
-                assert where(s) == r
-                clock[r] = max(clock[r], done[dep] if dep else 0.0) + {"F": f, "B": b,
-                                                                      "W": w}[kind]
-                done[(kind, s, j)] = clock[r]
-                at[r] += 1
-                moved = True
-    assert all(a == len(o) for a, o in zip(at, orders)), "deadlock"
-    return max(clock)
-
-
-def _walk_stages(orders, nv: int, f: list[float], b: list[float]) -> float:
-    """`_walk` with each virtual stage's own forward and whole backward."""
-    done: dict[tuple[str, int, int], float] = {}
-    clock, at = [0.0] * len(orders), [0] * len(orders)
-    moved = True
-    while moved:
-        moved = False
-        for r, order in enumerate(orders):
-            while at[r] < len(order):
-                kind, s, j = order[at[r]]
-                dep = (("F", s - 1, j) if s > 0 else None) if kind == "F" else (
-                    ("B", s + 1, j) if s < nv - 1 else ("F", s, j))
-                if dep is not None and dep not in done:
-                    break
-                clock[r] = max(clock[r], done[dep] if dep else 0.0) + (f if kind == "F"
-                                                                        else b)[s]
-                done[(kind, s, j)] = clock[r]
-                at[r] += 1
-                moved = True
-    assert all(a == len(o) for a, o in zip(at, orders)), "deadlock"
-    return max(clock)
 
 
 def _grid(vs):
@@ -134,7 +85,8 @@ def test_zero_bubble_is_the_walk_of_torchs_order(v):
             continue
         orders = pipeline_zb.orders(p, v, m)
         for f, b, w in ratios:
-            span = _walk(orders, lambda s: pipeline_zb.stage_rank(p, v, s), p * v, f, b, w)
+            span = event_walk(orders, p * v, lambda kind, _: {"F": f, "B": b, "W": w}[kind],
+                              lambda s: pipeline_zb.stage_rank(p, v, s))
             t = v * (f + b + w)
             got = pipeline.bubble_time("zb", v, [t] * p, [v * w] * p, m, [v * f] * p)
             assert m * t + got == pytest.approx(span, rel=1e-9, abs=1e-12), (p, v, m, f, b, w)
@@ -196,8 +148,9 @@ def test_1f1b_interleaved_and_gpipe_bubbles_are_the_walk(schedule, vs):
         if not _runs(v, p, m, looped) or (schedule == "1f1b" and m < p):
             continue  # Schedule1F1B refuses m < p (plan_rules_pipeline too)
         for f, b in ((1.0, 2.0), (1.0, 1.0), (0.3, 1.7)):
-            span = _walk(device_orders(schedule, p, v, m), lambda s: device_of(schedule, p, v, s),
-                         p * v, f, b, 0.0)
+            span = event_walk(device_orders(schedule, p, v, m), p * v,
+                              lambda kind, _: {"F": f, "B": b}[kind],
+                              lambda s: device_of(schedule, p, v, s))
             t = v * (f + b)
             got = pipeline.bubble_time(schedule, v, [t] * p, [0.0] * p, m)
             assert m * t + got == pytest.approx(span, rel=1e-9), (schedule, p, v, m, f, b)
@@ -261,6 +214,7 @@ def test_planner_walks_unequal_interleaved_chunks(batch):
     pieces = step_pieces(Evaluator(model, cluster, batch, 4096, fw.kernel, mem=fw.memory), est)
     m, nv = est.num_microbatches, len(chunks)
     orders = _torch_orders(S.ScheduleInterleaved1F1B, 4, 2, m)
-    span = _walk_stages(orders, nv, pieces.fwd, pieces.bwd)  # bwd: the whole backward
+    span = event_walk(orders, nv,  # bwd: the whole backward
+                      lambda kind, s: (pieces.fwd if kind == "F" else pieces.bwd)[s])
     work = max(sum(pieces.fwd[s] + pieces.bwd[s] for s in range(r, nv, 4)) for r in range(4))
     assert est.time.bubble == pytest.approx(span - m * work, rel=1e-9)

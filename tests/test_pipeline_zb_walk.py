@@ -10,37 +10,19 @@ import random
 import pytest
 
 from meshtron.planner import pipeline_zb
+from testkit.pipeline_walk import event_walk
 
 
 def _reference_walk(p, v, m, f, b, w, hop, schedule):
     """Each rank runs its list in order; an operation starts when the rank's previous one
     has ended and its input has (F: the previous stage's F; B: the next stage's B, or its
-    own F on the last stage; W: its own B), `hop` later when that input ran elsewhere."""
+    own F on the last stage; W: its own B), `hop` later when that input ran elsewhere
+    (testkit.pipeline_walk.event_walk)."""
     nv = p * v
     orders = pipeline_zb.cached_orders(p, v, m, schedule)
     where = [s % p if schedule != "zb" else pipeline_zb.stage_rank(p, v, s) for s in range(nv)]
     dur = {"F": f, "B": b, "W": w}
-    end: dict = {}
-    clock, at = [0.0] * p, [0] * p
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            while at[r] < len(orders[r]):
-                kind, s, j = orders[r][at[r]]
-                dep = {"F": ("F", s - 1, j) if s > 0 else None,
-                       "B": ("B", s + 1, j) if s < nv - 1 else ("F", s, j),
-                       "W": ("B", s, j)}[kind]
-                if dep is not None and dep not in end:
-                    break
-                start = clock[r]
-                if dep is not None:
-                    start = max(start, end[dep] + (hop if where[dep[1]] != r else 0.0))
-                clock[r] = end[(kind, s, j)] = start + dur[kind][s]
-                at[r] += 1
-                moved = True
-    assert all(a == len(o) for a, o in zip(at, orders))
-    return max(end.values())
+    return event_walk(orders, nv, lambda kind, s: dur[kind][s], where.__getitem__, hop)
 
 
 GRID = [(p, v, m, sched) for p in (2, 3, 4) for v in (1, 2, 3) for m in (1, p, 2 * p + 1, 4 * p)
