@@ -31,7 +31,7 @@ from meshtron.planner.compute import layer_cost  # noqa: E402
 
 def _core_step(run) -> float:
     """The planner's attention core of one step on one rank: per layer the forward twice
-    (full AC recomputes it) and the backward (2.5x the forward, compute.py), all layers."""
+    (full AC recomputes it) and the backward (2.5x the forward, compute_core.py), all layers."""
     lc = layer_cost(run.model, run.cluster, run.tp, 1, run.seq_len, run.sp, run.opts,
                     cp=run.cp, dtype=run.dtype, gqa_repeat=True)
     return run.model.layers * 4.5 * lc.core_fwd

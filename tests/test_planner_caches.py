@@ -1,6 +1,6 @@
 """The planner's process-wide memo caches never hand one question's answer to another.
 
-estimate.py, compute.py and moe_cost.py memoise pure pieces of the cost model with
+estimate.py, compute.py, compute_edges.py and moe_cost.py memoise pure pieces of the cost model with
 functools.lru_cache across Evaluators (the searches of one command build several: offload,
 knob alternatives, a pinned layout's fits). A key that misses an input the piece reads (the
 dtype, an attention or stack option, the cluster, the model) would return the answer of an
@@ -135,7 +135,8 @@ def _answer(model, cluster, seq, opts, plan, batch, mem=None):
 
 def test_the_planner_has_process_wide_caches_to_check():
     names = {f.__name__ for f in _process_caches()}
-    # the memoised pieces of estimate.py and compute.py: if they move, this test must follow
+    # the memoised pieces of estimate.py, compute.py and compute_edges.py: if they move,
+    # this test must follow
     assert {"_weighted_in_flight", "_peak_outputs", "_recompute_flops",
             "layer_cost", "head_cost"} <= names
 

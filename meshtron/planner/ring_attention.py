@@ -8,7 +8,7 @@ queries x s_local / 2 keys or the reverse (torch's `_templated_ring_attention` w
 round-robin balancer; Transformer Engine's p2p ring likewise; meshtron's calls, a causal c x c
 diagonal and an unmasked prefix per chunk, split the same FLOPs a little differently and are
 priced with this split). Each call's QK^T and PV are timed by the same head_dim-wide GEMM model
-as the whole-sequence core (compute.py): the FLOPs add up to the causal half of
+as the whole-sequence core (compute_core.py): the FLOPs add up to the causal half of
 s_local x cp * s_local, the shorter calls run at their own shapes' efficiency.
 
 torch's experimental `context_parallel` (torch/distributed/tensor/experimental/_attention.py,
@@ -69,7 +69,7 @@ def ring_core_time(cluster: ClusterSpec, batch_heads: float, s_local: float, cp:
     """(forward, backward, forward of the first call, backward of the first call) seconds of
     a load-balanced context-parallel flash core on one rank, as the kernels are called
     (module docstring): the causal s_local square, then cp - 1 unmasked s_local x s_local / 2
-    pairs; each backward 2.5x its forward (5 GEMMs instead of 2, as compute.py's core)."""
+    pairs; each backward 2.5x its forward (5 GEMMs instead of 2, as compute_core.py's core)."""
     first_f = _call_fwd(cluster, batch_heads, s_local, s_local, head_dim, causal=True)
     rest_f = (cp - 1) * _call_fwd(cluster, batch_heads, s_local, s_local / 2, head_dim,
                                   causal=False)

@@ -3,7 +3,7 @@ see (GEMMs, attention core, memory-bound kernels, FP8 casts, optimizer, the GPU 
 host's launches, exposed communication). Torch-free.
 
 The kinds are the parts `Evaluator.evaluate` adds up, taken apart with the same formulas: the
-layers' and edges' `parts` (compute.py PART_KINDS), times the critical stage's micro-batches
+layers' and edges' `parts` (compute_parts.py PART_KINDS), times the critical stage's micro-batches
 and layers, recomputation included; the gradient accumulation passes; the optimizer step; the
 exposed collectives and the pipeline bubble as the step's TimeBreakdown has them. They add up
 to the step time (`step_categories` checks it). bench/h200_categories.py sets them beside

@@ -1,0 +1,103 @@
+"""The attention core and context parallelism of one layer on one GPU: the core's forward and
+backward seconds (`core_time`), the K/V exchange context parallelism exposes (`cp_exposed`) over
+its group (`cp_group`), and the host launches torch's ring attention adds (`ring_issue`);
+planner/compute.py `layer_cost` adds them to the layer.
+
+Attention core: 'flash' (FlashAttention-2, Dao 2023) skips the masked half of a causal square,
+keeps no s x s matrix in memory, and its backward executes 2.5x the forward's matmul FLOPs (5
+GEMMs instead of 2); its GEMMs are head_dim wide, timed by the same efficiency model; with
+context parallelism, at the shapes of the calls the stack makes (ring_attention.py
+`ring_core_time`); a kernel compiled to Ampere's mma.sync (KernelOptions.flash_isa
+'sm80') at the peak those instructions reach on the GPU (planner/flash_isa.py). 'unfused'
+(Megatron-LM 2019-2022, used by the calibration runs) computes the full square with two batched
+GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
+"""
+
+from __future__ import annotations
+
+from meshtron.planner import comm, flash_isa, host
+from meshtron.planner.cluster import ClusterSpec
+from meshtron.planner.gemm import BF16, cluster_gemm_time
+from meshtron.planner.kernel_options import KernelOptions
+from meshtron.planner.overlap import overlapped
+from meshtron.planner.ring_attention import (
+    ring_core_time, torch_ring_exposed, torch_ring_launches)
+
+
+def ring_issue(cp: int, per_op_s: float, issue_f: float,
+                issue_b: float) -> tuple[float, float]:
+    """Host issue seconds of a layer with torch's ring attention: the plain layer's plus the
+    ring's own ops and collectives (ring_attention.torch_ring_launches), each at a forward
+    op's cost: the ring's backward runs as Python, not in autograd's C++ engine."""
+    ops_f, ops_b, coll_f, coll_b = torch_ring_launches(cp)
+    return issue_f + (ops_f + coll_f) * per_op_s, issue_b + (ops_b + coll_b) * per_op_s
+
+
+def core_time(cluster: ClusterSpec, opts: KernelOptions, batch_heads: float, q_len: float,
+               seq: int, cp: int, hd: int,
+               bw: float) -> tuple[float, float, tuple[float, float, float, float] | None]:
+    """(forward, backward, ring) seconds of the attention core on one rank: `q_len` queries
+    per head against the causal `seq`; `ring`: ring_core_time's four figures where a flash
+    core runs with cp > 1, else None.
+
+    Causal FlashAttention computes about half the square; per head: QK^T and PV, head_dim
+    wide, timed by the GEMM model (with context parallelism the load-balanced split gives
+    every rank 1/cp of the square, in cp calls: ring_attention.ring_core_time). The unfused
+    core computes the full square with two batched GEMMs and moves the scores through HBM."""
+    if opts.attention == "flash" and cp > 1:
+        ring = ring_core_time(cluster, batch_heads, q_len, cp, hd)
+        return ring[0], ring[1], ring
+    one = (cluster_gemm_time(q_len, seq, hd, cluster)
+           + cluster_gemm_time(q_len, hd, seq, cluster))
+    if opts.attention == "flash":
+        if opts.flash_isa != "native":  # its GEMMs at the peak its instructions reach; the
+            # tile model at a lower peak saturates sooner, so it could price short sequences
+            # faster than the native kernel: a slower instruction never is
+            sm = flash_isa.core_cluster(cluster, opts.flash_isa)
+            one = max(one, cluster_gemm_time(q_len, seq, hd, sm)
+                      + cluster_gemm_time(q_len, hd, seq, sm))
+        core_fwd = 0.5 * batch_heads * one
+        return core_fwd, 2.5 * core_fwd, None
+    core_fwd = batch_heads * one
+    # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
+    # read + write 2s bytes each = 4s; with dropout a separate kernel reads the
+    # probabilities, writes the dropped copy and a 1-byte mask: +5s (the tensors of
+    # Korthikanti et al. 2022's activation list). Eager code masks in a kernel of its own
+    # before the softmax: +4s. The GEMMs' own reads and writes of the scores are in their
+    # roofline.
+    per_score = (9 if opts.dropout else 4) + (4 if opts.stack == "eager" else 0)
+    core_fwd += per_score * batch_heads * seq * q_len / bw  # q_len x seq scores per head
+    core_bwd = 2.0 * core_fwd
+    if opts.score_bias_copy:  # baddbmm(bias, ...): the bias copied in, read by the GEMM
+        core_fwd += 4 * batch_heads * seq * q_len / bw
+    return core_fwd, core_bwd, None
+
+
+def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtype: str,
+                tp: int, cp: int, kv_elems: float, core_fwd: float, core_bwd: float,
+                ring: tuple[float, float, float, float] | None) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of context parallelism's K/V exchange for
+    `kv_elems` K (= V) elements on this rank. K/V of the local tokens travel to the other
+    cp-1 ranks (ring: cp-1 p2p steps of the local K/V chunk; all-gather: the same volume),
+    their gradients come back in the backward (Liu et al. 2023 "Ring Attention";
+    Megatron-Core context parallelism docs). `ring` (torch's ring attention, with its
+    calls' times): its own collectives, ring_attention.py; else hidden behind the core
+    where the stack overlaps them (`cp_overlap`), exposed otherwise."""
+    kv_bytes = (4.0 if dtype == "fp32" else BF16) * 2 * kv_elems
+    cpg = cp_group(tp, cp, cluster.gpus_per_node)
+    nccl = host.sm_interference(cluster, cpg.nodes > 1)
+    if ring is not None:
+        return torch_ring_exposed(kv_elems, cp, cpg, fab, ring[2], ring[3],
+                                  core_bwd - ring[3], nccl)
+    cp_f = comm.all_gather(kv_bytes * cp, cpg, fab)
+    cp_b = comm.reduce_scatter(kv_bytes * cp, cpg, fab)
+    if opts.cp_overlap:
+        return overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
+    return cp_f, cp_b
+
+
+def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:
+    """The context-parallel Group: cp ranks tp apart (mesh order ..., "cp", "tp")."""
+    from meshtron.planner.placement import MESH_AXES_CP, Placement
+
+    return Placement(MESH_AXES_CP, (1, 1, 1, cp, tp), gpus_per_node).group("cp")

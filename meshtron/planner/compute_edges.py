@@ -1,0 +1,139 @@
+"""The pipeline's edges on one GPU: the embedding (first stage), the final norm + LM head +
+loss (last stage), and what meshtron's chunked cross-entropy adds to the head, each for one
+micro-batch, as EdgeCosts (planner/compute_parts.py) or parts by kind."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner import comm, host
+from meshtron.planner.cluster import ClusterSpec
+from meshtron.planner.compute_parts import EdgeCost, compute_dtypes
+from meshtron.planner.elementwise import NORM_BYTES, NORM_KERNELS, norm_key
+from meshtron.planner.gemm import (
+    BF16, HBM_EFFICIENCY, cluster_gemm_time, dispatch_s, membound_bytes_per_s)
+from meshtron.planner.placement import tp_group
+
+
+def loss_bytes(stack: str) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per logit of the cross-entropy (head_cost's docstring):
+    eager PyTorch's fp32 cast and log-softmax, or one fused kernel."""
+    return (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
+
+
+def _head_inputs(cluster: ClusterSpec, micro_batch: int, seq: int, cp: int, dtype: str,
+                 stack: str) -> tuple[ClusterSpec, float, float]:
+    """(cluster at the head's dtype, memory-bound bytes/s, tokens on this rank): FP8 recipes
+    keep the head in bf16 (compute_dtypes)."""
+    cl = cluster.at_dtype(compute_dtypes(dtype)[1])
+    return cl, membound_bytes_per_s(cl, stack), micro_batch * seq / cp
+
+
+@lru_cache(maxsize=4096)
+def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
+              sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16",
+              eager_norm: str = "aten") -> EdgeCost:
+    """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
+
+    The head GEMM is [tokens, h] x [h, V/tp]; the fused loss reads bf16 logits and writes fp32
+    probabilities (6 bytes per logit) forward, and the reverse backward; eager PyTorch casts the
+    logits to fp32 (2+4), runs log-softmax (4+4) and, backward, its gradient (4+4+4) and the cast
+    back (4+2): 14 bytes per logit forward, 18 backward (Megatron's
+    vocab-parallel cross-entropy; only 3 floats per token cross the tensor group, in three
+    fp32 all-reduces: max logit, target logit, sum of exponentials).
+
+    Tensor-parallel traffic of the head's input (Shoeybi et al. 2019, the f/g operators;
+    Korthikanti et al. 2022, section 4.2.2): without sequence parallelism the replicated input
+    enters the vocabulary-parallel GEMM through an identity whose backward all-reduces the
+    input gradient [tokens, h]; with it, the sequence-sharded input is all-gathered forward and
+    its gradient reduce-scattered backward.
+
+    With context parallelism a rank holds 1/cp of the tokens; FP8 recipes keep the head in bf16.
+    """
+    cluster, hbm, tokens = _head_inputs(cluster, micro_batch, seq, cp, dtype, stack)
+    gemm = cluster_gemm_time(tokens, model.vocab / tp, model.hidden, cluster)
+    logits = tokens * model.vocab / tp
+    loss_f, loss_b = loss_bytes(stack)
+    norm_b = NORM_BYTES[norm_key(stack, eager_norm, model.norm)]
+    norm = tokens * norm_b * model.hidden / (tp if sp else 1) / hbm
+    fwd_c = gemm + logits * loss_f / hbm + norm
+    compute = fwd_c + 2 * gemm + logits * loss_b / hbm + 2 * norm
+    fab = comm.Fabric.of(cluster)
+    group = tp_group(tp, cluster.gpus_per_node)
+    nbytes = BF16 * tokens * model.hidden
+    loss_ar = 3 * comm.all_reduce(4.0 * tokens, group, fab)
+    if sp:
+        tp_f = comm.all_gather(nbytes, group, fab) + loss_ar
+        tp_b = comm.reduce_scatter(nbytes, group, fab)
+    else:
+        tp_f = loss_ar
+        tp_b = comm.all_reduce(nbytes, group, fab)
+    # launches (planner/host.py): the norm, the head GEMM and the loss (eager: cast,
+    # log-softmax, target gather, mean; fused: one kernel), the loss's all-reduces with tp
+    kernels = (NORM_KERNELS[norm_key(stack, eager_norm, model.norm)] + 1
+               + (4 if stack == "eager" else 1))
+    colls = (3 if tp > 1 else 0) + (1 if sp and tp > 1 else 0)
+    issue_f, issue_b = host.layer_issue(kernels, colls, dispatch_s(cluster))
+    wait_f = host.launch_bound(fwd_c + tp_f, issue_f)
+    wait_b = host.launch_bound(compute - fwd_c + tp_b, issue_b)
+    fwd_c += wait_f
+    compute += wait_f + wait_b
+    parts = (("gemm", 3 * gemm),
+             ("elementwise", logits * (loss_f + loss_b) / hbm + 3 * norm),
+             ("host_wait", wait_f + wait_b))
+    return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm, parts=parts)
+
+
+@lru_cache(maxsize=4096)
+def chunked_loss_parts(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
+                       cp: int = 1, dtype: str = "bf16",
+                       stack: str = "eager") -> tuple[tuple[str, float], ...]:
+    """Seconds meshtron's chunked cross-entropy (meshtron/model/loss.py, tp = 1 without a
+    pipeline) adds to `head_cost` per micro-batch, by kind (PART_KINDS). It runs the head and
+    the loss on chunks of tokens/ceil(vocab/hidden) tokens under activation checkpointing, so
+    the backward (1) replays each chunk's head GEMM and loss forward, (2) computes the head's
+    weight gradient chunk by chunk, a [vocab, hidden] product over only `chunk` tokens each
+    (bound by writing its output), and (3) autograd sums the chunks' weight gradients, one
+    add of a [vocab, hidden] tensor per chunk after the first (read both, write the sum).
+    The GEMMs of (1) and (2) are 'gemm', the loss replay and (3) 'elementwise'."""
+    cl, hbm, tokens = _head_inputs(cluster, micro_batch, seq, cp, dtype, stack)
+    v, h = model.vocab, model.hidden
+    chunk = math.ceil(tokens / math.ceil(v / h))
+    chunks = math.ceil(tokens / chunk)
+    wgrad = chunks * cluster_gemm_time(v, h, chunk, cl) - cluster_gemm_time(v, h, tokens, cl)
+    gemm = cluster_gemm_time(tokens, v, h, cl) + max(0.0, wgrad)
+    loss = tokens * v * loss_bytes(stack)[0] / hbm  # the replayed forward's loss
+    elem = 4.0 if dtype == "fp32" else BF16
+    grad_sum = (chunks - 1) * 3.0 * elem * v * h / (cl.hbm_bytes_per_s * HBM_EFFICIENCY)
+    return (("gemm", gemm), ("elementwise", loss + grad_sum))
+
+
+def chunked_loss_extra(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
+                       cp: int = 1, dtype: str = "bf16", stack: str = "eager") -> float:
+    """`chunked_loss_parts` in all: seconds per micro-batch."""
+    return sum(s for _, s in chunked_loss_parts(model, cluster, micro_batch, seq, cp, dtype,
+                                                stack))
+
+
+@lru_cache(maxsize=4096)
+def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
+                   sp: bool, cp: int = 1) -> EdgeCost:
+    """Vocabulary-parallel embedding lookup: write [tokens, h] forward, scatter-add backward,
+    plus the all-reduce (reduce-scatter with SP) that combines the vocabulary shards forward;
+    with SP the backward all-gathers the sequence-sharded gradient (the conjugate of the
+    reduce-scatter, Korthikanti et al. 2022, section 4.2.2), without it the backward is local."""
+    hbm = cluster.hbm_bytes_per_s * HBM_EFFICIENCY
+    tokens = micro_batch * seq / cp
+    nbytes = BF16 * tokens * model.hidden
+    compute = 3 * nbytes / hbm
+    fab = comm.Fabric.of(cluster)
+    group = tp_group(tp, cluster.gpus_per_node)
+    if sp:
+        tp_f = comm.reduce_scatter(nbytes, group, fab)
+        tp_b = comm.all_gather(nbytes, group, fab)
+    else:
+        tp_f, tp_b = comm.all_reduce(nbytes, group, fab), 0.0
+    return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=nbytes / hbm + tp_f, wgrad=0.0,
+                    parts=(("elementwise", compute),))

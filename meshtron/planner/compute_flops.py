@@ -1,0 +1,51 @@
+"""FLOPs of a training step: model FLOPs, what recomputation executes again, and the dense
+model a mixture of experts computes like (`active_equivalent`, what the layer cost prices).
+
+Counting. Model FLOPs follow `ModelSpec.flops_per_token` (6N plus the attention square; Kaplan et
+al. 2020; Narayanan et al. 2021, eq. 3). Hardware FLOPs add what recomputation executes again:
+full recomputation repeats every layer's forward pass (Chen et al. 2016; Narayanan et al. 2021
+count it as 4x forward instead of 3x), selective recomputation repeats only the attention core
+QK^T / softmax / AV (Korthikanti et al. 2022, section 5). FlashAttention's own recomputation
+inside its backward kernel is not counted as hardware FLOPs, as is customary.
+"""
+
+from __future__ import annotations
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.compute_parts import recompute_share
+
+
+def active_equivalent(model: ModelSpec) -> ModelSpec:
+    """The dense model that computes what a token of `model` computes: a mixture of experts
+    becomes one SwiGLU per block of the mean active width (top_k routed experts + shared
+    experts, the router's E outputs as E/3 more columns of the three GEMMs: same FLOPs), so
+    GEMM time, memory-bound traffic and saved activations count active parameters only
+    (memory counts all of them: `memory.layer_params_local`). What the experts cost beyond
+    it (grouped GEMMs of the per-expert rows, permutation copies, routing imbalance, the
+    expert-parallel all-to-alls) is planner/moe_cost.py's. A dense model is returned
+    unchanged."""
+    if not model.is_moe:
+        return model
+    moe = (model.moe_top_k + model.moe_shared_experts) * model.moe_ffn_hidden \
+        + model.moe_experts / 3.0
+    width = (model.moe_dense_layers * model.ffn_hidden + model.moe_layers * moe) / model.layers
+    return model.replace(ffn_hidden=max(1, round(width)), mlp="swiglu", moe_experts=0,
+                         moe_top_k=0, moe_ffn_hidden=0, moe_shared_experts=0,
+                         moe_dense_layers=0, moe_aux_loss=0.0, moe_bias_update=0.0)
+
+
+def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:
+    """Model FLOPs of one optimizer step (forward + backward, no recomputation)."""
+    return model.flops_per_token(seq) * tokens
+
+
+def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
+    """FLOPs executed again by recomputation, per token (see module docstring)."""
+    core = 4.0 * model.layers * model.hidden * seq  # QK^T + AV forward, full square
+    share = recompute_share(recompute)
+    if share:
+        # active parameters only: recomputation replays the experts a token ran through
+        return share * (2.0 * model.block_matmul_params(active=True) + core)
+    if recompute == "selective" and attention == "unfused":
+        return core
+    return 0.0

@@ -1,0 +1,94 @@
+"""What a layer's and an edge's (embedding, head) seconds are made of: the cost records the
+planner sums (`LayerCost`, `EdgeCost`, by kind: PART_KINDS), the dtype each part computes in,
+and the share of a forward pass that recomputation runs again. planner/compute.py prices a
+layer into a LayerCost, planner/compute_edges.py the embedding and the head into EdgeCosts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PART_KINDS = ("gemm", "attention", "elementwise", "fp8_cast", "host_wait")
+"""What a layer's or an edge's compute seconds are made of: GEMMs (block linears, the head),
+the attention core, memory-bound kernels, FP8 quantisation, and the GPU waiting on the host's
+launches (host.launch_bound) or its synchronisations."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds one GPU spends on one transformer layer for one micro-batch."""
+
+    fwd: float
+    """Forward compute (GEMMs, attention core, memory-bound kernels)."""
+    bwd: float
+    """Backward compute (input and weight gradients)."""
+    wgrad: float
+    """Part of `bwd` that computes weight gradients (deferrable by zero-bubble schedules)."""
+    linear_fwd: float
+    """Part of `fwd` that runs the block GEMMs (what a selective policy that keeps matmul
+    outputs does not run again). Equal to `wgrad` unless the backward GEMMs run another
+    kernel than the forward one (FP8 without fast accumulation:
+    KernelOptions.fp8_split_accum_bwd)."""
+    core_fwd: float
+    """Forward of the attention core alone (what selective recomputation repeats)."""
+    tp_fwd: float
+    """Tensor-parallel communication of the forward pass (2 all-reduces, or RS+AG with SP)."""
+    tp_bwd: float
+    """Tensor-parallel communication of the backward pass."""
+    parts: tuple[tuple[str, float, float], ...] = ()
+    """(kind, forward seconds, backward seconds) that `fwd` and `bwd` are the sums of, kind
+    one of PART_KINDS: where the layer's time goes, for planner/step_categories.py."""
+
+    def parts_per_microbatch(self, recompute: str, attention: str) -> dict[str, float]:
+        """`parts` over one micro-batch's forward, backward and what recomputation repeats,
+        by kind: they add up to `per_microbatch`'s compute."""
+        share = recompute_share(recompute)
+        out = {kind: f * (1.0 + share) + b for kind, f, b in self.parts}
+        if recompute == "selective" and attention == "unfused":
+            out["attention"] = out.get("attention", 0.0) + self.core_fwd
+        return out
+
+    def per_microbatch(self, recompute: str, attention: str) -> tuple[float, float, float, float]:
+        """(compute, tp comm, forward part, weight-grad part) of fwd+bwd with recomputation."""
+        compute = self.fwd + self.bwd
+        tpc = self.tp_fwd + self.tp_bwd
+        share = recompute_share(recompute)
+        if share:
+            compute += share * self.fwd
+            tpc += share * self.tp_fwd
+        elif recompute == "selective" and attention == "unfused":
+            compute += self.core_fwd
+        return compute, tpc, self.fwd + self.tp_fwd, self.wgrad
+
+
+@dataclass(frozen=True)
+class EdgeCost:
+    """Seconds for the embedding (first stage) or the final norm + LM head + loss (last stage)."""
+
+    compute: float
+    """Forward + backward compute for one micro-batch."""
+    tp: float
+    """Tensor-parallel communication for one micro-batch."""
+    fwd: float
+    """Forward part (compute + comm) of the above."""
+    wgrad: float
+    """Weight-gradient part of `compute`."""
+    parts: tuple[tuple[str, float], ...] = ()
+    """(kind, seconds) that `compute` is the sum of, kind one of PART_KINDS."""
+
+
+def compute_dtypes(dtype: str) -> tuple[str, str]:
+    """(dtype of the blocks' linear GEMMs, dtype of everything else): FP8 recipes (Transformer
+    Engine's fp8_autocast around the blocks' Linear layers, torchao float8 on nn.Linear in the
+    blocks) keep the attention core, the output head and the small GEMMs in bf16."""
+    if dtype == "fp8":
+        return "fp8", "bf16"
+    return dtype, dtype
+
+
+
+
+def recompute_share(recompute: str) -> float:
+    """Forward passes recomputation runs again per block: 1 with 'full' (Chen et al. 2016),
+    0.5 with 'half' (every second block checkpointed, parallel/recompute.py), 0 otherwise
+    ('selective' repeats only the unfused attention core: LayerCost.core_fwd)."""
+    return {"full": 1.0, "half": 0.5}.get(recompute, 0.0)
