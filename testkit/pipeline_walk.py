@@ -33,12 +33,15 @@ def drain(streams: Sequence[Sequence], step: Callable[[int, object, list[int]], 
 
 
 def event_walk(orders: Sequence[Sequence[Op]], nv: int, seconds: Callable[[str, int], float],
-               where: Callable[[int], int] | None = None, hop: float = 0.0) -> float:
-    """Makespan of per-rank orders over `nv` virtual stages: an operation starts when its rank
-    has ended the previous one and its input exists (F: the previous stage's F; B: the next
-    stage's B or, on the last stage, its own F; W: its own B), `hop` later when that input
-    ran on another rank. `seconds(kind, stage)`: the operation's duration; `where(stage)`:
-    the rank that runs a stage (checked against the orders; needed for `hop`)."""
+               where: Callable[[int], int] | None = None, hop: float = 0.0,
+               stall: Callable[[int, Op], float] | None = None) -> float:
+    """Makespan (the latest rank's clock, stalls included) of per-rank orders over `nv`
+    virtual stages: an operation starts when its rank has ended the previous one and its
+    input exists (F: the previous stage's F; B: the next stage's B or, on the last stage, its
+    own F; W: its own B), `hop` later when that input ran on another rank. `seconds(kind, stage)`: the operation's duration; `where(stage)`:
+    the rank that runs a stage (checked against the orders; needed for `hop`);
+    `stall(rank, op)`: seconds the rank's stream stays blocked after `op` has produced its
+    output (a collective it waits on), 0 where None."""
     end: dict[Op, float] = {}
     clock = [0.0] * len(orders)
 
@@ -54,7 +57,9 @@ def event_walk(orders: Sequence[Sequence[Op]], nv: int, seconds: Callable[[str, 
         if dep is not None:
             start = max(start, end[dep] + (hop if where and where(dep[1]) != r else 0.0))
         clock[r] = end[op] = start + seconds(kind, s)
+        if stall is not None:
+            clock[r] += stall(r, op)
         return True
 
     drain(orders, step)
-    return max(end.values())
+    return max(clock)

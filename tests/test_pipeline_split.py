@@ -17,6 +17,7 @@ from meshtron.planner.frameworks import preset
 from meshtron.planner.memory import layer_params_local
 from meshtron.planner.pipeline_split import chunks, deepspeed_split, megatron_split
 from meshtron.planner.plan_rules import plan_problems, split_problem
+from testkit.pipeline_walk import event_walk
 from testkit.plan_cli import plan_cli  # noqa: F401  (fixture)
 
 L405 = ("--model", "llama3-405b", "--cluster", "dgx-h100:64", "--global-batch", "512",
@@ -383,28 +384,9 @@ def _drain_walk(p: int, v: int, m: int, f: float, b: float, stall: list[float],
     from meshtron.simulate.schedule import device_orders
 
     orders = device_orders(schedule if v > 1 else "1f1b", p, v, m)
-    last = {s: k for order in orders for k, (kind, s, _) in enumerate(order) if kind == "B"}
-    n, done, clock, at = p * v, {}, [0.0] * p, [0] * p
-    moved = True
-    while moved:
-        moved = False
-        for d in range(p):
-            while at[d] < len(orders[d]):
-                kind, s, j = orders[d][at[d]]
-                if kind == "F":
-                    ready = done.get(("F", s - 1, j)) if s > 0 else 0.0
-                else:
-                    ready = done.get(("B", s + 1, j)) if s < n - 1 else done.get(("F", s, j))
-                if ready is None:
-                    break
-                clock[d] = max(clock[d], ready) + (f if kind == "F" else b)
-                done[(kind, s, j)] = clock[d]
-                if kind == "B" and last[s] == at[d]:
-                    clock[d] += stall[d]
-                at[d] += 1
-                moved = True
-    assert all(a == len(o) for a, o in zip(at, orders))
-    return max(clock)
+    last = {s: (kind, s, j) for order in orders for kind, s, j in order if kind == "B"}
+    return event_walk(orders, p * v, lambda kind, _: f if kind == "F" else b,
+                      stall=lambda r, op: stall[r] if last[op[1]] == op else 0.0)
 
 
 @pytest.mark.parametrize("schedule,p,v,m", [
