@@ -75,6 +75,7 @@ estimate_stage.py, the data-parallel costs in dp_cost.py, the results in estimat
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from meshtron.errors import UserError
@@ -101,6 +102,14 @@ EAGER_OPTIMIZER_BYTES_PER_PARAM = 86.0
 weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (4+4, 4+4+4),
 sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
 of the fp32 master (4+2): 86 bytes per parameter."""
+
+@functools.lru_cache(maxsize=8192, typed=True)
+def _last_rank_moments(pp: int, v: int, m: int, layers: tuple[int, ...], act: float,
+                       grad: float, out: float, extra: int, odd: float) -> tuple:
+    """memory_pipeline.last_rank_moments, memoised as estimate_pieces.py's walks are."""
+    return memory_pipeline.last_rank_moments(pp, v, m, list(layers), act, grad, out, extra,
+                                             odd)
+
 
 class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
@@ -312,10 +321,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         return w.cache_b * max(0.0, w.blocks[i][0] + w.blocks[i][1] - w.not_gemm)
 
     def _stage_memories(self, w: Work, inflight: list[float],
-                        ranks: list[int] | None = None) -> tuple[list[float], list[float]]:
+                        ranks: list[int] | None = None, outputs: list[float] | None = None,
+                        moments: list[str | None] | None = None
+                        ) -> tuple[list[float], list[float]]:
         """(bytes per layer, fixed bytes) of every pipeline stage (memory.stage_memory);
         `ranks`: only those recomputed, the others kept from w.per_layer / w.fixed (a walk
-        that changed some ranks' in-flight count or held outputs leaves the rest as they were)."""
+        that changed some ranks' in-flight count or held outputs leaves the rest as they were);
+        `outputs`, `moments`: per rank, instead of w.outputs and w.moments."""
         pp, blocks = w.pp, w.blocks
         per_layer = list(w.per_layer) if ranks is not None else [0.0] * pp
         fixed = list(w.fixed) if ranks is not None else [0.0] * pp
@@ -325,8 +337,9 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         head, mem_opts, zero, dp, states, largest = (w.head_rank, w.mem_opts, w.zero,
                                                      w.shard_dp, w.states, w.largest)
         grad_bytes, keep, accum, e_states = self.grad_bytes, w.keep, w.accum, w.e_states
-        roots, root_units, outputs, reduce_bytes = (w.roots, w.root_units, w.outputs,
-                                                    w.reduce_bytes)
+        roots, root_units, reduce_bytes = w.roots, w.root_units, w.reduce_bytes
+        outputs = w.outputs if outputs is None else outputs
+        moments = (w.moments or [None] * pp) if moments is None else moments
         cache_b, not_gemm = w.cache_b, w.not_gemm  # `_te_cache`, written out
         for i in range(pp) if ranks is None else ranks:
             b = blocks[i]
@@ -334,7 +347,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 mem_opts, zero, dp, states, b[0], roots[i], largest, b[2], inflight[i], b[3],
                 w.logits if i == head else 0.0, grad_bytes, keep, accum, b[1], e_states,
                 root_units[i], reduce_bytes, w.grad_extra if i == 0 else 0.0, outputs[i],
-                cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum)
+                cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum, moments[i])
         return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
@@ -411,9 +424,18 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         low = self._in_flight_lower_bound(w.pp, w.v, w.m, self._chunks(w), w.act,
                                           w.accum * (w.p_layer + w.p_exp), w.extra_warm)
         fsdp2 = w.mem_opts.framework == "fsdp2"
+        last = w.pp - 1 if self._last_rank(w, self._chunks(w)) else None
         for r, (k, a, f) in enumerate(zip(w.n, w.per_layer, w.fixed)):
             a_low = a + w.blocks[r][2] * (low[r] - w.inflight[r])
-            f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
+            if r == last:
+                # priced at the larger of its loss and its fullest moment: the loss's walk
+                # can hold less than `low`, the fullest's never (memory_pipeline.
+                # last_rank_moments), so its bytes alone, with no outputs walked but the
+                # receive buffers
+                f = self._stage_memories(w, w.inflight, [r], moments=[None] * r + ["block"])
+                f_low = f[1][r] - (w.outputs[r] - w.recv[r] if fsdp2 else 0.0)
+            else:
+                f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
             if k * a_low + f_low > w.budget:
                 return False
         return True
@@ -465,10 +487,12 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes, odd)
             + w.recv[r] if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
-        if weighted != inflight or walked != outputs:
-            changed = [r for r in range(pp)
-                       if weighted[r] != inflight[r] or walked[r] != outputs[r]]
-            w.inflight, outputs[:] = weighted, walked
+        # ...and the last rank's at the larger of its loss moment and its fullest one
+        moments = self._last_rank_moment(w, chunks, grad, odd, weighted, walked)
+        if weighted != inflight or walked != outputs or moments:
+            changed = [r for r in range(pp) if weighted[r] != inflight[r]
+                       or walked[r] != outputs[r] or (moments and moments[r])]
+            w.inflight, outputs[:], w.moments = weighted, walked, moments
             w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight,
                                                                            changed)
             # the walk can also lower a rank's memory (a light first chunk): the split's
@@ -476,6 +500,40 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             w.fits = all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
         # the walk's figure is the fit decision, the search's as the pinned answer's
         return w.fits or keep_infeasible
+
+    def _last_rank(self, w: Work, chunks: list[int]) -> list[int] | None:
+        """The layers of the interleaved last rank's chunks when its loss moment and its
+        fullest one are priced apart (it holds the loss and some layers); else None."""
+        r = w.pp - 1
+        layers = [chunks[c * w.pp + r] for c in range(w.v)]
+        return layers if w.head_rank == r and sum(layers) and w.logits and w.act else None
+
+    def _last_rank_moment(self, w: Work, chunks: list[int], grad: float, odd: float,
+                          weighted: list[float], walked: list[float]) -> list[str | None]:
+        """The interleaved last rank at the larger of its loss moment and its fullest one
+        (memory_pipeline.last_rank_moments: the loss comes when fewer micro-batches are in
+        flight), each with its own multiplier, kept outputs and moment bytes
+        (memory.MOMENTS): the winner's written into `weighted` and `walked`; returns the
+        ranks' moments (empty: the last rank's peak is not priced apart)."""
+        layers = self._last_rank(w, chunks)
+        if layers is None:
+            return []
+        pp, r, n, act = w.pp, w.pp - 1, sum(layers), w.act
+        fsdp2 = w.mem_opts.framework == "fsdp2"
+        out = w.out_bytes if fsdp2 else 0.0  # Megatron frees them; DeepSpeed's as counted
+        best: tuple = ()
+        for moment, (held, outs) in zip(("block", "loss"), _last_rank_moments(
+                pp, w.v, w.m, tuple(layers), act, grad, out, w.extra_warm, odd)):
+            mult = (held - grad * n) / (act * n)  # beside every layer's gradients, as weighted
+            kept = out * outs + w.recv[r] if fsdp2 else w.outputs[r]
+            moments = [None] * r + [moment]
+            per_layer, fixed = self._stage_memories(w, weighted[:r] + [mult], [r],
+                                                    walked[:r] + [kept], moments)
+            total = w.n[r] * per_layer[r] + fixed[r]
+            if not best or total > best[0]:
+                best = (total, mult, kept, moments)
+        _, weighted[r], walked[r], moments = best
+        return moments
 
     def _half_odd(self, w: Work) -> float:
         """Under `half` recomputation, what a chunk of an odd layer count holds beyond `act`
@@ -518,7 +576,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                                self.grad_bytes, w.keep, w.accum, b_exp, w.e_states,
                                w.root_units[worst], w.reduce_bytes,
                                w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
-                               self._te_cache(w, worst), w.extra_accum)
+                               self._te_cache(w, worst), w.extra_accum,
+                               w.moments[worst] if w.moments else None)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits
