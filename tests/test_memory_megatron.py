@@ -6,6 +6,7 @@ differ only in it, so a double count or a term priced at the wrong width fails."
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -266,3 +267,17 @@ def test_an_embedding_only_first_chunk_holds_what_megatrons_order_holds():
         assert (bd.logits > 0) == (s == 15)
         assert (bd.activations + bd.in_flight) * memory.GIB == pytest.approx(held * act,
                                                                              rel=1e-9)
+
+
+def test_the_last_ranks_loss_moments_are_megatrons():
+    """memory_pipeline.last_rank_moments' two walks against Megatron-Core's own table
+    (`_megatron_peak_layers`, written from schedules.py): the last rank's fullest moment and
+    its loss moments (the starts of its chunk v - 1's backwards), in layer-micro-batches, on
+    every uneven chunk layout of a few schedules (m a multiple of p, as Megatron requires
+    below p micro-batches per group)."""
+    for p, v, m in ((2, 2, 12), (4, 2, 8), (4, 3, 16), (8, 4, 16), (3, 5, 9)):
+        for layers in itertools.product((0, 1, 2), repeat=v):
+            (full, _), (loss, _) = memory_pipeline.last_rank_moments(p, v, m, list(layers),
+                                                                     1.0, 0.0, 0.0)
+            assert full == _megatron_peak_layers(p, v, m, p - 1, list(layers))
+            assert loss == _megatron_peak_layers(p, v, m, p - 1, list(layers), at_loss=True)

@@ -166,23 +166,27 @@ def last_rank_moments(p: int, v: int, m: int, layers: list[int], act: float, gra
     sends = [1 if c != v - 1 else 0 for c in range(v)]
     accumulated = [False] * v
     now, outs = 0.0, 0
-    best = loss = (float("-inf"), 0.0, 0)  # (held + outputs' bytes, held, outputs)
+    # (held + outputs' bytes, held, outputs) at the first moment of the largest of each kind
+    best = loss = (float("-inf"), 0.0, 0)
     for c in visits[:warm]:  # the warm-up: forwards only
         now += held[c]
         outs += sends[c]
-        best = max(best, (now + outs * out, now, outs))
+        if now + outs * out > best[0]:
+            best = (now + outs * out, now, outs)
     for c, f in zip(visits[warm:] + [-1] * warm, visits):
         if c >= 0:  # forward k, then backward k - warm (of chunk v - 1 - f)
             now += held[c]
             outs += sends[c]
-            best = max(best, (now + outs * out, now, outs))
+            if now + outs * out > best[0]:
+                best = (now + outs * out, now, outs)
         b = v - 1 - f
-        if b == v - 1:
-            loss = max(loss, (now + outs * out, now, outs))
+        if b == v - 1 and now + outs * out > loss[0]:
+            loss = (now + outs * out, now, outs)
         if not accumulated[b]:  # its first backward makes the chunk's gradients
             accumulated[b] = True
             now += grad * layers[b]
-            best = max(best, (now + outs * out, now, outs))
+            if now + outs * out > best[0]:
+                best = (now + outs * out, now, outs)
         now -= held[b]
         outs -= sends[b]
     return (best[1], best[2]), (loss[1], loss[2])
