@@ -75,7 +75,6 @@ estimate_stage.py, the data-parallel costs in dp_cost.py, the results in estimat
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from meshtron.errors import UserError
@@ -89,6 +88,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
+from meshtron.planner.estimate_moments import LastRankMoments
 from meshtron.planner.estimate_stage import StageCosts, given_partition
 from meshtron.planner.estimate_time import StepTimes
 from meshtron.planner.estimate_work import Work
@@ -103,15 +103,7 @@ weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (
 sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
 of the fp32 master (4+2): 86 bytes per parameter."""
 
-@functools.lru_cache(maxsize=8192, typed=True)
-def _last_rank_moments(pp: int, v: int, m: int, layers: tuple[int, ...], act: float,
-                       grad: float, out: float, extra: int, odd: float) -> tuple:
-    """memory_pipeline.last_rank_moments, memoised as estimate_pieces.py's walks are."""
-    return memory_pipeline.last_rank_moments(pp, v, m, list(layers), act, grad, out, extra,
-                                             odd)
-
-
-class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
+class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMoments):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -481,8 +473,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
                                             w.extra_warm, odd)
         # the chunk outputs torch's pipelining holds at that moment, not at the even spread's
-        # most (the last rank's peak is its loss, whose moment the walk does not single out:
-        # as spread); Megatron frees them once sent (deallocate_output_tensor): none
+        # most (the last rank's: at its own moments, below); Megatron frees them once sent
+        # (deallocate_output_tensor): none
         walked = [out_bytes * self._peak_outputs(
             pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes, odd)
             + w.recv[r] if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
@@ -500,40 +492,6 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             w.fits = all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
         # the walk's figure is the fit decision, the search's as the pinned answer's
         return w.fits or keep_infeasible
-
-    def _last_rank(self, w: Work, chunks: list[int]) -> list[int] | None:
-        """The layers of the interleaved last rank's chunks when its loss moment and its
-        fullest one are priced apart (it holds the loss and some layers); else None."""
-        r = w.pp - 1
-        layers = [chunks[c * w.pp + r] for c in range(w.v)]
-        return layers if w.head_rank == r and sum(layers) and w.logits and w.act else None
-
-    def _last_rank_moment(self, w: Work, chunks: list[int], grad: float, odd: float,
-                          weighted: list[float], walked: list[float]) -> list[str | None]:
-        """The interleaved last rank at the larger of its loss moment and its fullest one
-        (memory_pipeline.last_rank_moments: the loss comes when fewer micro-batches are in
-        flight), each with its own multiplier, kept outputs and moment bytes
-        (memory.MOMENTS): the winner's written into `weighted` and `walked`; returns the
-        ranks' moments (empty: the last rank's peak is not priced apart)."""
-        layers = self._last_rank(w, chunks)
-        if layers is None:
-            return []
-        pp, r, n, act = w.pp, w.pp - 1, sum(layers), w.act
-        fsdp2 = w.mem_opts.framework == "fsdp2"
-        out = w.out_bytes if fsdp2 else 0.0  # Megatron frees them; DeepSpeed's as counted
-        best: tuple = ()
-        for moment, (held, outs) in zip(("block", "loss"), _last_rank_moments(
-                pp, w.v, w.m, tuple(layers), act, grad, out, w.extra_warm, odd)):
-            mult = (held - grad * n) / (act * n)  # beside every layer's gradients, as weighted
-            kept = out * outs + w.recv[r] if fsdp2 else w.outputs[r]
-            moments = [None] * r + [moment]
-            per_layer, fixed = self._stage_memories(w, weighted[:r] + [mult], [r],
-                                                    walked[:r] + [kept], moments)
-            total = w.n[r] * per_layer[r] + fixed[r]
-            if not best or total > best[0]:
-                best = (total, mult, kept, moments)
-        _, weighted[r], walked[r], moments = best
-        return moments
 
     def _half_odd(self, w: Work) -> float:
         """Under `half` recomputation, what a chunk of an odd layer count holds beyond `act`

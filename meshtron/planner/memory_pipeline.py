@@ -244,7 +244,8 @@ def held_outputs(pp: int, v: int, in_flight: list[float]) -> list[float]:
     micro-batches' worth of the rank's layers it holds (`pipeline.in_flight`: chunk
     micro-batches / v). The last virtual stage's output is the logits (`logits_bytes`, with
     the pipeline's kept copy): its share of the last rank's chunks has none here, nor the
-    received gradient (that rank's peak is the loss's moment). Megatron-LM
+    received gradient (that rank's peak is the loss's moment; an interleaved last rank's
+    outputs are walked at its moments instead, `last_rank_moments`). Megatron-LM
     keeps only the outputs' autograd nodes (`deallocate_output_tensor` frees their data once
     sent; deallocate_pipeline_outputs, on in its training arguments): the caller counts
     these for torch's pipelining only."""
