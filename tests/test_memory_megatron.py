@@ -6,6 +6,7 @@ differ only in it, so a double count or a term priced at the wrong width fails."
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -210,22 +211,27 @@ def test_eager_list_prices_a_query_wider_than_the_hidden_size(recompute):
     assert measured == pytest.approx(predicted, rel=2e-3)
 
 
-def _megatron_peak_layers(p: int, v: int, m: int, s: int, layers: list[int]) -> int:
+def _megatron_peak_layers(p: int, v: int, m: int, s: int, layers: list[int],
+                          at_loss: bool = False) -> int:
     """Layer-micro-batches rank s holds at most under Megatron-Core's interleaved schedule
     with its chunks' own layer counts (`layers[c]`: chunk c of the rank): the order of
     schedules.py get_schedule_table (groups of microbatch_group_size_per_vp_stage = p
     micro-batches, each visiting the chunks in order; backwards the chunks reversed), the
-    warm-up of get_pp_rank_microbatches, then one forward and one backward per step."""
+    warm-up of get_pp_rank_microbatches, then one forward and one backward per step.
+    `at_loss`: at most at the start of a backward of the rank's chunk v - 1 (on the last
+    rank, the loss's)."""
     table = [(mb, c) for g in range(0, m, p) for c in range(v) for mb in range(g, min(g + p, m))]
     warm = min(len(table), (p - s - 1) * 2 + (v - 1) * p)
-    held = best = 0
+    held = best = loss = 0
     for k in range(len(table) + warm):
         if k < len(table):
             held += layers[table[k][1]]
             best = max(best, held)
         if 0 <= k - warm < len(table):
+            if table[k - warm][1] == 0:  # backward of chunk v - 1
+                loss = max(loss, held)
             held -= layers[v - 1 - table[k - warm][1]]
-    return best
+    return loss if at_loss else best
 
 
 def test_an_embedding_only_first_chunk_holds_what_megatrons_order_holds():
@@ -234,7 +240,9 @@ def test_an_embedding_only_first_chunk_holds_what_megatrons_order_holds():
     embedding, the very last only the loss; 32 micro-batches): the first rank's empty chunk is
     the one holding the most micro-batches, so it holds 112 layer-micro-batches, not the even
     spread's 143 x 7 / 8 = 125.1 (6.5 GiB of 405B activations over-charged), and the last
-    rank 113, not 98.9. Through the evaluator (framework megatron, whose walk was skipped)."""
+    rank 113, not 98.9. Through the evaluator (framework megatron, whose walk was skipped):
+    the last rank priced at its loss moment (the 405B's logits outweigh one layer's
+    activations), where it holds 112."""
     p, v, m = 16, 8, 32
     chunk_layers = [0] + [1] * (p * v - 2) + [0]
     even = [pipeline.in_flight("interleaved", p, v, m, s) for s in range(p)]
@@ -245,6 +253,7 @@ def test_an_embedding_only_first_chunk_holds_what_megatrons_order_holds():
             _megatron_peak_layers(p, v, m, s, layers))
     assert walked[0] * 7 == pytest.approx(112) and even[0] * 7 == pytest.approx(125.125)
     assert walked[15] * 7 == pytest.approx(113) and walked[1] == even[1]
+    assert _megatron_peak_layers(p, v, m, 15, [1] * 7 + [0], at_loss=True) == 112
 
     model = preset("llama3-405b")
     mem = MemoryOptions(dtype="bf16", framework="megatron", pipeline_split="megatron-ends")
@@ -253,7 +262,22 @@ def test_an_embedding_only_first_chunk_holds_what_megatrons_order_holds():
     plan = Plan(tp=8, pp=16, dp=64, zero=1, micro_batch=1, recompute="none", sp=True,
                 schedule="interleaved", virtual_stages=8, dtype="bf16")
     act = ev._memory_pieces(8, 1, True, "none", "bf16", 1, 1, 16).activations
-    for s, held in ((0, 112), (15, 113), (1, 141)):
+    for s, held in ((0, 112), (15, 112), (1, 141)):
         bd = ev.evaluate(plan, keep_infeasible=True, stage=s).memory
+        assert (bd.logits > 0) == (s == 15)
         assert (bd.activations + bd.in_flight) * memory.GIB == pytest.approx(held * act,
                                                                              rel=1e-9)
+
+
+def test_the_last_ranks_loss_moments_are_megatrons():
+    """memory_pipeline.last_rank_moments' two walks against Megatron-Core's own table
+    (`_megatron_peak_layers`, written from schedules.py): the last rank's fullest moment and
+    its loss moments (the starts of its chunk v - 1's backwards), in layer-micro-batches, on
+    every uneven chunk layout of a few schedules (m a multiple of p, as Megatron requires
+    below p micro-batches per group)."""
+    for p, v, m in ((2, 2, 12), (4, 2, 8), (4, 3, 16), (8, 4, 16), (3, 5, 9)):
+        for layers in itertools.product((0, 1, 2), repeat=v):
+            (full, _), (loss, _) = memory_pipeline.last_rank_moments(p, v, m, list(layers),
+                                                                     1.0, 0.0, 0.0)
+            assert full == _megatron_peak_layers(p, v, m, p - 1, list(layers))
+            assert loss == _megatron_peak_layers(p, v, m, p - 1, list(layers), at_loss=True)

@@ -84,3 +84,105 @@ def test_half_recomputation_odd_chunks_hold_a_stored_block_more():
     assert memory_pipeline.held_bytes(2, 2, 4, 0, [3, 3], act=mean, odd=odd) == base + 5 * odd
     assert (memory_pipeline.held_bytes(2, 2, 4, 0, [4, 4], act=mean, odd=odd)
             == memory_pipeline.held_bytes(2, 2, 4, 0, [4, 4], act=mean))
+
+
+def _last_rank_reference(p, v, m, layers, act, grad, out, extra):
+    """The last rank's (fullest, loss) moments as (held, outputs), step by step: forward k,
+    then backward k - warm; the loss moment is the start of a backward of chunk v - 1 (the
+    last virtual stage), before its first backward makes its gradients; chunks 0 .. v - 2
+    hold their outputs from forward to backward (the received gradients are the receive
+    buffers', not counted here). Each kind's first moment of the largest held + outputs."""
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min((v - 1) * per_round + extra, total)
+    held, outs, seen = 0.0, 0, set()
+    fullest, loss = [], []
+    for k in range(total + warm):
+        if k < total:
+            c = (k // per_round) % v
+            held += act * layers[c]
+            outs += c != v - 1
+            fullest.append((held, outs))
+        b = k - warm
+        if 0 <= b < total:
+            c = v - 1 - (b // per_round) % v
+            if c == v - 1:
+                loss.append((held, outs))
+            if c not in seen:
+                seen.add(c)
+                held += grad * layers[c]
+                fullest.append((held, outs))
+            held -= act * layers[c]
+            outs -= c != v - 1
+
+    def largest(moments):
+        best = moments[0]
+        for x in moments:
+            if x[0] + x[1] * out > best[0] + best[1] * out:
+                best = x
+        return best
+
+    return largest(fullest), largest(loss)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_last_rank_moments_equal_a_step_by_step_walk(seed):
+    """memory_pipeline.last_rank_moments against the reference above, for random schedules,
+    layer counts and byte sizes; its fullest moment holds what held_bytes finds on that rank
+    (without outputs), and no loss moment holds more than the fullest."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        p, v = rng.choice([2, 3, 4, 8]), rng.choice([2, 3, 4, 6])
+        m = rng.randint(1, 5 * p + 3)
+        layers = [rng.randint(0, 4) for _ in range(v)]
+        act, out = rng.uniform(0.1, 3.0), rng.choice([0.0, rng.uniform(0.0, 2.0)])
+        grad, extra = rng.choice([0.0, rng.uniform(0.0, 5.0)]), rng.choice([0, 1])
+        got = memory_pipeline.last_rank_moments(p, v, m, layers, act, grad, out, extra)
+        want = _last_rank_reference(p, v, m, layers, act, grad, out, extra)
+        flat = [x for moment in got for x in moment]
+        assert flat == pytest.approx([x for moment in want for x in moment], rel=1e-12), (
+            p, v, m, layers, act, grad, out, extra)
+        (held, _), (at_loss, _) = memory_pipeline.last_rank_moments(p, v, m, layers, act, grad,
+                                                                    0.0, extra)
+        assert held == memory_pipeline.held_bytes(p, v, m, p - 1, layers, act, grad, extra)
+        assert at_loss <= held
+
+
+def test_the_uneven_rows_last_rank_holds_less_at_its_loss():
+    """tests/test_rehearse.py's 'pp interleaved, uneven chunks' last rank (p 2, v 2, m 12,
+    chunks of 2 and 1 layers): its fullest moment holds 6 layer-micro-batches and 3 outputs,
+    its loss moments 5 and 2 (the one-layer last chunk's forward comes when a two-layer
+    micro-batch of the first chunk has left; hand-walked in docs/measurements.md, ilvlast),
+    every chunk's gradients made by then: what the planner adds to the loss's bytes."""
+    fullest, loss = memory_pipeline.last_rank_moments(2, 2, 12, [2, 1], 1.0, 0.5, 0.01)
+    assert fullest == (6 + 1.5, 3) and loss == (5 + 1.5, 2)
+
+
+def test_the_last_rank_is_priced_at_its_loss_or_its_fullest_moment():
+    """Through the evaluator, the uneven row's plan (6 layers in chunks 1, 2, 2, 1; pipeline
+    rank 1 holds the 2- and the 1-layer chunk, the loss on the latter): with a large
+    vocabulary its loss moment is the larger and the rank holds its logits beside 5
+    layer-micro-batches and 2 kept outputs; with a tiny one its fullest moment is, with no
+    logits, 6 and 3 (`test_the_uneven_rows_last_rank_holds_less_at_its_loss`). Against the
+    evaluator's own activation and output bytes: the two differ by one layer-micro-batch and
+    one output, every other byte the rank holds beside them (receive buffers) the same."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.cluster import preset_cluster
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.plan import Plan
+
+    plan = Plan(tp=1, pp=2, dp=4, zero=1, micro_batch=2, recompute="none", sp=False,
+                schedule="interleaved", virtual_stages=2, dtype="bf16",
+                stage_layers=(1, 2, 2, 1))
+    held, ev = {}, None
+    for vocab in (128000, 512):
+        spec = ModelSpec(name="mid", layers=6, hidden=2048, heads=16, kv_heads=4,
+                         ffn_hidden=5632, vocab=vocab, max_seq=4096)
+        ev = Evaluator(spec, preset_cluster("dgx-h100", 1), 96, 2048)
+        bd = ev.evaluate(plan, stage=1).memory
+        held[vocab] = ((bd.activations + bd.in_flight) * 2 ** 30, bd.logits, bd.recompute)
+    assert held[128000][1] > 0 and held[128000][2] == 0  # the loss's moment: no recompute
+    assert held[512][1] == 0  # a block's: no logits
+    act = ev._memory_pieces(1, 2, False, "none", "bf16", 1, 1, 2).activations
+    out = memory_pipeline.stage_output_bytes(2048, 1, False, 2, 2048, 2.0)
+    assert held[512][0] - held[128000][0] == pytest.approx(act + out, rel=1e-9)

@@ -88,6 +88,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
+from meshtron.planner.estimate_moments import LastRankMoments
 from meshtron.planner.estimate_stage import StageCosts, given_partition
 from meshtron.planner.estimate_time import StepTimes
 from meshtron.planner.estimate_work import Work
@@ -102,7 +103,7 @@ weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (
 sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
 of the fp32 master (4+2): 86 bytes per parameter."""
 
-class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
+class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMoments):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -312,10 +313,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         return w.cache_b * max(0.0, w.blocks[i][0] + w.blocks[i][1] - w.not_gemm)
 
     def _stage_memories(self, w: Work, inflight: list[float],
-                        ranks: list[int] | None = None) -> tuple[list[float], list[float]]:
+                        ranks: list[int] | None = None, outputs: list[float] | None = None,
+                        moments: list[str | None] | None = None
+                        ) -> tuple[list[float], list[float]]:
         """(bytes per layer, fixed bytes) of every pipeline stage (memory.stage_memory);
         `ranks`: only those recomputed, the others kept from w.per_layer / w.fixed (a walk
-        that changed some ranks' in-flight count or held outputs leaves the rest as they were)."""
+        that changed some ranks' in-flight count or held outputs leaves the rest as they were);
+        `outputs`, `moments`: per rank, instead of w.outputs and w.moments."""
         pp, blocks = w.pp, w.blocks
         per_layer = list(w.per_layer) if ranks is not None else [0.0] * pp
         fixed = list(w.fixed) if ranks is not None else [0.0] * pp
@@ -325,8 +329,9 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         head, mem_opts, zero, dp, states, largest = (w.head_rank, w.mem_opts, w.zero,
                                                      w.shard_dp, w.states, w.largest)
         grad_bytes, keep, accum, e_states = self.grad_bytes, w.keep, w.accum, w.e_states
-        roots, root_units, outputs, reduce_bytes = (w.roots, w.root_units, w.outputs,
-                                                    w.reduce_bytes)
+        roots, root_units, reduce_bytes = w.roots, w.root_units, w.reduce_bytes
+        outputs = w.outputs if outputs is None else outputs
+        moments = (w.moments or [None] * pp) if moments is None else moments
         cache_b, not_gemm = w.cache_b, w.not_gemm  # `_te_cache`, written out
         for i in range(pp) if ranks is None else ranks:
             b = blocks[i]
@@ -334,7 +339,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 mem_opts, zero, dp, states, b[0], roots[i], largest, b[2], inflight[i], b[3],
                 w.logits if i == head else 0.0, grad_bytes, keep, accum, b[1], e_states,
                 root_units[i], reduce_bytes, w.grad_extra if i == 0 else 0.0, outputs[i],
-                cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum)
+                cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum, moments[i])
         return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
@@ -411,9 +416,18 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         low = self._in_flight_lower_bound(w.pp, w.v, w.m, self._chunks(w), w.act,
                                           w.accum * (w.p_layer + w.p_exp), w.extra_warm)
         fsdp2 = w.mem_opts.framework == "fsdp2"
+        last = w.pp - 1 if self._last_rank(w, self._chunks(w)) else None
         for r, (k, a, f) in enumerate(zip(w.n, w.per_layer, w.fixed)):
             a_low = a + w.blocks[r][2] * (low[r] - w.inflight[r])
-            f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
+            if r == last:
+                # priced at the larger of its loss and its fullest moment: the loss's walk
+                # can hold less than `low`, the fullest's never (memory_pipeline.
+                # last_rank_moments), so its bytes alone, with no outputs walked but the
+                # receive buffers
+                f = self._stage_memories(w, w.inflight, [r], moments=[None] * r + ["block"])
+                f_low = f[1][r] - (w.outputs[r] - w.recv[r] if fsdp2 else 0.0)
+            else:
+                f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
             if k * a_low + f_low > w.budget:
                 return False
         return True
@@ -459,16 +473,18 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
                                             w.extra_warm, odd)
         # the chunk outputs torch's pipelining holds at that moment, not at the even spread's
-        # most (the last rank's peak is its loss, whose moment the walk does not single out:
-        # as spread); Megatron frees them once sent (deallocate_output_tensor): none
+        # most (the last rank's: at its own moments, below); Megatron frees them once sent
+        # (deallocate_output_tensor): none
         walked = [out_bytes * self._peak_outputs(
             pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes, odd)
             + w.recv[r] if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
-        if weighted != inflight or walked != outputs:
-            changed = [r for r in range(pp)
-                       if weighted[r] != inflight[r] or walked[r] != outputs[r]]
-            w.inflight, outputs[:] = weighted, walked
+        # ...and the last rank's at the larger of its loss moment and its fullest one
+        moments = self._last_rank_moment(w, chunks, grad, odd, weighted, walked)
+        if weighted != inflight or walked != outputs or moments:
+            changed = [r for r in range(pp) if weighted[r] != inflight[r]
+                       or walked[r] != outputs[r] or (moments and moments[r])]
+            w.inflight, outputs[:], w.moments = weighted, walked, moments
             w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight,
                                                                            changed)
             # the walk can also lower a rank's memory (a light first chunk): the split's
@@ -518,7 +534,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                                self.grad_bytes, w.keep, w.accum, b_exp, w.e_states,
                                w.root_units[worst], w.reduce_bytes,
                                w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
-                               self._te_cache(w, worst), w.extra_accum)
+                               self._te_cache(w, worst), w.extra_accum,
+                               w.moments[worst] if w.moments else None)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits

@@ -81,6 +81,8 @@ class Work:
     not_gemm: float = 0.0  # parameters of a block outside its GEMMs (norms, router)
     per_layer: list[float] = field(default_factory=list)  # per rank: bytes per layer
     fixed: list[float] = field(default_factory=list)  # per rank: fixed bytes
+    # per rank: the moment its memory is priced at (memory.MOMENTS; empty: every rank's peak)
+    moments: list[str | None] = field(default_factory=list)
     # ---- _split: the layer split ----
     budget: float = 0.0  # tensor bytes a GPU may hold (Evaluator.tensor_budget)
     given: list[int] | None = None  # the plan's own split per rank (given_partition)

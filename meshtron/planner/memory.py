@@ -54,7 +54,8 @@ from meshtron.planner.memory_options import (  # noqa: F401  (re-exported)
 from meshtron.planner.memory_peak import (  # noqa: F401  (re-exported)
     DEEPSPEED_MAX_LIVE_PARAMS, DEEPSPEED_PREFETCH_PARAMS, DEEPSPEED_REDUCE_BUCKET,
     backward_gathered_bytes, block_moment, embedding_accum_bytes, embedding_grad_extra,
-    embedding_moment, gathered_bytes, peak_moment, previous_gradient_bytes)
+    MOMENTS, embedding_moment, gathered_bytes, moment_parts, peak_moment,
+    previous_gradient_bytes)
 from meshtron.planner.memory_states import (  # noqa: F401  (re-exported)
     GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, embedding_params_local, head_params_local,
     largest_param_local, layer_params_local, state_bytes)
@@ -166,7 +167,8 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  expert_states: tuple[float, float, float] | None = None,
                  root_unit: float | None = None, reduce_bytes: float = 4.0,
                  grad_extra: float = 0.0, outputs: float = 0.0,
-                 weight_cache: float = 0.0, extra_accum: float | None = None) -> StageMemory:
+                 weight_cache: float = 0.0, extra_accum: float | None = None,
+                 moment: str | None = None) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
@@ -183,11 +185,13 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     a block's backward runs beside (the reduce dtype; 0 where gradients are reduced after the
     last backward: pipelining). The peak is the larger of the loss's and a block's backward
     moment (`peak_moment`); the block's counts the previous block's gradient on every stage
-    (a one-block stage has none: conservative)."""
+    (a one-block stage has none: conservative). `moment`: that moment's alone (`MOMENTS`,
+    `moment_parts`), for a stage whose moments hold different activations."""
     return StageMemory(*stage_terms(
         mem, zero, dp, states, p_layer, p_root, largest, act, in_flight, work, logits,
         grad_bytes, keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes,
-        grad_extra, outputs, weight_cache, accum if extra_accum is None else extra_accum))
+        grad_extra, outputs, weight_cache, accum if extra_accum is None else extra_accum,
+        moment))
 
 
 def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -196,13 +200,16 @@ def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, flo
                 accum: float, p_expert: float,
                 expert_states: tuple[float, float, float] | None, root_unit: float | None,
                 reduce_bytes: float, grad_extra: float, outputs: float,
-                weight_cache: float, extra_accum: float) -> tuple[float, float]:
-    """`stage_memory` as (per_layer, fixed), every argument given (the search's ~90k calls:
-    estimate.Evaluator._stage_memories)."""
-    base, gathered_per_layer, fixed = _stage_parts(
+                weight_cache: float, extra_accum: float,
+                moment: str | None = None) -> tuple[float, float]:
+    """`stage_memory` as (per_layer, fixed), every argument given but `moment` (the
+    search's ~90k calls: estimate.Evaluator._stage_memories)."""
+    parts = _stage_parts(
         mem, zero, dp, states, p_layer, p_root, largest, act, work, logits, grad_bytes,
         keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes, grad_extra,
         extra_accum)
+    base, gathered_per_layer = parts[0], parts[1]
+    fixed = parts[2] if moment is None else parts[2 + MOMENTS.index(moment)]
     # the same sums in the same order as written out in `_stage_parts` (bit for bit): the
     # terms linear in what differs between a plan's ranks, added to the memoised rest
     per_layer = base + act * in_flight + weight_cache
@@ -227,12 +234,14 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  logits: float, grad_bytes: float, keep_gathered: bool, accum: float,
                  p_expert: float, expert_states: tuple[float, float, float] | None,
                  root_unit: float | None, reduce_bytes: float,
-                 grad_extra: float, extra_accum: float) -> tuple[float, float | None, float]:
+                 grad_extra: float, extra_accum: float
+                 ) -> tuple[float, float | None, float, float, float]:
     """`stage_memory` less its terms in `in_flight`, `outputs` and `weight_cache`, which are
     what a search's plans and a plan's ranks vary most (a search asks ~90k stage memories of
     ~5k of these): (per-layer sum before the in-flight activations, the gathered copies per
-    layer added after them or None, fixed bytes before the outputs). Keyed by every other
-    argument of `stage_memory` (tests/test_planner_caches.py)."""
+    layer added after them or None, fixed bytes before the outputs at each of `MOMENTS`: the
+    peak, the loss's, the block's). Keyed by every other argument of `stage_memory`
+    (tests/test_planner_caches.py): the moments are all formed from the same key."""
     sb = sum(states)
     # routed experts under expert parallelism (`p_expert`: E/ep experts of one block on this
     # rank, `p_layer` the rest of the block) keep their ZeRO states over the dp*cp/ep ranks
@@ -251,10 +260,13 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     at_loss = gathered_bytes(*args)
     # the embedding's moment frees one layer's activations here (k layers' in `breakdown`)
     previous = previous_gradient_bytes(mem, dp, 2, p_layer, keep_gathered, reduce_bytes)
-    gathered, recompute = peak_moment(logits, work, at_loss, at_block, embedding_moment(
-        mem, at_loss, previous, grad_extra, act))
+    at_embedding = embedding_moment(mem, at_loss, previous, grad_extra, act)
+    gathered, recompute = peak_moment(logits, work, at_loss, at_block, at_embedding)
+    rest = p_root * (sb + accum) + grad_extra * extra_accum
     return (base, cb * p_layer if fsdp_all else None,
-            p_root * (sb + accum) + grad_extra * extra_accum + gathered + recompute + logits)
+            rest + gathered + recompute + logits,
+            rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "loss")),
+            rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "block")))
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -265,10 +277,11 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               expert_states: tuple[float, float, float] | None = None,
               root_unit: float | None = None, reduce_bytes: float = 4.0,
               grad_extra: float = 0.0, outputs: float = 0.0,
-              weight_cache: float = 0.0, extra_accum: float | None = None) -> MemoryBreakdown:
+              weight_cache: float = 0.0, extra_accum: float | None = None,
+              moment: str | None = None) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
-    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`, `extra_accum`:
-    as stage_memory
+    `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`, `extra_accum`,
+    `moment`: as stage_memory
     (the kept chunk outputs are counted with the in-flight activations, the cached quantised
     weights with the parameters)."""
     wb, gb, ob = states
@@ -282,8 +295,8 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     at_loss = gathered_bytes(*args)
     previous = previous_gradient_bytes(mem, dp, layers, p_layer + p_expert, keep_gathered,
                                        reduce_bytes)
-    gathered, work = peak_moment(logits, work, at_loss, at_block, embedding_moment(
-        mem, at_loss, previous, grad_extra, layers * act))
+    gathered, work, logits = moment_parts(logits, work, at_loss, at_block, embedding_moment(
+        mem, at_loss, previous, grad_extra, layers * act), moment)
     gathered += accum * (params + experts) + grad_extra * (
         accum if extra_accum is None else extra_accum)
     all_acts = layers * act * in_flight

@@ -169,6 +169,26 @@ def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_e
     return at_loss + previous + mem.compute_bytes * grad_extra - freed
 
 
+MOMENTS = (None, "loss", "block")
+"""What a stage's peak is priced at: None the largest of its moments (`peak_moment`), "loss"
+the loss's alone, "block" the others' (a block's backward, the embedding's): an interleaved
+pipeline's last rank holds different activations at its loss than at its fullest moment
+(memory_pipeline.last_rank_moments), so each is priced with its own."""
+
+
+def moment_parts(logits: float, work: float, at_loss: float, at_block: float,
+                 at_embedding: float, moment: str | None) -> tuple[float, float, float]:
+    """(gathered, recompute, logits) bytes of the stage's `moment` (`MOMENTS`; arguments as
+    `peak_moment`), adding up to what that moment holds: the loss's is its compute copies and
+    the logits, no recomputation running (`loss_or_recompute`); the others' holds no logits."""
+    if moment is None:
+        return (*peak_moment(logits, work, at_loss, at_block, at_embedding), logits)
+    if moment == "loss":
+        return at_loss, 0.0, logits
+    held = max(at_block + work, at_embedding)
+    return held - work, work, 0.0
+
+
 def embedding_grad_extra(model: ModelSpec, tp: int) -> float:
     """Gradient elements a vocabulary-parallel token embedding makes beyond its local shard.
     DTensor's embedding backward returns the weight gradient whole ([vocab, hidden],

@@ -141,6 +141,57 @@ def peak_outputs(p: int, v: int, m: int, s: int, layers: list[int], act: float, 
     return float(best_outs)
 
 
+def last_rank_moments(p: int, v: int, m: int, layers: list[int], act: float, grad: float,
+                      out: float, extra: int = 0, odd: float = 0.0
+                      ) -> tuple[tuple[float, int], tuple[float, int]]:
+    """Of the last pipeline rank (s = p - 1: its chunk v - 1 is the last virtual stage, the
+    loss's), ((held, outputs) at its fullest moment, (held, outputs) at its fullest loss
+    moment), walked as `peak_outputs` (the same order and bytes: `held` the stored
+    activations and accumulated gradients, `outputs` the chunk outputs kept, `out` bytes each,
+    the moment chosen by held + outputs x out). The loss moments are the starts of chunk
+    v - 1's backwards: the logits and their gradients alive, that chunk's gradients not yet
+    made by its first backward. In this order a loss moment always follows chunk v - 1's
+    own forward in the same step (the rank's warm-up is (v - 1) rounds: forward k + warm and
+    backward k visit chunk v - 1 together), so one micro-batch's logits are alive at a time,
+    as the memory model counts them; the loss of the last chunk comes late in a round, when
+    the first chunks' micro-batches have begun to leave, so the rank is priced at the larger
+    of its loss moment and its fullest one (estimate.Evaluator._last_rank_moment), not their
+    sum. The received output gradients are not counted: the rank's receive buffers hold them
+    (`receive_buffers`, none counted beside the outputs on the last rank)."""
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min((v - 1) * per_round + extra, total)
+    visits = _visits(p, v, m)
+    held = [act * n + (odd if n % 2 else 0.0) for n in layers]  # `held_bytes`' `stored`
+    sends = [1 if c != v - 1 else 0 for c in range(v)]
+    accumulated = [False] * v
+    now, outs = 0.0, 0
+    # (held + outputs' bytes, held, outputs) at the first moment of the largest of each kind
+    best = loss = (float("-inf"), 0.0, 0)
+    for c in visits[:warm]:  # the warm-up: forwards only
+        now += held[c]
+        outs += sends[c]
+        if now + outs * out > best[0]:
+            best = (now + outs * out, now, outs)
+    for c, f in zip(visits[warm:] + [-1] * warm, visits):
+        if c >= 0:  # forward k, then backward k - warm (of chunk v - 1 - f)
+            now += held[c]
+            outs += sends[c]
+            if now + outs * out > best[0]:
+                best = (now + outs * out, now, outs)
+        b = v - 1 - f
+        if b == v - 1 and now + outs * out > loss[0]:
+            loss = (now + outs * out, now, outs)
+        if not accumulated[b]:  # its first backward makes the chunk's gradients
+            accumulated[b] = True
+            now += grad * layers[b]
+            if now + outs * out > best[0]:
+                best = (now + outs * out, now, outs)
+        now -= held[b]
+        outs -= sends[b]
+    return (best[1], best[2]), (loss[1], loss[2])
+
+
 def held_layer_microbatches(p: int, v: int, m: int, s: int, layers: list[int]) -> int:
     """Most (micro-batch x layer) activations pipeline rank `s` holds at once under
     interleaved 1F1B; `layers[c]`: the layers of its c-th chunk (virtual stage c p + s)."""
@@ -193,7 +244,8 @@ def held_outputs(pp: int, v: int, in_flight: list[float]) -> list[float]:
     micro-batches' worth of the rank's layers it holds (`pipeline.in_flight`: chunk
     micro-batches / v). The last virtual stage's output is the logits (`logits_bytes`, with
     the pipeline's kept copy): its share of the last rank's chunks has none here, nor the
-    received gradient (that rank's peak is the loss's moment). Megatron-LM
+    received gradient (that rank's peak is the loss's moment; an interleaved last rank's
+    outputs are walked at its moments instead, `last_rank_moments`). Megatron-LM
     keeps only the outputs' autograd nodes (`deallocate_output_tensor` frees their data once
     sent; deallocate_pipeline_outputs, on in its training arguments): the caller counts
     these for torch's pipelining only."""
