@@ -84,3 +84,44 @@ def test_half_recomputation_odd_chunks_hold_a_stored_block_more():
     assert memory_pipeline.held_bytes(2, 2, 4, 0, [3, 3], act=mean, odd=odd) == base + 5 * odd
     assert (memory_pipeline.held_bytes(2, 2, 4, 0, [4, 4], act=mean, odd=odd)
             == memory_pipeline.held_bytes(2, 2, 4, 0, [4, 4], act=mean))
+
+
+def test_half_backward_starts_on_a_stored_block_only_in_odd_chunks():
+    """A part of an odd layer count ends in a stored block (blocks 1, 3, ... checkpointed),
+    so its backward frees that block before recomputing the checkpointed one; a rank counts
+    only when every chunk it holds is odd (an even chunk's backward recomputes first)."""
+    starts = memory_pipeline.half_backward_starts_stored
+    assert starts([3, 3]) and starts([1, 1, 1]) and starts([5, 0, 3])
+    assert not starts([3, 4]) and not starts([2]) and not starts([0, 0]) and not starts([])
+
+
+def _half_rank(layers: int, rank: int, recompute: str = "half"):
+    """The planner's breakdown of pipeline rank `rank` of the rehearsal table's half row
+    (tests/test_rehearse.py: 'mid', pp=2 dp=4 ZeRO-1 interleaved:2, m = 4) at `layers`, with
+    meshtron's runtime options on the CPU's kernels, as `meshtron rehearse` asks."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.plan import as_plan
+    from meshtron.rehearse import compare
+
+    spec = ModelSpec(name="mid", layers=layers, hidden=2048, heads=16, kv_heads=4,
+                     ffn_hidden=5632, vocab=32000, max_seq=4096)
+    plan = as_plan(dict(tp=1, pp=2, dp=4, zero=1, micro_batch=2, recompute=recompute,
+                        sp=False, dtype="bf16", global_batch=32, seq_len=2048, model="mid",
+                        schedule="interleaved", virtual_stages=2)).validate(8, spec)
+    plan = compare.with_layer_split(plan, spec)
+    return compare.planner_estimate(spec, resolve_cluster("dgx-h100:1"), plan, "cpu",
+                                    stage=rank).memory
+
+
+def test_odd_half_chunks_recompute_into_a_freed_stored_block():
+    """Pipeline rank 0 of the half row (chunks of 3): its block moment holds no recomputed
+    block beside the stored ones, only the backward's own temporaries, as without
+    recomputation (rehearsed: 6.994 GiB, the peak in block 1's recomputed MLP backward;
+    the planner read 7.347 with the recomputed block, 6.978 without); chunks of 4 end in a
+    checkpointed block, recomputed before anything is freed: kept."""
+    odd, plain = _half_rank(12, 0), _half_rank(12, 0, "none")
+    assert odd.recompute == pytest.approx(plain.recompute) and plain.recompute > 0
+    even, full = _half_rank(16, 0), _half_rank(16, 0, "full")
+    assert even.recompute == pytest.approx(full.recompute)  # a whole block replayed
+    assert even.recompute > odd.recompute + 0.3  # GiB: the 'mid' block's saved tensors

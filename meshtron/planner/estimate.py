@@ -408,12 +408,17 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         fits. Stage memory is linear in both (memory.stage_memory: act x in_flight per layer,
         the outputs in the fixed part), so the bound is the stages' memory less those terms'
         shortfall, and a rank over budget here is over it after the walk."""
-        low = self._in_flight_lower_bound(w.pp, w.v, w.m, self._chunks(w), w.act,
+        chunks = self._chunks(w)
+        low = self._in_flight_lower_bound(w.pp, w.v, w.m, chunks, w.act,
                                           w.accum * (w.p_layer + w.p_exp), w.extra_warm)
         fsdp2 = w.mem_opts.framework == "fsdp2"
+        # the walk's lower block moment on ranks of odd chunks under `half` (`_half_blocks`):
+        # the fixed part drops by at most the working set's drop (`peak_moment` is a max)
+        lowered = self._half_blocks(w, chunks)
         for r, (k, a, f) in enumerate(zip(w.n, w.per_layer, w.fixed)):
             a_low = a + w.blocks[r][2] * (low[r] - w.inflight[r])
             f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
+            f_low -= w.blocks[r][3] - lowered[r][3]
             if k * a_low + f_low > w.budget:
                 return False
         return True
@@ -455,7 +460,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # the gradients FSDP2 has accumulated so far (Megatron's buffer is in the states)
         chunks = self._chunks(w)
         grad = w.accum * (w.p_layer + w.p_exp)
-        odd = self._half_odd(w)
+        odd = self._half_odd(w)[0]
         weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
                                             w.extra_warm, odd)
         # the chunk outputs torch's pipelining holds at that moment, not at the even spread's
@@ -465,10 +470,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes, odd)
             + w.recv[r] if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
-        if weighted != inflight or walked != outputs:
-            changed = [r for r in range(pp)
-                       if weighted[r] != inflight[r] or walked[r] != outputs[r]]
-            w.inflight, outputs[:] = weighted, walked
+        blocks = self._half_blocks(w, chunks)  # a backward that starts on a stored block
+        if weighted != inflight or walked != outputs or blocks != w.blocks:
+            changed = [r for r in range(pp) if weighted[r] != inflight[r]
+                       or walked[r] != outputs[r] or blocks[r] != w.blocks[r]]
+            w.inflight, outputs[:], w.blocks = weighted, walked, blocks
             w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight,
                                                                            changed)
             # the walk can also lower a rank's memory (a light first chunk): the split's
@@ -477,17 +483,33 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # the walk's figure is the fit decision, the search's as the pinned answer's
         return w.fits or keep_infeasible
 
-    def _half_odd(self, w: Work) -> float:
-        """Under `half` recomputation, what a chunk of an odd layer count holds beyond `act`
-        per layer (memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored).
-        meshtron's rule (FSDP2 stacks); Megatron's and DeepSpeed's `half` are priced at the
-        mean as before (their own per-chunk rules not checked here)."""
+    def _half_odd(self, w: Work) -> tuple[float, float | None]:
+        """Under `half` recomputation, (what a chunk of an odd layer count holds beyond `act`
+        per layer, memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored; the
+        block moment's working set of a backward that starts on a stored block, the one
+        without recomputation: `_half_blocks`). meshtron's rule (FSDP2 stacks); Megatron's
+        and DeepSpeed's `half` are priced at the mean as before (their own per-chunk rules
+        not checked here): (0, None)."""
         if w.rec != "half" or w.mem_opts.framework != "fsdp2":
-            return 0.0
+            return 0.0, None
         cfg = w.cfg
         none, full = (self._memory_pieces(w.tp, w.mb, cfg.sp, r, cfg.dtype, w.cp, w.ep, w.pp,
-                                          cfg.fp8_recipe)[1] for r in ("none", "full"))
-        return memory_pipeline.half_odd_bytes(none, full)
+                                          cfg.fp8_recipe) for r in ("none", "full"))
+        return memory_pipeline.half_odd_bytes(none[1], full[1]), none[2]
+
+    def _half_blocks(self, w: Work, chunks: list[int]) -> list:
+        """w.blocks with, on every pipeline rank whose chunks all hold an odd layer count
+        under meshtron's `half`, the working set of a backward without recomputation: each
+        chunk's backward starts on a stored block, and its checkpointed block is recomputed
+        into the space that block's saved tensors left
+        (memory_pipeline.half_backward_starts_stored)."""
+        plain = self._half_odd(w)[1]
+        if plain is None:
+            return w.blocks
+        p, v = w.pp, w.v
+        return [(b[0], b[1], b[2], min(b[3], plain)) if memory_pipeline.
+                half_backward_starts_stored([chunks[c * p + r] for c in range(v)]) else b
+                for r, b in enumerate(w.blocks)]
 
     def _zb_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under torch's zero bubble, the walk of memory_zb.py on the split's own layers per
