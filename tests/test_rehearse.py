@@ -81,7 +81,7 @@ KINDS["pp interleaved v=4, tp zero-0"] = dict(tp=4, pp=2, dp=1, zero=0, schedule
 # half recomputation on chunks of 3 layers: meshtron checkpoints blocks 1, 3, ... of each
 # part, so an odd chunk stores a block more than half (memory_pipeline.half_odd_bytes) and
 # its backward recomputes the checkpointed block where the stored last block's tensors were
-# (memory_pipeline.half_backward_starts_stored): the fullest rank is now the last, +0.3%
+# (memory_pipeline.half_recomputes_first): the fullest rank is now the last, +0.3%
 # measured; the first rank (HALF_RANKS) -0.2% (+5.1% with a recomputed block beside the
 # stored ones; -10.4% at the mean per layer; 16 layers, chunks of 4: -2.5%)
 KINDS["pp interleaved half, odd chunks"] = dict(pp=2, dp=4, zero=1, schedule="interleaved",

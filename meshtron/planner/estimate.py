@@ -414,7 +414,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         fsdp2 = w.mem_opts.framework == "fsdp2"
         # the walk's lower block moment on ranks of odd chunks under `half` (`_half_blocks`):
         # the fixed part drops by at most the working set's drop (`peak_moment` is a max)
-        lowered = self._half_blocks(w, chunks)
+        lowered = self._half_blocks(w, chunks, walk=False)
         for r, (k, a, f) in enumerate(zip(w.n, w.per_layer, w.fixed)):
             a_low = a + w.blocks[r][2] * (low[r] - w.inflight[r])
             f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
@@ -470,7 +470,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes, odd)
             + w.recv[r] if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
-        blocks = self._half_blocks(w, chunks)  # a backward that starts on a stored block
+        # a backward that starts on a stored block holds no recomputed block
+        blocks = self._half_blocks(w, chunks, act=act, grad=grad, odd=odd)
         if weighted != inflight or walked != outputs or blocks != w.blocks:
             changed = [r for r in range(pp) if weighted[r] != inflight[r]
                        or walked[r] != outputs[r] or blocks[r] != w.blocks[r]]
@@ -497,19 +498,31 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                                           cfg.fp8_recipe) for r in ("none", "full"))
         return memory_pipeline.half_odd_bytes(none[1], full[1]), none[2]
 
-    def _half_blocks(self, w: Work, chunks: list[int]) -> list:
-        """w.blocks with, on every pipeline rank whose chunks all hold an odd layer count
-        under meshtron's `half`, the working set of a backward without recomputation: each
-        chunk's backward starts on a stored block, and its checkpointed block is recomputed
-        into the space that block's saved tensors left
-        (memory_pipeline.half_backward_starts_stored)."""
+    def _half_blocks(self, w: Work, chunks: list[int], walk: bool = True, act: float = 0.0,
+                     grad: float = 0.0, odd: float = 0.0) -> list:
+        """w.blocks with each pipeline rank's block moment under meshtron's `half`: a chunk
+        of an odd layer count (or none) runs its backward without a recomputed block beside
+        its saved activations, its checkpointed block recomputed into the space its stored
+        last block's tensors left (memory_pipeline.half_recomputes_first); on a rank of
+        both kinds the walk finds whose backward comes with the peak
+        (memory_pipeline.backward_work, with the walk's `act`, `grad` and `odd`), or, not
+        `walk`, the smaller (a lower bound: `_walk_may_fit`)."""
         plain = self._half_odd(w)[1]
         if plain is None:
             return w.blocks
-        p, v = w.pp, w.v
-        return [(b[0], b[1], b[2], min(b[3], plain)) if memory_pipeline.
-                half_backward_starts_stored([chunks[c * p + r] for c in range(v)]) else b
-                for r, b in enumerate(w.blocks)]
+        p, v, out = w.pp, w.v, []
+        for r, b in enumerate(w.blocks):
+            layers = [chunks[c * p + r] for c in range(v)]
+            works = [b[3] if memory_pipeline.half_recomputes_first(n) else min(b[3], plain)
+                     for n in layers]
+            if len(set(works)) > 1:
+                work = (memory_pipeline.backward_work(p, v, w.m, r, layers, works, act, grad,
+                                                      w.extra_warm, odd)
+                        if walk else min(works))
+            else:
+                work = works[0]
+            out.append(b if work == b[3] else (b[0], b[1], b[2], work))
+        return out
 
     def _zb_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under torch's zero bubble, the walk of memory_zb.py on the split's own layers per
