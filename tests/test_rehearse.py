@@ -206,12 +206,18 @@ HALF_RANKS = {  # name: (knobs, pipeline rank): the half row's first rank (stage
     # last block of the chunk freed its tensors: -0.2% measured
     "pp interleaved half, odd chunks, rank 0": (dict(KINDS["pp interleaved half, odd chunks"]),
                                                 0),
+    # 14 layers: rank 0 holds chunks of 3 and 4, and its peak comes in the 3-layer chunk's
+    # backward (memory_pipeline.backward_work): -0.6% measured (+4.4% with the 4-layer
+    # chunk's recomputed block)
+    "pp interleaved half, chunks of 3 and 4, rank 0": (
+        dict(KINDS["pp interleaved half, odd chunks"], layers=14), 0),
 }
 
 
 @pytest.mark.slow
 def test_half_odd_chunks_first_rank_agrees_with_rehearsal():
-    """The first rank of `half` on chunks of 3 layers, within the table's 5% too."""
+    """The first rank of `half` on odd chunks (and beside an even one), within the table's
+    5% too."""
     arg = json.dumps([MODEL, BASE, HALF_RANKS])
     out = subprocess.run([sys.executable, "-c", RUN_STAGES, arg], capture_output=True,
                          text=True, cwd=ROOT, timeout=900)
