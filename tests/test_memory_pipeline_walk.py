@@ -186,3 +186,92 @@ def test_the_last_rank_is_priced_at_its_loss_or_its_fullest_moment():
     act = ev._memory_pieces(1, 2, False, "none", "bf16", 1, 1, 2).activations
     out = memory_pipeline.stage_output_bytes(2048, 1, False, 2, 2048, 2.0)
     assert held[512][0] - held[128000][0] == pytest.approx(act + out, rel=1e-9)
+
+def test_half_recomputes_first_only_in_even_chunks():
+    """A part of an odd layer count ends in a stored block (blocks 1, 3, ... checkpointed),
+    so its backward frees that block before recomputing the checkpointed one; an even one
+    ends in a checkpointed block, recomputed before anything is freed."""
+    first = memory_pipeline.half_recomputes_first
+    assert first(2) and first(4) and not first(1) and not first(3) and not first(0)
+
+
+def _reference_work(p, v, m, s, layers, works, act, grad, odd):
+    """The most (held + the running backward's working set) over the backward moments of
+    `_reference`'s order, less the walk's peak."""
+    per_round = m // max(1, m // p)
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s), m * v)
+    order = [c for c in range(v) for _ in range(per_round)] * (m * v)
+    fwd = order[:m * v]
+    held = [act * n + (odd if n % 2 else 0.0) for n in layers]
+    now = peak = top = 0.0
+    seen = set()
+    steps = [("F", c) for c in fwd[:warm]]
+    for k in range(warm, m * v + warm):
+        if k < m * v:
+            steps.append(("F", fwd[k]))
+        steps.append(("B", v - 1 - fwd[k - warm]))
+    for kind, c in steps:
+        if kind == "F":
+            now += held[c]
+        else:
+            if c not in seen:  # its first backward makes the chunk's gradients
+                seen.add(c)
+                now += grad * layers[c]
+            peak = max(peak, now)
+            top = max(top, now + works[c])
+            now -= held[c]
+        peak = max(peak, now)
+    return top - peak
+
+
+def test_backward_work_is_the_backward_with_the_peak():
+    """`backward_work` against the order walked step by step here, for random chunks whose
+    backwards hold different working sets (clamped between the smallest and the largest)."""
+    rng = random.Random(7)
+    for _ in range(400):
+        p, v = rng.randint(2, 5), rng.randint(2, 4)
+        m, s = rng.randint(1, 4 * p), rng.randrange(p)
+        layers = [rng.randint(0, 5) for _ in range(v)]
+        works = [rng.uniform(0.0, 3.0) for _ in range(v)]
+        act, grad, odd = rng.uniform(0.1, 2.0), rng.choice([0.0, 1.5]), rng.uniform(0, 1)
+        got = memory_pipeline.backward_work(p, v, m, s, layers, works, act, grad, 0, odd)
+        want = _reference_work(p, v, m, s, layers, works, act, grad, odd)
+        assert min(works) <= got <= max(works)
+        assert got == pytest.approx(min(max(want, min(works)), max(works)))
+
+
+def _half_rank(layers: int, rank: int, recompute: str = "half"):
+    """The planner's breakdown of pipeline rank `rank` of the rehearsal table's half row
+    (tests/test_rehearse.py: 'mid', pp=2 dp=4 ZeRO-1 interleaved:2, m = 4) at `layers`, with
+    meshtron's runtime options on the CPU's kernels, as `meshtron rehearse` asks."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.plan import as_plan
+    from meshtron.rehearse import compare
+
+    spec = ModelSpec(name="mid", layers=layers, hidden=2048, heads=16, kv_heads=4,
+                     ffn_hidden=5632, vocab=32000, max_seq=4096)
+    plan = as_plan(dict(tp=1, pp=2, dp=4, zero=1, micro_batch=2, recompute=recompute,
+                        sp=False, dtype="bf16", global_batch=32, seq_len=2048, model="mid",
+                        schedule="interleaved", virtual_stages=2)).validate(8, spec)
+    plan = compare.with_layer_split(plan, spec)
+    return compare.planner_estimate(spec, resolve_cluster("dgx-h100:1"), plan, "cpu",
+                                    stage=rank).memory
+
+
+def test_odd_half_chunks_recompute_into_a_freed_stored_block():
+    """Pipeline rank 0 of the half row (chunks of 3): its block moment holds no recomputed
+    block beside the stored ones, only the backward's own temporaries, as without
+    recomputation (rehearsed: 6.994 GiB, the peak in block 1's recomputed MLP backward;
+    the planner read 7.347 with the recomputed block, 6.978 without); chunks of 4 end in a
+    checkpointed block, recomputed before anything is freed: kept."""
+    odd, plain = _half_rank(12, 0), _half_rank(12, 0, "none")
+    assert odd.recompute == pytest.approx(plain.recompute) and plain.recompute > 0
+    even, full = _half_rank(16, 0), _half_rank(16, 0, "full")
+    assert even.recompute == pytest.approx(full.recompute)  # a whole block replayed
+    assert even.recompute > odd.recompute + 0.3  # GiB: the 'mid' block's saved tensors
+    # 14 layers, rank 0's chunks of 3 and 4: the peak comes in the 3-layer chunk's backward
+    # (rehearsed 7.43 GiB; 7.757 with the 4-layer chunk's recomputed block, 7.387 now);
+    # 10 layers, chunks of 2 and 3: in the 2-layer chunk's (rehearsed 5.861, as priced)
+    assert _half_rank(14, 0).recompute == pytest.approx(plain.recompute)
+    assert _half_rank(10, 0).recompute == pytest.approx(full.recompute)

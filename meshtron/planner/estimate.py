@@ -413,10 +413,14 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         fits. Stage memory is linear in both (memory.stage_memory: act x in_flight per layer,
         the outputs in the fixed part), so the bound is the stages' memory less those terms'
         shortfall, and a rank over budget here is over it after the walk."""
-        low = self._in_flight_lower_bound(w.pp, w.v, w.m, self._chunks(w), w.act,
+        chunks = self._chunks(w)
+        low = self._in_flight_lower_bound(w.pp, w.v, w.m, chunks, w.act,
                                           w.accum * (w.p_layer + w.p_exp), w.extra_warm)
         fsdp2 = w.mem_opts.framework == "fsdp2"
-        last = w.pp - 1 if self._last_rank(w, self._chunks(w)) else None
+        # the walk's lower block moment on ranks of odd chunks under `half` (`_half_blocks`):
+        # the fixed part drops by at most the working set's drop (`peak_moment` is a max)
+        lowered = self._half_blocks(w, chunks, walk=False)
+        last = w.pp - 1 if self._last_rank(w, chunks) else None
         for r, (k, a, f) in enumerate(zip(w.n, w.per_layer, w.fixed)):
             a_low = a + w.blocks[r][2] * (low[r] - w.inflight[r])
             if r == last:
@@ -428,6 +432,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                 f_low = f[1][r] - (w.outputs[r] - w.recv[r] if fsdp2 else 0.0)
             else:
                 f_low = f - (w.outputs[r] if fsdp2 and r < w.pp - 1 else 0.0)
+            f_low -= w.blocks[r][3] - lowered[r][3]
             if k * a_low + f_low > w.budget:
                 return False
         return True
@@ -469,7 +474,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # the gradients FSDP2 has accumulated so far (Megatron's buffer is in the states)
         chunks = self._chunks(w)
         grad = w.accum * (w.p_layer + w.p_exp)
-        odd = self._half_odd(w)
+        odd = self._half_odd(w)[0]
         weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
                                             w.extra_warm, odd)
         # the chunk outputs torch's pipelining holds at that moment, not at the even spread's
@@ -479,11 +484,17 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
             pp, v, m, r, [chunks[c * pp + r] for c in range(v)], act, grad, out_bytes, odd)
             + w.recv[r] if r < pp - 1 and w.mem_opts.framework == "fsdp2" else outputs[r]
             for r in range(pp)]
+        # a backward that starts on a stored block holds no recomputed block (set first: the
+        # last rank's moments below are priced with it)...
+        blocks = self._half_blocks(w, chunks, act=act, grad=grad, odd=odd)
+        reblocked = [r for r in range(pp) if blocks[r] != w.blocks[r]]
+        w.blocks = blocks
         # ...and the last rank's at the larger of its loss moment and its fullest one
         moments = self._last_rank_moment(w, chunks, grad, odd, weighted, walked)
-        if weighted != inflight or walked != outputs or moments:
+        if weighted != inflight or walked != outputs or moments or reblocked:
             changed = [r for r in range(pp) if weighted[r] != inflight[r]
-                       or walked[r] != outputs[r] or (moments and moments[r])]
+                       or walked[r] != outputs[r] or (moments and moments[r])
+                       or r in reblocked]
             w.inflight, outputs[:], w.moments = weighted, walked, moments
             w.per_layer, w.fixed = per_layer, fixed = self._stage_memories(w, w.inflight,
                                                                            changed)
@@ -493,17 +504,45 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # the walk's figure is the fit decision, the search's as the pinned answer's
         return w.fits or keep_infeasible
 
-    def _half_odd(self, w: Work) -> float:
-        """Under `half` recomputation, what a chunk of an odd layer count holds beyond `act`
-        per layer (memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored).
-        meshtron's rule (FSDP2 stacks); Megatron's and DeepSpeed's `half` are priced at the
-        mean as before (their own per-chunk rules not checked here)."""
+    def _half_odd(self, w: Work) -> tuple[float, float | None]:
+        """Under `half` recomputation, (what a chunk of an odd layer count holds beyond `act`
+        per layer, memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored; the
+        block moment's working set of a backward that starts on a stored block, the one
+        without recomputation: `_half_blocks`). meshtron's rule (FSDP2 stacks); Megatron's
+        and DeepSpeed's `half` are priced at the mean as before (their own per-chunk rules
+        not checked here): (0, None)."""
         if w.rec != "half" or w.mem_opts.framework != "fsdp2":
-            return 0.0
+            return 0.0, None
         cfg = w.cfg
         none, full = (self._memory_pieces(w.tp, w.mb, cfg.sp, r, cfg.dtype, w.cp, w.ep, w.pp,
-                                          cfg.fp8_recipe)[1] for r in ("none", "full"))
-        return memory_pipeline.half_odd_bytes(none, full)
+                                          cfg.fp8_recipe) for r in ("none", "full"))
+        return memory_pipeline.half_odd_bytes(none[1], full[1]), none[2]
+
+    def _half_blocks(self, w: Work, chunks: list[int], walk: bool = True, act: float = 0.0,
+                     grad: float = 0.0, odd: float = 0.0) -> list:
+        """w.blocks with each pipeline rank's block moment under meshtron's `half`: a chunk
+        of an odd layer count (or none) runs its backward without a recomputed block beside
+        its saved activations, its checkpointed block recomputed into the space its stored
+        last block's tensors left (memory_pipeline.half_recomputes_first); on a rank of
+        both kinds the walk finds whose backward comes with the peak
+        (memory_pipeline.backward_work, with the walk's `act`, `grad` and `odd`), or, not
+        `walk`, the smaller (a lower bound: `_walk_may_fit`)."""
+        plain = self._half_odd(w)[1]
+        if plain is None:
+            return w.blocks
+        p, v, out = w.pp, w.v, []
+        for r, b in enumerate(w.blocks):
+            layers = [chunks[c * p + r] for c in range(v)]
+            works = [b[3] if memory_pipeline.half_recomputes_first(n) else min(b[3], plain)
+                     for n in layers]
+            if len(set(works)) > 1:
+                work = (memory_pipeline.backward_work(p, v, w.m, r, layers, works, act, grad,
+                                                      w.extra_warm, odd)
+                        if walk else min(works))
+            else:
+                work = works[0]
+            out.append(b if work == b[3] else (b[0], b[1], b[2], work))
+        return out
 
     def _zb_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under torch's zero bubble, the walk of memory_zb.py on the split's own layers per

@@ -350,3 +350,59 @@ def half_odd_bytes(none: float, full: float) -> float:
     half a stored block less a checkpointed one more than n times their mean. Rehearsed, 'mid'
     pp=2 interleaved:2 ZeRO-1 half: 12 layers (chunks of 3) -10.4% against 16 (of 4) -2.5%."""
     return 0.5 * (none - full)
+
+
+def half_recomputes_first(blocks: int) -> bool:
+    """Under meshtron's `half` (blocks 1, 3, ... of each model part checkpointed,
+    parallel/recompute.py), whether a chunk of `blocks` blocks recomputes a block beside all
+    its saved tensors. A part of an even count ends in a checkpointed block, recomputed
+    first, before anything is freed. A part of an odd count ends in a stored one (block
+    n - 1, n - 1 even), so its checkpointed block n - 2 is recomputed only once block n - 1's
+    backward has freed its saved tensors (autograd frees a node's saved tensors after it
+    runs; torch.utils.checkpoint's non-reentrant recomputation runs inside the checkpointed
+    block's own backward, when the first of its saved tensors is unpacked: `_checkpoint_hook`
+    `unpack_hook`): the recomputed block takes the freed block's place, and the chunk's
+    fullest backward moment holds what a chunk without recomputation holds beside its
+    saved activations. Rehearsed, 'mid' pp=2 interleaved:2 half, 12 layers (chunks of 3),
+    pipeline rank 0: the peak in block 1's recomputed MLP backward, 6.994 GiB, which the
+    planner read 7.347 with a recomputed block beside the stored ones (+5.1%)."""
+    return blocks > 0 and blocks % 2 == 0
+
+
+def backward_work(p: int, v: int, m: int, s: int, layers: list[int], works: list[float],
+                  act: float = 1.0, grad: float = 0.0, extra: int = 0,
+                  odd: float = 0.0) -> float:
+    """The block moment's working set of pipeline rank `s` whose chunks' backwards hold
+    different ones (`works[c]` beside the saved activations for the c-th chunk's; under
+    `half` a chunk that ends in a stored block holds no recomputed block,
+    `half_recomputes_first`): the most the walk of `held_bytes` (same other
+    arguments) holds at a backward with that backward's working set, less the walk's own
+    peak, so that the walk's peak plus this is that moment. Between the smallest and the
+    largest of `works`: every step after the warm-up runs a backward on what its forward
+    left, so some backward holds the walk's peak. Rehearsed, 'mid' pp=2 interleaved:2 half,
+    14 layers, pipeline rank 0 (chunks of 3 and 4): the peak comes once both chunks'
+    gradients are accumulated, in the 3-layer chunk's backward (7.41 GiB, and 7.43 in the
+    forward before it), where the planner had priced the 4-layer chunk's recomputed block
+    (7.757, +4.4%)."""
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
+    visits = _visits(p, v, m)
+    stored = [act * n + (odd if n % 2 else 0.0) for n in layers]  # `held_bytes`' walk
+    freed, grads, work = stored[::-1], [grad * n for n in layers[::-1]], works[::-1]
+    accumulated = [False] * v
+    now = best = top = 0.0
+    for c in visits[:warm]:
+        now += stored[c]
+        best = max(best, now)
+    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
+        if c >= 0:
+            now += stored[c]
+            best = max(best, now)
+        if not accumulated[cb]:
+            accumulated[cb] = True
+            now += grads[cb]
+            best = max(best, now)
+        top = max(top, now + work[cb])  # the backward of chunk v - 1 - cb, at its fullest
+        now -= freed[cb]
+    return min(max(top - best, min(works)), max(works))
