@@ -264,17 +264,10 @@ def _run_batch(args, rows: list[Case], t0: float, work: Path, logs: Path, report
     """Start `rows` (one case, or a group side by side; gpukit/runner.py), each with its cap
     trimmed to the budget left; `record(name, rec)` as each ends or is skipped."""
     started: list[runner.Running] = []
-    cpu0 = runner.children_cpu_s()
 
     def done(run: runner.Running, rec: dict) -> None:
-        # CPU seconds of the case and every process it waited for (on a shared machine the
-        # wall time follows the load, this does not); side by side, the group's, on the last
-        names = [r.name for r in started]
-        rec["cpu_s"] = 0.0
-        if len(names) > 1:
-            rec["side_by_side"] = names
-        if all(n in report["cases"] for n in names if n != run.name):
-            rec["cpu_s"] = round(runner.children_cpu_s() - cpu0, 2)
+        if len(started) > 1:
+            rec["side_by_side"] = [r.name for r in started]
         record(run.name, rec)
 
     try:

@@ -72,6 +72,8 @@ def test_side_by_side_cases_overlap_and_each_keeps_its_own_cap_and_record(tmp_pa
     assert result["end"] >= result["start"] and json.loads(
         (tmp_path / "waits.json").read_text()) == result
     assert all(run.proc.poll() is not None for run in runs)  # nothing left running
+    # each its own CPU seconds (a Python start-up at least), read as each was reaped
+    assert all(rec["cpu_s"] > 0 for rec in got.values()), got
 
 
 def test_an_interrupt_stops_and_records_every_member_still_running(tmp_path):

@@ -303,7 +303,8 @@ def case_gputrue(ctx: C.Ctx) -> None:
 # RNG state, recompute ops, the CP flash kernels, the calibration choice.
 TORCH_TESTS = ["tests/test_torch_compat.py", "tests/test_device_init.py", "tests/test_backend.py",
                "tests/test_staging.py", "tests/test_rng_state.py", "tests/test_recompute_ops.py",
-               "tests/test_device_cluster.py",
+               "tests/test_device_cluster.py", "tests/test_cp_sdpa_cuda_calls.py",
+               "tests/test_pipeline_inference_names.py",
                "tests/test_context_parallel.py::test_without_documents_each_chunk_runs_the_"
                "flash_kernels_without_a_mask"]
 

@@ -49,6 +49,8 @@ class Running:
     t0: float
     deadline: float
     cap: float
+    cpu_s: float = 0.0
+    """CPU seconds of the case and every process it waited for (`_reaped`)."""
 
 
 def _pump(stream, name: str, log: Path, tail: collections.deque,
@@ -65,6 +67,17 @@ def _pump(stream, name: str, log: Path, tail: collections.deque,
 def children_cpu_s() -> float:
     use = resource.getrusage(resource.RUSAGE_CHILDREN)
     return use.ru_utime + use.ru_stime
+
+
+def _reaped(run: Running, reap: Callable[[], object]) -> object:
+    """`reap()` (which waits for `run`'s process), noting the CPU seconds it added to this
+    process's children's: the case's own and every process it waited for, side by side with
+    others or not (a child's time is added when it is reaped, one at a time here). On a
+    shared machine the wall time follows the load, this does not."""
+    c0 = children_cpu_s()
+    got = reap()
+    run.cpu_s += children_cpu_s() - c0
+    return got
 
 
 def start(name: str, argv: list[str], env: dict, work: Path, logs: Path, case_out: Path,
@@ -90,6 +103,7 @@ def finish(run: Running, status: str, reason: str | None = None) -> dict:
         rec["reason"] = reason
     run.pump.join(timeout=5)
     rec["seconds"] = round(time.perf_counter() - run.t0, 2)
+    rec["cpu_s"] = round(run.cpu_s, 2)
     try:
         rec["result"] = json.loads(run.case_out.read_text())
     except (OSError, ValueError):
@@ -109,11 +123,11 @@ def wait_all(runs: list[Running], done: Callable[[Running, dict], None]) -> None
     try:
         while left:
             for run in list(left):
-                if run.proc.poll() is not None:
+                if _reaped(run, run.proc.poll) is not None:
                     left.remove(run)
                     done(run, finish(run, "ended"))
                 elif time.perf_counter() >= run.deadline:
-                    stop_group(run.proc, GRACE_S, 10.0)
+                    _reaped(run, lambda: stop_group(run.proc, GRACE_S, 10.0))
                     left.remove(run)
                     done(run, finish(run, "timeout"))
             if left:
@@ -127,7 +141,7 @@ def interrupt(runs: list[Running], exc: Exception, done: Callable[[Running, dict
     """SIGTERM to the kit while `runs` ran: stop them (each records what it has on SIGTERM),
     `done(run, record)` with each as interrupted."""
     for run in runs:
-        stop_group(run.proc, TERM_GRACE_S, 3.0)
+        _reaped(run, lambda: stop_group(run.proc, TERM_GRACE_S, 3.0))
     for run in runs:
         done(run, finish(run, "interrupted", f"the kit was stopped ({exc}) while this case ran"))
 
