@@ -40,7 +40,12 @@ the tail of its output, whatever it measured before) and the next one starts. Th
 rewritten after every case, and each case rewrites its own part as it measures, so a call cut
 short keeps everything measured so far. Cases run most valuable first; one whose shortest
 useful run (its floor) no longer fits the remaining budget is recorded as skipped, and the
-others run with their cap trimmed to what is left.
+others run with their cap trimmed to what is left. The cases whose figures are not timings
+(the CLI smoke, gputrue, torch_tests: CASES' group "smoke") run side by side, each still in
+its own process with its own cap and record (`side_by_side`; bench/gpukit/runner.py): each
+process pays ~7 s of torch import and CUDA start-up on the GPU node. The default order is
+sized by CASES' `expected` seconds (measured on the H200 or estimated) to fit `--budget 480`
+(EXPECTED_WALL_S, tested); eager_expandable runs only with `--only` (the `idle` suite).
 
 Cases (bench/gpukit/*.py say what each measures, CASES below their order and caps): env
 (torch, GPU, bf16 matmul ceiling); the CLI smoke (calibrate, plan, train, train --plan auto
