@@ -403,6 +403,9 @@ def drive(args) -> dict:
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "order": [c[0] for c in chosen], "cases": {}}
     pre = report["preflight"] = preflight()
+    report["expected_wall_s"] = runner.expected_wall(chosen)  # on the H200 (CASES' expected)
+    say(f"{len(chosen)} cases, expected about {report['expected_wall_s']:.0f} s on an H200 "
+        f"(budget {args.budget:.0f} s)")
     for mod in pre["missing"]:
         say(f"preflight: {mod} not installed" + ("" if WHEELS[mod] is None else
                                                  f" (its wheel: {WHEELS[mod]})"))
