@@ -49,10 +49,10 @@ prediction), a halved model (fp8), the checkpointer's stager and a kill and --re
 the CLI (the two paths the first GPU run found broken), issue 31's device checks. Every case
 (the rehearsal too): -m slow.
 
-Two kit calls side by side, each running its cases one after another in a process each, as on
-the GPU: a case is mostly imports of torch (and matplotlib, torchao, dynamo) and a few toy
-steps on one core, about 40 CPU seconds in all, and a CI box has two cores (about 21 and 20 CPU
-seconds per call). The first call's cases share its work folder: calibrate's file is what
+Two kit calls side by side, each running its cases in a process each, as on the GPU (the
+first call's cli_train_auto and gputrue side by side: CASES' group "smoke"): a case is mostly
+imports of torch (and matplotlib, torchao, dynamo) and a few toy steps on one core, about 40
+CPU seconds in all, and a CI box has two cores (about 21 and 20 CPU seconds per call). The first call's cases share its work folder: calibrate's file is what
 `--plan auto` and the eager case find there; the second's need nothing of it."""
 
 
