@@ -36,6 +36,11 @@ PRIVATE_APIS: dict[str, str] = {
         "context parallelism's K/V all-gather (parallel/context.py; torch 2.13 name)",
     "torch.distributed._functional_collectives.all_gather_tensor":
         "context parallelism's K/V all-gather on torch before all_gather_single (2.11)",
+    "torch.distributed.pipelining.stage.PipelineStage._forward_metadata_inference":
+        "the first step's metadata-inference forward counts no router load "
+        "(parallel/pipeline.py; torch 2.13 name)",
+    "torch.distributed.pipelining.stage.PipelineStage._shape_inference":
+        "the same on torch before _forward_metadata_inference (2.11)",
     "torch.ops.aten._scaled_dot_product_flash_attention":
         "context parallelism without documents: SDPA's CUDA flash kernel with its "
         "log-sum-exp (parallel/cp_sdpa.py; the masked path without it)",
@@ -117,6 +122,15 @@ PRIVATE_APIS: dict[str, str] = {
 }
 """Dotted symbol -> what needs it."""
 
+ONE_OF: tuple[tuple[str, ...], ...] = (
+    ("torch.distributed._functional_collectives.all_gather_single",
+     "torch.distributed._functional_collectives.all_gather_tensor"),
+    ("torch.distributed.pipelining.stage.PipelineStage._forward_metadata_inference",
+     "torch.distributed.pipelining.stage.PipelineStage._shape_inference"),
+)
+"""Registered symbols of which a torch needs only one: the same thing under its newer and its
+older name (2.13 has the first, 2.11 the last; callers feature-detect which)."""
+
 
 _MISSING = object()
 
@@ -188,8 +202,11 @@ def reduce_scatter_into(out: Any, inp: Any, group: Any = None) -> Any:
 
 
 def missing() -> list[str]:
-    """Registered symbols the installed torch lacks."""
-    return [s for s in PRIVATE_APIS if lookup(s, _MISSING) is _MISSING]
+    """Registered symbols the installed torch lacks, but for one of ONE_OF's names where
+    another of its names is there."""
+    absent = [s for s in PRIVATE_APIS if lookup(s, _MISSING) is _MISSING]
+    covered = {s for names in ONE_OF if set(names) - set(absent) for s in names}
+    return [s for s in absent if s not in covered]
 
 
 def _registered(symbol: str) -> None:

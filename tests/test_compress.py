@@ -233,3 +233,18 @@ def test_diloco_outer_settings_follow_h_unless_given(tmp_path):
     assert outer_settings(load_plan(tmp_path / "p.toml")) == (0.7, 0.9)
     Plan(dp=2, diloco=4).save(tmp_path / "d.toml")
     assert "outer" not in (tmp_path / "d.toml").read_text()  # by H: nothing written
+
+
+def test_fsdp_param_groups_on_each_torch_release():
+    """FSDP2's state holds its parameter groups as a list `_fsdp_param_groups` on torch 2.13
+    and as one `_fsdp_param_group` (or None) on torch 2.11, the H200 image's, which has no
+    list: compression read the list only (AttributeError on 2.11)."""
+    from types import SimpleNamespace
+
+    from meshtron.compress.runtime import fsdp_param_groups
+
+    g1, g2 = object(), object()
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=[g1, g2])) == [g1, g2]
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=[])) == []
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=g1)) == [g1]  # torch 2.11
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []

@@ -222,7 +222,8 @@ def test_the_idle_suite_names_cases_in_the_kits_order():
     assert [c[0] for c in chosen_cases("idle")] == list(SUITES["idle"])
     assert [c[0] for c in chosen_cases("idle,cli_plan")] == [
         n for n in names if n in SUITES["idle"] or n == "cli_plan"]
-    assert [c[0] for c in chosen_cases(None)] == names
+    # eager_expandable is the idle suite's (OPTIONAL): the default order fits the budget
+    assert [c[0] for c in chosen_cases(None)] == [n for n in names if n != "eager_expandable"]
     assert dict((n, f) for n, f, *_ in CASES)["eager_expandable"] == "cases:case_eager"
 
 

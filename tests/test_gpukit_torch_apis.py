@@ -284,40 +284,43 @@ def _cmdline(pid: int) -> str:
 
 
 def test_a_kit_stopped_mid_case_records_that_case_and_leaves_json_that_parses(tmp_path):
-    """The device call's time limit SIGTERMs the kit while `meshtron train` (a million steps)
-    runs under cli_train: the finished case (cli_export, which fails alone), the interrupted
-    one with what it recorded, and the never-started one are all in the JSON; nothing it
-    started keeps running."""
+    """The device call's time limit SIGTERMs the kit while two `meshtron train` commands (a
+    million steps each) run side by side under cli_train and cli_moe (one group,
+    gpukit/runner.py): the finished case (env), both interrupted ones with what they recorded,
+    and the never-started one (cli_export) are all in the JSON; nothing it started keeps
+    running."""
     import signal
     import subprocess
     import time
 
     out = tmp_path / "kit.json"
     kit = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run",
-                            "--out", str(out), "--only", "cli_plan,cli_train,cli_export",
+                            "--out", str(out), "--only", "cli_export,cli_moe,env,cli_train",
                             "--cli-steps", "1000000"], cwd=tmp_path, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
-        while not any("meshtron train" in _cmdline(p) for p in _descendants(kit.pid)):
+        while sum("meshtron train" in _cmdline(p) for p in _descendants(kit.pid)) < 2:
             assert kit.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
         below = _descendants(kit.pid)
         kit.send_signal(signal.SIGTERM)
-        stdout, _ = kit.communicate(timeout=60)
+        stdout, _ = kit.communicate(timeout=90)
     finally:
         if kit.poll() is None:
             kit.kill()
     assert kit.returncode == 0, stdout[-2000:]
     r = json.loads(out.read_text())
-    assert list(r["cases"]) == ["cli_export", "cli_train", "cli_plan"]  # the kit's order
-    assert r["cases"]["cli_export"]["status"] == "error"  # nothing to export: done, recorded
-    t = r["cases"]["cli_train"]
-    assert t["status"] == "interrupted" and "signal 15" in t["reason"]
-    assert t["result"]["train"]["timed_out"] is True  # the case recorded its command
-    assert r["cases"]["cli_plan"] == {"status": "skipped",
-                                      "reason": "not started: the kit was stopped"}
-    assert "--only cli_kill_resume,cli_export,cli_train,cli_plan" in stdout  # the rerun line
+    assert list(r["cases"])[0] == "env" and r["cases"]["env"]["status"] == "ok"
+    assert set(r["cases"]) == {"env", "cli_train", "cli_moe", "cli_export"}
+    for name, cmd in (("cli_train", "train"), ("cli_moe", "moe")):
+        t = r["cases"][name]
+        assert t["status"] == "interrupted" and "signal 15" in t["reason"], (name, t)
+        assert t["side_by_side"] == ["cli_train", "cli_moe"]
+        assert t["result"][cmd]["timed_out"] is True  # the case recorded its command
+    assert r["cases"]["cli_export"] == {"status": "skipped",
+                                        "reason": "not started: the kit was stopped"}
+    assert "--only cli_train,cli_moe,cli_kill_resume,cli_export" in stdout  # the rerun line
     deadline = time.monotonic() + 30  # reaped by now or never: poll, do not guess a delay
     while [p for p in below if _cmdline(p)] and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -73,8 +73,10 @@ def _compile_ctx(ctx: C.Ctx, compiled: bool):
 
 
 def run_engine(ctx: C.Ctx, key: str, spec, plan, clus, dev, est, profile: bool = True,
-               **cfg_kw) -> dict:
-    """Build the engine for exactly (spec, plan), time it, emit under `key`, release it."""
+               shapes: bool = True, **cfg_kw) -> dict:
+    """Build the engine for exactly (spec, plan), time it, emit under `key`, release it.
+    `profile`: a profiler window after the timed steps; `shapes`: with its GEMM-shapes step
+    (profile.window)."""
     import torch
 
     compiled = bool(plan.compile or cfg_kw.get("compile"))
@@ -86,7 +88,7 @@ def run_engine(ctx: C.Ctx, key: str, spec, plan, clus, dev, est, profile: bool =
     with _compile_ctx(ctx, compiled):
         eng, out["init_s"] = C.engine(cfg, plan, dev)
         try:
-            _measure(ctx, key, out, eng, spec, plan, clus, dev, est, compiled, profile)
+            _measure(ctx, key, out, eng, spec, plan, clus, dev, est, compiled, profile, shapes)
         finally:
             eng.release()
             del eng
@@ -97,7 +99,8 @@ def run_engine(ctx: C.Ctx, key: str, spec, plan, clus, dev, est, profile: bool =
     return out
 
 
-def _measure(ctx, key, out, eng, spec, plan, clus, dev, est, compiled, profile) -> None:
+def _measure(ctx, key, out, eng, spec, plan, clus, dev, est, compiled, profile,
+             shapes) -> None:
     from meshtron.parallel.compile import compile_seconds
 
     ctx.emit(**{key: out})
@@ -123,7 +126,7 @@ def _measure(ctx, key, out, eng, spec, plan, clus, dev, est, compiled, profile) 
     out["memory"] = _states(eng, spec, plan, clus)
     ctx.emit(**{key: out})
     if profile:
-        out["profile"] = window(step, dev, 1, plan.num_microbatches or 1)
+        out["profile"] = window(step, dev, 1, plan.num_microbatches or 1, shapes)
         ctx.emit(**{key: out})
 
 
@@ -198,7 +201,9 @@ def case_fp8(ctx: C.Ctx) -> None:
     ctx.emit(model=C.describe_model(spec), stage_layers=list(bf16.stage_layers),
              note="cpu dry-run: torchao's emulated float8, aot_eager" if ctx.dry_run else
              "rowwise float8 (torchao), inductor")
-    b = run_engine(ctx, "bf16", spec, bf16, clus, dev, C.evaluate(spec, clus, ctx, bf16))
+    # bf16 compiled is profiled by the compile case (the full shape): here the FP8 engine only
+    b = run_engine(ctx, "bf16", spec, bf16, clus, dev, C.evaluate(spec, clus, ctx, bf16),
+                   profile=False)
     f = run_engine(ctx, "fp8", spec, fp8, clus, dev, C.evaluate(spec, clus, ctx, fp8),
                    fp8_recipe="rowwise")
     deltas = [p - q for p, q in zip(f["losses"], b["losses"])]
@@ -221,7 +226,7 @@ def case_offload(ctx: C.Ctx) -> None:
     d = run_engine(ctx, "device", spec, on_device, clus, dev,
                    C.evaluate(spec, clus, ctx, on_device), profile=False)
     est = C.evaluate(spec, clus, ctx, off)
-    o = run_engine(ctx, "offloaded", spec, off, clus, dev, est)
+    o = run_engine(ctx, "offloaded", spec, off, clus, dev, est, shapes=False)
     ctx.emit(offloaded_over_device_step_time=o["step_time_s"] / d["step_time_s"],
              loss_max_abs_diff=max(abs(p - q) for p, q in zip(o["losses"], d["losses"])),
              predicted_host_bytes=est.memory.host * C.GIB if est else None,

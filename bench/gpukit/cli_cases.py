@@ -195,7 +195,10 @@ def case_cli_kill_resume(ctx: Ctx) -> None:
     """SIGKILL a one-process run right after its first committed checkpoint (a real signal to
     its whole process group), then `--resume` it to the end."""
     d = ctx.work / "run-kill"
-    argv = ["train", "--model", "debug", *_toy(ctx, 8, 300), "--checkpoint-every",
+    # 100 steps on the GPU (the first run's 300 left 280 for the resume, ~30 s of the budget):
+    # the first checkpoint commits at step 20, ~8 s before the run could end (0.13 s a step
+    # there)
+    argv = ["train", "--model", "debug", *_toy(ctx, 8, 100), "--checkpoint-every",
             "2" if ctx.dry_run else "20", "--run-dir", str(d)]
     proc, _ = start(ctx, "killed", argv)
     deadline = time.monotonic() + 180

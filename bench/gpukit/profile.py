@@ -186,14 +186,15 @@ def _gemm_load(recs: list, sampler) -> None:
         s["gemm_share"] = share
 
 
-def window(step: Callable[[], Any], dev, steps: int = 1,
-           micro_batches: int = 1) -> dict[str, Any]:
+def window(step: Callable[[], Any], dev, steps: int = 1, micro_batches: int = 1,
+           shapes: bool = True) -> dict[str, Any]:
     """Profile `steps` calls of `step` (already warm, `micro_batches` micro-batches each) and
     summarize them: categories, the clock during the window, the idle gaps of the compute
     stream, whether the host was late for them (hostbound.py) and what the caching allocator
     did meanwhile (allocator.py); then one more step with input shapes recorded for the GEMMs'
     TFLOP/s per shape (a window of its own: recording shapes adds host time per operator,
-    which would lengthen the launch-bound gaps)."""
+    which would lengthen the launch-bound gaps). `shapes` False: no such step (an engine whose
+    GEMM shapes another engine of the kit already measured; a step of the budget each)."""
     from gpukit import allocator, hostbound, timeline
 
     cuda = dev.type == "cuda"
@@ -217,6 +218,8 @@ def window(step: Callable[[], Any], dev, steps: int = 1,
     out["host"] = _analysed(recs, lambda r: hostbound.analyse(r, steps, micro_batches))
     out["allocator"] = alloc
     del prof, recs, got
+    if not shapes:
+        return out
     _, wall_us, clock, recs = _profiled(step, dev, 1, record_shapes=True)
     recs = kernels_or_why(recs, cuda)
     out["gemm_shapes"] = {"steps": 1, "window_us": wall_us, "clocks": clock, **_analysed(

@@ -104,15 +104,26 @@ def _fsdp_units(part: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, m in part.named_modules():
         if isinstance(m, FSDPModule):
             state = m._get_fsdp_state()
-            if state._fsdp_param_groups and id(state) not in seen:
+            if fsdp_param_groups(state) and id(state) not in seen:
                 seen.add(id(state))
                 out.append((name, m))
     return out
 
 
+def fsdp_param_groups(state) -> list:
+    """The parameter groups of one FSDP2 state: `_fsdp_param_groups`, a list, on torch 2.13;
+    `_fsdp_param_group`, one or None, on torch 2.11 (the H200 image), which has no list.
+    Feature-detected on the object."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    one = getattr(state, "_fsdp_param_group", None)
+    return [] if one is None else [one]
+
+
 def _fsdp_input_numel(module) -> int:
     """Elements of the unit's reduce-scatter input (FSDP2's padded flat layout)."""
-    group = module._get_fsdp_state()._fsdp_param_groups[0]
+    group = fsdp_param_groups(module._get_fsdp_state())[0]
     n = group.mesh_info.shard_mesh_size
     return n * sum(fp.padded_sharded_param_size.numel() for fp in group.fsdp_params)
 

@@ -115,6 +115,13 @@ def step_options(schedule) -> dict:
     return {"return_outputs": False} if "return_outputs" in params else {}
 
 
+METADATA_INFERENCE = ("_forward_metadata_inference", "_shape_inference")
+"""PipelineStage's method that runs the first step's metadata-inference forward: its torch
+2.13 name, then its torch 2.11 name (stage.py `_prepare_forward_infra` calls one of them; both
+registered in meshtron/torch_compat.py). Feature-detected on the stage object: on 2.11 only
+the 2.13 name was looked for, so the routers counted that forward's tokens."""
+
+
 def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: torch.device):
     from torch.distributed.pipelining import PipelineStage
 
@@ -125,10 +132,11 @@ def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: t
 
 def _uncounted_metadata_forward(st, module: nn.Module) -> None:
     """torch.distributed.pipelining infers the stages' tensor metadata with one forward per
-    stage at the first step (PipelineStage._forward_metadata_inference: the first stage on the
-    real micro-batch, the others on uninitialized tensors). Routers must not count those
-    tokens into the balancing bias's load (meshtron/model/moe.py): only this stage object's
-    method is wrapped, nothing process-wide. Under expert parallelism that inference also runs
+    stage at the first step (PipelineStage._forward_metadata_inference on torch 2.13: the first
+    stage on the real micro-batch, the others on uninitialized tensors; `_shape_inference` on
+    torch 2.11, every stage on zeros, i.e. every token id 0 on the first: METADATA_INFERENCE).
+    Routers must not count those tokens into the balancing bias's load (meshtron/model/moe.py):
+    only this stage object's method is wrapped, nothing process-wide. Under expert parallelism that inference also runs
     the all-to-alls on garbage routing (often every token to one ep rank's experts): the experts
     keep an autograd edge when they get no token (moe.py `GroupedExperts`), so all ep ranks
     meet in the backward's all-to-alls (tests/test_ep_pp.py). Static `input_args`/`output_args`
@@ -137,9 +145,10 @@ def _uncounted_metadata_forward(st, module: nn.Module) -> None:
     from meshtron.model.moe import MoE
 
     moe = [m for m in module.modules() if isinstance(m, MoE)]
-    infer = getattr(st, "_forward_metadata_inference", None)
-    if not moe or infer is None:
+    name = next((n for n in METADATA_INFERENCE if callable(getattr(st, n, None))), None)
+    if not moe or name is None:
         return
+    infer = getattr(st, name)
 
     def uncounted(*args, **kwargs):
         for m in moe:
@@ -150,5 +159,5 @@ def _uncounted_metadata_forward(st, module: nn.Module) -> None:
             for m in moe:
                 m.count_load = True
 
-    st._forward_metadata_inference = uncounted
+    setattr(st, name, uncounted)
 
