@@ -21,6 +21,11 @@ backward: torch refuses the second backward through the cached region ("Trying t
 extra time. You are only allowed to backward once on any region computed under selective
 activation checkpoint", measured on the same blocks); plan_rules_runtime.py refuses the plan.
 
+What W holds meanwhile (`WeightPass`): each group keeps its recomputed copy of what the nodes
+W never runs saved until W ends, and W peaks while a group of the stage's last checkpointed
+block recomputes it (traced group by group on the 'mid' model, docs/measurements.md
+#zbv-full-recompute).
+
 The planner prices each W group's recomputation as B's (the whole block's forward: the same
 approximation as `compute.LayerCost.per_microbatch` makes for B; the early stop saves the
 work after the block's last saved tensor, w2's GEMM and the residual add here).
