@@ -176,10 +176,10 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     activations, captured and pending gradients of the layers; other: outputs, received and
     input gradients, the head's captured gradient and B's working set. The walk's moments
     are counted once per order (`_moments`), then weighed here. `loss`: the loss moment's
-    bytes the memory model adds to the last stage's rank (its logits,
-    memory.stage_memory), there only while a B of the last stage starts: at any other moment
-    they are gone, so it counts `loss` less there (the result is what is held beside
-    them)."""
+    bytes the memory model adds to the last stage's rank (its logits beyond a block's
+    recomputation working set, which B and W run: memory.stage_memory, estimate._zb_held),
+    there only while a B of the last stage starts: at any other moment they are gone, so it
+    counts `loss` less there (the result is what is held beside them)."""
     last = p * v - 1
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
