@@ -441,7 +441,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         # peak_moment): only the logits beyond that working set are gone there
         loss = max(0.0, w.logits - w.work)
         return memory_zb.in_flight(w.pp, w.v, w.m, tuple(per_stage), w.act, grad, out_bytes,
-                                   head, loss, pending, work, kept)
+                                   head, loss, pending, work, kept, self._half_odd(w))
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak

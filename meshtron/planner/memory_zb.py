@@ -164,7 +164,8 @@ def weight_pass(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
 @lru_cache(maxsize=4096)
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
          out: float, head: float, loss: float = 0.0, pending: float = 0.0,
-         work: float = 0.0, kept: WeightPass | None = None) -> tuple[float, float]:
+         work: float = 0.0, kept: WeightPass | None = None,
+         odd: float = 0.0) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
@@ -172,7 +173,9 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     stage captures beside its layers' (`head_grad_bytes`), `pending` the weight gradients per
     layer a W leaves until the stage's next B (module docstring; 0 where the accumulator is
     the gradient itself), `work` B's working set (`input_backward_bytes`), `kept` what W adds
-    at its peak under checkpointed blocks (`weight_pass`; None without them). Layer bytes:
+    at its peak under checkpointed blocks (`weight_pass`; None without them), `odd` what a
+    stage of an odd layer count holds per micro-batch beyond `act` per layer (`half`:
+    memory_pipeline.half_odd_bytes). Layer bytes:
     activations, captured and pending gradients of the layers; other: outputs, received and
     input gradients, the head's captured gradient and B's working set. The walk's moments
     are counted once per order (`_moments`), then weighed here. `loss`: the loss moment's
@@ -186,7 +189,8 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     stages, moments, at_loss = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank)
     # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W) and per stage
     # holding a W's gradients: (layer bytes, other bytes); last: B's working set
-    weights = ([(layers[s] * act, out if s != last else 0.0) for s in stages]
+    weights = ([(layers[s] * act + (odd if layers[s] % 2 == 1 else 0.0),
+                 out if s != last else 0.0) for s in stages]
                + [(layers[s] * (0.0 if s == 0 else grad),
                    (out if s != last else 0.0) + (out if s != 0 else 0.0)
                    + (head if s == last and s != 0 else 0.0)) for s in stages]
@@ -278,8 +282,8 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
               out: float, head: float, loss: float = 0.0, pending: float = 0.0,
-              work: float = 0.0,
-              kept: WeightPass | None = None) -> tuple[list[float], list[float]]:
+              work: float = 0.0, kept: WeightPass | None = None,
+              odd: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
     counting the captured and pending gradients in activation bytes; bytes of the outputs,
     received and input gradients, head gradient and B's working set held then), the
@@ -289,7 +293,8 @@ def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad:
     for s in range(p * v):
         per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
     for r, n_r in enumerate(per_rank):
-        lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work, kept)
+        lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work, kept,
+                        odd)
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other
