@@ -72,9 +72,9 @@ class WeightGroup(NamedTuple):
     """One W parameter group of a block: the gradient B captured for it (bytes per token;
     W frees it once the group has run, _backward.py `del param_group["grads"]`), its
     parameter elements (its weight gradient's share of the block's), and `last_holder`
-    (bytes per token): the saved tensors
-    beyond `memory_zb.weight_recompute_kept_bytes`'s set whose last holding node this group's
-    op is (every earlier group's recomputed copy keeps them until this group runs)."""
+    (bytes per token): the saved tensors beyond `memory_zb.weight_recompute_kept_bytes`'s
+    set whose last holding node is this group's op (every earlier group's recomputed copy
+    keeps them until this group runs)."""
 
     captured: float
     params: float
