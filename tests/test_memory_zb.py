@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from functools import lru_cache
 
 import pytest
 
@@ -232,6 +233,7 @@ def test_w_gradients_wait_for_the_next_b():
     assert memory_zb.held(2, 1, 4, 1, (1, 1), 0.0, 0.0, 0.0, 0.0, work=1.0) == (0.0, 1.0)
 
 
+@lru_cache(maxsize=2)  # two tests read the same two runs
 def _live_through_w(mode: str) -> dict[str, float]:
     """Two of meshtron's 'debug' blocks as a middle stage under recompute `mode`: bytes of the
     live storages every op made (a dispatch mode holding weak references), after F, after B
@@ -254,7 +256,12 @@ def _live_through_w(mode: str) -> dict[str, float]:
                     known = self.made.get(st.data_ptr())
                     if known is None or known[0]() is None:
                         self.made[st.data_ptr()] = (weakref.ref(st), st.nbytes())
+            if self.watch:  # after every op: what W holds at its peak (no cycles to collect)
+                self.peak = max(self.peak, sum(n for r, n in self.made.values()
+                                               if r() is not None))
             return out
+
+        watch, peak = False, 0.0
 
         def bytes(self) -> float:
             gc.collect()
@@ -287,11 +294,14 @@ def _live_through_w(mode: str) -> dict[str, float]:
         del y
         after_b = live.bytes()
         torch.autograd.grad = counted_grad  # W's own calls, counted one by one
+        live.watch = True
         try:
             stage_backward_weight(iter(params), groups)
         finally:
             torch.autograd.grad = grad
-    return {"f": after_f, "b": after_b, "w": max(after_groups), "groups": len(after_groups)}
+            live.watch = False
+    return {"f": after_f, "b": after_b, "w": max(after_groups), "groups": len(after_groups),
+            "w_peak": live.peak, "layer_params": sum(p.numel() for p in params) / 2}
 
 
 def test_full_recompute_w_keeps_each_groups_recomputation_until_w_ends():
@@ -319,3 +329,52 @@ def test_full_recompute_w_keeps_each_groups_recomputation_until_w_ends():
     spec = PRESETS["debug"]
     priced = 2 * memory_zb.weight_recompute_kept_bytes(spec, 1, False, 64, 4.0)
     assert grown_full == pytest.approx(priced, rel=0.05)  # measured 224 vs 220.5 units
+
+
+def test_full_recompute_w_peaks_in_the_last_blocks_recomputation():
+    """Where W's live bytes peak under full recomputation (zb_recompute.WeightPass, traced
+    on the 'mid' model's V, docs/measurements.md #zbv-full-recompute): inside a group of the
+    stage's last block, while it recomputes the block, beside the earlier groups' copies
+    (the last block's still holding the tensors only its later groups' ops saved: w2's
+    input, the MLP norm's output), less the captured gradients W has freed, plus the weight
+    gradients it has made. Its end (every copy, no recomputation running) is lower: pricing
+    every group's copy there and the recomputation on top counted one copy and the captured
+    gradients too many (+7.0% on the V's rank 1, test_rehearse.py; here, at 64 tokens of
+    a 64-wide block, the weight gradients W makes about offset that). Measured: 240.7
+    [tokens, hidden] fp32 units above B's end, priced 220.1 + 19.1 recomputed."""
+    none, full = _live_through_w("none"), _live_through_w("full")
+    spec = PRESETS["debug"]
+    recomputation = (none["f"] - full["f"]) / 2  # one block's saved tensors, recomputed
+    # fp32 on the CPU: the composite norm; the weight gradients are new storages here
+    priced = memory_zb.weight_pass(spec, 1, False, 64, 4.0, False, 1,
+                                   4.0 * full["layer_params"]).peak(2)
+    grown = full["w_peak"] - full["b"]
+    assert grown == pytest.approx(priced + recomputation, rel=0.05)
+    assert full["w_peak"] - full["w"] > 0.5 * recomputation  # inside a group, not after
+
+
+def test_weight_pass_peak_grows_by_a_finished_block():
+    """zb_recompute.WeightPass on the 'mid' block (bf16, 4096 tokens, CPU norms): a stage one
+    checkpointed block longer peaks one finished block higher (its groups' copies, less its
+    captured gradients, plus its weight gradients); under `half` a stage of one block has no
+    checkpointed block (meshtron wraps blocks 1, 3, ...): no W peak, and a stored block before
+    the checkpointed one frees what only W's nodes saved."""
+    from meshtron.model.spec import ModelSpec
+
+    mid = ModelSpec(name="mid", layers=6, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632,
+                    vocab=32000, max_seq=4096)
+    full = memory_zb.weight_pass(mid, 1, False, 4096, 2.0, False, 1, 1e8)
+    captured = memory_zb.captured_grad_bytes(mid, 1, False, 4096, 2.0, False)
+    copies = memory_zb.weight_recompute_kept_bytes(mid, 1, False, 4096, 2.0, False)
+    block = copies - captured + 1e8
+    assert full.peak(3) - full.peak(2) == pytest.approx(block)
+    assert full.peak(2.5) == pytest.approx((full.peak(2) + full.peak(3)) / 2)
+    # the traced V rank 1 (docs/measurements.md #zbv-full-recompute): 4.262 GiB measured
+    # above W's start with 0.383 of recomputation; the walk's `pending` there: 0.084 GiB
+    traced = memory_zb.weight_pass(mid, 1, False, 4096, 2.0, False, 1, 0.08399 * 2**30)
+    assert traced.peak(2) / 2**30 == pytest.approx(4.262 - 0.383, abs=0.03)
+    half = memory_zb.weight_pass(mid, 1, False, 4096, 2.0, False, 2, 1e8)
+    assert half.peak(1) == 0.0
+    freed = sum(g.last_holder for g in half.groups)
+    assert half.peak(2) - half.peak(3) == pytest.approx(0.0)  # block 2 stored, after the peak
+    assert half.peak(2) == pytest.approx(full.peak(1) - captured + 1e8 - freed)

@@ -453,10 +453,14 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         pending = cb * (w.p_layer + w.p_exp) if w.accum not in (0.0, cb) else 0.0
         work = memory_zb.input_backward_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)
         every = {"full": 1, "half": 2}.get(w.cfg.recompute, 0)
-        kept = (memory_zb.weight_recompute_kept_bytes(self.model, w.tp, w.cfg.sp, tokens, cb,
-                                                       fused) if every else 0.0)
+        kept = (memory_zb.weight_pass(self.model, w.tp, w.cfg.sp, tokens, cb, fused, every,
+                                      pending) if every else None)
+        # away from the loss the last stage's rank still runs a block's backward (B, W:
+        # their recomputation), which the memory model's logits stood for (memory_peak.
+        # peak_moment): only the logits beyond that working set are gone there
+        loss = max(0.0, w.logits - w.work)
         return memory_zb.in_flight(w.pp, w.v, w.m, tuple(per_stage), w.act, grad, out_bytes,
-                                   head, w.logits, pending, work, kept, max(every, 1))
+                                   head, loss, pending, work, kept, self._half_odd(w)[0])
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak

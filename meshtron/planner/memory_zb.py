@@ -42,6 +42,9 @@ and traced tensor by tensor on the V's middle rank, `meshtron rehearse`, 2026-12
   non-first stage.
 * Under checkpointed blocks ('full', 'half') each W parameter group recomputes its block and
   keeps, until W ends, what the nodes W never runs saved (`weight_recompute_kept_bytes`).
+  W peaks before its end, while a group of the stage's last checkpointed block recomputes
+  it (traced group by group on the V's rank 1 and zb's last stage, 2026-12-05, branch
+  zbvfull): `weight_pass`.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshtron.planner import pipeline_zb
+from meshtron.planner.zb_recompute import WeightPass, block_groups, weight_groups
 
 
 def _composite_norm(model, fused_norm: bool) -> bool:
@@ -64,17 +68,10 @@ def captured_grad_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: fl
     and gate/up: their local 1/tp share; row-parallel o and down: the whole hidden width, the
     gradient of their partial sums) and of each norm's weight product (sequence-sharded with
     sequence parallelism; fp32 for the composite RMSNorm, whose weight product runs in fp32:
-    measured, 4 bytes per element on the 'mid' block)."""
-    q = model.heads * model.head_dim
-    ffn = model.ffn_hidden * (2 if model.mlp == "swiglu" else 1)
-    column = q + 2 * model.kv_dim + ffn
-    if model.qk_norm:  # Qwen3's per-head q and k norms: their weight products
-        column += q + model.kv_dim
-    column /= tp
-    row = 2 * model.hidden
-    norms = 2 * model.hidden / (tp if sp and tp > 1 else 1)
-    norm_bytes = 4.0 if _composite_norm(model, fused_norm) else compute_bytes
-    return tokens * ((column + row) * compute_bytes + norms * norm_bytes)
+    measured, 4 bytes per element on the 'mid' block): one per W parameter group
+    (zb_recompute.block_groups)."""
+    groups = block_groups(model, tp, sp, compute_bytes, _composite_norm(model, fused_norm))
+    return tokens * sum(g.captured for g in groups)
 
 
 def input_backward_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
@@ -140,8 +137,6 @@ def weight_recompute_kept_bytes(model, tp: int, sp: bool, tokens: int,
     fused RMSNorm saves its input (the residual; the attention norm's is the checkpoint's
     input, not recomputed); the composite one (CPU) saves an fp32 upcast of its input instead,
     a new tensor for both norms when the compute dtype is narrower, and its fp32 rsqrt."""
-    from meshtron.planner.zb_recompute import weight_groups
-
     h_res = model.hidden / (tp if sp and tp > 1 else 1)
     q = model.heads * model.head_dim / tp
     mlp = (3 if model.mlp == "swiglu" else 1) * model.ffn_hidden / tp
@@ -152,38 +147,55 @@ def weight_recompute_kept_bytes(model, tp: int, sp: bool, tokens: int,
     return weight_groups(model) * tokens * per_token
 
 
+def weight_pass(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
+                fused_norm: bool, every: int, pending: float) -> WeightPass:
+    """What W holds at its peak on a non-first stage whose every `every`-th block is
+    checkpointed (1 'full', 2 'half'), for micro-batches of `tokens` tokens per rank
+    (zb_recompute.WeightPass; `pending`: the weight gradients per layer W leaves until the
+    stage's next B, as `held`'s)."""
+    composite = _composite_norm(model, fused_norm)
+    groups = tuple(g._replace(captured=tokens * g.captured, last_holder=tokens * g.last_holder)
+                   for g in block_groups(model, tp, sp, compute_bytes, composite))
+    copy = weight_recompute_kept_bytes(model, tp, sp, tokens, compute_bytes,
+                                       fused_norm) / weight_groups(model)
+    return WeightPass(copy, groups, pending, every)
+
+
 @lru_cache(maxsize=4096)
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
          out: float, head: float, loss: float = 0.0, pending: float = 0.0,
-         work: float = 0.0, kept: float = 0.0, every: int = 1) -> tuple[float, float]:
+         work: float = 0.0, kept: WeightPass | None = None,
+         odd: float = 0.0) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
     chunk output (a received output gradient, an input's gradient), `head` what the last
     stage captures beside its layers' (`head_grad_bytes`), `pending` the weight gradients per
     layer a W leaves until the stage's next B (module docstring; 0 where the accumulator is
-    the gradient itself), `work` B's working set (`input_backward_bytes`), `kept` what a
-    running W keeps per checkpointed layer (`weight_recompute_kept_bytes`; every `every`-th
-    layer of a stage checkpointed: 1 'full', 2 'half'). Layer bytes:
+    the gradient itself), `work` B's working set (`input_backward_bytes`), `kept` what W adds
+    at its peak under checkpointed blocks (`weight_pass`; None without them), `odd` what a
+    stage of an odd layer count holds per micro-batch beyond `act` per layer (`half`:
+    memory_pipeline.half_odd_bytes). Layer bytes:
     activations, captured and pending gradients of the layers; other: outputs, received and
     input gradients, the head's captured gradient and B's working set. The walk's moments
     are counted once per order (`_moments`), then weighed here. `loss`: the loss moment's
-    bytes the memory model adds to the last stage's rank (its logits,
-    memory.stage_memory), there only while a B of the last stage starts: at any other moment
-    they are gone, so it counts `loss` less there (the result is what is held beside
-    them)."""
+    bytes the memory model adds to the last stage's rank (its logits beyond a block's
+    recomputation working set, which B and W run: memory.stage_memory, estimate._zb_held),
+    there only while a B of the last stage starts: at any other moment they are gone, so it
+    counts `loss` less there (the result is what is held beside them)."""
     last = p * v - 1
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
     stages, moments, at_loss = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank)
     # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W) and per stage
     # holding a W's gradients: (layer bytes, other bytes); last: B's working set
-    weights = ([(layers[s] * act, out if s != last else 0.0) for s in stages]
+    weights = ([(layers[s] * act + (odd if layers[s] % 2 == 1 else 0.0),
+                 out if s != last else 0.0) for s in stages]
                + [(layers[s] * (0.0 if s == 0 else grad),
                    (out if s != last else 0.0) + (out if s != 0 else 0.0)
                    + (head if s == last and s != 0 else 0.0)) for s in stages]
                + [(layers[s] * pending, 0.0) for s in stages]
-               + [((layers[s] // every) * kept if s != 0 else 0.0, 0.0) for s in stages]
+               + [(kept.peak(layers[s]) if kept and s != 0 else 0.0, 0.0) for s in stages]
                + [(0.0, work)])
     best = (0.0, float("-inf"))
     for group, less in ((moments, loss if at_loss else 0.0), (at_loss, 0.0)):
@@ -201,11 +213,12 @@ def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple,
     moments): each a vector of, per stage of the rank, the micro-batches between their F and
     their W, those of them between B and W, and whether the stage holds a W's weight
     gradients (set by its W, folded by its next B; never for the first stage, whose W is a
-    whole backward), whether the stage's W is at its end (its recomputations kept), then
-    whether B's working set is alive. F and B only add, W only frees
-    activations, so the peaks are: the end of each B of a non-first stage, its working set
-    alive (the stage's own W gradients folded by then but the last block's, which the memory
-    model's gathered copies count), and the start and end of each W; of those, the ones no
+    whole backward), whether the stage's W is at its peak (its recomputations kept,
+    `weight_pass`), then whether B's working set is alive. F and B only add, W only frees
+    activations (but what its recomputations keep), so the peaks are: the end of each B of a
+    non-first stage, its working set alive (the stage's own W gradients folded by then but
+    the last block's, which the memory model's gathered copies count), and the start, peak
+    and end of each W; of those, the ones no
     other holds at least as much of everything as (every weight is >= 0). The loss moments:
     the start of each B of the last stage (the memory model's logits alive), if the rank
     holds it."""
@@ -229,7 +242,7 @@ def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple,
                 seen[(*fw, *bw, *pend, *run, 1)] = None
         else:
             seen[(*fw, *bw, *pend, *run, 0)] = None
-            run[i] = 1  # W's end, before it frees: every group's copies alive
+            run[i] = 1  # W's peak, before it frees (weight_pass)
             seen[(*fw, *bw, *pend, *run, 0)] = None
             run[i] = 0
             fw[i] -= 1
@@ -269,8 +282,8 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
               out: float, head: float, loss: float = 0.0, pending: float = 0.0,
-              work: float = 0.0, kept: float = 0.0,
-              every: int = 1) -> tuple[list[float], list[float]]:
+              work: float = 0.0, kept: WeightPass | None = None,
+              odd: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
     counting the captured and pending gradients in activation bytes; bytes of the outputs,
     received and input gradients, head gradient and B's working set held then), the
@@ -281,7 +294,7 @@ def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad:
         per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
     for r, n_r in enumerate(per_rank):
         lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work, kept,
-                        every)
+                        odd)
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other

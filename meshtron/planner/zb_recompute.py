@@ -21,12 +21,19 @@ backward: torch refuses the second backward through the cached region ("Trying t
 extra time. You are only allowed to backward once on any region computed under selective
 activation checkpoint", measured on the same blocks); plan_rules_runtime.py refuses the plan.
 
+What W holds meanwhile (`WeightPass`): each group keeps its recomputed copy of what the nodes
+W never runs saved until W ends, and W peaks while a group of the stage's last checkpointed
+block recomputes it (traced group by group on the 'mid' model, docs/measurements.md
+#zbv-full-recompute).
+
 The planner prices each W group's recomputation as B's (the whole block's forward: the same
 approximation as `compute.LayerCost.per_microbatch` makes for B; the early stop saves the
 work after the block's last saved tensor, w2's GEMM and the residual add here).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 SPLIT_BACKWARD_SCHEDULES = ("zb",)
 """meshtron's schedules that run torch's split backward (parallel/pipeline.py build_schedule:
@@ -59,3 +66,102 @@ def weight_pass_recompute(model, recompute: str, schedule: str, pp: int, framewo
     if schedule not in SPLIT_BACKWARD_SCHEDULES or pp <= 1 or framework != "fsdp2":
         return 0.0
     return weight_groups(model) * weight_recompute_share(recompute) * fwd
+
+
+class WeightGroup(NamedTuple):
+    """One W parameter group of a block: the gradient B captured for it (bytes per token;
+    W frees it once the group has run, _backward.py `del param_group["grads"]`), its
+    parameter elements (its weight gradient's share of the block's), and `last_holder`
+    (bytes per token): the saved tensors beyond `memory_zb.weight_recompute_kept_bytes`'s
+    set whose last holding node is this group's op (every earlier group's recomputed copy
+    keeps them until this group runs)."""
+
+    captured: float
+    params: float
+    last_holder: float
+
+
+def block_groups(model, tp: int, sp: bool, cb: float, composite: bool) -> tuple:
+    """A dense block's W parameter groups in torch's order (`get_param_groups` walks the
+    stage's `parameters()`: the block's registration order, model/transformer.py Block:
+    attention norm, wq, wk, wv, wo, q/k norms, MLP norm, w1, w2, w3), per token.
+
+    What only W's own nodes save: the composite RMSNorm's weight product saves its fp32
+    normalized input (4 bytes; a fused norm or LayerNorm is one node saving the norm's input,
+    counted with the residual); wq, wk and wv save the attention norm's output, w1 and w3 the
+    MLP norm's (column-parallel: the whole hidden width), w2 the SwiGLU product or GELU
+    output (its column-parallel share). `composite`: memory_zb._composite_norm."""
+    h, hd = model.hidden, model.head_dim
+    h_in = h / (tp if sp and tp > 1 else 1)
+    q, kv, ffn = model.heads * hd / tp, model.kv_dim / tp, model.ffn_hidden / tp
+    nb = 4.0 if composite else cb  # the composite norm's weight product runs in fp32
+    normed = 4.0 * h_in if composite else 0.0
+    gated = model.mlp == "swiglu"
+    groups = [WeightGroup(h_in * nb, h, normed), WeightGroup(q * cb, h * q, 0.0),
+              WeightGroup(kv * cb, h * kv, 0.0), WeightGroup(kv * cb, h * kv, h * cb),
+              WeightGroup(h * cb, q * h, 0.0)]
+    if model.qk_norm:  # Qwen3's per-head norms (memory_zb.captured_grad_bytes' count)
+        groups += [WeightGroup(q * cb, hd, 4.0 * q if composite else 0.0),
+                   WeightGroup(kv * cb, hd, 4.0 * kv if composite else 0.0)]
+    groups += [WeightGroup(h_in * nb, h, normed),
+               WeightGroup(ffn * cb, h * ffn, 0.0 if gated else h * cb),
+               WeightGroup(h * cb, ffn * h, ffn * cb)]
+    if gated:
+        groups.append(WeightGroup(ffn * cb, h * ffn, h * cb))
+    return tuple(groups)
+
+
+class WeightPass(NamedTuple):
+    """What a non-first stage's W adds at its peak under checkpointed blocks (`peak`).
+
+    Per checkpointed block each W group keeps a recomputed copy of what the nodes W never
+    runs saved (`copy`, memory_zb.weight_recompute_kept_bytes / groups) until W ends, and,
+    until the group that runs their last holder, what W's own nodes saved (`groups`'
+    `last_holder`). W's peak is in a group of the stage's last checkpointed block, while it
+    recomputes the block (the recomputation's working set is the memory model's `recompute`
+    term, a constant of the stage, not counted here): the earlier blocks' copies, this
+    block's earlier groups' copies, less the captured gradients W has freed, plus the weight
+    gradients it has made (`pending` per layer, 0 where the accumulator is the gradient).
+    Under `half` the stored blocks W runs before it free what only W's nodes saved. Traced
+    on the 'mid' model (docs/measurements.md #zbv-full-recompute), GiB above W's start: the
+    V's rank 1 under full recomputation (2 blocks per stage) peaks at its last block's w2
+    group, 4.262, priced 4.258 with the recomputation's 0.383; zb's last stage under `half`
+    (3 blocks, the middle one checkpointed) at that block's w2 group, 2.049, priced 2.046."""
+
+    copy: float
+    groups: tuple
+    pending: float
+    every: int
+
+    def peak(self, layers: float) -> float:
+        """Bytes above W's start (its micro-batch's captured gradients in it) at W's peak on a
+        stage of `layers` blocks, every `every`-th checkpointed (meshtron's `half`: blocks 1,
+        3, ... of a part, parallel/recompute.py); a mean count (the planner's before the
+        layer split) between its neighbours'."""
+        low = int(layers)
+        if layers == low:
+            return self._peak(low)
+        return self._peak(low) + (layers - low) * (self._peak(low + 1) - self._peak(low))
+
+    def _peak(self, layers: int) -> float:
+        checked = [i for i in range(layers) if i % self.every == self.every - 1]
+        if not checked:
+            return 0.0
+        n = len(self.groups)
+        captured = sum(g.captured for g in self.groups)
+        params = sum(g.params for g in self.groups) or 1.0
+        # the blocks W has finished: every group's copy of a checkpointed one, captured
+        # gradients freed, weight gradients made; a stored block's tensors only W's nodes
+        # saved freed as they run (retain_graph=False)
+        stored = checked[-1] - (len(checked) - 1)
+        done = ((len(checked) - 1) * n * self.copy
+                + checked[-1] * (self.pending - captured)
+                - stored * sum(g.last_holder for g in self.groups))
+        best = 0.0
+        for j in range(n):  # the start of group j of the last checkpointed block
+            held = sum(g.last_holder for g in self.groups[j:])
+            ran = self.groups[:j]
+            part = (j * (self.copy + held) - sum(g.captured for g in ran)
+                    + self.pending * sum(g.params for g in ran) / params)
+            best = max(best, part)
+        return max(0.0, done + best)

@@ -194,7 +194,11 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
                 leaf.grad = state[-1]  # output gradient (set_local_bwd_input)
                 if s - 1 in stages:
                     bufs.grads[s - 1][i] = leaf.grad
-            del inp, out, kept, inputs
+            # `state` too: kept to the next B, it held the last stage's graph past its W
+            # (the V's rank 0: W right after B) and every W copy of a checkpointed block in
+            # it, 1.75 GiB on the 'mid' model; torch detaches the last stage's output in B
+            # and drops W's state (stage.py backward_one_chunk, backward_weight_one_chunk)
+            del inp, out, kept, inputs, state
             continue
         done[s] += 1
         with pm._loss_context():
