@@ -275,3 +275,38 @@ def test_odd_half_chunks_recompute_into_a_freed_stored_block():
     # 10 layers, chunks of 2 and 3: in the 2-layer chunk's (rehearsed 5.861, as priced)
     assert _half_rank(14, 0).recompute == pytest.approx(plain.recompute)
     assert _half_rank(10, 0).recompute == pytest.approx(full.recompute)
+
+
+@pytest.mark.parametrize("vocab,seq,mb,moment", [(256000, 256, 1, "loss"),
+                                                 (512, 128, 2, "block")])
+def test_the_last_ranks_moments_read_no_negative_memory(vocab, seq, mb, moment):
+    """The interleaved last rank priced at one of its moments (estimate_moments.py), with
+    short sequences (a layer's fp32 gradient outweighs its activations many times). At the
+    loss, which comes before its last chunk's gradients are made, its multiplier beside every
+    layer's gradients is negative; at a block's backward, the working set is (the gradients
+    it makes outweigh its temporaries, memory_acts.backward_working_bytes). The breakdown
+    counts both off the compute copies and accumulated gradients (`gathered`, as
+    `peak_moment` does a negative working set), not as negative activations or recompute:
+    every part >= 0 (describe() leaves negative ones out), and the parts add up to the
+    figure the fit is decided on (`Evaluator._stage_memories`, bit for bit)."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner import memory
+    from meshtron.planner.cluster import preset_cluster
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.plan import Plan
+
+    spec = ModelSpec(name="short", layers=13, hidden=2048, heads=16, kv_heads=8,
+                     ffn_hidden=7168, vocab=vocab, max_seq=4096)
+    plan = Plan(tp=1, pp=2, dp=4, zero=1, micro_batch=mb, recompute="none", sp=False,
+                schedule="interleaved", virtual_stages=2, dtype="bf16")
+    ev = Evaluator(spec, preset_cluster("dgx-h100", 1), 8 * mb, seq)
+    w = ev._inputs(plan)
+    ev._states(w)
+    ev._memory_model(w)
+    ev._split(w, True, False)
+    ev._interleaved_memory(w, True)
+    assert w.moments[-1] == moment  # the cases this is about:
+    assert w.inflight[-1] < 0 if moment == "loss" else w.blocks[-1][3] < 0
+    bd = ev.evaluate(plan, stage=1).memory
+    assert min(gib for _, gib in bd.parts()) >= 0, bd.describe()
+    assert bd.allocated * memory.GIB == w.n[1] * w.per_layer[1] + w.fixed[1]

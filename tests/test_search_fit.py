@@ -173,3 +173,101 @@ def _zeros(fw, dp: int) -> tuple[int, ...]:
     if dp == 1:
         return (0,)
     return (0, 1) if fw.name != "meshtron" else (0, 1, 2, 3)
+
+
+# A vocabulary large enough that the interleaved last rank, which holds the loss, is the
+# fullest (its logits outweigh several layers' activations), on an odd layer count (odd
+# chunks under `half`): the two terms Evaluator._walk_may_fit takes off the even spread's
+# figure beyond the in-flight bound (the last rank's loss share, `_last_rank_moment`; the
+# block moment of a backward that starts on a stored block, `_half_blocks`) both apply.
+VOCAB = ModelSpec(name="fit-vocab", layers=13, hidden=2048, heads=16, kv_heads=8,
+                  ffn_hidden=7168, vocab=256000, max_seq=4096)
+# ...and one small enough that the last rank's fullest moment outweighs its loss's
+SMALL_VOCAB = dataclasses.replace(VOCAB, name="fit-small-vocab", vocab=1024)
+
+
+def _splits(layers: int, pp: int, v: int) -> list[tuple[int, ...]]:
+    """The stack's own split (()) and a few given ones: near even with the remainder on the
+    last chunks, then on the first, and with an empty first and an empty last chunk (the
+    ends may hold none: plan_rules_fields)."""
+    k = pp * v
+    if k > layers:
+        return [()]
+    even = [layers // k] * k
+    late, early = list(even), list(even)
+    for i in range(layers - sum(even)):
+        late[-1 - i] += 1
+        early[i] += 1
+    out = [(), tuple(late), tuple(early)]
+    if k > 2:
+        out.append(tuple([0] + late[1:-1] + [late[-1] + late[0]]))
+        out.append(tuple([early[0] + early[-1]] + early[1:-1] + [0]))
+    return out
+
+
+def _after_split(ev: Evaluator, cfg: Plan):
+    """The plan's Work as the evaluator has it when the search asks `_walk_may_fit`: its
+    inputs, states, memory model and layer split (the pinned path's steps, in its order)."""
+    w = ev._inputs(cfg)
+    ev._states(w)
+    ev._memory_model(w)
+    ev._split(w, True, False)
+    return w
+
+
+def _bound_cases():
+    for model in (VOCAB, SMALL_VOCAB, MODEL):
+        for fw_name in ("meshtron", "megatron@2024"):
+            fw = frameworks.preset(fw_name)
+            # short sequences too: a layer's accumulated gradient then outweighs its
+            # activations (the moments the walk finds move furthest from the even spread)
+            for (pp, v, dp, mb), batch, seq in itertools.product(
+                    ((2, 2, 4, 1), (2, 3, 2, 1), (3, 2, 2, 1), (4, 2, 2, 1), (2, 2, 1, 4)),
+                    (64, 16), (SEQ, 256)):
+                for given, zero, rec in itertools.product(
+                        _splits(model.layers, pp, v) if fw_name == "meshtron" else [()],
+                        (0, 1) if dp > 1 else (0,), ("none", "half", "full")):
+                    if not given and split_problem(fw.memory.split_rule, model.layers, pp, v):
+                        continue
+                    yield model, fw, batch, seq, Plan(
+                        tp=1, pp=pp, dp=dp, zero=zero, micro_batch=mb, recompute=rec,
+                        schedule="interleaved", virtual_stages=v, dtype="bf16",
+                        stage_layers=given)
+
+
+def test_walk_bound_admits_every_plan_at_its_walked_memory():
+    """Evaluator._walk_may_fit is a lower bound of the walk: with the budget at the memory
+    the walk prices (every rank's, the pinned path's `_interleaved_memory`), it never prunes,
+    on interleaved plans whose last rank holds a large vocabulary's loss and under `half`
+    on odd chunks (the two terms it takes off beside the in-flight bound), given splits
+    with an empty first or last chunk included. Not vacuous: it prunes some of the same
+    plans 3% below that budget, and the cases include ranks that the walk priced at the loss
+    moment, at the fullest one, and with a lowered block moment."""
+    checked = pruned = 0
+    seen = set()
+    for model, fw, batch, seq, cfg in _bound_cases():
+        ev = Evaluator(model, preset_cluster("dgx-h100", 1), batch, seq, fw.kernel,
+                       mem=fw.memory)
+        try:
+            walked = _after_split(ev, cfg)
+        except UserError:  # a split the stack's rule does not run
+            continue
+        blocks = list(walked.blocks)
+        ev._interleaved_memory(walked, True)
+        need = max(k * a + f for k, a, f in zip(walked.n, walked.per_layer, walked.fixed))
+        worst = max(range(cfg.pp), key=lambda r: walked.n[r] * walked.per_layer[r]
+                    + walked.fixed[r])
+        if walked.moments and worst == cfg.pp - 1:
+            seen.add(walked.moments[-1])
+        if walked.blocks != blocks:
+            seen.add("lowered block moment")
+        for budget, fits in ((need * (1 + 1e-12), True), (need * 0.97, False)):
+            w = _after_split(ev, cfg)
+            w.budget = budget
+            if fits:
+                assert ev._walk_may_fit(w), (model.name, fw.name, batch, seq, cfg)
+            else:
+                pruned += not ev._walk_may_fit(w)
+        checked += 1
+    assert checked > 300 and pruned > 0, (checked, pruned)
+    assert seen == {"loss", "block", "lowered block moment"}, seen

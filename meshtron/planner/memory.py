@@ -300,6 +300,12 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     gathered += accum * (params + experts) + grad_extra * (
         accum if extra_accum is None else extra_accum)
     all_acts = layers * act * in_flight
+    if all_acts < 0.0:
+        # a moment before some chunks' gradients are made (an interleaved last rank's loss,
+        # priced beside every layer's gradients: estimate_moments.py): what it holds below
+        # them is gradients not made yet, taken off the accumulated ones in `gathered`
+        gathered += all_acts
+        all_acts = 0.0
     acts = min(layers * act, all_acts)
     extra = all_acts - acts + outputs
     cache = layers * weight_cache

@@ -186,7 +186,10 @@ def moment_parts(logits: float, work: float, at_loss: float, at_block: float,
     if moment == "loss":
         return at_loss, 0.0, logits
     held = max(at_block + work, at_embedding)
-    return held - work, work, 0.0
+    # a backward's working set below zero (gradients not yet made outweighing its
+    # temporaries: memory_acts.backward_working_bytes) is the compute copies', as `peak_moment`
+    recompute = max(0.0, work)
+    return held - recompute, recompute, 0.0
 
 
 def embedding_grad_extra(model: ModelSpec, tp: int) -> float:
