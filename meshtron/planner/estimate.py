@@ -356,9 +356,10 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # can hold less than the even spread: a split the spread rejects is rejected here only
         # when a lower bound of the walk does not fit either (`_walk_may_fit`)
         walked = cfg.schedule == "interleaved" and v > 1
-        # meshtron's `half`: a stage of an odd layer count holds `odd[i]` more than the mean
-        # per layer (estimate_half.py; less, or more), so its split is chosen and checked with
-        # it; priced exactly once the split is known (`_half_stages`)
+        # meshtron's `half`: a stage of an odd layer count holds `odd[i]` beyond its memory at
+        # the mean per layer (more or less: estimate_half.py), so the split is chosen and
+        # checked with it, and priced exactly once known (`_half_stages`, which decides the
+        # fit: kept until then, as the walk's)
         halved = self._half_unwalked(w)
         odd = self._half_deltas(w) if halved else [0.0] * pp
         keep = keep_infeasible or walked or halved
