@@ -271,3 +271,38 @@ def test_walk_bound_admits_every_plan_at_its_walked_memory():
         checked += 1
     assert checked > 300 and pruned > 0, (checked, pruned)
     assert seen == {"loss", "block", "lowered block moment"}, seen
+
+def test_search_path_agrees_on_half_stages_of_odd_layer_counts():
+    """meshtron's `half` on 1F1B stages and unpipelined models is priced once the split is
+    known (estimate_half.py `_half_stages`: a stage of an odd count holds a stored block
+    more per micro-batch and a block moment without a replayed block, so it can hold less
+    than the mean per layer, or more): the search's evaluation keeps exactly the plans the
+    pinned path fits, with the same memory and split, around every case's threshold. 13 and
+    14 layers on pp 1, 2, 4 and 3: odd and even stages, both directions of the change."""
+    checked = fitting = odd = 0
+    fw = frameworks.preset("meshtron")
+    for layers, pp, dp, zero, mb in itertools.product((13, 14), (1, 2, 3, 4), (2,), (0, 1, 3),
+                                                      (1, 2)):
+        model = dataclasses.replace(MODEL, layers=layers)
+        cfg = Plan(tp=1, pp=pp, dp=dp, zero=zero, micro_batch=mb, recompute="half",
+                   schedule="1f1b", dtype="bf16")
+
+        def ev(capacity: float) -> Evaluator:
+            cluster = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=capacity)
+            return Evaluator(model, cluster, 64, SEQ, fw.kernel, mem=fw.memory)
+
+        need = ev(80.0).evaluate(cfg, exact_memory=False).memory.total
+        for factor in (0.9, 0.97, 0.99, 0.999, 1.0, 1.001, 1.01, 1.03, 1.1):
+            e = ev(need * factor)
+            pinned = e.evaluate(cfg, keep_infeasible=True, exact_memory=False)
+            searched = e.evaluate(cfg, keep_infeasible=False, exact_memory=False)
+            checked += 1
+            odd += any(k % 2 for k in pinned.stage_layers)
+            if pinned.fits:
+                fitting += 1
+                assert searched is not None and searched.fits, (cfg, layers, factor)
+                assert searched.memory.total == pytest.approx(pinned.memory.total)
+                assert searched.stage_layers == pinned.stage_layers
+            else:
+                assert searched is None, (cfg, layers, factor)
+    assert checked >= 300 and 0 < fitting < checked and odd > checked // 3

@@ -88,6 +88,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
+from meshtron.planner.estimate_half import HalfRecompute, half_cap
 from meshtron.planner.estimate_moments import LastRankMoments
 from meshtron.planner.estimate_stage import StageCosts, given_partition
 from meshtron.planner.estimate_time import StepTimes
@@ -103,7 +104,8 @@ weight decay (4+4), first moment lerp (4+4+4), second moment scale and addcmul (
 sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then the bf16 copy
 of the fp32 master (4+2): 86 bytes per parameter."""
 
-class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMoments):
+class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMoments,
+                HalfRecompute):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -354,7 +356,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # can hold less than the even spread: a split the spread rejects is rejected here only
         # when a lower bound of the walk does not fit either (`_walk_may_fit`)
         walked = cfg.schedule == "interleaved" and v > 1
-        keep = keep_infeasible or walked
+        # meshtron's `half`: a stage of an odd layer count holds `odd[i]` beyond its memory at
+        # the mean per layer (more or less: estimate_half.py), so the split is chosen and
+        # checked with it, and priced exactly once known (`_half_stages`, which decides the
+        # fit: kept until then, as the walk's)
+        halved = self._half_unwalked(w)
+        odd = self._half_deltas(w) if halved else [0.0] * pp
+        keep = keep_infeasible or walked or halved
         given = given_partition(cfg, model.layers)
         if given is None and pp > 1:  # the search never asks; a direct caller is told
             problem = split_problem(self.mem.split_rule, model.layers, pp, v)
@@ -363,9 +371,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         weights = (w.p_emb, w.p_layer + w.p_exp, w.p_head)  # DeepSpeed's 'parameters' partition
         n = given or self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
         fits = n is not None and all(
-            k * a + f <= budget for k, a, f in zip(n, per_layer, fixed))
+            k * a + f + (d if k % 2 else 0.0) <= budget
+            for k, a, f, d in zip(n, per_layer, fixed, odd))
         if not fits and given is None:
             caps = [int((budget - f) // a) if budget > f else 0 for a, f in zip(per_layer, fixed)]
+            if halved:
+                caps = [half_cap(c, a, f, d, budget)
+                        for c, a, f, d in zip(caps, per_layer, fixed, odd)]
             if sum(caps) >= model.layers:
                 n = self._time_partition(pp, v, t_layer, e_first, e_last, caps, weights)
             else:
@@ -399,6 +411,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                 return False
         if walked and not w.fits and not keep_infeasible and not self._walk_may_fit(w):
             return False
+        if halved:
+            if n is not None:
+                self._half_stages(w)
+            if not w.fits and not keep_infeasible:
+                return False
         return True
 
     def _chunks(self, w: Work) -> list[int]:
@@ -507,46 +524,6 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
             w.fits = all(k * a + f <= w.budget for k, a, f in zip(n, per_layer, fixed))
         # the walk's figure is the fit decision, the search's as the pinned answer's
         return w.fits or keep_infeasible
-
-    def _half_odd(self, w: Work) -> tuple[float, float | None]:
-        """Under `half` recomputation, (what a chunk of an odd layer count holds beyond `act`
-        per layer, memory_pipeline.half_odd_bytes: the part's blocks 0, 2, ... stored; the
-        block moment's working set of a backward that starts on a stored block, the one
-        without recomputation: `_half_blocks`). meshtron's rule (FSDP2 stacks); Megatron's
-        and DeepSpeed's `half` are priced at the mean as before (their own per-chunk rules
-        not checked here): (0, None)."""
-        if w.rec != "half" or w.mem_opts.framework != "fsdp2":
-            return 0.0, None
-        cfg = w.cfg
-        none, full = (self._memory_pieces(w.tp, w.mb, cfg.sp, r, cfg.dtype, w.cp, w.ep, w.pp,
-                                          cfg.fp8_recipe) for r in ("none", "full"))
-        return memory_pipeline.half_odd_bytes(none[1], full[1]), none[2]
-
-    def _half_blocks(self, w: Work, chunks: list[int], walk: bool = True, act: float = 0.0,
-                     grad: float = 0.0, odd: float = 0.0) -> list:
-        """w.blocks with each pipeline rank's block moment under meshtron's `half`: a chunk
-        of an odd layer count (or none) runs its backward without a recomputed block beside
-        its saved activations, its checkpointed block recomputed into the space its stored
-        last block's tensors left (memory_pipeline.half_recomputes_first); on a rank of
-        both kinds the walk finds whose backward comes with the peak
-        (memory_pipeline.backward_work, with the walk's `act`, `grad` and `odd`), or, not
-        `walk`, the smaller (a lower bound: `_walk_may_fit`)."""
-        plain = self._half_odd(w)[1]
-        if plain is None:
-            return w.blocks
-        p, v, out = w.pp, w.v, []
-        for r, b in enumerate(w.blocks):
-            layers = [chunks[c * p + r] for c in range(v)]
-            works = [b[3] if memory_pipeline.half_recomputes_first(n) else min(b[3], plain)
-                     for n in layers]
-            if len(set(works)) > 1:
-                work = (memory_pipeline.backward_work(p, v, w.m, r, layers, works, act, grad,
-                                                      w.extra_warm, odd)
-                        if walk else min(works))
-            else:
-                work = works[0]
-            out.append(b if work == b[3] else (b[0], b[1], b[2], work))
-        return out
 
     def _zb_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under torch's zero bubble, the walk of memory_zb.py on the split's own layers per
