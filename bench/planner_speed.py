@@ -37,9 +37,11 @@ from meshtron.planner.search import search_plans  # noqa: E402
 
 def clear_caches() -> None:
     import meshtron.planner.estimate as estimate
+    import meshtron.planner.estimate_pieces as estimate_pieces
 
-    # the process-wide memos of estimate.py (absent before session 35)
-    memos = [getattr(estimate, name, None)
+    # the process-wide memos of estimate.py (absent before session 35; in estimate_pieces.py
+    # since its split, where getattr on estimate alone found none)
+    memos = [getattr(module, name, None) for module in (estimate, estimate_pieces)
              for name in ("_recompute_flops", "_weighted_in_flight", "_peak_outputs")]
     for f in (layer_cost, head_cost, embedding_cost, *filter(None, memos)):
         f.cache_clear()

@@ -69,7 +69,7 @@ def _cases():
     chunk), each on devices whose memory spans the plan's need: capacity = need x factor.
     meshtron's also under `half` recomputation, where a rank of odd chunks holds a stored
     block more per micro-batch and a smaller block moment than the linear model
-    (estimate.py `_half_blocks`): the search's bound must stay below that walk too."""
+    (estimate_half.py `_half_blocks`): the search's bound must stay below that walk too."""
     for fw_name in ("meshtron", "megatron@2024"):
         fw = frameworks.preset(fw_name)
         for pp, v, dp, mb in ((2, 2, 4, 1), (2, 3, 4, 1), (4, 2, 2, 1), (4, 3, 2, 1),

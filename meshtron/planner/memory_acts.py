@@ -224,7 +224,7 @@ def recompute_working_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: in
     full = activation_bytes(model, tp, sp, micro_batch, seq, "none", opts, mem)
     if recompute in ("full", "half"):  # 'half': a checkpointed block replays all of itself
         # (beside every saved tensor only where the part ends in a checkpointed block; a part
-        # of an odd count recomputes it where a stored block's were: estimate._half_blocks)
+        # of an odd count recomputes it where a stored block's were: estimate_half._half_blocks)
         return full
     return max(0.0, full - activation_bytes(model, tp, sp, micro_batch, seq, recompute, opts, mem))
 

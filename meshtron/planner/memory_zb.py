@@ -180,7 +180,7 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     input gradients, the head's captured gradient and B's working set. The walk's moments
     are counted once per order (`_moments`), then weighed here. `loss`: the loss moment's
     bytes the memory model adds to the last stage's rank (its logits beyond a block's
-    recomputation working set, which B and W run: memory.stage_memory, estimate._zb_held),
+    recomputation working set, which B and W run: memory.stage_memory, estimate_walks._zb_held),
     there only while a B of the last stage starts: at any other moment they are gone, so it
     counts `loss` less there (the result is what is held beside them)."""
     last = p * v - 1
