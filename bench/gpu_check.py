@@ -517,6 +517,14 @@ def main() -> int:
         ap.error(f"--caps={args.caps}: expected NAME=SECONDS[,NAME=SECONDS...]")
     if set(args.caps) - {c[0] for c in CASES}:
         ap.error(f"--caps: unknown case in {sorted(args.caps)}")
+    # a cap of 0 s or less was its case's floor too (_limits): it started with what was
+    # left of the budget below its floor, or with none left (a negative cap), to be stopped
+    # at once
+    bad = {k: v for k, v in args.caps.items() if not 0 < v < float("inf")}
+    if bad:
+        ap.error(f"--caps: {bad}: each cap must be a positive number of seconds")
+    if not 0 < args.budget < float("inf"):
+        ap.error(f"--budget={args.budget}: must be a positive number of seconds")
     if args.run_case:
         return run_case(args)
     drive(args)

@@ -190,3 +190,20 @@ def test_sigterm_while_an_ended_case_is_recorded_keeps_its_record(tmp_path):
         except ProcessLookupError:
             pass
     assert got["left"]["status"] == "ok" and got["left"]["result"] == {"measured": 1}
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--caps", "env=0"], "--caps"), (["--caps", "env=-5"], "--caps"),
+    (["--caps", "env=nan"], "--caps"), (["--budget", "0"], "--budget"),
+    (["--budget", "-1"], "--budget")])
+def test_a_cap_or_budget_of_no_time_is_refused(argv, field, monkeypatch, tmp_path, capsys):
+    """A cap of 0 s or less made that case's floor 0 (`_limits`): it started with the budget
+    spent (or past it), to be stopped at once; now one line naming the flag, exit 2."""
+    monkeypatch.setattr(gpu_check, "drive", lambda args: pytest.fail("started"))
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--out", str(tmp_path / "x.json"),
+                                      *argv])
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert field in err and "positive number of seconds" in err
