@@ -25,8 +25,8 @@ the one under test):
 naming each of those modules it cannot find (`preflight` in the JSON) and records a case whose
 module is missing as "skipped: X not installed (carry ...)", so a missing wheel costs that case,
 never the call. `give_back` right after; commit the JSON under bench/results/. The budget,
-plus at most 35 s to stop a case at its cap (SIGTERM, 20 s, SIGKILL, 10 s, 5 s for its
-output), fits a 600 s call; if the call's limit still stops the kit (SIGTERM), it records the
+plus at most 35 s to stop the cases at their caps (SIGTERM, 20 s, SIGKILL, 10 s, 5 s for
+the output; a group's overdue members all at once: runner.stop_all), fits a 600 s call; if the call's limit still stops the kit (SIGTERM), it records the
 running case as `interrupted` with what it measured, names the cases never started and writes
 the JSON. The cases that did not fit run in a second call with `--only NAME,...`, which the
 kit prints at its end.
@@ -517,6 +517,14 @@ def main() -> int:
         ap.error(f"--caps={args.caps}: expected NAME=SECONDS[,NAME=SECONDS...]")
     if set(args.caps) - {c[0] for c in CASES}:
         ap.error(f"--caps: unknown case in {sorted(args.caps)}")
+    # a cap of 0 s or less was its case's floor too (_limits): it started with what was
+    # left of the budget below its floor, or with none left (a negative cap), to be stopped
+    # at once
+    bad = {k: v for k, v in args.caps.items() if not 0 < v < float("inf")}
+    if bad:
+        ap.error(f"--caps: {bad}: each cap must be a positive number of seconds")
+    if not 0 < args.budget < float("inf"):
+        ap.error(f"--budget={args.budget}: must be a positive number of seconds")
     if args.run_case:
         return run_case(args)
     drive(args)

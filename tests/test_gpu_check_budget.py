@@ -5,8 +5,14 @@ by side, each with its own cap and its own record."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -85,3 +91,119 @@ def test_an_interrupt_stops_and_records_every_member_still_running(tmp_path):
     assert set(got) == {"one", "two"}
     assert all(r["status"] == "interrupted" and "signal 15" in r["reason"] for r in got.values())
     assert all(run.proc.poll() is not None for run in runs)
+
+
+def _waits_for_the_others_sigterm(tmp_path: Path, name: str, other: str) -> runner.Running:
+    """A case that marks itself ready, then on SIGTERM marks that it got one and waits (up
+    to 30 s) for `other`'s mark before it records whether it saw it and exits: it sees it
+    only if both were told to stop at once."""
+    out, mark = tmp_path / f"{name}.json", str(tmp_path / name)
+    code = (
+        "import json, os, signal, time\n"
+        "def on_term(*_):\n"
+        f"    open({mark!r} + '.term', 'w').close()\n"
+        "    t = time.time()\n"
+        f"    while not os.path.exists({str(tmp_path / other)!r} + '.term') "
+        "and time.time() - t < 30:\n"
+        "        time.sleep(0.05)\n"
+        f"    seen = os.path.exists({str(tmp_path / other)!r} + '.term')\n"
+        f"    open({str(out)!r}, 'w').write(json.dumps({{'saw_other': seen}}))\n"
+        "    os._exit(0)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        f"open({mark!r} + '.ready', 'w').close()\n"
+        "time.sleep(600)\n")
+    return runner.start(name, [sys.executable, "-c", code], {}, tmp_path, tmp_path, out, 600,
+                        lambda line: None)
+
+
+def _two_ready(tmp_path: Path) -> list[runner.Running]:
+    runs = [_waits_for_the_others_sigterm(tmp_path, "a", "b"),
+            _waits_for_the_others_sigterm(tmp_path, "b", "a")]
+    t = time.time()
+    while not all((tmp_path / f"{n}.ready").exists() for n in "ab"):
+        assert time.time() - t < 120 and all(r.proc.poll() is None for r in runs)
+        time.sleep(0.05)
+    return runs
+
+
+def test_members_overdue_together_are_stopped_together(tmp_path, monkeypatch):
+    """A group cut at the budget's end: every overdue member is told to stop at once, not
+    one grace after another (each CLI case takes ~5 s to stop, a hung one the whole grace:
+    nine members one by one overran the 600 s call the budget was sized for). One by one,
+    "a" would be killed at its grace without ever seeing "b" told."""
+    monkeypatch.setattr(runner, "GRACE_S", 6.0)
+    runs = _two_ready(tmp_path)
+    for run in runs:
+        run.deadline = time.perf_counter()  # both over their cap now
+    got: dict = {}
+    runner.wait_all(runs, lambda run, rec: got.setdefault(run.name, rec))
+    assert {n: (r["status"], r["result"]) for n, r in got.items()} == {
+        "a": ("timeout", {"saw_other": True}), "b": ("timeout", {"saw_other": True})}
+
+
+def test_an_interrupt_stops_every_member_at_once(tmp_path, monkeypatch):
+    """SIGTERM to the kit: the device call's limit leaves seconds, so the running members
+    are told together and each records what it has (one by one, eight seconds each, a
+    group's records came after the call was killed)."""
+    monkeypatch.setattr(runner, "TERM_GRACE_S", 6.0)
+    runs = _two_ready(tmp_path)
+    got: dict = {}
+    runner.interrupt(runs, runner.Interrupted("signal 15"), lambda r, rec: got.setdefault(
+        r.name, rec))
+    assert {n: (r["status"], r["result"]) for n, r in got.items()} == {
+        "a": ("interrupted", {"saw_other": True}), "b": ("interrupted", {"saw_other": True})}
+
+
+def test_sigterm_while_an_ended_case_is_recorded_keeps_its_record(tmp_path):
+    """A real SIGTERM to this process (the kit's handler: Interrupted) while wait_all makes
+    the record of a case that has ended (its output still open in a child it left: finish
+    waits up to 5 s for it): the case is recorded as it ended, not dropped (it had left the
+    runs still waited for before its record was made, and `drive` then called it never
+    started)."""
+    out = tmp_path / "left.json"
+    code = ("import json, subprocess, sys\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(out)!r}, 'w').write(json.dumps({{'measured': 1}}))\n")
+    run = runner.start("left", [sys.executable, "-c", code], {}, tmp_path, tmp_path, out, 600,
+                       lambda line: None)
+
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise runner.Interrupted(f"signal {signum}")
+
+    def term_once_reaped():
+        while run.proc.returncode is None:  # set by wait_all's poll
+            time.sleep(0.02)
+        time.sleep(1.0)  # inside finish's wait for the output
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    got: dict = {}
+    try:
+        threading.Thread(target=term_once_reaped, daemon=True).start()
+        with pytest.raises(runner.Interrupted):
+            runner.wait_all([run], lambda r, rec: got.setdefault(r.name, rec))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        try:
+            os.killpg(run.proc.pid, signal.SIGKILL)  # the child it left
+        except ProcessLookupError:
+            pass
+    assert got["left"]["status"] == "ok" and got["left"]["result"] == {"measured": 1}
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--caps", "env=0"], "--caps"), (["--caps", "env=-5"], "--caps"),
+    (["--caps", "env=nan"], "--caps"), (["--budget", "0"], "--budget"),
+    (["--budget", "-1"], "--budget")])
+def test_a_cap_or_budget_of_no_time_is_refused(argv, field, monkeypatch, tmp_path, capsys):
+    """A cap of 0 s or less made that case's floor 0 (`_limits`): it started with the budget
+    spent (or past it), to be stopped at once; now one line naming the flag, exit 2."""
+    monkeypatch.setattr(gpu_check, "drive", lambda args: pytest.fail("started"))
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--out", str(tmp_path / "x.json"),
+                                      *argv])
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert field in err and "positive number of seconds" in err

@@ -111,7 +111,7 @@ def test_planner_charges_the_walk_for_a_zb_plan():
     act = ev._memory_pieces(2, 1, True, "none", "bf16", 1, 1, 4)[1]
     grad = memory_zb.captured_grad_bytes(ev.model, 2, True, 4096, 2.0)
     out = memory_pipeline.stage_output_bytes(ev.model.hidden, 2, True, 1, 4096, 2.0)
-    head = memory_zb.head_grad_bytes(ev.model, 2, 4096, 2.0, kept_output=True)
+    head = memory_zb.head_grad_bytes(ev.model, 2, 4096, 2.0)
     from meshtron.planner.memory_states import layer_params_local
 
     # the W's bf16 gradients wait for the next B (FSDP2 folds them into its fp32 accumulator)

@@ -15,14 +15,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import resource
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Callable
-
-from gpukit.common import stop_group
 
 GRACE_S = 20.0  # SIGTERM to SIGKILL: a CLI case stops its torchrun ranks in between
 TERM_GRACE_S = 8.0
@@ -51,6 +51,8 @@ class Running:
     cap: float
     cpu_s: float = 0.0
     """CPU seconds of the case and every process it waited for (`_reaped`)."""
+    stopped: str = "ended"
+    """How it ended: "timeout" once stopped at its deadline (`finish`'s status)."""
 
 
 def _pump(stream, name: str, log: Path, tail: collections.deque,
@@ -117,19 +119,24 @@ def finish(run: Running, status: str, reason: str | None = None) -> dict:
 
 def wait_all(runs: list[Running], done: Callable[[Running, dict], None]) -> None:
     """Wait for every run, each stopped at its own deadline; `done(run, record)` as each
-    ends (in the order they end). SIGTERM to the kit (Interrupted) stops those still running,
-    records them as interrupted, then re-raises."""
+    ends (in the order they end). Runs overdue together are stopped together (`stop_all`):
+    one grace for a group cut at the budget's end, not one per member. A run leaves `left`
+    only once its record is made, so SIGTERM to the kit (Interrupted) while one is being
+    recorded still records it (`interrupt`: as it ended); those still running are stopped
+    and recorded as interrupted, then it re-raises."""
     left = list(runs)
     try:
         while left:
-            for run in list(left):
-                if _reaped(run, run.proc.poll) is not None:
-                    left.remove(run)
-                    done(run, finish(run, "ended"))
-                elif time.perf_counter() >= run.deadline:
-                    _reaped(run, lambda: stop_group(run.proc, GRACE_S, 10.0))
-                    left.remove(run)
-                    done(run, finish(run, "timeout"))
+            ended = [r for r in left if _reaped(r, r.proc.poll) is not None]
+            now = time.perf_counter()
+            overdue = [r for r in left if r not in ended and now >= r.deadline]
+            for run in overdue:
+                run.stopped = "timeout"
+            stop_all(overdue, GRACE_S, 10.0)
+            for run in ended + overdue:
+                rec = finish(run, run.stopped)
+                left.remove(run)
+                done(run, rec)
             if left:
                 time.sleep(0.1)
     except Interrupted as exc:
@@ -137,13 +144,40 @@ def wait_all(runs: list[Running], done: Callable[[Running, dict], None]) -> None
         raise
 
 
+def _signal_group(run: Running, sig: int) -> None:
+    try:
+        os.killpg(run.proc.pid, sig)  # its own session (`start`): the case and its children
+    except ProcessLookupError:
+        pass
+
+
+def stop_all(runs: list[Running], grace_s: float, kill_wait_s: float) -> None:
+    """Stop `runs` at once: SIGTERM to every one's process group, SIGKILL to those still
+    running `grace_s` seconds later, then at most `kill_wait_s` more for them; each reaped
+    on its own (`_reaped`: its CPU seconds). common.stop_group one after another would cost
+    a grace per run (a CLI case takes ~5 s to stop its command, a hung one the whole 20 s)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        live = [r for r in runs if r.proc.returncode is None]
+        for run in live:
+            _signal_group(run, sig)
+        until = time.perf_counter() + wait
+        for run in live:
+            try:
+                _reaped(run, lambda run=run: run.proc.wait(
+                    timeout=max(0.0, until - time.perf_counter())))
+            except subprocess.TimeoutExpired:
+                continue
+
+
 def interrupt(runs: list[Running], exc: Exception, done: Callable[[Running, dict], None]) -> None:
-    """SIGTERM to the kit while `runs` ran: stop them (each records what it has on SIGTERM),
-    `done(run, record)` with each as interrupted."""
+    """SIGTERM to the kit while `runs` ran: stop those still running, all at once (each
+    records what it has on SIGTERM; the device call's limit leaves only seconds), and
+    `done(run, record)` with each, as interrupted, or as it ended where it had ended."""
+    running = [r for r in runs if _reaped(r, r.proc.poll) is None]
+    stop_all(running, TERM_GRACE_S, 3.0)
     for run in runs:
-        _reaped(run, lambda: stop_group(run.proc, TERM_GRACE_S, 3.0))
-    for run in runs:
-        done(run, finish(run, "interrupted", f"the kit was stopped ({exc}) while this case ran"))
+        done(run, finish(run, "interrupted", f"the kit was stopped ({exc}) while this case ran")
+             if run in running else finish(run, run.stopped))
 
 
 def batches(rows: list) -> list[list]:

@@ -65,7 +65,7 @@ class MemoryWalks:
         tokens = w.mb * self.seq // w.cp
         cb, fused = w.mem_opts.compute_bytes, w.mem_opts.fused_norm
         grad = memory_zb.captured_grad_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)
-        head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb, fused, kept_output=True)
+        head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb, fused)
         # W's gradients wait for the next B where FSDP2 upcasts them into its accumulator
         pending = cb * (w.p_layer + w.p_exp) if w.accum not in (0.0, cb) else 0.0
         work = memory_zb.input_backward_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)

@@ -105,18 +105,17 @@ def input_backward_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: f
 
 
 def head_grad_bytes(model, tp: int, tokens: int, compute_bytes: float,
-                    fused_norm: bool = True, kept_output: bool = False) -> float:
+                    fused_norm: bool = True) -> float:
     """The logits' gradient the output projection's intermediate captures on the last stage
     (vocabulary-parallel: vocab / tp per rank) and the final norm's output gradient (fp32
-    for the composite RMSNorm, as `captured_grad_bytes`). `kept_output`: also the logits
-    themselves, which the last stage keeps past B: torch's stage appends every micro-batch's
-    output to `output_chunks` (stage.py `forward_one_chunk`, save_forward_output = the
-    schedule's `return_outputs`, True unless the caller says otherwise, as meshtron's runtime
-    does not) until the step returns them. Counted here to W, as the rehearsal holds them:
-    a lower bound of meshtron's runtime, which keeps all m of them to the step's end."""
+    for the composite RMSNorm, as `captured_grad_bytes`). Not the logits themselves: torch's
+    stage detaches the last stage's output in B and keeps only the loss to W
+    (stage.py `backward_one_chunk`: `t.detach_()`, `backward_state` holds `(loss,)`), and
+    with `return_outputs=False` (meshtron's runtime: parallel/pipeline.py `step_options`)
+    `output_chunks` holds none of them either."""
     norm_bytes = 4.0 if _composite_norm(model, fused_norm) else compute_bytes
     logits = tokens * model.vocab / tp * compute_bytes
-    return logits * (2.0 if kept_output else 1.0) + tokens * model.hidden * norm_bytes
+    return logits + tokens * model.hidden * norm_bytes
 
 
 def weight_recompute_kept_bytes(model, tp: int, sp: bool, tokens: int,

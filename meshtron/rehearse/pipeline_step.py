@@ -187,8 +187,12 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
         grads = None if s == last else _output_grad(bufs.grads[s][i], out)
         inputs = [inp] if s != 0 else []
         if split:
-            waiting[(s, i)] = state = _input_backward(stages[s], s, inp, out, kept, grads,
-                                                      inputs, pm)
+            state = _input_backward(stages[s], s, inp, out, kept, grads, inputs, pm)
+            if s == last:  # past B torch keeps the loss to W, not the logits: it detaches
+                # the stage's output at B's end (stage.py backward_one_chunk), and meshtron's
+                # step keeps no output_chunks (parallel/pipeline.py step_options)
+                state = (*state[:2], None, *state[3:])
+            waiting[(s, i)] = state
             if s != 0 and state[-1] is not None:  # kept as the buffer's .grad to the step's
                 leaf = bufs.inputs[s][i]  # end; the V's previous stage takes it as its
                 leaf.grad = state[-1]  # output gradient (set_local_bwd_input)
