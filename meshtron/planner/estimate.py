@@ -88,6 +88,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
+from meshtron.planner.estimate_gpipe import GPipeMoments
 from meshtron.planner.estimate_half import HalfRecompute, half_cap
 from meshtron.planner.estimate_moments import LastRankMoments
 from meshtron.planner.estimate_stage import StageCosts, given_partition
@@ -105,7 +106,7 @@ sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then th
 of the fp32 master (4+2): 86 bytes per parameter."""
 
 class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMoments,
-                HalfRecompute):
+                HalfRecompute, GPipeMoments):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -362,7 +363,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # fit: kept until then, as the walk's)
         halved = self._half_unwalked(w)
         odd = self._half_deltas(w) if halved else [0.0] * pp
-        keep = keep_infeasible or walked or halved
+        gpipe = self._gpipe_walked(w)  # priced at its moments once split (estimate_gpipe.py)
+        keep = keep_infeasible or walked or halved or gpipe
         given = given_partition(cfg, model.layers)
         if given is None and pp > 1:  # the search never asks; a direct caller is told
             problem = split_problem(self.mem.split_rule, model.layers, pp, v)
@@ -411,11 +413,12 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                 return False
         if walked and not w.fits and not keep_infeasible and not self._walk_may_fit(w):
             return False
-        if halved:
-            if n is not None:
-                self._half_stages(w)
-            if not w.fits and not keep_infeasible:
-                return False
+        if halved and n is not None:
+            self._half_stages(w)
+        if gpipe and n is not None:
+            self._gpipe_stages(w)
+        if (halved or gpipe) and not w.fits and not keep_infeasible:
+            return False
         return True
 
     def _chunks(self, w: Work) -> list[int]:

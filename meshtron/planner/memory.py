@@ -235,12 +235,13 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  p_expert: float, expert_states: tuple[float, float, float] | None,
                  root_unit: float | None, reduce_bytes: float,
                  grad_extra: float, extra_accum: float
-                 ) -> tuple[float, float | None, float, float, float]:
+                 ) -> tuple[float, float | None, float, float, float, float]:
     """`stage_memory` less its terms in `in_flight`, `outputs` and `weight_cache`, which are
     what a search's plans and a plan's ranks vary most (a search asks ~90k stage memories of
     ~5k of these): (per-layer sum before the in-flight activations, the gathered copies per
     layer added after them or None, fixed bytes before the outputs at each of `MOMENTS`: the
-    peak, the loss's, the block's). Keyed by every other argument of `stage_memory`
+    peak, the loss's, the block's, the embedding's). Keyed by every other argument of
+    `stage_memory`
     (tests/test_planner_caches.py): the moments are all formed from the same key."""
     sb = sum(states)
     # routed experts under expert parallelism (`p_expert`: E/ep experts of one block on this
@@ -266,7 +267,9 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     return (base, cb * p_layer if fsdp_all else None,
             rest + gathered + recompute + logits,
             rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "loss")),
-            rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "block")))
+            rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "block")),
+            rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding,
+                                    "embedding")))
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],

@@ -1,0 +1,69 @@
+"""GPipe stages priced at their own moments (estimate.Evaluator's mixin).
+
+Under torch's ScheduleGPipe every forward runs before any backward, so FSDP2's accumulated
+gradients do not exist at the fullest moment (all m micro-batches' activations, the first
+backward), and the last stage keeps every micro-batch's loss tensors until then
+(memory_gpipe.py). The linear model the split is chosen with (memory.stage_memory: m
+micro-batches beside every gradient, one micro-batch's loss) is priced again once the split is
+known, at the largest of the moments of memory_gpipe.gpipe_moments, each written as an
+in-flight multiplier beside every layer's gradients (as memory_pipeline.weighted_in_flight
+converts the interleaved walk) and the moment's working set (memory.MOMENTS).
+"""
+
+from __future__ import annotations
+
+from meshtron.planner import memory_gpipe
+from meshtron.planner.estimate_work import Work
+
+
+class GPipeMoments:
+    """`_gpipe_walked` (which plans) and `_gpipe_stages` (their ranks' moments)."""
+
+    def _gpipe_walked(self, w: Work) -> bool:
+        """Whether `_gpipe_stages` prices the plan: torch's ScheduleGPipe (one stage per
+        rank) with FSDP2 accumulating unsharded gradients over the step (`w.accum`)."""
+        return (w.cfg.schedule == "gpipe" and w.pp > 1 and w.v == 1 and w.accum > 0.0
+                and w.mem_opts.framework == "fsdp2")
+
+    def _gpipe_stages(self, w: Work) -> None:
+        """Every rank of the split `w.n` at the largest of its GPipe moments: its in-flight
+        multiplier, kept outputs and moment (w.inflight, w.outputs, w.moments), then the
+        stages' memory and whether the split fits (w.fits)."""
+        pp, m, out = w.pp, w.m, w.out_bytes
+        model, cfg, mem = self.model, w.cfg, w.mem_opts
+        saved = memory_gpipe.loss_saved_bytes(model, w.tp, w.mb, self.seq // w.cp, mem)
+        # copies: the evaluator's cached lists
+        inflight, outputs = list(w.inflight), list(w.outputs)
+        moments = list(w.moments) if w.moments else [None] * pp
+        torch_stage = not mem.engine.startswith("deepspeed")
+        for r, k in enumerate(w.n):
+            b = w.blocks[r]
+            act = b[2]
+            if not k or not act:
+                continue  # no layer to carry the multiplier: the linear model's figure
+            # one micro-batch's activations (with `half`'s stored extra, _half_stages),
+            # the blocks' and the roots' accumulated gradients as the linear model counts them
+            per_mb = w.inflight[r] * act * k / m
+            grads = w.accum * (b[0] + b[1]) * k
+            roots = w.accum * w.roots[r] + (w.grad_extra * w.extra_accum if r == 0 else 0.0)
+            head = r == w.head_rank
+            # B: mb 0's stage output gone from torch's cache, its received input buffer no
+            # longer a saved block input (memory_pipeline.receive_buffers counted it so)
+            later = outputs[r] - (out if torch_stage and r < pp - 1 else 0.0) + (
+                out if torch_stage and r > 0 and mem.fused_norm else 0.0)
+            best: tuple = ()
+            for held, moment in memory_gpipe.gpipe_moments(
+                    m, per_mb, grads, roots, saved, head, r == 0 and w.grad_extra > 0.0):
+                mult = (held - grads - roots) / (act * k)
+                kept = later if moment is None else outputs[r]
+                per_layer, fixed = self._stage_memories(
+                    w, inflight[:r] + [mult] + inflight[r + 1:], [r],
+                    outputs[:r] + [kept] + outputs[r + 1:],
+                    moments[:r] + [moment] + moments[r + 1:])
+                total = k * per_layer[r] + fixed[r]
+                if not best or total > best[0]:
+                    best = (total, mult, kept, moment)
+            _, inflight[r], outputs[r], moments[r] = best
+        w.inflight, w.outputs, w.moments = inflight, outputs, moments
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
+        w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
