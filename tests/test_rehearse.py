@@ -453,3 +453,48 @@ def test_zbv_middle_rank_peak_does_not_grow_with_the_step():
     buffer = 2 * 2048 * 2048 * 2
     ids = 2 * (4 * 2) * 2048 * 8  # 4 more micro-batches of 2 rows, tokens and targets
     assert peaks["64"] - peaks["32"] == pytest.approx(4 * 5 * buffer + ids, abs=4096), peaks
+
+
+GPIPE_STAGES = {  # name: (knobs, pipeline rank): torch's ScheduleGPipe runs every forward
+    # before any backward (planner/memory_gpipe.py): at the fullest moment FSDP2 has
+    # accumulated no gradient yet, and the last stage keeps every micro-batch's loss tensors
+    # (log_softmax's fp32 output, the stage output). Measured (2026-12-05, branch gpipe),
+    # before -> after: pp 2, 10 layers, m 4: stage 0 +12.2% -> +0.1%, stage 1 -10.0% -> -1.5%
+    "gpipe, first stage": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=10), 0),
+    "gpipe, last stage": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=10), 1),
+}
+GPIPE_SLOW = {
+    # half on stages of 5 (odd: a stored block more on every micro-batch) +14.2% -> -2.9%,
+    # of 6 +16.9% -> -0.1%; full +2.4% -> -0.5%, its last stage -24.2% -> -1.6%
+    "gpipe half, stages of 5, first": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=10,
+                                            recompute="half"), 0),
+    "gpipe half, stages of 6, first": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=12,
+                                            recompute="half"), 0),
+    "gpipe full, first": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=10,
+                               recompute="full"), 0),
+    "gpipe full, last": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=10,
+                              recompute="full"), 1),
+    # pp 4, m 8, stages of 3: the first +7.1% -> +0.1%, the last -27.2% -> -2.8%; half
+    # +6.9% -> -2.3%, full +1.0% -> -0.8%
+    "gpipe pp 4, first": (dict(pp=4, dp=2, zero=1, schedule="gpipe", layers=12), 0),
+    "gpipe pp 4, last": (dict(pp=4, dp=2, zero=1, schedule="gpipe", layers=12), 3),
+    "gpipe pp 4 half, first": (dict(pp=4, dp=2, zero=1, schedule="gpipe", layers=12,
+                                    recompute="half"), 0),
+    "gpipe pp 4 full, first": (dict(pp=4, dp=2, zero=1, schedule="gpipe", layers=12,
+                                    recompute="full"), 0),
+}
+
+
+def _run_stages(cases: dict) -> dict:
+    return run_kinds(RUN_STAGES, [MODEL, BASE, cases])
+
+
+def test_gpipe_stages_agree_with_rehearsal():
+    """GPipe's first stage (no accumulated gradient at its fullest moment) and its last
+    (every micro-batch's loss tensors held) within the table's 5%."""
+    _check(_run_stages(GPIPE_STAGES))
+
+
+@pytest.mark.slow
+def test_gpipe_stages_agree_with_rehearsal_every_recomputation_and_depth():
+    _check(_run_stages(GPIPE_SLOW))

@@ -310,6 +310,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         w.not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
                                               if model.is_moe else 0)
         w.per_layer, w.fixed = self._stage_memories(w, inflight)
+        self._gpipe_bound(w)  # GPipe's last stage: every micro-batch's loss tensors
 
     def _te_cache(self, w: Work, i: int) -> float:
         """Bytes of Transformer Engine's cached FP8 weights on pipeline rank `i`."""
@@ -375,6 +376,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         fits = n is not None and all(
             k * a + f + (d if k % 2 else 0.0) <= budget
             for k, a, f, d in zip(n, per_layer, fixed, odd))
+        if not fits and gpipe and n is not None:  # the linear model is GPipe's upper bound
+            fits = self._gpipe_fits(w, n, halved)
         if not fits and given is None:
             caps = [int((budget - f) // a) if budget > f else 0 for a, f in zip(per_layer, fixed)]
             if halved:

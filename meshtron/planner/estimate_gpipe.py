@@ -12,12 +12,15 @@ converts the interleaved walk) and the moment's working set (memory.MOMENTS).
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshtron.planner import memory_gpipe
 from meshtron.planner.estimate_work import Work
 
 
 class GPipeMoments:
-    """`_gpipe_walked` (which plans) and `_gpipe_stages` (their ranks' moments)."""
+    """`_gpipe_walked` (which plans), `_gpipe_bound` (the linear model an upper bound),
+    `_gpipe_fits` (a split tried at its moments) and `_gpipe_stages` (the ranks' moments)."""
 
     def _gpipe_walked(self, w: Work) -> bool:
         """Whether `_gpipe_stages` prices the plan: torch's ScheduleGPipe (one stage per
@@ -25,15 +28,43 @@ class GPipeMoments:
         return (w.cfg.schedule == "gpipe" and w.pp > 1 and w.v == 1 and w.accum > 0.0
                 and w.mem_opts.framework == "fsdp2")
 
+    def _gpipe_saved(self, w: Work) -> float:
+        """Bytes one micro-batch's loss keeps on the last stage (memory_gpipe.py)."""
+        return memory_gpipe.loss_saved_bytes(self.model, w.tp, w.mb, self.seq // w.cp,
+                                             w.mem_opts)
+
+    def _gpipe_bound(self, w: Work) -> None:
+        """Under `_gpipe_walked`, the head's stage in the linear model the split is chosen
+        with also holds the other m - 1 micro-batches' loss tensors (with m micro-batches
+        and every gradient: above each moment, so a split it fits fits at the moments)."""
+        if not self._gpipe_walked(w):
+            return
+        r = w.head_rank
+        w.outputs = list(w.outputs)
+        w.outputs[r] += (w.m - 1) * self._gpipe_saved(w)
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight, [r])
+
+    def _gpipe_fits(self, w: Work, n: list[int], halved: bool) -> bool:
+        """Whether the split `n`, over budget by the linear model, fits at its moments
+        (`_half_stages` first where it applies, as `_split` runs them); `w` is left as it
+        was."""
+        trial = dataclasses.replace(w, n=list(n), budget=self.tensor_budget)
+        if halved:
+            self._half_stages(trial)
+        self._gpipe_stages(trial)
+        return trial.fits
+
     def _gpipe_stages(self, w: Work) -> None:
         """Every rank of the split `w.n` at the largest of its GPipe moments: its in-flight
         multiplier, kept outputs and moment (w.inflight, w.outputs, w.moments), then the
         stages' memory and whether the split fits (w.fits)."""
         pp, m, out = w.pp, w.m, w.out_bytes
-        model, cfg, mem = self.model, w.cfg, w.mem_opts
-        saved = memory_gpipe.loss_saved_bytes(model, w.tp, w.mb, self.seq // w.cp, mem)
-        # copies: the evaluator's cached lists
+        mem = w.mem_opts
+        saved = self._gpipe_saved(w)
+        # copies: the evaluator's cached lists; the head's outputs without `_gpipe_bound`'s
+        # loss tensors, which each moment counts for itself
         inflight, outputs = list(w.inflight), list(w.outputs)
+        outputs[w.head_rank] -= (m - 1) * saved
         moments = list(w.moments) if w.moments else [None] * pp
         torch_stage = not mem.engine.startswith("deepspeed")
         for r, k in enumerate(w.n):
@@ -53,7 +84,8 @@ class GPipeMoments:
                 out if torch_stage and r > 0 and mem.fused_norm else 0.0)
             best: tuple = ()
             for held, moment in memory_gpipe.gpipe_moments(
-                    m, per_mb, grads, roots, saved, head, r == 0 and w.grad_extra > 0.0):
+                    m, k, per_mb, grads, roots, saved, head,
+                    r == 0 and w.grad_extra > 0.0):
                 mult = (held - grads - roots) / (act * k)
                 kept = later if moment is None else outputs[r]
                 per_layer, fixed = self._stage_memories(

@@ -20,7 +20,8 @@ into it at the later ones (`accumulate_unsharded_grad_if_needed`). So the stage'
 * B, the second backward's first: m - 1 micro-batches' activations and every gradient. Its
   later moments hold fewer activations beside the same gradients, and the first backward's
   inner ones lie between A's and B's (each block's backward frees a micro-batch's
-  activations of that block and adds its gradient: linear in the blocks done).
+  activations of that block and adds its gradient: linear in the blocks done). With one
+  micro-batch there is no B: the first backward's last block stands for it.
 
 The linear model (memory.stage_memory) prices all m micro-batches beside all the gradients:
 rehearsed, 'mid' pp 2, 10 layers, FSDP2 ZeRO-1, stage 0, +12.2% (1.084 GiB of fp32 gradients
@@ -57,11 +58,12 @@ def loss_saved_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
     return elements * (4.0 + mem.compute_bytes)
 
 
-def gpipe_moments(m: int, per_mb: float, grads: float, root_grads: float, loss_saved: float,
-                  head: bool, embedding: bool) -> list[tuple[float, str | None]]:
+def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: float,
+                  loss_saved: float, head: bool, embedding: bool
+                  ) -> list[tuple[float, str | None]]:
     """(bytes held, moment) of a GPipe stage's candidate peaks (module docstring: A, C, B),
-    the moment as memory.MOMENTS names the working set beside them. `per_mb`: one
-    micro-batch's stored activations on the stage; `grads`: its blocks' accumulated
+    the moment as memory.MOMENTS names the working set beside them. `layers`: the stage's
+    blocks; `per_mb`: one micro-batch's stored activations on the stage; `grads`: its blocks' accumulated
     gradients; `root_grads`: the embedding's or the head's (made at the first backward's
     last or first moment); `loss_saved`: what each micro-batch's loss keeps (the last stage,
     `head`); `embedding`: the first stage's embedding moment is priced apart (a whole
@@ -72,5 +74,9 @@ def gpipe_moments(m: int, per_mb: float, grads: float, root_grads: float, loss_s
         out.append((m * per_mb + (m - 1) * others + root_grads, "block"))
     if embedding:
         out.append((m * per_mb + grads, "embedding"))
-    out.append(((m - 1) * per_mb + grads + root_grads + max(m - 2, 0) * others, None))
+    if m == 1:  # no second backward: the first's last block, the others' gradients made
+        out.append((per_mb / layers + grads * (layers - 1) / layers
+                    + (root_grads if head else 0.0), "block"))
+    else:
+        out.append(((m - 1) * per_mb + grads + root_grads + (m - 2) * others, None))
     return out
