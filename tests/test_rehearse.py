@@ -482,6 +482,23 @@ GPIPE_SLOW = {
                                     recompute="half"), 0),
     "gpipe pp 4 full, first": (dict(pp=4, dp=2, zero=1, schedule="gpipe", layers=12,
                                     recompute="full"), 0),
+    # ZeRO-0 (its states' gradient is the accumulator) +9.6% -> +0.1%; ZeRO-3 (its sharded
+    # gradients made after the last backward) +15.6% -> +0.6%, its last stage -1.5%
+    "gpipe zero-0, first": (dict(pp=2, dp=4, zero=0, schedule="gpipe", layers=10), 0),
+    "gpipe zero-3, first": (dict(pp=2, dp=4, zero=3, schedule="gpipe", layers=10), 0),
+    "gpipe zero-3, last": (dict(pp=2, dp=4, zero=3, schedule="gpipe", layers=10), 1),
+    # tp 2 + sp: the first stage's embedding moment priced apart (a whole [vocab, hidden]
+    # gradient): ZeRO-1 0.0%, ZeRO-0 +6.6% -> 0.0%; the last stage -2.4%
+    "gpipe tp2+sp, first": (dict(tp=2, sp=True, pp=2, dp=2, zero=1, schedule="gpipe",
+                                 layers=10), 0),
+    "gpipe tp2+sp, last": (dict(tp=2, sp=True, pp=2, dp=2, zero=1, schedule="gpipe",
+                                layers=10), 1),
+    "gpipe tp2+sp zero-0, first": (dict(tp=2, sp=True, pp=2, dp=2, zero=0, schedule="gpipe",
+                                        layers=10), 0),
+    # 1F1B whose first rank warms up every micro-batch (m 4 on pp 4): GPipe's order there,
+    # +12.3% -> +0.2%
+    "1f1b pp 4, m 4, first": (dict(pp=4, dp=2, zero=1, schedule="1f1b", layers=12,
+                                   global_batch=16), 0),
 }
 
 

@@ -314,19 +314,23 @@ def test_search_path_agrees_on_gpipe_stages():
     stage), below or above the linear model the split is chosen with: the search's evaluation
     keeps exactly the plans the pinned path fits, with the same memory and split, around
     every case's threshold. Long sequences (the first backward the peak) and short ones (the
-    second: a block's fp32 gradient above its activations), `half` on odd stages, ZeRO-1
-    and 3, a vocabulary-parallel embedding (tp 2: its own moment on the first stage)."""
+    second: a block's fp32 gradient above its activations), `half` on odd stages, ZeRO-0
+    (its states' gradient the accumulator), 1 and 3, a vocabulary-parallel embedding (tp 2: its own moment on the first stage); 1F1B
+    with 2 micro-batches, whose ranks of p - s >= 2 run GPipe's order."""
     checked = fitting = 0
     fw = frameworks.preset("meshtron")
-    for layers, pp, zero, rec, seq, tp in itertools.product(
-            (13, 14), (2, 4), (1, 3), ("none", "half"), (SEQ, 256), (1, 2)):
+    for layers, pp, zero, rec, seq, tp, schedule, batch in itertools.product(
+            (13, 14), (2, 4), (0, 1, 3), ("none", "half"), (SEQ, 256), (1, 2),
+            ("gpipe", "1f1b"), (32, 4)):
+        if schedule == "1f1b" and batch == 32:
+            continue  # 16 micro-batches: every 1F1B rank in its steady order, not walked
         model = dataclasses.replace(MODEL, layers=layers)
         cfg = Plan(tp=tp, pp=pp, dp=2, zero=zero, micro_batch=1, recompute=rec,
-                   schedule="gpipe", dtype="bf16", sp=tp > 1)
+                   schedule=schedule, dtype="bf16", sp=tp > 1)
 
         def ev(capacity: float) -> Evaluator:
             cluster = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=capacity)
-            return Evaluator(model, cluster, 32, seq, fw.kernel, mem=fw.memory)
+            return Evaluator(model, cluster, batch, seq, fw.kernel, mem=fw.memory)
 
         roomy = ev(80.0).evaluate(cfg, exact_memory=False)
         need = roomy.memory.total

@@ -22,11 +22,26 @@ class GPipeMoments:
     """`_gpipe_walked` (which plans), `_gpipe_bound` (the linear model an upper bound),
     `_gpipe_fits` (a split tried at its moments) and `_gpipe_stages` (the ranks' moments)."""
 
+    def _gpipe_ranks(self, w: Work) -> list[bool]:
+        """Per pipeline rank, whether it runs every forward of the step before its first
+        backward with FSDP2 accumulating unsharded gradients over the step (`w.accum`):
+        every rank of torch's ScheduleGPipe (one stage per rank), and a 1F1B rank whose
+        warm-up is all the step's micro-batches (Schedule1F1B: min(m, p - s) forwards
+        first; rehearsed, 'mid' pp 4, m 4, stage 0: +12.3% at m micro-batches beside every
+        gradient)."""
+        pp, m, schedule, mem = w.pp, w.m, w.cfg.schedule, w.mem_opts
+        # ZeRO-0 accumulates in its states' gradient (memory_peak.embedding_accum_bytes)
+        zero0 = w.zero == 0 and not (w.shard_dp == 1 and mem.dtype == "fp32")
+        if not (pp > 1 and w.v == 1 and (w.accum > 0.0 or zero0)
+                and mem.framework == "fsdp2"):
+            return [False] * pp
+        if schedule == "gpipe":
+            return [True] * pp
+        return [schedule == "1f1b" and m <= pp - s for s in range(pp)]
+
     def _gpipe_walked(self, w: Work) -> bool:
-        """Whether `_gpipe_stages` prices the plan: torch's ScheduleGPipe (one stage per
-        rank) with FSDP2 accumulating unsharded gradients over the step (`w.accum`)."""
-        return (w.cfg.schedule == "gpipe" and w.pp > 1 and w.v == 1 and w.accum > 0.0
-                and w.mem_opts.framework == "fsdp2")
+        """Whether `_gpipe_stages` prices some rank of the plan (`_gpipe_ranks`)."""
+        return any(self._gpipe_ranks(w))
 
     def _gpipe_saved(self, w: Work) -> float:
         """Bytes one micro-batch's loss keeps on the last stage (memory_gpipe.py)."""
@@ -37,9 +52,9 @@ class GPipeMoments:
         """Under `_gpipe_walked`, the head's stage in the linear model the split is chosen
         with also holds the other m - 1 micro-batches' loss tensors (with m micro-batches
         and every gradient: above each moment, so a split it fits fits at the moments)."""
-        if not self._gpipe_walked(w):
-            return
         r = w.head_rank
+        if not self._gpipe_ranks(w)[r]:
+            return
         w.outputs = list(w.outputs)
         w.outputs[r] += (w.m - 1) * self._gpipe_saved(w)
         w.per_layer, w.fixed = self._stage_memories(w, w.inflight, [r])
@@ -55,28 +70,40 @@ class GPipeMoments:
         return trial.fits
 
     def _gpipe_stages(self, w: Work) -> None:
-        """Every rank of the split `w.n` at the largest of its GPipe moments: its in-flight
-        multiplier, kept outputs and moment (w.inflight, w.outputs, w.moments), then the
-        stages' memory and whether the split fits (w.fits)."""
+        """Every rank of the split `w.n` that `_gpipe_ranks` names at the largest of its
+        GPipe moments: its in-flight multiplier, kept outputs and moment (w.inflight,
+        w.outputs, w.moments), then the stages' memory and whether the split fits
+        (w.fits)."""
         pp, m, out = w.pp, w.m, w.out_bytes
         mem = w.mem_opts
         saved = self._gpipe_saved(w)
         # copies: the evaluator's cached lists; the head's outputs without `_gpipe_bound`'s
         # loss tensors, which each moment counts for itself
+        walked = self._gpipe_ranks(w)
         inflight, outputs = list(w.inflight), list(w.outputs)
-        outputs[w.head_rank] -= (m - 1) * saved
+        if walked[w.head_rank]:
+            outputs[w.head_rank] -= (m - 1) * saved
         moments = list(w.moments) if w.moments else [None] * pp
         torch_stage = not mem.engine.startswith("deepspeed")
         for r, k in enumerate(w.n):
             b = w.blocks[r]
             act = b[2]
-            if not k or not act:
-                continue  # no layer to carry the multiplier: the linear model's figure
+            if not (walked[r] and k and act):
+                continue  # the steady 1F1B order, or no layer to carry the multiplier
             # one micro-batch's activations (with `half`'s stored extra, _half_stages),
             # the blocks' and the roots' accumulated gradients as the linear model counts them
             per_mb = w.inflight[r] * act * k / m
-            grads = w.accum * (b[0] + b[1]) * k
-            roots = w.accum * w.roots[r] + (w.grad_extra * w.extra_accum if r == 0 else 0.0)
+            # the states' gradients: ZeRO-0's are its accumulator (made at the first
+            # backward, as `accum`'s), ZeRO-2/3's the shards the reduce-scatter makes after
+            # the last backward (optimizer.zero_grad(set_to_none=True) freed the last step's):
+            # at no moment here; ZeRO-1's are `accum` (estimate.py `_states`)
+            gb, egb = w.states[1], (w.e_states or w.states)[1]
+            states = gb * (b[0] * k + w.roots[r]) + egb * b[1] * k
+            accum = (w.accum * (b[0] + b[1]) * k, w.accum * w.roots[r]) if w.accum else (
+                states - gb * w.roots[r], gb * w.roots[r])
+            absent = states if w.accum else 0.0
+            grads = accum[0]
+            roots = accum[1] + (w.grad_extra * w.extra_accum if r == 0 else 0.0)
             head = r == w.head_rank
             # B: mb 0's stage output gone from torch's cache, its received input buffer no
             # longer a saved block input (memory_pipeline.receive_buffers counted it so)
@@ -86,7 +113,7 @@ class GPipeMoments:
             for held, moment in memory_gpipe.gpipe_moments(
                     m, k, per_mb, grads, roots, saved, head,
                     r == 0 and w.grad_extra > 0.0):
-                mult = (held - grads - roots) / (act * k)
+                mult = (held - grads - roots - absent) / (act * k)
                 kept = later if moment is None else outputs[r]
                 per_layer, fixed = self._stage_memories(
                     w, inflight[:r] + [mult] + inflight[r + 1:], [r],

@@ -213,6 +213,8 @@ def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, flo
     # the same sums in the same order as written out in `_stage_parts` (bit for bit): the
     # terms linear in what differs between a plan's ranks, added to the memoised rest
     per_layer = base + act * in_flight + weight_cache
+    if moment == "embedding":  # the moment frees this micro-batch's every layer (`breakdown`)
+        per_layer -= act
     if gathered_per_layer is not None:
         per_layer += gathered_per_layer
     return per_layer, fixed + outputs
@@ -268,8 +270,9 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
             rest + gathered + recompute + logits,
             rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "loss")),
             rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "block")),
-            rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding,
-                                    "embedding")))
+            # the embedding's alone: what it frees per layer is stage_terms' (exact in the
+            # layers, as `breakdown` counts it; the others' one layer is conservative)
+            rest + embedding_moment(mem, at_loss, previous, grad_extra, 0.0))
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
