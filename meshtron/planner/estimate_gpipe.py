@@ -1,7 +1,8 @@
 """GPipe stages priced at their own moments (estimate.Evaluator's mixin).
 
-Under torch's ScheduleGPipe every forward runs before any backward, so FSDP2's accumulated
-gradients do not exist at the fullest moment (all m micro-batches' activations, the first
+Under torch's ScheduleGPipe (and on a 1F1B rank whose warm-up is the whole step: m <= p - s)
+every forward runs before any backward, so FSDP2's accumulated gradients do not exist at the
+fullest moment (all m micro-batches' activations, the first
 backward), and the last stage keeps every micro-batch's loss tensors until then
 (memory_gpipe.py). The linear model the split is chosen with (memory.stage_memory: m
 micro-batches beside every gradient, one micro-batch's loss) is priced again once the split is
