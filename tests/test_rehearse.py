@@ -464,8 +464,9 @@ GPIPE_STAGES = {  # name: (knobs, pipeline rank): torch's ScheduleGPipe runs eve
     "gpipe, last stage": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=10), 1),
 }
 GPIPE_SLOW = {
-    # half on stages of 5 (odd: a stored block more on every micro-batch) +14.2% -> -2.9%,
-    # of 6 +16.9% -> -0.1%; full +2.4% -> -0.5%, its last stage -24.2% -> -1.6%
+    # half on stages of 5 (odd: a stored block more on every micro-batch; the peak in the
+    # first backward's replayed block 3 after block 4's) +14.2% -> -0.3%, of 6 +16.9% ->
+    # -0.1%; full +2.4% -> -0.5%, its last stage -24.2% -> -1.6%
     "gpipe half, stages of 5, first": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=10,
                                             recompute="half"), 0),
     "gpipe half, stages of 6, first": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=12,
@@ -475,7 +476,7 @@ GPIPE_SLOW = {
     "gpipe full, last": (dict(pp=2, dp=4, zero=1, schedule="gpipe", layers=10,
                               recompute="full"), 1),
     # pp 4, m 8, stages of 3: the first +7.1% -> +0.1%, the last -27.2% -> -2.8%; half
-    # +6.9% -> -2.3%, full +1.0% -> -0.8%
+    # +6.9% -> -0.2%, full +1.0% -> -0.8%
     "gpipe pp 4, first": (dict(pp=4, dp=2, zero=1, schedule="gpipe", layers=12), 0),
     "gpipe pp 4, last": (dict(pp=4, dp=2, zero=1, schedule="gpipe", layers=12), 3),
     "gpipe pp 4 half, first": (dict(pp=4, dp=2, zero=1, schedule="gpipe", layers=12,

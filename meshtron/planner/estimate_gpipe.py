@@ -72,58 +72,91 @@ class GPipeMoments:
 
     def _gpipe_stages(self, w: Work) -> None:
         """Every rank of the split `w.n` that `_gpipe_ranks` names at the largest of its
-        GPipe moments: its in-flight multiplier, kept outputs and moment (w.inflight,
-        w.outputs, w.moments), then the stages' memory and whether the split fits
+        GPipe moments: its in-flight multiplier, kept outputs, moment and block (w.inflight,
+        w.outputs, w.moments, w.blocks), then the stages' memory and whether the split fits
         (w.fits)."""
-        pp, m, out = w.pp, w.m, w.out_bytes
-        mem = w.mem_opts
+        pp, m = w.pp, w.m
         saved = self._gpipe_saved(w)
+        walked = self._gpipe_ranks(w)
         # copies: the evaluator's cached lists; the head's outputs without `_gpipe_bound`'s
         # loss tensors, which each moment counts for itself
-        walked = self._gpipe_ranks(w)
-        inflight, outputs = list(w.inflight), list(w.outputs)
+        inflight, outputs, blocks = list(w.inflight), list(w.outputs), list(w.blocks)
         if walked[w.head_rank]:
             outputs[w.head_rank] -= (m - 1) * saved
         moments = list(w.moments) if w.moments else [None] * pp
-        torch_stage = not mem.engine.startswith("deepspeed")
         for r, k in enumerate(w.n):
-            b = w.blocks[r]
-            act = b[2]
-            if not (walked[r] and k and act):
-                continue  # the steady 1F1B order, or no layer to carry the multiplier
-            # one micro-batch's activations (with `half`'s stored extra, _half_stages),
-            # the blocks' and the roots' accumulated gradients as the linear model counts them
-            per_mb = w.inflight[r] * act * k / m
-            # the states' gradients: ZeRO-0's are its accumulator (made at the first
-            # backward, as `accum`'s), ZeRO-2/3's the shards the reduce-scatter makes after
-            # the last backward (optimizer.zero_grad(set_to_none=True) freed the last step's):
-            # at no moment here; ZeRO-1's are `accum` (estimate.py `_states`)
-            gb, egb = w.states[1], (w.e_states or w.states)[1]
-            states = gb * (b[0] * k + w.roots[r]) + egb * b[1] * k
-            accum = (w.accum * (b[0] + b[1]) * k, w.accum * w.roots[r]) if w.accum else (
-                states - gb * w.roots[r], gb * w.roots[r])
-            absent = states if w.accum else 0.0
-            grads = accum[0]
-            roots = accum[1] + (w.grad_extra * w.extra_accum if r == 0 else 0.0)
-            head = r == w.head_rank
-            # B: mb 0's stage output gone from torch's cache, its received input buffer no
-            # longer a saved block input (memory_pipeline.receive_buffers counted it so)
-            later = outputs[r] - (out if torch_stage and r < pp - 1 else 0.0) + (
-                out if torch_stage and r > 0 and mem.fused_norm else 0.0)
-            best: tuple = ()
+            if walked[r] and k and w.blocks[r][2]:  # a layer to carry the multiplier
+                inflight[r], outputs[r], moments[r], blocks[r] = self._gpipe_rank(
+                    w, r, k, saved, inflight, outputs, moments)
+        w.inflight, w.outputs, w.moments, w.blocks = inflight, outputs, moments, blocks
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
+        w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
+
+    def _gpipe_gradients(self, w: Work, r: int, k: int) -> tuple[float, float, float]:
+        """Of rank `r` with `k` blocks, (its blocks' accumulated gradients, its roots', the
+        gradients the linear model counts that no GPipe moment holds), bytes. The states'
+        gradients: ZeRO-0's are its accumulator (made at the first backward, as `accum`'s),
+        ZeRO-2/3's the shards the reduce-scatter makes after the last backward
+        (optimizer.zero_grad(set_to_none=True) freed the last step's): at none of these
+        moments; ZeRO-1's are `accum` (estimate.py `_states`)."""
+        b = w.blocks[r]
+        gb, egb = w.states[1], (w.e_states or w.states)[1]
+        states = gb * (b[0] * k + w.roots[r]) + egb * b[1] * k
+        extra = w.grad_extra * w.extra_accum if r == 0 else 0.0
+        if w.accum:
+            return w.accum * (b[0] + b[1]) * k, w.accum * w.roots[r] + extra, states
+        return states - gb * w.roots[r], gb * w.roots[r] + extra, 0.0
+
+    def _gpipe_rank(self, w: Work, r: int, k: int, saved: float, inflight: list[float],
+                    outputs: list[float], moments: list) -> tuple:
+        """(multiplier, kept outputs, moment, block) of rank `r` at its fullest GPipe moment
+        (memory_gpipe.gpipe_moments), each priced by `_stage_memories`."""
+        pp, m, out, mem = w.pp, w.m, w.out_bytes, w.mem_opts
+        b = w.blocks[r]
+        act = b[2]
+        # one micro-batch's activations (with `half`'s stored extra, _half_stages)
+        per_mb = w.inflight[r] * act * k / m
+        grads, roots, absent = self._gpipe_gradients(w, r, k)
+        torch_stage = not mem.engine.startswith("deepspeed")
+        # B: mb 0's stage output gone from torch's cache, its received input buffer no
+        # longer a saved block input (memory_pipeline.receive_buffers counted it so)
+        later = outputs[r] - (out if torch_stage and r < pp - 1 else 0.0) + (
+            out if torch_stage and r > 0 and mem.fused_norm else 0.0)
+        stored, replayed = self._gpipe_replay(w, r, k)
+        best: tuple = ()
+        kept_blocks = w.blocks
+        try:
             for held, moment in memory_gpipe.gpipe_moments(
-                    m, k, per_mb, grads, roots, saved, head,
-                    r == 0 and w.grad_extra > 0.0):
+                    m, k, per_mb, grads, roots, saved, r == w.head_rank,
+                    r == 0 and w.grad_extra > 0.0, stored):
+                block = replayed if moment == "replay" else b
+                moment = "block" if moment == "replay" else moment
                 mult = (held - grads - roots - absent) / (act * k)
                 kept = later if moment is None else outputs[r]
+                w.blocks = kept_blocks[:r] + [block] + kept_blocks[r + 1:]
                 per_layer, fixed = self._stage_memories(
                     w, inflight[:r] + [mult] + inflight[r + 1:], [r],
                     outputs[:r] + [kept] + outputs[r + 1:],
                     moments[:r] + [moment] + moments[r + 1:])
                 total = k * per_layer[r] + fixed[r]
                 if not best or total > best[0]:
-                    best = (total, mult, kept, moment)
-            _, inflight[r], outputs[r], moments[r] = best
-        w.inflight, w.outputs, w.moments = inflight, outputs, moments
-        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
-        w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
+                    best = (total, mult, kept, moment, block)
+        finally:
+            w.blocks = kept_blocks
+        return best[1:]
+
+    def _gpipe_replay(self, w: Work, r: int, k: int) -> tuple[float, tuple]:
+        """Under meshtron's `half` on a stage of an odd layer count (whose block moment
+        `_half_stages` priced without a replayed block, its backward starting on a stored
+        one), (the stored last block's activations, the block with the replayed block's
+        working set): the first backward replays block k - 2 once block k - 1's backward has
+        freed its tensors and made its gradient (memory_gpipe.gpipe_moments "replay"). (0, the
+        block) elsewhere; dense blocks only (a MoE stage keeps the moment it had)."""
+        b = w.blocks[r]
+        if not (self._half_unwalked(w) and k % 2 and k > 1 and not w.p_exp
+                and not self.model.is_moe and b[3] < w.work):
+            return 0.0, b
+        cfg = w.cfg
+        none = self._memory_pieces(w.tp, w.mb, cfg.sp, "none", cfg.dtype, w.cp, w.ep, w.pp,
+                                   cfg.fp8_recipe)[1]
+        return none, (b[0], b[1], b[2], w.work)

@@ -59,7 +59,7 @@ def loss_saved_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
 
 
 def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: float,
-                  loss_saved: float, head: bool, embedding: bool
+                  loss_saved: float, head: bool, embedding: bool, stored_last: float = 0.0
                   ) -> list[tuple[float, str | None]]:
     """(bytes held, moment) of a GPipe stage's candidate peaks (module docstring: A, C, B),
     the moment as memory.MOMENTS names the working set beside them. `layers`: the stage's
@@ -67,11 +67,18 @@ def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: 
     gradients; `root_grads`: the embedding's or the head's (made at the first backward's
     last or first moment); `loss_saved`: what each micro-batch's loss keeps (the last stage,
     `head`); `embedding`: the first stage's embedding moment is priced apart (a whole
-    vocabulary-parallel gradient, memory_peak.embedding_moment)."""
+    vocabulary-parallel gradient, memory_peak.embedding_moment); `stored_last`: under
+    meshtron's `half` on an odd stage, the stored last block's activations, whose backward
+    runs first and frees them before the checkpointed block below is replayed (moment
+    "replay": a block's backward with the recomputation's working set; rehearsed, 'mid' pp 2,
+    stages of 5: the peak in block 3's replayed MLP after block 4's backward)."""
     others = loss_saved if head else 0.0
     out = [(m * per_mb + (m - 1) * others, "loss" if head else "block")]
     if head:  # its first block's backward: the head's gradient made, this loss's freed
         out.append((m * per_mb + (m - 1) * others + root_grads, "block"))
+    if stored_last and layers > 1:
+        out.append((m * per_mb + (m - 1) * others - stored_last + grads / layers
+                    + (root_grads if head else 0.0), "replay"))
     if embedding:
         out.append((m * per_mb + grads, "embedding"))
     if m == 1:  # no second backward: the first's last block, the others' gradients made
