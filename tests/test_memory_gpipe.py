@@ -138,3 +138,15 @@ def test_a_1f1b_rank_warming_up_every_micro_batch_is_priced_as_gpipe():
     ev._split(w, True, False)
     assert w.inflight[1] == 3.0 and w.moments[1] is None
     assert w.inflight[0] < 4.0  # rank 0: gradients not made yet taken off its 4
+
+
+def test_an_odd_half_stage_replays_after_its_stored_last_block():
+    """Under `half` an odd stage's first backward starts on its stored last block: once that
+    block's tensors are freed and its gradient made, the checkpointed block below is
+    replayed beside the rest of all m micro-batches ("replay", priced with the replayed
+    block's working set). Only with a stored last block and more than one block."""
+    base = memory_gpipe.gpipe_moments(4, 5, 10.0, 7.0, 2.0, 0.0, False, False)
+    got = memory_gpipe.gpipe_moments(4, 5, 10.0, 7.0, 2.0, 0.0, False, False, 1.5)
+    assert got == base[:1] + [(40.0 - 1.5 + 7.0 / 5, "replay")] + base[1:]
+    assert memory_gpipe.gpipe_moments(4, 1, 10.0, 7.0, 2.0, 0.0, False, False, 1.5) == \
+        memory_gpipe.gpipe_moments(4, 1, 10.0, 7.0, 2.0, 0.0, False, False)
