@@ -200,6 +200,9 @@ def test_one_evaluators_own_cache_answers_each_plan_as_a_fresh_one():
              base.replace(zero=3, accumulate_unsharded=True), base.replace(zero=3),
              base.replace(zero=3, dp_replicate=2), base.replace(schedule="1f1b", virtual_stages=1),
              base.replace(schedule="gpipe"), base.replace(virtual_stages=4),
+             # GPipe priced at its moments (estimate_gpipe.py), the embedding's apart at tp 2
+             base.replace(schedule="gpipe", virtual_stages=1),
+             base.replace(schedule="gpipe", virtual_stages=1, recompute="half"),
              base.replace(sp=False), base.replace(recompute="full"),
              base.replace(pp=1, schedule=None, virtual_stages=1, dp=8),
              base.replace(tp=1, dp=8, sp=False), base.replace(micro_batch=2),
@@ -246,3 +249,14 @@ def test_stage_memory_memo_is_keyed_by_every_argument():
             if warm != memory.stage_memory(**regime):
                 moved.add(name)
     assert moved == set(varied), f"never changed the answer: {set(varied) - moved}"
+    # every moment of a warm key is answered as a cold one's (GPipe's embedding moment too)
+    # (a small embedding gradient: its moment below the block's, which then differs)
+    small = dict(base, grad_extra=1e7)
+    answers = {}
+    for moment in memory.MOMENTS:
+        memory.stage_memory(**small)
+        warm = memory.stage_memory(**dict(small, moment=moment))
+        memory._stage_parts.cache_clear()
+        assert warm == memory.stage_memory(**dict(small, moment=moment)), moment
+        answers[moment] = warm
+    assert len({answers[m] for m in ("loss", "block", "embedding")}) == 3, answers

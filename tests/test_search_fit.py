@@ -306,3 +306,48 @@ def test_search_path_agrees_on_half_stages_of_odd_layer_counts():
             else:
                 assert searched is None, (cfg, layers, factor)
     assert checked >= 300 and 0 < fitting < checked and odd > checked // 3
+
+
+def test_search_path_agrees_on_gpipe_stages():
+    """GPipe is priced at its own moments once the split is known (estimate_gpipe.py: no
+    accumulated gradient at the first backward, every micro-batch's loss tensors on the last
+    stage), below or above the linear model the split is chosen with: the search's evaluation
+    keeps exactly the plans the pinned path fits, with the same memory and split, around
+    every case's threshold. Long sequences (the first backward the peak) and short ones (the
+    second: a block's fp32 gradient above its activations), `half` on odd stages, ZeRO-0
+    (its states' gradient the accumulator), 1 and 3, a vocabulary-parallel embedding (tp 2: its own moment on the first stage); 1F1B
+    with 2 micro-batches, whose ranks of p - s >= 2 run GPipe's order."""
+    checked = fitting = 0
+    fw = frameworks.preset("meshtron")
+    for layers, pp, zero, rec, seq, tp, schedule, batch in itertools.product(
+            (13, 14), (2, 4), (0, 1, 3), ("none", "half"), (SEQ, 256), (1, 2),
+            ("gpipe", "1f1b"), (32, 4)):
+        if schedule == "1f1b" and batch == 32:
+            continue  # 16 micro-batches: every 1F1B rank in its steady order, not walked
+        model = dataclasses.replace(MODEL, layers=layers)
+        cfg = Plan(tp=tp, pp=pp, dp=2, zero=zero, micro_batch=1, recompute=rec,
+                   schedule=schedule, dtype="bf16", sp=tp > 1)
+
+        def ev(capacity: float) -> Evaluator:
+            cluster = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=capacity)
+            return Evaluator(model, cluster, batch, seq, fw.kernel, mem=fw.memory)
+
+        roomy = ev(80.0).evaluate(cfg, exact_memory=False)
+        need = roomy.memory.total
+        for factor in (0.9, 0.99, 0.999, 1.0, 1.001, 1.01, 1.1):
+            e = ev(need * factor)
+            pinned = e.evaluate(cfg, keep_infeasible=True, exact_memory=False)
+            searched = e.evaluate(cfg, keep_infeasible=False, exact_memory=False)
+            checked += 1
+            if factor > 1.0:  # the time-balanced split fits at its moments: kept, though
+                # the linear model it is chosen with is over the budget
+                assert pinned.fits and pinned.stage_layers == roomy.stage_layers, (
+                    cfg, layers, seq, factor)
+            if pinned.fits:
+                fitting += 1
+                assert searched is not None and searched.fits, (cfg, layers, seq, factor)
+                assert searched.memory.total == pytest.approx(pinned.memory.total)
+                assert searched.stage_layers == pinned.stage_layers
+            else:
+                assert searched is None, (cfg, layers, seq, factor)
+    assert checked >= 300 and 0 < fitting < checked

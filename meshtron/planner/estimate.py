@@ -89,6 +89,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
 from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
 from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
+from meshtron.planner.estimate_gpipe import GPipeMoments
 from meshtron.planner.estimate_half import HalfRecompute
 from meshtron.planner.estimate_memory import StageMemories
 from meshtron.planner.estimate_moments import LastRankMoments
@@ -107,7 +108,7 @@ sqrt, bias-correction divide and eps add (3 x (4+4)), addcdiv (4+4+4+4), then th
 of the fp32 master (4+2): 86 bytes per parameter."""
 
 class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMoments,
-                HalfRecompute, StageMemories, MemoryWalks):
+                HalfRecompute, GPipeMoments, StageMemories, MemoryWalks):
     """Cost model bound to one model, cluster and batch; evaluates Plans (cached pieces)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,

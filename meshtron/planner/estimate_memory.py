@@ -112,6 +112,7 @@ class StageMemories:
         w.not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
                                               if model.is_moe else 0)
         w.per_layer, w.fixed = self._stage_memories(w, inflight)
+        self._gpipe_bound(w)  # GPipe's last stage: every micro-batch's loss tensors
 
     def _te_cache(self, w: Work, i: int) -> float:
         """Bytes of Transformer Engine's cached FP8 weights on pipeline rank `i`."""
@@ -165,7 +166,8 @@ class StageMemories:
         # fit: kept until then, as the walk's)
         halved = self._half_unwalked(w)
         odd = self._half_deltas(w) if halved else [0.0] * pp
-        keep = keep_infeasible or walked or halved
+        gpipe = self._gpipe_walked(w)  # priced at its moments once split (estimate_gpipe.py)
+        keep = keep_infeasible or walked or halved or gpipe
         given = given_partition(cfg, model.layers)
         if given is None and pp > 1:  # the search never asks; a direct caller is told
             problem = split_problem(self.mem.split_rule, model.layers, pp, v)
@@ -176,6 +178,8 @@ class StageMemories:
         fits = n is not None and all(
             k * a + f + (d if k % 2 else 0.0) <= budget
             for k, a, f, d in zip(n, per_layer, fixed, odd))
+        if not fits and gpipe and n is not None:  # the linear model is GPipe's upper bound
+            fits = self._gpipe_fits(w, n, halved)
         if not fits and given is None:
             caps = [int((budget - f) // a) if budget > f else 0 for a, f in zip(per_layer, fixed)]
             if halved:
@@ -214,9 +218,10 @@ class StageMemories:
                 return False
         if walked and not w.fits and not keep_infeasible and not self._walk_may_fit(w):
             return False
-        if halved:
-            if n is not None:
-                self._half_stages(w)
-            if not w.fits and not keep_infeasible:
-                return False
+        if halved and n is not None:
+            self._half_stages(w)
+        if gpipe and n is not None:
+            self._gpipe_stages(w)
+        if (halved or gpipe) and not w.fits and not keep_infeasible:
+            return False
         return True

@@ -213,6 +213,8 @@ def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, flo
     # the same sums in the same order as written out in `_stage_parts` (bit for bit): the
     # terms linear in what differs between a plan's ranks, added to the memoised rest
     per_layer = base + act * in_flight + weight_cache
+    if moment == "embedding":  # the moment frees this micro-batch's every layer (`breakdown`)
+        per_layer -= act
     if gathered_per_layer is not None:
         per_layer += gathered_per_layer
     return per_layer, fixed + outputs
@@ -235,12 +237,13 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  p_expert: float, expert_states: tuple[float, float, float] | None,
                  root_unit: float | None, reduce_bytes: float,
                  grad_extra: float, extra_accum: float
-                 ) -> tuple[float, float | None, float, float, float]:
+                 ) -> tuple[float, float | None, float, float, float, float]:
     """`stage_memory` less its terms in `in_flight`, `outputs` and `weight_cache`, which are
     what a search's plans and a plan's ranks vary most (a search asks ~90k stage memories of
     ~5k of these): (per-layer sum before the in-flight activations, the gathered copies per
     layer added after them or None, fixed bytes before the outputs at each of `MOMENTS`: the
-    peak, the loss's, the block's). Keyed by every other argument of `stage_memory`
+    peak, the loss's, the block's, the embedding's). Keyed by every other argument of
+    `stage_memory`
     (tests/test_planner_caches.py): the moments are all formed from the same key."""
     sb = sum(states)
     # routed experts under expert parallelism (`p_expert`: E/ep experts of one block on this
@@ -266,7 +269,10 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     return (base, cb * p_layer if fsdp_all else None,
             rest + gathered + recompute + logits,
             rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "loss")),
-            rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "block")))
+            rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "block")),
+            # the embedding's alone: what it frees per layer is stage_terms' (exact in the
+            # layers, as `breakdown` counts it; the others' one layer is conservative)
+            rest + embedding_moment(mem, at_loss, previous, grad_extra, 0.0))
 
 
 def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],

@@ -169,11 +169,13 @@ def embedding_moment(mem: MemoryOptions, at_loss: float, previous: float, grad_e
     return at_loss + previous + mem.compute_bytes * grad_extra - freed
 
 
-MOMENTS = (None, "loss", "block")
+MOMENTS = (None, "loss", "block", "embedding")
 """What a stage's peak is priced at: None the largest of its moments (`peak_moment`), "loss"
-the loss's alone, "block" the others' (a block's backward, the embedding's): an interleaved
-pipeline's last rank holds different activations at its loss than at its fullest moment
-(memory_pipeline.last_rank_moments), so each is priced with its own."""
+the loss's alone, "block" the others' (a block's backward, the embedding's), "embedding" the
+embedding's alone: an interleaved pipeline's last rank holds different activations at its
+loss than at its fullest moment (memory_pipeline.last_rank_moments), a GPipe stage different
+gradients at each of its backward's moments (memory_gpipe.py), so each is priced with its
+own."""
 
 
 def moment_parts(logits: float, work: float, at_loss: float, at_block: float,
@@ -185,6 +187,8 @@ def moment_parts(logits: float, work: float, at_loss: float, at_block: float,
         return (*peak_moment(logits, work, at_loss, at_block, at_embedding), logits)
     if moment == "loss":
         return at_loss, 0.0, logits
+    if moment == "embedding":
+        return at_embedding, 0.0, 0.0
     held = max(at_block + work, at_embedding)
     # a backward's working set below zero (gradients not yet made outweighing its
     # temporaries: memory_acts.backward_working_bytes) is the compute copies', as `peak_moment`

@@ -1,0 +1,162 @@
+"""GPipe stages priced at their own moments (estimate.Evaluator's mixin).
+
+Under torch's ScheduleGPipe (and on a 1F1B rank whose warm-up is the whole step: m <= p - s)
+every forward runs before any backward, so FSDP2's accumulated gradients do not exist at the
+fullest moment (all m micro-batches' activations, the first
+backward), and the last stage keeps every micro-batch's loss tensors until then
+(memory_gpipe.py). The linear model the split is chosen with (memory.stage_memory: m
+micro-batches beside every gradient, one micro-batch's loss) is priced again once the split is
+known, at the largest of the moments of memory_gpipe.gpipe_moments, each written as an
+in-flight multiplier beside every layer's gradients (as memory_pipeline.weighted_in_flight
+converts the interleaved walk) and the moment's working set (memory.MOMENTS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtron.planner import memory_gpipe
+from meshtron.planner.estimate_work import Work
+
+
+class GPipeMoments:
+    """`_gpipe_walked` (which plans), `_gpipe_bound` (the linear model an upper bound),
+    `_gpipe_fits` (a split tried at its moments) and `_gpipe_stages` (the ranks' moments)."""
+
+    def _gpipe_ranks(self, w: Work) -> list[bool]:
+        """Per pipeline rank, whether it runs every forward of the step before its first
+        backward with FSDP2 accumulating unsharded gradients over the step (`w.accum`):
+        every rank of torch's ScheduleGPipe (one stage per rank), and a 1F1B rank whose
+        warm-up is all the step's micro-batches (Schedule1F1B: min(m, p - s) forwards
+        first; rehearsed, 'mid' pp 4, m 4, stage 0: +12.3% at m micro-batches beside every
+        gradient)."""
+        pp, m, schedule, mem = w.pp, w.m, w.cfg.schedule, w.mem_opts
+        # ZeRO-0 accumulates in its states' gradient (memory_peak.embedding_accum_bytes)
+        zero0 = w.zero == 0 and not (w.shard_dp == 1 and mem.dtype == "fp32")
+        if not (pp > 1 and w.v == 1 and (w.accum > 0.0 or zero0)
+                and mem.framework == "fsdp2"):
+            return [False] * pp
+        if schedule == "gpipe":
+            return [True] * pp
+        return [schedule == "1f1b" and m <= pp - s for s in range(pp)]
+
+    def _gpipe_walked(self, w: Work) -> bool:
+        """Whether `_gpipe_stages` prices some rank of the plan (`_gpipe_ranks`)."""
+        return any(self._gpipe_ranks(w))
+
+    def _gpipe_saved(self, w: Work) -> float:
+        """Bytes one micro-batch's loss keeps on the last stage (memory_gpipe.py)."""
+        return memory_gpipe.loss_saved_bytes(self.model, w.tp, w.mb, self.seq // w.cp,
+                                             w.mem_opts)
+
+    def _gpipe_bound(self, w: Work) -> None:
+        """Under `_gpipe_walked`, the head's stage in the linear model the split is chosen
+        with also holds the other m - 1 micro-batches' loss tensors (with m micro-batches
+        and every gradient: above each moment, so a split it fits fits at the moments)."""
+        r = w.head_rank
+        if not self._gpipe_ranks(w)[r]:
+            return
+        w.outputs = list(w.outputs)
+        w.outputs[r] += (w.m - 1) * self._gpipe_saved(w)
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight, [r])
+
+    def _gpipe_fits(self, w: Work, n: list[int], halved: bool) -> bool:
+        """Whether the split `n`, over budget by the linear model, fits at its moments
+        (`_half_stages` first where it applies, as `_split` runs them); `w` is left as it
+        was."""
+        trial = dataclasses.replace(w, n=list(n), budget=self.tensor_budget)
+        if halved:
+            self._half_stages(trial)
+        self._gpipe_stages(trial)
+        return trial.fits
+
+    def _gpipe_stages(self, w: Work) -> None:
+        """Every rank of the split `w.n` that `_gpipe_ranks` names at the largest of its
+        GPipe moments: its in-flight multiplier, kept outputs, moment and block (w.inflight,
+        w.outputs, w.moments, w.blocks), then the stages' memory and whether the split fits
+        (w.fits)."""
+        pp, m = w.pp, w.m
+        saved = self._gpipe_saved(w)
+        walked = self._gpipe_ranks(w)
+        # copies: the evaluator's cached lists; the head's outputs without `_gpipe_bound`'s
+        # loss tensors, which each moment counts for itself
+        inflight, outputs, blocks = list(w.inflight), list(w.outputs), list(w.blocks)
+        if walked[w.head_rank]:
+            outputs[w.head_rank] -= (m - 1) * saved
+        moments = list(w.moments) if w.moments else [None] * pp
+        for r, k in enumerate(w.n):
+            if walked[r] and k and w.blocks[r][2]:  # a layer to carry the multiplier
+                inflight[r], outputs[r], moments[r], blocks[r] = self._gpipe_rank(
+                    w, r, k, saved, inflight, outputs, moments)
+        w.inflight, w.outputs, w.moments, w.blocks = inflight, outputs, moments, blocks
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
+        w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
+
+    def _gpipe_gradients(self, w: Work, r: int, k: int) -> tuple[float, float, float]:
+        """Of rank `r` with `k` blocks, (its blocks' accumulated gradients, its roots', the
+        gradients the linear model counts that no GPipe moment holds), bytes. The states'
+        gradients: ZeRO-0's are its accumulator (made at the first backward, as `accum`'s),
+        ZeRO-2/3's the shards the reduce-scatter makes after the last backward
+        (optimizer.zero_grad(set_to_none=True) freed the last step's): at none of these
+        moments; ZeRO-1's are `accum` (estimate.py `_states`)."""
+        b = w.blocks[r]
+        gb, egb = w.states[1], (w.e_states or w.states)[1]
+        states = gb * (b[0] * k + w.roots[r]) + egb * b[1] * k
+        extra = w.grad_extra * w.extra_accum if r == 0 else 0.0
+        if w.accum:
+            return w.accum * (b[0] + b[1]) * k, w.accum * w.roots[r] + extra, states
+        return states - gb * w.roots[r], gb * w.roots[r] + extra, 0.0
+
+    def _gpipe_rank(self, w: Work, r: int, k: int, saved: float, inflight: list[float],
+                    outputs: list[float], moments: list) -> tuple:
+        """(multiplier, kept outputs, moment, block) of rank `r` at its fullest GPipe moment
+        (memory_gpipe.gpipe_moments), each priced by `_stage_memories`."""
+        pp, m, out, mem = w.pp, w.m, w.out_bytes, w.mem_opts
+        b = w.blocks[r]
+        act = b[2]
+        # one micro-batch's activations (with `half`'s stored extra, _half_stages)
+        per_mb = w.inflight[r] * act * k / m
+        grads, roots, absent = self._gpipe_gradients(w, r, k)
+        torch_stage = not mem.engine.startswith("deepspeed")
+        # B: mb 0's stage output gone from torch's cache, its received input buffer no
+        # longer a saved block input (memory_pipeline.receive_buffers counted it so)
+        later = outputs[r] - (out if torch_stage and r < pp - 1 else 0.0) + (
+            out if torch_stage and r > 0 and mem.fused_norm else 0.0)
+        stored, replayed = self._gpipe_replay(w, r, k)
+        best: tuple = ()
+        kept_blocks = w.blocks
+        try:
+            for held, moment in memory_gpipe.gpipe_moments(
+                    m, k, per_mb, grads, roots, saved, r == w.head_rank,
+                    r == 0 and w.grad_extra > 0.0, stored):
+                block = replayed if moment == "replay" else b
+                moment = "block" if moment == "replay" else moment
+                mult = (held - grads - roots - absent) / (act * k)
+                kept = later if moment is None else outputs[r]
+                w.blocks = kept_blocks[:r] + [block] + kept_blocks[r + 1:]
+                per_layer, fixed = self._stage_memories(
+                    w, inflight[:r] + [mult] + inflight[r + 1:], [r],
+                    outputs[:r] + [kept] + outputs[r + 1:],
+                    moments[:r] + [moment] + moments[r + 1:])
+                total = k * per_layer[r] + fixed[r]
+                if not best or total > best[0]:
+                    best = (total, mult, kept, moment, block)
+        finally:
+            w.blocks = kept_blocks
+        return best[1:]
+
+    def _gpipe_replay(self, w: Work, r: int, k: int) -> tuple[float, tuple]:
+        """Under meshtron's `half` on a stage of an odd layer count (whose block moment
+        `_half_stages` priced without a replayed block, its backward starting on a stored
+        one), (the stored last block's activations, the block with the replayed block's
+        working set): the first backward replays block k - 2 once block k - 1's backward has
+        freed its tensors and made its gradient (memory_gpipe.gpipe_moments "replay"). (0, the
+        block) elsewhere; dense blocks only (a MoE stage keeps the moment it had)."""
+        b = w.blocks[r]
+        if not (self._half_unwalked(w) and k % 2 and k > 1 and not w.p_exp
+                and not self.model.is_moe and b[3] < w.work):
+            return 0.0, b
+        cfg = w.cfg
+        none = self._memory_pieces(w.tp, w.mb, cfg.sp, "none", cfg.dtype, w.cp, w.ep, w.pp,
+                                   cfg.fp8_recipe)[1]
+        return none, (b[0], b[1], b[2], w.work)

@@ -1,0 +1,89 @@
+"""What a GPipe stage holds at each moment of its backward: accumulated gradients that do not
+exist yet at its fullest one.
+
+torch 2.13's ScheduleGPipe (torch/distributed/pipelining/schedules.py,
+`ScheduleGPipe._step_microbatches`) runs every micro-batch's forward, then every backward in
+micro-batch order 0 .. m - 1, and reduces the gradients after the last
+(`perform_reduce_grad`); until then the stage runs its FSDP2 units without gradient sync
+(stage.py `backward_maybe_with_nosync`). FSDP2 makes a unit's fp32 accumulator at the unit's
+first post-backward (torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+`to_accumulated_grad_if_needed`, called from _fsdp_param_group.py `post_backward`) and adds
+into it at the later ones (`accumulate_unsharded_grad_if_needed`). So the stage's moments are:
+
+* A, the first backward's first moment (the loss's on the last stage, the first block's in
+  backward order on the others): all m micro-batches' activations, no accumulated gradient
+  (on the last stage, at its first block, the head's: its backward ran first);
+* C, the first backward's last (the embedding's, on the first stage under tensor
+  parallelism): m micro-batches' activations less this one's (freed by the moment's own
+  bytes, memory_peak.embedding_moment) beside every block's accumulated gradient, not yet the
+  embedding's;
+* B, the second backward's first: m - 1 micro-batches' activations and every gradient. Its
+  later moments hold fewer activations beside the same gradients, and the first backward's
+  inner ones lie between A's and B's (each block's backward frees a micro-batch's
+  activations of that block and adds its gradient: linear in the blocks done). With one
+  micro-batch there is no B: the first backward's last block stands for it.
+
+The linear model (memory.stage_memory) prices all m micro-batches beside all the gradients:
+rehearsed, 'mid' pp 2, 10 layers, FSDP2 ZeRO-1, stage 0, +12.2% (1.084 GiB of fp32 gradients
+that do not exist at A, the peak there; docs/measurements.md, branch halfrest).
+
+The last stage also keeps what each micro-batch's loss saved, from its forward to its
+backward: GPipe runs the loss of every micro-batch before the first backward (torch's
+schedule computes it right after the stage's forward, `_maybe_compute_loss`), where 1F1B's
+last stage holds one micro-batch at a time. `loss_saved_bytes`.
+"""
+
+from __future__ import annotations
+
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.memory_options import MemoryOptions
+
+
+def loss_saved_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
+                     mem: MemoryOptions) -> float:
+    """Bytes one micro-batch's loss keeps on a pipeline's last stage from its forward to its
+    backward. The eager loss (meshtron/model/loss.py `cross_entropy_loss`: logits cast to
+    fp32, F.cross_entropy) saves log_softmax's fp32 output, and torch's pipelining keeps the
+    stage output, the logits in the compute dtype (PipelineStage.fwd_cache): 4 bytes + the
+    compute dtype's per element ([tokens, vocab / tp] under loss_parallel too). Megatron's
+    vocabulary-parallel loss its bf16 logits and fp32 softmax (6); the in-place fused loss
+    the 16-bit logits (memory_acts.logits_bytes, the loss's working set, counts the
+    micro-batch at its backward)."""
+    elements = micro_batch * seq * model.vocab / tp
+    kind = mem.loss_kind
+    if kind == "vocab-parallel":
+        return elements * 6.0
+    if kind == "inplace":
+        return elements * mem.compute_bytes
+    return elements * (4.0 + mem.compute_bytes)
+
+
+def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: float,
+                  loss_saved: float, head: bool, embedding: bool, stored_last: float = 0.0
+                  ) -> list[tuple[float, str | None]]:
+    """(bytes held, moment) of a GPipe stage's candidate peaks (module docstring: A, C, B),
+    the moment as memory.MOMENTS names the working set beside them. `layers`: the stage's
+    blocks; `per_mb`: one micro-batch's stored activations on the stage; `grads`: its blocks' accumulated
+    gradients; `root_grads`: the embedding's or the head's (made at the first backward's
+    last or first moment); `loss_saved`: what each micro-batch's loss keeps (the last stage,
+    `head`); `embedding`: the first stage's embedding moment is priced apart (a whole
+    vocabulary-parallel gradient, memory_peak.embedding_moment); `stored_last`: under
+    meshtron's `half` on an odd stage, the stored last block's activations, whose backward
+    runs first and frees them before the checkpointed block below is replayed (moment
+    "replay": a block's backward with the recomputation's working set; rehearsed, 'mid' pp 2,
+    stages of 5: the peak in block 3's replayed MLP after block 4's backward)."""
+    others = loss_saved if head else 0.0
+    out = [(m * per_mb + (m - 1) * others, "loss" if head else "block")]
+    if head:  # its first block's backward: the head's gradient made, this loss's freed
+        out.append((m * per_mb + (m - 1) * others + root_grads, "block"))
+    if stored_last and layers > 1:
+        out.append((m * per_mb + (m - 1) * others - stored_last + grads / layers
+                    + (root_grads if head else 0.0), "replay"))
+    if embedding:
+        out.append((m * per_mb + grads, "embedding"))
+    if m == 1:  # no second backward: the first's last block, the others' gradients made
+        out.append((per_mb / layers + grads * (layers - 1) / layers
+                    + (root_grads if head else 0.0), "block"))
+    else:
+        out.append(((m - 1) * per_mb + grads + root_grads + (m - 2) * others, None))
+    return out
