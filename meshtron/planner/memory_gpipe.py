@@ -59,8 +59,8 @@ def loss_saved_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
 
 
 def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: float,
-                  loss_saved: float, head: bool, embedding: bool, stored_last: float = 0.0
-                  ) -> list[tuple[float, str | None]]:
+                  loss_saved: float, head: bool, embedding: bool, stored_last: float = 0.0,
+                  head_grads: float = 0.0) -> list[tuple[float, str | None]]:
     """(bytes held, moment) of a GPipe stage's candidate peaks (module docstring: A, C, B),
     the moment as memory.MOMENTS names the working set beside them. `layers`: the stage's
     blocks; `per_mb`: one micro-batch's stored activations on the stage; `grads`: its blocks' accumulated
@@ -71,9 +71,13 @@ def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: 
     meshtron's `half` on an odd stage, the stored last block's activations, whose backward
     runs first and frees them before the checkpointed block below is replayed (moment
     "replay": a block's backward with the recomputation's working set; rehearsed, 'mid' pp 2,
-    stages of 5: the peak in block 3's replayed MLP after block 4's backward)."""
+    stages of 5: the peak in block 3's replayed MLP after block 4's backward); `head_grads`:
+    the head's own gradient, made by the head's backward while the loss's working set (the
+    logits' gradient it multiplies) is alive (rehearsed, 'mid' pp 1, one micro-batch, ZeRO-0:
+    the peak there, the head's fp32 gradient and no other)."""
     others = loss_saved if head else 0.0
-    out = [(m * per_mb + (m - 1) * others, "loss" if head else "block")]
+    out = [(m * per_mb + (m - 1) * others + (head_grads if head else 0.0),
+            "loss" if head else "block")]
     if head:  # its first block's backward: the head's gradient made, this loss's freed
         out.append((m * per_mb + (m - 1) * others + root_grads, "block"))
     if stored_last and layers > 1:
