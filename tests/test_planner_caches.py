@@ -206,7 +206,10 @@ def test_one_evaluators_own_cache_answers_each_plan_as_a_fresh_one():
              base.replace(sp=False), base.replace(recompute="full"),
              base.replace(pp=1, schedule=None, virtual_stages=1, dp=8),
              base.replace(tp=1, dp=8, sp=False), base.replace(micro_batch=2),
-             base.replace(zero=3, offload="full"), base.replace(compile=True)]
+             base.replace(zero=3, offload="full"), base.replace(compile=True),
+             # one micro-batch per step without a pipeline: GPipe's moments (ZeRO-0), then two
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=0, micro_batch=32),
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=0, micro_batch=16)]
     shared = Evaluator(model, cluster, 256, 4096)
     for plan in plans:
         warm = shared.evaluate(plan)

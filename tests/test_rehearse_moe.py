@@ -192,17 +192,18 @@ def test_rehearse_command_runs_a_moe_model_with_defaults():
     assert "of tiny-moe-ds" in out.stdout and "tokens per expert fixed" in out.stdout
     total = [line.split() for line in out.stdout.splitlines() if line.startswith("total")][0]
     rehearsed, planned = float(total[1]), float(total[2])
-    # The planner's pick here (dp=8, ZeRO-0, one micro-batch per step) is the open gap of
-    # test_one_microbatch_steps_hold_no_gradients_at_the_loss: never below the rehearsal
-    assert rehearsed > 0 and 0.0 <= planned / rehearsed - 1 < 0.20
+    # The planner's pick here (dp=8, ZeRO-0, one micro-batch per step, priced at its moments:
+    # test_one_microbatch_steps_hold_no_gradients_at_the_loss) is -0.5% of the rehearsal: its
+    # params row is -3.0% (132 KB, a [vocab, hidden] fp32 tensor's size) at one micro-batch and
+    # at two, whose plan the moments do not touch (-0.4% there, 2026-12-05): open, not this
+    # moment's
+    assert rehearsed > 0 and -0.01 <= planned / rehearsed - 1 < 0.05
 
 
-@pytest.mark.xfail(strict=True, reason="open: with one micro-batch per step and unsharded "
-                   "gradients (ZeRO-0) no gradient exists at the loss (zero_grad sets them to "
-                   "None), but the planner holds them there: tiny-moe-ds dp8 ZeRO-0 +17.0% "
-                   "(0.026 vs 0.022 GiB, 2026-12-04)")
 def test_one_microbatch_steps_hold_no_gradients_at_the_loss():
-    """The planner within 5% of the rehearsal on a ZeRO-0 plan of one micro-batch per step."""
+    """The planner within 5% of the rehearsal on a ZeRO-0 plan of one micro-batch per step:
+    no gradient exists at the loss (zero_grad set them to None), the head's is made there
+    (estimate_gpipe._gpipe_ranks at pp 1; it was +17.0%, 2026-12-04; -0.5% 2026-12-05)."""
     out = subprocess.run([sys.executable, "-m", "meshtron", "rehearse", "--model", "tiny-moe-ds",
                           "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "256",
                           "--layout", "dp=8", "--zero", "0", "--micro-batch", "1"],

@@ -351,3 +351,40 @@ def test_search_path_agrees_on_gpipe_stages():
             else:
                 assert searched is None, (cfg, layers, seq, factor)
     assert checked >= 300 and 0 < fitting < checked
+
+
+def test_search_path_agrees_on_one_microbatch_without_a_pipeline():
+    """pp 1 with one micro-batch per step is GPipe's order (one forward, then the backward that
+    makes the gradients: estimate_gpipe._gpipe_ranks), priced at its moments below the linear
+    model at ZeRO-0: the search's evaluation keeps exactly the plans the pinned path fits, with
+    the same memory, around each case's threshold; two micro-batches are not walked (their
+    second backward holds every gradient)."""
+    checked = fitting = lowered = 0
+    fw = frameworks.preset("meshtron")
+    for zero, rec, seq, tp in itertools.product((0, 1, 3), ("none", "full", "half"),
+                                                (SEQ, 256), (1, 2)):
+        cfg = Plan(tp=tp, pp=1, dp=2, zero=zero, micro_batch=1, recompute=rec, dtype="bf16",
+                   sp=tp > 1)
+
+        def ev(capacity: float, batch: int = 2) -> Evaluator:
+            cluster = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=capacity)
+            return Evaluator(MODEL, cluster, batch, seq, fw.kernel, mem=fw.memory)
+
+        need = ev(80.0).evaluate(cfg, exact_memory=False).memory.total
+        two = ev(80.0, batch=4).evaluate(cfg, exact_memory=False).memory.total
+        assert need <= two + 1e-9, (cfg, seq)  # one micro-batch never holds more than two
+        lowered += need < two - 1e-6
+        for factor in (0.9, 0.99, 0.999, 1.0, 1.001, 1.01, 1.1):
+            e = ev(need * factor)
+            pinned = e.evaluate(cfg, keep_infeasible=True, exact_memory=False)
+            searched = e.evaluate(cfg, keep_infeasible=False, exact_memory=False)
+            checked += 1
+            if factor > 1.0:  # the memory it was priced at fits
+                assert pinned.fits, (cfg, seq, factor)
+            if pinned.fits:
+                fitting += 1
+                assert searched is not None and searched.fits, (cfg, seq, factor)
+                assert searched.memory.total == pytest.approx(pinned.memory.total)
+            else:
+                assert searched is None, (cfg, seq, factor)
+    assert checked >= 200 and 0 < fitting < checked and lowered >= 6
