@@ -83,8 +83,8 @@ def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: 
     if stored_last and layers > 1:
         out.append((m * per_mb + (m - 1) * others - stored_last + grads / layers
                     + (root_grads if head else 0.0), "replay"))
-    if embedding:
-        out.append((m * per_mb + grads, "embedding"))
+    if embedding:  # beside the head's gradient where the head is on this rank (pp 1)
+        out.append((m * per_mb + grads + (head_grads if head else 0.0), "embedding"))
     if m == 1:  # no second backward: the first's last block, the others' gradients made
         out.append((per_mb / layers + grads * (layers - 1) / layers
                     + (root_grads if head else 0.0), "block"))
