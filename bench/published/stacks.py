@@ -48,7 +48,7 @@ DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_gra
                                      separate_projections=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",
                                      shard_units_per_layer=4, reduce_units_per_layer=12,
-                                     prefetch_params=5e7, max_live_params=1e9,
+                                     prefetch_params=5e7, max_live_params=1e9, live_embedding=True,
                                      recompute_regathers=True, list_collectives=True)
 """DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py,
 partition_parameters.py and constants.py at that version). Gathers: `fetch_sub_module` gathers
@@ -59,8 +59,10 @@ GPT layer gathers its four weight matrices (shard_units_per_layer=4). Right afte
 `prefetch_next_sub_modules` gathers the next weight (`stage3_prefetch_bucket_size` 5e7 admits it
 whole) on the fetch stream (overlap_comm, on by default for stage 3), beside the submodule's
 compute, unless the coordinator already holds `stage3_max_live_parameters` (1e9) gathered
-elements: a 175B GPT's weights (1.5-6.0e8) prefetch one ahead, a 530B GPT's QKV and MLP weights
-(1.3-1.7e9) block it (prefetch_params, max_live_params). Reductions:
+elements (prefetch_params, max_live_params). Those include the tied word embedding, which
+Megatron's GPT2Model registers as an external parameter of the top module and which therefore
+stays gathered over the whole step (live_embedding; 175B: 6.3e8, 530B: 1.05e9 elements): with it
+a 175B GPT's average weight (4.5e8) reaches the limit, and a 530B GPT never prefetches. Reductions:
 every parameter's gradient is reduce-scattered by its own call (`_reduce_scatter_gradients`, 12
 per GPT layer with biases); ZeRO-3's overlap_comm defaults to on, but the device-wide
 synchronisation of the next fetch waits for it, so it is costed as not overlapped. Parameters

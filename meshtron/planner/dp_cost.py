@@ -284,7 +284,7 @@ class DataParallelCost:
         if not reduce:
             rs = 0.0
         f_u, b_u = fwd / units, bwd / units
-        hide = self._prefetch_share(params / units)
+        hide = self._prefetch_share(params / units + self._held_params(groups))
         nccl = self.dp_interference(groups)
         fwd_u = ag_host + (1 - hide) * ag_dev + _exposed(hide * ag_dev, f_u, nccl)
         # recomputation that re-gathers: a second all-gather per unit in the backward
@@ -312,6 +312,15 @@ class DataParallelCost:
         return (ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
                 + copies)
 
+    def _held_params(self, groups: dict[str, Any]) -> float:
+        """Gathered parameters held over the whole step beside the units, counted against the
+        live-parameter limit: the tied word embedding of this tensor rank when the stack keeps
+        it gathered (KernelOptions.live_embedding; the one stage of an unpipelined model)."""
+        m = self.model
+        if not (self.opts.live_embedding and m.tied_embeddings) or groups["pp"].size > 1:
+            return 0.0
+        return m.vocab * m.hidden / groups["tp"].size
+
     def _prefetch_share(self, unit_params: float) -> float:
         """Share of a unit's all-gather that prefetching starts beside the previous unit's
         compute. DeepSpeed's coordinator adds whole parameters of the coming submodules to the
@@ -321,7 +330,8 @@ class DataParallelCost:
         fetch_sub_module); a bucket of 0 hides nothing. Neither prefetches while the gathered
         parameters reach `stage3_max_live_parameters` (KernelOptions.max_live_params): a unit
         of that size (a 530B GPT's QKV and MLP weights, 1.3-1.7e9 elements, against the 1e9
-        default) blocks its successor's prefetch. Units are priced at their average size."""
+        default) blocks its successor's prefetch; `unit_params` includes what stays gathered
+        beside it (`_held_params`). Units are priced at their average size."""
         pre, live = self.opts.prefetch_params, self.opts.max_live_params
         if pre is not None and pre <= 0:
             return 0.0

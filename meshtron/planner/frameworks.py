@@ -223,6 +223,7 @@ _DEEPSPEED_2021 = Framework(
                   p2p_blocking=True, zero1_all_reduce=True,  # the pipe engine's all-reduce
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=5e7, max_live_params=1e9,
+                  live_embedding=True,
                   recompute_regathers=True, list_collectives=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
                   host_offload="zero-offload-2021", zero_stages="deepspeed"), "bf16")

@@ -94,6 +94,17 @@ class KernelOptions:
     leaves nothing to prefetch beside its compute: the next unit's gather is exposed. None: no
     limit (FSDP)."""
 
+    live_embedding: bool = False
+    """A tied word embedding stays gathered over the whole step and counts toward
+    `max_live_params` at every prefetch check: Megatron's GPT2Model under ZeRO-3 registers it
+    as an external parameter of the top module (DeepSpeedExamples Megatron-LM-v1.1.5-ZeRO3
+    megatron/model/gpt2_model.py, 2cd968f2 of March 2021: `register_external_parameter(self,
+    ...word_embeddings.weight)`), so stage3.py fetches it at the model's pre-forward hook, keeps
+    it at its post-forward (`_keep_for_later`: the model's pre-backward is the next entry of the
+    trace, reuse distance 0) and partitions it only in `_partition_all_parameters` after the
+    backward (the model's post-backward never runs: its inputs, token ids, carry no gradient).
+    False: the embedding is gathered and released like any unit (FSDP, HF models)."""
+
     recompute_regathers: bool = False
     """Under ZeRO-3 with full recomputation, the recomputed forward gathers a unit's parameters
     again and the backward once more (DeepSpeed: its per-submodule hooks release parameters
