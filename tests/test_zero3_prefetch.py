@@ -32,10 +32,10 @@ def _evaluator(shape: tuple, gpus: int, opts: KernelOptions, mb: int) -> Evaluat
 
 
 def _dp(shape: tuple, gpus: int, opts: KernelOptions, mb: int = 1,
-        recompute: str = "full") -> float:
+        recompute: str = "full", reduce_dtype: str = "bf16") -> float:
     ev = _evaluator(shape, gpus, opts, mb)
     plan = Plan(1, 1, gpus, 3, mb, recompute, False, None, 1, dtype="bf16",
-                reduce_dtype="bf16", attention=opts.attention)
+                reduce_dtype=reduce_dtype, attention=opts.attention)
     return ev.evaluate(plan).time.dp_comm
 
 
@@ -90,7 +90,8 @@ def test_list_handling_on_the_host_is_not_hidden_by_the_prefetch():
 
 def test_list_fetches_read_every_gathered_weight_once_more():
     """Without prefetch everything is exposed: beside the host's walk over the ranks of every
-    call, list collectives add per reduce-scattered byte the flattening copy (2 passes) and per
+    call, list collectives add per reduce-scattered byte the division and the flattening copy
+    (4 passes, test_list_reductions_divide_and_flatten_every_gradient) and per
     gathered byte the zero-fill, the chunk copy-out (read + write) and the fetch's norm read:
     4 passes, 3 without the norm."""
     sync = dataclasses.replace(DS, prefetch_params=0.0, reduce_units_per_layer=12,
@@ -103,7 +104,7 @@ def test_list_fetches_read_every_gathered_weight_once_more():
     gathered = 3 * 96 * layer  # forward, recomputed forward, backward
     reduced = 96 * layer
     host = (3 * 96 * 4 + 96 * 12) * gpus * LIST_HOST_S_PER_RANK
-    passes = (extra - host - 2 * 2.0 * reduced / hbm) / (2.0 * gathered / hbm)
+    passes = (extra - host - 2 * 4.0 * reduced / hbm) / (2.0 * gathered / hbm)
     # the embedding's bytes and the fill / drain collectives add a little
     assert 3.9 < passes < 4.2
 
@@ -113,3 +114,20 @@ def test_a_bad_live_parameter_limit_is_refused_by_name(value):
     from meshtron.errors import UserError
     with pytest.raises(UserError, match=r"^max_live_params=.*must be None or a number > 0$"):
         KernelOptions(max_live_params=value)
+
+
+def test_list_reductions_divide_and_flatten_every_gradient():
+    """Per reduce-scattered byte, stage3.py average_tensor's in-place div_ (read + write) and
+    ProcessGroupNCCL's flatten of the input list (read + write): 4 passes. The gathers move
+    bf16 weights whatever the reduction's dtype, so the list's extra time grows from bf16 to
+    fp32 gradients by those passes over the 2 more bytes of every reduced element."""
+    sync = dataclasses.replace(DS, prefetch_params=0.0, reduce_units_per_layer=12,
+                               recompute_regathers=True)
+    listed = dataclasses.replace(sync, list_collectives=True)
+    gpus = 384
+    hbm = _evaluator(GPT175, gpus, sync, 1).hbm
+    extra = {d: _dp(GPT175, gpus, listed, reduce_dtype=d) - _dp(GPT175, gpus, sync, reduce_dtype=d)
+             for d in ("bf16", "fp32")}
+    reduced = 96 * 12 * 12288 ** 2  # the layers' weights; embedding, biases and norms add 0.4%
+    passes = (extra["fp32"] - extra["bf16"]) / (2.0 * reduced / hbm)
+    assert 3.95 < passes < 4.1

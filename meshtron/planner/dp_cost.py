@@ -278,7 +278,11 @@ class DataParallelCost:
         ag_dev, ag_host = gather(params / units)
         ag = ag_dev + ag_host
         if opts.list_collectives:
-            rs_one += 2.0 * gsize * params / r_units / self.hbm + host
+            # ProcessGroupNCCL's flatten of the input list, and stage3.py average_tensor's
+            # in-place div_ of each gradient by the group size before it is reduced (v0.3.13 to
+            # v0.5.x, on the reduction stream; it divides the whole reduce bucket at every
+            # flush, so this is the least): read + write each
+            rs_one += 4.0 * gsize * params / r_units / self.hbm + host
         rs = rs_one * r_units / units
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
         if not reduce:

@@ -162,7 +162,8 @@ class KernelOptions:
     """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
     PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
     into a list gathers into a flat buffer and copies every chunk out, reduce_scatter from a list
-    flattens its input first): 3 extra HBM bytes per gathered byte, 2 per reduce-scattered byte;
+    flattens its input first, after stage3.py average_tensor has divided every gradient in
+    place): 3 extra HBM bytes per gathered byte, 4 per reduce-scattered byte;
     and the fetch reads every gathered parameter once more after its synchronisation (the debug
     message of stage3.py fetch_sub_module, 0.3.13-0.5.10, formats `param.norm()` whether or not it
     prints), a host-side Python loop over the ranks (dp_cost.LIST_HOST_S_PER_RANK)."""
