@@ -49,8 +49,9 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
   weight separately, device-synchronised, and prefetches the next weight on its fetch stream
   (`stage3_prefetch_bucket_size` 5e7) while fewer than `stage3_max_live_parameters` (1e9) are
-  gathered, reduces every parameter separately, list-based collectives; the pipeline engine's
-  blocking sends of whole activations.
+  gathered, the tied word embedding included (Megatron's GPT2Model keeps it gathered over the
+  step: `live_embedding`), reduces every parameter separately, list-based collectives; the
+  pipeline engine's blocking sends of whole activations.
 * `deepspeed@2024`: DeepSpeed 0.14-0.16 with Hugging Face-style models (eager kernels): ZeRO-3
   per-submodule fetch (7 linears of a Llama block) with `overlap_comm`, a 5e7-element
   `stage3_prefetch_bucket_size` under a 1e9 `stage3_max_live_parameters`, parameters released
