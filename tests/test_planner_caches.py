@@ -65,6 +65,8 @@ def _questions() -> list[tuple[str, tuple]]:
     nosp = plan.replace(sp=False)
     parallel = dataclasses.replace(dense, parallel_residual=True)
     cp2 = plan.replace(cp=2, dp=2)
+    ds_plan = plan.replace(zero=3, pp=1, dp=8, schedule=None, virtual_stages=1)
+    ds_opts = KernelOptions(sharding="zero", shard_units_per_layer=4, prefetch_params=5e7)
 
     return [
         ("base", base),
@@ -88,6 +90,11 @@ def _questions() -> list[tuple[str, tuple]]:
         ("deep, no recompute", vary(plan=deep.replace(recompute="none"), batch=8)),
         ("micro-batch 2", vary(plan=plan.replace(micro_batch=2))),
         ("zero 3", vary(plan=plan.replace(zero=3))),
+        # DeepSpeed's per-submodule ZeRO-3: a live-parameter limit below the unit (2.7e7
+        # elements per tensor rank) blocks the prefetch that the same stack has without it
+        ("zero 3, deepspeed prefetch", vary(plan=ds_plan, opts=ds_opts)),
+        ("zero 3, live-parameter limit",
+         vary(plan=ds_plan, opts=dataclasses.replace(ds_opts, max_live_params=1e7))),
         ("moe", vary(model=moe, plan=Plan(tp=1, pp=2, dp=8, zero=1, micro_batch=1,
                                           recompute="selective", sp=False,
                                           schedule="interleaved", virtual_stages=2, ep=2,

@@ -48,15 +48,21 @@ DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_gra
                                      separate_projections=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",
                                      shard_units_per_layer=4, reduce_units_per_layer=12,
-                                     prefetch_params=0.0,
+                                     prefetch_params=5e7, max_live_params=1e9, live_embedding=True,
                                      recompute_regathers=True, list_collectives=True)
 """DeepSpeed ZeRO-3 as of N21 (v0.3.15, April 2021; deepspeed/runtime/zero/stage3.py,
 partition_parameters.py and constants.py at that version). Gathers: `fetch_sub_module` gathers
 each parameter of a submodule with its own `_allgather_param` call, each after a
 torch.cuda.synchronize(), then synchronizes again; parameters below
 `stage3_param_persistence_threshold` (default 1e5 elements: biases and norms) stay gathered, so a
-GPT layer gathers its four weight matrices (shard_units_per_layer=4). The prefetch issues its
-gathers the same way and every fetch synchronises the whole device (prefetch 0). Reductions:
+GPT layer gathers its four weight matrices (shard_units_per_layer=4). Right after each fetch,
+`prefetch_next_sub_modules` gathers the next weight (`stage3_prefetch_bucket_size` 5e7 admits it
+whole) on the fetch stream (overlap_comm, on by default for stage 3), beside the submodule's
+compute, unless the coordinator already holds `stage3_max_live_parameters` (1e9) gathered
+elements (prefetch_params, max_live_params). Those include the tied word embedding, which
+Megatron's GPT2Model registers as an external parameter of the top module and which therefore
+stays gathered over the whole step (live_embedding; 175B: 6.3e8, 530B: 1.05e9 elements): with it
+a 175B GPT's average weight (4.5e8) reaches the limit, and a 530B GPT never prefetches. Reductions:
 every parameter's gradient is reduce-scattered by its own call (`_reduce_scatter_gradients`, 12
 per GPT layer with biases); ZeRO-3's overlap_comm defaults to on, but the device-wide
 synchronisation of the next fetch waits for it, so it is costed as not overlapped. Parameters

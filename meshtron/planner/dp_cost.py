@@ -265,40 +265,44 @@ class DataParallelCost:
         rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
         host = shard.size * LIST_HOST_S_PER_RANK if opts.list_collectives else 0.0
 
-        def gather(elems: float) -> float:
-            # + staging copies on the collective's critical path, and the host's per-rank list
-            # handling (one chunk view and one chunk copy issued per member, every call)
+        def gather(elems: float) -> tuple[float, float]:
+            # (device time a prefetch can hide: the ring and the staging copies on its path,
+            # exposed time: the host's per-rank list handling, one chunk view and one chunk
+            # copy issued per member before the unit's compute is launched, and the fetch's
+            # norm read after its synchronisation; KernelOptions.list_collectives)
             t = comm.all_gather(wsize * elems, shard, self.fab)
-            return t + (3.0 * wsize * elems / self.hbm + host if opts.list_collectives else 0.0)
+            if not opts.list_collectives:
+                return t, 0.0
+            return t + 3.0 * wsize * elems / self.hbm, host + wsize * elems / self.hbm
 
-        ag = gather(params / units)
+        ag_dev, ag_host = gather(params / units)
+        ag = ag_dev + ag_host
         if opts.list_collectives:
-            rs_one += 2.0 * gsize * params / r_units / self.hbm + host
+            # ProcessGroupNCCL's flatten of the input list, and stage3.py average_tensor's
+            # in-place div_ of each gradient by the group size before it is reduced (v0.3.13 to
+            # v0.5.x, on the reduction stream; it divides the whole reduce bucket at every
+            # flush, so this is the least): read + write each
+            rs_one += 4.0 * gsize * params / r_units / self.hbm + host
         rs = rs_one * r_units / units
         rs += comm.all_reduce(gsize * params / units / shard.size, rep, self.fab)
         if not reduce:
             rs = 0.0
         f_u, b_u = fwd / units, bwd / units
-        # share of a unit's all-gather that prefetching can start early: DeepSpeed's
-        # coordinator (partitioned_param_coordinator.py, fetch_sub_module) adds whole
-        # parameters of the coming submodules to the prefetch until the bucket is full, so the
-        # next unit is always prefetched whole once the bucket is not zero; DeepSpeed 0.3's
-        # synchronous fetch (prefetch 0) hides nothing
-        pre = self.opts.prefetch_params
-        hide = 1.0 if pre is None or pre > 0 else 0.0
+        hide = self._prefetch_share(params / units + self._held_params(groups))
         nccl = self.dp_interference(groups)
-        fwd_u = (1 - hide) * ag + _exposed(hide * ag, f_u, nccl)
+        fwd_u = ag_host + (1 - hide) * ag_dev + _exposed(hide * ag_dev, f_u, nccl)
         # recomputation that re-gathers: a second all-gather per unit in the backward
         if keep_last and units > 1 and kept > 0:
             # the backward gathers everything but the kept unit, over the other units - 1
-            ag_rest = gather((params - kept) / (units - 1))
+            rest_dev, rest_host = gather((params - kept) / (units - 1))
         else:
-            ag_rest = ag
-        ag_b = (2 * ag_rest if regather else ag_rest) if backward_gather else 0.0
+            rest_dev, rest_host = ag_dev, ag_host
+        times = (2 if regather else 1) if backward_gather else 0
         # gradient reduce-scatters hide behind the next unit's backward only when reduction
         # overlaps (DeepSpeed's overlap_comm, on in FSDP)
         rs_hidden, rs_exposed = (rs, 0.0) if self.opts.overlap_grad_reduce else (0.0, rs)
-        bwd_u = (1 - hide) * ag_b + rs_exposed + _exposed(hide * ag_b + rs_hidden, b_u, nccl)
+        bwd_u = (times * rest_host + (1 - hide) * times * rest_dev + rs_exposed
+                 + _exposed(hide * times * rest_dev + rs_hidden, b_u, nccl))
         # FSDP2 copies every gathered unit out of the all-gather buffer into its parameters on
         # the compute stream (foreach_all_gather_copy_out after waiting for the gather): a
         # memory-bound pass over the unsharded bytes that no prefetch hides
@@ -311,6 +315,31 @@ class DataParallelCost:
             return ag + units * fwd_u + (units - 1) * bwd_u + kept + rs + copies
         return (ag + units * fwd_u + (ag if backward_gather else 0.0) + units * bwd_u + rs
                 + copies)
+
+    def _held_params(self, groups: dict[str, Any]) -> float:
+        """Gathered parameters held over the whole step beside the units, counted against the
+        live-parameter limit: the tied word embedding of this tensor rank when the stack keeps
+        it gathered (KernelOptions.live_embedding; the one stage of an unpipelined model)."""
+        m = self.model
+        if not (self.opts.live_embedding and m.tied_embeddings) or groups["pp"].size > 1:
+            return 0.0
+        return m.vocab * m.hidden / groups["tp"].size
+
+    def _prefetch_share(self, unit_params: float) -> float:
+        """Share of a unit's all-gather that prefetching starts beside the previous unit's
+        compute. DeepSpeed's coordinator adds whole parameters of the coming submodules to the
+        prefetch until `stage3_prefetch_bucket_size` is reached, so any bucket > 0 prefetches
+        the next unit whole (0.3.13-0.5.x: stage3.py prefetch_next_sub_modules, issued on the
+        fetch stream right after each synchronous fetch; 0.6+: partitioned_param_coordinator.py
+        fetch_sub_module); a bucket of 0 hides nothing. Neither prefetches while the gathered
+        parameters reach `stage3_max_live_parameters` (KernelOptions.max_live_params): a unit
+        of that size (a 530B GPT's QKV and MLP weights, 1.3-1.7e9 elements, against the 1e9
+        default) blocks its successor's prefetch; `unit_params` includes what stays gathered
+        beside it (`_held_params`). Units are priced at their average size."""
+        pre, live = self.opts.prefetch_params, self.opts.max_live_params
+        if pre is not None and pre <= 0:
+            return 0.0
+        return 0.0 if live is not None and unit_params >= live else 1.0
 
     def copy_out_s(self, params: float, wsize: float) -> float:
         """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and

@@ -47,11 +47,15 @@ routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
   same way.
 * `deepspeed@2021`: DeepSpeed 0.3.15 (April 2021; deepspeed/runtime/zero/stage3.py,
   partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
-  weight separately, device-synchronised (no prefetch), reduces every parameter separately,
-  list-based collectives; the pipeline engine's blocking sends of whole activations.
+  weight separately, device-synchronised, and prefetches the next weight on its fetch stream
+  (`stage3_prefetch_bucket_size` 5e7) while fewer than `stage3_max_live_parameters` (1e9) are
+  gathered, the tied word embedding included (Megatron's GPT2Model keeps it gathered over the
+  step: `live_embedding`), reduces every parameter separately, list-based collectives; the
+  pipeline engine's blocking sends of whole activations.
 * `deepspeed@2024`: DeepSpeed 0.14-0.16 with Hugging Face-style models (eager kernels): ZeRO-3
   per-submodule fetch (7 linears of a Llama block) with `overlap_comm`, a 5e7-element
-  `stage3_prefetch_bucket_size`, parameters released after every forward (recomputation
+  `stage3_prefetch_bucket_size` under a 1e9 `stage3_max_live_parameters`, parameters released
+  after every forward (recomputation
   gathers again); gradients in the model dtype on the wire (`communication_data_type`
   unset); the pipeline engine's blocking sends.
 
@@ -219,8 +223,9 @@ _DEEPSPEED_2021 = Framework(
                   fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_grads_whole=True,
                   p2p_blocking=True, zero1_all_reduce=True,  # the pipe engine's all-reduce
                   stack="fused", sharding="zero", shard_units_per_layer=4,
-                  reduce_units_per_layer=12, prefetch_params=0.0, recompute_regathers=True,
-                  list_collectives=True, fp8_filter="all"),
+                  reduce_units_per_layer=12, prefetch_params=5e7, max_live_params=1e9,
+                  live_embedding=True,
+                  recompute_regathers=True, list_collectives=True, fp8_filter="all"),
     MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
                   host_offload="zero-offload-2021", zero_stages="deepspeed"), "bf16")
 _DEEPSPEED_2024 = Framework(
@@ -234,7 +239,8 @@ _DEEPSPEED_2024 = Framework(
                   # is_model_parallel (since DeepSpeed#1407, v0.5.4)
                   fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_blocking=True,
                   stack="eager", sharding="zero", shard_units_per_layer=7,
-                  prefetch_params=5e7, recompute_regathers=True, fp8_filter="all"),
+                  prefetch_params=5e7, max_live_params=1e9, recompute_regathers=True,
+                  fp8_filter="all"),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
                   gqa_copies=True, pipeline_split="deepspeed-parameters",
                   host_offload="zero-offload", zero_stages="deepspeed"), "bf16",

@@ -81,7 +81,29 @@ class KernelOptions:
     """Parameters ZeRO-3 all-gathers ahead of the unit computing (None: the whole next unit, as
     FSDP's one-unit prefetch). DeepSpeed's `stage3_prefetch_bucket_size` (default 5e7) admits
     whole parameters until it is full, so any bucket > 0 prefetches the next unit whole
-    (partitioned_param_coordinator.py); 0: no prefetch (DeepSpeed 0.3's synchronous fetch)."""
+    (0.3.13-0.5.x: stage3.py PrefetchCoordinator.get_params_to_prefetch, issued on the fetch
+    stream right after each synchronous fetch; 0.6+: partitioned_param_coordinator.py); 0: no
+    prefetch."""
+
+    max_live_params: float | None = None
+    """DeepSpeed's `stage3_max_live_parameters` (default 1e9): the coordinator prefetches only
+    while the gathered parameters it holds are fewer than this (0.3.13-0.5.x stage3.py
+    prefetch_next_sub_modules: `total_available_parameter_numel <
+    max_available_parameters_in_numel`; 0.6+ partitioned_param_coordinator.py fetch_sub_module:
+    at most max_live - available). A unit with at least this many parameters, once fetched,
+    leaves nothing to prefetch beside its compute: the next unit's gather is exposed. None: no
+    limit (FSDP)."""
+
+    live_embedding: bool = False
+    """A tied word embedding stays gathered over the whole step and counts toward
+    `max_live_params` at every prefetch check: Megatron's GPT2Model under ZeRO-3 registers it
+    as an external parameter of the top module (DeepSpeedExamples Megatron-LM-v1.1.5-ZeRO3
+    megatron/model/gpt2_model.py, 2cd968f2 of March 2021: `register_external_parameter(self,
+    ...word_embeddings.weight)`), so stage3.py fetches it at the model's pre-forward hook, keeps
+    it at its post-forward (`_keep_for_later`: the model's pre-backward is the next entry of the
+    trace, reuse distance 0) and partitions it only in `_partition_all_parameters` after the
+    backward (the model's post-backward never runs: its inputs, token ids, carry no gradient).
+    False: the embedding is gathered and released like any unit (FSDP, HF models)."""
 
     recompute_regathers: bool = False
     """Under ZeRO-3 with full recomputation, the recomputed forward gathers a unit's parameters
@@ -140,7 +162,11 @@ class KernelOptions:
     """ZeRO-3 collectives through list-of-tensors APIs with staging copies (DeepSpeed 0.3.x on
     PyTorch <= 1.10: each parameter's gather buffer is zero-filled, torch.distributed.all_gather
     into a list gathers into a flat buffer and copies every chunk out, reduce_scatter from a list
-    flattens its input first): 3 extra HBM bytes per gathered byte, 2 per reduce-scattered byte."""
+    flattens its input first, after stage3.py average_tensor has divided every gradient in
+    place): 3 extra HBM bytes per gathered byte, 4 per reduce-scattered byte;
+    and the fetch reads every gathered parameter once more after its synchronisation (the debug
+    message of stage3.py fetch_sub_module, 0.3.13-0.5.10, formats `param.norm()` whether or not it
+    prints), a host-side Python loop over the ranks (dp_cost.LIST_HOST_S_PER_RANK)."""
     sharding: str = "fsdp"
     """How ZeRO stages 0-2 run. 'fsdp' (meshtron's runtime on FSDP2, torchtitan, llm-foundry):
     one collective per FSDP unit (embedding, blocks, [norm, head]); ZeRO-0/1 reduce once per
@@ -305,6 +331,10 @@ class KernelOptions:
         if pre is not None and (isinstance(pre, bool) or not isinstance(pre, (int, float))
                                 or pre < 0):
             raise UserError(f"prefetch_params={pre!r}: must be None or a number >= 0")
+        live = self.max_live_params
+        if live is not None and (isinstance(live, bool) or not isinstance(live, (int, float))
+                                 or live <= 0):
+            raise UserError(f"max_live_params={live!r}: must be None or a number > 0")
         ru = self.reduce_units_per_layer
         if ru is not None and (isinstance(ru, bool) or not isinstance(ru, int) or ru < 1):
             raise UserError(f"reduce_units_per_layer={ru!r}: must be None or a positive integer")
