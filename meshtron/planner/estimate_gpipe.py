@@ -8,7 +8,10 @@ backward), and the last stage keeps every micro-batch's loss tensors until then
 micro-batches beside every gradient, one micro-batch's loss) is priced again once the split is
 known, at the largest of the moments of memory_gpipe.gpipe_moments, each written as an
 in-flight multiplier beside every layer's gradients (as memory_pipeline.weighted_in_flight
-converts the interleaved walk) and the moment's working set (memory.MOMENTS).
+converts the interleaved walk) and the moment's working set (memory.MOMENTS). Looped BFS
+(gpipe with v > 1, torch's ScheduleLoopedBFS) runs that order chunk by chunk: each chunk's
+moments beside the other chunks' activations and gradients (memory_gpipe.looped_moments,
+`_looped_rank`).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ class GPipeMoments:
         every rank of torch's ScheduleGPipe (one stage per rank), and a 1F1B rank whose
         warm-up is all the step's micro-batches (Schedule1F1B: min(m, p - s) forwards
         first; rehearsed, 'mid' pp 4, m 4, stage 0: +12.3% at m micro-batches beside every
-        gradient), and a rank without a pipeline that runs one micro-batch per step: its one
-        forward, then its one backward, which makes the gradients (optimizer.zero_grad
+        gradient), every rank of torch's ScheduleLoopedBFS (gpipe with v > 1: the same order
+        chunk by chunk; rehearsed, 'mid' pp 2, v 2, m 4: rank 0 +12.3%, rank 1 -12.8% with
+        the linear model), and a rank without a pipeline that runs one micro-batch per
+        step: its one forward, then its one backward, which makes the gradients (optimizer.zero_grad
         (set_to_none=True) freed the last step's; rehearsed, tiny-moe-ds dp 8 ZeRO-0: +17.0% at
         the loss beside every gradient)."""
         pp, m, schedule, mem = w.pp, w.m, w.cfg.schedule, w.mem_opts
