@@ -210,6 +210,9 @@ def test_one_evaluators_own_cache_answers_each_plan_as_a_fresh_one():
              # GPipe priced at its moments (estimate_gpipe.py), the embedding's apart at tp 2
              base.replace(schedule="gpipe", virtual_stages=1),
              base.replace(schedule="gpipe", virtual_stages=1, recompute="half"),
+             # looped BFS at the walk of its order (estimate_gpipe._looped_rank)
+             base.replace(schedule="gpipe", recompute="half"),
+             base.replace(schedule="gpipe", zero=0), base.replace(schedule="gpipe", zero=3),
              base.replace(sp=False), base.replace(recompute="full"),
              base.replace(pp=1, schedule=None, virtual_stages=1, dp=8),
              base.replace(tp=1, dp=8, sp=False), base.replace(micro_batch=2),

@@ -8,7 +8,10 @@ backward), and the last stage keeps every micro-batch's loss tensors until then
 micro-batches beside every gradient, one micro-batch's loss) is priced again once the split is
 known, at the largest of the moments of memory_gpipe.gpipe_moments, each written as an
 in-flight multiplier beside every layer's gradients (as memory_pipeline.weighted_in_flight
-converts the interleaved walk) and the moment's working set (memory.MOMENTS).
+converts the interleaved walk) and the moment's working set (memory.MOMENTS). Looped BFS
+(gpipe with v > 1, torch's ScheduleLoopedBFS) runs that order chunk by chunk: each chunk's
+moments beside the other chunks' activations and gradients (memory_gpipe.looped_moments,
+`_looped_rank`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from meshtron.planner.estimate_work import Work
 
 class GPipeMoments:
     """`_gpipe_walked` (which plans), `_gpipe_bound` (the linear model an upper bound),
-    `_gpipe_fits` (a split tried at its moments) and `_gpipe_stages` (the ranks' moments)."""
+    `_gpipe_fits` (a split tried at its moments) and `_gpipe_stages` (the ranks' moments:
+    `_gpipe_rank`, and `_looped_rank` for looped BFS, v > 1)."""
 
     def _gpipe_ranks(self, w: Work) -> list[bool]:
         """Per pipeline rank, whether it runs every forward of the step before its first
@@ -29,14 +33,18 @@ class GPipeMoments:
         every rank of torch's ScheduleGPipe (one stage per rank), and a 1F1B rank whose
         warm-up is all the step's micro-batches (Schedule1F1B: min(m, p - s) forwards
         first; rehearsed, 'mid' pp 4, m 4, stage 0: +12.3% at m micro-batches beside every
-        gradient), and a rank without a pipeline that runs one micro-batch per step: its one
-        forward, then its one backward, which makes the gradients (optimizer.zero_grad
+        gradient), every rank of torch's ScheduleLoopedBFS (gpipe with v > 1: the same order
+        chunk by chunk; rehearsed, 'mid' pp 2, v 2, m 4: rank 0 +12.3%, rank 1 -12.8% with
+        the linear model), and a rank without a pipeline that runs one micro-batch per
+        step: its one forward, then its one backward, which makes the gradients (optimizer.zero_grad
         (set_to_none=True) freed the last step's; rehearsed, tiny-moe-ds dp 8 ZeRO-0: +17.0% at
         the loss beside every gradient)."""
         pp, m, schedule, mem = w.pp, w.m, w.cfg.schedule, w.mem_opts
         # ZeRO-0 accumulates in its states' gradient (memory_peak.embedding_accum_bytes)
         zero0 = w.zero == 0 and not (w.shard_dp == 1 and mem.dtype == "fp32")
-        if not ((pp > 1 or m == 1) and w.v == 1 and (w.accum > 0.0 or zero0)
+        # v > 1: torch's ScheduleLoopedBFS, GPipe's order chunk by chunk (`_looped_rank`)
+        looped = w.v > 1 and pp > 1 and schedule == "gpipe"
+        if not ((pp > 1 or m == 1) and (w.v == 1 or looped) and (w.accum > 0.0 or zero0)
                 and mem.framework == "fsdp2"):
             return [False] * pp
         if pp == 1:
@@ -89,9 +97,10 @@ class GPipeMoments:
         if walked[w.head_rank]:
             outputs[w.head_rank] -= (m - 1) * saved
         moments = list(w.moments) if w.moments else [None] * pp
+        rank = self._gpipe_rank if w.v == 1 else self._looped_rank
         for r, k in enumerate(w.n):
             if walked[r] and k and w.blocks[r][2]:  # a layer to carry the multiplier
-                inflight[r], outputs[r], moments[r], blocks[r] = self._gpipe_rank(
+                inflight[r], outputs[r], moments[r], blocks[r] = rank(
                     w, r, k, saved, inflight, outputs, moments)
         w.inflight, w.outputs, w.moments, w.blocks = inflight, outputs, moments, blocks
         w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
@@ -172,3 +181,68 @@ class GPipeMoments:
         none = self._memory_pieces(w.tp, w.mb, cfg.sp, "none", cfg.dtype, w.cp, w.ep, w.pp,
                                    cfg.fp8_recipe)[1]
         return none, (b[0], b[1], b[2], w.work)
+
+    def _looped_rank(self, w: Work, r: int, k: int, saved: float, inflight: list[float],
+                     outputs: list[float], moments: list) -> tuple:
+        """`_gpipe_rank` of a looped-BFS rank (gpipe with v > 1): the largest of its chunks'
+        GPipe moments in torch's order (memory_gpipe.looped_moments), each chunk with its
+        own layers (the split's, `_chunks`), `half`'s odd-chunk extra and replay, and the
+        chunk outputs and receive buffers held then. torch's stage keeps a chunk's output
+        until that micro-batch's backward (PipelineStage.fwd_cache) and its m receive
+        buffers all step (memory_pipeline.receive_buffers), the inputs among them a saved
+        block input while their micro-batch is held (a fused norm saves it): a chunk whose
+        micro-batches are gone holds fewer outputs, more uncounted input buffers."""
+        pp, v, m, out, mem = w.pp, w.v, w.m, w.out_bytes, w.mem_opts
+        b = w.blocks[r]
+        act = b[2]
+        chunks = self._chunks(w)
+        layers = [chunks[c * pp + r] for c in range(v)]
+        odd, plain = self._half_odd(w)
+        per_mb = [act * n + (odd if n % 2 else 0.0) for n in layers]
+        grads, roots, absent = self._gpipe_gradients(w, r, k)
+        # an odd chunk's backward starts on a stored block (no replayed block beside the
+        # saved ones), then replays the checkpointed one below into its space
+        # (`_gpipe_replay`; dense blocks only, as there)
+        dense = not w.p_exp and not self.model.is_moe
+        replay = plain is not None and dense
+        none = self._gpipe_replay_bytes(w) if replay else 0.0
+        stored = [none if replay and n % 2 and n > 1 else 0.0 for n in layers]
+        lowered = b if plain is None else (b[0], b[1], b[2], min(b[3], plain))
+        torch_stage = not mem.engine.startswith("deepspeed")
+        last = pp * v - 1
+        # per chunk, what one held micro-batch adds to the kept outputs (linear: all m):
+        # its output (the last virtual stage sends none), less its input buffer where the
+        # block saves it (the first virtual stage receives none)
+        per_out = [out * ((c * pp + r != last) - (mem.fused_norm and c * pp + r != 0))
+                   if torch_stage else 0.0 for c in range(v)]
+        best: tuple = ()
+        kept_blocks = w.blocks
+        try:
+            for held, c, count, moment in memory_gpipe.looped_moments(
+                    m, layers, per_mb, [grads * n / k for n in layers], roots, saved,
+                    r == w.head_rank, r == 0 and w.grad_extra > 0.0, stored,
+                    self._gpipe_head_grads(w, r)):
+                block = b if moment == "replay" or not layers[c] % 2 else lowered
+                moment = "block" if moment == "replay" else moment
+                mult = (held - grads - roots - absent) / (act * k)
+                # chunks above c are done, c holds `count`, those below all m
+                kept = outputs[r] + sum(per_out[j] * ((count if j == c else 0) - m)
+                                        for j in range(c, v))
+                w.blocks = kept_blocks[:r] + [block] + kept_blocks[r + 1:]
+                per_layer, fixed = self._stage_memories(
+                    w, inflight[:r] + [mult] + inflight[r + 1:], [r],
+                    outputs[:r] + [kept] + outputs[r + 1:],
+                    moments[:r] + [moment] + moments[r + 1:])
+                total = k * per_layer[r] + fixed[r]
+                if not best or total > best[0]:
+                    best = (total, mult, kept, moment, block)
+        finally:
+            w.blocks = kept_blocks
+        return best[1:]
+
+    def _gpipe_replay_bytes(self, w: Work) -> float:
+        """One stored block's activations (recomputation none) under `half`: what an odd
+        stage's or chunk's last block frees before the checkpointed one is replayed."""
+        cfg = w.cfg
+        return self._memory_pieces(w.tp, w.mb, cfg.sp, "none", cfg.dtype, w.cp, w.ep, w.pp,
+                                   cfg.fp8_recipe)[1]

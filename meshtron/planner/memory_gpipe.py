@@ -91,3 +91,42 @@ def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: 
     else:
         out.append(((m - 1) * per_mb + grads + root_grads + (m - 2) * others, None))
     return out
+
+
+def looped_moments(m: int, layers: list[int], per_mb: list[float], grads: list[float],
+                   root_grads: float, loss_saved: float, head: bool, embedding: bool,
+                   stored_last: list[float], head_grads: float = 0.0
+                   ) -> list[tuple[float, int, int, str | None]]:
+    """(bytes held, chunk, that chunk's micro-batches held, moment) of a looped-BFS rank's
+    candidate peaks. torch 2.13's ScheduleLoopedBFS (schedules.py
+    `_calculate_single_rank_operations`) runs, on each rank, every micro-batch's forward of
+    its first local chunk, then of the next, ..., then every backward of its last chunk (in
+    reverse micro-batch order), then of the one before: each chunk's backwards are GPipe's
+    (`gpipe_moments`, the chunk's own A, C, B) beside what the other chunks hold then, all m
+    micro-batches of the chunks below (not yet backwarded) and the accumulated gradients of
+    those above (done; FSDP2 made them at their first backward). Per chunk c (the rank's
+    c-th, virtual stage c p + s): `layers[c]` blocks, `per_mb[c]` one micro-batch's stored
+    activations, `grads[c]` its blocks' accumulated gradients, `stored_last[c]` (`half` on
+    an odd chunk, `gpipe_moments`). `root_grads`: the embedding's (chunk 0, `embedding`
+    its moment priced apart) or the head's (the last chunk, `head`, with every
+    micro-batch's `loss_saved` and the head's own gradient `head_grads` at the loss). The
+    linear model holds all m micro-batches of every chunk beside every gradient; the
+    last chunk's first backward holds the activations without gradients, the earlier
+    chunks' moments fewer activations beside the later chunks' gradients."""
+    v = len(layers)
+    out = []
+    for c in range(v - 1, -1, -1):
+        last, first = head and c == v - 1, embedding and c == 0
+        # the chunks below hold every micro-batch, those above their gradients (and the
+        # head's, made at the last chunk's first backward)
+        base = m * sum(per_mb[:c]) + sum(grads[c + 1:]) + (
+            root_grads if head and c < v - 1 else 0.0)
+        roots = root_grads if last or (c == 0 and not head) else 0.0
+        for held, moment in gpipe_moments(
+                m, max(layers[c], 1), per_mb[c], grads[c], roots, loss_saved, last, first,
+                stored_last[c], head_grads if last else 0.0):
+            count = m - 1 if moment is None else m  # B: its first micro-batch's gone
+            if moment is None and not (last or (c == 0 and not head)):
+                moment = "block"  # no loss, no embedding in this chunk's backward
+            out.append((base + held, c, count, moment))
+    return out
