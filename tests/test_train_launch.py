@@ -215,3 +215,34 @@ def test_sigterm_to_the_parent_stops_every_rank(tmp_path):
     while _rank_pids(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _rank_pids(str(run_dir)), "ranks left running after SIGTERM"
+
+
+def test_looped_bfs_from_the_command_line_matches_single_process(tmp_path):
+    """`--schedule gpipe:2` (torch's ScheduleLoopedBFS: two chunks per rank, every forward of a
+    chunk before the next chunk's) trains through the CLI to the single-process losses; the
+    planner names it in the run's plan."""
+    args = [a if a != "debug" else "tiny" for a in RUN]
+    proc = _meshtron("train", *args, "--nproc", "2", "--plan", "pp=2", "--schedule", "gpipe:2",
+                     "--run-dir", str(tmp_path / "lb"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = (tmp_path / "lb" / "plan.toml").read_text()
+    assert 'schedule = "gpipe"' in plan and "virtual_stages = 2" in plan, plan
+    single = config_from_dict({
+        "model": "tiny", "data": {"seq_len": 32, "global_batch": 8},
+        "train": {"steps": 3, "eval_every": 0, "run_dir": str(tmp_path / "single")}})
+    train(single, show_progress=False)
+    got = _losses(tmp_path / "lb" / "metrics.jsonl")
+    want = _losses(tmp_path / "single" / "metrics.jsonl")
+    assert len(got) == len(want) == 3
+    for a, b in zip(want, got):
+        assert abs(a - b) <= 1e-5 * abs(a)
+
+
+@pytest.mark.parametrize("schedule, needle", [
+    ("1f1b:2", "only 'interleaved' and 'gpipe'"), ("gpipe:1", "at least 2"),
+    ("gpipe:x", "gpipe:V")])
+def test_a_bad_virtual_stage_count_is_one_line(capsys, schedule, needle):
+    code = main(["plan", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "8",
+                 "--seq-len", "32", "--layout", "pp=2", "--schedule", schedule])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err, err

@@ -30,22 +30,24 @@ def parse_layout(text: str) -> dict[str, int]:
 
 
 def parse_schedule(text: str) -> tuple[str, int | None]:
-    """'1f1b' | 'interleaved' | 'interleaved:3' | 'zb' | 'zbv' | 'gpipe' -> (schedule, virtual
-    stages or None when not given)."""
+    """'1f1b' | 'interleaved' | 'interleaved:3' | 'zb' | 'zbv' | 'gpipe' | 'gpipe:2' -> (schedule,
+    virtual stages or None when not given). 'gpipe:V' is torch's ScheduleLoopedBFS: V chunks per
+    rank, every forward of a chunk before the next's (meshtron/parallel/pipeline.py)."""
     m = re.fullmatch(r"(1f1b|interleaved|zbv|zb|gpipe)(?::(\d+))?", text.strip().lower())
     if not m:
         raise UserError(f"schedule={text!r}: allowed values are 1f1b, interleaved, "
-                         "interleaved:V, zb, zbv, gpipe")
+                         "interleaved:V, zb, zbv, gpipe, gpipe:V")
     sched, v = m.group(1), m.group(2)
     if sched == "zbv":
         if v is not None:
             raise UserError(f"schedule={text!r}: zbv always has 2 virtual stages")
         return "zb", 2
     if v is not None:
-        if sched != "interleaved":
-            raise UserError(f"schedule={text!r}: only 'interleaved' takes a virtual-stage count")
+        if sched not in ("interleaved", "gpipe"):
+            raise UserError(f"schedule={text!r}: only 'interleaved' and 'gpipe' (looped BFS) "
+                            "take a virtual-stage count")
         if int(v) < 2:
-            raise UserError(f"schedule={text!r}: interleaving needs at least 2 virtual stages")
+            raise UserError(f"schedule={text!r}: a virtual-stage count must be at least 2")
         return sched, int(v)
     return sched, (1 if sched != "interleaved" else None)
 

@@ -81,7 +81,7 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", help="cluster to plan for: a preset like dgx-h100:1 or a TOML "
                    "file (default: this machine's `meshtron calibrate` file)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over the data axis")
-    g.add_argument("--schedule", help="pipeline schedule: gpipe | 1f1b | interleaved[:V] | zb")
+    g.add_argument("--schedule", help="pipeline schedule: gpipe[:V] | 1f1b | interleaved[:V] | zb | zbv")
     g.add_argument("--recompute", choices=["none", "selective", "half", "full"],
                    help="activation recomputation")
     g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with tp > 1)")
