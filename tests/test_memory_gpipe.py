@@ -167,12 +167,20 @@ def test_one_step_moments_free_each_unit_after_its_backward():
     base = memory_gpipe.gpipe_moments(1, 4, 40.0, 8.0, 3.0, 0.0, True, False, head_grads=1.0)
     got = memory_gpipe.gpipe_moments(1, 4, 40.0, 8.0, 3.0, 0.0, True, False, head_grads=1.0,
                                      resharded=(6.0, 10.0), first_block=2.0, one_step=True)
-    assert [m for _, m in got] == [m for _, m in base] == ["loss", "block", "block"]
+    assert [m for _, m in base] == ["loss", "block", "block"]
+    assert [m for _, m in got] == ["loss", "block", "block", "block"]
     assert got[0] == base[0] == (41.0, "loss")  # nothing freed before the head's backward
     assert got[1][0] == base[1][0] - 2.0 - 6.0 - 2.0  # the embedding's 2, the head's copy
+    # the second block: beside the first's reduce-scatter input (the linear block moment's),
+    # the first's gradient made and its copy freed
+    assert got[2][0] == base[1][0] - 2.0 - 6.0 + 8.0 / 4 - 10.0
     # the last block: three blocks' copies and the head's freed, the embedding's gradient not
     # made yet
-    assert got[2][0] == base[2][0] - 2.0 - 6.0 - 3 * 10.0
+    assert got[3][0] == base[2][0] - 2.0 - 6.0 - 3 * 10.0
+    # two blocks: the second is the last
+    assert len(memory_gpipe.gpipe_moments(1, 2, 40.0, 8.0, 3.0, 0.0, True, False,
+                                          head_grads=1.0, first_block=2.0,
+                                          one_step=True)) == 3
     # the embedding's moment (tp > 1) after every block's backward: every copy but its own
     emb = memory_gpipe.gpipe_moments(1, 4, 40.0, 8.0, 3.0, 0.0, True, True, head_grads=1.0,
                                      resharded=(6.0, 10.0), one_step=True)

@@ -81,7 +81,9 @@ def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: 
     taken off the moments after it; `first_block`: what the stage's block moment holds beyond
     the first block's backward in backward order (the previous unit's reduce-scatter input
     less a layer's activations, memory_peak.block_moment; the head's buffer is released
-    before it), taken off the head's first block; `one_step`: the embedding is on this rank
+    before it), taken off the head's first block, the second block priced beside it (with a
+    large previous gradient it outweighs the first: 'mid' at 2 layers the second is the
+    last); `one_step`: the embedding is on this rank
     too (no pipeline), its gradient made last: the head's moments hold the head's alone."""
     others = loss_saved if head else 0.0
     head_unit, block_unit = resharded if head else (0.0, resharded[1])
@@ -92,6 +94,10 @@ def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: 
     if head:  # its first block's backward: the head's gradient made, this loss's freed
         out.append((m * per_mb + (m - 1) * others + root_grads - head_unit - first_block,
                     "block"))
+    if head and first_block and layers > 2:  # the second: beside the first's reduce-scatter
+        # input (the block moment's later one), the first's copy freed and gradient made
+        out.append((m * per_mb + (m - 1) * others + grads / layers + root_grads - head_unit
+                    - block_unit, "block"))
     if stored_last and layers > 1:
         out.append((m * per_mb + (m - 1) * others - stored_last + grads / layers
                     + (root_grads if head else 0.0) - head_unit - block_unit, "replay"))
