@@ -621,4 +621,4 @@ def test_rehearsal_names_where_its_peak_is():
     assert len(where) == 1 and where[0].startswith("(the peak: backward of ")
     assert "layers." in where[0] and "aten." in where[0], where
     total = [line.split() for line in out.stdout.splitlines() if line.startswith("total")][0]
-    assert abs(float(total[2]) / float(total[1]) - 1) < 0.05, total
+    assert abs(float(total[3].rstrip("%"))) < 5.0, total  # the printed GiB too coarse here
