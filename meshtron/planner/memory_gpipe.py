@@ -83,8 +83,8 @@ def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: 
     less a layer's activations, memory_peak.block_moment; the head's buffer is released
     before it), taken off the head's first block, the second block priced beside it (with a
     large previous gradient it outweighs the first: 'mid' at 2 layers the second is the
-    last); `one_step`: the embedding is on this rank
-    too (no pipeline), its gradient made last: the head's moments hold the head's alone."""
+    last); `one_step`: the embedding is on this rank too (no pipeline), its gradient made
+    last: the head's moments hold the head's alone."""
     others = loss_saved if head else 0.0
     head_unit, block_unit = resharded if head else (0.0, resharded[1])
     if head and one_step:

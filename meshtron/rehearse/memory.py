@@ -83,11 +83,14 @@ def without_propagation(cls):
 
         def peak_at(self) -> str:
             """Where the peak was reached: forward or backward, the innermost module the
-            module tracker had entered (the longest name) and the op whose outputs made it
+            module tracker had entered (the longest name; "Global" alone: outside every
+            module, e.g. the loss or the optimizer's step) and the op whose outputs made it
             (the moment the planner prices, docs/measurements.md #gpipe-moments)."""
             op, backward, parents = self._peak_where
             inner = max(parents, key=len, default="")
-            return f"{'backward' if backward else 'forward'} of {inner or '?'}, {op}"
+            if inner in ("", "Global"):
+                inner = "no module (Global: the loss, the optimizer's step)"
+            return f"{'backward' if backward else 'forward'} of {inner}, {op}"
 
     return Tracker
 
