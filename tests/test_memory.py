@@ -387,7 +387,12 @@ def test_predict_ranks_is_the_planners_evaluation_of_each_pipeline_rank():
     (s1, b1), (s4, b4) = predict_ranks(spec, one, "bf16", 4.0)[0], \
         predict_ranks(spec, four, "bf16", 4.0)[0]
     assert b1.grads * memory.GIB == s1.grads and b4.grads == 0.0
-    assert (b4.gathered - b1.gathered) * memory.GIB == pytest.approx(4 * s1.params, rel=0.01)
+    # one micro-batch is priced at its own moment (estimate_gpipe.py: each unit resharded
+    # after its backward), which holds fewer compute copies than m 4's: the difference is the
+    # accumulator (4 bytes per local parameter) and at most every compute copy (2 bytes a
+    # parameter, `params` holding 4 / dp bytes of each)
+    more = (b4.gathered - b1.gathered) * memory.GIB - 4 * s1.params
+    assert 0.0 <= more <= 2 * s1.params * one.dp / 4
 
 
 # ---- published runs that ran must fit ----------------------------------------------------------

@@ -219,7 +219,13 @@ def test_one_evaluators_own_cache_answers_each_plan_as_a_fresh_one():
              base.replace(zero=3, offload="full"), base.replace(compile=True),
              # one micro-batch per step without a pipeline: GPipe's moments (ZeRO-0), then two
              base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=0, micro_batch=32),
-             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=0, micro_batch=16)]
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=0, micro_batch=16),
+             # ... under ZeRO-1 and ZeRO-3 (sharded gradients made per unit), full recomputation
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=1, micro_batch=32),
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=3, micro_batch=32),
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=1, micro_batch=32,
+                          recompute="full"),
+             base.replace(pp=1, schedule=None, virtual_stages=1, dp=8, zero=3, micro_batch=16)]
     shared = Evaluator(model, cluster, 256, 4096)
     for plan in plans:
         warm = shared.evaluate(plan)

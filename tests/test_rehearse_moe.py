@@ -258,3 +258,26 @@ def test_selective_recompute_of_gathered_experts_is_refused_by_name():
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+# one micro-batch per step without a pipeline under ZeRO-1/3 (estimate_gpipe._gpipe_ranks:
+# each unit's gradient shard made after its backward, ZeRO-1's units resharded after it, the
+# expert units too). Measured (2026-12-05, branch onembz), before -> after: ep 4 ZeRO-1 +4.3%
+# -> -0.9%, full +12.0% -> -2.4%; ZeRO-3 +4.4% -> -1.2%, full +6.8% -> +1.0%; ds ep ZeRO-1
+# +4.3% -> -0.6%; no ep ZeRO-3 +7.8% -> +1.7%, ZeRO-1 full +18.6% -> +2.2%
+ONE_MB = {
+    "ep zero-1, one micro-batch": (MOE, dict(ep=4, global_batch=16)),
+    "ep zero-1 full, one micro-batch": (MOE, dict(ep=4, global_batch=16, recompute="full")),
+    "ep zero-3, one micro-batch": (MOE, dict(ep=4, zero=3, global_batch=16)),
+    "ep zero-3 full, one micro-batch": (MOE, dict(ep=4, zero=3, global_batch=16,
+                                                  recompute="full")),
+    "ds ep zero-1, one micro-batch": (DS, dict(ep=4, global_batch=16)),
+    "zero-3 no ep, one micro-batch": (MOE, dict(zero=3, global_batch=16)),
+    "zero-1 no ep full, one micro-batch": (MOE, dict(zero=1, global_batch=16,
+                                                     recompute="full")),
+}
+
+
+@pytest.mark.slow
+def test_one_microbatch_sharded_moe_agrees_with_rehearsal():
+    check_totals(run_kinds(RUN_KINDS, [BASE, ONE_MB]), "rehearsal")

@@ -17,12 +17,15 @@ import pytest
 
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import frameworks, memory_pipeline, pipeline
+from meshtron.planner import frameworks, memory, memory_pipeline, pipeline
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_rules import split_problem
+from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.search import search_plans
+from meshtron.planner.search_bound import _states_need
+from meshtron.planner.search_space import SearchSpace
 
 MODEL = ModelSpec(name="fit", layers=14, hidden=2048, heads=16, kv_heads=8, ffn_hidden=7168,
                   vocab=32000, max_seq=4096)
@@ -431,3 +434,33 @@ def test_search_path_agrees_on_one_microbatch_without_a_pipeline():
             else:
                 assert searched is None, (cfg, seq, factor)
     assert checked >= 200 and 0 < fitting < checked and lowered >= 6
+
+
+def test_states_bound_stays_below_one_microbatch_without_a_pipeline():
+    """The search drops a layout whose model states alone exceed the memory
+    (search_bound._states_need: every sharded gradient counted). With one micro-batch per step
+    at pp 1 the priced moments hold only the gradients made so far (ZeRO-1..3's shards appear
+    unit by unit, estimate_gpipe._gpipe_ranks; the units' compute copies are freed after
+    their backward): still above that bound, at every ZeRO stage and recomputation, or the
+    search would call a fitting plan hopeless. Not vacuous: the moments hold less than two
+    micro-batches' figure (every shard) in most cases."""
+    fw = frameworks.preset("meshtron")
+    cluster = preset_cluster("dgx-h100", 1)
+    checked = lowered = 0
+    for zero, rec, seq, tp in itertools.product((0, 1, 2, 3), ("none", "full", "half"),
+                                                (SEQ, 256), (1, 2)):
+        dp = 8 // tp  # the node's eight GPUs
+        cfg = Plan(tp=tp, pp=1, dp=dp, zero=zero, micro_batch=1, recompute=rec, dtype="bf16",
+                   sp=tp > 1)
+        ev = Evaluator(MODEL, cluster, dp, seq, fw.kernel, mem=fw.memory)
+        space = SearchSpace(MODEL, cluster, dp, seq, Knobs(tp=tp, pp=1, dp=dp, zero=zero),
+                            fw.kernel, ev.mem)
+        bound = _states_need(ev, space, MODEL.num_params(), 0.0, 1, dp, 1, tp, 1) / tp
+        est = ev.evaluate(cfg, keep_infeasible=True, exact_memory=False)
+        two = Evaluator(MODEL, cluster, 2 * dp, seq, fw.kernel, mem=fw.memory).evaluate(
+            cfg, keep_infeasible=True, exact_memory=False)
+        priced = est.memory.allocated * memory.GIB
+        assert bound <= priced, (cfg, seq, bound, priced)
+        checked += 1
+        lowered += est.memory.allocated < two.memory.allocated - 1e-6
+    assert checked == 48 and lowered >= 24, (checked, lowered)

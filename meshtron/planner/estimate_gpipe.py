@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtron.planner import memory_gpipe
+from meshtron.planner import memory_gpipe, memory_peak
 from meshtron.planner.estimate_work import Work
 
 
@@ -38,13 +38,18 @@ class GPipeMoments:
         the linear model), and a rank without a pipeline that runs one micro-batch per
         step: its one forward, then its one backward, which makes the gradients (optimizer.zero_grad
         (set_to_none=True) freed the last step's; rehearsed, tiny-moe-ds dp 8 ZeRO-0: +17.0% at
-        the loss beside every gradient)."""
+        the loss beside every gradient). There ZeRO-1..3's sharded gradients are made too, by
+        each unit's reduce-scatter after its backward (the step's only micro-batch syncs:
+        parallel/data_parallel.py `set_microbatch_policy`; rehearsed, 'mid' dp 8 ZeRO-1, the
+        head's backward: the head's shard alone, +5.0% beside every shard)."""
         pp, m, schedule, mem = w.pp, w.m, w.cfg.schedule, w.mem_opts
         # ZeRO-0 accumulates in its states' gradient (memory_peak.embedding_accum_bytes)
         zero0 = w.zero == 0 and not (w.shard_dp == 1 and mem.dtype == "fp32")
         # v > 1: torch's ScheduleLoopedBFS, GPipe's order chunk by chunk (`_looped_rank`)
         looped = w.v > 1 and pp > 1 and schedule == "gpipe"
-        if not ((pp > 1 or m == 1) and (w.v == 1 or looped) and (w.accum > 0.0 or zero0)
+        # one micro-batch: FSDP2's reduce-scatter per unit (compressed ZeRO-1 reduces itself)
+        sharded = pp == 1 and m == 1 and (w.zero >= 2 or w.fsdp_zero1)
+        if not ((pp > 1 or m == 1) and (w.v == 1 or looped) and (w.accum > 0.0 or zero0 or sharded)
                 and mem.framework == "fsdp2"):
             return [False] * pp
         if pp == 1:
@@ -144,12 +149,16 @@ class GPipeMoments:
         later = outputs[r] - (out if torch_stage and r < pp - 1 else 0.0) + (
             out if torch_stage and r > 0 and mem.fused_norm else 0.0)
         stored, replayed = self._gpipe_replay(w, r, k)
+        resharded = self._gpipe_resharded(w, b)
+        one_step = pp == 1  # the embedding's gradient made after every block's
+        first = self._gpipe_first_block(w, r, b) if one_step else 0.0
         best: tuple = ()
         kept_blocks = w.blocks
         try:
             for held, moment in memory_gpipe.gpipe_moments(
                     m, k, per_mb, grads, roots, saved, r == w.head_rank,
-                    r == 0 and w.grad_extra > 0.0, stored, self._gpipe_head_grads(w, r)):
+                    r == 0 and w.grad_extra > 0.0, stored, self._gpipe_head_grads(w, r),
+                    resharded, first, one_step):
                 block = replayed if moment == "replay" else b
                 moment = "block" if moment == "replay" else moment
                 mult = (held - grads - roots - absent) / (act * k)
@@ -165,6 +174,36 @@ class GPipeMoments:
         finally:
             w.blocks = kept_blocks
         return best[1:]
+
+    def _gpipe_resharded(self, w: Work, b: tuple) -> tuple[float, float]:
+        """(the head's unit, a block `b`'s) compute copies freed after their backward
+        (memory_gpipe.resharded_after_backward: one micro-batch without a pipeline)."""
+        return memory_gpipe.resharded_after_backward(
+            w.m, w.pp, w.zero, self._gpipe_resharded_units(w), w.mem_opts.compute_bytes,
+            w.p_head, b[0] + b[1])
+
+    @staticmethod
+    def _gpipe_resharded_units(w: Work) -> bool:
+        """Whether every block's compute copy is in the stage's per-layer bytes (FSDP2 units
+        kept gathered from their forward: memory._stage_parts' `fsdp_all`)."""
+        mem = w.mem_opts
+        return (mem.framework == "fsdp2" and not (w.shard_dp == 1 and mem.dtype == "fp32")
+                and not (w.zero == 3 and w.shard_dp > 1 and not w.keep))
+
+    def _gpipe_first_block(self, w: Work, r: int, b: tuple) -> float:
+        """What rank `r`'s block moment (memory_peak.block_moment, the larger of the first
+        block's backward in backward order and a later one's) holds beyond the first one's,
+        bytes: the previous unit's reduce-scatter input less a layer's activations, where the
+        later one wins (full recomputation: a layer's stored input is small). The head's first
+        block follows the head's unit, whose buffer is released by then (rehearsed, 'mid' dp
+        8 ZeRO-1 full: 1.3363 GiB priced at block 1 with block 0's moment's 0.168 GiB fp32
+        gradient, which only block 0's backward runs beside)."""
+        mem = w.mem_opts
+        fsdp_all = self._gpipe_resharded_units(w)
+        args = (mem, w.zero, w.shard_dp, 0 if fsdp_all else 3, b[0] + b[1], w.roots[r],
+                w.largest, self.grad_bytes, w.keep, w.root_units[r])
+        return (memory_peak.block_moment(*args, w.reduce_bytes, b[2])
+                - memory_peak.backward_gathered_bytes(*args))
 
     def _gpipe_replay(self, w: Work, r: int, k: int) -> tuple[float, tuple]:
         """Under meshtron's `half` on a stage of an odd layer count (whose block moment

@@ -60,11 +60,13 @@ def loss_saved_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
 
 def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: float,
                   loss_saved: float, head: bool, embedding: bool, stored_last: float = 0.0,
-                  head_grads: float = 0.0) -> list[tuple[float, str | None]]:
+                  head_grads: float = 0.0,
+                  resharded: tuple[float, float] = (0.0, 0.0), first_block: float = 0.0,
+                  one_step: bool = False) -> list[tuple[float, str | None]]:
     """(bytes held, moment) of a GPipe stage's candidate peaks (module docstring: A, C, B),
     the moment as memory.MOMENTS names the working set beside them. `layers`: the stage's
-    blocks; `per_mb`: one micro-batch's stored activations on the stage; `grads`: its blocks' accumulated
-    gradients; `root_grads`: the embedding's or the head's (made at the first backward's
+    blocks; `per_mb`: one micro-batch's stored activations on the stage; `grads`: its blocks'
+    accumulated gradients; `root_grads`: the embedding's or the head's (made at the first backward's
     last or first moment); `loss_saved`: what each micro-batch's loss keeps (the last stage,
     `head`); `embedding`: the first stage's embedding moment is priced apart (a whole
     vocabulary-parallel gradient, memory_peak.embedding_moment); `stored_last`: under
@@ -74,20 +76,38 @@ def gpipe_moments(m: int, layers: int, per_mb: float, grads: float, root_grads: 
     stages of 5: the peak in block 3's replayed MLP after block 4's backward); `head_grads`:
     the head's own gradient, made by the head's backward while the loss's working set (the
     logits' gradient it multiplies) is alive (rehearsed, 'mid' pp 1, one micro-batch, ZeRO-0:
-    the peak there, the head's fp32 gradient and no other)."""
+    the peak there, the head's fp32 gradient and no other); `resharded`: (the head's unit,
+    one block's) compute copies freed once its backward ran (`resharded_after_backward`),
+    taken off the moments after it; `first_block`: what the stage's block moment holds beyond
+    the first block's backward in backward order (the previous unit's reduce-scatter input
+    less a layer's activations, memory_peak.block_moment; the head's buffer is released
+    before it), taken off the head's first block, the second block priced beside it (with a
+    large previous gradient it outweighs the first: 'mid' at 2 layers the second is the
+    last); `one_step`: the embedding is on this rank too (no pipeline), its gradient made
+    last: the head's moments hold the head's alone."""
     others = loss_saved if head else 0.0
+    head_unit, block_unit = resharded if head else (0.0, resharded[1])
+    if head and one_step:
+        root_grads = head_grads
     out = [(m * per_mb + (m - 1) * others + (head_grads if head else 0.0),
             "loss" if head else "block")]
     if head:  # its first block's backward: the head's gradient made, this loss's freed
-        out.append((m * per_mb + (m - 1) * others + root_grads, "block"))
+        out.append((m * per_mb + (m - 1) * others + root_grads - head_unit - first_block,
+                    "block"))
+    if head and first_block and layers > 2:  # the second: beside the first's reduce-scatter
+        # input (the block moment's later one), the first's copy freed and gradient made
+        out.append((m * per_mb + (m - 1) * others + grads / layers + root_grads - head_unit
+                    - block_unit, "block"))
     if stored_last and layers > 1:
         out.append((m * per_mb + (m - 1) * others - stored_last + grads / layers
-                    + (root_grads if head else 0.0), "replay"))
+                    + (root_grads if head else 0.0) - head_unit - block_unit, "replay"))
     if embedding:  # beside the head's gradient where the head is on this rank (pp 1)
-        out.append((m * per_mb + grads + (head_grads if head else 0.0), "embedding"))
+        out.append((m * per_mb + grads + (head_grads if head else 0.0) - head_unit
+                    - layers * block_unit, "embedding"))
     if m == 1:  # no second backward: the first's last block, the others' gradients made
         out.append((per_mb / layers + grads * (layers - 1) / layers
-                    + (root_grads if head else 0.0), "block"))
+                    + (root_grads if head else 0.0) - head_unit
+                    - (layers - 1) * block_unit, "block"))
     else:
         out.append(((m - 1) * per_mb + grads + root_grads + (m - 2) * others, None))
     return out
@@ -130,3 +150,22 @@ def looped_moments(m: int, layers: list[int], per_mb: list[float], grads: list[f
                 moment = "block"  # no loss, no embedding in this chunk's backward
             out.append((base + held, c, count, moment))
     return out
+
+
+def resharded_after_backward(m: int, pp: int, zero: int, fsdp_all: bool, cb: float,
+                             p_head: float, p_block: float) -> tuple[float, float]:
+    """(the head's unit, one block's) compute copies that FSDP2 frees once the unit's backward
+    has run, bytes: without a pipeline the step's last (here only) micro-batch runs with
+    `set_reshard_after_backward(True)` on every unit (parallel/data_parallel.py
+    `set_microbatch_policy`: `last`), so under ZeRO-0/1/2, whose units stay gathered from
+    their forward (`fsdp_all`: memory.stage_terms counts every block's copy), each unit's
+    backward frees its copy (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py
+    `post_backward`: `reshard()`); the embedding's unit, last in backward order, stays.
+    Rehearsed ('mid', 2 layers, dp 8, ZeRO-1, full recomputation, block 0's backward):
+    0.374 GiB gathered = block 0 (0.084) + the embedding (0.122) + block 1's fp32
+    reduce-scatter input (0.168), not the 0.656 GiB of every unit. ZeRO-3 regathers (its
+    linear figure is two units), and with m > 1 or a pipeline the earlier micro-batches keep
+    every unit gathered: (0, 0)."""
+    if m != 1 or pp != 1 or zero == 3 or not fsdp_all:
+        return 0.0, 0.0
+    return cb * p_head, cb * p_block

@@ -49,6 +49,7 @@ def without_propagation(cls):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if _in_sharding_propagation(code):
                 return func(*args, **(kwargs or {}))
+            self._op = func  # named by `peak_at` if this op's outputs make the peak
             return super().__torch_dispatch__(func, types, args, kwargs)
 
         others: tuple = ()
@@ -74,6 +75,22 @@ def without_propagation(cls):
                 if self._peak_mem.get(dev, 0) < value:
                     self._peak_mem[dev] = value
                     self._peak_mem_snap[dev] = dict(snap)
+                    self._peak_where = (self._op, self._mod_tracker.is_bw,
+                                        tuple(self._mod_tracker.parents))
+
+        _op = None
+        _peak_where: tuple = (None, False, ())
+
+        def peak_at(self) -> str:
+            """Where the peak was reached: forward or backward, the innermost module the
+            module tracker had entered (the longest name; "Global" alone: outside every
+            module, e.g. the loss or the optimizer's step) and the op whose outputs made it
+            (the moment the planner prices, docs/measurements.md #gpipe-moments)."""
+            op, backward, parents = self._peak_where
+            inner = max(parents, key=len, default="")
+            if inner in ("", "Global"):
+                inner = "no module (Global: the loss, the optimizer's step)"
+            return f"{'backward' if backward else 'forward'} of {inner}, {op}"
 
     return Tracker
 

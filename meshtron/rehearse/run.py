@@ -62,6 +62,8 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
     if device == "cpu":  # what `meshtron plan` printed for this rank: the GPU's kernels
         gpu = compare.planner_estimate(model, cluster, plan, "cuda", imbalance, stage=pp_rank)
         report["planner_gpu_total_gib"] = gpu.memory.total
+    if "peak_at" in got:
+        report["peak_at"] = got["peak_at"]
     if "compile" in got:
         report["compile"] = got["compile"]
         report["planner_compiled_total_gib"] = compiled.allocated
@@ -111,6 +113,8 @@ def print_report(report: dict[str, Any]) -> None:
     if "microbatches_run" in report:
         print(f"(ran {report['microbatches_run']} of the step's {report['microbatches']} "
               "micro-batches: the fewest that reach the step's peak)")
+    if "peak_at" in report:
+        print(f"(the peak: {report['peak_at']})")
     print(f"{'peak memory (GiB)':<20}{'rehearsal':>12}{'planner':>12}{'planner vs':>12}")
     for r in report["memory"]:
         rel = r["planner_vs_rehearsal"]

@@ -81,6 +81,8 @@ def measured_step(pm, plan, spec, dev, optimizer, tokens, targets, tracker, real
             peak["total"] -= peak["optimizer"]
             peak["optimizer"] = 0.0
         what = "real" if real else "fake"
+        if hasattr(tracker, "peak_at"):
+            out["peak_at"] = tracker.peak_at()
         out.update(peak_bytes=peak, measured=f"{what} tensors, torch memory tracker"
                    + (", step timed" if real else ""), microbatches_run=n_run)
     return out
