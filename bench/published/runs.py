@@ -33,13 +33,27 @@ Sources, abbreviated in the rows:
   tensor parallelism, FP8 mixed precision, 180K H800 GPU-hours per trillion tokens.
 * NEOX: Black et al. 2022, "GPT-NeoX-20B: An Open-Source Autoregressive Language Model",
   sections 2.3 and 3 (12 nodes of 8 A100-SXM4-40GB, 4 ConnectX-6 HDR HCAs per node).
+* MC24: NVIDIA/Megatron-LM README.md, "Performance Benchmarking", the model table image
+  (images/model_table.png, commit f2e5db402c of 2024-07-15: GPT models of 1.7B to 462B on up to
+  6,144 H100 GPUs, vocabulary 131,072, sequence 4,096).
+* NM24.07: NVIDIA/NeMo docs/source/performance/performance_summary.md at commit 9c5c5e9709
+  (2024-09-09, "24.07 perf numbers"), Pretraining table (FP8, NeMo 24.07 container, DGX-H100).
+* TTA_2506: pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (June 2025,
+  torchtitan 820504e): vanilla vs async TP, bf16 and float8, Llama 3.1 8B and 70B.
+
+Rows added in session 39 (issue 30, branch valrows; `ADDED_S39`): MC24, NM24.07, TTA_2506 and
+TT24's two Float8 FSDP rows, each fixed from its source before the table was first run with
+them, and run once: validation. Families of issue 30 not added, because their figures could not
+be read from a stored copy of the source: Nemotron-4 15B and 340B technical reports (Table 2 of
+each), MegaScale (arXiv 2402.15627, Table 2), NeMo's 24.09-25.x summaries (docs.nvidia.com, not
+in the NeMo repository after December 2024).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from bench.published import rows_megatron, rows_moe, rows_pytorch
+from bench.published import rows_megatron, rows_moe, rows_nvidia_h100, rows_pytorch
 from bench.published.table import PublishedRun
 
 
@@ -102,13 +116,24 @@ LOOKED_AT = {
 steered: calibration from then on."""
 
 
+def added_s39() -> list[PublishedRun]:
+    """The validation rows of session 39 (module docstring)."""
+    return (rows_nvidia_h100.nvidia_h100() + rows_pytorch.torchtitan_float8_1d()
+            + rows_pytorch.torchtitan_async_tp_2025())
+
+
+ADDED_S39 = frozenset(r.name for r in added_s39())
+"""Names of the rows added in session 39: tests hold the older validation rows to their bounds
+and report these apart (tests/test_planner_physics.py)."""
+
+
 def published_runs() -> list[PublishedRun]:
     """Every published run of the table, calibration part first; rows that steered a choice
     (`steered`, `LOOKED_AT`) are relabelled calibration, with what they steered in the note."""
     runs = (rows_megatron.k22() + rows_megatron.n21_table2() + rows_megatron.megatron_deepspeed()
             + rows_pytorch.llama3() + rows_pytorch.torchtitan() + rows_pytorch.torchtitan_nd()
             + rows_pytorch.llm_foundry() + rows_megatron.megatron_2019()
-            + rows_megatron.megatron_bridge_h100() + rows_moe.moe_runs())
+            + rows_megatron.megatron_bridge_h100() + rows_moe.moe_runs() + added_s39())
     out = []
     for r in runs:
         if r.name in LOOKED_AT:
