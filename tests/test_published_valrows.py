@@ -1,0 +1,64 @@
+"""The inputs of the validation rows added in session 39 (bench/published/rows_nvidia_h100.py,
+rows_pytorch.py torchtitan_float8_1d / torchtitan_async_tp_2025), checked against the other
+columns of their own sources: a misread figure or shape shows here, not in an error."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.published.rows_nvidia_h100 import (_padded_vocab, mcore_flops_per_sequence,
+                                              megatron_readme, nemo_2407)
+from bench.published.runs import ADDED_S39, published_runs
+
+# the MC24 table's columns the rows do not use: model size, MFU (%), aggregate PFLOP/s
+MC24_CHECK = {"1.7B": (1.7, 41, 19.6), "7.1B": (7.1, 47, 44.7), "16B": (16, 49, 93.9),
+              "32B": (32, 46, 176.5), "70B": (70, 42, 322.3), "119B": (119, 43, 645.9),
+              "177B": (177, 44, 997.2), "314B": (314, 48, 1457.4),
+              "462B": (462, 47, 2825.6)}
+
+
+@pytest.mark.parametrize("run", megatron_readme(), ids=lambda r: r.name)
+def test_megatron_readme_rows_agree_with_the_table_s_other_columns(run):
+    size = run.name.split()[2]
+    billions, mfu, pflops = MC24_CHECK[size]
+    # the shapes give the published size (untied embeddings; tied, 177B would be 175.6B) to
+    # the label's precision (1.75B is labelled 1.7B, 31.5B 32B)
+    assert run.model.num_params() / 1e9 == pytest.approx(billions, rel=0.035)
+    # the tokens/s the row holds, back to Megatron's TFLOP/s: the MFU column over 989 and
+    # the aggregate column over the GPUs
+    tflops = run.published * mcore_flops_per_sequence(run.model, run.seq_len) / run.seq_len / 1e12
+    assert abs(tflops / 989.0 * 100 - mfu) <= 0.55
+    assert tflops * run.gpus / 1e3 == pytest.approx(pflops, abs=0.06)
+    assert run.dp == 48 and run.seq_len == 4096 and run.model.vocab == 131072
+
+
+def test_megatron_flop_count_is_the_2024_formula():
+    """72 B s L h^2 (1 + s/6h + V/12Lh) for a GPT with 4h MLP and as many KV as query heads:
+    num_floating_point_operations reduces to N21's formula without recomputation (3/4 of 96)."""
+    run = megatron_readme()[6]  # 177B: L 96, h 12288
+    m, s = run.model, 4096
+    expected = 72 * s * m.layers * m.hidden**2 * (1 + s / (6 * m.hidden)
+                                                  + m.vocab / (12 * m.layers * m.hidden))
+    assert mcore_flops_per_sequence(m, s) == pytest.approx(expected, rel=1e-12)
+
+
+def test_nemo_rows_keep_the_published_gpu_counts_and_padding():
+    published_gpus = [64, 64, 128, 512, 8, 16, 64, 64, 64, 128, 8, 64]
+    rows = nemo_2407()
+    assert [r.gpus for r in rows] == published_gpus
+    assert all(r.dtype == "fp8" for r in rows)
+    assert _padded_vocab(50257, 4) == 50688 and _padded_vocab(50257, 1) == 50304
+    by_name = {r.name: r for r in rows}
+    # the Nemotron shapes give the models' names: 8.5B, 21.3B and 341B
+    assert by_name["NM24.07 Nemotron-340B 128xH100"].model.num_params() / 1e9 == \
+        pytest.approx(340, rel=0.01)
+    assert by_name["NM24.07 LLAMA3-70B 64xH100"].cp == 2
+
+
+def test_added_rows_are_validation_and_never_looked_at():
+    from bench.published.runs import LOOKED_AT
+
+    runs = {r.name: r for r in published_runs()}
+    assert ADDED_S39 <= set(runs)
+    assert not ADDED_S39 & set(LOOKED_AT)
+    assert all(runs[n].part == "validation" for n in ADDED_S39)
