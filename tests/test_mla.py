@@ -143,28 +143,34 @@ def _local_losses(model: str) -> list[float]:
 CASES = [dict(tp=2), dict(tp=2, sp=True), dict(dp=2, zero=3)]
 
 
+def _plan(**kw):
+    from meshtron.planner.plan import Plan
+
+    kw = {"tp": 1, "pp": 1, "dp": 1, **kw}
+    return Plan(model="tiny-mla", cluster="test", global_batch=8, seq_len=32, micro_batch=2,
+                recompute="none", dtype="fp32", **kw)
+
+
 def two_rank_fn(cases) -> list[list[float]]:
     """Per rank (under run_on_ranks): STEPS steps of tiny-mla in each layout, 2 micro-batches of
     2 rows per data rank (tp: every row on both ranks)."""
     import torch.distributed as dist
 
-    from meshtron.planner.plan import Plan
     from meshtron.train.parallel import ParallelEngine
 
     torch.set_num_threads(1)
     out = []
     for kw in cases:
         cfg = _cfg("tiny-mla")
-        kw = {"tp": 1, "pp": 1, "dp": 1, **kw}
-        plan = Plan(model="tiny-mla", cluster="test", global_batch=8, seq_len=32,
-                    micro_batch=2, recompute="none", dtype="fp32", **kw)
+        plan = _plan(**kw)
         engine = ParallelEngine(cfg, plan, torch.device("cpu"))
-        r, rows = engine.dp_rank, 8 // kw["dp"]
+        r, rows = engine.dp_rank, 8 // plan.dp
         losses = []
         for tokens in _batches(cfg.model.vocab):
             part = tokens[rows * r:rows * (r + 1)]
             losses.append(float(engine.train_step(part[:, :-1], part[:, 1:]).loss))
-        out.append(losses)
+        m = engine.memory_bytes()
+        out.append({"losses": losses, "states": [m["params"], m["grads"], m["optimizer"]]})
         engine.release()
         dist.barrier()
     return out
@@ -173,13 +179,19 @@ def two_rank_fn(cases) -> list[list[float]]:
 def test_tp2_sp_and_fsdp2_match_one_process():
     """Wrong TP gradients (e.g. the shared rotary key's summed over only one rank's heads)
     change the second and third losses; the tolerance is float32 rounding."""
+    from meshtron.planner.memory_ranks import rank_states
     from testkit.multiproc import run_on_ranks
 
     results = run_on_ranks(two_rank_fn, 2, CASES, timeout=600)
     ref = _local_losses("tiny-mla")
     for i, kw in enumerate(CASES):
+        # the planner's per-rank states (MLA's down-projections replicated over tp) are the
+        # bytes the runtime holds
+        planned = rank_states(PRESETS["tiny-mla"], _plan(**kw), "fp32")
         for rank in range(2):
-            assert results[rank][i] == pytest.approx(ref, rel=1e-5), (kw, rank)
+            assert results[rank][i]["losses"] == pytest.approx(ref, rel=1e-5), (kw, rank)
+            st = planned[rank]
+            assert results[rank][i]["states"] == [st.params, st.grads, st.optimizer], (kw, rank)
 
 
 def test_cp_is_refused_in_one_line():
@@ -204,3 +216,43 @@ def test_meshtron_train_tiny_mla_three_steps(tmp_path):
 def test_spec_round_trips_through_dict():
     spec = PRESETS["tiny-mla"]
     assert ModelSpec(**spec.to_dict()) == spec
+
+
+# ---- the planner's memory against `meshtron rehearse` (fake tensors, CPU) -------------------
+MID_MLA = dict(name="mid-mla", layers=4, hidden=1024, heads=8, kv_heads=8, ffn_hidden=2816,
+               vocab=8192, max_seq=4096, q_lora_rank=384, kv_lora_rank=256,
+               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+REHEARSE_BASE = dict(tp=1, pp=1, dp=8, zero=1, micro_batch=2, recompute="none", sp=False,
+                     dtype="bf16", global_batch=32, seq_len=1024)
+REHEARSE_KINDS = {
+    "zero-1": dict(),
+    "tp2+sp zero-3": dict(tp=2, dp=4, zero=3, sp=True),
+    "selective": dict(zero=3, recompute="selective"),
+    "full": dict(zero=3, recompute="full"),
+}
+RUN_KINDS = """
+import json, sys
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.plan import as_plan
+from meshtron.rehearse.run import rehearse
+model, base, kinds = json.loads(sys.argv[1])
+spec = ModelSpec(**model)
+out = {}
+for name, knobs in kinds.items():
+    plan = as_plan({**base, **knobs, "model": spec.name}).validate(8, spec)
+    report = rehearse(spec, plan, resolve_cluster("dgx-h100:1"), "cpu")
+    out[name] = {r["row"]: [r["rehearsal_gib"], r["planner_gib"]] for r in report["memory"]}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_planner_memory_agrees_with_mla_rehearsal():
+    """Within 5% per layout kind (testkit.rehearsal.check_totals): MLA's saved tensors (its
+    latents, the 192-wide q and k, the 128-wide v and output), its replicated down-projections
+    under tp, and its recomputation."""
+    from testkit.rehearsal import check_totals, run_kinds
+
+    results = run_kinds(RUN_KINDS, [MID_MLA, REHEARSE_BASE, REHEARSE_KINDS])
+    print(json.dumps(results, indent=1))
+    check_totals(results, "MLA rehearsal", digits=4)

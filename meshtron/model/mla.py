@@ -11,8 +11,13 @@ Per token x [hidden]:
 - RoPE (model/rope.py's table, qk_rope_head_dim wide) on the queries' rotary part and on the
   shared key; each head's key is [its nope key, the shared rotary key];
 - the attention core of model/attention.py (causal SDPA or document masks, no S x S tensor),
-  with query/key heads nope + rope wide and value heads v_head_dim wide; SDPA's default scale
-  1/sqrt(nope + rope) is MLA's;
+  with query/key heads nope + rope wide; SDPA's default scale 1/sqrt(nope + rope) is MLA's.
+  The value heads (v_head_dim, narrower) are zero-padded to the query/key width and the
+  output cut back: SDPA's flash kernels (CUDA's FlashAttention-2 and the CPU's) need one head
+  size for q, k and v (torch's sdp_utils `check_head_dim_size_flash`; otherwise SDPA falls
+  back to the math kernel, which keeps the S x S probabilities). Zero columns of V give zero
+  output columns, so the cut output is exact; the cost is PV at the q/k width (Megatron-Core
+  pads V the same way for its fused kernels);
 - wo: heads x v -> hidden.
 
 The names (wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo) are torchtitan's; `wo` is a residual
@@ -26,6 +31,7 @@ gradient a sum over the head shards (each rank's heads contribute a part of it).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshtron.model.attention import attention
@@ -74,5 +80,7 @@ class MLAttention(nn.Module):
         heads = q.shape[2]
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1).transpose(1, 2)
-        out = attention(q, k, v.transpose(1, 2), mask)  # [b, heads, seq, v_dim]
+        pad = q.shape[-1] - self.v_dim  # >= 0: model/mla_shapes.py's check
+        v = F.pad(v, (0, pad)) if pad else v
+        out = attention(q, k, v.transpose(1, 2), mask)[..., :self.v_dim]  # [b, h, seq, v_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -45,6 +45,11 @@ def check_mla(spec: Any) -> None:
     if spec.qk_rope_head_dim % 2:
         raise UserError(f"model.qk_rope_head_dim={spec.qk_rope_head_dim}: rotary embeddings "
                          "need an even size")
+    if spec.v_head_dim > spec.qk_nope_head_dim + spec.qk_rope_head_dim:
+        # model/mla.py pads V to the query/key head size for the flash kernels
+        raise UserError(f"model.v_head_dim={spec.v_head_dim}: must be at most "
+                         f"qk_nope_head_dim + qk_rope_head_dim = "
+                         f"{spec.qk_nope_head_dim + spec.qk_rope_head_dim}")
     if spec.kv_heads != spec.heads:
         raise UserError(f"model.kv_heads={spec.kv_heads}: must equal model.heads={spec.heads} "
                          "with multi-head latent attention (every head has its own key and "
@@ -64,3 +69,25 @@ def mla_attention_params(spec: Any) -> int:
     q = h * qr + qr + qr * heads * qk if qr else h * heads * qk
     kv = h * (kvr + rope) + kvr + kvr * heads * (spec.qk_nope_head_dim + v)
     return q + kv + heads * v * h
+
+
+def mla_replicated_params(spec: Any) -> int:
+    """The MLA weights tensor parallelism replicates (the down-projections wq_a and wkv_a and
+    the two latent norms; torchtitan's NoParallel): every tp rank holds and computes them.
+    0 without MLA."""
+    if not spec.kv_lora_rank:
+        return 0
+    h, qr, kvr = spec.hidden, spec.q_lora_rank, spec.kv_lora_rank
+    return (h * qr + qr if qr else 0) + h * (kvr + spec.qk_rope_head_dim) + kvr
+
+
+def mla_projections(spec: Any, tp: int) -> list[tuple[str, float, int, bool]]:
+    """(name, output width on one tp rank, input width, sharded by heads) of each of MLA's
+    input-side GEMMs, in forward order (the out-projection wo is heads x v_head_dim -> hidden,
+    row-parallel)."""
+    h, heads, qr, kvr = spec.hidden, spec.heads, spec.q_lora_rank, spec.kv_lora_rank
+    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    q = ([("wq_a", qr, h, False), ("wq_b", heads * qk / tp, qr, True)] if qr
+         else [("wq", heads * qk / tp, h, True)])
+    return q + [("wkv_a", kvr + spec.qk_rope_head_dim, h, False),
+                ("wkv_b", heads * (spec.qk_nope_head_dim + spec.v_head_dim) / tp, kvr, True)]

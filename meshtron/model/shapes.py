@@ -169,6 +169,16 @@ class ModelSpec:
         return self.v_head_dim if self.is_mla else self.head_dim
 
     @property
+    def v_width(self) -> int:
+        """Per-token width of V as attention reads it (GQA: kv_dim; MLA: heads x v_head_dim)."""
+        return self.kv_heads * self.v_dim
+
+    @property
+    def out_width(self) -> int:
+        """Per-token width of attention's output, the out-projection's input (heads x v)."""
+        return self.heads * self.v_dim
+
+    @property
     def rope_dim(self) -> int:
         """How many dimensions of a query/key head rotate (MLA: qk_rope_head_dim)."""
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
