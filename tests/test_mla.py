@@ -256,3 +256,13 @@ def test_planner_memory_agrees_with_mla_rehearsal():
     results = run_kinds(RUN_KINDS, [MID_MLA, REHEARSE_BASE, REHEARSE_KINDS])
     print(json.dumps(results, indent=1))
     check_totals(results, "MLA rehearsal", digits=4)
+
+
+def test_hf_weights_of_mla_are_refused_in_one_line():
+    from meshtron.hf.names import check_supported
+
+    dense = ModelSpec(**{**MID_MLA, "name": "dense-mla"})
+    for spec in (dense, PRESETS["deepseek-v3"]):
+        with pytest.raises(UserError, match="not supported") as err:
+            check_supported(spec, "export")
+        assert "\n" not in str(err.value)
