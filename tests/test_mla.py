@@ -266,3 +266,68 @@ def test_hf_weights_of_mla_are_refused_in_one_line():
         with pytest.raises(UserError, match="not supported") as err:
             check_supported(spec, "export")
         assert "\n" not in str(err.value)
+
+
+DSV3_CONFIG = {  # DeepSeek-V3's config.json (huggingface.co/deepseek-ai/DeepSeek-V3), its keys
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "tie_word_embeddings": False, "vocab_size": 129280, "attention_bias": False,
+    "num_nextn_predict_layers": 1}
+
+
+def test_hf_deepseek_v3_config_is_the_preset(tmp_path):
+    from meshtron.model import from_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DSV3_CONFIG))
+    spec = from_hf_config(path)
+    preset = PRESETS["deepseek-v3"]
+    same = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", *(
+        f for f in spec.to_dict() if f.startswith(("moe_", "q_lora", "kv_lora", "qk_", "v_"))))
+    assert {f: getattr(spec, f) for f in same} == {f: getattr(preset, f) for f in same}
+    assert spec.num_params() == preset.num_params() == 671_026_404_352
+    # YaRN on the 64 rotary dimensions, to 40 x 4096 positions
+    assert (spec.rope_type, spec.rope_factor, spec.max_seq, spec.rope_dim) == (
+        "yarn", 40.0, 163840, 64)
+
+
+def test_hf_deepseek_v2_lite_without_q_latent(tmp_path):
+    """V2-Lite: q_lora_rank null (one q projection), softmax greedy routing, two shared
+    experts: 15.7B parameters (DeepSeek-V2 paper, appendix B)."""
+    lite = dict(DSV3_CONFIG, model_type="deepseek_v2", hidden_size=2048,
+                intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+                n_routed_experts=64, routed_scaling_factor=1.0, q_lora_rank=None,
+                topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=6,
+                first_k_dense_replace=1, norm_topk_prob=False, scoring_func="softmax",
+                vocab_size=102400)
+    from meshtron.model.hf_config import from_hf_dict
+
+    spec = from_hf_dict(lite)
+    assert spec.q_lora_rank == 0 and spec.moe_router == "softmax" and spec.moe_groups == 1
+    assert round(spec.num_params() / 1e9, 1) == 15.7
+    model_attn = Transformer(spec.replace(layers=1, vocab=64, hidden=128, heads=2, kv_heads=2,
+                                          ffn_hidden=64, moe_experts=0, moe_top_k=0,
+                                          moe_ffn_hidden=0, moe_shared_experts=0,
+                                          moe_dense_layers=0, moe_aux_loss=0.0,
+                                          max_seq=64, rope_type="default"), init_seed=0)
+    assert model_attn.layers["0"].attention.wq is not None
+
+
+def test_hf_deepseek_missing_key_is_one_line():
+    from meshtron.model.hf_config import from_hf_dict
+
+    cfg = {k: v for k, v in DSV3_CONFIG.items() if k != "kv_lora_rank"}
+    with pytest.raises(UserError, match="config.json kv_lora_rank: missing") as err:
+        from_hf_dict(cfg)
+    assert "\n" not in str(err.value)
