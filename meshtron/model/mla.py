@@ -60,12 +60,13 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | tuple | None) -> torch.Tensor:
         """`rope`: the RoPE table, or (per-token RoPE angles, DocumentMask) for packed
-        documents (model/transformer.py's `document_context`)."""
-        mask = None
+        documents (model/transformer.py's `document_context`), or a context-parallel
+        `AttentionContext` (meshtron/parallel/context.py), as `Attention` takes them."""
+        mask = attend = None
         if isinstance(rope, tuple):
             rope, mask = rope
-        elif hasattr(rope, "attend"):  # plan_rules refuses cp > 1 for MLA models
-            raise NotImplementedError("context parallelism with multi-head latent attention")
+        elif hasattr(rope, "attend"):  # context parallelism: this rank's angles, its attention
+            rope, attend = rope.angles, rope.attend
         bsz, seq, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 heads: under tensor parallelism each rank holds heads/tp of them.
@@ -82,5 +83,8 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1).transpose(1, 2)
         pad = q.shape[-1] - self.v_dim  # >= 0: model/mla_shapes.py's check
         v = F.pad(v, (0, pad)) if pad else v
-        out = attention(q, k, v.transpose(1, 2), mask)[..., :self.v_dim]  # [b, h, seq, v_dim]
+        v = v.transpose(1, 2)
+        # context parallelism gathers K and V (every head, V padded) over the cp ranks itself
+        out = attend(q, k, v) if attend is not None else attention(q, k, v, mask)
+        out = out[..., :self.v_dim]  # [b, h, seq, v_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

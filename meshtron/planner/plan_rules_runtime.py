@@ -75,11 +75,6 @@ def cp_runtime_problems(k: Mapping[str, Any], model: Any = None) -> Iterator[str
     elif model is not None and getattr(model, "position", "rope") != "rope":
         yield (f"plan.cp={cp}: model {model.name} has {model.position!r} position embeddings; "
                "context parallelism needs rotary (RoPE) positions; use cp=1")
-    elif model is not None and getattr(model, "kv_lora_rank", 0):
-        # parallel/context.py gathers GQA's K/V heads; MLA's value heads are narrower than
-        # its keys and its rotary key is shared: not wired there yet
-        yield (f"plan.cp={cp}: model {model.name} uses multi-head latent attention, which "
-               "meshtron's context parallelism does not run yet; use cp=1")
 
 
 def compile_runtime_problem(plan: Any) -> str | None:
