@@ -339,3 +339,47 @@ def test_hf_deepseek_missing_key_is_one_line():
     with pytest.raises(UserError, match="config.json kv_lora_rank: missing") as err:
         from_hf_dict(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_eager_kernel_count_is_what_the_mla_block_launches():
+    """The planner's `kernels_per_layer` against the ATen calls one eager forward of an MLA
+    block makes on CPU (every norm a LayerNorm, standing in for CUDA's one-kernel fused
+    RMSNorm, as tests/test_planner_host.py counts the GQA block): 35 for tiny-mla's dense
+    first block, 7 more than `tiny`'s (one more GEMM, two latent norms, q's and k's
+    concatenations, V's padding, the cut output's copy)."""
+    import dataclasses
+    from collections import Counter
+
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.model.rope import rope_cache
+    from meshtron.model.transformer import Block
+    from meshtron.planner import compute as C
+    from tests.test_planner_host import EAGER
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in ("empty", "empty_strided", "detach",
+                                                  "_unsafe_view"):
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    spec = dataclasses.replace(PRESETS["tiny-mla"], norm="layernorm")
+    torch.manual_seed(0)
+    block = Block(spec, 0)
+    block.attention.q_norm = nn.LayerNorm(spec.q_lora_rank)
+    block.attention.kv_norm = nn.LayerNorm(spec.kv_lora_rank)
+    block = block.to_empty(device="cpu").to(torch.bfloat16)
+    x = torch.randn(1, 32, spec.hidden, dtype=torch.bfloat16, requires_grad=True)
+    rope = rope_cache(spec)
+    with Count() as fwd:
+        block(x, rope)
+    assert fwd.ops["mm"] == 8 and fwd.ops["constant_pad_nd"] == 1
+    assert sum(fwd.ops.values()) == C.kernels_per_layer(PRESETS["tiny-mla"], EAGER) == 35
+    assert C.kernels_per_layer(PRESETS["tiny"], EAGER) == 28
