@@ -383,3 +383,14 @@ def test_eager_kernel_count_is_what_the_mla_block_launches():
     assert fwd.ops["mm"] == 8 and fwd.ops["constant_pad_nd"] == 1
     assert sum(fwd.ops.values()) == C.kernels_per_layer(PRESETS["tiny-mla"], EAGER) == 35
     assert C.kernels_per_layer(PRESETS["tiny"], EAGER) == 28
+
+
+@pytest.mark.parametrize("q_lora_rank", [48, 0])
+def test_weight_groups_count_the_mla_block_s_parameterized_ops(q_lora_rank):
+    """Zero bubble's W runs one group per parameterized op (planner/zb_recompute.py)."""
+    from meshtron.planner.zb_recompute import weight_groups
+
+    spec = PRESETS["tiny-mla"].replace(q_lora_rank=q_lora_rank)
+    block = Transformer(spec, init_seed=0).layers["0"]
+    ops = [m for m in block.modules() if list(m.parameters(recurse=False))]
+    assert weight_groups(spec) == len(ops)
