@@ -339,6 +339,9 @@ def test_hf_deepseek_missing_key_is_one_line():
     with pytest.raises(UserError, match="config.json kv_lora_rank: missing") as err:
         from_hf_dict(cfg)
     assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="config.json qk_rope_head_dim=63: rotary") as err:
+        from_hf_dict(dict(DSV3_CONFIG, qk_rope_head_dim=63))
+    assert "\n" not in str(err.value)
 
 
 def test_eager_kernel_count_is_what_the_mla_block_launches():

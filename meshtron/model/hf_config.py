@@ -11,6 +11,7 @@ from typing import Any
 
 from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
+from meshtron.model.mla_shapes import MLA_FIELDS
 from meshtron.model.shapes import ROPE_TYPES, ModelSpec, is_number
 
 _HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
@@ -51,6 +52,8 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         keys = _HF_KEYS.get("llama" if cfg.get("model_type") in
                             _HF_LLAMA_LIKE + _HF_MOE + _HF_DEEPSEEK
                             else str(cfg.get("model_type")), {})
+        if cfg.get("model_type") in _HF_DEEPSEEK:  # MLA's fields are named as its keys
+            keys = dict(keys, **{f: f for f in MLA_FIELDS})
         text = re.sub(r"model\.(\w+)", lambda m: f"config.json {keys[m.group(1)]}"
                       if m.group(1) in keys else m.group(0), str(exc))
         raise UserError(text) from None
