@@ -148,7 +148,8 @@ DENSE_MLA = {"preset": "tiny-mla", "moe_experts": 0, "moe_top_k": 0, "moe_ffn_hi
 in another order, and tiny-mla's sigmoid top-k routing turns that into a 1.6e-5 loss
 difference by step 3 (a routing choice; this dense variant: 3e-7)."""
 CASES = [("tiny-mla", dict(tp=2)), ("tiny-mla", dict(tp=2, sp=True)),
-         ("tiny-mla", dict(dp=2, zero=3)), (DENSE_MLA, dict(cp=2, zero=3))]
+         ("tiny-mla", dict(dp=2, zero=3)), (DENSE_MLA, dict(cp=2, zero=3)),
+         (dict(DENSE_MLA, q_lora_rank=0), dict(tp=2, sp=True))]  # one plain q projection
 
 
 def _plan(**kw):
@@ -192,9 +193,10 @@ def test_tp2_sp_fsdp2_and_cp2_match_one_process():
     from testkit.multiproc import run_on_ranks
 
     results = run_on_ranks(two_rank_fn, 2, CASES, timeout=600)
-    refs = {"tiny-mla": _local_losses("tiny-mla"), "dense": _local_losses(DENSE_MLA)}
+    models = {json.dumps(m, sort_keys=True): m for m, _ in CASES}
+    refs = {key: _local_losses(m) for key, m in models.items()}
     for i, (model, kw) in enumerate(CASES):
-        ref = refs["tiny-mla" if model == "tiny-mla" else "dense"]
+        ref = refs[json.dumps(model, sort_keys=True)]
         # the planner's per-rank states (MLA's down-projections replicated over tp) are the
         # bytes the runtime holds
         planned = rank_states(_cfg(model).model, _plan(**kw), "fp32")
