@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from meshtron.cli import main
+from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import PRESETS
 from meshtron.planner import memory, moe_memory
 from meshtron.planner.compute import recompute_flops_per_token
@@ -33,17 +34,20 @@ def test_parameter_and_flop_counts_equal_the_block_by_block_sums(name):
         assert model.num_params(active) == (model.embedding_params() + by_block
                                             + model.head_params())
     assert model.block_matmul_params() == _matmul_by_block(model)
-    width = model.heads * model.head_dim
+    # QK^T at the q/k head size, PV at the value head size (equal for all but MLA)
+    width = model.heads * (model.head_dim + model.v_dim)
     assert model.flops_per_token(4096) == (6.0 * (_matmul_by_block(model)
                                                   + model.vocab * model.hidden)
-                                           + 12.0 * model.layers * width * 4096)
+                                           + 6.0 * model.layers * width * 4096)
 
 
 @pytest.mark.parametrize("name", SHAPES)
 def test_recompute_flops_equal_the_block_by_block_sum(name):
     model = PRESETS[name]
     seq = 4096
-    core = 4.0 * model.layers * model.hidden * seq
+    # MLA's core runs at its (padded) q/k head size: heads x (nope + rope)
+    width = model.heads * model.head_dim if model.is_mla else model.hidden
+    core = 4.0 * model.layers * width * seq
     for recompute, share in (("full", 1.0), ("half", 0.5)):
         got = recompute_flops_per_token(model, seq, recompute, "flash")
         assert got == share * (2.0 * _matmul_by_block(model) + core)
@@ -55,10 +59,12 @@ def test_recompute_flops_equal_the_block_by_block_sum(name):
 def test_mean_and_largest_block_equal_the_block_by_block_ones(name):
     model = PRESETS[name]
     sizes = [model.layer_params(i) for i in _blocks(model)]
-    norms = 2 * model.norm_params
+    # the norms and MLA's down-projections (with their latent norms) are replicated over tp
+    norms = 2 * model.norm_params + mla_replicated_params(model)
     for pp, per in ((1, sum(sizes) / len(sizes)), (4, max(sizes))):
         want = (per - norms) / 2 + norms if model.is_moe else \
-            (model.attention_params() + model.mlp_params()) / 2 + norms
+            (model.attention_params() + model.mlp_params() + 2 * model.norm_params
+             - norms) / 2 + norms
         assert memory.layer_params_local(model, 2, pp) == pytest.approx(want, rel=1e-12)
     if model.is_moe:
         blocks = [moe_memory._block(model, i, 2, 4, "megatron") for i in _blocks(model)]

@@ -56,5 +56,6 @@ def test_block_sums_in_closed_form_are_exact(name):
         assert m.num_params(active) == m.embedding_params() + blocks + m.head_params()
     matmul = sum(m.attention_params() + m.ffn_params(i, active=True) for i in range(m.layers))
     matmul += m.vocab * m.hidden
-    attn = 12.0 * m.layers * m.heads * m.head_dim * 4096
+    # QK^T at the q/k head size, PV at the value head size (the same for all but MLA)
+    attn = 6.0 * m.layers * m.heads * (m.head_dim + m.v_dim) * 4096
     assert m.flops_per_token(4096) == 6.0 * matmul + attn

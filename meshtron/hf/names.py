@@ -74,6 +74,12 @@ def check_supported(spec: ModelSpec, where: str) -> str:
     qwen3_moe); a UserError naming `where` for other architectures."""
     llama_like = (spec.mlp == "swiglu" and spec.norm == "rmsnorm" and spec.position == "rope"
                   and not spec.bias and not spec.parallel_residual)
+    if getattr(spec, "is_mla", False):
+        # DeepSeek's checkpoints interleave the rotary dimensions (their rotary key's rows of
+        # kv_a_proj_with_mqa would need permuting into meshtron's half-split layout): not wired
+        raise UserError(f"{where}: Hugging Face weights of multi-head latent attention "
+                         f"(DeepSeek-V2/V3, model {spec.name!r}) are not supported yet; train "
+                         "from scratch or use a model without kv_lora_rank")
     if spec.is_moe:
         plain = (spec.moe_router == "softmax" and not spec.moe_shared_experts
                  and not spec.moe_dense_layers and spec.moe_route_scale == 1.0)

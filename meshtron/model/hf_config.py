@@ -11,11 +11,13 @@ from typing import Any
 
 from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
+from meshtron.model.mla_shapes import MLA_FIELDS
 from meshtron.model.shapes import ROPE_TYPES, ModelSpec, is_number
 
 _HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
 _HF_MOE = ("mixtral", "qwen3_moe")
-_HF_TYPES = _HF_LLAMA_LIKE + _HF_MOE + ("gpt_neox", "gpt2")
+_HF_DEEPSEEK = ("deepseek_v3", "deepseek_v2")
+_HF_TYPES = _HF_LLAMA_LIKE + _HF_MOE + _HF_DEEPSEEK + ("gpt_neox", "gpt2")
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -47,8 +49,11 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     try:
         return _from_hf_dict(cfg, name)
     except UserError as exc:
-        keys = _HF_KEYS.get("llama" if cfg.get("model_type") in _HF_LLAMA_LIKE + _HF_MOE
+        keys = _HF_KEYS.get("llama" if cfg.get("model_type") in
+                            _HF_LLAMA_LIKE + _HF_MOE + _HF_DEEPSEEK
                             else str(cfg.get("model_type")), {})
+        if cfg.get("model_type") in _HF_DEEPSEEK:  # MLA's fields are named as its keys
+            keys = dict(keys, **{f: f for f in MLA_FIELDS})
         text = re.sub(r"model\.(\w+)", lambda m: f"config.json {keys[m.group(1)]}"
                       if m.group(1) in keys else m.group(0), str(exc))
         raise UserError(text) from None
@@ -99,6 +104,11 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         )
     if mtype in _HF_MOE:
         return _hf_moe(cfg, mtype, name, need, num, flag, opt_int)
+    if mtype in _HF_DEEPSEEK:
+        from meshtron.model.hf_deepseek import hf_deepseek
+
+        return hf_deepseek(cfg, mtype, name, need, num, flag, opt_int,
+                           lambda max_pos: _hf_rope(cfg, "rope_theta", num, max_pos))
     if mtype == "gpt_neox":
         hidden = need("hidden_size")
         rotary_pct = cfg.get("rotary_pct", 1.0)

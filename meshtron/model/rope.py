@@ -1,7 +1,9 @@
 """RoPE frequencies, with the long-context scalings Hugging Face checkpoints use.
 
 Every variant changes only the inverse frequencies (and, for YaRN, multiplies cos and sin by an
-"attention factor"), so one table [2, positions, head_dim] of cos and sin serves the model:
+"attention factor"), so one table [2, positions, rope_dim] of cos and sin serves the model
+(rope_dim: the head size, or MLA's rotary part qk_rope_head_dim, as DeepSeek's config computes
+its frequencies):
 
 - "default": Su et al. 2021, inv_freq_i = theta^(-2i/d).
 - "linear": position interpolation (Chen et al. 2023), inv_freq / factor.
@@ -30,9 +32,9 @@ from meshtron.model.spec import ModelSpec
 
 
 def inv_freq(spec: ModelSpec, seq_len: int | None = None, device=None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float64) of `spec`'s RoPE for a sequence of `seq_len`
+    """Inverse frequencies [rope_dim / 2] (float64) of `spec`'s RoPE for a sequence of `seq_len`
     tokens (only "dynamic" depends on it)."""
-    d, theta, kind = spec.head_dim, spec.rope_theta, spec.rope_type
+    d, theta, kind = spec.rope_dim, spec.rope_theta, spec.rope_type
     exponent = torch.arange(0, d, 2, dtype=torch.float64, device=device) / d
     if kind == "dynamic":
         original = spec.rope_original_max_seq or spec.max_seq
@@ -74,7 +76,7 @@ def _llama3(spec: ModelSpec, freq: torch.Tensor) -> torch.Tensor:
 
 
 def _yarn(spec: ModelSpec, freq: torch.Tensor) -> torch.Tensor:
-    d, theta, original = spec.head_dim, spec.rope_theta, spec.rope_original_max_seq
+    d, theta, original = spec.rope_dim, spec.rope_theta, spec.rope_original_max_seq
 
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
         return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -93,7 +95,7 @@ def _yarn(spec: ModelSpec, freq: torch.Tensor) -> torch.Tensor:
 
 def rope_table(spec: ModelSpec, positions: int, seq_len: int | None = None,
                device=None) -> torch.Tensor:
-    """cos and sin of the angles of positions 0..positions-1, stacked: [2, positions, head_dim]
+    """cos and sin of the angles of positions 0..positions-1, stacked: [2, positions, rope_dim]
     (float32), in the half-split ("rotate_half") layout of Hugging Face Llama checkpoints."""
     freq = inv_freq(spec, seq_len, device)
     t = torch.arange(positions, dtype=torch.float64, device=device)
@@ -105,7 +107,21 @@ def rope_table(spec: ModelSpec, positions: int, seq_len: int | None = None,
 def rope_cache(spec: ModelSpec, device: torch.device | None = None,
                seq_len: int | None = None) -> torch.Tensor:
     """The model's RoPE buffer: cos and sin of every position up to `spec.max_seq`, stacked ->
-    [2, max_seq, head_dim] (Su et al. 2021, half-split layout). `seq_len`: the length of the
+    [2, max_seq, rope_dim] (Su et al. 2021, half-split layout). `seq_len`: the length of the
     sequence being run (dynamic NTK's frequencies depend on it). It lives here, beside the
     table, so that model/init.py can rebuild the buffer without importing the transformer."""
     return rope_table(spec, spec.max_seq, seq_len, device)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, rope_dim]; cache: the [2, max_seq, rope_dim] table (positions
+    0..seq-1) or per-token angles [2, batch, seq, rope_dim] (document positions)."""
+    seq = x.shape[1]
+    if cache.dim() == 4:
+        cos, sin = cache[0][:, :, None, :].to(x.dtype), cache[1][:, :, None, :].to(x.dtype)
+    else:
+        cos = cache[0, :seq][None, :, None, :].to(x.dtype)
+        sin = cache[1, :seq][None, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin

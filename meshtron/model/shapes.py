@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from meshtron.errors import UserError
+from meshtron.model.mla_shapes import check_mla, mla_attention_params
 
 MLPKind = Literal["swiglu", "gelu"]
 NormKind = Literal["rmsnorm", "layernorm"]
@@ -84,6 +85,17 @@ class ModelSpec:
     """Attention head size when it is not hidden/heads (Qwen3: 128 with hidden 2048, 32 heads)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head before RoPE (Qwen3, OLMo 2)."""
+    # ---- multi-head latent attention (meshtron/model/mla.py); kv_lora_rank = 0: none ---------
+    q_lora_rank: int = 0
+    """Width of the queries' latent (DeepSeek-V3 1536; 0: one plain q projection, V2-Lite)."""
+    kv_lora_rank: int = 0
+    """Width of the keys' and values' shared latent (DeepSeek-V3 512); 0: no MLA."""
+    qk_nope_head_dim: int = 0
+    """Per-head query/key part without rotary embedding (DeepSeek-V3 128)."""
+    qk_rope_head_dim: int = 0
+    """Per-head query part with rotary embedding, and the one rotary key all heads share (64)."""
+    v_head_dim: int = 0
+    """Per-head value width (DeepSeek-V3 128)."""
     # ---- mixture of experts (meshtron/model/moe.py); moe_experts = 0: a dense model ----------
     moe_experts: int = 0
     """Routed experts per MoE layer (0: every feed-forward is dense)."""
@@ -116,13 +128,14 @@ class ModelSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise UserError(f"model.{field}={value!r}: must be a positive integer")
-        if self.head_size is None and self.hidden % self.heads:
+        if self.head_size is None and not self.kv_lora_rank and self.hidden % self.heads:
             raise UserError(
                 f"model.heads={self.heads}: must divide model.hidden={self.hidden}")
         if self.heads % self.kv_heads:
             raise UserError(
                 f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
-        if self.position == "rope" and self.head_dim % 2:
+        check_mla(self)
+        if self.position == "rope" and self.rope_dim % 2:
             raise UserError(
                 f"model.hidden/heads={self.head_dim}: rotary embeddings need an even head size")
         for field in ("rope_theta", "norm_eps"):
@@ -140,8 +153,35 @@ class ModelSpec:
 
     # ---- derived shapes -------------------------------------------------------------------
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def head_dim(self) -> int:
+        """The query/key head size: what QK^T contracts (MLA: nope + rope, DeepSeek-V3 192)."""
+        if self.is_mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_size if self.head_size is not None else self.hidden // self.heads
+
+    @property
+    def v_dim(self) -> int:
+        """The value head size: what PV produces per head (MLA: v_head_dim, 128)."""
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def v_width(self) -> int:
+        """Per-token width of V as attention reads it (GQA: kv_dim; MLA: heads x v_head_dim)."""
+        return self.kv_heads * self.v_dim
+
+    @property
+    def out_width(self) -> int:
+        """Per-token width of attention's output, the out-projection's input (heads x v)."""
+        return self.heads * self.v_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dimensions of a query/key head rotate (MLA: qk_rope_head_dim)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -172,6 +212,8 @@ class ModelSpec:
 
     # ---- exact parameter counts -----------------------------------------------------------
     def attention_params(self) -> int:
+        if self.is_mla:
+            return mla_attention_params(self)
         h, kv, q = self.hidden, self.kv_dim, self.heads * self.head_dim
         weights = h * q + 2 * h * kv + q * h  # q, k, v, o
         biases = 0
@@ -249,13 +291,14 @@ class ModelSpec:
 
         6N counts a multiply-add as 2 FLOPs and backward as twice forward (Kaplan et al. 2020);
         the attention term 12 * layers * hidden * seq is QK^T and AV (Narayanan et al. 2021, eq. 3),
-        counting a full (non-causal) square as Megatron does (heads * head_dim for hidden).
+        counting a full (non-causal) square as Megatron does (heads * head_dim for hidden; MLA:
+        QK^T heads * (nope + rope) wide, PV heads * v_head_dim, 6 * (qk + v) for 12 * hd).
         MoE: the active parameters only (router, top_k experts, shared experts), as
         DeepSeek-V3's and Megatron-Core's MoE MFU count; norms and biases are not matmuls.
         """
         matmul_params = self.block_matmul_params() + self.vocab * self.hidden  # + LM head
-        attn_width = self.heads * self.head_dim
-        return 6.0 * matmul_params + 12.0 * self.layers * attn_width * seq_len
+        qk_v_width = self.heads * (self.head_dim + self.v_dim)
+        return 6.0 * matmul_params + 6.0 * self.layers * qk_v_width * seq_len
 
     def replace(self, **changes: Any) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

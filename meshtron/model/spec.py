@@ -27,8 +27,10 @@ def _qwen3_moe(name, layers, hidden, heads, kv_heads, head_size, expert):
 
 
 def _deepseek_moe(name, heads, experts, groups, topk_groups, dense, vocab, scale):
-    return ModelSpec(name=name, layers=61, hidden=7168, heads=heads, kv_heads=2, head_size=128,
-                     ffn_hidden=18432, vocab=vocab, max_seq=4096, norm_eps=1e-6,
+    return ModelSpec(name=name, layers=61, hidden=7168, heads=heads, kv_heads=heads,
+                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                     qk_rope_head_dim=64, v_head_dim=128, ffn_hidden=18432, vocab=vocab,
+                     max_seq=4096, norm_eps=1e-6,
                      moe_experts=experts, moe_top_k=8, moe_ffn_hidden=2048, moe_shared_experts=1,
                      moe_dense_layers=dense, moe_router="sigmoid", moe_groups=groups,
                      moe_topk_groups=topk_groups, moe_route_scale=scale, moe_bias_update=1e-3)
@@ -58,11 +60,8 @@ PRESETS: dict[str, ModelSpec] = {
                   moe_experts=8, moe_top_k=2, moe_ffn_hidden=14336, moe_aux_loss=0.02),
         _qwen3_moe("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 768),
         _qwen3_moe("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 1536),
-        # DeepSeek-V3 and Kimi K2 use multi-head latent attention (MLA), which meshtron's model
-        # does not implement: these presets replace it by GQA with MLA's head count and a
-        # 128-wide head, 2 KV heads (a 512-wide K and V per token against MLA's 576-wide
-        # latent cache). MoE fields are exact; attention has more parameters than MLA (see
-        # docs/guides/moe.md: 674.6B instead of 671B total for DeepSeek-V3).
+        # DeepSeek-V3 and Kimi K2: multi-head latent attention (meshtron/model/mla.py) with
+        # DeepSeek-V3's ranks; values from each model's config.json.
         _deepseek_moe("deepseek-v3", heads=128, experts=256, groups=8, topk_groups=4,
                       dense=3, vocab=129280, scale=2.5),
         _deepseek_moe("kimi-k2", heads=64, experts=384, groups=1, topk_groups=1, dense=1,
@@ -74,6 +73,13 @@ PRESETS: dict[str, ModelSpec] = {
                   moe_aux_loss=0.01),
         ModelSpec(name="tiny-moe-ds", layers=4, hidden=128, heads=4, kv_heads=2, ffn_hidden=344,
                   vocab=259, max_seq=512, moe_experts=8, moe_top_k=2, moe_ffn_hidden=64,
+                  moe_shared_experts=1, moe_dense_layers=1, moe_router="sigmoid",
+                  moe_groups=4, moe_topk_groups=2, moe_route_scale=2.5, moe_bias_update=1e-3),
+        # A tiny DeepSeek-style MoE with multi-head latent attention (q and kv latents).
+        ModelSpec(name="tiny-mla", layers=4, hidden=128, heads=4, kv_heads=4, ffn_hidden=344,
+                  vocab=259, max_seq=512, q_lora_rank=48, kv_lora_rank=32,
+                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
+                  moe_experts=8, moe_top_k=2, moe_ffn_hidden=64,
                   moe_shared_experts=1, moe_dense_layers=1, moe_router="sigmoid",
                   moe_groups=4, moe_topk_groups=2, moe_route_scale=2.5, moe_bias_update=1e-3),
         ModelSpec(name="tiny-gpt", layers=4, hidden=256, heads=8, kv_heads=8, ffn_hidden=1024,

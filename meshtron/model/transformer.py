@@ -21,30 +21,17 @@ from torch import nn
 
 from meshtron.model.attention import DocumentMask, attention, document_mask
 from meshtron.model.loss import OutputHead, cross_entropy_loss
-from meshtron.model.rope import rope_cache
+from meshtron.model.mla import MLAttention
+from meshtron.model.rope import apply_rope, rope_cache
 from meshtron.model.spec import ModelSpec
 
-__all__ = ["Transformer", "cross_entropy_loss", "document_context", "document_positions"]
+__all__ = ["Transformer", "apply_rope", "cross_entropy_loss", "document_context", "document_positions"]
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
         return nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
     return nn.LayerNorm(spec.hidden, eps=spec.norm_eps)
-
-
-def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cache: the [2, max_seq, hd] table (positions 0..seq-1)
-    or per-token angles [2, batch, seq, hd] (document positions)."""
-    seq = x.shape[1]
-    if cache.dim() == 4:
-        cos, sin = cache[0][:, :, None, :].to(x.dtype), cache[1][:, :, None, :].to(x.dtype)
-    else:
-        cos = cache[0, :seq][None, :, None, :].to(x.dtype)
-        sin = cache[1, :seq][None, :, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -105,7 +92,9 @@ class Block(nn.Module):
         super().__init__()
         self.parallel_residual = spec.parallel_residual
         self.attention_norm = _norm(spec)
-        self.attention = Attention(spec)
+        # DeepSeek's multi-head latent attention (meshtron/model/mla.py), or (grouped-query)
+        # multi-head attention.
+        self.attention = MLAttention(spec) if spec.is_mla else Attention(spec)
         self.ffn_norm = _norm(spec)
         if spec.is_moe_layer(index):  # mixture of experts (meshtron/model/moe.py)
             from meshtron.model.moe import MoE

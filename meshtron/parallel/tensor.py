@@ -6,6 +6,10 @@ expressed with DTensor's `parallelize_module`:
 - attention: wq, wk, wv column-parallel (each rank holds heads/tp query heads and
   kv_heads/tp key/value heads: contiguous head blocks, so grouped-query pairs stay on one rank),
   wo row-parallel;
+- multi-head latent attention (model/mla.py; torchtitan's deepseek_v3 plan): wq or wq_b and
+  wkv_b column-parallel by heads, wo row-parallel; the down-projections wq_a, wkv_a and their
+  norms replicated (fed the gathered sequence under sp), and the rotary key all heads share
+  gets its gradient summed over the tp ranks (`_sum_grad_over_tp`);
 - MLP: w1 (and w3) column-parallel, w2 row-parallel;
 - token embedding: row-parallel over the vocabulary (uneven shards allowed: vocab 259 on tp=2
   is 130 + 129 rows); learned position table likewise over its rows;
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtron.model.mla import MLAttention
 from meshtron.model.moe import MoE
 
 
@@ -70,9 +75,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Mod
         plan: dict[str, Any] = {
             "attention": PrepareModuleInput(input_layouts=(seq, None),
                                             desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            **_attention_plan(block.attention),
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
         if isinstance(block.feed_forward, MoE):
@@ -90,8 +93,37 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Mod
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+        if isinstance(block.attention, MLAttention):
+            block.attention.k_rope_shared.register_forward_hook(_sum_grad_over_tp(tp_mesh))
     _replicate_leftover_params(model, tp_mesh)
     return model
+
+
+def _attention_plan(attn: nn.Module) -> dict[str, Any]:
+    """The head-sharded projections: q, k, v (GQA: contiguous head blocks) or MLA's up-
+    projections (wq or wq_b, wkv_b); what is not named stays replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if not isinstance(attn, MLAttention):
+        names = ("wq", "wk", "wv")
+    else:
+        names = ("wq" if attn.wq is not None else "wq_b", "wkv_b")
+    return {f"attention.{n}": ColwiseParallel() for n in names}
+
+
+def _sum_grad_over_tp(tp_mesh):
+    """A forward hook that leaves MLA's shared rotary key as it is and declares its gradient a
+    partial sum: each rank's heads/tp heads contribute their part of it, and the replicated
+    wkv_a needs the sum (Megatron's "copy to tensor-parallel region": identity forward,
+    all-reduce backward). DTensor does the all-reduce: from_local(Replicate) then
+    to_local(grad_placements=Partial) redistributes the gradient Partial -> Replicate."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def hook(module, inputs, output):
+        return DTensor.from_local(output, tp_mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
+
+    return hook
 
 
 def _moe_plan(seq) -> dict[str, Any]:

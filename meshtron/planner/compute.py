@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, flash_unpad, host
 from meshtron.planner.placement import tp_group
@@ -97,15 +98,21 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     # the split column-parallel groups are priced piece by piece (a GQA model's wk and wv at
     # tp = 8 are kv_dim / tp wide, where tile saturation costs most), each piece with its
     # group's FP8 share.
-    pieces = {"qkv": (h / tp, kv / tp, kv / tp),
-              "up": (f / tp, f / tp) if model.mlp == "swiglu" else (f / tp,)} \
+    pieces = {"qkv": [(w, h, True) for w in (h / tp, kv / tp, kv / tp)],
+              "up": [(w, h, True) for w in ((f / tp, f / tp) if model.mlp == "swiglu"
+                                            else (f / tp,))]} \
         if opts.separate_projections else {}
+    if model.is_mla:
+        # MLA (model/mla.py): the down-projections (replicated: every tp rank runs them whole)
+        # and the head-sharded up-projections, each GEMM at its own input width; the
+        # out-projection reads heads x v_head_dim
+        pieces["qkv"] = [(n, k, True) for _, n, k, _ in mla_projections(model, tp)]
+        shapes["out"] = (h, model.out_width / tp, False)
 
     def gemm(group: str, rows: float = tokens, backward: bool = False) -> float:
-        n, k, split = shapes[group]
         kernel = bwd_kernel if backward else fp8_kernel
-        return sum(gemm_group(rows, w, k, lin_cl, cluster, frac, group, split, kernel)
-                   for w in pieces.get(group, (n,)))
+        return sum(gemm_group(rows, n, k, lin_cl, cluster, frac, group, split, kernel)
+                   for n, k, split in pieces.get(group, (shapes[group],)))
     fp8_kernel = (FP8, fp8_tile_scale(opts)) if lin_dt == "fp8" else (BF16, 1.0)
     # the input- and weight-gradient GEMMs: FP8 ones without fast accumulation promote their
     # partial sums (KernelOptions.fp8_split_accum_bwd); each is priced at the forward's shape,

@@ -41,7 +41,10 @@ def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:
 
 def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
     """FLOPs executed again by recomputation, per token (see module docstring)."""
-    core = 4.0 * model.layers * model.hidden * seq  # QK^T + AV forward, full square
+    # QK^T + AV forward, full square; MLA's heads run at the q/k width, V zero-padded to it
+    # (model/mla.py), so the replay executes heads x (nope + rope) twice
+    width = model.heads * model.head_dim if model.is_mla else model.hidden
+    core = 4.0 * model.layers * width * seq
     share = recompute_share(recompute)
     if share:
         # active parameters only: recomputation replays the experts a token ran through

@@ -99,6 +99,11 @@ def elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) 
         replicated += 2 * (5.0 if st == "eager" else 1.0) * h
     rope = "eager" if opts.complex_rope and st == "compiled" else st
     sharded = _ROPE_BYTES[rope] * (h + kv) if model.position == "rope" else 0.0
+    if model.is_mla:
+        sharded = _ROPE_BYTES[rope] * model.heads * model.rope_dim  # the queries' rotary part
+        mla_rep, mla_sharded = mla_elementwise_bytes(model, opts)
+        replicated += mla_rep * (tp if sp else 1)  # on the gathered sequence: never / tp
+        sharded += mla_sharded
     sharded += (_SWIGLU_BYTES[st] if model.mlp == "swiglu" else 4.0) * f
     if st in ("eager", "compiled") and opts.attention != "flash":  # output copy (table above)
         sharded += 4.0 * h
@@ -121,6 +126,25 @@ def gqa_repeat_bytes(model: ModelSpec, tp: int, stack: str) -> tuple[float, floa
     return per / tp, per / tp
 
 
+def mla_elementwise_bytes(model: ModelSpec, opts: KernelOptions) -> tuple[float, float]:
+    """(replicated, head-sharded) forward bytes per token of MLA's own memory-bound kernels
+    (model/mla.py), bf16: the two latent RMSNorms and the shared rotary key's RoPE, which every
+    tp rank runs whole; the concatenations of each head's query and key from their non-rotary
+    and rotary parts (read and write, 4 bytes per element; Megatron-Core's MLA concatenates
+    too), and, in meshtron's own model (eager or compiled stacks), V's zero padding to the
+    q/k head size and the copy of the output cut back to v_head_dim."""
+    st = opts.stack
+    rope = "eager" if opts.complex_rope and st == "compiled" else st
+    latents = model.q_lora_rank + model.kv_lora_rank
+    replicated = (NORM_BYTES[norm_key(st, opts.eager_norm, "rmsnorm")] * latents
+                  + _ROPE_BYTES[rope] * model.rope_dim)
+    qk, out = model.heads * model.head_dim, model.out_width
+    sharded = 2 * 4.0 * qk
+    if st in ("eager", "compiled"):
+        sharded += 2.0 * model.heads * model.v_dim + 2.0 * qk + 4.0 * out  # pad, cut copy
+    return replicated, sharded
+
+
 def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     """Kernels one layer's forward issues (GEMMs, attention, memory-bound operations). The
     eager count is what meshtron's Block launches, counted from its code path by
@@ -138,6 +162,10 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
         n += 14 if st == "eager" else 1
     if st in ("eager", "compiled") and opts.attention != "flash":
         n += 1  # the unfused attention output's copy (no copy after a flash kernel)
+    if model.is_mla:  # model/mla.py: wq_a + wq_b (or wq), wkv_a + wkv_b and wo; two latent
+        # norms; q's and k's concatenations, V's padding and the cut output's copy
+        n += (1 if model.q_lora_rank else 0) + 2 * NORM_KERNELS[
+            norm_key(st, opts.eager_norm, "rmsnorm")] + (4 if st == "eager" else 2)
     if st == "eager":
         n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
         n += 2 if opts.dropout else 0

@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from meshtron.model.mla_shapes import mla_projections
+
 FP8_RECIPES = ("rowwise", "tensorwise")
 """torchao float8 scaling recipes meshtron runs (torchao.float8.Float8LinearConfig
 .from_recipe_name): per-row scales (axiswise) or one scale per tensor."""
@@ -87,9 +89,15 @@ def block_linears(model: Any, tp: int = 1) -> list[tuple[str, str, int, int]]:
         # are multiples of it); the router's gate is NEVER_FP8. (meshtron's routed experts are
         # grouped GEMMs, not nn.Linear: torchao never converts them, see fp8_fractions.)
         f = model.moe_ffn_hidden
-    out = [("qkv", "attention.wq", q // tp, h), ("qkv", "attention.wk", kv // tp, h),
-           ("qkv", "attention.wv", kv // tp, h), ("out", "attention.wo", h, q // tp),
-           ("up", "feed_forward.w1", f // tp, h)]
+    if getattr(model, "is_mla", False):  # MLA's projections (model/mla.py), the "qkv" group
+        out = [("qkv", f"attention.{name}", int(n), k)
+               for name, n, k, _ in mla_projections(model, tp)]
+        out += [("out", "attention.wo", h, model.out_width // tp),
+                ("up", "feed_forward.w1", f // tp, h)]
+    else:
+        out = [("qkv", "attention.wq", q // tp, h), ("qkv", "attention.wk", kv // tp, h),
+               ("qkv", "attention.wv", kv // tp, h), ("out", "attention.wo", h, q // tp),
+               ("up", "feed_forward.w1", f // tp, h)]
     if model.mlp == "swiglu":
         out.append(("up", "feed_forward.w3", f // tp, h))
     out.append(("down", "feed_forward.w2", h, f // tp))
@@ -303,7 +311,11 @@ def quantisation_bytes(model: Any, tp: int, frac: dict[str, float] | None = None
     normed = on["qkv"] * h + on["up"] * h
     ins = normed + on["out"] * h / tp + on["down"] * f / tp
     # and of their output gradients
-    outs = (fr["qkv"] * (h + 2 * kv) / tp + fr["out"] * h + fr["up"] * up / tp
+    qkv_out = (h + 2 * kv) / tp
+    if getattr(model, "is_mla", False):  # MLA: its latents are the up-projections' inputs
+        ins += on["qkv"] * (model.q_lora_rank + model.kv_lora_rank)
+        qkv_out = sum(n for _, n, _, _ in mla_projections(model, tp))
+    outs = (fr["qkv"] * qkv_out + fr["out"] * h + fr["up"] * up / tp
             + fr["down"] * h)
     norm_b = cb.input_fwd if cb.normed_fwd is None else cb.normed_fwd
     fwd = cb.input_fwd * (ins - normed) + norm_b * normed
@@ -321,5 +333,9 @@ def fp8_weight_elements(model: Any, tp: int, frac: dict[str, float]) -> float:
     """Elements of one layer's local weights whose GEMMs run in FP8 (`frac` per group)."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     up = 2 * f if model.mlp == "swiglu" else f
-    return (frac["qkv"] * h * (h + 2 * kv) + frac["out"] * h * h
+    qkv, out = h * (h + 2 * kv), h * h
+    if getattr(model, "is_mla", False):  # (the replicated down-projections: whole on each rank)
+        qkv = tp * sum(n * k for _, n, k, _ in mla_projections(model, tp))
+        out = h * model.out_width
+    return (frac["qkv"] * qkv + frac["out"] * out
             + frac["up"] * h * up + frac["down"] * h * f) / tp

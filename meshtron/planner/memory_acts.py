@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 
+from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory_bwd import block_backward_bytes, eager_none as _eager_none
@@ -66,7 +67,7 @@ def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions) -> float:
     """Per layer and micro-batch: RoPE's cos/sin cast to a 16-bit compute dtype (2 calls x 2)."""
     if model.position != "rope" or mem.dtype == "fp32":
         return 0.0
-    return 4.0 * seq * model.head_dim * mem.compute_bytes
+    return 4.0 * seq * model.rope_dim * mem.compute_bytes
 
 
 def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
@@ -75,6 +76,9 @@ def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
     q = model.heads * model.head_dim
     block_in = h / (tp if sp else 1)
     col = q + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
+    if model.is_mla:  # MLA's projections: head-sharded up-projections, replicated down ones
+        col = (2.0 * f if model.mlp == "swiglu" else f) + sum(
+            n * (tp if split else 1) for _, n, _, split in mla_projections(model, tp))
     row = 2.0 * h  # wo and w2 outputs: full width on every tensor rank before the reduction
     coll = 0.0
     if tp > 1:
@@ -136,6 +140,15 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     # SwiGLU: fc1's output [2f] (the activation's input) and fc2's input [f]; GeLU: f and f
     mlp = (2.0 * cb * f if model.mlp == "swiglu" else cb * f) + x * f
     sharded = cb * q + out + 2.0 * cb * kv + mlp
+    if model.is_mla:
+        # Q and K are heads x (nope + rope), V heads x v_head_dim, the output heads x v; the
+        # latents (normed, each an up-projection's input, and the norms' inputs) replicated
+        # like the block's norms: Megatron-Core runs the down-projections on the sequence-
+        # parallel shard
+        o = model.out_width
+        sharded = cb * q + x * o + (cb * o if fp8_inputs and opts.attention != "unfused"
+                                    else 0.0) + cb * (kv + model.v_width) + mlp
+        replicated += (x + cb) * (model.q_lora_rank + model.kv_lora_rank)
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:

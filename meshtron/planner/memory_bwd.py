@@ -47,6 +47,7 @@ whose unit gradient also held the 64 MiB of weight gradients not yet made.
 
 from __future__ import annotations
 
+from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory_options import MemoryOptions
@@ -79,6 +80,10 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     kv_sdpa = q if mem.gqa_copies and a != model.kv_heads else kv
     attn_w = h * (q + 2 * kv) / tp                    # wq, wk, wv
     out_w = q * h / tp                                 # wo
+    if model.is_mla:  # MLA's projections (head-sharded up-projections, replicated down)
+        rep = mla_replicated_params(model)
+        out_w = model.out_width * h / tp
+        attn_w = (model.attention_params() - rep) / tp + rep - out_w
     mlp_w = (3 if swiglu else 2) * h * f / tp
     mlp_saved = cb * (4 if swiglu else 2) * f / tp     # gate, up, SiLU, product / pre, post
     dy = cb * h_in
@@ -150,4 +155,22 @@ def eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attentio
     core = 4.0 * a                                          # fp32 log-sum-exp per head
     if attention == "unfused":
         core += cb * a * seq                                # softmax output
-    return norm + cb * (gathered + (attn + mlp) / tp) + core / tp
+    return (norm + cb * (gathered + (attn + mlp) / tp) + core / tp
+            + mla_eager_bytes(model, tp, mem))
+
+
+def mla_eager_bytes(model: ModelSpec, tp: int, mem: MemoryOptions) -> float:
+    """Bytes per token meshtron's MLA block (model/mla.py) saves beyond what `eager_none`'s
+    attention terms count (q, k and the zero-padded v at the q/k head width, SDPA's output,
+    all as for GQA with kv_heads = heads): the out-projection's input, a copy of SDPA's output
+    cut to v_head_dim (heads x v / tp), and the two latents: the normed latents the
+    up-projections save (q_lora_rank + kv_lora_rank) and their RMSNorms' own tensors (the
+    composite's fp32 input copy and normalised tensor; the fused kernel's input and per-row
+    statistics), on the whole gathered sequence on every tp rank (replicated, also with
+    sequence parallelism: wq_a and wkv_a run on the gathered input). 0 without MLA."""
+    if not model.is_mla:
+        return 0.0
+    cb, latents = mem.compute_bytes, model.q_lora_rank + model.kv_lora_rank
+    norms = 8.0 * latents if (model.norm == "rmsnorm" and not mem.fused_norm) \
+        else cb * latents + 2 * 4.0
+    return cb * model.out_width / tp + cb * latents + norms

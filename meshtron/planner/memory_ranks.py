@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.pipeline import stages_of_rank  # noqa: F401  (re-exported)
 
@@ -37,7 +38,7 @@ FROZEN = "feed_forward.router.expert_bias"
 ADAM_MOMENTS = 2
 
 _COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.",
-            "feed_forward.w3.")
+            "feed_forward.w3.", "attention.wq_b.", "attention.wkv_b.")
 _ROWWISE = ("attention.wo.", "feed_forward.w2.")
 _VOCAB = ("tok_embeddings.weight", "pos_embeddings.weight", "output.weight")
 
@@ -114,10 +115,19 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
             out.append((pre + name + ".bias", (n_out,)))
 
     norm("attention_norm")
-    linear("attention.wq", q, h, qkv_bias)
-    linear("attention.wk", kv, h, qkv_bias)
-    linear("attention.wv", kv, h, qkv_bias)
-    linear("attention.wo", h, q, spec.bias)
+    if spec.is_mla:  # meshtron/model/mla.py, in its registration order
+        for name, n_out, n_in, _ in mla_projections(spec, 1):
+            linear(f"attention.{name}", int(n_out), n_in, False)
+            if name in ("wq_a", "wkv_a"):
+                latent = spec.q_lora_rank if name == "wq_a" else spec.kv_lora_rank
+                out.append((pre + ("attention.q_norm" if name == "wq_a"
+                                   else "attention.kv_norm") + ".weight", (latent,)))
+        linear("attention.wo", h, spec.out_width, False)
+    else:
+        linear("attention.wq", q, h, qkv_bias)
+        linear("attention.wk", kv, h, qkv_bias)
+        linear("attention.wv", kv, h, qkv_bias)
+        linear("attention.wo", h, q, spec.bias)
     norm("ffn_norm")
     if spec.is_moe_layer(i):  # meshtron/model/moe.py
         e, fe, fs = spec.moe_experts, spec.moe_ffn_hidden, spec.moe_shared_experts * spec.moe_ffn_hidden

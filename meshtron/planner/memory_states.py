@@ -21,6 +21,7 @@ each data-parallel rank the AdamW state of the parameters it owns.
 
 from __future__ import annotations
 
+from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.memory_options import DEFAULT, MemoryOptions
 
@@ -69,11 +70,14 @@ def layer_params_local(model: ModelSpec, tp: int, pp: int = 1) -> float:
     only the active ones compute, `compute.active_equivalent`). With dense first layers
     (DeepSeek-V3) the blocks differ: without pipelining the mean block (the stage's total is
     exact), with it the largest (the fullest stage holds MoE blocks only)."""
+    # MLA's down-projections and latent norms are replicated over tp (parallel/tensor.py)
+    rep = 2 * model.norm_params + mla_replicated_params(model)
     if model.is_moe:
         per = (model.blocks_sum(model.layer_params) / model.layers if pp == 1
                else max(model.layer_params(i) for _, i in model.block_kinds()))
-        return (per - 2 * model.norm_params) / tp + 2 * model.norm_params
-    return (model.attention_params() + model.mlp_params()) / tp + 2 * model.norm_params
+        return (per - rep) / tp + rep
+    return (model.attention_params() + model.mlp_params() + 2 * model.norm_params - rep) / tp \
+        + rep
 
 
 def embedding_params_local(model: ModelSpec, tp: int) -> float:

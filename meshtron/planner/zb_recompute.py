@@ -47,6 +47,9 @@ def weight_groups(model) -> int:
     (A mixture-of-experts block's router and expert matrices are counted as a dense MLP's.)"""
     norms = 2 + (2 if model.qk_norm else 0)
     mlp = 3 if model.mlp == "swiglu" else 2
+    if getattr(model, "is_mla", False):  # model/mla.py: wq_a, q_norm, wq_b (or wq), wkv_a,
+        # kv_norm, wkv_b, wo
+        return 2 + (7 if model.q_lora_rank else 5) + mlp
     return norms + 4 + mlp
 
 

@@ -20,8 +20,22 @@ def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[di
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return _split_plain_from_dtensors(groups)
+
+
+def _split_plain_from_dtensors(groups: list[dict]) -> list[dict]:
+    """Fused and foreach AdamW take one kind of tensor per group: where DTensors and plain
+    tensors mix (tensor parallelism without FSDP on a mixture of experts, whose experts stay
+    plain: parallel/tensor.py's `_moe_plan`) each group is split in two; otherwise unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
+    if len(kinds) < 2:
+        return groups
+    return [dict(g, params=[p for p in g["params"] if isinstance(p, DTensor) == kind])
+            for g in groups for kind in (True, False)]
 
 
 def adamw_kernel(device_type: str) -> dict[str, bool]:
