@@ -14,9 +14,9 @@ from bench.published.table import PublishedRun, h800
 def moe_runs() -> list[PublishedRun]:
     """Published mixture-of-experts runs with their expert-parallel layouts. Added with their
     sources before the planner ever ran them (issue 21, part 4): validation part; nothing was
-    changed after seeing their errors but one software fact from the report, added in issue
-    30 (fp8m) with the FP8 GEMM kinds: DeepSeek-V3's GEMMs are blockwise-scaled (section
-    3.3.2)."""
+    changed after seeing their errors but two software facts from the report: DeepSeek-V3's
+    GEMMs are blockwise-scaled (section 3.3.2; issue 30, fp8m, with the FP8 GEMM kinds) and
+    its dispatch all-to-alls carry FP8 (section 3.3.3; issue 30, dsv3, 2026-12-05)."""
     from meshtron.planner.frameworks import PRESETS
 
     mcore = PRESETS["megatron@2024"].kernel
@@ -26,8 +26,10 @@ def moe_runs() -> list[PublishedRun]:
     # DeepSeek's own stack: Megatron-style fused kernels, DualPipe overlapping both
     # all-to-alls with another micro-batch, node-limited routing to M = 4 nodes with per-node
     # deduplication (DSV3 sections 2.1.2, 3.2.1, 3.2.2); imbalance: the documented default;
-    # FP8 GEMMs with 1x128 / 128x128 block scales promoted every 128 k-elements (section 3.3.2)
-    dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4, fp8_gemm="blockwise")
+    # FP8 GEMMs with 1x128 / 128x128 block scales promoted every 128 k-elements (section 3.3.2);
+    # the all-to-alls toward the experts in FP8, the combines in BF16 (section 3.3.3)
+    dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4, fp8_gemm="blockwise",
+                               ep_dispatch="fp8")
     qwen = preset("qwen3-30b-a3b")
     runs = [PublishedRun(
         "DSV3 671B 2048xH800", "DSV3 sections 3.1-3.3 (180K H800 GPU-hours per 1T tokens)",

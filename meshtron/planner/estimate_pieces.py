@@ -98,7 +98,8 @@ class CostPieces:
                                          moe_memory.expert_tp(self.mem.framework, tp),
                                          *window,
                                          moe_cost.per_expert_gemms(self.mem.framework),
-                                         o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd)
+                                         o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd,
+                                         o.ep_dispatch)
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
             # with ep > 1 the dispatch reads its split sizes on the host once per MoE layer
