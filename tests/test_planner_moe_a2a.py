@@ -79,3 +79,15 @@ def test_fp8_dispatch_shortens_exposed_expert_comm_through_the_evaluator():
     bf16, fp8 = time("bf16"), time("fp8")
     assert fp8.ep_comm < 0.85 * bf16.ep_comm
     assert fp8.compute == pytest.approx(bf16.compute, rel=1e-6)
+
+
+def test_unknown_dispatch_in_an_options_file_is_one_line_exit_2(tmp_path, capsys):
+    from meshtron.cli import main
+
+    opts = tmp_path / "options.toml"
+    opts.write_text('[options]\nep_dispatch = "fp4"\n')
+    rc = main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100:2", "--global-batch",
+               "64", "--seq-len", "4096", "--framework", "megatron@2024", "--options", str(opts)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "ep_dispatch='fp4': allowed values are bf16, fp8" in err and "Traceback" not in err
