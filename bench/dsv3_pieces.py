@@ -1,4 +1,4 @@
-"""DeepSeek-V3's published step (calibration row "DSV3 671B 2048xH800") broken into the planner's pieces.
+"""DeepSeek-V3's published step (calibration row "DSV3 671B 2048xH800") in the planner's pieces.
 
 The row runs through the same files and flags as bench/planner_cli_table.py (the command line a
 user would type); this prints what the planner's step is made of: the step's parts, one MoE
