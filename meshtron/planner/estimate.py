@@ -80,7 +80,8 @@ from typing import Any
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, memory_zb,
-                              moe_memory, offload, pipeline, pipeline_split, zb_recompute)
+                              moe_memory, offload, pipeline, pipeline_dualpipe, pipeline_split,
+                              zb_recompute)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -151,6 +152,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         model, the layer split, the step time (estimate_time.py), the interleaved schedule's
         walk, the result."""
         self.evaluated += 1
+        if pipeline_dualpipe.is_dualpipe(cfg):  # priced as the V it is per rank
+            est = self.evaluate(pipeline_dualpipe.fold(cfg), keep_infeasible, exact_memory,
+                                cutoff, stage)
+            m = self.global_batch // (cfg.dp * cfg.micro_batch)
+            return None if est is None else pipeline_dualpipe.unfold(est, cfg, m)
         w = self._inputs(cfg)
         if not keep_infeasible:  # nothing above it is returned: walks may be skipped
             w.cutoff = cutoff
@@ -370,7 +376,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 if not keep:
                     return False
                 stack = self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
-                if self.mem.split_rule != "any" and stack is not None:
+                if self.mem.split_rule not in ("any", "dualpipe") and stack is not None:
                     n = stack  # the stack's own split is what would run out of memory
                 elif exact_memory:
                     _, n = pipeline.min_memory_partition(model.layers, per_layer, fixed, v)

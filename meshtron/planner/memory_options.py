@@ -43,14 +43,15 @@ FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
 LOSSES = ("chunked", "eager", "vocab-parallel", "inplace")
 PIPELINE_SPLITS = ("any", "megatron-even", "megatron-ends", "deepspeed-transformer",
-                   "deepspeed-parameters")
+                   "deepspeed-parameters", "dualpipe")
 """How a stack assigns layers to pipeline stages (planner/pipeline_split.py, plan_rules
 `split_problem`): 'any' (meshtron's runtime, torchtitan's split points: the planner's
 time-balanced split), 'megatron-even' (Megatron-LM: equal layers per stage and chunk),
 'megatron-ends' (Megatron-Core 0.9+: equal middle stages, first/last stage counts of their
 own), 'deepspeed-transformer' / 'deepspeed-parameters' (DeepSpeed's PipelineModule
 partition_method 'type:transformer' with the left-greedy split of DeepSpeed <= 0.12.4 /
-'parameters' with the dynamic programme of 0.12.5+)."""
+'parameters' with the dynamic programme of 0.12.5+), 'dualpipe' (DeepSeek's stack: any
+split, run by its DualPipe engine only, planner/pipeline_dualpipe.py)."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
     STACK_ZEROS, zero_limit, zero_problem)
 from meshtron.planner.plan_rules_runtime import (  # noqa: F401  (re-exported)
     compile_runtime_problem, cp_runtime_problems, ep_runtime_problems,
-    recompute_runtime_problems)
+    recompute_runtime_problems, schedule_runtime_problem)
 
 
 def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
@@ -137,6 +137,9 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if model is not None:
         out.extend(model_problems(k, model, runtime, split))
     if runtime:
+        problem = schedule_runtime_problem(k)
+        if problem:
+            out.append(problem)
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
         out.extend(recompute_runtime_problems(k))
