@@ -33,13 +33,18 @@ def moe_runs() -> list[PublishedRun]:
     qwen = preset("qwen3-30b-a3b")
     runs = [PublishedRun(
         "DSV3 671B 2048xH800", "DSV3 sections 3.1-3.3 (180K H800 GPU-hours per 1T tokens)",
-        "DeepSeek HAI-LLM (DualPipe)", preset("deepseek-v3"), h800(256), 15360, 4096, 1, 16,
+        "DeepSeek HAI-LLM (DualPipe)", preset("deepseek-v3").replace(mtp_depth=1), h800(256),
+        15360, 4096, 1, 16,
         128, 1, "selective", False, dsv3, "tokens_per_gpu", 1e12 / (180e3 * 3600),
-        micro_batches=(1, 2), schedules=("zb",), dtype="fp8", ep=64,
-        memory=MemoryOptions(framework="megatron", pipeline_split="any"), confident=False,
-        note="batch 15,360 x 4,096 (the schedule's plateau); DualPipe priced as ZB-H1 with "
-             "overlapped all-to-alls; recomputation of norms and MLA up-projections as "
-             "selective; MLA approximated by the preset's GQA; the MTP module not counted")]
+        micro_batches=(1, 2), schedules=("dualpipe",), dtype="fp8", ep=64,
+        memory=MemoryOptions(framework="megatron", pipeline_split="dualpipe",
+                             recompute_norms=True, recompute_up_proj=True,
+                             swiglu_recompute=True, bf16_moments=True), confident=False,
+        note="batch 15,360 x 4,096 (the schedule's plateau); DualPipe (section 3.2.1, "
+             "planner/pipeline_dualpipe.py) with overlapped all-to-alls; recomputation of "
+             "norms and MLA up-projections, FP8 SwiGLU inputs, BF16 moments (sections 3.2.3, "
+             "3.3.3: MemoryOptions); MLA approximated by the preset's GQA; one MTP module "
+             "(section 4.2, D = 1), its time only")]
     # what the rows' recipes set (Megatron-Bridge tags v0.2.0 / v0.3.0, Qwen3-30B-A3B H100 FP8
     # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the
     # 25.11 table), moe_a2a_overlap on (overlap_moe_expert_parallel_comm), gradients reduced in

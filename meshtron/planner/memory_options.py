@@ -42,6 +42,10 @@ some GEMM inputs in FP8, which this does not count: memory is not underestimated
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
 LOSSES = ("chunked", "eager", "vocab-parallel", "inplace")
+FP8_TILE_BYTES = 1.0 + 4.0 / 128
+"""Bytes per element of an activation kept in FP8 with one fp32 scale per 1x128 tile
+(DeepSeek-V3 report 3.3.2-3.3.3, fine-grained quantization; MemoryOptions.swiglu_recompute)."""
+
 PIPELINE_SPLITS = ("any", "megatron-even", "megatron-ends", "deepspeed-transformer",
                    "deepspeed-parameters", "dualpipe")
 """How a stack assigns layers to pipeline stages (planner/pipeline_split.py, plan_rules
@@ -92,6 +96,30 @@ class MemoryOptions:
     (moe_memory.routed_saved_bytes); False: the probabilities applied at the unpermute
     (Megatron-Core 0.8-0.12, the megatron@2024 preset)."""
 
+    recompute_norms: bool = False
+    """The backward recomputes every RMSNorm from its kept input (DeepSeek-V3 report section
+    3.2.3, "we recompute all RMSNorm operations and MLA up-projections during
+    back-propagation"): the norms' outputs (the QKV, fc1 and router GEMM inputs) are not
+    kept; False: kept (Megatron-Core, torchtitan, meshtron)."""
+
+    recompute_up_proj: bool = False
+    """The backward recomputes the attention's up-projections (section 3.2.3, MLA): Q, K and V
+    are not kept. Priced on the preset's GQA stand-in as its Q, K and V dropped; MLA's
+    latents that rebuild them (1,536 + 512 + 64 per token in DeepSeek-V3's config, about
+    0.15 of an [T, h] bf16 unit) are not counted (ModelSpec has no MLA widths)."""
+
+    swiglu_recompute: bool = False
+    """SwiGLU keeps its input in FP8 with 1x128 tile scales and the backward recomputes its
+    output (section 3.3.3, "we cache the inputs of the SwiGLU operator and recompute its
+    output in the backward pass. These activations are also stored in FP8"): fc2's input is
+    not kept, the [2f] input costs FP8_TILE_BYTES per element (dense MLP, shared
+    and routed experts); False: fc1's bf16 output and fc2's input kept."""
+
+    bf16_moments: bool = False
+    """AdamW's two moments in BF16, master weights and gradients FP32 (section 3.3.3,
+    "Low-Precision Optimizer States"): 4 + 2 + 2 optimizer bytes per parameter, not 12
+    (memory_states.state_bytes); mixed-precision ZeRO frameworks only."""
+
     expandable_segments: bool = False
     """The run's launch sets PyTorch's caching allocator to expandable segments
     (PYTORCH_ALLOC_CONF="expandable_segments:True"): its fragmentation allowance is
@@ -114,7 +142,9 @@ class MemoryOptions:
                              f"{', '.join(FRAMEWORKS)}")
         if self.loss is not None and self.loss not in LOSSES:
             raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
-        for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments"):
+        for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments",
+                     "recompute_norms", "recompute_up_proj", "swiglu_recompute",
+                     "bf16_moments"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(f"memory.{name}={value!r}: allowed values are true, false")

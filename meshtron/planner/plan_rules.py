@@ -59,6 +59,10 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
             if n % tp:
                 yield f"plan.tp={tp}: must divide the model's {n} {what}"
                 return
+    if runtime and getattr(model, "mtp_depth", 0):
+        yield (f"model.mtp_depth={model.mtp_depth}: meshtron's runtime builds no multi-token "
+               "prediction modules (the planner prices them for DeepSeek's stack); use 0")
+        return
     if runtime and pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
                "the runtime cannot split across pipeline stages")
