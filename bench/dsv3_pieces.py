@@ -4,11 +4,12 @@ The row runs through the same files and flags as bench/planner_cli_table.py (the
 user would type); this prints what the planner's step is made of: the step's parts, one MoE
 block's per-micro-batch costs (its dense active-width equivalent by kind, the MoE extra, the
 expert all-to-alls unhidden and exposed beside their window), the layer split and the critical
-stage. Then DualPipe's own accounting of the same split, next to the planner's ZB-H1 stand-in:
-each DualPipe rank r runs stage r for the micro-batches fed from one end and stage p-1-r for
-those fed from the other, half of them each (deepseek-ai/DualPipe README; DeepSeek-V3 report
-section 3.2.1), and its bubble is (p/2-1)(F&B + B - 3W) per chunk. That second part is a
-reading aid computed from the planner's own stage times, not a price the planner gives.
+stage. Then DualPipe's own accounting of the same split: each DualPipe rank r runs stage r for
+the micro-batches fed from one end and stage p-1-r for those fed from the other, half of them
+each (deepseek-ai/DualPipe README; DeepSeek-V3 report section 3.2.1), and its bubble is
+(p/2-1)(F&B + B - 3W) per chunk. Since branch dualpipe the planner prices DualPipe itself
+(planner/pipeline_dualpipe.py): that part recomputes it from the planner's stage times, a
+cross-check printed beside the planner's own figures, and the memory of the fullest rank.
 
     python bench/dsv3_pieces.py
 """
@@ -115,18 +116,19 @@ def main(argv: list[str]) -> int:
     stage_t[-1] += head.compute
     stage_f[-1] += head.fwd
     stage_w[-1] += head.wgrad
-    crit = max(range(len(n)), key=stage_t.__getitem__)
     print(f"split {n} ({sum(n)} blocks, mean {sum(n) / len(n):.2f}), {m} micro-batches; head "
-          f"{head.compute * 1e3:.1f} ms per micro-batch on the last stage")
-    print(f"ZB-H1 stand-in (the planner): critical stage {crit}, {n[crit]} blocks: "
-          f"{m * stage_t[crit]:.2f} s of its work, bubble {t.bubble:.2f} s")
+          f"{head.compute * 1e3:.1f} ms per micro-batch on the last stage (with the MTP "
+          f"module: {ev.model.mtp_depth})")
     load, bubble, r = _dualpipe(stage_t, stage_f, stage_w, m)
-    work = m * stage_t[crit]  # the critical stage's blocks and head, exposed a2a included
-    rest = t.total - work - t.bubble  # p2p, dp, optimizer, accumulation, FP8 weight casts
-    print(f"DualPipe on the same split (not priced): busiest rank {r} (stages {r} and "
-          f"{len(n) - 1 - r}): {load:.2f} s of work, bubble {bubble:.2f} s; with the other "
-          f"parts as priced ({rest:.2f} s) a step of {load + bubble + rest:.2f} s "
-          f"({tokens / (load + bubble + rest) / run.gpus / run.published - 1:+.1%})")
+    print(f"DualPipe (priced, planner/pipeline_dualpipe.py): busiest rank {r} (stages {r} and "
+          f"{len(n) - 1 - r}), {m // 2} micro-batches through each: {load:.2f} s of work "
+          f"(the planner's compute + ep_comm: {t.compute + t.ep_comm:.2f} s), README bubble "
+          f"{bubble:.2f} s (the planner's: {t.bubble:.2f} s), pipeline transfers hidden "
+          f"({t.pp_comm:.2f} s)")
+    print(f"memory: {'fits' if est.fits else 'does not fit'}; fullest rank "
+          f"{est.memory.stage}: " + ", ".join(
+              f"{k} {v:.1f}" for k, v in est.memory.to_dict().items()
+              if isinstance(v, float) and v))
     return 0
 
 

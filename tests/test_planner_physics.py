@@ -250,20 +250,28 @@ def test_validation_errors_do_not_regress(table, capsys):
     line -17.2% -> -15.4%; here (memory ignored: an even split, no ZB-H1 stage carrying 5-6
     blocks of the 3.8 mean) +22.9% -> +25.3%. What the two views differ by is DualPipe priced
     as ZB-H1 on a memory-driven split (bench/dsv3_pieces.py, docs/measurements.md
-    #dsv3-pieces): not changed here. The bound moved from 0.25 to 0.26 for that row."""
+    #dsv3-pieces): not changed here. The bound moved from 0.25 to 0.26 for that row.
+
+    Issue 30 (dualpipe, 2026-12-05): DualPipe priced as DeepSeek's code runs it (stages r and
+    PP-1-r on one rank, half the micro-batches through each, the README's bubble, transfers
+    hidden: planner/pipeline_dualpipe.py), its activation savings and BF16 moments
+    (MemoryOptions, report 3.2.3 / 3.3.3) and its MTP module (ModelSpec.mtp_depth = 1, time
+    only: planner/mtp.py). Here +25.3% -> +22.2%, through the command line -15.4% -> +22.2%
+    (the same split, [3, 4 x 14, 2]: no memory-driven ZB-H1 split any more; the planner still
+    finds it 121 GiB per rank). The bound is back at 0.25."""
     dense = [p for p in table if p.run.ep == 1]
     val = summary([p for p in dense if p.run.part == "validation"])
     old = summary([p for p in dense if p.run.part == "validation" and p.run.dtype == "bf16"])
     moe = {p.run.name: p for p in table if p.run.ep > 1}
     # DeepSeek-V3 steered the FP8 GEMM kinds (session 34): calibration, still bounded
     assert len(moe) == 3 and moe["DSV3 671B 2048xH800"].run.part == "calibration"
-    assert abs(moe["DSV3 671B 2048xH800"].error) < 0.26
+    assert abs(moe["DSV3 671B 2048xH800"].error) < 0.25
     # the Qwen3 rows measure Megatron-Bridge's dropless regression (issue #1998, "25.11 is 2X
     # slower than 25.09", PublishedRun.regression): the planner prices the software without it,
     # so it must stay faster than those figures; the other MoE rows keep the DSV3 bound
     regressed = [p for p in moe.values() if p.run.regression]
     assert len(regressed) == 2 and all(p.error > 0 for p in regressed)
-    assert max(abs(p.error) for p in moe.values() if not p.run.regression) < 0.26
+    assert max(abs(p.error) for p in moe.values() if not p.run.regression) < 0.25
     cal = summary([p for p in table if p.run.part == "calibration"])
     with capsys.disabled():
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "
