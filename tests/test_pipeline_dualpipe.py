@@ -15,7 +15,9 @@ from meshtron.planner.estimate import Evaluator
 from meshtron.planner.frameworks import preset
 from meshtron.planner.plan import Plan, plan_problems
 from meshtron.planner.plan_parse import parse_schedule
-from testkit.plan_cli import plan_cli  # noqa: F401  (fixture)
+from testkit.plan_cli import commands_fixture, plan_cli  # noqa: F401  (fixture)
+
+cli = commands_fixture("meshtron.planner.cli", "meshtron.train.cli", "meshtron.simulate.cli")
 
 
 def test_bubble_is_the_readmes_formula_per_chunk():
@@ -129,3 +131,47 @@ def test_the_runtime_refuses_dualpipe_through_the_command_line(plan_cli):
     assert rc == 2 and "Traceback" not in err
     assert err.strip().count("\n") == 0
     assert "DeepSeek's DualPipe runs only in DeepSeek's own stack" in err
+
+
+def _deepseek_plan(plan_cli, tmp_path, *extra: str) -> dict:
+    """`meshtron plan` with Megatron-Core's preset and DeepSeek's engine from an options file."""
+    import json
+
+    opts = tmp_path / "deepseek.toml"
+    opts.write_text('framework = "megatron@2024"\n[options]\npipeline_split = "dualpipe"\n')
+    rc, out, err = plan_cli("--model", "llama3-8b", "--cluster", "dgx-h100:4",
+                            "--global-batch", "256", "--seq-len", "4096", "--layout",
+                            "tp=1,pp=4,dp=8", "--zero", "1", "--micro-batch", "1",
+                            "--options", str(opts), "--json", "--top", "1", *extra)
+    assert rc == 0, err
+    return json.loads(out)["plans"][0]
+
+
+def test_deepseeks_engine_is_priced_through_the_command_line(plan_cli, tmp_path):
+    """Through the user's path: DualPipe pinned, and the search left to pick: it tries only
+    DeepSeek's two schedules (DualPipe, DualPipeV), never another stack's."""
+    pinned = _deepseek_plan(plan_cli, tmp_path, "--schedule", "dualpipe")
+    assert pinned["schedule"] == "dualpipe" and pinned["pp"] == 4 and pinned["dp"] == 8
+    assert pinned["time_s"]["pp_comm"] == 0.0 and pinned["num_microbatches"] == 32
+    assert len(pinned["stage_layers"]) == 4 and sum(pinned["stage_layers"]) == 32
+    open_ = _deepseek_plan(plan_cli, tmp_path)
+    assert open_["schedule"] == "dualpipe" and open_["virtual_stages"] in (1, 2)
+
+
+def test_a_saved_dualpipe_plan_is_refused_by_train_and_the_step_walk(cli, tmp_path):
+    """A plan priced for DeepSeek's stack and saved: `meshtron train` refuses it through the
+    validity function, `meshtron simulate --step` (torch's orders only) in one line too."""
+    opts = tmp_path / "deepseek.toml"
+    opts.write_text('framework = "megatron@2024"\n[options]\npipeline_split = "dualpipe"\n')
+    plan = tmp_path / "plan.toml"
+    rc, _, err = cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100:4",
+                     "--global-batch", "256", "--seq-len", "4096", "--layout", "tp=1,pp=4,dp=8",
+                     "--micro-batch", "1", "--options", str(opts), "--schedule", "dualpipe",
+                     "--save", str(plan))
+    assert rc == 0, err
+    rc, _, err = cli("train", "--plan", str(plan))
+    assert rc == 2 and "Traceback" not in err and err.strip().count("\n") == 0
+    assert "DeepSeek's DualPipe runs only in DeepSeek's own stack" in err
+    rc, _, err = cli("simulate", "--step", "--plan", str(plan), "--options", str(opts))
+    assert rc == 2 and "Traceback" not in err and err.strip().count("\n") == 0
+    assert "walks torch.distributed.pipelining's schedules, not DeepSeek's DualPipe" in err
