@@ -14,9 +14,11 @@ from bench.published.table import PublishedRun, h800
 def moe_runs() -> list[PublishedRun]:
     """Published mixture-of-experts runs with their expert-parallel layouts. Added with their
     sources before the planner ever ran them (issue 21, part 4): validation part; nothing was
-    changed after seeing their errors but two software facts from the report: DeepSeek-V3's
-    GEMMs are blockwise-scaled (section 3.3.2; issue 30, fp8m, with the FP8 GEMM kinds) and
-    its dispatch all-to-alls carry FP8 (section 3.3.3; issue 30, dsv3, 2026-12-05)."""
+    changed after seeing their errors but software facts from the report: DeepSeek-V3's
+    GEMMs are blockwise-scaled (section 3.3.2; issue 30, fp8m, with the FP8 GEMM kinds), its
+    dispatch all-to-alls carry FP8 (section 3.3.3; issue 30, dsv3, 2026-12-05), and its
+    DualPipe schedule, memory savings and MTP module (sections 2.2, 3.2.1, 3.2.3, 3.3.3;
+    issue 30, dualpipe, 2026-12-05). The DSV3 row is calibration (runs.LOOKED_AT)."""
     from meshtron.planner.frameworks import PRESETS
 
     mcore = PRESETS["megatron@2024"].kernel
@@ -27,7 +29,10 @@ def moe_runs() -> list[PublishedRun]:
     # all-to-alls with another micro-batch, node-limited routing to M = 4 nodes with per-node
     # deduplication (DSV3 sections 2.1.2, 3.2.1, 3.2.2); imbalance: the documented default;
     # FP8 GEMMs with 1x128 / 128x128 block scales promoted every 128 k-elements (section 3.3.2);
-    # the all-to-alls toward the experts in FP8, the combines in BF16 (section 3.3.3)
+    # the all-to-alls toward the experts in FP8, the combines in BF16 (section 3.3.3);
+    # DualPipe (deepseek-ai/DualPipe: its engine, `pipeline_split = "dualpipe"`), the norms
+    # and up-projections recomputed (3.2.3), SwiGLU inputs in FP8 with its output
+    # recomputed and BF16 AdamW moments (3.3.3), one MTP module (2.2, D = 1 in 4.2)
     dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4, fp8_gemm="blockwise",
                                ep_dispatch="fp8")
     qwen = preset("qwen3-30b-a3b")
