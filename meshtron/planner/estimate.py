@@ -376,7 +376,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                 if not keep:
                     return False
                 stack = self._time_partition(pp, v, t_layer, e_first, e_last, None, weights)
-                if self.mem.split_rule not in ("any", "dualpipe") and stack is not None:
+                if self.mem.split_rule != "any" and stack is not None:
                     n = stack  # the stack's own split is what would run out of memory
                 elif exact_memory:
                     _, n = pipeline.min_memory_partition(model.layers, per_layer, fixed, v)
