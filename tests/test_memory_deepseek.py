@@ -67,10 +67,17 @@ def test_bf16_moments_keep_eight_optimizer_bytes_per_parameter():
     assert memory_states.state_bytes(1, 128, 4.0, bf16) == (2.0, 4.0, 8.0 / 128)
 
 
-def test_a_saving_that_is_not_a_boolean_is_one_line():
+def test_a_saving_that_is_not_a_boolean_or_not_priced_is_one_line():
     with pytest.raises(UserError, match=r"^memory.swiglu_recompute='yes': allowed values are "
                                         r"true, false$"):
         MemoryOptions(swiglu_recompute="yes")
+    # meshtron's eager list and FSDP2's fp32 states would ignore them: refused, not silent
+    with pytest.raises(UserError, match=r"^memory.recompute_norms=true: priced on the "
+                                        r"'korthikanti' saved-tensor list"):
+        MemoryOptions(framework="fsdp2", recompute_norms=True)
+    with pytest.raises(UserError, match=r"^memory.bf16_moments=true: priced for the "
+                                        r"mixed-precision ZeRO frameworks"):
+        MemoryOptions(framework="fsdp2", bf16_moments=True)
 
 
 def _mtp_pair(depth: int):

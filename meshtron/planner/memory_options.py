@@ -163,6 +163,18 @@ class MemoryOptions:
         if self.activations is not None and self.activations not in SELECTIVE:
             raise UserError(f"memory.activations={self.activations!r}: allowed values are "
                              f"{', '.join(SELECTIVE)}")
+        self._deepseek_savings_priced()
+
+    def _deepseek_savings_priced(self) -> None:
+        """DeepSeek's savings are priced on the Megatron-style saved-tensor list and the
+        mixed-precision ZeRO states only: set elsewhere they would change nothing, silently."""
+        for name in ("recompute_norms", "recompute_up_proj", "swiglu_recompute"):
+            if getattr(self, name) and self.saved != "korthikanti":
+                raise UserError(f"memory.{name}=true: priced on the 'korthikanti' saved-tensor "
+                                f"list (Megatron-style stacks), not {self.saved!r}; use false")
+        if self.bf16_moments and self.framework == "fsdp2":
+            raise UserError("memory.bf16_moments=true: priced for the mixed-precision ZeRO "
+                            "frameworks (megatron, deepspeed), not fsdp2; use false")
 
     @property
     def compute_bytes(self) -> float:
