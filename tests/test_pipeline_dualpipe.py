@@ -175,3 +175,21 @@ def test_a_saved_dualpipe_plan_is_refused_by_train_and_the_step_walk(cli, tmp_pa
     rc, _, err = cli("simulate", "--step", "--plan", str(plan), "--options", str(opts))
     assert rc == 2 and "Traceback" not in err and err.strip().count("\n") == 0
     assert "walks torch.distributed.pipelining's schedules, not DeepSeek's DualPipe" in err
+
+
+def test_a_rank_whose_two_stages_differ_holds_each_at_its_own_count():
+    """dualpipe.py's steps: rank r holds PP - r micro-batches of stage r and r + 1 of stage
+    PP-1-r. PP = 4, rank 0 of [3, 1, 1, 1]: 3 x 4 + 1 x 1 = 13 block-micro-batches; of
+    [1, 1, 1, 3]: 1 x 4 + 3 x 1 = 7 (the README's equal chunks: 2.5 x 4 = 10 for both)."""
+    assert pipeline_dualpipe.rank_in_flight([3, 1, 1, 1], 2) == [13 / 4, 5 / 2]
+    assert pipeline_dualpipe.rank_in_flight([2, 2, 2, 2], 2) == [2.5, 2.5]
+    model = PRESETS["llama3-8b"].replace(layers=6)
+    ev = _deepseek_evaluator(model)
+    plan = Plan(tp=1, pp=4, dp=8, zero=1, micro_batch=1, recompute="full",
+                schedule="dualpipe", dtype="bf16")
+    front = ev.evaluate(dataclasses.replace(plan, stage_layers=(3, 1, 1, 1)), stage=0)
+    back = ev.evaluate(dataclasses.replace(plan, stage_layers=(1, 1, 1, 3)), stage=0)
+
+    def acts(e):
+        return e.memory.activations + e.memory.in_flight
+    assert acts(front) / acts(back) == pytest.approx(13 / 7, rel=1e-6)

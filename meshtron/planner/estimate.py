@@ -452,6 +452,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
         cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m, w.n
         if self._torch_zb(w) and n is not None:
             return self._zb_memory(w, keep_infeasible)
+        if cfg.schedule == "dualpipe" and pp > 1 and n is not None:
+            return self._dualpipe_memory(w, keep_infeasible)
         if not (cfg.schedule == "interleaved" and v > 1 and n is not None):
             return True
         inflight, outputs, act, out_bytes = w.inflight, w.outputs, w.act, w.out_bytes
@@ -506,6 +508,16 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                    if inflight[r] != w.inflight[r] or outputs[r] != w.outputs[r]]
         w.inflight, w.outputs = inflight, outputs
         w.per_layer, w.fixed = self._stage_memories(w, w.inflight, changed)
+        w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
+        return w.fits or keep_infeasible
+
+    def _dualpipe_memory(self, w: Work, keep_infeasible: bool) -> bool:
+        """DualPipe's in-flight count on the split's own two stages per rank
+        (pipeline_dualpipe.rank_in_flight), not the README's equal chunks."""
+        chunks = (list(w.cfg.stage_layers) if w.given else
+                  pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, "dualpipe"))
+        w.inflight = pipeline_dualpipe.rank_in_flight(chunks, w.pp)
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
         w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
         return w.fits or keep_infeasible
 

@@ -22,7 +22,8 @@ What the code does (deepseek-ai/DualPipe at 3da1bbe):
 * Activations (README table): PP+1 chunks' worth per rank, a chunk being one stage of one
   micro-batch. Read off dualpipe.py's steps: rank r (first half) runs 2(PP/2-r-1) forwards of
   stage r, then r+1 pairs of both, then the steady F0 B1 F1 B0: at its peak PP-r micro-batches
-  of stage r and r+1 of stage PP-1-r, PP+1 in all.
+  of stage r and r+1 of stage PP-1-r, PP+1 in all (`in_flight` before the split is known,
+  `rank_in_flight` on the split's own stages).
 * Pipeline transfers: hidden in the overlapped chunks (report 3.2.1: "both all-to-all and PP
   communication can be fully hidden during execution"); the bubble formula has no hop term.
 * Micro-batches: the engine's asserts are rules of the plan (plan_rules_pipeline
@@ -71,3 +72,16 @@ def bubble(p: int, v: int, fwd: float, whole: float, wgrad: float) -> float:
     f, b, w = fwd / 2.0, (whole - fwd) / 2.0, wgrad / 2.0
     return max(0.0, (stages / 2.0 - 1.0) * ((f + b) + b - 3.0 * w))
 
+
+
+def rank_in_flight(chunks: list[int], p: int) -> list[float]:
+    """Per V rank r of p (stages r and 2p-1-r, layers `chunks` in stage order), micro-batches'
+    worth of its layers at the peak on the split's own stages: PP - r micro-batches of stage
+    r and r + 1 of stage PP-1-r (PP = 2p; module docstring, dualpipe.py's and dualpipev.py's
+    steps 1-4). Equal stages give `in_flight`'s (PP+1)/2."""
+    stages = 2 * p
+    out = []
+    for r in range(p):
+        a, b = chunks[r], chunks[stages - 1 - r]
+        out.append((a * (stages - r) + b * (r + 1)) / (a + b) if a + b else in_flight(p, 2, stages))
+    return out
