@@ -122,3 +122,22 @@ def test_the_runtime_refuses_mtp_modules_and_a_negative_depth():
     assert plan_problems(k, 8, model, runtime=False) == []
     with pytest.raises(UserError, match=r"^model.mtp_depth=-1: must be a non-negative integer$"):
         PRESETS["llama3-8b"].replace(mtp_depth=-1)
+
+
+def test_an_mtp_module_holds_a_block_and_a_projection_and_one_micro_batch_beside_the_head():
+    """Megatron-Core's states at ZeRO-1 over dp = 8 (bf16 weights 2, fp32 gradients 4, 12/8
+    optimizer bytes per parameter): the module adds one block and the 2h x h projection to
+    the head's rank, and one micro-batch of the block's activations."""
+    ev0, none = _mtp_pair(0)
+    ev1, one = _mtp_pair(1)
+    model = ev0.model
+    h = model.hidden
+    block = memory_states.layer_params_local(model, 1)
+    added = block + 2 * h * h
+    gib = 2.0 ** 30
+    assert one.memory.params - none.memory.params == pytest.approx(2.0 * added / gib, rel=1e-6)
+    assert one.memory.grads - none.memory.grads == pytest.approx(4.0 * added / gib, rel=1e-6)
+    act = ev0._memory_pieces(1, 1, False, "none", "bf16")[1]
+    assert act > 0
+    assert (one.memory.activations + one.memory.in_flight) - (
+        none.memory.activations + none.memory.in_flight) == pytest.approx(act / gib, rel=1e-6)

@@ -255,8 +255,8 @@ def test_validation_errors_do_not_regress(table, capsys):
     Issue 30 (dualpipe, 2026-12-05): DualPipe priced as DeepSeek's code runs it (stages r and
     PP-1-r on one rank, half the micro-batches through each, the README's bubble, transfers
     hidden: planner/pipeline_dualpipe.py), its activation savings and BF16 moments
-    (MemoryOptions, report 3.2.3 / 3.3.3) and its MTP module (ModelSpec.mtp_depth = 1, time
-    only: planner/mtp.py). Here +25.3% -> +22.2%, through the command line -15.4% -> +22.2%
+    (MemoryOptions, report 3.2.3 / 3.3.3) and its MTP module (ModelSpec.mtp_depth = 1:
+    planner/mtp.py). Here +25.3% -> +22.2%, through the command line -15.4% -> +22.2%
     (the same split, [3, 4 x 14, 2]: no memory-driven ZB-H1 split any more; the planner still
     finds it 121 GiB per rank). The bound is back at 0.25."""
     dense = [p for p in table if p.run.ep == 1]

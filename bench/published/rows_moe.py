@@ -49,7 +49,7 @@ def moe_runs() -> list[PublishedRun]:
              "planner/pipeline_dualpipe.py) with overlapped all-to-alls; recomputation of "
              "norms and MLA up-projections, FP8 SwiGLU inputs, BF16 moments (sections 3.2.3, "
              "3.3.3: MemoryOptions); MLA approximated by the preset's GQA; one MTP module "
-             "(section 4.2, D = 1), its time only")]
+             "(section 4.2, D = 1)")]
     # what the rows' recipes set (Megatron-Bridge tags v0.2.0 / v0.3.0, Qwen3-30B-A3B H100 FP8
     # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the
     # 25.11 table), moe_a2a_overlap on (overlap_moe_expert_parallel_comm), gradients reduced in

@@ -80,8 +80,8 @@ from typing import Any
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, memory, memory_pipeline, memory_zb,
-                              moe_memory, offload, pipeline, pipeline_dualpipe, pipeline_split,
-                              zb_recompute)
+                              moe_memory, mtp, offload, pipeline, pipeline_dualpipe,
+                              pipeline_split, zb_recompute)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -271,7 +271,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             w.extra_warm = 1
         roots = [0.0] * pp
         roots[0] += p_emb
-        roots[w.head_rank] += p_head
+        roots[w.head_rank] += p_head + mtp.params(model.mtp_depth, w.p_layer + w.p_exp,
+                                                  model.hidden, tp)
         # FSDP2 units outside the blocks: the embedding and [norm, head], wrapped apart
         root_units = [0.0] * pp
         root_units[0] = p_emb
@@ -301,6 +302,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
             w.recv = [k * out_bytes for k in memory_pipeline.receive_buffers(
                 pp, v, m, cfg.schedule, inflight, mem_opts.fused_norm, counted)]
             outputs = [o + r for o, r in zip(outputs, w.recv)]
+        outputs = mtp.with_activations(outputs, w.head_rank, model.mtp_depth, w.act)
         w.inflight, w.roots, w.root_units, w.out_bytes, w.outputs = (inflight, roots, root_units,
                                                                      out_bytes, outputs)
         # per pipeline rank: (block parameters, experts, activations, recompute working set)
@@ -504,6 +506,7 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost):
                   pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, "zb"))
         inflight, outputs = self._zb_held(w, tuple(chunks), w.out_bytes)
         outputs = [o + r for o, r in zip(outputs, w.recv)]  # torch's receive buffers
+        outputs = mtp.with_activations(outputs, w.head_rank, self.model.mtp_depth, w.act)
         changed = [r for r in range(w.pp)
                    if inflight[r] != w.inflight[r] or outputs[r] != w.outputs[r]]
         w.inflight, w.outputs = inflight, outputs

@@ -5,9 +5,13 @@ concatenation [T, 2h] to [T, h] (one GEMM), runs one transformer block and the o
 cross-entropy again (the head and the embedding shared with the main model, section 3.2.3:
 DualPipe keeps them on one rank). So per micro-batch and module: one block (the model's
 average block, MoE share included: its exposed all-to-alls charged with it), one head and the
-projection, forward and backward. Not counted: the two norms (memory-bound passes over
-[T, h], under 0.1% of a block) and the module's memory (its block's parameters, activations
-and a second set of logits on the head's stage).
+projection, forward and backward. Memory on the head's rank: the module's parameters (one
+block and the projection, `params`; its routed experts at the dense parameters' states, which
+under ZeRO-1 shard over dp, not the dp/ep ranks that share an expert: a little under) and one
+micro-batch of its block's activations (the head's stage holds one micro-batch: 1F1B's and
+zero bubble's last stage, DualPipe's stage PP-1 on rank 0; `activations`). Not counted: the two
+norms (memory-bound passes over [T, h], under 0.1% of a block) and the module's own logits
+(alive at its loss, as the main head's are at theirs).
 """
 
 from __future__ import annotations
@@ -36,3 +40,20 @@ def with_mtp(head: EdgeCost, depth: int, block: tuple[float, float, float, float
         # projection a GEMM, the module's block whole under 'moe' (it is a MoE block)
         parts=head.parts + tuple((k, depth * t) for k, t in head.parts)
         + (("gemm", depth * 3.0 * proj_fwd), ("moe", depth * (c + comm))))
+
+
+def params(depth: int, block: float, hidden: int, tp: int) -> float:
+    """Parameters per tensor rank of `depth` modules: one block (`block`, the pipelined
+    planner's largest) and the 2h x h projection each."""
+    return depth * (block + 2.0 * hidden * hidden / tp)
+
+
+def with_activations(outputs: list[float], head_rank: int, depth: int,
+                     act: float) -> list[float]:
+    """Per pipeline rank, bytes kept beside the stages' own activations: `depth` blocks'
+    activations of one micro-batch (`act` per block) on the head's rank."""
+    if not depth:
+        return outputs
+    out = list(outputs)
+    out[head_rank] += depth * act
+    return out
