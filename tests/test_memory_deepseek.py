@@ -16,7 +16,7 @@ from meshtron.planner import compute, memory, memory_states, moe_memory, mtp
 from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.frameworks import preset
-from meshtron.planner.memory_options import FP8_TILE_BYTES, MemoryOptions
+from meshtron.planner.memory_options import E5M6_TILE_BYTES, FP8_TILE_BYTES, MemoryOptions
 from meshtron.planner.plan import Plan, plan_problems
 from meshtron.planner.step_categories import step_categories
 
@@ -58,6 +58,44 @@ def test_routed_experts_keep_an_fp8_swiglu_input_and_no_fc2_input():
     fe = model.moe_ffn_hidden
     # fc1's bf16 output [2 fe] and fc2's FP8 input [fe] -> the FP8 SwiGLU input [2 fe]
     assert kept - saved == pytest.approx(rows * fe * (2 * cb + 1.0 - 2 * FP8_TILE_BYTES))
+
+
+def test_the_attention_output_is_cached_once_in_e5m6_under_fp8():
+    model = PRESETS["deepseek-v3"]
+    q = model.heads * model.head_dim
+    base = MemoryOptions(framework="megatron")
+    e5m6 = dataclasses.replace(base, attn_out_e5m6=True)
+    # 3.3.3 (1): one E5M6 copy with 1x128 scales serves the out-projection's and the
+    # attention core's backward, in place of TE's FP8 copy beside FlashAttention's bf16 output
+    saved = _act(model, base, "fp8") - _act(model, e5m6, "fp8")
+    assert saved == pytest.approx(SEQ * q * (1.0 + 2.0 - E5M6_TILE_BYTES))
+    assert E5M6_TILE_BYTES == 1.5 + 4.0 / 128
+    # a bf16 run already keeps one bf16 copy for both: nothing moves
+    assert _act(model, e5m6) == _act(model, base)
+    with pytest.raises(UserError, match=r"^memory.attn_out_e5m6=true: priced on the "
+                                        r"'korthikanti' saved-tensor list"):
+        MemoryOptions(framework="fsdp2", attn_out_e5m6=True)
+
+
+def test_the_dsv3_row_keeps_no_expert_outputs_for_the_deepep_combine():
+    """DeepEP's combine sums the expert ranks' rows unweighted and its backward is a dispatch
+    by the handle (deepseek-ai/DeepEP README combine_forward / combine_backward;
+    tests/legacy/test_intranode.py: combined_x / ranks reached == x): the routing weights
+    travel with the dispatch and are applied on the expert side, as Megatron-Core's DeepEP
+    path does (token_dispatcher.py _DeepepManager: unpermute without probs, permuted probs to
+    the experts' weighted SwiGLU). So the row's combine keeps the permuted probabilities
+    only, not the [T k, h] expert outputs Megatron-Core <= 0.12's unpermute saved."""
+    from bench.published.runs import published_runs
+
+    run = next(r for r in published_runs() if r.name == "DSV3 671B 2048xH800")
+    model, mem = run.model, run.memory
+    tokens, imb, cb = 4096.0, run.opts.expert_imbalance, 2.0
+    args = (model, tokens, 1, run.ep, imb, cb, "korthikanti", 1.0, "selective")
+    row = moe_memory.routed_saved_bytes(*args, weighted_act=mem.moe_weighted_act, mem=mem)
+    unpermute = moe_memory.routed_saved_bytes(*args, weighted_act=False, mem=mem)
+    slots = tokens * model.moe_top_k
+    assert unpermute - row == pytest.approx(slots * (model.hidden * cb + 4.0)
+                                            - slots * imb * 4.0)
 
 
 def test_bf16_moments_keep_eight_optimizer_bytes_per_parameter():

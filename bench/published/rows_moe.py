@@ -32,7 +32,10 @@ def moe_runs() -> list[PublishedRun]:
     # the all-to-alls toward the experts in FP8, the combines in BF16 (section 3.3.3);
     # DualPipe (deepseek-ai/DualPipe: its engine, `pipeline_split = "dualpipe"`), the norms
     # and up-projections recomputed (3.2.3), SwiGLU inputs in FP8 with its output
-    # recomputed and BF16 AdamW moments (3.3.3), one MTP module (2.2, D = 1 in 4.2)
+    # recomputed, the attention output cached once in E5M6 and BF16 AdamW moments (3.3.3),
+    # one MTP module (2.2, D = 1 in 4.2); the routing weights applied on the expert side
+    # (DeepEP's combine sums unweighted and its backward is a dispatch by the handle:
+    # deepseek-ai/DeepEP README, tests/legacy/test_intranode.py; MemoryOptions.moe_weighted_act)
     dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4, fp8_gemm="blockwise",
                                ep_dispatch="fp8")
     qwen = preset("qwen3-30b-a3b")
@@ -44,11 +47,14 @@ def moe_runs() -> list[PublishedRun]:
         micro_batches=(1, 2), schedules=("dualpipe",), dtype="fp8", ep=64,
         memory=MemoryOptions(framework="megatron", pipeline_split="dualpipe",
                              recompute_norms=True, recompute_up_proj=True,
-                             swiglu_recompute=True, bf16_moments=True), confident=False,
+                             swiglu_recompute=True, attn_out_e5m6=True,
+                             bf16_moments=True, moe_weighted_act=True), confident=False,
         note="batch 15,360 x 4,096 (the schedule's plateau); DualPipe (section 3.2.1, "
              "planner/pipeline_dualpipe.py) with overlapped all-to-alls; recomputation of "
-             "norms and MLA up-projections, FP8 SwiGLU inputs, BF16 moments (sections 3.2.3, "
-             "3.3.3: MemoryOptions); MLA approximated by the preset's GQA; one MTP module "
+             "norms and MLA up-projections, FP8 SwiGLU inputs, the attention output cached "
+             "once in E5M6, BF16 moments (sections 3.2.3, 3.3.3: MemoryOptions); routing "
+             "weights applied on the expert side, DeepEP's combine unweighted "
+             "(moe_weighted_act); MLA approximated by the preset's GQA; one MTP module "
              "(section 4.2, D = 1)")]
     # what the rows' recipes set (Megatron-Bridge tags v0.2.0 / v0.3.0, Qwen3-30B-A3B H100 FP8
     # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the

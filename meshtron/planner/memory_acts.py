@@ -55,7 +55,8 @@ import math
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory_bwd import block_backward_bytes, eager_none as _eager_none
-from meshtron.planner.memory_options import DEFAULT, FP8_TILE_BYTES, MemoryOptions
+from meshtron.planner.memory_options import (DEFAULT, E5M6_TILE_BYTES, FP8_TILE_BYTES,
+                                          MemoryOptions)
 
 RNG_STATE_BYTES = 5056.0
 """A checkpointed block keeps the CPU generator's state to replay dropout identically
@@ -127,7 +128,7 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     the GEMM inputs in FP8, `te_fp8_inputs`). Q and the attention output are heads x head_dim
     wide, which is not the hidden size everywhere (Qwen3: 32 x 128 over 2048). `mem`'s
     DeepSeek-V3 savings drop what the backward recomputes (recompute_norms,
-    recompute_up_proj, swiglu_recompute)."""
+    recompute_up_proj, swiglu_recompute) or store smaller (attn_out_e5m6)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
     q = model.heads * model.head_dim
     x = 1.0 if fp8_inputs else cb                       # a saved GEMM input
@@ -137,6 +138,8 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     # the out-projection's input: FlashAttention keeps its bf16 output O for its own backward,
     # the same tensor the bf16 Linear saves; an FP8 Linear saves its own FP8 copy beside it
     out = x * q + (cb * q if fp8_inputs and opts.attention != "unfused" else 0.0)
+    if mem.attn_out_e5m6 and fp8_inputs:  # DeepSeek: one E5M6 copy serves both backwards
+        out = E5M6_TILE_BYTES * q
     # SwiGLU: fc1's output [2f] (the activation's input) and fc2's input [f]; GeLU: f and f
     mlp = (2.0 * cb * f if model.mlp == "swiglu" else cb * f) + x * f
     if mem.swiglu_recompute and model.mlp == "swiglu":  # FP8 input kept, output recomputed

@@ -45,6 +45,10 @@ LOSSES = ("chunked", "eager", "vocab-parallel", "inplace")
 FP8_TILE_BYTES = 1.0 + 4.0 / 128
 """Bytes per element of an activation kept in FP8 with one fp32 scale per 1x128 tile
 (DeepSeek-V3 report 3.3.2-3.3.3, fine-grained quantization; MemoryOptions.swiglu_recompute)."""
+E5M6_TILE_BYTES = 1.5 + 4.0 / 128
+"""Bytes per element of DeepSeek's E5M6 cache of the attention output (12 bits: sign, 5
+exponent, 6 mantissa) with its 1x128 tile scales (report 3.3.3, "converted from an 1x128
+quantization tile to an 128x1 tile in the backward pass"; MemoryOptions.attn_out_e5m6)."""
 
 PIPELINE_SPLITS = ("any", "megatron-even", "megatron-ends", "deepspeed-transformer",
                    "deepspeed-parameters", "dualpipe")
@@ -94,7 +98,15 @@ class MemoryOptions:
     the combine's unpermute takes none, so it saves no [T*k, h] expert outputs for their
     gradient, only the permuted probabilities beside the SwiGLU's input
     (moe_memory.routed_saved_bytes); False: the probabilities applied at the unpermute
-    (Megatron-Core 0.8-0.12, the megatron@2024 preset)."""
+    (Megatron-Core 0.8-0.12, the megatron@2024 preset). A stack that combines through DeepEP
+    (DeepSeek-V3's) cannot weight at the combine: DeepEP's combine sums the expert ranks' rows
+    unweighted and its backward is a dispatch by the routing handle (deepseek-ai/DeepEP README
+    combine_forward / combine_backward; tests/legacy/test_intranode.py checks combined_x as
+    the plain sum), so the weights travel with the dispatch and scale the rows on the expert
+    side; Megatron-Core's DeepEP path (token_dispatcher.py _DeepepManager: unpermute without
+    probs, permuted probs to the experts) is this option. Where DeepSeek's own code applies
+    them on the expert side is unpublished: scaling fc2's output instead would keep that
+    output [R, h] for the weights' gradient, more than the unpermute's [T*k, h]."""
 
     recompute_norms: bool = False
     """The backward recomputes every RMSNorm from its kept input (DeepSeek-V3 report section
@@ -114,6 +126,16 @@ class MemoryOptions:
     output in the backward pass. These activations are also stored in FP8"): fc2's input is
     not kept, the [2f] input costs FP8_TILE_BYTES per element (dense MLP, shared
     and routed experts); False: fc1's bf16 output and fc2's input kept."""
+
+    attn_out_e5m6: bool = False
+    """The attention output (the out-projection's input) cached once, in E5M6 with 1x128
+    tile scales, for both the out-projection's weight gradient and the attention core's
+    backward (report 3.3.3, Low-Precision Activation (1): "Inputs of the Linear after the
+    attention operator. These activations are also used in the backward pass of the attention
+    operator ... We adopt a customized E5M6 data format exclusively for these activations"):
+    E5M6_TILE_BYTES per element in place of the FP8 Linear's copy beside FlashAttention's
+    bf16 output (memory_acts._korthikanti). Changes FP8 runs only: a bf16 run already keeps
+    one bf16 copy for both. False: two copies (Transformer Engine, Megatron-Core)."""
 
     bf16_moments: bool = False
     """AdamW's two moments in BF16, master weights and gradients FP32 (section 3.3.3,
@@ -144,7 +166,7 @@ class MemoryOptions:
             raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
         for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments",
                      "recompute_norms", "recompute_up_proj", "swiglu_recompute",
-                     "bf16_moments"):
+                     "attn_out_e5m6", "bf16_moments"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(f"memory.{name}={value!r}: allowed values are true, false")
@@ -168,7 +190,8 @@ class MemoryOptions:
     def _deepseek_savings_priced(self) -> None:
         """DeepSeek's savings are priced on the Megatron-style saved-tensor list and the
         mixed-precision ZeRO states only: set elsewhere they would change nothing, silently."""
-        for name in ("recompute_norms", "recompute_up_proj", "swiglu_recompute"):
+        for name in ("recompute_norms", "recompute_up_proj", "swiglu_recompute",
+                     "attn_out_e5m6"):
             if getattr(self, name) and self.saved != "korthikanti":
                 raise UserError(f"memory.{name}=true: priced on the 'korthikanti' saved-tensor "
                                 f"list (Megatron-style stacks), not {self.saved!r}; use false")
