@@ -117,8 +117,9 @@ class MemoryOptions:
     recompute_up_proj: bool = False
     """The backward recomputes the attention's up-projections (section 3.2.3, MLA): Q, K and V
     are not kept. Priced on the preset's GQA stand-in as its Q, K and V dropped; MLA's
-    latents that rebuild them (1,536 + 512 + 64 per token in DeepSeek-V3's config, about
-    0.15 of an [T, h] bf16 unit) are not counted (ModelSpec has no MLA widths)."""
+    latents that rebuild them (1,536 + 512 + 64 per token in DeepSeek-V3's config, 2,112
+    against 7,168 values: about 0.29 of an [T, h] bf16 unit) are not counted (ModelSpec has
+    no MLA widths)."""
 
     swiglu_recompute: bool = False
     """SwiGLU keeps its input in FP8 with 1x128 tile scales and the backward recomputes its
