@@ -12,7 +12,7 @@ import pytest
 
 from meshtron.errors import UserError
 from meshtron.model.spec import PRESETS
-from meshtron.planner import compute, memory, memory_states, moe_memory, mtp
+from meshtron.planner import compute, memory, memory_states, moe_memory, mtp, pipeline
 from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.frameworks import preset
@@ -179,3 +179,25 @@ def test_an_mtp_module_holds_a_block_and_a_projection_and_one_micro_batch_beside
     assert act > 0
     assert (one.memory.activations + one.memory.in_flight) - (
         none.memory.activations + none.memory.in_flight) == pytest.approx(act / gib, rel=1e-6)
+
+
+def test_an_mtp_modules_activations_survive_torchs_zero_bubble_walk():
+    """Under torch's zero bubble (torchtitan's FSDP2 stack) the split backward's walk
+    (estimate_walks._zb_memory) reprices the held outputs after the memory model: the MTP
+    module's micro-batch of block activations is added there again, on the head's rank."""
+    fw = preset("torchtitan@2025")
+    plan = Plan(tp=1, pp=2, dp=4, zero=1, micro_batch=1, recompute="none", dtype="bf16",
+                schedule="zb", stage_layers=(2, 2))
+
+    def held(depth: int):
+        model = PRESETS["llama3-8b"].replace(layers=4, mtp_depth=depth)
+        ev = Evaluator(model, resolve_cluster("dgx-h100:1"), 16, 2048, fw.kernel,
+                       mem=fw.memory)
+        est = ev.evaluate(plan, stage=pipeline.head_rank(2, 1, "zb"))
+        return ev, est.memory.activations + est.memory.in_flight
+
+    ev0, none = held(0)
+    _, one = held(1)
+    act = ev0._memory_pieces(1, 1, False, "none", "bf16")[1]
+    assert act > 0
+    assert one - none == pytest.approx(act / 2.0 ** 30, rel=1e-6)
