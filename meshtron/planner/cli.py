@@ -66,7 +66,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
     p.add_argument("--schedule",
-                   help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe")
+                   help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe | "
+                        "dualpipe | dualpipev (DeepSeek's engine only: pipeline_split = "
+                        "\"dualpipe\" in --options)")
     add_framework_args(p)
     p.add_argument("--dtype", default=None,
                    help="precision of the run: bf16 (default: mixed precision) | fp32 (TF32 "
