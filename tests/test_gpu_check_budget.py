@@ -171,16 +171,26 @@ def test_sigterm_while_an_ended_case_is_recorded_keeps_its_record(tmp_path):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise runner.Interrupted(f"signal {signum}")
 
-    def term_once_reaped():
-        while run.proc.returncode is None:  # set by wait_all's poll
-            time.sleep(0.02)
-        time.sleep(1.0)  # inside finish's wait for the output
+    main = threading.get_ident()
+
+    def in_finish() -> bool:
+        """The main thread's stack holds runner.finish (waiting for the left child's output)."""
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code is runner.finish.__code__:
+                return True
+            frame = frame.f_back
+        return False
+
+    def term_inside_finish():
+        while not in_finish():
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGTERM)
 
     old = signal.signal(signal.SIGTERM, on_term)
     got: dict = {}
     try:
-        threading.Thread(target=term_once_reaped, daemon=True).start()
+        threading.Thread(target=term_inside_finish, daemon=True).start()
         with pytest.raises(runner.Interrupted):
             runner.wait_all([run], lambda r, rec: got.setdefault(r.name, rec))
     finally:
