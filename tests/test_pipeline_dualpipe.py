@@ -164,11 +164,15 @@ def test_a_saved_dualpipe_plan_is_refused_by_train_and_the_step_walk(cli, tmp_pa
     opts = tmp_path / "deepseek.toml"
     opts.write_text('framework = "megatron@2024"\n[options]\npipeline_split = "dualpipe"\n')
     plan = tmp_path / "plan.toml"
-    rc, _, err = cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100:4",
-                     "--global-batch", "256", "--seq-len", "4096", "--layout", "tp=1,pp=4,dp=8",
-                     "--micro-batch", "1", "--options", str(opts), "--schedule", "dualpipe",
-                     "--save", str(plan))
+    rc, out, err = cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100:4",
+                       "--global-batch", "256", "--seq-len", "4096", "--layout",
+                       "tp=1,pp=4,dp=8", "--micro-batch", "1", "--options", str(opts),
+                       "--schedule", "dualpipe", "--save", str(plan))
     assert rc == 0, err
+    # the save line says so too, not "`meshtron train --plan` trains in it"
+    said = " ".join(out.split())
+    assert "meshtron's runtime refuses it: plan.schedule='dualpipe'" in said
+    assert "trains in it" not in said
     rc, _, err = cli("train", "--plan", str(plan))
     assert rc == 2 and "Traceback" not in err and err.strip().count("\n") == 0
     assert "DeepSeek's DualPipe runs only in DeepSeek's own stack" in err
