@@ -14,9 +14,11 @@ from bench.published.table import PublishedRun, h800
 def moe_runs() -> list[PublishedRun]:
     """Published mixture-of-experts runs with their expert-parallel layouts. Added with their
     sources before the planner ever ran them (issue 21, part 4): validation part; nothing was
-    changed after seeing their errors but one software fact from the report, added in issue
-    30 (fp8m) with the FP8 GEMM kinds: DeepSeek-V3's GEMMs are blockwise-scaled (section
-    3.3.2)."""
+    changed after seeing their errors but software facts from the report: DeepSeek-V3's
+    GEMMs are blockwise-scaled (section 3.3.2; issue 30, fp8m, with the FP8 GEMM kinds), its
+    dispatch all-to-alls carry FP8 (section 3.3.3; issue 30, dsv3, 2026-12-05), and its
+    DualPipe schedule, memory savings and MTP module (sections 2.2, 3.2.1, 3.2.3, 3.3.3;
+    issue 30, dualpipe, 2026-12-05). The DSV3 row is calibration (runs.LOOKED_AT)."""
     from meshtron.planner.frameworks import PRESETS
 
     mcore = PRESETS["megatron@2024"].kernel
@@ -26,18 +28,34 @@ def moe_runs() -> list[PublishedRun]:
     # DeepSeek's own stack: Megatron-style fused kernels, DualPipe overlapping both
     # all-to-alls with another micro-batch, node-limited routing to M = 4 nodes with per-node
     # deduplication (DSV3 sections 2.1.2, 3.2.1, 3.2.2); imbalance: the documented default;
-    # FP8 GEMMs with 1x128 / 128x128 block scales promoted every 128 k-elements (section 3.3.2)
-    dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4, fp8_gemm="blockwise")
+    # FP8 GEMMs with 1x128 / 128x128 block scales promoted every 128 k-elements (section 3.3.2);
+    # the all-to-alls toward the experts in FP8, the combines in BF16 (section 3.3.3);
+    # DualPipe (deepseek-ai/DualPipe: its engine, `pipeline_split = "dualpipe"`), the norms
+    # and up-projections recomputed (3.2.3), SwiGLU inputs in FP8 with its output
+    # recomputed, the attention output cached once in E5M6 and BF16 AdamW moments (3.3.3),
+    # one MTP module (2.2, D = 1 in 4.2); the routing weights applied on the expert side
+    # (DeepEP's combine sums unweighted and its backward is a dispatch by the handle:
+    # deepseek-ai/DeepEP README, tests/legacy/test_intranode.py; MemoryOptions.moe_weighted_act)
+    dsv3 = dataclasses.replace(mcore, ep_overlap=True, ep_node_limit=4, fp8_gemm="blockwise",
+                               ep_dispatch="fp8")
     qwen = preset("qwen3-30b-a3b")
     runs = [PublishedRun(
         "DSV3 671B 2048xH800", "DSV3 sections 3.1-3.3 (180K H800 GPU-hours per 1T tokens)",
-        "DeepSeek HAI-LLM (DualPipe)", preset("deepseek-v3"), h800(256), 15360, 4096, 1, 16,
+        "DeepSeek HAI-LLM (DualPipe)", preset("deepseek-v3").replace(mtp_depth=1), h800(256),
+        15360, 4096, 1, 16,
         128, 1, "selective", False, dsv3, "tokens_per_gpu", 1e12 / (180e3 * 3600),
-        micro_batches=(1, 2), schedules=("zb",), dtype="fp8", ep=64,
-        memory=MemoryOptions(framework="megatron", pipeline_split="any"), confident=False,
-        note="batch 15,360 x 4,096 (the schedule's plateau); DualPipe priced as ZB-H1 with "
-             "overlapped all-to-alls; recomputation of norms and MLA up-projections as "
-             "selective; MLA approximated by the preset's GQA; the MTP module not counted")]
+        micro_batches=(1, 2), schedules=("dualpipe",), dtype="fp8", ep=64,
+        memory=MemoryOptions(framework="megatron", pipeline_split="dualpipe",
+                             recompute_norms=True, recompute_up_proj=True,
+                             swiglu_recompute=True, attn_out_e5m6=True,
+                             bf16_moments=True, moe_weighted_act=True), confident=False,
+        note="batch 15,360 x 4,096 (the schedule's plateau); DualPipe (section 3.2.1, "
+             "planner/pipeline_dualpipe.py) with overlapped all-to-alls; recomputation of "
+             "norms and MLA up-projections, FP8 SwiGLU inputs, the attention output cached "
+             "once in E5M6, BF16 moments (sections 3.2.3, 3.3.3: MemoryOptions); routing "
+             "weights applied on the expert side, DeepEP's combine unweighted "
+             "(moe_weighted_act); MLA approximated by the preset's GQA; one MTP module "
+             "(section 4.2, D = 1)")]
     # what the rows' recipes set (Megatron-Bridge tags v0.2.0 / v0.3.0, Qwen3-30B-A3B H100 FP8
     # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the
     # 25.11 table), moe_a2a_overlap on (overlap_moe_expert_parallel_comm), gradients reduced in

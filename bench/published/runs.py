@@ -87,7 +87,14 @@ LOOKED_AT = {
                         "GiB breakdown again (issue 30 session 36), which led to the walked "
                         "Megatron order and the paper's split and fp32 gradients as inputs",
     "DSV3 671B 2048xH800": "an FP8 GEMM tiling change that broke its error bound led to the "
-                           "blockwise FP8 GEMM kind (KernelOptions.fp8_gemm, issue 30 session 34)",
+                           "blockwise FP8 GEMM kind (KernelOptions.fp8_gemm, issue 30 session 34); "
+                           "its step broken into pieces (issue 30, branch dsv3, 2026-12-05) led "
+                           "to the FP8 dispatch (KernelOptions.ep_dispatch, report section "
+                           "3.3.3), then to DualPipe as its own schedule, DeepSeek's "
+                           "activation savings and BF16 moments (MemoryOptions) and the MTP "
+                           "module (ModelSpec.mtp_depth) (branch dualpipe, 2026-12-05); its "
+                           "'does not fit' led to reading DeepEP's combine and report 3.3.3's "
+                           "list: moe_weighted_act and attn_out_e5m6 set (branch dsv3mem)",
     **{name: "the fp8_param_gather option was added after its error was known (issue 30 "
              "session 34): Megatron-Bridge's fp8_cs precision sets it"
        for name in ("MB25.11 Llama3 8b 8xH100", "MB25.11 Llama3 70b 64xH100",

@@ -122,8 +122,17 @@ class ModelSpec:
     """Coefficient of the load-balancing auxiliary loss (Switch Transformer; 0: none)."""
     moe_bias_update: float = 0.0
     """Bias update speed of auxiliary-loss-free balancing (DeepSeek-V3 gamma 0.001; sigmoid)."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules trained beside the model (DeepSeek-V3 report section
+    2.2: D sequential modules, each an RMSNorm pair, a 2h -> h projection, one block and the
+    shared output head; D = 1 in section 4.2). Priced by the planner (planner/mtp.py);
+    meshtron's runtime builds none and refuses it (plan_rules.model_problems)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) \
+                or self.mtp_depth < 0:
+            raise UserError(f"model.mtp_depth={self.mtp_depth!r}: must be a non-negative "
+                            "integer")
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

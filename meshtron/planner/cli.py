@@ -66,7 +66,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
     p.add_argument("--schedule",
-                   help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe[:V]")
+                   help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe[:V] "
+                        "| dualpipe | dualpipev (DeepSeek's engine only: pipeline_split = "
+                        "\"dualpipe\" in --options)")
     add_framework_args(p)
     p.add_argument("--dtype", default=None,
                    help="precision of the run: bf16 (default: mixed precision) | fp32 (TF32 "
@@ -248,6 +250,16 @@ def _rehearse(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq:
     return args.rehearsal[0](load_model(args.model), plan, args.cluster)
 
 
+def _runtime_refusal(plan: Any) -> str | None:
+    """The line meshtron's runtime would refuse a saved plan with (Plan.validate: the one
+    validity function, runtime limits included), or None when `meshtron train` runs it."""
+    try:
+        plan.validate(plan.gpus)
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def quiet_broken_pipe() -> None:
     """The reader of stdout went away (`meshtron plan --json | head -1`): point stdout at
     /dev/null so that the interpreter's final flush cannot raise again, and say nothing."""
@@ -302,6 +314,10 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
                                    result.options.attention)
         plan.save(args.save)
         if console is not None:
-            console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: `meshtron "
-                          f"train --plan {args.save}` trains in it; --dtype here changes it)")
+            # a plan priced for another stack's engine (DeepSeek's DualPipe) is saved for the
+            # record, but the one validity function says meshtron's runtime will refuse it
+            refused = _runtime_refusal(plan)
+            how = (f"`meshtron train --plan {args.save}` trains in it; --dtype here changes it"
+                   if refused is None else f"meshtron's runtime refuses it: {refused}")
+            console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: {how})")
     return 0

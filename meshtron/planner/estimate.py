@@ -80,8 +80,8 @@ from __future__ import annotations
 from typing import Any
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compression, compute, memory, pipeline, pipeline_split,
-                              zb_recompute)
+from meshtron.planner import (comm, compression, compute, memory, pipeline, pipeline_dualpipe,
+                              pipeline_split, zb_recompute)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
@@ -157,6 +157,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         model, the layer split, the step time (estimate_time.py), the interleaved schedule's
         walk, the result."""
         self.evaluated += 1
+        if pipeline_dualpipe.is_dualpipe(cfg):  # priced as the V it is per rank
+            est = self.evaluate(pipeline_dualpipe.fold(cfg), keep_infeasible, exact_memory,
+                                cutoff, stage)
+            m = self.global_batch // (cfg.dp * cfg.micro_batch)
+            return None if est is None else pipeline_dualpipe.unfold(est, cfg, m)
         w = self._inputs(cfg)
         if not keep_infeasible:  # nothing above it is returned: walks may be skipped
             w.cutoff = cutoff

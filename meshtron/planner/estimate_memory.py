@@ -12,7 +12,7 @@ estimate_walks.py; `half` on odd stages in estimate_half.py. Moved from estimate
 from __future__ import annotations
 
 from meshtron.errors import UserError
-from meshtron.planner import (compression, memory, memory_pipeline, moe_memory, offload,
+from meshtron.planner import (compression, memory, memory_pipeline, moe_memory, mtp, offload,
                               pipeline, pipeline_split)
 from meshtron.planner.estimate_half import half_cap
 from meshtron.planner.estimate_stage import given_partition
@@ -71,7 +71,8 @@ class StageMemories:
             w.extra_warm = 1
         roots = [0.0] * pp
         roots[0] += p_emb
-        roots[w.head_rank] += p_head
+        roots[w.head_rank] += p_head + mtp.params(model.mtp_depth, w.p_layer + w.p_exp,
+                                                  model.hidden, tp)
         # FSDP2 units outside the blocks: the embedding and [norm, head], wrapped apart
         root_units = [0.0] * pp
         root_units[0] = p_emb
@@ -101,6 +102,7 @@ class StageMemories:
             w.recv = [k * out_bytes for k in memory_pipeline.receive_buffers(
                 pp, v, m, cfg.schedule, inflight, mem_opts.fused_norm, counted)]
             outputs = [o + r for o, r in zip(outputs, w.recv)]
+        outputs = mtp.with_activations(outputs, w.head_rank, model.mtp_depth, w.act)
         w.inflight, w.roots, w.root_units, w.out_bytes, w.outputs = (inflight, roots, root_units,
                                                                      out_bytes, outputs)
         # per pipeline rank: (block parameters, experts, activations, recompute working set)

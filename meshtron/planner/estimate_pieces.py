@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compute, host, memory, memory_pipeline, moe_cost,
-                              moe_memory, pipeline, pipeline_split, placement)
+                              moe_memory, mtp, pipeline, pipeline_split, placement)
 from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
 
@@ -98,7 +98,8 @@ class CostPieces:
                                          moe_memory.expert_tp(self.mem.framework, tp),
                                          *window,
                                          moe_cost.per_expert_gemms(self.mem.framework),
-                                         o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd)
+                                         o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd,
+                                         o.ep_dispatch)
             share = model.moe_layers / model.layers
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
             # with ep > 1 the dispatch reads its split sizes on the host once per MoE layer
@@ -155,6 +156,10 @@ class CostPieces:
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
                                  opts.eager_norm)
+        if m.mtp_depth:  # DeepSeek-V3's MTP modules beside the head (planner/mtp.py)
+            proj = compute.cluster_gemm_time(mb * s / cp, m.hidden, 2 * m.hidden,
+                                             cl.at_dtype(compute.compute_dtypes(dtype)[1]))
+            head = mtp.with_mtp(head, m.mtp_depth, (c_l, tpc_l, f_l, w_l), proj)
         # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,
         # re-gathered on NVLink (already split with sequence parallelism); without
         # scatter/gather each tensor rank sends the whole activation over its own link
@@ -208,7 +213,7 @@ class CostPieces:
             mem.compute_bytes, mem.saved, rec, 1.0 if fp8 else None,
             shared_replicated=mem.framework == "fsdp2",
             dense_fp8=mem.saved == "korthikanti" and memory.te_fp8_inputs(o, mem),
-            weighted_act=mem.moe_weighted_act)
+            weighted_act=mem.moe_weighted_act, mem=mem)
 
     def _groups(self, cfg: Plan) -> dict[str, Any]:
         """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""

@@ -45,7 +45,8 @@ class StepTimes:
             chunked = None  # equal chunks: the formula is the order's walk
         w.groups = groups = self._groups(cfg)
         pp_t = 0.0
-        if pp > 1:
+        # DualPipe hides its transfers in the overlapped chunks (pipeline_dualpipe.py)
+        if pp > 1 and cfg.schedule != "dualpipe":
             cross = groups["pp_hop_crosses_nodes"]
             hop = comm.send(w.p2p_bytes, cross, self.fab) + w.gather
             if self.opts.p2p_grads_whole and w.gather:

@@ -4,19 +4,21 @@ Under an interleaved schedule the stages' memory is priced at the walked peak of
 chunks (memory_pipeline.py: `_interleaved_memory`), not at the even spread, and a split the
 spread rejects is rejected before the walk only when a lower bound of it does not fit either
 (`_walk_may_fit`); under torch's zero-bubble schedules the split backward's walk of
-memory_zb.py (`_torch_zb`, `_zb_held`, `_zb_memory`). Each walk reprices the ranks it changes
-through `_stage_memories` (estimate_memory.py). Moved from estimate.py unchanged.
+memory_zb.py (`_torch_zb`, `_zb_held`, `_zb_memory`); under DeepSeek's DualPipe the in-flight
+count on the split's own two stages per rank (`_dualpipe_memory`, pipeline_dualpipe.py). Each
+walk reprices the ranks it changes through `_stage_memories` (estimate_memory.py). Moved from
+estimate.py unchanged (the DualPipe walk and the MTP module's activations: branch dsv3r).
 """
 
 from __future__ import annotations
 
-from meshtron.planner import memory_zb, pipeline_split
+from meshtron.planner import memory_zb, mtp, pipeline_dualpipe, pipeline_split
 from meshtron.planner.estimate_work import Work
 
 
 class MemoryWalks:
-    """`_chunks`, `_walk_may_fit`, `_torch_zb`, `_zb_held`, `_interleaved_memory` and
-    `_zb_memory`."""
+    """`_chunks`, `_walk_may_fit`, `_torch_zb`, `_zb_held`, `_interleaved_memory`, `_zb_memory`
+    and `_dualpipe_memory`."""
 
     def _chunks(self, w: Work) -> list[int]:
         """Layers of the p v virtual stages of the split `w.n` (the plan's own when given)."""
@@ -86,6 +88,8 @@ class MemoryWalks:
         cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m, w.n
         if self._torch_zb(w) and n is not None:
             return self._zb_memory(w, keep_infeasible)
+        if cfg.schedule == "dualpipe" and pp > 1 and n is not None:
+            return self._dualpipe_memory(w, keep_infeasible)
         if not (cfg.schedule == "interleaved" and v > 1 and n is not None):
             return True
         inflight, outputs, act, out_bytes = w.inflight, w.outputs, w.act, w.out_bytes
@@ -132,9 +136,20 @@ class MemoryWalks:
                   pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, "zb"))
         inflight, outputs = self._zb_held(w, tuple(chunks), w.out_bytes)
         outputs = [o + r for o, r in zip(outputs, w.recv)]  # torch's receive buffers
+        outputs = mtp.with_activations(outputs, w.head_rank, self.model.mtp_depth, w.act)
         changed = [r for r in range(w.pp)
                    if inflight[r] != w.inflight[r] or outputs[r] != w.outputs[r]]
         w.inflight, w.outputs = inflight, outputs
         w.per_layer, w.fixed = self._stage_memories(w, w.inflight, changed)
+        w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
+        return w.fits or keep_infeasible
+
+    def _dualpipe_memory(self, w: Work, keep_infeasible: bool) -> bool:
+        """DualPipe's in-flight count on the split's own two stages per rank
+        (pipeline_dualpipe.rank_in_flight), not the README's equal chunks."""
+        chunks = (list(w.cfg.stage_layers) if w.given else
+                  pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, "dualpipe"))
+        w.inflight = pipeline_dualpipe.rank_in_flight(chunks, w.pp)
+        w.per_layer, w.fixed = self._stage_memories(w, w.inflight)
         w.fits = all(k * a + f <= w.budget for k, a, f in zip(w.n, w.per_layer, w.fixed))
         return w.fits or keep_infeasible

@@ -12,7 +12,10 @@ Expert parallelism (ep > 1, mixture-of-experts models) is priced for the stacks 
 (`Framework.expert_parallel`): meshtron, torchtitan@2025, megatron@2024 (Megatron-Core MoE),
 deepspeed@2024 (DeepSpeed-MoE); megatron@2021 and deepspeed@2021 had none and refuse ep > 1.
 DeepSeek's DualPipe (all-to-alls overlapped with another micro-batch) and its node-limited
-routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`.
+routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`, and its FP8
+dispatch `ep_dispatch = "fp8"`; DualPipe itself is the memory option `pipeline_split =
+"dualpipe"` (DeepSeek's engine) with `--schedule dualpipe` (or `dualpipev`), priced by
+planner/pipeline_dualpipe.py and refused by meshtron's runtime.
 
 * `meshtron` (default): meshtron's own runtime (meshtron/parallel/): eager PyTorch modules,
   FSDP2 with fp32 sharded parameters and MixedPrecisionPolicy(param bf16, reduce fp32); ZeRO-0/1

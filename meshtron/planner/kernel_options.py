@@ -19,6 +19,12 @@ per tensor or per row / column, applied in the epilogue (cuBLASLt, torch._scaled
 Transformer Engine's delayed and current scaling, torchao's tensorwise and rowwise);
 'blockwise' = 1x128 / 128x128 block scales promoted in the k loop (DeepSeek-V3, DeepGEMM)."""
 
+EP_DISPATCHES = ("bf16", "fp8")
+"""What the expert-parallel dispatch sends (KernelOptions.ep_dispatch): 'bf16' = the routed
+rows as the layer holds them; 'fp8' = quantised first, with 1x128 fp32 block scales
+(DeepSeek-V3 report section 3.3.3; DeepEP's normal kernels, "FP8 dispatching and BF16
+combining")."""
+
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused", "compiled")
 SHARDINGS = ("fsdp", "zero")
@@ -26,7 +32,8 @@ OPTIMIZERS = ("fused", "foreach", "for-loop")
 EAGER_NORMS = ("aten", "python")
 _CHOICES = (("attention", ATTENTION_KINDS), ("stack", STACKS), ("sharding", SHARDINGS),
             ("fp8_filter", FP8_FILTERS), ("fp8_scaling", FP8_SCALINGS), ("fp8_gemm", FP8_GEMMS),
-            ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS), ("flash_isa", FLASH_ISAS))
+            ("ep_dispatch", EP_DISPATCHES), ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS),
+            ("flash_isa", FLASH_ISAS))
 """The KernelOptions fields that take one of a few names, with the names each allows."""
 
 
@@ -226,6 +233,14 @@ class KernelOptions:
     """Node-limited routing with per-node deduplication: a token crosses to at most this many
     nodes, once per node (DeepSeek-V3: M = 4, with its DeepEP-style dispatch); 0: every one of
     its top_k copies travels (planner/moe_cost.py `a2a_time`)."""
+    ep_dispatch: str = "bf16"
+    """What the token all-to-alls toward the experts carry (EP_DISPATCHES). 'fp8': the
+    forward dispatch and its backward twin toward the experts (the output gradient before the
+    down-projection) send FP8 rows with 1x128 fp32 scales, the two combines stay BF16
+    (DeepSeek-V3 report section 3.3.3, "Low-Precision Communication"; DeepEP's normal kernels,
+    docs/legacy.md: "FP8 dispatching and BF16 combining"). Only where the expert GEMMs are FP8
+    (the rows are quantised for them anyway); 'bf16': every all-to-all in the compute dtype
+    (Megatron-Core's alltoall dispatcher, meshtron, torchtitan). planner/moe_cost.py."""
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""

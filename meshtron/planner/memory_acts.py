@@ -56,7 +56,8 @@ from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory_bwd import block_backward_bytes, eager_none as _eager_none
-from meshtron.planner.memory_options import DEFAULT, MemoryOptions
+from meshtron.planner.memory_options import (DEFAULT, E5M6_TILE_BYTES, FP8_TILE_BYTES,
+                                          MemoryOptions)
 
 RNG_STATE_BYTES = 5056.0
 """A checkpointed block keeps the CPU generator's state to replay dropout identically
@@ -125,30 +126,45 @@ def te_weight_cache_bytes(opts: KernelOptions, mem: MemoryOptions) -> float:
 
 
 def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOptions,
-                 seq: int, cb: float = 2.0, fp8_inputs: bool = False) -> float:
+                 seq: int, cb: float = 2.0, fp8_inputs: bool = False,
+                 mem: MemoryOptions = DEFAULT) -> float:
     """Bytes per token (the module docstring's list in the compute dtype `cb`; `fp8_inputs`:
     the GEMM inputs in FP8, `te_fp8_inputs`). Q and the attention output are heads x head_dim
-    wide, which is not the hidden size everywhere (Qwen3: 32 x 128 over 2048)."""
+    wide, which is not the hidden size everywhere (Qwen3: 32 x 128 over 2048). `mem`'s
+    DeepSeek-V3 savings drop what the backward recomputes (recompute_norms,
+    recompute_up_proj, swiglu_recompute) or store smaller (attn_out_e5m6)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
     q = model.heads * model.head_dim
     x = 1.0 if fp8_inputs else cb                       # a saved GEMM input
     # two norm inputs, the QKV and fc1 inputs (the norms' outputs); dropout masks
-    replicated = 2.0 * cb * h + 2.0 * x * h + (cb * h if opts.dropout else 0.0)
+    normed = 0.0 if mem.recompute_norms else 2.0 * x * h
+    replicated = 2.0 * cb * h + normed + (cb * h if opts.dropout else 0.0)
     # the out-projection's input: FlashAttention keeps its bf16 output O for its own backward,
     # the same tensor the bf16 Linear saves; an FP8 Linear saves its own FP8 copy beside it
     out = x * q + (cb * q if fp8_inputs and opts.attention != "unfused" else 0.0)
+    if mem.attn_out_e5m6 and fp8_inputs:  # DeepSeek: one E5M6 copy serves both backwards
+        out = E5M6_TILE_BYTES * q
     # SwiGLU: fc1's output [2f] (the activation's input) and fc2's input [f]; GeLU: f and f
     mlp = (2.0 * cb * f if model.mlp == "swiglu" else cb * f) + x * f
-    sharded = cb * q + out + 2.0 * cb * kv + mlp
+    if mem.swiglu_recompute and model.mlp == "swiglu":  # FP8 input kept, output recomputed
+        mlp = 2.0 * FP8_TILE_BYTES * f
     if model.is_mla:
         # Q and K are heads x (nope + rope), V heads x v_head_dim, the output heads x v; the
         # latents (normed, each an up-projection's input, and the norms' inputs) replicated
         # like the block's norms: Megatron-Core runs the down-projections on the sequence-
-        # parallel shard
+        # parallel shard. DeepSeek's recomputed norms keep only the norms' inputs.
         o = model.out_width
-        sharded = cb * q + x * o + (cb * o if fp8_inputs and opts.attention != "unfused"
-                                    else 0.0) + cb * (kv + model.v_width) + mlp
-        replicated += (x + cb) * (model.q_lora_rank + model.kv_lora_rank)
+        out = x * o + (cb * o if fp8_inputs and opts.attention != "unfused" else 0.0)
+        if mem.attn_out_e5m6 and fp8_inputs:
+            out = E5M6_TILE_BYTES * o
+        qkv = cb * q + cb * (kv + model.v_width)
+        latents = model.q_lora_rank + model.kv_lora_rank
+        replicated += (cb + (0.0 if mem.recompute_norms else x)) * latents
+    else:
+        qkv = cb * q + 2.0 * cb * kv
+    if mem.recompute_up_proj:  # DeepSeek: Q, K and V recomputed from the latents
+        qkv = 0.0
+    sharded = qkv + out + mlp
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:
@@ -173,7 +189,7 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
     cb = mem.compute_bytes
     if mem.saved == "korthikanti":
         per_token = _korthikanti(model, tp, sp, recompute, opts, seq, cb,
-                                 te_fp8_inputs(opts, mem))
+                                 te_fp8_inputs(opts, mem), mem)
     elif recompute == "none":
         per_token = _eager_none(model, tp, sp, mem, opts.attention, seq)
         return tokens * per_token + rope_copy_bytes(model, seq, mem)

@@ -42,15 +42,24 @@ some GEMM inputs in FP8, which this does not count: memory is not underestimated
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
 LOSSES = ("chunked", "eager", "vocab-parallel", "inplace")
+FP8_TILE_BYTES = 1.0 + 4.0 / 128
+"""Bytes per element of an activation kept in FP8 with one fp32 scale per 1x128 tile
+(DeepSeek-V3 report 3.3.2-3.3.3, fine-grained quantization; MemoryOptions.swiglu_recompute)."""
+E5M6_TILE_BYTES = 1.5 + 4.0 / 128
+"""Bytes per element of DeepSeek's E5M6 cache of the attention output (12 bits: sign, 5
+exponent, 6 mantissa) with its 1x128 tile scales (report 3.3.3, "converted from an 1x128
+quantization tile to an 128x1 tile in the backward pass"; MemoryOptions.attn_out_e5m6)."""
+
 PIPELINE_SPLITS = ("any", "megatron-even", "megatron-ends", "deepspeed-transformer",
-                   "deepspeed-parameters")
+                   "deepspeed-parameters", "dualpipe")
 """How a stack assigns layers to pipeline stages (planner/pipeline_split.py, plan_rules
 `split_problem`): 'any' (meshtron's runtime, torchtitan's split points: the planner's
 time-balanced split), 'megatron-even' (Megatron-LM: equal layers per stage and chunk),
 'megatron-ends' (Megatron-Core 0.9+: equal middle stages, first/last stage counts of their
 own), 'deepspeed-transformer' / 'deepspeed-parameters' (DeepSpeed's PipelineModule
 partition_method 'type:transformer' with the left-greedy split of DeepSpeed <= 0.12.4 /
-'parameters' with the dynamic programme of 0.12.5+)."""
+'parameters' with the dynamic programme of 0.12.5+), 'dualpipe' (DeepSeek's stack: any
+split, run by its DualPipe engine only, planner/pipeline_dualpipe.py)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,50 @@ class MemoryOptions:
     the combine's unpermute takes none, so it saves no [T*k, h] expert outputs for their
     gradient, only the permuted probabilities beside the SwiGLU's input
     (moe_memory.routed_saved_bytes); False: the probabilities applied at the unpermute
-    (Megatron-Core 0.8-0.12, the megatron@2024 preset)."""
+    (Megatron-Core 0.8-0.12, the megatron@2024 preset). A stack that combines through DeepEP
+    (DeepSeek-V3's) cannot weight at the combine: DeepEP's combine sums the expert ranks' rows
+    unweighted and its backward is a dispatch by the routing handle (deepseek-ai/DeepEP README
+    combine_forward / combine_backward; tests/legacy/test_intranode.py checks combined_x as
+    the plain sum), so the weights travel with the dispatch and scale the rows on the expert
+    side; Megatron-Core's DeepEP path (token_dispatcher.py _DeepepManager: unpermute without
+    probs, permuted probs to the experts) is this option. Where DeepSeek's own code applies
+    them on the expert side is unpublished: scaling fc2's output instead would keep that
+    output [R, h] for the weights' gradient, more than the unpermute's [T*k, h]."""
+
+    recompute_norms: bool = False
+    """The backward recomputes every RMSNorm from its kept input (DeepSeek-V3 report section
+    3.2.3, "we recompute all RMSNorm operations and MLA up-projections during
+    back-propagation"): the norms' outputs (the QKV, fc1 and router GEMM inputs) are not
+    kept; False: kept (Megatron-Core, torchtitan, meshtron)."""
+
+    recompute_up_proj: bool = False
+    """The backward recomputes the attention's up-projections (section 3.2.3, MLA): Q, K and V
+    are not kept. Priced on the preset's GQA stand-in as its Q, K and V dropped; MLA's
+    latents that rebuild them (1,536 + 512 + 64 per token in DeepSeek-V3's config, 2,112
+    against 7,168 values: about 0.29 of an [T, h] bf16 unit) are not counted (ModelSpec has
+    no MLA widths)."""
+
+    swiglu_recompute: bool = False
+    """SwiGLU keeps its input in FP8 with 1x128 tile scales and the backward recomputes its
+    output (section 3.3.3, "we cache the inputs of the SwiGLU operator and recompute its
+    output in the backward pass. These activations are also stored in FP8"): fc2's input is
+    not kept, the [2f] input costs FP8_TILE_BYTES per element (dense MLP, shared
+    and routed experts); False: fc1's bf16 output and fc2's input kept."""
+
+    attn_out_e5m6: bool = False
+    """The attention output (the out-projection's input) cached once, in E5M6 with 1x128
+    tile scales, for both the out-projection's weight gradient and the attention core's
+    backward (report 3.3.3, Low-Precision Activation (1): "Inputs of the Linear after the
+    attention operator. These activations are also used in the backward pass of the attention
+    operator ... We adopt a customized E5M6 data format exclusively for these activations"):
+    E5M6_TILE_BYTES per element in place of the FP8 Linear's copy beside FlashAttention's
+    bf16 output (memory_acts._korthikanti). Changes FP8 runs only: a bf16 run already keeps
+    one bf16 copy for both. False: two copies (Transformer Engine, Megatron-Core)."""
+
+    bf16_moments: bool = False
+    """AdamW's two moments in BF16, master weights and gradients FP32 (section 3.3.3,
+    "Low-Precision Optimizer States"): 4 + 2 + 2 optimizer bytes per parameter, not 12
+    (memory_states.state_bytes); mixed-precision ZeRO frameworks only."""
 
     expandable_segments: bool = False
     """The run's launch sets PyTorch's caching allocator to expandable segments
@@ -113,7 +165,9 @@ class MemoryOptions:
                              f"{', '.join(FRAMEWORKS)}")
         if self.loss is not None and self.loss not in LOSSES:
             raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
-        for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments"):
+        for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments",
+                     "recompute_norms", "recompute_up_proj", "swiglu_recompute",
+                     "attn_out_e5m6", "bf16_moments"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(f"memory.{name}={value!r}: allowed values are true, false")
@@ -132,6 +186,19 @@ class MemoryOptions:
         if self.activations is not None and self.activations not in SELECTIVE:
             raise UserError(f"memory.activations={self.activations!r}: allowed values are "
                              f"{', '.join(SELECTIVE)}")
+        self._deepseek_savings_priced()
+
+    def _deepseek_savings_priced(self) -> None:
+        """DeepSeek's savings are priced on the Megatron-style saved-tensor list and the
+        mixed-precision ZeRO states only: set elsewhere they would change nothing, silently."""
+        for name in ("recompute_norms", "recompute_up_proj", "swiglu_recompute",
+                     "attn_out_e5m6"):
+            if getattr(self, name) and self.saved != "korthikanti":
+                raise UserError(f"memory.{name}=true: priced on the 'korthikanti' saved-tensor "
+                                f"list (Megatron-style stacks), not {self.saved!r}; use false")
+        if self.bf16_moments and self.framework == "fsdp2":
+            raise UserError("memory.bf16_moments=true: priced for the mixed-precision ZeRO "
+                            "frameworks (megatron, deepspeed), not fsdp2; use false")
 
     @property
     def compute_bytes(self) -> float:

@@ -31,6 +31,8 @@ GRAD_BYTES = 2.0
 """bf16 gradients (4.0 with an fp32 accumulation buffer)."""
 OPTIMIZER_BYTES = 12.0
 """fp32 master weights + AdamW first and second moments (ZeRO's K = 12)."""
+BF16_MOMENTS_OPTIMIZER_BYTES = 8.0
+"""fp32 master weight (4) and AdamW's two moments in bf16 (2 + 2): DeepSeek-V3 report 3.3.3."""
 
 
 def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
@@ -57,6 +59,8 @@ def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
         w = w / dp if zero >= 3 else w
     else:
         w, g, o = WEIGHT_BYTES, grad_bytes, OPTIMIZER_BYTES
+        if mem.bf16_moments:  # fp32 master, bf16 moments (MemoryOptions.bf16_moments)
+            o = BF16_MOMENTS_OPTIMIZER_BYTES
         w = w / dp if zero >= 3 else w
     g = g / dp if zero >= 2 else g
     o = o / dp if zero >= 1 else o

@@ -17,6 +17,9 @@ bytes of the compute dtype, ep the expert-parallel degree):
   and per-node deduplication (DeepSeek-V3 technical report, section 2.1.2 / 3.2.2: each token
   goes to at most M = 4 nodes, sent once per node over IB and fanned out over NVLink)
   send min(k, M) copies of a token across nodes instead of k (`KernelOptions.ep_node_limit`).
+  Stacks that dispatch in FP8 (`KernelOptions.ep_dispatch`: DeepSeek-V3 section 3.3.3, DeepEP)
+  send the two all-to-alls toward the experts at FP8_DISPATCH_BYTES per element, the two
+  combines in BF16 (`a2a_dtype_bytes`).
   Recomputation replays the forward's two (full: every layer; half: every second).
   Exposed unless the framework overlaps them with computation (`KernelOptions.ep_overlap`:
   DeepSeek's DualPipe overlaps both all-to-alls of one micro-batch with the computation of
@@ -73,6 +76,25 @@ from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWor
                                        expert_ops, host_exposed, host_seconds, ordered_wait,
                                        per_expert_gemms)
 
+FP8_DISPATCH_BYTES = 1.0 + 4.0 / 128
+"""Bytes per element of an FP8 dispatch: the e4m3 value and its share of one fp32 scale per
+1x128 block of a row (DeepSeek-V3 report sections 3.3.2-3.3.3: activations quantised per token
+per 128 channels, the same tiles the up-projection's FP8 GEMM takes)."""
+
+
+def a2a_dtype_bytes(dtype_bytes: float, fp8_experts: bool, dispatch: str) -> tuple[float, float]:
+    """(toward the experts, back from them) bytes per element of one MoE layer's all-to-alls.
+    Toward: the forward dispatch and, in the backward, the combine's twin (the output gradient
+    before the down-projection); back: the forward combine and the dispatch's twin.
+    `dispatch` 'fp8' (KernelOptions.ep_dispatch) quantises the rows toward FP8 experts before
+    sending them, "compatible with FP8 Fprop in MoE up-projections", and does the same for the
+    activation gradient before the down-projections; "both the forward and backward combine
+    components" stay BF16 (DeepSeek-V3 report section 3.3.3). BF16 experts take BF16 rows."""
+    if dispatch == "fp8" and fp8_experts:
+        return FP8_DISPATCH_BYTES, dtype_bytes
+    return dtype_bytes, dtype_bytes
+
+
 @dataclass(frozen=True)
 class MoeLayerCost:
     """Seconds (and bytes) one MoE layer adds on one rank for one micro-batch, beyond its
@@ -88,7 +110,8 @@ class MoeLayerCost:
     a2a_bwd: float
     """Their backward twins, exposed seconds."""
     a2a_bytes: float
-    """Bytes one token all-to-all call sends to other ranks (T*k*h*b*(ep-1)/ep)."""
+    """Bytes one token all-to-all call in the compute dtype sends to other ranks
+    (T*k*h*b*(ep-1)/ep): the combines (an FP8 dispatch sends `a2a_dtype_bytes` of it)."""
 
 
 def a2a_bytes(tokens: float, top_k: int, hidden: int, dtype_bytes: float, ep: int) -> float:
@@ -131,7 +154,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    stack: str, tp: int = 1, etp: int = 1, window_fwd: float = 0.0,
                    window_bwd: float = 0.0, per_expert: bool = False,
                    fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
-                   fp8_split_accum_bwd: bool = True) -> MoeLayerCost:
+                   fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16") -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -146,7 +169,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     routed GEMMs are subtracted at the time it charged them; `fp8_split_accum_bwd`: the
     backward GEMMs promote their partial sums (compute.KernelOptions.fp8_split_accum_bwd:
     Transformer Engine's GroupedLinear takes the same _2X_ACC_DGRAD / _2X_ACC_WGRAD), so the
-    backward's extra is priced with that kernel, as the dense equivalent's backward was."""
+    backward's extra is priced with that kernel, as the dense equivalent's backward was.
+    `ep_dispatch`: what the all-to-alls toward the experts carry (`a2a_dtype_bytes`)."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
@@ -193,8 +217,11 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     extra_b = 2 * (grouped_b - dense_b) + 2 * permute + cast_b
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
-    one = a2a_time(nbytes * imbalance, group, fab, k, node_limit)
-    a2a_f = a2a_b = 2 * one
+    # each direction of the step makes one all-to-all toward the experts and one back
+    calls = [a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
+             for x in a2a_dtype_bytes(b, lin_dt == "fp8", ep_dispatch)]
+    a2a_f = a2a_b = sum(calls)
+    toward = calls[0] / a2a_f if a2a_f > 0 else 0.5  # the share of the call toward the experts
     if ep_overlap:
         # the whole MoE layer computes beside them: the dense equivalent's layer (attention
         # included; its routed GEMMs when no window is given) plus the experts' extra
@@ -208,7 +235,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                                         compute.KernelOptions(stack=stack))
         work = _ordered_work(dense, grouped, (cast_f, cast_b),
                              permute / permute_passes(stack, ep, local),
-                             permute, (a2a_f, a2a_b), (window_fwd, window_bwd),
+                             permute, (a2a_f, a2a_b, toward), (window_fwd, window_bwd),
                              (ops, *expert_ops(lin_dt, local, per_expert),
                               2.0 * (local if per_expert else 1.0)))
         wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster), ep_overlap)
@@ -217,21 +244,25 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
 
 
 def _ordered_work(dense: float, grouped: float, cast: tuple[float, float], first: float,
-                  permute: float, a2a: tuple[float, float], window: tuple[float, float],
+                  permute: float, a2a: tuple[float, float, float], window: tuple[float, float],
                   ops: tuple[float, float, float, float]) -> MoeWork:
     """One MoE layer's GPU seconds in the order the stretch between two syncs issues them
     (moe_host.MoeWork): the first permutation (`first`: one pass of `permute`) before the
     sync, the chunk sort after the dispatch all-to-all, the unsort and the unpermute around
     the combine; the backward makes the same passes in reverse. `grouped`: the forward's
     expert GEMMs (twice that backward), `cast`: their casts (forward, backward); `a2a`,
-    `window`: (forward, backward) exposed all-to-alls and dense-equivalent layer; `ops`: host
+    `window`: (forward, backward) exposed all-to-alls (with the share of the calls toward
+    the experts: the forward dispatch, the combine's backward twin) and dense-equivalent
+    layer; `ops`: host
     operations of the dense part, of the experts (forward, backward) and of their weight-
     gradient GEMMs (one per linear, per expert where issued so)."""
     rest = permute - 2 * first  # chunk sort and unsort, where the stack makes them
+    toward = a2a[2]
     return MoeWork(pre_f=max(window[0], dense) - dense + first,
-                   dispatch_f=a2a[0] / 2 + rest / 2, experts_f=grouped + cast[0],
-                   combine_f=a2a[0] / 2 + rest / 2 + first, combine_b=a2a[1] / 2 + permute,
-                   dispatch_b=a2a[1] / 2 + permute, experts_b=2 * grouped + cast[1],
+                   dispatch_f=a2a[0] * toward + rest / 2, experts_f=grouped + cast[0],
+                   combine_f=a2a[0] * (1 - toward) + rest / 2 + first,
+                   combine_b=a2a[1] * toward + permute,
+                   dispatch_b=a2a[1] * (1 - toward) + permute, experts_b=2 * grouped + cast[1],
                    wgrad_b=grouped, attn_b=max(window[1], 2 * dense) - 2 * dense,
                    dense_ops=ops[0], expert_ops_f=ops[1], expert_ops_b=ops[2],
                    wgrad_ops=ops[3])
@@ -335,7 +366,8 @@ def rank_loads(expert_loads: list[float], ep: int) -> list[float]:
     return [sum(expert_loads[i * per:(i + 1) * per]) for i in range(ep)]
 
 
-__all__ = ["DEFAULT_IMBALANCE", "MoeLayerCost", "a2a_bytes", "a2a_time", "moe_layer_cost",
+__all__ = ["DEFAULT_IMBALANCE", "FP8_DISPATCH_BYTES", "MoeLayerCost", "a2a_bytes",
+           "a2a_dtype_bytes", "a2a_time", "moe_layer_cost",
            "MOE_HOST_OPS", "PER_EXPERT_HOST_OPS", "host_exposed", "host_seconds",
            "overlapped_a2a", "per_expert_gemms",
            "permute_passes",

@@ -56,6 +56,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshtron.model.spec import ModelSpec
+from meshtron.planner.memory_options import FP8_TILE_BYTES
 
 GROUPED_MM_ALIGN = 16
 """Rows per expert group are padded to this multiple (meshtron/model/moe.py, the same
@@ -107,7 +108,7 @@ def block_params(model: ModelSpec, tp: int, pp: int, ep: int,
 def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbalance: float,
                        cb: float, saved: str, expert_bytes: float | None = None,
                        recompute: str = "none", dense_fp8: bool = False,
-                       weighted_act: bool = False) -> float:
+                       weighted_act: bool = False, mem: Any = None) -> float:
     """Bytes one MoE layer's router, permutation, routed experts and combine save for the
     backward, one micro-batch of `tokens` tokens (module docstring). `saved`: memory.py's list
     ('eager' meshtron's model; else Megatron-Core's); `expert_bytes`: bytes of a saved expert
@@ -122,13 +123,15 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
     linear, not a Transformer Engine FP8 module): the difference is added here.
     `weighted_act`: Megatron-Core's probabilities applied in the experts' SwiGLU
     (MemoryOptions.moe_weighted_act): the combine saves no expert outputs, the SwiGLU the
-    permuted probabilities (fp32 [R])."""
+    permuted probabilities (fp32 [R]). `mem`'s DeepSeek-V3 savings (MemoryOptions): the
+    SwiGLU's input kept in FP8 and fc2's input recomputed (`swiglu_recompute`), the router's
+    input recomputed with its norm (`recompute_norms`); Megatron-Core's list only."""
     if recompute == "full":
         return 0.0
     if recompute == "half":
         return 0.5 * routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved,
                                         expert_bytes, dense_fp8=dense_fp8,
-                                        weighted_act=weighted_act)
+                                        weighted_act=weighted_act, mem=mem)
     k, e, h, fe = model.moe_top_k, model.moe_experts, model.hidden, model.moe_ffn_hidden
     slots = tokens * k
     rows = slots * (imbalance if ep > 1 else 1.0)
@@ -150,9 +153,13 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
     # fc2's input [R, fe]: both GEMM inputs FP8 where the GEMMs are (GroupedLinear saves
     # the quantised input; the bf16 SwiGLU output is freed once fc2 has quantised it)
     experts = rows * (h * xb + fe / etp * (2 * cb + xb))
+    if mem is not None and mem.swiglu_recompute:  # FP8 SwiGLU input, fc2's input recomputed
+        experts = rows * (h * xb + fe / etp * 2 * FP8_TILE_BYTES)
     # Megatron-Core runs MoE under tp > 1 with sequence parallelism: the router's input is
-    # the local sequence shard
+    # the local sequence shard; recomputed with its norm, it is not kept
     router_in = tokens * h * (cb - 1.0) / tp if dense_fp8 else 0.0
+    if mem is not None and mem.recompute_norms:
+        router_in = 0.0
     # the combine: the unpermute's expert outputs and probabilities (their gradient's
     # operands), or, with the probabilities in the SwiGLU, the permuted probabilities there
     combine = rows * FP32 if weighted_act else slots * h * cb + slots * FP32
@@ -172,7 +179,7 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
                      expert_bytes: float | None = None,
                      shared_replicated: bool = False,
                      dense_fp8: bool = False,
-                     weighted_act: bool = False) -> tuple[float, float]:
+                     weighted_act: bool = False, mem: Any = None) -> tuple[float, float]:
     """(saved, recompute working set) bytes per average block and micro-batch a MoE model's
     layers hold beyond their dense equivalent `active` (`act(spec, recompute)`:
     memory.activation_bytes of a spec at the plan's other arguments): the routed part's exact
@@ -190,7 +197,7 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
 
     def extra(rec: str) -> float:
         exact = routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved, expert_bytes,
-                                   rec, dense_fp8, weighted_act)
+                                   rec, dense_fp8, weighted_act, mem)
         charged = dense_routed_bytes(act, active, routed_width, rec)
         if shared_replicated and tp > 1 and fs:
             exact += dense_routed_bytes(act, active, fs, rec) * (tp - 1)

@@ -39,7 +39,7 @@ import bisect
 import math
 from functools import lru_cache
 
-from meshtron.planner import comm, pipeline_zb
+from meshtron.planner import comm, pipeline_dualpipe, pipeline_zb
 from meshtron.planner.overlap import OVERLAP_INTERFERENCE
 from meshtron.planner.plan import SCHEDULES  # noqa: F401  (the one list, re-exported)
 
@@ -53,13 +53,15 @@ def in_flight(schedule: str, p: int, v: int, m: int, stage: int) -> float:
     if schedule == "interleaved":
         chunks = (p - stage - 1) * 2 + (v - 1) * p + 1
         return min(float(m), chunks / v)
+    if schedule == "dualpipe":  # DualPipe's PP+1 chunks on every rank (pipeline_dualpipe.py)
+        return pipeline_dualpipe.in_flight(p, v, m)
     return float(min(m, p - stage))  # 1f1b, zb
 
 
 def stages_of_rank(pp: int, v: int, schedule: str, pp_rank: int) -> list[int]:
     """Global (virtual) stage indices held by pipeline rank `pp_rank`."""
     n = pp * v
-    if schedule == "zb" and v == 2:
+    if schedule in ("zb", "dualpipe") and v == 2:  # torch's V, DualPipeV (and folded DualPipe)
         return sorted({pp_rank, n - 1 - pp_rank})
     return list(range(pp_rank, n, pp))
 
@@ -188,6 +190,10 @@ def bubble_time(schedule: str, v: int, stage_times: list[float], wgrad_times: li
         return fill / v + idle
     if schedule == "zb":
         return _zb_bubble(v, stage_times, wgrad_times, fwd_times, m)
+    if schedule == "dualpipe":  # the critical rank's two chunks (pipeline_dualpipe.bubble)
+        crit = max(range(p), key=stage_times.__getitem__)
+        fwd = fwd_times[crit] if fwd_times is not None else stage_times[crit] / 3.0
+        return pipeline_dualpipe.bubble(p, v, fwd, stage_times[crit], wgrad_times[crit])
     return fill
 
 

@@ -30,18 +30,24 @@ def parse_layout(text: str) -> dict[str, int]:
 
 
 def parse_schedule(text: str) -> tuple[str, int | None]:
-    """'1f1b' | 'interleaved' | 'interleaved:3' | 'zb' | 'zbv' | 'gpipe' | 'gpipe:2' -> (schedule,
-    virtual stages or None when not given). 'gpipe:V' is torch's ScheduleLoopedBFS: V chunks per
-    rank, every forward of a chunk before the next's (meshtron/parallel/pipeline.py)."""
-    m = re.fullmatch(r"(1f1b|interleaved|zbv|zb|gpipe)(?::(\d+))?", text.strip().lower())
+    """'1f1b' | 'interleaved' | 'interleaved:3' | 'zb' | 'zbv' | 'gpipe' | 'gpipe:2' | 'dualpipe' |
+    'dualpipev' -> (schedule, virtual stages or None when not given). 'gpipe:V' is torch's
+    ScheduleLoopedBFS: V chunks per rank, every forward of a chunk before the next's
+    (meshtron/parallel/pipeline.py)."""
+    m = re.fullmatch(r"(1f1b|interleaved|zbv|zb|gpipe|dualpipev|dualpipe)(?::(\d+))?",
+                     text.strip().lower())
     if not m:
         raise UserError(f"schedule={text!r}: allowed values are 1f1b, interleaved, "
-                         "interleaved:V, zb, zbv, gpipe, gpipe:V")
+                         "interleaved:V, zb, zbv, gpipe, gpipe:V, dualpipe, dualpipev")
     sched, v = m.group(1), m.group(2)
     if sched == "zbv":
         if v is not None:
             raise UserError(f"schedule={text!r}: zbv always has 2 virtual stages")
         return "zb", 2
+    if sched == "dualpipev":  # DeepSeek's cut-in-half V (planner/pipeline_dualpipe.py)
+        if v is not None:
+            raise UserError(f"schedule={text!r}: dualpipev always has 2 virtual stages")
+        return "dualpipe", 2
     if v is not None:
         if sched not in ("interleaved", "gpipe"):
             raise UserError(f"schedule={text!r}: only 'interleaved' and 'gpipe' (looped BFS) "

@@ -30,7 +30,7 @@ from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
     STACK_ZEROS, zero_limit, zero_problem)
 from meshtron.planner.plan_rules_runtime import (  # noqa: F401  (re-exported)
     compile_runtime_problem, cp_runtime_problems, ep_runtime_problems,
-    recompute_runtime_problems)
+    recompute_runtime_problems, schedule_runtime_problem)
 
 
 def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
@@ -59,6 +59,10 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
             if n % tp:
                 yield f"plan.tp={tp}: must divide the model's {n} {what}"
                 return
+    if runtime and getattr(model, "mtp_depth", 0):
+        yield (f"model.mtp_depth={model.mtp_depth}: meshtron's runtime builds no multi-token "
+               "prediction modules (the planner prices them for DeepSeek's stack); use 0")
+        return
     if runtime and pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
                "the runtime cannot split across pipeline stages")
@@ -137,6 +141,9 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if model is not None:
         out.extend(model_problems(k, model, runtime, split))
     if runtime:
+        problem = schedule_runtime_problem(k)
+        if problem:
+            out.append(problem)
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
         out.extend(recompute_runtime_problems(k))

@@ -16,9 +16,11 @@ activation_checkpoint mode = "selective" with selective_ac_option = "2": its app
 every block whose 1-based count is a multiple of 2; meshtron/parallel/recompute.py does the
 same)."""
 ZERO_STAGES = (0, 1, 2, 3)
-SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
-"""Pipeline schedules (planner/pipeline.py costs them; parallel/pipeline.py runs them). With
-virtual_stages v > 1: gpipe = looped BFS, 1f1b = interleaved 1F1B, zb with v = 2 = ZBV."""
+SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe", "dualpipe")
+"""Pipeline schedules (planner/pipeline.py costs them; parallel/pipeline.py runs all but
+'dualpipe'). With virtual_stages v > 1: gpipe = looped BFS, 1f1b = interleaved 1F1B, zb with
+v = 2 = ZBV. 'dualpipe' (DeepSeek's, planner/pipeline_dualpipe.py) is priced for DeepSeek's
+stack only: v = 1 DualPipe, v = 2 DualPipeV (plan_rules_pipeline.schedule_problem)."""
 DTYPES = ("bf16", "fp32", "fp8")
 """fp8: FP8 GEMMs in the blocks (the Linears planner/fp8.py's rule picks), bf16 elsewhere; the
 runtime trains it with torchao float8 (meshtron/parallel/fp8.py, emulated on CPU)."""

@@ -125,7 +125,9 @@ STACK_SCHEDULES = {
     "deepspeed-transformer": (("1f1b",), "DeepSpeed's pipeline engine runs its 1F1B "
                               "TrainSchedule only, one stage per rank (runtime/pipe/schedule.py)"),
     "deepspeed-parameters": (("1f1b",), "DeepSpeed's pipeline engine runs its 1F1B "
-                             "TrainSchedule only, one stage per rank (runtime/pipe/schedule.py)")}
+                             "TrainSchedule only, one stage per rank (runtime/pipe/schedule.py)"),
+    "dualpipe": (("dualpipe",), "DeepSeek's stack runs DualPipe (deepseek-ai/DualPipe "
+                 "dualpipe.py; DualPipeV with virtual_stages=2, dualpipev.py)")}
 """The schedules each stack's pipeline engine runs, by its split rule (memory_options
 PIPELINE_SPLITS; 'any': every schedule the planner prices, torch.distributed.pipelining's)."""
 
@@ -137,11 +139,15 @@ def schedule_problem(rule: str | None, schedule: str | None, pp: int | None,
     (2021 to Megatron-Core 0.9, schedules.py) raises unless pp divides m; Megatron-Core 0.10+
     groups microbatch_group_size_per_vp_stage micro-batches, which must lie in [pp, m], so m
     >= pp."""
+    if schedule == "dualpipe" and rule is not None and rule != "dualpipe" and (pp or 1) > 1:
+        return dualpipe_elsewhere()
     if rule not in STACK_SCHEDULES or schedule is None or (pp or 1) <= 1:
         return None
     allowed, why = STACK_SCHEDULES[rule]
     if schedule not in allowed:
         return (f"plan.schedule={schedule!r}: {why}; allowed: {', '.join(allowed)}")
+    if rule == "dualpipe":
+        return dualpipe_problem(pp, v or 1, m)
     if (v or 1) > 1 and "interleaved" not in allowed:
         return f"plan.virtual_stages={v}: {why}; use virtual_stages=1"
     looped = schedule == "interleaved" or (v or 1) > 1
@@ -154,3 +160,27 @@ def schedule_problem(rule: str | None, schedule: str | None, pp: int | None,
                 "[pp, m], schedules.py)")
     return None
 
+
+def dualpipe_elsewhere() -> str:
+    """The one line refusing DualPipe outside DeepSeek's stack: the runtime's
+    (plan_rules_runtime.schedule_runtime_problem) and another stack's (`schedule_problem`)."""
+    return ("plan.schedule='dualpipe': DeepSeek's DualPipe runs only in DeepSeek's own stack "
+            "(priced with memory.pipeline_split='dualpipe'); meshtron's runtime and the other "
+            "stacks run 1f1b, interleaved, zb, gpipe")
+
+
+def dualpipe_problem(pp: int, v: int, m: int | None) -> str | None:
+    """DualPipe's own asserts (deepseek-ai/DualPipe at 3da1bbe): dualpipe.py (virtual_stages 1)
+    needs an even number of ranks and `num_chunks % 2 == 0 and num_chunks >= num_ranks * 2`;
+    dualpipev.py (the V, virtual_stages 2) `num_chunks >= num_ranks * 2`. One line or None."""
+    if v not in (1, 2):
+        return (f"plan.virtual_stages={v}: DualPipe holds two stages per rank, DualPipeV two "
+                "chunks of a V (deepseek-ai/DualPipe); use virtual_stages 1 or 2")
+    if v == 1 and pp % 2:
+        return (f"plan.pp={pp}: DualPipe needs an even number of pipeline ranks "
+                "(deepseek-ai/DualPipe dualpipe.py asserts num_ranks % 2 == 0)")
+    if m is not None and (m < 2 * pp or (v == 1 and m % 2)):
+        even = "an even number, " if v == 1 else ""
+        return (f"plan.micro_batch: {m} micro-batches per step, DualPipe needs {even}at least "
+                f"2*pp={2 * pp} (deepseek-ai/DualPipe asserts num_chunks >= num_ranks * 2)")
+    return None

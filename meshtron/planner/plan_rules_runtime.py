@@ -1,5 +1,6 @@
 """The runtime's own limits (part of THE validity function, plan_rules.plan_problems):
-what meshtron's runtime does not run with expert or context parallelism, or compiled.
+what meshtron's runtime does not run with expert or context parallelism, or compiled, and
+DeepSeek's DualPipe, which it does not run at all.
 Skipped when the planner prices another framework (plan_problems(runtime=False)), except
 compile_runtime_problem, which the search and Plan ask directly.
 """
@@ -7,6 +8,17 @@ compile_runtime_problem, which the search and Plan ask directly.
 from __future__ import annotations
 
 from typing import Any, Iterator, Mapping
+
+from meshtron.planner.plan_rules_pipeline import dualpipe_elsewhere
+
+
+def schedule_runtime_problem(k: Mapping[str, Any]) -> str | None:
+    """meshtron's runtime runs torch.distributed.pipelining's schedules (parallel/pipeline.py),
+    not DeepSeek's DualPipe, which the planner prices for DeepSeek's stack only."""
+    if k.get("schedule") == "dualpipe" and (k.get("pp") or 1) > 1:
+        return dualpipe_elsewhere()
+    return None
+
 
 def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
     """What meshtron's runtime does not run with expert parallelism (ep > 1): ep is folded over

@@ -185,7 +185,7 @@ def _leanest(ev: Evaluator, space: SearchSpace, tp: int, cp: int, pp: int,
     scheds = space.schedules(pp, m)
     if not scheds:
         return None
-    order = {None: 0, "1f1b": 0, "zb": 1, "interleaved": 2, "gpipe": 3}
+    order = {None: 0, "1f1b": 0, "zb": 1, "dualpipe": 1, "interleaved": 2, "gpipe": 3}
     sched, v = min(scheds, key=lambda sv: (order[sv[0]], sv[1]))
     rec = "full" if "full" in space.recomputes else space.recomputes[0]
     sps = space.sps(tp)

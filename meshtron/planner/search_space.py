@@ -345,7 +345,8 @@ class SearchSpace:
     def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
         """Schedules searched for pp stages and m micro-batches per step: 1F1B, ZB-H1 and
         interleaved (v in VIRTUAL_STAGES, at least one layer per virtual stage); GPipe and other
-        virtual-stage counts only when fixed. Each must pass the schedules' own limits."""
+        virtual-stage counts only when fixed; DualPipe and DualPipeV for DeepSeek's engine
+        (split rule 'dualpipe'). Each must pass the schedules' own limits."""
         k = self.knobs
         if pp == 1:
             return [(None, 1)]
@@ -359,6 +360,8 @@ class SearchSpace:
             vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
             cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
             cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
+            if self.engine == "dualpipe":  # DeepSeek's engine runs DualPipe and its V only
+                cands = [("dualpipe", v) for v in (1, 2) if k.virtual_stages in (None, v)]
         ok = []
         fixed = k.schedule is not None or k.virtual_stages is not None
 

@@ -236,6 +236,11 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
         if not result.fits:
             raise UserError(f"cluster={args.cluster!r}: no plan of {args.model} fits")
         est = result.best
+    if est.config.schedule == "dualpipe" and est.config.pp > 1:
+        # the event walk replays torch.distributed.pipelining's orders (simulate/schedule.py)
+        raise UserError("plan.schedule='dualpipe': `meshtron simulate --step` walks "
+                        "torch.distributed.pipelining's schedules, not DeepSeek's DualPipe; "
+                        "`meshtron plan` and `meshtron cost` price it")
     ev = Evaluator(model, cluster, batch, seq, opts.kernel, mem=opts.memory)
     pert = Perturbation(stragglers=tuple(args.straggler), jitter=args.jitter, seed=args.seed)
     base = simulate_step(ev, est)
