@@ -89,12 +89,18 @@ def test_bf16_parameters_accumulate_the_weight_gradient_in_fp32():
     assert bool(((got[1].float() - got32[1]).abs() <= ulp + 1e-30).all())
 
 
-def test_all_targets_ignored_gives_nan_as_the_plain_loss():
+def test_all_targets_ignored_gives_nan_loss_and_zero_gradients_as_the_plain_loss():
+    """A micro-batch whose targets are all ignored (a prompt-only sample): the loss is 0/0 =
+    nan and every gradient 0, as F.cross_entropy gives; no nan reaches the parameters."""
     head, h, t = _data()
     t.fill_(IGNORE_INDEX)
     want = F.cross_entropy(head(h).flatten(0, 1), t.flatten())
+    want_grads = torch.autograd.grad(want, [h, head.weight])
     got = chunked_cross_entropy(head, h, t, chunk=8)
+    got_grads = torch.autograd.grad(got, [h, head.weight])
     assert torch.isnan(want) and torch.isnan(got)
+    for a, b in zip(got_grads, want_grads):
+        assert bool((b == 0).all()) and bool((a == 0).all())
 
 
 def test_upstream_gradient_scales_every_gradient_and_backward_runs_no_gemm():

@@ -93,7 +93,9 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # written in place over z, the chunk's only fp32 [chunk, vocab] tensor
     p = z.sub_(lse.unsqueeze(1)).exp_()
     p.scatter_add_(1, idx, valid.to(p.dtype).neg().unsqueeze(1))
-    p.mul_((valid / count).unsqueeze(1))
+    # ignored rows get 0; with every target ignored 0 too (count clamped), as F.cross_entropy's
+    # backward gives, while the loss itself is 0/0 = nan as its forward
+    p.mul_((valid / count.clamp(min=1)).unsqueeze(1))
     g = p.to(h.dtype)
     del p, z
     if g_in is not None:
