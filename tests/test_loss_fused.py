@@ -219,3 +219,41 @@ def test_fsdp2_two_ranks_give_the_single_process_gradients():
         assert set(got) == set(want)
         for n, g in want.items():
             assert (got[n] - g).abs().max() <= 1e-5 * g.abs().max(), n
+
+
+def test_planner_prices_what_the_fused_loss_holds():
+    """planner/memory_acts.py `chunked_loss_bytes` (less the final norm's part) against torch's
+    memory tracker on fake tensors: the loss's forward peak in bf16 (the fp32 accumulator, the
+    input gradient, one chunk's logits and their fp32 copy) beyond the weight and the input,
+    and its backward's (the accumulator and its bf16 cast: the cast is the unit gradient the
+    planner counts elsewhere), within 2%."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner import memory
+
+    tokens, vocab, hidden = 2048, 16000, 1024
+    spec = ModelSpec(name="t", layers=1, hidden=hidden, heads=8, kv_heads=8, ffn_hidden=2048,
+                     vocab=vocab, max_seq=tokens)
+    mem = memory.MemoryOptions(dtype="bf16", framework="fsdp2")
+    head = OutputHead(hidden, vocab, bias=False).to(device="meta", dtype=torch.bfloat16)
+    peaks = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        head.to_empty(device="cpu")
+        h = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        t = torch.randint(0, vocab, (1, tokens))
+        for phase in ("forward", "step"):
+            tracker = MemTracker()
+            tracker.track_external(head, h)
+            with tracker:
+                loss = head(h, t)
+                if phase == "step":
+                    loss.backward()
+            peaks[phase] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    before = 2 * vocab * hidden + 2 * tokens * hidden  # the weight and the input
+    planned = (memory.chunked_loss_bytes(spec, tokens, mem)
+               - memory.final_norm_bytes(spec, tokens, mem))
+    assert peaks["forward"] - before == pytest.approx(planned, rel=0.02)
+    unit = 2 * vocab * hidden
+    assert peaks["step"] - before - unit <= planned
