@@ -173,15 +173,21 @@ def _loss_and_grads(model, x, y, chunked: bool, dtype=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name", ["debug", "tiny-gpt"])
-def test_chunked_cross_entropy_equals_plain_loss_and_gradients(name):
-    """model(x, targets): head + loss per chunk of tokens, recomputed in backward, equals the
-    whole-logits fp32 loss (loss and every gradient, tied embeddings included)."""
+@pytest.mark.parametrize("name,ignored", [("debug", False), ("tiny-gpt", False),
+                                          ("debug", True)])
+def test_chunked_cross_entropy_equals_plain_loss_and_gradients(name, ignored):
+    """model(x, targets): the fused head + loss (gradients computed chunk by chunk in the
+    forward, weight gradient summed in fp32) equals the whole-logits fp32 loss (loss and every
+    gradient, tied embeddings included), in fp32 and under bf16 autocast, with ignored
+    targets (IGNORE_INDEX rows left out of the mean) as well."""
     spec = PRESETS[name].replace(layers=1)
     model = Transformer(spec, init_seed=3)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, spec.vocab, (3, 17), generator=g)  # 51 tokens: uneven chunks
     y = torch.randint(0, spec.vocab, (3, 17), generator=g)
+    if ignored:
+        y[0, :6] = -100  # prompt-like prefix and padding at the end
+        y[2, -4:] = -100
     ref_loss, ref_grads = _loss_and_grads(model, x, y, chunked=False)
     loss, grads = _loss_and_grads(model, x, y, chunked=True)
     assert abs(float(loss - ref_loss)) < 1e-6 * float(ref_loss)

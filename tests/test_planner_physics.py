@@ -372,8 +372,9 @@ def test_loss_and_recomputed_block_are_not_alive_together():
     assert memory.loss_or_recompute(3.0, 5.0) == 5.0 and memory.loss_or_recompute(5.0, 3.0) == 5.0
     m_none = _memory("bf16", "none", loss="eager")
     assert m_none.logits == pytest.approx(m.logits)  # the loss is the same without recompute
-    # meshtron's own chunked loss (tp=1, no pipeline) never builds the 47 GiB: two more bf16
-    # copies of the head's gradient and one chunk's logits (rehearsed, tests/test_rehearse.py)
+    # meshtron's own fused loss (tp=1, no pipeline) never builds the 47 GiB: the fp32
+    # weight-gradient accumulator, the input gradient and one chunk's logits (rehearsed,
+    # tests/test_rehearse.py)
     chunked = _memory("bf16", "none")
     assert chunked.logits < 0.1 * m_none.logits
     assert chunked.logits == pytest.approx(memory.chunked_loss_bytes(

@@ -82,8 +82,8 @@ def test_tensor_parallel_and_moe_plans_add_up_too():
 
 def test_gemm_kind_is_the_layers_linears_times_passes_plus_the_head():
     """Full recomputation runs every block GEMM four times (forward, two backward, forward
-    again); the head's GEMMs (three, plus meshtron's chunked-loss replay and chunked weight
-    gradient) come once per micro-batch."""
+    again); the head's GEMMs (three, plus what meshtron's fused loss's chunked GEMMs and fp32
+    weight-gradient accumulation add) come once per micro-batch."""
     model = dataclasses.replace(L8, layers=4)
     ev, est = _evaluated(model, recompute="full")
     lc = C.layer_cost(model, H200, 1, 1, 4096, False, C.KernelOptions())

@@ -299,16 +299,26 @@ def test_deep_pipeline_pays_more_for_p2p_latency():
 
 
 # ---- meshtron's chunked cross-entropy -------------------------------------------------------------
-def test_chunked_loss_replays_the_head_and_sums_its_weight_gradients():
-    """meshtron/model/loss.py runs the head on ceil(vocab/hidden) checkpointed chunks: the
-    backward replays the head GEMM and loss forward and autograd sums one [vocab, hidden]
-    weight gradient per chunk after the first (6 bytes per element in bf16)."""
+def test_fused_loss_accumulates_the_weight_gradient_per_chunk_and_replays_nothing():
+    """meshtron/model/loss.py computes every gradient in the loss's forward over
+    ceil(vocab/hidden) chunks: each chunk's weight-gradient GEMM reads and writes the fp32
+    [vocab, hidden] accumulator (8 bytes per element per chunk), and every chunk's GEMMs read
+    the whole head weight again; the backward replays no head GEMM. The extra is at least the
+    accumulator's traffic less head_cost's three whole GEMMs, and at most that traffic plus
+    the chunks' forward and input-gradient GEMMs (no replayed third) and a few passes over
+    the accumulator (the backward's scale and cast)."""
     cl = resolve_cluster("dgx-h100:1")
+    parts = dict(C.chunked_loss_parts(L8, cl, 1, 4096))
     extra = C.chunked_loss_extra(L8, cl, 1, 4096)
+    assert extra == pytest.approx(parts["gemm"] + parts["elementwise"])
     chunks = -(-L8.vocab // L8.hidden)  # 32: 4096 tokens in chunks of 128
-    grad_sum = (chunks - 1) * 6.0 * L8.vocab * L8.hidden / (cl.hbm_bytes_per_s * 0.8)
-    replay = C.cluster_gemm_time(4096, L8.vocab, L8.hidden, cl)
-    assert extra > grad_sum + replay
+    acc = chunks * 8.0 * L8.vocab * L8.hidden / cl.hbm_bytes_per_s
+    whole = C.cluster_gemm_time(4096, L8.vocab, L8.hidden, cl)
+    chunked = chunks * C.cluster_gemm_time(4096 // chunks, L8.vocab, L8.hidden, cl)
+    passes = 3 * 8.0 * L8.vocab * L8.hidden / cl.hbm_bytes_per_s
+    assert acc - 3 * whole < extra < acc + 2 * chunked + passes
+    # fp32 plans: no casts, but the same accumulator traffic
+    assert C.chunked_loss_extra(L8, cl, 1, 4096, dtype="fp32") > acc
     # the plan pays it only where the runtime chunks: meshtron's loss, tp = 1, no pipeline
     plan = Plan(tp=1, pp=1, dp=8, zero=3, micro_batch=1, dtype="bf16")
     ev = _ev("meshtron")

@@ -1,5 +1,5 @@
 """The pipeline's edges on one GPU: the embedding (first stage), the final norm + LM head +
-loss (last stage), and what meshtron's chunked cross-entropy adds to the head, each for one
+loss (last stage), and what meshtron's fused cross-entropy adds to the head, each for one
 micro-batch, as EdgeCosts (planner/compute_parts.py) or parts by kind."""
 
 from __future__ import annotations
@@ -86,28 +86,43 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm, parts=parts)
 
 
+FUSED_LOSS_BYTES = (28.0, 20.0)
+"""HBM bytes per logit of the fused loss's elementwise work per chunk, with 16-bit and with
+fp32 logits (meshtron/model/loss.py `_chunk`): the fp32 copy of the logits (read 2, write
+4), the log-sum-exp's read (4), softmax and the gradient written in place over it (exp: 4 + 4;
+the 1/count scale: 4 + 4) and the gradient's cast for the GEMMs (4 + 2). With fp32 logits
+the copy and the cast are the tensor itself."""
+
+
 @lru_cache(maxsize=4096)
 def chunked_loss_parts(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
                        cp: int = 1, dtype: str = "bf16",
                        stack: str = "eager") -> tuple[tuple[str, float], ...]:
-    """Seconds meshtron's chunked cross-entropy (meshtron/model/loss.py, tp = 1 without a
-    pipeline) adds to `head_cost` per micro-batch, by kind (PART_KINDS). It runs the head and
-    the loss on chunks of tokens/ceil(vocab/hidden) tokens under activation checkpointing, so
-    the backward (1) replays each chunk's head GEMM and loss forward, (2) computes the head's
-    weight gradient chunk by chunk, a [vocab, hidden] product over only `chunk` tokens each
-    (bound by writing its output), and (3) autograd sums the chunks' weight gradients, one
-    add of a [vocab, hidden] tensor per chunk after the first (read both, write the sum).
-    The GEMMs of (1) and (2) are 'gemm', the loss replay and (3) 'elementwise'."""
+    """Seconds meshtron's fused cross-entropy (meshtron/model/loss.py, tp = 1 without a
+    pipeline) adds to `head_cost` per micro-batch, by kind (PART_KINDS). Its forward walks
+    chunks of tokens/ceil(vocab/hidden) tokens once and runs, per chunk, the head GEMM, the
+    input-gradient GEMM and the weight-gradient GEMM; that one accumulates into an fp32
+    [vocab, hidden] buffer (addmm, beta 1), reading and writing it per chunk (8 bytes per
+    element per chunk: memory-bound at Liger's chunk, about hidden tokens deep). Nothing is
+    replayed in backward, which scales the accumulator and the input gradient in place and
+    casts the accumulator to a 16-bit parameter's dtype (autograd). 'gemm': the chunked GEMMs
+    less head_cost's three whole ones; 'elementwise': the chunks' loss (FUSED_LOSS_BYTES) less
+    head_cost's loss and the backward's scaling and cast."""
     cl, hbm, tokens = _head_inputs(cluster, micro_batch, seq, cp, dtype, stack)
     v, h = model.vocab, model.hidden
     chunk = math.ceil(tokens / math.ceil(v / h))
     chunks = math.ceil(tokens / chunk)
-    wgrad = chunks * cluster_gemm_time(v, h, chunk, cl) - cluster_gemm_time(v, h, tokens, cl)
-    gemm = cluster_gemm_time(tokens, v, h, cl) + max(0.0, wgrad)
-    loss = tokens * v * loss_bytes(stack)[0] / hbm  # the replayed forward's loss
     elem = 4.0 if dtype == "fp32" else BF16
-    grad_sum = (chunks - 1) * 3.0 * elem * v * h / (cl.hbm_bytes_per_s * HBM_EFFICIENCY)
-    return (("gemm", gemm), ("elementwise", loss + grad_sum))
+    acc_rw = (elem * (v * chunk + chunk * h) + 8.0 * v * h) / cl.hbm_bytes_per_s
+    wgrad = max(cluster_gemm_time(v, h, chunk, cl), acc_rw)
+    per_chunk = (cluster_gemm_time(chunk, v, h, cl) + cluster_gemm_time(chunk, h, v, cl)
+                 + wgrad)
+    gemm = chunks * per_chunk - 3.0 * cluster_gemm_time(tokens, v, h, cl)
+    fused = FUSED_LOSS_BYTES[1 if dtype == "fp32" else 0]
+    loss = tokens * v * (fused - sum(loss_bytes(stack))) / hbm
+    cast = 0.0 if dtype == "fp32" else 4.0 + elem
+    scale = ((8.0 + cast) * v * h + 2.0 * elem * tokens * h) / hbm
+    return (("gemm", max(0.0, gemm)), ("elementwise", max(0.0, loss + scale)))
 
 
 def chunked_loss_extra(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,

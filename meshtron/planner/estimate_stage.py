@@ -142,7 +142,8 @@ class StageCosts:
     def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:
         """The last stage's head costs of `cfg`: with meshtron's chunked cross-entropy (the
         memory model's condition: MemoryOptions loss 'chunked', tp = 1, no pipeline) plus what
-        its chunks replay and sum in the backward (compute.chunked_loss_parts)."""
+        its fused chunks add: per-chunk GEMMs and the fp32 weight-gradient accumulator's
+        traffic (compute.chunked_loss_parts)."""
         if not (self.mem.loss_kind == "chunked" and cfg.tp == 1 and cfg.pp == 1):
             return head
         extra = compute.chunked_loss_parts(self.model, self.cluster, cfg.micro_batch, self.seq,

@@ -35,8 +35,8 @@ added to the block moment's working set by `backward_working_bytes`.
 
 Logits (last stage, one micro-batch; [tokens, vocab/t] elements): meshtron's runtime at tp = 1
 without a pipeline never builds them (meshtron/model/loss.py chunks the head and the loss over
-tokens): what it holds is one chunk's logits and the head's weight gradients summed over the
-chunks (`chunked_loss_bytes`). Elsewhere the eager loss casts the
+tokens): what it holds is the fused loss's fp32 weight-gradient accumulator, the input
+gradient and one chunk's logits (`chunked_loss_bytes`). Elsewhere the eager loss casts the
 logits to fp32 and takes log_softmax, whose fp32 output is saved; at the start of backward the
 saved output, the incoming gradient and log_softmax's input gradient are alive together: 12
 bytes per element (the compute-dtype logits are freed after the loss, nothing saves them;
@@ -292,23 +292,41 @@ LOSS_PARALLEL_BYTES = 16.0
 heads; torch/distributed/tensor/parallel/loss.py): the saved fp32 log-softmax, and in its
 fused nll + log-softmax backward `zeros_like(x)`, `exp(x)` and their sum, alive together
 (measured by `meshtron rehearse` at tp=2 and 4: 4 + 12)."""
-CHUNKED_HEAD_GRAD_COPIES = 2.0
-"""The chunked loss (meshtron/model/loss.py) uses the head's weight once per chunk: autograd
-adds the chunks' weight gradients as they come (the running sum, the new chunk's gradient and
-their sum: three head-sized tensors in the compute dtype; measured by `meshtron rehearse`:
-6 bytes per vocabulary x hidden element in bf16). One of the three is the unit gradient
-`gathered_bytes` already holds: two more here."""
+FUSED_LOSS_ACC_BYTES = 4.0
+"""The fused loss (meshtron/model/loss.py) accumulates the head's weight gradient over its
+chunks inside addmm into one fp32 [vocab, hidden] buffer, held from the loss's forward to its
+backward."""
 
 
 def chunked_loss_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> float:
-    """Peak bytes of meshtron's chunked cross-entropy (tp = 1, no pipeline): no whole logits;
-    the head's weight gradients summed over the chunks plus one chunk's logits (Liger's chunk:
-    tokens / ceil(vocab / hidden) tokens, about as many elements as the hidden states) in the
-    compute dtype and fp32 (12 bytes per element, as the whole-logits loss)."""
+    """Peak bytes of meshtron's fused cross-entropy (tp = 1, no pipeline) beyond the unit
+    gradient the moment's compute copies count (`gathered_bytes`). Its forward makes every
+    gradient: it holds the fp32 weight-gradient accumulator and the input gradient [tokens,
+    hidden] (compute dtype) until the backward, and while walking the chunks (Liger's chunk:
+    tokens / ceil(vocab / hidden) tokens) one chunk's logits in the compute dtype beside their
+    fp32 copy, then that copy (turned in place into the logits' gradient) beside its
+    compute-dtype cast: (4 + c) bytes per chunk logit, 4 in fp32 (no copies). That forward
+    moment is the loss's peak: in its backward the accumulator is scaled in place and cast to
+    a 16-bit parameter's dtype (the unit gradient) while the chunk's tensors are gone, and at
+    the forward the unit gradient's place is held by FSDP2's last all-gather output (kept
+    until the next all-gather: `AllGatherState`; rehearsed at ZeRO-3, tests/test_rehearse.py;
+    the loss alone on fake tensors: 2 + 4 + 6 x chunk x vocab bytes, bench/loss_memory.py)."""
     chunk = max(1, math.ceil(tokens / math.ceil(model.vocab / model.hidden)))
     cb = mem.compute_bytes
-    return CHUNKED_HEAD_GRAD_COPIES * cb * model.vocab * model.hidden + chunk * model.vocab * (
-        12.0 + cb)
+    held = FUSED_LOSS_ACC_BYTES * model.vocab * model.hidden + cb * tokens * model.hidden
+    per_logit = FUSED_LOSS_ACC_BYTES + (cb if cb < FUSED_LOSS_ACC_BYTES else 0.0)
+    return held + per_logit * chunk * model.vocab + final_norm_bytes(model, tokens, mem)
+
+
+def final_norm_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> float:
+    """The final norm at the loss's moment: what it saves for its backward (a fused norm its
+    input, the composite RMSNorm of PyTorch on CPU an fp32 copy of it and the fp32 normalised
+    tensor, as a block's norms: memory_bwd.py) and its output, the loss's input. Small beside
+    whole logits; beside the fused loss's working set it is a quarter of it (rehearsed 'mid'
+    model: 80 MiB composite of the 0.34 GiB)."""
+    cb = mem.compute_bytes
+    composite = model.norm == "rmsnorm" and not mem.fused_norm
+    return ((8.0 if composite else cb) + cb) * tokens * model.hidden
 
 
 def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
