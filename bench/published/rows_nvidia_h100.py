@@ -110,8 +110,22 @@ def nemo_2407() -> list[PublishedRun]:
     """NM24.07: NVIDIA/NeMo docs/source/performance/performance_summary.md at 9c5c5e9709
     (2024-09-09, "24.07 perf numbers"), Pretraining table: FP8, NeMo 24.07 container,
     DGX-H100; model, GPUs, GBS, MBS, sequence, TP, PP, CP, VP and tokens/s/GPU as published
-    (VP 1: no interleaving)."""
+    (VP 1: no interleaving).
+
+    The gradient buffer's dtype follows the NeMo-Framework-Launcher of the same release (tag
+    24.07), whose H100 FP8 example scripts ran these models on NeMo 1.0's Megatron-Core GPT
+    with Apex's DistributedFusedAdam (launcher_scripts/conf/training/*/*.yaml: optim
+    distributed_fused_adam, contiguous_grad_buffer true, overlap_param_sync true):
+    examples/training/gpt/h100/*_fp8_*.sh, llama/h100/llama{2,3}_*_fp8.sh pass
+    `+training.model.optim.grad_sync_dtype=bf16` and nemotron/nemotron_340b.yaml sets it,
+    so the optimizer's whole-size gradient buffer (apex distributed_fused_adam.py
+    `_init_grad_buffer`: torch.zeros([buffer_size], dtype=grad_sync_dtype)) is bf16, 2 bytes
+    per parameter, and the data-parallel reduce-scatter runs in bf16; the Nemotron-8B and
+    -22B scripts do not pass it (grad_sync_dtype defaults to the fp32 state dtype). Set on
+    2026-12-05 (branch nemomem) after the rows' memory verdicts were seen: these rows are
+    calibration from then on (runs.LOOKED_AT)."""
     kernel, mem = _mcore_2024()
+    bf16_grads = dataclasses.replace(kernel, fp32_grad_reduce=False)
     gpt = {"5B": (24, 4096, 32), "20B": (44, 6144, 48), "175B": (96, 12288, 96)}
     nemotron = {"8B": (32, 4096, 16384, 32, 32), "22B": (40, 6144, 24576, 48, 48),
                 "340B": (96, 18432, 73728, 96, 8)}
@@ -152,7 +166,8 @@ def nemo_2407() -> list[PublishedRun]:
             f"NM24.07 {name} {gpus}xH100", "NM24.07 Pretraining table (performance_summary.md "
             "at 9c5c5e9709, 2024-09-09)", "Megatron-Core (NeMo 24.07)", model,
             preset_cluster("dgx-h100", gpus // 8), gbs, seq, tp, pp, dp, 1, "none", tp > 1,
-            kernel, "tokens_per_gpu", tps, micro_batches=(mbs,),
+            kernel if family == "Nemotron" and size != "340B" else bf16_grads,
+            "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp > 1 else ("1f1b",),
             virtual_stages=vp if vp > 1 else None, cp=cp, dtype="fp8", memory=mem,
             confident=False,
@@ -162,6 +177,9 @@ def nemo_2407() -> list[PublishedRun]:
                  "distributed optimizer as NeMo's recipes of that commit set them "
                  "(recipes/llama3_70b.py sequence_parallelism=True, recipes/optim/adam.py "
                  "use_distributed_optimizer=True), no recomputation (NeMo's default), "
+                 "gradient buffer dtype as the 24.07 launcher's FP8 example scripts set it "
+                 "(grad_sync_dtype bf16 except Nemotron-8B/22B; set after the memory "
+                 "verdicts were seen), "
                  "datasheet clocks (the summary's 'vboost' commits raised the clock "
                  "boost, which the catalogue cannot state)"))
     return runs
