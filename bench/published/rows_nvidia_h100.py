@@ -121,7 +121,9 @@ def nemo_2407() -> list[PublishedRun]:
     so the optimizer's whole-size gradient buffer (apex distributed_fused_adam.py
     `_init_grad_buffer`: torch.zeros([buffer_size], dtype=grad_sync_dtype)) is bf16, 2 bytes
     per parameter, and the data-parallel reduce-scatter runs in bf16; the Nemotron-8B and
-    -22B scripts do not pass it (grad_sync_dtype defaults to the fp32 state dtype). Set on
+    -22B scripts do not pass it (grad_sync_dtype defaults to the fp32 state dtype). The GPT3
+    models run with dropout (gpt3/5b, 20b, 175b.yaml: hidden_dropout and attention_dropout
+    0.1: Megatron's dropout masks, 1 byte per element of the two hidden-state dropouts). Set on
     2026-12-05 (branch nemomem) after the rows' memory verdicts were seen: these rows are
     calibration from then on (runs.LOOKED_AT)."""
     kernel, mem = _mcore_2024()
@@ -162,11 +164,14 @@ def nemo_2407() -> list[PublishedRun]:
             model = preset(f"{family.lower()}-{size.lower()}")
             what = "the model preset"
         dp = gpus // (tp * pp * cp)
+        opts = kernel if family == "Nemotron" and size != "340B" else bf16_grads
+        if family == "GPT3":  # the launcher's gpt3/*.yaml: hidden_dropout, attention_dropout 0.1
+            opts = dataclasses.replace(opts, dropout=True)
         runs.append(PublishedRun(
             f"NM24.07 {name} {gpus}xH100", "NM24.07 Pretraining table (performance_summary.md "
             "at 9c5c5e9709, 2024-09-09)", "Megatron-Core (NeMo 24.07)", model,
             preset_cluster("dgx-h100", gpus // 8), gbs, seq, tp, pp, dp, 1, "none", tp > 1,
-            kernel if family == "Nemotron" and size != "340B" else bf16_grads,
+            opts,
             "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp > 1 else ("1f1b",),
             virtual_stages=vp if vp > 1 else None, cp=cp, dtype="fp8", memory=mem,
@@ -178,8 +183,8 @@ def nemo_2407() -> list[PublishedRun]:
                  "(recipes/llama3_70b.py sequence_parallelism=True, recipes/optim/adam.py "
                  "use_distributed_optimizer=True), no recomputation (NeMo's default), "
                  "gradient buffer dtype as the 24.07 launcher's FP8 example scripts set it "
-                 "(grad_sync_dtype bf16 except Nemotron-8B/22B; set after the memory "
-                 "verdicts were seen), "
+                 "(grad_sync_dtype bf16 except Nemotron-8B/22B) and GPT3's dropout 0.1 "
+                 "(set after the memory verdicts were seen), "
                  "datasheet clocks (the summary's 'vboost' commits raised the clock "
                  "boost, which the catalogue cannot state)"))
     return runs
