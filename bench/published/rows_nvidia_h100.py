@@ -6,7 +6,8 @@ before any of them was run through the planner (sources in runs.py: MC24, NM24.0
 
 Every field the source gives is taken as given; every other one is the stack's documented
 default, named "assumed" in the row's note. No row here steered a choice (none was looked at
-before the table was run once): validation part (runs.ADDED_S39)."""
+before the table was run once): validation part (runs.ADDED_S39), except the NM24.07 rows,
+whose memory breakdowns were examined afterwards (branch nemomem): calibration (runs.LOOKED_AT)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ Sources, abbreviated in the rows:
 
 Rows added in session 39 (issue 30, branch valrows; `ADDED_S39`): MC24, NM24.07, TTA_2506 and
 TT24's two Float8 FSDP rows, each fixed from its source before the table was first run with
-them, and run once: validation. Families of issue 30 not added, because their figures could not
+them, and run once: validation (the 12 NM24.07 rows calibration since branch nemomem, which
+examined their memory: `LOOKED_AT`). Families of issue 30 not added, because their figures could not
 be read from a stored copy of the source: Nemotron-4 15B and 340B technical reports (Table 2 of
 each), MegaScale (arXiv 2402.15627, Table 2), NeMo's 24.09-25.x summaries (docs.nvidia.com, not
 in the NeMo repository after December 2024).
