@@ -138,7 +138,8 @@ def run_row(run) -> dict:
     value = _value(run, plan)
     error = (run.published / value - 1.0) if run.metric == "step_s" else value / run.published - 1
     return {"run": run, "status": "ok" if plan["fits"] else "unfit", "value": value,
-            "error": error, "args": args, "need": plan["memory_gib"]["total"]}
+            "error": error, "args": args, "need": plan["memory_gib"]["total"],
+            "memory": plan["memory_gib"]}
 
 
 def summarise(rows: list[dict], part: str) -> dict:

@@ -281,3 +281,28 @@ def test_the_last_ranks_loss_moments_are_megatrons():
                                                                      1.0, 0.0, 0.0)
             assert full == _megatron_peak_layers(p, v, m, p - 1, list(layers))
             assert loss == _megatron_peak_layers(p, v, m, p - 1, list(layers), at_loss=True)
+
+
+def test_distributed_optimizer_keeps_a_whole_gradient_buffer_in_the_reduce_dtype():
+    """Megatron-Core's distributed optimizer and Apex's DistributedFusedAdam (NeMo 1.0, the
+    NM24.07 rows) shard only the fp32 master weights and moments (12 B over dp); the gradient
+    buffer every backward accumulates into is whole-size in the reduce dtype (Apex
+    distributed_fused_adam.py `_init_grad_buffer`: torch.zeros([buffer_size],
+    dtype=grad_sync_dtype); Megatron-Core param_and_grad_buffer.py grad_data in fp32 under
+    grad_reduce_in_fp32): 4 B per parameter with an fp32 reduction, 2 with NeMo 24.07's
+    grad_sync_dtype bf16, on every data-parallel rank (branch nemomem, docs/measurements.md
+    #nemo-fp8-memory)."""
+    cluster = preset_cluster("dgx-h100", 1)
+    plan = Plan(1, 1, 8, 1, 1, "none", False, "1f1b", 1, dtype="fp8")
+
+    def breakdown(fp32):
+        opts = dataclasses.replace(TE, fp32_grad_reduce=fp32)
+        est = Evaluator(DENSE, cluster, 64, 4096, opts=opts, mem=MEGATRON_FP8).evaluate(
+            plan, keep_infeasible=True)
+        return est.memory
+
+    fp32, bf16 = breakdown(True), breakdown(False)
+    params = DENSE.num_params()
+    assert fp32.grads * memory.GIB == pytest.approx(4.0 * params, rel=1e-9)
+    assert bf16.grads * memory.GIB == pytest.approx(2.0 * params, rel=1e-9)
+    assert bf16.optimizer == fp32.optimizer == pytest.approx(12.0 * params / 8 / memory.GIB)

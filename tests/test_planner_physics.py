@@ -263,12 +263,18 @@ def test_validation_errors_do_not_regress(table, capsys):
     # (runs.ADDED_S39, validation, never looked at) are bounded apart, at their first run's
     # figures (mean 9.6%, max 46.3%: bench/results/planner_cli_table_2026-12-05_valrows.txt)
     # so that they cannot regress unseen; a physics change that moves them reports it
+    # The 12 NeMo rows were looked at (branch nemomem, 2026-12-05: their memory, which set
+    # their gradient-buffer dtype): calibration, summarised with it; the bound is recomputed
+    # over the 23 rows still unseen at their figures before that branch (mean 12.18%, max
+    # 46.3%: without the NeMo rows' small errors the mean is higher; the max is the same row)
     from bench.published.runs import ADDED_S39
 
-    added = [p for p in table if p.run.name in ADDED_S39]
-    assert len(added) == len(ADDED_S39) == 35
+    assert len([p for p in table if p.run.name in ADDED_S39]) == len(ADDED_S39) == 35
+    added = [p for p in table if p.run.name in ADDED_S39 and p.run.part == "validation"]
+    assert len(added) == 23
     new = summary(added)
-    table = [p for p in table if p.run.name not in ADDED_S39]
+    seen = [p for p in table if p.run.name in ADDED_S39 and p.run.part == "calibration"]
+    table = [p for p in table if p.run.name not in ADDED_S39] + seen
     dense = [p for p in table if p.run.ep == 1]
     val = summary([p for p in dense if p.run.part == "validation"])
     old = summary([p for p in dense if p.run.part == "validation" and p.run.dtype == "bf16"])
@@ -289,7 +295,7 @@ def test_validation_errors_do_not_regress(table, capsys):
               f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}; "
               f"session 39 rows: n={new['n']} mean {new['mean']:.1%} "
               f"max {new['max']:.1%}")
-    assert new["mean"] < 0.10 and new["max"] < 0.47
+    assert new["mean"] < 0.122 and new["max"] < 0.47
     assert val["mean"] < 0.075 and val["max"] < 0.28
     assert old["mean"] < 0.06 and old["max"] < 0.26
     assert cal["mean"] < 0.12 and cal["max"] < 0.33

@@ -55,10 +55,48 @@ def test_nemo_rows_keep_the_published_gpu_counts_and_padding():
     assert by_name["NM24.07 LLAMA3-70B 64xH100"].cp == 2
 
 
-def test_added_rows_are_validation_and_never_looked_at():
+def test_added_rows_are_validation_unless_looked_at():
+    """The NeMo rows' memory breakdowns were examined (branch nemomem): calibration, with the
+    reason in their note; every other session-39 row is still unseen, validation."""
     from bench.published.runs import LOOKED_AT
 
     runs = {r.name: r for r in published_runs()}
     assert ADDED_S39 <= set(runs)
-    assert not ADDED_S39 & set(LOOKED_AT)
-    assert all(runs[n].part == "validation" for n in ADDED_S39)
+    seen = ADDED_S39 & set(LOOKED_AT)
+    assert seen == {r.name for r in nemo_2407()}
+    assert all(runs[n].part == "calibration" and "nemomem" in runs[n].note for n in seen)
+    assert all(runs[n].part == "validation" for n in ADDED_S39 - seen)
+
+
+def _cli_memory(run) -> dict:
+    """The row's plan through `meshtron plan` (bench/planner_cli_table.py): its memory, GiB."""
+    from bench.planner_cli_table import run_row
+
+    row = run_row(run)
+    assert row["status"] in ("ok", "unfit")
+    return row
+
+
+def test_nemo_gradient_buffer_is_the_launchers_bf16_one():
+    """NeMo 24.07's FP8 examples ran Apex's DistributedFusedAdam with grad_sync_dtype bf16
+    (NeMo-Framework-Launcher tag 24.07: examples/training/{gpt,llama}/h100/*fp8*.sh,
+    nemotron_340b.yaml; not the Nemotron-8B/22B scripts), whose contiguous gradient buffer
+    is whole-size in that dtype (apex distributed_fused_adam.py `_init_grad_buffer`). Llama 2
+    7B on 8 GPUs, term by term from the code: bf16 weights (DFA's contiguous param buffer) 2
+    bytes per parameter, Transformer Engine's cached FP8 weight and transpose 2 per block GEMM
+    weight, the gradient buffer 2, fp32 master + two moments 12 over dp 8. With the megatron
+    preset's fp32 gradient buffer it read 81.0 GiB, predicted not to fit."""
+    rows = {r.name: r for r in nemo_2407()}
+    fp32 = {n for n, r in rows.items() if r.opts.fp32_grad_reduce}
+    assert fp32 == {"NM24.07 Nemotron-8B 64xH100", "NM24.07 Nemotron-22B 64xH100"}
+    run = rows["NM24.07 LLAMA2-7B 8xH100"]
+    m = run.model
+    total = m.num_params()
+    gemm = m.layers * (m.attention_params() + m.mlp_params())
+    doc = _cli_memory(run)
+    gib = 2.0**30
+    mem = doc["memory"]
+    assert mem["grads"] * gib == pytest.approx(2.0 * total, rel=1e-6)
+    assert mem["params"] * gib == pytest.approx(2.0 * total + 2.0 * gemm, rel=1e-6)
+    assert mem["optimizer"] * gib == pytest.approx(12.0 * total / 8, rel=1e-6)
+    assert doc["status"] == "ok" and doc["need"] < 80.0

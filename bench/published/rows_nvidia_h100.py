@@ -6,7 +6,8 @@ before any of them was run through the planner (sources in runs.py: MC24, NM24.0
 
 Every field the source gives is taken as given; every other one is the stack's documented
 default, named "assumed" in the row's note. No row here steered a choice (none was looked at
-before the table was run once): validation part (runs.ADDED_S39)."""
+before the table was run once): validation part (runs.ADDED_S39), except the NM24.07 rows,
+whose memory breakdowns were examined afterwards (branch nemomem): calibration (runs.LOOKED_AT)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,24 @@ def nemo_2407() -> list[PublishedRun]:
     """NM24.07: NVIDIA/NeMo docs/source/performance/performance_summary.md at 9c5c5e9709
     (2024-09-09, "24.07 perf numbers"), Pretraining table: FP8, NeMo 24.07 container,
     DGX-H100; model, GPUs, GBS, MBS, sequence, TP, PP, CP, VP and tokens/s/GPU as published
-    (VP 1: no interleaving)."""
+    (VP 1: no interleaving).
+
+    The gradient buffer's dtype follows the NeMo-Framework-Launcher of the same release (tag
+    24.07), whose H100 FP8 example scripts ran these models on NeMo 1.0's Megatron-Core GPT
+    with Apex's DistributedFusedAdam (launcher_scripts/conf/training/*/*.yaml: optim
+    distributed_fused_adam, contiguous_grad_buffer true, overlap_param_sync true):
+    examples/training/gpt/h100/*_fp8_*.sh, llama/h100/llama{2,3}_*_fp8.sh pass
+    `+training.model.optim.grad_sync_dtype=bf16` and nemotron/nemotron_340b.yaml sets it,
+    so the optimizer's whole-size gradient buffer (apex distributed_fused_adam.py
+    `_init_grad_buffer`: torch.zeros([buffer_size], dtype=grad_sync_dtype)) is bf16, 2 bytes
+    per parameter, and the data-parallel reduce-scatter runs in bf16; the Nemotron-8B and
+    -22B scripts do not pass it (grad_sync_dtype defaults to the fp32 state dtype). The GPT3
+    models run with dropout (gpt3/5b, 20b, 175b.yaml: hidden_dropout and attention_dropout
+    0.1: Megatron's dropout masks, 1 byte per element of the two hidden-state dropouts). Set on
+    2026-12-05 (branch nemomem) after the rows' memory verdicts were seen: these rows are
+    calibration from then on (runs.LOOKED_AT)."""
     kernel, mem = _mcore_2024()
+    bf16_grads = dataclasses.replace(kernel, fp32_grad_reduce=False)
     gpt = {"5B": (24, 4096, 32), "20B": (44, 6144, 48), "175B": (96, 12288, 96)}
     nemotron = {"8B": (32, 4096, 16384, 32, 32), "22B": (40, 6144, 24576, 48, 48),
                 "340B": (96, 18432, 73728, 96, 8)}
@@ -148,11 +165,15 @@ def nemo_2407() -> list[PublishedRun]:
             model = preset(f"{family.lower()}-{size.lower()}")
             what = "the model preset"
         dp = gpus // (tp * pp * cp)
+        opts = kernel if family == "Nemotron" and size != "340B" else bf16_grads
+        if family == "GPT3":  # the launcher's gpt3/*.yaml: hidden_dropout, attention_dropout 0.1
+            opts = dataclasses.replace(opts, dropout=True)
         runs.append(PublishedRun(
             f"NM24.07 {name} {gpus}xH100", "NM24.07 Pretraining table (performance_summary.md "
             "at 9c5c5e9709, 2024-09-09)", "Megatron-Core (NeMo 24.07)", model,
             preset_cluster("dgx-h100", gpus // 8), gbs, seq, tp, pp, dp, 1, "none", tp > 1,
-            kernel, "tokens_per_gpu", tps, micro_batches=(mbs,),
+            opts,
+            "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp > 1 else ("1f1b",),
             virtual_stages=vp if vp > 1 else None, cp=cp, dtype="fp8", memory=mem,
             confident=False,
@@ -162,6 +183,9 @@ def nemo_2407() -> list[PublishedRun]:
                  "distributed optimizer as NeMo's recipes of that commit set them "
                  "(recipes/llama3_70b.py sequence_parallelism=True, recipes/optim/adam.py "
                  "use_distributed_optimizer=True), no recomputation (NeMo's default), "
+                 "gradient buffer dtype as the 24.07 launcher's FP8 example scripts set it "
+                 "(grad_sync_dtype bf16 except Nemotron-8B/22B) and GPT3's dropout 0.1 "
+                 "(set after the memory verdicts were seen), "
                  "datasheet clocks (the summary's 'vboost' commits raised the clock "
                  "boost, which the catalogue cannot state)"))
     return runs

@@ -43,7 +43,8 @@ Sources, abbreviated in the rows:
 
 Rows added in session 39 (issue 30, branch valrows; `ADDED_S39`): MC24, NM24.07, TTA_2506 and
 TT24's two Float8 FSDP rows, each fixed from its source before the table was first run with
-them, and run once: validation. Families of issue 30 not added, because their figures could not
+them, and run once: validation (the 12 NM24.07 rows calibration since branch nemomem, which
+examined their memory: `LOOKED_AT`). Families of issue 30 not added, because their figures could not
 be read from a stored copy of the source: Nemotron-4 15B and 340B technical reports (Table 2 of
 each), MegaScale (arXiv 2402.15627, Table 2), NeMo's 24.09-25.x summaries (docs.nvidia.com, not
 in the NeMo repository after December 2024).
@@ -118,6 +119,14 @@ LOOKED_AT = {
        for name in ("LF MPT-30b s2048 512xH100", "LF MPT-13b s2048 512xH100",
                     "LF MPT-7b s2048 8xH100", "LF MPT-13b s2048 8xH100",
                     "LF MPT-7b s8192 8xH100")},
+    **{f"NM24.07 {name}": "its memory breakdown was compared term by term with Megatron-Core, "
+       "Transformer Engine and Apex's DistributedFusedAdam (issue 30 item 2, branch nemomem, "
+       "2026-12-05), which led to its gradient-buffer dtype read from the NeMo 24.07 "
+       "launcher (rows_nvidia_h100.nemo_2407)"
+       for name in ("GPT3-5B 64xH100", "GPT3-20B 64xH100", "GPT3-175B 128xH100",
+                    "GPT3-175B 512xH100", "LLAMA2-7B 8xH100", "LLAMA2-13B 16xH100",
+                    "LLAMA2-70B 64xH100", "Nemotron-8B 64xH100", "Nemotron-22B 64xH100",
+                    "Nemotron-340B 128xH100", "LLAMA3-8B 8xH100", "LLAMA3-70B 64xH100")},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""
