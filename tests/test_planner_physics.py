@@ -246,12 +246,17 @@ def test_validation_errors_do_not_regress(table, capsys):
     # the bounds below were written for the rows before session 39; the rows it added
     # (runs.ADDED_S39, validation, never looked at) are bounded apart, at their first run's
     # figures (mean 9.6%, max 46.3%: bench/results/planner_cli_table_2026-12-05_valrows.txt)
-    # so that they cannot regress unseen; a physics change that moves them reports it
+    # so that they cannot regress unseen; a physics change that moves them reports it.
+    # Branch rowwise (2026-12-05) looked at TTA_2506's four float8 rowwise rows (runs.LOOKED_AT:
+    # calibration now); over the 31 still unseen, before its change and after (none moved):
+    # mean 5.8%, max 21.6% (MC24 GPT 1.7B), the bound recomputed over them (was 0.10 / 0.47)
     from bench.published.runs import ADDED_S39
 
     added = [p for p in table if p.run.name in ADDED_S39]
     assert len(added) == len(ADDED_S39) == 35
-    new = summary(added)
+    unseen = [p for p in added if p.run.part == "validation"]
+    assert len(unseen) == 31
+    new = summary(unseen)
     table = [p for p in table if p.run.name not in ADDED_S39]
     dense = [p for p in table if p.run.ep == 1]
     val = summary([p for p in dense if p.run.part == "validation"])
@@ -273,7 +278,7 @@ def test_validation_errors_do_not_regress(table, capsys):
               f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}; "
               f"session 39 rows: n={new['n']} mean {new['mean']:.1%} "
               f"max {new['max']:.1%}")
-    assert new["mean"] < 0.10 and new["max"] < 0.47
+    assert new["mean"] < 0.06 and new["max"] < 0.22
     assert val["mean"] < 0.075 and val["max"] < 0.28
     assert old["mean"] < 0.06 and old["max"] < 0.26
     assert cal["mean"] < 0.12 and cal["max"] < 0.33

@@ -111,6 +111,11 @@ LOOKED_AT = {
        for name in ("LF MPT-30b s2048 512xH100", "LF MPT-13b s2048 512xH100",
                     "LF MPT-7b s2048 8xH100", "LF MPT-13b s2048 8xH100",
                     "LF MPT-7b s8192 8xH100")},
+    **{f"TT25 {size} FSDP{fsdp} TP8 rowwise {label}": "its +31..+46% error (session 39) led "
+       "to pricing torchao rowwise as it runs (branch rowwise, 2026-12-05): bf16 TP gathers, "
+       "the casts' excess measured in torchao's rowwise table, async TP leaving the cast-bound "
+       "collectives unfused (planner/fp8.py async_tp_unfused)"
+       for size, fsdp in (("70B", 32), ("8B", 8)) for label in ("TP", "AsyncTP")},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""
