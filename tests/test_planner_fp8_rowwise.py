@@ -85,3 +85,17 @@ def test_rowwise_casts_cost_what_torchaos_table_measures():
         5.0 + ROWWISE_COMPILED_EXCESS
     assert cast_bytes("torchao", "tensorwise", compiled=True).input_bwd == 0.0
     assert not cast_bytes("torchao", "rowwise", compiled=True).per_linear
+
+
+def test_async_tp_fuses_a_group_without_fp8_linears():
+    # torchao's own filter keeps every Linear of Llama-3-8B at tp 8 in bf16 under rowwise
+    # (fp8._ROWWISE_SKIP): nothing sits between a collective and its mm, async TP fuses all
+    opts = dataclasses.replace(TITAN, fp8_scaling="torchao-rowwise", async_tp=True,
+                               fp8_filter="torchao")
+    l8 = PRESETS["llama3-8b"]
+    fp8 = C.layer_cost(l8, H100, 8, 2, 8192, True, opts, 1, "fp8")
+    bf16 = C.layer_cost(l8, H100, 8, 2, 8192, True, opts, 1, "bf16")
+    assert (fp8.tp_fwd, fp8.tp_bwd) == pytest.approx((bf16.tp_fwd, bf16.tp_bwd), rel=1e-12)
+    every = C.layer_cost(l8, H100, 8, 2, 8192, True,
+                         dataclasses.replace(opts, fp8_filter="all"), 1, "fp8")
+    assert every.tp_bwd > bf16.tp_bwd

@@ -168,13 +168,17 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     cb_tp = cast_bytes(opts.fp8_scaling, fp8_recipe, opts.stack == "compiled") \
         if lin_dt == "fp8" else None
     in_bytes = tokens * h if cb_tp is not None and cb_tp.gathers_fp8 else act_bytes
+    # what async TP cannot fuse, per GEMM group with FP8 Linears (an all-bf16 group's plain mm
+    # fuses as in bf16)
+    atp_unfused = frozenset((kind, g) for kind in async_tp_unfused(cb_tp)
+                            for g in GEMM_GROUPS if frac is not None and frac[g] > 0)
     colls = {"ag": comm.all_gather(act_bytes, group, fab),
              "ag_in": comm.all_gather(in_bytes, group, fab),
              "rs": comm.reduce_scatter(act_bytes, group, fab),
              "ar": comm.all_reduce(act_bytes, group, fab)}
     tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster),
                              host.sm_interference(cluster, group.nodes > 1),
-                             async_tp_unfused(cb_tp))
+                             atp_unfused)
                   if tp > 1 else (0.0, 0.0))
     if tp > 1 and not sp and opts.residual_reduce_once and model.parallel_residual:
         tp_f -= colls["ar"]  # the two branches' sum reduced once (KernelOptions)
