@@ -9,8 +9,10 @@ Megatron-Core's FP8 recipes).
 
 It also says what quantising the FP8 operands moves (`cast_bytes`, `quantisation_bytes`): the
 bytes per element each stack's casts read and write, from torchao's float8 code and its own
-roofline, and from Transformer Engine's documentation and modules; compute.py turns them into
-seconds at the stack's streaming bandwidth.
+roofline (rowwise compiled: plus what torchao's own rowwise table measures beyond it), and from
+Transformer Engine's documentation and modules; compute.py turns them into seconds at the
+stack's streaming bandwidth. And which tensor-parallel collectives PyTorch's async TP cannot
+fuse under a stack's casts (`async_tp_unfused`).
 """
 
 from __future__ import annotations
