@@ -18,8 +18,8 @@ from meshtron.planner import compute as C
 from meshtron.planner import gemm as G
 from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.estimate import Evaluator
-from meshtron.planner.fp8 import (EAGER_CAST_BYTES, GEMM_GROUPS, cast_bytes, fp8_fractions,
-                                  fp8_gathers_fp8, fp8_input_casts)
+from meshtron.planner.fp8 import (EAGER_CAST_BYTES, GEMM_GROUPS, ROWWISE_COMPILED_EXCESS,
+                                  cast_bytes, fp8_fractions, fp8_gathers_fp8, fp8_input_casts)
 from meshtron.planner.frameworks import preset
 from meshtron.planner.plan import Plan
 
@@ -37,8 +37,10 @@ def _total(cb) -> tuple[float, float, float]:
 def test_torchao_compiled_casts_are_torchaos_own_roofline():
     # rowwise: each activation cast along both axes (fp8 dim0 1 + bf16 transposed copy 2, then
     # the copy read 2 + fp8 1), the weight twice with a transpose between (3 + 4 + 3), and the
-    # backward's weight-gradient output scaled after cuBLAS (2 + 2)
-    assert _total(cast_bytes("torchao", "rowwise", compiled=True)) == (6.0, 6.0, 14.0)
+    # backward's weight-gradient output scaled after cuBLAS (2 + 2); on the input, what
+    # torchao's own rowwise table measures beyond that roofline (test_planner_fp8_rowwise.py)
+    assert _total(cast_bytes("torchao", "rowwise", compiled=True)) == \
+        (6.0 + ROWWISE_COMPILED_EXCESS, 6.0, 14.0)
     # tensorwise: max-abs fused into the producer, one cast writing both layouts (2 + 1 + 1);
     # the weight: max-abs read (2) and one cast per pass (3 + 3)
     assert _total(cast_bytes("torchao", "tensorwise", compiled=True)) == (4.0, 4.0, 8.0)

@@ -262,16 +262,17 @@ def test_validation_errors_do_not_regress(table, capsys):
     # the bounds below were written for the rows before session 39; the rows it added
     # (runs.ADDED_S39, validation, never looked at) are bounded apart, at their first run's
     # figures (mean 9.6%, max 46.3%: bench/results/planner_cli_table_2026-12-05_valrows.txt)
-    # so that they cannot regress unseen; a physics change that moves them reports it
+    # so that they cannot regress unseen; a physics change that moves them reports it.
     # The 12 NeMo rows were looked at (branch nemomem, 2026-12-05: their memory, which set
-    # their gradient-buffer dtype): calibration, summarised with it; the bound is recomputed
-    # over the 23 rows still unseen at their figures before that branch (mean 12.18%, max
-    # 46.3%: without the NeMo rows' small errors the mean is higher; the max is the same row)
+    # their gradient-buffer dtype) and TTA_2506's four float8 rowwise rows (branch rowwise:
+    # the cost of torchao rowwise): calibration, summarised with it; the bound is recomputed
+    # over the 19 rows still unseen, at their figures when both branches merged (none of them
+    # moved by either): mean 6.4%, max 21.6% (MC24 GPT 1.7B)
     from bench.published.runs import ADDED_S39
 
     assert len([p for p in table if p.run.name in ADDED_S39]) == len(ADDED_S39) == 35
     added = [p for p in table if p.run.name in ADDED_S39 and p.run.part == "validation"]
-    assert len(added) == 23
+    assert len(added) == 19
     new = summary(added)
     seen = [p for p in table if p.run.name in ADDED_S39 and p.run.part == "calibration"]
     table = [p for p in table if p.run.name not in ADDED_S39] + seen
@@ -295,7 +296,7 @@ def test_validation_errors_do_not_regress(table, capsys):
               f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}; "
               f"session 39 rows: n={new['n']} mean {new['mean']:.1%} "
               f"max {new['max']:.1%}")
-    assert new["mean"] < 0.122 and new["max"] < 0.47
+    assert new["mean"] < 0.065 and new["max"] < 0.22
     assert val["mean"] < 0.075 and val["max"] < 0.28
     assert old["mean"] < 0.06 and old["max"] < 0.26
     assert cal["mean"] < 0.12 and cal["max"] < 0.33

@@ -249,11 +249,16 @@ def test_megatron_linear_regathers_the_sequence_parallel_input():
 
 def test_fp8_gathers_the_cast_input_at_one_byte():
     cl = resolve_cluster("dgx-h100:8")
-    opts = C.KernelOptions(fp8_filter="all")
+    opts = C.KernelOptions(fp8_filter="all", fp8_scaling="torchao-tensorwise")
     bf16 = _layer(opts, tp=8, sp=True, cluster=cl)
     fp8 = _layer(opts, tp=8, sp=True, dtype="fp8", cluster=cl)
     # forward: two gathers (now half the bytes) and two bf16 scatters; backward unchanged
     assert fp8.tp_fwd < bf16.tp_fwd and fp8.tp_bwd == pytest.approx(bf16.tp_bwd)
+    # torchao rowwise gathers bf16 and casts after (fp8.CastBytes.gathers_fp8; branch
+    # rowwise, tests/test_planner_fp8_rowwise.py)
+    rowwise = _layer(dataclasses.replace(opts, fp8_scaling="torchao-rowwise"), tp=8, sp=True,
+                     dtype="fp8", cluster=cl)
+    assert rowwise.tp_fwd == pytest.approx(bf16.tp_fwd)
 
 
 def test_catalogue_knows_sm_counts():

@@ -62,9 +62,15 @@ def test_added_rows_are_validation_unless_looked_at():
 
     runs = {r.name: r for r in published_runs()}
     assert ADDED_S39 <= set(runs)
+    # the 12 NeMo rows (branch nemomem: their memory) and the four float8 rowwise rows (branch
+    # rowwise) steered choices (2026-12-05): calibration, with the reason; every other added row
+    # is still validation and unseen
     seen = ADDED_S39 & set(LOOKED_AT)
-    assert seen == {r.name for r in nemo_2407()}
-    assert all(runs[n].part == "calibration" and "nemomem" in runs[n].note for n in seen)
+    rowwise = {f"TT25 {s} FSDP{f} TP8 rowwise {label}" for s, f in (("70B", 32), ("8B", 8))
+               for label in ("TP", "AsyncTP")}
+    assert seen == {r.name for r in nemo_2407()} | rowwise
+    assert all(runs[n].part == "calibration" for n in seen)
+    assert all("nemomem" in runs[n].note for n in seen - rowwise)
     assert all(runs[n].part == "validation" for n in ADDED_S39 - seen)
 
 

@@ -127,6 +127,11 @@ LOOKED_AT = {
                     "GPT3-175B 512xH100", "LLAMA2-7B 8xH100", "LLAMA2-13B 16xH100",
                     "LLAMA2-70B 64xH100", "Nemotron-8B 64xH100", "Nemotron-22B 64xH100",
                     "Nemotron-340B 128xH100", "LLAMA3-8B 8xH100", "LLAMA3-70B 64xH100")},
+    **{f"TT25 {size} FSDP{fsdp} TP8 rowwise {label}": "its +31..+46% error (session 39) led "
+       "to pricing torchao rowwise as it runs (branch rowwise, 2026-12-05): bf16 TP gathers, "
+       "the casts' excess measured in torchao's rowwise table, async TP leaving the cast-bound "
+       "collectives unfused (planner/fp8.py async_tp_unfused)"
+       for size, fsdp in (("70B", 32), ("8B", 8)) for label in ("TP", "AsyncTP")},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""

@@ -38,8 +38,8 @@ from meshtron.planner.compute_parts import (  # noqa: F401  (re-exported for cal
 from meshtron.planner.elementwise import (  # noqa: F401  (kernels_per_layer re-exported)
     NORM_BYTES, NORM_KERNELS, elementwise_bytes, gqa_repeat_bytes, kernels_per_layer, norm_key)
 from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exported)
-    GEMM_GROUPS, cast_bytes, fp8_fractions, fp8_input_casts, fp8_weight_elements,
-    quantisation_bytes)
+    GEMM_GROUPS, async_tp_unfused, cast_bytes, fp8_fractions, fp8_input_casts,
+    fp8_weight_elements, quantisation_bytes)
 from meshtron.planner.gemm import (  # noqa: F401  (re-exported for callers)
     BF16, CAST_ADD_BYTES_PER_SM, DISPATCH_S, FP8, HBM_EFFICIENCY, cast_add_bytes_per_s,
     cluster_gemm_time, dispatch_s, fp8_tile_scale, gemm_efficiency, gemm_group,
@@ -168,15 +168,24 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     fab = comm.Fabric.of(cluster)
     group = tp_group(tp, cluster.gpus_per_node)
     act_bytes = (4.0 if dtype == "fp32" else BF16) * tokens * h
-    # FP8 recipes cast a column-parallel GEMM's input before gathering it (Transformer
-    # Engine's fp8_buf userbuffers, torchao's Float8ColwiseParallel): 1 byte per element
-    in_bytes = tokens * h if lin_dt == "fp8" else act_bytes
+    # FP8 recipes that gather FP8 (CastBytes.gathers_fp8) cast a column-parallel GEMM's input
+    # before gathering it (Transformer Engine's fp8_buf userbuffers, torchao's
+    # Float8ColwiseParallel, tensorwise only): 1 byte per element; torchao rowwise gathers
+    # bf16 and casts after (torchtitan parallelize_llama.py enable_float8_tensorwise_tp)
+    cb_tp = cast_bytes(opts.fp8_scaling, fp8_recipe, opts.stack == "compiled") \
+        if lin_dt == "fp8" else None
+    in_bytes = tokens * h if cb_tp is not None and cb_tp.gathers_fp8 else act_bytes
+    # what async TP cannot fuse, per GEMM group with FP8 Linears (an all-bf16 group's plain mm
+    # fuses as in bf16)
+    atp_unfused = frozenset((kind, g) for kind in async_tp_unfused(cb_tp)
+                            for g in GEMM_GROUPS if frac is not None and frac[g] > 0)
     colls = {"ag": comm.all_gather(act_bytes, group, fab),
              "ag_in": comm.all_gather(in_bytes, group, fab),
              "rs": comm.reduce_scatter(act_bytes, group, fab),
              "ar": comm.all_reduce(act_bytes, group, fab)}
     tp_f, tp_b = (tp_exposed(colls, gemms, gemm, tokens, tp, sp, opts, sm_count(cluster),
-                             host.sm_interference(cluster, group.nodes > 1))
+                             host.sm_interference(cluster, group.nodes > 1),
+                             atp_unfused)
                   if tp > 1 else (0.0, 0.0))
     if tp > 1 and not sp and opts.residual_reduce_once and model.parallel_residual:
         tp_f -= colls["ar"]  # the two branches' sum reduced once (KernelOptions)

@@ -9,8 +9,10 @@ Megatron-Core's FP8 recipes).
 
 It also says what quantising the FP8 operands moves (`cast_bytes`, `quantisation_bytes`): the
 bytes per element each stack's casts read and write, from torchao's float8 code and its own
-roofline, and from Transformer Engine's documentation and modules; compute.py turns them into
-seconds at the stack's streaming bandwidth.
+roofline (rowwise compiled: plus what torchao's own rowwise table measures beyond it), and from
+Transformer Engine's documentation and modules; compute.py turns them into seconds at the
+stack's streaming bandwidth. And which tensor-parallel collectives PyTorch's async TP cannot
+fuse under a stack's casts (`async_tp_unfused`).
 """
 
 from __future__ import annotations
@@ -168,6 +170,11 @@ class CastBytes:
     FP8, the transposed copy made after the gather (Transformer Engine: "all-gather of
     transposed FP8 tensors is not supported [on Hopper]. The rowwise tensor is gathered
     first, then transposed", docs/features/low_precision_training/fp8_current_scaling)."""
+    rescaled_bwd: bool = False
+    """The backward GEMMs' outputs are scaled after the GEMM (torchao rowwise without fast
+    accumulation: cuBLAS's tensorwise kernel, then `output *= post_inverse_scale`,
+    float8_ops.py addmm_float8_unwrapped): a multiply sits between the input-gradient GEMM
+    and the reduce-scatter of its result (`async_tp_unfused`)."""
     per_linear: bool = False
     """Each Linear casts its own input (eager: wq/wk/wv and w1/w3 cast the same tensor again);
     False: once per distinct input (a fused QKV / fc1 GEMM, or inductor's CSE of identical
@@ -187,9 +194,20 @@ class CastBytes:
 # once more (2 + 2); the input gradient's scale fuses into its consumer under compile.
 # tensorwise: max-abs fused into the producer, one cast writing both layouts (2 + 1 + 1) = 4
 # per activation; the weight: max-abs (2), a cast per pass (2 + 1 each) = 8.
+# What torchao's own rowwise table measures beyond that roofline: its compiled
+# LayerNorm -> Linear -> Sigmoid (pytorch/ao torchao/float8/README.md "Rowwise scaling",
+# docs/static/fp8-rowwise-perf.png at 6243040, PyTorch 2.8.0a0, H100) runs 0.45-0.63x bf16
+# whenever N = 1024, however large M and K, where the roofline gives 1.0-1.15x; the time
+# beyond the roofline grows with M x K (the Linear's input) and hardly with N
+# (bench/fp8_rowwise_vs_published.py: median 21.6 bytes per input element over the 108 cells
+# of M >= 8192, quartiles 15 and 38). Charged to the input's backward (dim-0) cast, the one
+# tensorwise does not have: once per distinct input, like the roofline's bytes.
+ROWWISE_COMPILED_EXCESS = 22.0
+"""Bytes per element of an FP8 Linear's input that torchao's compiled rowwise casts move
+beyond torchao's roofline (above): a published measurement, its kernels not identified."""
 _TORCHAO_COMPILED = {
-    "rowwise": CastBytes(input_fwd=1.0, input_bwd=5.0, grad_bwd=6.0, weight_fwd=3.0,
-                         weight_bwd=7.0, wgrad_out=4.0),
+    "rowwise": CastBytes(input_fwd=1.0, input_bwd=5.0 + ROWWISE_COMPILED_EXCESS, grad_bwd=6.0,
+                         weight_fwd=3.0, weight_bwd=7.0, wgrad_out=4.0, rescaled_bwd=True),
     "tensorwise": CastBytes(input_fwd=4.0, input_bwd=0.0, grad_bwd=4.0, weight_fwd=5.0,
                             weight_bwd=3.0, gathers_fp8=True),
 }
@@ -210,7 +228,7 @@ _TORCHAO_EAGER = {
     recipe: CastBytes(input_fwd=EAGER_CAST_BYTES, input_bwd=EAGER_CAST_BYTES + 2.0,
                       grad_bwd=2 * EAGER_CAST_BYTES + 2.0, weight_fwd=EAGER_CAST_BYTES,
                       weight_bwd=EAGER_CAST_BYTES + 2.0, wgrad_out=post, dgrad_out=post,
-                      per_linear=True)
+                      rescaled_bwd=post > 0, per_linear=True)
     for recipe, post in (("rowwise", 4.0), ("tensorwise", 0.0))}
 # torchao's tensor parallelism gathers FP8 for tensorwise scaling only
 # (float8_tensor_parallel.py: Float8ColwiseParallel casts the input shard before its
@@ -269,6 +287,26 @@ def fp8_input_casts(model: Any, tp: int = 1, recipe: str = "rowwise",
         if fp8_linear(name, out_f, in_f, recipe, emulate=fp8_filter == "all"):
             n[group] += 1
     return n
+
+
+def async_tp_unfused(cb: CastBytes | None) -> frozenset[str]:
+    """Tensor-parallel collectives (overlap.tp_exposed's 'ag_in', 'ag', 'red') that PyTorch's
+    async TP leaves whole under this FP8 casting (None: bf16). Its inductor pass
+    (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather only into the
+    mm / _scaled_mm consuming the gathered tensor (`_find_consumer_matmuls`) and a
+    reduce-scatter only into the mm / _scaled_mm producing it (`_find_producer_matmul`). A
+    stack that gathers bf16 and casts after (not cb.gathers_fp8: torchao rowwise, whose
+    tensor parallelism communicates in high precision, torchtitan docs/float8.md) puts the
+    cast between every all-gather and its GEMM, forward ('ag_in') and backward ('ag'); a
+    rescaled input gradient (cb.rescaled_bwd) puts the multiply between that GEMM and its
+    reduce-scatter ('red'). The forward reduce-scatters stay fused (rowwise's forward GEMM
+    scales inside the kernel)."""
+    if cb is None:
+        return frozenset()
+    out = set() if cb.gathers_fp8 else {"ag_in", "ag"}
+    if cb.rescaled_bwd:
+        out.add("red")
+    return frozenset(out)
 
 
 def fp8_gathers_fp8(scaling: str, recipe: str, param_gather: bool = False,

@@ -59,8 +59,8 @@ def sm_margin(gemm_s: float, sms: int, taken: int = TE_UB_COMM_SMS) -> float:
 
 def tp_exposed(colls: dict[str, float], gemms: dict[str, float],
                gemm: Callable[..., float], tokens: float, tp: int, sp: bool,
-               opts: Any, sms: int,
-               nccl: float = OVERLAP_INTERFERENCE) -> tuple[float, float]:
+               opts: Any, sms: int, nccl: float = OVERLAP_INTERFERENCE,
+               atp_unfused: frozenset[tuple[str, str]] = frozenset()) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's tensor-parallel collectives left on the
     critical path, each paired with the one GEMM that can hide it (and the cost of hiding it).
 
@@ -79,7 +79,10 @@ def tp_exposed(colls: dict[str, float], gemms: dict[str, float],
     collectives (DTensor) stay exposed. `opts`: compute.KernelOptions (its tp_comm_overlap,
     async_tp and megatron_linear); `gemm(group, rows)`: the group's GEMM time at `rows` rows;
     `nccl`: the interference of an NCCL collective of the tensor group beside a GEMM
-    (planner/host.py `sm_interference`; copy-engine transfers keep OVERLAP_INTERFERENCE)."""
+    (planner/host.py `sm_interference`; copy-engine transfers keep OVERLAP_INTERFERENCE).
+    `atp_unfused`: (collective, GEMM group) pairs async TP cannot fuse with that group's GEMM
+    under the FP8 casting (planner/fp8.py `async_tp_unfused`; 'ag' with the row-parallel
+    group whose input gradient needs it): exposed whole."""
     ag, ag_in, rs, ar = colls["ag"], colls["ag_in"], colls["rs"], colls["ar"]
 
     def chunked(c: float, group: str, chunks: int) -> tuple[float, float]:
@@ -120,14 +123,15 @@ def tp_exposed(colls: dict[str, float], gemms: dict[str, float],
         elif ub:
             fwd += te_ring(ag_in, col) + te_pipeline(rs, row)
         elif atp:
-            fwd += sum(chunked(ag_in, col, tp)) + sum(chunked(rs, row, tp))
+            fwd += (ag_in if ("ag_in", col) in atp_unfused else sum(chunked(ag_in, col, tp))) \
+                + sum(chunked(rs, row, tp))
         else:
             fwd += ag_in + rs
         # backward: the row-parallel GEMM's input gradient needs the gathered output gradient
         if sp:
             if ub:
                 bwd += te_ring(ag, row)
-            elif atp:
+            elif atp and ("ag", row) not in atp_unfused:
                 bwd += sum(chunked(ag, row, tp))
             else:
                 bwd += ag
@@ -139,7 +143,7 @@ def tp_exposed(colls: dict[str, float], gemms: dict[str, float],
             else:
                 bwd += ((overlapped(ag_in, gemms[col], nccl) if sp else 0.0)
                         + overlapped(red, gemms[col], nccl))
-        elif atp:
+        elif atp and ("red", col) not in atp_unfused:
             bwd += sum(chunked(red, col, tp))
         else:
             bwd += red
