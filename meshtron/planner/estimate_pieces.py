@@ -154,7 +154,7 @@ class CostPieces:
         c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
-                                 opts.eager_norm)
+                                 opts.eager_norm, opts.vocab_parallel_ce)
         # pipeline p2p: [mb*s/cp, h] in the compute dtype split over the tensor group,
         # re-gathered on NVLink (already split with sequence parallelism); without
         # scatter/gather each tensor rank sends the whole activation over its own link

@@ -109,8 +109,10 @@ class StageCosts:
             return StageDp(self._dp_with_experts(params, experts, zero, args, units, kept,
                                                  {**flags, "drain": drain}, groups),
                            "experts", drain)
+        # Megatron-Core buckets the first stage only (dp_cost.mcore_edge_bucket)
+        edge = self.mcore_edge_bucket(groups, k, first, last) if first else 0.0
         return StageDp(self._dp_time(params, zero, *args[1:], units=units, kept=kept,
-                                     drain=drain, **flags), "dense", drain)
+                                     drain=drain, edge=edge, **flags), "dense", drain)
 
     def _dp_with_experts(self, params: float, experts: float, zero: int, args: tuple,
                          units: int, kept: float, flags: dict[str, Any],
