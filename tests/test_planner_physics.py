@@ -244,14 +244,22 @@ def test_validation_errors_do_not_regress(table, capsys):
     at its own GEMM shapes) and no layout copy after a flash kernel. Here: validation 5.1% ->
     5.4% (max 25.0%), calibration 11.0% -> 10.1% (max 31.5%); bounds unchanged."""
     # the bounds below were written for the rows before session 39; the rows it added
-    # (runs.ADDED_S39, validation, never looked at) are bounded apart, at their first run's
-    # figures (mean 9.6%, max 46.3%: bench/results/planner_cli_table_2026-12-05_valrows.txt)
-    # so that they cannot regress unseen; a physics change that moves them reports it
-    from bench.published.runs import ADDED_S39
+    # (runs.ADDED_S39) are bounded apart so that they cannot regress unseen; a physics change
+    # that moves them reports it. First run (all 35, validation): mean 9.6%, max 46.3%
+    # (bench/results/planner_cli_table_2026-12-05_valrows.txt). Session 39 (smallgemm) looked
+    # at 13 of them (the 9 MC24 rows, NeMo's GPT3-5B and Nemotron 8B / 22B / 340B: calibration,
+    # runs.LOOKED_AT); the bound was recomputed over the 22 still unseen, at their own figures
+    # before that branch's change: mean 10.55%, max 46.3% (the 13 looked at were the better
+    # predicted on average, 8.1%; after the change the 22 read mean 10.53%). The 13 are held
+    # apart at their figures after it (mean 5.7%, max 10.6%).
+    from bench.published.runs import ADDED_S39, LOOKED_AT
 
     added = [p for p in table if p.run.name in ADDED_S39]
     assert len(added) == len(ADDED_S39) == 35
-    new = summary(added)
+    unseen = [p for p in added if p.run.name not in LOOKED_AT]
+    seen = [p for p in added if p.run.name in LOOKED_AT]
+    assert len(unseen) == 22 and all(p.run.part == "calibration" for p in seen)
+    new, looked = summary(unseen), summary(seen)
     table = [p for p in table if p.run.name not in ADDED_S39]
     dense = [p for p in table if p.run.ep == 1]
     val = summary([p for p in dense if p.run.part == "validation"])
@@ -271,9 +279,11 @@ def test_validation_errors_do_not_regress(table, capsys):
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "
               f"(bf16 rows: n={old['n']} mean {old['mean']:.1%} max {old['max']:.1%}); "
               f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}; "
-              f"session 39 rows: n={new['n']} mean {new['mean']:.1%} "
-              f"max {new['max']:.1%}")
-    assert new["mean"] < 0.10 and new["max"] < 0.47
+              f"session 39 rows unseen: n={new['n']} mean {new['mean']:.1%} "
+              f"max {new['max']:.1%}, looked at: n={looked['n']} mean {looked['mean']:.1%} "
+              f"max {looked['max']:.1%}")
+    assert new["mean"] < 0.106 and new["max"] < 0.47
+    assert looked["mean"] < 0.06 and looked["max"] < 0.11
     assert val["mean"] < 0.075 and val["max"] < 0.28
     assert old["mean"] < 0.06 and old["max"] < 0.26
     assert cal["mean"] < 0.12 and cal["max"] < 0.33

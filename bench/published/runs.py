@@ -111,6 +111,18 @@ LOOKED_AT = {
        for name in ("LF MPT-30b s2048 512xH100", "LF MPT-13b s2048 512xH100",
                     "LF MPT-7b s2048 8xH100", "LF MPT-13b s2048 8xH100",
                     "LF MPT-7b s8192 8xH100")},
+    **{f"MC24 GPT {size} {gpus}xH100": "its error falling with model size (+21.6% at 1.7B) "
+       "led to pricing Megatron-Core DDP's edge bucket, bucket passes and zeroing "
+       "(dp_cost.mcore_edge_bucket, bucket_passes_s) and to running these rows with "
+       "Megatron-LM's unfused vocab-parallel loss and NaN-checked, 1/dp-scaled buckets "
+       "(KernelOptions.vocab_parallel_ce, grad_bucket_bytes; session 39, branch smallgemm)"
+       for size, gpus in (("1.7B", 48), ("7.1B", 96), ("16B", 192), ("32B", 384),
+                          ("70B", 768), ("119B", 1536), ("177B", 2304), ("314B", 3072),
+                          ("462B", 6144))},
+    **{name: "its per-layer breakdown was examined beside the MC24 rows (session 39, branch "
+             "smallgemm); it steered nothing, but was looked at"
+       for name in ("NM24.07 GPT3-5B 64xH100", "NM24.07 Nemotron-8B 64xH100",
+                    "NM24.07 Nemotron-22B 64xH100", "NM24.07 Nemotron-340B 128xH100")},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""

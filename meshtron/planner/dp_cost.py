@@ -144,6 +144,12 @@ class DataParallelCost:
             out.append(m.vocab * h / tp)
         return out
 
+    def mcore_ddp(self) -> bool:
+        """The stack reduces through Megatron-Core's bucketed DDP (megatron/core/distributed/,
+        overlap_grad_reduce): the megatron presets with ZeRO sharding and overlap."""
+        return (self.mem.framework == "megatron" and self.opts.sharding == "zero"
+                and self.opts.overlap_grad_reduce)
+
     def mcore_edge_bucket(self, groups: dict[str, Any], layers: int, first: bool,
                           last: bool) -> float:
         """Parameters of Megatron-Core DDP's bucket that neither overlap hides (0 for other
@@ -156,8 +162,7 @@ class DataParallelCost:
         (optimizer/distrib_optimizer.py `_dispatch_gather_model_params`,
         `_finish_param_sync_helper` at f2e5db402c). Only the first pipeline stage is
         bucketed (bucket_size None on the others: one bucket; not priced apart here)."""
-        if (self.mem.framework != "megatron" or self.opts.sharding != "zero"
-                or not self.opts.overlap_grad_reduce or self.model.is_moe):
+        if not self.mcore_ddp() or self.model.is_moe:
             return 0.0
         # the rule's dp excludes the context ranks (get_data_parallel_world_size())
         dp = groups["dp"].size // max(1, groups["cp"].size if "cp" in groups else 1)
@@ -237,7 +242,7 @@ class DataParallelCost:
             reduce = pipeline.reduce_after_drain(red, *drain, nccl) if drain else \
                 e_red + chain(max(0.0, red - e_red), bwd, units, nccl)
             exp = (reduce + e_gather + chain(max(0.0, gather - e_gather), fwd, units, nccl)
-                   + self.bucket_passes_s(params))
+                   + self.bucket_passes_s(params, gsize))
         self._cache[key] = exp
         return exp
 
@@ -410,11 +415,16 @@ class DataParallelCost:
             return 0.0
         return 0.0 if live is not None and unit_params >= live else 1.0
 
-    def bucket_passes_s(self, params: float) -> float:
-        """Seconds of the memory-bound passes a bucketed reduction makes over every local
-        gradient element before reducing it, on the compute stream during the backward
-        (KernelOptions.grad_bucket_bytes: Megatron-LM's scaling by 1/dp and NaN check)."""
-        return self.opts.grad_bucket_bytes * params / self.hbm
+    def bucket_passes_s(self, params: float, gsize: float) -> float:
+        """Seconds of the memory-bound passes over a stage's whole (unsharded) gradient buffer
+        of `gsize`-byte elements that a bucketed reduction adds on the compute stream: what
+        KernelOptions.grad_bucket_bytes names (Megatron-LM's scaling by 1/dp and NaN check,
+        before each bucket's reduction), and Megatron-Core DDP's zeroing of the buffer before
+        every step's first forward (zero_grad_buffer: ParamAndGradBuffer.reset,
+        grad_data.zero_(), a write of every element; torch and FSDP set gradients to None
+        instead)."""
+        zeroing = gsize if self.mcore_ddp() else 0.0
+        return (self.opts.grad_bucket_bytes + zeroing) * params / self.hbm
 
     def copy_out_s(self, params: float, wsize: float) -> float:
         """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and
