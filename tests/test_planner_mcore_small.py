@@ -94,3 +94,30 @@ def test_unfused_vocab_parallel_loss_moves_52_bytes_per_logit():
     ev, ce = _evaluator(), _evaluator(vocab_parallel_ce=True)
     assert ce.evaluate(PLAN).step_time_s - ev.evaluate(PLAN).step_time_s == pytest.approx(
         extra, rel=0.02)
+
+
+def test_later_pipeline_stages_reduce_one_bucket_after_their_backward():
+    """Megatron-Core buckets only pipeline rank 0 (bucket_size None on the others): a later
+    stage's one bucket is reduced after its own last backward, so it hides behind the i
+    stage-backwards rank 0 still runs, not i + 1 (plain buckets start during that backward).
+    On a slow network the reduction outlasts either window: the difference is one stage
+    backward, less the interference it would have caused, plus the buffer's zeroing."""
+    cl = dataclasses.replace(CLUSTER, inter_node_gb_per_s=1.0)
+    plan = Plan(1, 2, 24, 1, 1, "none", False, "1f1b", 1, dtype="bf16", reduce_dtype="fp32")
+    groups = groups_for_cost(plan, cl.gpus_per_node)
+    fw = PRESETS["megatron@2024"]
+    mcore = Evaluator(MODEL, cl, 192, 4096, fw.kernel, mem=fw.memory)
+    plain = Evaluator(MODEL, cl, 192, 4096, fw.kernel,
+                      mem=dataclasses.replace(fw.memory, framework="deepspeed"))
+    params, stage_b = 0.8e9, 0.05
+    args = (plan, 1, 12, (params, 0.0, 0.0), 8, 0.02, stage_b)
+
+    def exposed(ev: Evaluator) -> float:
+        return ev.stage_dp(*args, ev.dp_flags(plan), groups).total
+
+    red = mcore.once_per_step(params, 1, groups, 4.0)[0]
+    assert red > 2 * stage_b  # longer than either window
+    nccl = mcore.dp_interference(groups)
+    zeroing = mcore.bucket_passes_s(params, 4.0)
+    assert exposed(mcore) - exposed(plain) == pytest.approx(
+        stage_b * (1 - nccl) + zeroing, rel=1e-6)
