@@ -68,12 +68,13 @@ def test_edge_bucket_is_the_embedding_and_not_hidden():
 def test_gradient_buffer_passes():
     """Megatron-Core zeroes its whole fp32 gradient buffer before every step (4 bytes per
     element); Megatron-LM's training loop also scales and NaN-checks each bucket
-    (KernelOptions.grad_bucket_bytes 12): both are memory-bound passes over every local
-    gradient element, at the evaluator's memory-bound bandwidth."""
+    (KernelOptions.grad_bucket_passes 3: a read for the norm, a read and a write to scale):
+    memory-bound passes over every local fp32 gradient element, at the evaluator's
+    memory-bound bandwidth."""
     params = 1e9
     ev = _evaluator()
     assert ev.bucket_passes_s(params, 4.0) == pytest.approx(4.0 * params / ev.hbm)
-    scaled = _evaluator(grad_bucket_bytes=12.0)
+    scaled = _evaluator(grad_bucket_passes=3)
     assert scaled.bucket_passes_s(params, 4.0) == pytest.approx(16.0 * params / ev.hbm)
     # tp = pp = 1: every GPU's buffer holds every parameter
     step = scaled.evaluate(PLAN).time.dp_comm - ev.evaluate(PLAN).time.dp_comm

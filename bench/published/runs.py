@@ -115,7 +115,7 @@ LOOKED_AT = {
        "led to pricing Megatron-Core DDP's edge bucket, bucket passes and zeroing "
        "(dp_cost.mcore_edge_bucket, bucket_passes_s) and to running these rows with "
        "Megatron-LM's unfused vocab-parallel loss and NaN-checked, 1/dp-scaled buckets "
-       "(KernelOptions.vocab_parallel_ce, grad_bucket_bytes; session 39, branch smallgemm)"
+       "(KernelOptions.vocab_parallel_ce, grad_bucket_passes; session 39, branch smallgemm)"
        for size, gpus in (("1.7B", 48), ("7.1B", 96), ("16B", 192), ("32B", 384),
                           ("70B", 768), ("119B", 1536), ("177B", 2304), ("314B", 3072),
                           ("462B", 6144))},

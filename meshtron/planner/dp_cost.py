@@ -161,7 +161,8 @@ class DataParallelCost:
         forward and the first forward pre-hook waits for, one bucket ahead after it
         (optimizer/distrib_optimizer.py `_dispatch_gather_model_params`,
         `_finish_param_sync_helper` at f2e5db402c). Only the first pipeline stage is
-        bucketed (bucket_size None on the others: one bucket; not priced apart here)."""
+        bucketed (bucket_size None on the others: one bucket, whose window
+        estimate_stage.stage_dp shortens)."""
         if not self.mcore_ddp() or self.model.is_moe:
             return 0.0
         # the rule's dp excludes the context ranks (get_data_parallel_world_size())
@@ -233,7 +234,8 @@ class DataParallelCost:
                                              units if fsdp else 1)
             nccl = self.dp_interference(groups)
             # one collective per FSDP unit: the chain's fill and drain show; bucketed
-            # reductions (Megatron, DeepSpeed): buckets are not modelled
+            # reductions (Megatron, DeepSpeed): one overlapped stream, but for Megatron-Core's
+            # edge bucket
             chain = unit_chain if fsdp else (lambda t, w, _u, i: _exposed(t, w, i))
             # Megatron-Core's edge bucket (`mcore_edge_bucket`): its reduction after the
             # backward and its gather before the forward, whole; the rest overlaps
@@ -417,14 +419,14 @@ class DataParallelCost:
 
     def bucket_passes_s(self, params: float, gsize: float) -> float:
         """Seconds of the memory-bound passes over a stage's whole (unsharded) gradient buffer
-        of `gsize`-byte elements that a bucketed reduction adds on the compute stream: what
-        KernelOptions.grad_bucket_bytes names (Megatron-LM's scaling by 1/dp and NaN check,
-        before each bucket's reduction), and Megatron-Core DDP's zeroing of the buffer before
-        every step's first forward (zero_grad_buffer: ParamAndGradBuffer.reset,
-        grad_data.zero_(), a write of every element; torch and FSDP set gradients to None
-        instead)."""
-        zeroing = gsize if self.mcore_ddp() else 0.0
-        return (self.opts.grad_bucket_bytes + zeroing) * params / self.hbm
+        of `gsize`-byte elements that a bucketed reduction adds on the compute stream (priced
+        with the data-parallel time it belongs to): KernelOptions.grad_bucket_passes
+        (Megatron-LM's NaN check and scaling by 1/dp before each bucket's reduction) and
+        Megatron-Core DDP's zeroing of the buffer before every step's first forward
+        (zero_grad_buffer: ParamAndGradBuffer.reset, grad_data.zero_(), a write of every
+        element; torch and FSDP set gradients to None instead)."""
+        passes = self.opts.grad_bucket_passes + (1 if self.mcore_ddp() else 0)
+        return passes * gsize * params / self.hbm
 
     def copy_out_s(self, params: float, wsize: float) -> float:
         """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and
