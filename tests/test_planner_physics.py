@@ -263,18 +263,21 @@ def test_validation_errors_do_not_regress(table, capsys):
     # (runs.ADDED_S39, validation, never looked at) are bounded apart, at their first run's
     # figures (mean 9.6%, max 46.3%: bench/results/planner_cli_table_2026-12-05_valrows.txt)
     # so that they cannot regress unseen; a physics change that moves them reports it.
-    # The 12 NeMo rows were looked at (branch nemomem, 2026-12-05: their memory, which set
-    # their gradient-buffer dtype) and TTA_2506's four float8 rowwise rows (branch rowwise:
-    # the cost of torchao rowwise): calibration, summarised with it; the bound is recomputed
-    # over the 19 rows still unseen, at their figures when both branches merged (none of them
-    # moved by either): mean 6.4%, max 21.6% (MC24 GPT 1.7B)
+    # Session 39 looked at 25 of them: the 12 NeMo rows (branch nemomem: their memory, which
+    # set their gradient-buffer dtype), TTA_2506's four float8 rowwise rows (branch rowwise:
+    # the cost of torchao rowwise) and the 9 MC24 rows (branch smallgemm: Megatron-Core DDP's
+    # edge bucket, bucket passes, the unfused loss): calibration (runs.LOOKED_AT), summarised
+    # with it and held apart at their figures after those branches (mean 5.8%, max 14.1%);
+    # the bound is recomputed over the 10 rows still unseen (TT24 float8, TTA_2506 bf16 and
+    # tensorwise), at their figures when the branches merged: mean 4.9%, max 10.3%
     from bench.published.runs import ADDED_S39
 
     assert len([p for p in table if p.run.name in ADDED_S39]) == len(ADDED_S39) == 35
     added = [p for p in table if p.run.name in ADDED_S39 and p.run.part == "validation"]
-    assert len(added) == 19
+    assert len(added) == 10
     new = summary(added)
     seen = [p for p in table if p.run.name in ADDED_S39 and p.run.part == "calibration"]
+    looked = summary(seen)
     table = [p for p in table if p.run.name not in ADDED_S39] + seen
     dense = [p for p in table if p.run.ep == 1]
     val = summary([p for p in dense if p.run.part == "validation"])
@@ -294,9 +297,11 @@ def test_validation_errors_do_not_regress(table, capsys):
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "
               f"(bf16 rows: n={old['n']} mean {old['mean']:.1%} max {old['max']:.1%}); "
               f"calibration: n={cal['n']} mean {cal['mean']:.1%} max {cal['max']:.1%}; "
-              f"session 39 rows: n={new['n']} mean {new['mean']:.1%} "
-              f"max {new['max']:.1%}")
-    assert new["mean"] < 0.065 and new["max"] < 0.22
+              f"session 39 rows unseen: n={new['n']} mean {new['mean']:.1%} "
+              f"max {new['max']:.1%}, looked at: n={looked['n']} mean {looked['mean']:.1%} "
+              f"max {looked['max']:.1%}")
+    assert new["mean"] < 0.05 and new["max"] < 0.105
+    assert looked["mean"] < 0.06 and looked["max"] < 0.145
     assert val["mean"] < 0.075 and val["max"] < 0.28
     assert old["mean"] < 0.06 and old["max"] < 0.26
     assert cal["mean"] < 0.12 and cal["max"] < 0.33
@@ -320,8 +325,12 @@ def test_runtime_zero_stages_cost_what_fsdp2_runs():
         from meshtron.planner.memory import options_for
 
         opts = KernelOptions(sharding=sharding)
-        # the same loss (and so the same backward to hide behind) for both shardings
+        # the same loss (and so the same backward to hide behind) for both shardings; the
+        # 'zero' side as plain buckets (DeepSpeed's), without Megatron-Core DDP's edge bucket
+        # and buffer passes (tests/test_planner_mcore_small.py)
         mem = dataclasses.replace(options_for(opts), loss="vocab-parallel")
+        if sharding == "zero":
+            mem = dataclasses.replace(mem, framework="deepspeed")
         ev = Evaluator(model, cl, batch, 4096, opts, mem=mem)
         return ev.evaluate(Plan(1, 1, 64, zero, 1, "none", False, None, 1,
                                 dtype="bf16", **kw)).time.dp_comm

@@ -56,8 +56,9 @@ def test_nemo_rows_keep_the_published_gpu_counts_and_padding():
 
 
 def test_added_rows_are_validation_unless_looked_at():
-    """The NeMo rows' memory breakdowns were examined (branch nemomem): calibration, with the
-    reason in their note; every other session-39 row is still unseen, validation."""
+    """Validation as added; rows looked at in session 39 are calibration: the NeMo rows' memory
+    breakdowns (branch nemomem, the reason in their note), the four float8 rowwise rows (branch
+    rowwise) and the MC24 rows (branch smallgemm)."""
     from bench.published.runs import LOOKED_AT
 
     runs = {r.name: r for r in published_runs()}
@@ -68,9 +69,11 @@ def test_added_rows_are_validation_unless_looked_at():
     seen = ADDED_S39 & set(LOOKED_AT)
     rowwise = {f"TT25 {s} FSDP{f} TP8 rowwise {label}" for s, f in (("70B", 32), ("8B", 8))
                for label in ("TP", "AsyncTP")}
-    assert seen == {r.name for r in nemo_2407()} | rowwise
+    mc24 = {r.name for r in megatron_readme()}
+    assert len(mc24) == 9
+    assert seen == {r.name for r in nemo_2407()} | rowwise | mc24
     assert all(runs[n].part == "calibration" for n in seen)
-    assert all("nemomem" in runs[n].note for n in seen - rowwise)
+    assert all("nemomem" in runs[n].note for n in seen - rowwise - mc24)
     assert all(runs[n].part == "validation" for n in ADDED_S39 - seen)
 
 

@@ -70,7 +70,11 @@ def megatron_readme() -> list[PublishedRun]:
         model = gpt_model(f"mcore-gpt-{size}", layers, hidden, heads, vocab=131072, seq=4096,
                           tied=False)
         tps = tflops * 1e12 / mcore_flops_per_sequence(model, 4096) * 4096
-        opts = dataclasses.replace(kernel, tp_comm_overlap=tp > 1)
+        # Megatron-LM's pretrain_gpt.py defaults at that commit (found in session 39's
+        # smallgemm, after the first run: these rows are calibration, runs.LOOKED_AT): no
+        # --cross-entropy-loss-fusion, and a DDP that scales and NaN-checks each bucket
+        opts = dataclasses.replace(kernel, tp_comm_overlap=tp > 1, vocab_parallel_ce=True,
+                                   grad_bucket_passes=3)
         runs.append(PublishedRun(
             f"MC24 GPT {size} {gpus}xH100", "MC24 Model table (README.md, f2e5db402c, "
             "2024-07-15)", "Megatron-Core (Megatron-LM)", model,

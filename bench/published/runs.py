@@ -132,6 +132,14 @@ LOOKED_AT = {
        "the casts' excess measured in torchao's rowwise table, async TP leaving the cast-bound "
        "collectives unfused (planner/fp8.py async_tp_unfused)"
        for size, fsdp in (("70B", 32), ("8B", 8)) for label in ("TP", "AsyncTP")},
+    **{f"MC24 GPT {size} {gpus}xH100": "its error falling with model size (+21.6% at 1.7B) "
+       "led to pricing Megatron-Core DDP's edge bucket, bucket passes and zeroing "
+       "(dp_cost.mcore_edge_bucket, bucket_passes_s) and to running these rows with "
+       "Megatron-LM's unfused vocab-parallel loss and NaN-checked, 1/dp-scaled buckets "
+       "(KernelOptions.vocab_parallel_ce, grad_bucket_passes; session 39, branch smallgemm)"
+       for size, gpus in (("1.7B", 48), ("7.1B", 96), ("16B", 192), ("32B", 384),
+                          ("70B", 768), ("119B", 1536), ("177B", 2304), ("314B", 3072),
+                          ("462B", 6144))},
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""

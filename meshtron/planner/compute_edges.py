@@ -17,9 +17,24 @@ from meshtron.planner.gemm import (
 from meshtron.planner.placement import tp_group
 
 
-def loss_bytes(stack: str) -> tuple[float, float]:
+VOCAB_PARALLEL_CE_BYTES = (6.0 + 4.0 + 8.0 + 8.0 + 4.0 + 8.0, 8.0 + 6.0)
+"""(forward, backward) bytes per logit of Megatron-Core's unfused VocabParallelCrossEntropy
+(megatron/core/tensor_parallel/cross_entropy.py at f2e5db402c), one pass each: forward the
+fp32 cast of the bf16 logits (2+4), max (4), in-place subtraction of the max (4+4), exp in place
+(4+4), sum (4), in-place division by the sum (4+4): 38; backward the in-place multiplication by
+the incoming gradient (4+4) and autograd's cast of the fp32 gradient back to bf16 (4+2): 14.
+The target gathers and the one-hot subtraction touch one logit per token."""
+VOCAB_PARALLEL_CE_KERNELS = 17
+"""Forward kernels of that loss (cast, max, subtraction, the target mask and gather's nine
+small ones, exp, sum, log and difference, division), for the host's issue."""
+
+
+def loss_bytes(stack: str, vocab_parallel_ce: bool = False) -> tuple[float, float]:
     """(forward, backward) HBM bytes per logit of the cross-entropy (head_cost's docstring):
-    eager PyTorch's fp32 cast and log-softmax, or one fused kernel."""
+    eager PyTorch's fp32 cast and log-softmax, Megatron-Core's unfused vocabulary-parallel
+    loss (KernelOptions.vocab_parallel_ce: VOCAB_PARALLEL_CE_BYTES), or one fused kernel."""
+    if vocab_parallel_ce:
+        return VOCAB_PARALLEL_CE_BYTES
     return (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
 
 
@@ -34,7 +49,7 @@ def _head_inputs(cluster: ClusterSpec, micro_batch: int, seq: int, cp: int, dtyp
 @lru_cache(maxsize=4096)
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
               sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16",
-              eager_norm: str = "aten") -> EdgeCost:
+              eager_norm: str = "aten", vocab_parallel_ce: bool = False) -> EdgeCost:
     """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
 
     The head GEMM is [tokens, h] x [h, V/tp]; the fused loss reads bf16 logits and writes fp32
@@ -55,7 +70,7 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     cluster, hbm, tokens = _head_inputs(cluster, micro_batch, seq, cp, dtype, stack)
     gemm = cluster_gemm_time(tokens, model.vocab / tp, model.hidden, cluster)
     logits = tokens * model.vocab / tp
-    loss_f, loss_b = loss_bytes(stack)
+    loss_f, loss_b = loss_bytes(stack, vocab_parallel_ce)
     norm_b = NORM_BYTES[norm_key(stack, eager_norm, model.norm)]
     norm = tokens * norm_b * model.hidden / (tp if sp else 1) / hbm
     fwd_c = gemm + logits * loss_f / hbm + norm
@@ -72,8 +87,9 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
         tp_b = comm.all_reduce(nbytes, group, fab)
     # launches (planner/host.py): the norm, the head GEMM and the loss (eager: cast,
     # log-softmax, target gather, mean; fused: one kernel), the loss's all-reduces with tp
-    kernels = (NORM_KERNELS[norm_key(stack, eager_norm, model.norm)] + 1
-               + (4 if stack == "eager" else 1))
+    loss_kernels = (VOCAB_PARALLEL_CE_KERNELS if vocab_parallel_ce
+                    else 4 if stack == "eager" else 1)
+    kernels = NORM_KERNELS[norm_key(stack, eager_norm, model.norm)] + 1 + loss_kernels
     colls = (3 if tp > 1 else 0) + (1 if sp and tp > 1 else 0)
     issue_f, issue_b = host.layer_issue(kernels, colls, dispatch_s(cluster))
     wait_f = host.launch_bound(fwd_c + tp_f, issue_f)

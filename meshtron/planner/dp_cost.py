@@ -24,6 +24,30 @@ about 3 us to issue one small copy (cudaMemcpyAsync launch); the host does this 
 of every call, serially, because ZeRO-3 of that era synchronises the device around each fetch."""
 
 
+MCORE_MIN_BUCKET = 40_000_000
+"""Megatron-Core DDP's smallest default gradient bucket, in parameters; the default is
+max(MCORE_MIN_BUCKET, MCORE_BUCKET_PER_DP_RANK * dp) (megatron/core/distributed/
+distributed_data_parallel.py at f2e5db402c: "make buckets larger" over large dp so that the
+ring's chunks stay bandwidth-bound)."""
+MCORE_BUCKET_PER_DP_RANK = 1_000_000
+"""Parameters the default bucket grows by per data-parallel rank (MCORE_MIN_BUCKET)."""
+
+
+def mcore_tail_bucket(matrices: list[float], bucket: float) -> float:
+    """Parameters of the last gradient bucket of a Megatron-Core DDP buffer holding `matrices`
+    (a stage's parameter tensors in module order, forward first) with `bucket`-parameter
+    buckets: ParamAndGradBuffer walks the parameters in reverse ("to roughly follow backprop
+    order") and closes a bucket once it holds `bucket` or more (param_and_grad_buffer.py at
+    f2e5db402c). The last bucket holds the first parameters of the forward (the word embedding
+    of the first stage and what of the first layer the previous bucket left)."""
+    cur = last = 0.0
+    for n in reversed(matrices):
+        cur += n
+        if cur >= bucket:
+            last, cur = cur, 0.0
+    return cur if cur > 0 else last
+
+
 _exposed = compute.overlapped
 """Communication time not hidden behind `window` seconds of compute, plus the interference the
 hidden part causes (one formula for tensor-, context- and data-parallel overlap)."""
@@ -103,6 +127,50 @@ class DataParallelCost:
         block = m.attention_params() + m.ffn_params(0)
         return compute.fp8_weight_elements(m, 1, frac) / block if block else 0.0
 
+    def stage_matrices(self, tp: int, layers: int, first: bool, last: bool) -> list[float]:
+        """A dense stage's weight matrices per tensor rank in module order, as Megatron's GPT
+        registers them (megatron/core/models/gpt/gpt_model.py, the TE layer spec): word
+        (vocabulary-parallel) and learned position embedding on the first stage, then per
+        layer linear_qkv, linear_proj, linear_fc1, linear_fc2, then the untied output layer on
+        the last stage; norms and biases (a few h-wide vectors) are left out."""
+        m = self.model
+        h, f = m.hidden, m.ffn_hidden
+        up = 2 * f if m.mlp == "swiglu" else f
+        out: list[float] = []
+        if first:
+            out += [m.vocab * h / tp] + ([m.max_seq * h] if m.position == "learned" else [])
+        out += [(h + 2 * m.kv_dim) * h / tp, h * h / tp, up * h / tp, f * h / tp] * layers
+        if last and not m.tied_embeddings:
+            out.append(m.vocab * h / tp)
+        return out
+
+    def mcore_ddp(self) -> bool:
+        """The stack reduces through Megatron-Core's bucketed DDP (megatron/core/distributed/,
+        overlap_grad_reduce): the megatron presets with ZeRO sharding and overlap."""
+        return (self.mem.framework == "megatron" and self.opts.sharding == "zero"
+                and self.opts.overlap_grad_reduce)
+
+    def mcore_edge_bucket(self, groups: dict[str, Any], layers: int, first: bool,
+                          last: bool) -> float:
+        """Parameters of Megatron-Core DDP's bucket that neither overlap hides (0 for other
+        stacks or without overlap): the last gradient bucket (`mcore_tail_bucket`), whose
+        reduction is issued when its last gradient is ready, after the stage's backward
+        (register_grad_ready, then finish_grad_sync waits in finalize_model_grads), and the
+        first parameter all-gather, the same bucket (the distributed optimizer all-gathers
+        the buckets in reverse, forward order), which zero_grad_buffer dispatches before the
+        forward and the first forward pre-hook waits for, one bucket ahead after it
+        (optimizer/distrib_optimizer.py `_dispatch_gather_model_params`,
+        `_finish_param_sync_helper` at f2e5db402c). Only the first pipeline stage is
+        bucketed (bucket_size None on the others: one bucket, whose window
+        estimate_stage.stage_dp shortens)."""
+        if not self.mcore_ddp() or self.model.is_moe:
+            return 0.0
+        # the rule's dp excludes the context ranks (get_data_parallel_world_size())
+        dp = groups["dp"].size // max(1, groups["cp"].size if "cp" in groups else 1)
+        bucket = max(MCORE_MIN_BUCKET, MCORE_BUCKET_PER_DP_RANK * dp)
+        tp = groups["tp"].size if "tp" in groups else 1
+        return mcore_tail_bucket(self.stage_matrices(tp, layers, first, last), bucket)
+
     def fsdp_units(self, layers: int, first: bool, last: bool) -> int:
         """Collective calls per stage and per gather/reduce round: FSDP runtimes wrap the
         embedding (first stage) and [final norm, head] (last stage) as units of their own
@@ -123,19 +191,21 @@ class DataParallelCost:
                  wire: float | None = None, gsize: float = 4.0, reduce_once: bool = False,
                  gather_once: bool = False, wsize: float = compute.BF16,
                  units: int | None = None, kept: float = 0.0,
-                 drain: tuple[int, int, float, int] | None = None) -> float:
+                 drain: tuple[int, int, float, int] | None = None,
+                 edge: float = 0.0) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring); `wire`: bytes per gradient element when compressed
         (planner/compression.py); `units`: its FSDP units (`fsdp_units`; default: the
         layers' own); `kept`: parameters of its last unit, not re-gathered for backward
         (FSDP's [norm, head]); `drain`: (v, pipeline rank, one micro-batch's backward of the
         rank, chunk-slots idle at each chunk change) when torch.distributed.pipelining reduces
-        the gradients after the stage's last backward (pipeline.reduce_after_drain); the rest:
-        `dp_flags`."""
+        the gradients after the stage's last backward (pipeline.reduce_after_drain); `edge`:
+        parameters of the bucket a bucketed reduction and gather cannot hide
+        (`mcore_edge_bucket`); the rest: `dp_flags`."""
         group = groups["dp"]
         units = units or max(1, layers * self.opts.shard_units_per_layer)
         key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
-               wire, gsize, reduce_once, gather_once, wsize, units, kept, drain)
+               wire, gsize, reduce_once, gather_once, wsize, units, kept, drain, edge)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -164,11 +234,17 @@ class DataParallelCost:
                                              units if fsdp else 1)
             nccl = self.dp_interference(groups)
             # one collective per FSDP unit: the chain's fill and drain show; bucketed
-            # reductions (Megatron, DeepSpeed): buckets are not modelled
+            # reductions (Megatron, DeepSpeed): one overlapped stream, but for Megatron-Core's
+            # edge bucket
             chain = unit_chain if fsdp else (lambda t, w, _u, i: _exposed(t, w, i))
+            # Megatron-Core's edge bucket (`mcore_edge_bucket`): its reduction after the
+            # backward and its gather before the forward, whole; the rest overlaps
+            e_red, e_gather = (self.once_per_step(edge, zero, groups, gsize, wsize)
+                               if edge and not drain else (0.0, 0.0))
             reduce = pipeline.reduce_after_drain(red, *drain, nccl) if drain else \
-                chain(red, bwd, units, nccl)
-            exp = reduce + chain(gather, fwd, units, nccl)
+                e_red + chain(max(0.0, red - e_red), bwd, units, nccl)
+            exp = (reduce + e_gather + chain(max(0.0, gather - e_gather), fwd, units, nccl)
+                   + self.bucket_passes_s(params, gsize))
         self._cache[key] = exp
         return exp
 
@@ -340,6 +416,17 @@ class DataParallelCost:
         if pre is not None and pre <= 0:
             return 0.0
         return 0.0 if live is not None and unit_params >= live else 1.0
+
+    def bucket_passes_s(self, params: float, gsize: float) -> float:
+        """Seconds of the memory-bound passes over a stage's whole (unsharded) gradient buffer
+        of `gsize`-byte elements that a bucketed reduction adds on the compute stream (priced
+        with the data-parallel time it belongs to): KernelOptions.grad_bucket_passes
+        (Megatron-LM's NaN check and scaling by 1/dp before each bucket's reduction) and
+        Megatron-Core DDP's zeroing of the buffer before every step's first forward
+        (zero_grad_buffer: ParamAndGradBuffer.reset, grad_data.zero_(), a write of every
+        element; torch and FSDP set gradients to None instead)."""
+        passes = self.opts.grad_bucket_passes + (1 if self.mcore_ddp() else 0)
+        return passes * gsize * params / self.hbm
 
     def copy_out_s(self, params: float, wsize: float) -> float:
         """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and

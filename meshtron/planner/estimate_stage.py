@@ -98,8 +98,13 @@ class StageCosts:
         # FSDP2 under torch.distributed.pipelining reduces after the stage's last backward
         # (pipeline.reduce_after_drain); DDP-style stacks during it
         drain = (v, i, stage_b, idle) if pp > 1 and self.opts.sharding == "fsdp" else None
-        # stage i finishes its last backward about i stage-backwards before stage 0
-        args = (params, groups, m, stage_f, stage_b if zero >= 2 else (1 + i) * stage_b, k,
+        # stage i finishes its last backward about i stage-backwards before stage 0; under
+        # Megatron-Core's DDP the later stages are one bucket (bucket_size None on pipeline
+        # ranks > 0, distributed_data_parallel.py), reduced after their own last backward
+        window = (1 + i) * stage_b
+        if i > 0 and v == 1 and self.mcore_ddp():
+            window = i * stage_b
+        args = (params, groups, m, stage_f, stage_b if zero >= 2 else window, k,
                 cfg.recompute == "full" and self.opts.recompute_regathers)
         units = self.fsdp_units(k, first, last)
         if compression.changes_dp(cfg):  # gradient compression or DiLoCo
@@ -109,8 +114,10 @@ class StageCosts:
             return StageDp(self._dp_with_experts(params, experts, zero, args, units, kept,
                                                  {**flags, "drain": drain}, groups),
                            "experts", drain)
+        # Megatron-Core buckets the first stage only (dp_cost.mcore_edge_bucket)
+        edge = self.mcore_edge_bucket(groups, k, first, last) if first else 0.0
         return StageDp(self._dp_time(params, zero, *args[1:], units=units, kept=kept,
-                                     drain=drain, **flags), "dense", drain)
+                                     drain=drain, edge=edge, **flags), "dense", drain)
 
     def _dp_with_experts(self, params: float, experts: float, zero: int, args: tuple,
                          units: int, kept: float, flags: dict[str, Any],

@@ -327,6 +327,20 @@ class KernelOptions:
     issue time adds to the GPU's instead of running ahead of it (host.layer_issue). BLOOM ran so
     (bigscience-workshop/bigscience train/tr11-176B-ml README: a workaround for a hang at 40+
     nodes, "a tiny impact or no impact at all to the throughput")."""
+    vocab_parallel_ce: bool = False
+    """The loss is Megatron-Core's unfused VocabParallelCrossEntropy (megatron/core/
+    tensor_parallel/cross_entropy.py, what Megatron-LM runs without --cross-entropy-loss-fusion,
+    off by default at f2e5db402c): separate passes over the [tokens, V/tp] logits instead of
+    one fused kernel (compute_edges.loss_bytes)."""
+    grad_bucket_passes: int = 0
+    """Reads and writes of every local gradient element that a bucketed data-parallel
+    reduction makes on the compute stream before each bucket is reduced, at the gradient
+    buffer's element size (dp_cost.bucket_passes_s). Megatron-LM's training loop at f2e5db402c
+    builds its DDP with average_in_collective off and check_for_nan_in_grad on
+    (--no-check-for-nan-in-loss-and-grad unset): start_grad_sync computes the bucket's norm
+    (one read) and scales it by 1/dp in place (a read and a write): 3. NeMo 2.0 and
+    Megatron-Bridge average in the collective and skip the check: 0."""
+
     @property
     def head_stack(self) -> str:
         """The stack the final norm + head + loss are priced with: per-block torch.compile
