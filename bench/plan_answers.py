@@ -76,7 +76,7 @@ CASES: dict[str, list[str]] = {
     "405b-open-nofit": ["--model", "llama3-405b", "--cluster", "dgx-h100:2", "--global-batch",
                         "64", "--seq-len", "8192"],
     "pinned-fp8-nofit": ["--model", "llama3-70b", "--cluster", "dgx-h100:1", "--global-batch",
-                         "64", "--seq-len", "8192", "--dtype", "fp8", "--layout", "tp=8,pp=1",
+                         "64", "--seq-len", "8192", "--dtype", "fp8", "--layout", "tp=1,pp=1",
                          "--recompute", "none", "--micro-batch", "2"],
     "pinned-moe-nofit": ["--model", "qwen3-235b-a22b", "--cluster", "dgx-h100:4",
                          "--global-batch", "256", "--seq-len", "4096",

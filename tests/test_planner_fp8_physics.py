@@ -394,3 +394,39 @@ def test_fp8_expert_gemms_promote_in_the_backward_as_the_dense_ones_do():
                                   1, 1, 0.0, 0.0, True, "te-current", "cublas", s)
           for s in (False, True)]
     assert bf[0] == bf[1]
+
+
+def _fp8_tps(*framework: str) -> list[int]:
+    """tp of every plan and alternative `meshtron plan --dtype fp8 --json` offers."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "meshtron", "plan", "--model", "llama3-8b",
+                           "--cluster", "dgx-h100:4", "--global-batch", "256", "--seq-len",
+                           "8192", "--dtype", "fp8", "--top", "20", "--json", *framework],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    alts = [int(a["layout"].split(",")[0].split("=")[1]) for a in doc["alternatives"]]
+    return [p["tp"] for p in doc["plans"]] + alts
+
+
+def test_meshtrons_fp8_plans_never_use_tensor_parallelism_its_runtime_refuses():
+    """meshtron's runtime trains FP8 at tp = 1 only (plan.fp8_runtime_problem); the search for
+    its stack offered tp = 2 FP8 plans (the 8b-fp8 answer's best) that `train` then refused.
+    Another stack's search still prices FP8 with tp."""
+    ours = _fp8_tps()
+    assert ours and set(ours) == {1}, ours
+    theirs = _fp8_tps("--framework", "torchtitan")
+    assert any(tp > 1 for tp in theirs), theirs
+
+
+def test_a_pinned_fp8_tp_layout_for_meshtrons_runtime_names_why_in_one_line():
+    """Every point of a pinned tp=8 FP8 layout is refused for meshtron's runtime, hopeless ones
+    included (their leanest point is refused too): the answer is the validity function's
+    reason, not "no layout is valid"."""
+    proc = subprocess.run([sys.executable, "-m", "meshtron", "plan", "--model", "llama3-70b",
+                           "--cluster", "dgx-h100:1", "--global-batch", "64", "--seq-len", "8192",
+                           "--dtype", "fp8", "--layout", "tp=8,pp=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "plan.dtype='fp8' with tp=8" in proc.stderr, proc.stderr

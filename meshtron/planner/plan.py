@@ -391,10 +391,9 @@ class Plan:
 
 def runtime_problem(plan: Plan) -> str | None:
     """What the planner can plan but meshtron's runtime does not run yet (one line), or None."""
-    if plan.dtype == "fp8" and plan.tp > 1:
-        return (f"plan.dtype='fp8' with tp={plan.tp}: meshtron's runtime trains FP8 without "
-                "tensor parallelism only (torchao's Float8ColwiseParallel is not wired in); "
-                "use tp=1 or bf16")
+    problem = fp8_runtime_problem(plan)
+    if problem:
+        return problem
     from meshtron.planner.plan_rules import compile_runtime_problem
 
     problem = compile_runtime_problem(plan)
@@ -403,6 +402,15 @@ def runtime_problem(plan: Plan) -> str | None:
     problem = offload_runtime_problem(plan)
     if problem:
         return problem
+    return None
+
+
+def fp8_runtime_problem(plan: Plan) -> str | None:
+    """FP8 the runtime does not run: torchao float8 with tensor parallelism is not wired in."""
+    if plan.dtype == "fp8" and plan.tp > 1:
+        return (f"plan.dtype='fp8' with tp={plan.tp}: meshtron's runtime trains FP8 without "
+                "tensor parallelism only (torchao's Float8ColwiseParallel is not wired in); "
+                "use tp=1 or bf16")
     return None
 
 

@@ -75,8 +75,10 @@ def branch_and_bound(ev: Evaluator, space: SearchSpace, top_k: int,
     if not any_layout:
         raise UserError(_no_layout_message(space, ev.cluster, ev.global_batch))
     _bound(ev, queue, tally, cutoff)
-    if not queue and not hopeless and space.why_empty:
-        raise UserError(space.why_empty)  # the knobs leave nothing to run: not a memory matter
+    if not queue and space.why_empty and (not hopeless or tally.lean is None):
+        # the knobs leave nothing to run (hopeless layouts too: their leanest point refused):
+        # not a memory matter
+        raise UserError(space.why_empty)
     result = SearchResult(model=ev.model, cluster=ev.cluster, global_batch=ev.global_batch,
                           seq_len=ev.seq, options=ev.opts, plans=tally.ranked(),
                           evaluated=tally.counter, feasible=tally.feasible,

@@ -14,8 +14,8 @@ from meshtron.planner import memory
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory import MemoryOptions
-from meshtron.planner.plan import (RECOMPUTE, Plan, check, microbatch_problem,
-                                    offload_runtime_problem, plan_problems,
+from meshtron.planner.plan import (RECOMPUTE, Plan, check, fp8_runtime_problem,
+                                    microbatch_problem, offload_runtime_problem, plan_problems,
                                     schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
@@ -259,6 +259,8 @@ class SearchSpace:
         if self.offload != "none" and self.runtime and self._refused(
                 offload_runtime_problem(cfg)):
             return None
+        if self.dtype == "fp8" and self.runtime and self._refused(fp8_runtime_problem(cfg)):
+            return None  # FP8 with tensor parallelism: planned for other stacks only
         if ep > 1 and self.runtime and self._refused(next(iter(ep_runtime_problems(
                 {"ep": ep, "cp": cp, "zero": zero, "pp": pp, "recompute": rec})), None)):
             return None  # e.g. selective recomputation of gathered experts (plan_rules)
