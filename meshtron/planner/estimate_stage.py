@@ -219,6 +219,10 @@ class StageCosts:
                                                   cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
                                                   cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
+        # `half`: each odd model part replays half a block less than the mean, at most one
+        # odd part per part (HalfRecompute.half_replay)
+        c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
+        work -= 0.5 * min(cfg.pp * cfg.virtual_stages, self.model.layers) * (c_r + tp_r)
         return m * work / cfg.pp
 
 
