@@ -28,14 +28,14 @@ def _model(layers: int) -> ModelSpec:
 def _estimates(split: tuple[int, ...], pp: int, schedule: str | None, v: int = 1,
                framework: str = "meshtron"):
     """(evaluator, {recompute: estimate}) of 'mid' cut as `split` (one entry per virtual
-    stage), ZeRO-1 over the 8 GPUs of one DGX H100, micro-batch 1, 8 micro-batches."""
+    stage), bf16, ZeRO-1 over the 8 GPUs of one DGX H100, micro-batch 1, 8 micro-batches."""
     fw = frameworks.preset(framework)
     ev = Evaluator(_model(sum(split)), resolve_cluster("dgx-h100:1"), 8 * (8 // pp), 2048,
                    fw.kernel, fw.memory)
     out = {}
     for rec in ("none", "half", "full"):
-        cfg = dataclasses.replace(Plan(1, pp, 8 // pp, 1, 1, rec, False, schedule, v),
-                                  stage_layers=split if pp > 1 else ())
+        plan = Plan(1, pp, 8 // pp, 1, 1, rec, False, schedule, v, dtype="bf16")
+        cfg = dataclasses.replace(plan, stage_layers=split if pp > 1 else ())
         out[rec] = ev.evaluate(cfg)
     return ev, out
 
