@@ -219,7 +219,13 @@ class StageCosts:
                                                   cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
                                                   cfg.fp8_recipe)[:6]
         work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
-        return m * work / cfg.pp
+        # `half`: each odd model part replays half a block less than the mean
+        # (HalfRecompute.half_replay); the parts' counts sum to the model's, so at most
+        # min(parts, layers) of them are odd, as many as the layers' parity allows
+        c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
+        odd = min(cfg.pp * cfg.virtual_stages, self.model.layers)
+        odd -= (odd - self.model.layers) % 2
+        return m * (work - 0.5 * odd * (c_r + tp_r)) / cfg.pp
 
 
 def given_partition(cfg: Plan, layers: int) -> list[int] | None:
