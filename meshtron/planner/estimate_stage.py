@@ -6,6 +6,7 @@ lower bound, and the layer split a plan fixes itself.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -212,20 +213,78 @@ class StageCosts:
         return p + (p_head if stage == last else 0.0)
 
     def lower_bound_step(self, cfg: Plan) -> float:
-        """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
-        pipeline or data-parallel communication."""
+        """A cheap lower bound of the step time: m micro-batches of the busiest rank of the
+        split that makes it least busy (`busiest_rank_floor`), no bubble, no pipeline or
+        data-parallel communication. The step prices m x its busiest rank's stage time
+        (estimate_time.py `_times`) plus non-negative terms, and every rank's time is at
+        least the floor of its block count; cached per layer pieces and (pp, v, head rank)."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
-        c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
-                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
-                                                  cfg.fp8_recipe)[:6]
-        work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
-        # `half`: each odd model part replays half a block less than the mean
-        # (HalfRecompute.half_replay); the parts' counts sum to the model's, so at most
-        # min(parts, layers) of them are odd, as many as the layers' parity allows
-        c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
-        odd = min(cfg.pp * cfg.virtual_stages, self.model.layers)
-        odd -= (odd - self.model.layers) % 2
-        return m * (work - 0.5 * odd * (c_r + tp_r)) / cfg.pp
+        head_rank = pipeline.head_rank(cfg.pp, cfg.virtual_stages, cfg.schedule)
+        pieces = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
+                  cfg.fp8_recipe)
+        key = ("step_floor", *pieces, cfg.pp, cfg.virtual_stages, head_rank)
+        floor = self._cache.get(key)
+        if floor is None:
+            c_l, tpc_l, _, _, emb, head = self._micro(*pieces)[:6]
+            # `half`: one replayed block's seconds, an odd part's saving is half of it
+            c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
+            floor = busiest_rank_floor(self.model.layers, cfg.pp, cfg.virtual_stages,
+                                       c_l + tpc_l, c_r + tp_r, emb.compute + emb.tp,
+                                       head.compute + head.tp, head_rank)
+            self._cache[key] = floor
+        return m * floor
+
+
+def busiest_rank_floor(layers: int, pp: int, v: int, t_layer: float, replay: float,
+                       first: float, last: float, head_rank: int) -> float:
+    """The least, over every split of `layers` blocks into pp ranks of v model parts each
+    (parts of any size, none included: whatever rule a stack splits by, a pinned split too),
+    of the busiest rank's seconds per micro-batch, a rank of n blocks counted at its floor:
+    n x `t_layer` (the per-layer mean) less half a `replay` (one replayed block: meshtron's
+    `half` replays n // 2 of a part of n, estimate_half.HalfRecompute.half_replay) for each
+    odd part it can hold, at most min(v, n) of n's parity; the embedding's `first` on rank
+    0, the head's `last` on `head_rank`. Why not the mean over ranks: the odd parts' saving
+    is then taken wherever parts could be odd, also off the rank that sets the step; here a
+    rank gains it only where its own count allows it, and the rounding of blocks to ranks is
+    priced. Exact: the least T at which the ranks' largest counts within T sum to `layers`
+    (T is one rank's floor plus its edge, a candidate, and feasibility rises with T)."""
+    def odd(n: int) -> int:
+        o = min(v, n)
+        return o - (o - n) % 2
+
+    floors = [n * t_layer - 0.5 * replay * odd(n) for n in range(layers + 1)]
+    for n in range(layers - 1, -1, -1):  # non-decreasing (lowering keeps it a floor)
+        floors[n] = min(floors[n], floors[n + 1])
+    edges = [0.0] * pp
+    edges[0] += first
+    edges[head_rank] += last
+    counts: dict[float, int] = {}
+    for e in edges:
+        counts[e] = counts.get(e, 0) + 1
+
+    def holds(t: float) -> bool:  # can the ranks hold every block within t seconds each?
+        tol = 1e-12 * abs(t)  # generous by rounding: the T found stays at or below the least
+        total = 0
+        for e, c in counts.items():
+            n = bisect.bisect_right(floors, t - e + tol) - 1
+            if n < 0:
+                return False
+            total += c * n
+        return total >= layers
+
+    best = float("inf")
+    for e in counts:
+        lo, hi = 0, layers
+        if not holds(floors[hi] + e):
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if holds(floors[mid] + e):
+                hi = mid
+            else:
+                lo = mid + 1
+        best = min(best, floors[lo] + e)
+    return best
 
 
 def given_partition(cfg: Plan, layers: int) -> list[int] | None:
