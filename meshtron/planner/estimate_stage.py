@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from typing import Any, NamedTuple
 
 from meshtron.planner import compression, compute, memory, moe_cost, moe_memory, pipeline
@@ -219,9 +220,12 @@ class StageCosts:
         (estimate_time.py `_times`) plus non-negative terms, and every rank's time is at
         least the floor of its block count; cached per layer pieces and (pp, v, head rank)."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
-        head_rank = pipeline.head_rank(cfg.pp, cfg.virtual_stages, cfg.schedule)
         pieces = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
                   cfg.fp8_recipe)
+        where = ("head_rank", cfg.pp, cfg.virtual_stages, cfg.schedule)
+        head_rank = self._cache.get(where)
+        if head_rank is None:
+            head_rank = self._cache[where] = pipeline.head_rank(*where[1:])
         key = ("step_floor", *pieces, cfg.pp, cfg.virtual_stages, head_rank)
         floor = self._cache.get(key)
         if floor is None:
@@ -248,13 +252,16 @@ def busiest_rank_floor(layers: int, pp: int, v: int, t_layer: float, replay: flo
     rank gains it only where its own count allows it, and the rounding of blocks to ranks is
     priced. Exact: the least T at which the ranks' largest counts within T sum to `layers`
     (T is one rank's floor plus its edge, a candidate, and feasibility rises with T)."""
-    def odd(n: int) -> int:
-        o = min(v, n)
-        return o - (o - n) % 2
-
-    floors = [n * t_layer - 0.5 * replay * odd(n) for n in range(layers + 1)]
-    for n in range(layers - 1, -1, -1):  # non-decreasing (lowering keeps it a floor)
-        floors[n] = min(floors[n], floors[n + 1])
+    half = 0.5 * replay
+    if pp == 1:  # one rank, v = 1: its one part, exactly
+        return layers * t_layer - half * (layers % 2) + first + last
+    # a rank of n <= v blocks can make every one its own odd part; beyond, v of n's parity
+    few = min(v, layers)
+    floors = [n * (t_layer - half) for n in range(few + 1)]
+    floors += [n * t_layer - half * (v - ((n - v) & 1)) for n in range(few + 1, layers + 1)]
+    if half > t_layer:  # not non-decreasing (a replay above two layers' mean: none seen);
+        # each the least of its own and every larger count's, still a floor
+        floors = list(itertools.accumulate(reversed(floors), min))[::-1]
     edges = [0.0] * pp
     edges[0] += first
     edges[head_rank] += last
@@ -272,18 +279,27 @@ def busiest_rank_floor(layers: int, pp: int, v: int, t_layer: float, replay: flo
             total += c * n
         return total >= layers
 
-    best = float("inf")
+    # the least count at which the heaviest edge's rank sets a T that holds (at the most
+    # blocks it always does), then the other ranks' candidates between that T and the last
+    # one that does not hold
+    big = max(counts)
+    lo, hi = 0, layers
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(floors[mid] + big):
+            hi = mid
+        else:
+            lo = mid + 1
+    best = floors[lo] + big
+    below = floors[lo - 1] + big if lo else -float("inf")
     for e in counts:
-        lo, hi = 0, layers
-        if not holds(floors[hi] + e):
+        if e == big:
             continue
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if holds(floors[mid] + e):
-                hi = mid
-            else:
-                lo = mid + 1
-        best = min(best, floors[lo] + e)
+        start = max(0, bisect.bisect_right(floors, below - e) - 1)
+        for n in range(start, min(layers, bisect.bisect_left(floors, best - e)) + 1):
+            if floors[n] + e < best and holds(floors[n] + e):
+                best = floors[n] + e
+                break
     return best
 
 

@@ -98,9 +98,14 @@ class StepTimes:
         (rank 0 on the V)."""
         chunks = self._chunks(w)
         f = [k * w.f_l for k in chunks]
-        x = [self.part_excess(w.rec, (k,)) for k in chunks]  # `half` on odd chunks: `_times`
-        t = [k * w.t_layer + e * (w.replay[0] + w.replay[1]) for k, e in zip(chunks, x)]
-        wg = [k * w.w_l + e * w.replay[2] for k, e in zip(chunks, x)]
+        t = [k * w.t_layer for k in chunks]
+        wg = [k * w.w_l for k in chunks]
+        if any(w.replay):  # `half` on odd chunks, as `_times` (the walks run per config)
+            rep_t, rep_w = w.replay[0] + w.replay[1], w.replay[2]
+            for j, k in enumerate(chunks):
+                e = self.part_excess(w.rec, (k,))
+                t[j] += e * rep_t
+                wg[j] += e * rep_w
         f[0] += w.emb.fwd
         t[0] += w.emb.compute + w.emb.tp
         f[-1] += w.head.fwd
