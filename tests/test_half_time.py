@@ -15,6 +15,7 @@ import pytest
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import frameworks
 from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.compute_parts import recompute_share, replayed_blocks
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.plan import Plan
 from meshtron.planner.step_pieces import step_pieces
@@ -77,3 +78,12 @@ def test_megatron_half_keeps_the_mean():
     _, est = _estimates((5, 5), 2, "1f1b", framework="megatron")
     none, half, full = (est[r].time.compute for r in ("none", "half", "full"))
     assert half - none == pytest.approx(0.5 * (full - none), rel=1e-9)
+
+
+def test_part_excess_is_replayed_blocks_beyond_the_mean():
+    """The evaluator's per-rank count (estimate_half.part_excess, written out for speed) is
+    compute_parts.replayed_blocks less the mean share, for every mode and set of parts."""
+    for rec in ("none", "selective", "half", "full"):
+        for parts in ((7,), (6,), (3, 3), (0, 5, 2), (1, 1, 1, 4)):
+            want = sum(replayed_blocks(rec, k) - recompute_share(rec) * k for k in parts)
+            assert Evaluator.part_excess(rec, parts) == want

@@ -24,7 +24,6 @@ Only under FSDP2 stacks (meshtron's rule); Megatron's and DeepSpeed's `half` kee
 from __future__ import annotations
 
 from meshtron.planner import memory_pipeline
-from meshtron.planner.compute_parts import recompute_share, replayed_blocks
 from meshtron.planner.estimate_work import Work
 from meshtron.planner.plan import Plan
 
@@ -55,8 +54,12 @@ class HalfRecompute:
     @staticmethod
     def part_excess(rec: str, parts) -> float:
         """Blocks replayed beyond the mean by model parts of `parts` blocks each (one pipeline
-        rank's chunks): compute_parts.replayed_blocks, -1/2 per odd part under `half`."""
-        return sum(replayed_blocks(rec, k) - recompute_share(rec) * k for k in parts)
+        rank's chunks): compute_parts.replayed_blocks, -1/2 per odd part under `half`, none
+        under the other modes (asked per rank and chunk of every evaluation: counted here
+        directly; tests/test_half_time.py holds it to replayed_blocks)."""
+        if rec != "half":
+            return 0.0
+        return -0.5 * sum(k & 1 for k in parts)
 
     def _half_odd(self, w: Work) -> tuple[float, float | None]:
         """Under `half` recomputation, (what a chunk of an odd layer count holds beyond `act`

@@ -6,9 +6,7 @@ lower bound, and the layer split a plan fixes itself.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import itertools
 from typing import Any, NamedTuple
 
 from meshtron.planner import compression, compute, memory, moe_cost, moe_memory, pipeline
@@ -220,21 +218,20 @@ class StageCosts:
         (estimate_time.py `_times`) plus non-negative terms, and every rank's time is at
         least the floor of its block count; cached per layer pieces and (pp, v, head rank)."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
-        pieces = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
-                  cfg.fp8_recipe)
-        where = ("head_rank", cfg.pp, cfg.virtual_stages, cfg.schedule)
-        head_rank = self._cache.get(where)
-        if head_rank is None:
-            head_rank = self._cache[where] = pipeline.head_rank(*where[1:])
-        key = ("step_floor", *pieces, cfg.pp, cfg.virtual_stages, head_rank)
+        key = ("step_floor", cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute, cfg.cp, cfg.dtype,
+               cfg.ep, cfg.fp8_recipe, cfg.pp, cfg.virtual_stages, cfg.schedule)
         floor = self._cache.get(key)
-        if floor is None:
-            c_l, tpc_l, _, _, emb, head = self._micro(*pieces)[:6]
-            # `half`: one replayed block's seconds, an odd part's saving is half of it
-            c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
-            floor = busiest_rank_floor(self.model.layers, cfg.pp, cfg.virtual_stages,
-                                       c_l + tpc_l, c_r + tp_r, emb.compute + emb.tp,
-                                       head.compute + head.tp, head_rank)
+        if floor is None:  # schedules that place the head alike share the floor
+            head_rank = pipeline.head_rank(cfg.pp, cfg.virtual_stages, cfg.schedule)
+            placed = ("rank_floor", *key[1:-1], head_rank)
+            floor = self._cache.get(placed)
+            if floor is None:
+                c_l, tpc_l, _, _, emb, head = self._micro(*key[1:9])[:6]
+                # `half`: one replayed block's seconds, an odd part's saving is half of it
+                c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
+                floor = self._cache[placed] = busiest_rank_floor(
+                    self.model.layers, cfg.pp, cfg.virtual_stages, c_l + tpc_l, c_r + tp_r,
+                    emb.compute + emb.tp, head.compute + head.tp, head_rank)
             self._cache[key] = floor
         return m * floor
 
@@ -243,25 +240,25 @@ def busiest_rank_floor(layers: int, pp: int, v: int, t_layer: float, replay: flo
                        first: float, last: float, head_rank: int) -> float:
     """The least, over every split of `layers` blocks into pp ranks of v model parts each
     (parts of any size, none included: whatever rule a stack splits by, a pinned split too),
-    of the busiest rank's seconds per micro-batch, a rank of n blocks counted at its floor:
-    n x `t_layer` (the per-layer mean) less half a `replay` (one replayed block: meshtron's
-    `half` replays n // 2 of a part of n, estimate_half.HalfRecompute.half_replay) for each
-    odd part it can hold, at most min(v, n) of n's parity; the embedding's `first` on rank
-    0, the head's `last` on `head_rank`. Why not the mean over ranks: the odd parts' saving
-    is then taken wherever parts could be odd, also off the rank that sets the step; here a
-    rank gains it only where its own count allows it, and the rounding of blocks to ranks is
+    of the busiest rank's seconds per micro-batch, a rank of n blocks counted at its floor
+    `_RankFloor.at`: n x `t_layer` (the per-layer mean) less half a `replay` (one replayed
+    block: meshtron's `half` replays k // 2 of a part of k, estimate_half.HalfRecompute.
+    half_replay) for each odd part it can hold; the embedding's `first` on rank 0, the
+    head's `last` on `head_rank`. Why not the mean over ranks: the odd parts' saving is then
+    taken wherever parts could be odd, also off the rank that sets the step; here a rank
+    gains it only where its own count allows it, and the rounding of blocks to ranks is
     priced. Exact: the least T at which the ranks' largest counts within T sum to `layers`
-    (T is one rank's floor plus its edge, a candidate, and feasibility rises with T)."""
+    (T is one rank's floor plus its edge, and whether the counts reach `layers` only rises
+    with T), found by walking the candidates up from the mean over ranks."""
     half = 0.5 * replay
+    most_odd = min(pp * v, layers)
+    most_odd -= (most_odd - layers) % 2
+    mean = (layers * t_layer - half * most_odd + first + last) / pp  # every odd part saved
     if pp == 1:  # one rank, v = 1: its one part, exactly
         return layers * t_layer - half * (layers % 2) + first + last
-    # a rank of n <= v blocks can make every one its own odd part; beyond, v of n's parity
-    few = min(v, layers)
-    floors = [n * (t_layer - half) for n in range(few + 1)]
-    floors += [n * t_layer - half * (v - ((n - v) & 1)) for n in range(few + 1, layers + 1)]
-    if half > t_layer:  # not non-decreasing (a replay above two layers' mean: none seen);
-        # each the least of its own and every larger count's, still a floor
-        floors = list(itertools.accumulate(reversed(floors), min))[::-1]
+    if half > t_layer or t_layer <= 0.0:  # a floor that falls with more blocks: none seen
+        return mean
+    rank = _RankFloor(layers, v, t_layer, half)
     edges = [0.0] * pp
     edges[0] += first
     edges[head_rank] += last
@@ -270,37 +267,56 @@ def busiest_rank_floor(layers: int, pp: int, v: int, t_layer: float, replay: flo
         counts[e] = counts.get(e, 0) + 1
 
     def holds(t: float) -> bool:  # can the ranks hold every block within t seconds each?
-        tol = 1e-12 * abs(t)  # generous by rounding: the T found stays at or below the least
         total = 0
         for e, c in counts.items():
-            n = bisect.bisect_right(floors, t - e + tol) - 1
+            n = rank.most(t - e)
             if n < 0:
                 return False
             total += c * n
         return total >= layers
 
-    # the least count at which the heaviest edge's rank sets a T that holds (at the most
-    # blocks it always does), then the other ranks' candidates between that T and the last
-    # one that does not hold
-    big = max(counts)
-    lo, hi = 0, layers
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(floors[mid] + big):
-            hi = mid
-        else:
-            lo = mid + 1
-    best = floors[lo] + big
-    below = floors[lo - 1] + big if lo else -float("inf")
-    for e in counts:
-        if e == big:
-            continue
-        start = max(0, bisect.bisect_right(floors, below - e) - 1)
-        for n in range(start, min(layers, bisect.bisect_left(floors, best - e)) + 1):
-            if floors[n] + e < best and holds(floors[n] + e):
-                best = floors[n] + e
-                break
-    return best
+    # below the mean over ranks and the floor of the fullest rank nothing holds; from there
+    # each edge's next candidate, the least first (a little lower: rounding)
+    low = max(mean, rank.at(-(-layers // pp))) * (1.0 - 1e-9)
+    nxt = {e: rank.most(low - e) + 1 for e in counts}
+    while True:
+        e = min(nxt, key=lambda x: rank.at(nxt[x]) + x)
+        t = rank.at(nxt[e]) + e
+        if holds(t):
+            return t
+        nxt[e] += 1
+        if nxt[e] > layers:  # the heaviest edge at every block always holds
+            del nxt[e]
+
+
+class _RankFloor:
+    """The floor of one rank's seconds per micro-batch by its block count n (`at`): n x
+    t_layer less `half` per odd part, at most min(v, n) of them and of n's parity; and its
+    inverse `most`. Non-decreasing while half <= t_layer: a block more adds t_layer - half
+    or t_layer + half."""
+
+    def __init__(self, layers: int, v: int, t_layer: float, half: float) -> None:
+        self.layers, self.v, self.t, self.half = layers, v, t_layer, half
+
+    def at(self, n: int) -> float:
+        if n <= self.v:
+            return n * (self.t - self.half)
+        return n * self.t - self.half * (self.v - ((n - self.v) & 1))
+
+    def most(self, x: float) -> int:
+        """The most blocks whose floor is at most x (-1: not even none), within `layers`;
+        generous by rounding (1e-9 of a block), which only lowers the bound."""
+        if x < 0.0:
+            return -1
+        v, t, half, top = self.v, self.t, self.half, self.layers
+        if top > v and self.at(v + 1) <= x * (1 + 1e-12):
+            # past v blocks, v or v - 1 odd parts by parity: n t - half v <= x for an even
+            # offset n - v; an odd one is half dearer, and then one block less holds
+            n = min(top, int((x + half * v) / t + 1e-9))
+            return n - 1 if self.at(n) > x * (1 + 1e-12) else n
+        if t <= half:
+            return min(v, top)
+        return min(v, top, int(x / (t - half) + 1e-9))
 
 
 def given_partition(cfg: Plan, layers: int) -> list[int] | None:
