@@ -83,7 +83,8 @@ def test_floor_is_the_least_busiest_rank_of_every_split(layers, pp, v, schedule)
 def _fuzz_plans(rng: random.Random, count: int):
     """(framework, model, global batch, plan) at random: 3 to 15 layers, pp 1 to 4 on one
     DGX H100, every schedule the runtime runs (V: zb with v = 2), the four recomputations,
-    given splits (odd chunks, empty end chunks) and the stack's own."""
+    given splits (odd chunks, empty end chunks) and the stack's own, host offload too (the
+    search bounds offloaded configs with the same floor: search_offload.offload_if_faster)."""
     made = 0
     while made < count:
         fw = frameworks.preset(rng.choice(("meshtron", "meshtron", "torchtitan@2025",
@@ -106,7 +107,8 @@ def _fuzz_plans(rng: random.Random, count: int):
         try:  # a Plan checks itself (plan_rules); the model's limits next
             cfg = Plan(tp=tp, pp=pp, dp=dp, zero=rng.choice((0, 1, 2, 3)) if dp > 1 else 0,
                        micro_batch=rng.choice((1, 2)), recompute=rec, sp=tp > 1,
-                       schedule=schedule, virtual_stages=v, stage_layers=given, dtype="bf16")
+                       schedule=schedule, virtual_stages=v, stage_layers=given, dtype="bf16",
+                       offload=rng.choice(("none", "none", "optimizer", "full")))
         except UserError:
             continue
         batch = dp * cfg.micro_batch * rng.choice((4, 8, 32))
