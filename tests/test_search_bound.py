@@ -56,7 +56,8 @@ def _brute_floor(layers, pp, v, schedule, t, r, first, last):
 @pytest.mark.parametrize("layers, pp, v, schedule", [
     (7, 1, 1, "1f1b"), (8, 1, 1, "1f1b"), (9, 2, 1, "1f1b"), (10, 3, 1, "1f1b"),
     (7, 3, 1, "1f1b"), (9, 2, 2, "interleaved"), (8, 2, 3, "interleaved"),
-    (7, 2, 2, "zb"), (10, 2, 2, "zb"), (6, 3, 2, "interleaved")])
+    (7, 2, 2, "zb"), (10, 2, 2, "zb"), (6, 3, 2, "interleaved"),
+    (3, 4, 1, "1f1b"), (5, 3, 2, "interleaved")])  # fewer blocks than parts too
 def test_floor_is_the_least_busiest_rank_of_every_split(layers, pp, v, schedule):
     """Equal to the brute force (so no tighter bound of this form holds), with the head on
     the last rank or beside the embedding (torch's V: zb with v = 2), an odd part's saving

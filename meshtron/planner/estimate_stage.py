@@ -276,9 +276,9 @@ def busiest_rank_floor(layers: int, pp: int, v: int, t_layer: float, replay: flo
         return total >= layers
 
     # below the mean over ranks and the floor of the fullest rank nothing holds; from there
-    # each edge's next candidate, the least first (a little lower: rounding)
-    low = max(mean, rank.at(-(-layers // pp))) * (1.0 - 1e-9)
-    nxt = {e: rank.most(low - e) + 1 for e in counts}
+    # each edge's candidates, the least first (from one at or below it: rounding)
+    low = max(mean, rank.at(-(-layers // pp)))
+    nxt = {e: max(0, rank.most(low - e)) for e in counts}
     while True:
         e = min(nxt, key=lambda x: rank.at(nxt[x]) + x)
         t = rank.at(nxt[e]) + e
