@@ -278,15 +278,17 @@ def busiest_rank_floor(layers: int, pp: int, v: int, t_layer: float, replay: flo
     # below the mean over ranks and the floor of the fullest rank nothing holds; from there
     # each edge's candidates, the least first (from one at or below it: rounding)
     low = max(mean, rank.at(-(-layers // pp)))
-    nxt = {e: max(0, rank.most(low - e)) for e in counts}
+    nxt = {e: max(0, rank.most(low - e)) for e in counts}  # each edge's next count
+    cand = {e: rank.at(n) + e for e, n in nxt.items()}  # and its T
     while True:
-        e = min(nxt, key=lambda x: rank.at(nxt[x]) + x)
-        t = rank.at(nxt[e]) + e
-        if holds(t):
-            return t
+        e = min(cand, key=cand.__getitem__)
+        if holds(cand[e]):
+            return cand[e]
         nxt[e] += 1
         if nxt[e] > layers:  # the heaviest edge at every block always holds
-            del nxt[e]
+            del cand[e]
+        else:
+            cand[e] = rank.at(nxt[e]) + e
 
 
 class _RankFloor:
@@ -297,6 +299,7 @@ class _RankFloor:
 
     def __init__(self, layers: int, v: int, t_layer: float, half: float) -> None:
         self.layers, self.v, self.t, self.half = layers, v, t_layer, half
+        self.past = self.at(v + 1)  # the first count with more blocks than parts
 
     def at(self, n: int) -> float:
         if n <= self.v:
@@ -309,7 +312,7 @@ class _RankFloor:
         if x < 0.0:
             return -1
         v, t, half, top = self.v, self.t, self.half, self.layers
-        if top > v and self.at(v + 1) <= x * (1 + 1e-12):
+        if top > v and self.past <= x * (1 + 1e-12):
             # past v blocks, v or v - 1 odd parts by parity: n t - half v <= x for an even
             # offset n - v; an odd one is half dearer, and then one block less holds
             n = min(top, int((x + half * v) / t + 1e-9))
