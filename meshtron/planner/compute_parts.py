@@ -85,10 +85,20 @@ def compute_dtypes(dtype: str) -> tuple[str, str]:
     return dtype, dtype
 
 
-
-
 def recompute_share(recompute: str) -> float:
-    """Forward passes recomputation runs again per block: 1 with 'full' (Chen et al. 2016),
-    0.5 with 'half' (every second block checkpointed, parallel/recompute.py), 0 otherwise
-    ('selective' repeats only the unfused attention core: LayerCost.core_fwd)."""
+    """Forward passes recomputation runs again per block, on the mean: 1 with 'full' (Chen et
+    al. 2016), 0.5 with 'half' (every second block checkpointed, parallel/recompute.py), 0
+    otherwise ('selective' repeats only the unfused attention core: LayerCost.core_fwd). A
+    model part's own count: `replayed_blocks`."""
     return {"full": 1.0, "half": 0.5}.get(recompute, 0.0)
+
+
+def replayed_blocks(recompute: str, blocks: int) -> float:
+    """Blocks whose forward the backward of one model part of `blocks` blocks (a pipeline
+    stage's chunk, the whole model without a pipeline) runs again: `half` checkpoints the
+    part's blocks 1, 3, ... (parallel/recompute.py, `i % 2 == 1` over the part's own
+    blocks), blocks // 2 of them: half a block fewer than `recompute_share`'s mean on an odd
+    part; the others the mean."""
+    if recompute == "half":
+        return float(blocks // 2)
+    return recompute_share(recompute) * blocks

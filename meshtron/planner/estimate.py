@@ -228,7 +228,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                     p2p_bytes=p2p_bytes, gather=gather, ep_l=ep_l, mem_opts=mem_opts, act=act,
                     work=work, logits=logits, flags=flags, shard_dp=shard_dp, keep=keep,
                     fsdp_zero1=fsdp_zero1, accum=accum, t_layer=t_layer, e_first=e_first,
-                    e_last=e_last, head_rank=head_rank)
+                    e_last=e_last, head_rank=head_rank,
+                    replay=self.half_replay(cfg, (c_l, tpc_l, w_l, ep_l)))
 
     def _result(self, w: Work, times: TimeBreakdown, step: float, stage: int | None,
                 keep_infeasible: bool) -> Estimate | None:

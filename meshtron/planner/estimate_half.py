@@ -25,10 +25,41 @@ from __future__ import annotations
 
 from meshtron.planner import memory_pipeline
 from meshtron.planner.estimate_work import Work
+from meshtron.planner.plan import Plan
 
 
 class HalfRecompute:
-    """`_half_odd`, `_half_blocks` (interleaved ranks), `_half_stages` (the others)."""
+    """`_half_odd`, `_half_blocks` (interleaved ranks), `_half_stages` (the others); the time
+    of odd parts: `half_replay`, `part_excess`."""
+
+    def half_replay(self, cfg: Plan, mean: tuple[float, ...]) -> tuple[float, ...]:
+        """Under meshtron's `half` (FSDP2 stacks), the seconds one replayed block adds per
+        micro-batch to each of `mean`: the plan's per-layer (compute, tensor-parallel
+        communication, weight-gradient part, expert all-to-alls), or a prefix of them, which
+        count half a replay per block (compute_parts.recompute_share; zero bubble's W groups,
+        zb_recompute.weight_pass_recompute, and the MoE part, estimate_pieces._moe, alike):
+        twice their excess over no recomputation. A part's seconds are then its blocks at the
+        mean plus `part_excess` of these. Zeros for other modes and stacks (Megatron's and
+        DeepSpeed's `half` stays the mean, as its memory does: `_half_odd`)."""
+        if cfg.recompute != "half" or self.mem.framework != "fsdp2":
+            return (0.0,) * len(mean)
+        args = (cfg.tp, cfg.micro_batch, cfg.sp, "none", cfg.cp, cfg.dtype, cfg.ep,
+                cfg.fp8_recipe)
+        none = self._micro(*args)
+        window = self._cache[("window", *args)]
+        a2a = self._moe(cfg.micro_batch, "none", cfg.cp, cfg.dtype, cfg.ep, cfg.tp, window)[2]
+        base = (none.layer, none.layer_tp, none.layer_wgrad, a2a)
+        return tuple(2.0 * (x - y) for x, y in zip(mean, base))
+
+    @staticmethod
+    def part_excess(rec: str, parts) -> float:
+        """Blocks replayed beyond the mean by model parts of `parts` blocks each (one pipeline
+        rank's chunks): compute_parts.replayed_blocks, -1/2 per odd part under `half`, none
+        under the other modes (asked per rank and chunk of every evaluation: counted here
+        directly; tests/test_half_time.py holds it to replayed_blocks)."""
+        if rec != "half":
+            return 0.0
+        return -0.5 * sum(k & 1 for k in parts)
 
     def _half_odd(self, w: Work) -> tuple[float, float | None]:
         """Under `half` recomputation, (what a chunk of an odd layer count holds beyond `act`

@@ -101,7 +101,8 @@ class CostPieces:
                                          o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd,
                                          o.ep_dispatch)
             share = model.moe_layers / model.layers
-            again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)  # forward replayed
+            # forward replayed, on the mean (a part's own count: HalfRecompute.half_replay)
+            again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)
             # with ep > 1 the dispatch reads its split sizes on the host once per MoE layer
             # forward (meshtron, torchtitan, Megatron's all-to-all dispatcher): a sync each
             sync = host.SYNC_S if ep > 1 else 0.0

@@ -220,14 +220,114 @@ class StageCosts:
         return p + (p_head if stage == last else 0.0)
 
     def lower_bound_step(self, cfg: Plan) -> float:
-        """A cheap lower bound of the step time: perfectly balanced stages, no bubble, no
-        pipeline or data-parallel communication."""
+        """A cheap lower bound of the step time: m micro-batches of the busiest rank of the
+        split that makes it least busy (`busiest_rank_floor`), no bubble, no pipeline or
+        data-parallel communication. The step prices m x its busiest rank's stage time
+        (estimate_time.py `_times`) plus non-negative terms, and every rank's time is at
+        least the floor of its block count; cached per layer pieces and (pp, v, head rank)."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
-        c_l, tpc_l, _, _, emb, head = self._micro(cfg.tp, cfg.micro_batch, cfg.sp,
-                                                  cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
-                                                  cfg.fp8_recipe)[:6]
-        work = (c_l + tpc_l) * self.model.layers + emb.compute + emb.tp + head.compute + head.tp
-        return m * work / cfg.pp
+        key = ("step_floor", cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute, cfg.cp, cfg.dtype,
+               cfg.ep, cfg.fp8_recipe, cfg.pp, cfg.virtual_stages, cfg.schedule)
+        floor = self._cache.get(key)
+        if floor is None:  # schedules that place the head alike share the floor
+            head_rank = pipeline.head_rank(cfg.pp, cfg.virtual_stages, cfg.schedule)
+            placed = ("rank_floor", *key[1:-1], head_rank)
+            floor = self._cache.get(placed)
+            if floor is None:
+                c_l, tpc_l, _, _, emb, head = self._micro(*key[1:9])[:6]
+                # `half`: one replayed block's seconds, an odd part's saving is half of it
+                c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
+                floor = self._cache[placed] = busiest_rank_floor(
+                    self.model.layers, cfg.pp, cfg.virtual_stages, c_l + tpc_l, c_r + tp_r,
+                    emb.compute + emb.tp, head.compute + head.tp, head_rank)
+            self._cache[key] = floor
+        return m * floor
+
+
+def busiest_rank_floor(layers: int, pp: int, v: int, t_layer: float, replay: float,
+                       first: float, last: float, head_rank: int) -> float:
+    """The least, over every split of `layers` blocks into pp ranks of v model parts each
+    (parts of any size, none included: whatever rule a stack splits by, a pinned split too),
+    of the busiest rank's seconds per micro-batch, a rank of n blocks counted at its floor
+    `_RankFloor.at`: n x `t_layer` (the per-layer mean) less half a `replay` (one replayed
+    block: meshtron's `half` replays k // 2 of a part of k, estimate_half.HalfRecompute.
+    half_replay) for each odd part it can hold; the embedding's `first` on rank 0, the
+    head's `last` on `head_rank`. Why not the mean over ranks: the odd parts' saving is then
+    taken wherever parts could be odd, also off the rank that sets the step; here a rank
+    gains it only where its own count allows it, and the rounding of blocks to ranks is
+    priced. Exact: the least T at which the ranks' largest counts within T sum to `layers`
+    (T is one rank's floor plus its edge, and whether the counts reach `layers` only rises
+    with T), found by walking the candidates up from the mean over ranks."""
+    half = 0.5 * replay
+    most_odd = min(pp * v, layers)
+    most_odd -= (most_odd - layers) % 2
+    mean = (layers * t_layer - half * most_odd + first + last) / pp  # every odd part saved
+    if pp == 1:  # one rank, v = 1: its one part, exactly
+        return layers * t_layer - half * (layers % 2) + first + last
+    if half > t_layer or t_layer <= 0.0:  # a floor that falls with more blocks: none seen
+        return mean
+    rank = _RankFloor(layers, v, t_layer, half)
+    edges = [0.0] * pp
+    edges[0] += first
+    edges[head_rank] += last
+    counts: dict[float, int] = {}
+    for e in edges:
+        counts[e] = counts.get(e, 0) + 1
+
+    def holds(t: float) -> bool:  # can the ranks hold every block within t seconds each?
+        total = 0
+        for e, c in counts.items():
+            n = rank.most(t - e)
+            if n < 0:
+                return False
+            total += c * n
+        return total >= layers
+
+    # below the mean over ranks and the floor of the fullest rank nothing holds; from there
+    # each edge's candidates, the least first (from one at or below it: rounding)
+    low = max(mean, rank.at(-(-layers // pp)))
+    nxt = {e: max(0, rank.most(low - e)) for e in counts}  # each edge's next count
+    cand = {e: rank.at(n) + e for e, n in nxt.items()}  # and its T
+    while True:
+        e = min(cand, key=cand.__getitem__)
+        if holds(cand[e]):
+            return cand[e]
+        nxt[e] += 1
+        if nxt[e] > layers:  # the heaviest edge at every block always holds
+            del cand[e]
+        else:
+            cand[e] = rank.at(nxt[e]) + e
+
+
+class _RankFloor:
+    """The floor of one rank's seconds per micro-batch by its block count n (`at`): n x
+    t_layer less `half` per odd part, at most min(v, n) of them and of n's parity; and its
+    inverse `most`. Non-decreasing while half <= t_layer: a block more adds t_layer - half
+    or t_layer + half."""
+
+    def __init__(self, layers: int, v: int, t_layer: float, half: float) -> None:
+        self.layers, self.v, self.t, self.half = layers, v, t_layer, half
+        self.past = self.at(v + 1)  # the first count with more blocks than parts
+
+    def at(self, n: int) -> float:
+        if n <= self.v:
+            return n * (self.t - self.half)
+        return n * self.t - self.half * (self.v - ((n - self.v) & 1))
+
+    def most(self, x: float) -> int:
+        """The most blocks whose floor is at most x (-1: not even none), within `layers`;
+        generous by rounding (1e-9 of a block), which only lowers the bound."""
+        if x < 0.0:
+            return -1
+        v, t, half, top = self.v, self.t, self.half, self.layers
+        if top > v and self.past <= x * (1 + 1e-12):
+            # past v blocks, v or v - 1 odd parts by parity: n t - half v <= x for an even
+            # offset n - v; an odd one is half dearer, and then one block less holds
+            n = min(top, int((x + half * v) / t + 1e-9))
+            return n - 1 if self.at(n) > x * (1 + 1e-12) else n
+        if t <= half:
+            return min(v, top)
+        return min(v, top, int(x / (t - half) + 1e-9))
 
 
 def given_partition(cfg: Plan, layers: int) -> list[int] | None:

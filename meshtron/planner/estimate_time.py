@@ -33,11 +33,21 @@ class StepTimes:
         stage_c[h] += head.compute
         stage_f[h] += head.fwd
         stage_w[h] += head.wgrad
+        # `half` replays each model part's blocks 1, 3, ...: an odd part half a block less
+        # than the mean per layer above (HalfRecompute.half_replay)
+        excess = [0.0] * pp
+        if any(w.replay):
+            c_r, tp_r, w_r, _ = w.replay
+            excess = [self.part_excess(w.rec, ks) for ks in self._rank_parts(w)]
+            for r, x in enumerate(excess):
+                stage_t[r] += x * (c_r + tp_r)
+                stage_c[r] += x * c_r
+                stage_w[r] += x * w_r
         crit = max(range(pp), key=stage_t.__getitem__)
         compute_t = (m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, w.flags)
                      + n[crit] * self._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
         # exactly zero without tensor parallelism (the difference of sums leaves rounding)
-        ep_t = m * n[crit] * w.ep_l
+        ep_t = m * (n[crit] * w.ep_l + excess[crit] * w.replay[3])
         tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
         chunked = self._chunk_times(w) if v > 1 and pp > 1 and cfg.schedule in (
             "zb", "interleaved") else None
@@ -87,13 +97,16 @@ class StepTimes:
         places them as the runtime does), one micro-batch's forward, input gradient and weight
         gradient, and the chunks' layers; the embedding on stage 0, the head on the last stage
         (rank 0 on the V)."""
-        chunks = (list(w.cfg.stage_layers) if w.given else
-                  pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, w.cfg.schedule))
-        if len(chunks) != w.pp * w.v:  # a plan whose own split is per rank
-            chunks = pipeline.split_virtual(list(w.n), w.v, w.cfg.schedule)
+        chunks = self._chunks(w)
         f = [k * w.f_l for k in chunks]
         t = [k * w.t_layer for k in chunks]
         wg = [k * w.w_l for k in chunks]
+        if any(w.replay):  # `half` on odd chunks, as `_times` (the walks run per config)
+            rep_t, rep_w = w.replay[0] + w.replay[1], w.replay[2]
+            for j, k in enumerate(chunks):
+                e = self.part_excess(w.rec, (k,))
+                t[j] += e * rep_t
+                wg[j] += e * rep_w
         f[0] += w.emb.fwd
         t[0] += w.emb.compute + w.emb.tp
         f[-1] += w.head.fwd
@@ -101,6 +114,22 @@ class StepTimes:
         wg[-1] += w.head.wgrad
         return (tuple(f), tuple(x - y - z for x, y, z in zip(t, f, wg)), tuple(wg),
                 tuple(chunks))
+
+    def _chunks(self, w: Work) -> list[int]:
+        """Layers per virtual stage (stage order) as the runtime places them."""
+        chunks = (list(w.cfg.stage_layers) if w.given else
+                  pipeline_split.chunks(self.mem.split_rule, list(w.n), w.v, w.cfg.schedule))
+        if len(chunks) != w.pp * w.v:  # a plan whose own split is per rank
+            chunks = pipeline.split_virtual(list(w.n), w.v, w.cfg.schedule)
+        return chunks
+
+    def _rank_parts(self, w: Work) -> list[list[int]]:
+        """Per pipeline rank, the layers of each model part it holds (its chunks)."""
+        if w.v == 1:
+            return [[k] for k in w.n]
+        chunks, sched = self._chunks(w), w.cfg.schedule or "1f1b"
+        return [[chunks[s] for s in pipeline.stages_of_rank(w.pp, w.v, sched, r)]
+                for r in range(w.pp)]
 
     @staticmethod
     def _unequal(chunks: tuple[int, ...], pp: int) -> bool:

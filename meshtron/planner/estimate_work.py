@@ -28,7 +28,7 @@ class Work:
     dp: int
     zero: int
     mb: int  # micro-batch size
-    rec: str  # recomputation: none, selective or full
+    rec: str  # recomputation: none, selective, half or full
     v: int  # virtual stages per pipeline rank
     m: int  # micro-batches per step
     cp: int
@@ -55,6 +55,9 @@ class Work:
     e_first: float  # first stage's extra time (embedding; with pp = 1 the head too)
     e_last: float  # last stage's extra time (head; 0 with pp = 1 and on torch's V)
     head_rank: int  # pipeline rank of the last virtual stage (pipeline.head_rank)
+    # one replayed block's seconds in (c_l, tpc_l, w_l, ep_l) under meshtron's `half`, for a
+    # part's own count (HalfRecompute.half_replay); zeros elsewhere
+    replay: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     # ---- _states: parameters per tensor rank and the bytes of their states ----
     p_layer: float = 0.0  # of one block (without routed experts under ep > 1)
     p_emb: float = 0.0

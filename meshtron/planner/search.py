@@ -9,10 +9,13 @@ when asked for) x ZeRO stage (dp > 1). With FlashAttention, 'selective' recomput
 same plan as 'none' and is only evaluated when fixed.
 
 Pruning: a layout (tp, pp) whose model states cannot fit even fully sharded is evaluated once, at
-its leanest setting, for the "needs X GiB" explanation; a config whose perfectly balanced compute
-alone is slower than both the current k-th best plan and its family's best is skipped. The
-layer-cost pieces are cached per (tp, micro-batch, sp, recompute) and the time-optimal layer
-split per (pp, v, layer time), so each further config costs a few dozen float operations.
+its leanest setting, for the "needs X GiB" explanation; a config whose busiest rank alone, on
+the split of blocks to ranks that makes it least busy (estimate_stage.busiest_rank_floor: no
+bubble, no pipeline or data-parallel time; `half`'s odd parts saved only where a rank's own
+count allows), is slower than both the current k-th best plan and its family's best is skipped.
+The layer-cost pieces and that floor are cached per (tp, micro-batch, sp, recompute) and the
+time-optimal layer split per (pp, v, layer time), so each further config costs a few dozen
+float operations.
 
 The pieces, each importing only those below it:
 - search.py: `search_plans` and `evaluate_plan`, the entry points (this module);

@@ -67,8 +67,11 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     head = ev.head_for(cfg, head)
     t_layer = c_l + tpc_l
     fwd = [k * f_l for k in n]
-    tot = [k * t_layer for k in n]
-    wg = [k * w_l for k in n]
+    # `half` on an odd part (a stage, or a chunk): half a replayed block less, as `evaluate`
+    rep = ev.half_replay(cfg, (c_l, tpc_l, w_l))
+    x = [ev.part_excess(cfg.recompute, (k,)) for k in n]
+    tot = [k * t_layer + e * (rep[0] + rep[1]) for k, e in zip(n, x)]
+    wg = [k * w_l + e * rep[2] for k, e in zip(n, x)]
     fwd[0] += emb.fwd
     tot[0] += emb.compute + emb.tp
     fwd[-1] += head.fwd

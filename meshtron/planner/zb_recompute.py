@@ -54,8 +54,8 @@ def weight_groups(model) -> int:
 
 
 def weight_recompute_share(recompute: str) -> float:
-    """Blocks recomputed per block: 1 with 'full', 0.5 with 'half' (every second block), 0
-    otherwise."""
+    """Blocks recomputed per block, on the mean: 1 with 'full', 0.5 with 'half' (every second
+    block), 0 otherwise (a part's own count: estimate_half.HalfRecompute.half_replay)."""
     return {"full": 1.0, "half": 0.5}.get(recompute, 0.0)
 
 
