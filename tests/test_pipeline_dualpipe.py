@@ -222,3 +222,27 @@ def test_dualpipe_at_pp_2_is_refused_in_one_line_not_folded_into_an_invalid_plan
                             "--json", "--top", "1")
     assert rc == 0, err
     assert json.loads(out)["plans"][0]["virtual_stages"] == 2
+
+
+def test_plan_help_names_what_dualpipe_needs(plan_cli, tmp_path):
+    """`meshtron plan --help` said pipeline_split = "dualpipe" in --options was enough; with
+    meshtron's own (default) stack the runtime's refusal still answers. The help names the
+    other stack too, and what it names works where the options file alone does not."""
+    import subprocess
+    import sys
+
+    help_text = subprocess.run([sys.executable, "-m", "meshtron", "plan", "--help"],
+                               capture_output=True, text=True, timeout=120).stdout
+    flat = " ".join(help_text.split())
+    assert 'pipeline_split = "dualpipe"' in flat and "other than meshtron's" in flat
+    assert 'framework = "megatron@2024"' in flat
+    base = ("--model", "llama3-8b", "--cluster", "dgx-h100:4", "--global-batch", "256",
+            "--seq-len", "4096", "--layout", "tp=1,pp=4,dp=8", "--schedule", "dualpipe")
+    alone = tmp_path / "alone.toml"
+    alone.write_text('[options]\npipeline_split = "dualpipe"\n')
+    rc, _, err = plan_cli(*base, "--options", str(alone))
+    assert rc == 2 and "DeepSeek's DualPipe runs only in DeepSeek's own stack" in err
+    named = tmp_path / "named.toml"
+    named.write_text('framework = "megatron@2024"\n[options]\npipeline_split = "dualpipe"\n')
+    rc, _, err = plan_cli(*base, "--options", str(named))
+    assert rc == 0, err
