@@ -257,3 +257,41 @@ def test_planner_prices_what_the_fused_loss_holds():
     assert peaks["forward"] - before == pytest.approx(planned, rel=0.02)
     unit = 2 * vocab * hidden
     assert peaks["step"] - before - unit <= planned
+
+
+@pytest.mark.parametrize("dtype,which", [(torch.float32, 1), (torch.bfloat16, 0)])
+def test_planner_prices_every_elementwise_pass_of_a_chunk(dtype, which):
+    """compute_edges.FUSED_LOSS_BYTES against the passes `_chunk` runs (torch's CPU profiler,
+    ATen's own kernels: torch.logsumexp is amax, a subtraction into a new tensor, exp_ and sum,
+    four passes, not one read). Each elementwise or reduction kernel over the [chunk, vocab]
+    logits reads them at 4 bytes (fp32), writes 4 in place or into a new tensor; each dtype
+    copy moves 2 + 4. GEMMs and the one-per-token gather/scatter are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from meshtron.model.loss import _chunk
+    from meshtron.planner.compute_edges import FUSED_LOSS_BYTES
+
+    c, hidden, vocab = 8, 16, 300
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(c, hidden, generator=g).to(dtype)
+    w = torch.randn(vocab, hidden, generator=g).to(dtype)
+    t = torch.randint(0, vocab, (c,), generator=g)
+    grads = (torch.empty(c, hidden, dtype=dtype), torch.zeros(vocab, hidden), None)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 profile_memory=True) as prof:
+        _chunk(x, w, None, t, torch.tensor(c), grads)
+    passes = {"aten::amax", "aten::sum", "aten::sub", "aten::sub_", "aten::exp_",
+              "aten::mul_", "aten::copy_"}
+    per_logit, seen = 0.0, []
+    for e in prof.events():
+        if e.name not in passes or [c, vocab] not in e.input_shapes:
+            continue
+        seen.append(e.name)
+        if e.name == "aten::copy_":  # a 16-bit <-> fp32 conversion
+            per_logit += 2.0 + 4.0
+            continue
+        per_logit += 4.0 * sum(s == [c, vocab] for s in e.input_shapes)  # reads
+        if e.name.endswith("_") or e.cpu_memory_usage >= 4 * c * vocab:  # writes
+            per_logit += 4.0
+    assert seen.count("aten::exp_") == 2 and "aten::amax" in seen, seen
+    assert per_logit == FUSED_LOSS_BYTES[which], (seen, per_logit)

@@ -197,3 +197,52 @@ def test_a_rank_whose_two_stages_differ_holds_each_at_its_own_count():
     def acts(e):
         return e.memory.activations + e.memory.in_flight
     assert acts(front) / acts(back) == pytest.approx(13 / 7, rel=1e-6)
+
+
+def test_dualpipe_at_pp_2_is_refused_in_one_line_not_folded_into_an_invalid_plan(plan_cli,
+                                                                                  tmp_path):
+    """DualPipe is priced as the V it is per rank on pp/2 ranks (pipeline_dualpipe.fold): at
+    pp 2 that fold is pp 1, which Plan refuses. The open search of DeepSeek's stack on 16 GPUs
+    reached pp 2 and stopped with that inner plan's "needs plan.pp > 1" though no pp 1 was
+    asked; pinned pp 2 answered the same. Now the validity function refuses pp 2 for DualPipe
+    (the search skips it, a pinned layout gets the reason) and DualPipeV at pp 2 still runs."""
+    import json
+
+    opts = tmp_path / "deepseek.toml"
+    opts.write_text('framework = "megatron@2024"\n[options]\npipeline_split = "dualpipe"\n')
+    base = ("--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "64",
+            "--seq-len", "4096", "--options", str(opts))
+    rc, out, err = plan_cli(*base, "--schedule", "dualpipe", "--json", "--top", "3")
+    assert rc == 0, err
+    assert all(p["pp"] >= 4 for p in json.loads(out)["plans"])
+    rc, out, err = plan_cli(*base, "--layout", "tp=1,pp=2", "--schedule", "dualpipe")
+    assert rc == 2 and "Traceback" not in err and err.strip().count("\n") == 0, err
+    assert "plan.pp=2: DualPipe on two ranks" in err, err
+    rc, out, err = plan_cli(*base, "--layout", "tp=1,pp=2", "--schedule", "dualpipev",
+                            "--json", "--top", "1")
+    assert rc == 0, err
+    assert json.loads(out)["plans"][0]["virtual_stages"] == 2
+
+
+def test_plan_help_names_what_dualpipe_needs(plan_cli, tmp_path):
+    """`meshtron plan --help` said pipeline_split = "dualpipe" in --options was enough; with
+    meshtron's own (default) stack the runtime's refusal still answers. The help names the
+    other stack too, and what it names works where the options file alone does not."""
+    import subprocess
+    import sys
+
+    help_text = subprocess.run([sys.executable, "-m", "meshtron", "plan", "--help"],
+                               capture_output=True, text=True, timeout=120).stdout
+    flat = " ".join(help_text.split())
+    assert 'pipeline_split = "dualpipe"' in flat and "other than meshtron's" in flat
+    assert 'framework = "megatron@2024"' in flat
+    base = ("--model", "llama3-8b", "--cluster", "dgx-h100:4", "--global-batch", "256",
+            "--seq-len", "4096", "--layout", "tp=1,pp=4,dp=8", "--schedule", "dualpipe")
+    alone = tmp_path / "alone.toml"
+    alone.write_text('[options]\npipeline_split = "dualpipe"\n')
+    rc, _, err = plan_cli(*base, "--options", str(alone))
+    assert rc == 2 and "DeepSeek's DualPipe runs only in DeepSeek's own stack" in err
+    named = tmp_path / "named.toml"
+    named.write_text('framework = "megatron@2024"\n[options]\npipeline_split = "dualpipe"\n')
+    rc, _, err = plan_cli(*base, "--options", str(named))
+    assert rc == 0, err

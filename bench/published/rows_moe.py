@@ -54,7 +54,7 @@ def moe_runs() -> list[PublishedRun]:
              "norms and MLA up-projections, FP8 SwiGLU inputs, the attention output cached "
              "once in E5M6, BF16 moments (sections 3.2.3, 3.3.3: MemoryOptions); routing "
              "weights applied on the expert side, DeepEP's combine unweighted "
-             "(moe_weighted_act); MLA approximated by the preset's GQA; one MTP module "
+             "(moe_weighted_act); multi-head latent attention (the preset's MLA); one MTP module "
              "(section 4.2, D = 1)")]
     # what the rows' recipes set (Megatron-Bridge tags v0.2.0 / v0.3.0, Qwen3-30B-A3B H100 FP8
     # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the

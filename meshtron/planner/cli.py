@@ -67,8 +67,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
     p.add_argument("--schedule",
                    help="fix the pipeline schedule: 1f1b | interleaved[:V] | zb | zbv | gpipe[:V] "
-                        "| dualpipe | dualpipev (DeepSeek's engine only: pipeline_split = "
-                        "\"dualpipe\" in --options)")
+                        "| dualpipe | dualpipev (DeepSeek's engine only: an --options file "
+                        "with pipeline_split = \"dualpipe\" and a stack other than meshtron's, "
+                        "e.g. framework = \"megatron@2024\"; meshtron's runtime refuses it)")
     add_framework_args(p)
     p.add_argument("--dtype", default=None,
                    help="precision of the run: bf16 (default: mixed precision) | fp32 (TF32 "

@@ -102,12 +102,16 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm, parts=parts)
 
 
-FUSED_LOSS_BYTES = (28.0, 20.0)
+FUSED_LOSS_BYTES = (60.0, 48.0)
 """HBM bytes per logit of the fused loss's elementwise work per chunk, with 16-bit and with
-fp32 logits (meshtron/model/loss.py `_chunk`): the fp32 copy of the logits (read 2, write
-4), the log-sum-exp's read (4), softmax and the gradient written in place over it (exp: 4 + 4;
-the 1/count scale: 4 + 4) and the gradient's cast for the GEMMs (4 + 2). With fp32 logits
-the copy and the cast are the tensor itself."""
+fp32 logits (meshtron/model/loss.py `_chunk`, each pass a kernel of its own in eager mode):
+the fp32 copy of the logits (read 2, write 4); `torch.logsumexp`, which ATen runs as four
+passes (ReduceOps.cpp logsumexp_out_impl: amax read 4, the max subtracted into a new fp32
+tensor 4 + 4, exp_ in place 4 + 4, sum read 4: 24); the softmax written in place over the
+fp32 logits (sub_ of the log-sum-exp 4 + 4, exp_ 4 + 4); the 1/count scale (4 + 4); the
+gradient's cast for the GEMMs (4 + 2). With fp32 logits the copy and the cast are the tensor
+itself: 48. The target gather and the one-hot scatter touch one logit per token.
+tests/test_loss_fused.py counts these passes in a profile of `_chunk`."""
 
 
 @lru_cache(maxsize=4096)

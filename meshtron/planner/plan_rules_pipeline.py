@@ -179,6 +179,12 @@ def dualpipe_problem(pp: int, v: int, m: int | None) -> str | None:
     if v == 1 and pp % 2:
         return (f"plan.pp={pp}: DualPipe needs an even number of pipeline ranks "
                 "(deepseek-ai/DualPipe dualpipe.py asserts num_ranks % 2 == 0)")
+    if v == 1 and pp == 2:
+        # pipeline_dualpipe.fold prices DualPipe as the V it is per rank on pp/2 ranks: at
+        # pp 2 that is one rank holding both stages, no pipeline, which no Plan describes
+        return ("plan.pp=2: DualPipe on two ranks puts both stages on each rank (the whole "
+                "model twice, no pipeline); the planner prices DualPipe from pp=4 on; use "
+                "pp >= 4, or DualPipeV (virtual_stages 2, schedule dualpipev) at pp=2")
     if m is not None and (m < 2 * pp or (v == 1 and m % 2)):
         even = "an even number, " if v == 1 else ""
         return (f"plan.micro_batch: {m} micro-batches per step, DualPipe needs {even}at least "

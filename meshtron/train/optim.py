@@ -34,8 +34,11 @@ def _split_plain_from_dtensors(groups: list[dict]) -> list[dict]:
     kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
     if len(kinds) < 2:
         return groups
-    return [dict(g, params=[p for p in g["params"] if isinstance(p, DTensor) == kind])
-            for g in groups for kind in (True, False)]
+    split = [dict(g, params=[p for p in g["params"] if isinstance(p, DTensor) == kind])
+             for g in groups for kind in (True, False)]
+    # no empty halves: torch's distributed checkpoint (set_optimizer_state_dict) loads at most
+    # one group without parameters
+    return [g for g in split if g["params"]]
 
 
 def adamw_kernel(device_type: str) -> dict[str, bool]:
