@@ -330,7 +330,7 @@ class KernelOptions:
     attention kernel runs PV (and dP, dV) at: 'padded' = V zero-padded to the q/k head size
     because the kernel takes one head size (meshtron/model/mla.py for SDPA's flash kernels,
     whose check_head_dim_size requires q, k and v alike; Hugging Face's DeepseekV3Attention
-    pads V for flash-attn 2 likewise); 'native' = the kernel takes its own V width
+    pads V likewise when its attn_implementation is flash_attention_2); 'native' = the kernel takes its own V width
     (Transformer Engine's cuDNN fused attention under Megatron-Core's MLA, head_dim_qk /
     head_dim_v; FlashAttention-3's hdim 192/128; torchtitan's deepseek_v3 model.py, which
     hands SDPA or flex_attention V unpadded, so CUDA's SDPA takes the memory-efficient
