@@ -28,7 +28,7 @@ from meshtron.planner import comm, flash_unpad, host
 from meshtron.planner.placement import tp_group
 from meshtron.planner.ring_attention import torch_ring_bytes
 from meshtron.planner.cluster import ClusterSpec
-from meshtron.planner.compute_core import core_time, cp_exposed, cp_group, ring_issue  # noqa: F401
+from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp_group, ring_issue  # noqa: F401
 from meshtron.planner.compute_edges import (  # noqa: F401  (re-exported for callers)
     chunked_loss_extra, chunked_loss_parts, embedding_cost, head_cost)
 from meshtron.planner.compute_flops import (  # noqa: F401  (re-exported for callers)
@@ -123,10 +123,11 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     linear_bwd = (sum(gemm(g, backward=True) for g in shapes) if bwd_kernel != fp8_kernel
                   else linear)  # one of the two backward GEMMs of every Linear
     heads_local = model.heads / tp
-    hd = model.head_dim
+    hd, hd_v = core_widths(model, opts)  # MLA: QK^T at 192, PV at 128 or padded to 192
     batch_heads = micro_batch * heads_local
     q_len = seq / cp  # each context rank's queries attend to the whole (causal) sequence
-    core_fwd, core_bwd, ring = core_time(cluster, opts, batch_heads, q_len, seq, cp, hd, bw)
+    core_fwd, core_bwd, ring = core_time(cluster, opts, batch_heads, q_len, seq, cp, hd, bw,
+                                         hd_v)
     elementwise = tokens * elementwise_bytes(model, tp, sp, opts) / bw
     q_f = q_b = 0.0
     if lin_dt == "fp8":

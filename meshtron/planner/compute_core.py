@@ -15,13 +15,14 @@ GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
 
 from __future__ import annotations
 
+from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, flash_isa, host
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.gemm import BF16, cluster_gemm_time
 from meshtron.planner.kernel_options import KernelOptions
 from meshtron.planner.overlap import overlapped
 from meshtron.planner.ring_attention import (
-    ring_core_time, torch_ring_exposed, torch_ring_launches)
+    bwd_ratio, ring_core_time, torch_ring_exposed, torch_ring_launches)
 
 
 def ring_issue(cp: int, per_op_s: float, issue_f: float,
@@ -33,31 +34,41 @@ def ring_issue(cp: int, per_op_s: float, issue_f: float,
     return issue_f + (ops_f + coll_f) * per_op_s, issue_b + (ops_b + coll_b) * per_op_s
 
 
+def core_widths(model: ModelSpec, opts: KernelOptions) -> tuple[int, int]:
+    """(q/k, v) head sizes the attention kernel runs at: V at its own width where the stack's
+    kernel takes it (KernelOptions.v_width 'native'), else padded to the q/k head (MLA in
+    meshtron's runtime: model/mla.py)."""
+    return model.head_dim, model.v_dim if opts.v_width == "native" else model.head_dim
+
+
 def core_time(cluster: ClusterSpec, opts: KernelOptions, batch_heads: float, q_len: float,
-               seq: int, cp: int, hd: int,
-               bw: float) -> tuple[float, float, tuple[float, float, float, float] | None]:
+               seq: int, cp: int, hd: int, bw: float,
+               hd_v: int | None = None) -> tuple[float, float,
+                                                 tuple[float, float, float, float] | None]:
     """(forward, backward, ring) seconds of the attention core on one rank: `q_len` queries
     per head against the causal `seq`; `ring`: ring_core_time's four figures where a flash
     core runs with cp > 1, else None.
 
-    Causal FlashAttention computes about half the square; per head: QK^T and PV, head_dim
-    wide, timed by the GEMM model (with context parallelism the load-balanced split gives
-    every rank 1/cp of the square, in cp calls: ring_attention.ring_core_time). The unfused
-    core computes the full square with two batched GEMMs and moves the scores through HBM."""
+    Causal FlashAttention computes about half the square; per head: QK^T at the q/k head size
+    `hd` and PV at V's `hd_v` (None: `hd`; core_widths), timed by the GEMM model (with context
+    parallelism the load-balanced split gives every rank 1/cp of the square, in cp calls:
+    ring_attention.ring_core_time). The unfused core computes the full square with two
+    batched GEMMs and moves the scores through HBM."""
+    hd_v = hd if hd_v is None else hd_v
     if opts.attention == "flash" and cp > 1:
-        ring = ring_core_time(cluster, batch_heads, q_len, cp, hd)
+        ring = ring_core_time(cluster, batch_heads, q_len, cp, hd, hd_v)
         return ring[0], ring[1], ring
     one = (cluster_gemm_time(q_len, seq, hd, cluster)
-           + cluster_gemm_time(q_len, hd, seq, cluster))
+           + cluster_gemm_time(q_len, hd_v, seq, cluster))
     if opts.attention == "flash":
         if opts.flash_isa != "native":  # its GEMMs at the peak its instructions reach; the
             # tile model at a lower peak saturates sooner, so it could price short sequences
             # faster than the native kernel: a slower instruction never is
             sm = flash_isa.core_cluster(cluster, opts.flash_isa)
             one = max(one, cluster_gemm_time(q_len, seq, hd, sm)
-                      + cluster_gemm_time(q_len, hd, seq, sm))
+                      + cluster_gemm_time(q_len, hd_v, seq, sm))
         core_fwd = 0.5 * batch_heads * one
-        return core_fwd, 2.5 * core_fwd, None
+        return core_fwd, bwd_ratio(hd, hd_v) * core_fwd, None
     core_fwd = batch_heads * one
     # Score matrix through the fused scale-mask-softmax kernel, per token and local head:
     # read + write 2s bytes each = 4s; with dropout a separate kernel reads the

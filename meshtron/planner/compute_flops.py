@@ -39,12 +39,17 @@ def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:
     return model.flops_per_token(seq) * tokens
 
 
-def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
-    """FLOPs executed again by recomputation, per token (see module docstring)."""
-    # QK^T + AV forward, full square; MLA's heads run at the q/k width, V zero-padded to it
-    # (model/mla.py), so the replay executes heads x (nope + rope) twice
-    width = model.heads * model.head_dim if model.is_mla else model.hidden
-    core = 4.0 * model.layers * width * seq
+def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attention: str,
+                              v_native: bool = False) -> float:
+    """FLOPs executed again by recomputation, per token (see module docstring); `v_native`:
+    the stack's attention kernel runs MLA's V at its own width (KernelOptions.v_width)."""
+    # QK^T + AV forward, full square; MLA's QK^T runs at the q/k width, its PV at V's where
+    # the kernel takes it, else at V zero-padded to the q/k width (model/mla.py)
+    if model.is_mla:
+        width = model.heads * (model.head_dim + (model.v_dim if v_native else model.head_dim))
+    else:
+        width = 2 * model.hidden
+    core = 2.0 * model.layers * width * seq
     share = recompute_share(recompute)
     if share:
         # active parameters only: recomputation replays the experts a token ran through

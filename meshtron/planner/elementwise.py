@@ -131,8 +131,9 @@ def mla_elementwise_bytes(model: ModelSpec, opts: KernelOptions) -> tuple[float,
     (model/mla.py), bf16: the two latent RMSNorms and the shared rotary key's RoPE, which every
     tp rank runs whole; the concatenations of each head's query and key from their non-rotary
     and rotary parts (read and write, 4 bytes per element; Megatron-Core's MLA concatenates
-    too), and, in meshtron's own model (eager or compiled stacks), V's zero padding to the
-    q/k head size and the copy of the output cut back to v_head_dim."""
+    too), and, where the stack's kernel needs V padded (KernelOptions.v_width: meshtron's own
+    model, Hugging Face's; eager or compiled stacks), V's zero padding to the q/k head size
+    and the copy of the output cut back to v_head_dim."""
     st = opts.stack
     rope = "eager" if opts.complex_rope and st == "compiled" else st
     latents = model.q_lora_rank + model.kv_lora_rank
@@ -140,7 +141,7 @@ def mla_elementwise_bytes(model: ModelSpec, opts: KernelOptions) -> tuple[float,
                   + _ROPE_BYTES[rope] * model.rope_dim)
     qk, out = model.heads * model.head_dim, model.out_width
     sharded = 2 * 4.0 * qk
-    if st in ("eager", "compiled"):
+    if st in ("eager", "compiled") and opts.v_width == "padded":
         sharded += 2.0 * model.heads * model.v_dim + 2.0 * qk + 4.0 * out  # pad, cut copy
     return replicated, sharded
 
@@ -163,9 +164,11 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     if st in ("eager", "compiled") and opts.attention != "flash":
         n += 1  # the unfused attention output's copy (no copy after a flash kernel)
     if model.is_mla:  # model/mla.py: wq_a + wq_b (or wq), wkv_a + wkv_b and wo; two latent
-        # norms; q's and k's concatenations, V's padding and the cut output's copy
+        # norms; q's and k's concatenations, V's padding and the cut output's copy (eager,
+        # where the kernel needs V padded)
         n += (1 if model.q_lora_rank else 0) + 2 * NORM_KERNELS[
-            norm_key(st, opts.eager_norm, "rmsnorm")] + (4 if st == "eager" else 2)
+            norm_key(st, opts.eager_norm, "rmsnorm")] + (
+                4 if st == "eager" and opts.v_width == "padded" else 2)
     if st == "eager":
         n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
         n += 2 if opts.dropout else 0

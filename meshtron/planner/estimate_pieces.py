@@ -275,7 +275,8 @@ class CostPieces:
         return list(_in_flight_lower_bound(pp, v, m, tuple(chunks), act, grad, extra))
 
     def _recompute_flops(self, rec: str) -> float:
-        return _recompute_flops(self.model, self.seq, rec, self.opts.attention)
+        return _recompute_flops(self.model, self.seq, rec, self.opts.attention,
+                                self.opts.v_width == "native")
 
     def _in_flight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
         key = ("inflight", schedule, pp, v, m)
@@ -329,8 +330,9 @@ def _held_lower_bound(pp: int, v: int, m: int, s: int, layers: tuple[int, ...], 
 
 
 @functools.lru_cache(maxsize=256)
-def _recompute_flops(model: ModelSpec, seq: int, recompute: str, attention: str) -> float:
+def _recompute_flops(model: ModelSpec, seq: int, recompute: str, attention: str,
+                     v_native: bool) -> float:
     """compute.recompute_flops_per_token, memoised across Evaluators: it sums over every block,
     and the searches of one command (offload, knob alternatives, a pinned layout's fits) each
     build their own Evaluator of the same model (a frozen, hashable ModelSpec)."""
-    return compute.recompute_flops_per_token(model, seq, recompute, attention)
+    return compute.recompute_flops_per_token(model, seq, recompute, attention, v_native)

@@ -175,7 +175,9 @@ _TORCHTITAN = Framework(
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
                   torch_ring=True, complex_rope=True,
                   fp8_filter="all", fp8_scaling="torchao-tensorwise",
-                  separate_projections=True),
+                  separate_projections=True,
+                  # models/deepseek_v3/model/model.py hands SDPA / flex V at v_head_dim
+                  v_width="native"),
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
                   gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan"), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
@@ -189,7 +191,8 @@ _MEGATRON_2021 = Framework(
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                   separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
-                  fp8_scaling="te-delayed"),
+                  fp8_scaling="te-delayed",
+                  v_width="native"),  # unfused: two batched GEMMs take any head sizes
     MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none",
                   zero_stages="megatron-2021"),
     "fp32")
@@ -208,7 +211,10 @@ _MEGATRON_2024 = Framework(
                   fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=False,
                   cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
                   grad_accum_fusion=True,
-                  megatron_linear=True, p2p_overlap=True),
+                  megatron_linear=True, p2p_overlap=True,
+                  # megatron/core/transformer/multi_latent_attention.py: TE's DotProductAttention
+                  # with k_channels = qk head, v_channels = v_head_dim (cuDNN fused attention)
+                  v_width="native"),
     MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
                   host_offload="mcore-optimizer", zero_stages="megatron-core"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
@@ -228,7 +234,8 @@ _DEEPSPEED_2021 = Framework(
                   stack="fused", sharding="zero", shard_units_per_layer=4,
                   reduce_units_per_layer=12, prefetch_params=5e7, max_live_params=1e9,
                   live_embedding=True,
-                  recompute_regathers=True, list_collectives=True, fp8_filter="all"),
+                  recompute_regathers=True, list_collectives=True, fp8_filter="all",
+                  v_width="native"),  # unfused: two batched GEMMs take any head sizes
     MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
                   host_offload="zero-offload-2021", zero_stages="deepspeed"), "bf16")
 _DEEPSPEED_2024 = Framework(
@@ -243,7 +250,8 @@ _DEEPSPEED_2024 = Framework(
                   fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_blocking=True,
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, max_live_params=1e9, recompute_regathers=True,
-                  fp8_filter="all"),
+                  # Hugging Face's DeepseekV3Attention pads V to the q/k head for flash-attn 2
+                  fp8_filter="all", v_width="padded"),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
                   gqa_copies=True, pipeline_split="deepspeed-parameters",
                   host_offload="zero-offload", zero_stages="deepspeed"), "bf16",

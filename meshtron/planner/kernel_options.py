@@ -30,10 +30,13 @@ STACKS = ("eager", "fused", "compiled")
 SHARDINGS = ("fsdp", "zero")
 OPTIMIZERS = ("fused", "foreach", "for-loop")
 EAGER_NORMS = ("aten", "python")
+V_WIDTHS = ("padded", "native")
+"""The head size the attention kernel runs V at when it is narrower than Q and K (MLA: 128
+against 192; KernelOptions.v_width)."""
 _CHOICES = (("attention", ATTENTION_KINDS), ("stack", STACKS), ("sharding", SHARDINGS),
             ("fp8_filter", FP8_FILTERS), ("fp8_scaling", FP8_SCALINGS), ("fp8_gemm", FP8_GEMMS),
             ("ep_dispatch", EP_DISPATCHES), ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS),
-            ("flash_isa", FLASH_ISAS))
+            ("flash_isa", FLASH_ISAS), ("v_width", V_WIDTHS))
 """The KernelOptions fields that take one of a few names, with the names each allows."""
 
 
@@ -322,6 +325,16 @@ class KernelOptions:
     'native' (the GPU's own: its core's GEMMs at the datasheet peak) or 'sm80' (Ampere's
     mma.sync only: llm-foundry's `attn_impl: triton`, the 2022 Triton kernel under
     triton-pre-mlir), which on Hopper issue at half the datasheet peak."""
+    v_width: str = "padded"
+    """Where V's head is narrower than Q's and K's (MLA: 128 against 192), the width the
+    attention kernel runs PV (and dP, dV) at: 'padded' = V zero-padded to the q/k head size
+    because the kernel takes one head size (meshtron/model/mla.py for SDPA's flash kernels,
+    whose check_head_dim_size requires q, k and v alike; Hugging Face's DeepseekV3Attention
+    pads V likewise when its attn_implementation is flash_attention_2); 'native' = the kernel takes its own V width
+    (Transformer Engine's cuDNN fused attention under Megatron-Core's MLA, head_dim_qk /
+    head_dim_v; FlashAttention-3's hdim 192/128; torchtitan's deepseek_v3 model.py, which
+    hands SDPA or flex_attention V unpadded, so CUDA's SDPA takes the memory-efficient
+    kernel; DeepSeek's own stack, priced as native). No effect when V is as wide as Q/K."""
     launch_blocking: bool = False
     """CUDA_LAUNCH_BLOCKING=1: every launch returns when its kernel has finished, so the host's
     issue time adds to the GPU's instead of running ahead of it (host.layer_issue). BLOOM ran so

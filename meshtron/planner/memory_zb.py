@@ -52,7 +52,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshtron.planner import pipeline_zb
-from meshtron.planner.zb_recompute import WeightPass, block_groups, weight_groups
+from meshtron.planner.zb_recompute import (
+    WeightPass, block_groups, mla_groups, weight_groups)
 
 
 def _composite_norm(model, fused_norm: bool) -> bool:
@@ -97,8 +98,11 @@ def input_backward_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: f
     composite = _composite_norm(model, fused_norm)
     norm = tokens * h_in * (5 * 4.0 - cb) if composite else 0.0
     q = model.heads * model.head_dim
-    later = (cb * ((q + 2 * model.kv_dim) / tp + model.hidden + h_in)
-             + (4.0 if composite else cb) * h_in)
+    attention = cb * ((q + 2 * model.kv_dim) / tp + model.hidden)  # its captured gradients
+    if getattr(model, "is_mla", False):
+        attention = sum(g.captured for g in mla_groups(model, tp, cb, 4.0 if composite
+                                                       else cb, composite))
+    later = attention + cb * h_in + (4.0 if composite else cb) * h_in
     gates = 2.0 if model.mlp == "swiglu" else 1.0
     mlp = tokens * (gates * cb * model.ffn_hidden / tp - later)
     return max(0.0, norm, mlp)
@@ -143,7 +147,22 @@ def weight_recompute_kept_bytes(model, tp: int, sp: bool, tokens: int,
     if _composite_norm(model, fused_norm) and compute_bytes < 4.0:
         norms = 2 * (h_res + 1) * 4.0
     per_token = (2 * q + 2 * model.kv_dim / tp + mlp) * compute_bytes + norms
-    return weight_groups(model) * tokens * per_token
+    return weight_groups(model) * tokens * (per_token + _mla_latents_kept(
+        model, compute_bytes, _composite_norm(model, fused_norm)))
+
+
+def _mla_latents_kept(model, cb: float, composite: bool) -> float:
+    """Bytes per token MLA's latent norms save that W never runs (model/mla.py; q, k, V padded
+    and the padded output are `weight_recompute_kept_bytes`' 2 q + 2 kv_dim, all 192 wide):
+    a fused norm, or the composite one at fp32, its input: wq_a's output, and the latent, a
+    view that keeps all of wkv_a's output (latent + rotary key); the composite norm at a
+    narrower dtype its fp32 upcast and rsqrt instead. Replicated over tp. 0 without MLA."""
+    if not getattr(model, "is_mla", False):
+        return 0.0
+    qr, kvr = model.q_lora_rank, model.kv_lora_rank
+    if composite and cb < 4.0:
+        return 4.0 * ((qr + 1 if qr else 0) + kvr + 1)
+    return cb * (qr + kvr + model.qk_rope_head_dim)
 
 
 def weight_pass(model, tp: int, sp: bool, tokens: int, compute_bytes: float,

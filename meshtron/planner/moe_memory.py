@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.memory_options import FP8_TILE_BYTES
 
@@ -79,7 +80,11 @@ def expert_shard_group(dp: int, cp: int, ep: int) -> int:
 def _block(model: ModelSpec, i: int, tp: int, ep: int, framework: str) -> tuple[float, float]:
     """(parameters outside the routed experts, routed experts) of block i on one rank."""
     norms = 2 * model.norm_params
-    attn = model.attention_params() / tp
+    # MLA's down-projections and latent norms are replicated over tp in every stack
+    # (meshtron/parallel/tensor.py and torchtitan: NoParallel; Megatron-Core's MLA: its
+    # linear_q_down_proj / linear_kv_down_proj are duplicated TE Linears): never divided
+    rep = mla_replicated_params(model)
+    attn = (model.attention_params() - rep) / tp + rep
     if not model.is_moe_layer(i):
         return attn + model.mlp_params() / tp + norms, 0.0
     fe, fs = model.moe_ffn_hidden, model.moe_shared_experts * model.moe_ffn_hidden

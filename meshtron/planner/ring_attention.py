@@ -56,24 +56,36 @@ from meshtron.planner.gemm import cluster_gemm_time
 from meshtron.planner.overlap import overlapped
 
 
+def bwd_ratio(hd: float, hd_v: float) -> float:
+    """A flash core's backward over its forward FLOPs: S = QK^T again, dQ and dK at the q/k
+    width `hd`, dP = dO V^T and dV at V's `hd_v`, against QK^T and PV (FlashAttention-2's
+    backward, Dao 2023, algorithm 2): 2.5 where the widths agree."""
+    return (3.0 * hd + 2.0 * hd_v) / (hd + hd_v)
+
+
 def _call_fwd(cluster: ClusterSpec, batch_heads: float, q: float, k: float, head_dim: float,
-              causal: bool) -> float:
+              causal: bool, v_dim: float) -> float:
     """Forward seconds of one flash call over `batch_heads` heads of `q` queries against `k`
-    keys: its QK^T and PV products by the GEMM model, half of them for a causal square."""
-    one = cluster_gemm_time(q, k, head_dim, cluster) + cluster_gemm_time(q, head_dim, k, cluster)
+    keys: its QK^T (`head_dim`) and PV (`v_dim`) products by the GEMM model, half of them for
+    a causal square."""
+    one = cluster_gemm_time(q, k, head_dim, cluster) + cluster_gemm_time(q, v_dim, k, cluster)
     return (0.5 if causal else 1.0) * batch_heads * one
 
 
 def ring_core_time(cluster: ClusterSpec, batch_heads: float, s_local: float, cp: int,
-                   head_dim: float) -> tuple[float, float, float, float]:
+                   head_dim: float,
+                   v_dim: float | None = None) -> tuple[float, float, float, float]:
     """(forward, backward, forward of the first call, backward of the first call) seconds of
     a load-balanced context-parallel flash core on one rank, as the kernels are called
     (module docstring): the causal s_local square, then cp - 1 unmasked s_local x s_local / 2
-    pairs; each backward 2.5x its forward (5 GEMMs instead of 2, as compute_core.py's core)."""
-    first_f = _call_fwd(cluster, batch_heads, s_local, s_local, head_dim, causal=True)
+    pairs; each backward 2.5x its forward where V is as wide as Q/K (5 GEMMs instead of 2,
+    bwd_ratio otherwise; `v_dim` None: `head_dim`)."""
+    v_dim = head_dim if v_dim is None else v_dim
+    ratio = bwd_ratio(head_dim, v_dim)
+    first_f = _call_fwd(cluster, batch_heads, s_local, s_local, head_dim, True, v_dim)
     rest_f = (cp - 1) * _call_fwd(cluster, batch_heads, s_local, s_local / 2, head_dim,
-                                  causal=False)
-    return first_f + rest_f, 2.5 * (first_f + rest_f), first_f, 2.5 * first_f
+                                  False, v_dim)
+    return first_f + rest_f, ratio * (first_f + rest_f), first_f, ratio * first_f
 
 
 def torch_ring_bytes(e: float, k: float, cp: int) -> tuple[float, float]:

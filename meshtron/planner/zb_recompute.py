@@ -100,9 +100,12 @@ def block_groups(model, tp: int, sp: bool, cb: float, composite: bool) -> tuple:
     nb = 4.0 if composite else cb  # the composite norm's weight product runs in fp32
     normed = 4.0 * h_in if composite else 0.0
     gated = model.mlp == "swiglu"
-    groups = [WeightGroup(h_in * nb, h, normed), WeightGroup(q * cb, h * q, 0.0),
-              WeightGroup(kv * cb, h * kv, 0.0), WeightGroup(kv * cb, h * kv, h * cb),
-              WeightGroup(h * cb, q * h, 0.0)]
+    groups = [WeightGroup(h_in * nb, h, normed)]
+    if getattr(model, "is_mla", False):
+        groups += mla_groups(model, tp, cb, nb, composite)
+    else:
+        groups += [WeightGroup(q * cb, h * q, 0.0), WeightGroup(kv * cb, h * kv, 0.0),
+                   WeightGroup(kv * cb, h * kv, h * cb), WeightGroup(h * cb, q * h, 0.0)]
     if model.qk_norm:  # Qwen3's per-head norms (memory_zb.captured_grad_bytes' count)
         groups += [WeightGroup(q * cb, hd, 4.0 * q if composite else 0.0),
                    WeightGroup(kv * cb, hd, 4.0 * kv if composite else 0.0)]
@@ -112,6 +115,29 @@ def block_groups(model, tp: int, sp: bool, cb: float, composite: bool) -> tuple:
     if gated:
         groups.append(WeightGroup(ffn * cb, h * ffn, h * cb))
     return tuple(groups)
+
+
+def mla_groups(model, tp: int, cb: float, nb: float, composite: bool) -> list:
+    """MLA's W groups in model/mla.py's registration order (wq_a, q_norm, wq_b or one wq;
+    wkv_a, kv_norm, wkv_b; wo), per token: the down-projections and latent norms replicated
+    (their whole outputs captured), the up-projections and wo by heads. Only W's nodes save
+    the latent norms' outputs (wq_b's, wkv_b's input), the attention norm's output past
+    wkv_a (its last reader), and the output cut back to v_head_dim (wo's input: a copy of
+    the padded SDPA output, which SDPA itself keeps); the composite norms' fp32 products."""
+    h, heads, qr, kvr = model.hidden, model.heads, model.q_lora_rank, model.kv_lora_rank
+    qk, rope = model.head_dim, model.qk_rope_head_dim
+    q_up, kv_up = heads * qk / tp, heads * (model.qk_nope_head_dim + model.v_dim) / tp
+    out = model.out_width / tp
+    if qr:
+        groups = [WeightGroup(qr * cb, h * qr, 0.0),
+                  WeightGroup(qr * nb, qr, 4.0 * qr if composite else 0.0),
+                  WeightGroup(q_up * cb, qr * q_up, qr * cb)]
+    else:
+        groups = [WeightGroup(q_up * cb, h * q_up, 0.0)]
+    return groups + [WeightGroup((kvr + rope) * cb, h * (kvr + rope), h * cb),
+                     WeightGroup(kvr * nb, kvr, 4.0 * kvr if composite else 0.0),
+                     WeightGroup(kv_up * cb, kvr * kv_up, kvr * cb),
+                     WeightGroup(h * cb, out * h, out * cb)]
 
 
 class WeightPass(NamedTuple):
