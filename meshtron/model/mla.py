@@ -16,8 +16,9 @@ Per token x [hidden]:
   output cut back: SDPA's flash kernels (CUDA's FlashAttention-2 and the CPU's) need one head
   size for q, k and v (torch's sdp_utils `check_head_dim_size_flash`; otherwise SDPA falls
   back to the math kernel, which keeps the S x S probabilities). Zero columns of V give zero
-  output columns, so the cut output is exact; the cost is PV at the q/k width (Megatron-Core
-  pads V the same way for its fused kernels);
+  output columns, so the cut output is exact; the cost is PV at the q/k width (kernels that
+  take V's own width, Transformer Engine's fused attention or FlashAttention-3, do not pay it:
+  the planner's KernelOptions.v_width);
 - wo: heads x v -> hidden.
 
 The names (wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo) are torchtitan's; `wo` is a residual
