@@ -163,17 +163,28 @@ class GPipeMoments:
                 moment = "block" if moment == "replay" else moment
                 mult = (held - grads - roots - absent) / (act * k)
                 kept = later if moment is None else outputs[r]
-                w.blocks = kept_blocks[:r] + [block] + kept_blocks[r + 1:]
-                per_layer, fixed = self._stage_memories(
-                    w, inflight[:r] + [mult] + inflight[r + 1:], [r],
-                    outputs[:r] + [kept] + outputs[r + 1:],
-                    moments[:r] + [moment] + moments[r + 1:])
-                total = k * per_layer[r] + fixed[r]
+                total = self._moment_total(w, r, k, kept_blocks, block, (mult, kept, moment),
+                                           (inflight, outputs, moments))
                 if not best or total > best[0]:
                     best = (total, mult, kept, moment, block)
         finally:
             w.blocks = kept_blocks
         return best[1:]
+
+    def _moment_total(self, w: Work, r: int, k: int, kept_blocks: list, block: tuple,
+                      at: tuple, ranks: tuple) -> float:
+        """Rank r's total at one moment of its walk: `block` its working set, `at` = (its
+        micro-batches in flight, stage outputs kept, moment), `ranks` = every rank's (in
+        flight, outputs, moments) from which r's are replaced. Leaves `w.blocks` with r's
+        block: the caller restores it."""
+        mult, kept, moment = at
+        inflight, outputs, moments = ranks
+        w.blocks = kept_blocks[:r] + [block] + kept_blocks[r + 1:]
+        per_layer, fixed = self._stage_memories(
+            w, inflight[:r] + [mult] + inflight[r + 1:], [r],
+            outputs[:r] + [kept] + outputs[r + 1:],
+            moments[:r] + [moment] + moments[r + 1:])
+        return k * per_layer[r] + fixed[r]
 
     def _gpipe_resharded(self, w: Work, b: tuple) -> tuple[float, float]:
         """(the head's unit, a block `b`'s) compute copies freed after their backward
@@ -267,12 +278,8 @@ class GPipeMoments:
                 # chunks above c are done, c holds `count`, those below all m
                 kept = outputs[r] + sum(per_out[j] * ((count if j == c else 0) - m)
                                         for j in range(c, v))
-                w.blocks = kept_blocks[:r] + [block] + kept_blocks[r + 1:]
-                per_layer, fixed = self._stage_memories(
-                    w, inflight[:r] + [mult] + inflight[r + 1:], [r],
-                    outputs[:r] + [kept] + outputs[r + 1:],
-                    moments[:r] + [moment] + moments[r + 1:])
-                total = k * per_layer[r] + fixed[r]
+                total = self._moment_total(w, r, k, kept_blocks, block, (mult, kept, moment),
+                                           (inflight, outputs, moments))
                 if not best or total > best[0]:
                     best = (total, mult, kept, moment, block)
         finally:
