@@ -25,6 +25,9 @@ PRIVATE_APIS: dict[str, str] = {
     # model and parallelism
     "torch._grouped_mm": "MoE experts on CUDA in bf16, one grouped GEMM per matrix "
                          "(model/moe.py; per-expert matmuls without it)",
+    "torch.utils._python_dispatch._disable_current_modes":
+        "the fused loss's probe of addmm's fp32 output on real tensors, outside fake-tensor "
+        "modes (model/loss.py; without it the 16-bit chunks are upcast, the same fp32 sum)",
     "torch._foreach_mul_": "gradient scaling of every gradient in one kernel "
                            "(parallel/parallel_model.py)",
     "torch._foreach_copy_": "the bf16 compute copy's refresh (train/precision.py)",

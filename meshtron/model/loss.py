@@ -51,9 +51,12 @@ def _addmm_out_dtype(device_type: str, dtype: torch.dtype) -> bool:
     probed once on tiny real tensors (feature detection; CUDA has it for 16-bit operands,
     torch 2.13's CPU not). Outside any dispatch mode: fake tensors (`meshtron rehearse`) accept
     the call on a device whose kernels lack it."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    from meshtron.torch_compat import lookup
 
-    with _disable_current_modes():
+    no_modes = lookup("torch.utils._python_dispatch._disable_current_modes", None)
+    if no_modes is None:  # torch without it: the upcast path (the same fp32 sum)
+        return False
+    with no_modes():
         a = torch.zeros(2, 2, dtype=dtype, device=device_type)
         acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
         try:
