@@ -116,7 +116,8 @@ def test_torch_error_in_a_step_is_a_traceback_not_bad_input(tmp_path):
            "MESHTRON_TEST_BAD_TARGETS_AT": "2"}
     single = _meshtron("train", *RUN, "--run-dir", str(tmp_path / "one"), env=env)
     assert single.returncode == 1, single.stderr[-2000:]
-    assert "Traceback" in single.stderr and "IndexError" in single.stderr
+    # the fused loss's gather of the target logit raises torch's own index error
+    assert "Traceback" in single.stderr and "out of bounds" in single.stderr
     assert "error:" not in single.stderr  # not reported as bad input
     ranks = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2",
                       "--run-dir", str(tmp_path / "two"), env=env)
@@ -124,7 +125,7 @@ def test_torch_error_in_a_step_is_a_traceback_not_bad_input(tmp_path):
     lines = ranks.stderr.splitlines()
     assert any(line.startswith("[rank 0] Traceback") or line.startswith("[rank 1] Traceback")
                for line in lines), ranks.stderr[-3000:]
-    assert any("IndexError" in line and line.startswith("[rank ") for line in lines)
+    assert any("out of bounds" in line and line.startswith("[rank ") for line in lines)
     assert "the 2 ranks failed" in ranks.stderr
 
 
