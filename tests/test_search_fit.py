@@ -311,6 +311,36 @@ def test_search_path_agrees_on_half_stages_of_odd_layer_counts():
     assert checked >= 300 and 0 < fitting < checked and odd > checked // 3
 
 
+def _walked_agrees_around_threshold(model, cfg: Plan, batch: int, seq: int, fw,
+                                    factors: tuple) -> tuple[int, int]:
+    """(cases checked, cases fitting) of `cfg` at capacities `factors` x its need: the search's
+    evaluation keeps exactly what the pinned path fits, with the same memory and split; above
+    the need the time-balanced split fits at its walked moments, though the linear model it is
+    chosen with is over the budget."""
+    def ev(capacity: float) -> Evaluator:
+        cluster = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=capacity)
+        return Evaluator(model, cluster, batch, seq, fw.kernel, mem=fw.memory)
+
+    roomy = ev(80.0).evaluate(cfg, exact_memory=False)
+    need = roomy.memory.total
+    fitting = 0
+    for factor in factors:
+        e = ev(need * factor)
+        pinned = e.evaluate(cfg, keep_infeasible=True, exact_memory=False)
+        searched = e.evaluate(cfg, keep_infeasible=False, exact_memory=False)
+        if factor > 1.0:
+            assert pinned.fits and pinned.stage_layers == roomy.stage_layers, (
+                cfg, model.layers, seq, factor)
+        if pinned.fits:
+            fitting += 1
+            assert searched is not None and searched.fits, (cfg, model.layers, seq, factor)
+            assert searched.memory.total == pytest.approx(pinned.memory.total)
+            assert searched.stage_layers == pinned.stage_layers
+        else:
+            assert searched is None, (cfg, model.layers, seq, factor)
+    return len(factors), fitting
+
+
 def test_search_path_agrees_on_gpipe_stages():
     """GPipe is priced at its own moments once the split is known (estimate_gpipe.py: no
     accumulated gradient at the first backward, every micro-batch's loss tensors on the last
@@ -330,29 +360,9 @@ def test_search_path_agrees_on_gpipe_stages():
         model = dataclasses.replace(MODEL, layers=layers)
         cfg = Plan(tp=tp, pp=pp, dp=2, zero=zero, micro_batch=1, recompute=rec,
                    schedule=schedule, dtype="bf16", sp=tp > 1)
-
-        def ev(capacity: float) -> Evaluator:
-            cluster = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=capacity)
-            return Evaluator(model, cluster, batch, seq, fw.kernel, mem=fw.memory)
-
-        roomy = ev(80.0).evaluate(cfg, exact_memory=False)
-        need = roomy.memory.total
-        for factor in (0.9, 0.99, 0.999, 1.0, 1.001, 1.01, 1.1):
-            e = ev(need * factor)
-            pinned = e.evaluate(cfg, keep_infeasible=True, exact_memory=False)
-            searched = e.evaluate(cfg, keep_infeasible=False, exact_memory=False)
-            checked += 1
-            if factor > 1.0:  # the time-balanced split fits at its moments: kept, though
-                # the linear model it is chosen with is over the budget
-                assert pinned.fits and pinned.stage_layers == roomy.stage_layers, (
-                    cfg, layers, seq, factor)
-            if pinned.fits:
-                fitting += 1
-                assert searched is not None and searched.fits, (cfg, layers, seq, factor)
-                assert searched.memory.total == pytest.approx(pinned.memory.total)
-                assert searched.stage_layers == pinned.stage_layers
-            else:
-                assert searched is None, (cfg, layers, seq, factor)
+        c, f = _walked_agrees_around_threshold(model, cfg, batch, seq, fw,
+                                               (0.9, 0.99, 0.999, 1.0, 1.001, 1.01, 1.1))
+        checked, fitting = checked + c, fitting + f
     assert checked >= 300 and 0 < fitting < checked
 
 
@@ -373,29 +383,9 @@ def test_search_path_agrees_on_looped_bfs():
         model = dataclasses.replace(MODEL, layers=layers)
         cfg = Plan(tp=tp, pp=pp, dp=2, zero=zero, micro_batch=1, recompute=rec,
                    schedule="gpipe", virtual_stages=v, dtype="bf16", sp=tp > 1)
-
-        def ev(capacity: float) -> Evaluator:
-            cluster = dataclasses.replace(preset_cluster("dgx-h100", 1), memory_gib=capacity)
-            return Evaluator(model, cluster, 8, seq, fw.kernel, mem=fw.memory)
-
-        roomy = ev(80.0).evaluate(cfg, exact_memory=False)
-        need = roomy.memory.total
-        for factor in (0.9, 0.999, 1.0, 1.001, 1.1):
-            e = ev(need * factor)
-            pinned = e.evaluate(cfg, keep_infeasible=True, exact_memory=False)
-            searched = e.evaluate(cfg, keep_infeasible=False, exact_memory=False)
-            checked += 1
-            if factor > 1.0:  # the time-balanced split fits at its moments: kept, though
-                # the linear model it is chosen with is over the budget
-                assert pinned.fits and pinned.stage_layers == roomy.stage_layers, (
-                    cfg, layers, seq, factor)
-            if pinned.fits:
-                fitting += 1
-                assert searched is not None and searched.fits, (cfg, layers, seq, factor)
-                assert searched.memory.total == pytest.approx(pinned.memory.total)
-                assert searched.stage_layers == pinned.stage_layers
-            else:
-                assert searched is None, (cfg, layers, seq, factor)
+        c, f = _walked_agrees_around_threshold(model, cfg, 8, seq, fw,
+                                               (0.9, 0.999, 1.0, 1.001, 1.1))
+        checked, fitting = checked + c, fitting + f
     assert checked >= 300 and 0 < fitting < checked
 
 
