@@ -48,13 +48,20 @@ examined their memory: `LOOKED_AT`). Families of issue 30 not added, because the
 be read from a stored copy of the source: Nemotron-4 15B and 340B technical reports (Table 2 of
 each), MegaScale (arXiv 2402.15627, Table 2), NeMo's 24.09-25.x summaries (docs.nvidia.com, not
 in the NeMo repository after December 2024).
+
+Rows added in session 40 (issue 30, branch valrows2; `ADDED_S40`): Megatron-Bridge's 25.09,
+25.11 and 26.04.01 DGX-H100 rows (MB25), NeMo AutoModel's H100 pre-training table (AM) and
+torchtitan's June 2025 H200 benchmark (TTH200), sources and the rows left out as not
+expressible in rows_2025.py; each fixed from its source before the table was first run with
+them, and run once: validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from bench.published import rows_megatron, rows_moe, rows_nvidia_h100, rows_pytorch
+from bench.published import (rows_2025, rows_megatron, rows_moe, rows_nvidia_h100,
+                             rows_pytorch)
 from bench.published.table import PublishedRun
 
 
@@ -155,6 +162,10 @@ ADDED_S39 = frozenset(r.name for r in added_s39())
 """Names of the rows added in session 39: tests hold the older validation rows to their bounds
 and report these apart (tests/test_planner_physics.py)."""
 
+ADDED_S40 = frozenset(r.name for r in rows_2025.added_s40())
+"""Names of the rows added in session 40 (rows_2025.py): bounded apart from the older rows, at
+their first run's figures (tests/test_planner_physics.py)."""
+
 
 def published_runs() -> list[PublishedRun]:
     """Every published run of the table, calibration part first; rows that steered a choice
@@ -162,7 +173,8 @@ def published_runs() -> list[PublishedRun]:
     runs = (rows_megatron.k22() + rows_megatron.n21_table2() + rows_megatron.megatron_deepspeed()
             + rows_pytorch.llama3() + rows_pytorch.torchtitan() + rows_pytorch.torchtitan_nd()
             + rows_pytorch.llm_foundry() + rows_megatron.megatron_2019()
-            + rows_megatron.megatron_bridge_h100() + rows_moe.moe_runs() + added_s39())
+            + rows_megatron.megatron_bridge_h100() + rows_moe.moe_runs() + added_s39()
+            + rows_2025.added_s40())
     out = []
     for r in runs:
         if r.name in LOOKED_AT:
