@@ -180,8 +180,8 @@ def main(argv: list[str]) -> int:
     for part in ("validation", "calibration"):
         s = summarise(rows, part)
         print(f"{part}: n={s['n']} answered {s['answered']} ({s['answered'] - s['unfit']} "
-              f"fitting, {s['unfit']} predicted not to fit), rejected for memory "
-              f"{s['rejected']}, not expressible {s['not_expressible']}; mean |error| "
+              f"fitting, {s['unfit']} predicted not to fit), refused outright (memory or a "
+              f"layout rule) {s['rejected']}, not expressible {s['not_expressible']}; mean |error| "
               f"{s['mean']:.1%}, max {s['max']:.1%} (over every answered row)")
         known = [r for r in rows if r["run"].part == part and r["run"].regression]
         if known:
