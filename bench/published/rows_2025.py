@@ -55,6 +55,12 @@ NOT_EXPRESSIBLE = {
         "and MXFP8 / NVFP4 are not a --dtype",
     "torchtitan mxfp8.md B200 / GB200 tables": "MXFP8 is not a --dtype; the B200s were "
         "'power limited' at an unstated limit",
+    "NeMo long-sequence Llama2-7B FP8, 4K-1M tokens on 4-1024 H100 (NVIDIA/NeMo docs/source/"
+    "performance/performance_long_sequence.md at 19fadb67b0, NeMo 24.03.01)": "the figure is "
+        "TFLOP/s per GPU by a count the repository did not hold when it was published "
+        "(nemo/utils/flops_formulas.py arrived in f0bf77bcf7, 2025-01-22): whether the "
+        "attention square is counted causal or whole, a factor near 2 at 128K-1M tokens, "
+        "cannot be fixed from the source",
 }
 """Rows of the session-40 sources the command line cannot express, and why."""
 
