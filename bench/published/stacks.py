@@ -76,8 +76,12 @@ synchronisation of the next fetch waits for it, so it is costed as not overlappe
 are released after every forward, so the recomputed forward gathers them again. Every call goes
 through list-based collectives: zero-filled gather buffers, PyTorch 1.8's per-chunk staging
 copies and a Python loop over the ranks (list_collectives; estimate.LIST_HOST_S_PER_RANK)."""
-TORCHTITAN_MEMORY = MemoryOptions(framework="fsdp2", loss="eager")
-"""torchtitan's loss, eager in both stacks: train.py of December 2024 leaves
+TORCHTITAN_MEMORY = dataclasses.replace(PRESETS["torchtitan@2024"].memory, activations=None)
+"""The torchtitan@2024 preset's memory (FSDP2, its ZeRO and offload rules, repeat_kv copies)
+with the saved-tensor list left to the row's recomputation: the Python path prices the TT24
+'selective' rows as every other layer recomputed on the eager list, where the command line
+runs the op-policy rows as `--recompute selective` on the preset's 'alternate-matmul' list
+(bench/planner_cli_table.py `_recompute`). torchtitan's loss, eager in both stacks: train.py of December 2024 leaves
 `torch.compile(loss_fn)` commented out ("compiling loss function causes CUDA errors"), so the
 logits are cast to fp32 whole and log_softmax's output is saved (memory_acts.py, 12 bytes per
 logit), and no head replay is priced (that is meshtron's chunked loss, the fsdp2 default). The

@@ -204,7 +204,8 @@ _MEGATRON_BRIDGE = Framework(
 # context_parallel ring (components/distributed/cp_utils.py); activation checkpointing off by
 # default (FSDP2Manager.activation_checkpointing False; `--recompute` picks). Fields not read:
 # FP8 (fp8_filter, fp8_scaling), Liger's fused RMSNorm/SwiGLU (use_liger_kernel at tp = cp = 1,
-# not priced), zero_stages, expert parallelism (components/moe/: not priced, ep > 1 refused).
+# not priced), expert parallelism (components/moe/: not priced, ep > 1 refused). ZeRO 0 (DDPManager)
+# or 3 (blocks resharded after forward: parallelizer.py), plan_rules_zero 'automodel'.
 _NEMO_AUTOMODEL = Framework(
     "nemo-automodel", "2025",
     "NVIDIA-NeMo/Automodel v0.2.0 (FSDP2 over Hugging Face models, eager)",
@@ -215,7 +216,8 @@ _NEMO_AUTOMODEL = Framework(
     "components/distributed/cp_utils.py (torch context_parallel)",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=False, cp_overlap=True,
                   torch_ring=True, optimizer="foreach"),
-    MemoryOptions(framework="fsdp2", loss="eager", host_offload="fsdp2"), "bf16")
+    MemoryOptions(framework="fsdp2", loss="eager", host_offload="fsdp2", zero_stages="automodel"),
+    "bf16")
 # GPT-NeoX (EleutherAI/gpt-neox of April 2022, 450b58c4, the 20B release; DeeperSpeed
 # eb7f5cff, DeepSpeed 0.3.15's engine): deepspeed@2021's pipeline engine and ZeRO, but the
 # softmax and bias-GeLU fusions off (neox_args.py defaults, and every shipped config but
@@ -247,7 +249,8 @@ _LLM_FOUNDRY_2024 = Framework(
     "llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn fused_crossentropy)",
     KernelOptions(fp32_grad_reduce=True, separate_projections=False, stack="eager",
                   optimizer="for-loop"),
-    MemoryOptions(framework="fsdp2", loss="inplace"), "fp32")
+    MemoryOptions(framework="fsdp2", loss="inplace", host_offload="composer",
+                  zero_stages="composer"), "fp32")
 _LLM_FOUNDRY_2023 = dataclasses.replace(
     _LLM_FOUNDRY_2024, era="2023",
     models="mosaicml/llm-foundry v0.3.0 (September 2023) on Composer 0.16.3 (amp_bf16)",

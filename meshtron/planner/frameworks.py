@@ -133,13 +133,21 @@ plan_rules_offload.STACK_OFFLOADS, which cites the code): meshtron and torchtita
 CPUOffloadPolicy ('full'); megatron@2021 none; megatron@2024 Megatron-Core 0.12's
 --optimizer-cpu-offload ('optimizer', distributed optimizer); deepspeed ZeRO-Offload
 ('optimizer': ZeRO-2/3 in 0.3.15, ZeRO-1/2/3 in 0.14+) and ZeRO-3 parameter offload ('full').
-The search tries only those; another `--offload` is refused by name.
+nemo-automodel FSDP2's CPUOffloadPolicy (FSDP2Manager.offload_policy, 'full'); llm-foundry
+none (Composer 0.16-0.17's get_cpu_offload raises 'FSDP CPU Offload not supported yet.');
+gpt-neox DeepSpeed 0.3.15's (deepspeed@2021's); torchtitan@2024 and megatron-bridge those of
+the presets they derive from. The search tries only those; another `--offload` is refused by
+name.
 
 ZeRO stages likewise (MemoryOptions `zero_stages`, plan_rules_zero.STACK_ZEROS): meshtron 0-3;
 torchtitan 0 (DDP, data parallelism alone), 2, 3 (FSDP2); megatron@2021 0 (no distributed
 optimizer before 2022); megatron@2024 0-3 (distributed optimizer: 1; its own FSDP: 1-3);
 deepspeed 0-3, at most 1
-with a pipeline (PipelineEngine). The search tries only those; another `--zero` is refused.
+with a pipeline (PipelineEngine); nemo-automodel 0 (DDPManager) and 3 (FSDP2 with every block
+resharded after its forward: components/distributed/parallelizer.py); llm-foundry 0, 2, 3
+(Composer's FSDP NO_SHARD / SHARD_GRAD_OP / FULL_SHARD, or DDP); gpt-neox, torchtitan@2024
+and megatron-bridge those of the presets they derive from. The search tries only those;
+another `--zero` is refused.
 
 Around the kernel, torchtitan@2025's Llama (models/llama/model.py, 2024-2025) runs its complex
 RoPE (`complex_rope`: no inductor code for complex tensors, so eager bytes under compile too)
