@@ -140,6 +140,7 @@ def test_published_rows_of_named_stacks_are_the_presets_plus_their_runs_settings
     ("nemo-automodel", ("--zero", "2"), "NeMo Automodel (nemo-automodel)"),
     ("llm-foundry", ("--offload", "optimizer"), "FSDP CPU Offload not supported yet"),
 ])
-def test_what_a_named_stack_cannot_run_is_refused_by_its_code(plan_cli, name, flag, says):  # noqa: F811
+def test_what_a_named_stack_cannot_run_is_refused_by_its_code(plan_cli, name, flag,  # noqa: F811
+                                                               says):
     rc, out, err = plan_cli(*L8, "--framework", name, *flag)
     assert rc == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1

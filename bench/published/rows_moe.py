@@ -57,17 +57,18 @@ def moe_runs() -> list[PublishedRun]:
     # what the rows' recipes set (Megatron-Bridge tags v0.2.0 / v0.3.0, Qwen3-30B-A3B H100 FP8
     # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the
     # 25.11 table), moe_a2a_overlap on (overlap_moe_expert_parallel_comm), gradients reduced in
-    # bf16, no recomputation; corrected from the megatron@2024 defaults, which the rows had before.
-    # Stated on the megatron-bridge@2025 preset (which states FP8 current scaling, TE userbuffers and
-    # the weighted SwiGLU of Megatron-Core >= 0.13) as [options]: the performance scripts' no
+    # bf16, no recomputation; corrected from the megatron@2024 defaults, which the rows had
+    # before. On the megatron-bridge@2025 preset (which states FP8 current scaling, TE userbuffers
+    # and the weighted SwiGLU of Megatron-Core >= 0.13) as [options]: the performance scripts' no
     # NaN-check norm pass (utils/helpers.py), moe_a2a_overlap and bf16 gradient reduction
-    # (configs/qwen3/qwen3_llm_pretrain.py), the tables' forced balance ("In MoE training benchmarks, we force-balance the token
-    # distribution among experts": imbalance 1); and, as the rows had
-    # it before the preset, no FP8 parameter gather, although the recipe's 'fp8_cs' precision
-    # sets fp8_param_gather (not changed here: see the session's report). The layer split is
-    # the preset's, Megatron-Core's 'megatron-ends', which the command line priced these rows
-    # with before (their memory options named no split, and the table's options file drops
-    # an unset field) while the Python path priced the time-balanced one
+    # (configs/qwen3/qwen3_llm_pretrain.py), the tables' forced balance ("In MoE training
+    # benchmarks, we force-balance the token distribution among experts": imbalance 1); and, as
+    # the rows had it before the preset, no FP8 parameter gather, although the recipe's 'fp8_cs'
+    # precision sets fp8_param_gather (not applied with the preset: it moves these validation
+    # rows, a change to make on its own and say so). The layer
+    # split is the preset's, Megatron-Core's 'megatron-ends', which the command line priced these
+    # rows with before (their memory options named no split, and the table's options file drops an
+    # unset field) while the Python path priced the time-balanced one
     qwen_stack = from_preset("megatron-bridge@2025", grad_bucket_passes=0, ep_overlap=True,
                              fp32_grad_reduce=False, reduce_dtype="bf16", expert_imbalance=1.0,
                              fp8_param_gather=False)

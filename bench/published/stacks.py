@@ -34,23 +34,24 @@ wgrad GEMM; its LinearWithGradAccumulationAndAsyncCommunication reduces the inpu
 the weight-gradient GEMM and re-gathers the sequence-parallel input beside the input-gradient
 GEMM (the async tensor-parallel all-reduce of late 2021 and K22's section 4.2.2)."""
 DEEPSPEED_PIPE_2021 = PRESETS["deepspeed@2021"].kernel
-"""Megatron-DeepSpeed (MT-NLG), the deepspeed@2021 preset (`--framework megatron-deepspeed`;
-its ZeRO-3 fields change nothing under the pipeline engine's ZeRO-1): Megatron's fused kernels, DeepSpeed's pipeline engine, which
-splits the activation it sends over the tensor group (runtime/pipe/engine.py
-is_pipe_partitioned = is_model_parallel, v0.3.15 on) and, before v0.5.4 (microsoft/DeepSpeed
-#1407), sends the gradient whole (is_grad_partitioned = False; MT-NLG's DeepSpeed version is
-not published: the older engine assumed), and under ZeRO-1 all-reduces the gradients
-(`_exec_reduce_grads`: buffered_allreduce_fallback until v0.3.16, zero1_all_reduce). BLOOM's
-stack: rows_megatron.BLOOM_STACK."""
+"""Megatron-DeepSpeed (MT-NLG), the deepspeed@2021 preset (`--framework megatron-deepspeed`; its
+ZeRO-3 fields change nothing under the pipeline engine's ZeRO-1): Megatron's fused kernels,
+DeepSpeed's pipeline engine, which splits the activation it sends over the tensor group
+(runtime/pipe/engine.py is_pipe_partitioned = is_model_parallel, v0.3.15 on) and, before v0.5.4
+(microsoft/DeepSpeed #1407), sends the gradient whole (is_grad_partitioned = False; MT-NLG's
+DeepSpeed version is not published: the older engine assumed), and under ZeRO-1 all-reduces the
+gradients (`_exec_reduce_grads`: buffered_allreduce_fallback until v0.3.16, zero1_all_reduce).
+BLOOM's stack: rows_megatron.BLOOM_STACK."""
 MEGATRON_DEEPSPEED_MEMORY = PRESETS["deepspeed@2021"].memory
 """Megatron-DeepSpeed's memory layout, the deepspeed@2021 preset's (16-bit weights and DeepSpeed's
-ZeRO: framework 'deepspeed', whose own terms, ZeRO-2's buckets, do not arise at the rows'
-ZeRO-1; 'megatron' before this preset, the same bytes there) and its layer split: GPTModelPipe builds DeepSpeed's PipelineModule with partition_method='type:transformer'
-(GPT-NeoX: 'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone (BLOOM
-ran 'type:transformer|embedding', [embedding + 5, 6 x 10, 5 + tied head], which no
-pipeline_split states: its first stage is charged 6 blocks and the embedding); its ZeRO
-is DeepSpeed's (zero_optimization in the DeepSpeed config), at most stage 1 in the pipeline
-engine (plan_rules_zero.PIPELINE_MAX), not Megatron-LM 2021's replicated optimizer."""
+ZeRO: framework 'deepspeed', whose own terms, ZeRO-2's buckets, do not arise at the rows' ZeRO-1;
+'megatron' before this preset, the same bytes there) and its layer split: GPTModelPipe builds
+DeepSpeed's PipelineModule with partition_method='type:transformer' (GPT-NeoX:
+'type:transformer|mlp'), DeepSpeed's balanced split over the blocks alone (BLOOM ran
+'type:transformer|embedding', [embedding + 5, 6 x 10, 5 + tied head], which no pipeline_split
+states: its first stage is charged 6 blocks and the embedding); its ZeRO is DeepSpeed's
+(zero_optimization in the DeepSpeed config), at most stage 1 in the pipeline engine
+(plan_rules_zero.PIPELINE_MAX), not Megatron-LM 2021's replicated optimizer."""
 DEEPSPEED_ZERO3_2021 = KernelOptions(attention="unfused", dropout=True, fp32_grad_reduce=False,
                                      separate_projections=False,
                                      overlap_grad_reduce=False, stack="fused", sharding="zero",
@@ -77,16 +78,16 @@ are released after every forward, so the recomputed forward gathers them again. 
 through list-based collectives: zero-filled gather buffers, PyTorch 1.8's per-chunk staging
 copies and a Python loop over the ranks (list_collectives; estimate.LIST_HOST_S_PER_RANK)."""
 TORCHTITAN_MEMORY = dataclasses.replace(PRESETS["torchtitan@2024"].memory, activations=None)
-"""The torchtitan@2024 preset's memory (FSDP2, its ZeRO and offload rules, repeat_kv copies)
-with the saved-tensor list left to the row's recomputation: the Python path prices the TT24
-'selective' rows as every other layer recomputed on the eager list, where the command line
-runs the op-policy rows as `--recompute selective` on the preset's 'alternate-matmul' list
-(bench/planner_cli_table.py `_recompute`). torchtitan's loss, eager in both stacks: train.py of December 2024 leaves
+"""The torchtitan@2024 preset's memory (FSDP2, its ZeRO and offload rules, repeat_kv copies) with
+the saved-tensor list left to the row's recomputation: the Python path prices the TT24 'selective'
+rows as every other layer recomputed on the eager list, where the command line runs the op-policy
+rows as `--recompute selective` on the preset's 'alternate-matmul' list (bench/planner_cli_table.py
+`_recompute`). torchtitan's loss, eager in both stacks: train.py of December 2024 leaves
 `torch.compile(loss_fn)` commented out ("compiling loss function causes CUDA errors"), so the
 logits are cast to fp32 whole and log_softmax's output is saved (memory_acts.py, 12 bytes per
 logit), and no head replay is priced (that is meshtron's chunked loss, the fsdp2 default). The
-command line's torchtitan preset states the same loss; without it here the Python path of the
-table priced these rows with meshtron's chunked loss."""
+command line's torchtitan preset states the same loss; without it here the Python path of the table
+priced these rows with meshtron's chunked loss."""
 LLM_FOUNDRY_MEMORY = PRESETS["llm-foundry@2024"].memory
 """llm-foundry's MPT: FSDP with fp32 sharded parameters, and flash-attn's fused cross-entropy
 (its default `loss_fn: fused_crossentropy`), whose backward overwrites the logits in place."""
@@ -103,9 +104,10 @@ switch to torch.nn.RMSNorm in March 2025, #985). RoPE: models/llama/model.py
 (torch_ring) overlapping each K/V exchange with attention (cp_overlap, the 2025 preset's; the
 eager rows have no context parallelism)."""
 TORCHTITAN_COMPILED = from_preset("torchtitan@2024", stack="compiled").kernel
-"""torchtitan@2024 with `stack = "compiled"` (its `--compile.enable`: per-block compilation fuses the memory-bound ops of
-each TransformerBlock; train.py of December 2024 leaves `torch.compile(loss_fn)` commented
-out, so the final norm, head and loss stay eager; foreach AdamW as above)."""
+"""torchtitan@2024 with `stack = "compiled"` (its `--compile.enable`: per-block compilation fuses
+the memory-bound ops of each TransformerBlock; train.py of December 2024 leaves
+`torch.compile(loss_fn)` commented out, so the final norm, head and loss stay eager; foreach AdamW
+as above)."""
 LLM_FOUNDRY_AMP = PRESETS["llm-foundry@2024"].kernel
 """llm-foundry, amp_bf16 with FSDP mixed precision DEFAULT as Composer 0.17.2 (the pin of
 llm-foundry's January 2024 main, setup.py 'mosaicml>=0.17.2,<0.18') defines it
