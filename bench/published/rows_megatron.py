@@ -110,19 +110,19 @@ is_model_parallel, since microsoft/DeepSpeed#1407 of September 2021: p2p_scatter
 NEOX_STACK = from_preset("gpt-neox@2022", stack="fused").kernel
 """GPT-NeoX-20B's stack, the gpt-neox@2022 preset with configs/20B.yml's fusions (`stack =
 "fused"`): EleutherAI/gpt-neox of early 2022 (configs/20B.yml; requirements pinned
-EleutherAI/DeeperSpeed eb7f5cff, DeepSpeed 0.3.15): Megatron's fused upper-triangular
-softmax and bias-GeLU kernels (scaled-upper-triang-masked-softmax-fusion, bias-gelu-fusion), dropout 0 (hidden-dropout and attention-dropout 0: nn.Dropout
-returns its input at p = 0), `gpt_j_residual` (one tensor-parallel all-reduce of the summed
-attention and MLP outputs: residual_reduce_once), fp16 (costed as bf16: the same A100 peak;
-the loss scaler's overflow check is one more pass over the gradients, not priced);
-DeeperSpeed's pipeline engine: blocking transfers, the activation split over the tensor group
-and re-gathered, the gradient sent whole (deepspeed/runtime/pipe/engine.py
-is_pipe_partitioned = is_model_parallel, is_grad_partitioned = False: p2p_grads_whole) and
-ZeRO stage 1 under it reducing by buffered_allreduce_fallback, a whole all-reduce
-(_exec_reduce_grads: zero1_all_reduce). Not priced: the [1, 1, s, s] attention mask the
-engine sends as fp16 beside every activation (has_attention_mask: the class is named
-GPT2ModelPipe; 8 MB a micro-batch at s = 2048) and the torch.cuda.synchronize() DeepSpeed's
-activation checkpointing runs at each checkpointed layer's edges (synchronize-each-layer)."""
+EleutherAI/DeeperSpeed eb7f5cff, DeepSpeed 0.3.15): Megatron's fused upper-triangular softmax and
+bias-GeLU kernels (scaled-upper-triang-masked-softmax-fusion, bias-gelu-fusion), dropout 0
+(hidden-dropout and attention-dropout 0: nn.Dropout returns its input at p = 0), `gpt_j_residual`
+(one tensor-parallel all-reduce of the summed attention and MLP outputs: residual_reduce_once),
+fp16 (costed as bf16: the same A100 peak; the loss scaler's overflow check is one more pass over
+the gradients, not priced); DeeperSpeed's pipeline engine: blocking transfers, the activation split
+over the tensor group and re-gathered, the gradient sent whole (deepspeed/runtime/pipe/engine.py
+is_pipe_partitioned = is_model_parallel, is_grad_partitioned = False: p2p_grads_whole) and ZeRO
+stage 1 under it reducing by buffered_allreduce_fallback, a whole all-reduce (_exec_reduce_grads:
+zero1_all_reduce). Not priced: the [1, 1, s, s] attention mask the engine sends as fp16 beside
+every activation (has_attention_mask: the class is named GPT2ModelPipe; 8 MB a micro-batch at s =
+2048) and the torch.cuda.synchronize() DeepSpeed's activation checkpointing runs at each
+checkpointed layer's edges (synchronize-each-layer)."""
 
 
 NEOX_ATTENTION_FLOPS = 60
