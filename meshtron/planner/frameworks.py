@@ -79,7 +79,9 @@ planner/pipeline_dualpipe.py and refused by meshtron's runtime.
   first and last layers are not priced), the DDP config's check_for_nan_in_grad (one norm
   pass over every gradient bucket: grad_bucket_passes = 1) and Megatron-Core >= 0.13's
   weighted SwiGLU for MoE experts. Its gradients are reduced in fp32 (bf16_mixed
-  grad_reduce_in_fp32 True), the loss is TE's fused cross-entropy. Its performance scripts
+  grad_reduce_in_fp32 True), the loss is TE's fused cross-entropy; its manual garbage
+  collection (TrainingConfig manual_gc, every 100 steps) is host time the planner does not
+  price for any stack. Its performance scripts
   (scripts/performance, what the published DGX tables ran) change more, as an [options]
   table: `grad_bucket_passes = 0` (utils/helpers.py set_common_perf_overrides:
   check_for_nan_in_grad False), and per workload configs/*/*_llm_pretrain.py
