@@ -165,7 +165,7 @@ _TORCHTITAN_2024 = dataclasses.replace(
            "AdamW), torchtitan/models/norms.py (Python RMSNorm), torchtitan/config_manager.py",
     kernel=dataclasses.replace(_TORCHTITAN.kernel, optimizer="foreach", eager_norm="python"),
     expert_parallel="")
-# Megatron-Core 0.15 (Megatron-Bridge v0.2.0's pin, pyproject.toml `megatron-core>=0.15.0a0`)
+# Megatron-Core 0.15-0.16 (pyproject.toml pins of Megatron-Bridge v0.2.0 and v0.3.0)
 # as Megatron-Bridge's library recipes configure it (src/megatron/bridge/recipes/llama/
 # llama3.py `_llama3_common` and the 70B/405B recipes): everything megatron@2024 states, plus
 # - TE userbuffers TP overlap: every recipe with tp > 1 passes CommOverlapConfig(
@@ -181,8 +181,8 @@ _TORCHTITAN_2024 = dataclasses.replace(
 # and overlap_p2p_comm under the interleaved schedule (comm_overlap.py) are megatron@2024's.
 _MEGATRON_BRIDGE = Framework(
     "megatron-bridge", "2025",
-    "Megatron-Core 0.15 through NVIDIA-NeMo/Megatron-Bridge v0.2.0-v0.3.0 library recipes "
-    "(NeMo containers 25.11, 26.02; Transformer Engine 2.9)",
+    "Megatron-Core 0.15-0.16 through NVIDIA-NeMo/Megatron-Bridge v0.2.0-v0.3.0 library "
+    "recipes (NeMo containers 25.11, 26.02; Transformer Engine 2.9-2.12)",
     "NVIDIA-NeMo/Megatron-Bridge v0.2.0: src/megatron/bridge/recipes/llama/llama3.py "
     "(_llama3_common: DistributedDataParallelConfig, cross_entropy_fusion_impl 'te'; 70B/405B "
     "CommOverlapConfig(tp_comm_overlap=True)), training/mixed_precision.py (bf16_mixed, "
@@ -190,7 +190,7 @@ _MEGATRON_BRIDGE = Framework(
     dataclasses.replace(_MEGATRON_2024.kernel, tp_comm_overlap=True, fp8_scaling="te-current",
                         fp8_param_gather=True, grad_bucket_passes=1),
     dataclasses.replace(_MEGATRON_2024.memory, moe_weighted_act=True), "fp32",
-    expert_parallel="Megatron-Core 0.15 megatron/core/transformer/moe/ (expert_model_parallel_"
+    expert_parallel="Megatron-Core megatron/core/transformer/moe/ (expert_model_parallel_"
                     "size, alltoall token dispatcher, grouped GEMM; expert tensor parallelism "
                     "not priced: tp=1 for MoE); A2A overlap (overlap_moe_expert_parallel_comm) "
                     "off unless set: ep_overlap option")

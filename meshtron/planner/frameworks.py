@@ -68,10 +68,11 @@ planner/pipeline_dualpipe.py and refused by meshtron's runtime.
   FSDP2 stack with foreach AdamW (torchtitan/optimizer.py; `--optimizer.fused` became the
   default in pytorch/torchtitan#881, February 2025) and its Python RMSNorm (models/norms.py,
   five kernels: eager_norm = "python"; torch.nn.RMSNorm from #985, March 2025).
-* `megatron-bridge@2025` (NVIDIA-NeMo/Megatron-Bridge v0.2.0-v0.3.0, Megatron-Core 0.15,
-  Transformer Engine 2.9; NeMo containers 25.11 and 26.02): what its library recipes set
-  (src/megatron/bridge/recipes/llama/llama3.py `_llama3_common`, training/mixed_precision.py,
-  training/comm_overlap.py, models/gpt_provider.py): megatron@2024's stack, plus TE
+* `megatron-bridge@2025` (NVIDIA-NeMo/Megatron-Bridge v0.2.0-v0.3.0, Megatron-Core 0.15-0.16,
+  Transformer Engine 2.9-2.12; NeMo containers 25.11 and 26.02; read at both tags): what
+  its library recipes set (src/megatron/bridge/recipes/llama/llama3.py `_llama3_common`,
+  training/mixed_precision.py, training/comm_overlap.py, models/gpt_provider.py):
+  megatron@2024's stack, plus TE
   userbuffers TP overlap (every recipe with tp > 1 passes CommOverlapConfig(tp_comm_overlap=
   True); comm_overlap.py turns it off without sequence parallelism), FP8 as the library's
   Hopper recipe bf16_with_fp8_current_scaling_mixed (tensorwise current scaling with FP8
