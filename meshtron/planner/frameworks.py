@@ -95,7 +95,8 @@ planner/pipeline_dualpipe.py and refused by meshtron's runtime.
   recipes/llm/train_ft.py), attention `flash_attention_2` (_transformers/auto_model.py; flash-
   attn takes grouped K/V as they are), Hugging Face's separate q/k/v and gate/up Linears,
   MaskedCrossEntropy with fp32_upcast (components/loss/masked_ce.py: the whole logits cast to
-  fp32, loss = "eager"), torch.optim Adam/AdamW at their CUDA default (foreach), context
+  fp32, loss = "eager"), torch.optim Adam/AdamW at their CUDA default (foreach; train_ft.py
+  sets foreach False under tensor parallelism, which the preset does not follow), context
   parallelism through torch's context_parallel ring (components/distributed/cp_utils.py). Not
   read, left at the base KernelOptions: FP8, and the Liger kernels it applies at tp = cp = 1.
 * `megatron-deepspeed` is an alias of `deepspeed@2021` (Megatron-DeepSpeed on DeepSpeed
