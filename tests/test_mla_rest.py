@@ -34,7 +34,12 @@ def test_each_preset_says_how_its_kernel_runs_mla_v():
     got = {name: fw.kernel.v_width for name, fw in PRESETS.items()}
     assert got == {"meshtron@2026": "padded", "torchtitan@2025": "native",
                    "megatron@2021": "native", "megatron@2024": "native",
-                   "deepspeed@2021": "native", "deepspeed@2024": "padded"}
+                   "deepspeed@2021": "native", "deepspeed@2024": "padded",
+                   "torchtitan@2024": "native", "megatron-bridge@2025": "native",
+                   "gpt-neox@2022": "native",  # deepspeed@2021's unfused core
+                   # Hugging Face models under flash-attn 2 (nemo-automodel), MPT's flash-attn
+                   "nemo-automodel@2025": "padded", "llm-foundry@2023": "padded",
+                   "llm-foundry@2024": "padded"}
     with pytest.raises(UserError, match="v_width='wide'"):
         KernelOptions(v_width="wide")
 

@@ -9,10 +9,9 @@ import dataclasses
 from meshtron.model.spec import ModelSpec, preset
 from meshtron.planner.cluster import ClusterSpec, preset_cluster
 from meshtron.planner.compute import KernelOptions
-from meshtron.planner.memory import MemoryOptions
 from bench.published.stacks import (DEEPSPEED_MEMORY, DEEPSPEED_PIPE_2021, DEEPSPEED_ZERO3_2021,
                                     MEGATRON_2019, MEGATRON_2021, MEGATRON_2022,
-                                    MEGATRON_DEEPSPEED_MEMORY)
+                                    MEGATRON_DEEPSPEED_MEMORY, from_preset)
 from bench.published.table import PublishedRun, a100_40gb, dgx2h, gpt_model, jean_zay
 
 
@@ -108,24 +107,22 @@ tensor group and re-gathers them (pipe/engine.py is_pipe_partitioned = is_grad_p
 is_model_parallel, since microsoft/DeepSpeed#1407 of September 2021: p2p_scatter_gather)."""
 
 
-NEOX_STACK = KernelOptions(attention="unfused", dropout=False, overlap_grad_reduce=False,
-                           separate_projections=False, zero1_all_reduce=True,
-                           p2p_scatter_gather=True, p2p_grads_whole=True, p2p_blocking=True,
-                           residual_reduce_once=True, stack="fused", sharding="zero")
-"""GPT-NeoX-20B's stack: EleutherAI/gpt-neox of early 2022 (configs/20B.yml; requirements
-pinned EleutherAI/DeeperSpeed eb7f5cff, DeepSpeed 0.3.15): Megatron's fused upper-triangular
-softmax and bias-GeLU kernels, dropout 0 (hidden-dropout and attention-dropout 0: nn.Dropout
-returns its input at p = 0), `gpt_j_residual` (one tensor-parallel all-reduce of the summed
-attention and MLP outputs: residual_reduce_once), fp16 (costed as bf16: the same A100 peak;
-the loss scaler's overflow check is one more pass over the gradients, not priced);
-DeeperSpeed's pipeline engine: blocking transfers, the activation split over the tensor group
-and re-gathered, the gradient sent whole (deepspeed/runtime/pipe/engine.py
-is_pipe_partitioned = is_model_parallel, is_grad_partitioned = False: p2p_grads_whole) and
-ZeRO stage 1 under it reducing by buffered_allreduce_fallback, a whole all-reduce
-(_exec_reduce_grads: zero1_all_reduce). Not priced: the [1, 1, s, s] attention mask the
-engine sends as fp16 beside every activation (has_attention_mask: the class is named
-GPT2ModelPipe; 8 MB a micro-batch at s = 2048) and the torch.cuda.synchronize() DeepSpeed's
-activation checkpointing runs at each checkpointed layer's edges (synchronize-each-layer)."""
+NEOX_STACK = from_preset("gpt-neox@2022", stack="fused").kernel
+"""GPT-NeoX-20B's stack, the gpt-neox@2022 preset with configs/20B.yml's fusions (`stack =
+"fused"`): EleutherAI/gpt-neox of early 2022 (configs/20B.yml; requirements pinned
+EleutherAI/DeeperSpeed eb7f5cff, DeepSpeed 0.3.15): Megatron's fused upper-triangular softmax and
+bias-GeLU kernels (scaled-upper-triang-masked-softmax-fusion, bias-gelu-fusion), dropout 0
+(hidden-dropout and attention-dropout 0: nn.Dropout returns its input at p = 0), `gpt_j_residual`
+(one tensor-parallel all-reduce of the summed attention and MLP outputs: residual_reduce_once),
+fp16 (costed as bf16: the same A100 peak; the loss scaler's overflow check is one more pass over
+the gradients, not priced); DeeperSpeed's pipeline engine: blocking transfers, the activation split
+over the tensor group and re-gathered, the gradient sent whole (deepspeed/runtime/pipe/engine.py
+is_pipe_partitioned = is_model_parallel, is_grad_partitioned = False: p2p_grads_whole) and ZeRO
+stage 1 under it reducing by buffered_allreduce_fallback, a whole all-reduce (_exec_reduce_grads:
+zero1_all_reduce). Not priced: the [1, 1, s, s] attention mask the engine sends as fp16 beside
+every activation (has_attention_mask: the class is named GPT2ModelPipe; 8 MB a micro-batch at s =
+2048) and the torch.cuda.synchronize() DeepSpeed's activation checkpointing runs at each
+checkpointed layer's edges (synchronize-each-layer)."""
 
 
 NEOX_ATTENTION_FLOPS = 60
@@ -234,15 +231,17 @@ def megatron_bridge_h100() -> list[PublishedRun]:
     'fp8_cs' precision's FP8 parameter gather, added after their errors were known: a
     statement of the stack, not a fit; drop it to compare). The tables do not state the
     recomputation: 'any' (the fastest the memory model accepts)."""
-    from meshtron.planner.frameworks import PRESETS
-
-    # Megatron-Bridge's performance recipes (scripts/performance) turn TE userbuffers on; their
-    # 'fp8_cs' precision (scripts/performance/utils/precision.py: the library's
-    # bf16_with_fp8_current_scaling_mixed with first_last_layers_bf16 turned off) keeps FP8
-    # parameters and gathers them in FP8 (fp8_param_gather = True, training/mixed_precision.py)
-    mcore = dataclasses.replace(PRESETS["megatron@2024"].kernel, tp_comm_overlap=True,
-                                fp8_scaling="te-current",  # the tables' "FP8 (current scaling)"
-                                fp8_param_gather=True)
+    # the megatron-bridge@2025 preset (its library recipes: TE userbuffers with tp > 1, FP8 as
+    # bf16_with_fp8_current_scaling_mixed with FP8 parameter gather, planner/frameworks.py);
+    # the performance scripts that ran the tables turn check_for_nan_in_grad off
+    # (scripts/performance/utils/helpers.py set_common_perf_overrides: no norm pass) and use
+    # 'fp8_cs', the same precision with first_last_layers_bf16 off (every layer FP8, as the
+    # preset prices). Not carried here: those scripts' Llama 3 configs also set
+    # grad_reduce_in_fp32 False (configs/llama3/llama3_llm_pretrain.py), which the rows had
+    # not when they were added (not applied with the preset: it moves these validation rows,
+    # a change to make on its own and say so).
+    bridge = from_preset("megatron-bridge@2025", grad_bucket_passes=0)
+    mcore = bridge.kernel
     models = {"8b": preset("llama3-8b"), "70b": preset("llama3-70b"),
               "405b": preset("llama3-405b")}
     rows = [  # container, model, gpus, GBS, FSDP, tp, pp, cp, vp, tokens/s/GPU
@@ -261,9 +260,9 @@ def megatron_bridge_h100() -> list[PublishedRun]:
             gbs, 8192, tp, pp, dp, 3 if fsdp else 1, "any", tp > 1, mcore, "tokens_per_gpu",
             tps, micro_batches=(1,), schedules=("interleaved",) if vp else ("1f1b",), cp=cp,
             dtype="fp8", virtual_stages=vp, confident=False,
-            # Megatron-Core's own split (the megatron@2024 preset's, which the command line
-            # prices): equal chunks, not the time-balanced split of meshtron's runtime
-            memory=MemoryOptions(framework="megatron", pipeline_split="megatron-ends"),
+            # Megatron-Core's own split (the preset's, which the command line prices): equal
+            # chunks, not the time-balanced split of meshtron's runtime
+            memory=bridge.memory,
             note=f"FP8 (current scaling), micro-batch 1, VP {vp or '-'} as published; "
                  f"{'Megatron-FSDP' if fsdp else 'distributed optimizer (DDP column 0)'}; "
                  "sequence parallel with TP (required by tp_comm_overlap); recomputation "

@@ -8,6 +8,7 @@ import dataclasses
 from meshtron.model.spec import preset
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.memory import MemoryOptions
+from bench.published.stacks import from_preset
 from bench.published.table import PublishedRun, h800
 
 
@@ -22,9 +23,6 @@ def moe_runs() -> list[PublishedRun]:
     from meshtron.planner.frameworks import PRESETS
 
     mcore = PRESETS["megatron@2024"].kernel
-    # the Megatron-Bridge tables force-balance the router ("In MoE training benchmarks, we
-    # force-balance the token distribution among experts"): imbalance 1
-    balanced = dataclasses.replace(mcore, expert_imbalance=1.0)
     # DeepSeek's own stack: Megatron-style fused kernels, DualPipe overlapping both
     # all-to-alls with another micro-batch, node-limited routing to M = 4 nodes with per-node
     # deduplication (DSV3 sections 2.1.2, 3.2.1, 3.2.2); imbalance: the documented default;
@@ -59,9 +57,22 @@ def moe_runs() -> list[PublishedRun]:
     # what the rows' recipes set (Megatron-Bridge tags v0.2.0 / v0.3.0, Qwen3-30B-A3B H100 FP8
     # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the
     # 25.11 table), moe_a2a_overlap on (overlap_moe_expert_parallel_comm), gradients reduced in
-    # bf16, no recomputation; corrected from the preset's defaults, which the rows had before
-    qwen_recipe = dataclasses.replace(balanced, fp8_scaling="te-current", ep_overlap=True,
-                                      fp32_grad_reduce=False)
+    # bf16, no recomputation; corrected from the megatron@2024 defaults, which the rows had
+    # before. On the megatron-bridge@2025 preset (which states FP8 current scaling, TE userbuffers
+    # and the weighted SwiGLU of Megatron-Core >= 0.13) as [options]: the performance scripts' no
+    # NaN-check norm pass (utils/helpers.py), moe_a2a_overlap and bf16 gradient reduction
+    # (configs/qwen3/qwen3_llm_pretrain.py), the tables' forced balance ("In MoE training
+    # benchmarks, we force-balance the token distribution among experts": imbalance 1); and, as
+    # the rows had it before the preset, no FP8 parameter gather, although the recipe's 'fp8_cs'
+    # precision sets fp8_param_gather (not applied with the preset: it moves these validation
+    # rows, a change to make on its own and say so). The layer
+    # split is the preset's, Megatron-Core's 'megatron-ends', which the command line priced these
+    # rows with before (their memory options named no split, and the table's options file drops an
+    # unset field) while the Python path priced the time-balanced one
+    qwen_stack = from_preset("megatron-bridge@2025", grad_bucket_passes=0, ep_overlap=True,
+                             fp32_grad_reduce=False, reduce_dtype="bf16", expert_imbalance=1.0,
+                             fp8_param_gather=False)
+    qwen_recipe = qwen_stack.kernel
     dropless = ("Megatron-Bridge issue #1998 (2026-01-20): Qwen3-30B-A3B on H100 and B200 is 2x "
                 "slower with the dropless schedule than with token drop, '25.11 is 2X slower "
                 "than 25.09' (10,494 tokens/s/GPU with token drop in 25.09; 9,058 in the "
@@ -73,8 +84,8 @@ def moe_runs() -> list[PublishedRun]:
             1, 2, 8, 1, "none", False, qwen_recipe, "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",), dtype="fp8", virtual_stages=vp, ep=8,
             # Megatron-Bridge 25.11 / 26.02 ship Megatron-Core >= 0.13: routing probabilities
-            # applied in the experts' weighted SwiGLU (MemoryOptions.moe_weighted_act)
-            memory=MemoryOptions(framework="megatron", moe_weighted_act=True), confident=False,
+            # applied in the experts' weighted SwiGLU (the preset's moe_weighted_act)
+            memory=qwen_stack.memory, confident=False,
             regression=dropless,
             note=f"FP8 current scaling, micro-batch {mbs}, VP {vp}, EP 8 as published; "
                  "distributed optimizer (FSDP 0); router force-balanced; A2A overlap, bf16 "

@@ -15,7 +15,7 @@ Python API (no torch import)::
     step_collectives(plan, model_spec, 1024, 8192)  # ZeRO / pipeline collectives per rank
     search_plans(..., framework=frameworks.preset("megatron@2024"))  # price another stack
 
-Modules: frameworks (software-stack presets for --framework), collectives (step_collectives),
+Modules: frameworks, framework_presets (--framework), collectives (step_collectives),
 compression (cost of gradient compression and DiLoCo), plan (the one Plan type, its validity rules `plan_problems`, fixed Knobs), placement
 (ranks of every tp / pp / dp group, nodes spanned: shared with the runtime's mesh), cluster
 (GPU catalogue, ClusterSpec), compute (FLOPs, GEMM efficiency), memory (ZeRO states,

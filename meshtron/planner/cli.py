@@ -97,8 +97,11 @@ def add_framework_args(p: argparse.ArgumentParser) -> None:
     """--framework, --options and the single-option flags (shared by plan, cost, simulate)."""
     p.add_argument("--framework", default=None, metavar="NAME[@ERA]",
                    help="software stack to price: meshtron (default: meshtron's runtime), "
-                        "torchtitan, megatron (@2021 PTD-P, @2024 Megatron-Core/NeMo), deepspeed "
-                        "(@2021, @2024); see meshtron/planner/frameworks.py")
+                        "torchtitan (@2024, @2025), megatron (@2021 PTD-P, @2024 "
+                        "Megatron-Core/NeMo), megatron-bridge (@2025), nemo-automodel (@2025), "
+                        "deepspeed (@2021 = megatron-deepspeed, @2024), gpt-neox (@2022), "
+                        "llm-foundry (@2023, @2024); NAME alone is its newest era; see "
+                        "meshtron/planner/frameworks.py")
     p.add_argument("--options", default=None, metavar="FILE.toml",
                    help="TOML file with an [options] table overriding single options of the "
                         "framework (and optionally framework = \"NAME@ERA\")")

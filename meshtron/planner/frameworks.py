@@ -9,8 +9,10 @@ code and documentation do at the version named, never by a published throughput 
 Presets (NAME@ERA; NAME alone is its newest era):
 
 Expert parallelism (ep > 1, mixture-of-experts models) is priced for the stacks that run it
-(`Framework.expert_parallel`): meshtron, torchtitan@2025, megatron@2024 (Megatron-Core MoE),
-deepspeed@2024 (DeepSpeed-MoE); megatron@2021 and deepspeed@2021 had none and refuse ep > 1.
+(`Framework.expert_parallel`): meshtron, torchtitan@2025, megatron@2024 and megatron-bridge
+(Megatron-Core MoE), deepspeed@2024 (DeepSpeed-MoE); megatron@2021, deepspeed@2021, gpt-neox,
+torchtitan@2024 and llm-foundry had none and refuse ep > 1; nemo-automodel runs its own
+(components/moe/), which is not priced: ep > 1 is refused for it too.
 DeepSeek's DualPipe (all-to-alls overlapped with another micro-batch) and its node-limited
 routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`, and its FP8
 dispatch `ep_dispatch = "fp8"`; DualPipe itself is the memory option `pipeline_split =
@@ -62,6 +64,61 @@ planner/pipeline_dualpipe.py and refused by meshtron's runtime.
   gathers again); gradients in the model dtype on the wire (`communication_data_type`
   unset); the pipeline engine's blocking sends.
 
+* `torchtitan@2024`: torchtitan's December 2024 tree (the TT24 benchmarks'): torchtitan@2025's
+  FSDP2 stack with foreach AdamW (torchtitan/optimizer.py; `--optimizer.fused` became the
+  default in pytorch/torchtitan#881, February 2025) and its Python RMSNorm (models/norms.py,
+  five kernels: eager_norm = "python"; torch.nn.RMSNorm from #985, March 2025).
+* `megatron-bridge@2025` (NVIDIA-NeMo/Megatron-Bridge v0.2.0-v0.3.0, Megatron-Core 0.15-0.16,
+  Transformer Engine 2.9-2.12; NeMo containers 25.11 and 26.02; read at both tags): what
+  its library recipes set (src/megatron/bridge/recipes/llama/llama3.py `_llama3_common`,
+  training/mixed_precision.py, training/comm_overlap.py, models/gpt_provider.py):
+  megatron@2024's stack, plus TE
+  userbuffers TP overlap (every recipe with tp > 1 passes CommOverlapConfig(tp_comm_overlap=
+  True); comm_overlap.py turns it off without sequence parallelism), FP8 as the library's
+  Hopper recipe bf16_with_fp8_current_scaling_mixed (tensorwise current scaling with FP8
+  parameters gathered in FP8: fp8_scaling = "te-current", fp8_param_gather = true; its BF16
+  first and last layers are not priced), the DDP config's check_for_nan_in_grad (one norm
+  pass over every gradient bucket: grad_bucket_passes = 1) and Megatron-Core >= 0.13's
+  weighted SwiGLU for MoE experts. Its gradients are reduced in fp32 (bf16_mixed
+  grad_reduce_in_fp32 True), the loss is TE's fused cross-entropy; its manual garbage
+  collection (TrainingConfig manual_gc, every 100 steps) is host time the planner does not
+  price for any stack. Its performance scripts
+  (scripts/performance, what the published DGX tables ran) change more, as an [options]
+  table: `grad_bucket_passes = 0` (utils/helpers.py set_common_perf_overrides:
+  check_for_nan_in_grad False), and per workload configs/*/*_llm_pretrain.py
+  `fp32_grad_reduce = false` with `reduce_dtype = "bf16"` (grad_reduce_in_fp32 False for
+  Llama 3 and Qwen 3), `ep_overlap = true` where a MoE config sets moe_a2a_overlap.
+* `nemo-automodel@2025` (NVIDIA-NeMo/Automodel v0.2.0, December 2025): FSDP2 over a Hugging
+  Face model (components/distributed/fsdp2.py FSDP2Manager: MixedPrecisionPolicy param and
+  reduce bf16, so gradients reduce-scatter in bf16; offload_policy CPUOffloadPolicy;
+  activation_checkpointing off), eager kernels (torch.compile only with a `compile` section,
+  recipes/llm/train_ft.py), attention `flash_attention_2` (_transformers/auto_model.py; flash-
+  attn takes grouped K/V as they are), Hugging Face's separate q/k/v and gate/up Linears,
+  MaskedCrossEntropy with fp32_upcast (components/loss/masked_ce.py: the whole logits cast to
+  fp32, loss = "eager"), torch.optim Adam/AdamW at their CUDA default (foreach; train_ft.py
+  sets foreach False under tensor parallelism, which the preset does not follow), context
+  parallelism through torch's context_parallel ring (components/distributed/cp_utils.py). Not
+  read, left at the base KernelOptions: FP8, and the Liger kernels it applies at tp = cp = 1.
+* `megatron-deepspeed` is an alias of `deepspeed@2021` (Megatron-DeepSpeed on DeepSpeed
+  0.3.15, the stack that preset states). BLOOM's 2022 BigScience fork (BF16_Optimizer,
+  ALiBi, CUDA_LAUNCH_BLOCKING) is not a preset: bench/published/rows_megatron.BLOOM_STACK.
+* `gpt-neox@2022` (EleutherAI/gpt-neox 450b58c4, April 2022, on DeeperSpeed eb7f5cff, DeepSpeed
+  0.3.15's engine): deepspeed@2021's pipeline engine and ZeRO with the settings its code and
+  shipped configs run: softmax and bias-GeLU fusions off (neox_args.py defaults; configs/*.yml
+  but 20B.yml: eager kernels), dropout 0 (every shipped config), and `gpt_j_residual`'s single
+  all-reduce of the summed attention and MLP outputs for a parallel-residual model
+  (residual_reduce_once). Its default pipe_partition_method 'type:transformer|mlp' is priced
+  as 'type:transformer'.
+* `llm-foundry@2024` (mosaicml/llm-foundry January 2024 on Composer 0.17.2, PyTorch FSDP): its
+  benchmark YAMLs' amp_bf16 with FSDP mixed precision DEFAULT (composer/trainer/
+  mosaic_fsdp_utils.py: param bf16, reduce fp32), fp32 sharded parameters, eager kernels, MPT's
+  fused QKV and flash-attn's fused cross-entropy (loss_fn fused_crossentropy: the gradient
+  overwrites the logits, loss = "inplace"), Composer's DecoupledAdamW stepping tensor by
+  tensor (optimizer = "for-loop"). `llm-foundry@2023` (v0.3.0 on Composer 0.16.3): DEFAULT
+  left reduce_dtype unset, so FSDP reduced in bf16. Precision PURE is the [options] pair
+  `fp32_grad_reduce = false`, `reduce_dtype = "bf16"`; attn_impl 'flash' on padded batches is
+  `flash_unpad = true`, 'triton' on an H100 `flash_isa = "sm80"`.
+
 Pipeline stages get the layers each stack's own code would give them (MemoryOptions
 `pipeline_split`, planner/pipeline_split.py; plan_rules.split_problem refuses what a stack
 cannot express): meshtron and torchtitan (`pipeline_parallel_split_points`, any block
@@ -80,13 +137,21 @@ plan_rules_offload.STACK_OFFLOADS, which cites the code): meshtron and torchtita
 CPUOffloadPolicy ('full'); megatron@2021 none; megatron@2024 Megatron-Core 0.12's
 --optimizer-cpu-offload ('optimizer', distributed optimizer); deepspeed ZeRO-Offload
 ('optimizer': ZeRO-2/3 in 0.3.15, ZeRO-1/2/3 in 0.14+) and ZeRO-3 parameter offload ('full').
-The search tries only those; another `--offload` is refused by name.
+nemo-automodel FSDP2's CPUOffloadPolicy (FSDP2Manager.offload_policy, 'full'); llm-foundry
+none (Composer 0.16-0.17's get_cpu_offload raises 'FSDP CPU Offload not supported yet.');
+gpt-neox DeepSpeed 0.3.15's (deepspeed@2021's); torchtitan@2024 and megatron-bridge those of
+the presets they derive from. The search tries only those; another `--offload` is refused by
+name.
 
 ZeRO stages likewise (MemoryOptions `zero_stages`, plan_rules_zero.STACK_ZEROS): meshtron 0-3;
 torchtitan 0 (DDP, data parallelism alone), 2, 3 (FSDP2); megatron@2021 0 (no distributed
 optimizer before 2022); megatron@2024 0-3 (distributed optimizer: 1; its own FSDP: 1-3);
 deepspeed 0-3, at most 1
-with a pipeline (PipelineEngine). The search tries only those; another `--zero` is refused.
+with a pipeline (PipelineEngine); nemo-automodel 0 (DDPManager) and 3 (FSDP2 with every block
+resharded after its forward: components/distributed/parallelizer.py); llm-foundry 0, 2, 3
+(Composer's FSDP NO_SHARD / SHARD_GRAD_OP / FULL_SHARD, or DDP); gpt-neox, torchtitan@2024
+and megatron-bridge those of the presets they derive from. The search tries only those;
+another `--zero` is refused.
 
 Around the kernel, torchtitan@2025's Llama (models/llama/model.py, 2024-2025) runs its complex
 RoPE (`complex_rope`: no inductor code for complex tensors, so eager bytes under compile too)
@@ -109,163 +174,24 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from meshtron.errors import UserError
 from meshtron.planner.compute import KernelOptions
+from meshtron.planner.framework_presets import PRESETS, Framework
 from meshtron.planner.memory import MemoryOptions
 
-
-@dataclass(frozen=True)
-class Framework:
-    """One software stack as the cost model sees it."""
-
-    name: str
-    """Preset name, e.g. 'megatron'."""
-    era: str
-    """Era (version family) of the preset, e.g. '2024'."""
-    models: str
-    """The version of the software this preset models."""
-    source: str
-    """Where its choices come from (code paths, documentation)."""
-    kernel: KernelOptions
-    """Time-side choices (fusion, overlap, gradient reduction timing, pipeline engine)."""
-    memory: MemoryOptions
-    """Memory-side choices (what the framework allocates); dtype is the plan's."""
-    reduce_dtype: str = "fp32"
-    """Gradient reduction dtype the stack uses unless the plan fixes one."""
-    overrides: tuple[tuple[str, Any], ...] = ()
-    """Options changed from the preset by an [options] table, in file order."""
-    expert_parallel: str = ""
-    """How the stack runs expert parallelism of mixture-of-experts models (what its code
-    does); empty: it has none, and plans with ep > 1 are refused by name."""
-
-    @property
-    def label(self) -> str:
-        extra = f" +{len(self.overrides)} option(s)" if self.overrides else ""
-        return f"{self.name}@{self.era}{extra}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON: the preset, its source and every option value the cost model used."""
-        return {"name": self.name, "era": self.era, "models": self.models,
-                "source": self.source, "reduce_dtype": self.reduce_dtype,
-                "expert_parallel": self.expert_parallel,
-                "overrides": dict(self.overrides),
-                "kernel": dataclasses.asdict(self.kernel),
-                "memory": {k: v for k, v in dataclasses.asdict(self.memory).items()
-                           if k not in ("dtype", "split_priced")}}
-
-
-_MESHTRON = Framework(
-    "meshtron", "2026", "meshtron's runtime (this repository)",
-    "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
-    KernelOptions(), MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
-    "fp32",
-    expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
-                    "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
-                    "dispatch/combine on the compute stream (exposed), experts FSDP-sharded "
-                    "over dp_shard/ep (ZeRO-2/3) or reduced over the dp/ep replicas (ZeRO-0/1)")
-_TORCHTITAN = Framework(
-    "torchtitan", "2025", "pytorch/torchtitan main, 2025 (FSDP2, torch.compile off by default)",
-    "torchtitan/models/llama3/infra/parallelize.py; torchtitan/config/job_config.py "
-    "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
-    "selective_ac_option 'op')",
-    KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
-                  torch_ring=True, complex_rope=True,
-                  fp8_filter="all", fp8_scaling="torchao-tensorwise",
-                  separate_projections=True,
-                  # models/deepseek_v3/model/model.py hands SDPA / flex V at v_head_dim
-                  v_width="native"),
-    MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
-                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan"), "fp32",
-    expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
-                    "token dispatch, not overlapped by default), ParallelDims ep folded over "
-                    "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")
-_MEGATRON_2021 = Framework(
-    "megatron", "2021", "Megatron-LM PTD-P (Narayanan et al. 2021, SC'21)",
-    "NVIDIA/Megatron-LM 2021: megatron/arguments.py (bf16 forces "
-    "accumulate_allreduce_grads_in_fp32), megatron/model/fused_softmax.py, "
-    "megatron/p2p_communication.py (scatter/gather)",
-    KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                  separate_projections=False,  # fused QKV and fc1 GEMMs
-                  fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
-                  fp8_scaling="te-delayed",
-                  v_width="native"),  # unfused: two batched GEMMs take any head sizes
-    MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none",
-                  zero_stages="megatron-2021"),
-    "fp32")
-# gradient accumulation fusion arrived in Megatron-LM in February 2022 (commit 83b1e42f30): the
-# 2021 tree adds every micro-batch's gradient to main_grad in a backward hook of its own
-_MEGATRON_2024 = Framework(
-    "megatron", "2024", "Megatron-Core 0.8-0.12 / NeMo 2.0 (Transformer Engine 1.x)",
-    "NVIDIA/Megatron-LM docs/source/api-guide/distrib_optimizer.md, "
-    "megatron/core/distributed/param_and_grad_buffer.py (overlap_grad_reduce, "
-    "overlap_param_gather), megatron/core/tensor_parallel/layers.py + TE userbuffers "
-    "(tp_comm_overlap), megatron/core/transformer/attention.py + TE context parallelism "
-    "(p2p ring); NVIDIA/NeMo nemo/collections/llm/recipes/precision/mixed_precision.py "
-    "(grad_reduce_in_fp32)",
-    KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
-                  separate_projections=False,  # fused QKV and fc1 GEMMs
-                  fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=False,
-                  cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
-                  grad_accum_fusion=True,
-                  megatron_linear=True, p2p_overlap=True,
-                  # megatron/core/transformer/multi_latent_attention.py: TE's DotProductAttention
-                  # with k_channels = qk head, v_channels = v_head_dim (cuDNN fused attention)
-                  v_width="native"),
-    MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
-                  host_offload="mcore-optimizer", zero_stages="megatron-core"), "fp32",
-    expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
-                    "token dispatcher, grouped GEMM; expert tensor parallelism "
-                    "expert_tensor_parallel_size is not priced: tp=1 for MoE); A2A overlap "
-                    "(overlap_moe_expert_parallel_comm) off unless set: ep_overlap option")
-_DEEPSPEED_2021 = Framework(
-    "deepspeed", "2021", "DeepSpeed 0.3.15 (April 2021) with Megatron-DeepSpeed",
-    "microsoft/DeepSpeed v0.3.15: deepspeed/runtime/zero/stage3.py, partition_parameters.py "
-    "(_allgather_param, _reduce_scatter_gradients), constants.py; deepspeed/runtime/pipe/"
-    "engine.py (blocking p2p; activations split over the tensor group, is_pipe_partitioned; "
-    "gradients sent whole, is_grad_partitioned False; ZeRO-1 all-reduced, _exec_reduce_grads)",
-    KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
-                  separate_projections=False,  # fused QKV and fc1 GEMMs
-                  fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_grads_whole=True,
-                  p2p_blocking=True, zero1_all_reduce=True,  # the pipe engine's all-reduce
-                  stack="fused", sharding="zero", shard_units_per_layer=4,
-                  reduce_units_per_layer=12, prefetch_params=5e7, max_live_params=1e9,
-                  live_embedding=True,
-                  recompute_regathers=True, list_collectives=True, fp8_filter="all",
-                  v_width="native"),  # unfused: two batched GEMMs take any head sizes
-    MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
-                  host_offload="zero-offload-2021", zero_stages="deepspeed"), "bf16")
-_DEEPSPEED_2024 = Framework(
-    "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
-    "microsoft/DeepSpeed: deepspeed/runtime/zero/parameter_offload.py and "
-    "partitioned_param_coordinator.py (per-submodule fetch, prefetch bucket), "
-    "deepspeed/runtime/zero/config.py (stage3_prefetch_bucket_size 5e7, overlap_comm), "
-    "docs/_pages/config-json.md (communication_data_type), deepspeed/runtime/pipe/engine.py",
-    KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
-                  # pipe/engine.py: is_pipe_partitioned = is_grad_partitioned =
-                  # is_model_parallel (since DeepSpeed#1407, v0.5.4)
-                  fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_blocking=True,
-                  stack="eager", sharding="zero", shard_units_per_layer=7,
-                  prefetch_params=5e7, max_live_params=1e9, recompute_regathers=True,
-                  # Hugging Face's DeepseekV3Attention pads V to the q/k head for flash-attn 2
-                  fp8_filter="all", v_width="padded"),
-    MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
-                  gqa_copies=True, pipeline_split="deepspeed-parameters",
-                  host_offload="zero-offload", zero_stages="deepspeed"), "bf16",
-    expert_parallel="DeepSpeed-MoE (deepspeed/moe/layer.py, sharded_moe.py: ep_size, "
-                    "_AllToAll dispatch and combine, not overlapped)")
-
-PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
-    _MESHTRON, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _DEEPSPEED_2021, _DEEPSPEED_2024)}
-"""Every preset by NAME@ERA."""
 NEWEST = {"meshtron": "meshtron@2026", "torchtitan": "torchtitan@2025",
-          "megatron": "megatron@2024", "deepspeed": "deepspeed@2024"}
+          "megatron": "megatron@2024", "deepspeed": "deepspeed@2024",
+          "megatron-bridge": "megatron-bridge@2025", "nemo-automodel": "nemo-automodel@2025",
+          "gpt-neox": "gpt-neox@2022", "llm-foundry": "llm-foundry@2024"}
 """NAME alone means its newest era."""
 ALIASES = {"megatron-lm": "megatron", "megatron-core": "megatron@2024", "mcore": "megatron@2024",
-           "nemo": "megatron@2024", "ptd-p": "megatron@2021"}
+           "nemo": "megatron@2024", "ptd-p": "megatron@2021",
+           # deepspeed@2021 is DeepSpeed 0.3.15 as Megatron-DeepSpeed runs it (its docstring)
+           "megatron-deepspeed": "deepspeed@2021", "automodel": "nemo-automodel",
+           "llmfoundry": "llm-foundry", "composer": "llm-foundry", "neox": "gpt-neox"}
 """Other spellings users type."""
 DEFAULT = "meshtron"
 
@@ -285,7 +211,8 @@ def preset(text: str | None) -> Framework:
         key = f"{ALIASES[name].split('@')[0]}@{era}"
     if key not in PRESETS:
         raise UserError(f"framework={text!r}: allowed values are "
-                        f"{', '.join(sorted(set(NEWEST) | set(PRESETS)))}")
+                        f"{', '.join(sorted(set(NEWEST) | set(PRESETS)))} (aliases: "
+                        f"{', '.join(sorted(ALIASES))})")
     return PRESETS[key]
 
 

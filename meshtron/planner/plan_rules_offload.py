@@ -28,7 +28,10 @@ STACK_OFFLOADS: dict[str, tuple[dict[str, int], str]] = {
                           "with ZeRO-3 only"),
     "zero-offload": ({"optimizer": 1, "full": 3}, "DeepSpeed 0.14-0.16 (deepspeed@2024) runs "
                      "offload_optimizer with ZeRO-1/2/3 and offload_param with ZeRO-3 only "
-                     "(runtime/engine.py, runtime/zero/offload_config.py)")}
+                     "(runtime/engine.py, runtime/zero/offload_config.py)"),
+    "composer": ({}, "llm-foundry's Composer (0.16-0.17) refuses FSDP CPU offload "
+                 "(composer/trainer/mosaic_fsdp_utils.py get_cpu_offload: 'FSDP CPU Offload "
+                 "not supported yet.')")}
 """What each stack's host offload runs: {kind: least ZeRO stage}, and why (its code)."""
 OFFLOAD_RULES = ("any",) + tuple(STACK_OFFLOADS)
 """MemoryOptions.host_offload values; 'any' (no stack named): every kind is priced."""

@@ -32,7 +32,15 @@ STACK_ZEROS: dict[str, tuple[tuple[int, ...], str]] = {
     "torchtitan": ((0, 2, 3), "torchtitan shards with FSDP2 fully_shard (zero 2 with "
                    "reshard_after_forward off, 3 on; HSDP over dp_replicate) or replicates "
                    "with DDP (zero 0), and has no ZeRO-1 "
-                   "(torchtitan/models/llama3/infra/parallelize.py)")}
+                   "(torchtitan/models/llama3/infra/parallelize.py)"),
+    "automodel": ((0, 3), "NeMo Automodel (nemo-automodel) shards with FSDP2 fully_shard, "
+                  "every block resharded after its forward (zero 3; components/distributed/"
+                  "parallelizer.py apply_fsdp2_sharding_recursively), or replicates with "
+                  "DDPManager (zero 0); no ZeRO-1 or ZeRO-2"),
+    "composer": ((0, 2, 3), "llm-foundry's Composer runs PyTorch FSDP sharding_strategy "
+                 "NO_SHARD (zero 0), SHARD_GRAD_OP (2), FULL_SHARD (3; HYBRID_SHARD over "
+                 "replicas), composer/trainer/mosaic_fsdp_utils.py SHARDING_MAP, or DDP "
+                 "(zero 0); no ZeRO-1")}
 """What each stack runs: (its ZeRO stages, why: its code)."""
 
 PIPELINE_MAX: dict[str, tuple[int, str]] = {

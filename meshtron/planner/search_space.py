@@ -141,10 +141,11 @@ class SearchSpace:
         self.ep_ok = runs_ep(framework)
         if k.ep is not None and k.ep > 1 and not self.ep_ok:
             raise UserError(f"plan.ep={k.ep}: framework {framework.label} has no expert "
-                             "parallelism (frameworks.py: megatron@2024, torchtitan@2025, "
-                             "deepspeed@2024 and meshtron run it); use ep=1")
+                             "parallelism priced (frameworks.py: meshtron, torchtitan@2025, "
+                             "megatron@2024, megatron-bridge@2025 and deepspeed@2024 price it); "
+                             "use ep=1")
         if model.is_moe and not k.ep and not self.ep_ok:
-            self.notes.append(f"expert parallelism left out: {framework.label} has none "
+            self.notes.append(f"expert parallelism left out: {framework.label} has none priced "
                               "(ep=1: every rank holds every expert)")
 
     def _nearer_split(self, fixed: dict[str, Any]) -> str | None:

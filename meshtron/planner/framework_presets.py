@@ -1,0 +1,266 @@
+"""The software-stack presets `meshtron plan --framework NAME[@ERA]` names: the `Framework`
+record and one instance per stack and era. What each preset states, and from which code, is
+told in planner/frameworks.py's module docstring (the user-facing list); the comments here say
+why a field differs from the preset it is derived from."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory import MemoryOptions
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One software stack as the cost model sees it."""
+
+    name: str
+    """Preset name, e.g. 'megatron'."""
+    era: str
+    """Era (version family) of the preset, e.g. '2024'."""
+    models: str
+    """The version of the software this preset models."""
+    source: str
+    """Where its choices come from (code paths, documentation)."""
+    kernel: KernelOptions
+    """Time-side choices (fusion, overlap, gradient reduction timing, pipeline engine)."""
+    memory: MemoryOptions
+    """Memory-side choices (what the framework allocates); dtype is the plan's."""
+    reduce_dtype: str = "fp32"
+    """Gradient reduction dtype the stack uses unless the plan fixes one."""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """Options changed from the preset by an [options] table, in file order."""
+    expert_parallel: str = ""
+    """How the stack runs expert parallelism of mixture-of-experts models (what its code
+    does); empty: it has none, and plans with ep > 1 are refused by name."""
+
+    @property
+    def label(self) -> str:
+        extra = f" +{len(self.overrides)} option(s)" if self.overrides else ""
+        return f"{self.name}@{self.era}{extra}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON: the preset, its source and every option value the cost model used."""
+        return {"name": self.name, "era": self.era, "models": self.models,
+                "source": self.source, "reduce_dtype": self.reduce_dtype,
+                "expert_parallel": self.expert_parallel,
+                "overrides": dict(self.overrides),
+                "kernel": dataclasses.asdict(self.kernel),
+                "memory": {k: v for k, v in dataclasses.asdict(self.memory).items()
+                           if k not in ("dtype", "split_priced")}}
+
+
+_MESHTRON = Framework(
+    "meshtron", "2026", "meshtron's runtime (this repository)",
+    "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
+    KernelOptions(), MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
+    "fp32",
+    expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
+                    "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
+                    "dispatch/combine on the compute stream (exposed), experts FSDP-sharded "
+                    "over dp_shard/ep (ZeRO-2/3) or reduced over the dp/ep replicas (ZeRO-0/1)")
+_TORCHTITAN = Framework(
+    "torchtitan", "2025", "pytorch/torchtitan main, 2025 (FSDP2, torch.compile off by default)",
+    "torchtitan/models/llama3/infra/parallelize.py; torchtitan/config/job_config.py "
+    "(mixed_precision_param bfloat16, mixed_precision_reduce float32, activation_checkpoint "
+    "selective_ac_option 'op')",
+    KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=True, cp_overlap=True,
+                  torch_ring=True, complex_rope=True,
+                  fp8_filter="all", fp8_scaling="torchao-tensorwise",
+                  separate_projections=True,
+                  # models/deepseek_v3/model/model.py hands SDPA / flex V at v_head_dim
+                  v_width="native"),
+    MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
+                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan"), "fp32",
+    expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
+                    "token dispatch, not overlapped by default), ParallelDims ep folded over "
+                    "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")
+_MEGATRON_2021 = Framework(
+    "megatron", "2021", "Megatron-LM PTD-P (Narayanan et al. 2021, SC'21)",
+    "NVIDIA/Megatron-LM 2021: megatron/arguments.py (bf16 forces "
+    "accumulate_allreduce_grads_in_fp32), megatron/model/fused_softmax.py, "
+    "megatron/p2p_communication.py (scatter/gather)",
+    KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
+                  fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
+                  fp8_scaling="te-delayed",
+                  v_width="native"),  # unfused: two batched GEMMs take any head sizes
+    MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none",
+                  zero_stages="megatron-2021"),
+    "fp32")
+# gradient accumulation fusion arrived in Megatron-LM in February 2022 (commit 83b1e42f30): the
+# 2021 tree adds every micro-batch's gradient to main_grad in a backward hook of its own
+_MEGATRON_2024 = Framework(
+    "megatron", "2024", "Megatron-Core 0.8-0.12 / NeMo 2.0 (Transformer Engine 1.x)",
+    "NVIDIA/Megatron-LM docs/source/api-guide/distrib_optimizer.md, "
+    "megatron/core/distributed/param_and_grad_buffer.py (overlap_grad_reduce, "
+    "overlap_param_gather), megatron/core/tensor_parallel/layers.py + TE userbuffers "
+    "(tp_comm_overlap), megatron/core/transformer/attention.py + TE context parallelism "
+    "(p2p ring); NVIDIA/NeMo nemo/collections/llm/recipes/precision/mixed_precision.py "
+    "(grad_reduce_in_fp32)",
+    KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
+                  fp32_grad_reduce=True, stack="fused", sharding="zero", tp_comm_overlap=False,
+                  cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
+                  grad_accum_fusion=True,
+                  megatron_linear=True, p2p_overlap=True,
+                  # megatron/core/transformer/multi_latent_attention.py: TE's DotProductAttention
+                  # with k_channels = qk head, v_channels = v_head_dim (cuDNN fused attention)
+                  v_width="native"),
+    MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
+                  host_offload="mcore-optimizer", zero_stages="megatron-core"), "fp32",
+    expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
+                    "token dispatcher, grouped GEMM; expert tensor parallelism "
+                    "expert_tensor_parallel_size is not priced: tp=1 for MoE); A2A overlap "
+                    "(overlap_moe_expert_parallel_comm) off unless set: ep_overlap option")
+_DEEPSPEED_2021 = Framework(
+    "deepspeed", "2021", "DeepSpeed 0.3.15 (April 2021) with Megatron-DeepSpeed",
+    "microsoft/DeepSpeed v0.3.15: deepspeed/runtime/zero/stage3.py, partition_parameters.py "
+    "(_allgather_param, _reduce_scatter_gradients), constants.py; deepspeed/runtime/pipe/"
+    "engine.py (blocking p2p; activations split over the tensor group, is_pipe_partitioned; "
+    "gradients sent whole, is_grad_partitioned False; ZeRO-1 all-reduced, _exec_reduce_grads)",
+    KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
+                  separate_projections=False,  # fused QKV and fc1 GEMMs
+                  fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_grads_whole=True,
+                  p2p_blocking=True, zero1_all_reduce=True,  # the pipe engine's all-reduce
+                  stack="fused", sharding="zero", shard_units_per_layer=4,
+                  reduce_units_per_layer=12, prefetch_params=5e7, max_live_params=1e9,
+                  live_embedding=True,
+                  recompute_regathers=True, list_collectives=True, fp8_filter="all",
+                  v_width="native"),  # unfused: two batched GEMMs take any head sizes
+    MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
+                  host_offload="zero-offload-2021", zero_stages="deepspeed"), "bf16")
+_DEEPSPEED_2024 = Framework(
+    "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
+    "microsoft/DeepSpeed: deepspeed/runtime/zero/parameter_offload.py and "
+    "partitioned_param_coordinator.py (per-submodule fetch, prefetch bucket), "
+    "deepspeed/runtime/zero/config.py (stage3_prefetch_bucket_size 5e7, overlap_comm), "
+    "docs/_pages/config-json.md (communication_data_type), deepspeed/runtime/pipe/engine.py",
+    KernelOptions(attention="flash", dropout=False, overlap_grad_reduce=True,
+                  # pipe/engine.py: is_pipe_partitioned = is_grad_partitioned =
+                  # is_model_parallel (since DeepSpeed#1407, v0.5.4)
+                  fp32_grad_reduce=False, p2p_scatter_gather=True, p2p_blocking=True,
+                  stack="eager", sharding="zero", shard_units_per_layer=7,
+                  prefetch_params=5e7, max_live_params=1e9, recompute_regathers=True,
+                  # Hugging Face's DeepseekV3Attention pads V to the q/k head for flash-attn 2
+                  fp8_filter="all", v_width="padded"),
+    MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
+                  gqa_copies=True, pipeline_split="deepspeed-parameters",
+                  host_offload="zero-offload", zero_stages="deepspeed"), "bf16",
+    expert_parallel="DeepSpeed-MoE (deepspeed/moe/layer.py, sharded_moe.py: ep_size, "
+                    "_AllToAll dispatch and combine, not overlapped)")
+
+
+# torchtitan of December 2024 (the TT24 benchmarks' tree): the 2025 preset's FSDP2 stack with
+# foreach AdamW (torchtitan/optimizer.py: `--optimizer.fused` off until pytorch/torchtitan#881,
+# February 2025) and its own Python RMSNorm (norms.py, replaced by torch.nn.RMSNorm in #985,
+# March 2025); no expert parallelism yet (torchtitan/distributed/expert_parallel.py came in 2025)
+_TORCHTITAN_2024 = dataclasses.replace(
+    _TORCHTITAN, era="2024",
+    models="pytorch/torchtitan main, December 2024 (FSDP2, torch.compile off by default)",
+    source="torchtitan/parallelisms/parallelize_llama.py, torchtitan/optimizer.py (foreach "
+           "AdamW), torchtitan/models/norms.py (Python RMSNorm), torchtitan/config_manager.py",
+    kernel=dataclasses.replace(_TORCHTITAN.kernel, optimizer="foreach", eager_norm="python"),
+    expert_parallel="")
+# Megatron-Core 0.15-0.16 (pyproject.toml pins of Megatron-Bridge v0.2.0 and v0.3.0)
+# as Megatron-Bridge's library recipes configure it (src/megatron/bridge/recipes/llama/
+# llama3.py `_llama3_common` and the 70B/405B recipes): everything megatron@2024 states, plus
+# - TE userbuffers TP overlap: every recipe with tp > 1 passes CommOverlapConfig(
+#   tp_comm_overlap=True, ...) (training/comm_overlap.py drops it without sequence parallel);
+# - FP8 as the library's tested Hopper recipe bf16_with_fp8_current_scaling_mixed
+#   (training/mixed_precision.py: fp8_recipe 'tensorwise', fp8_param_gather True);
+# - DistributedDataParallelConfig(check_for_nan_in_grad=True, average_in_collective=True): one
+#   norm pass over each gradient bucket before it is reduced (grad_bucket_passes 1);
+# - Megatron-Core >= 0.13's weighted SwiGLU for MoE experts (moe_weighted_act).
+# grad_reduce_in_fp32 True (bf16_mixed and the recipe's DDP config), overlap_grad_reduce,
+# overlap_param_gather, the distributed optimizer, gradient accumulation fusion, masked-softmax
+# and cross-entropy fusion (models/gpt_provider.py defaults; cross_entropy_fusion_impl 'te')
+# and overlap_p2p_comm under the interleaved schedule (comm_overlap.py) are megatron@2024's.
+_MEGATRON_BRIDGE = Framework(
+    "megatron-bridge", "2025",
+    "Megatron-Core 0.15-0.16 through NVIDIA-NeMo/Megatron-Bridge v0.2.0-v0.3.0 library "
+    "recipes (NeMo containers 25.11, 26.02; Transformer Engine 2.9-2.12)",
+    "NVIDIA-NeMo/Megatron-Bridge v0.2.0: src/megatron/bridge/recipes/llama/llama3.py "
+    "(_llama3_common: DistributedDataParallelConfig, cross_entropy_fusion_impl 'te'; 70B/405B "
+    "CommOverlapConfig(tp_comm_overlap=True)), training/mixed_precision.py (bf16_mixed, "
+    "bf16_with_fp8_current_scaling_mixed), training/comm_overlap.py, models/gpt_provider.py",
+    dataclasses.replace(_MEGATRON_2024.kernel, tp_comm_overlap=True, fp8_scaling="te-current",
+                        fp8_param_gather=True, grad_bucket_passes=1),
+    dataclasses.replace(_MEGATRON_2024.memory, moe_weighted_act=True), "fp32",
+    expert_parallel="Megatron-Core megatron/core/transformer/moe/ (expert_model_parallel_"
+                    "size, alltoall token dispatcher, grouped GEMM; expert tensor parallelism "
+                    "not priced: tp=1 for MoE); A2A overlap (overlap_moe_expert_parallel_comm) "
+                    "off unless set: ep_overlap option")
+# NVIDIA-NeMo/Automodel v0.2.0 (December 2025), its train_ft recipe with FSDP2Manager over a
+# Hugging Face model: MixedPrecisionPolicy(param bf16, reduce bf16) (components/distributed/
+# fsdp2.py), MaskedCrossEntropy with fp32_upcast (components/loss/masked_ce.py; 89 of the 93
+# example YAMLs), torch.compile only with a `compile` section, flash_attention_2 as the HF
+# attention (flash-attn takes grouped K/V as they are: no repeat_kv copies), Hugging Face's
+# separate q/k/v and gate/up Linears, RoPE by rotate_half (real), torch.optim Adam/AdamW at
+# their CUDA default (foreach), context parallelism through torch's experimental
+# context_parallel ring (components/distributed/cp_utils.py); activation checkpointing off by
+# default (FSDP2Manager.activation_checkpointing False; `--recompute` picks). Fields not read:
+# FP8 (fp8_filter, fp8_scaling), Liger's fused RMSNorm/SwiGLU (use_liger_kernel at tp = cp = 1,
+# not priced), expert parallelism (components/moe/: not priced, ep > 1 refused). ZeRO 0 (DDPManager)
+# or 3 (blocks resharded after forward: parallelizer.py), plan_rules_zero 'automodel'.
+_NEMO_AUTOMODEL = Framework(
+    "nemo-automodel", "2025",
+    "NVIDIA-NeMo/Automodel v0.2.0 (FSDP2 over Hugging Face models, eager)",
+    "NVIDIA-NeMo/Automodel v0.2.0: nemo_automodel/components/distributed/fsdp2.py "
+    "(FSDP2Manager mp_policy, activation_checkpointing False, offload_policy), "
+    "components/loss/masked_ce.py (fp32_upcast), _transformers/auto_model.py "
+    "(attn_implementation flash_attention_2), recipes/llm/train_ft.py (compile only if set), "
+    "components/distributed/cp_utils.py (torch context_parallel)",
+    KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=False, cp_overlap=True,
+                  torch_ring=True, optimizer="foreach"),
+    MemoryOptions(framework="fsdp2", loss="eager", host_offload="fsdp2", zero_stages="automodel"),
+    "bf16")
+# GPT-NeoX (EleutherAI/gpt-neox of April 2022, 450b58c4, the 20B release; DeeperSpeed
+# eb7f5cff, DeepSpeed 0.3.15's engine): deepspeed@2021's pipeline engine and ZeRO, but the
+# softmax and bias-GeLU fusions off (neox_args.py defaults, and every shipped config but
+# 20B.yml: scaled-upper-triang-masked-softmax-fusion / bias-gelu-fusion false: eager
+# kernels), dropout 0 in every shipped config (the code's default 0.1 is not what its
+# configs run), and gpt_j_residual's one all-reduce of the summed attention and MLP outputs
+# for a parallel-residual model (residual_reduce_once; gpt_j_residual is the model's flag).
+_GPT_NEOX = dataclasses.replace(
+    _DEEPSPEED_2021, name="gpt-neox", era="2022",
+    models="EleutherAI/gpt-neox April 2022 (DeeperSpeed, DeepSpeed 0.3.15 engine)",
+    source="EleutherAI/gpt-neox 450b58c4: megatron/neox_arguments/neox_args.py (fusions off, "
+           "pipe_partition_method), configs/*.yml (hidden-dropout 0, fusions false but "
+           "20B.yml), megatron/model/transformer.py (gpt_j_residual); requirements "
+           "DeeperSpeed eb7f5cff",
+    kernel=dataclasses.replace(_DEEPSPEED_2021.kernel, dropout=False, stack="eager",
+                               residual_reduce_once=True))
+# llm-foundry (mosaicml/llm-foundry) on Composer with PyTorch FSDP (FSDP1), as its benchmark
+# YAMLs run it (scripts/train/benchmarking): amp_bf16 with FSDP mixed precision DEFAULT, the
+# MPT model's flash-attn fused cross-entropy (loss_fn fused_crossentropy: the gradient
+# overwrites the logits), Composer's DecoupledAdamW; the kernels and their citations are
+# bench/published/stacks.py LLM_FOUNDRY_AMP (2024: Composer 0.17.2, reduce_dtype fp32) and
+# LLM_FOUNDRY_AMP_2023 (2023: Composer 0.16.3, reduce in bf16). Precision 'PURE' is the
+# option pair fp32_grad_reduce = false, reduce_dtype = "bf16".
+_LLM_FOUNDRY_2024 = Framework(
+    "llm-foundry", "2024",
+    "mosaicml/llm-foundry January 2024 main on Composer 0.17.2 (PyTorch FSDP, amp_bf16)",
+    "mosaicml/composer 0.17.2 composer/trainer/mosaic_fsdp_utils.py (get_mixed_precision "
+    "DEFAULT: param bf16, reduce fp32), composer/optim/decoupled_weight_decay.py; "
+    "llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn fused_crossentropy)",
+    KernelOptions(fp32_grad_reduce=True, separate_projections=False, stack="eager",
+                  optimizer="for-loop"),
+    MemoryOptions(framework="fsdp2", loss="inplace", host_offload="composer",
+                  zero_stages="composer"), "fp32")
+_LLM_FOUNDRY_2023 = dataclasses.replace(
+    _LLM_FOUNDRY_2024, era="2023",
+    models="mosaicml/llm-foundry v0.3.0 (September 2023) on Composer 0.16.3 (amp_bf16)",
+    source="mosaicml/composer 0.16.3 mosaic_fsdp_utils.py: DEFAULT leaves reduce_dtype None, "
+           "which FSDP1 reads as param_dtype bf16 (composer#2047 to #2628)",
+    kernel=dataclasses.replace(_LLM_FOUNDRY_2024.kernel, fp32_grad_reduce=False),
+    reduce_dtype="bf16")
+
+PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
+    _MESHTRON, _TORCHTITAN_2024, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _MEGATRON_BRIDGE,
+    _NEMO_AUTOMODEL, _DEEPSPEED_2021, _DEEPSPEED_2024, _GPT_NEOX, _LLM_FOUNDRY_2023,
+    _LLM_FOUNDRY_2024)}
+"""Every preset by NAME@ERA."""

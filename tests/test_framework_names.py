@@ -1,0 +1,146 @@
+"""The stacks users name with `meshtron plan --framework NAME[@ERA]` (planner/frameworks.py):
+each name through the command as a user types it, the one-line refusal of a name that is
+none, and the published rows that price those stacks taking them from the presets, with
+only their per-run settings as options (so the rows and the command line cannot drift)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtron.planner.frameworks import resolve, with_options
+from testkit.plan_cli import plan_cli  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+L8 = ("--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64",
+      "--seq-len", "8192", "--json", "--top", "1")
+
+
+@pytest.mark.parametrize("name, key, facts", [
+    ("megatron-bridge", "megatron-bridge@2025",
+     {"tp_comm_overlap": True, "fp8_scaling": "te-current", "fp8_param_gather": True,
+      "grad_bucket_passes": 1, "fp32_grad_reduce": True}),
+    ("nemo-automodel", "nemo-automodel@2025",
+     {"stack": "eager", "sharding": "fsdp", "fp32_grad_reduce": False, "optimizer": "foreach"}),
+    ("automodel", "nemo-automodel@2025", {"torch_ring": True}),
+    ("llm-foundry", "llm-foundry@2024",
+     {"optimizer": "for-loop", "fp32_grad_reduce": True, "separate_projections": False}),
+    ("llm-foundry@2023", "llm-foundry@2023", {"fp32_grad_reduce": False}),
+    ("megatron-deepspeed", "deepspeed@2021",
+     {"p2p_blocking": True, "zero1_all_reduce": True, "p2p_grads_whole": True}),
+    ("gpt-neox", "gpt-neox@2022",
+     {"stack": "eager", "dropout": False, "residual_reduce_once": True}),
+    ("torchtitan@2024", "torchtitan@2024", {"optimizer": "foreach", "eager_norm": "python"}),
+])
+def test_each_stack_name_prices_a_plan(plan_cli, name, key, facts):  # noqa: F811
+    rc, out, err = plan_cli(*L8, "--framework", name)
+    assert rc == 0, err
+    doc = json.loads(out)
+    fw = doc["framework"]
+    assert f"{fw['name']}@{fw['era']}" == key
+    assert {k: fw["kernel"][k] for k in facts} == facts
+    assert fw["reduce_dtype"] == ("fp32" if fw["kernel"]["fp32_grad_reduce"] else "bf16")
+    assert doc["plans"] and doc["plans"][0]["step_time_s"] > 0
+
+
+def test_the_stacks_memory_is_what_their_code_keeps(plan_cli):  # noqa: F811
+    rc, out, _ = plan_cli(*L8, "--framework", "nemo-automodel")
+    mem = json.loads(out)["framework"]["memory"]
+    # MaskedCrossEntropy(fp32_upcast=True) casts the whole logits; flash-attn 2 takes
+    # grouped K/V as they are
+    assert rc == 0 and mem["loss"] == "eager" and mem["gqa_copies"] is False
+    rc, out, _ = plan_cli(*L8, "--framework", "llm-foundry")
+    assert rc == 0 and json.loads(out)["framework"]["memory"]["loss"] == "inplace"
+
+
+def test_a_name_that_is_none_is_refused_in_one_line_naming_the_stacks(plan_cli):  # noqa: F811
+    rc, out, err = plan_cli(*L8, "--framework", "megatron-brige")
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "framework='megatron-brige'" in lines[0]
+    for name in ("megatron-bridge", "nemo-automodel", "llm-foundry", "gpt-neox",
+                 "megatron-deepspeed", "torchtitan@2024"):
+        assert name in lines[0]
+
+
+def test_an_era_a_stack_never_had_is_refused(plan_cli):  # noqa: F811
+    rc, _, err = plan_cli(*L8, "--framework", "megatron-bridge@2021")
+    assert rc == 2 and "framework='megatron-bridge@2021': allowed values" in err
+
+
+def test_performance_mode_is_an_options_table_on_the_preset(tmp_path):
+    f = tmp_path / "perf.toml"
+    f.write_text('framework = "megatron-bridge"\n[options]\ngrad_bucket_passes = 0\n'
+                 'fp32_grad_reduce = false\nreduce_dtype = "bf16"\n')
+    fw = resolve(None, f)
+    assert fw.label == "megatron-bridge@2025 +3 option(s)" and fw.reduce_dtype == "bf16"
+    assert fw.kernel.grad_bucket_passes == 0 and fw.kernel.tp_comm_overlap
+
+
+# the rows of bench/published that price a nameable stack: (row-name prefix, preset the table's
+# command line uses, the options a row may add to it: its run's own settings)
+ROW_STACKS = [
+    ("LF ", ("llm-foundry@2024", "llm-foundry@2023"), {"flash_unpad", "flash_isa"}),
+    ("MT-NLG ", ("deepspeed@2021",), set()),
+    ("GPT-NeoX ", ("gpt-neox@2022",), {"stack"}),
+    ("TT Llama3", ("torchtitan@2024",), {"stack"}),
+    ("TT 8B FSDP", ("torchtitan@2024",), {"stack"}),
+    ("TT 70B FSDP32", ("torchtitan@2024",), {"stack", "tp_comm_overlap"}),
+    ("TT 405B", ("torchtitan@2024",), {"stack", "tp_comm_overlap"}),
+    ("MB25.11 Llama3", ("megatron-bridge@2025",), {"grad_bucket_passes"}),
+    ("MB26.02 Llama3", ("megatron-bridge@2025",), {"grad_bucket_passes"}),
+    ("MB25.11 Qwen3", ("megatron-bridge@2025",),
+     {"grad_bucket_passes", "ep_overlap", "fp32_grad_reduce", "reduce_dtype",
+      "expert_imbalance", "fp8_param_gather"}),
+    ("MB26.02 Qwen3", ("megatron-bridge@2025",),
+     {"grad_bucket_passes", "ep_overlap", "fp32_grad_reduce", "reduce_dtype",
+      "expert_imbalance", "fp8_param_gather"}),
+]
+# what every row's memory adds (PublishedRun.row_memory: K/V repeated per query head), and the
+# stack rules a row leaves unset (None: the preset's own, which the options file omits)
+ROW_ANY = {"gqa_copies"}
+
+
+def _published():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from planner_cli_table import _options_for
+
+        from bench.published.runs import published_runs
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return published_runs(), _options_for
+
+
+def test_published_rows_of_named_stacks_are_the_presets_plus_their_runs_settings():
+    runs, options_for = _published()
+    seen = {prefix: 0 for prefix, _, _ in ROW_STACKS}
+    for run in runs:
+        match = [s for s in ROW_STACKS if run.name.startswith(s[0])]
+        if not match:
+            continue
+        prefix, keys, allowed = match[0]
+        key, diff = options_for(run)
+        set_options = {k for k, v in diff.items() if v is not None}
+        assert key in keys, (run.name, key)
+        assert set_options <= allowed | ROW_ANY, (run.name, set_options - allowed - ROW_ANY)
+        # the row prices exactly what `--framework KEY --options ...` resolves to
+        fw = with_options(resolve(key), {k: v for k, v in diff.items() if v is not None})
+        assert fw.kernel == run.opts, run.name
+        seen[prefix] += 1
+    assert all(seen.values()), [p for p, n in seen.items() if not n]
+
+
+
+@pytest.mark.parametrize("name, flag, says", [
+    ("nemo-automodel", ("--zero", "2"), "NeMo Automodel (nemo-automodel)"),
+    ("llm-foundry", ("--offload", "optimizer"), "FSDP CPU Offload not supported yet"),
+])
+def test_what_a_named_stack_cannot_run_is_refused_by_its_code(plan_cli, name, flag,  # noqa: F811
+                                                               says):
+    rc, out, err = plan_cli(*L8, "--framework", name, *flag)
+    assert rc == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
