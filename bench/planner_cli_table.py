@@ -56,6 +56,8 @@ def _options_for(run) -> tuple[str, dict]:
     red = "fp32" if run.opts.fp32_grad_reduce else "bf16"
     best = None
     for key, fw in PRESETS.items():
+        if run.ep > 1 and not fw.expert_parallel:  # a preset that refuses the row's ep
+            continue
         diff = {k: v for k, v in kern.items() if getattr(fw.kernel, k) != v}
         fw_mem = dataclasses.asdict(fw.memory)
         # memory defaults that resolve to the same list/loss count as equal
