@@ -93,10 +93,10 @@ ROW_STACKS = [
     ("TT 405B", ("torchtitan@2024",), {"stack", "tp_comm_overlap"}),
     ("MB25.11 Llama3", ("megatron-bridge@2025",), {"grad_bucket_passes"}),
     ("MB26.02 Llama3", ("megatron-bridge@2025",), {"grad_bucket_passes"}),
-    ("MB25.11 Qwen3", ("megatron-bridge@2025",),
+    ("MB25.11 Qwen3 30B", ("megatron-bridge@2025",),
      {"grad_bucket_passes", "ep_overlap", "fp32_grad_reduce", "reduce_dtype",
       "expert_imbalance", "fp8_param_gather"}),
-    ("MB26.02 Qwen3", ("megatron-bridge@2025",),
+    ("MB26.02 Qwen3 30B", ("megatron-bridge@2025",),
      {"grad_bucket_passes", "ep_overlap", "fp32_grad_reduce", "reduce_dtype",
       "expert_imbalance", "fp8_param_gather"}),
 ]
