@@ -98,7 +98,8 @@ class Estimate:
                 price: float | None = None) -> dict[str, Any]:
         c = self.config
         d: dict[str, Any] = {
-            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "ep": c.ep, "zero": c.zero,
+            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "ep": c.ep,
+            "etp": getattr(c, "etp", None), "zero": c.zero,
             "micro_batch": c.micro_batch, "reduce_dtype": c.reduce_dtype,
             "accumulate_unsharded": c.accumulate_unsharded,
             "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
