@@ -149,3 +149,14 @@ def test_folded_dispatch_sends_the_sequence_shard():
     assert pair[0] > 0 and pair[1] > 0
     no_pair = moe_cost.a2a_time(moe_cost.a2a_bytes(t / 2, k, h, 2.0, 16), Group(16, 4), fab)
     assert etp2.a2a_fwd == pytest.approx(2 * no_pair + sum(pair))
+
+
+def test_megatron_default_etp_is_tp():
+    # one description: etp unset on Megatron-Core is its default expert_tensor_parallel_size =
+    # tp, so pricing it and pricing etp = tp give the same step and memory
+    fw = preset("megatron@2024")
+    ev = Evaluator(QWEN, resolve_cluster("dgx-h100:32"), 2048, 4096, fw.kernel, mem=fw.memory)
+    a, b = (ev.evaluate(Plan(2, 8, 16, 1, 1, "none", True, None, 1, ep=16, etp=x,
+                             dtype="bf16")) for x in (None, 2))
+    assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-12)
+    assert a.memory.total == pytest.approx(b.memory.total, rel=1e-12)

@@ -98,8 +98,7 @@ class Estimate:
                 price: float | None = None) -> dict[str, Any]:
         c = self.config
         d: dict[str, Any] = {
-            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "ep": c.ep,
-            "etp": getattr(c, "etp", None), "zero": c.zero,
+            "tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "ep": c.ep, "zero": c.zero,
             "micro_batch": c.micro_batch, "reduce_dtype": c.reduce_dtype,
             "accumulate_unsharded": c.accumulate_unsharded,
             "num_microbatches": self.num_microbatches, "recompute": c.recompute, "sp": c.sp,
@@ -112,6 +111,8 @@ class Estimate:
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "mfu": self.mfu, "hfu": self.hfu,
         }
+        if getattr(c, "etp", None) is not None:  # Megatron-Core's folding (Plan.etp)
+            d["etp"] = c.etp
         if tokens is not None and gpus is not None:
             d["days"] = self.days(tokens)
             d["gpu_hours"] = self.gpu_hours(tokens, gpus)
