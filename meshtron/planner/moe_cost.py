@@ -252,13 +252,15 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
 
 
-def folded(framework: str, ep: int) -> bool:
+def folded(framework: str, ep: int, etp: int | None = None) -> bool:
     """Whether the priced stack dispatches over Megatron-Core's folded expert grid
     (plan_rules_fields.EP_FOLDS: Megatron-Core >= 0.10's MoEAlltoAllTokenDispatcher, whose
-    groups are the expert grid's `ep_group` and `expt_tp`), with expert parallelism."""
+    groups are the expert grid's `ep_group` and `expt_tp`): with expert parallelism, or with
+    the plan's own etp (Plan.etp) at ep = 1. Megatron MoE at ep = 1 with the default etp keeps
+    the price it had (the experts' tp collectives there are not priced)."""
     from meshtron.planner.plan_rules_fields import EP_FOLDS
 
-    return framework in EP_FOLDS and ep > 1
+    return framework in EP_FOLDS and (ep > 1 or etp is not None)
 
 
 def folded_tokens(tokens: float, tp: int, etp: int, is_folded: bool) -> tuple[float, float]:
