@@ -64,6 +64,10 @@ def test_folding_refused_where_the_code_does_not_fold(capsys):
     line = _refusal(capsys, ARGS + ["--framework", "megatron@2024", "--layout",
                                     "tp=2,pp=8,dp=16,ep=32,etp=0"])
     assert "etp=0: must be a positive integer" in line
+    # Megatron-Core's MoE under tp trains with sequence parallelism only (moe_layer.py)
+    argv = [a if a != "on" else "off" for a in ARGS]
+    line = _refusal(capsys, argv + ["--framework", "megatron@2024", "--layout", FOLDED])
+    assert "plan.sp=false with plan.tp=2" in line
 
 
 def test_the_validity_function_by_stack():

@@ -128,7 +128,8 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     plan.etp; "data" where it does not; None: no stack named (a Plan read alone)."""
     out = list(field_problems(k))
     # meshtron's own stack says it in its runtime's words (ep_runtime_problems)
-    problem = None if runtime else ep_stack_problem(ep_rule, k.get("etp"))
+    problem = None if runtime else ep_stack_problem(
+        ep_rule, k.get("etp"), k.get("tp"), k.get("sp"), bool(getattr(model, "is_moe", False)))
     if problem:
         out.append(problem)
     g = k.get

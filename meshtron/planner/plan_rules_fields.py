@@ -256,9 +256,18 @@ def ep_rule(framework: str | None) -> str:
     return EP_FOLDS.get(framework or "", "data")
 
 
-def ep_stack_problem(rule: str | None, etp: int | None) -> str | None:
+def ep_stack_problem(rule: str | None, etp: int | None, tp: int | None = None,
+                     sp: bool | None = None, moe: bool = False) -> str | None:
     """A plan with `etp` on a stack that does not fold ep over the tensor ranks (`rule`:
-    ep_rule(MemoryOptions.framework); None: no stack named, as a Plan read alone)."""
+    ep_rule(MemoryOptions.framework); None: no stack named, as a Plan read alone); on the
+    folding stack, a mixture of experts under tp > 1 without sequence parallelism, which
+    Megatron-Core refuses to train (moe_layer.py MoELayer.forward: "performance may degrade
+    if MoE and tensor parallelism are enabled without also enabling sequence parallelism",
+    a ValueError; the folded dispatcher's price assumes each tp rank's own T/tp tokens)."""
+    if rule == "tp" and moe and sp is False and (tp or 1) > 1:
+        return (f"plan.sp=false with plan.tp={tp}: Megatron-Core trains a mixture of experts "
+                "under tensor parallelism only with sequence parallelism (moe_layer.py); use "
+                "sp=true")
     if etp is not None and rule == "data":
         return (f"plan.etp={etp}: the priced stack folds expert parallelism over the data x "
                 "context ranks only and has no expert tensor parallelism of its own; leave etp "

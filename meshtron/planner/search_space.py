@@ -411,6 +411,8 @@ class SearchSpace:
     def sps(self, tp: int) -> list[bool]:
         if self.knobs.sp is not None:
             return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
+        if tp > 1 and self.ep_rule == "tp" and self.model.is_moe:
+            return [True]  # Megatron-Core's MoE under tp (plan_rules.ep_stack_problem)
         return [False, True] if tp > 1 else [False]
 
     def zeros(self, dp: int, cp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1) -> list[int]:
