@@ -94,7 +94,8 @@ def _args(run, d: Path) -> list[str] | None:
             "--layout", f"tp={run.tp},cp={run.cp},pp={run.pp},dp={run.dp}"
                         # a mixture of experts' ep is open unless given where dp x cp > 1
                         # (pinned.layout_pinned: one layout left to the search)
-                        + (f",ep={run.ep}" if run.ep > 1 or run.model.is_moe else ""),
+                        + (f",ep={run.ep}" if run.ep > 1 or run.model.is_moe else "")
+                        + (f",etp={run.etp}" if run.etp is not None else ""),
             "--zero", str(run.zero),
             "--sp", "on" if run.sp else "off", "--dtype", run.dtype, "--json", "--top", "1",
             "--offload", "none"]  # no published row offloads to the host

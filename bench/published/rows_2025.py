@@ -159,6 +159,11 @@ def megatron_bridge_moe() -> list[PublishedRun]:
             preset_cluster("dgx-h100", gpus // 8), gbs, 4096, tp, pp, dp, 1, "none", tp > 1,
             _qwen_kernel(a2a, tpo and tp > 1), "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, ep=ep,
+            # the recipes' expert_tensor_parallel_size, 1 (fa0315ae2: scripts/performance/
+            # configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml h100 num_gpus_256 "etp: 1", set
+            # by utils/helpers.py; later tags: configs/qwen BASE_QWEN3_235B_A22B_CONFIG):
+            # ep folded over tp x dp (Megatron-Core's folding); at tp 1 the stack's own
+            etp=1 if tp > 1 else None,
             dtype="fp8", memory=mem, confident=False,
             note=f"micro-batch {mbs}, TP {tp}, PP {pp}, VP {vp or '-'}, EP {ep} as published; "
                  f"{what}; no recomputation, bf16 reduction (set_qwen3_common_configs). "
@@ -176,6 +181,9 @@ def megatron_bridge_moe() -> list[PublishedRun]:
         preset("deepseek-v3").replace(mtp_depth=1), preset_cluster("dgx-h100", 128), 8192, 4096,
         2, 8, 64, 1, "selective", True, dsv3, "tokens_per_gpu", 1297.0, micro_batches=(1,),
         schedules=("interleaved",), virtual_stages=4, ep=64, dtype="fp8",
+        # fa0315ae2: scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml h100
+        # num_gpus_1024 "etp: 1" (and recipes/deepseek/deepseek_v3.py model_config's 1)
+        etp=1,
         memory=MemoryOptions(framework="megatron", recompute_up_proj=True, bf16_moments=True,
                              moe_weighted_act=True), confident=False,
         note="TP 2, PP 8, VP 4, EP 64, micro-batch 1, GBS 8192 as published; DeepEP force-"

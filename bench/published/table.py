@@ -128,6 +128,9 @@ class PublishedRun:
     ep: int = 1
     """Expert-parallel degree (mixtures of experts; folded over dp x cp, not a factor of the
     GPUs)."""
+    etp: int | None = None
+    """Expert tensor-parallel degree the run's recipe sets (Megatron-Core's folding: ep * etp
+    divides tp x cp x dp; Plan.etp); None: the stack's own."""
     regression: str = ""
     """Where the software's own maintainers say the figure measures a performance regression
     they then fixed (an issue or release note): such rows stay in the table and are reported
@@ -151,6 +154,7 @@ class PublishedRun:
         z = f" zero={self.zero}" if self.zero else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
+        ep += f" etp={self.etp}" if self.etp is not None else ""
         return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep}{z}"
 
 
@@ -214,7 +218,7 @@ def _candidates(run: PublishedRun, recompute: str) -> list[Plan]:
         for sched, v in scheds:
             plans.append(Plan(run.tp, run.pp, run.dp, run.zero, mb, recompute, run.sp, sched, v,
                               dp_replicate=run.dp_replicate, dtype=run.dtype, cp=run.cp,
-                              ep=run.ep,
+                              ep=run.ep, etp=run.etp,
                               attention=run.opts.attention,
                               reduce_dtype="fp32" if run.opts.fp32_grad_reduce else "bf16"))
     return plans

@@ -53,8 +53,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tokens", default="1T",
                    help="training budget in tokens for days / GPU-hours, e.g. 15T, 300B, 2e12")
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
-    p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep: e.g. tp=8,cp=2,pp=16,dp=64 "
-                                    "or tp=1,pp=16,dp=128,ep=64 (ep folds over dp x cp); "
+    p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep, etp: e.g. "
+                                    "tp=8,cp=2,pp=16,dp=64 or tp=1,pp=16,dp=128,ep=64 (ep "
+                                    "folds over dp x cp); etp (megatron@2024 only: "
+                                    "Megatron-Core's expert tensor parallelism) folds ep over "
+                                    "tp x cp x dp, ep*etp dividing them, e.g. "
+                                    "tp=2,pp=8,dp=16,ep=32,etp=1; "
                                     "when the knobs leave one layout (axes not given count as "
                                     "fixed where the GPU count allows one value) it is pinned: "
                                     "priced even when predicted not to fit")
@@ -173,7 +177,9 @@ MOE_NOTE = ("mixture of experts: memory counts every expert (E/ep per rank under
             "parallelism), compute the active ones as grouped GEMMs of the per-expert rows, "
             "routing imbalance {imb:g} (max/mean rank load; framework option "
             "expert_imbalance), expert all-to-alls by where the ep group sits "
-            "(planner/moe_cost.py); tensor parallelism of MoE models is not priced (tp=1)")
+            "(planner/moe_cost.py); the experts under tensor parallelism as the stack runs "
+            "them (meshtron: replicated over tp; Megatron-Core: split over etp, tp unless "
+            "--layout gives etp, which folds ep over tp x cp x dp)")
 
 
 def long_sequence_note(model, seq: int) -> str:

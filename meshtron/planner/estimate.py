@@ -191,12 +191,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         ep = cfg.ep
         c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = self._micro(tp, mb, cfg.sp, rec,
                                                                           cp, cfg.dtype, ep,
-                                                                          cfg.fp8_recipe)
+                                                                          cfg.fp8_recipe,
+                                                                          cfg.etp)
         head = self.head_for(cfg, head)
         window = self._cache[("window", tp, mb, cfg.sp, rec, cp, cfg.dtype, ep, cfg.fp8_recipe)]
-        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep, tp, window)[2]
+        ep_l = self._moe(mb, rec, cp, cfg.dtype, ep, tp, window, cfg.etp)[2]
         mem_opts, act, work, logits = self._memory_pieces(tp, mb, cfg.sp, rec, cfg.dtype, cp,
-                                                          ep, pp, cfg.fp8_recipe)
+                                                          ep, pp, cfg.fp8_recipe, cfg.etp)
         flags = self.dp_flags(cfg)
         # torch's zero bubble runs W as one autograd pass per parameter group, and a
         # checkpointed block recomputes its forward in each (zb_recompute.py)

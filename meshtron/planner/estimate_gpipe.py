@@ -229,7 +229,7 @@ class GPipeMoments:
             return 0.0, b
         cfg = w.cfg
         none = self._memory_pieces(w.tp, w.mb, cfg.sp, "none", cfg.dtype, w.cp, w.ep, w.pp,
-                                   cfg.fp8_recipe)[1]
+                                   cfg.fp8_recipe, cfg.etp)[1]
         return none, (b[0], b[1], b[2], w.work)
 
     def _looped_rank(self, w: Work, r: int, k: int, saved: float, inflight: list[float],
@@ -291,4 +291,4 @@ class GPipeMoments:
         stage's or chunk's last block frees before the checkpointed one is replayed."""
         cfg = w.cfg
         return self._memory_pieces(w.tp, w.mb, cfg.sp, "none", cfg.dtype, w.cp, w.ep, w.pp,
-                                   cfg.fp8_recipe)[1]
+                                   cfg.fp8_recipe, cfg.etp)[1]

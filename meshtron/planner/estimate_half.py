@@ -45,9 +45,10 @@ class HalfRecompute:
             return (0.0,) * len(mean)
         args = (cfg.tp, cfg.micro_batch, cfg.sp, "none", cfg.cp, cfg.dtype, cfg.ep,
                 cfg.fp8_recipe)
-        none = self._micro(*args)
+        none = self._micro(*args, cfg.etp)
         window = self._cache[("window", *args)]
-        a2a = self._moe(cfg.micro_batch, "none", cfg.cp, cfg.dtype, cfg.ep, cfg.tp, window)[2]
+        a2a = self._moe(cfg.micro_batch, "none", cfg.cp, cfg.dtype, cfg.ep, cfg.tp, window,
+                        cfg.etp)[2]
         base = (none.layer, none.layer_tp, none.layer_wgrad, a2a)
         return tuple(2.0 * (x - y) for x, y in zip(mean, base))
 
@@ -72,7 +73,7 @@ class HalfRecompute:
             return 0.0, None
         cfg = w.cfg
         none, full = (self._memory_pieces(w.tp, w.mb, cfg.sp, r, cfg.dtype, w.cp, w.ep, w.pp,
-                                          cfg.fp8_recipe) for r in ("none", "full"))
+                                          cfg.fp8_recipe, cfg.etp) for r in ("none", "full"))
         return memory_pipeline.half_odd_bytes(none[1], full[1]), none[2]
 
     def _half_blocks(self, w: Work, chunks: list[int], walk: bool = True, act: float = 0.0,

@@ -33,7 +33,8 @@ class StageMemories:
         tp, pp, ep, zero, shard_dp = w.tp, w.pp, w.ep, w.zero, w.shard_dp
         fsdp_zero1, accum = w.fsdp_zero1, w.accum
         p_layer, p_emb, p_head, largest, p_exp = self.block_params(tp, pp, ep,
-                                                                   mem_opts.framework)
+                                                                   mem_opts.framework,
+                                                                   cfg.etp)
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
         if fsdp_zero1 and accum:
@@ -47,7 +48,8 @@ class StageMemories:
         # over the dp*cp/ep ranks holding the same experts (moe_cost.py)
         e_states, e_moved = None, 0.0
         if ep > 1:
-            e_full = memory.state_bytes(zero, max(1, shard_dp // ep), self.grad_bytes, mem_opts)
+            e_full = memory.state_bytes(zero, moe_memory.expert_dp(cfg, shard_dp),
+                                        self.grad_bytes, mem_opts)
             if fsdp_zero1 and accum:  # as the dense states above: `accum` holds them
                 e_full = (e_full[0], 0.0, e_full[2])
             e_states = offload.device_states(cfg.offload, e_full, mem_opts.host_offload)
@@ -210,7 +212,7 @@ class StageMemories:
                 list(n) if v == 1 else pipeline_split.chunks(self.mem.split_rule, n, v,
                                                                cfg.schedule))
             moe_act, moe_work = self._moe_memory(w.tp, w.mb, cfg.sp, w.rec, self.seq // w.cp,
-                                                 w.mem_opts, w.ep, cfg.dtype)
+                                                 w.mem_opts, w.ep, cfg.dtype, cfg.etp)
             w.blocks = moe_memory.stage_pieces(model, cfg, chunks,
                                                (w.p_layer, w.p_exp, w.act, w.work), moe_act,
                                                moe_work, w.mem_opts.framework)

@@ -72,7 +72,8 @@ class CostPieces:
     cache self._cache (Evaluator.__init__)."""
 
     def _moe(self, mb: int, rec: str, cp: int, dtype: str, ep: int,
-             tp: int = 1, window: tuple[float, float] = (0.0, 0.0)) -> tuple[float, ...]:
+             tp: int = 1, window: tuple[float, float] = (0.0, 0.0),
+             etp: int | None = None) -> tuple[float, ...]:
         """Per average block and micro-batch: (extra compute fwd+bwd+recomputed, its forward
         part, exposed expert all-to-all fwd+bwd+recomputed, its forward part) of the MoE
         layers beyond their dense equivalent (moe_cost.py; their memory: `_moe_memory`),
@@ -80,26 +81,30 @@ class CostPieces:
         model. `tp`: where the ep group sits (ep data ranks tp apart: across nodes when
         tp * ep exceeds one, placement.ep_group). `window`: the dense equivalent layer's
         (forward, backward) compute, beside which an overlapping stack hides the all-to-alls
-        (moe_cost.overlapped_a2a); `_micro` passes it and keeps it for `evaluate`."""
+        (moe_cost.overlapped_a2a); `_micro` passes it and keeps it for `evaluate`. `etp`:
+        Plan.etp (Megatron-Core's folding: ep groups etp apart, each rank dispatching its own
+        sequence shard; None: the stack's own expert tp)."""
         model = self.model
         if not model.is_moe:
             return (0.0, 0.0, 0.0, 0.0)
-        key = ("moe", mb, rec, cp, dtype, ep, tp, window)
+        key = ("moe", mb, rec, cp, dtype, ep, tp, window, etp)
         hit = self._cache.get(key)
         if hit is None:
             o = self.opts
-            group = placement.ep_group(tp, ep, self.cluster.gpus_per_node)
+            stride = tp if etp is None else etp  # placement.expert_stride
+            group = placement.ep_group(stride, ep, self.cluster.gpus_per_node)
             # meshtron's routed experts stay bf16 in an FP8 run (torchao converts nn.Linear
             # only: planner/fp8.py); Transformer Engine's and DeepSeek's grouped GEMMs are FP8
             e_dtype = "bf16" if dtype == "fp8" and o.fp8_filter == "torchao" else dtype
             mc = moe_cost.moe_layer_cost(model, self.cluster, mb * self.seq / cp, ep, group,
                                          e_dtype, float(o.expert_imbalance), o.ep_overlap,
                                          o.ep_node_limit, o.stack, tp,
-                                         moe_memory.expert_tp(self.mem.framework, tp),
+                                         moe_memory.expert_tp(self.mem.framework, tp, etp),
                                          *window,
                                          moe_cost.per_expert_gemms(self.mem.framework),
                                          o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd,
-                                         o.ep_dispatch)
+                                         o.ep_dispatch,
+                                         moe_cost.folded(self.mem.framework, ep, etp))
             share = model.moe_layers / model.layers
             # forward replayed, on the mean (a part's own count: HalfRecompute.half_replay)
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)
@@ -122,8 +127,8 @@ class CostPieces:
                                        fp8_recipe)
 
     def _micro(self, tp: int, mb: int, sp: bool, rec: str, cp: int = 1, dtype: str = "bf16",
-               ep: int = 1, fp8_recipe: str = "rowwise"):
-        key = ("micro", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)
+               ep: int = 1, fp8_recipe: str = "rowwise", etp: int | None = None):
+        key = ("micro", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe, etp)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -152,7 +157,7 @@ class CostPieces:
         self._cache[("layer", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = lc
         window = (lc.fwd, lc.bwd)
         self._cache[("window", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = window
-        moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp, window)
+        moe_c, moe_f, a2a, a2a_f = self._moe(mb, rec, cp, dtype, ep, tp, window, etp)
         c_l, tpc_l, f_l = c_l + moe_c, tpc_l + a2a, f_l + moe_f + a2a_f
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
@@ -173,12 +178,13 @@ class CostPieces:
         return hit
 
     def _memory_pieces(self, tp: int, mb: int, sp: bool, rec: str, dtype: str, cp: int = 1,
-                       ep: int = 1, pp: int = 1, fp8_recipe: str = "rowwise"):
+                       ep: int = 1, pp: int = 1, fp8_recipe: str = "rowwise",
+                       etp: int | None = None):
         """(memory options, activations per layer, recompute working set, logits) in bytes for
         one micro-batch at the plan's dtype (memory.py); a context rank holds seq/cp tokens of
         each sequence (the unfused score matrix is then counted for seq/cp keys: a combination
         no context-parallel stack runs)."""
-        key = ("mem", tp, mb, sp, rec, dtype, cp, ep, pp > 1, fp8_recipe)
+        key = ("mem", tp, mb, sp, rec, dtype, cp, ep, pp > 1, fp8_recipe, etp)
         hit = self._cache.get(key)
         if hit is None:
             mem = self.mem
@@ -188,7 +194,7 @@ class CostPieces:
             seq = self.seq // cp
             args = (self.active, tp, sp, mb, seq, rec, self.opts, mem)
             kv = memory.gathered_kv_bytes(self.model, tp, mb, self.seq, cp, rec, self.opts, mem)
-            moe_act, moe_work = self._moe_memory(tp, mb, sp, rec, seq, mem, ep, dtype)
+            moe_act, moe_work = self._moe_memory(tp, mb, sp, rec, seq, mem, ep, dtype, etp)
             hit = MemoryPieces(mem, memory.activation_bytes(*args) + kv + moe_act,
                                # the (recomputed) block's backward: its own temporaries
                                # or an eager FP8 cast (memory_acts.backward_working_bytes)
@@ -199,7 +205,7 @@ class CostPieces:
         return hit
 
     def _moe_memory(self, tp: int, mb: int, sp: bool, rec: str, seq: int, mem, ep: int,
-                    dtype: str) -> tuple[float, float]:
+                    dtype: str, etp: int | None = None) -> tuple[float, float]:
         """(saved, recompute working set) bytes per average block and micro-batch of the MoE
         layers beyond their dense equivalent (moe_memory.py)."""
         def act(spec, r):
@@ -214,7 +220,8 @@ class CostPieces:
             mem.compute_bytes, mem.saved, rec, 1.0 if fp8 else None,
             shared_replicated=mem.framework == "fsdp2",
             dense_fp8=mem.saved == "korthikanti" and memory.te_fp8_inputs(o, mem),
-            weighted_act=mem.moe_weighted_act, mem=mem)
+            weighted_act=mem.moe_weighted_act, mem=mem,
+            etp=moe_memory.expert_tp(mem.framework, tp, etp))
 
     def _groups(self, cfg: Plan) -> dict[str, Any]:
         """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""

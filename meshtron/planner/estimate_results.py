@@ -111,6 +111,8 @@ class Estimate:
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "mfu": self.mfu, "hfu": self.hfu,
         }
+        if getattr(c, "etp", None) is not None:  # Megatron-Core's folding (Plan.etp)
+            d["etp"] = c.etp
         if tokens is not None and gpus is not None:
             d["days"] = self.days(tokens)
             d["gpu_hours"] = self.gpu_hours(tokens, gpus)

@@ -57,8 +57,8 @@ class StageCosts:
             mem, host=gib * per_node,
             host_capacity=None if cap is None else cap * HOST_USABLE_FRACTION)
 
-    def block_params(self, tp: int, pp: int, ep: int,
-                     framework: str) -> tuple[float, float, float, float, float]:
+    def block_params(self, tp: int, pp: int, ep: int, framework: str,
+                     etp: int | None = None) -> tuple[float, float, float, float, float]:
         """Parameters per tensor rank (block, embedding, head, largest matrix, a block's
         routed experts kept apart under expert parallelism): `_params`, with a MoE block's
         where the stack keeps them (moe_memory.block_params; ep = 1 folds the experts into
@@ -66,7 +66,7 @@ class StageCosts:
         p_layer, p_emb, p_head, largest = self._params(tp, pp)
         p_exp = 0.0
         if self.model.is_moe:
-            p_layer, p_exp = moe_memory.block_params(self.model, tp, pp, ep, framework)
+            p_layer, p_exp = moe_memory.block_params(self.model, tp, pp, ep, framework, etp)
             if ep == 1:
                 p_layer, p_exp = p_layer + p_exp, 0.0
         return p_layer, p_emb, p_head, largest, p_exp
@@ -181,7 +181,7 @@ class StageCosts:
             elements = self._stage_params(cfg, layers, stage) / shard
             if cfg.ep > 1:
                 experts = layers * moe_cost.expert_params_local(self.model, cfg.pp, cfg.ep)
-                elements += experts / max(1, shard // cfg.ep) - experts / shard
+                elements += experts / moe_memory.expert_dp(cfg, shard) - experts / shard
             # FSDP2 adds the reduced shard into `.grad` in the parameter's dtype
             acc = FSDP_GRAD_BYTES if self.opts.sharding == "fsdp" else flags["gsize"]
             return (m - 1) * 3.0 * acc * elements / self.hbm
@@ -227,14 +227,14 @@ class StageCosts:
         least the floor of its block count; cached per layer pieces and (pp, v, head rank)."""
         m = self.global_batch // (cfg.dp * cfg.micro_batch)
         key = ("step_floor", cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute, cfg.cp, cfg.dtype,
-               cfg.ep, cfg.fp8_recipe, cfg.pp, cfg.virtual_stages, cfg.schedule)
+               cfg.ep, cfg.fp8_recipe, cfg.etp, cfg.pp, cfg.virtual_stages, cfg.schedule)
         floor = self._cache.get(key)
         if floor is None:  # schedules that place the head alike share the floor
             head_rank = pipeline.head_rank(cfg.pp, cfg.virtual_stages, cfg.schedule)
             placed = ("rank_floor", *key[1:-1], head_rank)
             floor = self._cache.get(placed)
             if floor is None:
-                c_l, tpc_l, _, _, emb, head = self._micro(*key[1:9])[:6]
+                c_l, tpc_l, _, _, emb, head = self._micro(*key[1:10])[:6]
                 # `half`: one replayed block's seconds, an odd part's saving is half of it
                 c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
                 floor = self._cache[placed] = busiest_rank_floor(

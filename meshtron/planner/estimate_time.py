@@ -6,7 +6,8 @@ optimizer step and host offload.
 
 from __future__ import annotations
 
-from meshtron.planner import comm, offload, optimizer_loop, pipeline, pipeline_split, pipeline_zb
+from meshtron.planner import (comm, moe_memory, offload, optimizer_loop, pipeline,
+                              pipeline_split, pipeline_zb)
 from meshtron.planner.estimate_results import TimeBreakdown
 from meshtron.planner.estimate_work import Work
 
@@ -171,7 +172,8 @@ class StepTimes:
             local = params_i / shard_dp if zero >= 1 else params_i
             experts_i = k * p_exp
             if experts_i:
-                local += experts_i / max(1, shard_dp // ep) if zero >= 1 else experts_i
+                local += (experts_i / moe_memory.expert_dp(cfg, shard_dp) if zero >= 1
+                          else experts_i)
             host_gpu = max(host_gpu, params_i * w.moved + experts_i * w.e_moved)
             if cfg.offload == "none":
                 opt_t = max(opt_t, self.optimizer_step_s(local, k, first, last,

@@ -113,9 +113,11 @@ _MEGATRON_2024 = Framework(
     MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
                   host_offload="mcore-optimizer", zero_stages="megatron-core"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
-                    "token dispatcher, grouped GEMM; expert tensor parallelism "
-                    "expert_tensor_parallel_size is not priced: tp=1 for MoE); A2A overlap "
-                    "(overlap_moe_expert_parallel_comm) off unless set: ep_overlap option")
+                    "token dispatcher, grouped GEMM); MoE parallel folding (Megatron-Core "
+                    ">= 0.10.0, parallel_state.py's expert grid): ep folded over tp x cp x dp "
+                    "with expert_tensor_parallel_size (plan etp; default tp: ep over dp x "
+                    "cp); A2A overlap (overlap_moe_expert_parallel_comm) off unless set: "
+                    "ep_overlap option")
 _DEEPSPEED_2021 = Framework(
     "deepspeed", "2021", "DeepSpeed 0.3.15 (April 2021) with Megatron-DeepSpeed",
     "microsoft/DeepSpeed v0.3.15: deepspeed/runtime/zero/stage3.py, partition_parameters.py "
@@ -191,9 +193,10 @@ _MEGATRON_BRIDGE = Framework(
                         fp8_param_gather=True, grad_bucket_passes=1),
     dataclasses.replace(_MEGATRON_2024.memory, moe_weighted_act=True), "fp32",
     expert_parallel="Megatron-Core megatron/core/transformer/moe/ (expert_model_parallel_"
-                    "size, alltoall token dispatcher, grouped GEMM; expert tensor parallelism "
-                    "not priced: tp=1 for MoE); A2A overlap (overlap_moe_expert_parallel_comm) "
-                    "off unless set: ep_overlap option")
+                    "size, alltoall token dispatcher, grouped GEMM); MoE parallel folding: ep "
+                    "over tp x cp x dp with expert_tensor_parallel_size (plan etp; default tp); "
+                    "A2A overlap (overlap_moe_expert_parallel_comm) off unless set: ep_overlap "
+                    "option")
 # NVIDIA-NeMo/Automodel v0.2.0 (December 2025), its train_ft recipe with FSDP2Manager over a
 # Hugging Face model: MixedPrecisionPolicy(param bf16, reduce bf16) (components/distributed/
 # fsdp2.py), MaskedCrossEntropy with fp32_upcast (components/loss/masked_ce.py; 89 of the 93

@@ -154,7 +154,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    stack: str, tp: int = 1, etp: int = 1, window_fwd: float = 0.0,
                    window_bwd: float = 0.0, per_expert: bool = False,
                    fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
-                   fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16") -> MoeLayerCost:
+                   fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16",
+                   folded: bool = False) -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -170,7 +171,10 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     backward GEMMs promote their partial sums (compute.KernelOptions.fp8_split_accum_bwd:
     Transformer Engine's GroupedLinear takes the same _2X_ACC_DGRAD / _2X_ACC_WGRAD), so the
     backward's extra is priced with that kernel, as the dense equivalent's backward was.
-    `ep_dispatch`: what the all-to-alls toward the experts carry (`a2a_dtype_bytes`)."""
+    `ep_dispatch`: what the all-to-alls toward the experts carry (`a2a_dtype_bytes`).
+    `folded`: Megatron-Core's dispatcher over its folded expert grid (`folded`,
+    `folded_tokens`): each tp rank routes its own sequence shard, the etp group all-gathers
+    the received rows and reduce-scatters the experts' output (`etp_collectives`)."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
@@ -182,17 +186,19 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                 if lin_dt == "fp8" else kernel)
     h, fe, k, e = model.hidden, model.moe_ffn_hidden, model.moe_top_k, model.moe_experts
     b = 4.0 if dtype == "fp32" else compute.BF16
-    rows = max(1.0, routed_tokens_per_expert(tokens, model, ep) * imbalance)
+    full = tokens  # the tokens the dense equivalent's routed GEMMs were charged for
+    tokens, seen = folded_tokens(tokens, tp, etp, folded)
+    rows = max(1.0, routed_tokens_per_expert(seen, model, ep) * imbalance)
     local, fe_local = e / ep, fe / etp
 
     def gemms(kern: tuple[float, float]) -> tuple[float, float]:
         """(the dense equivalent's routed GEMMs, the experts' grouped ones) with `kern`."""
         # dense equivalent's routed part: [T, k*fe/tp] up (x2 for SwiGLU's gate) and down
-        dense = (compute.cluster_gemm_time(tokens, 2 * k * fe / tp, h, lin_cl, *kern)
-                 + compute.cluster_gemm_time(tokens, h, k * fe / tp, lin_cl, *kern))
+        dense = (compute.cluster_gemm_time(full, 2 * k * fe / tp, h, lin_cl, *kern)
+                 + compute.cluster_gemm_time(full, h, k * fe / tp, lin_cl, *kern))
         grouped = local * (compute.cluster_gemm_time(rows, 2 * fe_local, h, lin_cl, *kern)
                            + compute.cluster_gemm_time(rows, h, fe_local, lin_cl, *kern))
-        if tp > 1 and etp == 1:
+        if tp > 1 and etp == 1 and not folded:
             # the shared experts run whole on every tp rank too (meshtron/parallel/tensor.py
             # `_moe_plan`), where the dense equivalent charged 1/tp of them
             fs = model.moe_shared_experts * fe
@@ -211,7 +217,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     permute = permute_passes(stack, ep, local) * 2 * slots / bw  # each reads and writes
     cast_f = cast_b = 0.0
     if lin_dt == "fp8":
-        routed = tokens * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
+        routed = seen * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
         cast_f, cast_b = (x / bw for x in expert_cast_bytes(fp8_scaling, routed, tokens * h))
     extra_f = grouped - dense + permute + cast_f
     extra_b = 2 * (grouped_b - dense_b) + 2 * permute + cast_b
@@ -220,6 +226,9 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     # each direction of the step makes one all-to-all toward the experts and one back
     calls = [a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
              for x in a2a_dtype_bytes(b, lin_dt == "fp8", ep_dispatch)]
+    # the etp group's all-gather of the received rows and reduce-scatter of the experts' output
+    calls = [c + x for c, x in zip(calls, etp_collectives(seen * k * imbalance * h * b, etp,
+                                                          cluster, fab, folded))]
     a2a_f = a2a_b = sum(calls)
     toward = calls[0] / a2a_f if a2a_f > 0 else 0.5  # the share of the call toward the experts
     if ep_overlap:
@@ -241,6 +250,47 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster), ep_overlap)
         extra_f, extra_b = extra_f + wait_f, extra_b + wait_b
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
+
+
+def folded(framework: str, ep: int, etp: int | None = None) -> bool:
+    """Whether the priced stack dispatches over Megatron-Core's folded expert grid
+    (plan_rules_fields.EP_FOLDS: Megatron-Core >= 0.10's MoEAlltoAllTokenDispatcher, whose
+    groups are the expert grid's `ep_group` and `expt_tp`): with expert parallelism, or with
+    the plan's own etp (Plan.etp) at ep = 1. Megatron MoE at ep = 1 with the default etp keeps
+    the price it had (the experts' tp collectives there are not priced)."""
+    from meshtron.planner.plan_rules_fields import EP_FOLDS
+
+    return framework in EP_FOLDS and (ep > 1 or etp is not None)
+
+
+def folded_tokens(tokens: float, tp: int, etp: int, is_folded: bool) -> tuple[float, float]:
+    """(tokens a rank routes and sends, tokens its experts see per ep rank's share) of a
+    micro-batch's `tokens` per tensor group. Megatron-Core trains MoE under tp > 1 with
+    sequence parallelism only (moe_layer.py raises otherwise): each tp rank holds T/tp tokens,
+    routes and permutes them itself, sends them over the ep group (token_dispatcher.py
+    `token_dispatch`: all_to_all(self.ep_group, ...)), and with etp > 1 all-gathers what it
+    received over the etp group (`dispatch_postprocess`: gather_from_sequence_parallel_region
+    on self.tp_group = expt_tp), so its experts see etp ranks' rows: T*etp/tp. Elsewhere
+    (meshtron's runtime: the MoE replicated over tp, fed the gathered tokens) T and T."""
+    if not is_folded:
+        return tokens, tokens
+    return tokens / tp, tokens * etp / tp
+
+
+def etp_collectives(nbytes: float, etp: int, cluster: Any, fab: comm.Fabric,
+                    is_folded: bool) -> tuple[float, float]:
+    """Seconds of the etp group's collectives beside one direction's two all-to-alls:
+    (the all-gather of the received rows after the dispatch, the reduce-scatter of the
+    experts' output before the combine; the backward runs their twins, the same), `nbytes`
+    the rows one rank's experts see (token_dispatcher.py `dispatch_postprocess`,
+    `combine_preprocess`). The etp ranks are consecutive (placement.EXPERT_AXES: innermost),
+    inside a node when etp divides it. Zero at etp = 1, where Megatron-Core runs neither."""
+    if not is_folded or etp <= 1:
+        return 0.0, 0.0
+    from meshtron.planner.placement import tp_group
+
+    group = tp_group(etp, cluster.gpus_per_node)
+    return comm.all_gather(nbytes, group, fab), comm.reduce_scatter(nbytes, group, fab)
 
 
 def _ordered_work(dense: float, grouped: float, cast: tuple[float, float], first: float,

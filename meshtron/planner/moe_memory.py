@@ -67,9 +67,24 @@ INDEX_BYTES = 8.0
 FP32 = 4.0
 
 
-def expert_tp(framework: str, tp: int) -> int:
-    """Tensor-parallel degree of the routed experts (module docstring)."""
+def expert_tp(framework: str, tp: int, etp: int | None = None) -> int:
+    """Tensor-parallel degree of the routed experts (module docstring): Plan.etp where set
+    (Megatron-Core's folding), else the stack's own (1 for meshtron, tp for the others)."""
+    if etp is not None:
+        return etp
     return 1 if framework == "fsdp2" else tp
+
+
+def expert_dp(plan: Any, shard: int) -> int:
+    """Ranks sharing one rank's experts' ZeRO states, `shard` being the dense units' ZeRO group
+    (dp/dp_replicate*cp): shard/ep where ep is folded over the data ranks; under Megatron-Core's
+    folding (plan.etp set) its expert data-parallel group, tp*cp*dp / (ep*etp)
+    (parallel_state.py: world // (etp * ep * pp) per stage), the experts' states being split
+    over ep*etp ranks (`_block`)."""
+    ep, etp = max(1, plan.ep), getattr(plan, "etp", None)
+    if etp is None:
+        return max(1, shard // ep)
+    return max(1, shard * plan.tp // (ep * etp))
 
 
 def expert_shard_group(dp: int, cp: int, ep: int) -> int:
@@ -77,7 +92,8 @@ def expert_shard_group(dp: int, cp: int, ep: int) -> int:
     return max(1, (dp * cp) // max(1, ep))
 
 
-def _block(model: ModelSpec, i: int, tp: int, ep: int, framework: str) -> tuple[float, float]:
+def _block(model: ModelSpec, i: int, tp: int, ep: int, framework: str,
+           etp: int | None = None) -> tuple[float, float]:
     """(parameters outside the routed experts, routed experts) of block i on one rank."""
     norms = 2 * model.norm_params
     # MLA's down-projections and latent norms are replicated over tp in every stack
@@ -92,12 +108,12 @@ def _block(model: ModelSpec, i: int, tp: int, ep: int, framework: str) -> tuple[
     router = model.hidden * model.moe_experts
     if framework != "fsdp2":
         shared /= tp
-    experts = model.moe_experts * model.mlp_params(fe) / (ep * expert_tp(framework, tp))
+    experts = model.moe_experts * model.mlp_params(fe) / (ep * expert_tp(framework, tp, etp))
     return attn + router + shared + norms, experts
 
 
 def block_params(model: ModelSpec, tp: int, pp: int, ep: int,
-                 framework: str) -> tuple[float, float]:
+                 framework: str, etp: int | None = None) -> tuple[float, float]:
     """(parameters outside the routed experts, routed experts) of one block on one rank, as
     memory.layer_params_local averages blocks: the mean over the model's blocks without
     pipelining (the stage's total is exact), a MoE block's with it (the convention that the
@@ -105,15 +121,16 @@ def block_params(model: ModelSpec, tp: int, pp: int, ep: int,
     stage beside the embedding; a dense block can have more parameters than a MoE block's
     share of its experts under ep, but fewer states than a stage of MoE blocks)."""
     if pp > 1 and model.is_moe:
-        return _block(model, model.moe_dense_layers, tp, ep, framework)
-    kinds = [(n, _block(model, i, tp, ep, framework)) for n, i in model.block_kinds()]
+        return _block(model, model.moe_dense_layers, tp, ep, framework, etp)
+    kinds = [(n, _block(model, i, tp, ep, framework, etp)) for n, i in model.block_kinds()]
     return tuple(sum(n * size[part] for n, size in kinds) / model.layers for part in (0, 1))
 
 
 def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbalance: float,
                        cb: float, saved: str, expert_bytes: float | None = None,
                        recompute: str = "none", dense_fp8: bool = False,
-                       weighted_act: bool = False, mem: Any = None) -> float:
+                       weighted_act: bool = False, mem: Any = None,
+                       etp: int | None = None) -> float:
     """Bytes one MoE layer's router, permutation, routed experts and combine save for the
     backward, one micro-batch of `tokens` tokens (module docstring). `saved`: memory.py's list
     ('eager' meshtron's model; else Megatron-Core's); `expert_bytes`: bytes of a saved expert
@@ -130,13 +147,17 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
     (MemoryOptions.moe_weighted_act): the combine saves no expert outputs, the SwiGLU the
     permuted probabilities (fp32 [R]). `mem`'s DeepSeek-V3 savings (MemoryOptions): the
     SwiGLU's input kept in FP8 and fc2's input recomputed (`swiglu_recompute`), the router's
-    input recomputed with its norm (`recompute_norms`); Megatron-Core's list only."""
+    input recomputed with its norm (`recompute_norms`); Megatron-Core's list only. `etp`: the
+    experts' tensor-parallel degree (`expert_tp`; None: tp): Megatron-Core's all-to-all
+    dispatcher sends each tp rank's sequence shard (T/tp tokens, sequence parallelism) and
+    all-gathers the received rows over the etp group (token_dispatcher.py
+    `dispatch_postprocess`), so a rank's experts hold T*k*f*etp/tp rows of fe/etp columns."""
     if recompute == "full":
         return 0.0
     if recompute == "half":
         return 0.5 * routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved,
                                         expert_bytes, dense_fp8=dense_fp8,
-                                        weighted_act=weighted_act, mem=mem)
+                                        weighted_act=weighted_act, mem=mem, etp=etp)
     k, e, h, fe = model.moe_top_k, model.moe_experts, model.hidden, model.moe_ffn_hidden
     slots = tokens * k
     rows = slots * (imbalance if ep > 1 else 1.0)
@@ -153,7 +174,8 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
         perm = 3 * slots * INDEX_BYTES + rows * INDEX_BYTES * copies
         experts = padded * (h * xb + 4 * fe * cb) + copies * rows * h * cb
         return router + perm + experts + slots * (2 * h + 1) * cb
-    etp = expert_tp("megatron", tp)
+    etp = expert_tp("megatron", tp, etp)
+    rows *= etp / tp  # the rank's sequence shard, all-gathered over the etp group
     # the grouped MLP's input [R, h], fc1's output [R, 2 fe] (SwiGLU's input, bf16) and
     # fc2's input [R, fe]: both GEMM inputs FP8 where the GEMMs are (GroupedLinear saves
     # the quantised input; the bf16 SwiGLU output is freed once fc2 has quantised it)
@@ -184,7 +206,8 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
                      expert_bytes: float | None = None,
                      shared_replicated: bool = False,
                      dense_fp8: bool = False,
-                     weighted_act: bool = False, mem: Any = None) -> tuple[float, float]:
+                     weighted_act: bool = False, mem: Any = None,
+                     etp: int | None = None) -> tuple[float, float]:
     """(saved, recompute working set) bytes per average block and micro-batch a MoE model's
     layers hold beyond their dense equivalent `active` (`act(spec, recompute)`:
     memory.activation_bytes of a spec at the plan's other arguments): the routed part's exact
@@ -193,7 +216,7 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
     saves without recomputation less what it keeps) grows by the same difference.
     `shared_replicated`: the shared experts run unsharded on every tp rank (meshtron's
     runtime) where the equivalent charged them /tp. `dense_fp8`, `weighted_act`: as
-    `routed_saved_bytes`."""
+    `routed_saved_bytes` (and `etp`)."""
     if not model.is_moe:
         return 0.0, 0.0
     share = model.moe_layers / model.layers
@@ -202,7 +225,7 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
 
     def extra(rec: str) -> float:
         exact = routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved, expert_bytes,
-                                   rec, dense_fp8, weighted_act, mem)
+                                   rec, dense_fp8, weighted_act, mem, etp)
         charged = dense_routed_bytes(act, active, routed_width, rec)
         if shared_replicated and tp > 1 and fs:
             exact += dense_routed_bytes(act, active, fs, rec) * (tp - 1)
@@ -215,7 +238,7 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
 
 
 def stage_blocks(model: ModelSpec, spans: list[range], tp: int, ep: int,
-                 framework: str) -> tuple[float, float, float]:
+                 framework: str, etp: int | None = None) -> tuple[float, float, float]:
     """(parameters outside the routed experts, routed experts, MoE share) of the mean block of
     the global blocks `spans` (ranges of indices) one pipeline rank holds: a stage with
     DeepSeek-V3's dense first blocks holds their dense MLPs, not a MoE block's experts
@@ -227,8 +250,8 @@ def stage_blocks(model: ModelSpec, spans: list[range], tp: int, ep: int,
     if not n:
         return 0.0, 0.0, 0.0
     moe = sum(model.moe_blocks_in(span) for span in spans)
-    dense_block = _block(model, 0, tp, ep, framework) if n > moe else (0.0, 0.0)
-    moe_block = _block(model, model.layers - 1, tp, ep, framework) if moe else (0.0, 0.0)
+    dense_block = _block(model, 0, tp, ep, framework, etp) if n > moe else (0.0, 0.0)
+    moe_block = _block(model, model.layers - 1, tp, ep, framework, etp) if moe else (0.0, 0.0)
     return (((n - moe) * dense_block[0] + moe * moe_block[0]) / n,
             ((n - moe) * dense_block[1] + moe * moe_block[1]) / n, moe / n)
 
@@ -254,7 +277,8 @@ def stage_pieces(model: ModelSpec, cfg: Any, chunks: list[int],
         if not any(spans):
             out.append(mean)
             continue
-        other, experts, mine = stage_blocks(model, spans, cfg.tp, cfg.ep, framework)
+        other, experts, mine = stage_blocks(model, spans, cfg.tp, cfg.ep, framework,
+                                            getattr(cfg, "etp", None))
         if cfg.ep == 1:
             other, experts = other + experts, 0.0
         scale = mine / share - 1.0

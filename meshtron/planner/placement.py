@@ -199,11 +199,38 @@ def groups_for_cost(plan: Any, gpus_per_node: int) -> dict[str, Any]:
             "pp_hop_crosses_nodes": p.hop_crosses_nodes("pp", wrap=plan.virtual_stages > 1)}
 
 
+EXPERT_AXES = ("pp", "edp", "ep", "etp")
+"""Axes of the experts' own rank grid under Megatron-Core's folding (plan.etp set), outermost
+first: parallel_state.initialize_model_parallel's expert RankGenerator, order "tp-ep-dp-pp"
+(innermost first) with tp = expert_tensor_parallel_size, over the same ranks of a pipeline
+stage as the dense grid (the pp stride is tp*cp*dp = etp*ep*edp in both)."""
+
+
+def expert_stride(plan: Any) -> int:
+    """Rank distance between neighbours of an ep group: etp under Megatron-Core's folding
+    (plan.etp set), else tp (ep consecutive data ranks, `ep_group`)."""
+    etp = getattr(plan, "etp", None)
+    return plan.tp if etp is None else etp
+
+
+def expert_placement(plan: Any, gpus_per_node: int) -> Placement:
+    """The experts' rank grid of a folded plan (plan.etp set; EXPERT_AXES): etp consecutive
+    ranks share each expert's GEMMs, ep groups of them (etp apart) hold different experts, the
+    expert data-parallel groups (edp = tp*cp*dp / (ep*etp)) are etp*ep apart. Numbered node by
+    node like `placement`, whose dense grid covers the same ranks."""
+    etp = getattr(plan, "etp", None)
+    if etp is None:
+        raise ValueError("expert_placement: the plan folds ep over the data ranks (etp unset)")
+    stage = plan.tp * getattr(plan, "cp", 1) * plan.dp
+    return Placement(EXPERT_AXES, (plan.pp, stage // (plan.ep * etp), plan.ep, etp),
+                     gpus_per_node)
+
+
 def ep_group(tp: int, ep: int, gpus_per_node: int) -> Group:
-    """The expert-parallel Group: ep consecutive data (x context) ranks, tp ranks apart (the
-    runtime unflattens the FSDP shard axis into ("dp_shard_mod_ep", "ep") with ep innermost,
-    torchtitan's ParallelDims; Megatron-Core likewise takes expert ranks next to the tensor
-    group). Inside a node when tp * ep divides it."""
+    """The expert-parallel Group: ep ranks `tp` apart (`expert_stride`: tp where ep is folded
+    over the data ranks, the runtime unflattening the FSDP shard axis into
+    ("dp_shard_mod_ep", "ep") with ep innermost, torchtitan's ParallelDims; etp under
+    Megatron-Core's folding, `expert_placement`). Inside a node when tp * ep divides it."""
     if ep <= 1:
         return Group(1, 1)
     fast = _strided(ep, tp, gpus_per_node)
@@ -222,7 +249,7 @@ def expert_groups(plan: Any, gpus_per_node: int, groups: dict[str, Any]) -> dict
     ep = getattr(plan, "ep", 1)
     if ep <= 1:
         return dict(groups)
-    stride = plan.tp * ep
+    stride = expert_stride(plan) * ep
 
     def strided(n: int) -> Group:
         if n <= 1:
@@ -235,6 +262,10 @@ def expert_groups(plan: Any, gpus_per_node: int, groups: dict[str, Any]) -> dict
 
     cp = getattr(plan, "cp", 1)
     out = dict(groups)
+    if getattr(plan, "etp", None) is not None:
+        # Megatron-Core's expert data-parallel group: world / (pp * ep * etp) ranks
+        out["dp"] = out["dp_shard"] = strided(expert_placement(plan, 1).size("edp"))
+        return out
     if plan.zero >= 2:
         shard = plan.dp // plan.dp_replicate * cp // ep
         out["dp_shard"] = strided(shard)
@@ -245,4 +276,4 @@ def expert_groups(plan: Any, gpus_per_node: int, groups: dict[str, Any]) -> dict
     return out
 
 
-__all__ = ["ep_group", "expert_groups", "MESH_AXES", "MESH_AXES_CP", "Placement", "axis_sizes", "groups_for_cost", "placement", "tp_group"]
+__all__ = ["EXPERT_AXES", "ep_group", "expert_groups", "expert_placement", "expert_stride", "MESH_AXES", "MESH_AXES_CP", "Placement", "axis_sizes", "groups_for_cost", "placement", "tp_group"]

@@ -177,7 +177,17 @@ class Plan:
     dp_replicate); it does not change the world size. Experts are FSDP-sharded (ZeRO-2/3) over
     the remaining dp_shard x cp / ep ranks; under ZeRO-0/1 replicated over the dp / ep ranks
     holding the same experts, reduced (ZeRO-0) or optimizer-sharded (ZeRO-1) over them
-    (meshtron/parallel/mesh.py ExpertMeshes)."""
+    (meshtron/parallel/mesh.py ExpertMeshes). With `etp` set, Megatron-Core's folding instead
+    (plan_rules_fields.EP_FOLDS): ep * etp divides tp x cp x dp."""
+    etp: int | None = None
+    """Expert tensor-parallel degree where the stack folds expert parallelism over the tensor
+    ranks too (Megatron-Core >= 0.10 `expert_tensor_parallel_size`; megatron@2024 only): the
+    experts' own grid etp x ep x expert-dp (= tp*cp*dp / (ep*etp)) covers a pipeline stage's
+    tp x cp x dp ranks, order etp innermost then ep (parallel_state.py's "tp-ep-dp-pp"); each
+    expert's GEMMs split over etp ranks, its states over ep*etp ranks and ZeRO over the expert
+    dp. None: the stack's own (Megatron-Core's default etp = tp, meshtron's experts replicated
+    over tp; ep folded over the data x context ranks only). Megatron-Bridge's Qwen3 and
+    DeepSeek-V3 recipes set 1."""
     compile: bool = False
     """Per-block torch.compile, applied as torchtitan does: after tensor parallelism and
     activation checkpointing, before FSDP (what the planner's 'fused' stack assumes)."""
@@ -312,6 +322,8 @@ class Plan:
     def layout(self) -> str:
         cp = f",cp={self.cp}" if self.cp > 1 else ""
         ep = f",ep={self.ep}" if self.ep > 1 else ""
+        if self.etp is not None:
+            ep += f",etp={self.etp}"
         return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}{ep}"
 
     def schedule_label(self) -> str:

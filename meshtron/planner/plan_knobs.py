@@ -46,6 +46,9 @@ class Knobs:
     """ZeRO-2/3 unsharded accumulation; not searched (False when None)."""
     ep: int | None = None
     """Expert-parallel degree (MoE; None: searched where the planner searches it, else 1)."""
+    etp: int | None = None
+    """Expert tensor-parallel degree (Megatron-Core's folding, Plan.etp); not searched (the
+    stack's own when None)."""
     compile: bool | None = None
     """Per-block torch.compile; not searched (the framework's default when None). True prices
     the 'fused' stack (compute.py: what `--compile` runs)."""

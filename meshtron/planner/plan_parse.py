@@ -10,13 +10,14 @@ from meshtron.errors import UserError
 
 def parse_layout(text: str) -> dict[str, int]:
     """'tp=8,cp=2,pp=16,dp=64,ep=8' (any subset) -> {'tp': 8, 'cp': 2, 'pp': 16, 'dp': 64,
-    'ep': 8}; ep is folded over the dp x cp ranks, it does not multiply the world size."""
+    'ep': 8}; ep is folded over the dp x cp ranks, it does not multiply the world size.
+    'etp=N' (expert tensor parallelism, Megatron-Core's folding: ep*etp divides tp*cp*dp)."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(tp|pp|dp|cp|ep)\s*=\s*(\d+)", part)
+        m = re.fullmatch(r"(tp|pp|dp|cp|ep|etp)\s*=\s*(\d+)", part)
         if not m:
             raise UserError(f"layout={text!r}: expected comma-separated tp=N, cp=N, pp=N, dp=N, "
-                             "ep=N")
+                             "ep=N, etp=N")
         key, value = m.group(1), int(m.group(2))
         if value <= 0:
             raise UserError(f"layout {key}={value}: must be a positive integer")
@@ -25,7 +26,7 @@ def parse_layout(text: str) -> dict[str, int]:
         out[key] = value
     if not out:
         raise UserError(f"layout={text!r}: expected comma-separated tp=N, cp=N, pp=N, dp=N, "
-                         "ep=N")
+                         "ep=N, etp=N")
     return out
 
 

@@ -20,7 +20,7 @@ from meshtron.planner.plan_rules_fields import (  # noqa: F401  (re-exported)
     _DTYPE_ALIASES, ATTENTION, COMM_DEFAULTS, COMPRESS_SCOPES, COMPRESSIONS, CONTEXT, DTYPES,
     FP8_RECIPES, KNOBS, LAYOUT_DEFAULTS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP,
     OFFLOADS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, _is_int, comm_problems,
-    field_problems)
+    EP_FOLDS, ep_fold_problem, ep_rule, ep_stack_problem, field_problems)
 from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
     STACK_SCHEDULES, megatron_account_for, microbatch_problem, most_chunks, schedule_problem,
     schedule_zero_problem, split_problem)
@@ -48,6 +48,11 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
     if ep > 1 and model.moe_experts % ep:
         yield (f"plan.ep={ep}: must divide the model's {model.moe_experts} routed experts "
                "(every ep rank holds the same number)")
+        return
+    etp = k.get("etp")
+    if etp is not None and model.is_moe and model.moe_ffn_hidden % etp:
+        yield (f"plan.etp={etp}: must divide the experts' FFN width "
+               f"({model.moe_ffn_hidden}: each expert's GEMMs are split over etp ranks)")
         return
     if tp is not None:
         # Named as a user knows them, whether the model came from a preset or a config.json.
@@ -110,7 +115,7 @@ def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
 def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
                   model: Any = None, runtime: bool = True, split: str | None = None,
                   engine: str | None = None, offload_rule: str | None = None,
-                  zero_rule: str | None = None) -> list[str]:
+                  zero_rule: str | None = None, ep_rule: str | None = None) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
     against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
     include meshtron's runtime limits (False when the planner prices another framework);
@@ -118,8 +123,15 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     `engine`: the rule naming the stack's pipeline engine, whose schedules are checked, when
     a pinned layout is priced on another split (search_space.SplitFallback; default `split`);
     `offload_rule`: the host offload the stack runs (MemoryOptions.host_offload);
-    `zero_rule`: the ZeRO stages it runs (MemoryOptions.zero_stages)."""
+    `zero_rule`: the ZeRO stages it runs (MemoryOptions.zero_stages); `ep_rule`: "tp" where
+    the stack folds expert parallelism over the tensor ranks too (EP_FOLDS), so it takes
+    plan.etp; "data" where it does not; None: no stack named (a Plan read alone)."""
     out = list(field_problems(k))
+    # meshtron's own stack says it in its runtime's words (ep_runtime_problems)
+    problem = None if runtime else ep_stack_problem(
+        ep_rule, k.get("etp"), k.get("tp"), k.get("sp"), bool(getattr(model, "is_moe", False)))
+    if problem:
+        out.append(problem)
     g = k.get
     sizes = (g("global_batch"), g("dp"), g("micro_batch"))
     m = (sizes[0] // (sizes[1] * sizes[2])

@@ -37,7 +37,7 @@ COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
 """Knobs of the data-parallel traffic (meshtron/compress/): how gradients (or DiLoCo's outer
 gradients) travel. Written to plan files only when they differ from these defaults."""
 LAYOUT_DEFAULTS = {"cp": 1, "reduce_dtype": "fp32", "accumulate_unsharded": False, "ep": 1,
-                   "compile": False, "async_tp": False, "fp8_recipe": "rowwise",
+                   "etp": None, "compile": False, "async_tp": False, "fp8_recipe": "rowwise",
                    "offload": "none", "offload_activations": False}
 """Shared layout fields written to plan files only when they differ from these defaults."""
 COMPRESSIONS = ("none", "bf16", "int8")
@@ -68,8 +68,8 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
     """Rules on the plan's own fields. `k` maps field names to values; a missing or None value
     is unknown and its rules are skipped (so partial knobs are checked by the same rules)."""
     g = k.get
-    for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "dp_replicate",
-                 "global_batch", "seq_len"):
+    for name in ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "virtual_stages",
+                 "dp_replicate", "global_batch", "seq_len"):
         v = g(name)
         if v is not None and (not _is_int(v) or v <= 0):
             yield f"plan.{name}={v!r}: must be a positive integer"
@@ -188,12 +188,9 @@ def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
         yield ("plan.async_tp=true: torch's micro-pipelining fuses the sequence-parallel "
                "all-gather / reduce-scatter with their matmuls (no all-reduce form); needs "
                "plan.sp=true")
-    ep = g("ep")
-    if ep is not None and ep > 1 and dp is not None:
-        shard = dp // (g("dp_replicate") or 1) * (cp or 1)
-        if shard % ep:
-            yield (f"plan.ep={ep}: must divide the data x context ranks it is folded over, "
-                   f"dp/dp_replicate*cp = {shard}")
+    problem = ep_fold_problem(g("ep"), g("etp"), tp, dp, cp, g("dp_replicate"))
+    if problem:
+        yield problem
     r, zero = g("dp_replicate"), g("zero")
     if r is not None and r > 1:
         if zero is not None and zero < 2:
@@ -219,6 +216,63 @@ def _consistency(k: Mapping[str, Any]) -> Iterator[str]:
         problem = microbatch_problem(g("schedule"), pp, v or 1, b // (dp * mb))
         if problem:
             yield problem
+
+
+EP_FOLDS = {"megatron": "tp"}
+"""Stacks (MemoryOptions.framework) whose code folds expert parallelism over the tensor ranks
+too: Megatron-Core from 0.10.0 (NVIDIA/Megatron-LM commit 7f22e210cd, "MoE parallel folding",
+November 2024; Liu et al. 2025, arXiv 2504.14960) builds the experts' own rank grid
+(expert_tensor_parallel_size = etp, expert_model_parallel_size = ep, expert data parallel =
+world / (pp * ep * etp), order "tp-ep-dp-pp": parallel_state.initialize_model_parallel) over
+the same tp x cp x dp ranks of a pipeline stage as the dense grid. Every other stack folds ep
+over the data (x context) ranks only (meshtron/parallel/mesh.py ExpertMeshes, torchtitan's
+ParallelDims dp_shard x cp, DeepSpeed-MoE's expert groups from the data-parallel ranks)."""
+
+
+def ep_fold_problem(ep, etp, tp, dp, cp, dp_replicate) -> str | None:
+    """The ranks expert parallelism is folded over. Without `etp` (None: the stack's own expert
+    tensor parallelism, tp in Megatron-Core, experts replicated over tp in meshtron): ep divides
+    the data x context ranks dp/dp_replicate*cp. With `etp` (Megatron-Core's folding, EP_FOLDS):
+    the experts' grid etp x ep x expert-dp covers a stage's tp x cp x dp ranks, so ep * etp
+    divides tp*cp*dp (parallel_state.py: world % (etp * ep * pp) == 0)."""
+    if ep is None or dp is None or (ep == 1 and etp is None):
+        return None
+    if etp is not None:
+        ranks = (tp or 1) * (cp or 1) * dp
+        if tp is not None and ranks % (ep * etp):
+            return (f"plan.ep={ep} with plan.etp={etp}: ep*etp = {ep * etp} must divide the "
+                    f"tensor x context x data ranks it is folded over, tp*cp*dp = {ranks}")
+        return None
+    shard = dp // (dp_replicate or 1) * (cp or 1)
+    if ep > 1 and shard % ep:
+        return (f"plan.ep={ep}: must divide the data x context ranks it is folded over, "
+                f"dp/dp_replicate*cp = {shard} (stacks that fold ep over the tensor ranks "
+                "too, megatron@2024 and megatron-bridge, take it with plan.etp: ep*etp divides tp*cp*dp)")
+    return None
+
+
+def ep_rule(framework: str | None) -> str:
+    """'tp' where the stack folds ep over tp x cp x dp (EP_FOLDS), else 'data'."""
+    return EP_FOLDS.get(framework or "", "data")
+
+
+def ep_stack_problem(rule: str | None, etp: int | None, tp: int | None = None,
+                     sp: bool | None = None, moe: bool = False) -> str | None:
+    """A plan with `etp` on a stack that does not fold ep over the tensor ranks (`rule`:
+    ep_rule(MemoryOptions.framework); None: no stack named, as a Plan read alone); on the
+    folding stack, a mixture of experts under tp > 1 without sequence parallelism, which
+    Megatron-Core refuses to train (moe_layer.py MoELayer.forward: "performance may degrade
+    if MoE and tensor parallelism are enabled without also enabling sequence parallelism",
+    a ValueError; the folded dispatcher's price assumes each tp rank's own T/tp tokens)."""
+    if rule == "tp" and moe and sp is False and (tp or 1) > 1:
+        return (f"plan.sp=false with plan.tp={tp}: Megatron-Core trains a mixture of experts "
+                "under tensor parallelism only with sequence parallelism (moe_layer.py); use "
+                "sp=true")
+    if etp is not None and rule == "data":
+        return (f"plan.etp={etp}: the priced stack folds expert parallelism over the data x "
+                "context ranks only and has no expert tensor parallelism of its own; leave etp "
+                "unset (megatron@2024 and megatron-bridge take it)")
+    return None
 
 
 def _stage_layer_problems(k: Mapping[str, Any]) -> Iterator[str]:

@@ -35,6 +35,13 @@ def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
     `meshtron rehearse --model tiny-moe --layout dp=8,ep=2 --zero 1 --recompute selective`
     and the same build on real tensors)."""
     ep, g = k.get("ep") or 1, k.get
+    if g("etp") is not None:
+        # no expert tensor parallelism: the runtime replicates the MoE over tp, ep is folded
+        # over the data ranks only (meshtron/parallel/tensor.py `_moe_plan`, mesh.py)
+        yield (f"plan.etp={g('etp')}: meshtron's runtime folds ep over the data x context "
+               "ranks only and replicates the experts over tp (no expert tensor "
+               "parallelism); leave etp unset")
+        return
     if ep == 1:
         return
     if g("recompute") == "selective" and (

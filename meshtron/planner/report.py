@@ -179,6 +179,8 @@ def _plural(n: int, one: str, many: str) -> str:
 def _layout(est: Estimate) -> str:
     c = est.config
     ep = f" ep{c.ep}" if c.ep > 1 else ""  # folded over dp: not a factor of the world size
+    if getattr(c, "etp", None) is not None:  # Megatron-Core's folding over tp x cp x dp
+        ep += f"/etp{c.etp}"
     if c.cp > 1:  # the column reads tp/pp/dp; context parallelism joins tp as tp.cp
         return f"{c.tp}x{c.cp}cp/{c.pp}/{c.dp}{ep}"
     return f"{c.tp}/{c.pp}/{c.dp}{ep}"
@@ -268,7 +270,11 @@ def table_notes(result: SearchResult) -> list[str]:
                    "cp=8, pp=1, dp=4")
     if any(e.config.ep > 1 for e in result.plans):
         out.append("Layout column: 'epE' is expert parallelism over E of the data ranks (not a "
-                   "factor of the GPU count)")
+                   "factor of the GPU count)"
+                   + ("; 'epE/etpT': over E of the tensor x context x data ranks, each expert "
+                      "split over T (Megatron-Core's folding)"
+                      if any(getattr(e.config, "etp", None) is not None for e in result.plans)
+                      else ""))
     if any(e.memory.total <= e.memory.capacity and not e.memory.host_fits
            for e in result.plans):
         out.append("Memory column: 'host>' is a plan whose GPUs fit but whose host memory per "

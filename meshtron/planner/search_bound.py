@@ -138,6 +138,10 @@ def _states_need(ev: Evaluator, space: SearchSpace, params: float, experts: floa
     experts: E/ep of them per rank, sharded over the dp*cp/ep ranks holding them; with host
     offload only what stays on the device), before dividing over tp x pp."""
     ex = experts if ep > 1 else 0.0
+    etp = space.knobs.etp
+    # Megatron-Core's folding with etp > tp: a rank holds E/(ep*etp) of the experts, fewer than
+    # the E/(ep*tp) counted below (a bound must not exceed it)
+    fold = tp / etp if ex and etp is not None and etp > tp else 1.0
 
     def states(z: int, ranks: int) -> float:
         return sum(offload.device_states(
@@ -145,7 +149,7 @@ def _states_need(ev: Evaluator, space: SearchSpace, params: float, experts: floa
             ev.mem.host_offload))
 
     # no stage the stack runs on this layout: nothing to evaluate (inf: hopeless)
-    return min((states(z, dp * cp) * (params - ex) + states(z, max(1, dp * cp // ep)) * ex / ep
+    return min((states(z, dp * cp) * (params - ex) + states(z, max(1, dp * cp // ep)) * ex / ep * fold
                 for z in space.zeros(dp * cp, cp, ep, tp, pp)), default=float("inf"))
 
 

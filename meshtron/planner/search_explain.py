@@ -93,7 +93,7 @@ def _knob_variants(c: Plan, space: SearchSpace) -> list[tuple[str, dict[str, Any
         if z != c.zero and c.dp > 1:
             variants.append((f"zero={z}", {"zero": z}))
     if space.model.is_moe and not space.knobs.ep:
-        for e in space.eps(c.dp, c.cp):
+        for e in space.eps(c.dp, c.cp, c.tp):
             if e != c.ep:
                 variants.append((f"ep={e}", {"ep": e}))
     return variants

@@ -19,7 +19,8 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, fp8_runtime_problem,
                                     schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
-from meshtron.planner.plan_rules import (compile_runtime_problem, ep_runtime_problems,
+from meshtron.planner.plan_rules import (compile_runtime_problem, ep_fold_problem, ep_rule,
+                                         ep_runtime_problems,
                                          least_zero, most_chunks, schedule_problem, split_problem,
                                          zero_limit)
 
@@ -126,8 +127,10 @@ class SearchSpace:
         beyond a node, ep on a stack without expert parallelism (`ep_ok`)."""
         k, model, framework = self.knobs, self.model, self.framework
         fixed = {**k.to_dict(), **self.context}
+        # the stack's ep folding (plan_rules.EP_FOLDS): only Megatron-Core's takes plan.etp
+        self.ep_rule = ep_rule(self.mem.framework)
         problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine,
-                                 self.mem.host_offload, self.mem.zero_stages)
+                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule)
         if problems:
             nearer = self._nearer_split(fixed)
             if nearer is None:
@@ -154,7 +157,7 @@ class SearchSpace:
         for rule in NEAREST.get(self.split, ()):
             # with the stack's other rules: a problem they find is not the split's
             if not plan_problems(fixed, self.n, self.model, self.runtime, rule, self.engine,
-                                 self.mem.host_offload, self.mem.zero_stages):
+                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule):
                 return rule
         return None
 
@@ -251,6 +254,8 @@ class SearchSpace:
                            cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
         if self.dtype == "fp8" and self.fp8_recipe != "rowwise":
             cfg = dataclasses.replace(cfg, fp8_recipe=self.fp8_recipe)
+        if self.knobs.etp is not None:  # not searched: the user's (Megatron-Core's folding)
+            cfg = dataclasses.replace(cfg, etp=self.knobs.etp)
         if self.async_tp and not (tp > 1 and sp):
             return None  # async TP pipelines the sequence-parallel collectives (plan_rules)
         if self.compile:
@@ -289,17 +294,18 @@ class SearchSpace:
             c *= 2
         return out
 
-    def eps(self, dp: int, cp: int) -> list[int]:
+    def eps(self, dp: int, cp: int, tp: int = 1) -> list[int]:
         """Expert-parallel degrees searched on a layout: the fixed one, else (mixtures of
         experts on a stack with expert parallelism) 1 and every divisor of the experts that
-        divides the data x context ranks it folds over (dp/dp_replicate*cp)."""
+        divides the ranks it folds over (plan_rules.ep_fold_problem: dp/dp_replicate*cp, or
+        with a fixed etp tp*cp*dp / etp)."""
         k = self.knobs
         if k.ep:
             return [k.ep]
         if not self.model.is_moe or not self.ep_ok:
             return [1]
-        shard = dp // (k.dp_replicate or 1) * cp
-        return [e for e in divisors(self.model.moe_experts) if shard % e == 0]
+        return [e for e in divisors(self.model.moe_experts)
+                if ep_fold_problem(e, k.etp, tp, dp, cp, k.dp_replicate) is None]
 
     def _valid_layouts(self) -> list[tuple[int, int, int, int, int]]:
         k, n = self.knobs, self.n
@@ -316,11 +322,11 @@ class SearchSpace:
                     dp = rest // pp
                     if k.dp and dp != k.dp:
                         continue
-                    for ep in self.eps(dp, cp):
+                    for ep in self.eps(dp, cp, tp):
                         problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp,
                                                   "dp": dp, "ep": ep},
                                                  n, self.model, self.runtime, self.split,
-                                                 self.engine)
+                                                 self.engine, ep_rule=self.ep_rule)
                         if problems:
                             left_out.setdefault(family(tp, pp), problems[0])
                             continue
@@ -406,6 +412,8 @@ class SearchSpace:
     def sps(self, tp: int) -> list[bool]:
         if self.knobs.sp is not None:
             return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
+        if tp > 1 and self.ep_rule == "tp" and self.model.is_moe:
+            return [True]  # Megatron-Core's MoE under tp (plan_rules.ep_stack_problem)
         return [False, True] if tp > 1 else [False]
 
     def zeros(self, dp: int, cp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1) -> list[int]:

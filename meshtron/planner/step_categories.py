@@ -39,7 +39,7 @@ def step_categories(ev: Evaluator, est: Estimate) -> dict[str, float]:
         raise ValueError(f"pp={cfg.pp}: step categories are priced for one pipeline stage only")
     key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.recompute, cfg.cp, cfg.dtype, cfg.ep,
            cfg.fp8_recipe)
-    micro = ev._micro(*key)  # also caches the layer's LayerCost under ("layer", ...)
+    micro = ev._micro(*key, cfg.etp)  # also caches the layer's LayerCost under ("layer", ...)
     lc = ev._cache[("layer",) + key]
     emb, head = micro[4], ev.head_for(cfg, micro[5])
     m, layers = est.num_microbatches, est.stage_layers[0]
@@ -48,7 +48,7 @@ def step_categories(ev: Evaluator, est: Estimate) -> dict[str, float]:
     for kind, s in _selective_extra(ev, lc, cfg.recompute).items():
         per_layer[kind] = per_layer.get(kind, 0.0) + s
     moe_c = ev._moe(cfg.micro_batch, cfg.recompute, cfg.cp, cfg.dtype, cfg.ep, cfg.tp,
-                    (lc.fwd, lc.bwd))[0]
+                    (lc.fwd, lc.bwd), cfg.etp)[0]
     per_layer["moe"] = per_layer.get("moe", 0.0) + moe_c
     for kind, s in per_layer.items():
         out[kind] += m * layers * s

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtron.planner import comm, offload, pipeline
+from meshtron.planner import comm, moe_memory, offload, pipeline
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     c_l, tpc_l, f_l, w_l, emb, head, p2p_bytes, gather = ev._micro(tp, cfg.micro_batch, cfg.sp,
                                                                     cfg.recompute, cfg.cp,
                                                                     cfg.dtype, cfg.ep,
-                                                                    cfg.fp8_recipe)
+                                                                    cfg.fp8_recipe, cfg.etp)
     head = ev.head_for(cfg, head)
     t_layer = c_l + tpc_l
     fwd = [k * f_l for k in n]
@@ -85,7 +85,8 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     held = [pipeline.stages_of_rank(pp, cfg.virtual_stages, cfg.schedule, i) for i in range(pp)]
     last = pipeline.head_rank(pp, cfg.virtual_stages, cfg.schedule)
     device_layers = [sum(n[j] for j in held[i]) for i in range(pp)]
-    p_layer, p_emb, p_head, _, p_exp = ev.block_params(tp, pp, cfg.ep, ev.mem.framework)
+    p_layer, p_emb, p_head, _, p_exp = ev.block_params(tp, pp, cfg.ep, ev.mem.framework,
+                                                       cfg.etp)
     # as `evaluate` adds it to pp_comm
     tied = ev.tied_embedding_s(tp, groups["pp_hop_crosses_nodes"]) if pp > 1 else 0.0
     flags = ev.dp_flags(cfg)
@@ -95,8 +96,9 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
         # ZeRO's shard group: HSDP replicates over dp_replicate (`evaluate`'s shard_dp)
         shard = cfg.dp // cfg.dp_replicate * cfg.cp
         local = params / shard if zero >= 1 else params
-        if k * p_exp:  # experts' states over the dp*cp/ep ranks holding the same experts
-            local += k * p_exp / max(1, shard // cfg.ep) if zero >= 1 else k * p_exp
+        if k * p_exp:  # experts' states over the ranks holding the same experts
+            local += (k * p_exp / moe_memory.expert_dp(cfg, shard) if zero >= 1
+                      else k * p_exp)
         # the micro-batches' gradient accumulation passes ride with the step's optimizer work
         # (and Transformer Engine's once-per-step FP8 weight casts, as `evaluate` adds them)
         step = ev.optimizer_step_s(local, k, i == 0, i == last,
