@@ -203,6 +203,10 @@ def automodel() -> list[PublishedRun]:
     fw = PRESETS["torchtitan@2025"]
     te = dataclasses.replace(fw.kernel, stack="fused", complex_rope=False, optimizer="foreach",
                              expert_imbalance=1.0)
+    # the model built in bf16 (from_config's torch_dtype 'auto'), experts of a one-rank
+    # ep_shard group outside FSDP2 (moe/parallelizer.py apply_fsdp): read in session 40
+    # (branch automoe), after these rows' first run
+    am_mem = dataclasses.replace(fw.memory, param_dtype="bf16", experts_outside_fsdp=True)
     rows = [  # name, model, gpus, GBS, MBS, pp, vp, ep, tokens/s/GPU
         ("AM DSV3 671B 1024xH100", preset("deepseek-v3"), 1024, 8192, 1, 4, 8, 64, 865.0),
         ("AM DSV3 671B 256xH100", preset("deepseek-v3"), 256, 512, 1, 4, 8, 64, 1002.0),
@@ -217,7 +221,7 @@ def automodel() -> list[PublishedRun]:
             preset_cluster("dgx-h100", gpus // 8), gbs, 4096, 1, pp, dp, 3, "full", False, te,
             "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, ep=ep,
-            memory=fw.memory, confident=False,
+            memory=am_mem, confident=False,
             note=f"BF16, GBS {gbs}, MBS {mbs}, PP {pp}, VP {vp or '-'}, EP {ep}, FSDP {dp} as "
                  "published (interleaved1f1b where PP > 1: the yaml's pp_schedule); full "
                  "activation checkpointing, fake balanced gate, torch Adam as the "
