@@ -83,3 +83,78 @@ def test_param_dtype_refused_outside_fsdp2():
         MemoryOptions(framework="megatron", param_dtype="bf16")
     with pytest.raises(UserError, match="allowed values are fp32, bf16"):
         MemoryOptions(param_dtype="fp16")
+
+
+# ---- DeepEP's dispatch (planner/moe_deepep.py) -------------------------------------------------
+def test_fake_balanced_gate_reaches_neighbouring_ranks_of_one_node():
+    """AutoModel's FakeBalancedGate sends token t to experts t k .. t k + k - 1 (mod E): with
+    DeepSeek-V3's 256 experts over ep 64 (4 a rank, 32 a node) that is 2 ranks of 1 node;
+    Qwen3-30B-A3B's 128 over ep 8: 1 rank; Kimi K2's 384 over ep 32 (12 a rank): 1, 2, 1
+    ranks for the three starting points of a period, always 1 node."""
+    from meshtron.planner.moe_deepep import spread
+
+    assert spread(256, 8, 64, 8, "contiguous") == (2.0, 1.0)
+    assert spread(128, 8, 8, 8, "contiguous") == (1.0, 1.0)
+    assert spread(384, 8, 32, 8, "contiguous") == pytest.approx((4 / 3, 1.0))
+
+
+def test_spread_routing_matches_the_enumerated_draws():
+    """'spread': k distinct experts uniform over E; the closed form against every draw of a
+    small case enumerated (8 experts, top 2, 4 ranks of 2 experts, 2 ranks a node)."""
+    from itertools import combinations
+
+    from meshtron.planner.moe_deepep import spread
+
+    draws = list(combinations(range(8), 2))
+    ranks = sum(len({x // 2 for x in d}) for d in draws) / len(draws)
+    nodes = sum(len({x // 4 for x in d}) for d in draws) / len(draws)
+    assert spread(8, 2, 4, 2, "spread") == pytest.approx((ranks, nodes), rel=1e-12)
+
+
+def test_deepep_sends_a_token_once_per_node_and_rank():
+    """DeepSeek-V3 on ep 64 over 8 nodes of DGX-H100 with the fake gate: NCCL's all-to-all
+    sends k = 8 rows per token, 8 x 56/64 = 7 of them over the network; DeepEP sends one row
+    per destination node, 7/8 of a row over the network (its own node 1 in 8), and forwards
+    2 x 7/8 over NVLink. One MoE layer's forward (dispatch + combine, BF16) costs what those
+    rows take at the fabric's bandwidths."""
+    from meshtron.planner import comm
+    from meshtron.planner.moe_cost import a2a_time, moe_layer_cost
+    from meshtron.planner.moe_deepep import deepep_a2a_time, deepep_rows
+    from meshtron.planner.placement import ep_group
+
+    ds = PRESETS["deepseek-v3"]
+    cl = resolve_cluster("dgx-h100:64")
+    group = ep_group(1, 64, cl.gpus_per_node)
+    assert (group.size, group.local) == (64, 8)
+    inter, intra = deepep_rows(ds.moe_experts, ds.moe_top_k, group, "contiguous")
+    assert (inter, intra) == pytest.approx((7 / 8, 2 * 7 / 8))
+    fab = comm.Fabric.of(cl)
+    tokens, h = 4096.0, ds.hidden
+    one = deepep_a2a_time(tokens, h, 2.0, ds.moe_experts, ds.moe_top_k, group, fab,
+                          "contiguous")
+    row = tokens * h * 2.0
+    assert one == pytest.approx(fab.base_latency + max(
+        inter * row / fab.inter_bw + fab.inter_alpha,
+        intra * row / fab.intra_bw + fab.intra_alpha), rel=1e-12)
+
+    def layer(dispatch: str):
+        return moe_layer_cost(ds, cl, tokens, 64, group, "bf16", 1.0, False, 0, "fused",
+                              ep_dispatch=dispatch, expert_routing="contiguous")
+
+    deepep, nccl = layer("deepep"), layer("bf16")
+    assert deepep.a2a_fwd == pytest.approx(2 * one, rel=1e-12)
+    plain = a2a_time(tokens * ds.moe_top_k * h * 2.0 * 63 / 64, group, fab)
+    assert nccl.a2a_fwd == pytest.approx(2 * plain, rel=1e-12)
+    # network-bound both: the ratio of the rows, less the latencies
+    assert deepep.a2a_fwd < nccl.a2a_fwd / 6
+    # compute is untouched: only the all-to-alls change
+    assert deepep.compute_fwd == nccl.compute_fwd and deepep.compute_bwd == nccl.compute_bwd
+
+
+def test_deepep_node_limit_caps_the_nodes():
+    """Group-limited routing (DeepSeek-V3: 4 of 8 groups) keeps a token within M nodes."""
+    from meshtron.planner.comm import Group
+    from meshtron.planner.moe_deepep import deepep_rows
+
+    free, limited = (deepep_rows(256, 8, Group(64, 8), "spread", m) for m in (0, 4))
+    assert free[0] > 4 * 7 / 8 and limited[0] == pytest.approx(4 * 7 / 8)

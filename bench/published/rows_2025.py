@@ -117,13 +117,14 @@ def megatron_bridge_dense() -> list[PublishedRun]:
     return runs
 
 
-def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool):
+def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool, dispatch: str = "bf16"):
     """Qwen3 recipes: no recomputation, bf16 reduction (set_qwen3_common_configs), the router
     force-balanced for dropless rows (moe_router_force_load_balancing) or token drop at
     capacity factor 1.0 with padding to capacity (25.09: utils/moe_token_drop.py): either way
-    every expert runs the mean number of rows (imbalance 1)."""
+    every expert runs the mean number of rows (imbalance 1). `dispatch`: 'deepep' where the
+    recipe runs the flex dispatcher (session 40, branch automoe: read after the first run)."""
     return dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=a2a_overlap,
-                               tp_comm_overlap=tp_overlap)
+                               tp_comm_overlap=tp_overlap, ep_dispatch=dispatch)
 
 
 def megatron_bridge_moe() -> list[PublishedRun]:
@@ -157,7 +158,8 @@ def megatron_bridge_moe() -> list[PublishedRun]:
         runs.append(PublishedRun(
             name, src, "Megatron-Core (Megatron-Bridge)", model,
             preset_cluster("dgx-h100", gpus // 8), gbs, 4096, tp, pp, dp, 1, "none", tp > 1,
-            _qwen_kernel(a2a, tpo and tp > 1), "tokens_per_gpu", tps, micro_batches=(mbs,),
+            _qwen_kernel(a2a, tpo and tp > 1, "deepep" if "flex" in what else "bf16"),
+            "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, ep=ep,
             dtype="fp8", memory=mem, confident=False,
             note=f"micro-batch {mbs}, TP {tp}, PP {pp}, VP {vp or '-'}, EP {ep} as published; "
@@ -169,8 +171,11 @@ def megatron_bridge_moe() -> list[PublishedRun]:
     # overlap_grad_reduce False, recompute_modules [mla_up_proj, mlp], layout
     # "Et|(tt|)*30mL" (one MTP layer: recipes/deepseek/deepseek_v3.py mtp_num_layers=1), BF16
     # AdamW moments and bf16 main gradients (the recipe's optimizer config)
+    # DeepEP (flex dispatcher, moe_enable_deepep) with the provider's group-limited routing
+    # (DeepSeekV3ModelProvider: 8 groups, group top-k 4 -> 4 nodes at ep 64), read in session
+    # 40 (branch automoe) after the row's first run
     dsv3 = dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=True,
-                               overlap_grad_reduce=False)
+                               overlap_grad_reduce=False, ep_dispatch="deepep", ep_node_limit=4)
     runs.append(PublishedRun(
         "MB25.09 DSV3 671B 1024xH100 dropless", MB2509, "Megatron-Core (Megatron-Bridge)",
         preset("deepseek-v3").replace(mtp_depth=1), preset_cluster("dgx-h100", 128), 8192, 4096,
@@ -202,7 +207,8 @@ def automodel() -> list[PublishedRun]:
 
     fw = PRESETS["torchtitan@2025"]
     te = dataclasses.replace(fw.kernel, stack="fused", complex_rope=False, optimizer="foreach",
-                             expert_imbalance=1.0)
+                             expert_imbalance=1.0, ep_dispatch="deepep",
+                             expert_routing="contiguous")
     # the model built in bf16 (from_config's torch_dtype 'auto'), experts of a one-rank
     # ep_shard group outside FSDP2 (moe/parallelizer.py apply_fsdp): read in session 40
     # (branch automoe), after these rows' first run

@@ -99,7 +99,7 @@ class CostPieces:
                                          *window,
                                          moe_cost.per_expert_gemms(self.mem.framework),
                                          o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd,
-                                         o.ep_dispatch)
+                                         o.ep_dispatch, o.expert_routing)
             share = model.moe_layers / model.layers
             # forward replayed, on the mean (a part's own count: HalfRecompute.half_replay)
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)

@@ -72,6 +72,7 @@ from typing import Any
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
 from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions default it prices
+from meshtron.planner.moe_deepep import deepep_a2a_time
 from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWork,
                                        expert_ops, host_exposed, host_seconds, ordered_wait,
                                        per_expert_gemms)
@@ -154,7 +155,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    stack: str, tp: int = 1, etp: int = 1, window_fwd: float = 0.0,
                    window_bwd: float = 0.0, per_expert: bool = False,
                    fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
-                   fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16") -> MoeLayerCost:
+                   fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16",
+                   expert_routing: str = "spread") -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -170,7 +172,9 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     backward GEMMs promote their partial sums (compute.KernelOptions.fp8_split_accum_bwd:
     Transformer Engine's GroupedLinear takes the same _2X_ACC_DGRAD / _2X_ACC_WGRAD), so the
     backward's extra is priced with that kernel, as the dense equivalent's backward was.
-    `ep_dispatch`: what the all-to-alls toward the experts carry (`a2a_dtype_bytes`)."""
+    `ep_dispatch`: what the all-to-alls toward the experts carry (`a2a_dtype_bytes`); 'deepep':
+    DeepEP's kernels run them, rows deduplicated per rank and node (moe_deepep.py), routed as
+    `expert_routing` says."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
@@ -219,6 +223,9 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     # each direction of the step makes one all-to-all toward the experts and one back
     calls = [a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
+             if ep_dispatch != "deepep" else
+             deepep_a2a_time(tokens, h, x, e, k, group, fab, expert_routing, imbalance,
+                             node_limit) if ep > 1 else 0.0
              for x in a2a_dtype_bytes(b, lin_dt == "fp8", ep_dispatch)]
     a2a_f = a2a_b = sum(calls)
     toward = calls[0] / a2a_f if a2a_f > 0 else 0.5  # the share of the call toward the experts
