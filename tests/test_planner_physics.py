@@ -323,14 +323,23 @@ def test_session40_rows_hold_their_first_run(capsys):
     15 answered (4 predicted not to fit), 3 refused (Qwen3-235B at TP 2 x DP 16 with EP 32:
     Megatron-Core folds EP over TP x DP with expert TP 1, the planner's layout rule folds it
     over DP x CP only); mean 18.5%, max 46.0%; the 8 dense rows mean 8.9%, max 15.2%; the 7
-    answered MoE rows mean 29.6%, max 46.0%, every one but one predicted too slow."""
+    answered MoE rows mean 29.6%, max 46.0%, every one but one predicted too slow.
+    Six of the MoE rows were then examined (branch automoe: the four AutoModel MoE rows,
+    Megatron-Bridge's DeepSeek-V3 and its 26.04.01 Qwen3-30B-A3B) and are calibration
+    (runs.LOOKED_AT); bounded here, from their first run, is what remains validation: 12 rows,
+    9 answered (none predicted not to fit), the same 3 refused; mean 8.5% (8.48), max 15.2%;
+    the 8 dense rows as above; the one answered MoE row (25.09 Qwen3-30B-A3B token drop)
+    +5.3%."""
     from bench.planner_cli_table import run_row, summarise
     from bench.published.runs import ADDED_S40, LOOKED_AT
 
-    runs = [r for r in published_runs() if r.name in ADDED_S40]
-    assert len(runs) == len(ADDED_S40) == 18
-    # none steered a choice: validation, and none in LOOKED_AT
-    assert all(r.part == "validation" and r.name not in LOOKED_AT for r in runs)
+    every_s40 = [r for r in published_runs() if r.name in ADDED_S40]
+    assert len(every_s40) == len(ADDED_S40) == 18
+    # what steered a choice is calibration with its reason; the rest never did
+    looked = [r for r in every_s40 if r.name in LOOKED_AT]
+    assert len(looked) == 6 and all(r.part == "calibration" for r in looked)
+    runs = [r for r in every_s40 if r.name not in LOOKED_AT]
+    assert len(runs) == 12 and all(r.part == "validation" for r in runs)
     rows = [run_row(r) for r in runs]
     every = summarise(rows, "validation")
     dense = summarise([r for r in rows if not r["run"].model.is_moe], "validation")
@@ -341,10 +350,29 @@ def test_session40_rows_hold_their_first_run(capsys):
               f"{every['max']:.1%}; dense n={dense['n']} mean {dense['mean']:.1%} max "
               f"{dense['max']:.1%}; MoE answered {moe['answered']} mean {moe['mean']:.1%} "
               f"max {moe['max']:.1%}")
-    assert every["rejected"] <= 3 and every["answered"] >= 15 and every["unfit"] <= 4
-    assert every["mean"] < 0.19 and every["max"] < 0.465
+    assert every["rejected"] <= 3 and every["answered"] >= 9 and every["unfit"] == 0
+    assert every["mean"] < 0.085 and every["max"] < 0.155
     assert dense["answered"] == 8 and dense["mean"] < 0.09 and dense["max"] < 0.155
-    assert moe["mean"] < 0.30 and moe["max"] < 0.465
+    assert moe["answered"] == 1 and moe["max"] < 0.055
+
+
+def test_automodel_moe_layouts_that_ran_fit():
+    """Issue 30 item 2: a layout that ran must not be predicted not to fit. NeMo AutoModel's
+    DeepSeek-V3 (256 H100), Kimi K2 and Qwen3-30B-A3B ran on 80 GB; through the command line
+    with the bf16 model, the experts outside FSDP2 where their ep_shard group is one rank and
+    DeepEP (branch automoe) they fit (first run: 95.5-118.6 GiB, predicted not to fit; now
+    69.6, 67.0, 66.4 GiB). Calibration rows (runs.LOOKED_AT): a guard, not a validation.
+    AutoModel's DeepSeek-V3 on 1,024 H100 still needs 90.1 GiB: its 8 local micro-batches run
+    4 times per step (LBS 8, GA 4 in the summary), which no plan input states, so torch's
+    receive buffers are priced for 32 micro-batches (docs/measurements.md #automoe-s40)."""
+    from bench.planner_cli_table import run_row
+
+    names = ("AM DSV3 671B 256xH100", "AM Kimi K2 256xH100", "AM Qwen3 30B-A3B 8xH100")
+    rows = [run_row(r) for r in published_runs() if r.name in names]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["status"] == "ok", (row["run"].name, row.get("need"))
+        assert row["need"] < 72.0
 
 
 def test_runtime_zero_stages_cost_what_fsdp2_runs():
