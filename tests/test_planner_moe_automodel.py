@@ -158,3 +158,30 @@ def test_deepep_node_limit_caps_the_nodes():
 
     free, limited = (deepep_rows(256, 8, Group(64, 8), "spread", m) for m in (0, 4))
     assert free[0] > 4 * 7 / 8 and limited[0] == pytest.approx(4 * 7 / 8)
+
+
+def test_deepep_buffers_are_a_fixed_workspace():
+    """DeepEP's Buffer preallocates NVLink (and past 8 ranks RDMA) buffers from its config's
+    size hints: for Qwen3-30B-A3B's hidden 2048 on ep 8, 10 channels x 8 peers x 256 tokens of
+    (4096 row + 8 meta + 128 x 8 indices + 128 x 4 weights + 128 x 4 scales) bytes plus
+    10 x 8 x 5 ints of counters, rounded to 128. A plan that dispatches through DeepEP holds
+    them beside its tensors, in the workspace, outside the fragmentation allowance."""
+    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.moe_deepep import deepep_buffer_bytes
+
+    want = 10 * 8 * 5 * 4 + 10 * 8 * 256 * (4096 + 8 + 1024 + 512 + 512)
+    assert deepep_buffer_bytes(2048, 8) == -(-want // 128) * 128
+    assert deepep_buffer_bytes(2048, 1) == 0.0
+    # across nodes the RDMA buffers come on top (DeepSeek-V3 at ep 64: 0.66 GiB in all)
+    assert 0.6 * GIB < deepep_buffer_bytes(7168, 64) < 0.7 * GIB
+
+    def est(dispatch: str):
+        ev = Evaluator(MIXTRAL, CLUSTER, 64, 4096,
+                       opts=KernelOptions(ep_dispatch=dispatch),
+                       mem=MemoryOptions(param_dtype="bf16"))
+        return ev.evaluate(Plan(1, 1, 8, 3, 1, "full", False, None, 1, dtype="bf16", ep=8))
+
+    plain, deepep = est("bf16"), est("deepep")
+    assert deepep.memory.allocated == pytest.approx(plain.memory.allocated, rel=1e-12)
+    assert (deepep.memory.workspace - plain.memory.workspace) * GIB == pytest.approx(
+        deepep_buffer_bytes(MIXTRAL.hidden, 8), rel=1e-9)

@@ -12,8 +12,8 @@ estimate_walks.py; `half` on odd stages in estimate_half.py. Moved from estimate
 from __future__ import annotations
 
 from meshtron.errors import UserError
-from meshtron.planner import (compression, memory, memory_pipeline, moe_memory, mtp, offload,
-                              pipeline, pipeline_split)
+from meshtron.planner import (compression, memory, memory_pipeline, moe_deepep, moe_memory,
+                              mtp, offload, pipeline, pipeline_split)
 from meshtron.planner.estimate_half import half_cap
 from meshtron.planner.estimate_stage import given_partition
 from meshtron.planner.estimate_work import Work
@@ -120,6 +120,18 @@ class StageMemories:
         w.per_layer, w.fixed = self._stage_memories(w, inflight)
         self._gpipe_bound(w)  # GPipe's last stage: every micro-batch's loss tensors
 
+    def _ep_buffers(self, ep: int) -> float:
+        """Bytes DeepEP preallocates outside PyTorch's allocator for the plan's ep group
+        (moe_deepep.deepep_buffer_bytes; KernelOptions.ep_dispatch 'deepep'), else 0."""
+        if self.opts.ep_dispatch != "deepep" or not self.model.is_moe:
+            return 0.0
+        return moe_deepep.deepep_buffer_bytes(self.model.hidden, ep)
+
+    def _budget(self, ep: int) -> float:
+        """Tensor bytes a GPU may hold (Evaluator.tensor_budget) less DeepEP's fixed buffers,
+        which the caching allocator's fragmentation does not scale."""
+        return self.tensor_budget - self._ep_buffers(ep) / (1.0 + self.mem.fragmentation)
+
     @staticmethod
     def _loose(w: Work, experts: float) -> tuple[float]:
         """(experts held outside FSDP2,) of a block holding `experts` routed expert parameters:
@@ -170,7 +182,7 @@ class StageMemories:
         cfg, model = w.cfg, self.model
         pp, v, per_layer, fixed = w.pp, w.v, w.per_layer, w.fixed
         t_layer, e_first, e_last = w.t_layer, w.e_first, w.e_last
-        budget = self.tensor_budget
+        budget = self._budget(w.ep)
         # under an interleaved schedule the walk decides what fits (_interleaved_memory), and it
         # can hold less than the even spread: a split the spread rejects is rejected here only
         # when a lower bound of the walk does not fit either (`_walk_may_fit`)

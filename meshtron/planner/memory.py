@@ -290,12 +290,14 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               root_unit: float | None = None, reduce_bytes: float = 4.0,
               grad_extra: float = 0.0, outputs: float = 0.0,
               weight_cache: float = 0.0, extra_accum: float | None = None,
-              moment: str | None = None, p_loose: float = 0.0) -> MemoryBreakdown:
+              moment: str | None = None, p_loose: float = 0.0,
+              fixed: float = 0.0) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
     `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`, `extra_accum`,
     `moment`, `p_loose`: as stage_memory
     (the kept chunk outputs are counted with the in-flight activations, the cached quantised
-    weights with the parameters)."""
+    weights with the parameters); `fixed`: bytes allocated outside PyTorch's allocator
+    (DeepEP's buffers), counted with the workspace."""
     wb, gb, ob = states
     ewb, egb, eob = expert_states if expert_states is not None else states
     experts = layers * (p_expert + p_loose)
@@ -329,5 +331,6 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
         optimizer=(params * ob + experts * eob) / GIB,
         gathered=gathered / GIB, activations=acts / GIB,
         in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,
-        workspace=workspace_bytes(tensors, capacity, mem) / GIB, capacity=capacity / GIB,
+        workspace=(workspace_bytes(tensors, capacity, mem) + fixed) / GIB,
+        capacity=capacity / GIB,
         stage=stage, dtype=mem.dtype)

@@ -109,3 +109,52 @@ def deepep_a2a_time(tokens: float, hidden: int, elem_bytes: float, experts: int,
     t_intra = intra * row / fab.intra_bw + fab.intra_alpha if intra > 0 else 0.0
     t_inter = inter * row / fab.inter_bw + fab.inter_alpha if inter > 0 else 0.0
     return fab.base_latency + max(t_intra, t_inter)
+
+
+# ---- DeepEP's preallocated buffers --------------------------------------------------------------
+DEEPEP_NUM_SMS = 20
+"""SMs of DeepEP's normal kernels: Buffer.num_sms' default (deep_ep/buffer.py), the
+dispatcher_num_sms NeMo AutoModel passes (moe/experts.py) and Megatron-Core's
+moe_deepep_num_sms default; a channel is two SMs."""
+NVL_PEERS = 8
+"""NUM_MAX_NVL_PEERS (csrc/kernels/configs.cuh): ranks of one NVLink domain."""
+_NVL_RECV = {2: 256, 4: 256, 8: 256, 16: 288, 24: 288, 32: 288, 48: 288, 64: 288, 96: 480,
+             128: 560, 144: 720, 160: 720}
+"""num_max_nvl_chunked_recv_tokens of Buffer.get_dispatch_config / get_combine_config per ep
+size (the same in both tables, DeepEP V1 deep_ep/buffer.py before the V2 release b306af0)."""
+_RDMA_SEND = {16: (20, 12)}
+"""num_max_rdma_chunked_send_tokens (dispatch, combine) where they are not 8 (ep >= 24: 8, 8;
+ep 96-160: 12, 8); the 128 receive tokens are rounded up to a multiple of them (Config)."""
+_TOPK, _SCALES, _META, _INT4 = 128, 128, 8, 16
+"""kNumMaxTopK, kNumMaxScales (csrc/config.hpp), sizeof(SourceMeta) (two ints,
+csrc/kernels/internode.cu), sizeof(int4); topk indices are int64 (TOPK_IDX_BITS 64)."""
+
+
+def _rdma_recv(ep: int) -> int:
+    """The larger of the dispatch and combine configs' aligned RDMA receive tokens."""
+    send = _RDMA_SEND.get(ep, (12, 8) if ep >= 96 else (8, 8))
+    return max(-(-128 // s) * s for s in send)
+
+
+def deepep_buffer_bytes(hidden: int, ep: int, elem_bytes: float = 2.0,
+                        num_sms: int = DEEPEP_NUM_SMS) -> float:
+    """Bytes of the NVLink and RDMA buffers DeepEP's Buffer preallocates per rank for an ep
+    group of `ep` ranks and rows of `hidden` elements (hidden_bytes = hidden x max(element,
+    2): fused_a2a.get_hidden_bytes in AutoModel and Megatron-Core), the larger of the
+    dispatch and combine configs' size hints (Config.get_nvl_buffer_size_hint /
+    get_rdma_buffer_size_hint, csrc/config.hpp), allocated once, outside PyTorch's caching
+    allocator (cudaMalloc / nvshmem_malloc): a fixed allowance like the CUDA context's."""
+    if ep <= 1:
+        return 0.0
+    row = hidden * max(elem_bytes, 2.0)
+    ch = num_sms // 2
+    nvl, rdma = min(ep, NVL_PEERS), max(ep // NVL_PEERS, 1)
+    recv = _NVL_RECV.get(ep, max(v for k, v in _NVL_RECV.items() if k <= ep))
+    per_token = row + _META + _TOPK * 8 + _TOPK * 4 + _SCALES * 4
+    nvl_bytes = ch * nvl * (2 * rdma + 3) * 4 + ch * nvl * recv * per_token
+    if ep <= NVL_PEERS:
+        return float(-(-nvl_bytes // 128) * 128)
+    r = _rdma_recv(ep)
+    rdma_bytes = (ch * rdma * (NVL_PEERS * 2 + 2) * 2 * 4
+                  + ch * rdma * r * (per_token + _INT4) * 2)
+    return float(-(-nvl_bytes // 128) * 128 + -(-rdma_bytes // 128) * 128)
