@@ -361,7 +361,8 @@ def test_automodel_moe_layouts_that_ran_fit():
     DeepSeek-V3 (256 H100), Kimi K2 and Qwen3-30B-A3B ran on 80 GB; through the command line
     with the bf16 model, the experts outside FSDP2 where their ep_shard group is one rank and
     DeepEP (branch automoe) they fit (first run: 95.5-118.6 GiB, predicted not to fit; now
-    70.2, 67.5, 66.5 GiB with DeepEP's buffers). Calibration rows (runs.LOOKED_AT): a guard, not a validation.
+    70.2, 67.5, 66.5 GiB with DeepEP's buffers). Calibration rows (runs.LOOKED_AT): a guard,
+    not a validation.
     AutoModel's DeepSeek-V3 on 1,024 H100 still needs 90.7 GiB: its 8 local micro-batches run
     4 times per step (LBS 8, GA 4 in the summary), which no plan input states, so torch's
     receive buffers are priced for 32 micro-batches (docs/measurements.md #automoe-s40)."""
