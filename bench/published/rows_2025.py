@@ -147,7 +147,10 @@ def megatron_bridge_moe() -> list[PublishedRun]:
          "(configs/qwen3 at v0.2.0: QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG)"),
         ("MB26.04.01 Qwen3 30B-A3B 16xH100", MB260401, q30, 16, 1024, 1, 1, 1, None, 16,
          False, False, 8960.0, "dropless, force-balanced, EP 16, no A2A overlap, hybridep "
-         "flex dispatcher (configs/qwen at v0.4.1: QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1)"),
+         "flex dispatcher (configs/qwen at v0.4.1: QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1), "
+         "priced as DeepEP's hierarchical dispatch (session 40, branch automoe, after the "
+         "first run: HybridEP sends a token once per node over RDMA, then NVLink, "
+         "DeepEP's docs/README_Hybrid-EP.md)"),
         ("MB26.04.01 Qwen3 235B-A22B 256xH100", MB260401, q235, 256, 8192, 1, 2, 8, 4, 32,
          True, False, 1712.0, "dropless, force-balanced; moe_a2a_overlap, tp_comm_overlap False "
          "(configs/qwen at v0.4.1: ..._H100_FP8_CS_V2, GBS 8192)"),
@@ -186,7 +189,8 @@ def megatron_bridge_moe() -> list[PublishedRun]:
         note="TP 2, PP 8, VP 4, EP 64, micro-batch 1, GBS 8192 as published; DeepEP force-"
              "balanced, A2A overlap, no DP overlap, MLA up-projection recompute, one MTP "
              "layer, BF16 moments (run_script.py and recipes/deepseek/deepseek_v3.py at "
-             "fa0315ae2). Not expressible: recompute_modules [mla_up_proj, mlp] (replacing "
+             "fa0315ae2); DeepEP priced as DeepEP with 4-node group-limited routing "
+             "(session 40, branch automoe, after the first run). Not expressible: recompute_modules [mla_up_proj, mlp] (replacing "
              "the default core_attn) is priced as --recompute selective (the attention core) "
              "with the up-projections recomputed: the recomputed MoE MLP is not priced, the "
              "attention core is; the custom layout Et|(tt|)*30mL (the planner's own split). "
@@ -232,8 +236,15 @@ def automodel() -> list[PublishedRun]:
                  "published (interleaved1f1b where PP > 1: the yaml's pp_schedule); full "
                  "activation checkpointing, fake balanced gate, torch Adam as the "
                  "examples/llm_benchmark yamls set them. Assumed: no MTP module (Hugging "
-                 "Face's DeepSeek-V3 has none), DeepEP priced as the plain all-to-all, not "
-                 "overlapped; the torchtitan@2025 memory layout"))
+                 "Face's DeepSeek-V3 has none), DeepEP not overlapped (dispatcher_async_"
+                 "dispatch False); the torchtitan@2025 memory layout. Read after the first "
+                 "run (session 40, branch automoe; calibration since): the bf16 model "
+                 "(param_dtype), experts outside FSDP2 where ep_shard is one rank, DeepEP's "
+                 "deduplicated dispatch of the fake gate's contiguous experts. Not "
+                 "expressible: LBS/MBS micro-batches per pipeline schedule run GA times per "
+                 "step (the summary's GA column), priced as one schedule of them all; "
+                 "reshard_after_forward False priced as the row's ZeRO-3; bf16 "
+                 "cross-entropy (fp32_upcast false) priced as the preset's fp32 loss"))
     # Llama 3.1 70B (custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml): FSDP2 with CP 2 over
     # SDPA, torch.compile, fp32 RMSNorm in torch, TE FusedAdam, full activation checkpointing
     compiled = dataclasses.replace(fw.kernel, stack="compiled", optimizer="fused")
