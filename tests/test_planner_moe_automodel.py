@@ -185,3 +185,21 @@ def test_deepep_buffers_are_a_fixed_workspace():
     assert deepep.memory.allocated == pytest.approx(plain.memory.allocated, rel=1e-12)
     assert (deepep.memory.workspace - plain.memory.workspace) * GIB == pytest.approx(
         deepep_buffer_bytes(MIXTRAL.hidden, 8), rel=1e-9)
+
+
+def test_bf16_model_halves_the_eager_optimizer_traffic():
+    """torch.optim.Adam (foreach) over a bf16 model makes the same passes as over fp32
+    masters, each on 2-byte tensors, and has no master-to-bf16 copy to write: (86 - 6) / 2
+    bytes per parameter (estimate.EAGER_OPTIMIZER_BYTES_PER_PARAM)."""
+    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.estimate import EAGER_OPTIMIZER_BYTES_PER_PARAM
+
+    def opt_bytes(**mem):
+        ev = Evaluator(MIXTRAL, CLUSTER, 64, 4096,
+                       opts=KernelOptions(optimizer="foreach", sharding="fsdp"),
+                       mem=MemoryOptions(**mem))
+        return ev.optimizer_bytes()
+
+    # the passes, plus the gradient clipping's norm read and scaling (3 gradient passes)
+    assert opt_bytes() == EAGER_OPTIMIZER_BYTES_PER_PARAM + 3 * 4.0
+    assert opt_bytes(param_dtype="bf16") == (EAGER_OPTIMIZER_BYTES_PER_PARAM - 6.0) / 2 + 3 * 2.0

@@ -139,6 +139,10 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # bf16 weight written (2), gradient read (2 or 4)
         if self.opts.optimizer != "fused":  # foreach and for-loop: the same passes
             self.opt_bytes = EAGER_OPTIMIZER_BYTES_PER_PARAM
+            if self.mem.param_dtype == "bf16":
+                # a bf16 model (MemoryOptions.param_dtype): the same passes over bf16
+                # parameters, gradients and moments, and no master-to-bf16 copy (4 + 2)
+                self.opt_bytes = (EAGER_OPTIMIZER_BYTES_PER_PARAM - 6.0) / 2.0
         else:
             self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
         self._cache: dict[Any, Any] = {}
