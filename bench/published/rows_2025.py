@@ -190,10 +190,14 @@ def megatron_bridge_moe() -> list[PublishedRun]:
              "balanced, A2A overlap, no DP overlap, MLA up-projection recompute, one MTP "
              "layer, BF16 moments (run_script.py and recipes/deepseek/deepseek_v3.py at "
              "fa0315ae2); DeepEP priced as DeepEP with 4-node group-limited routing "
-             "(session 40, branch automoe, after the first run). Not expressible: recompute_modules [mla_up_proj, mlp] (replacing "
-             "the default core_attn) is priced as --recompute selective (the attention core) "
-             "with the up-projections recomputed: the recomputed MoE MLP is not priced, the "
-             "attention core is; the custom layout Et|(tt|)*30mL (the planner's own split). "
+             "(session 40, branch automoe, after the first run). Not expressible: "
+             "recompute_modules [mla_up_proj, mlp] (replacing the default core_attn) is "
+             "priced as --recompute selective (the attention core) with the up-projections "
+             "recomputed; 'mlp' recomputes the dense MLP submodule only (Megatron-Core's "
+             "recompute_modules doc; 'moe' would be the MoE layer): the 3 dense blocks' MLPs, "
+             "not priced (the attention core's recompute costs this row nothing: the same "
+             "step with --recompute none, read in session 40); the custom layout "
+             "Et|(tt|)*30mL (the planner's own split). "
              "Assumed: FP8 current scaling (the figure outside the parentheses)"))
     return runs
 
