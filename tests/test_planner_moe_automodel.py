@@ -203,3 +203,22 @@ def test_bf16_model_halves_the_eager_optimizer_traffic():
     # the passes, plus the gradient clipping's norm read and scaling (3 gradient passes)
     assert opt_bytes() == EAGER_OPTIMIZER_BYTES_PER_PARAM + 3 * 4.0
     assert opt_bytes(param_dtype="bf16") == (EAGER_OPTIMIZER_BYTES_PER_PARAM - 6.0) / 2 + 3 * 2.0
+
+
+def test_bf16_cross_entropy_keeps_its_three_tensors_in_bf16():
+    """AutoModel's MaskedCrossEntropy with fp32_upcast false runs F.cross_entropy on the bf16
+    logits: log_softmax's saved output, the incoming gradient and the input gradient are bf16
+    (2 + 2 + 2 bytes per logit) where the fp32-cast loss holds 4 + 4 + 4; a pipeline's last
+    stage keeps its bf16 output beside them either way; a GPipe stage keeps each micro-batch's
+    log_softmax output (2, not 4) beside the output."""
+    from meshtron.planner.memory_acts import logits_bytes
+    from meshtron.planner.memory_gpipe import loss_saved_bytes
+
+    model = PRESETS["qwen3-30b-a3b"]
+    elements = 4 * 4096 * model.vocab
+    for pipelined, kept in ((False, 0.0), (True, 2.0)):
+        bf16 = logits_bytes(model, 1, 4, 4096, MemoryOptions(loss="eager-bf16"), pipelined)
+        fp32 = logits_bytes(model, 1, 4, 4096, MemoryOptions(loss="eager"), pipelined)
+        assert bf16 == elements * (6.0 + kept) and fp32 == elements * (12.0 + kept)
+    assert loss_saved_bytes(model, 1, 4, 4096, MemoryOptions(loss="eager-bf16")) == \
+        elements * 4.0

@@ -220,7 +220,8 @@ def automodel() -> list[PublishedRun]:
     # the model built in bf16 (from_config's torch_dtype 'auto'), experts of a one-rank
     # ep_shard group outside FSDP2 (moe/parallelizer.py apply_fsdp): read in session 40
     # (branch automoe), after these rows' first run
-    am_mem = dataclasses.replace(fw.memory, param_dtype="bf16", experts_outside_fsdp=True)
+    am_mem = dataclasses.replace(fw.memory, param_dtype="bf16", experts_outside_fsdp=True,
+                                 loss="eager-bf16")  # MaskedCrossEntropy fp32_upcast: false
     rows = [  # name, model, gpus, GBS, MBS, pp, vp, ep, tokens/s/GPU
         ("AM DSV3 671B 1024xH100", preset("deepseek-v3"), 1024, 8192, 1, 4, 8, 64, 865.0),
         ("AM DSV3 671B 256xH100", preset("deepseek-v3"), 256, 512, 1, 4, 8, 64, 1002.0),
@@ -244,11 +245,11 @@ def automodel() -> list[PublishedRun]:
                  "dispatch False); the torchtitan@2025 memory layout. Read after the first "
                  "run (session 40, branch automoe; calibration since): the bf16 model "
                  "(param_dtype), experts outside FSDP2 where ep_shard is one rank, DeepEP's "
-                 "deduplicated dispatch of the fake gate's contiguous experts. Not "
+                 "deduplicated dispatch of the fake gate's contiguous experts, the bf16 "
+                 "cross-entropy (MaskedCrossEntropy fp32_upcast false). Not "
                  "expressible: LBS/MBS micro-batches per pipeline schedule run GA times per "
                  "step (the summary's GA column), priced as one schedule of them all; "
-                 "reshard_after_forward False priced as the row's ZeRO-3; bf16 "
-                 "cross-entropy (fp32_upcast false) priced as the preset's fp32 loss"))
+                 "reshard_after_forward False priced as the row's ZeRO-3"))
     # Llama 3.1 70B (custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml): FSDP2 with CP 2 over
     # SDPA, torch.compile, fp32 RMSNorm in torch, TE FusedAdam, full activation checkpointing
     compiled = dataclasses.replace(fw.kernel, stack="compiled", optimizer="fused")
