@@ -17,6 +17,8 @@ bytes of the compute dtype, ep the expert-parallel degree):
   and per-node deduplication (DeepSeek-V3 technical report, section 2.1.2 / 3.2.2: each token
   goes to at most M = 4 nodes, sent once per node over IB and fanned out over NVLink)
   send min(k, M) copies of a token across nodes instead of k (`KernelOptions.ep_node_limit`).
+  DeepEP's kernels (`KernelOptions.ep_dispatch` 'deepep') send one row per destination rank
+  and node instead (planner/moe_deepep.py).
   Stacks that dispatch in FP8 (`KernelOptions.ep_dispatch`: DeepSeek-V3 section 3.3.3, DeepEP)
   send the two all-to-alls toward the experts at FP8_DISPATCH_BYTES per element, the two
   combines in BF16 (`a2a_dtype_bytes`).
@@ -222,11 +224,14 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     # each direction of the step makes one all-to-all toward the experts and one back
-    calls = [a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
-             if ep_dispatch != "deepep" else
-             deepep_a2a_time(tokens, h, x, e, k, group, fab, expert_routing, imbalance,
-                             node_limit) if ep > 1 else 0.0
-             for x in a2a_dtype_bytes(b, lin_dt == "fp8", ep_dispatch)]
+    def call(x: float) -> float:
+        """One all-to-all of rows of x bytes per element: NCCL's, or DeepEP's deduplicated."""
+        if ep_dispatch != "deepep":
+            return a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
+        return deepep_a2a_time(tokens, h, x, e, k, group, fab, expert_routing, imbalance,
+                               node_limit) if ep > 1 else 0.0
+
+    calls = [call(x) for x in a2a_dtype_bytes(b, lin_dt == "fp8", ep_dispatch)]
     a2a_f = a2a_b = sum(calls)
     toward = calls[0] / a2a_f if a2a_f > 0 else 0.5  # the share of the call toward the experts
     if ep_overlap:
