@@ -147,8 +147,19 @@ def test_deepep_sends_a_token_once_per_node_and_rank():
     assert nccl.a2a_fwd == pytest.approx(2 * plain, rel=1e-12)
     # network-bound both: the ratio of the rows, less the latencies
     assert deepep.a2a_fwd < nccl.a2a_fwd / 6
-    # compute is untouched: only the all-to-alls change
-    assert deepep.compute_fwd == nccl.compute_fwd and deepep.compute_bwd == nccl.compute_bwd
+    # the compute differs by the permutation passes DeepEP's dispatcher leaves out: Megatron-
+    # Core's alltoall path permutes, sorts the received chunks, unsorts and unpermutes (4
+    # passes over the T k routed rows each way); DeepEP's permutes after its dispatch and
+    # unpermutes before its combine (2)
+    from meshtron.planner import compute
+    from meshtron.planner.moe_cost import permute_passes
+
+    assert permute_passes("fused", 64, 4) == 4.0
+    assert permute_passes("fused", 64, 4, "deepep") == 2.0
+    one_pass = 2 * tokens * ds.moe_top_k * h * 2.0 / compute.membound_bytes_per_s(
+        cl.at_dtype("bf16"), "fused")
+    assert nccl.compute_fwd - deepep.compute_fwd == pytest.approx(2 * one_pass, rel=1e-9)
+    assert nccl.compute_bwd - deepep.compute_bwd == pytest.approx(4 * one_pass, rel=1e-9)
 
 
 def test_deepep_node_limit_caps_the_nodes():

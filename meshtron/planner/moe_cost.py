@@ -214,7 +214,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     dense_b, grouped_b = gemms(kernel_b) if kernel_b != kernel else (dense, grouped)
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
     slots = tokens * k * h * b
-    permute = permute_passes(stack, ep, local) * 2 * slots / bw  # each reads and writes
+    passes = permute_passes(stack, ep, local, ep_dispatch)
+    permute = passes * 2 * slots / bw  # each reads and writes
     cast_f = cast_b = 0.0
     if lin_dt == "fp8":
         routed = tokens * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
@@ -246,7 +247,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         ops = compute.kernels_per_layer(compute.active_equivalent(model),
                                         compute.KernelOptions(stack=stack))
         work = _ordered_work(dense, grouped, (cast_f, cast_b),
-                             permute / permute_passes(stack, ep, local),
+                             permute / passes,
                              permute, (a2a_f, a2a_b, toward), (window_fwd, window_bwd),
                              (ops, *expert_ops(lin_dt, local, per_expert),
                               2.0 * (local if per_expert else 1.0)))
@@ -327,11 +328,18 @@ def ep_rows(imbalance: float, ep: int) -> float:
     return imbalance if ep > 1 else 1.0
 
 
-def permute_passes(stack: str, ep: int, local_experts: float = 2.0) -> float:
+def permute_passes(stack: str, ep: int, local_experts: float = 2.0,
+                   dispatch: str = "bf16") -> float:
     """Memory-bound passes over the T*k routed slots one MoE layer's forward makes (module
     docstring); the backward makes the same. Megatron-Core sorts the received chunks by local
     expert only when a rank holds several ("Permutation 2", `num_local_experts > 1`);
-    meshtron's dispatcher regroups always."""
+    meshtron's dispatcher regroups always. DeepEP (`dispatch` 'deepep': AutoModel's and
+    Megatron-Core's flex dispatchers) takes the tokens unpermuted with their top-k and returns
+    them so: one fused permute of the received rows into expert order after the dispatch, one
+    unpermute before the combine (token_permutation2 / token_unpermutation with
+    moe_permute_fusion), whatever the stack."""
+    if dispatch == "deepep" and ep > 1:
+        return 2.0
     if stack == "eager":
         # 2 gathers, zero fill (a write: half a pass), scatter, product, index_add
         return 5.5 + (2.0 if ep > 1 else 0.0)
