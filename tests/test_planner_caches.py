@@ -246,7 +246,7 @@ def test_stage_memory_memo_is_keyed_by_every_argument():
                 largest=2e8, act=7e8, in_flight=3.0, work=9e8, logits=11e8, grad_bytes=4.0,
                 keep_gathered=False, accum=2.0, p_expert=1e8, expert_states=(1.0, 2.0, 4.0),
                 root_unit=4e8, reduce_bytes=4.0, grad_extra=6e8, outputs=5e7,
-                weight_cache=3e7, extra_accum=None, moment=None)
+                weight_cache=3e7, extra_accum=None, moment=None, p_loose=0.0)
     regimes = [base, dict(base, zero=3), dict(base, zero=3, keep_gathered=True),
                dict(base, mem=memory.MemoryOptions(framework="deepspeed"), zero=3),
                dict(base, work=0.0, logits=0.0)]
@@ -255,7 +255,7 @@ def test_stage_memory_memo_is_keyed_by_every_argument():
                   in_flight=4.0, work=1.3e9, logits=12e8, grad_bytes=2.0,
                   keep_gathered=True, accum=4.0, p_expert=2e8, expert_states=(1.0, 2.0, 5.0),
                   root_unit=2e9, reduce_bytes=2.0, grad_extra=7e8, outputs=6e7,
-                  weight_cache=4e7, extra_accum=4.0, moment="loss")
+                  weight_cache=4e7, extra_accum=4.0, moment="loss", p_loose=3e8)
     assert set(varied) == set(inspect.signature(memory.stage_memory).parameters)
     moved = set()
     for regime in regimes:

@@ -117,13 +117,14 @@ def megatron_bridge_dense() -> list[PublishedRun]:
     return runs
 
 
-def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool):
+def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool, dispatch: str = "bf16"):
     """Qwen3 recipes: no recomputation, bf16 reduction (set_qwen3_common_configs), the router
     force-balanced for dropless rows (moe_router_force_load_balancing) or token drop at
     capacity factor 1.0 with padding to capacity (25.09: utils/moe_token_drop.py): either way
-    every expert runs the mean number of rows (imbalance 1)."""
+    every expert runs the mean number of rows (imbalance 1). `dispatch`: 'deepep' where the
+    recipe runs the flex dispatcher (session 40, branch automoe: read after the first run)."""
     return dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=a2a_overlap,
-                               tp_comm_overlap=tp_overlap)
+                               tp_comm_overlap=tp_overlap, ep_dispatch=dispatch)
 
 
 def megatron_bridge_moe() -> list[PublishedRun]:
@@ -146,7 +147,10 @@ def megatron_bridge_moe() -> list[PublishedRun]:
          "(configs/qwen3 at v0.2.0: QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG)"),
         ("MB26.04.01 Qwen3 30B-A3B 16xH100", MB260401, q30, 16, 1024, 1, 1, 1, None, 16,
          False, False, 8960.0, "dropless, force-balanced, EP 16, no A2A overlap, hybridep "
-         "flex dispatcher (configs/qwen at v0.4.1: QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1)"),
+         "flex dispatcher (configs/qwen at v0.4.1: QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1), "
+         "priced as DeepEP's hierarchical dispatch (session 40, branch automoe, after the "
+         "first run: HybridEP sends a token once per node over RDMA, then NVLink, "
+         "DeepEP's docs/README_Hybrid-EP.md)"),
         ("MB26.04.01 Qwen3 235B-A22B 256xH100", MB260401, q235, 256, 8192, 1, 2, 8, 4, 32,
          True, False, 1712.0, "dropless, force-balanced; moe_a2a_overlap, tp_comm_overlap False "
          "(configs/qwen at v0.4.1: ..._H100_FP8_CS_V2, GBS 8192)"),
@@ -157,7 +161,8 @@ def megatron_bridge_moe() -> list[PublishedRun]:
         runs.append(PublishedRun(
             name, src, "Megatron-Core (Megatron-Bridge)", model,
             preset_cluster("dgx-h100", gpus // 8), gbs, 4096, tp, pp, dp, 1, "none", tp > 1,
-            _qwen_kernel(a2a, tpo and tp > 1), "tokens_per_gpu", tps, micro_batches=(mbs,),
+            _qwen_kernel(a2a, tpo and tp > 1, "deepep" if "flex" in what else "bf16"),
+            "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, ep=ep,
             # the recipes' expert_tensor_parallel_size, 1 (fa0315ae2: scripts/performance/
             # configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml h100 num_gpus_256 "etp: 1", set
@@ -174,8 +179,11 @@ def megatron_bridge_moe() -> list[PublishedRun]:
     # overlap_grad_reduce False, recompute_modules [mla_up_proj, mlp], layout
     # "Et|(tt|)*30mL" (one MTP layer: recipes/deepseek/deepseek_v3.py mtp_num_layers=1), BF16
     # AdamW moments and bf16 main gradients (the recipe's optimizer config)
+    # DeepEP (flex dispatcher, moe_enable_deepep) with the provider's group-limited routing
+    # (DeepSeekV3ModelProvider: 8 groups, group top-k 4 -> 4 nodes at ep 64), read in session
+    # 40 (branch automoe) after the row's first run
     dsv3 = dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=True,
-                               overlap_grad_reduce=False)
+                               overlap_grad_reduce=False, ep_dispatch="deepep", ep_node_limit=4)
     runs.append(PublishedRun(
         "MB25.09 DSV3 671B 1024xH100 dropless", MB2509, "Megatron-Core (Megatron-Bridge)",
         preset("deepseek-v3").replace(mtp_depth=1), preset_cluster("dgx-h100", 128), 8192, 4096,
@@ -189,10 +197,15 @@ def megatron_bridge_moe() -> list[PublishedRun]:
         note="TP 2, PP 8, VP 4, EP 64, micro-batch 1, GBS 8192 as published; DeepEP force-"
              "balanced, A2A overlap, no DP overlap, MLA up-projection recompute, one MTP "
              "layer, BF16 moments (run_script.py and recipes/deepseek/deepseek_v3.py at "
-             "fa0315ae2). Not expressible: recompute_modules [mla_up_proj, mlp] (replacing "
-             "the default core_attn) is priced as --recompute selective (the attention core) "
-             "with the up-projections recomputed: the recomputed MoE MLP is not priced, the "
-             "attention core is; the custom layout Et|(tt|)*30mL (the planner's own split). "
+             "fa0315ae2); DeepEP priced as DeepEP with 4-node group-limited routing "
+             "(session 40, branch automoe, after the first run). Not expressible: "
+             "recompute_modules [mla_up_proj, mlp] (replacing the default core_attn) is "
+             "priced as --recompute selective (the attention core) with the up-projections "
+             "recomputed; 'mlp' recomputes the dense MLP submodule only (Megatron-Core's "
+             "recompute_modules doc; 'moe' would be the MoE layer): the 3 dense blocks' MLPs, "
+             "not priced (the attention core's recompute costs this row nothing: the same "
+             "step with --recompute none, read in session 40); the custom layout "
+             "Et|(tt|)*30mL (the planner's own split). "
              "Assumed: FP8 current scaling (the figure outside the parentheses)"))
     return runs
 
@@ -210,7 +223,13 @@ def automodel() -> list[PublishedRun]:
 
     fw = PRESETS["torchtitan@2025"]
     te = dataclasses.replace(fw.kernel, stack="fused", complex_rope=False, optimizer="foreach",
-                             expert_imbalance=1.0)
+                             expert_imbalance=1.0, ep_dispatch="deepep",
+                             expert_routing="contiguous")
+    # the model built in bf16 (from_config's torch_dtype 'auto'), experts of a one-rank
+    # ep_shard group outside FSDP2 (moe/parallelizer.py apply_fsdp): read in session 40
+    # (branch automoe), after these rows' first run
+    am_mem = dataclasses.replace(fw.memory, param_dtype="bf16", experts_outside_fsdp=True,
+                                 loss="eager-bf16")  # MaskedCrossEntropy fp32_upcast: false
     rows = [  # name, model, gpus, GBS, MBS, pp, vp, ep, tokens/s/GPU
         ("AM DSV3 671B 1024xH100", preset("deepseek-v3"), 1024, 8192, 1, 4, 8, 64, 865.0),
         ("AM DSV3 671B 256xH100", preset("deepseek-v3"), 256, 512, 1, 4, 8, 64, 1002.0),
@@ -225,13 +244,20 @@ def automodel() -> list[PublishedRun]:
             preset_cluster("dgx-h100", gpus // 8), gbs, 4096, 1, pp, dp, 3, "full", False, te,
             "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, ep=ep,
-            memory=fw.memory, confident=False,
+            memory=am_mem, confident=False,
             note=f"BF16, GBS {gbs}, MBS {mbs}, PP {pp}, VP {vp or '-'}, EP {ep}, FSDP {dp} as "
                  "published (interleaved1f1b where PP > 1: the yaml's pp_schedule); full "
                  "activation checkpointing, fake balanced gate, torch Adam as the "
                  "examples/llm_benchmark yamls set them. Assumed: no MTP module (Hugging "
-                 "Face's DeepSeek-V3 has none), DeepEP priced as the plain all-to-all, not "
-                 "overlapped; the torchtitan@2025 memory layout"))
+                 "Face's DeepSeek-V3 has none), DeepEP not overlapped (dispatcher_async_"
+                 "dispatch False); the torchtitan@2025 memory layout. Read after the first "
+                 "run (session 40, branch automoe; calibration since): the bf16 model "
+                 "(param_dtype), experts outside FSDP2 where ep_shard is one rank, DeepEP's "
+                 "deduplicated dispatch of the fake gate's contiguous experts, the bf16 "
+                 "cross-entropy (MaskedCrossEntropy fp32_upcast false). Not "
+                 "expressible: LBS/MBS micro-batches per pipeline schedule run GA times per "
+                 "step (the summary's GA column), priced as one schedule of them all; "
+                 "reshard_after_forward False priced as the row's ZeRO-3"))
     # Llama 3.1 70B (custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml): FSDP2 with CP 2 over
     # SDPA, torch.compile, fp32 RMSNorm in torch, TE FusedAdam, full activation checkpointing
     compiled = dataclasses.replace(fw.kernel, stack="compiled", optimizer="fused")

@@ -147,6 +147,21 @@ LOOKED_AT = {
        for size, gpus in (("1.7B", 48), ("7.1B", 96), ("16B", 192), ("32B", 384),
                           ("70B", 768), ("119B", 1536), ("177B", 2304), ("314B", 3072),
                           ("462B", 6144))},
+    **{name: "examined in session 40 (branch automoe, 2026-12-05) after its first run "
+       "(-31..-42%, predicted not to fit at 95-119 GiB): read against NeMo AutoModel's code "
+       "it led to MemoryOptions.param_dtype (the bf16 model, torch Adam's bf16 moments), "
+       "experts_outside_fsdp (a one-rank ep_shard group) and DeepEP's deduplicated "
+       "dispatch with the fake balanced gate's contiguous experts (ep_dispatch 'deepep', "
+       "expert_routing 'contiguous', planner/moe_deepep.py)"
+       for name in ("AM DSV3 671B 1024xH100", "AM DSV3 671B 256xH100", "AM Kimi K2 256xH100",
+                    "AM Qwen3 30B-A3B 8xH100")},
+    "MB25.09 DSV3 671B 1024xH100 dropless": "examined in session 40 (branch automoe) after its "
+        "-46% first run: its recipe's DeepEP flex dispatcher priced as DeepEP (ep_dispatch "
+        "'deepep') with the provider's group-limited routing (ep_node_limit 4), inputs set "
+        "after its error was known",
+    "MB26.04.01 Qwen3 30B-A3B 16xH100": "examined in session 40 (branch automoe) after its "
+        "-20.6% first run: its hybridep flex dispatcher priced as DeepEP's hierarchical "
+        "dispatch (ep_dispatch 'deepep'), set after its error was known",
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""

@@ -139,6 +139,10 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # bf16 weight written (2), gradient read (2 or 4)
         if self.opts.optimizer != "fused":  # foreach and for-loop: the same passes
             self.opt_bytes = EAGER_OPTIMIZER_BYTES_PER_PARAM
+            if self.mem.param_dtype == "bf16":
+                # a bf16 model (MemoryOptions.param_dtype): the same passes over bf16
+                # parameters, gradients and moments, and no master-to-bf16 copy (4 + 2)
+                self.opt_bytes = (EAGER_OPTIMIZER_BYTES_PER_PARAM - 6.0) / 2.0
         else:
             self.opt_bytes = OPTIMIZER_BYTES_PER_PARAM - memory.GRAD_BYTES + self.grad_bytes
         self._cache: dict[Any, Any] = {}
@@ -244,11 +248,13 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         mem = memory.breakdown(mem_opts, w.zero, w.shard_dp, w.states, n[worst], b_layer,
                                w.roots[worst], w.largest, b_act, w.inflight[worst], b_work,
                                w.logits if worst == w.head_rank else 0.0, self.capacity, worst,
-                               self.grad_bytes, w.keep, w.accum, b_exp, w.e_states,
+                               self.grad_bytes, w.keep, w.accum,
+                               0.0 if w.loose else b_exp, w.e_states,
                                w.root_units[worst], w.reduce_bytes,
                                w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
                                self._te_cache(w, worst), w.extra_accum,
-                               w.moments[worst] if w.moments else None)
+                               w.moments[worst] if w.moments else None,
+                               *self._loose(w, b_exp), fixed=self._ep_buffers(w.ep))
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits

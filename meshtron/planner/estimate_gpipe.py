@@ -82,7 +82,7 @@ class GPipeMoments:
         """Whether the split `n`, over budget by the linear model, fits at its moments
         (`_half_stages` first where it applies, as `_split` runs them); `w` is left as it
         was."""
-        trial = dataclasses.replace(w, n=list(n), budget=self.tensor_budget)
+        trial = dataclasses.replace(w, n=list(n), budget=self._budget(w.ep))
         if halved:
             self._half_stages(trial)
         self._gpipe_stages(trial)

@@ -12,8 +12,8 @@ estimate_walks.py; `half` on odd stages in estimate_half.py. Moved from estimate
 from __future__ import annotations
 
 from meshtron.errors import UserError
-from meshtron.planner import (compression, memory, memory_pipeline, moe_memory, mtp, offload,
-                              pipeline, pipeline_split)
+from meshtron.planner import (compression, memory, memory_pipeline, moe_deepep, moe_memory,
+                              mtp, offload, pipeline, pipeline_split)
 from meshtron.planner.estimate_half import half_cap
 from meshtron.planner.estimate_stage import given_partition
 from meshtron.planner.estimate_work import Work
@@ -54,6 +54,10 @@ class StageMemories:
                 e_full = (e_full[0], 0.0, e_full[2])
             e_states = offload.device_states(cfg.offload, e_full, mem_opts.host_offload)
             e_moved = sum(e_full) - sum(e_states)
+            # a one-rank expert-data-parallel group left out of FSDP2 (AutoModel): the
+            # experts' gradients are their states', accumulated in place
+            w.loose = (mem_opts.experts_outside_fsdp and mem_opts.framework == "fsdp2"
+                       and shard_dp // ep <= 1)
         w.p_layer, w.p_emb, w.p_head, w.largest, w.p_exp = p_layer, p_emb, p_head, largest, p_exp
         w.states, w.moved, w.e_states, w.e_moved = states, moved, e_states, e_moved
 
@@ -118,6 +122,25 @@ class StageMemories:
         w.per_layer, w.fixed = self._stage_memories(w, inflight)
         self._gpipe_bound(w)  # GPipe's last stage: every micro-batch's loss tensors
 
+    def _ep_buffers(self, ep: int) -> float:
+        """Bytes DeepEP preallocates outside PyTorch's allocator for the plan's ep group
+        (moe_deepep.deepep_buffer_bytes; KernelOptions.ep_dispatch 'deepep'), else 0."""
+        if self.opts.ep_dispatch != "deepep" or not self.model.is_moe:
+            return 0.0
+        return moe_deepep.deepep_buffer_bytes(self.model.hidden, ep)
+
+    def _budget(self, ep: int) -> float:
+        """Tensor bytes a GPU may hold (Evaluator.tensor_budget) less DeepEP's fixed buffers,
+        which the caching allocator's fragmentation does not scale."""
+        return self.tensor_budget - self._ep_buffers(ep) / (1.0 + self.mem.fragmentation)
+
+    @staticmethod
+    def _loose(w: Work, experts: float) -> tuple[float]:
+        """(experts held outside FSDP2,) of a block holding `experts` routed expert parameters:
+        all of them where the plan's experts sit outside FSDP2 (`w.loose`), else none (they
+        are memory.stage_memory's `p_expert`, passed as 0 here when loose)."""
+        return (experts if w.loose else 0.0,)
+
     def _te_cache(self, w: Work, i: int) -> float:
         """Bytes of Transformer Engine's cached FP8 weights on pipeline rank `i`."""
         return w.cache_b * max(0.0, w.blocks[i][0] + w.blocks[i][1] - w.not_gemm)
@@ -147,9 +170,11 @@ class StageMemories:
             b = blocks[i]
             per_layer[i], fixed[i] = terms(
                 mem_opts, zero, dp, states, b[0], roots[i], largest, b[2], inflight[i], b[3],
-                w.logits if i == head else 0.0, grad_bytes, keep, accum, b[1], e_states,
+                w.logits if i == head else 0.0, grad_bytes, keep, accum,
+                0.0 if w.loose else b[1], e_states,
                 root_units[i], reduce_bytes, w.grad_extra if i == 0 else 0.0, outputs[i],
-                cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum, moments[i])
+                cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum, moments[i],
+                *self._loose(w, b[1]))
         return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:
@@ -159,7 +184,7 @@ class StageMemories:
         cfg, model = w.cfg, self.model
         pp, v, per_layer, fixed = w.pp, w.v, w.per_layer, w.fixed
         t_layer, e_first, e_last = w.t_layer, w.e_first, w.e_last
-        budget = self.tensor_budget
+        budget = self._budget(w.ep)
         # under an interleaved schedule the walk decides what fits (_interleaved_memory), and it
         # can hold less than the even spread: a split the spread rejects is rejected here only
         # when a lower bound of the walk does not fit either (`_walk_may_fit`)

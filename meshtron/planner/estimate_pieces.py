@@ -104,7 +104,8 @@ class CostPieces:
                                          moe_cost.per_expert_gemms(self.mem.framework),
                                          o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd,
                                          o.ep_dispatch,
-                                         moe_cost.folded(self.mem.framework, ep, etp))
+                                         moe_cost.folded(self.mem.framework, ep, etp),
+                                         o.expert_routing)
             share = model.moe_layers / model.layers
             # forward replayed, on the mean (a part's own count: HalfRecompute.half_replay)
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)

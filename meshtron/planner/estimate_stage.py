@@ -204,6 +204,8 @@ class StageCosts:
         foreach kernels meshtron's clip_grad_norm_ runs: profiled with the optimizer on one
         H200, bench/h200_categories.py)."""
         g = FSDP_GRAD_BYTES if self.opts.sharding == "fsdp" else self.grad_bytes
+        if self.opts.sharding == "fsdp" and self.mem.param_dtype == "bf16":
+            g = 2.0  # the sharded gradients take the bf16 parameters' dtype
         base = self.opt_bytes
         if self.opts.optimizer == "fused":  # its 28 bytes count one gradient read
             base += g - self.grad_bytes

@@ -34,7 +34,7 @@ class MemoryWalks:
         shortfall, and a rank over budget here is over it after the walk."""
         chunks = self._chunks(w)
         low = self._in_flight_lower_bound(w.pp, w.v, w.m, chunks, w.act,
-                                          w.accum * (w.p_layer + w.p_exp), w.extra_warm)
+                                          w.accum * w.accumulating, w.extra_warm)
         fsdp2 = w.mem_opts.framework == "fsdp2"
         # the walk's lower block moment on ranks of odd chunks under `half` (`_half_blocks`):
         # the fixed part drops by at most the working set's drop (`peak_moment` is a max)
@@ -98,7 +98,7 @@ class MemoryWalks:
         # Megatron-Core's account_for_embedding/loss), at the moment they are largest beside
         # the gradients FSDP2 has accumulated so far (Megatron's buffer is in the states)
         chunks = self._chunks(w)
-        grad = w.accum * (w.p_layer + w.p_exp)
+        grad = w.accum * w.accumulating
         odd = self._half_odd(w)[0]
         weighted = self._weighted_in_flight(pp, v, m, chunks, inflight, act, grad,
                                             w.extra_warm, odd)

@@ -68,6 +68,7 @@ class Work:
     moved: float = 0.0  # bytes per parameter moved to the host (offload)
     e_states: tuple[float, float, float] | None = None  # the experts' `states` (ep > 1)
     e_moved: float = 0.0  # the experts' `moved`
+    loose: bool = False  # the experts sit outside FSDP2 (MemoryOptions.experts_outside_fsdp)
     # ---- _memory_model: what every pipeline rank holds beside its blocks ----
     grad_extra: float = 0.0  # embedding gradient elements beyond the shard (first stage)
     extra_accum: float = 0.0  # bytes each of those holds over the step (memory_peak.py)
@@ -97,3 +98,10 @@ class Work:
     stage_f: list[float] = field(default_factory=list)  # per rank: its forward part
     host_gpu: float = 0.0  # bytes one GPU keeps in host memory (its fullest stage)
     cutoff: float = float("inf")  # a step above it is dropped: the search's (evaluate)
+
+    @property
+    def accumulating(self) -> float:
+        """Parameters of one block whose unsharded gradients FSDP2 accumulates over the
+        micro-batches (`accum` bytes each): the routed experts too unless they sit outside
+        FSDP2 (`loose`: their gradients are their states')."""
+        return self.p_layer + (0.0 if self.loose else self.p_exp)

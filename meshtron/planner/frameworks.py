@@ -17,7 +17,12 @@ DeepSeek's DualPipe (all-to-alls overlapped with another micro-batch) and its no
 routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`, and its FP8
 dispatch `ep_dispatch = "fp8"`; DualPipe itself is the memory option `pipeline_split =
 "dualpipe"` (DeepSeek's engine) with `--schedule dualpipe` (or `dualpipev`), priced by
-planner/pipeline_dualpipe.py and refused by meshtron's runtime.
+planner/pipeline_dualpipe.py and refused by meshtron's runtime. DeepEP's kernels (NeMo
+AutoModel's `dispatcher: deepep`, Megatron-Core's flex dispatcher) are `ep_dispatch =
+"deepep"` with `expert_routing` ("spread", or "contiguous" for AutoModel's fake balanced
+gate; planner/moe_deepep.py); NeMo AutoModel's bf16 model and its experts left out of FSDP2
+on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` and
+`experts_outside_fsdp = true` (bench/published/rows_2025.py `automodel`).
 
 * `meshtron` (default): meshtron's own runtime (meshtron/parallel/): eager PyTorch modules,
   FSDP2 with fp32 sharded parameters and MixedPrecisionPolicy(param bf16, reduce fp32); ZeRO-0/1

@@ -19,11 +19,15 @@ per tensor or per row / column, applied in the epilogue (cuBLASLt, torch._scaled
 Transformer Engine's delayed and current scaling, torchao's tensorwise and rowwise);
 'blockwise' = 1x128 / 128x128 block scales promoted in the k loop (DeepSeek-V3, DeepGEMM)."""
 
-EP_DISPATCHES = ("bf16", "fp8")
+EP_DISPATCHES = ("bf16", "fp8", "deepep")
 """What the expert-parallel dispatch sends (KernelOptions.ep_dispatch): 'bf16' = the routed
 rows as the layer holds them; 'fp8' = quantised first, with 1x128 fp32 block scales
 (DeepSeek-V3 report section 3.3.3; DeepEP's normal kernels, "FP8 dispatching and BF16
-combining")."""
+combining"), priced as NCCL's all-to-all of those bytes; 'deepep' = DeepEP's normal kernels in
+the compute dtype, one row per destination rank and node (planner/moe_deepep.py: NeMo
+AutoModel's and Megatron-Core's flex dispatcher with BF16 experts)."""
+ROUTINGS = ("spread", "contiguous")
+"""How a token's top-k experts are picked (KernelOptions.expert_routing; moe_deepep.ROUTINGS)."""
 
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused", "compiled")
@@ -35,7 +39,8 @@ V_WIDTHS = ("padded", "native")
 against 192; KernelOptions.v_width)."""
 _CHOICES = (("attention", ATTENTION_KINDS), ("stack", STACKS), ("sharding", SHARDINGS),
             ("fp8_filter", FP8_FILTERS), ("fp8_scaling", FP8_SCALINGS), ("fp8_gemm", FP8_GEMMS),
-            ("ep_dispatch", EP_DISPATCHES), ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS),
+            ("ep_dispatch", EP_DISPATCHES), ("expert_routing", ROUTINGS),
+            ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS),
             ("flash_isa", FLASH_ISAS), ("v_width", V_WIDTHS))
 """The KernelOptions fields that take one of a few names, with the names each allows."""
 
@@ -243,7 +248,16 @@ class KernelOptions:
     (DeepSeek-V3 report section 3.3.3, "Low-Precision Communication"; DeepEP's normal kernels,
     docs/legacy.md: "FP8 dispatching and BF16 combining"). Only where the expert GEMMs are FP8
     (the rows are quantised for them anyway); 'bf16': every all-to-all in the compute dtype
-    (Megatron-Core's alltoall dispatcher, meshtron, torchtitan). planner/moe_cost.py."""
+    (Megatron-Core's alltoall dispatcher, meshtron, torchtitan); 'deepep': DeepEP's normal
+    kernels in the compute dtype, a token sent once per destination rank and node
+    (planner/moe_deepep.py; NeMo AutoModel's `dispatcher: deepep`, Megatron-Core's flex
+    dispatcher). planner/moe_cost.py."""
+    expert_routing: str = "spread"
+    """Where a token's top-k experts sit, which decides what DeepEP's deduplicated dispatch
+    sends (ep_dispatch 'deepep'; planner/moe_deepep.py): 'spread' = k distinct experts
+    uniform over the E (a learned router on average; Megatron-Core's force-balanced
+    routing); 'contiguous' = NeMo AutoModel's fake balanced gate (FakeBalancedGate, noise 0:
+    token t takes experts t k .. t k + k - 1 mod E, so a few neighbouring ranks)."""
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""

@@ -168,7 +168,7 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  root_unit: float | None = None, reduce_bytes: float = 4.0,
                  grad_extra: float = 0.0, outputs: float = 0.0,
                  weight_cache: float = 0.0, extra_accum: float | None = None,
-                 moment: str | None = None) -> StageMemory:
+                 moment: str | None = None, p_loose: float = 0.0) -> StageMemory:
     """Linear model of one stage's memory in its layer count (used by the layer partition).
 
     FSDP2's gathered copies with ZeRO-0/1/2 grow with the layers (every block stays gathered);
@@ -186,12 +186,14 @@ def stage_memory(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     last backward: pipelining). The peak is the larger of the loss's and a block's backward
     moment (`peak_moment`); the block's counts the previous block's gradient on every stage
     (a one-block stage has none: conservative). `moment`: that moment's alone (`MOMENTS`,
-    `moment_parts`), for a stage whose moments hold different activations."""
+    `moment_parts`), for a stage whose moments hold different activations. `p_loose`: routed
+    experts per block held outside FSDP2 (MemoryOptions.experts_outside_fsdp): their
+    `expert_states` only, no gathered copy, no unsharded gradient accumulated beside them."""
     return StageMemory(*stage_terms(
         mem, zero, dp, states, p_layer, p_root, largest, act, in_flight, work, logits,
         grad_bytes, keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes,
         grad_extra, outputs, weight_cache, accum if extra_accum is None else extra_accum,
-        moment))
+        moment, p_loose))
 
 
 def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float, float],
@@ -201,13 +203,13 @@ def stage_terms(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, flo
                 expert_states: tuple[float, float, float] | None, root_unit: float | None,
                 reduce_bytes: float, grad_extra: float, outputs: float,
                 weight_cache: float, extra_accum: float,
-                moment: str | None = None) -> tuple[float, float]:
+                moment: str | None = None, p_loose: float = 0.0) -> tuple[float, float]:
     """`stage_memory` as (per_layer, fixed), every argument given but `moment` (the
     search's ~90k calls: estimate.Evaluator._stage_memories)."""
     parts = _stage_parts(
         mem, zero, dp, states, p_layer, p_root, largest, act, work, logits, grad_bytes,
         keep_gathered, accum, p_expert, expert_states, root_unit, reduce_bytes, grad_extra,
-        extra_accum)
+        extra_accum, p_loose)
     base, gathered_per_layer = parts[0], parts[1]
     fixed = parts[2] if moment is None else parts[2 + MOMENTS.index(moment)]
     # the same sums in the same order as written out in `_stage_parts` (bit for bit): the
@@ -236,7 +238,7 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
                  logits: float, grad_bytes: float, keep_gathered: bool, accum: float,
                  p_expert: float, expert_states: tuple[float, float, float] | None,
                  root_unit: float | None, reduce_bytes: float,
-                 grad_extra: float, extra_accum: float
+                 grad_extra: float, extra_accum: float, p_loose: float = 0.0
                  ) -> tuple[float, float | None, float, float, float, float]:
     """`stage_memory` less its terms in `in_flight`, `outputs` and `weight_cache`, which are
     what a search's plans and a plan's ranks vary most (a search asks ~90k stage memories of
@@ -250,7 +252,9 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     # rank, `p_layer` the rest of the block) keep their ZeRO states over the dp*cp/ep ranks
     # holding the same experts (`expert_states`); the compute copies gather both
     eb = sum(expert_states) if expert_states is not None else sb
-    base = p_layer * (sb + accum) + p_expert * (eb + accum)
+    # experts outside FSDP2 (`p_loose`) hold their states alone: never gathered, their
+    # gradients accumulated in place (MemoryOptions.experts_outside_fsdp)
+    base = p_layer * (sb + accum) + p_expert * (eb + accum) + p_loose * eb
     p_layer = p_layer + p_expert
     cb = mem.compute_bytes
     fsdp_all = (mem.framework == "fsdp2" and not (dp == 1 and mem.dtype == "fp32")
@@ -265,7 +269,9 @@ def _stage_parts(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, fl
     previous = previous_gradient_bytes(mem, dp, 2, p_layer, keep_gathered, reduce_bytes)
     at_embedding = embedding_moment(mem, at_loss, previous, grad_extra, act)
     gathered, recompute = peak_moment(logits, work, at_loss, at_block, at_embedding)
-    rest = p_root * (sb + accum) + grad_extra * extra_accum
+    # a loose block's expert gradient is made whole before AccumulateGrad adds it to the kept
+    # one: one block's worth in the compute dtype (at every moment: conservative)
+    rest = p_root * (sb + accum) + grad_extra * extra_accum + cb * p_loose
     return (base, cb * p_layer if fsdp_all else None,
             rest + gathered + recompute + logits,
             rest + sum(moment_parts(logits, work, at_loss, at_block, at_embedding, "loss")),
@@ -284,15 +290,17 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               root_unit: float | None = None, reduce_bytes: float = 4.0,
               grad_extra: float = 0.0, outputs: float = 0.0,
               weight_cache: float = 0.0, extra_accum: float | None = None,
-              moment: str | None = None) -> MemoryBreakdown:
+              moment: str | None = None, p_loose: float = 0.0,
+              fixed: float = 0.0) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
     `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`, `extra_accum`,
-    `moment`: as stage_memory
+    `moment`, `p_loose`: as stage_memory
     (the kept chunk outputs are counted with the in-flight activations, the cached quantised
-    weights with the parameters)."""
+    weights with the parameters); `fixed`: bytes allocated outside PyTorch's allocator
+    (DeepEP's buffers), counted with the workspace."""
     wb, gb, ob = states
     ewb, egb, eob = expert_states if expert_states is not None else states
-    experts = layers * p_expert
+    experts = layers * (p_expert + p_loose)
     params = layers * p_layer + p_root
     args = (mem, zero, dp, layers, p_layer + p_expert, p_root, largest, grad_bytes,
             keep_gathered, root_unit)
@@ -303,8 +311,8 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
                                        reduce_bytes)
     gathered, work, logits = moment_parts(logits, work, at_loss, at_block, embedding_moment(
         mem, at_loss, previous, grad_extra, layers * act), moment)
-    gathered += accum * (params + experts) + grad_extra * (
-        accum if extra_accum is None else extra_accum)
+    gathered += accum * (params + layers * p_expert) + grad_extra * (
+        accum if extra_accum is None else extra_accum) + mem.compute_bytes * p_loose
     all_acts = layers * act * in_flight
     if all_acts < 0.0:
         # a moment before some chunks' gradients are made (an interleaved last rank's loss,
@@ -323,5 +331,6 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
         optimizer=(params * ob + experts * eob) / GIB,
         gathered=gathered / GIB, activations=acts / GIB,
         in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,
-        workspace=workspace_bytes(tensors, capacity, mem) / GIB, capacity=capacity / GIB,
+        workspace=(workspace_bytes(tensors, capacity, mem) + fixed) / GIB,
+        capacity=capacity / GIB,
         stage=stage, dtype=mem.dtype)

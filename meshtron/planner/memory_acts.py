@@ -345,6 +345,8 @@ def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
     kept = mem.compute_bytes if pipelined else 0.0
     if tp > 1:  # vocabulary-parallel logits under loss_parallel
         return elements * (LOSS_PARALLEL_BYTES + kept)
+    if kind == "eager-bf16":  # the eager loss's three tensors in the compute dtype
+        return elements * (3.0 * mem.compute_bytes + kept)
     return elements * (12.0 + kept)
 
 

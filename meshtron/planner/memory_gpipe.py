@@ -55,6 +55,8 @@ def loss_saved_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
         return elements * 6.0
     if kind == "inplace":
         return elements * mem.compute_bytes
+    if kind == "eager-bf16":  # log_softmax's output in the compute dtype
+        return elements * 2.0 * mem.compute_bytes
     return elements * (4.0 + mem.compute_bytes)
 
 

@@ -40,8 +40,10 @@ DTYPES = ("bf16", "fp32", "fp8")
 """fp8 runs keep bf16 activations, weights and compute copies here (Transformer Engine saves
 some GEMM inputs in FP8, which this does not count: memory is not underestimated)."""
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
+PARAM_DTYPES = ("fp32", "bf16")
+"""dtype of FSDP2's sharded parameters (MemoryOptions.param_dtype)."""
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
-LOSSES = ("chunked", "eager", "vocab-parallel", "inplace")
+LOSSES = ("chunked", "eager", "vocab-parallel", "inplace", "eager-bf16")
 FP8_TILE_BYTES = 1.0 + 4.0 / 128
 """Bytes per element of an activation kept in FP8 with one fp32 scale per 1x128 tile
 (DeepSeek-V3 report 3.3.2-3.3.3, fine-grained quantization; MemoryOptions.swiglu_recompute)."""
@@ -79,8 +81,11 @@ class MemoryOptions:
     'eager' (fp32 copy + log_softmax, 12 bytes per logit at the start of backward; 16 under
     tensor parallelism's loss_parallel), 'vocab-parallel' (Megatron-LM: bf16 logits + fp32
     softmax overwritten by its gradient, 6) or 'inplace' (flash-attn's fused loss as
-    llm-foundry uses it: the gradient overwrites the 16-bit logits, 2); None: 'chunked' for
-    fsdp2, 'vocab-parallel' otherwise."""
+    llm-foundry uses it: the gradient overwrites the 16-bit logits, 2), 'eager-bf16'
+    (F.cross_entropy on the compute-dtype logits, no fp32 cast: NeMo AutoModel's
+    MaskedCrossEntropy with fp32_upcast false; log_softmax's output, the incoming gradient and
+    the input gradient in the compute dtype, 6); None: 'chunked' for fsdp2, 'vocab-parallel'
+    otherwise."""
     gqa_copies: bool = False
     """Grouped-query attention copies K and V to every query head before attention
     (`repeat_kv` in torchtitan's and Hugging Face's Llama, saved for backward at full width:
@@ -143,6 +148,27 @@ class MemoryOptions:
     "Low-Precision Optimizer States"): 4 + 2 + 2 optimizer bytes per parameter, not 12
     (memory_states.state_bytes); mixed-precision ZeRO frameworks only."""
 
+    param_dtype: str = "fp32"
+    """dtype FSDP2 keeps the sharded parameters in (PARAM_DTYPES; framework 'fsdp2' only).
+    'fp32': master weights (meshtron's runtime, torchtitan). 'bf16': the model is built and
+    trained in bf16 with no fp32 copy: NeMo AutoModel's NeMoAutoModelForCausalLM.from_config
+    resolves torch_dtype 'auto' to torch.bfloat16 (_transformers/auto_model.py; recipes/llm/
+    train_ft.py: "fp32 master-weight default planned to be enabled in follow-up PR", June
+    2026), so FSDP2's sharded parameters, the sharded gradients (which take the parameter's
+    dtype after the fp32 reduce-scatter) and torch.optim.Adam's exp_avg / exp_avg_sq
+    (zeros_like the parameter) are all bf16: 2 + 2 + 4 bytes per parameter, not 4 + 4 + 8
+    (memory_states.state_bytes). Unsharded gradients accumulated over micro-batches stay in
+    the reduce dtype (FSDP2's to_accumulated_grad_if_needed upcasts them)."""
+
+    experts_outside_fsdp: bool = False
+    """Routed experts whose expert-data-parallel group (dp*cp/ep ranks holding the same experts)
+    is a single rank are left out of FSDP2 (NeMo AutoModel moe/parallelizer.py apply_fsdp:
+    fully_shard over the ep_shard mesh only when it has more than one rank, else the experts
+    are the block's ignored_params): no all-gathered compute copy, and their gradients
+    accumulate in place in the parameter dtype, not unsharded in the reduce dtype
+    (memory.stage_memory `p_loose`). False: wrapped whatever the group's size (torchtitan's
+    apply_fsdp wraps the experts over dp_shard_mod_ep even at size 1; meshtron's runtime)."""
+
     expandable_segments: bool = False
     """The run's launch sets PyTorch's caching allocator to expandable segments
     (PYTORCH_ALLOC_CONF="expandable_segments:True"): its fragmentation allowance is
@@ -163,11 +189,18 @@ class MemoryOptions:
         if self.framework not in FRAMEWORKS:
             raise UserError(f"memory.framework={self.framework!r}: allowed values are "
                              f"{', '.join(FRAMEWORKS)}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise UserError(f"memory.param_dtype={self.param_dtype!r}: allowed values are "
+                            f"{', '.join(PARAM_DTYPES)}")
+        if self.param_dtype != "fp32" and self.framework != "fsdp2":
+            raise UserError(f"memory.param_dtype={self.param_dtype!r}: priced for framework "
+                            f"fsdp2 only (the ZeRO frameworks keep fp32 master weights); use "
+                            f"fp32")
         if self.loss is not None and self.loss not in LOSSES:
             raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
         for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments",
                      "recompute_norms", "recompute_up_proj", "swiglu_recompute",
-                     "attn_out_e5m6", "bf16_moments"):
+                     "attn_out_e5m6", "bf16_moments", "experts_outside_fsdp"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(f"memory.{name}={value!r}: allowed values are true, false")

@@ -7,7 +7,8 @@ Model states, bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sections 3 a
   (FSDP2's sharded parameters keep their dtype; MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32) only casts the all-gathered copy, FSDP2 docs), fp32 gradients (the sharded
   gradient takes the sharded parameter's dtype) and AdamW's two fp32 moments: 4 + 4 + 8 = 16 bytes
-  in fp32 and in bf16 runs alike. The compute copy (2 bytes in bf16, 4 in fp32) exists only
+  in fp32 and in bf16 runs alike; 2 + 2 + 4 where the model itself is bf16 (NeMo AutoModel:
+  MemoryOptions.param_dtype). The compute copy (2 bytes in bf16, 4 in fp32) exists only
   while a unit is all-gathered (see `gathered_bytes`).
 * `megatron` / `deepspeed` (mixed-precision AdamW as in the ZeRO paper): 2-byte weights,
   2-byte gradients (4 with Megatron-LM's fp32 main_grad, `KernelOptions.fp32_grad_reduce`) and
@@ -50,7 +51,10 @@ def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
     parameters and gradients, states by owner."""
     mem = mem or DEFAULT
     if mem.framework == "fsdp2":
-        w, g, o = 4.0, 4.0, 8.0 / dp if zero >= 1 else 8.0
+        # the sharded parameters' dtype (MemoryOptions.param_dtype): the gradients and
+        # torch's Adam moments take it too
+        pb = 2.0 if mem.param_dtype == "bf16" else 4.0
+        w, g, o = pb, pb, 2 * pb / dp if zero >= 1 else 2 * pb
         if zero >= 2 or (zero == 1 and fsdp_zero1):  # FSDP2 shards parameters at rest
             w, g = w / dp, g / dp
         return w, g, o

@@ -17,6 +17,8 @@ bytes of the compute dtype, ep the expert-parallel degree):
   and per-node deduplication (DeepSeek-V3 technical report, section 2.1.2 / 3.2.2: each token
   goes to at most M = 4 nodes, sent once per node over IB and fanned out over NVLink)
   send min(k, M) copies of a token across nodes instead of k (`KernelOptions.ep_node_limit`).
+  DeepEP's kernels (`KernelOptions.ep_dispatch` 'deepep') send one row per destination rank
+  and node instead (planner/moe_deepep.py).
   Stacks that dispatch in FP8 (`KernelOptions.ep_dispatch`: DeepSeek-V3 section 3.3.3, DeepEP)
   send the two all-to-alls toward the experts at FP8_DISPATCH_BYTES per element, the two
   combines in BF16 (`a2a_dtype_bytes`).
@@ -72,6 +74,7 @@ from typing import Any
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
 from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions default it prices
+from meshtron.planner.moe_deepep import deepep_a2a_time
 from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWork,
                                        expert_ops, host_exposed, host_seconds, ordered_wait,
                                        per_expert_gemms)
@@ -155,7 +158,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    window_bwd: float = 0.0, per_expert: bool = False,
                    fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
                    fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16",
-                   folded: bool = False) -> MoeLayerCost:
+                   folded: bool = False, expert_routing: str = "spread") -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -171,7 +174,9 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     backward GEMMs promote their partial sums (compute.KernelOptions.fp8_split_accum_bwd:
     Transformer Engine's GroupedLinear takes the same _2X_ACC_DGRAD / _2X_ACC_WGRAD), so the
     backward's extra is priced with that kernel, as the dense equivalent's backward was.
-    `ep_dispatch`: what the all-to-alls toward the experts carry (`a2a_dtype_bytes`).
+    `ep_dispatch`: what the all-to-alls toward the experts carry (`a2a_dtype_bytes`); 'deepep':
+    DeepEP's kernels run them, rows deduplicated per rank and node (moe_deepep.py), routed as
+    `expert_routing` says.
     `folded`: Megatron-Core's dispatcher over its folded expert grid (`folded`,
     `folded_tokens`): each tp rank routes its own sequence shard, the etp group all-gathers
     the received rows and reduce-scatters the experts' output (`etp_collectives`)."""
@@ -214,7 +219,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     dense_b, grouped_b = gemms(kernel_b) if kernel_b != kernel else (dense, grouped)
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
     slots = tokens * k * h * b
-    permute = permute_passes(stack, ep, local) * 2 * slots / bw  # each reads and writes
+    passes = permute_passes(stack, ep, local, ep_dispatch)
+    permute = passes * 2 * slots / bw  # each reads and writes
     cast_f = cast_b = 0.0
     if lin_dt == "fp8":
         routed = seen * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
@@ -224,8 +230,14 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     # each direction of the step makes one all-to-all toward the experts and one back
-    calls = [a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
-             for x in a2a_dtype_bytes(b, lin_dt == "fp8", ep_dispatch)]
+    def call(x: float) -> float:
+        """One all-to-all of rows of x bytes per element: NCCL's, or DeepEP's deduplicated."""
+        if ep_dispatch != "deepep":
+            return a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
+        return deepep_a2a_time(tokens, h, x, e, k, group, fab, expert_routing, imbalance,
+                               node_limit) if ep > 1 else 0.0
+
+    calls = [call(x) for x in a2a_dtype_bytes(b, lin_dt == "fp8", ep_dispatch)]
     # the etp group's all-gather of the received rows and reduce-scatter of the experts' output
     calls = [c + x for c, x in zip(calls, etp_collectives(seen * k * imbalance * h * b, etp,
                                                           cluster, fab, folded))]
@@ -243,7 +255,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         ops = compute.kernels_per_layer(compute.active_equivalent(model),
                                         compute.KernelOptions(stack=stack))
         work = _ordered_work(dense, grouped, (cast_f, cast_b),
-                             permute / permute_passes(stack, ep, local),
+                             permute / passes,
                              permute, (a2a_f, a2a_b, toward), (window_fwd, window_bwd),
                              (ops, *expert_ops(lin_dt, local, per_expert),
                               2.0 * (local if per_expert else 1.0)))
@@ -365,11 +377,18 @@ def ep_rows(imbalance: float, ep: int) -> float:
     return imbalance if ep > 1 else 1.0
 
 
-def permute_passes(stack: str, ep: int, local_experts: float = 2.0) -> float:
+def permute_passes(stack: str, ep: int, local_experts: float = 2.0,
+                   dispatch: str = "bf16") -> float:
     """Memory-bound passes over the T*k routed slots one MoE layer's forward makes (module
     docstring); the backward makes the same. Megatron-Core sorts the received chunks by local
     expert only when a rank holds several ("Permutation 2", `num_local_experts > 1`);
-    meshtron's dispatcher regroups always."""
+    meshtron's dispatcher regroups always. DeepEP (`dispatch` 'deepep': AutoModel's and
+    Megatron-Core's flex dispatchers) takes the tokens unpermuted with their top-k and returns
+    them so: one fused permute of the received rows into expert order after the dispatch, one
+    unpermute before the combine (token_permutation2 / token_unpermutation with
+    moe_permute_fusion), whatever the stack."""
+    if dispatch == "deepep" and ep > 1:
+        return 2.0
     if stack == "eager":
         # 2 gathers, zero fill (a write: half a pass), scatter, product, index_add
         return 5.5 + (2.0 if ep > 1 else 0.0)
