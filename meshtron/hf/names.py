@@ -72,6 +72,12 @@ _MOE_LAYER = {
 def check_supported(spec: ModelSpec, where: str) -> str:
     """The model_type meshtron reads and writes for `spec` (llama, qwen2, gpt2, mixtral or
     qwen3_moe); a UserError naming `where` for other architectures."""
+    from meshtron.model.hf_variants import variant_fields
+
+    if variant_fields(spec):  # Gemma, Nemotron, OLMo 2, Granite...: their names are not wired
+        raise UserError(f"{where}: Hugging Face weights of model {spec.name!r} (model."
+                         f"{', model.'.join(variant_fields(spec))}) are not read or written "
+                         "yet; train it from scratch")
     llama_like = (spec.mlp == "swiglu" and spec.norm == "rmsnorm" and spec.position == "rope"
                   and not spec.bias and not spec.parallel_residual)
     if getattr(spec, "is_mla", False):
