@@ -76,9 +76,9 @@ def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     q = model.heads * model.head_dim
     block_in = h / (tp if sp else 1)
-    col = q + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
+    col = q + 2.0 * kv + (2.0 * f if model.gated_mlp else f)  # wq wk wv w1 (w3), sharded
     if model.is_mla:  # MLA's projections: head-sharded up-projections, replicated down ones
-        col = (2.0 * f if model.mlp == "swiglu" else f) + sum(
+        col = (2.0 * f if model.gated_mlp else f) + sum(
             n * (tp if split else 1) for _, n, _, split in mla_projections(model, tp))
     row = 2.0 * h  # wo and w2 outputs: full width on every tensor rank before the reduction
     coll = 0.0
@@ -145,8 +145,8 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     if mem.attn_out_e5m6 and fp8_inputs:  # DeepSeek: one E5M6 copy serves both backwards
         out = E5M6_TILE_BYTES * q
     # SwiGLU: fc1's output [2f] (the activation's input) and fc2's input [f]; GeLU: f and f
-    mlp = (2.0 * cb * f if model.mlp == "swiglu" else cb * f) + x * f
-    if mem.swiglu_recompute and model.mlp == "swiglu":  # FP8 input kept, output recomputed
+    mlp = (2.0 * cb * f if model.gated_mlp else cb * f) + x * f
+    if mem.swiglu_recompute and model.gated_mlp:  # FP8 input kept, output recomputed
         mlp = 2.0 * FP8_TILE_BYTES * f
     if model.is_mla:
         # Q and K are heads x (nope + rope), V heads x v_head_dim, the output heads x v; the
