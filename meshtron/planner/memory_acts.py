@@ -139,6 +139,7 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     # two norm inputs, the QKV and fc1 inputs (the norms' outputs); dropout masks
     normed = 0.0 if mem.recompute_norms else 2.0 * x * h
     replicated = 2.0 * cb * h + normed + (cb * h if opts.dropout else 0.0)
+    replicated += (model.block_norms - 2) * cb * h  # sandwich (Gemma): post-norms' inputs
     # the out-projection's input: FlashAttention keeps its bf16 output O for its own backward,
     # the same tensor the bf16 Linear saves; an FP8 Linear saves its own FP8 copy beside it
     out = x * q + (cb * q if fp8_inputs and opts.attention != "unfused" else 0.0)
@@ -165,6 +166,8 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     if mem.recompute_up_proj:  # DeepSeek: Q, K and V recomputed from the latents
         qkv = 0.0
     sharded = qkv + out + mlp
+    if model.qk_norm and not model.is_mla:  # the q/k norms' inputs (Qwen3, Gemma 3, OLMo 2)
+        sharded += cb * (q + kv)
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:
