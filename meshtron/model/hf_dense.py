@@ -52,7 +52,7 @@ def hf_dense(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_in
         head_size=head_dim if head_dim not in (None, hidden // heads) or (
             head_dim and hidden % heads) else None,
         mlp=_mlp(cfg, mtype), norm_eps=num(*_EPS[mtype]),
-        tied_embeddings=flag("tie_word_embeddings", gemma or mtype in ("granite", "starcoder2")))
+        tied_embeddings=flag("tie_word_embeddings", gemma or mtype == "starcoder2"))
     fields.update(_biases(cfg, mtype, flag))
     rope_cfg, local_theta = _rope_config(cfg, mtype, num)
     fields.update(rope(rope_cfg, opt_int("max_position_embeddings", 4096)))
