@@ -67,8 +67,10 @@ def hf_dense(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_in
         scalar = num("query_pre_attn_scalar", float(fields["head_size"] or hidden // heads))
         fields.update(norm_plus_one=True, norm_layout="sandwich", embed_scale=math.sqrt(hidden),
                       attn_scale=scalar ** -0.5, qk_norm=mtype == "gemma3_text",
-                      attn_softcap=_cap(cfg, "attn_logit_softcapping"),
-                      logit_softcap=_cap(cfg, "final_logit_softcapping"),
+                      # transformers' Gemma2Config defaults: 50 and 30 (Gemma 3: none)
+                      attn_softcap=_cap(cfg, "attn_logit_softcapping", mtype == "gemma2", 50.0),
+                      logit_softcap=_cap(cfg, "final_logit_softcapping", mtype == "gemma2",
+                                         30.0),
                       rope_local_theta=local_theta)
     elif mtype == "olmo2":
         fields.update(norm_layout="post", qk_norm=True, qk_norm_whole=True)
@@ -169,8 +171,9 @@ def _pattern(types: Any) -> int:
     return every
 
 
-def _cap(cfg: dict[str, Any], key: str) -> float:
-    value = cfg.get(key)
+def _cap(cfg: dict[str, Any], key: str, has_default: bool, default: float) -> float:
+    """A soft-capping value: absent gives the type's default, null none."""
+    value = cfg.get(key, default if has_default else None)
     if value is None:
         return 0.0
     if not is_number(value) or not math.isfinite(value) or value < 0:
