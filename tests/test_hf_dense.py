@@ -247,6 +247,6 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     for i, (model, kw) in enumerate(cases):
         engine = LocalEngine(_cfg(model))
         ref = [float(engine.train_step(t[:, :-1], t[:, 1:]).loss)
-               for t in _batches(engine.cfg.model.vocab)]
+               for t in _batches(_cfg(model).model.vocab)]
         for rank in range(2):
             assert results[rank][i] == pytest.approx(ref, rel=1e-5), (model, kw, rank)
