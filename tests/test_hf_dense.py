@@ -250,3 +250,56 @@ def test_tensor_parallel_equals_one_process(tmp_path):
                for t in _batches(_cfg(model).model.vocab)]
         for rank in range(2):
             assert results[rank][i] == pytest.approx(ref, rel=1e-5), (model, kw, rank)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(norm_layout="middle"), "model.norm_layout='middle': allowed values are pre, sandwich"),
+    (dict(rope_fraction=0), "model.rope_fraction=0: must be in (0, 1]"),
+    (dict(rope_fraction=0.3), "model.rope_fraction=0.3: rotates 9 of head_dim 32; must be even"),
+    (dict(window_every=2), "model.window_every=2: needs a sliding_window"),
+    (dict(qk_norm=False, qk_norm_whole=True), "model.qk_norm_whole=true: needs model.qk_norm"),
+    (dict(attn_softcap=-1.0), "model.attn_softcap=-1.0: must be a non-negative number"),
+    (dict(mlp="swish"), "model.mlp='swish': allowed values are swiglu, gelu, geglu, relu2"),
+])
+def test_bad_variant_fields_are_one_line(changes, match):
+    spec = from_hf_dict(TINY["qwen3"])
+    with pytest.raises(UserError) as err:
+        spec.replace(**changes)
+    assert match in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mtype", sorted(TINY))
+def test_eager_kernel_count_is_what_the_block_launches(mtype):
+    """The planner's `kernels_per_layer` against the ATen calls one eager forward of each
+    type's block makes on CPU (norms as LayerNorm, standing in for CUDA's one-kernel RMSNorm,
+    as tests/test_planner_host.py counts the Llama block): squared ReLU's two kernels, partial
+    rotary's concatenations, the sandwich's four norms, Granite's factors, the scale on q."""
+    import dataclasses
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.model.rope import rope_cache
+    from meshtron.model.transformer import Block
+    from meshtron.planner import compute as C
+    from tests.test_planner_host import EAGER
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in ("empty", "empty_strided", "detach",
+                                                  "_unsafe_view"):
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    spec = dataclasses.replace(from_hf_dict(TINY[mtype]), norm="layernorm", qk_norm=False,
+                               qk_norm_whole=False, norm_plus_one=False)
+    block = Block(spec, 0).to_empty(device="cpu").to(torch.bfloat16)
+    x, rope = torch.randn(1, 32, spec.hidden, dtype=torch.bfloat16), rope_cache(spec)
+    with Count() as fwd:
+        block(x, rope)
+    assert sum(fwd.ops.values()) == C.kernels_per_layer(spec, EAGER), dict(fwd.ops)

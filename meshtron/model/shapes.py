@@ -244,6 +244,13 @@ class ModelSpec:
         return self.moe_experts > 0
 
     @property
+    def q_factor(self) -> float | None:
+        """Factor on q that turns SDPA's 1/sqrt(head_dim) into `attn_scale` (None: none)."""
+        if self.attn_scale is None or self.attn_scale * self.head_dim ** 0.5 == 1.0:
+            return None
+        return self.attn_scale * self.head_dim ** 0.5
+
+    @property
     def gated_mlp(self) -> bool:
         """The MLP's up projection is two matrices (gate and up: SwiGLU, GeGLU)."""
         return self.mlp in ("swiglu", "geglu")

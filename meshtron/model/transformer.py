@@ -79,8 +79,7 @@ class Attention(nn.Module):
         self.rope_dim = spec.rope_dim  # partial rotary (Nemotron): the first rope_dim rotate
         # a softmax scale other than SDPA's 1/sqrt(head_dim), applied to q (every attention
         # path: SDPA, documents, context parallelism, takes its default scale)
-        self.q_factor = (spec.attn_scale * spec.head_dim ** 0.5
-                         if spec.attn_scale is not None else None)
+        self.q_factor = spec.q_factor
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | tuple | None) -> torch.Tensor:
         """`rope`: the RoPE table, or (per-token RoPE angles or None, DocumentMask) for

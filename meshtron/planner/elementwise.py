@@ -113,8 +113,11 @@ def elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) 
     sharded = 0.0
     if model.position == "rope":  # the rotating share of q and k (partial rotary: Nemotron)
         sharded = _ROPE_BYTES[rope] * (q + kv) * model.rope_dim / model.head_dim
-        if model.rope_dim < model.head_dim and st != "fused":  # the pass-through's concatenation
+        if model.rope_dim < model.head_dim and st != "fused" and not model.is_mla:  # the
+            # pass-through's concatenation
             sharded += 4.0 * (q + kv)
+    if model.q_factor is not None and st == "eager":  # the softmax scale's product on q
+        sharded += 4.0 * q
     if model.qk_norm:  # RMSNorm of q and k (per head or over the projection), on local heads
         sharded += NORM_BYTES[norm_key(st, opts.eager_norm, "rmsnorm")] * (q + kv)
     if model.is_mla:
@@ -193,7 +196,9 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     if st == "eager":
         n += _ACT_KERNELS[model.mlp]  # activation (+ product, or square)
         n += 2 if model.residual_scale != 1 else 0  # Granite's residual factor
-        n += 2 if model.position == "rope" and model.rope_dim < model.head_dim else 0
+        n += 1 if model.q_factor is not None else 0  # the softmax scale on q
+        n += 2 if model.position == "rope" and not model.is_mla and \
+            model.rope_dim < model.head_dim else 0  # partial rotary: the q and k concatenations
         n += 2 if opts.dropout else 0
     return n
 
