@@ -303,3 +303,45 @@ def test_eager_kernel_count_is_what_the_block_launches(mtype):
     with Count() as fwd:
         block(x, rope)
     assert sum(fwd.ops.values()) == C.kernels_per_layer(spec, EAGER), dict(fwd.ops)
+
+
+def test_qwen3_weights_load_and_export_round_trip(tmp_path):
+    """A Qwen3 checkpoint transformers saves (head_dim 32 over a 64-wide residual, q/k norms
+    randomised) loads into meshtron's model with transformers' logits, every weight read once;
+    exported back, transformers reloads it to the same logits."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from meshtron.hf.export import save_hf
+    from meshtron.hf.load import load_into
+    from meshtron.model.spec import resolve_model
+    from meshtron.model.transformer import Transformer
+    from testkit.hf_dense_ref import hf_model
+
+    hf_model("qwen3").save_pretrained(tmp_path / "in")
+    spec = resolve_model(tmp_path / "in")
+    ours = Transformer(spec, init_seed=0)
+    assert load_into([ours], tmp_path / "in", spec) == 4 * spec.num_params()
+    tokens = torch.randint(0, spec.vocab, (2, 24), generator=torch.Generator().manual_seed(3))
+
+    def logits(folder):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder),
+                                                                  dtype=torch.float32)
+        with torch.no_grad():
+            return model(tokens).logits
+
+    ref = logits(tmp_path / "in")
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), ref, rtol=1e-5, atol=2e-6)
+    save_hf({n: p.detach() for n, p in ours.named_parameters()}, spec, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
+    torch.testing.assert_close(logits(tmp_path / "out"), ref, rtol=1e-5, atol=2e-6)
+
+
+def test_weights_of_other_dense_types_are_refused_in_one_line(tmp_path):
+    from meshtron.hf.names import check_supported
+
+    with pytest.raises(UserError) as err:
+        check_supported(from_hf_dict(TINY["gemma3_text"]), "train.init_from")
+    assert "train.init_from: Hugging Face weights of model" in str(err.value)
+    assert "model.norm_plus_one" in str(err.value) and "\n" not in str(err.value)
