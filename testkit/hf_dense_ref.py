@@ -22,6 +22,9 @@ TINY = {
     "granite": dict(SHAPES, model_type="granite", embedding_multiplier=3.0,
                     attention_multiplier=0.09, residual_multiplier=0.5, logits_scaling=4.0),
     "starcoder2": dict(SHAPES, model_type="starcoder2", sliding_window=64),
+    # Pythia's shape of GPT-NeoX: a quarter of each head rotates, the erf GELU
+    "gpt_neox": dict(SHAPES, model_type="gpt_neox", num_key_value_heads=None, rotary_pct=0.25,
+                     hidden_act="gelu"),
 }
 """A tiny config.json of each trained type; sliding windows no shorter than the sequences
 tested (64), where the runtime's full causal attention is exact."""
@@ -72,7 +75,32 @@ def meshtron_twin(model, folder: Path):
     return ours.eval(), spec
 
 
+_NEOX = {"embed_in.weight": "tok_embeddings.weight", "embed_out.weight": "output.weight",
+         "lm_head.weight": "output.weight",
+         "final_layer_norm.weight": "norm.weight", "final_layer_norm.bias": "norm.bias",
+         "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+         "attention.dense": "attention.wo", "mlp.dense_h_to_4h": "feed_forward.w1",
+         "mlp.dense_4h_to_h": "feed_forward.w2"}
+
+
+def _neox(name: str, p: torch.Tensor, spec):
+    """GPT-NeoX's names; its query_key_value rows hold q | k | v per head."""
+    name = name.removeprefix("gpt_neox.")
+    if name in _NEOX:
+        return [(_NEOX[name], p)]
+    _, i, rest = name.split(".", 2)
+    if rest.startswith("attention.query_key_value."):
+        leaf = rest.rsplit(".", 1)[1]
+        parts = p.reshape(spec.heads, 3, spec.head_dim, *p.shape[1:]).unbind(1)
+        return [(f"layers.{i}.attention.{n}.{leaf}", t.reshape(-1, *p.shape[1:]))
+                for n, t in zip(("wq", "wk", "wv"), parts)]
+    mod, leaf = rest.rsplit(".", 1)
+    return [(f"layers.{i}.{_NEOX[mod]}.{leaf}", p)]
+
+
 def _rename(mtype: str, name: str, p: torch.Tensor, spec):
+    if mtype == "gpt_neox":
+        return _neox(name, p, spec)
     name = name.replace("model.", "", 1) if name.startswith("model.") else name
     if name == "embed_tokens.weight":
         return [("tok_embeddings.weight", p)]

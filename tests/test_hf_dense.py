@@ -241,7 +241,7 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     layouts = {"qwen3": dict(tp=2), "nemotron": dict(tp=2, sp=True),
                "gemma3_text": dict(tp=2, sp=True), "phi3": dict(tp=2),
                "granite": dict(tp=2, sp=True), "starcoder2": dict(tp=2, sp=True),
-               "olmo2": dict(dp=2, zero=3)}
+               "olmo2": dict(dp=2, zero=3), "gpt_neox": dict(tp=2, sp=True)}
     cases = [(_write(tmp_path, m), kw) for m, kw in layouts.items()]
     results = run_on_ranks(_two_rank, 2, cases, timeout=900)
     for i, (model, kw) in enumerate(cases):

@@ -119,20 +119,19 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         return hf_deepseek(cfg, mtype, name, need, num, flag, opt_int,
                            lambda max_pos: _hf_rope(cfg, "rope_theta", num, max_pos))
     if mtype == "gpt_neox":
+        from meshtron.model.hf_dense import neox_fields
+
         hidden = need("hidden_size")
-        rotary_pct = cfg.get("rotary_pct", 1.0)
-        if not is_number(rotary_pct) or rotary_pct != 1.0:
-            raise UserError(f"config.json rotary_pct={rotary_pct!r}: partial rotary embeddings "
-                             "(RoPE on part of each head, as in Pythia) are not supported by "
-                             "meshtron's model; only rotary_pct = 1.0")
-        return ModelSpec(
+        fields, rope_cfg = neox_fields(cfg)
+        return ModelSpec(**fields,
             name=name, layers=need("num_hidden_layers"), hidden=hidden,
             heads=need("num_attention_heads"), kv_heads=need("num_attention_heads"),
             ffn_hidden=opt_int("intermediate_size", 4 * hidden), vocab=need("vocab_size"),
             mlp="gelu", norm="layernorm",
             position="rope", tied_embeddings=flag("tie_word_embeddings", False),
             bias=True, parallel_residual=flag("use_parallel_residual", True),
-            **_hf_rope(cfg, "rotary_emb_base", num, opt_int("max_position_embeddings", 2048)),
+            **_hf_rope(rope_cfg, "rotary_emb_base", num,
+                       opt_int("max_position_embeddings", 2048)),
             norm_eps=num("layer_norm_eps", 1e-5),
         )
     # gpt2

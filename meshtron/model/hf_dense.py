@@ -185,3 +185,26 @@ def _no_sliding(cfg: dict[str, Any]) -> None:
     if cfg.get("use_sliding_window") is True:
         raise UserError("config.json use_sliding_window=true: Qwen's per-layer sliding window "
                          "(max_window_layers) is not supported; only false")
+
+
+_NEOX_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_fast": "tanh",
+              "gelu_pytorch_tanh": "tanh"}
+
+
+def neox_fields(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """GPT-NeoX's GELU (transformers' default 'gelu' is the erf form) and partial rotary share
+    (`rotary_pct`, or transformers >= 5's `rope_parameters.partial_rotary_factor`; default
+    0.25, Pythia's), and a copy of `cfg` for hf_config._hf_rope without the share."""
+    act = cfg.get("hidden_act", "gelu")
+    if act not in _NEOX_GELU:
+        raise UserError(f"config.json hidden_act={act!r}: allowed values for model_type "
+                         f"'gpt_neox' are {', '.join(_NEOX_GELU)}")
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    key = ("rope_parameters.partial_rotary_factor" if "partial_rotary_factor" in params
+           else "rotary_pct")
+    pct = params.get("partial_rotary_factor", cfg.get("rotary_pct"))
+    pct = 0.25 if pct is None else pct
+    if not is_number(pct) or not 0 < pct <= 1:
+        raise UserError(f"config.json {key}={pct!r}: must be in (0, 1]")
+    rope_cfg, _ = _rope_config(cfg, "gpt_neox", None)
+    return {"gelu_approximate": _NEOX_GELU[act], "rope_fraction": float(pct)}, rope_cfg

@@ -19,6 +19,9 @@ NORM_LAYOUTS = ("pre", "sandwich", "post")
 
 def check_variants(spec: Any) -> None:
     """The variant fields' own values (ModelSpec.__post_init__)."""
+    if spec.gelu_approximate not in ("tanh", "none"):
+        raise UserError(f"model.gelu_approximate={spec.gelu_approximate!r}: allowed values are "
+                        "tanh, none")
     if spec.norm_layout not in NORM_LAYOUTS:
         raise UserError(f"model.norm_layout={spec.norm_layout!r}: allowed values are "
                         f"{', '.join(NORM_LAYOUTS)}")
@@ -82,7 +85,7 @@ def variant_fields(spec: Any) -> list[str]:
                 "rope_fraction": 1.0, "rope_local_theta": None, "attn_scale": None,
                 "embed_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0,
                 "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0,
-                "window_every": 0}
+                "window_every": 0, "gelu_approximate": "tanh"}
     out = [f for f, v in defaults.items() if getattr(spec, f) != v]
     return out + (["mlp"] if spec.mlp in ("geglu", "relu2") else [])
 

@@ -19,6 +19,7 @@ from meshtron.model.mla_shapes import check_mla, mla_attention_params
 MLPKind = Literal["swiglu", "gelu", "geglu", "relu2"]
 NormKind = Literal["rmsnorm", "layernorm"]
 NormLayout = Literal["pre", "sandwich", "post"]
+GeluKind = Literal["tanh", "none"]
 PositionKind = Literal["rope", "learned"]
 RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
 RouterKind = Literal["softmax", "sigmoid"]
@@ -49,6 +50,9 @@ class ModelSpec:
     """'swiglu' (gated SiLU, three matrices, Llama), 'geglu' (gated tanh-GELU, three matrices,
     Gemma), 'gelu' (tanh-GELU, two matrices, GPT) or 'relu2' (squared ReLU, two matrices,
     Nemotron-4: So et al. 2021 "Primer")."""
+    gelu_approximate: GeluKind = "tanh"
+    """The GELU of 'gelu' and 'geglu': 'tanh' (GPT-2's gelu_new, Gemma's gelu_pytorch_tanh) or
+    'none', the erf form (GPT-NeoX / Pythia `hidden_act` 'gelu'); torch's `approximate`."""
     norm: NormKind = "rmsnorm"
     """'rmsnorm' (weight only) or 'layernorm' (weight and bias)."""
     position: PositionKind = "rope"
@@ -186,11 +190,11 @@ class ModelSpec:
                 f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
         check_mla(self)
         check_variants(self)
-        if self.position == "rope" and self.rope_dim % 2:
+        if self.position == "rope" and (self.rope_dim % 2 or not self.rope_dim):
             raise UserError(
                 f"model.hidden/heads={self.head_dim}: rotary embeddings need an even head size"
                 if self.rope_fraction == 1 else f"model.rope_fraction={self.rope_fraction}: "
-                f"rotates {self.rope_dim} of head_dim {self.head_dim}; must be even")
+                f"rotates {self.rope_dim} of head_dim {self.head_dim}; must be even, at least 2")
         for field in ("rope_theta", "norm_eps"):
             value = getattr(self, field)
             if not is_number(value) or not math.isfinite(value) or value <= 0:

@@ -122,6 +122,7 @@ class FeedForward(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.kind = spec.mlp
+        self.gelu = spec.gelu_approximate  # 'tanh' or the erf form ('none')
         self.gated = spec.gated_mlp
         self.w1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.bias)
         self.w2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.bias)
@@ -131,10 +132,10 @@ class FeedForward(nn.Module):
         if self.kind == "swiglu":  # SwiGLU, Shazeer 2020
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         if self.kind == "geglu":  # GeGLU with tanh GELU (Gemma's gelu_pytorch_tanh)
-            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+            return self.w2(F.gelu(self.w1(x), approximate=self.gelu) * self.w3(x))
         if self.kind == "relu2":  # squared ReLU (So et al. 2021; Nemotron-4)
             return self.w2(torch.square(F.relu(self.w1(x))))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        return self.w2(F.gelu(self.w1(x), approximate=self.gelu))
 
 
 class Block(nn.Module):
