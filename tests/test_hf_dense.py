@@ -273,7 +273,8 @@ def test_eager_kernel_count_is_what_the_block_launches(mtype):
     """The planner's `kernels_per_layer` against the ATen calls one eager forward of each
     type's block makes on CPU (norms as LayerNorm, standing in for CUDA's one-kernel RMSNorm,
     as tests/test_planner_host.py counts the Llama block): squared ReLU's two kernels, partial
-    rotary's concatenations, the sandwich's four norms, Granite's factors, the scale on q."""
+    rotary's concatenations, the sandwich's four norms, Granite's factors, the scale on q, the
+    1 + weight of zero-centred norms."""
     import dataclasses
     from collections import Counter
 
@@ -297,7 +298,7 @@ def test_eager_kernel_count_is_what_the_block_launches(mtype):
             return func(*args, **(kwargs or {}))
 
     spec = dataclasses.replace(from_hf_dict(TINY[mtype]), norm="layernorm", qk_norm=False,
-                               qk_norm_whole=False, norm_plus_one=False)
+                               qk_norm_whole=False)
     block = Block(spec, 0).to_empty(device="cpu").to(torch.bfloat16)
     x, rope = torch.randn(1, 32, spec.hidden, dtype=torch.bfloat16), rope_cache(spec)
     with Count() as fwd:

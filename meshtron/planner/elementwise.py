@@ -197,6 +197,8 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
         n += _ACT_KERNELS[model.mlp]  # activation (+ product, or square)
         n += 2 if model.residual_scale != 1 else 0  # Granite's residual factor
         n += 1 if model.q_factor is not None else 0  # the softmax scale on q
+        if model.norm_plus_one:  # each norm's 1 + weight (a weight-sized kernel, launched)
+            n += model.block_norms + (2 if model.qk_norm else 0)
         n += 2 if model.position == "rope" and not model.is_mla and \
             model.rope_dim < model.head_dim else 0  # partial rotary: the q and k concatenations
         n += 2 if opts.dropout else 0
