@@ -209,7 +209,7 @@ def _plan(model: str, **kw):
                 recompute="none", dtype="fp32", **kw)
 
 
-def _two_rank(cases) -> list[list[float]]:
+def _two_rank(cases) -> list[dict]:
     import torch.distributed as dist
 
     from meshtron.train.parallel import ParallelEngine
@@ -224,7 +224,8 @@ def _two_rank(cases) -> list[list[float]]:
         for tokens in _batches(cfg.model.vocab):
             part = tokens[rows * r:rows * (r + 1)]
             losses.append(float(engine.train_step(part[:, :-1], part[:, 1:]).loss))
-        out.append(losses)
+        m = engine.memory_bytes()
+        out.append({"losses": losses, "states": [m["params"], m["grads"], m["optimizer"]]})
         engine.release()
         dist.barrier()
     return out
@@ -235,6 +236,7 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     process; OLMo 2's whole-projection q/k norm (tp=1 only) as ZeRO-3 over dp 2. A per-head
     q/k norm's weight gradient summed over one rank's heads only, or a post-norm under sp
     reduced like a replicated module, changes the second and third losses."""
+    from meshtron.planner.memory_ranks import rank_states
     from meshtron.train.loop import LocalEngine
     from testkit.multiproc import run_on_ranks
 
@@ -248,8 +250,13 @@ def test_tensor_parallel_equals_one_process(tmp_path):
         engine = LocalEngine(_cfg(model))
         ref = [float(engine.train_step(t[:, :-1], t[:, 1:]).loss)
                for t in _batches(_cfg(model).model.vocab)]
+        planned = rank_states(_cfg(model).model, _plan(model, **kw), "fp32")
         for rank in range(2):
-            assert results[rank][i] == pytest.approx(ref, rel=1e-5), (model, kw, rank)
+            assert results[rank][i]["losses"] == pytest.approx(ref, rel=1e-5), (model, kw, rank)
+            # the planner's per-rank states (post-norms, q/k norms, GeGLU's third matrix) are
+            # the bytes the runtime holds
+            st = planned[rank]
+            assert results[rank][i]["states"] == [st.params, st.grads, st.optimizer], (model, rank)
 
 
 @pytest.mark.parametrize("changes, match", [

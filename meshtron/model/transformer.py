@@ -147,18 +147,18 @@ class Block(nn.Module):
         # the residual add ('sandwich': Gemma 2/3; 'post': OLMo 2)
         pre, post = spec.norm_layout != "post", spec.norm_layout != "pre"
         self.attention_norm = _norm(spec) if pre else None
-        self.ffn_norm = _norm(spec) if pre else None
-        self.attention_post_norm = _norm(spec) if post else None
-        self.ffn_post_norm = _norm(spec) if post else None
         # DeepSeek's multi-head latent attention (meshtron/model/mla.py), or (grouped-query)
         # multi-head attention.
         self.attention = MLAttention(spec) if spec.is_mla else Attention(spec)
+        self.attention_post_norm = _norm(spec) if post else None
+        self.ffn_norm = _norm(spec) if pre else None
         if spec.is_moe_layer(index):  # mixture of experts (meshtron/model/moe.py)
             from meshtron.model.moe import MoE
 
             self.feed_forward: nn.Module = MoE(spec)
         else:
             self.feed_forward = FeedForward(spec)
+        self.ffn_post_norm = _norm(spec) if post else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         if self.parallel_residual:
