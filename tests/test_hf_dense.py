@@ -67,6 +67,45 @@ def test_logits_equal_transformers(mtype, tmp_path):
     assert sum(p.numel() for p in ours.parameters()) == spec.num_params()
 
 
+@pytest.mark.parametrize("mtype, window", [("starcoder2", 16), ("starcoder2", 7),
+                                           ("gemma3_text", 16), ("phi3", 16)])
+def test_sliding_window_logits_equal_transformers(mtype, window, tmp_path, monkeypatch):
+    """Windows shorter than the 48 tokens (odd too; Gemma 3's every other block): the runtime's
+    banded attention computes transformers' logits, which differ from full causal attention."""
+    pytest.importorskip("transformers")
+    import testkit.hf_dense_ref as ref_kit
+
+    monkeypatch.setitem(ref_kit.TINY, mtype, dict(TINY[mtype], sliding_window=window))
+    model = ref_kit.hf_model(mtype)
+    ours, spec = ref_kit.meshtron_twin(model, tmp_path)
+    assert spec.sliding_window == window
+    tokens = torch.randint(0, spec.vocab, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, got = model(tokens).logits, ours(tokens)
+        for block in ours.layers.values():
+            block.attention.window = 0
+        full = ours(tokens)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+    assert (full - ref).abs().max() > 5e-5  # 25x the tolerance above: the window matters
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_window_attention_cuda_path_is_the_cpu_band():
+    """The CUDA branch's FlexAttention block mask, run eagerly on CPU tensors (forward only:
+    FlexAttention has no CPU backward), equals the chunked band."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from meshtron.model.attention import window_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 40, 16, generator=g) for h in (4, 2, 2))
+    window = 6
+    mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < window), None,
+                             None, 40, 40, device="cpu")
+    flex = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(window_attention(q, k, v, window), flex, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_meshtron_plan_prices_each_public_config(name, plan_cli, tmp_path):
     path = tmp_path / name / "config.json"
@@ -120,18 +159,21 @@ def _write(tmp_path, mtype: str, **changes) -> str:
 
 
 REFUSED = [
-    ("gemma2", dict(model_type="gemma2", head_dim=16, sliding_window=64), "model.attn_softcap=50.0"),
-    ("starcoder2", dict(sliding_window=16), "model.sliding_window=16"),
-    ("gemma3_text", dict(rope_local_base_freq=5000.0), "model.rope_local_theta=5000.0"),
+    ("gemma2", dict(model_type="gemma2", head_dim=16, sliding_window=64), (),
+     "model.attn_softcap=50.0"),
+    ("starcoder2", dict(sliding_window=16), ("--attention-mask", "document"),
+     "model.sliding_window=16: sliding-window attention is not built for packed documents"),
+    ("gemma3_text", dict(rope_local_base_freq=5000.0), (), "model.rope_local_theta=5000.0"),
 ]
 
 
-@pytest.mark.parametrize("mtype, changes, match", REFUSED, ids=[r[0] for r in REFUSED])
-def test_train_refuses_what_the_runtime_does_not_compute(mtype, changes, match, cli, tmp_path):
+@pytest.mark.parametrize("mtype, changes, extra, match", REFUSED, ids=[r[0] for r in REFUSED])
+def test_train_refuses_what_the_runtime_does_not_compute(mtype, changes, extra, match, cli,
+                                                         tmp_path):
     base = "gemma3_text" if mtype == "gemma2" else mtype
     run_dir = tmp_path / "run"
     rc, out, err = cli("train", "--model", _write(tmp_path, base, **changes), "--steps", "1",
-                       "--seq-len", "32", "--run-dir", str(run_dir))
+                       "--seq-len", "32", "--run-dir", str(run_dir), *extra)
     assert rc == 2 and "Traceback" not in err
     assert err.strip().count("\n") == 0 and match in err, err
     assert not run_dir.exists()
@@ -143,6 +185,16 @@ def test_plan_prices_what_train_refuses(plan_cli, tmp_path):
     rc, out, err = plan_cli("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128",
                             "--global-batch", "16", "--top", "1")
     assert rc == 0, err
+
+
+def test_sliding_window_is_not_planned_with_context_parallelism(plan_cli, tmp_path):
+    path = _write(tmp_path, "starcoder2", sliding_window=16)
+    args = ("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128", "--global-batch",
+            "16")
+    rc, out, err = plan_cli(*args, "--layout", "tp=1,cp=2,pp=1,dp=4")
+    assert rc == 2 and err.strip().count("\n") == 0
+    assert "plan.cp=2: model.sliding_window=16 is not built with context parallelism" in err
+    assert plan_cli(*args, "--layout", "tp=1,cp=2,pp=1,dp=4", "--framework", "megatron")[0] == 0
 
 
 def test_olmo2_whole_qk_norm_is_planned_on_one_tensor_rank(plan_cli, tmp_path):
@@ -172,12 +224,17 @@ def test_bad_config_is_one_line(cfg, match):
     assert match in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("mtype", sorted(TINY))
-def test_meshtron_train_tiny_config_three_steps(mtype, tmp_path):
-    """The user's path: `meshtron train --model tiny.json --steps 3` with its defaults."""
+TRAINED = [(m, {}) for m in sorted(TINY)] + [("starcoder2", dict(sliding_window=16))]
+
+
+@pytest.mark.parametrize("mtype, changes", TRAINED,
+                         ids=[m + ("-window" if c else "") for m, c in TRAINED])
+def test_meshtron_train_tiny_config_three_steps(mtype, changes, tmp_path):
+    """The user's path: `meshtron train --model tiny.json --steps 3` with its defaults (a
+    window of 16 under 32-token sequences: the banded attention)."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--model", _write(tmp_path, mtype),
+        [sys.executable, "-m", "meshtron", "train", "--model", _write(tmp_path, mtype, **changes),
          "--steps", str(STEPS), "--seq-len", "32", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -240,11 +297,12 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     from meshtron.train.loop import LocalEngine
     from testkit.multiproc import run_on_ranks
 
-    layouts = {"qwen3": dict(tp=2), "nemotron": dict(tp=2, sp=True),
-               "gemma3_text": dict(tp=2, sp=True), "phi3": dict(tp=2),
-               "granite": dict(tp=2, sp=True), "starcoder2": dict(tp=2, sp=True),
-               "olmo2": dict(dp=2, zero=3), "gpt_neox": dict(tp=2, sp=True)}
-    cases = [(_write(tmp_path, m), kw) for m, kw in layouts.items()]
+    layouts = [("qwen3", {}, dict(tp=2)), ("nemotron", {}, dict(tp=2, sp=True)),
+               ("gemma3_text", dict(sliding_window=8), dict(tp=2, sp=True)),
+               ("phi3", {}, dict(tp=2)), ("granite", {}, dict(tp=2, sp=True)),
+               ("starcoder2", dict(sliding_window=8), dict(tp=2, sp=True)),
+               ("olmo2", {}, dict(dp=2, zero=3)), ("gpt_neox", {}, dict(tp=2, sp=True))]
+    cases = [(_write(tmp_path, m, **changes), kw) for m, changes, kw in layouts]
     results = run_on_ranks(_two_rank, 2, cases, timeout=900)
     for i, (model, kw) in enumerate(cases):
         engine = LocalEngine(_cfg(model))

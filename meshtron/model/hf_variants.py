@@ -3,8 +3,9 @@ Phi-3): their ModelSpec fields' checks, and what meshtron's runtime does not com
 
 The planner prices every field here; the runtime (model/transformer.py) computes the cheap and
 exact ones (squared ReLU, GeGLU, zero-centred norm weights, sandwich and post norms, embedding,
-residual and logit factors, the softmax scale, partial rotary embeddings) and `runtime_problem`
-names the rest in one line at `meshtron train`. No torch here: `meshtron plan` imports this.
+residual and logit factors, the softmax scale, partial rotary embeddings, sliding windows:
+model/attention.py window_attention) and `runtime_problem` names the rest in one line at
+`meshtron train`. No torch here: `meshtron plan` imports this.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def check_variants(spec: Any) -> None:
         raise UserError(f"model.window_every={spec.window_every}: needs a sliding_window")
 
 
-def runtime_problem(spec: Any, seq_len: int | None = None) -> str | None:
+def runtime_problem(spec: Any, seq_len: int | None = None,
+                    documents: bool = False) -> str | None:
     """One line naming the first field meshtron's runtime does not compute exactly, with
     its value and what is allowed; None when the runtime trains `spec` at `seq_len` tokens
     (a sliding window no shorter than the sequence is full causal attention)."""
@@ -60,10 +62,10 @@ def runtime_problem(spec: Any, seq_len: int | None = None) -> str | None:
         field = "attn_softcap" if spec.attn_softcap else "logit_softcap"
         return (f"model.{field}={getattr(spec, field)}: soft-capping (Gemma 2) is priced by "
                 "the planner but meshtron's runtime does not compute it; only 0")
-    if spec.sliding_window and (seq_len is None or seq_len > spec.sliding_window):
-        return (f"model.sliding_window={spec.sliding_window}: sliding-window attention is priced "
-                "by the planner but meshtron's runtime computes only full causal attention; use "
-                f"data.seq_len <= {spec.sliding_window} (where the two agree)")
+    if spec.sliding_window and documents and (seq_len is None or seq_len > spec.sliding_window):
+        return (f"model.sliding_window={spec.sliding_window}: sliding-window attention is not "
+                "built for packed documents (data.attention_mask='document'); use "
+                f"data.attention_mask='causal' or data.seq_len <= {spec.sliding_window}")
     if spec.rope_local_theta is not None and spec.rope_local_theta != spec.rope_theta:
         return (f"model.rope_local_theta={spec.rope_local_theta}: a second RoPE base for the "
                 "sliding blocks (Gemma 3 rope_local_base_freq) is not built by meshtron's "
@@ -71,9 +73,9 @@ def runtime_problem(spec: Any, seq_len: int | None = None) -> str | None:
     return None  # qk_norm_whole's limit to tp=1 is a plan rule (plan_rules.model_problems)
 
 
-def check_runtime(spec: Any, seq_len: int | None = None) -> None:
+def check_runtime(spec: Any, seq_len: int | None = None, documents: bool = False) -> None:
     """`runtime_problem` as a UserError (meshtron train, Transformer)."""
-    problem = runtime_problem(spec, seq_len)
+    problem = runtime_problem(spec, seq_len, documents)
     if problem:
         raise UserError(problem)
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.model.attention import DocumentMask, attention, document_mask
+from meshtron.model.attention import DocumentMask, attention, document_mask, window_attention
 from meshtron.model.loss import OutputHead, cross_entropy_loss
 from meshtron.model.mla import MLAttention
 from meshtron.model.rope import apply_rope, rope_cache
@@ -60,8 +60,10 @@ class PlusOneLayerNorm(nn.LayerNorm):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
+        # block `index` attends within a sliding window (ModelSpec.slides), else causally
+        self.window = spec.sliding_window if spec.slides(index) else 0
         self.head_dim = spec.head_dim
         self.use_rope = spec.position == "rope"
         qkv_bias = spec.bias or spec.qkv_bias
@@ -108,7 +110,9 @@ class Attention(nn.Module):
         if attend is not None:  # context parallelism gathers the kv heads itself
             return self.wo(attend(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
         # Grouped-query attention natively (no K/V copies); document masks without S x S.
-        out = attention(q, k, v, mask)
+        # A sliding window with document masks is refused (hf_variants.runtime_problem).
+        out = (window_attention(q, k, v, self.window) if self.window and mask is None
+               else attention(q, k, v, mask))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
     def _rope(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -149,7 +153,7 @@ class Block(nn.Module):
         self.attention_norm = _norm(spec) if pre else None
         # DeepSeek's multi-head latent attention (meshtron/model/mla.py), or (grouped-query)
         # multi-head attention.
-        self.attention = MLAttention(spec) if spec.is_mla else Attention(spec)
+        self.attention = MLAttention(spec) if spec.is_mla else Attention(spec, index)
         self.attention_post_norm = _norm(spec) if post else None
         self.ffn_norm = _norm(spec) if pre else None
         if spec.is_moe_layer(index):  # mixture of experts (meshtron/model/moe.py)
@@ -249,12 +253,14 @@ class Transformer(nn.Module):
         the output head here): the mean cross-entropy instead, without whole logits
         (`loss`)."""
         window = self.spec.sliding_window
-        if window and self.context_parallel is None and tokens.shape[1] > window:
+        if window and tokens.shape[1] > window and (self.context_parallel is not None
+                                                    or self.document_eos is not None):
             from meshtron.errors import UserError  # a shape, known on the host: no sync
 
             raise UserError(f"model.sliding_window={window}: sequences of {tokens.shape[1]} "
-                            "tokens need sliding-window attention, which meshtron's runtime "
-                            f"does not compute; use at most {window}")
+                            "tokens with packed documents or context parallelism need a "
+                            "sliding window meshtron's runtime does not build there; use "
+                            f"at most {window}")
         rope = self.rope_for(tokens.shape[1])
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)

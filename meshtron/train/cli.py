@@ -172,7 +172,8 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     from meshtron.model.hf_variants import check_runtime
 
     cfg = follow_tokenizer(config_from_dict(apply_overrides(doc, overrides)))
-    check_runtime(cfg.model, cfg.data.seq_len)  # what the planner prices but no rank runs
+    # what the planner prices but no rank runs
+    check_runtime(cfg.model, cfg.data.seq_len, cfg.data.attention_mask == "document")
     return cfg
 
 
