@@ -15,7 +15,7 @@ TINY = {
     "qwen3": dict(SHAPES, model_type="qwen3", head_dim=32, rope_theta=5000.0),  # 32 != 64/4
     "nemotron": dict(SHAPES, model_type="nemotron", partial_rotary_factor=0.5, head_dim=16),
     "gemma3_text": dict(SHAPES, model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=24,
-                        sliding_window=64, rope_theta=10000.0, rope_local_base_freq=10000.0,
+                        sliding_window=64, rope_theta=1e6, rope_local_base_freq=10000.0,
                         layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(SHAPES, model_type="phi3", partial_rotary_factor=0.75, pad_token_id=0),
     "olmo2": dict(SHAPES, model_type="olmo2"),

@@ -66,11 +66,17 @@ def runtime_problem(spec: Any, seq_len: int | None = None,
         return (f"model.sliding_window={spec.sliding_window}: sliding-window attention is not "
                 "built for packed documents (data.attention_mask='document'); use "
                 f"data.attention_mask='causal' or data.seq_len <= {spec.sliding_window}")
-    if spec.rope_local_theta is not None and spec.rope_local_theta != spec.rope_theta:
+    if documents and local_rope(spec):
         return (f"model.rope_local_theta={spec.rope_local_theta}: a second RoPE base for the "
-                "sliding blocks (Gemma 3 rope_local_base_freq) is not built by meshtron's "
-                f"runtime; only null or rope_theta={spec.rope_theta}")
+                "sliding blocks (Gemma 3 rope_local_base_freq) is not built for packed "
+                "documents (data.attention_mask='document'); use data.attention_mask='causal'")
     return None  # qk_norm_whole's limit to tp=1 is a plan rule (plan_rules.model_problems)
+
+
+def local_rope(spec: Any) -> bool:
+    """The sliding blocks rotate with a base of their own (Gemma 3)."""
+    return bool(spec.sliding_window and spec.sliding_blocks and spec.rope_local_theta is not None
+                and spec.rope_local_theta != spec.rope_theta)
 
 
 def check_runtime(spec: Any, seq_len: int | None = None, documents: bool = False) -> None:

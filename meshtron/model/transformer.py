@@ -64,6 +64,13 @@ class Attention(nn.Module):
         super().__init__()
         # block `index` attends within a sliding window (ModelSpec.slides), else causally
         self.window = spec.sliding_window if spec.slides(index) else 0
+        # Gemma 3's sliding blocks rotate with their own base (rope_local_base_freq) and no
+        # scaling; the table is built on first use per device (derived, so not a buffer that
+        # meta-device materialisation would have to rebuild)
+        self.local_spec = (spec.replace(rope_theta=spec.rope_local_theta, rope_type="default")
+                           if self.window and spec.rope_local_theta is not None
+                           and spec.rope_local_theta != spec.rope_theta else None)
+        self._local_tables: dict[str, torch.Tensor] = {}
         self.head_dim = spec.head_dim
         self.use_rope = spec.position == "rope"
         qkv_bias = spec.bias or spec.qkv_bias
@@ -93,6 +100,8 @@ class Attention(nn.Module):
         elif hasattr(rope, "attend"):
             rope, attend = rope.angles, rope.attend
         bsz, seq, _ = x.shape
+        if self.local_spec is not None and isinstance(rope, torch.Tensor):
+            rope = self._local_table(rope.device)  # documents, cp: refused (hf_variants)
         # -1 heads: under tensor parallelism each rank holds heads/tp of them.
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.q_norm is not None and self.qk_whole:  # OLMo 2: over the whole projection
@@ -114,6 +123,12 @@ class Attention(nn.Module):
         out = (window_attention(q, k, v, self.window) if self.window and mask is None
                else attention(q, k, v, mask))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def _local_table(self, device: torch.device) -> torch.Tensor:
+        table = self._local_tables.get(str(device))
+        if table is None:
+            table = self._local_tables[str(device)] = rope_cache(self.local_spec, device)
+        return table
 
     def _rope(self, x: torch.Tensor, rope) -> torch.Tensor:
         if self.rope_dim == self.head_dim:

@@ -69,7 +69,8 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
                "projections) needs every head on one rank in meshtron's runtime; use tp=1")
         return
     cp, window, seq = k.get("cp") or 1, getattr(model, "sliding_window", 0), k.get("seq_len")
-    if runtime and cp > 1 and window and (seq is None or seq > window):
+    if runtime and cp > 1 and window and (seq is None or seq > window
+                                          or model.rope_local_theta is not None):
         # context parallelism's attention (parallel/context.py) computes the causal square
         yield (f"plan.cp={cp}: model.sliding_window={window} is not built with context "
                "parallelism in meshtron's runtime; use cp=1")
