@@ -70,7 +70,7 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
         return
     cp, window, seq = k.get("cp") or 1, getattr(model, "sliding_window", 0), k.get("seq_len")
     if runtime and cp > 1 and window and (seq is None or seq > window
-                                          or model.rope_local_theta is not None):
+                                          or getattr(model, "rope_local_theta", None)):
         # context parallelism's attention (parallel/context.py) computes the causal square
         yield (f"plan.cp={cp}: model.sliding_window={window} is not built with context "
                "parallelism in meshtron's runtime; use cp=1")
