@@ -131,7 +131,7 @@ HF_READS = {
                  "intermediate_size": ("ffn_hidden", _int_or(lambda d: 4 * d["hidden_size"])),
                  "vocab_size": ("vocab", _int_or(None)),
                  "max_position_embeddings": ("max_seq", _int_or(lambda d: 2048)),
-                 "rotary_pct": (None, lambda v, d: 1.0),
+                 "rotary_pct": ("rope_fraction", lambda v, d: 0.25 if v is None else float(v)),
                  "rotary_emb_base": ("rope_theta", _float_or(10000.0)),
                  "layer_norm_eps": ("norm_eps", _float_or(1e-5)),
                  "use_parallel_residual": ("parallel_residual", lambda v, d: v),

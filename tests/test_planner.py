@@ -383,8 +383,8 @@ def test_absurd_sizes_are_refused(cli, extra, needle):
 
 @pytest.mark.parametrize("cfg, needle", [
     ({"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
-      "num_hidden_layers": 6, "vocab_size": 50304, "rotary_pct": 0.25},
-     "rotary_pct=0.25: partial rotary embeddings"),
+      "num_hidden_layers": 6, "vocab_size": 50304, "rotary_pct": 1.25},
+     "config.json rotary_pct=1.25: must be in (0, 1]"),
     ({"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 27,
       "num_key_value_heads": 4, "num_hidden_layers": 28, "intermediate_size": 18944,
       "vocab_size": 152064}, "config.json num_attention_heads=27: must divide config.json "

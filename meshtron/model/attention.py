@@ -101,6 +101,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _segment_attention(q, k, v, mask.segments, gqa)
 
 
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     window: int) -> torch.Tensor:
+    """Causal sliding-window attention (Mistral, StarCoder2, Gemma's sliding blocks): query i
+    attends to keys i - window + 1 .. i (transformers' sliding-window mask). Shapes as
+    `attention`. CUDA: FlexAttention with the window's block mask (the tiles outside the band
+    are skipped, as FlashAttention's local attention does). Elsewhere: the queries in chunks of
+    `window`, each against the at most 2 x window keys its band reaches, with a [window,
+    2 x window] mask; exact (every softmax over the same keys), never an S x S tensor."""
+    gqa = True if q.shape[1] != k.shape[1] else False
+    seq = q.shape[2]
+    if seq <= window:  # the band covers the whole causal prefix
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q.is_cuda:
+        return _compiled("flex_attention")(q, k, v, block_mask=_window_block_mask(
+            seq, window, q.device), enable_gqa=gqa)
+    parts = []
+    for start in range(0, seq, window):
+        end, first = min(start + window, seq), max(0, start - window + 1)
+        qi = torch.arange(start, end, device=q.device)[:, None]
+        kj = torch.arange(first, end, device=q.device)[None, :]
+        band = (kj <= qi) & (qi - kj < window)
+        parts.append(F.scaled_dot_product_attention(
+            q[:, :, start:end], k[:, :, first:end], v[:, :, first:end], attn_mask=band,
+            enable_gqa=gqa))
+    return torch.cat(parts, dim=2)
+
+
+_WINDOW_MASKS: dict[tuple, object] = {}
+
+
+def _window_block_mask(seq: int, window: int, device: torch.device):
+    """The sliding-window BlockMask of (seq, window) on `device`, built once per process and
+    shared by every block and step (it depends on the shapes only)."""
+    key = (seq, window, str(device))
+    mask = _WINDOW_MASKS.get(key)
+    if mask is None:
+        def sliding(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+        mask = _WINDOW_MASKS[key] = _compiled("create_block_mask")(
+            sliding, None, None, seq, seq, device=device)
+    return mask
+
+
 def _eager_flex():
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -1,5 +1,6 @@
-"""Hugging Face `config.json` files (llama, mistral, qwen2, mixtral, qwen3_moe, gpt_neox, gpt2)
-read into a ModelSpec; errors name the config's keys."""
+"""Hugging Face `config.json` files (llama, mistral, qwen2, mixtral, qwen3_moe, deepseek_v2/v3,
+gpt_neox, gpt2; the dense types of model/hf_dense.py) read into a ModelSpec; errors name the
+config's keys."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from typing import Any
 
 from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
+from meshtron.model.hf_dense import DENSE_TYPES
 from meshtron.model.mla_shapes import MLA_FIELDS
 from meshtron.model.shapes import ROPE_TYPES, ModelSpec, is_number
 
 _HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
 _HF_MOE = ("mixtral", "qwen3_moe")
 _HF_DEEPSEEK = ("deepseek_v3", "deepseek_v2")
-_HF_TYPES = _HF_LLAMA_LIKE + _HF_MOE + _HF_DEEPSEEK + ("gpt_neox", "gpt2")
+_HF_TYPES = _HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + _HF_DEEPSEEK + ("gpt_neox", "gpt2")
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -50,7 +52,7 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         return _from_hf_dict(cfg, name)
     except UserError as exc:
         keys = _HF_KEYS.get("llama" if cfg.get("model_type") in
-                            _HF_LLAMA_LIKE + _HF_MOE + _HF_DEEPSEEK
+                            _HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + _HF_DEEPSEEK
                             else str(cfg.get("model_type")), {})
         if cfg.get("model_type") in _HF_DEEPSEEK:  # MLA's fields are named as its keys
             keys = dict(keys, **{f: f for f in MLA_FIELDS})
@@ -90,9 +92,11 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         if cfg.get("hidden_act", "silu") != "silu":
             raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
                              f"supported for model_type {mtype!r}")
-        heads = need("num_attention_heads")
+        heads, hidden = need("num_attention_heads"), need("hidden_size")
+        head_dim = opt_int("head_dim", None)  # Mistral-Nemo: 128 with hidden 5120, 32 heads
         return ModelSpec(
-            name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
+            name=name, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
+            head_size=head_dim if head_dim not in (None, hidden // heads) else None,
             kv_heads=opt_int("num_key_value_heads", None) or heads,
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
             tied_embeddings=flag("tie_word_embeddings", False),
@@ -102,6 +106,11 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                        _hf_max_seq(cfg, mtype, opt_int("max_position_embeddings", 4096))),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
+    if mtype in DENSE_TYPES:
+        from meshtron.model.hf_dense import hf_dense
+
+        return hf_dense(cfg, mtype, name, need, num, flag, opt_int,
+                        lambda rope_cfg, max_pos: _hf_rope(rope_cfg, "rope_theta", num, max_pos))
     if mtype in _HF_MOE:
         return _hf_moe(cfg, mtype, name, need, num, flag, opt_int)
     if mtype in _HF_DEEPSEEK:
@@ -110,20 +119,19 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         return hf_deepseek(cfg, mtype, name, need, num, flag, opt_int,
                            lambda max_pos: _hf_rope(cfg, "rope_theta", num, max_pos))
     if mtype == "gpt_neox":
+        from meshtron.model.hf_dense import neox_fields
+
         hidden = need("hidden_size")
-        rotary_pct = cfg.get("rotary_pct", 1.0)
-        if not is_number(rotary_pct) or rotary_pct != 1.0:
-            raise UserError(f"config.json rotary_pct={rotary_pct!r}: partial rotary embeddings "
-                             "(RoPE on part of each head, as in Pythia) are not supported by "
-                             "meshtron's model; only rotary_pct = 1.0")
-        return ModelSpec(
+        fields, rope_cfg = neox_fields(cfg)
+        return ModelSpec(**fields,
             name=name, layers=need("num_hidden_layers"), hidden=hidden,
             heads=need("num_attention_heads"), kv_heads=need("num_attention_heads"),
             ffn_hidden=opt_int("intermediate_size", 4 * hidden), vocab=need("vocab_size"),
             mlp="gelu", norm="layernorm",
             position="rope", tied_embeddings=flag("tie_word_embeddings", False),
             bias=True, parallel_residual=flag("use_parallel_residual", True),
-            **_hf_rope(cfg, "rotary_emb_base", num, opt_int("max_position_embeddings", 2048)),
+            **_hf_rope(rope_cfg, "rotary_emb_base", num,
+                       opt_int("max_position_embeddings", 2048)),
             norm_eps=num("layer_norm_eps", 1e-5),
         )
     # gpt2
@@ -264,14 +272,8 @@ def _hf_max_seq(cfg: dict[str, Any], mtype: str, max_pos: int) -> int:
 
 
 def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
-    """Refuse what meshtron's attention does not compute: a head size other than
-    hidden/heads, sliding-window attention, biases beyond q/k/v."""
-    hd = cfg.get("head_dim")
-    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-    if (hd is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0
-            and hd != hidden // heads):
-        raise UserError(f"config.json head_dim={hd!r}: meshtron's attention needs "
-                         f"hidden_size/num_attention_heads={hidden // heads}")
+    """Refuse what meshtron's attention does not compute: sliding-window attention, biases
+    beyond q/k/v."""
     if cfg.get("use_sliding_window") is True:
         raise UserError("config.json use_sliding_window=true: sliding-window attention is not "
                          "supported; only full attention")

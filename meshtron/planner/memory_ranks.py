@@ -104,17 +104,21 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
     pre = f"layers.{i}."
     out: list[tuple[str, tuple[int, ...]]] = []
 
-    def norm(name: str) -> None:
-        out.append((pre + name + ".weight", (h,)))
-        if spec.norm == "layernorm":
-            out.append((pre + name + ".bias", (h,)))
+    def norm(name: str, width: int = h, layer: bool = spec.norm == "layernorm") -> None:
+        out.append((pre + name + ".weight", (width,)))
+        if layer:
+            out.append((pre + name + ".bias", (width,)))
+
+    # model/transformer.py Block: pre-norms, post-norms or both (ModelSpec.norm_layout)
+    has_pre, has_post = spec.norm_layout != "post", spec.norm_layout != "pre"
 
     def linear(name: str, n_out: int, n_in: int, bias: bool) -> None:
         out.append((pre + name + ".weight", (n_out, n_in)))
         if bias:
             out.append((pre + name + ".bias", (n_out,)))
 
-    norm("attention_norm")
+    if has_pre:
+        norm("attention_norm")
     if spec.is_mla:  # meshtron/model/mla.py, in its registration order
         for name, n_out, n_in, _ in mla_projections(spec, 1):
             linear(f"attention.{name}", int(n_out), n_in, False)
@@ -128,7 +132,14 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
         linear("attention.wk", kv, h, qkv_bias)
         linear("attention.wv", kv, h, qkv_bias)
         linear("attention.wo", h, q, spec.bias)
-    norm("ffn_norm")
+        if spec.qk_norm:  # RMSNorms per head, or over the whole projection (OLMo 2)
+            whole = spec.qk_norm_whole
+            norm("attention.q_norm", q if whole else spec.head_dim, False)
+            norm("attention.k_norm", kv if whole else spec.head_dim, False)
+    if has_post:
+        norm("attention_post_norm")
+    if has_pre:
+        norm("ffn_norm")
     if spec.is_moe_layer(i):  # meshtron/model/moe.py
         e, fe, fs = spec.moe_experts, spec.moe_ffn_hidden, spec.moe_shared_experts * spec.moe_ffn_hidden
         if spec.moe_router == "sigmoid":  # the balancing bias: a Parameter nothing trains
@@ -142,8 +153,10 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
         return out
     linear("feed_forward.w1", f, h, spec.bias)
     linear("feed_forward.w2", h, f, spec.bias)
-    if spec.mlp == "swiglu":
+    if spec.gated_mlp:
         linear("feed_forward.w3", f, h, spec.bias)
+    if has_post:
+        norm("ffn_post_norm")
     return out
 
 
