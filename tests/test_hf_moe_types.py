@@ -1,0 +1,273 @@
+"""The MoE config.json types of meshtron/model/hf_moe_types.py (qwen2_moe, olmoe, granitemoe,
+gpt_oss, qwen3_moe with dense blocks between MoE blocks): parameter counts against the model
+cards, the dense/MoE block pattern the planner counts in closed form, `meshtron plan` through
+the command (without torch), `meshtron train` on a tiny Qwen2-MoE (sigmoid-gated shared expert,
+dense blocks between MoE blocks) and its 2-rank gloo layouts against one process, and the
+one-line refusals of what the runtime does not compute."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.errors import UserError
+from meshtron.model.hf_config import from_hf_dict
+from meshtron.model.shapes import ModelSpec, runtime_refusal
+from tests import hf_moe_configs as C
+
+# (config, total, active) in billions, as each model card states them
+CARDS = [
+    ("qwen1.5-moe-a2.7b", C.QWEN15_MOE_A27B, 14.3, 2.7),  # Qwen1.5-MoE-A2.7B card
+    ("qwen2-57b-a14b", C.QWEN2_57B_A14B, 57.4, 14.2),  # Qwen2 report: 57.41B total, 14B act.
+    ("olmoe-1b-7b", C.OLMOE_1B_7B, 6.9, 1.3),  # OLMoE paper Table 1: 6.9B total, 1.3B active
+    ("granite-3.0-1b-a400m", C.GRANITE_MOE_1B, 1.3, 0.4),  # Granite 3.0 card: 1.3B, 400M
+]
+
+
+@pytest.mark.parametrize("name,cfg,total,active", CARDS, ids=[c[0] for c in CARDS])
+def test_parameter_counts_match_the_model_cards(name, cfg, total, active):
+    spec = from_hf_dict(cfg)
+    assert round(spec.num_params() / 1e9, 1) == total
+    assert round(spec.active_params() / 1e9, 1) == active
+
+
+@pytest.mark.parametrize("cfg,total,active", [(C.GPT_OSS_20B, 20.9, 3.6),
+                                              (C.GPT_OSS_120B, 116.8, 5.1)])
+def test_gpt_oss_counts_match_openais_card(cfg, total, active):
+    """OpenAI's gpt-oss card (Table 1): 20.9B / 3.6B and 116.8B / 5.1B; its active count holds
+    the vocabulary matrix once (the embedding's rows a token reads are not a matmul)."""
+    spec = from_hf_dict(cfg)
+    assert round(spec.num_params() / 1e9, 1) == total
+    assert round((spec.active_params() - spec.vocab * spec.hidden) / 1e9, 1) == active
+    # what the count is made of: biases on q, k, v, o, router and experts, one sink a head
+    assert spec.bias and spec.attn_sinks and spec.head_dim == 64 and spec.rope_type == "yarn"
+    assert spec.max_seq == 131072
+    without = spec.replace(bias=False, attn_sinks=False)
+    attention = (64 * 64 + 2 * 8 * 64 + 2880) + 64  # q, k, v, o biases; one sink a head
+    experts = spec.moe_experts * (2 * 2880 + 2880) + spec.moe_experts  # gate/up, down, router
+    assert spec.num_params() - without.num_params() == spec.layers * (attention + experts)
+
+
+def test_qwen2_moe_reads_the_gated_shared_expert():
+    spec = from_hf_dict(C.QWEN15_MOE_A27B)
+    # 5632 = 4 routed experts' width, gated by sigmoid(x . w): hidden weights a block
+    assert (spec.moe_shared_experts, spec.moe_shared_gate, spec.qkv_bias) == (4, True, True)
+    assert not spec.moe_norm_topk and runtime_refusal(spec) is None
+    assert spec.moe_params() - spec.replace(moe_shared_gate=False).moe_params() == 2048
+
+
+def test_qwen3_moe_dense_blocks_between_moe_blocks():
+    """decoder_sparse_step 2 and mlp_only_layers [5] (transformers' rule: MoE when (i+1) %
+    step == 0 and i not listed): blocks 1, 3, 7, ... are MoE, the rest keep the dense MLP of
+    intermediate_size."""
+    base = from_hf_dict(C.QWEN3_30B_A3B)
+    spec = from_hf_dict(dict(C.QWEN3_30B_A3B, decoder_sparse_step=2, mlp_only_layers=[5, 6]))
+    moe = [i for i in range(48) if spec.is_moe_layer(i)]
+    assert moe == [i for i in range(1, 48, 2) if i != 5] and spec.moe_layers == 23
+    dense = 48 - 23
+    assert spec.num_params() == base.num_params() - dense * (
+        base.moe_params() - base.mlp_params())
+    assert base.moe_layers == 48 and base.block_kinds() == ((48, 47),)
+
+
+PATTERNS = [dict(moe_layer_step=2), dict(moe_layer_step=3, moe_mlp_only_layers=(2, 4, 8)),
+            dict(moe_dense_layers=2, moe_layer_step=2, moe_mlp_only_layers=(0, 1, 9)),
+            dict(moe_mlp_only_layers=(0, 10)), dict(moe_dense_layers=3)]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_block_pattern_closed_forms_equal_the_block_by_block_count(pattern):
+    """moe_blocks_in (the planner's stage counts), moe_layers, block_kinds and the two
+    representative indices against is_moe_layer block by block."""
+    spec = ModelSpec(name="p", layers=11, hidden=64, heads=4, kv_heads=2, ffn_hidden=96,
+                     vocab=131, max_seq=32, moe_experts=4, moe_top_k=2, moe_ffn_hidden=32,
+                     **pattern)
+    flags = [spec.is_moe_layer(i) for i in range(11)]
+    for a in range(12):
+        for b in range(a, 12):
+            assert spec.moe_blocks_in(range(a, b)) == sum(flags[a:b]), (pattern, a, b)
+    kinds = dict((spec.is_moe_layer(i), n) for n, i in spec.block_kinds())
+    assert kinds == {k: flags.count(k) for k in (False, True) if flags.count(k)}
+    assert spec.num_params() == spec.embedding_params() + spec.head_params() + sum(
+        spec.layer_params(i) for i in range(11))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    code = ("import sys; from meshtron.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'imported torch'; sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("cfg", [C.QWEN15_MOE_A27B, C.OLMOE_1B_7B, C.GPT_OSS_20B,
+                                 C.GRANITE_MOE_1B,
+                                 dict(C.QWEN3_30B_A3B, decoder_sparse_step=2)],
+                         ids=["qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "qwen3_moe_step2"])
+def test_plan_prices_each_type_through_the_command(cfg, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    proc = _cli("plan", "--model", str(path), "--cluster", "dgx-h100:2", "--global-batch", "64",
+                "--seq-len", "4096", "--save", str(tmp_path / "plan.toml"))
+    assert proc.returncode == 0, proc.stderr
+    assert "Best plan" in proc.stdout
+    assert (tmp_path / "plan.toml").is_file()
+
+
+def test_pattern_changes_the_planned_memory(tmp_path):
+    """The dense blocks between MoE blocks reach the planner: every other block of
+    Qwen3-30B-A3B dense holds half the experts, so the plan's parameter memory drops."""
+    from meshtron.planner.memory import layer_params_local
+
+    base = from_hf_dict(C.QWEN3_30B_A3B)
+    half = from_hf_dict(dict(C.QWEN3_30B_A3B, decoder_sparse_step=2))
+    assert layer_params_local(half, 1, 1) < 0.6 * layer_params_local(base, 1, 1)
+
+
+def _train(tmp_path, cfg, *extra, run=None):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return subprocess.run([sys.executable, "-m", "meshtron", "train", "--model", str(path),
+                           "--steps", "3", "--seq-len", "32", "--global-batch", "4",
+                           "--log-every", "1", "--run-dir", str(run or tmp_path / "run"), *extra],
+                          capture_output=True, text=True, timeout=600)
+
+
+def _losses(run) -> list[float]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    return [r["loss"] for r in lines]
+
+
+def test_train_tiny_qwen2_moe_through_the_command_and_on_two_ranks(tmp_path):
+    """The user's path: one process, then tp=2 (the MoE replicated over the tensor ranks) and
+    dp=2 x ep=2 (each rank two of the four experts) on 2 gloo ranks; the ranks' losses equal
+    the single process's within fp32 summation order."""
+    proc = _train(tmp_path, C.TINY_QWEN2_MOE)
+    assert proc.returncode == 0, proc.stderr
+    ref = _losses(tmp_path / "run")
+    assert all(0 < x < 10 for x in ref) and ref[-1] < ref[0]
+    for layout in ("tp=2", "dp=2,ep=2"):
+        run = tmp_path / layout.replace(",", "_").replace("=", "")
+        proc = _train(tmp_path, C.TINY_QWEN2_MOE, "--nproc", "2", "--plan", layout, run=run)
+        assert proc.returncode == 0, proc.stderr
+        assert _losses(run) == pytest.approx(ref, rel=1e-5), layout
+
+
+REFUSALS = [
+    (C.GPT_OSS_20B, "config.json sliding_window=128"),
+    (dict(C.GPT_OSS_20B, sliding_window=None), "config.json swiglu_limit=7.0"),
+    (C.OLMOE_1B_7B, "model.qk_norm_full=true"),
+    (C.GRANITE_MOE_1B, "config.json embedding_multiplier=12.0"),
+]
+
+
+@pytest.mark.parametrize("cfg,match", REFUSALS, ids=["gpt_oss", "gpt_oss_swiglu", "olmoe",
+                                                     "granitemoe"])
+def test_train_refuses_planned_only_types_in_one_line(cfg, match, tmp_path):
+    spec = from_hf_dict(cfg)
+    assert runtime_refusal(spec).startswith(match)
+    proc = _train(tmp_path, cfg)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and match in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_the_model_refuses_to_build_a_planned_only_spec():
+    import torch
+
+    from meshtron.model import Transformer
+
+    spec = from_hf_dict(dict(C.GPT_OSS_20B, num_hidden_layers=2, hidden_size=64,
+                             intermediate_size=32, num_local_experts=4, vocab_size=131,
+                             layer_types=None, sliding_window=None))
+    with torch.device("meta"), pytest.raises(UserError, match="swiglu_limit"):
+        Transformer(spec)
+    # a run file's model table reaches the same fields without config.json's refusals
+    for field in ("attn_sinks", "qk_norm_full"):
+        plain = spec.replace(train_refusals=(), bias=False, qk_norm=True,
+                             **{"attn_sinks": False, "qk_norm_full": False, field: True})
+        with torch.device("meta"), pytest.raises(UserError, match=f"model.{field}=true"):
+            Transformer(plain)
+    # expert and router biases (gpt-oss) are counted by the planner, not built
+    with torch.device("meta"), pytest.raises(UserError, match="model.bias=true with routed"):
+        Transformer(spec.replace(train_refusals=(), attn_sinks=False))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(shared_expert_intermediate_size=5000),
+     "shared_expert_intermediate_size=5000: .* allowed: a multiple of 1408"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step=0: must be a positive integer"),
+    (dict(decoder_sparse_step=25), "decoder_sparse_step=25, mlp_only_layers=.*keep at least"),
+    (dict(mlp_only_layers=[3, 24]), r"mlp_only_layers=\[3, 24\]: .* from 0 to 23"),
+    (dict(mlp_only_layers=list(range(24))), "keep at least one"),
+    (dict(use_sliding_window=True), "use_sliding_window=true"),
+    (dict(router_aux_loss_coef=-1), "router_aux_loss_coef=-1"),
+])
+def test_bad_qwen2_moe_keys_are_one_line(change, match):
+    with pytest.raises(UserError, match=match) as err:
+        from_hf_dict(dict(C.QWEN15_MOE_A27B, **change))
+    assert "\n" not in str(err.value)
+
+
+# ---- the runtime: the gated shared expert and the block pattern against one process ------
+
+MODEL = dict(name="equiv-qwen2-moe", moe_experts=4, moe_top_k=2, moe_ffn_hidden=32,
+             moe_shared_experts=2, moe_shared_gate=True, moe_layer_step=2, qkv_bias=True,
+             moe_norm_topk=False, moe_aux_loss=0.01)
+# (tp=2 with dp=1 runs through the command above: testkit's build_optimizer gives fused AdamW
+# the tp DTensors and the MoE's plain tensors in one group, which the product's
+# train/optim.param_groups splits)
+LAYOUTS = [dict(model=MODEL, micro_batch=1, zero=3, dp=2, ep=2),
+           dict(model=dict(MODEL, moe_layer_step=1, moe_mlp_only_layers=(0, 2)), micro_batch=1,
+                zero=0, pp=2, schedule="1f1b")]
+
+
+def test_shared_gate_and_pattern_in_the_module():
+    import torch
+
+    from meshtron.model import Transformer
+    from meshtron.model.moe import MoE
+    from meshtron.planner.memory_ranks import param_shapes
+
+    spec = from_hf_dict(C.TINY_QWEN2_MOE)
+    with torch.device("meta"):
+        model = Transformer(spec)
+    kinds = [isinstance(b.feed_forward, MoE) for b in model.layers.values()]
+    assert kinds == [False, True, False, True, False]
+    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert param_shapes(spec, range(spec.layers), True, True) == real
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params()
+    # the gate scales the shared experts' output by sigmoid(x . w) per token
+    torch.manual_seed(0)
+    moe = Transformer(spec, device="cpu").layers["1"].feed_forward
+    x = torch.randn(5, spec.hidden)
+    sh = moe.shared
+    plain = sh.w2(torch.nn.functional.silu(sh.w1(x)) * sh.w3(x))
+    assert torch.allclose(sh(x), plain * torch.sigmoid(x @ sh.gate.weight.T))
+
+
+def test_gated_shared_expert_and_pattern_layouts_match_one_process():
+    """Losses, gradient norms and every parameter of dp=2 x ep=2 (ZeRO-3) and of a 1F1B pp=2
+    split of dense blocks 0, 2 and MoE blocks 1, 3 equal one process."""
+    from testkit.equivalence import DEFAULT_CFG, compare, format_report, layout_cfg, \
+        parallel_rank_fn, reference_run
+    from testkit.multiproc import run_on_ranks
+
+    cfg = dict(DEFAULT_CFG, micro_batch=1)
+    refs: dict = {}
+
+    def ref_for(layout):
+        one, _ = layout_cfg(cfg, layout)
+        key = json.dumps(one["spec"], sort_keys=True, default=list)
+        if key not in refs:
+            refs[key] = reference_run(one)
+        return refs[key]
+
+    results = run_on_ranks(parallel_rank_fn, 2, cfg, LAYOUTS, timeout=600)
+    report = compare(ref_for, results)
+    bad = [r for r in report if r["missing"] or r["extra"]
+           or max(r["loss_rel"], r["norm_rel"], r["param_rel"]) > 1e-5]
+    assert not bad, format_report(bad)
