@@ -62,3 +62,18 @@ TINY_QWEN2_MOE = dict(  # trains on a CPU: shared gate, dense blocks 0 and 2, Mo
     num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=128, vocab_size=259, decoder_sparse_step=2, mlp_only_layers=[4],
     router_aux_loss_coef=0.01)
+LLAMA4_SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E: its config.json's text_config
+    "model_type": "llama4_text", "hidden_act": "silu", "hidden_size": 5120, "head_dim": 128,
+    "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 16,
+    "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "num_hidden_layers": 48,
+    "num_attention_heads": 40, "num_key_value_heads": 8, "max_position_embeddings": 10485760,
+    "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 16.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                             "original_max_position_embeddings": 8192},
+    "rms_norm_eps": 1e-05, "vocab_size": 202048, "tie_word_embeddings": False,
+    "attention_chunk_size": 8192, "use_qk_norm": True, "attention_bias": False,
+    "router_aux_loss_coef": 0.001,
+}
+LLAMA4_MAVERICK = dict(  # meta-llama/Llama-4-Maverick-17B-128E: text_config
+    LLAMA4_SCOUT, num_local_experts=128, interleave_moe_layer_step=2,
+    rope_scaling=None, max_position_embeddings=1048576)

@@ -34,6 +34,41 @@ def test_parameter_counts_match_the_model_cards(name, cfg, total, active):
     assert round(spec.active_params() / 1e9, 1) == active
 
 
+def test_llama4_counts_match_metas_card():
+    """Meta's Llama 4 card: Scout 17B active / 109B total (with its 1.7B-ish vision encoder,
+    which a text_config does not describe: the text model is 107.8B), Maverick 17B / 400B;
+    Maverick's blocks alternate dense (intermediate_size_mlp) and MoE (128 experts + 1 shared)."""
+    scout, maverick = from_hf_dict(C.LLAMA4_SCOUT), from_hf_dict(C.LLAMA4_MAVERICK)
+    assert round(scout.num_params() / 1e9, 1) == 107.8
+    assert round(maverick.num_params() / 1e9) == 401  # the card's "400B"
+    for spec in (scout, maverick):
+        assert round(spec.active_params() / 1e9) == 17
+        assert spec.moe_shared_experts == 1 and spec.moe_top_k == 1
+        assert runtime_refusal(spec).startswith("config.json model_type='llama4_text'")
+    assert (scout.moe_layers, maverick.moe_layers) == (48, 24)
+    assert [maverick.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    listed = from_hf_dict(dict(C.LLAMA4_MAVERICK, moe_layers=list(range(1, 48, 2))))
+    assert listed.num_params() == maverick.num_params()
+
+
+def test_llama3_rope_with_equal_band_factors_is_a_step():
+    """Scout's rope_scaling (low_freq_factor = high_freq_factor = 1): wavelengths above the
+    original length are divided by the factor, the others kept, none interpolated (as
+    transformers' llama3 rule gives with an empty band)."""
+    import math
+
+    import torch
+
+    from meshtron.model.rope import _llama3
+
+    spec = from_hf_dict(C.LLAMA4_SCOUT)
+    freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    long = 2 * math.pi / freq > 8192
+    got = _llama3(spec, freq)
+    assert torch.isfinite(got).all() and 0 < int(long.sum()) < 64
+    assert torch.equal(got, torch.where(long, freq / 16.0, freq))
+
+
 @pytest.mark.parametrize("cfg,total,active", [(C.GPT_OSS_20B, 20.9, 3.6),
                                               (C.GPT_OSS_120B, 116.8, 5.1)])
 def test_gpt_oss_counts_match_openais_card(cfg, total, active):
@@ -102,14 +137,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-@pytest.mark.parametrize("cfg", [C.QWEN15_MOE_A27B, C.OLMOE_1B_7B, C.GPT_OSS_20B,
-                                 C.GRANITE_MOE_1B,
-                                 dict(C.QWEN3_30B_A3B, decoder_sparse_step=2)],
-                         ids=["qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "qwen3_moe_step2"])
-def test_plan_prices_each_type_through_the_command(cfg, tmp_path):
+@pytest.mark.parametrize("cfg,nodes", [(C.QWEN15_MOE_A27B, 2), (C.OLMOE_1B_7B, 2),
+                                       (C.GPT_OSS_20B, 2), (C.GRANITE_MOE_1B, 2),
+                                       (dict(C.QWEN3_30B_A3B, decoder_sparse_step=2), 2),
+                                       (C.LLAMA4_MAVERICK, 16)],
+                         ids=["qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "qwen3_moe_step2",
+                              "llama4_text"])
+def test_plan_prices_each_type_through_the_command(cfg, nodes, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    proc = _cli("plan", "--model", str(path), "--cluster", "dgx-h100:2", "--global-batch", "64",
+    proc = _cli("plan", "--model", str(path), "--cluster", f"dgx-h100:{nodes}",
+                "--global-batch", "256" if nodes > 2 else "64",
                 "--seq-len", "4096", "--save", str(tmp_path / "plan.toml"))
     assert proc.returncode == 0, proc.stderr
     assert "Best plan" in proc.stdout

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from meshtron.errors import UserError
 from meshtron.model.shapes import ModelSpec
 
-HF_MOE_TYPES = ("qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
+HF_MOE_TYPES = ("qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "llama4_text")
 """The model types read here (qwen3_moe's layer pattern too: `hf_moe_type`)."""
 
 
@@ -33,7 +33,7 @@ def hf_moe_type(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt
         raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
                          f"supported for model_type {mtype!r}")
     reader = {"qwen2_moe": _qwen2_moe, "olmoe": _olmoe, "granitemoe": _granite,
-              "granitemoeshared": _granite, "gpt_oss": _gpt_oss}[mtype]
+              "granitemoeshared": _granite, "gpt_oss": _gpt_oss, "llama4_text": _llama4}[mtype]
     heads = need("num_attention_heads")
     common = dict(
         name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
@@ -123,6 +123,55 @@ def _gpt_oss(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
                 else None,
                 norm_eps=num("rms_norm_eps", 1e-5), moe_experts=need("num_local_experts"),
                 moe_ffn_hidden=width, moe_norm_topk=True, train_refusals=tuple(refusals))
+
+
+def _llama4(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
+    """Llama 4's text model (transformers' Llama4TextConfig / Llama4TextMoe): routed experts
+    and one shared expert of `intermediate_size`, dense blocks of `intermediate_size_mlp`
+    between MoE blocks (`interleave_moe_layer_step`, or an explicit `moe_layers` list), a
+    top-k router whose sigmoid scores multiply each expert's input (meshtron's multiply the
+    output: train_refusals), chunked attention on the RoPE blocks and no RoPE on every 4th
+    (`no_rope_layers`), weightless L2 q/k norms. Planned: the chunked blocks are priced as
+    full causal attention (an upper bound)."""
+    _no_attention_bias(cfg, mtype)
+    layers, fe = common["layers"], need("intermediate_size")
+    pattern = _llama4_pattern(cfg, layers)
+    refusals = [f"config.json model_type='llama4_text': its router's sigmoid scores multiply "
+                "each expert's input, meshtron's router weights multiply the output (planned "
+                "only)"]
+    if cfg.get("attention_chunk_size"):
+        refusals.append(f"config.json attention_chunk_size={cfg['attention_chunk_size']!r}: "
+                        "meshtron's attention runs no chunked attention (planned only, priced "
+                        "as full attention); allowed: null")
+    if cfg.get("use_qk_norm", True):
+        refusals.append("config.json use_qk_norm=true: meshtron's q/k norms are RMSNorms with "
+                        "weights, not Llama 4's weightless L2 norm (planned only)")
+    head = opt_int("head_dim", None)
+    return dict(ffn_hidden=opt_int("intermediate_size_mlp", None) or fe,
+                head_size=head if head not in (None, common["hidden"] // common["heads"])
+                else None,
+                norm_eps=num("rms_norm_eps", 1e-5), moe_experts=need("num_local_experts"),
+                moe_ffn_hidden=fe, moe_shared_experts=1, moe_router="sigmoid",
+                moe_norm_topk=False, train_refusals=tuple(refusals), **pattern)
+
+
+def _llama4_pattern(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """transformers' Llama4TextConfig: `moe_layers` defaults to every
+    `interleave_moe_layer_step`-th block from step - 1 on, i.e. (i + 1) % step == 0."""
+    step = cfg.get("interleave_moe_layer_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 < step <= layers:
+        raise UserError(f"config.json interleave_moe_layer_step={step!r}: must be an integer "
+                         f"from 1 to num_hidden_layers={layers}")
+    listed = cfg.get("moe_layers")
+    if listed is None:
+        return {"moe_layer_step": step}
+    if not isinstance(listed, list) or not listed or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers
+            for i in listed):
+        raise UserError(f"config.json moe_layers={listed!r}: must be a non-empty list of "
+                        f"block indices from 0 to {layers - 1}")
+    # the MoE blocks as ModelSpec says them: every block routed except those listed dense
+    return {"moe_mlp_only_layers": tuple(i for i in range(layers) if i not in set(listed))}
 
 
 def _shared(cfg: dict[str, Any], key: str, expert: int, gated: bool) -> dict[str, Any]:

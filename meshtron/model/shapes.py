@@ -395,9 +395,10 @@ def _check_rope_scaling(spec: ModelSpec) -> None:
                                        or original <= 0):
         raise UserError(f"model.rope_original_max_seq={original!r}: must be a positive integer "
                          f"for rope_type {spec.rope_type!r}")
-    if spec.rope_type == "llama3" and spec.rope_high_freq_factor <= spec.rope_low_freq_factor:
+    # equal factors (Llama 4 Scout: 1.0 and 1.0) leave no band to interpolate: a step
+    if spec.rope_type == "llama3" and spec.rope_high_freq_factor < spec.rope_low_freq_factor:
         raise UserError(f"model.rope_high_freq_factor={spec.rope_high_freq_factor!r}: must "
-                         f"exceed model.rope_low_freq_factor={spec.rope_low_freq_factor!r}")
+                         f"be at least model.rope_low_freq_factor={spec.rope_low_freq_factor!r}")
     factor = spec.rope_attention_factor
     if factor is not None and (not is_number(factor) or not math.isfinite(factor) or factor <= 0):
         raise UserError(f"model.rope_attention_factor={factor!r}: must be a positive number")
