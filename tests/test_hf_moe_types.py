@@ -192,6 +192,11 @@ def test_train_tiny_qwen2_moe_through_the_command_and_on_two_ranks(tmp_path):
         proc = _train(tmp_path, C.TINY_QWEN2_MOE, "--nproc", "2", "--plan", layout, run=run)
         assert proc.returncode == 0, proc.stderr
         assert _losses(run) == pytest.approx(ref, rel=1e-5), layout
+        # the planner's per-rank states (gate, dense and MoE blocks) are the runtime's bytes
+        memory = json.loads((run / "memory.json").read_text())
+        keys = ("params", "grads", "optimizer")
+        assert [[r[k] for k in keys] for r in memory["measured_bytes_per_rank"]] == \
+            [[r[k] for k in keys] for r in memory["predicted"]["bytes_per_rank"]], layout
 
 
 REFUSALS = [
