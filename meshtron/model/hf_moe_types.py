@@ -53,7 +53,7 @@ def _qwen2_moe(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
         raise UserError(f"config.json use_sliding_window=true: sliding-window attention is not "
                          "supported for model_type 'qwen2_moe'; allowed: false")
     fe = need("moe_intermediate_size")
-    return dict(ffn_hidden=need("intermediate_size"), qkv_bias=True,
+    return dict(ffn_hidden=need("intermediate_size"), qkv_bias=flag("qkv_bias", True),
                 norm_eps=num("rms_norm_eps", 1e-6),
                 moe_experts=need("num_experts"), moe_ffn_hidden=fe,
                 moe_norm_topk=flag("norm_topk_prob", False),
@@ -107,6 +107,9 @@ def _gpt_oss(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     x*sigmoid(1.702x) and up + 1. The last three are planned only (train_refusals); the
     windowed blocks are priced as full causal attention (an upper bound)."""
     width = need("intermediate_size")
+    if not flag("attention_bias", True):  # the experts' and router's biases are always there
+        raise UserError("config.json attention_bias=false: meshtron's ModelSpec puts gpt-oss's "
+                         "biases on attention, router and experts alike; allowed: true")
     window = opt_int("sliding_window", None)
     kinds = cfg.get("layer_types")
     refusals = []
