@@ -86,6 +86,30 @@ def test_gpt_oss_counts_match_openais_card(cfg, total, active):
     assert spec.num_params() - without.num_params() == spec.layers * (attention + experts)
 
 
+def test_gpt_oss_windows_are_priced_at_the_window():
+    """gpt-oss's 128-token window on the even blocks (layer_types): the planner's flash core
+    of the mean block is (1 + share) / 2 of full causal attention, share = the window's part
+    of the s(s+1)/2 causal pairs (hfmore's `sliding_window` / `window_every` pricing)."""
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.compute import layer_cost
+    from meshtron.planner.kernel_options import KernelOptions
+
+    spec = from_hf_dict(C.GPT_OSS_20B)
+    assert (spec.sliding_window, spec.window_every, spec.sliding_blocks) == (128, 2, 12)
+    assert [spec.slides(i) for i in range(4)] == [True, False, True, False]
+
+    def core(m, s):
+        return layer_cost(m, resolve_cluster("dgx-h100:1"), 1, 1, s, False,
+                          KernelOptions()).core_fwd
+
+    s, w = 4096, 128
+    share = (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+    full = core(spec.replace(sliding_window=0, window_every=0), s)
+    assert core(spec, s) == pytest.approx(full * (1 + share) / 2, rel=1e-9)
+    with pytest.raises(UserError, match="layer_types=.*allowed: sliding_attention on even"):
+        from_hf_dict(dict(C.GPT_OSS_20B, layer_types=["full_attention"] * 24))
+
+
 def test_qwen2_moe_reads_the_gated_shared_expert():
     spec = from_hf_dict(C.QWEN15_MOE_A27B)
     # 5632 = 4 routed experts' width, gated by sigmoid(x . w): hidden weights a block
@@ -199,16 +223,35 @@ def test_train_tiny_qwen2_moe_through_the_command_and_on_two_ranks(tmp_path):
             [[r[k] for k in keys] for r in memory["predicted"]["bytes_per_rank"]], layout
 
 
+TINY_OLMOE = dict(C.OLMOE_1B_7B, hidden_size=64, intermediate_size=32, num_experts=4,
+                  num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=128, vocab_size=259)
+TINY_GRANITE_MOE = dict(C.GRANITE_MOE_1B, hidden_size=64, intermediate_size=32,
+                        num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=128, vocab_size=259)
+
+
+@pytest.mark.parametrize("cfg", [TINY_OLMOE, TINY_GRANITE_MOE], ids=["olmoe", "granitemoe"])
+def test_train_tiny_olmoe_and_granitemoe_through_the_command(cfg, tmp_path):
+    """OLMoE's whole-projection q/k norms and Granite's four multipliers (dense variants'
+    runtime, model/transformer.py) around routed experts."""
+    spec = from_hf_dict(cfg)
+    assert spec.qk_norm_whole or spec.embed_scale == 12.0
+    proc = _train(tmp_path, cfg)
+    assert proc.returncode == 0, proc.stderr
+    losses = _losses(tmp_path / "run")
+    assert all(0 < x < 10 for x in losses)
+
+
 REFUSALS = [
-    (C.GPT_OSS_20B, "config.json sliding_window=128"),
-    (dict(C.GPT_OSS_20B, sliding_window=None), "config.json swiglu_limit=7.0"),
-    (C.OLMOE_1B_7B, "model.qk_norm_full=true"),
-    (C.GRANITE_MOE_1B, "config.json embedding_multiplier=12.0"),
+    (C.GPT_OSS_20B, "config.json swiglu_limit=7.0"),
+    (C.LLAMA4_SCOUT, "config.json model_type='llama4_text': its router"),
+    (dict(C.OLMOE_1B_7B, clip_qkv=8.0), "config.json clip_qkv=8.0"),
 ]
 
 
-@pytest.mark.parametrize("cfg,match", REFUSALS, ids=["gpt_oss", "gpt_oss_swiglu", "olmoe",
-                                                     "granitemoe"])
+@pytest.mark.parametrize("cfg,match", REFUSALS, ids=["gpt_oss", "llama4_text", "olmoe_clip"])
 def test_train_refuses_planned_only_types_in_one_line(cfg, match, tmp_path):
     spec = from_hf_dict(cfg)
     assert runtime_refusal(spec).startswith(match)
@@ -229,11 +272,9 @@ def test_the_model_refuses_to_build_a_planned_only_spec():
     with torch.device("meta"), pytest.raises(UserError, match="swiglu_limit"):
         Transformer(spec)
     # a run file's model table reaches the same fields without config.json's refusals
-    for field in ("attn_sinks", "qk_norm_full"):
-        plain = spec.replace(train_refusals=(), bias=False, qk_norm=True,
-                             **{"attn_sinks": False, "qk_norm_full": False, field: True})
-        with torch.device("meta"), pytest.raises(UserError, match=f"model.{field}=true"):
-            Transformer(plain)
+    plain = spec.replace(train_refusals=(), bias=False)
+    with torch.device("meta"), pytest.raises(UserError, match="model.attn_sinks=true"):
+        Transformer(plain)
     # expert and router biases (gpt-oss) are counted by the planner, not built
     with torch.device("meta"), pytest.raises(UserError, match="model.bias=true with routed"):
         Transformer(spec.replace(train_refusals=(), attn_sinks=False))
@@ -263,7 +304,13 @@ MODEL = dict(name="equiv-qwen2-moe", moe_experts=4, moe_top_k=2, moe_ffn_hidden=
 # (tp=2 with dp=1 runs through the command above: testkit's build_optimizer gives fused AdamW
 # the tp DTensors and the MoE's plain tensors in one group, which the product's
 # train/optim.param_groups splits)
+OLMOE = dict(name="equiv-olmoe", moe_experts=4, moe_top_k=2, moe_ffn_hidden=32,
+             moe_norm_topk=False, qk_norm=True, qk_norm_whole=True, moe_aux_loss=0.01)
+GRANITE = dict(name="equiv-granitemoe", moe_experts=4, moe_top_k=2, moe_ffn_hidden=32,
+               embed_scale=12.0, attn_scale=0.015625, residual_scale=0.22, logit_scale=1 / 6)
 LAYOUTS = [dict(model=MODEL, micro_batch=1, zero=3, dp=2, ep=2),
+           dict(model=OLMOE, micro_batch=1, zero=3, dp=2, ep=2),
+           dict(model=GRANITE, micro_batch=1, zero=3, dp=2, ep=2),
            dict(model=dict(MODEL, moe_layer_step=1, moe_mlp_only_layers=(0, 2)), micro_batch=1,
                 zero=0, pp=2, schedule="1f1b")]
 
@@ -280,9 +327,13 @@ def test_shared_gate_and_pattern_in_the_module():
         model = Transformer(spec)
     kinds = [isinstance(b.feed_forward, MoE) for b in model.layers.values()]
     assert kinds == [False, True, False, True, False]
-    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    assert param_shapes(spec, range(spec.layers), True, True) == real
-    assert sum(p.numel() for p in model.parameters()) == spec.num_params()
+    for cfg in (C.TINY_QWEN2_MOE, TINY_OLMOE, TINY_GRANITE_MOE):  # the planner's tensors
+        one = from_hf_dict(cfg)
+        with torch.device("meta"):
+            built = Transformer(one)
+        real = [(n, tuple(p.shape)) for n, p in built.named_parameters()]
+        assert param_shapes(one, range(one.layers), True, True) == real, cfg["model_type"]
+        assert sum(p.numel() for p in built.parameters()) == one.num_params()
     # the gate scales the shared experts' output by sigmoid(x . w) per token
     torch.manual_seed(0)
     moe = Transformer(spec, device="cpu").layers["1"].feed_forward

@@ -17,7 +17,7 @@ from typing import Any
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3_moe")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe")
 """model_type values whose weights load and export."""
 
 
@@ -72,6 +72,12 @@ _MOE_LAYER = {
 def check_supported(spec: ModelSpec, where: str) -> str:
     """The model_type meshtron reads and writes for `spec` (llama, qwen2, gpt2, mixtral or
     qwen3_moe); a UserError naming `where` for other architectures."""
+    from meshtron.model.hf_variants import variant_fields
+
+    if variant_fields(spec):  # Gemma, Nemotron, OLMo 2, Granite...: their names are not wired
+        raise UserError(f"{where}: Hugging Face weights of model {spec.name!r} (model."
+                         f"{', model.'.join(variant_fields(spec))}) are not read or written "
+                         "yet; train it from scratch")
     llama_like = (spec.mlp == "swiglu" and spec.norm == "rmsnorm" and spec.position == "rope"
                   and not spec.bias and not spec.parallel_residual)
     if getattr(spec, "is_mla", False):
@@ -93,9 +99,12 @@ def check_supported(spec: ModelSpec, where: str) -> str:
                          f"model_type mixtral and qwen3_moe; model {spec.name!r} has another "
                          "architecture (DeepSeek-V3's sigmoid router, shared experts or dense "
                          "layers between MoE layers are not)")
-    if spec.qk_norm or spec.head_size is not None:
-        raise UserError(f"{where}: Hugging Face weights with head_size or qk_norm are supported "
-                         f"for model_type qwen3_moe only; model {spec.name!r} is dense")
+    if llama_like and spec.qk_norm and not spec.qkv_bias:
+        return "qwen3"  # Qwen3's names are Llama's plus q_norm / k_norm
+    if spec.qk_norm:
+        raise UserError(f"{where}: Hugging Face weights with qk_norm are supported for "
+                         f"model_type qwen3 and qwen3_moe only; model {spec.name!r} has "
+                         "another architecture")
     if (spec.mlp == "swiglu" and spec.norm == "rmsnorm" and spec.position == "rope"
             and not spec.bias and not spec.parallel_residual):
         return "qwen2" if spec.qkv_bias else "llama"
@@ -208,7 +217,8 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
                 "vocab_size": spec.vocab, "layer_norm_epsilon": spec.norm_eps,
                 "activation_function": "gelu_new", "tie_word_embeddings": True,
                 "torch_dtype": dtype, "dtype": dtype}
-    arch = {"qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mixtral": "MixtralForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM"}.get(mtype, "LlamaForCausalLM")
     cfg: dict[str, Any] = {
         "architectures": [arch],
@@ -249,6 +259,8 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
         cfg.update(attention_bias=False, mlp_bias=False)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None)
+        if mtype == "qwen3":
+            cfg.update(attention_bias=False)
     return cfg
 
 

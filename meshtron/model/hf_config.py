@@ -1,5 +1,6 @@
-"""Hugging Face `config.json` files (llama, mistral, qwen2, mixtral, qwen3_moe, gpt_neox, gpt2)
-read into a ModelSpec; errors name the config's keys."""
+"""Hugging Face `config.json` files (llama, mistral, qwen2, mixtral, qwen3_moe, deepseek_v2/v3,
+gpt_neox, gpt2; the dense types of model/hf_dense.py) read into a ModelSpec; errors name the
+config's keys."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
+from meshtron.model.hf_dense import DENSE_TYPES
 from meshtron.model.hf_moe_types import HF_MOE_TYPES, hf_moe_type
 from meshtron.model.mla_shapes import MLA_FIELDS
 from meshtron.model.shapes import ROPE_TYPES, ModelSpec, is_number
@@ -18,7 +20,8 @@ from meshtron.model.shapes import ROPE_TYPES, ModelSpec, is_number
 _HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
 _HF_MOE = ("mixtral", "qwen3_moe")
 _HF_DEEPSEEK = ("deepseek_v3", "deepseek_v2")
-_HF_TYPES = _HF_LLAMA_LIKE + _HF_MOE + HF_MOE_TYPES + _HF_DEEPSEEK + ("gpt_neox", "gpt2")
+_HF_TYPES = (_HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + HF_MOE_TYPES + _HF_DEEPSEEK
+             + ("gpt_neox", "gpt2"))
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -51,7 +54,7 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         return _from_hf_dict(cfg, name)
     except UserError as exc:
         keys = _HF_KEYS.get("llama" if cfg.get("model_type") in
-                            _HF_LLAMA_LIKE + _HF_MOE + _HF_DEEPSEEK + HF_MOE_TYPES
+                            _HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + _HF_DEEPSEEK + HF_MOE_TYPES
                             else str(cfg.get("model_type")), {})
         if cfg.get("model_type") in _HF_DEEPSEEK:  # MLA's fields are named as its keys
             keys = dict(keys, **{f: f for f in MLA_FIELDS})
@@ -91,9 +94,11 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         if cfg.get("hidden_act", "silu") != "silu":
             raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
                              f"supported for model_type {mtype!r}")
-        heads = need("num_attention_heads")
+        heads, hidden = need("num_attention_heads"), need("hidden_size")
+        head_dim = opt_int("head_dim", None)  # Mistral-Nemo: 128 with hidden 5120, 32 heads
         return ModelSpec(
-            name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
+            name=name, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
+            head_size=head_dim if head_dim not in (None, hidden // heads) else None,
             kv_heads=opt_int("num_key_value_heads", None) or heads,
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
             tied_embeddings=flag("tie_word_embeddings", False),
@@ -103,6 +108,11 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                        _hf_max_seq(cfg, mtype, opt_int("max_position_embeddings", 4096))),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
+    if mtype in DENSE_TYPES:
+        from meshtron.model.hf_dense import hf_dense
+
+        return hf_dense(cfg, mtype, name, need, num, flag, opt_int,
+                        lambda rope_cfg, max_pos: _hf_rope(rope_cfg, "rope_theta", num, max_pos))
     if mtype in HF_MOE_TYPES or mtype == "qwen3_moe":  # model/hf_moe_types.py
         return hf_moe_type(cfg, mtype, name, need, num, flag, opt_int,
                            lambda max_pos: _hf_rope(cfg, "rope_theta", num, max_pos),
@@ -264,14 +274,8 @@ def _hf_max_seq(cfg: dict[str, Any], mtype: str, max_pos: int) -> int:
 
 
 def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
-    """Refuse what meshtron's attention does not compute: a head size other than
-    hidden/heads, sliding-window attention, biases beyond q/k/v."""
-    hd = cfg.get("head_dim")
-    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-    if (hd is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0
-            and hd != hidden // heads):
-        raise UserError(f"config.json head_dim={hd!r}: meshtron's attention needs "
-                         f"hidden_size/num_attention_heads={hidden // heads}")
+    """Refuse what meshtron's attention does not compute: sliding-window attention, biases
+    beyond q/k/v."""
     if cfg.get("use_sliding_window") is True:
         raise UserError("config.json use_sliding_window=true: sliding-window attention is not "
                          "supported; only full attention")

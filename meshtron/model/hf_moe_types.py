@@ -3,10 +3,12 @@ hf_config.py / hf_deepseek.py): Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), O
 MoE (with and without a shared expert), gpt-oss, and Qwen3-MoE's dense blocks between MoE
 blocks. Keys as transformers' configuration classes name them; errors name them too.
 
-What meshtron's runtime does not compute (gpt-oss's sinks, sliding windows and clamped SwiGLU,
-OLMoE's whole-projection q/k norms, Granite's scalar multipliers) is carried in the ModelSpec
-(`attn_sinks`, `qk_norm_full`, `train_refusals`): the planner prices the model, `meshtron
-train` refuses it in one line (shapes.runtime_refusal).
+Features with a ModelSpec field of their own are read into it (OLMoE's whole-projection q/k
+norms `qk_norm_whole`, Granite's multipliers `embed_scale` / `attn_scale` / `residual_scale` /
+`logit_scale`, gpt-oss's windows `sliding_window` / `window_every`: model/hf_variants.py says
+which the runtime computes). What meshtron's runtime does not compute (gpt-oss's sinks and
+clamped SwiGLU, Llama 4's router) is carried in `attn_sinks` and `train_refusals`: the planner
+prices the model, `meshtron train` refuses it in one line (shapes.runtime_refusal).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def _qwen2_moe(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
 def _olmoe(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     """OLMoE (Muennighoff et al. 2024; transformers' OlmoeSparseMoeBlock): every block MoE,
     experts of `intermediate_size`, softmax top-k without renormalisation, RMSNorms over the
-    whole q and k projections; `clip_qkv` clamps q, k, v (not run: train_refusals)."""
+    whole q and k projections (`qk_norm_whole`, as OLMo 2: run at tp=1, a plan rule);
+    `clip_qkv` clamps q, k, v (not run: train_refusals)."""
     _no_attention_bias(cfg, mtype)
     refusals = []
     if cfg.get("clip_qkv") is not None:
@@ -72,60 +75,61 @@ def _olmoe(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
                         "not clamp q, k, v (planned only); allowed: null")
     width = need("intermediate_size")
     return dict(ffn_hidden=width, norm_eps=num("rms_norm_eps", 1e-5), qk_norm=True,
-                qk_norm_full=True, moe_experts=need("num_experts"), moe_ffn_hidden=width,
+                qk_norm_whole=True, moe_experts=need("num_experts"), moe_ffn_hidden=width,
                 moe_norm_topk=flag("norm_topk_prob", False), train_refusals=tuple(refusals))
 
 
 def _granite(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     """Granite 3.0 MoE (transformers' GraniteMoeMoE): top-k of the router's logits, softmax
     over those k (= softmax top-k renormalised), experts of `intermediate_size`; granitemoeshared
-    adds one shared expert of `shared_intermediate_size`. Its four scalar multipliers change no
-    shape; meshtron's model has none of them (train_refusals unless neutral)."""
+    adds one shared expert of `shared_intermediate_size`. Its four scalar multipliers are
+    dense Granite's (hf_dense.py; transformers' defaults 1.0, the softmax scale included)."""
     _no_attention_bias(cfg, mtype)
     width = need("intermediate_size")
-    head = common["hidden"] // common["heads"]
-    refusals = [f"config.json {key}={cfg[key]!r}: meshtron's model has no {what} (planned "
-                f"only); allowed: {neutral:g}"
-                for key, what, neutral in (
-                    ("embedding_multiplier", "embedding multiplier", 1.0),
-                    ("residual_multiplier", "residual multiplier", 1.0),
-                    ("logits_scaling", "logit scaling", 1.0),
-                    ("attention_multiplier", "attention scale other than 1/sqrt(head size)",
-                     1 / math.sqrt(head)))
-                if key in cfg and not _close(num(key, neutral), neutral)]
     shared = (_shared(cfg, "shared_intermediate_size", width, gated=False)
               if mtype == "granitemoeshared" else {})
     return dict(ffn_hidden=width, norm_eps=num("rms_norm_eps", 1e-6),
                 moe_experts=need("num_local_experts"), moe_ffn_hidden=width, moe_norm_topk=True,
-                train_refusals=tuple(refusals), **shared)
+                embed_scale=num("embedding_multiplier", 1.0),
+                attn_scale=num("attention_multiplier", 1.0),
+                residual_scale=num("residual_multiplier", 1.0),
+                logit_scale=1.0 / num("logits_scaling", 1.0), **shared)
 
 
 def _gpt_oss(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     """gpt-oss (OpenAI 2025 model card; transformers' GptOssConfig): biases on q, k, v, o, the
-    router and the experts; a learned sink logit per head; every other block (layer_types)
-    a `sliding_window`-token window; a SwiGLU clamped at `swiglu_limit` with gate
-    x*sigmoid(1.702x) and up + 1. The last three are planned only (train_refusals); the
-    windowed blocks are priced as full causal attention (an upper bound)."""
+    router and the experts; a learned sink logit per head; a `sliding_window`-token window on
+    the even blocks (layer_types: sliding, full, sliding, ...: `window_every` 2); a SwiGLU
+    clamped at `swiglu_limit` with gate x*sigmoid(1.702x) and up + 1. Sinks, the clamped
+    SwiGLU and the biases of experts are planned only (runtime_refusal)."""
     width = need("intermediate_size")
     if not flag("attention_bias", True):  # the experts' and router's biases are always there
         raise UserError("config.json attention_bias=false: meshtron's ModelSpec puts gpt-oss's "
                          "biases on attention, router and experts alike; allowed: true")
-    window = opt_int("sliding_window", None)
-    kinds = cfg.get("layer_types")
-    refusals = []
-    if window:
-        refusals.append(f"config.json sliding_window={window!r} (layer_types "
-                        f"{_kinds_text(kinds)}): meshtron's attention runs no sliding window "
-                        "(planned only, priced as full attention); allowed: null")
+    window = opt_int("sliding_window", None) or 0
+    _alternating(cfg.get("layer_types"), common["layers"])
     limit = cfg.get("swiglu_limit", 7.0)
-    refusals.append(f"config.json swiglu_limit={limit!r}: gpt-oss's clamped SwiGLU "
-                    "(x*sigmoid(1.702x), up + 1) is not meshtron's SiLU SwiGLU (planned only)")
+    refusals = (f"config.json swiglu_limit={limit!r}: gpt-oss's clamped SwiGLU "
+                "(x*sigmoid(1.702x), up + 1) is not meshtron's SiLU SwiGLU (planned only)",)
     head = opt_int("head_dim", None)
-    return dict(ffn_hidden=width, bias=True, attn_sinks=True,
+    return dict(ffn_hidden=width, bias=True, attn_sinks=True, sliding_window=window,
+                window_every=2 if window else 0,
                 head_size=head if head not in (None, common["hidden"] // common["heads"])
                 else None,
                 norm_eps=num("rms_norm_eps", 1e-5), moe_experts=need("num_local_experts"),
-                moe_ffn_hidden=width, moe_norm_topk=True, train_refusals=tuple(refusals))
+                moe_ffn_hidden=width, moe_norm_topk=True, train_refusals=refusals)
+
+
+def _alternating(kinds: Any, layers: int) -> None:
+    """gpt-oss's layer_types must be transformers' default (sliding on even blocks, full on
+    odd ones: ModelSpec.slides with window_every 2)."""
+    if kinds is None:
+        return
+    want = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if kinds != want:
+        raise UserError(f"config.json layer_types={_kinds_text(kinds)}: meshtron prices "
+                         "gpt-oss's alternation only; allowed: sliding_attention on even "
+                         f"blocks, full_attention on odd ones ({layers} entries)")
 
 
 def _llama4(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
@@ -217,8 +221,8 @@ def _no_attention_bias(cfg: dict[str, Any], mtype: str) -> None:
 
 def _kinds_text(kinds: Any) -> str:
     if isinstance(kinds, list) and kinds:
-        return f"{kinds[:2]}... ({len(kinds)} blocks)"
-    return "absent"
+        return f"{kinds[:2]}... ({len(kinds)} entries)"
+    return repr(kinds)
 
 
 def _coefficient(cfg: dict[str, Any]) -> float:
@@ -228,7 +232,3 @@ def _coefficient(cfg: dict[str, Any]) -> float:
         raise UserError(f"config.json router_aux_loss_coef={value!r}: must be a non-negative "
                          "number")
     return float(value)
-
-
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-6)

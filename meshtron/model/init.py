@@ -216,10 +216,18 @@ def init_parameters(modules: Iterable[nn.Module], seed: int, layers: int,
                     device: torch.device | None = None) -> None:
     """Initialize this rank's part of every parameter of `modules` in place. `device`: where
     the values are drawn (default: each parameter's own device); parameters elsewhere (on the
-    host with offloading) receive a copy, so they hold what the device would."""
+    host with offloading) receive a copy, so they hold what the device would. Norms whose
+    weight is applied as 1 + weight (`zero_centred`: Gemma, Nemotron) start at 0, the same
+    norm as weight 1 elsewhere."""
+    modules = list(modules)
+    centred = {id(m.weight) for module in modules for m in module.modules()
+               if getattr(m, "zero_centred", False)}
     for name, p in named_unique_parameters(modules):
         shape, offset, _ = local_box(p)
         local = local_tensor(p)
+        if id(p) in centred:
+            local.zero_()
+            continue
         if device is None or local.device.type == device.type or local.numel() == 0:
             init_into(local, name, shape, offset, seed, layers)
             continue

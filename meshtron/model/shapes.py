@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from meshtron.errors import UserError
+from meshtron.model.hf_variants import check_variants
 from meshtron.model.mla_shapes import check_mla, mla_attention_params
 
-MLPKind = Literal["swiglu", "gelu"]
+MLPKind = Literal["swiglu", "gelu", "geglu", "relu2"]
 NormKind = Literal["rmsnorm", "layernorm"]
+NormLayout = Literal["pre", "sandwich", "post"]
 PositionKind = Literal["rope", "learned"]
 RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
 RouterKind = Literal["softmax", "sigmoid"]
@@ -44,7 +46,9 @@ class ModelSpec:
     max_seq: int
     """Longest sequence the position encoding is built for."""
     mlp: MLPKind = "swiglu"
-    """'swiglu' (gated SiLU, three matrices, Llama) or 'gelu' (two matrices, GPT)."""
+    """'swiglu' (gated SiLU, three matrices, Llama), 'geglu' (gated tanh-GELU, three matrices,
+    Gemma), 'gelu' (tanh-GELU, two matrices, GPT) or 'relu2' (squared ReLU, two matrices,
+    Nemotron-4: So et al. 2021 "Primer")."""
     norm: NormKind = "rmsnorm"
     """'rmsnorm' (weight only) or 'layernorm' (weight and bias)."""
     position: PositionKind = "rope"
@@ -84,7 +88,44 @@ class ModelSpec:
     head_size: int | None = None
     """Attention head size when it is not hidden/heads (Qwen3: 128 with hidden 2048, 32 heads)."""
     qk_norm: bool = False
-    """RMSNorm over each query and key head before RoPE (Qwen3, OLMo 2)."""
+    """RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)."""
+    # ---- dense variants read from Hugging Face configs (model/hf_variants.py checks them) ----
+    qk_norm_whole: bool = False
+    """With qk_norm: one RMSNorm over the whole query projection (heads x head_dim wide) and
+    one over the whole key projection (OLMo 2), not per head."""
+    norm_plus_one: bool = False
+    """Norm weights are stored zero-centred and applied as 1 + weight (Gemma's RMSNorm,
+    Nemotron's LayerNorm1P); the same parameters, another reading of them."""
+    norm_layout: NormLayout = "pre"
+    """'pre' (a norm before attention and before the MLP), 'sandwich' (Gemma 2/3: also one
+    after each, before the residual add: four per block) or 'post' (OLMo 2: only the norms
+    after attention and after the MLP, before the residual add)."""
+    rope_fraction: float = 1.0
+    """Share of each query/key head that rotates (HF `partial_rotary_factor`: Nemotron 0.5);
+    the first int(head_dim * fraction) dimensions, the rest pass through."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-window blocks where it differs from `rope_theta` (Gemma 3
+    `rope_local_base_freq`)."""
+    attn_scale: float | None = None
+    """Softmax scale of the attention scores (None: 1/sqrt(head_dim); Gemma
+    query_pre_attn_scalar**-0.5, Granite `attention_multiplier`)."""
+    embed_scale: float = 1.0
+    """Factor on the token embeddings (Gemma sqrt(hidden), Granite `embedding_multiplier`)."""
+    residual_scale: float = 1.0
+    """Factor on attention's and the MLP's outputs before each residual add (Granite
+    `residual_multiplier`)."""
+    logit_scale: float = 1.0
+    """Factor on the output logits (Granite 1 / `logits_scaling`)."""
+    attn_softcap: float = 0.0
+    """Soft-capping of attention scores, cap * tanh(score / cap) (Gemma 2 50.0); 0: none."""
+    logit_softcap: float = 0.0
+    """Soft-capping of the output logits (Gemma 2 30.0); 0: none."""
+    sliding_window: int = 0
+    """Keys a query attends to in a sliding-window block, itself included (Mistral,
+    StarCoder2 4096, Gemma 2 4096); 0: every block attends to the whole causal prefix."""
+    window_every: int = 0
+    """With a sliding window: of every `window_every` consecutive blocks the last attends
+    globally and the others slide (Gemma 2: 2, Gemma 3: 6); 0: every block slides."""
     # ---- multi-head latent attention (meshtron/model/mla.py); kv_lora_rank = 0: none ---------
     q_lora_rank: int = 0
     """Width of the queries' latent (DeepSeek-V3 1536; 0: one plain q projection, V2-Lite)."""
@@ -135,17 +176,13 @@ class ModelSpec:
     """A learned logit per query head joins every softmax row and takes probability mass
     (gpt-oss `sinks`, Xiao et al. 2023): `heads` parameters a block. Planned; the runtime
     refuses it (`train_refusals`)."""
-    qk_norm_full: bool = False
-    """With `qk_norm`: one RMSNorm over the whole query projection (heads x head size) and one
-    over the whole key projection (OLMoE), not one per head (Qwen3). Planned; the runtime
-    refuses it (`train_refusals`)."""
     train_refusals: tuple[str, ...] = ()
-    """What a config.json asks for that meshtron's runtime does not compute (gpt-oss's
-    sliding windows, sinks and clamped SwiGLU; Granite's scalar multipliers): one line each,
-    naming the key, its value and what is allowed. The planner prices the model with the
-    other fields (these change no parameter count; a sliding window's attention is priced
-    as full causal attention, an upper bound); `meshtron train` refuses with the first
-    (`runtime_refusal`)."""
+    """What a config.json asks for that meshtron's runtime does not compute and no other field
+    describes (gpt-oss's clamped SwiGLU, Llama 4's router scaling the experts' input and its
+    chunked attention, OLMoE's clip_qkv): one line each, naming the key, its value and what
+    is allowed. They change no parameter count; the planner prices the model with the other
+    fields (Llama 4's chunks as full causal attention, an upper bound); `meshtron train`
+    refuses with the first (`runtime_refusal`)."""
     mtp_depth: int = 0
     """Multi-token prediction modules trained beside the model (DeepSeek-V3 report section
     2.2: D sequential modules, each an RMSNorm pair, a 2h -> h projection, one block and the
@@ -168,9 +205,12 @@ class ModelSpec:
             raise UserError(
                 f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
         check_mla(self)
+        check_variants(self)
         if self.position == "rope" and self.rope_dim % 2:
             raise UserError(
-                f"model.hidden/heads={self.head_dim}: rotary embeddings need an even head size")
+                f"model.hidden/heads={self.head_dim}: rotary embeddings need an even head size"
+                if self.rope_fraction == 1 else f"model.rope_fraction={self.rope_fraction}: "
+                f"rotates {self.rope_dim} of head_dim {self.head_dim}; must be even")
         for field in ("rope_theta", "norm_eps"):
             value = getattr(self, field)
             if not is_number(value) or not math.isfinite(value) or value <= 0:
@@ -178,7 +218,7 @@ class ModelSpec:
         for field in ("tied_embeddings", "bias", "qkv_bias", "parallel_residual"):
             if not isinstance(getattr(self, field), bool):
                 raise UserError(f"model.{field}={getattr(self, field)!r}: must be true or false")
-        _check_choice("model.mlp", self.mlp, ("swiglu", "gelu"))
+        _check_choice("model.mlp", self.mlp, ("swiglu", "gelu", "geglu", "relu2"))
         _check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice("model.position", self.position, ("rope", "learned"))
         _check_rope_scaling(self)
@@ -214,11 +254,44 @@ class ModelSpec:
     @property
     def rope_dim(self) -> int:
         """How many dimensions of a query/key head rotate (MLA: qk_rope_head_dim)."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        if self.is_mla:
+            return self.qk_rope_head_dim
+        # transformers: int(head_dim * partial_rotary_factor) (Nemotron, Phi-4-mini)
+        return int(self.head_dim * self.rope_fraction)
 
     @property
     def is_moe(self) -> bool:
         return self.moe_experts > 0
+
+    @property
+    def q_factor(self) -> float | None:
+        """Factor on q that turns SDPA's 1/sqrt(head_dim) into `attn_scale` (None: none)."""
+        if self.attn_scale is None or self.attn_scale * self.head_dim ** 0.5 == 1.0:
+            return None
+        return self.attn_scale * self.head_dim ** 0.5
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP's up projection is two matrices (gate and up: SwiGLU, GeGLU)."""
+        return self.mlp in ("swiglu", "geglu")
+
+    @property
+    def block_norms(self) -> int:
+        """Norms of hidden width in one block (norm_layout: 'sandwich' has four)."""
+        return 4 if self.norm_layout == "sandwich" else 2
+
+    def slides(self, index: int) -> bool:
+        """Block `index` attends within `sliding_window` (Gemma: all but every
+        `window_every`-th block, transformers' `(index + 1) % pattern`)."""
+        return bool(self.sliding_window) and (
+            not self.window_every or (index + 1) % self.window_every != 0)
+
+    @property
+    def sliding_blocks(self) -> int:
+        """How many blocks slide (closed form, as `blocks_sum`)."""
+        if not self.sliding_window:
+            return 0
+        return self.layers - (self.layers // self.window_every if self.window_every else 0)
 
     def is_moe_layer(self, index: int) -> bool:
         """Block `index` has a routed feed-forward: after the first `moe_dense_layers`, every
@@ -254,6 +327,13 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     @property
+    def qk_norm_params(self) -> int:
+        if not self.qk_norm:
+            return 0
+        return self.heads * self.head_dim + self.kv_dim if self.qk_norm_whole \
+            else 2 * self.head_dim
+
+    @property
     def norm_params(self) -> int:
         return self.hidden * (2 if self.norm == "layernorm" else 1)
 
@@ -268,13 +348,12 @@ class ModelSpec:
             biases = q + 2 * kv + h
         elif self.qkv_bias:
             biases = q + 2 * kv
-        norms = (q + kv if self.qk_norm_full else 2 * self.head_dim) if self.qk_norm else 0
-        return weights + biases + norms + (self.heads if self.attn_sinks else 0)
+        return weights + biases + self.qk_norm_params + (self.heads if self.attn_sinks else 0)
 
     def mlp_params(self, width: int | None = None) -> int:
         """A dense feed-forward of inner width `width` (default `ffn_hidden`)."""
         h, f = self.hidden, self.ffn_hidden if width is None else width
-        if self.mlp == "swiglu":
+        if self.gated_mlp:
             return 3 * h * f + ((2 * f + h) if self.bias else 0)
         return 2 * h * f + ((f + h) if self.bias else 0)
 
@@ -291,9 +370,10 @@ class ModelSpec:
         return self.moe_params(active) if self.is_moe_layer(index) else self.mlp_params()
 
     def layer_params(self, index: int = 0, active: bool = False) -> int:
-        """Parameters of block `index` (attention, feed-forward, two norms); `active`: those a
+        """Parameters of block `index` (attention, feed-forward, its norms); `active`: those a
         token computes with (MoE: top_k of the routed experts)."""
-        return self.attention_params() + self.ffn_params(index, active) + 2 * self.norm_params
+        return (self.attention_params() + self.ffn_params(index, active)
+                + self.block_norms * self.norm_params)
 
     def embedding_params(self) -> int:
         """Token embedding plus learned position table, if any."""
@@ -416,7 +496,7 @@ def _check_moe(spec: ModelSpec) -> None:
     if spec.head_size is not None and (not isinstance(spec.head_size, int)
                                        or isinstance(spec.head_size, bool) or spec.head_size <= 0):
         raise UserError(f"model.head_size={spec.head_size!r}: must be a positive integer or null")
-    for field in ("qk_norm", "qk_norm_full", "attn_sinks", "moe_shared_gate"):
+    for field in ("qk_norm", "attn_sinks", "moe_shared_gate"):
         if not isinstance(getattr(spec, field), bool):
             raise UserError(f"model.{field}={getattr(spec, field)!r}: must be true or false")
     _check_lists(spec)
@@ -496,9 +576,6 @@ def runtime_refusal(spec: ModelSpec) -> str | None:
     if spec.attn_sinks:
         return ("model.attn_sinks=true: meshtron's attention has no sink logits (planned "
                 "only); allowed: false")
-    if spec.qk_norm_full:
-        return ("model.qk_norm_full=true: meshtron's attention normalises q and k per head "
-                "(planned only); allowed: false")
     return None
 
 

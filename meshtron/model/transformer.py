@@ -30,10 +30,35 @@ from meshtron.model.spec import ModelSpec
 __all__ = ["Transformer", "apply_rope", "cross_entropy_loss", "document_context", "document_positions"]
 
 
-def _norm(spec: ModelSpec) -> nn.Module:
-    if spec.norm == "rmsnorm":
-        return nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
-    return nn.LayerNorm(spec.hidden, eps=spec.norm_eps)
+def _norm(spec: ModelSpec, width: int | None = None, kind: str | None = None) -> nn.Module:
+    """The spec's norm over `width` (default hidden); `kind` overrides spec.norm (q/k norms
+    are RMSNorms)."""
+    width, kind = width or spec.hidden, kind or spec.norm
+    if spec.norm_plus_one:
+        return PlusOneRMSNorm(width, spec.norm_eps) if kind == "rmsnorm" else \
+            PlusOneLayerNorm(width, spec.norm_eps)
+    if kind == "rmsnorm":
+        return nn.RMSNorm(width, eps=spec.norm_eps)
+    return nn.LayerNorm(width, eps=spec.norm_eps)
+
+
+class PlusOneRMSNorm(nn.RMSNorm):
+    """RMSNorm whose weight is stored zero-centred and applied as 1 + weight (Gemma's
+    RMSNorm); initialised to 0 (meshtron/model/init.py), so it starts as the identity scale."""
+
+    zero_centred = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+class PlusOneLayerNorm(nn.LayerNorm):
+    """LayerNorm with the weight applied as 1 + weight (Nemotron's LayerNorm1P)."""
+
+    zero_centred = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
 class Attention(nn.Module):
@@ -46,8 +71,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=spec.bias)
-        self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
-        self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        # per head (Qwen3, Gemma 3), or over the whole projection (OLMo 2: tp=1 only, a rule of
+        # plan_rules.model_problems)
+        self.qk_whole = spec.qk_norm_whole
+        qw, kw = ((spec.heads * spec.head_dim, spec.kv_dim) if spec.qk_norm_whole
+                  else (spec.head_dim, spec.head_dim))
+        self.q_norm = _norm(spec, qw, "rmsnorm") if spec.qk_norm else None
+        self.k_norm = _norm(spec, kw, "rmsnorm") if spec.qk_norm else None
+        self.rope_dim = spec.rope_dim  # partial rotary (Nemotron): the first rope_dim rotate
+        # a softmax scale other than SDPA's 1/sqrt(head_dim), applied to q (every attention
+        # path: SDPA, documents, context parallelism, takes its default scale)
+        self.q_factor = spec.q_factor
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | tuple | None) -> torch.Tensor:
         """`rope`: the RoPE table, or (per-token RoPE angles or None, DocumentMask) for
@@ -60,13 +94,18 @@ class Attention(nn.Module):
             rope, attend = rope.angles, rope.attend
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds heads/tp of them.
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.q_norm is not None and self.qk_whole:  # OLMo 2: over the whole projection
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(bsz, seq, -1, self.head_dim)
+        k = k.view(bsz, seq, -1, self.head_dim)
+        v = v.view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None and not self.qk_whole:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            q, k = self._rope(q, rope), self._rope(k, rope)
+        if self.q_factor is not None:
+            q = q * self.q_factor
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if attend is not None:  # context parallelism gathers the kv heads itself
             return self.wo(attend(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
@@ -74,18 +113,29 @@ class Attention(nn.Module):
         out = attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
+    def _rope(self, x: torch.Tensor, rope) -> torch.Tensor:
+        if self.rope_dim == self.head_dim:
+            return apply_rope(x, rope)
+        d = self.rope_dim
+        return torch.cat([apply_rope(x[..., :d], rope), x[..., d:]], dim=-1)
+
 
 class FeedForward(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.gated = spec.mlp == "swiglu"
+        self.kind = spec.mlp
+        self.gated = spec.gated_mlp
         self.w1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.bias)
         self.w2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.bias)
         self.w3 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.bias) if self.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:  # SwiGLU, Shazeer 2020
+        if self.kind == "swiglu":  # SwiGLU, Shazeer 2020
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.kind == "geglu":  # GeGLU with tanh GELU (Gemma's gelu_pytorch_tanh)
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+        if self.kind == "relu2":  # squared ReLU (So et al. 2021; Nemotron-4)
+            return self.w2(torch.square(F.relu(self.w1(x))))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -93,11 +143,17 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
         self.parallel_residual = spec.parallel_residual
-        self.attention_norm = _norm(spec)
+        self.residual_scale = spec.residual_scale if spec.residual_scale != 1 else None
+        # pre-norms (none in OLMo 2's 'post' layout); norms after attention and the MLP before
+        # the residual add ('sandwich': Gemma 2/3; 'post': OLMo 2)
+        pre, post = spec.norm_layout != "post", spec.norm_layout != "pre"
+        self.attention_norm = _norm(spec) if pre else None
+        self.ffn_norm = _norm(spec) if pre else None
+        self.attention_post_norm = _norm(spec) if post else None
+        self.ffn_post_norm = _norm(spec) if post else None
         # DeepSeek's multi-head latent attention (meshtron/model/mla.py), or (grouped-query)
         # multi-head attention.
         self.attention = MLAttention(spec) if spec.is_mla else Attention(spec)
-        self.ffn_norm = _norm(spec)
         if spec.is_moe_layer(index):  # mixture of experts (meshtron/model/moe.py)
             from meshtron.model.moe import MoE
 
@@ -108,8 +164,16 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         if self.parallel_residual:
             return x + self.attention(self.attention_norm(x), rope) + self.feed_forward(self.ffn_norm(x))
-        x = x + self.attention(self.attention_norm(x), rope)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self._branch(self.attention, self.attention_norm, self.attention_post_norm,
+                             x, rope)
+        return x + self._branch(self.feed_forward, self.ffn_norm, self.ffn_post_norm, x)
+
+    def _branch(self, fn, pre, post, x: torch.Tensor, *args) -> torch.Tensor:
+        """One residual branch: its norms where the layout has them, Granite's factor."""
+        out = fn(pre(x) if pre is not None else x, *args)
+        if post is not None:
+            out = post(out)
+        return out * self.residual_scale if self.residual_scale is not None else out
 
 
 class Transformer(nn.Module):
@@ -126,6 +190,9 @@ class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec, init_seed: int | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
+        from meshtron.model.hf_variants import check_runtime
+
+        check_runtime(spec, seq_len=0)  # soft-capping, a second RoPE base: not built here
         problem = runtime_refusal(spec)
         if problem:  # planned-only features (ModelSpec.train_refusals): never built inexactly
             raise UserError(problem)
@@ -185,12 +252,21 @@ class Transformer(nn.Module):
         stage that lacks the embedding or the output head). With `targets` [batch, seq] (and
         the output head here): the mean cross-entropy instead, without whole logits
         (`loss`)."""
+        window = self.spec.sliding_window
+        if window and self.context_parallel is None and tokens.shape[1] > window:
+            from meshtron.errors import UserError  # a shape, known on the host: no sync
+
+            raise UserError(f"model.sliding_window={window}: sequences of {tokens.shape[1]} "
+                            "tokens need sliding-window attention, which meshtron's runtime "
+                            f"does not compute; use at most {window}")
         rope = self.rope_for(tokens.shape[1])
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)
         elif self.document_eos is not None:
             rope = document_context(tokens, self.document_eos, rope)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None and self.spec.embed_scale != 1:
+            h = h * self.spec.embed_scale  # Gemma: sqrt(hidden); Granite: embedding_multiplier
         if self.pos_embeddings is not None:
             # The full sequence length: under sequence parallelism `h` holds a sequence shard,
             # and the position table's output is sharded the same way (tensor.py's plan).
@@ -200,6 +276,8 @@ class Transformer(nn.Module):
             h = block(h, rope)
         if self.norm is not None:
             h = self.norm(h)
+            if self.spec.logit_scale != 1:  # Granite's 1/logits_scaling: W(h s) = (W h) s
+                h = h * self.spec.logit_scale
         if self.output is not None:
             if targets is not None:
                 return self.loss(h, targets)

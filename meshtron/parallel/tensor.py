@@ -89,9 +89,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Mod
             })
             if getattr(block.feed_forward, "w3", None) is not None:
                 plan["feed_forward.w3"] = ColwiseParallel()
-        if sp:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
+        if sp:  # the norms present (model/transformer.py Block: pre, post or both)
+            for name in ("attention_norm", "ffn_norm"):
+                if getattr(block, name, None) is not None:
+                    plan[name] = SequenceParallel()
+            for name in ("attention_post_norm", "ffn_post_norm"):  # their output meets the
+                if getattr(block, name, None) is not None:     # plain residual stream
+                    plan[name] = SequenceParallel(use_local_output=True)
+        if not isinstance(block.attention, MLAttention) and block.attention.q_norm is not None:
+            # per-head q/k norms see this rank's heads (dim 2): their weights' gradients are
+            # partial sums over the heads, reduced as sequence parallelism reduces a norm's
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
         if isinstance(block.attention, MLAttention):
             block.attention.k_rope_shared.register_forward_hook(_sum_grad_over_tp(tp_mesh))

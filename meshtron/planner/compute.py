@@ -28,7 +28,7 @@ from meshtron.planner import comm, flash_unpad, host
 from meshtron.planner.placement import tp_group
 from meshtron.planner.ring_attention import torch_ring_bytes
 from meshtron.planner.cluster import ClusterSpec
-from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp_group, ring_issue  # noqa: F401
+from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp_group, ring_issue, window_share  # noqa: F401
 from meshtron.planner.compute_edges import (  # noqa: F401  (re-exported for callers)
     chunked_loss_extra, chunked_loss_parts, embedding_cost, head_cost)
 from meshtron.planner.compute_flops import (  # noqa: F401  (re-exported for callers)
@@ -84,22 +84,25 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     bw = membound_bytes_per_s(cluster, opts.stack)
     tokens = micro_batch * seq / cp
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    up = 2 * f if model.mlp == "swiglu" else f
+    up = 2 * f if model.gated_mlp else f
     # Megatron tensor parallelism (Shoeybi et al. 2019): QKV and MLP-up split by columns,
     # attention output and MLP-down split by rows.
     frac = None
     if lin_dt == "fp8":
         frac = (dict(zip(GEMM_GROUPS, fp8_frac)) if fp8_frac is not None
                 else fp8_fractions(model, tp, fp8_recipe, opts.fp8_filter))
-    shapes = {"qkv": ((h + 2 * kv) / tp, h, True), "out": (h, h / tp, False),
+    # q is heads x head_dim wide, the out-projection reads heads x v (hidden, except where a
+    # config's head_dim is not hidden/heads: Qwen3-4B 4096 from 2560, Gemma 2 9B 4096 / 3584)
+    q = model.heads * model.head_dim
+    shapes = {"qkv": ((q + 2 * kv) / tp, h, True), "out": (h, model.out_width / tp, False),
               "up": (up / tp, h, True), "down": (h, f / tp, False)}
 
     # Separate Linears (torchtitan's and meshtron's Llama: wq/wk/wv, w1/w3) run one GEMM each:
     # the split column-parallel groups are priced piece by piece (a GQA model's wk and wv at
     # tp = 8 are kv_dim / tp wide, where tile saturation costs most), each piece with its
     # group's FP8 share.
-    pieces = {"qkv": [(w, h, True) for w in (h / tp, kv / tp, kv / tp)],
-              "up": [(w, h, True) for w in ((f / tp, f / tp) if model.mlp == "swiglu"
+    pieces = {"qkv": [(w, h, True) for w in (q / tp, kv / tp, kv / tp)],
+              "up": [(w, h, True) for w in ((f / tp, f / tp) if model.gated_mlp
                                             else (f / tp,))]} \
         if opts.separate_projections else {}
     if model.is_mla:
@@ -128,6 +131,13 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     q_len = seq / cp  # each context rank's queries attend to the whole (causal) sequence
     core_fwd, core_bwd, ring = core_time(cluster, opts, batch_heads, q_len, seq, cp, hd, bw,
                                          hd_v)
+    if opts.attention == "flash" and cp == 1:
+        # sliding-window blocks (Mistral, Gemma 2/3, StarCoder2): the kernel skips the tiles
+        # outside the window; the mean block is priced. With cp > 1 the ring's steps are priced
+        # whole (a ring that drops the chunks beyond the window is not modelled: the price is
+        # an upper bound there); the unfused core computes the masked square anyway
+        share = window_share(model, seq)
+        core_fwd, core_bwd = core_fwd * share, core_bwd * share
     elementwise = tokens * elementwise_bytes(model, tp, sp, opts) / bw
     q_f = q_b = 0.0
     if lin_dt == "fp8":

@@ -34,6 +34,22 @@ def ring_issue(cp: int, per_op_s: float, issue_f: float,
     return issue_f + (ops_f + coll_f) * per_op_s, issue_b + (ops_b + coll_b) * per_op_s
 
 
+def window_share(model: ModelSpec, seq: int) -> float:
+    """The share of the causal square a flash kernel computes, averaged over the blocks, with
+    sliding-window blocks (ModelSpec.sliding_window w, a query attending to itself and w - 1
+    predecessors): FlashAttention's local attention (window_size, Dao 2023; FlexAttention's
+    block mask alike) skips the tiles wholly outside the window, so a sliding block's core is
+    sum_i min(i, w) of the causal square's s(s+1)/2 query-key pairs; the tiles the window's
+    edge cuts are not counted. 1.0 without a window or where the sequence fits in it."""
+    w = model.sliding_window
+    if not w or seq <= w or not model.sliding_blocks:
+        return 1.0
+    full = seq * (seq + 1) / 2
+    slide = (w * (w + 1) / 2 + (seq - w) * w) / full
+    n = model.sliding_blocks
+    return (n * slide + (model.layers - n)) / model.layers
+
+
 def core_widths(model: ModelSpec, opts: KernelOptions) -> tuple[int, int]:
     """(q/k, v) head sizes the attention kernel runs at: V at its own width where the stack's
     kernel takes it (KernelOptions.v_width 'native'), else padded to the q/k head (MLA in

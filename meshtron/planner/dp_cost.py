@@ -135,7 +135,7 @@ class DataParallelCost:
         the last stage; norms and biases (a few h-wide vectors) are left out."""
         m = self.model
         h, f = m.hidden, m.ffn_hidden
-        up = 2 * f if m.mlp == "swiglu" else f
+        up = 2 * f if m.gated_mlp else f
         out: list[float] = []
         if first:
             out += [m.vocab * h / tp] + ([m.max_seq * h] if m.position == "learned" else [])

@@ -72,6 +72,13 @@ NORM_KERNELS = {("eager", "rmsnorm"): 6, ("fused", "rmsnorm"): 1,
                  ("compiled", "rmsnorm"): 1, ("compiled", "layernorm"): 1}
 _ROPE_BYTES = {"eager": 20.0, "fused": 4.0, "compiled": 4.0}
 _SWIGLU_BYTES = {"eager": 10.0, "fused": 6.0, "compiled": 6.0}
+# GeGLU moves what SwiGLU does (a GELU kernel instead of SiLU, then the product); squared ReLU
+# is a ReLU (2+2) and a square (2+2) in eager code, one kernel (2+2) fused (Megatron's
+# squared_relu is fused by its bias-activation fusion; inductor fuses the pointwise pair)
+_ACT_BYTES = {"swiglu": _SWIGLU_BYTES, "geglu": _SWIGLU_BYTES,
+              "relu2": {"eager": 8.0, "fused": 4.0, "compiled": 4.0},
+              "gelu": {"eager": 4.0, "fused": 4.0, "compiled": 4.0}}
+_ACT_KERNELS = {"swiglu": 2, "geglu": 2, "relu2": 2, "gelu": 1}  # eager: activation (+ product)
 
 
 def norm_key(stack: str, eager_norm: str, norm: str) -> tuple[str, str]:
@@ -93,20 +100,34 @@ def elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) 
     roofline, not counted here.
     """
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    q = model.heads * model.head_dim  # hidden, except where head_dim is not hidden/heads
     st = opts.stack
-    replicated = 2 * NORM_BYTES[norm_key(st, opts.eager_norm, model.norm)] * h + 2 * 6.0 * h
+    # the block's norms (Gemma's sandwich: four) and its two residual adds
+    replicated = (model.block_norms * NORM_BYTES[norm_key(st, opts.eager_norm, model.norm)] * h
+                  + 2 * 6.0 * h)
     if opts.dropout:
         replicated += 2 * (5.0 if st == "eager" else 1.0) * h
+    if model.residual_scale != 1 and st == "eager":  # Granite's factor: a product per branch
+        replicated += 2 * 4.0 * h
     rope = "eager" if opts.complex_rope and st == "compiled" else st
-    sharded = _ROPE_BYTES[rope] * (h + kv) if model.position == "rope" else 0.0
+    sharded = 0.0
+    if model.position == "rope":  # the rotating share of q and k (partial rotary: Nemotron)
+        sharded = _ROPE_BYTES[rope] * (q + kv) * model.rope_dim / model.head_dim
+        if model.rope_dim < model.head_dim and st != "fused" and not model.is_mla:  # the
+            # pass-through's concatenation
+            sharded += 4.0 * (q + kv)
+    if model.q_factor is not None and st == "eager":  # the softmax scale's product on q
+        sharded += 4.0 * q
+    if model.qk_norm:  # RMSNorm of q and k (per head or over the projection), on local heads
+        sharded += NORM_BYTES[norm_key(st, opts.eager_norm, "rmsnorm")] * (q + kv)
     if model.is_mla:
         sharded = _ROPE_BYTES[rope] * model.heads * model.rope_dim  # the queries' rotary part
         mla_rep, mla_sharded = mla_elementwise_bytes(model, opts)
         replicated += mla_rep * (tp if sp else 1)  # on the gathered sequence: never / tp
         sharded += mla_sharded
-    sharded += (_SWIGLU_BYTES[st] if model.mlp == "swiglu" else 4.0) * f
+    sharded += _ACT_BYTES[model.mlp][st] * f
     if st in ("eager", "compiled") and opts.attention != "flash":  # output copy (table above)
-        sharded += 4.0 * h
+        sharded += 4.0 * (h if model.is_mla else q)  # heads x head_dim wide
     return (replicated / tp if sp else replicated) + sharded / tp
 
 
@@ -154,8 +175,11 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
     concatenation, two products and a sum; the flash kernel's output is already token-major,
     so its transpose + reshape launches nothing in eager code."""
     st = opts.stack
-    n = 2 * NORM_KERNELS[norm_key(st, opts.eager_norm, model.norm)] + 2  # norms, residual adds
-    n += (3 if model.mlp == "swiglu" else 2) + 4  # MLP and attention linears (q, k, v, out)
+    n = model.block_norms * NORM_KERNELS[norm_key(st, opts.eager_norm, model.norm)] + 2  # norms,
+    # residual adds
+    n += (3 if model.gated_mlp else 2) + 4  # MLP and attention linears (q, k, v, out)
+    if model.qk_norm:
+        n += 2 * NORM_KERNELS[norm_key(st, opts.eager_norm, "rmsnorm")]
     n += 1 if opts.attention == "flash" else 4  # flash kernel, or QK^T, softmax, (dropout), AV
     if model.position == "rope" and opts.complex_rope and st != "fused":
         n += 6  # per q and k: upcast, complex multiply, cast back
@@ -170,7 +194,11 @@ def kernels_per_layer(model: ModelSpec, opts: KernelOptions) -> int:
             norm_key(st, opts.eager_norm, "rmsnorm")] + (
                 4 if st == "eager" and opts.v_width == "padded" else 2)
     if st == "eager":
-        n += 2 if model.mlp == "swiglu" else 1  # activation (+ product)
+        n += _ACT_KERNELS[model.mlp]  # activation (+ product, or square)
+        n += 2 if model.residual_scale != 1 else 0  # Granite's residual factor
+        n += 1 if model.q_factor is not None else 0  # the softmax scale on q
+        n += 2 if model.position == "rope" and not model.is_mla and \
+            model.rope_dim < model.head_dim else 0  # partial rotary: the q and k concatenations
         n += 2 if opts.dropout else 0
     return n
 

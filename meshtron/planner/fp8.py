@@ -100,7 +100,7 @@ def block_linears(model: Any, tp: int = 1) -> list[tuple[str, str, int, int]]:
         out = [("qkv", "attention.wq", q // tp, h), ("qkv", "attention.wk", kv // tp, h),
                ("qkv", "attention.wv", kv // tp, h), ("out", "attention.wo", h, q // tp),
                ("up", "feed_forward.w1", f // tp, h)]
-    if model.mlp == "swiglu":
+    if model.gated_mlp:
         out.append(("up", "feed_forward.w3", f // tp, h))
     out.append(("down", "feed_forward.w2", h, f // tp))
     return out
@@ -340,7 +340,7 @@ def quantisation_bytes(model: Any, tp: int, frac: dict[str, float] | None = None
     the weight gradient (1 + 1 bytes on the whole tensor)."""
     cb = cb or cast_bytes()
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    up = 2 * f if model.mlp == "swiglu" else f
+    up = 2 * f if model.gated_mlp else f
     fr = frac or dict.fromkeys(GEMM_GROUPS, 1.0)
     copies = {g: max(1, (casts or {}).get(g, 1)) if cb.per_linear else 1 for g in GEMM_GROUPS}
     on = {g: copies[g] if fr[g] > 0 else 0 for g in GEMM_GROUPS}
@@ -370,7 +370,7 @@ def quantisation_bytes(model: Any, tp: int, frac: dict[str, float] | None = None
 def fp8_weight_elements(model: Any, tp: int, frac: dict[str, float]) -> float:
     """Elements of one layer's local weights whose GEMMs run in FP8 (`frac` per group)."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    up = 2 * f if model.mlp == "swiglu" else f
+    up = 2 * f if model.gated_mlp else f
     qkv, out = h * (h + 2 * kv), h * h
     if getattr(model, "is_mla", False):  # (the replicated down-projections: whole on each rank)
         qkv = tp * sum(n * k for _, n, k, _ in mla_projections(model, tp))

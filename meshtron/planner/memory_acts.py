@@ -76,9 +76,9 @@ def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     q = model.heads * model.head_dim
     block_in = h / (tp if sp else 1)
-    col = q + 2.0 * kv + (2.0 * f if model.mlp == "swiglu" else f)  # wq wk wv w1 (w3), sharded
+    col = q + 2.0 * kv + (2.0 * f if model.gated_mlp else f)  # wq wk wv w1 (w3), sharded
     if model.is_mla:  # MLA's projections: head-sharded up-projections, replicated down ones
-        col = (2.0 * f if model.mlp == "swiglu" else f) + sum(
+        col = (2.0 * f if model.gated_mlp else f) + sum(
             n * (tp if split else 1) for _, n, _, split in mla_projections(model, tp))
     row = 2.0 * h  # wo and w2 outputs: full width on every tensor rank before the reduction
     coll = 0.0
@@ -139,14 +139,15 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     # two norm inputs, the QKV and fc1 inputs (the norms' outputs); dropout masks
     normed = 0.0 if mem.recompute_norms else 2.0 * x * h
     replicated = 2.0 * cb * h + normed + (cb * h if opts.dropout else 0.0)
+    replicated += (model.block_norms - 2) * cb * h  # sandwich (Gemma): post-norms' inputs
     # the out-projection's input: FlashAttention keeps its bf16 output O for its own backward,
     # the same tensor the bf16 Linear saves; an FP8 Linear saves its own FP8 copy beside it
     out = x * q + (cb * q if fp8_inputs and opts.attention != "unfused" else 0.0)
     if mem.attn_out_e5m6 and fp8_inputs:  # DeepSeek: one E5M6 copy serves both backwards
         out = E5M6_TILE_BYTES * q
     # SwiGLU: fc1's output [2f] (the activation's input) and fc2's input [f]; GeLU: f and f
-    mlp = (2.0 * cb * f if model.mlp == "swiglu" else cb * f) + x * f
-    if mem.swiglu_recompute and model.mlp == "swiglu":  # FP8 input kept, output recomputed
+    mlp = (2.0 * cb * f if model.gated_mlp else cb * f) + x * f
+    if mem.swiglu_recompute and model.gated_mlp:  # FP8 input kept, output recomputed
         mlp = 2.0 * FP8_TILE_BYTES * f
     if model.is_mla:
         # Q and K are heads x (nope + rope), V heads x v_head_dim, the output heads x v; the
@@ -165,6 +166,8 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     if mem.recompute_up_proj:  # DeepSeek: Q, K and V recomputed from the latents
         qkv = 0.0
     sharded = qkv + out + mlp
+    if model.qk_norm and not model.is_mla:  # the q/k norms' inputs (Qwen3, Gemma 3, OLMo 2)
+        sharded += cb * (q + kv)
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:

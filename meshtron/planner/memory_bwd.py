@@ -75,7 +75,7 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     q = model.heads * model.head_dim
     cb = mem.compute_bytes
     h_in = h / (tp if sp else 1)                       # the residual stream's width
-    swiglu = model.mlp == "swiglu"
+    swiglu = model.gated_mlp
     gpu = mem.fused_norm                               # the GPU's kernels (module docstring)
     kv_sdpa = q if mem.gqa_copies and a != model.kv_heads else kv
     attn_w = h * (q + 2 * kv) / tp                    # wq, wk, wv
@@ -151,7 +151,7 @@ def eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attentio
     # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
     # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
     attn = 2.0 * q + 2.0 * kv_sdpa
-    mlp = 4.0 * f if model.mlp == "swiglu" else 2.0 * f
+    mlp = 4.0 * f if model.gated_mlp else 2.0 * f
     core = 4.0 * a                                          # fp32 log-sum-exp per head
     if attention == "unfused":
         core += cb * a * seq                                # softmax output

@@ -114,7 +114,13 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
         if bias:
             out.append((pre + name + ".bias", (n_out,)))
 
-    norm("attention_norm")
+    # model/transformer.py Block's registration order: the pre-norms, the post-norms of the
+    # 'sandwich' / 'post' layouts, attention, the feed-forward
+    layout = getattr(spec, "norm_layout", "pre")
+    names = (["attention_norm", "ffn_norm"] if layout != "post" else []) + \
+        (["attention_post_norm", "ffn_post_norm"] if layout != "pre" else [])
+    for name in names:
+        norm(name)
     if spec.is_mla:  # meshtron/model/mla.py, in its registration order
         for name, n_out, n_in, _ in mla_projections(spec, 1):
             linear(f"attention.{name}", int(n_out), n_in, False)
@@ -128,7 +134,10 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
         linear("attention.wk", kv, h, qkv_bias)
         linear("attention.wv", kv, h, qkv_bias)
         linear("attention.wo", h, q, spec.bias)
-    norm("ffn_norm")
+        if spec.qk_norm:  # RMSNorms per head, or over the whole projection (OLMo 2, OLMoE)
+            whole = getattr(spec, "qk_norm_whole", False)
+            out.append((pre + "attention.q_norm.weight", (q if whole else spec.head_dim,)))
+            out.append((pre + "attention.k_norm.weight", (kv if whole else spec.head_dim,)))
     if spec.is_moe_layer(i):  # meshtron/model/moe.py
         e, fe, fs = spec.moe_experts, spec.moe_ffn_hidden, spec.moe_shared_experts * spec.moe_ffn_hidden
         if spec.moe_router == "sigmoid":  # the balancing bias: a Parameter nothing trains

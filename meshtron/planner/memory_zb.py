@@ -103,7 +103,7 @@ def input_backward_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: f
         attention = sum(g.captured for g in mla_groups(model, tp, cb, 4.0 if composite
                                                        else cb, composite))
     later = attention + cb * h_in + (4.0 if composite else cb) * h_in
-    gates = 2.0 if model.mlp == "swiglu" else 1.0
+    gates = 2.0 if model.gated_mlp else 1.0
     mlp = tokens * (gates * cb * model.ffn_hidden / tp - later)
     return max(0.0, norm, mlp)
 
@@ -142,7 +142,7 @@ def weight_recompute_kept_bytes(model, tp: int, sp: bool, tokens: int,
     a new tensor for both norms when the compute dtype is narrower, and its fp32 rsqrt."""
     h_res = model.hidden / (tp if sp and tp > 1 else 1)
     q = model.heads * model.head_dim / tp
-    mlp = (3 if model.mlp == "swiglu" else 1) * model.ffn_hidden / tp
+    mlp = (3 if model.gated_mlp else 1) * model.ffn_hidden / tp
     norms = h_res * compute_bytes
     if _composite_norm(model, fused_norm) and compute_bytes < 4.0:
         norms = 2 * (h_res + 1) * 4.0

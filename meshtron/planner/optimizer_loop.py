@@ -54,7 +54,7 @@ def layer_tensors(model: ModelSpec, tp: int) -> list[float]:
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     norm = [float(h)] + ([float(h)] if model.bias and model.norm == "layernorm" else [])
     qkv, out = (h * (h + 2 * kv)) / tp, h * h / tp
-    ups = [h * f / tp] * (2 if model.mlp == "swiglu" else 1)
+    ups = [h * f / tp] * (2 if model.gated_mlp else 1)
     down = h * f / tp
     out_t: list[float] = list(norm)
     for w, b in ((qkv, (h + 2 * kv) / tp), (out, h)):

@@ -63,6 +63,11 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
         yield (f"model.mtp_depth={model.mtp_depth}: meshtron's runtime builds no multi-token "
                "prediction modules (the planner prices them for DeepSeek's stack); use 0")
         return
+    if runtime and tp is not None and tp > 1 and getattr(model, "qk_norm_whole", False):
+        # the norm's mean of squares runs over every head: a tp rank holds heads/tp of them
+        yield (f"plan.tp={tp}: model.qk_norm_whole=true (OLMo 2's norm over the whole q and k "
+               "projections) needs every head on one rank in meshtron's runtime; use tp=1")
+        return
     if runtime and pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
                "the runtime cannot split across pipeline stages")

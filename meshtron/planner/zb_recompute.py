@@ -46,7 +46,7 @@ def weight_groups(model) -> int:
     norms, q/k/v/o, the MLP's two or three matrices, and q/k norms where the model has them.
     (A mixture-of-experts block's router and expert matrices are counted as a dense MLP's.)"""
     norms = 2 + (2 if model.qk_norm else 0)
-    mlp = 3 if model.mlp == "swiglu" else 2
+    mlp = 3 if model.gated_mlp else 2
     if getattr(model, "is_mla", False):  # model/mla.py: wq_a, q_norm, wq_b (or wq), wkv_a,
         # kv_norm, wkv_b, wo
         return 2 + (7 if model.q_lora_rank else 5) + mlp
@@ -99,7 +99,7 @@ def block_groups(model, tp: int, sp: bool, cb: float, composite: bool) -> tuple:
     q, kv, ffn = model.heads * hd / tp, model.kv_dim / tp, model.ffn_hidden / tp
     nb = 4.0 if composite else cb  # the composite norm's weight product runs in fp32
     normed = 4.0 * h_in if composite else 0.0
-    gated = model.mlp == "swiglu"
+    gated = model.gated_mlp
     groups = [WeightGroup(h_in * nb, h, normed)]
     if getattr(model, "is_mla", False):
         groups += mla_groups(model, tp, cb, nb, composite)

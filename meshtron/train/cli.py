@@ -169,8 +169,11 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     if init_from and overrides.get("model") is None and "model" not in doc:
         overrides["model"] = init_from  # the checkpoint's config.json
     from meshtron.data.tokenizer import follow_tokenizer
+    from meshtron.model.hf_variants import check_runtime
 
-    return follow_tokenizer(config_from_dict(apply_overrides(doc, overrides)))
+    cfg = follow_tokenizer(config_from_dict(apply_overrides(doc, overrides)))
+    check_runtime(cfg.model, cfg.data.seq_len)  # what the planner prices but no rank runs
+    return cfg
 
 
 def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:

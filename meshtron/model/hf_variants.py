@@ -1,0 +1,95 @@
+"""The dense variants Hugging Face configs bring (Gemma, Nemotron, OLMo 2, Granite, StarCoder2,
+Phi-3): their ModelSpec fields' checks, and what meshtron's runtime does not compute.
+
+The planner prices every field here; the runtime (model/transformer.py) computes the cheap and
+exact ones (squared ReLU, GeGLU, zero-centred norm weights, sandwich and post norms, embedding,
+residual and logit factors, the softmax scale, partial rotary embeddings) and `runtime_problem`
+names the rest in one line at `meshtron train`. No torch here: `meshtron plan` imports this.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from meshtron.errors import UserError
+
+NORM_LAYOUTS = ("pre", "sandwich", "post")
+
+
+def check_variants(spec: Any) -> None:
+    """The variant fields' own values (ModelSpec.__post_init__)."""
+    if spec.norm_layout not in NORM_LAYOUTS:
+        raise UserError(f"model.norm_layout={spec.norm_layout!r}: allowed values are "
+                        f"{', '.join(NORM_LAYOUTS)}")
+    for field in ("qk_norm_whole", "norm_plus_one"):
+        if not isinstance(getattr(spec, field), bool):
+            raise UserError(f"model.{field}={getattr(spec, field)!r}: must be true or false")
+    if spec.qk_norm_whole and not spec.qk_norm:
+        raise UserError("model.qk_norm_whole=true: needs model.qk_norm=true")
+    fraction = spec.rope_fraction
+    if not _positive(fraction) or fraction > 1:
+        raise UserError(f"model.rope_fraction={fraction!r}: must be in (0, 1]")
+    for field in ("embed_scale", "residual_scale", "logit_scale"):
+        if not _positive(getattr(spec, field)):
+            raise UserError(f"model.{field}={getattr(spec, field)!r}: must be a positive number")
+    for field in ("attn_scale", "rope_local_theta"):
+        value = getattr(spec, field)
+        if value is not None and not _positive(value):
+            raise UserError(f"model.{field}={value!r}: must be a positive number or null")
+    for field in ("attn_softcap", "logit_softcap"):
+        value = getattr(spec, field)
+        if not _number(value) or not math.isfinite(value) or value < 0:
+            raise UserError(f"model.{field}={value!r}: must be a non-negative number (0: none)")
+    for field in ("sliding_window", "window_every"):
+        value = getattr(spec, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UserError(f"model.{field}={value!r}: must be a non-negative integer")
+    if spec.window_every and not spec.sliding_window:
+        raise UserError(f"model.window_every={spec.window_every}: needs a sliding_window")
+
+
+def runtime_problem(spec: Any, seq_len: int | None = None) -> str | None:
+    """One line naming the first field meshtron's runtime does not compute exactly, with
+    its value and what is allowed; None when the runtime trains `spec` at `seq_len` tokens
+    (a sliding window no shorter than the sequence is full causal attention)."""
+    if spec.attn_softcap or spec.logit_softcap:
+        field = "attn_softcap" if spec.attn_softcap else "logit_softcap"
+        return (f"model.{field}={getattr(spec, field)}: soft-capping (Gemma 2) is priced by "
+                "the planner but meshtron's runtime does not compute it; only 0")
+    if spec.sliding_window and (seq_len is None or seq_len > spec.sliding_window):
+        return (f"model.sliding_window={spec.sliding_window}: sliding-window attention is priced "
+                "by the planner but meshtron's runtime computes only full causal attention; use "
+                f"data.seq_len <= {spec.sliding_window} (where the two agree)")
+    if spec.rope_local_theta is not None and spec.rope_local_theta != spec.rope_theta:
+        return (f"model.rope_local_theta={spec.rope_local_theta}: a second RoPE base for the "
+                "sliding blocks (Gemma 3 rope_local_base_freq) is not built by meshtron's "
+                f"runtime; only null or rope_theta={spec.rope_theta}")
+    return None  # qk_norm_whole's limit to tp=1 is a plan rule (plan_rules.model_problems)
+
+
+def check_runtime(spec: Any, seq_len: int | None = None) -> None:
+    """`runtime_problem` as a UserError (meshtron train, Transformer)."""
+    problem = runtime_problem(spec, seq_len)
+    if problem:
+        raise UserError(problem)
+
+
+def variant_fields(spec: Any) -> list[str]:
+    """The variant fields `spec` sets away from the Llama defaults (meshtron/hf/names.py reads
+    and writes Hugging Face weights of none of them)."""
+    defaults = {"qk_norm_whole": False, "norm_plus_one": False, "norm_layout": "pre",
+                "rope_fraction": 1.0, "rope_local_theta": None, "attn_scale": None,
+                "embed_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0,
+                "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0,
+                "window_every": 0}
+    out = [f for f, v in defaults.items() if getattr(spec, f) != v]
+    return out + (["mlp"] if spec.mlp in ("geglu", "relu2") else [])
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> bool:
+    return _number(value) and math.isfinite(value) and value > 0

@@ -1,0 +1,347 @@
+"""The dense Hugging Face types (model/hf_dense.py): public config.json files read into the
+model card's parameter count (and transformers' own, exactly), planned through `meshtron
+plan`; the runtime's model equal to transformers' logits for every trained type, trained
+through `meshtron train`, tensor-parallel runs equal to one process; what the runtime does not
+compute refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshtron.errors import UserError
+from meshtron.model.hf_config import from_hf_dict
+from testkit.hf_dense_ref import TINY
+from testkit.hf_public_configs import PUBLIC
+from testkit.plan_cli import commands_fixture, plan_cli  # noqa: F401  (fixture)
+
+cli = commands_fixture("meshtron.planner.cli", "meshtron.train.cli")
+STEPS = 3
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_public_config_has_the_cards_parameter_count(name):
+    card, cfg = PUBLIC[name]
+    spec = from_hf_dict(cfg)
+    assert spec.num_params() == pytest.approx(card, rel=0.005), spec.num_params()
+
+
+def test_nemotron_4_15b_split_as_the_paper_states():
+    """Parmar et al. 2024: 12.5B non-embedding parameters (3.2B embedding, untied)."""
+    spec = from_hf_dict(PUBLIC["Nemotron-4-15B"][1])
+    assert spec.num_params() - 2 * spec.vocab * spec.hidden == pytest.approx(12.5e9, rel=0.005)
+    assert (spec.mlp, spec.norm, spec.norm_plus_one, spec.rope_dim) == ("relu2", "layernorm",
+                                                                        True, 64)
+
+
+def test_counts_equal_transformers_exactly():
+    """transformers' own model of each public config (on the meta device) has exactly
+    ModelSpec.num_params() parameters."""
+    transformers = pytest.importorskip("transformers")
+    for name, (_, cfg) in PUBLIC.items():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(**cfg))
+        assert sum(p.numel() for p in model.parameters()) == from_hf_dict(cfg).num_params(), name
+
+
+@pytest.mark.parametrize("mtype", sorted(TINY))
+def test_logits_equal_transformers(mtype, tmp_path):
+    """meshtron's plain model of the config.json transformers writes, holding the same weights
+    (norm weights randomised: a 1 + w read as w, a missing post-norm or a wrong scale shows),
+    computes transformers' logits."""
+    pytest.importorskip("transformers")
+    from testkit.hf_dense_ref import hf_model, meshtron_twin
+
+    model = hf_model(mtype)
+    ours, spec = meshtron_twin(model, tmp_path)
+    tokens = torch.randint(0, spec.vocab, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, got = model(tokens).logits, ours(tokens)
+    assert ref.abs().max() > 0.01  # not all-zero logits (Granite divides them by 4)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+    assert sum(p.numel() for p in ours.parameters()) == spec.num_params()
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_meshtron_plan_prices_each_public_config(name, plan_cli, tmp_path):
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(PUBLIC[name][1]))
+    rc, out, err = plan_cli("--model", str(path), "--cluster", "dgx-h100:2", "--seq-len", "4096",
+                            "--global-batch", "256", "--top", "1", "--json")
+    assert rc == 0, err
+    best = json.loads(out)["plans"][0]
+    assert best["step_time_s"] > 0 and best["fits"]
+
+
+def _layer(spec, seq: int):
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.compute import layer_cost
+    from meshtron.planner.kernel_options import KernelOptions
+
+    return layer_cost(spec, resolve_cluster("dgx-h100:1"), 1, 1, seq, False, KernelOptions())
+
+
+def test_sliding_window_blocks_are_priced_at_the_window():
+    """StarCoder2-15B at 16k tokens, window 4096 in every block: the flash core computes
+    sum_i min(i, w) of the s(s+1)/2 causal pairs; Gemma 2 (every other block) the mean."""
+    s, w = 16384, 4096
+    sc2 = from_hf_dict(PUBLIC["starcoder2-15b"][1])
+    full = _layer(sc2.replace(sliding_window=0), s).core_fwd
+    share = (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+    assert _layer(sc2, s).core_fwd == pytest.approx(full * share, rel=1e-9)
+    g2 = from_hf_dict(PUBLIC["gemma-2-9b"][1])
+    g_full, s = _layer(g2.replace(sliding_window=0, window_every=0), 8192).core_fwd, 8192
+    share = (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+    assert _layer(g2, s).core_fwd == pytest.approx(g_full * (1 + share) / 2, rel=1e-9)
+    assert _layer(g2, 4096).core_fwd == _layer(g2.replace(sliding_window=0, window_every=0),
+                                               4096).core_fwd
+
+
+def test_q_width_is_heads_times_head_dim():
+    """Qwen3-4B's q projection is 32 x 128 = 4096 wide (not 2560): its GEMMs cost what a model
+    whose hidden/heads is 128 costs on the q and out projections."""
+    q4b = from_hf_dict(PUBLIC["Qwen3-4B"][1])
+    narrow = q4b.replace(head_size=None, heads=20, kv_heads=4)  # 20 x 128 = 2560
+    gemm = dict((k, f) for k, f, _ in _layer(q4b, 4096).parts)["gemm"]
+    assert gemm > dict((k, f) for k, f, _ in _layer(narrow, 4096).parts)["gemm"] * 1.05
+
+
+def _write(tmp_path, mtype: str, **changes) -> str:
+    path = tmp_path / f"{mtype}-{len(changes)}" / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(TINY[mtype], **changes)))
+    return str(path)
+
+
+REFUSED = [
+    ("gemma2", dict(model_type="gemma2", head_dim=16, sliding_window=64), "model.attn_softcap=50.0"),
+    ("starcoder2", dict(sliding_window=16), "model.sliding_window=16"),
+    ("gemma3_text", dict(rope_local_base_freq=5000.0), "model.rope_local_theta=5000.0"),
+]
+
+
+@pytest.mark.parametrize("mtype, changes, match", REFUSED, ids=[r[0] for r in REFUSED])
+def test_train_refuses_what_the_runtime_does_not_compute(mtype, changes, match, cli, tmp_path):
+    base = "gemma3_text" if mtype == "gemma2" else mtype
+    run_dir = tmp_path / "run"
+    rc, out, err = cli("train", "--model", _write(tmp_path, base, **changes), "--steps", "1",
+                       "--seq-len", "32", "--run-dir", str(run_dir))
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().count("\n") == 0 and match in err, err
+    assert not run_dir.exists()
+
+
+def test_plan_prices_what_train_refuses(plan_cli, tmp_path):
+    """Gemma 2's soft-capping is priced (the planner plans it) though the runtime refuses it."""
+    path = _write(tmp_path, "gemma3_text", model_type="gemma2", head_dim=16)
+    rc, out, err = plan_cli("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128",
+                            "--global-batch", "16", "--top", "1")
+    assert rc == 0, err
+
+
+def test_olmo2_whole_qk_norm_is_planned_on_one_tensor_rank(plan_cli, tmp_path):
+    path = _write(tmp_path, "olmo2")
+    rc, out, err = plan_cli("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128",
+                            "--global-batch", "16", "--layout", "tp=2,pp=1,dp=4")
+    assert rc == 2 and err.strip().count("\n") == 0
+    assert "plan.tp=2: model.qk_norm_whole=true" in err
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(PUBLIC["gemma-2-9b"][1], hidden_activation="gelu"),
+     "config.json hidden_activation='gelu': only 'gelu_pytorch_tanh'"),
+    (dict(PUBLIC["Nemotron-4-15B"][1], partial_rotary_factor=1.5),
+     "config.json partial_rotary_factor=1.5: must be in (0, 1]"),
+    (dict(PUBLIC["Phi-3-mini-4k"][1], rope_scaling={"type": "longrope", "short_factor": [1.0]}),
+     "config.json rope_scaling.rope_type='longrope': allowed values are"),
+    (dict(PUBLIC["granite-3.0-8b"][1], attention_bias=True),
+     "config.json attention_bias=true: biases on only the attention"),
+    (dict(PUBLIC["gemma-3-1b"][1], layer_types=["sliding_attention", "full_attention",
+                                                 "full_attention"]),
+     "config.json layer_types="),
+])
+def test_bad_config_is_one_line(cfg, match):
+    with pytest.raises(UserError) as err:
+        from_hf_dict(cfg)
+    assert match in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mtype", sorted(TINY))
+def test_meshtron_train_tiny_config_three_steps(mtype, tmp_path):
+    """The user's path: `meshtron train --model tiny.json --steps 3` with its defaults."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshtron", "train", "--model", _write(tmp_path, mtype),
+         "--steps", str(STEPS), "--seq-len", "32", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) >= STEPS and all(0 < x < 10 for x in losses)
+
+
+def _cfg(model: str):
+    from meshtron.config import config_from_dict
+
+    return config_from_dict({
+        "model": model,
+        "data": {"seq_len": 32, "global_batch": 8, "micro_batch": 2, "eval_batches": 1},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {"steps": STEPS, "eval_every": 0, "log_every": 1, "dtype": "fp32"}})
+
+
+def _batches(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (8, 33), generator=g) for _ in range(STEPS)]
+
+
+def _plan(model: str, **kw):
+    from meshtron.planner.plan import Plan
+
+    kw = {"tp": 1, "pp": 1, "dp": 1, **kw}
+    return Plan(model=model, cluster="test", global_batch=8, seq_len=32, micro_batch=2,
+                recompute="none", dtype="fp32", **kw)
+
+
+def _two_rank(cases) -> list[list[float]]:
+    import torch.distributed as dist
+
+    from meshtron.train.parallel import ParallelEngine
+
+    torch.set_num_threads(1)
+    out = []
+    for model, kw in cases:
+        cfg, plan = _cfg(model), _plan(model, **kw)
+        engine = ParallelEngine(cfg, plan, torch.device("cpu"))
+        r, rows = engine.dp_rank, 8 // plan.dp
+        losses = []
+        for tokens in _batches(cfg.model.vocab):
+            part = tokens[rows * r:rows * (r + 1)]
+            losses.append(float(engine.train_step(part[:, :-1], part[:, 1:]).loss))
+        out.append(losses)
+        engine.release()
+        dist.barrier()
+    return out
+
+
+def test_tensor_parallel_equals_one_process(tmp_path):
+    """tp 2 (with sequence parallelism for the sandwich, post and plus-one norms) against one
+    process; OLMo 2's whole-projection q/k norm (tp=1 only) as ZeRO-3 over dp 2. A per-head
+    q/k norm's weight gradient summed over one rank's heads only, or a post-norm under sp
+    reduced like a replicated module, changes the second and third losses."""
+    from meshtron.train.loop import LocalEngine
+    from testkit.multiproc import run_on_ranks
+
+    layouts = {"qwen3": dict(tp=2), "nemotron": dict(tp=2, sp=True),
+               "gemma3_text": dict(tp=2, sp=True), "phi3": dict(tp=2),
+               "granite": dict(tp=2, sp=True), "starcoder2": dict(tp=2, sp=True),
+               "olmo2": dict(dp=2, zero=3)}
+    cases = [(_write(tmp_path, m), kw) for m, kw in layouts.items()]
+    results = run_on_ranks(_two_rank, 2, cases, timeout=900)
+    for i, (model, kw) in enumerate(cases):
+        engine = LocalEngine(_cfg(model))
+        ref = [float(engine.train_step(t[:, :-1], t[:, 1:]).loss)
+               for t in _batches(_cfg(model).model.vocab)]
+        for rank in range(2):
+            assert results[rank][i] == pytest.approx(ref, rel=1e-5), (model, kw, rank)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(norm_layout="middle"), "model.norm_layout='middle': allowed values are pre, sandwich"),
+    (dict(rope_fraction=0), "model.rope_fraction=0: must be in (0, 1]"),
+    (dict(rope_fraction=0.3), "model.rope_fraction=0.3: rotates 9 of head_dim 32; must be even"),
+    (dict(window_every=2), "model.window_every=2: needs a sliding_window"),
+    (dict(qk_norm=False, qk_norm_whole=True), "model.qk_norm_whole=true: needs model.qk_norm"),
+    (dict(attn_softcap=-1.0), "model.attn_softcap=-1.0: must be a non-negative number"),
+    (dict(mlp="swish"), "model.mlp='swish': allowed values are swiglu, gelu, geglu, relu2"),
+])
+def test_bad_variant_fields_are_one_line(changes, match):
+    spec = from_hf_dict(TINY["qwen3"])
+    with pytest.raises(UserError) as err:
+        spec.replace(**changes)
+    assert match in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mtype", sorted(TINY))
+def test_eager_kernel_count_is_what_the_block_launches(mtype):
+    """The planner's `kernels_per_layer` against the ATen calls one eager forward of each
+    type's block makes on CPU (norms as LayerNorm, standing in for CUDA's one-kernel RMSNorm,
+    as tests/test_planner_host.py counts the Llama block): squared ReLU's two kernels, partial
+    rotary's concatenations, the sandwich's four norms, Granite's factors, the scale on q."""
+    import dataclasses
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.model.rope import rope_cache
+    from meshtron.model.transformer import Block
+    from meshtron.planner import compute as C
+    from tests.test_planner_host import EAGER
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in ("empty", "empty_strided", "detach",
+                                                  "_unsafe_view"):
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    spec = dataclasses.replace(from_hf_dict(TINY[mtype]), norm="layernorm", qk_norm=False,
+                               qk_norm_whole=False, norm_plus_one=False)
+    block = Block(spec, 0).to_empty(device="cpu").to(torch.bfloat16)
+    x, rope = torch.randn(1, 32, spec.hidden, dtype=torch.bfloat16), rope_cache(spec)
+    with Count() as fwd:
+        block(x, rope)
+    assert sum(fwd.ops.values()) == C.kernels_per_layer(spec, EAGER), dict(fwd.ops)
+
+
+def test_qwen3_weights_load_and_export_round_trip(tmp_path):
+    """A Qwen3 checkpoint transformers saves (head_dim 32 over a 64-wide residual, q/k norms
+    randomised) loads into meshtron's model with transformers' logits, every weight read once;
+    exported back, transformers reloads it to the same logits."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from meshtron.hf.export import save_hf
+    from meshtron.hf.load import load_into
+    from meshtron.model.spec import resolve_model
+    from meshtron.model.transformer import Transformer
+    from testkit.hf_dense_ref import hf_model
+
+    hf_model("qwen3").save_pretrained(tmp_path / "in")
+    spec = resolve_model(tmp_path / "in")
+    ours = Transformer(spec, init_seed=0)
+    assert load_into([ours], tmp_path / "in", spec) == 4 * spec.num_params()
+    tokens = torch.randint(0, spec.vocab, (2, 24), generator=torch.Generator().manual_seed(3))
+
+    def logits(folder):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder),
+                                                                  dtype=torch.float32)
+        with torch.no_grad():
+            return model(tokens).logits
+
+    ref = logits(tmp_path / "in")
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), ref, rtol=1e-5, atol=2e-6)
+    save_hf({n: p.detach() for n, p in ours.named_parameters()}, spec, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
+    torch.testing.assert_close(logits(tmp_path / "out"), ref, rtol=1e-5, atol=2e-6)
+
+
+def test_weights_of_other_dense_types_are_refused_in_one_line(tmp_path):
+    from meshtron.hf.names import check_supported
+
+    with pytest.raises(UserError) as err:
+        check_supported(from_hf_dict(TINY["gemma3_text"]), "train.init_from")
+    assert "train.init_from: Hugging Face weights of model" in str(err.value)
+    assert "model.norm_plus_one" in str(err.value) and "\n" not in str(err.value)
