@@ -62,7 +62,8 @@ TINY_QWEN2_MOE = dict(  # trains on a CPU: shared gate, dense blocks 0 and 2, Mo
     num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=128, vocab_size=259, decoder_sparse_step=2, mlp_only_layers=[4],
     router_aux_loss_coef=0.01)
-LLAMA4_SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E: its config.json's text_config
+LLAMA4_SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E: its config.json's text_config (the
+    # shape keys; rope_scaling's band factors as recalled, not re-read from the hub this session)
     "model_type": "llama4_text", "hidden_act": "silu", "hidden_size": 5120, "head_dim": 128,
     "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 16,
     "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "num_hidden_layers": 48,
