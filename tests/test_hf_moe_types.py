@@ -301,14 +301,14 @@ def test_bad_qwen2_moe_keys_are_one_line(change, match):
 MODEL = dict(name="equiv-qwen2-moe", moe_experts=4, moe_top_k=2, moe_ffn_hidden=32,
              moe_shared_experts=2, moe_shared_gate=True, moe_layer_step=2, qkv_bias=True,
              moe_norm_topk=False, moe_aux_loss=0.01)
-# (tp=2 with dp=1 runs through the command above: testkit's build_optimizer gives fused AdamW
-# the tp DTensors and the MoE's plain tensors in one group, which the product's
-# train/optim.param_groups splits)
 OLMOE = dict(name="equiv-olmoe", moe_experts=4, moe_top_k=2, moe_ffn_hidden=32,
              moe_norm_topk=False, qk_norm=True, qk_norm_whole=True, moe_aux_loss=0.01)
 GRANITE = dict(name="equiv-granitemoe", moe_experts=4, moe_top_k=2, moe_ffn_hidden=32,
                embed_scale=12.0, attn_scale=0.015625, residual_scale=0.22, logit_scale=1 / 6)
 LAYOUTS = [dict(model=MODEL, micro_batch=1, zero=3, dp=2, ep=2),
+           # tp=2 without FSDP: the MoE's plain tensors beside the tp DTensors
+           # (parallel/optimizer.py `_one_kind_per_group`)
+           dict(model=MODEL, micro_batch=1, zero=0, tp=2),
            dict(model=OLMOE, micro_batch=1, zero=3, dp=2, ep=2),
            dict(model=GRANITE, micro_batch=1, zero=3, dp=2, ep=2),
            dict(model=dict(MODEL, moe_layer_step=1, moe_mlp_only_layers=(0, 2)), micro_batch=1,
@@ -344,8 +344,9 @@ def test_shared_gate_and_pattern_in_the_module():
 
 
 def test_gated_shared_expert_and_pattern_layouts_match_one_process():
-    """Losses, gradient norms and every parameter of dp=2 x ep=2 (ZeRO-3) and of a 1F1B pp=2
-    split of dense blocks 0, 2 and MoE blocks 1, 3 equal one process."""
+    """Losses, gradient norms and every parameter of dp=2 x ep=2 (ZeRO-3; Qwen2-MoE, OLMoE and
+    Granite-MoE shapes), tp=2 and a 1F1B pp=2 split of dense blocks 0, 2 and MoE blocks 1, 3
+    equal one process."""
     from testkit.equivalence import DEFAULT_CFG, compare, format_report, layout_cfg, \
         parallel_rank_fn, reference_run
     from testkit.multiproc import run_on_ranks
