@@ -216,6 +216,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return value
         raise UserError(f"{key}={value!r}: allowed values are {', '.join(allowed_values)}")
     args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple:  # tuple[X, ...] (ModelSpec.moe_mlp_only_layers): a list
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{key}={value!r}: must be a list")
+        return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
     allowed = tuple(a for a in args if a is not type(None)) or (hint,)
     if value is None and type(None) in args:
         return None

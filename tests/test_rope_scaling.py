@@ -153,7 +153,7 @@ def test_published_long_context_configs_load(tmp_path):
     ({"type": "su"}, "config.json rope_scaling.rope_type='su': allowed values are"),
     ({"rope_type": "linear"}, "config.json rope_scaling.factor: missing"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
-     "model.rope_high_freq_factor=1.0: must exceed"),
+     "model.rope_high_freq_factor=1.0: must be at least"),
     ({"rope_type": "yarn", "factor": -1.0}, "config.json rope_scaling.factor=-1.0: must be a "
      "positive number"),
 ])

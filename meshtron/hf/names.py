@@ -88,7 +88,8 @@ def check_supported(spec: ModelSpec, where: str) -> str:
                          "from scratch or use a model without kv_lora_rank")
     if spec.is_moe:
         plain = (spec.moe_router == "softmax" and not spec.moe_shared_experts
-                 and not spec.moe_dense_layers and spec.moe_route_scale == 1.0)
+                 and not spec.moe_dense_layers and spec.moe_route_scale == 1.0
+                 and spec.moe_layer_step == 1 and not spec.moe_mlp_only_layers)
         if llama_like and plain and not spec.qkv_bias and not spec.qk_norm and \
                 spec.head_size is None and spec.moe_norm_topk:
             return "mixtral"
@@ -97,7 +98,7 @@ def check_supported(spec: ModelSpec, where: str) -> str:
         raise UserError(f"{where}: Hugging Face weights of mixtures of experts are supported for "
                          f"model_type mixtral and qwen3_moe; model {spec.name!r} has another "
                          "architecture (DeepSeek-V3's sigmoid router, shared experts or dense "
-                         "first layers are not)")
+                         "layers between MoE layers are not)")
     if llama_like and spec.qk_norm and not spec.qkv_bias:
         return "qwen3"  # Qwen3's names are Llama's plus q_norm / k_norm
     if spec.qk_norm:

@@ -13,13 +13,15 @@ from typing import Any
 from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
 from meshtron.model.hf_dense import DENSE_TYPES
+from meshtron.model.hf_moe_types import HF_MOE_TYPES, hf_moe_type
 from meshtron.model.mla_shapes import MLA_FIELDS
 from meshtron.model.shapes import ROPE_TYPES, ModelSpec, is_number
 
 _HF_LLAMA_LIKE = ("llama", "mistral", "qwen2")
 _HF_MOE = ("mixtral", "qwen3_moe")
 _HF_DEEPSEEK = ("deepseek_v3", "deepseek_v2")
-_HF_TYPES = _HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + _HF_DEEPSEEK + ("gpt_neox", "gpt2")
+_HF_TYPES = (_HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + HF_MOE_TYPES + _HF_DEEPSEEK
+             + ("gpt_neox", "gpt2"))
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -52,7 +54,7 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         return _from_hf_dict(cfg, name)
     except UserError as exc:
         keys = _HF_KEYS.get("llama" if cfg.get("model_type") in
-                            _HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + _HF_DEEPSEEK
+                            _HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + _HF_DEEPSEEK + HF_MOE_TYPES
                             else str(cfg.get("model_type")), {})
         if cfg.get("model_type") in _HF_DEEPSEEK:  # MLA's fields are named as its keys
             keys = dict(keys, **{f: f for f in MLA_FIELDS})
@@ -111,6 +113,10 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
 
         return hf_dense(cfg, mtype, name, need, num, flag, opt_int,
                         lambda rope_cfg, max_pos: _hf_rope(rope_cfg, "rope_theta", num, max_pos))
+    if mtype in HF_MOE_TYPES or mtype == "qwen3_moe":  # model/hf_moe_types.py
+        return hf_moe_type(cfg, mtype, name, need, num, flag, opt_int,
+                           lambda max_pos: _hf_rope(cfg, "rope_theta", num, max_pos),
+                           lambda: _hf_moe(cfg, mtype, name, need, num, flag, opt_int))
     if mtype in _HF_MOE:
         return _hf_moe(cfg, mtype, name, need, num, flag, opt_int)
     if mtype in _HF_DEEPSEEK:
@@ -155,11 +161,6 @@ def _hf_moe(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_int
         raise UserError(f"config.json sliding_window={cfg.get('sliding_window')!r}: "
                          "sliding-window attention is not supported; set it to null")
     _no_out_bias(flag("attention_bias", False))
-    if qwen:
-        sparse_step, dense_only = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers", [])
-        if sparse_step != 1 or dense_only:
-            raise UserError(f"config.json decoder_sparse_step={sparse_step!r}, mlp_only_layers="
-                             f"{dense_only!r}: only every layer an MoE layer (1, []) is supported")
     experts_key = "num_experts" if qwen and "num_experts" in cfg else "num_local_experts"
     heads = need("num_attention_heads")
     hidden = need("hidden_size")

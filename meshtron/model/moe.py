@@ -204,16 +204,20 @@ def _grouped_mm_swiglu(x, counts, w1, w2, w3):
 
 
 class SharedExperts(nn.Module):
-    """The shared experts of DeepSeek-MoE as one SwiGLU of width shared * expert width."""
+    """The shared experts of DeepSeek-MoE as one SwiGLU of width shared * expert width;
+    `gated`: its output times sigmoid(x . w) per token (Qwen2-MoE `shared_expert_gate`, a
+    [1, hidden] linear layer without bias)."""
 
-    def __init__(self, hidden: int, width: int):
+    def __init__(self, hidden: int, width: int, gated: bool = False):
         super().__init__()
         self.w1 = nn.Linear(hidden, width, bias=False)
         self.w3 = nn.Linear(hidden, width, bias=False)
         self.w2 = nn.Linear(width, hidden, bias=False)
+        self.gate = nn.Linear(hidden, 1, bias=False) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out if self.gate is None else out * torch.sigmoid(self.gate(x))
 
 
 @dataclass
@@ -324,7 +328,8 @@ class MoE(nn.Module):
         self.spec = spec
         self.router = Router(spec)
         self.experts = GroupedExperts(spec.moe_experts, spec.hidden, spec.moe_ffn_hidden)
-        self.shared = (SharedExperts(spec.hidden, spec.moe_shared_experts * spec.moe_ffn_hidden)
+        self.shared = (SharedExperts(spec.hidden, spec.moe_shared_experts * spec.moe_ffn_hidden,
+                                     spec.moe_shared_gate)
                        if spec.moe_shared_experts else None)
         self.last_stats: dict[str, torch.Tensor] = {}
         # Counts since the last bias update; created on the first forward (on the device of

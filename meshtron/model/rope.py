@@ -69,6 +69,8 @@ def _llama3(spec: ModelSpec, freq: torch.Tensor) -> torch.Tensor:
     low, high, factor = spec.rope_low_freq_factor, spec.rope_high_freq_factor, spec.rope_factor
     wavelen = 2 * math.pi / freq
     scaled = torch.where(wavelen > original / low, freq / factor, freq)
+    if high == low:  # no band between the kept and the divided wavelengths (Llama 4 Scout)
+        return scaled
     smooth = (original / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original / high) & (wavelen <= original / low)

@@ -152,6 +152,15 @@ class ModelSpec:
     """Shared experts every token uses (DeepSeek); one SwiGLU of width shared * moe_ffn_hidden."""
     moe_dense_layers: int = 0
     """The first k blocks keep a dense feed-forward (DeepSeek `first_k_dense_replace`)."""
+    moe_layer_step: int = 1
+    """After the first `moe_dense_layers`, block i is routed only when (i + 1) % step == 0
+    (Qwen2-MoE / Qwen3-MoE `decoder_sparse_step`, Llama 4 `interleave_moe_layer_step`); the
+    others keep a dense feed-forward of width `ffn_hidden`."""
+    moe_mlp_only_layers: tuple[int, ...] = ()
+    """Blocks that keep a dense feed-forward besides those (Qwen `mlp_only_layers`)."""
+    moe_shared_gate: bool = False
+    """The shared experts' output is scaled by sigmoid(x . w), a per-token scalar gate of
+    `hidden` weights (Qwen2-MoE `shared_expert_gate`)."""
     moe_router: RouterKind = "softmax"
     """'softmax' top-k (Mixtral, Qwen3-MoE) or 'sigmoid' with group-limited top-k and
     bias-based balancing (DeepSeek-V3)."""
@@ -167,6 +176,17 @@ class ModelSpec:
     """Coefficient of the load-balancing auxiliary loss (Switch Transformer; 0: none)."""
     moe_bias_update: float = 0.0
     """Bias update speed of auxiliary-loss-free balancing (DeepSeek-V3 gamma 0.001; sigmoid)."""
+    attn_sinks: bool = False
+    """A learned logit per query head joins every softmax row and takes probability mass
+    (gpt-oss `sinks`, Xiao et al. 2023): `heads` parameters a block. Planned; the runtime
+    refuses it (`train_refusals`)."""
+    train_refusals: tuple[str, ...] = ()
+    """What a config.json asks for that meshtron's runtime does not compute and no other field
+    describes (gpt-oss's clamped SwiGLU, Llama 4's router scaling the experts' input and its
+    chunked attention, OLMoE's clip_qkv): one line each, naming the key, its value and what
+    is allowed. They change no parameter count; the planner prices the model with the other
+    fields (Llama 4's chunks as full causal attention, an upper bound); `meshtron train`
+    refuses with the first (`runtime_refusal`)."""
     mtp_depth: int = 0
     """Multi-token prediction modules trained beside the model (DeepSeek-V3 report section
     2.2: D sequential modules, each an RMSNorm pair, a 2h -> h projection, one block and the
@@ -278,19 +298,33 @@ class ModelSpec:
         return self.layers - (self.layers // self.window_every if self.window_every else 0)
 
     def is_moe_layer(self, index: int) -> bool:
-        """Block `index` has a routed feed-forward (after the first `moe_dense_layers`)."""
-        return self.is_moe and index >= self.moe_dense_layers
+        """Block `index` has a routed feed-forward: after the first `moe_dense_layers`, every
+        `moe_layer_step`-th block, not in `moe_mlp_only_layers`."""
+        return (self.is_moe and index >= self.moe_dense_layers
+                and (index + 1) % self.moe_layer_step == 0
+                and index not in self.moe_mlp_only_layers)
 
     def moe_blocks_in(self, span: range) -> int:
         """How many of the blocks `span` (consecutive indices) have a routed feed-forward:
         closed form, so a stage of a billion blocks is counted at once."""
         if not self.is_moe or not span:
             return 0
-        return max(0, span.stop - max(span.start, self.moe_dense_layers))
+        start, step = max(span.start, self.moe_dense_layers), self.moe_layer_step
+        # indices i in [start, stop) with (i + 1) % step == 0
+        stepped = max(0, span.stop // step - start // step)
+        listed = sum(1 for i in set(self.moe_mlp_only_layers)
+                     if start <= i < span.stop and (i + 1) % step == 0)
+        return stepped - listed
 
     @property
     def moe_layers(self) -> int:
-        return self.layers - self.moe_dense_layers if self.is_moe else 0
+        return self.moe_blocks_in(range(self.layers))
+
+    def moe_router_params(self) -> int:
+        """One MoE feed-forward's parameters besides the experts: the router's weights (and
+        its bias when linear layers carry biases, gpt-oss) and the shared experts' gate."""
+        return (self.hidden * self.moe_experts + (self.moe_experts if self.bias else 0)
+                + (self.hidden if self.moe_shared_gate else 0))
 
     @property
     def kv_dim(self) -> int:
@@ -318,7 +352,7 @@ class ModelSpec:
             biases = q + 2 * kv + h
         elif self.qkv_bias:
             biases = q + 2 * kv
-        return weights + biases + self.qk_norm_params
+        return weights + biases + self.qk_norm_params + (self.heads if self.attn_sinks else 0)
 
     def mlp_params(self, width: int | None = None) -> int:
         """A dense feed-forward of inner width `width` (default `ffn_hidden`)."""
@@ -333,7 +367,7 @@ class ModelSpec:
         routed = self.moe_top_k if active else self.moe_experts
         shared = self.mlp_params(self.moe_shared_experts * self.moe_ffn_hidden) \
             if self.moe_shared_experts else 0
-        return self.hidden * self.moe_experts + routed * self.mlp_params(self.moe_ffn_hidden) \
+        return self.moe_router_params() + routed * self.mlp_params(self.moe_ffn_hidden) \
             + shared
 
     def ffn_params(self, index: int, active: bool = False) -> int:
@@ -367,9 +401,28 @@ class ModelSpec:
         with no block is left out. Every per-block figure that depends on the block's kind
         only is a sum or a max over these two, never over `layers` (a config.json with a
         billion layers is priced, and refused, at once)."""
-        moe = max(0, self.layers - self.moe_dense_layers) if self.is_moe else 0
+        moe = self.moe_layers
         dense = self.layers - moe
-        return tuple((n, i) for n, i in ((dense, 0), (moe, self.layers - 1)) if n)
+        return tuple((n, i) for n, i in ((dense, self.dense_block_index()),
+                                         (moe, self.moe_block_index())) if n)
+
+    def moe_block_index(self) -> int:
+        """The index of one block with a routed feed-forward (the last such; -1: none)."""
+        i = self.layers - 1 - (self.layers % self.moe_layer_step)
+        while i >= self.moe_dense_layers and not self.is_moe_layer(i):
+            i -= self.moe_layer_step  # skips `moe_mlp_only_layers`: at most len() steps
+        return i if self.is_moe and i >= self.moe_dense_layers else -1
+
+    def dense_block_index(self) -> int:
+        """The index of one block with a dense feed-forward (the first; -1: none)."""
+        if not self.is_moe:
+            return 0
+        if self.moe_dense_layers:
+            return 0
+        if self.moe_layer_step > 1:
+            return 0  # (0 + 1) % step != 0
+        listed = sorted(i for i in set(self.moe_mlp_only_layers) if 0 <= i < self.layers)
+        return listed[0] if listed else -1
 
     def blocks_sum(self, per_block: Callable[[int], int]) -> int:
         """sum(per_block(i) for i in range(layers)) for a function of the block's kind only:
@@ -426,9 +479,10 @@ def _check_rope_scaling(spec: ModelSpec) -> None:
                                        or original <= 0):
         raise UserError(f"model.rope_original_max_seq={original!r}: must be a positive integer "
                          f"for rope_type {spec.rope_type!r}")
-    if spec.rope_type == "llama3" and spec.rope_high_freq_factor <= spec.rope_low_freq_factor:
+    # equal factors (Llama 4 Scout: 1.0 and 1.0) leave no band to interpolate: a step
+    if spec.rope_type == "llama3" and spec.rope_high_freq_factor < spec.rope_low_freq_factor:
         raise UserError(f"model.rope_high_freq_factor={spec.rope_high_freq_factor!r}: must "
-                         f"exceed model.rope_low_freq_factor={spec.rope_low_freq_factor!r}")
+                         f"be at least model.rope_low_freq_factor={spec.rope_low_freq_factor!r}")
     factor = spec.rope_attention_factor
     if factor is not None and (not is_number(factor) or not math.isfinite(factor) or factor <= 0):
         raise UserError(f"model.rope_attention_factor={factor!r}: must be a positive number")
@@ -446,8 +500,10 @@ def _check_moe(spec: ModelSpec) -> None:
     if spec.head_size is not None and (not isinstance(spec.head_size, int)
                                        or isinstance(spec.head_size, bool) or spec.head_size <= 0):
         raise UserError(f"model.head_size={spec.head_size!r}: must be a positive integer or null")
-    if not isinstance(spec.qk_norm, bool):
-        raise UserError(f"model.qk_norm={spec.qk_norm!r}: must be true or false")
+    for field in ("qk_norm", "attn_sinks", "moe_shared_gate"):
+        if not isinstance(getattr(spec, field), bool):
+            raise UserError(f"model.{field}={getattr(spec, field)!r}: must be true or false")
+    _check_lists(spec)
     if not spec.is_moe:
         return
     if spec.mlp != "swiglu":
@@ -461,6 +517,16 @@ def _check_moe(spec: ModelSpec) -> None:
     if spec.moe_dense_layers >= spec.layers:
         raise UserError(f"model.moe_dense_layers={spec.moe_dense_layers}: must be below "
                          f"model.layers={spec.layers}")
+    step = spec.moe_layer_step
+    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        raise UserError(f"model.moe_layer_step={step!r}: must be a positive integer")
+    if spec.moe_layers == 0:
+        raise UserError(f"model.moe_layer_step={step}, moe_mlp_only_layers="
+                         f"{list(spec.moe_mlp_only_layers)}: leave no block of the "
+                         f"{spec.layers} with routed experts; keep at least one")
+    if spec.moe_shared_gate and not spec.moe_shared_experts:
+        raise UserError("model.moe_shared_gate=true: gates the shared experts; needs "
+                         "model.moe_shared_experts >= 1")
     _check_choice("model.moe_router", spec.moe_router, ("softmax", "sigmoid"))
     for field in ("moe_groups", "moe_topk_groups"):
         value = getattr(spec, field)
@@ -485,6 +551,36 @@ def _check_moe(spec: ModelSpec) -> None:
     if spec.moe_bias_update and spec.moe_router != "sigmoid":
         raise UserError(f"model.moe_bias_update={spec.moe_bias_update}: bias-based balancing "
                          "needs moe_router 'sigmoid'")
+
+
+def _check_lists(spec: ModelSpec) -> None:
+    """The tuple fields (a run file's TOML gives lists: kept as tuples, so specs stay
+    hashable and comparable)."""
+    only = spec.moe_mlp_only_layers
+    if not isinstance(only, (list, tuple)) or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < spec.layers
+            for i in only):
+        raise UserError(f"model.moe_mlp_only_layers={only!r}: must be a list of block indices "
+                         f"from 0 to {spec.layers - 1}")
+    refusals = spec.train_refusals
+    if not isinstance(refusals, (list, tuple)) or any(not isinstance(r, str) for r in refusals):
+        raise UserError(f"model.train_refusals={refusals!r}: must be a list of strings")
+    object.__setattr__(spec, "moe_mlp_only_layers", tuple(only))
+    object.__setattr__(spec, "train_refusals", tuple(refusals))
+
+
+def runtime_refusal(spec: ModelSpec) -> str | None:
+    """The first thing meshtron's runtime does not compute for `spec`, as one line (None:
+    it builds the model exactly)."""
+    if spec.train_refusals:
+        return spec.train_refusals[0]
+    if spec.is_moe and spec.bias:
+        return ("model.bias=true with routed experts: meshtron's experts and router carry no "
+                "biases (planned only); allowed: false")
+    if spec.attn_sinks:
+        return ("model.attn_sinks=true: meshtron's attention has no sink logits (planned "
+                "only); allowed: false")
+    return None
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:

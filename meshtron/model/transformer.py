@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtron.errors import UserError
 from meshtron.model.attention import DocumentMask, attention, document_mask, window_attention
 from meshtron.model.loss import OutputHead, cross_entropy_loss
 from meshtron.model.mla import MLAttention
 from meshtron.model.rope import apply_rope, rope_cache
+from meshtron.model.shapes import runtime_refusal
 from meshtron.model.spec import ModelSpec
 
 __all__ = ["Transformer", "apply_rope", "cross_entropy_loss", "document_context", "document_positions"]
@@ -211,6 +213,9 @@ class Transformer(nn.Module):
         from meshtron.model.hf_variants import check_runtime
 
         check_runtime(spec, seq_len=0)  # soft-capping, a second RoPE base: not built here
+        problem = runtime_refusal(spec)
+        if problem:  # planned-only features (ModelSpec.train_refusals): never built inexactly
+            raise UserError(problem)
         self.spec = spec
         self.init_seed = (int(torch.randint(0, 2**62, (), device="cpu")) if init_seed is None
                           else int(init_seed))

@@ -114,5 +114,19 @@ def build_optimizer(pm: ParallelModel, lr: float, betas: tuple[float, float] = (
             optimizers.append(opt)
             owners.append(owner)
         else:
-            optimizers.append(optimizer_cls(params, **opt_kwargs))
+            # a factory (train/parallel.py's) makes its own groups (train/optim.param_groups)
+            groups = _one_kind_per_group(params) if isinstance(optimizer_cls, type) else params
+            optimizers.append(optimizer_cls(groups, **opt_kwargs))
     return ParallelOptimizer(pm, optimizers, owners)
+
+
+def _one_kind_per_group(params: list) -> list[dict[str, Any]]:
+    """The parameters as one group, or two where DTensors and plain tensors mix (tensor
+    parallelism without FSDP on a mixture of experts: the experts stay plain tensors,
+    parallel/tensor.py `_moe_plan`), since fused and foreach AdamW refuse a group of both
+    ("got mixed torch.Tensor and DTensor"); train/optim.param_groups splits the same way."""
+    from torch.distributed.tensor import DTensor
+
+    dist = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": g} for g in (dist, plain) if g] or [{"params": params}]

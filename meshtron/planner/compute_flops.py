@@ -26,12 +26,15 @@ def active_equivalent(model: ModelSpec) -> ModelSpec:
     unchanged."""
     if not model.is_moe:
         return model
+    # the router's E outputs and the shared experts' gate (Qwen2-MoE: 1 output) as columns
     moe = (model.moe_top_k + model.moe_shared_experts) * model.moe_ffn_hidden \
-        + model.moe_experts / 3.0
-    width = (model.moe_dense_layers * model.ffn_hidden + model.moe_layers * moe) / model.layers
+        + (model.moe_experts + model.moe_shared_gate) / 3.0
+    dense = model.layers - model.moe_layers  # first_k_dense_replace, decoder_sparse_step
+    width = (dense * model.ffn_hidden + model.moe_layers * moe) / model.layers
     return model.replace(ffn_hidden=max(1, round(width)), mlp="swiglu", moe_experts=0,
                          moe_top_k=0, moe_ffn_hidden=0, moe_shared_experts=0,
-                         moe_dense_layers=0, moe_aux_loss=0.0, moe_bias_update=0.0)
+                         moe_dense_layers=0, moe_aux_loss=0.0, moe_bias_update=0.0,
+                         moe_layer_step=1, moe_mlp_only_layers=(), moe_shared_gate=False)
 
 
 def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:

@@ -150,6 +150,8 @@ def _block_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...]]]:
         if fs:
             for name, n_out, n_in in (("w1", fs, h), ("w3", fs, h), ("w2", h, fs)):
                 linear(f"feed_forward.shared.{name}", n_out, n_in, False)
+            if spec.moe_shared_gate:  # Qwen2-MoE's sigmoid gate on the shared experts
+                linear("feed_forward.shared.gate", 1, h, False)
         return out
     linear("feed_forward.w1", f, h, spec.bias)
     linear("feed_forward.w2", h, f, spec.bias)

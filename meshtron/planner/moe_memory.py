@@ -105,7 +105,7 @@ def _block(model: ModelSpec, i: int, tp: int, ep: int, framework: str,
         return attn + model.mlp_params() / tp + norms, 0.0
     fe, fs = model.moe_ffn_hidden, model.moe_shared_experts * model.moe_ffn_hidden
     shared = model.mlp_params(fs) if fs else 0.0
-    router = model.hidden * model.moe_experts
+    router = model.moe_router_params()  # with the shared experts' gate (Qwen2-MoE)
     if framework != "fsdp2":
         shared /= tp
     experts = model.moe_experts * model.mlp_params(fe) / (ep * expert_tp(framework, tp, etp))
@@ -121,7 +121,7 @@ def block_params(model: ModelSpec, tp: int, pp: int, ep: int,
     stage beside the embedding; a dense block can have more parameters than a MoE block's
     share of its experts under ep, but fewer states than a stage of MoE blocks)."""
     if pp > 1 and model.is_moe:
-        return _block(model, model.moe_dense_layers, tp, ep, framework, etp)
+        return _block(model, model.moe_block_index(), tp, ep, framework, etp)
     kinds = [(n, _block(model, i, tp, ep, framework, etp)) for n, i in model.block_kinds()]
     return tuple(sum(n * size[part] for n, size in kinds) / model.layers for part in (0, 1))
 
@@ -250,8 +250,10 @@ def stage_blocks(model: ModelSpec, spans: list[range], tp: int, ep: int,
     if not n:
         return 0.0, 0.0, 0.0
     moe = sum(model.moe_blocks_in(span) for span in spans)
-    dense_block = _block(model, 0, tp, ep, framework, etp) if n > moe else (0.0, 0.0)
-    moe_block = _block(model, model.layers - 1, tp, ep, framework, etp) if moe else (0.0, 0.0)
+    dense_block = _block(model, model.dense_block_index(), tp, ep, framework, etp) if n > moe \
+        else (0.0, 0.0)
+    moe_block = _block(model, model.moe_block_index(), tp, ep, framework, etp) if moe \
+        else (0.0, 0.0)
     return (((n - moe) * dense_block[0] + moe * moe_block[0]) / n,
             ((n - moe) * dense_block[1] + moe * moe_block[1]) / n, moe / n)
 

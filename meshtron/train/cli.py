@@ -250,6 +250,10 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
     starts nothing, writes nothing). `defaults`, `plan`, `nproc`, `overwrite`: what a command
     (the demo) uses where the user gave nothing."""
     cfg = run_config(args, defaults)
+    from meshtron.model.shapes import runtime_refusal
+
+    if runtime_refusal(cfg.model):  # a planned-only model: refused before any rank starts
+        raise UserError(runtime_refusal(cfg.model))
     from meshtron.hf.hooks import check_job
 
     check_job(cfg)
