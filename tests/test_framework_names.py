@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.planner.frameworks import resolve, with_options
+from meshtron.planner.frameworks import for_model, resolve, with_options
 from testkit.plan_cli import plan_cli  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,6 +99,12 @@ ROW_STACKS = [
     ("MB26.02 Qwen3 30B", ("megatron-bridge@2025",),
      {"grad_bucket_passes", "ep_overlap", "fp32_grad_reduce", "reduce_dtype",
       "expert_imbalance", "fp8_param_gather"}),
+    # NeMo AutoModel's MoE rows: the preset's MoE path plus the fake balanced gate and
+    # MaskedCrossEntropy(fp32_upcast=False) their yamls set
+    ("AM DSV3", ("nemo-automodel@2025",), {"expert_imbalance", "expert_routing", "loss"}),
+    ("AM Kimi K2", ("nemo-automodel@2025",), {"expert_imbalance", "expert_routing", "loss"}),
+    ("AM Qwen3 30B-A3B", ("nemo-automodel@2025",),
+     {"expert_imbalance", "expert_routing", "loss"}),
 ]
 # what every row's memory adds (PublishedRun.row_memory: K/V repeated per query head), and the
 # stack rules a row leaves unset (None: the preset's own, which the options file omits)
@@ -129,7 +135,8 @@ def test_published_rows_of_named_stacks_are_the_presets_plus_their_runs_settings
         assert key in keys, (run.name, key)
         assert set_options <= allowed | ROW_ANY, (run.name, set_options - allowed - ROW_ANY)
         # the row prices exactly what `--framework KEY --options ...` resolves to
-        fw = with_options(resolve(key), {k: v for k, v in diff.items() if v is not None})
+        fw = for_model(with_options(resolve(key), {k: v for k, v in diff.items()
+                                                   if v is not None}), run.model)
         assert fw.kernel == run.opts, run.name
         seen[prefix] += 1
     assert all(seen.values()), [p for p, n in seen.items() if not n]
