@@ -151,3 +151,42 @@ def test_what_a_named_stack_cannot_run_is_refused_by_its_code(plan_cli, name, fl
                                                                says):
     rc, out, err = plan_cli(*L8, "--framework", name, *flag)
     assert rc == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
+
+
+Q8 = ("--model", "qwen3-30b-a3b", "--cluster", "dgx-h100:1", "--global-batch", "64",
+      "--seq-len", "4096", "--layout", "tp=1,pp=1,dp=8,ep=8", "--zero", "3",
+      "--recompute", "full", "--json", "--top", "1")
+
+
+def test_nemo_automodel_runs_a_mixture_of_experts_through_its_moe_path(plan_cli):  # noqa: F811
+    # components/moe/parallelizer.py: apply_fsdp's MixedPrecisionPolicy reduces in fp32, TE
+    # kernels and DeepEP by default, the bf16 model; the dense path (L8) keeps bf16 reduce
+    rc, out, err = plan_cli(*Q8, "--framework", "nemo-automodel")
+    assert rc == 0, err
+    doc = json.loads(out)
+    fw, plan = doc["framework"], doc["plans"][0]
+    assert plan["ep"] == 8 and plan["reduce_dtype"] == "fp32" and plan["time_s"]["ep_comm"] > 0
+    assert fw["reduce_dtype"] == "fp32" and fw["overrides"] == {}
+    assert {k: fw["kernel"][k] for k in ("stack", "ep_dispatch", "fp32_grad_reduce",
+                                         "v_width")} == {
+        "stack": "fused", "ep_dispatch": "deepep", "fp32_grad_reduce": True, "v_width": "native"}
+    assert fw["memory"]["param_dtype"] == "bf16" and fw["memory"]["experts_outside_fsdp"]
+    rc, out, _ = plan_cli(*L8, "--framework", "nemo-automodel")
+    dense = json.loads(out)
+    assert rc == 0 and dense["framework"]["reduce_dtype"] == "bf16"
+    assert dense["plans"][0]["reduce_dtype"] == "bf16"
+    assert dense["framework"]["memory"]["param_dtype"] == "fp32"
+
+
+def test_an_option_the_user_gives_beats_the_moe_path(plan_cli, tmp_path):  # noqa: F811
+    opts = tmp_path / "opts.toml"
+    opts.write_text('[options]\nep_dispatch = "bf16"\nreduce_dtype = "bf16"\n'
+                    'fp32_grad_reduce = false\n')
+    rc, out, err = plan_cli(*Q8, "--framework", "nemo-automodel", "--options", str(opts))
+    assert rc == 0, err
+    doc = json.loads(out)
+    fw = doc["framework"]
+    assert fw["kernel"]["ep_dispatch"] == "bf16" and fw["reduce_dtype"] == "bf16"
+    assert doc["plans"][0]["reduce_dtype"] == "bf16"
+    assert fw["kernel"]["stack"] == "fused"  # the rest of the MoE path still applies
+    assert set(fw["overrides"]) == {"ep_dispatch", "reduce_dtype", "fp32_grad_reduce"}
