@@ -112,7 +112,8 @@ on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` and
   DeepEP's dispatcher where deep_ep is installed (`ep_dispatch = "deepep"`), the model in
   bf16 without fp32 master weights (`param_dtype = "bf16"`), and routed experts outside FSDP2
   wherever dp x cp / ep is one rank (`experts_outside_fsdp`). Its expert parallelism folds
-  ep over the dp x cp ranks (fsdp2.py's moe mesh (pp, ep_shard, ep)), with tp 1. A run's own
+  ep over the dp x cp ranks (fsdp2.py's moe mesh (pp, ep_shard, ep)); parallelize_model
+  asserts tp 1 for its MoE models, which the planner does not refuse yet. A run's own
   settings stay options: the fake balanced gate (`expert_imbalance = 1`, `expert_routing =
   "contiguous"`), MaskedCrossEntropy(fp32_upcast=False) (`loss = "eager-bf16"`).
 * `megatron-deepspeed` is an alias of `deepspeed@2021` (Megatron-DeepSpeed on DeepSpeed
