@@ -10,9 +10,10 @@ Presets (NAME@ERA; NAME alone is its newest era):
 
 Expert parallelism (ep > 1, mixture-of-experts models) is priced for the stacks that run it
 (`Framework.expert_parallel`): meshtron, torchtitan@2025, megatron@2024 and megatron-bridge
-(Megatron-Core MoE), deepspeed@2024 (DeepSpeed-MoE); megatron@2021, deepspeed@2021, gpt-neox,
-torchtitan@2024 and llm-foundry had none and refuse ep > 1; nemo-automodel (its own MoE
-model classes and components/moe/, with the defaults of that path: `Framework.moe_path`).
+(Megatron-Core MoE), deepspeed@2024 (DeepSpeed-MoE), nemo-automodel (its own MoE model
+classes and components/moe/, with the defaults of that path: `Framework.moe_path`);
+megatron@2021, deepspeed@2021, gpt-neox, torchtitan@2024 and llm-foundry had none and refuse
+ep > 1.
 DeepSeek's DualPipe (all-to-alls overlapped with another micro-batch) and its node-limited
 routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`, and its FP8
 dispatch `ep_dispatch = "fp8"`; DualPipe itself is the memory option `pipeline_split =
