@@ -190,3 +190,15 @@ def test_an_option_the_user_gives_beats_the_moe_path(plan_cli, tmp_path):  # noq
     assert doc["plans"][0]["reduce_dtype"] == "bf16"
     assert fw["kernel"]["stack"] == "fused"  # the rest of the MoE path still applies
     assert set(fw["overrides"]) == {"ep_dispatch", "reduce_dtype", "fp32_grad_reduce"}
+
+
+def test_automodel_refuses_a_mixture_of_experts_under_tensor_parallelism(plan_cli):  # noqa: F811
+    # components/moe/parallelizer.py asserts tp 1 for its MoE models; dense ones take tp
+    layout = [a.replace("tp=1,pp=1,dp=8,ep=8", "tp=2,pp=1,dp=4,ep=4") for a in Q8]
+    rc, out, err = plan_cli(*layout, "--framework", "nemo-automodel")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "plan.tp=2" in err and "parallelizer.py" in err and "use tp=1" in err
+    rc, _, err = plan_cli(*layout, "--framework", "torchtitan")
+    assert rc == 0, err
+    rc, _, err = plan_cli(*L8, "--framework", "nemo-automodel", "--layout", "tp=2,pp=1,dp=4")
+    assert rc == 0, err

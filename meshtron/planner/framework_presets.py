@@ -36,6 +36,9 @@ class Framework:
     expert_parallel: str = ""
     """How the stack runs expert parallelism of mixture-of-experts models (what its code
     does); empty: it has none, and plans with ep > 1 are refused by name."""
+    moe_no_tp: str = ""
+    """Why the stack runs no mixture of experts under tensor parallelism (its code), where it
+    does not: a plan with tp > 1 for an MoE model is refused with it. Empty: it runs them."""
     moe_path: tuple[tuple[str, Any], ...] = ()
     """Options the stack's code sets by itself for a mixture-of-experts model, where it runs
     those through other code than dense ones (NeMo AutoModel: its own model classes and
@@ -264,6 +267,8 @@ _NEMO_AUTOMODEL = Framework(
                     "models; components/moe/layers.py GroupedExpertsDeepEP with megatron/"
                     "token_dispatcher.py MoEFlexTokenDispatcher over DeepEP's Buffer "
                     "(fused_a2a.py) where deep_ep imports, not overlapped",
+    moe_no_tp="components/moe/parallelizer.py parallelize_model asserts \"Tensor parallelism "
+              "not supported for custom MoE models\"",
     moe_path=(("fp32_grad_reduce", True), ("reduce_dtype", "fp32"), ("stack", "fused"),
               ("v_width", "native"), ("ep_dispatch", "deepep"), ("param_dtype", "bf16"),
               ("experts_outside_fsdp", True)))

@@ -114,9 +114,10 @@ on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` and
   bf16 without fp32 master weights (`param_dtype = "bf16"`), and routed experts outside FSDP2
   wherever dp x cp / ep is one rank (`experts_outside_fsdp`). Its expert parallelism folds
   ep over the dp x cp ranks (fsdp2.py's moe mesh (pp, ep_shard, ep)); parallelize_model
-  asserts tp 1 for its MoE models, which the planner does not refuse yet. A run's own
-  settings stay options: the fake balanced gate (`expert_imbalance = 1`, `expert_routing =
-  "contiguous"`), MaskedCrossEntropy(fp32_upcast=False) (`loss = "eager-bf16"`).
+  asserts tp 1 for its MoE models, and a plan with tp > 1 for one is refused
+  (`Framework.moe_no_tp`). A run's own settings stay options: the fake balanced gate
+  (`expert_imbalance = 1`, `expert_routing = "contiguous"`),
+  MaskedCrossEntropy(fp32_upcast=False) (`loss = "eager-bf16"`).
 * `megatron-deepspeed` is an alias of `deepspeed@2021` (Megatron-DeepSpeed on DeepSpeed
   0.3.15, the stack that preset states). BLOOM's 2022 BigScience fork (BF16_Optimizer,
   ALiBi, CUDA_LAUNCH_BLOCKING) is not a preset: bench/published/rows_megatron.BLOOM_STACK.

@@ -149,6 +149,10 @@ class SearchSpace:
             raise UserError(f"plan.ep={k.ep}: framework {framework.label} has no expert "
                              f"parallelism priced (frameworks.py: {running} price it); "
                              "use ep=1")
+        why = getattr(framework, "moe_no_tp", "")
+        if model.is_moe and k.tp is not None and k.tp > 1 and why:
+            raise UserError(f"plan.tp={k.tp}: framework {framework.label} trains a mixture of "
+                            f"experts without tensor parallelism ({why}); use tp=1")
         if model.is_moe and not k.ep and not self.ep_ok:
             self.notes.append(f"expert parallelism left out: {framework.label} has none priced "
                               "(ep=1: every rank holds every expert)")
