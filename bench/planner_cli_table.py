@@ -42,7 +42,7 @@ import tomli_w  # noqa: E402
 
 from bench.published.runs import published_runs  # noqa: E402
 from meshtron.planner import memory  # noqa: E402
-from meshtron.planner.frameworks import PRESETS  # noqa: E402
+from meshtron.planner.frameworks import PRESETS, for_model  # noqa: E402
 
 
 def _options_for(run) -> tuple[str, dict]:
@@ -55,7 +55,8 @@ def _options_for(run) -> tuple[str, dict]:
     mem_d.update({k: "any" for k in ("zero_stages", "host_offload") if mem_d[k] is None})
     red = "fp32" if run.opts.fp32_grad_reduce else "bf16"
     best = None
-    for key, fw in PRESETS.items():
+    for key, preset in PRESETS.items():
+        fw = for_model(preset, run.model)  # as `meshtron plan` prices the row's model
         if run.ep > 1 and not fw.expert_parallel:  # a preset that refuses the row's ep
             continue
         diff = {k: v for k, v in kern.items() if getattr(fw.kernel, k) != v}

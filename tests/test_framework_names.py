@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.planner.frameworks import resolve, with_options
+from meshtron.planner.frameworks import for_model, resolve, with_options
 from testkit.plan_cli import plan_cli  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,6 +99,12 @@ ROW_STACKS = [
     ("MB26.02 Qwen3 30B", ("megatron-bridge@2025",),
      {"grad_bucket_passes", "ep_overlap", "fp32_grad_reduce", "reduce_dtype",
       "expert_imbalance", "fp8_param_gather"}),
+    # NeMo AutoModel's MoE rows: the preset's MoE path plus the fake balanced gate and
+    # MaskedCrossEntropy(fp32_upcast=False) their yamls set
+    ("AM DSV3", ("nemo-automodel@2025",), {"expert_imbalance", "expert_routing", "loss"}),
+    ("AM Kimi K2", ("nemo-automodel@2025",), {"expert_imbalance", "expert_routing", "loss"}),
+    ("AM Qwen3 30B-A3B", ("nemo-automodel@2025",),
+     {"expert_imbalance", "expert_routing", "loss"}),
 ]
 # what every row's memory adds (PublishedRun.row_memory: K/V repeated per query head), and the
 # stack rules a row leaves unset (None: the preset's own, which the options file omits)
@@ -129,7 +135,8 @@ def test_published_rows_of_named_stacks_are_the_presets_plus_their_runs_settings
         assert key in keys, (run.name, key)
         assert set_options <= allowed | ROW_ANY, (run.name, set_options - allowed - ROW_ANY)
         # the row prices exactly what `--framework KEY --options ...` resolves to
-        fw = with_options(resolve(key), {k: v for k, v in diff.items() if v is not None})
+        fw = for_model(with_options(resolve(key), {k: v for k, v in diff.items()
+                                                   if v is not None}), run.model)
         assert fw.kernel == run.opts, run.name
         seen[prefix] += 1
     assert all(seen.values()), [p for p, n in seen.items() if not n]
@@ -144,3 +151,54 @@ def test_what_a_named_stack_cannot_run_is_refused_by_its_code(plan_cli, name, fl
                                                                says):
     rc, out, err = plan_cli(*L8, "--framework", name, *flag)
     assert rc == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
+
+
+Q8 = ("--model", "qwen3-30b-a3b", "--cluster", "dgx-h100:1", "--global-batch", "64",
+      "--seq-len", "4096", "--layout", "tp=1,pp=1,dp=8,ep=8", "--zero", "3",
+      "--recompute", "full", "--json", "--top", "1")
+
+
+def test_nemo_automodel_runs_a_mixture_of_experts_through_its_moe_path(plan_cli):  # noqa: F811
+    # components/moe/parallelizer.py: apply_fsdp's MixedPrecisionPolicy reduces in fp32, TE
+    # kernels and DeepEP by default, the bf16 model; the dense path (L8) keeps bf16 reduce
+    rc, out, err = plan_cli(*Q8, "--framework", "nemo-automodel")
+    assert rc == 0, err
+    doc = json.loads(out)
+    fw, plan = doc["framework"], doc["plans"][0]
+    assert plan["ep"] == 8 and plan["reduce_dtype"] == "fp32" and plan["time_s"]["ep_comm"] > 0
+    assert fw["reduce_dtype"] == "fp32" and fw["overrides"] == {}
+    assert {k: fw["kernel"][k] for k in ("stack", "ep_dispatch", "fp32_grad_reduce",
+                                         "v_width")} == {
+        "stack": "fused", "ep_dispatch": "deepep", "fp32_grad_reduce": True, "v_width": "native"}
+    assert fw["memory"]["param_dtype"] == "bf16" and fw["memory"]["experts_outside_fsdp"]
+    rc, out, _ = plan_cli(*L8, "--framework", "nemo-automodel")
+    dense = json.loads(out)
+    assert rc == 0 and dense["framework"]["reduce_dtype"] == "bf16"
+    assert dense["plans"][0]["reduce_dtype"] == "bf16"
+    assert dense["framework"]["memory"]["param_dtype"] == "fp32"
+
+
+def test_an_option_the_user_gives_beats_the_moe_path(plan_cli, tmp_path):  # noqa: F811
+    opts = tmp_path / "opts.toml"
+    opts.write_text('[options]\nep_dispatch = "bf16"\nreduce_dtype = "bf16"\n'
+                    'fp32_grad_reduce = false\n')
+    rc, out, err = plan_cli(*Q8, "--framework", "nemo-automodel", "--options", str(opts))
+    assert rc == 0, err
+    doc = json.loads(out)
+    fw = doc["framework"]
+    assert fw["kernel"]["ep_dispatch"] == "bf16" and fw["reduce_dtype"] == "bf16"
+    assert doc["plans"][0]["reduce_dtype"] == "bf16"
+    assert fw["kernel"]["stack"] == "fused"  # the rest of the MoE path still applies
+    assert set(fw["overrides"]) == {"ep_dispatch", "reduce_dtype", "fp32_grad_reduce"}
+
+
+def test_automodel_refuses_a_mixture_of_experts_under_tensor_parallelism(plan_cli):  # noqa: F811
+    # components/moe/parallelizer.py asserts tp 1 for its MoE models; dense ones take tp
+    layout = [a.replace("tp=1,pp=1,dp=8,ep=8", "tp=2,pp=1,dp=4,ep=4") for a in Q8]
+    rc, out, err = plan_cli(*layout, "--framework", "nemo-automodel")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "plan.tp=2" in err and "parallelizer.py" in err and "use tp=1" in err
+    rc, _, err = plan_cli(*layout, "--framework", "torchtitan")
+    assert rc == 0, err
+    rc, _, err = plan_cli(*L8, "--framework", "nemo-automodel", "--layout", "tp=2,pp=1,dp=4")
+    assert rc == 0, err

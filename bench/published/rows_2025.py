@@ -215,21 +215,22 @@ def automodel() -> list[PublishedRun]:
     attention, Linear and RMSNorm (BackendConfig attn/linear/rms_norm 'te', rope_fusion) and
     DeepEP, the fake balanced gate ('Fake balanced gate is enabled'), full activation
     checkpointing (activation_checkpointing: true wraps each block), FSDP2 reduce in fp32
-    (components/distributed/parallelizer.py MixedPrecisionPolicy reduce_dtype float32),
-    torch.optim.Adam (foreach) for the MoE configs. Stack: the torchtitan@2025 preset (FSDP2,
-    the same torch.distributed pieces) with Transformer Engine's fused kernels; its model code
-    has no repeat_kv of torchtitan's and no complex RoPE (TE's fused RoPE)."""
-    from meshtron.planner.frameworks import PRESETS
+    (components/moe/parallelizer.py apply_fsdp's MixedPrecisionPolicy reduce_dtype float32),
+    torch.optim.Adam (foreach) for the MoE configs. Stack: the MoE rows are the
+    nemo-automodel preset as it runs a mixture of experts (frameworks.for_model) plus their
+    fake gate and bf16 cross-entropy; the Llama 3.1 70B row is the torchtitan@2025 preset
+    (FSDP2, the same torch.distributed pieces) compiled, as before."""
+    from meshtron.planner.frameworks import PRESETS, for_model
 
     fw = PRESETS["torchtitan@2025"]
-    te = dataclasses.replace(fw.kernel, stack="fused", complex_rope=False, optimizer="foreach",
-                             expert_imbalance=1.0, ep_dispatch="deepep",
-                             expert_routing="contiguous")
-    # the model built in bf16 (from_config's torch_dtype 'auto'), experts of a one-rank
-    # ep_shard group outside FSDP2 (moe/parallelizer.py apply_fsdp): read in session 40
-    # (branch automoe), after these rows' first run
-    am_mem = dataclasses.replace(fw.memory, param_dtype="bf16", experts_outside_fsdp=True,
-                                 loss="eager-bf16")  # MaskedCrossEntropy fp32_upcast: false
+    # the nemo-automodel preset as it runs a mixture of experts (its moe_path: TE kernels,
+    # DeepEP, reduce in fp32, the bf16 model, experts outside FSDP2 on a one-rank ep_shard
+    # group; framework_presets.py), plus these runs' own settings: the fake balanced gate
+    # (BackendConfig.fake_balanced_gate: every rank's experts equally loaded, contiguous
+    # experts per token) and MaskedCrossEntropy(fp32_upcast=False)
+    am_moe = for_model(PRESETS["nemo-automodel@2025"], preset("deepseek-v3"))
+    te = dataclasses.replace(am_moe.kernel, expert_imbalance=1.0, expert_routing="contiguous")
+    am_mem = dataclasses.replace(am_moe.memory, loss="eager-bf16")
     rows = [  # name, model, gpus, GBS, MBS, pp, vp, ep, tokens/s/GPU
         ("AM DSV3 671B 1024xH100", preset("deepseek-v3"), 1024, 8192, 1, 4, 8, 64, 865.0),
         ("AM DSV3 671B 256xH100", preset("deepseek-v3"), 256, 512, 1, 4, 8, 64, 1002.0),

@@ -102,7 +102,7 @@ def _estimate(args: argparse.Namespace, model, cluster, plan=None):
     from meshtron.planner.cli import framework_of
     from meshtron.planner.search import evaluate_plan, search_plans
 
-    fw = framework_of(args)
+    fw = framework_of(args, model)  # as the stack runs the model (its MoE path)
     if plan is not None:
         batch = args.global_batch or plan.global_batch
         seq = args.seq_len or plan.seq_len

@@ -118,13 +118,15 @@ def add_framework_args(p: argparse.ArgumentParser) -> None:
                         "Transformer Engine) | compiled (per-block torch.compile)")
 
 
-def framework_of(args: argparse.Namespace):
-    """The Framework the flags ask for (frameworks.resolve)."""
-    from meshtron.planner.frameworks import resolve
+def framework_of(args: argparse.Namespace, model=None):
+    """The Framework the flags ask for (frameworks.resolve), as it runs `model` when given
+    (frameworks.for_model: a stack's own MoE path)."""
+    from meshtron.planner.frameworks import for_model, resolve
 
-    return resolve(getattr(args, "framework", None), getattr(args, "options", None),
-                   stack=getattr(args, "stack", None), attention=getattr(args, "attention", None),
-                   dropout=getattr(args, "dropout", None))
+    fw = resolve(getattr(args, "framework", None), getattr(args, "options", None),
+                 stack=getattr(args, "stack", None), attention=getattr(args, "attention", None),
+                 dropout=getattr(args, "dropout", None))
+    return fw if model is None else for_model(fw, model)
 
 
 def parse_tokens(text: str) -> float:
@@ -205,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top <= 0:
         raise UserError(f"top={args.top}: must be a positive integer")
     notes = []
-    fw = framework_of(args)
+    fw = framework_of(args, model)
     if model.is_moe:
         notes.append(MOE_NOTE.format(imb=fw.kernel.expert_imbalance))
     seq = args.seq_len

@@ -36,6 +36,14 @@ class Framework:
     expert_parallel: str = ""
     """How the stack runs expert parallelism of mixture-of-experts models (what its code
     does); empty: it has none, and plans with ep > 1 are refused by name."""
+    moe_no_tp: str = ""
+    """Why the stack runs no mixture of experts under tensor parallelism (its code), where it
+    does not: a plan with tp > 1 for an MoE model is refused with it. Empty: it runs them."""
+    moe_path: tuple[tuple[str, Any], ...] = ()
+    """Options the stack's code sets by itself for a mixture-of-experts model, where it runs
+    those through other code than dense ones (NeMo AutoModel: its own model classes and
+    components/moe/parallelizer.py); applied by frameworks.for_model, an option the user
+    gives winning. Empty: one path for every model."""
 
     @property
     def label(self) -> str:
@@ -47,6 +55,7 @@ class Framework:
         return {"name": self.name, "era": self.era, "models": self.models,
                 "source": self.source, "reduce_dtype": self.reduce_dtype,
                 "expert_parallel": self.expert_parallel,
+                "moe_path": dict(self.moe_path),
                 "overrides": dict(self.overrides),
                 "kernel": dataclasses.asdict(self.kernel),
                 "memory": {k: v for k, v in dataclasses.asdict(self.memory).items()
@@ -205,22 +214,64 @@ _MEGATRON_BRIDGE = Framework(
 # separate q/k/v and gate/up Linears, RoPE by rotate_half (real), torch.optim Adam/AdamW at
 # their CUDA default (foreach), context parallelism through torch's experimental
 # context_parallel ring (components/distributed/cp_utils.py); activation checkpointing off by
-# default (FSDP2Manager.activation_checkpointing False; `--recompute` picks). Fields not read:
-# FP8 (fp8_filter, fp8_scaling), Liger's fused RMSNorm/SwiGLU (use_liger_kernel at tp = cp = 1,
-# not priced), expert parallelism (components/moe/: not priced, ep > 1 refused). ZeRO 0 (DDPManager)
+# default (FSDP2Manager.activation_checkpointing False; `--recompute` picks). ZeRO 0 (DDPManager)
 # or 3 (blocks resharded after forward: parallelizer.py), plan_rules_zero 'automodel'.
+# Its mixtures of experts run other code (its own model classes, components/models/*, with
+# components/moe/parallelizer.py parallelize_model as the recipe's `parallelizer`), whose
+# defaults differ from the dense path's: `moe_path` below, applied to MoE models only
+# (frameworks.for_model), each read at v0.2.0:
+# - fp32_grad_reduce / reduce_dtype fp32: parallelize_model passes no mp_policy, and apply_fsdp
+#   then builds MixedPrecisionPolicy(param bf16, reduce float32, output bf16); the dense path's
+#   FSDP2Manager default reduces in bf16 (the preset's own reduce_dtype);
+# - stack 'fused': BackendConfig attn / linear / rms_norm default 'te' where Transformer Engine
+#   imports and CUDA is up (components/moe/utils.py);
+# - v_width 'native': TE's DotProductAttention gets num_v_channels = v_head_dim
+#   (components/models/deepseek_v3/layers.py), MLA's V is not padded;
+# - ep_dispatch 'deepep': BackendConfig.enable_deepep defaults to HAVE_DEEP_EP (deep_ep
+#   importable: the docker build's INSTALL_DEEPEP, every examples/benchmark *_te_deepep.yaml
+#   and the performance summary's "TE + DeepEP"). Without deep_ep, GroupedExperts all-gathers
+#   every token over ep, loops over its local experts and reduce-scatters (components/moe/
+#   layers.py: "sub-optimal but ... for correctness"): not priced; `ep_dispatch = "bf16"`
+#   prices an all-to-all instead, cheaper than that path;
+# - param_dtype 'bf16': from_config builds the model in config.torch_dtype, default bf16, and
+#   initialize_weights casts to bf16 (components/models/deepseek_v3/model.py); no fp32 master;
+# - experts_outside_fsdp: apply_fsdp wraps the experts over the ep_shard mesh only when it
+#   has more than one rank, else they are the block's ignored_params; the memory model applies
+#   it only where dp x cp / ep is 1 (estimate_memory), so it is on for every MoE layout.
+# Fields not read: FP8 (fp8_filter, fp8_scaling), Liger's fused RMSNorm/SwiGLU (use_liger_kernel
+# at tp = cp = 1, not priced); the experts' own reduce dtype where ep_shard > 1 (their
+# fully_shard has no mp_policy: bf16, the parameters'; priced at the plan's one reduce_dtype);
+# reshard_after_forward False, parallelize_model's default (ZeRO-2 in meshtron's terms; the
+# 'automodel' ZeRO rule offers 0 and 3 only, so its MoE runs are priced at ZeRO-3); DeepEP's
+# async dispatch (dispatcher_async_dispatch False: not overlapped, ep_overlap off).
 _NEMO_AUTOMODEL = Framework(
     "nemo-automodel", "2025",
-    "NVIDIA-NeMo/Automodel v0.2.0 (FSDP2 over Hugging Face models, eager)",
+    "NVIDIA-NeMo/Automodel v0.2.0 (FSDP2 over Hugging Face models, eager; its own MoE models "
+    "with Transformer Engine and DeepEP)",
     "NVIDIA-NeMo/Automodel v0.2.0: nemo_automodel/components/distributed/fsdp2.py "
     "(FSDP2Manager mp_policy, activation_checkpointing False, offload_policy), "
     "components/loss/masked_ce.py (fp32_upcast), _transformers/auto_model.py "
     "(attn_implementation flash_attention_2), recipes/llm/train_ft.py (compile only if set), "
-    "components/distributed/cp_utils.py (torch context_parallel)",
+    "components/distributed/cp_utils.py (torch context_parallel); MoE: components/moe/"
+    "parallelizer.py (apply_fsdp mp_policy, ignored expert params), components/moe/utils.py "
+    "(BackendConfig te, enable_deepep), components/models/deepseek_v3/",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=False, cp_overlap=True,
                   torch_ring=True, optimizer="foreach"),
     MemoryOptions(framework="fsdp2", loss="eager", host_offload="fsdp2", zero_stages="automodel"),
-    "bf16")
+    "bf16",
+    expert_parallel="components/moe/parallelizer.py (apply_ep: experts Shard(0) over the moe "
+                    "mesh's 'ep' dim; apply_fsdp: experts fully_shard on dim 1 over 'ep_shard' "
+                    "when it has more than one rank, else outside FSDP2); components/"
+                    "distributed/fsdp2.py _get_moe_mesh (pp, ep_shard, ep): ep folded over the "
+                    "dp x cp ranks, ep_shard = dp x cp / ep, no tensor parallelism for its MoE "
+                    "models; components/moe/layers.py GroupedExpertsDeepEP with megatron/"
+                    "token_dispatcher.py MoEFlexTokenDispatcher over DeepEP's Buffer "
+                    "(fused_a2a.py) where deep_ep imports, not overlapped",
+    moe_no_tp="components/moe/parallelizer.py parallelize_model asserts \"Tensor parallelism "
+              "not supported for custom MoE models\"",
+    moe_path=(("fp32_grad_reduce", True), ("reduce_dtype", "fp32"), ("stack", "fused"),
+              ("v_width", "native"), ("ep_dispatch", "deepep"), ("param_dtype", "bf16"),
+              ("experts_outside_fsdp", True)))
 # GPT-NeoX (EleutherAI/gpt-neox of April 2022, 450b58c4, the 20B release; DeeperSpeed
 # eb7f5cff, DeepSpeed 0.3.15's engine): deepspeed@2021's pipeline engine and ZeRO, but the
 # softmax and bias-GeLU fusions off (neox_args.py defaults, and every shipped config but

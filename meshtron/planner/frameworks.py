@@ -10,9 +10,10 @@ Presets (NAME@ERA; NAME alone is its newest era):
 
 Expert parallelism (ep > 1, mixture-of-experts models) is priced for the stacks that run it
 (`Framework.expert_parallel`): meshtron, torchtitan@2025, megatron@2024 and megatron-bridge
-(Megatron-Core MoE), deepspeed@2024 (DeepSpeed-MoE); megatron@2021, deepspeed@2021, gpt-neox,
-torchtitan@2024 and llm-foundry had none and refuse ep > 1; nemo-automodel runs its own
-(components/moe/), which is not priced: ep > 1 is refused for it too.
+(Megatron-Core MoE), deepspeed@2024 (DeepSpeed-MoE), nemo-automodel (its own MoE model
+classes and components/moe/, with the defaults of that path: `Framework.moe_path`);
+megatron@2021, deepspeed@2021, gpt-neox, torchtitan@2024 and llm-foundry had none and refuse
+ep > 1.
 DeepSeek's DualPipe (all-to-alls overlapped with another micro-batch) and its node-limited
 routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`, and its FP8
 dispatch `ep_dispatch = "fp8"`; DualPipe itself is the memory option `pipeline_split =
@@ -22,7 +23,7 @@ AutoModel's `dispatcher: deepep`, Megatron-Core's flex dispatcher) are `ep_dispa
 "deepep"` with `expert_routing` ("spread", or "contiguous" for AutoModel's fake balanced
 gate; planner/moe_deepep.py); NeMo AutoModel's bf16 model and its experts left out of FSDP2
 on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` and
-`experts_outside_fsdp = true` (bench/published/rows_2025.py `automodel`).
+`experts_outside_fsdp = true`, which the nemo-automodel preset sets for MoE models.
 
 * `meshtron` (default): meshtron's own runtime (meshtron/parallel/): eager PyTorch modules,
   FSDP2 with fp32 sharded parameters and MixedPrecisionPolicy(param bf16, reduce fp32); ZeRO-0/1
@@ -104,6 +105,19 @@ on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` and
   sets foreach False under tensor parallelism, which the preset does not follow), context
   parallelism through torch's context_parallel ring (components/distributed/cp_utils.py). Not
   read, left at the base KernelOptions: FP8, and the Liger kernels it applies at tp = cp = 1.
+  A mixture of experts runs AutoModel's own model classes through components/moe/
+  parallelizer.py, whose defaults the preset takes for MoE models (`for_model`; an
+  [options] value wins): FSDP2 reducing in fp32 (apply_fsdp's MixedPrecisionPolicy when none
+  is passed: `fp32_grad_reduce`, `reduce_dtype = "fp32"`), Transformer Engine attention,
+  Linear and RMSNorm (BackendConfig 'te': `stack = "fused"`, MLA's V at its own width),
+  DeepEP's dispatcher where deep_ep is installed (`ep_dispatch = "deepep"`), the model in
+  bf16 without fp32 master weights (`param_dtype = "bf16"`), and routed experts outside FSDP2
+  wherever dp x cp / ep is one rank (`experts_outside_fsdp`). Its expert parallelism folds
+  ep over the dp x cp ranks (fsdp2.py's moe mesh (pp, ep_shard, ep)); parallelize_model
+  asserts tp 1 for its MoE models, and a plan with tp > 1 for one is refused
+  (`Framework.moe_no_tp`). A run's own settings stay options: the fake balanced gate
+  (`expert_imbalance = 1`, `expert_routing = "contiguous"`),
+  MaskedCrossEntropy(fp32_upcast=False) (`loss = "eager-bf16"`).
 * `megatron-deepspeed` is an alias of `deepspeed@2021` (Megatron-DeepSpeed on DeepSpeed
   0.3.15, the stack that preset states). BLOOM's 2022 BigScience fork (BF16_Optimizer,
   ALiBi, CUDA_LAUNCH_BLOCKING) is not a preset: bench/published/rows_megatron.BLOOM_STACK.
@@ -252,6 +266,18 @@ def with_options(fw: Framework, options: Mapping[str, Any], where: str = "option
                                overrides=fw.overrides + tuple(options.items()))
 
 
+def for_model(fw: Framework, model: Any) -> Framework:
+    """`fw` as its stack runs `model`: a mixture of experts gets the preset's `moe_path`
+    options (the stack's MoE code and its defaults), except those an [options] table or flag
+    already set, which the user's values keep. The overrides listed stay the user's."""
+    if not getattr(fw, "moe_path", ()) or not getattr(model, "is_moe", False):
+        return fw
+    given = {key for key, _ in fw.overrides}
+    path = {key: value for key, value in fw.moe_path if key not in given}
+    return dataclasses.replace(with_options(fw, path, where="moe_path"),
+                               overrides=fw.overrides)
+
+
 def load_options(path: str | Path) -> tuple[str | None, dict[str, Any]]:
     """(framework or None, [options] table) of an options TOML file."""
     p = Path(path)
@@ -297,4 +323,5 @@ def resolve(framework: str | None = None, options_file: str | Path | None = None
     return fw
 
 
-__all__ = ["Framework", "PRESETS", "preset", "resolve", "with_options", "load_options"]
+__all__ = ["Framework", "PRESETS", "preset", "resolve", "with_options", "load_options",
+           "for_model"]

@@ -37,6 +37,7 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions, compiled
 from meshtron.planner.estimate import Estimate, Evaluator
+from meshtron.planner.frameworks import for_model
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_knobs import Knobs
@@ -59,6 +60,7 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     t0 = time.perf_counter()
     knobs = Knobs.of(fixed)
     if framework is not None:
+        framework = for_model(framework, model)  # the stack's MoE path (idempotent)
         options, mem = framework.kernel, framework.memory
         if knobs.reduce_dtype is None and framework.reduce_dtype != "fp32":
             knobs = dataclasses.replace(knobs, reduce_dtype=framework.reduce_dtype)

@@ -143,10 +143,16 @@ class SearchSpace:
         # expert parallelism: searched for mixtures of experts on the stacks that run it
         self.ep_ok = runs_ep(framework)
         if k.ep is not None and k.ep > 1 and not self.ep_ok:
+            from meshtron.planner.framework_presets import PRESETS
+
+            running = ", ".join(key for key, f in PRESETS.items() if f.expert_parallel)
             raise UserError(f"plan.ep={k.ep}: framework {framework.label} has no expert "
-                             "parallelism priced (frameworks.py: meshtron, torchtitan@2025, "
-                             "megatron@2024, megatron-bridge@2025 and deepspeed@2024 price it); "
+                             f"parallelism priced (frameworks.py: {running} price it); "
                              "use ep=1")
+        why = getattr(framework, "moe_no_tp", "")
+        if model.is_moe and k.tp is not None and k.tp > 1 and why:
+            raise UserError(f"plan.tp={k.tp}: framework {framework.label} trains a mixture of "
+                            f"experts without tensor parallelism ({why}); use tp=1")
         if model.is_moe and not k.ep and not self.ep_ok:
             self.notes.append(f"expert parallelism left out: {framework.label} has none priced "
                               "(ep=1: every rank holds every expert)")

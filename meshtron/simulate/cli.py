@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     _fill_from_plan(args)
     model = load_model(args.model)
-    opts = framework_of(args)  # a planner Framework (--framework, --options, --stack ...)
+    opts = framework_of(args, model)  # a planner Framework (--framework, --options, --stack ...)
     if args.step:
         return _run_step(args, model, opts)
     for flag in ("mtbf_hours", "failures_per_gpu_hour", "replica_groups"):
