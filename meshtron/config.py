@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.errors import UserError
-from meshtron.argtypes import existing_file
+from meshtron.argtypes import read_text
 from meshtron.model.spec import PRESETS, ModelSpec, resolve_model
 
 
@@ -287,9 +287,9 @@ def config_from_dict(doc: dict[str, Any]) -> RunConfig:
 
 def load_toml(path: str | Path, field: str = "config") -> dict[str, Any]:
     """Read a TOML file; a missing or malformed file is a one-line error naming `field`."""
-    path = existing_file(path, field)
+    text = read_text(path, field)
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{field}={str(path)!r}: not valid TOML ({exc})") from None
 
@@ -309,5 +309,8 @@ def apply_overrides(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
         if section == "model":  # a field on top of the preset or table already chosen
             base = doc.get("model", "tiny")
             doc["model"] = dict(base) if isinstance(base, dict) else {"preset": base}
-        doc.setdefault(section, {})[key] = value
+        table = doc.setdefault(section, {})
+        if not isinstance(table, dict):  # `train = 3` in the run file, then --steps
+            raise UserError(f"{section}={table!r}: must be a table ([{section}])")
+        table[key] = value
     return doc

@@ -21,9 +21,10 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
-from meshtron.argtypes import output_file, positive_int
+from meshtron.argtypes import output_file, positive_int, writable_target
 from meshtron.errors import UserError
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens, typical LLM pre-training batch
@@ -190,11 +191,11 @@ def run(args: argparse.Namespace) -> int:
     from meshtron.planner.pinned import answer_pinned
     from meshtron.planner.search import search_plans
 
+    if args.save:  # before the search: an unwritable path is one line, nothing computed
+        writable_target(args.save, "save")
     model = load_model(args.model)
     cluster = resolve_cluster(args.cluster)
     tokens = parse_tokens(args.tokens)
-    if args.top <= 0:
-        raise UserError(f"top={args.top}: must be a positive integer")
     notes = []
     fw = framework_of(args)
     if model.is_moe:
@@ -313,6 +314,7 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
     if args.save:
         plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
                                    result.options.attention)
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)  # writable_target vetted it
         plan.save(args.save)
         if console is not None:
             # a plan priced for another stack's engine (DeepSeek's DualPipe) is saved for the
