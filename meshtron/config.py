@@ -157,8 +157,8 @@ class TrainConfig:
             raise UserError(f"train.compile={self.compile!r}: must be true or false")
         if self.eval_every < 0:
             raise UserError(f"train.eval_every={self.eval_every}: must be >= 0")
-        if self.seed < 0:
-            raise UserError(f"train.seed={self.seed}: must be >= 0")
+        if not 0 <= self.seed < 2**63:  # torch takes a seed as a signed 64-bit integer
+            raise UserError(f"train.seed={self.seed}: allowed an integer from 0 to 2**63 - 1")
         if not self.run_dir.strip():
             raise UserError("train.run_dir='': must name a folder")
 

@@ -131,3 +131,36 @@ def test_an_empty_name_is_not_the_current_folder(capsys, flag, allowed):
 ])
 def test_simulate_rates_are_checked_on_the_flag(capsys, argv, want):
     assert want in refused(capsys, *argv)
+
+
+def test_a_seed_beyond_64_bits_is_refused_before_the_run_folder(capsys, tmp_path):
+    """torch takes a seed as a signed 64-bit integer: 10**23 was an OverflowError traceback
+    after the run folder had been created."""
+    run = tmp_path / "run"
+    line = refused(capsys, "train", "--model", "debug", "--steps", "1", "--seed", 10**23,
+                   "--run-dir", run)
+    assert f"train.seed={10**23}" in line and "2**63 - 1" in line, line
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"RANK": "0", "WORLD_SIZE": "x"}, "WORLD_SIZE='x' (environment variable): expected an "
+                                       "integer >= 1"),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 (environment variable): must be below "
+                                       "WORLD_SIZE=2"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "two"}, "SLURM_STEP_NUM_TASKS='two'"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "MASTER_ADDR": "localhost",
+      "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+])
+def test_a_launcher_variable_that_is_not_a_rank_number(capsys, monkeypatch, tmp_path, env, want):
+    """torchrun's and Slurm's variables as `meshtron train` reads them: a value that is not a
+    number (or a rank outside the world) was a ValueError traceback, or a rank waiting for
+    peers that never come."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                 "SLURM_STEP_NUM_TASKS", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = tmp_path / "run"
+    assert want in refused(capsys, "train", "--model", "debug", "--steps", "1", "--run-dir", run)
+    assert not run.exists()
