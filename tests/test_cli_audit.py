@@ -164,3 +164,13 @@ def test_a_launcher_variable_that_is_not_a_rank_number(capsys, monkeypatch, tmp_
     run = tmp_path / "run"
     assert want in refused(capsys, "train", "--model", "debug", "--steps", "1", "--run-dir", run)
     assert not run.exists()
+
+
+@pytest.mark.parametrize("dump", [b"[1, 2]\n", b"\xff\xfe{", b'{"format": 3}'])
+def test_doctor_on_damaged_dumps_says_so(capsys, tmp_path, dump):
+    """A rank dump holding a JSON list was an AttributeError traceback; any dump it cannot
+    read is now named in the refusal instead of a bare "no trace"."""
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "rank_0.json").write_bytes(dump)
+    line = refused(capsys, "doctor", tmp_path)
+    assert "no trace" in line and "1 unreadable or not meshtron's: rank_0.json" in line, line
