@@ -119,9 +119,10 @@ def take_from_plan(args: argparse.Namespace, plan, path: str, flags=("model", "c
     `require` so is a flag neither gives."""
     for flag in flags:
         given, saved = getattr(args, flag), getattr(plan, flag)
+        dashed = flag.replace("_", "-")
         if given is not None and saved is not None and given != saved:
-            raise UserError(f"{flag}={given!r}: contradicts the plan {path}, made for "
-                            f"{flag} {saved!r}; drop --{flag} or re-plan")
+            raise UserError(f"{dashed}={given!r}: contradicts the plan {path}, made for "
+                            f"{flag} {saved!r}; drop --{dashed} or re-plan")
         if require and given is None and saved is None:
-            raise UserError(f"plan={path!r}: names no {flag}; give --{flag}")
+            raise UserError(f"plan={path!r}: names no {flag}; give --{dashed}")
         setattr(args, flag, given or saved)

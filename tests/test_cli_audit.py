@@ -174,3 +174,18 @@ def test_doctor_on_damaged_dumps_says_so(capsys, tmp_path, dump):
     (tmp_path / "trace" / "rank_0.json").write_bytes(dump)
     line = refused(capsys, "doctor", tmp_path)
     assert "no trace" in line and "1 unreadable or not meshtron's: rank_0.json" in line, line
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--cluster", "dgx-h100:2"], "cluster='dgx-h100:2': contradicts the plan"),
+    (["--model", "llama3-8b"], "model='llama3-8b': contradicts the plan"),
+    (["--global-batch", "16"], "global-batch=16: contradicts the plan"),
+    (["--layout", "tp=2"], "--layout='tp=2': the saved plan"),
+    (["--zero", "1"], "--zero=1: the saved plan"),
+])
+def test_rehearse_plan_refuses_flags_it_would_ignore(capsys, tmp_path, flags, want):
+    """`rehearse --plan` rehearsed another cluster's world silently, ignored --global-batch and
+    the search knobs, and met another model with a stage-split error; `cost --plan` and
+    `simulate --step --plan` already refused a contradicting --model/--cluster."""
+    plan = saved_plan(capsys, tmp_path / "plan.toml")
+    assert want in refused(capsys, "rehearse", "--plan", plan, *flags)
