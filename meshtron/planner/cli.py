@@ -206,8 +206,6 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"--seq-len not given: planning at {seq} tokens per sequence, the smaller "
                      f"of the model's max_position_embeddings ({model.max_seq}) and "
                      f"{DEFAULT_SEQ_LEN}")
-    if seq <= 0:
-        raise UserError(f"seq-len={seq}: must be a positive integer")
     if seq > model.max_seq:
         notes.append(long_sequence_note(model, seq))
     batch = args.global_batch
@@ -215,8 +213,6 @@ def run(args: argparse.Namespace) -> int:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
         notes.append(f"--global-batch not given: planning at {batch} sequences per step "
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
-    if batch <= 0:
-        raise UserError(f"global-batch={batch}: must be a positive integer")
     knobs = collect_knobs(args)
     # a pinned layout (one layout left to the search) is priced even when predicted not to fit
     result = answer_pinned(search_plans(model, cluster, batch, seq, knobs, top_k=args.top,
