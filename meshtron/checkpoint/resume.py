@@ -27,10 +27,11 @@ shape: resuming with another value would silently jump the learning rate at the 
 (`--override-opt_param-scheduler` to bypass) and torchtitan's schedule being a function of the
 configured steps, a change must be explicit: here, a new run."""
 
-DATA_FIELDS = (("data", "seq_len"),)
+DATA_FIELDS = (("data", "source"), ("data", "tokenizer"), ("data", "seq_len"))
 """What the checkpoint's data position is counted in: sample n of the shuffled seq_len+1-token
-windows (data/dataset.py). The ranks refused another length only after the launcher had
-rewritten the run's config.json with it; checked here, before anything is written."""
+windows of that source as that tokenizer splits it (data/dataset.py). The ranks refused another
+one (as "data state: num_windows", or not at all when the counts happened to agree) only after
+the run's config.json had been rewritten with it; checked here, before anything is written."""
 
 
 def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
@@ -44,7 +45,7 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
                             f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}; "
                             "resume with the same model or start a new --run-dir")
     for fields, what in ((SCHEDULE_FIELDS, "the learning-rate schedule is a function of it"),
-                         (DATA_FIELDS, "the data position it holds is counted in its windows")):
+                         (DATA_FIELDS, "the data position it holds counts windows of that data")):
         for section, key in fields:
             if section not in saved_cfg or key not in saved_cfg[section]:
                 continue  # a checkpoint written before the field existed
