@@ -20,6 +20,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (a seed: numpy's generators refuse a negative one with a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 0")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (seconds, e.g. `--watchdog-timeout`)."""
     try:
@@ -28,6 +39,19 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (a price, a rate or a time that may be zero). Checked on the flag
+    itself, so the refusal names the flag and the value typed, not a field it is scaled into
+    (`--restart-min -1` used to read `restart_s=-60.0`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number >= 0") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
     return value
 
 
@@ -49,6 +73,20 @@ def existing_file(path: str | Path, field: str) -> Path:
     if not path.is_file():
         raise UserError(f"{field}={str(path)!r}: file does not exist")
     return path
+
+
+def read_text(path: str | Path, field: str) -> str:
+    """The text of a file the user named: `existing_file`'s checks, then a file that is not
+    UTF-8 text (a binary, a checkpoint shard) or cannot be read is one line naming `field`,
+    not a UnicodeDecodeError traceback."""
+    path = existing_file(path, field)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{field}={str(path)!r}: not a UTF-8 text file (byte "
+                        f"0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"{field}={str(path)!r}: cannot be read ({exc.strerror or exc})") from None
 
 
 def writable_target(path: str | Path, field: str) -> Path:
@@ -81,9 +119,10 @@ def take_from_plan(args: argparse.Namespace, plan, path: str, flags=("model", "c
     `require` so is a flag neither gives."""
     for flag in flags:
         given, saved = getattr(args, flag), getattr(plan, flag)
+        dashed = flag.replace("_", "-")
         if given is not None and saved is not None and given != saved:
-            raise UserError(f"{flag}={given!r}: contradicts the plan {path}, made for "
-                            f"{flag} {saved!r}; drop --{flag} or re-plan")
+            raise UserError(f"{dashed}={given!r}: contradicts the plan {path}, made for "
+                            f"{flag} {saved!r}; drop --{dashed} or re-plan")
         if require and given is None and saved is None:
-            raise UserError(f"plan={path!r}: names no {flag}; give --{flag}")
+            raise UserError(f"plan={path!r}: names no {flag}; give --{dashed}")
         setattr(args, flag, given or saved)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.errors import UserError
-from meshtron.argtypes import existing_file
+from meshtron.argtypes import read_text
 from meshtron.model.spec import PRESETS, ModelSpec, resolve_model
 
 
@@ -157,8 +157,8 @@ class TrainConfig:
             raise UserError(f"train.compile={self.compile!r}: must be true or false")
         if self.eval_every < 0:
             raise UserError(f"train.eval_every={self.eval_every}: must be >= 0")
-        if self.seed < 0:
-            raise UserError(f"train.seed={self.seed}: must be >= 0")
+        if not 0 <= self.seed < 2**63:  # torch takes a seed as a signed 64-bit integer
+            raise UserError(f"train.seed={self.seed}: allowed an integer from 0 to 2**63 - 1")
         if not self.run_dir.strip():
             raise UserError("train.run_dir='': must name a folder")
 
@@ -291,9 +291,9 @@ def config_from_dict(doc: dict[str, Any]) -> RunConfig:
 
 def load_toml(path: str | Path, field: str = "config") -> dict[str, Any]:
     """Read a TOML file; a missing or malformed file is a one-line error naming `field`."""
-    path = existing_file(path, field)
+    text = read_text(path, field)
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{field}={str(path)!r}: not valid TOML ({exc})") from None
 
@@ -313,5 +313,8 @@ def apply_overrides(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
         if section == "model":  # a field on top of the preset or table already chosen
             base = doc.get("model", "tiny")
             doc["model"] = dict(base) if isinstance(base, dict) else {"preset": base}
-        doc.setdefault(section, {})[key] = value
+        table = doc.setdefault(section, {})
+        if not isinstance(table, dict):  # `train = 3` in the run file, then --steps
+            raise UserError(f"{section}={table!r}: must be a table ([{section}])")
+        table[key] = value
     return doc

@@ -70,19 +70,45 @@ def current_world(env: Mapping[str, str] | None = None) -> World:
     """The job this process belongs to, read from the environment (never written)."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
-                     "torchrun", int(env.get("LOCAL_WORLD_SIZE", 1)))
+        return _checked(World(_env_int(env, "RANK"), _env_int(env, "LOCAL_RANK", "0"),
+                              _env_int(env, "WORLD_SIZE", minimum=1), "torchrun",
+                              _env_int(env, "LOCAL_WORLD_SIZE", "1", minimum=1)),
+                        "RANK", "WORLD_SIZE")
     # SLURM_STEP_NUM_TASKS exists only inside an srun step; the batch script itself also
     # sees SLURM_NTASKS but is not one of the ranks.
-    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+    if "SLURM_PROCID" in env and _env_int(env, "SLURM_STEP_NUM_TASKS", "1", minimum=1) > 1:
         if "MASTER_ADDR" not in env:
             raise UserError("MASTER_ADDR: not set; under srun export MASTER_ADDR (first node) "
                             "and MASTER_PORT, or start the ranks with torchrun")
-        url = f"tcp://{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
-        return World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
-                     int(env["SLURM_STEP_NUM_TASKS"]), "slurm",
-                     int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]), url)
+        url = f"tcp://{env['MASTER_ADDR']}:{_env_int(env, 'MASTER_PORT', '29500', minimum=1)}"
+        return _checked(World(_env_int(env, "SLURM_PROCID"), _env_int(env, "SLURM_LOCALID", "0"),
+                              _env_int(env, "SLURM_STEP_NUM_TASKS", minimum=1), "slurm",
+                              _env_int(env, "SLURM_NTASKS_PER_NODE", "1", minimum=1), url),
+                        "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
     return World(0, 0, 1, "single")
+
+
+def _env_int(env: Mapping[str, str], name: str, default: str | None = None,
+             minimum: int = 0) -> int:
+    """An integer a launcher set (torchrun's or Slurm's variables): a value that is not one is
+    one line naming the variable, not a ValueError traceback. Slurm writes per-node counts as
+    '4(x2)' (4 tasks on each of 2 nodes): the count is the part before '('."""
+    text = env.get(name, default)
+    try:
+        value = int(str(text).split("(")[0])
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise UserError(f"{name}={text!r} (environment variable): expected an integer >= "
+                        f"{minimum}")
+    return value
+
+
+def _checked(world: World, rank_name: str, size_name: str) -> World:
+    if world.rank >= world.world_size:
+        raise UserError(f"{rank_name}={world.rank} (environment variable): must be below "
+                        f"{size_name}={world.world_size}")
+    return world
 
 
 def rank_argv() -> list[str] | None:

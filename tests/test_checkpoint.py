@@ -6,6 +6,7 @@ names (truncated shard, deleted shard, edited manifest) and loaded again.
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,6 +171,12 @@ def test_resume_falls_back_with_a_clear_message_and_fails_cleanly_when_nothing_i
                                    "saved by a run with train.steps=6"),
     (["--resume", "--lr", "0.001"], "optim.lr=0.001"),
     (["--resume", "--warmup-steps", "3"], "allowed: optim.warmup_steps=20"),
+    # the data position is counted in seq_len+1-token windows: the ranks refused another length
+    # only after config.json had been rewritten with it
+    (["--resume", "--seq-len", "16"], "--resume: data.seq_len=16: the checkpoint "
+                                      "step_00000006 was saved by a run with data.seq_len=32"),
+    (["--resume", "--data", str(Path(__file__).parents[1] / "README.md")],
+     "--resume: data.source="),
 ])
 def test_bad_checkpoint_input_is_one_line_and_deletes_nothing(saved, tmp_path, capsys, argv,
                                                               needle):

@@ -128,17 +128,24 @@ def test_cost_text_and_deadline(cost_cli):
 
 
 @pytest.mark.parametrize("extra, field", [
-    (("--price-on-demand", "-1"), "price-on-demand=-1.0"),
-    (("--mtbf-hours", "0"), "mtbf-hours=0.0"),
-    (("--failures-per-gpu-hour", "0"), "failures_per_gpu_hour=0.0"),
+    (("--price-on-demand", "-1"), "--price-on-demand: '-1'"),
+    (("--mtbf-hours", "0"), "--mtbf-hours: '0'"),
+    (("--failures-per-gpu-hour", "0"), "--failures-per-gpu-hour: '0'"),
     (("--pue", "0.9"), "pue=0.9"),
-    (("--storage-gb-per-s", "0"), "storage_gb_per_s=0.0"),
+    (("--storage-gb-per-s", "0"), "--storage-gb-per-s: '0'"),
     (("--price-spot", "abc"), "--price-spot"),
+    # the flag and the value typed, not the field it is scaled into (was restart_s=-60.0,
+    # failures_per_gpu_hour=0.0 for --mtbf-hours inf, tdp_w=inf for --gpu-watts inf)
+    (("--restart-min", "-1"), "--restart-min: '-1'"),
+    (("--checkpoint-interval-min", "-2"), "--checkpoint-interval-min: '-2'"),
+    (("--mtbf-hours", "inf"), "--mtbf-hours: 'inf'"),
+    (("--gpu-watts", "inf"), "--gpu-watts: 'inf'"),
+    (("--seed", "-1"), "--seed: '-1'"),  # was numpy's ValueError traceback
 ])
 def test_bad_input_is_one_line(cost_cli, extra, field):
     rc, out, err = cost_cli(*BASE, *extra)
     assert rc == 2
-    assert err.count("\n") == 1 and field in err and "Traceback" not in err
+    assert err.count("\n") == 1 and field in err and "Traceback" not in err, err
 
 
 def test_unknown_gpu_is_one_line(cost_cli, tmp_path):

@@ -164,6 +164,10 @@ def test_bad_input_one_line_exit_2(branches, tmp_path, capsys):
     for needle, extra in {"--to='/proc/x'": ["--to", "/proc/x"],
                           "not an empty folder": ["--to", str(tmp_path / "full")],
                           "--top-k=3": ["--to", str(out), "--top-k", "3"],
+                          # more experts than host memory holds: was an allocator traceback
+                          "--copies=1000000: 2,000,000 experts": ["--to", str(out), "--copies",
+                                                                  "1000000"],
+                          "--seed: '-1'": ["--to", str(out), "--seed", "-1"],
                           "model.hidden": ["--to", str(out), "--set", "model.hidden=8"],
                           "mixtral and qwen3_moe": ["--to", str(out), "--set",
                                                     "model.moe_router=sigmoid"]}.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from meshtron.argtypes import read_text
 from meshtron.errors import UserError
 
 WARMUP_FRACTION = 0.1
@@ -28,10 +29,8 @@ KEY = "moe_imbalance_mean"
 def measured_imbalance(path: str | Path) -> tuple[float, int]:
     """(mean imbalance over the logged steps after warm-up, steps used) of a metrics.jsonl."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"router-stats={str(p)!r}: file does not exist")
     values = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(p, "router-stats").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -27,6 +27,12 @@ shape: resuming with another value would silently jump the learning rate at the 
 (`--override-opt_param-scheduler` to bypass) and torchtitan's schedule being a function of the
 configured steps, a change must be explicit: here, a new run."""
 
+DATA_FIELDS = (("data", "source"), ("data", "tokenizer"), ("data", "seq_len"))
+"""What the checkpoint's data position is counted in: sample n of the shuffled seq_len+1-token
+windows of that source as that tokenizer splits it (data/dataset.py). The ranks refused another
+one (as "data state: num_windows", or not at all when the counts happened to agree) only after
+the run's config.json had been rewritten with it; checked here, before anything is written."""
+
 
 def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
     """Refuse a checkpoint of another model shape or learning-rate schedule (one line)."""
@@ -38,15 +44,17 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
             raise UserError(f"--resume: checkpoint {folder} holds a model with "
                             f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}; "
                             "resume with the same model or start a new --run-dir")
-    for section, key in SCHEDULE_FIELDS:
-        if section not in saved_cfg or key not in saved_cfg[section]:
-            continue  # a checkpoint written before the field existed
-        was, want = saved_cfg[section][key], now_cfg[section][key]
-        if was != want:
-            raise UserError(f"--resume: {section}.{key}={want!r}: the checkpoint {folder.name} "
-                            f"was saved by a run with {section}.{key}={was!r}, and the learning-"
-                            f"rate schedule is a function of it; allowed: {section}.{key}="
-                            f"{was!r} (or train a new --run-dir)")
+    for fields, what in ((SCHEDULE_FIELDS, "the learning-rate schedule is a function of it"),
+                         (DATA_FIELDS, "the data position it holds counts windows of that data")):
+        for section, key in fields:
+            if section not in saved_cfg or key not in saved_cfg[section]:
+                continue  # a checkpoint written before the field existed
+            was, want = saved_cfg[section][key], now_cfg[section][key]
+            if was != want:
+                raise UserError(f"--resume: {section}.{key}={want!r}: the checkpoint "
+                                f"{folder.name} was saved by a run with {section}.{key}={was!r}, "
+                                f"and {what}; allowed: {section}.{key}={was!r} (or train a new "
+                                "--run-dir)")
 
 
 def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool) -> None:

@@ -14,15 +14,9 @@ import json
 import sys
 from typing import Any
 
-from meshtron.argtypes import positive_int, take_from_plan
+from meshtron.argtypes import (nonnegative_float, nonnegative_int, positive_float,
+                               positive_int, take_from_plan)
 from meshtron.errors import UserError
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
 
 
 MAX_RUNS = 100_000
@@ -48,38 +42,38 @@ def register(subparsers: Any) -> None:
     p.add_argument("--plan", metavar="PLAN.toml", help="cost this plan instead of the best one")
     add_framework_args(p)
     p.add_argument("--dtype", default=None, help="bf16 (default) | fp32 | fp8")
-    p.add_argument("--price-on-demand", type=_number, help="USD per GPU-hour")
-    p.add_argument("--price-spot", type=_number, help="USD per GPU-hour")
+    p.add_argument("--price-on-demand", type=nonnegative_float, help="USD per GPU-hour")
+    p.add_argument("--price-spot", type=nonnegative_float, help="USD per GPU-hour")
     p.add_argument("--prices", metavar="PRICES.toml", help="per-GPU price/power tables")
-    p.add_argument("--gpu-watts", type=_number, help="GPU board power, W")
-    p.add_argument("--system-watts", type=_number, help="server power per GPU, W")
-    p.add_argument("--pue", type=_number, default=None, help="facility PUE (default 1.2)")
-    p.add_argument("--storage-gb-per-s", type=_number, default=None,
+    p.add_argument("--gpu-watts", type=positive_float, help="GPU board power, W")
+    p.add_argument("--system-watts", type=positive_float, help="server power per GPU, W")
+    p.add_argument("--pue", type=positive_float, default=None, help="facility PUE (default 1.2)")
+    p.add_argument("--storage-gb-per-s", type=positive_float, default=None,
                    help="aggregate checkpoint write bandwidth, GB/s (default 100)")
-    p.add_argument("--restart-min", type=_number, default=None,
+    p.add_argument("--restart-min", type=nonnegative_float, default=None,
                    help="fixed restart time after a failure, minutes (default 10)")
-    p.add_argument("--failures-per-gpu-hour", type=_number, default=None,
+    p.add_argument("--failures-per-gpu-hour", type=positive_float, default=None,
                    help="hardware failure rate (default: Llama 3's 1.97e-5)")
-    p.add_argument("--mtbf-hours", type=_number, default=None,
+    p.add_argument("--mtbf-hours", type=positive_float, default=None,
                    help="the whole job's MTBF in hours, instead of a per-GPU rate")
-    p.add_argument("--spot-preemptions-per-node-hour", type=_number, default=None,
+    p.add_argument("--spot-preemptions-per-node-hour", type=nonnegative_float, default=None,
                    help="spot preemption rate (default 0.2 per node-month)")
-    p.add_argument("--spot-notice-s", type=_number, default=None,
+    p.add_argument("--spot-notice-s", type=nonnegative_float, default=None,
                    help="preemption notice, seconds (default 120)")
-    p.add_argument("--spot-reacquire-min", type=_number, default=None,
+    p.add_argument("--spot-reacquire-min", type=nonnegative_float, default=None,
                    help="minutes to get spot capacity back (default 30)")
-    p.add_argument("--checkpoint-interval-min", type=_number, default=None,
+    p.add_argument("--checkpoint-interval-min", type=positive_float, default=None,
                    help="work between checkpoints, minutes (default: Daly's optimum)")
     p.add_argument("--replica-groups", type=positive_int, default=None,
                    help="replica groups for the replica-FT goodput (default: the plan's "
                         "replicated data-parallel groups)")
-    p.add_argument("--peer-gb-per-s", type=_number, default=None,
+    p.add_argument("--peer-gb-per-s", type=positive_float, default=None,
                    help="network GB/s per GPU for peer state copies (default 25)")
-    p.add_argument("--deadline-days", type=_number, default=None,
+    p.add_argument("--deadline-days", type=positive_float, default=None,
                    help="recommend only a pricing whose P90 meets this")
     p.add_argument("--runs", type=positive_int, default=2000,
                    help=f"Monte Carlo runs (at most {MAX_RUNS:,})")
-    p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="Monte Carlo seed")
     p.add_argument("--json", action="store_true", help="print JSON (schema meshtron-cost/1)")
     p.set_defaults(func=run)
 
@@ -142,8 +136,6 @@ def run_spec(args: argparse.Namespace, est, model, cluster, batch: int, seq: int
     if args.mtbf_hours is not None and args.failures_per_gpu_hour is not None:
         raise UserError("mtbf-hours: give it or --failures-per-gpu-hour, not both")
     if args.mtbf_hours is not None:
-        if not args.mtbf_hours > 0:
-            raise UserError(f"mtbf-hours={args.mtbf_hours!r}: must be a positive number")
         kw["failures_per_gpu_hour"] = 1.0 / (args.mtbf_hours * cluster.num_gpus)
     elif args.failures_per_gpu_hour is not None:
         kw["failures_per_gpu_hour"] = args.failures_per_gpu_hour
@@ -175,17 +167,6 @@ def run(args: argparse.Namespace) -> int:
                         "settle by ~10,000)")
     model = load_model(args.model)
     cluster = resolve_cluster(args.cluster)
-    for flag in ("price_on_demand", "price_spot"):
-        value = getattr(args, flag)
-        if value is not None and not value >= 0:
-            raise UserError(f"{flag.replace('_', '-')}={value!r}: must be a number >= 0")
-    for flag in ("gpu_watts", "system_watts"):
-        value = getattr(args, flag)
-        if value is not None and not value > 0:
-            raise UserError(f"{flag.replace('_', '-')}={value!r}: must be a positive number "
-                            "of watts")
-    if args.deadline_days is not None and not args.deadline_days > 0:
-        raise UserError(f"deadline-days={args.deadline_days!r}: must be a positive number")
     econ = economics_for(cluster, args.price_on_demand, args.price_spot, args.gpu_watts,
                          args.system_watts,
                          load_price_overrides(args.prices) if args.prices else None)

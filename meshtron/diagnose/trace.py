@@ -126,17 +126,22 @@ def load_trace(run_dir: Path | str) -> Trace:
         run_dir = run_dir.parent
     dumps: dict[int, dict[str, Any]] = {}
     hellos: dict[int, dict[str, Any]] = {}
+    skipped = []
     for path in sorted(tdir.glob("rank_*.json")):
         try:
             doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # a dump cut short by a kill: as if it were missing
-        if doc.get("format") != dumpfile.FORMAT:
+        except (OSError, ValueError):  # UnicodeDecodeError included
+            doc = None  # a dump cut short by a kill: as if it were missing
+        if not isinstance(doc, dict) or doc.get("format") != dumpfile.FORMAT \
+                or not isinstance(doc.get("rank"), int):
+            skipped.append(path.name)
             continue
-        (hellos if path.name.endswith(".hello.json") else dumps)[int(doc["rank"])] = doc
+        (hellos if path.name.endswith(".hello.json") else dumps)[doc["rank"]] = doc
     if not dumps and not hellos:
+        damaged = (f"; {len(skipped)} unreadable or not meshtron's: {', '.join(skipped[:3])}"
+                   if skipped else "")
         raise UserError(f"RUN_DIR={str(run_dir)!r}: no trace (expected trace/rank_N.json, "
-                        "written by `meshtron train` ranks)")
+                        f"written by `meshtron train` ranks){damaged}")
     world = max(int(d.get("world_size", 0)) for d in [*dumps.values(), *hellos.values()])
     abort = None
     if (tdir / dumpfile.ABORT_FILE).is_file():
@@ -146,7 +151,9 @@ def load_trace(run_dir: Path | str) -> Trace:
             abort = None
     metrics = []
     if (run_dir / "metrics.jsonl").is_file():
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        # a damaged log reads as far as it is JSON (not a UnicodeDecodeError traceback)
+        text = (run_dir / "metrics.jsonl").read_bytes().decode("utf-8", errors="replace")
+        for line in text.splitlines():
             try:
                 metrics.append(json.loads(line))
             except ValueError:

@@ -103,6 +103,8 @@ def resolve_model(model: str | Path) -> ModelSpec:
     text = str(model)
     if text in PRESETS:
         return PRESETS[text]
+    if not text.strip():  # Path('') is '.', the current folder: refused as the preset it is not
+        return preset(text)
     path = Path(text)
     if path.is_dir():
         if not (path / "config.json").is_file():

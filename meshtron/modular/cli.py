@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from meshtron.argtypes import positive_int
+from meshtron.argtypes import nonnegative_int, positive_int
 from meshtron.errors import UserError
 
 
@@ -53,8 +53,6 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from meshtron.modular import branches as br
     from meshtron.modular.upcycle import moe_spec
 
-    if args.seed < 0:
-        raise UserError(f"merge --seed={args.seed}: must be >= 0")
     out = _prepare_output(args.to)
     inputs = [br.describe(p) for p in args.experts]
     br.check_compatible(inputs)
@@ -65,6 +63,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     experts = copies * len(inputs)
     spec = moe_spec(inputs[0].spec, experts, args.top_k or min(2, experts), _fields(args.set))
     check_supported(spec, "merge --to")  # the folder must be one --init-from reads
+    _check_host_memory(spec, copies, len(inputs))
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         summary = _write(inputs, spec, copies, args.seed, tmp)
@@ -79,6 +78,23 @@ def cmd_merge(args: argparse.Namespace) -> int:
           f"active); router {summary['router']['gate']}; train it with "
           f"`meshtron train --init-from {out}`")
     return 0
+
+
+BYTES_PER_PARAM_AT_LEAST = 2
+"""The merged state dict is built in host memory in the inputs' dtype: bf16 (2 bytes) at the
+least, fp32 checkpoints twice that."""
+
+
+def _check_host_memory(spec, copies: int, inputs: int) -> None:
+    """Refuse, before a tensor is read, a merge whose result cannot fit in this machine's
+    memory even in bf16 (`--copies 1000000` was a DefaultCPUAllocator traceback)."""
+    need = spec.num_params() * BYTES_PER_PARAM_AT_LEAST
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > total:
+        what = f"--copies={copies}" if copies > 1 else f"--experts (x{inputs})"
+        raise UserError(f"merge {what}: {spec.moe_experts:,} experts make {spec.num_params():,} "
+                        f"parameters, {need / 2**30:,.1f} GiB even in bf16, more than this "
+                        f"machine's {total / 2**30:,.1f} GiB of memory")
 
 
 def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
@@ -121,7 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="experts per token (default: 2, or 1 with one expert)")
     p.add_argument("--copies", type=positive_int, metavar="C",
                    help="experts per input (default 1; upcycling one input needs C >= 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the fresh router (default 0)")
+    p.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="seed of the fresh router (default 0)")
     p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
                    help="an MoE field of the result, e.g. model.moe_aux_loss=0.02 (repeatable)")
     p.set_defaults(func=cmd_merge)

@@ -21,9 +21,10 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
-from meshtron.argtypes import output_file, positive_int
+from meshtron.argtypes import output_file, positive_int, writable_target
 from meshtron.errors import UserError
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens, typical LLM pre-training batch
@@ -201,11 +202,11 @@ def run(args: argparse.Namespace) -> int:
     from meshtron.planner.pinned import answer_pinned
     from meshtron.planner.search import search_plans
 
+    if args.save:  # before the search: an unwritable path is one line, nothing computed
+        writable_target(args.save, "save")
     model = load_model(args.model)
     cluster = resolve_cluster(args.cluster)
     tokens = parse_tokens(args.tokens)
-    if args.top <= 0:
-        raise UserError(f"top={args.top}: must be a positive integer")
     notes = []
     fw = framework_of(args, model)
     if model.is_moe:
@@ -216,8 +217,6 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"--seq-len not given: planning at {seq} tokens per sequence, the smaller "
                      f"of the model's max_position_embeddings ({model.max_seq}) and "
                      f"{DEFAULT_SEQ_LEN}")
-    if seq <= 0:
-        raise UserError(f"seq-len={seq}: must be a positive integer")
     if seq > model.max_seq:
         notes.append(long_sequence_note(model, seq))
     batch = args.global_batch
@@ -225,8 +224,6 @@ def run(args: argparse.Namespace) -> int:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
         notes.append(f"--global-batch not given: planning at {batch} sequences per step "
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
-    if batch <= 0:
-        raise UserError(f"global-batch={batch}: must be a positive integer")
     knobs = collect_knobs(args)
     # a pinned layout (one layout left to the search) is priced even when predicted not to fit
     result = answer_pinned(search_plans(model, cluster, batch, seq, knobs, top_k=args.top,
@@ -324,6 +321,7 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
     if args.save:
         plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
                                    result.options.attention)
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)  # writable_target vetted it
         plan.save(args.save)
         if console is not None:
             # a plan priced for another stack's engine (DeepSeek's DualPipe) is saved for the

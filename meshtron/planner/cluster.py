@@ -472,6 +472,9 @@ def resolve_cluster(text: str | Path | ClusterSpec) -> ClusterSpec:
     if isinstance(text, ClusterSpec):
         return text
     text = str(text)
+    if not text.strip():  # Path('') is '.', which would be refused as a folder
+        raise UserError(f"cluster={text!r}: expected a preset "
+                        f"({', '.join(k + ':N' for k in CLUSTER_PRESETS)}) or a TOML file path")
     m = re.fullmatch(r"([a-z0-9-]+):(\d+)", text.strip())
     if m and not Path(text).exists():
         nodes = int(m.group(2))

@@ -225,6 +225,11 @@ class Plan:
             set_(self, "schedule", s)
         elif self.schedule is None and _is_int(self.pp) and self.pp > 1:
             set_(self, "schedule", "1f1b")
+        if not isinstance(self.predicted, Mapping) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool)
+                for v in self.predicted.values()):  # read back by train, rehearse and cost
+            raise UserError(f"plan.predicted={self.predicted!r}: must be a table of numbers "
+                            "([predicted] step_time_s = ..., as `meshtron plan --save` writes)")
         if isinstance(self.dtype, str):
             d = self.dtype.strip().lower()
             set_(self, "dtype", _DTYPE_ALIASES.get(d, d))
@@ -446,10 +451,14 @@ def offload_runtime_problem(plan: Plan) -> str | None:
 
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan written by `meshtron plan --save`."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"plan={str(path)!r}: file does not exist")
-    return Plan.from_toml(path.read_text())
+    from meshtron.argtypes import read_text
+
+    text = read_text(path, "plan")  # a folder, a missing file, a binary: one line each
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"plan={str(path)!r}: not valid TOML ({exc})") from None
+    return Plan.from_dict(data)
 
 
 def as_plan(obj: Any) -> Plan:

@@ -74,6 +74,12 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
         if v is not None and (not _is_int(v) or v <= 0):
             yield f"plan.{name}={v!r}: must be a positive integer"
             return
+    for name in ("model", "cluster"):  # what it was made for: read back as a path or preset
+        v = g(name)
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            yield (f"plan.{name}={v!r}: must be a non-empty string (the preset name or file "
+                   "the plan was made for)")
+            return
     yield from _size_problems(k)
     if g("zero") is not None and (not _is_int(g("zero")) or g("zero") not in ZERO_STAGES):
         yield f"plan.zero={g('zero')!r}: allowed values are 0, 1, 2, 3"

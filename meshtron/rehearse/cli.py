@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Any
 
-from meshtron.argtypes import positive_int
+from meshtron.argtypes import positive_int, take_from_plan
 from meshtron.errors import UserError
 from meshtron.rehearse.run import device_for, print_report, rehearse
 
@@ -88,18 +88,14 @@ def _resolve(args: argparse.Namespace):
         from meshtron.planner.plan import load_plan
 
         plan = load_plan(args.plan)
-        model = load_model(args.model or plan.model)
-        name = args.cluster or plan.cluster
-        if not name:
-            raise UserError(f"plan={args.plan!r}: names no cluster; give --cluster")
-        cluster = resolve_cluster(name)
+        _refuse_flags_the_plan_fixes(args, plan)
+        model = load_model(args.model)
+        cluster = resolve_cluster(args.cluster)
         if cluster.num_gpus != plan.gpus:
             from meshtron.train.planning import sized_cluster
 
             cluster = sized_cluster(cluster, plan.gpus)
-        if plan.global_batch is None or plan.seq_len is None:
-            raise UserError(f"plan={args.plan!r}: has no global_batch/seq_len to rehearse")
-        return model, plan.validate(plan.gpus, model), cluster
+        return model, _with_run_flags(plan, args).validate(plan.gpus, model), cluster
     for flag in ("model", "cluster", "global_batch", "seq_len"):
         if getattr(args, flag) is None:
             raise UserError(f"--{flag.replace('_', '-')}: required without --plan")
@@ -117,6 +113,26 @@ def _resolve(args: argparse.Namespace):
     plan = est.to_plan(args.model, cluster.name, cluster.num_gpus, args.global_batch,
                        args.seq_len, result.options.attention)
     return model, _with_run_flags(plan, args).validate(plan.gpus, model), cluster
+
+
+PLAN_FIXES = ("layout", "zero", "recompute", "sp", "micro_batch", "schedule", "dp_replicate",
+              "offload", "dtype")
+"""The search's knobs: a saved plan has chosen each (they used to be ignored beside --plan)."""
+
+
+def _refuse_flags_the_plan_fixes(args: argparse.Namespace, plan) -> None:
+    """--model and --cluster the plan's unless given, and refused when they contradict it (as
+    `cost --plan`); --global-batch and --seq-len may restate the plan's; a search knob is
+    refused: it would be silently ignored."""
+    take_from_plan(args, plan, args.plan, require=True)
+    take_from_plan(args, plan, args.plan, flags=("global_batch", "seq_len"))
+    if plan.global_batch is None or plan.seq_len is None:
+        raise UserError(f"plan={args.plan!r}: has no global_batch/seq_len to rehearse")
+    for flag in PLAN_FIXES:
+        value = getattr(args, flag)
+        if value is not None:
+            raise UserError(f"--{flag.replace('_', '-')}={value!r}: the saved plan {args.plan} "
+                            "fixes the layout and its knobs; drop the flag or re-plan")
 
 
 def _with_run_flags(plan, args: argparse.Namespace):

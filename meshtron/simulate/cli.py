@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshtron.argtypes import positive_int, take_from_plan
+from meshtron.argtypes import positive_int, positive_float, take_from_plan, writable_target
 from meshtron.errors import UserError
 
 
@@ -76,10 +76,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--jitter", type=_fraction, default=0.0,
                    help="--step: log-normal per-operation noise (sigma, e.g. 0.05)")
     p.add_argument("--seed", type=int, default=0, help="--step: seed of the jitter")
-    p.add_argument("--mtbf-hours", type=float, default=None,
+    p.add_argument("--mtbf-hours", type=positive_float, default=None,
                    help="--step: the job's MTBF in hours for the goodput of the three recovery "
                         "strategies (default: Llama 3's per-GPU failure rate)")
-    p.add_argument("--failures-per-gpu-hour", type=float, default=None,
+    p.add_argument("--failures-per-gpu-hour", type=positive_float, default=None,
                    help="--step: per-GPU failure rate instead of --mtbf-hours")
     p.add_argument("--replica-groups", type=positive_int, default=None,
                    help="--step: replica groups for replica-FT goodput (default: the plan's)")
@@ -143,6 +143,7 @@ def _run_sweep(args: argparse.Namespace, model, opts) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"out={args.out!r}: exists and is not a folder")
+    writable_target(out, "out")  # before the sweep: nothing computed for a folder never written
     counts = gpu_counts(args.gpus)
     cluster = _sweep_cluster(args.cluster)
     points = sweep(model, cluster, counts, args.global_batch, args.seq_len, args.batch_growth,
@@ -284,9 +285,7 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
     gpus = est.config.gpus
     if args.mtbf_hours is not None and args.failures_per_gpu_hour is not None:
         raise UserError("mtbf-hours: give it or --failures-per-gpu-hour, not both")
-    if args.mtbf_hours is not None:
-        if not (args.mtbf_hours > 0 and args.mtbf_hours < float("inf")):
-            raise UserError(f"mtbf-hours={args.mtbf_hours!r}: must be a positive finite number")
+    if args.mtbf_hours is not None:  # finite and > 0: checked by its argparse type
         mtbf = args.mtbf_hours * 3600.0
     else:
         mtbf = cluster_mtbf_s(gpus, args.failures_per_gpu_hour

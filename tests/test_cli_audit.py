@@ -1,0 +1,191 @@
+"""The bad-input contract of every subcommand, for the defects the command-line audit found:
+each case ran `meshtron ...` as a user types it and ended in a traceback, a lie or a file left
+behind. Now: one line on stderr naming the field and the value, exit code 2, nothing written.
+
+Through the command's entry point (`meshtron.cli.main`) in this process: every refusal here
+comes before any rank starts or any torch work.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from meshtron.cli import main
+
+BINARY = b"\xff\xfe\x00\x81not = 'text'\n"
+"""A file that is not UTF-8 (a checkpoint shard, an image given by mistake): every reader
+raised UnicodeDecodeError with a traceback."""
+TINY = ["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "64"]
+
+
+def refused(capsys, *argv) -> str:
+    """Run `meshtron argv`; assert exit 2 with one line and no traceback; return the line."""
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    return lines[0]
+
+
+def saved_plan(capsys, path, pattern: str = "", new: str = "") -> str:
+    """A plan saved by `meshtron plan --save`, its first line matching `pattern` (a regular
+    expression, multi-line) replaced by `new`."""
+    assert main(["plan", *TINY, "--top", "1", "--save", str(path)]) == 0
+    if pattern:
+        text, n = re.subn(pattern, new, path.read_text(), count=1, flags=re.M | re.S)
+        assert n == 1, pattern
+        path.write_text(text)
+    capsys.readouterr()
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["plan", "--model", "tiny", "--global-batch", "8", "--cluster", "{f}"], "cluster="),
+    (["plan", "--cluster", "dgx-h100:1", "--global-batch", "8", "--model", "{f}"], "model="),
+    (["plan", *TINY[2:], "--model", "tiny", "--cluster", "dgx-h100:1", "--options", "{f}"],
+     "options="),
+    (["cost", *TINY, "--prices", "{f}"], "prices="),
+    (["cost", "--plan", "{f}"], "plan="),
+    (["simulate", "--step", "--plan", "{f}"], "plan="),
+    (["calibrate", "--router-stats", "{f}"], "router-stats="),
+    (["train", "--config", "{f}", "--run-dir", "{run}"], "config="),
+])
+def test_a_binary_input_file_is_one_line(capsys, tmp_path, argv, field):
+    f = tmp_path / "input.toml"
+    f.write_bytes(BINARY)
+    run = tmp_path / "run"
+    line = refused(capsys, *[a.format(f=f, run=run) for a in argv])
+    assert f"{field}{str(f)!r}" in line and ("UTF-8" in line or "utf-8" in line), line
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("argv", [["cost", "--plan"], ["simulate", "--step", "--plan"],
+                                  ["calibrate", "--router-stats"]])
+def test_a_folder_given_as_a_file_is_called_a_folder(capsys, tmp_path, argv):
+    """It said "file does not exist" of a folder that exists."""
+    line = refused(capsys, *argv, tmp_path)
+    assert "is a folder" in line and "does not exist" not in line, line
+
+
+@pytest.mark.parametrize("pattern, new, want", [
+    (r"^model = .*?$", "model = 7", "plan.model=7: must be a non-empty string"),
+    (r"^cluster = .*?$", "cluster = 5", "plan.cluster=5: must be a non-empty string"),
+    (r"^\[predicted\].*", "predicted = 3\n", "plan.predicted=3: must be a table of numbers"),
+])
+def test_a_damaged_plan_field_is_named(capsys, tmp_path, pattern, new, want):
+    """`model = 7` in a plan file was an AttributeError traceback in `cost --plan` (the int
+    read as a path), `predicted = 3` a TypeError in `train --plan` and `rehearse --plan`."""
+    plan = saved_plan(capsys, tmp_path / "plan.toml", pattern, new)
+    for argv in (["cost", "--plan", plan], ["simulate", "--step", "--plan", plan],
+                 ["train", "--plan", plan, "--steps", "1", "--run-dir", tmp_path / "run"]):
+        assert want in refused(capsys, *argv)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_file_section_that_is_not_a_table(capsys, tmp_path):
+    """`train = 3` and a --steps flag: a TypeError traceback in apply_overrides."""
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("train = 3\n")
+    line = refused(capsys, "train", "--config", run_file, "--steps", "1", "--run-dir",
+                   tmp_path / "run")
+    assert "train=3: must be a table ([train])" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_save_to_an_unwritable_path_is_refused_before_the_search(capsys, tmp_path):
+    """`--save` under a path that cannot hold a file was a FileNotFoundError traceback after the
+    search; a new sub-folder of a writable one is created, as `calibrate --out` does."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    line = refused(capsys, "plan", *TINY, "--save", blocker / "sub" / "plan.toml")
+    assert line.startswith("meshtron plan: error: save=") and "is a file" in line, line
+    target = tmp_path / "new" / "deeper" / "plan.toml"
+    assert main(["plan", *TINY, "--top", "1", "--save", str(target)]) == 0
+    assert "format = " in target.read_text()
+
+
+def test_simulate_out_that_cannot_be_created(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    line = refused(capsys, "simulate", "--model", "tiny", "--global-batch", "8", "--seq-len",
+                   "64", "--gpus", "8", "--out", blocker / "sweep")
+    assert "out=" in line and "is a file" in line, line
+
+
+@pytest.mark.parametrize("flag, allowed", [("--cluster", "expected a preset"),
+                                           ("--model", "unknown preset")])
+def test_an_empty_name_is_not_the_current_folder(capsys, flag, allowed):
+    """`--cluster ''` was refused as "cluster='.': is a folder" (Path('') is '.')."""
+    argv = dict(zip(TINY[::2], TINY[1::2]), **{flag: ""})
+    line = refused(capsys, "plan", *[x for kv in argv.items() for x in kv])
+    assert f"{flag[2:]}='':" in line and allowed in line, line
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["simulate", "--step", *TINY, "--mtbf-hours", "-1"], "--mtbf-hours: '-1'"),
+    (["simulate", "--step", *TINY, "--failures-per-gpu-hour", "nan"],
+     "--failures-per-gpu-hour: 'nan'"),
+])
+def test_simulate_rates_are_checked_on_the_flag(capsys, argv, want):
+    assert want in refused(capsys, *argv)
+
+
+def test_a_seed_beyond_64_bits_is_refused_before_the_run_folder(capsys, tmp_path):
+    """torch takes a seed as a signed 64-bit integer: 10**23 was an OverflowError traceback
+    after the run folder had been created."""
+    run = tmp_path / "run"
+    line = refused(capsys, "train", "--model", "debug", "--steps", "1", "--seed", 10**23,
+                   "--run-dir", run)
+    assert f"train.seed={10**23}" in line and "2**63 - 1" in line, line
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"RANK": "0", "WORLD_SIZE": "x"}, "WORLD_SIZE='x' (environment variable): expected an "
+                                       "integer >= 1"),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 (environment variable): must be below "
+                                       "WORLD_SIZE=2"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "two"}, "SLURM_STEP_NUM_TASKS='two'"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "MASTER_ADDR": "localhost",
+      "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+])
+def test_a_launcher_variable_that_is_not_a_rank_number(capsys, monkeypatch, tmp_path, env, want):
+    """torchrun's and Slurm's variables as `meshtron train` reads them: a value that is not a
+    number (or a rank outside the world) was a ValueError traceback, or a rank waiting for
+    peers that never come."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                 "SLURM_STEP_NUM_TASKS", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = tmp_path / "run"
+    assert want in refused(capsys, "train", "--model", "debug", "--steps", "1", "--run-dir", run)
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("dump", [b"[1, 2]\n", b"\xff\xfe{", b'{"format": 3}'])
+def test_doctor_on_damaged_dumps_says_so(capsys, tmp_path, dump):
+    """A rank dump holding a JSON list was an AttributeError traceback; any dump it cannot
+    read is now named in the refusal instead of a bare "no trace"."""
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "rank_0.json").write_bytes(dump)
+    line = refused(capsys, "doctor", tmp_path)
+    assert "no trace" in line and "1 unreadable or not meshtron's: rank_0.json" in line, line
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--cluster", "dgx-h100:2"], "cluster='dgx-h100:2': contradicts the plan"),
+    (["--model", "llama3-8b"], "model='llama3-8b': contradicts the plan"),
+    (["--global-batch", "16"], "global-batch=16: contradicts the plan"),
+    (["--layout", "tp=2"], "--layout='tp=2': the saved plan"),
+    (["--zero", "1"], "--zero=1: the saved plan"),
+])
+def test_rehearse_plan_refuses_flags_it_would_ignore(capsys, tmp_path, flags, want):
+    """`rehearse --plan` rehearsed another cluster's world silently, ignored --global-batch and
+    the search knobs, and met another model with a stage-split error; `cost --plan` and
+    `simulate --step --plan` already refused a contradicting --model/--cluster."""
+    plan = saved_plan(capsys, tmp_path / "plan.toml")
+    assert want in refused(capsys, "rehearse", "--plan", plan, *flags)
