@@ -22,8 +22,8 @@ from meshtron.planner.plan_rules_fields import (  # noqa: F401  (re-exported)
     OFFLOADS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, _is_int, comm_problems,
     EP_FOLDS, ep_fold_problem, ep_rule, ep_stack_problem, field_problems)
 from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
-    STACK_SCHEDULES, megatron_account_for, microbatch_problem, most_chunks, schedule_problem,
-    schedule_zero_problem, split_problem)
+    ONE_SCHEDULE_PER_STEP, STACK_SCHEDULES, megatron_account_for, microbatch_problem,
+    most_chunks, runs_problem, schedule_problem, schedule_zero_problem, split_problem)
 from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
     STACK_OFFLOADS, least_zero, offload_kinds, offload_problem)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
@@ -150,6 +150,10 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
          if all(_is_int(x) and x > 0 for x in sizes) else None)
     problem = schedule_problem(split if engine is None else engine, g("schedule"), g("pp"),
                                g("virtual_stages"), m)
+    if problem:
+        out.append(problem)
+    problem = runs_problem(split if engine is None else engine, g("pipeline_runs"),
+                           g("schedule"), g("pp"), g("virtual_stages"), m)
     if problem:
         out.append(problem)
     problem = offload_problem(offload_rule, g("offload"), g("zero"))

@@ -16,7 +16,7 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.plan import (RECOMPUTE, Plan, check, fp8_runtime_problem,
                                     microbatch_problem, offload_runtime_problem, plan_problems,
-                                    schedule_zero_problem)
+                                    runs_problem, schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
 from meshtron.planner.plan_rules import (compile_runtime_problem, ep_fold_problem, ep_rule,
@@ -262,6 +262,12 @@ class SearchSpace:
             cfg = dataclasses.replace(cfg, fp8_recipe=self.fp8_recipe)
         if self.knobs.etp is not None:  # not searched: the user's (Megatron-Core's folding)
             cfg = dataclasses.replace(cfg, etp=self.knobs.etp)
+        runs = self.knobs.pipeline_runs
+        if runs not in (None, 1):  # not searched: the stack's schedule calls per step
+            if self._refused(runs_problem(self.engine, runs, sched, pp, v,
+                                          self.global_batch // (dp * mb))):
+                return None  # e.g. pp = 1, or runs not dividing this micro-batch count
+            cfg = dataclasses.replace(cfg, pipeline_runs=runs)
         if self.async_tp and not (tp > 1 and sp):
             return None  # async TP pipelines the sequence-parallel collectives (plan_rules)
         if self.compile:
