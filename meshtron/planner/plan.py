@@ -343,12 +343,14 @@ class Plan:
         return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}{ep}"
 
     def schedule_label(self) -> str:
-        """'-' without a pipeline, 'interleaved:V' with virtual stages, else the schedule."""
+        """'-' without a pipeline, 'interleaved:V' with virtual stages, else the schedule;
+        'xN' after it for N schedule calls per step (pipeline_runs)."""
         if self.pp == 1 or self.schedule is None:
             return "-"
+        runs = f" x{self.pipeline_runs}" if self.pipeline_runs > 1 else ""
         if self.virtual_stages > 1:
-            return f"{self.schedule}:{self.virtual_stages}"
-        return self.schedule
+            return f"{self.schedule}:{self.virtual_stages}{runs}"
+        return self.schedule + runs
 
     def describe(self) -> str:
         return (f"{self.layout()} zero={self.zero} mb={self.micro_batch} "
