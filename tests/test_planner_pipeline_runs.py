@@ -148,3 +148,26 @@ def test_cli_refuses_runs_where_the_code_runs_one_schedule(capsys):
     line = _refusal(capsys, ARGS + ["--global-batch", "256", "--framework", "torchtitan",
                                     "--pipeline-runs", "0"])
     assert "--pipeline-runs" in line and "0" in line
+
+
+def test_step_simulator_refuses_several_calls(capsys, tmp_path):
+    # its graph (simulate/step.py) is one schedule of all the micro-batches per step
+    path = tmp_path / "runs.toml"
+    assert main(ARGS + ["--global-batch", "256", "--framework", "torchtitan",
+                        "--pipeline-runs", "4", "--save", str(path)]) == 0
+    capsys.readouterr()
+    line = _refusal(capsys, ["simulate", "--step", "--plan", str(path), "--framework",
+                             "torchtitan"])
+    assert "plan.pipeline_runs=4: the step simulator walks one pipeline schedule" in line
+
+
+def test_search_takes_schedules_whose_formulas_hold_per_call(capsys):
+    # 256 / 8 = 32 micro-batches in 16 calls of 2 < pp = 4: the searched schedules' formulas
+    # (1F1B and ZB-H1 need pp in flight, interleaving whole rounds of pp) hold for none
+    line = _refusal(capsys, ARGS + ["--global-batch", "256", "--framework", "torchtitan",
+                                    "--pipeline-runs", "16"])
+    assert "plan.pipeline_runs=16: 2 micro-batches per schedule call, fewer than pp=4" in line
+    assert main(ARGS + ["--global-batch", "256", "--framework", "torchtitan", "--pipeline-runs",
+                        "16", "--schedule", "gpipe", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plans"][0]
+    assert (plan["schedule"], plan["pipeline_runs"]) == ("gpipe", 16)

@@ -417,8 +417,15 @@ class SearchSpace:
             self.why_empty = self.why_empty or (
                 f"plan.schedule='interleaved': needs at least 2 layers per pipeline stage "
                 f"(the model has {self.model.layers} layers over pp={pp})")
-        if k.schedule is None:
-            ok = [(s, v) for s, v in ok if _formulas_hold(s, pp, m)]
+        if k.schedule is None:  # the formulas see one schedule call's micro-batches
+            per_call = m // (k.pipeline_runs or 1)
+            held = [(s, v) for s, v in ok if _formulas_hold(s, pp, per_call)]
+            if ok and not held and per_call < m:
+                self.why_empty = self.why_empty or (
+                    f"plan.pipeline_runs={k.pipeline_runs}: {per_call} micro-batches per "
+                    f"schedule call, fewer than pp={pp} (or not a multiple of it) for every "
+                    "schedule searched; fix one with --schedule (e.g. gpipe) or use fewer runs")
+            ok = held
         return ok
 
     def sps(self, tp: int) -> list[bool]:
