@@ -140,6 +140,11 @@ def test_cli_refuses_runs_where_the_code_runs_one_schedule(capsys):
                                     "--pipeline-runs", "4"])
     assert line.startswith("meshtron plan: error: plan.pipeline_runs=4: Megatron-Core runs one "
                            "schedule of all")
+    # torchtitan's gradient accumulation came with pytorch/torchtitan#1238 (June 2025)
+    line = _refusal(capsys, ARGS + ["--global-batch", "256", "--framework", "torchtitan@2024",
+                                    "--pipeline-runs", "4"])
+    assert line.startswith("meshtron plan: error: plan.pipeline_runs=4: torchtitan@2024 calls "
+                           "its pipeline schedule once per optimizer step")
     line = _refusal(capsys, ARGS + ["--global-batch", "256", "--pipeline-runs", "4"])
     assert "plan.pipeline_runs=4: meshtron's runtime runs one pipeline schedule" in line
     line = _refusal(capsys, ARGS + ["--global-batch", "256", "--framework", "torchtitan",

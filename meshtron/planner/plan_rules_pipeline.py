@@ -181,11 +181,22 @@ by split rule; the rest run torch.distributed.pipelining, whose callers (torchti
 trainer.py, NeMo AutoModel's train_ft.py) may call schedule.step several times per step."""
 
 
+RUNS_STACKS = {
+    "torchtitan@2025": "torchtitan/trainer.py: gradient_accumulation_steps calls of "
+                       "pp_schedule.step (since pytorch/torchtitan#1238, June 2025)",
+    "nemo-automodel@2025": "recipes/llm/train_ft.py _run_train_optim_step: one schedule.step "
+                           "per local batch, GA of them"}
+"""The priced stacks whose trainer calls its pipeline schedule several times per optimizer
+step (plan.pipeline_runs > 1), with where; meshtron's runtime refuses it in its own words
+(plan_rules_runtime.schedule_runtime_problem)."""
+
+
 def runs_problem(rule: str | None, runs: int | None, schedule: str | None, pp: int | None,
-                 v: int | None, m: int | None) -> str | None:
+                 v: int | None, m: int | None, stack: str | None = None) -> str | None:
     """plan.pipeline_runs > 1 (the step's m micro-batches in `runs` schedule calls of m/runs):
-    needs a pipeline, a stack that calls its schedule several times per step, a count that
-    divides m, and m/runs micro-batches per call within torch's own limits
+    needs a pipeline, a stack that calls its schedule several times per step (`rule`: its
+    split rule, ONE_SCHEDULE_PER_STEP; `stack`: 'name@era', RUNS_STACKS; None: not named), a
+    count that divides m, and m/runs micro-batches per call within torch's own limits
     (`microbatch_problem`: single-stage 1F1B needs m/runs >= pp). One line or None."""
     if not isinstance(runs, int) or isinstance(runs, bool) or runs <= 1:
         return None  # 1, unset, or not a positive integer (field_problems says so)
@@ -195,6 +206,10 @@ def runs_problem(rule: str | None, runs: int | None, schedule: str | None, pp: i
     if schedule == "dualpipe" or rule in ONE_SCHEDULE_PER_STEP:
         why = ONE_SCHEDULE_PER_STEP.get(rule, ONE_SCHEDULE_PER_STEP["dualpipe"])
         return f"plan.pipeline_runs={runs}: {why}; use pipeline_runs=1"
+    if stack is not None and stack not in RUNS_STACKS and not stack.startswith("meshtron@"):
+        return (f"plan.pipeline_runs={runs}: {stack} calls its pipeline schedule once per "
+                f"optimizer step (several calls: {', '.join(RUNS_STACKS)}); use "
+                "pipeline_runs=1")
     if m is None or pp is None:
         return None
     if m % runs:

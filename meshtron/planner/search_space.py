@@ -93,6 +93,10 @@ class SearchSpace:
         self._refusal: str | None = None
         self.knobs = k
         self.framework = framework
+        # 'name@era' of the priced stack (None: not named), for rules its trainer decides
+        self.stack = (f"{framework.name}@{framework.era}"
+                      if getattr(framework, "name", None) and getattr(framework, "era", None)
+                      else None)
         self.n, self.model, self.global_batch = cluster.num_gpus, model, global_batch
         self._check_fixed(cluster.gpus_per_node)
         self.dtype = k.dtype or DEFAULT_DTYPE
@@ -130,7 +134,8 @@ class SearchSpace:
         # the stack's ep folding (plan_rules.EP_FOLDS): only Megatron-Core's takes plan.etp
         self.ep_rule = ep_rule(self.mem.framework)
         problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine,
-                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule)
+                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule,
+                                 self.stack)
         if problems:
             nearer = self._nearer_split(fixed)
             if nearer is None:
@@ -265,7 +270,7 @@ class SearchSpace:
         runs = self.knobs.pipeline_runs
         if runs not in (None, 1):  # not searched: the stack's schedule calls per step
             if self._refused(runs_problem(self.engine, runs, sched, pp, v,
-                                          self.global_batch // (dp * mb))):
+                                          self.global_batch // (dp * mb), self.stack)):
                 return None  # e.g. pp = 1, or runs not dividing this micro-batch count
             cfg = dataclasses.replace(cfg, pipeline_runs=runs)
         if self.async_tp and not (tp > 1 and sp):
