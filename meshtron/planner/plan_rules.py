@@ -23,7 +23,8 @@ from meshtron.planner.plan_rules_fields import (  # noqa: F401  (re-exported)
     EP_FOLDS, ep_fold_problem, ep_rule, ep_stack_problem, field_problems)
 from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
     ONE_SCHEDULE_PER_STEP, RUNS_STACKS, STACK_SCHEDULES, megatron_account_for,
-    microbatch_problem, most_chunks, runs_problem, schedule_problem, schedule_zero_problem, split_problem)
+    microbatch_problem, most_chunks, runs_problem, schedule_problem, schedule_zero_problem,
+    split_problem)
 from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
     STACK_OFFLOADS, least_zero, offload_kinds, offload_problem)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
