@@ -87,6 +87,11 @@ CASES: dict[str, list[str]] = {
     "gpt3-zero3-replicate": ["--model", "gpt3-175b", "--cluster", "dgx-h100:32",
                              "--global-batch", "1024", "--seq-len", "2048", "--zero", "3",
                              "--dp-replicate", "2"],
+    # torchtitan's gradient accumulation around pp_schedule.step: 4 schedule calls per step
+    "70b-torchtitan-pp-runs": ["--model", "llama3-70b", "--cluster", "dgx-h100:8",
+                               "--global-batch", "512", "--seq-len", "8192", "--framework",
+                               "torchtitan", "--layout", "tp=8,pp=4,dp=2", "--zero", "3",
+                               "--micro-batch", "1", "--pipeline-runs", "4"],
 }
 
 

@@ -231,22 +231,28 @@ def automodel() -> list[PublishedRun]:
     am_moe = for_model(PRESETS["nemo-automodel@2025"], preset("deepseek-v3"))
     te = dataclasses.replace(am_moe.kernel, expert_imbalance=1.0, expert_routing="contiguous")
     am_mem = dataclasses.replace(am_moe.memory, loss="eager-bf16")
-    rows = [  # name, model, gpus, GBS, MBS, pp, vp, ep, tokens/s/GPU
-        ("AM DSV3 671B 1024xH100", preset("deepseek-v3"), 1024, 8192, 1, 4, 8, 64, 865.0),
-        ("AM DSV3 671B 256xH100", preset("deepseek-v3"), 256, 512, 1, 4, 8, 64, 1002.0),
-        ("AM Kimi K2 256xH100", preset("kimi-k2"), 256, 512, 1, 8, 4, 32, 924.0),
-        ("AM Qwen3 30B-A3B 8xH100", preset("qwen3-30b-a3b"), 8, 512, 4, 1, None, 8, 12040.0),
+    # GA: the summary's gradient-accumulation column (docs/performance-summary.mdx: "number of
+    # local-batches before optimizer step"); with PP each local batch of LBS/MBS micro-batches
+    # is one schedule.step (recipes/llm/train_ft.py _run_train_optim_step), so GA schedule
+    # calls per step (Plan.pipeline_runs); without PP it is plain accumulation
+    rows = [  # name, model, gpus, GBS, MBS, pp, vp, ep, GA, tokens/s/GPU
+        ("AM DSV3 671B 1024xH100", preset("deepseek-v3"), 1024, 8192, 1, 4, 8, 64, 4, 865.0),
+        ("AM DSV3 671B 256xH100", preset("deepseek-v3"), 256, 512, 1, 4, 8, 64, 1, 1002.0),
+        ("AM Kimi K2 256xH100", preset("kimi-k2"), 256, 512, 1, 8, 4, 32, 2, 924.0),
+        ("AM Qwen3 30B-A3B 8xH100", preset("qwen3-30b-a3b"), 8, 512, 4, 1, None, 8, 16,
+         12040.0),
     ]
     runs = []
-    for name, model, gpus, gbs, mbs, pp, vp, ep, tps in rows:
+    for name, model, gpus, gbs, mbs, pp, vp, ep, ga, tps in rows:
         dp = gpus // pp
         runs.append(PublishedRun(
             name, AM, "NeMo AutoModel FSDP2 (TE + DeepEP)", model,
             preset_cluster("dgx-h100", gpus // 8), gbs, 4096, 1, pp, dp, 3, "full", False, te,
             "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, ep=ep,
-            memory=am_mem, confident=False,
-            note=f"BF16, GBS {gbs}, MBS {mbs}, PP {pp}, VP {vp or '-'}, EP {ep}, FSDP {dp} as "
+            memory=am_mem, confident=False, pipeline_runs=ga if pp > 1 else 1,
+            note=f"BF16, GBS {gbs}, MBS {mbs}, PP {pp}, VP {vp or '-'}, EP {ep}, FSDP {dp}, "
+                 f"GA {ga} as "
                  "published (interleaved1f1b where PP > 1: the yaml's pp_schedule); full "
                  "activation checkpointing, fake balanced gate, torch Adam as the "
                  "examples/llm_benchmark yamls set them. Assumed: no MTP module (Hugging "
@@ -255,9 +261,9 @@ def automodel() -> list[PublishedRun]:
                  "run (session 40, branch automoe; calibration since): the bf16 model "
                  "(param_dtype), experts outside FSDP2 where ep_shard is one rank, DeepEP's "
                  "deduplicated dispatch of the fake gate's contiguous experts, the bf16 "
-                 "cross-entropy (MaskedCrossEntropy fp32_upcast false). Not "
-                 "expressible: LBS/MBS micro-batches per pipeline schedule run GA times per "
-                 "step (the summary's GA column), priced as one schedule of them all; "
+                 "cross-entropy (MaskedCrossEntropy fp32_upcast false). With PP the "
+                 "schedule runs GA times per step, LBS/MBS micro-batches each (pipeline_runs, "
+                 "branch pprounds, session 40). Not expressible: "
                  "reshard_after_forward False priced as the row's ZeRO-3"))
     # Llama 3.1 70B (custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml): FSDP2 with CP 2 over
     # SDPA, torch.compile, fp32 RMSNorm in torch, TE FusedAdam, full activation checkpointing

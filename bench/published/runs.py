@@ -152,7 +152,9 @@ LOOKED_AT = {
        "it led to MemoryOptions.param_dtype (the bf16 model, torch Adam's bf16 moments), "
        "experts_outside_fsdp (a one-rank ep_shard group) and DeepEP's deduplicated "
        "dispatch with the fake balanced gate's contiguous experts (ep_dispatch 'deepep', "
-       "expert_routing 'contiguous', planner/moe_deepep.py)"
+       "expert_routing 'contiguous', planner/moe_deepep.py); the GA > 1 rows' +28-30% then "
+       "led to Plan.pipeline_runs (branch pprounds: GA schedule calls per step, set from the "
+       "summary's GA column)"
        for name in ("AM DSV3 671B 1024xH100", "AM DSV3 671B 256xH100", "AM Kimi K2 256xH100",
                     "AM Qwen3 30B-A3B 8xH100")},
     "MB25.09 DSV3 671B 1024xH100 dropless": "examined in session 40 (branch automoe) after its "

@@ -131,6 +131,10 @@ class PublishedRun:
     etp: int | None = None
     """Expert tensor-parallel degree the run's recipe sets (Megatron-Core's folding: ep * etp
     divides tp x cp x dp; Plan.etp); None: the stack's own."""
+    pipeline_runs: int = 1
+    """Pipeline schedule calls per optimizer step where the source states them (NeMo
+    AutoModel's GA column with PP: GA schedule.step calls of LBS/MBS micro-batches; Plan.
+    pipeline_runs); 1: one schedule of all the step's micro-batches."""
     regression: str = ""
     """Where the software's own maintainers say the figure measures a performance regression
     they then fixed (an issue or release note): such rows stay in the table and are reported
@@ -155,7 +159,8 @@ class PublishedRun:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         ep += f" etp={self.etp}" if self.etp is not None else ""
-        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep}{z}"
+        runs = f" runs={self.pipeline_runs}" if self.pipeline_runs > 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep}{z}{runs}"
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,7 @@ def _candidates(run: PublishedRun, recompute: str) -> list[Plan]:
             plans.append(Plan(run.tp, run.pp, run.dp, run.zero, mb, recompute, run.sp, sched, v,
                               dp_replicate=run.dp_replicate, dtype=run.dtype, cp=run.cp,
                               ep=run.ep, etp=run.etp,
+                              pipeline_runs=run.pipeline_runs if run.pp > 1 else 1,
                               attention=run.opts.attention,
                               reduce_dtype="fp32" if run.opts.fp32_grad_reduce else "bf16"))
     return plans

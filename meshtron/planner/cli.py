@@ -67,6 +67,11 @@ def register(subparsers: Any) -> None:
                    "--framework's stack runs: plan_rules_zero.py)")
     p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="HSDP: replicate ZeRO-2/3 shards over this many groups (divides dp)")
+    p.add_argument("--pipeline-runs", type=positive_int, default=None, metavar="N",
+                   help="pipeline schedule calls per optimizer step, m/N micro-batches each "
+                        "(torchtitan's and nemo-automodel's gradient accumulation around "
+                        "schedule.step; default 1: one schedule of all micro-batches, as "
+                        "Megatron, DeepSpeed and meshtron's runtime run)")
     p.add_argument("--recompute", help="fix recomputation: none | selective | half (every second block) | full")
     p.add_argument("--sp", help="fix sequence parallelism: on | off")
     p.add_argument("--micro-batch", type=positive_int, help="fix the micro-batch size (sequences)")
@@ -167,6 +172,8 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
                         args.schedule, args.dtype)
     if getattr(args, "dp_replicate", None) is not None:
         knobs["dp_replicate"] = args.dp_replicate
+    if getattr(args, "pipeline_runs", None) is not None:
+        knobs["pipeline_runs"] = args.pipeline_runs
     if getattr(args, "reduce_dtype", None) is not None:
         knobs["reduce_dtype"] = args.reduce_dtype.strip().lower()
     if getattr(args, "accumulate_unsharded", None):

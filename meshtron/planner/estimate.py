@@ -234,7 +234,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                     work=work, logits=logits, flags=flags, shard_dp=shard_dp, keep=keep,
                     fsdp_zero1=fsdp_zero1, accum=accum, t_layer=t_layer, e_first=e_first,
                     e_last=e_last, head_rank=head_rank,
-                    replay=self.half_replay(cfg, (c_l, tpc_l, w_l, ep_l)))
+                    replay=self.half_replay(cfg, (c_l, tpc_l, w_l, ep_l)),
+                    runs=cfg.pipeline_runs if pp > 1 else 1)
 
     def _result(self, w: Work, times: TimeBreakdown, step: float, stage: int | None,
                 keep_infeasible: bool) -> Estimate | None:

@@ -42,7 +42,7 @@ class GPipeMoments:
         each unit's reduce-scatter after its backward (the step's only micro-batch syncs:
         parallel/data_parallel.py `set_microbatch_policy`; rehearsed, 'mid' dp 8 ZeRO-1, the
         head's backward: the head's shard alone, +5.0% beside every shard)."""
-        pp, m, schedule, mem = w.pp, w.m, w.cfg.schedule, w.mem_opts
+        pp, m, schedule, mem = w.pp, w.m_run, w.cfg.schedule, w.mem_opts
         # ZeRO-0 accumulates in its states' gradient (memory_peak.embedding_accum_bytes)
         zero0 = w.zero == 0 and not (w.shard_dp == 1 and mem.dtype == "fp32")
         # v > 1: torch's ScheduleLoopedBFS, GPipe's order chunk by chunk (`_looped_rank`)
@@ -75,7 +75,7 @@ class GPipeMoments:
         if not self._gpipe_ranks(w)[r]:
             return
         w.outputs = list(w.outputs)
-        w.outputs[r] += (w.m - 1) * self._gpipe_saved(w)
+        w.outputs[r] += (w.m_run - 1) * self._gpipe_saved(w)
         w.per_layer, w.fixed = self._stage_memories(w, w.inflight, [r])
 
     def _gpipe_fits(self, w: Work, n: list[int], halved: bool) -> bool:
@@ -93,7 +93,7 @@ class GPipeMoments:
         GPipe moments: its in-flight multiplier, kept outputs, moment and block (w.inflight,
         w.outputs, w.moments, w.blocks), then the stages' memory and whether the split fits
         (w.fits)."""
-        pp, m = w.pp, w.m
+        pp, m = w.pp, w.m_run
         saved = self._gpipe_saved(w)
         walked = self._gpipe_ranks(w)
         # copies: the evaluator's cached lists; the head's outputs without `_gpipe_bound`'s
@@ -137,7 +137,7 @@ class GPipeMoments:
                     outputs: list[float], moments: list) -> tuple:
         """(multiplier, kept outputs, moment, block) of rank `r` at its fullest GPipe moment
         (memory_gpipe.gpipe_moments), each priced by `_stage_memories`."""
-        pp, m, out, mem = w.pp, w.m, w.out_bytes, w.mem_opts
+        pp, m, out, mem = w.pp, w.m_run, w.out_bytes, w.mem_opts
         b = w.blocks[r]
         act = b[2]
         # one micro-batch's activations (with `half`'s stored extra, _half_stages)
@@ -190,7 +190,7 @@ class GPipeMoments:
         """(the head's unit, a block `b`'s) compute copies freed after their backward
         (memory_gpipe.resharded_after_backward: one micro-batch without a pipeline)."""
         return memory_gpipe.resharded_after_backward(
-            w.m, w.pp, w.zero, self._gpipe_resharded_units(w), w.mem_opts.compute_bytes,
+            w.m_run, w.pp, w.zero, self._gpipe_resharded_units(w), w.mem_opts.compute_bytes,
             w.p_head, b[0] + b[1])
 
     @staticmethod
@@ -242,7 +242,7 @@ class GPipeMoments:
         buffers all step (memory_pipeline.receive_buffers), the inputs among them a saved
         block input while their micro-batch is held (a fused norm saves it): a chunk whose
         micro-batches are gone holds fewer outputs, more uncounted input buffers."""
-        pp, v, m, out, mem = w.pp, w.v, w.m, w.out_bytes, w.mem_opts
+        pp, v, m, out, mem = w.pp, w.v, w.m_run, w.out_bytes, w.mem_opts
         b = w.blocks[r]
         act = b[2]
         chunks = self._chunks(w)

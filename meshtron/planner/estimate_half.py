@@ -94,7 +94,7 @@ class HalfRecompute:
             works = [b[3] if memory_pipeline.half_recomputes_first(n) else min(b[3], plain)
                      for n in layers]
             if len(set(works)) > 1:
-                work = (memory_pipeline.backward_work(p, v, w.m, r, layers, works, act, grad,
+                work = (memory_pipeline.backward_work(p, v, w.m_run, r, layers, works, act, grad,
                                                       w.extra_warm, odd)
                         if walk else min(works))
             else:

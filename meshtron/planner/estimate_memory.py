@@ -69,11 +69,13 @@ class StageMemories:
         tp, pp, v, m, ep, cp, mb = w.tp, w.pp, w.v, w.m, w.ep, w.cp, w.mb
         p_emb, p_head = w.p_emb, w.p_head
         # memory of stage i = n_i * per_layer[i] + fixed[i] (memory.stage_memory)
-        inflight = self._in_flight(cfg.schedule, pp, v, m)
+        # a pipeline's in-flight micro-batches and receive buffers are those of one schedule
+        # call (Plan.pipeline_runs: m / runs micro-batches each)
+        inflight = self._in_flight(cfg.schedule, pp, v, w.m_run)
         if (mem_opts.framework == "megatron" and cfg.schedule == "interleaved" and v > 1
                 and ep > 1 and self.opts.ep_overlap):
             # Megatron-Core's A2A overlap adds a warm-up forward (memory_pipeline.py)
-            inflight = memory_pipeline.a2a_overlap_in_flight(inflight, v, m)
+            inflight = memory_pipeline.a2a_overlap_in_flight(inflight, v, w.m_run)
             w.extra_warm = 1
         roots = [0.0] * pp
         roots[0] += p_emb
@@ -106,7 +108,7 @@ class StageMemories:
             counted = [0.0 if self._torch_zb(w) else g for g in
                        memory_pipeline.held_outputs(pp, v, [0.0] * pp)]
             w.recv = [k * out_bytes for k in memory_pipeline.receive_buffers(
-                pp, v, m, cfg.schedule, inflight, mem_opts.fused_norm, counted)]
+                pp, v, w.m_run, cfg.schedule, inflight, mem_opts.fused_norm, counted)]
             outputs = [o + r for o, r in zip(outputs, w.recv)]
         outputs = mtp.with_activations(outputs, w.head_rank, model.mtp_depth, w.act)
         w.inflight, w.roots, w.root_units, w.out_bytes, w.outputs = (inflight, roots, root_units,

@@ -43,7 +43,7 @@ class LastRankMoments:
         out = w.out_bytes if fsdp2 else 0.0  # Megatron frees them; DeepSpeed's as counted
         best: tuple = ()
         for moment, (held, outs) in zip(("block", "loss"), _last_rank_moments(
-                pp, w.v, w.m, tuple(layers), act, grad, out, w.extra_warm, odd)):
+                pp, w.v, w.m_run, tuple(layers), act, grad, out, w.extra_warm, odd)):
             mult = (held - grad * n) / (act * n)  # beside every layer's gradients, as weighted
             kept = out * outs + w.recv[r] if fsdp2 else w.outputs[r]
             moments = [None] * r + [moment]

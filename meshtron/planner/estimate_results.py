@@ -113,6 +113,8 @@ class Estimate:
         }
         if getattr(c, "etp", None) is not None:  # Megatron-Core's folding (Plan.etp)
             d["etp"] = c.etp
+        if c.pipeline_runs > 1:  # schedule calls per step (Plan.pipeline_runs)
+            d["pipeline_runs"] = c.pipeline_runs
         if tokens is not None and gpus is not None:
             d["days"] = self.days(tokens)
             d["gpu_hours"] = self.gpu_hours(tokens, gpus)

@@ -86,7 +86,21 @@ class StageCosts:
         (parameters, routed-expert parameters, parameters of its last unit kept gathered),
         with `stage_f`, `stage_b` the forward and backward of one micro-batch on it: the one
         choice between gradient compression, the experts' own groups and `_dp_time` that
-        the planner (estimate_time.py) and the simulator (step_pieces.py) both use."""
+        the planner (estimate_time.py) and the simulator (step_pieces.py) both use.
+        Under torch.distributed.pipelining each schedule call's last backward syncs and
+        reshards FSDP (stage.py backward_maybe_with_nosync; NeMo AutoModel's
+        patched_backward_maybe_with_nosync alike): with plan.pipeline_runs calls per step
+        the reductions and the re-gathers repeat per call, each over m / runs micro-batches."""
+        runs = cfg.pipeline_runs if cfg.pp > 1 and self.opts.sharding == "fsdp" else 1
+        if runs > 1:
+            one = self._stage_dp(cfg, i, k, held, m // runs, stage_f, stage_b, flags, groups)
+            return StageDp(runs * one.total, one.path, one.drain)
+        return self._stage_dp(cfg, i, k, held, m, stage_f, stage_b, flags, groups)
+
+    def _stage_dp(self, cfg: Plan, i: int, k: int, held: tuple[float, float, float], m: int,
+                  stage_f: float, stage_b: float, flags: dict[str, Any],
+                  groups: dict[str, Any]) -> StageDp:
+        """`stage_dp` for one schedule call of `m` micro-batches."""
         zero, pp, v = cfg.zero, cfg.pp, cfg.virtual_stages
         params, experts, kept = held
         if cfg.dp * cfg.cp <= 1:  # ZeRO shards and reductions span dp x cp ranks

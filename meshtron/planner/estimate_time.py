@@ -67,30 +67,36 @@ class StepTimes:
                 # backward on it (DeepSpeed v0.3.15-v0.5.3 pipe/engine.py _exec_recv_grads:
                 # PartitionedTensor.full() before p2p.recv), a gather in both directions
                 hop = 0.5 * (hop + comm.send(w.p2p_bytes * tp, cross, self.fab)) + 0.5 * w.gather
-            pp_t = pipeline.p2p_time(hop, pp, v, m, self.opts.p2p_blocking,
-                                     self.opts.p2p_overlap and v > 1)
+            # each schedule call (Plan.pipeline_runs) fills and drains its own chain
+            pp_t = w.runs * pipeline.p2p_time(hop, pp, v, w.m_run, self.opts.p2p_blocking,
+                                              self.opts.p2p_overlap and v > 1)
             if model.tied_embeddings:
                 pp_t += self.tied_embedding_s(tp, cross)
         w.stage_t, w.stage_f = stage_t, stage_f
         dp_t, opt_t, off_t = self._stage_sync(w)
         parts = dict(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
                      optimizer=opt_t, ep_comm=ep_t, offload=off_t)
+        # every schedule call (Plan.pipeline_runs) pays its own fill and drain: the bubble of
+        # one call of m / runs micro-batches, once per call (torchtitan trainer.py, NeMo
+        # AutoModel train_ft.py: a schedule.step per gradient-accumulation batch)
+        runs, m_run = w.runs, w.m_run
         if not chunked or TimeBreakdown(bubble=0.0, **parts).total > w.cutoff:
             # the per-rank bubble (pipeline.bubble_time; for 'zb' the walk of stage_bubble):
             # only where the chunk-level walk below does not replace it
-            bubble = pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m, stage_f)
+            bubble = runs * pipeline.bubble_time(cfg.schedule, v, stage_t, stage_w, m_run,
+                                                 stage_f)
         else:
             # torch's order walked chunk by chunk (a step already over the search's cutoff
             # without any bubble is dropped whatever the walk finds)
             if cfg.schedule == "zb":
-                bubble = pipeline_zb.chunk_bubble(v, m, *chunked[:3])
+                bubble = runs * pipeline_zb.chunk_bubble(v, m_run, *chunked[:3])
             else:  # a rank's chunks differ: (sum t - max t) / v is not the order's walk
                 f, b, wg, _ = chunked
                 whole = tuple(x + y for x, y in zip(b, wg))
-                bubble = pipeline_zb.interleaved_idle_floor(m, f, whole, pp)
+                bubble = runs * pipeline_zb.interleaved_idle_floor(m_run, f, whole, pp)
                 if TimeBreakdown(bubble=bubble, **parts).total <= w.cutoff:
                     # the walk (>= that floor) can only matter for a step under the cutoff
-                    bubble = pipeline_zb.interleaved_bubble(m, f, whole, pp)
+                    bubble = runs * pipeline_zb.interleaved_bubble(m_run, f, whole, pp)
         return TimeBreakdown(bubble=bubble, **parts)
 
     def _chunk_times(self, w: Work) -> tuple[tuple[float, ...], ...]:

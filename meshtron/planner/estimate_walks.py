@@ -33,7 +33,7 @@ class MemoryWalks:
         the outputs in the fixed part), so the bound is the stages' memory less those terms'
         shortfall, and a rank over budget here is over it after the walk."""
         chunks = self._chunks(w)
-        low = self._in_flight_lower_bound(w.pp, w.v, w.m, chunks, w.act,
+        low = self._in_flight_lower_bound(w.pp, w.v, w.m_run, chunks, w.act,
                                           w.accum * w.accumulating, w.extra_warm)
         fsdp2 = w.mem_opts.framework == "fsdp2"
         # the walk's lower block moment on ranks of odd chunks under `half` (`_half_blocks`):
@@ -78,14 +78,14 @@ class MemoryWalks:
         # their recomputation), which the memory model's logits stood for (memory_peak.
         # peak_moment): only the logits beyond that working set are gone there
         loss = max(0.0, w.logits - w.work)
-        return memory_zb.in_flight(w.pp, w.v, w.m, tuple(per_stage), w.act, grad, out_bytes,
+        return memory_zb.in_flight(w.pp, w.v, w.m_run, tuple(per_stage), w.act, grad, out_bytes,
                                    head, loss, pending, work, kept, self._half_odd(w)[0])
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak
         (memory_pipeline.py) instead of the even spread; False when that does not fit and
         `keep_infeasible` is False."""
-        cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m, w.n
+        cfg, pp, v, m, n = w.cfg, w.pp, w.v, w.m_run, w.n
         if self._torch_zb(w) and n is not None:
             return self._zb_memory(w, keep_infeasible)
         if cfg.schedule == "dualpipe" and pp > 1 and n is not None:

@@ -58,6 +58,7 @@ class Work:
     # one replayed block's seconds in (c_l, tpc_l, w_l, ep_l) under meshtron's `half`, for a
     # part's own count (HalfRecompute.half_replay); zeros elsewhere
     replay: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    runs: int = 1  # pipeline schedule calls per step (Plan.pipeline_runs), m / runs each
     # ---- _states: parameters per tensor rank and the bytes of their states ----
     p_layer: float = 0.0  # of one block (without routed experts under ep > 1)
     p_emb: float = 0.0
@@ -105,3 +106,9 @@ class Work:
         micro-batches (`accum` bytes each): the routed experts too unless they sit outside
         FSDP2 (`loose`: their gradients are their states')."""
         return self.p_layer + (0.0 if self.loose else self.p_exp)
+
+    @property
+    def m_run(self) -> int:
+        """Micro-batches per schedule call: what a pipeline's fill, drain and in-flight
+        activations see (torchtitan and NeMo AutoModel call the schedule `runs` times per step)."""
+        return self.m // self.runs

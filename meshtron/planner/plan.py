@@ -55,6 +55,8 @@ TOML having no null)::
     fp8_recipe = "tensorwise"     # with dtype = "fp8": "rowwise" (default) | "tensorwise" scaling
     offload = "full"              # host offload: "none" | "optimizer" | "full"
     offload_activations = true    # saved activations kept in pinned host memory
+    pipeline_runs = 4             # pipeline schedule runs per optimizer step (torchtitan's and
+                                  # NeMo AutoModel's gradient accumulation around schedule.step)
 
     [predicted]                   # the planner's estimate, for predicted-vs-measured reports
     step_time_s = 10.2
@@ -85,7 +87,7 @@ from meshtron.planner.plan_rules import (  # noqa: F401  (re-exported)
     _DTYPE_ALIASES, ATTENTION, COMM_DEFAULTS, COMPRESS_SCOPES, COMPRESSIONS, CONTEXT, DTYPES, KNOBS,
     LAYOUT_DEFAULTS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP, RECOMPUTE, REDUCE_DTYPES,
     SCHEDULES, ZERO_STAGES, _is_int, check, comm_problems, field_problems, microbatch_problem,
-    model_problems, plan_problems, schedule_zero_problem, world_problem)
+    model_problems, plan_problems, runs_problem, schedule_zero_problem, world_problem)
 FORMAT = "meshtron-plan/2"
 OLD_FORMATS = ("meshtron-plan/1",)
 
@@ -206,6 +208,15 @@ class Plan:
     all-gather: FSDP2's CPUOffloadPolicy, ZeRO-Infinity's parameter offload)."""
     offload_activations: bool = False
     """Saved activations kept in pinned host memory between forward and backward."""
+    pipeline_runs: int = 1
+    """Pipeline schedule runs per optimizer step: the step's m micro-batches go through the
+    schedule in `pipeline_runs` calls of m / pipeline_runs each, each with its own fill and
+    drain, its own in-flight activations and, where the stack reshards between calls, its own
+    gradient reduction and parameter gathers. torchtitan (trainer.py: a loop of
+    gradient_accumulation_steps calls of pp_schedule.step) and NeMo AutoModel
+    (train_ft._run_train_optim_step: one schedule.step per gradient-accumulation batch) run
+    global_batch / (dp x local batch) of them; Megatron-Core and DeepSpeed run one schedule of
+    all micro-batches (plan_rules_pipeline.runs_problem)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -332,12 +343,14 @@ class Plan:
         return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}{ep}"
 
     def schedule_label(self) -> str:
-        """'-' without a pipeline, 'interleaved:V' with virtual stages, else the schedule."""
+        """'-' without a pipeline, 'interleaved:V' with virtual stages, else the schedule;
+        'xN' after it for N schedule calls per step (pipeline_runs)."""
         if self.pp == 1 or self.schedule is None:
             return "-"
+        runs = f" x{self.pipeline_runs}" if self.pipeline_runs > 1 else ""
         if self.virtual_stages > 1:
-            return f"{self.schedule}:{self.virtual_stages}"
-        return self.schedule
+            return f"{self.schedule}:{self.virtual_stages}{runs}"
+        return self.schedule + runs
 
     def describe(self) -> str:
         return (f"{self.layout()} zero={self.zero} mb={self.micro_batch} "

@@ -57,6 +57,9 @@ class Knobs:
     prices the TP collectives overlapped with the matmuls (kernel_options.py `KernelOptions.async_tp`)."""
     fp8_recipe: str | None = None
     """torchao float8 scaling with dtype fp8 ('rowwise' when None)."""
+    pipeline_runs: int | None = None
+    """Pipeline schedule runs per optimizer step (Plan.pipeline_runs); not searched (1 when
+    None: one schedule of all micro-batches)."""
     offload: str | None = None
     """Host offload ('none', 'optimizer', 'full'; None: chosen only when nothing else fits)."""
 

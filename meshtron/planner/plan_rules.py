@@ -22,8 +22,9 @@ from meshtron.planner.plan_rules_fields import (  # noqa: F401  (re-exported)
     OFFLOADS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, _is_int, comm_problems,
     EP_FOLDS, ep_fold_problem, ep_rule, ep_stack_problem, field_problems)
 from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
-    STACK_SCHEDULES, megatron_account_for, microbatch_problem, most_chunks, schedule_problem,
-    schedule_zero_problem, split_problem)
+    ONE_SCHEDULE_PER_STEP, RUNS_STACKS, STACK_SCHEDULES, megatron_account_for,
+    microbatch_problem, most_chunks, runs_problem, schedule_problem, schedule_zero_problem,
+    split_problem)
 from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
     STACK_OFFLOADS, least_zero, offload_kinds, offload_problem)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
@@ -127,7 +128,8 @@ def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
 def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
                   model: Any = None, runtime: bool = True, split: str | None = None,
                   engine: str | None = None, offload_rule: str | None = None,
-                  zero_rule: str | None = None, ep_rule: str | None = None) -> list[str]:
+                  zero_rule: str | None = None, ep_rule: str | None = None,
+                  stack: str | None = None) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
     against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
     include meshtron's runtime limits (False when the planner prices another framework);
@@ -137,7 +139,8 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     `offload_rule`: the host offload the stack runs (MemoryOptions.host_offload);
     `zero_rule`: the ZeRO stages it runs (MemoryOptions.zero_stages); `ep_rule`: "tp" where
     the stack folds expert parallelism over the tensor ranks too (EP_FOLDS), so it takes
-    plan.etp; "data" where it does not; None: no stack named (a Plan read alone)."""
+    plan.etp; "data" where it does not; None: no stack named (a Plan read alone); `stack`:
+    the priced stack as 'name@era', for the rules only its trainer decides (RUNS_STACKS)."""
     out = list(field_problems(k))
     # meshtron's own stack says it in its runtime's words (ep_runtime_problems)
     problem = None if runtime else ep_stack_problem(
@@ -150,6 +153,10 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
          if all(_is_int(x) and x > 0 for x in sizes) else None)
     problem = schedule_problem(split if engine is None else engine, g("schedule"), g("pp"),
                                g("virtual_stages"), m)
+    if problem:
+        out.append(problem)
+    problem = runs_problem(split if engine is None else engine, g("pipeline_runs"),
+                           g("schedule"), g("pp"), g("virtual_stages"), m, stack)
     if problem:
         out.append(problem)
     problem = offload_problem(offload_rule, g("offload"), g("zero"))

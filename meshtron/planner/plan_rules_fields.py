@@ -38,7 +38,8 @@ COMM_DEFAULTS = {"grad_compression": "none", "grad_compression_block": 256,
 gradients) travel. Written to plan files only when they differ from these defaults."""
 LAYOUT_DEFAULTS = {"cp": 1, "reduce_dtype": "fp32", "accumulate_unsharded": False, "ep": 1,
                    "etp": None, "compile": False, "async_tp": False, "fp8_recipe": "rowwise",
-                   "offload": "none", "offload_activations": False}
+                   "offload": "none", "offload_activations": False,
+                   "pipeline_runs": 1}
 """Shared layout fields written to plan files only when they differ from these defaults."""
 COMPRESSIONS = ("none", "bf16", "int8")
 FP8_RECIPES = ("rowwise", "tensorwise")
@@ -69,7 +70,7 @@ def field_problems(k: Mapping[str, Any]) -> Iterator[str]:
     is unknown and its rules are skipped (so partial knobs are checked by the same rules)."""
     g = k.get
     for name in ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "virtual_stages",
-                 "dp_replicate", "global_batch", "seq_len"):
+                 "dp_replicate", "global_batch", "seq_len", "pipeline_runs"):
         v = g(name)
         if v is not None and (not _is_int(v) or v <= 0):
             yield f"plan.{name}={v!r}: must be a positive integer"

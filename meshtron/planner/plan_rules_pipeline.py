@@ -161,6 +161,67 @@ def schedule_problem(rule: str | None, schedule: str | None, pp: int | None,
     return None
 
 
+ONE_SCHEDULE_PER_STEP = {
+    "megatron-even": "Megatron-LM runs one schedule of all global/(dp*micro_batch) "
+                     "micro-batches per step (schedules.py get_forward_backward_func, "
+                     "num_microbatches)",
+    "megatron-ends": "Megatron-Core runs one schedule of all global/(dp*micro_batch) "
+                     "micro-batches per step (schedules.py get_forward_backward_func, "
+                     "num_microbatches)",
+    "deepspeed-transformer": "DeepSpeed's pipeline engine runs one TrainSchedule of all "
+                             "gradient_accumulation_steps micro-batches per step "
+                             "(runtime/pipe/engine.py train_batch)",
+    "deepspeed-parameters": "DeepSpeed's pipeline engine runs one TrainSchedule of all "
+                            "gradient_accumulation_steps micro-batches per step "
+                            "(runtime/pipe/engine.py train_batch)",
+    "dualpipe": "DeepSeek's DualPipe runs all of a step's chunks in one schedule (dualpipe.py "
+                "step)"}
+"""Stacks whose engine runs one pipeline schedule per optimizer step (plan.pipeline_runs = 1),
+by split rule; the rest run torch.distributed.pipelining, whose callers (torchtitan's
+trainer.py, NeMo AutoModel's train_ft.py) may call schedule.step several times per step."""
+
+
+RUNS_STACKS = {
+    "torchtitan@2025": "torchtitan/trainer.py: gradient_accumulation_steps calls of "
+                       "pp_schedule.step (since pytorch/torchtitan#1238, June 2025)",
+    "nemo-automodel@2025": "recipes/llm/train_ft.py _run_train_optim_step: one schedule.step "
+                           "per local batch, GA of them"}
+"""The priced stacks whose trainer calls its pipeline schedule several times per optimizer
+step (plan.pipeline_runs > 1), with where; meshtron's runtime refuses it in its own words
+(plan_rules_runtime.schedule_runtime_problem)."""
+
+
+def runs_problem(rule: str | None, runs: int | None, schedule: str | None, pp: int | None,
+                 v: int | None, m: int | None, stack: str | None = None) -> str | None:
+    """plan.pipeline_runs > 1 (the step's m micro-batches in `runs` schedule calls of m/runs):
+    needs a pipeline, a stack that calls its schedule several times per step (`rule`: its
+    split rule, ONE_SCHEDULE_PER_STEP; `stack`: 'name@era', RUNS_STACKS; None: not named), a
+    count that divides m, and m/runs micro-batches per call within torch's own limits
+    (`microbatch_problem`: single-stage 1F1B needs m/runs >= pp). One line or None."""
+    if not isinstance(runs, int) or isinstance(runs, bool) or runs <= 1:
+        return None  # 1, unset, or not a positive integer (field_problems says so)
+    if pp is not None and pp <= 1:
+        return (f"plan.pipeline_runs={runs}: needs a pipeline (pp > 1); without one every "
+                "micro-batch is its own forward and backward")
+    if schedule == "dualpipe" or rule in ONE_SCHEDULE_PER_STEP:
+        why = ONE_SCHEDULE_PER_STEP.get(rule, ONE_SCHEDULE_PER_STEP["dualpipe"])
+        return f"plan.pipeline_runs={runs}: {why}; use pipeline_runs=1"
+    if stack is not None and stack not in RUNS_STACKS and not stack.startswith("meshtron@"):
+        return (f"plan.pipeline_runs={runs}: {stack} calls its pipeline schedule once per "
+                f"optimizer step (several calls: {', '.join(RUNS_STACKS)}); use "
+                "pipeline_runs=1")
+    if m is None or pp is None:
+        return None
+    if m % runs:
+        return (f"plan.pipeline_runs={runs}: must divide the {m} micro-batches per step "
+                "(each schedule call runs m / pipeline_runs of them)")
+    problem = microbatch_problem(schedule, pp, v or 1, m // runs)
+    if problem:
+        return (f"plan.pipeline_runs={runs}: {m} / {runs} = {m // runs} micro-batches per "
+                f"schedule call, but {problem.split(', ', 1)[1]} (torch.distributed.pipelining)")
+    return None
+
+
 def dualpipe_elsewhere() -> str:
     """The one line refusing DualPipe outside DeepSeek's stack: the runtime's
     (plan_rules_runtime.schedule_runtime_problem) and another stack's (`schedule_problem`)."""

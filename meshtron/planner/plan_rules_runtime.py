@@ -14,9 +14,17 @@ from meshtron.planner.plan_rules_pipeline import dualpipe_elsewhere
 
 def schedule_runtime_problem(k: Mapping[str, Any]) -> str | None:
     """meshtron's runtime runs torch.distributed.pipelining's schedules (parallel/pipeline.py),
-    not DeepSeek's DualPipe, which the planner prices for DeepSeek's stack only."""
+    not DeepSeek's DualPipe, which the planner prices for DeepSeek's stack only, and one
+    schedule call per optimizer step (plan.pipeline_runs = 1)."""
     if k.get("schedule") == "dualpipe" and (k.get("pp") or 1) > 1:
         return dualpipe_elsewhere()
+    runs = k.get("pipeline_runs")
+    if runs is not None and runs != 1:
+        # parallel/parallel_model.py `_run`: one schedule.step of all the rank's micro-batches
+        return (f"plan.pipeline_runs={runs}: meshtron's runtime runs one pipeline schedule of "
+                "all the step's micro-batches (parallel_model.py: one schedule.step per "
+                "optimizer step); planned for torchtitan and nemo-automodel only; use "
+                "pipeline_runs=1")
     return None
 
 

@@ -38,6 +38,7 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
          "num_microbatches": int, "recompute": str, "sp": bool,
          "schedule": str|null,                                    # null when pp = 1
          "virtual_stages": int, "dp_replicate": int, "dtype": str,
+         "pipeline_runs": int,                                    # only when > 1
          "stage_layers": [int],
          "fits": bool,                                            # memory <= capacity (and
                                                                   # the host's, with offload)

@@ -16,7 +16,7 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.plan import (RECOMPUTE, Plan, check, fp8_runtime_problem,
                                     microbatch_problem, offload_runtime_problem, plan_problems,
-                                    schedule_zero_problem)
+                                    runs_problem, schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
 from meshtron.planner.plan_rules import (compile_runtime_problem, ep_fold_problem, ep_rule,
@@ -93,6 +93,10 @@ class SearchSpace:
         self._refusal: str | None = None
         self.knobs = k
         self.framework = framework
+        # 'name@era' of the priced stack (None: not named), for rules its trainer decides
+        self.stack = (f"{framework.name}@{framework.era}"
+                      if getattr(framework, "name", None) and getattr(framework, "era", None)
+                      else None)
         self.n, self.model, self.global_batch = cluster.num_gpus, model, global_batch
         self._check_fixed(cluster.gpus_per_node)
         self.dtype = k.dtype or DEFAULT_DTYPE
@@ -130,7 +134,8 @@ class SearchSpace:
         # the stack's ep folding (plan_rules.EP_FOLDS): only Megatron-Core's takes plan.etp
         self.ep_rule = ep_rule(self.mem.framework)
         problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine,
-                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule)
+                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule,
+                                 self.stack)
         if problems:
             nearer = self._nearer_split(fixed)
             if nearer is None:
@@ -262,6 +267,12 @@ class SearchSpace:
             cfg = dataclasses.replace(cfg, fp8_recipe=self.fp8_recipe)
         if self.knobs.etp is not None:  # not searched: the user's (Megatron-Core's folding)
             cfg = dataclasses.replace(cfg, etp=self.knobs.etp)
+        runs = self.knobs.pipeline_runs
+        if runs not in (None, 1):  # not searched: the stack's schedule calls per step
+            if self._refused(runs_problem(self.engine, runs, sched, pp, v,
+                                          self.global_batch // (dp * mb), self.stack)):
+                return None  # e.g. pp = 1, or runs not dividing this micro-batch count
+            cfg = dataclasses.replace(cfg, pipeline_runs=runs)
         if self.async_tp and not (tp > 1 and sp):
             return None  # async TP pipelines the sequence-parallel collectives (plan_rules)
         if self.compile:
@@ -411,8 +422,15 @@ class SearchSpace:
             self.why_empty = self.why_empty or (
                 f"plan.schedule='interleaved': needs at least 2 layers per pipeline stage "
                 f"(the model has {self.model.layers} layers over pp={pp})")
-        if k.schedule is None:
-            ok = [(s, v) for s, v in ok if _formulas_hold(s, pp, m)]
+        if k.schedule is None:  # the formulas see one schedule call's micro-batches
+            per_call = m // (k.pipeline_runs or 1)
+            held = [(s, v) for s, v in ok if _formulas_hold(s, pp, per_call)]
+            if ok and not held and per_call < m:
+                self.why_empty = self.why_empty or (
+                    f"plan.pipeline_runs={k.pipeline_runs}: {per_call} micro-batches per "
+                    f"schedule call, fewer than pp={pp} (or not a multiple of it) for every "
+                    "schedule searched; fix one with --schedule (e.g. gpipe) or use fewer runs")
+            ok = held
         return ok
 
     def sps(self, tp: int) -> list[bool]:

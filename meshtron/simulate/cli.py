@@ -113,6 +113,10 @@ def _fill_from_plan(args: argparse.Namespace) -> None:
         from meshtron.planner.plan import load_plan
 
         plan = load_plan(args.plan)
+        if plan.pipeline_runs > 1:  # step.py's graph is one schedule of all micro-batches
+            raise UserError(f"plan.pipeline_runs={plan.pipeline_runs}: the step simulator "
+                            "walks one pipeline schedule per step; price several schedule "
+                            "calls with `meshtron plan` or `meshtron cost`")
         take_from_plan(args, plan, args.plan)
         args.global_batch = args.global_batch or plan.global_batch
         args.seq_len = args.seq_len or plan.seq_len
