@@ -90,20 +90,29 @@ def test_sliding_window_logits_equal_transformers(mtype, window, tmp_path, monke
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_window_attention_cuda_path_is_the_cpu_band():
-    """The CUDA branch's FlexAttention block mask, run eagerly on CPU tensors (forward only:
-    FlexAttention has no CPU backward), equals the chunked band."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+@pytest.mark.parametrize("window", [6, 7, 40])
+def test_window_attention_cuda_path_is_the_cpu_band(window):
+    """The CUDA branch (window_attention's own FlexAttention block mask, kernel 'flex'), run
+    eagerly on CPU tensors (forward only: FlexAttention has no CPU backward), equals the
+    chunked band and the dense sliding-window mask; a window as long as the sequence is
+    causal attention."""
     from meshtron.model.attention import window_attention
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 40, 16, generator=g) for h in (4, 2, 2))
-    window = 6
-    mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < window), None,
-                             None, 40, 40, device="cpu")
-    flex = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(window_attention(q, k, v, window), flex, rtol=1e-5, atol=1e-6)
+    seq = 40
+    q, k, v = (torch.randn(1, h, seq, 16, generator=g) for h in (4, 2, 2))
+    i = torch.arange(seq)
+    band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band,
+                                                             enable_gqa=True)
+    flex = window_attention(q, k, v, window, kernel="flex")
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(window_attention(q, k, v, window, kernel="chunks"), dense,
+                               rtol=1e-5, atol=1e-6)
+    if window < seq:  # the band is not causal attention, so the comparison could fail
+        causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                  enable_gqa=True)
+        assert (causal - dense).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC))
