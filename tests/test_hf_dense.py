@@ -127,6 +127,29 @@ def test_meshtron_plan_prices_each_public_config(name, plan_cli, tmp_path):
     assert best["step_time_s"] > 0 and best["fits"]
 
 
+@pytest.mark.parametrize("name, refused", [("gemma-2-9b", "model.attn_softcap=50.0"),
+                                            ("Qwen3-4B", None)])
+def test_meshtron_plan_says_when_train_refuses_the_model(name, refused, plan_cli, tmp_path):
+    """A model `meshtron train` refuses whatever the layout (Gemma 2's soft-capping) is priced,
+    but the plan says so in a note and at --save, instead of 'meshtron train --plan trains in
+    it'."""
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(PUBLIC[name][1]))
+    args = ("--model", str(path), "--cluster", "dgx-h100:2", "--seq-len", "4096",
+            "--global-batch", "256", "--top", "1")
+    rc, out, err = plan_cli(*args, "--json")
+    assert rc == 0, err
+    notes = [n for n in json.loads(out)["notes"] if "meshtron train refuses" in n]
+    assert len(notes) == (refused is not None)
+    assert refused is None or refused in notes[0]
+    rc, out, err = plan_cli(*args, "--save", str(tmp_path / "plan.toml"))
+    assert rc == 0, err
+    saved = " ".join(out[out.index("Saved the best plan"):].split())
+    assert ("meshtron's runtime refuses it" in saved) == (refused is not None), saved
+    assert refused is None or refused in saved
+
+
 def _layer(spec, seq: int):
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.compute import layer_cost

@@ -217,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"--seq-len not given: planning at {seq} tokens per sequence, the smaller "
                      f"of the model's max_position_embeddings ({model.max_seq}) and "
                      f"{DEFAULT_SEQ_LEN}")
+    refused = model_refusal(model, seq)
+    if refused:  # priced as the stack would run it; said here, not first at `meshtron train`
+        notes.append(f"meshtron train refuses this model: {refused}")
     if seq > model.max_seq:
         notes.append(long_sequence_note(model, seq))
     batch = args.global_batch
@@ -259,14 +262,25 @@ def _rehearse(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq:
     return args.rehearsal[0](load_model(args.model), plan, args.cluster)
 
 
-def _runtime_refusal(plan: Any) -> str | None:
+def _runtime_refusal(plan: Any, model: Any) -> str | None:
     """The line meshtron's runtime would refuse a saved plan with (Plan.validate: the one
-    validity function, runtime limits included), or None when `meshtron train` runs it."""
+    validity function, runtime limits included; then the model's own, `model_refusal`), or
+    None when `meshtron train` runs it."""
     try:
         plan.validate(plan.gpus)
     except UserError as e:
         return str(e)
-    return None
+    return model_refusal(model, plan.seq_len)
+
+
+def model_refusal(model: Any, seq: int) -> str | None:
+    """What `meshtron train` refuses of the model itself at `seq` tokens with its default
+    causal mask, whatever the layout (the checks job_from_args runs: planned-only features,
+    shapes.runtime_refusal; soft-capping, hf_variants.runtime_problem), or None."""
+    from meshtron.model.hf_variants import runtime_problem
+    from meshtron.model.shapes import runtime_refusal
+
+    return runtime_refusal(model) or runtime_problem(model, seq)
 
 
 def quiet_broken_pipe() -> None:
@@ -326,7 +340,7 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
         if console is not None:
             # a plan priced for another stack's engine (DeepSeek's DualPipe) is saved for the
             # record, but the one validity function says meshtron's runtime will refuse it
-            refused = _runtime_refusal(plan)
+            refused = _runtime_refusal(plan, result.model)
             how = (f"`meshtron train --plan {args.save}` trains in it; --dtype here changes it"
                    if refused is None else f"meshtron's runtime refuses it: {refused}")
             console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: {how})")
