@@ -445,3 +445,12 @@ def test_weights_of_other_dense_types_are_refused_in_one_line(tmp_path):
         check_supported(from_hf_dict(TINY["gemma3_text"]), "train.init_from")
     assert "train.init_from: Hugging Face weights of model" in str(err.value)
     assert "model.norm_plus_one" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("count, text", [(999.9e6, "1B"), (999_960, "1M"), (999.4, "999"),
+                                         (1234, "1.23K"), (6.7e9, "6.7B"), (9.995e11, "1T")])
+def test_parameter_counts_print_with_their_unit(count, text):
+    """Gemma 3 1B (999.9M parameters) printed '1e+03M params' in the plan's first line."""
+    from meshtron.planner.report import fmt_count
+
+    assert fmt_count(count) == text
