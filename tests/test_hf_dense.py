@@ -250,6 +250,9 @@ def test_olmo2_whole_qk_norm_is_planned_on_one_tensor_rank(plan_cli, tmp_path):
     (dict(PUBLIC["gemma-3-1b"][1], layer_types=["sliding_attention", "full_attention",
                                                  "full_attention"]),
      "config.json layer_types="),
+    # a pattern, but not one entry per block (26): transformers refuses it, meshtron read it
+    (dict(PUBLIC["gemma-3-1b"][1], layer_types=["sliding_attention", "full_attention"]),
+     "one per block (26)"),
 ])
 def test_bad_config_is_one_line(cfg, match):
     with pytest.raises(UserError) as err:

@@ -154,20 +154,23 @@ def _window(cfg: dict[str, Any], mtype: str, opt_int) -> dict[str, Any]:
         every = opt_int("sliding_window_pattern", 2 if mtype == "gemma2" else 6)
         types = cfg.get("layer_types")
         if types is not None:
-            every = _pattern(types)
+            every = _pattern(types, cfg.get("num_hidden_layers"))
     return {"sliding_window": window, "window_every": every}
 
 
-def _pattern(types: Any) -> int:
-    ok = isinstance(types, list) and all(t in ("sliding_attention", "full_attention")
-                                         for t in types)
+def _pattern(types: Any, layers: Any) -> int:
+    """The full-attention period of `layer_types`, one entry per block (transformers'
+    layer_type_validation refuses another length; a shorter list was read as a pattern)."""
+    ok = isinstance(types, list) and len(types) == layers and all(
+        t in ("sliding_attention", "full_attention") for t in types)
     if ok and "full_attention" not in types:
         return 0
     every = types.index("full_attention") + 1 if ok else 0
     if not ok or any((t == "full_attention") != ((i + 1) % every == 0)
                      for i, t in enumerate(types)):
         raise UserError(f"config.json layer_types={types!r}: must be 'sliding_attention' / "
-                         "'full_attention' with a full block every N blocks")
+                         f"'full_attention', one per block ({layers}), with a full block "
+                         "every N blocks")
     return every
 
 
