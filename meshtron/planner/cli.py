@@ -56,9 +56,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep, etp: e.g. "
                                     "tp=8,cp=2,pp=16,dp=64 or tp=1,pp=16,dp=128,ep=64 (ep "
-                                    "folds over dp x cp); etp (megatron@2024 only: "
-                                    "Megatron-Core's expert tensor parallelism) folds ep over "
-                                    "tp x cp x dp, ep*etp dividing them, e.g. "
+                                    "folds over dp x cp); etp (megatron@2024 and "
+                                    "megatron-bridge: Megatron-Core's expert tensor "
+                                    "parallelism) folds ep over tp x cp x dp, ep*etp "
+                                    "dividing them, e.g. "
                                     "tp=2,pp=8,dp=16,ep=32,etp=1; "
                                     "when the knobs leave one layout (axes not given count as "
                                     "fixed where the GPU count allows one value) it is pinned: "
