@@ -45,6 +45,10 @@ _PLAN_FIXES = {"data.global_batch": "global_batch", "data.seq_len": "seq_len"}
 
 
 def _literal(text: str) -> Any:
+    """A --set value: a Python literal, TOML's true / false (what a run file says), else the
+    text itself."""
+    if text.strip() in ("true", "false"):
+        return text.strip() == "true"
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
