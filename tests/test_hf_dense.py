@@ -457,3 +457,14 @@ def test_parameter_counts_print_with_their_unit(count, text):
     from meshtron.planner.report import fmt_count
 
     assert fmt_count(count) == text
+
+
+@pytest.mark.parametrize("mtype", ["gemma2", "gemma3_text"])
+def test_gemma_softmax_scale_default_is_transformers(mtype):
+    """Without query_pre_attn_scalar transformers scales by 256**-0.5 whatever head_dim is (its
+    config default); meshtron read head_dim's (here 128) instead."""
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(PUBLIC["gemma-2-9b" if mtype == "gemma2" else "gemma-3-1b"][1], head_dim=128)
+    del cfg["query_pre_attn_scalar"]
+    want = transformers.AutoConfig.for_model(**cfg).query_pre_attn_scalar ** -0.5
+    assert from_hf_dict(cfg).attn_scale == pytest.approx(want, rel=1e-12)

@@ -64,7 +64,8 @@ def hf_dense(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_in
     elif mtype == "nemotron":
         fields.update(norm="layernorm", norm_plus_one=True)
     elif gemma:
-        scalar = num("query_pre_attn_scalar", float(fields["head_size"] or hidden // heads))
+        # transformers' Gemma2Config / Gemma3TextConfig default 256, whatever head_dim is
+        scalar = num("query_pre_attn_scalar", 256.0)
         fields.update(norm_plus_one=True, norm_layout="sandwich", embed_scale=math.sqrt(hidden),
                       attn_scale=scalar ** -0.5, qk_norm=mtype == "gemma3_text",
                       # transformers' Gemma2Config defaults: 50 and 30 (Gemma 3: none)
