@@ -85,3 +85,37 @@ def test_moe_logits_equal_transformers(mtype, tmp_path):
     assert ref.abs().max() > 0.01
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5)
     assert sum(p.numel() for p in ours.parameters() if p.requires_grad) == spec.num_params()
+
+
+_MINIMAL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=12,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+_MOE = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                          shared_expert_intermediate_size=256),
+        "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+        "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+        "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2,
+                                 shared_intermediate_size=512),
+        "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)}
+_UNREAD = {"max_seq"}  # meshtron's own default (4096) where max_position_embeddings is absent
+_UNREAD_TYPE = {"gpt_oss": {"rope_theta", "rope_type", "rope_factor", "rope_original_max_seq",
+                            "rope_truncate"}}  # YaRN's defaults: not taken (planned only)
+
+
+@pytest.mark.parametrize("mtype", ["qwen3", "nemotron", "gemma2", "gemma3_text", "phi3", "olmo2",
+                                   "granite", "starcoder2", "gpt_neox", *_MOE])
+def test_absent_keys_take_transformers_defaults(mtype):
+    """A config.json that leaves keys out reads as the config transformers completes from it
+    (AutoConfig's defaults): Nemotron's half rotary, Gemma 3's 1e6 base, OLMoE's 0.01
+    auxiliary loss, Granite MoE's untied embeddings, gpt-oss's 128-token window were not."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    from meshtron.model.hf_config import from_hf_dict
+
+    minimal = dict(_MINIMAL, model_type=mtype, **_MOE.get(mtype, {}))
+    full = transformers.AutoConfig.for_model(**minimal).to_dict()
+    got, want = (dataclasses.asdict(from_hf_dict(c)) for c in (minimal, full))
+    skip = _UNREAD | _UNREAD_TYPE.get(mtype, set())
+    assert {k: got[k] for k in got if k not in skip} == {k: want[k] for k in want
+                                                          if k not in skip}

@@ -56,7 +56,10 @@ def hf_dense(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_in
     fields.update(_biases(cfg, mtype, flag))
     rope_cfg, local_theta = _rope_config(cfg, mtype, num)
     fields.update(rope(rope_cfg, opt_int("max_position_embeddings", 4096)))
-    fields.update(rope_fraction=_fraction(cfg))
+    if mtype == "gemma3_text" and "rope_theta" not in cfg and "rope_parameters" not in cfg:
+        fields.update(rope_theta=1e6)  # Gemma3TextConfig's default global base
+    # transformers' NemotronConfig rotates half of each head unless told otherwise
+    fields.update(rope_fraction=_fraction(cfg, 0.5 if mtype == "nemotron" else 1.0))
     fields.update(_window(cfg, mtype, opt_int))
     if mtype == "qwen3":
         _no_sliding(cfg)
@@ -111,9 +114,9 @@ def _biases(cfg: dict[str, Any], mtype: str, flag) -> dict[str, Any]:
     return {"bias": attn}
 
 
-def _fraction(cfg: dict[str, Any]) -> float:
+def _fraction(cfg: dict[str, Any], default: float) -> float:
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
     if not is_number(value) or not 0 < value <= 1:
         raise UserError(f"config.json partial_rotary_factor={value!r}: must be in (0, 1]")
     return float(value)
