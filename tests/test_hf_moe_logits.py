@@ -96,7 +96,8 @@ _MOE = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate
         "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2,
                                  shared_intermediate_size=512),
         "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
-        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)}
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128),
+        "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1)}
 _UNREAD = {"max_seq"}  # meshtron's own default (4096) where max_position_embeddings is absent
 _UNREAD_TYPE = {"gpt_oss": {"rope_theta", "rope_type", "rope_factor", "rope_original_max_seq",
                             "rope_truncate"}}  # YaRN's defaults: not taken (planned only)
@@ -107,7 +108,8 @@ _UNREAD_TYPE = {"gpt_oss": {"rope_theta", "rope_type", "rope_factor", "rope_orig
 def test_absent_keys_take_transformers_defaults(mtype):
     """A config.json that leaves keys out reads as the config transformers completes from it
     (AutoConfig's defaults): Nemotron's half rotary, Gemma 3's 1e6 base, OLMoE's 0.01
-    auxiliary loss, Granite MoE's untied embeddings, gpt-oss's 128-token window were not."""
+    auxiliary loss, Granite MoE's untied embeddings, gpt-oss's 128-token window, Llama 4's dense width,
+    head size, base and chunks were not."""
     import dataclasses
 
     transformers = pytest.importorskip("transformers")

@@ -44,6 +44,8 @@ def hf_moe_type(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt
         **rope(opt_int("max_position_embeddings", 4096)),
         moe_top_k=need("num_experts_per_tok"),
         moe_aux_loss=_coefficient(cfg, 0.01 if mtype == "olmoe" else 0.001))
+    if mtype == "llama4_text" and "rope_theta" not in cfg and "rope_parameters" not in cfg:
+        common["rope_theta"] = 500000.0  # Llama4TextConfig's default base
     return ModelSpec(**common, **reader(cfg, mtype, need, num, flag, opt_int, common))
 
 
@@ -146,15 +148,16 @@ def _llama4(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     refusals = [f"config.json model_type='llama4_text': its router's sigmoid scores multiply "
                 "each expert's input, meshtron's router weights multiply the output (planned "
                 "only)"]
-    if cfg.get("attention_chunk_size"):
-        refusals.append(f"config.json attention_chunk_size={cfg['attention_chunk_size']!r}: "
+    chunk = cfg.get("attention_chunk_size", 8192)  # Llama4TextConfig's default
+    if chunk:
+        refusals.append(f"config.json attention_chunk_size={chunk!r}: "
                         "meshtron's attention runs no chunked attention (planned only, priced "
                         "as full attention); allowed: null")
     if cfg.get("use_qk_norm", True):
         refusals.append("config.json use_qk_norm=true: meshtron's q/k norms are RMSNorms with "
                         "weights, not Llama 4's weightless L2 norm (planned only)")
-    head = opt_int("head_dim", None)
-    return dict(ffn_hidden=opt_int("intermediate_size_mlp", None) or fe,
+    head = opt_int("head_dim", 128)  # Llama4TextConfig's defaults: head_dim, dense width
+    return dict(ffn_hidden=opt_int("intermediate_size_mlp", 16384),
                 head_size=head if head not in (None, common["hidden"] // common["heads"])
                 else None,
                 norm_eps=num("rms_norm_eps", 1e-5), moe_experts=need("num_local_experts"),
