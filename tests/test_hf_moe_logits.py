@@ -108,8 +108,8 @@ _UNREAD_TYPE = {"gpt_oss": {"rope_theta", "rope_type", "rope_factor", "rope_orig
 def test_absent_keys_take_transformers_defaults(mtype):
     """A config.json that leaves keys out reads as the config transformers completes from it
     (AutoConfig's defaults): Nemotron's half rotary, Gemma 3's 1e6 base, OLMoE's 0.01
-    auxiliary loss, Granite MoE's untied embeddings, gpt-oss's 128-token window, Llama 4's dense width,
-    head size, base and chunks were not."""
+    auxiliary loss, Granite MoE's untied embeddings, gpt-oss's 128-token window, Llama 4's
+    dense width, head size, base and chunks were not."""
     import dataclasses
 
     transformers = pytest.importorskip("transformers")
