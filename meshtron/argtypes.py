@@ -4,7 +4,9 @@ naming the flag (the parser's `error` raises `UserError`; see meshtron/cli.py)."
 from __future__ import annotations
 
 import argparse
+import ast
 from pathlib import Path
+from typing import Any
 
 from meshtron.errors import UserError
 
@@ -126,3 +128,14 @@ def take_from_plan(args: argparse.Namespace, plan, path: str, flags=("model", "c
         if require and given is None and saved is None:
             raise UserError(f"plan={path!r}: names no {flag}; give --{dashed}")
         setattr(args, flag, given or saved)
+
+
+def literal_value(text: str) -> Any:
+    """A --set value: TOML's true / false (what a run file says), a Python literal, else the
+    text itself (train's and merge's --set KEY=VALUE)."""
+    if text.strip() in ("true", "false"):
+        return text.strip() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text

@@ -204,3 +204,12 @@ def test_set_takes_toml_booleans():
                               "--set", "model.tied_embeddings=false", "--set", "model.bias=True"])
     model = run_config(args).model
     assert (model.qk_norm, model.tied_embeddings, model.bias) == (True, False, True)
+
+
+def test_merge_set_takes_toml_booleans():
+    """`meshtron merge --set` reads values as train's --set does (one reader, argtypes)."""
+    from meshtron.modular.cli import _fields
+
+    assert _fields(["model.qk_norm=true", "model.bias=false", "model.moe_router=sigmoid",
+                    "model.moe_top_k=2"]) == {"qk_norm": True, "bias": False,
+                                              "moe_router": "sigmoid", "moe_top_k": 2}
