@@ -13,23 +13,21 @@ from meshtron.errors import UserError
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (`--nproc 0` and `--nproc -1` are refused, not run as one rank)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
-    return value
+    return _int_at_least(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
     """An integer >= 0 (a seed: numpy's generators refuse a negative one with a traceback)."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {low}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= {low}")
     return value
 
 
