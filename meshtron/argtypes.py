@@ -4,30 +4,30 @@ naming the flag (the parser's `error` raises `UserError`; see meshtron/cli.py)."
 from __future__ import annotations
 
 import argparse
+import ast
 from pathlib import Path
+from typing import Any
 
 from meshtron.errors import UserError
 
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (`--nproc 0` and `--nproc -1` are refused, not run as one rank)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
-    return value
+    return _int_at_least(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
     """An integer >= 0 (a seed: numpy's generators refuse a negative one with a traceback)."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {low}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= {low}")
     return value
 
 
@@ -126,3 +126,14 @@ def take_from_plan(args: argparse.Namespace, plan, path: str, flags=("model", "c
         if require and given is None and saved is None:
             raise UserError(f"plan={path!r}: names no {flag}; give --{dashed}")
         setattr(args, flag, given or saved)
+
+
+def literal_value(text: str) -> Any:
+    """A --set value: TOML's true / false (what a run file says), a Python literal, else the
+    text itself (train's and merge's --set KEY=VALUE)."""
+    if text.strip() in ("true", "false"):
+        return text.strip() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text

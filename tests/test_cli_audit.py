@@ -189,3 +189,27 @@ def test_rehearse_plan_refuses_flags_it_would_ignore(capsys, tmp_path, flags, wa
     `simulate --step --plan` already refused a contradicting --model/--cluster."""
     plan = saved_plan(capsys, tmp_path / "plan.toml")
     assert want in refused(capsys, "rehearse", "--plan", plan, *flags)
+
+
+def test_set_takes_toml_booleans():
+    """`--set model.qk_norm=true` (a run file's spelling) was refused as "'true': must be
+    bool"; only Python's True was read."""
+    import argparse
+
+    from meshtron.train.cli import add_run_arguments, run_config
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--set", "model.qk_norm=true",
+                              "--set", "model.tied_embeddings=false", "--set", "model.bias=True"])
+    model = run_config(args).model
+    assert (model.qk_norm, model.tied_embeddings, model.bias) == (True, False, True)
+
+
+def test_merge_set_takes_toml_booleans():
+    """`meshtron merge --set` reads values as train's --set does (one reader, argtypes)."""
+    from meshtron.modular.cli import _fields
+
+    assert _fields(["model.qk_norm=true", "model.bias=false", "model.moe_router=sigmoid",
+                    "model.moe_top_k=2"]) == {"qk_norm": True, "bias": False,
+                                              "moe_router": "sigmoid", "moe_top_k": 2}

@@ -277,3 +277,13 @@ def test_another_stacks_shortfall_is_not_vouched_for_by_a_rehearsal(cost_cli, tm
                             str(path), "--framework", "megatron@2024", "--json", "--runs", "200")
     assert rc == 0 and json.loads(out)["fits"] is False
     assert "rehearsal of meshtron" not in err and "modelled, not rehearsed" in err
+
+
+def test_report_prints_the_token_budget_with_its_unit(capsys):
+    """`meshtron cost --tokens 1T` printed '1e+12 tokens' in its first line."""
+    from meshtron.cli import main
+
+    assert main(["cost", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "8",
+                 "--seq-len", "64", "--tokens", "1T"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert " 1T tokens: " in first, first

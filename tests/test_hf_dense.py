@@ -90,20 +90,29 @@ def test_sliding_window_logits_equal_transformers(mtype, window, tmp_path, monke
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_window_attention_cuda_path_is_the_cpu_band():
-    """The CUDA branch's FlexAttention block mask, run eagerly on CPU tensors (forward only:
-    FlexAttention has no CPU backward), equals the chunked band."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+@pytest.mark.parametrize("window", [6, 7, 40])
+def test_window_attention_cuda_path_is_the_cpu_band(window):
+    """The CUDA branch (window_attention's own FlexAttention block mask, kernel 'flex'), run
+    eagerly on CPU tensors (forward only: FlexAttention has no CPU backward), equals the
+    chunked band and the dense sliding-window mask; a window as long as the sequence is
+    causal attention."""
     from meshtron.model.attention import window_attention
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 40, 16, generator=g) for h in (4, 2, 2))
-    window = 6
-    mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < window), None,
-                             None, 40, 40, device="cpu")
-    flex = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(window_attention(q, k, v, window), flex, rtol=1e-5, atol=1e-6)
+    seq = 40
+    q, k, v = (torch.randn(1, h, seq, 16, generator=g) for h in (4, 2, 2))
+    i = torch.arange(seq)
+    band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band,
+                                                             enable_gqa=True)
+    flex = window_attention(q, k, v, window, kernel="flex")
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(window_attention(q, k, v, window, kernel="chunks"), dense,
+                               rtol=1e-5, atol=1e-6)
+    if window < seq:  # the band is not causal attention, so the comparison could fail
+        causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                  enable_gqa=True)
+        assert (causal - dense).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC))
@@ -116,6 +125,29 @@ def test_meshtron_plan_prices_each_public_config(name, plan_cli, tmp_path):
     assert rc == 0, err
     best = json.loads(out)["plans"][0]
     assert best["step_time_s"] > 0 and best["fits"]
+
+
+@pytest.mark.parametrize("name, refused", [("gemma-2-9b", "model.attn_softcap=50.0"),
+                                            ("Qwen3-4B", None)])
+def test_meshtron_plan_says_when_train_refuses_the_model(name, refused, plan_cli, tmp_path):
+    """A model `meshtron train` refuses whatever the layout (Gemma 2's soft-capping) is priced,
+    but the plan says so in a note and at --save, instead of 'meshtron train --plan trains in
+    it'."""
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(PUBLIC[name][1]))
+    args = ("--model", str(path), "--cluster", "dgx-h100:2", "--seq-len", "4096",
+            "--global-batch", "256", "--top", "1")
+    rc, out, err = plan_cli(*args, "--json")
+    assert rc == 0, err
+    notes = [n for n in json.loads(out)["notes"] if "meshtron train refuses" in n]
+    assert len(notes) == (refused is not None)
+    assert refused is None or refused in notes[0]
+    rc, out, err = plan_cli(*args, "--save", str(tmp_path / "plan.toml"))
+    assert rc == 0, err
+    saved = " ".join(out[out.index("Saved the best plan"):].split())
+    assert ("meshtron's runtime refuses it" in saved) == (refused is not None), saved
+    assert refused is None or refused in saved
 
 
 def _layer(spec, seq: int):
@@ -218,6 +250,9 @@ def test_olmo2_whole_qk_norm_is_planned_on_one_tensor_rank(plan_cli, tmp_path):
     (dict(PUBLIC["gemma-3-1b"][1], layer_types=["sliding_attention", "full_attention",
                                                  "full_attention"]),
      "config.json layer_types="),
+    # a pattern, but not one entry per block (26): transformers refuses it, meshtron read it
+    (dict(PUBLIC["gemma-3-1b"][1], layer_types=["sliding_attention", "full_attention"]),
+     "one per block (26)"),
 ])
 def test_bad_config_is_one_line(cfg, match):
     with pytest.raises(UserError) as err:
@@ -413,3 +448,23 @@ def test_weights_of_other_dense_types_are_refused_in_one_line(tmp_path):
         check_supported(from_hf_dict(TINY["gemma3_text"]), "train.init_from")
     assert "train.init_from: Hugging Face weights of model" in str(err.value)
     assert "model.norm_plus_one" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("count, text", [(999.9e6, "1B"), (999_960, "1M"), (999.4, "999"),
+                                         (1234, "1.23K"), (6.7e9, "6.7B"), (9.995e11, "1T")])
+def test_parameter_counts_print_with_their_unit(count, text):
+    """Gemma 3 1B (999.9M parameters) printed '1e+03M params' in the plan's first line."""
+    from meshtron.planner.report import fmt_count
+
+    assert fmt_count(count) == text
+
+
+@pytest.mark.parametrize("mtype", ["gemma2", "gemma3_text"])
+def test_gemma_softmax_scale_default_is_transformers(mtype):
+    """Without query_pre_attn_scalar transformers scales by 256**-0.5 whatever head_dim is (its
+    config default); meshtron read head_dim's (here 128) instead."""
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(PUBLIC["gemma-2-9b" if mtype == "gemma2" else "gemma-3-1b"][1], head_dim=128)
+    del cfg["query_pre_attn_scalar"]
+    want = transformers.AutoConfig.for_model(**cfg).query_pre_attn_scalar ** -0.5
+    assert from_hf_dict(cfg).attn_scale == pytest.approx(want, rel=1e-12)

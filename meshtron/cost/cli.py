@@ -249,10 +249,13 @@ def _deadline_warning(doc: dict[str, Any], deadline: float | None) -> str | None
 
 def render(doc: dict[str, Any]) -> str:
     """The human-readable report."""
+    from meshtron.planner.report import fmt_count
+
     od, sp, ck, pr = doc["on_demand"], doc["spot"], doc["checkpoint"], doc["prices"]
     lines = [
         f"Plan: {doc['plan']} on {doc['gpus']:,} GPUs, step {doc['step_time_s']:.2f} s, "
-        f"{doc['tokens']:.3g} tokens: {doc['failure_free_days']:.1f} days without failures",
+        f"{fmt_count(doc['tokens'])} tokens: {doc['failure_free_days']:.1f} days without "
+        "failures",  # 1T, not 1e+12
         f"Checkpoint: save {ck['save_s']:.0f} s, restart {ck['restart_s']:.0f} s (job restart + "
         f"reading the checkpoint back), job MTBF "
         f"{ck['mtbf_s'] / 3600:.2f} h, Daly interval {ck['daly_interval_s'] / 60:.1f} min",

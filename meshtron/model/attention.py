@@ -102,20 +102,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     window: int) -> torch.Tensor:
+                     window: int, kernel: str | None = None) -> torch.Tensor:
     """Causal sliding-window attention (Mistral, StarCoder2, Gemma's sliding blocks): query i
     attends to keys i - window + 1 .. i (transformers' sliding-window mask). Shapes as
     `attention`. CUDA: FlexAttention with the window's block mask (the tiles outside the band
     are skipped, as FlashAttention's local attention does). Elsewhere: the queries in chunks of
     `window`, each against the at most 2 x window keys its band reaches, with a [window,
-    2 x window] mask; exact (every softmax over the same keys), never an S x S tensor."""
+    2 x window] mask; exact (every softmax over the same keys), never an S x S tensor.
+    `kernel`: "flex" (default on CUDA) or "chunks" (default elsewhere; "flex" runs eagerly
+    off CUDA, forward only, so tests check the CUDA branch's mask on CPU)."""
     gqa = True if q.shape[1] != k.shape[1] else False
     seq = q.shape[2]
+    kernel = kernel or ("flex" if q.is_cuda else "chunks")
+    if kernel not in ("flex", "chunks"):
+        raise ValueError(f"kernel={kernel!r}: expected 'flex' or 'chunks'")
     if seq <= window:  # the band covers the whole causal prefix
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if q.is_cuda:
-        return _compiled("flex_attention")(q, k, v, block_mask=_window_block_mask(
-            seq, window, q.device), enable_gqa=gqa)
+    if kernel == "flex":
+        flex = _compiled("flex_attention") if q.is_cuda else _eager_flex()
+        return flex(q, k, v, block_mask=_window_block_mask(seq, window, q.device),
+                    enable_gqa=gqa)
     parts = []
     for start in range(0, seq, window):
         end, first = min(start + window, seq), max(0, start - window + 1)
@@ -140,9 +146,16 @@ def _window_block_mask(seq: int, window: int, device: torch.device):
         def sliding(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
-        mask = _WINDOW_MASKS[key] = _compiled("create_block_mask")(
-            sliding, None, None, seq, seq, device=device)
+        build = _compiled("create_block_mask") if device.type == "cuda" else \
+            _eager_block_mask()
+        mask = _WINDOW_MASKS[key] = build(sliding, None, None, seq, seq, device=device)
     return mask
+
+
+def _eager_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask
 
 
 def _eager_flex():

@@ -56,7 +56,10 @@ def hf_dense(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_in
     fields.update(_biases(cfg, mtype, flag))
     rope_cfg, local_theta = _rope_config(cfg, mtype, num)
     fields.update(rope(rope_cfg, opt_int("max_position_embeddings", 4096)))
-    fields.update(rope_fraction=_fraction(cfg))
+    if mtype == "gemma3_text" and "rope_theta" not in cfg and "rope_parameters" not in cfg:
+        fields.update(rope_theta=1e6)  # Gemma3TextConfig's default global base
+    # transformers' NemotronConfig rotates half of each head unless told otherwise
+    fields.update(rope_fraction=_fraction(cfg, 0.5 if mtype == "nemotron" else 1.0))
     fields.update(_window(cfg, mtype, opt_int))
     if mtype == "qwen3":
         _no_sliding(cfg)
@@ -64,7 +67,8 @@ def hf_dense(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_in
     elif mtype == "nemotron":
         fields.update(norm="layernorm", norm_plus_one=True)
     elif gemma:
-        scalar = num("query_pre_attn_scalar", float(fields["head_size"] or hidden // heads))
+        # transformers' Gemma2Config / Gemma3TextConfig default 256, whatever head_dim is
+        scalar = num("query_pre_attn_scalar", 256.0)
         fields.update(norm_plus_one=True, norm_layout="sandwich", embed_scale=math.sqrt(hidden),
                       attn_scale=scalar ** -0.5, qk_norm=mtype == "gemma3_text",
                       # transformers' Gemma2Config defaults: 50 and 30 (Gemma 3: none)
@@ -110,9 +114,9 @@ def _biases(cfg: dict[str, Any], mtype: str, flag) -> dict[str, Any]:
     return {"bias": attn}
 
 
-def _fraction(cfg: dict[str, Any]) -> float:
+def _fraction(cfg: dict[str, Any], default: float) -> float:
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
     if not is_number(value) or not 0 < value <= 1:
         raise UserError(f"config.json partial_rotary_factor={value!r}: must be in (0, 1]")
     return float(value)
@@ -154,20 +158,23 @@ def _window(cfg: dict[str, Any], mtype: str, opt_int) -> dict[str, Any]:
         every = opt_int("sliding_window_pattern", 2 if mtype == "gemma2" else 6)
         types = cfg.get("layer_types")
         if types is not None:
-            every = _pattern(types)
+            every = _pattern(types, cfg.get("num_hidden_layers"))
     return {"sliding_window": window, "window_every": every}
 
 
-def _pattern(types: Any) -> int:
-    ok = isinstance(types, list) and all(t in ("sliding_attention", "full_attention")
-                                         for t in types)
+def _pattern(types: Any, layers: Any) -> int:
+    """The full-attention period of `layer_types`, one entry per block (transformers'
+    layer_type_validation refuses another length; a shorter list was read as a pattern)."""
+    ok = isinstance(types, list) and len(types) == layers and all(
+        t in ("sliding_attention", "full_attention") for t in types)
     if ok and "full_attention" not in types:
         return 0
     every = types.index("full_attention") + 1 if ok else 0
     if not ok or any((t == "full_attention") != ((i + 1) % every == 0)
                      for i, t in enumerate(types)):
         raise UserError(f"config.json layer_types={types!r}: must be 'sliding_attention' / "
-                         "'full_attention' with a full block every N blocks")
+                         f"'full_attention', one per block ({layers}), with a full block "
+                         "every N blocks")
     return every
 
 

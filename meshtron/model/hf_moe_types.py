@@ -40,10 +40,12 @@ def hf_moe_type(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt
     common = dict(
         name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
         kv_heads=opt_int("num_key_value_heads", None) or heads, vocab=need("vocab_size"),
-        tied_embeddings=flag("tie_word_embeddings", mtype.startswith("granite")),
+        tied_embeddings=flag("tie_word_embeddings", False),  # every config class's default
         **rope(opt_int("max_position_embeddings", 4096)),
         moe_top_k=need("num_experts_per_tok"),
-        moe_aux_loss=_coefficient(cfg))
+        moe_aux_loss=_coefficient(cfg, 0.01 if mtype == "olmoe" else 0.001))
+    if mtype == "llama4_text" and "rope_theta" not in cfg and "rope_parameters" not in cfg:
+        common["rope_theta"] = 500000.0  # Llama4TextConfig's default base
     return ModelSpec(**common, **reader(cfg, mtype, need, num, flag, opt_int, common))
 
 
@@ -106,7 +108,7 @@ def _gpt_oss(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     if not flag("attention_bias", True):  # the experts' and router's biases are always there
         raise UserError("config.json attention_bias=false: meshtron's ModelSpec puts gpt-oss's "
                          "biases on attention, router and experts alike; allowed: true")
-    window = opt_int("sliding_window", None) or 0
+    window = opt_int("sliding_window", 128) or 0  # GptOssConfig's default
     _alternating(cfg.get("layer_types"), common["layers"])
     limit = cfg.get("swiglu_limit", 7.0)
     refusals = (f"config.json swiglu_limit={limit!r}: gpt-oss's clamped SwiGLU "
@@ -146,15 +148,16 @@ def _llama4(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     refusals = [f"config.json model_type='llama4_text': its router's sigmoid scores multiply "
                 "each expert's input, meshtron's router weights multiply the output (planned "
                 "only)"]
-    if cfg.get("attention_chunk_size"):
-        refusals.append(f"config.json attention_chunk_size={cfg['attention_chunk_size']!r}: "
+    chunk = cfg.get("attention_chunk_size", 8192)  # Llama4TextConfig's default
+    if chunk:
+        refusals.append(f"config.json attention_chunk_size={chunk!r}: "
                         "meshtron's attention runs no chunked attention (planned only, priced "
                         "as full attention); allowed: null")
     if cfg.get("use_qk_norm", True):
         refusals.append("config.json use_qk_norm=true: meshtron's q/k norms are RMSNorms with "
                         "weights, not Llama 4's weightless L2 norm (planned only)")
-    head = opt_int("head_dim", None)
-    return dict(ffn_hidden=opt_int("intermediate_size_mlp", None) or fe,
+    head = opt_int("head_dim", 128)  # Llama4TextConfig's defaults: head_dim, dense width
+    return dict(ffn_hidden=opt_int("intermediate_size_mlp", 16384),
                 head_size=head if head not in (None, common["hidden"] // common["heads"])
                 else None,
                 norm_eps=num("rms_norm_eps", 1e-5), moe_experts=need("num_local_experts"),
@@ -225,8 +228,10 @@ def _kinds_text(kinds: Any) -> str:
     return repr(kinds)
 
 
-def _coefficient(cfg: dict[str, Any]) -> float:
-    value = cfg.get("router_aux_loss_coef", 0.001)
+def _coefficient(cfg: dict[str, Any], default: float) -> float:
+    """router_aux_loss_coef, absent: the config class's default (OlmoeConfig 0.01, the others
+    0.001)."""
+    value = cfg.get("router_aux_loss_coef", default)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
             math.isfinite(value) and value >= 0):
         raise UserError(f"config.json router_aux_loss_coef={value!r}: must be a non-negative "

@@ -15,6 +15,8 @@ from typing import Any, Callable, Literal
 from meshtron.errors import UserError
 from meshtron.model.hf_variants import check_variants
 from meshtron.model.mla_shapes import check_mla, mla_attention_params
+from meshtron.model.shape_checks import (  # noqa: F401  (ROPE_TYPES, is_number re-exported)
+    ROPE_TYPES, check_choice, check_moe, check_rope_scaling, is_number)
 
 MLPKind = Literal["swiglu", "gelu", "geglu", "relu2"]
 NormKind = Literal["rmsnorm", "layernorm"]
@@ -23,7 +25,6 @@ GeluKind = Literal["tanh", "none"]
 PositionKind = Literal["rope", "learned"]
 RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
 RouterKind = Literal["softmax", "sigmoid"]
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -222,11 +223,11 @@ class ModelSpec:
         for field in ("tied_embeddings", "bias", "qkv_bias", "parallel_residual"):
             if not isinstance(getattr(self, field), bool):
                 raise UserError(f"model.{field}={getattr(self, field)!r}: must be true or false")
-        _check_choice("model.mlp", self.mlp, ("swiglu", "gelu", "geglu", "relu2"))
-        _check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
-        _check_choice("model.position", self.position, ("rope", "learned"))
-        _check_rope_scaling(self)
-        _check_moe(self)
+        check_choice("model.mlp", self.mlp, ("swiglu", "gelu", "geglu", "relu2"))
+        check_choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
+        check_choice("model.position", self.position, ("rope", "learned"))
+        check_rope_scaling(self)
+        check_moe(self)
 
     # ---- derived shapes -------------------------------------------------------------------
     @property
@@ -458,117 +459,6 @@ class ModelSpec:
         return dataclasses.asdict(self)
 
 
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_rope_scaling(spec: ModelSpec) -> None:
-    _check_choice("model.rope_type", spec.rope_type, ROPE_TYPES)
-    if spec.rope_type == "default":
-        return
-    for field in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                  "rope_beta_fast", "rope_beta_slow"):
-        value = getattr(spec, field)
-        if not is_number(value) or not math.isfinite(value) or value <= 0:
-            raise UserError(f"model.{field}={value!r}: must be a positive finite number")
-    if spec.rope_type in ("dynamic", "yarn") and spec.rope_factor < 1:
-        raise UserError(f"model.rope_factor={spec.rope_factor!r}: must be at least 1 for "
-                         f"rope_type {spec.rope_type!r}")
-    original = spec.rope_original_max_seq
-    if spec.rope_type != "linear" and (not isinstance(original, int) or isinstance(original, bool)
-                                       or original <= 0):
-        raise UserError(f"model.rope_original_max_seq={original!r}: must be a positive integer "
-                         f"for rope_type {spec.rope_type!r}")
-    # equal factors (Llama 4 Scout: 1.0 and 1.0) leave no band to interpolate: a step
-    if spec.rope_type == "llama3" and spec.rope_high_freq_factor < spec.rope_low_freq_factor:
-        raise UserError(f"model.rope_high_freq_factor={spec.rope_high_freq_factor!r}: must "
-                         f"be at least model.rope_low_freq_factor={spec.rope_low_freq_factor!r}")
-    factor = spec.rope_attention_factor
-    if factor is not None and (not is_number(factor) or not math.isfinite(factor) or factor <= 0):
-        raise UserError(f"model.rope_attention_factor={factor!r}: must be a positive number")
-    if not isinstance(spec.rope_truncate, bool):
-        raise UserError(f"model.rope_truncate={spec.rope_truncate!r}: must be true or false")
-
-
-def _check_moe(spec: ModelSpec) -> None:
-    """MoE fields: all zero for a dense model; otherwise experts, top_k, width consistent."""
-    for field in ("moe_experts", "moe_top_k", "moe_ffn_hidden", "moe_shared_experts",
-                  "moe_dense_layers"):
-        value = getattr(spec, field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise UserError(f"model.{field}={value!r}: must be a non-negative integer")
-    if spec.head_size is not None and (not isinstance(spec.head_size, int)
-                                       or isinstance(spec.head_size, bool) or spec.head_size <= 0):
-        raise UserError(f"model.head_size={spec.head_size!r}: must be a positive integer or null")
-    for field in ("qk_norm", "attn_sinks", "moe_shared_gate"):
-        if not isinstance(getattr(spec, field), bool):
-            raise UserError(f"model.{field}={getattr(spec, field)!r}: must be true or false")
-    _check_lists(spec)
-    if not spec.is_moe:
-        return
-    if spec.mlp != "swiglu":
-        raise UserError(f"model.mlp={spec.mlp!r}: MoE experts are SwiGLU; use mlp 'swiglu'")
-    if not 1 <= spec.moe_top_k <= spec.moe_experts:
-        raise UserError(f"model.moe_top_k={spec.moe_top_k!r}: must be between 1 and "
-                         f"model.moe_experts={spec.moe_experts}")
-    if spec.moe_ffn_hidden <= 0:
-        raise UserError(f"model.moe_ffn_hidden={spec.moe_ffn_hidden!r}: must be a positive "
-                         "integer for an MoE model")
-    if spec.moe_dense_layers >= spec.layers:
-        raise UserError(f"model.moe_dense_layers={spec.moe_dense_layers}: must be below "
-                         f"model.layers={spec.layers}")
-    step = spec.moe_layer_step
-    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
-        raise UserError(f"model.moe_layer_step={step!r}: must be a positive integer")
-    if spec.moe_layers == 0:
-        raise UserError(f"model.moe_layer_step={step}, moe_mlp_only_layers="
-                         f"{list(spec.moe_mlp_only_layers)}: leave no block of the "
-                         f"{spec.layers} with routed experts; keep at least one")
-    if spec.moe_shared_gate and not spec.moe_shared_experts:
-        raise UserError("model.moe_shared_gate=true: gates the shared experts; needs "
-                         "model.moe_shared_experts >= 1")
-    _check_choice("model.moe_router", spec.moe_router, ("softmax", "sigmoid"))
-    for field in ("moe_groups", "moe_topk_groups"):
-        value = getattr(spec, field)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise UserError(f"model.{field}={value!r}: must be a positive integer")
-    if spec.moe_experts % spec.moe_groups:
-        raise UserError(f"model.moe_groups={spec.moe_groups}: must divide "
-                         f"model.moe_experts={spec.moe_experts}")
-    if spec.moe_topk_groups > spec.moe_groups:
-        raise UserError(f"model.moe_topk_groups={spec.moe_topk_groups}: must be at most "
-                         f"model.moe_groups={spec.moe_groups}")
-    if spec.moe_topk_groups * (spec.moe_experts // spec.moe_groups) < spec.moe_top_k:
-        raise UserError(f"model.moe_topk_groups={spec.moe_topk_groups}: the chosen groups hold "
-                         f"fewer experts than model.moe_top_k={spec.moe_top_k}")
-    if spec.moe_groups > 1 and spec.moe_router != "sigmoid":
-        raise UserError(f"model.moe_groups={spec.moe_groups}: group-limited routing is "
-                         "implemented for moe_router 'sigmoid' (DeepSeek-V3) only")
-    for field in ("moe_route_scale", "moe_aux_loss", "moe_bias_update"):
-        value = getattr(spec, field)
-        if not is_number(value) or not math.isfinite(value) or value < 0:
-            raise UserError(f"model.{field}={value!r}: must be a non-negative number")
-    if spec.moe_bias_update and spec.moe_router != "sigmoid":
-        raise UserError(f"model.moe_bias_update={spec.moe_bias_update}: bias-based balancing "
-                         "needs moe_router 'sigmoid'")
-
-
-def _check_lists(spec: ModelSpec) -> None:
-    """The tuple fields (a run file's TOML gives lists: kept as tuples, so specs stay
-    hashable and comparable)."""
-    only = spec.moe_mlp_only_layers
-    if not isinstance(only, (list, tuple)) or any(
-            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < spec.layers
-            for i in only):
-        raise UserError(f"model.moe_mlp_only_layers={only!r}: must be a list of block indices "
-                         f"from 0 to {spec.layers - 1}")
-    refusals = spec.train_refusals
-    if not isinstance(refusals, (list, tuple)) or any(not isinstance(r, str) for r in refusals):
-        raise UserError(f"model.train_refusals={refusals!r}: must be a list of strings")
-    object.__setattr__(spec, "moe_mlp_only_layers", tuple(only))
-    object.__setattr__(spec, "train_refusals", tuple(refusals))
-
-
 def runtime_refusal(spec: ModelSpec) -> str | None:
     """The first thing meshtron's runtime does not compute for `spec`, as one line (None:
     it builds the model exactly)."""
@@ -581,8 +471,3 @@ def runtime_refusal(spec: ModelSpec) -> str | None:
         return ("model.attn_sinks=true: meshtron's attention has no sink logits (planned "
                 "only); allowed: false")
     return None
-
-
-def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        raise UserError(f"{field}={value!r}: allowed values are {', '.join(allowed)}")

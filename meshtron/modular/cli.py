@@ -11,14 +11,13 @@ temporary name and renamed into place, so an error leaves nothing half-written.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from meshtron.argtypes import nonnegative_int, positive_int
+from meshtron.argtypes import literal_value, nonnegative_int, positive_int
 from meshtron.errors import UserError
 
 
@@ -29,10 +28,7 @@ def _fields(items: list[str]) -> dict[str, Any]:
         if not sep or not key.startswith("model."):
             raise UserError(f"merge --set {item!r}: expected model.KEY=VALUE, e.g. "
                             "model.moe_router=sigmoid")
-        try:
-            out[key[len("model."):]] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key[len("model."):]] = value
+        out[key[len("model."):]] = literal_value(value)
     return out
 
 

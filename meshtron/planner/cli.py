@@ -56,9 +56,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep, etp: e.g. "
                                     "tp=8,cp=2,pp=16,dp=64 or tp=1,pp=16,dp=128,ep=64 (ep "
-                                    "folds over dp x cp); etp (megatron@2024 only: "
-                                    "Megatron-Core's expert tensor parallelism) folds ep over "
-                                    "tp x cp x dp, ep*etp dividing them, e.g. "
+                                    "folds over dp x cp); etp (megatron@2024 and "
+                                    "megatron-bridge: Megatron-Core's expert tensor "
+                                    "parallelism) folds ep over tp x cp x dp, ep*etp "
+                                    "dividing them, e.g. "
                                     "tp=2,pp=8,dp=16,ep=32,etp=1; "
                                     "when the knobs leave one layout (axes not given count as "
                                     "fixed where the GPU count allows one value) it is pinned: "
@@ -224,6 +225,9 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"--seq-len not given: planning at {seq} tokens per sequence, the smaller "
                      f"of the model's max_position_embeddings ({model.max_seq}) and "
                      f"{DEFAULT_SEQ_LEN}")
+    refused = model_refusal(model, seq)
+    if refused:  # priced as the stack would run it; said here, not first at `meshtron train`
+        notes.append(f"meshtron train refuses this model: {refused}")
     if seq > model.max_seq:
         notes.append(long_sequence_note(model, seq))
     batch = args.global_batch
@@ -266,14 +270,25 @@ def _rehearse(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq:
     return args.rehearsal[0](load_model(args.model), plan, args.cluster)
 
 
-def _runtime_refusal(plan: Any) -> str | None:
+def _runtime_refusal(plan: Any, model: Any) -> str | None:
     """The line meshtron's runtime would refuse a saved plan with (Plan.validate: the one
-    validity function, runtime limits included), or None when `meshtron train` runs it."""
+    validity function, runtime limits included; then the model's own, `model_refusal`), or
+    None when `meshtron train` runs it."""
     try:
         plan.validate(plan.gpus)
     except UserError as e:
         return str(e)
-    return None
+    return model_refusal(model, plan.seq_len)
+
+
+def model_refusal(model: Any, seq: int) -> str | None:
+    """What `meshtron train` refuses of the model itself at `seq` tokens with its default
+    causal mask, whatever the layout (the checks job_from_args runs: planned-only features,
+    shapes.runtime_refusal; soft-capping, hf_variants.runtime_problem), or None."""
+    from meshtron.model.hf_variants import runtime_problem
+    from meshtron.model.shapes import runtime_refusal
+
+    return runtime_refusal(model) or runtime_problem(model, seq)
 
 
 def quiet_broken_pipe() -> None:
@@ -333,7 +348,7 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
         if console is not None:
             # a plan priced for another stack's engine (DeepSeek's DualPipe) is saved for the
             # record, but the one validity function says meshtron's runtime will refuse it
-            refused = _runtime_refusal(plan)
+            refused = _runtime_refusal(plan, result.model)
             how = (f"`meshtron train --plan {args.save}` trains in it; --dtype here changes it"
                    if refused is None else f"meshtron's runtime refuses it: {refused}")
             console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: {how})")

@@ -144,7 +144,9 @@ def options_line(options: Any, dtype: str) -> str:
 
 
 def fmt_count(x: float) -> str:
-    """1234 -> '1.23K', 6.7e9 -> '6.74B': three significant digits with a unit."""
+    """1234 -> '1.23K', 6.7e9 -> '6.74B': three significant digits with a unit (rounded
+    before the unit is picked: 999.9e6 -> '1B', not '1e+03M')."""
+    x = float(f"{x:.3g}")
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(x) >= div:
             return f"{x / div:.3g}{unit}"

@@ -7,10 +7,9 @@ exit code 2, printed by meshtron/cli.py). The job then runs in `meshtron.train.l
 from __future__ import annotations
 
 import argparse
-import ast
 from typing import Any
 
-from meshtron.argtypes import positive_float, positive_int
+from meshtron.argtypes import literal_value, positive_float, positive_int
 from meshtron.config import RunConfig, apply_overrides, config_from_dict, load_toml
 from meshtron.errors import UserError
 from meshtron.train.job import ParallelRequest, TrainJob
@@ -42,13 +41,6 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
 }
 # Run-file keys a saved plan fixes: taken from the plan when not given, checked when given.
 _PLAN_FIXES = {"data.global_batch": "global_batch", "data.seq_len": "seq_len"}
-
-
-def _literal(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return text
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,7 +141,7 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         key, value = item.split("=", 1)
         if key != "model" and "." not in key:
             raise UserError(f"--set {key!r}: expected SECTION.KEY (data, optim or train)")
-        overrides[key] = _literal(value)
+        overrides[key] = literal_value(value)
     if args.tensorboard:
         overrides["train.tensorboard"] = True
     if getattr(args, "compile", False):
