@@ -303,25 +303,9 @@ def _plan(model: str, **kw):
 
 
 def _two_rank(cases) -> list[dict]:
-    import torch.distributed as dist
+    from testkit.engine_runs import engine_runs
 
-    from meshtron.train.parallel import ParallelEngine
-
-    torch.set_num_threads(1)
-    out = []
-    for model, kw in cases:
-        cfg, plan = _cfg(model), _plan(model, **kw)
-        engine = ParallelEngine(cfg, plan, torch.device("cpu"))
-        r, rows = engine.dp_rank, 8 // plan.dp
-        losses = []
-        for tokens in _batches(cfg.model.vocab):
-            part = tokens[rows * r:rows * (r + 1)]
-            losses.append(float(engine.train_step(part[:, :-1], part[:, 1:]).loss))
-        m = engine.memory_bytes()
-        out.append({"losses": losses, "states": [m["params"], m["grads"], m["optimizer"]]})
-        engine.release()
-        dist.barrier()
-    return out
+    return engine_runs([(_cfg(model), _plan(model, **kw)) for model, kw in cases], _batches)
 
 
 def test_tensor_parallel_equals_one_process(tmp_path):
@@ -377,26 +361,12 @@ def test_eager_kernel_count_is_what_the_block_launches(mtype):
     rotary's concatenations, the sandwich's four norms, Granite's factors, the scale on q, the
     1 + weight of zero-centred norms."""
     import dataclasses
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from meshtron.model.rope import rope_cache
     from meshtron.model.transformer import Block
     from meshtron.planner import compute as C
+    from testkit.kernel_count import KernelCount as Count
     from tests.test_planner_host import EAGER
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: Counter[str] = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if not func.is_view and name not in ("empty", "empty_strided", "detach",
-                                                  "_unsafe_view"):
-                self.ops[name] += 1
-            return func(*args, **(kwargs or {}))
 
     spec = dataclasses.replace(from_hf_dict(TINY[mtype]), norm="layernorm", qk_norm=False,
                                qk_norm_whole=False)

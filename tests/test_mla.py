@@ -160,29 +160,12 @@ def _plan(**kw):
                 recompute="none", dtype="fp32", **kw)
 
 
-def two_rank_fn(cases) -> list[list[float]]:
+def two_rank_fn(cases) -> list[dict]:
     """Per rank (under run_on_ranks): STEPS steps of tiny-mla in each layout, 2 micro-batches of
     2 rows per data rank (tp: every row on both ranks)."""
-    import torch.distributed as dist
+    from testkit.engine_runs import engine_runs
 
-    from meshtron.train.parallel import ParallelEngine
-
-    torch.set_num_threads(1)
-    out = []
-    for model, kw in cases:
-        cfg = _cfg(model)
-        plan = _plan(**kw)
-        engine = ParallelEngine(cfg, plan, torch.device("cpu"))
-        r, rows = engine.dp_rank, 8 // plan.dp
-        losses = []
-        for tokens in _batches(cfg.model.vocab):
-            part = tokens[rows * r:rows * (r + 1)]
-            losses.append(float(engine.train_step(part[:, :-1], part[:, 1:]).loss))
-        m = engine.memory_bytes()
-        out.append({"losses": losses, "states": [m["params"], m["grads"], m["optimizer"]]})
-        engine.release()
-        dist.barrier()
-    return out
+    return engine_runs([(_cfg(model), _plan(**kw)) for model, kw in cases], _batches)
 
 
 def test_tp2_sp_fsdp2_and_cp2_match_one_process():

@@ -185,25 +185,11 @@ def test_eager_kernel_count_is_what_meshtrons_block_launches():
     meshtron's Block on CPU (LayerNorm standing in for the one-kernel fused RMSNorm of CUDA,
     which decomposes on CPU): the forward is the planner's `kernels_per_layer`, the backward
     BACKWARD_LAUNCHES times it."""
-    from collections import Counter
-
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from meshtron.model.rope import rope_cache
     from meshtron.model.transformer import Block
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: Counter[str] = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if not func.is_view and name not in ("empty", "empty_strided", "detach",
-                                                  "_unsafe_view"):
-                self.ops[name] += 1
-            return func(*args, **(kwargs or {}))
+    from testkit.kernel_count import KernelCount as Count
 
     spec = dataclasses.replace(TINY, norm="layernorm")
     torch.manual_seed(0)
