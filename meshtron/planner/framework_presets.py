@@ -98,7 +98,7 @@ _MEGATRON_2021 = Framework(
                   fp8_scaling="te-delayed",
                   v_width="native"),  # unfused: two batched GEMMs take any head sizes
     MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none",
-                  zero_stages="megatron-2021"),
+                  zero_stages="megatron-2021", layouts="megatron-2021"),
     "fp32")
 # gradient accumulation fusion arrived in Megatron-LM in February 2022 (commit 83b1e42f30): the
 # 2021 tree adds every micro-batch's gradient to main_grad in a backward hook of its own
@@ -143,7 +143,8 @@ _DEEPSPEED_2021 = Framework(
                   recompute_regathers=True, list_collectives=True, fp8_filter="all",
                   v_width="native"),  # unfused: two batched GEMMs take any head sizes
     MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
-                  host_offload="zero-offload-2021", zero_stages="deepspeed"), "bf16")
+                  host_offload="zero-offload-2021", zero_stages="deepspeed",
+                  layouts="deepspeed-2021"), "bf16")
 _DEEPSPEED_2024 = Framework(
     "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
     "microsoft/DeepSpeed: deepspeed/runtime/zero/parameter_offload.py and "
@@ -169,12 +170,15 @@ _DEEPSPEED_2024 = Framework(
 # foreach AdamW (torchtitan/optimizer.py: `--optimizer.fused` off until pytorch/torchtitan#881,
 # February 2025) and its own Python RMSNorm (norms.py, replaced by torch.nn.RMSNorm in #985,
 # March 2025); no expert parallelism yet (torchtitan/distributed/expert_parallel.py came in 2025)
+# and no mixture-of-experts model at all (torchtitan/models/ is llama only; DeepSeek-V3 came in
+# torchtitan#830, February 2025): plan_rules_stack 'torchtitan-2024' refuses MoE models
 _TORCHTITAN_2024 = dataclasses.replace(
     _TORCHTITAN, era="2024",
     models="pytorch/torchtitan main, December 2024 (FSDP2, torch.compile off by default)",
     source="torchtitan/parallelisms/parallelize_llama.py, torchtitan/optimizer.py (foreach "
            "AdamW), torchtitan/models/norms.py (Python RMSNorm), torchtitan/config_manager.py",
     kernel=dataclasses.replace(_TORCHTITAN.kernel, optimizer="foreach", eager_norm="python"),
+    memory=dataclasses.replace(_TORCHTITAN.memory, layouts="torchtitan-2024"),
     expert_parallel="")
 # Megatron-Core 0.15-0.16 (pyproject.toml pins of Megatron-Bridge v0.2.0 and v0.3.0)
 # as Megatron-Bridge's library recipes configure it (src/megatron/bridge/recipes/llama/
@@ -233,8 +237,9 @@ _MEGATRON_BRIDGE = Framework(
 #   every token over ep, loops over its local experts and reduce-scatters (components/moe/
 #   layers.py: "sub-optimal but ... for correctness"): not priced; `ep_dispatch = "bf16"`
 #   prices an all-to-all instead, cheaper than that path;
-# - param_dtype 'bf16': from_config builds the model in config.torch_dtype, default bf16, and
-#   initialize_weights casts to bf16 (components/models/deepseek_v3/model.py); no fp32 master;
+# - param_dtype 'bf16' (the dense path's too, set on the preset): from_config builds the model in
+#   config.torch_dtype, default bf16, and initialize_weights casts to bf16 (components/models/
+#   deepseek_v3/model.py); no fp32 master;
 # - experts_outside_fsdp: apply_fsdp wraps the experts over the ep_shard mesh only when it
 #   has more than one rank, else they are the block's ignored_params; the memory model applies
 #   it only where dp x cp / ep is 1 (estimate_memory), so it is on for every MoE layout.
@@ -257,7 +262,14 @@ _NEMO_AUTOMODEL = Framework(
     "(BackendConfig te, enable_deepep), components/models/deepseek_v3/",
     KernelOptions(stack="eager", sharding="fsdp", fp32_grad_reduce=False, cp_overlap=True,
                   torch_ring=True, optimizer="foreach"),
-    MemoryOptions(framework="fsdp2", loss="eager", host_offload="fsdp2", zero_stages="automodel"),
+    # param_dtype bf16 on the dense path too: train_ft's build_model instantiates the model
+    # (NeMoAutoModelForCausalLM.from_config: torch_dtype 'auto' -> torch.bfloat16; from_pretrained:
+    # 'auto', the checkpoint's dtype, and 65 of the example YAMLs set torch_dtype bf16) and
+    # load_base_model's to_empty_parameters_only keeps that dtype; FSDP2Manager's mp_policy
+    # (param bf16) casts nothing up: no fp32 master weights (_transformers/auto_model.py,
+    # recipes/llm/train_ft.py build_model, components/checkpoint/checkpointing.py)
+    MemoryOptions(framework="fsdp2", loss="eager", host_offload="fsdp2", zero_stages="automodel",
+                  param_dtype="bf16"),
     "bf16",
     expert_parallel="components/moe/parallelizer.py (apply_ep: experts Shard(0) over the moe "
                     "mesh's 'ep' dim; apply_fsdp: experts fully_shard on dim 1 over 'ep_shard' "
@@ -270,7 +282,7 @@ _NEMO_AUTOMODEL = Framework(
     moe_no_tp="components/moe/parallelizer.py parallelize_model asserts \"Tensor parallelism "
               "not supported for custom MoE models\"",
     moe_path=(("fp32_grad_reduce", True), ("reduce_dtype", "fp32"), ("stack", "fused"),
-              ("v_width", "native"), ("ep_dispatch", "deepep"), ("param_dtype", "bf16"),
+              ("v_width", "native"), ("ep_dispatch", "deepep"),
               ("experts_outside_fsdp", True)))
 # GPT-NeoX (EleutherAI/gpt-neox of April 2022, 450b58c4, the 20B release; DeeperSpeed
 # eb7f5cff, DeepSpeed 0.3.15's engine): deepspeed@2021's pipeline engine and ZeRO, but the
@@ -287,7 +299,10 @@ _GPT_NEOX = dataclasses.replace(
            "20B.yml), megatron/model/transformer.py (gpt_j_residual); requirements "
            "DeeperSpeed eb7f5cff",
     kernel=dataclasses.replace(_DEEPSPEED_2021.kernel, dropout=False, stack="eager",
-                               residual_reduce_once=True))
+                               residual_reduce_once=True),
+    # no mixture of experts in 2022's main (plan_rules_stack 'gpt-neox-2022'): DeepSpeed@2021's
+    # expert_parallel is '' already, so without the rule MoE models were priced replicated
+    memory=dataclasses.replace(_DEEPSPEED_2021.memory, layouts="gpt-neox-2022"))
 # llm-foundry (mosaicml/llm-foundry) on Composer with PyTorch FSDP (FSDP1), as its benchmark
 # YAMLs run it (scripts/train/benchmarking): amp_bf16 with FSDP mixed precision DEFAULT, the
 # MPT model's flash-attn fused cross-entropy (loss_fn fused_crossentropy: the gradient
@@ -303,8 +318,10 @@ _LLM_FOUNDRY_2024 = Framework(
     "llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn fused_crossentropy)",
     KernelOptions(fp32_grad_reduce=True, separate_projections=False, stack="eager",
                   optimizer="for-loop"),
+    # Composer's FSDP is llm-foundry's only parallelism then, and its FFNs are dense: no tp, pp
+    # or MoE (plan_rules_stack 'llm-foundry', which cites the code)
     MemoryOptions(framework="fsdp2", loss="inplace", host_offload="composer",
-                  zero_stages="composer"), "fp32")
+                  zero_stages="composer", layouts="llm-foundry"), "fp32")
 _LLM_FOUNDRY_2023 = dataclasses.replace(
     _LLM_FOUNDRY_2024, era="2023",
     models="mosaicml/llm-foundry v0.3.0 (September 2023) on Composer 0.16.3 (amp_bf16)",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from meshtron.errors import UserError
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.plan_rules_offload import OFFLOAD_RULES
+from meshtron.planner.plan_rules_stack import LAYOUT_RULES
 from meshtron.planner.plan_rules_zero import ZERO_RULES
 
 GIB = float(2**30)
@@ -213,6 +214,9 @@ class MemoryOptions:
         if self.zero_stages is not None and self.zero_stages not in ZERO_RULES:
             raise UserError(f"memory.zero_stages={self.zero_stages!r}: allowed values "
                             f"are {', '.join(ZERO_RULES)}")
+        if self.layouts is not None and self.layouts not in LAYOUT_RULES:
+            raise UserError(f"memory.layouts={self.layouts!r}: allowed values "
+                            f"are {', '.join(LAYOUT_RULES)}")
         if self.split_priced is not None and self.split_priced not in PIPELINE_SPLITS:
             raise UserError(f"memory.split_priced={self.split_priced!r}: allowed values "
                             f"are {', '.join(PIPELINE_SPLITS)}")
@@ -260,6 +264,11 @@ class MemoryOptions:
     """The ZeRO stages the stack's code runs (plan_rules_zero.STACK_ZEROS, which cites it; the
     framework presets set theirs): the search tries only those and an explicit other one is
     refused; None: 'any', every stage priced."""
+
+    layouts: str | None = None
+    """The tensor / pipeline parallelism and mixture-of-experts models the stack's code cannot
+    run (plan_rules_stack.STACK_LAYOUTS, which cites it; the framework presets set theirs): the
+    search offers none of them and an explicit one is refused; None: 'any', all priced."""
 
     split_priced: str | None = None
     """The layer-to-stage rule priced instead of the stack's own, set by the search only for a

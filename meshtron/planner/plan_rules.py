@@ -7,7 +7,7 @@ model's shapes, and the runtime's own limits.
 The rules are split by topic, this module their one entry point: plan_rules_fields.py (the
 fields and their consistency), plan_rules_pipeline.py (schedules and each stack's layer
 split), plan_rules_offload.py (the host offload each stack runs), plan_rules_zero.py (the ZeRO
-stages each stack runs), plan_rules_runtime.py (meshtron's runtime limits); every name stays
+stages each stack runs), plan_rules_stack.py (the tp / pp / MoE each stack's code lacks), plan_rules_runtime.py (meshtron's runtime limits); every name stays
 importable here.
 """
 
@@ -27,6 +27,8 @@ from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
     split_problem)
 from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
     STACK_OFFLOADS, least_zero, offload_kinds, offload_problem)
+from meshtron.planner.plan_rules_stack import (  # noqa: F401  (re-exported)
+    STACK_LAYOUTS, layout_problem)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
     STACK_ZEROS, zero_limit, zero_problem)
 from meshtron.planner.plan_rules_runtime import (  # noqa: F401  (re-exported)
@@ -129,7 +131,7 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
                   model: Any = None, runtime: bool = True, split: str | None = None,
                   engine: str | None = None, offload_rule: str | None = None,
                   zero_rule: str | None = None, ep_rule: str | None = None,
-                  stack: str | None = None) -> list[str]:
+                  stack: str | None = None, layout_rule: str | None = None) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
     against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
     include meshtron's runtime limits (False when the planner prices another framework);
@@ -140,7 +142,8 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     `zero_rule`: the ZeRO stages it runs (MemoryOptions.zero_stages); `ep_rule`: "tp" where
     the stack folds expert parallelism over the tensor ranks too (EP_FOLDS), so it takes
     plan.etp; "data" where it does not; None: no stack named (a Plan read alone); `stack`:
-    the priced stack as 'name@era', for the rules only its trainer decides (RUNS_STACKS)."""
+    the priced stack as 'name@era', for the rules only its trainer decides (RUNS_STACKS);
+    `layout_rule`: the tp / pp / MoE its code cannot run (MemoryOptions.layouts)."""
     out = list(field_problems(k))
     # meshtron's own stack says it in its runtime's words (ep_runtime_problems)
     problem = None if runtime else ep_stack_problem(
@@ -163,6 +166,11 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if problem:
         out.append(problem)
     problem = zero_problem(zero_rule, g("zero"), g("dp"), g("tp"), g("pp"), g("cp"))
+    if problem:
+        out.append(problem)
+    moe_model = (getattr(model, "name", None) or "model") if getattr(model, "is_moe", False) \
+        else None
+    problem = layout_problem(layout_rule, g("tp"), g("pp"), moe_model, stack)
     if problem:
         out.append(problem)
     if world_size is not None:

@@ -135,7 +135,7 @@ class SearchSpace:
         self.ep_rule = ep_rule(self.mem.framework)
         problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine,
                                  self.mem.host_offload, self.mem.zero_stages, self.ep_rule,
-                                 self.stack)
+                                 self.stack, self.mem.layouts)
         if problems:
             nearer = self._nearer_split(fixed)
             if nearer is None:
@@ -168,7 +168,8 @@ class SearchSpace:
         for rule in NEAREST.get(self.split, ()):
             # with the stack's other rules: a problem they find is not the split's
             if not plan_problems(fixed, self.n, self.model, self.runtime, rule, self.engine,
-                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule):
+                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule,
+                                 layout_rule=self.mem.layouts):
                 return rule
         return None
 
@@ -343,7 +344,8 @@ class SearchSpace:
                         problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp,
                                                   "dp": dp, "ep": ep},
                                                  n, self.model, self.runtime, self.split,
-                                                 self.engine, ep_rule=self.ep_rule)
+                                                 self.engine, ep_rule=self.ep_rule,
+                                                 layout_rule=self.mem.layouts)
                         if problems:
                             left_out.setdefault(family(tp, pp), problems[0])
                             continue
