@@ -50,11 +50,9 @@ def _options_for(run) -> tuple[str, dict]:
     kern = dataclasses.asdict(run.opts)
     mem = run.row_memory
     mem_d = {k: v for k, v in dataclasses.asdict(mem).items() if k != "dtype"}
-    # a row that names no stack rule for ZeRO stages, host offload or parallelisms runs
-    # whatever it pins: 'any', written out, so that the closest preset's own rule does not
-    # refuse its layout (M19's Megatron-LM 2019 tp=8 is closest to llm-foundry's options)
-    mem_d.update({k: "any" for k in ("zero_stages", "host_offload", "layouts")
-                  if mem_d[k] is None})
+    # a row that names no stack rule for ZeRO stages or host offload runs whatever it pins:
+    # 'any', written out, so that the closest preset's own rule does not refuse its layout
+    mem_d.update({k: "any" for k in ("zero_stages", "host_offload") if mem_d[k] is None})
     red = "fp32" if run.opts.fp32_grad_reduce else "bf16"
     best = None
     for key, preset in PRESETS.items():
@@ -65,7 +63,11 @@ def _options_for(run) -> tuple[str, dict]:
         fw_mem = dataclasses.asdict(fw.memory)
         # memory defaults that resolve to the same list/loss count as equal
         diff.update({k: v for k, v in mem_d.items() if fw_mem[k] != v
-                     and not (k in ("activations", "loss") and v is None)})
+                     and not (k in ("activations", "loss", "layouts") and v is None)})
+        # likewise the parallelisms, where the preset refuses some (plan_rules_stack): M19's
+        # Megatron-LM 2019 at tp=8 is closest to llm-foundry's options
+        if mem_d["layouts"] is None and fw_mem["layouts"] is not None:
+            diff["layouts"] = "any"
         if fw.reduce_dtype != red:
             diff["reduce_dtype"] = red
         rank = (len(diff), 0 if fw.name in run.stack.lower() else 1)

@@ -17,6 +17,7 @@ from meshtron.planner.collectives import step_collectives
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.frameworks import preset as framework
+from meshtron.planner.frameworks import with_options
 from meshtron.planner.plan import Plan, plan_problems
 from meshtron.planner.search import evaluate_plan, search_plans
 
@@ -89,11 +90,18 @@ def test_dense_model_never_gets_ep_and_ep_must_divide_experts():
 
 @pytest.mark.parametrize("name", ["megatron@2021", "deepspeed@2021"])
 def test_frameworks_without_expert_parallelism_refuse_ep_by_name(name):
-    with pytest.raises(UserError, match=rf"plan.ep=8: framework {name} has no expert"):
+    # their code had no MoE at all (plan_rules_stack): refused before ep is looked at
+    with pytest.raises(UserError, match=r"--model mixtral-8x7b \(a mixture of experts\)"):
         search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
                      {"ep": 8, "tp": 1}, framework=framework(name))
+    # `layouts = "any"` prices the model anyway: with every expert on each rank
+    fw = with_options(framework(name), {"layouts": "any"})
+    with pytest.raises(UserError, match=rf"plan.ep=8: framework {name} \+1 option\(s\) has "
+                                        "no expert"):
+        search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:4"), 256, 4096,
+                     {"ep": 8, "tp": 1}, framework=fw)
     r = search_plans(preset("mixtral-8x7b"), resolve_cluster("dgx-h100:8"), 256, 4096,
-                     {"tp": 1, "pp": 4}, framework=framework(name), explain=False)
+                     {"tp": 1, "pp": 4}, framework=fw, explain=False)
     assert all(e.config.ep == 1 for e in r.plans)
     assert any("expert parallelism left out" in n for n in r.notes)
 

@@ -31,7 +31,7 @@ def _one_line_refusal(rc: int, out: str, err: str) -> str:
 
 def test_presets_name_their_layout_rule():
     rules = {key: fw.memory.layouts for key, fw in PRESETS.items() if fw.memory.layouts}
-    assert rules == {"torchtitan@2024": "torchtitan-2024", "gpt-neox@2022": "gpt-neox-2022",
+    assert rules == {"torchtitan@2024": "torchtitan-2024", "gpt-neox@2022": "deepspeed-2021",
                      "llm-foundry@2023": "llm-foundry", "llm-foundry@2024": "llm-foundry",
                      "megatron@2021": "megatron-2021", "deepspeed@2021": "deepspeed-2021"}
     assert set(rules.values()) == set(STACK_LAYOUTS)

@@ -299,10 +299,8 @@ _GPT_NEOX = dataclasses.replace(
            "20B.yml), megatron/model/transformer.py (gpt_j_residual); requirements "
            "DeeperSpeed eb7f5cff",
     kernel=dataclasses.replace(_DEEPSPEED_2021.kernel, dropout=False, stack="eager",
-                               residual_reduce_once=True),
-    # no mixture of experts in 2022's main (plan_rules_stack 'gpt-neox-2022'): DeepSpeed@2021's
-    # expert_parallel is '' already, so without the rule MoE models were priced replicated
-    memory=dataclasses.replace(_DEEPSPEED_2021.memory, layouts="gpt-neox-2022"))
+                               residual_reduce_once=True))
+# (no mixture of experts in 2022's main either: deepspeed@2021's layout rule, which cites both)
 # llm-foundry (mosaicml/llm-foundry) on Composer with PyTorch FSDP (FSDP1), as its benchmark
 # YAMLs run it (scripts/train/benchmarking): amp_bf16 with FSDP mixed precision DEFAULT, the
 # MPT model's flash-attn fused cross-entropy (loss_fn fused_crossentropy: the gradient

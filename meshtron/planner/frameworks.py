@@ -13,7 +13,9 @@ Expert parallelism (ep > 1, mixture-of-experts models) is priced for the stacks 
 (Megatron-Core MoE), deepspeed@2024 (DeepSpeed-MoE), nemo-automodel (its own MoE model
 classes and components/moe/, with the defaults of that path: `Framework.moe_path`);
 megatron@2021, deepspeed@2021, gpt-neox, torchtitan@2024 and llm-foundry had none and refuse
-ep > 1.
+ep > 1; their code had no mixture-of-experts model at all, so they refuse MoE models outright
+(MemoryOptions `layouts`, plan_rules_stack.STACK_LAYOUTS, which cites each), as llm-foundry
+refuses tp > 1 and pp > 1 (Composer's PyTorch FSDP is its only parallelism then).
 DeepSeek's DualPipe (all-to-alls overlapped with another micro-batch) and its node-limited
 routing are options, not a preset: `ep_overlap = true`, `ep_node_limit = 4`, and its FP8
 dispatch `ep_dispatch = "fp8"`; DualPipe itself is the memory option `pipeline_split =
@@ -22,8 +24,9 @@ planner/pipeline_dualpipe.py and refused by meshtron's runtime. DeepEP's kernels
 AutoModel's `dispatcher: deepep`, Megatron-Core's flex dispatcher) are `ep_dispatch =
 "deepep"` with `expert_routing` ("spread", or "contiguous" for AutoModel's fake balanced
 gate; planner/moe_deepep.py); NeMo AutoModel's bf16 model and its experts left out of FSDP2
-on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` and
-`experts_outside_fsdp = true`, which the nemo-automodel preset sets for MoE models.
+on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` (the preset's for
+every model: its dense Hugging Face path builds bf16 models too) and `experts_outside_fsdp =
+true`, which the nemo-automodel preset sets for MoE models.
 
 * `meshtron` (default): meshtron's own runtime (meshtron/parallel/): eager PyTorch modules,
   FSDP2 with fp32 sharded parameters and MixedPrecisionPolicy(param bf16, reduce fp32); ZeRO-0/1
@@ -95,7 +98,10 @@ on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` and
   `fp32_grad_reduce = false` with `reduce_dtype = "bf16"` (grad_reduce_in_fp32 False for
   Llama 3 and Qwen 3), `ep_overlap = true` where a MoE config sets moe_a2a_overlap.
 * `nemo-automodel@2025` (NVIDIA-NeMo/Automodel v0.2.0, December 2025): FSDP2 over a Hugging
-  Face model (components/distributed/fsdp2.py FSDP2Manager: MixedPrecisionPolicy param and
+  Face model built in bf16 with no fp32 master weights (`param_dtype = "bf16"`: from_config
+  resolves torch_dtype 'auto' to bfloat16, _transformers/auto_model.py; train_ft's build_model
+  and load_base_model keep the built dtype; components/distributed/fsdp2.py FSDP2Manager:
+  MixedPrecisionPolicy param and
   reduce bf16, so gradients reduce-scatter in bf16; offload_policy CPUOffloadPolicy;
   activation_checkpointing off), eager kernels (torch.compile only with a `compile` section,
   recipes/llm/train_ft.py), attention `flash_attention_2` (_transformers/auto_model.py; flash-
@@ -110,8 +116,8 @@ on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` and
   [options] value wins): FSDP2 reducing in fp32 (apply_fsdp's MixedPrecisionPolicy when none
   is passed: `fp32_grad_reduce`, `reduce_dtype = "fp32"`), Transformer Engine attention,
   Linear and RMSNorm (BackendConfig 'te': `stack = "fused"`, MLA's V at its own width),
-  DeepEP's dispatcher where deep_ep is installed (`ep_dispatch = "deepep"`), the model in
-  bf16 without fp32 master weights (`param_dtype = "bf16"`), and routed experts outside FSDP2
+  DeepEP's dispatcher where deep_ep is installed (`ep_dispatch = "deepep"`), and routed
+  experts outside FSDP2
   wherever dp x cp / ep is one rank (`experts_outside_fsdp`). Its expert parallelism folds
   ep over the dp x cp ranks (fsdp2.py's moe mesh (pp, ep_shard, ep)); parallelize_model
   asserts tp 1 for its MoE models, and a plan with tp > 1 for one is refused

@@ -23,10 +23,8 @@ STACK_LAYOUTS: dict[str, dict[str, str]] = {
                "first, switch_mlp.py, came in 2023-10, megatron/core/transformer/moe/ in 2024)"},
     "deepspeed-2021": {
         "moe": "DeepSpeed 0.3.15 has no mixture of experts (deepspeed/moe/ came with "
-               "DeepSpeed-MoE, DeepSpeed#1310, v0.5.0)"},
-    "gpt-neox-2022": {
-        "moe": "GPT-NeoX main of 2022 has no mixture of experts (megatron/model/transformer.py; "
-               "MoE reached main in gpt-neox#1129, 2024-03; the 2022 'moe' branch was never "
+               "DeepSpeed-MoE, DeepSpeed#1310, v0.5.0), nor has GPT-NeoX's 2022 main on it "
+               "(MoE reached main in gpt-neox#1129, 2024-03; the 2022 'moe' branch was never "
                "merged)"},
     "torchtitan-2024": {
         "moe": "torchtitan of December 2024 has no mixture-of-experts model (torchtitan/models/ "
