@@ -99,3 +99,16 @@ def test_automodel_dense_keeps_bf16_parameters(plan_cli, tmp_path):
     # 8B parameters over 8 ranks: 2 + 2 + 4 bytes each in bf16, 4 + 4 + 8 with fp32 master
     assert bf["params"] == pytest.approx(f32["params"] / 2)
     assert bf["optimizer"] == pytest.approx(f32["optimizer"] / 2)
+
+
+def test_layouts_option_any_prices_them_and_a_wrong_value_is_refused(plan_cli, tmp_path):
+    opts = tmp_path / "any.toml"
+    opts.write_text('[options]\nlayouts = "any"\n')
+    rc, out, err = plan_cli(*SMALL, "--framework", "llm-foundry", "--layout", "tp=2",
+                            "--options", str(opts), "--json", "--top", "1")
+    assert rc == 0, err
+    assert json.loads(out)["plans"][0]["tp"] == 2
+    opts.write_text('[options]\nlayouts = "bogus"\n')
+    line = _one_line_refusal(*plan_cli(*SMALL, "--framework", "llm-foundry", "--options",
+                                       str(opts)))
+    assert "memory.layouts='bogus': allowed values are any, llm-foundry" in line, line
