@@ -23,7 +23,8 @@ STEPS = ("estimate.py", "estimate_time.py", "estimate_stage.py")
 def test_every_name_the_steps_use_is_declared():
     """Read and written attributes of `w` in the evaluate steps, by their source text: a
     name only a rare branch touches (a MoE pipeline, offload) is checked without running it."""
-    declared = {f.name for f in dataclasses.fields(Work)}
+    declared = {f.name for f in dataclasses.fields(Work)} | {
+        n for n, v in vars(Work).items() if isinstance(v, property)}  # derived: m_run, ...
     used: set[str] = set()
     for name in STEPS:
         used |= set(re.findall(r"\bw\.(\w+)", (PLANNER / name).read_text()))
