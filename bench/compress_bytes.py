@@ -16,7 +16,6 @@ Goal (issue 12): int8 <= 0.27 of fp32 including the scales.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -187,12 +186,8 @@ def main() -> None:
           f"(goal <= 0.27: {'met' if ratio <= 0.27 else 'NOT met'})")
 
 
-def _parser() -> argparse.ArgumentParser:
-    # No options; the parser is there so --help says what this measures instead of running it.
-    return argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
 if __name__ == "__main__":
-    _parser().parse_args()
+    from bench.help_only import help_only
+
+    help_only(__doc__)
     main()

@@ -16,7 +16,6 @@ Expected: everything but the gathered K/V divides by cp; K/V per layer are
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -89,12 +88,8 @@ def main() -> None:
                   f"{r['kv'] / 2**20:>17.2f} {rest:>13.3f}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    # No options; the parser is there so --help says what this measures instead of running it.
-    return argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
 if __name__ == "__main__":
-    _parser().parse_args()
+    from bench.help_only import help_only
+
+    help_only(__doc__)
     main()

@@ -17,7 +17,6 @@ all layers) and the rest, the implied core per unit and its rate in TFLOP/s.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -76,12 +75,8 @@ def _increments(rows) -> None:
                   f"  ratio {pub / mod:5.2f}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    # No options; the parser is there so --help says what this measures instead of running it.
-    return argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
 if __name__ == "__main__":
-    _parser().parse_args()
+    from bench.help_only import help_only
+
+    help_only(__doc__)
     sys.exit(main())

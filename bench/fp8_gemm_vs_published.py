@@ -30,7 +30,6 @@ consumer (its own pass, 2 + 2).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -89,12 +88,8 @@ def main() -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    # No options; the parser is there so --help says what this measures instead of running it.
-    return argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
 if __name__ == "__main__":
-    _parser().parse_args()
+    from bench.help_only import help_only
+
+    help_only(__doc__)
     raise SystemExit(main())

@@ -25,7 +25,6 @@ bench/h200_vs_planner.py.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -74,12 +73,8 @@ def main() -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    # No options; the parser is there so --help says what this compares instead of running it.
-    return argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
 if __name__ == "__main__":
-    _parser().parse_args()
+    from bench.help_only import help_only
+
+    help_only(__doc__)
     raise SystemExit(main())

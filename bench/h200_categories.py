@@ -26,7 +26,6 @@ top kernels). Side-by-side ratios only; no timing here.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -136,9 +135,9 @@ def table(name: str, run: dict) -> dict[str, float]:
 
 
 def main() -> int:
-    # No options; the parser is there so --help says what this measures instead of running it.
-    argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    from bench.help_only import help_only
+
+    help_only(__doc__)
     cases = json.loads(RESULTS.read_text())["cases"]
     print("planner kinds -> profile categories:",
           "; ".join(f"{c} = {' + '.join(k) or 'not priced'}" for c, k in GROUPS.items()))

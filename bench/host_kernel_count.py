@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections import Counter
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,24 +32,15 @@ def _parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     _parser().parse_args()  # --help and bad options answered before torch loads
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from testkit.kernel_count import KernelCount  # noqa: E402
 
 NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_unsafe_view"}
 """ATen ops that allocate or alias without a kernel (`_unsafe_view` is a reshape of a fresh
 tensor, not flagged as a view)."""
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not func.is_view and name not in NO_KERNEL:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count(model_name: str, tokens: int, norm_as_is: bool = False) -> tuple[Counter, Counter]:
@@ -62,10 +55,10 @@ def count(model_name: str, tokens: int, norm_as_is: bool = False) -> tuple[Count
     block = Block(spec).to(torch.bfloat16)
     rope = rope_cache(spec)
     x = torch.randn(1, tokens, spec.hidden, dtype=torch.bfloat16, requires_grad=True)
-    with _Count() as fwd:
+    with KernelCount(NO_KERNEL) as fwd:
         y = block(x, rope)
     grad = torch.ones_like(y)
-    with _Count() as bwd:
+    with KernelCount(NO_KERNEL) as bwd:
         y.backward(grad)
     return fwd.ops, bwd.ops
 

@@ -12,7 +12,6 @@ sorting and 8 small GEMMs instead of one, not what grouped GEMMs on a GPU give.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -57,12 +56,8 @@ def main() -> None:
     print(f"moe / dense step time: {med[moe.name] / med[dense.name]:.2f}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    # No options; the parser is there so --help says what this measures instead of running it.
-    return argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
 if __name__ == "__main__":
-    _parser().parse_args()
+    from bench.help_only import help_only
+
+    help_only(__doc__)
     main()

@@ -13,7 +13,6 @@ group), and the best plan's step time is printed with the ratio. The order is al
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -75,12 +74,8 @@ def main() -> None:
         print(f"{label:62} {t[0]:10.3f} {t[1]:10.3f} {t[1] / t[0]:7.3f}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    # No options; the parser is there so --help says what this measures instead of running it.
-    return argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
 if __name__ == "__main__":
-    _parser().parse_args()
+    from bench.help_only import help_only
+
+    help_only(__doc__)
     main()

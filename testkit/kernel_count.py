@@ -15,12 +15,13 @@ not flagged as a view)."""
 class KernelCount(TorchDispatchMode):
     """`with KernelCount() as c: ...`; then `c.ops[name]` per ATen op."""
 
-    def __init__(self) -> None:
+    def __init__(self, no_kernel: frozenset[str] | tuple[str, ...] = NO_KERNEL) -> None:
         super().__init__()
+        self.no_kernel = frozenset(no_kernel)
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in NO_KERNEL:
+        if not func.is_view and name not in self.no_kernel:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))

@@ -280,18 +280,15 @@ def test_meshtron_train_tiny_config_three_steps(mtype, changes, tmp_path):
 
 
 def _cfg(model: str):
-    from meshtron.config import config_from_dict
+    from testkit.engine_runs import train_cfg
 
-    return config_from_dict({
-        "model": model,
-        "data": {"seq_len": 32, "global_batch": 8, "micro_batch": 2, "eval_batches": 1},
-        "optim": {"lr": 3e-3, "warmup_steps": 1},
-        "train": {"steps": STEPS, "eval_every": 0, "log_every": 1, "dtype": "fp32"}})
+    return train_cfg(model, STEPS, dtype="fp32")
 
 
 def _batches(vocab: int):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (8, 33), generator=g) for _ in range(STEPS)]
+    from testkit.engine_runs import token_batches
+
+    return token_batches(vocab, STEPS)
 
 
 def _plan(model: str, **kw):

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.config import config_from_dict
 from meshtron.errors import UserError
 from meshtron.model import PRESETS, Transformer
 from meshtron.model.spec import ModelSpec
+from testkit.engine_runs import token_batches, train_cfg
 
 STEPS = 3
 
@@ -118,18 +118,11 @@ def test_module_equals_the_papers_equations():
 
 
 def _cfg(model: str, tmp=None, micro: int = 2, **train):
-    return config_from_dict({
-        "model": model,
-        "data": {"seq_len": 32, "global_batch": 8, "micro_batch": micro, "eval_batches": 1},
-        "optim": {"lr": 3e-3, "warmup_steps": 1},
-        "train": {"steps": STEPS, "eval_every": 0, "log_every": 1,
-                  **({"run_dir": str(tmp)} if tmp is not None else {}), **train},
-    })
+    return train_cfg(model, STEPS, tmp, micro, **train)
 
 
 def _batches(vocab: int):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (8, 33), generator=g) for _ in range(STEPS)]
+    return token_batches(vocab, STEPS)
 
 
 def _local_losses(model: str) -> list[float]:
