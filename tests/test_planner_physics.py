@@ -363,6 +363,39 @@ def test_session40_rows_hold_their_first_run(capsys):
     assert moe["answered"] == 4 and moe["mean"] < 0.15 and moe["max"] < 0.255
 
 
+def test_session41_rows_hold_their_first_run(capsys):
+    """Session 41's validation rows (runs.ADDED_S41, bench/published/rows_2026.py: NVIDIA's DGX
+    Cloud benchmarking recipes on H100, NVIDIA/dgxc-benchmarking v24.11.1 and v25.05: Llama 3.1
+    8B / 70B / 405B, Nemotron-4 15B / 340B and GPT-3 175B on NeMo 24.05-24.09, BF16 and FP8 at
+    their smallest and largest GPU counts, and DeepSeek-V3 BF16 on 1,024 H100 on NeMo 25.04.01),
+    priced as a user would, through `meshtron plan` (bench/planner_cli_table.py), bounded at
+    their first run's figures rounded up to the next half point: a regression guard of that
+    run, not a goal. First run (2026-12-05, bench/results/planner_cli_table_2026-12-05_
+    valrows3.txt): 25 rows, 25 answered (2 predicted not to fit: Nemotron-4 340B on 128 H100,
+    86.8 and 81.9 GiB), none refused; mean 8.5% (8.47), max 26.6% (DeepSeek-V3, too fast);
+    the 24 dense rows mean 7.7%, max 21.6% (GPT-3 175B FP8 on 2,048 H100, too fast)."""
+    from bench.planner_cli_table import run_row, summarise
+    from bench.published.runs import ADDED_S41, LOOKED_AT
+
+    runs = [r for r in published_runs() if r.name in ADDED_S41]
+    assert len(runs) == len(ADDED_S41) == 25
+    # none has steered a choice yet: every one is validation
+    assert not ADDED_S41 & LOOKED_AT.keys() and all(r.part == "validation" for r in runs)
+    rows = [run_row(r) for r in runs]
+    every = summarise(rows, "validation")
+    dense = summarise([r for r in rows if not r["run"].model.is_moe], "validation")
+    moe = [r for r in rows if r["run"].model.is_moe]
+    with capsys.disabled():
+        print(f"\nsession 41 rows: n={every['n']} answered {every['answered']} (unfit "
+              f"{every['unfit']}), rejected {every['rejected']}; mean {every['mean']:.1%} max "
+              f"{every['max']:.1%}; dense n={dense['n']} mean {dense['mean']:.1%} max "
+              f"{dense['max']:.1%}; DeepSeek-V3 {moe[0]['error']:+.1%}")
+    assert every["rejected"] == 0 and every["answered"] == 25 and every["unfit"] <= 2
+    assert every["mean"] < 0.085 and every["max"] < 0.27
+    assert dense["answered"] == 24 and dense["mean"] < 0.08 and dense["max"] < 0.22
+    assert len(moe) == 1 and abs(moe[0]["error"]) < 0.27
+
+
 def test_automodel_moe_layouts_that_ran_fit():
     """Issue 30 item 2: a layout that ran must not be predicted not to fit. NeMo AutoModel's
     DeepSeek-V3 (256 H100), Kimi K2 and Qwen3-30B-A3B ran on 80 GB; through the command line
