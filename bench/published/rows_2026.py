@@ -173,6 +173,9 @@ def dgxc_dense() -> list[PublishedRun]:
                      + ("FP8 parameters (fp8_params), delayed scaling (fp8_hybrid, amax "
                         "history 1024), " if dtype == "fp8" else "")
                      + ("dropout 0.1, " if gpt3 else "no dropout, ")
+                     + ("Transformer Engine's flash-attn 2 backend (NVTE_FUSED_ATTN=0), "
+                        if family in ("gpt3-175b", "nemotron4-340b") else
+                        "cuDNN fused attention (NVTE_FUSED_ATTN=1), ")
                      + "from the release's yaml and configure.sh / launch.sh. Assumed: the "
                      "megatron@2024 preset's kernels, Megatron-Core's even layer split of "
                      "that time (megatron-even), datasheet clocks"
