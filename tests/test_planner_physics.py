@@ -296,7 +296,9 @@ def test_validation_errors_do_not_regress(table, capsys):
     regressed = [p for p in moe.values() if p.run.regression]
     assert len(regressed) == 2 and all(p.error > 0 for p in regressed)
     assert max(abs(p.error) for p in moe.values() if not p.run.regression) < 0.25
-    cal = summary([p for p in table if p.run.part == "calibration"])
+    # the two regression rows became calibration in session 41 (branch qwen3reg: their recipes
+    # read again); they are held by `regressed` above, not by the calibration bound
+    cal = summary([p for p in table if p.run.part == "calibration" and p not in regressed])
     with capsys.disabled():
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "
               f"(bf16 rows: n={old['n']} mean {old['mean']:.1%} max {old['max']:.1%}); "
