@@ -111,6 +111,33 @@ def deepep_a2a_time(tokens: float, hidden: int, elem_bytes: float, experts: int,
     return fab.base_latency + max(t_intra, t_inter)
 
 
+DEDUPLICATED = ("deepep", "hybridep")
+"""KernelOptions.ep_dispatch values whose kernels send a token once per destination rank and
+node (`deepep_a2a_time`): DeepEP's normal kernels and NVIDIA's HybridEP (DeepEP branch
+hybrid-ep, docs/README_Hybrid-EP.md: RDMA across nodes, then NVLink inside the node)."""
+
+ROUTING_MAP_BYTES = 1.0
+"""HybridEP's routing map is a torch.bool [tokens, experts] tensor (Megatron-Core
+token_dispatcher.py `_HybridEPManager.setup_metadata`): one byte an entry."""
+
+
+def hybridep_map_gather_time(tokens: float, experts: int, group: comm.Group,
+                             fab: comm.Fabric) -> float:
+    """Seconds of the routing-map all-gather HybridEP makes before every forward dispatch:
+    `dispatch_with_permute` without a handle runs its metadata preprocessing on the global
+    routing map, [tokens x ep, experts] bools gathered from the ep group, by NCCL's
+    all_gather_into_tensor whenever the group spans nodes (deepseek-ai/DeepEP branch hybrid-ep
+    at a0d27f1, 2026-03-31: deep_ep/hybrid_ep_buffer.py, csrc/hybrid_ep/executor/executor.cu
+    `Executor::allgather_routing_map`; the same call at 7febc6e, 2026-02-09). Megatron-Core's
+    HybridEPDispatch makes the handle in the forward and reuses it in both backwards
+    (moe/fused_a2a.py at d7288711, the core_r0.17 pin of Megatron-Bridge v0.4.1): one gather
+    per MoE layer forward. The count copy to the host that follows is the dispatcher's
+    per-forward sync, priced with every dispatcher (estimate_pieces: host.SYNC_S)."""
+    if group.size <= 1:
+        return 0.0
+    return comm.all_gather(tokens * group.size * experts * ROUTING_MAP_BYTES, group, fab)
+
+
 # ---- DeepEP's preallocated buffers --------------------------------------------------------------
 DEEPEP_NUM_SMS = 20
 """SMs of DeepEP's normal kernels: Buffer.num_sms' default (deep_ep/buffer.py), the
