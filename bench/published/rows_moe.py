@@ -115,7 +115,8 @@ def moe_runs() -> list[PublishedRun]:
             note=f"FP8 current scaling with FP8 parameters, micro-batch {mbs}, VP {vp}, EP 8 as "
                  "published; distributed optimizer (FSDP 0); router force-balanced; A2A overlap, "
                  "bf16 gradient reduction and no recomputation as the recipe sets them; "
-                 + ("the all-to-all dispatcher; the v0.2.0 recipe itself leaves micro-batch 1 "
-                    "and VP 12 (WorkloadBaseConfig defaults), the table prints 25.09's 2 and 24"
+                 + ("the all-to-all dispatcher; the v0.2.0 recipe itself sets VP 12 and leaves "
+                    "micro-batch 1 (WorkloadBaseConfig's default), the table prints 25.09's 2 "
+                    "and 24"
                     if dispatch == "bf16" else "DeepEP (the recipe's flex backend)")))
     return runs
