@@ -15,8 +15,9 @@ from bench.published.table import PublishedRun, h800
 QWEN3_30B_A2A_REGRESSION = (
     "Megatron-Bridge issue #1998 (2026-01-20, '[Regression] Low QWEN3 30B B200 and H100 "
     "performance with dropless': '25.11 is 2X slower than 25.09'; 10,494 tokens/s/GPU with "
-    "token drop in 25.09). Fixed in the recipe, not in code: PR #2477 (commit f29a269f8, "
-    "2026-02-23; on branch r0.3.0 2026-02-24, released in v0.3.1 = the 26.02.01 container) "
+    "token drop in 25.09). Fixed in the recipe, not in code: PR #2477 (main 4a6450755, "
+    "2026-02-23; r0.3.0 f29a269f8, 2026-02-24; released in v0.3.1, the 26.02.01 container: "
+    "docs/releases/known-issues.md 'Fixed in 26.02.01 (r0.3.1)') "
     "moved QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_*_V1 from PP 2 / VP 12 / EP 8 with "
     "moe_a2a_overlap to EP 16, no PP, moe_a2a_overlap False and the HybridEP dispatcher: "
     "9,058 in 26.02.01 (whose table still prints PP 2 VP 12 EP 8), 8,901 / 8,960 in 26.04 / "
