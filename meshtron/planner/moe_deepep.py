@@ -1,6 +1,8 @@
 """DeepEP's normal-mode dispatch and combine (KernelOptions.ep_dispatch 'deepep'): what one
 MoE layer's token all-to-alls move when DeepEP runs them instead of NCCL's all-to-all.
-Torch-free; moe_cost.py calls `deepep_a2a_time` in place of its `a2a_time`.
+Torch-free; moe_cost.py calls `deepep_a2a_time` in place of its `a2a_time`. NVIDIA's HybridEP
+('hybridep') moves the same rows and gathers the routing map first
+(`hybridep_map_gather_time`).
 
 What DeepEP sends (deepseek-ai/DeepEP, the V1 Buffer that NeMo AutoModel's and Megatron-Core's
 flex token dispatchers call, moe/megatron/fused_a2a.py; docs/legacy.md):
