@@ -26,9 +26,10 @@ QWEN3_30B_A2A_REGRESSION = (
     "interleaved pipeline; PR #1760 turned the same option off for Qwen3-235B on B200 'due to "
     "CPU overhead', 20.1 -> 16.9 s a step). No root cause was published, and the same "
     "overlap later sped this model up at EP 16 with HybridEP (PR #5094, 2026-07-25: 240 -> "
-    "287 TFLOP/s/GPU, BF16), so the 2x is not a steady-state cost of the overlap the planner "
-    "could price from the code; it is priced here as the overlap's gain, like the other "
-    "ep_overlap rows")
+    "287 TFLOP/s/GPU, BF16; step 24.7 -> 21.0 s, which the planner prices 23.7 -> 19.4 s), so "
+    "the code shows no steady-state cost of the overlap of this size for the planner to "
+    "price; the rows are priced with the overlap's gain, like the other ep_overlap rows "
+    "(docs/measurements.md#moe-qwen3-regression)")
 """What the Qwen3-30B-A3B 25.11 and 26.02 H100 rows measure (read in session 41, branch
 qwen3reg: Megatron-Bridge tags v0.2.0, v0.3.0, v0.3.1, v0.4.1 and the issues named)."""
 
