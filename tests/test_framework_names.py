@@ -93,12 +93,14 @@ ROW_STACKS = [
     ("TT 405B", ("torchtitan@2024",), {"stack", "tp_comm_overlap"}),
     ("MB25.11 Llama3", ("megatron-bridge@2025",), {"grad_bucket_passes"}),
     ("MB26.02 Llama3", ("megatron-bridge@2025",), {"grad_bucket_passes"}),
+    # (FP8 parameters gathered as the preset and the recipes' 'fp8_cs' set them; 26.02's flex
+    # dispatcher with DeepEP: ep_dispatch)
     ("MB25.11 Qwen3 30B", ("megatron-bridge@2025",),
      {"grad_bucket_passes", "ep_overlap", "fp32_grad_reduce", "reduce_dtype",
-      "expert_imbalance", "fp8_param_gather"}),
+      "expert_imbalance"}),
     ("MB26.02 Qwen3 30B", ("megatron-bridge@2025",),
      {"grad_bucket_passes", "ep_overlap", "fp32_grad_reduce", "reduce_dtype",
-      "expert_imbalance", "fp8_param_gather"}),
+      "expert_imbalance", "ep_dispatch"}),
     # NeMo AutoModel's MoE rows: the preset's MoE path plus the fake balanced gate and
     # MaskedCrossEntropy(fp32_upcast=False) their yamls set
     ("AM DSV3", ("nemo-automodel@2025",), {"expert_imbalance", "expert_routing", "loss"}),

@@ -91,3 +91,32 @@ def test_unknown_dispatch_in_an_options_file_is_one_line_exit_2(tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1
     assert "ep_dispatch='fp4': allowed values are bf16, fp8" in err and "Traceback" not in err
+
+
+def test_hybridep_is_deepeps_rows_plus_a_routing_map_gather_before_each_forward():
+    """HybridEP (Megatron-Core's flex dispatcher, backend 'hybridep') sends DeepEP's
+    deduplicated rows, and before each forward dispatch all-gathers the [tokens, experts]
+    boolean routing map over the ep group (DeepEP branch hybrid-ep, Executor::
+    allgather_routing_map); the backward reuses the forward's handle. Qwen3-30B-A3B at ep 16
+    on two DGX-H100 nodes, the MB26.04.01 layout."""
+    from meshtron.planner.moe_deepep import hybridep_map_gather_time
+
+    model, cl = preset("qwen3-30b-a3b"), resolve_cluster("dgx-h100:2")
+    group = placement.ep_group(1, 16, cl.gpus_per_node)
+
+    def layer(dispatch):
+        return moe_cost.moe_layer_cost(model, cl, TOKENS, 16, group, "fp8", 1.0, False, 0,
+                                       "fused", ep_dispatch=dispatch)
+
+    deepep, hybrid = layer("deepep"), layer("hybridep")
+    gather = hybridep_map_gather_time(TOKENS, model.moe_experts, group, comm.Fabric.of(cl))
+    # 16 ranks x 4,096 tokens x 128 experts of one byte: 8 MiB gathered, across both nodes
+    assert gather == pytest.approx(comm.all_gather(16 * TOKENS * 128, group,
+                                                   comm.Fabric.of(cl)))
+    assert gather > 0
+    assert hybrid.a2a_fwd == pytest.approx(deepep.a2a_fwd + gather, rel=1e-12)
+    assert hybrid.a2a_bwd == deepep.a2a_bwd
+    assert hybrid.compute_fwd == deepep.compute_fwd and hybrid.compute_bwd == deepep.compute_bwd
+    # one rank alone gathers nothing
+    assert hybridep_map_gather_time(TOKENS, 128, placement.ep_group(1, 1, 8),
+                                    comm.Fabric.of(cl)) == 0.0

@@ -264,7 +264,13 @@ def test_validation_errors_do_not_regress(table, capsys):
     (MemoryOptions, report 3.2.3 / 3.3.3) and its MTP module (ModelSpec.mtp_depth = 1:
     planner/mtp.py). Here +25.3% -> +22.2%, through the command line -15.4% -> +22.2%
     (the same split, [3, 4 x 14, 2]: no memory-driven ZB-H1 split any more; the planner still
-    finds it 121 GiB per rank). The bound is back at 0.25."""
+    finds it 121 GiB per rank). The bound is back at 0.25.
+
+    Session 41 (branch qwen3reg): the Qwen3 regression rows' recipes read again (FP8
+    parameters, 26.02's DeepEP) after their errors were known: calibration now, still held by
+    `regressed` and left out of the calibration bound as they were of the validation one; no
+    bound moved (validation n=26 mean 4.7% max 24.4%, calibration n=77 mean 8.6% max 28.5%,
+    as before)."""
     # the bounds below were written for the rows before session 39; the rows it added
     # (runs.ADDED_S39, validation, never looked at) are bounded apart, at their first run's
     # figures (mean 9.6%, max 46.3%: bench/results/planner_cli_table_2026-12-05_valrows.txt)
@@ -298,7 +304,9 @@ def test_validation_errors_do_not_regress(table, capsys):
     regressed = [p for p in moe.values() if p.run.regression]
     assert len(regressed) == 2 and all(p.error > 0 for p in regressed)
     assert max(abs(p.error) for p in moe.values() if not p.run.regression) < 0.25
-    cal = summary([p for p in table if p.run.part == "calibration"])
+    # the two regression rows became calibration in session 41 (branch qwen3reg: their recipes
+    # read again); they are held by `regressed` above, not by the calibration bound
+    cal = summary([p for p in table if p.run.part == "calibration" and p not in regressed])
     with capsys.disabled():
         print(f"\nvalidation: n={val['n']} mean {val['mean']:.1%} max {val['max']:.1%} "
               f"(bf16 rows: n={old['n']} mean {old['mean']:.1%} max {old['max']:.1%}); "

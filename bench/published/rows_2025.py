@@ -121,8 +121,10 @@ def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool, dispatch: str = "bf16"):
     """Qwen3 recipes: no recomputation, bf16 reduction (set_qwen3_common_configs), the router
     force-balanced for dropless rows (moe_router_force_load_balancing) or token drop at
     capacity factor 1.0 with padding to capacity (25.09: utils/moe_token_drop.py): either way
-    every expert runs the mean number of rows (imbalance 1). `dispatch`: 'deepep' where the
-    recipe runs the flex dispatcher (session 40, branch automoe: read after the first run)."""
+    every expert runs the mean number of rows (imbalance 1). `dispatch`: the flex dispatcher's
+    backend where the recipe runs it: 'hybridep' (session 40, branch automoe, read after the
+    first run, priced it as 'deepep'; session 41, branch qwen3reg: HybridEP's own
+    routing-map all-gather, moe_deepep.hybridep_map_gather_time)."""
     return dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=a2a_overlap,
                                tp_comm_overlap=tp_overlap, ep_dispatch=dispatch)
 
@@ -150,7 +152,8 @@ def megatron_bridge_moe() -> list[PublishedRun]:
          "flex dispatcher (configs/qwen at v0.4.1: QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1), "
          "priced as DeepEP's hierarchical dispatch (session 40, branch automoe, after the "
          "first run: HybridEP sends a token once per node over RDMA, then NVLink, "
-         "DeepEP's docs/README_Hybrid-EP.md)"),
+         "DeepEP's docs/README_Hybrid-EP.md) with HybridEP's routing-map all-gather per "
+         "forward (session 41, branch qwen3reg: ep_dispatch 'hybridep')"),
         ("MB26.04.01 Qwen3 235B-A22B 256xH100", MB260401, q235, 256, 8192, 1, 2, 8, 4, 32,
          True, False, 1712.0, "dropless, force-balanced; moe_a2a_overlap, tp_comm_overlap False "
          "(configs/qwen at v0.4.1: ..._H100_FP8_CS_V2, GBS 8192)"),
@@ -161,7 +164,7 @@ def megatron_bridge_moe() -> list[PublishedRun]:
         runs.append(PublishedRun(
             name, src, "Megatron-Core (Megatron-Bridge)", model,
             preset_cluster("dgx-h100", gpus // 8), gbs, 4096, tp, pp, dp, 1, "none", tp > 1,
-            _qwen_kernel(a2a, tpo and tp > 1, "deepep" if "flex" in what else "bf16"),
+            _qwen_kernel(a2a, tpo and tp > 1, "hybridep" if "hybridep" in what else "bf16"),
             "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, ep=ep,
             # the recipes' expert_tensor_parallel_size, 1 (fa0315ae2: scripts/performance/

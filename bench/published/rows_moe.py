@@ -12,6 +12,28 @@ from bench.published.stacks import from_preset
 from bench.published.table import PublishedRun, h800
 
 
+QWEN3_30B_A2A_REGRESSION = (
+    "Megatron-Bridge issue #1998 (2026-01-20, '[Regression] Low QWEN3 30B B200 and H100 "
+    "performance with dropless': '25.11 is 2X slower than 25.09'; 10,494 tokens/s/GPU with "
+    "token drop in 25.09). Fixed in the recipe, not in code: PR #2477 (main 4a6450755, "
+    "2026-02-23; r0.3.0 f29a269f8, 2026-02-24; released in v0.3.1, the 26.02.01 container: "
+    "docs/releases/known-issues.md 'Fixed in 26.02.01 (r0.3.1)') "
+    "moved QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_*_V1 from PP 2 / VP 12 / EP 8 with "
+    "moe_a2a_overlap to EP 16, no PP, moe_a2a_overlap False and the HybridEP dispatcher: "
+    "9,058 in 26.02.01 (whose table still prints PP 2 VP 12 EP 8), 8,901 / 8,960 in 26.04 / "
+    "26.04.01. The one setting both slow runs share and both healthy ones lack is "
+    "moe_a2a_overlap (Megatron-Core's merged forward-backward A2A-overlap schedule over the "
+    "interleaved pipeline; PR #1760 turned the same option off for Qwen3-235B on B200 'due to "
+    "CPU overhead', 20.1 -> 16.9 s a step). No root cause was published, and the same "
+    "overlap later sped this model up at EP 16 with HybridEP (PR #5094, 2026-07-25: 240 -> "
+    "287 TFLOP/s/GPU, BF16; step 24.7 -> 21.0 s, which the planner prices 23.7 -> 19.4 s), so "
+    "the code shows no steady-state cost of the overlap of this size for the planner to "
+    "price; the rows are priced with the overlap's gain, like the other ep_overlap rows "
+    "(docs/measurements.md#moe-qwen3-regression)")
+"""What the Qwen3-30B-A3B 25.11 and 26.02 H100 rows measure (read in session 41, branch
+qwen3reg: Megatron-Bridge tags v0.2.0, v0.3.0, v0.3.1, v0.4.1 and the issues named)."""
+
+
 def moe_runs() -> list[PublishedRun]:
     """Published mixture-of-experts runs with their expert-parallel layouts. Added with their
     sources before the planner ever ran them (issue 21, part 4): validation part; nothing was
@@ -58,36 +80,45 @@ def moe_runs() -> list[PublishedRun]:
     # performance recipes, read in issue 30's session 34): FP8 current scaling ("FP8-CS" in the
     # 25.11 table), moe_a2a_overlap on (overlap_moe_expert_parallel_comm), gradients reduced in
     # bf16, no recomputation; corrected from the megatron@2024 defaults, which the rows had
-    # before. On the megatron-bridge@2025 preset (which states FP8 current scaling, TE userbuffers
-    # and the weighted SwiGLU of Megatron-Core >= 0.13) as [options]: the performance scripts' no
-    # NaN-check norm pass (utils/helpers.py), moe_a2a_overlap and bf16 gradient reduction
-    # (configs/qwen3/qwen3_llm_pretrain.py), the tables' forced balance ("In MoE training
-    # benchmarks, we force-balance the token distribution among experts": imbalance 1); and, as
-    # the rows had it before the preset, no FP8 parameter gather, although the recipe's 'fp8_cs'
-    # precision sets fp8_param_gather (not applied with the preset: it moves these validation
-    # rows, a change to make on its own and say so). The layer
+    # before. On the megatron-bridge@2025 preset (which states FP8 current scaling with FP8
+    # parameters gathered, TE userbuffers and the weighted SwiGLU of Megatron-Core >= 0.13) as
+    # [options]: the performance scripts' no NaN-check norm pass (utils/helpers.py),
+    # moe_a2a_overlap and bf16 gradient reduction (configs/qwen3/qwen3_llm_pretrain.py), the
+    # tables' forced balance ("In MoE training benchmarks, we force-balance the token
+    # distribution among experts": imbalance 1). FP8 parameters as the recipes set them
+    # (session 41, branch qwen3reg): utils/helpers.py get_precision_config('fp8_cs') at v0.2.0
+    # and configs/qwen/qwen3_llm_pretrain.py at v0.3.0 take training/mixed_precision.py
+    # bf16_with_fp8_current_scaling_mixed, fp8_param_gather True, so Transformer Engine keeps no
+    # cached FP8 weight copies beside bf16 parameters (memory_acts.te_weight_cache_bytes); the
+    # rows had fp8_param_gather False until then, which priced 4.2 GiB of copies the run did not
+    # hold and the 25.11 layout at 83.6 GiB on 80 GB GPUs. The 26.02 recipe
+    # (QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 at v0.3.0) asks for the flex dispatcher with
+    # DeepEP, which recipes/qwen/qwen3_moe.py applies on Hopper (training/
+    # flex_dispatcher_backend.py apply_flex_dispatcher_backend: moe_token_dispatcher_type
+    # 'flex'): ep_dispatch 'deepep' there; 25.11's config names no backend (alltoall). The layer
     # split is the preset's, Megatron-Core's 'megatron-ends', which the command line priced these
     # rows with before (their memory options named no split, and the table's options file drops an
     # unset field) while the Python path priced the time-balanced one
     qwen_stack = from_preset("megatron-bridge@2025", grad_bucket_passes=0, ep_overlap=True,
-                             fp32_grad_reduce=False, reduce_dtype="bf16", expert_imbalance=1.0,
-                             fp8_param_gather=False)
-    qwen_recipe = qwen_stack.kernel
-    dropless = ("Megatron-Bridge issue #1998 (2026-01-20): Qwen3-30B-A3B on H100 and B200 is 2x "
-                "slower with the dropless schedule than with token drop, '25.11 is 2X slower "
-                "than 25.09' (10,494 tokens/s/GPU with token drop in 25.09; 9,058 in the "
-                "26.02.01 patch release)")
-    for ver, gbs, mbs, vp, tps in (("25.11", 512, 2, 24, 5275.0), ("26.02", 1024, 1, 12, 5113.0)):
+                             fp32_grad_reduce=False, reduce_dtype="bf16", expert_imbalance=1.0)
+    for ver, gbs, mbs, vp, tps, dispatch in (("25.11", 512, 2, 24, 5275.0, "bf16"),
+                                             ("26.02", 1024, 1, 12, 5113.0, "deepep")):
         runs.append(PublishedRun(
             f"MB{ver} Qwen3 30B-A3B 16xH100", f"MB {ver} NeMo container, DGX-H100 table",
             "Megatron-Core (Megatron-Bridge)", qwen, preset_cluster("dgx-h100", 2), gbs, 4096,
-            1, 2, 8, 1, "none", False, qwen_recipe, "tokens_per_gpu", tps, micro_batches=(mbs,),
-            schedules=("interleaved",), dtype="fp8", virtual_stages=vp, ep=8,
+            1, 2, 8, 1, "none", False,
+            dataclasses.replace(qwen_stack.kernel, ep_dispatch=dispatch), "tokens_per_gpu", tps,
+            micro_batches=(mbs,), schedules=("interleaved",), dtype="fp8", virtual_stages=vp,
+            ep=8,
             # Megatron-Bridge 25.11 / 26.02 ship Megatron-Core >= 0.13: routing probabilities
             # applied in the experts' weighted SwiGLU (the preset's moe_weighted_act)
             memory=qwen_stack.memory, confident=False,
-            regression=dropless,
-            note=f"FP8 current scaling, micro-batch {mbs}, VP {vp}, EP 8 as published; "
-                 "distributed optimizer (FSDP 0); router force-balanced; A2A overlap, bf16 "
-                 "gradient reduction and no recomputation as the recipe sets them"))
+            regression=QWEN3_30B_A2A_REGRESSION,
+            note=f"FP8 current scaling with FP8 parameters, micro-batch {mbs}, VP {vp}, EP 8 as "
+                 "published; distributed optimizer (FSDP 0); router force-balanced; A2A overlap, "
+                 "bf16 gradient reduction and no recomputation as the recipe sets them; "
+                 + ("the all-to-all dispatcher; the v0.2.0 recipe itself sets VP 12 and leaves "
+                    "micro-batch 1 (WorkloadBaseConfig's default), the table prints 25.09's 2 "
+                    "and 24"
+                    if dispatch == "bf16" else "DeepEP (the recipe's flex backend)")))
     return runs

@@ -166,6 +166,12 @@ LOOKED_AT = {
         "-46% first run: its recipe's DeepEP flex dispatcher priced as DeepEP (ep_dispatch "
         "'deepep') with the provider's group-limited routing (ep_node_limit 4), inputs set "
         "after its error was known",
+    **{f"MB{ver} Qwen3 30B-A3B 16xH100": "examined in session 41 (branch qwen3reg, "
+       "2026-12-05) after its +135% and (25.11) 83.6 GiB 'not fitting' answers: its recipe "
+       "read again set fp8_param_gather (the 'fp8_cs' precision; no cached FP8 weight copies) "
+       "and, for 26.02, the DeepEP flex dispatcher (ep_dispatch 'deepep'); its regression text "
+       "rewritten from the fix the maintainers made (QWEN3_30B_A2A_REGRESSION)"
+       for ver in ("25.11", "26.02")},
     "MB26.04.01 Qwen3 30B-A3B 16xH100": "examined in session 40 (branch automoe) after its "
         "-20.6% first run: its hybridep flex dispatcher priced as DeepEP's hierarchical "
         "dispatch (ep_dispatch 'deepep'), set after its error was known",

@@ -127,7 +127,10 @@ class StageMemories:
     def _ep_buffers(self, ep: int) -> float:
         """Bytes DeepEP preallocates outside PyTorch's allocator for the plan's ep group
         (moe_deepep.deepep_buffer_bytes; KernelOptions.ep_dispatch 'deepep'), else 0."""
-        if self.opts.ep_dispatch != "deepep" or not self.model.is_moe:
+        # HybridEP registers its own buffers (DeepEP branch hybrid-ep, csrc/hybrid_ep/
+        # allocator), not sized here: DeepEP's allowance stands in for them, as it did when the
+        # planner priced HybridEP as DeepEP
+        if self.opts.ep_dispatch not in moe_deepep.DEDUPLICATED or not self.model.is_moe:
             return 0.0
         return moe_deepep.deepep_buffer_bytes(self.model.hidden, ep)
 

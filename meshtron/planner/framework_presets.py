@@ -209,7 +209,9 @@ _MEGATRON_BRIDGE = Framework(
                     "size, alltoall token dispatcher, grouped GEMM); MoE parallel folding: ep "
                     "over tp x cp x dp with expert_tensor_parallel_size (plan etp; default tp); "
                     "A2A overlap (overlap_moe_expert_parallel_comm) off unless set: ep_overlap "
-                    "option")
+                    "option; the flex dispatcher (moe_token_dispatcher_type 'flex', "
+                    "training/flex_dispatcher_backend.py) with moe_flex_dispatcher_backend "
+                    "'deepep' or 'hybridep': ep_dispatch option of that name")
 # NVIDIA-NeMo/Automodel v0.2.0 (December 2025), its train_ft recipe with FSDP2Manager over a
 # Hugging Face model: MixedPrecisionPolicy(param bf16, reduce bf16) (components/distributed/
 # fsdp2.py), MaskedCrossEntropy with fp32_upcast (components/loss/masked_ce.py; 89 of the 93

@@ -22,7 +22,8 @@ dispatch `ep_dispatch = "fp8"`; DualPipe itself is the memory option `pipeline_s
 "dualpipe"` (DeepSeek's engine) with `--schedule dualpipe` (or `dualpipev`), priced by
 planner/pipeline_dualpipe.py and refused by meshtron's runtime. DeepEP's kernels (NeMo
 AutoModel's `dispatcher: deepep`, Megatron-Core's flex dispatcher) are `ep_dispatch =
-"deepep"` with `expert_routing` ("spread", or "contiguous" for AutoModel's fake balanced
+"deepep"`, NVIDIA's HybridEP (the flex dispatcher's `hybridep` backend) `ep_dispatch =
+"hybridep"`, with `expert_routing` ("spread", or "contiguous" for AutoModel's fake balanced
 gate; planner/moe_deepep.py); NeMo AutoModel's bf16 model and its experts left out of FSDP2
 on a one-rank ep_shard group are the memory options `param_dtype = "bf16"` (the preset's for
 every model: its dense Hugging Face path builds bf16 models too) and `experts_outside_fsdp =

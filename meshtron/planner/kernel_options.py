@@ -19,13 +19,16 @@ per tensor or per row / column, applied in the epilogue (cuBLASLt, torch._scaled
 Transformer Engine's delayed and current scaling, torchao's tensorwise and rowwise);
 'blockwise' = 1x128 / 128x128 block scales promoted in the k loop (DeepSeek-V3, DeepGEMM)."""
 
-EP_DISPATCHES = ("bf16", "fp8", "deepep")
+EP_DISPATCHES = ("bf16", "fp8", "deepep", "hybridep")
 """What the expert-parallel dispatch sends (KernelOptions.ep_dispatch): 'bf16' = the routed
 rows as the layer holds them; 'fp8' = quantised first, with 1x128 fp32 block scales
 (DeepSeek-V3 report section 3.3.3; DeepEP's normal kernels, "FP8 dispatching and BF16
 combining"), priced as NCCL's all-to-all of those bytes; 'deepep' = DeepEP's normal kernels in
 the compute dtype, one row per destination rank and node (planner/moe_deepep.py: NeMo
-AutoModel's and Megatron-Core's flex dispatcher with BF16 experts)."""
+AutoModel's and Megatron-Core's flex dispatcher with BF16 experts); 'hybridep' = NVIDIA's
+HybridEP kernels (DeepEP's hybrid-ep branch, Megatron-Core's flex dispatcher with
+moe_flex_dispatcher_backend 'hybridep'): DeepEP's rows plus the routing map all-gathered over
+the ep group every forward (moe_deepep.hybridep_map_gather_time)."""
 ROUTINGS = ("spread", "contiguous")
 """How a token's top-k experts are picked (KernelOptions.expert_routing; moe_deepep.ROUTINGS)."""
 
@@ -251,7 +254,9 @@ class KernelOptions:
     (Megatron-Core's alltoall dispatcher, meshtron, torchtitan); 'deepep': DeepEP's normal
     kernels in the compute dtype, a token sent once per destination rank and node
     (planner/moe_deepep.py; NeMo AutoModel's `dispatcher: deepep`, Megatron-Core's flex
-    dispatcher). planner/moe_cost.py."""
+    dispatcher); 'hybridep': HybridEP's kernels, DeepEP's rows plus a routing-map all-gather
+    per forward (Megatron-Core's flex dispatcher with the hybridep backend).
+    planner/moe_cost.py."""
     expert_routing: str = "spread"
     """Where a token's top-k experts sit, which decides what DeepEP's deduplicated dispatch
     sends (ep_dispatch 'deepep'; planner/moe_deepep.py): 'spread' = k distinct experts

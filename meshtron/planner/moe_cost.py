@@ -74,7 +74,8 @@ from typing import Any
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
 from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions default it prices
-from meshtron.planner.moe_deepep import deepep_a2a_time
+from meshtron.planner.moe_deepep import (DEDUPLICATED, deepep_a2a_time,
+                                         hybridep_map_gather_time)
 from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWork,
                                        expert_ops, host_exposed, host_seconds, ordered_wait,
                                        per_expert_gemms)
@@ -176,7 +177,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     backward's extra is priced with that kernel, as the dense equivalent's backward was.
     `ep_dispatch`: what the all-to-alls toward the experts carry (`a2a_dtype_bytes`); 'deepep':
     DeepEP's kernels run them, rows deduplicated per rank and node (moe_deepep.py), routed as
-    `expert_routing` says.
+    `expert_routing` says; 'hybridep': the same rows, plus HybridEP's routing-map all-gather
+    in the forward (moe_deepep.hybridep_map_gather_time).
     `folded`: Megatron-Core's dispatcher over its folded expert grid (`folded`,
     `folded_tokens`): each tp rank routes its own sequence shard, the etp group all-gathers
     the received rows and reduce-scatters the experts' output (`etp_collectives`)."""
@@ -232,7 +234,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     # each direction of the step makes one all-to-all toward the experts and one back
     def call(x: float) -> float:
         """One all-to-all of rows of x bytes per element: NCCL's, or DeepEP's deduplicated."""
-        if ep_dispatch != "deepep":
+        if ep_dispatch not in DEDUPLICATED:
             return a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
         return deepep_a2a_time(tokens, h, x, e, k, group, fab, expert_routing, imbalance,
                                node_limit) if ep > 1 else 0.0
@@ -243,6 +245,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                                                           cluster, fab, folded))]
     a2a_f = a2a_b = sum(calls)
     toward = calls[0] / a2a_f if a2a_f > 0 else 0.5  # the share of the call toward the experts
+    if ep_dispatch == "hybridep":  # its routing map, gathered before each forward dispatch
+        a2a_f += hybridep_map_gather_time(tokens, e, group, fab)
     if ep_overlap:
         # the whole MoE layer computes beside them: the dense equivalent's layer (attention
         # included; its routed GEMMs when no window is given) plus the experts' extra
@@ -387,7 +391,7 @@ def permute_passes(stack: str, ep: int, local_experts: float = 2.0,
     them so: one fused permute of the received rows into expert order after the dispatch, one
     unpermute before the combine (token_permutation2 / token_unpermutation with
     moe_permute_fusion), whatever the stack."""
-    if dispatch == "deepep" and ep > 1:
+    if dispatch in DEDUPLICATED and ep > 1:  # HybridEP's dispatch_with_permute: the same two
         return 2.0
     if stack == "eager":
         # 2 gathers, zero fill (a write: half a pass), scatter, product, index_add

@@ -1,6 +1,8 @@
 """DeepEP's normal-mode dispatch and combine (KernelOptions.ep_dispatch 'deepep'): what one
 MoE layer's token all-to-alls move when DeepEP runs them instead of NCCL's all-to-all.
-Torch-free; moe_cost.py calls `deepep_a2a_time` in place of its `a2a_time`.
+Torch-free; moe_cost.py calls `deepep_a2a_time` in place of its `a2a_time`. NVIDIA's HybridEP
+('hybridep') moves the same rows and gathers the routing map first
+(`hybridep_map_gather_time`).
 
 What DeepEP sends (deepseek-ai/DeepEP, the V1 Buffer that NeMo AutoModel's and Megatron-Core's
 flex token dispatchers call, moe/megatron/fused_a2a.py; docs/legacy.md):
@@ -109,6 +111,33 @@ def deepep_a2a_time(tokens: float, hidden: int, elem_bytes: float, experts: int,
     t_intra = intra * row / fab.intra_bw + fab.intra_alpha if intra > 0 else 0.0
     t_inter = inter * row / fab.inter_bw + fab.inter_alpha if inter > 0 else 0.0
     return fab.base_latency + max(t_intra, t_inter)
+
+
+DEDUPLICATED = ("deepep", "hybridep")
+"""KernelOptions.ep_dispatch values whose kernels send a token once per destination rank and
+node (`deepep_a2a_time`): DeepEP's normal kernels and NVIDIA's HybridEP (DeepEP branch
+hybrid-ep, docs/README_Hybrid-EP.md: RDMA across nodes, then NVLink inside the node)."""
+
+ROUTING_MAP_BYTES = 1.0
+"""HybridEP's routing map is a torch.bool [tokens, experts] tensor (Megatron-Core
+token_dispatcher.py `_HybridEPManager.setup_metadata`): one byte an entry."""
+
+
+def hybridep_map_gather_time(tokens: float, experts: int, group: comm.Group,
+                             fab: comm.Fabric) -> float:
+    """Seconds of the routing-map all-gather HybridEP makes before every forward dispatch:
+    `dispatch_with_permute` without a handle runs its metadata preprocessing on the global
+    routing map, [tokens x ep, experts] bools gathered from the ep group, by NCCL's
+    all_gather_into_tensor whenever the group spans nodes (deepseek-ai/DeepEP branch hybrid-ep
+    at a0d27f1, 2026-03-31: deep_ep/hybrid_ep_buffer.py, csrc/hybrid_ep/executor/executor.cu
+    `Executor::allgather_routing_map`; the same call at 7febc6e, 2026-02-09). Megatron-Core's
+    HybridEPDispatch makes the handle in the forward and reuses it in both backwards
+    (moe/fused_a2a.py at d7288711, the core_r0.17 pin of Megatron-Bridge v0.4.1): one gather
+    per MoE layer forward. The count copy to the host that follows is the dispatcher's
+    per-forward sync, priced with every dispatcher (estimate_pieces: host.SYNC_S)."""
+    if group.size <= 1:
+        return 0.0
+    return comm.all_gather(tokens * group.size * experts * ROUTING_MAP_BYTES, group, fab)
 
 
 # ---- DeepEP's preallocated buffers --------------------------------------------------------------
