@@ -1,0 +1,121 @@
+"""llm-foundry's loss and Composer's train metrics in the planner (planner/composer_metrics.py,
+KernelOptions flash_ce / train_metrics): flash-attn's fused cross-entropy moves 2 + 4 bytes per
+logit, each metric update 6 more after the backward, and the metrics' world-wide sync at the
+step's end grows with the ranks (branch lfmpt)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.errors import UserError
+from meshtron.model import preset
+from meshtron.planner import composer_metrics
+from meshtron.planner.cluster import preset_cluster
+from meshtron.planner.compute_edges import head_cost
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.frameworks import PRESETS
+from meshtron.planner.gemm import membound_bytes_per_s
+from meshtron.planner.kernel_options import KernelOptions
+from meshtron.planner.plan import Plan
+
+
+def _mpt7b():
+    return preset("llama3-8b")  # any dense model: only the vocabulary and hidden size matter
+
+
+def test_llm_foundry_presets_state_the_loss_and_the_metrics():
+    for era in ("2023", "2024"):
+        k = PRESETS[f"llm-foundry@{era}"].kernel
+        assert k.flash_ce and k.train_metrics == 2, era
+    for name, fw in PRESETS.items():
+        if not name.startswith("llm-foundry"):
+            assert not fw.kernel.flash_ce and fw.kernel.train_metrics == 0, name
+
+
+def test_flash_ce_moves_two_and_four_bytes_per_logit():
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", 1)
+    eager = head_cost(model, cl, 1, 6, 2048, False, "eager")
+    flash = head_cost(model, cl, 1, 6, 2048, False, "eager", flash_ce=True)
+    logits = 6 * 2048 * model.vocab
+    hbm = membound_bytes_per_s(cl, "eager")
+    assert eager.compute - flash.compute == pytest.approx(logits * (14 + 18 - 2 - 4) / hbm)
+    assert eager.fwd - flash.fwd == pytest.approx(logits * (14 - 2) / hbm)
+
+
+def test_metric_updates_add_six_bytes_per_logit_after_the_backward():
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", 1)
+    plain = head_cost(model, cl, 1, 6, 2048, False, "eager", flash_ce=True)
+    two = head_cost(model, cl, 1, 6, 2048, False, "eager", flash_ce=True, train_metrics=2)
+    logits = 6 * 2048 * model.vocab
+    extra = 2 * 6.0 * logits / membound_bytes_per_s(cl, "eager")
+    assert two.compute - plain.compute == pytest.approx(extra)
+    assert two.fwd == plain.fwd  # the updates run after the backward, not in the forward
+    assert dict(two.parts)["elementwise"] - dict(plain.parts)["elementwise"] == \
+        pytest.approx(extra)
+
+
+def test_metric_sync_grows_with_the_world():
+    """Two host operations per rank and state (zeros_like, ProcessGroupNCCL's copy_): the
+    sync at 512 ranks is at least 4 states x 512 x their issue time, about four times 128's."""
+    cl = preset_cluster("dgx-h100", 64)
+    per_rank = composer_metrics.ZEROS_LIKE_S + composer_metrics.COPY_S
+    s512, s128 = (composer_metrics.sync_s(2, n, cl) for n in (512, 128))
+    assert s512 >= 4 * 512 * per_rank
+    assert 3.5 < s512 / s128 < 4.5
+    assert composer_metrics.sync_s(0, 512, cl) == 0.0
+    assert composer_metrics.sync_s(2, 1, cl) == 0.0
+
+
+def _step(framework: str, gpus: int):
+    fw = PRESETS[framework]
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", gpus // 8)
+    ev = Evaluator(model, cl, 6 * gpus, 2048, fw.kernel, mem=fw.memory)
+    cfg = Plan(tp=1, pp=1, dp=gpus, zero=3, micro_batch=6, recompute="none", sp=False,
+               dtype="bf16", reduce_dtype=fw.reduce_dtype)
+    return ev.evaluate(cfg).time
+
+
+def test_only_composer_pays_the_step_end_sync():
+    lf = _step("llm-foundry@2024", 512)
+    assert lf.step_host == pytest.approx(composer_metrics.sync_s(2, 512, preset_cluster(
+        "dgx-h100", 64)))
+    assert lf.to_dict()["step_host"] == lf.step_host
+    assert lf.total == pytest.approx(sum(v for v in lf.to_dict().values()))
+    tt = _step("torchtitan@2024", 512)
+    assert tt.step_host == 0.0 and "step_host" not in tt.to_dict()
+
+
+def test_train_metrics_must_be_a_count():
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(UserError, match="train_metrics"):
+            KernelOptions(train_metrics=bad)
+    assert dataclasses.replace(KernelOptions(), train_metrics=3).train_metrics == 3
+
+
+def test_cli_shows_the_step_end_host_time(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "meshtron", "plan", "--model", "llama3-8b", "--cluster",
+         "dgx-h100:64", "--global-batch", "3072", "--seq-len", "2048", "--framework",
+         "llm-foundry@2024", "--layout", "tp=1,pp=1,dp=512", "--zero", "3", "--recompute",
+         "none", "--micro-batch", "6", "--json", "--top", "1"],
+        capture_output=True, text=True, cwd=tmp_path, check=True)
+    time_s = json.loads(out.stdout)["plans"][0]["time_s"]
+    assert time_s["step_host"] > 0.02  # 4 states x 512 ranks x two host operations
+
+
+def test_bad_train_metrics_option_is_one_line(tmp_path):
+    opts = tmp_path / "o.toml"
+    opts.write_text("[options]\ntrain_metrics = -2\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "meshtron", "plan", "--model", "llama3-8b", "--cluster",
+         "dgx-h100:1", "--global-batch", "8", "--seq-len", "2048", "--framework",
+         "llm-foundry@2024", "--options", str(opts)],
+        capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2
+    assert "train_metrics=-2" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
