@@ -119,3 +119,24 @@ def test_bad_train_metrics_option_is_one_line(tmp_path):
     assert out.returncode == 2
     assert "train_metrics=-2" in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_fsdp1_copies_each_unit_once_per_backward_not_per_gather():
+    """Composer's FSDP1 gathers into the flat parameter (no copy-out) and cats the views'
+    gradients once per backward: under ZeRO-3 one copy of the model's unsharded bytes per
+    micro-batch, where FSDP2 copies out every gather (the forward's and the backward's)."""
+    fw = PRESETS["llm-foundry@2024"]
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", 64)
+    times = {}
+    for flat in (True, False):
+        kernel = dataclasses.replace(fw.kernel, flat_param=flat)
+        ev = Evaluator(model, cl, 6 * 512, 2048, kernel, mem=fw.memory)
+        cfg = Plan(tp=1, pp=1, dp=512, zero=3, micro_batch=6, recompute="none", sp=False,
+                   dtype="bf16", reduce_dtype="fp32")
+        times[flat] = ev.evaluate(cfg).time.dp_comm
+        # what FSDP2's backward gathers: every unit but the kept [norm, head] (untied here)
+        copy = ev.copy_out_s(model.num_params() - model.vocab * model.hidden, 2.0)
+    assert copy > 0
+    # FSDP2 copies out the forward's gathers (what FSDP1's gradient cat moves) and the
+    # backward's on top
+    assert times[False] - times[True] == pytest.approx(copy, rel=0.01)

@@ -115,7 +115,9 @@ llm-foundry's January 2024 main, setup.py 'mosaicml>=0.17.2,<0.18') defines it
 each fp32 shard to bf16 before gathering it), reduce_dtype fp32 (since composer#2628, October
 2023, v0.16.4), buffers bf16. Composer's DecoupledAdamW steps parameter by parameter with
 separate ops, reading a step counter per tensor, after FSDP's per-gradient clip (optimizer
-'for-loop': composer/optim/decoupled_weight_decay.py, planner/optimizer_loop.py)."""
+'for-loop': composer/optim/decoupled_weight_decay.py, planner/optimizer_loop.py). The loss is
+flash-attn's fused cross-entropy (flash_ce), and Composer updates and synchronises
+ComposerMPTCausalLM's two train metrics (train_metrics: planner/composer_metrics.py)."""
 LLM_FOUNDRY_PURE_OPTIONS = {"fp32_grad_reduce": False, "reduce_dtype": "bf16"}
 """FSDP mixed precision PURE as an [options] table on llm-foundry@2024."""
 LLM_FOUNDRY_PURE = from_preset("llm-foundry@2024", **LLM_FOUNDRY_PURE_OPTIONS).kernel

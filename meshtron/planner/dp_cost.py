@@ -245,6 +245,8 @@ class DataParallelCost:
                 e_red + chain(max(0.0, red - e_red), bwd, units, nccl)
             exp = (reduce + e_gather + chain(max(0.0, gather - e_gather), fwd, units, nccl)
                    + self.bucket_passes_s(params, gsize))
+            if fsdp and self.opts.flat_param:  # FSDP1 NO_SHARD: the gradient cat as above
+                exp += m * self.copy_out_s(params, wsize)
         self._cache[key] = exp
         return exp
 
@@ -304,7 +306,9 @@ class DataParallelCost:
             out = (1 if reduce_once else m) * unit_chain(rs, bwd, units, nccl)
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
-            return out + unit_chain(ag, fwd, units, nccl) + self.copy_out_s(params, wsize)
+            # FSDP1 (flat_param): no copy-out, a gradient cat per micro-batch's backward
+            copies = (m if self.opts.flat_param else 1) * self.copy_out_s(params, wsize)
+            return out + unit_chain(ag, fwd, units, nccl) + copies
         per_mb = self._zero3_per_microbatch(params, groups, 1, fwd, bwd, regather,
                                             backward_gather=zero == 3, wire=gsize,
                                             reduce=False, wsize=wsize, units=units,
@@ -385,6 +389,8 @@ class DataParallelCost:
         out_b = (params - kept) if keep_last and kept > 0 else params
         copies = self.copy_out_s(params, wsize) + (
             (2 if regather else 1) * self.copy_out_s(out_b, wsize) if backward_gather else 0.0)
+        if opts.flat_param:  # FSDP1: the backward's gradient cat of every unit, no copy-outs
+            copies = self.copy_out_s(params, wsize)
         if keep_last and backward_gather:
             # the kept unit's backward gathers nothing; the next unit's gather hides behind it
             kept = rs_exposed + _exposed(rs_hidden, b_u, nccl)
@@ -432,7 +438,9 @@ class DataParallelCost:
         """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and
         write `wsize` bytes each; torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
         foreach_all_gather_copy_out, on the compute stream); 0 for 'zero' sharding (DeepSpeed
-        and Megatron gather into the parameters' own storage)."""
+        and Megatron gather into the parameters' own storage). FSDP1 (KernelOptions
+        flat_param) moves the same bytes once per backward instead: the cat of a unit's
+        gradient views into its flat gradient (the callers)."""
         if self.opts.sharding != "fsdp":
             return 0.0
         return 2.0 * wsize * params / self.hbm

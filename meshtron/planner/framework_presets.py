@@ -312,6 +312,7 @@ _GPT_NEOX = dataclasses.replace(
 # extra's 1.0.9 xentropy_cuda_lib), and Composer updates ComposerMPTCausalLM's two train
 # metrics (LanguageCrossEntropy, LanguagePerplexity) on the logits every micro-batch and
 # gathers them over the world every step (train_metrics 2: planner/composer_metrics.py).
+# Composer's FSDP is FSDP1 (flat_param: torch 2.1's FlatParameter, views, no copy-out).
 _LLM_FOUNDRY_2024 = Framework(
     "llm-foundry", "2024",
     "mosaicml/llm-foundry January 2024 main on Composer 0.17.2 (PyTorch FSDP, amp_bf16)",
@@ -321,7 +322,7 @@ _LLM_FOUNDRY_2024 = Framework(
     "ComposerMPTCausalLM train metrics), composer/trainer/trainer.py (_eval_train_metrics, "
     "_compute_and_log_metrics), torchmetrics 1.0 utilities/distributed.py gather_all_tensors",
     KernelOptions(fp32_grad_reduce=True, separate_projections=False, stack="eager",
-                  optimizer="for-loop", flash_ce=True, train_metrics=2),
+                  optimizer="for-loop", flash_ce=True, train_metrics=2, flat_param=True),
     # Composer's FSDP is llm-foundry's only parallelism then, and its FFNs are dense: no tp, pp
     # or MoE (plan_rules_stack 'llm-foundry', which cites the code)
     MemoryOptions(framework="fsdp2", loss="inplace", host_offload="composer",

@@ -374,6 +374,16 @@ class KernelOptions:
     once and keeps only one loss and one log-sum-exp per token, the backward reads them again
     and writes their gradient (2 and 2 + 2 bytes per logit, compute_edges.loss_bytes). False:
     the stack's own loss (eager PyTorch's fp32 cast and log-softmax, or a fused one)."""
+    flat_param: bool = False
+    """FSDP runs as PyTorch's FSDP1 FlatParameter (torch <= 2.3 FullyShardedDataParallel, which
+    Composer wraps: llm-foundry): each unit's all-gather writes straight into the padded
+    unsharded flat parameter, of which the original parameters are views
+    (torch/distributed/fsdp/flat_param.py `_all_gather_flat_param`, `_use_unsharded_views`,
+    torch 2.1): no copy-out per gather. In the backward the views' gradients reach the flat
+    parameter through the split's backward, a cat of the unit's gradients into one flat
+    gradient: one read and one write of every unsharded element per micro-batch
+    (dp_cost.copy_out_s's bytes, once per backward instead of once per gather). False:
+    FSDP2's per-parameter DTensors and their copy-out."""
     train_metrics: int = 0
     """Cross-entropy train metrics Composer updates on the whole logits after every
     micro-batch's backward and synchronises over the world at every step's end
