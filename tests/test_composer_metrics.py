@@ -140,3 +140,19 @@ def test_fsdp1_copies_each_unit_once_per_backward_not_per_gather():
     # FSDP2 copies out the forward's gathers (what FSDP1's gradient cat moves) and the
     # backward's on top
     assert times[False] - times[True] == pytest.approx(copy, rel=0.01)
+
+
+def test_fsdp1_casts_and_predivides_every_unsharded_gradient():
+    """FSDP1's post-backward hook casts each unit's bf16 gradient to the fp32 reduce dtype
+    (2 + 4 bytes) and pre-divides it in place (4 + 4) before every reduce-scatter; with a bf16
+    reduction only the division (2 + 2). FSDP2 stacks and one rank: none."""
+    fw = PRESETS["llm-foundry@2024"]
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", 64)
+    ev = Evaluator(model, cl, 6 * 512, 2048, fw.kernel, mem=fw.memory)
+    p = 1e9
+    assert ev.grad_prep_s(p, 4.0, 2.0, 512) == pytest.approx(14.0 * p / ev.hbm)
+    assert ev.grad_prep_s(p, 2.0, 2.0, 512) == pytest.approx(4.0 * p / ev.hbm)
+    assert ev.grad_prep_s(p, 4.0, 2.0, 1) == 0.0
+    fsdp2 = Evaluator(model, cl, 6 * 512, 2048, PRESETS["torchtitan@2024"].kernel,
+                      mem=fw.memory)
+    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 512) == 0.0

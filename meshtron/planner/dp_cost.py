@@ -246,7 +246,8 @@ class DataParallelCost:
             exp = (reduce + e_gather + chain(max(0.0, gather - e_gather), fwd, units, nccl)
                    + self.bucket_passes_s(params, gsize))
             if fsdp and self.opts.flat_param:  # FSDP1 NO_SHARD: the gradient cat as above
-                exp += m * self.copy_out_s(params, wsize)
+                exp += (m * self.copy_out_s(params, wsize)
+                        + self.grad_prep_s(params, gsize, wsize, group.size))
         self._cache[key] = exp
         return exp
 
@@ -304,6 +305,7 @@ class DataParallelCost:
             out = pipeline.reduce_after_drain(rs, *drain, nccl)
         else:  # fwd, bwd: one micro-batch's
             out = (1 if reduce_once else m) * unit_chain(rs, bwd, units, nccl)
+        out += (1 if reduce_once else m) * self.grad_prep_s(params, gsize, wsize, shard.size)
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
             # FSDP1 (flat_param): no copy-out, a gradient cat per micro-batch's backward
@@ -390,7 +392,8 @@ class DataParallelCost:
         copies = self.copy_out_s(params, wsize) + (
             (2 if regather else 1) * self.copy_out_s(out_b, wsize) if backward_gather else 0.0)
         if opts.flat_param:  # FSDP1: the backward's gradient cat of every unit, no copy-outs
-            copies = self.copy_out_s(params, wsize)
+            copies = self.copy_out_s(params, wsize) + (
+                self.grad_prep_s(params, gsize, wsize, shard.size) if reduce else 0.0)
         if keep_last and backward_gather:
             # the kept unit's backward gathers nothing; the next unit's gather hides behind it
             kept = rs_exposed + _exposed(rs_hidden, b_u, nccl)
@@ -433,6 +436,23 @@ class DataParallelCost:
         element; torch and FSDP set gradients to None instead)."""
         passes = self.opts.grad_bucket_passes + (1 if self.mcore_ddp() else 0)
         return passes * gsize * params / self.hbm
+
+    def grad_prep_s(self, params: float, gsize: float, wsize: float, ranks: int) -> float:
+        """Seconds of FSDP1's passes over a stage's unsharded gradients before each reduction
+        (KernelOptions.flat_param; torch 2.1 torch/distributed/fsdp/_runtime_utils.py
+        `_post_backward_hook`: the cast of the unit's flat gradient from the parameter dtype
+        to the reduce dtype where they differ, read `wsize` write `gsize` bytes; then
+        `_reduce_grad`'s `_div_if_needed` by the gradient pre-divide factor, which
+        `_get_gradient_predivide_factor` makes > 1 for any world of 2 or more ranks: an
+        in-place read and write of `gsize` bytes). They run on FSDP's post-backward stream
+        beside the next unit's backward, but they are kernels, not transfers: their blocks
+        take the SMs the backward's GEMMs would use (a Hopper or Ampere GEMM tile holds most of
+        an SM's shared memory, so the two do not share an SM), so their time is priced whole.
+        0 for FSDP2 stacks (their copy-in and division are not priced here) and one rank."""
+        if not self.opts.flat_param or ranks <= 1:
+            return 0.0
+        cast = wsize + gsize if gsize != wsize else 0.0
+        return (cast + 2.0 * gsize) * params / self.hbm
 
     def copy_out_s(self, params: float, wsize: float) -> float:
         """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and
