@@ -158,3 +158,18 @@ def test_fsdp1_casts_and_predivides_every_unsharded_gradient():
     fsdp2 = Evaluator(model, cl, 6 * 512, 2048, PRESETS["torchtitan@2024"].kernel,
                       mem=fw.memory)
     assert fsdp2.grad_prep_s(p, 4.0, 2.0, 512) == 0.0
+
+
+def test_flash_ce_keeps_the_logits_beside_their_new_gradient():
+    """flash-attn's CrossEntropyLoss defaults to inplace_backward=False and llm-foundry passes
+    only ignore_index: at the loss's backward the 16-bit logits (which Composer also keeps for
+    its metrics) and a new 16-bit gradient, twice what the in-place variant holds."""
+    from meshtron.planner.memory_acts import logits_bytes
+    from meshtron.planner.memory_options import MemoryOptions
+
+    model = _mpt7b()
+    inplace = logits_bytes(model, 1, 6, 2048, MemoryOptions(loss="inplace"))
+    flash = logits_bytes(model, 1, 6, 2048, MemoryOptions(loss="flash-ce"))
+    assert inplace == 6 * 2048 * model.vocab * 2.0
+    assert flash == 2 * inplace
+    assert PRESETS["llm-foundry@2024"].memory.loss == "flash-ce"

@@ -90,7 +90,8 @@ command line's torchtitan preset states the same loss; without it here the Pytho
 priced these rows with meshtron's chunked loss."""
 LLM_FOUNDRY_MEMORY = PRESETS["llm-foundry@2024"].memory
 """llm-foundry's MPT: FSDP with fp32 sharded parameters, and flash-attn's fused cross-entropy
-(its default `loss_fn: fused_crossentropy`), whose backward overwrites the logits in place."""
+(its default `loss_fn: fused_crossentropy`) at flash-attn's default inplace_backward=False: its
+backward writes a new 16-bit gradient beside the logits (MemoryOptions loss 'flash-ce')."""
 DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""

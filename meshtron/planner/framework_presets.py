@@ -325,7 +325,7 @@ _LLM_FOUNDRY_2024 = Framework(
                   optimizer="for-loop", flash_ce=True, train_metrics=2, flat_param=True),
     # Composer's FSDP is llm-foundry's only parallelism then, and its FFNs are dense: no tp, pp
     # or MoE (plan_rules_stack 'llm-foundry', which cites the code)
-    MemoryOptions(framework="fsdp2", loss="inplace", host_offload="composer",
+    MemoryOptions(framework="fsdp2", loss="flash-ce", host_offload="composer",
                   zero_stages="composer", layouts="llm-foundry"), "fp32")
 _LLM_FOUNDRY_2023 = dataclasses.replace(
     _LLM_FOUNDRY_2024, era="2023",

@@ -138,7 +138,7 @@ true`, which the nemo-automodel preset sets for MoE models.
   benchmark YAMLs' amp_bf16 with FSDP mixed precision DEFAULT (composer/trainer/
   mosaic_fsdp_utils.py: param bf16, reduce fp32), fp32 sharded parameters, eager kernels, MPT's
   fused QKV and flash-attn's fused cross-entropy (loss_fn fused_crossentropy: 2 + 4 bytes per
-  logit, flash_ce; memory: loss = "inplace"), Composer's DecoupledAdamW stepping tensor by
+  logit, flash_ce; memory: loss = "flash-ce", not in place), Composer's DecoupledAdamW stepping tensor by
   tensor (optimizer = "for-loop"), and Composer's two train metrics of ComposerMPTCausalLM
   (train_metrics = 2: a cross-entropy over the whole logits each per micro-batch, and their
   world-wide torchmetrics sync at every step's end, the plan's `step_host` time:
