@@ -173,3 +173,23 @@ def test_flash_ce_keeps_the_logits_beside_their_new_gradient():
     assert inplace == 6 * 2048 * model.vocab * 2.0
     assert flash == 2 * inplace
     assert PRESETS["llm-foundry@2024"].memory.loss == "flash-ce"
+
+
+def test_fsdp1_shard_grad_op_gathers_again_every_micro_batch():
+    """FSDP1's SHARD_GRAD_OP frees the unsharded parameters in each backward that syncs
+    gradients, and Composer syncs every micro-batch: two micro-batches gather twice, where
+    FSDP2's ZeRO-2 keeps the parameters gathered over the step. The memory holds the gathered
+    model either way (from each forward to its backward)."""
+    fw = PRESETS["llm-foundry@2024"]
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", 64)
+    out = {}
+    for flat in (True, False):
+        kernel = dataclasses.replace(fw.kernel, flat_param=flat)
+        ev = Evaluator(model, cl, 2 * 4 * 512, 2048, kernel, mem=fw.memory)
+        cfg = Plan(tp=1, pp=1, dp=512, zero=2, micro_batch=4, recompute="none", sp=False,
+                   dtype="bf16", reduce_dtype="fp32")
+        assert ev.dp_flags(cfg)["gather_once"] is (not flat)
+        est = ev.evaluate(cfg)
+        out[flat] = (est.time.dp_comm, est.memory.total)
+    assert out[True][1] == pytest.approx(out[False][1], rel=0.02)
+    assert out[True][0] > out[False][0]

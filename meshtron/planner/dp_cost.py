@@ -89,13 +89,17 @@ class DataParallelCost:
         resharding off until the last backward in torch.distributed.pipelining),
         `gather_once` (parameters stay gathered over the step's micro-batches: pipelining,
         torchtitan's reshard_after_forward=False with pp, and FSDP ZeRO-2, which meshtron
-        reshards only after the step's last backward)."""
+        reshards only after the step's last backward; not FSDP1's SHARD_GRAD_OP
+        (KernelOptions.flat_param), which frees the unsharded parameters in every backward
+        that syncs gradients, torch 2.1 _runtime_utils.py `_should_free_in_backward`, and
+        Composer syncs every micro-batch: it gathers again for each forward))."""
         fsdp = self.opts.sharding == "fsdp"
         pipelined = cfg.pp > 1 and fsdp
         return {"gsize": 4.0 if cfg.reduce_dtype == "fp32" else compute.BF16,
                 "wsize": self._param_wire(cfg),
                 "reduce_once": cfg.zero >= 2 and (cfg.accumulate_unsharded or pipelined),
-                "gather_once": cfg.zero >= 2 and (pipelined or (cfg.zero == 2 and fsdp))}
+                "gather_once": cfg.zero >= 2 and (pipelined or (
+                    cfg.zero == 2 and fsdp and not self.opts.flat_param))}
 
     def _param_wire(self, cfg: Plan) -> float:
         """Bytes per parameter of parameter all-gathers: FSDP2 casts its fp32 shards to
