@@ -144,8 +144,8 @@ true`, which the nemo-automodel preset sets for MoE models.
   micro-batch, and their world-wide torchmetrics sync at every step's end, the plan's
   `step_host` time: planner/composer_metrics.py) and FSDP1's flat parameters (flat_param: no
   copy-out, a gradient cat per backward, the cast and pre-division of every gradient before
-  its reduction, SHARD_GRAD_OP re-gathering each micro-batch). `llm-foundry@2023` (v0.3.0 on Composer 0.16.3): DEFAULT
-  left reduce_dtype unset, so FSDP reduced in bf16. Precision PURE is the [options] pair
+  its reduction, SHARD_GRAD_OP re-gathering each micro-batch). `llm-foundry@2023` (v0.3.0 on
+  Composer 0.16.3): DEFAULT left reduce_dtype unset, so FSDP reduced in bf16. Precision PURE is the [options] pair
   `fp32_grad_reduce = false`, `reduce_dtype = "bf16"`; attn_impl 'flash' on padded batches is
   `flash_unpad = true`, 'triton' on an H100 `flash_isa = "sm80"`.
 
