@@ -145,9 +145,10 @@ true`, which the nemo-automodel preset sets for MoE models.
   `step_host` time: planner/composer_metrics.py) and FSDP1's flat parameters (flat_param: no
   copy-out, a gradient cat per backward, the cast and pre-division of every gradient before
   its reduction, SHARD_GRAD_OP re-gathering each micro-batch). `llm-foundry@2023` (v0.3.0 on
-  Composer 0.16.3): DEFAULT left reduce_dtype unset, so FSDP reduced in bf16. Precision PURE is the [options] pair
-  `fp32_grad_reduce = false`, `reduce_dtype = "bf16"`; attn_impl 'flash' on padded batches is
-  `flash_unpad = true`, 'triton' on an H100 `flash_isa = "sm80"`.
+  Composer 0.16.3): DEFAULT left reduce_dtype unset, so FSDP reduced in bf16. Precision PURE
+  is the [options] pair `fp32_grad_reduce = false`, `reduce_dtype = "bf16"`; attn_impl
+  'flash' on padded batches is `flash_unpad = true`, 'triton' on an H100
+  `flash_isa = "sm80"`.
 
 Pipeline stages get the layers each stack's own code would give them (MemoryOptions
 `pipeline_split`, planner/pipeline_split.py; plan_rules.split_problem refuses what a stack
