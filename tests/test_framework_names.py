@@ -53,7 +53,7 @@ def test_the_stacks_memory_is_what_their_code_keeps(plan_cli):  # noqa: F811
     # grouped K/V as they are
     assert rc == 0 and mem["loss"] == "eager" and mem["gqa_copies"] is False
     rc, out, _ = plan_cli(*L8, "--framework", "llm-foundry")
-    assert rc == 0 and json.loads(out)["framework"]["memory"]["loss"] == "inplace"
+    assert rc == 0 and json.loads(out)["framework"]["memory"]["loss"] == "flash-ce"
 
 
 def test_a_name_that_is_none_is_refused_in_one_line_naming_the_stacks(plan_cli):  # noqa: F811

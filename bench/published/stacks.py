@@ -90,7 +90,8 @@ command line's torchtitan preset states the same loss; without it here the Pytho
 priced these rows with meshtron's chunked loss."""
 LLM_FOUNDRY_MEMORY = PRESETS["llm-foundry@2024"].memory
 """llm-foundry's MPT: FSDP with fp32 sharded parameters, and flash-attn's fused cross-entropy
-(its default `loss_fn: fused_crossentropy`), whose backward overwrites the logits in place."""
+(its default `loss_fn: fused_crossentropy`) at flash-attn's default inplace_backward=False: its
+backward writes a new 16-bit gradient beside the logits (MemoryOptions loss 'flash-ce')."""
 DEEPSPEED_MEMORY = MemoryOptions(framework="deepspeed")
 """DeepSpeed ZeRO: 16-bit weights, fp32 master weights and moments in the optimizer, ZeRO-3
 gathering per submodule under stage3_max_live_parameters."""
@@ -115,7 +116,9 @@ llm-foundry's January 2024 main, setup.py 'mosaicml>=0.17.2,<0.18') defines it
 each fp32 shard to bf16 before gathering it), reduce_dtype fp32 (since composer#2628, October
 2023, v0.16.4), buffers bf16. Composer's DecoupledAdamW steps parameter by parameter with
 separate ops, reading a step counter per tensor, after FSDP's per-gradient clip (optimizer
-'for-loop': composer/optim/decoupled_weight_decay.py, planner/optimizer_loop.py)."""
+'for-loop': composer/optim/decoupled_weight_decay.py, planner/optimizer_loop.py). The loss is
+flash-attn's fused cross-entropy (flash_ce), and Composer updates and synchronises
+ComposerMPTCausalLM's two train metrics (train_metrics: planner/composer_metrics.py)."""
 LLM_FOUNDRY_PURE_OPTIONS = {"fp32_grad_reduce": False, "reduce_dtype": "bf16"}
 """FSDP mixed precision PURE as an [options] table on llm-foundry@2024."""
 LLM_FOUNDRY_PURE = from_preset("llm-foundry@2024", **LLM_FOUNDRY_PURE_OPTIONS).kernel

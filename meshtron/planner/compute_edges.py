@@ -8,7 +8,7 @@ import math
 from functools import lru_cache
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import comm, host
+from meshtron.planner import comm, composer_metrics, host
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute_parts import EdgeCost, compute_dtypes
 from meshtron.planner.elementwise import NORM_BYTES, NORM_KERNELS, norm_key
@@ -29,12 +29,23 @@ VOCAB_PARALLEL_CE_KERNELS = 17
 small ones, exp, sum, log and difference, division), for the host's issue."""
 
 
-def loss_bytes(stack: str, vocab_parallel_ce: bool = False) -> tuple[float, float]:
+FLASH_CE_BYTES = (BF16, 2 * BF16)
+"""(forward, backward) bytes per logit of flash-attn's fused cross-entropy (KernelOptions
+flash_ce; flash-attn 2.4.2 flash_attn/ops/triton/cross_entropy.py: cross_entropy_fwd_kernel
+reads a row of 16-bit logits and stores one loss and one log-sum-exp, cross_entropy_bwd_kernel
+reads the row again and stores its gradient in the logits' dtype)."""
+
+
+def loss_bytes(stack: str, vocab_parallel_ce: bool = False,
+               flash_ce: bool = False) -> tuple[float, float]:
     """(forward, backward) HBM bytes per logit of the cross-entropy (head_cost's docstring):
     eager PyTorch's fp32 cast and log-softmax, Megatron-Core's unfused vocabulary-parallel
-    loss (KernelOptions.vocab_parallel_ce: VOCAB_PARALLEL_CE_BYTES), or one fused kernel."""
+    loss (KernelOptions.vocab_parallel_ce: VOCAB_PARALLEL_CE_BYTES), flash-attn's fused loss
+    (KernelOptions.flash_ce: FLASH_CE_BYTES), or one fused kernel."""
     if vocab_parallel_ce:
         return VOCAB_PARALLEL_CE_BYTES
+    if flash_ce:
+        return FLASH_CE_BYTES
     return (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
 
 
@@ -49,7 +60,8 @@ def _head_inputs(cluster: ClusterSpec, micro_batch: int, seq: int, cp: int, dtyp
 @lru_cache(maxsize=4096)
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
               sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16",
-              eager_norm: str = "aten", vocab_parallel_ce: bool = False) -> EdgeCost:
+              eager_norm: str = "aten", vocab_parallel_ce: bool = False,
+              flash_ce: bool = False, train_metrics: int = 0) -> EdgeCost:
     """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
 
     The head GEMM is [tokens, h] x [h, V/tp]; the fused loss reads bf16 logits and writes fp32
@@ -66,15 +78,19 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     its gradient reduce-scattered backward.
 
     With context parallelism a rank holds 1/cp of the tokens; FP8 recipes keep the head in bf16.
+    `train_metrics`: Composer's metric updates on the whole logits after the backward
+    (planner/composer_metrics.py), memory-bound passes of the eager stack.
     """
     cluster, hbm, tokens = _head_inputs(cluster, micro_batch, seq, cp, dtype, stack)
     gemm = cluster_gemm_time(tokens, model.vocab / tp, model.hidden, cluster)
     logits = tokens * model.vocab / tp
-    loss_f, loss_b = loss_bytes(stack, vocab_parallel_ce)
+    loss_f, loss_b = loss_bytes(stack, vocab_parallel_ce, flash_ce)
     norm_b = NORM_BYTES[norm_key(stack, eager_norm, model.norm)]
     norm = tokens * norm_b * model.hidden / (tp if sp else 1) / hbm
     fwd_c = gemm + logits * loss_f / hbm + norm
-    compute = fwd_c + 2 * gemm + logits * loss_b / hbm + 2 * norm
+    metrics = composer_metrics.update_bytes(train_metrics, logits) / membound_bytes_per_s(
+        cluster, "eager")
+    compute = fwd_c + 2 * gemm + logits * loss_b / hbm + 2 * norm + metrics
     fab = comm.Fabric.of(cluster)
     group = tp_group(tp, cluster.gpus_per_node)
     nbytes = BF16 * tokens * model.hidden
@@ -97,7 +113,7 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     fwd_c += wait_f
     compute += wait_f + wait_b
     parts = (("gemm", 3 * gemm),
-             ("elementwise", logits * (loss_f + loss_b) / hbm + 3 * norm),
+             ("elementwise", logits * (loss_f + loss_b) / hbm + 3 * norm + metrics),
              ("host_wait", wait_f + wait_b))
     return EdgeCost(compute=compute, tp=tp_f + tp_b, fwd=fwd_c + tp_f, wgrad=gemm, parts=parts)
 

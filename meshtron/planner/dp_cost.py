@@ -89,13 +89,17 @@ class DataParallelCost:
         resharding off until the last backward in torch.distributed.pipelining),
         `gather_once` (parameters stay gathered over the step's micro-batches: pipelining,
         torchtitan's reshard_after_forward=False with pp, and FSDP ZeRO-2, which meshtron
-        reshards only after the step's last backward)."""
+        reshards only after the step's last backward; not FSDP1's SHARD_GRAD_OP
+        (KernelOptions.flat_param), which frees the unsharded parameters in every backward
+        that syncs gradients, torch 2.1 _runtime_utils.py `_should_free_in_backward`, and
+        Composer syncs every micro-batch: it gathers again for each forward))."""
         fsdp = self.opts.sharding == "fsdp"
         pipelined = cfg.pp > 1 and fsdp
         return {"gsize": 4.0 if cfg.reduce_dtype == "fp32" else compute.BF16,
                 "wsize": self._param_wire(cfg),
                 "reduce_once": cfg.zero >= 2 and (cfg.accumulate_unsharded or pipelined),
-                "gather_once": cfg.zero >= 2 and (pipelined or (cfg.zero == 2 and fsdp))}
+                "gather_once": cfg.zero >= 2 and (pipelined or (
+                    cfg.zero == 2 and fsdp and not self.opts.flat_param))}
 
     def _param_wire(self, cfg: Plan) -> float:
         """Bytes per parameter of parameter all-gathers: FSDP2 casts its fp32 shards to
@@ -245,6 +249,9 @@ class DataParallelCost:
                 e_red + chain(max(0.0, red - e_red), bwd, units, nccl)
             exp = (reduce + e_gather + chain(max(0.0, gather - e_gather), fwd, units, nccl)
                    + self.bucket_passes_s(params, gsize))
+            if fsdp and self.opts.flat_param:  # FSDP1 NO_SHARD: the gradient cat as above
+                exp += (m * self.copy_out_s(params, wsize)
+                        + self.grad_prep_s(params, gsize, wsize, group.size))
         self._cache[key] = exp
         return exp
 
@@ -302,9 +309,12 @@ class DataParallelCost:
             out = pipeline.reduce_after_drain(rs, *drain, nccl)
         else:  # fwd, bwd: one micro-batch's
             out = (1 if reduce_once else m) * unit_chain(rs, bwd, units, nccl)
+        out += (1 if reduce_once else m) * self.grad_prep_s(params, gsize, wsize, shard.size)
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
-            return out + unit_chain(ag, fwd, units, nccl) + self.copy_out_s(params, wsize)
+            # FSDP1 (flat_param): no copy-out, a gradient cat per micro-batch's backward
+            copies = (m if self.opts.flat_param else 1) * self.copy_out_s(params, wsize)
+            return out + unit_chain(ag, fwd, units, nccl) + copies
         per_mb = self._zero3_per_microbatch(params, groups, 1, fwd, bwd, regather,
                                             backward_gather=zero == 3, wire=gsize,
                                             reduce=False, wsize=wsize, units=units,
@@ -385,6 +395,9 @@ class DataParallelCost:
         out_b = (params - kept) if keep_last and kept > 0 else params
         copies = self.copy_out_s(params, wsize) + (
             (2 if regather else 1) * self.copy_out_s(out_b, wsize) if backward_gather else 0.0)
+        if opts.flat_param:  # FSDP1: the backward's gradient cat of every unit, no copy-outs
+            copies = self.copy_out_s(params, wsize) + (
+                self.grad_prep_s(params, gsize, wsize, shard.size) if reduce else 0.0)
         if keep_last and backward_gather:
             # the kept unit's backward gathers nothing; the next unit's gather hides behind it
             kept = rs_exposed + _exposed(rs_hidden, b_u, nccl)
@@ -428,11 +441,30 @@ class DataParallelCost:
         passes = self.opts.grad_bucket_passes + (1 if self.mcore_ddp() else 0)
         return passes * gsize * params / self.hbm
 
+    def grad_prep_s(self, params: float, gsize: float, wsize: float, ranks: int) -> float:
+        """Seconds of FSDP1's passes over a stage's unsharded gradients before each reduction
+        (KernelOptions.flat_param; torch 2.1 torch/distributed/fsdp/_runtime_utils.py
+        `_post_backward_hook`: the cast of the unit's flat gradient from the parameter dtype
+        to the reduce dtype where they differ, read `wsize` write `gsize` bytes; then
+        `_reduce_grad`'s `_div_if_needed` by the gradient pre-divide factor, which
+        `_get_gradient_predivide_factor` makes > 1 for any world of 2 or more ranks: an
+        in-place read and write of `gsize` bytes). They run on FSDP's post-backward stream
+        beside the next unit's backward, but they are kernels, not transfers: their blocks
+        take the SMs the backward's GEMMs would use (a Hopper or Ampere GEMM tile holds most of
+        an SM's shared memory, so the two do not share an SM), so their time is priced whole.
+        0 for FSDP2 stacks (their copy-in and division are not priced here) and one rank."""
+        if not self.opts.flat_param or ranks <= 1:
+            return 0.0
+        cast = wsize + gsize if gsize != wsize else 0.0
+        return (cast + 2.0 * gsize) * params / self.hbm
+
     def copy_out_s(self, params: float, wsize: float) -> float:
         """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and
         write `wsize` bytes each; torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
         foreach_all_gather_copy_out, on the compute stream); 0 for 'zero' sharding (DeepSpeed
-        and Megatron gather into the parameters' own storage)."""
+        and Megatron gather into the parameters' own storage). FSDP1 (KernelOptions
+        flat_param) moves the same bytes once per backward instead: the cat of a unit's
+        gradient views into its flat gradient (the callers)."""
         if self.opts.sharding != "fsdp":
             return 0.0
         return 2.0 * wsize * params / self.hbm

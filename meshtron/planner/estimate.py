@@ -215,7 +215,10 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # fully_shard a 2-D mesh, torch/distributed/fsdp/_fully_shard/_fsdp_param.py shards
         # dim 0 over the shard axis only); dp_replicate is 1 below ZeRO-2
         shard_dp = dp // cfg.dp_replicate * cp
-        keep = flags["gather_once"] and mem_opts.framework == "fsdp2"
+        # FSDP1's SHARD_GRAD_OP (flat_param) holds every unit gathered from its forward to its
+        # backward too, though it gathers again each micro-batch (dp_flags)
+        keep = (flags["gather_once"] or (zero == 2 and self.opts.flat_param)) \
+            and mem_opts.framework == "fsdp2"
         fsdp_zero1 = zero == 1 and not compression.changes_dp(cfg)
         # unsharded gradients accumulated over the micro-batches (FSDP2 keeps them in the
         # reduce dtype): ZeRO-2/3 reduced once per step, and meshtron's ZeRO-1 (FSDP2 over dp,

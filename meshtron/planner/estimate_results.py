@@ -30,11 +30,15 @@ class TimeBreakdown:
     """Expert-parallel all-to-alls of the critical stage left exposed (planner/moe_cost.py)."""
     offload: float = 0.0
     """Host-link copies of offloaded shards and gradients (planner/offload.py), not overlapped."""
+    step_host: float = 0.0
+    """Host work once per step that the idle GPU waits for, outside the micro-batches and the
+    optimizer: Composer's synchronisation of its train metrics at the batch's end
+    (planner/composer_metrics.py); 0 for every other stack."""
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble
-                + self.optimizer + self.ep_comm + self.offload)
+                + self.optimizer + self.ep_comm + self.offload + self.step_host)
 
     def to_dict(self) -> dict[str, float]:
         out = {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
@@ -42,6 +46,8 @@ class TimeBreakdown:
                "optimizer": self.optimizer, "ep_comm": self.ep_comm}
         if self.offload:
             out["offload"] = self.offload
+        if self.step_host:
+            out["step_host"] = self.step_host
         return out
 
 

@@ -6,8 +6,8 @@ optimizer step and host offload.
 
 from __future__ import annotations
 
-from meshtron.planner import (comm, moe_memory, offload, optimizer_loop, pipeline,
-                              pipeline_split, pipeline_zb)
+from meshtron.planner import (comm, composer_metrics, moe_memory, offload, optimizer_loop,
+                              pipeline, pipeline_split, pipeline_zb)
 from meshtron.planner.estimate_results import TimeBreakdown
 from meshtron.planner.estimate_work import Work
 
@@ -74,8 +74,10 @@ class StepTimes:
                 pp_t += self.tied_embedding_s(tp, cross)
         w.stage_t, w.stage_f = stage_t, stage_f
         dp_t, opt_t, off_t = self._stage_sync(w)
+        # Composer's train-metric sync over every rank at the batch's end (composer_metrics)
+        host_t = composer_metrics.sync_s(self.opts.train_metrics, cfg.gpus, self.cluster)
         parts = dict(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
-                     optimizer=opt_t, ep_comm=ep_t, offload=off_t)
+                     optimizer=opt_t, ep_comm=ep_t, offload=off_t, step_host=host_t)
         # every schedule call (Plan.pipeline_runs) pays its own fill and drain: the bubble of
         # one call of m / runs micro-batches, once per call (torchtitan trainer.py, NeMo
         # AutoModel train_ft.py: a schedule.step per gradient-accumulation batch)

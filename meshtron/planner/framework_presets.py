@@ -309,18 +309,25 @@ _GPT_NEOX = dataclasses.replace(
 # overwrites the logits), Composer's DecoupledAdamW; the kernels and their citations are
 # bench/published/stacks.py LLM_FOUNDRY_AMP (2024: Composer 0.17.2, reduce_dtype fp32) and
 # LLM_FOUNDRY_AMP_2023 (2023: Composer 0.16.3, reduce in bf16). Precision 'PURE' is the
-# option pair fp32_grad_reduce = false, reduce_dtype = "bf16".
+# option pair fp32_grad_reduce = false, reduce_dtype = "bf16". The loss is flash-attn's fused
+# cross-entropy (flash_ce: the gpu-flash2 extra's flash-attn 2.4.2 Triton kernels, the gpu
+# extra's 1.0.9 xentropy_cuda_lib), and Composer updates ComposerMPTCausalLM's two train
+# metrics (LanguageCrossEntropy, LanguagePerplexity) on the logits every micro-batch and
+# gathers them over the world every step (train_metrics 2: planner/composer_metrics.py).
+# Composer's FSDP is FSDP1 (flat_param: torch 2.1's FlatParameter, views, no copy-out).
 _LLM_FOUNDRY_2024 = Framework(
     "llm-foundry", "2024",
     "mosaicml/llm-foundry January 2024 main on Composer 0.17.2 (PyTorch FSDP, amp_bf16)",
     "mosaicml/composer 0.17.2 composer/trainer/mosaic_fsdp_utils.py (get_mixed_precision "
     "DEFAULT: param bf16, reduce fp32), composer/optim/decoupled_weight_decay.py; "
-    "llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn fused_crossentropy)",
+    "llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn fused_crossentropy, "
+    "ComposerMPTCausalLM train metrics), composer/trainer/trainer.py (_eval_train_metrics, "
+    "_compute_and_log_metrics), torchmetrics 1.0 utilities/distributed.py gather_all_tensors",
     KernelOptions(fp32_grad_reduce=True, separate_projections=False, stack="eager",
-                  optimizer="for-loop"),
+                  optimizer="for-loop", flash_ce=True, train_metrics=2, flat_param=True),
     # Composer's FSDP is llm-foundry's only parallelism then, and its FFNs are dense: no tp, pp
     # or MoE (plan_rules_stack 'llm-foundry', which cites the code)
-    MemoryOptions(framework="fsdp2", loss="inplace", host_offload="composer",
+    MemoryOptions(framework="fsdp2", loss="flash-ce", host_offload="composer",
                   zero_stages="composer", layouts="llm-foundry"), "fp32")
 _LLM_FOUNDRY_2023 = dataclasses.replace(
     _LLM_FOUNDRY_2024, era="2023",

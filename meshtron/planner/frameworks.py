@@ -138,12 +138,18 @@ true`, which the nemo-automodel preset sets for MoE models.
 * `llm-foundry@2024` (mosaicml/llm-foundry January 2024 on Composer 0.17.2, PyTorch FSDP): its
   benchmark YAMLs' amp_bf16 with FSDP mixed precision DEFAULT (composer/trainer/
   mosaic_fsdp_utils.py: param bf16, reduce fp32), fp32 sharded parameters, eager kernels, MPT's
-  fused QKV and flash-attn's fused cross-entropy (loss_fn fused_crossentropy: the gradient
-  overwrites the logits, loss = "inplace"), Composer's DecoupledAdamW stepping tensor by
-  tensor (optimizer = "for-loop"). `llm-foundry@2023` (v0.3.0 on Composer 0.16.3): DEFAULT
-  left reduce_dtype unset, so FSDP reduced in bf16. Precision PURE is the [options] pair
-  `fp32_grad_reduce = false`, `reduce_dtype = "bf16"`; attn_impl 'flash' on padded batches is
-  `flash_unpad = true`, 'triton' on an H100 `flash_isa = "sm80"`.
+  fused QKV and flash-attn's fused cross-entropy (loss_fn fused_crossentropy: 2 + 4 bytes per
+  logit, flash_ce; memory: loss = "flash-ce", not in place), Composer's DecoupledAdamW
+  stepping tensor by tensor (optimizer = "for-loop"), Composer's two train metrics of
+  ComposerMPTCausalLM (train_metrics = 2: a cross-entropy over the whole logits each per
+  micro-batch, and their world-wide torchmetrics sync at every step's end, the plan's
+  `step_host` time: planner/composer_metrics.py) and FSDP1's flat parameters (flat_param: no
+  copy-out, a gradient cat per backward, the cast and pre-division of every gradient before
+  its reduction, SHARD_GRAD_OP re-gathering each micro-batch). `llm-foundry@2023` (v0.3.0 on
+  Composer 0.16.3): DEFAULT left reduce_dtype unset, so FSDP reduced in bf16. Precision PURE
+  is the [options] pair `fp32_grad_reduce = false`, `reduce_dtype = "bf16"`; attn_impl
+  'flash' on padded batches is `flash_unpad = true`, 'triton' on an H100
+  `flash_isa = "sm80"`.
 
 Pipeline stages get the layers each stack's own code would give them (MemoryOptions
 `pipeline_split`, planner/pipeline_split.py; plan_rules.split_problem refuses what a stack

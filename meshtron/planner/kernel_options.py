@@ -372,6 +372,28 @@ class KernelOptions:
     (--no-check-for-nan-in-loss-and-grad unset): start_grad_sync computes the bucket's norm
     (one read) and scales it by 1/dp in place (a read and a write): 3. NeMo 2.0 and
     Megatron-Bridge average in the collective and skip the check: 0."""
+    flash_ce: bool = False
+    """The loss is flash-attn's fused cross-entropy (flash_attn/losses/cross_entropy.py: the
+    Triton kernels of flash_attn/ops/triton/cross_entropy.py in 2.4.2, xentropy_cuda_lib in
+    1.0.9), llm-foundry's `loss_fn: fused_crossentropy`: the forward reads the 16-bit logits
+    once and keeps only one loss and one log-sum-exp per token, the backward reads them again
+    and writes their gradient (2 and 2 + 2 bytes per logit, compute_edges.loss_bytes). False:
+    the stack's own loss (eager PyTorch's fp32 cast and log-softmax, or a fused one)."""
+    flat_param: bool = False
+    """FSDP runs as PyTorch's FSDP1 FlatParameter (torch <= 2.3 FullyShardedDataParallel, which
+    Composer wraps: llm-foundry): each unit's all-gather writes straight into the padded
+    unsharded flat parameter, of which the original parameters are views
+    (torch/distributed/fsdp/flat_param.py `_all_gather_flat_param`, `_use_unsharded_views`,
+    torch 2.1): no copy-out per gather. In the backward the views' gradients reach the flat
+    parameter through the split's backward, a cat of the unit's gradients into one flat
+    gradient: one read and one write of every unsharded element per micro-batch
+    (dp_cost.copy_out_s's bytes, once per backward instead of once per gather). False:
+    FSDP2's per-parameter DTensors and their copy-out."""
+    train_metrics: int = 0
+    """Cross-entropy train metrics Composer updates on the whole logits after every
+    micro-batch's backward and synchronises over the world at every step's end
+    (planner/composer_metrics.py): llm-foundry's ComposerMPTCausalLM has 2
+    (LanguageCrossEntropy, LanguagePerplexity). 0: none (every other stack)."""
 
     @property
     def head_stack(self) -> str:
@@ -405,6 +427,9 @@ class KernelOptions:
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")
+        tm = self.train_metrics
+        if isinstance(tm, bool) or not isinstance(tm, int) or tm < 0:
+            raise UserError(f"train_metrics={tm!r}: must be an integer >= 0 (0: none)")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")

@@ -44,8 +44,9 @@ pipeline schedules keep the stage output, + the compute dtype's bytes); torch's 
 (tensor-parallel heads) 16 (`LOSS_PARALLEL_BYTES`). Every figure of meshtron's own runtime here
 is checked against `meshtron rehearse` (one rank run under fake tensors; tests/test_rehearse.py). Megatron's fused
 vocabulary-parallel cross-entropy keeps bf16 logits + an fp32 softmax that its backward
-overwrites in place: 6 bytes; flash-attn's fused loss with in-place backward (llm-foundry's
-default) only the 16-bit logits: 2 bytes (`MemoryOptions.loss`).
+overwrites in place: 6 bytes; flash-attn's fused loss with in-place backward only the 16-bit
+logits: 2 bytes; without it (flash-attn's default, which llm-foundry runs) the logits and a new
+16-bit gradient: 4 bytes (`MemoryOptions.loss`).
 """
 
 from __future__ import annotations
@@ -342,6 +343,8 @@ def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
         return elements * 6.0
     if kind == "inplace":
         return elements * mem.compute_bytes
+    if kind == "flash-ce":  # the logits and their new gradient (MemoryOptions.loss)
+        return elements * 2.0 * mem.compute_bytes
     if kind == "chunked" and tp == 1 and not pipelined:
         return chunked_loss_bytes(model, micro_batch * seq, mem)
     # whole logits: a pipeline's last stage also keeps its output (the compute dtype's bytes)

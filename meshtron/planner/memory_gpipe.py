@@ -53,7 +53,7 @@ def loss_saved_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
     kind = mem.loss_kind
     if kind == "vocab-parallel":
         return elements * 6.0
-    if kind == "inplace":
+    if kind in ("inplace", "flash-ce"):  # the 16-bit logits until the loss's backward
         return elements * mem.compute_bytes
     if kind == "eager-bf16":  # log_softmax's output in the compute dtype
         return elements * 2.0 * mem.compute_bytes

@@ -44,7 +44,7 @@ FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
 PARAM_DTYPES = ("fp32", "bf16")
 """dtype of FSDP2's sharded parameters (MemoryOptions.param_dtype)."""
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
-LOSSES = ("chunked", "eager", "vocab-parallel", "inplace", "eager-bf16")
+LOSSES = ("chunked", "eager", "vocab-parallel", "inplace", "flash-ce", "eager-bf16")
 FP8_TILE_BYTES = 1.0 + 4.0 / 128
 """Bytes per element of an activation kept in FP8 with one fp32 scale per 1x128 tile
 (DeepSeek-V3 report 3.3.2-3.3.3, fine-grained quantization; MemoryOptions.swiglu_recompute)."""
@@ -81,8 +81,12 @@ class MemoryOptions:
     chunks of tokens, no whole logits, at tp = 1 without a pipeline; whole logits elsewhere),
     'eager' (fp32 copy + log_softmax, 12 bytes per logit at the start of backward; 16 under
     tensor parallelism's loss_parallel), 'vocab-parallel' (Megatron-LM: bf16 logits + fp32
-    softmax overwritten by its gradient, 6) or 'inplace' (flash-attn's fused loss as
-    llm-foundry uses it: the gradient overwrites the 16-bit logits, 2), 'eager-bf16'
+    softmax overwritten by its gradient, 6) or 'inplace' (flash-attn's fused loss with
+    inplace_backward=True: the gradient overwrites the 16-bit logits, 2), 'flash-ce'
+    (flash-attn's fused loss at its default inplace_backward=False, as llm-foundry's
+    ComposerMPTCausalLM builds it, `FusedCrossEntropyLoss(ignore_index=-100)`: the backward
+    writes a new 16-bit gradient beside the logits, which Composer's state.outputs keeps for
+    the train metrics, 4), 'eager-bf16'
     (F.cross_entropy on the compute-dtype logits, no fp32 cast: NeMo AutoModel's
     MaskedCrossEntropy with fp32_upcast false; log_softmax's output, the incoming gradient and
     the input gradient in the compute dtype, 6); None: 'chunked' for fsdp2, 'vocab-parallel'

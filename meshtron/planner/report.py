@@ -47,7 +47,8 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
                         "host": float,                            # per node, host offload
                         "host_capacity": float|null},             # usable; null: unknown
          "time_s": {"compute", "tp_comm", "pp_comm", "dp_comm_exposed", "bubble",
-                    "optimizer", "ep_comm": float},               # exact 0.0 when absent
+                    "optimizer", "ep_comm": float,                # exact 0.0 when absent
+                    "step_host": float},                          # only when > 0
          "step_time_s": float, "tokens_per_s": float,
          "model_tflops_per_gpu": float, "hardware_tflops_per_gpu": float,
          "mfu": float, "hfu": float,                              # fractions of peak
@@ -196,7 +197,8 @@ def breakdown_line(est: Estimate) -> str:
             f"{fmt_s(t.dp_comm)} + bubble {fmt_s(t.bubble)} + optimizer {fmt_s(t.optimizer)}"
             + (f" (on the host) + host-link copies {fmt_s(t.offload)} (offload="
                f"{est.config.offload})" if est.config.offload != "none" else "")
-            + (f" + expert all-to-all {fmt_s(t.ep_comm)}" if t.ep_comm else ""))
+            + (f" + expert all-to-all {fmt_s(t.ep_comm)}" if t.ep_comm else "")
+            + (f" + host at the step's end {fmt_s(t.step_host)}" if t.step_host else ""))
 
 
 def memory_line(est: Estimate) -> str:

@@ -61,6 +61,7 @@ def step_categories(ev: Evaluator, est: Estimate) -> dict[str, float]:
     out["optimizer"] = t.optimizer
     out["communication"] = t.tp_comm + t.dp_comm + t.ep_comm + t.pp_comm
     out["bubble"], out["offload"] = t.bubble, t.offload
+    out["host_wait"] += t.step_host  # the idle GPU waits on the step's host work
     total = sum(out.values())
     if not math.isclose(total, t.total, rel_tol=1e-9, abs_tol=1e-12):
         raise AssertionError(f"step categories add up to {total!r} s, the step is {t.total!r} s")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtron.planner import comm, moe_memory, offload, pipeline
+from meshtron.planner import comm, composer_metrics, moe_memory, offload, pipeline
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class StepPieces:
     optimizer_s: list[float]
     """Per device stage: optimizer step (on the host with offload, its copies included:
     offload.offload_cost), and the gradient accumulation passes of its micro-batches
-    (`Evaluator.accumulation_s`)."""
+    (`Evaluator.accumulation_s`), and the step's end host work (TimeBreakdown.step_host)."""
 
 
 def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
@@ -91,6 +91,8 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
     tied = ev.tied_embedding_s(tp, groups["pp_hop_crosses_nodes"]) if pp > 1 else 0.0
     flags = ev.dp_flags(cfg)
     fold, drain_s, dp_s, opt = [], [], [], []
+    # Composer's train-metric sync at the step's end, every rank (`evaluate`'s step_host)
+    host_s = composer_metrics.sync_s(ev.opts.train_metrics, cfg.gpus, ev.cluster)
     for i, k in enumerate(device_layers):
         params = k * p_layer + (p_emb if i == 0 else 0.0) + (p_head if i == last else 0.0)
         # ZeRO's shard group: HSDP replicates over dp_replicate (`evaluate`'s shard_dp)
@@ -109,7 +111,7 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
                                       ev.cluster.host_memory_bytes_per_s)
             step = oc.host_step_s + oc.transfer_s
         opt.append(step + ev.accumulation_s(cfg, k, i, m, flags)
-                   + k * ev._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
+                   + k * ev._fp8_step(tp, cfg.dtype, cfg.fp8_recipe) + host_s)
         stage_f = sum(fwd[j] for j in held[i])
         stage_b = sum(tot[j] for j in held[i]) - stage_f
         kept = p_head if i == last else 0.0  # FSDP's [norm, head]: not re-gathered
