@@ -86,8 +86,11 @@ class StageMemories:
         root_units[0] = p_emb
         root_units[w.head_rank] = max(root_units[w.head_rank], p_head)
         w.grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
-        w.extra_accum = memory.embedding_accum_bytes(mem_opts, cfg.zero, w.accum,
-                                                     w.flags["gsize"], m, pp, w.shard_dp)
+        # (DTensor's whole embedding gradient: FSDP2's accumulator only, not a ZeRO
+        # framework's buffer made at the first backward, MemoryOptions.grads_at_first_backward)
+        w.extra_accum = memory.embedding_accum_bytes(
+            mem_opts, cfg.zero, w.accum if mem_opts.framework == "fsdp2" else 0.0,
+            w.flags["gsize"], m, pp, w.shard_dp)
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
         w.reduce_bytes = w.flags["gsize"] if pp == 1 else 0.0
