@@ -145,7 +145,8 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     # Selective recomputation checkpoints the attention core (Megatron-Core core_r0.8.0
     # transformer/attention.py `_checkpointed_attention_forward`: tensor_parallel.checkpoint
     # keeps the core's inputs Q, K, V and runs it again in backward): FlashAttention's own O
-    # and log-sum-exp are not kept, only the out-projection's copy of O
+    # is not kept, only the out-projection's copy of O (the same tensor in bf16; its FP8
+    # copy under TE's FP8, which alone then stays)
     checkpointed = recompute == "selective" and opts.attention != "unfused"
     out = x * q + (cb * q if fp8_inputs and not checkpointed
                    and opts.attention != "unfused" else 0.0)
@@ -177,7 +178,7 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:
-        core = 0.0 if checkpointed else 4.0 * a
+        core = 4.0 * a  # its fp32 log-sum-exp, kept whether checkpointed or not: conservative
     core *= cb / 2.0
     return (replicated / tp if sp else replicated) + (sharded + core) / tp
 
