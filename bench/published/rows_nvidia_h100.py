@@ -152,18 +152,18 @@ def nemo_2407() -> list[PublishedRun]:
     ]
     # The optimizer's master weights as NeMo 2.0.0rc1 (the 24.07 container's NeMo) sets up
     # Apex DistributedFusedAdam (megatron_base_model.py `setup_optimization`): with the
-    # launcher's megatron_amp_O2 bf16 model and optim.dtype fp32 (gpt3/20b.yaml: not set,
-    # fp32) store_param_remainders, 2 bytes per parameter; with optim.dtype bf16
+    # launcher's megatron_amp_O2 bf16 model (every row's training yaml) and an fp32 optimizer
+    # dtype (no yaml but nemotron_340b.yaml sets one; no 24.07 training script overrides it)
+    # store_param_remainders, 2 bytes per parameter; with optim.dtype bf16
     # (nemotron/nemotron_340b.yaml) store_params False and bf16 moments: the bf16 parameters
     # are the master weights. Nemotron-340B's yaml also sets activations_checkpoint_granularity
-    # selective (Megatron-Core's checkpointed core attention). Read on 2026-12-05 (branch
-    # mem405) for these two rows only; the other rows keep the preset's optimizer.
-    yaml = {"GPT3-20B": (dict(master_weights="remainders"), "none"),
-            "Nemotron-340B": (dict(master_weights="none", bf16_moments=True), "selective")}
+    # selective (Megatron-Core's checkpointed core attention); the others' null. Read on
+    # 2026-12-05 (branch mem405, after the 20B and 340B rows' memory verdicts were seen).
+    yaml = {"Nemotron-340B": (dict(master_weights="none", bf16_moments=True), "selective")}
     runs = []
     for name, gpus, gbs, mbs, seq, tp, pp, cp, vp, tps in rows:
         family, size = name.split("-")
-        row_mem, recompute = yaml.get(name, ({}, "none"))
+        row_mem, recompute = yaml.get(name, (dict(master_weights="remainders"), "none"))
         if family == "GPT3":
             L, h, a = gpt[size]
             # NeMo's GPTConfig (gpt/model/base.py at 9c5c5e9709): tied embeddings, learned
