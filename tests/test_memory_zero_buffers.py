@@ -104,3 +104,22 @@ def test_selective_recompute_runs_the_flash_forward_again():
               if isinstance(k, tuple) and k[0] == "layer" and k[4] == "selective")
     extra = sel.time.compute - none.time.compute
     assert lc.core_fwd > 0 and extra == pytest.approx(DENSE.layers * 16 * lc.core_fwd, rel=1e-6)
+
+
+def test_gradients_made_at_the_first_backward_at_zero_0_too():
+    """Without the distributed optimizer (ZeRO-0) the gradients are whole as well: the same
+    walk, the same saving on the same rank."""
+    def total(first_backward):
+        opts = KernelOptions(stack="fused", sharding="zero", fp32_grad_reduce=True,
+                             separate_projections=False)
+        mem = dataclasses.replace(MEGATRON, pipeline_split="megatron-ends",
+                                  grads_at_first_backward=first_backward)
+        plan = Plan(8, 16, 128, 0, 1, "none", True, "interleaved", 8)
+        ev = Evaluator(preset("llama3-405b"), preset_cluster("dgx-h100", 2048), 2048, 8192,
+                       opts=opts, mem=mem)
+        return ev.evaluate(plan, stage=1, keep_infeasible=True).memory
+
+    buffer, first = total(False), total(True)
+    p_layer = layer_params_local(preset("llama3-405b"), 8)
+    assert (buffer.allocated - first.allocated) * memory.GIB == pytest.approx(
+        7 * 4.0 * p_layer, rel=1e-9)

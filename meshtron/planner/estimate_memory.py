@@ -37,9 +37,10 @@ class StageMemories:
                                                                    cfg.etp)
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
-        if fsdp_zero1 and accum:
+        if (fsdp_zero1 or mem_opts.grads_at_first_backward) and accum:
             # the sharded gradients of meshtron's ZeRO-1 appear unit by unit as the last
-            # micro-batch's accumulated ones are reduced and freed (`accum` holds them)
+            # micro-batch's accumulated ones are reduced and freed (`accum` holds them); a
+            # ZeRO framework's buffer made at the first backward is `accum` too
             full_states = (full_states[0], 0.0, full_states[2])
         states = offload.device_states(cfg.offload, full_states,  # what stays on the device
                                        mem_opts.host_offload)
@@ -50,7 +51,7 @@ class StageMemories:
         if ep > 1:
             e_full = memory.state_bytes(zero, moe_memory.expert_dp(cfg, shard_dp),
                                         self.grad_bytes, mem_opts)
-            if fsdp_zero1 and accum:  # as the dense states above: `accum` holds them
+            if (fsdp_zero1 or mem_opts.grads_at_first_backward) and accum:  # as above
                 e_full = (e_full[0], 0.0, e_full[2])
             e_states = offload.device_states(cfg.offload, e_full, mem_opts.host_offload)
             e_moved = sum(e_full) - sum(e_states)

@@ -173,8 +173,9 @@ class MemoryOptions:
     begun (the walk of memory_pipeline.held_bytes, as for fsdp2). Meta's Llama 3 stack (paper
     arXiv 2407.21783 section 3.3.2: "Our use of FSDP for Llama 3 shards the optimizer states
     and gradients", "FP32 gradient accumulation during backward computation over multiple
-    micro-batches"). False: the buffer over the step (Megatron-Core, DeepSpeed); fsdp2 always
-    accumulates so (refused there as a no-op)."""
+    micro-batches"). Whole gradients (ZeRO-0/1) only: ZeRO-2/3 shard them anyway. False: the
+    buffer over the step (Megatron-Core, DeepSpeed); fsdp2 always accumulates so (refused
+    there as a no-op)."""
 
     param_dtype: str = "fp32"
     """dtype FSDP2 keeps the sharded parameters in (PARAM_DTYPES; framework 'fsdp2' only).
