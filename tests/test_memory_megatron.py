@@ -285,7 +285,8 @@ def test_the_last_ranks_loss_moments_are_megatrons():
 
 def test_distributed_optimizer_keeps_a_whole_gradient_buffer_in_the_reduce_dtype():
     """Megatron-Core's distributed optimizer and Apex's DistributedFusedAdam (NeMo 1.0, the
-    NM24.07 rows) shard only the fp32 master weights and moments (12 B over dp); the gradient
+    NM24.07 rows) shard only the master weights and moments (12 B over dp here; NeMo's Apex
+    keeps int16 remainders instead of an fp32 copy: MemoryOptions.master_weights); the gradient
     buffer every backward accumulates into is whole-size in the reduce dtype (Apex
     distributed_fused_adam.py `_init_grad_buffer`: torch.zeros([buffer_size],
     dtype=grad_sync_dtype); Megatron-Core param_and_grad_buffer.py grad_data in fp32 under

@@ -32,6 +32,9 @@ def _evaluated(model=L8, cluster=H200, batch=8, opts=None, **plan):
     ({"recompute": "full"}, C.KernelOptions()),
     ({"recompute": "none", "micro_batch": 4}, C.compiled(C.KernelOptions())),
     ({"recompute": "selective", "micro_batch": 2}, C.KernelOptions()),
+    # Megatron-Core's checkpointed attention core: its flash forward again
+    ({"recompute": "selective", "micro_batch": 2}, C.KernelOptions(stack="fused",
+                                                                  sharding="zero")),
     ({"recompute": "none", "micro_batch": 4, "dtype": "fp8"}, C.compiled(C.KernelOptions())),
 ])
 def test_kinds_add_up_to_the_step(plan, opts):

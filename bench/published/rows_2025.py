@@ -190,7 +190,10 @@ def megatron_bridge_moe() -> list[PublishedRun]:
     runs.append(PublishedRun(
         "MB25.09 DSV3 671B 1024xH100 dropless", MB2509, "Megatron-Core (Megatron-Bridge)",
         preset("deepseek-v3").replace(mtp_depth=1), preset_cluster("dgx-h100", 128), 8192, 4096,
-        2, 8, 64, 1, "selective", True, dsv3, "tokens_per_gpu", 1297.0, micro_batches=(1,),
+        # recompute 'none' (branch mem405): the recipe replaces core_attn by [mla_up_proj,
+        # mlp], so Megatron-Core's checkpointed core (now priced: its flash forward again)
+        # is not run; the up-projections' recomputation is in the MemoryOptions below
+        2, 8, 64, 1, "none", True, dsv3, "tokens_per_gpu", 1297.0, micro_batches=(1,),
         schedules=("interleaved",), virtual_stages=4, ep=64, dtype="fp8",
         # fa0315ae2: scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml h100
         # num_gpus_1024 "etp: 1" (and recipes/deepseek/deepseek_v3.py model_config's 1)
@@ -203,8 +206,8 @@ def megatron_bridge_moe() -> list[PublishedRun]:
              "fa0315ae2); DeepEP priced as DeepEP with 4-node group-limited routing "
              "(session 40, branch automoe, after the first run). Not expressible: "
              "recompute_modules [mla_up_proj, mlp] (replacing the default core_attn) is "
-             "priced as --recompute selective (the attention core) with the up-projections "
-             "recomputed; 'mlp' recomputes the dense MLP submodule only (Megatron-Core's "
+             "priced as no recomputation with the up-projections recomputed (MemoryOptions; "
+             "'selective' until branch mem405 priced its core forward); 'mlp' recomputes the dense MLP submodule only (Megatron-Core's "
              "recompute_modules doc; 'moe' would be the MoE layer): the 3 dense blocks' MLPs, "
              "not priced (the attention core's recompute costs this row nothing: the same "
              "step with --recompute none, read in session 40); the custom layout "

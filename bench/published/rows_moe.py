@@ -63,7 +63,10 @@ def moe_runs() -> list[PublishedRun]:
         "DSV3 671B 2048xH800", "DSV3 sections 3.1-3.3 (180K H800 GPU-hours per 1T tokens)",
         "DeepSeek HAI-LLM (DualPipe)", preset("deepseek-v3").replace(mtp_depth=1), h800(256),
         15360, 4096, 1, 16,
-        128, 1, "selective", False, dsv3, "tokens_per_gpu", 1e12 / (180e3 * 3600),
+        # recompute 'none': what DeepSeek recomputes (norms, up-projections, SwiGLU) is in
+        # the MemoryOptions below; 'selective' is Megatron-Core's checkpointed attention
+        # core, which the report does not list (and whose flash forward is now priced)
+        128, 1, "none", False, dsv3, "tokens_per_gpu", 1e12 / (180e3 * 3600),
         micro_batches=(1, 2), schedules=("dualpipe",), dtype="fp8", ep=64,
         memory=MemoryOptions(framework="megatron", pipeline_split="dualpipe",
                              recompute_norms=True, recompute_up_proj=True,

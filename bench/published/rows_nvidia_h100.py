@@ -150,9 +150,20 @@ def nemo_2407() -> list[PublishedRun]:
         ("LLAMA3-8B", 8, 128, 1, 8192, 1, 1, 2, 1, 12273.0),
         ("LLAMA3-70B", 64, 128, 1, 8192, 4, 4, 2, 5, 1524.0),
     ]
+    # The optimizer's master weights as NeMo 2.0.0rc1 (the 24.07 container's NeMo) sets up
+    # Apex DistributedFusedAdam (megatron_base_model.py `setup_optimization`): with the
+    # launcher's megatron_amp_O2 bf16 model (every row's training yaml) and an fp32 optimizer
+    # dtype (no yaml but nemotron_340b.yaml sets one; no 24.07 training script overrides it)
+    # store_param_remainders, 2 bytes per parameter; with optim.dtype bf16
+    # (nemotron/nemotron_340b.yaml) store_params False and bf16 moments: the bf16 parameters
+    # are the master weights. Nemotron-340B's yaml also sets activations_checkpoint_granularity
+    # selective (Megatron-Core's checkpointed core attention); the others' null. Read on
+    # 2026-12-05 (branch mem405, after the 20B and 340B rows' memory verdicts were seen).
+    yaml = {"Nemotron-340B": (dict(master_weights="none", bf16_moments=True), "selective")}
     runs = []
     for name, gpus, gbs, mbs, seq, tp, pp, cp, vp, tps in rows:
         family, size = name.split("-")
+        row_mem, recompute = yaml.get(name, (dict(master_weights="remainders"), "none"))
         if family == "GPT3":
             L, h, a = gpt[size]
             # NeMo's GPTConfig (gpt/model/base.py at 9c5c5e9709): tied embeddings, learned
@@ -175,19 +186,24 @@ def nemo_2407() -> list[PublishedRun]:
         runs.append(PublishedRun(
             f"NM24.07 {name} {gpus}xH100", "NM24.07 Pretraining table (performance_summary.md "
             "at 9c5c5e9709, 2024-09-09)", "Megatron-Core (NeMo 24.07)", model,
-            preset_cluster("dgx-h100", gpus // 8), gbs, seq, tp, pp, dp, 1, "none", tp > 1,
+            preset_cluster("dgx-h100", gpus // 8), gbs, seq, tp, pp, dp, 1, recompute, tp > 1,
             opts,
             "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp > 1 else ("1f1b",),
-            virtual_stages=vp if vp > 1 else None, cp=cp, dtype="fp8", memory=mem,
+            virtual_stages=vp if vp > 1 else None, cp=cp, dtype="fp8",
+            memory=dataclasses.replace(mem, **row_mem),
             confident=False,
             note=f"FP8, micro-batch {mbs}, VP {vp} as published; {what}. Assumed (not "
                  "stated): the megatron@2024 preset's defaults (Transformer Engine delayed "
                  "scaling, no TP communication overlap), sequence parallel with TP and the "
                  "distributed optimizer as NeMo's recipes of that commit set them "
                  "(recipes/llama3_70b.py sequence_parallelism=True, recipes/optim/adam.py "
-                 "use_distributed_optimizer=True), no recomputation (NeMo's default), "
-                 "gradient buffer dtype as the 24.07 launcher's FP8 example scripts set it "
+                 "use_distributed_optimizer=True), "
+                 + ("selective recomputation and bf16 optimizer state (its launcher yaml), "
+                    if recompute != "none" else "no recomputation (NeMo's default), ")
+                 + ("Apex's param remainders (NeMo's rule for an fp32 optimizer), "
+                    if row_mem.get("master_weights") == "remainders" else "")
+                 + "gradient buffer dtype as the 24.07 launcher's FP8 example scripts set it "
                  "(grad_sync_dtype bf16 except Nemotron-8B/22B) and GPT3's dropout 0.1 "
                  "(set after the memory verdicts were seen), "
                  "datasheet clocks (the summary's 'vboost' commits raised the clock "

@@ -28,7 +28,11 @@ def llama3() -> list[PublishedRun]:
     # only output projection and loss calculation": chunks of one layer, 8 per rank over
     # pp = 16 (126 + 2 = 16 x 8), the split of Megatron-Core's
     # account_for_embedding/loss_in_pipeline_split ('megatron-ends')
-    mem = dataclasses.replace(memory.options_for(opts), pipeline_split="megatron-ends")
+    # ("Our use of FSDP for Llama 3 shards the optimizer states and gradients", same
+    # section): FSDP makes a block's fp32 accumulation buffer at its first backward, not a
+    # buffer over the whole step as Megatron-Core's (MemoryOptions.grads_at_first_backward)
+    mem = dataclasses.replace(memory.options_for(opts), pipeline_split="megatron-ends",
+                              grads_at_first_backward=True)
     return [PublishedRun(
         f"Llama3 405B {nodes * 8}", "L3 Table 4", "Meta (Llama 3)", preset("llama3-405b"),
         preset_cluster("dgx-h100", nodes), 2048, 8192, 8, 16, dp, 1, "none", True,
@@ -36,8 +40,8 @@ def llama3() -> list[PublishedRun]:
         schedules=("interleaved",), virtual_stages=8, memory=mem,
         note="FlashAttention, SP, no recomputation, ZeRO-1-like sharding, micro-batch 1 "
              "(assumed); interleaved, 8 one-layer chunks per rank, embedding-only first and "
-             "loss-only last chunk; fp32 gradient accumulation and reduce-scatter (section "
-             "3.3.2)")
+             "loss-only last chunk; fp32 gradient accumulation and reduce-scatter, FSDP's "
+             "accumulation buffers made at each block's first backward (section 3.3.2)")
         for nodes, dp, tf in ((1024, 64, 430.0), (2048, 128, 400.0))]
 
 

@@ -99,6 +99,12 @@ LOOKED_AT = {
     "Llama3 405B 8192": "its 86 GiB rejection was examined (round 2 of issue 18); its 92.4 "
                         "GiB breakdown again (issue 30 session 36), which led to the walked "
                         "Megatron order and the paper's split and fp32 gradients as inputs",
+    "Llama3 405B 16384": "its 89.2 GiB rejection was examined (issue 30 session 41, branch "
+                         "mem405), which led to pricing FSDP's gradient accumulation buffers "
+                         "as made at each block's first backward (the paper's 'FSDP ... "
+                         "shards the optimizer states and gradients': "
+                         "MemoryOptions.grads_at_first_backward); its throughput error was "
+                         "not looked at",
     "DSV3 671B 2048xH800": "an FP8 GEMM tiling change that broke its error bound led to the "
                            "blockwise FP8 GEMM kind (KernelOptions.fp8_gemm, issue 30 session 34); "
                            "its step broken into pieces (issue 30, branch dsv3, 2026-12-05) led "
@@ -139,6 +145,13 @@ LOOKED_AT = {
                     "GPT3-175B 512xH100", "LLAMA2-7B 8xH100", "LLAMA2-13B 16xH100",
                     "LLAMA2-70B 64xH100", "Nemotron-8B 64xH100", "Nemotron-22B 64xH100",
                     "Nemotron-340B 128xH100", "LLAMA3-8B 8xH100", "LLAMA3-70B 64xH100")},
+    **{f"NM24.07 {name}": "its memory breakdown was compared term by term (branch nemomem, "
+       "2026-12-05; its gradient-buffer dtype from the NeMo 24.07 launcher), and its "
+       "predicted-not-to-fit verdict again in issue 30 session 41 (branch mem405), which led "
+       "to the optimizer's master weights as NeMo 2.0.0rc1 sets up Apex's "
+       "DistributedFusedAdam (MemoryOptions.master_weights) and, for the 340B, its launcher "
+       "yaml's optimizer dtype and selective recomputation"
+       for name in ("GPT3-20B 64xH100", "Nemotron-340B 128xH100")},
     **{f"TT25 {size} FSDP{fsdp} TP8 rowwise {label}": "its +31..+46% error (session 39) led "
        "to pricing torchao rowwise as it runs (branch rowwise, 2026-12-05): bf16 TP gathers, "
        "the casts' excess measured in torchao's rowwise table, async TP leaving the cast-bound "

@@ -225,6 +225,10 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         # gradient sync on the last micro-batch only: data_parallel.accumulation_policy)
         accum = flags["gsize"] if mem_opts.framework == "fsdp2" and (
             flags["reduce_once"] or (fsdp_zero1 and (m > 1 or pp > 1))) else 0.0
+        if mem_opts.grads_at_first_backward and zero <= 1 and (m > 1 or pp > 1):
+            # a ZeRO framework's gradient buffer made block by block at its first backward
+            # (MemoryOptions.grads_at_first_backward): walked as FSDP2's, in its own bytes
+            accum = self.grad_bytes
         t_layer = c_l + tpc_l
         e_first = emb.compute + emb.tp
         e_last = head.compute + head.tp

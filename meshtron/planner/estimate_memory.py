@@ -37,9 +37,10 @@ class StageMemories:
                                                                    cfg.etp)
         full_states = compression.with_state_bytes(
             cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
-        if fsdp_zero1 and accum:
+        if (fsdp_zero1 or mem_opts.grads_at_first_backward) and accum:
             # the sharded gradients of meshtron's ZeRO-1 appear unit by unit as the last
-            # micro-batch's accumulated ones are reduced and freed (`accum` holds them)
+            # micro-batch's accumulated ones are reduced and freed (`accum` holds them); a
+            # ZeRO framework's buffer made at the first backward is `accum` too
             full_states = (full_states[0], 0.0, full_states[2])
         states = offload.device_states(cfg.offload, full_states,  # what stays on the device
                                        mem_opts.host_offload)
@@ -50,7 +51,7 @@ class StageMemories:
         if ep > 1:
             e_full = memory.state_bytes(zero, moe_memory.expert_dp(cfg, shard_dp),
                                         self.grad_bytes, mem_opts)
-            if fsdp_zero1 and accum:  # as the dense states above: `accum` holds them
+            if (fsdp_zero1 or mem_opts.grads_at_first_backward) and accum:  # as above
                 e_full = (e_full[0], 0.0, e_full[2])
             e_states = offload.device_states(cfg.offload, e_full, mem_opts.host_offload)
             e_moved = sum(e_full) - sum(e_states)
@@ -86,8 +87,11 @@ class StageMemories:
         root_units[0] = p_emb
         root_units[w.head_rank] = max(root_units[w.head_rank], p_head)
         w.grad_extra = memory.embedding_grad_extra(model, tp)  # the first stage's embedding
-        w.extra_accum = memory.embedding_accum_bytes(mem_opts, cfg.zero, w.accum,
-                                                     w.flags["gsize"], m, pp, w.shard_dp)
+        # (DTensor's whole embedding gradient: FSDP2's accumulator only, not a ZeRO
+        # framework's buffer made at the first backward, MemoryOptions.grads_at_first_backward)
+        w.extra_accum = memory.embedding_accum_bytes(
+            mem_opts, cfg.zero, w.accum if mem_opts.framework == "fsdp2" else 0.0,
+            w.flags["gsize"], m, pp, w.shard_dp)
         # a block's backward runs beside the previous block's reduce-scatter input, except
         # under pipelining (reduced after the last backward: memory.previous_gradient_bytes)
         w.reduce_bytes = w.flags["gsize"] if pp == 1 else 0.0

@@ -147,13 +147,16 @@ class CostPieces:
             # what the framework's selective policy runs again in the backward (memory.py):
             # meshtron's keeps matmul and collective outputs only (the attention kernel and the
             # memory-bound ops are recomputed); torchtitan's "op" policy keeps every other
-            # matmul and the attention output; Korthikanti's recomputes the core, which flash
-            # never stores (nothing)
+            # matmul and the attention output; Korthikanti's (Megatron-Core core_r0.8.0
+            # transformer/attention.py `_checkpointed_attention_forward`: the core under
+            # tensor_parallel.checkpoint) runs the flash forward again in the backward
             saved = self.mem.saved
             if saved == "eager":
                 c_l += lc.fwd - lc.linear_fwd
             elif saved == "alternate-matmul":
                 c_l += lc.fwd - lc.linear_fwd - lc.core_fwd + 0.5 * lc.linear_fwd
+            elif saved == "korthikanti":
+                c_l += lc.core_fwd
         # the layer's parts by kind, for planner/step_categories.py
         self._cache[("layer", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = lc
         window = (lc.fwd, lc.bwd)

@@ -311,23 +311,28 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
                                        reduce_bytes)
     gathered, work, logits = moment_parts(logits, work, at_loss, at_block, embedding_moment(
         mem, at_loss, previous, grad_extra, layers * act), moment)
-    gathered += accum * (params + layers * p_expert) + grad_extra * (
-        accum if extra_accum is None else extra_accum) + mem.compute_bytes * p_loose
+    made = accum * (params + layers * p_expert) + grad_extra * (
+        accum if extra_accum is None else extra_accum)
+    gathered += mem.compute_bytes * p_loose
     all_acts = layers * act * in_flight
     if all_acts < 0.0:
         # a moment before some chunks' gradients are made (an interleaved last rank's loss,
         # priced beside every layer's gradients: estimate_moments.py): what it holds below
-        # them is gradients not made yet, taken off the accumulated ones in `gathered`
-        gathered += all_acts
+        # them is gradients not made yet, taken off the accumulated ones
+        made += all_acts
         all_acts = 0.0
+    # FSDP2's unsharded accumulation counts with its gathered copies; a ZeRO framework's
+    # buffer made at the first backward (MemoryOptions.grads_at_first_backward) as gradients
+    made_grads = 0.0 if mem.framework == "fsdp2" else made
+    gathered += made - made_grads
     acts = min(layers * act, all_acts)
     extra = all_acts - acts + outputs
     cache = layers * weight_cache
-    tensors = (params * (wb + gb + ob) + experts * (ewb + egb + eob) + gathered + all_acts
-               + outputs + work + logits + cache)
+    tensors = (params * (wb + gb + ob) + experts * (ewb + egb + eob) + gathered + made_grads
+               + all_acts + outputs + work + logits + cache)
     return MemoryBreakdown(
         params=(params * wb + experts * ewb + cache) / GIB,
-        grads=(params * gb + experts * egb) / GIB,
+        grads=(params * gb + experts * egb + made_grads) / GIB,
         optimizer=(params * ob + experts * eob) / GIB,
         gathered=gathered / GIB, activations=acts / GIB,
         in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,

@@ -143,7 +143,14 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     replicated += (model.block_norms - 2) * cb * h  # sandwich (Gemma): post-norms' inputs
     # the out-projection's input: FlashAttention keeps its bf16 output O for its own backward,
     # the same tensor the bf16 Linear saves; an FP8 Linear saves its own FP8 copy beside it
-    out = x * q + (cb * q if fp8_inputs and opts.attention != "unfused" else 0.0)
+    # Selective recomputation checkpoints the attention core (Megatron-Core core_r0.8.0
+    # transformer/attention.py `_checkpointed_attention_forward`: tensor_parallel.checkpoint
+    # keeps the core's inputs Q, K, V and runs it again in backward): FlashAttention's own O
+    # is not kept, only the out-projection's copy of O (the same tensor in bf16; its FP8
+    # copy under TE's FP8, which alone then stays)
+    checkpointed = recompute == "selective" and opts.attention != "unfused"
+    out = x * q + (cb * q if fp8_inputs and not checkpointed
+                   and opts.attention != "unfused" else 0.0)
     if mem.attn_out_e5m6 and fp8_inputs:  # DeepSeek: one E5M6 copy serves both backwards
         out = E5M6_TILE_BYTES * q
     # SwiGLU: fc1's output [2f] (the activation's input) and fc2's input [f]; GeLU: f and f
@@ -172,7 +179,7 @@ def _korthikanti(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: Kern
     if opts.attention == "unfused":
         core = 0.0 if recompute == "selective" else (5.0 if opts.dropout else 2.0) * a * seq
     else:
-        core = 4.0 * a
+        core = 4.0 * a  # its fp32 log-sum-exp, kept whether checkpointed or not: conservative
     core *= cb / 2.0
     return (replicated / tp if sp else replicated) + (sharded + core) / tp
 

@@ -41,6 +41,9 @@ DTYPES = ("bf16", "fp32", "fp8")
 """fp8 runs keep bf16 activations, weights and compute copies here (Transformer Engine saves
 some GEMM inputs in FP8, which this does not count: memory is not underestimated)."""
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
+MASTER_WEIGHTS = ("fp32", "remainders", "none")
+"""How a mixed-precision ZeRO optimizer keeps the fp32 master weights
+(MemoryOptions.master_weights): bytes per parameter in memory_states.MASTER_BYTES."""
 PARAM_DTYPES = ("fp32", "bf16")
 """dtype of FSDP2's sharded parameters (MemoryOptions.param_dtype)."""
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
@@ -153,6 +156,31 @@ class MemoryOptions:
     "Low-Precision Optimizer States"): 4 + 2 + 2 optimizer bytes per parameter, not 12
     (memory_states.state_bytes); mixed-precision ZeRO frameworks only."""
 
+    master_weights: str = "fp32"
+    """How the optimizer keeps the master copy of a mixed-precision ZeRO framework's 16-bit
+    parameters (MASTER_WEIGHTS; the bytes per parameter of memory_states.state_bytes). 'fp32':
+    a 4-byte fp32 copy (Megatron-Core's distributed optimizer, DeepSpeed). 'remainders': the
+    2-byte int16 remainders that rebuild fp32 from the bf16 parameter (Apex
+    DistributedFusedAdam store_param_remainders, which NeMo 2.0.0rc1's
+    megatron_base_model.py `setup_optimization` turns on when the optimizer dtype is fp32 and
+    the O2 model bf16). 'none': the bf16 parameters are the optimizer's own (Apex
+    DistributedFusedAdam with dtype bf16: NeMo sets store_params False when the optimizer
+    dtype equals the model's, same function; its moments are then bf16 too: set
+    `bf16_moments` with it)."""
+
+    grads_at_first_backward: bool = False
+    """A mixed-precision ZeRO framework's gradient accumulation buffer of a block is made at
+    that block's first backward of the step, as PyTorch FSDP makes an unsharded gradient
+    (autograd's first accumulation; FSDP2's `to_accumulated_grad_if_needed`), not held over
+    the whole step as Megatron-Core's contiguous grad buffer (distributed/param_and_grad_buffer.py):
+    an interleaved rank's peak then holds only the gradients of the chunks whose backward has
+    begun (the walk of memory_pipeline.held_bytes, as for fsdp2). Meta's Llama 3 stack (paper
+    arXiv 2407.21783 section 3.3.2: "Our use of FSDP for Llama 3 shards the optimizer states
+    and gradients", "FP32 gradient accumulation during backward computation over multiple
+    micro-batches"). Whole gradients (ZeRO-0/1) only: ZeRO-2/3 shard them anyway. False: the
+    buffer over the step (Megatron-Core, DeepSpeed); fsdp2 always accumulates so (refused
+    there as a no-op)."""
+
     param_dtype: str = "fp32"
     """dtype FSDP2 keeps the sharded parameters in (PARAM_DTYPES; framework 'fsdp2' only).
     'fp32': master weights (meshtron's runtime, torchtitan). 'bf16': the model is built and
@@ -194,6 +222,9 @@ class MemoryOptions:
         if self.framework not in FRAMEWORKS:
             raise UserError(f"memory.framework={self.framework!r}: allowed values are "
                              f"{', '.join(FRAMEWORKS)}")
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise UserError(f"memory.master_weights={self.master_weights!r}: allowed values "
+                            f"are {', '.join(MASTER_WEIGHTS)}")
         if self.param_dtype not in PARAM_DTYPES:
             raise UserError(f"memory.param_dtype={self.param_dtype!r}: allowed values are "
                             f"{', '.join(PARAM_DTYPES)}")
@@ -205,7 +236,8 @@ class MemoryOptions:
             raise UserError(f"memory.loss={self.loss!r}: allowed values are {', '.join(LOSSES)}")
         for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments",
                      "recompute_norms", "recompute_up_proj", "swiglu_recompute",
-                     "attn_out_e5m6", "bf16_moments", "experts_outside_fsdp"):
+                     "attn_out_e5m6", "bf16_moments", "experts_outside_fsdp",
+                     "grads_at_first_backward"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(f"memory.{name}={value!r}: allowed values are true, false")
@@ -237,6 +269,13 @@ class MemoryOptions:
             if getattr(self, name) and self.saved != "korthikanti":
                 raise UserError(f"memory.{name}=true: priced on the 'korthikanti' saved-tensor "
                                 f"list (Megatron-style stacks), not {self.saved!r}; use false")
+        if self.framework == "fsdp2" and self.master_weights != "fp32":
+            raise UserError(f"memory.master_weights={self.master_weights!r}: priced for the "
+                            f"mixed-precision ZeRO frameworks (megatron, deepspeed), not "
+                            f"fsdp2; use fp32")
+        if self.framework == "fsdp2" and self.grads_at_first_backward:
+            raise UserError("memory.grads_at_first_backward=true: fsdp2 accumulates its "
+                            "gradients so already; use false")
         if self.bf16_moments and self.framework == "fsdp2":
             raise UserError("memory.bf16_moments=true: priced for the mixed-precision ZeRO "
                             "frameworks (megatron, deepspeed), not fsdp2; use false")

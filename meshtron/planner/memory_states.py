@@ -34,6 +34,10 @@ OPTIMIZER_BYTES = 12.0
 """fp32 master weights + AdamW first and second moments (ZeRO's K = 12)."""
 BF16_MOMENTS_OPTIMIZER_BYTES = 8.0
 """fp32 master weight (4) and AdamW's two moments in bf16 (2 + 2): DeepSeek-V3 report 3.3.3."""
+MASTER_BYTES = {"fp32": 4.0, "remainders": 2.0, "none": 0.0}
+"""Bytes per parameter of the master weights by MemoryOptions.master_weights: an fp32 copy;
+Apex DistributedFusedAdam's int16 remainders (its `param_remainders_shard`, torch.int16, beside
+the bf16 parameter they complete); none (the bf16 parameter is the optimizer's own)."""
 
 
 def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
@@ -65,6 +69,8 @@ def state_bytes(zero: int, dp: int, grad_bytes: float = GRAD_BYTES,
         w, g, o = WEIGHT_BYTES, grad_bytes, OPTIMIZER_BYTES
         if mem.bf16_moments:  # fp32 master, bf16 moments (MemoryOptions.bf16_moments)
             o = BF16_MOMENTS_OPTIMIZER_BYTES
+        # the master copy as the optimizer keeps it (MemoryOptions.master_weights)
+        o += MASTER_BYTES[mem.master_weights] - MASTER_BYTES["fp32"]
         w = w / dp if zero >= 3 else w
     g = g / dp if zero >= 2 else g
     o = o / dp if zero >= 1 else o

@@ -5,8 +5,9 @@ must divide the global batch) x ep (mixtures of experts on a stack with expert p
 divisors of the experts dividing dp/dp_replicate*cp, folded over those ranks) x micro-batch
 (divides the per-replica batch) x recomputation x sequence parallelism (tp > 1) x schedule
 (pp > 1: 1F1B, interleaved with v = 2, 3, 4, 6, 8 virtual stages, zero-bubble ZB-H1; GPipe only
-when asked for) x ZeRO stage (dp > 1). With FlashAttention, 'selective' recomputation is the
-same plan as 'none' and is only evaluated when fixed.
+when asked for) x ZeRO stage (dp > 1). With FlashAttention, a 'selective' recomputation that
+keeps what 'none' keeps (Megatron-Core's checkpointed core in bf16: search_space.
+selective_is_none) is only evaluated when fixed.
 
 Pruning: a layout (tp, pp) whose model states cannot fit even fully sharded is evaluated once, at
 its leanest setting, for the "needs X GiB" explanation; a config whose busiest rank alone, on

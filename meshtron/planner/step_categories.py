@@ -81,6 +81,8 @@ def _selective_extra(ev: Evaluator, lc, recompute: str) -> dict[str, float]:
         extra = {k: s for k, s in fwd.items() if k not in ("gemm", "attention")}
         extra["gemm"] = 0.5 * fwd.get("gemm", 0.0)
         return extra
+    if saved == "korthikanti":  # Megatron-Core's checkpointed core: its forward again
+        return {"attention": lc.core_fwd}
     return {}
 
 
