@@ -266,6 +266,12 @@ class KernelOptions:
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
+    expert_capacity: float = 0.0
+    """Token drop with padding to capacity at this capacity factor (Megatron-Core's
+    moe_expert_capacity_factor with moe_pad_expert_input_to_capacity: every local expert
+    receives ceil(factor x T k / E) rows from each rank, static splits); 0: dropless, the
+    splits the router chose. Decides whether FP8 experts copy their rows into aligned buffers
+    (moe_cost.fp8_pad_passes)."""
     p2p_overlap: bool = False
     """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
     overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);
@@ -402,6 +408,9 @@ class KernelOptions:
         im = self.expert_imbalance
         if isinstance(im, bool) or not isinstance(im, (int, float)) or not 1.0 <= im <= 64.0:
             raise UserError(f"expert_imbalance={im!r}: must be a number from 1 (balanced) to 64")
+        cap = self.expert_capacity
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap <= 64:
+            raise UserError(f"expert_capacity={cap!r}: must be a number from 0 (dropless) to 64")
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")

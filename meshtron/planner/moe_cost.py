@@ -48,7 +48,9 @@ bytes of the compute dtype, ep the expert-parallel degree):
   gathers the outputs back (index_select), weights them (a product) and sums each token's k
   (index_add), plus the regrouping gather and scatter of the received rows with expert
   parallelism. The router's passes over [T, E] fp32 affinities are E*4 bytes per token
-  against the k*h*b of one slot pass: not counted.
+  against the k*h*b of one slot pass: not counted. Megatron-Core's FP8 experts copy the
+  routed rows once more each way, padding every expert's rows to 16 and back
+  (`fp8_pad_passes`), where the splits are not aligned already.
 * Host issue (planner/moe_host.py). Both stacks' dispatchers read the split sizes on the host
   once per layer forward (Megatron-Core's MoEAlltoAllTokenDispatcher:
   `_maybe_dtoh_and_synchronize` at `cuda_sync_point`, "before_ep_alltoall" with ep > 1,
@@ -67,6 +69,7 @@ bytes of the compute dtype, ep the expert-parallel degree):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -159,7 +162,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    window_bwd: float = 0.0, per_expert: bool = False,
                    fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
                    fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16",
-                   folded: bool = False, expert_routing: str = "spread") -> MoeLayerCost:
+                   folded: bool = False, expert_routing: str = "spread",
+                   capacity: float = 0.0) -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -227,6 +231,10 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     if lin_dt == "fp8":
         routed = seen * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
         cast_f, cast_b = (x / bw for x in expert_cast_bytes(fp8_scaling, routed, tokens * h))
+        # Transformer Engine's Fp8Padding / Fp8Unpadding around the expert GEMMs: each a read
+        # and a write of the routed rows, forward and (their autograd twins) backward
+        pad = fp8_pad_passes(per_expert, ep_dispatch, capacity, tokens, k, e, ep, etp, folded)
+        cast_f, cast_b = (c + pad * 2 * routed * b / bw for c in (cast_f, cast_b))
     extra_f = grouped - dense + permute + cast_f
     extra_b = 2 * (grouped_b - dense_b) + 2 * permute + cast_b
     fab = comm.Fabric.of(cluster)
@@ -332,6 +340,41 @@ def _ordered_work(dense: float, grouped: float, cast: tuple[float, float], first
                    wgrad_b=grouped, attn_b=max(window[1], 2 * dense) - 2 * dense,
                    dense_ops=ops[0], expert_ops_f=ops[1], expert_ops_b=ops[2],
                    wgrad_ops=ops[3])
+
+
+FP8_ROW_ALIGN = 16
+"""Rows per expert an FP8 grouped GEMM needs a multiple of: Transformer Engine's Fp8Padding
+aligns each split to 16 (32 for MXFP8; transformer_engine/pytorch/module/fp8_padding.py at
+v2.8, `align_size`), the FP8 GEMMs' row alignment."""
+
+
+def fp8_pad_passes(per_expert: bool, dispatch: str, capacity: float, tokens: float,
+                   top_k: int, experts: int, ep: int, etp: int, is_folded: bool) -> float:
+    """Memory-bound passes (each a read and a write of the routed rows) one MoE layer's FP8
+    experts make in one direction padding their rows: Megatron-Core's TEGroupedMLP pads every
+    local expert's rows to FP8_ROW_ALIGN before fc1 (Fp8Padding: the input, and the probs)
+    and unpads fc2's output (Fp8Unpadding), a fused_multi_row_padding / _unpadding copy each,
+    whose backward runs the other (moe/experts.py `TEGroupedMLP.forward`: fp8_padding at
+    core_v0.12.2 / core_v0.14.0 / core_v0.15.0, quantization_padding at d7288711; TE
+    fp8_padding.py at v2.8). Fp8Padding returns its input untouched when every split is
+    already aligned: with token drop padded to `capacity` (KernelOptions.expert_capacity)
+    each local expert gets the same ceil(capacity T k / E) rows from each of the ep (x etp
+    gathered) ranks (token_dispatcher.py `get_capacity`, the dispatcher's drop_and_pad
+    splits), aligned or not by arithmetic; dropless the splits are whatever the router
+    chose (Megatron-Core's force-balanced routing draws random logits), so a copy, unless the
+    dispatcher pads: HybridEP's permute pads each expert's rows itself (token_dispatcher.py
+    `_HybridEPManager.dispatch` passes pad_multiple, d7288711), and the routing map padded
+    by moe_router_padding_for_fp8 (no recipe of the table sets it). 0 for stacks whose expert
+    GEMMs are not Transformer Engine's per-expert GroupedLinear (`per_expert`), and where the
+    rows arrive quantised by an FP8 dispatch (`dispatch` 'fp8': DeepSeek-V3's stack, whose
+    grouped GEMMs are its own, report section 3.3; Megatron-Core's dispatchers send BF16)."""
+    if not per_expert or dispatch in ("hybridep", "fp8"):
+        return 0.0
+    if capacity > 0:
+        rows = math.ceil(capacity * tokens * top_k / experts) * ep * (etp if is_folded else 1)
+        if rows % FP8_ROW_ALIGN == 0:
+            return 0.0
+    return 2.0
 
 
 def expert_cast_bytes(scaling: str, routed: float, dense: float) -> tuple[float, float]:
