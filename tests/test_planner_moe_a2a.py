@@ -68,7 +68,7 @@ def test_fp8_dispatch_shortens_exposed_expert_comm_through_the_evaluator():
     """Through `evaluate`, an exposed all-to-all (no overlap) on 2 nodes: the step's ep_comm
     falls with the FP8 dispatch, and nothing else of the step changes where the experts' rows
     are aligned either way (token drop padded to capacity 1: 1,024 rows per expert from each
-    rank, so Transformer Engine's Fp8Padding copies nothing, moe_cost.fp8_pad_passes)."""
+    rank, so Transformer Engine's Fp8Padding copies nothing, moe_fp8.fp8_pad_passes)."""
     mcore = PRESETS["megatron@2024"]
     plan = Plan.trusted(1, 1, 16, 1, 1, "full", False, None, 1, "fp8", 1, 1, "fp32", False, 16)
 

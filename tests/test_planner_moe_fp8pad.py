@@ -1,6 +1,6 @@
 """Megatron-Core's FP8 experts pad each expert's rows to 16 (Transformer Engine's Fp8Padding /
 Fp8Unpadding in TEGroupedMLP): a copy of the routed rows before fc1 and after fc2, forward and
-backward, unless every split is aligned already (planner/moe_cost.py `fp8_pad_passes`).
+backward, unless every split is aligned already (planner/moe_fp8.py `fp8_pad_passes`).
 Planner-only, no torch."""
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool, dispatch: str = "bf16",
     first run, priced it as 'deepep'; session 41, branch qwen3reg: HybridEP's own
     routing-map all-gather, moe_deepep.hybridep_map_gather_time). `capacity`: the token-drop
     rows' capacity factor, padded (expert_capacity; session 41, branch mcoremoe: it decides
-    whether Transformer Engine's Fp8Padding copies the rows, moe_cost.fp8_pad_passes)."""
+    whether Transformer Engine's Fp8Padding copies the rows, moe_fp8.fp8_pad_passes)."""
     return dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=a2a_overlap,
                                tp_comm_overlap=tp_overlap, ep_dispatch=dispatch,
                                expert_capacity=capacity)

@@ -271,7 +271,7 @@ class KernelOptions:
     moe_expert_capacity_factor with moe_pad_expert_input_to_capacity: every local expert
     receives ceil(factor x T k / E) rows from each rank, static splits); 0: dropless, the
     splits the router chose. Decides whether FP8 experts copy their rows into aligned buffers
-    (moe_cost.fp8_pad_passes)."""
+    (moe_fp8.fp8_pad_passes)."""
     p2p_overlap: bool = False
     """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
     overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);

@@ -50,7 +50,7 @@ bytes of the compute dtype, ep the expert-parallel degree):
   parallelism. The router's passes over [T, E] fp32 affinities are E*4 bytes per token
   against the k*h*b of one slot pass: not counted. Megatron-Core's FP8 experts copy the
   routed rows once more each way, padding every expert's rows to 16 and back
-  (`fp8_pad_passes`), where the splits are not aligned already.
+  (moe_fp8.fp8_pad_passes), where the splits are not aligned already.
 * Host issue (planner/moe_host.py). Both stacks' dispatchers read the split sizes on the host
   once per layer forward (Megatron-Core's MoEAlltoAllTokenDispatcher:
   `_maybe_dtoh_and_synchronize` at `cuda_sync_point`, "before_ep_alltoall" with ep > 1,
@@ -69,7 +69,6 @@ bytes of the compute dtype, ep the expert-parallel degree):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -79,6 +78,7 @@ from meshtron.planner import comm
 from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions default it prices
 from meshtron.planner.moe_deepep import (DEDUPLICATED, deepep_a2a_time,
                                          hybridep_map_gather_time)
+from meshtron.planner.moe_fp8 import expert_cast_bytes, fp8_pad_passes
 from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWork,
                                        expert_ops, host_exposed, host_seconds, ordered_wait,
                                        per_expert_gemms)
@@ -173,7 +173,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     all-to-all runs beside (`overlapped_a2a`) and the GPU work the host issue is ordered with
     (moe_host.py `ordered_wait`); 0 counts the routed GEMMs alone and leaves the host unpriced.
     `per_expert`: the expert GEMMs are issued one per local expert (`per_expert_gemms`).
-    `fp8_scaling`: how the FP8 experts quantise their inputs (`expert_cast_bytes`); `fp8_gemm`:
+    `fp8_scaling`: how the FP8 experts quantise their inputs (moe_fp8.expert_cast_bytes); `fp8_gemm`:
     their GEMM kernel kind (compute.fp8_tile_scale), the same as the dense equivalent's, whose
     routed GEMMs are subtracted at the time it charged them; `fp8_split_accum_bwd`: the
     backward GEMMs promote their partial sums (compute.KernelOptions.fp8_split_accum_bwd:
@@ -342,63 +342,6 @@ def _ordered_work(dense: float, grouped: float, cast: tuple[float, float], first
                    wgrad_ops=ops[3])
 
 
-FP8_ROW_ALIGN = 16
-"""Rows per expert an FP8 grouped GEMM needs a multiple of: Transformer Engine's Fp8Padding
-aligns each split to 16 (32 for MXFP8; transformer_engine/pytorch/module/fp8_padding.py at
-v2.8, `align_size`), the FP8 GEMMs' row alignment."""
-
-
-def fp8_pad_passes(per_expert: bool, dispatch: str, capacity: float, tokens: float,
-                   top_k: int, experts: int, ep: int, etp: int, is_folded: bool) -> float:
-    """Memory-bound passes (each a read and a write of the routed rows) one MoE layer's FP8
-    experts make in one direction padding their rows: Megatron-Core's TEGroupedMLP pads every
-    local expert's rows to FP8_ROW_ALIGN before fc1 (Fp8Padding: the input, and the probs)
-    and unpads fc2's output (Fp8Unpadding), a fused_multi_row_padding / _unpadding copy each,
-    whose backward runs the other (moe/experts.py `TEGroupedMLP.forward`: fp8_padding at
-    core_v0.12.2 / core_v0.14.0 / core_v0.15.0, quantization_padding at d7288711; TE
-    fp8_padding.py at v2.8). Fp8Padding returns its input untouched when every split is
-    already aligned: with token drop padded to `capacity` (KernelOptions.expert_capacity)
-    each local expert gets the same ceil(capacity T k / E) rows from each of the ep (x etp
-    gathered) ranks (token_dispatcher.py `get_capacity`, the dispatcher's drop_and_pad
-    splits), aligned or not by arithmetic; dropless the splits are whatever the router
-    chose (Megatron-Core's force-balanced routing draws random logits), so a copy, unless the
-    dispatcher pads: HybridEP's permute pads each expert's rows itself (token_dispatcher.py
-    `_HybridEPManager.dispatch` passes pad_multiple, d7288711), and the routing map padded
-    by moe_router_padding_for_fp8 (no recipe of the table sets it). 0 for stacks whose expert
-    GEMMs are not Transformer Engine's per-expert GroupedLinear (`per_expert`), and where the
-    rows arrive quantised by an FP8 dispatch (`dispatch` 'fp8': DeepSeek-V3's stack, whose
-    grouped GEMMs are its own, report section 3.3; Megatron-Core's dispatchers send BF16)."""
-    if not per_expert or dispatch in ("hybridep", "fp8"):
-        return 0.0
-    if capacity > 0:
-        rows = math.ceil(capacity * tokens * top_k / experts) * ep * (etp if is_folded else 1)
-        if rows % FP8_ROW_ALIGN == 0:
-            return 0.0
-    return 2.0
-
-
-def expert_cast_bytes(scaling: str, routed: float, dense: float) -> tuple[float, float]:
-    """(forward, backward) HBM bytes the FP8 expert GEMMs spend quantising beyond what the
-    dense equivalent's casts were charged (fp8.quantisation_bytes). `routed`: elements of the
-    T*k routed rows of width h (fullest rank), `dense`: the T*h of the dense equivalent.
-    Forward, fc1's input: Transformer Engine's GroupedLinear quantises the permuted bf16 rows,
-    both layouts for the weight gradient (split_quantize; fp8.CastBytes.input_fwd: 4 bytes
-    delayed scaling, 6 current: its amax pass reads the rows once more), where the dense
-    equivalent's fc1 input is a norm's output (CastBytes.normed_fwd: what TELayerNormLinear's
-    fused norm adds to write FP8, 1 byte delayed, 4 current) -- a MoE layer's norm cannot: the router
-    and the permutation take it in bf16. Backward: fc2's output gradient, the routed rows
-    against the dense T*h, at CastBytes.grad_bwd (and input_bwd, dgrad_out for stacks that
-    re-cast). fc2's input and fc1's output gradient have the dense equivalent's element
-    counts (T*k*fe): already charged."""
-    from meshtron.planner.fp8 import cast_bytes
-
-    cb = cast_bytes(scaling)
-    normed = cb.input_fwd if cb.normed_fwd is None else cb.normed_fwd
-    fwd = cb.input_fwd * routed - normed * dense
-    bwd = (cb.grad_bwd + cb.input_bwd + cb.dgrad_out) * (routed - dense)
-    return max(0.0, fwd), max(0.0, bwd)
-
-
 def overlapped_a2a(a2a_f: float, a2a_b: float, win_f: float, win_b: float) -> tuple[float, float]:
     """Exposed (forward, backward) all-to-all seconds of one MoE layer whose stack overlaps
     them across a pair of micro-batches: DualPipe runs a forward chunk beside a backward chunk
@@ -483,7 +426,7 @@ def rank_loads(expert_loads: list[float], ep: int) -> list[float]:
 
 
 __all__ = ["DEFAULT_IMBALANCE", "FP8_DISPATCH_BYTES", "MoeLayerCost", "a2a_bytes",
-           "a2a_dtype_bytes", "a2a_time", "moe_layer_cost",
+           "a2a_dtype_bytes", "a2a_time", "expert_cast_bytes", "fp8_pad_passes", "moe_layer_cost",
            "MOE_HOST_OPS", "PER_EXPERT_HOST_OPS", "host_exposed", "host_seconds",
            "overlapped_a2a", "per_expert_gemms",
            "permute_passes",
