@@ -69,3 +69,16 @@ def test_a_bad_capacity_is_refused_naming_the_field():
         KernelOptions(expert_capacity=-1)
     with pytest.raises(UserError, match=r"expert_capacity=True"):
         dataclasses.replace(KernelOptions(), expert_capacity=True)
+
+
+def test_a_bad_capacity_in_an_options_file_is_one_line_exit_2(tmp_path, capsys):
+    from meshtron.cli import main
+
+    opts = tmp_path / "options.toml"
+    opts.write_text('[options]\nexpert_capacity = -0.5\n')
+    rc = main(["plan", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100:2", "--global-batch",
+               "64", "--seq-len", "4096", "--framework", "megatron@2024", "--options", str(opts)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "expert_capacity=-0.5: must be a number from 0 (dropless) to 64" in err
+    assert "Traceback" not in err
