@@ -173,9 +173,10 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     all-to-all runs beside (`overlapped_a2a`) and the GPU work the host issue is ordered with
     (moe_host.py `ordered_wait`); 0 counts the routed GEMMs alone and leaves the host unpriced.
     `per_expert`: the expert GEMMs are issued one per local expert (`per_expert_gemms`).
-    `fp8_scaling`: how the FP8 experts quantise their inputs (moe_fp8.expert_cast_bytes); `fp8_gemm`:
-    their GEMM kernel kind (compute.fp8_tile_scale), the same as the dense equivalent's, whose
-    routed GEMMs are subtracted at the time it charged them; `fp8_split_accum_bwd`: the
+    `fp8_scaling`: how the FP8 experts quantise their inputs (moe_fp8.expert_cast_bytes);
+    `fp8_gemm`: their GEMM kernel kind (compute.fp8_tile_scale), the same as the dense
+    equivalent's, whose routed GEMMs are subtracted at the time it charged them;
+    `fp8_split_accum_bwd`: the
     backward GEMMs promote their partial sums (compute.KernelOptions.fp8_split_accum_bwd:
     Transformer Engine's GroupedLinear takes the same _2X_ACC_DGRAD / _2X_ACC_WGRAD), so the
     backward's extra is priced with that kernel, as the dense equivalent's backward was.

@@ -53,8 +53,8 @@ def expert_cast_bytes(scaling: str, routed: float, dense: float) -> tuple[float,
     both layouts for the weight gradient (split_quantize; fp8.CastBytes.input_fwd: 4 bytes
     delayed scaling, 6 current: its amax pass reads the rows once more), where the dense
     equivalent's fc1 input is a norm's output (CastBytes.normed_fwd: what TELayerNormLinear's
-    fused norm adds to write FP8, 1 byte delayed, 4 current) -- a MoE layer's norm cannot: the router
-    and the permutation take it in bf16. Backward: fc2's output gradient, the routed rows
+    fused norm adds to write FP8, 1 byte delayed, 4 current) -- a MoE layer's norm cannot:
+    the router and the permutation take it in bf16. Backward: fc2's output gradient, the routed rows
     against the dense T*h, at CastBytes.grad_bwd (and input_bwd, dgrad_out for stacks that
     re-cast). fc2's input and fc1's output gradient have the dense equivalent's element
     counts (T*k*fe): already charged."""
