@@ -348,7 +348,9 @@ def test_session40_rows_hold_their_first_run(capsys):
     Branch mcoremoe (session 41) examined the two dropless Qwen3-235B rows (25.11, 26.04.01:
     runs.LOOKED_AT, calibration since). Recomputed from the remaining 10 rows then (all
     answered, none unfit): mean 8.1%, max 15.2%; dense as above; the two token-drop MoE rows
-    (Qwen3-30B-A3B +1.4%, Qwen3-235B-A22B +8.4%) mean 4.9%, max 8.4%."""
+    (Qwen3-30B-A3B +1.4%, Qwen3-235B-A22B +8.4%) mean 4.9%, max 8.4%; then, with the same
+    branch's token drop priced without the dispatcher's sync (moe_host.dispatcher_syncs: the
+    code has none there), +1.5% and +8.6%: mean 5.0%, max 8.6%, the bounds at 5.5% / 9%."""
     from bench.planner_cli_table import run_row, summarise
     from bench.published.runs import ADDED_S40, LOOKED_AT
 
@@ -372,7 +374,7 @@ def test_session40_rows_hold_their_first_run(capsys):
     assert every["rejected"] == 0 and every["answered"] == 10 and every["unfit"] == 0
     assert every["mean"] < 0.085 and every["max"] < 0.155
     assert dense["answered"] == 8 and dense["mean"] < 0.09 and dense["max"] < 0.155
-    assert moe["answered"] == 2 and moe["mean"] < 0.05 and moe["max"] < 0.085
+    assert moe["answered"] == 2 and moe["mean"] < 0.055 and moe["max"] < 0.09
 
 
 def test_session41_rows_hold_their_first_run(capsys):

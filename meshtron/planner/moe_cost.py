@@ -80,8 +80,8 @@ from meshtron.planner.moe_deepep import (DEDUPLICATED, deepep_a2a_time,
                                          hybridep_map_gather_time)
 from meshtron.planner.moe_fp8 import expert_cast_bytes, fp8_pad_passes
 from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWork,
-                                       expert_ops, host_exposed, host_seconds, ordered_wait,
-                                       per_expert_gemms)
+                                       dispatcher_syncs, expert_ops, host_exposed, host_seconds,
+                                       ordered_wait, per_expert_gemms, unsynced_wait)
 
 FP8_DISPATCH_BYTES = 1.0 + 4.0 / 128
 """Bytes per element of an FP8 dispatch: the e4m3 value and its share of one fp32 scale per
@@ -272,7 +272,10 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                              permute, (a2a_f, a2a_b, toward), (window_fwd, window_bwd),
                              (ops, *expert_ops(lin_dt, local, per_expert),
                               2.0 * (local if per_expert else 1.0)))
-        wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster), ep_overlap)
+        if dispatcher_syncs(per_expert, ep_dispatch, capacity):
+            wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster), ep_overlap)
+        else:  # static splits: the host runs ahead across layers, only its total can show
+            wait_f, wait_b = unsynced_wait(work, compute.dispatch_s(cluster))
         extra_f, extra_b = extra_f + wait_f, extra_b + wait_b
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
 
