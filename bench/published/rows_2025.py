@@ -190,8 +190,11 @@ def megatron_bridge_moe() -> list[PublishedRun]:
     # DeepEP (flex dispatcher, moe_enable_deepep) with the provider's group-limited routing
     # (DeepSeekV3ModelProvider: 8 groups, group top-k 4 -> 4 nodes at ep 64), read in session
     # 40 (branch automoe) after the row's first run
+    # The provider's moe_router_dtype fp32 (src/megatron/bridge/models/deepseek/
+    # deepseek_provider.py at fa0315ae2; router_dtype, session 41, branch mcoremoe)
     dsv3 = dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=True,
-                               overlap_grad_reduce=False, ep_dispatch="deepep", ep_node_limit=4)
+                               overlap_grad_reduce=False, ep_dispatch="deepep", ep_node_limit=4,
+                               router_dtype="fp32")
     runs.append(PublishedRun(
         "MB25.09 DSV3 671B 1024xH100 dropless", MB2509, "Megatron-Core (Megatron-Bridge)",
         preset("deepseek-v3").replace(mtp_depth=1), preset_cluster("dgx-h100", 128), 8192, 4096,

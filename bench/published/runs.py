@@ -182,7 +182,9 @@ LOOKED_AT = {
        for name, err, moved in (("MB25.11 Qwen3 235B-A22B 256xH100", "+24.6%", "to +24.0%"),
                                 ("MB26.04.01 Qwen3 235B-A22B 256xH100", "+15.9%", "to +15.3%"),
                                 ("DGXC25 DSV3 671B 1024xH100 BF16 tokendrop", "+26.6%",
-                                 "not at all (BF16 experts)"))},
+                                 "not at all (BF16 experts); its recipe's fp32 router "
+                                 "(router_dtype) and token drop's missing sync "
+                                 "(moe_host.dispatcher_syncs) to +26.4%"))},
 }
 # session 41 (branch mcoremoe) read these calibration rows again; what it decided, appended
 LOOKED_AT["MB26.04.01 Qwen3 30B-A3B 16xH100"] += (
@@ -190,8 +192,9 @@ LOOKED_AT["MB26.04.01 Qwen3 30B-A3B 16xH100"] += (
     "expert's rows in its permute, one blocking count copy before the dispatch): no FP8 "
     "padding copy priced for it, the rest still unexplained")
 LOOKED_AT["MB25.09 DSV3 671B 1024xH100 dropless"] += (
-    "; session 41 (branch mcoremoe): its +15.2% led to reading TEGroupedMLP, whose FP8 "
-    "padding copies (moe_fp8.fp8_pad_passes) took it to +11.7%")
+    "; session 41 (branch mcoremoe): its +15.2% led to reading TEGroupedMLP and the router, "
+    "whose FP8 padding copies (moe_fp8.fp8_pad_passes) and fp32 gating GEMM (router_dtype, "
+    "moe_router.py) took it to +11.3%")
 LOOKED_AT["DSV3 671B 2048xH800"] += (
     "; session 41 (branch mcoremoe): its move under the first FP8 padding term (+10.8% -> "
     "+6.9%) showed DeepSeek's own stack priced with Transformer Engine's padding, which "

@@ -105,7 +105,8 @@ class CostPieces:
                                          o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd,
                                          o.ep_dispatch,
                                          moe_cost.folded(self.mem.framework, ep, etp),
-                                         o.expert_routing, float(o.expert_capacity))
+                                         o.expert_routing, float(o.expert_capacity),
+                                         o.router_dtype)
             share = model.moe_layers / model.layers
             # forward replayed, on the mean (a part's own count: HalfRecompute.half_replay)
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)

@@ -79,6 +79,7 @@ from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions defa
 from meshtron.planner.moe_deepep import (DEDUPLICATED, deepep_a2a_time,
                                          hybridep_map_gather_time)
 from meshtron.planner.moe_fp8 import expert_cast_bytes, fp8_pad_passes
+from meshtron.planner.moe_router import fp32_router_extra
 from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWork,
                                        dispatcher_syncs, expert_ops, host_exposed, host_seconds,
                                        ordered_wait, per_expert_gemms, unsynced_wait)
@@ -163,7 +164,7 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
                    fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16",
                    folded: bool = False, expert_routing: str = "spread",
-                   capacity: float = 0.0) -> MoeLayerCost:
+                   capacity: float = 0.0, router_dtype: str = "bf16") -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -186,7 +187,12 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     in the forward (moe_deepep.hybridep_map_gather_time).
     `folded`: Megatron-Core's dispatcher over its folded expert grid (`folded`,
     `folded_tokens`): each tp rank routes its own sequence shard, the etp group all-gathers
-    the received rows and reduce-scatters the experts' output (`etp_collectives`)."""
+    the received rows and reduce-scatters the experts' output (`etp_collectives`).
+    `capacity`: token drop padded to capacity at that factor (KernelOptions.expert_capacity;
+    0: dropless), which decides whether the FP8 experts copy their rows into 16-aligned
+    buffers (moe_fp8.fp8_pad_passes) and whether the dispatcher syncs (moe_host.
+    dispatcher_syncs). `router_dtype` 'fp32': the gating GEMM's TF32 backward and casts over
+    a bf16 one (moe_router.fp32_router_extra)."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
@@ -238,6 +244,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
         cast_f, cast_b = (c + pad * 2 * routed * b / bw for c in (cast_f, cast_b))
     extra_f = grouped - dense + permute + cast_f
     extra_b = 2 * (grouped_b - dense_b) + 2 * permute + cast_b
+    if router_dtype == "fp32" and lin_dt != "fp32":  # the router routes the rank's `tokens`
+        extra_b += fp32_router_extra(tokens, h, e, cluster, bw)
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     # each direction of the step makes one all-to-all toward the experts and one back
