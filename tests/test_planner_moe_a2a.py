@@ -66,7 +66,9 @@ def test_unknown_dispatch_is_refused_naming_the_field():
 
 def test_fp8_dispatch_shortens_exposed_expert_comm_through_the_evaluator():
     """Through `evaluate`, an exposed all-to-all (no overlap) on 2 nodes: the step's ep_comm
-    falls with the FP8 dispatch, and nothing else of the step changes."""
+    falls with the FP8 dispatch; its compute falls a little too, since rows arriving quantised
+    skip Transformer Engine's padding copies (moe_fp8.fp8_pad_passes), and nothing else of
+    the step changes."""
     mcore = PRESETS["megatron@2024"]
     plan = Plan.trusted(1, 1, 16, 1, 1, "full", False, None, 1, "fp8", 1, 1, "fp32", False, 16)
 
@@ -78,7 +80,9 @@ def test_fp8_dispatch_shortens_exposed_expert_comm_through_the_evaluator():
 
     bf16, fp8 = time("bf16"), time("fp8")
     assert fp8.ep_comm < 0.85 * bf16.ep_comm
-    assert fp8.compute == pytest.approx(bf16.compute, rel=1e-6)
+    assert 0.97 * bf16.compute < fp8.compute < bf16.compute
+    for piece in ("tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer"):
+        assert getattr(fp8, piece) == pytest.approx(getattr(bf16, piece), rel=1e-6), piece
 
 
 def test_unknown_dispatch_in_an_options_file_is_one_line_exit_2(tmp_path, capsys):

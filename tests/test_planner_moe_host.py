@@ -134,3 +134,42 @@ def test_merged_schedule_starts_its_stretch_with_the_experts_input_gradients():
     f, b = moe_host.ordered_wait(w, slow, merged=True)
     host = sum(h for h, _ in moe_host.merged_segments(w, slow))
     assert f + b == pytest.approx(host - sum(g for _, g in merged)) and f > 0 and b > 0
+
+
+def test_token_drop_padded_to_capacity_has_no_sync_so_the_host_runs_ahead():
+    """Megatron-Core's alltoall dispatcher with drop_and_pad builds its splits on the host from
+    the capacity and never syncs (moe_host.dispatcher_syncs): the experts' host issue that
+    starves the GPU after a sync at 4096 tokens (the test above) costs nothing there, the
+    layer's host total being below its GPU total; and the step drops the per-layer sync."""
+    model, cl = preset("qwen3-30b-a3b"), resolve_cluster("dgx-h100:2")
+    lc = compute.layer_cost(compute.active_equivalent(model), cl, 1, 1, 4096, False,
+                            compute.KernelOptions(), 1, "fp8")
+    args = (model, cl, 4096.0, 8, placement.ep_group(1, 8, 8), "fp8", 1.0, False, 0, "fused",
+            1, 1)
+
+    def wait(capacity):
+        kw = dict(per_expert=True, capacity=capacity)
+        with_host = moe_cost.moe_layer_cost(*args, lc.fwd, lc.bwd, **kw)
+        bare = moe_cost.moe_layer_cost(*args, 0.0, 0.0, **kw)
+        return (with_host.compute_fwd - bare.compute_fwd) + (with_host.compute_bwd
+                                                            - bare.compute_bwd)
+
+    assert wait(0.0) > 0
+    assert wait(1.0) == pytest.approx(0.0, abs=1e-12)
+    assert moe_host.dispatcher_syncs(True, "bf16", 0.0)
+    assert not moe_host.dispatcher_syncs(True, "bf16", 1.0)
+    assert not moe_host.dispatcher_syncs(True, "hybridep", 1.0)
+    assert moe_host.dispatcher_syncs(True, "deepep", 1.0)  # DeepEP waits for its counts
+    assert moe_host.dispatcher_syncs(False, "bf16", 1.0)  # meshtron / torchtitan
+
+
+def test_an_unsynced_layer_waits_only_for_a_host_slower_than_its_gpu():
+    w = moe_host.MoeWork(pre_f=1.0, dispatch_f=0.5, experts_f=1.0, combine_f=0.5, combine_b=1.0,
+                         dispatch_b=1.0, experts_b=2.0, wgrad_b=1.0, attn_b=1.0, dense_ops=10,
+                         expert_ops_f=40, expert_ops_b=60)
+    # host 80 + 100 ops: 1.8 s at 0.01 s an op, GPU 3 + 5 s: nothing waits
+    assert moe_host.unsynced_wait(w, 0.01) == (0.0, 0.0)
+    # at 0.1 s an op the host takes 8 + 10 s against the GPU's 8: 10 s of waiting, split by
+    # each pass's host time
+    f, b = moe_host.unsynced_wait(w, 0.1)
+    assert f + b == pytest.approx(10.0) and f == pytest.approx(10.0 * 8 / 18)

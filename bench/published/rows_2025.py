@@ -117,16 +117,20 @@ def megatron_bridge_dense() -> list[PublishedRun]:
     return runs
 
 
-def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool, dispatch: str = "bf16"):
+def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool, dispatch: str = "bf16",
+                 capacity: float = 0.0):
     """Qwen3 recipes: no recomputation, bf16 reduction (set_qwen3_common_configs), the router
     force-balanced for dropless rows (moe_router_force_load_balancing) or token drop at
     capacity factor 1.0 with padding to capacity (25.09: utils/moe_token_drop.py): either way
     every expert runs the mean number of rows (imbalance 1). `dispatch`: the flex dispatcher's
     backend where the recipe runs it: 'hybridep' (session 40, branch automoe, read after the
     first run, priced it as 'deepep'; session 41, branch qwen3reg: HybridEP's own
-    routing-map all-gather, moe_deepep.hybridep_map_gather_time)."""
+    routing-map all-gather, moe_deepep.hybridep_map_gather_time). `capacity`: the token-drop
+    rows' capacity factor, padded (expert_capacity; session 41, branch mcoremoe: it decides
+    whether Transformer Engine's Fp8Padding copies the rows, moe_fp8.fp8_pad_passes)."""
     return dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=a2a_overlap,
-                               tp_comm_overlap=tp_overlap, ep_dispatch=dispatch)
+                               tp_comm_overlap=tp_overlap, ep_dispatch=dispatch,
+                               expert_capacity=capacity)
 
 
 def megatron_bridge_moe() -> list[PublishedRun]:
@@ -164,7 +168,8 @@ def megatron_bridge_moe() -> list[PublishedRun]:
         runs.append(PublishedRun(
             name, src, "Megatron-Core (Megatron-Bridge)", model,
             preset_cluster("dgx-h100", gpus // 8), gbs, 4096, tp, pp, dp, 1, "none", tp > 1,
-            _qwen_kernel(a2a, tpo and tp > 1, "hybridep" if "hybridep" in what else "bf16"),
+            _qwen_kernel(a2a, tpo and tp > 1, "hybridep" if "hybridep" in what else "bf16",
+                         1.0 if what.startswith("token drop (capacity 1.0") else 0.0),
             "tokens_per_gpu", tps, micro_batches=(mbs,),
             schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, ep=ep,
             # the recipes' expert_tensor_parallel_size, 1 (fa0315ae2: scripts/performance/
@@ -185,8 +190,11 @@ def megatron_bridge_moe() -> list[PublishedRun]:
     # DeepEP (flex dispatcher, moe_enable_deepep) with the provider's group-limited routing
     # (DeepSeekV3ModelProvider: 8 groups, group top-k 4 -> 4 nodes at ep 64), read in session
     # 40 (branch automoe) after the row's first run
+    # The provider's moe_router_dtype fp32 (src/megatron/bridge/models/deepseek/
+    # deepseek_provider.py at fa0315ae2; router_dtype, session 41, branch mcoremoe)
     dsv3 = dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=True,
-                               overlap_grad_reduce=False, ep_dispatch="deepep", ep_node_limit=4)
+                               overlap_grad_reduce=False, ep_dispatch="deepep", ep_node_limit=4,
+                               router_dtype="fp32")
     runs.append(PublishedRun(
         "MB25.09 DSV3 671B 1024xH100 dropless", MB2509, "Megatron-Core (Megatron-Bridge)",
         preset("deepseek-v3").replace(mtp_depth=1), preset_cluster("dgx-h100", 128), 8192, 4096,

@@ -204,7 +204,11 @@ def dgxc_deepseek_v3() -> list[PublishedRun]:
     # per-node deduplication: ep_node_limit 0 whatever the group-limited routing);
     # token_unpermutation takes no probabilities, TEGroupedMLP applies them in
     # weighted_bias_swiglu_impl (experts.py): moe_weighted_act
-    kernel = dataclasses.replace(PRESETS["megatron@2024"].kernel, expert_imbalance=1.0)
+    # MegatronTokenDropCallback's capacity factor 1.0 with padding (expert_capacity) and
+    # pretrain_deepseek_v3.py's moe_router_dtype 'fp32' (router_dtype; session 41, branch
+    # mcoremoe)
+    kernel = dataclasses.replace(PRESETS["megatron@2024"].kernel, expert_imbalance=1.0,
+                                 expert_capacity=1.0, router_dtype="fp32")
     mem = MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
                         recompute_up_proj=True, moe_weighted_act=True)
     return [PublishedRun(

@@ -188,7 +188,30 @@ LOOKED_AT = {
     "MB26.04.01 Qwen3 30B-A3B 16xH100": "examined in session 40 (branch automoe) after its "
         "-20.6% first run: its hybridep flex dispatcher priced as DeepEP's hierarchical "
         "dispatch (ep_dispatch 'deepep'), set after its error was known",
+    **{name: f"examined in session 41 (branch mcoremoe, 2026-12-05) after its {err} error: "
+       "its step pieces read against Megatron-Core's dispatcher, router and TEGroupedMLP for "
+       f"terms the planner omits; the FP8 padding copies then priced from the code "
+       f"(moe_fp8.fp8_pad_passes) moved it {moved}"
+       for name, err, moved in (("MB25.11 Qwen3 235B-A22B 256xH100", "+24.6%", "to +24.0%"),
+                                ("MB26.04.01 Qwen3 235B-A22B 256xH100", "+15.9%", "to +15.3%"),
+                                ("DGXC25 DSV3 671B 1024xH100 BF16 tokendrop", "+26.6%",
+                                 "not at all (BF16 experts); its recipe's fp32 router "
+                                 "(router_dtype) and token drop's missing sync "
+                                 "(moe_host.dispatcher_syncs) to +26.4%"))},
 }
+# session 41 (branch mcoremoe) read these calibration rows again; what it decided, appended
+LOOKED_AT["MB26.04.01 Qwen3 30B-A3B 16xH100"] += (
+    "; session 41 (branch mcoremoe): its +30.2% read against HybridEP's code (it pads each "
+    "expert's rows in its permute, one blocking count copy before the dispatch): no FP8 "
+    "padding copy priced for it, the rest still unexplained")
+LOOKED_AT["MB25.09 DSV3 671B 1024xH100 dropless"] += (
+    "; session 41 (branch mcoremoe): its +15.2% led to reading TEGroupedMLP and the router, "
+    "whose FP8 padding copies (moe_fp8.fp8_pad_passes) and fp32 gating GEMM (router_dtype, "
+    "moe_router.py) took it to +11.3%")
+LOOKED_AT["DSV3 671B 2048xH800"] += (
+    "; session 41 (branch mcoremoe): its move under the first FP8 padding term (+10.8% -> "
+    "+6.9%) showed DeepSeek's own stack priced with Transformer Engine's padding, which "
+    "moe_fp8.fp8_pad_passes then left out for the FP8 dispatch")
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compute, host, memory, memory_pipeline, moe_cost,
-                              moe_memory, mtp, pipeline, pipeline_split, placement)
+                              moe_host, moe_memory, mtp, pipeline, pipeline_split, placement)
 from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
 
@@ -105,13 +105,17 @@ class CostPieces:
                                          o.fp8_scaling, o.fp8_gemm, o.fp8_split_accum_bwd,
                                          o.ep_dispatch,
                                          moe_cost.folded(self.mem.framework, ep, etp),
-                                         o.expert_routing)
+                                         o.expert_routing, float(o.expert_capacity),
+                                         o.router_dtype)
             share = model.moe_layers / model.layers
             # forward replayed, on the mean (a part's own count: HalfRecompute.half_replay)
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)
             # with ep > 1 the dispatch reads its split sizes on the host once per MoE layer
-            # forward (meshtron, torchtitan, Megatron's all-to-all dispatcher): a sync each
-            sync = host.SYNC_S if ep > 1 else 0.0
+            # forward (meshtron, torchtitan, Megatron's all-to-all dispatcher): a sync each,
+            # but for Megatron-Core's token drop padded to capacity (moe_host.dispatcher_syncs)
+            syncs = moe_host.dispatcher_syncs(moe_cost.per_expert_gemms(self.mem.framework),
+                                              o.ep_dispatch, float(o.expert_capacity))
+            sync = host.SYNC_S if ep > 1 and syncs else 0.0
             hit = (share * ((mc.compute_fwd + sync) * (1 + again) + mc.compute_bwd),
                    share * (mc.compute_fwd + sync),
                    share * (mc.a2a_fwd * (1 + again) + mc.a2a_bwd), share * mc.a2a_fwd)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from meshtron.errors import UserError
 from meshtron.planner.flash_isa import FLASH_ISAS
 from meshtron.planner.fp8 import FP8_FILTERS, FP8_SCALINGS
+from meshtron.planner.moe_router import ROUTER_DTYPES
 
 FP8_GEMMS = ("cublas", "blockwise")
 """How a stack's FP8 GEMMs scale their operands (KernelOptions.fp8_gemm): 'cublas' = one scale
@@ -44,7 +45,7 @@ _CHOICES = (("attention", ATTENTION_KINDS), ("stack", STACKS), ("sharding", SHAR
             ("fp8_filter", FP8_FILTERS), ("fp8_scaling", FP8_SCALINGS), ("fp8_gemm", FP8_GEMMS),
             ("ep_dispatch", EP_DISPATCHES), ("expert_routing", ROUTINGS),
             ("eager_norm", EAGER_NORMS), ("optimizer", OPTIMIZERS),
-            ("flash_isa", FLASH_ISAS), ("v_width", V_WIDTHS))
+            ("flash_isa", FLASH_ISAS), ("v_width", V_WIDTHS), ("router_dtype", ROUTER_DTYPES))
 """The KernelOptions fields that take one of a few names, with the names each allows."""
 
 
@@ -266,6 +267,17 @@ class KernelOptions:
     expert_imbalance: float = DEFAULT_IMBALANCE
     """Routed tokens on the fullest expert-parallel rank over the mean (DEFAULT_IMBALANCE
     above, priced by moe_cost.py; measured from router statistics by `meshtron calibrate`)."""
+    router_dtype: str = "bf16"
+    """The MoE router's gating GEMM dtype (ROUTER_DTYPES; Megatron-Core's moe_router_dtype,
+    whose default runs the input's, bf16; Megatron-Bridge's and NeMo's DeepSeek-V3 recipes set
+    fp32): 'fp32' prices its TF32 backward and casts over a bf16 one
+    (planner/moe_router.py)."""
+    expert_capacity: float = 0.0
+    """Token drop with padding to capacity at this capacity factor (Megatron-Core's
+    moe_expert_capacity_factor with moe_pad_expert_input_to_capacity: every local expert
+    receives ceil(factor x T k / E) rows from each rank, static splits); 0: dropless, the
+    splits the router chose. Decides whether FP8 experts copy their rows into aligned buffers
+    (moe_fp8.fp8_pad_passes)."""
     p2p_overlap: bool = False
     """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
     overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);
@@ -424,6 +436,9 @@ class KernelOptions:
         im = self.expert_imbalance
         if isinstance(im, bool) or not isinstance(im, (int, float)) or not 1.0 <= im <= 64.0:
             raise UserError(f"expert_imbalance={im!r}: must be a number from 1 (balanced) to 64")
+        cap = self.expert_capacity
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap <= 64:
+            raise UserError(f"expert_capacity={cap!r}: must be a number from 0 (dropless) to 64")
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")

@@ -48,7 +48,9 @@ bytes of the compute dtype, ep the expert-parallel degree):
   gathers the outputs back (index_select), weights them (a product) and sums each token's k
   (index_add), plus the regrouping gather and scatter of the received rows with expert
   parallelism. The router's passes over [T, E] fp32 affinities are E*4 bytes per token
-  against the k*h*b of one slot pass: not counted.
+  against the k*h*b of one slot pass: not counted. Megatron-Core's FP8 experts copy the
+  routed rows once more each way, padding every expert's rows to 16 and back
+  (moe_fp8.fp8_pad_passes), where the splits are not aligned already.
 * Host issue (planner/moe_host.py). Both stacks' dispatchers read the split sizes on the host
   once per layer forward (Megatron-Core's MoEAlltoAllTokenDispatcher:
   `_maybe_dtoh_and_synchronize` at `cuda_sync_point`, "before_ep_alltoall" with ep > 1,
@@ -76,9 +78,11 @@ from meshtron.planner import comm
 from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions default it prices
 from meshtron.planner.moe_deepep import (DEDUPLICATED, deepep_a2a_time,
                                          hybridep_map_gather_time)
+from meshtron.planner.moe_fp8 import expert_cast_bytes, fp8_pad_passes
+from meshtron.planner.moe_router import fp32_router_extra
 from meshtron.planner.moe_host import (MOE_HOST_OPS, PER_EXPERT_HOST_OPS, MoeWork,
-                                       expert_ops, host_exposed, host_seconds, ordered_wait,
-                                       per_expert_gemms)
+                                       dispatcher_syncs, expert_ops, host_exposed, host_seconds,
+                                       ordered_wait, per_expert_gemms, unsynced_wait)
 
 FP8_DISPATCH_BYTES = 1.0 + 4.0 / 128
 """Bytes per element of an FP8 dispatch: the e4m3 value and its share of one fp32 scale per
@@ -159,7 +163,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    window_bwd: float = 0.0, per_expert: bool = False,
                    fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
                    fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16",
-                   folded: bool = False, expert_routing: str = "spread") -> MoeLayerCost:
+                   folded: bool = False, expert_routing: str = "spread",
+                   capacity: float = 0.0, router_dtype: str = "bf16") -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -169,9 +174,10 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     all-to-all runs beside (`overlapped_a2a`) and the GPU work the host issue is ordered with
     (moe_host.py `ordered_wait`); 0 counts the routed GEMMs alone and leaves the host unpriced.
     `per_expert`: the expert GEMMs are issued one per local expert (`per_expert_gemms`).
-    `fp8_scaling`: how the FP8 experts quantise their inputs (`expert_cast_bytes`); `fp8_gemm`:
-    their GEMM kernel kind (compute.fp8_tile_scale), the same as the dense equivalent's, whose
-    routed GEMMs are subtracted at the time it charged them; `fp8_split_accum_bwd`: the
+    `fp8_scaling`: how the FP8 experts quantise their inputs (moe_fp8.expert_cast_bytes);
+    `fp8_gemm`: their GEMM kernel kind (compute.fp8_tile_scale), the same as the dense
+    equivalent's, whose routed GEMMs are subtracted at the time it charged them;
+    `fp8_split_accum_bwd`: the
     backward GEMMs promote their partial sums (compute.KernelOptions.fp8_split_accum_bwd:
     Transformer Engine's GroupedLinear takes the same _2X_ACC_DGRAD / _2X_ACC_WGRAD), so the
     backward's extra is priced with that kernel, as the dense equivalent's backward was.
@@ -181,7 +187,12 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     in the forward (moe_deepep.hybridep_map_gather_time).
     `folded`: Megatron-Core's dispatcher over its folded expert grid (`folded`,
     `folded_tokens`): each tp rank routes its own sequence shard, the etp group all-gathers
-    the received rows and reduce-scatters the experts' output (`etp_collectives`)."""
+    the received rows and reduce-scatters the experts' output (`etp_collectives`).
+    `capacity`: token drop padded to capacity at that factor (KernelOptions.expert_capacity;
+    0: dropless), which decides whether the FP8 experts copy their rows into 16-aligned
+    buffers (moe_fp8.fp8_pad_passes) and whether the dispatcher syncs (moe_host.
+    dispatcher_syncs). `router_dtype` 'fp32': the gating GEMM's TF32 backward and casts over
+    a bf16 one (moe_router.fp32_router_extra)."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
@@ -227,8 +238,14 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     if lin_dt == "fp8":
         routed = seen * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
         cast_f, cast_b = (x / bw for x in expert_cast_bytes(fp8_scaling, routed, tokens * h))
+        # Transformer Engine's Fp8Padding / Fp8Unpadding around the expert GEMMs: each a read
+        # and a write of the routed rows, forward and (their autograd twins) backward
+        pad = fp8_pad_passes(per_expert, ep_dispatch, capacity, tokens, k, e, ep, etp, folded)
+        cast_f, cast_b = (c + pad * 2 * routed * b / bw for c in (cast_f, cast_b))
     extra_f = grouped - dense + permute + cast_f
     extra_b = 2 * (grouped_b - dense_b) + 2 * permute + cast_b
+    if router_dtype == "fp32" and lin_dt != "fp32":  # the router routes the rank's `tokens`
+        extra_b += fp32_router_extra(tokens, h, e, cluster, bw)
     fab = comm.Fabric.of(cluster)
     nbytes = a2a_bytes(tokens, k, h, b, ep)
     # each direction of the step makes one all-to-all toward the experts and one back
@@ -263,7 +280,10 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                              permute, (a2a_f, a2a_b, toward), (window_fwd, window_bwd),
                              (ops, *expert_ops(lin_dt, local, per_expert),
                               2.0 * (local if per_expert else 1.0)))
-        wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster), ep_overlap)
+        if dispatcher_syncs(per_expert, ep_dispatch, capacity):
+            wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster), ep_overlap)
+        else:  # static splits: the host runs ahead across layers, only its total can show
+            wait_f, wait_b = unsynced_wait(work, compute.dispatch_s(cluster))
         extra_f, extra_b = extra_f + wait_f, extra_b + wait_b
     return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
 
@@ -332,28 +352,6 @@ def _ordered_work(dense: float, grouped: float, cast: tuple[float, float], first
                    wgrad_b=grouped, attn_b=max(window[1], 2 * dense) - 2 * dense,
                    dense_ops=ops[0], expert_ops_f=ops[1], expert_ops_b=ops[2],
                    wgrad_ops=ops[3])
-
-
-def expert_cast_bytes(scaling: str, routed: float, dense: float) -> tuple[float, float]:
-    """(forward, backward) HBM bytes the FP8 expert GEMMs spend quantising beyond what the
-    dense equivalent's casts were charged (fp8.quantisation_bytes). `routed`: elements of the
-    T*k routed rows of width h (fullest rank), `dense`: the T*h of the dense equivalent.
-    Forward, fc1's input: Transformer Engine's GroupedLinear quantises the permuted bf16 rows,
-    both layouts for the weight gradient (split_quantize; fp8.CastBytes.input_fwd: 4 bytes
-    delayed scaling, 6 current: its amax pass reads the rows once more), where the dense
-    equivalent's fc1 input is a norm's output (CastBytes.normed_fwd: what TELayerNormLinear's
-    fused norm adds to write FP8, 1 byte delayed, 4 current) -- a MoE layer's norm cannot: the router
-    and the permutation take it in bf16. Backward: fc2's output gradient, the routed rows
-    against the dense T*h, at CastBytes.grad_bwd (and input_bwd, dgrad_out for stacks that
-    re-cast). fc2's input and fc1's output gradient have the dense equivalent's element
-    counts (T*k*fe): already charged."""
-    from meshtron.planner.fp8 import cast_bytes
-
-    cb = cast_bytes(scaling)
-    normed = cb.input_fwd if cb.normed_fwd is None else cb.normed_fwd
-    fwd = cb.input_fwd * routed - normed * dense
-    bwd = (cb.grad_bwd + cb.input_bwd + cb.dgrad_out) * (routed - dense)
-    return max(0.0, fwd), max(0.0, bwd)
 
 
 def overlapped_a2a(a2a_f: float, a2a_b: float, win_f: float, win_b: float) -> tuple[float, float]:
@@ -440,7 +438,7 @@ def rank_loads(expert_loads: list[float], ep: int) -> list[float]:
 
 
 __all__ = ["DEFAULT_IMBALANCE", "FP8_DISPATCH_BYTES", "MoeLayerCost", "a2a_bytes",
-           "a2a_dtype_bytes", "a2a_time", "moe_layer_cost",
+           "a2a_dtype_bytes", "a2a_time", "expert_cast_bytes", "fp8_pad_passes", "moe_layer_cost",
            "MOE_HOST_OPS", "PER_EXPERT_HOST_OPS", "host_exposed", "host_seconds",
            "overlapped_a2a", "per_expert_gemms",
            "permute_passes",

@@ -202,6 +202,32 @@ def merged_segments(w: MoeWork, dispatch: float) -> list[tuple[float, float]]:
             (dgrad_ops * dispatch, 0.0)]
 
 
+def dispatcher_syncs(per_expert: bool, dispatch: str, capacity: float) -> bool:
+    """Whether the dispatcher reads its split sizes on the host every MoE layer forward (module
+    docstring). Not Megatron-Core's (`per_expert`: the stack whose experts are TEGroupedMLP)
+    under token drop padded to capacity (KernelOptions.expert_capacity > 0): the alltoall
+    dispatcher's `preprocess` builds the splits on the host from the capacity (torch.full on
+    the CPU) and returns before choosing a sync point, which stays "no_sync"
+    (token_dispatcher.py, core_v0.12.2 to d7288711); HybridEP's dispatch is non-blocking when
+    num_permuted_tokens is known, as drop_and_pad sets it (`_HybridEPManager.setup_metadata`,
+    fused_a2a.py `HybridEPDispatch`, d7288711). DeepEP's dispatch waits on the host for its
+    receive counts whatever the capacity; meshtron and torchtitan drop no tokens."""
+    return not (per_expert and capacity > 0 and dispatch in ("bf16", "hybridep"))
+
+
+def unsynced_wait(w: MoeWork, dispatch: float) -> tuple[float, float]:
+    """(forward, backward) seconds the GPU waits on the host for one MoE layer where no sync
+    empties the queue (`dispatcher_syncs` False): the host runs ahead across layers, so only a
+    host slower than the GPU over the whole layer shows (`host_exposed`), the layer's host
+    operations as `stretch_segments` counts them."""
+    post, back = POST_SYNC_OPS, BACKWARD_OPS
+    host_f = (w.dense_ops + PRE_SYNC_OPS + sum(post.values()) + w.expert_ops_f) * dispatch
+    host_b = (2 * w.dense_ops + sum(back.values()) + w.expert_ops_b) * dispatch
+    gpu_f = w.pre_f + w.dispatch_f + w.experts_f + w.combine_f
+    gpu_b = w.combine_b + w.experts_b + w.dispatch_b + w.attn_b
+    return host_exposed(gpu_f, gpu_b, host_f, host_b)
+
+
 def ordered_wait(w: MoeWork, dispatch: float, merged: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds the GPU waits on the host over one layer's stretch (its
     `queue_makespan` less its GPU time). Separate passes (`stretch_segments`): the forward's
@@ -221,7 +247,8 @@ def ordered_wait(w: MoeWork, dispatch: float, merged: bool = False) -> tuple[flo
 
 
 __all__ = ["MOE_HOST_OPS", "PER_EXPERT_HOST_OPS", "PRE_SYNC_OPS", "POST_SYNC_OPS",
-           "BACKWARD_OPS", "MoeWork", "expert_ops", "forward_segments", "host_exposed",
+           "BACKWARD_OPS", "MoeWork", "dispatcher_syncs", "expert_ops", "forward_segments",
+           "host_exposed", "unsynced_wait",
            "merged_segments",
            "host_seconds", "ordered_wait", "per_expert_gemms", "queue_makespan",
            "stretch_segments"]
