@@ -86,18 +86,6 @@ def check_runtime(spec: Any, seq_len: int | None = None, documents: bool = False
         raise UserError(problem)
 
 
-def variant_fields(spec: Any) -> list[str]:
-    """The variant fields `spec` sets away from the Llama defaults (meshtron/hf/names.py reads
-    and writes Hugging Face weights of none of them)."""
-    defaults = {"qk_norm_whole": False, "norm_plus_one": False, "norm_layout": "pre",
-                "rope_fraction": 1.0, "rope_local_theta": None, "attn_scale": None,
-                "embed_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0,
-                "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0,
-                "window_every": 0, "gelu_approximate": "tanh"}
-    out = [f for f, v in defaults.items() if getattr(spec, f) != v]
-    return out + (["mlp"] if spec.mlp in ("geglu", "relu2") else [])
-
-
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
