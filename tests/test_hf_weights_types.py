@@ -178,3 +178,29 @@ def test_what_no_type_holds_is_one_line(changes, match):
         check_supported(spec, "train.init_from")
     text = str(err.value)
     assert text.startswith("train.init_from: ") and match in text and "\n" not in text
+
+
+def fused_rank_fn(cases: list[tuple[str, str, dict]], out_dir: str) -> list[dict]:
+    """tests/test_hf.py's load, train 3 steps, export, per (type, folder, layout)."""
+    from tests.test_hf import hf_rank_fn
+
+    return [row for kind, folder, layout in cases
+            for row in hf_rank_fn({kind: folder}, [layout], out_dir, False)]
+
+
+def test_fused_tensors_load_train_and_export_sharded(tmp_path):
+    """Phi-3 under tp=2 (each rank reads its heads' rows of qkv_proj and its rows of
+    gate_up_proj), Granite MoE under ep=2 (each rank its two experts of input_linear): the
+    logits transformers computes after loading; trained, exported from the sharded layout,
+    transformers reloads the trained model."""
+    from testkit.multiproc import run_on_ranks
+    from tests.test_hf import _check_layouts
+
+    folders = {}
+    for mtype in ("phi3", "granitemoe"):
+        folders[mtype] = tmp_path / mtype
+        _hf_model(mtype, vocab_size=320).save_pretrained(folders[mtype])
+    cases = [("phi3", str(folders["phi3"]), dict(tp=2)),
+             ("granitemoe", str(folders["granitemoe"]), dict(dp=2, ep=2))]
+    results = run_on_ranks(fused_rank_fn, 2, cases, str(tmp_path / "out"), timeout=600)
+    _check_layouts(results, folders)
