@@ -204,3 +204,38 @@ def test_fused_tensors_load_train_and_export_sharded(tmp_path):
              ("granitemoe", str(folders["granitemoe"]), dict(dp=2, ep=2))]
     results = run_on_ranks(fused_rank_fn, 2, cases, str(tmp_path / "out"), timeout=600)
     _check_layouts(results, folders)
+
+
+def test_mistral_window_trains_beyond_it(tmp_path):
+    """Mistral's sliding_window (16 here) no longer caps max_seq: a checkpoint loads with
+    transformers' logits on 48 tokens (which differ from full causal attention's), exports as
+    mistral with its window, and `meshtron train` runs 64-token sequences."""
+    transformers = pytest.importorskip("transformers")
+    from meshtron.hf.export import save_hf
+    from meshtron.hf.load import load_into
+    from meshtron.model.spec import resolve_model
+    from meshtron.model.transformer import Transformer
+    from testkit.hf_dense_ref import SHAPES
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(**dict(SHAPES, sliding_window=16, vocab_size=320))
+    transformers.MistralForCausalLM(cfg).float().save_pretrained(tmp_path / "in")
+    spec = resolve_model(tmp_path / "in")
+    assert (spec.sliding_window, spec.max_seq) == (16, 128)
+    ours = Transformer(spec, init_seed=0)
+    load_into([ours], tmp_path / "in", spec)
+    tokens = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(3))
+    ref = _logits(tmp_path / "in", tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), ref, **TOL)
+        full = Transformer(spec.replace(sliding_window=0), init_seed=0)
+        full.load_state_dict(ours.state_dict())
+        assert (full.eval()(tokens) - ref).abs().max() > 1e-4  # the window matters here
+    save_hf({n: p.detach() for n, p in ours.named_parameters()}, spec, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["model_type"], written["sliding_window"]) == ("mistral", 16)
+    torch.testing.assert_close(_logits(tmp_path / "out", tokens), ref, **TOL)
+    code, err = _run_main(["train", "--model", str(tmp_path / "in" / "config.json"), "--steps",
+                           "2", "--seq-len", "64", "--global-batch", "2", "--eval-every", "0",
+                           "--run-dir", str(tmp_path / "run")])
+    assert code == 0, err[-3000:]
