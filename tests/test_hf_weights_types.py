@@ -61,8 +61,15 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("mtype", DENSE + MOE)
-def test_load_logits_and_export_round_trip(mtype, tmp_path):
+CASES = [(m, {}, m) for m in DENSE + MOE] + [
+    # full rotary: the fields read as Llama's; the folder's config.json says phi3 (its names)
+    ("phi3", dict(partial_rotary_factor=1.0), "llama"),
+]
+
+
+@pytest.mark.parametrize("mtype, changes, inferred", CASES,
+                         ids=[c[0] + ("-" + c[2] if c[1] else "") for c in CASES])
+def test_load_logits_and_export_round_trip(mtype, changes, inferred, tmp_path):
     from meshtron.hf.export import save_hf
     from meshtron.hf.load import load_into
     from meshtron.hf.names import check_supported, sources
@@ -70,9 +77,10 @@ def test_load_logits_and_export_round_trip(mtype, tmp_path):
     from meshtron.model.spec import resolve_model
     from meshtron.model.transformer import Transformer
 
-    _hf_model(mtype).save_pretrained(tmp_path / "in")
+    _hf_model(mtype, **changes).save_pretrained(tmp_path / "in")
     spec = resolve_model(tmp_path / "in")
-    assert check_supported(spec, "x") == mtype  # the fields alone name the type
+    assert check_supported(spec, "x") == inferred  # what the fields alone read as
+    assert check_supported(spec, "x", mtype) == mtype  # the folder's type holds them
     ours = Transformer(spec, init_seed=0)
     assert set(sources(spec)) == {n for n, _ in named_unique_parameters([ours])}
     assert load_into([ours], tmp_path / "in", spec) == 4 * spec.num_params()
@@ -84,16 +92,17 @@ def test_load_logits_and_export_round_trip(mtype, tmp_path):
     state = {n: p.detach() for n, p in ours.named_parameters()}
     source = json.loads((tmp_path / "in" / "config.json").read_text())
     want = _tensors(tmp_path / "in")
-    for out, config in (("kept", source), ("own", None)):
+    for out, config, kind in (("kept", source, mtype), ("own", None, inferred)):
         save_hf(state, spec, tmp_path / out, config)
         written = json.loads((tmp_path / out / "config.json").read_text())
-        assert written["model_type"] == mtype
+        assert written["model_type"] == kind
         got = _tensors(tmp_path / out)
-        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), out
+        if kind == mtype:  # the same names: every tensor bit-identical
+            assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
         torch.testing.assert_close(_logits(tmp_path / out, tokens), ref, **TOL)
     # meshtron reads its own config.json back to a model of the same function
     again = resolve_model(tmp_path / "own")
-    assert again.num_params() == spec.num_params() and check_supported(again, "x") == mtype
+    assert again.num_params() == spec.num_params() and check_supported(again, "x") == inferred
 
 
 def _run_main(argv: list[str]) -> tuple[int, str]:
