@@ -5,8 +5,9 @@ model uses (`nn.Linear` [out, in] weights; q/k rows in the half-split "rotate_ha
 that meshtron's `apply_rope` uses): one name to one name, and a rank reads exactly the rows and
 columns it owns. GPT-2 stores Conv1D weights transposed ([in, out]) and q, k, v fused in one
 `c_attn` matrix (columns q | k | v): a meshtron tensor is then a transposed column range of the
-Hugging Face one (`Source.transpose`, `Source.offset`), still read as a box. GPT-NeoX fuses
-q/k/v interleaved per head (and often rotates part of each head only); it is refused by name.
+Hugging Face one (`Source.transpose`, `Source.offset`), still read as a box; Phi-3's fused
+rows and Granite MoE's fused experts the same way (`Source.axis`). Which type's names hold a
+spec: meshtron/hf/layouts.py. GPT-NeoX fuses q/k/v interleaved per head; it is refused.
 """
 
 from __future__ import annotations
