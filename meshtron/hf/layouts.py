@@ -126,6 +126,9 @@ def infer_type(spec: Any, where: str) -> str:
     if spec.attn_softcap or spec.logit_softcap:
         raise _refuse(where, spec, "soft-capping (Gemma 2, model.attn_softcap / "
                       "model.logit_softcap) is not trained by meshtron's runtime")
+    if spec.attn_chunk:
+        raise _refuse(where, spec, "chunked attention (Llama 4, model.attn_chunk) is not "
+                      "trained by meshtron's runtime")
     if spec.parallel_residual:
         raise _refuse(where, spec, "GPT-NeoX's per-head fused q/k/v (model.parallel_residual)"
                       " is not wired")
