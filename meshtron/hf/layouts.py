@@ -156,11 +156,15 @@ def _dense_type(spec: Any, where: str) -> str:
         ("starcoder2", spec.mlp == "gelu",
          spec.norm == "layernorm" and not spec.norm_plus_one and spec.norm_layout == "pre"
          and not spec.qk_norm and spec.rope_fraction == 1 and not spec.window_every
-         and not _scaled(spec) and spec.gelu_approximate == "tanh"),
+         and not _scaled(spec) and spec.gelu_approximate == "tanh"
+         and (spec.bias or not spec.qkv_bias)),
         ("gemma3_text", spec.norm_layout == "sandwich",
          spec.mlp == "geglu" and spec.norm_plus_one and spec.qk_norm
          and not spec.qk_norm_whole and spec.tied_embeddings and not spec.bias
-         and spec.rope_fraction == 1),
+         and not spec.qkv_bias and spec.rope_fraction == 1 and spec.residual_scale == 1
+         # Gemma3TextScaledWordEmbedding: embeddings times hidden_size**0.5, always
+         and spec.logit_scale == 1 and abs(spec.embed_scale - spec.hidden ** 0.5) < 1e-9
+         * spec.embed_scale),
         ("olmo2", spec.norm_layout == "post",
          spec.mlp == "swiglu" and spec.qk_norm_whole and not spec.norm_plus_one
          and not spec.bias and not spec.qkv_bias and not spec.sliding_window
