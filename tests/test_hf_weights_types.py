@@ -61,15 +61,18 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-CASES = [(m, {}, m) for m in DENSE + MOE] + [
+CASES = [(m, {}, m, m) for m in DENSE + MOE] + [
     # full rotary: the fields read as Llama's; the folder's config.json says phi3 (its names)
-    ("phi3", dict(partial_rotary_factor=1.0), "llama"),
+    ("phi3", dict(partial_rotary_factor=1.0), "phi3", "llama"),
+    # Granite MoE with one shared expert (GraniteMoeSharedMLP, its gate | up rows fused)
+    ("granitemoe", dict(model_type="granitemoeshared", shared_intermediate_size=64),
+     "granitemoeshared", "granitemoeshared"),
 ]
 
 
-@pytest.mark.parametrize("mtype, changes, inferred", CASES,
-                         ids=[c[0] + ("-" + c[2] if c[1] else "") for c in CASES])
-def test_load_logits_and_export_round_trip(mtype, changes, inferred, tmp_path):
+@pytest.mark.parametrize("base, changes, mtype, inferred", CASES,
+                         ids=[c[2] + ("-" + c[3] if c[2] != c[3] else "") for c in CASES])
+def test_load_logits_and_export_round_trip(base, changes, mtype, inferred, tmp_path):
     from meshtron.hf.export import save_hf
     from meshtron.hf.load import load_into
     from meshtron.hf.names import check_supported, sources
@@ -77,7 +80,7 @@ def test_load_logits_and_export_round_trip(mtype, changes, inferred, tmp_path):
     from meshtron.model.spec import resolve_model
     from meshtron.model.transformer import Transformer
 
-    _hf_model(mtype, **changes).save_pretrained(tmp_path / "in")
+    _hf_model(base, **changes).save_pretrained(tmp_path / "in")
     spec = resolve_model(tmp_path / "in")
     assert check_supported(spec, "x") == inferred  # what the fields alone read as
     assert check_supported(spec, "x", mtype) == mtype  # the folder's type holds them

@@ -15,7 +15,8 @@ ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
         "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-        "granitemoe": "GraniteMoeForCausalLM"}
+        "granitemoe": "GraniteMoeForCausalLM",
+        "granitemoeshared": "GraniteMoeSharedForCausalLM"}
 
 
 def hf_config(spec: Any, dtype: str, mtype: str) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def _moe(spec: Any, mtype: str) -> dict[str, Any]:
                            "num_experts_per_tok": spec.moe_top_k,
                            "router_aux_loss_coef": spec.moe_aux_loss,
                            "use_sliding_window": False, "sliding_window": None}
-    if mtype in ("mixtral", "olmoe", "granitemoe"):  # experts `intermediate_size` wide
+    if mtype in ("mixtral", "olmoe", "granitemoe", "granitemoeshared"):  # experts that wide
         out["intermediate_size"] = spec.moe_ffn_hidden
     if mtype in ("qwen3_moe", "qwen2_moe"):
         out.update(moe_intermediate_size=spec.moe_ffn_hidden,
@@ -141,8 +142,10 @@ def _moe(spec: Any, mtype: str) -> dict[str, Any]:
             spec.moe_shared_experts * spec.moe_ffn_hidden))
     if mtype == "olmoe":
         out.update(norm_topk_prob=spec.moe_norm_topk, clip_qkv=None, attention_bias=False)
-    if mtype == "granitemoe":
+    if mtype in ("granitemoe", "granitemoeshared"):
         out.update(_granite_scales(spec), attention_bias=False)
+    if mtype == "granitemoeshared":
+        out["shared_intermediate_size"] = spec.moe_shared_experts * spec.moe_ffn_hidden
     return out
 
 

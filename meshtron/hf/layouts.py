@@ -19,7 +19,9 @@ read from models/<type>/modeling_<type>.py and conversion_mapping.py of transfor
   post_feedforward norms; OLMo 2 (Olmo2DecoderLayer): post_attention / post_feedforward only.
 - Granite MoE (GraniteMoeParallelExperts): `input_linear` [experts, 2 x width, hidden] with
   the gate's rows first (`chunk(2, dim=-1)`, the first half through SiLU), `output_linear`
-  [experts, hidden, width], `router.layer`.
+  [experts, hidden, width], `router.layer`; granitemoeshared's shared expert
+  (GraniteMoeSharedMLP) `shared_mlp.input_linear` [gate | up rows, hidden] and
+  `shared_mlp.output_linear`.
 - Qwen2-MoE: `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert_gate`.
 No torch here (`meshtron plan` and `--help` import meshtron.hf.names).
 """
@@ -32,12 +34,13 @@ from meshtron.errors import UserError
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "nemotron",
               "starcoder2", "gemma3_text", "olmo2")
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared")
 SUPPORTED_TYPES = LLAMA_LIKE + ("gpt2",) + MOE_TYPES
 """model_type values whose weights load and export."""
 
 EXPRESSES = {"mistral": ("llama",), "phi3": ("llama", "mistral"), "granite": ("llama",),
-             "granitemoe": ("mixtral",), "qwen2_moe": ("mixtral",)}
+             "granitemoe": ("mixtral",), "qwen2_moe": ("mixtral",),
+             "granitemoeshared": ("granitemoe", "mixtral")}
 """A declared type (a config.json's model_type) may hold the weights of specs read as these
 types too: its modeling code computes the same function with its defaults."""
 
@@ -209,9 +212,10 @@ def _moe_type(spec: Any, where: str) -> str:
     if spec.qk_norm_whole:
         ok = not (shared or pattern or spec.qkv_bias or _scaled(spec))
         kind = "olmoe"
-    elif _scaled(spec):
-        ok = not (shared or pattern or spec.qkv_bias or spec.qk_norm) and spec.moe_norm_topk
-        kind = "granitemoe"
+    elif _scaled(spec) or (shared and not spec.moe_shared_gate):
+        ok = not (spec.moe_shared_gate or pattern or spec.qkv_bias or spec.qk_norm) \
+            and spec.moe_norm_topk
+        kind = "granitemoeshared" if shared else "granitemoe"
     elif spec.qk_norm:
         ok = not (shared or spec.qkv_bias)
         kind = "qwen3_moe"

@@ -115,13 +115,20 @@ def _block_sources(spec: ModelSpec, mtype: str, i: int) -> dict[str, Source]:
 
 def _moe_sources(spec: ModelSpec, mtype: str, i: int) -> dict[str, Source]:
     base, ff = f"model.layers.{i}.", f"layers.{i}.feed_forward."
-    if mtype == "granitemoe":  # experts fused per block: [E, gate | up, hidden], [E, hidden, w]
-        moe = base + "block_sparse_moe."
-        return {ff + "router.gate.weight": Source(moe + "router.layer.weight"),
-                ff + "experts.w1.weight": Source(moe + "input_linear.weight", axis=1),
-                ff + "experts.w3.weight": Source(moe + "input_linear.weight",
-                                                 offset=spec.moe_ffn_hidden, axis=1),
-                ff + "experts.w2.weight": Source(moe + "output_linear.weight")}
+    if mtype in ("granitemoe", "granitemoeshared"):  # [E, gate | up, hidden], [E, hidden, w]
+        moe, shared = base + "block_sparse_moe.", base + "shared_mlp."
+        out = {ff + "router.gate.weight": Source(moe + "router.layer.weight"),
+               ff + "experts.w1.weight": Source(moe + "input_linear.weight", axis=1),
+               ff + "experts.w3.weight": Source(moe + "input_linear.weight",
+                                                offset=spec.moe_ffn_hidden, axis=1),
+               ff + "experts.w2.weight": Source(moe + "output_linear.weight")}
+        if spec.moe_shared_experts:  # one shared expert: [gate | up, hidden], [hidden, w]
+            width = spec.moe_shared_experts * spec.moe_ffn_hidden
+            out.update({ff + "shared.w1.weight": Source(shared + "input_linear.weight"),
+                        ff + "shared.w3.weight": Source(shared + "input_linear.weight",
+                                                        offset=width),
+                        ff + "shared.w2.weight": Source(shared + "output_linear.weight")})
+        return out
     router, expert, (w1, w3, w2) = moe_names(mtype)
     out = {ff + "router.gate.weight": Source(f"{base}{router}.weight")}
     for ours, theirs in (("w1", w1), ("w3", w3), ("w2", w2)):
