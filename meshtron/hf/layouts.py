@@ -205,8 +205,8 @@ def _moe_type(spec: Any, where: str) -> str:
              and spec.moe_route_scale == 1.0 and not spec.moe_dense_layers)
     if not plain:
         raise _refuse(where, spec, "mixtures of experts load as mixtral, qwen3_moe, qwen2_moe, "
-                      "olmoe or granitemoe (a sigmoid router, dense first blocks, windows or "
-                      "LayerNorms are none of them)")
+                      "olmoe or granitemoe(shared) (a sigmoid router, dense first blocks, "
+                      "windows or LayerNorms are none of them)")
     pattern = spec.moe_layer_step != 1 or bool(spec.moe_mlp_only_layers)
     shared = bool(spec.moe_shared_experts)
     if spec.qk_norm_whole:
@@ -238,6 +238,7 @@ def resolve_type(spec: Any, declared: Any, where: str) -> str:
         return inferred
     if declared in SUPPORTED_TYPES and inferred in EXPRESSES.get(declared, ()):
         return declared
+    allowed = (inferred,) + tuple(t for t, held in EXPRESSES.items() if inferred in held)
     raise UserError(f"{where}: config.json model_type={declared!r} does not hold model "
                     f"{spec.name!r}, whose fields read as model_type {inferred!r}; allowed: "
-                    f"{', '.join((inferred,) + tuple(t for t, e in EXPRESSES.items() if inferred in e))}")
+                    f"{', '.join(allowed)}")
