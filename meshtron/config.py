@@ -33,6 +33,22 @@ def _positive(section: str, obj: Any, *names: str) -> None:
             raise UserError(f"{section}.{name}={value!r}: must be positive")
 
 
+INT64_MAX = 2**63 - 1
+"""TOML 1.0 (toml.io/en/v1.0.0#integer): integers are signed 64-bit; run.toml and plan.toml
+hold every setting, so a larger one is a file other TOML readers refuse (torch, too, keeps
+counters and seeds as signed 64-bit integers)."""
+
+
+def _int64(section: str, obj: Any) -> None:
+    """Every integer setting of `obj` within TOML's signed 64-bit range (`--steps 10**19` was
+    accepted and written to run.toml)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+            raise UserError(f"{section}.{f.name}={value}: allowed at most 2**63 - 1 "
+                            f"({INT64_MAX}), TOML's and torch's largest integer")
+
+
 @dataclass
 class DataConfig:
     source: str = "stdlib"
@@ -59,6 +75,7 @@ class DataConfig:
     documents: attention stays inside each document, RoPE positions restart; no pipelining)."""
 
     def __post_init__(self) -> None:
+        _int64("data", self)
         _positive("data", self, "bpe_vocab", "seq_len", "global_batch", "micro_batch", "eval_batches")
         if self.tokenizer not in ("byte", "bpe"):
             from meshtron.data.tokenizer import tokenizer_file
@@ -94,6 +111,7 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def __post_init__(self) -> None:
+        _int64("optim", self)
         _positive("optim", self, "eps")
         if self.lr < 0:  # 0 is a dry run that changes no weight (e.g. a load/export check)
             raise UserError(f"optim.lr={self.lr!r}: must be >= 0")
@@ -143,6 +161,7 @@ class TrainConfig:
     replacement rejoins with the live weights. 0: off."""
 
     def __post_init__(self) -> None:
+        _int64("train", self)
         _positive("train", self, "steps", "log_every")
         if not (isinstance(self.replica_ft, int) and (self.replica_ft == 0
                                                       or self.replica_ft >= 2)):

@@ -143,6 +143,21 @@ def test_a_seed_beyond_64_bits_is_refused_before_the_run_folder(capsys, tmp_path
     assert not run.exists()
 
 
+@pytest.mark.parametrize("flag, field", [("--steps", "train.steps"),
+                                         ("--warmup-steps", "optim.warmup_steps"),
+                                         ("--global-batch", "data.global_batch")])
+def test_a_count_beyond_64_bits_is_refused_before_the_run_folder(capsys, tmp_path, flag, field):
+    """`--steps 10**19` was accepted (and written to run.toml, which TOML 1.0 readers refuse:
+    its integers are signed 64-bit); 2**63 - 1 itself passes the check."""
+    from meshtron.config import INT64_MAX, TrainConfig
+
+    run = tmp_path / "run"
+    line = refused(capsys, "train", "--model", "debug", flag, 10**19, "--run-dir", run)
+    assert line.startswith("meshtron train: error: ") and f"{field}={10**19}:" in line, line
+    assert "at most 2**63 - 1" in line and not run.exists()
+    assert TrainConfig(steps=INT64_MAX).steps == INT64_MAX
+
+
 @pytest.mark.parametrize("env, want", [
     ({"RANK": "0", "WORLD_SIZE": "x"}, "WORLD_SIZE='x' (environment variable): expected an "
                                        "integer >= 1"),

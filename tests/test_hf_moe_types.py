@@ -366,3 +366,58 @@ def test_gated_shared_expert_and_pattern_layouts_match_one_process():
     bad = [r for r in report if r["missing"] or r["extra"]
            or max(r["loss_rel"], r["norm_rel"], r["param_rel"]) > 1e-5]
     assert not bad, format_report(bad)
+
+
+def _core(spec, seq: int, cp: int = 1, **opts):
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.compute import layer_cost
+    from meshtron.planner.kernel_options import KernelOptions
+
+    return layer_cost(spec, resolve_cluster("dgx-h100:1"), 1, 1, seq, False,
+                      KernelOptions(**opts), cp=cp).core_fwd
+
+
+def test_llama4_chunked_blocks_are_priced_at_their_chunks():
+    """Llama-4-Scout at 32k tokens: 36 of its 48 blocks (all but every 4th, its NoPE blocks)
+    attend within 8192-token chunks (transformers' chunked_overlay: 4 causal squares of 8192
+    instead of one of 32768); at 8192 tokens a chunk is the whole sequence. Under context
+    parallelism (cp=2) the ring's core carries the same share."""
+    spec = from_hf_dict(C.LLAMA4_SCOUT)
+    assert (spec.attn_chunk, spec.chunk_every, spec.chunked_blocks) == (8192, 4, 36)
+    full = spec.replace(attn_chunk=0, chunk_every=0)
+    s, c = 32768, 8192
+    share = (36 * (4 * c * (c + 1) / 2) / (s * (s + 1) / 2) + 12) / 48
+    assert _core(spec, s) == pytest.approx(_core(full, s) * share, rel=1e-9)
+    assert _core(spec, s, cp=2) == pytest.approx(_core(full, s, cp=2) * share, rel=1e-9)
+    assert _core(spec, 8192) == _core(full, 8192)
+    explicit = dict(C.LLAMA4_SCOUT, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(48)])
+    assert from_hf_dict(explicit) == spec  # the list transformers writes reads the same
+
+
+def test_sliding_windows_under_context_parallelism_are_priced_at_the_window():
+    """Mistral-7B-v0.1's window of 4096 at 16k tokens, cp=2 (Transformer Engine's windowed
+    calls per chunk): the window's share of the ring's core; torch's ring attention (SDPA's
+    causal kernel on every step, no window) is priced whole."""
+    spec = from_hf_dict(MISTRAL_7B)
+    full = spec.replace(sliding_window=0)
+    s, w = 16384, 4096
+    share = (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+    assert _core(spec, s, cp=2) == pytest.approx(_core(full, s, cp=2) * share, rel=1e-9)
+    assert _core(spec, s, cp=2, torch_ring=True) == _core(full, s, cp=2, torch_ring=True)
+
+
+MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "vocab_size": 32000,
+                     "max_position_embeddings": 32768, "sliding_window": 4096}
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(no_rope_layers=[1, 0] * 24 + [1]), "config.json no_rope_layers="),
+    (dict(no_rope_layers=[1, 1, 0, 1] * 12), "a 0 (full attention) every N blocks"),
+    (dict(attention_chunk_size=-1), "config.json attention_chunk_size=-1: must be a positive"),
+])
+def test_llama4_chunk_keys_are_checked_in_one_line(changes, match):
+    with pytest.raises(UserError) as err:
+        from_hf_dict(dict(C.LLAMA4_SCOUT, **changes))
+    assert match in str(err.value) and "\n" not in str(err.value)

@@ -1,5 +1,7 @@
 """Hugging Face interoperability: safetensors weights in (`load_into`, reading only this rank's
-slices) and out (`save_hf`, `export_parallel`), name mapping for Llama, Mistral, Qwen2, GPT-2."""
+slices) and out (`save_hf`, `export_parallel`), name mapping for the types of
+`layouts.SUPPORTED_TYPES` (Llama's family, Phi-3, Nemotron, StarCoder2, Gemma 3, OLMo 2, GPT-2
+and five mixtures of experts)."""
 
 import importlib
 

@@ -65,13 +65,12 @@ def run_config(run_dir: Path):
 
 def cmd_export(args: argparse.Namespace) -> int:
     from meshtron.checkpoint import load_full_state_dict
-    from meshtron.hf.export import prepare_export_dir, save_hf
+    from meshtron.hf.export import export_type, prepare_export_dir, save_hf
     from meshtron.hf.hooks import source_config, tokenizer_source
-    from meshtron.hf.names import check_supported
 
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
-    check_supported(cfg.model, "export")
+    export_type(cfg.model, source_config(cfg), "export")
     prepare_export_dir(args.to, "export --to")
     folder, step = find_checkpoint(run_dir, args.step)
     state = load_full_state_dict(folder)

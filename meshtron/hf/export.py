@@ -27,7 +27,7 @@ import torch
 from meshtron.argtypes import writable_target
 from meshtron.data.tokenizer import TOKENIZER_FILES
 from meshtron.errors import UserError
-from meshtron.hf.names import HFTensors, hf_config, sources
+from meshtron.hf.names import HFTensors, check_supported, hf_config, sources
 from meshtron.model.spec import ModelSpec
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -66,11 +66,20 @@ def write_metadata(out: Path, spec: ModelSpec, weight_map: dict[str, str],
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
             indent=2))
-    doc = dict(config) if config else hf_config(spec, dtype)
+    doc = dict(config) if config else hf_config(spec, dtype, export_type(spec, config))
     doc["vocab_size"] = spec.vocab
     (out / "config.json").write_text(json.dumps(doc, indent=2))
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out)
+
+
+def export_type(spec: ModelSpec, config: dict[str, Any] | None,
+                field: str = "export") -> str:
+    """The model_type whose tensor names the export writes: the kept source config's (its
+    config.json is written as it is, so the names must be its type's), else the type the
+    spec's fields read as."""
+    declared = config.get("model_type") if isinstance(config, dict) else None
+    return check_supported(spec, field, declared if isinstance(declared, str) else None)
 
 
 def copy_tokenizer(src: str | Path, out: Path) -> list[str]:
@@ -97,11 +106,12 @@ def save_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir: str | Path
     out.mkdir(parents=True, exist_ok=True)
     from meshtron.hf.load import model_shapes
 
-    names = sources(spec)
+    mtype = export_type(spec, config, field)
+    names = sources(spec, mtype)
     missing = sorted(set(names) - set(state))
     if missing:
         raise UserError(f"export: the state has no tensor {missing[0]}")
-    convert = HFTensors(spec, model_shapes(spec))
+    convert = HFTensors(spec, model_shapes(spec), mtype)
     weight_map: dict[str, str] = {}
     buf: dict[str, torch.Tensor] = {}
     size, n = 0, 0
@@ -148,7 +158,7 @@ def export_parallel(pm, spec: ModelSpec, out_dir: str | Path,
     dist.barrier()
     from meshtron.hf.load import model_shapes
 
-    convert = HFTensors(spec, model_shapes(spec))
+    convert = HFTensors(spec, model_shapes(spec), export_type(spec, config, "train.export"))
     weight_map: dict[str, str] = {}
     buf: dict[str, torch.Tensor] = {}
     size, n, dtype = 0, 0, "float32"

@@ -19,10 +19,9 @@ def check_job(cfg: RunConfig) -> None:
 
         check_checkpoint(cfg.train.init_from, cfg.model)
     if cfg.train.export:
-        from meshtron.hf.export import prepare_export_dir
-        from meshtron.hf.names import check_supported
+        from meshtron.hf.export import export_type, prepare_export_dir
 
-        check_supported(cfg.model, "train.export")
+        export_type(cfg.model, source_config(cfg), "train.export")
         prepare_export_dir(cfg.train.export)
 
 

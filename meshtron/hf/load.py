@@ -10,6 +10,7 @@ reads those bytes from the memory-mapped file and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -64,6 +65,17 @@ class Checkpoint:
                     self.files[name] = path
                     self.shapes[name] = tuple(meta.get("shape", ()))
 
+    def declared_type(self) -> str | None:
+        """The model_type the folder's config.json names (None: no readable config.json):
+        its tensor names are that type's."""
+        path = self.folder / "config.json"
+        try:
+            doc = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError, UnicodeDecodeError):
+            raise UserError(f"{FIELD}: {str(path)!r} is not valid JSON") from None
+        mtype = doc.get("model_type") if isinstance(doc, dict) else None
+        return mtype if isinstance(mtype, str) else None
+
     def _read_index(self, index: Path) -> None:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -97,9 +109,9 @@ class Checkpoint:
               ) -> dict[str, Source]:
         """Check names and shapes against the model; returns meshtron name -> Source (with the
         stored names)."""
-        mtype = check_supported(spec, FIELD)
-        srcs = sources(spec)
-        expected = hf_shapes(spec, want_shapes)
+        mtype = check_supported(spec, FIELD, self.declared_type())
+        srcs = sources(spec, mtype)
+        expected = hf_shapes(spec, want_shapes, mtype)
         stored = {self._resolve(s.name): s.name for s in srcs.values()}
         stored.update({n: n for s in srcs.values() for n in s.stacked})
         for name in sorted(self.shapes):
@@ -121,7 +133,7 @@ class Checkpoint:
             if got != want:
                 raise UserError(f"{FIELD}: tensor {src.name} has shape {list(got)}; the model "
                                  f"needs {list(want)}")
-            out[ours] = Source(real, src.transpose, src.offset)
+            out[ours] = dataclasses.replace(src, name=real)
         return out
 
     def _check_one(self, name: str, ours: str, expected: dict[str, tuple[int, ...]]) -> None:
@@ -147,13 +159,15 @@ class Checkpoint:
         shape = tuple(target.shape)
         row = max(1, math.prod(shape[1:]))
         step = max(1, block_elems // row)
+        start = list(offset)  # the box's first index in the stored tensor, fused part included
+        start[src.axis] += src.offset
         read = 0
         with safe_open(str(self.files[src.name]), framework="pt") as f:
             sl = f.get_slice(src.name)
             for r in range(0, shape[0], step):
                 n = min(step, shape[0] - r)
-                rows = slice(src.offset + offset[0] + r, src.offset + offset[0] + r + n)
-                cols = tuple(slice(o, o + k) for o, k in zip(offset[1:], shape[1:]))
+                rows = slice(start[0] + r, start[0] + r + n)
+                cols = tuple(slice(o, o + k) for o, k in zip(start[1:], shape[1:]))
                 if src.transpose:
                     values = sl[(cols[0], rows)].t()
                 else:

@@ -103,9 +103,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
             tied_embeddings=flag("tie_word_embeddings", False),
             qkv_bias=(mtype == "qwen2") or _no_out_bias(flag("attention_bias", False)),
-            # Mistral's sliding window caps the exact length (see _hf_max_seq).
-            **_hf_rope(cfg, "rope_theta", num,
-                       _hf_max_seq(cfg, mtype, opt_int("max_position_embeddings", 4096))),
+            **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
+            **_mistral_window(cfg, mtype, opt_int("max_position_embeddings", 4096)),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
     if mtype in DENSE_TYPES:
@@ -261,15 +260,15 @@ def _no_out_bias(attention_bias: bool) -> bool:
     return False
 
 
-def _hf_max_seq(cfg: dict[str, Any], mtype: str, max_pos: int) -> int:
-    """The longest sequence meshtron computes exactly: Mistral's sliding window (every token
-    attends to at most `sliding_window` predecessors) equals full causal attention on sequences
-    no longer than the window, so the window caps max_seq and longer sequences are refused
-    there (`seq_len ... max_seq`), not the model."""
+def _mistral_window(cfg: dict[str, Any], mtype: str, max_pos: int) -> dict[str, Any]:
+    """Mistral's `sliding_window` in every block (transformers' MistralAttention passes it to
+    the mask: query i attends to keys i - window + 1 .. i): the runtime computes it
+    (model/attention.py window_attention), so sequences run to max_position_embeddings; a
+    window no shorter than that is full causal attention."""
     window = cfg.get("sliding_window") if mtype == "mistral" else None
     if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
-        return window
-    return max_pos
+        return {"sliding_window": window}
+    return {}
 
 
 def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:

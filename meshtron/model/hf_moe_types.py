@@ -139,9 +139,9 @@ def _llama4(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     and one shared expert of `intermediate_size`, dense blocks of `intermediate_size_mlp`
     between MoE blocks (`interleave_moe_layer_step`, or an explicit `moe_layers` list), a
     top-k router whose sigmoid scores multiply each expert's input (meshtron's multiply the
-    output: train_refusals), chunked attention on the RoPE blocks and no RoPE on every 4th
-    (`no_rope_layers`), weightless L2 q/k norms. Planned: the chunked blocks are priced as
-    full causal attention (an upper bound)."""
+    output: train_refusals), chunked attention on the RoPE blocks (`attn_chunk`, priced at
+    the chunks) and no RoPE on every 4th (`no_rope_layers`: `chunk_every`), weightless L2 q/k
+    norms."""
     _no_attention_bias(cfg, mtype)
     layers, fe = common["layers"], need("intermediate_size")
     pattern = _llama4_pattern(cfg, layers)
@@ -149,20 +149,41 @@ def _llama4(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
                 "each expert's input, meshtron's router weights multiply the output (planned "
                 "only)"]
     chunk = cfg.get("attention_chunk_size", 8192)  # Llama4TextConfig's default
-    if chunk:
-        refusals.append(f"config.json attention_chunk_size={chunk!r}: "
-                        "meshtron's attention runs no chunked attention (planned only, priced "
-                        "as full attention); allowed: null")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
+                              or chunk <= 0):
+        raise UserError(f"config.json attention_chunk_size={chunk!r}: must be a positive "
+                        "integer or null")
     if cfg.get("use_qk_norm", True):
         refusals.append("config.json use_qk_norm=true: meshtron's q/k norms are RMSNorms with "
                         "weights, not Llama 4's weightless L2 norm (planned only)")
     head = opt_int("head_dim", 128)  # Llama4TextConfig's defaults: head_dim, dense width
     return dict(ffn_hidden=opt_int("intermediate_size_mlp", 16384),
+                attn_chunk=chunk or 0, chunk_every=_nope_interval(cfg, layers) if chunk else 0,
                 head_size=head if head not in (None, common["hidden"] // common["heads"])
                 else None,
                 norm_eps=num("rms_norm_eps", 1e-5), moe_experts=need("num_local_experts"),
                 moe_ffn_hidden=fe, moe_shared_experts=1, moe_router="sigmoid",
                 moe_norm_topk=False, train_refusals=tuple(refusals), **pattern)
+
+
+def _nope_interval(cfg: dict[str, Any], layers: int) -> int:
+    """Every how many blocks Llama 4 attends fully: transformers' Llama4TextConfig builds
+    `no_rope_layers` (1: a RoPE block, chunked; 0: a NoPE block, full attention) as
+    int((i + 1) % no_rope_layer_interval != 0) unless the list is given (non-empty)."""
+    listed = cfg.get("no_rope_layers")
+    interval = cfg.get("no_rope_layer_interval", 4)
+    if not listed:
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            raise UserError(f"config.json no_rope_layer_interval={interval!r}: must be a "
+                            "positive integer")
+        return interval if interval <= layers else 0
+    ok = isinstance(listed, list) and len(listed) == layers and all(v in (0, 1) for v in listed)
+    every = listed.index(0) + 1 if ok and 0 in listed else 0
+    if not ok or any(v != int(not every or (i + 1) % every != 0) for i, v in enumerate(listed)):
+        raise UserError(f"config.json no_rope_layers={_kinds_text(listed)}: meshtron prices "
+                        "Llama 4's chunked blocks as a pattern: one 0 or 1 per block "
+                        f"({layers}), a 0 (full attention) every N blocks")
+    return every
 
 
 def _llama4_pattern(cfg: dict[str, Any], layers: int) -> dict[str, Any]:

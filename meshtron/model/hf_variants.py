@@ -45,12 +45,18 @@ def check_variants(spec: Any) -> None:
         value = getattr(spec, field)
         if not _number(value) or not math.isfinite(value) or value < 0:
             raise UserError(f"model.{field}={value!r}: must be a non-negative number (0: none)")
-    for field in ("sliding_window", "window_every"):
+    for field in ("sliding_window", "window_every", "attn_chunk", "chunk_every"):
         value = getattr(spec, field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise UserError(f"model.{field}={value!r}: must be a non-negative integer")
     if spec.window_every and not spec.sliding_window:
         raise UserError(f"model.window_every={spec.window_every}: needs a sliding_window")
+    if spec.chunk_every and not spec.attn_chunk:
+        raise UserError(f"model.chunk_every={spec.chunk_every}: needs an attn_chunk")
+    if spec.attn_chunk and spec.sliding_window:
+        raise UserError(f"model.attn_chunk={spec.attn_chunk}: chunked attention with a "
+                        f"sliding_window ({spec.sliding_window}) is not a model meshtron "
+                        "describes; set one of them to 0")
 
 
 def runtime_problem(spec: Any, seq_len: int | None = None,
@@ -58,6 +64,10 @@ def runtime_problem(spec: Any, seq_len: int | None = None,
     """One line naming the first field meshtron's runtime does not compute exactly, with
     its value and what is allowed; None when the runtime trains `spec` at `seq_len` tokens
     (a sliding window no shorter than the sequence is full causal attention)."""
+    if spec.attn_chunk:
+        return (f"model.attn_chunk={spec.attn_chunk}: chunked attention (Llama 4 "
+                "attention_chunk_size) is priced by the planner but meshtron's runtime does "
+                "not compute it; only 0")
     if spec.attn_softcap or spec.logit_softcap:
         field = "attn_softcap" if spec.attn_softcap else "logit_softcap"
         return (f"model.{field}={getattr(spec, field)}: soft-capping (Gemma 2) is priced by "
@@ -84,18 +94,6 @@ def check_runtime(spec: Any, seq_len: int | None = None, documents: bool = False
     problem = runtime_problem(spec, seq_len, documents)
     if problem:
         raise UserError(problem)
-
-
-def variant_fields(spec: Any) -> list[str]:
-    """The variant fields `spec` sets away from the Llama defaults (meshtron/hf/names.py reads
-    and writes Hugging Face weights of none of them)."""
-    defaults = {"qk_norm_whole": False, "norm_plus_one": False, "norm_layout": "pre",
-                "rope_fraction": 1.0, "rope_local_theta": None, "attn_scale": None,
-                "embed_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0,
-                "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0,
-                "window_every": 0, "gelu_approximate": "tanh"}
-    out = [f for f, v in defaults.items() if getattr(spec, f) != v]
-    return out + (["mlp"] if spec.mlp in ("geglu", "relu2") else [])
 
 
 def _number(value: Any) -> bool:

@@ -131,6 +131,15 @@ class ModelSpec:
     window_every: int = 0
     """With a sliding window: of every `window_every` consecutive blocks the last attends
     globally and the others slide (Gemma 2: 2, Gemma 3: 6); 0: every block slides."""
+    attn_chunk: int = 0
+    """Chunked attention (Llama 4 `attention_chunk_size` 8192): in a chunked block a query
+    attends only to earlier keys of its own chunk of `attn_chunk` positions (transformers'
+    masking_utils.chunked_overlay: kv_idx // chunk == q_idx // chunk); 0: none. Priced by the
+    planner; meshtron's runtime does not compute it (hf_variants.runtime_problem)."""
+    chunk_every: int = 0
+    """With chunked attention: of every `chunk_every` consecutive blocks the last attends to
+    the whole causal prefix (Llama 4's NoPE blocks, `no_rope_layer_interval` 4); 0: every
+    block is chunked."""
     # ---- multi-head latent attention (meshtron/model/mla.py); kv_lora_rank = 0: none ---------
     q_lora_rank: int = 0
     """Width of the queries' latent (DeepSeek-V3 1536; 0: one plain q projection, V2-Lite)."""
@@ -290,6 +299,13 @@ class ModelSpec:
         `window_every`-th block, transformers' `(index + 1) % pattern`)."""
         return bool(self.sliding_window) and (
             not self.window_every or (index + 1) % self.window_every != 0)
+
+    @property
+    def chunked_blocks(self) -> int:
+        """How many blocks attend in chunks (closed form, as `sliding_blocks`)."""
+        if not self.attn_chunk:
+            return 0
+        return self.layers - (self.layers // self.chunk_every if self.chunk_every else 0)
 
     @property
     def sliding_blocks(self) -> int:

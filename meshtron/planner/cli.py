@@ -201,7 +201,7 @@ def long_sequence_note(model, seq: int) -> str:
             if model.position == "learned" else "training it needs context extension "
             "(RoPE scaling) for the quality, not for the cost priced here")
     return (f"warning: seq-len {seq} exceeds the model's max_seq={model.max_seq} (its "
-            f"config.json max_position_embeddings, or a smaller sliding_window); {what}")
+            f"config.json max_position_embeddings); {what}")
 
 
 def run(args: argparse.Namespace) -> int:

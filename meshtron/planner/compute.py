@@ -131,11 +131,18 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     q_len = seq / cp  # each context rank's queries attend to the whole (causal) sequence
     core_fwd, core_bwd, ring = core_time(cluster, opts, batch_heads, q_len, seq, cp, hd, bw,
                                          hd_v)
-    if opts.attention == "flash" and cp == 1:
-        # sliding-window blocks (Mistral, Gemma 2/3, StarCoder2): the kernel skips the tiles
-        # outside the window; the mean block is priced. With cp > 1 the ring's steps are priced
-        # whole (a ring that drops the chunks beyond the window is not modelled: the price is
-        # an upper bound there); the unfused core computes the masked square anyway
+    if opts.attention == "flash" and not (cp > 1 and opts.torch_ring):
+        # sliding-window blocks (Mistral, Gemma 2/3, StarCoder2) and chunked ones (Llama 4):
+        # the kernel skips the tiles outside the window or chunk; the mean block is priced.
+        # With cp > 1 each rank's queries compute the same share of their pairs: Transformer
+        # Engine's p2p sliding window with context parallelism (transformer_engine/pytorch/
+        # attention/dot_product_attention/context_parallel_swa.py, 2026: one call per chunk
+        # over [halo, chunk] with window_size) and its all-gather fallback both run the
+        # windowed kernel on each rank's load-balanced chunks; the K/V exchange stays priced
+        # whole (the halo exchange that moves only the window is not modelled: an upper
+        # bound). torch's ring attention (torch.distributed.tensor.experimental) calls SDPA's
+        # causal kernel on every step, with no window: priced whole, as the unfused core,
+        # which computes the masked square anyway.
         share = window_share(model, seq)
         core_fwd, core_bwd = core_fwd * share, core_bwd * share
     elementwise = tokens * elementwise_bytes(model, tp, sp, opts) / bw

@@ -39,15 +39,21 @@ def window_share(model: ModelSpec, seq: int) -> float:
     sliding-window blocks (ModelSpec.sliding_window w, a query attending to itself and w - 1
     predecessors): FlashAttention's local attention (window_size, Dao 2023; FlexAttention's
     block mask alike) skips the tiles wholly outside the window, so a sliding block's core is
-    sum_i min(i, w) of the causal square's s(s+1)/2 query-key pairs; the tiles the window's
-    edge cuts are not counted. 1.0 without a window or where the sequence fits in it."""
-    w = model.sliding_window
-    if not w or seq <= w or not model.sliding_blocks:
-        return 1.0
+    sum_i min(i, w) of the causal square's s(s+1)/2 query-key pairs; or with chunked blocks
+    (ModelSpec.attn_chunk c, Llama 4: transformers 5.25 masking_utils.chunked_overlay,
+    kv_idx // c == q_idx // c under the causal mask), (s // c) causal squares of c(c+1)/2
+    pairs and one of the remainder's. The tiles the window's or a chunk's edge cuts are not
+    counted. 1.0 without either or where the sequence fits in one window or chunk."""
     full = seq * (seq + 1) / 2
-    slide = (w * (w + 1) / 2 + (seq - w) * w) / full
-    n = model.sliding_blocks
-    return (n * slide + (model.layers - n)) / model.layers
+    w, c = model.sliding_window, model.attn_chunk
+    if w and seq > w and model.sliding_blocks:
+        part, n = (w * (w + 1) / 2 + (seq - w) * w) / full, model.sliding_blocks
+    elif c and seq > c and model.chunked_blocks:
+        r = seq % c
+        part, n = ((seq // c) * c * (c + 1) / 2 + r * (r + 1) / 2) / full, model.chunked_blocks
+    else:
+        return 1.0
+    return (n * part + (model.layers - n)) / model.layers
 
 
 def core_widths(model: ModelSpec, opts: KernelOptions) -> tuple[int, int]:

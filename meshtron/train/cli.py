@@ -162,9 +162,14 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         overrides["model"] = init_from  # the checkpoint's config.json
     from meshtron.data.tokenizer import follow_tokenizer
     from meshtron.model.hf_variants import check_runtime
+    from meshtron.model.shapes import runtime_refusal
 
     cfg = follow_tokenizer(config_from_dict(apply_overrides(doc, overrides)))
-    # what the planner prices but no rank runs
+    # what the planner prices but no rank runs: the planned-only features' first refusal,
+    # then the fields' (the order `meshtron plan` names them, planner/cli.py)
+    problem = runtime_refusal(cfg.model)
+    if problem:
+        raise UserError(problem)
     check_runtime(cfg.model, cfg.data.seq_len, cfg.data.attention_mask == "document")
     return cfg
 
