@@ -198,7 +198,9 @@ def breakdown_line(est: Estimate) -> str:
             + (f" (on the host) + host-link copies {fmt_s(t.offload)} (offload="
                f"{est.config.offload})" if est.config.offload != "none" else "")
             + (f" + expert all-to-all {fmt_s(t.ep_comm)}" if t.ep_comm else "")
-            + (f" + host at the step's end {fmt_s(t.step_host)}" if t.step_host else ""))
+            # TimeBreakdown.step_host is Composer's train-metric sync, no other stack's
+            + (f" + train-metric sync on the host at the step's end {fmt_s(t.step_host)}"
+               if t.step_host else ""))
 
 
 def memory_line(est: Estimate) -> str:
