@@ -219,3 +219,19 @@ def test_simulate_sweep_counts_the_step_end_sync(tmp_path):
         assert parts == pytest.approx(float(r["step_time_s"]), rel=1e-9)
         assert float(r["step_host_s"]) > 0
     assert "train-metric sync" in rows[1]["cause"]
+
+
+def test_flat_param_on_a_stack_without_fsdp_is_one_line(tmp_path):
+    """FSDP1's flat parameters are PyTorch FSDP's: on DeepSpeed's ZeRO (sharding 'zero') they
+    would price FSDP1's gradient passes on a stack that has none; refused, exit 2."""
+    with pytest.raises(UserError, match="flat_param=True with sharding='zero'"):
+        KernelOptions(sharding="zero", flat_param=True)
+    opts = tmp_path / "o.toml"
+    opts.write_text("[options]\nflat_param = true\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "meshtron", "plan", "--model", "llama3-8b", "--cluster",
+         "dgx-h100:8", "--global-batch", "512", "--seq-len", "2048", "--framework",
+         "deepspeed", "--options", str(opts), "--zero", "3"],
+        capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "flat_param=True" in out.stderr
