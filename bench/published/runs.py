@@ -174,7 +174,9 @@ LOOKED_AT = {
        for ver in ("25.11", "26.02")},
     "MB26.04.01 Qwen3 30B-A3B 16xH100": "examined in session 40 (branch automoe) after its "
         "-20.6% first run: its hybridep flex dispatcher priced as DeepEP's hierarchical "
-        "dispatch (ep_dispatch 'deepep'), set after its error was known",
+        "dispatch (ep_dispatch 'deepep'), set after its error was known; in session 41 "
+        "(branch qwen3reg) its +31.9% led to reading HybridEP again: ep_dispatch 'hybridep' "
+        "with the routing-map all-gather",
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""
