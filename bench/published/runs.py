@@ -180,6 +180,11 @@ LOOKED_AT = {
 }
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""
+# session 41 (branch lfmpt) read llm-foundry's step again from these rows' errors (its H100 rows'
+# optimism growing with the GPU count): what it steered, added to each row's earlier reason
+LOOKED_AT.update({name: why + "; session 41 (branch lfmpt): their errors led to pricing "
+                  "flash-attn's loss, Composer's train metrics and FSDP1's flat parameters"
+                  for name, why in LOOKED_AT.items() if name.startswith("LF MPT-")})
 
 
 def added_s39() -> list[PublishedRun]:
