@@ -235,3 +235,25 @@ def test_flat_param_on_a_stack_without_fsdp_is_one_line(tmp_path):
         capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "flat_param=True" in out.stderr
+
+
+def test_fsdp1_no_shard_all_reduces_every_micro_batch():
+    """Composer never enters no_sync for FSDP, so FSDP1's NO_SHARD (zero 0) all-reduces after
+    every micro-batch's backward, with its gradient cat, cast and pre-division: four
+    micro-batches cost four times one's exposed data-parallel time, where a stack that
+    accumulates (no flat parameters) reduces once per step."""
+    fw = PRESETS["llm-foundry@2024"]
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", 8)
+    for flat in (True, False):
+        kernel = dataclasses.replace(fw.kernel, flat_param=flat)
+        dp = {}
+        for m in (1, 4):
+            ev = Evaluator(model, cl, 2 * m * 64, 2048, kernel, mem=fw.memory)
+            cfg = Plan(tp=1, pp=1, dp=64, zero=0, micro_batch=2, recompute="full", sp=False,
+                       dtype="bf16", reduce_dtype="fp32")
+            dp[m] = ev.evaluate(cfg).time.dp_comm
+        assert dp[1] > 0
+        if flat:
+            assert dp[4] == pytest.approx(4 * dp[1], rel=1e-9)
+        else:
+            assert dp[4] == pytest.approx(dp[1], rel=1e-9)

@@ -250,8 +250,12 @@ class DataParallelCost:
             exp = (reduce + e_gather + chain(max(0.0, gather - e_gather), fwd, units, nccl)
                    + self.bucket_passes_s(params, gsize))
             if fsdp and self.opts.flat_param:  # FSDP1 NO_SHARD: the gradient cat as above
-                exp += (m * self.copy_out_s(params, wsize)
-                        + self.grad_prep_s(params, gsize, wsize, group.size))
+                per_mb = (self.copy_out_s(params, wsize)
+                          + self.grad_prep_s(params, gsize, wsize, group.size))
+                # Composer enters no_sync for DDP only (composer/trainer/trainer.py v0.17.2
+                # _train_microbatches), so FSDP1 syncs, and NO_SHARD all-reduces, after every
+                # micro-batch's backward (torch 2.1 _runtime_utils.py _post_backward_hook)
+                exp = m * (exp + per_mb) if zero == 0 else exp + m * per_mb
         self._cache[key] = exp
         return exp
 
