@@ -82,8 +82,9 @@ class DataParallelCost:
     def dp_flags(self, cfg: Plan) -> dict[str, Any]:
         """How a plan's data-parallel collectives run, as keyword arguments of `_dp_time`; the
         same list planner/collectives.py `step_collectives` counts and
-        tests/test_dp_collectives.py checks on real gloo steps. `gsize` bytes per gradient
-        element on the wire (the plan's reduce_dtype), `wsize` per gathered parameter
+        tests/test_dp_collectives.py checks on real gloo steps (meshtron's runtime: FSDP1's
+        flat_param stacks, which it does not run, differ as said below). `gsize` bytes per
+        gradient element on the wire (the plan's reduce_dtype), `wsize` per gathered parameter
         (`_param_wire`), `reduce_once` (ZeRO-2/3 reduce-scatter once per step:
         accumulate_unsharded, or pipelining, whose schedule turns FSDP's gradient sync and
         resharding off until the last backward in torch.distributed.pipelining),
