@@ -106,6 +106,10 @@ def test_cli_shows_the_step_end_host_time(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, check=True)
     time_s = json.loads(out.stdout)["plans"][0]["time_s"]
     assert time_s["step_host"] > 0.02  # 4 states x 512 ranks x two host operations
+    text = subprocess.run(out.args[:-3], capture_output=True, text=True, cwd=tmp_path,
+                          check=True).stdout
+    shown = f"train-metric sync on the host at the step's end {time_s['step_host']:.3g}"
+    assert shown in " ".join(text.split())
 
 
 def test_bad_train_metrics_option_is_one_line(tmp_path):
@@ -193,3 +197,63 @@ def test_fsdp1_shard_grad_op_gathers_again_every_micro_batch():
         out[flat] = (est.time.dp_comm, est.memory.total)
     assert out[True][1] == pytest.approx(out[False][1], rel=0.02)
     assert out[True][0] > out[False][0]
+
+
+def test_simulate_sweep_counts_the_step_end_sync(tmp_path):
+    """`meshtron simulate`'s sweep writes every part of the step (they add up to its time) and
+    names the metric sync, which grows with the world, as what scales worse at 512 GPUs."""
+    import csv
+
+    from meshtron.planner.estimate_results import TimeBreakdown
+
+    subprocess.run(
+        [sys.executable, "-m", "meshtron", "simulate", "--model", "llama2-7b", "--global-batch",
+         "3072", "--seq-len", "2048", "--framework", "llm-foundry@2024", "--gpus", "256,512",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, check=True)
+    with open(tmp_path / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["gpus"]) for r in rows] == [256, 512]
+    for r in rows:
+        parts = sum(float(r[f"{f.name}_s"]) for f in dataclasses.fields(TimeBreakdown))
+        assert parts == pytest.approx(float(r["step_time_s"]), rel=1e-9)
+        assert float(r["step_host_s"]) > 0
+    assert "train-metric sync" in rows[1]["cause"]
+
+
+def test_flat_param_on_a_stack_without_fsdp_is_one_line(tmp_path):
+    """FSDP1's flat parameters are PyTorch FSDP's: on DeepSpeed's ZeRO (sharding 'zero') they
+    would price FSDP1's gradient passes on a stack that has none; refused, exit 2."""
+    with pytest.raises(UserError, match="flat_param=True with sharding='zero'"):
+        KernelOptions(sharding="zero", flat_param=True)
+    opts = tmp_path / "o.toml"
+    opts.write_text("[options]\nflat_param = true\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "meshtron", "plan", "--model", "llama3-8b", "--cluster",
+         "dgx-h100:8", "--global-batch", "512", "--seq-len", "2048", "--framework",
+         "deepspeed", "--options", str(opts), "--zero", "3"],
+        capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "flat_param=True" in out.stderr
+
+
+def test_fsdp1_no_shard_all_reduces_every_micro_batch():
+    """Composer never enters no_sync for FSDP, so FSDP1's NO_SHARD (zero 0) all-reduces after
+    every micro-batch's backward, with its gradient cat, cast and pre-division: four
+    micro-batches cost four times one's exposed data-parallel time, where a stack that
+    accumulates (no flat parameters) reduces once per step."""
+    fw = PRESETS["llm-foundry@2024"]
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", 8)
+    for flat in (True, False):
+        kernel = dataclasses.replace(fw.kernel, flat_param=flat)
+        dp = {}
+        for m in (1, 4):
+            ev = Evaluator(model, cl, 2 * m * 64, 2048, kernel, mem=fw.memory)
+            cfg = Plan(tp=1, pp=1, dp=64, zero=0, micro_batch=2, recompute="full", sp=False,
+                       dtype="bf16", reduce_dtype="fp32")
+            dp[m] = ev.evaluate(cfg).time.dp_comm
+        assert dp[1] > 0
+        if flat:
+            assert dp[4] == pytest.approx(4 * dp[1], rel=1e-9)
+        else:
+            assert dp[4] == pytest.approx(dp[1], rel=1e-9)

@@ -187,7 +187,9 @@ LOOKED_AT = {
        for ver in ("25.11", "26.02")},
     "MB26.04.01 Qwen3 30B-A3B 16xH100": "examined in session 40 (branch automoe) after its "
         "-20.6% first run: its hybridep flex dispatcher priced as DeepEP's hierarchical "
-        "dispatch (ep_dispatch 'deepep'), set after its error was known",
+        "dispatch (ep_dispatch 'deepep'), set after its error was known; in session 41 "
+        "(branch qwen3reg) its +31.9% led to reading HybridEP again: ep_dispatch 'hybridep' "
+        "with the routing-map all-gather",
     **{name: f"examined in session 41 (branch mcoremoe, 2026-12-05) after its {err} error: "
        "its step pieces read against Megatron-Core's dispatcher, router and TEGroupedMLP for "
        f"terms the planner omits; the FP8 padding copies then priced from the code "
@@ -214,6 +216,11 @@ LOOKED_AT["DSV3 671B 2048xH800"] += (
     "moe_fp8.fp8_pad_passes then left out for the FP8 dispatch")
 """Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
 steered: calibration from then on."""
+# session 41 (branch lfmpt) read llm-foundry's step again from these rows' errors (its H100 rows'
+# optimism growing with the GPU count): what it steered, added to each row's earlier reason
+LOOKED_AT.update({name: why + "; session 41 (branch lfmpt): their errors led to pricing "
+                  "flash-attn's loss, Composer's train metrics and FSDP1's flat parameters"
+                  for name, why in LOOKED_AT.items() if name.startswith("LF MPT-")})
 
 
 def added_s39() -> list[PublishedRun]:

@@ -82,8 +82,9 @@ class DataParallelCost:
     def dp_flags(self, cfg: Plan) -> dict[str, Any]:
         """How a plan's data-parallel collectives run, as keyword arguments of `_dp_time`; the
         same list planner/collectives.py `step_collectives` counts and
-        tests/test_dp_collectives.py checks on real gloo steps. `gsize` bytes per gradient
-        element on the wire (the plan's reduce_dtype), `wsize` per gathered parameter
+        tests/test_dp_collectives.py checks on real gloo steps (meshtron's runtime: FSDP1's
+        flat_param stacks, which it does not run, differ as said below). `gsize` bytes per
+        gradient element on the wire (the plan's reduce_dtype), `wsize` per gathered parameter
         (`_param_wire`), `reduce_once` (ZeRO-2/3 reduce-scatter once per step:
         accumulate_unsharded, or pipelining, whose schedule turns FSDP's gradient sync and
         resharding off until the last backward in torch.distributed.pipelining),
@@ -250,8 +251,12 @@ class DataParallelCost:
             exp = (reduce + e_gather + chain(max(0.0, gather - e_gather), fwd, units, nccl)
                    + self.bucket_passes_s(params, gsize))
             if fsdp and self.opts.flat_param:  # FSDP1 NO_SHARD: the gradient cat as above
-                exp += (m * self.copy_out_s(params, wsize)
-                        + self.grad_prep_s(params, gsize, wsize, group.size))
+                per_mb = (self.copy_out_s(params, wsize)
+                          + self.grad_prep_s(params, gsize, wsize, group.size))
+                # Composer enters no_sync for DDP only (composer/trainer/trainer.py v0.17.2
+                # _train_microbatches), so FSDP1 syncs, and NO_SHARD all-reduces, after every
+                # micro-batch's backward (torch 2.1 _runtime_utils.py _post_backward_hook)
+                exp = m * (exp + per_mb) if zero == 0 else exp + m * per_mb
         self._cache[key] = exp
         return exp
 

@@ -442,6 +442,11 @@ class KernelOptions:
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")
+        if self.flat_param and self.sharding != "fsdp":
+            # the FSDP1 passes dp_cost prices (grad_prep_s, the gradient cat) are PyTorch FSDP's
+            raise UserError(f"flat_param=True with sharding={self.sharding!r}: FSDP1's flat "
+                             "parameters need sharding 'fsdp' (DeepSpeed and Megatron-Core "
+                             "gather into the parameters' own storage)")
         tm = self.train_metrics
         if isinstance(tm, bool) or not isinstance(tm, int) or tm < 0:
             raise UserError(f"train_metrics={tm!r}: must be an integer >= 0 (0: none)")

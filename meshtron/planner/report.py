@@ -48,7 +48,8 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
                         "host_capacity": float|null},             # usable; null: unknown
          "time_s": {"compute", "tp_comm", "pp_comm", "dp_comm_exposed", "bubble",
                     "optimizer", "ep_comm": float,                # exact 0.0 when absent
-                    "step_host": float},                          # only when > 0
+                    "offload", "step_host": float},               # only when > 0
+                    # (step_host: Composer's train-metric sync, planner/composer_metrics.py)
          "step_time_s": float, "tokens_per_s": float,
          "model_tflops_per_gpu": float, "hardware_tflops_per_gpu": float,
          "mfu": float, "hfu": float,                              # fractions of peak
@@ -198,7 +199,9 @@ def breakdown_line(est: Estimate) -> str:
             + (f" (on the host) + host-link copies {fmt_s(t.offload)} (offload="
                f"{est.config.offload})" if est.config.offload != "none" else "")
             + (f" + expert all-to-all {fmt_s(t.ep_comm)}" if t.ep_comm else "")
-            + (f" + host at the step's end {fmt_s(t.step_host)}" if t.step_host else ""))
+            # TimeBreakdown.step_host is Composer's train-metric sync, no other stack's
+            + (f" + train-metric sync on the host at the step's end {fmt_s(t.step_host)}"
+               if t.step_host else ""))
 
 
 def memory_line(est: Estimate) -> str:

@@ -22,7 +22,10 @@ _CAUSES = {
     "bubble": "pipeline bubble",
     "optimizer": "optimizer step",
     "ep_comm": "expert-parallel all-to-all exposed",
+    "offload": "host-link copies of offloaded state",
+    "step_host": "host work at the step's end (train-metric sync)",
 }
+"""Every part of estimate_results.TimeBreakdown: the one that grew most is the reason."""
 
 
 def loss_reason(winner: Estimate, other: Estimate) -> str:

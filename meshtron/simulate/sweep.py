@@ -34,7 +34,9 @@ from meshtron.planner.search import search_plans
 
 MAX_GPUS = 1 << 20
 """GPU counts above this (a million) are taken for a typo."""
-PARTS = ("compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
+PARTS = ("compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "ep_comm",
+         "offload", "step_host")
+"""Every part of estimate_results.TimeBreakdown (they add up to the step), each a CSV column."""
 CAUSES = {
     "compute": "batch per GPU too small (narrower GEMMs, relatively more recomputation)",
     "tp_comm": "tensor-parallel communication",
@@ -42,6 +44,10 @@ CAUSES = {
     "dp_comm": "data-parallel communication exposed",
     "bubble": "pipeline bubble (too few micro-batches per pipeline)",
     "optimizer": "optimizer step",
+    "ep_comm": "expert-parallel all-to-all exposed",
+    "offload": "host-link copies of offloaded state",
+    # grows with the world: Composer's train-metric sync over every rank (composer_metrics)
+    "step_host": "host work at the step's end (train-metric sync over every rank)",
 }
 
 
@@ -169,8 +175,7 @@ def _point(model, cluster, series, gpus, batch, seq, opts) -> SweepPoint:
         return SweepPoint(series, gpus, batch, batch * seq / gpus, "", float("nan"), 0.0, 0.0, 0,
                           {}, cause=why, search_s=dt)
     t = best.time
-    parts = {"compute": t.compute, "tp_comm": t.tp_comm, "pp_comm": t.pp_comm,
-             "dp_comm": t.dp_comm, "bubble": t.bubble, "optimizer": t.optimizer}
+    parts = {k: getattr(t, k) for k in PARTS}
     return SweepPoint(series, gpus, batch, batch * seq / gpus, best.config.describe(),
                       best.step_time_s, best.tokens_per_s, best.mfu, best.num_microbatches, parts,
                       search_s=dt)
