@@ -32,11 +32,13 @@ from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp
 from meshtron.planner.compute_edges import (  # noqa: F401  (re-exported for callers)
     chunked_loss_extra, chunked_loss_parts, embedding_cost, head_cost)
 from meshtron.planner.compute_flops import (  # noqa: F401  (re-exported for callers)
-    active_equivalent, model_flops_per_step, recompute_flops_per_token)
+    active_equivalent, fine_recompute_flops_per_token, model_flops_per_step,
+    recompute_flops_per_token)
 from meshtron.planner.compute_parts import (  # noqa: F401  (re-exported for callers)
     PART_KINDS, EdgeCost, LayerCost, compute_dtypes, recompute_share)
 from meshtron.planner.elementwise import (  # noqa: F401  (kernels_per_layer re-exported)
-    NORM_BYTES, NORM_KERNELS, elementwise_bytes, gqa_repeat_bytes, kernels_per_layer, norm_key)
+    NORM_BYTES, NORM_KERNELS, elementwise_bytes, gqa_repeat_bytes, kernels_per_layer, norm_key,
+    recomputed_bytes)
 from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exported)
     GEMM_GROUPS, async_tp_unfused, cast_bytes, fp8_fractions, fp8_input_casts,
     fp8_weight_elements, quantisation_bytes)
@@ -227,5 +229,15 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     parts = (("gemm", linear, 2.0 * linear_bwd), ("attention", core_fwd, core_bwd),
              ("elementwise", elem_f, elem_b), ("fp8_cast", q_f, q_b),
              ("host_wait", host_f + wait_f, wait_b))
+    # what fine-grained recomputation can run again (LayerCost.fine_recompute): the pieces'
+    # memory-bound bytes as in the forward, and the up-projection GEMMs at the forward's
+    # kernel (MLA's head-sharded wq_b / wkv_b, or wq; without MLA the QKV projection)
+    up_gemm = (sum(gemm_group(tokens, n, k, lin_cl, cluster, frac, "qkv", split, fp8_kernel)
+                   for _, n, k, split in mla_projections(model, tp) if split)
+               if model.is_mla else gemms["qkv"])
+    recomputable = tuple((piece, "elementwise", tokens * b / bw)
+                         for piece, b in recomputed_bytes(model, tp, sp, opts).items()) \
+        + (("up_proj", "gemm", up_gemm),)
     return LayerCost(fwd=fwd + wait_f, bwd=bwd + wait_b, wgrad=linear_bwd, linear_fwd=linear,
-                     core_fwd=core_fwd, tp_fwd=tp_f, tp_bwd=tp_b, parts=parts)
+                     core_fwd=core_fwd, tp_fwd=tp_f, tp_bwd=tp_b, parts=parts,
+                     recomputable=recomputable)

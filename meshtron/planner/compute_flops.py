@@ -5,12 +5,14 @@ Counting. Model FLOPs follow `ModelSpec.flops_per_token` (6N plus the attention 
 al. 2020; Narayanan et al. 2021, eq. 3). Hardware FLOPs add what recomputation executes again:
 full recomputation repeats every layer's forward pass (Chen et al. 2016; Narayanan et al. 2021
 count it as 4x forward instead of 3x), selective recomputation repeats only the attention core
-QK^T / softmax / AV (Korthikanti et al. 2022, section 5). FlashAttention's own recomputation
+QK^T / softmax / AV (Korthikanti et al. 2022, section 5), and recomputed up-projections
+(MemoryOptions.recompute_up_proj) their GEMMs again. FlashAttention's own recomputation
 inside its backward kernel is not counted as hardware FLOPs, as is customary.
 """
 
 from __future__ import annotations
 
+from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute_parts import recompute_share
 
@@ -60,3 +62,19 @@ def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attent
     if recompute == "selective" and attention == "unfused":
         return core
     return 0.0
+
+
+def fine_recompute_flops_per_token(model: ModelSpec, recompute: str, up_proj: bool) -> float:
+    """GEMM FLOPs per token the backward runs again for recomputed up-projections
+    (MemoryOptions.recompute_up_proj: Megatron-Core core_v0.14.0 multi_latent_attention.py
+    "mla_up_proj" checkpoints wq_b / wkv_b, or wq; DeepSeek-V3 report 3.2.3), in the blocks
+    whose forward recomputation does not replay whole (compute_parts.recompute_share);
+    without MLA the QKV projection. The recomputed norms and activation are memory-bound:
+    no FLOPs counted, as for the forward's."""
+    if not up_proj:
+        return 0.0
+    if model.is_mla:
+        params = sum(n * k for _, n, k, split in mla_projections(model, 1) if split)
+    else:
+        params = model.hidden * (model.heads * model.head_dim + 2 * model.kv_dim)
+    return (1.0 - recompute_share(recompute)) * 2.0 * model.layers * params

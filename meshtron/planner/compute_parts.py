@@ -37,6 +37,34 @@ class LayerCost:
     parts: tuple[tuple[str, float, float], ...] = ()
     """(kind, forward seconds, backward seconds) that `fwd` and `bwd` are the sums of, kind
     one of PART_KINDS: where the layer's time goes, for planner/step_categories.py."""
+    recomputable: tuple[tuple[str, str, float], ...] = ()
+    """(piece, kind, forward seconds) of what fine-grained recomputation can run again in the
+    backward (elementwise.recomputed_bytes names the pieces; 'up_proj' also has the
+    up-projection GEMMs, kind 'gemm'): priced by `fine_recompute`."""
+
+    def fine_recompute(self, norms: bool, up_proj: bool, act: bool,
+                       recompute: str) -> dict[str, float]:
+        """Seconds by kind that the backward of one micro-batch spends running again the
+        pieces MemoryOptions' recompute_norms (`norms`), recompute_up_proj (`up_proj`) and
+        swiglu_recompute (`act`) drop from memory: the block norms (and MLA's latent norms,
+        which the up-projections' checkpoint otherwise runs: Megatron-Core core_v0.14.0
+        multi_latent_attention.py `qkv_up_proj_and_rope_apply` normalises the latents inside
+        it), the up-projections with their RoPE, the MLP activation. Blocks whose whole forward
+        is replayed (recompute 'full', half the blocks of 'half': `recompute_share`) run them
+        there already."""
+        wanted = set()
+        if norms:
+            wanted |= {"norms", "latent_norms"}
+        if up_proj:
+            wanted |= {"up_proj", "latent_norms"}
+        if act:
+            wanted.add("act")
+        scale = 1.0 - recompute_share(recompute)
+        out: dict[str, float] = {}
+        for piece, kind, s in self.recomputable:
+            if piece in wanted and scale > 0.0:
+                out[kind] = out.get(kind, 0.0) + scale * s
+        return out
 
     def parts_per_microbatch(self, recompute: str, attention: str) -> dict[str, float]:
         """`parts` over one micro-batch's forward, backward and what recomputation repeats,

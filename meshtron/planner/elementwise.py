@@ -131,6 +131,41 @@ def elementwise_bytes(model: ModelSpec, tp: int, sp: bool, opts: KernelOptions) 
     return (replicated / tp if sp else replicated) + sharded / tp
 
 
+def recomputed_bytes(model: ModelSpec, tp: int, sp: bool,
+                     opts: KernelOptions) -> dict[str, float]:
+    """Forward HBM bytes per token of the memory-bound pieces fine-grained recomputation runs
+    again in the backward (MemoryOptions recompute_norms, recompute_up_proj, swiglu_recompute;
+    compute_parts.LayerCost.recomputed), each as `elementwise_bytes` prices it in the forward:
+    'norms': the block's input and pre-MLP norms (Megatron-Core core_v0.14.0
+    transformer_layer.py, recompute_modules "layernorm": input_layernorm and pre_mlp_layernorm
+    under CheckpointWithoutOutput; DeepSeek-V3 report 3.2.3 "we recompute all RMSNorm
+    operations"), replicated unless sequence parallelism shards them; 'latent_norms': MLA's two
+    latent RMSNorms (replicated: every tp rank runs them whole); 'up_proj': what the
+    up-projections' checkpoint runs beside its GEMMs (multi_latent_attention.py
+    `qkv_up_proj_and_rope_apply`, recompute_modules "mla_up_proj": the latent norms, counted
+    under 'latent_norms', the queries' and the shared key's RoPE and the heads' concatenations;
+    a model without MLA: the RoPE of q and k); 'act': the MLP activation (Megatron-Core
+    moe/experts.py recompute_modules "moe_act", CheckpointWithoutOutput over activation_func;
+    DeepSeek-V3 report 3.3.3 "recompute its output in the backward pass")."""
+    h, st = model.hidden, opts.stack
+    rope = "eager" if opts.complex_rope and st == "compiled" else st
+    norm = NORM_BYTES[norm_key(st, opts.eager_norm, model.norm)]
+    norms = 2 * norm * h  # the two norms whose outputs memory_acts drops
+    latent_norms = up_proj = 0.0
+    if model.is_mla:
+        latent_norms = NORM_BYTES[norm_key(st, opts.eager_norm, "rmsnorm")] * (
+            model.q_lora_rank + model.kv_lora_rank)
+        _, sharded = mla_elementwise_bytes(model, opts)
+        up_proj = (_ROPE_BYTES[rope] * model.rope_dim
+                   + (_ROPE_BYTES[rope] * model.heads * model.rope_dim + sharded) / tp)
+    elif model.position == "rope":
+        q = model.heads * model.head_dim
+        up_proj = _ROPE_BYTES[rope] * (q + model.kv_dim) * model.rope_dim / model.head_dim / tp
+    act = _ACT_BYTES[model.mlp][st] * model.ffn_hidden / tp
+    return {"norms": norms / tp if sp else norms, "latent_norms": latent_norms,
+            "up_proj": up_proj, "act": act}
+
+
 def gqa_repeat_bytes(model: ModelSpec, tp: int, stack: str) -> tuple[float, float]:
     """(forward, backward) HBM bytes per token of one layer's K/V repeated to every query head
     before SDPA, where the model code does so (MemoryOptions.gqa_copies: torchtitan's Llama

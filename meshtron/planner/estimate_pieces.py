@@ -122,6 +122,14 @@ class CostPieces:
             self._cache[key] = hit
         return hit
 
+    def fine_recompute(self, lc: compute.LayerCost, rec: str) -> dict[str, float]:
+        """Seconds by kind one layer's backward spends per micro-batch running again what the
+        memory options' fine-grained recomputation dropped (LayerCost.fine_recompute; the
+        activation only where the MLP is gated, as memory_acts prices its saving)."""
+        mem = self.mem
+        return lc.fine_recompute(mem.recompute_norms, mem.recompute_up_proj,
+                                 mem.swiglu_recompute and self.active.gated_mlp, rec)
+
     def _fp8_step(self, tp: int, dtype: str, fp8_recipe: str) -> float:
         """Seconds per layer and step casting FP8 weights once per step (Transformer Engine's
         weight cache: compute.fp8_step_cast_s); 0 for other dtypes and for torchao."""
@@ -161,6 +169,7 @@ class CostPieces:
                 c_l += lc.fwd - lc.linear_fwd - lc.core_fwd + 0.5 * lc.linear_fwd
             elif saved == "korthikanti":
                 c_l += lc.core_fwd
+        c_l += sum(self.fine_recompute(lc, rec).values())
         # the layer's parts by kind, for planner/step_categories.py
         self._cache[("layer", tp, mb, sp, rec, cp, dtype, ep, fp8_recipe)] = lc
         window = (lc.fwd, lc.bwd)
@@ -291,8 +300,13 @@ class CostPieces:
         return list(_in_flight_lower_bound(pp, v, m, tuple(chunks), act, grad, extra))
 
     def _recompute_flops(self, rec: str) -> float:
-        return _recompute_flops(self.model, self.seq, rec, self.opts.attention,
-                                self.opts.v_width == "native")
+        """FLOPs per token recomputation runs again: the recompute mode's
+        (compute.recompute_flops_per_token) and the memory options' recomputed up-projections
+        (compute.fine_recompute_flops_per_token)."""
+        return (_recompute_flops(self.model, self.seq, rec, self.opts.attention,
+                                 self.opts.v_width == "native")
+                + compute.fine_recompute_flops_per_token(self.model, rec,
+                                                         self.mem.recompute_up_proj))
 
     def _in_flight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
         key = ("inflight", schedule, pp, v, m)

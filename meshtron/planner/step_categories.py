@@ -45,7 +45,8 @@ def step_categories(ev: Evaluator, est: Estimate) -> dict[str, float]:
     m, layers = est.num_microbatches, est.stage_layers[0]
     out = dict.fromkeys(KINDS, 0.0)
     per_layer = lc.parts_per_microbatch(cfg.recompute, ev.opts.attention)
-    for kind, s in _selective_extra(ev, lc, cfg.recompute).items():
+    extra = (_selective_extra(ev, lc, cfg.recompute), ev.fine_recompute(lc, cfg.recompute))
+    for kind, s in (item for d in extra for item in d.items()):
         per_layer[kind] = per_layer.get(kind, 0.0) + s
     moe_c = ev._moe(cfg.micro_batch, cfg.recompute, cfg.cp, cfg.dtype, cfg.ep, cfg.tp,
                     (lc.fwd, lc.bwd), cfg.etp)[0]
