@@ -32,7 +32,7 @@ from meshtron.planner.plan_rules_stack import (  # noqa: F401  (re-exported)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
     STACK_ZEROS, zero_limit, zero_problem)
 from meshtron.planner.plan_rules_runtime import (  # noqa: F401  (re-exported)
-    compile_runtime_problem, cp_runtime_problems, ep_runtime_problems,
+    compile_runtime_problem, cp_runtime_problems, dispatch_runtime_problem, ep_runtime_problems,
     recompute_runtime_problems, schedule_runtime_problem)
 
 

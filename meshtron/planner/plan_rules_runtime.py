@@ -66,6 +66,18 @@ def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
                "parallelism; use grad_compression='none', diloco=0 or ep=1")
 
 
+def dispatch_runtime_problem(ep_dispatch: str) -> str | None:
+    """The expert-parallel dispatch meshtron's runtime runs: torch's `all_to_all_single` of the
+    routed rows as the layer holds them (meshtron/parallel/expert.py, KernelOptions.ep_dispatch
+    'bf16'); it quantises no dispatch ('fp8') and runs neither DeepEP's nor HybridEP's kernels
+    ('deepep', 'hybridep'), which the planner prices for the stacks whose code has them."""
+    if ep_dispatch == "bf16":
+        return None
+    return (f"options.ep_dispatch={ep_dispatch!r}: meshtron's runtime dispatches with torch's "
+            "all_to_all_single of the rows as held (parallel/expert.py), not "
+            f"{ep_dispatch!r}; use 'bf16', or --framework the stack that runs it")
+
+
 def recompute_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
     """Selective recomputation under a zero-bubble pipeline: torch 2.13's split backward runs
     a second autograd pass (W, `stage_backward_weight`) through every checkpointed block after

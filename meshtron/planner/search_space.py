@@ -19,8 +19,8 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, fp8_runtime_problem,
                                     runs_problem, schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
-from meshtron.planner.plan_rules import (compile_runtime_problem, ep_fold_problem, ep_rule,
-                                         ep_runtime_problems,
+from meshtron.planner.plan_rules import (compile_runtime_problem, dispatch_runtime_problem,
+                                         ep_fold_problem, ep_rule, ep_runtime_problems,
                                          least_zero, most_chunks, schedule_problem, split_problem,
                                          zero_limit)
 
@@ -109,6 +109,8 @@ class SearchSpace:
         self.async_tp = bool(k.async_tp)
         if runtime and self.offload == "optimizer":  # refused by name, not "nothing fits"
             raise UserError(offload_runtime_problem(Plan(offload="optimizer", dp=2, zero=3)))
+        if runtime and dispatch_runtime_problem(opts.ep_dispatch):  # a kernel option
+            raise UserError(dispatch_runtime_problem(opts.ep_dispatch))
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = self._tensor_degrees(cluster.gpus_per_node)
