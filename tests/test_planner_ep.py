@@ -440,3 +440,23 @@ def test_slow_host_makes_megatrons_small_experts_host_bound_through_the_evaluato
     slow2, slow8, fast2, fast8 = step(slow, 2), step(slow, 8), step(fast, 2), step(fast, 8)
     assert slow2 > fast2 and slow8 > fast8
     assert slow2 - fast2 > slow8 - fast8
+
+
+@pytest.mark.parametrize("dispatch", ["fp8", "deepep", "hybridep"])
+def test_meshtrons_runtime_refuses_dispatches_it_does_not_run(dispatch, tmp_path, capsys):
+    # parallel/expert.py dispatches with torch's all_to_all_single only: one line, exit 2
+    import meshtron.cli as top
+
+    options = tmp_path / "options.toml"
+    options.write_text(f'framework = "meshtron"\n[options]\nep_dispatch = "{dispatch}"\n')
+    args = ["plan", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100:16",
+            "--global-batch", "512", "--seq-len", "4096", "--options", str(options)]
+    assert top.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"options.ep_dispatch='{dispatch}': meshtron's runtime dispatches with" in err
+    # the stacks whose code runs it are priced with it
+    fw = with_options(framework("megatron-bridge"), {"ep_dispatch": dispatch})
+    r = search_plans(preset("qwen3-30b-a3b"), resolve_cluster("dgx-h100:16"), 512, 4096,
+                     {"ep": 8}, framework=fw, explain=False, top_k=1)
+    assert r.best is not None
