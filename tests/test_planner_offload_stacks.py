@@ -54,6 +54,9 @@ def test_lead_command_megatron2021_no_longer_chooses_offload(plan_cli):
     ("megatron@2021", "optimizer", None, "megatron@2021"),
     ("megatron@2024", "full", None, "runs only optimizer offload, from 0.12"),
     ("megatron@2024", "optimizer", "0", "distributed optimizer"),
+    # HybridDeviceOptimizer over Megatron-FSDP's DTensor parameters (NVIDIA/Megatron-LM #1986)
+    ("megatron@2024", "optimizer", "2", "not with Megatron-FSDP, zero 2-3"),
+    ("megatron-bridge@2025", "optimizer", "3", "use zero 1 or less"),
     ("torchtitan", "optimizer", None, "torchtitan run only FSDP2's CPUOffloadPolicy"),
     ("deepspeed@2021", "optimizer", "1", "stage 1's takes none"),
     ("deepspeed@2024", "full", "2", "offload_param with ZeRO-3 only")])
@@ -90,8 +93,8 @@ def test_nothing_fits_without_offload_tries_what_the_stack_runs(plan_cli, fw, ki
     assert rc == 0, err
     best = _best(out)
     assert best["offload"] == kind
-    if fw == "megatron@2024":  # --optimizer-cpu-offload needs the distributed optimizer
-        assert best["zero"] >= 1
+    if fw == "megatron@2024":  # --optimizer-cpu-offload needs the distributed optimizer,
+        assert best["zero"] == 1  # and does not run under Megatron-FSDP (zero 2-3)
 
 
 def test_megatron2021_without_offload_says_nothing_fits(plan_cli):

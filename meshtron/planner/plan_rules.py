@@ -26,7 +26,7 @@ from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
     microbatch_problem, most_chunks, runs_problem, schedule_problem, schedule_zero_problem,
     split_problem)
 from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
-    STACK_OFFLOADS, least_zero, offload_kinds, offload_problem)
+    STACK_OFFLOADS, least_zero, most_zero, offload_kinds, offload_problem)
 from meshtron.planner.plan_rules_stack import (  # noqa: F401  (re-exported)
     STACK_LAYOUTS, layout_problem)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)

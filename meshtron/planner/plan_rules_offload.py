@@ -20,8 +20,11 @@ STACK_OFFLOADS: dict[str, tuple[dict[str, int], str]] = {
     "mcore-optimizer": ({"optimizer": 1}, "Megatron-Core (megatron@2024) runs only optimizer "
                         "offload, from 0.12 (--optimizer-cpu-offload: HybridDeviceOptimizer, "
                         "ADLR/megatron-lm!2526, 2025-02; it needs --use-precision-aware-"
-                        "optimizer, which needs the distributed optimizer: zero 1 or more; no "
-                        "parameter offload)"),
+                        "optimizer, which needs the distributed optimizer: zero 1; no "
+                        "parameter offload; not with Megatron-FSDP, zero 2-3: its DTensor "
+                        "parameters fail in get_megatron_optimizer, NVIDIA/Megatron-LM issue "
+                        "#1986 'Megatron FSDP does not work with CPU_OFFLOADING', 2025-10, and "
+                        "the fix, PR #4623, was still open in 2026-05, after Megatron-Core 0.16)"),
     "zero-offload-2021": ({"optimizer": 2, "full": 3}, "DeepSpeed 0.3.15 (deepspeed@2021) runs "
                           "zero_optimization.cpu_offload with its ZeRO-2 and ZeRO-3 optimizers "
                           "(stage 1's takes none: runtime/engine.py) and cpu_offload_params "
@@ -33,6 +36,9 @@ STACK_OFFLOADS: dict[str, tuple[dict[str, int], str]] = {
                  "(composer/trainer/mosaic_fsdp_utils.py get_cpu_offload: 'FSDP CPU Offload "
                  "not supported yet.')")}
 """What each stack's host offload runs: {kind: least ZeRO stage}, and why (its code)."""
+MOST_ZERO: dict[str, dict[str, int]] = {"mcore-optimizer": {"optimizer": 1}}
+"""{rule: {kind: most ZeRO stage}} where a stack's offload stops short of ZeRO-3 (the reason:
+STACK_OFFLOADS)."""
 OFFLOAD_RULES = ("any",) + tuple(STACK_OFFLOADS)
 """MemoryOptions.host_offload values; 'any' (no stack named): every kind is priced."""
 KINDS = ("optimizer", "full")
@@ -54,6 +60,13 @@ def least_zero(rule: str | None, offload: str | None) -> int:
     return STACK_OFFLOADS[rule][0].get(offload, 0)
 
 
+def most_zero(rule: str | None, offload: str | None) -> int:
+    """The highest ZeRO stage the stack runs host offload `offload` with (3: no limit)."""
+    if offload in (None, "none"):
+        return 3
+    return MOST_ZERO.get(rule or "", {}).get(offload, 3)
+
+
 def offload_problem(rule: str | None, offload: str | None, zero: int | None = None,
                     stack: str | None = None) -> str | None:
     """Host offload the priced stack does not run, one line naming it and what it runs, or
@@ -68,7 +81,12 @@ def offload_problem(rule: str | None, offload: str | None, zero: int | None = No
     if isinstance(zero, int) and zero < runs[offload]:
         return (f"plan.offload={offload!r} with zero={zero}{who}: {why}; use zero "
                 f"{runs[offload]} or more")
+    high = most_zero(rule, offload)
+    if isinstance(zero, int) and zero > high:
+        return (f"plan.offload={offload!r} with zero={zero}{who}: {why}; use zero "
+                f"{high} or less, or offload 'none'")
     return None
 
 
-__all__ = ["STACK_OFFLOADS", "OFFLOAD_RULES", "offload_kinds", "least_zero", "offload_problem"]
+__all__ = ["STACK_OFFLOADS", "MOST_ZERO", "OFFLOAD_RULES", "offload_kinds", "least_zero",
+           "most_zero", "offload_problem"]

@@ -21,7 +21,8 @@ from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
 from meshtron.planner.plan_rules import (compile_runtime_problem, dispatch_runtime_problem,
                                          ep_fold_problem, ep_rule, ep_runtime_problems,
-                                         least_zero, most_chunks, schedule_problem, split_problem,
+                                         least_zero, most_chunks, most_zero, schedule_problem,
+                                         split_problem,
                                          zero_limit)
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -462,13 +463,15 @@ class SearchSpace:
         # the priced stack runs its host offload only from some ZeRO stage (plan_rules_offload);
         # alone (dp 1) that stage, as the runtime's FSDP2 offload above
         low = least_zero(self.mem.host_offload, self.offload)
+        high = most_zero(self.mem.host_offload, self.offload)  # and up to some (Megatron-FSDP)
         if (self.knobs.dp_replicate or 1) > 1 or (cp > 1 and self.runtime):
             # HSDP: replicas of sharded groups; meshtron runs cp on FSDP ZeRO-2/3 only
             # (plan_rules.cp_runtime_problems)
-            return [z for z in (2, 3) if z >= low]
+            return [z for z in (2, 3) if low <= z <= high]
         if dp == 1:
             return [low]
-        return [z for z in (0, 1, 2, 3) if z >= low]  # dp here: every rank sharing gradients
+        # dp here: every rank sharing gradients
+        return [z for z in (0, 1, 2, 3) if low <= z <= high]
 
 
 def runs_ep(framework: Any) -> bool:
