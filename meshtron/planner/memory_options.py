@@ -125,21 +125,27 @@ class MemoryOptions:
     """The backward recomputes every RMSNorm from its kept input (DeepSeek-V3 report section
     3.2.3, "we recompute all RMSNorm operations and MLA up-projections during
     back-propagation"): the norms' outputs (the QKV, fc1 and router GEMM inputs) are not
-    kept; False: kept (Megatron-Core, torchtitan, meshtron)."""
+    kept; False: kept (Megatron-Core, torchtitan, meshtron). The backward runs the norms again
+    (Megatron-Core's recompute_modules "layernorm"): priced in the step by
+    compute_parts.LayerCost.fine_recompute."""
 
     recompute_up_proj: bool = False
     """The backward recomputes the attention's up-projections (section 3.2.3, MLA): Q, K and V
     are not kept. Priced on the preset's GQA stand-in as its Q, K and V dropped; MLA's
     latents that rebuild them (1,536 + 512 + 64 per token in DeepSeek-V3's config, 2,112
     against 7,168 values: about 0.29 of an [T, h] bf16 unit) are not counted (ModelSpec has
-    no MLA widths)."""
+    no MLA widths). The backward runs the up-projection GEMMs, the latent norms and the RoPE
+    again (Megatron-Core's recompute_modules "mla_up_proj"): priced in the step and the
+    hardware FLOPs (compute_parts.LayerCost.fine_recompute, compute_flops)."""
 
     swiglu_recompute: bool = False
     """SwiGLU keeps its input in FP8 with 1x128 tile scales and the backward recomputes its
     output (section 3.3.3, "we cache the inputs of the SwiGLU operator and recompute its
     output in the backward pass. These activations are also stored in FP8"): fc2's input is
     not kept, the [2f] input costs FP8_TILE_BYTES per element (dense MLP, shared
-    and routed experts); False: fc1's bf16 output and fc2's input kept."""
+    and routed experts); False: fc1's bf16 output and fc2's input kept. The backward runs the
+    activation again (Megatron-Core's recompute_modules "moe_act" for the routed experts):
+    priced in the step by compute_parts.LayerCost.fine_recompute."""
 
     attn_out_e5m6: bool = False
     """The attention output (the out-projection's input) cached once, in E5M6 with 1x128
