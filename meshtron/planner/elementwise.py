@@ -155,7 +155,10 @@ def recomputed_bytes(model: ModelSpec, tp: int, sp: bool,
     if model.is_mla:
         latent_norms = NORM_BYTES[norm_key(st, opts.eager_norm, "rmsnorm")] * (
             model.q_lora_rank + model.kv_lora_rank)
-        _, sharded = mla_elementwise_bytes(model, opts)
+        qk = model.heads * model.head_dim
+        sharded = 2 * 4.0 * qk  # q's and k's concatenations (mla_elementwise_bytes)
+        if st in ("eager", "compiled") and opts.v_width == "padded":
+            sharded += 2.0 * model.heads * model.v_dim + 2.0 * qk  # V's zero padding
         up_proj = (_ROPE_BYTES[rope] * model.rope_dim
                    + (_ROPE_BYTES[rope] * model.heads * model.rope_dim + sharded) / tp)
     elif model.position == "rope":
