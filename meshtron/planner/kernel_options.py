@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from meshtron.errors import UserError
 from meshtron.planner.flash_isa import FLASH_ISAS
 from meshtron.planner.fp8 import FP8_FILTERS, FP8_SCALINGS
-from meshtron.planner.moe_router import ROUTER_DTYPES
 
 FP8_GEMMS = ("cublas", "blockwise")
 """How a stack's FP8 GEMMs scale their operands (KernelOptions.fp8_gemm): 'cublas' = one scale
@@ -32,6 +31,10 @@ moe_flex_dispatcher_backend 'hybridep'): DeepEP's rows plus the routing map all-
 the ep group every forward (moe_deepep.hybridep_map_gather_time)."""
 ROUTINGS = ("spread", "contiguous")
 """How a token's top-k experts are picked (KernelOptions.expert_routing; moe_deepep.ROUTINGS)."""
+
+ROUTER_DTYPES = ("bf16", "fp32")
+"""KernelOptions.router_dtype values: the gating GEMM's dtype (Megatron-Core moe_router_dtype;
+its default None runs the input's, bf16; priced in planner/moe_router.py)."""
 
 ATTENTION_KINDS = ("flash", "unfused")
 STACKS = ("eager", "fused", "compiled")

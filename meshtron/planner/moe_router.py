@@ -22,10 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-ROUTER_DTYPES = ("bf16", "fp32")
-"""KernelOptions.router_dtype values: the gating GEMM's dtype (Megatron-Core moe_router_dtype;
-its default None runs the input's, bf16)."""
-
 FP32_CAST_BYTES = 2.0 + 4.0
 """HBM bytes per element of one cast between bf16 and fp32 (a read and a write)."""
 
