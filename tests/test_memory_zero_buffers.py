@@ -45,6 +45,9 @@ def test_master_weights_refused_where_not_priced():
         MemoryOptions(framework="megatron", master_weights="half")
     with pytest.raises(UserError, match=r"^memory.master_weights='none': priced for the "):
         MemoryOptions(framework="fsdp2", master_weights="none")
+    with pytest.raises(UserError, match=r"^memory.master_weights='none': the bf16 parameters "
+                                        r"are the master weights only with bf16 moments"):
+        MemoryOptions(framework="megatron", master_weights="none")  # fp32 moments: no stack
     with pytest.raises(UserError, match=r"^memory.grads_at_first_backward=true: fsdp2 "):
         MemoryOptions(framework="fsdp2", grads_at_first_backward=True)
 

@@ -199,6 +199,8 @@ LOOKED_AT = {
                                  "(router_dtype) and token drop's missing sync "
                                  "(moe_host.dispatcher_syncs) to +26.4%"))},
 }
+"""Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
+steered: calibration from then on."""
 # session 41 (branch mcoremoe) read these calibration rows again; what it decided, appended
 LOOKED_AT["MB26.04.01 Qwen3 30B-A3B 16xH100"] += (
     "; session 41 (branch mcoremoe): its +30.2% read against HybridEP's code (it pads each "
@@ -212,8 +214,6 @@ LOOKED_AT["DSV3 671B 2048xH800"] += (
     "; session 41 (branch mcoremoe): its move under the first FP8 padding term (+10.8% -> "
     "+6.9%) showed DeepSeek's own stack priced with Transformer Engine's padding, which "
     "moe_fp8.fp8_pad_passes then left out for the FP8 dispatch")
-"""Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
-steered: calibration from then on."""
 
 
 def added_s39() -> list[PublishedRun]:

@@ -279,6 +279,12 @@ class MemoryOptions:
         if self.bf16_moments and self.framework == "fsdp2":
             raise UserError("memory.bf16_moments=true: priced for the mixed-precision ZeRO "
                             "frameworks (megatron, deepspeed), not fsdp2; use false")
+        if self.master_weights == "none" and not self.bf16_moments:
+            # NeMo keeps no master copy only when the optimizer's dtype is the bf16 model's,
+            # its moments then bf16 too (MemoryOptions.master_weights)
+            raise UserError("memory.master_weights='none': the bf16 parameters are the "
+                            "master weights only with bf16 moments; set bf16_moments = true "
+                            "or use fp32 / remainders")
 
     @property
     def compute_bytes(self) -> float:
