@@ -31,6 +31,7 @@ MEGATRON = MemoryOptions(dtype="bf16", framework="megatron")
     ("fp32", False, 12.0),       # fp32 master + two fp32 moments (ZeRO's K)
     ("remainders", False, 10.0),  # Apex store_param_remainders: int16 + two fp32 moments
     ("none", True, 4.0),          # Apex dtype bf16, store_params False: two bf16 moments
+    ("bf16", True, 6.0),          # Apex dtype bf16 with store_params (fp8_params): bf16 copy
 ])
 def test_master_weights_set_the_optimizers_bytes_per_parameter(master, bf16_moments,
                                                                optimizer_bytes):
@@ -41,10 +42,15 @@ def test_master_weights_set_the_optimizers_bytes_per_parameter(master, bf16_mome
 
 def test_master_weights_refused_where_not_priced():
     with pytest.raises(UserError, match=r"^memory.master_weights='half': allowed values are "
-                                        r"fp32, remainders, none$"):
+                                        r"fp32, bf16, remainders, none$"):
         MemoryOptions(framework="megatron", master_weights="half")
     with pytest.raises(UserError, match=r"^memory.master_weights='none': priced for the "):
         MemoryOptions(framework="fsdp2", master_weights="none")
+    with pytest.raises(UserError, match=r"^memory.master_weights='none': the bf16 parameters "
+                                        r"are the master weights only with bf16 moments"):
+        MemoryOptions(framework="megatron", master_weights="none")  # fp32 moments: no stack
+    with pytest.raises(UserError, match=r"^memory.master_weights='bf16': a bf16 master copy "):
+        MemoryOptions(framework="megatron", master_weights="bf16")
     with pytest.raises(UserError, match=r"^memory.grads_at_first_backward=true: fsdp2 "):
         MemoryOptions(framework="fsdp2", grads_at_first_backward=True)
 

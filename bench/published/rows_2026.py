@@ -87,6 +87,23 @@ def _nemo1_stack(tp: int, fp8: bool, dropout: bool):
     return opts, mem
 
 
+def _dfa_master(family: str, fp8: bool) -> dict[str, object]:
+    """The MemoryOptions of Apex DistributedFusedAdam's master weights as NeMo v2.0.0 (the 24.09
+    container; 2.0.0rc1 alike) megatron_base_model.py `setup_optimization` sets them up beside
+    the bf16 O2 model (MemoryOptions.master_weights): fp8_params (configure.sh's
+    +model.fp8_params=$FP8_ENABLED; gpt3_175b_hydra.yaml's fp8_params true in both dtypes)
+    keeps store_params, a copy in the optimizer's dtype; otherwise an fp32 optimizer stores int16
+    remainders and a bf16 one none. Optimizer dtype: fp32 (no yaml sets one) except
+    nemotron4-340b-synth.yaml's optim.dtype bf16, whose moments are bf16 too. Set in session
+    41 (branch review41b) from the code and yamls, applying the rule branch mem405 gave the
+    NM24.07 rows."""
+    bf16_optim = family == "nemotron4-340b"
+    if fp8 or family == "gpt3-175b":  # store_params
+        return dict(master_weights="bf16", bf16_moments=True) if bf16_optim else {}
+    return dict(master_weights="none", bf16_moments=True) if bf16_optim else dict(
+        master_weights="remainders")
+
+
 def _llama(size: str, tp: int) -> ModelSpec:
     """Llama 3.1 as the recipe yamls build it: the preset's shape, the vocabulary padded to
     make_vocab_size_divisible_by (128) x tp; 405B with num_query_groups 16 as
@@ -163,12 +180,16 @@ def dgxc_dense() -> list[PublishedRun]:
                 preset_cluster("dgx-h100", gpus // 8), gbs, seq, tp, pp, dp, 1, recompute,
                 tp > 1, opts, "tokens_per_gpu", tokens_s / gpus, micro_batches=(mbs,),
                 schedules=("interleaved",) if vp else ("1f1b",), virtual_stages=vp, cp=cp,
-                dtype=dtype, memory=mem, confident=False,
+                dtype=dtype, memory=dataclasses.replace(mem, **_dfa_master(family,
+                                                                           dtype == "fp8")),
+                confident=False,
                 note=f"{dtype.upper()}, TP {tp}, PP {pp}, CP {cp}, VP {vp or '-'}, micro-batch "
                      f"{mbs}, GBS {gbs}, sequence {seq} as published ({tokens_s:.0f} tokens/s "
                      f"on {gpus} GPUs); NeMo {container} container (launch.sh FW_VERSION); "
                      f"recomputation '{recompute}', distributed_fused_adam with "
-                     "grad_sync_dtype bf16, overlapped grad / param sync, "
+                     "grad_sync_dtype bf16, overlapped grad / param sync, master weights as "
+                     "NeMo sets them up (fp32 or bf16 copy with fp8_params, else int16 "
+                     "remainders or none; bf16 optimizer states for Nemotron-4 340B), "
                      + ("userbuffers TP overlap with sequence parallel, " if tp > 1 else "")
                      + ("FP8 parameters (fp8_params), delayed scaling (fp8_hybrid, amax "
                         "history 1024), " if dtype == "fp8" else "")

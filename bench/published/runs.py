@@ -201,6 +201,8 @@ LOOKED_AT = {
                                  "(router_dtype) and token drop's missing sync "
                                  "(moe_host.dispatcher_syncs) to +26.4%"))},
 }
+"""Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
+steered: calibration from then on."""
 # session 41 (branch mcoremoe) read these calibration rows again; what it decided, appended
 LOOKED_AT["MB26.04.01 Qwen3 30B-A3B 16xH100"] += (
     "; session 41 (branch mcoremoe): its +30.2% read against HybridEP's code (it pads each "
@@ -214,8 +216,12 @@ LOOKED_AT["DSV3 671B 2048xH800"] += (
     "; session 41 (branch mcoremoe): its move under the first FP8 padding term (+10.8% -> "
     "+6.9%) showed DeepSeek's own stack priced with Transformer Engine's padding, which "
     "moe_fp8.fp8_pad_passes then left out for the FP8 dispatch")
-"""Rows looked at while changing the model or the runner in round 2 of issue 18, and what each
-steered: calibration from then on."""
+# session 41 (branch review41b): the reviewer saw this row's not-to-fit verdict (86.8 GiB) before
+# applying NeMo's master-weight rule (MemoryOptions.master_weights) to the DGXC rows from their
+# yamls; no error moved, but a verdict did: calibration, to be safe
+LOOKED_AT["DGXC Nemotron4 340B 128xH100 BF16"] = (
+    "its predicted-not-to-fit verdict (86.8 GiB) was seen in session 41 (branch review41b) "
+    "before NeMo's master-weight rule was applied to the DGXC rows from their yamls (it fits now)")
 # session 41 (branch lfmpt) read llm-foundry's step again from these rows' errors (its H100 rows'
 # optimism growing with the GPU count): what it steered, added to each row's earlier reason
 LOOKED_AT.update({name: why + "; session 41 (branch lfmpt): their errors led to pricing "

@@ -137,12 +137,14 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         # sliding-window blocks (Mistral, Gemma 2/3, StarCoder2) and chunked ones (Llama 4):
         # the kernel skips the tiles outside the window or chunk; the mean block is priced.
         # With cp > 1 each rank's queries compute the same share of their pairs: Transformer
-        # Engine's p2p sliding window with context parallelism (transformer_engine/pytorch/
-        # attention/dot_product_attention/context_parallel_swa.py, 2026: one call per chunk
-        # over [halo, chunk] with window_size) and its all-gather fallback both run the
-        # windowed kernel on each rank's load-balanced chunks; the K/V exchange stays priced
-        # whole (the halo exchange that moves only the window is not modelled: an upper
-        # bound). torch's ring attention (torch.distributed.tensor.experimental) calls SDPA's
+        # Engine runs a sliding window under context parallelism only with cp_comm_type
+        # 'all_gather' or 'a2a' (transformer_engine/pytorch/attention/dot_product_attention/
+        # context_parallel.py `attn_forward_func_with_cp` asserts so, v2.8 and d0067d0da; p2p
+        # is refused): the all-gather path calls the windowed kernel on each rank's
+        # load-balanced chunks with the window moved to the gathered keys
+        # (`get_kv_seq_info_after_all_gather`), the a2a path on whole sequences of its heads.
+        # The K/V exchange is priced as the ring's (what cp_comm_type moves is not modelled
+        # here). torch's ring attention (torch.distributed.tensor.experimental) calls SDPA's
         # causal kernel on every step, with no window: priced whole, as the unfused core,
         # which computes the masked square anyway.
         share = window_share(model, seq)

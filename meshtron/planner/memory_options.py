@@ -41,7 +41,7 @@ DTYPES = ("bf16", "fp32", "fp8")
 """fp8 runs keep bf16 activations, weights and compute copies here (Transformer Engine saves
 some GEMM inputs in FP8, which this does not count: memory is not underestimated)."""
 FRAMEWORKS = ("fsdp2", "megatron", "deepspeed")
-MASTER_WEIGHTS = ("fp32", "remainders", "none")
+MASTER_WEIGHTS = ("fp32", "bf16", "remainders", "none")
 """How a mixed-precision ZeRO optimizer keeps the fp32 master weights
 (MemoryOptions.master_weights): bytes per parameter in memory_states.MASTER_BYTES."""
 PARAM_DTYPES = ("fp32", "bf16")
@@ -165,14 +165,14 @@ class MemoryOptions:
     master_weights: str = "fp32"
     """How the optimizer keeps the master copy of a mixed-precision ZeRO framework's 16-bit
     parameters (MASTER_WEIGHTS; the bytes per parameter of memory_states.state_bytes). 'fp32':
-    a 4-byte fp32 copy (Megatron-Core's distributed optimizer, DeepSpeed). 'remainders': the
-    2-byte int16 remainders that rebuild fp32 from the bf16 parameter (Apex
-    DistributedFusedAdam store_param_remainders, which NeMo 2.0.0rc1's
-    megatron_base_model.py `setup_optimization` turns on when the optimizer dtype is fp32 and
-    the O2 model bf16). 'none': the bf16 parameters are the optimizer's own (Apex
-    DistributedFusedAdam with dtype bf16: NeMo sets store_params False when the optimizer
-    dtype equals the model's, same function; its moments are then bf16 too: set
-    `bf16_moments` with it)."""
+    a 4-byte fp32 copy (Megatron-Core's distributed optimizer, DeepSpeed). The others are Apex
+    DistributedFusedAdam as NeMo 2.0.0rc1's (and v2.0.0's) megatron_base_model.py
+    `setup_optimization` sets it up beside the bf16 O2 model: with fp8_params, store_params, a
+    copy in the optimizer's dtype ('fp32', or 'bf16': 2 bytes); else with an fp32 optimizer
+    store_param_remainders ('remainders': the 2-byte int16 remainders that rebuild fp32 from
+    the bf16 parameter); else, the optimizer's dtype the model's, store_params False ('none':
+    the bf16 parameters are the optimizer's own). 'bf16' and 'none' come with bf16 moments
+    (one optimizer dtype): set `bf16_moments` with them."""
 
     grads_at_first_backward: bool = False
     """A mixed-precision ZeRO framework's gradient accumulation buffer of a block is made at
@@ -285,6 +285,17 @@ class MemoryOptions:
         if self.bf16_moments and self.framework == "fsdp2":
             raise UserError("memory.bf16_moments=true: priced for the mixed-precision ZeRO "
                             "frameworks (megatron, deepspeed), not fsdp2; use false")
+        if self.master_weights == "none" and not self.bf16_moments:
+            # NeMo keeps no master copy only when the optimizer's dtype is the bf16 model's,
+            # its moments then bf16 too (MemoryOptions.master_weights)
+            raise UserError("memory.master_weights='none': the bf16 parameters are the "
+                            "master weights only with bf16 moments; set bf16_moments = true "
+                            "or use fp32 / remainders")
+        if self.master_weights == "bf16" and not self.bf16_moments:
+            # Apex keeps its master copy and moments in one optimizer dtype
+            raise UserError("memory.master_weights='bf16': a bf16 master copy comes with bf16 "
+                            "moments (one optimizer dtype); set bf16_moments = true or use "
+                            "fp32 / remainders")
 
     @property
     def compute_bytes(self) -> float:

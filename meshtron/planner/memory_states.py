@@ -34,8 +34,9 @@ OPTIMIZER_BYTES = 12.0
 """fp32 master weights + AdamW first and second moments (ZeRO's K = 12)."""
 BF16_MOMENTS_OPTIMIZER_BYTES = 8.0
 """fp32 master weight (4) and AdamW's two moments in bf16 (2 + 2): DeepSeek-V3 report 3.3.3."""
-MASTER_BYTES = {"fp32": 4.0, "remainders": 2.0, "none": 0.0}
-"""Bytes per parameter of the master weights by MemoryOptions.master_weights: an fp32 copy;
+MASTER_BYTES = {"fp32": 4.0, "bf16": 2.0, "remainders": 2.0, "none": 0.0}
+"""Bytes per parameter of the master weights by MemoryOptions.master_weights: an fp32 copy; a
+bf16 copy (Apex DistributedFusedAdam's param shards in its optimizer dtype bf16);
 Apex DistributedFusedAdam's int16 remainders (its `param_remainders_shard`, torch.int16, beside
 the bf16 parameter they complete); none (the bf16 parameter is the optimizer's own)."""
 

@@ -482,9 +482,11 @@ def runs_ep(framework: Any) -> bool:
 def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: MemoryOptions,
                       dtype: str) -> bool:
     """Selective recomputation saves nothing over none: Korthikanti's policy (recompute the
-    attention core) with FlashAttention, which never stores the core. Policies that recompute
-    more (meshtron's and torchtitan's: they keep matmul outputs only) save less memory and are
-    searched."""
+    attention core) with FlashAttention, which never stores the core's scores, and whose
+    output the out-projection keeps in bf16 anyway (under Transformer Engine's FP8 the
+    checkpointed core drops the bf16 copy beside the FP8 one: memory_acts._korthikanti, then
+    searched). Policies that recompute more (meshtron's and torchtitan's: they keep matmul
+    outputs only) save less memory and are searched."""
     if opts.attention != "flash":
         return False
     import dataclasses as dc
