@@ -50,6 +50,7 @@ from __future__ import annotations
 from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory_kinds import qk_norm_bytes, window_chunk_bytes
 from meshtron.planner.memory_options import MemoryOptions
 
 COMPOSITE_NORM_BWD_FP32 = 5.0
@@ -140,13 +141,14 @@ def eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attentio
     cb = mem.compute_bytes
     kv_sdpa = q if mem.gqa_copies and model.heads != model.kv_heads else kv
     h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
+    norms = model.block_norms                              # Gemma's sandwich: four
     if model.norm == "rmsnorm" and not mem.fused_norm:
         # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
-        norm = 2.0 * (4.0 * h_in + 4.0 * h_in)
+        norm = norms * (4.0 * h_in + 4.0 * h_in)
     else:
-        norm = 2.0 * cb * h_in                             # input (+ per-row statistics)
+        norm = norms * cb * h_in                           # input (+ per-row statistics)
     stats = (8.0 if model.norm == "layernorm" else 4.0) / (tp if sp else 1)  # fp32 mean/rstd
-    norm += 2.0 * stats
+    norm += norms * stats
     gathered = 2.0 * h                                     # normed inputs of QKV and MLP
     # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
     # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
@@ -156,7 +158,8 @@ def eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attentio
     if attention == "unfused":
         core += cb * a * seq                                # softmax output
     return (norm + cb * (gathered + (attn + mlp) / tp) + core / tp
-            + mla_eager_bytes(model, tp, mem))
+            + mla_eager_bytes(model, tp, mem) + qk_norm_bytes(model, tp, mem)
+            + window_chunk_bytes(model, tp, seq, mem))
 
 
 def mla_eager_bytes(model: ModelSpec, tp: int, mem: MemoryOptions) -> float:
