@@ -90,7 +90,7 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     dy = cb * h_in
     # the gate product: w2's input gradient and mul's two outputs (GeLU: gelu_backward's),
     # w2's saved input freed; w2's weight gradient made
-    gate = dy + cb * (2 if swiglu else 1) * f / tp
+    gate = dy + cb * gate_product_tensors(model) * f / tp
     if recompute == "selective" and mem.saved == "eager":
         # meshtron's policy caches w2's output, which the replay never reaches (checkpoint's
         # early stop once every saved tensor is back): alive to the block's end
@@ -114,6 +114,20 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     saved = eager_none(model, tp, sp, mem, opts.attention, seq)
     moments.append((dy + norm_tmp - (saved - ffn_norm_saved), 0.0))
     return moments
+
+
+def gate_product_tensors(model: ModelSpec) -> int:
+    """[tokens, ffn] tensors the MLP's activation backward holds at its fullest beyond its
+    input gradient less w2's freed saved input: SwiGLU / GeGLU mul's two products; GeLU
+    gelu_backward's one output; squared ReLU (Nemotron, `torch.square`) three: torch's
+    pow_backward (torch/csrc/autograd/FunctionsManual.cpp) computes
+    `grad * (exponent * self.pow(exponent - 1))` in one expression, whose temporaries
+    (self.pow(1), a copy, and 2 x it) live until the product is made (measured: the MLP's
+    backward alone under torch's MemTracker, 4096 tokens: dy + 3 ffn-wide tensors over
+    GeLU's dy + 1)."""
+    if model.gated_mlp:
+        return 2
+    return 3 if model.mlp == "relu2" else 1
 
 
 def block_backward_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
