@@ -10,13 +10,14 @@ fake tensors on CPU) and the planner's total must be within 5% of the rehearsed 
 vocabulary is 512 so that a block's backward, where the kinds differ, holds the peak rather
 than the loss. Measured (2026-12-05, branch rehmodels), planner vs rehearsal before -> after
 the planner priced each kind's own saved tensors (planner/memory_kinds.py: q/k norms, sandwich
-norms, the CPU's window chunks; memory_bwd.py: squared ReLU's backward), zero-3 unless named:
-gemma3_text -37.8% -> -3.3%, qwen3 -24.6% -> -1.0% (pp 2 -22.1% -> -0.0%), qwen3_moe with
-dense blocks (ep 2) -18.4% -> -0.9%, olmo2 -17.6% -> -2.9%, nemotron -13.0% -> -0.6%, olmoe
-(ep 2) -8.2% -> +0.1%, starcoder2 -8.7% -> -1.9%, phi3 (tp 2 + sp, pp 2) -6.1% -> -0.7%,
-mistral window -4.8% -> -0.7%; Llama, Granite, MLA, Qwen2-MoE and Granite MoE unchanged
-(within 3.1%). The rehearsal of a model with tied embeddings (starcoder2, gemma3_text) stopped
-in torch's tracker before (rehearse/memory.py).
+norms, the CPU's window chunks; memory_bwd.py: squared ReLU's backward, the post-norm's
+backward opening a sandwich / post block), zero-3 unless named: gemma3_text -37.8% -> -0.2%
+(full recompute -33.4% -> -2.3%), qwen3 -24.6% -> -1.0% (pp 2 -22.1% -> -0.0%), qwen3_moe
+with dense blocks (ep 2) -18.4% -> -0.9%, olmo2 -17.6% -> +1.8% (full recompute -13.5% ->
++4.6%), nemotron -13.0% -> -0.6%, olmoe (ep 2) -8.2% -> +0.1%, starcoder2 -8.7% -> -1.9%,
+phi3 (tp 2 + sp, pp 2) -6.1% -> -0.7%, mistral window -4.8% -> -0.7%; Llama, Granite, MLA,
+Qwen2-MoE and Granite MoE unchanged (within 3.1%). The rehearsal of a model with tied
+embeddings (starcoder2, gemma3_text) stopped in torch's tracker before (rehearse/memory.py).
 
 Left out: tp=2 + sp without a pipeline at this vocabulary, where the loss's moment holds the
 peak with whole (vocabulary-parallel) logits too small to hide what that moment misses for
@@ -73,6 +74,7 @@ BASE = dict(tp=1, pp=1, dp=8, zero=1, micro_batch=2, recompute="none", sp=False,
             dtype="bf16", global_batch=32, seq_len=2048)
 DENSE_LAYOUTS = {
     "zero-3": dict(zero=3),
+    "zero-3, full recompute": dict(zero=3, recompute="full"),
     "pp 2": dict(pp=2, dp=4, schedule="1f1b"),
     "tp 2 + sp, pp 2": dict(tp=2, pp=2, dp=2, sp=True, schedule="1f1b"),
 }

@@ -101,6 +101,11 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     composite = model.norm == "rmsnorm" and not gpu
     norm_tmp = 4.0 * COMPOSITE_NORM_BWD_FP32 * h_in if composite else cb * h_in
     moments.append((dy + norm_tmp - mlp_saved, attn_w + out_w))
+    if model.norm_layout != "pre":
+        # Gemma's sandwich and OLMo 2's post norms: the block's backward starts at the MLP's
+        # post-norm, every saved tensor alive and no weight gradient made yet (the rehearsal's
+        # peak of both, `ffn_post_norm`'s backward)
+        moments.append((dy + norm_tmp, attn_w + out_w + mlp_w))
     # attention: wo's input gradient, dq, dk, dv (+ FlashAttention's workspace on a GPU)
     core = cb * (2 * q + 2 * kv_sdpa) / tp
     if opts.attention == "unfused":
