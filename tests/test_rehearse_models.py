@@ -11,10 +11,10 @@ vocabulary is 512 so that a block's backward, where the kinds differ, holds the 
 than the loss. Measured (2026-12-05, branch rehmodels), planner vs rehearsal before -> after
 the planner priced each kind's own saved tensors (planner/memory_kinds.py: q/k norms, sandwich
 norms, the CPU's window chunks; memory_bwd.py: squared ReLU's backward, the post-norm's
-backward opening a sandwich / post block), zero-3 unless named: gemma3_text -37.8% -> -0.2%
-(full recompute -33.4% -> -2.3%), qwen3 -24.6% -> -1.0% (pp 2 -22.1% -> -0.0%), qwen3_moe
-with dense blocks (ep 2) -18.4% -> -0.9%, olmo2 -17.6% -> +1.8% (full recompute -13.5% ->
-+4.6%), nemotron -13.0% -> -0.6%, olmoe (ep 2) -8.2% -> +0.1%, starcoder2 -8.7% -> -1.9%,
+backward opening a sandwich / post block), zero-3 unless named: gemma3_text -37.8% -> -1.8%
+(full recompute -33.4% -> -4.8%), qwen3 -24.6% -> -1.0% (pp 2 -22.1% -> -0.0%), qwen3_moe
+with dense blocks (ep 2) -18.4% -> -0.9%, olmo2 -17.6% -> -0.6% (full recompute -13.5% ->
++0.9%), nemotron -13.0% -> -0.6%, olmoe (ep 2) -8.2% -> +0.1%, starcoder2 -8.7% -> -1.9%,
 phi3 (tp 2 + sp, pp 2) -6.1% -> -0.7%, mistral window -4.8% -> -0.7%; Llama, Granite, MLA,
 Qwen2-MoE and Granite MoE unchanged (within 3.1%). The rehearsal of a model with tied
 embeddings (starcoder2, gemma3_text) stopped in torch's tracker before (rehearse/memory.py).

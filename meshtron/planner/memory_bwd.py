@@ -104,8 +104,12 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     if model.norm_layout != "pre":
         # Gemma's sandwich and OLMo 2's post norms: the block's backward starts at the MLP's
         # post-norm, every saved tensor alive and no weight gradient made yet (the rehearsal's
-        # peak of both, `ffn_post_norm`'s backward)
-        moments.append((dy + norm_tmp, attn_w + out_w + mlp_w))
+        # peak of both, `ffn_post_norm`'s backward). The composite norm's backward holds four
+        # fp32 [tokens, hidden] tensors there, one fewer than at the block's pre-norms
+        # (measured: one Gemma 3 / OLMo 2 block alone under torch's MemTracker, 2048 tokens,
+        # 16 bytes per element beyond the forward's end at ffn_post_norm's backward peak)
+        post_tmp = 4.0 * (COMPOSITE_NORM_BWD_FP32 - 1) * h_in if composite else cb * h_in
+        moments.append((dy + post_tmp, attn_w + out_w + mlp_w))
     # attention: wo's input gradient, dq, dk, dv (+ FlashAttention's workspace on a GPU)
     core = cb * (2 * q + 2 * kv_sdpa) / tp
     if opts.attention == "unfused":
