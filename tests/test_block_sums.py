@@ -45,8 +45,8 @@ def test_parameter_and_flop_counts_equal_the_block_by_block_sums(name):
 def test_recompute_flops_equal_the_block_by_block_sum(name):
     model = PRESETS[name]
     seq = 4096
-    # MLA's core runs at its (padded) q/k head size: heads x (nope + rope)
-    width = model.heads * model.head_dim if model.is_mla else model.hidden
+    # the core runs at the heads' width: MLA at its (padded) q/k head size (nope + rope)
+    width = model.heads * model.head_dim  # Qwen3: its own head_dim, not hidden / heads
     core = 4.0 * model.layers * width * seq
     for recompute, share in (("full", 1.0), ("half", 0.5)):
         got = recompute_flops_per_token(model, seq, recompute, "flash")

@@ -48,12 +48,12 @@ def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attent
                               v_native: bool = False) -> float:
     """FLOPs executed again by recomputation, per token (see module docstring); `v_native`:
     the stack's attention kernel runs MLA's V at its own width (KernelOptions.v_width)."""
-    # QK^T + AV forward, full square; MLA's QK^T runs at the q/k width, its PV at V's where
-    # the kernel takes it, else at V zero-padded to the q/k width (model/mla.py)
-    if model.is_mla:
-        width = model.heads * (model.head_dim + (model.v_dim if v_native else model.head_dim))
-    else:
-        width = 2 * model.hidden
+    # QK^T + AV forward, full square, at the heads' width (heads x head_dim: 2 x hidden for
+    # Llama, not for Qwen3's explicit head_dim, e.g. Qwen3-4B 32 x 128 over hidden 2560, as
+    # ModelSpec.flops_per_token counts it); MLA's QK^T runs at the q/k width, its PV at V's
+    # where the kernel takes it, else at V zero-padded to the q/k width (model/mla.py)
+    v = model.v_dim if v_native or not model.is_mla else model.head_dim
+    width = model.heads * (model.head_dim + v)
     core = 2.0 * model.layers * width * seq
     share = recompute_share(recompute)
     if share:

@@ -57,6 +57,7 @@ from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory_bwd import block_backward_bytes, eager_none as _eager_none
+from meshtron.planner.memory_kinds import window_mask_bytes
 from meshtron.planner.memory_options import (DEFAULT, E5M6_TILE_BYTES, FP8_TILE_BYTES,
                                           MemoryOptions)
 
@@ -203,7 +204,8 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
                                  te_fp8_inputs(opts, mem), mem)
     elif recompute == "none":
         per_token = _eager_none(model, tp, sp, mem, opts.attention, seq)
-        return tokens * per_token + rope_copy_bytes(model, seq, mem)
+        return (tokens * per_token + rope_copy_bytes(model, seq, mem)
+                + window_mask_bytes(model, seq, mem))
     elif mem.saved == "alternate-matmul":
         per_token = _alternate_matmul(model, tp, sp, cb)
     else:

@@ -50,6 +50,7 @@ from __future__ import annotations
 from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
+from meshtron.planner.memory_kinds import qk_norm_bytes, window_chunk_bytes
 from meshtron.planner.memory_options import MemoryOptions
 
 COMPOSITE_NORM_BWD_FP32 = 5.0
@@ -89,7 +90,7 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     dy = cb * h_in
     # the gate product: w2's input gradient and mul's two outputs (GeLU: gelu_backward's),
     # w2's saved input freed; w2's weight gradient made
-    gate = dy + cb * (2 if swiglu else 1) * f / tp
+    gate = dy + cb * gate_product_tensors(model) * f / tp
     if recompute == "selective" and mem.saved == "eager":
         # meshtron's policy caches w2's output, which the replay never reaches (checkpoint's
         # early stop once every saved tensor is back): alive to the block's end
@@ -100,6 +101,15 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     composite = model.norm == "rmsnorm" and not gpu
     norm_tmp = 4.0 * COMPOSITE_NORM_BWD_FP32 * h_in if composite else cb * h_in
     moments.append((dy + norm_tmp - mlp_saved, attn_w + out_w))
+    if model.norm_layout != "pre":
+        # Gemma's sandwich and OLMo 2's post norms: the block's backward starts at the MLP's
+        # post-norm, every saved tensor alive and no weight gradient made yet (the rehearsal's
+        # peak of both, `ffn_post_norm`'s backward). The composite norm's backward holds four
+        # fp32 [tokens, hidden] tensors there, one fewer than at the block's pre-norms
+        # (measured: one Gemma 3 / OLMo 2 block alone under torch's MemTracker, 2048 tokens,
+        # 16 bytes per element beyond the forward's end at ffn_post_norm's backward peak)
+        post_tmp = 4.0 * (COMPOSITE_NORM_BWD_FP32 - 1) * h_in if composite else cb * h_in
+        moments.append((dy + post_tmp, attn_w + out_w + mlp_w))
     # attention: wo's input gradient, dq, dk, dv (+ FlashAttention's workspace on a GPU)
     core = cb * (2 * q + 2 * kv_sdpa) / tp
     if opts.attention == "unfused":
@@ -113,6 +123,20 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     saved = eager_none(model, tp, sp, mem, opts.attention, seq)
     moments.append((dy + norm_tmp - (saved - ffn_norm_saved), 0.0))
     return moments
+
+
+def gate_product_tensors(model: ModelSpec) -> int:
+    """[tokens, ffn] tensors the MLP's activation backward holds at its fullest beyond its
+    input gradient less w2's freed saved input: SwiGLU / GeGLU mul's two products; GeLU
+    gelu_backward's one output; squared ReLU (Nemotron, `torch.square`) three: torch's
+    pow_backward (torch/csrc/autograd/FunctionsManual.cpp) computes
+    `grad * (exponent * self.pow(exponent - 1))` in one expression, whose temporaries
+    (self.pow(1), a copy, and 2 x it) live until the product is made (measured: the MLP's
+    backward alone under torch's MemTracker, 4096 tokens: dy + 3 ffn-wide tensors over
+    GeLU's dy + 1)."""
+    if model.gated_mlp:
+        return 2
+    return 3 if model.mlp == "relu2" else 1
 
 
 def block_backward_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq: int,
@@ -140,13 +164,14 @@ def eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attentio
     cb = mem.compute_bytes
     kv_sdpa = q if mem.gqa_copies and model.heads != model.kv_heads else kv
     h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
+    norms = model.block_norms                              # Gemma's sandwich: four
     if model.norm == "rmsnorm" and not mem.fused_norm:
         # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
-        norm = 2.0 * (4.0 * h_in + 4.0 * h_in)
+        norm = norms * (4.0 * h_in + 4.0 * h_in)
     else:
-        norm = 2.0 * cb * h_in                             # input (+ per-row statistics)
+        norm = norms * cb * h_in                           # input (+ per-row statistics)
     stats = (8.0 if model.norm == "layernorm" else 4.0) / (tp if sp else 1)  # fp32 mean/rstd
-    norm += 2.0 * stats
+    norm += norms * stats
     gathered = 2.0 * h                                     # normed inputs of QKV and MLP
     # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
     # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
@@ -156,7 +181,8 @@ def eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attentio
     if attention == "unfused":
         core += cb * a * seq                                # softmax output
     return (norm + cb * (gathered + (attn + mlp) / tp) + core / tp
-            + mla_eager_bytes(model, tp, mem))
+            + mla_eager_bytes(model, tp, mem) + qk_norm_bytes(model, tp, mem)
+            + window_chunk_bytes(model, tp, seq, mem))
 
 
 def mla_eager_bytes(model: ModelSpec, tp: int, mem: MemoryOptions) -> float:

@@ -61,6 +61,21 @@ def without_propagation(cls):
             if self.others:
                 _other_stages(self, *self.others)
 
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig):  # FSDPMemTracker's only
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+            def again(*args, **kwargs):
+                # tied embeddings leave their parameter in the root unit (data_parallel.py
+                # `_units`), so the root has a parameter group and torch's tracker watches
+                # its forward, which it refuses to see twice ("multiple iterative calls"):
+                # the root runs once per micro-batch. Its per-module statistics (unused here:
+                # the rank's peak is kept in `_update_peak_stats`) start again instead.
+                if fsdp_mod is self._root_mod and not self._mod_tracker.is_bw:
+                    self.memory_tracking.pop(fsdp_mod, None)
+                return inner(*args, **kwargs)
+
+            return again
+
         host: tuple[tuple[str, ...], float] | None = None
         """With host offload: (tracker categories, constant bytes) held in host memory."""
         on_host = False
