@@ -55,17 +55,17 @@ def test_master_weights_refused_where_not_priced():
         MemoryOptions(framework="fsdp2", grads_at_first_backward=True)
 
 
-def _llama3_16k(first_backward: bool):
+def _llama3_16k(first_backward: bool, zero: int = 1, stage: int | None = None):
     """The Llama 3 405B 16,384-GPU layout (bench/published/rows_pytorch.llama3): pp 16, 8
-    one-layer chunks per rank, 16 micro-batches, fp32 gradients."""
+    one-layer chunks per rank, 16 micro-batches, fp32 gradients; `zero` 0 or 1."""
     opts = KernelOptions(stack="fused", sharding="zero", separate_projections=False,
                          fp32_grad_reduce=True)
     mem = dataclasses.replace(MEGATRON, pipeline_split="megatron-ends",
                               grads_at_first_backward=first_backward)
-    plan = Plan(8, 16, 128, 1, 1, "none", True, "interleaved", 8)
+    plan = Plan(8, 16, 128, zero, 1, "none", True, "interleaved", 8)
     ev = Evaluator(preset("llama3-405b"), preset_cluster("dgx-h100", 2048), 2048, 8192,
                    opts=opts, mem=mem)
-    return ev.evaluate(plan, keep_infeasible=True).memory
+    return ev.evaluate(plan, stage=stage, keep_infeasible=True).memory
 
 
 def test_gradients_made_at_the_first_backward_hold_one_chunks_at_the_peak():
@@ -115,17 +115,7 @@ def test_selective_recompute_runs_the_flash_forward_again():
 def test_gradients_made_at_the_first_backward_at_zero_0_too():
     """Without the distributed optimizer (ZeRO-0) the gradients are whole as well: the same
     walk, the same saving on the same rank."""
-    def total(first_backward):
-        opts = KernelOptions(stack="fused", sharding="zero", fp32_grad_reduce=True,
-                             separate_projections=False)
-        mem = dataclasses.replace(MEGATRON, pipeline_split="megatron-ends",
-                                  grads_at_first_backward=first_backward)
-        plan = Plan(8, 16, 128, 0, 1, "none", True, "interleaved", 8)
-        ev = Evaluator(preset("llama3-405b"), preset_cluster("dgx-h100", 2048), 2048, 8192,
-                       opts=opts, mem=mem)
-        return ev.evaluate(plan, stage=1, keep_infeasible=True).memory
-
-    buffer, first = total(False), total(True)
+    buffer, first = _llama3_16k(False, zero=0, stage=1), _llama3_16k(True, zero=0, stage=1)
     p_layer = layer_params_local(preset("llama3-405b"), 8)
     assert (buffer.allocated - first.allocated) * memory.GIB == pytest.approx(
         7 * 4.0 * p_layer, rel=1e-9)
