@@ -91,10 +91,25 @@ def test_only_composer_pays_the_step_end_sync():
 
 
 def test_train_metrics_must_be_a_count():
-    for bad in (-1, 1.5, True, "2"):
+    for bad in (-1, 1.5, True, "2", 10**20):
         with pytest.raises(UserError, match="train_metrics"):
             KernelOptions(train_metrics=bad)
     assert dataclasses.replace(KernelOptions(), train_metrics=3).train_metrics == 3
+
+
+def test_a_bad_grad_bucket_passes_is_one_line_exit_2(tmp_path, capsys):
+    """A user's typo in an options file (a string, a negative or a huge count) was a
+    TypeError traceback or a step of hours, priced with exit 0."""
+    from meshtron.cli import main
+
+    for bad in ('"x"', "-3", "2.5", "true", "1000000"):
+        opts = tmp_path / "options.toml"
+        opts.write_text(f"[options]\ngrad_bucket_passes = {bad}\n")
+        rc = main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1",
+                   "--framework", "megatron-bridge", "--options", str(opts)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1, (bad, err)
+        assert "grad_bucket_passes=" in err and "from 0 to 16" in err, err
 
 
 def test_cli_shows_the_step_end_host_time(tmp_path):

@@ -32,6 +32,11 @@ the ep group every forward (moe_deepep.hybridep_map_gather_time)."""
 ROUTINGS = ("spread", "contiguous")
 """How a token's top-k experts are picked (KernelOptions.expert_routing; moe_deepep.ROUTINGS)."""
 
+MAX_PASSES = 16
+"""Upper bound of the counted options (train_metrics, grad_bucket_passes): the stacks priced
+have 0-3; a bound keeps a typo from pricing a step of years (or overflowing the reliability
+model)."""
+
 ROUTER_DTYPES = ("bf16", "fp32")
 """KernelOptions.router_dtype values: the gating GEMM's dtype (Megatron-Core moe_router_dtype;
 its default None runs the input's, bf16; priced in planner/moe_router.py)."""
@@ -279,8 +284,10 @@ class KernelOptions:
     """Token drop with padding to capacity at this capacity factor (Megatron-Core's
     moe_expert_capacity_factor with moe_pad_expert_input_to_capacity: every local expert
     receives ceil(factor x T k / E) rows from each rank, static splits); 0: dropless, the
-    splits the router chose. Decides whether FP8 experts copy their rows into aligned buffers
-    (moe_fp8.fp8_pad_passes)."""
+    splits the router chose. Priced: whether FP8 experts copy their rows into aligned buffers
+    (moe_fp8.fp8_pad_passes) and whether the dispatcher syncs with the host
+    (moe_host.dispatcher_syncs). Not priced yet: the padded rows themselves (the grouped GEMMs,
+    the all-to-alls and the activations stay at the routed rows x expert_imbalance)."""
     p2p_overlap: bool = False
     """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
     overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);
@@ -451,8 +458,13 @@ class KernelOptions:
                              "parameters need sharding 'fsdp' (DeepSpeed and Megatron-Core "
                              "gather into the parameters' own storage)")
         tm = self.train_metrics
-        if isinstance(tm, bool) or not isinstance(tm, int) or tm < 0:
-            raise UserError(f"train_metrics={tm!r}: must be an integer >= 0 (0: none)")
+        if isinstance(tm, bool) or not isinstance(tm, int) or not 0 <= tm <= MAX_PASSES:
+            raise UserError(f"train_metrics={tm!r}: must be an integer from 0 (none) to "
+                             f"{MAX_PASSES}")
+        gp = self.grad_bucket_passes
+        if isinstance(gp, bool) or not isinstance(gp, int) or not 0 <= gp <= MAX_PASSES:
+            raise UserError(f"grad_bucket_passes={gp!r}: must be an integer from 0 to "
+                             f"{MAX_PASSES}")
         if not isinstance(self.shard_units_per_layer, int) or self.shard_units_per_layer < 1:
             raise UserError(f"shard_units_per_layer={self.shard_units_per_layer!r}: must be a "
                              "positive integer")
