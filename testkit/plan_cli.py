@@ -33,3 +33,14 @@ def commands_fixture(*modules: str):
 def plan_cli(monkeypatch, capsys):
     run = _runner(monkeypatch, capsys, ["meshtron.planner.cli"])
     return lambda *argv: run("plan", *argv)
+
+
+def options_refusal(plan_cli, tmp_path, options: str, *argv: str) -> str:
+    """`meshtron plan ARGV --options FILE` with FILE's [options] table `options`, which must be
+    refused as bad input (exit 2, one line, no traceback): that line."""
+    path = tmp_path / "options.toml"
+    path.write_text(f"[options]\n{options}\n")
+    rc, _, err = plan_cli(*argv, "--options", str(path))
+    err = err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (options, err)
+    return err

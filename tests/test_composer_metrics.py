@@ -22,6 +22,7 @@ from meshtron.planner.frameworks import PRESETS
 from meshtron.planner.gemm import membound_bytes_per_s
 from meshtron.planner.kernel_options import KernelOptions
 from meshtron.planner.plan import Plan
+from testkit.plan_cli import options_refusal, plan_cli  # noqa: F401 (fixture)
 
 
 def _mpt7b():
@@ -97,18 +98,13 @@ def test_train_metrics_must_be_a_count():
     assert dataclasses.replace(KernelOptions(), train_metrics=3).train_metrics == 3
 
 
-def test_a_bad_grad_bucket_passes_is_one_line_exit_2(tmp_path, capsys):
+def test_a_bad_grad_bucket_passes_is_one_line_exit_2(plan_cli, tmp_path):
     """A user's typo in an options file (a string, a negative or a huge count) was a
     TypeError traceback or a step of hours, priced with exit 0."""
-    from meshtron.cli import main
-
     for bad in ('"x"', "-3", "2.5", "true", "1000000"):
-        opts = tmp_path / "options.toml"
-        opts.write_text(f"[options]\ngrad_bucket_passes = {bad}\n")
-        rc = main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1",
-                   "--framework", "megatron-bridge", "--options", str(opts)])
-        err = capsys.readouterr().err.strip()
-        assert rc == 2 and len(err.splitlines()) == 1, (bad, err)
+        err = options_refusal(plan_cli, tmp_path, f"grad_bucket_passes = {bad}", "--model",
+                              "llama3-8b", "--cluster", "dgx-h100:1", "--framework",
+                              "megatron-bridge")
         assert "grad_bucket_passes=" in err and "from 0 to 16" in err, err
 
 

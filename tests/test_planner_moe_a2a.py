@@ -16,6 +16,7 @@ from meshtron.planner.compute import KernelOptions
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.frameworks import PRESETS
 from meshtron.planner.plan import Plan
+from testkit.plan_cli import options_refusal, plan_cli  # noqa: F401 (fixture)
 
 TOKENS = 4096.0  # DeepEP's V3 pre-training setting: 4,096 tokens per batch
 
@@ -85,16 +86,11 @@ def test_fp8_dispatch_shortens_exposed_expert_comm_through_the_evaluator():
         assert getattr(fp8, piece) == pytest.approx(getattr(bf16, piece), rel=1e-6), piece
 
 
-def test_unknown_dispatch_in_an_options_file_is_one_line_exit_2(tmp_path, capsys):
-    from meshtron.cli import main
-
-    opts = tmp_path / "options.toml"
-    opts.write_text('[options]\nep_dispatch = "fp4"\n')
-    rc = main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100:2", "--global-batch",
-               "64", "--seq-len", "4096", "--framework", "megatron@2024", "--options", str(opts)])
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1
-    assert "ep_dispatch='fp4': allowed values are bf16, fp8" in err and "Traceback" not in err
+def test_unknown_dispatch_in_an_options_file_is_one_line_exit_2(plan_cli, tmp_path):
+    err = options_refusal(plan_cli, tmp_path, 'ep_dispatch = "fp4"', "--model",
+                          "mixtral-8x7b", "--cluster", "dgx-h100:2", "--global-batch", "64",
+                          "--seq-len", "4096", "--framework", "megatron@2024")
+    assert "ep_dispatch='fp4': allowed values are bf16, fp8" in err
 
 
 def test_hybridep_is_deepeps_rows_plus_a_routing_map_gather_before_each_forward():
