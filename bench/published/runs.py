@@ -59,13 +59,18 @@ Rows added in session 41 (issue 30, branch valrows3; `ADDED_S41`): NVIDIA's DGX 
 benchmarking recipes (NVIDIA/dgxc-benchmarking v24.11.1 and v25.05: NeMo on H100, DGXC /
 DGXC25), sources, the selection rule and the rows left out in rows_2026.py; each fixed from its
 source before the table was first run with them, and run once: validation.
+
+Rows added in session 42 (issue 30, branch valrows4; `ADDED_S42`): the same repository's
+release v25.04 (DGXC2504: Llama 3.1 and Nemotron-4 on NeMo 2.0, GPT-3 175B on NeMo 1.0's
+launcher, H100), source, the selection rule and the rows left out in rows_dgxc2504.py; each
+fixed from its source before the table was first run with them, and run once: validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from bench.published import (rows_2025, rows_2026, rows_megatron, rows_moe,
+from bench.published import (rows_2025, rows_2026, rows_dgxc2504, rows_megatron, rows_moe,
                              rows_nvidia_h100, rows_pytorch)
 from bench.published.table import PublishedRun
 
@@ -247,6 +252,10 @@ ADDED_S41 = frozenset(r.name for r in rows_2026.added_s41())
 """Names of the rows added in session 41 (rows_2026.py): bounded apart from the older rows, at
 their first run's figures (tests/test_planner_physics.py)."""
 
+ADDED_S42 = frozenset(r.name for r in rows_dgxc2504.added_s42())
+"""Names of the rows added in session 42 (rows_dgxc2504.py): bounded apart from the older rows,
+at their first run's figures (tests/test_planner_physics.py)."""
+
 
 def published_runs() -> list[PublishedRun]:
     """Every published run of the table, calibration part first; rows that steered a choice
@@ -255,7 +264,7 @@ def published_runs() -> list[PublishedRun]:
             + rows_pytorch.llama3() + rows_pytorch.torchtitan() + rows_pytorch.torchtitan_nd()
             + rows_pytorch.llm_foundry() + rows_megatron.megatron_2019()
             + rows_megatron.megatron_bridge_h100() + rows_moe.moe_runs() + added_s39()
-            + rows_2025.added_s40() + rows_2026.added_s41())
+            + rows_2025.added_s40() + rows_2026.added_s41() + rows_dgxc2504.added_s42())
     out = []
     for r in runs:
         if r.name in LOOKED_AT:
