@@ -1,6 +1,7 @@
 """The inputs of the validation rows added in session 39 (bench/published/rows_nvidia_h100.py,
-rows_pytorch.py torchtitan_float8_1d / torchtitan_async_tp_2025), checked against the other
-columns of their own sources: a misread figure or shape shows here, not in an error."""
+rows_pytorch.py torchtitan_float8_1d / torchtitan_async_tp_2025) and in session 42
+(rows_dgxc2504.py), checked against the other columns of their own sources: a misread figure or
+shape shows here, not in an error."""
 
 from __future__ import annotations
 
@@ -112,3 +113,39 @@ def test_nemo_gradient_buffer_is_the_launchers_bf16_one():
     assert mem["params"] * gib == pytest.approx(2.0 * total + 2.0 * gemm, rel=1e-6)
     assert mem["optimizer"] * gib == pytest.approx((2.0 + 8.0) * total / 8, rel=1e-6)
     assert doc["status"] == "ok" and doc["need"] < 80.0
+
+
+# session 42's rows (bench/published/rows_dgxc2504.py): the step times of the same tables,
+# NVIDIA/dgxc-benchmarking v25.04 llama3.1/README.md, nemotron/README.md,
+# nemo_megatron/README_175b.md ("Training step time (seconds per step)")
+DGXC2504_STEP_S = {
+    "Llama3.1 8B": {("BF16", 8): 12.27, ("BF16", 128): 12.33, ("FP8", 8): 9.33,
+                    ("FP8", 128): 9.54},
+    "Llama3.1 70B": {("BF16", 64): 14.66, ("BF16", 2048): 14.66, ("FP8", 64): 9.86,
+                     ("FP8", 2048): 10.15},
+    "Llama3.1 405B": {("BF16", 512): 19.78, ("BF16", 2048): 19.87, ("FP8", 512): 12.37,
+                      ("FP8", 2048): 12.56},
+    "Nemotron4 15B": {("BF16", 16): 2.66, ("BF16", 2048): 2.78, ("FP8", 16): 1.98,
+                      ("FP8", 2048): 2.09},
+    "Nemotron4 340B": {("BF16", 256): 4.36, ("BF16", 2048): 4.43, ("FP8", 256): 2.93,
+                       ("FP8", 2048): 3.05},
+    "GPT3 175B": {("BF16", 128): 8.309, ("BF16", 2048): 8.49, ("FP8", 128): 5.626,
+                  ("FP8", 2048): 5.96},
+}
+
+
+def test_dgxc2504_rows_agree_with_their_tables_step_times():
+    """Each row's tokens/s/GPU (the README's tokens/s column over the GPUs) equals sequence x
+    global batch / step time of the same table over the GPUs, to the step time's rounding: a
+    misread batch, GPU count or figure shows here."""
+    from bench.published.rows_dgxc2504 import added_s42
+
+    rows = added_s42()
+    assert len(rows) == sum(len(v) for v in DGXC2504_STEP_S.values()) == 24
+    for run in rows:
+        _, family, size, gpus, dtype = run.name.split(" ")
+        gpu_count = int(gpus.removesuffix("xH100"))
+        assert gpu_count == run.cluster.nodes * 8 == run.tp * run.pp * run.cp * run.dp
+        step_s = DGXC2504_STEP_S[f"{family} {size}"][(dtype, gpu_count)]
+        tokens_s = run.seq_len * run.global_batch / step_s / gpu_count
+        assert run.published == pytest.approx(tokens_s, rel=0.006), run.name
