@@ -62,8 +62,10 @@ source before the table was first run with them, and run once: validation.
 
 Rows added in session 42 (issue 30, branch valrows4; `ADDED_S42`): the same repository's
 release v25.04 (DGXC2504: Llama 3.1 and Nemotron-4 on NeMo 2.0, GPT-3 175B on NeMo 1.0's
-launcher, H100), source, the selection rule and the rows left out in rows_dgxc2504.py; each
-fixed from its source before the table was first run with them, and run once: validation.
+launcher, H100), source, the selection rule and the rows left out in rows_dgxc2504.py; and
+allenai/OLMo-core's README throughput table (OLMC: OLMo 1B / 7B / 13B and Llama 8B on one node
+of 8 H100, FSDP2 with torch.compile; rows_olmo_core.py); each fixed from its source before the
+table was first run with them, and run once: validation.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ from __future__ import annotations
 import dataclasses
 
 from bench.published import (rows_2025, rows_2026, rows_dgxc2504, rows_megatron, rows_moe,
-                             rows_nvidia_h100, rows_pytorch)
+                             rows_nvidia_h100, rows_olmo_core, rows_pytorch)
 from bench.published.table import PublishedRun
 
 
@@ -252,9 +254,15 @@ ADDED_S41 = frozenset(r.name for r in rows_2026.added_s41())
 """Names of the rows added in session 41 (rows_2026.py): bounded apart from the older rows, at
 their first run's figures (tests/test_planner_physics.py)."""
 
-ADDED_S42 = frozenset(r.name for r in rows_dgxc2504.added_s42())
-"""Names of the rows added in session 42 (rows_dgxc2504.py): bounded apart from the older rows,
-at their first run's figures (tests/test_planner_physics.py)."""
+
+def added_s42() -> list[PublishedRun]:
+    """The validation rows of session 42 (module docstring)."""
+    return rows_dgxc2504.added_s42() + rows_olmo_core.olmo_core()
+
+
+ADDED_S42 = frozenset(r.name for r in added_s42())
+"""Names of the rows added in session 42 (rows_dgxc2504.py, rows_olmo_core.py): bounded apart
+from the older rows, at their first run's figures (tests/test_planner_physics.py)."""
 
 
 def published_runs() -> list[PublishedRun]:
@@ -264,7 +272,7 @@ def published_runs() -> list[PublishedRun]:
             + rows_pytorch.llama3() + rows_pytorch.torchtitan() + rows_pytorch.torchtitan_nd()
             + rows_pytorch.llm_foundry() + rows_megatron.megatron_2019()
             + rows_megatron.megatron_bridge_h100() + rows_moe.moe_runs() + added_s39()
-            + rows_2025.added_s40() + rows_2026.added_s41() + rows_dgxc2504.added_s42())
+            + rows_2025.added_s40() + rows_2026.added_s41() + added_s42())
     out = []
     for r in runs:
         if r.name in LOOKED_AT:
