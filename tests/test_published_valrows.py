@@ -149,3 +149,19 @@ def test_dgxc2504_rows_agree_with_their_tables_step_times():
         step_s = DGXC2504_STEP_S[f"{family} {size}"][(dtype, gpu_count)]
         tokens_s = run.seq_len * run.global_batch / step_s / gpu_count
         assert run.published == pytest.approx(tokens_s, rel=0.006), run.name
+
+
+def test_olmo_core_rows_build_the_released_olmo_2_sizes():
+    """The OLMC rows' OLMo 7B / 13B, built from OLMo-core's llama_like rule (rows_olmo_core.py:
+    FFN 8 d / 3 rounded up to 256, the dolma2 vocabulary padded to 100,352, untied, QK-norm
+    over the whole projections), have the parameter counts of the released OLMo-2-1124 models
+    (7.3B and 13.7B): a misread width, depth or vocabulary shows here."""
+    from bench.published.rows_olmo_core import DOLMA2_PADDED, olmo_core
+
+    models = {r.name.split(" 8xH100")[0]: r.model for r in olmo_core()}
+    assert DOLMA2_PADDED == 100352
+    assert models["OLMC OLMo 7B"].num_params() == pytest.approx(7.3e9, rel=0.005)
+    assert models["OLMC OLMo 13B"].num_params() == pytest.approx(13.7e9, rel=0.005)
+    assert models["OLMC OLMo 7B"].ffn_hidden == 11008
+    assert models["OLMC OLMo 13B"].ffn_hidden == 13824
+    assert models["OLMC Llama 8B"].ffn_hidden == 14336
