@@ -18,8 +18,10 @@ dispatcher's `preprocess` likewise; DeepSpeed-MoE's GShard gating takes the same
   ep_size, tp_size the expert-tensor group it gathers over): every rank alike, whatever the
   router chose, so the routing imbalance does not apply. The allgather dispatcher gathers
   the T tokens whole (its volume does not depend on the capacity) and its experts take the
-  same C-per-expert routing map. The flex dispatcher (DeepEP, HybridEP) refuses padding
-  (transformer_config.py `__post_init__`, core_v0.15.0).
+  same C-per-expert routing map. The flex dispatcher refuses padding at core_v0.15.0
+  (transformer_config.py `__post_init__`); at d7288711 only its DeepEP backend does, and
+  HybridEP's `setup_metadata` permutes the same C x ep rows per local expert (priced as its
+  deduplicated rows scaled by C E / (T k), moe_deepep.py).
 * Dropped without padding: each expert keeps at most C rows of each source rank (final_map
   = routing_map AND capacity_mask): the fullest rank's rows are the imbalance capped at f,
   min(imbalance, f) times the mean, and a rank sends min(1, f) of its T k slots (balanced

@@ -33,6 +33,10 @@ bytes of the compute dtype, ep the expert-parallel degree):
   the step waits for the fullest rank, whose expert GEMMs and received bytes are `imbalance`
   times the mean. Default DEFAULT_IMBALANCE; `meshtron calibrate --router-stats
   metrics.jsonl` measures it from a run's router statistics (max/mean load).
+* Token drop (planner/moe_capacity.py, `KernelOptions.expert_capacity`): padded to capacity,
+  every expert multiplies C = ceil(f T k / E) rows from each rank and each rank sends C E,
+  whatever the imbalance; dropped without padding, the imbalance is capped at f. The grouped
+  GEMMs, the permutations, the casts and the all-to-alls below take those rows.
 * Grouped GEMMs. The E/ep local experts each multiply the tokens routed to them, T*k*ep/E on
   average (T*k/E without expert parallelism): small M dimensions lose efficiency to tile
   quantisation like any small GEMM (compute.py's s(m) model, or the calibrated table), which is
@@ -120,7 +124,8 @@ class MoeLayerCost:
     """Their backward twins, exposed seconds."""
     a2a_bytes: float
     """Bytes one token all-to-all call in the compute dtype sends to other ranks
-    (T*k*h*b*(ep-1)/ep): the combines (an FP8 dispatch sends `a2a_dtype_bytes` of it)."""
+    (T*k*h*b*(ep-1)/ep, times the rows token drop leaves: moe_capacity.ExpertRows.sent):
+    the combines (an FP8 dispatch sends `a2a_dtype_bytes` of it)."""
 
 
 def a2a_bytes(tokens: float, top_k: int, hidden: int, dtype_bytes: float, ep: int) -> float:

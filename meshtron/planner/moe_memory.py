@@ -18,8 +18,10 @@ meshtron/parallel/mesh.py `ExpertMeshes`). Under tensor parallelism the stacks d
 Activations (`routed_saved_bytes`, per MoE layer and micro-batch of T tokens entering the
 layer, k = top_k, E experts, R = T*k*f rows reaching the rank's experts with expert
 parallelism (f the routing imbalance of the fullest rank; T*k without), h hidden, fe the
-expert width, b the compute dtype's bytes), read off meshtron/model/moe.py's autograd graph
-(what each op saves for its backward) and checked against `meshtron rehearse`:
+expert width, b the compute dtype's bytes; under token drop R and the combine's slots are the
+rows moe_capacity.expert_rows leaves: padded, every expert's capacity), read off
+meshtron/model/moe.py's autograd graph (what each op saves for its backward) and checked
+against `meshtron rehearse`:
 
 * router: the fp32 affinities [T, E] (softmax's / sigmoid's output), the top-k indices
   (int64 [T, k]), and with renormalised weights the fp32 weights and their sum;
