@@ -298,7 +298,8 @@ class KernelOptions:
     """With `expert_capacity` > 0: pad every expert's rows to the capacity (Megatron-Core's
     moe_pad_expert_input_to_capacity, token_dispatcher.py `drop_and_pad`; DeepSpeed-MoE's
     GShard dispatch into [E, C, h]); False: drop only (Megatron-Core's capacity factor
-    alone). Ignored dropless."""
+    alone, whose own default leaves padding off: set false for such a run). Ignored
+    dropless."""
     p2p_overlap: bool = False
     """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
     overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);
