@@ -67,7 +67,8 @@ Step time (per optimizer step, on the critical pipeline stage c):
 
 Throughput figures: tokens/s = global_batch * seq / step; model TFLOP/s per GPU counts
 ModelSpec.flops_per_token (no recomputation; MFU = that / peak, PaLM's definition, Chowdhery et
-al. 2022); hardware TFLOP/s adds recomputed FLOPs (HFU).
+al. 2022); hardware TFLOP/s (HFU) adds recomputed FLOPs and, under token drop, the experts'
+padded rows less the dropped ones (moe_capacity.py).
 
 The cost model's cached pieces are in estimate_pieces.py, the per-stage helpers in
 estimate_stage.py, the data-parallel costs in dp_cost.py, the results in estimate_results.py;
@@ -268,7 +269,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
             fits = fits and mem.host_fits
             if not fits and not keep_infeasible:
                 return None
-        hw_flops = self.model_flops + self._recompute_flops(w.rec) * self.tokens
+        hw_flops = self.model_flops + (self._recompute_flops(w.rec)
+                                       + self._capacity_flops(w.cfg)) * self.tokens
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus
         stage_layers = (list(cfg.stage_layers) if w.given else

@@ -12,8 +12,8 @@ import functools
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compute, host, memory, memory_pipeline, moe_cost,
-                              moe_host, moe_memory, mtp, pipeline, pipeline_split, placement)
+from meshtron.planner import (comm, compute, host, memory, memory_pipeline, moe_capacity,
+                              moe_cost, moe_host, moe_memory, mtp, pipeline, pipeline_split, placement)
 from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
 
@@ -106,15 +106,16 @@ class CostPieces:
                                          o.ep_dispatch,
                                          moe_cost.folded(self.mem.framework, ep, etp),
                                          o.expert_routing, float(o.expert_capacity),
-                                         o.router_dtype)
+                                         o.router_dtype, o.expert_capacity_pad)
             share = model.moe_layers / model.layers
             # forward replayed, on the mean (a part's own count: HalfRecompute.half_replay)
             again = {"full": 1.0, "half": 0.5}.get(rec, 0.0)
             # with ep > 1 the dispatch reads its split sizes on the host once per MoE layer
             # forward (meshtron, torchtitan, Megatron's all-to-all dispatcher): a sync each,
             # but for Megatron-Core's token drop padded to capacity (moe_host.dispatcher_syncs)
+            padded = float(o.expert_capacity) if o.expert_capacity_pad else 0.0
             syncs = moe_host.dispatcher_syncs(moe_cost.per_expert_gemms(self.mem.framework),
-                                              o.ep_dispatch, float(o.expert_capacity))
+                                              o.ep_dispatch, padded)
             sync = host.SYNC_S if ep > 1 and syncs else 0.0
             hit = (share * ((mc.compute_fwd + sync) * (1 + again) + mc.compute_bwd),
                    share * (mc.compute_fwd + sync),
@@ -233,13 +234,29 @@ class CostPieces:
         # FP8 expert GEMMs save their quantised input (not meshtron's: torchao keeps experts
         # in bf16, planner/fp8.py)
         fp8 = dtype == "fp8" and o.fp8_filter != "torchao"
+        counts = self._expert_rows(mb * seq, tp, ep, etp, mem.framework)
         return moe_memory.activation_extra(
             act, self.active, self.model, mb * seq, tp, ep, float(o.expert_imbalance),
             mem.compute_bytes, mem.saved, rec, 1.0 if fp8 else None,
             shared_replicated=mem.framework == "fsdp2",
             dense_fp8=mem.saved == "korthikanti" and memory.te_fp8_inputs(o, mem),
             weighted_act=mem.moe_weighted_act, mem=mem,
-            etp=moe_memory.expert_tp(mem.framework, tp, etp))
+            etp=moe_memory.expert_tp(mem.framework, tp, etp), counts=counts)
+
+    def _expert_rows(self, tokens: float, tp: int, ep: int, etp: int | None = None,
+                     framework: str | None = None) -> moe_capacity.ExpertRows:
+        """The rows of one MoE layer after token drop (moe_capacity.expert_rows) for a
+        micro-batch of `tokens` tokens per tensor group: each rank routes its own sequence
+        shard where the stack folds the expert grid (moe_cost.folded_tokens). `framework`:
+        the memory options' (default the evaluator's)."""
+        o, model = self.opts, self.model
+        framework = framework or self.mem.framework
+        is_folded = moe_cost.folded(framework, ep, etp)
+        routed, _ = moe_cost.folded_tokens(tokens, tp, moe_memory.expert_tp(framework, tp, etp),
+                                           is_folded)
+        return moe_capacity.expert_rows(routed, model.moe_top_k, model.moe_experts, ep,
+                                        float(o.expert_imbalance), float(o.expert_capacity),
+                                        o.expert_capacity_pad)
 
     def _groups(self, cfg: Plan) -> dict[str, Any]:
         """Where the plan's tp / pp / dp groups sit on this cluster (placement.py)."""
@@ -298,6 +315,17 @@ class CostPieces:
         """Per pipeline rank, a multiplier never above `_weighted_in_flight`'s (the same
         conversion of memory_pipeline.held_lower_bound, a lower bound of the walk's peak)."""
         return list(_in_flight_lower_bound(pp, v, m, tuple(chunks), act, grad, extra))
+
+    def _capacity_flops(self, cfg: Plan) -> float:
+        """Hardware FLOPs per token the routed experts run beyond the model FLOPs under token
+        drop (moe_capacity.executed_expert_flops_per_token: padded rows added, dropped ones
+        taken off, the recomputed forward's too); 0 dropless."""
+        if not self.model.is_moe or self.opts.expert_capacity <= 0:
+            return 0.0
+        counts = self._expert_rows(cfg.micro_batch * self.seq / cfg.cp, cfg.tp, cfg.ep,
+                                   cfg.etp)
+        return moe_capacity.executed_expert_flops_per_token(
+            self.model, counts, compute.recompute_share(cfg.recompute))
 
     def _recompute_flops(self, rec: str) -> float:
         """FLOPs per token recomputation runs again: the recompute mode's

@@ -281,13 +281,25 @@ class KernelOptions:
     fp32): 'fp32' prices its TF32 backward and casts over a bf16 one
     (planner/moe_router.py)."""
     expert_capacity: float = 0.0
-    """Token drop with padding to capacity at this capacity factor (Megatron-Core's
-    moe_expert_capacity_factor with moe_pad_expert_input_to_capacity: every local expert
-    receives ceil(factor x T k / E) rows from each rank, static splits); 0: dropless, the
-    splits the router chose. Priced: whether FP8 experts copy their rows into aligned buffers
-    (moe_fp8.fp8_pad_passes) and whether the dispatcher syncs with the host
-    (moe_host.dispatcher_syncs). Not priced yet: the padded rows themselves (the grouped GEMMs,
-    the all-to-alls and the activations stay at the routed rows x expert_imbalance)."""
+    """Token drop at this capacity factor f (Megatron-Core's moe_expert_capacity_factor;
+    DeepSpeed-MoE's and GShard's capacity_factor): every expert takes at most
+    C = ceil(f x T k / E) rows from each rank routing T tokens (moe_utils.py `get_capacity`);
+    0: dropless, the splits the router chose. Priced (planner/moe_capacity.py): the rows the
+    grouped GEMMs multiply (per GPU, at the planner's GEMM efficiency for those shapes), the
+    permutations copy, the all-to-alls carry and the expert MLP's activations hold; the
+    hardware FLOPs (HFU) count the rows multiplied, the model FLOPs (MFU) the routed tokens.
+    Padded (`expert_capacity_pad`): every local expert multiplies C rows from each of the ep
+    (x etp gathered) ranks and each rank sends C E rows, whatever the routing imbalance;
+    also whether FP8 experts copy their rows into aligned buffers
+    (moe_fp8.fp8_pad_passes) and that the dispatcher does not sync with the host
+    (moe_host.dispatcher_syncs). Not padded: the routing imbalance capped at f, min(1, f)
+    of the slots sent. meshtron's runtime drops no tokens."""
+    expert_capacity_pad: bool = True
+    """With `expert_capacity` > 0: pad every expert's rows to the capacity (Megatron-Core's
+    moe_pad_expert_input_to_capacity, token_dispatcher.py `drop_and_pad`; DeepSpeed-MoE's
+    GShard dispatch into [E, C, h]); False: drop only (Megatron-Core's capacity factor
+    alone, whose own default leaves padding off: set false for such a run). Ignored
+    dropless."""
     p2p_overlap: bool = False
     """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
     overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);
@@ -449,6 +461,9 @@ class KernelOptions:
         cap = self.expert_capacity
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap <= 64:
             raise UserError(f"expert_capacity={cap!r}: must be a number from 0 (dropless) to 64")
+        if not isinstance(self.expert_capacity_pad, bool):
+            raise UserError(f"expert_capacity_pad={self.expert_capacity_pad!r}: must be true "
+                             "or false")
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")

@@ -33,6 +33,10 @@ bytes of the compute dtype, ep the expert-parallel degree):
   the step waits for the fullest rank, whose expert GEMMs and received bytes are `imbalance`
   times the mean. Default DEFAULT_IMBALANCE; `meshtron calibrate --router-stats
   metrics.jsonl` measures it from a run's router statistics (max/mean load).
+* Token drop (planner/moe_capacity.py, `KernelOptions.expert_capacity`): padded to capacity,
+  every expert multiplies C = ceil(f T k / E) rows from each rank and each rank sends C E,
+  whatever the imbalance; dropped without padding, the imbalance is capped at f. The grouped
+  GEMMs, the permutations, the casts and the all-to-alls below take those rows.
 * Grouped GEMMs. The E/ep local experts each multiply the tokens routed to them, T*k*ep/E on
   average (T*k/E without expert parallelism): small M dimensions lose efficiency to tile
   quantisation like any small GEMM (compute.py's s(m) model, or the calibrated table), which is
@@ -76,6 +80,7 @@ from typing import Any
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm
 from meshtron.planner.compute import DEFAULT_IMBALANCE  # the KernelOptions default it prices
+from meshtron.planner.moe_capacity import expert_rows
 from meshtron.planner.moe_deepep import (DEDUPLICATED, deepep_a2a_time,
                                          hybridep_map_gather_time)
 from meshtron.planner.moe_fp8 import expert_cast_bytes, fp8_pad_passes
@@ -119,7 +124,8 @@ class MoeLayerCost:
     """Their backward twins, exposed seconds."""
     a2a_bytes: float
     """Bytes one token all-to-all call in the compute dtype sends to other ranks
-    (T*k*h*b*(ep-1)/ep): the combines (an FP8 dispatch sends `a2a_dtype_bytes` of it)."""
+    (T*k*h*b*(ep-1)/ep, times the rows token drop leaves: moe_capacity.ExpertRows.sent):
+    the combines (an FP8 dispatch sends `a2a_dtype_bytes` of it)."""
 
 
 def a2a_bytes(tokens: float, top_k: int, hidden: int, dtype_bytes: float, ep: int) -> float:
@@ -164,7 +170,8 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                    fp8_scaling: str = "te-delayed", fp8_gemm: str = "cublas",
                    fp8_split_accum_bwd: bool = True, ep_dispatch: str = "bf16",
                    folded: bool = False, expert_routing: str = "spread",
-                   capacity: float = 0.0, router_dtype: str = "bf16") -> MoeLayerCost:
+                   capacity: float = 0.0, router_dtype: str = "bf16",
+                   capacity_pad: bool = True) -> MoeLayerCost:
     """Extra cost of one MoE layer (module docstring) for `tokens` tokens on this rank. Under
     tensor parallelism `tp` the dense equivalent charged the routed GEMMs at 1/tp of their
     width (compute.layer_cost); the experts run fe/etp columns (`etp`: 1 where the MoE is
@@ -188,11 +195,14 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     `folded`: Megatron-Core's dispatcher over its folded expert grid (`folded`,
     `folded_tokens`): each tp rank routes its own sequence shard, the etp group all-gathers
     the received rows and reduce-scatters the experts' output (`etp_collectives`).
-    `capacity`: token drop padded to capacity at that factor (KernelOptions.expert_capacity;
-    0: dropless), which decides whether the FP8 experts copy their rows into 16-aligned
-    buffers (moe_fp8.fp8_pad_passes) and whether the dispatcher syncs (moe_host.
-    dispatcher_syncs). `router_dtype` 'fp32': the gating GEMM's TF32 backward and casts over
-    a bf16 one (moe_router.fp32_router_extra)."""
+    `capacity`: token drop at that capacity factor (KernelOptions.expert_capacity; 0:
+    dropless), padded to capacity where `capacity_pad` (KernelOptions.expert_capacity_pad):
+    the rows the grouped GEMMs multiply, the permutations copy and the all-to-alls carry
+    (moe_capacity.expert_rows: every expert's C rows padded, the imbalance capped at the
+    factor without padding); padded, it also decides whether the FP8 experts copy their rows
+    into 16-aligned buffers (moe_fp8.fp8_pad_passes) and whether the dispatcher syncs
+    (moe_host.dispatcher_syncs). `router_dtype` 'fp32': the gating GEMM's TF32 backward and
+    casts over a bf16 one (moe_router.fp32_router_extra)."""
     from meshtron.planner import compute
 
     lin_dt, other_dt = compute.compute_dtypes(dtype)
@@ -206,7 +216,9 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     b = 4.0 if dtype == "fp32" else compute.BF16
     full = tokens  # the tokens the dense equivalent's routed GEMMs were charged for
     tokens, seen = folded_tokens(tokens, tp, etp, folded)
-    rows = max(1.0, routed_tokens_per_expert(seen, model, ep) * imbalance)
+    # the rows after token drop (moe_capacity.py): each rank routes `tokens` of its own
+    counts = expert_rows(tokens, k, e, ep, imbalance, capacity, capacity_pad)
+    rows = max(1.0, routed_tokens_per_expert(seen, model, ep) * counts.per_expert)
     local, fe_local = e / ep, fe / etp
 
     def gemms(kern: tuple[float, float]) -> tuple[float, float]:
@@ -231,16 +243,17 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     dense, grouped = gemms(kernel)
     dense_b, grouped_b = gemms(kernel_b) if kernel_b != kernel else (dense, grouped)
     bw = compute.membound_bytes_per_s(cluster.at_dtype(other_dt), stack)
-    slots = tokens * k * h * b
+    slots = tokens * k * h * b * counts.sent  # the rows the rank permutes and sends
     passes = permute_passes(stack, ep, local, ep_dispatch)
     permute = passes * 2 * slots / bw  # each reads and writes
     cast_f = cast_b = 0.0
     if lin_dt == "fp8":
-        routed = seen * k * ep_rows(imbalance, ep) * h  # elements of the routed rows
+        routed = seen * k * counts.received * h  # elements of the routed rows
         cast_f, cast_b = (x / bw for x in expert_cast_bytes(fp8_scaling, routed, tokens * h))
         # Transformer Engine's Fp8Padding / Fp8Unpadding around the expert GEMMs: each a read
         # and a write of the routed rows, forward and (their autograd twins) backward
-        pad = fp8_pad_passes(per_expert, ep_dispatch, capacity, tokens, k, e, ep, etp, folded)
+        pad = fp8_pad_passes(per_expert, ep_dispatch, capacity if capacity_pad else 0.0,
+                             tokens, k, e, ep, etp, folded)
         cast_f, cast_b = (c + pad * 2 * routed * b / bw for c in (cast_f, cast_b))
     extra_f = grouped - dense + permute + cast_f
     extra_b = 2 * (grouped_b - dense_b) + 2 * permute + cast_b
@@ -252,14 +265,14 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
     def call(x: float) -> float:
         """One all-to-all of rows of x bytes per element: NCCL's, or DeepEP's deduplicated."""
         if ep_dispatch not in DEDUPLICATED:
-            return a2a_time(nbytes * imbalance * x / b, group, fab, k, node_limit)
-        return deepep_a2a_time(tokens, h, x, e, k, group, fab, expert_routing, imbalance,
-                               node_limit) if ep > 1 else 0.0
+            return a2a_time(nbytes * counts.received * x / b, group, fab, k, node_limit)
+        return deepep_a2a_time(tokens, h, x, e, k, group, fab, expert_routing,
+                               counts.received, node_limit) if ep > 1 else 0.0
 
     calls = [call(x) for x in a2a_dtype_bytes(b, lin_dt == "fp8", ep_dispatch)]
     # the etp group's all-gather of the received rows and reduce-scatter of the experts' output
-    calls = [c + x for c, x in zip(calls, etp_collectives(seen * k * imbalance * h * b, etp,
-                                                          cluster, fab, folded))]
+    calls = [c + x for c, x in zip(calls, etp_collectives(seen * k * counts.received * h * b,
+                                                          etp, cluster, fab, folded))]
     a2a_f = a2a_b = sum(calls)
     toward = calls[0] / a2a_f if a2a_f > 0 else 0.5  # the share of the call toward the experts
     if ep_dispatch == "hybridep":  # its routing map, gathered before each forward dispatch
@@ -280,12 +293,12 @@ def moe_layer_cost(model: ModelSpec, cluster: Any, tokens: float, ep: int, group
                              permute, (a2a_f, a2a_b, toward), (window_fwd, window_bwd),
                              (ops, *expert_ops(lin_dt, local, per_expert),
                               2.0 * (local if per_expert else 1.0)))
-        if dispatcher_syncs(per_expert, ep_dispatch, capacity):
+        if dispatcher_syncs(per_expert, ep_dispatch, capacity if capacity_pad else 0.0):
             wait_f, wait_b = ordered_wait(work, compute.dispatch_s(cluster), ep_overlap)
         else:  # static splits: the host runs ahead across layers, only its total can show
             wait_f, wait_b = unsynced_wait(work, compute.dispatch_s(cluster))
         extra_f, extra_b = extra_f + wait_f, extra_b + wait_b
-    return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes)
+    return MoeLayerCost(extra_f, extra_b, a2a_f, a2a_b, nbytes * counts.sent)
 
 
 def folded(framework: str, ep: int, etp: int | None = None) -> bool:
@@ -371,12 +384,6 @@ def overlapped_a2a(a2a_f: float, a2a_b: float, win_f: float, win_b: float) -> tu
 
     exposed = compute.overlapped(comm_t, win_f + win_b)
     return exposed * a2a_f / comm_t, exposed * a2a_b / comm_t
-
-
-def ep_rows(imbalance: float, ep: int) -> float:
-    """Routed rows on the fullest rank per routed slot of the mean: the imbalance with expert
-    parallelism, 1 without (all experts local)."""
-    return imbalance if ep > 1 else 1.0
 
 
 def permute_passes(stack: str, ep: int, local_experts: float = 2.0,

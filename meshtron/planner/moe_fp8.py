@@ -22,7 +22,8 @@ def fp8_pad_passes(per_expert: bool, dispatch: str, capacity: float, tokens: flo
     whose backward runs the other (moe/experts.py `TEGroupedMLP.forward`: fp8_padding at
     core_v0.12.2 / core_v0.14.0 / core_v0.15.0, quantization_padding at d7288711; TE
     fp8_padding.py at v2.8). Fp8Padding returns its input untouched when every split is
-    already aligned: with token drop padded to `capacity` (KernelOptions.expert_capacity)
+    already aligned: with token drop padded to `capacity` (KernelOptions.expert_capacity
+    with expert_capacity_pad; callers pass 0 for token drop without padding)
     each local expert gets the same ceil(capacity T k / E) rows from each of the ep (x etp
     gathered) ranks (token_dispatcher.py `get_capacity`, the dispatcher's drop_and_pad
     splits), aligned or not by arithmetic; dropless the splits are whatever the router

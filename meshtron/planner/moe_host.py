@@ -205,7 +205,9 @@ def merged_segments(w: MoeWork, dispatch: float) -> list[tuple[float, float]]:
 def dispatcher_syncs(per_expert: bool, dispatch: str, capacity: float) -> bool:
     """Whether the dispatcher reads its split sizes on the host every MoE layer forward (module
     docstring). Not Megatron-Core's (`per_expert`: the stack whose experts are TEGroupedMLP)
-    under token drop padded to capacity (KernelOptions.expert_capacity > 0): the alltoall
+    under token drop padded to capacity (KernelOptions.expert_capacity > 0 with
+    expert_capacity_pad; callers pass 0 without padding, whose splits Megatron-Core reads
+    on the host at "before_permutation_1", token_dispatcher.py `preprocess`): the alltoall
     dispatcher's `preprocess` builds the splits on the host from the capacity (torch.full on
     the CPU) and returns before choosing a sync point, which stays "no_sync"
     (token_dispatcher.py, core_v0.12.2 to d7288711); HybridEP's dispatch is non-blocking when

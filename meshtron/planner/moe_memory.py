@@ -18,8 +18,10 @@ meshtron/parallel/mesh.py `ExpertMeshes`). Under tensor parallelism the stacks d
 Activations (`routed_saved_bytes`, per MoE layer and micro-batch of T tokens entering the
 layer, k = top_k, E experts, R = T*k*f rows reaching the rank's experts with expert
 parallelism (f the routing imbalance of the fullest rank; T*k without), h hidden, fe the
-expert width, b the compute dtype's bytes), read off meshtron/model/moe.py's autograd graph
-(what each op saves for its backward) and checked against `meshtron rehearse`:
+expert width, b the compute dtype's bytes; under token drop R and the combine's slots are the
+rows moe_capacity.expert_rows leaves: padded, every expert's capacity), read off
+meshtron/model/moe.py's autograd graph (what each op saves for its backward) and checked
+against `meshtron rehearse`:
 
 * router: the fp32 affinities [T, E] (softmax's / sigmoid's output), the top-k indices
   (int64 [T, k]), and with renormalised weights the fp32 weights and their sum;
@@ -58,6 +60,7 @@ from typing import Any
 from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.memory_options import FP8_TILE_BYTES
+from meshtron.planner.moe_capacity import ExpertRows
 
 GROUPED_MM_ALIGN = 16
 """Rows per expert group are padded to this multiple (meshtron/model/moe.py, the same
@@ -130,7 +133,7 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
                        cb: float, saved: str, expert_bytes: float | None = None,
                        recompute: str = "none", dense_fp8: bool = False,
                        weighted_act: bool = False, mem: Any = None,
-                       etp: int | None = None) -> float:
+                       etp: int | None = None, counts: ExpertRows | None = None) -> float:
     """Bytes one MoE layer's router, permutation, routed experts and combine save for the
     backward, one micro-batch of `tokens` tokens (module docstring). `saved`: memory.py's list
     ('eager' meshtron's model; else Megatron-Core's); `expert_bytes`: bytes of a saved expert
@@ -151,16 +154,25 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
     experts' tensor-parallel degree (`expert_tp`; None: tp): Megatron-Core's all-to-all
     dispatcher sends each tp rank's sequence shard (T/tp tokens, sequence parallelism) and
     all-gathers the received rows over the etp group (token_dispatcher.py
-    `dispatch_postprocess`), so a rank's experts hold T*k*f*etp/tp rows of fe/etp columns."""
+    `dispatch_postprocess`), so a rank's experts hold T*k*f*etp/tp rows of fe/etp columns.
+    `counts`: the rows after token drop (moe_capacity.expert_rows; None: dropless at
+    `imbalance`): the experts' rows at `received` (padded: every expert's capacity, the
+    Megatron-Core alltoall dispatcher's C x etp x ep per local expert), the combine's at
+    `sent` (the unpermute takes the rank's C E padded rows, token_dispatcher.py
+    `combine_postprocess`, core_v0.15.0)."""
     if recompute == "full":
         return 0.0
     if recompute == "half":
         return 0.5 * routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved,
                                         expert_bytes, dense_fp8=dense_fp8,
-                                        weighted_act=weighted_act, mem=mem, etp=etp)
+                                        weighted_act=weighted_act, mem=mem, etp=etp,
+                                        counts=counts)
     k, e, h, fe = model.moe_top_k, model.moe_experts, model.hidden, model.moe_ffn_hidden
+    if counts is None:
+        counts = ExpertRows(imbalance, imbalance if ep > 1 else 1.0, 1.0)
     slots = tokens * k
-    rows = slots * (imbalance if ep > 1 else 1.0)
+    rows = slots * counts.received
+    combined = slots * counts.sent  # the rows the combine takes back (padded or dropped)
     xb = cb if expert_bytes is None else expert_bytes
     if saved == "eager":
         padded = rows + GROUPED_MM_ALIGN * e / ep
@@ -173,7 +185,7 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
         copies = 2 if ep > 1 else 1  # index_copy sources: the experts' input (+ their output)
         perm = 3 * slots * INDEX_BYTES + rows * INDEX_BYTES * copies
         experts = padded * (h * xb + 4 * fe * cb) + copies * rows * h * cb
-        return router + perm + experts + slots * (2 * h + 1) * cb
+        return router + perm + experts + combined * (2 * h + 1) * cb
     etp = expert_tp("megatron", tp, etp)
     rows *= etp / tp  # the rank's sequence shard, all-gathered over the etp group
     # the grouped MLP's input [R, h], fc1's output [R, 2 fe] (SwiGLU's input, bf16) and
@@ -189,7 +201,7 @@ def routed_saved_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, imbala
         router_in = 0.0
     # the combine: the unpermute's expert outputs and probabilities (their gradient's
     # operands), or, with the probabilities in the SwiGLU, the permuted probabilities there
-    combine = rows * FP32 if weighted_act else slots * h * cb + slots * FP32
+    combine = rows * FP32 if weighted_act else combined * (h * cb + FP32)
     return tokens * e * FP32 + slots * INDEX_BYTES + experts + combine + router_in
 
 
@@ -207,7 +219,8 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
                      shared_replicated: bool = False,
                      dense_fp8: bool = False,
                      weighted_act: bool = False, mem: Any = None,
-                     etp: int | None = None) -> tuple[float, float]:
+                     etp: int | None = None,
+                     counts: ExpertRows | None = None) -> tuple[float, float]:
     """(saved, recompute working set) bytes per average block and micro-batch a MoE model's
     layers hold beyond their dense equivalent `active` (`act(spec, recompute)`:
     memory.activation_bytes of a spec at the plan's other arguments): the routed part's exact
@@ -216,7 +229,7 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
     saves without recomputation less what it keeps) grows by the same difference.
     `shared_replicated`: the shared experts run unsharded on every tp rank (meshtron's
     runtime) where the equivalent charged them /tp. `dense_fp8`, `weighted_act`: as
-    `routed_saved_bytes` (and `etp`)."""
+    `routed_saved_bytes` (and `etp`, `counts`)."""
     if not model.is_moe:
         return 0.0, 0.0
     share = model.moe_layers / model.layers
@@ -225,7 +238,7 @@ def activation_extra(act, active: ModelSpec, model: ModelSpec, tokens: float, tp
 
     def extra(rec: str) -> float:
         exact = routed_saved_bytes(model, tokens, tp, ep, imbalance, cb, saved, expert_bytes,
-                                   rec, dense_fp8, weighted_act, mem, etp)
+                                   rec, dense_fp8, weighted_act, mem, etp, counts)
         charged = dense_routed_bytes(act, active, routed_width, rec)
         if shared_replicated and tp > 1 and fs:
             exact += dense_routed_bytes(act, active, fs, rec) * (tp - 1)
