@@ -235,6 +235,19 @@ LOOKED_AT.update({name: why + "; session 41 (branch lfmpt): their errors led to 
                   "flash-attn's loss, Composer's train metrics and FSDP1's flat parameters"
                   for name, why in LOOKED_AT.items() if name.startswith("LF MPT-")})
 
+# session 42 (branch fp8scale): the DGXC FP8 rows' published figures, their errors growing with the
+# GPU count (issue 30), were read to size and then to judge Transformer Engine's amax all-reduces,
+# priced from TE's and Megatron-Core's code (planner/fp8_amax.py): calibration from then on
+LOOKED_AT.update({f"DGXC {model} {gpus}xH100 FP8": "session 42 (branch fp8scale): its error "
+                  "beside its pair's at the other GPU count was read to size and judge "
+                  "Transformer Engine's amax all-reduces (planner/fp8_amax.py, from the code)"
+                  for model, counts in (("Llama3.1 8B", (8, 128)), ("Llama3.1 70B", (64, 2048)),
+                                        ("Llama3.1 405B", (576, 2304)),
+                                        ("Nemotron4 15B", (16, 2048)),
+                                        ("Nemotron4 340B", (128, 2048)),
+                                        ("GPT3 175B", (128, 2048)))
+                  for gpus in counts})
+
 
 def added_s39() -> list[PublishedRun]:
     """The validation rows of session 39 (module docstring)."""

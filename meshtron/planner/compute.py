@@ -42,6 +42,7 @@ from meshtron.planner.elementwise import (  # noqa: F401  (kernels_per_layer re-
 from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exported)
     GEMM_GROUPS, async_tp_unfused, cast_bytes, fp8_fractions, fp8_input_casts,
     fp8_weight_elements, quantisation_bytes)
+from meshtron.planner.fp8_amax import current_amax_tp_s
 from meshtron.planner.gemm import (  # noqa: F401  (re-exported for callers)
     BF16, CAST_ADD_BYTES_PER_SM, DISPATCH_S, FP8, HBM_EFFICIENCY, cast_add_bytes_per_s,
     cluster_gemm_time, dispatch_s, fp8_tile_scale, gemm_efficiency, gemm_group,
@@ -211,6 +212,9 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
                   if tp > 1 else (0.0, 0.0))
     if tp > 1 and not sp and opts.residual_reduce_once and model.parallel_residual:
         tp_f -= colls["ar"]  # the two branches' sum reduced once (KernelOptions)
+    # current scaling's per-tensor amax all-reduces over tp before the FP8 gathers (fp8_amax)
+    amax_f, amax_b = current_amax_tp_s(opts, sp, frac, group, fab)
+    tp_f, tp_b = tp_f + amax_f, tp_b + amax_b
     if cp > 1:
         cp_f, cp_b = cp_exposed(cluster, fab, opts, dtype, tp, cp, tokens * kv_moved / tp,
                                  core_fwd, core_bwd, ring if torch_ring else None)

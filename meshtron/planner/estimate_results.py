@@ -21,7 +21,9 @@ class TimeBreakdown:
     pp_comm: float
     """Pipeline point-to-point transfers on the critical path."""
     dp_comm: float
-    """Data-parallel / ZeRO communication left exposed after overlap with compute."""
+    """Data-parallel / ZeRO communication left exposed after overlap with compute, and
+    Transformer Engine's delayed-scaling FP8 amax all-reduces over a stage's dp x tp x cp
+    ranks (planner/fp8_amax.py: blocking, never overlapped)."""
     bubble: float
     """Pipeline fill and drain idle time."""
     optimizer: float

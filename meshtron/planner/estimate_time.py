@@ -6,8 +6,8 @@ optimizer step and host offload.
 
 from __future__ import annotations
 
-from meshtron.planner import (comm, composer_metrics, moe_memory, offload, optimizer_loop,
-                              pipeline, pipeline_split, pipeline_zb)
+from meshtron.planner import (comm, composer_metrics, fp8_amax, moe_memory, offload,
+                              optimizer_loop, pipeline, pipeline_split, pipeline_zb)
 from meshtron.planner.estimate_results import TimeBreakdown
 from meshtron.planner.estimate_work import Work
 
@@ -74,6 +74,10 @@ class StepTimes:
                 pp_t += self.tied_embedding_s(tp, cross)
         w.stage_t, w.stage_f = stage_t, stage_f
         dp_t, opt_t, off_t = self._stage_sync(w)
+        # Transformer Engine's delayed-scaling amax all-reduces over the stage's dp x tp x cp
+        # ranks, two per micro-batch and model chunk, blocking (fp8_amax.py): exposed
+        dp_t += fp8_amax.delayed_amax_step_s(self.opts, cfg.dtype, m, v, n[crit],
+                                             model, cfg.ep, groups["amax"], self.fab)
         # Composer's train-metric sync over every rank at the batch's end (composer_metrics)
         host_t = composer_metrics.sync_s(self.opts.train_metrics, cfg.gpus, self.cluster)
         parts = dict(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,

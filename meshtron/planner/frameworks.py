@@ -58,8 +58,9 @@ true`, which the nemo-automodel preset sets for MoE models.
   `performance_mode`: `tp_comm_overlap = true` in [options] prices it. FP8 through Transformer
   Engine with Megatron-Core's default `--fp8-recipe delayed` (`fp8_scaling = "te-current"` in
   [options] for 'tensorwise', current scaling; `fp8_param_gather = true` for
-  `--fp8-param-gather`, off by default as in Megatron-Core); megatron@2021 prices FP8 the
-  same way.
+  `--fp8-param-gather`, off by default as in Megatron-Core), delayed scaling's amax
+  all-reduces over each stage's dp x tp x cp ranks twice per micro-batch and model chunk
+  (planner/fp8_amax.py); megatron@2021 prices FP8 the same way.
 * `deepspeed@2021`: DeepSpeed 0.3.15 (April 2021; deepspeed/runtime/zero/stage3.py,
   partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
   weight separately, device-synchronised, and prefetches the next weight on its fetch stream

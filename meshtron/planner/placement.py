@@ -187,7 +187,7 @@ def tp_group(tp: int, gpus_per_node: int) -> Group:
 
 def groups_for_cost(plan: Any, gpus_per_node: int) -> dict[str, Any]:
     """The cost model's view: a Group for "tp", "pp", "dp" (all data-parallel ranks) and its two
-    parts, and whether a pipeline hop crosses nodes."""
+    parts, "amax" (all ranks of a pipeline stage), and whether a pipeline hop crosses nodes."""
     p = placement(plan, gpus_per_node)
     # gradients and ZeRO shards span the context ranks too (they hold different tokens of the
     # same sequences): FSDP shards over dp_shard x cp (torchtitan's "dp_shard_cp" mesh)
@@ -196,6 +196,9 @@ def groups_for_cost(plan: Any, gpus_per_node: int) -> dict[str, Any]:
             "dp": p.group("dp_replicate", "dp_shard", *cp),
             "dp_replicate": p.group("dp_replicate"), "dp_shard": p.group("dp_shard", *cp),
             "cp": p.group("cp") if cp else Group(1, 1),
+            # Megatron-Core's FP8 amax reduction group: a stage's tp x dp x cp ranks
+            # (parallel_state.get_amax_reduction_group(with_context_parallel=True); fp8_amax.py)
+            "amax": p.group("dp_replicate", "dp_shard", *cp, "tp"),
             "pp_hop_crosses_nodes": p.hop_crosses_nodes("pp", wrap=plan.virtual_stages > 1)}
 
 
