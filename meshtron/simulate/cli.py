@@ -256,7 +256,10 @@ def _run_step(args: argparse.Namespace, model, opts, plan=None,
     base = simulate_step(ev, est)
     res = simulate_step(ev, est, pert) if (pert.stragglers or pert.jitter) else base
     doc = {"schema": "meshtron-step-sim/1", "plan": est.config.describe(),
-           "ranks": est.config.gpus, "framework": opts.label, "unperturbed": base.to_dict(), "perturbed": res.to_dict(),
+           "ranks": est.config.gpus, "framework": opts.label,
+           # the planner's figures of the plan simulated (`meshtron plan`'s step and memory)
+           "analytical_step_s": est.step_time_s, "memory_gib": est.memory.total,
+           "unperturbed": base.to_dict(), "perturbed": res.to_dict(),
            "slowdown": res.step_time_s / base.step_time_s, "warnings": warnings}
     doc["goodput"], lines = _goodput(args, model, est, res.step_time_s)
     if args.json:  # JSON carries them and repeats them on stderr, as `meshtron plan --json`
