@@ -175,34 +175,38 @@ def test_rehearse_prices_the_saved_stack_and_says_whether_it_fits(cli, tmp_path)
     assert fit["fits"] is (fit["need_gib"] <= 80)
 
 
-def test_rehearse_text_has_a_verdict_and_no_percentage_against_zero(tmp_path):
+def test_rehearse_text_has_a_verdict_and_no_percentage_against_zero():
+    import contextlib
+    import io
+
+    from meshtron.rehearse.compare import fit_verdict, rows_table
     from meshtron.rehearse.run import print_report
 
-    rows = [{"row": "grads", "rehearsal_gib": 0.0, "planner_gib": 0.006,
-             "planner_vs_rehearsal": None},
-            {"row": "total", "rehearsal_gib": 0.05, "planner_gib": 0.04,
-             "planner_vs_rehearsal": -0.2}]
-    from meshtron.rehearse.compare import fit_verdict, rows_table
-
-    assert rows_table({"grads": 0.0, "gathered": 0.003, "total": 0.05},
-                      {"grads": 0.006, "gathered": 0.0001, "total": 0.04})[:2] == [
-        {"row": "grads", "rehearsal_gib": 0.0, "planner_gib": 0.006,
-         "planner_vs_rehearsal": None},
-        {"row": "gathered", "rehearsal_gib": 0.003, "planner_gib": 0.0001,
-         "planner_vs_rehearsal": None}]
+    rows = rows_table({"grads": 0.0, "gathered": 0.003, "total": 0.05},
+                      {"grads": 0.006, "gathered": 0.0001, "total": 0.04})
+    assert [r["planner_vs_rehearsal"] for r in rows] == [None, None, pytest.approx(-0.2)]
     report = {"plan": {"tp": 2, "dp": 4, "zero": 1, "micro_batch": 4, "recompute": "none"},
               "rank": 0, "pp_rank": 0, "stages": [0], "layers": 4, "model": "tiny",
               "device": "cpu", "measured": "fake tensors", "wall_s": 1.0, "memory": rows,
               "planner_workspace_gib": 79.0, "capacity_gib": 80.0,
-              "fit": fit_verdict(0.05 + 2.0, 79.0, 80.0, 79.04, True)}
-    import contextlib
-    import io
-
+              "fit": fit_verdict(2.05, 79.0, 80.0, 79.04, True)}
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         print_report(report)
     text = buf.getvalue()
-    grads = next(line for line in text.splitlines() if line.startswith("grads"))
-    assert grads.split()[-1] == "-" and "inf" not in text and "nan" not in text
+    for name in ("grads", "gathered"):
+        line = next(line for line in text.splitlines() if line.startswith(name))
+        assert line.split()[-1] == "-"
+    assert "inf" not in text and "nan" not in text
     assert ("fit: the rank does NOT fit: peak + workspace 81.0 GiB of the GPU's 80 GiB "
             "(the planner: 79.0 GiB, fits)") in text
+
+
+def test_the_python_api_prices_a_saved_plan_as_saved(cli, tmp_path):
+    from meshtron.planner import evaluate_plan, load_plan, resolve_cluster
+    from meshtron.planner.cli import load_model
+
+    path, row = _saved(cli, tmp_path)
+    plan = load_plan(path)
+    est = evaluate_plan(load_model("llama3-8b"), resolve_cluster("dgx-h100:1"), 64, 4096, plan)
+    assert est.step_time_s == pytest.approx(row["step_time_s"], rel=1e-12)
