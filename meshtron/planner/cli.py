@@ -140,10 +140,11 @@ def plan_framework(args: argparse.Namespace, plan: Any, model=None):
     """(Framework, note or None): the stack a saved plan is priced as by `cost`, `simulate
     --step` and `rehearse --plan`: the one it was saved with (Plan.framework and its
     options: what `meshtron plan` priced), an --options table and --stack / --attention /
-    --dropout applied on top, as a later flag overrides a config file's value in torchtitan
-    (--job.config_file) and Megatron-Bridge (recipe, then overrides). A --framework (or an
-    --options file's `framework`) naming another stack prices that stack's preset instead,
-    without the plan's options, and `note` says so in one line (the caller names the file)."""
+    --dropout applied on top, as torchtitan's command line overrides its config
+    (torchtitan/config/manager.py ConfigManager: "CLI args > config" precedence) and
+    Megatron-Bridge's command-line overrides change a recipe's. A --framework (or an --options file's `framework`)
+    naming another stack prices that stack's preset instead, without the plan's options, and
+    `note` says so in one line (the caller names the file)."""
     from meshtron.planner.frameworks import (for_model, for_plan, load_options, preset,
                                              same_preset, with_options)
 
