@@ -98,6 +98,9 @@ from meshtron.planner.plan_rules import (  # noqa: F401  (re-exported)
     LAYOUT_DEFAULTS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP, RECOMPUTE, REDUCE_DTYPES,
     SCHEDULES, ZERO_STAGES, _is_int, check, comm_problems, field_problems, microbatch_problem,
     model_problems, plan_problems, runs_problem, schedule_zero_problem, world_problem)
+from meshtron.planner.plan_priced import (framework_field_problem, framework_runtime_problem,
+                                          option_pairs)
+
 FORMAT = "meshtron-plan/2"
 PRICED_FOR = ("framework", "framework_options")
 """What the plan was priced with beyond its layout (frameworks.for_plan); not knobs of a run."""
@@ -263,7 +266,7 @@ class Plan:
         if isinstance(self.dtype, str):
             d = self.dtype.strip().lower()
             set_(self, "dtype", _DTYPE_ALIASES.get(d, d))
-        set_(self, "framework_options", _option_pairs(self.framework_options))
+        set_(self, "framework_options", option_pairs(self.framework_options))
         problem = framework_field_problem(self.framework)
         if problem:
             raise UserError(problem)
@@ -444,47 +447,6 @@ class Plan:
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"plan: not valid TOML ({exc})") from None
         return cls.from_dict(data)
-
-
-def _option_pairs(options: Any) -> tuple[tuple[str, Any], ...]:
-    """plan.framework_options as (name, value) pairs: a file's table or the pairs themselves;
-    each value a TOML scalar (what an [options] table or a flag gives)."""
-    if isinstance(options, Mapping):
-        options = tuple(options.items())
-    if not isinstance(options, (tuple, list)) or not all(
-            isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str)
-            for p in options):
-        raise UserError(f"plan.framework_options={options!r}: must be a table of option "
-                        "values ([framework_options], as `meshtron plan --save` writes)")
-    for name, value in options:
-        if not isinstance(value, (bool, int, float, str)):
-            raise UserError(f"plan.framework_options.{name}={value!r}: must be a number, a "
-                            "string or true/false")
-    return tuple((name, value) for name, value in options)
-
-
-def framework_field_problem(framework: Any) -> str | None:
-    """plan.framework's type (its name is resolved where the plan is priced:
-    frameworks.for_plan); None when fine."""
-    if framework is None or (isinstance(framework, str) and framework.strip()):
-        return None
-    return (f"plan.framework={framework!r}: must be a stack's NAME@ERA (meshtron plan "
-            "--framework), or absent for meshtron's runtime")
-
-
-def runs_on_meshtron(plan: Plan) -> bool:
-    """The plan was priced for meshtron's runtime (no framework, or meshtron's own preset with
-    pricing options such as --stack): what `meshtron train` runs."""
-    return plan.framework is None or plan.framework.split("@", 1)[0].strip().lower() == "meshtron"
-
-
-def framework_runtime_problem(plan: Plan) -> str | None:
-    """A plan priced for another stack: its layout, dtype and [predicted] figures are that
-    stack's (its kernels, memory and schedules), not what meshtron's runtime would run."""
-    if runs_on_meshtron(plan):
-        return None
-    return (f"plan.framework={plan.framework!r}: priced for that stack, not meshtron's "
-            "runtime; re-plan without --framework (meshtron's runtime) to train it here")
 
 
 def runtime_problem(plan: Plan) -> str | None:
