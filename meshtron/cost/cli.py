@@ -93,11 +93,14 @@ def _model_and_cluster(args: argparse.Namespace):
 
 
 def _estimate(args: argparse.Namespace, model, cluster, plan=None):
-    from meshtron.planner.cli import framework_of
+    """(Estimate, global batch, sequence length, warnings, Framework priced)."""
+    from meshtron.planner.cli import framework_of, plan_framework
     from meshtron.planner.search import evaluate_plan, search_plans
 
-    fw = framework_of(args, model)  # as the stack runs the model (its MoE path)
     if plan is not None:
+        # the stack and options the plan was saved with (what `meshtron plan` priced), as the
+        # stack runs the model (its MoE path)
+        fw, note = plan_framework(args, plan, model)
         batch = args.global_batch or plan.global_batch
         seq = args.seq_len or plan.seq_len
         if batch is None or seq is None:
@@ -111,12 +114,13 @@ def _estimate(args: argparse.Namespace, model, cluster, plan=None):
         # as evaluate_plan: not fitting, the split a fitting plan gets (it refuses no plan)
         est = (result.best or result.near_miss_priced
                or evaluate_plan(model, cluster, batch, seq, plan, framework=fw))
-        split = None
+        warnings = [f"plan={args.plan!r}: {note}"] if note else []
         if result.split_fallback is not None:
             from meshtron.planner.report import split_warning
 
-            split = f"plan={args.plan!r}: {split_warning(result, est)}"
-        return est, batch, seq, split
+            warnings.append(f"plan={args.plan!r}: {split_warning(result, est)}")
+        return est, batch, seq, warnings, fw
+    fw = framework_of(args, model)  # as the stack runs the model (its MoE path)
     if args.global_batch is None or args.seq_len is None:
         raise UserError("global-batch/seq-len: both are required without --plan")
     fixed = {"dtype": args.dtype} if args.dtype else None
@@ -125,7 +129,7 @@ def _estimate(args: argparse.Namespace, model, cluster, plan=None):
     if not result.fits:
         raise UserError(f"cluster={args.cluster!r}: no plan of {args.model} fits "
                         f"({cluster.num_gpus} GPUs, global batch {args.global_batch})")
-    return result.best, args.global_batch, args.seq_len, None
+    return result.best, args.global_batch, args.seq_len, [], fw
 
 
 def run_spec(args: argparse.Namespace, est, model, cluster, batch: int, seq: int):
@@ -155,7 +159,6 @@ def run_spec(args: argparse.Namespace, est, model, cluster, batch: int, seq: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshtron.planner.cli import framework_of
     from meshtron.cost.catalogue import economics_for, load_price_overrides
     from meshtron.cost.model import cost_run, summary
     from meshtron.planner.cli import load_model
@@ -170,15 +173,15 @@ def run(args: argparse.Namespace) -> int:
     econ = economics_for(cluster, args.price_on_demand, args.price_spot, args.gpu_watts,
                          args.system_watts,
                          load_price_overrides(args.prices) if args.prices else None)
-    est, batch, seq, split = _estimate(args, model, cluster, plan)
+    est, batch, seq, warnings, fw = _estimate(args, model, cluster, plan)
     spec = run_spec(args, est, model, cluster, batch, seq)
     doc = summary(spec, econ, cost_run(spec, econ, runs=args.runs, seed=args.seed),
                   args.deadline_days)
     doc["plan"] = est.config.describe()
-    doc["framework"] = framework_of(args).label
+    doc["framework"] = fw.label
     doc["goodput"], doc["_goodput_lines"] = goodput_section(args, spec, est.config)
     doc["fits"] = est.fits
-    warnings = [w for w in (split, _fit_warning(args, est),
+    warnings += [w for w in (_fit_warning(args, est, fw),
                             _deadline_warning(doc, args.deadline_days)) if w]
     doc["warnings"] = warnings
     for warning in warnings:
@@ -220,15 +223,14 @@ def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any
     return goodput_doc(rows, times, spec.mtbf_s), render_goodput(rows, times, spec.mtbf_s)
 
 
-def _fit_warning(args: argparse.Namespace, est) -> str | None:
+def _fit_warning(args: argparse.Namespace, est, fw) -> str | None:
     """A line when the --plan priced is predicted not to fit (None when it fits); the
     rehearsal's word only for meshtron's own runtime short of GPU memory (report.trust_text)."""
     if est.fits:
         return None
-    from meshtron.planner.cli import framework_of
     from meshtron.planner.report import need_text, trust_text
 
-    trust = trust_text(est, framework_of(args), f"`meshtron rehearse --plan {args.plan}` "
+    trust = trust_text(est, fw, f"`meshtron rehearse --plan {args.plan}` "
                        "checks it")
     return (f"plan={args.plan!r}: predicted not to fit on {args.cluster}, "
             f"{need_text(est)}; priced anyway" + (f" ({trust.rstrip('; ')})" if trust else ""))
@@ -259,6 +261,8 @@ def render(doc: dict[str, Any]) -> str:
         f"Checkpoint: save {ck['save_s']:.0f} s, restart {ck['restart_s']:.0f} s (job restart + "
         f"reading the checkpoint back), job MTBF "
         f"{ck['mtbf_s'] / 3600:.2f} h, Daly interval {ck['daly_interval_s'] / 60:.1f} min",
+    ] + ([] if doc.get("framework", "meshtron@").startswith("meshtron@") else [
+        f"Priced for {doc['framework']} (frameworks.py)"]) + [
         f"Prices: on-demand ${pr['on_demand']:.2f}, spot ${pr['spot']:.2f} per GPU-hour "
         f"({pr['source']}); power {pr['system_w_per_gpu']:.0f} W per GPU x PUE {pr['pue']:g}",
         "",

@@ -136,6 +136,49 @@ def framework_of(args: argparse.Namespace, model=None):
     return fw if model is None else for_model(fw, model)
 
 
+def plan_framework(args: argparse.Namespace, plan: Any, model=None):
+    """(Framework, note or None): the stack a saved plan is priced as by `cost`, `simulate
+    --step` and `rehearse --plan`: the one it was saved with (Plan.framework and its
+    options: what `meshtron plan` priced), an --options table and --stack / --attention /
+    --dropout applied on top, as torchtitan's command line overrides its config
+    (torchtitan/config/manager.py ConfigManager: "CLI args > config" precedence) and
+    Megatron-Bridge's command-line overrides change a recipe's. A --framework (or an --options file's `framework`)
+    naming another stack prices that stack's preset instead, without the plan's options, and
+    `note` says so in one line (the caller names the file)."""
+    from meshtron.planner.frameworks import (for_model, for_plan, load_options, preset,
+                                             same_preset, with_options)
+
+    saved = for_plan(plan)
+    file_fw, table = (load_options(args.options) if getattr(args, "options", None)
+                      else (None, {}))
+    named = getattr(args, "framework", None) or file_fw
+    if named is not None and not same_preset(preset(named), saved):
+        fw = framework_of(args)
+        asked = "--options file's framework" if file_fw and not args.framework else "--framework"
+        note = (f"saved priced for {saved.label}; priced here as {fw.label} ({asked}), "
+                "without the plan's options")
+        return (fw if model is None else for_model(fw, model)), note
+    if named is not None and getattr(args, "framework", None) and file_fw:
+        framework_of(args)  # a --framework contradicting the --options file: its one line
+    fw = with_options(saved, table) if table else saved
+    flags = {k: getattr(args, k, None) for k in ("stack", "attention", "dropout")}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if flags:
+        fw = with_options(fw, flags, where="flag")
+    return (fw if model is None else for_model(fw, model)), None
+
+
+def saved_plan(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq: int):
+    """The best plan as `--save` writes it (and `--rehearse` runs it): its layout, what it was
+    made for, its prediction, and the stack and options it was priced with
+    (frameworks.saved_fields), so that `cost`, `simulate` and `rehearse` price the same."""
+    from meshtron.planner.frameworks import saved_fields
+
+    plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
+                               result.options.attention)
+    return plan.replace(**saved_fields(result.framework)) if result.framework else plan
+
+
 def parse_tokens(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kKmMbBtT]?)\s*", str(text))
     if not m:
@@ -265,8 +308,7 @@ def _rehearse(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq:
     predicted not to fit is rehearsed too: the rehearsal is what checks that prediction."""
     if not result.plans:
         return None
-    plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
-                               result.options.attention)
+    plan = saved_plan(args, result, gpus, batch, seq)
     return args.rehearsal[0](load_model(args.model), plan, args.cluster)
 
 
@@ -341,8 +383,7 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
                                     Console(file=sys.stderr, width=width))
         raise UserError(line)
     if args.save:
-        plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
-                                   result.options.attention)
+        plan = saved_plan(args, result, gpus, batch, seq)
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)  # writable_target vetted it
         plan.save(args.save)
         if console is not None:
@@ -351,5 +392,8 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
             refused = _runtime_refusal(plan, result.model)
             how = (f"`meshtron train --plan {args.save}` trains in it; --dtype here changes it"
                    if refused is None else f"meshtron's runtime refuses it: {refused}")
-            console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: {how})")
+            stack = (f"; `meshtron cost`, `simulate --step` and `rehearse --plan` price it "
+                     f"as {result.framework.label} again" if plan.framework else "")
+            console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: {how}"
+                          f"{stack})")
     return 0

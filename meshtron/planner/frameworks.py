@@ -337,5 +337,31 @@ def resolve(framework: str | None = None, options_file: str | Path | None = None
     return fw
 
 
+def saved_fields(fw: Framework) -> dict[str, Any]:
+    """The Plan fields that record what `fw` priced (Plan.framework, Plan.framework_options):
+    none for meshtron's own preset with no option changed, so those files stay as they were
+    (and files without them read as meshtron's runtime)."""
+    if fw.name == DEFAULT and not fw.overrides:
+        return {}
+    return {"framework": f"{fw.name}@{fw.era}", "framework_options": fw.overrides}
+
+
+def for_plan(plan: Any) -> Framework:
+    """The stack a saved plan was priced for: its `framework` preset (None: meshtron's runtime)
+    with its `framework_options`, each refused by name as the plan's field when unknown."""
+    try:
+        fw = preset(plan.framework)
+    except UserError as exc:
+        raise UserError(f"plan.{exc}") from None
+    if plan.framework_options:
+        fw = with_options(fw, dict(plan.framework_options), where="plan.framework_options")
+    return fw
+
+
+def same_preset(a: Framework, b: Framework) -> bool:
+    """The same NAME@ERA, whatever their options."""
+    return (a.name, a.era) == (b.name, b.era)
+
+
 __all__ = ["Framework", "PRESETS", "preset", "resolve", "with_options", "load_options",
-           "for_model"]
+           "for_model", "for_plan", "saved_fields", "same_preset"]

@@ -57,12 +57,22 @@ TOML having no null)::
     offload_activations = true    # saved activations kept in pinned host memory
     pipeline_runs = 4             # pipeline schedule runs per optimizer step (torchtitan's and
                                   # NeMo AutoModel's gradient accumulation around schedule.step)
+    framework = "megatron-bridge@2025"  # the stack the plan was priced for (frameworks.py
+                                  # NAME@ERA); absent: meshtron's runtime, with no option changed
+
+    [framework_options]           # the options changed from that stack's preset when it was
+    ep_overlap = true             # priced (an --options file's [options], --stack, --attention,
+                                  # --dropout); `cost`, `simulate`, `rehearse --plan` price them
 
     [predicted]                   # the planner's estimate, for predicted-vs-measured reports
     step_time_s = 10.2
     tokens_per_s = 822000.0
     memory_gib = 61.3
     mfu = 0.41
+
+Files without `framework` (all those written before it was recorded) were priced for meshtron's
+runtime and load as such. meshtron's runtime runs plans priced for meshtron only
+(`runtime_problem`: `meshtron train --plan` refuses another stack's in one line).
 
 Format "meshtron-plan/1" files still load: their `schedule = "1f1b"` with pp = 1 becomes none,
 and they had no `dtype` (the run's `--dtype` decided; they load as "fp32", the runtime default).
@@ -88,7 +98,12 @@ from meshtron.planner.plan_rules import (  # noqa: F401  (re-exported)
     LAYOUT_DEFAULTS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP, RECOMPUTE, REDUCE_DTYPES,
     SCHEDULES, ZERO_STAGES, _is_int, check, comm_problems, field_problems, microbatch_problem,
     model_problems, plan_problems, runs_problem, schedule_zero_problem, world_problem)
+from meshtron.planner.plan_priced import (framework_field_problem, framework_runtime_problem,
+                                          option_pairs)
+
 FORMAT = "meshtron-plan/2"
+PRICED_FOR = ("framework", "framework_options")
+"""What the plan was priced with beyond its layout (frameworks.for_plan); not knobs of a run."""
 OLD_FORMATS = ("meshtron-plan/1",)
 
 
@@ -217,6 +232,13 @@ class Plan:
     (train_ft._run_train_optim_step: one schedule.step per gradient-accumulation batch) run
     global_batch / (dp x local batch) of them; Megatron-Core and DeepSpeed run one schedule of
     all micro-batches (plan_rules_pipeline.runs_problem)."""
+    framework: str | None = None
+    """The software stack the plan was priced for, 'NAME@ERA' (planner/frameworks.py); None:
+    meshtron's runtime. Priced again by `frameworks.for_plan`."""
+    framework_options: tuple[tuple[str, Any], ...] = ()
+    """The options changed from that stack's preset when the plan was priced (Framework.overrides:
+    an --options file's [options], then --stack / --attention / --dropout), in that order; a
+    table in the file ([framework_options])."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -244,6 +266,10 @@ class Plan:
         if isinstance(self.dtype, str):
             d = self.dtype.strip().lower()
             set_(self, "dtype", _DTYPE_ALIASES.get(d, d))
+        set_(self, "framework_options", option_pairs(self.framework_options))
+        problem = framework_field_problem(self.framework)
+        if problem:
+            raise UserError(problem)
         # the plan's own rules; meshtron's runtime limits apply in `validate` (a plan may
         # describe another framework's run)
         check(self.knobs_and_context(), runtime=False)
@@ -274,7 +300,7 @@ class Plan:
     # ---- views ---------------------------------------------------------------------------
     def knobs_and_context(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "predicted"}
+                if f.name not in ("predicted",) + PRICED_FOR}
 
     def knobs(self) -> dict[str, Any]:
         """How to run: the KNOBS fields."""
@@ -371,6 +397,10 @@ class Plan:
         d["num_microbatches"] = self.num_microbatches
         d.update(self.layout_knobs())
         d.update(self.comm_knobs())
+        if self.framework is not None:
+            d["framework"] = self.framework
+        if self.framework_options:
+            d["framework_options"] = dict(self.framework_options)
         if self.predicted:
             d["predicted"] = dict(self.predicted)
         return d
@@ -421,6 +451,9 @@ class Plan:
 
 def runtime_problem(plan: Plan) -> str | None:
     """What the planner can plan but meshtron's runtime does not run yet (one line), or None."""
+    problem = framework_runtime_problem(plan)
+    if problem:
+        return problem
     problem = fp8_runtime_problem(plan)
     if problem:
         return problem

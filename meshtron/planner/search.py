@@ -38,7 +38,7 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions, compiled
 from meshtron.planner.estimate import Estimate, Evaluator
-from meshtron.planner.frameworks import for_model
+from meshtron.planner.frameworks import for_model, for_plan
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_knobs import Knobs
@@ -57,8 +57,12 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     """Search every plan allowed by `fixed` and return the top_k fastest that fit. `framework`
     (frameworks.Framework) prices a software stack: its kernel and memory options and its
     gradient reduction dtype (unless `fixed` has one). Without it, `options` / `mem` override
-    what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime."""
+    what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime,
+    or for a saved Plan the stack and options it was priced with (Plan.framework)."""
     t0 = time.perf_counter()
+    if (framework is None and options is None and mem is None and isinstance(fixed, Plan)
+            and (fixed.framework is not None or fixed.framework_options)):
+        framework = for_plan(fixed)
     knobs = Knobs.of(fixed)
     if framework is not None:
         framework = for_model(framework, model)  # the stack's MoE path (idempotent)

@@ -95,7 +95,7 @@ def _resolve(args: argparse.Namespace):
             from meshtron.train.planning import sized_cluster
 
             cluster = sized_cluster(cluster, plan.gpus)
-        return model, _with_run_flags(plan, args).validate(plan.gpus, model), cluster
+        return model, _validated(_with_run_flags(plan, args), model), cluster
     for flag in ("model", "cluster", "global_batch", "seq_len"):
         if getattr(args, flag) is None:
             raise UserError(f"--{flag.replace('_', '-')}: required without --plan")
@@ -112,7 +112,16 @@ def _resolve(args: argparse.Namespace):
         raise UserError(f"layout {args.layout!r}: no valid plan on {cluster.num_gpus} GPUs")
     plan = est.to_plan(args.model, cluster.name, cluster.num_gpus, args.global_batch,
                        args.seq_len, result.options.attention)
-    return model, _with_run_flags(plan, args).validate(plan.gpus, model), cluster
+    return model, _validated(_with_run_flags(plan, args), model), cluster
+
+
+def _validated(plan, model):
+    """`plan` once meshtron's runtime can run its layout (the one validity function); a plan
+    saved for another stack is rehearsed on meshtron's runtime, priced as that stack."""
+    from meshtron.rehearse.compare import runnable
+
+    runnable(plan).validate(plan.gpus, model)
+    return plan
 
 
 PLAN_FIXES = ("layout", "zero", "recompute", "sp", "micro_batch", "schedule", "dp_replicate",

@@ -20,6 +20,30 @@ ROWS = ("params", "grads", "optimizer", "gathered", "activations", "total")
 activations, in-flight micro-batches, recomputation, logits, temporaries)."""
 
 
+SHOWN_GIB = 0.0005
+"""The smallest size the table prints as other than 0.000 GiB: a row below it on either side
+gets no percentage ('-')."""
+
+
+def fit_verdict(peak_gib: float, workspace_gib: float, capacity_gib: float,
+                planned_gib: float, planned_fits: bool) -> dict:
+    """The verdict `meshtron plan` gives a plan, for the rehearsed rank: its peak plus the
+    workspace and fragmentation no tensor tracker sees (the planner's, MemoryBreakdown.
+    workspace) against the GPU's memory, beside the planner's own verdict (its total with
+    workspace, on the GPU's kernels)."""
+    need = peak_gib + workspace_gib
+    return {"fits": need <= capacity_gib, "need_gib": need, "capacity_gib": capacity_gib,
+            "planner_gib": planned_gib, "planner_fits": planned_fits}
+
+
+def verdict_line(v: dict) -> str:
+    """The fit verdict in one line."""
+    word = "fits" if v["fits"] else "does NOT fit"
+    planner = "fits" if v["planner_fits"] else "does not fit"
+    return (f"fit: the rank {word}: peak + workspace {v['need_gib']:.1f} GiB of the GPU's "
+            f"{v['capacity_gib']:.0f} GiB (the planner: {v['planner_gib']:.1f} GiB, {planner})")
+
+
 def planner_rows(bd) -> dict[str, float]:
     """A MemoryBreakdown (GiB) folded into ROWS, GiB."""
     return {"params": bd.params, "grads": bd.grads, "optimizer": bd.optimizer,
@@ -38,11 +62,34 @@ def rehearsal_rows(peak_bytes: dict[str, float]) -> dict[str, float]:
             "total": g["total"]}
 
 
-def memory_options(plan, device: str):
-    """The planner's memory options for meshtron's runtime on `device`'s kernels."""
+def memory_options(plan, device: str, framework=None):
+    """The planner's memory options for meshtron's runtime on `device`'s kernels; with
+    `framework` (frameworks.Framework: the stack a saved plan was priced for) that stack's, on
+    the CPU with the composite RMSNorm the rehearsal runs there."""
     from meshtron.planner.memory import MemoryOptions
 
-    return MemoryOptions(dtype=plan.dtype, framework="fsdp2", fused_norm=device != "cpu")
+    if framework is None:
+        return MemoryOptions(dtype=plan.dtype, framework="fsdp2", fused_norm=device != "cpu")
+    mem = dataclasses.replace(framework.memory, dtype=plan.dtype)
+    return mem if device != "cpu" else dataclasses.replace(mem, fused_norm=False)
+
+
+def saved_framework(plan, spec):
+    """The stack a plan was saved priced for, as it runs `spec` (frameworks.for_plan,
+    for_model), or None for meshtron's runtime with no option changed."""
+    if plan.framework is None and not plan.framework_options:
+        return None
+    from meshtron.planner.frameworks import for_model, for_plan
+
+    return for_model(for_plan(plan), spec)
+
+
+def runnable(plan):
+    """What meshtron's runtime runs of `plan`: its layout and knobs, without the stack it was
+    priced for (a plan saved for another stack is rehearsed on meshtron's runtime)."""
+    if plan.framework is None and not plan.framework_options:
+        return plan
+    return dataclasses.replace(plan, framework=None, framework_options=())
 
 
 def with_layer_split(plan, spec):
@@ -57,21 +104,22 @@ def with_layer_split(plan, spec):
 
 
 def planner_estimate(spec, cluster, plan, device: str, imbalance: float | None = None,
-                     stage: int | None = None):
+                     stage: int | None = None, framework=None):
     """The planner's Estimate of exactly `plan` (its layer split included) on `cluster`, with
-    meshtron's runtime options (what `meshtron plan` prices by default); its memory is the
-    fullest stage's, or pipeline rank `stage`'s. `imbalance`: the experts' load on the fullest
-    ep rank over the mean (default the planner's)."""
+    meshtron's runtime options (what `meshtron plan` prices by default), or `framework`'s (the
+    stack and options the plan was saved with: planner/cli.py plan_framework); its memory is
+    the fullest stage's, or pipeline rank `stage`'s. `imbalance`: the experts' load on the
+    fullest ep rank over the mean (default the planner's)."""
     from meshtron.planner.compute import KernelOptions, compiled
     from meshtron.planner.estimate import Evaluator
 
-    opts = KernelOptions()
+    opts = KernelOptions() if framework is None else framework.kernel
     if imbalance is not None:
         opts = dataclasses.replace(opts, expert_imbalance=imbalance)
     if plan.compile or plan.async_tp:  # as search_plans: what --compile runs
-        opts = dataclasses.replace(compiled(opts), async_tp=plan.async_tp)
+        opts = dataclasses.replace(compiled(opts), async_tp=opts.async_tp or plan.async_tp)
     ev = Evaluator(spec, cluster, plan.global_batch, plan.seq_len, opts,
-                   mem=memory_options(plan, device))
+                   mem=memory_options(plan, device, framework))
     return ev.evaluate(with_layer_split(plan, spec), keep_infeasible=True, stage=stage)
 
 
@@ -96,15 +144,18 @@ def rows_table(rehearsed: dict[str, float], planned: dict[str, float]) -> list[d
         if row not in rehearsed:
             continue
         r, p = rehearsed[row], planned[row]
+        # a side that prints as 0.000 GiB has no ratio worth printing (+inf, nan, +1e5 %)
+        ratio = (p / r - 1.0) if min(r, p) >= SHOWN_GIB else None
         out.append({"row": row, "rehearsal_gib": r, "planner_gib": p,
-                    "planner_vs_rehearsal": (p / r - 1.0) if r > 0 else None})
+                    "planner_vs_rehearsal": ratio})
     return out
 
 
 def with_stage_breakdown(est, plan, spec, cluster, device: str, pp_rank: int,
-                         imbalance: float | None = None):
+                         imbalance: float | None = None, framework=None):
     """The planner's breakdown of pipeline rank `pp_rank` (est.memory is the fullest one's):
     the same evaluation, reporting that stage."""
     if est.memory.stage == pp_rank:
         return est.memory
-    return planner_estimate(spec, cluster, plan, device, imbalance, stage=pp_rank).memory
+    return planner_estimate(spec, cluster, plan, device, imbalance, stage=pp_rank,
+                            framework=framework).memory

@@ -31,27 +31,32 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
     """Rehearse `rank` (default: the planner's fullest stage) of `plan`; the report dict.
     `imbalance`: a mixture of experts' load on the rehearsed rank's experts over the mean,
     given to both sides (default the planner's `expert_imbalance`). `real`: real tensors
-    (default: on CUDA only; see rank.rehearse_rank)."""
+    (default: on CUDA only; see rank.rehearse_rank). A plan saved for another stack
+    (Plan.framework) is run on meshtron's runtime and priced, in the planner's column, as
+    that stack with its options: what `meshtron plan` priced."""
     from meshtron.planner.compute import DEFAULT_IMBALANCE
     from meshtron.rehearse import compare
 
-    imbalance = DEFAULT_IMBALANCE if imbalance is None else imbalance
+    fw = compare.saved_framework(plan, model)
+    if imbalance is None:
+        imbalance = DEFAULT_IMBALANCE if fw is None else fw.kernel.expert_imbalance
     plan = compare.with_layer_split(plan, model)
-    est = compare.planner_estimate(model, cluster, plan, device, imbalance)
+    est = compare.planner_estimate(model, cluster, plan, device, imbalance, framework=fw)
     if rank is None:
         rank = compare.first_rank_of_stage(plan, est.memory.stage)
     if not 0 <= rank < plan.gpus:
         raise UserError(f"rank={rank}: the plan has ranks 0..{plan.gpus - 1}")
     pp_rank = compare.pp_rank_of(plan, rank)
-    bd = compare.with_stage_breakdown(est, plan, model, cluster, device, pp_rank, imbalance)
+    bd = compare.with_stage_breakdown(est, plan, model, cluster, device, pp_rank, imbalance,
+                                      fw)
     from meshtron.rehearse.rank import rehearse_rank
 
-    got = rehearse_rank(model, plan, rank, device, imbalance, real)
+    got = rehearse_rank(model, compare.runnable(plan), rank, device, imbalance, real)
     compiled = bd
     if "compile" in got:  # the blocks ran eagerly: set beside the planner's eager pricing
         eager = dataclasses.replace(plan, compile=False, async_tp=False)
         bd = compare.planner_estimate(model, cluster, eager, device, imbalance,
-                                      stage=pp_rank).memory
+                                      stage=pp_rank, framework=fw).memory
     rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"]),
                               compare.planner_rows(bd))
     report = {"model": model.name, "plan": plan.to_dict(), "device": device, "rank": rank,
@@ -59,9 +64,17 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
               "measured": got["measured"], "wall_s": round(got["wall_s"], 2),
               "memory": rows, "planner_workspace_gib": bd.workspace,
               "planner_fits": est.fits, "capacity_gib": bd.capacity}
+    planned = est
     if device == "cpu":  # what `meshtron plan` printed for this rank: the GPU's kernels
-        gpu = compare.planner_estimate(model, cluster, plan, "cuda", imbalance, stage=pp_rank)
+        gpu = compare.planner_estimate(model, cluster, plan, "cuda", imbalance, stage=pp_rank,
+                                       framework=fw)
         report["planner_gpu_total_gib"] = gpu.memory.total
+        planned = gpu
+    if fw is not None:
+        report["framework"] = fw.label
+    total = {r["row"]: r for r in rows}["total"]
+    report["fit"] = compare.fit_verdict(total["rehearsal_gib"], bd.workspace, bd.capacity,
+                                        planned.memory.total, planned.fits)
     if "peak_at" in got:
         report["peak_at"] = got["peak_at"]
     if "compile" in got:
@@ -88,6 +101,8 @@ def rehearse_best(model, plan, cluster_name: str) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    from meshtron.rehearse.compare import verdict_line as compare_verdict
+
     p = report["plan"]
     axes = ",".join(f"{k}={p[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if p.get(k, 1) != 1)
     if p.get("dp_replicate", 1) > 1:
@@ -117,9 +132,9 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"(the peak: {report['peak_at']})")
     print(f"{'peak memory (GiB)':<20}{'rehearsal':>12}{'planner':>12}{'planner vs':>12}")
     for r in report["memory"]:
-        rel = r["planner_vs_rehearsal"]
+        rel = r["planner_vs_rehearsal"]  # None: a side too small to compare
         print(f"{r['row']:<20}{r['rehearsal_gib']:>12.3f}{r['planner_gib']:>12.3f}"
-              f"{'' if rel is None else f'{rel:+.1%}':>12}")
+              f"{'-' if rel is None else f'{rel:+.1%}':>12}")
     print("(rows below the total are the tracker's categories, filed by when a tensor is "
           "made: FSDP's unsharded gradient accumulation lands in activations; compare totals)")
     print(f"(planner adds {report['planner_workspace_gib']:.2f} GiB of workspace and "
@@ -128,6 +143,10 @@ def print_report(report: dict[str, Any]) -> None:
         print("(both sides above use the CPU's kernels: PyTorch's composite RMSNorm saves fp32 "
               "copies a CUDA kernel does not; `meshtron plan` prices the GPU's: "
               f"{report['planner_gpu_total_gib']:.1f} GiB with workspace)")
+    if "framework" in report:
+        print(f"(the planner column prices {report['framework']}, the stack the plan was "
+              "saved for; the rehearsal runs meshtron's runtime on its layout)")
+    print(compare_verdict(report["fit"]))
     if "step_s" in report:
         print(f"step (compute only): rehearsal {report['step_s']:.3f} s, planner "
               f"{report['planner_compute_s']:.3f} s")

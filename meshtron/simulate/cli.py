@@ -88,10 +88,13 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshtron.planner.cli import framework_of, load_model
+    from meshtron.planner.cli import framework_of, load_model, plan_framework
 
-    _fill_from_plan(args)
+    plan = _fill_from_plan(args)
     model = load_model(args.model)
+    if plan is not None:  # the stack and options it was saved with (what `meshtron plan` priced)
+        opts, note = plan_framework(args, plan, model)
+        return _run_step(args, model, opts, plan, [note] if note else [])
     opts = framework_of(args, model)  # a planner Framework (--framework, --options, --stack ...)
     if args.step:
         return _run_step(args, model, opts)
@@ -102,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
     return _run_sweep(args, model, opts)
 
 
-def _fill_from_plan(args: argparse.Namespace) -> None:
+def _fill_from_plan(args: argparse.Namespace):
     """With --step --plan, what the flags leave out comes from the plan file (as `meshtron
     cost --plan`); a --model or --cluster that contradicts it is refused. Otherwise --model,
-    --global-batch and --seq-len are required."""
+    --global-batch and --seq-len are required. The plan read, or None."""
+    plan = None
     if args.plan and not args.step:
         raise UserError(f"plan={args.plan!r}: applies to --step only (a sweep re-plans at "
                         "every size)")
@@ -128,6 +132,7 @@ def _fill_from_plan(args: argparse.Namespace) -> None:
         raise UserError("--cluster: required with --step (dgx-h100:N or a cluster TOML), or "
                         "--plan PLAN.toml, which names it")
     args.cluster = args.cluster or "dgx-h100"
+    return plan
 
 
 def _sweep_cluster(text: str):
@@ -207,18 +212,17 @@ def _render_sweep(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _run_step(args: argparse.Namespace, model, opts) -> int:
+def _run_step(args: argparse.Namespace, model, opts, plan=None,
+              warnings: list[str] | None = None) -> int:
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.estimate import Evaluator
-    from meshtron.planner.plan import load_plan
     from meshtron.planner.search import evaluate_plan, search_plans
     from meshtron.simulate.step import Perturbation, simulate_step
 
     cluster = resolve_cluster(args.cluster)
     batch, seq = args.global_batch, args.seq_len
-    warnings: list[str] = []
-    if args.plan:
-        plan = load_plan(args.plan)
+    warnings = list(warnings or [])
+    if plan is not None:
         result = search_plans(model, cluster, batch, seq, plan, top_k=1, framework=opts,
                               explain=False)
         # as evaluate_plan, which refuses in one line what nothing prices
@@ -232,8 +236,9 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
         if not est.fits:  # `meshtron cost --plan` prices it; simulating it is refused
             from meshtron.planner.report import need_text
 
-            raise UserError(f"plan={args.plan!r}: predicted not to fit on {args.cluster} "
-                            f"({need_text(est, parts=False)}); simulate refuses a plan that "
+            stack = "" if opts.name == "meshtron" else f" as {opts.label}"
+            raise UserError(f"plan={args.plan!r}: predicted not to fit on {args.cluster}"
+                            f"{stack} ({need_text(est, parts=False)}); simulate refuses a plan that "
                             "does not fit (`meshtron cost --plan` prices it anyway)")
     else:
         result = search_plans(model, cluster, batch, seq, None, top_k=1, framework=opts,
@@ -251,7 +256,10 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
     base = simulate_step(ev, est)
     res = simulate_step(ev, est, pert) if (pert.stragglers or pert.jitter) else base
     doc = {"schema": "meshtron-step-sim/1", "plan": est.config.describe(),
-           "ranks": est.config.gpus, "unperturbed": base.to_dict(), "perturbed": res.to_dict(),
+           "ranks": est.config.gpus, "framework": opts.label,
+           # the planner's figures of the plan simulated (`meshtron plan`'s step and memory)
+           "analytical_step_s": est.step_time_s, "memory_gib": est.memory.total,
+           "unperturbed": base.to_dict(), "perturbed": res.to_dict(),
            "slowdown": res.step_time_s / base.step_time_s, "warnings": warnings}
     doc["goodput"], lines = _goodput(args, model, est, res.step_time_s)
     if args.json:  # JSON carries them and repeats them on stderr, as `meshtron plan --json`
@@ -259,7 +267,8 @@ def _run_step(args: argparse.Namespace, model, opts) -> int:
             print(f"warning: plan={args.plan!r}: {line}", file=sys.stderr, flush=True)
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"Plan: {doc['plan']} ({doc['ranks']:,} ranks)")
+    stack = "" if opts.name == "meshtron" else f", priced for {opts.label}"
+    print(f"Plan: {doc['plan']} ({doc['ranks']:,} ranks{stack})")
     for line in warnings:
         print(f"warning: {line}")
     print(f"analytical step {est.step_time_s:.3f} s; simulated {base.step_time_s:.3f} s "
