@@ -92,7 +92,7 @@ def test_torch_ring_adds_its_merges_and_copies():
     grow with cp at the same local length."""
     seq, cp = 131072, 4
     cl = resolve_cluster("dgx-h100:1")
-    off = dataclasses.replace(TT, torch_ring=False)
+    off = dataclasses.replace(TT, torch_ring=False, cp_overlap=False)  # the plain exchange
     base = layer_cost(L8, cl, 1, 1, seq, False, off, cp, gqa_repeat=True)
     ring = layer_cost(L8, cl, 1, 1, seq, False, TT, cp, gqa_repeat=True)
     tokens = seq / cp
@@ -105,6 +105,55 @@ def test_torch_ring_adds_its_merges_and_copies():
     # one call (cp = 1) has no ring
     assert layer_cost(L8, cl, 1, 1, 32768, False, TT) == layer_cost(L8, cl, 1, 1, 32768,
                                                                     False, off)
+
+
+def test_te_ring_adds_its_corrections_and_accumulations():
+    """Transformer Engine's p2p ring (cp_overlap without torch's ring: the Megatron presets)
+    adds its memory-bound ops (ring_attention.te_ring_bytes, counted from
+    AttnFuncWithCPAndKVP2P): at cp 2 on the last rank, forward the K/V cat (8 K), the bf16
+    `out` zeroed (2 E) and two fused output corrections (6 E each); backward the K/V copy
+    (8 K), dq's copy and add (4 E + 6 E), the dk/dv cats (4 K half, 8 K whole) and dkv's copy
+    and add (4 K, 12 K). Nothing is added without cp, with torch's ring, or in fp32."""
+    seq, cp = 8192, 2
+    mc = preset("megatron@2024").kernel
+    plain = dataclasses.replace(mc, cp_overlap=False)
+    te = layer_cost(L8, H100, 1, 1, seq, False, mc, cp)
+    base = layer_cost(L8, H100, 1, 1, seq, False, plain, cp)
+    tokens = seq / cp
+    e, k = tokens * L8.hidden, tokens * L8.kv_dim
+    f, b = R.te_ring_bytes(e, e, k, cp)
+    assert (f, b) == (8 * k + 14 * e, 10 * e + 36 * k)
+    bw = membound_bytes_per_s(H100, mc.stack)
+    assert te.fwd - base.fwd == pytest.approx(f / bw, rel=1e-9)
+    assert te.bwd - base.bwd == pytest.approx(b / bw, rel=1e-9)
+    # every later step adds a correction, a dq add and a half-key cat and add
+    f4, b4 = R.te_ring_bytes(e, e, k, 4)
+    assert (f4 - f, b4 - b) == (12 * e, 12 * e + 20 * k)
+    assert layer_cost(L8, H100, 1, 1, seq, False, mc) == layer_cost(L8, H100, 1, 1, seq,
+                                                                    False, plain)
+    fp32 = layer_cost(L8, H100, 1, 1, seq, False, mc, cp, "fp32")
+    assert fp32.fwd == layer_cost(L8, H100, 1, 1, seq, False, plain, cp, "fp32").fwd
+
+
+def test_te_ring_backward_sends_kv_again_beside_dkv():
+    """Transformer Engine's ring keeps no gathered K/V: its backward sends the K/V chunks
+    again beside the dK/dV sums, twice the forward's bytes, where the all-gather design
+    (cp_overlap False) only reduce-scatters the gradients (exposed, nothing to hide behind
+    here: a zero-length core)."""
+    from meshtron.planner.compute_core import cp_exposed
+
+    cl = resolve_cluster("dgx-h100:2")
+    fab, cp, kv = comm.Fabric.of(cl), 2, 4096 * L8.kv_dim
+    mc = preset("megatron@2024").kernel
+    group = cp_group(8, cp, cl.gpus_per_node)  # tp 8: the cp pair on two nodes
+    gather = comm.all_gather(2 * 2 * kv * cp, group, fab)
+    scatter = comm.reduce_scatter(2 * 2 * kv * cp, group, fab)
+    te_f, te_b = cp_exposed(cl, fab, mc, "bf16", 8, cp, kv, 0.0, 0.0, None)
+    ag_f, ag_b = cp_exposed(cl, fab, dataclasses.replace(mc, cp_overlap=False), "bf16", 8,
+                            cp, kv, 0.0, 0.0, None)
+    assert (ag_f, ag_b) == (gather, scatter)
+    assert te_f == pytest.approx(gather, rel=1e-9)
+    assert te_b == pytest.approx(gather + scatter, rel=1e-9)
 
 
 def test_torch_ring_exposes_its_backward_sends_and_moves_every_head():

@@ -125,6 +125,12 @@ def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtyp
     cp_f = comm.all_gather(kv_bytes * cp, cpg, fab)
     cp_b = comm.reduce_scatter(kv_bytes * cp, cpg, fab)
     if opts.cp_overlap:
+        # Transformer Engine's p2p ring keeps no gathered K/V: its backward sends the K/V
+        # chunks around the ring again beside the dK/dV partial sums (AttnFuncWithCPAndKVP2P
+        # backward, transformer_engine/pytorch/attention.py v1.11 / v2.1: the first step's
+        # buffer holds K/V, the middle steps' both, the last step's dK/dV), twice the
+        # forward's bytes per rank, each step's send beside that step's kernel
+        cp_b += cp_f
         return overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
     return cp_f, cp_b
 
