@@ -66,11 +66,11 @@ Forward:
 Backward:
   `p2p_comm_buffers[0][0].copy_(kv)`                                      (4+4) K
   dq: the first step's `dq.copy_(dq_)`, each later step's `dq.add_(dq_)`  4 E_q; 6 E_q each
-  `torch.cat((dk_, dv_))` of each step: the later steps' half-key
-    gradients, the last (diagonal) step's whole                           4 K each; 8 K
-  dkv: the first step's `copy_` into half of the received buffer, each
-    later off-diagonal step's `add_` into that half, the diagonal's
-    `dkv.add_(dkv_)` over the whole                                       4 K; 6 K each; 12 K
+  `torch.cat((dk_, dv_))` of each step: the cp - 1 off-diagonal steps'
+    half-key gradients, the last (diagonal) step's whole                  4 K each; 8 K
+  dkv: the first step's `copy_` into half of the received buffer, each of
+    the cp - 2 other off-diagonal steps' `add_` into that half, the
+    diagonal's `dkv.add_(dkv_)` over the whole                            4 K; 6 K each; 12 K
 The softmax statistics (`flash_attn_fwd_softmax_lse_correction`, the lse clones) are
 head_dim times smaller and left out, as for torch's ring. The K/V and dK/dV sends are
 NCCL's (`cp_exposed`): the backward's last step sends the accumulated dK/dV beside the
