@@ -234,6 +234,31 @@ def test_ring_launches_are_counted_per_step_from_the_code():
     assert (f2, b2) == (2 + 1 + 1 + 4 + 8 + 1, 3 + 2 + 1 + 1 + 3 + 5 + 2 + 3)
 
 
+def test_te_ring_launches_are_counted_from_the_code():
+    """Transformer Engine's ring issues at cp 2, forward: the K/V cat, the second call,
+    `out`'s zeros with the lse clone and cast, the lse cast back and two output corrections
+    (8) and one p2p exchange; backward: the K/V copy, the second call and per step dq's
+    update, the dk/dv cat and dkv's update (8) and two exchanges. Each later step adds a
+    call, an lse and an output correction (3) forward and a call and three updates (4)
+    backward. On a host-bound layer (8B at 2,048 tokens over tp 8 and cp 8) they are the
+    difference from the plain exchange's two collectives."""
+    from meshtron.planner import host
+    from meshtron.planner.elementwise import kernels_per_layer
+    from meshtron.planner.gemm import dispatch_s
+
+    assert R.te_ring_launches(2) == (1 + 1 + 3 + 0 + 1 + 2, 1 + 1 + 6, 1, 2)
+    for cp in (3, 4, 8):
+        f, b, cf, cb = R.te_ring_launches(cp)
+        assert (f - 8, b - 8, cf, cb) == (3 * (cp - 2), 4 * (cp - 2), cp - 1, cp)
+    mc = preset("megatron@2024").kernel
+    tp, cp, per = 8, 8, dispatch_s(H100)
+    lc = layer_cost(L8, H100, tp, 1, 2048, True, mc, cp=cp)
+    issue_f = host.layer_issue(kernels_per_layer(L8, mc), host.tp_collectives(tp, True),
+                               per)[0]
+    ops_f, _, coll_f, _ = R.te_ring_launches(cp)
+    assert lc.fwd + lc.tp_fwd == pytest.approx(issue_f + (ops_f + coll_f) * per, rel=1e-9)
+
+
 def test_ring_launches_bound_a_layer_of_small_chunks():
     """At small per-rank chunks (8B, 2,048 tokens over cp 8 and tp 8: 256 tokens a rank,
     calls of 256 x 128) the layer's device work is shorter than its launches: the GPU waits
@@ -250,7 +275,8 @@ def test_ring_launches_bound_a_layer_of_small_chunks():
                                per)[0]
     ops_f, _, coll_f, _ = R.torch_ring_launches(cp)
     assert lc.fwd + lc.tp_fwd == pytest.approx(issue_f + (ops_f + coll_f) * per, rel=1e-9)
-    plain = layer_cost(L8, H100, tp, 1, 2048, True, dataclasses.replace(TT, torch_ring=False),
+    plain = layer_cost(L8, H100, tp, 1, 2048, True,
+                       dataclasses.replace(TT, torch_ring=False, cp_overlap=False),
                        cp=cp, gqa_repeat=True)
     assert lc.fwd + lc.tp_fwd > plain.fwd + plain.tp_fwd + 50 * per  # 90 launches, 0.9 ms
     long = layer_cost(L8, H100, 1, 1, 262144, False, TT, cp=cp, gqa_repeat=True)

@@ -74,7 +74,7 @@ Backward:
 The softmax statistics (`flash_attn_fwd_softmax_lse_correction`, the lse clones) are
 head_dim times smaller and left out, as for torch's ring. The K/V and dK/dV sends are
 NCCL's (`cp_exposed`): the backward's last step sends the accumulated dK/dV beside the
-diagonal call, so each exchange has a call to hide behind.
+diagonal call, so each exchange has a call to hide behind. Its launches: `te_ring_launches`.
 """
 
 from __future__ import annotations
@@ -175,3 +175,23 @@ def te_ring_bytes(e_q: float, e_o: float, k: float, cp: int) -> tuple[float, flo
     bwd = (8.0 * k + 4.0 * e_q + 6.0 * e_q * (cp - 1) + 4.0 * k * (cp - 1) + 8.0 * k
            + 4.0 * k + 6.0 * k * (cp - 2) + 12.0 * k)
     return fwd, bwd
+
+
+def te_ring_launches(cp: int) -> tuple[int, int, int, int]:
+    """(forward ops, backward ops, forward collectives, backward collectives) the host issues
+    per layer for Transformer Engine's p2p ring beyond the one attention kernel and its
+    backward that every flash layer issues (elementwise.kernels_per_layer), counted from
+    `AttnFuncWithCPAndKVP2P` (module docstring) for the last rank; its backward is the
+    autograd Function's Python, so each op costs a forward launch (`ring_issue`).
+
+    Forward: the K/V cat (1); cp - 1 more fused-attention calls; at the second step `out`'s
+    zeros and the lse clone and its cast to double (3); an lse correction at each later step
+    (cp - 2); the lse cast back to float (1); an output correction per step (cp);
+    collectives: one p2p exchange before each of the cp - 1 later steps (batched at cp 2).
+    Backward: the K/V copy into the send buffer (1); cp - 1 more fused-attention backward
+    calls; per step dq's copy or add, the dk/dv cat and dkv's copy or add (3 cp);
+    collectives: one p2p exchange per step (K/V, then K/V with dK/dV, the last dK/dV)."""
+    later = cp - 1
+    fwd = 1 + later + 3 + (cp - 2) + 1 + cp
+    bwd = 1 + later + 3 * cp
+    return fwd, bwd, later, cp
