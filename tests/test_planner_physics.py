@@ -282,7 +282,11 @@ def test_validation_errors_do_not_regress(table, capsys):
     # edge bucket, bucket passes, the unfused loss): calibration (runs.LOOKED_AT), summarised
     # with it and held apart at their figures after those branches (mean 5.8%, max 14.1%);
     # the bound is recomputed over the 10 rows still unseen (TT24 float8, TTA_2506 bf16 and
-    # tensorwise), at their figures when the branches merged: mean 4.9%, max 10.3%
+    # tensorwise), at their figures when the branches merged: mean 4.9%, max 10.3%.
+    # Session 42 (branch cp8b) priced Transformer Engine's p2p ring ops from its code
+    # (ring_attention.te_ring_bytes), which slows the two NeMo 24.07 Llama 3 cp 2 rows among
+    # the looked-at ones: their mean 5.9% -> 6.04%, max 14.1% unchanged; the bound recomputed
+    # from that run, 6% -> 6.5%
     from bench.published.runs import ADDED_S39
 
     assert len([p for p in table if p.run.name in ADDED_S39]) == len(ADDED_S39) == 35
@@ -316,7 +320,7 @@ def test_validation_errors_do_not_regress(table, capsys):
               f"max {new['max']:.1%}, looked at: n={looked['n']} mean {looked['mean']:.1%} "
               f"max {looked['max']:.1%}")
     assert new["mean"] < 0.05 and new["max"] < 0.105
-    assert looked["mean"] < 0.06 and looked["max"] < 0.145
+    assert looked["mean"] < 0.065 and looked["max"] < 0.145
     assert val["mean"] < 0.075 and val["max"] < 0.28
     assert old["mean"] < 0.06 and old["max"] < 0.26
     assert cal["mean"] < 0.12 and cal["max"] < 0.33
@@ -351,7 +355,11 @@ def test_session40_rows_hold_their_first_run(capsys):
     answered, none unfit): mean 8.1%, max 15.2%; dense as above; the two token-drop MoE rows
     (Qwen3-30B-A3B +1.4%, Qwen3-235B-A22B +8.4%) mean 4.9%, max 8.4%; then, with the same
     branch's token drop priced without the dispatcher's sync (moe_host.dispatcher_syncs: the
-    code has none there), +1.5% and +8.6%: mean 5.0%, max 8.6%, the bounds at 5.5% / 9%."""
+    code has none there), +1.5% and +8.6%: mean 5.0%, max 8.6%, the bounds at 5.5% / 9%.
+    Session 42 (branch cp8b) read Megatron-Bridge 25.09's Llama 3 8B row (tp 1, cp 1, -15.2%)
+    beside the cp 2 8B rows: calibration since (runs.LOOKED_AT). Recomputed from the remaining
+    9 (all answered, none unfit): mean 7.1% (7.06), max 11.4%; the 7 dense rows mean 7.7%
+    (7.67), max 11.4% (torchtitan's Llama 3.1 8B FP8 on 64 H200, too fast); MoE as above."""
     from bench.planner_cli_table import run_row, summarise
     from bench.published.runs import ADDED_S40, LOOKED_AT
 
@@ -359,9 +367,9 @@ def test_session40_rows_hold_their_first_run(capsys):
     assert len(every_s40) == len(ADDED_S40) == 18
     # what steered a choice is calibration with its reason; the rest never did
     looked = [r for r in every_s40 if r.name in LOOKED_AT]
-    assert len(looked) == 8 and all(r.part == "calibration" for r in looked)
+    assert len(looked) == 9 and all(r.part == "calibration" for r in looked)
     runs = [r for r in every_s40 if r.name not in LOOKED_AT]
-    assert len(runs) == 10 and all(r.part == "validation" for r in runs)
+    assert len(runs) == 9 and all(r.part == "validation" for r in runs)
     rows = [run_row(r) for r in runs]
     every = summarise(rows, "validation")
     dense = summarise([r for r in rows if not r["run"].model.is_moe], "validation")
@@ -372,9 +380,9 @@ def test_session40_rows_hold_their_first_run(capsys):
               f"{every['max']:.1%}; dense n={dense['n']} mean {dense['mean']:.1%} max "
               f"{dense['max']:.1%}; MoE answered {moe['answered']} mean {moe['mean']:.1%} "
               f"max {moe['max']:.1%}")
-    assert every["rejected"] == 0 and every["answered"] == 10 and every["unfit"] == 0
-    assert every["mean"] < 0.085 and every["max"] < 0.155
-    assert dense["answered"] == 8 and dense["mean"] < 0.09 and dense["max"] < 0.155
+    assert every["rejected"] == 0 and every["answered"] == 9 and every["unfit"] == 0
+    assert every["mean"] < 0.075 and every["max"] < 0.115
+    assert dense["answered"] == 7 and dense["mean"] < 0.08 and dense["max"] < 0.115
     assert moe["answered"] == 2 and moe["mean"] < 0.055 and moe["max"] < 0.09
 
 
@@ -399,7 +407,14 @@ def test_session41_rows_hold_their_first_run(capsys):
     since (runs.LOOKED_AT), held at that run's figures (bench/results/planner_cli_table_
     2026-12-05_fp8scale.txt: mean 9.0% (8.96), max 19.3%, GPT-3 175B on 2,048 H100; they were 9.4%
     and 21.6%); the 11 BF16 rows left as validation, which the change does not touch, are
-    bounded at their own figures of that run (mean 5.3%, max 11.7%, GPT-3 175B on 2,048 H100)."""
+    bounded at their own figures of that run (mean 5.3%, max 11.7%, GPT-3 175B on 2,048 H100).
+    Session 42 (branch cp8b) read the two Llama 3.1 8B BF16 rows (tp 1, cp 2, too slow) to
+    compare the cp price with Transformer Engine's p2p ring: calibration since
+    (runs.LOOKED_AT); the 9 BF16 rows left, after that branch's ring ops: mean 4.5% (4.54),
+    max 11.7% (GPT-3 175B on 2,048 H100). Its Transformer Engine ring ops, priced from the
+    code, slow the FP8 rows at cp 2 (Llama 3.1 8B / 70B / 405B: 0.7-1.8 points each): their
+    mean 8.96% -> 9.04%, max 19.3% unchanged (GPT-3 175B, cp 1); the mean's bound recomputed
+    from that run, 9% -> 9.5%."""
     from bench.planner_cli_table import run_row, summarise
     from bench.published.runs import ADDED_S41, LOOKED_AT
 
@@ -409,11 +424,12 @@ def test_session41_rows_hold_their_first_run(capsys):
     # mcoremoe); the rest never did
     fp8 = {r.name for r in every_s41 if r.dtype == "fp8"}
     assert len(fp8) == 12
+    cp8b = {f"DGXC Llama3.1 8B {gpus}xH100 BF16" for gpus in (8, 128)}
     assert ADDED_S41 & LOOKED_AT.keys() == {"DGXC25 DSV3 671B 1024xH100 BF16 tokendrop",
-                                            "DGXC Nemotron4 340B 128xH100 BF16"} | fp8
+                                            "DGXC Nemotron4 340B 128xH100 BF16"} | fp8 | cp8b
     assert all(r.part == "calibration" for r in every_s41 if r.name in LOOKED_AT)
     runs = [r for r in every_s41 if r.name not in LOOKED_AT]
-    assert len(runs) == 11 and all(r.part == "validation" for r in runs)
+    assert len(runs) == 9 and all(r.part == "validation" for r in runs)
     rows = [run_row(r) for r in runs]
     every = summarise(rows, "validation")
     # the FP8 rows, calibration since fp8scale, held at that run's figures
@@ -425,10 +441,10 @@ def test_session41_rows_hold_their_first_run(capsys):
               f"{every['unfit']}), rejected {every['rejected']}; mean {every['mean']:.1%} max "
               f"{every['max']:.1%}; DeepSeek-V3 (calibration) {dsv3['error']:+.1%}; FP8 "
               f"(calibration) mean {fp8_rows['mean']:.1%} max {fp8_rows['max']:.1%}")
-    assert every["rejected"] == 0 and every["answered"] == 11 and every["unfit"] == 0
+    assert every["rejected"] == 0 and every["answered"] == 9 and every["unfit"] == 0
     assert all(not r["run"].model.is_moe for r in rows)
-    assert every["mean"] < 0.055 and every["max"] < 0.12
-    assert fp8_rows["answered"] == 12 and fp8_rows["mean"] < 0.09 and fp8_rows["max"] < 0.195
+    assert every["mean"] < 0.05 and every["max"] < 0.12
+    assert fp8_rows["answered"] == 12 and fp8_rows["mean"] < 0.095 and fp8_rows["max"] < 0.195
     assert abs(dsv3["error"]) < 0.27
 
 
@@ -447,15 +463,25 @@ def test_session42_rows_hold_their_first_run(capsys):
     none refused; mean 7.2% (7.23), max 24.7% (OLMo 1B FP8, too fast). DGXC2504: 24 rows,
     mean 5.6% (5.61), max 16.6% (GPT-3 175B FP8 on 2,048 H100, too fast); its 20 NeMo 2.0
     rows mean 5.0% (4.95), max 14.7% (Llama 3.1 8B FP8 on 8 H100, too slow); its 4 GPT-3 rows
-    mean 8.9%, max 16.6%. OLMC: 7 rows, every one too fast, mean 12.8% (12.76), max 24.7%."""
+    mean 8.9%, max 16.6%. OLMC: 7 rows, every one too fast, mean 12.8% (12.76), max 24.7%.
+    Branch cp8b (session 42) read the four Llama 3.1 8B rows (tp 1, cp 2, 12.6-14.7% too
+    slow) to compare the cp price with Transformer Engine's p2p ring: calibration since
+    (runs.LOOKED_AT). The 27 left, after that branch's ring ops (bench/results/
+    planner_cli_table_2026-12-05_cp8b.txt): mean 6.2% (6.23), max 24.7%; the 16 NeMo 2.0 rows
+    mean 2.8% (2.81), max 8.7% (Llama 3.1 70B FP8 on 64 H100, too slow); GPT-3 and OLMC as
+    before."""
     from bench.planner_cli_table import run_row, summarise
     from bench.published.runs import ADDED_S42, LOOKED_AT
 
-    runs = [r for r in published_runs() if r.name in ADDED_S42]
-    assert len(runs) == len(ADDED_S42) == 31
-    # none has steered a choice: every one validation
-    assert not ADDED_S42 & LOOKED_AT.keys()
-    assert all(r.part == "validation" for r in runs)
+    every_s42 = [r for r in published_runs() if r.name in ADDED_S42]
+    assert len(every_s42) == len(ADDED_S42) == 31
+    # what steered a choice is calibration (branch cp8b's 8B rows); the rest never did
+    cp8b = {f"DGXC2504 Llama3.1 8B {gpus}xH100 {dt}" for gpus in (8, 128)
+            for dt in ("BF16", "FP8")}
+    assert ADDED_S42 & LOOKED_AT.keys() == cp8b
+    assert all(r.part == "calibration" for r in every_s42 if r.name in cp8b)
+    runs = [r for r in every_s42 if r.name not in cp8b]
+    assert len(runs) == 27 and all(r.part == "validation" for r in runs)
     rows = [run_row(r) for r in runs]
 
     def part(keep) -> dict:
@@ -472,10 +498,10 @@ def test_session42_rows_hold_their_first_run(capsys):
               f"{nemo2['max']:.1%}; GPT-3 n={gpt3['n']} mean {gpt3['mean']:.1%} max "
               f"{gpt3['max']:.1%}; OLMo-core n={olmc['n']} mean {olmc['mean']:.1%} max "
               f"{olmc['max']:.1%}")
-    assert every["rejected"] == 0 and every["answered"] == 31 and every["unfit"] == 0
-    assert (nemo2["n"], gpt3["n"], olmc["n"]) == (20, 4, 7)
-    assert every["mean"] < 0.075 and every["max"] < 0.25
-    assert nemo2["mean"] < 0.05 and nemo2["max"] < 0.15
+    assert every["rejected"] == 0 and every["answered"] == 27 and every["unfit"] == 0
+    assert (nemo2["n"], gpt3["n"], olmc["n"]) == (16, 4, 7)
+    assert every["mean"] < 0.065 and every["max"] < 0.25
+    assert nemo2["mean"] < 0.03 and nemo2["max"] < 0.09
     assert gpt3["mean"] < 0.09 and gpt3["max"] < 0.17
     assert olmc["mean"] < 0.13 and olmc["max"] < 0.25
 

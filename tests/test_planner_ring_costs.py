@@ -92,7 +92,7 @@ def test_torch_ring_adds_its_merges_and_copies():
     grow with cp at the same local length."""
     seq, cp = 131072, 4
     cl = resolve_cluster("dgx-h100:1")
-    off = dataclasses.replace(TT, torch_ring=False)
+    off = dataclasses.replace(TT, torch_ring=False, cp_overlap=False)  # the plain exchange
     base = layer_cost(L8, cl, 1, 1, seq, False, off, cp, gqa_repeat=True)
     ring = layer_cost(L8, cl, 1, 1, seq, False, TT, cp, gqa_repeat=True)
     tokens = seq / cp
@@ -105,6 +105,55 @@ def test_torch_ring_adds_its_merges_and_copies():
     # one call (cp = 1) has no ring
     assert layer_cost(L8, cl, 1, 1, 32768, False, TT) == layer_cost(L8, cl, 1, 1, 32768,
                                                                     False, off)
+
+
+def test_te_ring_adds_its_corrections_and_accumulations():
+    """Transformer Engine's p2p ring (cp_overlap without torch's ring: the Megatron presets)
+    adds its memory-bound ops (ring_attention.te_ring_bytes, counted from
+    AttnFuncWithCPAndKVP2P): at cp 2 on the last rank, forward the K/V cat (8 K), the bf16
+    `out` zeroed (2 E) and two fused output corrections (6 E each); backward the K/V copy
+    (8 K), dq's copy and add (4 E + 6 E), the dk/dv cats (4 K half, 8 K whole) and dkv's copy
+    and add (4 K, 12 K). Nothing is added without cp, with torch's ring, or in fp32."""
+    seq, cp = 8192, 2
+    mc = preset("megatron@2024").kernel
+    plain = dataclasses.replace(mc, cp_overlap=False)
+    te = layer_cost(L8, H100, 1, 1, seq, False, mc, cp)
+    base = layer_cost(L8, H100, 1, 1, seq, False, plain, cp)
+    tokens = seq / cp
+    e, k = tokens * L8.hidden, tokens * L8.kv_dim
+    f, b = R.te_ring_bytes(e, e, k, cp)
+    assert (f, b) == (8 * k + 14 * e, 10 * e + 36 * k)
+    bw = membound_bytes_per_s(H100, mc.stack)
+    assert te.fwd - base.fwd == pytest.approx(f / bw, rel=1e-9)
+    assert te.bwd - base.bwd == pytest.approx(b / bw, rel=1e-9)
+    # every later step adds a correction, a dq add and a half-key cat and add
+    f4, b4 = R.te_ring_bytes(e, e, k, 4)
+    assert (f4 - f, b4 - b) == (12 * e, 12 * e + 20 * k)
+    assert layer_cost(L8, H100, 1, 1, seq, False, mc) == layer_cost(L8, H100, 1, 1, seq,
+                                                                    False, plain)
+    fp32 = layer_cost(L8, H100, 1, 1, seq, False, mc, cp, "fp32")
+    assert fp32.fwd == layer_cost(L8, H100, 1, 1, seq, False, plain, cp, "fp32").fwd
+
+
+def test_te_ring_backward_sends_kv_again_beside_dkv():
+    """Transformer Engine's ring keeps no gathered K/V: its backward sends the K/V chunks
+    again beside the dK/dV sums, twice the forward's bytes, where the all-gather design
+    (cp_overlap False) only reduce-scatters the gradients (exposed, nothing to hide behind
+    here: a zero-length core)."""
+    from meshtron.planner.compute_core import cp_exposed
+
+    cl = resolve_cluster("dgx-h100:2")
+    fab, cp, kv = comm.Fabric.of(cl), 2, 4096 * L8.kv_dim
+    mc = preset("megatron@2024").kernel
+    group = cp_group(8, cp, cl.gpus_per_node)  # tp 8: the cp pair on two nodes
+    gather = comm.all_gather(2 * 2 * kv * cp, group, fab)
+    scatter = comm.reduce_scatter(2 * 2 * kv * cp, group, fab)
+    te_f, te_b = cp_exposed(cl, fab, mc, "bf16", 8, cp, kv, 0.0, 0.0, None)
+    ag_f, ag_b = cp_exposed(cl, fab, dataclasses.replace(mc, cp_overlap=False), "bf16", 8,
+                            cp, kv, 0.0, 0.0, None)
+    assert (ag_f, ag_b) == (gather, scatter)
+    assert te_f == pytest.approx(gather, rel=1e-9)
+    assert te_b == pytest.approx(gather + scatter, rel=1e-9)
 
 
 def test_torch_ring_exposes_its_backward_sends_and_moves_every_head():
@@ -185,6 +234,31 @@ def test_ring_launches_are_counted_per_step_from_the_code():
     assert (f2, b2) == (2 + 1 + 1 + 4 + 8 + 1, 3 + 2 + 1 + 1 + 3 + 5 + 2 + 3)
 
 
+def test_te_ring_launches_are_counted_from_the_code():
+    """Transformer Engine's ring issues at cp 2, forward: the K/V cat, the second call,
+    `out`'s zeros with the lse clone and cast, the lse cast back and two output corrections
+    (8) and one p2p exchange; backward: the K/V copy, the second call and per step dq's
+    update, the dk/dv cat and dkv's update (8) and two exchanges. Each later step adds a
+    call, an lse and an output correction (3) forward and a call and three updates (4)
+    backward. On a host-bound layer (8B at 2,048 tokens over tp 8 and cp 8) they are the
+    difference from the plain exchange's two collectives."""
+    from meshtron.planner import host
+    from meshtron.planner.elementwise import kernels_per_layer
+    from meshtron.planner.gemm import dispatch_s
+
+    assert R.te_ring_launches(2) == (1 + 1 + 3 + 0 + 1 + 2, 1 + 1 + 6, 1, 2)
+    for cp in (3, 4, 8):
+        f, b, cf, cb = R.te_ring_launches(cp)
+        assert (f - 8, b - 8, cf, cb) == (3 * (cp - 2), 4 * (cp - 2), cp - 1, cp)
+    mc = preset("megatron@2024").kernel
+    tp, cp, per = 8, 8, dispatch_s(H100)
+    lc = layer_cost(L8, H100, tp, 1, 2048, True, mc, cp=cp)
+    issue_f = host.layer_issue(kernels_per_layer(L8, mc), host.tp_collectives(tp, True),
+                               per)[0]
+    ops_f, _, coll_f, _ = R.te_ring_launches(cp)
+    assert lc.fwd + lc.tp_fwd == pytest.approx(issue_f + (ops_f + coll_f) * per, rel=1e-9)
+
+
 def test_ring_launches_bound_a_layer_of_small_chunks():
     """At small per-rank chunks (8B, 2,048 tokens over cp 8 and tp 8: 256 tokens a rank,
     calls of 256 x 128) the layer's device work is shorter than its launches: the GPU waits
@@ -201,7 +275,8 @@ def test_ring_launches_bound_a_layer_of_small_chunks():
                                per)[0]
     ops_f, _, coll_f, _ = R.torch_ring_launches(cp)
     assert lc.fwd + lc.tp_fwd == pytest.approx(issue_f + (ops_f + coll_f) * per, rel=1e-9)
-    plain = layer_cost(L8, H100, tp, 1, 2048, True, dataclasses.replace(TT, torch_ring=False),
+    plain = layer_cost(L8, H100, tp, 1, 2048, True,
+                       dataclasses.replace(TT, torch_ring=False, cp_overlap=False),
                        cp=cp, gqa_repeat=True)
     assert lc.fwd + lc.tp_fwd > plain.fwd + plain.tp_fwd + 50 * per  # 90 launches, 0.9 ms
     long = layer_cost(L8, H100, 1, 1, 262144, False, TT, cp=cp, gqa_repeat=True)

@@ -248,6 +248,20 @@ LOOKED_AT.update({f"DGXC {model} {gpus}xH100 FP8": "session 42 (branch fp8scale)
                                         ("GPT3 175B", (128, 2048)))
                   for gpus in counts})
 
+# session 42 (branch cp8b): the Llama 3 / 3.1 8B rows at tp 1, seq 8192 on H100 (cp 2 on NeMo /
+# Megatron-Core with Transformer Engine; Megatron-Bridge 25.09 at cp 1) were read for their
+# 8-17% too-slow errors: they sent the planner's cp price to be compared term by term with
+# Transformer Engine's p2p ring (ring_attention.te_ring_bytes, from the code), and their errors
+# beside FlashAttention-3's published cuDNN rates were read to judge the attention core's rate
+# (not changed): calibration from then on
+_CP8B = ("session 42 (branch cp8b): its too-slow error led to comparing the cp price with "
+         "Transformer Engine's p2p ring (ring_attention.te_ring_bytes, from the code) and was "
+         "read beside FlashAttention-3's cuDNN rates to judge the attention core's (unchanged)")
+for _name in ([f"DGXC{v} Llama3.1 8B {g}xH100 {d}" for v in ("", "2504") for g in (8, 128)
+               for d in ("BF16", "FP8")]
+              + ["NM24.07 LLAMA3-8B 8xH100", "MB25.09 Llama3 8b 8xH100"]):
+    LOOKED_AT[_name] = (LOOKED_AT[_name] + "; " + _CP8B) if _name in LOOKED_AT else _CP8B
+
 
 def added_s39() -> list[PublishedRun]:
     """The validation rows of session 39 (module docstring)."""

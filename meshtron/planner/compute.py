@@ -26,7 +26,8 @@ from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, flash_unpad, host
 from meshtron.planner.placement import tp_group
-from meshtron.planner.ring_attention import torch_ring_bytes
+from meshtron.planner.ring_attention import (
+    te_ring_bytes, te_ring_launches, torch_ring_bytes, torch_ring_launches)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp_group, ring_issue, window_share  # noqa: F401
 from meshtron.planner.compute_edges import (  # noqa: F401  (re-exported for callers)
@@ -182,6 +183,14 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if torch_ring:
         ring_f, ring_b = torch_ring_bytes(tokens * h / tp, tokens * kv_moved / tp, cp)
         elem_f, elem_b = elem_f + ring_f / bw, elem_b + ring_b / bw
+    # Transformer Engine's p2p ring (the overlapped exchange that is not torch's): its output
+    # corrections, K/V buffer copies and dq / dkv accumulations (ring_attention.te_ring_bytes)
+    te_ring = (cp > 1 and opts.attention == "flash" and opts.cp_overlap and not opts.torch_ring
+               and other_dt == "bf16")
+    if te_ring:
+        te_f, te_b = te_ring_bytes(tokens * q / tp, tokens * model.out_width / tp,
+                                   tokens * kv_moved / tp, cp)
+        elem_f, elem_b = elem_f + te_f / bw, elem_b + te_b / bw
     fwd = linear + core_fwd + elem_f + q_f + host_f
     bwd = 2.0 * linear_bwd + core_bwd + elem_b + q_b
     # Tensor-parallel communication: 2 all-reduces of the [tokens, h] activation per pass
@@ -223,10 +232,11 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     # the GPU waits on it (planner/host.py), over the layer's compute and exposed communication
     issue_f, issue_b = host.layer_issue(kernels_per_layer(model, opts),
                                         host.tp_collectives(tp, sp)
-                                        + (2 if cp > 1 and not torch_ring else 0),
+                                        + (2 if cp > 1 and not (torch_ring or te_ring) else 0),
                                         dispatch_s(cluster))
-    if torch_ring:  # its Python ops and collectives around the calls, each a launch
-        issue_f, issue_b = ring_issue(cp, dispatch_s(cluster), issue_f, issue_b)
+    if torch_ring or te_ring:  # its Python ops and collectives around the calls, each a launch
+        issue_f, issue_b = ring_issue(cp, dispatch_s(cluster), issue_f, issue_b,
+                                      torch_ring_launches if torch_ring else te_ring_launches)
     if opts.launch_blocking:  # every launch waits for its kernel: no running ahead
         wait_f, wait_b = issue_f, issue_b
     else:

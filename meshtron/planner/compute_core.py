@@ -25,12 +25,13 @@ from meshtron.planner.ring_attention import (
     bwd_ratio, ring_core_time, torch_ring_exposed, torch_ring_launches)
 
 
-def ring_issue(cp: int, per_op_s: float, issue_f: float,
-                issue_b: float) -> tuple[float, float]:
-    """Host issue seconds of a layer with torch's ring attention: the plain layer's plus the
-    ring's own ops and collectives (ring_attention.torch_ring_launches), each at a forward
-    op's cost: the ring's backward runs as Python, not in autograd's C++ engine."""
-    ops_f, ops_b, coll_f, coll_b = torch_ring_launches(cp)
+def ring_issue(cp: int, per_op_s: float, issue_f: float, issue_b: float,
+               launches=torch_ring_launches) -> tuple[float, float]:
+    """Host issue seconds of a layer with a ring attention written in Python: the plain
+    layer's plus the ring's own ops and collectives (`launches`: torch's ring,
+    ring_attention.torch_ring_launches, or Transformer Engine's, te_ring_launches), each at a
+    forward op's cost: either ring's backward runs as Python, not in autograd's C++ engine."""
+    ops_f, ops_b, coll_f, coll_b = launches(cp)
     return issue_f + (ops_f + coll_f) * per_op_s, issue_b + (ops_b + coll_b) * per_op_s
 
 
@@ -125,6 +126,12 @@ def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtyp
     cp_f = comm.all_gather(kv_bytes * cp, cpg, fab)
     cp_b = comm.reduce_scatter(kv_bytes * cp, cpg, fab)
     if opts.cp_overlap:
+        # Transformer Engine's p2p ring keeps no gathered K/V: its backward sends the K/V
+        # chunks around the ring again beside the dK/dV partial sums (AttnFuncWithCPAndKVP2P
+        # backward, transformer_engine/pytorch/attention.py v1.11 / v2.1: the first step's
+        # buffer holds K/V, the middle steps' both, the last step's dK/dV), twice the
+        # forward's bytes per rank, each step's send beside that step's kernel
+        cp_b += cp_f
         return overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
     return cp_f, cp_b
 

@@ -243,7 +243,9 @@ class KernelOptions:
     (torch/distributed/tensor/experimental/_attention.py, torchtitan's CP): per-step flash calls
     with their outputs merged in fp32, the K/V all-gathered once per pass, the dk/dv partial
     sums sent around the ring in fp32 (planner/ring_attention.py prices those). False: the
-    exchange priced by `cp_overlap` alone."""
+    exchange priced by `cp_overlap` alone; with `cp_overlap`, Transformer Engine's p2p ring,
+    whose own output corrections and gradient accumulations ring_attention.te_ring_bytes
+    prices."""
     ep_overlap: bool = False
     """Expert parallelism: the token all-to-alls overlap another micro-batch's computation
     (DeepSeek's DualPipe, DeepSeek-V3 report section 3.2.1; Megatron-Core's

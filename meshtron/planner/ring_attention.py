@@ -46,6 +46,35 @@ issued before the first call, waited before the second, so only the first call h
 the backward sends the fp32 dk/dv partial sums to the next rank after every call
 (`_AllToAllRotater`, `ft_c.permute_tensor`), each waited after the following call, the last
 one after the loop (nothing hides it).
+
+Transformer Engine's p2p ring (`AttnFuncWithCPAndKVP2P`, the cp_comm_type 'p2p' that
+Megatron-Core's TEDotProductAttention runs by default: transformer_engine/pytorch/attention.py
+at v1.11 and v2.1, attention/dot_product_attention/context_parallel.py at d0067d0da; bf16
+q/k/v in the 'sbhd'/'bshd' layouts, cuDNN fused attention) makes the same calls
+(`ring_core_time`), sends each step's K/V to the next rank while the step's kernel runs (the
+forward's steps alternate between two streams so that consecutive kernels may overlap; the
+backward's on one) and runs these memory-bound ops around them, per layer and rank (`te_ring_bytes`,
+E_q the local query elements = dq's, E_o the output's, K the local keys' = values'; priced for
+the last rank, whose every later step is a full-query call):
+
+Forward:
+  `torch.cat((k, v))` into the first send buffer                          (4+4) K
+  `out = torch.zeros_like(...)` in bf16, before the corrections           2 E_o
+  `flash_attn_fwd_out_correction` of each of the cp steps' outputs: one
+    fused kernel (`jit_fuser`: torch.compile) reading the step's bf16
+    output and `out` and writing `out` back (`out.add_`)                  (2+2+2) E_o each
+Backward:
+  `p2p_comm_buffers[0][0].copy_(kv)`                                      (4+4) K
+  dq: the first step's `dq.copy_(dq_)`, each later step's `dq.add_(dq_)`  4 E_q; 6 E_q each
+  `torch.cat((dk_, dv_))` of each step: the cp - 1 off-diagonal steps'
+    half-key gradients, the last (diagonal) step's whole                  4 K each; 8 K
+  dkv: the first step's `copy_` into half of the received buffer, each of
+    the cp - 2 other off-diagonal steps' `add_` into that half, the
+    diagonal's `dkv.add_(dkv_)` over the whole                            4 K; 6 K each; 12 K
+The softmax statistics (`flash_attn_fwd_softmax_lse_correction`, the lse clones) are
+head_dim times smaller and left out, as for torch's ring. The K/V and dK/dV sends are
+NCCL's (`cp_exposed`): the backward's last step sends the accumulated dK/dV beside the
+diagonal call, so each exchange has a call to hide behind. Its launches: `te_ring_launches`.
 """
 
 from __future__ import annotations
@@ -136,3 +165,33 @@ def torch_ring_launches(cp: int) -> tuple[int, int, int, int]:
     fwd = 2 + later + later + 2 * cp + 8 * later + 1
     bwd = 3 + 2 + later + later + 3 + 5 * later + cp + 3
     return fwd, bwd, 1, 1 + cp
+
+
+def te_ring_bytes(e_q: float, e_o: float, k: float, cp: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per layer and rank of the memory-bound ops Transformer
+    Engine's p2p ring runs around its flash calls (module docstring), for `e_q` query, `e_o`
+    output and `k` key elements on this rank, bf16."""
+    fwd = 8.0 * k + 2.0 * e_o + 6.0 * e_o * cp
+    bwd = (8.0 * k + 4.0 * e_q + 6.0 * e_q * (cp - 1) + 4.0 * k * (cp - 1) + 8.0 * k
+           + 4.0 * k + 6.0 * k * (cp - 2) + 12.0 * k)
+    return fwd, bwd
+
+
+def te_ring_launches(cp: int) -> tuple[int, int, int, int]:
+    """(forward ops, backward ops, forward collectives, backward collectives) the host issues
+    per layer for Transformer Engine's p2p ring beyond the one attention kernel and its
+    backward that every flash layer issues (elementwise.kernels_per_layer), counted from
+    `AttnFuncWithCPAndKVP2P` (module docstring) for the last rank; its backward is the
+    autograd Function's Python, so each op costs a forward launch (`ring_issue`).
+
+    Forward: the K/V cat (1); cp - 1 more fused-attention calls; at the second step `out`'s
+    zeros and the lse clone and its cast to double (3); an lse correction at each later step
+    (cp - 2); the lse cast back to float (1); an output correction per step (cp);
+    collectives: one p2p exchange before each of the cp - 1 later steps (batched at cp 2).
+    Backward: the K/V copy into the send buffer (1); cp - 1 more fused-attention backward
+    calls; per step dq's copy or add, the dk/dv cat and dkv's copy or add (3 cp);
+    collectives: one p2p exchange per step (K/V, then K/V with dK/dV, the last dK/dV)."""
+    later = cp - 1
+    fwd = 1 + later + 3 + (cp - 2) + 1 + cp
+    bwd = 1 + later + 3 * cp
+    return fwd, bwd, later, cp
