@@ -7,8 +7,8 @@ model's shapes, and the runtime's own limits.
 The rules are split by topic, this module their one entry point: plan_rules_fields.py (the
 fields and their consistency), plan_rules_pipeline.py (schedules and each stack's layer
 split), plan_rules_offload.py (the host offload each stack runs), plan_rules_zero.py (the ZeRO
-stages each stack runs), plan_rules_stack.py (the tp / pp / MoE each stack's code lacks), plan_rules_runtime.py (meshtron's runtime limits); every name stays
-importable here.
+stages each stack runs), plan_rules_stack.py (the tp / pp / MoE each stack's code lacks), plan_rules_runtime.py (meshtron's runtime limits, its stack options decided
+in plan_rules_options.py); every name stays importable here.
 """
 
 from __future__ import annotations
@@ -183,13 +183,14 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     if model is not None:
         out.extend(model_problems(k, model, runtime, split))
     if runtime:
-        out.extend(options_runtime_problems(options or {}, k))
         problem = schedule_runtime_problem(k)
         if problem:
             out.append(problem)
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
         out.extend(recompute_runtime_problems(k))
+        # after the plan's own: DualPipe's schedule is refused in its words, not its split's
+        out.extend(options_runtime_problems(options or {}, k))
     return out
 
 
