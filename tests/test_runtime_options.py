@@ -6,6 +6,7 @@ and no meshtron preset sets a refused one."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 
 import pytest
@@ -113,7 +114,11 @@ def test_meshtron_prices_an_option_its_runtime_runs(name, plan_cli, tmp_path):
     options.write_text(f"[options]\n{name} = {RUN[name]}\n")
     rc, out, err = plan_cli(*ARGS, "--options", str(options), "--json")
     assert rc == 0, err
-    assert "Stack" not in err
+    doc = json.loads(out)
+    value = tomllib.loads(f"v = {RUN[name]}")["v"]
+    assert doc["framework"]["overrides"] == {name: value}
+    if name == "reduce_dtype":  # the plan carries it: FSDP2's reduce dtype in `meshtron train`
+        assert doc["plans"][0]["reduce_dtype"] == "bf16"
 
 
 def test_the_compiled_stack_is_the_plans_compile(plan_cli, tmp_path):
@@ -136,3 +141,25 @@ def test_other_stacks_price_what_meshtron_refuses(plan_cli, tmp_path):
     assert rc == 2 and "options.flash_ce=true: meshtron's runtime" in err
     rc, _, err = plan_cli(*ARGS, "--options", str(options), "--framework", "llm-foundry")
     assert rc == 0, err
+
+
+def test_meshtrons_pipeline_sends_whole_activations_without_sequence_parallelism():
+    # torch.distributed.pipelining sends what each tensor rank holds (parallel/pipeline.py):
+    # replicated without sp (parallel/tensor.py), a sequence shard with it
+    from meshtron.model.spec import preset as model
+    from meshtron.planner.cluster import preset_cluster
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.frameworks import preset
+    from meshtron.planner.plan import Plan
+
+    ours = preset("meshtron").kernel
+    scattered = dataclasses.replace(ours, p2p_scatter_gather=True)
+
+    def pp_comm(opts, sp: bool) -> float:
+        ev = Evaluator(model("llama3-8b"), preset_cluster("dgx-h100", 2), 64, 4096, opts)
+        plan = Plan(tp=4, pp=4, dp=1, zero=1, micro_batch=1, recompute="full", sp=sp,
+                    schedule="1f1b")
+        return ev.evaluate(plan, keep_infeasible=True).time.pp_comm
+
+    assert pp_comm(ours, False) > 2 * pp_comm(scattered, False)
+    assert pp_comm(ours, True) == pytest.approx(pp_comm(scattered, True), rel=1e-12)
