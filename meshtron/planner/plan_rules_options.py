@@ -74,8 +74,8 @@ _KERNEL = {
                    "ring attention (parallel/context.py)"),
     "ep_overlap": ((False,), "runs the expert all-to-alls on the compute stream, exposed "
                    "(parallel/expert.py)"),
-    "ep_node_limit": ((0,), "routes every token to its top-k experts wherever they sit, "
-                      "no node limit (model/moe.py)"),
+    "ep_node_limit": ((0,), "sends every one of a token's top-k rows (all_to_all_single, "
+                      "parallel/expert.py), no per-node deduplication"),
     "ep_dispatch": (("bf16",), "dispatches with torch's all_to_all_single of the routed rows "
                     "as held (parallel/expert.py): no FP8 dispatch, DeepEP or HybridEP"),
     "expert_routing": (("spread",), "routes with a learned gate (model/moe.py), not a fake "
@@ -114,14 +114,14 @@ _KERNEL = {
     "flash_ce": ((False,), "has no flash-attn cross-entropy (model/loss.py)"),
     "flat_param": ((False,), "runs FSDP2's per-parameter DTensors, not FSDP1 "
                    "(parallel/data_parallel.py)"),
-    "train_metrics": ((0,), "updates no train metrics on the logits (train/loop.py logs the "
-                      "loss)"),
+    "train_metrics": ((0,), "updates no train metrics on the logits (train/metrics.py "
+                      "records the loss and the step clock)"),
 }
 
 _MEMORY = {
     "framework": (("fsdp2",), "keeps FSDP2's memory layout (parallel/data_parallel.py)"),
-    "activations": ((None, "eager"), "saves its eager autograd tensors "
-                    "(parallel/recompute.py's selective policy)"),
+    "activations": ((None, "eager"), "saves what eager autograd saves (its recomputation: "
+                    "parallel/recompute.py), no Megatron or torchtitan saved-tensor list"),
     "loss": ((None, "chunked"), "runs its chunked cross-entropy (model/loss.py)"),
     "gqa_copies": ((False,), "hands SDPA K/V at kv width (enable_gqa, model/attention.py)"),
     "fused_norm": ((True,), "runs torch.nn.RMSNorm, one fused kernel on CUDA "
