@@ -173,7 +173,8 @@ def split_text(est: Estimate) -> str | None:
         return (f"{shown} layers per stage, chosen for memory: {rule} gives "
                 f"{'/'.join(map(str, sc.free))}, over the memory of stage {over} (at most "
                 f"{'/'.join(map(str, sc.caps))} layers fit per stage), so layers move to the "
-                "stages with room, the slowest stage as fast as those caps allow")
+                "stages with room, the slowest stage as fast as those caps allow"
+                + (_SURPLUS if _surplus_first(sc, per_rank) else ""))
     if even:
         return f"{shown} layers per stage: {rule}, even"
     return f"{shown} layers per stage: {rule}{_unbalance(sc, per_rank, est.stage_layers)}"
@@ -195,10 +196,21 @@ def _unbalance(sc: Any, per_rank: list[int], chunks: list[int]) -> str:
                      f"stage adds the embedding ({sc.first_s * 1e3:.3g} ms, "
                      f"{sc.first_s / sc.layer_s:.2g} layers) and the last the output head and "
                      f"loss ({sc.last_s * 1e3:.3g} ms, {sc.last_s / sc.layer_s:.2g} layers)")
-    if sc.rule in ("any", "dualpipe") and per_rank[0] < max(per_rank[1:]):
-        # pipeline.partition_layers: the bound leaves more room than layers; the surplus comes
-        # off the first stages, which hold the most micro-batches in flight
-        parts.append("the slowest stage's time leaves room for more layers than the model "
-                     "has, and the surplus comes off the first stages, which hold the most "
-                     "micro-batches in flight")
+    if _surplus_first(sc, per_rank):
+        parts.append(_SURPLUS[2:])
     return ": " + "; ".join(parts) if parts else ""
+
+
+_SURPLUS = ("; the slowest stage's time leaves room for more layers than the model has, and "
+            "the surplus comes off the first stages, which hold the most micro-batches in "
+            "flight")
+"""pipeline.partition_layers' tie rule (meshtron's and torchtitan's any split)."""
+
+
+def _surplus_first(sc: Any, per_rank: list[int]) -> bool:
+    """Whether the time-balanced rule took layers off the first stage below what its time
+    (and, chosen for memory, its memory) would hold."""
+    room = per_rank[0] < max(per_rank[1:])
+    if sc.caps:
+        room = room and per_rank[0] < sc.caps[0]
+    return sc.rule in ("any", "dualpipe") and room
