@@ -20,8 +20,11 @@ def _best(plan_cli, *argv):
     rc, out, err = plan_cli(*argv, "--json")
     assert rc == 0, err
     plan = json.loads(out)["plans"][0]
-    pp = plan["pp"]
-    per_rank = [sum(plan["stage_layers"][i::pp]) for i in range(pp)]
+    pp, chunks = plan["pp"], plan["stage_layers"]  # pipeline order
+    if plan["schedule"] == "zb" and plan["virtual_stages"] == 2:  # torch's V: r and 2pp-1-r
+        per_rank = [chunks[r] + chunks[2 * pp - 1 - r] for r in range(pp)]
+    else:
+        per_rank = [sum(chunks[r::pp]) for r in range(pp)]
     assert plan["split"]["layers_per_stage"] == per_rank
     assert plan["split"]["even"] == (len(set(per_rank)) == 1)
     return plan, per_rank
@@ -75,3 +78,18 @@ def test_llama3s_end_stages_one_layer_short_are_explained(plan_cli, tmp_path):
     why = plan["split"]["why"]
     assert "account_for_embedding/loss_in_pipeline_split" in why
     assert "the end stages hold one layer fewer" in why
+
+
+def test_torchs_v_counts_each_ranks_two_stages_and_the_head_beside_the_embedding(plan_cli):
+    # ScheduleZBVZeroBubble: rank r holds stages r and 2pp-1-r, the head on rank 0
+    # (pipeline.stages_of_rank, head_rank)
+    argv = ("--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64",
+            "--seq-len", "4096", "--layout", "tp=2,pp=4", "--schedule", "zbv", "--top", "1")
+    plan, per_rank = _best(plan_cli, *argv)
+    assert plan["virtual_stages"] == 2 and sum(per_rank) == 32
+    assert per_rank[0] < min(per_rank[1:])  # rank 0 runs the embedding and the head
+    assert "on torch's V, the output head and loss" in plan["split"]["why"]
+    rc, out, _ = plan_cli(*argv)
+    text = " ".join(out.split())
+    assert f"Layers per pipeline stage of the best plan: {per_rank}" in text
+    assert "LM head + loss on the first stage (torch's V)" in text

@@ -285,4 +285,5 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
     def _split_choice(self, w: Work) -> SplitChoice:
         """How `_split` chose the layers per rank (the plan's explanation)."""
         return SplitChoice(w.split_by, self.mem.split_rule, self.model.layers, w.t_layer,
-                           w.e_first, w.e_last, w.split_free, w.split_caps, w.split_over)
+                           w.e_first, w.e_last, w.split_free, w.split_caps, w.split_over,
+                           w.head_rank == 0)

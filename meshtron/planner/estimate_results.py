@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtron.planner import memory
+from meshtron.planner.pipeline import stages_of_rank
 from meshtron.planner.plan import Plan
 
 
@@ -77,6 +78,9 @@ class SplitChoice:
     """by='memory': the most layers each rank's memory holds."""
     over: tuple[int, ...] = ()
     """by='memory': the ranks `free` put over their memory."""
+    head_first: bool = False
+    """The output head and loss run on rank 0 beside the embedding (torch's V: `first_s`
+    holds both, pipeline.head_rank)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,16 @@ class Estimate:
     @property
     def step_time_s(self) -> float:
         return self.time.total
+
+    @property
+    def layers_per_rank(self) -> list[int]:
+        """Layers each pipeline rank holds: the sum of its virtual stages (`stage_layers` is
+        in pipeline order; torch's V puts stages r and 2pp-1-r on rank r:
+        pipeline.stages_of_rank)."""
+        c = self.config
+        sched = c.schedule or "1f1b"
+        return [sum(self.stage_layers[s] for s in stages_of_rank(c.pp, c.virtual_stages, sched, r))
+                for r in range(c.pp)]
 
     def days(self, tokens: float) -> float:
         return tokens / self.tokens_per_s / 86400.0

@@ -360,8 +360,11 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
     if c.pp > 1:
         per_gpu = _per_gpu(best)
         chunks = f" in {c.virtual_stages} chunks each" if c.virtual_stages > 1 else ""
+        ends = ("embedding, LM head + loss on the first stage (torch's V)"
+                if best.split is not None and best.split.head_first
+                else "embedding on the first stage, LM head + loss on the last")
         console.print(f"Layers per pipeline stage of the {what.lower()}: {per_gpu}{chunks} "
-                      "(embedding on the first stage, LM head + loss on the last)")
+                      f"({ends})")
         why = split_text(best)
         if why is not None and len(set(per_gpu)) > 1:
             console.print(f"Uneven split: {why}")
@@ -388,9 +391,9 @@ def need_text(est: Estimate, parts: bool = True, lean: Estimate | None = None) -
 
 
 def _per_gpu(est: Estimate) -> list[int]:
-    """Layers per pipeline rank (stage_layers lists the virtual stages in pipeline order)."""
-    pp = est.config.pp
-    return [sum(est.stage_layers[i::pp]) for i in range(pp)]
+    """Layers per pipeline rank (stage_layers lists the virtual stages in pipeline order; torch's
+    V holds stages r and 2pp-1-r on rank r: Estimate.layers_per_rank)."""
+    return est.layers_per_rank
 
 
 def memory_check(framework: Any) -> str | None:

@@ -153,7 +153,7 @@ def split_text(est: Estimate) -> str | None:
     sc, pp = est.split, est.config.pp
     if sc is None or pp == 1:
         return None
-    per_rank = [sum(est.stage_layers[i::pp]) for i in range(pp)]
+    per_rank = est.layers_per_rank
     shown = "/".join(map(str, per_rank))
     even = len(set(per_rank)) == 1
     if sc.by == "given":
@@ -192,10 +192,16 @@ def _unbalance(sc: Any, per_rank: list[int], chunks: list[int]) -> str:
     if sc.layers % pp:
         parts.append(f"{sc.layers} layers do not divide into {pp} equal stages")
     if sc.rule in ("any", "megatron-ends", "dualpipe") and sc.layer_s > 0:
-        parts.append(f"a layer takes {sc.layer_s * 1e3:.3g} ms per micro-batch, the first "
-                     f"stage adds the embedding ({sc.first_s * 1e3:.3g} ms, "
-                     f"{sc.first_s / sc.layer_s:.2g} layers) and the last the output head and "
-                     f"loss ({sc.last_s * 1e3:.3g} ms, {sc.last_s / sc.layer_s:.2g} layers)")
+        first, last = (f"{t * 1e3:.3g} ms, {t / sc.layer_s:.2g} layers"
+                       for t in (sc.first_s, sc.last_s))
+        if sc.head_first:  # torch's V: the last virtual stage on rank 0 (pipeline.head_rank)
+            parts.append(f"a layer takes {sc.layer_s * 1e3:.3g} ms per micro-batch, the first "
+                         f"stage adds the embedding and, on torch's V, the output head and "
+                         f"loss ({first})")
+        else:
+            parts.append(f"a layer takes {sc.layer_s * 1e3:.3g} ms per micro-batch, the first "
+                         f"stage adds the embedding ({first}) and the last the output head "
+                         f"and loss ({last})")
     if _surplus_first(sc, per_rank):
         parts.append(_SURPLUS[2:])
     return ": " + "; ".join(parts) if parts else ""
