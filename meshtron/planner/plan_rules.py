@@ -7,8 +7,9 @@ model's shapes, and the runtime's own limits.
 The rules are split by topic, this module their one entry point: plan_rules_fields.py (the
 fields and their consistency), plan_rules_pipeline.py (schedules and each stack's layer
 split), plan_rules_offload.py (the host offload each stack runs), plan_rules_zero.py (the ZeRO
-stages each stack runs), plan_rules_stack.py (the tp / pp / MoE each stack's code lacks), plan_rules_runtime.py (meshtron's runtime limits, its stack options decided
-in plan_rules_options.py); every name stays importable here.
+stages each stack runs), plan_rules_stack.py (the tp / pp / MoE each stack's code lacks),
+plan_rules_runtime.py (meshtron's runtime limits, its stack options decided in
+plan_rules_options.py); every name stays importable here.
 """
 
 from __future__ import annotations
