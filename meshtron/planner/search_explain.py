@@ -127,7 +127,7 @@ def _knob_losses(best: Estimate, ev: Evaluator, space: SearchSpace) -> list[Alte
     return out
 
 
-__all__ = ["loss_reason", "explain_losses", "search_and_explain"]
+__all__ = ["loss_reason", "explain_losses", "search_and_explain", "split_text"]
 
 
 _RULES = {
@@ -165,7 +165,7 @@ def split_text(est: Estimate) -> str | None:
     if sc.by == "unfit":
         return (f"{shown} layers per stage: no split fits in memory; priced on "
                 f"{rule}{_unbalance(sc, per_rank, est.stage_layers)}")
-    if sc.by == "memory" and not sc.free:
+    if sc.by == "memory" and not (sc.free and sc.over):
         return (f"{shown} layers per stage, chosen for memory: {rule} within the layers each "
                 f"stage's memory holds ({'/'.join(map(str, sc.caps))})")
     if sc.by == "memory":
