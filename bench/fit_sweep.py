@@ -93,7 +93,7 @@ def candidates(setting: dict, margin: float, per_side: int):
     the fullest stage's breakdown)."""
     from meshtron.planner.cli import load_model
     from meshtron.planner.cluster import resolve_cluster
-    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.frameworks import preset
     from meshtron.planner.estimate import Evaluator
     from meshtron.planner.plan_knobs import Knobs
     from meshtron.planner.search_bound import _enumerate, _Tally
@@ -102,7 +102,7 @@ def candidates(setting: dict, margin: float, per_side: int):
     model = load_model(setting["model"])
     cluster = resolve_cluster(setting["cluster"])
     gb, seq = setting["global_batch"], setting["seq_len"]
-    opts = KernelOptions()  # as search_plans prices meshtron's runtime
+    opts = preset("meshtron").kernel  # as search_plans prices meshtron's runtime
     ev = Evaluator(model, cluster, gb, seq, opts)
     space = SearchSpace(model, cluster, gb, seq, Knobs.of(setting["knobs"]), opts, ev.mem,
                         True, None)

@@ -43,6 +43,8 @@ import tomli_w  # noqa: E402
 from bench.published.runs import published_runs  # noqa: E402
 from meshtron.planner import memory  # noqa: E402
 from meshtron.planner.frameworks import PRESETS, for_model  # noqa: E402
+from meshtron.planner.plan_rules_options import option_values  # noqa: E402
+from meshtron.planner.plan_rules_runtime import options_runtime_problems  # noqa: E402
 
 
 def _options_for(run) -> tuple[str, dict]:
@@ -54,10 +56,15 @@ def _options_for(run) -> tuple[str, dict]:
     # 'any', written out, so that the closest preset's own rule does not refuse its layout
     mem_d.update({k: "any" for k in ("zero_stages", "host_offload") if mem_d[k] is None})
     red = "fp32" if run.opts.fp32_grad_reduce else "bf16"
+    # options meshtron's runtime does not run (plan_rules_options): another stack's row, which
+    # --framework meshtron refuses
+    elsewhere = any(options_runtime_problems(option_values(run.opts, mem, red), {}))
     best = None
     for key, preset in PRESETS.items():
         fw = for_model(preset, run.model)  # as `meshtron plan` prices the row's model
         if run.ep > 1 and not fw.expert_parallel:  # a preset that refuses the row's ep
+            continue
+        if elsewhere and fw.name == "meshtron":
             continue
         diff = {k: v for k, v in kern.items() if getattr(fw.kernel, k) != v}
         fw_mem = dataclasses.asdict(fw.memory)

@@ -133,7 +133,7 @@ TINY = ["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "-
 
 def test_train_refuses_another_stacks_plan_and_runs_meshtrons_with_options(cli, tmp_path):
     """Another stack's plan: one line naming it, exit 2, before any rank starts. meshtron's
-    own preset with a pricing option (--stack fused) is what the runtime runs: the same
+    own preset with an option its runtime takes is what the runtime runs: the same
     validity function passes it."""
     from meshtron.planner.plan import load_plan
 
@@ -144,13 +144,26 @@ def test_train_refuses_another_stacks_plan_and_runs_meshtrons_with_options(cli, 
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert "plan.framework='megatron@2024'" in lines[0] and "Traceback" not in done.stderr
-    own = tmp_path / "own.toml"
-    rc, _, err = cli("plan", *TINY, "--stack", "fused", "--save", str(own))
+    # an option meshtron's runtime takes (a measurement: plan_rules_options.RUNTIME_OPTIONS)
+    # is saved with the plan and the runtime runs it; one it does not run is refused at plan
+    # time already (tests/test_runtime_options.py)
+    own, options = tmp_path / "own.toml", tmp_path / "options.toml"
+    options.write_text("[options]\nexpert_imbalance = 1.5\n")
+    rc, _, err = cli("plan", *TINY, "--options", str(options), "--save", str(own))
     assert rc == 0, err
     plan = load_plan(own)
     assert plan.framework == "meshtron@2026" and dict(plan.framework_options) == {
-        "stack": "fused"}
+        "expert_imbalance": 1.5}
     assert plan.validate(plan.gpus) is plan
+    # a hand-edited meshtron plan with an option the runtime does not run: refused by the
+    # same rule `meshtron plan` applies, before any rank starts
+    edited = tmp_path / "edited.toml"
+    edited.write_text(own.read_text().replace("expert_imbalance = 1.5", 'stack = "fused"'))
+    assert 'stack = "fused"' in edited.read_text()
+    done = _meshtron("train", "--plan", str(edited), "--steps", "1")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "options.stack='fused'" in lines[0] and "Traceback" not in done.stderr
 
 
 def test_rehearse_prices_the_saved_stack_and_says_whether_it_fits(cli, tmp_path):

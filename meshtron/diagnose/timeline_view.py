@@ -204,7 +204,9 @@ def _estimate(run_dir: Path, plan):
     """The planner's estimate of the run's plan on the cluster it was planned for."""
     from meshtron.config import config_from_dict, load_toml
     from meshtron.planner.cluster import resolve_cluster
-    from meshtron.planner.compute import KernelOptions
+    import dataclasses
+
+    from meshtron.planner.frameworks import preset
     from meshtron.planner.search import evaluate_plan
     from meshtron.train.planning import local_cluster, sized_cluster
 
@@ -215,7 +217,9 @@ def _estimate(run_dir: Path, plan):
     except UserError:  # a nominal or calibrated cluster saved by name only
         cluster = local_cluster(world, None)
     return evaluate_plan(cfg.model, sized_cluster(cluster, world), cfg.data.global_batch,
-                         cfg.data.seq_len, plan, options=KernelOptions(attention=plan.attention))
+                         cfg.data.seq_len, plan,
+                         options=dataclasses.replace(preset("meshtron").kernel,
+                                                     attention=plan.attention))
 
 
 # ---- PNG --------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ from meshtron.planner.dp_cost import (  # noqa: F401  (re-exported)
     LIST_HOST_S_PER_RANK, OVERLAP_INTERFERENCE, DataParallelCost, _exposed)
 from meshtron.planner.estimate_pieces import (  # noqa: F401  (re-exported)
     CostPieces, MemoryPieces, MicroCosts, StageParams)
-from meshtron.planner.estimate_results import Estimate, TimeBreakdown  # noqa: F401
+from meshtron.planner.estimate_results import Estimate, SplitChoice, TimeBreakdown  # noqa: F401
 from meshtron.planner.estimate_gpipe import GPipeMoments
 from meshtron.planner.estimate_half import HalfRecompute
 from meshtron.planner.estimate_memory import StageMemories
@@ -281,4 +281,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
             time=times, tokens_per_s=self.tokens / step,
             model_tflops_per_gpu=self.model_flops / per_gpu / 1e12,
             hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
-            mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits)
+            mfu=self.model_flops / per_gpu / peak, hfu=hw_flops / per_gpu / peak, fits=fits,
+            split=self._split_choice(w) if pp > 1 else None)
+
+    def _split_choice(self, w: Work) -> SplitChoice:
+        """How `_split` chose the layers per rank (the plan's explanation)."""
+        return SplitChoice(w.split_by, self.mem.split_rule, self.model.layers, w.t_layer,
+                           w.e_first, w.e_last, w.split_free, w.split_caps, w.split_over,
+                           w.head_rank == 0)

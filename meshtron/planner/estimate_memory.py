@@ -218,16 +218,22 @@ class StageMemories:
             for k, a, f, d in zip(n, per_layer, fixed, odd))
         if not fits and gpipe and n is not None:  # the linear model is GPipe's upper bound
             fits = self._gpipe_fits(w, n, halved)
+        w.split_by = "given" if given else "rule"
         if not fits and given is None:
             caps = [int((budget - f) // a) if budget > f else 0 for a, f in zip(per_layer, fixed)]
             if halved:
                 caps = [half_cap(c, a, f, d, budget)
                         for c, a, f, d in zip(caps, per_layer, fixed, odd)]
+            free = n
             if sum(caps) >= model.layers:
                 n = self._time_partition(pp, v, t_layer, e_first, e_last, caps, weights)
             else:
                 n = None
             fits = n is not None
+            w.split_by = "memory" if fits else "unfit"
+            if fits and free is not None:  # the rule's own split, over memory on some ranks
+                w.split_free, w.split_caps = tuple(free), tuple(caps)
+                w.split_over = tuple(i for i, (k, c) in enumerate(zip(free, caps)) if k > c)
             if n is None:
                 if not keep:
                     return False
@@ -236,9 +242,11 @@ class StageMemories:
                     n = stack  # the stack's own split is what would run out of memory
                 elif exact_memory:
                     _, n = pipeline.min_memory_partition(model.layers, per_layer, fixed, v)
+                    w.split_by = "least"
                 else:
                     n = stack or pipeline.min_memory_partition(model.layers, per_layer, fixed,
                                                                v)[1]
+                    w.split_by = "unfit" if stack else "least"
         w.budget, w.given, w.n, w.fits = budget, given, n, fits
         if model.is_moe and pp > 1 and n is not None:
             # the stages' own blocks: dense first blocks hold no experts (moe_memory.py)

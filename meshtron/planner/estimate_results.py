@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtron.planner import memory
+from meshtron.planner.pipeline import stages_of_rank
 from meshtron.planner.plan import Plan
 
 
@@ -54,6 +55,37 @@ class TimeBreakdown:
 
 
 @dataclass(frozen=True)
+class SplitChoice:
+    """How the layers were assigned to the pipeline ranks (estimate_memory._split), for the
+    plan's explanation (search_explain.split_text)."""
+
+    by: str
+    """'given' (the plan's stage_layers), 'rule' (the priced stack's rule: `rule`), 'memory'
+    (the rule's split did not fit: re-split within the per-rank `caps`), 'unfit' (no split
+    fits: the rule's, which would run out of memory) or 'least' (no split fits: the one
+    needing the least memory, pipeline.min_memory_partition)."""
+    rule: str
+    """The layer-to-stage rule priced (memory_options.PIPELINE_SPLITS)."""
+    layers: int
+    """The model's layers."""
+    layer_s: float
+    """One layer's forward and backward per micro-batch on one rank, seconds."""
+    first_s: float
+    """What the first rank runs beside its layers per micro-batch (the embedding), seconds."""
+    last_s: float
+    """What the last rank runs beside its layers (the output head and the loss), seconds."""
+    free: tuple[int, ...] = ()
+    """by='memory': the rule's split without memory limits, which did not fit."""
+    caps: tuple[int, ...] = ()
+    """by='memory': the most layers each rank's memory holds."""
+    over: tuple[int, ...] = ()
+    """by='memory': the ranks `free` put over their memory."""
+    head_first: bool = False
+    """The output head and loss run on rank 0 beside the embedding (torch's V: `first_s`
+    holds both, pipeline.head_rank)."""
+
+
+@dataclass(frozen=True)
 class Estimate:
     """The planner's prediction for one plan."""
 
@@ -79,10 +111,22 @@ class Estimate:
     """Hardware FLOPs utilisation: hardware TFLOP/s / peak."""
     fits: bool
     """Some layer split keeps every stage within device memory."""
+    split: SplitChoice | None = None
+    """How the layer split was chosen (pp > 1; None without a pipeline)."""
 
     @property
     def step_time_s(self) -> float:
         return self.time.total
+
+    @property
+    def layers_per_rank(self) -> list[int]:
+        """Layers each pipeline rank holds: the sum of its virtual stages (`stage_layers` is
+        in pipeline order; torch's V puts stages r and 2pp-1-r on rank r:
+        pipeline.stages_of_rank)."""
+        c = self.config
+        sched = c.schedule or "1f1b"
+        return [sum(self.stage_layers[s] for s in stages_of_rank(c.pp, c.virtual_stages, sched, r))
+                for r in range(c.pp)]
 
     def days(self, tokens: float) -> float:
         return tokens / self.tokens_per_s / 86400.0

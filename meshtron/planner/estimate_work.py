@@ -93,6 +93,12 @@ class Work:
     given: list[int] | None = None  # the plan's own split per rank (given_partition)
     n: list[int] = field(default_factory=list)  # layers per pipeline rank
     fits: bool = False
+    # how n was chosen (estimate_results.SplitChoice.by) and, chosen for memory, the rule's
+    # split that did not fit, the per-rank caps and the ranks it put over memory
+    split_by: str = "rule"
+    split_free: tuple[int, ...] = ()
+    split_caps: tuple[int, ...] = ()
+    split_over: tuple[int, ...] = ()
     # ---- _times, _stage_sync ----
     groups: dict[str, Any] = field(default_factory=dict)  # Evaluator._groups
     stage_t: list[float] = field(default_factory=list)  # per rank: one micro-batch's time

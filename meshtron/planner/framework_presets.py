@@ -65,7 +65,12 @@ class Framework:
 _MESHTRON = Framework(
     "meshtron", "2026", "meshtron's runtime (this repository)",
     "meshtron/parallel/data_parallel.py, meshtron/parallel/recompute.py, meshtron/model/",
-    KernelOptions(), MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
+    # torch.distributed.pipelining sends a stage's output as the rank holds it
+    # (parallel/pipeline.py): under sp=false the activation is replicated over the tensor
+    # group (parallel/tensor.py), so every tensor rank sends it whole (no Megatron
+    # scatter/gather; under sp it is a sequence shard already: estimate_pieces.py)
+    KernelOptions(p2p_scatter_gather=False),
+    MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
     "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "

@@ -1,7 +1,9 @@
 """KernelOptions: the software choices (attention kernel, fused or compiled stack, FP8 scaling,
 ZeRO flavour, communication overlaps, optimizer) that change what the same layout costs. The
 framework presets (planner/frameworks.py) are instances; planner/compute.py, gemm.py and
-elementwise.py read them.
+elementwise.py read them. Which values meshtron's own runtime runs is decided per field in
+plan_rules_options.RUNTIME_OPTIONS (a new field needs its decision there:
+tests/test_runtime_options.py); under framework meshtron any other value is refused.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """What decides the bytes of a plan besides its layout: the run's precision, the framework
 whose memory layout it has, the saved-tensor list and the loss (`MemoryOptions`), and the
 constants the memory modules share. memory.py describes the peak these options price.
+Which values meshtron's own runtime runs is decided per field in
+plan_rules_options.RUNTIME_OPTIONS (a new field needs its decision there); under framework
+meshtron any other value is refused.
 """
 
 from __future__ import annotations

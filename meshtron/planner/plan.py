@@ -454,6 +454,14 @@ def runtime_problem(plan: Plan) -> str | None:
     problem = framework_runtime_problem(plan)
     if problem:
         return problem
+    from meshtron.planner.plan_rules_runtime import options_runtime_problems
+
+    # a saved (or hand-edited) meshtron plan's options: the one rule the search applies
+    # (plan_rules_options.RUNTIME_OPTIONS), so `meshtron train` never runs what it did not price
+    options = dict(option_pairs(plan.framework_options or ()))
+    problem = next(options_runtime_problems(options, {"async_tp": plan.async_tp}), None)
+    if problem:
+        return problem
     problem = fp8_runtime_problem(plan)
     if problem:
         return problem

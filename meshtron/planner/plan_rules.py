@@ -7,8 +7,9 @@ model's shapes, and the runtime's own limits.
 The rules are split by topic, this module their one entry point: plan_rules_fields.py (the
 fields and their consistency), plan_rules_pipeline.py (schedules and each stack's layer
 split), plan_rules_offload.py (the host offload each stack runs), plan_rules_zero.py (the ZeRO
-stages each stack runs), plan_rules_stack.py (the tp / pp / MoE each stack's code lacks), plan_rules_runtime.py (meshtron's runtime limits); every name stays
-importable here.
+stages each stack runs), plan_rules_stack.py (the tp / pp / MoE each stack's code lacks),
+plan_rules_runtime.py (meshtron's runtime limits, its stack options decided in
+plan_rules_options.py); every name stays importable here.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from meshtron.planner.plan_rules_stack import (  # noqa: F401  (re-exported)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
     STACK_ZEROS, zero_limit, zero_problem)
 from meshtron.planner.plan_rules_runtime import (  # noqa: F401  (re-exported)
-    compile_runtime_problem, cp_runtime_problems, dispatch_runtime_problem, ep_runtime_problems,
+    compile_runtime_problem, cp_runtime_problems, ep_runtime_problems, options_runtime_problems,
     recompute_runtime_problems, schedule_runtime_problem)
 
 
@@ -131,7 +132,8 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
                   model: Any = None, runtime: bool = True, split: str | None = None,
                   engine: str | None = None, offload_rule: str | None = None,
                   zero_rule: str | None = None, ep_rule: str | None = None,
-                  stack: str | None = None, layout_rule: str | None = None) -> list[str]:
+                  stack: str | None = None, layout_rule: str | None = None,
+                  options: Mapping[str, Any] | None = None) -> list[str]:
     """THE validity function: every reason the (possibly partial) plan `k` cannot run, checked
     against `world_size` and `model` (a ModelSpec) when given. Empty when valid. `runtime`:
     include meshtron's runtime limits (False when the planner prices another framework);
@@ -143,7 +145,9 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     the stack folds expert parallelism over the tensor ranks too (EP_FOLDS), so it takes
     plan.etp; "data" where it does not; None: no stack named (a Plan read alone); `stack`:
     the priced stack as 'name@era', for the rules only its trainer decides (RUNS_STACKS);
-    `layout_rule`: the tp / pp / MoE its code cannot run (MemoryOptions.layouts)."""
+    `layout_rule`: the tp / pp / MoE its code cannot run (MemoryOptions.layouts);
+    `options`: the stack options priced (plan_rules_options.option_values), checked against
+    what meshtron's runtime runs when `runtime`."""
     out = list(field_problems(k))
     # meshtron's own stack says it in its runtime's words (ep_runtime_problems)
     problem = None if runtime else ep_stack_problem(
@@ -186,6 +190,8 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
         out.extend(cp_runtime_problems(k, model))
         out.extend(ep_runtime_problems(k))
         out.extend(recompute_runtime_problems(k))
+        # after the plan's own: DualPipe's schedule is refused in its words, not its split's
+        out.extend(options_runtime_problems(options or {}, k))
     return out
 
 

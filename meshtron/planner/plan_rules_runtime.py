@@ -1,6 +1,7 @@
 """The runtime's own limits (part of THE validity function, plan_rules.plan_problems):
-what meshtron's runtime does not run with expert or context parallelism, or compiled, and
-DeepSeek's DualPipe, which it does not run at all.
+what meshtron's runtime does not run with expert or context parallelism, or compiled,
+DeepSeek's DualPipe, which it does not run at all, and the stack options it does not run
+(`options_runtime_problems`, the decisions in plan_rules_options.RUNTIME_OPTIONS).
 Skipped when the planner prices another framework (plan_problems(runtime=False)), except
 compile_runtime_problem, which the search and Plan ask directly.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping
 
+from meshtron.planner.plan_rules_options import RUNTIME_OPTIONS, runs, shown
 from meshtron.planner.plan_rules_pipeline import dualpipe_elsewhere
 
 
@@ -66,16 +68,24 @@ def ep_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:
                "parallelism; use grad_compression='none', diloco=0 or ep=1")
 
 
-def dispatch_runtime_problem(ep_dispatch: str) -> str | None:
-    """The expert-parallel dispatch meshtron's runtime runs: torch's `all_to_all_single` of the
-    routed rows as the layer holds them (meshtron/parallel/expert.py, KernelOptions.ep_dispatch
-    'bf16'); it quantises no dispatch ('fp8') and runs neither DeepEP's nor HybridEP's kernels
-    ('deepep', 'hybridep'), which the planner prices for the stacks whose code has them."""
-    if ep_dispatch == "bf16":
-        return None
-    return (f"options.ep_dispatch={ep_dispatch!r}: meshtron's runtime dispatches with torch's "
-            "all_to_all_single of the rows as held (parallel/expert.py), not "
-            f"{ep_dispatch!r}; use 'bf16', or --framework the stack that runs it")
+def options_runtime_problems(options: Mapping[str, Any],
+                             k: Mapping[str, Any]) -> Iterator[str]:
+    """Every stack option (plan_rules_options.option_values: KernelOptions, MemoryOptions,
+    reduce_dtype) whose value meshtron's runtime does not run, one line each: the field, the
+    value, what the runtime does instead (its code) and the values allowed. Async TP is the
+    plan's (`k`: async_tp), never an option's alone."""
+    for name, value in options.items():
+        if name not in RUNTIME_OPTIONS:  # a new field nobody decided (the test fails first)
+            yield (f"options.{name}={shown(value)}: no decision whether meshtron's runtime "
+                   "runs it (plan_rules_options.RUNTIME_OPTIONS)")
+            continue
+        allowed, does = RUNTIME_OPTIONS[name]
+        if name == "async_tp" and k.get("async_tp"):
+            allowed = (False, True)  # the plan's own async_tp (search.py sets the option)
+        if not runs(value, allowed):
+            yield (f"options.{name}={shown(value)}: meshtron's runtime {does}; allowed: "
+                   f"{', '.join(shown(a) for a in allowed)}, or --framework a stack whose "
+                   "code does it")
 
 
 def recompute_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:

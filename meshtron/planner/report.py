@@ -40,6 +40,10 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
          "virtual_stages": int, "dp_replicate": int, "dtype": str,
          "pipeline_runs": int,                                    # only when > 1
          "stage_layers": [int],
+         "split": {"layers_per_stage": [int], "even": bool,      # pp > 1 only: the layers per
+                   "why": str},                                 # rank and why (the plan's
+                                                                # own, the stack's rule, or
+                                                                # memory: split_text)
          "fits": bool,                                            # memory <= capacity (and
                                                                   # the host's, with offload)
          "memory_gib": {"params", "grads", "optimizer", "activations", "logits",
@@ -75,6 +79,7 @@ from typing import Any
 
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.search import SearchResult
+from meshtron.planner.search_explain import split_text
 
 SCHEMA = "meshtron-plan-search/3"
 
@@ -85,7 +90,7 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
     m = result.model
     plans = []
     for i, est in enumerate(result.plans, 1):
-        plans.append({"rank": i, **est.to_dict(tokens, n, price)})
+        plans.append({"rank": i, **est.to_dict(tokens, n, price), **split_json(est)})
     return {
         "schema": SCHEMA,
         "model": {"name": m.name, "params": m.num_params(), "layers": m.layers,
@@ -108,6 +113,16 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
         "near_miss": (result.near_miss.to_dict(tokens, n, price)
                       if result.near_miss is not None else None),
     }
+
+
+def split_json(est: Estimate) -> dict[str, Any]:
+    """{"split": ...} for a pipelined plan (search_explain.split_text), else {}."""
+    why = split_text(est)
+    if why is None:
+        return {}
+    per_gpu = _per_gpu(est)
+    return {"split": {"layers_per_stage": per_gpu, "even": len(set(per_gpu)) == 1,
+                      "why": why}}
 
 
 def _framework(result: SearchResult):
@@ -345,8 +360,14 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
     if c.pp > 1:
         per_gpu = _per_gpu(best)
         chunks = f" in {c.virtual_stages} chunks each" if c.virtual_stages > 1 else ""
+        ends = ("embedding, LM head + loss on the first stage (torch's V)"
+                if best.split is not None and best.split.head_first
+                else "embedding on the first stage, LM head + loss on the last")
         console.print(f"Layers per pipeline stage of the {what.lower()}: {per_gpu}{chunks} "
-                      "(embedding on the first stage, LM head + loss on the last)")
+                      f"({ends})")
+        why = split_text(best)
+        if why is not None and len(set(per_gpu)) > 1:
+            console.print(f"Uneven split: {why}")
     if result.alternatives:
         console.print("[bold]Why the others lose[/] (vs the best plan):")
         for alt in result.alternatives:
@@ -370,9 +391,9 @@ def need_text(est: Estimate, parts: bool = True, lean: Estimate | None = None) -
 
 
 def _per_gpu(est: Estimate) -> list[int]:
-    """Layers per pipeline rank (stage_layers lists the virtual stages in pipeline order)."""
-    pp = est.config.pp
-    return [sum(est.stage_layers[i::pp]) for i in range(pp)]
+    """Layers per pipeline rank (stage_layers lists the virtual stages in pipeline order; torch's
+    V holds stages r and 2pp-1-r on rank r: Estimate.layers_per_rank)."""
+    return est.layers_per_rank
 
 
 def memory_check(framework: Any) -> str | None:

@@ -38,7 +38,7 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions, compiled
 from meshtron.planner.estimate import Estimate, Evaluator
-from meshtron.planner.frameworks import for_model, for_plan
+from meshtron.planner.frameworks import for_model, for_plan, preset
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_knobs import Knobs
@@ -69,7 +69,8 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
         options, mem = framework.kernel, framework.memory
         if knobs.reduce_dtype is None and framework.reduce_dtype != "fp32":
             knobs = dataclasses.replace(knobs, reduce_dtype=framework.reduce_dtype)
-    opts = options or KernelOptions()
+    # default: meshtron's runtime as its preset prices it (framework_presets._MESHTRON)
+    opts = options or preset("meshtron").kernel
     if knobs.compile or knobs.async_tp:  # what --compile runs: compute.compiled
         opts = dataclasses.replace(compiled(opts), async_tp=opts.async_tp or bool(knobs.async_tp))
     ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)

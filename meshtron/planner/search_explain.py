@@ -127,4 +127,96 @@ def _knob_losses(best: Estimate, ev: Evaluator, space: SearchSpace) -> list[Alte
     return out
 
 
-__all__ = ["loss_reason", "explain_losses", "search_and_explain"]
+__all__ = ["loss_reason", "explain_losses", "search_and_explain", "split_text"]
+
+
+_RULES = {
+    "any": "the time-balanced split (pipeline.partition_layers: meshtron's and torchtitan's "
+           "stages take any layers)",
+    "megatron-even": "Megatron-LM's equal stages",
+    "megatron-ends": "Megatron-Core's uneven end stages (--decoder-first/last-pipeline-num-layers, "
+                     "or account_for_embedding/loss_in_pipeline_split counting the embedding "
+                     "and the loss as a layer each), the fastest it can express",
+    "deepspeed-transformer": "DeepSpeed's partition_method 'type:transformer' (<= 0.12.4: "
+                             "stages filled from the first up to the bottleneck)",
+    "deepspeed-parameters": "DeepSpeed's partition_method 'parameters' (0.12.5+: balanced "
+                            "parameters per stage)",
+    "dualpipe": "the time-balanced split DeepSeek's DualPipe runs",
+}
+"""What each layer-to-stage rule (memory_options.PIPELINE_SPLITS) builds, in a plan's words."""
+
+
+def split_text(est: Estimate) -> str | None:
+    """Why the plan's pipeline ranks hold the layers they do (None without a pipeline): the
+    plan's own split, the priced stack's rule with the per micro-batch times that unbalance the
+    end stages, or memory (the rule's split over a rank's memory, re-split within it)."""
+    sc, pp = est.split, est.config.pp
+    if sc is None or pp == 1:
+        return None
+    per_rank = est.layers_per_rank
+    shown = "/".join(map(str, per_rank))
+    even = len(set(per_rank)) == 1
+    if sc.by == "given":
+        return f"{shown} layers per stage as the plan gives them (stage_layers)"
+    if sc.by == "least":
+        return (f"{shown} layers per stage: no split fits in memory; priced on the split "
+                "needing the least (pipeline.min_memory_partition)")
+    rule = _RULES.get(sc.rule, sc.rule)
+    if sc.by == "unfit":
+        return (f"{shown} layers per stage: no split fits in memory; priced on "
+                f"{rule}{_unbalance(sc, per_rank, est.stage_layers)}")
+    if sc.by == "memory" and not (sc.free and sc.over):
+        return (f"{shown} layers per stage, chosen for memory: {rule} within the layers each "
+                f"stage's memory holds ({'/'.join(map(str, sc.caps))})")
+    if sc.by == "memory":
+        over = ", ".join(str(i) for i in sc.over)
+        return (f"{shown} layers per stage, chosen for memory: {rule} gives "
+                f"{'/'.join(map(str, sc.free))}, over the memory of stage {over} (at most "
+                f"{'/'.join(map(str, sc.caps))} layers fit per stage), so layers move to the "
+                "stages with room, the slowest stage as fast as those caps allow"
+                + (_SURPLUS if _surplus_first(sc, per_rank) else ""))
+    if even:
+        return f"{shown} layers per stage: {rule}, even"
+    return f"{shown} layers per stage: {rule}{_unbalance(sc, per_rank, est.stage_layers)}"
+
+
+def _unbalance(sc: Any, per_rank: list[int], chunks: list[int]) -> str:
+    """Why the rule's split is uneven: the layers do not divide, and/or the end stages' extra
+    work per micro-batch (the embedding on the first, the head and loss on the last)."""
+    parts, pp = [], len(per_rank)
+    if sc.rule == "megatron-ends" and len(chunks) > pp and (chunks[0] == 0 or chunks[-1] == 0):
+        # Megatron-Core's account_for_embedding/loss_in_pipeline_split (pipeline_split.py)
+        return (": account_for_embedding/loss_in_pipeline_split, the first chunk holds only "
+                "the embedding and the last only the loss, each counted as a layer, so the "
+                "end stages hold one layer fewer")
+    if sc.layers % pp:
+        parts.append(f"{sc.layers} layers do not divide into {pp} equal stages")
+    if sc.rule in ("any", "megatron-ends", "dualpipe") and sc.layer_s > 0:
+        first, last = (f"{t * 1e3:.3g} ms, {t / sc.layer_s:.2g} layers"
+                       for t in (sc.first_s, sc.last_s))
+        if sc.head_first:  # torch's V: the last virtual stage on rank 0 (pipeline.head_rank)
+            parts.append(f"a layer takes {sc.layer_s * 1e3:.3g} ms per micro-batch, the first "
+                         f"stage adds the embedding and, on torch's V, the output head and "
+                         f"loss ({first})")
+        else:
+            parts.append(f"a layer takes {sc.layer_s * 1e3:.3g} ms per micro-batch, the first "
+                         f"stage adds the embedding ({first}) and the last the output head "
+                         f"and loss ({last})")
+    if _surplus_first(sc, per_rank):
+        parts.append(_SURPLUS[2:])
+    return ": " + "; ".join(parts) if parts else ""
+
+
+_SURPLUS = ("; the slowest stage's time leaves room for more layers than the model has, and "
+            "the surplus comes off the first stages, which hold the most micro-batches in "
+            "flight")
+"""pipeline.partition_layers' tie rule (meshtron's and torchtitan's any split)."""
+
+
+def _surplus_first(sc: Any, per_rank: list[int]) -> bool:
+    """Whether the time-balanced rule took layers off the first stage below what its time
+    (and, chosen for memory, its memory) would hold."""
+    room = per_rank[0] < max(per_rank[1:])
+    if sc.caps:
+        room = room and per_rank[0] < sc.caps[0]
+    return sc.rule in ("any", "dualpipe") and room

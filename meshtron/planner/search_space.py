@@ -19,7 +19,8 @@ from meshtron.planner.plan import (RECOMPUTE, Plan, check, fp8_runtime_problem,
                                     runs_problem, schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.pipeline_split import NEAREST
-from meshtron.planner.plan_rules import (compile_runtime_problem, dispatch_runtime_problem,
+from meshtron.planner.plan_rules_options import option_values
+from meshtron.planner.plan_rules import (compile_runtime_problem,
                                          ep_fold_problem, ep_rule, ep_runtime_problems,
                                          least_zero, most_chunks, most_zero, schedule_problem,
                                          split_problem,
@@ -89,6 +90,8 @@ class SearchSpace:
         # pipeline engine (the schedules it runs); a pinned layout the rule cannot split is
         # priced on the nearest rule the engine could be configured to (`_settle_split`)
         self.mem = mem or memory.options_for(opts)
+        # every stack option priced, checked against meshtron's runtime (plan_rules_options)
+        self.option_values = option_values(opts, self.mem, k.reduce_dtype or "fp32")
         self.split, self.engine = self.mem.split_rule, self.mem.engine
         self.split_fallback: SplitFallback | None = None
         self._refusal: str | None = None
@@ -106,12 +109,14 @@ class SearchSpace:
         self.accumulate = bool(k.accumulate_unsharded)
         self.offload = k.offload or "none"
         self.fp8_recipe = k.fp8_recipe or "rowwise"
-        self.compile = bool(k.compile) or bool(k.async_tp)
+        # meshtron's compiled stack is its --compile: the plan says compile=true, so the
+        # runtime compiles what was priced compiled and refuses what it cannot compile
+        # (plan_rules_options.RUNTIME_OPTIONS 'stack', parallel/compile.py)
+        self.compile = bool(k.compile) or bool(k.async_tp) or (
+            runtime and opts.stack == "compiled")
         self.async_tp = bool(k.async_tp)
         if runtime and self.offload == "optimizer":  # refused by name, not "nothing fits"
             raise UserError(offload_runtime_problem(Plan(offload="optimizer", dp=2, zero=3)))
-        if runtime and dispatch_runtime_problem(opts.ep_dispatch):  # a kernel option
-            raise UserError(dispatch_runtime_problem(opts.ep_dispatch))
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
         self.tps = self._tensor_degrees(cluster.gpus_per_node)
@@ -138,7 +143,7 @@ class SearchSpace:
         self.ep_rule = ep_rule(self.mem.framework)
         problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine,
                                  self.mem.host_offload, self.mem.zero_stages, self.ep_rule,
-                                 self.stack, self.mem.layouts)
+                                 self.stack, self.mem.layouts, self.option_values)
         if problems:
             nearer = self._nearer_split(fixed)
             if nearer is None:
@@ -172,7 +177,7 @@ class SearchSpace:
             # with the stack's other rules: a problem they find is not the split's
             if not plan_problems(fixed, self.n, self.model, self.runtime, rule, self.engine,
                                  self.mem.host_offload, self.mem.zero_stages, self.ep_rule,
-                                 layout_rule=self.mem.layouts):
+                                 layout_rule=self.mem.layouts, options=self.option_values):
                 return rule
         return None
 

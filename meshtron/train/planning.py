@@ -155,7 +155,7 @@ def _saved_plan(cfg: RunConfig, request: ParallelRequest):
 
 
 def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cluster):
-    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.frameworks import preset
     from meshtron.planner.search import search_plans
 
     knobs = request.knobs
@@ -186,7 +186,7 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
             dtype = "bf16"
             fixed.pop("fp8_recipe")
     # the run's clipping decides whether the optimizer step pays the norm and scale passes
-    options = KernelOptions(grad_clip=cfg.optim.grad_clip > 0)
+    options = dataclasses.replace(preset("meshtron").kernel, grad_clip=cfg.optim.grad_clip > 0)
     result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
                           {**fixed, "dtype": dtype}, top_k=1, explain=False, options=options)
     best = result.best
