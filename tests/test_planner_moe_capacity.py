@@ -151,3 +151,12 @@ def test_meshtron_plan_prices_the_padded_rows_from_an_options_file(plan_cli, tmp
 def test_a_bad_pad_flag_in_an_options_file_is_one_line_exit_2(plan_cli, tmp_path):
     err = options_refusal(plan_cli, tmp_path, 'expert_capacity_pad = "yes"', *PLAN[:10])
     assert "expert_capacity_pad='yes': must be true or false" in err
+
+
+def test_deepep_refuses_padding_to_capacity():
+    """Megatron-Core's DeepEP dispatch sends the routed rows only: padding to capacity with it
+    is one line naming both fields; dropping without padding, or dropless, is priced."""
+    with pytest.raises(UserError, match="expert_capacity_pad=true with ep_dispatch='deepep'"):
+        KernelOptions(ep_dispatch="deepep", expert_capacity=1.0)
+    KernelOptions(ep_dispatch="deepep", expert_capacity=1.0, expert_capacity_pad=False)
+    KernelOptions(ep_dispatch="deepep")

@@ -468,6 +468,13 @@ class KernelOptions:
         if not isinstance(self.expert_capacity_pad, bool):
             raise UserError(f"expert_capacity_pad={self.expert_capacity_pad!r}: must be true "
                              "or false")
+        if cap and self.expert_capacity_pad and self.ep_dispatch == "deepep":
+            # Megatron-Core's flex dispatcher with the DeepEP backend raises on padding to
+            # capacity (token_dispatcher.py, core_v0.15.0 and later: its fused dispatch sends
+            # the routed rows only)
+            raise UserError("expert_capacity_pad=true with ep_dispatch='deepep': DeepEP "
+                            "dispatches the routed rows only (Megatron-Core refuses the pair); "
+                            "allowed: expert_capacity_pad=false, or another ep_dispatch")
         nl = self.ep_node_limit
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise UserError(f"ep_node_limit={nl!r}: must be an integer >= 0 (0: no limit)")
