@@ -107,7 +107,7 @@ class SweepPoint:
     def row(self) -> dict[str, Any]:
         d = asdict(self)
         parts = d.pop("parts_s")
-        del d["pieces_s"], d["knobs"]
+        del d["knobs"]
         d.update({f"{k}_s": parts.get(k) for k in PARTS})
         # no number where there is none (strict JSON has no NaN; the CSV cell stays empty)
         return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
@@ -203,6 +203,8 @@ def stop_point(points: list[SweepPoint], threshold: float) -> SweepPoint | None:
 
 def write_csv(points: list[SweepPoint], path: Path) -> None:
     rows = [p.row() for p in points]
+    for r in rows:  # one number a cell: the pieces are the JSON's (the parts add up the same)
+        del r["pieces_s"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
