@@ -39,6 +39,10 @@ PIECES = {
 """Every piece a point can have, and how the explanation names it."""
 COMM = ("tp_comm", "dp_comm", "ep_comm", "pp_comm")
 """TimeBreakdown's exposed communication, which step_categories sums into 'communication'."""
+PARTS = ("compute", *COMM, "bubble", "optimizer", "offload", "step_host")
+"""TimeBreakdown's parts: the pieces of a pipelined plan; the step categories' other kinds
+(GEMMs, attention, memory-bound kernels, FP8 casts, host waits, MoE, gradient accumulation)
+add up to its 'compute'."""
 EVEN = 5e-4
 """A change of GPU-time per token below 0.05% of the step is reported as even scaling."""
 SHOWN = 3
@@ -86,7 +90,7 @@ def plan_change(before: dict[str, Any], after: dict[str, Any]) -> str:
     """'tp 2->1, sp on->off' (empty when only the data-parallel degree changed)."""
     def show(value: Any) -> str:
         if isinstance(value, bool) or value is None:
-            return {True: "on", False: "off", None: "-"}[value]
+            return {True: "on", False: "off", None: "none"}[value]
         return str(value)
 
     return ", ".join(f"{KNOB_NAMES.get(k, k)} {show(before.get(k))}->{show(v)}"
@@ -99,6 +103,8 @@ def explain(prev: Any, point: Any, seq: int) -> str:
         return {k: s * q.gpus / (q.global_batch * seq) for k, s in q.pieces_s.items()}
 
     before, after = per_token(prev), per_token(point)
+    if ("compute" in before) != ("compute" in after):  # one plan pipelined: compare its parts
+        before, after = _parts(before), _parts(after)
     base = sum(before.values())
     moved = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / base
              for k in dict.fromkeys([*before, *after])}
@@ -116,6 +122,14 @@ def explain(prev: Any, point: Any, seq: int) -> str:
     return f"scales better (GPU-time per token {total:+.1%}{plan}): {text}"
 
 
+def _parts(pieces: dict[str, float]) -> dict[str, float]:
+    """Pieces folded into TimeBreakdown's parts (PARTS)."""
+    out = {k: pieces.get(k, 0.0) for k in PARTS}
+    out["compute"] = sum(v for k, v in pieces.items() if k not in PARTS) + pieces.get("compute",
+                                                                                     0.0)
+    return out
+
+
 def _named(keys: list[str], moved: dict[str, float], point: Any,
            keep_one: bool = False) -> list[str]:
     """The SHOWN pieces of `keys` that moved most, as 'name +x.x%'; those that moved less than
@@ -124,6 +138,7 @@ def _named(keys: list[str], moved: dict[str, float], point: Any,
     keys = keys[:int(keep_one)] + [k for k in keys[int(keep_one):] if abs(moved[k]) >= EVEN]
     out = []
     for k in keys[:SHOWN]:
-        extra = f", {point.microbatches} micro-batches per replica" if k == "bubble" else ""
+        piped = k == "bubble" and point.knobs.get("pp", 1) > 1
+        extra = f" ({point.microbatches} micro-batches per replica)" if piped else ""
         out.append(f"{PIECES.get(k, k)} {moved[k]:+.1%}{extra}")
     return out
