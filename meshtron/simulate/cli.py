@@ -303,4 +303,6 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
     times = at_job_scale(load_recovery_times(), DEFAULT_RESTART_S, "cost model default")
     groups = args.replica_groups if args.replica_groups is not None else est.config.replicas
     rows = goodput_table(step_s, mtbf, params, gpus, save_s, groups, times)
-    return goodput_doc(rows, times, mtbf), render_goodput(rows, times, mtbf)
+    counts = ("--mtbf-hours" if args.mtbf_hours is not None
+              else "hardware failures only, per-GPU rate x GPUs")
+    return goodput_doc(rows, times, mtbf), render_goodput(rows, times, mtbf, counts=counts)

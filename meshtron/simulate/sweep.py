@@ -30,13 +30,12 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.search import search_plans
-from meshtron.simulate.why import explain, plan_knobs, priced_pieces
+from meshtron.simulate.why import PARTS, explain, plan_knobs, priced_pieces
 
 MAX_GPUS = 1 << 20
 """GPU counts above this (a million) are taken for a typo."""
-PARTS = ("compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "ep_comm",
-         "offload", "step_host")
-"""Every part of estimate_results.TimeBreakdown (they add up to the step), each a CSV column."""
+
+
 def gpu_counts(text: str) -> list[int]:
     """'512..131072' (powers of two from 512 to 131072) or '512,1024,3072'."""
     text = str(text).strip()

@@ -22,7 +22,7 @@ PIECES = {
     "attention": "attention core",
     "elementwise": "memory-bound kernels",
     "fp8_cast": "FP8 casts",
-    "host_wait": "GPU waiting on the host's launches",
+    "host_wait": "GPU waiting on the host (launches, synchronisations)",
     "moe": "MoE layers' work beyond dense",
     "grad_accumulation": "gradient accumulation",
     "compute": "compute",
@@ -39,8 +39,10 @@ PIECES = {
 """Every piece a point can have, and how the explanation names it."""
 COMM = ("tp_comm", "dp_comm", "ep_comm", "pp_comm")
 """TimeBreakdown's exposed communication, which step_categories sums into 'communication'."""
-PARTS = ("compute", *COMM, "bubble", "optimizer", "offload", "step_host")
-"""TimeBreakdown's parts: the pieces of a pipelined plan; the step categories' other kinds
+PARTS = ("compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "ep_comm",
+         "offload", "step_host")
+"""Every part of estimate_results.TimeBreakdown (they add up to the step; each a column of the
+sweep's CSV): the pieces of a pipelined plan. The step categories' kinds that are not parts
 (GEMMs, attention, memory-bound kernels, FP8 casts, host waits, MoE, gradient accumulation)
 add up to its 'compute'."""
 EVEN = 5e-4
@@ -58,8 +60,7 @@ def priced_pieces(result: Any, model: Any, est: Any) -> dict[str, float]:
     """Seconds per step of `est` (the best plan of search `result`) by piece (module docstring);
     they add up to its step time."""
     t = est.time
-    parts = {"compute": t.compute, **{k: getattr(t, k) for k in COMM}, "bubble": t.bubble,
-             "optimizer": t.optimizer, "offload": t.offload, "step_host": t.step_host}
+    parts = {k: getattr(t, k) for k in PARTS}
     if est.config.pp != 1:
         return parts
     from meshtron.planner.estimate import Evaluator
