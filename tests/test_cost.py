@@ -166,10 +166,10 @@ def test_every_line_names_the_mtbf_its_interval_used(cost_cli):
     assert float(minutes) == pytest.approx(sp["checkpoint_interval_s"] / 60, abs=0.05)
     assert float(mtbf_h) == pytest.approx(sp["interval_mtbf_s"] / 3600, abs=0.005)
     assert "spot preemptions (lost work" in rec
-    header = next(line for line in out.splitlines() if line.startswith("Daly interval:"))
-    assert f"spot {minutes} min (MTBF {mtbf_h} h" in header
-    assert f"on-demand {od['checkpoint_interval_s'] / 60:.1f} min (MTBF {failures / 3600:.2f} h" \
-        in header
+    header = next(line for line in out.splitlines() if line.startswith("Checkpoint interval:"))
+    assert f"spot {minutes} min of work (Daly's optimum for MTBF {mtbf_h} h" in header
+    assert (f"on-demand {od['checkpoint_interval_s'] / 60:.1f} min of work (Daly's optimum for "
+            f"MTBF {failures / 3600:.2f} h: hardware failures only)") in header
     assert "they lose work" in out and f"Goodput at job MTBF {failures / 3600:.2f} h (hardware " \
         "failures only" in out
     # a notice long enough to save: the interval is the failures' own
@@ -177,6 +177,13 @@ def test_every_line_names_the_mtbf_its_interval_used(cost_cli):
     spot = json.loads(out)["spot"]
     assert rc == 0 and spot["interval_mtbf_s"] == pytest.approx(failures)
     assert spot["checkpoint_interval_s"] == pytest.approx(od["checkpoint_interval_s"])
+    # an interval given is not called Daly's: Daly's for the same MTBF is said beside it
+    rc, out, err = cost_cli(*argv, "--checkpoint-interval-min", "30")
+    rec = next(line for line in out.splitlines() if "checkpoint every" in line)
+    assert rc == 0 and rec.startswith(
+        f"  - checkpoint every 30.0 min of work (--checkpoint-interval-min; Daly's optimum "
+        f"{minutes} min for MTBF {mtbf_h} h"), rec
+    assert "x0.25..x4 Daly's" not in out and "x0.25..x4 that interval" in out
 
 
 @pytest.mark.parametrize("extra, field", [

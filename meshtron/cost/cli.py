@@ -282,6 +282,7 @@ def _preemption_text(ck: dict[str, Any]) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     """The human-readable report."""
+    from meshtron.cost.model import interval_text
     from meshtron.planner.report import fmt_count
 
     od, sp, ck, pr = doc["on_demand"], doc["spot"], doc["checkpoint"], doc["prices"]
@@ -293,9 +294,9 @@ def render(doc: dict[str, Any]) -> str:
         "reading the checkpoint back)",
         f"Interruptions: job MTBF {ck['mtbf_s'] / 3600:.2f} h ({ck['mtbf_counts']}); "
         + _preemption_text(ck),
-        "Daly interval: " + "; ".join(
-            f"{name} {p['checkpoint_interval_s'] / 60:.1f} min (MTBF "
-            f"{p['interval_mtbf_s'] / 3600:.2f} h: {p['interval_mtbf_counts']})"
+        "Checkpoint interval: " + "; ".join(
+            f"{name} " + interval_text(p["checkpoint_interval_s"], p["daly_interval_s"],
+                                       p["interval_mtbf_s"], p["interval_mtbf_counts"])
             for name, p in (("on-demand", od), ("spot", sp))),
         f"Prices: on-demand ${pr['on_demand']:.2f}, spot ${pr['spot']:.2f} per GPU-hour "
         f"({pr['source']}); power {pr['system_w_per_gpu']:.0f} W per GPU x PUE {pr['pue']:g}",

@@ -179,6 +179,8 @@ class Pricing:
     """MTBF the interval is set for (RunSpec.interval_mtbf)."""
     mtbf_counts: str = FAILURES_ONLY
     """What that MTBF counts."""
+    daly_s: float = math.nan
+    """Daly's optimum interval for that MTBF (the interval used, unless one was given)."""
 
     def percentile_days(self, q: float) -> float:
         return float(np.percentile(self.samples_wall_s, q)) / 86400.0
@@ -228,7 +230,7 @@ def cost_run(run: RunSpec, econ: GpuEconomics, runs: int = 2000, seed: int = 0,
         samples = simulate(run.process(spot), runs, seed)
         mtbf, counts = run.interval_mtbf(spot)
         p = Pricing(name, tau, wall, parts, samples.wall_s, price, mtbf_s=mtbf,
-                    mtbf_counts=counts)
+                    mtbf_counts=counts, daly_s=daly_interval_s(run.save_s, mtbf))
         if scan:
             small = max(10, runs // 4)
             for f in INTERVAL_FACTORS:
@@ -250,7 +252,8 @@ def summary(run: RunSpec, econ: GpuEconomics, pricings: dict[str, Pricing],
         h = p.expected_wall_s / 3600.0
         cost = lambda days: days * 24 * run.gpus * p.price  # noqa: E731
         return {"checkpoint_interval_s": p.interval_s, "interval_mtbf_s": p.mtbf_s,
-                "interval_mtbf_counts": p.mtbf_counts, "days": h / 24, "gpu_hours": run.gpus * h,
+                "interval_mtbf_counts": p.mtbf_counts, "daly_interval_s": p.daly_s,
+                "days": h / 24, "gpu_hours": run.gpus * h,
                 "cost_usd": run.gpus * h * p.price, "price_per_gpu_hour": p.price,
                 "expected_s": p.breakdown_s,
                 "p50_days": p.percentile_days(50), "p90_days": p.percentile_days(90),
@@ -269,7 +272,7 @@ def summary(run: RunSpec, econ: GpuEconomics, pricings: dict[str, Pricing],
         "p50_days": od.percentile_days(50), "p90_days": od.percentile_days(90),
         "checkpoint": {"save_s": run.save_s, "restart_s": run.fail_restart_s,
                        "mtbf_s": run.mtbf_s, "mtbf_counts": FAILURES_ONLY,
-                       "daly_interval_s": od.interval_s,
+                       "daly_interval_s": od.daly_s,  # on demand's: failures only
                        "spot_preemption_mtbf_s": _finite(run.preempt_mtbf_s),
                        "spot_notice_s": run.spot_notice_s,
                        "spot_reacquire_s": run.spot_reacquire_s},
@@ -303,20 +306,32 @@ def recommend(run: RunSpec, pricings: dict[str, Pricing],
     work = chosen.breakdown_s["work"]
     over = {k: v / work for k, v in chosen.breakdown_s.items() if k != "work"}
     reasons.append(
-        f"checkpoint every {chosen.interval_s / 60:.1f} min of work (Daly; save "
-        f"{run.save_s:.0f} s, {mtbf_text(chosen)}): expected overhead "
+        "checkpoint every "
+        + interval_text(chosen.interval_s, chosen.daly_s, chosen.mtbf_s, chosen.mtbf_counts)
+        + f"; save {run.save_s:.0f} s: expected overhead "
         + ", ".join(f"{overhead_label(k, chosen)} {v:.1%}" for k, v in over.items()))
     if scan:
         ref = scan.get(1.0, min(scan.values()))
-        reasons.append("Monte Carlo mean wall time at x0.25..x4 Daly's interval: "
+        given = "Daly's" if is_daly(chosen.interval_s, chosen.daly_s) else "that"
+        reasons.append(f"Monte Carlo mean wall time at x0.25..x4 {given} interval: "
                        + ", ".join(f"x{f:g} {(w / ref - 1) * 100:+.2f}%" for f, w in scan.items()))
     return {"pricing": pick, "checkpoint_interval_s": chosen.interval_s,
             "best_scanned_factor": best_f, "reasons": reasons}
 
 
-def mtbf_text(p: Pricing) -> str:
-    """'MTBF 98.98 h: hardware failures only', the MTBF a pricing's interval is set for."""
-    return f"MTBF {p.mtbf_s / 3600:.2f} h: {p.mtbf_counts}"
+def is_daly(interval_s: float, daly_s: float) -> bool:
+    """The interval used is Daly's optimum (not --checkpoint-interval-min's)."""
+    return math.isclose(interval_s, daly_s, rel_tol=1e-9)
+
+
+def interval_text(interval_s: float, daly_s: float, mtbf_s: float, counts: str) -> str:
+    """'8.3 min of work (Daly's optimum for MTBF 35.87 h: <counts>)', or with an interval given,
+    what Daly's optimum for that MTBF would be."""
+    mtbf = f"MTBF {mtbf_s / 3600:.2f} h: {counts}"
+    if is_daly(interval_s, daly_s):
+        return f"{interval_s / 60:.1f} min of work (Daly's optimum for {mtbf})"
+    return (f"{interval_s / 60:.1f} min of work (--checkpoint-interval-min; Daly's optimum "
+            f"{daly_s / 60:.1f} min for {mtbf})")
 
 
 def overhead_label(key: str, p: Pricing) -> str:
