@@ -13,8 +13,13 @@ checkpointing would hide most of it; this is the conservative figure). Restart =
 time (reschedule, start processes, NCCL init) + reading the checkpoint back at the same rate.
 
 Spot: a preemption whose notice covers a checkpoint write (notice >= save cost) loses no work
-but costs the save and a restart after reacquiring capacity; otherwise it behaves like a
-failure. Billing assumes every GPU is paid for over the whole wall time, restarts included.
+but costs the save and a restart after reacquiring capacity; otherwise it loses work as a
+failure does, and spot's interval is Daly's for the failures and those preemptions together
+(RunSpec.interval_mtbf: every interval printed names the MTBF it is set for and what it
+counts). The expected overhead keeps preemptions a cause of their own: the interruptions are
+split by their rates, a failure costing its lost work and restart, a preemption also the time
+to get capacity back. Billing assumes every GPU is paid for over the whole wall time, restarts
+included.
 """
 
 from __future__ import annotations
