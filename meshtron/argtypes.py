@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,16 @@ def literal_value(text: str) -> Any:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text
+
+
+NEGATIVE_VALUE = re.compile(r"^-\.?\d")
+"""A command-line word that starts like a negative number ('-1T', '-2e12', '-8..16')."""
+
+
+def negative_values_are_values(parser: argparse.ArgumentParser) -> None:
+    """Read a word like '-1T' after a flag as that flag's value, so that its type refuses it
+    in one line naming the flag and the value. argparse takes a word for a value only when it
+    matches its negative-number pattern ('-1', '-.5': CPython 3.11 Lib/argparse.py
+    `_parse_optional`, `_negative_number_matcher`), and answered '--tokens -1T' with "expected
+    one argument". For parsers with no flag that itself looks like a negative number."""
+    parser._negative_number_matcher = NEGATIVE_VALUE  # type: ignore[attr-defined]

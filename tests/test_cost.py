@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -127,6 +128,64 @@ def test_cost_text_and_deadline(cost_cli):
     assert "deadline" in out
 
 
+def test_every_line_names_the_mtbf_its_interval_used(cost_cli):
+    """The audit: with preemptions that lose work (--spot-notice-s 0) the recommendation said
+    'checkpoint every 8.3 min (... job MTBF 98.98 h)', an interval set for failures +
+    preemptions (MTBF ~36 h), under a header 'Daly interval 13.8 min', and the preemptions
+    folded into 'restarts'. Each interval now comes with the MTBF it is Daly's optimum for."""
+    argv = (*BASE, "--spot-preemptions-per-node-hour", "0.05", "--spot-notice-s", "0",
+            "--price-spot", "0.1")
+    rc, out, err = cost_cli(*argv, "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    ck, od, sp = doc["checkpoint"], doc["on_demand"], doc["spot"]
+    failures = ck["mtbf_s"]
+    preemptions = 3600 / (2 * 0.05)  # 2 nodes of 8 GPUs
+    assert ck["spot_preemption_mtbf_s"] == pytest.approx(preemptions)
+    assert od["interval_mtbf_s"] == pytest.approx(failures)
+    assert sp["interval_mtbf_s"] == pytest.approx(1 / (1 / failures + 1 / preemptions))
+    assert "preemptions" in sp["interval_mtbf_counts"]
+    assert "preemptions" not in od["interval_mtbf_counts"]
+    for p in (od, sp):
+        assert p["checkpoint_interval_s"] == pytest.approx(
+            daly_interval_s(ck["save_s"], p["interval_mtbf_s"]))
+    assert "preemptions" not in od["expected_s"]
+    # the interruptions split by rate: failures restart, preemptions also get capacity back
+    m = sp["interval_mtbf_s"]
+    interrupts = sp["days"] * 86400 / m
+    lost = expected_lost_work_s(sp["checkpoint_interval_s"], ck["save_s"], m)
+    share = m / failures
+    assert sp["expected_s"]["lost_work"] == pytest.approx(interrupts * share * lost)
+    assert sp["expected_s"]["restarts"] == pytest.approx(interrupts * share * ck["restart_s"])
+    assert sp["expected_s"]["preemptions"] == pytest.approx(
+        interrupts * (1 - share) * (lost + ck["restart_s"] + ck["spot_reacquire_s"]))
+    rc, out, err = cost_cli(*argv)
+    assert rc == 0 and "Recommendation: spot" in out, out
+    rec = next(line for line in out.splitlines() if "checkpoint every" in line)
+    minutes, mtbf_h = re.search(r"every (\d+\.\d) min .*MTBF (\d+\.\d+) h", rec).groups()
+    assert float(minutes) == pytest.approx(sp["checkpoint_interval_s"] / 60, abs=0.05)
+    assert float(mtbf_h) == pytest.approx(sp["interval_mtbf_s"] / 3600, abs=0.005)
+    assert "spot preemptions (lost work" in rec
+    header = next(line for line in out.splitlines() if line.startswith("Checkpoint interval:"))
+    assert f"spot {minutes} min of work (Daly's optimum for MTBF {mtbf_h} h" in header
+    assert (f"on-demand {od['checkpoint_interval_s'] / 60:.1f} min of work (Daly's optimum for "
+            f"MTBF {failures / 3600:.2f} h: hardware failures only)") in header
+    assert "they lose work" in out and f"Goodput at job MTBF {failures / 3600:.2f} h (hardware " \
+        "failures only" in out
+    # a notice long enough to save: the interval is the failures' own
+    rc, out, err = cost_cli(*argv[:-4], "--price-spot", "0.1", "--spot-notice-s", "600", "--json")
+    spot = json.loads(out)["spot"]
+    assert rc == 0 and spot["interval_mtbf_s"] == pytest.approx(failures)
+    assert spot["checkpoint_interval_s"] == pytest.approx(od["checkpoint_interval_s"])
+    # an interval given is not called Daly's: Daly's for the same MTBF is said beside it
+    rc, out, err = cost_cli(*argv, "--checkpoint-interval-min", "30")
+    rec = next(line for line in out.splitlines() if "checkpoint every" in line)
+    assert rc == 0 and rec.startswith(
+        f"  - checkpoint every 30.0 min of work (--checkpoint-interval-min; Daly's optimum "
+        f"{minutes} min for MTBF {mtbf_h} h"), rec
+    assert "x0.25..x4 Daly's" not in out and "x0.25..x4 that interval" in out
+
+
 @pytest.mark.parametrize("extra, field", [
     (("--price-on-demand", "-1"), "--price-on-demand: '-1'"),
     (("--mtbf-hours", "0"), "--mtbf-hours: '0'"),
@@ -141,6 +200,9 @@ def test_cost_text_and_deadline(cost_cli):
     (("--mtbf-hours", "inf"), "--mtbf-hours: 'inf'"),
     (("--gpu-watts", "inf"), "--gpu-watts: 'inf'"),
     (("--seed", "-1"), "--seed: '-1'"),  # was numpy's ValueError traceback
+    # was argparse's "expected one argument", neither the value nor what is allowed
+    (("--tokens", "-1T"), "--tokens: '-1T': expected a positive number of tokens"),
+    (("--tokens", "0"), "--tokens: '0': expected a positive number of tokens"),
 ])
 def test_bad_input_is_one_line(cost_cli, extra, field):
     rc, out, err = cost_cli(*BASE, *extra)

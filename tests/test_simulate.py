@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -141,6 +142,50 @@ def test_sweep_writes_csv_plots_and_finds_the_limit(sim_cli, tmp_path):
             assert b["cause"] and not b["cause"].startswith("scales")
 
 
+def _moves(cause: str) -> dict[str, float]:
+    """'name +1.2%' pieces an explanation names (why.py PIECES), as fractions."""
+    from meshtron.simulate.why import PIECES
+
+    out = {}
+    for key, name in PIECES.items():
+        m = re.search(re.escape(name) + r" ([+-]\d+\.\d)%", cause)
+        if m:
+            out[key] = float(m.group(1)) / 100
+    return out
+
+
+def test_sweep_explains_each_size_from_the_two_plans_priced_pieces(sim_cli, tmp_path):
+    """The audit's sweep: at 16 GPUs (efficiency 1.000 -> 1.019, plan tp 2->1) the text blamed
+    'batch per GPU too small ... recomputation' for a recompute=none plan, at 32 (up again)
+    tensor-parallel communication; a size that scales better now says so and why, and every
+    piece named moved as stated between the two plans' priced pieces."""
+    argv = ("--model", "llama3-8b", "--gpus", "8..32", "--global-batch", "512", "--seq-len",
+            "8192", "--out", str(tmp_path))
+    rc, out, err = sim_cli(*argv, "--json")
+    assert rc == 0, err
+    points = json.loads(out)["series"]["fixed"]["points"]
+    for prev, p in zip(points, points[1:]):
+        def per_token(q, k):
+            return q["pieces_s"].get(k, 0.0) * q["gpus"] / (q["global_batch"] * 8192)
+
+        base = sum(per_token(prev, k) for k in prev["pieces_s"])
+        moves = _moves(p["cause"])
+        assert moves, p["cause"]
+        for key, share in moves.items():
+            assert (per_token(p, key) - per_token(prev, key)) / base == pytest.approx(
+                share, abs=0.0006), (key, p["cause"])
+        head, _, named = p["cause"].partition("): ")
+        causes = _moves(named.split(" (against: ")[0])
+        better = p["scaling_efficiency"] > prev["scaling_efficiency"]
+        assert head.startswith("scales better" if better else "slower per token"), p["cause"]
+        assert all((v < 0) == better for v in causes.values()), p["cause"]
+        assert "recomputation" not in p["cause"] and "worse" not in p["cause"]
+    assert points[1]["plan"].startswith("tp=1") and "plan tp 2->1" in points[1]["cause"]
+    assert "tensor-parallel communication -" in points[1]["cause"]
+    rc, out, err = sim_cli(*argv)
+    assert rc == 0 and "worse" not in out, out
+
+
 def test_step_cli(sim_cli):
     rc, out, err = sim_cli("--step", "--model", "llama3-8b", "--cluster", "dgx-h100:8",
                            "--global-batch", "512", "--seq-len", "4096", "--straggler", "0:1.3",
@@ -214,6 +259,7 @@ def test_step_of_a_plan_the_stack_cannot_split_is_simulated_with_a_warning(sim_c
     (("--step", "--cluster", "dgx-h100:8", "--straggler", "0:0.5"), "factor=0.5"),
     (("--step", "--cluster", "dgx-h100:8", "--jitter", "-1"), "--jitter"),
     (("--gpus", "8..16"), "out"),
+    (("--gpus", "-8..16", "--out", "x"), "gpus='-8..16'"),  # was argparse's "expected one"
 ])
 def test_bad_input_is_one_line(sim_cli, extra, field):
     rc, _, err = sim_cli("--model", "llama3-8b", "--global-batch", "512", "--seq-len", "4096",

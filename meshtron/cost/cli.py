@@ -14,8 +14,8 @@ import json
 import sys
 from typing import Any
 
-from meshtron.argtypes import (nonnegative_float, nonnegative_int, positive_float,
-                               positive_int, take_from_plan)
+from meshtron.argtypes import (negative_values_are_values, nonnegative_float, nonnegative_int,
+                               positive_float, positive_int, take_from_plan)
 from meshtron.errors import UserError
 
 
@@ -38,7 +38,8 @@ def register(subparsers: Any) -> None:
                    help="dgx-h100:N etc. or a cluster TOML (default with --plan: the plan's)")
     p.add_argument("--global-batch", type=positive_int, help="sequences per step")
     p.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
-    p.add_argument("--tokens", default="1T", help="training budget in tokens (15T, 300B, 2e12)")
+    p.add_argument("--tokens", default="1T", type=token_budget,
+                   help="training budget in tokens (15T, 300B, 2e12)")
     p.add_argument("--plan", metavar="PLAN.toml", help="cost this plan instead of the best one")
     add_framework_args(p)
     p.add_argument("--dtype", default=None, help="bf16 (default) | fp32 | fp8")
@@ -75,7 +76,22 @@ def register(subparsers: Any) -> None:
                    help=f"Monte Carlo runs (at most {MAX_RUNS:,})")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="Monte Carlo seed")
     p.add_argument("--json", action="store_true", help="print JSON (schema meshtron-cost/1)")
+    negative_values_are_values(p)  # `--tokens -1T`: refused by token_budget, naming the flag
     p.set_defaults(func=run)
+
+
+def token_budget(text: str) -> str:
+    """--tokens as typed, once planner/cli.py `parse_tokens` accepts it: a refusal names the
+    flag (the parser's error) and the value."""
+    from meshtron.planner.cli import MAX_TOKENS, parse_tokens
+
+    try:
+        parse_tokens(text)
+    except UserError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a positive number of tokens up to {MAX_TOKENS:.0e}, like 2e12, "
+            "300B or 15T") from None
+    return text
 
 
 def _model_and_cluster(args: argparse.Namespace):
@@ -206,6 +222,7 @@ def _need(est) -> str:
 def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any], list[str]]:
     """Goodput of restart-from-disk, in-memory recovery and replica FT at the run's failure
     rate, from the measured recovery seconds (meshtron/reliability/goodput.py)."""
+    from meshtron.cost.model import FAILURES_ONLY
     from meshtron.reliability.goodput import (DEFAULT_PEER_GB_PER_S, at_job_scale, goodput_doc,
                                               goodput_table, load_recovery_times,
                                               render_goodput)
@@ -220,7 +237,10 @@ def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any
     bw = args.peer_gb_per_s if args.peer_gb_per_s is not None else DEFAULT_PEER_GB_PER_S
     rows = goodput_table(spec.step_time_s, spec.mtbf_s, spec.params, spec.gpus, spec.save_s,
                          groups, times, peer_gb_per_s=bw)
-    return goodput_doc(rows, times, spec.mtbf_s), render_goodput(rows, times, spec.mtbf_s)
+    # the goodput table counts hardware failures only (as on demand): preemptions are priced
+    # in the spot rows above
+    return goodput_doc(rows, times, spec.mtbf_s), render_goodput(
+        rows, times, spec.mtbf_s, counts=f"{FAILURES_ONLY}, as on demand")
 
 
 def _fit_warning(args: argparse.Namespace, est, fw) -> str | None:
@@ -249,8 +269,22 @@ def _deadline_warning(doc: dict[str, Any], deadline: float | None) -> str | None
             "the cheapest, not one that meets the deadline")
 
 
+def _preemption_text(ck: dict[str, Any]) -> str:
+    """How spot preemptions enter the run: their MTBF and whether their notice covers a save."""
+    every = ck["spot_preemption_mtbf_s"]
+    if every is None:
+        return "no spot preemptions"
+    notice, save = ck["spot_notice_s"], ck["save_s"]
+    head = (f"spot preemptions every {every / 3600:.2f} h (+{ck['spot_reacquire_s'] / 60:.0f} "
+            "min each to get capacity back)")
+    if notice >= save:
+        return f"{head}, a save fits in their {notice:g} s notice: no work lost"
+    return f"{head}, their {notice:g} s notice < the {save:.3g} s save: they lose work"
+
+
 def render(doc: dict[str, Any]) -> str:
     """The human-readable report."""
+    from meshtron.cost.model import interval_text
     from meshtron.planner.report import fmt_count
 
     od, sp, ck, pr = doc["on_demand"], doc["spot"], doc["checkpoint"], doc["prices"]
@@ -259,8 +293,13 @@ def render(doc: dict[str, Any]) -> str:
         f"{fmt_count(doc['tokens'])} tokens: {doc['failure_free_days']:.1f} days without "
         "failures",  # 1T, not 1e+12
         f"Checkpoint: save {ck['save_s']:.0f} s, restart {ck['restart_s']:.0f} s (job restart + "
-        f"reading the checkpoint back), job MTBF "
-        f"{ck['mtbf_s'] / 3600:.2f} h, Daly interval {ck['daly_interval_s'] / 60:.1f} min",
+        "reading the checkpoint back)",
+        f"Interruptions: job MTBF {ck['mtbf_s'] / 3600:.2f} h ({ck['mtbf_counts']}); "
+        + _preemption_text(ck),
+        "Checkpoint interval: " + "; ".join(
+            f"{name} " + interval_text(p["checkpoint_interval_s"], p["daly_interval_s"],
+                                       p["interval_mtbf_s"], p["interval_mtbf_counts"])
+            for name, p in (("on-demand", od), ("spot", sp))),
     ] + ([] if doc.get("framework", "meshtron@").startswith("meshtron@") else [
         f"Priced for {doc['framework']} (frameworks.py)"]) + [
         f"Prices: on-demand ${pr['on_demand']:.2f}, spot ${pr['spot']:.2f} per GPU-hour "

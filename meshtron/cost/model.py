@@ -13,8 +13,13 @@ checkpointing would hide most of it; this is the conservative figure). Restart =
 time (reschedule, start processes, NCCL init) + reading the checkpoint back at the same rate.
 
 Spot: a preemption whose notice covers a checkpoint write (notice >= save cost) loses no work
-but costs the save and a restart after reacquiring capacity; otherwise it behaves like a
-failure. Billing assumes every GPU is paid for over the whole wall time, restarts included.
+but costs the save and a restart after reacquiring capacity; otherwise it loses work as a
+failure does, and spot's interval is Daly's for the failures and those preemptions together
+(RunSpec.interval_mtbf: every interval printed names the MTBF it is set for and what it
+counts). The expected overhead keeps preemptions a cause of their own: the interruptions are
+split by their rates, a failure costing its lost work and restart, a preemption also the time
+to get capacity back. Billing assumes every GPU is paid for over the whole wall time, restarts
+included.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ DEFAULT_SPOT_NOTICE_S = 120.0
 """AWS's two-minute spot interruption notice (GCP and Azure give 30 s)."""
 DEFAULT_SPOT_REACQUIRE_S = 1800.0
 """Time to get spot capacity back after a preemption (assumption; depends on the market)."""
+FAILURES_ONLY = "hardware failures only"
+"""What the job MTBF counts on demand, and on spot when a preemption's notice covers a save."""
+FAILURES_AND_PREEMPTIONS = "hardware failures + spot preemptions without notice enough to save"
+"""What the MTBF of spot's checkpoint interval counts when preemptions lose work."""
 INTERVAL_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 """Checkpoint intervals tried by the Monte Carlo, as multiples of Daly's."""
 
@@ -129,6 +138,18 @@ class RunSpec:
     def preempt_rate(self) -> float:
         return self.spot_preemptions_per_node_hour * self.nodes / 3600.0
 
+    @property
+    def preempt_mtbf_s(self) -> float:
+        """Mean time between spot preemptions of the whole job (inf: none)."""
+        return 1.0 / self.preempt_rate if self.preempt_rate > 0 else math.inf
+
+    def interval_mtbf(self, spot: bool) -> tuple[float, str]:
+        """(MTBF, what it counts) that the checkpoint interval of a pricing is set for: the
+        interruptions that lose work (RunProcess.lossy_rate)."""
+        proc = self.process(spot, 1.0)
+        lossy = spot and proc.preempt_rate > 0 and not proc.preempt_saves
+        return 1.0 / proc.lossy_rate, FAILURES_AND_PREEMPTIONS if lossy else FAILURES_ONLY
+
     def process(self, spot: bool, interval_s: float | None = None) -> RunProcess:
         """The Monte Carlo process for on-demand or spot, at `interval_s` (None: Daly's
         optimum for the interruptions that lose work)."""
@@ -159,6 +180,12 @@ class Pricing:
     """USD per GPU-hour."""
     interval_scan: dict[float, float] = field(default_factory=dict)
     """Monte Carlo mean wall seconds at multiples of Daly's interval."""
+    mtbf_s: float = math.inf
+    """MTBF the interval is set for (RunSpec.interval_mtbf)."""
+    mtbf_counts: str = FAILURES_ONLY
+    """What that MTBF counts."""
+    daly_s: float = math.nan
+    """Daly's optimum interval for that MTBF (the interval used, unless one was given)."""
 
     def percentile_days(self, q: float) -> float:
         return float(np.percentile(self.samples_wall_s, q)) / 86400.0
@@ -176,9 +203,14 @@ def expected_pricing(run: RunSpec, spot: bool) -> tuple[float, float, dict[str, 
     wall = expected_wall_s(proc.work_s, proc.interval_s, proc.save_s, m, restart)
     checkpoints = proc.work_s / proc.interval_s
     interrupts = wall / m
+    lost_each = expected_lost_work_s(proc.interval_s, proc.save_s, m)
+    # the interruptions split by their rates (Poisson: each loses the same expected work), so
+    # that preemptions stay an overhead of their own beside the failures
+    failures = interrupts * proc.fail_rate / proc.lossy_rate
     parts = {"work": proc.work_s, "checkpoint_stalls": checkpoints * proc.save_s,
-             "lost_work": interrupts * expected_lost_work_s(proc.interval_s, proc.save_s, m),
-             "restarts": interrupts * restart}
+             "lost_work": failures * lost_each, "restarts": failures * proc.restart_s}
+    if proc.lossy_rate > proc.fail_rate:  # spot preemptions without notice enough to save
+        parts["preemptions"] = (interrupts - failures) * (lost_each + proc.preempt_restart_s)
     if spot and proc.preempt_saves and proc.preempt_rate > 0:
         each = proc.save_s + proc.preempt_restart_s
         busy = proc.preempt_rate * each
@@ -201,7 +233,9 @@ def cost_run(run: RunSpec, econ: GpuEconomics, runs: int = 2000, seed: int = 0,
     for name, spot, price in (("on_demand", False, econ.on_demand), ("spot", True, econ.spot)):
         tau, wall, parts = expected_pricing(run, spot)
         samples = simulate(run.process(spot), runs, seed)
-        p = Pricing(name, tau, wall, parts, samples.wall_s, price)
+        mtbf, counts = run.interval_mtbf(spot)
+        p = Pricing(name, tau, wall, parts, samples.wall_s, price, mtbf_s=mtbf,
+                    mtbf_counts=counts, daly_s=daly_interval_s(run.save_s, mtbf))
         if scan:
             small = max(10, runs // 4)
             for f in INTERVAL_FACTORS:
@@ -222,7 +256,9 @@ def summary(run: RunSpec, econ: GpuEconomics, pricings: dict[str, Pricing],
     def pricing_doc(p: Pricing) -> dict[str, Any]:
         h = p.expected_wall_s / 3600.0
         cost = lambda days: days * 24 * run.gpus * p.price  # noqa: E731
-        return {"checkpoint_interval_s": p.interval_s, "days": h / 24, "gpu_hours": run.gpus * h,
+        return {"checkpoint_interval_s": p.interval_s, "interval_mtbf_s": p.mtbf_s,
+                "interval_mtbf_counts": p.mtbf_counts, "daly_interval_s": p.daly_s,
+                "days": h / 24, "gpu_hours": run.gpus * h,
                 "cost_usd": run.gpus * h * p.price, "price_per_gpu_hour": p.price,
                 "expected_s": p.breakdown_s,
                 "p50_days": p.percentile_days(50), "p90_days": p.percentile_days(90),
@@ -240,7 +276,11 @@ def summary(run: RunSpec, econ: GpuEconomics, pricings: dict[str, Pricing],
                      "spot": sp.expected_wall_s / 3600 * run.gpus * sp.price},
         "p50_days": od.percentile_days(50), "p90_days": od.percentile_days(90),
         "checkpoint": {"save_s": run.save_s, "restart_s": run.fail_restart_s,
-                       "mtbf_s": run.mtbf_s, "daly_interval_s": od.interval_s},
+                       "mtbf_s": run.mtbf_s, "mtbf_counts": FAILURES_ONLY,
+                       "daly_interval_s": od.daly_s,  # on demand's: failures only
+                       "spot_preemption_mtbf_s": _finite(run.preempt_mtbf_s),
+                       "spot_notice_s": run.spot_notice_s,
+                       "spot_reacquire_s": run.spot_reacquire_s},
         "on_demand": pricing_doc(od), "spot": pricing_doc(sp),
         "prices": {"on_demand": econ.on_demand, "spot": econ.spot, "source": econ.source,
                    "tdp_w": econ.tdp_w, "system_w_per_gpu": econ.system_w_per_gpu,
@@ -271,12 +311,44 @@ def recommend(run: RunSpec, pricings: dict[str, Pricing],
     work = chosen.breakdown_s["work"]
     over = {k: v / work for k, v in chosen.breakdown_s.items() if k != "work"}
     reasons.append(
-        f"checkpoint every {chosen.interval_s / 60:.1f} min of work (Daly; save "
-        f"{run.save_s:.0f} s, job MTBF {run.mtbf_s / 3600:.2f} h): expected overhead "
-        + ", ".join(f"{k.replace('_', ' ')} {v:.1%}" for k, v in over.items()))
+        "checkpoint every "
+        + interval_text(chosen.interval_s, chosen.daly_s, chosen.mtbf_s, chosen.mtbf_counts)
+        + f"; save {run.save_s:.0f} s: expected overhead "
+        + ", ".join(f"{overhead_label(k, chosen)} {v:.1%}" for k, v in over.items()))
     if scan:
         ref = scan.get(1.0, min(scan.values()))
-        reasons.append("Monte Carlo mean wall time at x0.25..x4 Daly's interval: "
+        given = "Daly's" if is_daly(chosen.interval_s, chosen.daly_s) else "that"
+        reasons.append(f"Monte Carlo mean wall time at x0.25..x4 {given} interval: "
                        + ", ".join(f"x{f:g} {(w / ref - 1) * 100:+.2f}%" for f, w in scan.items()))
     return {"pricing": pick, "checkpoint_interval_s": chosen.interval_s,
             "best_scanned_factor": best_f, "reasons": reasons}
+
+
+def is_daly(interval_s: float, daly_s: float) -> bool:
+    """The interval used is Daly's optimum (not --checkpoint-interval-min's)."""
+    return math.isclose(interval_s, daly_s, rel_tol=1e-9)
+
+
+def interval_text(interval_s: float, daly_s: float, mtbf_s: float, counts: str) -> str:
+    """'8.3 min of work (Daly's optimum for MTBF 35.87 h: <counts>)', or with an interval given,
+    what Daly's optimum for that MTBF would be."""
+    mtbf = f"MTBF {mtbf_s / 3600:.2f} h: {counts}"
+    if is_daly(interval_s, daly_s):
+        return f"{interval_s / 60:.1f} min of work (Daly's optimum for {mtbf})"
+    return (f"{interval_s / 60:.1f} min of work (--checkpoint-interval-min; Daly's optimum "
+            f"{daly_s / 60:.1f} min for {mtbf})")
+
+
+def overhead_label(key: str, p: Pricing) -> str:
+    """How the text names one overhead of `p`'s breakdown (expected_pricing)."""
+    if key == "preemptions":
+        what = ("lost work, reacquiring capacity, restart" if p.mtbf_counts != FAILURES_ONLY
+                else "a save in the notice, reacquiring capacity, restart")
+        return f"spot preemptions ({what})"
+    return {"checkpoint_stalls": "checkpoint stalls", "lost_work": "work lost to failures",
+            "restarts": "restarts after failures"}.get(key, key.replace("_", " "))
+
+
+def _finite(value: float) -> float | None:
+    """None for inf (strict JSON has no Infinity)."""
+    return value if math.isfinite(value) else None

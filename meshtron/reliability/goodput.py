@@ -227,10 +227,12 @@ def goodput_doc(rows: list[StrategyGoodput], times: RecoveryTimes, mtbf_s: float
             "strategies": {r.name: r.to_dict() for r in rows}}
 
 
-def render_goodput(rows: list[StrategyGoodput], times: RecoveryTimes, mtbf_s: float
-                   ) -> list[str]:
-    """Text lines: one per strategy."""
-    lines = [f"Goodput at job MTBF {mtbf_s / 3600:.2f} h (recovery seconds: {times.source}):"]
+def render_goodput(rows: list[StrategyGoodput], times: RecoveryTimes, mtbf_s: float,
+                   counts: str = "") -> list[str]:
+    """Text lines: one per strategy (`counts`: what the MTBF counts, said beside it)."""
+    said = f" ({counts})" if counts else ""
+    lines = [f"Goodput at job MTBF {mtbf_s / 3600:.2f} h{said} (recovery seconds: "
+             f"{times.source}):"]
     for r in rows:
         if r.goodput is None:
             lines.append(f"  {r.name:18} n/a: {r.note}")

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshtron.argtypes import positive_int, positive_float, take_from_plan, writable_target
+from meshtron.argtypes import (negative_values_are_values, positive_float, positive_int,
+                               take_from_plan, writable_target)
 from meshtron.errors import UserError
 
 
@@ -84,6 +85,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--replica-groups", type=positive_int, default=None,
                    help="--step: replica groups for replica-FT goodput (default: the plan's)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    negative_values_are_values(p)  # `--gpus -8..16`: refused by gpu_counts, naming the flag
     p.set_defaults(func=run)
 
 
@@ -193,7 +195,7 @@ def _render_sweep(doc: dict[str, Any]) -> str:
         # the plan column as wide as its longest plan: a plan string is never cut
         w = max([4] + [len(r["plan"]) for r in s["points"]])
         lines.append(f"  {'GPUs':>7} {'batch':>6} {'plan':{w}} {'tok/s':>11} {'eff':>6} "
-                     f"{'MFU':>6} {'marginal':>9}  why it scales worse")
+                     f"{'MFU':>6} {'marginal':>9}  against the previous size")
         for r in s["points"]:
             eff = _num(r["scaling_efficiency"])
             marg = _num(r["marginal"])
@@ -310,4 +312,6 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
     times = at_job_scale(load_recovery_times(), DEFAULT_RESTART_S, "cost model default")
     groups = args.replica_groups if args.replica_groups is not None else est.config.replicas
     rows = goodput_table(step_s, mtbf, params, gpus, save_s, groups, times)
-    return goodput_doc(rows, times, mtbf), render_goodput(rows, times, mtbf)
+    counts = ("--mtbf-hours" if args.mtbf_hours is not None
+              else "hardware failures only, per-GPU rate x GPUs")
+    return goodput_doc(rows, times, mtbf), render_goodput(rows, times, mtbf, counts=counts)

@@ -9,12 +9,11 @@ size), MFU, and the marginal throughput of the GPUs added since the previous siz
 one GPU's throughput at the first size: 1.0 means the new GPUs pay as well as the first ones,
 0.001 that they add 0.1% of a GPU each.
 
-Why scaling stops: between consecutive sizes, every part of the step time is turned into
-GPU-seconds per token (part x GPUs / tokens per step, constant under perfect scaling); the part
-that grew most is the cause: compute (batch per GPU too small: narrower GEMMs, more
-recomputation), bubble (too few micro-batches per pipeline), exposed data-parallel
-communication, tensor-parallel or pipeline transfers. Where no layout exists, the reason is that
-the batch cannot be split over that many GPUs.
+Why a point scales as it does: between consecutive sizes, the two best plans' priced pieces
+(step categories, why.py) are turned into GPU-seconds per token (piece x GPUs / tokens per
+step, constant under perfect scaling); the pieces that moved with the whole step are named, with
+the plan's knobs that changed (why.py `explain`). Where no layout exists, the reason is that the
+batch cannot be split over that many GPUs (or nothing fits).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from __future__ import annotations
 import csv
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +30,10 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.search import search_plans
+from meshtron.simulate.why import PARTS, explain, plan_knobs, priced_pieces
 
 MAX_GPUS = 1 << 20
 """GPU counts above this (a million) are taken for a typo."""
-PARTS = ("compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "ep_comm",
-         "offload", "step_host")
-"""Every part of estimate_results.TimeBreakdown (they add up to the step), each a CSV column."""
-CAUSES = {
-    "compute": "batch per GPU too small (narrower GEMMs, relatively more recomputation)",
-    "tp_comm": "tensor-parallel communication",
-    "pp_comm": "pipeline transfers",
-    "dp_comm": "data-parallel communication exposed",
-    "bubble": "pipeline bubble (too few micro-batches per pipeline)",
-    "optimizer": "optimizer step",
-    "ep_comm": "expert-parallel all-to-all exposed",
-    "offload": "host-link copies of offloaded state",
-    # grows with the world: Composer's train-metric sync over every rank (composer_metrics)
-    "step_host": "host work at the step's end (train-metric sync over every rank)",
-}
 
 
 def gpu_counts(text: str) -> list[int]:
@@ -104,18 +89,24 @@ class SweepPoint:
     """Micro-batches per replica per step."""
     parts_s: dict[str, float]
     """Step time by part (estimate.TimeBreakdown)."""
+    pieces_s: dict[str, float] = field(default_factory=dict)
+    """Step time by priced piece (why.py `priced_pieces`: step categories without a pipeline)."""
+    knobs: dict[str, Any] = field(default_factory=dict)
+    """The plan's knobs (why.py `plan_knobs`), to name what changed between sizes."""
     scaling_efficiency: float = float("nan")
     """Per-GPU throughput / the series' first point's."""
     marginal: float = float("nan")
     """Throughput added per added GPU / one GPU's at the first point."""
     cause: str = ""
-    """Why this point scales worse than the previous one."""
+    """Why this point scales as it does against the previous one (why.py `explain`), or why
+    it has no plan."""
     search_s: float = 0.0
     """Planner search time."""
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
         parts = d.pop("parts_s")
+        del d["knobs"]
         d.update({f"{k}_s": parts.get(k) for k in PARTS})
         # no number where there is none (strict JSON has no NaN; the CSV cell stays empty)
         return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
@@ -178,7 +169,8 @@ def _point(model, cluster, series, gpus, batch, seq, opts) -> SweepPoint:
     parts = {k: getattr(t, k) for k in PARTS}
     return SweepPoint(series, gpus, batch, batch * seq / gpus, best.config.describe(),
                       best.step_time_s, best.tokens_per_s, best.mfu, best.num_microbatches, parts,
-                      search_s=dt)
+                      pieces_s=priced_pieces(result, model, best),
+                      knobs=plan_knobs(best.config), search_s=dt)
 
 
 def _annotate(points: list[SweepPoint], seq: int) -> None:
@@ -195,27 +187,9 @@ def _annotate(points: list[SweepPoint], seq: int) -> None:
         elif prev is not None and p.gpus > prev.gpus:
             p.marginal = (p.tokens_per_s - prev.tokens_per_s) / (p.gpus - prev.gpus) / per_gpu0
             if p.tokens_per_s > 0 and not p.cause:
-                p.cause = _cause(prev, p, seq)
+                p.cause = explain(prev, p, seq)
         if p.tokens_per_s > 0:
             prev = p
-
-
-def _cause(prev: SweepPoint, p: SweepPoint, seq: int) -> str:
-    """The part whose GPU-seconds per token grew most from prev to p."""
-    def per_token(q: SweepPoint, k: str) -> float:
-        return q.parts_s[k] * q.gpus / (q.global_batch * seq)
-
-    growth = {k: per_token(p, k) - per_token(prev, k) for k in PARTS}
-    k = max(growth, key=growth.get)
-    if growth[k] <= 0:
-        return "scales (no part grew per token)"
-    total = sum(per_token(prev, j) for j in PARTS)
-    extra = ""
-    if k == "compute":
-        extra = f"; {p.tokens_per_gpu:,.0f} tokens per GPU"
-    elif k == "bubble":
-        extra = f"; {p.microbatches} micro-batches per replica"
-    return f"{CAUSES[k]} (+{growth[k] / total:.1%} GPU-time per token{extra})"
 
 
 def stop_point(points: list[SweepPoint], threshold: float) -> SweepPoint | None:
@@ -228,6 +202,8 @@ def stop_point(points: list[SweepPoint], threshold: float) -> SweepPoint | None:
 
 def write_csv(points: list[SweepPoint], path: Path) -> None:
     rows = [p.row() for p in points]
+    for r in rows:  # one number a cell: the pieces are the JSON's (the parts add up the same)
+        del r["pieces_s"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
