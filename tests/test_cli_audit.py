@@ -128,6 +128,9 @@ def test_an_empty_name_is_not_the_current_folder(capsys, flag, allowed):
     (["simulate", "--step", *TINY, "--mtbf-hours", "-1"], "--mtbf-hours: '-1'"),
     (["simulate", "--step", *TINY, "--failures-per-gpu-hour", "nan"],
      "--failures-per-gpu-hour: 'nan'"),
+    # a value that starts with '-' is the flag's value, refused naming it (argtypes.
+    # negative_values_are_values), not argparse's "expected one argument"
+    (["plan", *TINY, "--tokens", "-1T"], "tokens='-1T'"),
 ])
 def test_simulate_rates_are_checked_on_the_flag(capsys, argv, want):
     assert want in refused(capsys, *argv)

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshtron.argtypes import output_file, positive_int, writable_target
+from meshtron.argtypes import (negative_values_are_values, output_file, positive_int,
+                               writable_target)
 from meshtron.errors import UserError
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens, typical LLM pre-training batch
@@ -42,6 +43,7 @@ def register(subparsers: Any) -> None:
         description="Search data x tensor x pipeline layouts, ZeRO stage, micro-batch, "
                     "recomputation, sequence parallelism and pipeline schedule with a memory, "
                     "compute and communication cost model.")
+    negative_values_are_values(p)  # `--tokens -1T`: one line naming the flag, not argparse's
     p.add_argument("--model", required=True,
                    help="preset name, Hugging Face config.json path, or TOML file with a model key")
     p.add_argument("--cluster", required=True,
