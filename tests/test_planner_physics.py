@@ -414,7 +414,12 @@ def test_session41_rows_hold_their_first_run(capsys):
     max 11.7% (GPT-3 175B on 2,048 H100). Its Transformer Engine ring ops, priced from the
     code, slow the FP8 rows at cp 2 (Llama 3.1 8B / 70B / 405B: 0.7-1.8 points each): their
     mean 8.96% -> 9.04%, max 19.3% unchanged (GPT-3 175B, cp 1); the mean's bound recomputed
-    from that run, 9% -> 9.5%."""
+    from that run, 9% -> 9.5%. The same branch read the four Llama 3.1 70B / 405B BF16 rows
+    beside a faster attention core's estimate and kept the core's rate because they would
+    overshoot: a choice they steered, so calibration too (the lead, at the merge). The 5 BF16
+    rows left (Nemotron-4 15B / 340B, GPT-3 175B) are bounded at their own figures of that run:
+    mean 7.4% (7.36), max 11.7% (a different set, not a wider bound: the rows that left were
+    the closer ones)."""
     from bench.planner_cli_table import run_row, summarise
     from bench.published.runs import ADDED_S41, LOOKED_AT
 
@@ -424,12 +429,13 @@ def test_session41_rows_hold_their_first_run(capsys):
     # mcoremoe); the rest never did
     fp8 = {r.name for r in every_s41 if r.dtype == "fp8"}
     assert len(fp8) == 12
-    cp8b = {f"DGXC Llama3.1 8B {gpus}xH100 BF16" for gpus in (8, 128)}
+    cp8b = {f"DGXC Llama3.1 {size} {gpus}xH100 BF16" for size, gpus in
+            (("8B", 8), ("8B", 128), ("70B", 64), ("70B", 2048), ("405B", 576), ("405B", 2304))}
     assert ADDED_S41 & LOOKED_AT.keys() == {"DGXC25 DSV3 671B 1024xH100 BF16 tokendrop",
                                             "DGXC Nemotron4 340B 128xH100 BF16"} | fp8 | cp8b
     assert all(r.part == "calibration" for r in every_s41 if r.name in LOOKED_AT)
     runs = [r for r in every_s41 if r.name not in LOOKED_AT]
-    assert len(runs) == 9 and all(r.part == "validation" for r in runs)
+    assert len(runs) == 5 and all(r.part == "validation" for r in runs)
     rows = [run_row(r) for r in runs]
     every = summarise(rows, "validation")
     # the FP8 rows, calibration since fp8scale, held at that run's figures
@@ -441,9 +447,9 @@ def test_session41_rows_hold_their_first_run(capsys):
               f"{every['unfit']}), rejected {every['rejected']}; mean {every['mean']:.1%} max "
               f"{every['max']:.1%}; DeepSeek-V3 (calibration) {dsv3['error']:+.1%}; FP8 "
               f"(calibration) mean {fp8_rows['mean']:.1%} max {fp8_rows['max']:.1%}")
-    assert every["rejected"] == 0 and every["answered"] == 9 and every["unfit"] == 0
+    assert every["rejected"] == 0 and every["answered"] == 5 and every["unfit"] == 0
     assert all(not r["run"].model.is_moe for r in rows)
-    assert every["mean"] < 0.05 and every["max"] < 0.12
+    assert every["mean"] < 0.075 and every["max"] < 0.12
     assert fp8_rows["answered"] == 12 and fp8_rows["mean"] < 0.095 and fp8_rows["max"] < 0.195
     assert abs(dsv3["error"]) < 0.27
 
@@ -469,19 +475,23 @@ def test_session42_rows_hold_their_first_run(capsys):
     (runs.LOOKED_AT). The 27 left, after that branch's ring ops (bench/results/
     planner_cli_table_2026-12-05_cp8b.txt): mean 6.2% (6.23), max 24.7%; the 16 NeMo 2.0 rows
     mean 2.8% (2.81), max 8.7% (Llama 3.1 70B FP8 on 64 H100, too slow); GPT-3 and OLMC as
-    before."""
+    before. cp8b also read the eight 70B / 405B rows beside a faster attention core's estimate
+    and kept the core's rate because they would overshoot: calibration too (the lead, at the
+    merge). The 19 left: mean 7.3% (7.33), max 24.7% (OLMo 1B FP8); the 8 NeMo 2.0 rows
+    (Nemotron-4 15B / 340B) mean 2.0% (1.98), max 7.0%: a different set, not a wider bound."""
     from bench.planner_cli_table import run_row, summarise
     from bench.published.runs import ADDED_S42, LOOKED_AT
 
     every_s42 = [r for r in published_runs() if r.name in ADDED_S42]
     assert len(every_s42) == len(ADDED_S42) == 31
     # what steered a choice is calibration (branch cp8b's 8B rows); the rest never did
-    cp8b = {f"DGXC2504 Llama3.1 8B {gpus}xH100 {dt}" for gpus in (8, 128)
+    cp8b = {f"DGXC2504 Llama3.1 {size} {gpus}xH100 {dt}" for size, gpus in
+            (("8B", 8), ("8B", 128), ("70B", 64), ("70B", 2048), ("405B", 512), ("405B", 2048))
             for dt in ("BF16", "FP8")}
     assert ADDED_S42 & LOOKED_AT.keys() == cp8b
     assert all(r.part == "calibration" for r in every_s42 if r.name in cp8b)
     runs = [r for r in every_s42 if r.name not in cp8b]
-    assert len(runs) == 27 and all(r.part == "validation" for r in runs)
+    assert len(runs) == 19 and all(r.part == "validation" for r in runs)
     rows = [run_row(r) for r in runs]
 
     def part(keep) -> dict:
@@ -498,10 +508,10 @@ def test_session42_rows_hold_their_first_run(capsys):
               f"{nemo2['max']:.1%}; GPT-3 n={gpt3['n']} mean {gpt3['mean']:.1%} max "
               f"{gpt3['max']:.1%}; OLMo-core n={olmc['n']} mean {olmc['mean']:.1%} max "
               f"{olmc['max']:.1%}")
-    assert every["rejected"] == 0 and every["answered"] == 27 and every["unfit"] == 0
-    assert (nemo2["n"], gpt3["n"], olmc["n"]) == (16, 4, 7)
-    assert every["mean"] < 0.065 and every["max"] < 0.25
-    assert nemo2["mean"] < 0.03 and nemo2["max"] < 0.09
+    assert every["rejected"] == 0 and every["answered"] == 19 and every["unfit"] == 0
+    assert (nemo2["n"], gpt3["n"], olmc["n"]) == (8, 4, 7)
+    assert every["mean"] < 0.075 and every["max"] < 0.25
+    assert nemo2["mean"] < 0.025 and nemo2["max"] < 0.075
     assert gpt3["mean"] < 0.09 and gpt3["max"] < 0.17
     assert olmc["mean"] < 0.13 and olmc["max"] < 0.25
 
