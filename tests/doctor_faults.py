@@ -34,6 +34,8 @@ def faulty_loop(trace_dir: str, fault: str, mesh_shape: tuple, axes: tuple,
             bad = rank == culprit and step == fault_step
             if fault == "straggler" and rank == culprit:
                 load_batch(0.15)
+            if fault == "periodic_straggler" and rank == culprit and step % 3 == 0:
+                load_batch(0.3)  # late by a lot in one step of three: a median of 0
             if bad and fault == "never_entered":
                 load_batch(120)
             if bad and fault == "dead_rank":
