@@ -119,3 +119,32 @@ def skipped_all_to_all(trace_dir: str, timeout_s: float = 3.0, steps: int = 5,
         raise
     session.close()
     return rank
+
+
+def torn_down_after_peer(trace_dir: str) -> int:
+    """Rank 1 is killed; rank 0 then gets SIGTERM, as torchrun stops the survivors after a rank
+    failed. Rank 0 has the checkpointer's preemption watch installed after the doctor, as in
+    `meshtron train`; the session must end it (128+15) without promising a checkpoint."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from meshtron.checkpoint.preempt import PreemptionWatch, set_peer_check
+    from meshtron.doctor import DoctorSession
+
+    rank = dist.get_rank()
+    session = DoctorSession(trace_dir, rank, 2).start()
+    PreemptionWatch(rank)
+    set_peer_check(session.peers_gone)
+    session.on_fatal = lambda cause, kind: Path(trace_dir, f"note_{rank}.json").write_text(
+        json.dumps({"cause": cause, "kind": kind}))
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # a rank killed (the OOM killer, kill -9)
+    deadline = time.time() + 30
+    while not session.peers_gone() and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)  # the session ends this process before
+    return rank
