@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import re
 import statistics
 import subprocess
 import sys
@@ -61,8 +61,9 @@ def test_hang_in_every_attempt_keeps_each_attempts_dumps(tmp_path):
     # attempt 0 hangs at its 3rd batch (step 3), attempt 1 resumes from step 2 and hangs at
     # step 5: the watchdog ends both, and the record says so (not "killed by a signal").
     assert restart["event"] == "restart" and restart["resumed_from_step"] == 2, restart
-    assert restart["cause"].startswith("watchdog abort: no progress for 4.0 s at step 2 "
-                                       "(seen by rank 0)"), restart
+    # the first rank to time out is named: either (rank 1 stalls outside any collective)
+    assert re.fullmatch(r"watchdog abort: no progress for 4\.0 s at step 2 \(seen by rank "
+                        r"[01]\)", restart["cause"]), restart
     assert failed["event"] == "failed" and failed["attempt"] == 1, failed
     assert failed["cause"].startswith("watchdog abort: no progress for 4.0 s at step 4"), failed
     assert failed["resume_from_step"] == 4 and failed["max_restarts"] == 1, failed
@@ -119,8 +120,7 @@ def test_no_dump_is_said_not_judged(tmp_path):
     doc = json.loads(killed.stdout)
     assert doc["kind"] == "no_dump" and doc["culprit_ranks"] == [], doc
     assert doc["verdict"].startswith("no rank has dumped: the ranks ended without a dump"), doc
-    assert doc["evidence"] == ["rank 0 (dp=0): no dump", "rank 1 (dp=1): no dump"] or \
-        doc["evidence"] == ["rank 0: no dump", "rank 1: no dump"], doc
+    assert doc["evidence"] == ["rank 0: no dump", "rank 1: no dump"], doc
 
 
 def test_periodic_straggler_is_named(tmp_path):
