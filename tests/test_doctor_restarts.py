@@ -9,6 +9,9 @@ ranks, real signals.
 - A straggler late by a lot in one step of three (its median lateness is 0).
 - SIGTERM after a peer ended (torchrun's teardown): no checkpoint promised, exit 143.
 - Options that need another one: one line, exit 2.
+Slow: the audit's cases as they were found: rank 1 SIGSTOPped (the restart record names the
+watchdog abort and the frozen rank; doctor names it in attempt 0), and rank 1 SIGKILLed twice
+(the cause names rank 1 only, no checkpoint is promised, the budget is said to be used up).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -164,3 +168,65 @@ def test_options_without_their_mode_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2, err
     assert "--tp=2: only with --nccl-log" in err[0] and "--no-png: only with --timeline" in err[1]
+
+
+def _start(run_dir: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([*TRAIN, "--steps", "400", "--checkpoint-every", "3",
+                             "--max-restarts", "1", "--run-dir", str(run_dir), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _steps(run_dir: Path) -> list[int]:
+    from testkit.procs import records
+
+    return [r["step"] for r in records(run_dir) if "step" in r]
+
+
+def _restarted(run_dir: Path) -> bool:
+    from testkit.procs import records
+
+    return any(r.get("event") == "restart" for r in records(run_dir))
+
+
+@pytest.mark.slow
+def test_sigstopped_rank_restart_names_the_frozen_rank(tmp_path):
+    """The audit's case: SIGSTOP rank 1; the watchdog ends the attempt, torchrun restarts."""
+    from testkit.procs import rank_pids
+
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--watchdog-timeout", "4")
+    _wait(lambda: max(_steps(run_dir), default=0) >= 5, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGSTOP)
+    _wait(lambda: _restarted(run_dir), proc, 180)
+    proc.terminate()  # a preemption notice: the restarted attempt checkpoints and stops
+    proc.communicate(timeout=180)
+    restart = next(r for r in _records(run_dir) if r.get("event") == "restart")
+    assert restart["cause"].startswith("watchdog abort: no progress for 4.0 s"), restart
+    assert "rank 1 frozen (its process is stopped" in restart["cause"], restart
+    doc = json.loads(_doctor(run_dir, "--json").stdout)
+    first = doc["attempts"][0]
+    assert first["kind"] == "frozen_rank" and first["culprit_ranks"] == [1], first
+
+
+@pytest.mark.slow
+def test_rank_killed_twice_uses_up_the_restarts(tmp_path):
+    from testkit.procs import rank_pids
+
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait(lambda: max(_steps(run_dir), default=0) >= 5, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    _wait(lambda: _restarted(run_dir) and max(_steps(run_dir), default=0) >= 7
+          and len(rank_pids(run_dir)) == 2, proc, 180)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, out[-3000:]
+    assert "then checkpointing" not in out, out[-3000:]
+    restart, failed = [r for r in _records(run_dir) if "event" in r]
+    for record in (restart, failed):
+        assert record["cause"].startswith("rank 1 ended without a Python error"), record
+    assert failed["event"] == "failed" and failed["resume_from_step"] % 3 == 0, failed
+    assert (f"the restart budget is used up (1 of --max-restarts 1 done); the last attempt "
+            f"ended: rank 1 ended without a Python error") in out, out[-3000:]
+    assert f"continue from step {failed['resume_from_step']} with --resume" in out

@@ -130,7 +130,8 @@ def restarts_used_up(job: TrainJob, nproc: int, code: int) -> str:
     from meshtron.checkpoint import history, restart, store
 
     run_dir = Path(job.cfg.train.run_dir)
-    done = max(doctor.attempt_dirs(doctor.trace_dir(run_dir)))
+    # the attempts that started a doctor session, or left a note before they could
+    done = max(max(doctor.attempt_dirs(doctor.trace_dir(run_dir))), restart.last_attempt(run_dir))
     cause = restart.attempt_cause(run_dir, nproc, done)
     latest = store.find_latest(store.checkpoint_root(run_dir), deep=False).step
     if (run_dir / "metrics.jsonl").is_file():
