@@ -135,6 +135,7 @@ def torn_down_after_peer(trace_dir: str) -> int:
 
     rank = dist.get_rank()
     session = DoctorSession(trace_dir, rank, 2).start()
+    session.end_on_teardown = True  # as `meshtron train` sets it for a fixed world
     PreemptionWatch(rank)
     set_peer_check(session.peers_gone)
     session.on_fatal = lambda cause, kind: Path(trace_dir, f"note_{rank}.json").write_text(

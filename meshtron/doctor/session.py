@@ -6,7 +6,9 @@
     session.close()                   # a last dump (step times, for stragglers), then off
 
 Dumps (`dump.py`) go to TRACE_DIR/rank_N.json on: a watchdog timeout (this rank's or another
-rank's), an exception (`dump_exception`), SIGTERM, SIGUSR1, and `dump()` on demand.
+rank's), an exception (`dump_exception`), SIGTERM, SIGUSR1, and `dump()` on demand. A SIGTERM
+while a peer's process is gone (torchrun stopping the survivors of a failure; `end_on_teardown`)
+dumps and ends the rank at once: no checkpoint can be taken without that peer.
 
 Signals: a rank hung in a collective sits in C++ with the GIL released, where Python never runs
 its signal handlers. So the handlers installed here only chain to the handler that was there
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from meshtron.doctor import dump as dumpfile
 from meshtron.doctor.recorder import CollectiveRecorder
@@ -94,10 +96,14 @@ class DoctorSession:
         self._dumps: list[dict[str, Any]] = []
         self.timeline = timeline and recorder
         self._timeline = None
-        self.on_fatal: Any = None
-        """Called with one line of cause before this session ends the process (a watchdog
-        abort, a SIGTERM after a peer ended): the trainer leaves it for the restarted
-        attempt's `restart` record (meshtron/checkpoint/restart.py)."""
+        self.on_fatal: Callable[[str, str], None] | None = None
+        """Called with (one line of cause, kind: "watchdog" or "teardown") before this session
+        ends the process: the trainer leaves it for the restarted attempt's `restart` record
+        (meshtron/checkpoint/restart.py)."""
+        self.end_on_teardown = False
+        """A SIGTERM while a peer's process is gone is torchrun stopping the survivors of a
+        failure: dump and end at once (`_torn_down`). Off where ranks outlive peers by design
+        (elastic rounds, replica groups); `meshtron train` turns it on for fixed worlds."""
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> "DoctorSession":
@@ -269,7 +275,7 @@ class DoctorSession:
         name = signal.Signals(signum).name
         if signum not in (signal.SIGTERM, signal.SIGUSR1):
             return
-        gone = self.peers_gone() if signum == signal.SIGTERM else []
+        gone = self.peers_gone() if signum == signal.SIGTERM and self.end_on_teardown else []
         if gone:
             self._torn_down(gone)
         self.dump(name)

@@ -59,10 +59,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         session = doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
                                watchdog_timeout_s=job.watchdog_timeout_s,
                                recorder=job.recorder, attempt=attempt)
-        session.on_fatal = lambda cause, kind: _note(job, world, cause, kind)
-        from meshtron.checkpoint.preempt import set_peer_check
-
-        set_peer_check(session.peers_gone if world.world_size > 1 else None)
+        _watch_failures(session, job, world)
         from meshtron.train.parallel import train_on_rank
 
         summary = train_on_rank(job.cfg, plan, world, device, cluster,
@@ -131,6 +128,18 @@ def _attempt_store(job: TrainJob, world: World):
 
         return attempt_store(world.rank, world.world_size, 600.0)
     return None
+
+
+def _watch_failures(session, job: TrainJob, world: World) -> None:
+    """The doctor's watchdog and teardown exits leave a note for the restart record; in a
+    fixed world (not elastic rounds or replica groups, whose ranks outlive peers by design) a
+    SIGTERM after a peer ended is torchrun's teardown, not a preemption to checkpoint for."""
+    from meshtron.checkpoint.preempt import set_peer_check
+
+    session.on_fatal = lambda cause, kind: _note(job, world, cause, kind)
+    fixed = job.elastic is None and not job.cfg.train.replica_ft and world.world_size > 1
+    session.end_on_teardown = fixed
+    set_peer_check(session.peers_gone if fixed else None)
 
 
 def _attempt(job: TrainJob, world: World) -> int:
