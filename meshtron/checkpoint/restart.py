@@ -100,6 +100,14 @@ def _notes(run_dir: str | Path, world_size: int, n: int) -> list[dict[str, Any]]
     return notes
 
 
+def clear_notes(run_dir: str | Path) -> None:
+    """Forget an earlier launch's notes (a new `meshtron train` counts its attempts from 0:
+    a note left by the last launch's attempt 1 must not name this launch's causes)."""
+    import shutil
+
+    shutil.rmtree(store.checkpoint_root(run_dir) / ATTEMPTS, ignore_errors=True)
+
+
 def last_attempt(run_dir: str | Path) -> int:
     """The highest attempt that left notes (0 when none did)."""
     folder = store.checkpoint_root(run_dir) / ATTEMPTS

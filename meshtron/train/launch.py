@@ -160,6 +160,7 @@ def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
 
 def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: int) -> int:
     """Save what the ranks read (run.toml, plan.toml), start them, wait; their exit code."""
+    from meshtron.checkpoint import restart
     from meshtron.doctor.dump import clear_trace
     from meshtron.launch import launch_local
 
@@ -168,6 +169,7 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
     plan.save(run_dir / "plan.toml")
     write_run_file(job, run_dir / "run.toml")
     clear_trace(run_dir)
+    restart.clear_notes(run_dir)  # attempts are counted again from 0
     outputs.print_plan(plan, chosen.cluster, dtype_note(job, request, plan), chosen.source)
     return launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
