@@ -34,6 +34,8 @@ def faulty_loop(trace_dir: str, fault: str, mesh_shape: tuple, axes: tuple,
             bad = rank == culprit and step == fault_step
             if fault == "straggler" and rank == culprit:
                 load_batch(0.15)
+            if fault == "periodic_straggler" and rank == culprit and step % 3 == 0:
+                load_batch(0.3)  # late by a lot in one step of three: a median of 0
             if bad and fault == "never_entered":
                 load_batch(120)
             if bad and fault == "dead_rank":
@@ -116,4 +118,34 @@ def skipped_all_to_all(trace_dir: str, timeout_s: float = 3.0, steps: int = 5,
         session.dump_exception(exc)
         raise
     session.close()
+    return rank
+
+
+def torn_down_after_peer(trace_dir: str) -> int:
+    """Rank 1 is killed; rank 0 then gets SIGTERM, as torchrun stops the survivors after a rank
+    failed. Rank 0 has the checkpointer's preemption watch installed after the doctor, as in
+    `meshtron train`; the session must end it (128+15) without promising a checkpoint."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from meshtron.checkpoint.preempt import PreemptionWatch, set_peer_check
+    from meshtron.doctor import DoctorSession
+
+    rank = dist.get_rank()
+    session = DoctorSession(trace_dir, rank, 2).start()
+    session.end_on_teardown = True  # as `meshtron train` sets it for a fixed world
+    PreemptionWatch(rank)
+    set_peer_check(session.peers_gone)
+    session.on_fatal = lambda cause, kind: Path(trace_dir, f"note_{rank}.json").write_text(
+        json.dumps({"cause": cause, "kind": kind}))
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # a rank killed (the OOM killer, kill -9)
+    deadline = time.time() + 30
+    while not session.peers_gone() and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)  # the session ends this process before
     return rank

@@ -120,7 +120,7 @@ def test_train_watchdog_ends_a_hang_and_doctor_names_the_rank(tmp_path):
     _no_process_left(run_dir / "trace")
     out = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir), "--json"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 3, out.stderr  # a culprit named (meshtron/diagnose/cli.py)
     doc = json.loads(out.stdout)
     assert doc["kind"] == "never_entered" and doc["culprit_ranks"] == [1], doc
     # The first collective of the hung step: an all-reduce (ZeRO-0) or the next forward's

@@ -7,7 +7,19 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
+
+
+_peers_gone: Callable[[], list[int]] | None = None
+
+
+def set_peer_check(peers_gone: Callable[[], list[int]] | None) -> None:
+    """`peers_gone()`: the ranks whose processes have ended (the doctor's session knows them).
+    A SIGTERM while one is gone is torchrun stopping the ranks after a failure, not a
+    preemption: no checkpoint is promised (its collectives would need the gone peer); the
+    doctor's session dumps and ends the rank."""
+    global _peers_gone
+    _peers_gone = peers_gone
 
 
 class PreemptionWatch:
@@ -33,7 +45,9 @@ class PreemptionWatch:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.count += 1
-        if self.requested_at is None:
+        # torchrun's teardown after a failed peer: no checkpoint to promise (set_peer_check)
+        teardown = _peers_gone is not None and bool(_peers_gone())
+        if self.requested_at is None and not teardown:
             self.requested_at = time.monotonic()
             print(f"meshtron train (rank {self.rank}): {signal.Signals(signum).name} received: "
                   "finishing this step, then checkpointing", file=sys.stderr, flush=True)

@@ -53,34 +53,67 @@ def _notes_dir(run_dir: str | Path, n: int) -> Path:
     return store.checkpoint_root(run_dir) / ATTEMPTS / f"attempt_{n}"
 
 
-def note_failure(run_dir: str | Path, rank: int, cause: str) -> None:
-    """Record why this rank is failing (best effort: never raises)."""
+def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception") -> None:
+    """Record why this rank is failing (best effort: never raises). `kind`: "exception" (a
+    Python error), "watchdog" (the doctor's watchdog abort) or "teardown" (stopped by torchrun
+    after another rank ended: not a cause of its own)."""
     try:
         folder = _notes_dir(run_dir, attempt())
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank_{rank}.json").write_text(json.dumps(
-            {"rank": rank, "cause": cause[:500], "time": time.time()}))
+            {"rank": rank, "cause": cause[:500], "kind": kind, "time": time.time()}))
     except OSError:
         pass
 
 
 def previous_cause(run_dir: str | Path, world_size: int) -> str:
     """Why attempt (this one - 1) ended, from the ranks' notes."""
-    folder = _notes_dir(run_dir, attempt() - 1)
-    notes = []
-    for r in range(world_size):
-        path = folder / f"rank_{r}.json"
-        try:
-            notes.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    silent = sorted(set(range(world_size)) - {n["rank"] for n in notes})
+    return attempt_cause(run_dir, world_size, attempt() - 1)
+
+
+def attempt_cause(run_dir: str | Path, world_size: int, n: int) -> str:
+    """Why attempt `n` ended, from its ranks' notes: a watchdog abort (with the ranks it found
+    frozen or gone), else the ranks that left no note (killed by a signal) but not those that
+    torchrun stopped after them, else the first Python error."""
+    notes = _notes(run_dir, world_size, n)
+    watchdog = [note for note in notes if note.get("kind") == "watchdog"]
+    if watchdog:
+        return min(watchdog, key=lambda note: note["time"])["cause"]
+    silent = sorted(set(range(world_size)) - {note["rank"] for note in notes})
     if silent:
         who = ", ".join(str(r) for r in silent)
         return (f"rank {who} ended without a Python error (killed by a signal: SIGKILL, the "
                 "kernel's out-of-memory killer, or a crash)")
-    first = min(notes, key=lambda n: n["time"])
+    causes = [note for note in notes if note.get("kind") != "teardown"] or notes
+    first = min(causes, key=lambda note: note["time"])
     return f"rank {first['rank']} failed: {first['cause']}"
+
+
+def _notes(run_dir: str | Path, world_size: int, n: int) -> list[dict[str, Any]]:
+    folder = _notes_dir(run_dir, n)
+    notes = []
+    for r in range(world_size):
+        try:
+            notes.append(json.loads((folder / f"rank_{r}.json").read_text()))
+        except (OSError, ValueError):
+            continue
+    return notes
+
+
+def clear_notes(run_dir: str | Path) -> None:
+    """Forget an earlier launch's notes (a new `meshtron train` counts its attempts from 0:
+    a note left by the last launch's attempt 1 must not name this launch's causes)."""
+    import shutil
+
+    shutil.rmtree(store.checkpoint_root(run_dir) / ATTEMPTS, ignore_errors=True)
+
+
+def last_attempt(run_dir: str | Path) -> int:
+    """The highest attempt that left notes (0 when none did)."""
+    folder = store.checkpoint_root(run_dir) / ATTEMPTS
+    numbers = [int(p.name.removeprefix("attempt_")) for p in folder.glob("attempt_*")
+               if p.name.removeprefix("attempt_").isdigit()]
+    return max(numbers, default=0)
 
 
 def restart_record(run_dir: str | Path, world_size: int, resumed_from: int,

@@ -10,22 +10,26 @@ Kinds, in the order they are looked for:
   dtypes, or members that never issued it. Point-to-point operations align the k-th send from A
   to B with the k-th receive on B from A. Culprits are the minority (ties: the higher ranks).
 - `straggler`: no divergence, but one rank reaches the collectives late: for every collective
-  all members recorded, each member's lateness after the earliest member; a rank whose mean
-  lateness is at least `STRAGGLER_MIN_S` and `STRAGGLER_FRACTION` of the median step time.
+  all members recorded, each member's lateness after the earliest member, summed per rank (the
+  time the others waited for it; `_straggler`); a rank the others waited for at least
+  `STRAGGLER_FRACTION` of the time span compared (and `STRAGGLER_MIN_S`), 3x any other's.
+- `no_dump`: no rank has dumped (killed from outside, or the run is still going).
 - `none`: nothing of the above.
 """
 
 from __future__ import annotations
 
+import socket
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshtron.diagnose.trace import Trace, frame_text
+from meshtron.doctor.dump import process_state
 
 KINDS = ("never_entered", "mismatched_op", "mismatched_shape", "dead_rank", "frozen_rank",
-         "straggler", "none")
+         "straggler", "no_dump", "none")
 STRAGGLER_MIN_S = 0.02
 STRAGGLER_FRACTION = 0.1
 _BROKEN = ("connection closed", "connection reset", "broken pipe", "connection refused",
@@ -285,9 +289,45 @@ def _waiting_for(trace: Trace, culprits: list[int]):
 
 
 def _straggler(trace: Trace) -> Diagnosis | None:
-    lateness: dict[int, list[float]] = defaultdict(list)
+    """The rank the others wait for. For every collective all members recorded (after the
+    start-up step), each member's lateness is its entry time after the earliest member's; a
+    collective cannot finish before its last member enters, so a rank's summed lateness is
+    the time the others spent waiting for it. That sum, not a per-collective median, is the
+    statistic: a rank late in a third of the collectives by a lot (a periodic stall, a noisy
+    neighbour) has a median lateness of 0 but costs its peers the same time as one that is late
+    every time. A straggler: the others waited for it at least `STRAGGLER_FRACTION` of the time
+    the compared collectives span (and `STRAGGLER_MIN_S`), and 3x longer than for any other."""
+    waited, count, last, total, span = _lateness(trace)
+    if not total or not waited:
+        return None
+    worst = max(waited, key=waited.get)
+    others = [v for r, v in waited.items() if r != worst]
+    floor = max(STRAGGLER_MIN_S, STRAGGLER_FRACTION * span)
+    if waited[worst] < floor or waited[worst] < 3 * max(others, default=0.0):
+        return None
+    mean_ms = 1e3 * waited[worst] / count[worst]
+    text = (f"{trace.label(worst)} is a straggler: the other ranks waited for it "
+            f"{waited[worst]:.3f} s in total, {100 * waited[worst] / span:.0f}% of the "
+            f"{span:.3f} s the compared collectives span (a mean {mean_ms:.1f} ms per "
+            f"collective; last in {last[worst]} of {total})")
+    step = _median_step(trace)
+    if step:
+        text += f"; median step time {step:.3f} s"
+    return Diagnosis("straggler", text + ".", [worst],
+                     [f"rank {r}: others waited {v:.3f} s for it (mean "
+                      f"{1e3 * v / count[r]:.1f} ms over {count[r]} collectives)"
+                      for r, v in sorted(waited.items())])
+
+
+def _lateness(trace: Trace):
+    """(rank -> summed lateness, rank -> collectives compared, rank -> times last, number of
+    collectives, seconds they span), over the collectives every member of their group recorded,
+    after the start-up step (first compilations and all-gathers are not a straggler's)."""
+    warm = _start_up_end(trace)
+    waited: dict[int, float] = defaultdict(float)
+    count: Counter = Counter()
     last: Counter = Counter()
-    total = 0
+    total, lo, hi = 0, float("inf"), float("-inf")
     for group, by_rank in _collectives(trace).items():
         members = trace.group_ranks(group)
         if len(members) < 2 or any(r not in by_rank for r in members):
@@ -296,28 +336,22 @@ def _straggler(trace: Trace) -> Diagnosis | None:
         for seq in common:
             times = {r: by_rank[r][seq]["enqueue_t"] for r in members}
             first = min(times.values())
+            if first < warm:
+                continue
             for r, t in times.items():
-                lateness[r].append(t - first)
+                waited[r] += t - first
+                count[r] += 1
             last[max(times, key=times.get)] += 1
             total += 1
-    if not total:
-        return None
-    # Medians: one late start (start-up, a one-off stall) does not make a straggler.
-    mean = {r: statistics.median(v) for r, v in lateness.items()}
-    worst = max(mean, key=mean.get)
-    step = _median_step(trace)
-    floor = max(STRAGGLER_MIN_S, STRAGGLER_FRACTION * step) if step else STRAGGLER_MIN_S
-    others = [v for r, v in mean.items() if r != worst]
-    if (mean[worst] < floor or mean[worst] < 3 * max(others, default=0.0)
-            or last[worst] < total / 2):
-        return None
-    text = (f"{trace.label(worst)} is a straggler: it reaches the collectives a median "
-            f"{mean[worst]:.3f} s after the first rank (last in {last[worst]} of {total} "
-            "collectives")
-    if step:
-        text += f"; {100 * mean[worst] / step:.0f}% of the median step time {step:.3f} s"
-    return Diagnosis("straggler", text + ").", [worst],
-                     [f"rank {r}: median lateness {v:.3f} s" for r, v in sorted(mean.items())])
+            lo, hi = min(lo, first), max(hi, max(times.values()))
+    return waited, count, last, total, max(hi - lo, 0.0)
+
+
+def _start_up_end(trace: Trace) -> float:
+    """When every rank had finished its first step (-inf when the dumps carry no step times)."""
+    ends = [st["end_t"] for d in trace.dumps.values() for st in d.get("step_times", [])
+            if st["step"] == 1]
+    return max(ends) if len(ends) == len(trace.dumps) else float("-inf")
 
 
 def _median_step(trace: Trace) -> float | None:
@@ -332,6 +366,10 @@ def _median_step(trace: Trace) -> float | None:
 
 def diagnose(trace: Trace) -> Diagnosis:
     """The verdict for a run's trace, with its evidence."""
+    if not trace.dumps:
+        diagnosis = _no_dumps(trace)
+        diagnosis.evidence = evidence(trace)
+        return diagnosis
     diagnosis = _missing_ranks(trace)
     if diagnosis is None:
         d = find_divergence(trace)
@@ -345,6 +383,23 @@ def diagnose(trace: Trace) -> Diagnosis:
         diagnosis.hang_to_dump_s = (max(d["time"] for d in trace.dumps.values())
                                     - max(d["last_progress_t"] for d in trace.dumps.values()))
     return diagnosis
+
+
+def _no_dumps(trace: Trace) -> Diagnosis:
+    """Only hello files: nothing to compare. Either the ranks still run (a dump on demand:
+    SIGUSR1) or they ended without dumping (SIGKILL of the launcher or of every rank)."""
+    host = socket.gethostname()
+    live = {r: h["pid"] for r, h in sorted(trace.hellos.items())
+            if h.get("host") == host and process_state(h["pid"]) in ("running", "stopped")}
+    if live:
+        pids = " ".join(str(p) for p in live.values())
+        text = (f"no rank has dumped: the run is still going ({_ranks_text(list(live))} "
+                f"running); `kill -USR1 {pids}` makes them dump, then run doctor again.")
+    else:
+        text = ("no rank has dumped: the ranks ended without a dump (killed from outside, e.g. "
+                "SIGKILL of the launcher or of every rank); there is nothing to compare "
+                "(`kill -USR1 <pid>` dumps the ranks of a live run).")
+    return Diagnosis("no_dump", text, [])
 
 
 def _nothing(trace: Trace) -> Diagnosis:

@@ -9,12 +9,18 @@ from meshtron.argtypes import positive_int
 from meshtron.errors import UserError
 
 
-EXIT_NCCL_PROBLEMS = 3
-"""`doctor --nccl-log` exit code when the logs show at least one error-severity problem (0: none,
-warnings allowed; 2: bad input; 1: a bug), so a script or CI step can gate on it."""
+EXIT_FOUND = 3
+"""A problem found: a verdict other than `none` (a culprit rank named, in any attempt of a
+restarted run) or, with --nccl-log, at least one error-severity problem in the logs."""
+EXIT_NO_DUMP = 4
+"""No rank has dumped (killed from outside, or the run is still going): nothing was judged."""
+EXIT_CODES = ("exit code 0: nothing wrong found; 3: a problem found (a culprit rank named, or "
+              "NCCL log errors); 4: no rank has dumped, nothing to judge; 2: bad input; "
+              "1: a bug")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    _check_options(args)
     if args.nccl_log:
         from meshtron.diagnose import nccl
 
@@ -23,24 +29,59 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(json.dumps(report.to_dict(), indent=2))
         else:
             print(report.text())
-        return EXIT_NCCL_PROBLEMS if report.errors() else 0
+        return EXIT_FOUND if report.errors() else 0
     if not args.run_dir:
         raise UserError("RUN_DIR: missing; give a run folder (or --nccl-log FILE...)")
     if args.timeline:
         return _timeline(args)
     from meshtron.diagnose.analyze import diagnose
-    from meshtron.diagnose.trace import load_trace
+    from meshtron.diagnose.trace import load_attempts
 
-    diagnosis = diagnose(load_trace(args.run_dir))
+    found = [(trace.attempt, diagnose(trace)) for trace in load_attempts(args.run_dir)]
     if args.json:
-        print(json.dumps(diagnosis.to_dict(), indent=2))
-        return 0
-    print(diagnosis.verdict)
-    print()
-    print(f"kind: {diagnosis.kind}; culprit ranks: {diagnosis.culprit_ranks or 'none'}")
-    for line in diagnosis.evidence:
-        print(f"  {line}")
-    return 0
+        latest, diagnosis = found[-1]
+        doc = {**diagnosis.to_dict(), "attempt": latest}
+        if len(found) > 1:
+            doc["attempts"] = [{"attempt": n, **d.to_dict()} for n, d in found]
+        print(json.dumps(doc, indent=2))
+    else:
+        _print_attempts(found)
+    return exit_code([d for _, d in found])
+
+
+def exit_code(diagnoses) -> int:
+    """EXIT_FOUND when any attempt's verdict names a problem; EXIT_NO_DUMP when the latest
+    attempt left no dump and no earlier one names a problem; 0 otherwise."""
+    if any(d.kind not in ("none", "no_dump") for d in diagnoses):
+        return EXIT_FOUND
+    return EXIT_NO_DUMP if diagnoses[-1].kind == "no_dump" else 0
+
+
+def _print_attempts(found) -> None:
+    for i, (n, diagnosis) in enumerate(found):
+        indent = ""
+        if len(found) > 1:
+            when = "latest" if i == len(found) - 1 else "ended; torchrun restarted the ranks"
+            print(("\n" if i else "") + f"attempt {n} ({when}):")
+            indent = "  "
+        print(indent + diagnosis.verdict)
+        print()
+        print(f"{indent}kind: {diagnosis.kind}; culprit ranks: "
+              f"{diagnosis.culprit_ranks or 'none'}")
+        for line in diagnosis.evidence:
+            print(f"{indent}  {line}")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Options that only mean something with another one: one line, not silently ignored."""
+    if args.tp is not None and not args.nccl_log:
+        raise UserError(f"--tp={args.tp}: only with --nccl-log FILE... (the tensor-parallel "
+                        "degree of the logs' communicators)")
+    if args.no_png and not args.timeline:
+        raise UserError("--no-png: only with --timeline (it skips the timeline's plot)")
+    if args.timeline and args.nccl_log:
+        raise UserError("--timeline: not with --nccl-log (one reads a run folder, the other "
+                        "NCCL logs)")
 
 
 def _timeline(args: argparse.Namespace) -> int:
@@ -56,7 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Read the trace a run's ranks dumped (RUN_DIR/trace: on a "
                                    "watchdog timeout, an exception, SIGTERM, SIGUSR1 or at the "
                                    "end) and say in one sentence which rank is the culprit, then "
-                                   "the evidence. With --nccl-log, read NCCL_DEBUG=INFO logs.")
+                                   "the evidence (each attempt's, after --max-restarts "
+                                   "restarts). With --nccl-log, read NCCL_DEBUG=INFO logs. "
+                                   + EXIT_CODES + ".")
     p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the run folder")
     p.add_argument("--json", action="store_true",
                    help="machine-readable: verdict, kind, culprit_ranks, evidence")

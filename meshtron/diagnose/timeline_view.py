@@ -81,7 +81,7 @@ def load_timelines(tdir: Path) -> dict[int, dict[str, Any]]:
 
 def build_report(run_dir: Path | str, png: bool = True) -> TimelineReport:
     trace = load_trace(run_dir)
-    tdir = trace.run_dir / "trace"
+    tdir = trace.trace_dir
     docs = load_timelines(tdir)
     if not docs:
         raise UserError(f"RUN_DIR={str(run_dir)!r}: no timeline (expected "

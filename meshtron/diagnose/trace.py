@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtron.doctor import attempt_dirs
 from meshtron.doctor import dump as dumpfile
 from meshtron.errors import UserError
 
@@ -30,6 +31,10 @@ class Trace:
     abort: dict[str, Any] | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
     mesh: dict[str, Any] | None = None
+    trace_dir: Path | None = None
+    """The folder the dumps were read from (RUN_DIR/trace, or trace/attempt_N)."""
+    attempt: int = 0
+    """torchrun's restart attempt these dumps belong to (0: the first start)."""
 
     # -- naming --------------------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
@@ -116,14 +121,35 @@ def _find(grid, rank: int, prefix: tuple = ()) -> tuple | None:
     return None
 
 
-def load_trace(run_dir: Path | str) -> Trace:
-    """RUN_DIR (or RUN_DIR/trace itself) -> Trace. UserError when there is nothing to read."""
+def load_trace(run_dir: Path | str, attempt: int | None = None) -> Trace:
+    """RUN_DIR (or RUN_DIR/trace itself) -> the Trace of one attempt (default: the latest;
+    `meshtron train --max-restarts` keeps each restart's dumps in trace/attempt_N). UserError
+    when there is nothing to read."""
+    run_dir, base = _folders(run_dir)
+    folders = attempt_dirs(base)
+    number = max(folders) if attempt is None else attempt
+    return _load(run_dir, folders[number], number)
+
+
+def load_attempts(run_dir: Path | str) -> list[Trace]:
+    """Every attempt's Trace, first to latest (one for a run that never restarted)."""
+    run_dir, base = _folders(run_dir)
+    folders = attempt_dirs(base)
+    found = [n for n, folder in folders.items() if any(folder.glob("rank_*.json"))]
+    return [_load(run_dir, folders[n], n) for n in found or [max(folders)]]
+
+
+def _folders(run_dir: Path | str) -> tuple[Path, Path]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"RUN_DIR={str(run_dir)!r}: not a folder")
     tdir = run_dir / "trace" if (run_dir / "trace").is_dir() else run_dir
     if tdir.name == "trace" and run_dir.name == "trace":
         run_dir = run_dir.parent
+    return run_dir, tdir
+
+
+def _load(run_dir: Path, tdir: Path, attempt: int) -> Trace:
     dumps: dict[int, dict[str, Any]] = {}
     hellos: dict[int, dict[str, Any]] = {}
     skipped = []
@@ -149,6 +175,11 @@ def load_trace(run_dir: Path | str) -> Trace:
             abort = json.loads((tdir / dumpfile.ABORT_FILE).read_text())
         except ValueError:
             abort = None
+    mesh = next((d["mesh"] for d in dumps.values() if d.get("mesh")), None)
+    return Trace(run_dir, world, dumps, hellos, abort, _metrics(run_dir), mesh, tdir, attempt)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     metrics = []
     if (run_dir / "metrics.jsonl").is_file():
         # a damaged log reads as far as it is JSON (not a UnicodeDecodeError traceback)
@@ -158,5 +189,4 @@ def load_trace(run_dir: Path | str) -> Trace:
                 metrics.append(json.loads(line))
             except ValueError:
                 break
-    mesh = next((d["mesh"] for d in dumps.values() if d.get("mesh")), None)
-    return Trace(run_dir, world, dumps, hellos, abort, metrics, mesh)
+    return metrics

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from meshtron.doctor.session import DoctorSession
 
 __all__ = ["DoctorSession", "EXIT_WATCHDOG", "start", "current", "beat", "watch_mesh",
-           "trace_dir", "prepare_env"]
+           "trace_dir", "attempt_dirs", "prepare_env"]
 
 _session: "DoctorSession | None" = None
 
@@ -31,8 +31,25 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def trace_dir(run_dir: Path | str) -> Path:
-    return Path(run_dir) / "trace"
+ATTEMPT_PREFIX = "attempt_"
+
+
+def trace_dir(run_dir: Path | str, attempt: int = 0) -> Path:
+    """RUN_DIR/trace for a run's first attempt; RUN_DIR/trace/attempt_N for torchrun's restart
+    N (`--max-restarts`), so that each attempt's dumps (the hang that caused a restart) are kept
+    beside the later ones."""
+    base = Path(run_dir) / "trace"
+    return base / f"{ATTEMPT_PREFIX}{attempt}" if attempt else base
+
+
+def attempt_dirs(base: Path) -> dict[int, Path]:
+    """attempt -> its trace folder, under a run's trace folder `base` (attempt 0: `base`)."""
+    out = {0: base}
+    for sub in base.glob(f"{ATTEMPT_PREFIX}*"):
+        number = sub.name.removeprefix(ATTEMPT_PREFIX)
+        if sub.is_dir() and number.isdigit():
+            out[int(number)] = sub
+    return dict(sorted(out.items()))
 
 
 def prepare_env() -> None:
@@ -49,14 +66,16 @@ def prepare_env() -> None:
         os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
 
 
-def start(run_dir: Path | str, rank: int, world_size: int, **options: Any) -> "DoctorSession":
-    """Start this process's session (replacing an earlier one); options as DoctorSession."""
+def start(run_dir: Path | str, rank: int, world_size: int, attempt: int = 0,
+          **options: Any) -> "DoctorSession":
+    """Start this process's session (replacing an earlier one); `attempt`: torchrun's restart
+    attempt (`trace_dir`); options as DoctorSession."""
     global _session
     from meshtron.doctor.session import DoctorSession
 
     if _session is not None:
         _session.close(final_dump=False)
-    _session = DoctorSession(trace_dir(run_dir), rank, world_size, **options).start()
+    _session = DoctorSession(trace_dir(run_dir, attempt), rank, world_size, **options).start()
     return _session
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -22,12 +23,15 @@ ABORT_FILE = "ABORT.json"
 
 
 def clear_trace(run_dir: Path) -> None:
-    """Remove an earlier run's trace (a stale ABORT.json would stop the new run at once)."""
+    """Remove an earlier run's trace (a stale ABORT.json would stop the new run at once), its
+    restarted attempts' folders (trace/attempt_N) included."""
     tdir = Path(run_dir) / "trace"
     if tdir.is_dir():
         for path in tdir.iterdir():
             if path.is_file():
                 path.unlink(missing_ok=True)
+            elif path.is_dir() and path.name.startswith("attempt_"):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def dump_path(trace_dir: Path, rank: int) -> Path:

@@ -6,7 +6,9 @@
     session.close()                   # a last dump (step times, for stragglers), then off
 
 Dumps (`dump.py`) go to TRACE_DIR/rank_N.json on: a watchdog timeout (this rank's or another
-rank's), an exception (`dump_exception`), SIGTERM, SIGUSR1, and `dump()` on demand.
+rank's), an exception (`dump_exception`), SIGTERM, SIGUSR1, and `dump()` on demand. A SIGTERM
+while a peer's process is gone (torchrun stopping the survivors of a failure; `end_on_teardown`)
+dumps and ends the rank at once: no checkpoint can be taken without that peer.
 
 Signals: a rank hung in a collective sits in C++ with the GIL released, where Python never runs
 its signal handlers. So the handlers installed here only chain to the handler that was there
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from meshtron.doctor import dump as dumpfile
 from meshtron.doctor.recorder import CollectiveRecorder
@@ -94,6 +96,14 @@ class DoctorSession:
         self._dumps: list[dict[str, Any]] = []
         self.timeline = timeline and recorder
         self._timeline = None
+        self.on_fatal: Callable[[str, str], None] | None = None
+        """Called with (one line of cause, kind: "watchdog" or "teardown") before this session
+        ends the process: the trainer leaves it for the restarted attempt's `restart` record
+        (meshtron/checkpoint/restart.py)."""
+        self.end_on_teardown = False
+        """A SIGTERM while a peer's process is gone is torchrun stopping the survivors of a
+        failure: dump and end at once (`_torn_down`). Off where ranks outlive peers by design
+        (elastic rounds, replica groups); `meshtron train` turns it on for fixed worlds."""
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> "DoctorSession":
@@ -265,6 +275,9 @@ class DoctorSession:
         name = signal.Signals(signum).name
         if signum not in (signal.SIGTERM, signal.SIGUSR1):
             return
+        gone = self.peers_gone() if signum == signal.SIGTERM and self.end_on_teardown else []
+        if gone:
+            self._torn_down(gone)
         self.dump(name)
         if signum == signal.SIGUSR1:
             import faulthandler
@@ -278,6 +291,30 @@ class DoctorSession:
             print(f"[rank {self.rank}] SIGTERM: trace written to {self.trace_dir}",
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
+
+    def peers_gone(self) -> list[int]:
+        """The other ranks whose processes have ended (same host, from their hello files)."""
+        peers = dumpfile.peer_states(self.trace_dir, self.world_size, self.rank)
+        return sorted(int(r) for r, p in peers.items() if p["state"] == "gone")
+
+    def _torn_down(self, gone: list[int]) -> None:
+        """SIGTERM while a peer's process is gone: torchrun stopping the ranks after one failed,
+        not a preemption. No checkpoint can be taken (its collectives need the peer): dump,
+        say so, and end now (128+15, SIGTERM's default meaning)."""
+        who = ", ".join(map(str, gone))
+        cause = f"stopped by SIGTERM after rank {who} ended (torchrun stopping the ranks)"
+        self.dump(f"SIGTERM: {cause}")
+        self._fatal(cause, "teardown")
+        print(f"meshtron train (rank {self.rank}): SIGTERM after rank {who} ended: no "
+              "checkpoint can be taken (a peer is gone); stopping", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+    def _fatal(self, cause: str, kind: str) -> None:
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(cause, kind)
+            except Exception:  # noqa: BLE001 - the note is best effort; the exit is not
+                pass
 
     # -- the watcher thread --------------------------------------------------------------------
     def _watch(self) -> None:
@@ -342,6 +379,7 @@ class DoctorSession:
         self.timed_out = info
         who = "this rank" if info.get("rank") == self.rank else f"rank {info.get('rank')}"
         self.dump(f"watchdog: {who} saw no progress for {info.get('limit_s')} s")
+        self._fatal(self._watchdog_cause(info), "watchdog")
         if not self.exit_on_timeout:
             self._stop.set()
             return
@@ -354,6 +392,19 @@ class DoctorSession:
               f"{self.trace_dir}; run `meshtron doctor {run_dir}`",
               file=sys.stderr, flush=True)
         os._exit(EXIT_WATCHDOG)
+
+    def _watchdog_cause(self, info: dict[str, Any]) -> str:
+        """'watchdog abort: no progress for 8.0 s at step 23 (seen by rank 0); rank 1 frozen
+        (its process is stopped)': the abort and the peers that could not dump."""
+        text = (f"watchdog abort: no progress for {info.get('limit_s')} s at step "
+                f"{info.get('step', self.step)} (seen by rank {info.get('rank')})")
+        peers = dumpfile.peer_states(self.trace_dir, self.world_size, self.rank)
+        states = {"stopped": "frozen (its process is stopped, e.g. SIGSTOP)",
+                  "gone": "gone (its process ended)"}
+        for r, p in sorted(peers.items(), key=lambda kv: int(kv[0])):
+            if p["state"] in states:
+                text += f"; rank {r} {states[p['state']]}"
+        return text
 
     def _all_dumped(self) -> bool:
         """Every rank has dumped, or cannot (its process is gone or stopped)."""

@@ -106,8 +106,8 @@ def launch_ranks(job: TrainJob) -> int:
         return EXIT_PREEMPTED
     if code != 0:
         who = "the rank" if nproc == 1 else f"the {nproc} ranks"
-        print(f"meshtron train: {who} failed (exit code {code}); their output is above",
-              file=sys.stderr)
+        print(f"meshtron train: {who} failed (exit code {code}); their output is above"
+              + restarts_used_up(job, nproc, code), file=sys.stderr)
         return EXIT_USAGE if code == EXIT_USAGE else 1
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
@@ -115,6 +115,34 @@ def launch_ranks(job: TrainJob) -> int:
 
         outputs.print_result(job.cfg, json.loads(summary_path.read_text()), run_dir)
     return 0
+
+
+def restarts_used_up(job: TrainJob, nproc: int, code: int) -> str:
+    """With --max-restarts: '; the restart budget is used up ...' naming the last attempt's
+    cause and the step to resume from, and a `failed` record in metrics.jsonl ('' without
+    restarts, or on bad input)."""
+    limit = job.checkpoint.max_restarts
+    if limit <= 0 or code == EXIT_USAGE:
+        return ""
+    import time
+
+    from meshtron import doctor
+    from meshtron.checkpoint import history, restart, store
+
+    run_dir = Path(job.cfg.train.run_dir)
+    # the attempts that started a doctor session, or left a note before they could
+    done = max(max(doctor.attempt_dirs(doctor.trace_dir(run_dir))), restart.last_attempt(run_dir))
+    cause = restart.attempt_cause(run_dir, nproc, done)
+    latest = store.find_latest(store.checkpoint_root(run_dir), deep=False).step
+    if (run_dir / "metrics.jsonl").is_file():
+        history.append(run_dir / "metrics.jsonl", {
+            "event": "failed", "attempt": done, "max_restarts": limit, "cause": cause,
+            "resume_from_step": latest, "exit_code": code, "time": time.time()})
+    resume = (f"continue from step {latest} with --resume" if latest is not None
+              else "no complete checkpoint to resume from")
+    budget = (f"the restart budget is used up ({done} of --max-restarts {limit} done)"
+              if done >= limit else f"{done} of --max-restarts {limit} restarts done")
+    return f"\nmeshtron train: {budget}; the last attempt ended: {cause}; {resume}"
 
 
 def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
@@ -132,6 +160,7 @@ def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
 
 def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: int) -> int:
     """Save what the ranks read (run.toml, plan.toml), start them, wait; their exit code."""
+    from meshtron.checkpoint import restart
     from meshtron.doctor.dump import clear_trace
     from meshtron.launch import launch_local
 
@@ -140,6 +169,7 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
     plan.save(run_dir / "plan.toml")
     write_run_file(job, run_dir / "run.toml")
     clear_trace(run_dir)
+    restart.clear_notes(run_dir)  # attempts are counted again from 0
     outputs.print_plan(plan, chosen.cluster, dtype_note(job, request, plan), chosen.source)
     return launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,

@@ -41,8 +41,9 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
 
     try:
         doctor.prepare_env()
+        attempt = _attempt(job, world)
         device = init_rank(world, dump_prefix=str(
-            doctor.trace_dir(job.cfg.train.run_dir) / "nccl_flight_recorder_rank_"),
+            doctor.trace_dir(job.cfg.train.run_dir, attempt) / "nccl_flight_recorder_rank_"),
             store=_attempt_store(job, world), record=job.recorder)
         phases.mark("group_ready")
         if job.elastic is not None:  # a rendezvous round: start or continue the job
@@ -55,8 +56,10 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
             from meshtron.train.elastic import announce_replan
 
             announce_replan(job, world, plan)
-        doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
-                     watchdog_timeout_s=job.watchdog_timeout_s, recorder=job.recorder)
+        session = doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
+                               watchdog_timeout_s=job.watchdog_timeout_s,
+                               recorder=job.recorder, attempt=attempt)
+        _watch_failures(session, job, world)
         from meshtron.train.parallel import train_on_rank
 
         summary = train_on_rank(job.cfg, plan, world, device, cluster,
@@ -127,12 +130,35 @@ def _attempt_store(job: TrainJob, world: World):
     return None
 
 
-def _note(job: TrainJob, world: World, cause: str) -> None:
+def _watch_failures(session, job: TrainJob, world: World) -> None:
+    """The doctor's watchdog and teardown exits leave a note for the restart record; in a
+    fixed world (not elastic rounds or replica groups, whose ranks outlive peers by design) a
+    SIGTERM after a peer ended is torchrun's teardown, not a preemption to checkpoint for."""
+    from meshtron.checkpoint.preempt import set_peer_check
+
+    session.on_fatal = lambda cause, kind: _note(job, world, cause, kind)
+    fixed = job.elastic is None and not job.cfg.train.replica_ft and world.world_size > 1
+    session.end_on_teardown = fixed
+    set_peer_check(session.peers_gone if fixed else None)
+
+
+def _attempt(job: TrainJob, world: World) -> int:
+    """torchrun's restart attempt when meshtron restarts through it (each attempt's dumps go
+    to a folder of their own: doctor.trace_dir); 0 otherwise (elastic agents count their
+    restarts each on its own)."""
+    if job.checkpoint.max_restarts > 0 and world.source == "torchrun" and job.elastic is None:
+        from meshtron.checkpoint.restart import attempt
+
+        return attempt()
+    return 0
+
+
+def _note(job: TrainJob, world: World, cause: str, kind: str = "exception") -> None:
     """Leave the cause for the restarted attempt's `restart` record (meshtron.checkpoint)."""
     if job.checkpoint.max_restarts > 0:
         from meshtron.checkpoint.restart import note_failure
 
-        note_failure(job.cfg.train.run_dir, world.rank, cause)
+        note_failure(job.cfg.train.run_dir, world.rank, cause, kind)
 
 
 def _dump(exc: BaseException) -> None:
