@@ -100,35 +100,81 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("surviving failures (meshtron.checkpoint)")
-    g.add_argument("--checkpoint-every", metavar="N|auto", default="0",
-                   help="save a sharded asynchronous checkpoint every N steps (0: off), or "
-                        "'auto' (Young/Daly optimum from the measured save stall and the MTBF)")
-    g.add_argument("--keep", type=int, default=3, metavar="K",
-                   help="complete checkpoints kept (default 3)")
+    g.add_argument("--checkpoint-every", metavar="N|auto",
+                   help="save a sharded asynchronous checkpoint every N steps (0: off, the "
+                        "default), or 'auto' (Young/Daly optimum from the measured save stall "
+                        "and the MTBF); with --resume, the run's own unless given")
+    g.add_argument("--keep", type=int, metavar="K",
+                   help="complete checkpoints kept (default 3; with --resume, the run's own)")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint in RUN_DIR/checkpoints")
-    g.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="continue from the latest complete checkpoint in RUN_DIR/checkpoints, "
+                        "with the run's own settings where none is given (a setting that "
+                        "would change its trajectory is refused; the layout may change)")
+    g.add_argument("--max-restarts", type=int, metavar="R",
                    help="restart all ranks from the last checkpoint when one dies, up to R "
-                        "times (torchrun's elastic agent)")
-    g.add_argument("--preempt-grace", type=float, default=30.0, metavar="S",
+                        "times (torchrun's elastic agent; default 0)")
+    g.add_argument("--preempt-grace", type=float, metavar="S",
                    help="seconds from SIGTERM to the committed checkpoint; the run then exits "
                         "with code 75 (default 30)")
-    g.add_argument("--snapshot-every", type=int, default=0, metavar="N",
+    g.add_argument("--snapshot-every", type=int, metavar="N",
                    help="keep an in-memory snapshot every N steps (own shard + a copy on the "
                         "next node of --ranks-per-node ranks; needs --max-restarts): a restart "
-                        "restores from memory before disk (0: off)")
+                        "restores from memory before disk (0: off, the default)")
     g.add_argument("--mtbf-hours", type=float, metavar="H",
                    help="the job's mean time between failures for --checkpoint-every auto "
                         "(default: from the GPU count and Llama 3's per-GPU failure rate)")
 
 
-def checkpoint_config(args: argparse.Namespace):
-    from meshtron.checkpoint.config import CheckpointConfig, parse_every
+# CheckpointConfig field -> the flag's argparse dest (None when not given)
+_CHECKPOINT_FLAGS = {"every": "checkpoint_every", "keep": "keep", "max_restarts": "max_restarts",
+                     "preempt_grace_s": "preempt_grace", "mtbf_hours": "mtbf_hours",
+                     "snapshot_every": "snapshot_every"}
 
-    return CheckpointConfig(every=parse_every(args.checkpoint_every), keep=args.keep,
-                            resume=args.resume, max_restarts=args.max_restarts,
-                            preempt_grace_s=args.preempt_grace, mtbf_hours=args.mtbf_hours,
-                            snapshot_every=args.snapshot_every)
+
+def checkpoint_config(args: argparse.Namespace, resumed: tuple[Any, dict] | None = None):
+    """The checkpoint flags; those not given: what the resumed checkpoint's meta.json records
+    (`resumed`: `resumed_meta`), else CheckpointConfig's defaults."""
+    from meshtron.checkpoint.config import CheckpointConfig, parse_every
+    from meshtron.checkpoint.resume import recorded_checkpointing
+
+    values = recorded_checkpointing(resumed[1]) if resumed else {}
+    for name, dest in _CHECKPOINT_FLAGS.items():
+        given = getattr(args, dest)
+        if given is not None:
+            values[name] = parse_every(given) if name == "every" else given
+    return CheckpointConfig(resume=args.resume, **values)
+
+
+def resumed_meta(args: argparse.Namespace, run_dir: str) -> tuple[Any, dict[str, Any]] | None:
+    """(folder, meta.json) of the checkpoint a `--resume` typed by the user continues (None: not
+    a resume, a rank the launcher started with the resolved files, or no complete checkpoint,
+    which prepare_start refuses)."""
+    if not getattr(args, "resume", False) or args.launched_rank:
+        return None
+    from meshtron.checkpoint.resume import recorded
+
+    return recorded(run_dir)
+
+
+def _run_dir_of(doc: dict[str, Any], overrides: dict[str, Any]) -> str:
+    from meshtron.config import TrainConfig
+
+    table = doc.get("train")
+    return (overrides.get("train.run_dir")
+            or (table.get("run_dir") if isinstance(table, dict) else None)
+            or TrainConfig.run_dir)
+
+
+def _on_top(base: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    """Run file `doc` over the recorded run file `base`: its tables key by key, its model
+    whole."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in doc.items():
+        if key != "model" and isinstance(out.get(key), dict) and isinstance(value, dict):
+            out[key].update(value)
+        else:
+            out[key] = value
+    return out
 
 
 def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:
@@ -142,6 +188,11 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         if key != "model" and "." not in key:
             raise UserError(f"--set {key!r}: expected SECTION.KEY (data, optim or train)")
         overrides[key] = literal_value(value)
+    resumed = resumed_meta(args, _run_dir_of(doc, overrides))
+    if resumed is not None:  # what the resume does not give: the run's own (resume_fields.py)
+        from meshtron.checkpoint.resume import recorded_run_doc
+
+        doc = _on_top(recorded_run_doc(resumed[1]), doc)
     if args.tensorboard:
         overrides["train.tensorboard"] = True
     if getattr(args, "compile", False):
@@ -216,6 +267,8 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
     from meshtron.train.planning import fixed_knobs, is_plan_file
 
     comm = requested(args)
+    if not is_plan_file(plan):  # a saved plan states its own (checked against the checkpoint)
+        comm = {**_resumed_comm(args, cfg), **comm}
     offload = getattr(args, "offload", None)
     offload_act = getattr(args, "offload_activations", False)
     async_tp = getattr(args, "async_tp", False)
@@ -240,6 +293,20 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
                            comm=comm)
 
 
+def _resumed_comm(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    """On --resume: the resumed run's gradient compression / DiLoCo settings (those not at
+    their defaults), which the flags may restate, not change (resume.check_compatible)."""
+    from meshtron.checkpoint import resume_fields as rf
+    from meshtron.checkpoint.resume import recorded_comm
+    from meshtron.planner.plan_rules_fields import COMM_DEFAULTS
+
+    resumed = resumed_meta(args, cfg.train.run_dir)
+    if resumed is None:
+        return {}
+    return {k: v for k, v in recorded_comm(resumed[1]).items()
+            if k in rf.kept("plan") and v != COMM_DEFAULTS[k]}
+
+
 def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None,
                   plan: str | None = None, nproc: int | None = None,
                   overwrite: bool = False) -> TrainJob:
@@ -254,7 +321,12 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
     from meshtron.hf.hooks import check_job
 
     check_job(cfg)
-    ckpt = checkpoint_config(args)
+    resumed = resumed_meta(args, cfg.train.run_dir)
+    if resumed is not None:  # a contradicted setting: refused before the folder is touched
+        from meshtron.checkpoint.resume import check_compatible
+
+        check_compatible(resumed[1], cfg, resumed[0])
+    ckpt = checkpoint_config(args, resumed)
     from meshtron.train.elastic import from_args as elastic_from_args
 
     elastic = elastic_from_args(args, args.nproc or nproc)
@@ -277,7 +349,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         check_replica_ft(cfg, parallel_asked=parallel_request(args, cfg, args.plan,
                                                               args.nproc) is not None)
-        return run_replica_ft(cfg, max_restarts=max(args.max_restarts, 0),
+        return run_replica_ft(cfg, max_restarts=max(args.max_restarts or 0, 0),
                               overwrite=args.overwrite)
     return run_job(job_from_args(args))
 
