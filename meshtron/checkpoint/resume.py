@@ -103,18 +103,27 @@ def recorded_checkpointing(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: table[k] for k in rf.inherited("checkpoint") if k in table}
 
 
+def check_resume(ckpt: CheckpointConfig, cfg: Any, plan: Any = _NO_PLAN) -> None:
+    """`--resume`: a complete checkpoint (sizes checked here; checksums by the ranks) saved with
+    this run's KEEP settings (and `plan`'s). Reads only: callable before the folder is claimed."""
+    if not ckpt.resume:
+        return
+    root = store.checkpoint_root(cfg.train.run_dir)
+    found = store.find_latest(root, deep=False)
+    if found.path is None:
+        why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
+        raise UserError(f"--resume: no complete checkpoint in {root}"
+                        + (f" ({why})" if why else ""))
+    check_compatible(store.read_meta(found.path), cfg, found.path, plan)
+
+
 def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool, plan: Any = _NO_PLAN) -> None:
-    """Checks in the launching process, before any rank starts: `--resume` needs a complete
-    checkpoint (sizes checked here; checksums by the ranks) of the same model; a fresh run over
-    an old one (--overwrite) drops the old checkpoints so a later --resume cannot pick them up."""
+    """Checks in the launching process, before any rank starts: `check_resume`; a fresh run
+    over an old one (--overwrite) drops the old checkpoints so a later --resume cannot pick
+    them up."""
     root = store.checkpoint_root(cfg.train.run_dir)
     if ckpt.resume:
-        found = store.find_latest(root, deep=False)
-        if found.path is None:
-            why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
-            raise UserError(f"--resume: no complete checkpoint in {root}"
-                            + (f" ({why})" if why else ""))
-        check_compatible(store.read_meta(found.path), cfg, found.path, plan)
+        check_resume(ckpt, cfg, plan)
         (root / store.PREEMPTED).unlink(missing_ok=True)
     elif overwrite and root.exists():
         shutil.rmtree(root)
