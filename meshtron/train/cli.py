@@ -133,7 +133,7 @@ _CHECKPOINT_FLAGS = {"every": "checkpoint_every", "keep": "keep", "max_restarts"
 
 def checkpoint_config(args: argparse.Namespace, resumed: tuple[Any, dict] | None = None):
     """The checkpoint flags; those not given: what the resumed checkpoint's meta.json records
-    (`resumed`: `resumed_meta`), else CheckpointConfig's defaults."""
+    (`resumed`: resume_args.check_given), else CheckpointConfig's defaults."""
     from meshtron.checkpoint.config import CheckpointConfig, parse_every
     from meshtron.checkpoint.resume import recorded_checkpointing
 
@@ -143,38 +143,6 @@ def checkpoint_config(args: argparse.Namespace, resumed: tuple[Any, dict] | None
         if given is not None:
             values[name] = parse_every(given) if name == "every" else given
     return CheckpointConfig(resume=args.resume, **values)
-
-
-def resumed_meta(args: argparse.Namespace, run_dir: str) -> tuple[Any, dict[str, Any]] | None:
-    """(folder, meta.json) of the checkpoint a `--resume` typed by the user continues (None: not
-    a resume, a rank the launcher started with the resolved files, or no complete checkpoint,
-    which prepare_start refuses)."""
-    if not getattr(args, "resume", False) or args.launched_rank:
-        return None
-    from meshtron.checkpoint.resume import recorded
-
-    return recorded(run_dir)
-
-
-def _run_dir_of(doc: dict[str, Any], overrides: dict[str, Any]) -> str:
-    from meshtron.config import TrainConfig
-
-    table = doc.get("train")
-    return (overrides.get("train.run_dir")
-            or (table.get("run_dir") if isinstance(table, dict) else None)
-            or TrainConfig.run_dir)
-
-
-def _on_top(base: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
-    """Run file `doc` over the recorded run file `base`: its tables key by key, its model
-    whole."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for key, value in doc.items():
-        if key != "model" and isinstance(out.get(key), dict) and isinstance(value, dict):
-            out[key].update(value)
-        else:
-            out[key] = value
-    return out
 
 
 def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:
@@ -188,11 +156,9 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         if key != "model" and "." not in key:
             raise UserError(f"--set {key!r}: expected SECTION.KEY (data, optim or train)")
         overrides[key] = literal_value(value)
-    resumed = resumed_meta(args, _run_dir_of(doc, overrides))
-    if resumed is not None:  # what the resume does not give: the run's own (resume_fields.py)
-        from meshtron.checkpoint.resume import recorded_run_doc
+    from meshtron.train.resume_args import over_recorded
 
-        doc = _on_top(recorded_run_doc(resumed[1]), doc)
+    doc = over_recorded(args, doc, overrides)  # --resume: what is not given, the run's own
     if args.tensorboard:
         overrides["train.tensorboard"] = True
     if getattr(args, "compile", False):
@@ -268,7 +234,9 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
 
     comm = requested(args)
     if not is_plan_file(plan):  # a saved plan states its own (checked against the checkpoint)
-        comm = {**_resumed_comm(args, cfg), **comm}
+        from meshtron.train.resume_args import resumed_comm
+
+        comm = {**resumed_comm(args, cfg), **comm}
     offload = getattr(args, "offload", None)
     offload_act = getattr(args, "offload_activations", False)
     async_tp = getattr(args, "async_tp", False)
@@ -293,20 +261,6 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
                            comm=comm)
 
 
-def _resumed_comm(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    """On --resume: the resumed run's gradient compression / DiLoCo settings (those not at
-    their defaults), which the flags may restate, not change (resume.check_compatible)."""
-    from meshtron.checkpoint import resume_fields as rf
-    from meshtron.checkpoint.resume import recorded_comm
-    from meshtron.planner.plan_rules_fields import COMM_DEFAULTS
-
-    resumed = resumed_meta(args, cfg.train.run_dir)
-    if resumed is None:
-        return {}
-    return {k: v for k, v in recorded_comm(resumed[1]).items()
-            if k in rf.kept("plan") and v != COMM_DEFAULTS[k]}
-
-
 def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None,
                   plan: str | None = None, nproc: int | None = None,
                   overwrite: bool = False) -> TrainJob:
@@ -321,12 +275,9 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
     from meshtron.hf.hooks import check_job
 
     check_job(cfg)
-    resumed = resumed_meta(args, cfg.train.run_dir)
-    if resumed is not None:  # a contradicted setting: refused before the folder is touched
-        from meshtron.checkpoint.resume import check_compatible
+    from meshtron.train.resume_args import check_given
 
-        check_compatible(resumed[1], cfg, resumed[0])
-    ckpt = checkpoint_config(args, resumed)
+    ckpt = checkpoint_config(args, check_given(args, cfg))
     from meshtron.train.elastic import from_args as elastic_from_args
 
     elastic = elastic_from_args(args, args.nproc or nproc)
