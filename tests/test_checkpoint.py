@@ -177,6 +177,17 @@ def test_resume_falls_back_with_a_clear_message_and_fails_cleanly_when_nothing_i
                                       "step_00000006 was saved by a run with data.seq_len=32"),
     (["--resume", "--data", str(Path(__file__).parents[1] / "README.md")],
      "--resume: data.source="),
+    # every setting that shapes the trajectory (checkpoint/resume_fields.py): the user audit
+    # found --global-batch 16 and --seed 7 accepted on resume (the run folder then contradicted
+    # itself); named with the recorded and the given value
+    (["--resume", "--global-batch", "16"], "--resume: data.global_batch=16: the checkpoint "
+                                           "step_00000006 was saved by a run with "
+                                           "data.global_batch=8"),
+    (["--resume", "--seed", "7"], "train.seed=7: the checkpoint step_00000006 was saved by a "
+                                  "run with train.seed=0"),
+    (["--resume", "--micro-batch", "4"], "allowed: data.micro_batch not set"),
+    (["--resume", "--dtype", "bf16"], "train.dtype='bf16'"),
+    (["--resume", "--set", "optim.beta2=0.99"], "optim.beta2=0.99: the checkpoint"),
 ])
 def test_bad_checkpoint_input_is_one_line_and_deletes_nothing(saved, tmp_path, capsys, argv,
                                                               needle):

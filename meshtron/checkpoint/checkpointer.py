@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint import history, integrity, restart, staging, state, store
-from meshtron.checkpoint.config import CheckpointConfig
+from meshtron.checkpoint.config import CheckpointConfig, recorded_settings
 from meshtron.checkpoint.preempt import PreemptionWatch
 from meshtron.checkpoint.resume import check_compatible, prepare_start  # noqa: F401 (API)
 from meshtron.errors import UserError
@@ -250,7 +250,7 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         meta = store.read_meta(folder)
-        check_compatible(meta, self.cfg, folder)
+        check_compatible(meta, self.cfg, folder, self.plan)
         saved_replicas = int(meta.get("replica_states", 1))
         per_replica = saved_replicas > 1 and saved_replicas == self.state.replicas
         if saved_replicas > 1 and not per_replica:
@@ -324,7 +324,7 @@ class Checkpointer:
                 "replica_states": self.state.replicas if self.state.diverged() else 1,
                 "plan": self.plan.to_dict() if self.plan is not None else None,
                 "config": json.loads(json.dumps(self.cfg.to_dict(), default=str)),
-                "time": time.time()}
+                "checkpoint": recorded_settings(self.ckpt), "time": time.time()}
 
     def _finish(self, future: Any, step: int, writer: Any, t0: float) -> None:
         future.result()  # every rank's shards written (DCP gathers them before its metadata)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from meshtron.errors import UserError
 
@@ -87,6 +88,14 @@ class CheckpointConfig:
         if self.resume:
             argv.append("--resume")
         return argv
+
+
+def recorded_settings(c: CheckpointConfig) -> dict[str, Any]:
+    """What every checkpoint's meta.json records of these settings: the ones a `--resume` takes
+    when not given (resume_fields.FIELDS)."""
+    from meshtron.checkpoint.resume_fields import inherited
+
+    return {name: getattr(c, name) for name in inherited("checkpoint")}
 
 
 def _check_snapshots(c: CheckpointConfig) -> None:

@@ -1,8 +1,9 @@
 """What a resume must match: checks made before any tensor is loaded (one line each, exit 2).
 
-`check_compatible`: the checkpoint's model shape and learning-rate schedule against this run's
-(the ranks call it before loading, the launcher before starting them); `prepare_start`: the
-launcher's checks, before any rank starts.
+`check_compatible`: the settings the checkpoint was saved with against this run's, for every
+KEEP field of `resume_fields.FIELDS` (the ranks call it before loading, the launcher before
+starting them); `recorded*`: what the command line takes from the checkpoint when a resume
+omits a setting; `prepare_start`: the launcher's checks, before any rank starts.
 """
 
 from __future__ import annotations
@@ -12,30 +13,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from meshtron.checkpoint import resume_fields as rf
 from meshtron.checkpoint import store
 from meshtron.checkpoint.config import CheckpointConfig
 from meshtron.errors import UserError
 
 _SHAPE_IGNORED = ("name",)
 
-SCHEDULE_FIELDS = (("train", "steps"), ("optim", "lr"), ("optim", "warmup_steps"),
-                   ("optim", "min_lr_ratio"))
-"""The inputs of the learning-rate schedule (meshtron/train/optim.py: warm-up, then cosine decay
-to min_lr_ratio * lr at train.steps). The checkpoint holds the schedule's position, not its
-shape: resuming with another value would silently jump the learning rate at the resumed step
-(e.g. --steps 12 -> 20 moved it from 2.07e-4 to 5.39e-4). As Megatron-LM's scheduler checks
-(`--override-opt_param-scheduler` to bypass) and torchtitan's schedule being a function of the
-configured steps, a change must be explicit: here, a new run."""
-
-DATA_FIELDS = (("data", "source"), ("data", "tokenizer"), ("data", "seq_len"))
-"""What the checkpoint's data position is counted in: sample n of the shuffled seq_len+1-token
-windows of that source as that tokenizer splits it (data/dataset.py). The ranks refused another
-one (as "data state: num_windows", or not at all when the counts happened to agree) only after
-the run's config.json had been rewritten with it; checked here, before anything is written."""
+_NO_PLAN = object()
 
 
-def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
-    """Refuse a checkpoint of another model shape or learning-rate schedule (one line)."""
+def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _NO_PLAN) -> None:
+    """Refuse (one line) a run whose KEEP settings (resume_fields.FIELDS) differ from those the
+    checkpoint in `folder` was saved with: the model's shape field by field, then the run
+    config's, then (when `plan` is given: a Plan, or None for one process) the plan's."""
     saved_cfg = meta.get("config", {})
     now_cfg = json.loads(json.dumps(cfg.to_dict(), default=str))
     saved, now = dict(saved_cfg.get("model", {})), now_cfg["model"]
@@ -44,31 +35,95 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
             raise UserError(f"--resume: checkpoint {folder} holds a model with "
                             f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}; "
                             "resume with the same model or start a new --run-dir")
-    for fields, what in ((SCHEDULE_FIELDS, "the learning-rate schedule is a function of it"),
-                         (DATA_FIELDS, "the data position it holds counts windows of that data")):
-        for section, key in fields:
-            if section not in saved_cfg or key not in saved_cfg[section]:
-                continue  # a checkpoint written before the field existed
-            was, want = saved_cfg[section][key], now_cfg[section][key]
-            if was != want:
-                raise UserError(f"--resume: {section}.{key}={want!r}: the checkpoint "
-                                f"{folder.name} was saved by a run with {section}.{key}={was!r}, "
-                                f"and {what}; allowed: {section}.{key}={was!r} (or train a new "
-                                "--run-dir)")
+    for section in ("data", "optim", "train"):
+        for key in rf.kept(section):
+            if section in saved_cfg and key in saved_cfg[section]:  # else saved before it existed
+                _refuse_change(f"{section}.{key}", saved_cfg[section][key],
+                               now_cfg[section][key], folder)
+    if plan is not _NO_PLAN:
+        saved_plan, now_plan = recorded_comm(meta), _comm_of(plan)
+        for key in rf.kept("plan"):
+            _refuse_change(f"plan.{key}", saved_plan[key], now_plan[key], folder,
+                           flag="--" + key.replace("_", "-"))
 
 
-def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool) -> None:
-    """Checks in the launching process, before any rank starts: `--resume` needs a complete
-    checkpoint (sizes checked here; checksums by the ranks) of the same model; a fresh run over
-    an old one (--overwrite) drops the old checkpoints so a later --resume cannot pick them up."""
+def _refuse_change(field: str, was: Any, want: Any, folder: Path, flag: str = "") -> None:
+    if was == want:
+        return
+    why = rf.FIELDS[field][1]
+    if was is None:
+        hint = f"{field} not set"
+    else:
+        hint = f"{flag} {was}" if flag else f"{field}={was!r}"
+    raise UserError(f"--resume: {field}={want!r}: the checkpoint {folder.name} was saved by a "
+                    f"run with {field}={was!r}, and {why}; allowed: {hint} (or train a new "
+                    "--run-dir)")
+
+
+def _comm_of(plan: Any) -> dict[str, Any]:
+    from meshtron.planner.plan_rules_fields import COMM_DEFAULTS
+
+    return {k: (getattr(plan, k) if plan is not None else d) for k, d in COMM_DEFAULTS.items()}
+
+
+def recorded_comm(meta: dict[str, Any]) -> dict[str, Any]:
+    """The data-parallel traffic fields of the plan the checkpoint was saved with (defaults
+    where its plan file left them out, or for a one-process run)."""
+    from meshtron.planner.plan_rules_fields import COMM_DEFAULTS
+
+    plan = meta.get("plan") or {}
+    return {k: plan.get(k, d) for k, d in COMM_DEFAULTS.items()}
+
+
+def recorded(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """(folder, meta.json) of the checkpoint a --resume of `run_dir` loads (None: no complete
+    one; prepare_start refuses that)."""
+    found = store.find_latest(store.checkpoint_root(run_dir), deep=False)
+    return None if found.path is None else (found.path, store.read_meta(found.path))
+
+
+def recorded_run_doc(meta: dict[str, Any]) -> dict[str, Any]:
+    """The run file the checkpoint was saved with, its KEEP and FOLLOW fields (a run file
+    document: `config_from_dict` reads it)."""
+    saved = meta.get("config", {})
+    doc: dict[str, Any] = {}
+    if isinstance(saved.get("model"), dict):
+        doc["model"] = {k: v for k, v in saved["model"].items() if v is not None}
+    for section in ("data", "optim", "train"):
+        table = saved.get(section) or {}
+        doc[section] = {k: table[k] for k in rf.inherited(section)
+                        if table.get(k) is not None}
+    return doc
+
+
+def recorded_checkpointing(meta: dict[str, Any]) -> dict[str, Any]:
+    """The CheckpointConfig fields the run was saving with (empty: saved before they were
+    recorded)."""
+    table = meta.get("checkpoint") or {}
+    return {k: table[k] for k in rf.inherited("checkpoint") if k in table}
+
+
+def check_resume(ckpt: CheckpointConfig, cfg: Any, plan: Any = _NO_PLAN) -> None:
+    """`--resume`: a complete checkpoint (sizes checked here; checksums by the ranks) saved with
+    this run's KEEP settings (and `plan`'s). Reads only: callable before the folder is claimed."""
+    if not ckpt.resume:
+        return
+    root = store.checkpoint_root(cfg.train.run_dir)
+    found = store.find_latest(root, deep=False)
+    if found.path is None:
+        why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
+        raise UserError(f"--resume: no complete checkpoint in {root}"
+                        + (f" ({why})" if why else ""))
+    check_compatible(store.read_meta(found.path), cfg, found.path, plan)
+
+
+def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool, plan: Any = _NO_PLAN) -> None:
+    """Checks in the launching process, before any rank starts: `check_resume`; a fresh run
+    over an old one (--overwrite) drops the old checkpoints so a later --resume cannot pick
+    them up."""
     root = store.checkpoint_root(cfg.train.run_dir)
     if ckpt.resume:
-        found = store.find_latest(root, deep=False)
-        if found.path is None:
-            why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
-            raise UserError(f"--resume: no complete checkpoint in {root}"
-                            + (f" ({why})" if why else ""))
-        check_compatible(store.read_meta(found.path), cfg, found.path)
+        check_resume(ckpt, cfg, plan)
         (root / store.PREEMPTED).unlink(missing_ok=True)
     elif overwrite and root.exists():
         shutil.rmtree(root)

@@ -195,6 +195,15 @@ class Found:
     rejected: tuple[tuple[str, str], ...] = ()
     """(folder name, what is wrong) of every newer checkpoint that failed verification."""
 
+    def skipped(self) -> str | None:
+        """One line naming the damaged newer checkpoints and why, and the one used instead
+        (None: none was skipped)."""
+        if not self.rejected:
+            return None
+        damaged = "; ".join(f"{name} is damaged: {why}" for name, why in self.rejected)
+        used = f"using {self.path.name}" if self.path is not None else "none is complete"
+        return f"checkpoint {damaged}; not loaded, {used}"
+
     def report(self) -> list[str]:
         lines = [f"checkpoint {name} is damaged: {why}; not loaded" for name, why in
                  self.rejected]

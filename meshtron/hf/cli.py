@@ -11,6 +11,7 @@ against their manifest); the newest intact one is taken unless `--step` names on
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from meshtron.argtypes import positive_int
@@ -31,6 +32,8 @@ def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, int]:
         if found.path is None:
             why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
             raise UserError(f"export RUN_DIR={str(run_dir)!r}: no intact checkpoint ({why})")
+        if found.rejected:  # said, as `meshtron train` says it on resume
+            print(f"meshtron export: {found.skipped()}", file=sys.stderr, flush=True)
         return found.path, found.step
     if step not in saved:
         raise UserError(f"export --step={step}: no checkpoint of that step; steps saved: "
@@ -64,7 +67,7 @@ def run_config(run_dir: Path):
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from meshtron.checkpoint import load_full_state_dict
+    from meshtron.checkpoint.export import load_checkpoint
     from meshtron.hf.export import export_type, prepare_export_dir, save_hf
     from meshtron.hf.hooks import source_config, tokenizer_source
 
@@ -73,7 +76,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     export_type(cfg.model, source_config(cfg), "export")
     prepare_export_dir(args.to, "export --to")
     folder, step = find_checkpoint(run_dir, args.step)
-    state = load_full_state_dict(folder)
+    state = load_checkpoint(folder)  # verified by find_checkpoint
     out = save_hf(state, cfg.model, args.to, source_config(cfg), tokenizer_source(cfg, run_dir))
     print(f"exported step {step} of {run_dir} ({len(state)} tensors) to {out}")
     return 0

@@ -157,15 +157,26 @@ def _spec_difference(a: ModelSpec, b: ModelSpec) -> tuple[str, Any, Any] | None:
     return None
 
 
-def load_state(branch: Branch) -> dict[str, Any]:
-    """Full CPU tensors of a branch, keyed by meshtron's parameter names (a run: its newest
-    intact checkpoint; exported weights: every tensor, read through safetensors)."""
+def checkpoint_of(branch: Branch) -> tuple[Path, int] | None:
+    """(folder, step) of a run branch's newest intact checkpoint, a damaged newer one skipped
+    said on stderr; None for exported weights."""
+    if branch.kind != "run":
+        return None
+    from meshtron.checkpoint.export import newest_intact
+
+    return newest_intact(branch.path, f"meshtron merge: {branch.path}")
+
+
+def load_state(branch: Branch, folder: Path | None = None) -> dict[str, Any]:
+    """Full CPU tensors of a branch, keyed by meshtron's parameter names (a run: `folder`, a
+    checkpoint `checkpoint_of` chose, or its newest intact one; exported weights: every tensor,
+    read through safetensors)."""
     import torch
 
     if branch.kind == "run":
-        from meshtron.checkpoint import load_full_state_dict
+        from meshtron.checkpoint.export import load_checkpoint, load_full_state_dict
 
-        return load_full_state_dict(branch.path)
+        return load_checkpoint(folder) if folder else load_full_state_dict(branch.path)
     from meshtron.hf.load import Checkpoint, model_shapes
     from meshtron.model.init import BLOCK_ELEMS
 

@@ -98,9 +98,10 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
     from meshtron.modular import branches as br
     from meshtron.modular.upcycle import merge_states
 
-    states, distances = [], []
+    states, distances, chosen = [], [], []
     for b in inputs:  # the experts need every branch's MLP; the rest is averaged
-        state = br.load_state(b)
+        chosen.append(br.checkpoint_of(b))
+        state = br.load_state(b, chosen[-1][0] if chosen[-1] else None)
         distances.append(br.check_close(b, state, inputs[0], states[0]) if states else 0.0)
         states.append(state)
     merged, init = merge_states(states, spec, copies, seed)
@@ -110,8 +111,10 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
         "format": "meshtron-merge/1",
         "method": "upcycle" if len(inputs) == 1 else "branch-train-mix",
         "branches": [{"path": str(b.path.resolve()), "kind": b.kind, "base": b.base,
-                      "tokenizer": b.tokenizer, "relative_distance": d}
-                     for b, d in zip(inputs, distances)],
+                      "tokenizer": b.tokenizer, "relative_distance": d,
+                      # the checkpoint merged (runs; exported weights record no step)
+                      "step": c[1] if c else None, "checkpoint": c[0].name if c else None}
+                     for b, d, c in zip(inputs, distances, chosen)],
         "copies": copies, "router_seed": seed, "router": init.to_dict(),
         "model": spec.to_dict(),
     }

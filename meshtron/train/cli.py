@@ -100,35 +100,49 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("surviving failures (meshtron.checkpoint)")
-    g.add_argument("--checkpoint-every", metavar="N|auto", default="0",
-                   help="save a sharded asynchronous checkpoint every N steps (0: off), or "
-                        "'auto' (Young/Daly optimum from the measured save stall and the MTBF)")
-    g.add_argument("--keep", type=int, default=3, metavar="K",
-                   help="complete checkpoints kept (default 3)")
+    g.add_argument("--checkpoint-every", metavar="N|auto",
+                   help="save a sharded asynchronous checkpoint every N steps (0: off, the "
+                        "default), or 'auto' (Young/Daly optimum from the measured save stall "
+                        "and the MTBF); with --resume, the run's own unless given")
+    g.add_argument("--keep", type=int, metavar="K",
+                   help="complete checkpoints kept (default 3; with --resume, the run's own)")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint in RUN_DIR/checkpoints")
-    g.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="continue from the latest complete checkpoint in RUN_DIR/checkpoints, "
+                        "with the run's own settings where none is given (a setting that "
+                        "would change its trajectory is refused; the layout may change)")
+    g.add_argument("--max-restarts", type=int, metavar="R",
                    help="restart all ranks from the last checkpoint when one dies, up to R "
-                        "times (torchrun's elastic agent)")
-    g.add_argument("--preempt-grace", type=float, default=30.0, metavar="S",
+                        "times (torchrun's elastic agent; default 0)")
+    g.add_argument("--preempt-grace", type=float, metavar="S",
                    help="seconds from SIGTERM to the committed checkpoint; the run then exits "
                         "with code 75 (default 30)")
-    g.add_argument("--snapshot-every", type=int, default=0, metavar="N",
+    g.add_argument("--snapshot-every", type=int, metavar="N",
                    help="keep an in-memory snapshot every N steps (own shard + a copy on the "
                         "next node of --ranks-per-node ranks; needs --max-restarts): a restart "
-                        "restores from memory before disk (0: off)")
+                        "restores from memory before disk (0: off, the default)")
     g.add_argument("--mtbf-hours", type=float, metavar="H",
                    help="the job's mean time between failures for --checkpoint-every auto "
                         "(default: from the GPU count and Llama 3's per-GPU failure rate)")
 
 
-def checkpoint_config(args: argparse.Namespace):
-    from meshtron.checkpoint.config import CheckpointConfig, parse_every
+# CheckpointConfig field -> the flag's argparse dest (None when not given)
+_CHECKPOINT_FLAGS = {"every": "checkpoint_every", "keep": "keep", "max_restarts": "max_restarts",
+                     "preempt_grace_s": "preempt_grace", "mtbf_hours": "mtbf_hours",
+                     "snapshot_every": "snapshot_every"}
 
-    return CheckpointConfig(every=parse_every(args.checkpoint_every), keep=args.keep,
-                            resume=args.resume, max_restarts=args.max_restarts,
-                            preempt_grace_s=args.preempt_grace, mtbf_hours=args.mtbf_hours,
-                            snapshot_every=args.snapshot_every)
+
+def checkpoint_config(args: argparse.Namespace, resumed: tuple[Any, dict] | None = None):
+    """The checkpoint flags; those not given: what the resumed checkpoint's meta.json records
+    (`resumed`: resume_args.check_given), else CheckpointConfig's defaults."""
+    from meshtron.checkpoint.config import CheckpointConfig, parse_every
+    from meshtron.checkpoint.resume import recorded_checkpointing
+
+    values = recorded_checkpointing(resumed[1]) if resumed else {}
+    for name, dest in _CHECKPOINT_FLAGS.items():
+        given = getattr(args, dest)
+        if given is not None:
+            values[name] = parse_every(given) if name == "every" else given
+    return CheckpointConfig(resume=args.resume, **values)
 
 
 def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:
@@ -142,6 +156,9 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         if key != "model" and "." not in key:
             raise UserError(f"--set {key!r}: expected SECTION.KEY (data, optim or train)")
         overrides[key] = literal_value(value)
+    from meshtron.train.resume_args import over_recorded
+
+    doc = over_recorded(args, doc, overrides)  # --resume: what is not given, the run's own
     if args.tensorboard:
         overrides["train.tensorboard"] = True
     if getattr(args, "compile", False):
@@ -216,6 +233,10 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
     from meshtron.train.planning import fixed_knobs, is_plan_file
 
     comm = requested(args)
+    if not is_plan_file(plan):  # a saved plan states its own (checked against the checkpoint)
+        from meshtron.train.resume_args import resumed_comm
+
+        comm = {**resumed_comm(args, cfg), **comm}
     offload = getattr(args, "offload", None)
     offload_act = getattr(args, "offload_activations", False)
     async_tp = getattr(args, "async_tp", False)
@@ -254,7 +275,9 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
     from meshtron.hf.hooks import check_job
 
     check_job(cfg)
-    ckpt = checkpoint_config(args)
+    from meshtron.train.resume_args import check_given
+
+    ckpt = checkpoint_config(args, check_given(args, cfg))
     from meshtron.train.elastic import from_args as elastic_from_args
 
     elastic = elastic_from_args(args, args.nproc or nproc)
@@ -277,7 +300,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         check_replica_ft(cfg, parallel_asked=parallel_request(args, cfg, args.plan,
                                                               args.nproc) is not None)
-        return run_replica_ft(cfg, max_restarts=max(args.max_restarts, 0),
+        return run_replica_ft(cfg, max_restarts=max(args.max_restarts or 0, 0),
                               overwrite=args.overwrite)
     return run_job(job_from_args(args))
 

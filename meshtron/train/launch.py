@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from meshtron.checkpoint.resume import check_resume
 from meshtron.errors import UserError
 from meshtron.launch import World, current_world
 from meshtron.train import outputs, run_lock
@@ -52,8 +53,10 @@ def train_here(job: TrainJob) -> int:
     run_lock.check_free(job.cfg.train.run_dir)
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     data = build_run_data(job.cfg)
-    claim_run_dir(job)
+    check_resume(job.checkpoint, job.cfg, None)  # before the claim: a refusal writes nothing
+    claim_run_dir(job, plan=None)
     warn(job)  # once the input is known to be good
+    write_single_process_files(job)
     try:
         result = train(job.cfg, overwrite=job.overwrite, data=data, checkpoint=job.checkpoint)
     except Preempted:
@@ -89,7 +92,8 @@ def launch_ranks(job: TrainJob) -> int:
     # The data must open on every data-parallel rank: check once here (cheap: the corpus is
     # read, not trained on) so that a bad path is one line, not N tracebacks.
     build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)
-    claim_run_dir(job)
+    check_resume(job.checkpoint, job.cfg, plan)  # before the claim: a refusal writes nothing
+    claim_run_dir(job, plan)
     run_dir = Path(job.cfg.train.run_dir)
     try:
         code = start_ranks(job, plan, chosen, request, nproc)
@@ -176,18 +180,28 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
                         grace_s=job.checkpoint.preempt_grace_s)
 
 
-def claim_run_dir(job: TrainJob) -> None:
+def claim_run_dir(job: TrainJob, plan) -> None:
     """Hold the run folder for this run (a second run there is refused while this one lives),
     then clear what a fresh run replaces. After every check of the input: bad input found
-    here still leaves nothing behind."""
+    here still leaves nothing behind. `plan`: the ranks' Plan (None: one process)."""
     from meshtron.checkpoint.checkpointer import prepare_start
 
     run_lock.claim(job.cfg.train.run_dir)
     try:
-        prepare_start(job.checkpoint, job.cfg, job.overwrite)
+        prepare_start(job.checkpoint, job.cfg, job.overwrite, plan)
     except UserError:
         run_lock.abandon(job.cfg.train.run_dir)
         raise
+
+
+def write_single_process_files(job: TrainJob) -> None:
+    """One process: run.toml is this run's resolved config too, and a plan.toml an earlier
+    multi-rank run of the folder left describes no rank of this one (the folder never
+    contradicts itself: config.json, written by the loop, says the same)."""
+    run_dir = Path(job.cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_file(job, run_dir / "run.toml")
+    (run_dir / "plan.toml").unlink(missing_ok=True)
 
 
 def rank_command(job: TrainJob, run_dir: Path, request: ParallelRequest) -> list[str]:
