@@ -86,6 +86,10 @@ FIELDS: dict[str, tuple[str, str]] = {
         "virtual_stages", "stage_layers", "dp_replicate", "attention", "cluster", "cp",
         "reduce_dtype", "accumulate_unsharded", "ep", "etp", "compile", "async_tp", "offload",
         "offload_activations", "pipeline_runs")},
+    # what a saved plan was priced for (planner/plan_priced.py): meshtron's runtime runs only
+    # its own preset's plans, and a resumed world is re-planned (priced) anew
+    **{f"plan.{name}": (LAYOUT, "the pricing of the re-planned layout") for name in (
+        "framework", "framework_options")},
     # a Plan's context, mirrored from the run config (checked there: model, data.global_batch,
     # data.seq_len, train.dtype, train.fp8_recipe)
     **{f"plan.{name}": (ARG, "mirrors the run config") for name in (
