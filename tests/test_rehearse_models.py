@@ -77,6 +77,7 @@ DENSE_LAYOUTS = {
     "zero-3, full recompute": dict(zero=3, recompute="full"),
     "pp 2": dict(pp=2, dp=4, schedule="1f1b"),
     "tp 2 + sp, pp 2": dict(tp=2, pp=2, dp=2, sp=True, schedule="1f1b"),
+    "tp 2 + sp": dict(tp=2, dp=4, sp=True),
 }
 MOE_LAYOUTS = {
     "ep 2 zero-3": dict(ep=2, zero=3, seq_len=1024),
