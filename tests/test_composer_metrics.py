@@ -187,7 +187,8 @@ def test_fsdp_runtimes_pass_over_every_unsharded_gradient_before_reducing():
     assert fsdp2.grad_prep_s(p, 2.0, 2.0, 512) == pytest.approx(
         (4.0 + 6.0 / 512) * p / fsdp2.hbm)
     # a shard group of one rank (meshtron's zero 0): copied in, then copied to the output
-    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 1) == pytest.approx(14.0 * p / fsdp2.hbm)
+    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 1, alone=True) == pytest.approx(14.0 * p / fsdp2.hbm)
+    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 1) == 0.0  # not FSDP2's group (left-out experts)
 
 
 def test_fsdp_runtimes_prepare_every_all_gather_input():
@@ -213,7 +214,7 @@ def test_fsdp_runtimes_prepare_every_all_gather_input():
                      mem=PRESETS["megatron@2024"].memory)
     assert zero.gather_prep_s(p, 2.0, 8) == 0.0 == fsdp1.gather_prep_s(p, 2.0, 1)
     # FSDP2 on a shard group of one rank (meshtron's zero 0) prepares the whole parameter
-    assert fsdp2.gather_prep_s(p, 2.0, 1) == pytest.approx(10.0 * p / fsdp2.hbm)
+    assert fsdp2.gather_prep_s(p, 2.0, 1, alone=True) == pytest.approx(10.0 * p / fsdp2.hbm)
 
 
 def test_flash_ce_keeps_the_logits_beside_their_new_gradient():

@@ -463,7 +463,7 @@ class DataParallelCost:
         return passes * gsize * params / self.hbm
 
     def grad_prep_s(self, params: float, gsize: float, wsize: float, ranks: int,
-                    accumulated: bool = False) -> float:
+                    accumulated: bool = False, alone: bool = False) -> float:
         """Seconds of the passes over a stage's gradients around one reduce-scatter of its FSDP
         units (`params` unsharded elements, `ranks` the shard group), both FSDP runtimes
         from their code. FSDP1 (KernelOptions.flat_param; torch 2.1
@@ -485,10 +485,13 @@ class DataParallelCost:
         stream, FSDP2's copy-in on the compute stream itself), but they are kernels, not
         transfers: their blocks take the SMs the backward's GEMMs would use (a Hopper or
         Ampere GEMM tile holds most of an SM's shared memory, so the two do not share an
-        SM), so their time is priced whole. FSDP2 on a shard group of one rank (meshtron's
-        zero 0) still copies in, and copies the input to the output instead of reducing
-        (`reduce_output.copy_`); FSDP1 at one rank runs none of this. 0 for 'zero' sharding."""
-        if self.opts.sharding != "fsdp" or (ranks <= 1 and self.opts.flat_param):
+        SM), so their time is priced whole. FSDP2 on a shard group of one rank (`alone`:
+        meshtron's zero 0) still copies in, and copies the input to the output instead of
+        reducing (`reduce_output.copy_`); otherwise one rank is priced at 0 (FSDP1 runs none
+        of this; experts left out of FSDP2, MemoryOptions.experts_outside_fsdp, neither).
+        0 for 'zero' sharding."""
+        if self.opts.sharding != "fsdp" or (ranks <= 1 and (self.opts.flat_param
+                                                             or not alone)):
             return 0.0
         grad = self._grad_bytes(wsize)
         if self.opts.flat_param:
@@ -519,11 +522,13 @@ class DataParallelCost:
         if zero == 0 and self.mem.zero_stages != "all":
             return 0.0
         shard_ranks = ranks if zero == 1 else 1
-        return (self.copy_out_s(params, wsize) + self.gather_prep_s(params, wsize, shard_ranks)
+        return (self.copy_out_s(params, wsize)
+                + self.gather_prep_s(params, wsize, shard_ranks, alone=zero == 0)
                 + self.grad_prep_s(params, gsize, wsize, shard_ranks,
-                                   accumulated=m > 1 or pp > 1))
+                                   accumulated=m > 1 or pp > 1, alone=zero == 0))
 
-    def gather_prep_s(self, params: float, wsize: float, ranks: int) -> float:
+    def gather_prep_s(self, params: float, wsize: float, ranks: int,
+                      alone: bool = False) -> float:
         """Seconds of the all-gather input's preparation for `params` gathered elements, over
         the rank's shard (`params / ranks` elements): FSDP1 (KernelOptions.flat_param; torch
         2.1 flat_param.py `_use_low_precision_shard`) casts the fp32 shard to the gather
@@ -535,9 +540,10 @@ class DataParallelCost:
         slot of the output (read and write `wsize`). On the all-gather copy-in stream (FSDP1:
         the unshard stream) beside compute, kernels like `grad_prep_s`'s: priced whole.
         0 for 'zero' sharding (DeepSpeed and Megatron gather their 16-bit weights in place)
-        and FSDP1 at one rank (NO_SHARD gathers nothing); FSDP2 on a shard group of one rank
-        (meshtron's zero 0) still prepares the whole parameter."""
-        if self.opts.sharding != "fsdp" or (ranks <= 1 and self.opts.flat_param):
+        and one rank (FSDP1's NO_SHARD gathers nothing) but FSDP2 on a shard group of one
+        rank (`alone`: meshtron's zero 0), which still prepares the whole parameter."""
+        if self.opts.sharding != "fsdp" or (ranks <= 1 and (self.opts.flat_param
+                                                             or not alone)):
             return 0.0
         shard = 4.0 if self.opts.flat_param else self._shard_bytes()
         cast = shard + wsize if shard != wsize else 0.0
