@@ -501,9 +501,9 @@ class DataParallelCost:
         shard = self._shard_bytes()
         copy_in = (gsize if accumulated else grad) + gsize
         # one rank: no reduce-scatter, the input copied into the output (`reduce_output.copy_`)
-        alone = 2.0 * gsize if ranks <= 1 else 0.0
+        to_output = 2.0 * gsize if ranks <= 1 else 0.0
         back = (gsize + shard) / max(1, ranks) if shard != gsize else 0.0
-        return (copy_in + alone + back) * params / self.hbm
+        return (copy_in + to_output + back) * params / self.hbm
 
     def fsdp2_step_passes_s(self, params: float, zero: int, ranks: int, m: int, pp: int,
                             gsize: float, wsize: float) -> float:
@@ -522,10 +522,11 @@ class DataParallelCost:
         if zero == 0 and self.mem.zero_stages != "all":
             return 0.0
         shard_ranks = ranks if zero == 1 else 1
+        alone = shard_ranks == 1  # FSDP2 still runs on the size-1 axis (bf16 at dp 1)
         return (self.copy_out_s(params, wsize)
-                + self.gather_prep_s(params, wsize, shard_ranks, alone=zero == 0)
+                + self.gather_prep_s(params, wsize, shard_ranks, alone=alone)
                 + self.grad_prep_s(params, gsize, wsize, shard_ranks,
-                                   accumulated=m > 1 or pp > 1, alone=zero == 0))
+                                   accumulated=m > 1 or pp > 1, alone=alone))
 
     def gather_prep_s(self, params: float, wsize: float, ranks: int,
                       alone: bool = False) -> float:

@@ -353,12 +353,13 @@ def head_input_bytes(model: ModelSpec, tp: int, sp: bool, tokens: int,
     `_prepare_input_fn`, Shard(1) -> Replicate, which matmul saves for the weight gradient,
     the shard freed after the gather). Rehearsed (tests/test_rehearse_models.py, Llama kind,
     vocabulary 512, tp 2 + sp: 24.8 MB missing, these two tensors 25.2 MB)."""
-    shard = tokens / tp if sp else tokens
-    cb = mem.compute_bytes
-    saved_input = cb * tokens * model.hidden
     if not sp:  # the norm's output is the head's input: final_norm_bytes counts it
         return final_norm_bytes(model, tokens, mem)
-    return final_norm_bytes(model, shard, mem) - cb * shard * model.hidden + saved_input
+    shard, cb = tokens / tp, mem.compute_bytes
+    # the norm's saved tensors on the shard (its output shard is freed once gathered) and
+    # the gathered input the head's matmul saves
+    return (final_norm_bytes(model, shard, mem) - cb * shard * model.hidden
+            + cb * tokens * model.hidden)
 
 
 def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
