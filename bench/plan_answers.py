@@ -70,6 +70,11 @@ CASES: dict[str, list[str]] = {
                      "256", "--seq-len", "4096"],
     "qwen3-30b-ep": ["--model", "qwen3-30b-a3b", "--cluster", "dgx-h100:2", "--global-batch",
                      "256", "--seq-len", "4096"],
+    # Megatron-Core's zero 2/3 is Megatron-FSDP, which does not run with pipelines
+    # (plan_rules_zero.PIPELINE_MAX): zero 1 under pp
+    "405b-megatron2024-16k": ["--model", "llama3-405b", "--cluster", "dgx-h100:2048",
+                              "--global-batch", "2048", "--seq-len", "8192", "--framework",
+                              "megatron@2024", "--top", "3"],
     "deepseek-v3-pinned": ["--model", "deepseek-v3", "--cluster", "dgx-h100:256",
                            "--global-batch", "4096", "--seq-len", "4096",
                            "--layout", "tp=1,pp=16,ep=64", "--framework", "megatron@2024"],

@@ -139,40 +139,82 @@ def test_bad_train_metrics_option_is_one_line(tmp_path):
 def test_fsdp1_copies_each_unit_once_per_backward_not_per_gather():
     """Composer's FSDP1 gathers into the flat parameter (no copy-out) and cats the views'
     gradients once per backward: under ZeRO-3 one copy of the model's unsharded bytes per
-    micro-batch, where FSDP2 copies out every gather (the forward's and the backward's)."""
+    micro-batch, where FSDP2 copies out every gather (the forward's and the backward's). Both
+    prepare every gather's input and every reduction's gradients, each its own way (the next
+    test)."""
     fw = PRESETS["llm-foundry@2024"]
     model, cl = _mpt7b(), preset_cluster("dgx-h100", 64)
-    times, prep = {}, 0.0
+    times, prep = {}, {}
+    # what FSDP2's backward gathers: every unit but the kept [norm, head] (untied here)
+    again = model.num_params() - model.vocab * model.hidden
     for flat in (True, False):
         kernel = dataclasses.replace(fw.kernel, flat_param=flat)
         ev = Evaluator(model, cl, 6 * 512, 2048, kernel, mem=fw.memory)
         cfg = Plan(tp=1, pp=1, dp=512, zero=3, micro_batch=6, recompute="none", sp=False,
                    dtype="bf16", reduce_dtype="fp32")
         times[flat] = ev.evaluate(cfg).time.dp_comm
-        # FSDP1's cast and pre-division before each reduction (the next test)
-        prep += ev.grad_prep_s(model.num_params(), 4.0, 2.0, 512)
-        # what FSDP2's backward gathers: every unit but the kept [norm, head] (untied here)
-        copy = ev.copy_out_s(model.num_params() - model.vocab * model.hidden, 2.0)
-    assert copy > 0 and prep > 0
+        prep[flat] = (ev.grad_prep_s(model.num_params(), 4.0, 2.0, 512)
+                      + ev.gather_prep_s(model.num_params() + again, 2.0, 512))
+        copy = ev.copy_out_s(again, 2.0)
+    assert copy > 0 and prep[True] > 0 and prep[False] > 0
     # FSDP2 copies out the forward's gathers (what FSDP1's gradient cat moves) and the
-    # backward's on top; FSDP1 passes over the gradients before reducing them
-    assert times[False] - times[True] == pytest.approx(copy - prep, rel=0.01)
+    # backward's on top; each runtime's passes before gathering and reducing
+    assert times[False] - times[True] == pytest.approx(copy + prep[False] - prep[True],
+                                                       rel=0.01)
 
 
-def test_fsdp1_casts_and_predivides_every_unsharded_gradient():
+def test_fsdp_runtimes_pass_over_every_unsharded_gradient_before_reducing():
     """FSDP1's post-backward hook casts each unit's bf16 gradient to the fp32 reduce dtype
-    (2 + 4 bytes) and pre-divides it in place (4 + 4) before every reduce-scatter; with a bf16
-    reduction only the division (2 + 2). FSDP2 stacks and one rank: none."""
+    (2 + 4 bytes), pre-divides it in place (4 + 4) before every reduce-scatter and post-divides
+    the shard (world 512: pre 32, post 16); with a bf16 reduction only the divisions (2 + 2).
+    FSDP2 (torch 2.13 foreach_reduce) copies the gradients into the reduce-scatter input
+    (chunk_cat: 2 + 4; 4 + 4 from an fp32 accumulated gradient), divides nothing for fp32 or
+    bf16 (NCCL's AVG) and casts a bf16-reduced shard back to the fp32 parameter (2 + 4 per
+    shard element). One rank: none."""
     fw = PRESETS["llm-foundry@2024"]
     model, cl = _mpt7b(), preset_cluster("dgx-h100", 64)
     ev = Evaluator(model, cl, 6 * 512, 2048, fw.kernel, mem=fw.memory)
     p = 1e9
-    assert ev.grad_prep_s(p, 4.0, 2.0, 512) == pytest.approx(14.0 * p / ev.hbm)
-    assert ev.grad_prep_s(p, 2.0, 2.0, 512) == pytest.approx(4.0 * p / ev.hbm)
+    assert ev.grad_prep_s(p, 4.0, 2.0, 512) == pytest.approx((14.0 + 8.0 / 512) * p / ev.hbm)
+    assert ev.grad_prep_s(p, 2.0, 2.0, 512) == pytest.approx((4.0 + 4.0 / 512) * p / ev.hbm)
+    assert ev.grad_prep_s(p, 2.0, 2.0, 2) == pytest.approx(4.0 * p / ev.hbm)  # post 1
     assert ev.grad_prep_s(p, 4.0, 2.0, 1) == 0.0
-    fsdp2 = Evaluator(model, cl, 6 * 512, 2048, PRESETS["torchtitan@2024"].kernel,
-                      mem=fw.memory)
-    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 512) == 0.0
+    tt = PRESETS["torchtitan@2024"]
+    fsdp2 = Evaluator(model, cl, 6 * 512, 2048, tt.kernel, mem=tt.memory)
+    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 512) == pytest.approx(6.0 * p / fsdp2.hbm)
+    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 512, accumulated=True) == pytest.approx(
+        8.0 * p / fsdp2.hbm)
+    assert fsdp2.grad_prep_s(p, 2.0, 2.0, 512) == pytest.approx(
+        (4.0 + 6.0 / 512) * p / fsdp2.hbm)
+    # a shard group of one rank (meshtron's zero 0): copied in, then copied to the output
+    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 1, alone=True) == pytest.approx(14.0 * p / fsdp2.hbm)
+    assert fsdp2.grad_prep_s(p, 4.0, 2.0, 1) == 0.0  # not FSDP2's group (left-out experts)
+
+
+def test_fsdp_runtimes_prepare_every_all_gather_input():
+    """Before each all-gather FSDP1 casts the fp32 shard to bf16 (_use_low_precision_shard:
+    4 + 2 bytes per shard element) and gathers from it; FSDP2 casts it too (the foreach copy
+    to param_dtype) and copies it into the output's slot (all_gather_copy_in: 2 + 2); a
+    bf16-sharded model (NeMo AutoModel) only copies it in; fp32 gathers of fp32 shards cast
+    nothing. Zero sharding gathers in place, FSDP1's NO_SHARD gathers nothing."""
+    fw = PRESETS["llm-foundry@2024"]
+    model, cl = _mpt7b(), preset_cluster("dgx-h100", 64)
+    p = 8e9
+    fsdp1 = Evaluator(model, cl, 64, 2048, fw.kernel, mem=fw.memory)
+    assert fsdp1.gather_prep_s(p, 2.0, 8) == pytest.approx(6.0 * p / 8 / fsdp1.hbm)
+    tt = PRESETS["torchtitan@2024"]
+    fsdp2 = Evaluator(model, cl, 64, 2048, tt.kernel, mem=tt.memory)
+    assert fsdp2.gather_prep_s(p, 2.0, 8) == pytest.approx(10.0 * p / 8 / fsdp2.hbm)
+    assert fsdp2.gather_prep_s(p, 4.0, 8) == pytest.approx(8.0 * p / 8 / fsdp2.hbm)
+    am = PRESETS["nemo-automodel@2025"]
+    bf16 = Evaluator(model, cl, 64, 2048, am.kernel, mem=am.memory)
+    assert am.memory.param_dtype == "bf16"
+    assert bf16.gather_prep_s(p, 2.0, 8) == pytest.approx(4.0 * p / 8 / bf16.hbm)
+    zero = Evaluator(model, cl, 64, 2048, PRESETS["megatron@2024"].kernel,
+                     mem=PRESETS["megatron@2024"].memory)
+    assert zero.gather_prep_s(p, 2.0, 8) == 0.0 == fsdp1.gather_prep_s(p, 2.0, 1)
+    # FSDP2 on a shard group of one rank (meshtron's zero 0) prepares the whole parameter
+    assert fsdp2.gather_prep_s(p, 2.0, 1, alone=True) == pytest.approx(10.0 * p / fsdp2.hbm)
 
 
 def test_flash_ce_keeps_the_logits_beside_their_new_gradient():

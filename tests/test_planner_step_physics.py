@@ -334,6 +334,25 @@ def test_fused_loss_accumulates_the_weight_gradient_per_chunk_and_replays_nothin
     assert tt.head_for(plan, head) is head
 
 
+def test_meshtron_zero_0_and_1_pay_fsdp2_passes_once_a_step():
+    """meshtron's ZeRO-1 is FSDP2 over the data axis and its ZeRO-0 FSDP2's replicate path
+    with shards of one rank (parallel/data_parallel.py): once a step each unit is gathered
+    (shard cast, copy-in, copy-out) and its accumulated gradient copied into the reduction.
+    torchtitan's zero 0 is DDP, Megatron's buffers are its own: none of it."""
+    ev = _ev("meshtron")
+    p = 8e9
+    one = ev.fsdp2_step_passes_s(p, 1, 8, 4, 1, 4.0, 2.0)
+    assert one == pytest.approx(ev.copy_out_s(p, 2.0) + ev.gather_prep_s(p, 2.0, 8)
+                                + ev.grad_prep_s(p, 4.0, 2.0, 8, accumulated=True))
+    assert one == pytest.approx((4.0 + 10.0 / 8 + 8.0) * p / ev.hbm)
+    # zero 0: the whole parameter cast and copied in, the gradient copied in and out
+    assert ev.fsdp2_step_passes_s(p, 0, 8, 4, 1, 4.0, 2.0) == pytest.approx(
+        (4.0 + 10.0 + 16.0) * p / ev.hbm)
+    assert ev.fsdp2_step_passes_s(p, 2, 8, 4, 1, 4.0, 2.0) == 0.0  # priced per unit
+    assert _ev("torchtitan").fsdp2_step_passes_s(p, 0, 8, 4, 1, 4.0, 2.0) == 0.0
+    assert _ev("megatron@2024").fsdp2_step_passes_s(p, 1, 8, 4, 1, 4.0, 2.0) == 0.0
+
+
 def test_fsdp2_copies_gathered_units_out_on_the_compute_stream():
     """FSDP2 copies each gathered unit out of the all-gather buffer on the compute stream
     (foreach_all_gather_copy_out): read and write of every gathered byte, which no prefetch
@@ -351,5 +370,9 @@ def test_fsdp2_copies_gathered_units_out_on_the_compute_stream():
     groups = ev._groups(Plan(tp=1, pp=1, dp=8, zero=3, micro_batch=1, dtype="bf16"))
     got = ev._zero3_per_microbatch(8e9, groups, 32, 1.0, 2.0, units=34, kept=5e8,
                                    wsize=2.0, wire=4.0)
-    expect = ev.copy_out_s(8e9, 2.0) + ev.copy_out_s(8e9 - 5e8, 2.0)
+    # and, FSDP2's own passes (dp_cost.gather_prep_s, grad_prep_s), every gather's shard cast
+    # and copied in, every reduction's gradients copied into the reduce-scatter input
+    expect = (ev.copy_out_s(8e9, 2.0) + ev.copy_out_s(8e9 - 5e8, 2.0)
+              + ev.gather_prep_s(8e9 + 8e9 - 5e8, 2.0, 8) + ev.grad_prep_s(8e9, 4.0, 2.0, 8))
+    assert ev.gather_prep_s(8e9, 2.0, 8) > 0 and ev.grad_prep_s(8e9, 4.0, 2.0, 8) > 0
     assert expect <= got < expect * 1.01

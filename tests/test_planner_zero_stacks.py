@@ -52,7 +52,10 @@ def test_lead_command_megatron2021_picks_zero_0(plan_cli):
     ("torchtitan", "1", None, "has no ZeRO-1"),
     ("torchtitan", "0", "tp=2", "DDP (zero 0) runs only without tensor"),
     ("deepspeed@2021", "2", "pp=2", "PipelineEngine asserts a ZeRO stage below 2"),
-    ("deepspeed@2024", "3", "pp=2", "allowed: 0, 1")])
+    ("deepspeed@2024", "3", "pp=2", "allowed: 0, 1"),
+    # Megatron-FSDP (zero 2-3 on Megatron-Core) never ran with pipelines (issue #1455)
+    ("megatron@2024", "2", "tp=2,pp=2", "not with pipeline parallelism"),
+    ("megatron-bridge@2025", "3", "pp=2", "allowed: 0, 1")])
 def test_zero_the_stack_does_not_run_is_one_line_exit_2(plan_cli, fw, zero, layout, says):
     extra = ["--layout", layout] if layout else []
     rc, out, err = plan_cli(*SMALL, "--framework", fw, "--zero", zero, *extra)
@@ -66,6 +69,7 @@ def test_zero_the_stack_does_not_run_is_one_line_exit_2(plan_cli, fw, zero, layo
 @pytest.mark.parametrize("fw,zero,layout", [
     ("meshtron", "1", "tp=2,pp=2"), ("megatron@2021", "0", "tp=2,pp=2"),
     ("megatron@2024", "1", "tp=2,pp=2"), ("megatron@2024", "3", "tp=2"),
+    ("megatron@2024", "2", "tp=2,pp=1"),
     ("deepspeed@2021", "3", "tp=1,pp=1"), ("deepspeed@2024", "1", "pp=2"),
     ("torchtitan", "0", "tp=1,pp=1"), ("torchtitan", "2", "tp=2")])
 def test_zero_the_stack_runs_is_priced(plan_cli, fw, zero, layout):

@@ -664,7 +664,10 @@ def test_looped_bfs_ranks_agree_with_rehearsal_every_depth_and_recomputation():
 # one micro-batch per step without a pipeline: one forward, then the backward that makes the
 # gradients (planner/estimate_gpipe.py `_gpipe_ranks` at pp 1): at ZeRO-0 none exists at the
 # loss, the head's is made there. Measured (2026-12-05, branch onemb), before -> after: 2 layers
-# +14.0% -> +0.6%, 4 layers +15.1% -> +0.4%, tp 2 + sp +14.7% -> +4.6%
+# +14.0% -> +0.6%, 4 layers +15.1% -> +0.4%, tp 2 + sp +14.7% -> +4.6%; session 42 (branch
+# memfix): with the final norm's and the head's gathered input at the loss (+6.2%) and the
+# head's gradient left to its own backward under loss_parallel (estimate_gpipe
+# `_gpipe_head_grads`): +2.0%
 ONE_MB = {
     "dp zero-0, one micro-batch": dict(zero=0, global_batch=16),
     "dp zero-0, one micro-batch, 4 layers": dict(zero=0, global_batch=16, layers=4),

@@ -19,12 +19,12 @@ phi3 (tp 2 + sp, pp 2) -6.1% -> -0.7%, mistral window -4.8% -> -0.7%; Llama, Gra
 Qwen2-MoE and Granite MoE unchanged (within 3.1%). The rehearsal of a model with tied
 embeddings (starcoder2, gemma3_text) stopped in torch's tracker before (rehearse/memory.py).
 
-Left out: tp=2 + sp without a pipeline at this vocabulary, where the loss's moment holds the
-peak with whole (vocabulary-parallel) logits too small to hide what that moment misses for
-every model: the final norm's saved tensors and the head's gathered input (memory_acts.py
-`final_norm_bytes`, counted on the chunked tp = 1 loss's path only): Llama reads -6.4%
-(0.3627 GiB rehearsed; the two tensors are 25.2 MB of the 24.8 MB missing), a shared term, not
-a model kind's. tp=2 + sp runs here under a pipeline, and in the MoE table with ep.
+tp=2 + sp without a pipeline (session 42, branch memfix): at this vocabulary the loss's
+moment holds the peak with whole (vocabulary-parallel) logits too small to hide the final
+norm's saved tensors and the head's gathered input, which the planner now prices
+(memory_acts.py `head_input_bytes`): Llama -6.4% -> -0.3%, every kind within 1.6%
+(docs/measurements.md #memfix-s42). tp=2 + sp also runs here under a pipeline, and in the MoE
+table with ep.
 
 And `test_block_saves_what_the_planner_counts` checks the per-kind terms directly: one block
 of each kind run with real tensors under `saved_tensors_hooks`, its saved tensors (not the
@@ -77,6 +77,7 @@ DENSE_LAYOUTS = {
     "zero-3, full recompute": dict(zero=3, recompute="full"),
     "pp 2": dict(pp=2, dp=4, schedule="1f1b"),
     "tp 2 + sp, pp 2": dict(tp=2, pp=2, dp=2, sp=True, schedule="1f1b"),
+    "tp 2 + sp": dict(tp=2, dp=4, sp=True),
 }
 MOE_LAYOUTS = {
     "ep 2 zero-3": dict(ep=2, zero=3, seq_len=1024),

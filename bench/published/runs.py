@@ -234,6 +234,16 @@ LOOKED_AT["DGXC Nemotron4 340B 128xH100 BF16"] = (
 LOOKED_AT.update({name: why + "; session 41 (branch lfmpt): their errors led to pricing "
                   "flash-attn's loss, Composer's train metrics and FSDP1's flat parameters"
                   for name, why in LOOKED_AT.items() if name.startswith("LF MPT-")})
+# session 42 (branch memfix) read these calibration rows again; what it decided, appended
+LOOKED_AT["Llama3 405B 8192"] += (
+    "; session 42 (branch memfix): its 96.5 GiB read against Megatron-Core's tunable "
+    "interleaved schedule (N in [PP, M]) and the paper's N: the 141 chunk micro-batches "
+    "stand, nothing changed")
+for _name in ("GPT3-20B", "LLAMA2-70B", "Nemotron-8B", "Nemotron-22B", "LLAMA3-70B"):
+    LOOKED_AT[f"NM24.07 {_name} 64xH100"] += (
+        "; session 42 (branch memfix): the launcher's 24.07 yaml sets ub_tp_comm_overlap, "
+        "which these rows assume off; priced it moved them +2.5..+8.2 points and was not "
+        "applied (reported in docs/measurements.md #memfix-s42)")
 
 # session 42 (branch fp8scale): the DGXC FP8 rows' published figures, their errors growing with the
 # GPU count (issue 30), were read to size and then to judge Transformer Engine's amax all-reduces,

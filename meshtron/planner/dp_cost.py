@@ -70,6 +70,16 @@ def unit_chain(total: float, window: float, units: int, interference: float) -> 
     return one + _exposed(total - one, window * (units - 1) / units, interference)
 
 
+def _fsdp1_postdivide(world: int) -> float:
+    """FSDP1's gradient post-divide factor: world / the pre-divide factor, which torch's
+    DefaultState._get_gradient_predivide_factor doubles while it divides the world and stays
+    below world / factor (torch/distributed/algorithms/_comm_hooks/default_hooks.py)."""
+    factor = 1
+    while world % factor == 0 and world / factor > factor:
+        factor *= 2
+    return world / factor
+
+
 class DataParallelCost:
     """Mixin of `estimate.Evaluator`: needs self.opts, self.mem, self.fab, self.hbm,
     self.cluster and self._cache."""
@@ -249,7 +259,9 @@ class DataParallelCost:
             reduce = pipeline.reduce_after_drain(red, *drain, nccl) if drain else \
                 e_red + chain(max(0.0, red - e_red), bwd, units, nccl)
             exp = (reduce + e_gather + chain(max(0.0, gather - e_gather), fwd, units, nccl)
-                   + self.bucket_passes_s(params, gsize))
+                   + self.bucket_passes_s(params, gsize)
+                   + self.fsdp2_step_passes_s(params, zero, group.size, m,
+                                              groups["pp"].size, gsize, wsize))
             if fsdp and self.opts.flat_param:  # FSDP1 NO_SHARD: the gradient cat as above
                 per_mb = (self.copy_out_s(params, wsize)
                           + self.grad_prep_s(params, gsize, wsize, group.size))
@@ -314,11 +326,13 @@ class DataParallelCost:
             out = pipeline.reduce_after_drain(rs, *drain, nccl)
         else:  # fwd, bwd: one micro-batch's
             out = (1 if reduce_once else m) * unit_chain(rs, bwd, units, nccl)
-        out += (1 if reduce_once else m) * self.grad_prep_s(params, gsize, wsize, shard.size)
+        out += (1 if reduce_once else m) * self.grad_prep_s(params, gsize, wsize, shard.size,
+                                                            accumulated=reduce_once)
         if gather_once:
             ag = units * comm.all_gather(wsize * params / units, shard, self.fab)
             # FSDP1 (flat_param): no copy-out, a gradient cat per micro-batch's backward
-            copies = (m if self.opts.flat_param else 1) * self.copy_out_s(params, wsize)
+            copies = ((m if self.opts.flat_param else 1) * self.copy_out_s(params, wsize)
+                      + self.gather_prep_s(params, wsize, shard.size))
             return out + unit_chain(ag, fwd, units, nccl) + copies
         per_mb = self._zero3_per_microbatch(params, groups, 1, fwd, bwd, regather,
                                             backward_gather=zero == 3, wire=gsize,
@@ -398,11 +412,13 @@ class DataParallelCost:
         # the compute stream (foreach_all_gather_copy_out after waiting for the gather): a
         # memory-bound pass over the unsharded bytes that no prefetch hides
         out_b = (params - kept) if keep_last and kept > 0 else params
-        copies = self.copy_out_s(params, wsize) + (
-            (2 if regather else 1) * self.copy_out_s(out_b, wsize) if backward_gather else 0.0)
+        regathered = (2 if regather else 1) * out_b if backward_gather else 0.0
+        copies = self.copy_out_s(params + regathered, wsize)
         if opts.flat_param:  # FSDP1: the backward's gradient cat of every unit, no copy-outs
-            copies = self.copy_out_s(params, wsize) + (
-                self.grad_prep_s(params, gsize, wsize, shard.size) if reduce else 0.0)
+            copies = self.copy_out_s(params, wsize)
+        # every gather's input prepared, every reduction's gradients (FSDP1 and FSDP2 alike)
+        copies += self.gather_prep_s(params + regathered, wsize, shard.size) + (
+            self.grad_prep_s(params, gsize, wsize, shard.size) if reduce else 0.0)
         if keep_last and backward_gather:
             # the kept unit's backward gathers nothing; the next unit's gather hides behind it
             kept = rs_exposed + _exposed(rs_hidden, b_u, nccl)
@@ -446,22 +462,106 @@ class DataParallelCost:
         passes = self.opts.grad_bucket_passes + (1 if self.mcore_ddp() else 0)
         return passes * gsize * params / self.hbm
 
-    def grad_prep_s(self, params: float, gsize: float, wsize: float, ranks: int) -> float:
-        """Seconds of FSDP1's passes over a stage's unsharded gradients before each reduction
-        (KernelOptions.flat_param; torch 2.1 torch/distributed/fsdp/_runtime_utils.py
-        `_post_backward_hook`: the cast of the unit's flat gradient from the parameter dtype
-        to the reduce dtype where they differ, read `wsize` write `gsize` bytes; then
-        `_reduce_grad`'s `_div_if_needed` by the gradient pre-divide factor, which
-        `_get_gradient_predivide_factor` makes > 1 for any world of 2 or more ranks: an
-        in-place read and write of `gsize` bytes). They run on FSDP's post-backward stream
-        beside the next unit's backward, but they are kernels, not transfers: their blocks
-        take the SMs the backward's GEMMs would use (a Hopper or Ampere GEMM tile holds most of
-        an SM's shared memory, so the two do not share an SM), so their time is priced whole.
-        0 for FSDP2 stacks (their copy-in and division are not priced here) and one rank."""
-        if not self.opts.flat_param or ranks <= 1:
+    def grad_prep_s(self, params: float, gsize: float, wsize: float, ranks: int,
+                    accumulated: bool = False, alone: bool = False) -> float:
+        """Seconds of the passes over a stage's gradients around one reduce-scatter of its FSDP
+        units (`params` unsharded elements, `ranks` the shard group), both FSDP runtimes
+        from their code. FSDP1 (KernelOptions.flat_param; torch 2.1
+        torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook`, `_reduce_grad`): the
+        cast of the unit's flat gradient from the parameter dtype to the reduce dtype where
+        they differ (read `wsize`, write `gsize` bytes), `_div_if_needed` by the pre-divide
+        factor in place (`_get_gradient_predivide_factor`: > 1 for any world of 2 or more
+        ranks; read and write `gsize`), and after the reduce-scatter the shard's post-divide
+        by world / pre-divide where that is above 1 (`_fsdp1_postdivide`). FSDP2 (torch 2.13
+        torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`): the
+        reduce-scatter copy-in (`foreach_reduce_scatter_copy_in`, chunk_cat of the unit's
+        gradients into the reduce-dtype input: read each in its dtype, the parameter
+        dtype's, or the reduce dtype where they accumulate unsharded over the micro-batches
+        (`accumulated`: `to_accumulated_grad_if_needed` upcast them), write `gsize`); no
+        division for an fp32 or bf16 reduce dtype (`_get_gradient_divide_factors`: NCCL's
+        ReduceOp.AVG, no pre- or post-divide kernel); the reduced shard cast back to the
+        sharded parameter's dtype (`_to_dtype_if_needed(reduce_output, orig_dtype)`) where
+        that differs. They run beside the next unit's backward (FSDP1 on its post-backward
+        stream, FSDP2's copy-in on the compute stream itself), but they are kernels, not
+        transfers: their blocks take the SMs the backward's GEMMs would use (a Hopper or
+        Ampere GEMM tile holds most of an SM's shared memory, so the two do not share an
+        SM), so their time is priced whole. FSDP2 on a shard group of one rank (`alone`:
+        meshtron's zero 0) still copies in, and copies the input to the output instead of
+        reducing (`reduce_output.copy_`); otherwise one rank is priced at 0 (FSDP1 runs none
+        of this; experts left out of FSDP2, MemoryOptions.experts_outside_fsdp, neither).
+        0 for 'zero' sharding."""
+        if self.opts.sharding != "fsdp" or (ranks <= 1 and (self.opts.flat_param
+                                                             or not alone)):
             return 0.0
-        cast = wsize + gsize if gsize != wsize else 0.0
-        return (cast + 2.0 * gsize) * params / self.hbm
+        grad = self._grad_bytes(wsize)
+        if self.opts.flat_param:
+            cast = grad + gsize if gsize != grad else 0.0
+            post = 2.0 * gsize / ranks if _fsdp1_postdivide(ranks) > 1 else 0.0
+            return ((cast + 2.0 * gsize) + post) * params / self.hbm
+        shard = self._shard_bytes()
+        copy_in = (gsize if accumulated else grad) + gsize
+        # one rank: no reduce-scatter, the input copied into the output (`reduce_output.copy_`)
+        to_output = 2.0 * gsize if ranks <= 1 else 0.0
+        back = (gsize + shard) / max(1, ranks) if shard != gsize else 0.0
+        return (copy_in + to_output + back) * params / self.hbm
+
+    def fsdp2_step_passes_s(self, params: float, zero: int, ranks: int, m: int, pp: int,
+                            gsize: float, wsize: float) -> float:
+        """Seconds of FSDP2's own passes in a ZeRO-0/1 step of meshtron's runtime
+        (parallel/data_parallel.py: FSDP2 over the whole data axis for zero 1, its replicate
+        path with shards of one rank for zero 0; parameters resharded after the step's last
+        backward): each unit gathered once a step (`gather_prep_s`, `copy_out_s`; at one rank
+        the all-gather input is the whole parameter) and its gradients reduced once, from the
+        unsharded accumulated gradient where the step has several micro-batches or a
+        pipeline (`grad_prep_s`). 0 for other stacks' zero 0 (torchtitan's and NeMo
+        AutoModel's DDP), FSDP1 (KernelOptions.flat_param, priced by its callers) and where
+        no FSDP2 runs (fp32 at one rank)."""
+        o = self.opts
+        if o.sharding != "fsdp" or o.flat_param or zero > 1 or (ranks == 1 and wsize >= 4.0):
+            return 0.0
+        if zero == 0 and self.mem.zero_stages != "all":
+            return 0.0
+        shard_ranks = ranks if zero == 1 else 1
+        alone = shard_ranks == 1  # FSDP2 still runs on the size-1 axis (bf16 at dp 1)
+        return (self.copy_out_s(params, wsize)
+                + self.gather_prep_s(params, wsize, shard_ranks, alone=alone)
+                + self.grad_prep_s(params, gsize, wsize, shard_ranks,
+                                   accumulated=m > 1 or pp > 1, alone=alone))
+
+    def gather_prep_s(self, params: float, wsize: float, ranks: int,
+                      alone: bool = False) -> float:
+        """Seconds of the all-gather input's preparation for `params` gathered elements, over
+        the rank's shard (`params / ranks` elements): FSDP1 (KernelOptions.flat_param; torch
+        2.1 flat_param.py `_use_low_precision_shard`) casts the fp32 shard to the gather
+        dtype (read 4, write `wsize` bytes) where they differ, and all-gathers straight from
+        it; FSDP2 (torch 2.13 _fsdp_collectives.py `foreach_all_gather`) casts the shard to
+        MixedPrecisionPolicy.param_dtype where it differs from the shard's dtype
+        (`_get_param_all_gather_inputs`' foreach copy; FSDPParam.init_dtype_attrs clamps an
+        equal one to None: no copy), then `all_gather_copy_in` copies it into the rank's
+        slot of the output (read and write `wsize`). On the all-gather copy-in stream (FSDP1:
+        the unshard stream) beside compute, kernels like `grad_prep_s`'s: priced whole.
+        0 for 'zero' sharding (DeepSpeed and Megatron gather their 16-bit weights in place)
+        and one rank (FSDP1's NO_SHARD gathers nothing) but FSDP2 on a shard group of one
+        rank (`alone`: meshtron's zero 0), which still prepares the whole parameter."""
+        if self.opts.sharding != "fsdp" or (ranks <= 1 and (self.opts.flat_param
+                                                             or not alone)):
+            return 0.0
+        shard = 4.0 if self.opts.flat_param else self._shard_bytes()
+        cast = shard + wsize if shard != wsize else 0.0
+        copy_in = 0.0 if self.opts.flat_param else 2.0 * wsize
+        return (cast + copy_in) * params / max(1, ranks) / self.hbm
+
+    def _shard_bytes(self) -> float:
+        """Bytes per element of an FSDP2 stack's sharded parameters (MemoryOptions.param_dtype:
+        fp32 master shards, or NeMo AutoModel's bf16 model)."""
+        return 4.0 if self.mem.param_dtype == "fp32" else compute.BF16
+
+    @staticmethod
+    def _grad_bytes(wsize: float) -> float:
+        """Bytes per element of a unit's gradient as autograd makes it: the gathered
+        parameters' dtype (fp32 gathers make fp32 gradients; bf16 and FP8 gathers, whose FP8
+        Linears keep bf16 weight gradients, bf16)."""
+        return 4.0 if wsize >= 4.0 else compute.BF16
 
     def copy_out_s(self, params: float, wsize: float) -> float:
         """Seconds of FSDP2's all-gather copy-out of `params` gathered parameters (read and

@@ -219,7 +219,7 @@ class CostPieces:
                                # or an eager FP8 cast (memory_acts.backward_working_bytes)
                                memory.backward_working_bytes(*args, fp8_recipe) + moe_work,
                                memory.logits_bytes(self.model, tp, mb, seq, mem,
-                                                   pipelined=pp > 1))
+                                                   pipelined=pp > 1, sp=sp))
             self._cache[key] = hit
         return hit
 

@@ -342,9 +342,32 @@ def final_norm_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> float
     return ((8.0 if composite else cb) + cb) * tokens * model.hidden
 
 
+def head_input_bytes(model: ModelSpec, tp: int, sp: bool, tokens: int,
+                     mem: MemoryOptions) -> float:
+    """What the final norm and a DTensor ColwiseParallel head hold at torch's `loss_parallel`
+    loss (tp > 1): the norm's saved tensors (`final_norm_bytes`' kinds) over the rank's tokens
+    (tokens / tp under sequence parallelism, `SequenceParallel` norms run on the sequence
+    shard) and the head's saved input, the whole [tokens, hidden] in the compute dtype (the
+    norm's output without sequence parallelism; with it the input all-gathered over tp by the
+    head's input redistribution, torch/distributed/tensor/parallel/style.py ColwiseParallel
+    `_prepare_input_fn`, Shard(1) -> Replicate, which matmul saves for the weight gradient,
+    the shard freed after the gather). Rehearsed (tests/test_rehearse_models.py, Llama kind,
+    vocabulary 512, tp 2 + sp: 24.8 MB missing, these two tensors 25.2 MB)."""
+    if not sp:  # the norm's output is the head's input: final_norm_bytes counts it
+        return final_norm_bytes(model, tokens, mem)
+    shard, cb = tokens / tp, mem.compute_bytes
+    # the norm's saved tensors on the shard (its output shard is freed once gathered) and
+    # the gathered input the head's matmul saves
+    return (final_norm_bytes(model, shard, mem) - cb * shard * model.hidden
+            + cb * tokens * model.hidden)
+
+
 def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
-                 mem: MemoryOptions | None = None, pipelined: bool = False) -> float:
-    """Logits of one micro-batch and their gradients at the loss (module docstring)."""
+                 mem: MemoryOptions | None = None, pipelined: bool = False,
+                 sp: bool = False) -> float:
+    """Logits of one micro-batch and their gradients at the loss (module docstring); under
+    torch's `loss_parallel` (tp > 1) with the final norm's and the head's saved input
+    (`head_input_bytes`)."""
     mem = mem or DEFAULT
     elements = micro_batch * seq * model.vocab / tp
     kind = mem.loss_kind
@@ -359,7 +382,8 @@ def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
     # whole logits: a pipeline's last stage also keeps its output (the compute dtype's bytes)
     kept = mem.compute_bytes if pipelined else 0.0
     if tp > 1:  # vocabulary-parallel logits under loss_parallel
-        return elements * (LOSS_PARALLEL_BYTES + kept)
+        return (elements * (LOSS_PARALLEL_BYTES + kept)
+                + head_input_bytes(model, tp, sp, micro_batch * seq, mem))
     if kind == "eager-bf16":  # the eager loss's three tensors in the compute dtype
         return elements * (3.0 * mem.compute_bytes + kept)
     return elements * (12.0 + kept)

@@ -46,7 +46,17 @@ STACK_ZEROS: dict[str, tuple[tuple[int, ...], str]] = {
 PIPELINE_MAX: dict[str, tuple[int, str]] = {
     "deepspeed": (1, "DeepSpeed's PipelineEngine asserts a ZeRO stage below 2 "
                   "(runtime/pipe/engine.py: ZeRO-2 and ZeRO-3 are incompatible with pipeline "
-                  "parallelism)")}
+                  "parallelism)"),
+    # core_v0.12.0-v0.16.0: docs/source/api-guide/custom_fsdp.md lists TP, EP and CP only, no
+    # functional test runs --use-custom-fsdp / --use-megatron-fsdp at pp > 1, the torch FSDP2
+    # path asserts pipeline_model_parallel_size == 1 (megatron/training/arguments.py);
+    # NVIDIA/Megatron-LM issue #1455 ("Is there any plan to make custom_fsdp compatible with
+    # PP?", 2025-03, open) and PR #6486 (2026-08, open: pipeline support for M-FSDP v2)
+    "megatron-core": (1, "Megatron-Core shards gradients (zero 2) and parameters (zero 3) "
+                      "only with its own FSDP (Megatron-FSDP), which runs with TP, EP and CP "
+                      "but not with pipeline parallelism (docs/source/api-guide/"
+                      "custom_fsdp.md, core_v0.12-0.16; NVIDIA/Megatron-LM issue #1455 open); "
+                      "its distributed optimizer (zero 1) runs with pipelines")}
 """The highest stage the stack runs with pipeline parallelism (pp > 1), and why."""
 
 DDP_ONE_D: dict[str, str] = {
