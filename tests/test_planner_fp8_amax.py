@@ -42,6 +42,9 @@ def test_small_all_reduce_is_nccls_ll_tree_across_nodes_and_ll_ring_inside_one()
     assert comm.small_all_reduce(64, comm.Group(512, 8), FAB) - got == pytest.approx(
         2 * 5.0 * US, rel=1e-2)
     assert comm.small_all_reduce(64, comm.Group(1, 1), FAB) == 0.0
+    # one rank per node (NCCL v2.23+): the ring's network steps at the tree's 5.0 us, so two
+    # nodes cost 6.6 + 2 x 5.0 (not 2 x 2.7), just under the tree's 6.8 + 2 x 5.0
+    assert comm.small_all_reduce(4, comm.Group(2, 1), FAB) == pytest.approx(16.6 * US, rel=1e-3)
 
 
 def test_amax_group_is_every_rank_of_a_pipeline_stage():
