@@ -102,6 +102,8 @@ _MEGATRON_2021 = Framework(
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                   separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
+                  # 2021's Megatron-LM had no FP8: --dtype fp8 on this preset is a what-if,
+                  # priced as Megatron-Core's TE delayed scaling (amax all-reduces included)
                   fp8_scaling="te-delayed",
                   v_width="native"),  # unfused: two batched GEMMs take any head sizes
     MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none",
