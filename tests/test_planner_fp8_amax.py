@@ -105,6 +105,14 @@ def test_evaluator_books_the_delayed_reductions_as_fp8_sync_not_data_parallel_ti
     cats = step_categories(ev, est)
     assert cats["communication"] == pytest.approx(
         est.time.tp_comm + est.time.dp_comm + est.time.fp8_sync)
+    # the report's step line names it apart from data-parallel time; the sweep has a column
+    from meshtron.planner.report import breakdown_line, fmt_s
+    from meshtron.simulate.why import PARTS
+
+    line = breakdown_line(est)
+    assert f"FP8 amax all-reduces {fmt_s(est.time.fp8_sync)}" in line
+    assert "FP8 amax" not in breakdown_line(ev.evaluate(dataclasses.replace(flat, dtype="bf16")))
+    assert "fp8_sync" in PARTS
 
 
 def test_current_scaling_reduces_each_gathered_tensors_amax_over_tp():
