@@ -133,9 +133,10 @@ def _plan(plan_cli, tmp_path, name: str, options: str) -> dict:
 
 def test_meshtron_plan_prices_the_padded_rows_from_an_options_file(plan_cli, tmp_path):
     dropless = _plan(plan_cli, tmp_path, "dropless", "")
-    padded = _plan(plan_cli, tmp_path, "padded", "expert_capacity = 2.0")
-    dropped = _plan(plan_cli, tmp_path, "dropped",
-                    "expert_capacity = 2.0\nexpert_capacity_pad = false")
+    padded = _plan(plan_cli, tmp_path, "padded",
+                   "expert_capacity = 2.0\nexpert_capacity_pad = true")
+    # megatron@2024's own value: Megatron-Core's moe_pad_expert_input_to_capacity False
+    dropped = _plan(plan_cli, tmp_path, "dropped", "expert_capacity = 2.0")
     # f = 2 above the 1.25 imbalance drops nothing: the dropless answer
     assert dropped["step_time_s"] == dropless["step_time_s"]
     assert dropped["hfu"] == dropped["mfu"] == dropless["mfu"]
@@ -160,3 +161,20 @@ def test_deepep_refuses_padding_to_capacity():
         KernelOptions(ep_dispatch="deepep", expert_capacity=1.0)
     KernelOptions(ep_dispatch="deepep", expert_capacity=1.0, expert_capacity_pad=False)
     KernelOptions(ep_dispatch="deepep")
+
+
+def test_the_pad_flag_is_each_presets_own():
+    """Megatron-Core pads to capacity only when asked (moe_pad_expert_input_to_capacity
+    defaults False); DeepSpeed-MoE's GShard dispatch always fills [E, C, h]; meshtron's
+    runtime is dropless and its rule takes only True. A Megatron-Core preset with DeepEP and a
+    capacity is therefore priced, not refused."""
+    from meshtron.planner.frameworks import PRESETS
+
+    pads = {name: fw.kernel.expert_capacity_pad for name, fw in PRESETS.items()}
+    assert not pads["megatron@2024"] and not pads["megatron-bridge@2025"]
+    assert pads["deepspeed@2021"] and pads["deepspeed@2024"] and pads["meshtron@2026"]
+    bridge = PRESETS["megatron-bridge@2025"].kernel
+    dataclasses.replace(bridge, ep_dispatch="deepep", expert_capacity=1.0)
+    with pytest.raises(UserError, match="expert_capacity_pad=true with ep_dispatch='deepep'"):
+        dataclasses.replace(bridge, ep_dispatch="deepep", expert_capacity=1.0,
+                            expert_capacity_pad=True)

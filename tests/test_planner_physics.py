@@ -486,12 +486,24 @@ def test_session42_rows_hold_their_first_run(capsys):
     before. cp8b also read the eight 70B / 405B rows beside a faster attention core's estimate
     and kept the core's rate because they would overshoot: calibration too (the lead, at the
     merge). The 19 left: mean 7.3% (7.33), max 24.7% (OLMo 1B FP8); the 8 NeMo 2.0 rows
-    (Nemotron-4 15B / 340B) mean 2.0% (1.98), max 7.0%: a different set, not a wider bound."""
+    (Nemotron-4 15B / 340B) mean 2.0% (1.98), max 7.0%: a different set, not a wider bound.
+    Branch fix42a (session 42, the review's corrections of inputs from their sources, not
+    fits): OLMo-1B.py runs the unfused fp32 loss (fused_loss unset), which the 1B rows priced
+    as the fused one (OLMo 1B BF16 23.0% -> 16.8%, FP8 24.7% -> 17.4% too fast), and the
+    selection rule's 13B FP8 row (README at 41400c46fc, 5,500 TPS), missed at first, was added
+    (22.6% too fast); nothing else here moved (bench/results/planner_cli_table_2026-12-05_
+    fix42a.txt). The bounds recomputed from that run, rounded up to the next half point: 20
+    rows, mean 7.4% (7.42), max 22.6% (OLMo 13B FP8); NeMo 2.0 mean 1.98%, max 6.98%; GPT-3
+    mean 8.5% (8.52), max 15.5% (15.48); OLMC 8 rows, mean 12.3% (12.31), max 22.6%.
+    Merged with branch memfix (FSDP2's reduce-scatter copy-in and all-gather prep priced from
+    torch's code, dp_cost.grad_prep_s / gather_prep_s), which slows the OLMo-core rows (FSDP2
+    on one node, all too fast): 20 rows mean 5.8% (5.83), max 15.6% (15.64); OLMC mean 8.3%
+    (8.32), max 15.6%; the two bounds tightened to that run (the lead, at the merge)."""
     from bench.planner_cli_table import run_row, summarise
     from bench.published.runs import ADDED_S42, LOOKED_AT
 
     every_s42 = [r for r in published_runs() if r.name in ADDED_S42]
-    assert len(every_s42) == len(ADDED_S42) == 31
+    assert len(every_s42) == len(ADDED_S42) == 32
     # what steered a choice is calibration (branch cp8b's 8B rows); the rest never did
     cp8b = {f"DGXC2504 Llama3.1 {size} {gpus}xH100 {dt}" for size, gpus in
             (("8B", 8), ("8B", 128), ("70B", 64), ("70B", 2048), ("405B", 512), ("405B", 2048))
@@ -499,7 +511,7 @@ def test_session42_rows_hold_their_first_run(capsys):
     assert ADDED_S42 & LOOKED_AT.keys() == cp8b
     assert all(r.part == "calibration" for r in every_s42 if r.name in cp8b)
     runs = [r for r in every_s42 if r.name not in cp8b]
-    assert len(runs) == 19 and all(r.part == "validation" for r in runs)
+    assert len(runs) == 20 and all(r.part == "validation" for r in runs)
     rows = [run_row(r) for r in runs]
 
     def part(keep) -> dict:
@@ -516,12 +528,12 @@ def test_session42_rows_hold_their_first_run(capsys):
               f"{nemo2['max']:.1%}; GPT-3 n={gpt3['n']} mean {gpt3['mean']:.1%} max "
               f"{gpt3['max']:.1%}; OLMo-core n={olmc['n']} mean {olmc['mean']:.1%} max "
               f"{olmc['max']:.1%}")
-    assert every["rejected"] == 0 and every["answered"] == 19 and every["unfit"] == 0
-    assert (nemo2["n"], gpt3["n"], olmc["n"]) == (8, 4, 7)
-    assert every["mean"] < 0.075 and every["max"] < 0.25
-    assert nemo2["mean"] < 0.025 and nemo2["max"] < 0.075
-    assert gpt3["mean"] < 0.09 and gpt3["max"] < 0.17
-    assert olmc["mean"] < 0.13 and olmc["max"] < 0.25
+    assert every["rejected"] == 0 and every["answered"] == 20 and every["unfit"] == 0
+    assert (nemo2["n"], gpt3["n"], olmc["n"]) == (8, 4, 8)
+    assert every["mean"] < 0.06 and every["max"] < 0.16
+    assert nemo2["mean"] < 0.02 and nemo2["max"] < 0.07
+    assert gpt3["mean"] < 0.09 and gpt3["max"] < 0.155
+    assert olmc["mean"] < 0.085 and olmc["max"] < 0.16
 
 
 def test_automodel_moe_layouts_that_ran_fit():

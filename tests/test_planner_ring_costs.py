@@ -129,6 +129,11 @@ def test_te_ring_adds_its_corrections_and_accumulations():
     # every later step adds a correction, a dq add and a half-key cat and add
     f4, b4 = R.te_ring_bytes(e, e, k, 4)
     assert (f4 - f, b4 - b) == (12 * e, 12 * e + 20 * k)
+    # MLA (q / k head 192, V 128): `out` is zeroed at q's shape (TE v2.2 attention.py
+    # `torch.zeros_like(q)`), the corrections run at the output's
+    e_q, e_o = tokens * 192 * 128, tokens * 128 * 128
+    f_mla, _ = R.te_ring_bytes(e_q, e_o, k, cp)
+    assert f_mla == 8 * k + 2 * e_q + 12 * e_o
     assert layer_cost(L8, H100, 1, 1, seq, False, mc) == layer_cost(L8, H100, 1, 1, seq,
                                                                     False, plain)
     fp32 = layer_cost(L8, H100, 1, 1, seq, False, mc, cp, "fp32")

@@ -128,9 +128,12 @@ def _qwen_kernel(a2a_overlap: bool, tp_overlap: bool, dispatch: str = "bf16",
     routing-map all-gather, moe_deepep.hybridep_map_gather_time). `capacity`: the token-drop
     rows' capacity factor, padded (expert_capacity; session 41, branch mcoremoe: it decides
     whether Transformer Engine's Fp8Padding copies the rows, moe_fp8.fp8_pad_passes)."""
+    # the token-drop rows pad to capacity (utils/moe_token_drop.py sets
+    # moe_pad_expert_input_to_capacity True; Megatron-Core's own default, the preset's, is
+    # False: branch fix42a made it explicit here)
     return dataclasses.replace(_mcore_fp8_cs(), expert_imbalance=1.0, ep_overlap=a2a_overlap,
                                tp_comm_overlap=tp_overlap, ep_dispatch=dispatch,
-                               expert_capacity=capacity)
+                               expert_capacity=capacity, expert_capacity_pad=capacity > 0)
 
 
 def megatron_bridge_moe() -> list[PublishedRun]:

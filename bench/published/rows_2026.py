@@ -228,8 +228,11 @@ def dgxc_deepseek_v3() -> list[PublishedRun]:
     # MegatronTokenDropCallback's capacity factor 1.0 with padding (expert_capacity) and
     # pretrain_deepseek_v3.py's moe_router_dtype 'fp32' (router_dtype; session 41, branch
     # mcoremoe)
+    # (moe_pad_expert_input_to_capacity True in the callback; Megatron-Core's default, the
+    # preset's, is False: expert_capacity_pad set here, branch fix42a)
     kernel = dataclasses.replace(PRESETS["megatron@2024"].kernel, expert_imbalance=1.0,
-                                 expert_capacity=1.0, router_dtype="fp32")
+                                 expert_capacity=1.0, expert_capacity_pad=True,
+                                 router_dtype="fp32")
     mem = MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
                         recompute_up_proj=True, moe_weighted_act=True)
     return [PublishedRun(

@@ -4,7 +4,8 @@ seen, every input fixed from its source before the table was first run with them
 
 * OLMC: allenai/OLMo-core README.md, "Official training scripts": throughput in tokens per
   second per device "from a cluster with NVIDIA H100 GPUs", at 8c03ca8a21 (2024-09-26: OLMo 1B
-  / 7B / 13B, BF16 and FP8) and 41400c46fc (2024-11-01: the Llama 8B rows added). What ran is
+  / 7B BF16 and FP8, 13B BF16) and 41400c46fc (2024-11-01: the Llama 8B rows and 13B FP8
+  added). What ran is
   the launch command each row prints (`python src/scripts/train/OLMo-7B.py launch RUN
   CLUSTER` [--model.float8_config.enabled=true]) with the scripts and library of the same
   commit: src/scripts/train/OLMo-{1B,7B,13B}.py (8c03ca8a21), Llama-8B.py (41400c46fc),
@@ -12,8 +13,10 @@ seen, every input fixed from its source before the table was first run with them
   overrides it, so one node of 8 H100; the dolma2 tokenizer, 100,278 entries padded to 100,352;
   sequence 4,096).
 
-Which rows, by a rule set before any was run: every row of the two tables (the 1B / 7B / 13B
-figures are the same in both; the 8B's are in the second only). The figures are printed to two
+Which rows, by a rule set before any was run: every row of the two tables (the 1B / 7B and
+13B BF16 figures are the same in both; the 8B's and 13B FP8's are in the second only: the 13B
+FP8 row was missed at first and added by branch fix42a, its inputs from the source as the 13B
+BF16 row's, before the table was run with it). The figures are printed to two
 or three significant digits (10,000; 4,600; 12,500): a rounding of up to 5% is in them.
 
 OLMo-core has no framework preset. The closest is torchtitan@2025 (FSDP2 fully_shard per block,
@@ -62,25 +65,33 @@ def _llama_8b() -> ModelSpec:
     return preset("llama3-8b").replace(vocab=DOLMA2_PADDED, max_seq=4096)
 
 
-def _olmo_core_stack() -> tuple[KernelOptions, MemoryOptions]:
+def _olmo_core_stack(fused_loss: bool) -> tuple[KernelOptions, MemoryOptions]:
     """OLMo-core of September-November 2024 over the torchtitan@2025 preset (FSDP2): the
     scripts' DataParallelType.fsdp with param_dtype bf16, reduce_dtype fp32 (one node: no
     hybrid-shard mesh, experiment.py); compile=True (per-block torch.compile; with compile the
     config turns flash-attn and fused ops off, so attention is PyTorch SDPA and RMSNorm is
     compiled: llama_like use_flash / fused_ops); AdamWConfig(fused=True) (optimizer 'fused');
-    TrainerConfig fused_loss=True: olmo_core/triton/cross_entropy_loss.py, flash-attn's Triton
-    cross-entropy with inplace_backward False (flash_ce, MemoryOptions loss 'flash-ce'), with
-    z-loss (z_loss_multiplier 1e-5, computed inside the same kernel); RoPE with real sin / cos
-    (nn/rope.py RotaryEmbedding, not complex numbers); separate w_q / w_k / w_v and w1 / w2 / w3
-    (nn/attention.py, nn/feed_forward.py: the preset's separate_projections). FP8
-    (Float8Config): torchao Float8Linear, dynamic (tensorwise) scaling for input, weight and
-    grad output (the preset's 'torchao-tensorwise')."""
+    RoPE with real sin / cos (nn/rope.py RotaryEmbedding, not complex numbers); separate w_q /
+    w_k / w_v and w1 / w2 / w3 (nn/attention.py, nn/feed_forward.py: the preset's
+    separate_projections). FP8 (Float8Config): torchao Float8Linear, dynamic (tensorwise)
+    scaling for input, weight and grad output (the preset's 'torchao-tensorwise').
+
+    The loss, per script (`fused_loss`): OLMo-7B / 13B.py and Llama-8B.py set TrainerConfig
+    fused_loss=True: olmo_core/triton/cross_entropy_loss.py, flash-attn's Triton cross-entropy
+    with inplace_backward False (flash_ce, MemoryOptions loss 'flash-ce'), z-loss inside the
+    same kernel. OLMo-1B.py does not set it (train/config.py at 8c03ca8a21: fused_loss
+    defaults False), so train/trainer.py `_model_forward` calls nn/functional/
+    cross_entropy_loss.py `cross_entropy_loss`: F.cross_entropy on the logits, which
+    nn/transformer/model.py casts to fp32 (`self.w_out(h).float()`) outside the compiled
+    blocks: eager PyTorch's fp32 cast and log-softmax (flash_ce False: the compiled stack's
+    head and loss are priced eager, KernelOptions.head_stack; MemoryOptions loss 'eager')."""
     from meshtron.planner.frameworks import PRESETS
 
     fw = PRESETS["torchtitan@2025"]
-    kernel = dataclasses.replace(fw.kernel, stack="compiled", optimizer="fused", flash_ce=True,
-                                 complex_rope=False)
-    mem = dataclasses.replace(fw.memory, activations=None, loss="flash-ce")
+    kernel = dataclasses.replace(fw.kernel, stack="compiled", optimizer="fused",
+                                 flash_ce=fused_loss, complex_rope=False)
+    mem = dataclasses.replace(fw.memory, activations=None,
+                              loss="flash-ce" if fused_loss else "eager")
     return kernel, mem
 
 
@@ -91,6 +102,7 @@ _ROWS = [
     ("OLMo 7B", OLMC_0926, ("olmo-7b", 4096, 32, 32), 2, 1024, "bf16", 10000.0),
     ("OLMo 7B", OLMC_0926, ("olmo-7b", 4096, 32, 32), 2, 1024, "fp8", 13000.0),
     ("OLMo 13B", OLMC_0926, ("olmo-13b", 5120, 40, 40), 1, 2048, "bf16", 4600.0),
+    ("OLMo 13B", OLMC_1101, ("olmo-13b", 5120, 40, 40), 1, 2048, "fp8", 5500.0),
     ("Llama 8B", OLMC_1101, None, 2, 1024, "bf16", 9500.0),
     ("Llama 8B", OLMC_1101, None, 2, 1024, "fp8", 12500.0),
 ]
@@ -99,9 +111,10 @@ _ROWS = [
 def olmo_core() -> list[PublishedRun]:
     """The OLMC rows (module docstring): FSDP over one node of 8 H100, no activation
     checkpointing (no script sets ac_config), sequence 4,096."""
-    kernel, mem = _olmo_core_stack()
     runs = []
     for label, source, shape, mbs, gbs, dtype, tps in _ROWS:
+        fused_loss = label != "OLMo 1B"  # OLMo-1B.py leaves TrainerConfig.fused_loss False
+        kernel, mem = _olmo_core_stack(fused_loss)
         model = _olmo(*shape) if shape else _llama_8b()
         script = f"OLMo-{label.split()[1]}.py" if shape else "Llama-8B.py"
         runs.append(PublishedRun(
@@ -112,14 +125,22 @@ def olmo_core() -> list[PublishedRun]:
             note=f"{dtype.upper()} {tps:.0f} tokens/s per device as published (rounded); "
                  f"src/scripts/train/{script}: FSDP (bf16 parameters, fp32 reduction), "
                  f"torch.compile, rank_microbatch_size {mbs} x 4096 tokens, global batch "
-                 f"{gbs} x 4096, fused AdamW, fused (flash-attn Triton) loss with z-loss, no "
-                 "activation checkpointing; one node of 8 GPUs (the launch default: the "
+                 f"{gbs} x 4096, fused AdamW, "
+                 + ("fused (flash-attn Triton) loss with z-loss" if fused_loss else
+                    "unfused loss (fused_loss unset, its default False: F.cross_entropy on the "
+                    "logits cast to fp32, then a logsumexp pass for the z-loss; corrected by "
+                    "branch fix42a from the script, an input from its source, not a fit: the "
+                    "first run priced the fused loss)")
+                 + ", no activation checkpointing; one node of 8 GPUs (the launch default: the "
                  "published command sets no --launch.num_nodes)"
                  + ("; FP8: torchao Float8Linear, dynamic tensorwise scaling" if dtype == "fp8"
                     else "")
                  + ". Assumed: DGX H100 (the README says 'a cluster with NVIDIA H100 GPUs'), "
                  "datasheet clocks. Not seen by the torchtitan@2025 preset it is priced on: "
-                 "the z-loss's extra reductions inside the loss kernel"
+                 + ("the z-loss's extra reductions inside the loss kernel" if fused_loss else
+                    "the z-loss's logsumexp over the fp32 logits and its backward (ATen's "
+                    "logsumexp: max, subtract, exp, sum; about two more passes over the "
+                    "logits each way)")
                  + ("; FSDP's float8 all-gather (Float8Config enable_fsdp_float8_all_gather "
                     "and precompute_float8_dynamic_scale_for_fsdp True: the gather is priced "
                     "in bf16)" if dtype == "fp8" else "")))

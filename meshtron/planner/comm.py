@@ -177,27 +177,36 @@ def all_reduce(nbytes: float, group: Group, fab: Fabric, hierarchical: bool = Fa
 
 
 # NCCL's low-latency protocol (LL): what its tuner picks for buffers of a few kilobytes, whose
-# time is all latency. Its own figures (NVIDIA/nccl src/graph/tuning.cc, identical from
-# v2.18.1-1 to v2.26.2-1, the NCCLs of the 2023-2025 NGC containers): baseLat tree 6.8 us,
-# ring 6.6 us; hwLat over NVLink 0.6 us (tree and ring), over the network 5.0 us (tree) and
-# 2.7 us (ring); an inter-node ring's intra-node steps cost at least the network overhead,
-# getNetOverhead (1 us on x86); LL's bus bandwidth is the ring's / 2 (ring) and / 3.8 (tree).
+# time is all latency. Its own figures and formulas (NVIDIA/nccl src/graph/tuning.cc
+# ncclTopoTuneModel, the same in v2.23.4-1 and v2.26.2-1, the NCCLs of the 2025 NGC
+# containers): baseLat tree 6.8 us, ring 6.6 us; hwLat over NVLink 0.6 us (tree and ring),
+# over the network 5.0 us (tree) and 2.7 us (ring), the tree's 5.0 us for the ring too with
+# one rank per node ("with ppn=1 latencies are fully exposed"); an all-reduce ring's
+# 2(n - 1) steps of which 2(N - 1) cross nodes, its intra-node steps at least the network
+# overhead getNetOverhead (1 us on Intel x86 and others, 2 us on AMD x86: the cluster does not
+# say its CPU, 1 us priced); LL's bus bandwidth is the ring's x 0.5 (ring) and / 3.8 (tree).
+# Older NCCLs differ: v2.18-v2.20 give the ring's LL a quarter of the bandwidth (busBw / 4 for
+# an all-reduce) and v2.18-v2.22 count 2N inter-node steps (not 2(N - 1)) without the
+# one-rank-per-node exception; the baseLat and hwLat figures are the same from v2.18.1-1.
 # The cluster's latency fields are the Simple protocol's (above): they do not apply here.
 LL_BASE_LATENCY_S = {"tree": 6.8e-6, "ring": 6.6e-6}
 """NCCL's baseLat of the LL protocol (tuning.cc)."""
 LL_NVLINK_LATENCY_S = 0.6e-6
 """NCCL's hwLat of one LL step over NVLink, tree and ring (tuning.cc)."""
 LL_NET_LATENCY_S = {"tree": 5.0e-6, "ring": 2.7e-6}
-"""NCCL's hwLat of one LL step across nodes (tuning.cc)."""
+"""NCCL's hwLat of one LL step across nodes (tuning.cc); the ring takes the tree's with one
+rank per node (v2.23+)."""
 NET_OVERHEAD_S = 1.0e-6
-"""NCCL's getNetOverhead on x86 (tuning.cc): the floor of an inter-node ring's intra steps."""
+"""NCCL's getNetOverhead on Intel x86 (tuning.cc; 2 us on AMD x86): the floor of an
+inter-node ring's intra steps."""
 
 
 def small_all_reduce(nbytes: float, group: Group, fab: Fabric) -> float:
     """All-reduce of a buffer of a few kilobytes (e.g. Transformer Engine's FP8 amaxes) as NCCL
-    runs it, with its LL protocol: the faster of the tree, baseLat + 2((n/N - 1) hwLat_NVLink +
-    log2(N) hwLat_NET), and the ring, baseLat + (2(n-1) - 2(N-1)) hwLat_intra + 2(N-1)
-    hwLat_NET, each plus the bytes at LL's share of the bus bandwidth (constants above)."""
+    v2.23+ runs it, with its LL protocol: the faster of the tree, baseLat + 2((n/N - 1)
+    hwLat_NVLink + log2(N) hwLat_NET), and the ring, baseLat + (2(n-1) - 2(N-1)) hwLat_intra +
+    2(N-1) hwLat_NET (the tree's hwLat_NET with one rank per node), each plus the bytes at LL's
+    share of the bus bandwidth (constants above)."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
     n, nodes, local = group.size, group.nodes, max(1, group.local)
@@ -208,8 +217,9 @@ def small_all_reduce(nbytes: float, group: Group, fab: Fabric) -> float:
             + 2.0 * nbytes / (bus / 3.8))
     inter = 2 * (nodes - 1)
     intra_step = max(LL_NVLINK_LATENCY_S, NET_OVERHEAD_S) if nodes > 1 else LL_NVLINK_LATENCY_S
+    net_step = LL_NET_LATENCY_S["tree" if n == nodes else "ring"]
     ring = (LL_BASE_LATENCY_S["ring"] + (2 * (n - 1) - inter) * intra_step
-            + inter * LL_NET_LATENCY_S["ring"] + 2.0 * (n - 1) / n * nbytes / (bus / 2.0))
+            + inter * net_step + 2.0 * (n - 1) / n * nbytes / (bus / 2.0))
     return min(tree, ring)
 
 

@@ -72,7 +72,8 @@ def fp8_step_cast_s(model: ModelSpec, cluster: ClusterSpec, tp: int, opts: Kerne
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
                sp: bool, opts: KernelOptions, cp: int = 1, dtype: str = "bf16",
                fp8_frac: tuple[float, ...] | None = None,
-               fp8_recipe: str = "rowwise", gqa_repeat: bool = False) -> LayerCost:
+               fp8_recipe: str = "rowwise", gqa_repeat: bool = False,
+               amax_mlp_share: float = 1.0) -> LayerCost:
     """Per-GPU time of one layer for one micro-batch of `micro_batch` sequences of `seq` tokens,
     a 1/cp slice of each sequence's tokens on this rank (context parallelism), GEMMs at the
     peak of `dtype` (cluster.at_dtype; fp8: the block GEMMs whose Linears pass the runtime's
@@ -82,7 +83,9 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     None: from `model` with torchao's thresholds (opts.fp8_filter). `fp8_recipe`: the plan's
     torchao recipe (what opts.fp8_scaling 'torchao' casts with). `gqa_repeat`: the model code
     copies K/V to every query head before SDPA (MemoryOptions.gqa_copies: elementwise.py
-    `gqa_repeat_bytes`; context parallelism then moves K/V at every head)."""
+    `gqa_repeat_bytes`; context parallelism then moves K/V at every head). `amax_mlp_share`:
+    the share of the real model's blocks whose fc1 / fc2 reduce current scaling's amax over
+    tp (fp8_amax.mlp_amax_share: not a mixture's routed experts)."""
     lin_dt, other_dt = compute_dtypes(dtype)
     lin_cl, cluster = cluster.at_dtype(lin_dt), cluster.at_dtype(other_dt)
     bw = membound_bytes_per_s(cluster, opts.stack)
@@ -222,7 +225,7 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     if tp > 1 and not sp and opts.residual_reduce_once and model.parallel_residual:
         tp_f -= colls["ar"]  # the two branches' sum reduced once (KernelOptions)
     # current scaling's per-tensor amax all-reduces over tp before the FP8 gathers (fp8_amax)
-    amax_f, amax_b = current_amax_tp_s(opts, sp, frac, group, fab)
+    amax_f, amax_b = current_amax_tp_s(opts, sp, frac, group, fab, amax_mlp_share)
     tp_f, tp_b = tp_f + amax_f, tp_b + amax_b
     if cp > 1:
         cp_f, cp_b = cp_exposed(cluster, fab, opts, dtype, tp, cp, tokens * kv_moved / tp,

@@ -12,8 +12,9 @@ import functools
 from typing import Any, NamedTuple
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner import (comm, compute, host, memory, memory_pipeline, moe_capacity,
-                              moe_cost, moe_host, moe_memory, mtp, pipeline, pipeline_split, placement)
+from meshtron.planner import (comm, compute, fp8_amax, host, memory, memory_pipeline,
+                              moe_capacity, moe_cost, moe_host, moe_memory, mtp, pipeline,
+                              pipeline_split, placement)
 from meshtron.planner.fp8 import fp8_fractions
 from meshtron.planner.plan import Plan
 
@@ -154,7 +155,7 @@ class CostPieces:
         # repeat_kv); Megatron-Core hands TE's fused attention the K/V groups as they are
         repeat = self.mem.gqa_copies and self.mem.framework != "megatron"
         lc = compute.layer_cost(self.active, cl, tp, mb, s, sp, opts, cp, dtype, frac,
-                                fp8_recipe, repeat)
+                                fp8_recipe, repeat, fp8_amax.mlp_amax_share(m))
         c_l, tpc_l, f_l, w_l = lc.per_microbatch(rec, opts.attention)
         if rec == "selective" and opts.attention == "flash":
             # what the framework's selective policy runs again in the backward (memory.py):

@@ -22,9 +22,7 @@ class TimeBreakdown:
     pp_comm: float
     """Pipeline point-to-point transfers on the critical path."""
     dp_comm: float
-    """Data-parallel / ZeRO communication left exposed after overlap with compute, and
-    Transformer Engine's delayed-scaling FP8 amax all-reduces over a stage's dp x tp x cp
-    ranks (planner/fp8_amax.py: blocking, never overlapped)."""
+    """Data-parallel / ZeRO communication left exposed after overlap with compute."""
     bubble: float
     """Pipeline fill and drain idle time."""
     optimizer: float
@@ -37,11 +35,15 @@ class TimeBreakdown:
     """Host work once per step that the idle GPU waits for, outside the micro-batches and the
     optimizer: Composer's synchronisation of its train metrics at the batch's end
     (planner/composer_metrics.py); 0 for every other stack."""
+    fp8_sync: float = 0.0
+    """Transformer Engine's delayed-scaling FP8 amax all-reduces over a stage's dp x tp x cp
+    ranks (planner/fp8_amax.py: a few bytes each, latency-bound, blocking, never overlapped):
+    not data-parallel traffic (no gradient compression shrinks them); 0 without them."""
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble
-                + self.optimizer + self.ep_comm + self.offload + self.step_host)
+                + self.optimizer + self.ep_comm + self.offload + self.step_host + self.fp8_sync)
 
     def to_dict(self) -> dict[str, float]:
         out = {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
@@ -51,6 +53,8 @@ class TimeBreakdown:
             out["offload"] = self.offload
         if self.step_host:
             out["step_host"] = self.step_host
+        if self.fp8_sync:
+            out["fp8_sync"] = self.fp8_sync
         return out
 
 

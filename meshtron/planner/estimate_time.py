@@ -75,13 +75,15 @@ class StepTimes:
         w.stage_t, w.stage_f = stage_t, stage_f
         dp_t, opt_t, off_t = self._stage_sync(w)
         # Transformer Engine's delayed-scaling amax all-reduces over the stage's dp x tp x cp
-        # ranks, two per micro-batch and model chunk, blocking (fp8_amax.py): exposed
-        dp_t += fp8_amax.delayed_amax_step_s(self.opts, cfg.dtype, m, v, n[crit],
+        # ranks, two per micro-batch and model chunk, blocking (fp8_amax.py): exposed, a part
+        # of their own (not data-parallel traffic: TimeBreakdown.fp8_sync)
+        fp8_t = fp8_amax.delayed_amax_step_s(self.opts, cfg.dtype, m, v, n[crit],
                                              model, cfg.ep, groups["amax"], self.fab)
         # Composer's train-metric sync over every rank at the batch's end (composer_metrics)
         host_t = composer_metrics.sync_s(self.opts.train_metrics, cfg.gpus, self.cluster)
         parts = dict(compute=compute_t, tp_comm=tp_t, pp_comm=pp_t, dp_comm=dp_t,
-                     optimizer=opt_t, ep_comm=ep_t, offload=off_t, step_host=host_t)
+                     optimizer=opt_t, ep_comm=ep_t, offload=off_t, step_host=host_t,
+                     fp8_sync=fp8_t)
         # every schedule call (Plan.pipeline_runs) pays its own fill and drain: the bubble of
         # one call of m / runs micro-batches, once per call (torchtitan trainer.py, NeMo
         # AutoModel train_ft.py: a schedule.step per gradient-accumulation batch)

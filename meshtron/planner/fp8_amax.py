@@ -37,7 +37,12 @@ and the row-parallel output gradient's quantizer `with_amax_reduction = True`,
 `amax_reduction_group = self.tp_group`; csrc/extensions/cast.cpp and normalization.cpp:
 `process_group->allreduce(...)->wait()` between `nvte_compute_amax` and the cast): per layer
 and micro-batch, the QKV and fc1 inputs forward, the attention-output and fc2 output
-gradients backward.
+gradients backward. Not a mixture's routed experts: Megatron-Core builds them with
+`explicit_expert_comm` (tp > 1 or ep > 1), which hands TE `parallel_mode=None`, `tp_group=None`
+(megatron/core/extensions/transformer_engine.py TEGroupedLinear.__init__ at core_v0.12.2, the
+token dispatcher moves their tokens), and TE v2.2's module/grouped_linear.py sets no
+`with_amax_reduction` at all; the shared experts (SharedExpertMLP: TE column / row parallel
+Linears over the tp group) and dense blocks do reduce (`mlp_amax_share`).
 """
 
 from __future__ import annotations
@@ -95,16 +100,30 @@ def delayed_amax_step_s(opts: Any, dtype: str, micro_batches: int, chunks: int,
     return micro_batches * max(1, chunks) * (fwd + bwd)
 
 
+def mlp_amax_share(model: Any) -> float:
+    """Share of `model`'s blocks whose fc1 / fc2 reduce current scaling's amax over tp (module
+    doc): every dense block; a mixture-of-experts block only where it has shared experts (its
+    routed experts' grouped Linears reduce none). 1 for a dense model."""
+    if not getattr(model, "is_moe", False):
+        return 1.0
+    moe = model.moe_layers / model.layers
+    return 1.0 - moe + (moe if getattr(model, "moe_shared_experts", 0) else 0.0)
+
+
 def current_amax_tp_s(opts: Any, sp: bool, frac: dict[str, float] | None,
-                      group: comm.Group, fab: comm.Fabric) -> tuple[float, float]:
+                      group: comm.Group, fab: comm.Fabric,
+                      mlp_share: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds per layer and micro-batch of current scaling's per-tensor
     amax all-reduces over the tensor-parallel `group` (module doc): one per column-parallel
     FP8 input forward ('qkv', 'up' of `frac`, fp8.fp8_fractions), one per row-parallel FP8
-    output gradient backward ('out', 'down'). 0 unless `opts` (compute.KernelOptions) scales
-    per tensor with 'te-current', with sequence parallelism over more than one rank."""
+    output gradient backward ('out', 'down'); the MLP's ('up', 'down') on the `mlp_share` of
+    blocks whose MLP reduces (`mlp_amax_share` of the real model: a mixture's routed experts
+    do not). 0 unless `opts` (compute.KernelOptions) scales per tensor with 'te-current', with
+    sequence parallelism over more than one rank."""
     if not _per_tensor(opts, "te-current") or not sp or group.size <= 1 or frac is None:
         return 0.0, 0.0
     one = comm.small_all_reduce(AMAX_BYTES, group, fab)
-    fwd = sum(one for g in ("qkv", "up") if frac.get(g, 0.0) > 0)
-    bwd = sum(one for g in ("out", "down") if frac.get(g, 0.0) > 0)
+    weight = {"qkv": 1.0, "out": 1.0, "up": mlp_share, "down": mlp_share}
+    fwd = sum(one * weight[g] for g in ("qkv", "up") if frac.get(g, 0.0) > 0)
+    bwd = sum(one * weight[g] for g in ("out", "down") if frac.get(g, 0.0) > 0)
     return fwd, bwd

@@ -69,7 +69,9 @@ _MESHTRON = Framework(
     # (parallel/pipeline.py): under sp=false the activation is replicated over the tensor
     # group (parallel/tensor.py), so every tensor rank sends it whole (no Megatron
     # scatter/gather; under sp it is a sequence shard already: estimate_pieces.py)
-    KernelOptions(p2p_scatter_gather=False),
+    # expert_capacity_pad True: inert, the runtime is dropless (model/moe.py), and its rule
+    # (plan_rules_options) takes only this value
+    KernelOptions(p2p_scatter_gather=False, expert_capacity_pad=True),
     MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
     "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
@@ -100,6 +102,8 @@ _MEGATRON_2021 = Framework(
     KernelOptions(attention="unfused", dropout=True, overlap_grad_reduce=False,
                   separate_projections=False,  # fused QKV and fc1 GEMMs
                   fp32_grad_reduce=True, stack="fused", sharding="zero", fp8_filter="all",
+                  # 2021's Megatron-LM had no FP8: --dtype fp8 on this preset is a what-if,
+                  # priced as Megatron-Core's TE delayed scaling (amax all-reduces included)
                   fp8_scaling="te-delayed",
                   v_width="native"),  # unfused: two batched GEMMs take any head sizes
     MemoryOptions(framework="megatron", pipeline_split="megatron-even", host_offload="none",
@@ -121,6 +125,11 @@ _MEGATRON_2024 = Framework(
                   cp_overlap=True, fp8_filter="all", fp8_scaling="te-delayed",
                   grad_accum_fusion=True,
                   megatron_linear=True, p2p_overlap=True,
+                  # token drop pads to capacity only when asked: moe_pad_expert_input_to_
+                  # capacity defaults False (megatron/core/transformer/transformer_config.py,
+                  # core_v0.12.2 and core_v0.15.0); NeMo's MegatronTokenDropCallback sets it
+                  # True (the token-drop rows in bench/published set it so)
+                  expert_capacity_pad=False,
                   # megatron/core/transformer/multi_latent_attention.py: TE's DotProductAttention
                   # with k_channels = qk head, v_channels = v_head_dim (cuDNN fused attention)
                   v_width="native"),
@@ -146,6 +155,10 @@ _DEEPSPEED_2021 = Framework(
                   reduce_units_per_layer=12, prefetch_params=5e7, max_live_params=1e9,
                   live_embedding=True,
                   recompute_regathers=True, list_collectives=True, fp8_filter="all",
+                  # DeepSpeed-MoE's GShard dispatch (deepspeed/moe/sharded_moe.py: top1gating /
+                  # top2gating build the [S, E, C] dispatch mask, MOELayer.forward's einsum
+                  # "sec,sm->ecm" fills [E, C, h], padded to the capacity whatever the routing)
+                  expert_capacity_pad=True,
                   v_width="native"),  # unfused: two batched GEMMs take any head sizes
     MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
                   host_offload="zero-offload-2021", zero_stages="deepspeed",
@@ -163,7 +176,9 @@ _DEEPSPEED_2024 = Framework(
                   stack="eager", sharding="zero", shard_units_per_layer=7,
                   prefetch_params=5e7, max_live_params=1e9, recompute_regathers=True,
                   # Hugging Face's DeepseekV3Attention pads V to the q/k head for flash-attn 2
-                  fp8_filter="all", v_width="padded"),
+                  fp8_filter="all", v_width="padded",
+                  # DeepSpeed-MoE's GShard dispatch into [E, C, h] (sharded_moe.py, as 2021)
+                  expert_capacity_pad=True),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
                   gqa_copies=True, pipeline_split="deepspeed-parameters",
                   host_offload="zero-offload", zero_stages="deepspeed"), "bf16",

@@ -63,7 +63,10 @@ true`, which the nemo-automodel preset sets for MoE models.
   [options] for 'tensorwise', current scaling; `fp8_param_gather = true` for
   `--fp8-param-gather`, off by default as in Megatron-Core), delayed scaling's amax
   all-reduces over each stage's dp x tp x cp ranks twice per micro-batch and model chunk
-  (planner/fp8_amax.py); megatron@2021 prices FP8 the same way.
+  (planner/fp8_amax.py). megatron@2021 prices FP8 the same way, a what-if: 2021's
+  Megatron-LM had no FP8 (Transformer Engine and its amax reductions came later), so an FP8
+  plan on it is Megatron-Core's TE delayed scaling on the 2021 stack, amax all-reduces
+  included.
 * `deepspeed@2021`: DeepSpeed 0.3.15 (April 2021; deepspeed/runtime/zero/stage3.py,
   partition_parameters.py, runtime/pipe/engine.py) under Megatron-DeepSpeed: ZeRO-3 gathers each
   weight separately, device-synchronised, and prefetches the next weight on its fetch stream

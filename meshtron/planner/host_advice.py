@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtron.planner import compute
+from meshtron.planner import compute, fp8_amax
 
 NOTE_SHARE = 0.10
 """Launch-bound share of the layers' time from which the note is shown (below it, the
@@ -27,7 +27,9 @@ def launch_share(result) -> float:
     model = compute.active_equivalent(result.model)
     free = dataclasses.replace(cl, eager_kernel_overhead_us=1e-6)
     args = (cfg.tp, cfg.micro_batch, result.seq_len, cfg.sp, result.options, cfg.cp, cfg.dtype)
-    real, dev = compute.layer_cost(model, cl, *args), compute.layer_cost(model, free, *args)
+    share = fp8_amax.mlp_amax_share(result.model)  # the real model's, as estimate_pieces
+    real = compute.layer_cost(model, cl, *args, amax_mlp_share=share)
+    dev = compute.layer_cost(model, free, *args, amax_mlp_share=share)
     total = real.fwd + real.bwd
     return 1.0 - (dev.fwd + dev.bwd) / total if total > 0 else 0.0
 

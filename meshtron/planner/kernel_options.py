@@ -302,8 +302,11 @@ class KernelOptions:
     """With `expert_capacity` > 0: pad every expert's rows to the capacity (Megatron-Core's
     moe_pad_expert_input_to_capacity, token_dispatcher.py `drop_and_pad`; DeepSpeed-MoE's
     GShard dispatch into [E, C, h]); False: drop only (Megatron-Core's capacity factor
-    alone, whose own default leaves padding off: set false for such a run). Ignored
-    dropless."""
+    alone). Ignored dropless. Each stack's value is its framework preset's
+    (framework_presets.py: False on the Megatron-Core presets, moe_pad_expert_input_to_capacity
+    defaulting False in transformer_config.py at core_v0.12.2 and core_v0.15.0; True on
+    DeepSpeed's, whose GShard dispatch always fills [E, C, h]; True, inert, on meshtron's
+    dropless runtime); the dataclass default True is the DeepSpeed / GShard one."""
     p2p_overlap: bool = False
     """Pipeline transfers of the steady state overlap the chunks' compute (Megatron-Core's
     overlap_p2p_comm: on by default with the interleaved schedule, which alone supports it);

@@ -52,8 +52,9 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
                         "host_capacity": float|null},             # usable; null: unknown
          "time_s": {"compute", "tp_comm", "pp_comm", "dp_comm_exposed", "bubble",
                     "optimizer", "ep_comm": float,                # exact 0.0 when absent
-                    "offload", "step_host": float},               # only when > 0
-                    # (step_host: Composer's train-metric sync, planner/composer_metrics.py)
+                    "offload", "step_host", "fp8_sync": float},   # only when > 0
+                    # (step_host: Composer's train-metric sync, planner/composer_metrics.py;
+                    # fp8_sync: delayed scaling's amax all-reduces, planner/fp8_amax.py)
          "step_time_s": float, "tokens_per_s": float,
          "model_tflops_per_gpu": float, "hardware_tflops_per_gpu": float,
          "mfu": float, "hfu": float,                              # fractions of peak
@@ -216,7 +217,9 @@ def breakdown_line(est: Estimate) -> str:
             + (f" + expert all-to-all {fmt_s(t.ep_comm)}" if t.ep_comm else "")
             # TimeBreakdown.step_host is Composer's train-metric sync, no other stack's
             + (f" + train-metric sync on the host at the step's end {fmt_s(t.step_host)}"
-               if t.step_host else ""))
+               if t.step_host else "")
+            # TimeBreakdown.fp8_sync: Transformer Engine's delayed-scaling amax all-reduces
+            + (f" + FP8 amax all-reduces {fmt_s(t.fp8_sync)}" if t.fp8_sync else ""))
 
 
 def memory_line(est: Estimate) -> str:

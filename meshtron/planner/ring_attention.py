@@ -59,7 +59,9 @@ the last rank, whose every later step is a full-query call):
 
 Forward:
   `torch.cat((k, v))` into the first send buffer                          (4+4) K
-  `out = torch.zeros_like(...)` in bf16, before the corrections           2 E_o
+  `out = torch.zeros_like(q)` in bf16, before the corrections: q's shape   2 E_q
+    (attention.py at v2.2 `torch.zeros_like(q if not fp8 else ...)`; MLA's
+    q head is wider than its V)
   `flash_attn_fwd_out_correction` of each of the cp steps' outputs: one
     fused kernel (`jit_fuser`: torch.compile) reading the step's bf16
     output and `out` and writing `out` back (`out.add_`)                  (2+2+2) E_o each
@@ -171,7 +173,7 @@ def te_ring_bytes(e_q: float, e_o: float, k: float, cp: int) -> tuple[float, flo
     """(forward, backward) HBM bytes per layer and rank of the memory-bound ops Transformer
     Engine's p2p ring runs around its flash calls (module docstring), for `e_q` query, `e_o`
     output and `k` key elements on this rank, bf16."""
-    fwd = 8.0 * k + 2.0 * e_o + 6.0 * e_o * cp
+    fwd = 8.0 * k + 2.0 * e_q + 6.0 * e_o * cp  # the zeros at q's shape (module docstring)
     bwd = (8.0 * k + 4.0 * e_q + 6.0 * e_q * (cp - 1) + 4.0 * k * (cp - 1) + 8.0 * k
            + 4.0 * k + 6.0 * k * (cp - 2) + 12.0 * k)
     return fwd, bwd

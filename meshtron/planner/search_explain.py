@@ -24,6 +24,7 @@ _CAUSES = {
     "ep_comm": "expert-parallel all-to-all exposed",
     "offload": "host-link copies of offloaded state",
     "step_host": "host work at the step's end (train-metric sync)",
+    "fp8_sync": "FP8 amax all-reduces of delayed scaling (over dp x tp x cp)",
 }
 """Every part of estimate_results.TimeBreakdown: the one that grew most is the reason."""
 

@@ -60,7 +60,7 @@ def step_categories(ev: Evaluator, est: Estimate) -> dict[str, float]:
     out["grad_accumulation"] = ev.accumulation_s(cfg, layers, 0, m, flags)
     out["fp8_cast"] += layers * ev._fp8_step(cfg.tp, cfg.dtype, cfg.fp8_recipe)
     out["optimizer"] = t.optimizer
-    out["communication"] = t.tp_comm + t.dp_comm + t.ep_comm + t.pp_comm
+    out["communication"] = t.tp_comm + t.dp_comm + t.ep_comm + t.pp_comm + t.fp8_sync
     out["bubble"], out["offload"] = t.bubble, t.offload
     out["host_wait"] += t.step_host  # the idle GPU waits on the step's host work
     total = sum(out.values())

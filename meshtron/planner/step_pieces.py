@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtron.planner import comm, composer_metrics, moe_memory, offload, pipeline
+from meshtron.planner import comm, composer_metrics, fp8_amax, moe_memory, offload, pipeline
 from meshtron.planner.estimate_results import Estimate
 
 if TYPE_CHECKING:
@@ -51,7 +51,8 @@ class StepPieces:
     optimizer_s: list[float]
     """Per device stage: optimizer step (on the host with offload, its copies included:
     offload.offload_cost), and the gradient accumulation passes of its micro-batches
-    (`Evaluator.accumulation_s`), and the step's end host work (TimeBreakdown.step_host)."""
+    (`Evaluator.accumulation_s`), the step's end host work (TimeBreakdown.step_host) and the
+    FP8 amax all-reduces of delayed scaling (TimeBreakdown.fp8_sync)."""
 
 
 def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
@@ -110,8 +111,12 @@ def step_pieces(ev: Evaluator, est: Estimate) -> StepPieces:
                                       ev.cluster.host_link_bytes_per_s,
                                       ev.cluster.host_memory_bytes_per_s)
             step = oc.host_step_s + oc.transfer_s
+        # Transformer Engine's delayed-scaling amax all-reduces of the rank's blocks, as
+        # `evaluate`'s fp8_sync (fp8_amax.py; blocking, laid at the step's end like host_s)
+        fp8_sync = fp8_amax.delayed_amax_step_s(ev.opts, cfg.dtype, m, cfg.virtual_stages, k,
+                                                ev.model, cfg.ep, groups["amax"], ev.fab)
         opt.append(step + ev.accumulation_s(cfg, k, i, m, flags)
-                   + k * ev._fp8_step(tp, cfg.dtype, cfg.fp8_recipe) + host_s)
+                   + k * ev._fp8_step(tp, cfg.dtype, cfg.fp8_recipe) + host_s + fp8_sync)
         stage_f = sum(fwd[j] for j in held[i])
         stage_b = sum(tot[j] for j in held[i]) - stage_f
         kept = p_head if i == last else 0.0  # FSDP's [norm, head]: not re-gathered

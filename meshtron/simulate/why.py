@@ -35,12 +35,14 @@ PIECES = {
     "offload": "host-link copies of offloaded state",
     # grows with the world: Composer's train-metric sync over every rank (composer_metrics)
     "step_host": "host work at the step's end (train-metric sync over every rank)",
+    # grows with dp x tp x cp at a fixed number of micro-batches (fp8_amax.py)
+    "fp8_sync": "FP8 amax all-reduces (delayed scaling)",
 }
 """Every piece a point can have, and how the explanation names it."""
-COMM = ("tp_comm", "dp_comm", "ep_comm", "pp_comm")
+COMM = ("tp_comm", "dp_comm", "ep_comm", "pp_comm", "fp8_sync")
 """TimeBreakdown's exposed communication, which step_categories sums into 'communication'."""
 PARTS = ("compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "ep_comm",
-         "offload", "step_host")
+         "offload", "step_host", "fp8_sync")
 """Every part of estimate_results.TimeBreakdown (they add up to the step; each a column of the
 sweep's CSV): the pieces of a pipelined plan. The step categories' kinds that are not parts
 (GEMMs, attention, memory-bound kernels, FP8 casts, host waits, MoE, gradient accumulation)
