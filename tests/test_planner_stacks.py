@@ -373,3 +373,20 @@ def test_sustained_clock_in_a_cluster_file_scales_the_gemms(cli, tmp_path):
     assert 1.0 < t2 / t0 <= 0.93 / 0.7 + 1e-9  # GEMMs slower by the clock; memory-bound ops not
     rc, _, err = plan(2500)
     assert rc == 2 and "sustained_clock_mhz=2500" in err and "boost" in err
+
+
+def test_torch_pipelining_stacks_search_only_micro_batch_counts_their_schedules_run():
+    """torchtitan runs torch.distributed.pipelining's schedules, whose looped orders need the
+    micro-batches in whole rounds (plan_rules_pipeline.microbatch_problem): the search priced
+    DeepSeek-V3 at pp 16, v 2 and 120 micro-batches, whose order deadlocks (a RuntimeError
+    traceback from `meshtron plan ... --framework torchtitan@2025`). Every plan it keeps now
+    passes the rule."""
+    from meshtron.planner.plan_rules_pipeline import microbatch_problem
+
+    r = search_plans(PRESETS["deepseek-v3"], resolve_cluster("dgx-h100:256"), 15360, 4096,
+                     {"dtype": "bf16"}, top_k=5, explain=True, framework=preset("torchtitan"))
+    assert r.plans
+    for e in r.plans:
+        c = e.config
+        m = 15360 // (c.dp * c.micro_batch)
+        assert microbatch_problem(c.schedule, c.pp, c.virtual_stages or 1, m) is None, c

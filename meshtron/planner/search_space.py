@@ -402,9 +402,12 @@ class SearchSpace:
         fixed = k.schedule is not None or k.virtual_stages is not None
 
         def rounds(s: str, v: int) -> str | None:
-            # torch.distributed.pipelining's limits on the micro-batch count: meshtron's
-            # runtime's, not another stack's (a DualPipe or Megatron schedule priced as zb)
-            return microbatch_problem(s, pp, v, m) if self.runtime else None
+            # torch.distributed.pipelining's limits on the micro-batch count: those of every
+            # stack that runs its schedules (meshtron's runtime, and the 'any' engine:
+            # torchtitan, NeMo AutoModel; their order deadlocks otherwise, pipeline_zb
+            # _program), not another engine's (a DualPipe or Megatron schedule priced as zb)
+            torch_engine = self.runtime or self.engine == "any"
+            return microbatch_problem(s, pp, v, m) if torch_engine else None
 
         def split(v: int) -> str | None:
             # what the priced stack's pipeline engine builds and runs (plan_rules)
