@@ -253,7 +253,9 @@ def _run_step(args: argparse.Namespace, model, opts, plan=None,
         raise UserError("plan.schedule='dualpipe': `meshtron simulate --step` walks "
                         "torch.distributed.pipelining's schedules, not DeepSeek's DualPipe; "
                         "`meshtron plan` and `meshtron cost` price it")
-    ev = Evaluator(model, cluster, batch, seq, opts.kernel, mem=opts.memory)
+    # the options the search priced the plan with: the stack's, compiled or with async TP
+    # where the plan says so (search.search_plans: compute.compiled)
+    ev = Evaluator(model, cluster, batch, seq, result.options, mem=opts.memory)
     pert = Perturbation(stragglers=tuple(args.straggler), jitter=args.jitter, seed=args.seed)
     base = simulate_step(ev, est)
     res = simulate_step(ev, est, pert) if (pert.stragglers or pert.jitter) else base
