@@ -272,3 +272,31 @@ def test_the_python_api_prices_a_saved_plan_as_saved(cli, tmp_path):
     plan = load_plan(path)
     est = evaluate_plan(load_model("llama3-8b"), resolve_cluster("dgx-h100:1"), 64, 4096, plan)
     assert est.step_time_s == pytest.approx(row["step_time_s"], rel=1e-12)
+
+
+def test_a_file_saved_before_plans_recorded_their_stack_is_flagged(cli, tmp_path):
+    """`plan --framework megatron@2024 --save` before savefw wrote no `framework`: re-priced
+    as meshtron's runtime it moves far from its own [predicted] (47.7 s, 76.4 GiB ->
+    56.6 s, 81.3 GiB): one warning line, exit 0; files that re-price as saved get none."""
+    args = ["--model", "llama3-8b", "--cluster", "dgx-h100:1", "--top", "1"]
+    saved, own = tmp_path / "saved.toml", tmp_path / "own.toml"
+    rc, _, err = cli("plan", *args, "--framework", "megatron@2024", "--save", str(saved))
+    assert rc == 0, err
+    rc, _, err = cli("plan", *args, "--save", str(own))
+    assert rc == 0, err
+    old = tmp_path / "old.toml"
+    old.write_text("".join(line for line in saved.read_text().splitlines(keepends=True)
+                           if not line.startswith("framework = ")))
+    rc, out, err = cli("cost", "--plan", str(old), "--json")
+    assert rc == 0, err
+    said = [w for w in json.loads(out)["warnings"] if "recorded their stack" in w]
+    assert len(said) == 1 and "pass --framework NAME@ERA" in said[0], said
+    import tomllib
+
+    was = tomllib.loads(old.read_text())["predicted"]
+    assert f"[predicted]: {was['step_time_s']:.2f} s, {was['memory_gib']:.1f} GiB" in said[0]
+    for path, extra in ((saved, ()), (own, ()), (old, ("--framework", "megatron@2024"))):
+        rc, out, err = cli("cost", "--plan", str(path), "--json", *extra)
+        assert rc == 0 and "recorded their stack" not in out + err, (path, err)
+    rc, _, err = cli("simulate", "--step", "--plan", str(old))
+    assert rc == 2 and err.count("\n") == 1 and "pass --framework NAME@ERA" in err

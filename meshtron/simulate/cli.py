@@ -228,6 +228,7 @@ def _run_step(args: argparse.Namespace, model, opts, plan=None,
               warnings: list[str] | None = None) -> int:
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.plan_priced import unrecorded_stack_warning
     from meshtron.planner.search import evaluate_plan, search_plans
     from meshtron.simulate.step import Perturbation, simulate_step
 
@@ -245,13 +246,18 @@ def _run_step(args: argparse.Namespace, model, opts, plan=None,
 
             # the planner's text (`meshtron plan --json` "warnings"), of the plan simulated
             warnings.append(split_warning(result, est))
+        old = None if getattr(args, "framework", None) else unrecorded_stack_warning(plan, est.step_time_s,
+                                                                    est.memory.total)
         if not est.fits:  # `meshtron cost --plan` prices it; simulating it is refused
             from meshtron.planner.report import need_text
 
             stack = "" if opts.name == "meshtron" else f" as {opts.label}"
             raise UserError(f"plan={args.plan!r}: predicted not to fit on {args.cluster}"
                             f"{stack} ({need_text(est, parts=False)}); simulate refuses a plan that "
-                            "does not fit (`meshtron cost --plan` prices it anyway)")
+                            "does not fit (`meshtron cost --plan` prices it anyway)"
+                            + (f"; {old}" if old else ""))
+        if old:
+            warnings.append(old)
     else:
         result = search_plans(model, cluster, batch, seq, None, top_k=1, framework=opts,
                               explain=False)
