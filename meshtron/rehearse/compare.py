@@ -159,6 +159,19 @@ def rows_table(rehearsed: dict[str, float], planned: dict[str, float]) -> list[d
     return out
 
 
+def cpu_kernels_extra(spec, cluster, plan, pp_rank: int, imbalance: float | None,
+                      cpu_breakdown=None) -> float:
+    """GiB the CPU's kernels hold on pipeline rank `pp_rank` that the GPU's do not, in the
+    runtime a rehearsal runs (meshtron's, whatever stack the plan was priced for): the
+    planner's CPU-kernel total minus its GPU-kernel total (MemoryOptions.fused_norm: the
+    composite RMSNorm's fp32 copies). `cpu_breakdown`: the CPU one, when already priced."""
+    ran = runnable(plan)
+    cpu = cpu_breakdown or planner_estimate(spec, cluster, ran, "cpu", imbalance,
+                                            stage=pp_rank).memory
+    gpu = planner_estimate(spec, cluster, ran, "cuda", imbalance, stage=pp_rank).memory
+    return max(0.0, cpu.allocated - gpu.allocated)
+
+
 def with_stage_breakdown(est, plan, spec, cluster, device: str, pp_rank: int,
                          imbalance: float | None = None, framework=None):
     """The planner's breakdown of pipeline rank `pp_rank` (est.memory is the fullest one's):

@@ -71,10 +71,10 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
         report["planner_gpu_total_gib"] = gpu.memory.total
         planned = gpu
         ran = eager if "compile" in got else plan  # the plan bd prices
-        gpu_ran = compare.planner_estimate(model, cluster, ran, "cuda", imbalance,
-                                           stage=pp_rank, framework=fw).memory
-        cpu_kernels = max(0.0, bd.allocated - gpu_ran.allocated)
-        workspace = gpu_ran.workspace
+        workspace = compare.planner_estimate(model, cluster, ran, "cuda", imbalance,
+                                             stage=pp_rank, framework=fw).memory.workspace
+        cpu_kernels = compare.cpu_kernels_extra(model, cluster, ran, pp_rank, imbalance,
+                                                bd if fw is None else None)
     if fw is not None:
         report["framework"] = fw.label
     total = {r["row"]: r for r in rows}["total"]
