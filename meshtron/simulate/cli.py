@@ -246,8 +246,8 @@ def _run_step(args: argparse.Namespace, model, opts, plan=None,
 
             # the planner's text (`meshtron plan --json` "warnings"), of the plan simulated
             warnings.append(split_warning(result, est))
-        old = None if getattr(args, "framework", None) else unrecorded_stack_warning(plan, est.step_time_s,
-                                                                    est.memory.total)
+        old = (None if getattr(args, "framework", None)
+               else unrecorded_stack_warning(plan, est.step_time_s, est.memory.total))
         if not est.fits:  # `meshtron cost --plan` prices it; simulating it is refused
             from meshtron.planner.report import need_text
 
