@@ -146,7 +146,7 @@ def test_meshtron_plan_says_when_train_refuses_the_model(name, refused, plan_cli
     rc, out, err = plan_cli(*args, "--save", str(tmp_path / "plan.toml"))
     assert rc == 0, err
     saved = " ".join(out[out.index("Saved the best plan"):].split())
-    assert ("meshtron's runtime refuses it" in saved) == (refused is not None), saved
+    assert ("`meshtron train` will refuse this plan" in saved) == (refused is not None), saved
     assert refused is None or refused in saved
 
 

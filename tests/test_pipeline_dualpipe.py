@@ -171,7 +171,8 @@ def test_a_saved_dualpipe_plan_is_refused_by_train_and_the_step_walk(cli, tmp_pa
     assert rc == 0, err
     # the save line says so too, not "`meshtron train --plan` trains in it"
     said = " ".join(out.split())
-    assert "meshtron's runtime refuses it: plan.schedule='dualpipe'" in said
+    assert "`meshtron train` will refuse this plan: plan.schedule='dualpipe'" in said
+    assert "(dtype bf16; " in said  # the dtype is not what is refused
     assert "trains in it" not in said
     rc, _, err = cli("train", "--plan", str(plan))
     assert rc == 2 and "Traceback" not in err and err.strip().count("\n") == 0

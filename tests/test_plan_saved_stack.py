@@ -182,10 +182,56 @@ def test_rehearse_prices_the_saved_stack_and_says_whether_it_fits(cli, tmp_path)
     assert report["framework"] == "megatron@2024 +1 option(s)"
     fit = report["fit"]
     assert fit["planner_fits"] is row["fits"] is True and fit["capacity_gib"] == 80
+    _assert_the_verdict_is_the_gpus(report)
+    assert fit["cpu_kernels_gib"] > 0  # meshtron's runtime ran RMSNorm's composite kernel
+
+
+def _assert_the_verdict_is_the_gpus(report: dict) -> None:
+    """On CPU the verdict takes off the rehearsal's peak what the CPU's kernels hold and the
+    GPU's do not (the planner's CPU-kernel total minus its GPU-kernel total, for meshtron's
+    runtime, which the rehearsal runs), so that it lands on `meshtron plan`'s GPU figure up to
+    the rehearsal-vs-planner gap."""
+    fit = report["fit"]
     total = {r["row"]: r for r in report["memory"]}["total"]
-    assert fit["need_gib"] == pytest.approx(total["rehearsal_gib"]
-                                            + report["planner_workspace_gib"])
-    assert fit["fits"] is (fit["need_gib"] <= 80)
+    assert fit["cpu_kernels_gib"] >= 0
+    assert fit["need_gib"] == pytest.approx(total["rehearsal_gib"] - fit["cpu_kernels_gib"]
+                                            + fit["workspace_gib"])
+    if "framework" not in report:  # the planner column prices the runtime the rank ran
+        gap = abs(total["rehearsal_gib"] - total["planner_gib"])
+        assert abs(fit["need_gib"] - report["planner_gpu_total_gib"]) <= gap + 1e-6
+    assert fit["fits"] is (fit["need_gib"] <= fit["capacity_gib"])
+
+
+@pytest.mark.slow  # an 8B rank of fake tensors: ~15 s
+def test_rehearse_on_cpu_of_an_8b_plan_that_fits_says_it_fits(cli, tmp_path):
+    """llama3-8b dp=16 on two DGX H100s: 79.1 GiB of tensors on the CPU's kernels, of which
+    ~12 GiB are RMSNorm's fp32 copies a GPU kernel does not keep; `meshtron plan` says 73.3
+    GiB, fits, and so must the rehearsal's verdict."""
+    path = tmp_path / "ms.toml"
+    rc, out, err = cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--save",
+                       str(path), "--json")
+    assert rc == 0, err
+    row = json.loads(out)["plans"][0]
+    done = _meshtron("rehearse", "--plan", str(path), "--device", "cpu", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert row["fits"] is report["fit"]["planner_fits"] is True
+    _assert_the_verdict_is_the_gpus(report)
+    assert report["fit"]["cpu_kernels_gib"] > 5 and report["fit"]["fits"] is True
+
+
+def test_rehearse_on_cpu_takes_the_cpu_kernels_off_the_verdict(cli, tmp_path):
+    """The default suite's small case: a meshtron plan of the tiny model, whose CPU-kernel
+    total (composite RMSNorm) exceeds its GPU-kernel total; the verdict is the GPU's."""
+    path = tmp_path / "plan.toml"
+    rc, _, err = cli("plan", *TINY, "--save", str(path))
+    assert rc == 0, err
+    done = _meshtron("rehearse", "--plan", str(path), "--device", "cpu", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    _assert_the_verdict_is_the_gpus(report)
+    assert report["fit"]["cpu_kernels_gib"] > 0  # the composite RMSNorm's fp32 copies
+    assert report["fit"]["workspace_gib"] < report["planner_workspace_gib"]
 
 
 def test_rehearse_text_has_a_verdict_and_no_percentage_against_zero():
@@ -193,6 +239,7 @@ def test_rehearse_text_has_a_verdict_and_no_percentage_against_zero():
     import io
 
     from meshtron.rehearse.compare import fit_verdict, rows_table
+    from meshtron.rehearse.compare import verdict_line as compare_line
     from meshtron.rehearse.run import print_report
 
     rows = rows_table({"grads": 0.0, "gathered": 0.003, "total": 0.05},
@@ -213,6 +260,11 @@ def test_rehearse_text_has_a_verdict_and_no_percentage_against_zero():
     assert "inf" not in text and "nan" not in text
     assert ("fit: the rank does NOT fit: peak + workspace 81.0 GiB of the GPU's 80 GiB "
             "(the planner: 79.0 GiB, fits)") in text
+    # on CPU: the CPU kernels' extra is taken off and the line says so
+    line = compare_line(fit_verdict(83.0, 7.0, 80.0, 77.5, True, cpu_kernels_gib=12.5))
+    assert line == ("fit: the rank fits: peak on the GPU's kernels (less the CPU kernels' "
+                    "12.5 GiB) + workspace 77.5 GiB of the GPU's 80 GiB (the planner: "
+                    "77.5 GiB, fits)")
 
 
 def test_the_python_api_prices_a_saved_plan_as_saved(cli, tmp_path):
@@ -223,3 +275,31 @@ def test_the_python_api_prices_a_saved_plan_as_saved(cli, tmp_path):
     plan = load_plan(path)
     est = evaluate_plan(load_model("llama3-8b"), resolve_cluster("dgx-h100:1"), 64, 4096, plan)
     assert est.step_time_s == pytest.approx(row["step_time_s"], rel=1e-12)
+
+
+def test_a_file_saved_before_plans_recorded_their_stack_is_flagged(cli, tmp_path):
+    """`plan --framework megatron@2024 --save` before savefw wrote no `framework`: re-priced
+    as meshtron's runtime it moves far from its own [predicted] (47.7 s, 76.4 GiB ->
+    56.6 s, 81.3 GiB): one warning line, exit 0; files that re-price as saved get none."""
+    args = ["--model", "llama3-8b", "--cluster", "dgx-h100:1", "--top", "1"]
+    saved, own = tmp_path / "saved.toml", tmp_path / "own.toml"
+    rc, _, err = cli("plan", *args, "--framework", "megatron@2024", "--save", str(saved))
+    assert rc == 0, err
+    rc, _, err = cli("plan", *args, "--save", str(own))
+    assert rc == 0, err
+    old = tmp_path / "old.toml"
+    old.write_text("".join(line for line in saved.read_text().splitlines(keepends=True)
+                           if not line.startswith("framework = ")))
+    rc, out, err = cli("cost", "--plan", str(old), "--json")
+    assert rc == 0, err
+    said = [w for w in json.loads(out)["warnings"] if "recorded their stack" in w]
+    assert len(said) == 1 and "pass --framework NAME@ERA" in said[0], said
+    import tomllib
+
+    was = tomllib.loads(old.read_text())["predicted"]
+    assert f"[predicted]: {was['step_time_s']:.2f} s, {was['memory_gib']:.1f} GiB" in said[0]
+    for path, extra in ((saved, ()), (own, ()), (old, ("--framework", "megatron@2024"))):
+        rc, out, err = cli("cost", "--plan", str(path), "--json", *extra)
+        assert rc == 0 and "recorded their stack" not in out + err, (path, err)
+    rc, _, err = cli("simulate", "--step", "--plan", str(old))
+    assert rc == 2 and err.count("\n") == 1 and "pass --framework NAME@ERA" in err

@@ -63,7 +63,7 @@ def test_an_even_split_prints_no_uneven_line(plan_cli):
                                          "meshtron's and torchtitan's stages take any layers), "
                                          "even")
     rc, out, _ = plan_cli(*argv)
-    assert rc == 0 and "Uneven split" not in out and "Layers per pipeline stage" in out
+    assert rc == 0 and "Uneven split" not in out and "Layers per pipeline rank" in out
 
 
 def test_llama3s_end_stages_one_layer_short_are_explained(plan_cli, tmp_path):
@@ -91,5 +91,5 @@ def test_torchs_v_counts_each_ranks_two_stages_and_the_head_beside_the_embedding
     assert "on torch's V, the output head and loss" in plan["split"]["why"]
     rc, out, _ = plan_cli(*argv)
     text = " ".join(out.split())
-    assert f"Layers per pipeline stage of the best plan: {per_rank}" in text
+    assert f"Layers per pipeline rank of the best plan: {per_rank}" in text
     assert "LM head + loss on the first stage (torch's V)" in text

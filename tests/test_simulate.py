@@ -265,3 +265,26 @@ def test_bad_input_is_one_line(sim_cli, extra, field):
     rc, _, err = sim_cli("--model", "llama3-8b", "--global-batch", "512", "--seq-len", "4096",
                          *extra)
     assert rc == 2 and err.count("\n") == 1 and field in err and "Traceback" not in err
+
+
+def test_a_sweep_where_no_size_gets_a_plan_is_one_line_and_writes_nothing(sim_cli, tmp_path):
+    """8 sequences over 64..512 GPUs: no plan at any size. Was a matplotlib traceback (a log
+    axis with nothing above 0) after sweep.csv was written."""
+    out = tmp_path / "sweep"
+    rc, _, err = sim_cli("--model", "tiny", "--global-batch", "8", "--seq-len", "128",
+                         "--gpus", "64..512", "--out", str(out))
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "global_batch=8" in err and "64 to 512" in err and "batch too small" in err
+    assert not out.exists()
+
+
+def test_the_sweep_table_prints_a_dash_where_there_is_no_ratio(sim_cli, tmp_path):
+    rc, out, err = sim_cli("--model", "tiny", "--global-batch", "16", "--seq-len", "128",
+                           "--gpus", "8,16,32", "--out", str(tmp_path))
+    assert rc == 0, err
+    header = next(line for line in out.splitlines() if "marginal" in line and "GPUs" in line)
+    col = header.index("marginal") + len("marginal")  # the column's right edge
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r.split()[0] for r in rows] == ["8", "16", "32"] and "nan" not in out
+    assert rows[0][:col].split()[-1] == "-"  # the first size has no previous one
+    assert all(float(r[:col].split()[-1]) < 1 for r in rows[1:])

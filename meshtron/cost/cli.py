@@ -131,6 +131,11 @@ def _estimate(args: argparse.Namespace, model, cluster, plan=None):
         est = (result.best or result.near_miss_priced
                or evaluate_plan(model, cluster, batch, seq, plan, framework=fw))
         warnings = [f"plan={args.plan!r}: {note}"] if note else []
+        if not getattr(args, "framework", None) and note is None:
+            from meshtron.planner.plan_priced import unrecorded_stack_warning
+
+            old = unrecorded_stack_warning(plan, est.step_time_s, est.memory.total)
+            warnings += [f"plan={args.plan!r}: {old}"] if old else []
         if result.split_fallback is not None:
             from meshtron.planner.report import split_warning
 

@@ -124,7 +124,8 @@ def add_framework_args(p: argparse.ArgumentParser) -> None:
                    help="model dropout kernels (GPT-2/3-era training; modern LLMs use none)")
     p.add_argument("--stack", default=None,
                    help="override the kernels: eager (plain PyTorch) | fused (Megatron/"
-                        "Transformer Engine) | compiled (per-block torch.compile)")
+                        "Transformer Engine; needs --framework a stack that has them) | "
+                        "compiled (per-block torch.compile, as --compile)")
 
 
 def framework_of(args: argparse.Namespace, model=None):
@@ -392,10 +393,13 @@ def _output(args: argparse.Namespace, result: Any, tokens: float, width: int | N
             # a plan priced for another stack's engine (DeepSeek's DualPipe) is saved for the
             # record, but the one validity function says meshtron's runtime will refuse it
             refused = _runtime_refusal(plan, result.model)
-            how = (f"`meshtron train --plan {args.save}` trains in it; --dtype here changes it"
-                   if refused is None else f"meshtron's runtime refuses it: {refused}")
             stack = (f"; `meshtron cost`, `simulate --step` and `rehearse --plan` price it "
                      f"as {result.framework.label} again" if plan.framework else "")
-            console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: {how}"
-                          f"{stack})")
+            if refused is None:
+                console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}: "
+                              f"`meshtron train --plan {args.save}` trains in it; --dtype here "
+                              f"changes it{stack})")
+            else:  # the plan, not its dtype, is what the runtime refuses
+                console.print(f"Saved the best plan to {args.save} (dtype {plan.dtype}{stack});"
+                              f" `meshtron train` will refuse this plan: {refused}")
     return 0

@@ -360,7 +360,15 @@ def for_plan(plan: Any) -> Framework:
     except UserError as exc:
         raise UserError(f"plan.{exc}") from None
     if plan.framework_options:
-        fw = with_options(fw, dict(plan.framework_options), where="plan.framework_options")
+        options = dict(plan.framework_options)
+        fw = with_options(fw, options, where="plan.framework_options")
+        red = getattr(plan, "reduce_dtype", None)
+        if "reduce_dtype" in options and red is not None and options["reduce_dtype"] != red:
+            # the plan's field is what every stack's pricing (search.py fixes the knob) and
+            # meshtron's runtime (FSDP2 MixedPrecisionPolicy, parallel/data_parallel.py) use
+            raise UserError(f"plan.framework_options.reduce_dtype={options['reduce_dtype']!r} "
+                            f"with plan.reduce_dtype={red!r}: the plan's reduce_dtype is "
+                            "what is priced and run; make them agree or drop the option")
     return fw
 
 

@@ -450,7 +450,17 @@ class Plan:
 
 
 def runtime_problem(plan: Plan) -> str | None:
-    """What the planner can plan but meshtron's runtime does not run yet (one line), or None."""
+    """What the planner can plan but meshtron's runtime does not run yet (one line), or None.
+    The plan's stack and options are first resolved as `cost --plan` resolves them
+    (frameworks.for_plan: an unknown stack, era or option, or an invalid value, is refused in
+    its words), so that `train --plan` checks no less than `cost --plan`."""
+    if plan.framework is not None or plan.framework_options:
+        from meshtron.planner.frameworks import for_plan
+
+        try:
+            for_plan(plan)
+        except UserError as exc:
+            return str(exc)
     problem = framework_runtime_problem(plan)
     if problem:
         return problem
@@ -459,7 +469,8 @@ def runtime_problem(plan: Plan) -> str | None:
     # a saved (or hand-edited) meshtron plan's options: the one rule the search applies
     # (plan_rules_options.RUNTIME_OPTIONS), so `meshtron train` never runs what it did not price
     options = dict(option_pairs(plan.framework_options or ()))
-    problem = next(options_runtime_problems(options, {"async_tp": plan.async_tp}), None)
+    knobs = {"async_tp": plan.async_tp, "compile": plan.compile}
+    problem = next(options_runtime_problems(options, knobs), None)
     if problem:
         return problem
     problem = fp8_runtime_problem(plan)

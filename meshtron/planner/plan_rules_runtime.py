@@ -73,11 +73,16 @@ def options_runtime_problems(options: Mapping[str, Any],
     """Every stack option (plan_rules_options.option_values: KernelOptions, MemoryOptions,
     reduce_dtype) whose value meshtron's runtime does not run, one line each: the field, the
     value, what the runtime does instead (its code) and the values allowed. Async TP is the
-    plan's (`k`: async_tp), never an option's alone."""
+    plan's (`k`: async_tp), never an option's alone; a compiled stack is the plan's compile
+    (`k`: compile, where the plan states it)."""
     for name, value in options.items():
-        if name not in RUNTIME_OPTIONS:  # a new field nobody decided (the test fails first)
-            yield (f"options.{name}={shown(value)}: no decision whether meshtron's runtime "
-                   "runs it (plan_rules_options.RUNTIME_OPTIONS)")
+        if name not in RUNTIME_OPTIONS:  # not an option the runtime takes (the plan's dtype)
+            yield (f"options.{name}={shown(value)}: unknown option for meshtron's runtime "
+                   "(not one of plan_rules_options.RUNTIME_OPTIONS)")
+            continue
+        problem = plan_field_problem(name, value, k)
+        if problem:
+            yield problem
             continue
         allowed, does = RUNTIME_OPTIONS[name]
         if name == "async_tp" and k.get("async_tp"):
@@ -86,6 +91,17 @@ def options_runtime_problems(options: Mapping[str, Any],
             yield (f"options.{name}={shown(value)}: meshtron's runtime {does}; allowed: "
                    f"{', '.join(shown(a) for a in allowed)}, or --framework a stack whose "
                    "code does it")
+
+
+def plan_field_problem(name: str, value: Any, k: Mapping[str, Any]) -> str | None:
+    """An option that restates one of the plan's own fields and contradicts it: the runtime
+    runs the field (compile: parallel/compile.py), so a contradicting option would be priced
+    and not run. (reduce_dtype against plan.reduce_dtype: frameworks.for_plan.)"""
+    if name == "stack" and value == "compiled" and k.get("compile") is False:
+        return ("options.stack='compiled' with plan.compile=false: meshtron's runtime runs "
+                "compiled blocks only as the plan's compile=true (parallel/compile.py); set "
+                "compile = true, or stack = \"eager\"")
+    return None
 
 
 def recompute_runtime_problems(k: Mapping[str, Any]) -> Iterator[str]:

@@ -366,7 +366,7 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
         ends = ("embedding, LM head + loss on the first stage (torch's V)"
                 if best.split is not None and best.split.head_first
                 else "embedding on the first stage, LM head + loss on the last")
-        console.print(f"Layers per pipeline stage of the {what.lower()}: {per_gpu}{chunks} "
+        console.print(f"Layers per pipeline rank of the {what.lower()}: {per_gpu}{chunks} "
                       f"({ends})")
         why = split_text(best)
         if why is not None and len(set(per_gpu)) > 1:

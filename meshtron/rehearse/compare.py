@@ -26,21 +26,29 @@ gets no percentage ('-')."""
 
 
 def fit_verdict(peak_gib: float, workspace_gib: float, capacity_gib: float,
-                planned_gib: float, planned_fits: bool) -> dict:
+                planned_gib: float, planned_fits: bool, cpu_kernels_gib: float = 0.0) -> dict:
     """The verdict `meshtron plan` gives a plan, for the rehearsed rank: its peak plus the
     workspace and fragmentation no tensor tracker sees (the planner's, MemoryBreakdown.
     workspace) against the GPU's memory, beside the planner's own verdict (its total with
-    workspace, on the GPU's kernels)."""
-    need = peak_gib + workspace_gib
+    workspace, on the GPU's kernels). `cpu_kernels_gib`: on CPU, what the CPU's kernels hold
+    that the GPU's do not (the planner's CPU-kernel total minus its GPU-kernel total: the
+    composite RMSNorm's fp32 copies, memory.py MemoryOptions.fused_norm), taken off the
+    rehearsal's peak so that the verdict is the GPU's; `workspace_gib` is then the GPU
+    kernels' (its fragmentation part scales with the tensors: memory.py workspace_bytes)."""
+    need = peak_gib - cpu_kernels_gib + workspace_gib
     return {"fits": need <= capacity_gib, "need_gib": need, "capacity_gib": capacity_gib,
-            "planner_gib": planned_gib, "planner_fits": planned_fits}
+            "planner_gib": planned_gib, "planner_fits": planned_fits,
+            "cpu_kernels_gib": cpu_kernels_gib, "workspace_gib": workspace_gib}
 
 
 def verdict_line(v: dict) -> str:
     """The fit verdict in one line."""
     word = "fits" if v["fits"] else "does NOT fit"
     planner = "fits" if v["planner_fits"] else "does not fit"
-    return (f"fit: the rank {word}: peak + workspace {v['need_gib']:.1f} GiB of the GPU's "
+    cpu = v.get("cpu_kernels_gib", 0.0)
+    peak = (f"peak on the GPU's kernels (less the CPU kernels' {cpu:.1f} GiB) + workspace"
+            if cpu else "peak + workspace")
+    return (f"fit: the rank {word}: {peak} {v['need_gib']:.1f} GiB of the GPU's "
             f"{v['capacity_gib']:.0f} GiB (the planner: {v['planner_gib']:.1f} GiB, {planner})")
 
 
@@ -149,6 +157,19 @@ def rows_table(rehearsed: dict[str, float], planned: dict[str, float]) -> list[d
         out.append({"row": row, "rehearsal_gib": r, "planner_gib": p,
                     "planner_vs_rehearsal": ratio})
     return out
+
+
+def cpu_kernels_extra(spec, cluster, plan, pp_rank: int, imbalance: float | None,
+                      cpu_breakdown=None) -> float:
+    """GiB the CPU's kernels hold on pipeline rank `pp_rank` that the GPU's do not, in the
+    runtime a rehearsal runs (meshtron's, whatever stack the plan was priced for): the
+    planner's CPU-kernel total minus its GPU-kernel total (MemoryOptions.fused_norm: the
+    composite RMSNorm's fp32 copies). `cpu_breakdown`: the CPU one, when already priced."""
+    ran = runnable(plan)
+    cpu = cpu_breakdown or planner_estimate(spec, cluster, ran, "cpu", imbalance,
+                                            stage=pp_rank).memory
+    gpu = planner_estimate(spec, cluster, ran, "cuda", imbalance, stage=pp_rank).memory
+    return max(0.0, cpu.allocated - gpu.allocated)
 
 
 def with_stage_breakdown(est, plan, spec, cluster, device: str, pp_rank: int,

@@ -64,17 +64,22 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
               "measured": got["measured"], "wall_s": round(got["wall_s"], 2),
               "memory": rows, "planner_workspace_gib": bd.workspace,
               "planner_fits": est.fits, "capacity_gib": bd.capacity}
-    planned = est
+    planned, cpu_kernels, workspace = est, 0.0, bd.workspace
     if device == "cpu":  # what `meshtron plan` printed for this rank: the GPU's kernels
         gpu = compare.planner_estimate(model, cluster, plan, "cuda", imbalance, stage=pp_rank,
                                        framework=fw)
         report["planner_gpu_total_gib"] = gpu.memory.total
         planned = gpu
+        ran = eager if "compile" in got else plan  # the plan bd prices
+        workspace = compare.planner_estimate(model, cluster, ran, "cuda", imbalance,
+                                             stage=pp_rank, framework=fw).memory.workspace
+        cpu_kernels = compare.cpu_kernels_extra(model, cluster, ran, pp_rank, imbalance,
+                                                bd if fw is None else None)
     if fw is not None:
         report["framework"] = fw.label
     total = {r["row"]: r for r in rows}["total"]
-    report["fit"] = compare.fit_verdict(total["rehearsal_gib"], bd.workspace, bd.capacity,
-                                        planned.memory.total, planned.fits)
+    report["fit"] = compare.fit_verdict(total["rehearsal_gib"], workspace, bd.capacity,
+                                        planned.memory.total, planned.fits, cpu_kernels)
     if "peak_at" in got:
         report["peak_at"] = got["peak_at"]
     if "compile" in got:

@@ -159,6 +159,12 @@ def _run_sweep(args: argparse.Namespace, model, opts) -> int:
     cluster = _sweep_cluster(args.cluster)
     points = sweep(model, cluster, counts, args.global_batch, args.seq_len, args.batch_growth,
                    opts)
+    if not any(p.tokens_per_s > 0 for p in points):  # nothing to plot: the input's fault
+        first = points[0]
+        raise UserError(f"global_batch={args.global_batch}: no GPU count of the sweep "
+                        f"({counts[0]} to {counts[-1]}, --gpus) gets a plan; at "
+                        f"{first.gpus}: {first.cause}; give a larger --global-batch or "
+                        "smaller --gpus")
     out.mkdir(parents=True, exist_ok=True)
     write_csv(points, out / "sweep.csv")
     title = f"{model.name}, {args.seq_len} tokens/seq"
@@ -184,8 +190,12 @@ def _run_sweep(args: argparse.Namespace, model, opts) -> int:
     return 0
 
 
-def _num(value: float | None) -> float:
-    return float("nan") if value is None else value
+def _cell(value: float | None, width: int, digits: int) -> str:
+    """A ratio against the previous or first size, or '-' where there is none (the first
+    size's marginal, a size with no plan)."""
+    if value is None or value != value:
+        return f"{'-':>{width}}"
+    return f"{value:{width}.{digits}f}"
 
 
 def _render_sweep(doc: dict[str, Any]) -> str:
@@ -197,11 +207,11 @@ def _render_sweep(doc: dict[str, Any]) -> str:
         lines.append(f"  {'GPUs':>7} {'batch':>6} {'plan':{w}} {'tok/s':>11} {'eff':>6} "
                      f"{'MFU':>6} {'marginal':>9}  against the previous size")
         for r in s["points"]:
-            eff = _num(r["scaling_efficiency"])
-            marg = _num(r["marginal"])
+            eff = _cell(r["scaling_efficiency"], 6, 3)
+            marg = _cell(r["marginal"], 9, 4)
             lines.append(f"  {r['gpus']:7d} {r['global_batch']:6d} {r['plan']:{w}} "
-                         f"{r['tokens_per_s']:11.4g} {eff:6.3f} {r['mfu']:6.3f} "
-                         f"{marg:9.4f}  {r['cause']}")
+                         f"{r['tokens_per_s']:11.4g} {eff} {r['mfu']:6.3f} "
+                         f"{marg}  {r['cause']}")
         if s["stops_paying_at"]:
             lines.append(f"  adding GPUs stops paying (each added GPU < 0.5 of a first-size GPU) "
                          f"at {s['stops_paying_at']:,} GPUs: {s['stops_paying_why']}")
@@ -218,6 +228,7 @@ def _run_step(args: argparse.Namespace, model, opts, plan=None,
               warnings: list[str] | None = None) -> int:
     from meshtron.planner.cluster import resolve_cluster
     from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.plan_priced import unrecorded_stack_warning
     from meshtron.planner.search import evaluate_plan, search_plans
     from meshtron.simulate.step import Perturbation, simulate_step
 
@@ -235,13 +246,18 @@ def _run_step(args: argparse.Namespace, model, opts, plan=None,
 
             # the planner's text (`meshtron plan --json` "warnings"), of the plan simulated
             warnings.append(split_warning(result, est))
+        old = (None if getattr(args, "framework", None)
+               else unrecorded_stack_warning(plan, est.step_time_s, est.memory.total))
         if not est.fits:  # `meshtron cost --plan` prices it; simulating it is refused
             from meshtron.planner.report import need_text
 
             stack = "" if opts.name == "meshtron" else f" as {opts.label}"
             raise UserError(f"plan={args.plan!r}: predicted not to fit on {args.cluster}"
                             f"{stack} ({need_text(est, parts=False)}); simulate refuses a plan that "
-                            "does not fit (`meshtron cost --plan` prices it anyway)")
+                            "does not fit (`meshtron cost --plan` prices it anyway)"
+                            + (f"; {old}" if old else ""))
+        if old:
+            warnings.append(old)
     else:
         result = search_plans(model, cluster, batch, seq, None, top_k=1, framework=opts,
                               explain=False)

@@ -222,8 +222,32 @@ def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -
         elif given != want:
             raise UserError(f"{key}={given!r}: the saved plan {path} has {name}={want}; "
                             "drop the flag or edit the plan")
+    _take_grad_clip(plan, path, doc, overrides)
     if overrides.get("model") is None and "model" not in doc:
         overrides["model"] = plan.model
+
+
+def _take_grad_clip(plan, path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """A plan priced with `grad_clip = false` (its [framework_options]: no norm and scale
+    passes in the optimizer step, estimate.py) trains unclipped: optim.grad_clip = 0 when the
+    run does not set it; a run that sets it the other way is refused in one line (the plan
+    says whether to clip, not the threshold, so `true` keeps the run's)."""
+    priced = dict(plan.framework_options or ()).get("grad_clip")
+    if not isinstance(priced, bool):
+        return
+    given = overrides.get("optim.grad_clip")
+    if given is None:
+        table = doc.get("optim")
+        given = table.get("grad_clip") if isinstance(table, dict) else None
+    if given is None:
+        if not priced:
+            overrides["optim.grad_clip"] = 0.0
+        return
+    if isinstance(given, (int, float)) and (given > 0) != priced:
+        raise UserError(f"optim.grad_clip={given!r}: the saved plan {path} was priced with "
+                        f"grad_clip = {'true' if priced else 'false'} "
+                        f"({'clipping' if priced else 'no clipping'}); set optim.grad_clip "
+                        f"{'> 0' if priced else '= 0'} or edit the plan")
 
 
 def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
