@@ -29,11 +29,11 @@ def _plan(run_dir):
 
 def test_resume_without_nproc_runs_on_the_recorded_ranks(tmp_path):
     ref = tmp_path / "ref"
-    code, _, err = _run("train", *RUN, "--nproc", "2", "--diloco", "2", "--steps", "6",
+    code, _, err = _run("train", *RUN, "--nproc", "2", "--diloco", "2", "--steps", "4",
                         "--checkpoint-every", "2", "--run-dir", str(ref))
     assert code == 0, err[-2000:]
     run_dir = tmp_path / "resumed"
-    _drop_last(ref, run_dir, (6,))
+    _drop_last(ref, run_dir, (4,))
     code, _, err = _run("train", "--run-dir", str(run_dir), "--resume")
     assert code == 0, err[-2000:]
     assert "resuming on" not in err and "resumed from" in err, err[-2000:]

@@ -51,8 +51,6 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _
 def _refuse_residual_family(meta: dict[str, Any], plan: Any, folder: Path) -> None:
     """Error-feedback residuals reload only into their ZeRO family's layout (0/1: per
     parameter, 2/3: per FSDP unit; meshtron/compress/runtime.py `GradCompression.state_dict`)."""
-    from meshtron.train.resume_args import residual_zero
-
     was = residual_zero(meta)
     if was is None or plan is None or (plan.zero >= 2) == (was >= 2):
         return
@@ -89,6 +87,17 @@ def recorded_comm(meta: dict[str, Any]) -> dict[str, Any]:
 
     plan = meta.get("plan") or {}
     return {k: plan.get(k, d) for k, d in COMM_DEFAULTS.items()}
+
+
+def residual_zero(meta: dict[str, Any]) -> int | None:
+    """The ZeRO stage of a run whose checkpoint holds error-feedback residuals (int8 gradient
+    compression), else None. meshtron/compress/runtime.py `GradCompression.state_dict` stores
+    them per parameter under ZeRO-0/1 and per FSDP unit under ZeRO-2/3: the other family's
+    layout has none of the checkpoint's keys (DCP: `Missing key in checkpoint state_dict`)."""
+    plan = meta.get("plan") or {}
+    if recorded_comm(meta)["grad_compression"] == "none" or plan.get("zero") is None:
+        return None
+    return int(plan["zero"])
 
 
 def recorded(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:

@@ -60,25 +60,14 @@ def resumed_comm(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
             if k in rf.kept("plan") and v != COMM_DEFAULTS[k]}
 
 
-def residual_zero(meta: dict[str, Any]) -> int | None:
-    """The ZeRO stage of a run whose checkpoint holds error-feedback residuals (int8 gradient
-    compression), else None. meshtron/compress/runtime.py `GradCompression.state_dict` stores
-    them per parameter under ZeRO-0/1 and per FSDP unit under ZeRO-2/3: the other family's
-    layout has none of the checkpoint's keys (DCP: `Missing key in checkpoint state_dict`)."""
-    from meshtron.checkpoint.resume import recorded_comm
-
-    plan = meta.get("plan") or {}
-    if recorded_comm(meta)["grad_compression"] == "none" or plan.get("zero") is None:
-        return None
-    return int(plan["zero"])
-
-
 def resumed_knobs(args: argparse.Namespace, cfg: RunConfig,
                   knobs: dict[str, Any]) -> dict[str, Any]:
     """On --resume of a compressed run with no --zero: the search keeps the recorded stage (a
     stage of the residuals' family; resume.check_compatible refuses a --zero of the other)."""
     if "zero" in knobs:
         return knobs
+    from meshtron.checkpoint.resume import residual_zero
+
     resumed = resumed_meta(args, cfg.train.run_dir)
     zero = residual_zero(resumed[1]) if resumed else None
     return knobs if zero is None else {**knobs, "zero": zero}
