@@ -45,6 +45,20 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _
         for key in rf.kept("plan"):
             _refuse_change(f"plan.{key}", saved_plan[key], now_plan[key], folder,
                            flag="--" + key.replace("_", "-"))
+        _refuse_residual_family(meta, plan, folder)
+
+
+def _refuse_residual_family(meta: dict[str, Any], plan: Any, folder: Path) -> None:
+    """Error-feedback residuals reload only into their ZeRO family's layout (0/1: per
+    parameter, 2/3: per FSDP unit; meshtron/compress/runtime.py `GradCompression.state_dict`)."""
+    was = residual_zero(meta)
+    if was is None or plan is None or (plan.zero >= 2) == (was >= 2):
+        return
+    family = "2 or 3" if was >= 2 else "0 or 1"
+    raise UserError(f"--resume: plan.zero={plan.zero}: the checkpoint {folder.name} holds "
+                    f"int8 error-feedback residuals of a zero={was} run, laid out per "
+                    f"{'FSDP unit' if was >= 2 else 'parameter'}; allowed: --zero {family} "
+                    "(or train a new --run-dir)")
 
 
 def _refuse_change(field: str, was: Any, want: Any, folder: Path, flag: str = "") -> None:
@@ -73,6 +87,17 @@ def recorded_comm(meta: dict[str, Any]) -> dict[str, Any]:
 
     plan = meta.get("plan") or {}
     return {k: plan.get(k, d) for k, d in COMM_DEFAULTS.items()}
+
+
+def residual_zero(meta: dict[str, Any]) -> int | None:
+    """The ZeRO stage of a run whose checkpoint holds error-feedback residuals (int8 gradient
+    compression), else None. meshtron/compress/runtime.py `GradCompression.state_dict` stores
+    them per parameter under ZeRO-0/1 and per FSDP unit under ZeRO-2/3: the other family's
+    layout has none of the checkpoint's keys (DCP: `Missing key in checkpoint state_dict`)."""
+    plan = meta.get("plan") or {}
+    if recorded_comm(meta)["grad_compression"] == "none" or plan.get("zero") is None:
+        return None
+    return int(plan["zero"])
 
 
 def recorded(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
@@ -115,6 +140,18 @@ def check_resume(ckpt: CheckpointConfig, cfg: Any, plan: Any = _NO_PLAN) -> None
         raise UserError(f"--resume: no complete checkpoint in {root}"
                         + (f" ({why})" if why else ""))
     check_compatible(store.read_meta(found.path), cfg, found.path, plan)
+
+
+def say_world(ckpt: CheckpointConfig, cfg: Any, nproc: int) -> None:
+    """`--resume` on another number of ranks than the run's: one line on stderr (after the
+    checks, before the ranks start; a resharded resume continues the same trajectory)."""
+    found = recorded(cfg.train.run_dir) if ckpt.resume else None
+    was = int(found[1].get("world_size") or 1) if found else nproc
+    if was != nproc:
+        import sys
+
+        print(f"meshtron train: resuming on {nproc} rank{'s' if nproc > 1 else ''} (the run "
+              f"used {was})", file=sys.stderr)
 
 
 def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool, plan: Any = _NO_PLAN) -> None:

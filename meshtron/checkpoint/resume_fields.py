@@ -9,6 +9,10 @@
   any layout or number of ranks continues the same trajectory).
 - ARG: not a setting of the run (how it is found, or set by meshtron itself).
 
+The number of ranks is FOLLOW (meshtron/train/resume_args.py `resumed_nproc`: the recorded
+world size unless --nproc is given); under int8 compression `plan.zero` stays in the recorded
+ZeRO family (resume.residual_zero).
+
 As Megatron-LM treats a resumed job (megatron/training/checkpointing.py: `check_checkpoint_args`
 refuses a model argument that differs from the checkpoint's; `--use-checkpoint-args`,
 `load_args_from_checkpoint`, takes the checkpoint's arguments): the run keeps its own settings

@@ -280,7 +280,9 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
     if async_tp:
         knobs["async_tp"] = True
     if not is_plan_file(plan):
-        knobs = search_knobs(comm, knobs)
+        from meshtron.train.resume_args import resumed_knobs
+
+        knobs = search_knobs(comm, resumed_knobs(args, cfg, knobs))
     return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs,
                            comm=comm)
 
@@ -301,13 +303,16 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
     check_job(cfg)
     from meshtron.train.resume_args import check_given
 
-    ckpt = checkpoint_config(args, check_given(args, cfg))
+    resumed = check_given(args, cfg)
+    ckpt = checkpoint_config(args, resumed)
     from meshtron.train.elastic import from_args as elastic_from_args
+    from meshtron.train.resume_args import resumed_nproc
 
     elastic = elastic_from_args(args, args.nproc or nproc)
+    nproc = resumed_nproc(args, resumed, nproc)
     return TrainJob(cfg=cfg,
                     # restarts need torchrun's elastic agent, so they run the parallel path
-                    parallel=parallel_request(args, cfg, args.plan or plan, args.nproc or nproc,
+                    parallel=parallel_request(args, cfg, args.plan or plan, nproc,
                                               force=ckpt.max_restarts > 0 or elastic is not None),
                     elastic=elastic,
                     overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from meshtron.checkpoint.resume import check_resume
+from meshtron.checkpoint.resume import check_resume, say_world
 from meshtron.errors import UserError
 from meshtron.launch import World, current_world
 from meshtron.train import outputs, run_lock
@@ -54,6 +54,7 @@ def train_here(job: TrainJob) -> int:
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     data = build_run_data(job.cfg)
     check_resume(job.checkpoint, job.cfg, None)  # before the claim: a refusal writes nothing
+    say_world(job.checkpoint, job.cfg, 1)
     claim_run_dir(job, plan=None)
     warn(job)  # once the input is known to be good
     write_single_process_files(job)
@@ -93,6 +94,7 @@ def launch_ranks(job: TrainJob) -> int:
     # read, not trained on) so that a bad path is one line, not N tracebacks.
     build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)
     check_resume(job.checkpoint, job.cfg, plan)  # before the claim: a refusal writes nothing
+    say_world(job.checkpoint, job.cfg, nproc)
     claim_run_dir(job, plan)
     run_dir = Path(job.cfg.train.run_dir)
     try:

@@ -60,6 +60,38 @@ def resumed_comm(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
             if k in rf.kept("plan") and v != COMM_DEFAULTS[k]}
 
 
+def resumed_knobs(args: argparse.Namespace, cfg: RunConfig,
+                  knobs: dict[str, Any]) -> dict[str, Any]:
+    """On --resume of a compressed run with no --zero: the search keeps the recorded stage (a
+    stage of the residuals' family; resume.check_compatible refuses a --zero of the other)."""
+    if "zero" in knobs:
+        return knobs
+    from meshtron.checkpoint.resume import residual_zero
+
+    resumed = resumed_meta(args, cfg.train.run_dir)
+    zero = residual_zero(resumed[1]) if resumed else None
+    return knobs if zero is None else {**knobs, "zero": zero}
+
+
+def resumed_nproc(args: argparse.Namespace, resumed: tuple[Any, dict[str, Any]] | None,
+                  default: int | None) -> int | None:
+    """The ranks of a --resume: --nproc, else the recorded world size (a FOLLOW decision, as
+    torchrun / Megatron-LM jobs restart on their own size; another size is said once the checks
+    pass: resume.say_world). Unchanged outside a resume, with a saved plan (its size) or an
+    elastic job."""
+    from meshtron.train.planning import is_plan_file
+
+    given = args.nproc or default
+    if resumed is None or getattr(args, "nnodes", None) or is_plan_file(getattr(args, "plan",
+                                                                                None)):
+        return given
+    from meshtron.launch import current_world
+
+    if current_world().source != "single":  # torchrun / srun: the world is the outside one
+        return given
+    return int(resumed[1].get("world_size") or 1) if given is None else given
+
+
 def over_recorded(args: argparse.Namespace, doc: dict[str, Any],
                   overrides: dict[str, Any]) -> dict[str, Any]:
     """The run file `doc` over the resumed checkpoint's recorded one (unchanged when this is

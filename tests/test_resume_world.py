@@ -1,0 +1,67 @@
+"""`--resume` on the run's own world, or on another one, through the `meshtron` command with
+real ranks and files:
+- without `--nproc` a resume runs on the recorded number of ranks (a 2-rank DiLoCo run used to
+  drop to one process and fail naming neither --resume nor --nproc); another --nproc is said in
+  one line;
+- an int8-compressed ZeRO-1 run resumed on fewer ranks keeps ZeRO-0/1 (the re-plan switched to
+  ZeRO-2, whose error-feedback residuals are laid out per FSDP unit: a DCP traceback on every
+  rank, after plan.toml was rewritten); a --zero of the other family is refused in one line
+  before anything is written.
+"""
+
+import shutil
+import tomllib
+
+from meshtron.checkpoint import store
+
+from test_resume_config import RUN, _losses, _run
+
+
+def _drop_last(ref, run_dir, steps):
+    shutil.copytree(ref, run_dir)
+    for step in steps:
+        shutil.rmtree(store.checkpoint_root(run_dir) / store.step_name(step))
+
+
+def _plan(run_dir):
+    return tomllib.loads((run_dir / "plan.toml").read_text())
+
+
+def test_resume_without_nproc_runs_on_the_recorded_ranks(tmp_path):
+    ref = tmp_path / "ref"
+    code, _, err = _run("train", *RUN, "--nproc", "2", "--diloco", "2", "--steps", "4",
+                        "--checkpoint-every", "2", "--run-dir", str(ref))
+    assert code == 0, err[-2000:]
+    run_dir = tmp_path / "resumed"
+    _drop_last(ref, run_dir, (4,))
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--resume")
+    assert code == 0, err[-2000:]
+    assert "resuming on" not in err and "resumed from" in err, err[-2000:]
+    assert _plan(run_dir)["gpus"] == 2 and _plan(run_dir)["diloco"] == 2
+    assert _losses(run_dir) == _losses(ref)
+
+
+def test_compressed_zero1_run_resumes_on_fewer_ranks(tmp_path):
+    ref = tmp_path / "ref"
+    code, _, err = _run("train", *RUN, "--nproc", "4", "--plan", "dp=4", "--zero", "1",
+                        "--grad-compression", "int8", "--compress-scope", "inter_node",
+                        "--ranks-per-node", "2", "--checkpoint-every", "2",
+                        "--run-dir", str(ref))
+    assert code == 0, err[-2000:]
+    run_dir = tmp_path / "resumed"
+    _drop_last(ref, run_dir, (8,))
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", "--nproc", "2",
+                        "--zero", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "plan.zero=2" in err and "--zero 0 or 1" in err, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", "--nproc", "2")
+    assert code == 0, err[-2000:]
+    assert "resuming on 2 ranks (the run used 4)" in err, err[-2000:]
+    plan = _plan(run_dir)
+    assert (plan["dp"], plan["zero"], plan["grad_compression"]) == (2, 1, "int8")
+    want, got = _losses(ref), _losses(run_dir)
+    assert set(got) == set(want) and all(got[s] == want[s] for s in range(1, 7))
+    # steps 7-8 on 2 ranks: the same trajectory up to the summation order of 2 vs 4 ranks
+    assert all(abs(got[s] - want[s]) < 1e-4 * abs(want[s]) for s in (7, 8)), (got, want)
