@@ -303,3 +303,18 @@ def test_a_file_saved_before_plans_recorded_their_stack_is_flagged(cli, tmp_path
         assert rc == 0 and "recorded their stack" not in out + err, (path, err)
     rc, _, err = cli("simulate", "--step", "--plan", str(old))
     assert rc == 2 and err.count("\n") == 1 and "pass --framework NAME@ERA" in err
+
+
+def test_train_names_the_stack_before_the_world_size_it_asks_for(cli, tmp_path):
+    """A 128-GPU plan saved for Megatron was refused for its world size ("--nproc=128:
+    allowed 1..N local ranks") before its stack was named (user audit): the stack's line
+    comes first, since no world size makes meshtron's runtime run it."""
+    path = tmp_path / "big.toml"
+    rc, _, err = cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100:16",
+                     "--global-batch", "128", "--seq-len", "2048", "--framework", "megatron@2024",
+                     "--save", str(path))
+    assert rc == 0, err
+    done = _meshtron("train", "--plan", str(path), "--steps", "1")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "plan.framework='megatron@2024'" in lines[0] and "--nproc" not in lines[0]

@@ -194,12 +194,15 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
 def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:
     """A saved plan fixes the global batch and the sequence length (and the model when none is
     given): flags and the run file may restate them, not contradict them."""
-    from meshtron.planner.plan import load_plan
+    from meshtron.planner.plan import load_plan, runtime_problem
 
     import tomllib
     from pathlib import Path
 
     plan = load_plan(path)
+    problem = runtime_problem(plan)
+    if problem:  # another stack's plan: its own line first, not the world size it asks for
+        raise UserError(problem)
     fixes = dict(_PLAN_FIXES)
     # A plan that states its precision runs in it (meshtron-plan/1 files had none: the run's
     # dtype decides there).
