@@ -26,7 +26,8 @@ class _Tally:
 
     def __init__(self, top_k: int) -> None:
         self.top_k = top_k
-        self.top: list[tuple[float, int, Estimate]] = []  # (-step, order, estimate)
+        # (negated rank_key, order, estimate): the worst kept plan on top
+        self.top: list[tuple[tuple, int, Estimate]] = []
         self.fam_best: dict[str, Estimate] = {}
         self.fam_lean: dict[str, Estimate] = {}
         self.lean: Estimate | None = None
@@ -35,17 +36,20 @@ class _Tally:
 
     def kth(self) -> float:
         """The k-th best step time so far (inf until there are k plans)."""
-        return -self.top[0][0] if len(self.top) >= self.top_k else float("inf")
+        return -self.top[0][0][0] if len(self.top) >= self.top_k else float("inf")
 
     def add_fit(self, fam: str, est: Estimate) -> None:
+        # kept by the full ranking key, ties included, so that the answer does not depend on
+        # the order configs are evaluated in (branch and bound's vs every config's)
         self.feasible += 1
-        step = est.step_time_s
+        key = rank_key(est)
+        worst = tuple(-x for x in key)
         if len(self.top) < self.top_k:
-            heapq.heappush(self.top, (-step, self.counter, est))
-        elif step < -self.top[0][0]:
-            heapq.heapreplace(self.top, (-step, self.counter, est))
+            heapq.heappush(self.top, (worst, self.counter, est))
+        elif key < tuple(-x for x in self.top[0][0]):
+            heapq.heapreplace(self.top, (worst, self.counter, est))
         fb = self.fam_best.get(fam)
-        if fb is None or step < fb.step_time_s:
+        if fb is None or key < rank_key(fb):
             self.fam_best[fam] = est
 
     def add_lean(self, fam: str, est: Estimate) -> None:
@@ -57,12 +61,18 @@ class _Tally:
             self.lean = est
 
     def ranked(self) -> list[Estimate]:
-        """The top k by step time; ties (e.g. ZeRO stages whose extra traffic is fully hidden)
-        go to the simpler plan: lower ZeRO stage, less recomputation, then less memory."""
-        rec_order = {"none": 0, "selective": 1, "half": 2, "full": 3}
-        return sorted((e for _, _, e in self.top), key=lambda e: (
-            round(e.step_time_s, 9), e.config.zero, rec_order[e.config.recompute],
-            e.memory.total))
+        """The top k by `rank_key`."""
+        return sorted((e for _, _, e in self.top), key=rank_key)
+
+
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "half": 2, "full": 3}
+
+
+def rank_key(est: Estimate) -> tuple[float, int, int, float]:
+    """Plans by step time; ties (e.g. ZeRO stages whose extra traffic is fully hidden) go to
+    the simpler plan: lower ZeRO stage, less recomputation, then less memory."""
+    return (round(est.step_time_s, 9), est.config.zero, _RECOMPUTE_ORDER[est.config.recompute],
+            est.memory.total)
 
 
 def branch_and_bound(ev: Evaluator, space: SearchSpace, top_k: int,

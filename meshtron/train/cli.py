@@ -200,9 +200,11 @@ def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -
     from pathlib import Path
 
     plan = load_plan(path)
-    problem = runtime_problem(plan)
-    if problem:  # another stack's plan: its own line first, not the world size it asks for
-        raise UserError(problem)
+    if runtime_problem(plan):
+        # a plan meshtron's runtime does not run at any world size (another stack's, or
+        # options it does not run): the validity function's line, as `meshtron plan --save`
+        # words it, before the world size it asks for is checked
+        plan.validate(plan.gpus)
     fixes = dict(_PLAN_FIXES)
     # A plan that states its precision runs in it (meshtron-plan/1 files had none: the run's
     # dtype decides there).
