@@ -92,6 +92,10 @@ def test_replica_ft_steps_through_a_killed_group_and_the_rejoined_weights_are_eq
     (["train", *RUN, "--replica-ft", "1"], "train.replica_ft=1"),
     (["train", *RUN, "--replica-ft", "3"], "train.replica_ft=3: must divide"),
     (["train", *RUN, "--replica-ft", "2", "--nproc", "2"], "train.replica_ft=2: runs one"),
+    # user audit: both flags were accepted and no checkpoint was ever written
+    (["train", *RUN, "--replica-ft", "2", "--checkpoint-every", "5"],
+     "train.replica_ft=2: keeps no disk checkpoint"),
+    (["train", *RUN, "--replica-ft", "2", "--snapshot-every", "2"], "drop --snapshot-every=2"),
     (["cost", "--model", "llama3-8b", "--cluster", "dgx-h100:8", "--global-batch", "64",
       "--seq-len", "4096", "--replica-groups", "65"], "replica-groups=65"),
     (["simulate", "--model", "llama3-8b", "--global-batch", "64", "--seq-len", "4096",

@@ -333,7 +333,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         from meshtron.train.replica import check_replica_ft, run_replica_ft
 
         check_replica_ft(cfg, parallel_asked=parallel_request(args, cfg, args.plan,
-                                                              args.nproc) is not None)
+                                                              args.nproc) is not None,
+                         saving={"--checkpoint-every": args.checkpoint_every,
+                                 "--snapshot-every": args.snapshot_every})
         return run_replica_ft(cfg, max_restarts=max(args.max_restarts or 0, 0),
                               overwrite=args.overwrite)
     return run_job(job_from_args(args))

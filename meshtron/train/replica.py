@@ -212,12 +212,20 @@ def run_group(job_path: Path, group: int, attempt: int) -> int:
 
 # ---- the launcher ---------------------------------------------------------------------------
 
-def check_replica_ft(cfg, parallel_asked: bool) -> int:
-    """The replica-group count of a valid replica-FT run (UserError otherwise)."""
+def check_replica_ft(cfg, parallel_asked: bool, saving: dict | None = None) -> int:
+    """The replica-group count of a valid replica-FT run (UserError otherwise). `saving`: the
+    checkpoint flags given ({flag: value}); replica groups keep no disk checkpoint or
+    in-memory snapshot (they recover from each other's weights), so a flag asking for one is
+    refused rather than silently ignored."""
     g = cfg.train.replica_ft
     if parallel_asked:
         raise UserError(f"train.replica_ft={g}: runs one process per replica group (plain data "
                         "parallelism); drop --nproc/--plan/--zero and the other layout flags")
+    for flag, value in (saving or {}).items():
+        if value not in (None, 0, "0"):
+            raise UserError(f"train.replica_ft={g}: keeps no disk checkpoint or in-memory "
+                            "snapshot (a rejoining group copies a healthy group's weights); "
+                            f"drop {flag}={value}")
     for what, bad in (("train.dtype", cfg.train.dtype != "fp32"),
                       ("model (MoE)", cfg.model.is_moe),
                       ("data.attention_mask", cfg.data.attention_mask != "causal"),
