@@ -111,6 +111,18 @@ def nemotron_model(name: str, layers: int, hidden: int, ffn: int, heads: int,
                      position="rope", tied_embeddings=False, bias=False)
 
 
+UB_TP_OVERLAP = ("GPT3-20B", "LLAMA2-70B", "Nemotron-8B", "Nemotron-22B", "LLAMA3-70B")
+"""The NM24.07 rows whose training yaml in NVIDIA/NeMo-Framework-Launcher tag 24.07 (8325688d83)
+sets `ub_tp_comm_overlap: true` with sequence_parallel true and tensor_model_parallel_size > 1
+(launcher_scripts/conf/training/gpt3/20b.yaml, llama/llama2_70b.yaml, nemotron/
+nemotron_8b.yaml, nemotron/nemotron_22b.yaml, llama/llama3_70b.yaml), which the example
+scripts of the same tag (examples/training/*/h100/*_fp8*.sh) do not override (llama3_70b_fp8.sh
+names its FP8 userbuffers config, ub_cfg_h100_fp8_h8192_tp4_mbs1_seqlen8192): Transformer
+Engine's userbuffers TP overlap, KernelOptions.tp_comm_overlap. gpt3/175b.yaml and
+nemotron/nemotron_340b.yaml set it false; the tp = 1 rows' yamls false too. Read in session 43
+(branch olmocore); session 42 (branch memfix) had found it and left it unapplied."""
+
+
 def nemo_2407() -> list[PublishedRun]:
     """NM24.07: NVIDIA/NeMo docs/source/performance/performance_summary.md at 9c5c5e9709
     (2024-09-09, "24.07 perf numbers"), Pretraining table: FP8, NeMo 24.07 container,
@@ -181,6 +193,8 @@ def nemo_2407() -> list[PublishedRun]:
             what = "the model preset"
         dp = gpus // (tp * pp * cp)
         opts = kernel if family == "Nemotron" and size != "340B" else bf16_grads
+        if name in UB_TP_OVERLAP:  # the launcher yaml's ub_tp_comm_overlap (tp > 1, sp on)
+            opts = dataclasses.replace(opts, tp_comm_overlap=True)
         if family == "GPT3":  # the launcher's gpt3/*.yaml: hidden_dropout, attention_dropout 0.1
             opts = dataclasses.replace(opts, dropout=True)
         runs.append(PublishedRun(
@@ -195,7 +209,12 @@ def nemo_2407() -> list[PublishedRun]:
             confident=False,
             note=f"FP8, micro-batch {mbs}, VP {vp} as published; {what}. Assumed (not "
                  "stated): the megatron@2024 preset's defaults (Transformer Engine delayed "
-                 "scaling, no TP communication overlap), sequence parallel with TP and the "
+                 "scaling"
+                 + ("; TP communication overlap on: the launcher yaml's ub_tp_comm_overlap "
+                    "true, tag 24.07, set in session 43" if name in UB_TP_OVERLAP else
+                    ", no TP communication overlap: the launcher yaml's ub_tp_comm_overlap "
+                    "false")
+                 + "), sequence parallel with TP and the "
                  "distributed optimizer as NeMo's recipes of that commit set them "
                  "(recipes/llama3_70b.py sequence_parallelism=True, recipes/optim/adam.py "
                  "use_distributed_optimizer=True), "

@@ -245,6 +245,18 @@ for _name in ("GPT3-20B", "LLAMA2-70B", "Nemotron-8B", "Nemotron-22B", "LLAMA3-7
         "which these rows assume off; priced it moved them +2.5..+8.2 points and was not "
         "applied (reported in docs/measurements.md #memfix-s42)")
 
+# session 43 (branch olmocore): the UB_TP_OVERLAP rows' yamls read and the overlap applied
+for _name in ("GPT3-20B", "LLAMA2-70B", "Nemotron-8B", "Nemotron-22B", "LLAMA3-70B"):
+    LOOKED_AT[f"NM24.07 {_name} 64xH100"] += (
+        "; session 43 (branch olmocore): the yaml's ub_tp_comm_overlap applied as an input "
+        "from its source (rows_nvidia_h100.UB_TP_OVERLAP), whichever way it moved the row")
+# session 43 (branch olmocore): the OLMC rows' errors under torchtitan@2025 (mean 8.3%, every
+# one too fast) were quoted by the task that asked for the olmo-core@2024 preset
+LOOKED_AT.update({name: "session 43 (branch olmocore): its error on torchtitan@2025 was known "
+                  "when the olmo-core@2024 preset and its z-loss / fp32-logit loss terms "
+                  "(KernelOptions z_loss, logits_fp32) were written from OLMo-core's code"
+                  for name in sorted(r.name for r in rows_olmo_core.olmo_core())})
+
 # session 42 (branch fp8scale): the DGXC FP8 rows' published figures, their errors growing with the
 # GPU count (issue 30), were read to size and then to judge Transformer Engine's amax all-reduces,
 # priced from TE's and Megatron-Core's code (planner/fp8_amax.py): calibration from then on

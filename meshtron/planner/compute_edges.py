@@ -36,17 +36,39 @@ reads a row of 16-bit logits and stores one loss and one log-sum-exp, cross_entr
 reads the row again and stores its gradient in the logits' dtype)."""
 
 
-def loss_bytes(stack: str, vocab_parallel_ce: bool = False,
-               flash_ce: bool = False) -> tuple[float, float]:
+FLASH_CE_FP32_BYTES = (BF16 + 4.0 + 4.0, 4.0 + 4.0 + 4.0 + BF16)
+"""(forward, backward) bytes per logit of flash-attn's fused cross-entropy over logits the model
+cast to fp32 (KernelOptions.logits_fp32; OLMo-core's `self.w_out(h).float()` before its copy of
+that kernel, src/olmo_core/triton/cross_entropy_loss.py at 41400c46fc): the cast (2 + 4) and
+the kernel's read of the fp32 row (4) forward; the kernel's read of the row and its fp32
+gradient (4 + 4), then autograd's cast of that gradient back to the head's bf16 (4 + 2)."""
+Z_LOSS_BYTES = (4.0 + 8.0 + 8.0 + 4.0, 8.0 + 8.0 + 8.0 + 12.0)
+"""(forward, backward) bytes per fp32 logit of the z-loss computed apart from the cross-entropy
+(KernelOptions.z_loss; OLMo-core nn/functional/cross_entropy_loss.py `cross_entropy_loss`:
+`logits.logsumexp(-1).pow(2)`). Forward, ATen's logsumexp (aten/src/ATen/native/
+ReduceOps.cpp logsumexp_out_impl): amax (4), `self - maxes` (4 + 4), its exp_ in place
+(4 + 4), the sum (4); backward, logsumexp_backward (FunctionsManual.cpp: `grad * (self -
+result).exp()`): the subtraction, the exp and the product (4 + 4 each), then autograd adds it
+to the cross-entropy's gradient of the same logits (4 + 4 read, 4 written). The per-token
+square, mask and sum are not per logit."""
+
+
+def loss_bytes(stack: str, vocab_parallel_ce: bool = False, flash_ce: bool = False,
+               z_loss: bool = False, logits_fp32: bool = False) -> tuple[float, float]:
     """(forward, backward) HBM bytes per logit of the cross-entropy (head_cost's docstring):
     eager PyTorch's fp32 cast and log-softmax, Megatron-Core's unfused vocabulary-parallel
     loss (KernelOptions.vocab_parallel_ce: VOCAB_PARALLEL_CE_BYTES), flash-attn's fused loss
-    (KernelOptions.flash_ce: FLASH_CE_BYTES), or one fused kernel."""
+    (KernelOptions.flash_ce: FLASH_CE_BYTES, over fp32 logits FLASH_CE_FP32_BYTES), or one
+    fused kernel; plus a z-loss computed apart (KernelOptions.z_loss: Z_LOSS_BYTES; inside
+    the fused flash-attn kernel it costs no pass)."""
     if vocab_parallel_ce:
         return VOCAB_PARALLEL_CE_BYTES
     if flash_ce:
-        return FLASH_CE_BYTES
-    return (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
+        return FLASH_CE_FP32_BYTES if logits_fp32 else FLASH_CE_BYTES
+    fwd, bwd = (14.0, 18.0) if stack == "eager" else (6.0, 6.0)
+    if z_loss:
+        fwd, bwd = fwd + Z_LOSS_BYTES[0], bwd + Z_LOSS_BYTES[1]
+    return fwd, bwd
 
 
 def _head_inputs(cluster: ClusterSpec, micro_batch: int, seq: int, cp: int, dtype: str,
@@ -61,7 +83,8 @@ def _head_inputs(cluster: ClusterSpec, micro_batch: int, seq: int, cp: int, dtyp
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int, seq: int,
               sp: bool, stack: str = "fused", cp: int = 1, dtype: str = "bf16",
               eager_norm: str = "aten", vocab_parallel_ce: bool = False,
-              flash_ce: bool = False, train_metrics: int = 0) -> EdgeCost:
+              flash_ce: bool = False, train_metrics: int = 0, z_loss: bool = False,
+              logits_fp32: bool = False) -> EdgeCost:
     """Final norm + vocabulary-parallel LM head + cross-entropy for one micro-batch.
 
     The head GEMM is [tokens, h] x [h, V/tp]; the fused loss reads bf16 logits and writes fp32
@@ -84,7 +107,7 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int,
     cluster, hbm, tokens = _head_inputs(cluster, micro_batch, seq, cp, dtype, stack)
     gemm = cluster_gemm_time(tokens, model.vocab / tp, model.hidden, cluster)
     logits = tokens * model.vocab / tp
-    loss_f, loss_b = loss_bytes(stack, vocab_parallel_ce, flash_ce)
+    loss_f, loss_b = loss_bytes(stack, vocab_parallel_ce, flash_ce, z_loss, logits_fp32)
     norm_b = NORM_BYTES[norm_key(stack, eager_norm, model.norm)]
     norm = tokens * norm_b * model.hidden / (tp if sp else 1) / hbm
     fwd_c = gemm + logits * loss_f / hbm + norm

@@ -181,7 +181,7 @@ class CostPieces:
         emb = compute.embedding_cost(m, cl, tp, mb, s, sp, cp)
         head = compute.head_cost(m, cl, tp, mb, s, sp, opts.head_stack, cp, dtype,
                                  opts.eager_norm, opts.vocab_parallel_ce, opts.flash_ce,
-                                 opts.train_metrics)
+                                 opts.train_metrics, opts.z_loss, opts.logits_fp32)
         if m.mtp_depth:  # DeepSeek-V3's MTP modules beside the head (planner/mtp.py)
             proj = compute.cluster_gemm_time(mb * s / cp, m.hidden, 2 * m.hidden,
                                              cl.at_dtype(compute.compute_dtypes(dtype)[1]))

@@ -357,8 +357,61 @@ _LLM_FOUNDRY_2023 = dataclasses.replace(
     kernel=dataclasses.replace(_LLM_FOUNDRY_2024.kernel, fp32_grad_reduce=False),
     reduce_dtype="bf16")
 
+# allenai/OLMo-core v1.3-v1.5 (8c03ca8a21 of 2024-09-26 to 41400c46fc of 2024-11-01), as
+# its official training scripts run it (src/scripts/train/OLMo-{1B,7B,13B}.py, Llama-8B.py over
+# src/olmo_core/internal/experiment.py): where all four scripts agree the preset takes their
+# value, elsewhere the library's default. Read at both commits (the same at each):
+# - FSDP2 (nn/transformer/model.py apply_fsdp, "adapted from" torchtitan's
+#   parallelize_llama.py): fully_shard per block, every block but the last resharded after
+#   forward (zero 3), the root module (embedding, final norm, head) one more unit; no host
+#   offload, no ZeRO-1/2 (zero_stages / host_offload 'olmo-core'); HSDP where the experiment
+#   has more than one node (init_hybrid_shard_mesh: --dp-replicate). The trainer's
+#   micro-batch loop turns gradient sync off for DDP only (train/trainer.py
+#   _train_microbatch_context): FSDP2 reduce-scatters every micro-batch;
+# - MixedPrecisionPolicy(param bf16, reduce fp32): every script's
+#   TransformerDataParallelConfig(param_dtype bfloat16, reduce_dtype float32); fp32 sharded
+#   parameters (TransformerConfig dtype float32);
+# - compile=True in every script: per-block torch.compile (apply_compile), and with compile
+#   TransformerConfig.llama_like turns flash-attn and fused ops off: PyTorch SDPA, RMSNorm in
+#   Python (nn/layer_norm.py RMSNorm: fp32 cast, pow, mean, rsqrt, weight, cast back), compiled
+#   inside the blocks, eager for the final norm (eager_norm 'python'); RoPE on real sin / cos
+#   tables (nn/rope.py: complex_rope False); separate w_q / w_k / w_v and w1 / w2 / w3
+#   (nn/attention.py, nn/feed_forward.py); K/V repeated per query head for SDPA under GQA
+#   (attention.py repeat_interleave: gqa_copies);
+# - torch.optim.AdamW(fused=True) (every script's AdamWConfig fused=True; optim/adamw.py
+#   AdamWConfig.optimizer is torch.optim.AdamW); GradClipperCallback(max_grad_norm 1.0)
+#   through nn.utils.clip_grad_norm_ (experiment.py; train/callbacks/grad_clipper.py);
+# - z-loss: every script sets z_loss_multiplier 1e-5 (z_loss); the model returns fp32 logits
+#   (model.py `self.w_out(h).float()`: logits_fp32); the loss is F.cross_entropy on them
+#   unless TrainerConfig.fused_loss (default False; OLMo-7B / 13B / Llama-8B set it True, 1B
+#   does not), which is `flash_ce = true` (its triton/cross_entropy_loss.py, flash-attn's
+#   kernel, inplace_backward False: memory loss 'flash-ce');
+# - FP8 (Float8Config, --model.float8_config.enabled=true): torchao Float8Linear on every
+#   Linear but the head (convert_to_float8_training modules_to_ignore {'w_out'}), dynamic
+#   scaling of input, weight and grad output (float8.py: fp8_scaling 'torchao-tensorwise'),
+#   enable_fsdp_float8_all_gather and precompute_float8_dynamic_scale_for_fsdp True.
+# Host-side work the planner prices for no stack: the cancel check's gloo all-reduce every
+# cancel_check_interval steps in a thread, metrics moved to the host every
+# metrics_collect_interval steps, gc.collect(1) every 1,000 steps (GarbageCollectorCallback).
+_OLMO_CORE_2024 = Framework(
+    "olmo-core", "2024",
+    "allenai/OLMo-core v1.3-v1.5 (September-November 2024; FSDP2, per-block torch.compile) as "
+    "its official training scripts run it",
+    "allenai/OLMo-core 8c03ca8a21 and 41400c46fc: src/olmo_core/nn/transformer/model.py "
+    "(apply_fsdp, apply_compile, forward's fp32 logits), nn/transformer/config.py (llama_like: "
+    "no flash-attn or fused ops under compile), nn/layer_norm.py, nn/rope.py, nn/attention.py, "
+    "train/trainer.py (get_losses, z-loss, micro-batch loop), nn/functional/"
+    "cross_entropy_loss.py, float8.py, optim/adamw.py; src/scripts/train/*.py (compile, "
+    "param bf16 / reduce fp32, fused AdamW, z_loss_multiplier)",
+    KernelOptions(stack="compiled", sharding="fsdp", fp32_grad_reduce=True, optimizer="fused",
+                  eager_norm="python", complex_rope=False, separate_projections=True,
+                  fp8_filter="all", fp8_scaling="torchao-tensorwise", z_loss=True,
+                  logits_fp32=True),
+    MemoryOptions(framework="fsdp2", loss="eager", gqa_copies=True, host_offload="olmo-core",
+                  zero_stages="olmo-core", layouts="olmo-core-2024"), "fp32")
+
 PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
     _MESHTRON, _TORCHTITAN_2024, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _MEGATRON_BRIDGE,
     _NEMO_AUTOMODEL, _DEEPSPEED_2021, _DEEPSPEED_2024, _GPT_NEOX, _LLM_FOUNDRY_2023,
-    _LLM_FOUNDRY_2024)}
+    _LLM_FOUNDRY_2024, _OLMO_CORE_2024)}
 """Every preset by NAME@ERA."""

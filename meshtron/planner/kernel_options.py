@@ -430,6 +430,22 @@ class KernelOptions:
     gradient: one read and one write of every unsharded element per micro-batch
     (dp_cost.copy_out_s's bytes, once per backward instead of once per gather). False:
     FSDP2's per-parameter DTensors and their copy-out."""
+    z_loss: bool = False
+    """The loss adds the z-loss (a multiple of each token's log-sum-exp squared, PaLM's
+    auxiliary loss) as OLMo-core's trainer computes it when z_loss_multiplier is set
+    (allenai/OLMo-core 41400c46fc, src/olmo_core/train/trainer.py get_losses;
+    nn/functional/cross_entropy_loss.py). With the stack's own loss (flash_ce False) it is a
+    separate `logits.logsumexp(-1)` over the fp32 logits and its backward, whose gradient is
+    added to the cross-entropy's (compute_edges.Z_LOSS_BYTES); inside flash-attn's fused
+    kernel (flash_ce, lse_square_scale) it reuses the kernel's log-sum-exp: no pass of its
+    own."""
+    logits_fp32: bool = False
+    """The model hands the loss its logits cast to fp32 (OLMo-core nn/transformer/model.py
+    Transformer.forward, `self.w_out(h).float()`, at 8c03ca8a21 and 41400c46fc): a fused loss
+    (flash_ce) then reads them and writes their gradient at 4 bytes per logit, after the cast
+    forward (2 + 4) and before the gradient's cast back (4 + 2): compute_edges.
+    FLASH_CE_FP32_BYTES. The eager loss casts to fp32 anyway (its bytes already hold the
+    cast): no change there."""
     train_metrics: int = 0
     """Cross-entropy train metrics Composer updates on the whole logits after every
     micro-batch's backward and synchronises over the world at every step's end

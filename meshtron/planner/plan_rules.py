@@ -174,7 +174,7 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
         out.append(problem)
     moe_model = (getattr(model, "name", None) or "model") if getattr(model, "is_moe", False) \
         else None
-    problem = layout_problem(layout_rule, g("tp"), g("pp"), moe_model, stack)
+    problem = layout_problem(layout_rule, g("tp"), g("pp"), moe_model, stack, g("cp"))
     if problem:
         out.append(problem)
     if world_size is not None:

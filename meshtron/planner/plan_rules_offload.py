@@ -34,7 +34,10 @@ STACK_OFFLOADS: dict[str, tuple[dict[str, int], str]] = {
                      "(runtime/engine.py, runtime/zero/offload_config.py)"),
     "composer": ({}, "llm-foundry's Composer (0.16-0.17) refuses FSDP CPU offload "
                  "(composer/trainer/mosaic_fsdp_utils.py get_cpu_offload: 'FSDP CPU Offload "
-                 "not supported yet.')")}
+                 "not supported yet.')"),
+    "olmo-core": ({}, "OLMo-core v1.3-v1.5 (olmo-core@2024) has no host offload: "
+                  "Transformer.apply_fsdp passes fully_shard no offload_policy "
+                  "(src/olmo_core/nn/transformer/model.py at 41400c46fc)")}
 """What each stack's host offload runs: {kind: least ZeRO stage}, and why (its code)."""
 MOST_ZERO: dict[str, dict[str, int]] = {"mcore-optimizer": {"optimizer": 1}}
 """{rule: {kind: most ZeRO stage}} where a stack's offload stops short of ZeRO-3 (the reason:

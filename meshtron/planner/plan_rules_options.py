@@ -119,6 +119,9 @@ _KERNEL = {
                    "(parallel/data_parallel.py)"),
     "train_metrics": ((0,), "updates no train metrics on the logits (train/metrics.py "
                       "records the loss and the step clock)"),
+    "z_loss": ((False,), "adds no z-loss to its cross-entropy (model/loss.py)"),
+    "logits_fp32": ((False,), "has no fused loss over a model's fp32 logits: its chunked "
+                    "cross-entropy casts chunk by chunk (model/loss.py)"),
 }
 
 _MEMORY = {

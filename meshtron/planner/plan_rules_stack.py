@@ -28,14 +28,26 @@ STACK_LAYOUTS: dict[str, dict[str, str]] = {
                "merged)"},
     "torchtitan-2024": {
         "moe": "torchtitan of December 2024 has no mixture-of-experts model (torchtitan/models/ "
-               "is llama only; its first, DeepSeek-V3, came in torchtitan#830, 2025-02)"}}
-"""What each stack's code cannot run: {'tp' | 'pp' | 'moe': why (its code)}."""
+               "is llama only; its first, DeepSeek-V3, came in torchtitan#830, 2025-02)"},
+    "olmo-core-2024": {
+        "tp": "OLMo-core v1.3-v1.5 has data parallelism only (FSDP2 / HSDP or DDP: "
+              "src/olmo_core/nn/transformer/config.py TransformerConfig.build at 41400c46fc); "
+              "no tensor parallelism",
+        "pp": "OLMo-core v1.3-v1.5 has no pipeline engine (apply_fsdp's pp_enabled flag only; "
+              "nothing under src/olmo_core/distributed/ at 41400c46fc)",
+        "cp": "OLMo-core v1.3-v1.5 has no context parallelism (attention.py runs SDPA or "
+              "flash-attn on the whole sequence at 41400c46fc)",
+        "moe": "OLMo-core v1.3-v1.5's mixture of experts is a wrapper around MegaBlocks' MoE "
+               "layers (src/olmo_core/nn/moe/ at 41400c46fc, their own expert parallelism), "
+               "which the olmo-core@2024 preset does not price"}}
+"""What each stack's code cannot run: {'tp' | 'pp' | 'cp' | 'moe': why (its code)}."""
 LAYOUT_RULES = ("any",) + tuple(STACK_LAYOUTS)
 """MemoryOptions.layouts values; 'any' (no stack named): every layout is priced."""
 
 
 def layout_problem(rule: str | None, tp: int | None = None, pp: int | None = None,
-                   moe_model: str | None = None, stack: str | None = None) -> str | None:
+                   moe_model: str | None = None, stack: str | None = None,
+                   cp: int | None = None) -> str | None:
     """A parallelism or model the priced stack's code cannot run, one line naming the field,
     its value, why and what is allowed, or None (`rule`: MemoryOptions.layouts; `moe_model`:
     the model's name when it is a mixture of experts; `stack`: its name for the message).
@@ -45,7 +57,7 @@ def layout_problem(rule: str | None, tp: int | None = None, pp: int | None = Non
     if moe_model and "moe" in limits:
         return (f"--model {moe_model} (a mixture of experts){who}: {limits['moe']}; "
                 "allowed: dense models")
-    for name, size in (("tp", tp), ("pp", pp)):
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
         if name in limits and isinstance(size, int) and size > 1:
             return f"plan.{name}={size}{who}: {limits[name]}; allowed: {name}=1"
     return None

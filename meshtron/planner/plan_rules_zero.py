@@ -40,7 +40,12 @@ STACK_ZEROS: dict[str, tuple[tuple[int, ...], str]] = {
     "composer": ((0, 2, 3), "llm-foundry's Composer runs PyTorch FSDP sharding_strategy "
                  "NO_SHARD (zero 0), SHARD_GRAD_OP (2), FULL_SHARD (3; HYBRID_SHARD over "
                  "replicas), composer/trainer/mosaic_fsdp_utils.py SHARDING_MAP, or DDP "
-                 "(zero 0); no ZeRO-1")}
+                 "(zero 0); no ZeRO-1"),
+    "olmo-core": ((0, 3), "OLMo-core v1.3-v1.5 shards with FSDP2 fully_shard, every block but "
+                  "the last resharded after its forward (zero 3; HSDP over dp_replicate), or "
+                  "replicates with DDP (zero 0): src/olmo_core/nn/transformer/model.py "
+                  "apply_fsdp / apply_ddp at 41400c46fc, DataParallelType fsdp | ddp; no "
+                  "ZeRO-1 or ZeRO-2")}
 """What each stack runs: (its ZeRO stages, why: its code)."""
 
 PIPELINE_MAX: dict[str, tuple[int, str]] = {
