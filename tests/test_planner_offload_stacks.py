@@ -37,7 +37,7 @@ def test_presets_name_the_offload_their_code_runs():
                      "deepspeed@2024": ("optimizer", "full"), "torchtitan@2024": ("full",),
                      "megatron-bridge@2025": ("optimizer",), "nemo-automodel@2025": ("full",),
                      "gpt-neox@2022": ("optimizer", "full"), "llm-foundry@2023": (),
-                     "llm-foundry@2024": ()}
+                     "llm-foundry@2024": (), "olmo-core@2024": ()}
     assert offload_kinds(None) == ("optimizer", "full")  # no stack named: every kind priced
 
 

@@ -18,7 +18,7 @@ SMALL = ["--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "6
 MOE = ["--model", "mixtral-8x7b", "--cluster", "dgx-h100:2", "--global-batch", "64",
        "--seq-len", "4096"]
 NO_MOE = ["torchtitan@2024", "gpt-neox@2022", "llm-foundry@2023", "llm-foundry@2024",
-          "megatron@2021", "deepspeed@2021"]
+          "megatron@2021", "deepspeed@2021", "olmo-core@2024"]
 
 
 def _one_line_refusal(rc: int, out: str, err: str) -> str:
@@ -33,8 +33,29 @@ def test_presets_name_their_layout_rule():
     rules = {key: fw.memory.layouts for key, fw in PRESETS.items() if fw.memory.layouts}
     assert rules == {"torchtitan@2024": "torchtitan-2024", "gpt-neox@2022": "deepspeed-2021",
                      "llm-foundry@2023": "llm-foundry", "llm-foundry@2024": "llm-foundry",
-                     "megatron@2021": "megatron-2021", "deepspeed@2021": "deepspeed-2021"}
+                     "megatron@2021": "megatron-2021", "deepspeed@2021": "deepspeed-2021",
+                     "olmo-core@2024": "olmo-core-2024"}
     assert set(rules.values()) == set(STACK_LAYOUTS)
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
+def test_olmo_core_refuses_tp_pp_and_cp(plan_cli, tmp_path, axis):
+    saved = tmp_path / "plan.toml"
+    line = _one_line_refusal(*plan_cli(*SMALL, "--framework", "olmo-core@2024", "--layout",
+                                       f"{axis}=2", "--save", str(saved)))
+    assert line.startswith(f"meshtron plan: error: plan.{axis}=2 on olmo-core@2024: "), line
+    assert "OLMo-core v1.3-v1.5" in line and line.endswith(f"allowed: {axis}=1"), line
+    assert not saved.exists()
+
+
+def test_olmo_core_open_search_is_data_parallel_only(plan_cli):
+    rc, out, err = plan_cli("--model", "llama3-70b", "--cluster", "dgx-h100:1",
+                            "--global-batch", "64", "--seq-len", "4096", "--framework",
+                            "olmo-core@2024", "--json", "--top", "40")
+    assert rc == 0, err
+    plans = json.loads(out)["plans"]
+    assert plans and all((p["tp"], p["pp"], p["cp"]) == (1, 1, 1) for p in plans), plans
+    assert {p["zero"] for p in plans} <= {0, 3}, plans
 
 
 @pytest.mark.parametrize("fw", ["llm-foundry@2023", "llm-foundry@2024"])

@@ -36,7 +36,8 @@ def test_presets_name_the_zero_stages_their_code_runs():
                       "deepspeed@2021": (0, 1, 2, 3), "deepspeed@2024": (0, 1, 2, 3),
                       "torchtitan@2024": (0, 2, 3), "megatron-bridge@2025": (0, 1, 2, 3),
                       "nemo-automodel@2025": (0, 3), "gpt-neox@2022": (0, 1, 2, 3),
-                      "llm-foundry@2023": (0, 2, 3), "llm-foundry@2024": (0, 2, 3)}
+                      "llm-foundry@2023": (0, 2, 3), "llm-foundry@2024": (0, 2, 3),
+                      "olmo-core@2024": (0, 3)}
 
 
 def test_lead_command_megatron2021_picks_zero_0(plan_cli):

@@ -377,7 +377,8 @@ _LLM_FOUNDRY_2023 = dataclasses.replace(
 #   inside the blocks, eager for the final norm (eager_norm 'python'); RoPE on real sin / cos
 #   tables (nn/rope.py: complex_rope False); separate w_q / w_k / w_v and w1 / w2 / w3
 #   (nn/attention.py, nn/feed_forward.py); K/V repeated per query head for SDPA under GQA
-#   (attention.py repeat_interleave: gqa_copies);
+#   (attention.py repeat_interleave: gqa_copies); activation checkpointing off in every
+#   script, its selected_ops mode torchtitan's op policy (activations 'alternate-matmul');
 # - torch.optim.AdamW(fused=True) (every script's AdamWConfig fused=True; optim/adamw.py
 #   AdamWConfig.optimizer is torch.optim.AdamW); GradClipperCallback(max_grad_norm 1.0)
 #   through nn.utils.clip_grad_norm_ (experiment.py; train/callbacks/grad_clipper.py);
@@ -407,8 +408,13 @@ _OLMO_CORE_2024 = Framework(
                   eager_norm="python", complex_rope=False, separate_projections=True,
                   fp8_filter="all", fp8_scaling="torchao-tensorwise", z_loss=True,
                   logits_fp32=True),
-    MemoryOptions(framework="fsdp2", loss="eager", gqa_copies=True, host_offload="olmo-core",
-                  zero_stages="olmo-core", layouts="olmo-core-2024"), "fp32")
+    # activations: TransformerActivationCheckpointingMode.selected_ops wraps each block with
+    # nn/utils.py selective_checkpointing_context_fn, torchtitan's op policy ("adapted from"
+    # parallelize_llama.py: mm, SDPA and reduce-scatter outputs saved, every second mm
+    # recomputed): the torchtitan preset's list. No script sets ac_config (AC off).
+    MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
+                  gqa_copies=True, host_offload="olmo-core", zero_stages="olmo-core",
+                  layouts="olmo-core-2024"), "fp32")
 
 PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
     _MESHTRON, _TORCHTITAN_2024, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _MEGATRON_BRIDGE,

@@ -158,6 +158,24 @@ true`, which the nemo-automodel preset sets for MoE models.
   'flash' on padded batches is `flash_unpad = true`, 'triton' on an H100
   `flash_isa = "sm80"`.
 
+* `olmo-core@2024` (allenai/OLMo-core v1.3-v1.5, 8c03ca8a21 to 41400c46fc, September-November
+  2024) as its official training scripts run it (src/scripts/train/*.py over
+  src/olmo_core/internal/experiment.py; where the four scripts agree, else the library's
+  default): FSDP2 fully_shard per block, every block but the last resharded after forward
+  (ZeRO 3; DDP is ZeRO 0; no host offload), param bf16 / reduce fp32, per-block torch.compile
+  with PyTorch SDPA (TransformerConfig.llama_like turns flash-attn and fused ops off under
+  compile) and its Python RMSNorm outside the blocks (eager_norm = "python"), real RoPE,
+  separate projections, repeated K/V for SDPA under GQA, its selected_ops activation
+  checkpointing torchtitan's op policy (nn/utils.py: activations = "alternate-matmul";
+  the scripts set none), torch.optim.AdamW(fused=True), the
+  z-loss of every script (z_loss: a separate logsumexp over the fp32 logits with the default
+  unfused loss), the model's fp32 logits (logits_fp32); TrainerConfig.fused_loss (the 7B /
+  13B / Llama 8B scripts) is `flash_ce = true`, `loss = "flash-ce"`; FP8 torchao tensorwise
+  on every Linear but the head. Data parallelism only: tp, pp, cp and MoE refused
+  (MemoryOptions layouts 'olmo-core-2024'). Not priced: FSDP's float8 all-gather
+  (enable_fsdp_float8_all_gather, priced in bf16) and the root unit that holds the embedding,
+  final norm and head together.
+
 Pipeline stages get the layers each stack's own code would give them (MemoryOptions
 `pipeline_split`, planner/pipeline_split.py; plan_rules.split_problem refuses what a stack
 cannot express): meshtron and torchtitan (`pipeline_parallel_split_points`, any block
@@ -224,7 +242,8 @@ from meshtron.planner.memory import MemoryOptions
 NEWEST = {"meshtron": "meshtron@2026", "torchtitan": "torchtitan@2025",
           "megatron": "megatron@2024", "deepspeed": "deepspeed@2024",
           "megatron-bridge": "megatron-bridge@2025", "nemo-automodel": "nemo-automodel@2025",
-          "gpt-neox": "gpt-neox@2022", "llm-foundry": "llm-foundry@2024"}
+          "gpt-neox": "gpt-neox@2022", "llm-foundry": "llm-foundry@2024",
+          "olmo-core": "olmo-core@2024"}
 """NAME alone means its newest era."""
 ALIASES = {"megatron-lm": "megatron", "megatron-core": "megatron@2024", "mcore": "megatron@2024",
            "nemo": "megatron@2024", "ptd-p": "megatron@2021",
