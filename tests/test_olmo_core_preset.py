@@ -12,6 +12,7 @@ import pytest
 from meshtron.model import preset
 from meshtron.planner.cluster import preset_cluster
 from meshtron.planner.compute_edges import head_cost
+from meshtron.planner.fp8 import fp8_gathers_fp8
 from meshtron.planner.frameworks import PRESETS
 from meshtron.planner.gemm import membound_bytes_per_s
 from testkit.plan_cli import plan_cli  # noqa: F401 (fixture)
@@ -52,10 +53,11 @@ def test_fp32_logits_make_the_fused_loss_read_and_write_four_bytes():
     assert eager32.compute == pytest.approx(eager.compute)
 
 
-def test_only_olmo_core_states_the_z_loss_and_fp32_logits():
+def test_only_olmo_core_states_the_z_loss_fp32_logits_and_fp8_gather():
     for name, fw in PRESETS.items():
         on = name == "olmo-core@2024"
-        assert fw.kernel.z_loss is on and fw.kernel.logits_fp32 is on, name
+        k = fw.kernel
+        assert k.z_loss is on and k.logits_fp32 is on and k.fp8_fsdp_gather is on, name
     k = PRESETS["olmo-core@2024"].kernel
     assert (k.stack, k.optimizer, k.eager_norm, k.complex_rope, k.flash_ce) == \
         ("compiled", "fused", "python", False, False)
@@ -83,3 +85,27 @@ def test_cli_prices_the_z_loss_and_the_fused_loss(plan_cli, tmp_path):
     assert fused < preset_step
     assert _step(plan_cli, tmp_path, 'flash_ce = true\nloss = "flash-ce"\nlogits_fp32 = false') \
         < fused
+
+
+def test_fp8_fsdp_gather_turns_on_torchaos_gather_for_fixed_tensorwise_only():
+    assert fp8_gathers_fp8("torchao-tensorwise", "rowwise", fsdp_gather=True)  # the recipe is
+    assert not fp8_gathers_fp8("torchao-tensorwise", "rowwise")                # fixed: no plan's
+    assert not fp8_gathers_fp8("torchao-tensorwise", "tensorwise", sharding="zero",
+                               fsdp_gather=True)  # FSDP2's hook, not a distributed optimizer
+    assert not fp8_gathers_fp8("torchao-rowwise", "tensorwise", fsdp_gather=True)
+    assert not fp8_gathers_fp8("te-delayed", "tensorwise", fsdp_gather=True)
+
+
+def test_cli_fp8_gather_shortens_the_fp8_step(plan_cli, tmp_path):
+    def step(options: str) -> float:
+        path = tmp_path / "options.toml"
+        path.write_text(f"[options]\n{options}\n")
+        rc, out, err = plan_cli("--model", "llama3-8b", "--cluster", "dgx-h100:1",
+                                "--global-batch", "256", "--seq-len", "4096", "--framework",
+                                "olmo-core@2024", "--layout", "tp=1,cp=1,pp=1,dp=8", "--zero",
+                                "3", "--recompute", "none", "--micro-batch", "1", "--dtype",
+                                "fp8", "--options", str(path), "--json", "--top", "1")
+        assert rc == 0, err
+        return json.loads(out)["plans"][0]["step_time_s"]
+
+    assert step("fp8_fsdp_gather = true") < step("fp8_fsdp_gather = false")

@@ -38,7 +38,7 @@ REFUSED = {
     "flash_unpad": "true", "flash_isa": '"sm80"', "v_width": '"native"',
     "launch_blocking": "true", "vocab_parallel_ce": "true", "grad_bucket_passes": "3",
     "flash_ce": "true", "flat_param": "true", "train_metrics": "2", "z_loss": "true",
-    "logits_fp32": "true",
+    "logits_fp32": "true", "fp8_fsdp_gather": "true",
     # MemoryOptions
     "framework": '"megatron"', "activations": '"korthikanti"', "loss": '"eager"',
     "gqa_copies": "true", "fused_norm": "false", "moe_weighted_act": "true",

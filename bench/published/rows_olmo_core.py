@@ -125,12 +125,11 @@ def olmo_core() -> list[PublishedRun]:
                  + ("; FP8: torchao Float8Linear, dynamic tensorwise scaling" if dtype == "fp8"
                     else "")
                  + ". Assumed: DGX H100 (the README says 'a cluster with NVIDIA H100 GPUs'), "
-                 "datasheet clocks. Not seen by the torchtitan@2025 preset it is priced on: "
-                 + ("the z-loss's extra reductions inside the loss kernel" if fused_loss else
-                    "the z-loss's logsumexp over the fp32 logits and its backward (ATen's "
-                    "logsumexp: max, subtract, exp, sum; about two more passes over the "
-                    "logits each way)")
-                 + ("; FSDP's float8 all-gather (Float8Config enable_fsdp_float8_all_gather "
-                    "and precompute_float8_dynamic_scale_for_fsdp True: the gather is priced "
-                    "in bf16)" if dtype == "fp8" else "")))
+                 "datasheet clocks. Priced on olmo-core@2024 (session 43; torchtitan@2025 "
+                 "before, which saw neither the z-loss, the fp32 logits, the Python final norm"
+                 + (" nor FSDP's float8 all-gather" if dtype == "fp8" else "")
+                 + "). Not seen by the preset: FSDP2's root unit holding the embedding, final "
+                 "norm and head together (priced as two units)"
+                 + ("; the per-step amax all-reduce of precompute_float8_dynamic_scale_for_"
+                    "fsdp" if dtype == "fp8" else "")))
     return runs

@@ -125,7 +125,8 @@ class DataParallelCost:
         if o.fp32_params_autocast or (o.sharding == "fsdp" and cfg.dtype == "fp32"):
             return 4.0
         if cfg.dtype == "fp8" and fp8_gathers_fp8(o.fp8_scaling, cfg.fp8_recipe,
-                                                  o.fp8_param_gather, o.sharding):
+                                                  o.fp8_param_gather, o.sharding,
+                                                  o.fp8_fsdp_gather):
             return compute.BF16 - self._fp8_block_share(cfg.fp8_recipe)
         return compute.BF16
 

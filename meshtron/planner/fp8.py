@@ -310,7 +310,7 @@ def async_tp_unfused(cb: CastBytes | None) -> frozenset[str]:
 
 
 def fp8_gathers_fp8(scaling: str, recipe: str, param_gather: bool = False,
-                    sharding: str = "fsdp") -> bool:
+                    sharding: str = "fsdp", fsdp_gather: bool = False) -> bool:
     """The parameter all-gathers move the FP8 Linears' weights in FP8 (1 byte per element).
     torchao: FSDP2 (`sharding` 'fsdp') with WeightWithDynamicFloat8CastTensor,
     enable_fsdp_float8_all_gather: tensorwise scales only, a rowwise scale being per row of
@@ -318,10 +318,16 @@ def fp8_gathers_fp8(scaling: str, recipe: str, param_gather: bool = False,
     (meshtron/parallel/fp8.py `fp8_all_gather`), torchtitan leaves it off by default (its
     float8 config's enable_fsdp_float8_all_gather = False). Transformer Engine: with FP8
     parameters (`param_gather`, compute.KernelOptions.fp8_param_gather: Megatron-Core's
-    --fp8-param-gather), whatever the sharding (distributed optimizer or Megatron-FSDP)."""
+    --fp8-param-gather), whatever the sharding (distributed optimizer or Megatron-FSDP).
+    `fsdp_gather` (KernelOptions.fp8_fsdp_gather): a stack with fixed tensorwise scaling that
+    turns torchao's FP8 all-gather on (OLMo-core's Float8Config)."""
     if scaling in _TE:
         return param_gather
-    return sharding == "fsdp" and scaling == "torchao" and recipe == "tensorwise"
+    if sharding != "fsdp":
+        return False
+    if scaling == "torchao-tensorwise":
+        return fsdp_gather
+    return scaling == "torchao" and recipe == "tensorwise"
 
 
 def quantisation_bytes(model: Any, tp: int, frac: dict[str, float] | None = None,

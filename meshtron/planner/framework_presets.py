@@ -390,7 +390,9 @@ _LLM_FOUNDRY_2023 = dataclasses.replace(
 # - FP8 (Float8Config, --model.float8_config.enabled=true): torchao Float8Linear on every
 #   Linear but the head (convert_to_float8_training modules_to_ignore {'w_out'}), dynamic
 #   scaling of input, weight and grad output (float8.py: fp8_scaling 'torchao-tensorwise'),
-#   enable_fsdp_float8_all_gather and precompute_float8_dynamic_scale_for_fsdp True.
+#   enable_fsdp_float8_all_gather (fp8_fsdp_gather: FSDP2 gathers the FP8 weights in FP8) and
+#   precompute_float8_dynamic_scale_for_fsdp True (one amax all-reduce of every weight after
+#   the optimizer step, train/callbacks/float8_handler.py: not priced).
 # Host-side work the planner prices for no stack: the cancel check's gloo all-reduce every
 # cancel_check_interval steps in a thread, metrics moved to the host every
 # metrics_collect_interval steps, gc.collect(1) every 1,000 steps (GarbageCollectorCallback).
@@ -406,8 +408,8 @@ _OLMO_CORE_2024 = Framework(
     "param bf16 / reduce fp32, fused AdamW, z_loss_multiplier)",
     KernelOptions(stack="compiled", sharding="fsdp", fp32_grad_reduce=True, optimizer="fused",
                   eager_norm="python", complex_rope=False, separate_projections=True,
-                  fp8_filter="all", fp8_scaling="torchao-tensorwise", z_loss=True,
-                  logits_fp32=True),
+                  fp8_filter="all", fp8_scaling="torchao-tensorwise", fp8_fsdp_gather=True,
+                  z_loss=True, logits_fp32=True),
     # activations: TransformerActivationCheckpointingMode.selected_ops wraps each block with
     # nn/utils.py selective_checkpointing_context_fn, torchtitan's op policy ("adapted from"
     # parallelize_llama.py: mm, SDPA and reduce-scatter outputs saved, every second mm

@@ -171,10 +171,10 @@ true`, which the nemo-automodel preset sets for MoE models.
   z-loss of every script (z_loss: a separate logsumexp over the fp32 logits with the default
   unfused loss), the model's fp32 logits (logits_fp32); TrainerConfig.fused_loss (the 7B /
   13B / Llama 8B scripts) is `flash_ce = true`, `loss = "flash-ce"`; FP8 torchao tensorwise
-  on every Linear but the head. Data parallelism only: tp, pp, cp and MoE refused
-  (MemoryOptions layouts 'olmo-core-2024'). Not priced: FSDP's float8 all-gather
-  (enable_fsdp_float8_all_gather, priced in bf16) and the root unit that holds the embedding,
-  final norm and head together.
+  on every Linear but the head, its weights gathered in FP8 (Float8Config
+  enable_fsdp_float8_all_gather: fp8_fsdp_gather). Data parallelism only: tp, pp, cp and MoE refused
+  (MemoryOptions layouts 'olmo-core-2024'). Not priced: the root unit that holds the
+  embedding, final norm and head together, and the FP8 scales' per-step amax all-reduce.
 
 Pipeline stages get the layers each stack's own code would give them (MemoryOptions
 `pipeline_split`, planner/pipeline_split.py; plan_rules.split_problem refuses what a stack

@@ -430,6 +430,13 @@ class KernelOptions:
     gradient: one read and one write of every unsharded element per micro-batch
     (dp_cost.copy_out_s's bytes, once per backward instead of once per gather). False:
     FSDP2's per-parameter DTensors and their copy-out."""
+    fp8_fsdp_gather: bool = False
+    """With dtype fp8 and fp8_scaling 'torchao-tensorwise' under FSDP (sharding 'fsdp'), torchao's
+    Float8LinearConfig enable_fsdp_float8_all_gather is on: FSDP2 gathers the FP8 Linears'
+    weights in FP8, 1 byte per element (planner/fp8.py `fp8_gathers_fp8`; OLMo-core's
+    Float8Config sets it True by default, src/olmo_core/float8.py at 41400c46fc; torchtitan's
+    float8 config leaves it False). The 'torchao' scaling (meshtron's runtime) decides it by
+    itself from the recipe; no effect on any other scaling."""
     z_loss: bool = False
     """The loss adds the z-loss (a multiple of each token's log-sum-exp squared, PaLM's
     auxiliary loss) as OLMo-core's trainer computes it when z_loss_multiplier is set

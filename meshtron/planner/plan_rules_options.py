@@ -119,6 +119,8 @@ _KERNEL = {
                    "(parallel/data_parallel.py)"),
     "train_metrics": ((0,), "updates no train metrics on the logits (train/metrics.py "
                       "records the loss and the step clock)"),
+    "fp8_fsdp_gather": ((False,), "decides torchao's FP8 all-gather by itself from the plan's "
+                        "fp8_recipe under fp8_scaling 'torchao' (parallel/fp8.py)"),
     "z_loss": ((False,), "adds no z-loss to its cross-entropy (model/loss.py)"),
     "logits_fp32": ((False,), "has no fused loss over a model's fp32 logits: its chunked "
                     "cross-entropy casts chunk by chunk (model/loss.py)"),
