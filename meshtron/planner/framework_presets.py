@@ -409,7 +409,10 @@ _OLMO_CORE_2024 = Framework(
     KernelOptions(stack="compiled", sharding="fsdp", fp32_grad_reduce=True, optimizer="fused",
                   eager_norm="python", complex_rope=False, separate_projections=True,
                   fp8_filter="all", fp8_scaling="torchao-tensorwise", fp8_fsdp_gather=True,
-                  z_loss=True, logits_fp32=True),
+                  z_loss=True, logits_fp32=True,
+                  # no MLA model in OLMo-core v1.3-v1.5 (nn/attention.py); SDPA's flash
+                  # kernels take one head size, as for meshtron's model: inert
+                  v_width="padded"),
     # activations: TransformerActivationCheckpointingMode.selected_ops wraps each block with
     # nn/utils.py selective_checkpointing_context_fn, torchtitan's op policy ("adapted from"
     # parallelize_llama.py: mm, SDPA and reduce-scatter outputs saved, every second mm
