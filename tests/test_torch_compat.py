@@ -249,3 +249,23 @@ def test_a_private_attribute_is_present_only_where_its_module_names_it():
     assert torch_compat.attribute_present("torch.distributed.device_mesh:_pg_registry")
     assert not torch_compat.attribute_present("torch.distributed.device_mesh:_no_such_name")
     assert not torch_compat.attribute_present("torch._no_such_module:_pg_registry")
+
+
+def test_expert_parallelism_on_a_torch_without_unflatten_is_one_line(monkeypatch):
+    """The ep mesh is split with DeviceMesh._unflatten, private and not in every torch: on one
+    without it the run stops in one line naming the torch version and the plan field, before
+    any process group is made (the mesh is never touched: None here)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshtron.parallel.mesh import _expert_meshes
+    from meshtron.planner.plan import Plan, parse_layout
+
+    plan = Plan(**{"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": "none",
+                   "sp": False, "schedule": None, "virtual_stages": 1,
+                   **parse_layout("dp=4,ep=2")})
+    monkeypatch.delattr(DeviceMesh, "_unflatten")
+    with pytest.raises(UserError) as err:
+        _expert_meshes(None, plan)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("plan.ep=2") and torch.__version__ in line
