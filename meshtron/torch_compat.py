@@ -159,6 +159,10 @@ PRIVATE_APIS: dict[str, str] = {
 """Dotted symbol -> what needs it."""
 
 PRIVATE_ATTRIBUTES: dict[str, str] = {
+    "torch.nn.modules.module:_buffers":
+        "buffers moved to the device while the parameters stay on the host (FSDP2's CPU "
+        "offload; model/init.py materialize; the attribute scan cannot see it, meshtron "
+        "names an attribute _buffers too)",
     "torch.distributed.device_mesh:_pg_registry":
         "releasing a mesh's process groups (parallel/mesh.py; skipped where absent)",
     "torch.distributed.fsdp._fully_shard._fsdp_state:_fsdp_param_groups":
