@@ -64,6 +64,19 @@ PRIVATE_APIS: dict[str, str] = {
         "releasing a mesh (parallel/mesh.py)",
     "torch.distributed.tensor.debug._clear_sharding_prop_cache":
         "releasing a mesh (parallel/mesh.py)",
+    "torch.distributed.device_mesh.DeviceMesh._flatten":
+        "the flattened data axes dp, dp_shard_cp and dp_cp (parallel/mesh.py, data_parallel.py, "
+        "parallel_model.py)",
+    "torch.distributed.device_mesh.DeviceMesh._unflatten":
+        "expert parallelism's ep axis split out of the data axes (parallel/mesh.py)",
+    "torch.distributed.device_mesh.DeviceMesh._get_root_mesh":
+        "releasing a mesh's process-group registry (parallel/mesh.py)",
+    "torch.distributed.fsdp.FSDPModule._get_fsdp_state":
+        "compressed gradients' FSDP2 parameter groups (compress/runtime.py); the rehearsal's "
+        "lazy init (rehearse/memory.py)",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper":
+        "the recomputed block whose inner module is compiled (parallel/compile.py; its "
+        "_checkpoint_wrapped_module in PRIVATE_ATTRIBUTES)",
     # compile
     "torch._inductor.config": "asynchronous tensor parallelism (parallel/compile.py)",
     "torch._inductor.config._micro_pipeline_tp":
@@ -95,7 +108,27 @@ PRIVATE_APIS: dict[str, str] = {
     "torch.distributed.distributed_c10d._create_process_group_wrapper":
         "TORCH_DISTRIBUTED_DEBUG=DETAIL checks on the recording group (doctor/backend.py)",
     "torch.distributed.Backend._plugins": "registering the recording group once (doctor/backend.py)",
+    "torch._C._distributed_c10d.ProcessGroup._register_backend":
+        "the recording group's gloo backend (doctor/backend.py)",
+    "torch._C._distributed_c10d.ProcessGroup._set_default_backend":
+        "the recording group's gloo backend (doctor/backend.py)",
+    "torch._C._distributed_c10d.ProcessGroupGloo._set_sequence_number_for_group":
+        "the recording group's gloo backend, as init_process_group does (doctor/backend.py)",
+    "torch._C._distributed_c10d.ProcessGroupGloo._allgather_base":
+        "the recording group's all-gathers (doctor/backend.py)",
+    "torch._C._distributed_c10d.ProcessGroupGloo._reduce_scatter_base":
+        "the recording group's reduce-scatters (doctor/backend.py)",
+    "torch._C._distributed_c10d.ProcessGroupGloo._start_coalescing":
+        "the recording group's coalesced collectives (doctor/backend.py)",
+    "torch._C._distributed_c10d.ProcessGroupGloo._end_coalescing":
+        "the recording group's coalesced collectives (doctor/backend.py)",
     # rehearsal of one rank (rehearse/rank.py, memory.py)
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init":
+        "the rehearsal's FSDP2 states initialised before tracking (rehearse/memory.py)",
+    "torch.distributed._tools.mem_tracker.MemTracker._update_and_maybe_create_winfos":
+        "filing another stage's shards in the rehearsal's tracker (rehearse/memory.py)",
+    "torch.Tensor._backward_hooks":
+        "the rehearsal's tracker hooks cleared from the inputs (rehearse/tracker_hooks.py)",
     "torch.testing._internal.distributed.fake_pg.FakeStore":
         "the fake process group's store (rehearse/rank.py)",
     "torch.distributed.tensor._sharding_prop.ShardingPropagator":
@@ -125,11 +158,37 @@ PRIVATE_APIS: dict[str, str] = {
 }
 """Dotted symbol -> what needs it."""
 
+PRIVATE_ATTRIBUTES: dict[str, str] = {
+    "torch.nn.modules.module:_buffers":
+        "buffers moved to the device while the parameters stay on the host (FSDP2's CPU "
+        "offload; model/init.py materialize; the attribute scan cannot see it, meshtron "
+        "names an attribute _buffers too)",
+    "torch.distributed.device_mesh:_pg_registry":
+        "releasing a mesh's process groups (parallel/mesh.py; skipped where absent)",
+    "torch.distributed.fsdp._fully_shard._fsdp_state:_fsdp_param_groups":
+        "compressed gradients' FSDP2 parameter groups (compress/runtime.py; torch 2.13 name)",
+    "torch.distributed.fsdp._fully_shard._fsdp_state:_fsdp_param_group":
+        "the same on torch before _fsdp_param_groups (2.11)",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper:_checkpoint_wrapped_module":
+        "compiling a recomputed block's inner module (parallel/compile.py)",
+    "torch.distributed._tools.mem_tracker:_curr_mem_snap": "rehearsed memory (rehearse/memory.py)",
+    "torch.distributed._tools.mem_tracker:_peak_mem": "rehearsed memory (rehearse/memory.py)",
+    "torch.distributed._tools.mem_tracker:_peak_mem_snap": "rehearsed memory (rehearse/memory.py)",
+    "torch.distributed._tools.fsdp2_mem_tracker:_root_mod":
+        "rehearsed memory under FSDP2 (rehearse/memory.py)",
+}
+"""Private attributes torch sets on its objects (instance attributes: no class has them to look
+up), "module:attribute" -> what needs it. Present when the module's source still assigns or
+reads the name (`attribute_present`); tests/test_torch_compat.py's scan of attribute reads on
+torch objects fails on one registered nowhere."""
+
 ONE_OF: tuple[tuple[str, ...], ...] = (
     ("torch.distributed._functional_collectives.all_gather_single",
      "torch.distributed._functional_collectives.all_gather_tensor"),
     ("torch.distributed.pipelining.stage.PipelineStage._forward_metadata_inference",
      "torch.distributed.pipelining.stage.PipelineStage._shape_inference"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state:_fsdp_param_groups",
+     "torch.distributed.fsdp._fully_shard._fsdp_state:_fsdp_param_group"),
 )
 """Registered symbols of which a torch needs only one: the same thing under its newer and its
 older name (2.13 has the first, 2.11 the last; callers feature-detect which)."""
@@ -204,10 +263,33 @@ def reduce_scatter_into(out: Any, inp: Any, group: Any = None) -> Any:
     return fn(out, inp, group=group)
 
 
+def attribute_present(entry: str) -> bool:
+    """Whether the installed torch's `module` (PRIVATE_ATTRIBUTES' "module:attribute") still
+    names `attribute`: a whole-word match in its source file (finding the file imports only
+    its parent packages)."""
+    import importlib.util
+    import re
+
+    module, attribute = entry.split(":")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return False
+    with open(spec.origin, encoding="utf-8") as f:
+        return re.search(rf"\b{re.escape(attribute)}\b", f.read()) is not None
+
+
+def present(name: str) -> bool:
+    """Whether the installed torch has a PRIVATE_APIS symbol or a PRIVATE_ATTRIBUTES entry."""
+    return attribute_present(name) if ":" in name else lookup(name, _MISSING) is not _MISSING
+
+
 def missing() -> list[str]:
-    """Registered symbols the installed torch lacks, but for one of ONE_OF's names where
-    another of its names is there."""
-    absent = [s for s in PRIVATE_APIS if lookup(s, _MISSING) is _MISSING]
+    """Registered symbols (and private attributes) the installed torch lacks, but for one of
+    ONE_OF's names where another of its names is there."""
+    absent = [s for s in (*PRIVATE_APIS, *PRIVATE_ATTRIBUTES) if not present(s)]
     covered = {s for names in ONE_OF if set(names) - set(absent) for s in names}
     return [s for s in absent if s not in covered]
 

@@ -165,7 +165,7 @@ def test_device_checks_run_on_cpu(dry_run_core):
     g = _ok(dry_run_core, "gputrue")
     assert g["shared_process"] and g["verdicts"] == dict.fromkeys(g["verdicts"], True)
     assert set(g["checks"]) == {"stager_order", "rng_own_device", "recompute_grouped_mm",
-                                "cp_attention", "backend_nccl"}
+                                "cp_attention", "backend_nccl", "loss_window"}
     assert g["checks"]["backend_nccl"]["result"]["get_backend"] == "gloo"
     assert g["checks"]["cp_attention"]["result"]["sdpa_kernel"] == "cpu-flash"
 

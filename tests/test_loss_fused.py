@@ -295,3 +295,35 @@ def test_planner_prices_every_elementwise_pass_of_a_chunk(dtype, which):
             per_logit += 4.0
     assert seen.count("aten::exp_") == 2 and "aten::amax" in seen, seen
     assert per_logit == FUSED_LOSS_BYTES[which], (seen, per_logit)
+
+
+def _addmm_fp32_out(acc, a, b, out_dtype, out):
+    """addmm with an fp32 output as CUDA's kernel has it (CPU: by upcasting)."""
+    return torch.addmm(acc, a.float(), b.float(), out=out)
+
+
+def _addmm_ignoring_acc(acc, a, b, out_dtype, out):
+    """A kernel that writes the product over `out` (beta 0): the weight gradient would keep
+    only the last chunk's."""
+    return torch.mm(a.float(), b.float(), out=out)
+
+
+def _addmm_rounding(acc, a, b, out_dtype, out):
+    """A kernel that sums in the operands' 16-bit type before writing fp32."""
+    return out.copy_(torch.addmm(acc.to(a.dtype), a, b))
+
+
+def _addmm_refusing(acc, a, b, out_dtype, out):
+    raise RuntimeError("addmm: out_dtype is not supported for these inputs")
+
+
+@pytest.mark.parametrize("addmm, used", [(_addmm_fp32_out, True), (_addmm_ignoring_acc, False),
+                                         (_addmm_rounding, False), (_addmm_refusing, False)])
+def test_the_fp32_output_gemm_is_used_only_where_it_accumulates_exactly(addmm, used):
+    """The CUDA branch of the weight-gradient accumulation (addmm into the fp32 buffer with
+    out_dtype) runs only where the device's kernel adds to the buffer in fp32: probed with the
+    kernel injected, since CPU torch has none. A kernel that overwrote the buffer or summed in
+    bf16 would pass a probe that only checks the call is accepted."""
+    from meshtron.model.loss import accumulates_in_fp32
+
+    assert accumulates_in_fp32(addmm, torch.device("cpu"), torch.bfloat16) is used

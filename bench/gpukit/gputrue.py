@@ -13,6 +13,11 @@ cp_attention     context parallelism: without documents SDPA's flash kernels per
                  document mask's build time and memory at 128k tokens over cp=8
 backend_nccl     the one backend helper on a real "cuda:nccl,cpu:gloo" group: group_is_nccl,
                  doctor's Flight Recorder, the async-TP decision
+loss_window      code added after the first GPU run: which weight-gradient GEMM the fused loss
+                 takes (model/loss.py: addmm into fp32 where the probe finds it exact) and its
+                 loss and gradients in bf16 against whole fp32 logits; sliding-window
+                 attention's FlexAttention band (model/attention.py, compiled on CUDA) forward
+                 and backward against the chunked path (CPU: forward, eager)
 
 Each script reads DEV (the device) and SMALL (dry run: toy sizes) from its first lines, so the
 dry run executes the same scripts on the CPU (where the CUDA-only parts say what they skip).
@@ -188,10 +193,52 @@ print(json.dumps({"get_backend": str(dist.get_backend()), "group_is_nccl": group
 dist.destroy_process_group()
 """
 
+LOSS_WINDOW = r"""
+import json, torch, torch.nn.functional as F
+from meshtron.model.attention import window_attention
+from meshtron.model.loss import OutputHead, _addmm_out_dtype, chunked_cross_entropy
+dev = torch.device(DEV)
+cuda = dev.type == "cuda"
+dtype = torch.bfloat16 if cuda else torch.float32
+g = torch.Generator().manual_seed(0)
+out = {"dtype": str(dtype), "fp32_addmm": _addmm_out_dtype(str(dev), torch.bfloat16)}
+# The fused loss (every gradient in its forward) against whole fp32 logits.
+tokens, hidden, vocab = (256, 64, 1000) if SMALL else (8192, 1024, 32000)
+head = OutputHead(hidden, vocab, bias=False)
+with torch.no_grad():
+    head.weight.copy_(torch.randn(vocab, hidden, generator=g) * 0.05)
+head = head.to(dev, dtype)
+h = (torch.randn(1, tokens, hidden, generator=g)).to(dev, dtype).requires_grad_()
+t = torch.randint(0, vocab, (1, tokens), generator=g).to(dev)
+loss = chunked_cross_entropy(head, h, t)
+gh, gw = torch.autograd.grad(loss, (h, head.weight))
+x, w = h.detach().float().requires_grad_(), head.weight.detach().float().requires_grad_()
+ref = F.cross_entropy(F.linear(x, w).flatten(0, 1), t.flatten())
+rh, rw = torch.autograd.grad(ref, (x, w))
+rel = lambda a, b: float((a.float() - b).norm() / b.norm())
+out["loss_rel_err"] = [abs(float(loss) - float(ref)) / float(ref), rel(gh, rh), rel(gw, rw)]
+# Sliding-window attention: the FlexAttention band against the chunked path.
+seq, window = (256, 64) if SMALL else (4096, 1024)
+q = torch.randn(2, 8, seq, 128, generator=g).to(dev, dtype).requires_grad_()
+k, v = (torch.randn(2, 2, seq, 128, generator=g).to(dev, dtype).requires_grad_()
+        for _ in range(2))
+if cuda:  # flex is the CUDA default; forward and backward
+    got, want = window_attention(q, k, v, window), window_attention(q, k, v, window, "chunks")
+    dout = torch.randn_like(got)
+    grads = [torch.autograd.grad(o, (q, k, v), dout) for o in (got, want)]
+    pairs = [(got, want), *zip(*grads)]
+else:  # FlexAttention has no CPU backward (it refuses inputs that need one): the forward
+    q, k, v = (x.detach() for x in (q, k, v))
+    pairs = [(window_attention(q, k, v, window, "flex"),
+              window_attention(q, k, v, window, "chunks"))]
+out["window_rel_err"] = [rel(a, b.float()) for a, b in pairs]
+print(json.dumps(out))
+"""
+
 # (name, script, GPU cap seconds): never verified on a GPU first; backend_nccl passed there.
 CHECKS = [("stager_order", STAGER, 40), ("rng_own_device", RNG, 30),
           ("recompute_grouped_mm", RECOMPUTE, 30), ("cp_attention", CP_ATTENTION, 90),
-          ("backend_nccl", BACKEND, 30)]
+          ("backend_nccl", BACKEND, 30), ("loss_window", LOSS_WINDOW, 60)]
 
 
 def script(body: str, device: str, small: bool, tmp: str) -> str:
@@ -232,6 +279,7 @@ def verdicts(results: dict) -> dict:
 
     staged = get("stager_order", "staged_after_queued_kernels")
     sdpa, flex = get("cp_attention", "sdpa_max_abs_err"), get("cp_attention", "flex_max_abs_err")
+    loss, window = get("loss_window", "loss_rel_err"), get("loss_window", "window_rel_err")
     return {"stager_ordered": None if staged is None else all(staged),
             "rng_restored": get("rng_own_device", "restored"),
             "grouped_mm_saved": None if get("recompute_grouped_mm", "saved_runs") is None
@@ -239,7 +287,10 @@ def verdicts(results: dict) -> dict:
             < get("recompute_grouped_mm", "recomputed_runs"),
             # bf16 on the GPU: a few units of its last place against an fp32 reference
             "cp_sdpa_exact": None if sdpa is None else max(sdpa) < 0.05,
-            "cp_flex_exact": None if flex is None else flex < 0.05}
+            "cp_flex_exact": None if flex is None else flex < 0.05,
+            # relative errors (norms): bf16 on the GPU against fp32 references
+            "fused_loss_exact": None if loss is None else max(loss) < 0.02,
+            "window_flex_exact": None if window is None else max(window) < 0.02}
 
 
 SHARED = r"""
@@ -300,11 +351,12 @@ def case_gputrue(ctx: C.Ctx) -> None:
 
 # The CPU tests of the device-explicit pieces and of what this kit checks, under the torch the
 # GPU image carries (2.11 there; CI pins 2.13): private symbols, the torchrun argv, staging,
-# RNG state, recompute ops, the CP flash kernels, the calibration choice.
+# RNG state, recompute ops, the CP flash kernels, the calibration choice, sliding windows'
+# FlexAttention path traced inside compiled blocks.
 TORCH_TESTS = ["tests/test_torch_compat.py", "tests/test_device_init.py", "tests/test_backend.py",
                "tests/test_staging.py", "tests/test_rng_state.py", "tests/test_recompute_ops.py",
                "tests/test_device_cluster.py", "tests/test_cp_sdpa_cuda_calls.py",
-               "tests/test_pipeline_inference_names.py",
+               "tests/test_pipeline_inference_names.py", "tests/test_window_compiled.py",
                "tests/test_context_parallel.py::test_without_documents_each_chunk_runs_the_"
                "flash_kernels_without_a_mask"]
 

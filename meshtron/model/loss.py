@@ -46,24 +46,36 @@ def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def _addmm_out_dtype(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this device's addmm takes `dtype` operands into an fp32 output (`out_dtype`):
-    probed once on tiny real tensors (feature detection; CUDA has it for 16-bit operands,
-    torch 2.13's CPU not). Outside any dispatch mode: fake tensors (`meshtron rehearse`) accept
-    the call on a device whose kernels lack it."""
+def _addmm_out_dtype(device: str, dtype: torch.dtype) -> bool:
+    """Whether addmm on `device` ("cuda:0", "cpu") adds `dtype` operands' product into an fp32
+    output in place (`out_dtype`, beta 1), as `_accumulate` uses it: probed once per device and
+    dtype on tiny real tensors (feature detection; CUDA has it for 16-bit operands, torch
+    2.13's CPU not), on the rank's own device (never another GPU). Outside any dispatch mode:
+    fake tensors (`meshtron rehearse`) accept the call on a device whose kernels lack it."""
     from meshtron.torch_compat import lookup
 
     no_modes = lookup("torch.utils._python_dispatch._disable_current_modes", None)
     if no_modes is None:  # torch without it: the upcast path (the same fp32 sum)
         return False
     with no_modes():
-        a = torch.zeros(2, 2, dtype=dtype, device=device_type)
-        acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
-        try:
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        except (RuntimeError, TypeError, NotImplementedError):
-            return False
-    return True
+        return accumulates_in_fp32(torch.addmm, torch.device(device), dtype)
+
+
+def accumulates_in_fp32(addmm, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `addmm(acc, g.t(), x, out_dtype=float32, out=acc)` with `dtype` g and x adds
+    g^T x to the fp32 `acc` (beta 1, transposed g as `_accumulate` passes it). Run on values
+    whose fp32 sum is known and not a 16-bit number (2^-10 + 3 in every element), so a kernel
+    that refuses the call, ignores `acc` or rounds the sum to `dtype` is not used: the upcast
+    path is exact instead. One host read, once per device and dtype (`_addmm_out_dtype`'s
+    cache)."""
+    g = torch.ones(3, 2, dtype=dtype, device=device)
+    x = torch.ones(3, 2, dtype=dtype, device=device)
+    acc = torch.full((2, 2), 2.0 ** -10, dtype=torch.float32, device=device)
+    try:
+        addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return acc.dtype == torch.float32 and bool((acc == 3 + 2.0 ** -10).all())
 
 
 def _accumulate(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
@@ -72,7 +84,7 @@ def _accumulate(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
     costs a chunk-sized copy but keeps the same fp32 sum."""
     if g.dtype == acc.dtype:
         torch.addmm(acc, g.t(), x, out=acc)
-    elif _addmm_out_dtype(acc.device.type, g.dtype):
+    elif _addmm_out_dtype(str(acc.device), g.dtype):
         torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
     else:
         torch.addmm(acc, g.t().float(), x.float(), out=acc)

@@ -62,6 +62,11 @@ class PlusOneLayerNorm(nn.LayerNorm):
 
 
 class Attention(nn.Module):
+    window_kernel: str | None = None
+    """The sliding-window kernel (model/attention.py `window_attention`): None chooses by
+    device (FlexAttention on CUDA, query chunks elsewhere); tests set "flex" to run the CUDA
+    branch inside a compiled block on CPU."""
+
     def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
         # block `index` attends within a sliding window (ModelSpec.slides), else causally
@@ -122,7 +127,8 @@ class Attention(nn.Module):
             return self.wo(attend(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
         # Grouped-query attention natively (no K/V copies); document masks without S x S.
         # A sliding window with document masks is refused (hf_variants.runtime_problem).
-        out = (window_attention(q, k, v, self.window) if self.window and mask is None
+        out = (window_attention(q, k, v, self.window, self.window_kernel)
+               if self.window and mask is None
                else attention(q, k, v, mask))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 

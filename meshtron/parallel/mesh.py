@@ -160,7 +160,13 @@ class ExpertMeshes:
 
 
 def _expert_meshes(mesh, p: Plan) -> ExpertMeshes:
-    """Build the ExpertMeshes of plan `p` on `mesh` (a collective: new process groups)."""
+    """Build the ExpertMeshes of plan `p` on `mesh` (a collective: new process groups). The
+    split is torch's private `DeviceMesh._unflatten` (not in every torch): a torch without it is
+    refused in one line naming its version, before any group is made."""
+    from meshtron.torch_compat import require
+
+    require("torch.distributed.device_mesh.DeviceMesh._unflatten",
+            f"plan.ep={p.ep} (the expert-parallel mesh)")
     cp = p.cp
     if p.zero < 2:  # dp on "dp_replicate" (cp > 1 needs ZeRO-2/3: plan_rules)
         split = mesh._unflatten("dp_replicate", (p.dp // p.ep, p.ep), ("dp_mod_ep", "ep"))
