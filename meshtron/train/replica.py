@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.errors import RunFailed, UserError
+from meshtron.train import run_lock
+from meshtron.train.replica_log import CommittedSteps
 
 QUORUM_TIMEOUT_S = 60.0
 """A quorum (or an all-reduce) not reached in this long fails the step for good."""
@@ -111,6 +113,7 @@ class _Group:
         self.data = build_run_data(cfg, dp_rank=group, dp_size=job.groups, main=False)
         self.params = [p for p in self.engine.model.parameters() if p.requires_grad]
         self.healed = False
+        self.eval_set = None
         self.groups = job.groups
         self.started = time.monotonic()
         # The group's own store (torchft's per-group rendezvous); one rank per group here.
@@ -162,8 +165,8 @@ class _Group:
         for p in self.params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        if e.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, e.grad_clip, foreach=True)
+        norm = (torch.nn.utils.clip_grad_norm_(self.params, e.grad_clip, foreach=True)
+                if e.grad_clip > 0 else None)
         lr = e.scheduler.get_last_lr()[0]
         committed = m.should_commit()
         if committed:
@@ -174,19 +177,34 @@ class _Group:
         e.optimizer.zero_grad(set_to_none=True)
         if not committed:
             return None
-        return {"step": m.current_step(), "loss": float(flat[-1]),
-                "lr": lr,
+        return {"step": m.current_step(), "loss": float(flat[-1]), "lr": lr,
+                "grad_norm": float(norm) if norm is not None else None,
                 "participants": m.num_participants(), "t": time.time()}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """eval_loss and eval_time_s at the run's evaluation steps (the loop's rule), else {}:
+        every group holds the same weights after a commit, so each computes the same value."""
+        from meshtron.train.metrics import evaluates_at
+
+        if not evaluates_at(self.cfg.train, step):
+            return {}
+        t0 = time.perf_counter()
+        if self.eval_set is None:
+            self.eval_set = self.data.eval_batches()
+        loss = self.engine.evaluate(self.eval_set)
+        return {"eval_loss": loss, "eval_time_s": time.perf_counter() - t0}
 
 
 def run_group(job_path: Path, group: int, attempt: int) -> int:
     """A replica-group process: train until the run's last step, then write its record."""
     job: ReplicaFTJob = pickle.loads(Path(job_path).read_bytes())
+    run_lock.join(job.cfg.train.run_dir)  # the folder stays held while any group lives
     g = _Group(job, group)
     steps = job.cfg.train.steps
     rec = GroupRecord(group=group, attempt=attempt, first_step=-1, last_step=0, healed=False)
     out = group_dir(Path(job.cfg.train.run_dir))
     log = (out / f"group{group}_{attempt}.jsonl").open("a")
+    mark = time.perf_counter()
     while g.manager.current_step() < steps:
         r = g.step()
         if attempt > 0 and not g.healed and g.manager.num_participants() == 1:
@@ -197,10 +215,15 @@ def run_group(job_path: Path, group: int, attempt: int) -> int:
             rec.first_step = g.manager.current_step() - (1 if r else 0)
             rec.healed = g.healed
         if r is not None:
+            # training seconds since the last commit (retried attempts included), evaluation
+            # excluded, as the loop's step clock counts them
+            r["seconds"] = time.perf_counter() - mark
+            r.update(g.evaluate(r["step"]))
             r["group"] = group
             rec.records.append(r)
             log.write(json.dumps(r) + "\n")
             log.flush()
+            mark = time.perf_counter()
     rec.last_step = g.manager.current_step()
     import torch
 
@@ -270,6 +293,8 @@ class Launcher:
         self.spare: tuple[int, subprocess.Popen] | None = None
         self.spares = 0
         self.events = (self.dir / "events.jsonl").open("a")
+        self.steps = CommittedSteps(cfg, Path(cfg.train.run_dir), self.dir)
+        """metrics.jsonl, written here as the groups commit steps."""
 
     def _event(self, **kw) -> None:
         kw["t"] = time.time()
@@ -277,7 +302,11 @@ class Launcher:
         self.events.flush()
 
     def _popen(self, args: list[str], log_name: str) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+        from meshtron.launch import PARENT_ENV
+
+        # PARENT_ENV: the group dies with this launcher (`bind_to_parent`), SIGKILL included
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error",
+               PARENT_ENV: str(os.getpid())}
         log = (self.dir / log_name).open("w")
         return subprocess.Popen([sys.executable, "-m", "meshtron.train.replica",
                                  str(self.job_path), *args],
@@ -322,6 +351,7 @@ class Launcher:
         try:
             while self.procs:
                 time.sleep(0.02)
+                self.steps.poll()
                 for i, p in list(self.procs.items()):
                     rc = p.poll()
                     if rc is not None:
@@ -333,7 +363,10 @@ class Launcher:
                 self.spare[1].wait()
             for p in self.procs.values():  # only after an error above
                 p.kill()
+                p.wait()
             self.lighthouse.shutdown()
+            self.steps.poll()  # the groups are gone: the last steps they logged
+            self.steps.close()
         return done
 
     def _exited(self, i: int, rc: int, done: list[GroupRecord]) -> None:
@@ -362,37 +395,87 @@ def wait_as_spare(job_path: Path, n: int) -> int:
     return run_group(job_path, group, attempt)
 
 
-def run_replica_ft(cfg, max_restarts: int, overwrite: bool) -> int:
-    """`meshtron train --replica-ft G`: run, then write metrics.jsonl and summary.json."""
+def refuse_resume(run_dir: str | Path) -> None:
+    """--resume of a replica-FT run: refused in one line (its groups keep no checkpoint; they
+    recover from each other's weights while the run lives). Nothing when the folder's run.toml
+    does not record a replica-FT run."""
+    from meshtron.config import load_toml
+
+    run_file = Path(run_dir) / "run.toml"
+    train = load_toml(run_file, "run.toml").get("train", {}) if run_file.is_file() else {}
+    groups = train.get("replica_ft", 0) if isinstance(train, dict) else 0
+    if groups:
+        raise UserError(f"--resume: {str(run_dir)!r} holds a replica-FT run (train.replica_ft="
+                        f"{groups}), which keeps no checkpoint to resume from (its groups "
+                        "recover from each other while it runs); start it again with --overwrite")
+
+
+def run_replica_ft(job, max_restarts: int) -> int:
+    """`meshtron train --replica-ft G` (`job`: its TrainJob): the run folder as every run
+    keeps it (lock, run.toml, config.json, metrics.jsonl as steps commit, summary.json,
+    curves.png), the Lighthouse and the groups in between."""
+    from meshtron.doctor.dump import clear_trace
     from meshtron.train import outputs
+    from meshtron.train.launch import claim_run_dir, write_single_process_files
+    from meshtron.train.job import warn
     from meshtron.train.loop import build_run_data
 
+    cfg = job.cfg
     os.environ.setdefault("RUST_LOG", "error")  # the Lighthouse logs every quorum otherwise
-    outputs.check_run_dir(cfg, overwrite)
-    build_run_data(cfg)  # bad data input fails here, before anything is started
-    run_dir = outputs.prepare_run_dir(cfg)
-    t0 = time.time()
-    done = Launcher(cfg, max_restarts).run()
-    # metrics: the committed steps as the group that saw most of them logged them
-    best = max(done, key=lambda r: len(r.records))
-    records = [{k: r[k] for k in ("step", "loss", "lr", "participants")} for r in best.records]
-    with (run_dir / "metrics.jsonl").open("w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    summary = {"steps": cfg.train.steps, "replica_groups": cfg.train.replica_ft,
-               "first_loss": records[0]["loss"] if records else None,
-               "final_loss": records[-1]["loss"] if records else None,
-               "wall_s": time.time() - t0,
-               "degraded_steps": sum(r["participants"] < cfg.train.replica_ft for r in records),
-               "groups_finished": sorted(r.group for r in done)}
-    outputs.finish_run(run_dir, summary, records)
+    run_lock.check_free(cfg.train.run_dir)
+    outputs.check_run_dir(cfg, job.overwrite)
+    build_run_data(cfg)  # bad data input fails here, before anything is written or started
+    claim_run_dir(job, plan=None)  # held until the last group exits (they join it)
+    try:
+        warn(job)
+        write_single_process_files(job)  # run.toml (what --resume, export, doctor read)
+        clear_trace(Path(cfg.train.run_dir))  # an earlier run's: doctor would read it as ours
+        run_dir = outputs.prepare_run_dir(cfg)
+        t0 = time.time()
+        launcher = Launcher(cfg, max_restarts)
+        try:
+            done = launcher.run()
+        except RunFailed as exc:
+            from meshtron.checkpoint import history
+
+            history.append(run_dir / "metrics.jsonl", {
+                "event": "failed", "cause": str(exc), "steps_committed":
+                launcher.steps.next_step - 1, "time": time.time()})
+            raise
+    finally:
+        run_lock.release(cfg.train.run_dir)
+    summary = replica_summary(cfg, launcher.steps, done, time.time() - t0)
+    outputs.finish_run(run_dir, summary, launcher.steps.records)
+    outputs.print_result(cfg, summary, run_dir)
     print(f"replica-ft: {cfg.train.steps} steps on {cfg.train.replica_ft} replica groups, "
-          f"{summary['degraded_steps']} with fewer; final loss {summary['final_loss']:.4f}; "
-          f"{run_dir}")
+          f"{summary['degraded_steps']} with fewer; events in {launcher.dir}")
     return 0
 
 
+def replica_summary(cfg, steps: CommittedSteps, done: list[GroupRecord],
+                    wall_s: float) -> dict[str, Any]:
+    """summary.json: a single-process run's fields (meshtron/train/loop.py TrainResult), then
+    the replica groups', degraded steps and the groups that finished."""
+    from meshtron.train.loop import TrainResult
+
+    if steps.next_step <= cfg.train.steps:
+        raise RunFailed(f"replica-ft: the groups finished but logged steps only up to "
+                        f"{steps.next_step - 1} of {cfg.train.steps}; see {steps.group_dir}")
+    logged = steps.records
+    result = TrainResult(
+        steps=cfg.train.steps, first_loss=logged[0]["loss"], final_loss=logged[-1]["loss"],
+        eval_loss=steps.eval_loss, tokens=cfg.data.global_batch * cfg.data.seq_len
+        * cfg.train.steps, wall_s=wall_s, tokens_per_s=steps.clock.tokens_per_s(),
+        step_time_s=steps.clock.median_step_s(), params=cfg.model.num_params())
+    return {**result.to_dict(), "replica_groups": cfg.train.replica_ft,
+            "degraded_steps": steps.degraded_steps,
+            "groups_finished": sorted(r.group for r in done)}
+
+
 if __name__ == "__main__":
+    from meshtron.launch import bind_to_parent
+
+    bind_to_parent()  # a group (or spare) never outlives its launcher
     if sys.argv[2] == "spare":
         sys.exit(wait_as_spare(Path(sys.argv[1]), int(sys.argv[3])))
     sys.exit(run_group(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))
