@@ -182,15 +182,17 @@ class _Group:
                 "participants": m.num_participants(), "t": time.time()}
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """eval_loss and eval_time_s at the run's evaluation steps (the loop's rule), else {}:
-        every group holds the same weights after a commit, so each computes the same value."""
+        """eval_loss and eval_time_s at the run's evaluation steps (the loop's rule), else {}.
+        Every group evaluates the whole held-out set (the single-process run's, not its own
+        rows of it) with the same weights after a commit, so each computes the same value."""
+        from meshtron.train.loop import build_run_data
         from meshtron.train.metrics import evaluates_at
 
         if not evaluates_at(self.cfg.train, step):
             return {}
         t0 = time.perf_counter()
         if self.eval_set is None:
-            self.eval_set = self.data.eval_batches()
+            self.eval_set = build_run_data(self.cfg, main=False).eval_batches()
         loss = self.engine.evaluate(self.eval_set)
         return {"eval_loss": loss, "eval_time_s": time.perf_counter() - t0}
 
