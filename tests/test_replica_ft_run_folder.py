@@ -92,6 +92,8 @@ def test_a_killed_replica_ft_run_leaves_a_run_folder_and_every_command_answers(t
     _refused(capsys, ["doctor", str(run_dir)], "no trace")
     _refused(capsys, ["export", str(run_dir), "--to", str(tmp_path / "hf")],
              "no complete checkpoint")
+    _refused(capsys, ["merge", "--experts", str(run_dir), "--copies", "2", "--to",
+                      str(tmp_path / "moe")], "the run saved no checkpoint")
 
     # the folder is free again (the lock died with the groups): a new run replaces the old
     done = _meshtron("train", *RUN, "--steps", "3", "--overwrite", "--run-dir", str(run_dir))

@@ -330,11 +330,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = run_config(args)
     if args.resume and not args.launched_rank:
-        from meshtron.train.replica import refuse_resume
+        from meshtron.train.replica_run import refuse_resume
 
         refuse_resume(cfg.train.run_dir)  # before any other check of the folder
     if cfg.train.replica_ft:
-        from meshtron.train.replica import check_replica_ft, run_replica_ft
+        from meshtron.train.replica import check_replica_ft
+        from meshtron.train.replica_run import run_replica_ft
 
         check_replica_ft(cfg, parallel_asked=parallel_request(args, cfg, args.plan,
                                                               args.nproc) is not None,

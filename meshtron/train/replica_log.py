@@ -1,5 +1,5 @@
-"""The run-folder records of a replica-FT run (`meshtron train --replica-ft G`), written by its
-launcher with the writers every run uses.
+"""The metrics.jsonl of a replica-FT run (`meshtron train --replica-ft G`), written by its
+launcher with the writer and the step clock every run uses.
 
 Each replica-group process appends one line per committed step to its own
 RUN_DIR/replica_ft/group<i>_<attempt>.jsonl (meshtron/train/replica.py). The launcher reads those
