@@ -231,9 +231,36 @@ def run_group(job_path: Path, group: int, attempt: int) -> int:
     import torch
 
     torch.save(g.engine.model.state_dict(), out / f"group{group}_final.pt")
+    if rec.last_step == steps and _first_to_finish(out):
+        save_final_checkpoint(g)
     (out / f"group{group}_{attempt}.json").write_text(json.dumps(rec.__dict__))
     g.manager.shutdown(wait=False)
     os._exit(0)  # skip interpreter teardown of the gloo groups (shared notes: abort at exit)
+
+
+def _first_to_finish(out: Path) -> bool:
+    """True in exactly one group process of the run: the first to finish (an O_EXCL file)."""
+    try:
+        os.close(os.open(out / "final.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def save_final_checkpoint(g: _Group) -> None:
+    """The run's final state (model, optimizer, schedule, data position after the last step)
+    as a committed checkpoint, RUN_DIR/checkpoints/step_N, written by the single-process
+    checkpointer (meshtron/checkpoint/checkpointer.py): what `meshtron export` and `meshtron
+    merge` read. Every finished group holds the same state bit for bit, so one writes it."""
+    from meshtron.checkpoint.checkpointer import Checkpointer
+    from meshtron.checkpoint.config import CheckpointConfig
+
+    ckpt = Checkpointer(CheckpointConfig(), g.cfg, g.engine, g.data, g.cfg.train.run_dir,
+                        staging_thread=False)
+    try:
+        ckpt.save(g.cfg.train.steps, blocking=True)
+    finally:
+        ckpt.close()
 
 
 # ---- the launcher ---------------------------------------------------------------------------
@@ -250,8 +277,8 @@ def check_replica_ft(cfg, parallel_asked: bool, saving: dict | None = None) -> i
     for flag, value in (saving or {}).items():
         if value not in (None, 0, "0"):
             raise UserError(f"train.replica_ft={g}: keeps no disk checkpoint or in-memory "
-                            "snapshot (a rejoining group copies a healthy group's weights); "
-                            f"drop {flag}={value}")
+                            "snapshot while it runs (a rejoining group copies a healthy group's "
+                            f"weights; the final state is saved at the end); drop {flag}={value}")
     for what, bad in (("train.dtype", cfg.train.dtype != "fp32"),
                       ("model (MoE)", cfg.model.is_moe),
                       ("data.attention_mask", cfg.data.attention_mask != "causal"),

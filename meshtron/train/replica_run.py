@@ -21,9 +21,10 @@ from meshtron.train.replica_log import CommittedSteps
 
 
 def refuse_resume(run_dir: str | Path) -> None:
-    """--resume of a replica-FT run: refused in one line (its groups keep no checkpoint; they
-    recover from each other's weights while the run lives). Nothing when the folder's run.toml
-    does not record a replica-FT run."""
+    """--resume of a replica-FT run: refused in one line. Its groups keep no checkpoint while
+    it runs (they recover from each other's weights); a finished run's one checkpoint, its
+    final state, is for `meshtron export` / `merge`. Nothing when the folder's run.toml does
+    not record a replica-FT run."""
     from meshtron.config import load_toml
 
     run_file = Path(run_dir) / "run.toml"
@@ -31,8 +32,9 @@ def refuse_resume(run_dir: str | Path) -> None:
     groups = train.get("replica_ft", 0) if isinstance(train, dict) else 0
     if groups:
         raise UserError(f"--resume: {str(run_dir)!r} holds a replica-FT run (train.replica_ft="
-                        f"{groups}), which keeps no checkpoint to resume from (its groups "
-                        "recover from each other while it runs); start it again with --overwrite")
+                        f"{groups}), which does not resume (its groups recover from each other "
+                        "while it runs; it saves only its final state, for export and merge); "
+                        "start it again with --overwrite")
 
 
 def run_replica_ft(job, max_restarts: int) -> int:
