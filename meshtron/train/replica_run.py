@@ -41,6 +41,7 @@ def run_replica_ft(job, max_restarts: int) -> int:
     """`meshtron train --replica-ft G` (`job`: its TrainJob): the run folder as every run
     keeps it (lock, run.toml, config.json, metrics.jsonl as steps commit, summary.json,
     curves.png), the Lighthouse and the groups in between."""
+    from meshtron.data.tokenizer import keep_tokenizer
     from meshtron.doctor.dump import clear_trace
     from meshtron.train.replica import Launcher
     from meshtron.train import outputs
@@ -52,13 +53,14 @@ def run_replica_ft(job, max_restarts: int) -> int:
     os.environ.setdefault("RUST_LOG", "error")  # the Lighthouse logs every quorum otherwise
     run_lock.check_free(cfg.train.run_dir)
     outputs.check_run_dir(cfg, job.overwrite)
-    build_run_data(cfg)  # bad data input fails here, before anything is written or started
+    data = build_run_data(cfg)  # bad data input fails here, before anything is written
     claim_run_dir(job, plan=None)  # held until the last group exits (they join it)
     try:
         warn(job)
         write_single_process_files(job)  # run.toml (what --resume, export, doctor read)
         clear_trace(Path(cfg.train.run_dir))  # an earlier run's: doctor would read it as ours
         run_dir = outputs.prepare_run_dir(cfg)
+        keep_tokenizer(data.tokenizer, run_dir)  # a Hugging Face tokenizer's files, for export
         t0 = time.time()
         launcher = Launcher(cfg, max_restarts)
         try:
