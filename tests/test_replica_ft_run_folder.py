@@ -119,3 +119,32 @@ def test_a_killed_replica_ft_run_leaves_a_run_folder_and_every_command_answers(t
     assert main(["export", str(run_dir), "--to", str(tmp_path / "hf")]) == 0
     assert "exported step 3" in capsys.readouterr().out
     _refused(capsys, ["train", "--resume", "--run-dir", str(run_dir)], "does not resume")
+
+
+def test_every_group_killed_ends_the_metrics_with_a_failed_record(tmp_path):
+    """Both replica groups SIGKILLed (no restart budget): the launcher fails in one line, exit
+    1, and metrics.jsonl keeps the committed steps, then a `failed` record; nothing of the
+    run is left alive and the folder is free for the next run."""
+    from meshtron.train import run_lock
+
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "meshtron", "train", *RUN, "--steps", "2000",
+         "--run-dir", str(run_dir)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        _wait(lambda: metrics.is_file() and len(_lines(metrics)) >= 2, 240, "2 metrics records")
+        for pid in json.loads((run_dir / "replica_ft" / "pids.json").read_text()).values():
+            os.kill(pid, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1, (out, err)
+    assert "every replica group died" in err and "Traceback" not in err, err
+    records = _lines(metrics)
+    steps = [r["step"] for r in records if "event" not in r]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+    assert records[-1]["event"] == "failed" and records[-1]["steps_committed"] == steps[-1]
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints").exists()
+    run_lock.check_free(run_dir)  # raises while any process of the run holds the folder
