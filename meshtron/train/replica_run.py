@@ -28,7 +28,10 @@ def refuse_resume(run_dir: str | Path) -> None:
     from meshtron.config import load_toml
 
     run_file = Path(run_dir) / "run.toml"
-    train = load_toml(run_file, "run.toml").get("train", {}) if run_file.is_file() else {}
+    try:
+        train = load_toml(run_file, "run.toml").get("train", {}) if run_file.is_file() else {}
+    except UserError:  # unreadable: not this function's to judge (the resume path reads meta)
+        return
     groups = train.get("replica_ft", 0) if isinstance(train, dict) else 0
     if groups:
         raise UserError(f"--resume: {str(run_dir)!r} holds a replica-FT run (train.replica_ft="
