@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshtron.cli import main
 from meshtron.config import config_from_dict, load_toml
+from meshtron.train.loop import train
 
 RUN = ["--model", "tiny", "--global-batch", "4", "--seq-len", "32", "--eval-every", "0",
        "--replica-ft", "2"]
@@ -100,10 +102,19 @@ def test_a_killed_replica_ft_run_leaves_a_run_folder_and_every_command_answers(t
                       str(tmp_path / "moe")], "the run saved no checkpoint")
 
     # the folder is free again (the lock died with the groups): a new run replaces the old
-    done = _meshtron("train", *RUN, "--steps", "3", "--overwrite", "--run-dir", str(run_dir))
+    done = _meshtron("train", *RUN, "--steps", "3", "--eval-every", "3", "--overwrite",
+                     "--run-dir", str(run_dir))
     assert done.returncode == 0, done.stderr
     records = _lines(metrics)
     assert [r["step"] for r in records] == [1, 2, 3]
+    # the loop's evaluation, on the whole held-out set: the single-process run's eval_loss
+    # (float tolerance: the mean of two half-batch gradients)
+    ref = train(config_from_dict({"model": "tiny", "data": {"global_batch": 4, "seq_len": 32},
+                                  "train": {"steps": 3, "eval_every": 3,
+                                            "run_dir": str(tmp_path / "ref")}}),
+                show_progress=False).records
+    assert records[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], rel=1e-5)
+    assert records[-1].keys() - {"participants"} == ref[-1].keys()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_loss"] == records[-1]["loss"]
     assert summary["replica_groups"] == 2 and summary["degraded_steps"] == 0
