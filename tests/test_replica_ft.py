@@ -86,6 +86,11 @@ def test_replica_ft_steps_through_a_killed_group_and_the_rejoined_weights_are_eq
         assert math.isclose(got["loss"], want["loss"], rel_tol=1e-5), (got, want)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["degraded_steps"] == parts.count(1) > 0
+    # metrics.jsonl went on through the kill: every step once, the survivor's losses and quorum
+    metrics = _records(run_dir / "metrics.jsonl")
+    assert [(r["step"], r["loss"], r["participants"]) for r in metrics] == \
+        [(r["step"], r["loss"], r["participants"]) for r in survivor]
+    assert summary["final_loss"] == metrics[-1]["loss"] and summary["steps"] == STEPS
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -329,15 +329,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshtron.train.launch import run_job
 
     cfg = run_config(args)
+    if args.resume and not args.launched_rank:
+        from meshtron.train.replica_run import refuse_resume
+
+        refuse_resume(cfg.train.run_dir)  # before any other check of the folder
     if cfg.train.replica_ft:
-        from meshtron.train.replica import check_replica_ft, run_replica_ft
+        from meshtron.train.replica import check_replica_ft
+        from meshtron.train.replica_run import run_replica_ft
 
         check_replica_ft(cfg, parallel_asked=parallel_request(args, cfg, args.plan,
                                                               args.nproc) is not None,
                          saving={"--checkpoint-every": args.checkpoint_every,
-                                 "--snapshot-every": args.snapshot_every})
-        return run_replica_ft(cfg, max_restarts=max(args.max_restarts or 0, 0),
-                              overwrite=args.overwrite)
+                                 "--snapshot-every": args.snapshot_every,
+                                 "--resume": args.resume})
+        return run_replica_ft(TrainJob(cfg=cfg, overwrite=args.overwrite),
+                              max_restarts=max(args.max_restarts or 0, 0))
     return run_job(job_from_args(args))
 
 

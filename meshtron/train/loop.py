@@ -24,7 +24,7 @@ from meshtron.config import RunConfig
 from meshtron.errors import RunFailed, UserError
 from meshtron.model import Transformer
 from meshtron.runtime import batch_to_device
-from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress
+from meshtron.train.metrics import MetricsLog, StepClock, TrainProgress, evaluates_at, logs_at
 from meshtron.train.optim import build_adamw, build_scheduler
 from meshtron.train.precision import BF16Compute, configure_matmul_precision
 from meshtron.train import router
@@ -273,9 +273,8 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
             out = engine.train_step(inputs, targets)
             doctor.beat(step)
             pending += 1
-            evaluating = bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0
-                                                         or step == steps)
-            if not (step == 1 or step == steps or evaluating or step % cfg.train.log_every == 0):
+            evaluating = evaluates_at(cfg.train, step)
+            if not logs_at(cfg.train, step):
                 if ckpt:
                     ckpt.after_step(step, steps)
                 continue

@@ -35,6 +35,20 @@ class MetricsLog:
         self._file.close()
 
 
+def evaluates_at(train, step: int) -> bool:
+    """Whether step `step` (from 1) of a run with these `train` settings evaluates: every
+    `train.eval_every` steps and at the last step (never when eval_every is 0)."""
+    return bool(train.eval_every) and (step % train.eval_every == 0 or step == train.steps)
+
+
+def logs_at(train, step: int) -> bool:
+    """Whether step `step` is a logging point (a metrics.jsonl record): step 1, the last step,
+    every evaluation and every `train.log_every` steps. Every engine's loop and the replica-FT
+    launcher log the same steps."""
+    return (step == 1 or step == train.steps or evaluates_at(train, step)
+            or step % train.log_every == 0)
+
+
 class StepClock:
     """Training time between logging points, and the one throughput definition of a run.
 

@@ -27,8 +27,9 @@ What is exact:
 - a rejoined group's weights, optimizer state and data position equal the healthy groups'
   exactly (tests/test_replica_ft.py compares them bit for bit at the end).
 
-Events (exits, restarts, quorum sizes per step) go to RUN_DIR/replica_ft/; the metrics of
-the run (global-batch loss over the committed quorum, participants) to RUN_DIR/metrics.jsonl.
+Events (exits, restarts, quorum sizes per step) go to RUN_DIR/replica_ft/; the run folder's
+records (run.toml, config.json, metrics.jsonl as steps commit, summary.json) are written as
+every run writes them (meshtron/train/replica_run.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.errors import RunFailed, UserError
+from meshtron.train import run_lock
+from meshtron.train.replica_log import CommittedSteps
 
 QUORUM_TIMEOUT_S = 60.0
 """A quorum (or an all-reduce) not reached in this long fails the step for good."""
@@ -111,6 +114,7 @@ class _Group:
         self.data = build_run_data(cfg, dp_rank=group, dp_size=job.groups, main=False)
         self.params = [p for p in self.engine.model.parameters() if p.requires_grad]
         self.healed = False
+        self.eval_set = None
         self.groups = job.groups
         self.started = time.monotonic()
         # The group's own store (torchft's per-group rendezvous); one rank per group here.
@@ -162,8 +166,8 @@ class _Group:
         for p in self.params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        if e.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, e.grad_clip, foreach=True)
+        norm = (torch.nn.utils.clip_grad_norm_(self.params, e.grad_clip, foreach=True)
+                if e.grad_clip > 0 else None)
         lr = e.scheduler.get_last_lr()[0]
         committed = m.should_commit()
         if committed:
@@ -174,19 +178,36 @@ class _Group:
         e.optimizer.zero_grad(set_to_none=True)
         if not committed:
             return None
-        return {"step": m.current_step(), "loss": float(flat[-1]),
-                "lr": lr,
+        return {"step": m.current_step(), "loss": float(flat[-1]), "lr": lr,
+                "grad_norm": float(norm) if norm is not None else None,
                 "participants": m.num_participants(), "t": time.time()}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """eval_loss and eval_time_s at the run's evaluation steps (the loop's rule), else {}.
+        Every group evaluates the whole held-out set (the single-process run's, not its own
+        rows of it) with the same weights after a commit, so each computes the same value."""
+        from meshtron.train.loop import build_run_data
+        from meshtron.train.metrics import evaluates_at
+
+        if not evaluates_at(self.cfg.train, step):
+            return {}
+        t0 = time.perf_counter()
+        if self.eval_set is None:
+            self.eval_set = build_run_data(self.cfg, main=False).eval_batches()
+        loss = self.engine.evaluate(self.eval_set)
+        return {"eval_loss": loss, "eval_time_s": time.perf_counter() - t0}
 
 
 def run_group(job_path: Path, group: int, attempt: int) -> int:
     """A replica-group process: train until the run's last step, then write its record."""
     job: ReplicaFTJob = pickle.loads(Path(job_path).read_bytes())
+    run_lock.join(job.cfg.train.run_dir)  # the folder stays held while any group lives
     g = _Group(job, group)
     steps = job.cfg.train.steps
     rec = GroupRecord(group=group, attempt=attempt, first_step=-1, last_step=0, healed=False)
     out = group_dir(Path(job.cfg.train.run_dir))
     log = (out / f"group{group}_{attempt}.jsonl").open("a")
+    mark = time.perf_counter()
     while g.manager.current_step() < steps:
         r = g.step()
         if attempt > 0 and not g.healed and g.manager.num_participants() == 1:
@@ -197,17 +218,49 @@ def run_group(job_path: Path, group: int, attempt: int) -> int:
             rec.first_step = g.manager.current_step() - (1 if r else 0)
             rec.healed = g.healed
         if r is not None:
+            # training seconds since the last commit (retried attempts included), evaluation
+            # excluded, as the loop's step clock counts them
+            r["seconds"] = time.perf_counter() - mark
+            r.update(g.evaluate(r["step"]))
             r["group"] = group
             rec.records.append(r)
             log.write(json.dumps(r) + "\n")
             log.flush()
+            mark = time.perf_counter()
     rec.last_step = g.manager.current_step()
     import torch
 
     torch.save(g.engine.model.state_dict(), out / f"group{group}_final.pt")
+    if rec.last_step == steps and _first_to_finish(out):
+        save_final_checkpoint(g)
     (out / f"group{group}_{attempt}.json").write_text(json.dumps(rec.__dict__))
     g.manager.shutdown(wait=False)
     os._exit(0)  # skip interpreter teardown of the gloo groups (shared notes: abort at exit)
+
+
+def _first_to_finish(out: Path) -> bool:
+    """True in exactly one group process of the run: the first to finish (an O_EXCL file)."""
+    try:
+        os.close(os.open(out / "final.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def save_final_checkpoint(g: _Group) -> None:
+    """The run's final state (model, optimizer, schedule, data position after the last step)
+    as a committed checkpoint, RUN_DIR/checkpoints/step_N, written by the single-process
+    checkpointer (meshtron/checkpoint/checkpointer.py): what `meshtron export` and `meshtron
+    merge` read. Every finished group holds the same state bit for bit, so one writes it."""
+    from meshtron.checkpoint.checkpointer import Checkpointer
+    from meshtron.checkpoint.config import CheckpointConfig
+
+    ckpt = Checkpointer(CheckpointConfig(), g.cfg, g.engine, g.data, g.cfg.train.run_dir,
+                        staging_thread=False)
+    try:
+        ckpt.save(g.cfg.train.steps, blocking=True)
+    finally:
+        ckpt.close()
 
 
 # ---- the launcher ---------------------------------------------------------------------------
@@ -224,8 +277,8 @@ def check_replica_ft(cfg, parallel_asked: bool, saving: dict | None = None) -> i
     for flag, value in (saving or {}).items():
         if value not in (None, 0, "0"):
             raise UserError(f"train.replica_ft={g}: keeps no disk checkpoint or in-memory "
-                            "snapshot (a rejoining group copies a healthy group's weights); "
-                            f"drop {flag}={value}")
+                            "snapshot while it runs (a rejoining group copies a healthy group's "
+                            f"weights; the final state is saved at the end); drop {flag}={value}")
     for what, bad in (("train.dtype", cfg.train.dtype != "fp32"),
                       ("model (MoE)", cfg.model.is_moe),
                       ("data.attention_mask", cfg.data.attention_mask != "causal"),
@@ -270,6 +323,8 @@ class Launcher:
         self.spare: tuple[int, subprocess.Popen] | None = None
         self.spares = 0
         self.events = (self.dir / "events.jsonl").open("a")
+        self.steps = CommittedSteps(cfg, Path(cfg.train.run_dir), self.dir)
+        """metrics.jsonl, written here as the groups commit steps."""
 
     def _event(self, **kw) -> None:
         kw["t"] = time.time()
@@ -277,7 +332,11 @@ class Launcher:
         self.events.flush()
 
     def _popen(self, args: list[str], log_name: str) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+        from meshtron.launch import PARENT_ENV
+
+        # PARENT_ENV: the group dies with this launcher (`bind_to_parent`), SIGKILL included
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error",
+               PARENT_ENV: str(os.getpid())}
         log = (self.dir / log_name).open("w")
         return subprocess.Popen([sys.executable, "-m", "meshtron.train.replica",
                                  str(self.job_path), *args],
@@ -322,6 +381,7 @@ class Launcher:
         try:
             while self.procs:
                 time.sleep(0.02)
+                self.steps.poll()
                 for i, p in list(self.procs.items()):
                     rc = p.poll()
                     if rc is not None:
@@ -333,7 +393,10 @@ class Launcher:
                 self.spare[1].wait()
             for p in self.procs.values():  # only after an error above
                 p.kill()
+                p.wait()
             self.lighthouse.shutdown()
+            self.steps.poll()  # the groups are gone: the last steps they logged
+            self.steps.close()
         return done
 
     def _exited(self, i: int, rc: int, done: list[GroupRecord]) -> None:
@@ -362,37 +425,10 @@ def wait_as_spare(job_path: Path, n: int) -> int:
     return run_group(job_path, group, attempt)
 
 
-def run_replica_ft(cfg, max_restarts: int, overwrite: bool) -> int:
-    """`meshtron train --replica-ft G`: run, then write metrics.jsonl and summary.json."""
-    from meshtron.train import outputs
-    from meshtron.train.loop import build_run_data
-
-    os.environ.setdefault("RUST_LOG", "error")  # the Lighthouse logs every quorum otherwise
-    outputs.check_run_dir(cfg, overwrite)
-    build_run_data(cfg)  # bad data input fails here, before anything is started
-    run_dir = outputs.prepare_run_dir(cfg)
-    t0 = time.time()
-    done = Launcher(cfg, max_restarts).run()
-    # metrics: the committed steps as the group that saw most of them logged them
-    best = max(done, key=lambda r: len(r.records))
-    records = [{k: r[k] for k in ("step", "loss", "lr", "participants")} for r in best.records]
-    with (run_dir / "metrics.jsonl").open("w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    summary = {"steps": cfg.train.steps, "replica_groups": cfg.train.replica_ft,
-               "first_loss": records[0]["loss"] if records else None,
-               "final_loss": records[-1]["loss"] if records else None,
-               "wall_s": time.time() - t0,
-               "degraded_steps": sum(r["participants"] < cfg.train.replica_ft for r in records),
-               "groups_finished": sorted(r.group for r in done)}
-    outputs.finish_run(run_dir, summary, records)
-    print(f"replica-ft: {cfg.train.steps} steps on {cfg.train.replica_ft} replica groups, "
-          f"{summary['degraded_steps']} with fewer; final loss {summary['final_loss']:.4f}; "
-          f"{run_dir}")
-    return 0
-
-
 if __name__ == "__main__":
+    from meshtron.launch import bind_to_parent
+
+    bind_to_parent()  # a group (or spare) never outlives its launcher
     if sys.argv[2] == "spare":
         sys.exit(wait_as_spare(Path(sys.argv[1]), int(sys.argv[3])))
     sys.exit(run_group(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))
