@@ -10,9 +10,10 @@ Kinds, in the order they are looked for:
   dtypes, or members that never issued it. Point-to-point operations align the k-th send from A
   to B with the k-th receive on B from A. Culprits are the minority (ties: the higher ranks).
 - `straggler`: no divergence, but one rank reaches the collectives late: for every collective
-  all members recorded, each member's lateness after the earliest member, summed per rank (the
-  time the others waited for it; `_straggler`); a rank the others waited for at least
-  `STRAGGLER_FRACTION` of the time span compared (and `STRAGGLER_MIN_S`), 3x any other's.
+  all members recorded, each member's lateness after the earliest member (the time the others
+  waited for it; `_straggler`); a rank the others waited for, beyond the longest any other rank
+  was late (the run's own noise), at least `STRAGGLER_FRACTION` of the time span compared (and
+  `STRAGGLER_MIN_S`).
 - `no_dump`: no rank has dumped (killed from outside, or the run is still going).
 - `none`: nothing of the above.
 """
@@ -289,43 +290,68 @@ def _waiting_for(trace: Trace, culprits: list[int]):
 
 
 def _straggler(trace: Trace) -> Diagnosis | None:
-    """The rank the others wait for. For every collective all members recorded (after the
-    start-up step), each member's lateness is its entry time after the earliest member's; a
-    collective cannot finish before its last member enters, so a rank's summed lateness is
-    the time the others spent waiting for it. That sum, not a per-collective median, is the
-    statistic: a rank late in a third of the collectives by a lot (a periodic stall, a noisy
-    neighbour) has a median lateness of 0 but costs its peers the same time as one that is late
-    every time. A straggler: the others waited for it at least `STRAGGLER_FRACTION` of the time
-    the compared collectives span (and `STRAGGLER_MIN_S`), and 3x longer than for any other."""
-    waited, count, last, total, span = _lateness(trace)
-    if not total or not waited:
+    """The rank the others wait for, beyond what the run's own noise explains.
+
+    For every collective all members recorded (after the start-up step), each member's
+    lateness is its entry time after the earliest member's; a collective cannot finish before
+    its last member enters, so a rank's summed lateness is the time the others spent waiting
+    for it. A sum, not a per-collective median: a rank late by a lot in one step of three has a
+    median lateness of 0 but costs its peers as much as one late every time.
+
+    The sum alone also counts noise: on a loaded host every rank is descheduled now and then,
+    and which one happens to share a core with another process for a second is chance, so a
+    healthy 2-rank run under CPU load showed one rank with 22-41% of the span and 2.6-5.8x its
+    peer (measured, session 43). What noise cannot do is make a rank late by more than it
+    makes any rank late: so each rank's lateness only counts past its noise ceiling, the
+    longest lateness any *other* rank had in the same run (same host load, same collectives;
+    `_beyond_noise`). A stall (SIGSTOP, a data loader, a GC pause, a slow device) is longer
+    than that ceiling and counts; scheduler slivers are not and cancel out. This compares each
+    rank with its peers, as Megatron-LM's StragglerDetector (megatron/core/utils.py, core_r0.9:
+    min/max of a timed section over the ranks) and nvidia-resiliency-ext's straggler package
+    (straggler/reporting.py, v0.2: relative score = best rank's section time / this rank's)
+    do; the floor here comes from the peers' own worst case, not a fixed ratio.
+
+    A straggler: the time the others waited for it beyond its noise ceiling is at least
+    `STRAGGLER_FRACTION` of the time the compared collectives span (and `STRAGGLER_MIN_S`)."""
+    lates, last, total, span = _lateness(trace)
+    if not total or len(lates) < 2:
         return None
-    worst = max(waited, key=waited.get)
-    others = [v for r, v in waited.items() if r != worst]
-    floor = max(STRAGGLER_MIN_S, STRAGGLER_FRACTION * span)
-    if waited[worst] < floor or waited[worst] < 3 * max(others, default=0.0):
+    beyond = {r: _beyond_noise(r, lates) for r in lates}
+    worst = max(beyond, key=beyond.get)
+    if beyond[worst][0] < max(STRAGGLER_MIN_S, STRAGGLER_FRACTION * span):
         return None
-    mean_ms = 1e3 * waited[worst] / count[worst]
+    waited = {r: sum(v) for r, v in lates.items()}
+    stall_s, ceiling_s = beyond[worst]
+    mean_ms = 1e3 * waited[worst] / len(lates[worst])
     text = (f"{trace.label(worst)} is a straggler: the other ranks waited for it "
             f"{waited[worst]:.3f} s in total, {100 * waited[worst] / span:.0f}% of the "
             f"{span:.3f} s the compared collectives span (a mean {mean_ms:.1f} ms per "
-            f"collective; last in {last[worst]} of {total})")
+            f"collective; last in {last[worst]} of {total}); {stall_s:.3f} s of it "
+            f"({100 * stall_s / span:.0f}%) beyond the longest any other rank was late "
+            f"({1e3 * ceiling_s:.1f} ms, the run's noise)")
     step = _median_step(trace)
     if step:
         text += f"; median step time {step:.3f} s"
     return Diagnosis("straggler", text + ".", [worst],
-                     [f"rank {r}: others waited {v:.3f} s for it (mean "
-                      f"{1e3 * v / count[r]:.1f} ms over {count[r]} collectives)"
-                      for r, v in sorted(waited.items())])
+                     [f"rank {r}: others waited {waited[r]:.3f} s for it (mean "
+                      f"{1e3 * waited[r] / len(lates[r]):.1f} ms over {len(lates[r])} "
+                      f"collectives; {beyond[r][0]:.3f} s beyond {1e3 * beyond[r][1]:.1f} ms)"
+                      for r in sorted(lates)])
+
+
+def _beyond_noise(rank: int, lates: dict[int, list[float]]) -> tuple[float, float]:
+    """(seconds the rank was late beyond its noise ceiling, the ceiling): the ceiling is the
+    longest lateness of any other rank, what the run's noise did to a rank not at fault."""
+    ceiling = max((x for r, xs in lates.items() if r != rank for x in xs), default=0.0)
+    return sum(max(0.0, x - ceiling) for x in lates[rank]), ceiling
 
 
 def _lateness(trace: Trace):
-    """(rank -> summed lateness, rank -> collectives compared, rank -> times last, number of
+    """(rank -> its lateness in each collective compared, rank -> times last, number of
     collectives, seconds they span), over the collectives every member of their group recorded,
     after the start-up step (first compilations and all-gathers are not a straggler's)."""
     warm = _start_up_end(trace)
-    waited: dict[int, float] = defaultdict(float)
-    count: Counter = Counter()
+    lates: dict[int, list[float]] = defaultdict(list)
     last: Counter = Counter()
     total, lo, hi = 0, float("inf"), float("-inf")
     for group, by_rank in _collectives(trace).items():
@@ -339,12 +365,11 @@ def _lateness(trace: Trace):
             if first < warm:
                 continue
             for r, t in times.items():
-                waited[r] += t - first
-                count[r] += 1
+                lates[r].append(t - first)
             last[max(times, key=times.get)] += 1
             total += 1
             lo, hi = min(lo, first), max(hi, max(times.values()))
-    return waited, count, last, total, max(hi - lo, 0.0)
+    return lates, last, total, max(hi - lo, 0.0)
 
 
 def _start_up_end(trace: Trace) -> float:

@@ -313,7 +313,11 @@ class DoctorSession:
         if self.on_fatal is not None:
             try:
                 self.on_fatal(cause, kind)
-            except Exception:  # noqa: BLE001 - the note is best effort; the exit is not
+            except OSError:
+                # The note is a file written for the next attempt (`meshtron train`'s callback:
+                # checkpoint/restart.py note_failure): a full disk or a removed run folder must
+                # not stop the exit that follows. Anything else is a bug in the callback and
+                # shows with its traceback instead of being swallowed.
                 pass
 
     # -- the watcher thread --------------------------------------------------------------------
