@@ -11,15 +11,17 @@ Kinds, in the order they are looked for:
   to B with the k-th receive on B from A. Culprits are the minority (ties: the higher ranks).
 - `straggler`: no divergence, but one rank reaches the collectives late: for every collective
   all members recorded, each member's lateness after the earliest member (the time the others
-  waited for it; `_straggler`); a rank the others waited for, beyond the longest any other rank
-  was late (the run's own noise), at least `STRAGGLER_FRACTION` of the time span compared (and
-  `STRAGGLER_MIN_S`).
+  waited for it; `_straggler`), less, step by step, the time it waited for a CPU more than the
+  other ranks (the host's load, from each rank's run-queue wait); a rank whose remaining
+  lateness is at least `STRAGGLER_FRACTION` of the time span compared (and `STRAGGLER_MIN_S`)
+  and 3x any other's.
 - `no_dump`: no rank has dumped (killed from outside, or the run is still going).
 - `none`: nothing of the above.
 """
 
 from __future__ import annotations
 
+import bisect
 import socket
 import statistics
 from collections import Counter, defaultdict
@@ -290,7 +292,7 @@ def _waiting_for(trace: Trace, culprits: list[int]):
 
 
 def _straggler(trace: Trace) -> Diagnosis | None:
-    """The rank the others wait for, beyond what the run's own noise explains.
+    """The rank the others wait for, beyond what the host's CPU load explains.
 
     For every collective all members recorded (after the start-up step), each member's
     lateness is its entry time after the earliest member's; a collective cannot finish before
@@ -298,60 +300,90 @@ def _straggler(trace: Trace) -> Diagnosis | None:
     for it. A sum, not a per-collective median: a rank late by a lot in one step of three has a
     median lateness of 0 but costs its peers as much as one late every time.
 
-    The sum alone also counts noise: on a loaded host every rank is descheduled now and then,
-    and which one happens to share a core with another process for a second is chance, so a
-    healthy 2-rank run under CPU load showed one rank with 22-41% of the span and 2.6-5.8x its
-    peer (measured, session 43). What noise cannot do is make a rank late by more than it
-    makes any rank late: so each rank's lateness only counts past its noise ceiling, the
-    longest lateness any *other* rank had in the same run (same host load, same collectives;
-    `_beyond_noise`). A stall (SIGSTOP, a data loader, a GC pause, a slow device) is longer
-    than that ceiling and counts; scheduler slivers are not and cancel out. This compares each
-    rank with its peers, as Megatron-LM's StragglerDetector (megatron/core/utils.py, core_r0.9:
+    The sum alone also counts the host's noise: with more runnable processes than cores, each
+    rank waits for a CPU now and then, and which rank happens to share a core for a second is
+    chance; healthy 2-rank runs under CPU load had one rank 22-56% of the span late, 3-16x its
+    peer (measured, session 43), as late as a rank SIGSTOPped 30% of the time. Timing alone
+    cannot tell them apart; the kernel can: each rank records, per step, how long its training
+    thread was runnable but waiting for a CPU (doctor/dump.py `run_queue_wait_s`, Linux
+    schedstat), and a stopped, sleeping or blocked rank is not waiting for a CPU. So in each
+    step, a rank's lateness only counts past its run-queue wait beyond the least any rank
+    waited in that step (`_stalls`): what is left is a stall of the rank's own. The rest is
+    as before, and as Megatron-LM's StragglerDetector (megatron/core/utils.py, core_r0.9:
     min/max of a timed section over the ranks) and nvidia-resiliency-ext's straggler package
-    (straggler/reporting.py, v0.2: relative score = best rank's section time / this rank's)
-    do; the floor here comes from the peers' own worst case, not a fixed ratio.
-
-    A straggler: the time the others waited for it beyond its noise ceiling is at least
-    `STRAGGLER_FRACTION` of the time the compared collectives span (and `STRAGGLER_MIN_S`)."""
+    (straggler/reporting.py, v0.2: each rank's section time against the best rank's) do, a
+    comparison with the other ranks: a straggler's stalls are at least `STRAGGLER_FRACTION`
+    of the time the compared collectives span (and `STRAGGLER_MIN_S`) and 3x any other's."""
     lates, last, total, span = _lateness(trace)
     if not total or len(lates) < 2:
         return None
-    beyond = {r: _beyond_noise(r, lates) for r in lates}
-    worst = max(beyond, key=beyond.get)
-    if beyond[worst][0] < max(STRAGGLER_MIN_S, STRAGGLER_FRACTION * span):
+    stalls = _stalls(trace, lates)
+    worst = max(stalls, key=stalls.get)
+    others = [v for r, v in stalls.items() if r != worst]
+    floor = max(STRAGGLER_MIN_S, STRAGGLER_FRACTION * span)
+    if stalls[worst] < floor or stalls[worst] < 3 * max(others, default=0.0):
         return None
-    waited = {r: sum(v) for r, v in lates.items()}
-    stall_s, ceiling_s = beyond[worst]
+    waited = {r: sum(x for _, x in v) for r, v in lates.items()}
     mean_ms = 1e3 * waited[worst] / len(lates[worst])
     text = (f"{trace.label(worst)} is a straggler: the other ranks waited for it "
             f"{waited[worst]:.3f} s in total, {100 * waited[worst] / span:.0f}% of the "
             f"{span:.3f} s the compared collectives span (a mean {mean_ms:.1f} ms per "
-            f"collective; last in {last[worst]} of {total}); {stall_s:.3f} s of it "
-            f"({100 * stall_s / span:.0f}%) beyond the longest any other rank was late "
-            f"({1e3 * ceiling_s:.1f} ms, the run's noise)")
+            f"collective; last in {last[worst]} of {total}); {stalls[worst]:.3f} s of it "
+            f"({100 * stalls[worst] / span:.0f}%) not spent waiting for a CPU")
     step = _median_step(trace)
     if step:
         text += f"; median step time {step:.3f} s"
     return Diagnosis("straggler", text + ".", [worst],
                      [f"rank {r}: others waited {waited[r]:.3f} s for it (mean "
                       f"{1e3 * waited[r] / len(lates[r]):.1f} ms over {len(lates[r])} "
-                      f"collectives; {beyond[r][0]:.3f} s beyond {1e3 * beyond[r][1]:.1f} ms)"
+                      f"collectives; {stalls[r]:.3f} s not waiting for a CPU)"
                       for r in sorted(lates)])
 
 
-def _beyond_noise(rank: int, lates: dict[int, list[float]]) -> tuple[float, float]:
-    """(seconds the rank was late beyond its noise ceiling, the ceiling): the ceiling is the
-    longest lateness of any other rank, what the run's noise did to a rank not at fault."""
-    ceiling = max((x for r, xs in lates.items() if r != rank for x in xs), default=0.0)
-    return sum(max(0.0, x - ceiling) for x in lates[rank]), ceiling
+def _stalls(trace: Trace, lates: dict[int, list[tuple[float, float]]]) -> dict[int, float]:
+    """rank -> its summed lateness less, step by step, its CPU run-queue wait in excess of the
+    least any rank waited in that step (the host's load on this rank more than on the others).
+    Lateness outside the steps with a run-queue reading (dumps without one: another OS, an
+    older meshtron) counts whole."""
+    windows = _queue_windows(trace)
+    out = {}
+    for rank, entries in lates.items():
+        steps = sorted(windows.get(rank, {}).items(), key=lambda kv: kv[1][1])
+        ends = [end for _, (_, end, _) in steps]
+        late_in: dict[int, float] = defaultdict(float)
+        whole = 0.0
+        for t, late in entries:
+            i = bisect.bisect_left(ends, t)  # the first step ending at or after t
+            if i < len(steps) and steps[i][1][0] < t:
+                late_in[steps[i][0]] += late
+            else:
+                whole += late
+        out[rank] = whole + sum(max(0.0, late - windows[rank][k][2])
+                                for k, late in late_in.items())
+    return out
+
+
+def _queue_windows(trace: Trace) -> dict[int, dict[int, tuple[float, float, float]]]:
+    """rank -> step -> (start, end, its run-queue wait in that step beyond the least of any
+    rank in the same step), over the steps every rank has a run-queue reading for."""
+    waits: dict[int, dict[int, tuple[float, float, float]]] = {}
+    for rank, d in trace.dumps.items():
+        beats = [st for st in d.get("step_times", []) if st.get("run_queue_s") is not None]
+        waits[rank] = {b["step"]: (a["end_t"], b["end_t"], b["run_queue_s"] - a["run_queue_s"])
+                       for a, b in zip(beats, beats[1:]) if b["step"] == a["step"] + 1}
+    common = set.intersection(*(set(w) for w in waits.values())) if waits else set()
+    least = {k: min(w[k][2] for w in waits.values()) for k in common}
+    return {rank: {k: (w[k][0], w[k][1], w[k][2] - least[k]) for k in common}
+            for rank, w in waits.items()}
 
 
 def _lateness(trace: Trace):
-    """(rank -> its lateness in each collective compared, rank -> times last, number of
-    collectives, seconds they span), over the collectives every member of their group recorded,
-    after the start-up step (first compilations and all-gathers are not a straggler's)."""
+    """(rank -> (its entry time, its lateness) in each collective compared, rank -> times
+    last, number of collectives, seconds they span), over the collectives every member of their
+    group recorded, after the start-up step (first compilations and all-gathers are not a
+    straggler's)."""
     warm = _start_up_end(trace)
-    lates: dict[int, list[float]] = defaultdict(list)
+    lates: dict[int, list[tuple[float, float]]] = defaultdict(list)
     last: Counter = Counter()
     total, lo, hi = 0, float("inf"), float("-inf")
     for group, by_rank in _collectives(trace).items():
@@ -365,7 +397,7 @@ def _lateness(trace: Trace):
             if first < warm:
                 continue
             for r, t in times.items():
-                lates[r].append(t - first)
+                lates[r].append((t, t - first))
             last[max(times, key=times.get)] += 1
             total += 1
             lo, hi = min(lo, first), max(hi, max(times.values()))
