@@ -119,7 +119,7 @@ def _duty_cycled_run(run_dir: Path, stop_s: float, period_s: float, steps: int) 
 
 def test_rank_stopped_most_of_the_time_is_named(tmp_path):
     """The audit's case: rank 1 SIGSTOPped 0.15 s of every 0.25 s."""
-    _duty_cycled_run(tmp_path / "run", 0.15, 0.25, 30)
+    _duty_cycled_run(tmp_path / "run", 0.15, 0.25, 20)
 
 
 @pytest.mark.slow

@@ -365,10 +365,14 @@ def _stalls(trace: Trace, lates: dict[int, list[tuple[float, float]]]) -> dict[i
 
 def _queue_windows(trace: Trace) -> dict[int, dict[int, tuple[float, float, float]]]:
     """rank -> step -> (start, end, its run-queue wait in that step beyond the least of any
-    rank in the same step), over the steps every rank has a run-queue reading for."""
+    rank in the same step), over the steps every rank has a run-queue reading for (after the
+    last step: up to the rank's dump, where it read its training thread's wait too)."""
     waits: dict[int, dict[int, tuple[float, float, float]]] = {}
     for rank, d in trace.dumps.items():
         beats = [st for st in d.get("step_times", []) if st.get("run_queue_s") is not None]
+        if beats and d.get("run_queue_s") is not None:  # from the last step to the dump
+            beats.append({"step": beats[-1]["step"] + 1, "end_t": d["time"],
+                          "run_queue_s": d["run_queue_s"]})
         waits[rank] = {b["step"]: (a["end_t"], b["end_t"], b["run_queue_s"] - a["run_queue_s"])
                        for a, b in zip(beats, beats[1:]) if b["step"] == a["step"] + 1}
     common = set.intersection(*(set(w) for w in waits.values())) if waits else set()
