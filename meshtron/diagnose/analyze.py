@@ -365,14 +365,10 @@ def _stalls(trace: Trace, lates: dict[int, list[tuple[float, float]]]) -> dict[i
 
 def _queue_windows(trace: Trace) -> dict[int, dict[int, tuple[float, float, float]]]:
     """rank -> step -> (start, end, its run-queue wait in that step beyond the least of any
-    rank in the same step), over the steps every rank has a run-queue reading for (after the
-    last step: up to the rank's dump, where it read its training thread's wait too)."""
+    rank in the same step), over the steps every rank has a run-queue reading for."""
     waits: dict[int, dict[int, tuple[float, float, float]]] = {}
     for rank, d in trace.dumps.items():
         beats = [st for st in d.get("step_times", []) if st.get("run_queue_s") is not None]
-        if beats and d.get("run_queue_s") is not None:  # from the last step to the dump
-            beats.append({"step": beats[-1]["step"] + 1, "end_t": d["time"],
-                          "run_queue_s": d["run_queue_s"]})
         waits[rank] = {b["step"]: (a["end_t"], b["end_t"], b["run_queue_s"] - a["run_queue_s"])
                        for a, b in zip(beats, beats[1:]) if b["step"] == a["step"] + 1}
     common = set.intersection(*(set(w) for w in waits.values())) if waits else set()
@@ -385,8 +381,9 @@ def _lateness(trace: Trace):
     """(rank -> (its entry time, its lateness) in each collective compared, rank -> times
     last, number of collectives, seconds they span), over the collectives every member of their
     group recorded, after the start-up step (first compilations and all-gathers are not a
-    straggler's)."""
-    warm = _start_up_end(trace)
+    straggler's) and up to the end of the last step every rank finished (the run's end: a
+    final evaluation, a checkpoint, plots on rank 0, is not a step either)."""
+    warm, done = _start_up_end(trace), _steps_end(trace)
     lates: dict[int, list[tuple[float, float]]] = defaultdict(list)
     last: Counter = Counter()
     total, lo, hi = 0, float("inf"), float("-inf")
@@ -398,7 +395,7 @@ def _lateness(trace: Trace):
         for seq in common:
             times = {r: by_rank[r][seq]["enqueue_t"] for r in members}
             first = min(times.values())
-            if first < warm:
+            if not warm <= first <= done:
                 continue
             for r, t in times.items():
                 lates[r].append((t, t - first))
@@ -413,6 +410,13 @@ def _start_up_end(trace: Trace) -> float:
     ends = [st["end_t"] for d in trace.dumps.values() for st in d.get("step_times", [])
             if st["step"] == 1]
     return max(ends) if len(ends) == len(trace.dumps) else float("-inf")
+
+
+def _steps_end(trace: Trace) -> float:
+    """When the last step every rank finished ended (inf when the dumps carry no step times)."""
+    last = [max(st["end_t"] for st in d["step_times"]) if d.get("step_times") else None
+            for d in trace.dumps.values()]
+    return float("inf") if None in last else min(last)
 
 
 def _median_step(trace: Trace) -> float | None:

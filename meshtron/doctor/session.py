@@ -96,8 +96,6 @@ class DoctorSession:
         self._dumps: list[dict[str, Any]] = []
         self.timeline = timeline and recorder
         self._timeline = None
-        self._train_tid: int | None = None
-        """The thread that calls beat() (the training loop), for its run-queue wait."""
         self.on_fatal: Callable[[str, str], None] | None = None
         """Called with (one line of cause, kind: "watchdog" or "teardown") before this session
         ends the process: the trainer leaves it for the restarted attempt's `restart` record
@@ -171,9 +169,8 @@ class DoctorSession:
         now = time.time()
         # The training thread's CPU run-queue wait so far: `meshtron doctor` tells a rank the
         # host's CPU load slowed (waiting for a core) from one that stalled (diagnose/analyze.py).
-        self._train_tid = threading.get_native_id()
         self.step_times.append((step, now, now - self._last_step_t,
-                                dumpfile.run_queue_wait_s(self._train_tid)))
+                                dumpfile.run_queue_wait_s(threading.get_native_id())))
         self._last_step_t = self._last_progress = now
         self.step = step
 
@@ -207,8 +204,6 @@ class DoctorSession:
                 "records": self.recorder.snapshot() if self.recorder else [],
                 "step_times": [{"step": s, "end_t": t, "seconds": d, "run_queue_s": q}
                                for s, t, d, q in list(self.step_times)],
-                "run_queue_s": (dumpfile.run_queue_wait_s(self._train_tid)
-                                if self._train_tid is not None else None),
                 "stacks": dumpfile.thread_stacks(),
                 "peers": dumpfile.peer_states(self.trace_dir, self.world_size, self.rank),
             }
