@@ -1,9 +1,11 @@
 """`meshtron doctor`'s straggler rule against real noise: real `meshtron train` ranks, real CPU
 contention, real SIGSTOP/SIGCONT.
 
+- What the rule stands on: a spinning thread sharing its CPU with busy processes accumulates
+  run-queue wait, the time it was runnable but not running (doctor/dump.py run_queue_wait_s).
 - A healthy 2-rank run beside two busy-looping processes (more runnable processes than cores:
-  each rank is descheduled now and then, one more than the other by chance) is not a straggler
-  (it was, with 22-41% of the span, before the noise ceiling).
+  each rank waits for a CPU now and then, one more than the other by chance) is not a
+  straggler (named before the run-queue correction: one rank 22-61% of the span late).
 - Rank 1 SIGSTOPped 0.15 s of every 0.25 s (the audit's case) is named.
 Slow: rank 1 SIGSTOPped 20% and 30% of the time (0.1 s and 0.15 s of every 0.5 s), consistently
 slower than rank 0, is named."""
@@ -46,6 +48,40 @@ def _train(run_dir: Path, steps: int) -> subprocess.Popen:
 def _finish(proc: subprocess.Popen) -> None:
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out[-3000:]
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_run_queue_wait_counts_time_waiting_for_a_shared_cpu():
+    """This thread spins on one CPU with two busy processes: it runs about a third of the time
+    and waits for the CPU the rest (more under other load), and the two add up to the wall."""
+    from meshtron.doctor.dump import run_queue_wait_s
+
+    tid = threading.get_native_id()
+    if run_queue_wait_s(tid) is None:
+        pytest.skip("no Linux schedstat here")
+    mask = os.sched_getaffinity(0)
+    cpu = min(mask)
+    pin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", pin]) for _ in range(2)]
+    try:
+        os.sched_setaffinity(0, {cpu})  # this thread only (pid 0: the calling thread)
+        time.sleep(0.5)  # the busy processes are up and spinning
+        wait0, cpu0, wall0 = run_queue_wait_s(tid), time.thread_time(), time.monotonic()
+        _spin(1.0)
+        waited, ran = run_queue_wait_s(tid) - wait0, time.thread_time() - cpu0
+        wall = time.monotonic() - wall0
+    finally:
+        os.sched_setaffinity(0, mask)
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert waited > ran, (waited, ran, wall)  # a third of the CPU at most: waited ~2/3
+    assert abs(waited + ran - wall) < 0.15, (waited, ran, wall)  # runnable throughout
 
 
 def test_healthy_run_under_cpu_load_is_not_a_straggler(tmp_path):

@@ -301,19 +301,22 @@ def _straggler(trace: Trace) -> Diagnosis | None:
     median lateness of 0 but costs its peers as much as one late every time.
 
     The sum alone also counts the host's noise: with more runnable processes than cores, each
-    rank waits for a CPU now and then, and which rank happens to share a core for a second is
-    chance; healthy 2-rank runs under CPU load had one rank 22-56% of the span late, 3-16x its
-    peer (measured, session 43), as late as a rank SIGSTOPped 30% of the time. Timing alone
+    rank waits for a CPU now and then, and which rank shares a core for a while is chance;
+    healthy 2-rank runs under CPU load had one rank up to 61% of the span late and up to 16x
+    its peer (measured, session 43), later than a rank SIGSTOPped 30% of the time. Timing alone
     cannot tell them apart; the kernel can: each rank records, per step, how long its training
     thread was runnable but waiting for a CPU (doctor/dump.py `run_queue_wait_s`, Linux
-    schedstat), and a stopped, sleeping or blocked rank is not waiting for a CPU. So in each
-    step, a rank's lateness only counts past its run-queue wait beyond the least any rank
-    waited in that step (`_stalls`): what is left is a stall of the rank's own. The rest is
-    as before, and as Megatron-LM's StragglerDetector (megatron/core/utils.py, core_r0.9:
-    min/max of a timed section over the ranks) and nvidia-resiliency-ext's straggler package
-    (straggler/reporting.py, v0.2: each rank's section time against the best rank's) do, a
-    comparison with the other ranks: a straggler's stalls are at least `STRAGGLER_FRACTION`
-    of the time the compared collectives span (and `STRAGGLER_MIN_S`) and 3x any other's."""
+    schedstat), and a stopped, sleeping or blocked rank (SIGSTOP, a data loader, a GPU it waits
+    for) is not waiting for a CPU. So in each step a rank's lateness only counts past its
+    run-queue wait beyond the least any rank waited in that step (`_stalls`): what is left is
+    a stall of the rank's own. Then, as Megatron-LM's StragglerDetector does (NVIDIA/Megatron-LM
+    megatron/core/utils.py, commit 22e030e, `_min_max`: each rank's timed section against the
+    other ranks', slowest and fastest named) and nvidia-resiliency-ext's relative performance
+    score (docs straggler_det/usage_guide: a rank's section time against the best rank's), the
+    rank is compared with the others: what the correction leaves on a healthy run is about the
+    same on every rank (each waits for the other), a stall is not. A straggler: its stalls are
+    at least `STRAGGLER_FRACTION` of the time the compared collectives span (and
+    `STRAGGLER_MIN_S`) and 3x any other rank's."""
     lates, last, total, span = _lateness(trace)
     if not total or len(lates) < 2:
         return None
