@@ -332,14 +332,15 @@ def _straggler(trace: Trace) -> Diagnosis | None:
             f"{waited[worst]:.3f} s in total, {100 * waited[worst] / span:.0f}% of the "
             f"{span:.3f} s the compared collectives span (a mean {mean_ms:.1f} ms per "
             f"collective; last in {last[worst]} of {total}); {stalls[worst]:.3f} s of it "
-            f"({100 * stalls[worst] / span:.0f}%) not spent waiting for a CPU")
+            f"({100 * stalls[worst] / span:.0f}%) its own stalls, not time it waited for a "
+            f"CPU more than the other ranks")
     step = _median_step(trace)
     if step:
         text += f"; median step time {step:.3f} s"
     return Diagnosis("straggler", text + ".", [worst],
                      [f"rank {r}: others waited {waited[r]:.3f} s for it (mean "
                       f"{1e3 * waited[r] / len(lates[r]):.1f} ms over {len(lates[r])} "
-                      f"collectives; {stalls[r]:.3f} s not waiting for a CPU)"
+                      f"collectives; {stalls[r]:.3f} s of its own stalls)"
                       for r in sorted(lates)])
 
 
