@@ -68,6 +68,19 @@ def thread_stacks() -> list[dict[str, Any]]:
     return out
 
 
+def run_queue_wait_s(tid: int) -> float | None:
+    """Seconds this process's thread `tid` (threading.get_native_id()) has spent runnable but
+    waiting for a CPU (another process had it), since it started; None without Linux
+    schedstats. The second field of /proc/self/task/TID/schedstat, in nanoseconds (Linux
+    Documentation/scheduler/sched-stats.rst, "/proc/<pid>/schedstat": time on the cpu, time
+    waiting on a runqueue, timeslices run). A stopped (SIGSTOP) or sleeping thread is not
+    runnable: that time is not counted."""
+    try:
+        return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_state(pid: int) -> str:
     """'running', 'stopped' (SIGSTOP, a debugger), 'gone' (exited or a zombie) or 'unknown'
     (another host, no /proc)."""

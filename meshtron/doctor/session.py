@@ -167,7 +167,10 @@ class DoctorSession:
     def beat(self, step: int) -> None:
         """A step finished (the watchdog's progress signal; per-rank step times)."""
         now = time.time()
-        self.step_times.append((step, now, now - self._last_step_t))
+        # The training thread's CPU run-queue wait so far: `meshtron doctor` tells a rank the
+        # host's CPU load slowed (waiting for a core) from one that stalled (diagnose/analyze.py).
+        self.step_times.append((step, now, now - self._last_step_t,
+                                dumpfile.run_queue_wait_s(threading.get_native_id())))
         self._last_step_t = self._last_progress = now
         self.step = step
 
@@ -199,8 +202,8 @@ class DoctorSession:
                 "mesh": self.mesh,
                 "groups": self.recorder.group_table() if self.recorder else {},
                 "records": self.recorder.snapshot() if self.recorder else [],
-                "step_times": [{"step": s, "end_t": t, "seconds": d}
-                               for s, t, d in list(self.step_times)],
+                "step_times": [{"step": s, "end_t": t, "seconds": d, "run_queue_s": q}
+                               for s, t, d, q in list(self.step_times)],
                 "stacks": dumpfile.thread_stacks(),
                 "peers": dumpfile.peer_states(self.trace_dir, self.world_size, self.rank),
             }
@@ -313,7 +316,11 @@ class DoctorSession:
         if self.on_fatal is not None:
             try:
                 self.on_fatal(cause, kind)
-            except Exception:  # noqa: BLE001 - the note is best effort; the exit is not
+            except OSError:
+                # The note is a file written for the next attempt (`meshtron train`'s callback:
+                # checkpoint/restart.py note_failure): a full disk or a removed run folder must
+                # not stop the exit that follows. Anything else is a bug in the callback and
+                # shows with its traceback instead of being swallowed.
                 pass
 
     # -- the watcher thread --------------------------------------------------------------------

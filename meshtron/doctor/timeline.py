@@ -103,10 +103,10 @@ class TimelineCapture:
 
 
 def step_spans(step_times: list, first_start: float) -> list[dict[str, Any]]:
-    """Beats (step, end time, seconds) -> [{step, start_t, end_t}]: a step starts where the
-    previous one ended (the loop's logging belongs to the step before)."""
+    """Beats (step, end time, seconds, run-queue wait) -> [{step, start_t, end_t}]: a step
+    starts where the previous one ended (the loop's logging belongs to the step before)."""
     out, prev = [], first_start
-    for step, end_t, _ in step_times:
+    for step, end_t, *_ in step_times:
         out.append({"step": step, "start_t": prev, "end_t": end_t})
         prev = end_t
     return out

@@ -1,0 +1,165 @@
+"""`meshtron doctor`'s straggler rule against real noise: real `meshtron train` ranks, real CPU
+contention, real SIGSTOP/SIGCONT.
+
+- What the rule stands on: a spinning thread sharing its CPU with busy processes accumulates
+  run-queue wait, the time it was runnable but not running (doctor/dump.py run_queue_wait_s).
+- A healthy 2-rank run beside two busy-looping processes (more runnable processes than cores:
+  each rank waits for a CPU now and then, one more than the other by chance) is not a
+  straggler (named before the run-queue correction: one rank 22-61% of the span late).
+- Rank 1 SIGSTOPped 0.15 s of every 0.25 s (the audit's case) is named.
+Slow: rank 1 SIGSTOPped 20% and 30% of the time (0.1 s and 0.15 s of every 0.5 s), consistently
+slower than rank 0, is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from meshtron.diagnose.cli import EXIT_FOUND
+
+TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
+         "--model", "debug", "--eval-every", "0"]
+
+
+def _doctor(run_dir: Path) -> tuple[int, dict]:
+    out = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    return out.returncode, json.loads(out.stdout)
+
+
+def _busy_loops(count: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def _train(run_dir: Path, steps: int) -> subprocess.Popen:
+    return subprocess.Popen([*TRAIN, "--steps", str(steps), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_run_queue_wait_counts_time_waiting_for_a_shared_cpu():
+    """This thread spins on one CPU with two busy processes: it runs about a third of the time
+    and waits for the CPU the rest (more under other load), and the two add up to the wall."""
+    from meshtron.doctor.dump import run_queue_wait_s
+
+    tid = threading.get_native_id()
+    if run_queue_wait_s(tid) is None:
+        pytest.skip("no Linux schedstat here")
+    mask = os.sched_getaffinity(0)
+    cpu = min(mask)
+    pin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", pin]) for _ in range(2)]
+    try:
+        os.sched_setaffinity(0, {cpu})  # this thread only (pid 0: the calling thread)
+        time.sleep(0.5)  # the busy processes are up and spinning
+        wait0, cpu0, wall0 = run_queue_wait_s(tid), time.thread_time(), time.monotonic()
+        _spin(1.0)
+        waited, ran = run_queue_wait_s(tid) - wait0, time.thread_time() - cpu0
+        wall = time.monotonic() - wall0
+    finally:
+        os.sched_setaffinity(0, mask)
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert waited > ran, (waited, ran, wall)  # a third of the CPU at most: waited ~2/3
+    assert abs(waited + ran - wall) < 0.15, (waited, ran, wall)  # runnable throughout
+
+
+def test_healthy_run_under_cpu_load_is_not_a_straggler(tmp_path):
+    run_dir = tmp_path / "run"
+    load = _busy_loops(2)
+    try:
+        _finish(_train(run_dir, 30))
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    code, doc = _doctor(run_dir)
+    assert code == 0 and doc["kind"] == "none", doc
+
+
+class _DutyCycle(threading.Thread):
+    """SIGSTOP a process for `stop_s` of every `period_s` until told to end (then SIGCONT)."""
+
+    def __init__(self, pid: int, stop_s: float, period_s: float):
+        super().__init__(daemon=True)
+        self.pid, self.stop_s, self.period_s = pid, stop_s, period_s
+        self.done = threading.Event()
+        self.cycles = 0
+
+    def run(self) -> None:
+        try:
+            while not self.done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(self.stop_s)
+                os.kill(self.pid, signal.SIGCONT)
+                self.cycles += 1
+                self.done.wait(self.period_s - self.stop_s)
+        except ProcessLookupError:  # the rank ended between two signals
+            pass
+        finally:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def _rank_pid(run_dir: Path, rank: int, proc: subprocess.Popen) -> int:
+    hello = run_dir / "trace" / f"rank_{rank}.hello.json"
+    deadline = time.monotonic() + 120
+    while not hello.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    time.sleep(0.05)  # written whole before read (the rank writes it once)
+    return json.loads(hello.read_text())["pid"]
+
+
+def _duty_cycled_run(run_dir: Path, stop_s: float, period_s: float, steps: int) -> dict:
+    proc = _train(run_dir, steps)
+    stopper = _DutyCycle(_rank_pid(run_dir, 1, proc), stop_s, period_s)
+    stopper.start()
+    try:
+        _finish(proc)
+    finally:
+        stopper.done.set()
+        stopper.join()
+        if proc.poll() is None:
+            proc.kill()
+    assert stopper.cycles >= 5, stopper.cycles
+    code, doc = _doctor(run_dir)
+    assert code == EXIT_FOUND and doc["kind"] == "straggler", doc
+    assert doc["culprit_ranks"] == [1], doc
+    assert doc["verdict"].startswith("rank 1 (dp=1) is a straggler: the other ranks waited "
+                                     "for it "), doc["verdict"]
+    return doc
+
+
+def test_rank_stopped_most_of_the_time_is_named(tmp_path):
+    """The audit's case: rank 1 SIGSTOPped 0.15 s of every 0.25 s."""
+    _duty_cycled_run(tmp_path / "run", 0.15, 0.25, 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_s", [0.1, 0.15])
+def test_rank_stopped_a_fifth_to_a_third_of_the_time_is_named(tmp_path, stop_s):
+    """Consistently slower: rank 1 SIGSTOPped 20% or 30% of the time, in 0.5 s periods."""
+    _duty_cycled_run(tmp_path / "run", stop_s, 0.5, 40)
