@@ -3,7 +3,8 @@
 Reads a torch.distributed.checkpoint (DCP) checkpoint of the run, whatever layout saved it (the
 shards are stitched into full tensors by DCP's own metadata, in this one process, without a
 process group), keeps the model tensors (keys `model.<name>` or plain parameter names) and
-writes them with `save_hf`: safetensors + config.json (+ the run's tokenizer files).
+writes them with `save_hf`: safetensors + config.json (+ the run's tokenizer files), and
+export.json (the run and step they are of: meshtron/hf/origin.py).
 Checkpoints are meshtron.checkpoint's committed folders under RUN_DIR/checkpoints/ (verified
 against their manifest); the newest intact one is taken unless `--step` names one.
 """
@@ -70,6 +71,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from meshtron.checkpoint.export import load_checkpoint
     from meshtron.hf.export import export_type, prepare_export_dir, save_hf
     from meshtron.hf.hooks import source_config, tokenizer_source
+    from meshtron.hf.origin import origin_record, write_origin
 
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
@@ -78,6 +80,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     folder, step = find_checkpoint(run_dir, args.step)
     state = load_checkpoint(folder)  # verified by find_checkpoint
     out = save_hf(state, cfg.model, args.to, source_config(cfg), tokenizer_source(cfg, run_dir))
+    write_origin(out, origin_record(run_dir, step, cfg.train.init_from, cfg.train.seed))
     print(f"exported step {step} of {run_dir} ({len(state)} tensors) to {out}")
     return 0
 

@@ -52,6 +52,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     out = _prepare_output(args.to)
     inputs = [br.describe(p) for p in args.experts]
     br.check_compatible(inputs)
+    inputs = [br.with_checkpoint(b) for b in inputs]
+    br.check_distinct(inputs)
     copies = args.copies or (1 if len(inputs) > 1 else 0)
     if copies * len(inputs) < 2:
         raise UserError("merge --copies: one input needs --copies E (E >= 2) to upcycle into E "
@@ -98,10 +100,10 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
     from meshtron.modular import branches as br
     from meshtron.modular.upcycle import merge_states
 
-    states, distances, chosen = [], [], []
+    states, distances = [], []
     for b in inputs:  # the experts need every branch's MLP; the rest is averaged
-        chosen.append(br.checkpoint_of(b))
-        state = br.load_state(b, chosen[-1][0] if chosen[-1] else None)
+        state = br.load_state(b)
+        br.check_not_same(b, state, list(zip(inputs, states)))
         distances.append(br.check_close(b, state, inputs[0], states[0]) if states else 0.0)
         states.append(state)
     merged, init = merge_states(states, spec, copies, seed)
@@ -112,9 +114,11 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
         "method": "upcycle" if len(inputs) == 1 else "branch-train-mix",
         "branches": [{"path": str(b.path.resolve()), "kind": b.kind, "base": b.base,
                       "tokenizer": b.tokenizer, "relative_distance": d,
-                      # the checkpoint merged (runs; exported weights record no step)
-                      "step": c[1] if c else None, "checkpoint": c[0].name if c else None}
-                     for b, d, c in zip(inputs, distances, chosen)],
+                      # the run and step merged (exported weights: their export.json's;
+                      # None when they have none), and a run's checkpoint folder
+                      "run": b.run, "step": b.step,
+                      "checkpoint": b.checkpoint.name if b.checkpoint else None}
+                     for b, d in zip(inputs, distances)],
         "copies": copies, "router_seed": seed, "router": init.to_dict(),
         "model": spec.to_dict(),
     }
