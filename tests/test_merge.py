@@ -3,6 +3,7 @@ Branch-Train-MiX of two trained branches loads and trains; bad input is one line
 leaves nothing behind."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -99,6 +100,8 @@ def test_btx_merge_loads_and_trains(branches, tmp_path):
     assert scale == pytest.approx(2.0)
     bases = [b["base"] for b in doc["branches"]]
     assert bases[0] == bases[1] and bases[0].startswith("init:")  # base_w's weights' digest
+    assert [(b["run"], b["step"]) for b in doc["branches"]] == [
+        (str((branches / n).resolve()), 3) for n in ("a", "b")]
     merged = load_state(describe(out))
     a, b = (load_state(describe(branches / n)) for n in ("a", "b"))
     for i in range(DENSE.layers):
@@ -175,3 +178,33 @@ def test_bad_input_one_line_exit_2(branches, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_one_model_twice_is_refused(branches, tmp_path, monkeypatch, capsys):
+    """A run, its exports (train --export, meshtron export, two of one step), other spellings
+    of its path and a copy of its export are one model: one line naming both inputs as typed,
+    exit 2, nothing written."""
+    base = branches / "base"
+    e1, e2, e3 = (str(tmp_path / n) for n in ("e1", "e2", "e3"))
+    assert main(["export", str(base), "--to", e1]) == 0
+    assert main(["export", str(base), "--to", e2, "--step", "2"]) == 0
+    for folder in (e1, str(branches / "base_w")):  # the run and step they are of, recorded
+        origin = json.loads((tmp_path / folder / "export.json").read_text())
+        assert (origin["run"], origin["step"]) == (str(base.resolve()), 2), origin
+    (tmp_path / "link").symlink_to(base)
+    shutil.copytree(branches / "base_w", e3)
+    (tmp_path / "e3" / "export.json").unlink()  # a copy no record links: same tensors
+    monkeypatch.chdir(branches)
+    capsys.readouterr()
+    out = tmp_path / "out"
+    cases = [("base", "base_w"), ("base", e1), (e1, e2), ("base", str(tmp_path / "link")),
+             ("base", f"{base}/"), ("base", "./base"), ("base_w", e3)]
+    for first, second in cases:
+        assert main(["merge", "--experts", first, second, "--to", str(out)]) == 2, second
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{first!r} and {second!r}" in err, err
+        assert "given twice" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+    # an export records its base, so a branch and its own base are refused as runs are
+    assert main(["merge", "--experts", "a", "base_w", "--to", str(out)]) == 2
+    assert "must share one base" in capsys.readouterr().err
