@@ -45,22 +45,23 @@ def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, int]:
     return saved[step], step
 
 
-def run_config(run_dir: Path):
-    """The run's resolved configuration: run.toml (multi-rank runs) or config.json."""
+def run_config(run_dir: Path, field: str = "export RUN_DIR"):
+    """The run's resolved configuration: run.toml (multi-rank runs) or config.json; errors
+    name `field` (the option that gave the folder) and the file."""
     import json
 
     from meshtron.config import config_from_dict, load_toml
 
     if (run_dir / "run.toml").is_file():
-        return config_from_dict(load_toml(run_dir / "run.toml", "run.toml"))
+        return config_from_dict(load_toml(run_dir / "run.toml", field))
     path = run_dir / "config.json"
     if not path.is_file():
-        raise UserError(f"export RUN_DIR={str(run_dir)!r}: no run.toml or config.json (not a "
+        raise UserError(f"{field}={str(run_dir)!r}: no run.toml or config.json (not a "
                          "meshtron run folder)")
     try:
         doc = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
-        raise UserError(f"export RUN_DIR={str(run_dir)!r}: {path} is not valid JSON") from None
+        raise UserError(f"{field}={str(run_dir)!r}: {path} is not valid JSON") from None
     sections = ("model", "data", "optim", "train")
     return config_from_dict({k: ({f: v for f, v in doc[k].items() if v is not None}
                                  if isinstance(doc[k], dict) else doc[k])

@@ -91,7 +91,7 @@ def _describe_run(folder: Path) -> Branch:
     from meshtron.hf.cli import run_config
     from meshtron.hf.hooks import tokenizer_source
 
-    cfg = run_config(folder)
+    cfg = run_config(folder, FIELD)
     root = store.checkpoint_root(folder)
     if not (root.is_dir() and store.committed(root)):
         raise UserError(f"{FIELD}={str(folder)!r}: the run saved no checkpoint (train it with "
@@ -111,10 +111,12 @@ def _describe_run(folder: Path) -> Branch:
 
 
 def _describe_weights(folder: Path) -> Branch:
+    from meshtron.hf.load import Checkpoint, model_shapes
     from meshtron.hf.origin import read_origin
-    from meshtron.model.spec import from_hf_config
 
-    spec = from_hf_config(folder / "config.json")
+    spec = _weights_spec(folder)
+    # every tensor's name, shape and bytes checked now (headers only), before any is read
+    Checkpoint(folder, f"{FIELD}={str(folder)!r}").check(spec, model_shapes(spec))
     tok_file = folder / "tokenizer.json"
     tok = "sha256:" + _sha256(tok_file) if tok_file.is_file() else None
     origin = read_origin(folder, FIELD)
@@ -124,6 +126,22 @@ def _describe_weights(folder: Path) -> Branch:
             else f"seed:{origin['seed']}")
     return Branch(folder, "weights", spec, base, tok, folder if tok_file.is_file() else None,
                   run=origin["run"], step=origin["step"])
+
+
+def _weights_spec(folder: Path) -> ModelSpec:
+    """The dense model an exported folder's config.json describes."""
+    import json
+
+    from meshtron.model.hf_config import from_hf_dict
+
+    path = folder / "config.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise UserError(f"{FIELD}={str(folder)!r}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{FIELD}={str(folder)!r}: {path} must hold a JSON object")
+    return from_hf_dict(doc, name=folder.resolve().name)
 
 
 def _base_of(base: Path) -> str:
