@@ -3,6 +3,7 @@ Branch-Train-MiX of two trained branches loads and trains; bad input is one line
 leaves nothing behind."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -208,3 +209,71 @@ def test_one_model_twice_is_refused(branches, tmp_path, monkeypatch, capsys):
     # an export records its base, so a branch and its own base are refused as runs are
     assert main(["merge", "--experts", "a", "base_w", "--to", str(out)]) == 2
     assert "must share one base" in capsys.readouterr().err
+
+
+def _damage(folder, how):
+    """A copy of an input damaged one way (what a user's disk or hands do to a folder)."""
+    if how == "truncated weights":
+        path = folder / "model.safetensors"
+        path.write_bytes(path.read_bytes()[:-1000])
+    elif how == "padded weights":
+        with open(folder / "model.safetensors", "ab") as f:
+            f.write(b"\0" * 64)
+    elif how == "bad config.json":
+        (folder / "config.json").write_text("{not json")
+    elif how == "bad export.json":
+        (folder / "export.json").write_text('{"format": "meshtron-export/1", "run": 3}')
+    elif how == "bad run.toml":
+        (folder / "run.toml").write_text("[model\n")
+    elif how == "every checkpoint damaged":
+        for shard in (folder / "checkpoints").glob("step_*/*.distcp"):
+            os.truncate(shard, 100)
+    return str(folder)
+
+
+DAMAGE = {"truncated weights": ("base_w", "is truncated"),
+          "padded weights": ("base_w", "longer than its tensors"),
+          "bad config.json": ("base_w", "is not valid JSON"),
+          "bad export.json": ("base_w", "export.json is damaged"),
+          "bad run.toml": ("b", "not valid TOML"),
+          "every checkpoint damaged": ("b", "no complete checkpoint")}
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_damaged_input_is_one_line_naming_it(branches, tmp_path, capsys, how):
+    source, needle = DAMAGE[how]
+    bad = tmp_path / "bad"
+    shutil.copytree(branches / source, bad)
+    bad = _damage(bad, how)
+    out = tmp_path / "out"
+    code = main(["merge", "--experts", str(branches / "a"), bad, "--to", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"merge --experts={bad!r}" in err.replace(f"{bad}/run.toml", bad), err
+    assert needle in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_export_never_replaces_a_runs_record(branches, tmp_path, capsys):
+    """`meshtron export RUN --to RUN` and `train --export` into its own run folder wrote the
+    weights' config.json over the run's own: both refused in one line, nothing written; a
+    2-rank run's --export (written by rank 0) records the run and step too."""
+    run = tmp_path / "run"
+    shutil.copytree(branches / "a", run)
+    before = (run / "config.json").read_text()
+    assert main(["export", str(run), "--to", str(run)]) == 2
+    assert "is a meshtron run folder" in capsys.readouterr().err
+    assert (run / "config.json").read_text() == before and not list(run.glob("*.safetensors"))
+    fresh = tmp_path / "fresh"
+    assert main(["train", "--model", "debug", "--steps", "1", "--run-dir", str(fresh),
+                 "--export", str(fresh)]) == 2
+    assert "train.export" in capsys.readouterr().err and not fresh.exists()
+    two = tmp_path / "two"
+    _train("--model", "debug", "--nproc", "2", "--plan", "dp=2", "--steps", "2",
+           "--checkpoint-every", "2", "--run-dir", str(two), "--export", str(two / "weights"))
+    origin = json.loads((two / "weights" / "export.json").read_text())
+    assert (origin["run"], origin["step"], origin["seed"]) == (str(two.resolve()), 2, 0)
+    capsys.readouterr()
+    assert main(["merge", "--experts", str(two), str(two / "weights"), "--to",
+                 str(tmp_path / "m")]) == 2
+    assert "given twice" in capsys.readouterr().err

@@ -22,7 +22,7 @@ def check_job(cfg: RunConfig) -> None:
         from meshtron.hf.export import export_type, prepare_export_dir
 
         export_type(cfg.model, source_config(cfg), "train.export")
-        prepare_export_dir(cfg.train.export)
+        prepare_export_dir(cfg.train.export, run_dir=cfg.train.run_dir)
 
 
 def hf_fill(cfg: RunConfig) -> Callable[[list[Any]], None] | None:
