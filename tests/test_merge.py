@@ -277,3 +277,16 @@ def test_export_never_replaces_a_runs_record(branches, tmp_path, capsys):
     assert main(["merge", "--experts", str(two), str(two / "weights"), "--to",
                  str(tmp_path / "m")]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_merge_into_the_current_empty_folder(branches, tmp_path, monkeypatch):
+    """`--to .` in an empty folder was an OSError traceback (the folder was removed to rename
+    the result into place): the finished files are moved into it instead."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["merge", "--experts", str(branches / "a"), str(branches / "b"),
+                 "--to", "."]) == 0
+    assert sorted(p.name for p in here.iterdir()) == ["config.json", "merge.json",
+                                                      "model.safetensors"]
+    assert describe(here).spec.moe_experts == 2

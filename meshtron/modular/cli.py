@@ -62,12 +62,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     spec = moe_spec(inputs[0].spec, experts, args.top_k or min(2, experts), _fields(args.set))
     check_supported(spec, "merge --to")  # the folder must be one --init-from reads
     _check_host_memory(spec, copies, len(inputs))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    inside = out.is_dir()  # an empty folder (checked above), '.' included
+    tmp = (out / f".merge.tmp-{os.getpid()}" if inside
+           else out.parent / f".{out.name}.tmp-{os.getpid()}")
     try:
         summary = _write(inputs, spec, copies, args.seed, tmp)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
+        _put_in_place(tmp, out, inside)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -76,6 +76,18 @@ def cmd_merge(args: argparse.Namespace) -> int:
           f"active); router {summary['router']['gate']}; train it with "
           f"`meshtron train --init-from {out}`")
     return 0
+
+
+def _put_in_place(tmp: Path, out: Path, inside: bool) -> None:
+    """A new `out`: the finished folder renamed into place (atomic). An existing empty `out`
+    (whose parent may not be writable, or `--to .`, which cannot be removed and renamed):
+    the finished files moved into it, merge.json last, so it marks a complete result."""
+    if not inside:
+        tmp.rename(out)
+        return
+    for entry in sorted(tmp.iterdir(), key=lambda p: p.name == "merge.json"):
+        entry.replace(out / entry.name)
+    tmp.rmdir()
 
 
 BYTES_PER_PARAM_AT_LEAST = 2
