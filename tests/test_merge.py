@@ -290,3 +290,23 @@ def test_merge_into_the_current_empty_folder(branches, tmp_path, monkeypatch):
     assert sorted(p.name for p in here.iterdir()) == ["config.json", "merge.json",
                                                       "model.safetensors"]
     assert describe(here).spec.moe_experts == 2
+
+
+def test_relative_init_from_is_read_where_the_run_was_trained(branches, tmp_path, monkeypatch):
+    """run.toml keeps `--init-from base_w` as typed; merging or exporting from another folder
+    resolved it against today's working folder, so a branch's base became a path that does
+    not exist and an export of one base was refused as 'must share one base'."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "base_w").symlink_to(branches / "base_w")
+    monkeypatch.chdir(work)
+    _train("--init-from", "base_w", "--data", str(branches / "code"), "--steps", "2",
+           "--checkpoint-every", "2", "--run-dir", "rel")
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "work/rel", "--to", "rel_w"]) == 0
+    origin = json.loads((tmp_path / "rel_w" / "export.json").read_text())
+    assert origin["init_from"] == str((branches / "base_w").resolve()), origin
+    assert main(["merge", "--experts", str(branches / "b"), "rel_w", "--to", "m"]) == 0
+    bases = {b["base"] for b in json.loads((tmp_path / "m" / "merge.json").read_text())
+             ["branches"]}
+    assert len(bases) == 1 and bases.pop().startswith("init:")

@@ -72,7 +72,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from meshtron.checkpoint.export import load_checkpoint
     from meshtron.hf.export import export_type, prepare_export_dir, save_hf
     from meshtron.hf.hooks import source_config, tokenizer_source
-    from meshtron.hf.origin import origin_record, write_origin
+    from meshtron.hf.origin import origin_record, recorded_path, write_origin
 
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
@@ -81,7 +81,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     folder, step = find_checkpoint(run_dir, args.step)
     state = load_checkpoint(folder)  # verified by find_checkpoint
     out = save_hf(state, cfg.model, args.to, source_config(cfg), tokenizer_source(cfg, run_dir))
-    write_origin(out, origin_record(run_dir, step, cfg.train.init_from, cfg.train.seed))
+    init = (str(recorded_path(cfg.train.init_from, run_dir, cfg.train.run_dir))
+            if cfg.train.init_from else None)
+    write_origin(out, origin_record(run_dir, step, init, cfg.train.seed))
     print(f"exported step {step} of {run_dir} ({len(state)} tensors) to {out}")
     return 0
 

@@ -55,3 +55,20 @@ def read_origin(folder: str | Path, field: str) -> dict[str, Any] | None:
                         "record with run, step, init_from and seed; remove it to merge the "
                         "folder as weights of unknown origin)")
     return doc
+
+
+def recorded_path(path: str, run_folder: Path, recorded_run_dir: str) -> Path:
+    """A path a run's run.toml recorded (e.g. `train.init_from`) as an absolute path: relative
+    ones are relative to the folder `meshtron train` ran in, not to today's working folder.
+    That folder is the run folder found now less the `train.run_dir` recorded with it (run.toml
+    'runs/a', found at /data/exp/runs/a: /data/exp); when they do not line up (an absolute or
+    '..' run_dir, a moved or renamed run folder) the working folder is the best guess."""
+    given = Path(path)
+    if given.is_absolute():
+        return given
+    parts = [p for p in Path(recorded_run_dir).parts if p != "."]
+    here = run_folder.resolve().parts
+    if (parts and not Path(recorded_run_dir).is_absolute() and ".." not in parts
+            and len(parts) < len(here) and list(here[-len(parts):]) == parts):
+        return Path(*here[:-len(parts)]) / given
+    return given.resolve()

@@ -90,14 +90,15 @@ def _describe_run(folder: Path) -> Branch:
     from meshtron.checkpoint import store
     from meshtron.hf.cli import run_config
     from meshtron.hf.hooks import tokenizer_source
+    from meshtron.hf.origin import recorded_path
 
     cfg = run_config(folder, FIELD)
     root = store.checkpoint_root(folder)
     if not (root.is_dir() and store.committed(root)):
         raise UserError(f"{FIELD}={str(folder)!r}: the run saved no checkpoint (train it with "
                         "--checkpoint-every N, or give its --export folder)")
-    if cfg.train.init_from:
-        base = _base_of(Path(cfg.train.init_from))
+    if cfg.train.init_from:  # relative to the folder the run was trained in, not today's
+        base = _base_of(recorded_path(cfg.train.init_from, folder, cfg.train.run_dir))
     else:
         base = f"seed:{cfg.train.seed}"
     tok_dir = tokenizer_source(cfg, folder)
