@@ -61,7 +61,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     experts = copies * len(inputs)
     spec = moe_spec(inputs[0].spec, experts, args.top_k or min(2, experts), _fields(args.set))
     check_supported(spec, "merge --to")  # the folder must be one --init-from reads
-    _check_host_memory(spec, copies, len(inputs))
+    _check_host_memory(spec, copies, inputs)
     inside = out.is_dir()  # an empty folder (checked above), '.' included
     tmp = (out / f".merge.tmp-{os.getpid()}" if inside
            else out.parent / f".{out.name}.tmp-{os.getpid()}")
@@ -90,21 +90,26 @@ def _put_in_place(tmp: Path, out: Path, inside: bool) -> None:
     tmp.rmdir()
 
 
-BYTES_PER_PARAM_AT_LEAST = 2
-"""The merged state dict is built in host memory in the inputs' dtype: bf16 (2 bytes) at the
-least, fp32 checkpoints twice that."""
+BYTES_PER_PARAM = 4
+"""Every tensor of the merge is fp32 in host memory: run checkpoints hold fp32 masters (also
+for bf16 runs: meshtron/hf/export.py's docstring), and `branches.load_state` reads exported
+weights into float32."""
 
 
-def _check_host_memory(spec, copies: int, inputs: int) -> None:
-    """Refuse, before a tensor is read, a merge whose result cannot fit in this machine's
-    memory even in bf16 (`--copies 1000000` was a DefaultCPUAllocator traceback)."""
-    need = spec.num_params() * BYTES_PER_PARAM_AT_LEAST
+def _check_host_memory(spec, copies: int, inputs: list) -> None:
+    """Refuse, before a tensor is read, a merge that cannot fit in this machine's memory: `_write`
+    holds every input's full state (each branch's MLP becomes an expert) and then builds the
+    merged one beside them, all fp32 (`--copies 1000000` was a DefaultCPUAllocator traceback;
+    the inputs were not counted)."""
+    held = sum(b.spec.num_params() for b in inputs) + spec.num_params()
+    need = held * BYTES_PER_PARAM
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > total:
-        what = f"--copies={copies}" if copies > 1 else f"--experts (x{inputs})"
+        what = f"--copies={copies}" if copies > 1 else f"--experts (x{len(inputs)})"
         raise UserError(f"merge {what}: {spec.moe_experts:,} experts make {spec.num_params():,} "
-                        f"parameters, {need / 2**30:,.1f} GiB even in bf16, more than this "
-                        f"machine's {total / 2**30:,.1f} GiB of memory")
+                        f"parameters; with the {len(inputs)} input(s) held beside them, "
+                        f"{held:,} fp32 parameters need {need / 2**30:,.1f} GiB, more than "
+                        f"this machine's {total / 2**30:,.1f} GiB of memory")
 
 
 def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
