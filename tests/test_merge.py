@@ -284,7 +284,13 @@ def test_merge_into_the_current_empty_folder(branches, tmp_path, monkeypatch):
     the result into place): the finished files are moved into it instead."""
     here = tmp_path / "here"
     here.mkdir()
+    copy = tmp_path / "copy"
+    shutil.copytree(branches / "base_w", copy)
+    (copy / "export.json").unlink()
     monkeypatch.chdir(here)
+    # refused as the tensors are read (staged inside '.' by then): '.' is left empty
+    assert main(["merge", "--experts", str(branches / "base_w"), str(copy), "--to", "."]) == 2
+    assert list(here.iterdir()) == []
     assert main(["merge", "--experts", str(branches / "a"), str(branches / "b"),
                  "--to", "."]) == 0
     assert sorted(p.name for p in here.iterdir()) == ["config.json", "merge.json",

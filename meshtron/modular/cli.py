@@ -70,6 +70,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
         _put_in_place(tmp, out, inside)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if inside:  # it was empty: whatever is in it now is ours (files moved when stopped)
+            for entry in out.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         raise
     print(f"merged {len(inputs)} dense model(s) into {out}: {experts} experts, top-"
           f"{spec.moe_top_k}, {spec.num_params():,} parameters ({spec.active_params():,} "
