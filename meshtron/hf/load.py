@@ -69,8 +69,8 @@ class Checkpoint:
         """The option or field that named the folder, for errors."""
         self.folder = Path(folder)
         if not self.folder.is_dir():
-            raise UserError(f"{self.field}={str(folder)!r}: not a folder (a Hugging Face checkpoint "
-                             "folder holds config.json and *.safetensors)")
+            raise UserError(f"{self.field}={str(folder)!r}: not a folder (a Hugging Face "
+                            "checkpoint folder holds config.json and *.safetensors)")
         self.files: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         index = self.folder / INDEX
@@ -147,8 +147,8 @@ class Checkpoint:
                 continue
             real = self._resolve(src.name)
             if real is None:
-                raise UserError(f"{self.field}: tensor {src.name} (meshtron {ours}) is missing from "
-                                 f"{str(self.folder)!r}")
+                raise UserError(f"{self.field}: tensor {src.name} (meshtron {ours}) is missing "
+                                f"from {str(self.folder)!r}")
             got, want = self.shapes[real], expected[src.name]
             if got != want:
                 raise UserError(f"{self.field}: tensor {src.name} has shape {list(got)}; the model "
