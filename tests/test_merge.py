@@ -157,6 +157,7 @@ def test_bad_input_one_line_exit_2(branches, tmp_path, capsys):
         "must share one base": [a, str(branches / "base")],  # from the seed, not base_w
         "given twice": [a, a],
         "neither a meshtron run folder": [a, str(tmp_path / "full")],
+        "is one checkpoint of a run": [a, str(branches / "b" / "checkpoints" / "step_00000003")],
         "--copies E": [a],
         "not branches of one base": [a, fresh],
     }

@@ -82,6 +82,12 @@ def describe(path: str | Path) -> Branch:
         return dataclasses.replace(_describe_run(folder), given=str(path))
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return dataclasses.replace(_describe_weights(folder), given=str(path))
+    step = folder.resolve().name.removeprefix("step_")
+    if (folder / "meta.json").is_file() and step.isdigit():
+        raise UserError(f"{FIELD}={str(path)!r}: is one checkpoint of a run; give the run "
+                        f"folder (its newest intact checkpoint is merged) or, for this step, "
+                        f"`meshtron export {folder.resolve().parent.parent} --step {int(step)} "
+                        "--to DIR` and DIR")
     raise UserError(f"{FIELD}={str(path)!r}: neither a meshtron run folder (run.toml and "
                     "checkpoints/) nor exported weights (config.json and *.safetensors)")
 
