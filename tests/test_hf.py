@@ -298,6 +298,9 @@ def _damaged(checkpoints, tmp_path, how: str) -> Path:
     folder = tmp_path / "qwen2"
     shutil.copytree(checkpoints["qwen2"], folder)
     path = folder / "model.safetensors"
+    if how == "truncated":  # was a safetensors traceback in the ranks
+        path.write_bytes(path.read_bytes()[:-100])
+        return folder
     tensors = _st().load_file(str(path))
     if how == "wrong shape":
         tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(97, 64)
@@ -314,6 +317,7 @@ def _damaged(checkpoints, tmp_path, how: str) -> Path:
     ("wrong shape", "model.layers.1.mlp.up_proj.weight has shape [97, 64]; the model needs [96, 64]"),
     ("unknown name", "unknown tensor model.layers.0.self_attn.rotary_proj.weight"),
     ("missing tensor", "tensor model.norm.weight (meshtron norm.weight) is missing"),
+    ("truncated", "model.safetensors' is truncated"),
 ])
 def test_damaged_checkpoint_is_one_line_exit_2(checkpoints, tmp_path, how, names):
     folder = _damaged(checkpoints, tmp_path, how)

@@ -3,6 +3,8 @@ Branch-Train-MiX of two trained branches loads and trains; bad input is one line
 leaves nothing behind."""
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -99,6 +101,8 @@ def test_btx_merge_loads_and_trains(branches, tmp_path):
     assert scale == pytest.approx(2.0)
     bases = [b["base"] for b in doc["branches"]]
     assert bases[0] == bases[1] and bases[0].startswith("init:")  # base_w's weights' digest
+    assert [(b["run"], b["step"]) for b in doc["branches"]] == [
+        (str((branches / n).resolve()), 3) for n in ("a", "b")]
     merged = load_state(describe(out))
     a, b = (load_state(describe(branches / n)) for n in ("a", "b"))
     for i in range(DENSE.layers):
@@ -153,6 +157,7 @@ def test_bad_input_one_line_exit_2(branches, tmp_path, capsys):
         "must share one base": [a, str(branches / "base")],  # from the seed, not base_w
         "given twice": [a, a],
         "neither a meshtron run folder": [a, str(tmp_path / "full")],
+        "is one checkpoint of a run": [a, str(branches / "b" / "checkpoints" / "step_00000003")],
         "--copies E": [a],
         "not branches of one base": [a, fresh],
     }
@@ -175,3 +180,140 @@ def test_bad_input_one_line_exit_2(branches, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_one_model_twice_is_refused(branches, tmp_path, monkeypatch, capsys):
+    """A run, its exports (train --export, meshtron export, two of one step), other spellings
+    of its path and a copy of its export are one model: one line naming both inputs as typed,
+    exit 2, nothing written."""
+    base = branches / "base"
+    e1, e2, e3 = (str(tmp_path / n) for n in ("e1", "e2", "e3"))
+    assert main(["export", str(base), "--to", e1]) == 0
+    assert main(["export", str(base), "--to", e2, "--step", "2"]) == 0
+    for folder in (e1, str(branches / "base_w")):  # the run and step they are of, recorded
+        origin = json.loads((tmp_path / folder / "export.json").read_text())
+        assert (origin["run"], origin["step"]) == (str(base.resolve()), 2), origin
+    (tmp_path / "link").symlink_to(base)
+    shutil.copytree(branches / "base_w", e3)
+    (tmp_path / "e3" / "export.json").unlink()  # a copy no record links: same tensors
+    monkeypatch.chdir(branches)
+    capsys.readouterr()
+    out = tmp_path / "out"
+    cases = [("base", "base_w"), ("base", e1), (e1, e2), ("base", str(tmp_path / "link")),
+             ("base", f"{base}/"), ("base", "./base"), ("base_w", e3)]
+    for first, second in cases:
+        assert main(["merge", "--experts", first, second, "--to", str(out)]) == 2, second
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{first!r} and {second!r}" in err, err
+        assert "given twice" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+    # an export records its base, so a branch and its own base are refused as runs are
+    assert main(["merge", "--experts", "a", "base_w", "--to", str(out)]) == 2
+    assert "must share one base" in capsys.readouterr().err
+
+
+def _damage(folder, how):
+    """A copy of an input damaged one way (what a user's disk or hands do to a folder)."""
+    if how == "truncated weights":
+        path = folder / "model.safetensors"
+        path.write_bytes(path.read_bytes()[:-1000])
+    elif how == "padded weights":
+        with open(folder / "model.safetensors", "ab") as f:
+            f.write(b"\0" * 64)
+    elif how == "bad config.json":
+        (folder / "config.json").write_text("{not json")
+    elif how == "bad export.json":
+        (folder / "export.json").write_text('{"format": "meshtron-export/1", "run": 3}')
+    elif how == "bad run.toml":
+        (folder / "run.toml").write_text("[model\n")
+    elif how == "every checkpoint damaged":
+        for shard in (folder / "checkpoints").glob("step_*/*.distcp"):
+            os.truncate(shard, 100)
+    return str(folder)
+
+
+DAMAGE = {"truncated weights": ("base_w", "is truncated"),
+          "padded weights": ("base_w", "longer than its tensors"),
+          "bad config.json": ("base_w", "is not valid JSON"),
+          "bad export.json": ("base_w", "export.json is damaged"),
+          "bad run.toml": ("b", "not valid TOML"),
+          "every checkpoint damaged": ("b", "no complete checkpoint")}
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_damaged_input_is_one_line_naming_it(branches, tmp_path, capsys, how):
+    source, needle = DAMAGE[how]
+    bad = tmp_path / "bad"
+    shutil.copytree(branches / source, bad)
+    bad = _damage(bad, how)
+    out = tmp_path / "out"
+    code = main(["merge", "--experts", str(branches / "a"), bad, "--to", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"merge --experts={bad!r}" in err.replace(f"{bad}/run.toml", bad), err
+    assert needle in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_export_never_replaces_a_runs_record(branches, tmp_path, capsys):
+    """`meshtron export RUN --to RUN` and `train --export` into its own run folder wrote the
+    weights' config.json over the run's own: both refused in one line, nothing written; a
+    2-rank run's --export (written by rank 0) records the run and step too."""
+    run = tmp_path / "run"
+    shutil.copytree(branches / "a", run)
+    before = (run / "config.json").read_text()
+    assert main(["export", str(run), "--to", str(run)]) == 2
+    assert "is a meshtron run folder" in capsys.readouterr().err
+    assert (run / "config.json").read_text() == before and not list(run.glob("*.safetensors"))
+    fresh = tmp_path / "fresh"
+    assert main(["train", "--model", "debug", "--steps", "1", "--run-dir", str(fresh),
+                 "--export", str(fresh)]) == 2
+    assert "train.export" in capsys.readouterr().err and not fresh.exists()
+    two = tmp_path / "two"
+    _train("--model", "debug", "--nproc", "2", "--plan", "dp=2", "--steps", "2",
+           "--checkpoint-every", "2", "--run-dir", str(two), "--export", str(two / "weights"))
+    origin = json.loads((two / "weights" / "export.json").read_text())
+    assert (origin["run"], origin["step"], origin["seed"]) == (str(two.resolve()), 2, 0)
+    capsys.readouterr()
+    assert main(["merge", "--experts", str(two), str(two / "weights"), "--to",
+                 str(tmp_path / "m")]) == 2
+    assert "given twice" in capsys.readouterr().err
+
+
+def test_merge_into_the_current_empty_folder(branches, tmp_path, monkeypatch):
+    """`--to .` in an empty folder was an OSError traceback (the folder was removed to rename
+    the result into place): the finished files are moved into it instead."""
+    here = tmp_path / "here"
+    here.mkdir()
+    copy = tmp_path / "copy"
+    shutil.copytree(branches / "base_w", copy)
+    (copy / "export.json").unlink()
+    monkeypatch.chdir(here)
+    # refused as the tensors are read (staged inside '.' by then): '.' is left empty
+    assert main(["merge", "--experts", str(branches / "base_w"), str(copy), "--to", "."]) == 2
+    assert list(here.iterdir()) == []
+    assert main(["merge", "--experts", str(branches / "a"), str(branches / "b"),
+                 "--to", "."]) == 0
+    assert sorted(p.name for p in here.iterdir()) == ["config.json", "merge.json",
+                                                      "model.safetensors"]
+    assert describe(here).spec.moe_experts == 2
+
+
+def test_relative_init_from_is_read_where_the_run_was_trained(branches, tmp_path, monkeypatch):
+    """run.toml keeps `--init-from base_w` as typed; merging or exporting from another folder
+    resolved it against today's working folder, so a branch's base became a path that does
+    not exist and an export of one base was refused as 'must share one base'."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "base_w").symlink_to(branches / "base_w")
+    monkeypatch.chdir(work)
+    _train("--init-from", "base_w", "--data", str(branches / "code"), "--steps", "2",
+           "--checkpoint-every", "2", "--run-dir", "rel")
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "work/rel", "--to", "rel_w"]) == 0
+    origin = json.loads((tmp_path / "rel_w" / "export.json").read_text())
+    assert origin["init_from"] == str((branches / "base_w").resolve()), origin
+    assert main(["merge", "--experts", str(branches / "b"), "rel_w", "--to", "m"]) == 0
+    bases = {b["base"] for b in json.loads((tmp_path / "m" / "merge.json").read_text())
+             ["branches"]}
+    assert len(bases) == 1 and bases.pop().startswith("init:")

@@ -3,7 +3,8 @@
 Reads a torch.distributed.checkpoint (DCP) checkpoint of the run, whatever layout saved it (the
 shards are stitched into full tensors by DCP's own metadata, in this one process, without a
 process group), keeps the model tensors (keys `model.<name>` or plain parameter names) and
-writes them with `save_hf`: safetensors + config.json (+ the run's tokenizer files).
+writes them with `save_hf`: safetensors + config.json (+ the run's tokenizer files), and
+export.json (the run and step they are of: meshtron/hf/origin.py).
 Checkpoints are meshtron.checkpoint's committed folders under RUN_DIR/checkpoints/ (verified
 against their manifest); the newest intact one is taken unless `--step` names one.
 """
@@ -44,22 +45,23 @@ def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, int]:
     return saved[step], step
 
 
-def run_config(run_dir: Path):
-    """The run's resolved configuration: run.toml (multi-rank runs) or config.json."""
+def run_config(run_dir: Path, field: str = "export RUN_DIR"):
+    """The run's resolved configuration: run.toml (multi-rank runs) or config.json; errors
+    name `field` (the option that gave the folder) and the file."""
     import json
 
     from meshtron.config import config_from_dict, load_toml
 
     if (run_dir / "run.toml").is_file():
-        return config_from_dict(load_toml(run_dir / "run.toml", "run.toml"))
+        return config_from_dict(load_toml(run_dir / "run.toml", field))
     path = run_dir / "config.json"
     if not path.is_file():
-        raise UserError(f"export RUN_DIR={str(run_dir)!r}: no run.toml or config.json (not a "
+        raise UserError(f"{field}={str(run_dir)!r}: no run.toml or config.json (not a "
                          "meshtron run folder)")
     try:
         doc = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
-        raise UserError(f"export RUN_DIR={str(run_dir)!r}: {path} is not valid JSON") from None
+        raise UserError(f"{field}={str(run_dir)!r}: {path} is not valid JSON") from None
     sections = ("model", "data", "optim", "train")
     return config_from_dict({k: ({f: v for f, v in doc[k].items() if v is not None}
                                  if isinstance(doc[k], dict) else doc[k])
@@ -70,6 +72,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from meshtron.checkpoint.export import load_checkpoint
     from meshtron.hf.export import export_type, prepare_export_dir, save_hf
     from meshtron.hf.hooks import source_config, tokenizer_source
+    from meshtron.hf.origin import origin_record, recorded_path, write_origin
 
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
@@ -78,6 +81,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     folder, step = find_checkpoint(run_dir, args.step)
     state = load_checkpoint(folder)  # verified by find_checkpoint
     out = save_hf(state, cfg.model, args.to, source_config(cfg), tokenizer_source(cfg, run_dir))
+    init = (str(recorded_path(cfg.train.init_from, run_dir, cfg.train.run_dir))
+            if cfg.train.init_from else None)
+    write_origin(out, origin_record(run_dir, step, init, cfg.train.seed))
     print(f"exported step {step} of {run_dir} ({len(state)} tensors) to {out}")
     return 0
 

@@ -33,11 +33,19 @@ from meshtron.model.spec import ModelSpec
 DEFAULT_SHARD_BYTES = 5 * 2**30
 """Largest safetensors file written (Hugging Face's own default is 5 GB)."""
 
-def prepare_export_dir(out_dir: str | Path, field: str = "train.export") -> Path:
-    """Create `out_dir`; refuse a file, or a folder that already holds weights."""
+def prepare_export_dir(out_dir: str | Path, field: str = "train.export",
+                       run_dir: str | Path | None = None) -> Path:
+    """Create `out_dir`; refuse a file, a folder that already holds weights, and a meshtron run
+    folder (`run_dir`, the run being trained, or any folder with run.toml or checkpoints/):
+    the export's config.json would replace the run's own record of its configuration."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"{field}={str(out_dir)!r}: is a file; give a folder")
+    is_run = out.is_dir() and ((out / "run.toml").is_file() or (out / "checkpoints").is_dir())
+    if is_run or (run_dir is not None and out.resolve() == Path(run_dir).resolve()):
+        raise UserError(f"{field}={str(out_dir)!r}: is a meshtron run folder (its config.json "
+                        "is the run's record, which the export's would replace); give a "
+                        f"folder of its own, e.g. {str(out / 'weights')!r}")
     if out.is_dir() and any(out.glob("*.safetensors")):
         raise UserError(f"{field}={str(out_dir)!r}: already holds *.safetensors weights; "
                          "choose an empty folder")

@@ -22,7 +22,7 @@ def check_job(cfg: RunConfig) -> None:
         from meshtron.hf.export import export_type, prepare_export_dir
 
         export_type(cfg.model, source_config(cfg), "train.export")
-        prepare_export_dir(cfg.train.export)
+        prepare_export_dir(cfg.train.export, run_dir=cfg.train.run_dir)
 
 
 def hf_fill(cfg: RunConfig) -> Callable[[list[Any]], None] | None:
@@ -55,14 +55,19 @@ def tokenizer_source(cfg: RunConfig, run_dir: Path) -> Path | None:
 
 
 def export_at_end(cfg: RunConfig, run_dir: Path, pm=None, model=None) -> None:
-    """Write the trained weights to `train.export` (collective when `pm` is a ParallelModel)."""
+    """Write the trained weights to `train.export` (collective when `pm` is a ParallelModel),
+    with export.json naming this run and its last step."""
     if not cfg.train.export:
         return
     from meshtron.hf.export import export_parallel, save_hf
+    from meshtron.hf.origin import origin_record, write_origin
 
     tok = tokenizer_source(cfg, run_dir)
     if pm is not None:
-        export_parallel(pm, cfg.model, cfg.train.export, source_config(cfg), tok)
+        out = export_parallel(pm, cfg.model, cfg.train.export, source_config(cfg), tok)
     else:
-        save_hf(dict(model.named_parameters()), cfg.model, cfg.train.export,
-                source_config(cfg), tok, field="train.export")
+        out = save_hf(dict(model.named_parameters()), cfg.model, cfg.train.export,
+                      source_config(cfg), tok, field="train.export")
+    if out is not None:  # rank 0 (the loop always ends at step train.steps)
+        write_origin(out, origin_record(run_dir, cfg.train.steps, cfg.train.init_from,
+                                        cfg.train.seed))

@@ -27,8 +27,9 @@ INDEX = "model.safetensors.index.json"
 FIELD = "train.init_from"
 
 
-def _header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file: {name: {"dtype", "shape", "data_offsets"}}."""
+def _header(path: Path, field: str = FIELD) -> dict[str, Any]:
+    """The JSON header of a safetensors file: {name: {"dtype", "shape", "data_offsets"}}; the
+    data it describes must be in the file (a truncated file is refused here, not mid-read)."""
     try:
         with open(path, "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
@@ -36,21 +37,40 @@ def _header(path: Path) -> dict[str, Any]:
                 raise ValueError("header larger than 100 MB")
             header = json.loads(f.read(size))
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{FIELD}: {str(path)!r} is not a safetensors file ({exc})") from None
+        raise UserError(f"{field}: {str(path)!r} is not a safetensors file ({exc})") from None
     if not isinstance(header, dict):
-        raise UserError(f"{FIELD}: {str(path)!r} is not a safetensors file")
+        raise UserError(f"{field}: {str(path)!r} is not a safetensors file")
     header.pop("__metadata__", None)
+    _check_data_size(path, header, 8 + size, field)
     return header
+
+
+def _check_data_size(path: Path, header: dict[str, Any], start: int, field: str) -> None:
+    """The file is exactly its header and the tensors' bytes it describes (safetensors'
+    data_offsets count from the end of the header; huggingface/safetensors' header check,
+    safetensors/src/tensor.rs `MetadataIncompleteBuffer`, refuses a buffer not fully covered:
+    `safe_open` said "incomplete metadata, file not fully covered" as a traceback mid-merge):
+    a truncated or padded file is one line naming it."""
+    ends = [meta["data_offsets"][1] for meta in header.values() if isinstance(meta, dict)
+            and isinstance(meta.get("data_offsets"), list) and len(meta["data_offsets"]) == 2
+            and isinstance(meta["data_offsets"][1], int)]
+    need, have = start + max(ends, default=0), path.stat().st_size
+    if have != need:
+        what = "truncated" if have < need else "longer than its tensors"
+        raise UserError(f"{field}: {str(path)!r} is {what}: {have:,} bytes, its header "
+                        f"describes {need:,}")
 
 
 class Checkpoint:
     """The tensors of a Hugging Face checkpoint folder: name -> (file, shape), from headers."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, field: str = FIELD):
+        self.field = field
+        """The option or field that named the folder, for errors."""
         self.folder = Path(folder)
         if not self.folder.is_dir():
-            raise UserError(f"{FIELD}={str(folder)!r}: not a folder (a Hugging Face checkpoint "
-                             "folder holds config.json and *.safetensors)")
+            raise UserError(f"{self.field}={str(folder)!r}: not a folder (a Hugging Face "
+                            "checkpoint folder holds config.json and *.safetensors)")
         self.files: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         index = self.folder / INDEX
@@ -59,9 +79,9 @@ class Checkpoint:
         else:
             files = sorted(self.folder.glob("*.safetensors"))
             if not files:
-                raise UserError(f"{FIELD}={str(folder)!r}: holds no *.safetensors file")
+                raise UserError(f"{self.field}={str(folder)!r}: holds no *.safetensors file")
             for path in files:
-                for name, meta in _header(path).items():
+                for name, meta in _header(path, self.field).items():
                     self.files[name] = path
                     self.shapes[name] = tuple(meta.get("shape", ()))
 
@@ -72,7 +92,7 @@ class Checkpoint:
         try:
             doc = json.loads(path.read_text()) if path.is_file() else {}
         except (OSError, ValueError, UnicodeDecodeError):
-            raise UserError(f"{FIELD}: {str(path)!r} is not valid JSON") from None
+            raise UserError(f"{self.field}: {str(path)!r} is not valid JSON") from None
         mtype = doc.get("model_type") if isinstance(doc, dict) else None
         return mtype if isinstance(mtype, str) else None
 
@@ -81,18 +101,18 @@ class Checkpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
             assert isinstance(weight_map, dict)
         except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
-            raise UserError(f"{FIELD}: {str(index)!r} has no weight_map object") from None
+            raise UserError(f"{self.field}: {str(index)!r} has no weight_map object") from None
         headers: dict[str, dict[str, Any]] = {}
         for name, file in weight_map.items():
             path = self.folder / str(file)
             if str(file) not in headers:
                 if not path.is_file():
-                    raise UserError(f"{FIELD}: shard {file!r} (holding tensor {name}) is "
+                    raise UserError(f"{self.field}: shard {file!r} (holding tensor {name}) is "
                                     f"missing from {str(self.folder)!r}")
-                headers[str(file)] = _header(path)
+                headers[str(file)] = _header(path, self.field)
             meta = headers[str(file)].get(name)
             if meta is None:
-                raise UserError(f"{FIELD}: tensor {name} is listed in {INDEX} under {file!r} "
+                raise UserError(f"{self.field}: tensor {name} is listed in {INDEX} under {file!r} "
                                  "but that shard does not hold it")
             self.files[name] = path
             self.shapes[name] = tuple(meta.get("shape", ()))
@@ -109,14 +129,14 @@ class Checkpoint:
               ) -> dict[str, Source]:
         """Check names and shapes against the model; returns meshtron name -> Source (with the
         stored names)."""
-        mtype = check_supported(spec, FIELD, self.declared_type())
+        mtype = check_supported(spec, self.field, self.declared_type())
         srcs = sources(spec, mtype)
         expected = hf_shapes(spec, want_shapes, mtype)
         stored = {self._resolve(s.name): s.name for s in srcs.values()}
         stored.update({n: n for s in srcs.values() for n in s.stacked})
         for name in sorted(self.shapes):
             if name not in stored and not is_ignorable(name, spec):
-                raise UserError(f"{FIELD}: unknown tensor {name} in {self.files[name].name} "
+                raise UserError(f"{self.field}: unknown tensor {name} in {self.files[name].name} "
                                 f"(not a parameter of a {spec.layers}-layer {mtype} model)")
         out = {}
         for ours, src in srcs.items():
@@ -127,21 +147,21 @@ class Checkpoint:
                 continue
             real = self._resolve(src.name)
             if real is None:
-                raise UserError(f"{FIELD}: tensor {src.name} (meshtron {ours}) is missing from "
-                                 f"{str(self.folder)!r}")
+                raise UserError(f"{self.field}: tensor {src.name} (meshtron {ours}) is missing "
+                                f"from {str(self.folder)!r}")
             got, want = self.shapes[real], expected[src.name]
             if got != want:
-                raise UserError(f"{FIELD}: tensor {src.name} has shape {list(got)}; the model "
+                raise UserError(f"{self.field}: tensor {src.name} has shape {list(got)}; the model "
                                  f"needs {list(want)}")
             out[ours] = dataclasses.replace(src, name=real)
         return out
 
     def _check_one(self, name: str, ours: str, expected: dict[str, tuple[int, ...]]) -> None:
         if name not in self.shapes:
-            raise UserError(f"{FIELD}: tensor {name} (meshtron {ours}) is missing from "
+            raise UserError(f"{self.field}: tensor {name} (meshtron {ours}) is missing from "
                              f"{str(self.folder)!r}")
         if tuple(self.shapes[name]) != tuple(expected[name]):
-            raise UserError(f"{FIELD}: tensor {name} has shape {list(self.shapes[name])}; the "
+            raise UserError(f"{self.field}: tensor {name} has shape {list(self.shapes[name])}; the "
                              f"model needs {list(expected[name])}")
 
     def read_into(self, src: Source, target: torch.Tensor, offset: tuple[int, ...],

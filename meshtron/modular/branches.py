@@ -5,9 +5,17 @@ before any tensor is read, then loaded one at a time as full CPU tensors in mesh
 A branch's base (what it started from) is known for run folders: the `train.init_from` folder
 it was trained from (identified by the SHA-256 of its weight files, so a copy of the base is
 the same base), or the seed of the deterministic initialization when it started from scratch.
-Exported weights do not record it; for them, and as a second guard for all, `check_close`
+Exported weights record it in export.json (meshtron/hf/origin.py), with the run and step they
+are of; weights from elsewhere do not. For them, and as a second guard for all, `check_close`
 refuses branches whose shared weights lie farther apart than two independent initializations'
 halfway point (see RELATIVE_DISTANCE_LIMIT).
+
+A branch is known by what it is: the run it was trained in (its resolved folder) and the step
+of its weights, whichever folder holds them (the run's checkpoint, an export of it, the run
+through a symlink or another spelling of its path); weights of unknown origin by their resolved
+folder. `check_distinct` refuses one model given twice before a tensor is read, and
+`check_not_same` refuses, as the tensors are read, a branch whose every tensor equals an earlier
+one's (a copied run or export, which no record links).
 """
 
 from __future__ import annotations
@@ -47,6 +55,20 @@ class Branch:
     """'byte', 'sha256:<digest of tokenizer.json>', or None when unknown."""
     tokenizer_dir: Path | None
     """A folder holding its tokenizer.json (copied next to the merged weights), if any."""
+    run: str | None = None
+    """The resolved run folder its weights were trained in (a run: itself; exported weights:
+    their export.json's record), None when unknown."""
+    step: int | None = None
+    """The step of its weights (a run: of the checkpoint `with_checkpoint` chose; exported
+    weights: their record's), None when unknown."""
+    checkpoint: Path | None = None
+    """A run's checkpoint folder to merge (`with_checkpoint`), None for exported weights."""
+    given: str = ""
+    """The folder as the command line spelled it (named in errors)."""
+
+    @property
+    def label(self) -> str:
+        return repr(self.given or str(self.path))
 
 
 def describe(path: str | Path) -> Branch:
@@ -57,9 +79,15 @@ def describe(path: str | Path) -> Branch:
         raise UserError(f"{FIELD}={str(path)!r}: not a folder (give a run folder with "
                         "checkpoints/ or an exported weights folder)")
     if (folder / "run.toml").is_file() or (folder / "checkpoints").is_dir():
-        return _describe_run(folder)
+        return dataclasses.replace(_describe_run(folder), given=str(path))
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
-        return _describe_weights(folder)
+        return dataclasses.replace(_describe_weights(folder), given=str(path))
+    step = folder.resolve().name.removeprefix("step_")
+    if (folder / "meta.json").is_file() and step.isdigit():
+        raise UserError(f"{FIELD}={str(path)!r}: is one checkpoint of a run; give the run "
+                        f"folder (its newest intact checkpoint is merged) or, for this step, "
+                        f"`meshtron export {folder.resolve().parent.parent} --step {int(step)} "
+                        "--to DIR` and DIR")
     raise UserError(f"{FIELD}={str(path)!r}: neither a meshtron run folder (run.toml and "
                     "checkpoints/) nor exported weights (config.json and *.safetensors)")
 
@@ -68,14 +96,15 @@ def _describe_run(folder: Path) -> Branch:
     from meshtron.checkpoint import store
     from meshtron.hf.cli import run_config
     from meshtron.hf.hooks import tokenizer_source
+    from meshtron.hf.origin import recorded_path
 
-    cfg = run_config(folder)
+    cfg = run_config(folder, FIELD)
     root = store.checkpoint_root(folder)
     if not (root.is_dir() and store.committed(root)):
         raise UserError(f"{FIELD}={str(folder)!r}: the run saved no checkpoint (train it with "
                         "--checkpoint-every N, or give its --export folder)")
-    if cfg.train.init_from:
-        base = _base_of(Path(cfg.train.init_from))
+    if cfg.train.init_from:  # relative to the folder the run was trained in, not today's
+        base = _base_of(recorded_path(cfg.train.init_from, folder, cfg.train.run_dir))
     else:
         base = f"seed:{cfg.train.seed}"
     tok_dir = tokenizer_source(cfg, folder)
@@ -85,16 +114,41 @@ def _describe_run(folder: Path) -> Branch:
         tok = "byte"
     else:
         tok = None
-    return Branch(folder, "run", cfg.model, base, tok, tok_dir)
+    return Branch(folder, "run", cfg.model, base, tok, tok_dir, run=str(folder.resolve()))
 
 
 def _describe_weights(folder: Path) -> Branch:
-    from meshtron.model.spec import from_hf_config
+    from meshtron.hf.load import Checkpoint, model_shapes
+    from meshtron.hf.origin import read_origin
 
-    spec = from_hf_config(folder / "config.json")
+    spec = _weights_spec(folder)
+    # every tensor's name, shape and bytes checked now (headers only), before any is read
+    Checkpoint(folder, f"{FIELD}={str(folder)!r}").check(spec, model_shapes(spec))
     tok_file = folder / "tokenizer.json"
     tok = "sha256:" + _sha256(tok_file) if tok_file.is_file() else None
-    return Branch(folder, "weights", spec, None, tok, folder if tok_file.is_file() else None)
+    origin = read_origin(folder, FIELD)
+    if origin is None:
+        return Branch(folder, "weights", spec, None, tok, folder if tok_file.is_file() else None)
+    base = (_base_of(Path(origin["init_from"])) if origin["init_from"]
+            else f"seed:{origin['seed']}")
+    return Branch(folder, "weights", spec, base, tok, folder if tok_file.is_file() else None,
+                  run=origin["run"], step=origin["step"])
+
+
+def _weights_spec(folder: Path) -> ModelSpec:
+    """The dense model an exported folder's config.json describes."""
+    import json
+
+    from meshtron.model.hf_config import from_hf_dict
+
+    path = folder / "config.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise UserError(f"{FIELD}={str(folder)!r}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{FIELD}={str(folder)!r}: {path} must hold a JSON object")
+    return from_hf_dict(doc, name=folder.resolve().name)
 
 
 def _base_of(base: Path) -> str:
@@ -142,12 +196,6 @@ def check_compatible(branches: list[Branch]) -> None:
             raise UserError(f"{FIELD}={str(b.path)!r}: started from {b.base[:24]} but "
                             f"{str(first.path)!r} from {first.base[:24]}: branches must "
                             "share one base")
-    seen: set[Path] = set()
-    for b in branches:
-        if b.path.resolve() in seen:
-            raise UserError(f"{FIELD}={str(b.path)!r}: given twice (use --copies to repeat "
-                            "one model's MLP)")
-        seen.add(b.path.resolve())
 
 
 def _spec_difference(a: ModelSpec, b: ModelSpec) -> tuple[str, Any, Any] | None:
@@ -157,26 +205,67 @@ def _spec_difference(a: ModelSpec, b: ModelSpec) -> tuple[str, Any, Any] | None:
     return None
 
 
-def checkpoint_of(branch: Branch) -> tuple[Path, int] | None:
-    """(folder, step) of a run branch's newest intact checkpoint, a damaged newer one skipped
-    said on stderr; None for exported weights."""
+def with_checkpoint(branch: Branch) -> Branch:
+    """A run branch with its newest intact checkpoint and that checkpoint's step (a damaged
+    newer one skipped is said on stderr); exported weights as they are."""
     if branch.kind != "run":
-        return None
+        return branch
     from meshtron.checkpoint.export import newest_intact
 
-    return newest_intact(branch.path, f"meshtron merge: {branch.path}")
+    try:
+        folder, step = newest_intact(branch.path, f"meshtron merge: {branch.path}")
+    except UserError as exc:
+        raise UserError(f"{FIELD}={str(branch.path)!r}: {exc}") from None
+    return dataclasses.replace(branch, checkpoint=folder, step=step)
 
 
-def load_state(branch: Branch, folder: Path | None = None) -> dict[str, Any]:
-    """Full CPU tensors of a branch, keyed by meshtron's parameter names (a run: `folder`, a
-    checkpoint `checkpoint_of` chose, or its newest intact one; exported weights: every tensor,
-    read through safetensors)."""
+def identity(branch: Branch) -> tuple[str, ...]:
+    """What a branch is: ('run', resolved run folder, step) when known, else ('folder',
+    resolved folder)."""
+    if branch.run is not None and branch.step is not None:
+        return ("run", branch.run, str(branch.step))
+    return ("folder", str(branch.path.resolve()))
+
+
+def check_distinct(branches: list[Branch]) -> None:
+    """No model twice: the first two inputs of one identity, named in one line."""
+    seen: dict[tuple[str, ...], Branch] = {}
+    for b in branches:
+        key = identity(b)
+        if key in seen:
+            what = (f"run {b.run} at step {b.step}" if key[0] == "run"
+                    else f"folder {key[1]}")
+            raise UserError(f"{FIELD}: {seen[key].label} and {b.label} are one "
+                            f"model ({what}), given twice; give different branches (use "
+                            "--copies to repeat one model's MLP)")
+        seen[key] = b
+
+
+def check_not_same(branch: Branch, state: dict[str, Any],
+                   earlier: list[tuple[Branch, dict[str, Any]]]) -> None:
+    """Refuse a branch whose every tensor equals an earlier branch's: the same model under
+    another name (a copied run folder or export)."""
+    import torch
+
+    for other, other_state in earlier:
+        if state.keys() == other_state.keys() and all(
+                torch.equal(state[n], t) for n, t in other_state.items()):
+            raise UserError(f"{FIELD}: {other.label} and {branch.label} hold the "
+                            "same weights, tensor for tensor: one model given twice; give "
+                            "different branches (use --copies to repeat one model's MLP)")
+
+
+def load_state(branch: Branch) -> dict[str, Any]:
+    """Full CPU tensors of a branch, keyed by meshtron's parameter names (a run: the checkpoint
+    `with_checkpoint` chose, or its newest intact one; exported weights: every tensor, read
+    through safetensors)."""
     import torch
 
     if branch.kind == "run":
         from meshtron.checkpoint.export import load_checkpoint, load_full_state_dict
 
-        return load_checkpoint(folder) if folder else load_full_state_dict(branch.path)
+        return (load_checkpoint(branch.checkpoint) if branch.checkpoint
+                else load_full_state_dict(branch.path))
     from meshtron.hf.load import Checkpoint, model_shapes
     from meshtron.model.init import BLOCK_ELEMS
 

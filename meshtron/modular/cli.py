@@ -52,6 +52,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     out = _prepare_output(args.to)
     inputs = [br.describe(p) for p in args.experts]
     br.check_compatible(inputs)
+    inputs = [br.with_checkpoint(b) for b in inputs]
+    br.check_distinct(inputs)
     copies = args.copies or (1 if len(inputs) > 1 else 0)
     if copies * len(inputs) < 2:
         raise UserError("merge --copies: one input needs --copies E (E >= 2) to upcycle into E "
@@ -59,15 +61,18 @@ def cmd_merge(args: argparse.Namespace) -> int:
     experts = copies * len(inputs)
     spec = moe_spec(inputs[0].spec, experts, args.top_k or min(2, experts), _fields(args.set))
     check_supported(spec, "merge --to")  # the folder must be one --init-from reads
-    _check_host_memory(spec, copies, len(inputs))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    _check_host_memory(spec, copies, inputs)
+    inside = out.is_dir()  # an empty folder (checked above), '.' included
+    tmp = (out / f".merge.tmp-{os.getpid()}" if inside
+           else out.parent / f".{out.name}.tmp-{os.getpid()}")
     try:
         summary = _write(inputs, spec, copies, args.seed, tmp)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
+        _put_in_place(tmp, out, inside)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if inside:  # it was empty: whatever is in it now is ours (files moved when stopped)
+            for entry in out.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         raise
     print(f"merged {len(inputs)} dense model(s) into {out}: {experts} experts, top-"
           f"{spec.moe_top_k}, {spec.num_params():,} parameters ({spec.active_params():,} "
@@ -76,21 +81,38 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-BYTES_PER_PARAM_AT_LEAST = 2
-"""The merged state dict is built in host memory in the inputs' dtype: bf16 (2 bytes) at the
-least, fp32 checkpoints twice that."""
+def _put_in_place(tmp: Path, out: Path, inside: bool) -> None:
+    """A new `out`: the finished folder renamed into place (atomic). An existing empty `out`
+    (whose parent may not be writable, or `--to .`, which cannot be removed and renamed):
+    the finished files moved into it, merge.json last, so it marks a complete result."""
+    if not inside:
+        tmp.rename(out)
+        return
+    for entry in sorted(tmp.iterdir(), key=lambda p: p.name == "merge.json"):
+        entry.replace(out / entry.name)
+    tmp.rmdir()
 
 
-def _check_host_memory(spec, copies: int, inputs: int) -> None:
-    """Refuse, before a tensor is read, a merge whose result cannot fit in this machine's
-    memory even in bf16 (`--copies 1000000` was a DefaultCPUAllocator traceback)."""
-    need = spec.num_params() * BYTES_PER_PARAM_AT_LEAST
+BYTES_PER_PARAM = 4
+"""Every tensor of the merge is fp32 in host memory: run checkpoints hold fp32 masters (also
+for bf16 runs: meshtron/hf/export.py's docstring), and `branches.load_state` reads exported
+weights into float32."""
+
+
+def _check_host_memory(spec, copies: int, inputs: list) -> None:
+    """Refuse, before a tensor is read, a merge that cannot fit in this machine's memory: `_write`
+    holds every input's full state (each branch's MLP becomes an expert) and then builds the
+    merged one beside them, all fp32 (`--copies 1000000` was a DefaultCPUAllocator traceback;
+    the inputs were not counted)."""
+    held = sum(b.spec.num_params() for b in inputs) + spec.num_params()
+    need = held * BYTES_PER_PARAM
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > total:
-        what = f"--copies={copies}" if copies > 1 else f"--experts (x{inputs})"
+        what = f"--copies={copies}" if copies > 1 else f"--experts (x{len(inputs)})"
         raise UserError(f"merge {what}: {spec.moe_experts:,} experts make {spec.num_params():,} "
-                        f"parameters, {need / 2**30:,.1f} GiB even in bf16, more than this "
-                        f"machine's {total / 2**30:,.1f} GiB of memory")
+                        f"parameters; with the {len(inputs)} input(s) held beside them, "
+                        f"{held:,} fp32 parameters need {need / 2**30:,.1f} GiB, more than "
+                        f"this machine's {total / 2**30:,.1f} GiB of memory")
 
 
 def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
@@ -98,10 +120,10 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
     from meshtron.modular import branches as br
     from meshtron.modular.upcycle import merge_states
 
-    states, distances, chosen = [], [], []
+    states, distances = [], []
     for b in inputs:  # the experts need every branch's MLP; the rest is averaged
-        chosen.append(br.checkpoint_of(b))
-        state = br.load_state(b, chosen[-1][0] if chosen[-1] else None)
+        state = br.load_state(b)
+        br.check_not_same(b, state, list(zip(inputs, states)))
         distances.append(br.check_close(b, state, inputs[0], states[0]) if states else 0.0)
         states.append(state)
     merged, init = merge_states(states, spec, copies, seed)
@@ -112,9 +134,11 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
         "method": "upcycle" if len(inputs) == 1 else "branch-train-mix",
         "branches": [{"path": str(b.path.resolve()), "kind": b.kind, "base": b.base,
                       "tokenizer": b.tokenizer, "relative_distance": d,
-                      # the checkpoint merged (runs; exported weights record no step)
-                      "step": c[1] if c else None, "checkpoint": c[0].name if c else None}
-                     for b, d, c in zip(inputs, distances, chosen)],
+                      # the run and step merged (exported weights: their export.json's;
+                      # None when they have none), and a run's checkpoint folder
+                      "run": b.run, "step": b.step,
+                      "checkpoint": b.checkpoint.name if b.checkpoint else None}
+                     for b, d in zip(inputs, distances)],
         "copies": copies, "router_seed": seed, "router": init.to_dict(),
         "model": spec.to_dict(),
     }
