@@ -57,6 +57,45 @@ def _refused(capsys, argv: list[str], needle: str) -> None:
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
 
 
+def test_a_finished_replica_ft_run_folder_holds_what_every_run_writes(tmp_path, capsys):
+    """A short run (3 steps, 2 groups; about 15 s idle): metrics with the loop's fields and
+    its evaluation, summary.json, run.toml, the final checkpoint that export reads; a rerun
+    needs --overwrite and --resume is refused. The killed runs are `slow`."""
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    done = _meshtron("train", *RUN, "--steps", "3", "--eval-every", "3",
+                     "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    records = _lines(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # the loop's evaluation, on the whole held-out set: the single-process run's eval_loss
+    # (float tolerance: the mean of two half-batch gradients)
+    ref = train(config_from_dict({"model": "tiny", "data": {"global_batch": 4, "seq_len": 32},
+                                  "train": {"steps": 3, "eval_every": 3,
+                                            "run_dir": str(tmp_path / "ref")}}),
+                show_progress=False).records
+    assert records[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], rel=1e-5)
+    assert records[-1].keys() - {"participants"} == ref[-1].keys()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_loss"] == records[-1]["loss"]
+    assert summary["replica_groups"] == 2 and summary["degraded_steps"] == 0
+    assert summary["tokens"] == 3 * 4 * 32 and summary["tokens_per_s"] > 0
+    assert config_from_dict(load_toml(run_dir / "run.toml")).train.steps == 3
+    # its final state is a committed checkpoint (the groups' final weights, bit for bit), which
+    # export reads; --resume is still refused
+    from meshtron.checkpoint.export import load_checkpoint
+
+    saved = load_checkpoint(run_dir / "checkpoints" / "step_00000003")
+    final = torch.load(run_dir / "replica_ft" / "group0_final.pt")
+    assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in final)
+    assert main(["export", str(run_dir), "--to", str(tmp_path / "hf")]) == 0
+    assert "exported step 3" in capsys.readouterr().out
+    _refused(capsys, ["train", "--resume", "--run-dir", str(run_dir)], "does not resume")
+    _refused(capsys, ["train", *RUN, "--steps", "3", "--run-dir", str(run_dir)],
+             "holds a run")
+
+
+@pytest.mark.slow  # 40-140 s under load: a streamed run, a real SIGKILL of its launcher
 def test_a_killed_replica_ft_run_leaves_a_run_folder_and_every_command_answers(tmp_path,
                                                                                    capsys):
     run_dir = tmp_path / "run"
@@ -102,36 +141,12 @@ def test_a_killed_replica_ft_run_leaves_a_run_folder_and_every_command_answers(t
                       str(tmp_path / "moe")], "the run saved no checkpoint")
 
     # the folder is free again (the lock died with the groups): a new run replaces the old
-    done = _meshtron("train", *RUN, "--steps", "3", "--eval-every", "3", "--overwrite",
-                     "--run-dir", str(run_dir))
+    done = _meshtron("train", *RUN, "--steps", "3", "--overwrite", "--run-dir", str(run_dir))
     assert done.returncode == 0, done.stderr
-    records = _lines(metrics)
-    assert [r["step"] for r in records] == [1, 2, 3]
-    # the loop's evaluation, on the whole held-out set: the single-process run's eval_loss
-    # (float tolerance: the mean of two half-batch gradients)
-    ref = train(config_from_dict({"model": "tiny", "data": {"global_batch": 4, "seq_len": 32},
-                                  "train": {"steps": 3, "eval_every": 3,
-                                            "run_dir": str(tmp_path / "ref")}}),
-                show_progress=False).records
-    assert records[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], rel=1e-5)
-    assert records[-1].keys() - {"participants"} == ref[-1].keys()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["final_loss"] == records[-1]["loss"]
-    assert summary["replica_groups"] == 2 and summary["degraded_steps"] == 0
-    assert summary["tokens"] == 3 * 4 * 32 and summary["tokens_per_s"] > 0
-    assert config_from_dict(load_toml(run_dir / "run.toml")).train.steps == 3
-    # its final state is a committed checkpoint (the groups' final weights, bit for bit), which
-    # export reads; --resume is still refused
-    from meshtron.checkpoint.export import load_checkpoint
-
-    saved = load_checkpoint(run_dir / "checkpoints" / "step_00000003")
-    final = torch.load(run_dir / "replica_ft" / "group0_final.pt")
-    assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in final)
-    assert main(["export", str(run_dir), "--to", str(tmp_path / "hf")]) == 0
-    assert "exported step 3" in capsys.readouterr().out
-    _refused(capsys, ["train", "--resume", "--run-dir", str(run_dir)], "does not resume")
+    assert [r["step"] for r in _lines(metrics)] == [1, 2, 3]
 
 
+@pytest.mark.slow  # 30-60 s under load: two replica groups SIGKILLed mid-run
 def test_every_group_killed_ends_the_metrics_with_a_failed_record(tmp_path):
     """Both replica groups SIGKILLed (no restart budget): the launcher fails in one line, exit
     1, and metrics.jsonl keeps the committed steps, then a `failed` record; nothing of the
