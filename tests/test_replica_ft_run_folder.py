@@ -174,3 +174,26 @@ def test_every_group_killed_ends_the_metrics_with_a_failed_record(tmp_path):
     assert records[-1]["event"] == "failed" and records[-1]["steps_committed"] == steps[-1]
     assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints").exists()
     run_lock.check_free(run_dir)  # raises while any process of the run holds the folder
+
+
+
+def test_a_run_whose_final_checkpoint_was_not_committed_fails(tmp_path):
+    """The group that claims the final checkpoint (the first to finish) is the only one that
+    writes it: if it fails, the launcher's check finds no committed step_N and the run fails
+    in one line instead of finishing without the checkpoint that export and merge read (a
+    partial one, never committed, does not count)."""
+    from meshtron.checkpoint import store
+    from meshtron.errors import RunFailed
+    from meshtron.train.replica_run import check_final_checkpoint
+
+    run_dir = tmp_path / "run"
+    cfg = config_from_dict({"model": "tiny", "train": {"steps": 3, "replica_ft": 2,
+                                                        "run_dir": str(run_dir)}})
+    root = store.checkpoint_root(run_dir)
+    (root / (store.TMP_PREFIX + "step_00000003")).mkdir(parents=True)
+    (root / "step_00000002").mkdir()
+    with pytest.raises(RunFailed) as err:
+        check_final_checkpoint(cfg, run_dir / "replica_ft")
+    assert "checkpoints/step_00000003" in str(err.value) and "\n" not in str(err.value)
+    (root / "step_00000003").mkdir()
+    check_final_checkpoint(cfg, run_dir / "replica_ft")
