@@ -197,3 +197,23 @@ def test_a_run_whose_final_checkpoint_was_not_committed_fails(tmp_path):
     assert "checkpoints/step_00000003" in str(err.value) and "\n" not in str(err.value)
     (root / "step_00000003").mkdir()
     check_final_checkpoint(cfg, run_dir / "replica_ft")
+
+
+def test_a_diverged_replica_ft_run_fails_as_the_loop_does(tmp_path):
+    """A NaN loss at a logging point: the loop's one line ("loss became nan at step N"), exit
+    1, the groups stopped, metrics.jsonl without the NaN record and ending in a `failed`
+    record, no summary.json or checkpoint (not a finished run of NaN weights). About 15 s."""
+    from meshtron.train import run_lock
+
+    run_dir = tmp_path / "run"
+    # 500 steps: the groups are stopped long before the end (they would save a checkpoint)
+    done = _meshtron("train", *RUN, "--steps", "500", "--log-every", "1", "--lr", "1e30",
+                     "--run-dir", str(run_dir), timeout=240)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "loss became nan at step 3" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert "Traceback" not in done.stderr
+    records = _lines(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records[:-1]] == [1, 2], records
+    assert records[-1]["event"] == "failed" and "loss became nan" in records[-1]["cause"]
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints").exists()
+    run_lock.check_free(run_dir)
