@@ -289,3 +289,16 @@ def test_the_copy_to_host_runs_off_the_training_thread_and_the_next_step_waits_f
     assert all(torch.equal(on_disk[k], saved_state[k]) for k in saved_state)
     now = engine.model.state_dict()
     assert any(not torch.equal(now[k], saved_state[k]) for k in saved_state)
+
+
+def test_overwrite_replaces_a_file_where_the_checkpoints_go(tmp_path, capsys):
+    """--overwrite over a folder whose `checkpoints` is a file (a run marker, so a plain run is
+    refused): the file is replaced like an old checkpoint folder, no traceback."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    store.checkpoint_root(run_dir).write_text("not a folder")
+    assert main(["train", *RUN, "--steps", "2", "--run-dir", str(run_dir)]) == 2
+    assert "holds a run (checkpoints)" in capsys.readouterr().err
+    assert main(["train", *RUN, "--steps", "2", "--run-dir", str(run_dir), "--overwrite",
+                 "--checkpoint-every", "2"]) == 0
+    assert [step for step, _ in store.committed(store.checkpoint_root(run_dir))] == [2]

@@ -109,3 +109,42 @@ def test_cli_fp8_gather_shortens_the_fp8_step(plan_cli, tmp_path):
         return json.loads(out)["plans"][0]["step_time_s"]
 
     assert step("fp8_fsdp_gather = true") < step("fp8_fsdp_gather = false")
+
+
+def test_fp32_logits_and_the_z_loss_hold_their_bytes_at_the_loss():
+    """Memory beside the time terms: flash-attn's kernel over fp32 logits keeps them and
+    allocates their gradient like them (4 + 4 bytes per logit, not 2 + 2); a z-loss apart keeps
+    logsumexp's saved input, the fp32 logits (4 more than the eager loss's 12)."""
+    import dataclasses
+
+    from meshtron.planner.memory import MemoryOptions, logits_bytes
+
+    model = preset("llama3-8b")
+    elements = MB * SEQ * model.vocab
+    fused = MemoryOptions(framework="fsdp2", loss="flash-ce")
+    assert logits_bytes(model, 1, MB, SEQ, fused) == elements * 4
+    assert logits_bytes(model, 1, MB, SEQ, fused, logits_fp32=True) == elements * 8
+    # inside the fused kernel the z-loss saves nothing of its own
+    assert logits_bytes(model, 1, MB, SEQ, fused, z_loss=True, logits_fp32=True) == elements * 8
+    eager = dataclasses.replace(fused, loss="eager")
+    assert logits_bytes(model, 1, MB, SEQ, eager, logits_fp32=True) == elements * 12
+    assert logits_bytes(model, 1, MB, SEQ, eager, z_loss=True, logits_fp32=True) == elements * 16
+
+
+def test_cli_memory_counts_the_fused_losss_fp32_logits(plan_cli, tmp_path):
+    """The 7B / 13B / Llama-8B scripts' fused loss over fp32 logits, through `meshtron plan`:
+    the logits' share of the memory doubles against the same loss over 16-bit logits."""
+    def logits_gib(extra: str) -> float:
+        path = tmp_path / "options.toml"
+        path.write_text(f'[options]\nflash_ce = true\nloss = "flash-ce"\n{extra}\n')
+        rc, out, err = plan_cli("--model", "llama3-8b", "--cluster", "dgx-h100:1",
+                                "--global-batch", "256", "--seq-len", "4096", "--framework",
+                                "olmo-core@2024", "--layout", "tp=1,cp=1,pp=1,dp=8", "--zero",
+                                "3", "--recompute", "none", "--micro-batch", "1",
+                                "--options", str(path), "--json", "--top", "1")
+        assert rc == 0, err
+        return json.loads(out)["plans"][0]["memory_gib"]["logits"]
+
+    bf16 = logits_gib("logits_fp32 = false")
+    assert bf16 == pytest.approx(4096 * preset("llama3-8b").vocab * 4 / 2**30)
+    assert logits_gib("") == pytest.approx(2 * bf16)

@@ -57,6 +57,45 @@ def _refused(capsys, argv: list[str], needle: str) -> None:
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
 
 
+def test_a_finished_replica_ft_run_folder_holds_what_every_run_writes(tmp_path, capsys):
+    """A short run (3 steps, 2 groups; about 15 s idle): metrics with the loop's fields and
+    its evaluation, summary.json, run.toml, the final checkpoint that export reads; a rerun
+    needs --overwrite and --resume is refused. The killed runs are `slow`."""
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    done = _meshtron("train", *RUN, "--steps", "3", "--eval-every", "3",
+                     "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    records = _lines(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # the loop's evaluation, on the whole held-out set: the single-process run's eval_loss
+    # (float tolerance: the mean of two half-batch gradients)
+    ref = train(config_from_dict({"model": "tiny", "data": {"global_batch": 4, "seq_len": 32},
+                                  "train": {"steps": 3, "eval_every": 3,
+                                            "run_dir": str(tmp_path / "ref")}}),
+                show_progress=False).records
+    assert records[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], rel=1e-5)
+    assert records[-1].keys() - {"participants"} == ref[-1].keys()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_loss"] == records[-1]["loss"]
+    assert summary["replica_groups"] == 2 and summary["degraded_steps"] == 0
+    assert summary["tokens"] == 3 * 4 * 32 and summary["tokens_per_s"] > 0
+    assert config_from_dict(load_toml(run_dir / "run.toml")).train.steps == 3
+    # its final state is a committed checkpoint (the groups' final weights, bit for bit), which
+    # export reads; --resume is still refused
+    from meshtron.checkpoint.export import load_checkpoint
+
+    saved = load_checkpoint(run_dir / "checkpoints" / "step_00000003")
+    final = torch.load(run_dir / "replica_ft" / "group0_final.pt")
+    assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in final)
+    assert main(["export", str(run_dir), "--to", str(tmp_path / "hf")]) == 0
+    assert "exported step 3" in capsys.readouterr().out
+    _refused(capsys, ["train", "--resume", "--run-dir", str(run_dir)], "does not resume")
+    _refused(capsys, ["train", *RUN, "--steps", "3", "--run-dir", str(run_dir)],
+             "holds a run")
+
+
+@pytest.mark.slow  # 40-140 s under load: a streamed run, a real SIGKILL of its launcher
 def test_a_killed_replica_ft_run_leaves_a_run_folder_and_every_command_answers(tmp_path,
                                                                                    capsys):
     run_dir = tmp_path / "run"
@@ -102,36 +141,12 @@ def test_a_killed_replica_ft_run_leaves_a_run_folder_and_every_command_answers(t
                       str(tmp_path / "moe")], "the run saved no checkpoint")
 
     # the folder is free again (the lock died with the groups): a new run replaces the old
-    done = _meshtron("train", *RUN, "--steps", "3", "--eval-every", "3", "--overwrite",
-                     "--run-dir", str(run_dir))
+    done = _meshtron("train", *RUN, "--steps", "3", "--overwrite", "--run-dir", str(run_dir))
     assert done.returncode == 0, done.stderr
-    records = _lines(metrics)
-    assert [r["step"] for r in records] == [1, 2, 3]
-    # the loop's evaluation, on the whole held-out set: the single-process run's eval_loss
-    # (float tolerance: the mean of two half-batch gradients)
-    ref = train(config_from_dict({"model": "tiny", "data": {"global_batch": 4, "seq_len": 32},
-                                  "train": {"steps": 3, "eval_every": 3,
-                                            "run_dir": str(tmp_path / "ref")}}),
-                show_progress=False).records
-    assert records[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], rel=1e-5)
-    assert records[-1].keys() - {"participants"} == ref[-1].keys()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["final_loss"] == records[-1]["loss"]
-    assert summary["replica_groups"] == 2 and summary["degraded_steps"] == 0
-    assert summary["tokens"] == 3 * 4 * 32 and summary["tokens_per_s"] > 0
-    assert config_from_dict(load_toml(run_dir / "run.toml")).train.steps == 3
-    # its final state is a committed checkpoint (the groups' final weights, bit for bit), which
-    # export reads; --resume is still refused
-    from meshtron.checkpoint.export import load_checkpoint
-
-    saved = load_checkpoint(run_dir / "checkpoints" / "step_00000003")
-    final = torch.load(run_dir / "replica_ft" / "group0_final.pt")
-    assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in final)
-    assert main(["export", str(run_dir), "--to", str(tmp_path / "hf")]) == 0
-    assert "exported step 3" in capsys.readouterr().out
-    _refused(capsys, ["train", "--resume", "--run-dir", str(run_dir)], "does not resume")
+    assert [r["step"] for r in _lines(metrics)] == [1, 2, 3]
 
 
+@pytest.mark.slow  # 30-60 s under load: two replica groups SIGKILLed mid-run
 def test_every_group_killed_ends_the_metrics_with_a_failed_record(tmp_path):
     """Both replica groups SIGKILLed (no restart budget): the launcher fails in one line, exit
     1, and metrics.jsonl keeps the committed steps, then a `failed` record; nothing of the
@@ -159,3 +174,46 @@ def test_every_group_killed_ends_the_metrics_with_a_failed_record(tmp_path):
     assert records[-1]["event"] == "failed" and records[-1]["steps_committed"] == steps[-1]
     assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints").exists()
     run_lock.check_free(run_dir)  # raises while any process of the run holds the folder
+
+
+
+def test_a_run_whose_final_checkpoint_was_not_committed_fails(tmp_path):
+    """The group that claims the final checkpoint (the first to finish) is the only one that
+    writes it: if it fails, the launcher's check finds no committed step_N and the run fails
+    in one line instead of finishing without the checkpoint that export and merge read (a
+    partial one, never committed, does not count)."""
+    from meshtron.checkpoint import store
+    from meshtron.errors import RunFailed
+    from meshtron.train.replica_run import check_final_checkpoint
+
+    run_dir = tmp_path / "run"
+    cfg = config_from_dict({"model": "tiny", "train": {"steps": 3, "replica_ft": 2,
+                                                        "run_dir": str(run_dir)}})
+    root = store.checkpoint_root(run_dir)
+    (root / (store.TMP_PREFIX + "step_00000003")).mkdir(parents=True)
+    (root / "step_00000002").mkdir()
+    with pytest.raises(RunFailed) as err:
+        check_final_checkpoint(cfg, run_dir / "replica_ft")
+    assert "checkpoints/step_00000003" in str(err.value) and "\n" not in str(err.value)
+    (root / "step_00000003").mkdir()
+    check_final_checkpoint(cfg, run_dir / "replica_ft")
+
+
+def test_a_diverged_replica_ft_run_fails_as_the_loop_does(tmp_path):
+    """A NaN loss at a logging point: the loop's one line ("loss became nan at step N"), exit
+    1, the groups stopped, metrics.jsonl without the NaN record and ending in a `failed`
+    record, no summary.json or checkpoint (not a finished run of NaN weights). About 15 s."""
+    from meshtron.train import run_lock
+
+    run_dir = tmp_path / "run"
+    # 500 steps: the groups are stopped long before the end (they would save a checkpoint)
+    done = _meshtron("train", *RUN, "--steps", "500", "--log-every", "1", "--lr", "1e30",
+                     "--run-dir", str(run_dir), timeout=240)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "loss became nan at step 3" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert "Traceback" not in done.stderr
+    records = _lines(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records[:-1]] == [1, 2], records
+    assert records[-1]["event"] == "failed" and "loss became nan" in records[-1]["cause"]
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints").exists()
+    run_lock.check_free(run_dir)

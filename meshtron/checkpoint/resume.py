@@ -162,5 +162,7 @@ def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool, plan: Any =
     if ckpt.resume:
         check_resume(ckpt, cfg, plan)
         (root / store.PREEMPTED).unlink(missing_ok=True)
-    elif overwrite and root.exists():
+    elif overwrite and root.is_dir():
         shutil.rmtree(root)
+    elif overwrite and root.exists():  # a file where the checkpoints go: replaced as well
+        root.unlink()

@@ -220,7 +220,9 @@ class CostPieces:
                                # or an eager FP8 cast (memory_acts.backward_working_bytes)
                                memory.backward_working_bytes(*args, fp8_recipe) + moe_work,
                                memory.logits_bytes(self.model, tp, mb, seq, mem,
-                                                   pipelined=pp > 1, sp=sp))
+                                                   pipelined=pp > 1, sp=sp,
+                                                   z_loss=self.opts.z_loss,
+                                                   logits_fp32=self.opts.logits_fp32))
             self._cache[key] = hit
         return hit
 

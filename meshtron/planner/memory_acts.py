@@ -362,12 +362,18 @@ def head_input_bytes(model: ModelSpec, tp: int, sp: bool, tokens: int,
             + cb * tokens * model.hidden)
 
 
+FP32_LOGIT = 4.0
+"""Bytes of one fp32 logit (KernelOptions.logits_fp32: the model's `.float()` logits)."""
+
+
 def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
                  mem: MemoryOptions | None = None, pipelined: bool = False,
-                 sp: bool = False) -> float:
+                 sp: bool = False, z_loss: bool = False, logits_fp32: bool = False) -> float:
     """Logits of one micro-batch and their gradients at the loss (module docstring); under
     torch's `loss_parallel` (tp > 1) with the final norm's and the head's saved input
-    (`head_input_bytes`)."""
+    (`head_input_bytes`). `logits_fp32` (KernelOptions.logits_fp32): the fused 'flash-ce' loss
+    holds the fp32 logits and their new fp32 gradient; `z_loss` (KernelOptions.z_loss) apart
+    from a fused kernel also holds what its logsumexp saves (`z_loss_saved_bytes`)."""
     mem = mem or DEFAULT
     elements = micro_batch * seq * model.vocab / tp
     kind = mem.loss_kind
@@ -375,10 +381,32 @@ def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
         return elements * 6.0
     if kind == "inplace":
         return elements * mem.compute_bytes
-    if kind == "flash-ce":  # the logits and their new gradient (MemoryOptions.loss)
-        return elements * 2.0 * mem.compute_bytes
+    if kind == "flash-ce":  # the logits and their new gradient (MemoryOptions.loss), both
+        # in the logits' dtype: OLMo-core src/olmo_core/triton/cross_entropy_loss.py at
+        # 41400c46fc (flash-attn's kernel) saves `logits` and allocates
+        # `torch.empty_like(logits)` for their gradient; fp32 under logits_fp32
+        return elements * 2.0 * (FP32_LOGIT if logits_fp32 else mem.compute_bytes)
     if kind == "chunked" and tp == 1 and not pipelined:
         return chunked_loss_bytes(model, micro_batch * seq, mem)
+    return (_whole_logits_bytes(model, tp, micro_batch, seq, mem, pipelined, sp)
+            + (elements * z_loss_saved_bytes(mem, logits_fp32) if z_loss else 0.0))
+
+
+def z_loss_saved_bytes(mem: MemoryOptions, logits_fp32: bool) -> float:
+    """Bytes per logit a z-loss computed apart from the cross-entropy keeps until the loss's
+    backward (OLMo-core nn/functional/cross_entropy_loss.py at 41400c46fc:
+    `logits.logsumexp(-1).pow(2)`): autograd saves logsumexp's input for its backward
+    (PyTorch tools/autograd/derivatives.yaml, logsumexp: `logsumexp_backward(grad, self,
+    result, dim, keepdim)`), the logits as the model returns them (fp32 under logits_fp32),
+    which nothing else keeps (the eager loss saves only log_softmax's output)."""
+    return FP32_LOGIT if logits_fp32 else mem.compute_bytes
+
+
+def _whole_logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
+                        mem: MemoryOptions, pipelined: bool, sp: bool) -> float:
+    """The eager losses' whole logits (module docstring)."""
+    elements = micro_batch * seq * model.vocab / tp
+    kind = mem.loss_kind
     # whole logits: a pipeline's last stage also keeps its output (the compute dtype's bytes)
     kept = mem.compute_bytes if pipelined else 0.0
     if tp > 1:  # vocabulary-parallel logits under loss_parallel

@@ -7,16 +7,18 @@ lines as they arrive (`CommittedSteps.poll`, every few milliseconds), takes each
 order, from whichever group logged it first (every member of a quorum commits the same step
 with the same all-reduced loss), and writes the run's metrics.jsonl through `MetricsLog` at the
 loop's logging points (`logs_at`), with the loop's fields and its step clock (`StepClock`), plus
-`participants` (the replica groups that committed the step). One writer, the launcher: a group
+`participants` (the replica groups that committed the step); a non-finite loss at a logging point fails the run as the loop does. One writer, the launcher: a group
 that dies mid-line leaves nothing half-read, and when the launcher is gone nothing writes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+from meshtron.errors import RunFailed
 from meshtron.train.metrics import MetricsLog, StepClock, evaluates_at, logs_at
 
 GROUP_LOG_GLOB = "group*_*.jsonl"
@@ -84,6 +86,9 @@ class CommittedSteps:
         self.pending_s += seconds
         if not logs_at(self.cfg.train, step):
             return
+        if not math.isfinite(r["loss"]):  # the loop's check, at the same logging points
+            raise RunFailed(f"loss became {r['loss']} at step {step}; lower optim.lr or raise "
+                            "optim.warmup_steps")
         record = {"step": step, "loss": r["loss"], "lr": r["lr"],
                   "step_time_s": self.clock.add(step, self.pending, self.pending_s)}
         self.pending, self.pending_s = 0, 0.0

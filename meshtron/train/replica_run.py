@@ -78,6 +78,7 @@ def run_replica_ft(job, max_restarts: int) -> int:
     finally:
         run_lock.release(cfg.train.run_dir)
     summary = replica_summary(cfg, launcher.steps, done, time.time() - t0)
+    check_final_checkpoint(cfg, launcher.dir)
     outputs.finish_run(run_dir, summary, launcher.steps.records)
     outputs.print_result(cfg, summary, run_dir)
     print(f"replica-ft: {cfg.train.steps} steps on {cfg.train.replica_ft} replica groups, "
@@ -103,3 +104,18 @@ def replica_summary(cfg, steps: CommittedSteps, done: list[Any],
     return {**result.to_dict(), "replica_groups": cfg.train.replica_ft,
             "degraded_steps": steps.degraded_steps,
             "groups_finished": sorted(r.group for r in done)}
+
+
+def check_final_checkpoint(cfg, group_dir: Path) -> None:
+    """The final state's checkpoint (replica.save_final_checkpoint: the first group to finish
+    writes it, and only that one) is committed: a group that claimed it and then failed (its
+    log in `group_dir`) leaves the run without one, which the run reports as failed rather
+    than a finished run that export and merge then refuse."""
+    from meshtron.checkpoint import store
+
+    steps = cfg.train.steps
+    if not any(step == steps for step, _ in store.committed(
+            store.checkpoint_root(cfg.train.run_dir))):
+        raise RunFailed(f"replica-ft: the groups finished {steps} steps but the final "
+                        f"checkpoint (checkpoints/{store.step_name(steps)}) was not committed; "
+                        f"see {group_dir}/*.log")
