@@ -136,3 +136,35 @@ def test_every_flag_and_key_a_data_message_names_exists():
     # The scan reads real messages (an empty scan would pass anything).
     assert {"--tokenizer", "--eval-every", "--global-batch"} <= found_flags, found_flags
     assert {"data.seq_len", "data.source", "data.tokenizer"} <= found_keys, found_keys
+
+
+def test_documented_shard_workflow_trains(capsys, tmp_path):
+    """docs/guides/train.md, "Token shards": a tokenizer.json, the text readers, a shard
+    written with the tokenizer's fingerprint, then `meshtron train --data train.bin
+    --tokenizer tokenizer.json`."""
+    tk = pytest.importorskip("tokenizers")
+    from meshtron.data import read_text_files
+    from meshtron.data.tokenizer import HFTokenizer
+
+    backend = tk.Tokenizer(tk.models.BPE())
+    backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tk.decoders.ByteLevel()
+    backend.train_from_iterator([TEXT] * 4, trainer=tk.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (tmp_path / "corpus").mkdir()
+    for i in range(3):
+        (tmp_path / "corpus" / f"d{i}.txt").write_text(TEXT.replace("fox", f"fox {i}"))
+
+    tok = HFTokenizer.load(tmp_path / "tokenizer.json")
+    ids = tok.encode_documents(list(read_text_files(tmp_path / "corpus")))
+    shard = write_token_shard(tmp_path / "train.bin", ids, tok.vocab_size,
+                              meta={"tokenizer": tok.fingerprint})
+    run_dir = tmp_path / "run"
+    argv = [*TRAIN, "--data", shard, "--tokenizer", tmp_path / "tokenizer.json",
+            "--run-dir", run_dir]
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
