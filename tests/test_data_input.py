@@ -100,7 +100,7 @@ def test_big_vocabulary_shard_names_the_tokenizer_flag(capsys, tmp_path):
 # ---- every flag and key a message names exists ---------------------------------------------
 
 MESSAGE_FILES = [*sorted((ROOT / "meshtron" / "data").glob("*.py")), ROOT / "meshtron/config.py",
-                 ROOT / "meshtron" / "train" / "loop.py"]
+                 *(ROOT / "meshtron" / "train" / f for f in ("loop.py", "cli.py", "job.py"))]
 
 
 def _message_text(path: Path) -> list[str]:
@@ -119,7 +119,7 @@ def test_every_flag_and_key_a_data_message_names_exists():
 
     train = build_parser("train")._subparsers._group_actions[0].choices["train"]
     flags = set(train._option_string_actions)
-    keys = {f"{s}.{f.name}" for s in ("data", "optim", "train")
+    keys = {f"{s}.{f.name}" for s in ("data", "optim", "train", "model")
             for f in dataclasses.fields(getattr(RunConfig(), s))}
     found_flags, found_keys, bad = set(), set(), []
     for path in MESSAGE_FILES:
@@ -128,7 +128,7 @@ def test_every_flag_and_key_a_data_message_names_exists():
                 found_flags.add(flag)
                 if flag not in flags:
                     bad.append(f"{path.name}: {flag} in {text!r}")
-            for key in re.findall(r"\b((?:data|optim|train)\.[a-z_]+)(?=[=:' ])", text):
+            for key in re.findall(r"\b((?:data|optim|train|model)\.[a-z_]+)(?=[=:' ])", text):
                 found_keys.add(key)
                 if key not in keys:
                     bad.append(f"{path.name}: {key} in {text!r}")
