@@ -103,6 +103,10 @@ MESSAGE_FILES = [*sorted((ROOT / "meshtron" / "data").glob("*.py")), ROOT / "mes
                  *(ROOT / "meshtron" / "train" / f for f in ("loop.py", "cli.py", "job.py"))]
 
 
+KEY = r"(?<![\w.])((?:data|optim|train|model)\.[a-z_]+)(?=[=:' ])"
+"""A config key as messages name it: `data.seq_len=4`, `train.init_from:` ..."""
+
+
 def _message_text(path: Path) -> list[str]:
     """The literal text of every `UserError(...)` raised in `path` (f-string parts joined)."""
     texts = []
@@ -128,7 +132,7 @@ def test_every_flag_and_key_a_data_message_names_exists():
                 found_flags.add(flag)
                 if flag not in flags:
                     bad.append(f"{path.name}: {flag} in {text!r}")
-            for key in re.findall(r"\b((?:data|optim|train|model)\.[a-z_]+)(?=[=:' ])", text):
+            for key in re.findall(KEY, text):
                 found_keys.add(key)
                 if key not in keys:
                     bad.append(f"{path.name}: {key} in {text!r}")

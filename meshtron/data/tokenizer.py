@@ -342,7 +342,8 @@ def build_tokenizer(kind: str = "byte", *, vocab_size: int | None = None,
             if vocab_size is not None and tok.vocab_size > vocab_size:
                 raise UserError(
                     f"data.bpe_vocab={vocab_size}: the tokenizer at '{path}' has "
-                    f"{tok.vocab_size} ids; delete it to retrain or set bpe_vocab={tok.vocab_size}")
+                    f"{tok.vocab_size} ids; delete it to retrain or set "
+                    f"data.bpe_vocab={tok.vocab_size}")
             return tok
         if vocab_size is None:
             raise UserError(
