@@ -10,7 +10,7 @@ scraped page) the run goes on and the count is reported as a warning.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshtron.errors import UserError
