@@ -177,3 +177,32 @@ def test_documented_shard_workflow_trains(capsys, tmp_path):
     capsys.readouterr()
     assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+
+
+def test_tokenize_writes_a_shard_that_train_reads(capsys, tmp_path):
+    """`meshtron tokenize --data SOURCE --out NAME.bin`, then `meshtron train --data NAME.bin`;
+    the same UTF-8 check as train's, one line for a bad --out."""
+    source = tmp_path / "corpus.txt"
+    source.write_text(TEXT)
+    shard = tmp_path / "train.bin"
+    capsys.readouterr()
+    assert main(["tokenize", "--data", str(source), "--out", str(shard)]) == 0
+    said = capsys.readouterr().out.strip()
+    assert said == (f"{shard}: 18,001 tokens of 1 document, vocabulary 259; train on it: "
+                    f"meshtron train --data {shard}"), said
+    side = json.loads((tmp_path / "train.bin.json").read_text())
+    assert side["num_tokens"] == 18_001 and side["meta"]["tokenizer"] == "byte-259-v1", side
+    assert shard.stat().st_size == 2 * 18_001  # uint16 ids
+    run_dir = tmp_path / "run"
+    assert main([*TRAIN, "--data", str(shard), "--run-dir", str(run_dir)]) == 0
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+
+    line = refused(capsys, "tokenize", "--data", source, "--out", shard)
+    assert line.endswith(f"error: --out='{shard}': exists; --overwrite replaces it"), line
+    line = refused(capsys, "tokenize", "--data", source, "--out", tmp_path / "x.txt")
+    assert "must end in .bin" in line, line
+    (tmp_path / "u16.txt").write_bytes(TEXT.encode("utf-16"))
+    line = refused(capsys, "tokenize", "--data", tmp_path / "u16.txt", "--out", tmp_path / "u.bin")
+    assert "not UTF-8 text (UTF-16?)" in line and not (tmp_path / "u.bin").exists(), line
+    line = refused(capsys, "tokenize", "--data", shard, "--out", tmp_path / "again.bin")
+    assert "a token shard holds ids, not documents" in line, line

@@ -66,6 +66,24 @@ def source_kind(source: str | Path) -> str:
     return "text"
 
 
+def read_documents(source: str | Path = STDLIB, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                   jsonl_field: str = "text", warnings: list[str] | None = None) -> list[str]:
+    """The documents of a text source ('stdlib', a text file or folder, a .jsonl), in order;
+    at least one. Text that is not quite clean UTF-8 adds a line to `warnings`."""
+    kind = source_kind(source)
+    if kind == "shard":
+        raise UserError(f"data.source='{source}': a token shard holds ids, not documents")
+    if kind == "stdlib":
+        docs = stdlib_documents(max_bytes)
+    elif kind == "jsonl":
+        docs = list(read_jsonl(source, field=jsonl_field, warnings=warnings))
+    else:
+        docs = list(read_text_files(source, warnings=warnings))
+    if not docs:
+        raise UserError(f"data.source='{source}': holds no non-empty documents")
+    return docs
+
+
 def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
                 bpe_vocab: int | None = None, tokenizer_path: str | Path | None = None,
                 holdout_every: int = DEFAULT_HOLDOUT_EVERY, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -84,17 +102,10 @@ def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
         allowed = ", ".join(map(repr, TOKENIZER_KINDS))
         raise UserError(f"data.tokenizer={tokenizer!r}: must be one of {allowed}, a "
                         "tokenizer.json or a folder holding one")
-    kind = source_kind(source)
-    if kind == "shard":
+    if source_kind(source) == "shard":
         return _shard_corpus(Path(source), tokenizer, bpe_vocab, tokenizer_path, holdout_every)
-    if kind == "stdlib":
-        docs = stdlib_documents(max_bytes)
-    elif kind == "jsonl":
-        docs = list(read_jsonl(source, field=jsonl_field, warnings=warnings))
-    else:
-        docs = list(read_text_files(source, warnings=warnings))
-    if not docs:
-        raise UserError(f"data.source='{source}': holds no non-empty documents")
+    docs = read_documents(source, max_bytes=max_bytes, jsonl_field=jsonl_field,
+                          warnings=warnings)
     if hf_tok is not None:
         tok = hf_tok
     elif tokenizer == "bpe":

@@ -183,7 +183,7 @@ def shard_info(path: str | Path) -> dict[str, Any]:
     if not side.is_file():
         raise UserError(
             f"data.source='{path}': token shard has no sidecar '{side.name}' "
-            "(write shards with meshtron.data.write_token_shard: docs/guides/train.md, Data)")
+            "(write shards with `meshtron tokenize` or meshtron.data.write_token_shard)")
     try:
         info = json.loads(side.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

@@ -76,3 +76,9 @@ def decode_file(path: Path, warnings: list[str] | None = None) -> str:
     damage.add(raw, text)
     damage.check(warnings)
     return text
+
+
+def warning_lines(warnings: list[str], most: int = 5) -> list[str]:
+    """What to print of a source's warnings: the first `most`, then how many more files."""
+    more = [f"{len(warnings) - most} more files like these"] if len(warnings) > most else []
+    return warnings[:most] + more

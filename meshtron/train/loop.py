@@ -389,20 +389,14 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: boo
     if tok_path is not None and main and barrier is not None:
         barrier()
     if main and fresh:  # once per run: the launching parent, or the one process
-        say_data_warnings(data.info["warnings"])
+        from meshtron.data.text_check import warning_lines
+
+        for line in warning_lines(data.info["warnings"]):
+            print(f"meshtron train: warning: {line}", file=sys.stderr, flush=True)
     if data.vocab_size > cfg.model.vocab:
         raise UserError(f"model.vocab={cfg.model.vocab}: smaller than the tokenizer's "
                         f"{data.vocab_size} ids")
     return data
-
-
-def say_data_warnings(lines: list[str], most: int = 5) -> None:
-    """The data's warnings on stderr: the first `most`, then how many more files had one."""
-    for line in lines[:most]:
-        print(f"meshtron train: warning: {line}", file=sys.stderr, flush=True)
-    if len(lines) > most:
-        print(f"meshtron train: warning: {len(lines) - most} more files like these",
-              file=sys.stderr, flush=True)
 
 
 def train(cfg: RunConfig, show_progress: bool = True, overwrite: bool = False,
