@@ -33,9 +33,12 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     for line in warning_lines(warnings):
         print(f"meshtron tokenize: warning: {line}", file=sys.stderr)
     ids = tok.encode_documents(docs)
-    write_token_shard(out, ids, tok.vocab_size,
-                      meta={"tokenizer": tok.fingerprint, "source": str(args.data),
-                            "documents": len(docs)})
+    try:
+        write_token_shard(out, ids, tok.vocab_size,
+                          meta={"tokenizer": tok.fingerprint, "source": str(args.data),
+                                "documents": len(docs)})
+    except OSError as exc:
+        raise UserError(f"--out={args.out!r}: cannot be written ({exc.strerror})") from None
     flag = "" if args.tokenizer == "byte" else f" --tokenizer {args.tokenizer}"
     plural = "s" if len(docs) > 1 else ""
     print(f"{out}: {len(ids):,} tokens of {len(docs):,} document{plural}, vocabulary "
@@ -49,6 +52,8 @@ def _check_out(value: str, overwrite: bool) -> Path:
         raise UserError(f"--out={value!r}: must end in .bin (what --data reads as a token shard)")
     if out.is_dir():
         raise UserError(f"--out={value!r}: is a folder, expected a file name")
+    if any(parent.is_file() for parent in out.parents):
+        raise UserError(f"--out={value!r}: a folder on its path is a file")
     if out.exists() and not overwrite:
         raise UserError(f"--out={value!r}: exists; --overwrite replaces it")
     return out

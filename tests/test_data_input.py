@@ -201,6 +201,8 @@ def test_tokenize_writes_a_shard_that_train_reads(capsys, tmp_path):
     assert line.endswith(f"error: --out='{shard}': exists; --overwrite replaces it"), line
     line = refused(capsys, "tokenize", "--data", source, "--out", tmp_path / "x.txt")
     assert "must end in .bin" in line, line
+    line = refused(capsys, "tokenize", "--data", source, "--out", source / "x.bin")
+    assert "a folder on its path is a file" in line, line
     (tmp_path / "u16.txt").write_bytes(TEXT.encode("utf-16"))
     line = refused(capsys, "tokenize", "--data", tmp_path / "u16.txt", "--out", tmp_path / "u.bin")
     assert "not UTF-8 text (UTF-16?)" in line and not (tmp_path / "u.bin").exists(), line
