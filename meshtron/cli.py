@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "meshtron.simulate.cli",
     "meshtron.modular.cli",
     "meshtron.rehearse.cli",
+    "meshtron.tokenize_cli",
 ]
 
 
@@ -32,7 +33,8 @@ COMMANDS = {"train": "meshtron.train.cli", "demo": "meshtron.train.cli",
             "calibrate": "meshtron.calibrate.cli", "plan": "meshtron.planner.cli",
             "doctor": "meshtron.diagnose.cli", "export": "meshtron.hf.cli",
             "cost": "meshtron.cost.cli", "simulate": "meshtron.simulate.cli",
-            "merge": "meshtron.modular.cli", "rehearse": "meshtron.rehearse.cli"}
+            "merge": "meshtron.modular.cli", "rehearse": "meshtron.rehearse.cli",
+            "tokenize": "meshtron.tokenize_cli"}
 """The module that registers each subcommand: `meshtron plan ...` builds only the planner's
 parser, so it does not import the training, checkpoint and launcher modules that `train`'s
 flags need (about half of a plain `plan`'s start-up on a loaded machine; bench/planner_speed.py

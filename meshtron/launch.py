@@ -301,6 +301,9 @@ def leave_on_interrupt() -> None:
 
 
 def _leave(signum, frame) -> None:
+    doctor = sys.modules.get("meshtron.doctor")  # imported: a session to mark interrupted
+    if doctor is not None:
+        doctor.note_interrupted()
     runtime = sys.modules.get("meshtron.runtime")  # imported: NCCL communicators to abort
     if runtime is not None:
         runtime.abort_rank(EXIT_INTERRUPTED)

@@ -92,7 +92,11 @@ def test_text_files_directory_is_recursive_sorted_and_filtered(tmp_path):
     files = list_text_files(tmp_path)
     assert [f.relative_to(tmp_path).as_posix() for f in files] == ["a.md", "b/z.txt", "empty.txt"]
     assert list(read_text_files(tmp_path)) == ["aa", "zz"]
-    assert list(read_text_files(tmp_path / "b" / "skip.bin")) == ["\x00"]  # a named file is read
+    (tmp_path / "b" / "notes.log").write_text("log")
+    assert list(read_text_files(tmp_path / "b" / "notes.log")) == ["log"]  # named: read
+    with pytest.raises(ValueError, match=r"skip\.bin': not UTF-8 text \(UTF-16\?\): 1 NUL "
+                                         r"byte \(100%\)"):
+        list(read_text_files(tmp_path / "b" / "skip.bin"))  # read, and refused: not text
 
 
 def test_jsonl_reader_and_its_errors(tmp_path):

@@ -73,6 +73,7 @@ NOT_RUN = {
     "demo": "calibrates and trains for minutes", "calibrate": "starts 4 torch ranks (~15 s)",
     "rehearse": "imports torch; a 70B rank takes ~50-100 s", "export": "needs a trained run",
     "merge": "needs trained runs", "doctor": "reads a run folder a hung run left",
+    "tokenize": "reads a corpus and a tokenizer.json the docs only name",
 }
 
 

@@ -91,6 +91,8 @@ def test_recorded_dumps_of_every_fault_kind(fault):
         assert "[16] float32 where ranks 0, 1 used [8] float32" in d.verdict, d.verdict
     if fault == "dead_rank":
         assert d.verdict.startswith("rank 1 (dp=1) died"), d.verdict
+        named = [int(re.match(r"rank (\d+)", line).group(1)) for line in d.evidence]
+        assert named == [0, 1], d.evidence  # each rank once, in one format
 
 
 @pytest.mark.slow

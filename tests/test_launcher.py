@@ -6,6 +6,7 @@ The two end-to-end cases run the command as a user does (2 ranks, dp=2, the defa
 rest use small Python processes (no torch import) so that they take about a second each.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -138,8 +139,24 @@ def test_ctrl_c_on_two_ranks_is_one_line_and_exit_130(tmp_path, moment):
         while _run_procs(run_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _run_procs(run_dir)
+        if moment == "training":  # the ranks' doctor sessions exist: doctor says interrupted
+            _doctor_says_interrupted(run_dir)
     finally:
         _reap(procs | _run_procs(run_dir))
+
+
+def _doctor_says_interrupted(run_dir: Path) -> None:
+    """`meshtron doctor RUN` after Ctrl-C: no dump to judge (exit 4), said as an interruption,
+    not as a kill from outside (the ranks' hello files record the SIGINT)."""
+    doctor = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=60, env=_env())
+    assert doctor.returncode == 4, doctor.stdout + doctor.stderr
+    doc = json.loads(doctor.stdout)
+    assert doc["verdict"].startswith("no rank has dumped: the run was interrupted (SIGINT, e.g. "
+                                     "Ctrl-C; ranks 0, 1 left at once"), doc
+    assert "killed" not in doc["verdict"], doc
+    assert doc["evidence"] == ["rank 0: no dump; interrupted (SIGINT)",
+                               "rank 1: no dump; interrupted (SIGINT)"], doc
 
 
 _HOLDER = textwrap.dedent("""

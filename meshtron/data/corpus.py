@@ -54,7 +54,7 @@ def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES, root: str | Path | None = N
     `max_bytes`.
     """
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
-        raise UserError(f"data.max_bytes={max_bytes!r}: must be a positive integer")
+        raise UserError(f"max_bytes={max_bytes!r}: must be a positive integer")
     base = Path(root) if root is not None else stdlib_root()
     if not base.is_dir():
         raise UserError(f"data.source='{base}': does not exist (no standard library sources)")
@@ -79,7 +79,7 @@ def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES, root: str | Path | None = N
         total += size
     if not chosen:
         raise UserError(
-            f"data.max_bytes={max_bytes}: no stdlib source file fits "
+            f"max_bytes={max_bytes}: no stdlib source file fits "
             f"(found {len(found)} .py files under '{base}')")
     return chosen
 
@@ -122,7 +122,7 @@ def split_tokens(tokens: np.ndarray, holdout_every: int = DEFAULT_HOLDOUT_EVERY
 
 def _check_holdout(holdout_every: int) -> None:
     if not isinstance(holdout_every, int) or isinstance(holdout_every, bool) or holdout_every < 2:
-        raise UserError(f"data.holdout_every={holdout_every!r}: must be an integer >= 2")
+        raise UserError(f"holdout_every={holdout_every!r}: must be an integer >= 2")
 
 
 @dataclass(frozen=True)

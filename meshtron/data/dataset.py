@@ -86,17 +86,20 @@ def epoch_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:
 class TokenDataset:
     """Windows of `seq_len + 1` tokens (stride `seq_len`) over one flat token array."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "train") -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "train",
+                 required: bool = True) -> None:
+        """`required`: at least one window (else a UserError); False allows none (a held-out
+        split nothing will read)."""
         self.seq_len = _check_int("data.seq_len", seq_len)
         if tokens.ndim != 1:
             raise UserError(f"{name} tokens: expected a flat array, got shape {tokens.shape}")
         self.tokens = tokens
         self.num_windows = (len(tokens) - 1) // self.seq_len if len(tokens) else 0
-        if self.num_windows < 1:
+        if self.num_windows < 1 and required:
+            shorter = (f"; or --seq-len {len(tokens) - 1} or less" if len(tokens) > 1 else "")
             raise UserError(
                 f"data.seq_len={self.seq_len}: the {name} split holds {len(tokens)} tokens, "
-                f"fewer than one window of seq_len+1={self.seq_len + 1}; "
-                "use a shorter seq_len or more data")
+                f"fewer than one window of seq_len+1={self.seq_len + 1}; add data{shorter}")
         self._offsets = np.arange(self.seq_len + 1, dtype=np.int64)
 
     def __len__(self) -> int:

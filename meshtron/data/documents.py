@@ -26,7 +26,7 @@ def check_document_layout(cfg: Any, plan: Any) -> None:
     if cfg.data.attention_mask == "document" and plan.pp > 1:
         raise UserError(f"data.attention_mask='document': not supported with pipeline "
                          f"parallelism (plan pp={plan.pp}); use tensor/data parallelism or "
-                         "attention_mask='causal'")
+                         "--attention-mask causal")
 
 
 def apply_document_mask(modules: Iterable[Any], cfg: Any, tokenizer: Any) -> None:

@@ -66,12 +66,32 @@ def source_kind(source: str | Path) -> str:
     return "text"
 
 
+def read_documents(source: str | Path = STDLIB, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                   jsonl_field: str = "text", warnings: list[str] | None = None) -> list[str]:
+    """The documents of a text source ('stdlib', a text file or folder, a .jsonl), in order;
+    at least one. Text that is not quite clean UTF-8 adds a line to `warnings`."""
+    kind = source_kind(source)
+    if kind == "shard":
+        raise UserError(f"data.source='{source}': a token shard holds ids, not documents")
+    if kind == "stdlib":
+        docs = stdlib_documents(max_bytes)
+    elif kind == "jsonl":
+        docs = list(read_jsonl(source, field=jsonl_field, warnings=warnings))
+    else:
+        docs = list(read_text_files(source, warnings=warnings))
+    if not docs:
+        raise UserError(f"data.source='{source}': holds no non-empty documents")
+    return docs
+
+
 def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
                 bpe_vocab: int | None = None, tokenizer_path: str | Path | None = None,
                 holdout_every: int = DEFAULT_HOLDOUT_EVERY, max_bytes: int = DEFAULT_MAX_BYTES,
                 cache_dir: str | Path | None = None, jsonl_field: str = "text",
+                warnings: list[str] | None = None,
                 ) -> tuple[TokenCorpus, ByteTokenizer | BPETokenizer]:
-    """Read `source`, make (or load, or train) the tokenizer, tokenise and split.
+    """Read `source`, make (or load, or train) the tokenizer, tokenise and split. Text that is
+    not quite clean UTF-8 adds a line to `warnings` (`meshtron.data.text_check`).
 
     A BPE tokenizer without an existing `tokenizer_path` file is trained on the training split of
     the documents (never on held-out ones) and saved to `tokenizer_path` when given, else (with
@@ -82,17 +102,10 @@ def load_corpus(source: str | Path = STDLIB, tokenizer: str = "byte", *,
         allowed = ", ".join(map(repr, TOKENIZER_KINDS))
         raise UserError(f"data.tokenizer={tokenizer!r}: must be one of {allowed}, a "
                         "tokenizer.json or a folder holding one")
-    kind = source_kind(source)
-    if kind == "shard":
+    if source_kind(source) == "shard":
         return _shard_corpus(Path(source), tokenizer, bpe_vocab, tokenizer_path, holdout_every)
-    if kind == "stdlib":
-        docs = stdlib_documents(max_bytes)
-    elif kind == "jsonl":
-        docs = list(read_jsonl(source, field=jsonl_field))
-    else:
-        docs = list(read_text_files(source))
-    if not docs:
-        raise UserError(f"data.source='{source}': holds no non-empty documents")
+    docs = read_documents(source, max_bytes=max_bytes, jsonl_field=jsonl_field,
+                          warnings=warnings)
     if hf_tok is not None:
         tok = hf_tok
     elif tokenizer == "bpe":
@@ -118,7 +131,8 @@ def _shard_corpus(path: Path, tokenizer: str, bpe_vocab: int | None,
         if shard_vocab != BYTE_VOCAB:
             raise UserError(
                 f"data.tokenizer='byte': shard '{path}' holds ids of a {shard_vocab}-token "
-                "vocabulary; use tokenizer='bpe' with the tokenizer_path it was written with")
+                "vocabulary; give the tokenizer it was written with: --tokenizer FILE.json "
+                "(a Hugging Face tokenizer.json or its folder)")
         tok: ByteTokenizer | BPETokenizer | HFTokenizer = ByteTokenizer()
     elif tokenizer_file(tokenizer) is not None:
         tok = HFTokenizer.load(tokenizer)
@@ -127,13 +141,14 @@ def _shard_corpus(path: Path, tokenizer: str, bpe_vocab: int | None,
                             f"'{path}' was written with vocab_size={shard_vocab}")
     else:
         if tokenizer_path is None or not Path(tokenizer_path).is_file():
+            # (`tokenizer_path` is build_data's argument; a run's is RUN_DIR/tokenizer.)
             raise UserError(
-                f"data.tokenizer_path={None if tokenizer_path is None else str(tokenizer_path)!r}: "
-                "a BPE token shard needs the tokenizer file it was written with")
+                f"data.tokenizer='bpe': shard '{path}' needs the tokenizer file it was "
+                "written with, not a newly trained one; give it as --tokenizer FILE.json")
         tok = build_tokenizer("bpe", vocab_size=bpe_vocab, path=tokenizer_path)
         if tok.vocab_size != shard_vocab:
             raise UserError(
-                f"data.tokenizer_path='{tokenizer_path}': has {tok.vocab_size} ids but shard "
+                f"data.tokenizer='bpe': '{tokenizer_path}' has {tok.vocab_size} ids but shard "
                 f"'{path}' was written with vocab_size={shard_vocab}")
     want = (info.get("meta") or {}).get("tokenizer")
     if want is not None and want != tok.fingerprint:
@@ -216,7 +231,8 @@ def build_data(source: str | Path = STDLIB, tokenizer: str = "byte", seq_len: in
         ids, trained locally on the training documents; loaded from / saved to `tokenizer_path`).
     seq_len; global_batch: sequences per optimizer step over all ranks; seed: data order;
     dp_rank / dp_size: this rank's slice, rows [r*B/dp, (r+1)*B/dp) of every global batch.
-    eval_batches: held-out batches of `global_batch` rows, sliced per rank like training ones.
+    eval_batches: held-out batches of `global_batch` rows, sliced per rank like training ones;
+        0 (evaluation off): the held-out split may then hold less than one sequence.
 
     Returns a `Data`, which unpacks as `(train_loader, eval_batches)`.
     """
@@ -225,21 +241,39 @@ def build_data(source: str | Path = STDLIB, tokenizer: str = "byte", seq_len: in
         raise UserError(f"data.seq_len={seq_len!r}: must be a positive integer")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise UserError(f"train.seed={seed!r}: must be a non-negative integer")
+    warnings: list[str] = []
     corpus, tok = load_corpus(source, tokenizer, bpe_vocab=bpe_vocab,
                               tokenizer_path=tokenizer_path, holdout_every=holdout_every,
-                              max_bytes=max_bytes, cache_dir=cache_dir, jsonl_field=jsonl_field)
+                              max_bytes=max_bytes, cache_dir=cache_dir, jsonl_field=jsonl_field,
+                              warnings=warnings)
     train_ds = TokenDataset(corpus.train, seq_len, name="train")
-    eval_ds = TokenDataset(corpus.eval, seq_len, name="held-out")
+    _check_held_out(corpus, seq_len, holdout_every, eval_batches)
+    eval_ds = TokenDataset(corpus.eval, seq_len, name="held-out", required=False)
     if global_batch > train_ds.num_windows:
         # A step larger than the whole training set is a typo, not a plan (and would try to
         # materialise that many held-out rows).
         raise UserError(f"data.global_batch={global_batch}: larger than the training set "
                         f"({train_ds.num_windows} sequences of {seq_len} tokens in "
-                        f"{source}); lower it or add data")
+                        f"{source}); lower it (--global-batch) or add data")
     sampler = DistributedBatchSampler(train_ds.num_windows, global_batch, seed, dp_rank, dp_size)
     info: dict[str, Any] = {**corpus.info(), "tokenizer": tokenizer_info(tok), "seq_len": seq_len,
                             "train_windows": train_ds.num_windows,
-                            "eval_windows": eval_ds.num_windows}
+                            "eval_windows": eval_ds.num_windows, "warnings": warnings}
     loader = TrainLoader(train_ds, sampler, tokenizer=tok, info=info)
     evals = EvalBatches(eval_ds, global_batch, eval_batches, dp_rank, dp_size)
     return Data(loader, evals, tok, info)
+
+
+def _check_held_out(corpus: TokenCorpus, seq_len: int, holdout_every: int,
+                    eval_batches: int) -> None:
+    """With evaluation on, the held-out split must hold one sequence; say what would help."""
+    held = len(corpus.eval)
+    if eval_batches == 0 or held > seq_len:
+        return
+    share = (f"every {holdout_every}th document" if corpus.num_eval_documents
+             else f"the last 1/{holdout_every} of its tokens")
+    shorter = f", --seq-len {held - 1} or less" if held > 1 else ""
+    raise UserError(
+        f"data.seq_len={seq_len}: the held-out split of '{corpus.source}' ({share}) holds "
+        f"{held} tokens, fewer than one sequence of seq_len+1={seq_len + 1}; add data{shorter}, "
+        "or turn evaluation off (--eval-every 0: the held-out split is then never read)")

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from meshtron.data.text_check import TextDamage, decode_file
 from meshtron.data.tokenizer import token_dtype
 from meshtron.errors import UserError
 
@@ -65,16 +66,19 @@ def list_text_files(paths: str | Path | Sequence[str | Path],
 
 
 def read_text_files(paths: str | Path | Sequence[str | Path],
-                    suffixes: Sequence[str] = TEXT_SUFFIXES) -> Iterator[str]:
-    """One document per file (UTF-8, undecodable bytes replaced); empty files are skipped.
+                    suffixes: Sequence[str] = TEXT_SUFFIXES,
+                    warnings: list[str] | None = None) -> Iterator[str]:
+    """One document per file (UTF-8); empty files are skipped.
 
-    Paths are checked before the first document is produced.
+    A file that is not UTF-8 text is refused, one with a few undecodable bytes (read as U+FFFD)
+    adds a line to `warnings` (`meshtron.data.text_check`). Paths are checked before the first
+    document is produced.
     """
     files = list_text_files(paths, suffixes)
 
     def gen() -> Iterator[str]:
         for f in files:
-            text = f.read_bytes().decode("utf-8", errors="replace")
+            text = decode_file(f, warnings)
             if text:
                 yield text
 
@@ -83,26 +87,32 @@ def read_text_files(paths: str | Path | Sequence[str | Path],
 
 # ---- JSONL ---------------------------------------------------------------------------------
 
-def read_jsonl(path: str | Path, field: str = "text") -> Iterator[str]:
+def read_jsonl(path: str | Path, field: str = "text",
+               warnings: list[str] | None = None) -> Iterator[str]:
     """One document per line: the string under `field` of each JSON object; blank lines skipped.
 
     A line that is not JSON, not an object, lacks `field` or holds a non-string there raises a
-    ValueError naming `file:line`. The path is checked before the first document is produced.
+    ValueError naming `file:line`; a file that is not UTF-8 is refused (or warned about) as
+    `read_text_files` does. The path is checked before the first document is produced.
     """
     p = check_exists(path)
     if not p.is_file():
         raise UserError(f"data.source='{path}': is a directory, expected a .jsonl file")
 
     def gen() -> Iterator[str]:
+        damage = TextDamage(p)
         with open(p, "rb") as fh:
             for lineno, raw in enumerate(fh, start=1):
-                line = raw.decode("utf-8", errors="replace").strip()
+                line = raw.decode("utf-8", errors="replace")
+                damage.add(raw, line)
+                line = line.strip()
                 if not line:
                     continue
                 where = f"data.source line {p}:{lineno}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
+                    damage.check(None)  # UTF-16 fails as JSON first: name the encoding
                     raise UserError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") \
                         from None
                 if not isinstance(record, dict):
@@ -118,6 +128,7 @@ def read_jsonl(path: str | Path, field: str = "text") -> Iterator[str]:
                         f"{where}: field {field!r} must be a string, got {type(text).__name__}")
                 if text:
                     yield text
+        damage.check(warnings)
 
     return gen()
 
@@ -172,7 +183,7 @@ def shard_info(path: str | Path) -> dict[str, Any]:
     if not side.is_file():
         raise UserError(
             f"data.source='{path}': token shard has no sidecar '{side.name}' "
-            "(write shards with meshtron.data.write_token_shard)")
+            "(write shards with `meshtron tokenize` or meshtron.data.write_token_shard)")
     try:
         info = json.loads(side.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

@@ -166,14 +166,14 @@ class BPETokenizer:
     def load(cls, path: str | Path) -> BPETokenizer:
         path = Path(path)
         if not path.is_file():
-            raise UserError(f"data.tokenizer_path='{path}': does not exist")
+            raise UserError(f"BPE tokenizer file '{path}': does not exist")
         tk = _import_tokenizers()
         try:
             backend = tk.Tokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception on malformed files
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise UserError(
-                f"data.tokenizer_path='{path}': not a tokenizers JSON file ({first})") from None
+                f"BPE tokenizer file '{path}': not a tokenizers JSON file ({first})") from None
         return cls(backend)
 
     def save(self, path: str | Path) -> Path:
@@ -342,14 +342,15 @@ def build_tokenizer(kind: str = "byte", *, vocab_size: int | None = None,
             if vocab_size is not None and tok.vocab_size > vocab_size:
                 raise UserError(
                     f"data.bpe_vocab={vocab_size}: the tokenizer at '{path}' has "
-                    f"{tok.vocab_size} ids; delete it to retrain or set bpe_vocab={tok.vocab_size}")
+                    f"{tok.vocab_size} ids; delete it to retrain or set "
+                    f"data.bpe_vocab={tok.vocab_size}")
             return tok
         if vocab_size is None:
             raise UserError(
                 "data.bpe_vocab=None: training a BPE tokenizer needs a vocabulary size")
         if train_texts is None:
             raise UserError(
-                "data.tokenizer='bpe': needs texts to train on or an existing tokenizer_path")
+                "data.tokenizer='bpe': needs texts to train on or an existing tokenizer file")
         tok = BPETokenizer.train(train_texts, vocab_size)
         if path is not None:
             tok.save(path)

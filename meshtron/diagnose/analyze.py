@@ -260,14 +260,12 @@ def _missing_ranks(trace: Trace) -> Diagnosis | None:
         r, rec, secs = wait
         text += (f"; rank {r} waited {secs:.1f} s for it in {_op_text(rec)} on "
                  f"{trace.group_label(rec['group'])}")
-    failed = [(r, d["reason"]) for r, d in sorted(trace.dumps.items())
-              if d["reason"].startswith("exception")]
-    evidence = [f"rank {r}: {reason.splitlines()[0][:160]}" for r, reason in failed[:4]]
     if len(culprits) > 1:
         text = text.replace("its process is", "their processes are").replace(
             " is frozen", " are frozen").replace("it left", "they left").replace(
             "for it in", "for them in")
-    return Diagnosis(kind, text + ".", culprits, evidence)
+    # Each rank's reason (an exception's first line included) is in `evidence(trace)`.
+    return Diagnosis(kind, text + ".", culprits, [])
 
 
 def _is_broken(dump: dict[str, Any]) -> bool:
@@ -464,6 +462,11 @@ def _no_dumps(trace: Trace) -> Diagnosis:
         pids = " ".join(str(p) for p in live.values())
         text = (f"no rank has dumped: the run is still going ({_ranks_text(list(live))} "
                 f"running); `kill -USR1 {pids}` makes them dump, then run doctor again.")
+    elif any("interrupted_t" in h for h in trace.hellos.values()):
+        stopped = sorted(r for r, h in trace.hellos.items() if "interrupted_t" in h)
+        text = (f"no rank has dumped: the run was interrupted (SIGINT, e.g. Ctrl-C; "
+                f"{_ranks_text(stopped)} left at once, as asked); there is nothing to compare "
+                "(`kill -USR1 <pid>` dumps the ranks of a live run, a hang included).")
     else:
         text = ("no rank has dumped: the ranks ended without a dump (killed from outside, e.g. "
                 "SIGKILL of the launcher or of every rank); there is nothing to compare "
@@ -493,7 +496,9 @@ def evidence(trace: Trace) -> list[str]:
     for r in range(trace.world_size):
         d = trace.dumps.get(r)
         if d is None:
-            lines.append(f"{trace.label(r)}: no dump")
+            how = ("; interrupted (SIGINT)" if "interrupted_t" in trace.hellos.get(r, {})
+                   else "")
+            lines.append(f"{trace.label(r)}: no dump{how}")
             continue
         recs = d.get("records", [])
         last = recs[-1] if recs else None

@@ -13,7 +13,8 @@ EXIT_FOUND = 3
 """A problem found: a verdict other than `none` (a culprit rank named, in any attempt of a
 restarted run) or, with --nccl-log, at least one error-severity problem in the logs."""
 EXIT_NO_DUMP = 4
-"""No rank has dumped (killed from outside, or the run is still going): nothing was judged."""
+"""No rank has dumped (killed from outside, interrupted, or the run is still going): nothing
+was judged."""
 EXIT_CODES = ("exit code 0: nothing wrong found; 3: a problem found (a culprit rank named, or "
               "NCCL log errors); 4: no rank has dumped, nothing to judge; 2: bad input; "
               "1: a bug")

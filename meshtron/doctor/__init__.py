@@ -90,6 +90,17 @@ def stop(final_dump: bool = True) -> None:
         _session = None
 
 
+def note_interrupted() -> None:
+    """SIGINT (Ctrl-C; the rank then leaves at once, without a dump): say so in this rank's
+    hello file, so that `meshtron doctor` reports an interrupted run, not a killed one."""
+    if _session is not None:
+        import time
+
+        from meshtron.doctor import dump
+
+        dump.note_in_hello(_session.trace_dir, _session.rank, interrupted_t=time.time())
+
+
 def beat(step: int) -> None:
     if _session is not None:
         _session.beat(step)

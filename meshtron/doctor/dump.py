@@ -54,6 +54,16 @@ def write_hello(trace_dir: Path, rank: int, world_size: int) -> None:
         "host": socket.gethostname(), "start_t": time.time()})
 
 
+def note_in_hello(trace_dir: Path, rank: int, **fields: Any) -> None:
+    """Add `fields` to this rank's hello file (how it ended, when it leaves without a dump)."""
+    path = hello_path(trace_dir, rank)
+    try:
+        hello = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    write_json_atomic(path, {**hello, **fields})
+
+
 def thread_stacks() -> list[dict[str, Any]]:
     """Every thread's Python stack (innermost frame last, as tracebacks print)."""
     names = {t.ident: t.name for t in threading.enumerate()}

@@ -12,6 +12,7 @@ synchronisation per point (`engine.read_log`).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -352,7 +353,9 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: boo
     """The data pipeline for this data-parallel rank, checked against the model's vocabulary.
     A BPE tokenizer is trained once, by the main rank (or the launching parent), into
     RUN_DIR/tokenizer/; the other ranks wait (`barrier()`) and load it. `fresh`: this run has
-    not trained it yet (a file left by an earlier run in the folder is replaced)."""
+    not trained it yet (a file left by an earlier run in the folder is replaced); a fresh main
+    build also prints the data's warnings (text that is not clean UTF-8), once per run.
+    Evaluation off (train.eval_every=0): no held-out sequence is needed."""
     from meshtron.data import build_data
     from meshtron.data.tokenizer import run_tokenizer_path
 
@@ -369,7 +372,8 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: boo
         return build_data(source=cfg.data.source, tokenizer=cfg.data.tokenizer,
                           seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch,
                           seed=cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size,
-                          eval_batches=cfg.data.eval_batches, bpe_vocab=cfg.data.bpe_vocab,
+                          eval_batches=cfg.data.eval_batches if cfg.train.eval_every else 0,
+                          bpe_vocab=cfg.data.bpe_vocab,
                           tokenizer_path=tok_path)
 
     made = tok_path is not None and main and not tok_path.parent.exists()
@@ -383,6 +387,11 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: boo
         raise
     if tok_path is not None and main and barrier is not None:
         barrier()
+    if main and fresh:  # once per run: the launching parent, or the one process
+        from meshtron.data.text_check import warning_lines
+
+        for line in warning_lines(data.info["warnings"]):
+            print(f"meshtron train: warning: {line}", file=sys.stderr, flush=True)
     if data.vocab_size > cfg.model.vocab:
         raise UserError(f"model.vocab={cfg.model.vocab}: smaller than the tokenizer's "
                         f"{data.vocab_size} ids")
