@@ -217,8 +217,12 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
     knobs = fixed_knobs(args.layout, args.zero, args.recompute, args.sp, args.micro_batch,
                         args.schedule, args.dtype)
-    if getattr(args, "dp_replicate", None) is not None:
-        knobs["dp_replicate"] = args.dp_replicate
+    replicate = getattr(args, "dp_replicate", None)
+    if replicate is not None:
+        if knobs.get("dp_replicate", replicate) != replicate:
+            raise UserError(f"--dp-replicate={replicate}: the layout gives dp_replicate="
+                            f"{knobs['dp_replicate']}; give it once")
+        knobs["dp_replicate"] = replicate
     if getattr(args, "pipeline_runs", None) is not None:
         knobs["pipeline_runs"] = args.pipeline_runs
     if getattr(args, "reduce_dtype", None) is not None:
