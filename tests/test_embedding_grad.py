@@ -42,11 +42,20 @@ def test_the_bf16_weight_gradient_is_the_fp32_sum_rounded_once():
     assert _relative(native.grad, exact) > 4 * _relative(emb.weight.grad, exact)  # the defect
 
 
+def _node(emb: Embedding) -> str:
+    """The autograd node of the embedding's output: which backward runs."""
+    return type(emb(torch.tensor([1, 2])).grad_fn).__name__
+
+
 def test_the_kernel_choice_keeps_pytorch_s_where_it_already_sums_in_fp32():
     assert sums_in_fp32_natively(torch.zeros(2, 2))  # fp32 weight: nothing to fix
     assert not sums_in_fp32_natively(torch.zeros(2, 2, dtype=torch.bfloat16))  # CPU bf16
     emb = Embedding(10, 4)  # fp32: PyTorch's own autograd node
-    assert "EmbeddingBackward" in type(emb(torch.tensor([1, 2])).grad_fn).__name__
+    assert _node(emb) == "EmbeddingBackward0"
+    half = Embedding(10, 4).to(torch.bfloat16)
+    assert _node(half) == "_Fp32GradEmbeddingBackward"
+    half.kernel = "pytorch"  # what `meshtron rehearse` on a CPU injects (a GPU run's kernel)
+    assert _node(half) == "EmbeddingBackward0"
 
 
 def test_a_bf16_model_s_embedding_gradient_is_as_close_to_fp32_as_the_other_parameters():

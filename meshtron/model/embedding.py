@@ -58,9 +58,16 @@ def sums_in_fp32_natively(weight: torch.Tensor) -> bool:
 class Embedding(nn.Embedding):
     """`nn.Embedding` with an fp32-summed weight gradient on every device (module docstring)."""
 
+    kernel: str | None = None
+    """None: chosen by the weight's device and dtype (module docstring); "pytorch": always
+    PyTorch's kernel (`meshtron rehearse` on a CPU measures what a GPU run allocates, whose
+    kernel needs no fp32 buffer); "fp32_sum": always `_Fp32GradEmbedding`."""
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         plain = (self.padding_idx is None and self.max_norm is None
                  and not self.scale_grad_by_freq and not self.sparse)
-        if not plain or sums_in_fp32_natively(self.weight) or not torch.is_grad_enabled():
+        native = self.kernel == "pytorch" or (
+            self.kernel is None and sums_in_fp32_natively(self.weight))
+        if not plain or native or not torch.is_grad_enabled():
             return super().forward(tokens)
         return _Fp32GradEmbedding.apply(tokens, self.weight)
