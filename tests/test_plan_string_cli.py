@@ -59,4 +59,4 @@ def test_a_plan_file_without_predicted_is_not_priced_never_nan(tmp_path):
                     "--run-dir", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     assert "nan" not in proc.stdout
-    assert "not priced" in proc.stdout
+    assert "; not priced (the plan file has no predicted table);" in proc.stdout

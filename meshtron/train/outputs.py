@@ -211,5 +211,5 @@ def _predicted_words(pred: dict) -> str:
     written by hand has no [predicted] table)."""
     step, memory = pred.get("step_time_s"), pred.get("memory_gib")
     if step is None or memory is None:
-        return "not priced (the plan has no [predicted] table)"
+        return "not priced (the plan file has no predicted table)"
     return f"predicted step {step:.3f} s, {memory:.2f} GiB/rank"
