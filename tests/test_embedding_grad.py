@@ -59,16 +59,24 @@ def test_the_kernel_choice_keeps_pytorch_s_where_it_already_sums_in_fp32():
 
 
 def test_a_bf16_model_s_embedding_gradient_is_as_close_to_fp32_as_the_other_parameters():
-    spec = resolve_model("tiny")
-    model = Transformer(spec, init_seed=1)
-    tokens = _zipf_tokens(spec.vocab, (16, 257), seed=2)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    """The audit's case: `tiny` on the default data (stdlib text, bytes), micro-batch 16 of 256
+    tokens. PyTorch's CPU kernel: 24% off fp32 (2026-12-05); the fp32 sum: 0.5%, below the
+    worst other parameter (1%)."""
+    from meshtron.data.pipeline import build_data
+
+    x, y = build_data(seq_len=256, global_batch=16, seed=0).next_batch()[:2]
+    model = Transformer(resolve_model("tiny"), init_seed=0)
     model(x, targets=y).backward()
     want = {k: p.grad for k, p in model.named_parameters()}
 
-    mp = BF16Compute(model)
-    mp.refresh()
-    mp.model(x, targets=y).backward()
-    errors = {k: _relative(p.grad, want[k]) for k, p in mp.model.named_parameters()}
-    embedding = errors.pop("tok_embeddings.weight")
-    assert embedding <= max(errors.values()), (embedding, max(errors.values()))
+    def errors(kernel):
+        mp = BF16Compute(model)
+        mp.refresh()
+        mp.model.tok_embeddings.kernel = kernel
+        mp.model(x, targets=y).backward()
+        return {k: _relative(p.grad, want[k]) for k, p in mp.model.named_parameters()}
+
+    fixed = errors(None)
+    embedding = fixed.pop("tok_embeddings.weight")
+    assert embedding <= max(fixed.values()), (embedding, max(fixed.values()))
+    assert errors("pytorch")["tok_embeddings.weight"] > 10 * embedding  # the defect it fixes
