@@ -4,9 +4,9 @@ Why: a bf16 embedding's weight gradient is a sum over every position of the micr
 holds a token. PyTorch's CUDA kernel sums it in fp32 and rounds once
 (aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu: partial sums in `acc_type`, float for
 bf16; torch 2.13), but its CPU kernel allocates the gradient in the gradient's own dtype and adds
-row by row (aten/src/ATen/native/Embedding.cpp `embedding_dense_backward_cpu`: `index_add_`
-into a bf16 `grad_weight`), so a frequent token's gradient loses bits with every addition: on
-`tiny` with the default data (stdlib text, bytes), micro-batch 16 of 256 tokens, 24% relative
+row by row (aten/src/ATen/native/Embedding.cpp `embedding_dense_backward_cpu`: `grad_weight`
+made with `grad_.options()`, one TensorIterator add per position), so a frequent token's
+gradient loses bits with every addition: on `tiny` with the default data (stdlib text, bytes), micro-batch 16 of 256 tokens, 24% relative
 error against fp32 (the user audit of 2026-12-05 saw 18%), 2% at micro-batch 2, every other
 parameter within 1.1%; summed in fp32: 0.5-0.6% (2026-12-05, tests/test_embedding_grad.py).
 
@@ -15,9 +15,10 @@ tensor parallelism, FSDP2 and checkpoints see no change) whose forward picks the
 the weight's device: on CUDA, or for an fp32/fp64 weight, `F.embedding` (PyTorch's kernel: no
 extra memory or host work); elsewhere, for a bf16/fp16 plain tensor, `_Fp32GradEmbedding`:
 the same gather forward, and a backward that sums the rows into an fp32 [vocab, hidden] buffer
-and rounds it to the weight's dtype once, as the CUDA kernel does. A DTensor weight (the
-vocabulary-parallel embedding under tensor parallelism) keeps PyTorch's kernel: its local
-backward on a CPU still sums in bf16.
+(twice the bf16 gradient's bytes, CPU only) and rounds it to the weight's dtype once, as the
+CUDA kernel does. `Embedding.kernel` overrides the choice (`meshtron rehearse` on a CPU measures
+a GPU run's kernel). Not covered: a DTensor weight (the vocabulary-parallel embedding under
+tensor parallelism) keeps PyTorch's kernel, so its local backward on a CPU still sums in bf16.
 """
 
 from __future__ import annotations
