@@ -115,7 +115,7 @@ def test_a_calibration_of_another_device_is_not_used_and_the_plan_says_why(tmp_p
     assert got.source.endswith("not this node's NVIDIA H200: not used")
     # a GPU's calibration on a CPU machine (a run folder copied off the node): nominal figures
     cpu = choose_cluster(1, None, _node("cpu", 0, "cpu"), path)
-    assert cpu.cluster.name == "nominal-cpu" and "not used" in cpu.source
+    assert cpu.cluster.name == "nominal-cpu:1" and "not used" in cpu.source
     # --cluster wins over everything
     given = choose_cluster(1, "dgx-h100:1", _node(), path)
     assert given.source == "--cluster dgx-h100:1" and given.cluster.gpu == "H100-SXM5-80GB"

@@ -134,10 +134,9 @@ def cluster(ctx: Ctx):
     """The GPU's catalogue entry with its own memory (what `meshtron train` plans for on an
     uncalibrated GPU node); dry run: the nominal CPU figures."""
     if ctx.dry_run:
-        from meshtron.planner.cluster import cluster_from_dict
-        from meshtron.train.planning import NOMINAL_CPU_CLUSTER
+        from meshtron.planner.cluster import nominal_cpu_cluster
 
-        return cluster_from_dict({**NOMINAL_CPU_CLUSTER, "gpus_per_node": 1})
+        return nominal_cpu_cluster(1)
     from meshtron.calibrate.device import device_cluster
 
     return device_cluster(1)

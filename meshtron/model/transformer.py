@@ -21,6 +21,7 @@ from torch import nn
 
 from meshtron.errors import UserError
 from meshtron.model.attention import DocumentMask, attention, document_mask, window_attention
+from meshtron.model.embedding import Embedding
 from meshtron.model.loss import OutputHead, cross_entropy_loss
 from meshtron.model.mla import MLAttention
 from meshtron.model.rope import apply_rope, rope_cache
@@ -231,9 +232,10 @@ class Transformer(nn.Module):
         # Modules are created on meta (no memory, no throw-away default init), then allocated
         # once on the target device and initialized by `init_weights`.
         with torch.device("meta"):
-            self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+            # fp32-summed weight gradient on every device (meshtron/model/embedding.py)
+            self.tok_embeddings: nn.Embedding | None = Embedding(spec.vocab, spec.hidden)
             self.pos_embeddings: nn.Embedding | None = (
-                nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
+                Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
             self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.layers)})
             self.norm: nn.Module | None = _norm(spec)
             self.output: nn.Linear | None = OutputHead(spec.hidden, spec.vocab, bias=False)

@@ -47,7 +47,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", required=True,
                    help="preset name, Hugging Face config.json path, or TOML file with a model key")
     p.add_argument("--cluster", required=True,
-                   help="dgx-a100:N, dgx-h100:N, dgx-h200:N (N nodes of 8 GPUs) or a cluster TOML")
+                   help="dgx-a100:N, dgx-h100:N, dgx-h200:N (N nodes of 8 GPUs), "
+                        "nominal-cpu:N (N CPU ranks on one machine: what an uncalibrated CPU "
+                        "run plans on) or a cluster TOML")
     p.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per step (default: about 4M tokens' worth)")
     p.add_argument("--seq-len", type=positive_int, default=None,
@@ -56,13 +58,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tokens", default="1T",
                    help="training budget in tokens for days / GPU-hours, e.g. 15T, 300B, 2e12")
     p.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
-    p.add_argument("--layout", help="fix any of tp, cp, pp, dp, ep, etp: e.g. "
+    p.add_argument("--layout", help="fix any of tp, cp, pp, dp, dp_replicate, ep, etp: e.g. "
                                     "tp=8,cp=2,pp=16,dp=64 or tp=1,pp=16,dp=128,ep=64 (ep "
                                     "folds over dp x cp); etp (megatron@2024 and "
                                     "megatron-bridge: Megatron-Core's expert tensor "
                                     "parallelism) folds ep over tp x cp x dp, ep*etp "
                                     "dividing them, e.g. "
-                                    "tp=2,pp=8,dp=16,ep=32,etp=1; "
+                                    "tp=2,pp=8,dp=16,ep=32,etp=1; dp_replicate as "
+                                    "--dp-replicate (dp=8,dp_replicate=2: HSDP); "
                                     "when the knobs leave one layout (axes not given count as "
                                     "fixed where the GPU count allows one value) it is pinned: "
                                     "priced even when predicted not to fit")
@@ -217,8 +220,12 @@ def collect_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
     knobs = fixed_knobs(args.layout, args.zero, args.recompute, args.sp, args.micro_batch,
                         args.schedule, args.dtype)
-    if getattr(args, "dp_replicate", None) is not None:
-        knobs["dp_replicate"] = args.dp_replicate
+    replicate = getattr(args, "dp_replicate", None)
+    if replicate is not None:
+        if knobs.get("dp_replicate", replicate) != replicate:
+            raise UserError(f"--dp-replicate={replicate}: the layout gives dp_replicate="
+                            f"{knobs['dp_replicate']}; give it once")
+        knobs["dp_replicate"] = replicate
     if getattr(args, "pipeline_runs", None) is not None:
         knobs["pipeline_runs"] = args.pipeline_runs
     if getattr(args, "reduce_dtype", None) is not None:

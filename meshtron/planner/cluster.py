@@ -414,11 +414,36 @@ def _positive(field: str, value: Any) -> None:
         raise UserError(f"{field}={value!r}: must be a positive number")
 
 
+# The figures `meshtron train` plans with on an uncalibrated CPU machine; reports then say
+# the prediction is nominal. Figures: one CPU core's fp32 GEMM rate and loopback gloo, the order
+# of magnitude `meshtron calibrate` measures on a 2-core VM (meshtron's own measurement).
+NOMINAL_CPU = "nominal-cpu"
+NOMINAL_CPU_CLUSTER = {"name": NOMINAL_CPU, "peak_tflops": 0.05, "matmul_efficiency": 1.0,
+                       "memory_gib": 4.0, "hbm_gb_per_s": 10.0, "intra_node_gb_per_s": 1.0,
+                       "inter_node_gb_per_s": 1.0, "intra_node_latency_us": 500.0,
+                       "inter_node_latency_us": 500.0, "bandwidth_efficiency": 1.0, "nodes": 1}
+
+
+def nominal_cpu_cluster(ranks: int) -> ClusterSpec:
+    """`ranks` CPU ranks on one machine with the nominal figures, named `nominal-cpu:<ranks>`:
+    the name a run prints is the `--cluster` value that plans on the same figures."""
+    return cluster_from_dict({**NOMINAL_CPU_CLUSTER, "name": f"{NOMINAL_CPU}:{ranks}",
+                              "gpus_per_node": ranks})
+
+
+def _preset_words() -> str:
+    return (", ".join(k + ":N" for k in CLUSTER_PRESETS)
+            + f" (N nodes of 8 GPUs), {NOMINAL_CPU}:N (N CPU ranks on one machine)")
+
+
 def preset_cluster(kind: str, nodes: int) -> ClusterSpec:
-    """`dgx-a100`, `dgx-h100` or `dgx-h200` with `nodes` nodes of 8 GPUs."""
+    """`dgx-a100`, `dgx-h100` or `dgx-h200` with `nodes` nodes of 8 GPUs; `nominal-cpu` with
+    `nodes` CPU ranks on one machine (what an uncalibrated CPU run plans on)."""
+    if kind == NOMINAL_CPU:
+        return nominal_cpu_cluster(nodes)
     if kind not in CLUSTER_PRESETS:
-        raise UserError(f"cluster={kind!r}: unknown preset; allowed: "
-                         f"{', '.join(k + ':N' for k in CLUSTER_PRESETS)} or a TOML file")
+        raise UserError(f"cluster={kind!r}: unknown preset; allowed: {_preset_words()} "
+                        "or a TOML file")
     g = GPU_CATALOGUE[CLUSTER_PRESETS[kind]]
     return ClusterSpec(name=f"{kind}:{nodes}", gpu=g.name, peak_tflops=g.peak_tflops,
                        memory_gib=g.memory_gib, gpus_per_node=8, nodes=nodes,
@@ -473,8 +498,8 @@ def resolve_cluster(text: str | Path | ClusterSpec) -> ClusterSpec:
         return text
     text = str(text)
     if not text.strip():  # Path('') is '.', which would be refused as a folder
-        raise UserError(f"cluster={text!r}: expected a preset "
-                        f"({', '.join(k + ':N' for k in CLUSTER_PRESETS)}) or a TOML file path")
+        raise UserError(f"cluster={text!r}: expected a preset ({_preset_words()}) or a TOML "
+                        "file path")
     m = re.fullmatch(r"([a-z0-9-]+):(\d+)", text.strip())
     if m and not Path(text).exists():
         nodes = int(m.group(2))
@@ -483,5 +508,5 @@ def resolve_cluster(text: str | Path | ClusterSpec) -> ClusterSpec:
         return preset_cluster(m.group(1), nodes)
     if text.endswith(".toml") or Path(text).exists():
         return load_cluster_toml(text)
-    raise UserError(f"cluster={text!r}: expected a preset "
-                     f"({', '.join(k + ':N' for k in CLUSTER_PRESETS)}) or a TOML file path")
+    raise UserError(f"cluster={text!r}: expected a preset ({_preset_words()}) or a TOML "
+                    "file path")

@@ -366,7 +366,9 @@ class Plan:
         ep = f",ep={self.ep}" if self.ep > 1 else ""
         if self.etp is not None:
             ep += f",etp={self.etp}"
-        return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}{ep}"
+        # HSDP's replicas as the --plan string spells them (plan_parse.parse_layout)
+        replicate = f",dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
+        return f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}{replicate}{ep}"
 
     def schedule_label(self) -> str:
         """'-' without a pipeline, 'interleaved:V' with virtual stages, else the schedule;

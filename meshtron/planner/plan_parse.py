@@ -8,16 +8,21 @@ from typing import Any
 
 from meshtron.errors import UserError
 
+LAYOUT_AXES = ("tp", "cp", "pp", "dp", "dp_replicate", "ep", "etp")
+_LAYOUT_WORDS = ", ".join(f"{axis}=N" for axis in LAYOUT_AXES)
+
+
 def parse_layout(text: str) -> dict[str, int]:
     """'tp=8,cp=2,pp=16,dp=64,ep=8' (any subset) -> {'tp': 8, 'cp': 2, 'pp': 16, 'dp': 64,
     'ep': 8}; ep is folded over the dp x cp ranks, it does not multiply the world size.
-    'etp=N' (expert tensor parallelism, Megatron-Core's folding: ep*etp divides tp*cp*dp)."""
+    'etp=N' (expert tensor parallelism, Megatron-Core's folding: ep*etp divides tp*cp*dp).
+    'dp_replicate=N' (the Plan's field: HSDP, dp split into N replicas of dp/N-rank sharded
+    groups; ZeRO-2/3) names the replicate axis; the Plan's validity function judges it."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(tp|pp|dp|cp|ep|etp)\s*=\s*(\d+)", part)
+        m = re.fullmatch(rf"({'|'.join(LAYOUT_AXES)})\s*=\s*(\d+)", part)
         if not m:
-            raise UserError(f"layout={text!r}: expected comma-separated tp=N, cp=N, pp=N, dp=N, "
-                             "ep=N, etp=N")
+            raise UserError(f"layout={text!r}: expected comma-separated {_LAYOUT_WORDS}")
         key, value = m.group(1), int(m.group(2))
         if value <= 0:
             raise UserError(f"layout {key}={value}: must be a positive integer")
@@ -25,8 +30,7 @@ def parse_layout(text: str) -> dict[str, int]:
             raise UserError(f"layout={text!r}: {key} given twice")
         out[key] = value
     if not out:
-        raise UserError(f"layout={text!r}: expected comma-separated tp=N, cp=N, pp=N, dp=N, "
-                         "ep=N, etp=N")
+        raise UserError(f"layout={text!r}: expected comma-separated {_LAYOUT_WORDS}")
     return out
 
 

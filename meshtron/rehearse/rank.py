@@ -84,6 +84,17 @@ def _static_routing(parts, imbalance: float, dtype: str) -> None:
                 module.experts.kernel = "grouped"
 
 
+def _gpu_embedding_kernel(parts) -> None:
+    """A GPU run's embedding backward (PyTorch's kernel, which sums in fp32 itself) instead of
+    the CPU's fp32-sum path and its [vocab, hidden] fp32 buffer (meshtron/model/embedding.py)."""
+    from meshtron.model.embedding import Embedding
+
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, Embedding):
+                module.kernel = "pytorch"
+
+
 def _gpu_fp8_kernels(parts, recipe: str) -> None:
     """Fake tensors run what an FP8 GPU run does. Every torchao Float8Linear's scaled matmuls
     switch from CPU emulation to `torch._scaled_mm` (whose meta kernel gives the bf16
@@ -147,6 +158,8 @@ def rehearse_rank(spec, plan, rank: int, device: str = "cpu", imbalance: float =
         pm = parallelize(model, rt, mesh, allocate=False)
         if spec.is_moe:
             _static_routing(pm.model_parts, imbalance, plan.dtype)
+        if device == "cpu":
+            _gpu_embedding_kernel(pm.model_parts)
         if plan.dtype == "fp8" and not real:
             _gpu_fp8_kernels(pm.model_parts, rt.fp8_recipe)
         dev = torch.device("cpu") if device == "cpu" else pm.device

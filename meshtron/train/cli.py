@@ -66,12 +66,14 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc", type=positive_int,
                    help="local ranks to start with torchrun (standalone); inside an existing "
                         "torchrun/srun world its size is used")
-    g.add_argument("--plan", help="'auto' (ask the planner), a layout 'tp=2,pp=2,dp=2' (open "
+    g.add_argument("--plan", help="'auto' (ask the planner), a layout 'tp=2,pp=2,dp=2' of "
+                   "tp, cp, pp, dp, dp_replicate (HSDP: dp=4,dp_replicate=2), ep (open "
                    "knobs are chosen by the planner), or a plan.toml from `meshtron plan --save` "
                    "(which also sets the global batch, sequence length and, if not given, the "
                    "model)")
-    g.add_argument("--cluster", help="cluster to plan for: a preset like dgx-h100:1 or a TOML "
-                   "file (default: this machine's `meshtron calibrate` file)")
+    g.add_argument("--cluster", help="cluster to plan for: a preset like dgx-h100:1 or "
+                   "nominal-cpu:4, or a TOML file (default: this machine's `meshtron calibrate` "
+                   "file)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over the data axis")
     g.add_argument("--schedule", help="pipeline schedule: gpipe[:V] | 1f1b | interleaved[:V] | zb | zbv")
     g.add_argument("--recompute", choices=["none", "selective", "half", "full"],

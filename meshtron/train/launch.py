@@ -177,6 +177,7 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
     clear_trace(run_dir)
     restart.clear_notes(run_dir)  # attempts are counted again from 0
     outputs.print_plan(plan, chosen.cluster, dtype_note(job, request, plan), chosen.source)
+    outputs.print_moe_aux_note(job.cfg.model, plan)
     return launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
                         grace_s=job.checkpoint.preempt_grace_s)

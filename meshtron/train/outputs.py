@@ -188,7 +188,28 @@ def print_plan(plan, cluster, dtype_note: str = "", source: str = "") -> None:
         f"[bold]plan[/] {plan.layout()} zero={plan.zero} micro_batch={plan.micro_batch} "
         f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'}{pipeline}"
         f"{' compile' if plan.compile else ''}{' async_tp' if plan.async_tp else ''} "
-        f"dtype={plan.dtype}{dtype_note} on {cluster.name}; "
-        f"predicted step {pred.get('step_time_s', float('nan')):.3f} s, "
-        f"{pred.get('memory_gib', float('nan')):.2f} GiB/rank"
+        f"dtype={plan.dtype}{dtype_note} on {cluster.name}; {_predicted_words(pred)}"
         + (f"; cluster: {source}" if source else ""), soft_wrap=True)
+
+
+def print_moe_aux_note(spec, plan) -> None:
+    """What a layout's MoE balancing loss is (docs/guides/moe.md): computed per micro-batch, as
+    Megatron-Core's `aux_loss` (megatron/core/transformer/moe/router.py `_apply_aux_loss`), so
+    the micro-batch the planner chose is part of the objective."""
+    if spec.moe_experts and spec.moe_aux_loss > 0:
+        from rich.console import Console
+
+        Console().print(
+            f"moe: the balancing loss (moe_aux_loss={spec.moe_aux_loss:g}) is computed per "
+            f"micro-batch of {plan.micro_batch} rows on each rank (Megatron-Core's aux_loss); "
+            f"layouts match one process at the same micro-batch (`--micro-batch "
+            f"{plan.micro_batch}`), another micro-batch changes this term", soft_wrap=True)
+
+
+def _predicted_words(pred: dict) -> str:
+    """The planner's prediction, or 'not priced' when the plan carries none (a plan.toml
+    written by hand has no [predicted] table)."""
+    step, memory = pred.get("step_time_s"), pred.get("memory_gib")
+    if step is None or memory is None:
+        return "not priced (the plan file has no predicted table)"
+    return f"predicted step {step:.3f} s, {memory:.2f} GiB/rank"

@@ -14,14 +14,6 @@ from meshtron.config import RunConfig
 from meshtron.errors import UserError
 from meshtron.train.job import ParallelRequest
 
-# Used only to fill knobs a user left open when this machine has not been calibrated yet;
-# reports then say the prediction is nominal. Figures: one CPU core's fp32 GEMM rate and
-# loopback gloo, the order of magnitude `meshtron calibrate` measures on a 2-core VM.
-NOMINAL_CPU_CLUSTER = {"name": "nominal-cpu", "peak_tflops": 0.05, "matmul_efficiency": 1.0,
-                       "memory_gib": 4.0, "hbm_gb_per_s": 10.0, "intra_node_gb_per_s": 1.0,
-                       "inter_node_gb_per_s": 1.0, "intra_node_latency_us": 500.0,
-                       "inter_node_latency_us": 500.0, "bandwidth_efficiency": 1.0, "nodes": 1}
-
 
 def local_cluster(world_size: int, cluster: str | None):
     """The cluster to plan for (`choose_cluster` on this node)."""
@@ -45,7 +37,7 @@ def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path
     (CPU only; flagged by their name). A calibration of another device is not used, and the
     source says so."""
     from meshtron.calibrate.saved import Chosen, applies, describe, measured_on
-    from meshtron.planner.cluster import cluster_from_dict, resolve_cluster
+    from meshtron.planner.cluster import nominal_cpu_cluster, resolve_cluster
 
     if cluster:
         return Chosen(resolve_cluster(cluster), f"--cluster {cluster}")
@@ -62,7 +54,7 @@ def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path
                                 node.local_ranks or world_size)
         return Chosen(clus, f"catalogue figures for the detected {node.name} (not calibrated: "
                             f"`meshtron calibrate` measures it){ignored}")
-    return Chosen(cluster_from_dict({**NOMINAL_CPU_CLUSTER, "gpus_per_node": world_size}),
+    return Chosen(nominal_cpu_cluster(world_size),
                   "nominal CPU figures (not calibrated: `meshtron calibrate` measures this "
                   f"machine){ignored}")
 
