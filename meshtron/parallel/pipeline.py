@@ -77,6 +77,13 @@ def split_model(model: nn.Module, lay: Plan, pp_rank: int) -> list[tuple[int, nn
             for s in stage_ids_for_rank(lay, pp_rank)]
 
 
+def splits_backward(lay: Plan) -> bool:
+    """Whether the layout's schedule runs each stage's backward in two passes (input gradients,
+    then weight gradients): the zero-bubble ones (ScheduleInterleavedZeroBubble and
+    ScheduleZBVZeroBubble order only BACKWARD_INPUT and BACKWARD_WEIGHT actions)."""
+    return lay.schedule == "zb"
+
+
 def build_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
     """The torch.distributed.pipelining schedule object for the layout."""
     from torch.distributed.pipelining import schedules as S
@@ -98,6 +105,39 @@ def build_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
                              f"rank holds {len(stages)} stages")
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def build_eval_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
+    """The schedule `ParallelModel.evaluate` runs `eval` on: the training schedule's class on
+    the same stages, with its backward actions doing nothing.
+
+    Why not the training schedule's own `eval`: torch 2.13's runtime for multi-stage schedules
+    still walks the backward actions of its order in eval (`stage.backward_one_chunk` returns
+    at once without backward, the backward sends and receives are empty), but where a rank
+    holds two adjacent stages (ZBV's V: rank pp-1 holds stages pp-1 and pp) it then hands the
+    later stage's input gradient to the earlier one (schedules.py
+    `_PipelineScheduleRuntime._step_microbatches`, [Note: V-schedule special case]), which
+    asserts "can't steal_bwd_input if this stage doesn't have backward". A forward-only order
+    cannot be given instead: the runtime validates that every stage has its backward actions
+    (`_validate_schedule`). So the backward actions are registered as no-ops
+    (`register_custom_function`, the runtime's own hook), on a second schedule object so that
+    training steps keep theirs. Single-stage schedules (GPipe, 1F1B) have no such path: their
+    `eval` runs forwards only; they are returned as built."""
+    from torch.distributed.pipelining import schedules as S
+
+    sched = build_schedule(stages, lay, n_microbatches, loss_fn)
+    if hasattr(sched, "register_custom_function"):  # the runtime of multi-stage schedules
+        for kind in (S.FULL_BACKWARD, S.BACKWARD_INPUT, S.BACKWARD_WEIGHT):
+            sched.register_custom_function(kind, _no_backward)
+    return sched
+
+
+def _no_backward(action, ctx) -> None:
+    """A backward action of an evaluation (forward-only) pass: nothing to compute. The
+    runtime's receive for it (RECV_B, posted earlier in the order; empty without backward:
+    stage.py `get_bwd_recv_ops`) is consumed as the runtime's own backward action consumes
+    it, or the next micro-batch's receive on that stage would find it still pending."""
+    ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
 
 
 def step_options(schedule) -> dict:
