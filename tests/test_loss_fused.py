@@ -295,3 +295,31 @@ def test_planner_prices_every_elementwise_pass_of_a_chunk(dtype, which):
             per_logit += 4.0
     assert seen.count("aten::exp_") == 2 and "aten::amax" in seen, seen
     assert per_logit == FUSED_LOSS_BYTES[which], (seen, per_logit)
+
+
+def test_zero_bubble_split_backward_gets_each_gradient_once():
+    """A zero-bubble schedule's last stage runs the loss node's backward twice: input
+    gradients (retain_graph), then weight gradients from the saved incoming gradient (torch's
+    own `stage_backward_input` / `stage_backward_weight`). With `split_backward` (set by
+    meshtron/parallel/pipeline.py) both passes get the one-pass gradients, scaled once; a third
+    backward still fails loudly."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    head, h, t = _data(bias=True)
+    x = h * 1.0  # a stage input with a grad_fn, as a received activation's first use
+    want = torch.autograd.grad(chunked_cross_entropy(head, x, t, chunk=8) * 0.5,
+                               [h, head.weight, head.bias])
+    head.split_backward = True
+    loss = chunked_cross_entropy(head, h * 1.0, t, chunk=8) * 0.5
+    (got_h,), groups = stage_backward_input([loss], None, [h], head.parameters())
+    assert head.weight.grad is None  # the input pass leaves the weights alone
+    stage_backward_weight(head.parameters(), groups)
+    for a, b in zip((got_h, head.weight.grad, head.bias.grad), want):
+        assert torch.equal(a, b)
+    head.zero_grad()
+    loss = chunked_cross_entropy(head, h, t, chunk=8)
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)  # the second expected pass: the same gradients again
+    assert torch.equal(head.weight.grad, 2 * want[1] * 2)
+    with pytest.raises(RuntimeError, match="backward through it runs once"):
+        loss.backward()
