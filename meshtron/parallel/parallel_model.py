@@ -34,7 +34,6 @@ from meshtron.parallel.data_parallel import set_microbatch_policy
 from meshtron.parallel.mesh import data_mesh
 from meshtron.parallel.offload import activation_offload
 from meshtron.parallel.pipeline import (
-    build_eval_schedule,
     build_schedule,
     pipeline_stage,
     splits_backward,
@@ -126,9 +125,8 @@ class ParallelModel:
         at step 1 (user audit, 2026-12-05)."""
         return self.loss_fn is default_loss and self.layout.tp == 1
 
-    def _schedule(self, n_micro: int, backward: bool = True):
-        key = (n_micro, backward)
-        if key not in self._schedules:
+    def _schedule(self, n_micro: int):
+        if n_micro not in self._schedules:
             if self._stages is None:
                 pp_group = self.mesh.get_group("pp")
                 self._stages = [pipeline_stage(m, s, self.layout, pp_group, self.device)
@@ -138,9 +136,9 @@ class ParallelModel:
                         if part.output is not None:
                             part.output.split_backward = True
             loss_fn = stage_loss if self._stage_computes_loss else self.loss_fn
-            build = build_schedule if backward else build_eval_schedule
-            self._schedules[key] = build(self._stages, self.layout, n_micro, loss_fn)
-        return self._schedules[key]
+            self._schedules[n_micro] = build_schedule(self._stages, self.layout, n_micro,
+                                                      loss_fn)
+        return self._schedules[n_micro]
 
     # ---- training step ------------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -202,7 +200,7 @@ class ParallelModel:
             _set_aux_weight(part, 1.0 if self.is_pipelined else 1.0 / n_micro)
         with self._loss_context():
             if self.is_pipelined:
-                sched = self._schedule(n_micro, backward)
+                sched = self._schedule(n_micro)
                 run = sched.step if backward else sched.eval
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.has_first_stage else ()

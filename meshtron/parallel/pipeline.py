@@ -107,39 +107,6 @@ def build_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
-def build_eval_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
-    """The schedule `ParallelModel.evaluate` runs `eval` on: the training schedule's class on
-    the same stages, with its backward actions doing nothing.
-
-    Why not the training schedule's own `eval`: torch 2.13's runtime for multi-stage schedules
-    still walks the backward actions of its order in eval (`stage.backward_one_chunk` returns
-    at once without backward, the backward sends and receives are empty), but where a rank
-    holds two adjacent stages (ZBV's V: rank pp-1 holds stages pp-1 and pp) it then hands the
-    later stage's input gradient to the earlier one (schedules.py
-    `_PipelineScheduleRuntime._step_microbatches`, [Note: V-schedule special case]), which
-    asserts "can't steal_bwd_input if this stage doesn't have backward". A forward-only order
-    cannot be given instead: the runtime validates that every stage has its backward actions
-    (`_validate_schedule`). So the backward actions are registered as no-ops
-    (`register_custom_function`, the runtime's own hook), on a second schedule object so that
-    training steps keep theirs. Single-stage schedules (GPipe, 1F1B) have no such path: their
-    `eval` runs forwards only; they are returned as built."""
-    from torch.distributed.pipelining import schedules as S
-
-    sched = build_schedule(stages, lay, n_microbatches, loss_fn)
-    if hasattr(sched, "register_custom_function"):  # the runtime of multi-stage schedules
-        for kind in (S.FULL_BACKWARD, S.BACKWARD_INPUT, S.BACKWARD_WEIGHT):
-            sched.register_custom_function(kind, _no_backward)
-    return sched
-
-
-def _no_backward(action, ctx) -> None:
-    """A backward action of an evaluation (forward-only) pass: nothing to compute. The
-    runtime's receive for it (RECV_B, posted earlier in the order; empty without backward:
-    stage.py `get_bwd_recv_ops`) is consumed as the runtime's own backward action consumes
-    it, or the next micro-batch's receive on that stage would find it still pending."""
-    ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
-
-
 def step_options(schedule) -> dict:
     """Keyword arguments for `schedule.step`/`eval` that keep the last stage from holding every
     micro-batch's output until the step ends. torch's schedules save each forward output in
@@ -167,7 +134,35 @@ def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: t
 
     st = PipelineStage(module, stage, lay.num_stages, device, group=pp_group)
     _uncounted_metadata_forward(st, module)
+    _local_backward_only_with_backward(st)
     return st
+
+
+def _local_backward_only_with_backward(st) -> None:
+    """Let a schedule's `eval` (forward only) pass over its backward actions where a rank
+    holds two adjacent stages (ZBV's V: rank pp-1 holds stages pp-1 and pp). torch 2.13's
+    runtime for multi-stage schedules still walks the backward actions of its order in eval
+    (`stage.backward_one_chunk` returns at once without backward; the backward sends and
+    receives are empty), but then hands the later stage's input gradient to the earlier stage
+    in memory (schedules.py `_PipelineScheduleRuntime._step_microbatches`, [Note: V-schedule
+    special case]): `get_local_bwd_output` and `set_local_bwd_input` assert that the stage
+    has a backward ("can't steal_bwd_input if this stage doesn't have backward"), so every
+    evaluation of a zbv run stopped there. Without a backward there is no gradient to hand
+    over: both become no-ops then, on this stage object only; with a backward they are
+    torch's own. (A second, forward-only schedule object is no way round it: the stages'
+    receive buffers are set up per schedule object, in eval without requires_grad, and the
+    training schedule would not set them up again.)"""
+    get_output, set_input = st.get_local_bwd_output, st.set_local_bwd_input
+
+    def get_local_bwd_output(mb_index):
+        return get_output(mb_index) if st.has_backward else ()
+
+    def set_local_bwd_input(next_stage_bwd_outputs, mb_index):
+        if st.has_backward:
+            set_input(next_stage_bwd_outputs, mb_index)
+
+    st.get_local_bwd_output = get_local_bwd_output
+    st.set_local_bwd_input = set_local_bwd_input
 
 
 def _uncounted_metadata_forward(st, module: nn.Module) -> None:
