@@ -95,8 +95,9 @@ def reference_run(cfg: dict[str, Any]) -> dict[str, Any]:
     in emulated FP8, cfg["fp8_recipe"]): the product's one-process bf16 mixed
     precision (meshtron.train.precision.BF16Compute: what FSDP2's MixedPrecisionPolicy
     computes), in micro-batches of cfg["micro_batch"] sequences (default: the whole batch).
-    cfg["whole_logits"]: the loss on whole logits, as a pipeline's last stage computes it (the
-    chunked loss accumulates the head's bf16 gradient chunk by chunk)."""
+    cfg["whole_logits"]: the loss on whole logits, as a tensor-parallel (vocabulary-sharded)
+    head computes it (the chunked loss accumulates the head's bf16 gradient chunk by chunk in
+    fp32; a pipeline's last stage without tp runs the chunked loss, as one process)."""
     import torch
 
     from meshtron.model.transformer import Transformer, cross_entropy_loss

@@ -327,3 +327,31 @@ def test_the_fp32_output_gemm_is_used_only_where_it_accumulates_exactly(addmm, u
     from meshtron.model.loss import accumulates_in_fp32
 
     assert accumulates_in_fp32(addmm, torch.device("cpu"), torch.bfloat16) is used
+
+
+def test_zero_bubble_split_backward_gets_each_gradient_once():
+    """A zero-bubble schedule's last stage runs the loss node's backward twice: input
+    gradients (retain_graph), then weight gradients from the saved incoming gradient (torch's
+    own `stage_backward_input` / `stage_backward_weight`). With `split_backward` (set by
+    meshtron/parallel/pipeline.py) both passes get the one-pass gradients, scaled once; a third
+    backward still fails loudly."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    head, h, t = _data(bias=True)
+    x = h * 1.0  # a stage input with a grad_fn, as a received activation's first use
+    want = torch.autograd.grad(chunked_cross_entropy(head, x, t, chunk=8) * 0.5,
+                               [h, head.weight, head.bias])
+    head.split_backward = True
+    loss = chunked_cross_entropy(head, h * 1.0, t, chunk=8) * 0.5
+    (got_h,), groups = stage_backward_input([loss], None, [h], head.parameters())
+    assert head.weight.grad is None  # the input pass leaves the weights alone
+    stage_backward_weight(head.parameters(), groups)
+    for a, b in zip((got_h, head.weight.grad, head.bias.grad), want):
+        assert torch.equal(a, b)
+    head.zero_grad()
+    loss = chunked_cross_entropy(head, h, t, chunk=8)
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)  # the second expected pass: the same gradients again
+    assert torch.equal(head.weight.grad, 2 * want[1] * 2)
+    with pytest.raises(RuntimeError, match="backward through it runs once"):
+        loss.backward()

@@ -242,12 +242,14 @@ def test_bf16_mixed_precision_matches_its_reference():
     refs = {}
 
     def ref(layout):
-        key = (layout["micro_batch"], layout.get("pp", 1) > 1)
+        # every layout here computes the loss as one process does (a pipeline's last stage
+        # too: parallel_model.py `_stage_computes_loss`); tp keeps whole logits in both
+        key = (layout["micro_batch"], layout.get("tp", 1) > 1)
         if key not in refs:
             with bf16.one_thread():
                 refs[key] = reference_run(dict(DEFAULT_CFG, dtype="bf16",
                                                micro_batch=layout["micro_batch"],
-                                               whole_logits=layout.get("pp", 1) > 1))
+                                               whole_logits=key[1]))
         return refs[key]
 
     report = compare(ref, results)

@@ -141,7 +141,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Loss forward and every gradient in one pass over the chunks; backward only scales."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk, dtype):
+    def forward(ctx, h, weight, bias, targets, chunk, dtype, passes=1):
         with torch.autocast(h.device.type, enabled=False):  # explicit dtypes below
             x, w = h.to(dtype), weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
@@ -151,19 +151,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             g_b = (torch.zeros(b.shape, dtype=torch.float32, device=b.device)
                    if need_b and b is not None else None)
             loss = _walk(x, w, b, targets, chunk, (g_in, g_w, g_b))
-        # kept on ctx, not saved: backward drops them before scaling in place, so a second
-        # backward through this node fails loudly instead of scaling twice
-        ctx.grads = (g_in, g_w, g_b)
+        # kept on ctx, not saved: backward drops them after its last expected pass, so one
+        # more backward through this node fails loudly instead of scaling twice
+        ctx.grads, ctx.passes_left = (g_in, g_w, g_b), passes
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads, ctx.grads = ctx.grads, None
+        grads = ctx.grads
         if grads is None:
             raise RuntimeError("the fused cross-entropy's gradients were already used: "
                                "backward through it runs once (no retain_graph)")
-        out = tuple(None if g is None else g.mul_(grad_loss) for g in grads)
-        return (*out, None, None, None)
+        ctx.passes_left -= 1
+        if ctx.passes_left == 0:
+            ctx.grads = None
+        if not getattr(ctx, "scaled", False):  # the later pass gets the same tensors
+            ctx.scaled = True
+            grads = tuple(None if g is None else g.mul_(grad_loss) for g in grads)
+        return (*grads, None, None, None, None)
 
 
 def chunked_cross_entropy(head: nn.Module, h: torch.Tensor, targets: torch.Tensor,
@@ -181,7 +186,8 @@ def chunked_cross_entropy(head: nn.Module, h: torch.Tensor, targets: torch.Tenso
     needs = (flat_h.requires_grad or weight.requires_grad
              or (bias is not None and bias.requires_grad))
     if torch.is_grad_enabled() and needs:
-        return _FusedLinearCrossEntropy.apply(flat_h, weight, bias, flat_t, chunk, dtype)
+        passes = 2 if getattr(head, "split_backward", False) else 1
+        return _FusedLinearCrossEntropy.apply(flat_h, weight, bias, flat_t, chunk, dtype, passes)
     with torch.autocast(kind, enabled=False):
         b = None if bias is None else bias.to(dtype)
         return _walk(flat_h.to(dtype), weight.to(dtype), b, flat_t, chunk, None)
@@ -192,6 +198,14 @@ class OutputHead(nn.Linear):
     `targets` and then returns the fused mean cross-entropy instead of logits. The loss runs
     inside the head's own single call, so FSDP2's hooks gather its weight once and reduce its
     gradient once per backward, however many chunks there are."""
+
+    split_backward = False
+    """Set by meshtron/parallel/pipeline.py on a zero-bubble schedule's last stage: torch runs
+    the loss node's backward twice there, once for the input gradient and once, with the same
+    incoming gradient, for the weight gradient (torch/distributed/pipelining/_backward.py
+    `stage_backward_input` with retain_graph, then `stage_backward_weight` from the saved
+    intermediate gradients). The fused loss then returns the same scaled gradients both times
+    and drops them after the second."""
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:

@@ -33,7 +33,12 @@ from meshtron.parallel.context import shard_batch
 from meshtron.parallel.data_parallel import set_microbatch_policy
 from meshtron.parallel.mesh import data_mesh
 from meshtron.parallel.offload import activation_offload
-from meshtron.parallel.pipeline import build_schedule, pipeline_stage, step_options
+from meshtron.parallel.pipeline import (
+    build_schedule,
+    pipeline_stage,
+    splits_backward,
+    step_options,
+)
 from meshtron.planner.plan import Plan, microbatch_problem
 from meshtron.runtime import batch_to_device
 
@@ -42,6 +47,12 @@ def default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     from meshtron.model.transformer import cross_entropy_loss
 
     return cross_entropy_loss(logits, targets)
+
+
+def stage_loss(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss function when the last stage returns its loss itself (the model's
+    chunked loss, `ParallelModel._stage_computes_loss`): that loss, as it is."""
+    return loss
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -102,14 +113,32 @@ class ParallelModel:
             return loss_parallel()
         return contextlib.nullcontext()
 
+    @property
+    def _stage_computes_loss(self) -> bool:
+        """The last stage returns the model's own loss (`model(h, targets)`: chunked over tokens
+        in the compute dtype with an fp32 softmax and fp32 weight-gradient sum, meshtron/model/
+        loss.py), exactly what one process computes, instead of logits for the schedule's
+        loss function: with the default loss and no tensor parallelism (whose vocabulary-
+        sharded head keeps the whole-logits loss in both, model/transformer.py `loss`). The
+        whole-logits loss is another computation in bf16 (whole bf16 logits, the head's
+        weight gradient from one bf16 GEMM where the chunked loss sums it in fp32): a bf16
+        1F1B run was 8.7e-6 off one process's gradient norm at step 1 (user audit,
+        2026-12-05); with this, 0."""
+        return self.loss_fn is default_loss and self.layout.tp == 1
+
     def _schedule(self, n_micro: int):
         if n_micro not in self._schedules:
             if self._stages is None:
                 pp_group = self.mesh.get_group("pp")
                 self._stages = [pipeline_stage(m, s, self.layout, pp_group, self.device)
                                 for s, m in zip(self.stage_ids, self.model_parts)]
+                if self._stage_computes_loss and splits_backward(self.layout):
+                    for part in self.model_parts:
+                        if part.output is not None:
+                            part.output.split_backward = True
+            loss_fn = stage_loss if self._stage_computes_loss else self.loss_fn
             self._schedules[n_micro] = build_schedule(self._stages, self.layout, n_micro,
-                                                      self.loss_fn)
+                                                      loss_fn)
         return self._schedules[n_micro]
 
     # ---- training step ------------------------------------------------------------------------
@@ -177,7 +206,10 @@ class ParallelModel:
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.has_first_stage else ()
                 if self.has_last_stage:
-                    run(*args, target=targets, losses=losses, **step_options(sched))
+                    # the targets also as the stages' keyword: torch passes kwargs to every
+                    # stage of this rank; only the one with the output head uses them
+                    given = {"targets": targets} if self._stage_computes_loss else {}
+                    run(*args, target=targets, losses=losses, **given, **step_options(sched))
                     total = torch.stack([_plain(l).detach().float() for l in losses]).mean()
                 else:
                     run(*args)

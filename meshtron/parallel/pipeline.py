@@ -77,6 +77,13 @@ def split_model(model: nn.Module, lay: Plan, pp_rank: int) -> list[tuple[int, nn
             for s in stage_ids_for_rank(lay, pp_rank)]
 
 
+def splits_backward(lay: Plan) -> bool:
+    """Whether the layout's schedule runs each stage's backward in two passes (input gradients,
+    then weight gradients): the zero-bubble ones (ScheduleInterleavedZeroBubble and
+    ScheduleZBVZeroBubble order only BACKWARD_INPUT and BACKWARD_WEIGHT actions)."""
+    return lay.schedule == "zb"
+
+
 def build_schedule(stages: list, lay: Plan, n_microbatches: int, loss_fn):
     """The torch.distributed.pipelining schedule object for the layout."""
     from torch.distributed.pipelining import schedules as S
@@ -127,7 +134,35 @@ def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: t
 
     st = PipelineStage(module, stage, lay.num_stages, device, group=pp_group)
     _uncounted_metadata_forward(st, module)
+    _local_backward_only_with_backward(st)
     return st
+
+
+def _local_backward_only_with_backward(st) -> None:
+    """Let a schedule's `eval` (forward only) pass over its backward actions where a rank
+    holds two adjacent stages (ZBV's V: rank pp-1 holds stages pp-1 and pp). torch 2.13's
+    runtime for multi-stage schedules still walks the backward actions of its order in eval
+    (`stage.backward_one_chunk` returns at once without backward; the backward sends and
+    receives are empty), but then hands the later stage's input gradient to the earlier stage
+    in memory (schedules.py `_PipelineScheduleRuntime._step_microbatches`, [Note: V-schedule
+    special case]): `get_local_bwd_output` and `set_local_bwd_input` assert that the stage
+    has a backward ("can't steal_bwd_input if this stage doesn't have backward"), so every
+    evaluation of a zbv run stopped there. Without a backward there is no gradient to hand
+    over: both become no-ops then, on this stage object only; with a backward they are
+    torch's own. (A second, forward-only schedule object is no way round it: the stages'
+    receive buffers are set up per schedule object, in eval without requires_grad, and the
+    training schedule would not set them up again.)"""
+    get_output, set_input = st.get_local_bwd_output, st.set_local_bwd_input
+
+    def get_local_bwd_output(mb_index):
+        return get_output(mb_index) if st.has_backward else ()
+
+    def set_local_bwd_input(next_stage_bwd_outputs, mb_index):
+        if st.has_backward:
+            set_input(next_stage_bwd_outputs, mb_index)
+
+    st.get_local_bwd_output = get_local_bwd_output
+    st.set_local_bwd_input = set_local_bwd_input
 
 
 def _uncounted_metadata_forward(st, module: nn.Module) -> None:

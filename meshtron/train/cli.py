@@ -43,6 +43,11 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
 _PLAN_FIXES = {"data.global_batch": "global_batch", "data.seq_len": "seq_len"}
 
 
+SCHEDULES = "gpipe[:V] | 1f1b | interleaved[:V] | zb | zbv"
+"""The pipeline schedules `--schedule` offers (V: virtual stages per rank); every one trains and
+evaluates (tests/test_pipeline_cli.py runs each through this command)."""
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="RUN.toml", help="TOML run file (flags override it)")
     for flag, (key, typ, text) in _FLAGS.items():
@@ -75,7 +80,7 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    "nominal-cpu:4, or a TOML file (default: this machine's `meshtron calibrate` "
                    "file)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over the data axis")
-    g.add_argument("--schedule", help="pipeline schedule: gpipe[:V] | 1f1b | interleaved[:V] | zb | zbv")
+    g.add_argument("--schedule", help=f"pipeline schedule: {SCHEDULES}")
     g.add_argument("--recompute", choices=["none", "selective", "half", "full"],
                    help="activation recomputation")
     g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with tp > 1)")
