@@ -19,6 +19,10 @@ RUN_MARKERS = ("metrics.jsonl", "summary.json", "checkpoints")
 STALE_OUTPUTS = ("metrics.jsonl", "summary.json", "memory.json", "curves.png")
 """Outputs of an earlier run removed when a run is started over it (--overwrite)."""
 TENSORBOARD_DIR = "tensorboard"
+RUN_FILES = ("run.toml", "plan.toml", "config.json", *STALE_OUTPUTS, ".meshtron.lock")
+"""Files a run writes at the top of its folder (run_lock.LOCK_NAME the last)."""
+RUN_FOLDERS = ("checkpoints", TENSORBOARD_DIR, "trace", "tokenizer")
+"""Folders a run writes in its folder (checkpoint store, TensorBoard, doctor, tokenizer)."""
 
 
 def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
@@ -28,6 +32,7 @@ def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
     where = f"train.run_dir={cfg.train.run_dir!r}"
     if path.exists() and not path.is_dir():
         raise UserError(f"{where}: is a file; give a folder (created if missing)")
+    _refuse_wrong_kinds(path, where)
     held = [name for name in RUN_MARKERS if (path / name).exists()]
     if held and not overwrite:
         raise UserError(f"{where}: holds a run ({held[0]}); pass --overwrite to replace it "
@@ -36,6 +41,19 @@ def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("train.tensorboard=true: the tensorboard package is not installed "
                         "(pip install tensorboard, or meshtron[tensorboard])")
+
+
+def _refuse_wrong_kinds(path: Path, where: str) -> None:
+    """A folder where the run writes a file, or a file where it writes a folder: refused (with
+    or without --overwrite, which replaces a run's outputs, never something else the user put
+    there), before anything is written."""
+    wrong = [(name, "a folder", "a file") for name in RUN_FILES if (path / name).is_dir()]
+    wrong += [(name, "a file", "a folder") for name in RUN_FOLDERS
+              if (path / name).exists() and not (path / name).is_dir()]
+    if wrong:
+        name, found, want = wrong[0]
+        raise UserError(f"{where}: {str(path / name)!r} is {found}, where the run writes "
+                        f"{want}; move it away or choose another --run-dir")
 
 
 def prepare_run_dir(cfg: RunConfig, main: bool = True, extra: dict[str, Any] | None = None,
