@@ -124,13 +124,24 @@ def test_export_of_a_live_run_with_rotation(tmp_path):
         trainer.wait(timeout=120)
 
 
-def test_overwrite_refuses_entries_of_the_wrong_kind(tmp_path):
-    for name, make in (("checkpoints", "file"), ("metrics.jsonl", "folder")):
+def test_entries_of_the_wrong_kind_are_one_line_before_anything_is_written(tmp_path):
+    """A folder where the run writes a file: refused with or without --overwrite (which deletes
+    outputs, not folders of unknown content). A file where the checkpoints go: refused without
+    --overwrite, replaced with it (checkpoint/resume.py prepare_start)."""
+    for name, make in (("checkpoints", "file"), ("metrics.jsonl", "folder"),
+                       ("config.json", "folder"), ("tensorboard", "file")):
         run = tmp_path / name.replace(".", "_")
         run.mkdir()
         (run / name).mkdir() if make == "folder" else (run / name).touch()
+        argv = ["train", "--model", "debug", *TINY, "--steps", "2", "--checkpoint-every", "1",
+                "--run-dir", str(run)]
         for extra in ([], ["--overwrite"]):
-            proc = _meshtron("train", "--model", "debug", *TINY, "--steps", "2",
-                             "--checkpoint-every", "1", "--run-dir", str(run), *extra)
-            _one_line_error(proc, f"is a {make}, where the run writes")
+            proc = _meshtron(*argv, *extra)
+            if extra and name == "checkpoints":
+                assert proc.returncode == 0, proc.stderr[-2000:]
+                assert [s for s, _ in store.committed(run / name)] == [2, 1]
+                continue
+            needle = "holds a run" if not extra and name in ("checkpoints", "metrics.jsonl") \
+                else f"is a {make}, where the run writes"
+            _one_line_error(proc, needle)
             assert sorted(p.name for p in run.iterdir()) == [name]  # nothing written

@@ -32,24 +32,26 @@ def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
     where = f"train.run_dir={cfg.train.run_dir!r}"
     if path.exists() and not path.is_dir():
         raise UserError(f"{where}: is a file; give a folder (created if missing)")
-    _refuse_wrong_kinds(path, where)
     held = [name for name in RUN_MARKERS if (path / name).exists()]
     if held and not overwrite:
         raise UserError(f"{where}: holds a run ({held[0]}); pass --overwrite to replace it "
                         "or choose another --run-dir")
+    _refuse_wrong_kinds(path, where, overwrite)
     writable_target(path, "train.run_dir")
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("train.tensorboard=true: the tensorboard package is not installed "
                         "(pip install tensorboard, or meshtron[tensorboard])")
 
 
-def _refuse_wrong_kinds(path: Path, where: str) -> None:
-    """A folder where the run writes a file, or a file where it writes a folder: refused (with
-    or without --overwrite, which replaces a run's outputs, never something else the user put
-    there), before anything is written."""
+def _refuse_wrong_kinds(path: Path, where: str, overwrite: bool) -> None:
+    """A folder where the run writes a file, or a file where it writes a folder: refused in one
+    line before anything is written (--overwrite deletes a run's outputs, not a folder of
+    unknown content under an output's name). One exception: with --overwrite a file where the
+    checkpoints go is replaced (checkpoint/resume.py `prepare_start`)."""
     wrong = [(name, "a folder", "a file") for name in RUN_FILES if (path / name).is_dir()]
     wrong += [(name, "a file", "a folder") for name in RUN_FOLDERS
-              if (path / name).exists() and not (path / name).is_dir()]
+              if (path / name).exists() and not (path / name).is_dir()
+              and not (overwrite and name == "checkpoints")]
     if wrong:
         name, found, want = wrong[0]
         raise UserError(f"{where}: {str(path / name)!r} is {found}, where the run writes "
