@@ -192,7 +192,10 @@ def _start_outside(job: TrainJob, plan) -> dict[str, Any]:
     if line:
         run_lock.release(job.cfg.train.run_dir)
         return {"finished": line}
-    prepare_start(job.checkpoint, job.cfg, job.overwrite, plan)
+    from meshtron.checkpoint import restart
+
+    if restart.attempt() == 0:  # a torchrun restart continues this run: its checkpoints stay
+        prepare_start(job.checkpoint, job.cfg, job.overwrite, plan)
     write_run_records(job, plan)
     return {}
 
