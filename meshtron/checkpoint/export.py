@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -43,7 +44,91 @@ def load_full_state_dict(path: str | Path, optimizer: bool = False) -> dict[str,
     """Full (unsharded) model tensors of the newest complete checkpoint under `path`, keyed by
     the plain model's parameter names (e.g. 'layers.0.attn.wq.weight'); with `optimizer`, also
     'optim.state.<name>.<exp_avg|exp_avg_sq|step>'. Loads on the CPU."""
-    return load_checkpoint(latest_checkpoint(path), optimizer)
+    return read_newest(path, lambda folder: load_checkpoint(folder, optimizer))[0]
+
+
+LIVE_TRIES = 5
+"""Reads of a live run's newest checkpoint: each try that loses its checkpoint to the run's
+retention (`store.prune` keeps `--keep` of them, the oldest goes at each commit) takes the newest
+again; after this many the reader gives up in one line."""
+
+
+def read_newest(path: str | Path, read: Callable[[Path], Any], who: str | None = None,
+                step: int | None = None) -> tuple[Any, Path, int]:
+    """(read(folder), folder, step) of the newest complete checkpoint under `path` (or of
+    `step`): a folder removed while it is read (a live run's rotation) is chosen again, up to
+    LIVE_TRIES times. `who`: as in `newest_intact`."""
+    for _ in range(LIVE_TRIES):
+        folder, found = (newest_intact(path, who) if step is None
+                         else _the_step(Path(path), step))
+        try:
+            return read(folder), folder, found
+        except Exception as exc:  # noqa: BLE001 - DCP wraps a reader's error in its own
+            if folder.is_dir() and store.verify(folder, deep=False) is None:
+                raise  # the checkpoint is still whole: not a rotation, a real failure
+            if not vanished(exc):
+                raise
+            if step is not None:
+                raise UserError(f"checkpoint of step {step} under {path}: removed by the "
+                                "live run's retention while it was read (--keep); export "
+                                "a newer --step or the newest") from None
+    raise UserError(f"{path}: the newest checkpoint was removed while it was read "
+                    f"{LIVE_TRIES} times in a row (a live run saving faster than it can be "
+                    "read); retry, or give --keep more checkpoints") from None
+
+
+def vanished(exc: BaseException) -> bool:
+    """`exc` (or what DCP wrapped in it) is a file that is not there any more."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FileNotFoundError) or "No such file" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _the_step(path: Path, step: int) -> tuple[Path, int]:
+    """The committed checkpoint of `step` under the run folder `path`, verified."""
+    root = path if path.name == "checkpoints" else store.checkpoint_root(path)
+    saved = dict(store.committed(root))
+    if step not in saved:
+        listed = ", ".join(map(str, sorted(saved))) or "none"
+        raise UserError(f"export --step={step}: no checkpoint of that step; steps saved: {listed}")
+    problem = store.verify(saved[step])
+    if problem:
+        raise UserError(f"export --step={step}: checkpoint {saved[step]} is damaged: {problem}")
+    return saved[step], step
+
+
+def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Model tensor name (without 'model.') -> full shape, from DCP's metadata alone (no
+    tensor is read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {k[len("model."):]: tuple(v.size) for k, v in meta.items()
+            if isinstance(v, TensorStorageMetadata) and k.startswith("model.")}
+
+
+def check_model_matches(folder: Path, expected: dict[str, tuple[int, ...]],
+                        where: str) -> None:
+    """Refuse (one line) a checkpoint whose model tensors are not the ones `expected` (the run
+    config's model, `hf.load.model_shapes`) names, with those shapes: a config of another run
+    beside the checkpoint (`where` names it) would export a broken model."""
+    held = tensor_shapes(folder)
+    for name in sorted(set(expected) | set(held)):
+        want, have = expected.get(name), held.get(name)
+        if want is not None and have is not None and tuple(want) == have:
+            continue
+        if have is None:
+            problem = f"the model of {where} has {name} {list(want)}, the checkpoint has none"
+        elif want is None:
+            problem = f"the checkpoint holds {name} {list(have)}, the model of {where} has none"
+        else:
+            problem = f"{name} is {list(have)} in the checkpoint, {list(want)} in {where}"
+        raise UserError(f"checkpoint {folder}: does not match the run's model config: "
+                        f"{problem} ({len(held)} tensors vs {len(expected)}); nothing written")
 
 
 def load_checkpoint(folder: Path, optimizer: bool = False) -> dict[str, torch.Tensor]:

@@ -142,6 +142,21 @@ def check_resume(ckpt: CheckpointConfig, cfg: Any, plan: Any = _NO_PLAN) -> None
     check_compatible(store.read_meta(found.path), cfg, found.path, plan)
 
 
+def finished_line(ckpt: CheckpointConfig, cfg: Any) -> str | None:
+    """`--resume` of a run whose newest complete checkpoint already reached train.steps: the one
+    line that says so (the run's outputs are left as they are: resuming would train no step and
+    rewrite summary.json from nothing); None otherwise. After `check_resume`: train.steps is
+    KEEP (resume_fields.FIELDS), so another --steps was refused there."""
+    found = recorded(cfg.train.run_dir) if ckpt.resume else None
+    if found is None:
+        return None
+    step = int(found[1].get("step", 0))
+    if step < cfg.train.steps:
+        return None
+    return (f"meshtron train: train.run_dir={cfg.train.run_dir!r} is already complete at step "
+            f"{step} (train.steps={cfg.train.steps}); nothing to resume, its outputs are kept")
+
+
 def say_world(ckpt: CheckpointConfig, cfg: Any, nproc: int) -> None:
     """`--resume` on another number of ranks than the run's: one line on stderr (after the
     checks, before the ranks start; a resharded resume continues the same trajectory)."""

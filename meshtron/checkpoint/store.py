@@ -158,7 +158,11 @@ def verify(folder: Path, deep: bool = True,
     if not manifest.is_file():
         return "no manifest.json (the save did not finish)"
     try:
-        doc = json.loads(manifest.read_text())
+        text = manifest.read_text()
+    except FileNotFoundError:  # removed meanwhile (a live run's retention: `prune`)
+        return "no manifest.json (removed while reading)"
+    try:
+        doc = json.loads(text)
         files = doc["files"]
         algorithm = doc.get("hash", HASH)
         if doc.get("format") != FORMAT or not isinstance(files, dict):
@@ -180,8 +184,11 @@ def verify(folder: Path, deep: bool = True,
         if size != want_size:
             what = "truncated" if size < want_size else "longer than written"
             return f"{name} has {size} bytes, the manifest says {want_size} ({what})"
-        if deep and name in hashed and file_digest(path, algorithm) != want_sum:
-            return f"{name} does not match its {algorithm} checksum in the manifest"
+        try:
+            if deep and name in hashed and file_digest(path, algorithm) != want_sum:
+                return f"{name} does not match its {algorithm} checksum in the manifest"
+        except FileNotFoundError:  # removed while hashed (`prune` of a live run)
+            return f"{name} is missing"
     return None
 
 
@@ -213,13 +220,16 @@ class Found:
 
 
 def find_latest(root: Path, deep: bool = True) -> Found:
-    """The newest checkpoint that passes `verify`; damaged newer ones are reported, not used."""
+    """The newest checkpoint that passes `verify`; damaged newer ones are reported, not used.
+    One that a live run's retention (`prune`) removed while it was checked is not damaged:
+    passed over without a word."""
     rejected = []
     for step, path in committed(root):
         problem = verify(path, deep)
         if problem is None:
             return Found(step, path, tuple(rejected))
-        rejected.append((path.name, problem))
+        if path.is_dir():
+            rejected.append((path.name, problem))
     return Found(None, None, tuple(rejected))
 
 

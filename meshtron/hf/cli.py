@@ -18,33 +18,6 @@ from pathlib import Path
 from meshtron.argtypes import positive_int
 from meshtron.errors import UserError
 
-def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, int]:
-    """(folder, step) of the newest complete checkpoint, or of `step`; only checkpoints that
-    pass meshtron.checkpoint's manifest check (sizes and checksums) are candidates."""
-    from meshtron.checkpoint import store
-
-    root = store.checkpoint_root(run_dir)
-    saved = dict(store.committed(root)) if root.is_dir() else {}
-    if not saved:
-        raise UserError(f"export RUN_DIR={str(run_dir)!r}: no complete checkpoint under "
-                         f"{str(root)!r} (save some with --checkpoint-every)")
-    if step is None:
-        found = store.find_latest(root)
-        if found.path is None:
-            why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
-            raise UserError(f"export RUN_DIR={str(run_dir)!r}: no intact checkpoint ({why})")
-        if found.rejected:  # said, as `meshtron train` says it on resume
-            print(f"meshtron export: {found.skipped()}", file=sys.stderr, flush=True)
-        return found.path, found.step
-    if step not in saved:
-        raise UserError(f"export --step={step}: no checkpoint of that step; steps saved: "
-                         f"{', '.join(map(str, sorted(saved)))}")
-    problem = store.verify(saved[step])
-    if problem:
-        raise UserError(f"export --step={step}: checkpoint {saved[step]} is damaged: {problem}")
-    return saved[step], step
-
-
 def run_config(run_dir: Path, field: str = "export RUN_DIR"):
     """The run's resolved configuration: run.toml (multi-rank runs) or config.json; errors
     name `field` (the option that gave the folder) and the file."""
@@ -69,23 +42,43 @@ def run_config(run_dir: Path, field: str = "export RUN_DIR"):
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from meshtron.checkpoint.export import load_checkpoint
+    from meshtron.checkpoint.export import check_model_matches, load_checkpoint, read_newest
     from meshtron.hf.export import export_type, prepare_export_dir, save_hf
     from meshtron.hf.hooks import source_config, tokenizer_source
+    from meshtron.hf.load import model_shapes
     from meshtron.hf.origin import origin_record, recorded_path, write_origin
 
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
     export_type(cfg.model, source_config(cfg), "export")
     prepare_export_dir(args.to, "export --to")
-    folder, step = find_checkpoint(run_dir, args.step)
-    state = load_checkpoint(folder)  # verified by find_checkpoint
+    _no_checkpoint(run_dir)
+    expected = model_shapes(cfg.model)
+    source = run_dir / ("run.toml" if (run_dir / "run.toml").is_file() else "config.json")
+
+    def read(folder: Path):
+        check_model_matches(folder, expected, str(source))  # before any tensor is read
+        return load_checkpoint(folder)  # verified by read_newest
+
+    # the newest complete checkpoint (or --step's), chosen again when a live run's retention
+    # removes it while it is read
+    state, _, step = read_newest(run_dir, read, "meshtron export", args.step)
     out = save_hf(state, cfg.model, args.to, source_config(cfg), tokenizer_source(cfg, run_dir))
     init = (str(recorded_path(cfg.train.init_from, run_dir, cfg.train.run_dir))
             if cfg.train.init_from else None)
     write_origin(out, origin_record(run_dir, step, init, cfg.train.seed))
     print(f"exported step {step} of {run_dir} ({len(state)} tensors) to {out}")
     return 0
+
+
+def _no_checkpoint(run_dir: Path) -> None:
+    """Refuse a run folder without any committed checkpoint (one line)."""
+    from meshtron.checkpoint import store
+
+    root = store.checkpoint_root(run_dir)
+    if not store.committed(root):
+        raise UserError(f"export RUN_DIR={str(run_dir)!r}: no complete checkpoint under "
+                        f"{str(root)!r} (save some with --checkpoint-every)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

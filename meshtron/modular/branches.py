@@ -279,6 +279,25 @@ def load_state(branch: Branch) -> dict[str, Any]:
     return out
 
 
+def read_branch(branch: Branch) -> tuple[Branch, dict[str, Any]]:
+    """(the branch as read, its `load_state`): a run's checkpoint that its live run's retention
+    removed after `with_checkpoint` chose it is replaced by the newest complete one again
+    (checkpoint/export.py `read_newest`, a bounded number of tries), and the branch then names
+    the checkpoint read."""
+    if branch.kind != "run" or branch.checkpoint is None:
+        return branch, load_state(branch)
+    from meshtron.checkpoint.export import load_checkpoint, read_newest, vanished
+
+    try:
+        return branch, load_state(branch)
+    except Exception as exc:  # noqa: BLE001 - DCP wraps a reader's error in its own
+        if branch.checkpoint.is_dir() or not vanished(exc):
+            raise
+    state, folder, step = read_newest(branch.path, load_checkpoint,
+                                      f"meshtron merge: {branch.path}")
+    return dataclasses.replace(branch, checkpoint=folder, step=step), state
+
+
 def check_close(branch: Branch, state: dict[str, Any], first: Branch,
                 first_state: dict[str, Any]) -> float:
     """The relative distance of `state` from `first_state` over the matrices they share (not

@@ -120,9 +120,10 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
     from meshtron.modular import branches as br
     from meshtron.modular.upcycle import merge_states
 
-    states, distances = [], []
+    states, distances, read = [], [], []
     for b in inputs:  # the experts need every branch's MLP; the rest is averaged
-        state = br.load_state(b)
+        b, state = br.read_branch(b)  # the checkpoint read (a live run may rotate it)
+        read.append(b)
         br.check_not_same(b, state, list(zip(inputs, states)))
         distances.append(br.check_close(b, state, inputs[0], states[0]) if states else 0.0)
         states.append(state)
@@ -138,7 +139,7 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
                       # None when they have none), and a run's checkpoint folder
                       "run": b.run, "step": b.step,
                       "checkpoint": b.checkpoint.name if b.checkpoint else None}
-                     for b, d in zip(inputs, distances)],
+                     for b, d in zip(read, distances)],
         "copies": copies, "router_seed": seed, "router": init.to_dict(),
         "model": spec.to_dict(),
     }

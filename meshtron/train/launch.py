@@ -54,6 +54,8 @@ def train_here(job: TrainJob) -> int:
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
     data = build_run_data(job.cfg)
     check_resume(job.checkpoint, job.cfg, None)  # before the claim: a refusal writes nothing
+    if said_finished(job):
+        return 0
     say_world(job.checkpoint, job.cfg, 1)
     claim_run_dir(job, plan=None)
     warn(job)  # once the input is known to be good
@@ -94,6 +96,8 @@ def launch_ranks(job: TrainJob) -> int:
     # read, not trained on) so that a bad path is one line, not N tracebacks.
     build_run_data(job.cfg, dp_rank=0, dp_size=plan.dp)
     check_resume(job.checkpoint, job.cfg, plan)  # before the claim: a refusal writes nothing
+    if said_finished(job):
+        return 0
     say_world(job.checkpoint, job.cfg, nproc)
     claim_run_dir(job, plan)
     run_dir = Path(job.cfg.train.run_dir)
@@ -172,8 +176,7 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
 
     warn(job)
     run_dir = Path(job.cfg.train.run_dir)
-    plan.save(run_dir / "plan.toml")
-    write_run_file(job, run_dir / "run.toml")
+    write_run_records(job, plan)
     clear_trace(run_dir)
     restart.clear_notes(run_dir)  # attempts are counted again from 0
     outputs.print_plan(plan, chosen.cluster, dtype_note(job, request, plan), chosen.source)
@@ -197,14 +200,36 @@ def claim_run_dir(job: TrainJob, plan) -> None:
         raise
 
 
+def said_finished(job: TrainJob) -> bool:
+    """`--resume` of a run already at train.steps: its line printed (True), nothing touched."""
+    from meshtron.checkpoint.resume import finished_line
+
+    line = finished_line(job.checkpoint, job.cfg)
+    if line:
+        print(line, flush=True)
+    return line is not None
+
+
 def write_single_process_files(job: TrainJob) -> None:
     """One process: run.toml is this run's resolved config too, and a plan.toml an earlier
     multi-rank run of the folder left describes no rank of this one (the folder never
     contradicts itself: config.json, written by the loop, says the same)."""
+    write_run_records(job, None)
+
+
+def write_run_records(job: TrainJob, plan) -> None:
+    """The run's records, the same on every launch path (meshtron's own launcher, one
+    process, rank 0 of an outside torchrun/srun): run.toml (the resolved config: what
+    --resume, export and doctor read) and plan.toml (`plan`; None: one process, whose folder
+    then keeps no plan.toml of an earlier run). Written after the folder is claimed and
+    `prepare_start` has cleared an --overwrite-n run's checkpoints."""
     run_dir = Path(job.cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_file(job, run_dir / "run.toml")
-    (run_dir / "plan.toml").unlink(missing_ok=True)
+    if plan is None:
+        (run_dir / "plan.toml").unlink(missing_ok=True)
+    else:
+        plan.save(run_dir / "plan.toml")
 
 
 def rank_command(job: TrainJob, run_dir: Path, request: ParallelRequest) -> list[str]:

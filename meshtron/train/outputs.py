@@ -19,6 +19,10 @@ RUN_MARKERS = ("metrics.jsonl", "summary.json", "checkpoints")
 STALE_OUTPUTS = ("metrics.jsonl", "summary.json", "memory.json", "curves.png")
 """Outputs of an earlier run removed when a run is started over it (--overwrite)."""
 TENSORBOARD_DIR = "tensorboard"
+RUN_FILES = ("run.toml", "plan.toml", "config.json", *STALE_OUTPUTS, ".meshtron.lock")
+"""Files a run writes at the top of its folder (run_lock.LOCK_NAME the last)."""
+RUN_FOLDERS = ("checkpoints", TENSORBOARD_DIR, "trace", "tokenizer")
+"""Folders a run writes in its folder (checkpoint store, TensorBoard, doctor, tokenizer)."""
 
 
 def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
@@ -32,10 +36,26 @@ def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
     if held and not overwrite:
         raise UserError(f"{where}: holds a run ({held[0]}); pass --overwrite to replace it "
                         "or choose another --run-dir")
+    _refuse_wrong_kinds(path, where, overwrite)
     writable_target(path, "train.run_dir")
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("train.tensorboard=true: the tensorboard package is not installed "
                         "(pip install tensorboard, or meshtron[tensorboard])")
+
+
+def _refuse_wrong_kinds(path: Path, where: str, overwrite: bool) -> None:
+    """A folder where the run writes a file, or a file where it writes a folder: refused in one
+    line before anything is written (--overwrite deletes a run's outputs, not a folder of
+    unknown content under an output's name). One exception: with --overwrite a file where the
+    checkpoints go is replaced (checkpoint/resume.py `prepare_start`)."""
+    wrong = [(name, "a folder", "a file") for name in RUN_FILES if (path / name).is_dir()]
+    wrong += [(name, "a file", "a folder") for name in RUN_FOLDERS
+              if (path / name).exists() and not (path / name).is_dir()
+              and not (overwrite and name == "checkpoints")]
+    if wrong:
+        name, found, want = wrong[0]
+        raise UserError(f"{where}: {str(path / name)!r} is {found}, where the run writes "
+                        f"{want}; move it away or choose another --run-dir")
 
 
 def prepare_run_dir(cfg: RunConfig, main: bool = True, extra: dict[str, Any] | None = None,

@@ -77,6 +77,10 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     except Preempted:
         doctor.stop()
         shutdown_rank(EXIT_PREEMPTED)
+    except RunFinished as done:
+        if world.rank == 0:
+            print(done, flush=True)
+        shutdown_rank(0)
     except UserError as exc:
         _abort(world, f"error: {exc}", EXIT_USAGE)
     except RunFailed as exc:
@@ -170,6 +174,32 @@ def _dump(exc: BaseException) -> None:
         session.dump_exception(exc)
 
 
+class RunFinished(Exception):
+    """--resume of a run already at train.steps: every rank leaves with exit code 0, rank 0
+    says so in one line (checkpoint/resume.py `finished_line`)."""
+
+
+def _start_outside(job: TrainJob, plan) -> dict[str, Any]:
+    """Rank 0 of an outside torchrun/srun (no meshtron parent): what the parent does before
+    starting ranks (checkpoint/resume.py `prepare_start`: the --resume checks, an --overwrite
+    drops the old run's checkpoints), then the run's records (launch.write_run_records). A
+    --resume of a finished run: {'finished': its line}, nothing written."""
+    from meshtron.checkpoint.resume import check_resume, finished_line, prepare_start
+    from meshtron.train.launch import write_run_records
+
+    check_resume(job.checkpoint, job.cfg, plan)
+    line = finished_line(job.checkpoint, job.cfg)
+    if line:
+        run_lock.release(job.cfg.train.run_dir)
+        return {"finished": line}
+    from meshtron.checkpoint import restart
+
+    if restart.attempt() == 0:  # a torchrun restart continues this run: its checkpoints stay
+        prepare_start(job.checkpoint, job.cfg, job.overwrite, plan)
+    write_run_records(job, plan)
+    return {}
+
+
 def agreed_plan(job: TrainJob, world: World):
     """Rank 0 checks the run folder (unless the parent did) and resolves the plan and the
     cluster; every rank receives the same (or the same error)."""
@@ -187,12 +217,14 @@ def agreed_plan(job: TrainJob, world: World):
 
                 if job.elastic is None:
                     run_lock.check_free(job.cfg.train.run_dir)
-                outputs.check_run_dir(job.cfg, job.overwrite)
+                outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
                 if job.elastic is None:  # elastic: elastic.py claims it per job
                     run_lock.claim(job.cfg.train.run_dir)
             plan, cluster = resolve_run_plan(job.cfg, job.parallel or ParallelRequest(),
                                              world.world_size)
             payload[0] = {"plan": plan.to_dict(), "cluster": cluster.to_dict()}
+            if not job.launched_rank and job.elastic is None:
+                payload[0].update(_start_outside(job, plan))
         except UserError as exc:
             run_lock.abandon(job.cfg.train.run_dir)  # nothing left behind by bad input
             payload[0] = {"error": str(exc)}
@@ -200,6 +232,8 @@ def agreed_plan(job: TrainJob, world: World):
         dist.broadcast_object_list(payload, src=0)
     if "error" in payload[0]:
         raise UserError(payload[0]["error"])
+    if "finished" in payload[0]:
+        raise RunFinished(payload[0]["finished"])
     return Plan.from_dict(payload[0]["plan"]), cluster_from_dict(payload[0]["cluster"])
 
 

@@ -1,0 +1,147 @@
+"""The run folder through the `meshtron` command (real processes, real torchrun): every launch
+path writes the run's records, export refuses a config that does not describe the checkpoint
+and survives a live run's rotation, --resume of a finished run keeps its results, and entries
+of the wrong kind are refused before anything is written."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from meshtron.checkpoint import store
+
+TINY = ["--seq-len", "32", "--global-batch", "4", "--eval-every", "0"]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _meshtron(*argv, timeout=240):
+    return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=_env())
+
+
+def _torchrun(*argv, timeout=240):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "meshtron", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _one_line_error(proc, needle):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr, lines
+
+
+def test_outside_torchrun_writes_records_and_export_checks_the_model(tmp_path):
+    run, out = tmp_path / "n1", tmp_path / "n1_hf"
+    first = _meshtron("train", "--model", "debug", *TINY, "--steps", "2", "--run-dir", str(run))
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert 'name = "debug"' in (run / "run.toml").read_text()
+    debug_toml = (run / "run.toml").read_text()
+    second = _torchrun("train", "--model", "tiny", *TINY, "--plan", "dp=2", "--steps", "2",
+                       "--checkpoint-every", "2", "--run-dir", str(run), "--overwrite")
+    assert second.returncode == 0, second.stderr[-3000:]
+    # rank 0 of the outside launcher wrote this run's records, as `--nproc` does
+    assert 'name = "tiny"' in (run / "run.toml").read_text()
+    assert "dp = 2" in (run / "plan.toml").read_text()
+    done = _meshtron("export", str(run), "--to", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "exported step 2" in done.stdout and "(39 tensors)" in done.stdout
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+    # a config of another run beside the checkpoint (what the stale run.toml was): refused
+    (run / "run.toml").write_text(debug_toml)
+    stale = _meshtron("export", str(run), "--to", str(tmp_path / "stale_hf"))
+    _one_line_error(stale, "does not match the run's model config")
+    assert not (tmp_path / "stale_hf").exists()
+
+
+def test_resume_of_a_finished_run_keeps_its_results(tmp_path):
+    run = tmp_path / "k5"
+    common = ["train", "--model", "debug", *TINY, "--plan", "dp=2", "--checkpoint-every", "2",
+              "--run-dir", str(run)]
+    argv = [*common, "--nproc", "2", "--steps", "4"]
+    assert _meshtron(*argv).returncode == 0
+    kept = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.jsonl",
+                                                         "run.toml", "config.json")}
+    again = _meshtron(*argv, "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already complete at step 4 (train.steps=4)" in again.stdout
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    outside = _torchrun(*common, "--steps", "4", "--resume")
+    assert outside.returncode == 0, outside.stderr[-2000:]
+    assert outside.stdout.count("already complete at step 4") == 1  # rank 0 says it
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    # train.steps is KEEP (checkpoint/resume_fields.py): another value is refused, not run
+    longer = _meshtron(*common, "--nproc", "2", "--steps", "6", "--resume")
+    _one_line_error(longer, "train.steps=6")
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+
+
+def test_a_checkpoint_removed_while_read_is_chosen_again(tmp_path):
+    from meshtron.checkpoint.export import load_checkpoint, read_newest
+
+    run = tmp_path / "rot"
+    made = _meshtron("train", "--model", "debug", *TINY, "--steps", "3", "--checkpoint-every",
+                     "1", "--run-dir", str(run))
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert [s for s, _ in store.committed(run / "checkpoints")] == [3, 2, 1]
+    tried = []
+
+    def read_while_rotating(folder):
+        tried.append(folder.name)
+        if len(tried) == 1:  # the run's retention removes it under the reader
+            shutil.rmtree(folder)
+        return load_checkpoint(folder)
+
+    state, folder, step = read_newest(run, read_while_rotating)
+    assert tried == ["step_00000003", "step_00000002"] and step == 2
+    assert folder.name == "step_00000002" and len(state) == 21
+
+
+def test_export_of_a_live_run_with_rotation(tmp_path):
+    run = tmp_path / "live"
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "meshtron", "train", "--model", "debug", *TINY, "--steps",
+         "100000", "--checkpoint-every", "1", "--keep", "2", "--run-dir", str(run)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    try:
+        deadline = time.time() + 120
+        while len(store.committed(run / "checkpoints")) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        steps = []
+        for i in range(4):
+            done = _meshtron("export", str(run), "--to", str(tmp_path / f"x{i}"))
+            assert done.returncode == 0, done.stderr[-2000:]
+            steps.append(int(done.stdout.split("exported step ")[1].split()[0]))
+        assert trainer.poll() is None and steps == sorted(steps)
+    finally:
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait(timeout=120)
+
+
+def test_entries_of_the_wrong_kind_are_one_line_before_anything_is_written(tmp_path):
+    """A folder where the run writes a file: refused with or without --overwrite (which deletes
+    outputs, not folders of unknown content). A file where the checkpoints go: refused without
+    --overwrite, replaced with it (checkpoint/resume.py prepare_start)."""
+    for name, make in (("checkpoints", "file"), ("metrics.jsonl", "folder"),
+                       ("config.json", "folder"), ("tensorboard", "file")):
+        run = tmp_path / name.replace(".", "_")
+        run.mkdir()
+        (run / name).mkdir() if make == "folder" else (run / name).touch()
+        argv = ["train", "--model", "debug", *TINY, "--steps", "2", "--checkpoint-every", "1",
+                "--run-dir", str(run)]
+        for extra in ([], ["--overwrite"]):
+            proc = _meshtron(*argv, *extra)
+            if extra and name == "checkpoints":
+                assert proc.returncode == 0, proc.stderr[-2000:]
+                assert [s for s, _ in store.committed(run / name)] == [2, 1]
+                continue
+            needle = "holds a run" if not extra and name in ("checkpoints", "metrics.jsonl") \
+                else f"is a {make}, where the run writes"
+            _one_line_error(proc, needle)
+            assert sorted(p.name for p in run.iterdir()) == [name]  # nothing written
