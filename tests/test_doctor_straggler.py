@@ -7,6 +7,9 @@ contention, real SIGSTOP/SIGCONT.
   each rank waits for a CPU now and then, one more than the other by chance) is not a
   straggler (named before the run-queue correction: one rank 22-61% of the span late).
 - Rank 1 SIGSTOPped 0.15 s of every 0.25 s (the audit's case) is named.
+- Rank 1 starving its training thread with a CPU-bound thread of its own on its one CPU is
+  named (its run-queue wait is its own doing, not the host's load), from its dumps and from
+  the same dumps without CPU readings (an older meshtron's).
 Slow: rank 1 SIGSTOPped 20% and 30% of the time (0.1 s and 0.15 s of every 0.5 s), consistently
 slower than rank 0, is named."""
 
@@ -39,10 +42,10 @@ def _busy_loops(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
-def _train(run_dir: Path, steps: int) -> subprocess.Popen:
+def _train(run_dir: Path, steps: int, **env: str) -> subprocess.Popen:
     return subprocess.Popen([*TRAIN, "--steps", str(steps), "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **env))
 
 
 def _finish(proc: subprocess.Popen) -> None:
@@ -163,3 +166,50 @@ def test_rank_stopped_most_of_the_time_is_named(tmp_path):
 def test_rank_stopped_a_fifth_to_a_third_of_the_time_is_named(tmp_path, stop_s):
     """Consistently slower: rank 1 SIGSTOPped 20% or 30% of the time, in 0.5 s periods."""
     _duty_cycled_run(tmp_path / "run", stop_s, 0.5, 40)
+
+
+SELF_STARVING_RANK = """\
+import os
+if os.environ.get("RANK") == "1":  # a rank of the run, not torchrun or the launcher
+    import hashlib, threading
+    # this process on one CPU (threads made later inherit it), a thread of its own hashing
+    # there without the GIL: the training thread waits for that CPU behind its own process
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    def _hog(buf=bytes(8 << 20)):
+        h = hashlib.sha256()
+        while True:
+            h.update(buf)
+    threading.Thread(target=_hog, daemon=True).start()
+"""
+
+
+def test_rank_starving_its_own_training_thread_is_named(tmp_path):
+    """Rank 1 runs a CPU-bound thread of its own on its one CPU: its training thread waits for
+    that CPU about half the time. That wait is rank 1's own doing (like a checkpoint writer or
+    data-loading thread of its own), not the host's load: rank 1 is the straggler. (The
+    run-queue correction took it for the host's load and found no straggler.)"""
+    from meshtron.doctor.dump import run_queue_wait_s
+
+    if run_queue_wait_s(threading.get_native_id()) is None:
+        pytest.skip("no Linux schedstat here")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SELF_STARVING_RANK)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    run_dir = tmp_path / "run"
+    _finish(_train(run_dir, 20, PYTHONPATH=path))
+    rank1 = json.loads((run_dir / "trace" / "rank_1.json").read_text())
+    beats = [b for b in rank1["step_times"] if b["step"] > 1]
+    waited = beats[-1]["run_queue_s"] - beats[0]["run_queue_s"]
+    assert waited > 0.2 * (beats[-1]["end_t"] - beats[0]["end_t"]), beats  # it did wait
+    code, doc = _doctor(run_dir)
+    assert code == EXIT_FOUND and doc["kind"] == "straggler", doc
+    assert doc["culprit_ranks"] == [1], doc
+    for rank in (0, 1):  # as an older meshtron wrote them: no CPU readings, timing alone
+        path = run_dir / "trace" / f"rank_{rank}.json"
+        dump = json.loads(path.read_text())
+        dump["step_times"] = [{k: b[k] for k in ("step", "end_t", "seconds")}
+                              for b in dump["step_times"]]
+        path.write_text(json.dumps(dump))
+    code, doc = _doctor(run_dir)
+    assert code == EXIT_FOUND and doc["culprit_ranks"] == [1], doc

@@ -5,6 +5,7 @@ leaves nothing behind."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,6 +207,8 @@ def test_one_model_twice_is_refused(branches, tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"{first!r} and {second!r}" in err, err
         assert "given twice" in err, err
+        # known before a tensor is read (the copy without a record: as its tensors are read)
+        assert ("hold the same weights" if second == e3 else "are one model (run ") in err, err
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
     # an export records its base, so a branch and its own base are refused as runs are
     assert main(["merge", "--experts", "a", "base_w", "--to", str(out)]) == 2
@@ -317,3 +320,37 @@ def test_relative_init_from_is_read_where_the_run_was_trained(branches, tmp_path
     bases = {b["base"] for b in json.loads((tmp_path / "m" / "merge.json").read_text())
              ["branches"]}
     assert len(bases) == 1 and bases.pop().startswith("init:")
+
+
+def _export_as_elsewhere(branches, out, name, **record):
+    """`meshtron export` of branch `name` to `out`, its export.json then saying what the same
+    command on another machine would have: `record`'s fields (another run folder, base path)."""
+    assert main(["export", str(branches / name), "--to", str(out)]) == 0
+    path = out / "export.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **record}))
+    return str(out)
+
+
+def test_other_runs_of_one_folder_and_moved_bases_merge(branches, tmp_path, capsys):
+    """Two branches trained at one path (/scratch/run on two machines, or a folder reused with
+    --overwrite) to one step were refused as 'one model given twice' by their export.json's run
+    and step; an export whose base folder is not on this machine (trained elsewhere) was
+    refused as 'must share one base' against a run of that same base here."""
+    scratch = str(tmp_path / "scratch" / "run")  # the path both were trained at
+    ea = _export_as_elsewhere(branches, tmp_path / "ea", "a", run=scratch)
+    eb = _export_as_elsewhere(branches, tmp_path / "eb", "b", run=scratch)
+    origins = [json.loads((Path(e) / "export.json").read_text()) for e in (ea, eb)]
+    assert origins[0]["step"] == origins[1]["step"] == 3
+    assert origins[0]["config"] != origins[1]["config"]  # their own data: two runs
+    assert main(["merge", "--experts", ea, eb, "--to", str(tmp_path / "m1")]) == 0, \
+        capsys.readouterr().err
+    moved = _export_as_elsewhere(branches, tmp_path / "moved", "a",
+                                 init_from="/elsewhere/base_w")
+    assert main(["merge", "--experts", moved, str(branches / "b"),
+                 "--to", str(tmp_path / "m2")]) == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "m2" / "merge.json").read_text())
+    assert [b["base"][:5] for b in doc["branches"]] == ["path:", "init:"]
+    # one run's export, moved with its record, is still that run at that step
+    assert main(["merge", "--experts", str(branches / "a"), moved,
+                 "--to", str(tmp_path / "m3")]) == 2
+    assert "given twice" in capsys.readouterr().err

@@ -12,7 +12,8 @@ Kinds, in the order they are looked for:
 - `straggler`: no divergence, but one rank reaches the collectives late: for every collective
   all members recorded, each member's lateness after the earliest member (the time the others
   waited for it; `_straggler`), less, step by step, the time it waited for a CPU more than the
-  other ranks (the host's load, from each rank's run-queue wait); a rank whose remaining
+  other ranks (the host's load, from each rank's run-queue wait less its own other threads'
+  CPU time); a rank whose remaining
   lateness is at least `STRAGGLER_FRACTION` of the time span compared (and `STRAGGLER_MIN_S`)
   and 3x any other's.
 - `no_dump`: no rank has dumped (killed from outside, or the run is still going).
@@ -305,9 +306,11 @@ def _straggler(trace: Trace) -> Diagnosis | None:
     cannot tell them apart; the kernel can: each rank records, per step, how long its training
     thread was runnable but waiting for a CPU (doctor/dump.py `run_queue_wait_s`, Linux
     schedstat), and a stopped, sleeping or blocked rank (SIGSTOP, a data loader, a GPU it waits
-    for) is not waiting for a CPU. So in each step a rank's lateness only counts past its
-    run-queue wait beyond the least any rank waited in that step (`_stalls`): what is left is
-    a stall of the rank's own. Then, as Megatron-LM's StragglerDetector does (NVIDIA/Megatron-LM
+    for) is not waiting for a CPU. A rank can make its training thread wait for a CPU itself
+    (a thread of its own computing beside it: a checkpoint writer, a data loader): only the
+    wait beyond the CPU time its process's other threads had meanwhile is the host's
+    (`_host_wait`). So in each step a rank's lateness only counts past that wait beyond the
+    least any rank's in that step (`_stalls`): what is left is a stall of the rank's own. Then, as Megatron-LM's StragglerDetector does (NVIDIA/Megatron-LM
     megatron/core/utils.py, commit 22e030e, `_min_max`: each rank's timed section against the
     other ranks', slowest and fastest named) and nvidia-resiliency-ext's relative performance
     score (docs straggler_det/usage_guide: a rank's section time against the best rank's), the
@@ -371,12 +374,24 @@ def _queue_windows(trace: Trace) -> dict[int, dict[int, tuple[float, float, floa
     waits: dict[int, dict[int, tuple[float, float, float]]] = {}
     for rank, d in trace.dumps.items():
         beats = [st for st in d.get("step_times", []) if st.get("run_queue_s") is not None]
-        waits[rank] = {b["step"]: (a["end_t"], b["end_t"], b["run_queue_s"] - a["run_queue_s"])
+        waits[rank] = {b["step"]: (a["end_t"], b["end_t"], _host_wait(a, b))
                        for a, b in zip(beats, beats[1:]) if b["step"] == a["step"] + 1}
     common = set.intersection(*(set(w) for w in waits.values())) if waits else set()
     least = {k: min(w[k][2] for w in waits.values()) for k in common}
     return {rank: {k: (w[k][0], w[k][1], w[k][2] - least[k]) for k in common}
             for rank, w in waits.items()}
+
+
+def _host_wait(before: dict, after: dict) -> float:
+    """The run-queue wait between two beats that other processes caused, at least: less the CPU
+    time the rank's own other threads had meanwhile (a thread can only have waited for its own
+    process's threads while they ran: a rank starving its training thread with its own work, a
+    checkpoint writer, a data-loading thread, is its own stall, not the host's load). Beats
+    without that reading (dumps of an older meshtron) count their whole wait."""
+    wait = after["run_queue_s"] - before["run_queue_s"]
+    if after.get("other_threads_cpu_s") is None or before.get("other_threads_cpu_s") is None:
+        return wait
+    return max(0.0, wait - (after["other_threads_cpu_s"] - before["other_threads_cpu_s"]))
 
 
 def _lateness(trace: Trace):

@@ -80,13 +80,22 @@ def thread_stacks() -> list[dict[str, Any]]:
 
 def run_queue_wait_s(tid: int) -> float | None:
     """Seconds this process's thread `tid` (threading.get_native_id()) has spent runnable but
-    waiting for a CPU (another process had it), since it started; None without Linux
-    schedstats. The second field of /proc/self/task/TID/schedstat, in nanoseconds (Linux
-    Documentation/scheduler/sched-stats.rst, "/proc/<pid>/schedstat": time on the cpu, time
-    waiting on a runqueue, timeslices run). A stopped (SIGSTOP) or sleeping thread is not
-    runnable: that time is not counted."""
+    waiting for a CPU (another thread had it), since it started; None without Linux
+    schedstats (`schedstat_s`)."""
+    stat = schedstat_s(tid)
+    return stat[1] if stat else None
+
+
+def schedstat_s(tid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of this process's thread `tid`
+    since it started; None without Linux schedstats. The first two fields of
+    /proc/self/task/TID/schedstat, in nanoseconds (Linux Documentation/scheduler/
+    sched-stats.rst, "/proc/<pid>/schedstat": time on the cpu, time waiting on a runqueue,
+    timeslices run). A stopped (SIGSTOP) or sleeping thread is not runnable: that time is not
+    counted."""
     try:
-        return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+        fields = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return None
 

@@ -2,7 +2,9 @@
 
 `meshtron export` and `meshtron train --export` write it: the run folder the weights were
 trained in (its resolved path), the step they are of, and how that run started (its
-`train.init_from`, resolved, or its seed). `meshtron merge` reads it to know a branch by what it
+`train.init_from`, resolved, or its seed), and the SHA-256 of the run's configuration file
+(run.toml, or config.json): which run held that folder, as a folder reused by another run (a
+`--overwrite`, or one path on two machines) holds another. `meshtron merge` reads it to know a branch by what it
 is, a run at a step, whichever folder holds it (the run's checkpoint or an export of it), and to
 check an export's base as it checks a run's. A folder without it (weights from elsewhere, or
 exported before it was written) is known by its own path only.
@@ -26,7 +28,21 @@ def origin_record(run_dir: str | Path, step: int, init_from: str | None,
     from the deterministic init of `seed`)."""
     return {"format": FORMAT, "run": str(Path(run_dir).resolve()), "step": int(step),
             "init_from": str(Path(init_from).resolve()) if init_from else None,
-            "seed": int(seed)}
+            "seed": int(seed), "config": config_digest(run_dir)}
+
+
+def config_digest(run_dir: str | Path) -> str | None:
+    """'sha256:<digest>' of the configuration file `meshtron.hf.cli.run_config` reads (run.toml,
+    else config.json): one run's weights at one step, whichever folder holds them, have one;
+    another run trained in the same folder has its own data, seed or schedule in it. None when
+    the folder has neither."""
+    from meshtron.checkpoint.store import file_digest
+
+    for name in ("run.toml", "config.json"):
+        path = Path(run_dir) / name
+        if path.is_file():
+            return "sha256:" + file_digest(path, "sha256")
+    return None
 
 
 def write_origin(out_dir: str | Path, record: dict[str, Any]) -> None:
@@ -49,7 +65,8 @@ def read_origin(folder: str | Path, field: str) -> dict[str, Any] | None:
     ok = (isinstance(doc, dict) and doc.get("format") == FORMAT
           and isinstance(doc.get("run"), str) and type(doc.get("step")) is int
           and doc["step"] >= 0 and type(doc.get("seed")) is int
-          and (doc.get("init_from") is None or isinstance(doc.get("init_from"), str)))
+          and (doc.get("init_from") is None or isinstance(doc.get("init_from"), str))
+          and (doc.get("config") is None or isinstance(doc.get("config"), str)))
     if not ok:
         raise UserError(f"{field}={str(folder)!r}: {path} is damaged (expected a {FORMAT} "
                         "record with run, step, init_from and seed; remove it to merge the "

@@ -61,6 +61,9 @@ class Branch:
     step: int | None = None
     """The step of its weights (a run: of the checkpoint `with_checkpoint` chose; exported
     weights: their record's), None when unknown."""
+    config: str | None = None
+    """'sha256:<digest>' of its run's configuration file (origin.config_digest; exported
+    weights: their record's), None when unknown: which run held the folder `run` names."""
     checkpoint: Path | None = None
     """A run's checkpoint folder to merge (`with_checkpoint`), None for exported weights."""
     given: str = ""
@@ -96,7 +99,7 @@ def _describe_run(folder: Path) -> Branch:
     from meshtron.checkpoint import store
     from meshtron.hf.cli import run_config
     from meshtron.hf.hooks import tokenizer_source
-    from meshtron.hf.origin import recorded_path
+    from meshtron.hf.origin import config_digest, recorded_path
 
     cfg = run_config(folder, FIELD)
     root = store.checkpoint_root(folder)
@@ -114,7 +117,8 @@ def _describe_run(folder: Path) -> Branch:
         tok = "byte"
     else:
         tok = None
-    return Branch(folder, "run", cfg.model, base, tok, tok_dir, run=str(folder.resolve()))
+    return Branch(folder, "run", cfg.model, base, tok, tok_dir, run=str(folder.resolve()),
+                  config=config_digest(folder))
 
 
 def _describe_weights(folder: Path) -> Branch:
@@ -132,7 +136,7 @@ def _describe_weights(folder: Path) -> Branch:
     base = (_base_of(Path(origin["init_from"])) if origin["init_from"]
             else f"seed:{origin['seed']}")
     return Branch(folder, "weights", spec, base, tok, folder if tok_file.is_file() else None,
-                  run=origin["run"], step=origin["step"])
+                  run=origin["run"], step=origin["step"], config=origin.get("config"))
 
 
 def _weights_spec(folder: Path) -> ModelSpec:
@@ -192,10 +196,18 @@ def check_compatible(branches: list[Branch]) -> None:
             raise UserError(f"{FIELD}={str(b.path)!r}: tokenizer {b.tokenizer[:19]} differs "
                             f"from {str(first.path)!r}'s {first.tokenizer[:19]}: branches "
                             "must share one tokenizer")
-        if b.base and first.base and b.base != first.base:
+        if _known(b.base) and _known(first.base) and b.base != first.base:
             raise UserError(f"{FIELD}={str(b.path)!r}: started from {b.base[:24]} but "
                             f"{str(first.path)!r} from {first.base[:24]}: branches must "
                             "share one base")
+
+
+def _known(base: str | None) -> bool:
+    """A base compared with others: its weights' digest or its seed. A base folder that is not
+    on this machine ('path:', a run or export trained elsewhere, or a base since moved or
+    removed) says nothing about its weights: two copies of one base on two machines have two
+    paths, and one path on two machines can hold two bases; `check_close` still guards."""
+    return bool(base) and not base.startswith("path:")
 
 
 def _spec_difference(a: ModelSpec, b: ModelSpec) -> tuple[str, Any, Any] | None:
@@ -219,26 +231,28 @@ def with_checkpoint(branch: Branch) -> Branch:
     return dataclasses.replace(branch, checkpoint=folder, step=step)
 
 
-def identity(branch: Branch) -> tuple[str, ...]:
-    """What a branch is: ('run', resolved run folder, step) when known, else ('folder',
-    resolved folder)."""
-    if branch.run is not None and branch.step is not None:
-        return ("run", branch.run, str(branch.step))
-    return ("folder", str(branch.path.resolve()))
+def same_model(a: Branch, b: Branch) -> str | None:
+    """What two branches both are, or None when they differ: one run at one step (whichever
+    folders hold it; and, when both know it, one configuration file: another run trained in
+    the same folder later, or at the same path on another machine, is another model), or one
+    folder."""
+    if None not in (a.run, a.step, b.run, b.step):
+        same = (a.run, a.step) == (b.run, b.step) and (
+            a.config is None or b.config is None or a.config == b.config)
+        return f"run {a.run} at step {a.step}" if same else None
+    folder = a.path.resolve()
+    return f"folder {folder}" if folder == b.path.resolve() else None
 
 
 def check_distinct(branches: list[Branch]) -> None:
-    """No model twice: the first two inputs of one identity, named in one line."""
-    seen: dict[tuple[str, ...], Branch] = {}
-    for b in branches:
-        key = identity(b)
-        if key in seen:
-            what = (f"run {b.run} at step {b.step}" if key[0] == "run"
-                    else f"folder {key[1]}")
-            raise UserError(f"{FIELD}: {seen[key].label} and {b.label} are one "
-                            f"model ({what}), given twice; give different branches (use "
-                            "--copies to repeat one model's MLP)")
-        seen[key] = b
+    """No model twice: the first two inputs that are one model, named in one line."""
+    for i, b in enumerate(branches):
+        for earlier in branches[:i]:
+            what = same_model(earlier, b)
+            if what:
+                raise UserError(f"{FIELD}: {earlier.label} and {b.label} are one model "
+                                f"({what}), given twice; give different branches (use "
+                                "--copies to repeat one model's MLP)")
 
 
 def check_not_same(branch: Branch, state: dict[str, Any],
