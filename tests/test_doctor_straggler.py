@@ -183,6 +183,7 @@ if os.environ.get("RANK") == "1":  # a rank of the run, not torchrun or the laun
 """
 
 
+@pytest.mark.slow  # suite time: a third 2-rank run (about 27 s on a loaded 2-core box)
 def test_rank_starving_its_own_training_thread_is_named(tmp_path):
     """Rank 1 runs a CPU-bound thread of its own on its one CPU: its training thread waits for
     that CPU about half the time. That wait is rank 1's own doing (like a checkpoint writer or
