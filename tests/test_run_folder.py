@@ -107,7 +107,7 @@ def test_export_of_a_live_run_with_rotation(tmp_path):
     run = tmp_path / "live"
     trainer = subprocess.Popen(
         [sys.executable, "-m", "meshtron", "train", "--model", "debug", *TINY, "--steps",
-         "100000", "--checkpoint-every", "1", "--keep", "2", "--run-dir", str(run)],
+         "100000", "--checkpoint-every", "1", "--keep", "3", "--run-dir", str(run)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
     try:
         deadline = time.time() + 120

@@ -254,6 +254,19 @@ def prune(root: Path, keep: int) -> list[str]:
             kept += 1
             continue
         if kept >= keep:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_whole(path)
             removed.append(path.name)
     return removed
+
+
+def _remove_whole(path: Path) -> None:
+    """Delete a checkpoint folder so that a reader (export or merge of a live run) sees it
+    whole or gone, never half-deleted: renamed out of the step names first (atomic within the
+    folder), then deleted; a crash in between leaves a temporary folder `remove_partial`
+    sweeps at the next start."""
+    doomed = path.with_name(TMP_PREFIX + "removed-" + path.name)
+    try:
+        os.rename(path, doomed)
+    except OSError:  # e.g. a leftover of that name: delete in place as before
+        doomed = path
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -75,3 +75,18 @@ def write_run_file(job: TrainJob, path: Path) -> None:
     import tomli_w
 
     path.write_text(tomli_w.dumps(job.cfg.to_toml_dict()))
+
+
+def write_run_records(job: TrainJob, plan) -> None:
+    """The run's records, the same on every launch path (meshtron's own launcher, one
+    process, rank 0 of an outside torchrun/srun): run.toml (the resolved config: what
+    --resume, export and doctor read) and plan.toml (`plan`; None: one process, whose folder
+    then keeps no plan.toml of an earlier run). Written after the folder is claimed and
+    `prepare_start` has cleared an --overwrite-n run's checkpoints."""
+    run_dir = Path(job.cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_file(job, run_dir / "run.toml")
+    if plan is None:
+        (run_dir / "plan.toml").unlink(missing_ok=True)
+    else:
+        plan.save(run_dir / "plan.toml")

@@ -20,7 +20,7 @@ from meshtron.errors import UserError
 from meshtron.launch import World, current_world
 from meshtron.train import outputs, run_lock
 from meshtron.train.job import ParallelRequest, TrainJob
-from meshtron.train.job import warn, write_run_file  # also elastic's: job.py, not here
+from meshtron.train.job import warn, write_run_records  # job.py: rank.py writes them too
 
 EXIT_USAGE = 2
 
@@ -215,21 +215,6 @@ def write_single_process_files(job: TrainJob) -> None:
     multi-rank run of the folder left describes no rank of this one (the folder never
     contradicts itself: config.json, written by the loop, says the same)."""
     write_run_records(job, None)
-
-
-def write_run_records(job: TrainJob, plan) -> None:
-    """The run's records, the same on every launch path (meshtron's own launcher, one
-    process, rank 0 of an outside torchrun/srun): run.toml (the resolved config: what
-    --resume, export and doctor read) and plan.toml (`plan`; None: one process, whose folder
-    then keeps no plan.toml of an earlier run). Written after the folder is claimed and
-    `prepare_start` has cleared an --overwrite-n run's checkpoints."""
-    run_dir = Path(job.cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_file(job, run_dir / "run.toml")
-    if plan is None:
-        (run_dir / "plan.toml").unlink(missing_ok=True)
-    else:
-        plan.save(run_dir / "plan.toml")
 
 
 def rank_command(job: TrainJob, run_dir: Path, request: ParallelRequest) -> list[str]:

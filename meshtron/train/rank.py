@@ -182,10 +182,10 @@ class RunFinished(Exception):
 def _start_outside(job: TrainJob, plan) -> dict[str, Any]:
     """Rank 0 of an outside torchrun/srun (no meshtron parent): what the parent does before
     starting ranks (checkpoint/resume.py `prepare_start`: the --resume checks, an --overwrite
-    drops the old run's checkpoints), then the run's records (launch.write_run_records). A
+    drops the old run's checkpoints), then the run's records (job.write_run_records). A
     --resume of a finished run: {'finished': its line}, nothing written."""
     from meshtron.checkpoint.resume import check_resume, finished_line, prepare_start
-    from meshtron.train.launch import write_run_records
+    from meshtron.train.job import write_run_records
 
     check_resume(job.checkpoint, job.cfg, plan)
     line = finished_line(job.checkpoint, job.cfg)
