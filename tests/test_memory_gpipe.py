@@ -210,3 +210,15 @@ def test_one_microbatch_sharded_gradients_are_made_unit_by_unit():
         two = Evaluator(mid, cluster, 32, 2048, mem=mem).evaluate(cfg, keep_infeasible=True)
         assert one.memory.allocated < two.memory.allocated
         assert one.memory.allocated == pytest.approx(want, rel=0.02), (zero, rec)
+
+
+def test_a_pipeline_last_stage_prices_the_chunked_loss_not_whole_logits():
+    """At tp = 1 meshtron's pipelined last stage returns its chunked loss (parallel/
+    parallel_model.py `_stage_computes_loss`): the loss's working set is the fused loss's, as
+    without a pipeline, far below whole logits kept as the stage output; a tensor-parallel head
+    keeps the whole-logits loss in both."""
+    mem = memory.DEFAULT
+    chunked = memory.chunked_loss_bytes(MID, 2 * 2048, mem)
+    assert memory.logits_bytes(MID, 1, 2, 2048, mem, pipelined=True) == chunked
+    assert chunked < 2 * 2048 * MID.vocab * 6.0
+    assert memory.logits_bytes(MID, 2, 2, 2048, mem, pipelined=True) > chunked
