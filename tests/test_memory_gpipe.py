@@ -105,7 +105,8 @@ def test_last_stage_grows_by_each_micro_batch_loss_tensors():
     """Doubling the micro-batches (4 -> 8) adds to the last stage, at its first backward's
     loss, each new micro-batch's activations and loss tensors (meshtron's chunked loss, the
     last stage returning it: its fp32 [vocab, hidden] weight-gradient accumulator and bf16
-    [tokens, hidden] input gradient, no logits) and its receive buffer, nothing else."""
+    [tokens, hidden] input gradient, the final norm's saved input, no logits) and its receive
+    buffer, nothing else."""
     small, large = (_evaluator(2048, b).evaluate(PLAN, stage=1).memory for b in (32, 64))
     ev = _evaluator(2048)
     w = ev._inputs(PLAN)
@@ -113,7 +114,8 @@ def test_last_stage_grows_by_each_micro_batch_loss_tensors():
     ev._memory_model(w)
     ev._split(w, True, False)
     k = w.n[1]  # the time-balanced split: the head's stage holds fewer blocks
-    saved = 4.0 * MID.vocab * MID.hidden + 2.0 * 2 * 2048 * MID.hidden
+    # the fp32 accumulator, the bf16 input gradient and the final (fused) norm's saved input
+    saved = 4.0 * MID.vocab * MID.hidden + 2 * (2.0 * 2 * 2048 * MID.hidden)
     assert memory_gpipe.loss_saved_bytes(MID, 1, 2, 2048, w.mem_opts) == saved
     per_mb = k * w.act + saved
     grew = (large.allocated - small.allocated) * memory.GIB
