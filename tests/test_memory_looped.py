@@ -111,8 +111,8 @@ def test_last_rank_grows_by_each_micro_batch_loss_tensors():
     """Doubling the micro-batches (4 -> 8) adds to the last rank, at its last chunk's first
     backward, each new micro-batch's activations of every local layer and its loss tensors
     (loss_saved_bytes: meshtron's chunked loss, its fp32 weight-gradient accumulator and
-    input gradient, the final norm's saved input), and the first chunk's output and its output gradient's receive buffer:
-    the linear model of a looped rank held one micro-batch's loss (rehearsed with the
+    input gradient, the final norm's saved input), and the first chunk's output and its
+    output gradient's receive buffer: the linear model of a looped rank held one micro-batch's loss (rehearsed with the
     whole-logits loss the last stage ran before branch ppfix, 'mid' pp 2, v 2, m 4 -> 8:
     11.533 -> 20.936 GiB; the old planner 10.053 -> 16.214, that one 11.578 -> 20.669)."""
     small, large = (_evaluator(b).evaluate(PLAN, stage=1).memory for b in (32, 64))
