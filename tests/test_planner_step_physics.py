@@ -324,11 +324,14 @@ def test_fused_loss_accumulates_the_weight_gradient_per_chunk_and_replays_nothin
     assert acc - 3 * whole < extra < acc + 2 * chunked + passes
     # fp32 plans: no casts, but the same accumulator traffic
     assert C.chunked_loss_extra(L8, cl, 1, 4096, dtype="fp32") > acc
-    # the plan pays it only where the runtime chunks: meshtron's loss, tp = 1, no pipeline
+    # the plan pays it only where the runtime chunks: meshtron's loss, tp = 1, a pipeline's
+    # last stage too (parallel/parallel_model.py `_stage_computes_loss`)
     plan = Plan(tp=1, pp=1, dp=8, zero=3, micro_batch=1, dtype="bf16")
     ev = _ev("meshtron")
     head = ev._micro(1, 1, False, "none")[5]
     assert ev.head_for(plan, head).compute == pytest.approx(head.compute + extra)
+    piped = plan.replace(pp=2, dp=4, zero=1)
+    assert ev.head_for(piped, head).compute == pytest.approx(head.compute + extra)
     assert ev.head_for(plan.replace(tp=2, dp=4, sp=True), head) is head
     tt = _ev("torchtitan")  # torch's loss on whole fp32 logits
     assert tt.head_for(plan, head) is head

@@ -466,19 +466,21 @@ model, base = json.loads(sys.argv[1])
 spec = ModelSpec(**model)
 plan = as_plan({**base, "pp": 2, "dp": 4, "schedule": "zb"}).validate(8, spec)
 rank = compare.first_rank_of_stage(compare.with_layer_split(plan, spec), 1)
-logits, alive = [], []
+logits, alive, sizes = [], [], []
 input_backward, weight_backward = pipeline_step._input_backward, pipeline_step._weight_backward
 def watched_input(stage, s, inp, out, kept, *rest):
-    if stage.is_last:  # the stage's output: the logits
-        logits.append(weakref.ref(kept))
+    if stage.is_last:  # the stage's output: the loss (the runtime's chunked loss), or logits
+        sizes.append(kept.numel())
+        logits.append(weakref.ref(kept) if kept.numel() > 1 else None)
     return input_backward(stage, s, inp, out, kept, *rest)
 def watched_weight(stage, s, state, *rest):
     if stage.is_last:  # the last stage runs W in B's order
-        alive.append(logits.pop(0)() is not None)
+        ref = logits.pop(0)
+        alive.append(ref is not None and ref() is not None)
     return weight_backward(stage, s, state, *rest)
 pipeline_step._input_backward, pipeline_step._weight_backward = watched_input, watched_weight
 rehearse_rank(spec, plan, rank, "cpu", exact=True)
-print("RESULT" + json.dumps(alive))
+print("RESULT" + json.dumps([alive, sizes]))
 """
 
 
@@ -489,13 +491,18 @@ def test_zb_last_stage_holds_no_logits_from_b_to_w():
     meshtron's step fills no `output_chunks` (parallel/pipeline.py step_options). The
     rehearsal kept them in W's state (+250 MiB per micro-batch waiting for its W on the 'mid'
     model, matched by the planner's `head_grad_bytes(kept_output=True)`: the zb rows agreed
-    while both over-counted the runtime, e.g. 'pp zb' 7.381 / 7.190 GiB, now 7.137 / 6.946)."""
+    while both over-counted the runtime, e.g. 'pp zb' 7.381 / 7.190 GiB, now 7.137 / 6.946).
+    Since branch ppfix the stage's output at tp = 1 is the chunked loss, no logits at all."""
     arg = json.dumps([MODEL, BASE])
     out = subprocess.run([sys.executable, "-c", ZB_LAST_LOGITS, arg], capture_output=True,
                          text=True, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
-    alive = json.loads([x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1][6:])
+    alive, sizes = json.loads(
+        [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1][6:])
     assert alive and not any(alive), alive
+    # tp = 1, the default loss: the last stage returns the chunked loss itself, no logits
+    # (parallel/parallel_model.py `_stage_computes_loss`, branch ppfix)
+    assert sizes and all(n == 1 for n in sizes), sizes
 
 
 GPIPE_STAGES = {  # name: (knobs, pipeline rank): torch's ScheduleGPipe runs every forward

@@ -157,8 +157,9 @@ tests/test_loss_fused.py counts these passes in a profile of `_chunk`."""
 def chunked_loss_parts(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
                        cp: int = 1, dtype: str = "bf16",
                        stack: str = "eager") -> tuple[tuple[str, float], ...]:
-    """Seconds meshtron's fused cross-entropy (meshtron/model/loss.py, tp = 1 without a
-    pipeline) adds to `head_cost` per micro-batch, by kind (PART_KINDS). Its forward walks
+    """Seconds meshtron's fused cross-entropy (meshtron/model/loss.py, tp = 1; a pipeline's
+    last stage too: parallel/parallel_model.py `_stage_computes_loss`) adds to `head_cost` per
+    micro-batch, by kind (PART_KINDS). Its forward walks
     chunks of tokens/ceil(vocab/hidden) tokens once and runs, per chunk, the head GEMM, the
     input-gradient GEMM and the weight-gradient GEMM; that one accumulates into an fp32
     [vocab, hidden] buffer (addmm, beta 1), reading and writing it per chunk (8 bytes per

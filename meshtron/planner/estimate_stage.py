@@ -162,10 +162,11 @@ class StageCosts:
 
     def head_for(self, cfg: Plan, head: compute.EdgeCost) -> compute.EdgeCost:
         """The last stage's head costs of `cfg`: with meshtron's chunked cross-entropy (the
-        memory model's condition: MemoryOptions loss 'chunked', tp = 1, no pipeline) plus what
+        memory model's condition: MemoryOptions loss 'chunked', tp = 1; a pipeline's last
+        stage runs it too, parallel/parallel_model.py `_stage_computes_loss`) plus what
         its fused chunks add: per-chunk GEMMs and the fp32 weight-gradient accumulator's
         traffic (compute.chunked_loss_parts)."""
-        if not (self.mem.loss_kind == "chunked" and cfg.tp == 1 and cfg.pp == 1):
+        if not (self.mem.loss_kind == "chunked" and cfg.tp == 1):
             return head
         extra = compute.chunked_loss_parts(self.model, self.cluster, cfg.micro_batch, self.seq,
                                            cfg.cp, cfg.dtype, self.opts.head_stack)

@@ -12,7 +12,7 @@ estimate.py unchanged (the DualPipe walk and the MTP module's activations: branc
 
 from __future__ import annotations
 
-from meshtron.planner import memory_zb, mtp, pipeline_dualpipe, pipeline_split
+from meshtron.planner import memory, memory_zb, mtp, pipeline_dualpipe, pipeline_split
 from meshtron.planner.estimate_work import Work
 
 
@@ -67,7 +67,10 @@ class MemoryWalks:
         tokens = w.mb * self.seq // w.cp
         cb, fused = w.mem_opts.compute_bytes, w.mem_opts.fused_norm
         grad = memory_zb.captured_grad_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)
-        head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb, fused)
+        # meshtron's chunked loss (tp = 1): kept from F to W per micro-batch, no logits
+        chunked = w.mem_opts.loss_kind == "chunked" and w.tp == 1
+        saved = memory.chunked_loss_held_bytes(self.model, tokens, w.mem_opts) if chunked else 0.0
+        head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb, fused, chunked)
         # W's gradients wait for the next B where FSDP2 upcasts them into its accumulator
         pending = cb * (w.p_layer + w.p_exp) if w.accum not in (0.0, cb) else 0.0
         work = memory_zb.input_backward_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)
@@ -79,7 +82,8 @@ class MemoryWalks:
         # peak_moment): only the logits beyond that working set are gone there
         loss = max(0.0, w.logits - w.work)
         return memory_zb.in_flight(w.pp, w.v, w.m_run, tuple(per_stage), w.act, grad, out_bytes,
-                                   head, loss, pending, work, kept, self._half_odd(w)[0])
+                                   head, loss, pending, work, kept, self._half_odd(w)[0],
+                                   saved)
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak

@@ -44,7 +44,8 @@ from functools import lru_cache
 
 from meshtron.planner.memory_acts import (  # noqa: F401  (re-exported)
     FUSED_LOSS_ACC_BYTES, LOSS_PARALLEL_BYTES, RNG_STATE_BYTES, activation_bytes,
-    chunked_loss_bytes, final_norm_bytes, gathered_kv_bytes, logits_bytes, loss_or_recompute,
+    chunked_loss_bytes, chunked_loss_held_bytes, final_norm_bytes, gathered_kv_bytes,
+    logits_bytes, loss_or_recompute,
     TE_FP8_WEIGHT_CACHE_BYTES, backward_working_bytes, fp8_cast_working_bytes,
     recompute_working_bytes,
     rope_copy_bytes, te_fp8_inputs, te_weight_cache_bytes)

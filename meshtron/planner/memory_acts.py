@@ -34,9 +34,10 @@ flowing between its ops) while its saved tensors are freed one node at a time: m
 added to the block moment's working set by `backward_working_bytes`.
 
 Logits (last stage, one micro-batch; [tokens, vocab/t] elements): meshtron's runtime at tp = 1
-without a pipeline never builds them (meshtron/model/loss.py chunks the head and the loss over
-tokens): what it holds is the fused loss's fp32 weight-gradient accumulator, the input
-gradient and one chunk's logits (`chunked_loss_bytes`). Elsewhere the eager loss casts the
+never builds them (meshtron/model/loss.py chunks the head and the loss over tokens; a
+pipeline's last stage returns that loss itself since branch ppfix: parallel/parallel_model.py
+`_stage_computes_loss`): what it holds is the fused loss's fp32 weight-gradient accumulator,
+the input gradient and one chunk's logits (`chunked_loss_bytes`). Elsewhere the eager loss casts the
 logits to fp32 and takes log_softmax, whose fp32 output is saved; at the start of backward the
 saved output, the incoming gradient and log_softmax's input gradient are alive together: 12
 bytes per element (the compute-dtype logits are freed after the loss, nothing saves them;
@@ -311,9 +312,31 @@ chunks inside addmm into one fp32 [vocab, hidden] buffer, held from the loss's f
 backward."""
 
 
+def _fused_loss_grads_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> float:
+    """The gradients meshtron's fused cross-entropy makes in its forward and keeps to its
+    backward: the fp32 [vocab, hidden] weight-gradient accumulator and the [tokens, hidden]
+    input gradient in the compute dtype (meshtron/model/loss.py `_FusedLinearCrossEntropy`
+    keeps both on ctx.grads)."""
+    return (FUSED_LOSS_ACC_BYTES * model.vocab * model.hidden
+            + mem.compute_bytes * tokens * model.hidden)
+
+
+def chunked_loss_held_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> float:
+    """What a pipeline's last stage keeps per micro-batch from the chunked loss's forward to
+    its backward (under a zero-bubble schedule to its second, weight pass: model/loss.py
+    `OutputHead.split_backward`, torch keeping the graph with retain_graph): the loss's
+    gradients (`_fused_loss_grads_bytes`) and what the final norm saved for its backward
+    (`final_norm_bytes` less its output, the loss's input, which nothing keeps: the fused
+    loss saves no tensor). Rehearsed, 'mid' GPipe pp 2 full recompute, m 4, the last stage:
+    the planner -6.3% without the norm's saved tensors, -3.2% with them."""
+    norm_saved = final_norm_bytes(model, tokens, mem) - mem.compute_bytes * tokens * model.hidden
+    return _fused_loss_grads_bytes(model, tokens, mem) + norm_saved
+
+
 def chunked_loss_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> float:
-    """Peak bytes of meshtron's fused cross-entropy (tp = 1, no pipeline) beyond the unit
-    gradient the moment's compute copies count (`gathered_bytes`). Its forward makes every
+    """Peak bytes of meshtron's fused cross-entropy (tp = 1, a pipeline's last stage too)
+    beyond the unit gradient the moment's compute copies count (`gathered_bytes`). Its
+    forward makes every
     gradient: it holds the fp32 weight-gradient accumulator and the input gradient [tokens,
     hidden] (compute dtype) until the backward, and while walking the chunks (Liger's chunk:
     tokens / ceil(vocab / hidden) tokens) one chunk's logits in the compute dtype beside their
@@ -326,7 +349,7 @@ def chunked_loss_bytes(model: ModelSpec, tokens: int, mem: MemoryOptions) -> flo
     the loss alone on fake tensors: 2 + 4 + 6 x chunk x vocab bytes, bench/loss_memory.py)."""
     chunk = max(1, math.ceil(tokens / math.ceil(model.vocab / model.hidden)))
     cb = mem.compute_bytes
-    held = FUSED_LOSS_ACC_BYTES * model.vocab * model.hidden + cb * tokens * model.hidden
+    held = _fused_loss_grads_bytes(model, tokens, mem)
     per_logit = FUSED_LOSS_ACC_BYTES + (cb if cb < FUSED_LOSS_ACC_BYTES else 0.0)
     return held + per_logit * chunk * model.vocab + final_norm_bytes(model, tokens, mem)
 
@@ -386,7 +409,8 @@ def logits_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
         # 41400c46fc (flash-attn's kernel) saves `logits` and allocates
         # `torch.empty_like(logits)` for their gradient; fp32 under logits_fp32
         return elements * 2.0 * (FP32_LOGIT if logits_fp32 else mem.compute_bytes)
-    if kind == "chunked" and tp == 1 and not pipelined:
+    if kind == "chunked" and tp == 1:  # a pipeline's last stage keeps no logits either: it
+        # returns the loss (parallel/parallel_model.py `_stage_computes_loss`)
         return chunked_loss_bytes(model, micro_batch * seq, mem)
     return (_whole_logits_bytes(model, tp, micro_batch, seq, mem, pipelined, sp)
             + (elements * z_loss_saved_bytes(mem, logits_fp32) if z_loss else 0.0))

@@ -36,6 +36,7 @@ last stage holds one micro-batch at a time. `loss_saved_bytes`.
 from __future__ import annotations
 
 from meshtron.model.spec import ModelSpec
+from meshtron.planner.memory_acts import chunked_loss_held_bytes
 from meshtron.planner.memory_options import MemoryOptions
 
 
@@ -48,9 +49,13 @@ def loss_saved_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int,
     compute dtype's per element ([tokens, vocab / tp] under loss_parallel too). Megatron's
     vocabulary-parallel loss its bf16 logits and fp32 softmax (6); the in-place fused loss
     the 16-bit logits (memory_acts.logits_bytes, the loss's working set, counts the
-    micro-batch at its backward)."""
+    micro-batch at its backward). meshtron's chunked loss (tp = 1: the last stage returns the
+    loss, parallel/parallel_model.py `_stage_computes_loss`) no logits: its weight-gradient
+    accumulator and input gradient (memory_acts.chunked_loss_held_bytes)."""
     elements = micro_batch * seq * model.vocab / tp
     kind = mem.loss_kind
+    if kind == "chunked" and tp == 1:
+        return chunked_loss_held_bytes(model, micro_batch * seq, mem)
     if kind == "vocab-parallel":
         return elements * 6.0
     if kind in ("inplace", "flash-ce"):  # the 16-bit logits until the loss's backward

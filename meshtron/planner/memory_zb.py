@@ -109,15 +109,20 @@ def input_backward_bytes(model, tp: int, sp: bool, tokens: int, compute_bytes: f
 
 
 def head_grad_bytes(model, tp: int, tokens: int, compute_bytes: float,
-                    fused_norm: bool = True) -> float:
+                    fused_norm: bool = True, chunked: bool = False) -> float:
     """The logits' gradient the output projection's intermediate captures on the last stage
     (vocabulary-parallel: vocab / tp per rank) and the final norm's output gradient (fp32
     for the composite RMSNorm, as `captured_grad_bytes`). Not the logits themselves: torch's
     stage detaches the last stage's output in B and keeps only the loss to W
     (stage.py `backward_one_chunk`: `t.detach_()`, `backward_state` holds `(loss,)`), and
     with `return_outputs=False` (meshtron's runtime: parallel/pipeline.py `step_options`)
-    `output_chunks` holds none of them either."""
+    `output_chunks` holds none of them either. `chunked` (meshtron's chunked loss, tp = 1): no
+    logits' gradient (the loss node's own output, the loss, is what W starts from), and the
+    norm's output gradient is the loss's input gradient, which `chunked_loss_held_bytes`
+    counts (memory_zb.held's `saved`), unless the composite norm's fp32 one."""
     norm_bytes = 4.0 if _composite_norm(model, fused_norm) else compute_bytes
+    if chunked:
+        return tokens * model.hidden * (4.0 if _composite_norm(model, fused_norm) else 0.0)
     logits = tokens * model.vocab / tp * compute_bytes
     return logits + tokens * model.hidden * norm_bytes
 
@@ -183,7 +188,7 @@ def weight_pass(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
          out: float, head: float, loss: float = 0.0, pending: float = 0.0,
          work: float = 0.0, kept: WeightPass | None = None,
-         odd: float = 0.0) -> tuple[float, float]:
+         odd: float = 0.0, saved: float = 0.0) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
@@ -200,7 +205,11 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     bytes the memory model adds to the last stage's rank (its logits beyond a block's
     recomputation working set, which B and W run: memory.stage_memory, estimate_walks._zb_held),
     there only while a B of the last stage starts: at any other moment they are gone, so it
-    counts `loss` less there (the result is what is held beside them)."""
+    counts `loss` less there (the result is what is held beside them). `saved`: what the
+    last stage's loss keeps per micro-batch from its F to its W (meshtron's chunked loss:
+    memory_acts.chunked_loss_held_bytes, dropped after the weight pass,
+    model/loss.py `OutputHead.split_backward`); at a loss moment the memory model's logits
+    already count the micro-batch at its loss, so `saved` once less there."""
     last = p * v - 1
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
@@ -208,7 +217,7 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W) and per stage
     # holding a W's gradients: (layer bytes, other bytes); last: B's working set
     weights = ([(layers[s] * act + (odd if layers[s] % 2 == 1 else 0.0),
-                 out if s != last else 0.0) for s in stages]
+                 out if s != last else saved) for s in stages]
                + [(layers[s] * (0.0 if s == 0 else grad),
                    (out if s != last else 0.0) + (out if s != 0 else 0.0)
                    + (head if s == last and s != 0 else 0.0)) for s in stages]
@@ -216,7 +225,7 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
                + [(kept.peak(layers[s]) if kept and s != 0 else 0.0, 0.0) for s in stages]
                + [(0.0, work)])
     best = (0.0, float("-inf"))
-    for group, less in ((moments, loss if at_loss else 0.0), (at_loss, 0.0)):
+    for group, less in ((moments, loss if at_loss else 0.0), (at_loss, saved)):
         for vec in group:
             lay = sum(k * x[0] for k, x in zip(vec, weights))
             oth = sum(k * x[1] for k, x in zip(vec, weights)) - less
@@ -301,7 +310,7 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
               out: float, head: float, loss: float = 0.0, pending: float = 0.0,
               work: float = 0.0, kept: WeightPass | None = None,
-              odd: float = 0.0) -> tuple[list[float], list[float]]:
+              odd: float = 0.0, saved: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
     counting the captured and pending gradients in activation bytes; bytes of the outputs,
     received and input gradients, head gradient and B's working set held then), the
@@ -312,7 +321,7 @@ def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad:
         per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
     for r, n_r in enumerate(per_rank):
         lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work, kept,
-                        odd)
+                        odd, saved)
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other

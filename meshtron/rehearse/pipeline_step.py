@@ -173,9 +173,14 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
                 # autograd.grad of zero bubble's input backward (torch 2.13); same storage
                 inp = inp.view_as(inp)
             with pm._loss_context():
-                out = kept = parts[s](inp)
-                if s == last:  # the schedule keeps the stage's output (the logits) until
-                    out = pm.loss_fn(kept, y_mb[i]) / n_micro  # the micro-batch's backward
+                if s == last and pm._stage_computes_loss:  # the runtime's last stage returns
+                    # the model's chunked loss itself (ParallelModel._schedule: `stage_loss`)
+                    out = kept = parts[s](inp, targets=y_mb[i]) / n_micro
+                else:
+                    out = kept = parts[s](inp)
+                if s == last and not pm._stage_computes_loss:  # the schedule keeps the
+                    # stage's output (the logits) until the micro-batch's backward
+                    out = pm.loss_fn(kept, y_mb[i]) / n_micro
             live[(s, i)] = (inp, out, kept)
             hooked[(s, i)] = hooks.take() if hooks is not None else []
             continue
