@@ -44,3 +44,16 @@ def options_refusal(plan_cli, tmp_path, options: str, *argv: str) -> str:
     err = err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (options, err)
     return err
+
+
+def refused(capsys, *argv) -> str:
+    """Run `meshtron argv` in this process; assert exit 2 with one line and no traceback;
+    return the line (the project's bad-input rule)."""
+    from meshtron.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    return lines[0]

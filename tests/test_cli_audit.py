@@ -13,21 +13,12 @@ import re
 import pytest
 
 from meshtron.cli import main
+from testkit.plan_cli import refused
 
 BINARY = b"\xff\xfe\x00\x81not = 'text'\n"
 """A file that is not UTF-8 (a checkpoint shard, an image given by mistake): every reader
 raised UnicodeDecodeError with a traceback."""
 TINY = ["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "64"]
-
-
-def refused(capsys, *argv) -> str:
-    """Run `meshtron argv`; assert exit 2 with one line and no traceback; return the line."""
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
-    return lines[0]
 
 
 def saved_plan(capsys, path, pattern: str = "", new: str = "") -> str:

@@ -19,22 +19,13 @@ import numpy as np
 import pytest
 
 from meshtron.cli import main
+from testkit.plan_cli import refused
 from meshtron.config import RunConfig
 from meshtron.data import write_token_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog. " * 400
 TRAIN = ["train", "--model", "debug", "--steps", "2", "--seq-len", "16", "--global-batch", "4"]
-
-
-def refused(capsys, *argv) -> str:
-    """Run `meshtron argv`; assert exit 2 with one line and no traceback; return the line."""
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
-    return lines[0]
 
 
 @pytest.mark.parametrize("name, raw, says", [
