@@ -252,6 +252,7 @@ class StageCosts:
             floor = self._cache.get(placed)
             if floor is None:
                 c_l, tpc_l, _, _, emb, head = self._micro(*key[1:10])[:6]
+                head = self.head_for(cfg, head)  # the last stage's chunked loss, as priced
                 # `half`: one replayed block's seconds, an odd part's saving is half of it
                 c_r, tp_r = self.half_replay(cfg, (c_l, tpc_l))
                 floor = self._cache[placed] = busiest_rank_floor(
