@@ -20,6 +20,7 @@ from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.fp8 import (EAGER_CAST_BYTES, GEMM_GROUPS, ROWWISE_COMPILED_EXCESS,
                                   cast_bytes, fp8_fractions, fp8_gathers_fp8, fp8_input_casts)
+from meshtron.planner.fp8_gather import gathered_weight_casts, torchao_gathers_fp8
 from meshtron.planner.frameworks import preset
 from meshtron.planner.plan import Plan
 
@@ -137,6 +138,8 @@ def test_layer_cost_difference_between_recipes_is_their_cast_bytes():
     moved = {}
     for r in cost:
         cb = cast_bytes("torchao", r, True)
+        if torchao_gathers_fp8(opts, r):  # tensorwise under FSDP2: the weight comes cast
+            cb = gathered_weight_casts(cb)
         f, b = C.quantisation_bytes(L8, 1, ALL, cb)
         w = C.fp8_weight_elements(L8, 1, ALL)
         moved[r] = tokens * (f + b) + (cb.weight_fwd + cb.weight_bwd + cb.wgrad_out) * w

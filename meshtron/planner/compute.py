@@ -44,6 +44,7 @@ from meshtron.planner.fp8 import (  # noqa: F401  (quantisation_bytes re-exporte
     GEMM_GROUPS, async_tp_unfused, cast_bytes, fp8_fractions, fp8_input_casts,
     fp8_weight_elements, quantisation_bytes)
 from meshtron.planner.fp8_amax import current_amax_tp_s
+from meshtron.planner.fp8_gather import gathered_weight_casts, torchao_gathers_fp8
 from meshtron.planner.gemm import (  # noqa: F401  (re-exported for callers)
     BF16, CAST_ADD_BYTES_PER_SM, DISPATCH_S, FP8, HBM_EFFICIENCY, cast_add_bytes_per_s,
     cluster_gemm_time, dispatch_s, fp8_tile_scale, gemm_efficiency, gemm_group,
@@ -161,6 +162,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
         # micro-batch, forward and transposed for the input gradient, and rowwise's pass over
         # the weight gradient; Transformer Engine: once per step, fp8_step_cast_s)
         cb = cast_bytes(opts.fp8_scaling, fp8_recipe, opts.stack == "compiled")
+        if torchao_gathers_fp8(opts, fp8_recipe):  # cast before the gather (fp8_gather.py)
+            cb = gathered_weight_casts(cb)
         weights = fp8_weight_elements(model, tp, frac)
         casts = fp8_input_casts(model, tp, fp8_recipe, opts.fp8_filter) if cb.per_linear \
             else None
@@ -210,11 +213,18 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     cb_tp = cast_bytes(opts.fp8_scaling, fp8_recipe, opts.stack == "compiled") \
         if lin_dt == "fp8" else None
     in_bytes = tokens * h if cb_tp is not None and cb_tp.gathers_fp8 else act_bytes
+    # and the row-parallel GEMMs' output gradient, gathered for their input gradient, the
+    # same way: cast on the shard, gathered in FP8 (Transformer Engine v1.8 module/base.py
+    # `grad_output_preprocess`: cast_to_fp8, then gather_along_first_dim or, with
+    # userbuffers, the cast written into proj_dgrad's / fc2_dgrad's FP8 buffer, `initialize_ub`
+    # layers_all_gather_overlap; torchao v0.6.1 float8_tensor_parallel.py Float8RowwiseParallel:
+    # NoopFwToFloat8E5M2BwDynamic casts the gradient before the redistribute's gather)
+    grad_bytes = in_bytes
     # what async TP cannot fuse, per GEMM group with FP8 Linears (an all-bf16 group's plain mm
     # fuses as in bf16)
     atp_unfused = frozenset((kind, g) for kind in async_tp_unfused(cb_tp)
                             for g in GEMM_GROUPS if frac is not None and frac[g] > 0)
-    colls = {"ag": comm.all_gather(act_bytes, group, fab),
+    colls = {"ag": comm.all_gather(grad_bytes, group, fab),
              "ag_in": comm.all_gather(in_bytes, group, fab),
              "rs": comm.reduce_scatter(act_bytes, group, fab),
              "ar": comm.all_reduce(act_bytes, group, fab)}

@@ -8,6 +8,7 @@ from typing import Any
 
 from meshtron.planner import comm, compute, host, pipeline
 from meshtron.planner.fp8 import fp8_fractions, fp8_gathers_fp8
+from meshtron.planner.fp8_gather import pre_gather_cast_bytes
 from meshtron.planner.plan import Plan
 
 OVERLAP_INTERFERENCE = compute.OVERLAP_INTERFERENCE
@@ -550,6 +551,11 @@ class DataParallelCost:
         shard = 4.0 if self.opts.flat_param else self._shard_bytes()
         cast = shard + wsize if shard != wsize else 0.0
         copy_in = 0.0 if self.opts.flat_param else 2.0 * wsize
+        if wsize < compute.BF16 and self.opts.fp8_scaling.startswith("torchao"):
+            # torchao's FP8 all-gather (fp8_gather.py): its FP8 share (BF16 - wsize) is cast
+            # by torchao's eager scale, clamp and cast, not FSDP2's one-pass cast (shard + 1)
+            fp8_share = compute.BF16 - wsize
+            cast += fp8_share * (pre_gather_cast_bytes(shard) - (shard + 1.0))
         return (cast + copy_in) * params / max(1, ranks) / self.hbm
 
     def _shard_bytes(self) -> float:
