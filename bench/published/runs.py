@@ -256,6 +256,17 @@ LOOKED_AT.update({name: "session 43 (branch olmocore): its error on torchtitan@2
                   "when the olmo-core@2024 preset and its z-loss / fp32-logit loss terms "
                   "(KernelOptions z_loss, logits_fp32) were written from OLMo-core's code"
                   for name in sorted(r.name for r in rows_olmo_core.olmo_core())})
+# session 44 (branch planner44): calibration rows read again; what it decided, appended
+for _name in ("GPT3-5B", "GPT3-20B", "LLAMA2-70B", "Nemotron-8B", "Nemotron-22B", "LLAMA3-70B"):
+    LOOKED_AT[f"NM24.07 {_name} 64xH100"] += (
+        "; session 44 (branch planner44): its error with and without the userbuffers overlap "
+        "read against Transformer Engine v1.8's userbuffers code and the launcher's 24.07 "
+        "tp_overlap configs; the overlap's pairs and methods are TE's, nothing changed for it")
+for _name in (n for n in list(LOOKED_AT) if n.startswith("OLMC") and n.endswith("FP8")):
+    LOOKED_AT[_name] += (
+        "; session 44 (branch planner44): the 13B FP8 row's +21.3% led to reading torchao "
+        "v0.6.1's FSDP float8 all-gather, priced from its code (planner/fp8_gather.py) though "
+        "it moved these rows further from their figures")
 
 # session 42 (branch fp8scale): the DGXC FP8 rows' published figures, their errors growing with the
 # GPU count (issue 30), were read to size and then to judge Transformer Engine's amax all-reduces,
