@@ -21,6 +21,10 @@ torchao/float8/fsdp_utils.py `fsdp_pre_all_gather`, the precomputed-scale branch
   runs eagerly: `tensor.to(torch.float32) * scale` (an upcast where the shard is not fp32,
   then the multiply: read 4, write 4), `to_fp8_saturated` (float8_utils.py: clamp, read 4
   write 4; `.to(float8_dtype)`, read 4 write 1).
+
+The same on pytorch/ao main of 2026-08 (36027d82d: fsdp_utils.py `fsdp_pre_all_gather`,
+float8_linear.py `tensor_already_casted_to_fp8(weight_hp_t)`), the torchao 0.18 meshtron's
+runtime installs (meshtron/parallel/fp8.py precomputes the scales too).
 """
 
 from __future__ import annotations
