@@ -17,6 +17,10 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
+from meshtron.config import OptimConfig
+
 RUN = ["--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0"]
 
 
@@ -83,11 +87,29 @@ def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path
     code, out, err = _run("train", "--run-dir", str(run_dir), "--resume", "--steps", "8")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
     # steps 1 (warm-up) and 2 (the peak) agree; step 3 is the first the cosine moved
+    lr3 = [2e-3 * OptimConfig(warmup_steps=1).lr_factor(2, n) for n in (4, 8)]
     assert ("--resume: train.steps=8: the checkpoint step_00000004 was saved at step 4 of a "
-            "run with train.steps=4, whose learning rate at step 3 was") in err, err
-    assert "allowed: train.steps=4, or a new run from its weights" in err, err
+            "run with train.steps=4; the learning rate of its step 3 was "
+            f"{lr3[0]:.4g} under train.steps=4 and {lr3[1]:.4g} under train.steps=8") in err
+    assert "allowed: train.steps=4, --override-lr-schedule (step 5 on takes" in err, err
     assert "--init-from DIR --steps 8" in err and "Traceback" not in err, err
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--override-lr-schedule")
+    assert code == 2 and "--override-lr-schedule: allowed only with --resume" in err, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    # explicit: steps 5-8 on the 8-step schedule (Megatron-LM's --override-opt_param-scheduler)
+    losses = _losses(run_dir)
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", "--steps", "8",
+                        "--override-lr-schedule")
+    assert code == 0, err[-2000:]
+    assert ("extending the run from train.steps=4 to 8: --override-lr-schedule: steps 5-8 "
+            "take the new schedule's rates (step 5: ") in err, err
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in lines if "event" not in r}
+    assert sorted(lr) == list(range(1, 9)) and {s: _losses(run_dir)[s] for s in losses} == losses
+    for step in (5, 8):
+        assert lr[step] == pytest.approx(2e-3 * OptimConfig(warmup_steps=1).lr_factor(step - 1, 8),
+                                         rel=1e-12), lr
 
 
 def test_overwrite_draws_a_new_run_id(tmp_path):

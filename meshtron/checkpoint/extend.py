@@ -4,8 +4,10 @@ The learning-rate schedule is a function of train.steps (meshtron/config.py
 `OptimConfig.lr_factor`: linear warm-up, then cosine decay to min_lr_ratio * lr at train.steps),
 and a checkpoint holds the schedule's position, not its shape: a resumed rank builds the
 scheduler for the train.steps it is given and sets it at the checkpoint's step
-(checkpoint/state.py `set_schedule_position`), as torchtitan rebuilds its learning-rate lambda
-from the configured `training.steps` when it loads a checkpoint.
+(checkpoint/state.py `set_schedule_position`), as torchtitan's scheduler saves only
+`last_epoch` and recomputes the rate from the lambda its configured `training.steps` (or
+`lr_scheduler.total_steps`) built (torchtitan/components/optimizer/lr_scheduler.py at b5bcd76,
+`LRSchedulersContainer`).
 
 So a changed train.steps continues *exactly* as a run started with it when every step the
 checkpoint already took had the same learning rate under both values: all of them inside the
@@ -17,8 +19,10 @@ curve than the new one, and the next step's rate would jump (a 12-step run resum
 Megatron-LM refuses the same change (megatron/core/optimizer_param_scheduler.py at d98e8a6,
 `load_state_dict` -> `_check_and_set`: the checkpoint's `lr_decay_steps`, from --train-iters or
 --lr-decay-iters, against the new one) unless --override-opt_param-scheduler takes the new
-schedule at the current step; meshtron's way to that is a new run from the exported weights
-(`meshtron export`, then `--init-from`), which starts its own schedule.
+schedule at the current step; meshtron's analogue is --override-lr-schedule
+(CheckpointConfig.override_lr_schedule: the resumed ranks set the new schedule's rate at the
+checkpoint's step, so the rate jumps there, said in one line). A run that should start its own
+schedule is a new run from the exported weights (`meshtron export`, then `--init-from`).
 """
 
 from __future__ import annotations
@@ -39,42 +43,62 @@ def first_difference(optim: Any, was_steps: int, steps: int, taken: int) -> int 
     return None
 
 
-def check_steps(meta: dict[str, Any], cfg: Any, folder: Path) -> None:
-    """Refuse (one line) a train.steps that differs from the checkpoint's run's where the steps
-    the checkpoint took would have had another learning rate (module docstring)."""
+def _change(meta: dict[str, Any], cfg: Any) -> tuple[int, int, int] | None:
+    """(the run's train.steps, this one's, the checkpoint's step) when train.steps changed;
+    None when unchanged or saved before train.steps was recorded."""
     was = (meta.get("config", {}).get("train") or {}).get("steps")
-    steps, taken = cfg.train.steps, int(meta.get("step", 0))
-    if was is None or was == steps:  # saved before train.steps was recorded, or unchanged
+    if was is None or int(was) == cfg.train.steps:
+        return None
+    return int(was), cfg.train.steps, int(meta.get("step", 0))
+
+
+def _rates(cfg: Any, step: int, was: int, steps: int) -> str:
+    lr, optim = cfg.optim.lr, cfg.optim
+    return (f"{lr * optim.lr_factor(step, was):.4g} under train.steps={was} and "
+            f"{lr * optim.lr_factor(step, steps):.4g} under train.steps={steps}")
+
+
+def check_steps(meta: dict[str, Any], cfg: Any, folder: Path, lr_override: bool = False) -> None:
+    """Refuse (one line) a train.steps that differs from the checkpoint's run's where a step the
+    checkpoint took would have had another learning rate (module docstring), unless
+    `lr_override` (--override-lr-schedule)."""
+    change = _change(meta, cfg)
+    if change is None or lr_override:
         return
-    differs = first_difference(cfg.optim, int(was), steps, taken)
+    was, steps, taken = change
+    differs = first_difference(cfg.optim, was, steps, taken)
     if differs is None:
         return
-    lr = cfg.optim.lr
     raise UserError(
         f"--resume: train.steps={steps}: the checkpoint {folder.name} was saved at step {taken} "
-        f"of a run with train.steps={was}, whose learning rate at step {differs + 1} was "
-        f"{lr * cfg.optim.lr_factor(differs, int(was)):.4g} and is "
-        f"{lr * cfg.optim.lr_factor(differs, steps):.4g} with train.steps={steps} (the cosine "
-        "decay ends at train.steps): the steps taken would not be this run's; allowed: "
-        f"train.steps={was}, or a new run from its weights (`meshtron export "
-        f"{folder.parent.parent} --to DIR`, then `meshtron train --init-from DIR --steps "
-        f"{steps}`)")
+        f"of a run with train.steps={was}; the learning rate of its step {differs + 1} was "
+        f"{_rates(cfg, differs, was, steps)} (the cosine decay ends at train.steps), so the "
+        f"steps taken are not those of a --steps {steps} run; allowed: train.steps={was}, "
+        f"--override-lr-schedule (step {taken + 1} on takes the new schedule's rate, a jump; "
+        "Megatron-LM's --override-opt_param-scheduler), or a new run from its weights "
+        f"(`meshtron export {folder.parent.parent} --to DIR`, then `meshtron train "
+        f"--init-from DIR --steps {steps}`)")
 
 
-def extended_line(meta: dict[str, Any], cfg: Any) -> str | None:
+def extended_line(meta: dict[str, Any], cfg: Any, lr_override: bool = False) -> str | None:
     """After `check_steps` passed: the line that says what a changed train.steps does (None
     when unchanged, or when the checkpoint is already at or past the new end)."""
-    was = (meta.get("config", {}).get("train") or {}).get("steps")
-    steps, taken = cfg.train.steps, int(meta.get("step", 0))
-    if was is None or was == steps or taken >= steps:
+    change = _change(meta, cfg)
+    if change is None or change[2] >= change[1]:
         return None
+    was, steps, taken = change
     verb = "extending" if steps > was else "shortening"
-    return (f"meshtron train: --resume: {verb} the run from train.steps={was} to {steps}: its "
-            f"{taken} steps taken had the same learning rate under both, so steps {taken + 1}"
-            f"-{steps} continue exactly as in a run started with --steps {steps}")
+    head = f"meshtron train: --resume: {verb} the run from train.steps={was} to {steps}: "
+    if first_difference(cfg.optim, was, steps, taken) is None:
+        return head + (f"its {taken} steps taken had the same learning rate under both, so "
+                       f"steps {taken + 1}-{steps} continue exactly as in a run started with "
+                       f"--steps {steps}")
+    return head + (f"--override-lr-schedule: steps {taken + 1}-{steps} take the new schedule's "
+                   f"rates (step {taken + 1}: {_rates(cfg, taken, was, steps)}); steps "
+                   f"1-{taken} followed the old one")
 
 
-def say_extended(meta: dict[str, Any], cfg: Any) -> None:
-    line = extended_line(meta, cfg)
+def say_extended(meta: dict[str, Any], cfg: Any, lr_override: bool = False) -> None:
+    line = extended_line(meta, cfg, lr_override)
     if line:
         print(line, file=sys.stderr)

@@ -83,6 +83,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "checkpoint.mtbf_hours": (FOLLOW, "the automatic interval's input"),
     "checkpoint.snapshot_every": (FOLLOW, "in-memory snapshots"),
     "checkpoint.resume_if_any": (ARG, "set by an elastic rank"),
+    "checkpoint.override_lr_schedule": (ARG, "this resume's choice (checkpoint/extend.py)"),
     # Plan (meshtron/planner/plan.py): the data-parallel traffic shapes the trajectory (DiLoCo's
     # rounds, int8 error feedback held in the checkpoint); the layout is re-planned
     "plan.grad_compression": (KEEP, _STATE),

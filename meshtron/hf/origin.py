@@ -6,10 +6,11 @@ the weights were trained in (its resolved path), the step they are of, and how t
 (its `train.init_from`, resolved, or its seed), and the SHA-256 of the run's configuration file
 (run.toml, or config.json): which run held that folder, as a folder reused by another run (a
 `--overwrite`, or one path on two machines) holds another. The id names the run wherever its
-folder is later moved; path and digest are what a run from before the id is known by. `meshtron merge` reads it to know a branch by what it
-is, a run at a step, whichever folder holds it (the run's checkpoint or an export of it), and to
-check an export's base as it checks a run's. A folder without it (weights from elsewhere, or
-exported before it was written) is known by its own path only.
+folder is later moved; path and digest are what a run from before the id is known by.
+`meshtron merge` reads it to know a branch by what it is, a run at a step, whichever folder
+holds it (the run's checkpoint or an export of it), and to check an export's base as it checks
+a run's. A folder without it (weights from elsewhere, or exported before it was written) is
+known by its own path only.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ whichever folder holds them (the run's checkpoint, an export of it, the run thro
 another spelling of its path, the run folder moved or renamed since). The run is its id
 (run.toml's `train.run_id`, recorded in export.json: meshtron/checkpoint/run_id.py); a run or
 export from before the id is known by its resolved folder and configuration digest instead, and
-weights of unknown origin by their resolved folder. `check_distinct` refuses one model given twice before a tensor is read, and
-`check_not_same` refuses, as the tensors are read, a branch whose every tensor equals an earlier
-one's (a copied run or export, which no record links).
+weights of unknown origin by their resolved folder. `check_distinct` refuses one model given
+twice before a tensor is read, and `check_not_same` refuses, as the tensors are read, a branch
+whose every tensor equals an earlier one's (a copied run or export, which no record links).
 """
 
 from __future__ import annotations
