@@ -80,9 +80,10 @@ def check_steps(meta: dict[str, Any], cfg: Any, folder: Path, lr_override: bool 
         f"--init-from DIR --steps {steps}`)")
 
 
-def extended_line(meta: dict[str, Any], cfg: Any, lr_override: bool = False) -> str | None:
+def extended_line(meta: dict[str, Any], cfg: Any) -> str | None:
     """After `check_steps` passed: the line that says what a changed train.steps does (None
-    when unchanged, or when the checkpoint is already at or past the new end)."""
+    when unchanged, or when the checkpoint is already at or past the new end); a step taken at
+    another rate means --override-lr-schedule let it through."""
     change = _change(meta, cfg)
     if change is None or change[2] >= change[1]:
         return None
@@ -98,7 +99,7 @@ def extended_line(meta: dict[str, Any], cfg: Any, lr_override: bool = False) -> 
                    f"1-{taken} followed the old one")
 
 
-def say_extended(meta: dict[str, Any], cfg: Any, lr_override: bool = False) -> None:
-    line = extended_line(meta, cfg, lr_override)
+def say_extended(meta: dict[str, Any], cfg: Any) -> None:
+    line = extended_line(meta, cfg)
     if line:
         print(line, file=sys.stderr)

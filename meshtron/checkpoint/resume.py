@@ -170,7 +170,7 @@ def say_world(ckpt: CheckpointConfig, cfg: Any, nproc: int) -> None:
     the same trajectory, an extended one the new run's: checkpoint/extend.py)."""
     found = recorded(cfg.train.run_dir) if ckpt.resume else None
     if found:
-        say_extended(found[1], cfg, ckpt.override_lr_schedule)
+        say_extended(found[1], cfg)
     was = int(found[1].get("world_size") or 1) if found else nproc
     if was != nproc:
         import sys
