@@ -124,6 +124,19 @@ class OptimConfig:
             if getattr(self, name) < 0:
                 raise UserError(f"optim.{name}={getattr(self, name)!r}: must be >= 0")
 
+    def lr_factor(self, step: int, total_steps: int) -> float:
+        """The learning rate of optimizer step `step` (0-based) of a `total_steps` run, as a
+        fraction of `lr`: linear warm-up to the peak, then cosine decay to `min_lr_ratio` of it
+        (Loshchilov & Hutter 2017, as used by GPT-3 and Llama). Torch-free: the trainer's
+        scheduler (meshtron/train/optim.py) and --resume's check of a changed train.steps
+        (meshtron/checkpoint/extend.py) compute it with this one function."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (
+            1.0 + math.cos(math.pi * progress))
+
 
 @dataclass
 class TrainConfig:
@@ -159,6 +172,11 @@ class TrainConfig:
     """Replica groups (one process each, the whole model) trained with per-step fault
     tolerance (meshtron/train/replica.py, torchft): a dead group drops out of the step and a
     replacement rejoins with the live weights. 0: off."""
+    run_id: str | None = None
+    """Set by meshtron, not a setting: the run's random id, written into run.toml when the run
+    is created (a new run or an --overwrite gets a new one, replacing any in the run file it
+    was given; --resume keeps the checkpoint's). export.json records it and `meshtron merge`
+    knows a run by it, wherever its folder is (meshtron/checkpoint/run_id.py)."""
 
     def __post_init__(self) -> None:
         _int64("train", self)

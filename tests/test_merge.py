@@ -5,6 +5,7 @@ leaves nothing behind."""
 import json
 import os
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,33 @@ def test_other_runs_of_one_folder_and_moved_bases_merge(branches, tmp_path, caps
     assert main(["merge", "--experts", str(branches / "a"), moved,
                  "--to", str(tmp_path / "m3")]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_run_id_names_a_run_wherever_its_folder_moved(branches, tmp_path, capsys):
+    """Two exports of one run at one step are one model by its id even after the run folder was
+    moved (renamed): they used to pass the records' check (two run paths) and be caught only as
+    their tensors were read. Two runs are two models by their ids even where path, step and
+    run.toml digest agree (one path and one run file on two machines, other data there)."""
+    run_id = tomllib.loads((branches / "a" / "run.toml").read_text())["train"]["run_id"]
+    assert main(["export", str(branches / "a"), "--to", str(tmp_path / "e1")]) == 0
+    moved = tmp_path / "moved" / "renamed"
+    shutil.copytree(branches / "a", moved)  # the run folder, moved (the fixture's stays)
+    assert main(["export", str(moved), "--to", str(tmp_path / "e2")]) == 0
+    origins = [json.loads((tmp_path / e / "export.json").read_text()) for e in ("e1", "e2")]
+    assert [o["run_id"] for o in origins] == [run_id, run_id]
+    assert origins[0]["run"] != origins[1]["run"]
+    capsys.readouterr()
+    out = tmp_path / "out"
+    for second in (str(tmp_path / "e2"), str(moved)):
+        assert main(["merge", "--experts", str(tmp_path / "e1"), second, "--to", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"are one model (run {run_id} at step 3)" in err, err
+    assert not out.exists()
+    same = dict(run=str(tmp_path / "scratch"), config="sha256:" + "0" * 64)
+    ea = _export_as_elsewhere(branches, tmp_path / "ea", "a", **same)
+    eb = _export_as_elsewhere(branches, tmp_path / "eb", "b", **same)
+    assert main(["merge", "--experts", ea, eb, "--to", str(tmp_path / "m")]) == 0, \
+        capsys.readouterr().err
+    doc = json.loads((tmp_path / "m" / "merge.json").read_text())
+    assert [b["run_id"] for b in doc["branches"]][0] == run_id
+    assert len({b["run_id"] for b in doc["branches"]}) == 2

@@ -40,7 +40,8 @@ def test_every_setting_has_a_resume_decision():
                          ("checkpoint", CheckpointConfig), ("plan", Plan)):
         fields |= {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
     assert set(resume_fields.FIELDS) == fields, set(resume_fields.FIELDS) ^ fields
-    allowed = {resume_fields.KEEP, resume_fields.FOLLOW, resume_fields.LAYOUT, resume_fields.ARG}
+    allowed = {resume_fields.KEEP, resume_fields.FOLLOW, resume_fields.EXTEND,
+               resume_fields.LAYOUT, resume_fields.ARG}
     assert all(d in allowed and why for d, why in resume_fields.FIELDS.values())
 
 

@@ -250,7 +250,8 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         meta = store.read_meta(folder)
-        check_compatible(meta, self.cfg, folder, self.plan)
+        check_compatible(meta, self.cfg, folder, self.plan,
+                         lr_override=self.ckpt.override_lr_schedule)
         saved_replicas = int(meta.get("replica_states", 1))
         per_replica = saved_replicas > 1 and saved_replicas == self.state.replicas
         if saved_replicas > 1 and not per_replica:

@@ -43,6 +43,12 @@ class CheckpointConfig:
     before looking at disk. 0: off.
     The node size is the plan's `ranks_per_node` (--ranks-per-node; default LOCAL_WORLD_SIZE)."""
 
+    override_lr_schedule: bool = False
+    """With `resume` and a train.steps other than the run's: continue on the new value's
+    learning-rate schedule from the checkpoint's step even where the steps taken had another
+    rate (the rate jumps there; without it that resume is refused: meshtron/checkpoint/
+    extend.py), as Megatron-LM's --override-opt_param-scheduler."""
+
     resume_if_any: bool = False
     """Continue from the newest complete checkpoint when there is one, else start at step 0
     (every round of an elastic job, meshtron/train/elastic.py; set by the rank, not a flag)."""
@@ -69,6 +75,9 @@ class CheckpointConfig:
             raise UserError(f"--mtbf-hours={self.mtbf_hours!r}: allowed a positive number of "
                             "hours")
 
+        if self.override_lr_schedule and not self.resume:
+            raise UserError("--override-lr-schedule: allowed only with --resume (it continues "
+                            "a run on another train.steps' learning-rate schedule)")
         _check_snapshots(self)
 
     @property
@@ -87,6 +96,8 @@ class CheckpointConfig:
             argv += ["--mtbf-hours", repr(float(self.mtbf_hours))]
         if self.resume:
             argv.append("--resume")
+        if self.override_lr_schedule:
+            argv.append("--override-lr-schedule")
         return argv
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from meshtron.checkpoint import resume_fields as rf
 from meshtron.checkpoint import store
 from meshtron.checkpoint.config import CheckpointConfig
+from meshtron.checkpoint.extend import check_steps, say_extended
 from meshtron.errors import UserError
 
 _SHAPE_IGNORED = ("name",)
@@ -23,10 +24,13 @@ _SHAPE_IGNORED = ("name",)
 _NO_PLAN = object()
 
 
-def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _NO_PLAN) -> None:
+def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _NO_PLAN,
+                     lr_override: bool = False) -> None:
     """Refuse (one line) a run whose KEEP settings (resume_fields.FIELDS) differ from those the
     checkpoint in `folder` was saved with: the model's shape field by field, then the run
-    config's, then (when `plan` is given: a Plan, or None for one process) the plan's."""
+    config's, then (when `plan` is given: a Plan, or None for one process) the plan's; and a
+    train.steps whose schedule the steps taken did not follow, unless `lr_override`
+    (--override-lr-schedule: checkpoint/extend.py)."""
     saved_cfg = meta.get("config", {})
     now_cfg = json.loads(json.dumps(cfg.to_dict(), default=str))
     saved, now = dict(saved_cfg.get("model", {})), now_cfg["model"]
@@ -40,6 +44,7 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _
             if section in saved_cfg and key in saved_cfg[section]:  # else saved before it existed
                 _refuse_change(f"{section}.{key}", saved_cfg[section][key],
                                now_cfg[section][key], folder)
+    check_steps(meta, cfg, folder, lr_override)  # EXTEND (checkpoint/extend.py)
     if plan is not _NO_PLAN:
         saved_plan, now_plan = recorded_comm(meta), _comm_of(plan)
         for key in rf.kept("plan"):
@@ -139,14 +144,16 @@ def check_resume(ckpt: CheckpointConfig, cfg: Any, plan: Any = _NO_PLAN) -> None
         why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
         raise UserError(f"--resume: no complete checkpoint in {root}"
                         + (f" ({why})" if why else ""))
-    check_compatible(store.read_meta(found.path), cfg, found.path, plan)
+    check_compatible(store.read_meta(found.path), cfg, found.path, plan,
+                     lr_override=ckpt.override_lr_schedule)
 
 
 def finished_line(ckpt: CheckpointConfig, cfg: Any) -> str | None:
     """`--resume` of a run whose newest complete checkpoint already reached train.steps: the one
     line that says so (the run's outputs are left as they are: resuming would train no step and
-    rewrite summary.json from nothing); None otherwise. After `check_resume`: train.steps is
-    KEEP (resume_fields.FIELDS), so another --steps was refused there."""
+    rewrite summary.json from nothing); None otherwise. After `check_resume`: a train.steps
+    other than the run's was checked there (checkpoint/extend.py), and one at or below the
+    checkpoint's step leaves nothing to train either."""
     found = recorded(cfg.train.run_dir) if ckpt.resume else None
     if found is None:
         return None
@@ -158,9 +165,12 @@ def finished_line(ckpt: CheckpointConfig, cfg: Any) -> str | None:
 
 
 def say_world(ckpt: CheckpointConfig, cfg: Any, nproc: int) -> None:
-    """`--resume` on another number of ranks than the run's: one line on stderr (after the
-    checks, before the ranks start; a resharded resume continues the same trajectory)."""
+    """`--resume` on another number of ranks than the run's, or with another train.steps: one
+    line on stderr each (after the checks, before the ranks start; a resharded resume continues
+    the same trajectory, an extended one the new run's: checkpoint/extend.py)."""
     found = recorded(cfg.train.run_dir) if ckpt.resume else None
+    if found:
+        say_extended(found[1], cfg)
     was = int(found[1].get("world_size") or 1) if found else nproc
     if was != nproc:
         import sys

@@ -5,6 +5,10 @@
   naming the field, the recorded and the given value; exit 2, nothing written).
 - FOLLOW: omitted: the recorded value is used; given: the new value is used (changing it on
   resume is supported and changes no step's result).
+- EXTEND: omitted: the recorded value is used; given with another value: allowed when every
+  step the checkpoint took had the same learning rate under both (the run then continues
+  exactly as one started with the new value), else refused naming the first step whose rate
+  differs (meshtron/checkpoint/extend.py).
 - LAYOUT: how the ranks run the step; planned again for the resumed world (resharded resume:
   any layout or number of ranks continues the same trajectory).
 - ARG: not a setting of the run (how it is found, or set by meshtron itself).
@@ -22,14 +26,15 @@ fails on a field of RunConfig, CheckpointConfig or Plan that has no decision her
 
 from __future__ import annotations
 
-KEEP, FOLLOW, LAYOUT, ARG = "keep", "follow", "layout", "arg"
+KEEP, FOLLOW, EXTEND, LAYOUT, ARG = "keep", "follow", "extend", "layout", "arg"
 
 _SCHEDULE = "the learning-rate schedule is a function of it"
-"""meshtron/train/optim.py: warm-up, then cosine decay to min_lr_ratio * lr at train.steps. The
-checkpoint holds the schedule's position, not its shape: another value would silently jump the
-learning rate at the resumed step (--steps 12 -> 20 moved it from 2.07e-4 to 5.39e-4). As
-Megatron-LM's scheduler checks (`--override-opt_param-scheduler` to bypass) and torchtitan's
-schedule being a function of the configured steps, a change must be explicit: a new run."""
+"""meshtron/config.py `OptimConfig.lr_factor`: warm-up, then cosine decay to min_lr_ratio * lr at
+train.steps. The checkpoint holds the schedule's position, not its shape: another value would
+silently jump the learning rate at the resumed step (--steps 12 -> 20 moved it from 2.07e-4 to
+5.39e-4). As Megatron-LM's scheduler checks (`--override-opt_param-scheduler` to bypass) and
+torchtitan's schedule being a function of the configured steps, a change must be explicit: a new
+run. train.steps itself may change where the steps taken keep their rate (EXTEND)."""
 _DATA = "the data position it holds counts windows of that data"
 """Sample n of the shuffled seq_len+1-token windows of that source as that tokenizer splits it
 (meshtron/data/dataset.py)."""
@@ -55,7 +60,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "optim.beta2": (KEEP, _STATE),
     "optim.eps": (KEEP, _STEP),
     "optim.grad_clip": (KEEP, _STEP),
-    "train.steps": (KEEP, _SCHEDULE),
+    "train.steps": (EXTEND, "the learning-rate schedule ends at it; the steps taken must keep "
+                            "their rate"),
     "train.dtype": (KEEP, _STATE),
     "train.fp8_recipe": (KEEP, _STATE),
     "train.compile": (FOLLOW, "a per-block compile of the same step"),
@@ -67,6 +73,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.init_from": (KEEP, "the run's base (meshtron merge reads it)"),
     "train.export": (FOLLOW, "where the final weights go"),
     "train.replica_ft": (KEEP, _STATE),
+    "train.run_id": (ARG, "set by meshtron: a new run's random id, the checkpoint's on resume"),
     # CheckpointConfig (meshtron/checkpoint/config.py): the run's safety; recorded in meta.json
     "checkpoint.every": (FOLLOW, "the save interval"),
     "checkpoint.keep": (FOLLOW, "retention"),
@@ -76,6 +83,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "checkpoint.mtbf_hours": (FOLLOW, "the automatic interval's input"),
     "checkpoint.snapshot_every": (FOLLOW, "in-memory snapshots"),
     "checkpoint.resume_if_any": (ARG, "set by an elastic rank"),
+    "checkpoint.override_lr_schedule": (ARG, "this resume's choice (checkpoint/extend.py)"),
     # Plan (meshtron/planner/plan.py): the data-parallel traffic shapes the trajectory (DiLoCo's
     # rounds, int8 error feedback held in the checkpoint); the layout is re-planned
     "plan.grad_compression": (KEEP, _STATE),
@@ -112,6 +120,7 @@ def kept(prefix: str) -> list[str]:
 
 
 def inherited(prefix: str) -> list[str]:
-    """The fields under `prefix` a resume takes from the record when not given (KEEP, FOLLOW)."""
+    """The fields under `prefix` a resume takes from the record when not given (KEEP, FOLLOW,
+    EXTEND)."""
     return [k.split(".", 1)[1] for k, (d, _) in FIELDS.items()
-            if d in (KEEP, FOLLOW) and k.startswith(prefix + ".")]
+            if d in (KEEP, FOLLOW, EXTEND) and k.startswith(prefix + ".")]

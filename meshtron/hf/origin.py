@@ -1,13 +1,16 @@
 """Where an exported weights folder came from: `export.json` beside the weights.
 
-`meshtron export` and `meshtron train --export` write it: the run folder the weights were
-trained in (its resolved path), the step they are of, and how that run started (its
-`train.init_from`, resolved, or its seed), and the SHA-256 of the run's configuration file
+`meshtron export` and `meshtron train --export` write it: the run's id (run.toml's
+`train.run_id`, drawn when the run was created: meshtron/checkpoint/run_id.py), the run folder
+the weights were trained in (its resolved path), the step they are of, and how that run started
+(its `train.init_from`, resolved, or its seed), and the SHA-256 of the run's configuration file
 (run.toml, or config.json): which run held that folder, as a folder reused by another run (a
-`--overwrite`, or one path on two machines) holds another. `meshtron merge` reads it to know a branch by what it
-is, a run at a step, whichever folder holds it (the run's checkpoint or an export of it), and to
-check an export's base as it checks a run's. A folder without it (weights from elsewhere, or
-exported before it was written) is known by its own path only.
+`--overwrite`, or one path on two machines) holds another. The id names the run wherever its
+folder is later moved; path and digest are what a run from before the id is known by.
+`meshtron merge` reads it to know a branch by what it is, a run at a step, whichever folder
+holds it (the run's checkpoint or an export of it), and to check an export's base as it checks
+a run's. A folder without it (weights from elsewhere, or exported before it was written) is
+known by its own path only.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ def origin_record(run_dir: str | Path, step: int, init_from: str | None,
                   seed: int) -> dict[str, Any]:
     """The record of weights of run `run_dir` at `step` (a run started from `init_from`, or
     from the deterministic init of `seed`)."""
-    return {"format": FORMAT, "run": str(Path(run_dir).resolve()), "step": int(step),
+    from meshtron.checkpoint.run_id import folder_run_id
+
+    return {"format": FORMAT, "run_id": folder_run_id(run_dir),
+            "run": str(Path(run_dir).resolve()), "step": int(step),
             "init_from": str(Path(init_from).resolve()) if init_from else None,
             "seed": int(seed), "config": config_digest(run_dir)}
 
@@ -66,7 +72,8 @@ def read_origin(folder: str | Path, field: str) -> dict[str, Any] | None:
           and isinstance(doc.get("run"), str) and type(doc.get("step")) is int
           and doc["step"] >= 0 and type(doc.get("seed")) is int
           and (doc.get("init_from") is None or isinstance(doc.get("init_from"), str))
-          and (doc.get("config") is None or isinstance(doc.get("config"), str)))
+          and (doc.get("config") is None or isinstance(doc.get("config"), str))
+          and (doc.get("run_id") is None or isinstance(doc.get("run_id"), str)))
     if not ok:
         raise UserError(f"{field}={str(folder)!r}: {path} is damaged (expected a {FORMAT} "
                         "record with run, step, init_from and seed; remove it to merge the "

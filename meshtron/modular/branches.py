@@ -10,12 +10,14 @@ are of; weights from elsewhere do not. For them, and as a second guard for all, 
 refuses branches whose shared weights lie farther apart than two independent initializations'
 halfway point (see RELATIVE_DISTANCE_LIMIT).
 
-A branch is known by what it is: the run it was trained in (its resolved folder) and the step
-of its weights, whichever folder holds them (the run's checkpoint, an export of it, the run
-through a symlink or another spelling of its path); weights of unknown origin by their resolved
-folder. `check_distinct` refuses one model given twice before a tensor is read, and
-`check_not_same` refuses, as the tensors are read, a branch whose every tensor equals an earlier
-one's (a copied run or export, which no record links).
+A branch is known by what it is: the run it was trained in and the step of its weights,
+whichever folder holds them (the run's checkpoint, an export of it, the run through a symlink or
+another spelling of its path, the run folder moved or renamed since). The run is its id
+(run.toml's `train.run_id`, recorded in export.json: meshtron/checkpoint/run_id.py); a run or
+export from before the id is known by its resolved folder and configuration digest instead, and
+weights of unknown origin by their resolved folder. `check_distinct` refuses one model given
+twice before a tensor is read, and `check_not_same` refuses, as the tensors are read, a branch
+whose every tensor equals an earlier one's (a copied run or export, which no record links).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class Branch:
     config: str | None = None
     """'sha256:<digest>' of its run's configuration file (origin.config_digest; exported
     weights: their record's), None when unknown: which run held the folder `run` names."""
+    run_id: str | None = None
+    """The run's id (its run.toml's `train.run_id`; exported weights: their record's), None
+    when unknown (recorded before the id existed)."""
     checkpoint: Path | None = None
     """A run's checkpoint folder to merge (`with_checkpoint`), None for exported weights."""
     given: str = ""
@@ -97,6 +102,7 @@ def describe(path: str | Path) -> Branch:
 
 def _describe_run(folder: Path) -> Branch:
     from meshtron.checkpoint import store
+    from meshtron.checkpoint.run_id import folder_run_id
     from meshtron.hf.cli import run_config
     from meshtron.hf.hooks import tokenizer_source
     from meshtron.hf.origin import config_digest, recorded_path
@@ -118,7 +124,7 @@ def _describe_run(folder: Path) -> Branch:
     else:
         tok = None
     return Branch(folder, "run", cfg.model, base, tok, tok_dir, run=str(folder.resolve()),
-                  config=config_digest(folder))
+                  config=config_digest(folder), run_id=folder_run_id(folder))
 
 
 def _describe_weights(folder: Path) -> Branch:
@@ -136,7 +142,8 @@ def _describe_weights(folder: Path) -> Branch:
     base = (_base_of(Path(origin["init_from"])) if origin["init_from"]
             else f"seed:{origin['seed']}")
     return Branch(folder, "weights", spec, base, tok, folder if tok_file.is_file() else None,
-                  run=origin["run"], step=origin["step"], config=origin.get("config"))
+                  run=origin["run"], step=origin["step"], config=origin.get("config"),
+                  run_id=origin.get("run_id"))
 
 
 def _weights_spec(folder: Path) -> ModelSpec:
@@ -232,10 +239,14 @@ def with_checkpoint(branch: Branch) -> Branch:
 
 
 def same_model(a: Branch, b: Branch) -> str | None:
-    """What two branches both are, or None when they differ: one run at one step (whichever
-    folders hold it; and, when both know it, one configuration file: another run trained in
-    the same folder later, or at the same path on another machine, is another model), or one
+    """What two branches both are, or None when they differ: one run at one step, whichever
+    folders hold it: by the run's id when both know it (the folder may have moved since), else
+    by its folder (and, when both know it, one configuration file: another run trained in the
+    same folder later, or at the same path on another machine, is another model); or one
     folder."""
+    if None not in (a.run_id, a.step, b.run_id, b.step):
+        same = (a.run_id, a.step) == (b.run_id, b.step)
+        return f"run {a.run_id} at step {a.step}" if same else None
     if None not in (a.run, a.step, b.run, b.step):
         same = (a.run, a.step) == (b.run, b.step) and (
             a.config is None or b.config is None or a.config == b.config)

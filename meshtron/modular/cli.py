@@ -137,7 +137,7 @@ def _write(inputs, spec, copies: int, seed: int, tmp: Path) -> dict[str, Any]:
                       "tokenizer": b.tokenizer, "relative_distance": d,
                       # the run and step merged (exported weights: their export.json's;
                       # None when they have none), and a run's checkpoint folder
-                      "run": b.run, "step": b.step,
+                      "run_id": b.run_id, "run": b.run, "step": b.step,
                       "checkpoint": b.checkpoint.name if b.checkpoint else None}
                      for b, d in zip(read, distances)],
         "copies": copies, "router_seed": seed, "router": init.to_dict(),

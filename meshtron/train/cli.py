@@ -117,6 +117,10 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue from the latest complete checkpoint in RUN_DIR/checkpoints, "
                         "with the run's own settings where none is given (a setting that "
                         "would change its trajectory is refused; the layout may change)")
+    g.add_argument("--override-lr-schedule", action="store_true",
+                   help="with --resume and another --steps: continue on the new --steps' "
+                        "learning-rate schedule from the checkpoint's step even where the steps "
+                        "taken had another rate (the rate jumps; refused without it)")
     g.add_argument("--max-restarts", type=int, metavar="R",
                    help="restart all ranks from the last checkpoint when one dies, up to R "
                         "times (torchrun's elastic agent; default 0)")
@@ -149,7 +153,8 @@ def checkpoint_config(args: argparse.Namespace, resumed: tuple[Any, dict] | None
         given = getattr(args, dest)
         if given is not None:
             values[name] = parse_every(given) if name == "every" else given
-    return CheckpointConfig(resume=args.resume, **values)
+    return CheckpointConfig(resume=args.resume, override_lr_schedule=args.override_lr_schedule,
+                            **values)
 
 
 def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> RunConfig:

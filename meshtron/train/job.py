@@ -82,11 +82,26 @@ def write_run_records(job: TrainJob, plan) -> None:
     process, rank 0 of an outside torchrun/srun): run.toml (the resolved config: what
     --resume, export and doctor read) and plan.toml (`plan`; None: one process, whose folder
     then keeps no plan.toml of an earlier run). Written after the folder is claimed and
-    `prepare_start` has cleared an --overwrite-n run's checkpoints."""
+    `prepare_start` has cleared an --overwrite-n run's checkpoints. run.toml carries the run's
+    id (`train.run_id`), set on `job.cfg` here so that this process's records agree."""
     run_dir = Path(job.cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    job.cfg.train.run_id = run_id_of(job)
     write_run_file(job, run_dir / "run.toml")
     if plan is None:
         (run_dir / "plan.toml").unlink(missing_ok=True)
     else:
         plan.save(run_dir / "plan.toml")
+
+
+def run_id_of(job: TrainJob) -> str:
+    """The run's id (meshtron/checkpoint/run_id.py): the continued run's on a --resume, an
+    elastic round or an automatic restart of an outside torchrun; a new one for a new run
+    (any id in the run file it was given, e.g. a copied run.toml, is another run's)."""
+    from meshtron.checkpoint import restart
+    from meshtron.checkpoint.run_id import continued_run_id, new_run_id
+
+    ckpt = job.checkpoint
+    if ckpt.resume or ckpt.resume_if_any or restart.attempt() > 0:
+        return continued_run_id(job.cfg.train.run_dir) or new_run_id()
+    return new_run_id()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -57,18 +56,8 @@ def build_adamw(modules: Iterable[nn.Module], cfg: OptimConfig,
                              **adamw_kernel(device_type))
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
-    """Linear warm-up to the peak, then cosine decay to `min_ratio` of it
-    (Loshchilov & Hutter 2017, as used by GPT-3 and Llama)."""
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR so the schedule's position is a state dict like every other piece."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_steps, cfg.min_lr_ratio))
+        optimizer, lambda step: cfg.lr_factor(step, total_steps))

@@ -111,5 +111,6 @@ def check_given(args: argparse.Namespace, cfg: RunConfig) -> tuple[Any, dict[str
     if resumed is not None:
         from meshtron.checkpoint.resume import check_compatible
 
-        check_compatible(resumed[1], cfg, resumed[0])
+        check_compatible(resumed[1], cfg, resumed[0],
+                         lr_override=getattr(args, "override_lr_schedule", False))
     return resumed

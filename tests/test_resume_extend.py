@@ -1,0 +1,124 @@
+"""`meshtron train --resume --steps N` with another N, and the run's id, through the `meshtron`
+command in real processes and real files (meshtron/checkpoint/extend.py, run_id.py):
+
+- a finished run extended where every step it took had the same learning rate under both
+  train.steps (constant after warm-up; inside the warm-up) continues exactly as a run started
+  with the larger N: the losses of metrics.jsonl are equal, on one process and on 2 ranks; the
+  line it prints says so;
+- where a step taken had another rate (the cosine decay had begun) it is refused in one line
+  naming that step, exit 2, nothing written;
+- run.toml's `train.run_id`: drawn for a new run, kept by --resume, new after --overwrite.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from meshtron.config import OptimConfig
+
+RUN = ["--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0"]
+
+
+def _run(*argv, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _losses(run_dir):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "event" not in r}
+
+
+def _run_id(run_dir):
+    return tomllib.loads((Path(run_dir) / "run.toml").read_text())["train"]["run_id"]
+
+
+def _extend_equals_straight(tmp_path, settings, short, long, layout=()):
+    """A `short`-step run resumed with --steps `long` against a straight `long`-step run (both
+    on `layout`); the resume's stderr."""
+    ref, run_dir = tmp_path / "straight", tmp_path / "extended"
+    code, _, err = _run("train", *settings, *layout, "--steps", str(long), "--run-dir",
+                        str(ref))
+    assert code == 0, err[-2000:]
+    code, _, err = _run("train", *settings, *layout, "--steps", str(short),
+                        "--checkpoint-every", str(short), "--run-dir", str(run_dir))
+    assert code == 0, err[-2000:]
+    first_id = _run_id(run_dir)
+    code, _, err = _run("train", *layout, "--run-dir", str(run_dir), "--resume", "--steps",
+                        str(long))
+    assert code == 0, err[-2000:]
+    want, got = _losses(ref), _losses(run_dir)
+    assert sorted(got) == list(range(1, long + 1)), got
+    assert got == want, (got, want)  # bit for bit: the same floats
+    assert _run_id(run_dir) == first_id != _run_id(ref)  # kept by --resume; each run its own
+    assert tomllib.loads((run_dir / "run.toml").read_text())["train"]["steps"] == long
+    return err
+
+
+def test_constant_after_warmup_extends_exactly_on_one_process(tmp_path):
+    settings = [*RUN, "--warmup-steps", "2", "--set", "optim.min_lr_ratio=1.0"]
+    err = _extend_equals_straight(tmp_path, settings, 4, 7)
+    assert ("--resume: extending the run from train.steps=4 to 7: its 4 steps taken had the "
+            "same learning rate under both, so steps 5-7 continue exactly as in a run started "
+            "with --steps 7") in err, err
+
+
+def test_warmup_run_extends_exactly_on_two_ranks(tmp_path):
+    """4 warm-up steps taken, then 2 of the longer run's cosine decay: the resumed ranks follow
+    the new schedule (the old one ended at step 4), as the straight run does."""
+    settings = [*RUN, "--warmup-steps", "4"]
+    err = _extend_equals_straight(tmp_path, settings, 4, 6, ["--nproc", "2", "--plan", "dp=2"])
+    assert "extending the run from train.steps=4 to 6" in err, err
+
+
+def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "cosine"
+    code, _, err = _run("train", *RUN, "--warmup-steps", "1", "--steps", "4",
+                        "--checkpoint-every", "2", "--run-dir", str(run_dir))
+    assert code == 0, err[-2000:]
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    code, out, err = _run("train", "--run-dir", str(run_dir), "--resume", "--steps", "8")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    # steps 1 (warm-up) and 2 (the peak) agree; step 3 is the first the cosine moved
+    lr3 = [2e-3 * OptimConfig(warmup_steps=1).lr_factor(2, n) for n in (4, 8)]
+    assert ("--resume: train.steps=8: the checkpoint step_00000004 was saved at step 4 of a "
+            "run with train.steps=4; the learning rate of its step 3 was "
+            f"{lr3[0]:.4g} under train.steps=4 and {lr3[1]:.4g} under train.steps=8") in err
+    assert "allowed: train.steps=4, --override-lr-schedule (step 5 on takes" in err, err
+    assert "--init-from DIR --steps 8" in err and "Traceback" not in err, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--override-lr-schedule")
+    assert code == 2 and "--override-lr-schedule: allowed only with --resume" in err, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    # explicit: steps 5-8 on the 8-step schedule (Megatron-LM's --override-opt_param-scheduler)
+    losses = _losses(run_dir)
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", "--steps", "8",
+                        "--override-lr-schedule")
+    assert code == 0, err[-2000:]
+    assert ("extending the run from train.steps=4 to 8: --override-lr-schedule: steps 5-8 "
+            "take the new schedule's rates (step 5: ") in err, err
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in lines if "event" not in r}
+    assert sorted(lr) == list(range(1, 9)) and {s: _losses(run_dir)[s] for s in losses} == losses
+    for step in (5, 8):
+        assert lr[step] == pytest.approx(2e-3 * OptimConfig(warmup_steps=1).lr_factor(step - 1, 8),
+                                         rel=1e-12), lr
+
+
+def test_overwrite_draws_a_new_run_id(tmp_path):
+    run_dir = tmp_path / "r"
+    ids = []
+    for extra in ([], ["--overwrite"]):
+        code, _, err = _run("train", *RUN, "--steps", "1", "--run-dir", str(run_dir), *extra)
+        assert code == 0, err[-2000:]
+        ids.append(_run_id(run_dir))
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["train"]["run_id"] == ids[-1]  # the folder agrees with itself
+    assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids), ids
