@@ -160,20 +160,27 @@ def _weight_grads_into_reduce_dtype(st) -> None:
     gradient), 4e-4 by step 3. A no-op for fp32 or a bf16 reduce dtype (the gradient is
     already in the reduce dtype) and without FSDP2; only this stage object's method is wrapped."""
     weight_pass = st.backward_weight_one_chunk
-    fsdp_params = _fsdp_params(st.submod)
-    if not fsdp_params:
+    units = fsdp_params(st.submod)
+    if not units:
         return
 
     def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
         weight_pass(bwd_chunk_id, last_backward=last_backward)
-        for fsdp_param in fsdp_params:  # the no-sync half of FSDP2's post_backward, in order
-            fsdp_param.accumulate_unsharded_grad_if_needed()
-            fsdp_param.to_accumulated_grad_if_needed()
+        fold_weight_grads(units)
 
     st.backward_weight_one_chunk = backward_weight_one_chunk
 
 
-def _fsdp_params(module: nn.Module) -> list:
+def fold_weight_grads(units: list) -> None:
+    """The no-sync half of FSDP2's `post_backward`, in its order, on `units` (`fsdp_params`):
+    a gradient left on an unsharded parameter is added to (or becomes) the reduce-dtype
+    accumulator. What a stage runs after each W pass (`_weight_grads_into_reduce_dtype`)."""
+    for fsdp_param in units:
+        fsdp_param.accumulate_unsharded_grad_if_needed()
+        fsdp_param.to_accumulated_grad_if_needed()
+
+
+def fsdp_params(module: nn.Module) -> list:
     """FSDP2's per-parameter objects of every unit inside `module`, once each."""
     from torch.distributed.fsdp import FSDPModule
 
