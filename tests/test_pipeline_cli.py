@@ -65,19 +65,29 @@ def test_every_schedule_trains_and_evaluates_like_one_process(tmp_path, one_proc
                 assert _rel(a[key], b[key]) <= 1e-6, (schedule, key, a[key], b[key])
 
 
-def test_bf16_pipeline_matches_one_process_like_data_parallelism(tmp_path):
-    """bf16, 1F1B: the last stage runs the model's own chunked loss, so the pipeline runs one
+@pytest.fixture(scope="module")
+def one_process_bf16(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("one16") / "r", "--dtype", "bf16", steps=4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_bf16_pipeline_matches_one_process_like_data_parallelism(tmp_path, one_process_bf16,
+                                                                 schedule):
+    """bf16: the last stage runs the model's own chunked loss, so the pipeline runs one
     process's bf16 operations on the same rows and only fp32 accumulation order differs: the
-    first two steps' losses and gradient norms within 1e-6 (measured 0 and 8.7e-8, as
+    first two steps' losses and gradient norms within 1e-6 (1F1B measured 0 and 8.7e-8, as
     dp=2 ZeRO-3; the whole-logits loss was 6.1e-6 off at step 2 here, 8.7e-6 at step 1 on the
     audit's run); later steps within one bf16 rounding per step (testkit/bf16.py: a master
     weight within fp32 order of a rounding boundary flips its bf16 copy; measured 1.8e-5 on
-    the gradient norm at step 4)."""
+    the gradient norm at step 4). ZBV: measured 0 at every step since each W pass's gradient
+    goes to FSDP2's fp32 accumulator (parallel/pipeline.py `_weight_grads_into_reduce_dtype`);
+    before, its cool-down added two micro-batches' weight gradients of stage 1 in bf16: 5e-6
+    off at step 1, 4e-4 at step 3."""
     from testkit.bf16 import U
 
-    want = _train(tmp_path / "one", "--dtype", "bf16", steps=4)
+    want = one_process_bf16
     got = _train(tmp_path / "pp", "--dtype", "bf16", "--nproc", "2", "--plan", "pp=2",
-                 "--schedule", "1f1b", steps=4)
+                 "--schedule", schedule, steps=4)
     for a, b in zip(got, want, strict=True):
         tol = 1e-6 if a["step"] <= 2 else a["step"] * U
         for key in ("loss", "grad_norm", "eval_loss"):

@@ -17,8 +17,17 @@ extra memory or host work); elsewhere, for a bf16/fp16 plain tensor, `_Fp32GradE
 the same gather forward, and a backward that sums the rows into an fp32 [vocab, hidden] buffer
 (twice the bf16 gradient's bytes, CPU only) and rounds it to the weight's dtype once, as the
 CUDA kernel does. `Embedding.kernel` overrides the choice (`meshtron rehearse` on a CPU measures
-a GPU run's kernel). Not covered: a DTensor weight (the vocabulary-parallel embedding under
-tensor parallelism) keeps PyTorch's kernel, so its local backward on a CPU still sums in bf16.
+a GPU run's kernel).
+
+Under tensor parallelism the weight is a DTensor sharded over its rows (the vocabulary-parallel
+embedding: `RowwiseParallel`, meshtron/parallel/tensor.py) and the tokens a replicated DTensor.
+DTensor's own lookup masks the tokens outside this rank's rows to row 0, gathers, zeroes their
+output rows and returns a partial sum over the tp ranks (torch 2.13 torch/distributed/tensor/
+_ops/_embedding_ops.py `MaskPartial`); its backward is PyTorch's kernel on the local shard,
+in bf16 on a CPU. Off CUDA the same masked lookup runs here on the local shard through
+`_Fp32GradEmbedding` (`_row_shard_lookup`), returned as the same partial sum (`Partial`), so
+the parallelize style's output redistribution (all-reduce, or reduce-scatter under sequence
+parallelism) is unchanged; on CUDA DTensor's path runs as before.
 """
 
 from __future__ import annotations
@@ -50,11 +59,38 @@ class _Fp32GradEmbedding(torch.autograd.Function):
 
 def sums_in_fp32_natively(weight: torch.Tensor) -> bool:
     """PyTorch's own embedding backward already sums this weight's gradient in fp32 (or the
-    weight is fp32/fp64); a DTensor weight keeps PyTorch's kernel too (module docstring)."""
-    from torch.distributed.tensor import DTensor
+    weight is fp32/fp64)."""
+    return weight.device.type == "cuda" or weight.dtype in _EXACT_DTYPES
 
-    return (weight.device.type == "cuda" or weight.dtype in _EXACT_DTYPES
-            or isinstance(weight, DTensor))
+
+def _row_shard(tokens: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """The first row this rank holds when `weight` is a DTensor sharded over its rows on a
+    one-dimensional mesh and `tokens` a replicated DTensor on the same mesh (tensor
+    parallelism's vocabulary-parallel lookup); None for any other layout (DTensor's own
+    lookup then runs). Uneven shards (vocabulary 259 over 2 ranks: 130 + 129) included."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not (isinstance(weight, DTensor) and isinstance(tokens, DTensor)):
+        return None
+    if (weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),)
+            or tokens.device_mesh != weight.device_mesh
+            or tuple(tokens.placements) != (Replicate(),)):
+        return None
+    from meshtron.model.init import local_box
+
+    return local_box(weight)[1][0]
+
+
+def _row_shard_lookup(tokens, weight, first: int):
+    """DTensor's masked lookup (`MaskPartial`, module docstring) on this rank's rows, with the
+    weight gradient summed in fp32: a partial-sum DTensor [*tokens.shape, hidden]."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    ids, local = tokens.to_local(), weight.to_local()
+    inside = (ids >= first) & (ids < first + local.shape[0])
+    rows = _Fp32GradEmbedding.apply(torch.where(inside, ids - first, 0), local)
+    rows = rows * inside.unsqueeze(-1).to(rows.dtype)  # others' tokens: 0 here, exact
+    return DTensor.from_local(rows, weight.device_mesh, [Partial()], run_check=False)
 
 
 class Embedding(nn.Embedding):
@@ -72,4 +108,11 @@ class Embedding(nn.Embedding):
             self.kernel is None and sums_in_fp32_natively(self.weight))
         if not plain or native or not torch.is_grad_enabled():
             return super().forward(tokens)
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(self.weight, DTensor):
+            first = _row_shard(tokens, self.weight)
+            if first is None:
+                return super().forward(tokens)
+            return _row_shard_lookup(tokens, self.weight, first)
         return _Fp32GradEmbedding.apply(tokens, self.weight)

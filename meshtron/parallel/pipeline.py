@@ -135,7 +135,65 @@ def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: t
     st = PipelineStage(module, stage, lay.num_stages, device, group=pp_group)
     _uncounted_metadata_forward(st, module)
     _local_backward_only_with_backward(st)
+    if splits_backward(lay):
+        _weight_grads_into_reduce_dtype(st)
     return st
+
+
+def _weight_grads_into_reduce_dtype(st) -> None:
+    """After each weight-gradient pass (a zero-bubble schedule's W action) of this stage, hand
+    the micro-batch's gradient to FSDP2's accumulator in its reduce dtype, as FSDP2's own
+    post-backward does after a whole backward.
+
+    Why: torch 2.13's W pass adds each micro-batch's weight gradient into `param.grad` itself
+    (torch/distributed/pipelining/_backward.py `stage_backward_weight`: `weight.grad += dw`), on
+    FSDP2's unsharded bf16 parameter. FSDP2 moves that gradient into its fp32 accumulator only
+    in `post_backward` (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:
+    `accumulate_unsharded_grad_if_needed`, `to_accumulated_grad_if_needed`), which a split
+    backward reaches in the I pass, when the gradient reaches the stage's inputs, and at the
+    step's REDUCE_GRAD. Two W passes of one stage with no I pass of it between them therefore
+    add the second micro-batch's gradient to the first in bf16, where one process and every
+    other schedule add them in fp32. ZBV does that on every rank but the first in its
+    cool-down (torch 2.13 schedules.py `ScheduleZBVZeroBubble`, pp=2, 4 micro-batches,
+    rank 1: `1I2 2I3 1I3 1W2 2W3 1W3`, stage 1 sums micro-batches 2 and 3 in bf16): 5e-6 off
+    one process's gradient norm at step 1 (only stage 1's weights, 1e-3 of their largest
+    gradient), 4e-4 by step 3. A no-op for fp32 or a bf16 reduce dtype (the gradient is
+    already in the reduce dtype) and without FSDP2; only this stage object's method is wrapped."""
+    weight_pass = st.backward_weight_one_chunk
+    units = fsdp_params(st.submod)
+    if not units:
+        return
+
+    def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
+        weight_pass(bwd_chunk_id, last_backward=last_backward)
+        fold_weight_grads(units)
+
+    st.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def fold_weight_grads(units: list) -> None:
+    """The no-sync half of FSDP2's `post_backward`, in its order, on `units` (`fsdp_params`):
+    a gradient left on an unsharded parameter is added to (or becomes) the reduce-dtype
+    accumulator. What a stage runs after each W pass (`_weight_grads_into_reduce_dtype`)."""
+    for fsdp_param in units:
+        fsdp_param.accumulate_unsharded_grad_if_needed()
+        fsdp_param.to_accumulated_grad_if_needed()
+
+
+def fsdp_params(module: nn.Module) -> list:
+    """FSDP2's per-parameter objects of every unit inside `module`, once each."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from meshtron.compress.runtime import fsdp_param_groups
+
+    out, seen = [], set()
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            if id(state) not in seen:
+                seen.add(id(state))
+                out.extend(fp for group in fsdp_param_groups(state) for fp in group.fsdp_params)
+    return out
 
 
 def _local_backward_only_with_backward(st) -> None:
