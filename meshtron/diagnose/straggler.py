@@ -120,11 +120,11 @@ def find(trace) -> Finding | None:
     step = _median_step(trace)
     if step:
         text += f"; median step time {step:.3f} s"
-    kind = "own" if own else "stalls"
+    rule = "own time" if own else "timing"
     return Finding(worst, text + ".",
                    [f"rank {r}: others waited {waited[r]:.3f} s for it (mean "
                     f"{1e3 * waited[r] / len(lates[r]):.1f} ms over {len(lates[r])} "
-                    f"collectives; {counted[r]:.3f} s of it counted: {kind})"
+                    f"collectives; {counted[r]:.3f} s of it counted, {rule} rule)"
                     for r in sorted(lates)])
 
 
