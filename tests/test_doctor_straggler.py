@@ -11,7 +11,8 @@ contention, real SIGSTOP/SIGCONT.
   named (its run-queue wait is its own doing, not the host's load), from its dumps and from
   the same dumps without CPU readings (an older meshtron's).
 Slow: rank 1 SIGSTOPped 20% and 30% of the time (0.1 s and 0.15 s of every 0.5 s), consistently
-slower than rank 0, is named."""
+slower than rank 0, is named; also 20% beside two busy loops (bench/straggler_load.py measures
+the rule's statistic for healthy and stopped runs under 0, 2 and 4 busy loops)."""
 
 from __future__ import annotations
 

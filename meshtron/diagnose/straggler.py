@@ -138,7 +138,9 @@ def _counted(lates, steps: dict[int, dict[int, _Step]], own: bool) -> dict[int, 
     for rank, entries in lates.items():
         mine = {k: steps[rank][k] for k in least}
         late_in, whole = _late_by_step(entries, mine)
-        total = whole
+        # Outside the steps with readings: no evidence of its own time, none counts (the
+        # collectives after the last beat, e.g. the loss logged after the last step).
+        total = 0.0 if own else whole
         for k, late in late_in.items():
             step = mine[k]
             past_host = max(0.0, late - (step.host - least[k]["host"]))
