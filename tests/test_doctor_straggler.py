@@ -88,9 +88,12 @@ def test_run_queue_wait_counts_time_waiting_for_a_shared_cpu():
     assert abs(waited + ran - wall) < 0.15, (waited, ran, wall)  # runnable throughout
 
 
-@pytest.mark.slow  # its margin depends on the host's load beyond the test's own 2 busy loops:
-# it named rank 0 once in a clean-clone CI run with other jobs on the box (session 43)
 def test_healthy_run_under_cpu_load_is_not_a_straggler(tmp_path):
+    """In the default suite again: the own-time rule's statistic had its worst healthy rank at
+    1.4% of the span and its weakest rank SIGSTOPped 20% of the time at 3.5% (2.5x; the floor
+    is 2%), over 30 runs under 0, 2 and 4 busy loops on a 2-core host at load 11-21
+    (bench/straggler_load.py, session 44). The rule before it named rank 0 once in a
+    clean-clone CI run with other jobs on the box (session 43)."""
     run_dir = tmp_path / "run"
     load = _busy_loops(2)
     try:

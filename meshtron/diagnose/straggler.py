@@ -30,14 +30,19 @@ Two rules, by what the dumps carry:
   host's share alone: that difference is the small remainder of two large noisy terms
   (run-queue wait up to 53% of the span), and summing its positive part step by step added
   up to 16% of the span on a healthy rank (one false straggler at 3.4x its peer, session 44);
-  the evidence is about 0 on a healthy rank (at most 1.4% of the span over 9 runs under 0 to
-  4 busy loops on a host already at load 11) and is the stop itself on a stopped one. Why not
-  every thread's run-queue wait (gloo's worker threads carry the collectives and queue too):
-  a SIGCONT wakes all of a stopped rank's threads into the run queue, so its threads' summed
-  wait grew to 3x its peer's (113% vs 39% of the span): subtracting it hides the straggler;
+  the evidence is about 0 on a healthy rank (at most 1.4% of the span over 15 runs under 0
+  to 4 busy loops on a 2-core host already at load 11 to 21) and is the stop itself on a
+  stopped one. Why not every thread's run-queue wait (gloo's worker threads carry the
+  collectives and queue too): a SIGCONT wakes all of a stopped rank's threads into the run
+  queue, so its threads' summed wait grew to 3x its peer's (113% vs 39% of the span): subtracting it hides the straggler;
   the evidence rule needs no such subtraction (a late exit from a collective whose gloo
   threads queued is not the rank's own time). A stop while the rank is blocked in a
-  collective delays both ranks alike and is not seen (the peer's gloo threads wait for it).
+  collective delays both ranks alike and is not seen (the peer's gloo threads wait for it);
+  lateness outside the steps with readings (the loss logged after the last beat) counts
+  nothing. Not named by this rule: a rank slower only in its own computation (more CPU time
+  for the same step: uneven batches, a slower core); on a loaded host the CPU time of equal
+  steps differed between ranks by up to 1.7% of the span by chance (session 44), as much as
+  such a rank's signal unless it is far slower.
 * Timing (dumps without those readings: NCCL ranks, another OS, an older meshtron): the
   lateness less, step by step, the run-queue wait beyond the least rank's (less its own
   other threads' CPU time: `_host_wait`); lateness outside the steps with readings counts
@@ -49,8 +54,9 @@ fastest named) and nvidia-resiliency-ext's relative performance score (docs
 straggler_det/usage_guide: a rank's section time against the best rank's), the rank is
 compared with the others: a straggler's counted lateness is at least `STRAGGLER_MIN_S`, 3x any
 other rank's, and a share of the time the compared collectives span: `OWN_FRACTION` with own
-time (measured, session 44: healthy ranks at most 1.4%, ranks SIGSTOPped 20% of the time at
-least 3.5%), `STRAGGLER_FRACTION` on timing alone (its noise is larger).
+time (measured, session 44, 30 runs: healthy ranks at most 1.4%, ranks SIGSTOPped 20% of the
+time at least 3.5%; 2% lies between), `STRAGGLER_FRACTION` on timing alone (its noise is
+larger).
 """
 
 from __future__ import annotations
