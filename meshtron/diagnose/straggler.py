@@ -10,8 +10,8 @@ as one late every time.
 
 Host load. With more runnable threads than cores every rank waits for a CPU now and then, and
 which rank shares a core for a while is chance: healthy 2-rank runs on a loaded 2-core host
-had one rank late 53% of the span and 11x its peer (measured, session 44), later than a rank
-SIGSTOPped 20% of the time (17-29%). Each rank records per step (doctor/session.py `beat`)
+had one rank late 53% of the span and 11x its peer (measured, session 44), later than ranks
+SIGSTOPped 20% of the time were (29% and 1.7x theirs in one run). Each rank records per step (doctor/session.py `beat`)
 its training thread's CPU time and run-queue wait (one /proc/self/task/TID/schedstat read,
 doctor/dump.py `schedstat_s`), its process's other threads' CPU time, and the seconds its
 training thread spent blocked in waits on collectives (the recorder's `blocked_s`).
@@ -34,8 +34,8 @@ Two rules, by what the dumps carry:
   to 4 busy loops on a 2-core host already at load 11 to 21) and is the stop itself on a
   stopped one. Why not every thread's run-queue wait (gloo's worker threads carry the
   collectives and queue too): a SIGCONT wakes all of a stopped rank's threads into the run
-  queue, so its threads' summed wait grew to 3x its peer's (113% vs 39% of the span): subtracting it hides the straggler;
-  the evidence rule needs no such subtraction (a late exit from a collective whose gloo
+  queue, so its threads' summed wait grew to 3x its peer's (113% vs 39% of the span):
+  subtracting it hides the straggler; the evidence rule needs no such subtraction (a late exit from a collective whose gloo
   threads queued is not the rank's own time). A stop while the rank is blocked in a
   collective delays both ranks alike and is not seen (the peer's gloo threads wait for it);
   lateness outside the steps with readings (the loss logged after the last beat) counts
