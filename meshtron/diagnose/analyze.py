@@ -61,16 +61,6 @@ def _sig(rec: dict[str, Any]) -> str:
 
 
 # -- loading records ---------------------------------------------------------------------------
-def _collectives(trace: Trace) -> dict[str, dict[int, dict[int, dict[str, Any]]]]:
-    """group -> rank -> seq -> record (collectives only)."""
-    out: dict[str, dict[int, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
-    for rank, d in trace.dumps.items():
-        for rec in d.get("records", []):
-            if "peer" not in rec:
-                out[rec["group"]][rank][rec["seq"]] = rec
-    return out
-
-
 def _p2p(trace: Trace) -> dict[tuple, dict[int, dict[str, Any]]]:
     """(group, op, this rank, peer) -> seq -> record."""
     out: dict[tuple, dict[int, dict[str, Any]]] = defaultdict(dict)
@@ -149,7 +139,7 @@ def _p2p_divergences(trace: Trace) -> list[dict[str, Any]]:
 
 def find_divergence(trace: Trace) -> dict[str, Any] | None:
     """The earliest divergence over all groups, or None."""
-    found = [d for group, by_rank in _collectives(trace).items()
+    found = [d for group, by_rank in trace.collectives().items()
              if (d := _first_collective_divergence(trace, group, by_rank)) is not None]
     found += _p2p_divergences(trace)
     return min(found, key=lambda d: d["t"]) if found else None

@@ -11,10 +11,11 @@ as one late every time.
 Host load. With more runnable threads than cores every rank waits for a CPU now and then, and
 which rank shares a core for a while is chance: healthy 2-rank runs on a loaded 2-core host
 had one rank late 53% of the span and 11x its peer (measured, session 44), later than ranks
-SIGSTOPped 20% of the time were (29% and 1.7x theirs in one run). Each rank records per step (doctor/session.py `beat`)
-its training thread's CPU time and run-queue wait (one /proc/self/task/TID/schedstat read,
-doctor/dump.py `schedstat_s`), its process's other threads' CPU time, and the seconds its
-training thread spent blocked in waits on collectives (the recorder's `blocked_s`).
+SIGSTOPped 20% of the time were (29% of the span, 1.6x its peer, in one run). Each rank
+records per step (doctor/session.py `beat`) its training thread's CPU time and run-queue wait
+(one /proc/self/task/TID/schedstat read, doctor/dump.py `schedstat_s`), its process's other
+threads' CPU time, and the seconds its training thread spent blocked in waits on collectives
+(the recorder's `blocked_s`).
 
 Two rules, by what the dumps carry:
 
@@ -35,11 +36,11 @@ Two rules, by what the dumps carry:
   stopped one. Why not every thread's run-queue wait (gloo's worker threads carry the
   collectives and queue too): a SIGCONT wakes all of a stopped rank's threads into the run
   queue, so its threads' summed wait grew to 3x its peer's (113% vs 39% of the span):
-  subtracting it hides the straggler; the evidence rule needs no such subtraction (a late exit from a collective whose gloo
-  threads queued is not the rank's own time). A stop while the rank is blocked in a
-  collective delays both ranks alike and is not seen (the peer's gloo threads wait for it);
-  lateness outside the steps with readings (the loss logged after the last beat) counts
-  nothing. Not named by this rule: a rank slower only in its own computation (more CPU time
+  subtracting it hides the straggler; the evidence rule needs no such subtraction (a late
+  exit from a collective whose gloo threads queued is not the rank's own time). A stop while
+  the rank is blocked in a collective delays both ranks alike and is not seen (the peer's
+  gloo threads wait for it); lateness outside the steps with readings (the loss logged after
+  the last beat) counts nothing. Not named by this rule: a rank slower only in its own computation (more CPU time
   for the same step: uneven batches, a slower core); on a loaded host the CPU time of equal
   steps differed between ranks by up to 1.7% of the span by chance (session 44), as much as
   such a rank's signal unless it is far slower.
@@ -215,13 +216,11 @@ def _lateness(trace):
     group recorded, after the start-up step (first compilations and all-gathers are not a
     straggler's) and up to the end of the last step every rank finished (the run's end: a
     final evaluation, a checkpoint, plots on rank 0, is not a step either)."""
-    from meshtron.diagnose.analyze import _collectives
-
     warm, done = _start_up_end(trace), _steps_end(trace)
     lates: dict[int, list[tuple[float, float]]] = defaultdict(list)
     last: Counter = Counter()
     total, lo, hi = 0, float("inf"), float("-inf")
-    for group, by_rank in _collectives(trace).items():
+    for group, by_rank in trace.collectives().items():
         members = trace.group_ranks(group)
         if len(members) < 2 or any(r not in by_rank for r in members):
             continue
