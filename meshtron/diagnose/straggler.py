@@ -40,10 +40,10 @@ Two rules, by what the dumps carry:
   exit from a collective whose gloo threads queued is not the rank's own time). A stop while
   the rank is blocked in a collective delays both ranks alike and is not seen (the peer's
   gloo threads wait for it); lateness outside the steps with readings (the loss logged after
-  the last beat) counts nothing. Not named by this rule: a rank slower only in its own computation (more CPU time
-  for the same step: uneven batches, a slower core); on a loaded host the CPU time of equal
-  steps differed between ranks by up to 1.7% of the span by chance (session 44), as much as
-  such a rank's signal unless it is far slower.
+  the last beat) counts nothing. Not named by this rule: a rank slower only in its own
+  computation (more CPU time for the same step: uneven batches, a slower core); on a loaded
+  host the CPU time of equal steps differed between ranks by up to 1.7% of the span by chance
+  (session 44), as much as such a rank's signal unless it is far slower.
 * Timing (dumps without those readings: NCCL ranks, another OS, an older meshtron): the
   lateness less, step by step, the run-queue wait beyond the least rank's (less its own
   other threads' CPU time: `_host_wait`); lateness outside the steps with readings counts
