@@ -9,33 +9,25 @@ Kinds, in the order they are looked for:
   number) where the members' records disagree: a different operation, different shapes or
   dtypes, or members that never issued it. Point-to-point operations align the k-th send from A
   to B with the k-th receive on B from A. Culprits are the minority (ties: the higher ranks).
-- `straggler`: no divergence, but one rank reaches the collectives late: for every collective
-  all members recorded, each member's lateness after the earliest member (the time the others
-  waited for it; `_straggler`), less, step by step, the time it waited for a CPU more than the
-  other ranks (the host's load, from each rank's run-queue wait less its own other threads'
-  CPU time); a rank whose remaining
-  lateness is at least `STRAGGLER_FRACTION` of the time span compared (and `STRAGGLER_MIN_S`)
-  and 3x any other's.
+- `straggler`: no divergence, but one rank reaches the collectives late (the others wait for
+  it) by more than the host's CPU load explains, and 3x any other rank (straggler.py).
 - `no_dump`: no rank has dumped (killed from outside, or the run is still going).
 - `none`: nothing of the above.
 """
 
 from __future__ import annotations
 
-import bisect
 import socket
-import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtron.diagnose import straggler
 from meshtron.diagnose.trace import Trace, frame_text
 from meshtron.doctor.dump import process_state
 
 KINDS = ("never_entered", "mismatched_op", "mismatched_shape", "dead_rank", "frozen_rank",
          "straggler", "no_dump", "none")
-STRAGGLER_MIN_S = 0.02
-STRAGGLER_FRACTION = 0.1
 _BROKEN = ("connection closed", "connection reset", "broken pipe", "connection refused",
            "remote process exited", "peer")
 
@@ -69,16 +61,6 @@ def _sig(rec: dict[str, Any]) -> str:
 
 
 # -- loading records ---------------------------------------------------------------------------
-def _collectives(trace: Trace) -> dict[str, dict[int, dict[int, dict[str, Any]]]]:
-    """group -> rank -> seq -> record (collectives only)."""
-    out: dict[str, dict[int, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
-    for rank, d in trace.dumps.items():
-        for rec in d.get("records", []):
-            if "peer" not in rec:
-                out[rec["group"]][rank][rec["seq"]] = rec
-    return out
-
-
 def _p2p(trace: Trace) -> dict[tuple, dict[int, dict[str, Any]]]:
     """(group, op, this rank, peer) -> seq -> record."""
     out: dict[tuple, dict[int, dict[str, Any]]] = defaultdict(dict)
@@ -157,7 +139,7 @@ def _p2p_divergences(trace: Trace) -> list[dict[str, Any]]:
 
 def find_divergence(trace: Trace) -> dict[str, Any] | None:
     """The earliest divergence over all groups, or None."""
-    found = [d for group, by_rank in _collectives(trace).items()
+    found = [d for group, by_rank in trace.collectives().items()
              if (d := _first_collective_divergence(trace, group, by_rank)) is not None]
     found += _p2p_divergences(trace)
     return min(found, key=lambda d: d["t"]) if found else None
@@ -291,159 +273,11 @@ def _waiting_for(trace: Trace, culprits: list[int]):
 
 
 def _straggler(trace: Trace) -> Diagnosis | None:
-    """The rank the others wait for, beyond what the host's CPU load explains.
-
-    For every collective all members recorded (after the start-up step), each member's
-    lateness is its entry time after the earliest member's; a collective cannot finish before
-    its last member enters, so a rank's summed lateness is the time the others spent waiting
-    for it. A sum, not a per-collective median: a rank late by a lot in one step of three has a
-    median lateness of 0 but costs its peers as much as one late every time.
-
-    The sum alone also counts the host's noise: with more runnable processes than cores, each
-    rank waits for a CPU now and then, and which rank shares a core for a while is chance;
-    healthy 2-rank runs under CPU load had one rank up to 61% of the span late and up to 16x
-    its peer (measured, session 43), later than a rank SIGSTOPped 30% of the time. Timing alone
-    cannot tell them apart; the kernel can: each rank records, per step, how long its training
-    thread was runnable but waiting for a CPU (doctor/dump.py `run_queue_wait_s`, Linux
-    schedstat), and a stopped, sleeping or blocked rank (SIGSTOP, a data loader, a GPU it waits
-    for) is not waiting for a CPU. A rank can make its training thread wait for a CPU itself
-    (a thread of its own computing beside it: a checkpoint writer, a data loader): only the
-    wait beyond the CPU time its process's other threads had meanwhile is the host's
-    (`_host_wait`). So in each step a rank's lateness only counts past that wait beyond the
-    least any rank's in that step (`_stalls`): what is left is a stall of the rank's own. Then, as Megatron-LM's StragglerDetector does (NVIDIA/Megatron-LM
-    megatron/core/utils.py, commit 22e030e, `_min_max`: each rank's timed section against the
-    other ranks', slowest and fastest named) and nvidia-resiliency-ext's relative performance
-    score (docs straggler_det/usage_guide: a rank's section time against the best rank's), the
-    rank is compared with the others: what the correction leaves on a healthy run is about the
-    same on every rank (each waits for the other), a stall is not. A straggler: its stalls are
-    at least `STRAGGLER_FRACTION` of the time the compared collectives span (and
-    `STRAGGLER_MIN_S`) and 3x any other rank's."""
-    lates, last, total, span = _lateness(trace)
-    if not total or len(lates) < 2:
+    """The rank the others wait for, beyond what the host's CPU load explains (straggler.py)."""
+    found = straggler.find(trace)
+    if found is None:
         return None
-    stalls = _stalls(trace, lates)
-    worst = max(stalls, key=stalls.get)
-    others = [v for r, v in stalls.items() if r != worst]
-    floor = max(STRAGGLER_MIN_S, STRAGGLER_FRACTION * span)
-    if stalls[worst] < floor or stalls[worst] < 3 * max(others, default=0.0):
-        return None
-    waited = {r: sum(x for _, x in v) for r, v in lates.items()}
-    mean_ms = 1e3 * waited[worst] / len(lates[worst])
-    text = (f"{trace.label(worst)} is a straggler: the other ranks waited for it "
-            f"{waited[worst]:.3f} s in total, {100 * waited[worst] / span:.0f}% of the "
-            f"{span:.3f} s the compared collectives span (a mean {mean_ms:.1f} ms per "
-            f"collective; last in {last[worst]} of {total}); {stalls[worst]:.3f} s of it "
-            f"({100 * stalls[worst] / span:.0f}%) its own stalls, not time it waited for a "
-            f"CPU more than the other ranks")
-    step = _median_step(trace)
-    if step:
-        text += f"; median step time {step:.3f} s"
-    return Diagnosis("straggler", text + ".", [worst],
-                     [f"rank {r}: others waited {waited[r]:.3f} s for it (mean "
-                      f"{1e3 * waited[r] / len(lates[r]):.1f} ms over {len(lates[r])} "
-                      f"collectives; {stalls[r]:.3f} s of its own stalls)"
-                      for r in sorted(lates)])
-
-
-def _stalls(trace: Trace, lates: dict[int, list[tuple[float, float]]]) -> dict[int, float]:
-    """rank -> its summed lateness less, step by step, its CPU run-queue wait in excess of the
-    least any rank waited in that step (the host's load on this rank more than on the others).
-    Lateness outside the steps with a run-queue reading (dumps without one: another OS, an
-    older meshtron) counts whole."""
-    windows = _queue_windows(trace)
-    out = {}
-    for rank, entries in lates.items():
-        steps = sorted(windows.get(rank, {}).items(), key=lambda kv: kv[1][1])
-        ends = [end for _, (_, end, _) in steps]
-        late_in: dict[int, float] = defaultdict(float)
-        whole = 0.0
-        for t, late in entries:
-            i = bisect.bisect_left(ends, t)  # the first step ending at or after t
-            if i < len(steps) and steps[i][1][0] < t:
-                late_in[steps[i][0]] += late
-            else:
-                whole += late
-        out[rank] = whole + sum(max(0.0, late - windows[rank][k][2])
-                                for k, late in late_in.items())
-    return out
-
-
-def _queue_windows(trace: Trace) -> dict[int, dict[int, tuple[float, float, float]]]:
-    """rank -> step -> (start, end, its run-queue wait in that step beyond the least of any
-    rank in the same step), over the steps every rank has a run-queue reading for."""
-    waits: dict[int, dict[int, tuple[float, float, float]]] = {}
-    for rank, d in trace.dumps.items():
-        beats = [st for st in d.get("step_times", []) if st.get("run_queue_s") is not None]
-        waits[rank] = {b["step"]: (a["end_t"], b["end_t"], _host_wait(a, b))
-                       for a, b in zip(beats, beats[1:]) if b["step"] == a["step"] + 1}
-    common = set.intersection(*(set(w) for w in waits.values())) if waits else set()
-    least = {k: min(w[k][2] for w in waits.values()) for k in common}
-    return {rank: {k: (w[k][0], w[k][1], w[k][2] - least[k]) for k in common}
-            for rank, w in waits.items()}
-
-
-def _host_wait(before: dict, after: dict) -> float:
-    """The run-queue wait between two beats that other processes caused, at least: less the CPU
-    time the rank's own other threads had meanwhile (a thread can only have waited for its own
-    process's threads while they ran: a rank starving its training thread with its own work, a
-    checkpoint writer, a data-loading thread, is its own stall, not the host's load). Beats
-    without that reading (dumps of an older meshtron) count their whole wait."""
-    wait = after["run_queue_s"] - before["run_queue_s"]
-    if after.get("other_threads_cpu_s") is None or before.get("other_threads_cpu_s") is None:
-        return wait
-    return max(0.0, wait - (after["other_threads_cpu_s"] - before["other_threads_cpu_s"]))
-
-
-def _lateness(trace: Trace):
-    """(rank -> (its entry time, its lateness) in each collective compared, rank -> times
-    last, number of collectives, seconds they span), over the collectives every member of their
-    group recorded, after the start-up step (first compilations and all-gathers are not a
-    straggler's) and up to the end of the last step every rank finished (the run's end: a
-    final evaluation, a checkpoint, plots on rank 0, is not a step either)."""
-    warm, done = _start_up_end(trace), _steps_end(trace)
-    lates: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    last: Counter = Counter()
-    total, lo, hi = 0, float("inf"), float("-inf")
-    for group, by_rank in _collectives(trace).items():
-        members = trace.group_ranks(group)
-        if len(members) < 2 or any(r not in by_rank for r in members):
-            continue
-        common = set.intersection(*(set(by_rank[r]) for r in members))
-        for seq in common:
-            times = {r: by_rank[r][seq]["enqueue_t"] for r in members}
-            first = min(times.values())
-            if not warm <= first <= done:
-                continue
-            for r, t in times.items():
-                lates[r].append((t, t - first))
-            last[max(times, key=times.get)] += 1
-            total += 1
-            lo, hi = min(lo, first), max(hi, max(times.values()))
-    return lates, last, total, max(hi - lo, 0.0)
-
-
-def _start_up_end(trace: Trace) -> float:
-    """When every rank had finished its first step (-inf when the dumps carry no step times)."""
-    ends = [st["end_t"] for d in trace.dumps.values() for st in d.get("step_times", [])
-            if st["step"] == 1]
-    return max(ends) if len(ends) == len(trace.dumps) else float("-inf")
-
-
-def _steps_end(trace: Trace) -> float:
-    """When the last step every rank finished ended (inf when the dumps carry no step times)."""
-    last = [max(st["end_t"] for st in d["step_times"]) if d.get("step_times") else None
-            for d in trace.dumps.values()]
-    return float("inf") if None in last else min(last)
-
-
-def _median_step(trace: Trace) -> float | None:
-    times = [st["seconds"] for d in trace.dumps.values() for st in d.get("step_times", [])
-             if st["step"] > 1]
-    if times:
-        return statistics.median(times)
-    steady = [m["step_time_s"] for m in trace.metrics if m.get("step", 0) > 1
-              and m.get("step_time_s")]
-    return statistics.median(steady) if steady else None
+    return Diagnosis("straggler", found.verdict, [found.rank], found.evidence)
 
 
 def diagnose(trace: Trace) -> Diagnosis:

@@ -82,6 +82,16 @@ class Trace:
             kind = f"process group {name!r},"
         return f"the {kind} group {ranks}"
 
+    def collectives(self) -> dict[str, dict[int, dict[int, dict[str, Any]]]]:
+        """group -> rank -> seq -> record, collectives only (the dumps' records without a
+        peer; point-to-point operations are numbered apart)."""
+        out: dict[str, dict[int, dict[int, dict[str, Any]]]] = {}
+        for rank, d in self.dumps.items():
+            for rec in d.get("records", []):
+                if "peer" not in rec:
+                    out.setdefault(rec["group"], {}).setdefault(rank, {})[rec["seq"]] = rec
+        return out
+
     def where(self, rank: int) -> str | None:
         """'file.py:88 in load_batch': the innermost frame of the rank's main thread outside
         torch and the doctor, from its dump."""

@@ -163,6 +163,9 @@ class CollectiveRecorder(RecordBook):
         super().__init__(rank, capacity, on_issue, stacks)
         self._by_group: dict[int, GroupInfo] = {}
         self._pending: collections.deque = collections.deque(maxlen=PENDING_KEPT)
+        self.blocked_s = 0.0
+        """Seconds the main thread has spent blocked in waits on recorded operations so far
+        (`waited`; the doctor's straggler rule, diagnose/straggler.py)."""
 
     # -- attaching -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -214,8 +217,10 @@ class CollectiveRecorder(RecordBook):
         t1 = _clock()
         if rec[T_END] is None:
             rec[T_END], rec[STATE] = t1, "completed"
-        if self.waits is not None and threading.get_ident() == self._main:
-            self.waits.append((t0, t1))  # timeline.py: the main thread was blocked
+        if threading.get_ident() == self._main:
+            self.blocked_s += t1 - t0
+            if self.waits is not None:
+                self.waits.append((t0, t1))  # timeline.py: the main thread was blocked
 
     def completed(self, rec: list) -> None:
         if rec[T_END] is None:

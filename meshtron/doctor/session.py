@@ -167,13 +167,17 @@ class DoctorSession:
     def beat(self, step: int) -> None:
         """A step finished (the watchdog's progress signal; per-rank step times)."""
         now = time.time()
-        # The training thread's CPU run-queue wait so far, and the CPU time of the process's
-        # other threads: `meshtron doctor` tells a rank the host's CPU load slowed (waiting for
-        # a core other processes held) from one that stalled or starved itself
-        # (diagnose/analyze.py). One /proc read and one clock read per step; no device sync.
+        # The training thread's CPU time and run-queue wait so far (one /proc read), the CPU
+        # time of the process's other threads, and the seconds the training thread has been
+        # blocked in waits on collectives (the recorder's counter): `meshtron doctor` tells a
+        # rank the host's CPU load slowed (waiting for a core other processes held) from one
+        # that stalled (stopped, sleeping outside the collectives) or starved itself
+        # (diagnose/straggler.py). One /proc read and one clock read per step; no device sync.
         sched = dumpfile.schedstat_s(threading.get_native_id())
-        wait, others = (sched[1], time.process_time() - sched[0]) if sched else (None, None)
-        self.step_times.append((step, now, now - self._last_step_t, wait, others))
+        cpu, wait = sched if sched else (None, None)
+        others = time.process_time() - cpu if sched else None
+        blocked = getattr(self.recorder, "blocked_s", None)
+        self.step_times.append((step, now, now - self._last_step_t, wait, others, cpu, blocked))
         self._last_step_t = self._last_progress = now
         self.step = step
 
@@ -206,8 +210,8 @@ class DoctorSession:
                 "groups": self.recorder.group_table() if self.recorder else {},
                 "records": self.recorder.snapshot() if self.recorder else [],
                 "step_times": [{"step": s, "end_t": t, "seconds": d, "run_queue_s": q,
-                                "other_threads_cpu_s": o}
-                               for s, t, d, q, o in list(self.step_times)],
+                                "other_threads_cpu_s": o, "cpu_s": c, "blocked_s": b}
+                               for s, t, d, q, o, c, b in list(self.step_times)],
                 "stacks": dumpfile.thread_stacks(),
                 "peers": dumpfile.peer_states(self.trace_dir, self.world_size, self.rank),
             }

@@ -1,0 +1,262 @@
+"""The straggler rule of `meshtron doctor`: the rank the others wait for, beyond what the host's
+CPU load explains (analyze.py asks `find` when the ranks' records agree).
+
+Lateness. For every collective all members recorded (after the start-up step, up to the last
+step every rank finished), each member's lateness is its entry time after the earliest
+member's; a collective cannot finish before its last member enters, so a rank's summed
+lateness is the time the others spent waiting for it. A sum, not a per-collective median: a
+rank late by a lot in one step of three has a median lateness of 0 but costs its peers as much
+as one late every time.
+
+Host load. With more runnable threads than cores every rank waits for a CPU now and then, and
+which rank shares a core for a while is chance: healthy 2-rank runs on a loaded 2-core host
+had one rank late 53% of the span and 11x its peer (measured, session 44), later than ranks
+SIGSTOPped 20% of the time were (29% of the span, 1.6x its peer, in one run). Each rank
+records per step (doctor/session.py `beat`) its training thread's CPU time and run-queue wait
+(one /proc/self/task/TID/schedstat read, doctor/dump.py `schedstat_s`), its process's other
+threads' CPU time, and the seconds its training thread spent blocked in waits on collectives
+(the recorder's `blocked_s`).
+
+Two rules, by what the dumps carry:
+
+* Own time (every rank has all four readings for the steps compared): in each step a rank's
+  lateness counts only up to the evidence that the rank itself held the step up (`_own_s`):
+  the time its training thread was neither on a CPU, nor waiting for one, nor blocked in a
+  collective (stopped by SIGSTOP, sleeping in a data loader, waiting for a lock or a disk:
+  Linux counts none of these in schedstat, Documentation/scheduler/sched-stats.rst), plus
+  the run-queue wait its own other threads can explain (their CPU time beyond the least any
+  rank's other threads had in that step: a checkpoint writer or a CPU-bound loader thread
+  beside the training thread), and only past its run-queue wait beyond the least rank's (the
+  host's load on it more than on the others). Why evidence and not the lateness less the
+  host's share alone: that difference is the small remainder of two large noisy terms
+  (run-queue wait up to 53% of the span), and summing its positive part step by step added
+  up to 16% of the span on a healthy rank (one false straggler at 3.4x its peer, session 44);
+  the evidence is about 0 on a healthy rank (at most 1.4% of the span over 15 runs under 0
+  to 4 busy loops on a 2-core host already at load 11 to 21) and is the stop itself on a
+  stopped one. Why not every thread's run-queue wait (gloo's worker threads carry the
+  collectives and queue too): a SIGCONT wakes all of a stopped rank's threads into the run
+  queue, so its threads' summed wait grew to 3x its peer's (113% vs 39% of the span):
+  subtracting it hides the straggler; the evidence rule needs no such subtraction (a late
+  exit from a collective whose gloo threads queued is not the rank's own time). A stop while
+  the rank is blocked in a collective delays both ranks alike and is not seen (the peer's
+  gloo threads wait for it); lateness outside the steps with readings (the loss logged after
+  the last beat) counts nothing. Not named by this rule: a rank slower only in its own
+  computation (more CPU time for the same step: uneven batches, a slower core); on a loaded
+  host the CPU time of equal steps differed between ranks by up to 1.7% of the span by chance
+  (session 44), as much as such a rank's signal unless it is far slower.
+* Timing (dumps without those readings: NCCL ranks, another OS, an older meshtron): the
+  lateness less, step by step, the run-queue wait beyond the least rank's (less its own
+  other threads' CPU time: `_host_wait`); lateness outside the steps with readings counts
+  whole.
+
+Then, as Megatron-LM's StragglerDetector does (NVIDIA/Megatron-LM megatron/core/utils.py,
+commit 22e030e, `_min_max`: each rank's timed section against the other ranks', slowest and
+fastest named) and nvidia-resiliency-ext's relative performance score (docs
+straggler_det/usage_guide: a rank's section time against the best rank's), the rank is
+compared with the others: a straggler's counted lateness is at least `STRAGGLER_MIN_S`, 3x any
+other rank's, and a share of the time the compared collectives span: `OWN_FRACTION` with own
+time (measured, session 44, 30 runs: healthy ranks at most 1.4%, ranks SIGSTOPped 20% of the
+time at least 3.5%; 2% lies between), `STRAGGLER_FRACTION` on timing alone (its noise is
+larger).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+STRAGGLER_MIN_S = 0.02
+STRAGGLER_FRACTION = 0.1
+OWN_FRACTION = 0.02
+_READINGS = ("run_queue_s", "cpu_s", "other_threads_cpu_s", "blocked_s")
+
+
+@dataclass
+class Finding:
+    rank: int
+    verdict: str
+    evidence: list[str]
+
+
+@dataclass
+class _Step:
+    """One rank's step between two beats: its window and what it did in it (seconds)."""
+
+    start: float
+    end: float
+    wait: float
+    """Run-queue wait of the training thread."""
+    host: float
+    """`wait` less the CPU time of the rank's other threads (`_host_wait`)."""
+    cpu: float | None = None
+    others: float | None = None
+    blocked: float | None = None
+
+    @property
+    def off(self) -> float:
+        """Neither on a CPU, nor waiting for one, nor blocked in a collective."""
+        return (self.end - self.start) - self.cpu - self.wait - self.blocked
+
+
+def find(trace) -> Finding | None:
+    """The straggler of a run whose ranks' records agree, or None."""
+    lates, last, total, span = _lateness(trace)
+    if not total or len(lates) < 2:
+        return None
+    steps = _steps(trace)
+    own = bool(steps) and all(s.blocked is not None for w in steps.values() for s in w.values())
+    counted = _counted(lates, steps, own)
+    worst = max(counted, key=counted.get)
+    others = [v for r, v in counted.items() if r != worst]
+    floor = max(STRAGGLER_MIN_S, (OWN_FRACTION if own else STRAGGLER_FRACTION) * span)
+    if counted[worst] < floor or counted[worst] < 3 * max(others, default=0.0):
+        return None
+    waited = {r: sum(x for _, x in v) for r, v in lates.items()}
+    mean_ms = 1e3 * waited[worst] / len(lates[worst])
+    why = ("while it was stopped or blocked outside the collectives, or behind its own "
+           "threads" if own else "its own stalls, not time it waited for a CPU more than "
+           "the other ranks")
+    text = (f"{trace.label(worst)} is a straggler: the other ranks waited for it "
+            f"{waited[worst]:.3f} s in total, {100 * waited[worst] / span:.0f}% of the "
+            f"{span:.3f} s the compared collectives span (a mean {mean_ms:.1f} ms per "
+            f"collective; last in {last[worst]} of {total}); {counted[worst]:.3f} s of it "
+            f"({100 * counted[worst] / span:.0f}%) {why}")
+    step = _median_step(trace)
+    if step:
+        text += f"; median step time {step:.3f} s"
+    rule = "own time" if own else "timing"
+    return Finding(worst, text + ".",
+                   [f"rank {r}: others waited {waited[r]:.3f} s for it (mean "
+                    f"{1e3 * waited[r] / len(lates[r]):.1f} ms over {len(lates[r])} "
+                    f"collectives; {counted[r]:.3f} s of it counted, {rule} rule)"
+                    for r in sorted(lates)])
+
+
+def _counted(lates, steps: dict[int, dict[int, _Step]], own: bool) -> dict[int, float]:
+    """rank -> its lateness that counts (module docstring): step by step, past its host wait
+    beyond the least rank's, and with `own` up to its own time in the step (`_own_s`)."""
+    least = {k: {f: min(getattr(w[k], f) for w in steps.values())
+                 for f in (("host", "wait", "others") if own else ("host",))}
+             for k in (set.intersection(*(set(w) for w in steps.values())) if steps else ())}
+    out = {}
+    for rank, entries in lates.items():
+        mine = {k: steps[rank][k] for k in least}
+        late_in, whole = _late_by_step(entries, mine)
+        # Outside the steps with readings: no evidence of its own time, none counts (the
+        # collectives after the last beat, e.g. the loss logged after the last step).
+        total = 0.0 if own else whole
+        for k, late in late_in.items():
+            step = mine[k]
+            past_host = max(0.0, late - (step.host - least[k]["host"]))
+            total += min(past_host, _own_s(step, least[k])) if own else past_host
+        out[rank] = total
+    return out
+
+
+def _own_s(step: _Step, least: dict[str, float]) -> float:
+    """Seconds of the step the rank itself held up: off a CPU outside collectives, and the
+    run-queue wait beyond the least rank's that its other threads' CPU time beyond the least
+    rank's can explain (they can only have held its CPU while they ran)."""
+    behind_own = min(step.wait - least["wait"], step.others - least["others"])
+    return max(0.0, step.off) + max(0.0, behind_own)
+
+
+def _late_by_step(entries: list[tuple[float, float]], steps: dict[int, _Step]):
+    """(step -> lateness entered in it, lateness outside every step window)."""
+    order = sorted(steps.items(), key=lambda kv: kv[1].end)
+    ends = [s.end for _, s in order]
+    late_in: dict[int, float] = defaultdict(float)
+    whole = 0.0
+    for t, late in entries:
+        i = bisect.bisect_left(ends, t)  # the first step ending at or after t
+        if i < len(order) and order[i][1].start < t:
+            late_in[order[i][0]] += late
+        else:
+            whole += late
+    return late_in, whole
+
+
+def _steps(trace) -> dict[int, dict[int, _Step]]:
+    """rank -> step -> _Step, for consecutive beats with a run-queue reading; empty when a
+    rank has none (its lateness then counts whole)."""
+    out = {}
+    for rank, d in trace.dumps.items():
+        beats = [b for b in d.get("step_times", []) if b.get("run_queue_s") is not None]
+        out[rank] = {b["step"]: _step(a, b) for a, b in zip(beats, beats[1:])
+                     if b["step"] == a["step"] + 1}
+    return out if out and all(out.values()) else {}
+
+
+def _step(before: dict[str, Any], after: dict[str, Any]) -> _Step:
+    step = _Step(before["end_t"], after["end_t"],
+                 after["run_queue_s"] - before["run_queue_s"], _host_wait(before, after))
+    if all(before.get(f) is not None and after.get(f) is not None for f in _READINGS):
+        step.cpu = after["cpu_s"] - before["cpu_s"]
+        step.others = after["other_threads_cpu_s"] - before["other_threads_cpu_s"]
+        step.blocked = after["blocked_s"] - before["blocked_s"]
+    return step
+
+
+def _host_wait(before: dict, after: dict) -> float:
+    """The run-queue wait between two beats that other processes caused, at least: less the CPU
+    time the rank's own other threads had meanwhile (a thread can only have waited for its own
+    process's threads while they ran). Beats without that reading count their whole wait."""
+    wait = after["run_queue_s"] - before["run_queue_s"]
+    if after.get("other_threads_cpu_s") is None or before.get("other_threads_cpu_s") is None:
+        return wait
+    return max(0.0, wait - (after["other_threads_cpu_s"] - before["other_threads_cpu_s"]))
+
+
+def _lateness(trace):
+    """(rank -> (its entry time, its lateness) in each collective compared, rank -> times
+    last, number of collectives, seconds they span), over the collectives every member of their
+    group recorded, after the start-up step (first compilations and all-gathers are not a
+    straggler's) and up to the end of the last step every rank finished (the run's end: a
+    final evaluation, a checkpoint, plots on rank 0, is not a step either)."""
+    warm, done = _start_up_end(trace), _steps_end(trace)
+    lates: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    last: Counter = Counter()
+    total, lo, hi = 0, float("inf"), float("-inf")
+    for group, by_rank in trace.collectives().items():
+        members = trace.group_ranks(group)
+        if len(members) < 2 or any(r not in by_rank for r in members):
+            continue
+        common = set.intersection(*(set(by_rank[r]) for r in members))
+        for seq in common:
+            times = {r: by_rank[r][seq]["enqueue_t"] for r in members}
+            first = min(times.values())
+            if not warm <= first <= done:
+                continue
+            for r, t in times.items():
+                lates[r].append((t, t - first))
+            last[max(times, key=times.get)] += 1
+            total += 1
+            lo, hi = min(lo, first), max(hi, max(times.values()))
+    return lates, last, total, max(hi - lo, 0.0)
+
+
+def _start_up_end(trace) -> float:
+    """When every rank had finished its first step (-inf when the dumps carry no step times)."""
+    ends = [st["end_t"] for d in trace.dumps.values() for st in d.get("step_times", [])
+            if st["step"] == 1]
+    return max(ends) if len(ends) == len(trace.dumps) else float("-inf")
+
+
+def _steps_end(trace) -> float:
+    """When the last step every rank finished ended (inf when the dumps carry no step times)."""
+    last = [max(st["end_t"] for st in d["step_times"]) if d.get("step_times") else None
+            for d in trace.dumps.values()]
+    return float("inf") if None in last else min(last)
+
+
+def _median_step(trace) -> float | None:
+    times = [st["seconds"] for d in trace.dumps.values() for st in d.get("step_times", [])
+             if st["step"] > 1]
+    if times:
+        return statistics.median(times)
+    steady = [m["step_time_s"] for m in trace.metrics if m.get("step", 0) > 1
+              and m.get("step_time_s")]
+    return statistics.median(steady) if steady else None
