@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from meshtron.checkpoint import store
 
 TINY = ["--seq-len", "32", "--global-batch", "4", "--eval-every", "0"]
@@ -145,3 +147,49 @@ def test_entries_of_the_wrong_kind_are_one_line_before_anything_is_written(tmp_p
                 else f"is a {make}, where the run writes"
             _one_line_error(proc, needle)
             assert sorted(p.name for p in run.iterdir()) == [name]  # nothing written
+
+
+def _rank_process(parent: int, rank: int, deadline: float) -> int:
+    """The pid of torchrun's worker `rank` (a child of the agent `parent`, RANK in its
+    environment)."""
+    while time.time() < deadline:
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == parent and f"RANK={rank}".encode() in env:
+                return int(entry)
+        time.sleep(0.2)
+    raise AssertionError(f"no rank {rank} under torchrun {parent}")
+
+
+@pytest.mark.slow
+def test_outside_torchrun_restart_continues_the_run(tmp_path):
+    """An outside torchrun's own --max-restarts (no meshtron flag), rank 1 SIGKILLed after a
+    checkpoint: the restarted attempt forms its group on a store of its own (on the agent's,
+    shared across attempts, gloo's connect read the last attempt's keys and hung:
+    pytorch/pytorch#135712), is not refused its own folder as 'holds a run', and resumes from
+    the checkpoint to the last step (~40 s on 2 cores)."""
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", "--max-restarts", "1", "-m", "meshtron", "train", "--model", "debug", *TINY,
+            "--steps", "30", "--checkpoint-every", "5", "--run-dir", str(run)]
+    agent = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=_env(), start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not store.committed(run / "checkpoints") and time.time() < deadline:
+            time.sleep(0.2)
+        os.kill(_rank_process(agent.pid, 1, deadline), signal.SIGKILL)
+        out, _ = agent.communicate(timeout=240)
+    finally:
+        if agent.poll() is None:  # hung: the agent and its ranks (its own session)
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    assert agent.returncode == 0, out[-3000:]
+    assert "restart 1 (torchrun)" in out and "resumed from" in out, out[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 30
