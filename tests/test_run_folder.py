@@ -149,20 +149,29 @@ def test_entries_of_the_wrong_kind_are_one_line_before_anything_is_written(tmp_p
             assert sorted(p.name for p in run.iterdir()) == [name]  # nothing written
 
 
+def _workers(parent: int) -> dict[int, int]:
+    """torchrun's workers under the agent `parent`: rank (RANK in the environment) -> pid."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        ranks = [v[5:] for v in env if v.startswith(b"RANK=")]
+        if ppid == parent and ranks:
+            found[int(ranks[0])] = int(entry)
+    return found
+
+
 def _rank_process(parent: int, rank: int, deadline: float) -> int:
-    """The pid of torchrun's worker `rank` (a child of the agent `parent`, RANK in its
-    environment)."""
+    """The pid of torchrun's worker `rank` under the agent `parent`."""
     while time.time() < deadline:
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    env = f.read().split(b"\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == parent and f"RANK={rank}".encode() in env:
-                return int(entry)
+        pid = _workers(parent).get(rank)
+        if pid is not None:
+            return pid
         time.sleep(0.2)
     raise AssertionError(f"no rank {rank} under torchrun {parent}")
 
@@ -187,7 +196,9 @@ def test_outside_torchrun_restart_continues_the_run(tmp_path):
         os.kill(_rank_process(agent.pid, 1, deadline), signal.SIGKILL)
         out, _ = agent.communicate(timeout=240)
     finally:
-        if agent.poll() is None:  # hung: the agent and its ranks (its own session)
+        if agent.poll() is None:  # hung: its ranks (process groups of their own), the agent
+            for pid in _workers(agent.pid).values():
+                os.kill(pid, signal.SIGKILL)
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
     assert agent.returncode == 0, out[-3000:]
