@@ -180,9 +180,9 @@ def _rank_process(parent: int, rank: int, deadline: float) -> int:
 def test_outside_torchrun_restart_continues_the_run(tmp_path):
     """An outside torchrun's own --max-restarts (no meshtron flag), rank 1 SIGKILLed after a
     checkpoint: the restarted attempt forms its group on a store of its own (on the agent's,
-    shared across attempts, gloo's connect read the last attempt's keys and hung:
-    pytorch/pytorch#135712), is not refused its own folder as 'holds a run', and resumes from
-    the checkpoint to the last step (~40 s on 2 cores)."""
+    shared across attempts, gloo read the last attempt's addresses and hung, or failed with
+    'Connection refused': pytorch/pytorch#135712), is not refused its own folder as 'holds a
+    run', and resumes from the checkpoint to the last step (~40 s on 2 cores)."""
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             "2", "--max-restarts", "1", "-m", "meshtron", "train", "--model", "debug", *TINY,

@@ -134,9 +134,9 @@ def _restarted_by_torchrun(job: TrainJob, world: World) -> bool:
 
 def _attempt_store(job: TrainJob, world: World):
     """With automatic restarts, the group's store namespaced by torchrun's attempt (None:
-    the usual rendezvous). Without it a restarted outside torchrun's ranks hung in gloo's
-    connect: the agent's store, shared across attempts, still held the last attempt's keys
-    (pytorch/pytorch#135712). Elastic rounds need not: each round's rank 0 hosts a fresh
+    the usual rendezvous). Without it a restarted outside torchrun's ranks read the last
+    attempt's addresses from the agent's store, shared across attempts, and hung in gloo's
+    connect or failed it, 'Connection refused' (pytorch/pytorch#135712). Elastic rounds need not: each round's rank 0 hosts a fresh
     store (elastic.py)."""
     if _restarted_by_torchrun(job, world):
         from meshtron.checkpoint.restart import attempt_store
