@@ -63,18 +63,25 @@ def test_only_olmo_core_states_the_z_loss_fp32_logits_and_fp8_gather():
         ("compiled", "fused", "python", False, False)
 
 
-def _step(plan_cli, tmp_path, options: str | None) -> float:
+def _olmo_plan(plan_cli, tmp_path, options: str | None, micro_batch: int = 2,
+               *extra: str) -> dict:
+    """`meshtron plan --json`'s plan for Llama 3 8B on the olmo-core preset, data parallel
+    ZeRO-3 on one DGX H100, with `options` as an [options] table."""
     args = ["--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "256",
             "--seq-len", "4096", "--framework", "olmo-core@2024", "--layout",
-            "tp=1,cp=1,pp=1,dp=8", "--zero", "3", "--recompute", "none", "--micro-batch", "2",
-            "--json", "--top", "1"]
+            "tp=1,cp=1,pp=1,dp=8", "--zero", "3", "--recompute", "none", "--micro-batch",
+            str(micro_batch), "--json", "--top", "1", *extra]
     if options:
         path = tmp_path / "options.toml"
         path.write_text(f"[options]\n{options}\n")
         args += ["--options", str(path)]
     rc, out, err = plan_cli(*args)
     assert rc == 0, err
-    return json.loads(out)["plans"][0]["step_time_s"]
+    return json.loads(out)["plans"][0]
+
+
+def _step(plan_cli, tmp_path, options: str | None) -> float:
+    return _olmo_plan(plan_cli, tmp_path, options)["step_time_s"]
 
 
 def test_cli_prices_the_z_loss_and_the_fused_loss(plan_cli, tmp_path):
@@ -98,15 +105,7 @@ def test_fp8_fsdp_gather_turns_on_torchaos_gather_for_fixed_tensorwise_only():
 
 def test_cli_fp8_gather_shortens_the_fp8_step(plan_cli, tmp_path):
     def step(options: str) -> float:
-        path = tmp_path / "options.toml"
-        path.write_text(f"[options]\n{options}\n")
-        rc, out, err = plan_cli("--model", "llama3-8b", "--cluster", "dgx-h100:1",
-                                "--global-batch", "256", "--seq-len", "4096", "--framework",
-                                "olmo-core@2024", "--layout", "tp=1,cp=1,pp=1,dp=8", "--zero",
-                                "3", "--recompute", "none", "--micro-batch", "1", "--dtype",
-                                "fp8", "--options", str(path), "--json", "--top", "1")
-        assert rc == 0, err
-        return json.loads(out)["plans"][0]["step_time_s"]
+        return _olmo_plan(plan_cli, tmp_path, options, 1, "--dtype", "fp8")["step_time_s"]
 
     assert step("fp8_fsdp_gather = true") < step("fp8_fsdp_gather = false")
 
@@ -135,15 +134,8 @@ def test_cli_memory_counts_the_fused_losss_fp32_logits(plan_cli, tmp_path):
     """The 7B / 13B / Llama-8B scripts' fused loss over fp32 logits, through `meshtron plan`:
     the logits' share of the memory doubles against the same loss over 16-bit logits."""
     def logits_gib(extra: str) -> float:
-        path = tmp_path / "options.toml"
-        path.write_text(f'[options]\nflash_ce = true\nloss = "flash-ce"\n{extra}\n')
-        rc, out, err = plan_cli("--model", "llama3-8b", "--cluster", "dgx-h100:1",
-                                "--global-batch", "256", "--seq-len", "4096", "--framework",
-                                "olmo-core@2024", "--layout", "tp=1,cp=1,pp=1,dp=8", "--zero",
-                                "3", "--recompute", "none", "--micro-batch", "1",
-                                "--options", str(path), "--json", "--top", "1")
-        assert rc == 0, err
-        return json.loads(out)["plans"][0]["memory_gib"]["logits"]
+        options = f'flash_ce = true\nloss = "flash-ce"\n{extra}'
+        return _olmo_plan(plan_cli, tmp_path, options, 1)["memory_gib"]["logits"]
 
     bf16 = logits_gib("logits_fp32 = false")
     assert bf16 == pytest.approx(4096 * preset("llama3-8b").vocab * 4 / 2**30)

@@ -341,6 +341,28 @@ def test_fused_loss_accumulates_the_weight_gradient_per_chunk_and_replays_nothin
     assert tt.head_for(plan, head) is head
 
 
+def test_fused_loss_makes_its_gradients_in_the_forward_pass():
+    """The pipelined last stage's passes as meshtron/model/loss.py runs them: the loss's
+    forward runs the head GEMM, the input- and weight-gradient GEMMs and the loss over every
+    chunk; its backward only scales the gradients and casts the accumulator (zero bubble's
+    weight pass of the loss then returns them: no work). head_cost prices an unfused loss's
+    passes (two GEMMs and a loss pass in backward, one GEMM the weight gradient): with the
+    chunked loss the forward holds all three GEMMs, the weight pass none, and the backward
+    what is left is at most the scaling, the final norm's backward and the head's input
+    traffic."""
+    cl = resolve_cluster("dgx-h100:1")
+    ev = _ev("meshtron")
+    head = ev._micro(1, 1, False, "none")[5]
+    piped = Plan(tp=1, pp=2, dp=4, zero=1, micro_batch=1, dtype="bf16", schedule="zb")
+    chunked = ev.head_for(piped, head)
+    whole = C.cluster_gemm_time(4096, L8.vocab, L8.hidden, cl)
+    assert chunked.wgrad == 0.0 < head.wgrad
+    assert chunked.fwd > head.fwd + 2 * whole
+    backward = chunked.compute + chunked.tp - chunked.fwd
+    accumulator = 8.0 * L8.vocab * L8.hidden / cl.hbm_bytes_per_s  # its scaling: read, write
+    assert 0.0 < backward < 2 * accumulator + (head.compute + head.tp - head.fwd) - 2 * whole
+
+
 def test_meshtron_zero_0_and_1_pay_fsdp2_passes_once_a_step():
     """meshtron's ZeRO-1 is FSDP2 over the data axis and its ZeRO-0 FSDP2's replicate path
     with shards of one rank (parallel/data_parallel.py): once a step each unit is gathered

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from meshtron.checkpoint import store
 
 TINY = ["--seq-len", "32", "--global-batch", "4", "--eval-every", "0"]
@@ -145,3 +147,60 @@ def test_entries_of_the_wrong_kind_are_one_line_before_anything_is_written(tmp_p
                 else f"is a {make}, where the run writes"
             _one_line_error(proc, needle)
             assert sorted(p.name for p in run.iterdir()) == [name]  # nothing written
+
+
+def _workers(parent: int) -> dict[int, int]:
+    """torchrun's workers under the agent `parent`: rank (RANK in the environment) -> pid."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        ranks = [v[5:] for v in env if v.startswith(b"RANK=")]
+        if ppid == parent and ranks:
+            found[int(ranks[0])] = int(entry)
+    return found
+
+
+def _rank_process(parent: int, rank: int, deadline: float) -> int:
+    """The pid of torchrun's worker `rank` under the agent `parent`."""
+    while time.time() < deadline:
+        pid = _workers(parent).get(rank)
+        if pid is not None:
+            return pid
+        time.sleep(0.2)
+    raise AssertionError(f"no rank {rank} under torchrun {parent}")
+
+
+@pytest.mark.slow
+def test_outside_torchrun_restart_continues_the_run(tmp_path):
+    """An outside torchrun's own --max-restarts (no meshtron flag), rank 1 SIGKILLed after a
+    checkpoint: the restarted attempt forms its group on a store of its own (on the agent's,
+    shared across attempts, gloo read the last attempt's addresses and hung, or failed with
+    'Connection refused': pytorch/pytorch#135712), is not refused its own folder as 'holds a
+    run', and resumes from the checkpoint to the last step (~40 s on 2 cores)."""
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", "--max-restarts", "1", "-m", "meshtron", "train", "--model", "debug", *TINY,
+            "--steps", "30", "--checkpoint-every", "5", "--run-dir", str(run)]
+    agent = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=_env(), start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not store.committed(run / "checkpoints") and time.time() < deadline:
+            time.sleep(0.2)
+        os.kill(_rank_process(agent.pid, 1, deadline), signal.SIGKILL)
+        out, _ = agent.communicate(timeout=240)
+    finally:
+        if agent.poll() is None:  # hung: its ranks (process groups of their own), the agent
+            for pid in _workers(agent.pid).values():
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    assert agent.returncode == 0, out[-3000:]
+    assert "restart 1 (torchrun)" in out and "resumed from" in out, out[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 30

@@ -180,13 +180,30 @@ def test_search_answers_as_without_pruning(layers, fixed):
     same per-family best as the search that evaluates every config, and evaluates fewer."""
     model = ModelSpec(name="bnb", layers=layers, hidden=2048, heads=16, kv_heads=4,
                       ffn_hidden=5632, vocab=32000, max_seq=4096)
+    _same_answers(model, 64, fixed)
+
+
+@pytest.mark.parametrize("global_batch, fixed", [
+    (16, {"tp": 1, "schedule": "gpipe"}),  # at 32 one plan fits: nothing to prune
+    (32, {"tp": 1, "schedule": "zb"}), (32, {"tp": 1, "pp": 4})])
+def test_search_answers_as_without_pruning_with_the_pipelined_chunked_loss(global_batch,
+                                                                            fixed):
+    """llama3-8b (vocabulary 128256) at tp = 1 with a pipeline: the last stage runs meshtron's
+    chunked loss, which the bound prices (estimate_stage.head_for; GPipe holds every
+    micro-batch's, zero bubble to W); the bounded search answers as the exhaustive one."""
+    from meshtron.model.spec import preset as model_preset
+
+    _same_answers(model_preset("llama3-8b"), global_batch, fixed)
+
+
+def _same_answers(model: ModelSpec, global_batch: int, fixed: dict) -> None:
     cluster = preset_cluster("dgx-h100", 1)
     fw = frameworks.preset("meshtron")
     out = []
     for cls in (Evaluator, _Unbounded):
-        ev = cls(model, cluster, 64, 4096, fw.kernel, mem=fw.memory)
-        space = SearchSpace(model, cluster, 64, 4096, Knobs.of(fixed), fw.kernel, ev.mem,
-                            True, fw)
+        ev = cls(model, cluster, global_batch, 4096, fw.kernel, mem=fw.memory)
+        space = SearchSpace(model, cluster, global_batch, 4096, Knobs.of(fixed), fw.kernel,
+                            ev.mem, True, fw)
         result, (best, _) = branch_and_bound(ev, space, 5)
         out.append((result, best))
     (bounded, fam), (full, fam_full) = out

@@ -32,6 +32,15 @@ def attempt(env: Mapping[str, str] | None = None) -> int:
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def torchrun_restarts(env: Mapping[str, str] | None = None) -> bool:
+    """torchrun restarts this process's world when a rank fails: its --max-restarts > 0,
+    given to every rank as TORCHELASTIC_MAX_RESTARTS (torch/distributed/elastic/agent/server/
+    local_elastic_agent.py `_start_workers`): meshtron's launcher passes it, an outside
+    torchrun its user."""
+    env = os.environ if env is None else env
+    return int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+
+
 def attempt_store(rank: int, world_size: int, timeout_s: float):
     """The store of this attempt's default process group: torchrun's, namespaced by the
     attempt; None when not under torchrun's environment (the usual rendezvous applies). The

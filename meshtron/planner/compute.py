@@ -31,7 +31,7 @@ from meshtron.planner.ring_attention import (
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp_group, ring_issue, window_share  # noqa: F401
 from meshtron.planner.compute_edges import (  # noqa: F401  (re-exported for callers)
-    chunked_loss_extra, chunked_loss_parts, embedding_cost, head_cost)
+    chunked_loss_extra, chunked_loss_forward_s, chunked_loss_parts, embedding_cost, head_cost)
 from meshtron.planner.compute_flops import (  # noqa: F401  (re-exported for callers)
     active_equivalent, fine_recompute_flops_per_token, model_flops_per_step,
     recompute_flops_per_token)

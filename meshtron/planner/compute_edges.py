@@ -168,6 +168,16 @@ def chunked_loss_parts(model: ModelSpec, cluster: ClusterSpec, micro_batch: int,
     casts the accumulator to a 16-bit parameter's dtype (autograd). 'gemm': the chunked GEMMs
     less head_cost's three whole ones; 'elementwise': the chunks' loss (FUSED_LOSS_BYTES) less
     head_cost's loss and the backward's scaling and cast."""
+    gemm, loss, scale, _ = _chunked_loss_pieces(model, cluster, micro_batch, seq, cp, dtype,
+                                                stack)
+    return (("gemm", max(0.0, gemm)), ("elementwise", max(0.0, loss + scale)))
+
+
+def _chunked_loss_pieces(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
+                         cp: int, dtype: str, stack: str) -> tuple[float, float, float, float]:
+    """`chunked_loss_parts`' seconds apart: (the chunked GEMMs less head_cost's three whole
+    ones, the chunks' loss less head_cost's loss, the backward's scaling and cast, one whole
+    head GEMM as head_cost prices it)."""
     cl, hbm, tokens = _head_inputs(cluster, micro_batch, seq, cp, dtype, stack)
     v, h = model.vocab, model.hidden
     chunk = math.ceil(tokens / math.ceil(v / h))
@@ -177,12 +187,31 @@ def chunked_loss_parts(model: ModelSpec, cluster: ClusterSpec, micro_batch: int,
     wgrad = max(cluster_gemm_time(v, h, chunk, cl), acc_rw)
     per_chunk = (cluster_gemm_time(chunk, v, h, cl) + cluster_gemm_time(chunk, h, v, cl)
                  + wgrad)
-    gemm = chunks * per_chunk - 3.0 * cluster_gemm_time(tokens, v, h, cl)
+    whole = cluster_gemm_time(tokens, v, h, cl)
+    gemm = chunks * per_chunk - 3.0 * whole
     fused = FUSED_LOSS_BYTES[1 if dtype == "fp32" else 0]
     loss = tokens * v * (fused - sum(loss_bytes(stack))) / hbm
     cast = 0.0 if dtype == "fp32" else 4.0 + elem
     scale = ((8.0 + cast) * v * h + 2.0 * elem * tokens * h) / hbm
-    return (("gemm", max(0.0, gemm)), ("elementwise", max(0.0, loss + scale)))
+    return gemm, loss, scale, whole
+
+
+def chunked_loss_forward_s(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,
+                           cp: int = 1, dtype: str = "bf16", stack: str = "eager") -> float:
+    """Seconds meshtron's fused cross-entropy runs in its forward beyond `head_cost`'s forward:
+    its walk over the chunks makes every gradient there (meshtron/model/loss.py
+    `_FusedLinearCrossEntropy.forward`), so head_cost's input- and weight-gradient GEMMs and
+    its backward loss pass move into the forward, with `chunked_loss_parts`' GEMM excess and
+    the chunks' loss; the backward keeps only the scaling and cast (and the final norm's).
+    What a pipeline's stage times split by pass (forward; zero bubble's input and weight
+    passes: the weight pass of the loss returns the gradients already scaled, nothing runs)."""
+    gemm, loss, scale, whole = _chunked_loss_pieces(model, cluster, micro_batch, seq, cp,
+                                                    dtype, stack)
+    _, hbm, tokens = _head_inputs(cluster, micro_batch, seq, cp, dtype, stack)
+    backward_loss = tokens * model.vocab * loss_bytes(stack)[1] / hbm
+    # the clamps of chunked_loss_parts: what it adds in all is what moves, less the scaling
+    added = max(0.0, gemm) + max(0.0, loss + scale) - scale
+    return 2.0 * whole + backward_loss + added
 
 
 def chunked_loss_extra(model: ModelSpec, cluster: ClusterSpec, micro_batch: int, seq: int,

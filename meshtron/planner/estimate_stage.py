@@ -165,13 +165,17 @@ class StageCosts:
         memory model's condition: MemoryOptions loss 'chunked', tp = 1; a pipeline's last
         stage runs it too, parallel/parallel_model.py `_stage_computes_loss`) plus what
         its fused chunks add: per-chunk GEMMs and the fp32 weight-gradient accumulator's
-        traffic (compute.chunked_loss_parts)."""
+        traffic (compute.chunked_loss_parts). Its forward makes every gradient: the head's
+        weight-gradient GEMM and the other backward work move to the forward
+        (compute.chunked_loss_forward_s), which a pipeline's stage times split by pass."""
         if not (self.mem.loss_kind == "chunked" and cfg.tp == 1):
             return head
-        extra = compute.chunked_loss_parts(self.model, self.cluster, cfg.micro_batch, self.seq,
-                                           cfg.cp, cfg.dtype, self.opts.head_stack)
+        args = (self.model, self.cluster, cfg.micro_batch, self.seq, cfg.cp, cfg.dtype,
+                self.opts.head_stack)
+        extra = compute.chunked_loss_parts(*args)
         return dataclasses.replace(head, compute=head.compute + sum(s for _, s in extra),
-                                   parts=head.parts + extra)
+                                   fwd=head.fwd + compute.chunked_loss_forward_s(*args),
+                                   wgrad=0.0, parts=head.parts + extra)
 
     def accumulation_s(self, cfg: Plan, layers: int, stage: int, m: int,
                        flags: dict[str, Any]) -> float:

@@ -173,14 +173,8 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
                 # autograd.grad of zero bubble's input backward (torch 2.13); same storage
                 inp = inp.view_as(inp)
             with pm._loss_context():
-                if s == last and pm._stage_computes_loss:  # the runtime's last stage returns
-                    # the model's chunked loss itself (ParallelModel._schedule: `stage_loss`)
-                    out = kept = parts[s](inp, targets=y_mb[i]) / n_micro
-                else:
-                    out = kept = parts[s](inp)
-                if s == last and not pm._stage_computes_loss:  # the schedule keeps the
-                    # stage's output (the logits) until the micro-batch's backward
-                    out = pm.loss_fn(kept, y_mb[i]) / n_micro
+                out, kept = _stage_forward(pm, parts[s], inp,
+                                           y_mb[i] if s == last else None, n_micro)
             live[(s, i)] = (inp, out, kept)
             hooked[(s, i)] = hooks.take() if hooks is not None else []
             continue
@@ -219,6 +213,21 @@ def pipelined_step(pm, plan, spec, device, tokens, targets, exact: bool = False,
     for st in stages.values():
         st.perform_reduce_grad(1)
     return n_run, bufs
+
+
+def _stage_forward(pm, part, inp, target, n_micro: int) -> tuple[Any, Any]:
+    """(what the micro-batch's backward starts from, what the schedule keeps to it) of one
+    stage's forward; `target` on the last stage only. There the runtime's stage returns the
+    model's chunked loss itself (ParallelModel._schedule: `stage_loss`), or else its output,
+    the logits, which the schedule keeps while its loss function runs on them."""
+    if target is None:
+        out = part(inp)
+        return out, out
+    if pm._stage_computes_loss:
+        loss = part(inp, targets=target) / n_micro
+        return loss, loss
+    logits = part(inp)
+    return pm.loss_fn(logits, target) / n_micro, logits
 
 
 def _output_grad(buffer, out):

@@ -282,6 +282,7 @@ def _claim_run_dir(job) -> bool:
     run-folder rules of a new run and claim the folder."""
     from meshtron.checkpoint.resume import prepare_start
     from meshtron.train import outputs
+    from meshtron.train.job import write_run_records
 
     cfg = job.cfg
     run_dir = Path(cfg.train.run_dir)
@@ -296,7 +297,10 @@ def _claim_run_dir(job) -> bool:
     prepare_start(job.checkpoint, cfg, job.overwrite)
     if not job.checkpoint.resume:
         outputs.prepare_run_dir(cfg, True)  # an earlier run's outputs go (--overwrite)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # run.toml as every launch path writes it (what --resume, export and doctor read; an
+    # --overwrite-n run's would describe another model); the plan changes with each round's
+    # world: rank 0 saves the last one at the end (rank.py), an earlier run's goes now
+    write_run_records(job, None)
     marker.write_text(json.dumps({"run_id": run_id, "time": time.time()}))
     return False
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +75,20 @@ def write_run_file(job: TrainJob, path: Path) -> None:
     """The resolved run file the ranks read (`--config`)."""
     import tomli_w
 
-    path.write_text(tomli_w.dumps(job.cfg.to_toml_dict()))
+    _replace_text(path, tomli_w.dumps(job.cfg.to_toml_dict()))
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """`path` holds `text` or, if writing fails part-way (a full disk, a kill), what it held
+    before: --resume, export and doctor never read half a run.toml. Written beside it, then
+    renamed over it (os.replace: atomic on POSIX)."""
+    part = path.with_name(path.name + ".part")
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
 
 
 def write_run_records(job: TrainJob, plan) -> None:
@@ -91,7 +105,7 @@ def write_run_records(job: TrainJob, plan) -> None:
     if plan is None:
         (run_dir / "plan.toml").unlink(missing_ok=True)
     else:
-        plan.save(run_dir / "plan.toml")
+        _replace_text(run_dir / "plan.toml", plan.to_toml())
 
 
 def run_id_of(job: TrainJob) -> str:

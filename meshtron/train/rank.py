@@ -123,11 +123,22 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text if len(text) <= 120 else text[:117] + '...'}"
 
 
+def _restarted_by_torchrun(job: TrainJob, world: World) -> bool:
+    """torchrun restarts this world on a failure: meshtron's --max-restarts, or an outside
+    torchrun's own (restart.torchrun_restarts); not elastic rounds (elastic.py)."""
+    from meshtron.checkpoint.restart import torchrun_restarts
+
+    return (world.source == "torchrun" and job.elastic is None
+            and (job.checkpoint.max_restarts > 0 or torchrun_restarts()))
+
+
 def _attempt_store(job: TrainJob, world: World):
     """With automatic restarts, the group's store namespaced by torchrun's attempt (None:
-    the usual rendezvous). Elastic rounds need not: each round's rank 0 hosts a fresh store
-    (elastic.py)."""
-    if job.checkpoint.max_restarts > 0 and world.source == "torchrun" and job.elastic is None:
+    the usual rendezvous). Without it a restarted outside torchrun's ranks read the last
+    attempt's addresses from the agent's store, shared across attempts, and hung in gloo's
+    connect or failed it, 'Connection refused' (pytorch/pytorch#135712). Elastic rounds need not: each round's rank 0 hosts a fresh
+    store (elastic.py)."""
+    if _restarted_by_torchrun(job, world):
         from meshtron.checkpoint.restart import attempt_store
 
         return attempt_store(world.rank, world.world_size, 600.0)
@@ -150,7 +161,7 @@ def _attempt(job: TrainJob, world: World) -> int:
     """torchrun's restart attempt when meshtron restarts through it (each attempt's dumps go
     to a folder of their own: doctor.trace_dir); 0 otherwise (elastic agents count their
     restarts each on its own)."""
-    if job.checkpoint.max_restarts > 0 and world.source == "torchrun" and job.elastic is None:
+    if _restarted_by_torchrun(job, world):
         from meshtron.checkpoint.restart import attempt
 
         return attempt()
@@ -159,7 +170,7 @@ def _attempt(job: TrainJob, world: World) -> int:
 
 def _note(job: TrainJob, world: World, cause: str, kind: str = "exception") -> None:
     """Leave the cause for the restarted attempt's `restart` record (meshtron.checkpoint)."""
-    if job.checkpoint.max_restarts > 0:
+    if job.checkpoint.max_restarts > 0 or _restarted_by_torchrun(job, world):
         from meshtron.checkpoint.restart import note_failure
 
         note_failure(job.cfg.train.run_dir, world.rank, cause, kind)
@@ -217,7 +228,11 @@ def agreed_plan(job: TrainJob, world: World):
 
                 if job.elastic is None:
                     run_lock.check_free(job.cfg.train.run_dir)
-                outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)
+                from meshtron.checkpoint import restart
+
+                # a restarted attempt continues this run in its own folder
+                outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume
+                                      or restart.attempt() > 0)
                 if job.elastic is None:  # elastic: elastic.py claims it per job
                     run_lock.claim(job.cfg.train.run_dir)
             plan, cluster = resolve_run_plan(job.cfg, job.parallel or ParallelRequest(),
