@@ -78,10 +78,15 @@ def test_resume_of_a_finished_run_keeps_its_results(tmp_path):
     assert outside.returncode == 0, outside.stderr[-2000:]
     assert outside.stdout.count("already complete at step 4") == 1  # rank 0 says it
     assert {name: (run / name).read_bytes() for name in kept} == kept
-    # train.steps is KEEP (checkpoint/resume_fields.py): another value is refused, not run
+    # a larger --steps continues the finished run (its 4 steps lie inside the warm-up, so their
+    # rates are the same under both lengths: checkpoint/extend.py); the refusal of a length
+    # that changes a taken step's rate is tests/test_resume_extend.py's
     longer = _meshtron(*common, "--nproc", "2", "--steps", "6", "--resume")
-    _one_line_error(longer, "train.steps=6")
-    assert {name: (run / name).read_bytes() for name in kept} == kept
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    assert "extending the run from train.steps=4 to 6" in longer.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "event" not in row]
+    assert steps == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_checkpoint_removed_while_read_is_chosen_again(tmp_path):
