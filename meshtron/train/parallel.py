@@ -90,13 +90,15 @@ class ParallelEngine:
         self.spec = cfg.model
         self._moe: list | None = None
         self._dp_group: Any = False  # not made yet (see _data_group)
-        self.features = build_features(self.pm, rt, self._moe_layers(), self._data_group)
+        self.features = build_features(self.pm, rt, self._moe_layers(), self._data_group,
+                                       last_step=cfg.train.steps)
         """Called after every optimizer step (meshtron/train/features.py)."""
         # Error-feedback residuals or DiLoCo's outer state: a Stateful to checkpoint (or None).
         self.compress_state = stateful_features(self.features).get("compress")
         self.diloco = self.compress_state if rt.diloco > 0 else None  # checkpoint/state.py reads it
         # meshtron.checkpoint saves (and reshards) these beside the model and optimizer.
         self.checkpoint_extras = stateful_features(self.features)
+        self._wire_mark = 0  # Reducer.bytes_sent at the last logged step (comm_record)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         """One optimizer step with no host synchronisation."""
@@ -146,6 +148,31 @@ class ParallelEngine:
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         return float(torch.stack([self.pm.evaluate(x, y) for x, y in batches]).mean())
+
+    def comm_record(self, steps: int) -> dict[str, Any]:
+        """For a metrics record `steps` steps after the last: the bytes this rank put on the
+        wire per step in meshtron.compress's reductions (`Reducer.bytes_sent`, a host counter:
+        no device sync; compressed gradients, or DiLoCo's outer all-reduce; FSDP2's own
+        all-gathers are not counted) and DiLoCo's outer syncs so far. {} without either."""
+        state = self.compress_state
+        if state is None or steps <= 0:
+            return {}
+        sent = state.reducer.bytes_sent
+        out: dict[str, Any] = {"wire_bytes_per_step": (sent - self._wire_mark) / steps}
+        self._wire_mark = sent
+        if self.diloco is not None:
+            out["diloco_syncs"] = self.diloco.syncs
+        return out
+
+    def comm_summary(self, steps: int) -> dict[str, Any]:
+        """summary.json's view of `comm_record` over this attempt's `steps` steps."""
+        state = self.compress_state
+        if state is None or steps <= 0:
+            return {}
+        out: dict[str, Any] = {"wire_bytes_per_step": state.reducer.bytes_sent / steps}
+        if self.diloco is not None:
+            out["diloco_syncs"] = self.diloco.syncs
+        return out
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds: parameter, gradient and optimizer-state shards (and the CUDA
@@ -230,6 +257,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
         result = run_loop(engine, data, cfg, run_dir, show_progress, peak_flops=peak,
                           writers=writers, checkpointer=ckpt, trace_samples=trace_samples)
     export_at_end(cfg, run_dir, pm=engine.pm)
+    comm = engine.comm_summary(result.steps - result.resumed_from_step)
     memory = engine.memory_bytes()
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, memory)
@@ -239,7 +267,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     predicted = plan.predicted or {}
     summary = {**result.to_dict(), "plan": plan.to_dict(), "world_size": world.world_size,
                "measured_step_time_s": result.step_time_s,
-               "predicted_step_time_s": predicted.get("step_time_s")}
+               "predicted_step_time_s": predicted.get("step_time_s"), **comm}
     if ckpt is not None and ckpt.snapshots is not None:  # host memory: own + peer copy
         summary["snapshot"] = ckpt.snapshots.summary()
     (run_dir / "memory.json").write_text(json.dumps({
