@@ -104,3 +104,25 @@ def test_plan_words_name_the_comm_fields():
     plan = Plan(tp=1, pp=1, dp=4, zero=0, micro_batch=1, recompute="none", sp=False)
     assert plan.comm_label() == ""
     assert plan.replace(grad_compression="int8").comm_label() == " grad_compression=int8"
+
+
+@pytest.mark.parametrize("flags, per_param", [
+    (("--zero", 2, "--grad-compression", "int8"), 4.0),  # fp32 residual of the local gradients
+    (("--zero", 0, "--diloco", 4, "--grad-compression", "int8"), 12.0),  # + theta, momentum
+])
+def test_memory_json_counts_the_compression_state_on_both_sides(tmp_path, flags, per_param):
+    """memory.json's "compress" bytes: measured from the residual, outer-copy and momentum
+    tensors the ranks hold, predicted from the plan (planner/memory_compress.py), equal byte
+    for byte, about compression.extra_state_bytes per parameter (the codec's block padding
+    aside), and counted in both totals."""
+    meshtron(tmp_path, "train", "--model", "debug", "--nproc", 2, "--plan", "dp=2", "--steps", 2,
+             *flags, "--run-dir", "run")
+    memory = json.loads((tmp_path / "run" / "memory.json").read_text())
+    params = json.loads((tmp_path / "run" / "summary.json").read_text())["params"]
+    predicted = memory["predicted"]["bytes_per_rank"]
+    for rank, measured in enumerate(memory["measured_bytes_per_rank"]):
+        assert measured["compress"] == predicted[rank]["compress"], rank
+        assert measured["compress"] == pytest.approx(per_param * params, rel=0.02)
+        for side in (measured, predicted[rank]):
+            assert side["total"] == sum(side[k] for k in ("params", "grads", "optimizer",
+                                                          "compress"))

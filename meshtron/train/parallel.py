@@ -186,10 +186,22 @@ class ParallelEngine:
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         out["optimizer"] += _local(v).numel() * _local(v).element_size()
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        out["compress"] = self._compress_bytes()
+        out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["compress"]
         if torch.cuda.is_available():
             out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
         return out
+
+    def _compress_bytes(self) -> int:
+        """Bytes of the tensors meshtron.compress keeps: error-feedback residuals, and DiLoCo's
+        theta_global and outer momentum (planner/memory_compress.py predicts them)."""
+        state = self.compress_state
+        if state is None:
+            return 0
+        held = list(state.reducer.residuals.values())
+        if self.diloco is not None:
+            held += self.diloco.global_params + self.diloco.momentum_bufs
+        return sum(t.numel() * t.element_size() for t in held)
 
     def release(self) -> None:
         """Drop the model and optimizer and destroy the mesh's process groups."""
@@ -208,14 +220,17 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
     (the part memory.json measures exactly)."""
     import dataclasses
 
+    from meshtron.planner.memory_compress import compress_bytes
     from meshtron.planner.memory_ranks import rank_states
     from meshtron.planner.search import evaluate_plan
     from meshtron.train.planning import sized_cluster
 
     run_plan = dataclasses.replace(plan, dtype=cfg.train.dtype)
+    comm = compress_bytes(cfg.model, run_plan, cfg.train.dtype)
     out: dict[str, Any] = {"bytes_per_rank": [
         {"rank": st.rank, "params": st.params, "grads": st.grads, "optimizer": st.optimizer,
-         "total": st.total} for st in rank_states(cfg.model, run_plan, cfg.train.dtype)]}
+         "compress": comm[st.rank], "total": st.total + comm[st.rank]}
+        for st in rank_states(cfg.model, run_plan, cfg.train.dtype)]}
     out["fullest_rank_gib"] = None  # no cluster, or one the plan cannot be costed on
     if cluster is not None:
         try:
@@ -275,7 +290,8 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
         "measured_max_rank_gib": {k: max(m[k] for m in gathered) / 2**30 for k in gathered[0]},
         "predicted": predicted_memory(cfg, plan, cluster),
         "note": "measured: bytes of each rank's parameter, gradient (after backward) and "
-                "optimizer-state shards; on CUDA also the allocator's peak. predicted: the "
+                "optimizer-state shards, and compress: gradient compression's error-feedback "
+                "residuals and DiLoCo's outer copy and momentum; on CUDA also the allocator's peak. predicted: the "
                 "planner's bytes for every rank (same components) and its full breakdown of "
                 "the fullest rank (plus activations, gathered copies and workspace), for the "
                 "run's dtype",
