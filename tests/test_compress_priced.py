@@ -126,3 +126,24 @@ def test_memory_json_counts_the_compression_state_on_both_sides(tmp_path, flags,
         for side in (measured, predicted[rank]):
             assert side["total"] == sum(side[k] for k in ("params", "grads", "optimizer",
                                                           "compress"))
+
+
+def test_a_compressed_runs_plan_toml_predicts_what_cost_and_simulate_price(tmp_path):
+    """`meshtron train --grad-compression int8`: plan.toml's [predicted] step is the compressed
+    plan's (before: the uncompressed search answer's), the figure `cost` and `simulate --step`
+    give for that same file."""
+    meshtron(tmp_path, "train", "--model", "debug", "--nproc", 2, "--plan", "dp=2", "--zero", 0,
+             "--steps", 1, "--grad-compression", "int8", "--run-dir", "run")
+    plan = load_plan(tmp_path / "run" / "plan.toml")
+    assert plan.grad_compression == "int8"
+    cost = json.loads(meshtron(tmp_path, "cost", "--plan", "run/plan.toml", "--price-on-demand", 1,
+                               "--gpu-watts", 100, "--json").stdout)
+    sim = json.loads(meshtron(tmp_path, "simulate", "--step", "--plan", "run/plan.toml",
+                              "--json").stdout)
+    assert plan.predicted["step_time_s"] == pytest.approx(cost["step_time_s"], abs=1e-6)
+    assert sim["analytical_step_s"] == pytest.approx(cost["step_time_s"], rel=1e-12)
+    plain = load_plan(tmp_path / "run" / "plan.toml").replace(grad_compression="none")
+    (tmp_path / "plain.toml").write_text(plain.to_toml())
+    other = json.loads(meshtron(tmp_path, "cost", "--plan", "plain.toml", "--price-on-demand", 1,
+                                "--gpu-watts", 100, "--json").stdout)
+    assert other["step_time_s"] != pytest.approx(cost["step_time_s"], rel=1e-4)
