@@ -59,7 +59,9 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     (frameworks.Framework) prices a software stack: its kernel and memory options and its
     gradient reduction dtype (unless `fixed` has one). Without it, `options` / `mem` override
     what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime,
-    or for a saved Plan the stack and options it was priced with (Plan.framework)."""
+    or for a saved Plan the stack and options it was priced with (Plan.framework). A saved
+    Plan's grad_compression / diloco (or those keys of a dict) price the answers
+    (`_with_comm`)."""
     t0 = time.perf_counter()
     if (framework is None and options is None and mem is None and isinstance(fixed, Plan)
             and (fixed.framework is not None or fixed.framework_options)):
