@@ -182,3 +182,38 @@ def test_cost_reports_goodput_for_the_three_strategies(capsys):
     assert doc["goodput"]["mtbf_s"] == pytest.approx(7200.0)
     assert set(s) == {"restart_from_disk", "in_memory", "replica_ft"}
     assert all(0 < s[k]["goodput"] < 1 for k in s)
+
+
+@pytest.mark.slow  # a real torchft Lighthouse + SIGKILL, as above
+def test_a_replacement_that_never_rejoined_is_reported_in_one_line(tmp_path):
+    """Group 1 is SIGKILLed two steps before the end (user audit: 30 steps, killed at 10 of a
+    fast run): its replacement finds no live peer left and exits NO_PEER_EXIT. The run still
+    finishes on group 0, and its output says in one line that the replacement never rejoined
+    (before: silence; only events.jsonl had rc 3)."""
+    from meshtron.train.replica import NO_PEER_EXIT
+
+    steps = 12
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshtron", "train", *RUN, "--steps", str(steps),
+         "--replica-ft", "2", "--max-restarts", "1", "--run-dir", str(run_dir)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        g1 = run_dir / "replica_ft" / "group1_0.jsonl"
+        _wait(lambda: g1.exists() and len(g1.read_text().splitlines()) >= steps - 2, 240,
+              "group 1's step before the last two")
+        pid = json.loads((run_dir / "replica_ft" / "pids.json").read_text())["1"]
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    exits = [e for e in _records(run_dir / "replica_ft" / "events.jsonl")
+             if e["event"] == "exit" and e["group"] == 1]
+    if exits[-1]["rc"] != NO_PEER_EXIT:
+        pytest.skip(f"the replacement rejoined in time under this load: {exits}")
+    lines = [x for x in out.splitlines() if "never rejoined" in x]
+    assert lines == [f"replica-ft: group 1's replacement (attempt 1) never rejoined: the other "
+                     f"groups had finished, leaving no live state to copy (exit {NO_PEER_EXIT}); "
+                     "the run's steps after its failure were taken without it"], out[-2000:]

@@ -67,7 +67,7 @@ class DiLoCo:
     name = "compress"
     """Its checkpoint key (saved checkpoints use it)."""
 
-    def __init__(self, pm, plan):
+    def __init__(self, pm, plan, last_step: int | None = None):
         from meshtron.model.init import clean_name
 
         self.pm = pm
@@ -84,11 +84,23 @@ class DiLoCo:
         self.step = 0
         """Inner steps taken so far (a sync happens when it reaches a multiple of H)."""
         self.syncs = 0
+        """Outer syncs this process took (the final partial round's included)."""
+        self.last_step = last_step
+        """The run's last step: a round cut short there still syncs (`after_inner_step`)."""
 
     def after_inner_step(self) -> bool:
-        """Count one inner step; every H-th, synchronise the replicas. True when it synced."""
+        """Count one inner step; every H-th, and at the run's last step, synchronise the
+        replicas. True when it synced.
+
+        The last step: DiLoCo's output is the outer model theta after an outer step (Douillard
+        et al. 2023, Algorithm 1 returns theta^(T)); a run whose step count is not a multiple of
+        H ends with a shorter round synced like the others, so the final evaluation, the last
+        checkpoint and `--export` hold the one synced model every replica holds (no replica's
+        last steps are lost). torchft's DiLoCo (torchft/local_sgd.py `DiLoCo.__exit__`, commit
+        73dafea) only removes its hooks: the caller's model keeps the replica's unsynced weights,
+        which is what this avoids."""
         self.step += 1
-        if self.step % self.inner_steps:
+        if self.step % self.inner_steps and self.step != self.last_step:
             return False
         self.sync()
         return True
@@ -139,6 +151,7 @@ class DiLoCo:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from `state_dict()` (after `dcp.load` into it), for this layout."""
         self.step = int(state_dict[PREFIX + "step"])
+        self.syncs = self.step // self.inner_steps  # the rounds completed before the save
         pieces = []
         for (name, _), g, buf in zip(self.named, self.global_params, self.momentum_bufs):
             g.copy_(_local(state_dict[f"{PREFIX}global.{name}"]))
@@ -147,6 +160,7 @@ class DiLoCo:
         self.reducer.load_mean_residual("outer", torch.cat(pieces), "all_reduce")
 
 
-def attach(pm, plan) -> DiLoCo | None:
-    """A DiLoCo outer loop for `pm` when plan.diloco > 0."""
-    return DiLoCo(pm, plan) if plan.diloco > 0 else None
+def attach(pm, plan, last_step: int | None = None) -> DiLoCo | None:
+    """A DiLoCo outer loop for `pm` when plan.diloco > 0 (`last_step`: the run's, synced even
+    mid-round; None: only every H steps)."""
+    return DiLoCo(pm, plan, last_step) if plan.diloco > 0 else None

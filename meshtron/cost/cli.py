@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     spec = run_spec(args, est, model, cluster, batch, seq)
     doc = summary(spec, econ, cost_run(spec, econ, runs=args.runs, seed=args.seed),
                   args.deadline_days)
-    doc["plan"] = est.config.describe()
+    doc["plan"] = est.config.describe() + est.config.comm_label()
     doc["framework"] = fw.label
     doc["goodput"], doc["_goodput_lines"] = goodput_section(args, spec, est.config)
     doc["fits"] = est.fits

@@ -311,6 +311,11 @@ class Plan:
         return {name: getattr(self, name) for name, default in COMM_DEFAULTS.items()
                 if getattr(self, name) != default}
 
+    def comm_label(self) -> str:
+        """The comm_knobs as the 'Plan:' lines of `meshtron cost` / `simulate` print them after
+        `describe()` (' grad_compression=int8 diloco=16'; '' for the defaults)."""
+        return "".join(f" {k}={v}" for k, v in self.comm_knobs().items())
+
     def layout_knobs(self) -> dict[str, Any]:
         """cp, ep, reduce_dtype, accumulate_unsharded, compile, fp8_recipe, offload, ... where
         they differ from LAYOUT_DEFAULTS."""

@@ -41,6 +41,7 @@ from meshtron.planner.estimate import Estimate, Evaluator
 from meshtron.planner.frameworks import for_model, for_plan, preset
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.plan import Plan
+from meshtron.planner.plan_rules_fields import COMM_DEFAULTS
 from meshtron.planner.plan_knobs import Knobs
 from meshtron.planner.search_explain import loss_reason, search_and_explain
 from meshtron.planner.search_offload import offload_if_faster, with_offload
@@ -58,11 +59,14 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     (frameworks.Framework) prices a software stack: its kernel and memory options and its
     gradient reduction dtype (unless `fixed` has one). Without it, `options` / `mem` override
     what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime,
-    or for a saved Plan the stack and options it was priced with (Plan.framework)."""
+    or for a saved Plan the stack and options it was priced with (Plan.framework). A saved
+    Plan's grad_compression / diloco (or those keys of a dict) price the answers
+    (`_with_comm`)."""
     t0 = time.perf_counter()
     if (framework is None and options is None and mem is None and isinstance(fixed, Plan)
             and (fixed.framework is not None or fixed.framework_options)):
         framework = for_plan(fixed)
+    fixed, comm = _split_comm(fixed)
     knobs = Knobs.of(fixed)
     if framework is not None:
         framework = for_model(framework, model)  # the stack's MoE path (idempotent)
@@ -94,6 +98,36 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     result.framework = framework
     result.layouts = layouts
     result.split_fallback = space.split_fallback
+    return _with_comm(ev, result, comm)
+
+
+def _split_comm(fixed: Any) -> tuple[Any, dict[str, Any]]:
+    """(`fixed` without, the data-parallel traffic knobs: Plan.comm_knobs of a saved plan, or
+    the COMM_DEFAULTS keys of a dict). The search ranks layouts without them; `_with_comm`
+    prices its answers with them (Knobs carries none: they change no layout)."""
+    if isinstance(fixed, Plan):
+        return fixed, fixed.comm_knobs()
+    if isinstance(fixed, dict) and any(k in COMM_DEFAULTS for k in fixed):
+        comm = {k: v for k, v in fixed.items() if k in COMM_DEFAULTS}
+        return {k: v for k, v in fixed.items() if k not in COMM_DEFAULTS}, comm
+    return fixed, {}
+
+
+def _with_comm(ev: Evaluator, result: SearchResult, comm: dict[str, Any]) -> SearchResult:
+    """`result` with its plans (and priced near miss) evaluated with `comm` (gradient
+    compression, DiLoCo: planner/compression.py prices their traffic and state), as
+    `meshtron plan`'s compression note prices them (compression_advice.py). A plan the extra
+    state no longer fits becomes the priced near miss."""
+    if comm.get("grad_compression", "none") == "none" and not comm.get("diloco"):
+        return result  # only a block size, scope or outer settings: nothing to price
+    priced = [ev.evaluate(p.config.replace(**comm)) for p in result.plans]
+    result.plans = sorted((e for e in priced if e.fits), key=lambda e: e.step_time_s)
+    misses = [e for e in priced if not e.fits]
+    if result.near_miss_priced is not None:
+        result.near_miss_priced = ev.evaluate(result.near_miss_priced.config.replace(**comm),
+                                              exact_memory=False)
+    elif misses and not result.plans:
+        result.near_miss_priced = misses[0]
     return result
 
 

@@ -275,7 +275,7 @@ def _run_step(args: argparse.Namespace, model, opts, plan=None,
     pert = Perturbation(stragglers=tuple(args.straggler), jitter=args.jitter, seed=args.seed)
     base = simulate_step(ev, est)
     res = simulate_step(ev, est, pert) if (pert.stragglers or pert.jitter) else base
-    doc = {"schema": "meshtron-step-sim/1", "plan": est.config.describe(),
+    doc = {"schema": "meshtron-step-sim/1", "plan": est.config.describe() + est.config.comm_label(),
            "ranks": est.config.gpus, "framework": opts.label,
            # the planner's figures of the plan simulated (`meshtron plan`'s step and memory)
            "analytical_step_s": est.step_time_s, "memory_gib": est.memory.total,

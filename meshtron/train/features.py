@@ -64,16 +64,18 @@ class MoEBias:
         pass
 
 
-def build_features(pm, plan, moe_layers: list, data_group: Callable[[], Any]) -> list:
+def build_features(pm, plan, moe_layers: list, data_group: Callable[[], Any],
+                   last_step: int | None = None) -> list:
     """The features `plan` uses for `pm`, in the order they act after the optimizer step: FP8
     scales, the MoE bias (when this rank holds MoE layers), then DiLoCo's outer step or the
-    compressed gradients' state (`meshtron.compress`; saved under "compress")."""
+    compressed gradients' state (`meshtron.compress`; saved under "compress"). `last_step`: the
+    run's last step, where DiLoCo syncs even mid-round (compress/diloco.py)."""
     from meshtron.compress import diloco
 
     features: list = [Fp8Scales(pm)]
     if moe_layers:
         features.append(MoEBias(pm.model_parts, data_group))
-    compress = diloco.attach(pm, plan) or pm.grad_sync
+    compress = diloco.attach(pm, plan, last_step) or pm.grad_sync
     if compress is not None:
         features.append(compress)
     return features

@@ -287,6 +287,9 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
                       "step_time_s": clock.add(step, pending, seconds)}
             if compiled is not None:
                 record["compile_time_s"] = compiled.total
+            comm_record = getattr(engine, "comm_record", None)  # compression / DiLoCo traffic
+            if comm_record is not None:
+                record.update(comm_record(pending))
             pending = 0
             if trace_samples and main:
                 record.update(data.train.sampler.last_step_fields())

@@ -187,12 +187,25 @@ def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None
     extra = f", memory in {run_dir}/memory.json" if summary.get("world_size") else ""
     compiled = (f" ({summary['compile_time_s']:.1f} s of it compiling)"
                 if summary.get("compile_time_s") is not None else "")
+    vs += _comm_words(summary)
     Console().print(
         f"[bold]done[/]: {cfg.model.name} ({summary['params']:,} params){ranks}, "
         f"{summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f}{ev} nats/token, {_rate(summary['tokens_per_s'])} tok/s, "
         f"{summary['wall_s']:.1f} s{compiled}{vs}; metrics in {run_dir}/metrics.jsonl, curves in "
         f"{run_dir}/curves.png{extra}", soft_wrap=True)
+
+
+def _comm_words(summary: dict[str, Any]) -> str:
+    """'; 1.2 MB/step on the wire per rank (compressed reduction), 7 DiLoCo syncs' when the
+    run compressed its gradients or ran DiLoCo (ParallelEngine.comm_summary); '' otherwise."""
+    sent = summary.get("wire_bytes_per_step")
+    if sent is None:
+        return ""
+    syncs = summary.get("diloco_syncs")
+    what = "DiLoCo's outer all-reduce" if syncs is not None else "compressed reduction"
+    return (f"; {sent / 1e6:.3g} MB/step sent per rank ({what})"
+            + (f", {syncs} DiLoCo syncs" if syncs is not None else ""))
 
 
 def print_plan(plan, cluster, dtype_note: str = "", source: str = "") -> None:
@@ -207,7 +220,8 @@ def print_plan(plan, cluster, dtype_note: str = "", source: str = "") -> None:
     Console().print(
         f"[bold]plan[/] {plan.layout()} zero={plan.zero} micro_batch={plan.micro_batch} "
         f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'}{pipeline}"
-        f"{' compile' if plan.compile else ''}{' async_tp' if plan.async_tp else ''} "
+        f"{' compile' if plan.compile else ''}{' async_tp' if plan.async_tp else ''}"
+        f"{plan.comm_label()} "
         f"dtype={plan.dtype}{dtype_note} on {cluster.name}; {_predicted_words(pred)}"
         + (f"; cluster: {source}" if source else ""), soft_wrap=True)
 

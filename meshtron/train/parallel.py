@@ -90,13 +90,15 @@ class ParallelEngine:
         self.spec = cfg.model
         self._moe: list | None = None
         self._dp_group: Any = False  # not made yet (see _data_group)
-        self.features = build_features(self.pm, rt, self._moe_layers(), self._data_group)
+        self.features = build_features(self.pm, rt, self._moe_layers(), self._data_group,
+                                       last_step=cfg.train.steps)
         """Called after every optimizer step (meshtron/train/features.py)."""
         # Error-feedback residuals or DiLoCo's outer state: a Stateful to checkpoint (or None).
         self.compress_state = stateful_features(self.features).get("compress")
         self.diloco = self.compress_state if rt.diloco > 0 else None  # checkpoint/state.py reads it
         # meshtron.checkpoint saves (and reshards) these beside the model and optimizer.
         self.checkpoint_extras = stateful_features(self.features)
+        self._wire_mark = 0  # Reducer.bytes_sent at the last logged step (comm_record)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         """One optimizer step with no host synchronisation."""
@@ -147,6 +149,31 @@ class ParallelEngine:
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         return float(torch.stack([self.pm.evaluate(x, y) for x, y in batches]).mean())
 
+    def comm_record(self, steps: int) -> dict[str, Any]:
+        """For a metrics record `steps` steps after the last: the bytes this rank put on the
+        wire per step in meshtron.compress's reductions (`Reducer.bytes_sent`, a host counter:
+        no device sync; compressed gradients, or DiLoCo's outer all-reduce; FSDP2's own
+        all-gathers are not counted) and DiLoCo's outer syncs so far. {} without either."""
+        state = self.compress_state
+        if state is None or steps <= 0:
+            return {}
+        sent = state.reducer.bytes_sent
+        out: dict[str, Any] = {"wire_bytes_per_step": (sent - self._wire_mark) / steps}
+        self._wire_mark = sent
+        if self.diloco is not None:
+            out["diloco_syncs"] = self.diloco.syncs
+        return out
+
+    def comm_summary(self, steps: int) -> dict[str, Any]:
+        """summary.json's view of `comm_record` over this attempt's `steps` steps."""
+        state = self.compress_state
+        if state is None or steps <= 0:
+            return {}
+        out: dict[str, Any] = {"wire_bytes_per_step": state.reducer.bytes_sent / steps}
+        if self.diloco is not None:
+            out["diloco_syncs"] = self.diloco.syncs
+        return out
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds: parameter, gradient and optimizer-state shards (and the CUDA
         allocator's peak on GPU)."""
@@ -159,10 +186,22 @@ class ParallelEngine:
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         out["optimizer"] += _local(v).numel() * _local(v).element_size()
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        out["compress"] = self._compress_bytes()
+        out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["compress"]
         if torch.cuda.is_available():
             out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
         return out
+
+    def _compress_bytes(self) -> int:
+        """Bytes of the tensors meshtron.compress keeps: error-feedback residuals, and DiLoCo's
+        theta_global and outer momentum (planner/memory_compress.py predicts them)."""
+        state = self.compress_state
+        if state is None:
+            return 0
+        held = list(state.reducer.residuals.values())
+        if self.diloco is not None:
+            held += self.diloco.global_params + self.diloco.momentum_bufs
+        return sum(t.numel() * t.element_size() for t in held)
 
     def release(self) -> None:
         """Drop the model and optimizer and destroy the mesh's process groups."""
@@ -181,14 +220,17 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
     (the part memory.json measures exactly)."""
     import dataclasses
 
+    from meshtron.planner.memory_compress import compress_bytes
     from meshtron.planner.memory_ranks import rank_states
     from meshtron.planner.search import evaluate_plan
     from meshtron.train.planning import sized_cluster
 
     run_plan = dataclasses.replace(plan, dtype=cfg.train.dtype)
+    comm = compress_bytes(cfg.model, run_plan, cfg.train.dtype)
     out: dict[str, Any] = {"bytes_per_rank": [
         {"rank": st.rank, "params": st.params, "grads": st.grads, "optimizer": st.optimizer,
-         "total": st.total} for st in rank_states(cfg.model, run_plan, cfg.train.dtype)]}
+         "compress": comm[st.rank], "total": st.total + comm[st.rank]}
+        for st in rank_states(cfg.model, run_plan, cfg.train.dtype)]}
     out["fullest_rank_gib"] = None  # no cluster, or one the plan cannot be costed on
     if cluster is not None:
         try:
@@ -230,6 +272,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
         result = run_loop(engine, data, cfg, run_dir, show_progress, peak_flops=peak,
                           writers=writers, checkpointer=ckpt, trace_samples=trace_samples)
     export_at_end(cfg, run_dir, pm=engine.pm)
+    comm = engine.comm_summary(result.steps - result.resumed_from_step)
     memory = engine.memory_bytes()
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, memory)
@@ -239,7 +282,7 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
     predicted = plan.predicted or {}
     summary = {**result.to_dict(), "plan": plan.to_dict(), "world_size": world.world_size,
                "measured_step_time_s": result.step_time_s,
-               "predicted_step_time_s": predicted.get("step_time_s")}
+               "predicted_step_time_s": predicted.get("step_time_s"), **comm}
     if ckpt is not None and ckpt.snapshots is not None:  # host memory: own + peer copy
         summary["snapshot"] = ckpt.snapshots.summary()
     (run_dir / "memory.json").write_text(json.dumps({
@@ -247,7 +290,8 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
         "measured_max_rank_gib": {k: max(m[k] for m in gathered) / 2**30 for k in gathered[0]},
         "predicted": predicted_memory(cfg, plan, cluster),
         "note": "measured: bytes of each rank's parameter, gradient (after backward) and "
-                "optimizer-state shards; on CUDA also the allocator's peak. predicted: the "
+                "optimizer-state shards, and compress: gradient compression's error-feedback "
+                "residuals and DiLoCo's outer copy and momentum; on CUDA also the allocator's peak. predicted: the "
                 "planner's bytes for every rank (same components) and its full breakdown of "
                 "the fullest rank (plus activations, gathered copies and workspace), for the "
                 "run's dtype",

@@ -10,6 +10,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -83,7 +84,27 @@ def run_replica_ft(job, max_restarts: int) -> int:
     outputs.print_result(cfg, summary, run_dir)
     print(f"replica-ft: {cfg.train.steps} steps on {cfg.train.replica_ft} replica groups, "
           f"{summary['degraded_steps']} with fewer; events in {launcher.dir}")
+    for line in unjoined_replacements(launcher.dir / "events.jsonl"):
+        print(line)
     return 0
+
+
+def unjoined_replacements(events: Path) -> list[str]:
+    """One line per replacement group that left without ever rejoining (replica.py
+    `run_group`: alone in its quorum with no live state to copy, it exits NO_PEER_EXIT), read
+    from the launcher's events.jsonl: the run finished without it."""
+    from meshtron.train.replica import NO_PEER_EXIT
+
+    last: dict[int, dict[str, Any]] = {}
+    for line in events.read_text().splitlines() if events.exists() else []:
+        event = json.loads(line)
+        if event.get("event") == "exit":
+            last[event["group"]] = event
+    return [f"replica-ft: group {g}'s replacement (attempt {e['attempt']}) never rejoined: "
+            "the other groups had finished, leaving no live state to copy (exit "
+            f"{NO_PEER_EXIT}); the run's steps after its failure were taken without it"
+            for g, e in sorted(last.items())
+            if e.get("rc") == NO_PEER_EXIT and e.get("attempt", 0) > 0]
 
 
 def replica_summary(cfg, steps: CommittedSteps, done: list[Any],

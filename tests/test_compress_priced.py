@@ -1,0 +1,149 @@
+"""Gradient compression and DiLoCo through the command line: a plan file's grad_compression and
+diloco priced by `meshtron cost` and `meshtron simulate --step` as `meshtron plan`'s note prices
+them; DiLoCo's last round synced when the step count is not a multiple of H; the traffic
+reported by the run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtron.planner.plan import Plan, load_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOW_CLUSTER = """gpu = "H100-SXM5-80GB"
+gpus_per_node = 8
+nodes = 4
+intra_node_gb_per_s = 450
+inter_node_gb_per_s = 1.25
+"""
+
+
+def meshtron(cwd: Path, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "meshtron", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def _priced(cwd: Path, plan_file: str) -> tuple[float, float, str]:
+    """(cost's step, simulate's analytical step, cost's plan words) of a plan file."""
+    cost = json.loads(meshtron(cwd, "cost", "--plan", plan_file, "--json").stdout)
+    sim = json.loads(meshtron(cwd, "simulate", "--step", "--plan", plan_file, "--json").stdout)
+    return cost["step_time_s"], sim["analytical_step_s"], cost["plan"]
+
+
+def test_cost_and_simulate_price_the_plan_files_compression_and_diloco(tmp_path):
+    """An inter-node-bound llama3-8b on 4 slow nodes: `meshtron plan` notes the same layout with
+    int8 and with DiLoCo; saved with those fields, the plan files price to the note's step
+    times in both `cost` and `simulate --step` (before: as the uncompressed layout)."""
+    (tmp_path / "slow.toml").write_text(SLOW_CLUSTER)
+    out = json.loads(meshtron(tmp_path, "plan", "--model", "llama3-8b", "--cluster", "slow.toml",
+                              "--global-batch", 256, "--seq-len", 4096, "--save", "none.toml",
+                              "--json").stdout)
+    note = next(n for n in out["notes"] if n.startswith("inter-node bound"))
+    int8 = re.search(r"--grad-compression int8 --zero (\d): ([\d.]+) s", note)
+    dl = re.search(r"--diloco 16 --zero (\d) \(dp_replicate=(\d+)\): ([\d.]+) s", note)
+    base = load_plan(tmp_path / "none.toml")
+    variants = {
+        "int8.toml": (base.replace(zero=int(int8[1]), grad_compression="int8"), float(int8[2])),
+        "hsdp.toml": (base.replace(zero=int(dl[1]), dp_replicate=int(dl[2])), None),
+        "diloco.toml": (base.replace(zero=int(dl[1]), dp_replicate=int(dl[2]), diloco=16),
+                        float(dl[3])),
+    }
+    steps = {"none.toml": _priced(tmp_path, "none.toml")}
+    for name, (plan, _) in variants.items():
+        (tmp_path / name).write_text(plan.replace(predicted={}).to_toml())
+        steps[name] = _priced(tmp_path, name)
+    for name, (_, noted) in variants.items():
+        cost_s, sim_s, words = steps[name]
+        assert cost_s == pytest.approx(sim_s, rel=1e-9)
+        if noted is not None:
+            assert f"{cost_s:.3g}" == f"{noted:.3g}", (name, cost_s, note)
+    assert steps["int8.toml"][0] < 0.95 * steps["none.toml"][0]
+    assert steps["diloco.toml"][0] < 0.8 * steps["hsdp.toml"][0]
+    assert "grad_compression=int8" in steps["int8.toml"][2]
+    assert "diloco=16" in steps["diloco.toml"][2]
+    assert "diloco" not in steps["hsdp.toml"][2]
+
+
+def _run(cwd: Path, name: str, h: int, steps: int, *extra) -> dict:
+    meshtron(cwd, "train", "--model", "debug", "--nproc", 2, "--plan", "dp=2", "--zero", 0,
+             "--steps", steps, "--diloco", h, "--outer-lr", 1.0, "--outer-momentum", 0.0,
+             "--run-dir", name, "--overwrite", *extra)
+    return json.loads((cwd / name / "summary.json").read_text())
+
+
+def test_diloco_syncs_at_the_last_step_so_eval_and_export_hold_the_synced_model(tmp_path):
+    """H=10 and H=12 over 10 steps take the same inner steps (no sync before step 10); with
+    parameter averaging both end with one sync of the replicas at step 10 (H=12's cut short),
+    so their final evaluations and exported weights are the same synced model (before: H=12
+    evaluated and exported replica 0's unsynced weights). The run reports the syncs and the
+    bytes its outer all-reduce sent."""
+    full = _run(tmp_path, "h10", 10, 10, "--export", "h10_hf")
+    cut = _run(tmp_path, "h12", 12, 10, "--export", "h12_hf")
+    assert full["diloco_syncs"] == cut["diloco_syncs"] == 1
+    assert cut["eval_loss"] == full["eval_loss"]
+    weights = sorted(p.name for p in (tmp_path / "h10_hf").glob("*.safetensors"))
+    assert weights
+    for name in weights:
+        assert (tmp_path / "h12_hf" / name).read_bytes() == (tmp_path / "h10_hf" / name).read_bytes()
+    # one fp32 all-reduce of the 125,632 parameters (n-1)/n each way in 10 steps
+    params = full["params"]
+    assert full["wire_bytes_per_step"] == pytest.approx(4 * params / 10, rel=0.01)
+    last = json.loads((tmp_path / "h12" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["diloco_syncs"] == 1 and last["wire_bytes_per_step"] > 0
+
+
+def test_plan_words_name_the_comm_fields():
+    plan = Plan(tp=1, pp=1, dp=4, zero=0, micro_batch=1, recompute="none", sp=False)
+    assert plan.comm_label() == ""
+    assert plan.replace(grad_compression="int8").comm_label() == " grad_compression=int8"
+
+
+@pytest.mark.parametrize("flags, per_param", [
+    (("--zero", 2, "--grad-compression", "int8"), 4.0),  # fp32 residual of the local gradients
+    (("--zero", 0, "--diloco", 4, "--grad-compression", "int8"), 12.0),  # + theta, momentum
+])
+def test_memory_json_counts_the_compression_state_on_both_sides(tmp_path, flags, per_param):
+    """memory.json's "compress" bytes: measured from the residual, outer-copy and momentum
+    tensors the ranks hold, predicted from the plan (planner/memory_compress.py), equal byte
+    for byte, about compression.extra_state_bytes per parameter (the codec's block padding
+    aside), and counted in both totals."""
+    meshtron(tmp_path, "train", "--model", "debug", "--nproc", 2, "--plan", "dp=2", "--steps", 2,
+             *flags, "--run-dir", "run")
+    memory = json.loads((tmp_path / "run" / "memory.json").read_text())
+    params = json.loads((tmp_path / "run" / "summary.json").read_text())["params"]
+    predicted = memory["predicted"]["bytes_per_rank"]
+    for rank, measured in enumerate(memory["measured_bytes_per_rank"]):
+        assert measured["compress"] == predicted[rank]["compress"], rank
+        assert measured["compress"] == pytest.approx(per_param * params, rel=0.02)
+        for side in (measured, predicted[rank]):
+            assert side["total"] == sum(side[k] for k in ("params", "grads", "optimizer",
+                                                          "compress"))
+
+
+def test_a_compressed_runs_plan_toml_predicts_what_cost_and_simulate_price(tmp_path):
+    """`meshtron train --grad-compression int8`: plan.toml's [predicted] step is the compressed
+    plan's (before: the uncompressed search answer's), the figure `cost` and `simulate --step`
+    give for that same file."""
+    meshtron(tmp_path, "train", "--model", "debug", "--nproc", 2, "--plan", "dp=2", "--zero", 0,
+             "--steps", 1, "--grad-compression", "int8", "--run-dir", "run")
+    plan = load_plan(tmp_path / "run" / "plan.toml")
+    assert plan.grad_compression == "int8"
+    cost = json.loads(meshtron(tmp_path, "cost", "--plan", "run/plan.toml", "--price-on-demand", 1,
+                               "--gpu-watts", 100, "--json").stdout)
+    sim = json.loads(meshtron(tmp_path, "simulate", "--step", "--plan", "run/plan.toml",
+                              "--json").stdout)
+    assert plan.predicted["step_time_s"] == pytest.approx(cost["step_time_s"], abs=1e-6)
+    assert sim["analytical_step_s"] == pytest.approx(cost["step_time_s"], rel=1e-12)
+    plain = load_plan(tmp_path / "run" / "plan.toml").replace(grad_compression="none")
+    (tmp_path / "plain.toml").write_text(plain.to_toml())
+    other = json.loads(meshtron(tmp_path, "cost", "--plan", "plain.toml", "--price-on-demand", 1,
+                                "--gpu-watts", 100, "--json").stdout)
+    assert other["step_time_s"] != pytest.approx(cost["step_time_s"], rel=1e-4)
