@@ -25,6 +25,7 @@ from meshtron.planner.plan_rules import (compile_runtime_problem,
                                          least_zero, most_chunks, most_zero, schedule_problem,
                                          split_problem,
                                          zero_limit)
+from meshtron.planner.plan_rules_stack import layout_problem, most_chunk_layers
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -263,13 +264,19 @@ class SearchSpace:
             self.notes.append("recompute=selective left out: with FlashAttention and this "
                               "framework's selective policy it keeps the same tensors as none "
                               "(the attention core is never stored)")
+        # the modes the stack's code has (plan_rules_stack: e.g. no selective before 2022)
         return [k.recompute] if k.recompute else [
-            r for r in RECOMPUTE if not (r == "selective" and same)]
+            r for r in RECOMPUTE if not (r == "selective" and same)
+            and layout_problem(mem.layouts, recompute=r) is None]
 
     def point(self, tp: int, pp: int, dp: int, zero: int, mb: int, rec: str, sp: bool,
               sched: str | None, v: int, cp: int, ep: int = 1) -> Plan | None:
         """The plan at these knobs, or None where the runtime does not run its host offload
         (plan.py `offload_runtime_problem`: ZeRO-2/3 and no pipeline for offload='full')."""
+        if rec == "half" and self._refused(layout_problem(
+                self.mem.layouts, recompute=rec, stack=self.stack, chunk_layers=most_chunk_layers(
+                    self.model.layers, pp, v))):
+            return None  # the stack's partial recomputation counts per chunk (plan_rules_stack)
         cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, self.dtype, self.replicate,
                            cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
         if self.dtype == "fp8" and self.fp8_recipe != "rowwise":
@@ -451,6 +458,8 @@ class SearchSpace:
             return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
         if tp > 1 and self.ep_rule == "tp" and self.model.is_moe:
             return [True]  # Megatron-Core's MoE under tp (plan_rules.ep_stack_problem)
+        if layout_problem(self.mem.layouts, sp=True) is not None:
+            return [False]  # the stack's code has no sequence parallelism (plan_rules_stack)
         return [False, True] if tp > 1 else [False]
 
     def zeros(self, dp: int, cp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1) -> list[int]:
@@ -458,7 +467,8 @@ class SearchSpace:
         priced stack runs on it (plan_rules_zero, MemoryOptions.zero_stages)."""
         rule = self.mem.zero_stages
         return [z for z in self._zeros(dp, cp, ep)
-                if zero_limit(rule, z, dp, tp, pp, cp) is None]
+                if zero_limit(rule, z, dp, tp, pp, cp) is None
+                and layout_problem(self.mem.layouts, tp=tp, zero=z) is None]
 
     def _zeros(self, dp: int, cp: int, ep: int) -> list[int]:
         if self.knobs.zero is not None:
