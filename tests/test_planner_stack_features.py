@@ -114,3 +114,18 @@ def test_world_size_is_checked_before_the_batch(plan_cli):
                               "tp=8,dp=9"))
     assert line == ("meshtron plan: error: plan.tp*dp=8*9=72: must divide the world size 64 "
                     "(GPUs; cp*pp takes the rest)"), line
+
+
+def test_no_plan_names_the_commonest_refusals(plan_cli):
+    # 4 sequences over 64 GPUs: every layout needs a pipeline with fewer micro-batches than
+    # stages; the refusal says so, with counts, instead of "no layout is valid"
+    rc, out, err = plan_cli("--model", "llama3-8b", "--cluster", "dgx-h100:8",
+                            "--global-batch", "4", "--seq-len", "4096")
+    assert rc == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("meshtron plan: error: no plan: every schedule / knob point of the "
+                           ), line
+    assert "micro-batches per step, schedule '1f1b' needs at least pp=" in line, line
+    assert "commonest first: " in line and "x plan.micro_batch: " in line, line

@@ -478,6 +478,8 @@ def render_no_fit(result: SearchResult, console) -> str:
     """Explain a model that fits nowhere; returns the one-line error for stderr."""
     nm = result.near_miss
     if nm is None:
+        if result.refused:
+            return f"no plan: {result.refused}"
         return "no plan: no layout is valid for this model, cluster and batch"
     mem = nm.memory
     if mem.total <= mem.capacity and not mem.host_fits:

@@ -6,6 +6,8 @@ parallelism, schedules and ZeRO stages, with the reason a whole family of them i
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections import Counter
 from typing import Any
 
 from meshtron.errors import UserError
@@ -120,6 +122,10 @@ class SearchSpace:
             raise UserError(offload_runtime_problem(Plan(offload="optimizer", dp=2, zero=3)))
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
+        self.refusals: Counter[str] = Counter()
+        """How often each reason (its numbers as N) refused a schedule or knob point of a valid
+        layout; `refusal_examples` holds the first full message of each (`refusal_summary`)."""
+        self.refusal_examples: dict[str, str] = {}
         self.tps = self._tensor_degrees(cluster.gpus_per_node)
         self.recomputes = self._recompute_values(seq_len, opts, mem or memory.options_for(opts))
         notes = list(self.notes)
@@ -310,7 +316,29 @@ class SearchSpace:
         point, the search answers with that reason (`_search`), not "nothing fits"."""
         if problem and self.why_empty is None:
             self.why_empty = problem
+        self.tally(problem)
         return bool(problem)
+
+    def tally(self, problem: str | None) -> None:
+        """Count a reason the validity function refused a point of the space (open knobs too),
+        for `refusal_summary`."""
+        if problem:
+            key = re.sub(r"\d+", "N", problem)
+            self.refusals[key] += 1
+            self.refusal_examples.setdefault(key, problem)
+
+    def refusal_summary(self, top: int = 3) -> str | None:
+        """The commonest reasons points of the valid layouts were refused, each with its count
+        and its first message (one line), or None when none was."""
+        if not self.refusals:
+            return None
+        total = sum(self.refusals.values())
+        parts = [f"{n}x {self.refusal_examples[key]}"
+                 for key, n in self.refusals.most_common(top)]
+        more = len(self.refusals) - min(top, len(self.refusals))
+        tail = f" (+{more} other reason(s))" if more > 0 else ""
+        return (f"every schedule / knob point of the {len(self._layouts)} valid layout(s) "
+                f"was refused ({total} refusals), commonest first: {'; '.join(parts)}{tail}")
 
     def cps(self, rest: int) -> list[int]:
         """Context-parallel degrees searched on `rest` = gpus / tp ranks: the fixed one, else 1
@@ -423,9 +451,10 @@ class SearchSpace:
         for s, v in cands:
             engine = schedule_problem(self.engine, s, pp, v, m)
             if not fixed:
-                if v <= layers_per_stage and rounds(s, v) is None and split(v) is None \
-                        and engine is None:
+                why = engine or (None if v > layers_per_stage else rounds(s, v) or split(v))
+                if v <= layers_per_stage and why is None:
                     ok.append((s, v))
+                self.tally(why)
             elif engine is not None:
                 self.why_empty = self.why_empty or engine
             elif split(v) is not None:
@@ -445,6 +474,9 @@ class SearchSpace:
         if k.schedule is None:  # the formulas see one schedule call's micro-batches
             per_call = m // (k.pipeline_runs or 1)
             held = [(s, v) for s, v in ok if _formulas_hold(s, pp, per_call)]
+            for s, v in ok:
+                if not _formulas_hold(s, pp, per_call):
+                    self.tally(_formulas_why(s, pp, per_call))
             if ok and not held and per_call < m:
                 self.why_empty = self.why_empty or (
                     f"plan.pipeline_runs={k.pipeline_runs}: {per_call} micro-batches per "
@@ -513,6 +545,13 @@ def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: 
     args = (model, 1, False, 1, seq_len)
     return (memory.activation_bytes(*args, "selective", opts, m)
             >= memory.activation_bytes(*args, "none", opts, m))
+
+
+def _formulas_why(schedule: str, pp: int, m: int) -> str:
+    """Why `_formulas_hold` leaves a schedule out of the search (one line)."""
+    need = "at least pp" if schedule in ("1f1b", "zb") else "a multiple of pp"
+    return (f"plan.micro_batch: {m} micro-batches per step, the search's schedule "
+            f"{schedule!r} needs {need}={pp} (fix --schedule, e.g. gpipe, to price fewer)")
 
 
 def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
