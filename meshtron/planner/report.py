@@ -261,7 +261,9 @@ def _table(result: SearchResult, tokens: float, wide: bool):
                          no_wrap=whole)
     for i, e in enumerate(result.plans, 1):
         c, mem, t = e.config, e.memory, e.time
-        row = [str(i), _layout(e), str(c.zero), str(c.micro_batch), c.recompute,
+        off = c.offload_label()  # host offload, as Plan.describe says it
+        row = [str(i), _layout(e), f"{c.zero} {off}" if off else str(c.zero),
+               str(c.micro_batch), c.recompute,
                "on" if c.sp else "off", c.schedule_label(), f"{mem.total:.1f}{_over(e)}",
                fmt_s(e.step_time_s),
                f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%", fmt_days(e.days(tokens))]
