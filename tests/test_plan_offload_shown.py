@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from testkit.plan_cli import commands_fixture, plan_cli  # noqa: F401  (fixture)
 
 cli = commands_fixture("meshtron.planner.cli", "meshtron.simulate.cli")
@@ -33,3 +35,22 @@ def test_simulate_plan_field_shows_offload(cli, tmp_path):
     assert rc == 0, err
     plan = json.loads(out)["plan"]
     assert plan.endswith(" offload=full") and "zero=2" in plan, plan
+
+
+def test_mfu_convention_noted_at_long_context_only(plan_cli):
+    rc, out, err = plan_cli("--model", "llama3-70b", "--cluster", "dgx-h100:64",
+                            "--global-batch", "32", "--seq-len", "131072", "--top", "1")
+    assert rc == 0, err
+    text = " ".join(out.split())
+    assert ("MFU column: model FLOPs count attention as the full 131072 x 131072 square "
+            "(Megatron-LM's and PaLM's convention), 71% of them here; counting the causal "
+            "half, the best plan's MFU is ") in text, text
+    row = next(line for line in out.splitlines() if line.startswith("1  "))
+    full = float(row.split("%")[0].split()[-1])
+    causal = float(text.split("the best plan's MFU is ")[1].split("%")[0])
+    # 71% of the FLOPs in the square: the causal count drops a 71/2 share of them
+    assert causal == pytest.approx(full * (1 - 0.71 / 2), abs=0.3), (full, causal)
+    rc, out, err = plan_cli("--model", "llama3-70b", "--cluster", "dgx-h100:64",
+                            "--global-batch", "512", "--seq-len", "8192", "--top", "1")
+    assert rc == 0, err
+    assert "MFU column" not in out  # 13% at 8k: not said

@@ -307,6 +307,9 @@ def table_notes(result: SearchResult) -> list[str]:
            for e in result.plans):
         out.append("Memory column: 'host>' is a plan whose GPUs fit but whose host memory per "
                    "node (host offload) does not")
+    mfu = mfu_note(result)
+    if mfu:
+        out.append(mfu)
     steps = [round(e.step_time_s, 9) for e in result.plans]
     ties = [i for i in range(1, len(steps)) if steps[i] == steps[i - 1]]
     if ties:
@@ -315,6 +318,30 @@ def table_notes(result: SearchResult) -> list[str]:
                    "ZeRO stage, less recomputation) even where it needs more memory, as long "
                    "as it fits")
     return out
+
+
+ATTENTION_SHARE_NOTED = 0.25
+"""Share of the model FLOPs in the attention square from which the MFU column's convention is
+said (`mfu_note`): 13% for a 70B Llama at 8k tokens, 71% at 128k."""
+
+
+def mfu_note(result: SearchResult) -> str | None:
+    """Where the attention square is a large share of the model FLOPs (long sequences), one
+    line saying the MFU column counts it whole, as Megatron-LM (Narayanan et al. 2021, eq. 3)
+    and PaLM (Chowdhery et al. 2022, appendix B: 6N + 12 L H Q T) do, with the best plan's MFU
+    under a causal count (half the square, what causal attention kernels compute)."""
+    best, model, seq = result.best, result.model, result.seq_len
+    if best is None:
+        return None
+    total = model.flops_per_token(seq)
+    square = total - model.flops_per_token(0)  # ModelSpec.flops_per_token's attention term
+    share = square / total if total > 0 else 0.0
+    if share < ATTENTION_SHARE_NOTED:
+        return None
+    causal = best.mfu * (total - square / 2) / total
+    return (f"MFU column: model FLOPs count attention as the full {seq} x {seq} square "
+            f"(Megatron-LM's and PaLM's convention), {share:.0%} of them here; counting the "
+            f"causal half, the best plan's MFU is {causal * 100:.1f}%")
 
 
 def header(result: SearchResult) -> list[str]:
