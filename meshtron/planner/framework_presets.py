@@ -72,7 +72,8 @@ _MESHTRON = Framework(
     # expert_capacity_pad True: inert, the runtime is dropless (model/moe.py), and its rule
     # (plan_rules_options) takes only this value
     KernelOptions(p2p_scatter_gather=False, expert_capacity_pad=True),
-    MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
+    MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all",
+                  half_counts="part"),
     "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
@@ -89,8 +90,13 @@ _TORCHTITAN = Framework(
                   separate_projections=True,
                   # models/deepseek_v3/model/model.py hands SDPA / flex V at v_head_dim
                   v_width="native"),
+    # half_counts 'rank': selective_ac_option "2" checkpoints every second block the process
+    # wraps, one counter kept on ptd_checkpoint_wrapper across every model part a rank builds
+    # (torchtitan/models/llama3/parallelize_llama.py _apply_ac_to_transformer_block at
+    # d0ed9b42, 2025-05), not afresh per chunk as meshtron's runtime does
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
-                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan"), "fp32",
+                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan",
+                  half_counts="rank"), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
                     "token dispatch, not overlapped by default), ParallelDims ep folded over "
                     "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")
