@@ -54,3 +54,24 @@ def test_mfu_convention_noted_at_long_context_only(plan_cli):
                             "--global-batch", "512", "--seq-len", "8192", "--top", "1")
     assert rc == 0, err
     assert "MFU column" not in out  # 13% at 8k: not said
+
+
+BIG = ["--model", "llama3-405b", "--cluster", "dgx-h100:2048", "--global-batch", "2048",
+       "--seq-len", "8192", "--framework", "megatron@2024", "--top", "1"]
+
+
+def test_tight_plan_is_noted(plan_cli):
+    rc, out, err = plan_cli(*BIG)
+    assert rc == 0, err
+    text = " ".join(out.split())
+    row = next(line for line in out.splitlines() if line.startswith("1  "))
+    used = float(row.split("/80")[0].split()[-1])
+    assert used > 80 - 0.07 * 70, row  # under the 7% spread of ~70 GiB of tensors
+    assert ("Tight: plan(s) 1 leave less headroom than the allocator allowance's spread "
+            "(plan 1: ") in text, text
+    rc, out, err = plan_cli(*BIG, "--layout", "tp=8,pp=16,dp=128", "--recompute", "full",
+                            "--schedule", "interleaved:8", "--zero", "1")
+    assert rc == 0, err
+    row = next(line for line in out.splitlines() if line.startswith("1  "))
+    assert float(row.split("/80")[0].split()[-1]) < 40, row  # the control: room to spare
+    assert "Tight" not in out

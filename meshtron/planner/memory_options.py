@@ -33,6 +33,10 @@ peak exceeds the allocated one by an amount that depends on the order of allocat
 frees, which no closed form of a plan gives. 8% stands for the reserved/allocated ratio of
 1.05-1.15 reported for LLM training; no measurement of ours reads reserved memory (the H200
 check records max_memory_allocated only). See `MemoryOptions.expandable_segments`."""
+RESERVED_RATIO_HIGH = 1.15
+"""The top of the reserved/allocated range FRAGMENTATION stands for (1.05-1.15): a plan whose
+headroom under the device is below (RESERVED_RATIO_HIGH - 1 - FRAGMENTATION) of its tensors
+would not fit at that end of the range; the plan report calls it tight (report.tight_note)."""
 FRAGMENTATION_EXPANDABLE = 0.0
 """The same allowance with expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True,
 PyTorch CUDA semantics docs): one segment per stream grows by mapping physical pages and

@@ -78,6 +78,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from meshtron.planner.memory_options import FRAGMENTATION, RESERVED_RATIO_HIGH
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.search import SearchResult
 from meshtron.planner.search_explain import split_text
@@ -307,9 +308,9 @@ def table_notes(result: SearchResult) -> list[str]:
            for e in result.plans):
         out.append("Memory column: 'host>' is a plan whose GPUs fit but whose host memory per "
                    "node (host offload) does not")
-    mfu = mfu_note(result)
-    if mfu:
-        out.append(mfu)
+    for note in (mfu_note(result), tight_note(result)):
+        if note:
+            out.append(note)
     steps = [round(e.step_time_s, 9) for e in result.plans]
     ties = [i for i in range(1, len(steps)) if steps[i] == steps[i - 1]]
     if ties:
@@ -318,6 +319,29 @@ def table_notes(result: SearchResult) -> list[str]:
                    "ZeRO stage, less recomputation) even where it needs more memory, as long "
                    "as it fits")
     return out
+
+
+def tight_note(result: SearchResult) -> str | None:
+    """The top plans whose headroom under the device is below the spread of the allocator
+    allowance (memory_options.RESERVED_RATIO_HIGH: reserved/allocated up to 1.15 reported for
+    LLM training, 8% allowed, FRAGMENTATION), one line, or None. Not with expandable segments
+    (no allowance, no spread of it priced)."""
+    mem = getattr(result.framework, "memory", None)
+    frag = mem.fragmentation if mem is not None else FRAGMENTATION
+    if frag <= 0:
+        return None
+    spread = RESERVED_RATIO_HIGH - 1.0 - frag
+    tight = [(i, e) for i, e in enumerate(result.plans, 1)
+             if e.memory.fits and e.memory.capacity - e.memory.total < spread * e.memory.allocated]
+    if not tight:
+        return None
+    i, e = tight[0]
+    ranks = ", ".join(str(j) for j, _ in tight)
+    return (f"Tight: plan(s) {ranks} leave less headroom than the allocator allowance's spread "
+            f"(plan {i}: {e.memory.capacity - e.memory.total:.1f} GiB free < "
+            f"{spread * e.memory.allocated:.1f} GiB, {spread:.0%} of its tensors: reserved "
+            f"memory runs up to {RESERVED_RATIO_HIGH:g}x the tensors, {frag:.0%} allowed); "
+            "they may not fit at that end")
 
 
 ATTENTION_SHARE_NOTED = 0.25
