@@ -27,11 +27,12 @@ _K22 = ("sequence parallelism and selective recomputation came with Korthikanti 
 # megatron/core/transformer/transformer_block.py, num_layers_per_pipeline_rank =
 # len(self.layers), the model chunk's own layers, `layer_idx < recompute_num_layers` in
 # _checkpointed_forward). One N of each chunk's L layers: 'half' (N = L / 2) needs L >= 2.
-_BLOCK = ("recompute_method 'block' recomputes N of each model chunk's own layers "
-          "(recompute_num_layers, counted per chunk: ")
-_BLOCK_2021 = _BLOCK + "Megatron-LM v2.6 3860e99526 megatron/model/transformer.py)"
-_BLOCK_CORE = _BLOCK + ("Megatron-Core core_v0.12.0 d580efc6 megatron/core/transformer/"
-                        "transformer_block.py)")
+_BLOCK_2021 = ("--activations-checkpoint-method block recomputes N of each model chunk's own "
+               "layers (--activations-checkpoint-num-layers, counted per chunk: Megatron-LM "
+               "v2.6 3860e99526 megatron/model/transformer.py)")
+_BLOCK_CORE = ("recompute_method 'block' recomputes N of each model chunk's own layers "
+               "(recompute_num_layers, counted per chunk: Megatron-Core core_v0.12.0 d580efc6 "
+               "megatron/core/transformer/transformer_block.py)")
 STACK_LAYOUTS: dict[str, dict[str, str]] = {
     "llm-foundry": {
         "tp": _COMPOSER_FSDP + "no tensor parallelism in llm-foundry before its TP support "
