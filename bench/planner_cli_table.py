@@ -70,7 +70,8 @@ def _options_for(run) -> tuple[str, dict]:
         fw_mem = dataclasses.asdict(fw.memory)
         # memory defaults that resolve to the same list/loss count as equal
         diff.update({k: v for k, v in mem_d.items() if fw_mem[k] != v
-                     and not (k in ("activations", "loss", "layouts") and v is None)})
+                     and not (k in ("activations", "loss", "layouts", "half_counts")
+                              and v is None)})
         # likewise the parallelisms, where the preset refuses some (plan_rules_stack): M19's
         # Megatron-LM 2019 at tp=8 is closest to llm-foundry's options
         if mem_d["layouts"] is None and fw_mem["layouts"] is not None:

@@ -281,8 +281,9 @@ def test_a_plan_file_the_stack_cannot_split_is_priced_with_a_warning(cost_cli, t
     # end stages, said in one warning (planner/search_space.py SplitFallback), exit 0
     from meshtron.planner.plan import Plan
 
-    # zero 0: Megatron-LM 2021 has no ZeRO (plan_rules_zero), a zero=1 file is refused
-    plan = Plan.trusted(8, 8, 8, 0, 1, "full", True, "1f1b", 1, "bf16", 1).replace(
+    # zero 0, sp off: Megatron-LM 2021 has no ZeRO (plan_rules_zero) nor sequence parallelism
+    # (plan_rules_stack): a file with either is refused
+    plan = Plan.trusted(8, 8, 8, 0, 1, "full", False, "1f1b", 1, "bf16", 1).replace(
         global_batch=512, seq_len=8192)
     path = tmp_path / "plan.toml"
     plan.save(path)

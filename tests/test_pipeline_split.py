@@ -293,11 +293,12 @@ def test_a_split_priced_instead_keeps_the_stacks_engine():
 def test_a_split_the_stack_cannot_build_is_saved_with_the_warning(plan_cli, tmp_path):
     from meshtron.planner.plan import load_plan
     path = tmp_path / "plan.toml"
-    # pp=16: Megatron-LM 2021's replicated optimizer states (zero 0) fit, unlike at pp=8
-    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=16,dp=4",
+    # pp=32: Megatron-LM 2021's replicated optimizer states (zero 0) and its activations
+    # without sequence parallelism (which it had not) fit, unlike at pp=16
+    rc, out, _ = plan_cli(*L405, "--framework", "megatron@2021", "--layout", "tp=8,pp=32,dp=2",
                           "--schedule", "1f1b", "--top", "1", "--save", str(path))
     assert rc == 0 and "not megatron@2021's own" in " ".join(out.split())
-    assert list(load_plan(path).stage_layers) == [7] + [8] * 14 + [7]
+    assert list(load_plan(path).stage_layers) == [3] + [4] * 30 + [3]
 
 
 def test_a_split_priced_instead_that_does_not_fit_says_both(plan_cli, tmp_path):

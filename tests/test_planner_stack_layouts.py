@@ -34,7 +34,9 @@ def test_presets_name_their_layout_rule():
     assert rules == {"torchtitan@2024": "torchtitan-2024", "gpt-neox@2022": "deepspeed-2021",
                      "llm-foundry@2023": "llm-foundry", "llm-foundry@2024": "llm-foundry",
                      "megatron@2021": "megatron-2021", "deepspeed@2021": "deepspeed-2021",
-                     "olmo-core@2024": "olmo-core-2024"}
+                     "olmo-core@2024": "olmo-core-2024", "megatron@2024": "megatron-core",
+                     "megatron-bridge@2025": "megatron-core",
+                     "deepspeed@2024": "deepspeed-2024"}
     assert set(rules.values()) == set(STACK_LAYOUTS)
 
 

@@ -47,7 +47,7 @@ REFUSED = {
     "grads_at_first_backward": "true", "param_dtype": '"bf16"',
     "experts_outside_fsdp": "true", "expandable_segments": "true",
     "pipeline_split": '"megatron-even"', "host_offload": '"mcore-optimizer"',
-    "zero_stages": '"megatron-core"', "layouts": '"llm-foundry"',
+    "zero_stages": '"megatron-core"', "layouts": '"llm-foundry"', "half_counts": '"rank"',
 }
 """Per field with a value meshtron's runtime does not run: one such value, as TOML."""
 RUN = {

@@ -232,13 +232,14 @@ def test_step_of_a_plan_that_does_not_fit_is_refused_in_one_line(sim_cli, tmp_pa
 
 
 def test_step_of_a_plan_the_stack_cannot_split_is_simulated_with_a_warning(sim_cli, tmp_path):
-    # 126 layers over pp=16 is not a Megatron-LM 2021 split: priced (and simulated) on
+    # 126 layers over pp=32 is not a Megatron-LM 2021 split: priced (and simulated) on
     # Megatron-Core's uneven end stages, one warning on stderr (planner/search_space.py)
     from meshtron.planner.plan import Plan
 
     path = tmp_path / "plan.toml"
-    # zero 0 and pp=16: Megatron-LM 2021 runs no ZeRO (plan_rules_zero); its states fit at pp=16
-    Plan.trusted(8, 16, 4, 0, 1, "full", True, "1f1b", 1, "bf16", 1).save(path)
+    # zero 0, sp off and pp=32: Megatron-LM 2021 runs no ZeRO (plan_rules_zero) nor sequence
+    # parallelism (plan_rules_stack); without sp its states fit at pp=32
+    Plan.trusted(8, 32, 2, 0, 1, "full", False, "1f1b", 1, "bf16", 1).save(path)
     rc, out, err = sim_cli("--step", "--model", "llama3-405b", "--cluster", "dgx-h100:64",
                            "--global-batch", "512", "--seq-len", "8192", "--plan", str(path),
                            "--framework", "megatron@2021", "--json")
@@ -247,7 +248,7 @@ def test_step_of_a_plan_the_stack_cannot_split_is_simulated_with_a_warning(sim_c
     stack, split = err.splitlines()
     assert stack.startswith("warning: plan=") and "priced here as megatron@2021" in stack
     assert split.startswith("warning: plan=")
-    assert "cannot split" in split and "7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7" in split
+    assert "cannot split" in split and "3," + "4," * 30 + "3" in split
 
 
 @pytest.mark.parametrize("extra, field", [

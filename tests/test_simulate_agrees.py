@@ -147,15 +147,16 @@ def test_split_warning_is_in_the_json_and_the_text(cli, tmp_path):
     from meshtron.planner.plan import Plan
 
     path = tmp_path / "plan.toml"
-    # zero 0 and pp=16: Megatron-LM 2021 runs no ZeRO (plan_rules_zero), and its replicated
-    # states fit at pp=16; 126 layers over 16 stages is still not one of its splits. Saved
-    # for that stack, as `meshtron plan --framework megatron@2021 --save` writes it
-    Plan.trusted(8, 16, 4, 0, 1, "full", True, "1f1b", 1, "bf16", 1).replace(
+    # zero 0, sp off and pp=32: Megatron-LM 2021 runs no ZeRO (plan_rules_zero) nor sequence
+    # parallelism (plan_rules_stack), and its replicated states fit at pp=32; 126 layers over
+    # 32 stages is still not one of its splits. Saved for that stack, as `meshtron plan
+    # --framework megatron@2021 --save` writes it
+    Plan.trusted(8, 32, 2, 0, 1, "full", False, "1f1b", 1, "bf16", 1).replace(
         framework="megatron@2021").save(path)
     common = ["--model", "llama3-405b", "--cluster", "dgx-h100:64", "--global-batch", "512",
               "--seq-len", "8192", "--framework", "megatron@2021"]
-    rc, out, err = cli("plan", *common, "--layout", "tp=8,pp=16,dp=4", "--zero", "0",
-                       "--micro-batch", "1", "--recompute", "full", "--sp", "on",
+    rc, out, err = cli("plan", *common, "--layout", "tp=8,pp=32,dp=2", "--zero", "0",
+                       "--micro-batch", "1", "--recompute", "full", "--sp", "off",
                        "--schedule", "1f1b", "--top", "1", "--json")
     assert rc == 0, err
     planned = json.loads(out)["warnings"]

@@ -4,6 +4,7 @@ config's keys."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -50,9 +51,11 @@ _HF_KEYS["gpt_neox"] = dict(_HF_KEYS["llama"], kv_heads="num_attention_heads")
 def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     """A ModelSpec from a config.json's keys; errors name the config's keys (`hidden_size`),
     not ModelSpec's fields (`model.hidden`)."""
+    reads = _KeysRead(cfg)
     try:
-        return _from_hf_dict(cfg, name)
+        spec = _from_hf_dict(reads, name)
     except UserError as exc:
+        _refuse_near_misses(cfg, reads.looked_up)  # a misspelt key, the cause, first
         keys = _HF_KEYS.get("llama" if cfg.get("model_type") in
                             _HF_LLAMA_LIKE + DENSE_TYPES + _HF_MOE + _HF_DEEPSEEK + HF_MOE_TYPES
                             else str(cfg.get("model_type")), {})
@@ -61,6 +64,53 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         text = re.sub(r"model\.(\w+)", lambda m: f"config.json {keys[m.group(1)]}"
                       if m.group(1) in keys else m.group(0), str(exc))
         raise UserError(text) from None
+    _refuse_near_misses(cfg, reads.looked_up)
+    return spec
+
+
+class _KeysRead(dict):
+    """config.json's top-level object, remembering every key the reader looked up, present or
+    not (`looked_up`): the keys whose absence gives a default."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        self.looked_up: set[str] = set()
+
+    def get(self, key, default=None):
+        self.looked_up.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.looked_up.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.looked_up.add(key)
+        return super().__contains__(key)
+
+
+NEAR_MISS_CUTOFF = 0.9
+"""difflib ratio above which a key the reader never looks up is taken for a misspelling of one
+it looked up and did not find (one letter off a name of 10+ letters: `num_key_value_head`,
+0.97); the foreign keys Hugging Face configs carry (architectures, torch_dtype,
+transformers_version, bos_token_id...) are not that close to any key read, and '_'-led keys
+(transformers' private attributes) are never taken for one."""
+
+
+def _refuse_near_misses(cfg: dict[str, Any], looked_up: set[str]) -> None:
+    """Refuse a key of `cfg` that nothing read but that is a near miss of a key the reader
+    looked up and found absent (it then built the model with that key's default: a silently
+    different model). Keys that are no near miss are foreign to meshtron and kept."""
+    missing = sorted(k for k in looked_up if k not in cfg)
+    for key in cfg:
+        if key in looked_up or key.startswith("_"):
+            continue  # '_'-led: transformers' private attributes (_name_or_path, gemma3's
+            # _sliding_window_pattern beside layer_types), saved as they are
+        close = difflib.get_close_matches(key, missing, n=1, cutoff=NEAR_MISS_CUTOFF)
+        if close:
+            raise UserError(f"config.json {key}: not a key meshtron reads for model_type "
+                            f"{cfg.get('model_type')!r}; did you mean {close[0]}? ({close[0]} "
+                            "is absent: rename the key)")
 
 
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:

@@ -18,7 +18,9 @@ micro-batch the part holds, the working-set drop on its block moment only.
   -3.7% and -3.0% at the mean per layer; pp 2 1F1B, 10 layers (stages of 5), the last stage
   at its loss -2.6%, the first in block 3's recomputed MLP after block 4's backward.
 
-Only under FSDP2 stacks (meshtron's rule); Megatron's and DeepSpeed's `half` keep the mean.
+Only for stacks that count `half` per model part (MemoryOptions.half_per_part: meshtron's
+rule, the default of FSDP2 stacks); torchtitan's rank-wide counter and Megatron's and
+DeepSpeed's `half` keep the mean.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class HalfRecompute:
         twice their excess over no recomputation. A part's seconds are then its blocks at the
         mean plus `part_excess` of these. Zeros for other modes and stacks (Megatron's and
         DeepSpeed's `half` stays the mean, as its memory does: `_half_odd`)."""
-        if cfg.recompute != "half" or self.mem.framework != "fsdp2":
+        if cfg.recompute != "half" or not self.mem.half_per_part:
             return (0.0,) * len(mean)
         args = (cfg.tp, cfg.micro_batch, cfg.sp, "none", cfg.cp, cfg.dtype, cfg.ep,
                 cfg.fp8_recipe)
@@ -69,7 +71,7 @@ class HalfRecompute:
         without recomputation: `_half_blocks`). meshtron's rule (FSDP2 stacks); Megatron's
         and DeepSpeed's `half` are priced at the mean as before (their own per-chunk rules
         not checked here): (0, None)."""
-        if w.rec != "half" or w.mem_opts.framework != "fsdp2":
+        if w.rec != "half" or not w.mem_opts.half_per_part:
             return 0.0, None
         cfg = w.cfg
         none, full = (self._memory_pieces(w.tp, w.mb, cfg.sp, r, cfg.dtype, w.cp, w.ep, w.pp,
@@ -105,7 +107,7 @@ class HalfRecompute:
     def _half_unwalked(self, w: Work) -> bool:
         """Whether `_half_stages` prices the plan: meshtron's `half` on one model part per
         rank (no interleaved walk; torch's zero bubble walks its own, memory_zb.py)."""
-        return (w.v == 1 and w.rec == "half" and w.mem_opts.framework == "fsdp2"
+        return (w.v == 1 and w.rec == "half" and w.mem_opts.half_per_part
                 and not (w.cfg.schedule == "zb" and w.pp > 1))
 
     def _half_deltas(self, w: Work) -> list[float]:

@@ -72,7 +72,8 @@ _MESHTRON = Framework(
     # expert_capacity_pad True: inert, the runtime is dropless (model/moe.py), and its rule
     # (plan_rules_options) takes only this value
     KernelOptions(p2p_scatter_gather=False, expert_capacity_pad=True),
-    MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
+    MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all",
+                  half_counts="part"),
     "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
@@ -89,8 +90,13 @@ _TORCHTITAN = Framework(
                   separate_projections=True,
                   # models/deepseek_v3/model/model.py hands SDPA / flex V at v_head_dim
                   v_width="native"),
+    # half_counts 'rank': selective_ac_option "2" checkpoints every second block the process
+    # wraps, one counter kept on ptd_checkpoint_wrapper across every model part a rank builds
+    # (torchtitan/models/llama3/parallelize_llama.py _apply_ac_to_transformer_block at
+    # d0ed9b42, 2025-05), not afresh per chunk as meshtron's runtime does
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
-                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan"), "fp32",
+                  gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan",
+                  half_counts="rank"), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
                     "token dispatch, not overlapped by default), ParallelDims ep folded over "
                     "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")
@@ -133,8 +139,12 @@ _MEGATRON_2024 = Framework(
                   # megatron/core/transformer/multi_latent_attention.py: TE's DotProductAttention
                   # with k_channels = qk head, v_channels = v_head_dim (cuDNN fused attention)
                   v_width="native"),
+    # layouts 'megatron-core': recompute 'half' is recompute_method 'block' with
+    # recompute_num_layers N of each model chunk's own layers (plan_rules_stack, which cites
+    # transformer_block.py): none with 1-layer chunks
     MemoryOptions(framework="megatron", pipeline_split="megatron-ends",
-                  host_offload="mcore-optimizer", zero_stages="megatron-core"), "fp32",
+                  host_offload="mcore-optimizer", zero_stages="megatron-core",
+                  layouts="megatron-core"), "fp32",
     expert_parallel="megatron/core/transformer/moe/ (expert_model_parallel_size, alltoall "
                     "token dispatcher, grouped GEMM); MoE parallel folding (Megatron-Core "
                     ">= 0.10.0, parallel_state.py's expert grid): ep folded over tp x cp x dp "
@@ -163,8 +173,14 @@ _DEEPSPEED_2021 = Framework(
     MemoryOptions(framework="deepspeed", pipeline_split="deepspeed-transformer",
                   host_offload="zero-offload-2021", zero_stages="deepspeed",
                   layouts="deepspeed-2021"), "bf16")
+# "deepspeed@2024": DeepSpeed 0.14-0.16 training a Hugging Face-style model (no Megatron
+# layers): ZeRO 0-3 and the pipe engine; tensor parallelism is AutoTP training (deepspeed >=
+# 0.16.4, deepspeedai/DeepSpeed blogs/huggingface-tp/README.md, docs/_tutorials/
+# autotp-training.md), which shards the linear layers with ZeRO 0-2 only and has no
+# sequence parallelism (layouts 'deepspeed-2024', plan_rules_stack)
 _DEEPSPEED_2024 = Framework(
-    "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models",
+    "deepspeed", "2024", "DeepSpeed 0.14-0.16 with Hugging Face-style models (tp: AutoTP "
+    "training, >= 0.16.4, ZeRO 0-2)",
     "microsoft/DeepSpeed: deepspeed/runtime/zero/parameter_offload.py and "
     "partitioned_param_coordinator.py (per-submodule fetch, prefetch bucket), "
     "deepspeed/runtime/zero/config.py (stage3_prefetch_bucket_size 5e7, overlap_comm), "
@@ -181,7 +197,8 @@ _DEEPSPEED_2024 = Framework(
                   expert_capacity_pad=True),
     MemoryOptions(framework="deepspeed", activations="eager", loss="eager",
                   gqa_copies=True, pipeline_split="deepspeed-parameters",
-                  host_offload="zero-offload", zero_stages="deepspeed"), "bf16",
+                  host_offload="zero-offload", zero_stages="deepspeed",
+                  layouts="deepspeed-2024"), "bf16",
     expert_parallel="DeepSpeed-MoE (deepspeed/moe/layer.py, sharded_moe.py: ep_size, "
                     "_AllToAll dispatch and combine, not overlapped)")
 

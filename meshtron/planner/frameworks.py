@@ -176,6 +176,18 @@ true`, which the nemo-automodel preset sets for MoE models.
   (MemoryOptions layouts 'olmo-core-2024'). Not priced: the root unit that holds the
   embedding, final norm and head together, and the FP8 scales' per-step amax all-reduce.
 
+What else a stack's code lacks is refused and never searched (the same `layouts` rule):
+megatron@2021 context parallelism (Megatron-Core 2023-08), sequence parallelism and selective
+recomputation (Korthikanti et al. 2022, Megatron-LM 2022-04/05); deepspeed@2021 and gpt-neox
+the same three; deepspeed@2024 sequence parallelism and ZeRO 3 under tensor parallelism (its
+tp is AutoTP training, deepspeed >= 0.16.4, ZeRO 0-2). Recompute 'half' is what each stack's
+partial recomputation sets: meshtron every second block of each model part
+(parallel/recompute.py, `i % 2 == 1` per part); torchtitan every second block the process
+wraps (selective_ac_option "2": a counter kept on ptd_checkpoint_wrapper across every model
+part it wraps, models/llama3/parallelize_llama.py at d0ed9b42), so across a rank's chunks;
+Megatron (both eras) recompute_method 'block', N of each model chunk's own layers
+(transformer_block.py), so 'half' is refused where a chunk holds one layer.
+
 Pipeline stages get the layers each stack's own code would give them (MemoryOptions
 `pipeline_split`, planner/pipeline_split.py; plan_rules.split_problem refuses what a stack
 cannot express): meshtron and torchtitan (`pipeline_parallel_split_points`, any block

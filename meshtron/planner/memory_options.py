@@ -33,6 +33,10 @@ peak exceeds the allocated one by an amount that depends on the order of allocat
 frees, which no closed form of a plan gives. 8% stands for the reserved/allocated ratio of
 1.05-1.15 reported for LLM training; no measurement of ours reads reserved memory (the H200
 check records max_memory_allocated only). See `MemoryOptions.expandable_segments`."""
+RESERVED_RATIO_HIGH = 1.15
+"""The top of the reserved/allocated range FRAGMENTATION stands for (1.05-1.15): a plan whose
+headroom under the device is below (RESERVED_RATIO_HIGH - 1 - FRAGMENTATION) of its tensors
+would not fit at that end of the range; the plan report calls it tight (report.tight_note)."""
 FRAGMENTATION_EXPANDABLE = 0.0
 """The same allowance with expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True,
 PyTorch CUDA semantics docs): one segment per stream grows by mapping physical pages and
@@ -50,6 +54,8 @@ MASTER_WEIGHTS = ("fp32", "bf16", "remainders", "none")
 PARAM_DTYPES = ("fp32", "bf16")
 """dtype of FSDP2's sharded parameters (MemoryOptions.param_dtype)."""
 SELECTIVE = ("eager", "korthikanti", "alternate-matmul")
+HALF_COUNTS = ("part", "rank", "chunk")
+"""MemoryOptions.half_counts values: how a stack's `half` recomputation counts its blocks."""
 LOSSES = ("chunked", "eager", "vocab-parallel", "inplace", "flash-ce", "eager-bf16")
 FP8_TILE_BYTES = 1.0 + 4.0 / 128
 """Bytes per element of an activation kept in FP8 with one fp32 scale per 1x128 tile
@@ -259,6 +265,9 @@ class MemoryOptions:
         if self.zero_stages is not None and self.zero_stages not in ZERO_RULES:
             raise UserError(f"memory.zero_stages={self.zero_stages!r}: allowed values "
                             f"are {', '.join(ZERO_RULES)}")
+        if self.half_counts is not None and self.half_counts not in HALF_COUNTS:
+            raise UserError(f"memory.half_counts={self.half_counts!r}: allowed values "
+                            f"are {', '.join(HALF_COUNTS)}")
         if self.layouts is not None and self.layouts not in LAYOUT_RULES:
             raise UserError(f"memory.layouts={self.layouts!r}: allowed values "
                             f"are {', '.join(LAYOUT_RULES)}")
@@ -333,10 +342,27 @@ class MemoryOptions:
     run (plan_rules_stack.STACK_LAYOUTS, which cites it; the framework presets set theirs): the
     search offers none of them and an explicit one is refused; None: 'any', all priced."""
 
+    half_counts: str | None = None
+    """Which blocks the stack's partial recomputation (`recompute = "half"`) checkpoints
+    (HALF_COUNTS): 'part', every second block of each model part, counted afresh per part
+    (meshtron: parallel/recompute.py `i % 2 == 1` over the part's own blocks; an odd part
+    priced as such, estimate_half.py); 'rank', every second block the process wraps, one
+    counter across a rank's chunks (torchtitan: ptd_checkpoint_wrapper._count); 'chunk', N of
+    each chunk's layers (Megatron's recompute_method 'block'; plan_rules_stack refuses it on
+    one-layer chunks). 'rank' and 'chunk' are priced at the mean per block. None: 'part' for
+    framework fsdp2, else 'chunk'."""
+
     split_priced: str | None = None
     """The layer-to-stage rule priced instead of the stack's own, set by the search only for a
     pinned layout the stack's rule cannot split (search_space.SplitFallback); the stack's
     engine (`engine`: its schedules, its buffers) stays the stack's. Not a user option."""
+
+    @property
+    def half_per_part(self) -> bool:
+        """`half` counts its blocks per model part (meshtron's rule, `half_counts`): an odd
+        part replays and stores half a block off the mean (estimate_half.py)."""
+        counts = self.half_counts or ("part" if self.framework == "fsdp2" else "chunk")
+        return counts == "part"
 
     @property
     def split_rule(self) -> str:

@@ -386,9 +386,18 @@ class Plan:
         return self.schedule + runs
 
     def describe(self) -> str:
+        """The plan in one line: the layout and every searched knob, host offload included
+        (the `plan` table's zero cell, `simulate`'s plan column and CSV show this)."""
+        off = self.offload_label()
         return (f"{self.layout()} zero={self.zero} mb={self.micro_batch} "
                 f"recompute={self.recompute} sp={'on' if self.sp else 'off'} "
-                f"schedule={self.schedule_label()}")
+                f"schedule={self.schedule_label()}" + (f" {off}" if off else ""))
+
+    def offload_label(self) -> str:
+        """'offload=KIND' (and 'offload_activations') where the plan offloads to the host,
+        else ''."""
+        kinds = [] if self.offload in (None, "none") else [f"offload={self.offload}"]
+        return " ".join(kinds + (["offload_activations"] if self.offload_activations else []))
 
     def replace(self, **changes: Any) -> "Plan":
         return dataclasses.replace(self, **changes)

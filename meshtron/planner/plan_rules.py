@@ -29,7 +29,7 @@ from meshtron.planner.plan_rules_pipeline import (  # noqa: F401  (re-exported)
 from meshtron.planner.plan_rules_offload import (  # noqa: F401  (re-exported)
     STACK_OFFLOADS, least_zero, most_zero, offload_kinds, offload_problem)
 from meshtron.planner.plan_rules_stack import (  # noqa: F401  (re-exported)
-    STACK_LAYOUTS, layout_problem)
+    STACK_LAYOUTS, layout_problem, most_chunk_layers)
 from meshtron.planner.plan_rules_zero import (  # noqa: F401  (re-exported)
     STACK_ZEROS, zero_limit, zero_problem)
 from meshtron.planner.plan_rules_runtime import (  # noqa: F401  (re-exported)
@@ -118,13 +118,17 @@ def world_problem(k: Mapping[str, Any], world_size: int) -> str | None:
             return (f"plan.dp*tp*pp={dp}*{tp}*{pp}={dp * tp * pp}: must equal the world size "
                     f"{world_size}")
         return None
-    for name, val in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp)):
-        if val is not None and world_size % val:
-            return f"plan.{name}={val}: must divide the world size {world_size}"
+    given = [(name, val) for name, val in (("tp", tp), ("cp", k.get("cp")), ("pp", pp),
+                                            ("dp", dp)) if val is not None]
     fixed = (tp or 1) * (pp or 1) * (dp or 1) * cp
-    if world_size % fixed:
-        return (f"plan tp*cp*pp*dp={fixed} (fixed part): must divide the world size "
-                f"{world_size}")
+    if len(given) > 1 and world_size % fixed:
+        names, sizes = "*".join(n for n, _ in given), "*".join(str(v) for _, v in given)
+        rest = "*".join(n for n in ("tp", "cp", "pp", "dp") if n not in dict(given))
+        return (f"plan.{names}={sizes}={fixed}: must divide the world size {world_size} "
+                f"(GPUs; {rest or 'nothing'} takes the rest)")
+    for name, val in given:
+        if world_size % val:
+            return f"plan.{name}={val}: must divide the world size {world_size}"
     return None
 
 
@@ -145,10 +149,18 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
     the stack folds expert parallelism over the tensor ranks too (EP_FOLDS), so it takes
     plan.etp; "data" where it does not; None: no stack named (a Plan read alone); `stack`:
     the priced stack as 'name@era', for the rules only its trainer decides (RUNS_STACKS);
-    `layout_rule`: the tp / pp / MoE its code cannot run (MemoryOptions.layouts);
+    `layout_rule`: the tp / pp / cp / sp / recomputation / MoE its code cannot run
+    (MemoryOptions.layouts);
     `options`: the stack options priced (plan_rules_options.option_values), checked against
     what meshtron's runtime runs when `runtime`."""
     out = list(field_problems(k))
+    # the layout against the GPUs first: a product that cannot fill them is the layout's
+    # fault, not the batch's its dp then fails to divide
+    world = world_problem(k, world_size) if world_size is not None and all(
+        _is_int(k.get(n)) and k.get(n) > 0 for n in ("tp", "pp", "dp", "cp")
+        if k.get(n) is not None) else None
+    if world:
+        out.insert(0, world)
     # meshtron's own stack says it in its runtime's words (ep_runtime_problems)
     problem = None if runtime else ep_stack_problem(
         ep_rule, k.get("etp"), k.get("tp"), k.get("sp"), bool(getattr(model, "is_moe", False)))
@@ -174,13 +186,12 @@ def plan_problems(k: Mapping[str, Any], world_size: int | None = None,
         out.append(problem)
     moe_model = (getattr(model, "name", None) or "model") if getattr(model, "is_moe", False) \
         else None
-    problem = layout_problem(layout_rule, g("tp"), g("pp"), moe_model, stack, g("cp"))
+    chunk = (most_chunk_layers(model.layers, g("pp"), g("virtual_stages"), g("stage_layers"))
+             if model is not None else None)
+    problem = layout_problem(layout_rule, g("tp"), g("pp"), moe_model, stack, g("cp"),
+                             g("sp"), g("recompute"), g("zero"), chunk)
     if problem:
         out.append(problem)
-    if world_size is not None:
-        w = world_problem(k, world_size)
-        if w:
-            out.append(w)
     if model is not None:
         out.extend(model_problems(k, model, runtime, split))
     if runtime:

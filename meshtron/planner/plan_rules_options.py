@@ -158,6 +158,8 @@ _MEMORY = {
                      "(parallel/offload.py)"),
     "zero_stages": ((None, "any", "all"), "runs ZeRO 0-3 (parallel/data_parallel.py)"),
     "layouts": ((None, "any"), "runs every tp / pp / MoE layout the plan rules allow"),
+    "half_counts": ((None, "part"), "checkpoints every second block of each model part "
+                    "(parallel/recompute.py)"),
 }
 
 RUNTIME_OPTIONS: dict[str, tuple[tuple[Any, ...] | None, str]] = {

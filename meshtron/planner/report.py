@@ -78,6 +78,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from meshtron.planner.memory_options import FRAGMENTATION, RESERVED_RATIO_HIGH
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.search import SearchResult
 from meshtron.planner.search_explain import split_text
@@ -261,7 +262,9 @@ def _table(result: SearchResult, tokens: float, wide: bool):
                          no_wrap=whole)
     for i, e in enumerate(result.plans, 1):
         c, mem, t = e.config, e.memory, e.time
-        row = [str(i), _layout(e), str(c.zero), str(c.micro_batch), c.recompute,
+        off = c.offload_label()  # host offload, as Plan.describe says it
+        row = [str(i), _layout(e), f"{c.zero} {off}" if off else str(c.zero),
+               str(c.micro_batch), c.recompute,
                "on" if c.sp else "off", c.schedule_label(), f"{mem.total:.1f}{_over(e)}",
                fmt_s(e.step_time_s),
                f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%", fmt_days(e.days(tokens))]
@@ -305,6 +308,9 @@ def table_notes(result: SearchResult) -> list[str]:
            for e in result.plans):
         out.append("Memory column: 'host>' is a plan whose GPUs fit but whose host memory per "
                    "node (host offload) does not")
+    for note in (mfu_note(result), tight_note(result)):
+        if note:
+            out.append(note)
     steps = [round(e.step_time_s, 9) for e in result.plans]
     ties = [i for i in range(1, len(steps)) if steps[i] == steps[i - 1]]
     if ties:
@@ -313,6 +319,53 @@ def table_notes(result: SearchResult) -> list[str]:
                    "ZeRO stage, less recomputation) even where it needs more memory, as long "
                    "as it fits")
     return out
+
+
+def tight_note(result: SearchResult) -> str | None:
+    """The top plans whose headroom under the device is below the spread of the allocator
+    allowance (memory_options.RESERVED_RATIO_HIGH: reserved/allocated up to 1.15 reported for
+    LLM training, 8% allowed, FRAGMENTATION), one line, or None. Not with expandable segments
+    (no allowance, no spread of it priced)."""
+    mem = getattr(result.framework, "memory", None)
+    frag = mem.fragmentation if mem is not None else FRAGMENTATION
+    if frag <= 0:
+        return None
+    spread = RESERVED_RATIO_HIGH - 1.0 - frag
+    tight = [(i, e) for i, e in enumerate(result.plans, 1)
+             if e.memory.fits and e.memory.capacity - e.memory.total < spread * e.memory.allocated]
+    if not tight:
+        return None
+    i, e = tight[0]
+    ranks = ", ".join(str(j) for j, _ in tight)
+    return (f"Tight: plan(s) {ranks} leave less headroom than the allocator allowance's spread "
+            f"(plan {i}: {e.memory.capacity - e.memory.total:.1f} GiB free < "
+            f"{spread * e.memory.allocated:.1f} GiB, {spread:.0%} of its tensors: reserved "
+            f"memory runs up to {RESERVED_RATIO_HIGH:g}x the tensors, {frag:.0%} allowed); "
+            "they may not fit at that end")
+
+
+ATTENTION_SHARE_NOTED = 0.25
+"""Share of the model FLOPs in the attention square from which the MFU column's convention is
+said (`mfu_note`): 13% for a 70B Llama at 8k tokens, 71% at 128k."""
+
+
+def mfu_note(result: SearchResult) -> str | None:
+    """Where the attention square is a large share of the model FLOPs (long sequences), one
+    line saying the MFU column counts it whole, as Megatron-LM (Narayanan et al. 2021, eq. 3)
+    and PaLM (Chowdhery et al. 2022, appendix B: 6N + 12 L H Q T) do, with the best plan's MFU
+    under a causal count (half the square, what causal attention kernels compute)."""
+    best, model, seq = result.best, result.model, result.seq_len
+    if best is None:
+        return None
+    total = model.flops_per_token(seq)
+    square = total - model.flops_per_token(0)  # ModelSpec.flops_per_token's attention term
+    share = square / total if total > 0 else 0.0
+    if share < ATTENTION_SHARE_NOTED:
+        return None
+    causal = best.mfu * (total - square / 2) / total
+    return (f"MFU column: model FLOPs count attention as the full {seq} x {seq} square "
+            f"(Megatron-LM's and PaLM's convention), {share:.0%} of them here; counting the "
+            f"causal half, the best plan's MFU is {causal * 100:.1f}%")
 
 
 def header(result: SearchResult) -> list[str]:
@@ -478,6 +531,8 @@ def render_no_fit(result: SearchResult, console) -> str:
     """Explain a model that fits nowhere; returns the one-line error for stderr."""
     nm = result.near_miss
     if nm is None:
+        if result.refused:
+            return f"no plan: {result.refused}"
         return "no plan: no layout is valid for this model, cluster and batch"
     mem = nm.memory
     if mem.total <= mem.capacity and not mem.host_fits:

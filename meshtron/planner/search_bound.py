@@ -95,6 +95,8 @@ def branch_and_bound(ev: Evaluator, space: SearchSpace, top_k: int,
                           enumerated=len(queue) + hopeless, notes=list(space.notes),
                           dtype=space.dtype, layouts=tuple(space.layouts()))
     lean = tally.lean
+    if not result.plans and lean is None:  # nothing evaluated: say what refused the points
+        result.refused = space.refusal_summary()
     if not result.plans and lean is not None:
         # re-evaluate the leanest plan with the memory-balanced split for an exact figure
         result.near_miss = ev.evaluate(lean.config)
@@ -134,6 +136,7 @@ def _enumerate(ev: Evaluator, space: SearchSpace,
                     for sched, v in space.schedules(pp, m):
                         for zero in space.zeros(dp * cp, cp, ep, tp, pp):
                             if schedule_zero_problem(sched, zero, pp):
+                                space.tally(schedule_zero_problem(sched, zero, pp))
                                 continue  # the runtime refuses it (plan.py)
                             cfg = space.point(tp, pp, dp, zero, mb, rec, sp, sched, v, cp, ep)
                             if cfg is None:

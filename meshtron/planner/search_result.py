@@ -86,6 +86,10 @@ class SearchResult:
     split_fallback: Any = None
     """A pinned layout the stack's layer-to-stage rule cannot split, priced on the nearest rule
     its engine could be configured to (search_space.SplitFallback); None: the stack's own."""
+    refused: str | None = None
+    """When no point of the valid layouts could be evaluated: the commonest reasons the
+    validity function refused them, with counts (SearchSpace.refusal_summary); None
+    otherwise."""
     fit_change: Any = None
     """With `pinned`: the fastest plan of the same layout that fits when one of the knobs the
     user fixed is freed (or all of them), and what changed (pinned.FitChange); None: none."""

@@ -6,6 +6,8 @@ parallelism, schedules and ZeRO stages, with the reason a whole family of them i
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections import Counter
 from typing import Any
 
 from meshtron.errors import UserError
@@ -25,6 +27,7 @@ from meshtron.planner.plan_rules import (compile_runtime_problem,
                                          least_zero, most_chunks, most_zero, schedule_problem,
                                          split_problem,
                                          zero_limit)
+from meshtron.planner.plan_rules_stack import layout_problem, most_chunk_layers
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
@@ -119,6 +122,10 @@ class SearchSpace:
             raise UserError(offload_runtime_problem(Plan(offload="optimizer", dp=2, zero=3)))
         self.why_empty: str | None = None
         """Why some fixed knob left no plan to evaluate (not memory): the first reason seen."""
+        self.refusals: Counter[str] = Counter()
+        """How often each reason (its numbers as N) refused a schedule or knob point of a valid
+        layout; `refusal_examples` holds the first full message of each (`refusal_summary`)."""
+        self.refusal_examples: dict[str, str] = {}
         self.tps = self._tensor_degrees(cluster.gpus_per_node)
         self.recomputes = self._recompute_values(seq_len, opts, mem or memory.options_for(opts))
         notes = list(self.notes)
@@ -263,13 +270,19 @@ class SearchSpace:
             self.notes.append("recompute=selective left out: with FlashAttention and this "
                               "framework's selective policy it keeps the same tensors as none "
                               "(the attention core is never stored)")
+        # the modes the stack's code has (plan_rules_stack: e.g. no selective before 2022)
         return [k.recompute] if k.recompute else [
-            r for r in RECOMPUTE if not (r == "selective" and same)]
+            r for r in RECOMPUTE if not (r == "selective" and same)
+            and layout_problem(mem.layouts, recompute=r) is None]
 
     def point(self, tp: int, pp: int, dp: int, zero: int, mb: int, rec: str, sp: bool,
               sched: str | None, v: int, cp: int, ep: int = 1) -> Plan | None:
         """The plan at these knobs, or None where the runtime does not run its host offload
         (plan.py `offload_runtime_problem`: ZeRO-2/3 and no pipeline for offload='full')."""
+        if rec == "half" and self._refused(layout_problem(
+                self.mem.layouts, recompute=rec, stack=self.stack, chunk_layers=most_chunk_layers(
+                    self.model.layers, pp, v))):
+            return None  # the stack's partial recomputation counts per chunk (plan_rules_stack)
         cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, self.dtype, self.replicate,
                            cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
         if self.dtype == "fp8" and self.fp8_recipe != "rowwise":
@@ -303,7 +316,29 @@ class SearchSpace:
         point, the search answers with that reason (`_search`), not "nothing fits"."""
         if problem and self.why_empty is None:
             self.why_empty = problem
+        self.tally(problem)
         return bool(problem)
+
+    def tally(self, problem: str | None) -> None:
+        """Count a reason the validity function refused a point of the space (open knobs too),
+        for `refusal_summary`."""
+        if problem:
+            key = re.sub(r"\d+", "N", problem)
+            self.refusals[key] += 1
+            self.refusal_examples.setdefault(key, problem)
+
+    def refusal_summary(self, top: int = 3) -> str | None:
+        """The commonest reasons points of the valid layouts were refused, each with its count
+        and its first message (one line), or None when none was."""
+        if not self.refusals:
+            return None
+        total = sum(self.refusals.values())
+        parts = [f"{n}x {self.refusal_examples[key]}"
+                 for key, n in self.refusals.most_common(top)]
+        more = len(self.refusals) - min(top, len(self.refusals))
+        tail = f" (+{more} other reason(s))" if more > 0 else ""
+        return (f"every schedule / knob point of the {len(self._layouts)} valid layout(s) "
+                f"was refused ({total} refusals), commonest first: {'; '.join(parts)}{tail}")
 
     def cps(self, rest: int) -> list[int]:
         """Context-parallel degrees searched on `rest` = gpus / tp ranks: the fixed one, else 1
@@ -416,9 +451,10 @@ class SearchSpace:
         for s, v in cands:
             engine = schedule_problem(self.engine, s, pp, v, m)
             if not fixed:
-                if v <= layers_per_stage and rounds(s, v) is None and split(v) is None \
-                        and engine is None:
+                why = engine or (None if v > layers_per_stage else rounds(s, v) or split(v))
+                if v <= layers_per_stage and why is None:
                     ok.append((s, v))
+                self.tally(why)
             elif engine is not None:
                 self.why_empty = self.why_empty or engine
             elif split(v) is not None:
@@ -438,6 +474,9 @@ class SearchSpace:
         if k.schedule is None:  # the formulas see one schedule call's micro-batches
             per_call = m // (k.pipeline_runs or 1)
             held = [(s, v) for s, v in ok if _formulas_hold(s, pp, per_call)]
+            for s, v in ok:
+                if not _formulas_hold(s, pp, per_call):
+                    self.tally(_formulas_why(s, pp, per_call))
             if ok and not held and per_call < m:
                 self.why_empty = self.why_empty or (
                     f"plan.pipeline_runs={k.pipeline_runs}: {per_call} micro-batches per "
@@ -451,6 +490,8 @@ class SearchSpace:
             return [self.knobs.sp] if (tp > 1 or not self.knobs.sp) else []
         if tp > 1 and self.ep_rule == "tp" and self.model.is_moe:
             return [True]  # Megatron-Core's MoE under tp (plan_rules.ep_stack_problem)
+        if layout_problem(self.mem.layouts, sp=True) is not None:
+            return [False]  # the stack's code has no sequence parallelism (plan_rules_stack)
         return [False, True] if tp > 1 else [False]
 
     def zeros(self, dp: int, cp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1) -> list[int]:
@@ -458,7 +499,8 @@ class SearchSpace:
         priced stack runs on it (plan_rules_zero, MemoryOptions.zero_stages)."""
         rule = self.mem.zero_stages
         return [z for z in self._zeros(dp, cp, ep)
-                if zero_limit(rule, z, dp, tp, pp, cp) is None]
+                if zero_limit(rule, z, dp, tp, pp, cp) is None
+                and layout_problem(self.mem.layouts, tp=tp, zero=z) is None]
 
     def _zeros(self, dp: int, cp: int, ep: int) -> list[int]:
         if self.knobs.zero is not None:
@@ -503,6 +545,13 @@ def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: 
     args = (model, 1, False, 1, seq_len)
     return (memory.activation_bytes(*args, "selective", opts, m)
             >= memory.activation_bytes(*args, "none", opts, m))
+
+
+def _formulas_why(schedule: str, pp: int, m: int) -> str:
+    """Why `_formulas_hold` leaves a schedule out of the search (one line)."""
+    need = "at least pp" if schedule in ("1f1b", "zb") else "a multiple of pp"
+    return (f"plan.micro_batch: {m} micro-batches per step, the search's schedule "
+            f"{schedule!r} needs {need}={pp} (fix --schedule, e.g. gpipe, to price fewer)")
 
 
 def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
