@@ -123,9 +123,10 @@ def _fuzz_plans(rng: random.Random, count: int):
 def test_bound_never_exceeds_the_priced_step_of_random_plans():
     """On 400 random plans the bound is at most the busiest rank's time the evaluator prices
     (the pinned path: keep_infeasible, the split the plan gives or the stack's), which the
-    step holds. Not vacuous: the same bound with each block at the per-layer mean (no odd
-    part's saving, what main's bound assumed) exceeds it on some `half` plans, and the bound
-    is within 10% of it on a quarter of them."""
+    step holds. Not vacuous: the bound is within 10% of it on a quarter of them. (The same
+    bound at the per-layer mean of `half` exceeded it on torchtitan's odd parts while they were
+    priced per part; since stackfix prices torchtitan's rank-wide counter at the mean, no fuzzed
+    stack's odd part saves time below the mean, and the mean bound is checked as a bound too.)"""
     rng = random.Random(20261205)
     checked = too_tight = close = odd_half = 0
     for fw, model, batch, cfg in _fuzz_plans(rng, 400):
@@ -146,11 +147,11 @@ def test_bound_never_exceeds_the_priced_step_of_random_plans():
         assert busy <= est.step_time_s * (1 + 1e-12)
         checked += 1
         close += bound >= 0.9 * busy
-        if cfg.recompute == "half" and fw.memory.framework == "fsdp2":
+        if cfg.recompute == "half" and fw.memory.half_per_part:
             odd_half += any(k % 2 for k in est.stage_layers)
             too_tight += _mean_bound(ev, cfg) > busy * (1 + 1e-9)
     assert checked > 300 and odd_half > 20, (checked, odd_half)
-    assert too_tight > 3 and close > checked // 4, (too_tight, close, checked)
+    assert too_tight == 0 and close > checked // 4, (too_tight, close, checked)
 
 
 def _mean_bound(ev: Evaluator, cfg: Plan) -> float:
