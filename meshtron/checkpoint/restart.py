@@ -8,14 +8,23 @@ groups then hang or fail with 'Gloo connectFullMesh failed ... Connection refuse
 pytorch-2.13-cpu-facts.md). The group is therefore built on a store namespaced per attempt.
 
 Why the previous attempt ended: a rank that fails with a Python exception (including a CUDA
-out-of-memory error) leaves a note (`note_failure`); a rank killed by a signal (SIGKILL, the
-kernel's OOM killer) cannot, so the ranks without a note are reported as killed.
+out-of-memory error) leaves a note (`note_failure`) in RUN_DIR/attempts, outside the checkpoint
+folder, so that a checkpoint-disk failure (a read-only or full checkpoint folder) cannot also
+take away the note that names it; a rank killed by a signal (SIGKILL, the kernel's OOM killer)
+cannot, so the ranks without a note are reported as killed. A note that cannot be written is
+said on the rank's stderr (never silently dropped).
+
+Errors that recur on every attempt are not retried: a rank that fails on bad input (exit code 2)
+or on a storage error (`storage_error`, exit code EXIT_STORAGE) or is preempted (exit code 75)
+makes meshtron's torchrun agent stop instead of restarting (meshtron/launch.py `FINAL_CODES`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -49,21 +58,39 @@ def attempt_store(rank: int, world_size: int, timeout_s: float):
     return dist.PrefixStore(f"meshtron/attempt_{attempt()}", base)
 
 
+# OSError numbers that a new attempt on the same machine and folder meets again: no permission,
+# a read-only file system, a path that is a file where a folder is expected (or the reverse),
+# a full disk or quota. Connection and timeout errors (also OSErrors) are not among them.
+_RECURRING_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+                               errno.EISDIR, errno.ENOSPC, errno.EDQUOT})
+
+
+def storage_error(exc: BaseException) -> bool:
+    """`exc` is a file-system error that a restart on the same folder would meet again
+    (PermissionError on a read-only checkpoint folder, a full disk, ...): not worth a restart."""
+    return isinstance(exc, OSError) and exc.errno in _RECURRING_ERRNOS
+
+
+def _notes_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / ATTEMPTS
+
+
 def _notes_dir(run_dir: str | Path, n: int) -> Path:
-    return store.checkpoint_root(run_dir) / ATTEMPTS / f"attempt_{n}"
+    return _notes_root(run_dir) / f"attempt_{n}"
 
 
 def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception") -> None:
-    """Record why this rank is failing (best effort: never raises). `kind`: "exception" (a
-    Python error), "watchdog" (the doctor's watchdog abort) or "teardown" (stopped by torchrun
-    after another rank ended: not a cause of its own)."""
+    """Record why this rank is failing (never raises: a note that cannot be written is one line
+    on stderr). `kind`: "exception" (a Python error), "watchdog" (the doctor's watchdog abort)
+    or "teardown" (stopped by torchrun after another rank ended: not a cause of its own)."""
     try:
         folder = _notes_dir(run_dir, attempt())
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank_{rank}.json").write_text(json.dumps(
             {"rank": rank, "cause": cause[:500], "kind": kind, "time": time.time()}))
-    except OSError:
-        pass
+    except OSError as exc:
+        print(f"meshtron train (rank {rank}): could not write the failure note ({exc}); the "
+              f"cause was: {cause[:500]}", file=sys.stderr, flush=True)
 
 
 def previous_cause(run_dir: str | Path, world_size: int) -> str:
@@ -105,12 +132,14 @@ def clear_notes(run_dir: str | Path) -> None:
     a note left by the last launch's attempt 1 must not name this launch's causes)."""
     import shutil
 
+    shutil.rmtree(_notes_root(run_dir), ignore_errors=True)
+    # where meshtron before session 44 kept them
     shutil.rmtree(store.checkpoint_root(run_dir) / ATTEMPTS, ignore_errors=True)
 
 
 def last_attempt(run_dir: str | Path) -> int:
     """The highest attempt that left notes (0 when none did)."""
-    folder = store.checkpoint_root(run_dir) / ATTEMPTS
+    folder = _notes_root(run_dir)
     numbers = [int(p.name.removeprefix("attempt_")) for p in folder.glob("attempt_*")
                if p.name.removeprefix("attempt_").isdigit()]
     return max(numbers, default=0)

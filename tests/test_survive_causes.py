@@ -1,0 +1,83 @@
+"""What `meshtron train --nproc 2` says and returns when a run ends early, with real signals and
+a real file-system error (the user audit of session 44, /work/scratch_audit44a):
+
+- The checkpoint folder replaced by a file mid-run (the audit made it immutable with
+  `chattr +i`): every save fails with NotADirectoryError. With `--max-restarts 2` nothing is
+  restarted (the error would recur), the launcher exits 74 naming the rank and the exception,
+  and the `failed` record says the same (not "killed by a signal").
+- SIGTERM to one rank with `--max-restarts 1`: the ranks checkpoint and the launcher exits 75
+  (requeue) without a restart, no "rank 0 failed: exit code 75", no SIGKILL named.
+- SIGTERM to the launcher of a run without checkpoints: exit code 143, the line says so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from testkit.procs import rank_pids, records
+
+TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
+         "--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0"]
+
+
+def _start(run_dir: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([*TRAIN, "--steps", "400", "--run-dir", str(run_dir), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _wait(predicate, proc: subprocess.Popen, seconds: float = 150.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+
+
+def _last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in records(run_dir) if "step" in r), default=0)
+
+
+def test_checkpoint_disk_error_is_not_restarted(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "2")
+    _wait(lambda: (run_dir / "checkpoints" / "step_00000003").is_dir(), proc)
+    (run_dir / "checkpoints").rename(tmp_path / "saved_checkpoints")
+    (run_dir / "checkpoints").write_text("not a folder\n")  # every later save fails
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 74, out[-3000:]
+    events = [r for r in records(run_dir) if "event" in r]
+    assert [r["event"] for r in events] == ["failed"], events
+    cause = events[0]["cause"]
+    assert cause.startswith("rank ") and " failed: NotADirectoryError: " in cause, cause
+    assert "without a Python error" not in out and "killed by a signal" not in out, out[-3000:]
+    assert "failed on a storage error (exit code 74; not restarted" in out, out[-3000:]
+    assert f"not restarted (0 of --max-restarts 2 restarts done); the last attempt ended: " \
+           f"{cause}" in out, out[-3000:]
+
+
+def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "1")
+    _wait(lambda: _last_step(run_dir) >= 4 and len(rank_pids(run_dir)) == 2, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGTERM)
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 75, out[-3000:]
+    assert not any(r.get("event") == "restart" for r in records(run_dir)), out[-3000:]
+    assert "failed: exit code 75" not in out and "SIGKILL" not in out, out[-3000:]
+    assert "meshtron train: preempted; checkpoint of step " in out, out[-3000:]
+
+
+def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait(lambda: _last_step(run_dir) >= 2, proc)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 143, out[-3000:]
+    assert "the 2 ranks stopped by SIGTERM without a committed checkpoint (exit code 143)" \
+        in out, out[-3000:]
