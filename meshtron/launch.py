@@ -34,6 +34,9 @@ from meshtron.errors import RunFailed, UserError
 # 2 cores already run 5-10x slower than one process).
 MAX_CPU_RANKS = 32
 ARGV_ENV = "MESHTRON_RANK_ARGV"
+RUN_DIR_ENV = "MESHTRON_RUN_DIR"
+"""The run folder, for torchrun's agent to note how the ranks ended
+(`stop_restarts_on_final_codes`)."""
 PARENT_ENV = "MESHTRON_PARENT_PID"
 """The pid a process started by `launch_local` must die with (`bind_to_parent`): the
 launcher's for torchrun's agent, the agent's for the ranks."""
@@ -407,7 +410,14 @@ def stop_restarts_on_final_codes() -> None:
 
     def monitor_workers(self, worker_group):
         result = monitor(self, worker_group)
-        if any(f.exitcode in FINAL_CODES for f in (result.failures or {}).values()):
+        failures = result.failures or {}
+        if failures and os.environ.get(RUN_DIR_ENV):  # the signal, for the cause and doctor
+            from meshtron.checkpoint.restart import note_agent_exits
+
+            attempt = worker_group.spec.max_restarts - self._remaining_restarts
+            note_agent_exits(os.environ[RUN_DIR_ENV], attempt,
+                             {rank: f.exitcode for rank, f in failures.items()})
+        if any(f.exitcode in FINAL_CODES for f in failures.values()):
             self._remaining_restarts = 0
         return result
 

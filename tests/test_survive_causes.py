@@ -8,10 +8,17 @@ a real file-system error (the user audit of session 44, /work/scratch_audit44a):
 - SIGTERM to one rank with `--max-restarts 1`: the ranks checkpoint and the launcher exits 75
   (requeue) without a restart, no "rank 0 failed: exit code 75", no SIGKILL named.
 - SIGTERM to the launcher of a run without checkpoints: exit code 143, the line says so.
+- SIGKILL of rank 1 with `--max-restarts 1`: the restart record names the signal torchrun's
+  agent saw, and doctor's `dead_rank` verdict names it and the last complete checkpoint.
+- Rank 1 SIGSTOPped, then SIGTERM to the launcher: one line says the checkpoint was not written
+  because rank 1 did not answer.
+`meshtron doctor` on each: `exception` (exit 3) naming the rank and the error, `preempted`
+(exit 0) with and without a committed checkpoint, `dead_rank` (exit 3).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +45,12 @@ def _wait(predicate, proc: subprocess.Popen, seconds: float = 150.0) -> None:
         time.sleep(0.05)
 
 
+def _doctor(run_dir: Path) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, json.loads(proc.stdout)
+
+
 def _last_step(run_dir: Path) -> int:
     return max((r["step"] for r in records(run_dir) if "step" in r), default=0)
 
@@ -58,6 +71,11 @@ def test_checkpoint_disk_error_is_not_restarted(tmp_path):
     assert "failed on a storage error (exit code 74; not restarted" in out, out[-3000:]
     assert f"not restarted (0 of --max-restarts 2 restarts done); the last attempt ended: " \
            f"{cause}" in out, out[-3000:]
+    code, doc = _doctor(run_dir)
+    assert code == 3 and doc["kind"] == "exception", doc
+    assert " raised NotADirectoryError: " in doc["verdict"], doc["verdict"]
+    assert doc["culprit_ranks"] and doc["verdict"].startswith(
+        f"rank {doc['culprit_ranks'][0]} "), doc
 
 
 def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
@@ -70,6 +88,10 @@ def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
     assert not any(r.get("event") == "restart" for r in records(run_dir)), out[-3000:]
     assert "failed: exit code 75" not in out and "SIGKILL" not in out, out[-3000:]
     assert "meshtron train: preempted; checkpoint of step " in out, out[-3000:]
+    step = next(r for r in records(run_dir) if r.get("event") == "preempted")["checkpoint_step"]
+    code, doc = _doctor(run_dir)
+    assert code == 0 and doc["kind"] == "preempted", doc
+    assert f"every rank wrote the checkpoint of step {step} " in doc["verdict"], doc["verdict"]
 
 
 def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
@@ -81,3 +103,38 @@ def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
     assert proc.returncode == 143, out[-3000:]
     assert "the 2 ranks stopped by SIGTERM without a committed checkpoint (exit code 143)" \
         in out, out[-3000:]
+    code, doc = _doctor(run_dir)
+    assert code == 0 and doc["kind"] == "preempted" and doc["culprit_ranks"] == [], doc
+    assert "every rank was stopped by SIGTERM at step" in doc["verdict"], doc["verdict"]
+    assert "no complete checkpoint" in doc["verdict"], doc["verdict"]
+
+
+def test_sigkilled_rank_is_named_with_its_signal(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "1")
+    _wait(lambda: _last_step(run_dir) >= 4 and len(rank_pids(run_dir)) == 2, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    _wait(lambda: any(r.get("event") == "restart" for r in records(run_dir)), proc)
+    proc.terminate()  # the restarted attempt checkpoints and stops
+    out, _ = proc.communicate(timeout=150)
+    restart = next(r for r in records(run_dir) if r.get("event") == "restart")
+    assert restart["cause"] == "rank 1 killed by SIGKILL (no Python error)", restart
+    code, doc = _doctor(run_dir)
+    first = doc["attempts"][0]
+    assert code == 3 and first["kind"] == "dead_rank" and first["culprit_ranks"] == [1], first
+    assert "torchrun's agent saw rank 1 killed by SIGKILL" in first["verdict"], first
+    assert (f"the last complete checkpoint was step {restart['resumed_from_step']} "
+            "(attempt 1 resumed from it)") in first["verdict"], first
+
+
+def test_frozen_rank_during_preemption_is_named(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint-every", "3", "--preempt-grace", "3")
+    _wait(lambda: _last_step(run_dir) >= 4 and len(rank_pids(run_dir)) == 2, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGSTOP)
+    time.sleep(0.5)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 143, out[-3000:]
+    assert "the checkpoint was not written because rank 1 did not answer" in out, out[-3000:]
+    assert not rank_pids(run_dir), out[-3000:]

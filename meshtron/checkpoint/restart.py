@@ -33,6 +33,7 @@ from typing import Any, Mapping
 from meshtron.checkpoint import store
 
 ATTEMPTS = "attempts"
+EXITS = "exits.json"
 
 
 def attempt(env: Mapping[str, str] | None = None) -> int:
@@ -93,6 +94,40 @@ def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "except
               f"cause was: {cause[:500]}", file=sys.stderr, flush=True)
 
 
+def note_agent_exits(run_dir: str | Path, n: int, exits: Mapping[int, int]) -> None:
+    """What torchrun's agent saw end attempt `n`: {rank: exit code, negative for a signal}
+    (written by the agent's process, meshtron/launch.py; never raises)."""
+    try:
+        folder = _notes_dir(run_dir, n)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / EXITS).write_text(json.dumps({str(r): code for r, code in exits.items()}))
+    except OSError as exc:
+        print(f"meshtron: could not write torchrun's view of the ranks' ends ({exc})",
+              file=sys.stderr, flush=True)
+
+
+def agent_exits(run_dir: str | Path, n: int) -> dict[int, int]:
+    """{rank: exit code} torchrun's agent saw end attempt `n` (negative: killed by that
+    signal); {} when it left none."""
+    try:
+        doc = json.loads((_notes_dir(run_dir, n) / EXITS).read_text())
+        return {int(r): int(code) for r, code in doc.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def exit_text(code: int) -> str:
+    """'killed by SIGKILL' for a negative exit code (torchrun's convention), else 'exit code N'."""
+    import signal
+
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def previous_cause(run_dir: str | Path, world_size: int) -> str:
     """Why attempt (this one - 1) ended, from the ranks' notes."""
     return attempt_cause(run_dir, world_size, attempt() - 1)
@@ -107,6 +142,10 @@ def attempt_cause(run_dir: str | Path, world_size: int, n: int) -> str:
     if watchdog:
         return min(watchdog, key=lambda note: note["time"])["cause"]
     silent = sorted(set(range(world_size)) - {note["rank"] for note in notes})
+    exits = agent_exits(run_dir, n)
+    seen = [r for r in silent if r in exits]
+    if seen:  # what torchrun's agent saw: the signal itself
+        return "; ".join(f"rank {r} {exit_text(exits[r])} (no Python error)" for r in seen)
     if silent:
         who = ", ".join(str(r) for r in silent)
         return (f"rank {who} ended without a Python error (killed by a signal: SIGKILL, the "

@@ -16,6 +16,9 @@ Kinds, in the order they are looked for:
   CPU time); a rank whose remaining
   lateness is at least `STRAGGLER_FRACTION` of the time span compared (and `STRAGGLER_MIN_S`)
   and 3x any other's.
+- `preempted` (every rank stopped by SIGTERM together, or a committed preemption checkpoint),
+  `dead_rank` after a stale SIGTERM dump, and `exception` (the earliest error a rank raised,
+  when the ranks agree on every collective): how the run ended (meshtron/diagnose/endings.py).
 - `no_dump`: no rank has dumped (killed from outside, or the run is still going).
 - `none`: nothing of the above.
 """
@@ -29,11 +32,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtron.diagnose import endings
 from meshtron.diagnose.trace import Trace, frame_text
 from meshtron.doctor.dump import process_state
 
 KINDS = ("never_entered", "mismatched_op", "mismatched_shape", "dead_rank", "frozen_rank",
-         "straggler", "no_dump", "none")
+         "preempted", "exception", "straggler", "no_dump", "none")
 STRAGGLER_MIN_S = 0.02
 STRAGGLER_FRACTION = 0.1
 _BROKEN = ("connection closed", "connection reset", "broken pipe", "connection refused",
@@ -251,7 +255,8 @@ def _missing_ranks(trace: Trace) -> Diagnosis | None:
     kind, culprits = ("dead_rank", dead) if dead else ("frozen_rank", frozen)
     names = "; ".join(trace.label(r) for r in culprits)
     if kind == "dead_rank":
-        text = f"{names} died (its process is gone and it left no dump)"
+        text = (f"{names} died (its process is gone and it left no dump"
+                f"{endings.dead_rank_details(trace, culprits)})")
     elif all(states[r] == "stopped" for r in culprits):
         text = f"{names} is frozen (its process is stopped, e.g. by SIGSTOP, and could not dump)"
     else:
@@ -261,6 +266,9 @@ def _missing_ranks(trace: Trace) -> Diagnosis | None:
         r, rec, secs = wait
         text += (f"; rank {r} waited {secs:.1f} s for it in {_op_text(rec)} on "
                  f"{trace.group_label(rec['group'])}")
+        if endings.sigterm_dump(trace.dumps[r]):  # measured to that dump, not to its end
+            text += (" up to its SIGTERM dump and went on waiting after it: no preemption "
+                     f"checkpoint could be written, {_ranks_text(culprits)} did not answer")
     if len(culprits) > 1:
         text = text.replace("its process is", "their processes are").replace(
             " is frozen", " are frozen").replace("it left", "they left").replace(
@@ -452,14 +460,15 @@ def diagnose(trace: Trace) -> Diagnosis:
         diagnosis = _no_dumps(trace)
         diagnosis.evidence = evidence(trace)
         return diagnosis
-    diagnosis = _missing_ranks(trace)
+    diagnosis = (endings.died_after_dump(trace) or _missing_ranks(trace)
+                 or endings.preempted(trace))
     if diagnosis is None:
         d = find_divergence(trace)
         if d is not None:
             diagnosis = (_never_entered(trace, d) if d["kind"] == "never_entered"
                          else _mismatch_verdict(trace, d))
         else:
-            diagnosis = _straggler(trace) or _nothing(trace)
+            diagnosis = endings.raised(trace) or _straggler(trace) or _nothing(trace)
     diagnosis.evidence = diagnosis.evidence + evidence(trace)
     if trace.abort and trace.dumps:
         diagnosis.hang_to_dump_s = (max(d["time"] for d in trace.dumps.values())

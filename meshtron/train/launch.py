@@ -117,7 +117,8 @@ def launch_ranks(job: TrainJob) -> int:
               f"exit code {EXIT_PREEMPTED}; continue with --resume", file=sys.stderr)
         return EXIT_PREEMPTED
     if code != 0:
-        print(failed_line(nproc, code) + restarts_used_up(job, nproc, code), file=sys.stderr)
+        print(failed_line(nproc, code) + frozen_note(run_dir, code)
+              + restarts_used_up(job, nproc, code), file=sys.stderr)
         return code
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
@@ -144,6 +145,27 @@ def failed_line(nproc: int, code: int) -> str:
         return (f"meshtron train: {who} failed on a storage error (exit code {code}; not "
                 "restarted: it would recur); their output is above")
     return f"meshtron train: {who} failed (exit code {code}); their output is above"
+
+
+def frozen_note(run_dir: Path, code: int) -> str:
+    """After a signal that found no checkpoint written: the ranks that did not answer (the
+    doctor's verdict on the dumps: a rank frozen, e.g. SIGSTOPped, blocks the preemption's
+    agreement and save), or ''."""
+    if code <= 128:
+        return ""
+    from meshtron.diagnose.analyze import diagnose
+    from meshtron.diagnose.trace import load_trace
+    from meshtron.errors import UserError
+
+    try:
+        verdict = diagnose(load_trace(run_dir))
+    except (UserError, OSError, ValueError, KeyError):
+        return ""
+    if verdict.kind != "frozen_rank":
+        return ""
+    who = ", ".join(str(r) for r in verdict.culprit_ranks)
+    return (f"\nmeshtron train: the checkpoint was not written because rank {who} did not "
+            f"answer ({verdict.verdict.split(';')[0]})")
 
 
 def restarts_used_up(job: TrainJob, nproc: int, code: int) -> str:
@@ -193,7 +215,7 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
     """Save what the ranks read (run.toml, plan.toml), start them, wait; their exit code."""
     from meshtron.checkpoint import restart
     from meshtron.doctor.dump import clear_trace
-    from meshtron.launch import launch_local
+    from meshtron.launch import RUN_DIR_ENV, launch_local
 
     warn(job)
     run_dir = Path(job.cfg.train.run_dir)
@@ -204,7 +226,8 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
     outputs.print_moe_aux_note(job.cfg.model, plan)
     return launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
-                        grace_s=job.checkpoint.preempt_grace_s)
+                        grace_s=job.checkpoint.preempt_grace_s,
+                        env={RUN_DIR_ENV: str(run_dir)})
 
 
 def claim_run_dir(job: TrainJob, plan) -> None:
