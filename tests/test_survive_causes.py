@@ -138,3 +138,25 @@ def test_frozen_rank_during_preemption_is_named(tmp_path):
     assert proc.returncode == 143, out[-3000:]
     assert "the checkpoint was not written because rank 1 did not answer" in out, out[-3000:]
     assert not rank_pids(run_dir), out[-3000:]
+
+
+def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
+    """SIGTERM to the launcher, then SIGKILL of rank 1 while the preemption checkpoint is
+    written (each shard write slowed, tests/checkpoint_faults): rank 1's last dump is the one
+    it wrote at SIGTERM; rank 0's later dump shows it completing more collectives, then gone."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*TRAIN, "--steps", "400", "--run-dir", str(run_dir), "--checkpoint-every", "1000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", MESHTRON_TEST_SLOW_WRITE_S="3",
+                 PYTHONPATH=str(Path(__file__).parent / "checkpoint_faults")))
+    _wait(lambda: _last_step(run_dir) >= 3 and len(rank_pids(run_dir)) == 2, proc)
+    victim = rank_pids(run_dir)[1]
+    proc.terminate()
+    _wait(lambda: any((run_dir / "checkpoints").glob(".tmp-step_*")), proc)
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode not in (0, 75), out[-3000:]
+    code, doc = _doctor(run_dir)
+    assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
+    assert doc["verdict"].startswith("rank 1 (dp=1) died after its SIGTERM dump at step "), doc
