@@ -160,3 +160,15 @@ def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
     code, doc = _doctor(run_dir)
     assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
     assert doc["verdict"].startswith("rank 1 (dp=1) died after its SIGTERM dump at step "), doc
+
+
+def test_a_lone_cpu_rank_keeps_the_launchers_thread_count():
+    """meshtron's launcher sets OMP_NUM_THREADS=1 for its ranks; a 1-rank world used to replace
+    it by every core (runtime.init_rank), 7x slower on the audit's loaded 2-core host."""
+    from meshtron.runtime import cpu_threads
+
+    cores = os.cpu_count() or 1
+    assert cpu_threads(1, {"OMP_NUM_THREADS": "1"}) == 1
+    assert cpu_threads(1, {"OMP_NUM_THREADS": "3"}) == 3
+    assert cpu_threads(1, {}) == cores and cpu_threads(1, {"OMP_NUM_THREADS": "x"}) == cores
+    assert cpu_threads(2, {}) == max(1, cores // 2)

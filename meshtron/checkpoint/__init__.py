@@ -14,7 +14,8 @@
 
 from meshtron.checkpoint.config import EXIT_PREEMPTED, EXIT_STORAGE, CheckpointConfig
 
-__all__ = ["EXIT_PREEMPTED", "EXIT_STORAGE", "CheckpointConfig", "latest_checkpoint", "load_full_state_dict"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_STORAGE", "CheckpointConfig", "latest_checkpoint",
+           "load_full_state_dict"]
 
 
 def __getattr__(name: str):

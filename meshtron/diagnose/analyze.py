@@ -460,20 +460,25 @@ def diagnose(trace: Trace) -> Diagnosis:
         diagnosis = _no_dumps(trace)
         diagnosis.evidence = evidence(trace)
         return diagnosis
-    diagnosis = (endings.died_after_dump(trace) or _missing_ranks(trace)
-                 or endings.preempted(trace))
+    diagnosis = (_ending(endings.died_after_dump(trace)) or _missing_ranks(trace)
+                 or _ending(endings.preempted(trace)))
     if diagnosis is None:
         d = find_divergence(trace)
         if d is not None:
             diagnosis = (_never_entered(trace, d) if d["kind"] == "never_entered"
                          else _mismatch_verdict(trace, d))
         else:
-            diagnosis = endings.raised(trace) or _straggler(trace) or _nothing(trace)
+            diagnosis = (_ending(endings.raised(trace)) or _straggler(trace)
+                         or _nothing(trace))
     diagnosis.evidence = diagnosis.evidence + evidence(trace)
     if trace.abort and trace.dumps:
         diagnosis.hang_to_dump_s = (max(d["time"] for d in trace.dumps.values())
                                     - max(d["last_progress_t"] for d in trace.dumps.values()))
     return diagnosis
+
+
+def _ending(found: endings.Ending | None) -> Diagnosis | None:
+    return None if found is None else Diagnosis(*found)
 
 
 def _no_dumps(trace: Trace) -> Diagnosis:

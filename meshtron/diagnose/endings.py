@@ -17,9 +17,17 @@ The signal that ended a rank comes from what torchrun's agent saw (checkpoint/re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshtron.diagnose.trace import Trace
+
+
+class Ending(NamedTuple):
+    """A verdict's fields (analyze.py makes its Diagnosis of them)."""
+
+    kind: str
+    verdict: str
+    culprit_ranks: list[int]
 
 _BROKEN = ("connection closed", "connection reset", "broken pipe", "connection refused",
            "remote process exited", "peer rank is gone")
@@ -72,27 +80,25 @@ def _preempted_record(trace: Trace) -> dict[str, Any] | None:
 
 def preempted(trace: Trace):
     """Every rank stopped by SIGTERM together, or a committed preemption checkpoint."""
-    from meshtron.diagnose.analyze import Diagnosis
-
     if len(trace.dumps) < trace.world_size:
         return None
     record = _preempted_record(trace)
     if record is not None:
-        return Diagnosis("preempted", f"preempted: SIGTERM reached the ranks and every rank "
-                         f"wrote the checkpoint of step {record['checkpoint_step']} "
-                         f"({record.get('seconds_after_signal', 0):.1f} s after the signal); "
-                         "continue with --resume.", [])
+        return Ending("preempted", f"preempted: SIGTERM reached the ranks and every rank "
+                      f"wrote the checkpoint of step {record['checkpoint_step']} "
+                      f"({record.get('seconds_after_signal', 0):.1f} s after the signal); "
+                      "continue with --resume.", [])
     dumps = trace.dumps.values()
     times = [d["time"] for d in dumps]
     if not all(sigterm_dump(d) for d in dumps) or max(times) - min(times) > _TOGETHER_S:
         return None
     steps = sorted({d.get("step") for d in dumps}, key=lambda s: s or 0)
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-    return Diagnosis("preempted", f"preempted: every rank was stopped by SIGTERM at {at} (within "
-                     f"{max(times) - min(times):.1f} s; a preemption notice or the launcher "
-                     f"stopped the run) and no preemption checkpoint was committed; "
-                     f"{_checkpoint_text(trace)}. The operations the ranks had just issued are "
-                     "where the signal found them, not a divergence.", [])
+    return Ending("preempted", f"preempted: every rank was stopped by SIGTERM at {at} (within "
+                  f"{max(times) - min(times):.1f} s; a preemption notice or the launcher "
+                  "stopped the run) and no preemption checkpoint was committed; "
+                  f"{_checkpoint_text(trace)}. The operations the ranks had just issued are "
+                  "where the signal found them, not a divergence.", [])
 
 
 def _last_seq(dump: dict[str, Any], group: str) -> int:
@@ -118,8 +124,6 @@ def _outlived_dump(trace: Trace, rank: int) -> int | None:
 
 def died_after_dump(trace: Trace):
     """A rank that dumped at SIGTERM, kept going, then died without dumping again."""
-    from meshtron.diagnose.analyze import Diagnosis
-
     found = {r: o for r, d in sorted(trace.dumps.items())
              if sigterm_dump(d) and (o := _outlived_dump(trace, r)) is not None}
     if not found:
@@ -129,7 +133,7 @@ def died_after_dump(trace: Trace):
     text = (f"{trace.label(r)} died after its SIGTERM dump at step {trace.dumps[r].get('step')} "
             f"({how}): {trace.label(other)}'s later dump shows it completing more collectives "
             f"after that dump, then finds its process gone; {_checkpoint_text(trace)}.")
-    return Diagnosis("dead_rank", text, sorted(found), [])
+    return Ending("dead_rank", text, sorted(found))
 
 
 def killed_by(trace: Trace, rank: int) -> str | None:
@@ -154,8 +158,6 @@ def _is_consequence(text: str) -> bool:
 
 def raised(trace: Trace):
     """The earliest exception a rank raised that is not a peer's end seen from here."""
-    from meshtron.diagnose.analyze import Diagnosis
-
     errors = {r: d for r, d in trace.dumps.items() if d.get("reason", "").startswith("exception")}
     if not errors:
         return None
@@ -171,5 +173,5 @@ def raised(trace: Trace):
     if others:
         text += (f"; {', '.join(trace.label(r) for r in others)} then failed because a peer "
                  "was gone")
-    return Diagnosis("exception", text + " (the traceback is in the evidence's dump).",
+    return Ending("exception", text + " (the traceback is in the evidence's dump).",
                      [first, *same])

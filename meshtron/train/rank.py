@@ -5,8 +5,8 @@ Joins the process group, takes the plan rank 0 resolved (broadcast, so nodes wit
 local files cannot disagree), trains, and leaves. Exit codes: 0 done; 2 bad input (one line);
 1 anything else, a bug or a failed run, with this rank's traceback, every line prefixed by
 `[rank N]` so that interleaved output from many ranks stays readable; 74 a storage error a
-restart would meet again (a read-only or full checkpoint folder: one line, never restarted); a collective that fails
-because a peer process died (expected after another rank's failure) is one line instead. A failing rank does not
+restart would meet again (a read-only or full checkpoint folder: one line, never restarted);
+a collective that fails because a peer process died (expected after another rank's failure) is one line instead. A failing rank does not
 wait for the others at a barrier (torchrun then stops the rest).
 """
 
