@@ -90,7 +90,11 @@ def preempted(trace: Trace):
                       "continue with --resume.", [])
     dumps = trace.dumps.values()
     times = [d["time"] for d in dumps]
-    if not all(sigterm_dump(d) for d in dumps) or max(times) - min(times) > _TOGETHER_S:
+    # a rank whose SIGTERM came after a peer had already ended by its own SIGTERM (no
+    # checkpointing: the default action) dumps as torchrun's teardown: stopped together too
+    together = all(d.get("reason", "").startswith("SIGTERM") for d in dumps) \
+        and any(sigterm_dump(d) for d in dumps)
+    if not together or max(times) - min(times) > _TOGETHER_S:
         return None
     steps = sorted({d.get("step") for d in dumps}, key=lambda s: s or 0)
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
