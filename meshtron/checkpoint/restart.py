@@ -143,9 +143,11 @@ def attempt_cause(run_dir: str | Path, world_size: int, n: int) -> str:
         return min(watchdog, key=lambda note: note["time"])["cause"]
     silent = sorted(set(range(world_size)) - {note["rank"] for note in notes})
     exits = agent_exits(run_dir, n)
-    seen = [r for r in silent if r in exits]
-    if seen:  # what torchrun's agent saw: the signal itself
-        return "; ".join(f"rank {r} {exit_text(exits[r])} (no Python error)" for r in seen)
+    seen = [r for r in silent if exits.get(r, 0) < 0] or [r for r in silent if r in exits]
+    if seen:  # what torchrun's agent saw: the signal itself (before any rank it took along)
+        return "; ".join(f"rank {r} {exit_text(exits[r])} (no Python error)" if exits[r] < 0
+                         else f"rank {r} ended with exit code {exits[r]} and left no note of "
+                         "its error (its output says why)" for r in seen)
     if silent:
         who = ", ".join(str(r) for r in silent)
         return (f"rank {who} ended without a Python error (killed by a signal: SIGKILL, the "
