@@ -112,7 +112,8 @@ def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
 def test_sigkilled_rank_is_named_with_its_signal(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "1")
-    _wait(lambda: _last_step(run_dir) >= 4 and len(rank_pids(run_dir)) == 2, proc)
+    _wait(lambda: (run_dir / "checkpoints" / "step_00000003").is_dir()
+          and len(rank_pids(run_dir)) == 2, proc)
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
     _wait(lambda: any(r.get("event") == "restart" for r in records(run_dir)), proc)
     proc.terminate()  # the restarted attempt checkpoints and stops
@@ -123,6 +124,7 @@ def test_sigkilled_rank_is_named_with_its_signal(tmp_path):
     first = doc["attempts"][0]
     assert code == 3 and first["kind"] == "dead_rank" and first["culprit_ranks"] == [1], first
     assert "torchrun's agent saw rank 1 killed by SIGKILL" in first["verdict"], first
+    assert restart["resumed_from_step"] >= 3, restart
     assert (f"the last complete checkpoint was step {restart['resumed_from_step']} "
             "(attempt 1 resumed from it)") in first["verdict"], first
 
