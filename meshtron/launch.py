@@ -34,6 +34,9 @@ from meshtron.errors import RunFailed, UserError
 # 2 cores already run 5-10x slower than one process).
 MAX_CPU_RANKS = 32
 ARGV_ENV = "MESHTRON_RANK_ARGV"
+RUN_DIR_ENV = "MESHTRON_RUN_DIR"
+"""The run folder, for torchrun's agent to note how the ranks ended
+(`stop_restarts_on_final_codes`)."""
 PARENT_ENV = "MESHTRON_PARENT_PID"
 """The pid a process started by `launch_local` must die with (`bind_to_parent`): the
 launcher's for torchrun's agent, the agent's for the ranks."""
@@ -46,6 +49,15 @@ EXIT_MARGIN_S = 10.0
 TORCHRUN_SHUTDOWN_S = 30
 """What torchrun gives workers between SIGTERM and SIGKILL when it has no --shutdown-timeout."""
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EXIT_USAGE = 2
+EXIT_STORAGE = 74
+"""meshtron.checkpoint.EXIT_STORAGE (a rank's storage error), repeated here: the launcher
+never imports torch-side modules before torchrun's own."""
+EXIT_PREEMPTED = 75
+"""meshtron.checkpoint.EXIT_PREEMPTED (the ranks checkpointed after SIGTERM), repeated here."""
+FINAL_CODES = (EXIT_USAGE, EXIT_STORAGE, EXIT_PREEMPTED)
+"""Rank exit codes that end the job instead of spending a restart: bad input and a storage
+error recur on every attempt, a preemption asks for a requeue (`stop_restarts_on_final_codes`)."""
 
 
 @dataclass(frozen=True)
@@ -364,14 +376,11 @@ def torchrun_main(argv: list[str]) -> int:
         print(f"meshtron: torchrun of torch {torch.__version__} does not know "
               f"{' '.join(unknown)}; no rank started", file=sys.stderr)
         return EXIT_LAUNCHER
+    stop_restarts_on_final_codes()
     try:
         run(args)
     except ChildFailedError as exc:
-        for rank, failure in sorted(exc.failures.items()):
-            how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
-                   else f"exit code {failure.exitcode}")
-            print(f"torchrun: rank {rank} (pid {failure.pid}) failed: {how}", file=sys.stderr)
-        return 1
+        return _report_failures(exc.failures)
     except SignalException as exc:
         if exc.sigval != signal.SIGINT:
             print(f"torchrun: stopped by {exc.sigval.name}; the ranks were stopped",
@@ -382,6 +391,53 @@ def torchrun_main(argv: list[str]) -> int:
         print(f"meshtron: torchrun failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_LAUNCHER
     return 0
+
+
+def stop_restarts_on_final_codes() -> None:
+    """torchrun's agent restarts the ranks on any failure while restarts are left (torch
+    2.13, torch/distributed/elastic/agent/server/api.py `SimpleElasticAgent._invoke_run`: it
+    looks at no exit code). A rank exit code in FINAL_CODES (bad input, a storage error, a
+    preemption's checkpoint written) sets the agent's remaining restarts to 0, so that its loop
+    stops the ranks and returns the failure: what torch's own LocalElasticAgent does for a
+    worker stuck in uninterruptible sleep (local_elastic_agent.py
+    `_check_uninterruptible_state_timeout`, "disable restarts"). The one meshtron addition to
+    torchrun's agent, made in its process only (`torchrun_main`)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+    if getattr(monitor, "meshtron_final_codes", False):
+        return
+
+    def monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        failures = result.failures or {}
+        if failures and os.environ.get(RUN_DIR_ENV):  # the signal, for the cause and doctor
+            from meshtron.checkpoint.restart import note_agent_exits
+
+            attempt = worker_group.spec.max_restarts - self._remaining_restarts
+            note_agent_exits(os.environ[RUN_DIR_ENV], attempt,
+                             {rank: f.exitcode for rank, f in failures.items()})
+        if any(f.exitcode in FINAL_CODES for f in failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+    monitor_workers.meshtron_final_codes = True
+    LocalElasticAgent._monitor_workers = monitor_workers
+
+
+def _report_failures(failures) -> int:
+    """One line per failed rank; the exit code to return: 75 when every failed rank exited
+    after its preemption checkpoint (nothing said: the launcher reports the preemption), else
+    the first final code (2, 74) a rank exited with, else 1."""
+    codes = [failure.exitcode for failure in failures.values()]
+    if codes and all(code == EXIT_PREEMPTED for code in codes):
+        return EXIT_PREEMPTED
+    for rank, failure in sorted(failures.items()):
+        how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exit code {failure.exitcode}")
+        print(f"torchrun: rank {rank} (pid {failure.pid}) failed: {how}", file=sys.stderr)
+    final = [code for code in codes if code in (EXIT_USAGE, EXIT_STORAGE)]
+    return final[0] if final else 1
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@
   wall-clock marks, for the restart record.
 """
 
-from meshtron.checkpoint.config import EXIT_PREEMPTED, CheckpointConfig
+from meshtron.checkpoint.config import EXIT_PREEMPTED, EXIT_STORAGE, CheckpointConfig
 
-__all__ = ["EXIT_PREEMPTED", "CheckpointConfig", "latest_checkpoint", "load_full_state_dict"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_STORAGE", "CheckpointConfig", "latest_checkpoint",
+           "load_full_state_dict"]
 
 
 def __getattr__(name: str):

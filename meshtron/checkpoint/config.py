@@ -12,6 +12,10 @@ EXIT_PREEMPTED = 75
 """Exit code of a run stopped by SIGTERM after writing its checkpoint: sysexits.h EX_TEMPFAIL
 ("temporary failure, try again"), so a scheduler script can tell a preemption (requeue with
 `--resume`) from success (0), bad input (2) and a failure (1)."""
+EXIT_STORAGE = 74
+"""Exit code of a rank (and of the launcher) that failed on a file-system error a restart would
+meet again (checkpoint/restart.py `storage_error`: a read-only or full checkpoint folder):
+sysexits.h EX_IOERR ("an error occurred while doing I/O on some file"). Never restarted."""
 
 DEFAULT_KEEP = 3
 DEFAULT_PREEMPT_GRACE_S = 30.0

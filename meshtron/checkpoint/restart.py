@@ -8,14 +8,23 @@ groups then hang or fail with 'Gloo connectFullMesh failed ... Connection refuse
 pytorch-2.13-cpu-facts.md). The group is therefore built on a store namespaced per attempt.
 
 Why the previous attempt ended: a rank that fails with a Python exception (including a CUDA
-out-of-memory error) leaves a note (`note_failure`); a rank killed by a signal (SIGKILL, the
-kernel's OOM killer) cannot, so the ranks without a note are reported as killed.
+out-of-memory error) leaves a note (`note_failure`) in RUN_DIR/attempts, outside the checkpoint
+folder, so that a checkpoint-disk failure (a read-only or full checkpoint folder) cannot also
+take away the note that names it; a rank killed by a signal (SIGKILL, the kernel's OOM killer)
+cannot, so the ranks without a note are reported as killed. A note that cannot be written is
+said on the rank's stderr (never silently dropped).
+
+Errors that recur on every attempt are not retried: a rank that fails on bad input (exit code 2)
+or on a storage error (`storage_error`, exit code EXIT_STORAGE) or is preempted (exit code 75)
+makes meshtron's torchrun agent stop instead of restarting (meshtron/launch.py `FINAL_CODES`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +33,7 @@ from typing import Any, Mapping
 from meshtron.checkpoint import store
 
 ATTEMPTS = "attempts"
+EXITS = "exits.json"
 
 
 def attempt(env: Mapping[str, str] | None = None) -> int:
@@ -58,21 +68,73 @@ def attempt_store(rank: int, world_size: int, timeout_s: float):
     return dist.PrefixStore(f"meshtron/attempt_{attempt()}", base)
 
 
+# OSError numbers that a new attempt on the same machine and folder meets again: no permission,
+# a read-only file system, a path that is a file where a folder is expected (or the reverse),
+# a full disk or quota. Connection and timeout errors (also OSErrors) are not among them.
+_RECURRING_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+                               errno.EISDIR, errno.ENOSPC, errno.EDQUOT})
+
+
+def storage_error(exc: BaseException) -> bool:
+    """`exc` is a file-system error that a restart on the same folder would meet again
+    (PermissionError on a read-only checkpoint folder, a full disk, ...): not worth a restart."""
+    return isinstance(exc, OSError) and exc.errno in _RECURRING_ERRNOS
+
+
+def _notes_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / ATTEMPTS
+
+
 def _notes_dir(run_dir: str | Path, n: int) -> Path:
-    return store.checkpoint_root(run_dir) / ATTEMPTS / f"attempt_{n}"
+    return _notes_root(run_dir) / f"attempt_{n}"
 
 
 def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception") -> None:
-    """Record why this rank is failing (best effort: never raises). `kind`: "exception" (a
-    Python error), "watchdog" (the doctor's watchdog abort) or "teardown" (stopped by torchrun
-    after another rank ended: not a cause of its own)."""
+    """Record why this rank is failing (never raises: a note that cannot be written is one line
+    on stderr). `kind`: "exception" (a Python error), "watchdog" (the doctor's watchdog abort)
+    or "teardown" (stopped by torchrun after another rank ended: not a cause of its own)."""
     try:
         folder = _notes_dir(run_dir, attempt())
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank_{rank}.json").write_text(json.dumps(
             {"rank": rank, "cause": cause[:500], "kind": kind, "time": time.time()}))
-    except OSError:
-        pass
+    except OSError as exc:
+        print(f"meshtron train (rank {rank}): could not write the failure note ({exc}); the "
+              f"cause was: {cause[:500]}", file=sys.stderr, flush=True)
+
+
+def note_agent_exits(run_dir: str | Path, n: int, exits: Mapping[int, int]) -> None:
+    """What torchrun's agent saw end attempt `n`: {rank: exit code, negative for a signal}
+    (written by the agent's process, meshtron/launch.py; never raises)."""
+    try:
+        folder = _notes_dir(run_dir, n)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / EXITS).write_text(json.dumps({str(r): code for r, code in exits.items()}))
+    except OSError as exc:
+        print(f"meshtron: could not write torchrun's view of the ranks' ends ({exc})",
+              file=sys.stderr, flush=True)
+
+
+def agent_exits(run_dir: str | Path, n: int) -> dict[int, int]:
+    """{rank: exit code} torchrun's agent saw end attempt `n` (negative: killed by that
+    signal); {} when it left none."""
+    try:
+        doc = json.loads((_notes_dir(run_dir, n) / EXITS).read_text())
+        return {int(r): int(code) for r, code in doc.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def exit_text(code: int) -> str:
+    """'killed by SIGKILL' for a negative exit code (torchrun's convention), else 'exit code N'."""
+    import signal
+
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def previous_cause(run_dir: str | Path, world_size: int) -> str:
@@ -89,6 +151,12 @@ def attempt_cause(run_dir: str | Path, world_size: int, n: int) -> str:
     if watchdog:
         return min(watchdog, key=lambda note: note["time"])["cause"]
     silent = sorted(set(range(world_size)) - {note["rank"] for note in notes})
+    exits = agent_exits(run_dir, n)
+    seen = [r for r in silent if exits.get(r, 0) < 0] or [r for r in silent if r in exits]
+    if seen:  # what torchrun's agent saw: the signal itself (before any rank it took along)
+        return "; ".join(f"rank {r} {exit_text(exits[r])} (no Python error)" if exits[r] < 0
+                         else f"rank {r} ended with exit code {exits[r]} and left no note of "
+                         "its error (its output says why)" for r in seen)
     if silent:
         who = ", ".join(str(r) for r in silent)
         return (f"rank {who} ended without a Python error (killed by a signal: SIGKILL, the "
@@ -114,12 +182,14 @@ def clear_notes(run_dir: str | Path) -> None:
     a note left by the last launch's attempt 1 must not name this launch's causes)."""
     import shutil
 
+    shutil.rmtree(_notes_root(run_dir), ignore_errors=True)
+    # where meshtron before session 44 kept them
     shutil.rmtree(store.checkpoint_root(run_dir) / ATTEMPTS, ignore_errors=True)
 
 
 def last_attempt(run_dir: str | Path) -> int:
     """The highest attempt that left notes (0 when none did)."""
-    folder = store.checkpoint_root(run_dir) / ATTEMPTS
+    folder = _notes_root(run_dir)
     numbers = [int(p.name.removeprefix("attempt_")) for p in folder.glob("attempt_*")
                if p.name.removeprefix("attempt_").isdigit()]
     return max(numbers, default=0)

@@ -11,6 +11,9 @@ Kinds, in the order they are looked for:
   to B with the k-th receive on B from A. Culprits are the minority (ties: the higher ranks).
 - `straggler`: no divergence, but one rank reaches the collectives late (the others wait for
   it) by more than the host's CPU load explains, and 3x any other rank (straggler.py).
+- `preempted` (every rank stopped by SIGTERM together, or a committed preemption checkpoint),
+  `dead_rank` after a stale SIGTERM dump, and `exception` (the earliest error a rank raised,
+  when the ranks agree on every collective): how the run ended (meshtron/diagnose/endings.py).
 - `no_dump`: no rank has dumped (killed from outside, or the run is still going).
 - `none`: nothing of the above.
 """
@@ -22,12 +25,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshtron.diagnose import straggler
+from meshtron.diagnose import endings, straggler
 from meshtron.diagnose.trace import Trace, frame_text
 from meshtron.doctor.dump import process_state
 
 KINDS = ("never_entered", "mismatched_op", "mismatched_shape", "dead_rank", "frozen_rank",
-         "straggler", "no_dump", "none")
+         "preempted", "exception", "straggler", "no_dump", "none")
 _BROKEN = ("connection closed", "connection reset", "broken pipe", "connection refused",
            "remote process exited", "peer")
 
@@ -233,7 +236,8 @@ def _missing_ranks(trace: Trace) -> Diagnosis | None:
     kind, culprits = ("dead_rank", dead) if dead else ("frozen_rank", frozen)
     names = "; ".join(trace.label(r) for r in culprits)
     if kind == "dead_rank":
-        text = f"{names} died (its process is gone and it left no dump)"
+        text = (f"{names} died (its process is gone and it left no dump"
+                f"{endings.dead_rank_details(trace, culprits)})")
     elif all(states[r] == "stopped" for r in culprits):
         text = f"{names} is frozen (its process is stopped, e.g. by SIGSTOP, and could not dump)"
     else:
@@ -243,6 +247,9 @@ def _missing_ranks(trace: Trace) -> Diagnosis | None:
         r, rec, secs = wait
         text += (f"; rank {r} waited {secs:.1f} s for it in {_op_text(rec)} on "
                  f"{trace.group_label(rec['group'])}")
+        if endings.sigterm_dump(trace.dumps[r]):  # measured to that dump, not to its end
+            text += (" up to its SIGTERM dump and went on waiting after it: no preemption "
+                     f"checkpoint could be written, {_ranks_text(culprits)} did not answer")
     if len(culprits) > 1:
         text = text.replace("its process is", "their processes are").replace(
             " is frozen", " are frozen").replace("it left", "they left").replace(
@@ -286,19 +293,25 @@ def diagnose(trace: Trace) -> Diagnosis:
         diagnosis = _no_dumps(trace)
         diagnosis.evidence = evidence(trace)
         return diagnosis
-    diagnosis = _missing_ranks(trace)
+    diagnosis = (_ending(endings.died_after_dump(trace)) or _missing_ranks(trace)
+                 or _ending(endings.preempted(trace)))
     if diagnosis is None:
         d = find_divergence(trace)
         if d is not None:
             diagnosis = (_never_entered(trace, d) if d["kind"] == "never_entered"
                          else _mismatch_verdict(trace, d))
         else:
-            diagnosis = _straggler(trace) or _nothing(trace)
+            diagnosis = (_ending(endings.raised(trace)) or _straggler(trace)
+                         or _nothing(trace))
     diagnosis.evidence = diagnosis.evidence + evidence(trace)
     if trace.abort and trace.dumps:
         diagnosis.hang_to_dump_s = (max(d["time"] for d in trace.dumps.values())
                                     - max(d["last_progress_t"] for d in trace.dumps.values()))
     return diagnosis
+
+
+def _ending(found: endings.Ending | None) -> Diagnosis | None:
+    return None if found is None else Diagnosis(*found)
 
 
 def _no_dumps(trace: Trace) -> Diagnosis:

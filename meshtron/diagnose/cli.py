@@ -10,14 +10,17 @@ from meshtron.errors import UserError
 
 
 EXIT_FOUND = 3
-"""A problem found: a verdict other than `none` (a culprit rank named, in any attempt of a
-restarted run) or, with --nccl-log, at least one error-severity problem in the logs."""
+"""A problem found: a verdict other than `none`, `no_dump` or `preempted` (a culprit rank
+named, or an exception a rank raised, in any attempt of a restarted run) or, with --nccl-log,
+at least one error-severity problem in the logs."""
 EXIT_NO_DUMP = 4
 """No rank has dumped (killed from outside, interrupted, or the run is still going): nothing
 was judged."""
-EXIT_CODES = ("exit code 0: nothing wrong found; 3: a problem found (a culprit rank named, or "
-              "NCCL log errors); 4: no rank has dumped, nothing to judge; 2: bad input; "
-              "1: a bug")
+NOT_PROBLEMS = ("none", "no_dump", "preempted")
+"""Verdicts that name no problem: a preemption is the scheduler's, not the run's."""
+EXIT_CODES = ("exit code 0: nothing wrong found (a preemption included); 3: a problem found "
+              "(a culprit rank named, an exception a rank raised, or NCCL log errors); 4: no "
+              "rank has dumped, nothing to judge; 2: bad input; 1: a bug")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -53,7 +56,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def exit_code(diagnoses) -> int:
     """EXIT_FOUND when any attempt's verdict names a problem; EXIT_NO_DUMP when the latest
     attempt left no dump and no earlier one names a problem; 0 otherwise."""
-    if any(d.kind not in ("none", "no_dump") for d in diagnoses):
+    if any(d.kind not in NOT_PROBLEMS for d in diagnoses):
         return EXIT_FOUND
     return EXIT_NO_DUMP if diagnoses[-1].kind == "no_dump" else 0
 

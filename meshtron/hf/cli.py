@@ -46,7 +46,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from meshtron.hf.export import export_type, prepare_export_dir, save_hf
     from meshtron.hf.hooks import source_config, tokenizer_source
     from meshtron.hf.load import model_shapes
-    from meshtron.hf.origin import origin_record, recorded_path, write_origin
+    from meshtron.hf.origin import origin_record, recorded_path
 
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
@@ -63,10 +63,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     # the newest complete checkpoint (or --step's), chosen again when a live run's retention
     # removes it while it is read
     state, _, step = read_newest(run_dir, read, "meshtron export", args.step)
-    out = save_hf(state, cfg.model, args.to, source_config(cfg), tokenizer_source(cfg, run_dir))
     init = (str(recorded_path(cfg.train.init_from, run_dir, cfg.train.run_dir))
             if cfg.train.init_from else None)
-    write_origin(out, origin_record(run_dir, step, init, cfg.train.seed))
+    out = save_hf(state, cfg.model, args.to, source_config(cfg), tokenizer_source(cfg, run_dir),
+                  origin=origin_record(run_dir, step, init, cfg.train.seed))
     print(f"exported step {step} of {run_dir} ({len(state)} tensors) to {out}")
     return 0
 

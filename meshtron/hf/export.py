@@ -8,8 +8,13 @@ Two entry points:
   every rank of a pipeline stage; the stage's first rank (dp and tp coordinate 0) buffers them
   on the CPU and writes a file whenever `max_shard_bytes` is reached, so no rank ever holds more
   than one file's worth plus one parameter. Each pipeline stage writes its own files; rank 0
-  writes `model.safetensors.index.json` (or renames a lone file to `model.safetensors`), the
-  config and the tokenizer files.
+  writes the config, the tokenizer files and the origin record (export.json), then
+  `model.safetensors.index.json` (or renames a lone file to `model.safetensors`).
+
+The index (written to a temporary name and renamed) or the rename of the lone file is the
+commit point, done last: a killed export leaves either a complete folder or one without it,
+which a rerun accepts (its shard files, matched by name, are removed first). A folder with
+a committed export, or with other *.safetensors files, is refused.
 
 Tensors are written in the parameters' dtype (fp32 master weights also for bf16 runs), so an
 export of unchanged weights is bit-identical to what was loaded.
@@ -18,6 +23,7 @@ export of unchanged weights is bit-identical to what was loaded.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,25 @@ from meshtron.model.spec import ModelSpec
 DEFAULT_SHARD_BYTES = 5 * 2**30
 """Largest safetensors file written (Hugging Face's own default is 5 GB)."""
 
+COMMITTED = ("model.safetensors", "model.safetensors.index.json")
+"""The files that make a folder a finished export (written last: the commit point)."""
+_UNFINISHED = re.compile(r"(model(-pp\d{3})?-\d{5}\.safetensors|\..*\.tmp)")
+"""The names a killed export leaves before its commit: shard files and temporary files."""
+
+
+def unfinished_files(out: Path) -> list[Path]:
+    """What an export killed before its commit left in `out` (none when it committed)."""
+    if not out.is_dir() or any((out / name).is_file() for name in COMMITTED):
+        return []
+    return sorted(p for p in out.iterdir() if p.is_file() and _UNFINISHED.fullmatch(p.name))
+
+
+def clear_unfinished(out: Path) -> None:
+    """Remove a killed export's shard and temporary files before writing new ones."""
+    for path in unfinished_files(out):
+        path.unlink(missing_ok=True)
+
+
 def prepare_export_dir(out_dir: str | Path, field: str = "train.export",
                        run_dir: str | Path | None = None) -> Path:
     """Create `out_dir`; refuse a file, a folder that already holds weights, and a meshtron run
@@ -46,7 +71,8 @@ def prepare_export_dir(out_dir: str | Path, field: str = "train.export",
         raise UserError(f"{field}={str(out_dir)!r}: is a meshtron run folder (its config.json "
                         "is the run's record, which the export's would replace); give a "
                         f"folder of its own, e.g. {str(out / 'weights')!r}")
-    if out.is_dir() and any(out.glob("*.safetensors")):
+    leftover = set(unfinished_files(out))
+    if out.is_dir() and any(p not in leftover for p in out.glob("*.safetensors")):
         raise UserError(f"{field}={str(out_dir)!r}: already holds *.safetensors weights; "
                          "choose an empty folder")
     writable_target(out, field)  # before the checkpoint is read: nothing half-written
@@ -64,21 +90,33 @@ def _write_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def write_metadata(out: Path, spec: ModelSpec, weight_map: dict[str, str],
                    config: dict[str, Any] | None = None, tokenizer_dir: str | Path | None = None,
-                   dtype: str = "float32") -> None:
-    """config.json, the index (or a lone file renamed to model.safetensors) and the tokenizer."""
+                   dtype: str = "float32", origin: dict[str, Any] | None = None) -> None:
+    """config.json, the tokenizer and the origin record (export.json), then the commit: the
+    index (or a lone file renamed to model.safetensors)."""
+    doc = dict(config) if config else hf_config(spec, dtype, export_type(spec, config))
+    doc["vocab_size"] = spec.vocab
+    _write_text(out / "config.json", json.dumps(doc, indent=2))
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out)
+    if origin is not None:
+        from meshtron.hf.origin import write_origin
+
+        write_origin(out, origin)
     files = sorted(set(weight_map.values()))
     if len(files) == 1:
         (out / files[0]).replace(out / "model.safetensors")
     else:
         total = sum((out / f).stat().st_size for f in files)
-        (out / "model.safetensors.index.json").write_text(json.dumps(
+        _write_text(out / "model.safetensors.index.json", json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
             indent=2))
-    doc = dict(config) if config else hf_config(spec, dtype, export_type(spec, config))
-    doc["vocab_size"] = spec.vocab
-    (out / "config.json").write_text(json.dumps(doc, indent=2))
-    if tokenizer_dir is not None:
-        copy_tokenizer(tokenizer_dir, out)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Whole or not at all: a temporary file renamed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def export_type(spec: ModelSpec, config: dict[str, Any] | None,
@@ -108,10 +146,13 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 def save_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir: str | Path,
             config: dict[str, Any] | None = None, tokenizer_dir: str | Path | None = None,
-            max_shard_bytes: int = DEFAULT_SHARD_BYTES, field: str = "export --to") -> Path:
-    """Write `state` (every parameter, meshtron names, full tensors) as a Hugging Face folder."""
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, field: str = "export --to",
+            origin: dict[str, Any] | None = None) -> Path:
+    """Write `state` (every parameter, meshtron names, full tensors) as a Hugging Face folder;
+    `origin`: the export.json record (meshtron/hf/origin.py), written before the commit."""
     out = prepare_export_dir(out_dir, field)
     out.mkdir(parents=True, exist_ok=True)
+    clear_unfinished(out)
     from meshtron.hf.load import model_shapes
 
     mtype = export_type(spec, config, field)
@@ -133,7 +174,7 @@ def save_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir: str | Path
     if buf:
         _flush(buf, out, f"model-{n:05d}.safetensors", weight_map, n)
     write_metadata(out, spec, weight_map, config, tokenizer_dir,
-                   _dtype_name(state[next(iter(names))]))
+                   _dtype_name(state[next(iter(names))]), origin)
     return out
 
 
@@ -149,7 +190,8 @@ def _flush(buf: dict[str, torch.Tensor], out: Path, name: str, weight_map: dict[
 def export_parallel(pm, spec: ModelSpec, out_dir: str | Path,
                     config: dict[str, Any] | None = None,
                     tokenizer_dir: str | Path | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path | None:
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    origin: dict[str, Any] | None = None) -> Path | None:
     """Write the model of a `ParallelModel` as a Hugging Face folder (collective: every rank
     calls it). Returns the folder on rank 0, None elsewhere."""
     import torch.distributed as dist
@@ -163,6 +205,7 @@ def export_parallel(pm, spec: ModelSpec, out_dir: str | Path,
     stage = mesh.get_local_rank("pp")
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
+        clear_unfinished(out)
     dist.barrier()
     from meshtron.hf.load import model_shapes
 
@@ -192,6 +235,6 @@ def export_parallel(pm, spec: ModelSpec, out_dir: str | Path,
     merged: dict[str, str] = {}
     for m, _ in maps:
         merged.update(m)
-    write_metadata(out, spec, merged, config, tokenizer_dir, maps[0][1])
+    write_metadata(out, spec, merged, config, tokenizer_dir, maps[0][1], origin)
     dist.barrier()
     return out

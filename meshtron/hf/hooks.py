@@ -60,14 +60,14 @@ def export_at_end(cfg: RunConfig, run_dir: Path, pm=None, model=None) -> None:
     if not cfg.train.export:
         return
     from meshtron.hf.export import export_parallel, save_hf
-    from meshtron.hf.origin import origin_record, write_origin
+    from meshtron.hf.origin import origin_record
 
     tok = tokenizer_source(cfg, run_dir)
+    # the loop always ends at step train.steps; written before the weights' commit
+    origin = origin_record(run_dir, cfg.train.steps, cfg.train.init_from, cfg.train.seed)
     if pm is not None:
-        out = export_parallel(pm, cfg.model, cfg.train.export, source_config(cfg), tok)
+        export_parallel(pm, cfg.model, cfg.train.export, source_config(cfg), tok,
+                        origin=origin)
     else:
-        out = save_hf(dict(model.named_parameters()), cfg.model, cfg.train.export,
-                      source_config(cfg), tok, field="train.export")
-    if out is not None:  # rank 0 (the loop always ends at step train.steps)
-        write_origin(out, origin_record(run_dir, cfg.train.steps, cfg.train.init_from,
-                                        cfg.train.seed))
+        save_hf(dict(model.named_parameters()), cfg.model, cfg.train.export,
+                source_config(cfg), tok, field="train.export", origin=origin)

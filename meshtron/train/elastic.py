@@ -222,6 +222,7 @@ def launch_node(job) -> int:
     the job ends; returns its exit code."""
     from meshtron.launch import check_nproc, current_world, launch_local
     from meshtron.train.job import warn, write_run_file
+    from meshtron.checkpoint import EXIT_PREEMPTED, EXIT_STORAGE
     from meshtron.train.loop import build_run_data
 
     elastic = job.elastic
@@ -247,11 +248,14 @@ def launch_node(job) -> int:
                             env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    if code != 0:
+    if code == EXIT_PREEMPTED:  # torchrun returns it only when every failed rank checkpointed
+        print(f"meshtron train: this node's ranks were preempted after their checkpoint (exit "
+              f"code {code}); continue with --resume", file=sys.stderr)
+    elif code != 0:
         print(f"meshtron train: this node's ranks failed (exit code {code}); their output is "
               "above", file=sys.stderr)
-        return 2 if code == 2 else 1
-    return 0
+    # what the line says (meshtron/train/launch.py `failed_line`: 2, 74, 75, 128 + N kept)
+    return code if code in (0, 2, EXIT_STORAGE, EXIT_PREEMPTED) or code > 128 else 1
 
 
 # ---- a rank, at the start of every round -------------------------------------------------------

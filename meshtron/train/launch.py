@@ -26,7 +26,9 @@ EXIT_USAGE = 2
 
 
 def run_job(job: TrainJob, world: World | None = None) -> int:
-    """Run the job where it belongs; returns the exit code (0 done, 1 failed ranks)."""
+    """Run the job where it belongs; returns the exit code (0 done, 1 failed ranks, 2 bad
+    input, 74 a storage error, 75 preempted with a checkpoint, 128 + N stopped by signal N
+    without one)."""
     if job.elastic is not None and not job.elastic.rank:  # this node's agent (also under srun)
         from meshtron.train.elastic import launch_node
 
@@ -115,16 +117,55 @@ def launch_ranks(job: TrainJob) -> int:
               f"exit code {EXIT_PREEMPTED}; continue with --resume", file=sys.stderr)
         return EXIT_PREEMPTED
     if code != 0:
-        who = "the rank" if nproc == 1 else f"the {nproc} ranks"
-        print(f"meshtron train: {who} failed (exit code {code}); their output is above"
+        print(failed_line(nproc, code) + frozen_note(run_dir, code)
               + restarts_used_up(job, nproc, code), file=sys.stderr)
-        return EXIT_USAGE if code == EXIT_USAGE else 1
+        return code
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
         import json
 
         outputs.print_result(job.cfg, json.loads(summary_path.read_text()), run_dir)
     return 0
+
+
+def failed_line(nproc: int, code: int) -> str:
+    """The launcher's line for ranks that did not finish; `code` is also its exit code: 2 bad
+    input, 74 a storage error (not restarted), 128 + N stopped by signal N before any
+    preemption checkpoint was committed, 1 any other failure."""
+    import signal
+
+    from meshtron.checkpoint import EXIT_STORAGE
+
+    who = "the rank" if nproc == 1 else f"the {nproc} ranks"
+    if code > 128 and code - 128 in signal.Signals._value2member_map_:
+        name = signal.Signals(code - 128).name
+        return (f"meshtron train: {who} stopped by {name} without a committed checkpoint "
+                f"(exit code {code}); their output is above")
+    if code == EXIT_STORAGE:
+        return (f"meshtron train: {who} failed on a storage error (exit code {code}; not "
+                "restarted: it would recur); their output is above")
+    return f"meshtron train: {who} failed (exit code {code}); their output is above"
+
+
+def frozen_note(run_dir: Path, code: int) -> str:
+    """After a signal that found no checkpoint written: the ranks that did not answer (the
+    doctor's verdict on the dumps: a rank frozen, e.g. SIGSTOPped, blocks the preemption's
+    agreement and save), or ''."""
+    if code <= 128:
+        return ""
+    from meshtron.diagnose.analyze import diagnose
+    from meshtron.diagnose.trace import load_trace
+    from meshtron.errors import UserError
+
+    try:
+        verdict = diagnose(load_trace(run_dir))
+    except (UserError, OSError, ValueError, KeyError):
+        return ""
+    if verdict.kind != "frozen_rank":
+        return ""
+    who = ", ".join(str(r) for r in verdict.culprit_ranks)
+    return (f"\nmeshtron train: the checkpoint was not written because rank {who} did not "
+            f"answer ({verdict.verdict.split(';')[0]})")
 
 
 def restarts_used_up(job: TrainJob, nproc: int, code: int) -> str:
@@ -137,7 +178,7 @@ def restarts_used_up(job: TrainJob, nproc: int, code: int) -> str:
     import time
 
     from meshtron import doctor
-    from meshtron.checkpoint import history, restart, store
+    from meshtron.checkpoint import EXIT_STORAGE, history, restart, store
 
     run_dir = Path(job.cfg.train.run_dir)
     # the attempts that started a doctor session, or left a note before they could
@@ -152,6 +193,8 @@ def restarts_used_up(job: TrainJob, nproc: int, code: int) -> str:
               else "no complete checkpoint to resume from")
     budget = (f"the restart budget is used up ({done} of --max-restarts {limit} done)"
               if done >= limit else f"{done} of --max-restarts {limit} restarts done")
+    if code == EXIT_STORAGE:
+        budget = f"not restarted ({done} of --max-restarts {limit} restarts done)"
     return f"\nmeshtron train: {budget}; the last attempt ended: {cause}; {resume}"
 
 
@@ -172,7 +215,7 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
     """Save what the ranks read (run.toml, plan.toml), start them, wait; their exit code."""
     from meshtron.checkpoint import restart
     from meshtron.doctor.dump import clear_trace
-    from meshtron.launch import launch_local
+    from meshtron.launch import RUN_DIR_ENV, launch_local
 
     warn(job)
     run_dir = Path(job.cfg.train.run_dir)
@@ -183,7 +226,8 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
     outputs.print_moe_aux_note(job.cfg.model, plan)
     return launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
-                        grace_s=job.checkpoint.preempt_grace_s)
+                        grace_s=job.checkpoint.preempt_grace_s,
+                        env={RUN_DIR_ENV: str(run_dir)})
 
 
 def claim_run_dir(job: TrainJob, plan) -> None:

@@ -4,8 +4,9 @@ or by an outside torchrun / srun for multi-node jobs).
 Joins the process group, takes the plan rank 0 resolved (broadcast, so nodes with different
 local files cannot disagree), trains, and leaves. Exit codes: 0 done; 2 bad input (one line);
 1 anything else, a bug or a failed run, with this rank's traceback, every line prefixed by
-`[rank N]` so that interleaved output from many ranks stays readable; a collective that fails
-because a peer process died (expected after another rank's failure) is one line instead. A failing rank does not
+`[rank N]` so that interleaved output from many ranks stays readable; 74 a storage error a
+restart would meet again (a read-only or full checkpoint folder: one line, never restarted);
+a collective that fails because a peer process died (expected after another rank's failure) is one line instead. A failing rank does not
 wait for the others at a barrier (torchrun then stops the rest).
 """
 
@@ -36,8 +37,9 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     from meshtron import doctor
     from meshtron.runtime import init_rank, shutdown_rank
 
-    from meshtron.checkpoint import EXIT_PREEMPTED
+    from meshtron.checkpoint import EXIT_PREEMPTED, EXIT_STORAGE
     from meshtron.checkpoint.checkpointer import Preempted
+    from meshtron.checkpoint.restart import storage_error
 
     try:
         doctor.prepare_env()
@@ -90,6 +92,9 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, and no hung peers
         _note(job, world, f"{type(exc).__name__}: {exc}")
         _dump(exc)
+        if storage_error(exc):  # a restart would meet it again: EXIT_STORAGE is not retried
+            _abort(world, f"failed: {type(exc).__name__}: {exc} (a storage error: a restart "
+                          "would meet it again)", EXIT_STORAGE)
         if peer_lost(exc):  # expected once another rank died: that rank says why
             _abort(world, f"stopped: a peer rank is gone ({_first_line(exc)}); the rank that "
                           "failed reports why (trace: meshtron doctor "

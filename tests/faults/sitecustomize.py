@@ -43,3 +43,18 @@ if _HANG and os.environ.get("RANK") == os.environ.get("MESHTRON_TEST_HANG_RANK",
         return _next(self)
 
     TrainLoader.next_batch = load_batch
+
+# With MESHTRON_TEST_KILL_AT_COMMIT=1: the process SIGKILLs itself when an export is about to
+# commit (the rename of its weights to model.safetensors), after every other file is written.
+if os.environ.get("MESHTRON_TEST_KILL_AT_COMMIT"):
+    import pathlib
+    import signal
+
+    _replace = pathlib.Path.replace
+
+    def replace(self, target):
+        if pathlib.Path(target).name == "model.safetensors":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _replace(self, target)
+
+    pathlib.Path.replace = replace

@@ -1,0 +1,181 @@
+"""Verdicts about how a run ended rather than where its ranks diverged (meshtron/diagnose/
+analyze.py asks these first or last):
+
+- `preempted`: every rank's last dump was written at SIGTERM (a preemption notice, or the
+  launcher stopping the run) at about the same time, or the run wrote a `preempted` record: the
+  ranks stopped together; which operation each had just issued is not a divergence. Says the
+  step, and whether the preemption checkpoint was committed (else the newest complete one).
+- `dead_rank` after a stale dump: a rank that dumped at SIGTERM and then died (SIGKILLed
+  during the preemption save): a later dump of another rank shows it completed more
+  collectives after its own dump, and finds its process gone.
+- `exception`: a rank raised (its dump's reason); the earliest error that is not a consequence
+  of a peer's end (a broken connection) is named with its rank, type and message.
+
+The signal that ended a rank comes from what torchrun's agent saw (checkpoint/restart.py
+`agent_exits`), the last complete checkpoint from the checkpoint store.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from meshtron.diagnose.trace import Trace
+
+
+class Ending(NamedTuple):
+    """A verdict's fields (analyze.py makes its Diagnosis of them)."""
+
+    kind: str
+    verdict: str
+    culprit_ranks: list[int]
+
+_BROKEN = ("connection closed", "connection reset", "broken pipe", "connection refused",
+           "remote process exited", "peer rank is gone")
+_TOGETHER_S = 5.0
+"""Dumps at SIGTERM this close in time are one signal reaching every rank (the launcher
+forwards it to all; a rank that got it alone tells the others at the next step's agreement)."""
+
+
+def sigterm_dump(dump: dict[str, Any]) -> bool:
+    """Written when SIGTERM arrived (not torchrun's teardown after a peer had ended)."""
+    reason = dump.get("reason", "")
+    return reason == "SIGTERM" or (reason.startswith("SIGTERM") and "after rank" not in reason)
+
+
+def _latest_checkpoint(trace: Trace) -> int | None:
+    from meshtron.checkpoint import store
+
+    try:
+        return store.find_latest(store.checkpoint_root(trace.run_dir), deep=False).step
+    except OSError:  # the checkpoint folder unreadable (replaced by a file, no permission)
+        return None
+
+
+def _checkpoint_text(trace: Trace) -> str:
+    """The last complete checkpoint when this attempt ended: the next attempt's `restart`
+    record resumed from it; for the latest attempt, the store's newest."""
+    resumed = [m["resumed_from_step"] for m in trace.metrics if m.get("event") == "restart"
+               and m.get("attempt") == trace.attempt + 1]
+    if resumed:
+        step = resumed[-1]
+        return ("no complete checkpoint when it ended" if step in (None, 0) else
+                f"the last complete checkpoint was step {step} (attempt {trace.attempt + 1} "
+                "resumed from it)")
+    step = _latest_checkpoint(trace)
+    return (f"the last complete checkpoint is step {step}" if step is not None
+            else "no complete checkpoint")
+
+
+def _preempted_record(trace: Trace) -> dict[str, Any] | None:
+    """The `preempted` record of this attempt (written after every dump of its ranks' SIGTERM)."""
+    start = min(d["time"] for d in trace.dumps.values())
+    signalled = [e["time"] for d in trace.dumps.values() for e in d.get("earlier_dumps", [])
+                 if sigterm_dump(e)] + [d["time"] for d in trace.dumps.values()
+                                        if sigterm_dump(d)]
+    since = min(signalled, default=start) - 1.0
+    found = [m for m in trace.metrics if m.get("event") == "preempted"
+             and m.get("time", 0) >= since]
+    return found[-1] if found else None
+
+
+def preempted(trace: Trace):
+    """Every rank stopped by SIGTERM together, or a committed preemption checkpoint."""
+    if len(trace.dumps) < trace.world_size:
+        return None
+    record = _preempted_record(trace)
+    if record is not None:
+        return Ending("preempted", f"preempted: SIGTERM reached the ranks and every rank "
+                      f"wrote the checkpoint of step {record['checkpoint_step']} "
+                      f"({record.get('seconds_after_signal', 0):.1f} s after the signal); "
+                      "continue with --resume.", [])
+    dumps = trace.dumps.values()
+    times = [d["time"] for d in dumps]
+    # a rank whose SIGTERM came after a peer had already ended by its own SIGTERM (no
+    # checkpointing: the default action) dumps as torchrun's teardown: stopped together too
+    together = all(d.get("reason", "").startswith("SIGTERM") for d in dumps) \
+        and any(sigterm_dump(d) for d in dumps)
+    if not together or max(times) - min(times) > _TOGETHER_S:
+        return None
+    steps = sorted({d.get("step") for d in dumps}, key=lambda s: s or 0)
+    at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    return Ending("preempted", f"preempted: every rank was stopped by SIGTERM at {at} (within "
+                  f"{max(times) - min(times):.1f} s; a preemption notice or the launcher "
+                  "stopped the run) and no preemption checkpoint was committed; "
+                  f"{_checkpoint_text(trace)}. The operations the ranks had just issued are "
+                  "where the signal found them, not a divergence.", [])
+
+
+def _last_seq(dump: dict[str, Any], group: str) -> int:
+    return max((r["seq"] for r in dump.get("records", []) if r["group"] == group
+                and not r.get("p2p")), default=-1)
+
+
+def _outlived_dump(trace: Trace, rank: int) -> int | None:
+    """Another rank whose later dump shows `rank` completing collectives after `rank`'s own
+    dump, and finds its process gone; None if no dump says so."""
+    mine = trace.dumps[rank]
+    for other, d in sorted(trace.dumps.items()):
+        if other == rank or d["time"] <= mine["time"]:
+            continue
+        gone = d.get("peers", {}).get(str(rank), {}).get("state") in ("gone", "never_started")
+        later = any(r["state"] == "completed" and not r.get("p2p")
+                    and rank in trace.group_ranks(r["group"])
+                    and r["seq"] > _last_seq(mine, r["group"]) for r in d.get("records", []))
+        if gone and later:
+            return other
+    return None
+
+
+def died_after_dump(trace: Trace):
+    """A rank that dumped at SIGTERM, kept going, then died without dumping again."""
+    found = {r: o for r, d in sorted(trace.dumps.items())
+             if sigterm_dump(d) and (o := _outlived_dump(trace, r)) is not None}
+    if not found:
+        return None
+    r, other = next(iter(found.items()))
+    how = killed_by(trace, r) or "its process is gone"
+    text = (f"{trace.label(r)} died after its SIGTERM dump at step {trace.dumps[r].get('step')} "
+            f"({how}): {trace.label(other)}'s later dump shows it completing more collectives "
+            f"after that dump, then finds its process gone; {_checkpoint_text(trace)}.")
+    return Ending("dead_rank", text, sorted(found))
+
+
+def killed_by(trace: Trace, rank: int) -> str | None:
+    """'killed by SIGKILL' / 'exit code 1': what torchrun's agent saw of `rank` in this
+    attempt (checkpoint/restart.py `agent_exits`); None when it left no word."""
+    from meshtron.checkpoint.restart import agent_exits, exit_text
+
+    code = agent_exits(trace.run_dir, trace.attempt).get(rank)
+    return None if code is None else exit_text(code)
+
+
+def dead_rank_details(trace: Trace, culprits: list[int]) -> str:
+    """'; killed by SIGKILL (torchrun's agent); the last complete checkpoint is step N'."""
+    how = [f"rank {r} {text}" for r in culprits if (text := killed_by(trace, r))]
+    seen = f"; torchrun's agent saw {', '.join(how)}" if how else ""
+    return f"{seen}; {_checkpoint_text(trace)}"
+
+
+def _is_consequence(text: str) -> bool:
+    return any(b in text.lower() for b in _BROKEN)
+
+
+def raised(trace: Trace):
+    """The earliest exception a rank raised that is not a peer's end seen from here."""
+    errors = {r: d for r, d in trace.dumps.items() if d.get("reason", "").startswith("exception")}
+    if not errors:
+        return None
+    own = {r: d for r, d in errors.items() if not _is_consequence(d["reason"])} or errors
+    first = min(own, key=lambda r: own[r]["time"])
+    message = own[first]["reason"].removeprefix("exception:").strip().splitlines()[0]
+    message = message if len(message) <= 300 else message[:297] + "..."
+    same = sorted(r for r, d in own.items() if r != first and d["reason"] == own[first]["reason"])
+    text = f"{trace.label(first)} raised {message} at step {own[first].get('step')}"
+    if same:
+        text += f"; {', '.join(trace.label(r) for r in same)} raised the same"
+    others = sorted(r for r in errors if r not in own)
+    if others:
+        text += (f"; {', '.join(trace.label(r) for r in others)} then failed because a peer "
+                 "was gone")
+    return Ending("exception", text + " (the traceback is in the evidence's dump).",
+                     [first, *same])

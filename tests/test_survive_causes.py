@@ -1,0 +1,176 @@
+"""What `meshtron train --nproc 2` says and returns when a run ends early, with real signals and
+a real file-system error (the user audit of session 44, /work/scratch_audit44a):
+
+- The checkpoint folder replaced by a file mid-run (the audit made it immutable with
+  `chattr +i`): every save fails with NotADirectoryError. With `--max-restarts 2` nothing is
+  restarted (the error would recur), the launcher exits 74 naming the rank and the exception,
+  and the `failed` record says the same (not "killed by a signal").
+- SIGTERM to one rank with `--max-restarts 1`: the ranks checkpoint and the launcher exits 75
+  (requeue) without a restart, no "rank 0 failed: exit code 75", no SIGKILL named.
+- SIGTERM to the launcher of a run without checkpoints: exit code 143, the line says so.
+- SIGKILL of rank 1 with `--max-restarts 1`: the restart record names the signal torchrun's
+  agent saw, and doctor's `dead_rank` verdict names it and the last complete checkpoint.
+- Rank 1 SIGSTOPped, then SIGTERM to the launcher: one line says the checkpoint was not written
+  because rank 1 did not answer.
+`meshtron doctor` on each: `exception` (exit 3) naming the rank and the error, `preempted`
+(exit 0) with and without a committed checkpoint, `dead_rank` (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from testkit.procs import rank_pids, records
+
+TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
+         "--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0"]
+
+
+def _start(run_dir: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([*TRAIN, "--steps", "400", "--run-dir", str(run_dir), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _wait(predicate, proc: subprocess.Popen, seconds: float = 150.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+
+
+def _doctor(run_dir: Path) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in records(run_dir) if "step" in r), default=0)
+
+
+def test_checkpoint_disk_error_is_not_restarted(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "2")
+    _wait(lambda: (run_dir / "checkpoints" / "step_00000003").is_dir(), proc)
+    (run_dir / "checkpoints").rename(tmp_path / "saved_checkpoints")
+    (run_dir / "checkpoints").write_text("not a folder\n")  # every later save fails
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 74, out[-3000:]
+    events = [r for r in records(run_dir) if "event" in r]
+    assert [r["event"] for r in events] == ["failed"], events
+    cause = events[0]["cause"]
+    assert cause.startswith("rank ") and " failed: NotADirectoryError: " in cause, cause
+    assert "without a Python error" not in out and "killed by a signal" not in out, out[-3000:]
+    assert "failed on a storage error (exit code 74; not restarted" in out, out[-3000:]
+    assert f"not restarted (0 of --max-restarts 2 restarts done); the last attempt ended: " \
+           f"{cause}" in out, out[-3000:]
+    code, doc = _doctor(run_dir)
+    assert code == 3 and doc["kind"] == "exception", doc
+    assert " raised NotADirectoryError: " in doc["verdict"], doc["verdict"]
+    assert doc["culprit_ranks"] and doc["verdict"].startswith(
+        f"rank {doc['culprit_ranks'][0]} "), doc
+
+
+def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "1")
+    _wait(lambda: _last_step(run_dir) >= 4 and len(rank_pids(run_dir)) == 2, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGTERM)
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 75, out[-3000:]
+    assert not any(r.get("event") == "restart" for r in records(run_dir)), out[-3000:]
+    assert "failed: exit code 75" not in out and "SIGKILL" not in out, out[-3000:]
+    assert "meshtron train: preempted; checkpoint of step " in out, out[-3000:]
+    step = next(r for r in records(run_dir) if r.get("event") == "preempted")["checkpoint_step"]
+    code, doc = _doctor(run_dir)
+    assert code == 0 and doc["kind"] == "preempted", doc
+    assert f"every rank wrote the checkpoint of step {step} " in doc["verdict"], doc["verdict"]
+
+
+def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait(lambda: _last_step(run_dir) >= 2, proc)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 143, out[-3000:]
+    assert "the 2 ranks stopped by SIGTERM without a committed checkpoint (exit code 143)" \
+        in out, out[-3000:]
+    code, doc = _doctor(run_dir)
+    assert code == 0 and doc["kind"] == "preempted" and doc["culprit_ranks"] == [], doc
+    assert "every rank was stopped by SIGTERM at step" in doc["verdict"], doc["verdict"]
+    assert "no complete checkpoint" in doc["verdict"], doc["verdict"]
+
+
+def test_sigkilled_rank_is_named_with_its_signal(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "1")
+    _wait(lambda: (run_dir / "checkpoints" / "step_00000003").is_dir()
+          and len(rank_pids(run_dir)) == 2, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+    _wait(lambda: any(r.get("event") == "restart" for r in records(run_dir)), proc)
+    proc.terminate()  # the restarted attempt checkpoints and stops
+    out, _ = proc.communicate(timeout=150)
+    restart = next(r for r in records(run_dir) if r.get("event") == "restart")
+    assert restart["cause"] == "rank 1 killed by SIGKILL (no Python error)", restart
+    code, doc = _doctor(run_dir)
+    first = doc["attempts"][0]
+    assert code == 3 and first["kind"] == "dead_rank" and first["culprit_ranks"] == [1], first
+    assert "torchrun's agent saw rank 1 killed by SIGKILL" in first["verdict"], first
+    assert restart["resumed_from_step"] >= 3, restart
+    assert (f"the last complete checkpoint was step {restart['resumed_from_step']} "
+            "(attempt 1 resumed from it)") in first["verdict"], first
+
+
+def test_frozen_rank_during_preemption_is_named(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint-every", "3", "--preempt-grace", "3")
+    _wait(lambda: _last_step(run_dir) >= 4 and len(rank_pids(run_dir)) == 2, proc)
+    os.kill(rank_pids(run_dir)[1], signal.SIGSTOP)
+    time.sleep(0.5)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 143, out[-3000:]
+    assert "the checkpoint was not written because rank 1 did not answer" in out, out[-3000:]
+    assert not rank_pids(run_dir), out[-3000:]
+
+
+def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
+    """SIGTERM to the launcher, then SIGKILL of rank 1 while the preemption checkpoint is
+    written (each shard write slowed, tests/checkpoint_faults): rank 1's last dump is the one
+    it wrote at SIGTERM; rank 0's later dump shows it completing more collectives, then gone."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*TRAIN, "--steps", "400", "--run-dir", str(run_dir), "--checkpoint-every", "1000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", MESHTRON_TEST_SLOW_WRITE_S="3",
+                 PYTHONPATH=str(Path(__file__).parent / "checkpoint_faults")))
+    _wait(lambda: _last_step(run_dir) >= 3 and len(rank_pids(run_dir)) == 2, proc)
+    victim = rank_pids(run_dir)[1]
+    proc.terminate()
+    _wait(lambda: any((run_dir / "checkpoints").glob(".tmp-step_*")), proc)
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode not in (0, 75), out[-3000:]
+    code, doc = _doctor(run_dir)
+    assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
+    assert doc["verdict"].startswith("rank 1 (dp=1) died after its SIGTERM dump at step "), doc
+
+
+def test_a_lone_cpu_rank_keeps_the_launchers_thread_count():
+    """meshtron's launcher sets OMP_NUM_THREADS=1 for its ranks; a 1-rank world used to replace
+    it by every core (runtime.init_rank), 7x slower on the audit's loaded 2-core host."""
+    from meshtron.runtime import cpu_threads
+
+    cores = os.cpu_count() or 1
+    assert cpu_threads(1, {"OMP_NUM_THREADS": "1"}) == 1
+    assert cpu_threads(1, {"OMP_NUM_THREADS": "3"}) == 3
+    assert cpu_threads(1, {}) == cores and cpu_threads(1, {"OMP_NUM_THREADS": "x"}) == cores
+    assert cpu_threads(2, {}) == max(1, cores // 2)
