@@ -72,7 +72,10 @@ _MESHTRON = Framework(
     # expert_capacity_pad True: inert, the runtime is dropless (model/moe.py), and its rule
     # (plan_rules_options) takes only this value
     KernelOptions(p2p_scatter_gather=False, expert_capacity_pad=True),
-    MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all"),
+    # fold_after_weight_pass: each zero-bubble W pass's gradients go to FSDP2's fp32
+    # accumulator at W's end (meshtron/parallel/pipeline.py `fold_weight_grads`)
+    MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all",
+                  fold_after_weight_pass=True),
     "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
@@ -89,6 +92,9 @@ _TORCHTITAN = Framework(
                   separate_projections=True,
                   # models/deepseek_v3/model/model.py hands SDPA / flex V at v_head_dim
                   v_width="native"),
+    # fold_after_weight_pass False: torch's schedule as it is, W's gradients folded by the
+    # next B's post_backward (torchtitan/distributed/pipeline_parallel.py: torch's
+    # PipelineStage and get_schedule_class, no W pass wrapped; pytorch/torchtitan b5bcd76c)
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
                   gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan"), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
