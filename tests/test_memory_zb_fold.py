@@ -11,6 +11,7 @@ import pytest
 
 from meshtron.errors import UserError
 from meshtron.model.spec import PRESETS as MODELS
+from meshtron.planner import memory_zb
 from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.estimate import Evaluator
 from meshtron.planner.frameworks import preset
@@ -63,7 +64,7 @@ def test_walk_drops_exactly_the_pending_gradients_at_the_loss():
     sequences), torch's schedule beside that stage's waiting
     gradients; folded, the same moment without them: exactly 8 layers' pending gradients
     less, nothing else, on the V's rank 0 and on ZB1P's last rank."""
-    from meshtron.planner import memory_pipeline, memory_zb
+    from meshtron.planner import memory_pipeline
 
     ev = Evaluator(MODEL, resolve_cluster("dgx-h100:4"), 64, 4096)
     act = ev._memory_pieces(2, 1, True, "none", "bf16", 1, 1, 2)[1]
@@ -78,9 +79,17 @@ def test_walk_drops_exactly_the_pending_gradients_at_the_loss():
         lay_f, oth_f = memory_zb.held(*args, folds=True)
         assert lay - lay_f == pytest.approx(8 * PENDING, rel=1e-12) and oth == oth_f, (p, v)
 
-def test_the_fold_is_priced_for_fsdp2_only():
-    with pytest.raises(UserError, match=r"^memory.fold_after_weight_pass=true: priced for "
-                                        r"fsdp2 .*'megatron'; use false$"):
-        MemoryOptions(framework="megatron", fold_after_weight_pass=True)
+def test_unfolded_gradients_wait_through_the_next_forward():
+    """torch's schedule as it is: a ZB1P middle stage (pp 3, rank 1) keeps W's gradients
+    through its next F until its next B folds them, so its peak can be that F's end: 3
+    micro-batches in flight, 1 waiting, 1 stage of gradients (3 + 0.3 + 1, per-layer units);
+    folded at W's end, the largest is a B's end (3 in flight, 2 waiting: 3.6) and W's end
+    (2 + 0.3 + 1) is below it."""
+    args = (3, 1, 9, 1, (1, 1, 1), 1.0, 0.3, 0.0, 0.0)
+    assert memory_zb.held(*args, pending=1.0) == (pytest.approx(4.3), 0.0)
+    assert memory_zb.held(*args, pending=1.0, folds=True) == (pytest.approx(3.6), 0.0)
+
+
+def test_the_fold_option_is_a_bool():
     with pytest.raises(UserError, match=r"^memory.fold_after_weight_pass='yes': allowed "):
         MemoryOptions(fold_after_weight_pass="yes")

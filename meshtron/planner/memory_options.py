@@ -190,17 +190,17 @@ class MemoryOptions:
     buffer over the step (Megatron-Core, DeepSpeed); fsdp2 always accumulates so (refused
     there as a no-op)."""
 
-    fold_after_weight_pass: bool = False
+    fold_after_weight_pass: bool = True
     """After each zero-bubble W pass the stack hands the micro-batch's weight gradients to
     FSDP2's reduce-dtype accumulator itself (the no-sync half of FSDP2's post_backward,
     `accumulate_unsharded_grad_if_needed` + `to_accumulated_grad_if_needed`): a non-first
     stage then holds W's compute-dtype gradients only to W's end, not to its next B
-    (memory_zb.held's `pending`). meshtron's runtime does (meshtron/parallel/pipeline.py
-    `_weight_grads_into_reduce_dtype`, `fold_weight_grads`, branch zbv). False: torch's
-    schedule unchanged, FSDP2 folds in the post_backward the next B fires (torchtitan:
-    torchtitan/distributed/pipeline_parallel.py builds torch's PipelineStage and schedule
-    class and wraps no W pass, pytorch/torchtitan b5bcd76c). fsdp2 under torch's zero bubble
-    only."""
+    (memory_zb.held's `pending`). True: meshtron's runtime (meshtron/parallel/pipeline.py
+    `_weight_grads_into_reduce_dtype`, `fold_weight_grads`, branch zbv), the default as every
+    field's. False: torch's schedule unchanged, FSDP2 folds in the post_backward the next B
+    fires (torchtitan: torchtitan/distributed/pipeline_parallel.py builds torch's
+    PipelineStage and schedule class and wraps no W pass, pytorch/torchtitan b5bcd76c). Read
+    only for fsdp2 under torch's zero bubble (estimate_walks._torch_zb)."""
 
     param_dtype: str = "fp32"
     """dtype FSDP2 keeps the sharded parameters in (PARAM_DTYPES; framework 'fsdp2' only).
@@ -297,9 +297,6 @@ class MemoryOptions:
         if self.framework == "fsdp2" and self.grads_at_first_backward:
             raise UserError("memory.grads_at_first_backward=true: fsdp2 accumulates its "
                             "gradients so already; use false")
-        if self.fold_after_weight_pass and self.framework != "fsdp2":
-            raise UserError(f"memory.fold_after_weight_pass=true: priced for fsdp2 under "
-                            f"torch's zero bubble, not {self.framework!r}; use false")
         if self.bf16_moments and self.framework == "fsdp2":
             raise UserError("memory.bf16_moments=true: priced for the mixed-precision ZeRO "
                             "frameworks (megatron, deepspeed), not fsdp2; use false")

@@ -247,7 +247,9 @@ def _moments(p: int, v: int, m: int, rank: int,
     gradients (set by its W, folded by its next B; never for the first stage, whose W is a
     whole backward), whether the stage's W is at its peak (its recomputations kept,
     `weight_pass`), then whether B's working set is alive. F and B only add, W only frees
-    activations (but what its recomputations keep), so the peaks are: the end of each B of a
+    activations (but what its recomputations keep), so the peaks are: the end of each F while
+    a stage holds W's gradients (its next B folds them: torch's schedule as it is), the end
+    of each B of a
     non-first stage, its working set alive (the stage's own W gradients folded by then but
     the last block's, which the memory model's gathered copies count), and the start, peak
     and end of each W (`folds`: its end holds its gradients, folded right after, so none
@@ -266,6 +268,8 @@ def _moments(p: int, v: int, m: int, rank: int,
         i = at[s]
         if kind == "F":
             fw[i] += 1
+            if any(pend):  # W's gradients beside it, folded only by a B to come
+                seen[(*fw, *bw, *pend, *run, 0)] = None
         elif kind == "B":
             if s == p * v - 1:
                 at_loss[(*fw, *bw, *pend, *run, 0)] = None
