@@ -233,6 +233,25 @@ def test_w_gradients_wait_for_the_next_b():
     assert memory_zb.held(2, 1, 4, 1, (1, 1), 0.0, 0.0, 0.0, 0.0, work=1.0) == (0.0, 1.0)
 
 
+
+def test_folded_w_gradients_live_only_to_ws_end():
+    """A stack that folds W's gradients into FSDP2's accumulator at W's end (meshtron's
+    runtime, MemoryOptions.fold_after_weight_pass) holds one stage's at a time, at that W's
+    end: the V's middle rank no longer holds both stages' at once, nor one stage's beside the
+    other stage's B (its working set). A ZB1P stage holds them at its W's end either way (its
+    own next B folds them before it can peak)."""
+    one = (1,) * 4
+    assert memory_zb.held(2, 2, 4, 1, one, 0.0, 0.0, 0.0, 0.0, pending=1.0,
+                          folds=True) == (1.0, 0.0)
+    assert memory_zb.held(2, 2, 4, 1, one, 0.0, 0.0, 0.0, 0.0, pending=1.0,
+                          work=2.0) == (1.0, 2.0)
+    assert memory_zb.held(2, 2, 4, 1, one, 0.0, 0.0, 0.0, 0.0, pending=1.0,
+                          work=2.0, folds=True) == (0.0, 2.0)
+    for folds in (False, True):
+        assert memory_zb.held(2, 1, 4, 1, (1, 1), 0.0, 0.0, 0.0, 0.0, pending=1.0,
+                              folds=folds) == (1.0, 0.0)
+
+
 @lru_cache(maxsize=2)  # two tests read the same two runs
 def _live_through_w(mode: str) -> dict[str, float]:
     """Two of meshtron's 'debug' blocks as a middle stage under recompute `mode`: bytes of the

@@ -91,11 +91,14 @@ KINDS["pp interleaved half, odd chunks"] = dict(pp=2, dp=4, zero=1, schedule="in
 # (planner/memory_zb.py); the fullest rank is the last (6 layers: -2.6% measured against
 # the whole step's peak; +3.9% before against 2 of its 4 micro-batches, microbatches.py)
 KINDS["pp zb"] = dict(pp=2, dp=4, zero=1, schedule="zb", layers=6)
-# torch's V: the fullest rank is the middle one (stages 1 and 2), its peak during a B, both
-# stages holding weight gradients from their W (memory_zb.py): +0.4% measured with torch's
-# receive buffers on both sides (-0.4% without them, -2.0% while the rehearsal counted the
-# second stage's shards twice; -9.0% before B's working set and the waiting W gradients were
-# walked); rank 0: ZB_RANKS
+# torch's V: the fullest rank is the middle one (stages 1 and 2), its peak during a B. Since
+# the runtime folds each W's gradients at W's end (parallel/pipeline.py fold_weight_grads,
+# run by the rehearsal's W too; MemoryOptions.fold_after_weight_pass) neither stage holds
+# them there: +4.2% measured (5.377 GiB rehearsed, 5.601 planned; +1.1% while neither side
+# folded, both stages holding theirs: the planner still counts a block's unsharded gradient
+# at a B, which no B makes under the fold, branch zbfold; +0.4% with torch's receive buffers
+# on both sides, -9.0% before B's working set and the waiting W gradients were walked);
+# rank 0: ZB_RANKS
 KINDS["pp zbv"] = dict(pp=2, dp=4, zero=1, schedule="zbv", layers=6)
 # zero bubble with every block checkpointed: each W parameter group recomputes its block and
 # keeps what the nodes W never runs saved until W ends (memory_zb.weight_recompute_kept_bytes);

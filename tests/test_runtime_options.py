@@ -46,6 +46,7 @@ REFUSED = {
     "attn_out_e5m6": "true", "bf16_moments": "true", "master_weights": '"remainders"',
     "grads_at_first_backward": "true", "param_dtype": '"bf16"',
     "experts_outside_fsdp": "true", "expandable_segments": "true",
+    "fold_after_weight_pass": "false",
     "pipeline_split": '"megatron-even"', "host_offload": '"mcore-optimizer"',
     "zero_stages": '"megatron-core"', "layouts": '"llm-foundry"', "half_counts": '"rank"',
 }

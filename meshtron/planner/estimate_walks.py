@@ -71,7 +71,8 @@ class MemoryWalks:
         chunked = w.mem_opts.loss_kind == "chunked" and w.tp == 1
         saved = memory.chunked_loss_held_bytes(self.model, tokens, w.mem_opts) if chunked else 0.0
         head = memory_zb.head_grad_bytes(self.model, w.tp, tokens, cb, fused, chunked)
-        # W's gradients wait for the next B where FSDP2 upcasts them into its accumulator
+        # W's gradients wait for the next B where FSDP2 upcasts them into its accumulator,
+        # or for W's end where the stack folds them itself (fold_after_weight_pass)
         pending = cb * (w.p_layer + w.p_exp) if w.accum not in (0.0, cb) else 0.0
         work = memory_zb.input_backward_bytes(self.model, w.tp, w.cfg.sp, tokens, cb, fused)
         every = {"full": 1, "half": 2}.get(w.cfg.recompute, 0)
@@ -83,7 +84,7 @@ class MemoryWalks:
         loss = max(0.0, w.logits - w.work)
         return memory_zb.in_flight(w.pp, w.v, w.m_run, tuple(per_stage), w.act, grad, out_bytes,
                                    head, loss, pending, work, kept, self._half_odd(w)[0],
-                                   saved)
+                                   saved, w.mem_opts.fold_after_weight_pass)
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak

@@ -72,8 +72,10 @@ _MESHTRON = Framework(
     # expert_capacity_pad True: inert, the runtime is dropless (model/moe.py), and its rule
     # (plan_rules_options) takes only this value
     KernelOptions(p2p_scatter_gather=False, expert_capacity_pad=True),
+    # fold_after_weight_pass (the default): each zero-bubble W pass's gradients go to
+    # FSDP2's fp32 accumulator at W's end (meshtron/parallel/pipeline.py `fold_weight_grads`)
     MemoryOptions(framework="fsdp2", host_offload="fsdp2", zero_stages="all",
-                  half_counts="part"),
+                  half_counts="part", fold_after_weight_pass=True),
     "fp32",
     expert_parallel="meshtron/parallel/expert.py: ep folded over the data ranks (dp_shard x "
                     "cp, or dp_replicate under ZeRO-0/1), uneven all_to_all_single "
@@ -93,10 +95,13 @@ _TORCHTITAN = Framework(
     # half_counts 'rank': selective_ac_option "2" checkpoints every second block the process
     # wraps, one counter kept on ptd_checkpoint_wrapper across every model part a rank builds
     # (torchtitan/models/llama3/parallelize_llama.py _apply_ac_to_transformer_block at
-    # d0ed9b42, 2025-05), not afresh per chunk as meshtron's runtime does
+    # d0ed9b42, 2025-05), not afresh per chunk as meshtron's runtime does.
+    # fold_after_weight_pass False: torch's schedule as it is, W's gradients folded by the
+    # next B's post_backward (torchtitan/distributed/pipeline_parallel.py: torch's
+    # PipelineStage and get_schedule_class, no W pass wrapped; pytorch/torchtitan b5bcd76c)
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
                   gqa_copies=True, host_offload="fsdp2", zero_stages="torchtitan",
-                  half_counts="rank"), "fp32",
+                  half_counts="rank", fold_after_weight_pass=False), "fp32",
     expert_parallel="torchtitan/distributed/expert_parallel.py (ExpertParallel: all-to-all "
                     "token dispatch, not overlapped by default), ParallelDims ep folded over "
                     "dp_shard x cp, experts FSDP-sharded over dp_shard_mod_ep")
@@ -307,8 +312,9 @@ _NEMO_AUTOMODEL = Framework(
     # load_base_model's to_empty_parameters_only keeps that dtype; FSDP2Manager's mp_policy
     # (param bf16) casts nothing up: no fp32 master weights (_transformers/auto_model.py,
     # recipes/llm/train_ft.py build_model, components/checkpoint/checkpointing.py)
+    # fold_after_weight_pass False: no W pass of its own, torch's schedules as they are
     MemoryOptions(framework="fsdp2", loss="eager", host_offload="fsdp2", zero_stages="automodel",
-                  param_dtype="bf16"),
+                  param_dtype="bf16", fold_after_weight_pass=False),
     "bf16",
     expert_parallel="components/moe/parallelizer.py (apply_ep: experts Shard(0) over the moe "
                     "mesh's 'ep' dim; apply_fsdp: experts fully_shard on dim 1 over 'ep_shard' "
@@ -365,7 +371,8 @@ _LLM_FOUNDRY_2024 = Framework(
     # Composer's FSDP is llm-foundry's only parallelism then, and its FFNs are dense: no tp, pp
     # or MoE (plan_rules_stack 'llm-foundry', which cites the code)
     MemoryOptions(framework="fsdp2", loss="flash-ce", host_offload="composer",
-                  zero_stages="composer", layouts="llm-foundry"), "fp32")
+                  zero_stages="composer", layouts="llm-foundry",
+                  fold_after_weight_pass=False), "fp32")
 _LLM_FOUNDRY_2023 = dataclasses.replace(
     _LLM_FOUNDRY_2024, era="2023",
     models="mosaicml/llm-foundry v0.3.0 (September 2023) on Composer 0.16.3 (amp_bf16)",
@@ -434,9 +441,10 @@ _OLMO_CORE_2024 = Framework(
     # nn/utils.py selective_checkpointing_context_fn, torchtitan's op policy ("adapted from"
     # parallelize_llama.py: mm, SDPA and reduce-scatter outputs saved, every second mm
     # recomputed): the torchtitan preset's list. No script sets ac_config (AC off).
+    # fold_after_weight_pass False: no W pass of its own, torch's schedules as they are
     MemoryOptions(framework="fsdp2", activations="alternate-matmul", loss="eager",
                   gqa_copies=True, host_offload="olmo-core", zero_stages="olmo-core",
-                  layouts="olmo-core-2024"), "fp32")
+                  layouts="olmo-core-2024", fold_after_weight_pass=False), "fp32")
 
 PRESETS: dict[str, Framework] = {f"{f.name}@{f.era}": f for f in (
     _MESHTRON, _TORCHTITAN_2024, _TORCHTITAN, _MEGATRON_2021, _MEGATRON_2024, _MEGATRON_BRIDGE,

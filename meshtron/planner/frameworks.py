@@ -35,8 +35,10 @@ true`, which the nemo-automodel preset sets for MoE models.
   micro-batch (planner/dp_cost.py `dp_flags`); selective recomputation saves matmul and
   collective outputs; the loss upcasts logits to fp32; pipeline stages send their output as
   each rank holds it (torch.distributed.pipelining: whole per tensor rank without sp,
-  `p2p_scatter_gather = false`). Only the options its runtime runs are accepted
-  (planner/plan_rules_options.py; any other is refused by name).
+  `p2p_scatter_gather = false`); after each zero-bubble W pass it folds the weight gradients
+  into FSDP2's fp32 accumulator (parallel/pipeline.py, `fold_after_weight_pass = true`; the
+  other FSDP2 stacks run torch's schedule as it is). Only the options its runtime runs are
+  accepted (planner/plan_rules_options.py; any other is refused by name).
 * `torchtitan@2025`: pytorch/torchtitan main 2025 (torchtitan/models/llama3/infra/
   parallelize.py, torchtitan/config/job_config.py): FSDP2 (fp32 master parameters, bf16
   compute, `mixed_precision_reduce = "float32"`), compile off by default (eager kernels;

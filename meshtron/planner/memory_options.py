@@ -196,6 +196,18 @@ class MemoryOptions:
     buffer over the step (Megatron-Core, DeepSpeed); fsdp2 always accumulates so (refused
     there as a no-op)."""
 
+    fold_after_weight_pass: bool = True
+    """After each zero-bubble W pass the stack hands the micro-batch's weight gradients to
+    FSDP2's reduce-dtype accumulator itself (the no-sync half of FSDP2's post_backward,
+    `accumulate_unsharded_grad_if_needed` + `to_accumulated_grad_if_needed`): a non-first
+    stage then holds W's compute-dtype gradients only to W's end, not to its next B
+    (memory_zb.held's `pending`). True: meshtron's runtime (meshtron/parallel/pipeline.py
+    `_weight_grads_into_reduce_dtype`, `fold_weight_grads`, branch zbv), the default as every
+    field's. False: torch's schedule unchanged, FSDP2 folds in the post_backward the next B
+    fires (torchtitan: torchtitan/distributed/pipeline_parallel.py builds torch's
+    PipelineStage and schedule class and wraps no W pass, pytorch/torchtitan b5bcd76c). Read
+    only for fsdp2 under torch's zero bubble (estimate_walks._torch_zb)."""
+
     param_dtype: str = "fp32"
     """dtype FSDP2 keeps the sharded parameters in (PARAM_DTYPES; framework 'fsdp2' only).
     'fp32': master weights (meshtron's runtime, torchtitan). 'bf16': the model is built and
@@ -252,7 +264,7 @@ class MemoryOptions:
         for name in ("gqa_copies", "fused_norm", "moe_weighted_act", "expandable_segments",
                      "recompute_norms", "recompute_up_proj", "swiglu_recompute",
                      "attn_out_e5m6", "bf16_moments", "experts_outside_fsdp",
-                     "grads_at_first_backward"):
+                     "grads_at_first_backward", "fold_after_weight_pass"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(f"memory.{name}={value!r}: allowed values are true, false")

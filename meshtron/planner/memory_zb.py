@@ -34,7 +34,10 @@ and traced tensor by tensor on the V's middle rank, `meshtron rehearse`, 2026-12
   `to_accumulated_grad_if_needed`), a hook on the unit's inputs that fires when their
   gradient is made: in the next B, not in W (W walks the weight paths only). So a non-first
   stage keeps its layers' compute-dtype gradients from each W to its next B (`pending`); the
-  first stage's W is a whole backward and folds as it goes.
+  first stage's W is a whole backward and folds as it goes. A stack that folds them itself
+  at W's end (MemoryOptions.fold_after_weight_pass: meshtron's runtime, parallel/pipeline.py
+  `fold_weight_grads`) holds them only until then (`held`'s `folds`): the accumulator they
+  go to is FSDP2's own, held either way.
 * B frees nothing while it runs (retain_graph), so its own working set adds to what is held:
   at its last block the norm's backward (`input_backward_bytes`).
 * `backward_state` keeps the stage's inputs to W and B set their `.grad` to the input
@@ -188,7 +191,7 @@ def weight_pass(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
          out: float, head: float, loss: float = 0.0, pending: float = 0.0,
          work: float = 0.0, kept: WeightPass | None = None,
-         odd: float = 0.0, saved: float = 0.0) -> tuple[float, float]:
+         odd: float = 0.0, saved: float = 0.0, folds: bool = False) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
@@ -209,11 +212,12 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     last stage's loss keeps per micro-batch from its F to its W (meshtron's chunked loss:
     memory_acts.chunked_loss_held_bytes, dropped after the weight pass,
     model/loss.py `OutputHead.split_backward`); at a loss moment the memory model's logits
-    already count the micro-batch at its loss, so `saved` once less there."""
+    already count the micro-batch at its loss, so `saved` once less there. `folds`: W's
+    gradients are folded into the accumulator at W's end (`_moments`), not at the next B."""
     last = p * v - 1
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
-    stages, moments, at_loss = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank)
+    stages, moments, at_loss = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank, folds)
     # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W) and per stage
     # holding a W's gradients: (layer bytes, other bytes); last: B's working set
     weights = ([(layers[s] * act + (odd if layers[s] % 2 == 1 else 0.0),
@@ -235,17 +239,21 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
 
 
 @lru_cache(maxsize=8192)
-def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple, tuple]:
+def _moments(p: int, v: int, m: int, rank: int,
+             folds: bool = False) -> tuple[tuple[int, ...], tuple, tuple]:
     """(the rank's stages, the moments of its order where what it holds can peak, the loss
     moments): each a vector of, per stage of the rank, the micro-batches between their F and
     their W, those of them between B and W, and whether the stage holds a W's weight
     gradients (set by its W, folded by its next B; never for the first stage, whose W is a
     whole backward), whether the stage's W is at its peak (its recomputations kept,
     `weight_pass`), then whether B's working set is alive. F and B only add, W only frees
-    activations (but what its recomputations keep), so the peaks are: the end of each B of a
+    activations (but what its recomputations keep), so the peaks are: the end of each F while
+    a stage holds W's gradients (its next B folds them: torch's schedule as it is), the end
+    of each B of a
     non-first stage, its working set alive (the stage's own W gradients folded by then but
     the last block's, which the memory model's gathered copies count), and the start, peak
-    and end of each W; of those, the ones no
+    and end of each W (`folds`: its end holds its gradients, folded right after, so none
+    waits for the next B); of those, the ones no
     other holds at least as much of everything as (every weight is >= 0). The loss moments:
     the start of each B of the last stage (the memory model's logits alive), if the rank
     holds it."""
@@ -260,6 +268,8 @@ def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple,
         i = at[s]
         if kind == "F":
             fw[i] += 1
+            if any(pend):  # W's gradients beside it, folded only by a B to come
+                seen[(*fw, *bw, *pend, *run, 0)] = None
         elif kind == "B":
             if s == p * v - 1:
                 at_loss[(*fw, *bw, *pend, *run, 0)] = None
@@ -276,6 +286,8 @@ def _moments(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, ...], tuple,
             bw[i] -= 1
             pend[i] = int(s != 0)
             seen[(*fw, *bw, *pend, *run, 0)] = None
+            if folds:  # meshtron's runtime: fold_weight_grads right after W
+                pend[i] = 0
     return stages, _undominated(seen), _undominated(at_loss)
 
 
@@ -310,7 +322,8 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
               out: float, head: float, loss: float = 0.0, pending: float = 0.0,
               work: float = 0.0, kept: WeightPass | None = None,
-              odd: float = 0.0, saved: float = 0.0) -> tuple[list[float], list[float]]:
+              odd: float = 0.0, saved: float = 0.0,
+              folds: bool = False) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
     counting the captured and pending gradients in activation bytes; bytes of the outputs,
     received and input gradients, head gradient and B's working set held then), the
@@ -321,7 +334,7 @@ def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad:
         per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
     for r, n_r in enumerate(per_rank):
         lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work, kept,
-                        odd, saved)
+                        odd, saved, folds)
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other

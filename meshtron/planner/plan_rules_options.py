@@ -148,6 +148,8 @@ _MEMORY = {
     "master_weights": (("fp32",), "trains the fp32 FSDP2 parameters themselves "
                        "(parallel/data_parallel.py)"),
     "grads_at_first_backward": ((False,), "accumulates as FSDP2 does (no ZeRO buffer)"),
+    "fold_after_weight_pass": ((True,), "folds each zero-bubble W pass's gradients into "
+                               "FSDP2's accumulator (parallel/pipeline.py fold_weight_grads)"),
     "param_dtype": (("fp32",), "keeps fp32 sharded parameters (parallel/data_parallel.py)"),
     "experts_outside_fsdp": ((False,), "wraps the experts in FSDP2 at every group size "
                              "(parallel/data_parallel.py)"),

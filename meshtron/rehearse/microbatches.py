@@ -19,7 +19,10 @@ step is a function of where the step is, not of which micro-batch it is working 
   and folds them itself): whether the stage's accumulator exists yet and whether a W's
   gradients wait for their fold are part of the state (without them the last stage of a
   2-stage zb pipeline ran 2 of 4 micro-batches and read 6.26 GiB for the whole step's
-  7.32).
+  7.32). meshtron's runtime now folds them at W's end (parallel/pipeline.py
+  `fold_weight_grads`, run by pipeline_step.py's W too): the accumulator exists once
+  `acc | fold`, a function of the state kept, so the pair stays exact (finer than needed:
+  it may run a micro-batch more than the fold requires, never fewer).
 
 The micro-batches run are the first m' chunks of the rank's whole batch, which stays alive
 as in a real step (only its rows of token ids: the data loader's output).

@@ -258,7 +258,12 @@ def _input_backward(stage, s: int, inp, out, kept, grads, inputs, pm) -> tuple:
 
 def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm) -> None:
     """Zero bubble's W (`backward_weight_one_chunk`): the weight gradients from what B kept
-    (the first stage: its whole backward); the received input stays, the stage's buffer."""
+    (the first stage: its whole backward); the received input stays, the stage's buffer.
+    Then, as the runtime's stage does after each W (parallel/pipeline.py
+    `_weight_grads_into_reduce_dtype`), the gradients go to FSDP2's reduce-dtype accumulator
+    (`fold_weight_grads`), so none waits for the stage's next B."""
+    from meshtron.parallel.pipeline import fold_weight_grads, fsdp_params
+
     inp, out, kept, grads, inputs, groups, _ = state
     done[s] += 1
     with pm._loss_context():
@@ -270,4 +275,4 @@ def _weight_backward(stage, s: int, state: tuple, done: dict, ends: dict, pm) ->
             stage.backward_maybe_with_nosync(
                 "weight", {"stage_output": (out,), "param_groups": groups},
                 last_backward=done[s] == ends[s])
-
+    fold_weight_grads(fsdp_params(stage.submod))

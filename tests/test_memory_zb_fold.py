@@ -1,0 +1,95 @@
+"""The zero-bubble W gradients a stack holds to its next B, or not (MemoryOptions.
+fold_after_weight_pass): meshtron's runtime folds them into FSDP2's fp32 accumulator at W's end
+(parallel/pipeline.py `fold_weight_grads`), torchtitan runs torch's schedule unchanged and holds
+them until the next B's post_backward (planner/memory_zb.py `pending`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshtron.errors import UserError
+from meshtron.model.spec import PRESETS as MODELS
+from meshtron.planner import memory_zb
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.estimate import Evaluator
+from meshtron.planner.frameworks import preset
+from meshtron.planner.memory import MemoryOptions
+from meshtron.planner.memory_states import layer_params_local
+from meshtron.planner.plan import Plan
+
+PLAN = dict(tp=2, pp=2, dp=8, zero=1, micro_batch=1, recompute="none", sp=True, dtype="bf16",
+            schedule="zbv")
+MODEL = MODELS["llama3-8b"]
+PENDING = 2.0 * layer_params_local(MODEL, 2, 1)  # W's bf16 gradients per layer, tp 2
+
+
+def _rank0(fw, fold: bool) -> tuple[float, int]:
+    """(bytes in flight the planner puts on the V's rank 0 (stages 0 and 3) of Llama 3 8B,
+    32 x 4096 on 32 H100s, under preset `fw` with fold_after_weight_pass = `fold`; the layers
+    of stage 3)."""
+    mem = dataclasses.replace(fw.memory, fold_after_weight_pass=fold)
+    ev = Evaluator(MODEL, resolve_cluster("dgx-h100:4"), 64, 4096, fw.kernel, mem=mem)
+    r = ev.evaluate(Plan(**PLAN), stage=0)
+    return r.memory.in_flight * 2**30, r.stage_layers[3]
+
+
+def test_presets_say_which_stack_folds_after_w():
+    assert preset("meshtron").memory.fold_after_weight_pass is True
+    assert preset("torchtitan").memory.fold_after_weight_pass is False
+
+
+def test_meshtron_and_torchtitan_differ_by_the_pending_gradients():
+    """The V's rank 0 peaks as stage 3's B starts (its loss): torch's schedule still holds
+    stage 3's bf16 weight gradients from its previous W there (FSDP2 folds them in that B's
+    post_backward), meshtron's runtime folded them at that W's end. Each preset with the
+    other's option: the figure moves by those gradients, 2 bytes per local parameter of
+    stage 3's layers (less what the receive buffers' count and the next moment take back:
+    under 1%), the same for both presets."""
+    moved = []
+    for name in ("meshtron", "torchtitan"):
+        fw = preset(name)
+        held, layers = _rank0(fw, False)
+        folded, _ = _rank0(fw, True)
+        assert 0.99 * layers * PENDING < held - folded <= layers * PENDING * (1 + 1e-12), name
+        moved.append(held - folded)
+    assert moved[0] == pytest.approx(moved[1], rel=1e-3)
+
+
+def test_walk_drops_exactly_the_pending_gradients_at_the_loss():
+    """On the walk itself (memory_zb.held, Llama 3 8B's terms at tp 2, 8 micro-batches, 8
+    layers per stage): a rank holding the last stage peaks as its B starts (the logits' loss
+    moment: 3 GiB of logits beyond a block's working set, as the memory model's at long
+    sequences), torch's schedule beside that stage's waiting
+    gradients; folded, the same moment without them: exactly 8 layers' pending gradients
+    less, nothing else, on the V's rank 0 and on ZB1P's last rank."""
+    from meshtron.planner import memory_pipeline
+
+    ev = Evaluator(MODEL, resolve_cluster("dgx-h100:4"), 64, 4096)
+    act = ev._memory_pieces(2, 1, True, "none", "bf16", 1, 1, 2)[1]
+    grad = memory_zb.captured_grad_bytes(MODEL, 2, True, 4096, 2.0)
+    out = memory_pipeline.stage_output_bytes(MODEL.hidden, 2, True, 1, 4096, 2.0)
+    head = memory_zb.head_grad_bytes(MODEL, 2, 4096, 2.0)
+    work = memory_zb.input_backward_bytes(MODEL, 2, True, 4096, 2.0)
+    loss = 3.0 * 2**30
+    for p, v, rank in ((2, 2, 0), (4, 1, 3)):
+        args = (p, v, 8, rank, (8,) * (p * v), act, grad, out, head, loss, PENDING, work)
+        lay, oth = memory_zb.held(*args)
+        lay_f, oth_f = memory_zb.held(*args, folds=True)
+        assert lay - lay_f == pytest.approx(8 * PENDING, rel=1e-12) and oth == oth_f, (p, v)
+
+def test_unfolded_gradients_wait_through_the_next_forward():
+    """torch's schedule as it is: a ZB1P middle stage (pp 3, rank 1) keeps W's gradients
+    through its next F until its next B folds them, so its peak can be that F's end: 3
+    micro-batches in flight, 1 waiting, 1 stage of gradients (3 + 0.3 + 1, per-layer units);
+    folded at W's end, the largest is a B's end (3 in flight, 2 waiting: 3.6) and W's end
+    (2 + 0.3 + 1) is below it."""
+    args = (3, 1, 9, 1, (1, 1, 1), 1.0, 0.3, 0.0, 0.0)
+    assert memory_zb.held(*args, pending=1.0) == (pytest.approx(4.3), 0.0)
+    assert memory_zb.held(*args, pending=1.0, folds=True) == (pytest.approx(3.6), 0.0)
+
+
+def test_the_fold_option_is_a_bool():
+    with pytest.raises(UserError, match=r"^memory.fold_after_weight_pass='yes': allowed "):
+        MemoryOptions(fold_after_weight_pass="yes")
