@@ -35,8 +35,8 @@ from meshtron.errors import RunFailed, UserError
 MAX_CPU_RANKS = 32
 ARGV_ENV = "MESHTRON_RANK_ARGV"
 RUN_DIR_ENV = "MESHTRON_RUN_DIR"
-"""The run folder, for torchrun's agent to note how the ranks ended
-(`stop_restarts_on_final_codes`)."""
+"""The run folder, for torchrun's agent and the ranks to note how the ranks ended
+(`_AgentExits`, checkpoint/restart.py `end_restarts`)."""
 PARENT_ENV = "MESHTRON_PARENT_PID"
 """The pid a process started by `launch_local` must die with (`bind_to_parent`): the
 launcher's for torchrun's agent, the agent's for the ranks."""
@@ -57,7 +57,8 @@ EXIT_PREEMPTED = 75
 """meshtron.checkpoint.EXIT_PREEMPTED (the ranks checkpointed after SIGTERM), repeated here."""
 FINAL_CODES = (EXIT_USAGE, EXIT_STORAGE, EXIT_PREEMPTED)
 """Rank exit codes that end the job instead of spending a restart: bad input and a storage
-error recur on every attempt, a preemption asks for a requeue (`stop_restarts_on_final_codes`)."""
+error recur on every attempt, a preemption asks for a requeue (a rank ending with one stops
+torchrun's agent: checkpoint/restart.py `end_restarts`)."""
 
 
 @dataclass(frozen=True)
@@ -376,12 +377,16 @@ def torchrun_main(argv: list[str]) -> int:
         print(f"meshtron: torchrun of torch {torch.__version__} does not know "
               f"{' '.join(unknown)}; no rank started", file=sys.stderr)
         return EXIT_LAUNCHER
-    stop_restarts_on_final_codes()
+    if os.environ.get(RUN_DIR_ENV):
+        logging.getLogger(mp_api.__name__).addFilter(_AgentExits(os.environ[RUN_DIR_ENV]))
     try:
         run(args)
     except ChildFailedError as exc:
         return _report_failures(exc.failures)
     except SignalException as exc:
+        final = _final_code()
+        if final is not None:  # a rank ended the job (checkpoint/restart.py `end_restarts`)
+            return final
         if exc.sigval != signal.SIGINT:
             print(f"torchrun: stopped by {exc.sigval.name}; the ranks were stopped",
                   file=sys.stderr)
@@ -393,36 +398,36 @@ def torchrun_main(argv: list[str]) -> int:
     return 0
 
 
-def stop_restarts_on_final_codes() -> None:
-    """torchrun's agent restarts the ranks on any failure while restarts are left (torch
-    2.13, torch/distributed/elastic/agent/server/api.py `SimpleElasticAgent._invoke_run`: it
-    looks at no exit code). A rank exit code in FINAL_CODES (bad input, a storage error, a
-    preemption's checkpoint written) sets the agent's remaining restarts to 0, so that its loop
-    stops the ranks and returns the failure: what torch's own LocalElasticAgent does for a
-    worker stuck in uninterruptible sleep (local_elastic_agent.py
-    `_check_uninterruptible_state_timeout`, "disable restarts"). The one meshtron addition to
-    torchrun's agent, made in its process only (`torchrun_main`)."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+class _AgentExits(logging.Filter):
+    """Notes what torchrun's agent saw end each failed attempt (exit code, or minus the signal)
+    into RUN_DIR/attempts/attempt_N/exits.json (checkpoint/restart.py `note_agent_exits`), from
+    the one line the agent logs per failed attempt (torch 2.13 elastic/multiprocessing/api.py
+    SubprocessContext `_poll`: "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+    its earliest failure). A logging filter, torch left as it is; a torch whose line differs
+    leaves no note and the causes fall back to "ended without a Python error"."""
 
-    monitor = LocalElasticAgent._monitor_workers
-    if getattr(monitor, "meshtron_final_codes", False):
-        return
+    def __init__(self, run_dir: str) -> None:
+        super().__init__()
+        self.run_dir, self.attempt = run_dir, 0
 
-    def monitor_workers(self, worker_group):
-        result = monitor(self, worker_group)
-        failures = result.failures or {}
-        if failures and os.environ.get(RUN_DIR_ENV):  # the signal, for the cause and doctor
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("failed (exitcode: %s) local_rank: %s") and len(args) >= 2:
             from meshtron.checkpoint.restart import note_agent_exits
 
-            attempt = worker_group.spec.max_restarts - self._remaining_restarts
-            note_agent_exits(os.environ[RUN_DIR_ENV], attempt,
-                             {rank: f.exitcode for rank, f in failures.items()})
-        if any(f.exitcode in FINAL_CODES for f in failures.values()):
-            self._remaining_restarts = 0
-        return result
+            # one node (meshtron's own launcher): the local rank is the rank
+            note_agent_exits(self.run_dir, self.attempt, {int(args[1]): int(args[0])})
+            self.attempt += 1
+        return True
 
-    monitor_workers.meshtron_final_codes = True
-    LocalElasticAgent._monitor_workers = monitor_workers
+
+def _final_code() -> int | None:
+    """The exit code a rank stopped this agent with (`end_restarts`), None when none did."""
+    if not os.environ.get(RUN_DIR_ENV):
+        return None
+    from meshtron.checkpoint.restart import final_code
+
+    return final_code(os.environ[RUN_DIR_ENV])
 
 
 def _report_failures(failures) -> int:

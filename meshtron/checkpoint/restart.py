@@ -16,7 +16,10 @@ said on the rank's stderr (never silently dropped).
 
 Errors that recur on every attempt are not retried: a rank that fails on bad input (exit code 2)
 or on a storage error (`storage_error`, exit code EXIT_STORAGE) or is preempted (exit code 75)
-makes meshtron's torchrun agent stop instead of restarting (meshtron/launch.py `FINAL_CODES`).
+under meshtron's own launcher notes the code (`note_final`) and stops torchrun's agent with
+SIGTERM before it exits (meshtron/train/rank.py `_end_restarts`): the agent stops the other ranks and its process returns that code
+instead of restarting (meshtron/launch.py `FINAL_CODES`; torchelastic itself restarts on any
+failure, whatever the exit code: torch 2.13 elastic/agent/server/api.py `_invoke_run`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from meshtron.checkpoint import store
 
 ATTEMPTS = "attempts"
 EXITS = "exits.json"
+FINAL = "final.json"
 
 
 def attempt(env: Mapping[str, str] | None = None) -> int:
@@ -101,6 +105,30 @@ def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "except
     except OSError as exc:
         print(f"meshtron train (rank {rank}): could not write the failure note ({exc}); the "
               f"cause was: {cause[:500]}", file=sys.stderr, flush=True)
+
+
+def note_final(run_dir: str | Path, code: int) -> bool:
+    """Note that this attempt ends the job with `code` (meshtron/train/rank.py
+    `_end_restarts`); False when another rank of the attempt noted it first."""
+    note = _notes_dir(run_dir, attempt()) / FINAL
+    try:
+        note.parent.mkdir(parents=True, exist_ok=True)
+        with open(note, "x") as f:
+            f.write(json.dumps({"code": code}))
+    except FileExistsError:
+        return False
+    except OSError:  # the notes' disk failed too: the agent still stops, with its own code
+        pass
+    return True
+
+
+def final_code(run_dir: str | Path) -> int | None:
+    """The code a rank ended the job with in the newest attempt (`note_final`), or None."""
+    try:
+        return int(json.loads((_notes_dir(run_dir, last_attempt(run_dir)) / FINAL)
+                              .read_text())["code"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def note_agent_exits(run_dir: str | Path, n: int, exits: Mapping[int, int]) -> None:

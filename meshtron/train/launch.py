@@ -137,7 +137,7 @@ def failed_line(nproc: int, code: int) -> str:
     from meshtron.checkpoint import EXIT_STORAGE
 
     who = "the rank" if nproc == 1 else f"the {nproc} ranks"
-    if code > 128 and code - 128 in signal.Signals._value2member_map_:
+    if code > 128 and code - 128 in {int(sig) for sig in signal.Signals}:
         name = signal.Signals(code - 128).name
         return (f"meshtron train: {who} stopped by {name} without a committed checkpoint "
                 f"(exit code {code}); their output is above")

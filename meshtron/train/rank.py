@@ -12,6 +12,8 @@ wait for the others at a barrier (torchrun then stops the rest).
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -78,12 +80,14 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
             outputs.print_result(job.cfg, summary, run_dir)
     except Preempted:
         doctor.stop()
+        _end_restarts(job.cfg.train.run_dir, EXIT_PREEMPTED)
         shutdown_rank(EXIT_PREEMPTED)
     except RunFinished as done:
         if world.rank == 0:
             print(done, flush=True)
         shutdown_rank(0)
     except UserError as exc:
+        _end_restarts(job.cfg.train.run_dir, EXIT_USAGE)
         _abort(world, f"error: {exc}", EXIT_USAGE)
     except RunFailed as exc:
         _note(job, world, f"RunFailed: {exc}")
@@ -93,6 +97,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         _note(job, world, f"{type(exc).__name__}: {exc}")
         _dump(exc)
         if storage_error(exc):  # a restart would meet it again: EXIT_STORAGE is not retried
+            _end_restarts(job.cfg.train.run_dir, EXIT_STORAGE)
             _abort(world, f"failed: {type(exc).__name__}: {exc} (a storage error: a restart "
                           "would meet it again)", EXIT_STORAGE)
         if peer_lost(exc):  # expected once another rank died: that rank says why
@@ -255,6 +260,23 @@ def agreed_plan(job: TrainJob, world: World):
     if "finished" in payload[0]:
         raise RunFinished(payload[0]["finished"])
     return Plan.from_dict(payload[0]["plan"]), cluster_from_dict(payload[0]["cluster"])
+
+
+def _end_restarts(run_dir: str, code: int) -> None:
+    """This rank ends the job with `code` (bad input, a storage error, a preemption's checkpoint
+    written): under meshtron's launcher with restarts (its torchrun agent's pid in PARENT_ENV,
+    the run folder in RUN_DIR_ENV), note the code for the agent's process and stop the agent
+    with SIGTERM, once per attempt, before this rank exits, so that it stops the other ranks
+    instead of restarting them (torchelastic restarts on any failure, whatever the exit code:
+    torch 2.13 elastic/agent/server/api.py `_invoke_run`). Nothing elsewhere (one process, an
+    outside torchrun: its user's restarts apply)."""
+    from meshtron.checkpoint import restart
+    from meshtron.launch import PARENT_ENV, RUN_DIR_ENV
+
+    agent = os.environ.get(PARENT_ENV)
+    if agent and os.environ.get(RUN_DIR_ENV) and restart.torchrun_restarts() \
+            and restart.note_final(run_dir, code):
+        os.kill(int(agent), signal.SIGTERM)
 
 
 def _abort(world: World, message: str, code: int) -> NoReturn:
