@@ -158,7 +158,9 @@ def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
     _wait(lambda: _last_step(run_dir) >= 3 and len(rank_pids(run_dir)) == 2, proc)
     victim = rank_pids(run_dir)[1]
     proc.terminate()
-    _wait(lambda: any((run_dir / "checkpoints").glob(".tmp-step_*")), proc)
+    # rank 1's SIGTERM dump written (under load it can lag rank 0's start of the save)
+    _wait(lambda: any((run_dir / "checkpoints").glob(".tmp-step_*"))
+          and (run_dir / "trace" / "rank_1.json").is_file(), proc)
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode not in (0, 75), out[-3000:]
