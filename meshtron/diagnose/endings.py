@@ -110,9 +110,10 @@ def _last_seq(dump: dict[str, Any], group: str) -> int:
                 and not r.get("p2p")), default=-1)
 
 
-def _outlived_dump(trace: Trace, rank: int) -> int | None:
-    """Another rank whose later dump shows `rank` completing collectives after `rank`'s own
-    dump, and finds its process gone; None if no dump says so."""
+def _outlived_dump(trace: Trace, rank: int) -> tuple[int, str] | None:
+    """(another rank, what its dump shows) when that rank's later dump shows `rank` completing
+    collectives after `rank`'s own dump, or losing its connection to `rank` (a gloo/NCCL error
+    about a gone peer), and finds its process gone; None if no dump says so."""
     mine = trace.dumps[rank]
     for other, d in sorted(trace.dumps.items()):
         if other == rank or d["time"] <= mine["time"]:
@@ -121,8 +122,12 @@ def _outlived_dump(trace: Trace, rank: int) -> int | None:
         later = any(r["state"] == "completed" and not r.get("p2p")
                     and rank in trace.group_ranks(r["group"])
                     and r["seq"] > _last_seq(mine, r["group"]) for r in d.get("records", []))
-        if gone and later:
-            return other
+        reason = d.get("reason", "")
+        broke = reason.startswith("exception") and _is_consequence(reason)
+        if gone and (later or broke):
+            shows = ("shows it completing more collectives after that dump" if later
+                     else "shows the connection to it breaking after that dump")
+            return other, shows
     return None
 
 
@@ -132,11 +137,11 @@ def died_after_dump(trace: Trace):
              if sigterm_dump(d) and (o := _outlived_dump(trace, r)) is not None}
     if not found:
         return None
-    r, other = next(iter(found.items()))
+    r, (other, shows) = next(iter(found.items()))
     how = killed_by(trace, r) or "its process is gone"
     text = (f"{trace.label(r)} died after its SIGTERM dump at step {trace.dumps[r].get('step')} "
-            f"({how}): {trace.label(other)}'s later dump shows it completing more collectives "
-            f"after that dump, then finds its process gone; {_checkpoint_text(trace)}.")
+            f"({how}): {trace.label(other)}'s later dump {shows}, then finds its process gone; "
+            f"{_checkpoint_text(trace)}.")
     return Ending("dead_rank", text, sorted(found))
 
 
