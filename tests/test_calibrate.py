@@ -121,6 +121,7 @@ def calibrate_two_nodes_rank_fn() -> dict:
                                                   "intra_size": cal.intra.group_size}
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_calibration_spanning_two_nodes_fits_both_levels():
     from meshtron.planner.cluster import cluster_from_dict as build
     from testkit.multiproc import run_on_ranks

@@ -228,6 +228,7 @@ def _check(world, layouts, timeout=900, local=False):
         format_report(bad)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_compiled_equals_eager_one_and_two_processes():
     """The feature's one default launch: the single-process engine compiled (rank 0, after
     the layouts) against eager, and the 2-rank layouts compiled against the eager

@@ -264,6 +264,7 @@ def _parity_body(tokens):
             [("dp", dict(dp=2)), ("h4", dict(dp=2, diloco=4)), ("h16", dict(dp=2, diloco=16))]}
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_diloco_trains_as_well_as_data_parallel():
     """DiLoCo's defaults (H=4 and H=16) reach data parallelism's loss over a horizon where the
     losses have moved (see the module doc)."""

@@ -181,6 +181,7 @@ def _many_collectives(n: int) -> int:
     return len(rec.records)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_recording_group_does_not_deadlock_under_load():
     assert run_on_ranks(_many_collectives, 2, 3000, timeout=240, backend="recorded") == [10, 10]
 

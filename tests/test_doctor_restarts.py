@@ -51,6 +51,7 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_hang_in_every_attempt_keeps_each_attempts_dumps(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=FAULTS,

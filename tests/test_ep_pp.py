@@ -157,6 +157,7 @@ def _check(layouts, world, results=None):
 NO_TOKEN_SPEC = dict(CFG["spec"], **SIGMOID, layers=2)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_ep_in_a_pipeline_matches_one_process_and_the_planner():
     """Also: every token routed to ep rank 1's experts, rank 0's get none, and both ranks still
     meet in every all-to-all of the backward (this hung before the fix), equal to one process."""

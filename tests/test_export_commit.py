@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 FAULTS = str(Path(__file__).parent / "faults")
 
 
@@ -18,6 +20,7 @@ def _meshtron(*args: str, env: dict | None = None) -> subprocess.CompletedProces
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_killed_export_leaves_a_folder_a_rerun_accepts(tmp_path):
     run, out = tmp_path / "run", tmp_path / "hf"
     train = _meshtron("train", "--model", "debug", "--steps", "2", "--checkpoint-every", "2",

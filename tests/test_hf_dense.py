@@ -305,6 +305,7 @@ def _two_rank(cases) -> list[dict]:
     return engine_runs([(_cfg(model), _plan(model, **kw)) for model, kw in cases], _batches)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_tensor_parallel_equals_one_process(tmp_path):
     """tp 2 (with sequence parallelism for the sandwich, post and plus-one norms) against one
     process; OLMo 2's whole-projection q/k norm (tp=1 only) as ZeRO-3 over dp 2. A per-head

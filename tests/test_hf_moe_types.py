@@ -203,6 +203,7 @@ def _losses(run) -> list[float]:
     return [r["loss"] for r in lines]
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_train_tiny_qwen2_moe_through_the_command_and_on_two_ranks(tmp_path):
     """The user's path: one process, then tp=2 (the MoE replicated over the tensor ranks) and
     dp=2 x ep=2 (each rank two of the four experts) on 2 gloo ranks; the ranks' losses equal
@@ -343,6 +344,7 @@ def test_shared_gate_and_pattern_in_the_module():
     assert torch.allclose(sh(x), plain * torch.sigmoid(x @ sh.gate.weight.T))
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_gated_shared_expert_and_pattern_layouts_match_one_process():
     """Losses, gradient norms and every parameter of dp=2 x ep=2 (ZeRO-3; Qwen2-MoE, OLMoE and
     Granite-MoE shapes), tp=2 and a 1F1B pp=2 split of dense blocks 0, 2 and MoE blocks 1, 3

@@ -323,6 +323,7 @@ def _live_through_w(mode: str) -> dict[str, float]:
             "w_peak": live.peak, "layer_params": sum(p.numel() for p in params) / 2}
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_full_recompute_w_keeps_each_groups_recomputation_until_w_ends():
     """Why zero bubble + full recomputation holds more than no recomputation (fitsweep's 8B
     zb row, 2026-12-05): torch's non-reentrant checkpoint keeps a graph task's recomputed

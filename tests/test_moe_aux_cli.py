@@ -9,6 +9,8 @@ import json
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from tests.test_cli_issue28 import meshtron
 
 MOE = ["--model", "tiny-moe", "--set", "model.layers=2", "--steps", "3", "--eval-every", "3",
@@ -22,6 +24,7 @@ def _records(run: Path) -> list[dict]:
             if "loss" in r]
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_an_ep_layout_equals_one_process_at_the_micro_batch_it_prints(tmp_path):
     ep = meshtron("train", *MOE, "--nproc", "2", "--plan", "ep=2,dp=2",
                   "--run-dir", tmp_path / "ep")

@@ -209,6 +209,7 @@ def test_equivalence_world4(reference):
     _check(reference, 4, WORLD4)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_equivalence_world8_and_rank_order(reference):
     results, _ = _check(reference, 8, WORLD8)
     # Rank order: tp innermost (consecutive ranks), then dp_shard, dp_replicate, then pp.

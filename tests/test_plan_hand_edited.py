@@ -68,6 +68,7 @@ def test_train_refuses_what_cost_refuses(cli, tmp_path, framework, options, word
     assert cost.split("error: ", 1)[1] == train.split("error: ", 1)[1]
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_a_plan_priced_unclipped_trains_unclipped_or_refuses_clipping(cli, tmp_path):
     path = _edited(cli, tmp_path, "meshtron@2026", "grad_clip = false")
     clipped = tmp_path / "clipped"

@@ -313,6 +313,7 @@ def _check_truncation(results: dict) -> None:
         assert short == full, name  # ...and every category of the peak is the same, exactly
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_fewer_microbatches_reach_the_same_peak():
     """microbatches.py: a step of gradient accumulation and a 1F1B stage reach their peak
     with the first, one steady and the last micro-batch: the truncated rehearsal's peak

@@ -23,6 +23,8 @@ import time
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from meshtron.checkpoint import resume_fields, store
 from meshtron.checkpoint.config import CheckpointConfig
 from meshtron.config import DataConfig, OptimConfig, TrainConfig
@@ -72,6 +74,7 @@ def _stop_after(run_dir, step, proc, timeout=300):
     raise AssertionError(f"step {step} never logged: {proc.communicate()}")
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_preempted_run_resumes_with_its_own_settings(tmp_path):
     ref = tmp_path / "ref"
     code, _, err = _run("train", *RUN, "--checkpoint-every", "2", "--run-dir", str(ref))
@@ -98,6 +101,7 @@ def test_preempted_run_resumes_with_its_own_settings(tmp_path):
     assert run_toml["train"]["log_every"] == 2 and run_toml["model"]["name"] == "debug"
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_diloco_run_resumed_without_its_flag_stays_diloco(tmp_path):
     layout = ["--nproc", "2", "--plan", "dp=2", "--steps", "6"]
     ref = tmp_path / "ref"
@@ -121,6 +125,7 @@ def test_diloco_run_resumed_without_its_flag_stays_diloco(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_export_and_merge_say_the_damaged_checkpoint_they_skip(tmp_path):
     for name, lr in (("a", "0.001"), ("b", "0.002")):
         code, _, err = _run("train", *RUN, "--steps", "4", "--lr", lr, "--checkpoint-every",

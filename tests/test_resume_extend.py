@@ -70,6 +70,7 @@ def test_constant_after_warmup_extends_exactly_on_one_process(tmp_path):
             "with --steps 7") in err, err
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_warmup_run_extends_exactly_on_two_ranks(tmp_path):
     """4 warm-up steps taken, then 2 of the longer run's cosine decay: the resumed ranks follow
     the new schedule (the old one ended at step 4), as the straight run does."""

@@ -12,6 +12,8 @@ real ranks and files:
 import shutil
 import tomllib
 
+import pytest
+
 from meshtron.checkpoint import store
 
 from test_resume_config import RUN, _losses, _run
@@ -41,6 +43,7 @@ def test_resume_without_nproc_runs_on_the_recorded_ranks(tmp_path):
     assert _losses(run_dir) == _losses(ref)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_compressed_zero1_run_resumes_on_fewer_ranks(tmp_path):
     ref = tmp_path / "ref"
     code, _, err = _run("train", *RUN, "--nproc", "4", "--plan", "dp=4", "--zero", "1",

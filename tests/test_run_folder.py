@@ -62,6 +62,7 @@ def test_outside_torchrun_writes_records_and_export_checks_the_model(tmp_path):
     assert not (tmp_path / "stale_hf").exists()
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_resume_of_a_finished_run_keeps_its_results(tmp_path):
     run = tmp_path / "k5"
     common = ["train", "--model", "debug", *TINY, "--plan", "dp=2", "--checkpoint-every", "2",
@@ -110,6 +111,7 @@ def test_a_checkpoint_removed_while_read_is_chosen_again(tmp_path):
     assert folder.name == "step_00000002" and len(state) == 21
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_export_of_a_live_run_with_rotation(tmp_path):
     run = tmp_path / "live"
     trainer = subprocess.Popen(
@@ -131,6 +133,7 @@ def test_export_of_a_live_run_with_rotation(tmp_path):
         trainer.wait(timeout=120)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_entries_of_the_wrong_kind_are_one_line_before_anything_is_written(tmp_path):
     """A folder where the run writes a file: refused with or without --overwrite (which deletes
     outputs, not folders of unknown content). A file where the checkpoints go: refused without

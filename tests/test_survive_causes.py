@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from testkit.procs import rank_pids, records
 
 TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
@@ -132,6 +134,7 @@ def test_sigkilled_rank_is_named_with_its_signal(tmp_path):
             "(attempt 1 resumed from it)") in first["verdict"], first
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_frozen_rank_during_preemption_is_named(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "--checkpoint-every", "3", "--preempt-grace", "3")
@@ -145,6 +148,7 @@ def test_frozen_rank_during_preemption_is_named(tmp_path):
     assert not rank_pids(run_dir), out[-3000:]
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
     """SIGTERM to the launcher, then SIGKILL of rank 1 while the preemption checkpoint is
     written (each shard write slowed, tests/checkpoint_faults): rank 1's last dump is the one

@@ -217,6 +217,7 @@ def test_sigterm_to_the_parent_stops_every_rank(tmp_path):
     assert not _rank_pids(str(run_dir)), "ranks left running after SIGTERM"
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_looped_bfs_from_the_command_line_matches_single_process(tmp_path):
     """`--schedule gpipe:2` (torch's ScheduleLoopedBFS: two chunks per rank, every forward of a
     chunk before the next chunk's) trains through the CLI to the single-process losses; the
