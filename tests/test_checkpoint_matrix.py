@@ -125,6 +125,7 @@ def _check(base, name, exact=True):
             assert torch.equal(got[key], full_a[key]), (name, run_dir.name, key)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_save_after_evaluation_and_after_resume_zero2_tp(tmp_path):
     cases = [("tp2dp2-zero2", "tp=2,dp=2", 2, {})]
     layouts = run_on_ranks(_scenarios, 4, str(tmp_path), cases, timeout=600)[0]

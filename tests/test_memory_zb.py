@@ -351,6 +351,7 @@ def test_full_recompute_w_keeps_each_groups_recomputation_until_w_ends():
     assert grown_full == pytest.approx(priced, rel=0.05)  # measured 224 vs 220.5 units
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_full_recompute_w_peaks_in_the_last_blocks_recomputation():
     """Where W's live bytes peak under full recomputation (zb_recompute.WeightPass, traced
     on the 'mid' model's V, docs/measurements.md #zbv-full-recompute): inside a group of the

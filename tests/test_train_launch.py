@@ -143,6 +143,7 @@ def test_inside_an_existing_torchrun_world(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a)
 
 
+@pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_pipeline_and_tensor_parallel_eval_matches_single_process(tmp_path):
     """Forward-only evaluation through the pipeline schedules' eval path and loss_parallel."""
     single = config_from_dict({
