@@ -30,6 +30,23 @@ def _wait(pred, timeout, what):
         time.sleep(0.02)
 
 
+def _start_replica_run(run_dir: Path, steps: int) -> subprocess.Popen:
+    """`meshtron train --replica-ft 2 --max-restarts 1` on the tiny model, output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshtron", "train", *RUN, "--steps", str(steps),
+         "--replica-ft", "2", "--max-restarts", "1", "--run-dir", str(run_dir)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_group1_after(run_dir: Path, steps: int, what: str) -> None:
+    """SIGKILL replica group 1 once its first attempt has logged `steps` steps."""
+    g1 = run_dir / "replica_ft" / "group1_0.jsonl"
+    _wait(lambda: g1.exists() and len(g1.read_text().splitlines()) >= steps, 240, what)
+    pid = json.loads((run_dir / "replica_ft" / "pids.json").read_text())["1"]
+    os.kill(pid, signal.SIGKILL)
+
+
 def _records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
@@ -47,17 +64,9 @@ def test_replica_ft_steps_through_a_killed_group_and_the_rejoined_weights_are_eq
     from meshtron.train.loop import train
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshtron", "train", *RUN, "--steps", str(STEPS),
-         "--replica-ft", "2", "--max-restarts", "1", "--run-dir", str(run_dir)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    proc = _start_replica_run(run_dir, STEPS)
     try:
-        g1 = run_dir / "replica_ft" / "group1_0.jsonl"
-        _wait(lambda: g1.exists() and len(g1.read_text().splitlines()) >= 3, 240,
-              "group 1's third step")
-        pid = json.loads((run_dir / "replica_ft" / "pids.json").read_text())["1"]
-        os.kill(pid, signal.SIGKILL)
+        _kill_group1_after(run_dir, 3, "group 1's third step")
         out, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -194,17 +203,9 @@ def test_a_replacement_that_never_rejoined_is_reported_in_one_line(tmp_path):
 
     steps = 12
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshtron", "train", *RUN, "--steps", str(steps),
-         "--replica-ft", "2", "--max-restarts", "1", "--run-dir", str(run_dir)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    proc = _start_replica_run(run_dir, steps)
     try:
-        g1 = run_dir / "replica_ft" / "group1_0.jsonl"
-        _wait(lambda: g1.exists() and len(g1.read_text().splitlines()) >= steps - 2, 240,
-              "group 1's step before the last two")
-        pid = json.loads((run_dir / "replica_ft" / "pids.json").read_text())["1"]
-        os.kill(pid, signal.SIGKILL)
+        _kill_group1_after(run_dir, steps - 2, "group 1's step before the last two")
         out, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()
