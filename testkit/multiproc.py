@@ -188,10 +188,12 @@ def _wait(procs, tmpdir: Path, world_size: int, timeout: float) -> list[Any]:
         for r in running:
             _kill(procs[r])
     if failed:
-        # Root cause first: the rank that raised earliest (peers of a dead rank fail after it).
+        # Root cause first: a rank that died without a traceback (a signal: a gloo abort, a
+        # segfault; its peers then raise "Connection closed by peer"), then the ranks that
+        # raised, earliest first.
         def when(rank):
             res = _read_result(tmpdir, rank)
-            return res[2] if res is not None and res[0] == "error" else float("inf")
+            return res[2] if res is not None and res[0] == "error" else float("-inf")
 
         failed.sort(key=when)
         parts = []
