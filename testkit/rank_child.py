@@ -41,6 +41,9 @@ def child_main(tmpdir: str, rank: int, world_size: int, parent_pid: int) -> None
     import traceback
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # a fatal signal (gloo's abort, a segfault) prints every thread's Python stack into the
+    # rank's log, which RankError shows first
+    faulthandler.enable(all_threads=True)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     tdir = Path(tmpdir)
     result_path = tdir / f"result{rank}.pkl"
