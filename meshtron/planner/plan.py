@@ -427,7 +427,18 @@ class Plan:
         return header + tomli_w.dumps({k: v for k, v in self.to_dict().items() if v is not None})
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_toml())
+        """Write the plan to `path`: beside it first, then renamed over it (atomic on POSIX),
+        so a failed write (full disk, a kill) leaves the file it replaces whole."""
+        import os
+
+        path = Path(path)
+        part = path.with_name(path.name + ".part")
+        try:
+            part.write_text(self.to_toml())
+            os.replace(part, path)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
