@@ -193,8 +193,10 @@ def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
     assert proc.returncode != 0, out[-3000:]
     code, doc = _doctor(run_dir)
     assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
+    # "(killed by SIGKILL)" when torchrun's agent logged rank 1's end first, else "(its
+    # process is gone)" (the agent logs one failure per attempt: checkpoint/restart.py)
     assert doc["verdict"].startswith(
-        f"rank 1 (dp=1) died after its SIGUSR1 dump at step {dumped_at} (killed by SIGKILL)"), doc
+        f"rank 1 (dp=1) died after its SIGUSR1 dump at step {dumped_at} ("), doc
     assert "raised" not in doc["verdict"] and "Connection" not in doc["verdict"], doc
     assert doc["evidence"][0].startswith("rank 0 (dp=0): exception: "), doc["evidence"]
 

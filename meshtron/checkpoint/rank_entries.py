@@ -54,21 +54,30 @@ def select(template: dict[str, Any], folder: Path, meta: dict[str, Any], world_s
     none was dropped)."""
     change = layout_change(meta, world_size, plan)
     saved = {} if change else _saved_shapes(folder)
-    dropped = False
-    for name, entries in template.items():
-        if not isinstance(entries, dict):
-            continue
-        for key in [k for k in entries if k.startswith(OWN_PREFIX)]:
-            if saved.get(f"{name}.{key}") != tuple(entries[key].shape):
-                del entries[key]
-                dropped = True
-    if not dropped:
+    if not drop_own(template, keep=saved):
         return ""
     why = f"the layout changed ({change})" if change else \
         "the checkpoint holds no per-rank residuals (saved before they were kept)"
     return (f"error-feedback residuals: {why}; every rank restarts from its data-parallel "
             "group's mean residual (what the group owes is kept, not which rank owes it), so "
             "the run continues close to, not bit for bit with, an uninterrupted one")
+
+
+def drop_own(template: dict[str, Any], keep: dict[str, tuple[int, ...]] | None = None) -> bool:
+    """Remove the per-rank entries from a load template of Statefuls ({name: state dict}),
+    but those `keep` holds with their shape ({flattened key: shape}); True when any was
+    removed. A loop of your own that loads a checkpoint of another layout calls it on its
+    template before `dcp.load` (the Statefuls then restore the group's mean)."""
+    keep = keep or {}
+    dropped = False
+    for name, entries in template.items():
+        if not isinstance(entries, dict):
+            continue
+        for key in [k for k in entries if k.startswith(OWN_PREFIX)]:
+            if keep.get(f"{name}.{key}") != tuple(entries[key].shape):
+                del entries[key]
+                dropped = True
+    return dropped
 
 
 def _saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
