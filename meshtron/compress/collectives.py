@@ -239,7 +239,9 @@ class Reducer:
     def own_residual(self, key: str, numel: int, layout: str, device=None) -> torch.Tensor:
         """This rank's own residual of bucket `key` (not the group's mean: a resume on the same
         layout restores it and continues bit for bit). Before the bucket's first reduction,
-        zeros shaped as it will be (what a checkpoint load fills in place)."""
+        zeros shaped as it will be (what a checkpoint load fills in place). The tensor itself,
+        not a copy: a reduction replaces a residual (`_keep`) and writes only into the one it
+        just made, so a background checkpoint copy of this one reads it unchanged."""
         e = self.residuals.get(key)
         if e is not None:
             return e

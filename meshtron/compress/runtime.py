@@ -16,8 +16,11 @@ The residuals of error feedback are checkpointed through `state_dict()` (a State
 `torch.distributed.checkpoint` beside the model and optimizer), twice:
 - each rank's own residual per bucket, under a key only that rank writes
   (meshtron/checkpoint/rank_entries.py): a resume on the same layout restores every rank's own
-  residual and continues bit for bit with the uninterrupted run (what DeepSpeed's 1-bit Adam
-  and PowerSGD users expect of "resume at the same world size");
+  residual and continues bit for bit with the uninterrupted run. The price: each rank writes
+  4 bytes per parameter of its stage (its whole bucket), so a checkpoint grows by dp x 4 bytes
+  per parameter. DeepSpeed's 1-bit Adam chose the other way and resets the compression errors
+  on load rather than store O(num_gpu x model_size) (microsoft/DeepSpeed
+  deepspeed/runtime/fp16/onebit/adam.py `OnebitAdam.load_state_dict`, commit b54cd03);
 - the data-parallel group's mean residual, for a resume on another layout (the checkpointer
   then leaves the own entries out of its load template). ZeRO-0/1: one entry per parameter, in
   the parameter's own layout (a DTensor under tensor parallelism), so it reshards across dp and
