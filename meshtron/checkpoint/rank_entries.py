@@ -52,6 +52,9 @@ def select(template: dict[str, Any], folder: Path, meta: dict[str, Any], world_s
     and the checkpoint holds them with the same shape; else drop them (the Stateful then
     loads the group's mean). Returns the line the resume prints when it drops any ('' when
     none was dropped)."""
+    if not any(isinstance(entries, dict) and any(k.startswith(OWN_PREFIX) for k in entries)
+               for entries in template.values()):
+        return ""  # no Stateful keeps per-rank entries: nothing to read
     change = layout_change(meta, world_size, plan)
     saved = {} if change else _saved_shapes(folder)
     if not drop_own(template, keep=saved):
