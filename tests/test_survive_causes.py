@@ -13,7 +13,8 @@ a real file-system error (the user audit of session 44, /work/scratch_audit44a):
 - Rank 1 SIGSTOPped, then SIGTERM to the launcher: one line says the checkpoint was not written
   because rank 1 did not answer.
 - SIGUSR1 to rank 1 (a dump on demand), then SIGKILL of it: `dead_rank` naming rank 1 (was
-  `never_entered`: its dump predates the collectives it went on to take part in).
+  `never_entered`: its dump predates the collectives it went on to take part in), also when
+  its files say it ran on another host (its process not visible to rank 0).
 `meshtron doctor` on each: `exception` (exit 3) naming the rank and the error, `preempted`
 (exit 0) with and without a committed checkpoint, `dead_rank` (exit 3) also after a dump.
 """
@@ -199,6 +200,21 @@ def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
         f"rank 1 (dp=1) died after its SIGUSR1 dump at step {dumped_at} ("), doc
     assert "raised" not in doc["verdict"] and "Connection" not in doc["verdict"], doc
     assert doc["evidence"][0].startswith("rank 0 (dp=0): exception: "), doc["evidence"]
+    # The same files as rank 1 on another host leaves them: its hello and dump name that host,
+    # and rank 0's dump could not see its process ('unknown', meshtron/doctor/dump.py).
+    _as_if_on_another_host(run_dir / "trace", rank=1, seen_by=0)
+    code, doc = _doctor(run_dir)
+    assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
+    assert "then the connection to it breaking (another host" in doc["verdict"], doc
+
+
+def _as_if_on_another_host(trace_dir: Path, rank: int, seen_by: int) -> None:
+    for name in (f"rank_{rank}.hello.json", f"rank_{rank}.json"):
+        doc = json.loads((trace_dir / name).read_text())
+        (trace_dir / name).write_text(json.dumps(dict(doc, host="another-host")))
+    seen = json.loads((trace_dir / f"rank_{seen_by}.json").read_text())
+    seen["peers"][str(rank)].update(state="unknown", host="another-host")
+    (trace_dir / f"rank_{seen_by}.json").write_text(json.dumps(seen))
 
 
 def test_a_lone_cpu_rank_keeps_the_launchers_thread_count():

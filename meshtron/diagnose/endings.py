@@ -123,21 +123,26 @@ def _last_seq(dump: dict[str, Any], group: str) -> int:
 def _outlived_dump(trace: Trace, rank: int) -> tuple[int, str] | None:
     """(another rank, what its dump shows) when that rank's later dump shows `rank` completing
     collectives after `rank`'s own dump, or losing its connection to `rank` (a gloo/NCCL error
-    about a gone peer), and finds its process gone; None if no dump says so."""
+    about a gone peer), and finds its process gone; on another host, where no process can be
+    seen, both (a rank that went on after its dump and then raised would have dumped again, a
+    stopped one keeps its connections open); None if no dump says so."""
     mine = trace.dumps[rank]
     for other, d in sorted(trace.dumps.items()):
         if other == rank or d["time"] <= mine["time"]:
             continue
-        gone = d.get("peers", {}).get(str(rank), {}).get("state") in ("gone", "never_started")
+        state = d.get("peers", {}).get(str(rank), {}).get("state")
         later = any(r["state"] == "completed" and not r.get("p2p")
                     and rank in trace.group_ranks(r["group"])
                     and r["seq"] > _last_seq(mine, r["group"]) for r in d.get("records", []))
         reason = d.get("reason", "")
         broke = reason.startswith("exception") and _is_consequence(reason)
-        if gone and (later or broke):
+        if state in ("gone", "never_started") and (later or broke):
             shows = ("shows it completing more collectives after that dump" if later
                      else "shows the connection to it breaking after that dump")
-            return other, shows
+            return other, shows + ", then finds its process gone"
+        if state in (None, "unknown") and later and broke:
+            return other, ("shows it completing more collectives after that dump, then the "
+                           "connection to it breaking (another host: its process is not seen)")
     return None
 
 
@@ -152,8 +157,7 @@ def died_after_dump(trace: Trace):
     signal_name = trace.dumps[r].get("reason", "").split(":")[0]
     text = (f"{trace.label(r)} died after its {signal_name} dump at step "
             f"{trace.dumps[r].get('step')} "
-            f"({how}): {trace.label(other)}'s later dump {shows}, then finds its process gone; "
-            f"{_checkpoint_text(trace)}.")
+            f"({how}): {trace.label(other)}'s later dump {shows}; {_checkpoint_text(trace)}.")
     return Ending("dead_rank", text, sorted(found))
 
 
