@@ -113,6 +113,8 @@ def _rank_body(tokens, ckpt_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
+    from meshtron.checkpoint.rank_entries import OWN_PREFIX, drop_own
+
     out = {}
     # Uncompressed reference, int8 and DiLoCo H=4 over the same STEPS.
     for name, plan, kw in [
@@ -124,7 +126,7 @@ def _rank_body(tokens, ckpt_dir):
         if name == "int8":  # checkpoint the residual (mean over dp, per parameter)
             state = pm.grad_sync.state_dict()
             saved = {k: v.clone() for k, v in state.items()}
-            dcp.save(state, checkpoint_id=ckpt_dir)
+            dcp.save({"compress": state}, checkpoint_id=ckpt_dir)
         _release(pm, mesh)
     # Other reductions, SHORT steps each.
     for name, plan in [
@@ -138,7 +140,9 @@ def _rank_body(tokens, ckpt_dir):
         out[name] = losses
         # residual export / import in this layout (flat, hierarchical, FSDP2 reduce-scatter):
         # what the group owes survives the round trip
-        before = pm.grad_sync.state_dict()
+        # (the mean entries alone: the path of a resume on another layout)
+        before = {k: v for k, v in pm.grad_sync.state_dict().items()
+                  if not k.startswith(OWN_PREFIX)}
         pm.grad_sync.load_state_dict(before)
         after = pm.grad_sync.state_dict()
         out[name + "_roundtrip"] = (max(float((_full(after[k]) - _full(v)).abs().max())
@@ -153,12 +157,15 @@ def _rank_body(tokens, ckpt_dir):
     # Reshard the int8 residual: saved at dp=4 (no tp), loaded at dp=2 x tp=2.
     _, pm, mesh, _ = _train(tokens, dict(dp=2, tp=2, zero=1, grad_compression="int8",
                                          grad_compression_block=64), 0)
-    template = pm.grad_sync.state_dict()
+    template = {"compress": pm.grad_sync.state_dict()}
+    assert drop_own(template)  # each rank's own residual of dp=4 means nothing here
     dcp.load(template, checkpoint_id=ckpt_dir)
-    pm.grad_sync.load_state_dict(template)
+    pm.grad_sync.load_state_dict(template["compress"])
     again = pm.grad_sync.state_dict()
     worst, total = 0.0, 0.0
     for k, v in saved.items():
+        if k.startswith(OWN_PREFIX):
+            continue
         got = again[k].full_tensor() if isinstance(again[k], DTensor) else again[k]
         worst = max(worst, float((got - v).abs().max()))
         total += float(v.abs().sum())

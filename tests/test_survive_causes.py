@@ -12,8 +12,11 @@ a real file-system error (the user audit of session 44, /work/scratch_audit44a):
   agent saw, and doctor's `dead_rank` verdict names it and the last complete checkpoint.
 - Rank 1 SIGSTOPped, then SIGTERM to the launcher: one line says the checkpoint was not written
   because rank 1 did not answer.
+- SIGUSR1 to rank 1 (a dump on demand), then SIGKILL of it: `dead_rank` naming rank 1 (was
+  `never_entered`: its dump predates the collectives it went on to take part in), also when
+  its files say it ran on another host (its process not visible to rank 0).
 `meshtron doctor` on each: `exception` (exit 3) naming the rank and the error, `preempted`
-(exit 0) with and without a committed checkpoint, `dead_rank` (exit 3).
+(exit 0) with and without a committed checkpoint, `dead_rank` (exit 3) also after a dump.
 """
 
 from __future__ import annotations
@@ -171,6 +174,47 @@ def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
     code, doc = _doctor(run_dir)
     assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
     assert doc["verdict"].startswith("rank 1 (dp=1) died after its SIGTERM dump at step "), doc
+
+
+def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
+    """SIGUSR1 to rank 1 (a dump on demand, as doctor's no_dump verdict suggests), two more
+    steps, then SIGKILL of rank 1 mid-run: rank 0 raises gloo's 'Connection closed by peer'.
+    The verdict names rank 1 and its signal, not rank 0's lost connection as what was raised,
+    nor rank 1 as never entering the collectives it took part in after its dump."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait(lambda: _last_step(run_dir) >= 1 and len(rank_pids(run_dir)) == 2, proc)
+    victim = rank_pids(run_dir)[1]
+    os.kill(victim, signal.SIGUSR1)
+    _wait((run_dir / "trace" / "rank_1.json").is_file, proc)
+    dumped_at = json.loads((run_dir / "trace" / "rank_1.json").read_text())["step"]
+    _wait(lambda: _last_step(run_dir) >= dumped_at + 2, proc)
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode != 0, out[-3000:]
+    code, doc = _doctor(run_dir)
+    assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
+    # "(killed by SIGKILL)" when torchrun's agent logged rank 1's end first, else "(its
+    # process is gone)" (the agent logs one failure per attempt: checkpoint/restart.py)
+    assert doc["verdict"].startswith(
+        f"rank 1 (dp=1) died after its SIGUSR1 dump at step {dumped_at} ("), doc
+    assert "raised" not in doc["verdict"] and "Connection" not in doc["verdict"], doc
+    assert doc["evidence"][0].startswith("rank 0 (dp=0): exception: "), doc["evidence"]
+    # The same files as rank 1 on another host leaves them: its hello and dump name that host,
+    # and rank 0's dump could not see its process ('unknown', meshtron/doctor/dump.py).
+    _as_if_on_another_host(run_dir / "trace", rank=1, seen_by=0)
+    code, doc = _doctor(run_dir)
+    assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
+    assert "then the connection to it breaking (another host" in doc["verdict"], doc
+
+
+def _as_if_on_another_host(trace_dir: Path, rank: int, seen_by: int) -> None:
+    for name in (f"rank_{rank}.hello.json", f"rank_{rank}.json"):
+        doc = json.loads((trace_dir / name).read_text())
+        (trace_dir / name).write_text(json.dumps(dict(doc, host="another-host")))
+    seen = json.loads((trace_dir / f"rank_{seen_by}.json").read_text())
+    seen["peers"][str(rank)].update(state="unknown", host="another-host")
+    (trace_dir / f"rank_{seen_by}.json").write_text(json.dumps(seen))
 
 
 def test_a_lone_cpu_rank_keeps_the_launchers_thread_count():

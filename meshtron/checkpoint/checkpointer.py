@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint import history, integrity, restart, staging, state, store
+from meshtron.checkpoint import (history, integrity, rank_entries, restart, staging, state,
+                                 store)
 from meshtron.checkpoint.config import CheckpointConfig, recorded_settings
 from meshtron.checkpoint.preempt import PreemptionWatch
 from meshtron.checkpoint.resume import check_compatible, prepare_start  # noqa: F401 (API)
@@ -262,6 +263,8 @@ class Checkpointer:
         self.presized = not per_replica and \
             self.state.presize_optimizer(_saved_optimizer_states(folder))
         template = self.state.tensors(per_replica)
+        # each rank's own error-feedback residual only on the same layout (rank_entries.py)
+        residual_note = rank_entries.select(template, folder, meta, self.world_size, self.plan)
         t1 = time.perf_counter()
         dcp.load(template, checkpoint_id=str(folder),
                  process_group=self.save_group if self.distributed else None,
@@ -274,6 +277,8 @@ class Checkpointer:
         state.set_rng_state(rank_doc["rng"])
         self.say(f"resumed from {folder} (step {meta['step']}, saved on "
                  f"{meta['world_size']} rank(s){_layout(meta.get('plan'))})")
+        if residual_note:
+            self.say(residual_note)
         return {"template": t1 - t0, "read": t2 - t1, "apply": time.perf_counter() - t2}
 
     # ---- saving --------------------------------------------------------------------------------

@@ -231,6 +231,28 @@ class Reducer:
         out.copy_(self._reduce_scatter_rows(x, t.inter, m, key)[:size])
 
     # ---- checkpoint form -------------------------------------------------------------------------
+    @property
+    def keeps_residuals(self) -> bool:
+        """Error feedback holds residuals on this rank (compressed, more than one rank)."""
+        return self.error_feedback and self.topo.size > 1
+
+    def own_residual(self, key: str, numel: int, layout: str, device=None) -> torch.Tensor:
+        """This rank's own residual of bucket `key` (not the group's mean: a resume on the same
+        layout restores it and continues bit for bit). Before the bucket's first reduction,
+        zeros shaped as it will be (what a checkpoint load fills in place). The tensor itself,
+        not a copy: a reduction replaces a residual (`_keep`) and writes only into the one it
+        just made, so a background checkpoint copy of this one reads it unchanged."""
+        e = self.residuals.get(key)
+        if e is not None:
+            return e
+        rows, cols, _ = self._geometry(numel, layout)
+        return torch.zeros(rows, cols, dtype=torch.float32, device=device)
+
+    def load_own_residual(self, key: str, e: torch.Tensor) -> None:
+        """Set this rank's residual of `key` to `e`, one `own_residual` returned on the same
+        layout."""
+        self.residuals[key] = e.float()
+
     def mean_residual(self, key: str, numel: int, layout: str, device=None) -> torch.Tensor:
         """The group's mean untransmitted input of bucket `key` over its first `numel` input
         elements (one all-reduce; identical on every rank): what error feedback still owes the

@@ -31,7 +31,9 @@ SGD (tests/test_compress_dist.py checks it).
 
 `DiLoCo` is a Stateful: its `state_dict()` holds theta_global, the outer momentum (each laid out
 like its parameter: DTensors reshard) and the number of inner steps taken, plus the outer
-reduction's error-feedback residual (the replicas' mean, per parameter).
+reduction's error-feedback residual twice, as meshtron/compress/runtime.py keeps the gradients'
+(each rank's own, restored on the same layout: bit for bit; and the replicas' mean per
+parameter, restored after a layout change).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from typing import Any
 import torch
 
 from meshtron.compress.quant import Codec
-from meshtron.compress.runtime import _as_param_layout, _local, topology
+from meshtron.compress.runtime import (_as_param_layout, _local, load_own_entries, own_entries,
+                                       topology)
 from meshtron.compress.collectives import Reducer
 
 PREFIX = "diloco."
@@ -132,10 +135,12 @@ class DiLoCo:
 
     # ---- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """theta_global, momentum and residual per parameter, and the inner step count. A
-        collective over the replicas (the residual's mean): every rank calls it."""
+        """theta_global, momentum and mean residual per parameter, this rank's own residual,
+        and the inner step count. A collective over the replicas (the residual's mean): every
+        rank calls it."""
         out: dict[str, Any] = {PREFIX + "step": torch.tensor(self.step, dtype=torch.int64)}
         numel = sum(g.numel() for g in self.global_params)
+        out.update(own_entries(self.reducer, self._buckets(), self.global_params[0].device))
         residual = self.reducer.mean_residual("outer", numel, "all_reduce",
                                               self.global_params[0].device)
         offset = 0
@@ -149,7 +154,8 @@ class DiLoCo:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from `state_dict()` (after `dcp.load` into it), for this layout."""
+        """Restore from `state_dict()` (after `dcp.load` into it), for this layout: the
+        residual is this rank's own when the template kept it (same layout), else the mean."""
         self.step = int(state_dict[PREFIX + "step"])
         self.syncs = self.step // self.inner_steps  # the rounds completed before the save
         pieces = []
@@ -157,7 +163,12 @@ class DiLoCo:
             g.copy_(_local(state_dict[f"{PREFIX}global.{name}"]))
             buf.copy_(_local(state_dict[f"{PREFIX}momentum.{name}"]))
             pieces.append(_local(state_dict[f"{PREFIX}residual.{name}"]).reshape(-1).float())
-        self.reducer.load_mean_residual("outer", torch.cat(pieces), "all_reduce")
+        if not load_own_entries(self.reducer, self._buckets(), state_dict):
+            self.reducer.load_mean_residual("outer", torch.cat(pieces), "all_reduce")
+
+    def _buckets(self) -> list[tuple[str, int, str]]:
+        """The outer reduction's one residual bucket: (key, elements, layout)."""
+        return [("outer", sum(g.numel() for g in self.global_params), "all_reduce")]
 
 
 def attach(pm, plan, last_step: int | None = None) -> DiLoCo | None:

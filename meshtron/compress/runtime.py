@@ -13,11 +13,20 @@
   replica all-reduce is internal.
 
 The residuals of error feedback are checkpointed through `state_dict()` (a Stateful: pass it to
-`torch.distributed.checkpoint` beside the model and optimizer). ZeRO-0/1: one entry per
-parameter, in the parameter's own layout (a DTensor under tensor parallelism), holding the
-data-parallel group's mean residual, so it reshards across dp and tp like the parameter (what
-the group owes is kept exactly; which rank owes it is not). ZeRO-2/3: one entry per FSDP unit
-in FSDP2's flat reduce-scatter layout, which reloads on the same dp and tp.
+`torch.distributed.checkpoint` beside the model and optimizer), twice:
+- each rank's own residual per bucket, under a key only that rank writes
+  (meshtron/checkpoint/rank_entries.py): a resume on the same layout restores every rank's own
+  residual and continues bit for bit with the uninterrupted run. The price: each rank writes
+  4 bytes per parameter of its stage (its whole bucket), so a checkpoint grows by dp x 4 bytes
+  per parameter. DeepSpeed's 1-bit Adam chose the other way and resets the compression errors
+  on load rather than store O(num_gpu x model_size) (microsoft/DeepSpeed
+  deepspeed/runtime/fp16/onebit/adam.py `OnebitAdam.load_state_dict`, commit b54cd03);
+- the data-parallel group's mean residual, for a resume on another layout (the checkpointer
+  then leaves the own entries out of its load template). ZeRO-0/1: one entry per parameter, in
+  the parameter's own layout (a DTensor under tensor parallelism), so it reshards across dp and
+  tp like the parameter (what the group owes is kept exactly; which rank owes it is not).
+  ZeRO-2/3: one entry per FSDP unit in FSDP2's flat reduce-scatter layout, which reloads on the
+  same dp and tp.
 """
 
 from __future__ import annotations
@@ -188,22 +197,27 @@ class GradCompression:
         self.reducer.topo.release()
 
     # ---- checkpoint ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Mean residual per parameter (ZeRO-0/1) or per FSDP unit (ZeRO-2/3); see module doc.
-        A collective over the data axis: every rank calls it."""
-        out: dict[str, Any] = {}
+    def _buckets(self) -> list[tuple[str, int, str]]:
+        """(key, input elements, layout) of every residual bucket of this rank's reductions."""
         if self.fsdp:
-            for key, unit in self.units:
+            return [(key, _fsdp_input_numel(unit), "reduce_scatter") for key, unit in self.units]
+        return [(f"part{self.pm.stage_ids[i]}", sum(_local(p).numel() for _, p in self._params(i)),
+                 "all_reduce") for i in range(len(self.pm.model_parts))]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each rank's own residual per bucket, and the mean residual per parameter (ZeRO-0/1)
+        or per FSDP unit (ZeRO-2/3); see module doc. A collective over the data axis: every
+        rank calls it."""
+        out = own_entries(self.reducer, self._buckets(), self.pm.device)
+        if self.fsdp:
+            for key, numel, layout in self._buckets():
                 out[RESIDUAL_PREFIX + key] = self.reducer.mean_residual(
-                    key, _fsdp_input_numel(unit), "reduce_scatter", self.pm.device)
+                    key, numel, layout, self.pm.device)
             return out
-        for i in range(len(self.pm.model_parts)):
-            params = self._params(i)
-            numel = sum(_local(p).numel() for _, p in params)
-            mean = self.reducer.mean_residual(f"part{self.pm.stage_ids[i]}", numel,
-                                              "all_reduce", self.pm.device)
+        for i, (key, numel, layout) in enumerate(self._buckets()):
+            mean = self.reducer.mean_residual(key, numel, layout, self.pm.device)
             offset = 0
-            for name, p in params:
+            for name, p in self._params(i):
                 local = _local(p)
                 piece = mean[offset:offset + local.numel()].view(local.shape).clone()
                 offset += local.numel()
@@ -211,7 +225,10 @@ class GradCompression:
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Residuals from `state_dict()` (after `dcp.load` into it), for this layout."""
+        """Residuals from `state_dict()` (after `dcp.load` into it), for this layout: each
+        rank's own when the template kept them (same layout), else the group's mean."""
+        if load_own_entries(self.reducer, self._buckets(), state_dict):
+            return
         if self.fsdp:
             for key, _ in self.units:
                 if RESIDUAL_PREFIX + key in state_dict:
@@ -223,6 +240,36 @@ class GradCompression:
                       for name, _ in self._params(i)]
             self.reducer.load_mean_residual(f"part{self.pm.stage_ids[i]}", torch.cat(pieces),
                                             "all_reduce")
+
+
+def own_entries(reducer: Reducer, buckets: list[tuple[str, int, str]], device
+                ) -> dict[str, torch.Tensor]:
+    """This rank's own residual of every bucket, keyed by `rank_entries.own_key` (none when
+    error feedback keeps no residual here)."""
+    from meshtron.checkpoint.rank_entries import own_key
+
+    if not reducer.keeps_residuals:
+        return {}
+    rank = dist.get_rank()
+    return {own_key(rank, key): reducer.own_residual(key, numel, layout, device)
+            for key, numel, layout in buckets}
+
+
+def load_own_entries(reducer: Reducer, buckets: list[tuple[str, int, str]],
+                     state_dict: dict[str, Any]) -> bool:
+    """Restore this rank's own residuals from `state_dict` when it holds every bucket's (the
+    checkpointer kept them in its template: same layout); False, changing nothing, else."""
+    from meshtron.checkpoint.rank_entries import own_key
+
+    if not reducer.keeps_residuals:
+        return False
+    rank = dist.get_rank()
+    found = {key: state_dict.get(own_key(rank, key)) for key, _, _ in buckets}
+    if any(e is None for e in found.values()):
+        return False
+    for key, e in found.items():
+        reducer.load_own_residual(key, e)
+    return True
 
 
 def attach(pm, plan) -> GradCompression | None:

@@ -5,11 +5,15 @@ analyze.py asks these first or last):
   launcher stopping the run) at about the same time, or the run wrote a `preempted` record: the
   ranks stopped together; which operation each had just issued is not a divergence. Says the
   step, and whether the preemption checkpoint was committed (else the newest complete one).
-- `dead_rank` after a stale dump: a rank that dumped at SIGTERM and then died (SIGKILLed
-  during the preemption save): a later dump of another rank shows it completed more
-  collectives after its own dump, and finds its process gone.
+- `dead_rank` after a stale dump: a rank that dumped and went on (at SIGTERM, e.g. SIGKILLed
+  during the preemption save; or at SIGUSR1, a dump on demand) and then died: a later dump of
+  another rank shows it completed more collectives after its own dump, or lost its connection
+  to it, and finds its process gone.
 - `exception`: a rank raised (its dump's reason); the earliest error that is not a consequence
-  of a peer's end (a broken connection) is named with its rank, type and message.
+  of a peer's end (a broken connection) is named with its rank, type and message. When every
+  error is such a consequence, the cause is the rank that ended without a Python error: one
+  torchrun's agent saw killed by a signal (`dead_rank`); with no such rank, the verdict says
+  that no rank names a cause rather than presenting a lost connection as one.
 
 The signal that ended a rank comes from what torchrun's agent saw (checkpoint/restart.py
 `agent_exits`), the last complete checkpoint from the checkpoint store.
@@ -34,6 +38,12 @@ _BROKEN = ("connection closed", "connection reset", "broken pipe", "connection r
 _TOGETHER_S = 5.0
 """Dumps at SIGTERM this close in time are one signal reaching every rank (the launcher
 forwards it to all; a rank that got it alone tells the others at the next step's agreement)."""
+
+
+def went_on_dump(dump: dict[str, Any]) -> bool:
+    """A dump after which the rank was meant to go on: at SIGTERM (it checkpoints, then ends)
+    or at SIGUSR1 (a dump on demand)."""
+    return sigterm_dump(dump) or dump.get("reason") == "SIGUSR1"
 
 
 def sigterm_dump(dump: dict[str, Any]) -> bool:
@@ -113,35 +123,41 @@ def _last_seq(dump: dict[str, Any], group: str) -> int:
 def _outlived_dump(trace: Trace, rank: int) -> tuple[int, str] | None:
     """(another rank, what its dump shows) when that rank's later dump shows `rank` completing
     collectives after `rank`'s own dump, or losing its connection to `rank` (a gloo/NCCL error
-    about a gone peer), and finds its process gone; None if no dump says so."""
+    about a gone peer), and finds its process gone; on another host, where no process can be
+    seen, both (a rank that went on after its dump and then raised would have dumped again, a
+    stopped one keeps its connections open); None if no dump says so."""
     mine = trace.dumps[rank]
     for other, d in sorted(trace.dumps.items()):
         if other == rank or d["time"] <= mine["time"]:
             continue
-        gone = d.get("peers", {}).get(str(rank), {}).get("state") in ("gone", "never_started")
+        state = d.get("peers", {}).get(str(rank), {}).get("state")
         later = any(r["state"] == "completed" and not r.get("p2p")
                     and rank in trace.group_ranks(r["group"])
                     and r["seq"] > _last_seq(mine, r["group"]) for r in d.get("records", []))
         reason = d.get("reason", "")
         broke = reason.startswith("exception") and _is_consequence(reason)
-        if gone and (later or broke):
+        if state in ("gone", "never_started") and (later or broke):
             shows = ("shows it completing more collectives after that dump" if later
                      else "shows the connection to it breaking after that dump")
-            return other, shows
+            return other, shows + ", then finds its process gone"
+        if state in (None, "unknown") and later and broke:
+            return other, ("shows it completing more collectives after that dump, then the "
+                           "connection to it breaking (another host: its process is not seen)")
     return None
 
 
 def died_after_dump(trace: Trace):
-    """A rank that dumped at SIGTERM, kept going, then died without dumping again."""
+    """A rank that dumped at SIGTERM or SIGUSR1, kept going, then died without dumping again."""
     found = {r: o for r, d in sorted(trace.dumps.items())
-             if sigterm_dump(d) and (o := _outlived_dump(trace, r)) is not None}
+             if went_on_dump(d) and (o := _outlived_dump(trace, r)) is not None}
     if not found:
         return None
     r, (other, shows) = next(iter(found.items()))
     how = killed_by(trace, r) or "its process is gone"
-    text = (f"{trace.label(r)} died after its SIGTERM dump at step {trace.dumps[r].get('step')} "
-            f"({how}): {trace.label(other)}'s later dump {shows}, then finds its process gone; "
-            f"{_checkpoint_text(trace)}.")
+    signal_name = trace.dumps[r].get("reason", "").split(":")[0]
+    text = (f"{trace.label(r)} died after its {signal_name} dump at step "
+            f"{trace.dumps[r].get('step')} "
+            f"({how}): {trace.label(other)}'s later dump {shows}; {_checkpoint_text(trace)}.")
     return Ending("dead_rank", text, sorted(found))
 
 
@@ -170,10 +186,11 @@ def raised(trace: Trace):
     errors = {r: d for r, d in trace.dumps.items() if d.get("reason", "").startswith("exception")}
     if not errors:
         return None
-    own = {r: d for r, d in errors.items() if not _is_consequence(d["reason"])} or errors
+    own = {r: d for r, d in errors.items() if not _is_consequence(d["reason"])}
+    if not own:
+        return _lost_connections(trace, errors)
     first = min(own, key=lambda r: own[r]["time"])
-    message = own[first]["reason"].removeprefix("exception:").strip().splitlines()[0]
-    message = message if len(message) <= 300 else message[:297] + "..."
+    message = _message(own[first])
     same = sorted(r for r, d in own.items() if r != first and d["reason"] == own[first]["reason"])
     text = f"{trace.label(first)} raised {message} at step {own[first].get('step')}"
     if same:
@@ -184,3 +201,31 @@ def raised(trace: Trace):
                  "was gone")
     return Ending("exception", text + " (the traceback is in the evidence's dump).",
                      [first, *same])
+
+
+def _message(dump: dict[str, Any]) -> str:
+    """The first line of a dump's exception ('RuntimeError: ...'), at most 300 characters."""
+    message = dump["reason"].removeprefix("exception:").strip().splitlines()[0]
+    return message if len(message) <= 300 else message[:297] + "..."
+
+
+def _lost_connections(trace: Trace, errors: dict[int, dict[str, Any]]) -> Ending:
+    """Every rank that raised lost a connection to a peer: the cause is a rank that ended
+    without a Python error, named when torchrun's agent saw it killed by a signal; else the
+    verdict says that no rank names one (a lost connection is never presented as the cause)."""
+    first = min(errors, key=lambda r: errors[r]["time"])
+    lost = ", ".join(trace.label(r) for r in sorted(errors))
+    seen = f"{lost} then failed because a peer was gone ({_message(errors[first])})"
+    killed = {r: how for r in range(trace.world_size) if r not in errors
+              and (how := killed_by(trace, r)) and how.startswith("killed by")}
+    if killed:
+        names = "; ".join(f"{trace.label(r)} ({how})" for r, how in sorted(killed.items()))
+        last = {r: trace.dumps[r].get("reason", "").split(":")[0] for r in killed
+                if r in trace.dumps}
+        after = "".join(f"; rank {r}'s last dump was its {why} dump" for r, why in last.items())
+        return Ending("dead_rank", f"{names} died without a Python error{after}; {seen}; "
+                      f"{_checkpoint_text(trace)}.", sorted(killed))
+    return Ending("exception", "every error is a lost connection; no rank names a cause: "
+                  f"{seen}, and no rank left a Python error or was seen killed by a signal "
+                  "(a peer on another host, or one killed without torchrun's agent seeing it; "
+                  "its host's logs, e.g. the kernel's OOM killer, may say why).", [])
