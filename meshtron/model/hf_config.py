@@ -196,8 +196,35 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         kv_heads=need("n_head"), ffn_hidden=opt_int("n_inner", None) or 4 * hidden,
         vocab=need("vocab_size"), max_seq=opt_int("n_positions", 1024), mlp="gelu",
         norm="layernorm", position="learned", tied_embeddings=True, bias=True,
-        norm_eps=num("layer_norm_epsilon", 1e-5),
+        norm_eps=num("layer_norm_epsilon", 1e-5), **_gpt2_variants(cfg, flag),
     )
+
+
+_GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+              "gelu": "none"}
+"""GPT-2's `activation_function` (transformers' GPT2MLP: ACT2FN[activation_function], default
+gelu_new) -> ModelSpec.gelu_approximate; 'gelu' is the erf form."""
+
+
+def _gpt2_variants(cfg: dict[str, Any], flag) -> dict[str, Any]:
+    """What transformers' GPT2Attention / GPT2MLP read beyond the shapes (modeling_gpt2.py,
+    transformers 5.25): the MLP's activation, and two softmax scales meshtron's attention does
+    not compute (scores not divided by sqrt(head_dim) with scale_attn_weights=false; also by
+    layer_idx + 1 with scale_attn_by_inverse_layer_idx): priced, refused by `meshtron train`
+    (train_refusals) rather than trained as another function."""
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in _GPT2_GELU:
+        raise UserError(f"config.json activation_function={act!r}: allowed values for "
+                        f"model_type 'gpt2' are {', '.join(_GPT2_GELU)}")
+    refusals = []
+    if not flag("scale_attn_weights", True):
+        refusals.append("config.json scale_attn_weights=false: meshtron's attention divides "
+                        "scores by sqrt(head_dim) (planned only); allowed: true")
+    if flag("scale_attn_by_inverse_layer_idx", False):
+        refusals.append("config.json scale_attn_by_inverse_layer_idx=true: meshtron's "
+                        "attention does not divide block i's scores by i + 1 (planned only); "
+                        "allowed: false")
+    return {"gelu_approximate": _GPT2_GELU[act], "train_refusals": tuple(refusals)}
 
 
 def _hf_moe(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_int) -> ModelSpec:
