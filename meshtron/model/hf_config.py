@@ -146,6 +146,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              f"supported for model_type {mtype!r}")
         heads, hidden = need("num_attention_heads"), need("hidden_size")
         head_dim = opt_int("head_dim", None)  # Mistral-Nemo: 128 with hidden 5120, 32 heads
+        max_pos = opt_int("max_position_embeddings", MISTRAL_DEFAULTS[
+            "max_position_embeddings"] if mtype == "mistral" else 4096)
         return ModelSpec(
             name=name, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
             head_size=head_dim if head_dim not in (None, hidden // heads) else None,
@@ -153,8 +155,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
             tied_embeddings=flag("tie_word_embeddings", False),
             qkv_bias=(mtype == "qwen2") or _no_out_bias(flag("attention_bias", False)),
-            **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
-            **_mistral_window(cfg, mtype, opt_int("max_position_embeddings", 4096)),
+            **_hf_rope(cfg, "rope_theta", num, max_pos),
+            **_mistral_window(cfg, mtype, max_pos),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
     if mtype in DENSE_TYPES:
@@ -337,12 +339,19 @@ def _no_out_bias(attention_bias: bool) -> bool:
     return False
 
 
+MISTRAL_DEFAULTS = {"sliding_window": 4096, "max_position_embeddings": 4096 * 32}
+"""transformers' MistralConfig defaults for keys a config.json may leave out
+(models/mistral/configuration_mistral.py, transformers 5.25 and 4.x alike): an absent
+`sliding_window` is a 4096-token window, not full attention."""
+
+
 def _mistral_window(cfg: dict[str, Any], mtype: str, max_pos: int) -> dict[str, Any]:
     """Mistral's `sliding_window` in every block (transformers' MistralAttention passes it to
     the mask: query i attends to keys i - window + 1 .. i): the runtime computes it
     (model/attention.py window_attention), so sequences run to max_position_embeddings; a
     window no shorter than that is full causal attention."""
-    window = cfg.get("sliding_window") if mtype == "mistral" else None
+    window = (cfg.get("sliding_window", MISTRAL_DEFAULTS["sliding_window"])
+              if mtype == "mistral" else None)
     if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
         return {"sliding_window": window}
     return {}
@@ -355,7 +364,7 @@ def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
         raise UserError("config.json use_sliding_window=true: sliding-window attention is not "
                          "supported; only full attention")
     if mtype == "mistral" and cfg.get("sliding_window") not in (None, 0):
-        window = cfg.get("sliding_window")
+        window = cfg.get("sliding_window")  # absent: MISTRAL_DEFAULTS' 4096, an integer
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise UserError(f"config.json sliding_window={window!r}: must be a positive "
                              "integer or null")
