@@ -68,17 +68,43 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     return spec
 
 
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "mistral": {"rms_norm_eps": 1e-6, "sliding_window": 4096,
+                "max_position_embeddings": 4096 * 32},
+    "mixtral": {"rope_theta": 1e6, "max_position_embeddings": 4096 * 32},
+    "qwen2": {"max_position_embeddings": 32768}, "qwen3": {"max_position_embeddings": 32768},
+    "qwen3_moe": {"max_position_embeddings": 32768},
+    "qwen2_moe": {"shared_expert_intermediate_size": 5632, "max_position_embeddings": 32768},
+    "granite": {"max_position_embeddings": 2048}, "granitemoe": {"max_position_embeddings": 2048},
+    "granitemoeshared": {"max_position_embeddings": 2048},
+    "olmo2": {"max_position_embeddings": 2048},
+    "gemma2": {"max_position_embeddings": 8192},
+    "gemma3_text": {"max_position_embeddings": 131072},
+    "gpt_oss": {"max_position_embeddings": 131072},
+    "llama4_text": {"max_position_embeddings": 4096 * 32},
+}
+"""transformers' configuration classes' defaults (models/<type>/configuration_<type>.py,
+transformers 5.25; 4.x's the same) for keys a hand-written config.json may leave out, where
+they are not the reader's generic default: an absent key is the model transformers builds
+(LlamaConfig / MistralConfig rms_norm_eps 1e-6; MistralConfig a 4096-token window; MixtralConfig
+RoPE base 1e6; Qwen2MoeConfig one shared expert 5632 wide; each class's max_position_embeddings,
+which dynamic NTK and YaRN scale from)."""
+
+
 class _KeysRead(dict):
     """config.json's top-level object, remembering every key the reader looked up, present or
-    not (`looked_up`): the keys whose absence gives a default."""
+    not (`looked_up`): the keys whose absence gives a default. `defaults`: the model type's
+    CLASS_DEFAULTS, which an absent key reads as (before the reader's own default)."""
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
         self.looked_up: set[str] = set()
+        self.defaults = CLASS_DEFAULTS.get(str(cfg.get("model_type")), {})
 
     def get(self, key, default=None):
         self.looked_up.add(key)
-        return super().get(key, default)
+        return super().get(key, self.defaults.get(key, default))
 
     def __getitem__(self, key):
         self.looked_up.add(key)
@@ -146,8 +172,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              f"supported for model_type {mtype!r}")
         heads, hidden = need("num_attention_heads"), need("hidden_size")
         head_dim = opt_int("head_dim", None)  # Mistral-Nemo: 128 with hidden 5120, 32 heads
-        max_pos = opt_int("max_position_embeddings", MISTRAL_DEFAULTS[
-            "max_position_embeddings"] if mtype == "mistral" else 4096)
+        max_pos = opt_int("max_position_embeddings", 4096)  # CLASS_DEFAULTS first
         return ModelSpec(
             name=name, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
             head_size=head_dim if head_dim not in (None, hidden // heads) else None,
@@ -339,19 +364,12 @@ def _no_out_bias(attention_bias: bool) -> bool:
     return False
 
 
-MISTRAL_DEFAULTS = {"sliding_window": 4096, "max_position_embeddings": 4096 * 32}
-"""transformers' MistralConfig defaults for keys a config.json may leave out
-(models/mistral/configuration_mistral.py, transformers 5.25 and 4.x alike): an absent
-`sliding_window` is a 4096-token window, not full attention."""
-
-
 def _mistral_window(cfg: dict[str, Any], mtype: str, max_pos: int) -> dict[str, Any]:
     """Mistral's `sliding_window` in every block (transformers' MistralAttention passes it to
     the mask: query i attends to keys i - window + 1 .. i): the runtime computes it
     (model/attention.py window_attention), so sequences run to max_position_embeddings; a
     window no shorter than that is full causal attention."""
-    window = (cfg.get("sliding_window", MISTRAL_DEFAULTS["sliding_window"])
-              if mtype == "mistral" else None)
+    window = cfg.get("sliding_window") if mtype == "mistral" else None  # absent: 4096
     if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
         return {"sliding_window": window}
     return {}
@@ -364,7 +382,7 @@ def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
         raise UserError("config.json use_sliding_window=true: sliding-window attention is not "
                          "supported; only full attention")
     if mtype == "mistral" and cfg.get("sliding_window") not in (None, 0):
-        window = cfg.get("sliding_window")  # absent: MISTRAL_DEFAULTS' 4096, an integer
+        window = cfg.get("sliding_window")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise UserError(f"config.json sliding_window={window!r}: must be a positive "
                              "integer or null")
