@@ -17,7 +17,8 @@ from meshtron.train.job import ParallelRequest, TrainJob
 # CLI flag -> dotted config key. Flags left unset do not override the TOML file.
 _FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "preset name or path to a Hugging Face config.json"),
-    "--data": ("data.source", str, "'stdlib', a text file/folder, a .jsonl or a .bin token shard"),
+    "--data": ("data.source", str, "'stdlib', a text file/folder, a .jsonl (or .json) of "
+              "{\"text\": ...} lines or a .bin token shard"),
     "--tokenizer": ("data.tokenizer", str, "byte | bpe | a tokenizer.json (or its folder); "
                     "default: --init-from's tokenizer.json if it has one, else byte"),
     "--seq-len": ("data.seq_len", int, "tokens per sequence"),
