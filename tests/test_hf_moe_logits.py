@@ -103,8 +103,9 @@ _UNREAD_TYPE = {"gpt_oss": {"rope_theta", "rope_type", "rope_factor", "rope_orig
                             "rope_truncate"}}  # YaRN's defaults: not taken (planned only)
 
 
-@pytest.mark.parametrize("mtype", ["llama", "mistral", "qwen2", "qwen3", "nemotron", "gemma2", "gemma3_text", "phi3", "olmo2",
-                                   "granite", "starcoder2", "gpt_neox", *_MOE])
+@pytest.mark.parametrize("mtype", ["llama", "mistral", "qwen2", "qwen3", "nemotron", "gemma2",
+                                   "gemma3_text", "phi3", "olmo2", "granite", "starcoder2",
+                                   "gpt_neox", *_MOE])
 def test_absent_keys_take_transformers_defaults(mtype):
     """A config.json that leaves keys out reads as the config transformers completes from it
     (AutoConfig's defaults): Nemotron's half rotary, Gemma 3's 1e6 base, OLMoE's 0.01
