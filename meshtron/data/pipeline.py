@@ -68,7 +68,7 @@ def source_kind(source: str | Path) -> str:
         raise UserError(f"data.source='{source}': a {suffix} table is not read; allowed: a "
                         "text file or folder, a .jsonl / .json of JSON Lines ({\"text\": ...} "
                         "per line) or a .bin token shard (e.g. datasets' "
-                        "Dataset.from_parquet(PATH).to_json('data.jsonl'))")
+                        "Dataset.from_parquet(PATH).to_json('rows.jsonl'))")
     return "text"
 
 
