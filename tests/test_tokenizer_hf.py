@@ -152,3 +152,17 @@ def test_init_from_folder_brings_its_tokenizer(tmp_path):
     assert code == 0, err
     recorded = tomllib.loads((tmp_path / "bytes" / "run.toml").read_text())["data"]
     assert recorded["tokenizer"] == "byte"
+
+
+def test_init_from_folder_with_only_a_sentencepiece_model_is_one_line(tmp_path):
+    """A folder whose tokenizer is a SentencePiece tokenizer.model only (no tokenizer.json)
+    is refused rather than trained on byte ids."""
+    folder = _llama_folder(tmp_path)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x0bsentencepiece")
+    code, err = _run(["train", "--init-from", str(folder), "--steps", "1", "--seq-len", "32",
+                      "--run-dir", str(tmp_path / "run")])
+    line = err.strip()
+    assert code == 2 and len(line.splitlines()) == 1, err
+    assert f"train.init_from={str(folder)!r}" in line and "tokenizer.model" in line, line
+    assert not (tmp_path / "run").exists()

@@ -209,6 +209,8 @@ def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, 
     """What `train.init_from`'s folder brings when the run does not say otherwise: the model
     (its config.json) and the tokenizer (its tokenizer.json: the ids the weights were trained
     on; the byte tokenizer's ids would index unrelated embedding rows)."""
+    from pathlib import Path
+
     from meshtron.data.tokenizer import tokenizer_file
 
     if overrides.get("model") is None and "model" not in doc:
@@ -216,8 +218,15 @@ def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, 
     data = doc.get("data")
     given = overrides.get("data.tokenizer") is not None or (
         isinstance(data, dict) and "tokenizer" in data)
-    if not given and tokenizer_file(init_from) is not None:
+    if given:
+        return
+    if tokenizer_file(init_from) is not None:
         overrides["data.tokenizer"] = init_from
+    elif Path(init_from, "tokenizer.model").is_file():  # a SentencePiece model only
+        raise UserError(f"train.init_from={init_from!r}: its tokenizer is a SentencePiece "
+                        "tokenizer.model, which meshtron does not read; save its tokenizer.json "
+                        "(transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) "
+                        "or give --tokenizer (byte: train these weights on byte ids)")
 
 
 def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:
