@@ -57,7 +57,9 @@ class DataConfig:
     tokenizer: str = "byte"
     """'byte' (259 ids: 256 bytes + BOS/EOS/PAD), 'bpe' (byte-level BPE trained locally, once,
     on rank 0) or a Hugging Face tokenizer.json (or a folder holding one); the model's
-    vocabulary follows a tokenizer.json unless the weights come from train.init_from."""
+    vocabulary follows a tokenizer.json unless the weights come from train.init_from.
+    Not given, with a train.init_from folder holding a tokenizer.json: that folder's (the ids
+    its weights were trained on; meshtron/train/cli.py)."""
     bpe_vocab: int = 2048
     """Vocabulary size of the locally trained BPE tokenizer (tokenizer='bpe' only)."""
     seq_len: int = 256

@@ -66,8 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "write NAME.bin (token ids) and NAME.bin.json (dtype, "
                                    "vocabulary, token count, tokenizer fingerprint).")
     p.add_argument("--data", default="stdlib", metavar="SOURCE",
-                   help="'stdlib', a text file or folder, or a .jsonl (text field) "
-                        "[default: stdlib]")
+                   help="'stdlib', a text file or folder, or a .jsonl or .json of JSON "
+                        "Lines (text field) [default: stdlib]")
     p.add_argument("--tokenizer", default="byte",
                    help="byte | a Hugging Face tokenizer.json (or its folder) [default: byte]")
     p.add_argument("--out", required=True, metavar="NAME.bin", help="the shard to write")

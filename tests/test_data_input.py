@@ -199,3 +199,25 @@ def test_tokenize_writes_a_shard_that_train_reads(capsys, tmp_path):
     assert "not UTF-8 text (UTF-16?)" in line and not (tmp_path / "u.bin").exists(), line
     line = refused(capsys, "tokenize", "--data", shard, "--out", tmp_path / "again.bin")
     assert "a token shard holds ids, not documents" in line, line
+
+
+def test_json_lines_file_named_json_trains_on_its_text(capsys, tmp_path):
+    """Hugging Face datasets' `to_json` writes JSON Lines to a `.json` file: its `text`
+    fields are the documents (read as plain text it trained on the JSON syntax)."""
+    lines = "".join(json.dumps({"text": TEXT[:200 + i], "id": i}) + "\n" for i in range(30))
+    for name in ("rows.jsonl", "rows.json"):
+        (tmp_path / name).write_text(lines)
+        assert main(["tokenize", "--data", str(tmp_path / name), "--out",
+                     str(tmp_path / f"{name}.bin")]) == 0
+    counts = [json.loads((tmp_path / f"{n}.bin.json").read_text())["num_tokens"]
+              for n in ("rows.jsonl", "rows.json")]
+    assert counts[0] == counts[1] == sum(200 + i + 1 for i in range(30)), counts
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_table_file_is_refused_not_read_as_text(capsys, tmp_path, suffix):
+    path = tmp_path / f"train{suffix}"
+    path.write_bytes(b"PAR1" + TEXT.encode() + b"PAR1")  # a table whose column is UTF-8
+    line = refused(capsys, *TRAIN, "--data", path, "--run-dir", tmp_path / "run")
+    assert f"data.source='{path}': a {suffix} table is not read" in line, line
+    assert not (tmp_path / "run").exists()

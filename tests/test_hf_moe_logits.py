@@ -89,8 +89,8 @@ def test_moe_logits_equal_transformers(mtype, tmp_path):
 
 _MINIMAL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=12,
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
-_MOE = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                          shared_expert_intermediate_size=256),
+_MOE = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "olmoe": dict(num_experts=4, num_experts_per_tok=2),
         "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
         "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2,
@@ -98,18 +98,21 @@ _MOE = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate
         "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
         "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128),
         "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1)}
-_UNREAD = {"max_seq"}  # meshtron's own default (4096) where max_position_embeddings is absent
+_UNREAD: set[str] = set()
 _UNREAD_TYPE = {"gpt_oss": {"rope_theta", "rope_type", "rope_factor", "rope_original_max_seq",
                             "rope_truncate"}}  # YaRN's defaults: not taken (planned only)
 
 
-@pytest.mark.parametrize("mtype", ["qwen3", "nemotron", "gemma2", "gemma3_text", "phi3", "olmo2",
-                                   "granite", "starcoder2", "gpt_neox", *_MOE])
+@pytest.mark.parametrize("mtype", ["llama", "mistral", "qwen2", "qwen3", "nemotron", "gemma2",
+                                   "gemma3_text", "phi3", "olmo2", "granite", "starcoder2",
+                                   "gpt_neox", *_MOE])
 def test_absent_keys_take_transformers_defaults(mtype):
     """A config.json that leaves keys out reads as the config transformers completes from it
     (AutoConfig's defaults): Nemotron's half rotary, Gemma 3's 1e6 base, OLMoE's 0.01
     auxiliary loss, Granite MoE's untied embeddings, gpt-oss's 128-token window, Llama 4's
-    dense width, head size, base and chunks were not."""
+    dense width, head size, base and chunks were not; nor Llama's and Mistral's 1e-6 norm
+    epsilon, Mistral's 4096-token window, Mixtral's 1e6 base, Qwen2-MoE's shared expert, each
+    class's max_position_embeddings (hf_config.CLASS_DEFAULTS)."""
     import dataclasses
 
     transformers = pytest.importorskip("transformers")

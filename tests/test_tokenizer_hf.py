@@ -117,3 +117,52 @@ def test_bpe_is_trained_once_by_the_main_rank(tmp_path, monkeypatch):
     assert followed.model.vocab == other.tokenizer.vocab_size
     with pytest.raises(UserError, match="data.tokenizer='nope'"):
         config_from_dict({"data": {"tokenizer": "nope"}})
+
+
+def _llama_folder(tmp_path: Path) -> Path:
+    """A Hugging Face checkpoint folder as a team brings it: weights, config.json and the
+    tokenizer its embedding rows were trained with."""
+    transformers = pytest.importorskip("transformers")
+    folder = _hf_tokenizer(tmp_path)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=320, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_init_from_folder_brings_its_tokenizer(tmp_path):
+    """`meshtron train --init-from DIR` without --tokenizer trains on DIR's tokenizer.json (the
+    byte tokenizer's ids would index unrelated rows of the pretrained embedding) and exports
+    it; an explicit --tokenizer byte is kept."""
+    import tomllib
+
+    folder = _llama_folder(tmp_path)
+    common = ["--data", str(_corpus(tmp_path)), "--steps", "1", "--seq-len", "32",
+              "--global-batch", "2", "--eval-every", "0"]
+    run, out = tmp_path / "run", tmp_path / "export"
+    code, err = _run(["train", "--init-from", str(folder), *common, "--run-dir", str(run),
+                      "--export", str(out)])
+    assert code == 0, err
+    assert tomllib.loads((run / "run.toml").read_text())["data"]["tokenizer"] == str(folder)
+    assert (run / "tokenizer" / "tokenizer.json").is_file()
+    assert (out / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
+    code, err = _run(["train", "--init-from", str(folder), "--tokenizer", "byte", *common,
+                      "--run-dir", str(tmp_path / "bytes")])
+    assert code == 0, err
+    recorded = tomllib.loads((tmp_path / "bytes" / "run.toml").read_text())["data"]
+    assert recorded["tokenizer"] == "byte"
+
+
+def test_init_from_folder_with_only_a_sentencepiece_model_is_one_line(tmp_path):
+    """A folder whose tokenizer is a SentencePiece tokenizer.model only (no tokenizer.json)
+    is refused rather than trained on byte ids."""
+    folder = _llama_folder(tmp_path)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x0bsentencepiece")
+    code, err = _run(["train", "--init-from", str(folder), "--steps", "1", "--seq-len", "32",
+                      "--run-dir", str(tmp_path / "run")])
+    line = err.strip()
+    assert code == 2 and len(line.splitlines()) == 1, err
+    assert f"train.init_from={str(folder)!r}" in line and "tokenizer.model" in line, line
+    assert not (tmp_path / "run").exists()

@@ -52,18 +52,29 @@ STDLIB = "stdlib"
 
 
 def source_kind(source: str | Path) -> str:
-    """'stdlib', 'text' (a file or a directory of text files), 'jsonl' or 'shard' (.bin)."""
+    """'stdlib', 'text' (a file or a directory of text files), 'jsonl' (.jsonl or .json: JSON
+    Lines) or 'shard' (.bin); a table file (TABLE_SUFFIXES) is refused."""
     if str(source) == STDLIB:
         return "stdlib"
     p = check_exists(source, "data.source")
     if p.is_dir():
         return "text"
     suffix = p.suffix.lower()
-    if suffix == ".jsonl":
+    if suffix in (".jsonl", ".json"):  # Hugging Face datasets' to_json writes JSON Lines
         return "jsonl"
     if suffix == ".bin":
         return "shard"
+    if suffix in TABLE_SUFFIXES:
+        raise UserError(f"data.source='{source}': a {suffix} table is not read; allowed: a "
+                        "text file or folder, a .jsonl / .json of JSON Lines ({\"text\": ...} "
+                        "per line) or a .bin token shard (e.g. datasets' "
+                        "Dataset.from_parquet(PATH).to_json('rows.jsonl'))")
     return "text"
+
+
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".csv", ".tsv")
+"""Columnar and tabular files a Hugging Face dataset comes as: read as text they would train
+on their bytes or their column syntax."""
 
 
 def read_documents(source: str | Path = STDLIB, *, max_bytes: int = DEFAULT_MAX_BYTES,

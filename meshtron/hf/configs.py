@@ -26,7 +26,8 @@ def hf_config(spec: Any, dtype: str, mtype: str) -> dict[str, Any]:
                 "n_embd": spec.hidden, "n_layer": spec.layers, "n_head": spec.heads,
                 "n_inner": spec.ffn_hidden, "n_positions": spec.max_seq,
                 "vocab_size": spec.vocab, "layer_norm_epsilon": spec.norm_eps,
-                "activation_function": "gelu_new", "tie_word_embeddings": True,
+                "activation_function": ("gelu" if spec.gelu_approximate == "none"
+                                        else "gelu_new"), "tie_word_embeddings": True,
                 "torch_dtype": dtype, "dtype": dtype}
     cfg: dict[str, Any] = {
         "architectures": [ARCH[mtype]],

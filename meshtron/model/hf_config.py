@@ -68,17 +68,43 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     return spec
 
 
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "mistral": {"rms_norm_eps": 1e-6, "sliding_window": 4096,
+                "max_position_embeddings": 4096 * 32},
+    "mixtral": {"rope_theta": 1e6, "max_position_embeddings": 4096 * 32},
+    "qwen2": {"max_position_embeddings": 32768}, "qwen3": {"max_position_embeddings": 32768},
+    "qwen3_moe": {"max_position_embeddings": 32768},
+    "qwen2_moe": {"shared_expert_intermediate_size": 5632, "max_position_embeddings": 32768},
+    "granite": {"max_position_embeddings": 2048}, "granitemoe": {"max_position_embeddings": 2048},
+    "granitemoeshared": {"max_position_embeddings": 2048},
+    "olmo2": {"max_position_embeddings": 2048},
+    "gemma2": {"max_position_embeddings": 8192},
+    "gemma3_text": {"max_position_embeddings": 131072},
+    "gpt_oss": {"max_position_embeddings": 131072},
+    "llama4_text": {"max_position_embeddings": 4096 * 32},
+}
+"""transformers' configuration classes' defaults (models/<type>/configuration_<type>.py,
+transformers 5.25; 4.x's the same) for keys a hand-written config.json may leave out, where
+they are not the reader's generic default: an absent key is the model transformers builds
+(LlamaConfig / MistralConfig rms_norm_eps 1e-6; MistralConfig a 4096-token window; MixtralConfig
+RoPE base 1e6; Qwen2MoeConfig one shared expert 5632 wide; each class's max_position_embeddings,
+which dynamic NTK and YaRN scale from)."""
+
+
 class _KeysRead(dict):
     """config.json's top-level object, remembering every key the reader looked up, present or
-    not (`looked_up`): the keys whose absence gives a default."""
+    not (`looked_up`): the keys whose absence gives a default. `defaults`: the model type's
+    CLASS_DEFAULTS, which an absent key reads as (before the reader's own default)."""
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__(cfg)
         self.looked_up: set[str] = set()
+        self.defaults = CLASS_DEFAULTS.get(str(cfg.get("model_type")), {})
 
     def get(self, key, default=None):
         self.looked_up.add(key)
-        return super().get(key, default)
+        return super().get(key, self.defaults.get(key, default))
 
     def __getitem__(self, key):
         self.looked_up.add(key)
@@ -146,6 +172,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
                              f"supported for model_type {mtype!r}")
         heads, hidden = need("num_attention_heads"), need("hidden_size")
         head_dim = opt_int("head_dim", None)  # Mistral-Nemo: 128 with hidden 5120, 32 heads
+        max_pos = opt_int("max_position_embeddings", 4096)  # CLASS_DEFAULTS first
         return ModelSpec(
             name=name, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
             head_size=head_dim if head_dim not in (None, hidden // heads) else None,
@@ -153,8 +180,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             ffn_hidden=need("intermediate_size"), vocab=need("vocab_size"),
             tied_embeddings=flag("tie_word_embeddings", False),
             qkv_bias=(mtype == "qwen2") or _no_out_bias(flag("attention_bias", False)),
-            **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
-            **_mistral_window(cfg, mtype, opt_int("max_position_embeddings", 4096)),
+            **_hf_rope(cfg, "rope_theta", num, max_pos),
+            **_mistral_window(cfg, mtype, max_pos),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
     if mtype in DENSE_TYPES:
@@ -196,8 +223,35 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
         kv_heads=need("n_head"), ffn_hidden=opt_int("n_inner", None) or 4 * hidden,
         vocab=need("vocab_size"), max_seq=opt_int("n_positions", 1024), mlp="gelu",
         norm="layernorm", position="learned", tied_embeddings=True, bias=True,
-        norm_eps=num("layer_norm_epsilon", 1e-5),
+        norm_eps=num("layer_norm_epsilon", 1e-5), **_gpt2_variants(cfg, flag),
     )
+
+
+_GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+              "gelu": "none"}
+"""GPT-2's `activation_function` (transformers' GPT2MLP: ACT2FN[activation_function], default
+gelu_new) -> ModelSpec.gelu_approximate; 'gelu' is the erf form."""
+
+
+def _gpt2_variants(cfg: dict[str, Any], flag) -> dict[str, Any]:
+    """What transformers' GPT2Attention / GPT2MLP read beyond the shapes (modeling_gpt2.py,
+    transformers 5.25): the MLP's activation, and two softmax scales meshtron's attention does
+    not compute (scores not divided by sqrt(head_dim) with scale_attn_weights=false; also by
+    layer_idx + 1 with scale_attn_by_inverse_layer_idx): priced, refused by `meshtron train`
+    (train_refusals) rather than trained as another function."""
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in _GPT2_GELU:
+        raise UserError(f"config.json activation_function={act!r}: allowed values for "
+                        f"model_type 'gpt2' are {', '.join(_GPT2_GELU)}")
+    refusals = []
+    if not flag("scale_attn_weights", True):
+        refusals.append("config.json scale_attn_weights=false: meshtron's attention divides "
+                        "scores by sqrt(head_dim) (planned only); allowed: true")
+    if flag("scale_attn_by_inverse_layer_idx", False):
+        refusals.append("config.json scale_attn_by_inverse_layer_idx=true: meshtron's "
+                        "attention does not divide block i's scores by i + 1 (planned only); "
+                        "allowed: false")
+    return {"gelu_approximate": _GPT2_GELU[act], "train_refusals": tuple(refusals)}
 
 
 def _hf_moe(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_int) -> ModelSpec:
@@ -315,7 +369,7 @@ def _mistral_window(cfg: dict[str, Any], mtype: str, max_pos: int) -> dict[str, 
     the mask: query i attends to keys i - window + 1 .. i): the runtime computes it
     (model/attention.py window_attention), so sequences run to max_position_embeddings; a
     window no shorter than that is full causal attention."""
-    window = cfg.get("sliding_window") if mtype == "mistral" else None
+    window = cfg.get("sliding_window") if mtype == "mistral" else None  # absent: 4096
     if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
         return {"sliding_window": window}
     return {}

@@ -17,8 +17,10 @@ from meshtron.train.job import ParallelRequest, TrainJob
 # CLI flag -> dotted config key. Flags left unset do not override the TOML file.
 _FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "preset name or path to a Hugging Face config.json"),
-    "--data": ("data.source", str, "'stdlib', a text file/folder, a .jsonl or a .bin token shard"),
-    "--tokenizer": ("data.tokenizer", str, "byte | bpe | a tokenizer.json (or its folder)"),
+    "--data": ("data.source", str, "'stdlib', a text file/folder, a .jsonl (or .json) of "
+              "{\"text\": ...} lines or a .bin token shard"),
+    "--tokenizer": ("data.tokenizer", str, "byte | bpe | a tokenizer.json (or its folder); "
+                    "default: --init-from's tokenizer.json if it has one, else byte"),
     "--seq-len": ("data.seq_len", int, "tokens per sequence"),
     "--global-batch": ("data.global_batch", int, "sequences per optimizer step"),
     "--micro-batch": ("data.micro_batch", int, "sequences per forward/backward (accumulation)"),
@@ -187,8 +189,8 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         overrides["train.dtype"] = default_dtype()  # bf16 on CUDA, fp32 on CPU
     init_from = overrides.get("train.init_from") or (
         table.get("init_from") if isinstance(table, dict) else None)
-    if init_from and overrides.get("model") is None and "model" not in doc:
-        overrides["model"] = init_from  # the checkpoint's config.json
+    if init_from:
+        _follow_init_from(str(init_from), doc, overrides)
     from meshtron.data.tokenizer import follow_tokenizer
     from meshtron.model.hf_variants import check_runtime
     from meshtron.model.shapes import runtime_refusal
@@ -201,6 +203,30 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
         raise UserError(problem)
     check_runtime(cfg.model, cfg.data.seq_len, cfg.data.attention_mask == "document")
     return cfg
+
+
+def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """What `train.init_from`'s folder brings when the run does not say otherwise: the model
+    (its config.json) and the tokenizer (its tokenizer.json: the ids the weights were trained
+    on; the byte tokenizer's ids would index unrelated embedding rows)."""
+    from pathlib import Path
+
+    from meshtron.data.tokenizer import tokenizer_file
+
+    if overrides.get("model") is None and "model" not in doc:
+        overrides["model"] = init_from  # the checkpoint's config.json
+    data = doc.get("data")
+    given = overrides.get("data.tokenizer") is not None or (
+        isinstance(data, dict) and "tokenizer" in data)
+    if given:
+        return
+    if tokenizer_file(init_from) is not None:
+        overrides["data.tokenizer"] = init_from
+    elif Path(init_from, "tokenizer.model").is_file():  # a SentencePiece model only
+        raise UserError(f"train.init_from={init_from!r}: its tokenizer is a SentencePiece "
+                        "tokenizer.model, which meshtron does not read; save its tokenizer.json "
+                        "(transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) "
+                        "or give --tokenizer (byte: train these weights on byte ids)")
 
 
 def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:
