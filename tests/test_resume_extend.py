@@ -40,9 +40,9 @@ def _run_id(run_dir):
     return tomllib.loads((Path(run_dir) / "run.toml").read_text())["train"]["run_id"]
 
 
-def _extend_equals_straight(tmp_path, settings, short, long, layout=()):
-    """A `short`-step run resumed with --steps `long` against a straight `long`-step run (both
-    on `layout`); the resume's stderr."""
+def _extend_equals_straight(tmp_path, settings, short, long, layout=(), resume_layout=None):
+    """A `short`-step run resumed with --steps `long` (with `resume_layout`, default `layout`)
+    against a straight `long`-step run (both on `layout`); the resume's stderr."""
     ref, run_dir = tmp_path / "straight", tmp_path / "extended"
     code, _, err = _run("train", *settings, *layout, "--steps", str(long), "--run-dir",
                         str(ref))
@@ -51,8 +51,9 @@ def _extend_equals_straight(tmp_path, settings, short, long, layout=()):
                         "--checkpoint-every", str(short), "--run-dir", str(run_dir))
     assert code == 0, err[-2000:]
     first_id = _run_id(run_dir)
-    code, _, err = _run("train", *layout, "--run-dir", str(run_dir), "--resume", "--steps",
-                        str(long))
+    resume_layout = layout if resume_layout is None else resume_layout
+    code, _, err = _run("train", *resume_layout, "--run-dir", str(run_dir), "--resume",
+                        "--steps", str(long))
     assert code == 0, err[-2000:]
     want, got = _losses(ref), _losses(run_dir)
     assert sorted(got) == list(range(1, long + 1)), got
@@ -77,6 +78,18 @@ def test_warmup_run_extends_exactly_on_two_ranks(tmp_path):
     settings = [*RUN, "--warmup-steps", "4"]
     err = _extend_equals_straight(tmp_path, settings, 4, 6, ["--nproc", "2", "--plan", "dp=2"])
     assert "extending the run from train.steps=4 to 6" in err, err
+
+
+def test_resume_without_a_layout_continues_on_the_runs_plan(tmp_path):
+    """A pp=2 run (the planner picks dp=2 for this model on 2 ranks) resumed with only
+    `--nproc 2`: it continues on the checkpoint's plan, not on a new search (which would reshard to
+    dp=2 silently), and equals the straight pp=2 run bit for bit."""
+    settings = [*RUN, "--warmup-steps", "2", "--set", "optim.min_lr_ratio=1.0"]
+    run_dir = tmp_path / "extended"
+    err = _extend_equals_straight(tmp_path, settings, 2, 4, ["--nproc", "2", "--plan", "pp=2"],
+                                  ["--nproc", "2"])
+    assert "--resume: continuing on the checkpoint's plan (tp=1,pp=2,dp=1 " in err, err
+    assert tomllib.loads((run_dir / "plan.toml").read_text())["pp"] == 2
 
 
 def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path):

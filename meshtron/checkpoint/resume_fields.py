@@ -9,8 +9,10 @@
   step the checkpoint took had the same learning rate under both (the run then continues
   exactly as one started with the new value), else refused naming the first step whose rate
   differs (meshtron/checkpoint/extend.py).
-- LAYOUT: how the ranks run the step; planned again for the resumed world (resharded resume:
-  any layout or number of ranks continues the same trajectory).
+- LAYOUT: how the ranks run the step: the checkpoint's own plan when the resume command gives
+  no layout, knob, cluster or compression flag and the world has the run's size
+  (meshtron/train/planning.py `_resumed_plan`), else planned again for the resumed world
+  (resharded resume: any layout or number of ranks continues the same trajectory).
 - ARG: not a setting of the run (how it is found, or set by meshtron itself).
 
 The number of ranks is FOLLOW (meshtron/train/resume_args.py `resumed_nproc`: the recorded

@@ -326,8 +326,21 @@ def parallel_request(args: argparse.Namespace, cfg: RunConfig, plan: str | None,
         from meshtron.train.resume_args import resumed_knobs
 
         knobs = search_knobs(comm, resumed_knobs(args, cfg, knobs))
+    layout_given = (any(f is not None for f in flags) or requested(args) or offload_act
+                    or async_tp or getattr(args, "nnodes", None))
     return ParallelRequest(plan=plan or "auto", nproc=nproc, cluster=args.cluster, knobs=knobs,
-                           comm=comm)
+                           comm=comm,
+                           resumed_plan=None if layout_given else _resumed_plan(args, cfg))
+
+
+def _resumed_plan(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any] | None:
+    """The plan the checkpoint a `--resume` loads was saved with (None: not a resume, or a
+    checkpoint that recorded none)."""
+    from meshtron.train.resume_args import resumed_meta
+
+    resumed = resumed_meta(args, cfg.train.run_dir)
+    plan = None if resumed is None else resumed[1].get("plan")
+    return plan if isinstance(plan, dict) else None
 
 
 def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None,

@@ -28,6 +28,10 @@ class ParallelRequest:
     """Knobs fixed on the command line (tp/pp/dp, zero, schedule, recompute, sp, micro_batch)."""
     comm: dict[str, Any] = field(default_factory=dict)
     """Plan fields of gradient compression / DiLoCo given as flags (meshtron/compress/cli.py)."""
+    resumed_plan: dict[str, Any] | None = None
+    """On a `--resume` whose command gives no layout, knob, cluster or compression flag: the
+    plan the checkpoint was saved with (its meta.json), which the run continues on when the
+    world has its size (planning.py `resolve_run_plan`)."""
 
 
 @dataclass(frozen=True)

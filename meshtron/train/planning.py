@@ -108,7 +108,10 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int,
     cluster = cluster or local_cluster(world_size, request.cluster)
     from meshtron.compress.cli import apply as apply_comm
 
-    if is_plan_file(request.plan):
+    kept = _resumed_plan(cfg, request, world_size)
+    if kept is not None:
+        plan = apply_comm(kept, request.comm, saved=True)
+    elif is_plan_file(request.plan):
         plan = apply_comm(_saved_plan(cfg, request), request.comm, saved=True)
     else:
         plan = apply_comm(_searched_plan(cfg, request, world_size, cluster), request.comm,
@@ -127,6 +130,29 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int,
         if problem:
             raise UserError(problem)
     return plan, cluster
+
+
+def _resumed_plan(cfg: RunConfig, request: ParallelRequest, world_size: int):
+    """The checkpoint's own plan when a `--resume` gives no layout (`request.resumed_plan`) and
+    this world has the run's size, else None (the planner chooses; a line says why). The
+    planner's answer may have moved since the run started (a calibration file, another
+    meshtron): a silently different layout (pp=2 x dp=2 resumed as dp=4) is a resharded
+    resume, not the same run; torchtitan and Megatron-LM resume on the job's own config."""
+    import sys
+
+    from meshtron.planner.plan import Plan
+
+    if request.resumed_plan is None:
+        return None
+    plan = Plan.from_dict(request.resumed_plan)
+    if plan.gpus != world_size:
+        print(f"meshtron train: --resume: the checkpoint's plan is for {plan.gpus} ranks, this "
+              f"launch has {world_size}: the planner chooses again (the checkpoint reshards)",
+              file=sys.stderr)
+        return None
+    print(f"meshtron train: --resume: continuing on the checkpoint's plan ({plan.describe()}); "
+          f"--plan LAYOUT chooses another", file=sys.stderr)
+    return plan
 
 
 def _saved_plan(cfg: RunConfig, request: ParallelRequest):
