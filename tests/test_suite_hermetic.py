@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ def test_no_outside_switch_reaches_a_test_or_its_subprocesses():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, timeout=60).stdout.splitlines()
     assert out[0] == os.getcwd()  # testkit imported from outside the checkout (PYTHONPATH)
-    assert outside_env(eval(out[1])) == []
+    assert outside_env(ast.literal_eval(out[1])) == []
 
 
 def test_outside_env_names_what_steers_meshtron_and_torch():
