@@ -42,7 +42,8 @@ def test_a_calibration_in_the_tests_folder_is_read_and_none_is_found_in_a_fresh_
     from meshtron.calibrate.cli import default_cluster_path
     from meshtron.train.planning import choose_cluster
 
-    assert ROOT not in Path.cwd().resolve().parents  # never writes into the checkout
+    here = Path.cwd().resolve()
+    assert here != ROOT and ROOT not in here.parents  # never writes into the checkout
     cpu = NodeDevice("cpu", "cpu")
     assert choose_cluster(2, None, cpu, default_cluster_path(2)).source.startswith(
         "nominal CPU figures")
