@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 MESHTRON = [sys.executable, "-m", "meshtron"]
 # Fast failure detection and short waits for stragglers on one machine (torchrun's defaults are
 # for clusters: 5 s heartbeats, a 30 s last call).
@@ -39,7 +38,7 @@ class Node:
                           "--rdzv-id", run_id, "--rdzv-conf", conf]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self._out = open(self.log, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._out,
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._out,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def tree(self) -> list[int]:

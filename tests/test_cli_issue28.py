@@ -139,9 +139,10 @@ def test_offload_activations_trains(tmp_path):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU default dtype")
-def test_saved_bf16_plan_states_its_dtype_on_cpu(tmp_path):
+def test_saved_bf16_plan_states_its_dtype_on_cpu(capsys, tmp_path):
     """`meshtron plan --save` plans bf16 unless told otherwise; training that plan on a CPU
-    (whose runs default to fp32) says so on the plan line instead of switching silently."""
+    (whose runs default to fp32) says so on the plan line instead of switching silently (one
+    process: the command's entry point in this process, as the refusals above)."""
     cluster = tmp_path / "cpu.toml"
     cluster.write_text('name = "cpu"\npeak_tflops = 0.05\nmemory_gib = 4.0\n'
                        'gpus_per_node = 1\nnodes = 1\nintra_node_gb_per_s = 1.0\n'
@@ -152,8 +153,8 @@ def test_saved_bf16_plan_states_its_dtype_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "dtype bf16" in proc.stdout.replace("\n", " ")
     run = tmp_path / "run"
-    proc = meshtron("train", "--plan", plan, "--steps", "1", "--eval-every", "0", "--run-dir",
-                    run, timeout=600)
+    proc = meshtron_main(capsys, "train", "--plan", plan, "--steps", "1", "--eval-every", "0",
+                         "--run-dir", run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout.replace("\n", "")
     assert "dtype=bf16 (the saved plan's; runs here default to fp32" in text, proc.stdout

@@ -23,7 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from elastic_nodes import MESHTRON, ROOT, Node, free_port, replans, steps, wait_for  # noqa: E402
+from elastic_nodes import MESHTRON, Node, free_port, replans, steps, wait_for  # noqa: E402
 
 from meshtron.cli import main  # noqa: E402
 from meshtron.errors import UserError  # noqa: E402
@@ -192,7 +192,7 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
         first.stop()
     killed_at = max(steps(run))
     assert killed_at < 12, "the run ended before the kill"
-    second = subprocess.run(_node_cmd(run, 1, free_port(), common), cwd=ROOT,
+    second = subprocess.run(_node_cmd(run, 1, free_port(), common),
                             capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-4000:]
     [rec] = replans(run)
@@ -207,7 +207,7 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
         assert {k: got[s][k] for k in ("samples_from", "samples_sha")} == expected_samples(s)
     ref = tmp_path / "ref"
     one = subprocess.run(MESHTRON + ["train", *BASE, "--steps", "12", "--run-dir", str(ref)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     want = steps(ref)
     for s in range(1, 13):

@@ -6,9 +6,9 @@ compute refused in one line."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -267,13 +267,17 @@ TRAINED = [(m, {}) for m in sorted(TINY)] + [("starcoder2", dict(sliding_window=
                          ids=[m + ("-window" if c else "") for m, c in TRAINED])
 def test_meshtron_train_tiny_config_three_steps(mtype, changes, tmp_path):
     """The user's path: `meshtron train --model tiny.json --steps 3` with its defaults (a
-    window of 16 under 32-token sequences: the banded attention)."""
+    window of 16 under 32-token sequences: the banded attention), through the command's entry
+    point (`meshtron.cli.main`) in this process, as tests/test_hf.py's one-process run (a
+    child process added a torch import, ~5 s, to each of the nine)."""
+    from meshtron.cli import main
+
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--model", _write(tmp_path, mtype, **changes),
-         "--steps", str(STEPS), "--seq-len", "32", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["train", "--model", _write(tmp_path, mtype, **changes),
+                     "--steps", str(STEPS), "--seq-len", "32", "--run-dir", str(run_dir)])
+    assert code == 0, err.getvalue()[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) >= STEPS and all(0 < x < 10 for x in losses)

@@ -7,6 +7,8 @@ one-line refusals of what the runtime does not compute."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -189,12 +191,22 @@ def test_pattern_changes_the_planned_memory(tmp_path):
 
 
 def _train(tmp_path, cfg, *extra, run=None):
+    """`meshtron train` on `cfg` as a config.json. One process: the command's entry point
+    (`meshtron.cli.main`) in this process, as tests/test_hf.py's one-process run (a child
+    process would add ~5 s of torch import to each run and refusal); ranks: the command."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    return subprocess.run([sys.executable, "-m", "meshtron", "train", "--model", str(path),
-                           "--steps", "3", "--seq-len", "32", "--global-batch", "4",
-                           "--log-every", "1", "--run-dir", str(run or tmp_path / "run"), *extra],
-                          capture_output=True, text=True, timeout=600)
+    argv = ["train", "--model", str(path), "--steps", "3", "--seq-len", "32", "--global-batch",
+            "4", "--log-every", "1", "--run-dir", str(run or tmp_path / "run"), *extra]
+    if "--nproc" in extra:
+        return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
+                              text=True, timeout=600)
+    from meshtron.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def _losses(run) -> list[float]:

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -29,8 +28,6 @@ from meshtron.planner.estimate import Evaluator
 from meshtron.planner.memory import MemoryOptions, state_bytes
 from meshtron.planner.memory_ranks import greedy_owners, param_shapes, predict_ranks, rank_states
 from meshtron.planner.plan import Plan
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- model states per framework and dtype ------------------------------------------------------
@@ -65,7 +62,6 @@ def test_deepspeed_zero3_gathers_at_most_its_live_parameter_cap():
     # the largest single matrix (1.68e9) must be whole, plus the 5e8 prefetch bucket; the
     # gradient side is the same matrix's gradient
     assert big == 2 * (1.68e9 + 5e8) + 2 * 1.68e9
-
 
 
 def _zero3_full_recompute(layers: int, reduce_bytes: float, keep: bool = False):
@@ -149,7 +145,6 @@ def test_zero0_accumulates_the_embeddings_whole_gradient_over_the_step():
     # no FSDP2 (fp32 at one shard): the gradient is sharded after every backward
     assert memory.embedding_accum_bytes(MemoryOptions(dtype="fp32"), 0, 0.0, 4.0, 4, 2,
                                         1) == 0.0
-
 
 
 def test_pipeline_chunk_outputs_held_at_the_peak():
@@ -345,7 +340,7 @@ def test_memory_json_of_a_real_run_matches_the_planner(tmp_path):
            "tp=2,pp=2,dp=1", "--zero", "0", "--micro-batch", "2", "--schedule", "1f1b",
            "--model", "tiny", "--steps", "1", "--global-batch", "4", "--seq-len", "32",
            "--dtype", "bf16", "--run-dir", str(run_dir)]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     measured = json.loads((run_dir / "memory.json").read_text())["measured_bytes_per_rank"]
     plan = Plan.from_toml((run_dir / "plan.toml").read_text())
     predicted = predict_ranks(preset("tiny"), plan, "bf16", 4.0)

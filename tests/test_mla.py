@@ -183,11 +183,14 @@ def test_tp2_sp_fsdp2_and_cp2_match_one_process():
 
 
 def test_meshtron_train_tiny_mla_three_steps(tmp_path):
-    """The user's path: the command with its defaults (recorder, watchdog, planner's knobs)."""
+    """The user's path: the command with its defaults (recorder, watchdog, planner's knobs,
+    the final evaluation), on 4 sequences of 64 tokens a step (the default 16 x 256 only made
+    the MoE blocks' CPU loops 16x longer)."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "meshtron", "train", "--model", "tiny-mla", "--steps", "3",
-         "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
+         "--seq-len", "64", "--global-batch", "4", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]

@@ -14,7 +14,6 @@ import pytest
 
 from testkit.plan_cli import commands_fixture
 
-ROOT = Path(__file__).resolve().parent.parent
 
 cli = commands_fixture("meshtron.planner.cli")
 
@@ -24,7 +23,7 @@ TINY = ["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "-
 
 def _meshtron(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+                          text=True, timeout=600)
 
 
 def _edited(cli, tmp_path: Path, framework: str | None, options: str = "") -> Path:

@@ -13,7 +13,6 @@ import pytest
 
 from testkit.plan_cli import commands_fixture
 
-ROOT = Path(__file__).resolve().parent.parent
 
 cli = commands_fixture("meshtron.planner.cli", "meshtron.cost.cli", "meshtron.simulate.cli")
 
@@ -124,7 +123,7 @@ def test_a_bad_stack_in_a_plan_file_is_one_line(cli, tmp_path, text, field):
 
 def _meshtron(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+                          text=True, timeout=600)
 
 
 TINY = ["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256",

@@ -1,0 +1,75 @@
+"""The default suite's inputs come from the tests, not from the machine that runs them.
+
+Two kinds of outside state changed results before this file:
+
+* the current directory: `meshtron train` (and every rank that plans in-process) reads
+  `runs/calibration/local-N.toml` relative to it (meshtron/calibrate/cli.py DEFAULT_DIR, read by
+  meshtron/train/planning.py `cluster_choice`), and writes `runs/default` / `runs/demo` there
+  when no --run-dir is given (meshtron/config.py, meshtron/train/demo.py). Each test runs in a
+  fresh empty directory of its own (session and module fixtures in one for the session), so a
+  calibration or run folder left in the checkout is never seen; tests that start `meshtron` in
+  a subprocess leave it that directory (no `cwd=ROOT`). Subprocesses inherit that directory; `testkit` and `tests` stay importable through
+  PYTHONPATH (they are not installed; `meshtron` is, editable).
+* the environment: meshtron reads MESHTRON_* (launch.py, doctor/recorder.py,
+  checkpoint/snapshot_files.py), torchrun's RANK / WORLD_SIZE / LOCAL_WORLD_SIZE /
+  GROUP_WORLD_SIZE / TORCHELASTIC_RUN_ID (launch.py, checkpoint/snapshot.py, parallel/mesh.py,
+  train/elastic.py), TORCH_FR_BUFFER_SIZE (doctor/flight.py); torch reads TORCH_* /
+  TORCHDYNAMO_* / TORCHINDUCTOR_* switches (TORCH_LOGS, TORCH_DISTRIBUTED_DEBUG, ...) and the
+  thread counts. They are removed once, before any test imports torch. Kept: the harness switch
+  MESHTRON_TEST_FRESH_RANKS (testkit/multiproc.py) and where torch keeps its compile caches
+  (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR: content-addressed, they change speed, not results).
+  CUDA_VISIBLE_DEVICES is set empty: the default suite is the CPU suite (a test that needs a
+  GPU is outside it), and a visible GPU changes what `meshtron train` plans for
+  (calibrate/device.py `this_node`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_KEPT = {"MESHTRON_TEST_FRESH_RANKS", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
+_PREFIXES = ("MESHTRON_", "TORCH_", "TORCHELASTIC_", "TORCHDYNAMO_", "TORCHINDUCTOR_",
+             "TORCHFT_")
+_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+          "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+          "MASTER_PORT", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF",
+          "CUDA_LAUNCH_BLOCKING"}
+
+
+def outside_env(environ) -> list[str]:
+    """The names in `environ` that would steer meshtron or torch from outside a test."""
+    return sorted(k for k in environ
+                  if k not in _KEPT and (k in _NAMES or k.startswith(_PREFIXES)))
+
+
+def _clean_environment() -> None:
+    for name in outside_env(os.environ):
+        del os.environ[name]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *(p for p in paths
+                                                             if p != str(ROOT))])
+
+
+_clean_environment()  # at import: before any test module imports torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cwd(tmp_path_factory):
+    """Session and module fixtures (set up before any test's own directory) run in an empty
+    directory too."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("session-cwd"))
+    yield
+    os.chdir(before)
+
+
+@pytest.fixture(autouse=True)
+def _own_cwd(tmp_path_factory, monkeypatch):
+    """Each test starts in an empty directory of its own (see the module docstring)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
