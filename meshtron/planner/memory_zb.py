@@ -191,7 +191,8 @@ def weight_pass(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
          out: float, head: float, loss: float = 0.0, pending: float = 0.0,
          work: float = 0.0, kept: WeightPass | None = None,
-         odd: float = 0.0, saved: float = 0.0, folds: bool = False) -> tuple[float, float]:
+         odd: float = 0.0, saved: float = 0.0, folds: bool = False,
+         idle: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
@@ -213,7 +214,15 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     memory_acts.chunked_loss_held_bytes, dropped after the weight pass,
     model/loss.py `OutputHead.split_backward`); at a loss moment the memory model's logits
     already count the micro-batch at its loss, so `saved` once less there. `folds`: W's
-    gradients are folded into the accumulator at W's end (`_moments`), not at the next B."""
+    gradients are folded into the accumulator at W's end (`_moments`), not at the next B.
+    `idle`: (FSDP2's unsharded gradient unit, a whole backward's working set), which the stage
+    memory counts for a backward making weight gradients (memory_peak.gathered_bytes,
+    peak_moment) and, with `folds`, no B holds: B makes no weight gradient and W's were
+    folded at W's end, so the unit is left out at the end of each B and at the loss's
+    moments (a B's start), the working set at the end of each B, whose own is `work`.
+    Traced tensor by tensor on the V's rank 1 ('mid', tests/test_rehearse.py 'pp zbv'): at
+    its peak, stage 1's last B, no bf16 weight gradient is alive and no tensor of a block's
+    backward but B's own norm backward."""
     last = p * v - 1
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
@@ -229,10 +238,12 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
                + [(kept.peak(layers[s]) if kept and s != 0 else 0.0, 0.0) for s in stages]
                + [(0.0, work)])
     best = (0.0, float("-inf"))
-    for group, less in ((moments, loss if at_loss else 0.0), (at_loss, saved)):
+    unit, block_work = idle if folds else (0.0, 0.0)
+    for group, less in ((moments, loss if at_loss else 0.0), (at_loss, saved + unit)):
         for vec in group:
             lay = sum(k * x[0] for k, x in zip(vec, weights))
-            oth = sum(k * x[1] for k, x in zip(vec, weights)) - less
+            oth = (sum(k * x[1] for k, x in zip(vec, weights)) - less
+                   - (unit + block_work if group is moments and vec[-1] else 0.0))
             if lay + oth > sum(best):
                 best = (lay, oth)
     return best if best[1] > float("-inf") else (0.0, 0.0)
@@ -322,19 +333,20 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
               out: float, head: float, loss: float = 0.0, pending: float = 0.0,
               work: float = 0.0, kept: WeightPass | None = None,
-              odd: float = 0.0, saved: float = 0.0,
-              folds: bool = False) -> tuple[list[float], list[float]]:
+              odd: float = 0.0, saved: float = 0.0, folds: bool = False,
+              idle: list[tuple[float, float]] | None = None) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
     counting the captured and pending gradients in activation bytes; bytes of the outputs,
     received and input gradients, head gradient and B's working set held then), the
-    multiplier `pipeline.in_flight` gives the memory model (`held` for the arguments)."""
+    multiplier `pipeline.in_flight` gives the memory model (`held` for the arguments; `idle`
+    per rank)."""
     mult, other = [], []
     per_rank = [0] * p  # each rank's layers, over its stages in one pass
     for s in range(p * v):
         per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
     for r, n_r in enumerate(per_rank):
         lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work, kept,
-                        odd, saved, folds)
+                        odd, saved, folds, idle[r] if idle else (0.0, 0.0))
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other
