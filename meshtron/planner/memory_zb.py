@@ -227,23 +227,34 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
     stages, moments, at_loss = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank, folds)
-    # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W) and per stage
-    # holding a W's gradients: (layer bytes, other bytes); last: B's working set
+    # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W), per stage
+    # holding a W's gradients, W at its peak, a rooted stage's W holding its root unit's
+    # gradient (the first's whole backward, the last's W end): (layer bytes,
+    # other bytes); last: B's working set (in place of a whole backward's, `idle`)
+    # torch's V hands a stage's output to the next stage on the same rank as its input, and
+    # that stage's input gradient back as the output gradient (stage.py set_local_fwd_input,
+    # set_local_bwd_input): both are the next stage's receive-buffer slots
+    # (memory_pipeline.receive_buffers), no tensor beside them
+    sent = {s: out if s != last and s + 1 not in stages else 0.0 for s in stages}
     weights = ([(layers[s] * act + (odd if layers[s] % 2 == 1 else 0.0),
-                 out if s != last else saved) for s in stages]
+                 sent[s] if s != last else saved) for s in stages]
                + [(layers[s] * (0.0 if s == 0 else grad),
-                   (out if s != last else 0.0) + (out if s != 0 else 0.0)
+                   sent[s] + (out if s != 0 else 0.0)
                    + (head if s == last and s != 0 else 0.0)) for s in stages]
-               + [(layers[s] * pending, 0.0) for s in stages]
-               + [(kept.peak(layers[s]) if kept and s != 0 else 0.0, 0.0) for s in stages]
-               + [(0.0, work)])
-    best = (0.0, float("-inf"))
+               + [(layers[s] * pending, 0.0) for s in stages])
     unit, block_work = idle if folds else (0.0, 0.0)
-    for group, less in ((moments, loss if at_loss else 0.0), (at_loss, saved + unit)):
+    weights = (weights
+               + [(kept.peak(layers[s]) if kept and s != 0 else 0.0, 0.0) for s in stages]
+               # the rooted stages' own gradient unit (the first's whole backward folds
+               # unit by unit; the last's head beside its layers' `pending` at W's end)
+               + [(0.0, unit if s in (0, last) else 0.0) for s in stages]
+               + [(0.0, work - block_work)])
+    best = (0.0, float("-inf"))
+    for group, less in ((moments, (loss if at_loss else 0.0) + unit),
+                        (at_loss, saved + unit)):
         for vec in group:
             lay = sum(k * x[0] for k, x in zip(vec, weights))
-            oth = (sum(k * x[1] for k, x in zip(vec, weights)) - less
-                   - (unit + block_work if group is moments and vec[-1] else 0.0))
+            oth = sum(k * x[1] for k, x in zip(vec, weights)) - less
             if lay + oth > sum(best):
                 best = (lay, oth)
     return best if best[1] > float("-inf") else (0.0, 0.0)
@@ -272,7 +283,8 @@ def _moments(p: int, v: int, m: int, rank: int,
     stages = tuple(sorted({s for _, s in order}))
     at = {s: i for i, s in enumerate(stages)}
     fw, bw, pend = [0] * len(stages), [0] * len(stages), [0] * len(stages)
-    run = [0] * len(stages)  # W running on the stage: its groups' recomputations kept
+    run = [0] * len(stages)  # W at its peak on the stage: its groups' recomputations kept
+    inw = [0] * len(stages)  # a W of a rooted stage holding its root's gradient unit
     seen: dict[tuple, None] = {}
     at_loss: dict[tuple, None] = {}
     for kind, s in order:
@@ -280,23 +292,29 @@ def _moments(p: int, v: int, m: int, rank: int,
         if kind == "F":
             fw[i] += 1
             if any(pend):  # W's gradients beside it, folded only by a B to come
-                seen[(*fw, *bw, *pend, *run, 0)] = None
+                seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
         elif kind == "B":
             if s == p * v - 1:
-                at_loss[(*fw, *bw, *pend, *run, 0)] = None
+                at_loss[(*fw, *bw, *pend, *run, *inw, 0)] = None
             bw[i] += 1
             pend[i] = 0
             if s != 0:  # the first stage runs no B (its W is the whole backward)
-                seen[(*fw, *bw, *pend, *run, 1)] = None
+                seen[(*fw, *bw, *pend, *run, *inw, 1)] = None
         else:
-            seen[(*fw, *bw, *pend, *run, 0)] = None
+            # the first stage's W is a whole backward, FSDP2's unit made while its
+            # micro-batch is held; the last stage's W makes the head's gradient after its
+            # blocks' groups (traced: none at W's peak), alive at its end until the fold
+            inw[i] = int(s == 0)
+            seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
             run[i] = 1  # W's peak, before it frees (weight_pass)
-            seen[(*fw, *bw, *pend, *run, 0)] = None
+            seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
             run[i] = 0
             fw[i] -= 1
             bw[i] -= 1
             pend[i] = int(s != 0)
-            seen[(*fw, *bw, *pend, *run, 0)] = None
+            inw[i] = int(s == p * v - 1)
+            seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
+            inw[i] = 0
             if folds:  # meshtron's runtime: fold_weight_grads right after W
                 pend[i] = 0
     return stages, _undominated(seen), _undominated(at_loss)
