@@ -248,7 +248,9 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
                # the rooted stages' own gradient unit (the first's whole backward folds
                # unit by unit; the last's head beside its layers' `pending` at W's end)
                + [(0.0, unit if s in (0, last) else 0.0) for s in stages]
-               + [(0.0, work - block_work)])
+               # B's working set in place of a whole backward's, at least none (the moments
+               # were pruned for weights >= 0: `_undominated`)
+               + [(0.0, max(0.0, work - block_work))])
     best = (0.0, float("-inf"))
     for group, less in ((moments, (loss if at_loss else 0.0) + unit),
                         (at_loss, saved + unit)):
@@ -275,7 +277,9 @@ def _moments(p: int, v: int, m: int, rank: int,
     non-first stage, its working set alive (the stage's own W gradients folded by then but
     the last block's, which the memory model's gathered copies count), and the start, peak
     and end of each W (`folds`: its end holds its gradients, folded right after, so none
-    waits for the next B); of those, the ones no
+    waits for the next B), with, per stage, whether a rooted stage's W holds its root's
+    gradient unit there (the first stage's at its start and peak: its whole backward; the
+    last stage's at its end: the head's gradient, made after its blocks'); of those, the ones no
     other holds at least as much of everything as (every weight is >= 0). The loss moments:
     the start of each B of the last stage (the memory model's logits alive), if the rank
     holds it."""
