@@ -128,17 +128,19 @@ ZB4 = dict(pp=4, dp=2, schedule="zb", layers=8)
 # name: (knobs, pipeline rank); measured 2026-12-06 (planned / rehearsed - 1), before the
 # fold's idle terms and the V's handed tensors (memory_zb.held) -> now
 RANKS = {
+    # the head's group last in W: the 8B's peak there, the 'mid' model's not
+    "pp=4 zbv full, rank 0": (dict(ZBV, pp=4, dp=2, layers=8, recompute="full"), 0),  # +0.8%
     "zbv, rank 1": (ZBV, 1),                      # +4.2% -> +0.7% (the V's fullest rank)
     "pp=4 zb, rank 2": (ZB4, 2),                  # +2.6% -> +0.5%
     "zb, rank 0": (ZB2, 0),                       # +0.7% -> +0.7% (a whole backward)
-    "zb, rank 1": (ZB2, 1),                       # +2.1% -> -0.6%
-    "zbv, rank 0": (ZBV, 0),                      # +2.9% -> -0.9%
+    "zb, rank 1": (ZB2, 1),                       # +2.1% -> -0.2%
+    "zbv, rank 0": (ZBV, 0),                      # +2.9% -> -0.4%
     "pp=4 zb, rank 1": (ZB4, 1),                  # +2.2% -> -0.1%
-    "pp=4 zb, rank 3": (ZB4, 3),                  # +1.2% -> -0.8%
-    "zb full, rank 1": (dict(ZB2, recompute="full"), 1),    # +1.0% -> -0.2%
+    "pp=4 zb, rank 3": (ZB4, 3),                  # +1.2% -> -0.6%
+    "zb full, rank 1": (dict(ZB2, recompute="full"), 1),    # +1.0% -> +1.0%
     "zbv full, rank 1": (dict(ZBV, recompute="full"), 1),   # +3.3% -> +1.3%
-    "zbv full, rank 0": (dict(ZBV, recompute="full"), 0),   # +1.8% -> -0.7%
-    "zb half, rank 1": (dict(ZB2, recompute="half"), 1),    # +1.1% -> -0.6%
+    "zbv full, rank 0": (dict(ZBV, recompute="full"), 0),   # +1.8% -> +1.8%
+    "zb half, rank 1": (dict(ZB2, recompute="half"), 1),    # +1.1% -> +1.1%
 }
 FAST_RANKS = ("zbv, rank 1", "pp=4 zb, rank 2")
 
@@ -160,4 +162,7 @@ def test_folded_zero_bubble_peaks_agree_with_the_rehearsal():
 
 @pytest.mark.slow
 def test_every_folded_zero_bubble_rank_agrees_with_the_rehearsal():
-    assert not _off([n for n in RANKS if n not in FAST_RANKS], 0.015)
+    """Every rank above within 2% (the table's 5%): the last stage's W under recomputation
+    is priced with its head's gradient at W's peak, which the 'mid' model's peak (inside its
+    last block's groups) does not hold yet: +1.8% on the V's rank 0."""
+    assert not _off([n for n in RANKS if n not in FAST_RANKS], 0.02)

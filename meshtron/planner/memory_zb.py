@@ -246,7 +246,7 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     weights = (weights
                + [(kept.peak(layers[s]) if kept and s != 0 else 0.0, 0.0) for s in stages]
                # the rooted stages' own gradient unit (the first's whole backward folds
-               # unit by unit; the last's head beside its layers' `pending` at W's end)
+               # unit by unit; the last's head beside its layers' `pending` late in its W)
                + [(0.0, unit if s in (0, last) else 0.0) for s in stages]
                # B's working set in place of a whole backward's, at least none (the moments
                # were pruned for weights >= 0: `_undominated`)
@@ -279,7 +279,8 @@ def _moments(p: int, v: int, m: int, rank: int,
     and end of each W (`folds`: its end holds its gradients, folded right after, so none
     waits for the next B), with, per stage, whether a rooted stage's W holds its root's
     gradient unit there (the first stage's at its start and peak: its whole backward; the
-    last stage's at its end: the head's gradient, made after its blocks'); of those, the ones no
+    last stage's at its peak and end: the head's gradient, made after its blocks'); of those,
+    the ones no
     other holds at least as much of everything as (every weight is >= 0). The loss moments:
     the start of each B of the last stage (the memory model's logits alive), if the rank
     holds it."""
@@ -307,10 +308,13 @@ def _moments(p: int, v: int, m: int, rank: int,
         else:
             # the first stage's W is a whole backward, FSDP2's unit made while its
             # micro-batch is held; the last stage's W makes the head's gradient after its
-            # blocks' groups (traced: none at W's peak), alive at its end until the fold
+            # blocks' groups, alive to its end, the fold: its peak may be there (traced:
+            # Llama 3 8B, the V's rank 0 at pp 4 under full recomputation; the 'mid' model's
+            # peaks inside its last block's groups, before it)
             inw[i] = int(s == 0)
             seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
             run[i] = 1  # W's peak, before it frees (weight_pass)
+            inw[i] = int(s in (0, p * v - 1))
             seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
             run[i] = 0
             fw[i] -= 1
