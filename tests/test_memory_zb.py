@@ -108,7 +108,7 @@ def test_planner_charges_the_walk_for_a_zb_plan():
                 dtype="bf16")
     zb = ev.evaluate(Plan(**base, schedule="zb"), stage=2)
     one = ev.evaluate(Plan(**base, schedule="1f1b"), stage=2)
-    act = ev._memory_pieces(2, 1, True, "none", "bf16", 1, 1, 4)[1]
+    act, block_work = ev._memory_pieces(2, 1, True, "none", "bf16", 1, 1, 4)[1:3]
     grad = memory_zb.captured_grad_bytes(ev.model, 2, True, 4096, 2.0)
     out = memory_pipeline.stage_output_bytes(ev.model.hidden, 2, True, 1, 4096, 2.0)
     head = memory_zb.head_grad_bytes(ev.model, 2, 4096, 2.0)
@@ -117,8 +117,12 @@ def test_planner_charges_the_walk_for_a_zb_plan():
     # the W's bf16 gradients wait for the next B (FSDP2 folds them into its fp32 accumulator)
     pending = 2.0 * layer_params_local(ev.model, 2, 1)
     work = memory_zb.input_backward_bytes(ev.model, 2, True, 4096, 2.0)
+    # meshtron's runtime folds them at W's end, so no B holds them, nor the gradient unit
+    # and the whole backward's working set the stage memory counts (rank 2: a block's)
+    idle = [(pending, block_work)] * 4
     mults, other = memory_zb.in_flight(4, 1, zb.num_microbatches, tuple(zb.stage_layers), act,
-                                       grad, out, head, 0.0, pending, work)
+                                       grad, out, head, 0.0, pending, work, folds=True,
+                                       idle=idle)
     mult, n = mults[2], zb.stage_layers[2]
     assert mult > 4.0  # p micro-batches from F to W, and the captured gradients beside them
     # the breakdown's in-flight term: the micro-batches beyond the running one, and the
@@ -127,7 +131,7 @@ def test_planner_charges_the_walk_for_a_zb_plan():
     # (memory_pipeline.receive_buffers), less those in flight (the fused norm saves its input)
     # by the even split's walk, the count the planner takes them from
     even = memory_zb.in_flight(4, 1, zb.num_microbatches, (ev.model.layers / 4,) * 4, act,
-                               grad, out, head, 0.0, pending, work)[0]
+                               grad, out, head, 0.0, pending, work, folds=True, idle=idle)[0]
     recv = memory_pipeline.receive_buffers(4, 1, zb.num_microbatches, "zb", even, True,
                                            [0.0] * 4)[2]
     assert recv > 2 * zb.num_microbatches - 8  # 32 buffers, about 6 of them in flight

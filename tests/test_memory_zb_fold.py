@@ -23,6 +23,8 @@ PLAN = dict(tp=2, pp=2, dp=8, zero=1, micro_batch=1, recompute="none", sp=True, 
             schedule="zbv")
 MODEL = MODELS["llama3-8b"]
 PENDING = 2.0 * layer_params_local(MODEL, 2, 1)  # W's bf16 gradients per layer, tp 2
+# FSDP2's largest unit on the V's rank 0 at tp 2, [final norm, head]: its bf16 gradient
+HEAD_UNIT = 2.0 * (MODEL.vocab // 2 + 1) * MODEL.hidden
 
 
 def _rank0(fw, fold: bool) -> tuple[float, int]:
@@ -45,14 +47,16 @@ def test_meshtron_and_torchtitan_differ_by_the_pending_gradients():
     stage 3's bf16 weight gradients from its previous W there (FSDP2 folds them in that B's
     post_backward), meshtron's runtime folded them at that W's end. Each preset with the
     other's option: the figure moves by those gradients, 2 bytes per local parameter of
-    stage 3's layers (less what the receive buffers' count and the next moment take back:
-    under 1%), the same for both presets."""
+    stage 3's layers, and by the head unit's, which the previous W left beside them
+    unfolded and no B makes (memory_zb.held's `idle`), less what the receive buffers' count
+    and the next moment take back (under 1%); the same for both presets."""
     moved = []
     for name in ("meshtron", "torchtitan"):
         fw = preset(name)
         held, layers = _rank0(fw, False)
         folded, _ = _rank0(fw, True)
-        assert 0.99 * layers * PENDING < held - folded <= layers * PENDING * (1 + 1e-12), name
+        dropped = layers * PENDING + HEAD_UNIT
+        assert 0.99 * dropped < held - folded <= dropped * (1 + 1e-12), name
         moved.append(held - folded)
     assert moved[0] == pytest.approx(moved[1], rel=1e-3)
 
@@ -93,3 +97,72 @@ def test_unfolded_gradients_wait_through_the_next_forward():
 def test_the_fold_option_is_a_bool():
     with pytest.raises(UserError, match=r"^memory.fold_after_weight_pass='yes': allowed "):
         MemoryOptions(fold_after_weight_pass="yes")
+
+
+# ---- planner against the rehearsal of meshtron's runtime, which folds after each W ----------
+
+RUN_RANKS = """
+import json, sys
+from meshtron.model.spec import ModelSpec
+from meshtron.planner.cluster import resolve_cluster
+from meshtron.planner.plan import as_plan
+from meshtron.rehearse import compare
+from meshtron.rehearse.run import rehearse
+model, base, cases = json.loads(sys.argv[1])
+out = {}
+for name, (knobs, pp_rank) in cases.items():
+    spec = ModelSpec(**dict(model, layers=knobs.pop("layers")))
+    plan = as_plan({**base, **knobs}).validate(8, spec)
+    rank = compare.first_rank_of_stage(compare.with_layer_split(plan, spec), pp_rank)
+    report = rehearse(spec, plan, resolve_cluster("dgx-h100:1"), "cpu", rank=rank)
+    out[name] = {r["row"]: [r["rehearsal_gib"], r["planner_gib"]] for r in report["memory"]}
+print("RESULT" + json.dumps(out))
+"""
+MID = dict(name="mid", layers=2, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632,
+           vocab=32000, max_seq=4096)
+MID_BASE = dict(tp=1, pp=1, dp=8, zero=1, micro_batch=2, recompute="none", sp=False,
+                dtype="bf16", global_batch=32, seq_len=2048, model="mid")
+ZB2 = dict(pp=2, dp=4, schedule="zb", layers=6)
+ZBV = dict(pp=2, dp=4, schedule="zbv", layers=6)
+ZB4 = dict(pp=4, dp=2, schedule="zb", layers=8)
+# name: (knobs, pipeline rank); measured 2026-12-06 (planned / rehearsed - 1), before the
+# fold's idle terms and the V's handed tensors (memory_zb.held) -> now
+RANKS = {
+    # the head's group last in W: the 8B's peak there, the 'mid' model's not
+    "pp=4 zbv full, rank 0": (dict(ZBV, pp=4, dp=2, layers=8, recompute="full"), 0),  # +0.8%
+    "zbv, rank 1": (ZBV, 1),                      # +4.2% -> +0.7% (the V's fullest rank)
+    "pp=4 zb, rank 2": (ZB4, 2),                  # +2.6% -> +0.5%
+    "zb, rank 0": (ZB2, 0),                       # +0.7% -> +0.7% (a whole backward)
+    "zb, rank 1": (ZB2, 1),                       # +2.1% -> -0.2%
+    "zbv, rank 0": (ZBV, 0),                      # +2.9% -> -0.4%
+    "pp=4 zb, rank 1": (ZB4, 1),                  # +2.2% -> -0.1%
+    "pp=4 zb, rank 3": (ZB4, 3),                  # +1.2% -> -0.6%
+    "zb full, rank 1": (dict(ZB2, recompute="full"), 1),    # +1.0% -> +1.0%
+    "zbv full, rank 1": (dict(ZBV, recompute="full"), 1),   # +3.3% -> +1.3%
+    "zbv full, rank 0": (dict(ZBV, recompute="full"), 0),   # +1.8% -> +1.8%
+    "zb half, rank 1": (dict(ZB2, recompute="half"), 1),    # +1.1% -> +1.1%
+}
+FAST_RANKS = ("zbv, rank 1", "pp=4 zb, rank 2")
+
+
+def _off(names, bound: float) -> dict:
+    from testkit.rehearsal import run_kinds
+
+    got = run_kinds(RUN_RANKS, [MID, MID_BASE, {n: RANKS[n] for n in names}])
+    return {n: rows["total"] for n, rows in got.items()
+            if abs(rows["total"][1] / rows["total"][0] - 1) > bound}
+
+
+def test_folded_zero_bubble_peaks_agree_with_the_rehearsal():
+    """The V's middle rank and a ZB1P middle rank peak in a B, where the runtime holds no
+    bf16 weight gradient (each W's folded at its end) and no backward's working set but B's
+    own: the planner within 1.5% of the rehearsal (the table's bound is 5%)."""
+    assert not _off(FAST_RANKS, 0.015)
+
+
+@pytest.mark.slow
+def test_every_folded_zero_bubble_rank_agrees_with_the_rehearsal():
+    """Every rank above within 2% (the table's 5%): the last stage's W under recomputation
+    is priced with its head's gradient at W's peak, which the 'mid' model's peak (inside its
+    last block's groups) does not hold yet: +1.8% on the V's rank 0."""
+    assert not _off([n for n in RANKS if n not in FAST_RANKS], 0.02)

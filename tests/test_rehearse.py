@@ -94,11 +94,12 @@ KINDS["pp zb"] = dict(pp=2, dp=4, zero=1, schedule="zb", layers=6)
 # torch's V: the fullest rank is the middle one (stages 1 and 2), its peak during a B. Since
 # the runtime folds each W's gradients at W's end (parallel/pipeline.py fold_weight_grads,
 # run by the rehearsal's W too; MemoryOptions.fold_after_weight_pass) neither stage holds
-# them there: +4.2% measured (5.377 GiB rehearsed, 5.601 planned; +1.1% while neither side
-# folded, both stages holding theirs: the planner still counts a block's unsharded gradient
-# at a B, which no B makes under the fold, branch zbfold; +0.4% with torch's receive buffers
-# on both sides, -9.0% before B's working set and the waiting W gradients were walked);
-# rank 0: ZB_RANKS
+# them there, nor FSDP2's unsharded gradient unit, nor a whole backward's working set, and
+# stage 1's output and output gradient are stage 2's receive-buffer slots (torch's V hands
+# them over; memory_zb.held): +0.7% measured (5.377 GiB rehearsed, 5.416 planned; +4.2%
+# while the planner counted those, branch planner45; +1.1% while neither side folded;
+# -9.0% before B's working set and the waiting W gradients were walked); every zero-bubble
+# rank within 1.5%: tests/test_memory_zb_fold.py; rank 0: ZB_RANKS
 KINDS["pp zbv"] = dict(pp=2, dp=4, zero=1, schedule="zbv", layers=6)
 # zero bubble with every block checkpointed: each W parameter group recomputes its block and
 # keeps what the nodes W never runs saved until W ends (memory_zb.weight_recompute_kept_bytes);

@@ -12,7 +12,8 @@ estimate.py unchanged (the DualPipe walk and the MTP module's activations: branc
 
 from __future__ import annotations
 
-from meshtron.planner import memory, memory_zb, mtp, pipeline_dualpipe, pipeline_split
+from meshtron.planner import (
+    memory, memory_peak, memory_zb, mtp, pipeline_dualpipe, pipeline_split)
 from meshtron.planner.estimate_work import Work
 
 
@@ -84,7 +85,19 @@ class MemoryWalks:
         loss = max(0.0, w.logits - w.work)
         return memory_zb.in_flight(w.pp, w.v, w.m_run, tuple(per_stage), w.act, grad, out_bytes,
                                    head, loss, pending, work, kept, self._half_odd(w)[0],
-                                   saved, w.mem_opts.fold_after_weight_pass)
+                                   saved, w.mem_opts.fold_after_weight_pass, self._zb_idle(w))
+
+    @staticmethod
+    def _zb_idle(w: Work) -> list[tuple[float, float]]:
+        """Per pipeline rank, (FSDP2's unsharded gradient unit, a block's whole-backward working
+        set) its stage memory counts, which no B of a folding stack holds (memory_zb.held's
+        `idle`)."""
+        out = []
+        for r, (b_layer, b_exp, _, b_work) in enumerate(w.blocks):
+            p_layer = b_layer + (0.0 if w.loose else b_exp)
+            out.append((memory_peak.gradient_unit_bytes(w.mem_opts, w.shard_dp, p_layer,
+                                                        w.roots[r], w.root_units[r]), b_work))
+        return out
 
     def _interleaved_memory(self, w: Work, keep_infeasible: bool) -> bool:
         """Under an interleaved schedule, the stages' memory at the walked peak

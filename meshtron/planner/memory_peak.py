@@ -54,7 +54,7 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
         # one unit's unsharded gradient in the compute dtype; its fp32 copy for the reduction
         # is made after the unit's backward, once its activations are freed
         unit = p_root if root_unit is None else root_unit
-        grad_unit = cb * max(p_layer, unit)
+        grad_unit = gradient_unit_bytes(mem, dp, p_layer, p_root, root_unit)
         if zero == 3 and dp > 1 and not keep_gathered:
             # at the loss the head's unit alone and its gradient (rehearsed: the last block
             # is gathered after the loss's backward); the current and prefetched blocks of
@@ -72,6 +72,19 @@ def gathered_bytes(mem: MemoryOptions, zero: int, dp: int, layers: int, p_layer:
     if mem.framework == "deepspeed" and zero == 2 and dp > 1:
         return grad_bytes * DEEPSPEED_REDUCE_BUCKET
     return 0.0
+
+
+def gradient_unit_bytes(mem: MemoryOptions, dp: int, p_layer: float, p_root: float,
+                        root_unit: float | None = None) -> float:
+    """FSDP2's one unsharded gradient unit in the compute dtype that `gathered_bytes` counts
+    beside the gathered copies (the largest unit: a block, or the root's `root_unit`, default
+    `p_root`): what a backward making weight gradients holds while FSDP2's post_backward has
+    not yet folded it into the reduce-dtype accumulator. 0 where FSDP2 does not run (another
+    framework; one fp32 rank)."""
+    if mem.framework != "fsdp2" or (dp == 1 and mem.dtype == "fp32"):
+        return 0.0
+    unit = p_root if root_unit is None else root_unit
+    return mem.compute_bytes * max(p_layer, unit)
 
 
 def previous_gradient_bytes(mem: MemoryOptions, dp: int, layers: int, p_layer: float,

@@ -191,7 +191,8 @@ def weight_pass(model, tp: int, sp: bool, tokens: int, compute_bytes: float,
 def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float, grad: float,
          out: float, head: float, loss: float = 0.0, pending: float = 0.0,
          work: float = 0.0, kept: WeightPass | None = None,
-         odd: float = 0.0, saved: float = 0.0, folds: bool = False) -> tuple[float, float]:
+         odd: float = 0.0, saved: float = 0.0, folds: bool = False,
+         idle: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(layer bytes, other bytes) pipeline rank `rank` holds at its peak under 'zb' with v
     stages per rank: `layers[s]` the layers of virtual stage s (all p v of them), `act` and
     `grad` the stored activations and captured gradients per layer and micro-batch, `out` a
@@ -213,23 +214,46 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     memory_acts.chunked_loss_held_bytes, dropped after the weight pass,
     model/loss.py `OutputHead.split_backward`); at a loss moment the memory model's logits
     already count the micro-batch at its loss, so `saved` once less there. `folds`: W's
-    gradients are folded into the accumulator at W's end (`_moments`), not at the next B."""
+    gradients are folded into the accumulator at W's end (`_moments`), not at the next B.
+    `idle`: (FSDP2's unsharded gradient unit, a whole backward's working set), which the stage
+    memory counts for a backward making weight gradients (memory_peak.gathered_bytes,
+    peak_moment) and, with `folds`, no B holds: B makes no weight gradient and W's were
+    folded at W's end, so the unit is left out at the end of each B and at the loss's
+    moments (a B's start), the working set at the end of each B, whose own is `work`.
+    Traced tensor by tensor on the V's rank 1 ('mid', tests/test_rehearse.py 'pp zbv'): at
+    its peak, stage 1's last B, no bf16 weight gradient is alive and no tensor of a block's
+    backward but B's own norm backward."""
     last = p * v - 1
     # one stage per rank and the V: the steady state repeats, so the moments of 4p
     # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
     stages, moments, at_loss = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank, folds)
-    # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W) and per stage
-    # holding a W's gradients: (layer bytes, other bytes); last: B's working set
+    # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W), per stage
+    # holding a W's gradients, W at its peak, a rooted stage's W holding its root unit's
+    # gradient (the first's whole backward, the last's W end): (layer bytes,
+    # other bytes); last: B's working set (in place of a whole backward's, `idle`)
+    # torch's V hands a stage's output to the next stage on the same rank as its input, and
+    # that stage's input gradient back as the output gradient (stage.py set_local_fwd_input,
+    # set_local_bwd_input): both are the next stage's receive-buffer slots
+    # (memory_pipeline.receive_buffers), no tensor beside them
+    sent = {s: out if s != last and s + 1 not in stages else 0.0 for s in stages}
     weights = ([(layers[s] * act + (odd if layers[s] % 2 == 1 else 0.0),
-                 out if s != last else saved) for s in stages]
+                 sent[s] if s != last else saved) for s in stages]
                + [(layers[s] * (0.0 if s == 0 else grad),
-                   (out if s != last else 0.0) + (out if s != 0 else 0.0)
+                   sent[s] + (out if s != 0 else 0.0)
                    + (head if s == last and s != 0 else 0.0)) for s in stages]
-               + [(layers[s] * pending, 0.0) for s in stages]
+               + [(layers[s] * pending, 0.0) for s in stages])
+    unit, block_work = idle if folds else (0.0, 0.0)
+    weights = (weights
                + [(kept.peak(layers[s]) if kept and s != 0 else 0.0, 0.0) for s in stages]
-               + [(0.0, work)])
+               # the rooted stages' own gradient unit (the first's whole backward folds
+               # unit by unit; the last's head beside its layers' `pending` late in its W)
+               + [(0.0, unit if s in (0, last) else 0.0) for s in stages]
+               # B's working set in place of a whole backward's, at least none (the moments
+               # were pruned for weights >= 0: `_undominated`)
+               + [(0.0, max(0.0, work - block_work))])
     best = (0.0, float("-inf"))
-    for group, less in ((moments, loss if at_loss else 0.0), (at_loss, saved)):
+    for group, less in ((moments, (loss if at_loss else 0.0) + unit),
+                        (at_loss, saved + unit)):
         for vec in group:
             lay = sum(k * x[0] for k, x in zip(vec, weights))
             oth = sum(k * x[1] for k, x in zip(vec, weights)) - less
@@ -253,7 +277,10 @@ def _moments(p: int, v: int, m: int, rank: int,
     non-first stage, its working set alive (the stage's own W gradients folded by then but
     the last block's, which the memory model's gathered copies count), and the start, peak
     and end of each W (`folds`: its end holds its gradients, folded right after, so none
-    waits for the next B); of those, the ones no
+    waits for the next B), with, per stage, whether a rooted stage's W holds its root's
+    gradient unit there (the first stage's at its start and peak: its whole backward; the
+    last stage's at its peak and end: the head's gradient, made after its blocks'); of those,
+    the ones no
     other holds at least as much of everything as (every weight is >= 0). The loss moments:
     the start of each B of the last stage (the memory model's logits alive), if the rank
     holds it."""
@@ -261,7 +288,8 @@ def _moments(p: int, v: int, m: int, rank: int,
     stages = tuple(sorted({s for _, s in order}))
     at = {s: i for i, s in enumerate(stages)}
     fw, bw, pend = [0] * len(stages), [0] * len(stages), [0] * len(stages)
-    run = [0] * len(stages)  # W running on the stage: its groups' recomputations kept
+    run = [0] * len(stages)  # W at its peak on the stage: its groups' recomputations kept
+    inw = [0] * len(stages)  # a W of a rooted stage holding its root's gradient unit
     seen: dict[tuple, None] = {}
     at_loss: dict[tuple, None] = {}
     for kind, s in order:
@@ -269,23 +297,32 @@ def _moments(p: int, v: int, m: int, rank: int,
         if kind == "F":
             fw[i] += 1
             if any(pend):  # W's gradients beside it, folded only by a B to come
-                seen[(*fw, *bw, *pend, *run, 0)] = None
+                seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
         elif kind == "B":
             if s == p * v - 1:
-                at_loss[(*fw, *bw, *pend, *run, 0)] = None
+                at_loss[(*fw, *bw, *pend, *run, *inw, 0)] = None
             bw[i] += 1
             pend[i] = 0
             if s != 0:  # the first stage runs no B (its W is the whole backward)
-                seen[(*fw, *bw, *pend, *run, 1)] = None
+                seen[(*fw, *bw, *pend, *run, *inw, 1)] = None
         else:
-            seen[(*fw, *bw, *pend, *run, 0)] = None
+            # the first stage's W is a whole backward, FSDP2's unit made while its
+            # micro-batch is held; the last stage's W makes the head's gradient after its
+            # blocks' groups, alive to its end, the fold: its peak may be there (traced:
+            # Llama 3 8B, the V's rank 0 at pp 4 under full recomputation; the 'mid' model's
+            # peaks inside its last block's groups, before it)
+            inw[i] = int(s == 0)
+            seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
             run[i] = 1  # W's peak, before it frees (weight_pass)
-            seen[(*fw, *bw, *pend, *run, 0)] = None
+            inw[i] = int(s in (0, p * v - 1))
+            seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
             run[i] = 0
             fw[i] -= 1
             bw[i] -= 1
             pend[i] = int(s != 0)
-            seen[(*fw, *bw, *pend, *run, 0)] = None
+            inw[i] = int(s == p * v - 1)
+            seen[(*fw, *bw, *pend, *run, *inw, 0)] = None
+            inw[i] = 0
             if folds:  # meshtron's runtime: fold_weight_grads right after W
                 pend[i] = 0
     return stages, _undominated(seen), _undominated(at_loss)
@@ -322,19 +359,20 @@ def _order(p: int, v: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
 def in_flight(p: int, v: int, m: int, layers: tuple[int, ...], act: float, grad: float,
               out: float, head: float, loss: float = 0.0, pending: float = 0.0,
               work: float = 0.0, kept: WeightPass | None = None,
-              odd: float = 0.0, saved: float = 0.0,
-              folds: bool = False) -> tuple[list[float], list[float]]:
+              odd: float = 0.0, saved: float = 0.0, folds: bool = False,
+              idle: list[tuple[float, float]] | None = None) -> tuple[list[float], list[float]]:
     """Per pipeline rank, (micro-batches' worth of its layers' activations held at the peak,
     counting the captured and pending gradients in activation bytes; bytes of the outputs,
     received and input gradients, head gradient and B's working set held then), the
-    multiplier `pipeline.in_flight` gives the memory model (`held` for the arguments)."""
+    multiplier `pipeline.in_flight` gives the memory model (`held` for the arguments; `idle`
+    per rank)."""
     mult, other = [], []
     per_rank = [0] * p  # each rank's layers, over its stages in one pass
     for s in range(p * v):
         per_rank[pipeline_zb.stage_rank(p, v, s)] += layers[s]
     for r, n_r in enumerate(per_rank):
         lay, oth = held(p, v, m, r, layers, act, grad, out, head, loss, pending, work, kept,
-                        odd, saved, folds)
+                        odd, saved, folds, idle[r] if idle else (0.0, 0.0))
         mult.append(lay / (act * n_r) if n_r and act else 0.0)
         other.append(oth)
     return mult, other
