@@ -234,6 +234,7 @@ class RunConfig:
             out.append(f"optim.warmup_steps={self.optim.warmup_steps} is longer than "
                        f"train.steps={self.train.steps}: the learning rate never reaches "
                        f"optim.lr={self.optim.lr:g}")
+        out.extend(self.model.train_notes)  # a config.json's dropout (model/hf_config.py)
         return out
 
 

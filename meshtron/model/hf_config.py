@@ -65,7 +65,49 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
                       if m.group(1) in keys else m.group(0), str(exc))
         raise UserError(text) from None
     _refuse_near_misses(cfg, reads.looked_up)
-    return spec
+    notes = dropout_notes(cfg)
+    return spec.replace(train_notes=spec.train_notes + notes) if notes else spec
+
+
+DROPOUT_KEYS = {"gpt2": ("embd_pdrop", "attn_pdrop", "resid_pdrop"),
+                "gpt_neox": ("attention_dropout", "hidden_dropout"),
+                "phi3": ("attention_dropout", "resid_pdrop"),
+                "starcoder2": ("embedding_dropout", "attention_dropout", "residual_dropout")}
+"""The dropout probabilities transformers' causal-LM modules read from config.json
+(modeling_<type>.py, transformers 5.25: GPT2Model drop(embd_pdrop), GPT2Attention
+attn_pdrop/resid_pdrop, GPT2MLP resid_pdrop; GPTNeoX attention_dropout/hidden_dropout;
+Phi3 attention_dropout/resid_pdrop; Starcoder2 embedding/attention/residual_dropout); every
+other type reads `attention_dropout` only (LlamaAttention and its copies). The heads' keys
+(summary_*_dropout, classifier_dropout) are not the language model's."""
+
+
+def dropout_notes(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """One warning line naming the non-zero dropout keys of `cfg` and their values, or ().
+
+    meshtron's model has no dropout, so `meshtron train` trains such a model without it and
+    says so, rather than refusing: dropout changes no parameter and no function the trained
+    weights compute at inference, and it is a training choice, not the architecture.
+    torchtitan's models have none and train converted Hugging Face checkpoints without it;
+    Megatron-LM defaults --hidden-dropout/--attention-dropout to 0.1 but current pretraining
+    recipes set both to 0 (Llama-style), and GPT-2's config.json carries 0.1 from its 2019
+    pretraining, so a refusal would stop every GPT-2 checkpoint. Keys absent from the file
+    are not guessed (transformers' GPT2Config would read them as 0.1); the export writes no
+    dropout key (meshtron/hf/configs.py), so transformers reads its own class defaults."""
+    keys = DROPOUT_KEYS.get(str(cfg.get("model_type")), ("attention_dropout",))
+    set_keys = []
+    for key in keys:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not is_number(value) or not 0 <= value < 1:
+            raise UserError(f"config.json {key}={value!r}: must be a dropout probability, "
+                            "a number from 0 to below 1")
+        if value > 0:
+            set_keys.append(f"{key}={value:g}")
+    if not set_keys:
+        return ()
+    return (f"config.json {', '.join(set_keys)}: meshtron's model has no dropout, so this run "
+            "trains without it (set them to 0 to silence this warning)",)
 
 
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -117,11 +117,12 @@ def _check_lists(spec: Any) -> None:
             for i in only):
         raise UserError(f"model.moe_mlp_only_layers={only!r}: must be a list of block indices "
                          f"from 0 to {spec.layers - 1}")
-    refusals = spec.train_refusals
-    if not isinstance(refusals, (list, tuple)) or any(not isinstance(r, str) for r in refusals):
-        raise UserError(f"model.train_refusals={refusals!r}: must be a list of strings")
     object.__setattr__(spec, "moe_mlp_only_layers", tuple(only))
-    object.__setattr__(spec, "train_refusals", tuple(refusals))
+    for field in ("train_refusals", "train_notes"):
+        lines = getattr(spec, field)
+        if not isinstance(lines, (list, tuple)) or any(not isinstance(r, str) for r in lines):
+            raise UserError(f"model.{field}={lines!r}: must be a list of strings")
+        object.__setattr__(spec, field, tuple(lines))
 
 
 def check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:

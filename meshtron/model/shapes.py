@@ -197,6 +197,11 @@ class ModelSpec:
     is allowed. They change no parameter count; the planner prices the model with the other
     fields (Llama 4's chunks as full causal attention, an upper bound); `meshtron train`
     refuses with the first (`runtime_refusal`)."""
+    train_notes: tuple[str, ...] = ()
+    """What a config.json asks for that meshtron's runtime trains without but that changes no
+    function the trained weights compute (non-zero dropout: model/hf_config.py
+    dropout_notes): one line each, naming the key(s) and value(s); `meshtron train` prints
+    them as warnings before the run starts (RunConfig.warnings)."""
     mtp_depth: int = 0
     """Multi-token prediction modules trained beside the model (DeepSeek-V3 report section
     2.2: D sequential modules, each an RMSNorm pair, a 2h -> h projection, one block and the
