@@ -31,6 +31,7 @@ from meshtron.data.dataset import (
 )
 from meshtron.data.sources import (
     check_exists,
+    read_folder,
     read_jsonl,
     read_text_files,
     read_token_shard,
@@ -52,8 +53,9 @@ STDLIB = "stdlib"
 
 
 def source_kind(source: str | Path) -> str:
-    """'stdlib', 'text' (a file or a directory of text files), 'jsonl' (.jsonl or .json: JSON
-    Lines) or 'shard' (.bin); a table file (TABLE_SUFFIXES) is refused."""
+    """'stdlib', 'text' (a text file, or a directory of text files or of .jsonl shards:
+    sources.read_folder), 'jsonl' (.jsonl or .json: JSON Lines) or 'shard' (.bin); a table
+    file (TABLE_SUFFIXES) is refused."""
     if str(source) == STDLIB:
         return "stdlib"
     p = check_exists(source, "data.source")
@@ -79,8 +81,8 @@ on their bytes or their column syntax."""
 
 def read_documents(source: str | Path = STDLIB, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jsonl_field: str = "text", warnings: list[str] | None = None) -> list[str]:
-    """The documents of a text source ('stdlib', a text file or folder, a .jsonl), in order;
-    at least one. Text that is not quite clean UTF-8 adds a line to `warnings`."""
+    """The documents of a text source ('stdlib', a text file, a folder of text files or of
+    .jsonl shards, a .jsonl), in order; at least one. Text that is not quite clean UTF-8 adds a line to `warnings`."""
     kind = source_kind(source)
     if kind == "shard":
         raise UserError(f"data.source='{source}': a token shard holds ids, not documents")
@@ -88,6 +90,8 @@ def read_documents(source: str | Path = STDLIB, *, max_bytes: int = DEFAULT_MAX_
         docs = stdlib_documents(max_bytes)
     elif kind == "jsonl":
         docs = list(read_jsonl(source, field=jsonl_field, warnings=warnings))
+    elif Path(source).is_dir():
+        docs = list(read_folder(source, field=jsonl_field, warnings=warnings))
     else:
         docs = list(read_text_files(source, warnings=warnings))
     if not docs:

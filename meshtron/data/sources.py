@@ -133,6 +133,33 @@ def read_jsonl(path: str | Path, field: str = "text",
     return gen()
 
 
+JSONL_SUFFIXES = (".jsonl",)
+"""JSON Lines files picked up in a directory given as a source (Hugging Face datasets'
+`to_json` shards). A folder's `.json` files are not read: `save_to_disk` folders hold
+dataset_info.json / state.json, JSON but no documents; a .json named directly is JSON Lines."""
+
+
+def read_folder(path: str | Path, field: str = "text",
+                warnings: list[str] | None = None) -> Iterator[str]:
+    """The documents of a directory: its text files (one document each, `read_text_files`) or
+    its JSON Lines shards (one document per line under `field`, as `read_jsonl` reads a .jsonl
+    named directly), both in `list_text_files`'s sorted order. A folder holding both kinds is
+    refused: one file per document beside one line per document is no layout a dataset
+    writes, and the text is most likely a dataset card (README.md) that would be trained on."""
+    files = list_text_files(path, TEXT_SUFFIXES + JSONL_SUFFIXES)
+    shards = [f for f in files if f.suffix.lower() in JSONL_SUFFIXES]
+    if not shards:
+        return read_text_files(files, warnings=warnings)
+    texts = [f for f in files if f.suffix.lower() not in JSONL_SUFFIXES]
+    if texts:
+        raise UserError(
+            f"data.source='{path}': holds both JSON Lines ({shards[0].relative_to(path)}) and "
+            f"text files ({texts[0].relative_to(path)}); allowed: a folder of .jsonl shards or "
+            f"one of text files ({', '.join(TEXT_SUFFIXES)}): move the other kind out")
+    readers = [read_jsonl(f, field=field, warnings=warnings) for f in shards]
+    return (doc for reader in readers for doc in reader)
+
+
 # ---- pre-tokenized shards ------------------------------------------------------------------
 
 def shard_sidecar(path: str | Path) -> Path:
