@@ -119,3 +119,43 @@ def compress_bytes(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[int]
             elements = 2 * total + _residual(plan, replicas, total, "all_reduce")
         out.append(FP32 * elements)
     return out
+
+
+def snapshot_extra_bytes(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[int]:
+    """Bytes per global rank that compression / DiLoCo add to a snapshot or checkpoint shard
+    (the checkpointer's EngineState extras, meshtron/checkpoint/snapshot.py): the state
+    `compress_bytes` counts, plus what `state_dict` adds to it. Compressed reduction
+    (compress/runtime.py GradCompression.state_dict): each rank's own residual per bucket
+    (rank_entries.own_key) and the group's mean residual, per local parameter (ZeRO-0/1) or,
+    ZeRO-2/3, per FSDP2 unit over the whole unsharded reduce-scatter input
+    (Reducer.mean_residual: `numel` elements, dp_shard padded shards). DiLoCo (compress/
+    diloco.py DiLoCo.state_dict): theta_global, momentum, own residual, a mean residual per
+    local parameter (zeros when uncompressed) and its int64 step counter."""
+    from meshtron.planner.placement import placement
+
+    state = compress_bytes(spec, plan, dtype)
+    if plan.grad_compression == "none" and not plan.diloco:
+        return state
+    tp, pp, cp = plan.tp, plan.pp, plan.cp or 1
+    v = plan.virtual_stages or 1
+    place = placement(plan, tp * cp * pp * plan.dp)
+    dp_shard = place.size("dp_shard") * cp
+    fsdp = plan.dp * cp > 1 or dtype == "bf16"
+    ranges = _stage_ranges(plan, spec.layers)
+    out = []
+    for rank, own in enumerate(state):
+        c = place.coords(rank)
+        r_shard = c["dp_shard"] * cp + c.get("cp", 0)
+        mean = 0
+        for s in stages_of_rank(pp, v, plan.schedule or "1f1b", c["pp"]):
+            shapes = [(n, sh) for n, sh in param_shapes(spec, ranges[s], s == 0, s == pp * v - 1)
+                      if not n.endswith(FROZEN)]
+            if plan.diloco or plan.zero <= 1:  # one mean residual per local parameter
+                mean += sum(math.prod(local_shape(n, sh, tp, c["tp"], dp_shard, r_shard, fsdp))
+                            for n, sh in shapes)
+                continue
+            shard = [math.prod(local_shape(n, sh, tp, c["tp"], dp_shard, 0, True))
+                     for n, sh in shapes]
+            mean += dp_shard * sum(shard)  # every unit's whole padded input
+        out.append(own + FP32 * mean + (8 if plan.diloco else 0))
+    return out

@@ -5,9 +5,11 @@ whole while the next is written). Gradients are not snapshotted (they are rebuil
 step). Torch-free.
 
 The snapshot of a rank holds what its checkpoint shard holds: fp32 parameters and AdamW's two
-fp32 moments (`memory_ranks`, exact per rank); the runtime's files add the optimizer's step
-counters and 64-byte alignment per tensor (meshtron/checkpoint/snapshot_files.py), a few hundred
-bytes per parameter tensor.
+fp32 moments (`memory_ranks`, exact per rank) and, with --grad-compression or DiLoCo, their
+state (error-feedback residuals, the group's mean residual, DiLoCo's outer copy and momentum:
+memory_compress.snapshot_extra_bytes, exact per rank); the runtime's files add the optimizer's
+step counters and 64-byte alignment per tensor (meshtron/checkpoint/snapshot_files.py), a few
+hundred bytes per parameter tensor.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ def snapshot_host_bytes(spec: Any, plan: Any, ranks_per_node: int | None = None
                         ) -> list[dict[str, int]]:
     """Per global rank: own shard bytes, the peer copy it keeps (rank - ranks_per_node's) and
     the host total over both generations, exact from the plan (small plans: every rank)."""
+    from meshtron.planner.memory_compress import snapshot_extra_bytes
     from meshtron.planner.memory_ranks import rank_states
 
     states = rank_states(spec, plan)
     world = len(states)
     rpn = ranks_per_node or getattr(plan, "ranks_per_node", None) or world
-    own = [st.params + st.optimizer for st in states]
+    extra = snapshot_extra_bytes(spec, plan)
+    own = [st.params + st.optimizer + x for st, x in zip(states, extra)]
     out = []
     for r in range(world):
         peer = own[(r - rpn) % world] if world > rpn else 0
