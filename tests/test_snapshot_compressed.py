@@ -11,7 +11,9 @@ import pytest
 from meshtron.config import config_from_dict, load_toml
 from meshtron.planner.memory_compress import snapshot_extra_bytes
 from meshtron.planner.plan import load_plan
-from meshtron.planner.snapshot_memory import snapshot_host_bytes
+from meshtron.planner.cluster import nominal_cpu_cluster
+from meshtron.planner.search import search_plans
+from meshtron.planner.snapshot_memory import snapshot_host_bytes, snapshot_host_gib
 
 from tests.test_checkpoint_cli import _run
 
@@ -30,7 +32,8 @@ def test_planned_snapshot_bytes_count_the_compression_state(tmp_path, name):
                      "1", "--max-restarts", "1", "--steps", "2", *COMPRESSED[name])
     assert code == 0, out[-4000:]
     measured = json.loads((run_dir / "summary.json").read_text())["snapshot"]["bytes_per_rank"]
-    spec = config_from_dict(load_toml(run_dir / "run.toml")).model
+    cfg = config_from_dict(load_toml(run_dir / "run.toml"))
+    spec = cfg.model
     plan = load_plan(run_dir / "plan.toml")
     extra = snapshot_extra_bytes(spec, plan)
     planned = snapshot_host_bytes(spec, plan)
@@ -40,3 +43,9 @@ def test_planned_snapshot_bytes_count_the_compression_state(tmp_path, name):
         assert b["own"] - (p["own"] - x) > 0.01 * p["own"], (p, b, x)
         assert 0 <= b["own"] - p["own"] <= 0.01 * p["own"], (p, b)  # + step counters, alignment
         assert 0 <= b["host_total"] - p["host_total"] <= 0.01 * p["host_total"], (p, b)
+    # the line `meshtron plan` prints for the pinned plan (its fullest GPU, per GPU)
+    best = search_plans(spec, nominal_cpu_cluster(2), plan.global_batch, cfg.data.seq_len,
+                        fixed=plan, top_k=1).plans[0]
+    line_gib = snapshot_host_gib(best.memory, best.config)
+    most = max(b["host_total"] for b in measured) / 2**30
+    assert 0 <= most - line_gib <= 0.01 * most, (line_gib, most)

@@ -407,7 +407,7 @@ def render(result: SearchResult, tokens: float, console, wide: bool = False) -> 
     from meshtron.planner.snapshot_memory import snapshot_line
 
     if best.config.offload == "none":  # offloaded states already live on the host
-        console.print(f"{what}: {snapshot_line(best.memory)}")
+        console.print(f"{what}: {snapshot_line(best.memory, best.config)}")
     if cl.price_per_gpu_hour is not None:
         cost = best.gpu_hours(tokens, n) * cl.price_per_gpu_hour
         console.print(f"{what} costs about {cost:,.0f} for {fmt_tokens(tokens)} tokens "

@@ -39,15 +39,32 @@ def snapshot_host_bytes(spec: Any, plan: Any, ranks_per_node: int | None = None
     return out
 
 
-def snapshot_host_gib(memory: Any) -> float:
+def snapshot_host_gib(memory: Any, plan: Any = None) -> float:
     """Host GiB per rank for a plan's fullest GPU (`MemoryBreakdown`): own parameter and
-    optimizer shards plus an equal peer copy (the ring pairs ranks of the same position on the
-    next node, which hold the same shard sizes), twice (generations)."""
-    return SLOTS * 2 * (memory.params + memory.optimizer)
+    optimizer shards (the optimizer's GiB holds compression's own residual and DiLoCo's outer
+    copy and momentum: compression.with_state_bytes) and the group's mean residual
+    (`mean_residual_gib`), plus an equal peer copy (the ring pairs ranks of the same position
+    on the next node, which hold the same shard sizes), twice (generations)."""
+    return SLOTS * 2 * (memory.params + memory.optimizer + mean_residual_gib(memory, plan))
 
 
-def snapshot_line(memory: Any) -> str:
+def mean_residual_gib(memory: Any, plan: Any) -> float:
+    """GiB of the group's mean residual a compressed or DiLoCo rank's snapshot holds beside its
+    own (memory_compress.snapshot_extra_bytes): fp32 per local parameter (DiLoCo, compressed
+    ZeRO-0/1: the fp32 parameters' own bytes, `memory.params`), or per element of every FSDP2
+    unit's unsharded reduce-scatter input (compressed ZeRO-2/3: dp_shard times the fp32
+    shards). meshtron's runtime keeps fp32 parameters at rest (planner/memory_states.py
+    state_bytes, framework fsdp2), the only one that compresses."""
+    if plan is None or (plan.grad_compression == "none" and not plan.diloco):
+        return 0.0
+    if plan.diloco or plan.zero <= 1:
+        return memory.params
+    return memory.params * plan.dp_shard
+
+
+def snapshot_line(memory: Any, plan: Any = None) -> str:
     """The line `meshtron plan` prints under the best plan."""
-    return (f"in-memory snapshots (train --snapshot-every): {snapshot_host_gib(memory):.3g} "
+    return (f"in-memory snapshots (train --snapshot-every): "
+            f"{snapshot_host_gib(memory, plan):.3g} "
             "GiB of host memory per GPU (own parameter + optimizer shard and a peer's copy, "
             f"{SLOTS} generations)")
