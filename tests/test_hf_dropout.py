@@ -73,3 +73,22 @@ def test_dropout_not_a_probability_is_refused(tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "resid_pdrop=1.5" in lines[0], err
     assert "Traceback" not in err
+
+
+def test_init_from_a_gpt2_checkpoint_warns(tmp_path):
+    """transformers' GPT2Config writes its 0.1 defaults into config.json: `--init-from` the
+    saved checkpoint trains, saying once that it trains without them."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300,
+                                  n_positions=64)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["train", "--init-from", str(tmp_path / "gpt2"), "--steps", "1",
+                     "--seq-len", "32", "--global-batch", "2", "--eval-every", "0",
+                     "--run-dir", str(tmp_path / "run")])
+    assert code == 0, err.getvalue()
+    (line,) = [w for w in _warnings(err.getvalue()) if "dropout" in w]
+    assert all(f"{key}=0.1" in line for key in ("embd_pdrop", "attn_pdrop", "resid_pdrop"))

@@ -219,7 +219,8 @@ def _known(base: str | None) -> bool:
 
 def _spec_difference(a: ModelSpec, b: ModelSpec) -> tuple[str, Any, Any] | None:
     for f in dataclasses.fields(ModelSpec):
-        if f.name != "name" and getattr(a, f.name) != getattr(b, f.name):
+        # train_notes: warnings of the config.json read (dropout), not shapes
+        if f.name not in ("name", "train_notes") and getattr(a, f.name) != getattr(b, f.name):
             return f.name, getattr(a, f.name), getattr(b, f.name)
     return None
 

@@ -96,7 +96,8 @@ def same_model(plan_model: str, spec) -> bool:
         other = resolve_model(plan_model)
     except UserError:
         return False
-    return {**other.to_dict(), "name": ""} == {**spec.to_dict(), "name": ""}
+    same = {"name": "", "train_notes": ()}  # notes: a config.json's warnings, not the model
+    return {**other.to_dict(), **same} == {**spec.to_dict(), **same}
 
 
 def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int,
