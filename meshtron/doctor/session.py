@@ -84,6 +84,7 @@ class DoctorSession:
         self.step = 0
         self.step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
         self.exception: str | None = None
+        self._exception_reason: str | None = None
         self.timed_out: dict[str, Any] | None = None
         self._started_t = self._last_progress = self._last_step_t = time.time()
         self._lock = threading.Lock()
@@ -191,7 +192,8 @@ class DoctorSession:
         if self.timed_out is not None:  # the hang's dump says more than its aftermath
             return dumpfile.dump_path(self.trace_dir, self.rank)
         self.exception = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return self.dump(f"exception: {type(exc).__name__}: {exc}")
+        self._exception_reason = f"exception: {type(exc).__name__}: {exc}"
+        return self.dump(self._exception_reason)
 
     def dump(self, reason: str) -> Path:
         """Write TRACE_DIR/rank_N.json now (any thread); returns its path."""
@@ -289,7 +291,13 @@ class DoctorSession:
         gone = self.peers_gone() if signum == signal.SIGTERM and self.end_on_teardown else []
         if gone:
             self._torn_down(gone)
-        self.dump(name)
+        # A SIGTERM after this rank raised is the launcher stopping it afterwards (after the
+        # rank's own storage-error stop too): the dump keeps the exception as its reason (a
+        # SIGTERM dump over it read as a preemption of every rank). Written again, not
+        # skipped: the exception's own dump may still be in progress on the main thread (the
+        # lock waits for it) when this exits the process.
+        again = signum == signal.SIGTERM and self._exception_reason is not None
+        self.dump(self._exception_reason if again else name)
         if signum == signal.SIGUSR1:
             import faulthandler
 
