@@ -1,6 +1,8 @@
 """The knob values open to the planner's search (planner/search.py), checked by the plan's own
 validity function: layouts (tp, cp, pp, dp, ep), micro-batches, recomputation, sequence
 parallelism, schedules and ZeRO stages, with the reason a whole family of them is left out.
+The fixed knobs' checks and the layer split's fallback are in planner/search_fixed.py
+(`PinnedKnobs`, `SplitFallback`), the schedules tried in planner/search_schedules.py.
 """
 
 from __future__ import annotations
@@ -17,19 +19,17 @@ from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.memory import MemoryOptions
 from meshtron.planner.plan import (RECOMPUTE, Plan, check, fp8_runtime_problem,
-                                    microbatch_problem, offload_runtime_problem, plan_problems,
-                                    runs_problem, schedule_zero_problem)
+                                    offload_runtime_problem, plan_problems, runs_problem,
+                                    schedule_zero_problem)
 from meshtron.planner.plan_knobs import Knobs
-from meshtron.planner.pipeline_split import NEAREST
 from meshtron.planner.plan_rules_options import option_values
-from meshtron.planner.plan_rules import (compile_runtime_problem,
-                                         ep_fold_problem, ep_rule, ep_runtime_problems,
-                                         least_zero, most_chunks, most_zero, schedule_problem,
-                                         split_problem,
-                                         zero_limit)
+from meshtron.planner.plan_rules import (compile_runtime_problem, ep_fold_problem,
+                                         ep_runtime_problems, least_zero, most_zero,
+                                         schedule_problem, zero_limit)
 from meshtron.planner.plan_rules_stack import layout_problem, most_chunk_layers
+from meshtron.planner.search_fixed import PinnedKnobs, SplitFallback, runs_ep
+from meshtron.planner.search_schedules import VIRTUAL_STAGES, searched_schedules
 
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MIN_CP_TOKENS = 8192
 """Fewest tokens of a sequence per context rank for the search to try that cp
 (`SearchSpace.cps`)."""
@@ -42,21 +42,6 @@ FAMILIES = {
     "pp": "pipeline + data parallel (tp=1)",
     "3d": "3D: tensor x pipeline x data",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitFallback:
-    """A pinned layout the priced stack's layer-to-stage rule cannot split, priced on the
-    nearest rule its engine could be configured to (pipeline_split.NEAREST): the same spirit
-    as a pinned layout predicted not to fit (planner/pinned.py). An open search keeps leaving
-    such layouts out: there it proposes what the stack runs."""
-
-    stack: str
-    """The stack's own rule (memory_options.PIPELINE_SPLITS)."""
-    priced: str
-    """The rule priced instead."""
-    refusal: str
-    """The stack rule's one-line refusal of the pinned layout."""
 
 
 def family_of(cfg: Plan) -> str:
@@ -75,7 +60,7 @@ def family(tp: int, pp: int) -> str:
     return "pp" if tp == 1 else "3d"
 
 
-class SearchSpace:
+class SearchSpace(PinnedKnobs):
     """The knob values open to the search. Fixed knobs go through the plan's own validity
     function (plan.py `check`); layouts are filtered by it too, and the reason a whole family
     of layouts is left out is kept for the output (`notes`). The one search policy of its own:
@@ -140,100 +125,6 @@ class SearchSpace:
                 and schedule_problem(self.engine, "zb", 2, 1) is None:  # its engine runs zb
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
-
-    def _check_fixed(self, gpn: int) -> None:
-        """The fixed knobs through the validity function, and the search's own refusals: tp
-        beyond a node, ep on a stack without expert parallelism (`ep_ok`)."""
-        k, model, framework = self.knobs, self.model, self.framework
-        fixed = {**k.to_dict(), **self.context}
-        # the stack's ep folding (plan_rules.EP_FOLDS): only Megatron-Core's takes plan.etp
-        self.ep_rule = ep_rule(self.mem.framework)
-        problems = plan_problems(fixed, self.n, model, self.runtime, self.split, self.engine,
-                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule,
-                                 self.stack, self.mem.layouts, self.option_values)
-        if problems:
-            nearer = self._nearer_split(fixed)
-            if nearer is None:
-                raise UserError(problems[0])
-            # kept only if the knobs leave one layout (`_settle_split`), else refused
-            self._refusal, self.split = problems[0], nearer
-        if k.tp is not None and (k.tp > gpn or gpn % k.tp):
-            raise UserError(f"tp={k.tp}: must divide gpus_per_node={gpn} "
-                             "(tensor parallelism stays inside a node)")
-        # expert parallelism: searched for mixtures of experts on the stacks that run it
-        self.ep_ok = runs_ep(framework)
-        if k.ep is not None and k.ep > 1 and not self.ep_ok:
-            from meshtron.planner.framework_presets import PRESETS
-
-            running = ", ".join(key for key, f in PRESETS.items() if f.expert_parallel)
-            raise UserError(f"plan.ep={k.ep}: framework {framework.label} has no expert "
-                             f"parallelism priced (frameworks.py: {running} price it); "
-                             "use ep=1")
-        why = getattr(framework, "moe_no_tp", "")
-        if model.is_moe and k.tp is not None and k.tp > 1 and why:
-            raise UserError(f"plan.tp={k.tp}: framework {framework.label} trains a mixture of "
-                            f"experts without tensor parallelism ({why}); use tp=1")
-        if model.is_moe and not k.ep and not self.ep_ok:
-            self.notes.append(f"expert parallelism left out: {framework.label} has none priced "
-                              "(ep=1: every rank holds every expert)")
-
-    def _nearer_split(self, fixed: dict[str, Any]) -> str | None:
-        """The nearest rule (pipeline_split.NEAREST) under which the plan `fixed` has no
-        problem, or None: a problem other than the stack's split."""
-        for rule in NEAREST.get(self.split, ()):
-            # with the stack's other rules: a problem they find is not the split's
-            if not plan_problems(fixed, self.n, self.model, self.runtime, rule, self.engine,
-                                 self.mem.host_offload, self.mem.zero_stages, self.ep_rule,
-                                 layout_rule=self.mem.layouts, options=self.option_values):
-                return rule
-        return None
-
-    def _settle_split(self, notes: list[str]) -> None:
-        """Price a pinned layout (exactly one left: pinned.layout_pinned) that the stack's rule
-        cannot split on the nearest rule that can (`SplitFallback`); refuse a layout the rule
-        cannot split when the knobs leave more than one. `notes`: those before the layouts."""
-        if self._refusal is not None and len(self._layouts) != 1:
-            raise UserError(self._refusal)  # the planner chose the layout: the stack's refusal
-        if self._refusal is None and not self._layouts:
-            # the knobs fix a layout only the split refuses, pp then forced by the GPU count
-            stack, fixed = self.split, {**self.knobs.to_dict(), **self.context}
-            stack_notes = self.notes
-            for rule in NEAREST.get(stack, ()):
-                self.split, self.notes = rule, list(notes)
-                layouts = self._valid_layouts()
-                if len(layouts) == 1:
-                    tp, cp, pp, dp, ep = layouts[0]
-                    lay = {**fixed, "tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
-                    self._refusal = plan_problems(lay, self.n, self.model, self.runtime,
-                                                  stack, self.engine)[0]
-                    self._layouts = layouts
-                    break
-            else:
-                self.split, self.notes = stack, stack_notes
-        if self._refusal is None and len(self._layouts) == 1:
-            self._interleaving_refusal(self._layouts[0][2])
-        if self._refusal is not None:
-            self.split_fallback = SplitFallback(self.mem.split_rule, self.split, self._refusal)
-            self.mem = dataclasses.replace(self.mem, split_priced=self.split)
-
-    def _interleaving_refusal(self, pp: int) -> None:
-        """`--schedule interleaved` without virtual stages on a pinned layout: when the stack's
-        rule splits none of the searched counts (`schedules`) and a nearer rule splits one,
-        price on that rule (the schedule the user fixed is the published run's)."""
-        k, layers = self.knobs, self.model.layers
-        if k.schedule != "interleaved" or k.virtual_stages or pp <= 1:
-            return
-        vs = [v for v in VIRTUAL_STAGES if v <= most_chunks(self.split, layers, pp)]
-        problems = [split_problem(self.split, layers, pp, v) for v in vs]
-        if not vs or not all(problems):
-            return
-        for rule in NEAREST.get(self.split, ()):
-            if any(split_problem(rule, layers, pp, v) is None for v in vs):
-                self._refusal = (f"plan.schedule='interleaved' on pp={pp}: no searched "
-                                 f"virtual_stages ({', '.join(map(str, vs))}) is a split of "
-                                 f"the stack's: {problems[0]}")
-                self.split = rule
-                return
 
     def _tensor_degrees(self, gpn: int) -> list[int]:
         """Tensor-parallel degrees searched: the fixed one, else the divisors of a node's GPUs
@@ -414,76 +305,8 @@ class SearchSpace:
         return [d for d in divisors(per_replica) if d <= 64]
 
     def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
-        """Schedules searched for pp stages and m micro-batches per step: 1F1B, ZB-H1 and
-        interleaved (v in VIRTUAL_STAGES, at least one layer per virtual stage); GPipe and other
-        virtual-stage counts only when fixed; DualPipe and DualPipeV for DeepSeek's engine
-        (split rule 'dualpipe'). Each must pass the schedules' own limits."""
-        k = self.knobs
-        if pp == 1:
-            return [(None, 1)]
-        layers_per_stage = most_chunks(self.split, self.model.layers, pp)  # chunks at most
-        if k.schedule is not None:
-            if k.schedule == "interleaved" and not k.virtual_stages:
-                cands = [("interleaved", v) for v in VIRTUAL_STAGES if v <= layers_per_stage]
-            else:
-                cands = [(k.schedule, k.virtual_stages or 1)]
-        else:
-            vs = [k.virtual_stages] if k.virtual_stages else VIRTUAL_STAGES
-            cands = [("1f1b", 1), ("zb", 1)] if not k.virtual_stages else []
-            cands += [("interleaved", v) for v in vs if 2 <= v <= layers_per_stage]
-            if self.engine == "dualpipe":  # DeepSeek's engine runs DualPipe and its V only
-                cands = [("dualpipe", v) for v in (1, 2) if k.virtual_stages in (None, v)]
-        ok = []
-        fixed = k.schedule is not None or k.virtual_stages is not None
-
-        def rounds(s: str, v: int) -> str | None:
-            # torch.distributed.pipelining's limits on the micro-batch count: those of every
-            # stack that runs its schedules (meshtron's runtime, and the 'any' engine:
-            # torchtitan, NeMo AutoModel; their order deadlocks otherwise, pipeline_zb
-            # _program), not another engine's (a DualPipe or Megatron schedule priced as zb)
-            torch_engine = self.runtime or self.engine == "any"
-            return microbatch_problem(s, pp, v, m) if torch_engine else None
-
-        def split(v: int) -> str | None:
-            # what the priced stack's pipeline engine builds and runs (plan_rules)
-            return split_problem(self.split, self.model.layers, pp, v)
-
-        for s, v in cands:
-            engine = schedule_problem(self.engine, s, pp, v, m)
-            if not fixed:
-                why = engine or (None if v > layers_per_stage else rounds(s, v) or split(v))
-                if v <= layers_per_stage and why is None:
-                    ok.append((s, v))
-                self.tally(why)
-            elif engine is not None:
-                self.why_empty = self.why_empty or engine
-            elif split(v) is not None:
-                self.why_empty = self.why_empty or split(v)
-            elif v > layers_per_stage:
-                self.why_empty = self.why_empty or (
-                    f"plan.schedule={s!r} with {v} virtual stages: needs pp*virtual_stages="
-                    f"{pp}*{v}={pp * v} <= the model's {self.model.layers} layers")
-            elif rounds(s, v) is not None:
-                self.why_empty = self.why_empty or rounds(s, v)
-            else:
-                ok.append((s, v))
-        if k.schedule is not None and k.schedule == "interleaved" and not cands:
-            self.why_empty = self.why_empty or (
-                f"plan.schedule='interleaved': needs at least 2 layers per pipeline stage "
-                f"(the model has {self.model.layers} layers over pp={pp})")
-        if k.schedule is None:  # the formulas see one schedule call's micro-batches
-            per_call = m // (k.pipeline_runs or 1)
-            held = [(s, v) for s, v in ok if _formulas_hold(s, pp, per_call)]
-            for s, v in ok:
-                if not _formulas_hold(s, pp, per_call):
-                    self.tally(_formulas_why(s, pp, per_call))
-            if ok and not held and per_call < m:
-                self.why_empty = self.why_empty or (
-                    f"plan.pipeline_runs={k.pipeline_runs}: {per_call} micro-batches per "
-                    f"schedule call, fewer than pp={pp} (or not a multiple of it) for every "
-                    "schedule searched; fix one with --schedule (e.g. gpipe) or use fewer runs")
-            ok = held
-        return ok
+        """The schedules searched for pp stages and m micro-batches (search_schedules.py)."""
+        return searched_schedules(self, pp, m)
 
     def sps(self, tp: int) -> list[bool]:
         if self.knobs.sp is not None:
@@ -524,11 +347,6 @@ class SearchSpace:
         return [z for z in (0, 1, 2, 3) if low <= z <= high]
 
 
-def runs_ep(framework: Any) -> bool:
-    """The stack runs expert parallelism (meshtron's runtime does: framework None)."""
-    return framework is None or bool(getattr(framework, "expert_parallel", ""))
-
-
 def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: MemoryOptions,
                       dtype: str) -> bool:
     """Selective recomputation saves nothing over none: Korthikanti's policy (recompute the
@@ -547,23 +365,5 @@ def selective_is_none(model: ModelSpec, seq_len: int, opts: KernelOptions, mem: 
             >= memory.activation_bytes(*args, "none", opts, m))
 
 
-def _formulas_why(schedule: str, pp: int, m: int) -> str:
-    """Why `_formulas_hold` leaves a schedule out of the search (one line)."""
-    need = "at least pp" if schedule in ("1f1b", "zb") else "a multiple of pp"
-    return (f"plan.micro_batch: {m} micro-batches per step, the search's schedule "
-            f"{schedule!r} needs {need}={pp} (fix --schedule, e.g. gpipe, to price fewer)")
-
-
-def _formulas_hold(schedule: str, pp: int, m: int) -> bool:
-    """Search policy for schedules the user did not fix: pipeline.py's bubble and in-flight
-    formulas assume 1F1B and ZB-H1 keep pp micro-batches in flight (m >= pp) and interleaving
-    runs whole rounds of pp (m % pp == 0, as Megatron-LM requires)."""
-    if schedule in ("1f1b", "zb"):
-        return m >= pp
-    if schedule == "interleaved":
-        return m % pp == 0
-    return True
-
-
-__all__ = ["SplitFallback", "VIRTUAL_STAGES", "MIN_CP_TOKENS", "DEFAULT_DTYPE", "FAMILIES", "SearchSpace",
-           "family", "family_of", "divisors", "runs_ep", "selective_is_none"]
+__all__ = ["SplitFallback", "VIRTUAL_STAGES", "MIN_CP_TOKENS", "DEFAULT_DTYPE", "FAMILIES",
+           "SearchSpace", "family", "family_of", "divisors", "runs_ep", "selective_is_none"]
