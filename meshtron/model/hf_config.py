@@ -90,24 +90,37 @@ def dropout_notes(cfg: dict[str, Any]) -> tuple[str, ...]:
     torchtitan's models have none and train converted Hugging Face checkpoints without it;
     Megatron-LM defaults --hidden-dropout/--attention-dropout to 0.1 but current pretraining
     recipes set both to 0 (Llama-style), and GPT-2's config.json carries 0.1 from its 2019
-    pretraining, so a refusal would stop every GPT-2 checkpoint. Keys absent from the file
-    are not guessed (transformers' GPT2Config would read them as 0.1); the export writes no
-    dropout key (meshtron/hf/configs.py), so transformers reads its own class defaults."""
-    keys = DROPOUT_KEYS.get(str(cfg.get("model_type")), ("attention_dropout",))
-    set_keys = []
+    pretraining, so a refusal would stop every GPT-2 checkpoint. A key absent from the file
+    is the model type's class default (DROPOUT_DEFAULTS: GPT2Config's 0.1, which the model
+    transformers builds from that file drops with), named as such in the same line."""
+    mtype = str(cfg.get("model_type"))
+    keys = DROPOUT_KEYS.get(mtype, ("attention_dropout",))
+    set_keys, absent = [], []
     for key in keys:
         value = cfg.get(key)
         if value is None:
-            continue
-        if not is_number(value) or not 0 <= value < 1:
+            value = DROPOUT_DEFAULTS.get(mtype, 0.0)
+            if value:
+                absent.append(key)
+        elif not is_number(value) or not 0 <= value < 1:
             raise UserError(f"config.json {key}={value!r}: must be a dropout probability, "
                             "a number from 0 to below 1")
         if value > 0:
             set_keys.append(f"{key}={value:g}")
     if not set_keys:
         return ()
-    return (f"config.json {', '.join(set_keys)}: meshtron's model has no dropout, so this run "
-            "trains without it (set them to 0 to silence this warning)",)
+    default = (f" ({', '.join(absent)} absent: transformers' default for model_type "
+               f"{mtype!r})" if absent else "")
+    return (f"config.json {', '.join(set_keys)}{default}: meshtron's model has no dropout, so "
+            "this run trains without it (set them to 0 to silence this warning)",)
+
+
+DROPOUT_DEFAULTS = {"gpt2": 0.1}
+"""What transformers' configuration class reads an absent DROPOUT_KEYS key as, where not 0
+(transformers 5.25: GPT2Config resid_pdrop = embd_pdrop = attn_pdrop = 0.1; GPTNeoXConfig,
+Phi3Config, Starcoder2Config and every attention_dropout: 0.0). `meshtron export` writes no
+dropout key (meshtron/hf/configs.py), so a GPT-2 it exports reads as 0.1 here too: what
+transformers would train it with."""
 
 
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
