@@ -67,6 +67,10 @@ CASES = [(m, {}, m, m) for m in DENSE + MOE] + [
     # Granite MoE with one shared expert (GraniteMoeSharedMLP, its gate | up rows fused)
     ("granitemoe", dict(model_type="granitemoeshared", shared_intermediate_size=64),
      "granitemoeshared", "granitemoeshared"),
+    # Qwen's window on block 1 of 2 (max_window_layers 1), 7 tokens under 24: exported as
+    # layer_types (Qwen2-MoE's TINY has one on its even blocks)
+    ("qwen3", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1), "qwen3",
+     "qwen3"),
 ]
 
 
