@@ -76,7 +76,9 @@ _QWEN_WINDOW = dict(use_sliding_window=True, sliding_window=7, max_window_layers
     ("gemma3_text", dict(sliding_window=16)), ("phi3", dict(sliding_window=16)),
     # qwen3 (hf_dense's reader) -m slow: its reading is checked by the plan test below
     pytest.param("qwen3", _QWEN_WINDOW, marks=pytest.mark.slow),
-    ("qwen2", dict(TINY["qwen3"], model_type="qwen2", head_dim=16, **_QWEN_WINDOW))])
+    ("qwen2", dict(TINY["qwen3"], model_type="qwen2", head_dim=16, **_QWEN_WINDOW))],
+    ids=["starcoder2-16", "starcoder2-7", "gemma3_text-16", "phi3-16", "qwen3-blocks",
+         "qwen2-blocks"])
 def test_sliding_window_logits_equal_transformers(mtype, keys, tmp_path, monkeypatch):
     """Windows shorter than the 48 tokens (odd too; Gemma 3's every other block, Qwen's
     blocks from max_window_layers on): the runtime's banded attention computes transformers'
