@@ -53,7 +53,11 @@ def _int64(section: str, obj: Any) -> None:
 class DataConfig:
     source: str = "stdlib"
     """'stdlib' (the Python standard library's own sources, present on every machine), a text
-    file or folder, a .jsonl file (`text` field) or a pre-tokenized .bin shard."""
+    file or folder, a .jsonl file (`json_key` field) or a pre-tokenized .bin shard."""
+    json_key: str = "text"
+    """The field of each JSON Lines record that holds its document (Megatron-LM's
+    preprocess_data.py --json-keys; datasets name it `content`, `story`...); .jsonl sources
+    only (checked against the first record by `meshtron train`)."""
     tokenizer: str = "byte"
     """'byte' (259 ids: 256 bytes + BOS/EOS/PAD), 'bpe' (byte-level BPE trained locally, once,
     on rank 0) or a Hugging Face tokenizer.json (or a folder holding one); the model's
@@ -85,6 +89,9 @@ class DataConfig:
             if tokenizer_file(self.tokenizer) is None:
                 raise UserError(f"data.tokenizer={self.tokenizer!r}: allowed values are byte, "
                                  "bpe, a tokenizer.json or a folder holding one")
+        if not isinstance(self.json_key, str) or not self.json_key:
+            raise UserError(f"data.json_key={self.json_key!r}: must be a non-empty string, the "
+                            "field of each JSON Lines record that holds its text")
         if self.attention_mask not in ("causal", "document"):
             raise UserError(f"data.attention_mask={self.attention_mask!r}: allowed values are "
                              "causal, document")

@@ -20,7 +20,7 @@ from meshtron.errors import UserError
 def cmd_tokenize(args: argparse.Namespace) -> int:
     out = _check_out(args.out, args.overwrite)
     from meshtron.data import write_token_shard
-    from meshtron.data.pipeline import read_documents
+    from meshtron.data.pipeline import check_source_key, read_documents
     from meshtron.data.text_check import warning_lines
     from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_file
 
@@ -29,7 +29,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
                         "tokenizer.json or a folder holding one")
     tok = ByteTokenizer() if args.tokenizer == "byte" else HFTokenizer.load(args.tokenizer)
     warnings: list[str] = []
-    docs = read_documents(args.data, warnings=warnings)
+    check_source_key(args.data, args.json_key)
+    docs = read_documents(args.data, jsonl_field=args.json_key, warnings=warnings)
     for line in warning_lines(warnings):
         print(f"meshtron tokenize: warning: {line}", file=sys.stderr)
     ids = tok.encode_documents(docs)
@@ -68,6 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default="stdlib", metavar="SOURCE",
                    help="'stdlib', a text file or folder, or a .jsonl or .json of JSON "
                         "Lines (text field) [default: stdlib]")
+    p.add_argument("--json-key", default="text", metavar="FIELD",
+                   help="the field of each JSON Lines record that holds its text, as "
+                        "`train --json-key` [default: text]")
     p.add_argument("--tokenizer", default="byte",
                    help="byte | a Hugging Face tokenizer.json (or its folder) [default: byte]")
     p.add_argument("--out", required=True, metavar="NAME.bin", help="the shard to write")

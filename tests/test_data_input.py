@@ -221,3 +221,37 @@ def test_table_file_is_refused_not_read_as_text(capsys, tmp_path, suffix):
     line = refused(capsys, *TRAIN, "--data", path, "--run-dir", tmp_path / "run")
     assert f"data.source='{path}': a {suffix} table is not read" in line, line
     assert not (tmp_path / "run").exists()
+
+
+def test_json_key_names_the_text_field(capsys, tmp_path):
+    """Datasets keep their text under `content`, `story`...: `--json-key FIELD` (data.json_key,
+    Megatron's --json-keys) reads it; a field the first record lacks is refused before any
+    reading, naming the keys it has; a later record without it is named by file and line."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "content": TEXT[:300 + i]}) + "\n"
+                            for i in range(40)))
+    run_dir = tmp_path / "run"
+    line = refused(capsys, *TRAIN, "--data", rows, "--run-dir", run_dir)
+    assert line.endswith(f"error: data.json_key='text': not a field of the first record of "
+                         f"{rows} (its keys: 'id', 'content'); allowed: one of those "
+                         "(--json-key FIELD)"), line
+    line = refused(capsys, *TRAIN, "--data", rows, "--json-key", "story", "--run-dir", run_dir)
+    assert "data.json_key='story': not a field" in line, line
+    line = refused(capsys, *TRAIN, "--json-key", "content", "--run-dir", run_dir)
+    assert "data.json_key='content': names the text field of JSON Lines records, but " \
+           "data.source='stdlib' holds none" in line, line
+    assert not run_dir.exists()
+    assert main([*TRAIN, "--data", str(rows), "--json-key", "content",
+                 "--run-dir", str(run_dir)]) == 0, capsys.readouterr().err
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    # the documents are the `content` strings (each followed by EOS), and a resume keeps it
+    assert main(["tokenize", "--data", str(rows), "--json-key", "content",
+                 "--out", str(tmp_path / "rows.bin")]) == 0
+    side = json.loads((tmp_path / "rows.bin.json").read_text())
+    assert side["num_tokens"] == sum(300 + i + 1 for i in range(40)), side
+    assert 'json_key = "content"' in (run_dir / "run.toml").read_text()
+    with rows.open("a") as fh:
+        fh.write(json.dumps({"id": 40, "text": "no content"}) + "\n")
+    line = refused(capsys, *TRAIN, "--data", rows, "--json-key", "content",
+                   "--run-dir", tmp_path / "run2")
+    assert f"data.source line {rows}:41: no 'content' field (keys: 'id', 'text')" in line, line

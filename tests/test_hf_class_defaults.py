@@ -62,9 +62,16 @@ def test_qwen2_moe_without_shared_expert_key_plans_transformers_model(tmp_path):
 
 
 def test_mixtral_without_rope_theta_trains_at_transformers_base(tmp_path):
-    path = _config(tmp_path, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    """...and with a `sliding_window` shorter than the sequence (refused before): the window
+    in every block (MixtralAttention), recorded in the run and written back by the export."""
+    path = _config(tmp_path, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                   sliding_window=16)
     run = tmp_path / "run"
     code, _, err = _meshtron("train", "--model", path, "--seq-len", "32", "--global-batch", "2",
-                             "--steps", "1", "--eval-every", "0", "--run-dir", run)
+                             "--steps", "1", "--eval-every", "0", "--run-dir", run,
+                             "--export", tmp_path / "export")
     assert code == 0, err
-    assert tomllib.loads((run / "run.toml").read_text())["model"]["rope_theta"] == 1e6
+    model = tomllib.loads((run / "run.toml").read_text())["model"]
+    assert model["rope_theta"] == 1e6 and model["sliding_window"] == 16, model
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["model_type"] == "mixtral" and exported["sliding_window"] == 16, exported

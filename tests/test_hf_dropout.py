@@ -34,16 +34,33 @@ def _warnings(err: str) -> list[str]:
 
 
 def test_gpt2_pdrop_trains_with_one_warning(tmp_path):
-    config = _gpt2_config(tmp_path, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0)
+    """resid_pdrop given, embd_pdrop 0, attn_pdrop absent: transformers' GPT2Config reads the
+    absent key as 0.1, so the one line names it beside the given one, as a default."""
+    config = _gpt2_config(tmp_path, resid_pdrop=0.1, embd_pdrop=0.0)
     code, err = _train(config, tmp_path / "run")
     assert code == 0, err
     (line,) = [w for w in _warnings(err) if "dropout" in w]
-    assert "embd_pdrop=0.1" in line and "resid_pdrop=0.1" in line, line
-    assert "attn_pdrop" not in line, line  # 0: nothing to drop
+    assert "resid_pdrop=0.1" in line and "attn_pdrop=0.1" in line, line
+    assert "(attn_pdrop absent: transformers' default for model_type 'gpt2')" in line, line
+    assert "embd_pdrop" not in line, line  # 0: nothing to drop
     assert "trains without it" in line, line
     # the run trained: its resolved model carries the note (resume prints it again)
     spec = tomllib.loads((tmp_path / "run" / "run.toml").read_text())["model"]
     assert spec["train_notes"] == [line.split("warning: ", 1)[1]]
+
+
+def test_plan_of_gpt2_config_without_pdrop_keys_says_the_warning(tmp_path):
+    """A GPT-2 config.json with no *_pdrop key (transformers: 0.1 each): `meshtron plan` says
+    in a note the warning `meshtron train` will print."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["plan", "--model", str(_gpt2_config(tmp_path)), "--cluster",
+                     "dgx-h100:1", "--top", "1"])
+    assert code == 0
+    text = " ".join(out.getvalue().split())  # the table wraps its notes
+    assert ("meshtron train warns: config.json embd_pdrop=0.1, attn_pdrop=0.1, "
+            "resid_pdrop=0.1 (embd_pdrop, attn_pdrop, resid_pdrop absent: transformers' "
+            "default for model_type 'gpt2')") in text, text
 
 
 def test_zero_dropout_warns_nothing(tmp_path):

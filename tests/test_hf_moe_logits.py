@@ -11,16 +11,21 @@ import torch
 SHAPES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
               max_position_embeddings=128, num_experts_per_tok=2)
 TINY = {
-    # blocks 1 and 3 routed (decoder_sparse_step 2), block 3 listed dense: 1 MoE, 3 dense
+    # blocks 1 and 3 routed (decoder_sparse_step 2), block 3 listed dense: 1 MoE, 3 dense;
+    # a 5-token window on the even blocks below max_window_layers: blocks 0 and 2
     "qwen2_moe": dict(SHAPES, model_type="qwen2_moe", num_hidden_layers=4, intermediate_size=96,
                       moe_intermediate_size=32, shared_expert_intermediate_size=64,
                       num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3],
-                      norm_topk_prob=False),
+                      norm_topk_prob=False, use_sliding_window=True, sliding_window=5,
+                      max_window_layers=3),
     "olmoe": dict(SHAPES, model_type="olmoe", num_hidden_layers=2, intermediate_size=32,
                   num_experts=4, norm_topk_prob=False),
     "granitemoe": dict(SHAPES, model_type="granitemoe", num_hidden_layers=2,
                        intermediate_size=32, num_local_experts=4, embedding_multiplier=3.0,
                        attention_multiplier=0.09, residual_multiplier=0.5, logits_scaling=4.0),
+    # MixtralAttention's window in every block, shorter than the 24 tokens (refused before)
+    "mixtral": dict(SHAPES, model_type="mixtral", num_hidden_layers=2, intermediate_size=32,
+                    num_local_experts=4, sliding_window=7),
 }
 _ATTN = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "q_norm": "q_norm",
          "k_norm": "k_norm"}
@@ -82,8 +87,15 @@ def test_moe_logits_equal_transformers(mtype, tmp_path):
     tokens = torch.randint(0, spec.vocab, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref, got = model(tokens).logits, ours(tokens)
+        for block in ours.layers.values():
+            block.attention.window = 0
+        full = ours(tokens)
     assert ref.abs().max() > 0.01
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5)
+    assert spec.sliding_window == TINY[mtype].get("sliding_window", 0)
+    assert spec.window_blocks == ((0, 2) if mtype == "qwen2_moe" else ())
+    if spec.sliding_window:  # the window matters: full causal attention is another function
+        assert (full - ref).abs().max() > 1e-3
     assert sum(p.numel() for p in ours.parameters() if p.requires_grad) == spec.num_params()
 
 

@@ -300,7 +300,10 @@ def test_the_model_refuses_to_build_a_planned_only_spec():
     (dict(decoder_sparse_step=25), "decoder_sparse_step=25, mlp_only_layers=.*keep at least"),
     (dict(mlp_only_layers=[3, 24]), r"mlp_only_layers=\[3, 24\]: .* from 0 to 23"),
     (dict(mlp_only_layers=list(range(24))), "keep at least one"),
-    (dict(use_sliding_window=True), "use_sliding_window=true"),
+    (dict(use_sliding_window="yes"), "use_sliding_window=.yes.: must be true or false"),
+    (dict(use_sliding_window=True, sliding_window=1.5), "sliding_window=1.5: must be a positive"),
+    (dict(use_sliding_window=True, sliding_window=64, layer_types=["full_attention"]),
+     r"layer_types=\[.full_attention.\]: .* one per block \(24\)"),
     (dict(router_aux_loss_coef=-1), "router_aux_loss_coef=-1"),
 ])
 def test_bad_qwen2_moe_keys_are_one_line(change, match):

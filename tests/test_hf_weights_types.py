@@ -68,10 +68,14 @@ CASES = [(m, {}, m, m) for m in DENSE + MOE] + [
     ("granitemoe", dict(model_type="granitemoeshared", shared_intermediate_size=64),
      "granitemoeshared", "granitemoeshared"),
 ]
+PARAMS = [pytest.param(*c, id=c[2] + ("-" + c[3] if c[2] != c[3] else "")) for c in CASES] + [
+    # Qwen's window on block 1 of 2 (max_window_layers 1), 7 tokens under 24: exported as
+    # layer_types (-m slow: Qwen2-MoE's TINY has one on its even blocks, in the default run)
+    pytest.param("qwen3", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
+                 "qwen3", "qwen3", id="qwen3-window", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("base, changes, mtype, inferred", CASES,
-                         ids=[c[2] + ("-" + c[3] if c[2] != c[3] else "") for c in CASES])
+@pytest.mark.parametrize("base, changes, mtype, inferred", PARAMS)
 def test_load_logits_and_export_round_trip(base, changes, mtype, inferred, tmp_path):
     from meshtron.hf.export import save_hf
     from meshtron.hf.load import load_into

@@ -48,6 +48,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "model": (KEEP, "the checkpoint's tensors have its shapes"),
     "data.source": (KEEP, _DATA),
     "data.tokenizer": (KEEP, _DATA),
+    "data.json_key": (KEEP, _DATA),
     "data.bpe_vocab": (KEEP, _DATA),
     "data.seq_len": (KEEP, _DATA),
     "data.global_batch": (KEEP, "the data position it holds counts batches of that size"),

@@ -30,7 +30,11 @@ from meshtron.data.dataset import (
     check_dp,
 )
 from meshtron.data.sources import (
+    JSONL_SUFFIXES,
+    TEXT_SUFFIXES,
     check_exists,
+    check_json_key,
+    list_text_files,
     read_folder,
     read_jsonl,
     read_text_files,
@@ -69,9 +73,22 @@ def source_kind(source: str | Path) -> str:
     if suffix in TABLE_SUFFIXES:
         raise UserError(f"data.source='{source}': a {suffix} table is not read; allowed: a "
                         "text file or folder, a .jsonl / .json of JSON Lines ({\"text\": ...} "
-                        "per line) or a .bin token shard (e.g. datasets' "
-                        "Dataset.from_parquet(PATH).to_json('rows.jsonl'))")
+                        "per line; --json-key names another field) or a .bin token shard "
+                        "(e.g. datasets' Dataset.from_parquet(PATH).to_json('rows.jsonl'))")
     return "text"
+
+
+def check_source_key(source: str | Path, key: Any) -> None:
+    """data.json_key against the source (sources.check_json_key): the JSON Lines files
+    `read_documents` would read, the first one's first record."""
+    files: list[Path] = []
+    kind = source_kind(source)
+    if kind == "jsonl":
+        files = [Path(source)]
+    elif kind == "text" and Path(source).is_dir():
+        files = [f for f in list_text_files(source, TEXT_SUFFIXES + JSONL_SUFFIXES)
+                 if f.suffix.lower() in JSONL_SUFFIXES]
+    check_json_key(files, key, source)
 
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".csv", ".tsv")

@@ -121,7 +121,8 @@ def read_jsonl(path: str | Path, field: str = "text",
                         f"got {type(record).__name__}")
                 if field not in record:
                     keys = ", ".join(map(repr, list(record)[:5])) or "none"
-                    raise UserError(f"{where}: no {field!r} field (keys: {keys})")
+                    raise UserError(f"{where}: no {field!r} field (keys: {keys}); "
+                                    "data.json_key (--json-key) names the text field")
                 text = record[field]
                 if not isinstance(text, str):
                     raise UserError(
@@ -158,6 +159,42 @@ def read_folder(path: str | Path, field: str = "text",
             f"one of text files ({', '.join(TEXT_SUFFIXES)}): move the other kind out")
     readers = [read_jsonl(f, field=field, warnings=warnings) for f in shards]
     return (doc for reader in readers for doc in reader)
+
+
+def first_record(path: Path) -> Any:
+    """The first non-blank line of the JSON Lines file `path`, parsed; None when it is not
+    JSON (read_jsonl then names the line) or the file holds none."""
+    with open(path, "rb") as fh:
+        for raw in fh:
+            line = raw.decode("utf-8", errors="replace").strip()
+            if line:
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    return None
+    return None
+
+
+def check_json_key(files: Sequence[Path], key: Any, source: Any) -> None:
+    """Refuse data.json_key before any reading: not a non-empty string; given (not 'text')
+    for a source that holds no JSON Lines (`files` empty: it would be ignored); absent from
+    the first record, naming the keys that record has. Later records lacking it are named
+    by file and line as read_jsonl reaches them."""
+    if not isinstance(key, str) or not key:
+        raise UserError(f"data.json_key={key!r}: must be a non-empty string, the field of "
+                        "each JSON Lines record that holds its text (default 'text')")
+    if not files:
+        if key != "text":
+            raise UserError(f"data.json_key={key!r}: names the text field of JSON Lines "
+                            f"records, but data.source={str(source)!r} holds none; allowed: "
+                            "a .jsonl / .json file or a folder of .jsonl shards, or drop it")
+        return
+    record = first_record(files[0])
+    if isinstance(record, dict) and key not in record:
+        keys = ", ".join(map(repr, record)) or "none"
+        raise UserError(f"data.json_key={key!r}: not a field of the first record of "
+                        f"{files[0]} (its keys: {keys}); allowed: one of those "
+                        "(--json-key FIELD)")
 
 
 # ---- pre-tokenized shards ------------------------------------------------------------------

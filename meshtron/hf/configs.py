@@ -108,9 +108,8 @@ def _scalar(spec: Any) -> float | int:
 _DENSE = {
     "llama": lambda s: {"attention_bias": False, "mlp_bias": False},
     "mistral": lambda s: {"sliding_window": s.sliding_window or None},
-    "qwen2": lambda s: {"use_sliding_window": False, "sliding_window": None},
-    "qwen3": lambda s: {"use_sliding_window": False, "sliding_window": None,
-                        "attention_bias": False},
+    "qwen2": lambda s: qwen_window(s, "qwen2"),
+    "qwen3": lambda s: dict(qwen_window(s, "qwen3"), attention_bias=False),
     "granite": lambda s: dict(_granite_scales(s), attention_bias=False, mlp_bias=False),
     "phi3": lambda s: {"sliding_window": s.sliding_window or None, "pad_token_id": None},
     "nemotron": lambda s: {"hidden_act": "relu2", "norm_eps": s.norm_eps,
@@ -123,6 +122,22 @@ _DENSE = {
 }
 
 
+def qwen_window(spec: Any, mtype: str) -> dict[str, Any]:
+    """Qwen's window keys (model/hf_variants.py qwen_window reads them back): the blocks that
+    slide as transformers' `layer_types` (Qwen3-MoE has none: every block), and the
+    `max_window_layers` that gives the same blocks where transformers derives them from it
+    (Qwen2/Qwen3: blocks from it on; Qwen2-MoE: the even blocks below it)."""
+    if not spec.sliding_window:
+        return {"use_sliding_window": False, "sliding_window": None}
+    out: dict[str, Any] = {"use_sliding_window": True, "sliding_window": spec.sliding_window}
+    slides = [spec.slides(i) for i in range(spec.layers)]
+    if mtype != "qwen3_moe":
+        out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in slides]
+        out["max_window_layers"] = (max(i for i, s in enumerate(slides) if s) + 1
+                                    if mtype == "qwen2_moe" else slides.index(True))
+    return out
+
+
 def _moe(spec: Any, mtype: str) -> dict[str, Any]:
     out: dict[str, Any] = {"num_local_experts": spec.moe_experts,
                            "num_experts": spec.moe_experts,
@@ -131,6 +146,10 @@ def _moe(spec: Any, mtype: str) -> dict[str, Any]:
                            "use_sliding_window": False, "sliding_window": None}
     if mtype in ("mixtral", "olmoe", "granitemoe", "granitemoeshared"):  # experts that wide
         out["intermediate_size"] = spec.moe_ffn_hidden
+    if mtype == "mixtral":  # MixtralAttention's window, in every block (hf_config.py)
+        out["sliding_window"] = spec.sliding_window or None
+    if mtype in ("qwen2_moe", "qwen3_moe"):
+        out.update(qwen_window(spec, mtype))
     if mtype in ("qwen3_moe", "qwen2_moe"):
         out.update(moe_intermediate_size=spec.moe_ffn_hidden,
                    decoder_sparse_step=spec.moe_layer_step,

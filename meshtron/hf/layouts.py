@@ -159,12 +159,13 @@ def _dense_type(spec: Any, where: str) -> str:
         ("starcoder2", spec.mlp == "gelu",
          spec.norm == "layernorm" and not spec.norm_plus_one and spec.norm_layout == "pre"
          and not spec.qk_norm and spec.rope_fraction == 1 and not spec.window_every
-         and not _scaled(spec) and spec.gelu_approximate == "tanh"
+         and not spec.window_blocks and not _scaled(spec) and spec.gelu_approximate == "tanh"
          and (spec.bias or not spec.qkv_bias)),
         ("gemma3_text", spec.norm_layout == "sandwich",
          spec.mlp == "geglu" and spec.norm_plus_one and spec.qk_norm
          and not spec.qk_norm_whole and spec.tied_embeddings and not spec.bias
          and not spec.qkv_bias and spec.rope_fraction == 1 and spec.residual_scale == 1
+         and not spec.window_blocks
          # Gemma3TextScaledWordEmbedding: embeddings times hidden_size**0.5, always
          and spec.logit_scale == 1 and abs(spec.embed_scale - spec.hidden ** 0.5) < 1e-9
          * spec.embed_scale),
@@ -187,13 +188,14 @@ def _dense_type(spec: Any, where: str) -> str:
         kind = ("granite" if _scaled(spec) and not spec.qk_norm and not spec.qkv_bias
                 else "qwen3" if spec.qk_norm and not _scaled(spec) and not spec.qkv_bias
                 else "qwen2" if not _scaled(spec) and not spec.qk_norm else None)
-        if kind is None or spec.rope_fraction != 1 or spec.sliding_window:
+        if kind is None or spec.rope_fraction != 1 or (spec.sliding_window
+                                                        and kind not in WINDOW_TYPES):
             raise _refuse(where, spec, "no supported type combines its qk_norm / qkv_bias / "
                           "multipliers / rope_fraction / sliding_window")
         return kind
-    if spec.rope_fraction != 1 or spec.window_every:
-        if spec.window_every:
-            raise _refuse(where, spec, "a window on some blocks only is Gemma's")
+    if spec.rope_fraction != 1 or spec.window_every or spec.window_blocks:
+        if spec.window_every or spec.window_blocks:
+            raise _refuse(where, spec, "a window on some blocks only is Gemma's or Qwen's")
         return "phi3"
     return "mistral" if spec.sliding_window else "llama"
 
@@ -201,7 +203,7 @@ def _dense_type(spec: Any, where: str) -> str:
 def _moe_type(spec: Any, where: str) -> str:
     plain = (spec.mlp == "swiglu" and spec.norm == "rmsnorm" and spec.norm_layout == "pre"
              and not spec.norm_plus_one and not spec.bias and spec.rope_fraction == 1
-             and not spec.sliding_window and spec.moe_router == "softmax"
+             and not spec.window_every and spec.moe_router == "softmax"
              and spec.moe_route_scale == 1.0 and not spec.moe_dense_layers)
     if not plain:
         raise _refuse(where, spec, "mixtures of experts load as mixtral, qwen3_moe, qwen2_moe, "
@@ -226,7 +228,17 @@ def _moe_type(spec: Any, where: str) -> str:
         ok, kind = True, "mixtral"
     if not ok:
         raise _refuse(where, spec, f"its experts' fields are {kind}'s in part only")
+    if spec.sliding_window and kind not in WINDOW_TYPES:
+        raise _refuse(where, spec, f"a sliding window is no field of {kind}")
+    if spec.window_blocks and spec.sliding_window and kind != "qwen2_moe":
+        raise _refuse(where, spec, f"a window on some blocks (model.window_blocks) is no "
+                      f"field of {kind}")
     return kind
+
+
+WINDOW_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen2", "qwen3")
+"""The MoE and Qwen types whose config.json says where the window is (configs.py): Mixtral
+and Qwen3-MoE in every block, Qwen2/Qwen3/Qwen2-MoE on the blocks its layer_types lists."""
 
 
 def resolve_type(spec: Any, declared: Any, where: str) -> str:

@@ -15,6 +15,7 @@ from meshtron.argtypes import existing_file
 from meshtron.errors import UserError
 from meshtron.model.hf_dense import DENSE_TYPES
 from meshtron.model.hf_moe_types import HF_MOE_TYPES, hf_moe_type
+from meshtron.model.hf_variants import qwen_window
 from meshtron.model.mla_shapes import MLA_FIELDS
 from meshtron.model.shapes import ROPE_TYPES, ModelSpec, is_number
 
@@ -90,24 +91,37 @@ def dropout_notes(cfg: dict[str, Any]) -> tuple[str, ...]:
     torchtitan's models have none and train converted Hugging Face checkpoints without it;
     Megatron-LM defaults --hidden-dropout/--attention-dropout to 0.1 but current pretraining
     recipes set both to 0 (Llama-style), and GPT-2's config.json carries 0.1 from its 2019
-    pretraining, so a refusal would stop every GPT-2 checkpoint. Keys absent from the file
-    are not guessed (transformers' GPT2Config would read them as 0.1); the export writes no
-    dropout key (meshtron/hf/configs.py), so transformers reads its own class defaults."""
-    keys = DROPOUT_KEYS.get(str(cfg.get("model_type")), ("attention_dropout",))
-    set_keys = []
+    pretraining, so a refusal would stop every GPT-2 checkpoint. A key absent from the file
+    is the model type's class default (DROPOUT_DEFAULTS: GPT2Config's 0.1, which the model
+    transformers builds from that file drops with), named as such in the same line."""
+    mtype = str(cfg.get("model_type"))
+    keys = DROPOUT_KEYS.get(mtype, ("attention_dropout",))
+    set_keys, absent = [], []
     for key in keys:
         value = cfg.get(key)
         if value is None:
-            continue
-        if not is_number(value) or not 0 <= value < 1:
+            value = DROPOUT_DEFAULTS.get(mtype, 0.0)
+            if value:
+                absent.append(key)
+        elif not is_number(value) or not 0 <= value < 1:
             raise UserError(f"config.json {key}={value!r}: must be a dropout probability, "
                             "a number from 0 to below 1")
         if value > 0:
             set_keys.append(f"{key}={value:g}")
     if not set_keys:
         return ()
-    return (f"config.json {', '.join(set_keys)}: meshtron's model has no dropout, so this run "
-            "trains without it (set them to 0 to silence this warning)",)
+    default = (f" ({', '.join(absent)} absent: transformers' default for model_type "
+               f"{mtype!r})" if absent else "")
+    return (f"config.json {', '.join(set_keys)}{default}: meshtron's model has no dropout, so "
+            "this run trains without it (set them to 0 to silence this warning)",)
+
+
+DROPOUT_DEFAULTS = {"gpt2": 0.1}
+"""What transformers' configuration class reads an absent DROPOUT_KEYS key as, where not 0
+(transformers 5.25: GPT2Config resid_pdrop = embd_pdrop = attn_pdrop = 0.1; GPTNeoXConfig,
+Phi3Config, Starcoder2Config and every attention_dropout: 0.0). `meshtron export` writes no
+dropout key (meshtron/hf/configs.py), so a GPT-2 it exports reads as 0.1 here too: what
+transformers would train it with."""
 
 
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -223,7 +237,8 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             tied_embeddings=flag("tie_word_embeddings", False),
             qkv_bias=(mtype == "qwen2") or _no_out_bias(flag("attention_bias", False)),
             **_hf_rope(cfg, "rope_theta", num, max_pos),
-            **_mistral_window(cfg, mtype, max_pos),
+            **(qwen_window(cfg, mtype, need("num_hidden_layers"), max_pos) if mtype == "qwen2"
+               else _mistral_window(cfg, mtype, max_pos)),
             norm_eps=num("rms_norm_eps", 1e-6 if mtype == "qwen2" else 1e-5),
         )
     if mtype in DENSE_TYPES:
@@ -302,11 +317,9 @@ def _hf_moe(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_int
     if cfg.get("hidden_act", "silu") != "silu":
         raise UserError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is "
                          f"supported for model_type {mtype!r}")
-    if cfg.get("use_sliding_window") is True or (not qwen and cfg.get("sliding_window")):
-        raise UserError(f"config.json sliding_window={cfg.get('sliding_window')!r}: "
-                         "sliding-window attention is not supported; set it to null")
     _no_out_bias(flag("attention_bias", False))
     experts_key = "num_experts" if qwen and "num_experts" in cfg else "num_local_experts"
+    max_pos = opt_int("max_position_embeddings", 4096)
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
     head_dim = opt_int("head_dim", None)
@@ -317,7 +330,9 @@ def _hf_moe(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_int
         tied_embeddings=flag("tie_word_embeddings", False),
         head_size=head_dim if head_dim not in (None, hidden // heads) or qwen else None,
         qk_norm=qwen,
-        **_hf_rope(cfg, "rope_theta", num, opt_int("max_position_embeddings", 4096)),
+        **_hf_rope(cfg, "rope_theta", num, max_pos),
+        **(qwen_window(cfg, mtype, need("num_hidden_layers"), max_pos) if qwen
+           else _mistral_window(cfg, mtype, max_pos)),
         norm_eps=num("rms_norm_eps", 1e-6 if qwen else 1e-5),
         moe_experts=need(experts_key), moe_top_k=need("num_experts_per_tok"),
         moe_ffn_hidden=need("moe_intermediate_size") if qwen else need("intermediate_size"),
@@ -407,27 +422,29 @@ def _no_out_bias(attention_bias: bool) -> bool:
 
 
 def _mistral_window(cfg: dict[str, Any], mtype: str, max_pos: int) -> dict[str, Any]:
-    """Mistral's `sliding_window` in every block (transformers' MistralAttention passes it to
-    the mask: query i attends to keys i - window + 1 .. i): the runtime computes it
-    (model/attention.py window_attention), so sequences run to max_position_embeddings; a
-    window no shorter than that is full causal attention."""
-    window = cfg.get("sliding_window") if mtype == "mistral" else None  # absent: 4096
-    if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
-        return {"sliding_window": window}
-    return {}
+    """Mistral's and Mixtral's `sliding_window` in every block (transformers' MistralAttention
+    and MixtralAttention pass it to the mask in every layer: query i attends to keys
+    i - window + 1 .. i): the runtime computes it (model/attention.py window_attention), so
+    sequences run to max_position_embeddings; a window no shorter than that is full causal
+    attention. Absent: Mistral 4096 (CLASS_DEFAULTS), Mixtral null (MixtralConfig; the
+    Mixtral-8x7B-v0.1 config.json says null, Mistral-7B-v0.1 4096)."""
+    if mtype not in ("mistral", "mixtral"):
+        return {}
+    window = cfg.get("sliding_window")
+    if window in (None, 0):
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise UserError(f"config.json sliding_window={window!r}: must be a positive "
+                        "integer or null")
+    return {"sliding_window": window} if window < max_pos else {}
 
 
 def _check_hf_attention(cfg: dict[str, Any], mtype: str) -> None:
-    """Refuse what meshtron's attention does not compute: sliding-window attention, biases
-    beyond q/k/v."""
-    if cfg.get("use_sliding_window") is True:
+    """Refuse what meshtron's attention does not compute: biases beyond q/k/v; Llama's and
+    Mistral's `use_sliding_window` (no key of theirs; Qwen2's: hf_variants.qwen_window)."""
+    if mtype != "qwen2" and cfg.get("use_sliding_window") is True:
         raise UserError("config.json use_sliding_window=true: sliding-window attention is not "
                          "supported; only full attention")
-    if mtype == "mistral" and cfg.get("sliding_window") not in (None, 0):
-        window = cfg.get("sliding_window")
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise UserError(f"config.json sliding_window={window!r}: must be a positive "
-                             "integer or null")
     if cfg.get("mlp_bias") is True:
         raise UserError("config.json mlp_bias=true: MLP biases are not supported for "
                          f"model_type {mtype!r}")

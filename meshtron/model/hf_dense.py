@@ -23,6 +23,7 @@ import math
 from typing import Any, Callable
 
 from meshtron.errors import UserError
+from meshtron.model.hf_variants import qwen_window
 from meshtron.model.shapes import ModelSpec, is_number
 
 DENSE_TYPES = ("qwen3", "nemotron", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
@@ -62,8 +63,8 @@ def hf_dense(cfg: dict[str, Any], mtype: str, name: str, need, num, flag, opt_in
     fields.update(rope_fraction=_fraction(cfg, 0.5 if mtype == "nemotron" else 1.0))
     fields.update(_window(cfg, mtype, opt_int))
     if mtype == "qwen3":
-        _no_sliding(cfg)
-        fields.update(qk_norm=True)
+        fields.update(qwen_window(cfg, mtype, fields["layers"],
+                                  opt_int("max_position_embeddings", 4096)), qk_norm=True)
     elif mtype == "nemotron":
         fields.update(norm="layernorm", norm_plus_one=True)
     elif gemma:
@@ -186,12 +187,6 @@ def _cap(cfg: dict[str, Any], key: str, has_default: bool, default: float) -> fl
     if not is_number(value) or not math.isfinite(value) or value < 0:
         raise UserError(f"config.json {key}={value!r}: must be a non-negative number or null")
     return float(value)
-
-
-def _no_sliding(cfg: dict[str, Any]) -> None:
-    if cfg.get("use_sliding_window") is True:
-        raise UserError("config.json use_sliding_window=true: Qwen's per-layer sliding window "
-                         "(max_window_layers) is not supported; only false")
 
 
 _NEOX_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_fast": "tanh",

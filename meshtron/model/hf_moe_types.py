@@ -17,6 +17,7 @@ import math
 from typing import Any, Callable
 
 from meshtron.errors import UserError
+from meshtron.model.hf_variants import qwen_window
 from meshtron.model.shapes import ModelSpec
 
 HF_MOE_TYPES = ("qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "llama4_text")
@@ -53,16 +54,14 @@ def _qwen2_moe(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:
     """Qwen2-MoE (transformers' Qwen2MoeSparseMoeBlock): softmax top-k (renormalised only with
     `norm_topk_prob`), one shared expert of `shared_expert_intermediate_size` scaled by
     sigmoid(shared_expert_gate(x)), q/k/v biases, dense blocks of `intermediate_size`."""
-    if cfg.get("use_sliding_window") is True:
-        raise UserError(f"config.json use_sliding_window=true: sliding-window attention is not "
-                         "supported for model_type 'qwen2_moe'; allowed: false")
     fe = need("moe_intermediate_size")
     return dict(ffn_hidden=need("intermediate_size"), qkv_bias=flag("qkv_bias", True),
                 norm_eps=num("rms_norm_eps", 1e-6),
                 moe_experts=need("num_experts"), moe_ffn_hidden=fe,
                 moe_norm_topk=flag("norm_topk_prob", False),
                 **_shared(cfg, "shared_expert_intermediate_size", fe, gated=True),
-                **_layer_pattern(cfg, common["layers"]))
+                **_layer_pattern(cfg, common["layers"]),
+                **qwen_window(cfg, mtype, common["layers"], common["max_seq"]))
 
 
 def _olmoe(cfg, mtype, need, num, flag, opt_int, common) -> dict[str, Any]:

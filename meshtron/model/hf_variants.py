@@ -51,12 +51,62 @@ def check_variants(spec: Any) -> None:
             raise UserError(f"model.{field}={value!r}: must be a non-negative integer")
     if spec.window_every and not spec.sliding_window:
         raise UserError(f"model.window_every={spec.window_every}: needs a sliding_window")
+    if spec.window_blocks and (not spec.sliding_window or spec.window_every):
+        raise UserError(f"model.window_blocks={list(spec.window_blocks)}: needs a "
+                        "sliding_window and window_every=0 (the list says which blocks slide)")
     if spec.chunk_every and not spec.attn_chunk:
         raise UserError(f"model.chunk_every={spec.chunk_every}: needs an attn_chunk")
     if spec.attn_chunk and spec.sliding_window:
         raise UserError(f"model.attn_chunk={spec.attn_chunk}: chunked attention with a "
                         f"sliding_window ({spec.sliding_window}) is not a model meshtron "
                         "describes; set one of them to 0")
+
+
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
+def qwen_window(cfg: Any, mtype: str, layers: int, max_pos: int) -> dict[str, Any]:
+    """ModelSpec's window fields of a Qwen config.json with `use_sliding_window` true, as
+    transformers 5.25 builds the model: `sliding_window` (class default 4096) on the blocks
+    transformers' `layer_types` marks 'sliding_attention' (Qwen2Config / Qwen3Config: from
+    block `max_window_layers` (default 28) on; Qwen2MoeConfig: the even blocks below it;
+    Qwen3MoeAttention: every block). No sliding block, or a window no shorter than
+    max_position_embeddings: full causal attention, no field. The runtime computes the
+    window on exactly those blocks (Transformer's Attention asks ModelSpec.slides)."""
+    use = cfg.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise UserError(f"config.json use_sliding_window={use!r}: must be true or false")
+    window = cfg.get("sliding_window", 4096)
+    if not use or window in (None, 0):
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise UserError(f"config.json sliding_window={window!r}: must be a positive integer "
+                        "or null")
+    blocks = _qwen_sliding_blocks(cfg, mtype, layers)
+    if not blocks or window >= max_pos:
+        return {}
+    if len(blocks) == layers:
+        return {"sliding_window": window}
+    return {"sliding_window": window, "window_blocks": tuple(blocks)}
+
+
+def _qwen_sliding_blocks(cfg: Any, mtype: str, layers: int) -> list[int]:
+    types = cfg.get("layer_types") if mtype != "qwen3_moe" else None
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or any(
+                t not in ("sliding_attention", "full_attention") for t in types):
+            raise UserError(f"config.json layer_types={types!r}: must be 'sliding_attention' "
+                            f"/ 'full_attention', one per block ({layers})")
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if mtype == "qwen3_moe":
+        return list(range(layers))
+    first = cfg.get("max_window_layers", 28)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise UserError(f"config.json max_window_layers={first!r}: must be a non-negative "
+                        "integer")
+    if mtype == "qwen2_moe":
+        return [i for i in range(min(first, layers)) if i % 2 == 0]
+    return list(range(first, layers))
 
 
 def runtime_problem(spec: Any, seq_len: int | None = None,

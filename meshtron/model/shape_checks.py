@@ -118,6 +118,13 @@ def _check_lists(spec: Any) -> None:
         raise UserError(f"model.moe_mlp_only_layers={only!r}: must be a list of block indices "
                          f"from 0 to {spec.layers - 1}")
     object.__setattr__(spec, "moe_mlp_only_layers", tuple(only))
+    blocks = spec.window_blocks
+    if not isinstance(blocks, (list, tuple)) or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < spec.layers
+            for i in blocks):
+        raise UserError(f"model.window_blocks={blocks!r}: must be a list of block indices "
+                        f"from 0 to {spec.layers - 1}")
+    object.__setattr__(spec, "window_blocks", tuple(blocks))
     for field in ("train_refusals", "train_notes"):
         lines = getattr(spec, field)
         if not isinstance(lines, (list, tuple)) or any(not isinstance(r, str) for r in lines):

@@ -131,6 +131,10 @@ class ModelSpec:
     window_every: int = 0
     """With a sliding window: of every `window_every` consecutive blocks the last attends
     globally and the others slide (Gemma 2: 2, Gemma 3: 6); 0: every block slides."""
+    window_blocks: tuple[int, ...] = ()
+    """With a sliding window: the blocks that slide, where they follow no period (Qwen's
+    `use_sliding_window`: transformers' layer_types from `max_window_layers`,
+    model/hf_variants.py qwen_window); (): `window_every` decides."""
     attn_chunk: int = 0
     """Chunked attention (Llama 4 `attention_chunk_size` 8192): in a chunked block a query
     attends only to earlier keys of its own chunk of `attn_chunk` positions (transformers'
@@ -302,6 +306,8 @@ class ModelSpec:
     def slides(self, index: int) -> bool:
         """Block `index` attends within `sliding_window` (Gemma: all but every
         `window_every`-th block, transformers' `(index + 1) % pattern`)."""
+        if self.window_blocks:
+            return bool(self.sliding_window) and index in self.window_blocks
         return bool(self.sliding_window) and (
             not self.window_every or (index + 1) % self.window_every != 0)
 
@@ -317,6 +323,8 @@ class ModelSpec:
         """How many blocks slide (closed form, as `blocks_sum`)."""
         if not self.sliding_window:
             return 0
+        if self.window_blocks:
+            return len(set(self.window_blocks))
         return self.layers - (self.layers // self.window_every if self.window_every else 0)
 
     def is_moe_layer(self, index: int) -> bool:

@@ -281,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
     refused = model_refusal(model, seq)
     if refused:  # priced as the stack would run it; said here, not first at `meshtron train`
         notes.append(f"meshtron train refuses this model: {refused}")
+    # what `meshtron train` will warn of the config.json (its dropout: hf_config.dropout_notes)
+    notes.extend(f"meshtron train warns: {note}" for note in model.train_notes)
     if seq > model.max_seq:
         notes.append(long_sequence_note(model, seq))
     batch = args.global_batch

@@ -19,6 +19,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "preset name or path to a Hugging Face config.json"),
     "--data": ("data.source", str, "'stdlib', a text file/folder, a .jsonl (or .json) of "
               "{\"text\": ...} lines or a .bin token shard"),
+    "--json-key": ("data.json_key", str, "the field of each JSON Lines record that holds its "
+                   "text (Megatron's --json-keys; default: text)"),
     "--tokenizer": ("data.tokenizer", str, "byte | bpe | a tokenizer.json (or its folder); "
                     "default: --init-from's tokenizer.json if it has one, else byte"),
     "--seq-len": ("data.seq_len", int, "tokens per sequence"),
@@ -202,6 +204,9 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     if problem:
         raise UserError(problem)
     check_runtime(cfg.model, cfg.data.seq_len, cfg.data.attention_mask == "document")
+    from meshtron.data.pipeline import check_source_key
+
+    check_source_key(cfg.data.source, cfg.data.json_key)  # before any rank reads
     return cfg
 
 

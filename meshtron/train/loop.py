@@ -377,7 +377,7 @@ def build_run_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1, main: boo
                           seed=cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size,
                           eval_batches=cfg.data.eval_batches if cfg.train.eval_every else 0,
                           bpe_vocab=cfg.data.bpe_vocab,
-                          tokenizer_path=tok_path)
+                          tokenizer_path=tok_path, jsonl_field=cfg.data.json_key)
 
     made = tok_path is not None and main and not tok_path.parent.exists()
     try:
