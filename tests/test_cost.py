@@ -464,8 +464,9 @@ def test_spot_that_never_finishes_prices_on_demand(cost_cli):
     # (--restart-min 0 keeps spot at 1,802 s a preemption; the goodput header is checked here
     # to spare the suite a run: the audit's "job restart 0 s" above a table using the
     # measured 8.26 s floor)
-    rc, out, err = cost_cli(*argv, "--restart-min", "0")
+    rc, out, err = cost_cli(*argv, "--restart-min", "0", "--deadline-days", "1")
     assert rc == 0 and "Recommendation: on-demand" in out
+    assert "no option meets it at P90 (fastest: on-demand" in err
     assert re.search(r"^spot +never finishes", out, re.M), out
     assert "on_demand" not in out  # the text names pricings as it prints them
     head = next(x for x in out.splitlines() if x.startswith("Goodput"))

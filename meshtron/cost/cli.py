@@ -287,7 +287,8 @@ def _deadline_warning(doc: dict[str, Any], deadline: float | None) -> str | None
     """A line when neither pricing meets --deadline-days at P90."""
     if deadline is None:
         return None
-    p90 = {name: doc[name]["p90_days"] for name in ("on_demand", "spot")}
+    p90 = {name: doc[name]["p90_days"] for name in ("on_demand", "spot")
+           if doc[name]["finishes"]}
     if min(p90.values()) <= deadline:
         return None
     best = min(p90, key=p90.get)
