@@ -48,8 +48,16 @@ def test_cost_and_simulate_price_the_plan_files_compression_and_diloco(tmp_path)
                               "--json").stdout)
     note = next(n for n in out["notes"] if n.startswith("inter-node bound"))
     int8 = re.search(r"--grad-compression int8 --zero (\d): ([\d.]+) s", note)
-    dl = re.search(r"--diloco 16 --zero (\d) \(dp_replicate=(\d+)\): ([\d.]+) s", note)
+    dl = re.search(r"--diloco 16 --zero (\d) --dp-replicate (\d+): ([\d.]+) s", note)
     base = load_plan(tmp_path / "none.toml")
+    # the note's flags as typed: `meshtron plan` takes them (the audit: it refused
+    # --grad-compression, which only `train` parsed) and saves what the note priced
+    meshtron(tmp_path, "plan", "--model", "llama3-8b", "--cluster", "slow.toml",
+             "--global-batch", 256, "--seq-len", 4096, *int8[0].split(":")[0].split(),
+             "--save", "flags.toml")
+    flags = load_plan(tmp_path / "flags.toml")
+    assert (flags.grad_compression, flags.zero) == ("int8", int(int8[1]))
+    assert f"{flags.predicted['step_time_s']:.3g}" == f"{float(int8[2]):.3g}"
     variants = {
         "int8.toml": (base.replace(zero=int(int8[1]), grad_compression="int8"), float(int8[2])),
         "hsdp.toml": (base.replace(zero=int(dl[1]), dp_replicate=int(dl[2])), None),

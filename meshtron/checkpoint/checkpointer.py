@@ -36,9 +36,13 @@ from meshtron.checkpoint.preempt import PreemptionWatch
 from meshtron.checkpoint.resume import check_compatible, prepare_start  # noqa: F401 (API)
 from meshtron.errors import UserError
 
-AUTO_PROBE_STEPS = 3
+AUTO_PROBE_STEPS = 8
 """With `--checkpoint-every auto`, the first save happens after this many steps of the attempt:
 its stall is the measured save cost, and the steps before it give the step time."""
+AUTO_WARMUP_STEPS = 3
+"""The attempt's first steps are not timed for `auto`: they allocate, autotune and compile
+(the audit: 6.16 s, then 0.58 s, on a run whose later steps took about 1 s; their median was
+taken as the step). A run shorter than the probe times its last step."""
 
 
 class Preempted(Exception):
@@ -411,12 +415,16 @@ class Checkpointer:
             interval_steps,
         )
 
-        marks = self._step_marks
-        gaps = [b - a for a, b in zip(marks, marks[1:])] or [marks[-1] - marks[0] or 1e-3]
+        marks = self._step_marks  # one after each step of the attempt: gaps time steps 2, 3, ..
+        gaps = [b - a for a, b in zip(marks, marks[1:])]
+        timed = gaps[AUTO_WARMUP_STEPS - 1:] or gaps[-1:]
+        # gaps[i] is step start + 2 + i; a one-step attempt has no gap (as before: 1 ms)
+        first = self.start_step + 2 + len(gaps) - len(timed) if timed else step
+        timed = timed or [1e-3]
         # The probe waits for the copy to host memory at once: an upper bound of the stall
         # (later saves overlap it with the next forward and backward).
         stall = self.save(step) + self.wait_staging()
-        stall, step_s = self._max([stall, statistics.median(gaps)])
+        stall, step_s = self._max([stall, statistics.median(timed)])
         step_s = max(step_s, 1e-6)
         if self.ckpt.mtbf_hours is not None:
             mtbf, source = self.ckpt.mtbf_hours * 3600.0, "--mtbf-hours"
@@ -425,8 +433,9 @@ class Checkpointer:
             source = f"{self.world_size} GPU(s) at Llama 3's 1.97e-5 failures per GPU-hour"
         self.every = interval_steps(step_s, max(stall, 1e-6), mtbf)
         overhead = expected_overhead_fraction(self.every * step_s, stall, mtbf)
+        steps = f"step {first}" if first == step else f"steps {first}-{step}"
         self.say(f"--checkpoint-every auto: save stall {stall * 1e3:.1f} ms, step "
-                 f"{step_s * 1e3:.1f} ms, MTBF {mtbf / 3600:.3g} h ({source}) -> checkpoint "
+                 f"{step_s * 1e3:.1f} ms (median of {steps}), MTBF {mtbf / 3600:.3g} h ({source}) -> checkpoint "
                  f"every {self.every} steps ({self.every * step_s:.1f} s, Daly 2006); expected "
                  f"overhead {overhead * 100:.3g}% (stalls + lost work)")
 

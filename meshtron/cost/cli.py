@@ -181,7 +181,8 @@ def run_spec(args: argparse.Namespace, est, model, cluster, batch: int, seq: int
 
 def run(args: argparse.Namespace) -> int:
     from meshtron.cost.catalogue import economics_for, load_price_overrides
-    from meshtron.cost.model import cost_run, summary
+    from meshtron.cost.model import cost_run
+    from meshtron.cost.summary import regime_warnings, summary
     from meshtron.planner.cli import load_model
     from meshtron.planner.cluster import resolve_cluster
 
@@ -196,14 +197,17 @@ def run(args: argparse.Namespace) -> int:
                          load_price_overrides(args.prices) if args.prices else None)
     est, batch, seq, warnings, fw = _estimate(args, model, cluster, plan)
     spec = run_spec(args, est, model, cluster, batch, seq)
-    doc = summary(spec, econ, cost_run(spec, econ, runs=args.runs, seed=args.seed),
-                  args.deadline_days)
+    pricings = cost_run(spec, econ, runs=args.runs, seed=args.seed)
+    if all(p.never is not None for p in pricings.values()):
+        raise UserError(_never_line(args, spec, pricings["on_demand"].never))
+    doc = summary(spec, econ, pricings, args.deadline_days)
     doc["plan"] = est.config.describe() + est.config.comm_label()
     doc["framework"] = fw.label
     doc["goodput"], doc["_goodput_lines"] = goodput_section(args, spec, est.config)
     doc["fits"] = est.fits
     warnings += [w for w in (_fit_warning(args, est, fw),
                             _deadline_warning(doc, args.deadline_days)) if w]
+    warnings += regime_warnings(spec, pricings)
     doc["warnings"] = warnings
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
@@ -216,6 +220,24 @@ def run(args: argparse.Namespace) -> int:
                 f"{_need(est)}\n")
         print(head + render(doc) + "\n\n" + "\n".join(lines))
     return 0
+
+
+NEVER_FLAGS = (("mtbf_hours", "--mtbf-hours"), ("failures_per_gpu_hour", "--failures-per-gpu-hour"),
+               ("restart_min", "--restart-min"), ("storage_gb_per_s", "--storage-gb-per-s"),
+               ("checkpoint_interval_min", "--checkpoint-interval-min"))
+"""The flags that set how often a run is struck and what each strike costs."""
+
+
+def _never_line(args: argparse.Namespace, spec, reason: str) -> str:
+    """The one line of a run that never finishes at any pricing, naming the flags the user
+    gave that make it so (or the cluster, whose GPUs set the failure rate by default)."""
+    given = [f"{flag}={getattr(args, name):g}" for name, flag in NEVER_FLAGS
+             if getattr(args, name) is not None]
+    what = (", ".join(given) if given else
+            f"--cluster={args.cluster} (the default failure rate over {spec.gpus:,} GPUs)")
+    return (f"{what}: the run never finishes at any pricing: {reason}; allowed: a job MTBF "
+            "well above the restart and the save (longer --mtbf-hours, shorter --restart-min, "
+            "faster --storage-gb-per-s)")
 
 
 def _need(est) -> str:
@@ -265,7 +287,8 @@ def _deadline_warning(doc: dict[str, Any], deadline: float | None) -> str | None
     """A line when neither pricing meets --deadline-days at P90."""
     if deadline is None:
         return None
-    p90 = {name: doc[name]["p90_days"] for name in ("on_demand", "spot")}
+    p90 = {name: doc[name]["p90_days"] for name in ("on_demand", "spot")
+           if doc[name]["finishes"]}
     if min(p90.values()) <= deadline:
         return None
     best = min(p90, key=p90.get)
@@ -284,40 +307,51 @@ def _preemption_text(ck: dict[str, Any]) -> str:
             "min each to get capacity back)")
     if notice >= save:
         return f"{head}, a save fits in their {notice:g} s notice: no work lost"
-    return f"{head}, their {notice:g} s notice < the {save:.3g} s save: they lose work"
+    from meshtron.cost.summary import seconds_text
+
+    return (f"{head}, their {notice:g} s notice < the {seconds_text(save)} save: they lose "
+            "work")
 
 
 def render(doc: dict[str, Any]) -> str:
     """The human-readable report."""
-    from meshtron.cost.model import interval_text
+    from meshtron.cost.summary import LABELS, interval_text, seconds_text
     from meshtron.planner.report import fmt_count
 
     od, sp, ck, pr = doc["on_demand"], doc["spot"], doc["checkpoint"], doc["prices"]
+    work_s = doc["failure_free_days"] * 86400
+    gpus = f"{doc['gpus']:,} GPU" + ("s" if doc["gpus"] != 1 else "")
     lines = [
-        f"Plan: {doc['plan']} on {doc['gpus']:,} GPUs, step {doc['step_time_s']:.2f} s, "
+        f"Plan: {doc['plan']} on {gpus}, step {doc['step_time_s']:.2f} s, "
         f"{fmt_count(doc['tokens'])} tokens: {doc['failure_free_days']:.1f} days without "
         "failures",  # 1T, not 1e+12
-        f"Checkpoint: save {ck['save_s']:.0f} s, restart {ck['restart_s']:.0f} s (job restart + "
-        "reading the checkpoint back)",
+        f"Checkpoint: save {seconds_text(ck['save_s'])}, restart {seconds_text(ck['restart_s'])} "
+        "(job restart + reading the checkpoint back)",
         f"Interruptions: job MTBF {ck['mtbf_s'] / 3600:.2f} h ({ck['mtbf_counts']}); "
         + _preemption_text(ck),
         "Checkpoint interval: " + "; ".join(
-            f"{name} " + interval_text(p["checkpoint_interval_s"], p["daly_interval_s"],
-                                       p["interval_mtbf_s"], p["interval_mtbf_counts"])
-            for name, p in (("on-demand", od), ("spot", sp))),
+            f"{LABELS[name]} " + interval_text(p["checkpoint_interval_s"], p["daly_interval_s"],
+                                               p["interval_mtbf_s"], p["interval_mtbf_counts"],
+                                               work_s)
+            for name, p in (("on_demand", od), ("spot", sp))),
     ] + ([] if doc.get("framework", "meshtron@").startswith("meshtron@") else [
         f"Priced for {doc['framework']} (frameworks.py)"]) + [
-        f"Prices: on-demand ${pr['on_demand']:.2f}, spot ${pr['spot']:.2f} per GPU-hour "
+        f"Prices: on-demand ${pr['on_demand']:.6g}, spot ${pr['spot']:.6g} per GPU-hour "
         f"({pr['source']}); power {pr['system_w_per_gpu']:.0f} W per GPU x PUE {pr['pue']:g}",
         "",
         f"{'':12} {'days':>7} {'P50':>7} {'P90':>7} {'GPU-hours':>13} {'cost USD':>15} "
         f"{'P90 cost USD':>15}",
     ]
-    for name, p in (("on-demand", od), ("spot", sp)):
-        lines.append(f"{name:12} {p['days']:7.1f} {p['p50_days']:7.1f} {p['p90_days']:7.1f} "
-                     f"{p['gpu_hours']:13,.0f} {p['cost_usd']:15,.0f} {p['p90_cost_usd']:15,.0f}")
-    lines += ["", f"Energy: {doc['energy_kwh']:,.0f} kWh at the facility "
-                  f"({doc['gpu_energy_kwh']:,.0f} kWh in the GPUs)", "",
-              f"Recommendation: {doc['recommendation']['pricing'].replace('_', '-')}"]
+    for name, p in (("on_demand", od), ("spot", sp)):
+        if not p["finishes"]:
+            lines.append(f"{LABELS[name]:12} never finishes (the warning says why)")
+            continue
+        lines.append(f"{LABELS[name]:12} {p['days']:7.1f} {p['p50_days']:7.1f} "
+                     f"{p['p90_days']:7.1f} {p['gpu_hours']:13,.0f} {p['cost_usd']:15,.0f} "
+                     f"{p['p90_cost_usd']:15,.0f}")
+    lines += ["", "Energy (expected wall time x power): " + "; ".join(
+        f"{LABELS[name]} {p['energy_kwh']:,.0f} kWh at the facility ({p['gpu_energy_kwh']:,.0f} "
+        "kWh in the GPUs)" for name, p in (("on_demand", od), ("spot", sp)) if p["finishes"]),
+        "", f"Recommendation: {LABELS[doc['recommendation']['pricing']]}"]
     lines += [f"  - {r}" for r in doc["recommendation"]["reasons"]]
     return "\n".join(lines)

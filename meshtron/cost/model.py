@@ -1,8 +1,10 @@
 """What a training run costs: days, GPU-hours, energy and money, with failures and preemptions.
 
-Expected values come from meshtron/reliability/interval.py (Young/Daly, Daly's expected wall
-time: the same code `meshtron train --checkpoint-every auto` uses); the distribution (P50, P90)
-from the Monte Carlo in montecarlo.py. Everything is per whole job: the job's failure rate is
+The checkpoint interval is Daly's optimum from meshtron/reliability/interval.py (the code
+`meshtron train --checkpoint-every auto` uses); the expected wall time and its parts are the
+closed form (expectation.py: Daly 2006 eq. 13, failures striking restarts too) of the very
+process the Monte Carlo in montecarlo.py samples for the distribution (P50, P90), so the "days"
+are the mean of the runs behind P50/P90 and the overheads add up to the total. Everything is per whole job: the job's failure rate is
 the per-GPU rate times the GPUs (any failed GPU stops a synchronous job), its preemption rate
 the per-node rate times the nodes.
 
@@ -16,9 +18,9 @@ Spot: a preemption whose notice covers a checkpoint write (notice >= save cost) 
 but costs the save and a restart after reacquiring capacity; otherwise it loses work as a
 failure does, and spot's interval is Daly's for the failures and those preemptions together
 (RunSpec.interval_mtbf: every interval printed names the MTBF it is set for and what it
-counts). The expected overhead keeps preemptions a cause of their own: the interruptions are
-split by their rates, a failure costing its lost work and restart, a preemption also the time
-to get capacity back. Billing assumes every GPU is paid for over the whole wall time, restarts
+counts). The expected overhead keeps preemptions a cause of their own: an interruption is a
+failure or a preemption by their rates, a failure costing its lost work and restart, a
+preemption also the time to get capacity back. Billing assumes every GPU is paid for over the whole wall time, restarts
 included.
 """
 
@@ -31,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from meshtron.cost.catalogue import DEFAULT_PUE, GpuEconomics
+from meshtron.cost.expectation import Expectation, expect
 from meshtron.cost.montecarlo import RunProcess, simulate
 from meshtron.errors import UserError
-from meshtron.reliability import (DEFAULT_GPU_FAILURES_PER_HOUR, cluster_mtbf_s,
-                                  daly_interval_s, expected_lost_work_s, expected_wall_s)
+from meshtron.reliability import DEFAULT_GPU_FAILURES_PER_HOUR, cluster_mtbf_s, daly_interval_s
 
 CHECKPOINT_BYTES_PER_PARAM = 12.0
 """fp32 master weights + two fp32 AdamW moments (module docstring)."""
@@ -171,7 +173,7 @@ class Pricing:
     interval_s: float
     """Checkpoint interval used (work seconds between checkpoints)."""
     expected_wall_s: float
-    """Expected wall time (Daly's formula, plus lossless preemptions)."""
+    """Expected wall time of the Monte Carlo's process (expectation.py; inf: never finishes)."""
     breakdown_s: dict[str, float]
     """Expected seconds by cause: work, checkpoint stalls, lost work, restarts, preemptions."""
     samples_wall_s: np.ndarray
@@ -186,169 +188,56 @@ class Pricing:
     """What that MTBF counts."""
     daly_s: float = math.nan
     """Daly's optimum interval for that MTBF (the interval used, unless one was given)."""
+    work_s: float = math.nan
+    """Failure-free work of the run (an interval at least this long: one segment)."""
+    never: str | None = None
+    """Why this pricing never finishes (expectation.py); None: it does."""
+
+    @property
+    def checkpoints_before_end(self) -> int:
+        """Saves before the final one (0: the interval is at least the run)."""
+        return max(0, math.ceil(self.work_s / self.interval_s) - 1)
 
     def percentile_days(self, q: float) -> float:
+        if self.never is not None:
+            return math.inf
         return float(np.percentile(self.samples_wall_s, q)) / 86400.0
 
+    def mc_mean_sem_s(self) -> tuple[float, float]:
+        """The Monte Carlo's mean wall time and its standard error (sample sd / sqrt(runs))."""
+        s = self.samples_wall_s
+        return float(s.mean()), float(s.std(ddof=1) / math.sqrt(len(s)))
 
-def expected_pricing(run: RunSpec, spot: bool) -> tuple[float, float, dict[str, float]]:
-    """(interval, expected wall seconds, breakdown) from the closed forms."""
+
+def expected_pricing(run: RunSpec, spot: bool) -> tuple[float, Expectation]:
+    """(interval, expected wall time and its parts) from the closed form of the very process
+    the Monte Carlo samples (expectation.py: Daly 2006 eq. 13, restarts struck included)."""
     proc = run.process(spot)
-    m = 1.0 / proc.lossy_rate
-    restart = proc.restart_s
-    if spot and not proc.preempt_saves and proc.preempt_rate > 0:
-        # mean restart over the two kinds of interruption, weighted by their rates
-        restart = (proc.fail_rate * proc.restart_s
-                   + proc.preempt_rate * proc.preempt_restart_s) / proc.lossy_rate
-    wall = expected_wall_s(proc.work_s, proc.interval_s, proc.save_s, m, restart)
-    checkpoints = proc.work_s / proc.interval_s
-    interrupts = wall / m
-    lost_each = expected_lost_work_s(proc.interval_s, proc.save_s, m)
-    # the interruptions split by their rates (Poisson: each loses the same expected work), so
-    # that preemptions stay an overhead of their own beside the failures
-    failures = interrupts * proc.fail_rate / proc.lossy_rate
-    parts = {"work": proc.work_s, "checkpoint_stalls": checkpoints * proc.save_s,
-             "lost_work": failures * lost_each, "restarts": failures * proc.restart_s}
-    if proc.lossy_rate > proc.fail_rate:  # spot preemptions without notice enough to save
-        parts["preemptions"] = (interrupts - failures) * (lost_each + proc.preempt_restart_s)
-    if spot and proc.preempt_saves and proc.preempt_rate > 0:
-        each = proc.save_s + proc.preempt_restart_s
-        busy = proc.preempt_rate * each
-        if busy >= 1.0:
-            raise UserError(f"spot_preemptions_per_node_hour={run.spot_preemptions_per_node_hour}"
-                            f": a preemption every {1 / proc.preempt_rate:.0f} s but each costs "
-                            f"{each:.0f} s; the run never finishes on spot")
-        extra = wall * busy / (1.0 - busy)
-        parts["preemptions"] = extra
-        wall += extra
-    return proc.interval_s, wall, parts
+    return proc.interval_s, expect(proc)
 
 
 def cost_run(run: RunSpec, econ: GpuEconomics, runs: int = 2000, seed: int = 0,
              scan: bool = True) -> dict[str, Pricing]:
-    """Both pricings: expected figures and `runs` Monte Carlo samples each."""
+    """Both pricings: expected figures and `runs` Monte Carlo samples each (none for a pricing
+    that never finishes: Pricing.never says why)."""
     if not (isinstance(runs, int) and runs >= 10):
         raise UserError(f"runs={runs!r}: must be a whole number >= 10")
     out = {}
     for name, spot, price in (("on_demand", False, econ.on_demand), ("spot", True, econ.spot)):
-        tau, wall, parts = expected_pricing(run, spot)
-        samples = simulate(run.process(spot), runs, seed)
+        tau, exp = expected_pricing(run, spot)
         mtbf, counts = run.interval_mtbf(spot)
-        p = Pricing(name, tau, wall, parts, samples.wall_s, price, mtbf_s=mtbf,
-                    mtbf_counts=counts, daly_s=daly_interval_s(run.save_s, mtbf))
-        if scan:
+        samples = (np.full(runs, math.inf) if exp.never
+                   else simulate(run.process(spot), runs, seed).wall_s)
+        p = Pricing(name, tau, exp.wall_s, exp.parts, samples, price, mtbf_s=mtbf,
+                    mtbf_counts=counts, daly_s=daly_interval_s(run.save_s, mtbf),
+                    work_s=run.work_s, never=exp.never)
+        if scan and not exp.never:
             small = max(10, runs // 4)
+            base = min(tau, run.work_s)  # an interval past the run: scan fractions of the run
             for f in INTERVAL_FACTORS:
-                s = simulate(run.process(spot, tau * f), small, seed + 1)
-                p.interval_scan[f] = float(s.wall_s.mean())
+                proc = run.process(spot, base * f)
+                # a factor whose run never finishes is not sampled (its counts overflow)
+                p.interval_scan[f] = (math.inf if expect(proc).never else
+                                      float(simulate(proc, small, seed + 1).wall_s.mean()))
         out[name] = p
     return out
-
-
-def summary(run: RunSpec, econ: GpuEconomics, pricings: dict[str, Pricing],
-            deadline_days: float | None = None) -> dict[str, Any]:
-    """The JSON document of `meshtron cost` (schema 'meshtron-cost/1')."""
-    od, sp = pricings["on_demand"], pricings["spot"]
-    hours = od.expected_wall_s / 3600.0
-    gpu_hours = run.gpus * hours
-    facility_kw = run.gpus * econ.system_w_per_gpu * run.pue / 1000.0
-
-    def pricing_doc(p: Pricing) -> dict[str, Any]:
-        h = p.expected_wall_s / 3600.0
-        cost = lambda days: days * 24 * run.gpus * p.price  # noqa: E731
-        return {"checkpoint_interval_s": p.interval_s, "interval_mtbf_s": p.mtbf_s,
-                "interval_mtbf_counts": p.mtbf_counts, "daly_interval_s": p.daly_s,
-                "days": h / 24, "gpu_hours": run.gpus * h,
-                "cost_usd": run.gpus * h * p.price, "price_per_gpu_hour": p.price,
-                "expected_s": p.breakdown_s,
-                "p50_days": p.percentile_days(50), "p90_days": p.percentile_days(90),
-                "p50_cost_usd": cost(p.percentile_days(50)),
-                "p90_cost_usd": cost(p.percentile_days(90)),
-                "interval_scan_mean_days": {str(f): w / 86400 for f, w in p.interval_scan.items()}}
-
-    return {
-        "schema": "meshtron-cost/1",
-        "gpus": run.gpus, "step_time_s": run.step_time_s, "tokens": run.tokens,
-        "failure_free_days": run.work_s / 86400,
-        "days": hours / 24, "gpu_hours": gpu_hours,
-        "energy_kwh": facility_kw * hours, "gpu_energy_kwh": run.gpus * econ.tdp_w * hours / 1000,
-        "cost_usd": {"on_demand": od.expected_wall_s / 3600 * run.gpus * od.price,
-                     "spot": sp.expected_wall_s / 3600 * run.gpus * sp.price},
-        "p50_days": od.percentile_days(50), "p90_days": od.percentile_days(90),
-        "checkpoint": {"save_s": run.save_s, "restart_s": run.fail_restart_s,
-                       "mtbf_s": run.mtbf_s, "mtbf_counts": FAILURES_ONLY,
-                       "daly_interval_s": od.daly_s,  # on demand's: failures only
-                       "spot_preemption_mtbf_s": _finite(run.preempt_mtbf_s),
-                       "spot_notice_s": run.spot_notice_s,
-                       "spot_reacquire_s": run.spot_reacquire_s},
-        "on_demand": pricing_doc(od), "spot": pricing_doc(sp),
-        "prices": {"on_demand": econ.on_demand, "spot": econ.spot, "source": econ.source,
-                   "tdp_w": econ.tdp_w, "system_w_per_gpu": econ.system_w_per_gpu,
-                   "pue": run.pue},
-        "recommendation": recommend(run, pricings, deadline_days),
-    }
-
-
-def recommend(run: RunSpec, pricings: dict[str, Pricing],
-              deadline_days: float | None = None) -> dict[str, Any]:
-    """On-demand or spot (cheaper at P90 that meets the deadline at P90), and the interval."""
-    od, sp = pricings["on_demand"], pricings["spot"]
-    cost90 = {p.name: p.percentile_days(90) * 24 * run.gpus * p.price for p in (od, sp)}
-    days90 = {p.name: p.percentile_days(90) for p in (od, sp)}
-    reasons = []
-    pick = min(cost90, key=cost90.get)
-    other = "on_demand" if pick == "spot" else "spot"
-    saving = 1 - cost90[pick] / cost90[other] if cost90[other] > 0 else 0.0
-    reasons.append(f"P90 cost {pick} ${cost90[pick]:,.0f} vs {other} ${cost90[other]:,.0f} "
-                   f"({saving:.0%} less); P90 days {days90[pick]:.1f} vs {days90[other]:.1f}")
-    if deadline_days is not None and days90[pick] > deadline_days >= days90[other]:
-        reasons.append(f"{pick} misses the {deadline_days:g}-day deadline at P90 "
-                       f"({days90[pick]:.1f} days); {other} meets it")
-        pick = other
-    chosen = pricings[pick]
-    scan = chosen.interval_scan
-    best_f = min(scan, key=scan.get) if scan else 1.0
-    work = chosen.breakdown_s["work"]
-    over = {k: v / work for k, v in chosen.breakdown_s.items() if k != "work"}
-    reasons.append(
-        "checkpoint every "
-        + interval_text(chosen.interval_s, chosen.daly_s, chosen.mtbf_s, chosen.mtbf_counts)
-        + f"; save {run.save_s:.0f} s: expected overhead "
-        + ", ".join(f"{overhead_label(k, chosen)} {v:.1%}" for k, v in over.items()))
-    if scan:
-        ref = scan.get(1.0, min(scan.values()))
-        given = "Daly's" if is_daly(chosen.interval_s, chosen.daly_s) else "that"
-        reasons.append(f"Monte Carlo mean wall time at x0.25..x4 {given} interval: "
-                       + ", ".join(f"x{f:g} {(w / ref - 1) * 100:+.2f}%" for f, w in scan.items()))
-    return {"pricing": pick, "checkpoint_interval_s": chosen.interval_s,
-            "best_scanned_factor": best_f, "reasons": reasons}
-
-
-def is_daly(interval_s: float, daly_s: float) -> bool:
-    """The interval used is Daly's optimum (not --checkpoint-interval-min's)."""
-    return math.isclose(interval_s, daly_s, rel_tol=1e-9)
-
-
-def interval_text(interval_s: float, daly_s: float, mtbf_s: float, counts: str) -> str:
-    """'8.3 min of work (Daly's optimum for MTBF 35.87 h: <counts>)', or with an interval given,
-    what Daly's optimum for that MTBF would be."""
-    mtbf = f"MTBF {mtbf_s / 3600:.2f} h: {counts}"
-    if is_daly(interval_s, daly_s):
-        return f"{interval_s / 60:.1f} min of work (Daly's optimum for {mtbf})"
-    return (f"{interval_s / 60:.1f} min of work (--checkpoint-interval-min; Daly's optimum "
-            f"{daly_s / 60:.1f} min for {mtbf})")
-
-
-def overhead_label(key: str, p: Pricing) -> str:
-    """How the text names one overhead of `p`'s breakdown (expected_pricing)."""
-    if key == "preemptions":
-        what = ("lost work, reacquiring capacity, restart" if p.mtbf_counts != FAILURES_ONLY
-                else "a save in the notice, reacquiring capacity, restart")
-        return f"spot preemptions ({what})"
-    return {"checkpoint_stalls": "checkpoint stalls", "lost_work": "work lost to failures",
-            "restarts": "restarts after failures"}.get(key, key.replace("_", " "))
-
-
-def _finite(value: float) -> float | None:
-    """None for inf (strict JSON has no Infinity)."""
-    return value if math.isfinite(value) else None

@@ -97,6 +97,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--offload", default=None,
                    help="fix host offload: none | optimizer | full (default: searched, kept "
                         "when nothing fits without it or it is faster)")
+    from meshtron.planner.comm_flags import add_arguments as add_comm_arguments
+
+    # the flags of the compression note, parsed as `meshtron train` parses them
+    add_comm_arguments(p.add_argument_group("less communication (as meshtron train)"))
     p.add_argument("--wide", action="store_true",
                    help="wide table: time and memory breakdown per plan, HFU, GPU-hours")
     p.add_argument("--json", action="store_true", help="print JSON (schema in planner/report.py)")
@@ -290,7 +294,10 @@ def run(args: argparse.Namespace) -> int:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
         notes.append(f"--global-batch not given: planning at {batch} sequences per step "
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
-    knobs = collect_knobs(args)
+    from meshtron.planner.comm_flags import requested, search_knobs
+
+    comm = requested(args)  # priced on the searched layouts (search.py `_with_comm`)
+    knobs = {**search_knobs(comm, collect_knobs(args)), **comm}
     # a pinned layout (one layout left to the search) is priced even when predicted not to fit
     result = answer_pinned(search_plans(model, cluster, batch, seq, knobs, top_k=args.top,
                                         framework=fw), knobs, fw)

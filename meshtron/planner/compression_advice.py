@@ -25,7 +25,8 @@ def _best_variant(est, cfg, change: dict, variants) -> tuple[Any, str] | None:
             continue
         if est_ is not None and est_.fits and (found is None
                                                or est_.time.total < found[0].time.total):
-            found = (est_, f"--zero {zero}" + (f" (dp_replicate={rep})" if rep > 1 else ""))
+            # flags `meshtron plan` and `meshtron train` take as written
+            found = (est_, f"--zero {zero}" + (f" --dp-replicate {rep}" if rep > 1 else ""))
     return found
 
 

@@ -79,7 +79,10 @@ def expected_wall_s(work_s: float, interval_s: float, save_cost_s: float, mtbf_s
     delta = _non_negative("save_cost_s", save_cost_s)
     m = _positive("mtbf_s", mtbf_s)
     r = _non_negative("restart_s", restart_s)
-    return m * math.exp(r / m) * math.expm1((tau + delta) / m) * work / tau
+    try:
+        return m * math.exp(r / m) * math.expm1((tau + delta) / m) * work / tau
+    except OverflowError:  # e^(R/M) or e^(L/M) past 1e308: the run never finishes
+        return math.inf
 
 
 def expected_overhead_fraction(interval_s: float, save_cost_s: float, mtbf_s: float,
