@@ -14,8 +14,8 @@ had one rank late 53% of the span and 11x its peer (measured, session 44), later
 SIGSTOPped 20% of the time were (29% of the span, 1.6x its peer, in one run). Each rank
 records per step (doctor/session.py `beat`) its training thread's CPU time and run-queue wait
 (one /proc/self/task/TID/schedstat read, doctor/dump.py `schedstat_s`), its process's other
-threads' CPU time, and the seconds its training thread spent blocked in waits on collectives
-(the recorder's `blocked_s`).
+threads' CPU time and, of it, gloo's transport threads', and the seconds its training thread
+spent blocked in waits on collectives (the recorder's `blocked_s`).
 
 Two rules, by what the dumps carry:
 
@@ -31,13 +31,15 @@ Two rules, by what the dumps carry:
   share: that difference is the small remainder of two large noisy terms (run-queue wait up
   to 53% of the span), whose positive part summed to 16% of the span on a healthy rank.
   The other threads are counted without gloo's transport threads (`transport_cpu_s`,
-  doctor/dump.py `TransportThreads`): their CPU time is the collectives' work, the same on
-  every rank, and it grows on the rank whose peer is late (the healthy peer of a rank
-  SIGSTOPped 20% of the time: 4.0% of the span outside its waits, the stopped rank 0.6%).
-  Counted with them, the step-to-step jitter of that work carried a healthy rank's own time
-  to 2.3% of the span under CPU load, past the floor (measured, session 46: 87% of the
-  healthy ranks' own time on 2-rank runs beside 2 and 4 busy loops was this term), and the
-  stopped rank's peer to 2.4%, hiding a real straggler (1.6x). Not every thread's run-queue
+  doctor/dump.py `TransportThreads`): their CPU time is the collectives' work, on every rank
+  alike, and grows on the rank whose peer is late (the healthy peer of a rank SIGSTOPped 20%
+  of the time: its other threads 4.0% of the span outside its waits, the stopped rank's
+  0.6%). Instrumented (session 46): a healthy rank's training thread slept only in its
+  collective waits (one voluntary switch per wait: no GIL or lock hand-off), its own time
+  was this term, and gloo's threads had 91-99% of the other threads' CPU time; counted with
+  them, the step-to-step jitter of their work took a healthy rank beside two busy loops to
+  2.3% of the span (named), and a stopped rank's peer to 1.9% (the stopped rank, at 3.1%,
+  missed). Not every thread's run-queue
   wait: a SIGCONT wakes all of a stopped rank's threads into the run queue (113% vs 39% of
   the span): subtracting it hides the straggler. A stop while the rank is blocked in a
   collective delays both ranks alike and is not seen; lateness outside the steps with
@@ -56,8 +58,9 @@ fastest named) and nvidia-resiliency-ext's relative performance score (docs
 straggler_det/usage_guide: a rank's section time against the best rank's), the rank is
 compared with the others: a straggler's counted lateness is at least `STRAGGLER_MIN_S`, 3x any
 other rank's, and a share of the time the compared collectives span: `OWN_FRACTION` with own
-time (healthy ranks at most XXX over 15 runs beside 2 busy loops and YYY, ranks SIGSTOPped
-20% of the time at least ZZZ: bench/straggler_load.py, session 46; 2% lies between),
+time (healthy ranks at most 0.7% over 19 runs beside 2 and 4 busy loops on a 2-core host
+at load 8-19, ranks SIGSTOPped 20% of the time at least 4.8% over 6: docs/measurements.md
+#straggler-load; 2% lies between),
 `STRAGGLER_FRACTION` on timing alone (its noise is larger).
 """
 
@@ -160,8 +163,8 @@ def _counted(lates, steps: dict[int, dict[int, _Step]], own: bool) -> dict[int, 
 
 def _own_s(step: _Step, least: dict[str, float]) -> float:
     """Seconds of the step the rank itself held up: off a CPU outside collectives, and the
-    run-queue wait beyond the least rank's that its other threads' CPU time beyond the least
-    rank's can explain (they can only have held its CPU while they ran)."""
+    run-queue wait beyond the least rank's that its other threads' CPU time (gloo's transport
+    threads apart) beyond the least rank's can explain (they held its CPU only while they ran)."""
     behind_own = min(step.wait - least["wait"], step.others - least["others"])
     return max(0.0, step.off) + max(0.0, behind_own)
 
