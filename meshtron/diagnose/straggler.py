@@ -36,17 +36,16 @@ Two rules, by what the dumps carry:
   of the time: its other threads 4.0% of the span outside its waits, the stopped rank's
   0.6%). Instrumented (session 46): a healthy rank's training thread slept only in its
   collective waits (one voluntary switch per wait: no GIL or lock hand-off), its own time
-  was this term, and gloo's threads had 91-99% of the other threads' CPU time; counted with
+  was the wait its other threads explained, and gloo's threads had 91-99% of the other threads' CPU time; counted with
   them, the step-to-step jitter of their work took a healthy rank beside two busy loops to
   2.3% of the span (named), and a stopped rank's peer to 1.9% (the stopped rank, at 3.1%,
-  missed). Not every thread's run-queue
-  wait: a SIGCONT wakes all of a stopped rank's threads into the run queue (113% vs 39% of
-  the span): subtracting it hides the straggler. A stop while the rank is blocked in a
-  collective delays both ranks alike and is not seen; lateness outside the steps with
-  readings (the loss logged after the last beat) counts nothing. Not named by this rule: a
-  rank slower only in its own computation (more CPU time for the same step: uneven batches,
-  a slower core; on a loaded host equal steps' CPU time differed by up to 1.7% of the span
-  by chance), and one slowed by its own transport threads.
+  missed). Not every thread's run-queue wait: a SIGCONT wakes all of a stopped rank's threads
+  into the run queue (113% vs 39% of the span): subtracting it hides the straggler. A stop
+  while the rank is blocked in a collective delays both ranks alike and is not seen; lateness
+  outside the steps with readings (the loss logged after the last beat) counts nothing. Not
+  named by this rule: a rank slower only in its own computation (more CPU time for the same
+  step: uneven batches, a slower core; on a loaded host equal steps' CPU time differed by up
+  to 1.7% of the span by chance), and one slowed by its own transport threads.
 * Timing (dumps without those readings: NCCL ranks, another OS, an older meshtron): the
   lateness less, step by step, the run-queue wait beyond the least rank's (less its own
   other threads' CPU time: `_host_wait`); lateness outside the steps with readings counts
@@ -60,8 +59,8 @@ compared with the others: a straggler's counted lateness is at least `STRAGGLER_
 other rank's, and a share of the time the compared collectives span: `OWN_FRACTION` with own
 time (healthy ranks at most 0.7% over 19 runs beside 2 and 4 busy loops on a 2-core host
 at load 8-19, ranks SIGSTOPped 20% of the time at least 4.8% over 6: docs/measurements.md
-#straggler-load; 2% lies between),
-`STRAGGLER_FRACTION` on timing alone (its noise is larger).
+#straggler-load; 2% lies between), `STRAGGLER_FRACTION` on timing alone (its noise is
+larger).
 """
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ def schedstat_s(tid: int) -> tuple[float, float] | None:
 TRANSPORT_THREADS = ("pt_gloo", "gloo_")
 """Name prefixes (/proc/self/task/TID/comm) of the threads that carry gloo's collectives:
 ProcessGroupGloo's workers ("pt_gloo_runloop", named by torch) and gloo's TCP event loop
-("gloo_tcp_loop"); measured on torch 2.13, the only threads of a healthy rank beside the
-training thread and the doctor's watcher."""
+("gloo_tcp_loop"), as torch 2.13 names them; beside them and the training thread, a rank's
+threads that ran were the doctor's own (measured, /proc/self/task/*/comm)."""
 
 
 class TransportThreads:
