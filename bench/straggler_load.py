@@ -5,7 +5,9 @@ Runs `meshtron train --nproc 2 --plan dp=2 --model debug` healthy, and with rank
 `python -c 'while True: pass'` processes (killed after each run), and prints per run: the
 host's 1-minute load average before and after, each rank's lateness counted by the rule
 (diagnose/straggler.py) as a % of the span compared, the named rank's ratio to the other,
-and the verdict. The margin line: the weakest faulty share over the worst healthy share.
+the verdict, and the shares the rule counted before it took gloo's transport threads apart
+(the same dumps without `transport_cpu_s`). The margin lines: the weakest faulty share over
+the worst healthy share, now and before.
 
     .venv/bin/python bench/straggler_load.py --reps 3 --loads 0,2,4 --out /tmp/straggler
     .venv/bin/python bench/straggler_load.py --table /tmp/straggler    # runs kept there
@@ -79,40 +81,52 @@ def run_one(out: Path, kind: str, load: int, rep: int, args) -> dict:
     return row
 
 
-def statistic(run_dir: Path, kind: str) -> dict:
+def _shares(trace) -> dict[int, float]:
+    """rank -> its lateness counted by the rule, as a share of the span compared."""
     from meshtron.diagnose import straggler
-    from meshtron.diagnose.analyze import diagnose
-    from meshtron.diagnose.trace import load_trace
 
-    trace = load_trace(run_dir)
     lates, _, _, span = straggler._lateness(trace)
     steps = straggler._steps(trace)
     own = bool(steps) and all(s.blocked is not None for w in steps.values() for s in w.values())
     counted = straggler._counted(lates, steps, own)
-    rank = 1 if kind == "faulty" else max(counted, key=counted.get)
-    other = max(v for r, v in counted.items() if r != rank)
+    return {r: counted[r] / span for r in sorted(counted)}
+
+
+def statistic(run_dir: Path, kind: str) -> dict:
+    from meshtron.diagnose.analyze import diagnose
+    from meshtron.diagnose.trace import load_trace
+
+    trace = load_trace(run_dir)
+    share = _shares(trace)
+    rank = 1 if kind == "faulty" else max(share, key=share.get)
+    other = max(v for r, v in share.items() if r != rank)
     d = diagnose(trace)
-    return {"share": {r: counted[r] / span for r in sorted(counted)}, "rank": rank,
-            "ratio": counted[rank] / other if other else float("inf"), "own": own,
-            "verdict": f"{d.kind} {d.culprit_ranks}"}
+    for dump in trace.dumps.values():  # the rule before the transport threads' reading
+        for beat in dump.get("step_times", []):
+            beat.pop("transport_cpu_s", None)
+    return {"share": share, "rank": rank, "ratio": share[rank] / other if other else float("inf"),
+            "before": _shares(trace), "verdict": f"{d.kind} {d.culprit_ranks}"}
 
 
 def table(out: Path) -> None:
-    worst_healthy, weakest_faulty = 0.0, float("inf")
-    print("run              loadavg     counted % of span (r0 r1)  named  ratio  verdict")
+    worst = {"healthy": [0.0, 0.0], "faulty": [float("inf"), float("inf")]}  # now, before
+    print("run              loadavg     counted % of span (r0 r1)  named  ratio  verdict"
+          "          before (r0 r1)")
     for line in open(out / "runs.jsonl"):
         row = json.loads(line)
         s = statistic(out / row["run"], row["kind"])
-        share = s["share"][s["rank"]]
-        if row["kind"] == "faulty":
-            weakest_faulty = min(weakest_faulty, share)
-        else:
-            worst_healthy = max(worst_healthy, share)
+        pick = min if row["kind"] == "faulty" else max
+        for i, share in enumerate((s["share"], s["before"])):
+            mine = share[s["rank"]] if row["kind"] == "faulty" else max(share.values())
+            worst[row["kind"]][i] = pick(worst[row["kind"]][i], mine)
         print(f"{row['run']:16s} {row['loadavg_before']:5.1f}/{row['loadavg_after']:5.1f}  "
               + " ".join(f"{100 * v:5.1f}" for v in s["share"].values())
-              + f"{'':16s} r{s['rank']}  {s['ratio']:6.1f}  {s['verdict']}")
-    print(f"worst healthy {100 * worst_healthy:.1f}%, weakest faulty "
-          f"{100 * weakest_faulty:.1f}%: margin {weakest_faulty / max(worst_healthy, 1e-9):.1f}x")
+              + f"{'':16s} r{s['rank']}  {s['ratio']:6.1f}  {s['verdict']:16s} "
+              + " ".join(f"{100 * v:5.1f}" for v in s["before"].values()))
+    for i, when in enumerate(("", " (before the transport threads' reading)")):
+        healthy, faulty = worst["healthy"][i], worst["faulty"][i]
+        print(f"worst healthy {100 * healthy:.1f}%, weakest faulty {100 * faulty:.1f}%: "
+              f"margin {faulty / max(healthy, 1e-9):.1f}x{when}")
 
 
 def main() -> None:

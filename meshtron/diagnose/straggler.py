@@ -14,8 +14,8 @@ had one rank late 53% of the span and 11x its peer (measured, session 44), later
 SIGSTOPped 20% of the time were (29% of the span, 1.6x its peer, in one run). Each rank
 records per step (doctor/session.py `beat`) its training thread's CPU time and run-queue wait
 (one /proc/self/task/TID/schedstat read, doctor/dump.py `schedstat_s`), its process's other
-threads' CPU time, and the seconds its training thread spent blocked in waits on collectives
-(the recorder's `blocked_s`).
+threads' CPU time and, of it, gloo's transport threads', and the seconds its training thread
+spent blocked in waits on collectives (the recorder's `blocked_s`).
 
 Two rules, by what the dumps carry:
 
@@ -27,23 +27,25 @@ Two rules, by what the dumps carry:
   the run-queue wait its own other threads can explain (their CPU time beyond the least any
   rank's other threads had in that step: a checkpoint writer or a CPU-bound loader thread
   beside the training thread), and only past its run-queue wait beyond the least rank's (the
-  host's load on it more than on the others). Why evidence and not the lateness less the
-  host's share alone: that difference is the small remainder of two large noisy terms
-  (run-queue wait up to 53% of the span), and summing its positive part step by step added
-  up to 16% of the span on a healthy rank (one false straggler at 3.4x its peer, session 44);
-  the evidence is about 0 on a healthy rank (at most 1.4% of the span over 15 runs under 0
-  to 4 busy loops on a 2-core host already at load 11 to 21) and is the stop itself on a
-  stopped one. Why not every thread's run-queue wait (gloo's worker threads carry the
-  collectives and queue too): a SIGCONT wakes all of a stopped rank's threads into the run
-  queue, so its threads' summed wait grew to 3x its peer's (113% vs 39% of the span):
-  subtracting it hides the straggler; the evidence rule needs no such subtraction (a late
-  exit from a collective whose gloo threads queued is not the rank's own time). A stop while
-  the rank is blocked in a collective delays both ranks alike and is not seen (the peer's
-  gloo threads wait for it); lateness outside the steps with readings (the loss logged after
-  the last beat) counts nothing. Not named by this rule: a rank slower only in its own
-  computation (more CPU time for the same step: uneven batches, a slower core); on a loaded
-  host the CPU time of equal steps differed between ranks by up to 1.7% of the span by chance
-  (session 44), as much as such a rank's signal unless it is far slower.
+  host's load on it more than on the others). Evidence, not the lateness less the host's
+  share: that difference is the small remainder of two large noisy terms (run-queue wait up
+  to 53% of the span), whose positive part summed to 16% of the span on a healthy rank.
+  The other threads are counted without gloo's transport threads (`transport_cpu_s`,
+  doctor/dump.py `TransportThreads`): their CPU time is the collectives' work, on every rank
+  alike, and grows on the rank whose peer is late (the healthy peer of a rank SIGSTOPped 20%
+  of the time: its other threads 4.0% of the span outside its waits, the stopped rank's
+  0.6%). Instrumented (session 46): a healthy rank's training thread slept only in its
+  collective waits (one voluntary switch per wait: no GIL or lock hand-off), its own time
+  was the wait its other threads explained, and gloo's threads had 91-99% of the other threads' CPU time; counted with
+  them, the step-to-step jitter of their work took a healthy rank beside two busy loops to
+  2.3% of the span (named), and a stopped rank's peer to 1.9% (the stopped rank, at 3.1%,
+  missed). Not every thread's run-queue wait: a SIGCONT wakes all of a stopped rank's threads
+  into the run queue (113% vs 39% of the span): subtracting it hides the straggler. A stop
+  while the rank is blocked in a collective delays both ranks alike and is not seen; lateness
+  outside the steps with readings (the loss logged after the last beat) counts nothing. Not
+  named by this rule: a rank slower only in its own computation (more CPU time for the same
+  step: uneven batches, a slower core; on a loaded host equal steps' CPU time differed by up
+  to 1.7% of the span by chance), and one slowed by its own transport threads.
 * Timing (dumps without those readings: NCCL ranks, another OS, an older meshtron): the
   lateness less, step by step, the run-queue wait beyond the least rank's (less its own
   other threads' CPU time: `_host_wait`); lateness outside the steps with readings counts
@@ -55,8 +57,9 @@ fastest named) and nvidia-resiliency-ext's relative performance score (docs
 straggler_det/usage_guide: a rank's section time against the best rank's), the rank is
 compared with the others: a straggler's counted lateness is at least `STRAGGLER_MIN_S`, 3x any
 other rank's, and a share of the time the compared collectives span: `OWN_FRACTION` with own
-time (measured, session 44, 30 runs: healthy ranks at most 1.4%, ranks SIGSTOPped 20% of the
-time at least 3.5%; 2% lies between), `STRAGGLER_FRACTION` on timing alone (its noise is
+time (healthy ranks at most 0.7% over 19 runs beside 2 and 4 busy loops on a 2-core host
+at load 8-19, ranks SIGSTOPped 20% of the time at least 4.8% over 6: docs/measurements.md
+#straggler-load; 2% lies between), `STRAGGLER_FRACTION` on timing alone (its noise is
 larger).
 """
 
@@ -93,6 +96,7 @@ class _Step:
     """`wait` less the CPU time of the rank's other threads (`_host_wait`)."""
     cpu: float | None = None
     others: float | None = None
+    """CPU time of the rank's other threads, less gloo's transport threads' when recorded."""
     blocked: float | None = None
 
     @property
@@ -158,8 +162,8 @@ def _counted(lates, steps: dict[int, dict[int, _Step]], own: bool) -> dict[int, 
 
 def _own_s(step: _Step, least: dict[str, float]) -> float:
     """Seconds of the step the rank itself held up: off a CPU outside collectives, and the
-    run-queue wait beyond the least rank's that its other threads' CPU time beyond the least
-    rank's can explain (they can only have held its CPU while they ran)."""
+    run-queue wait beyond the least rank's that its other threads' CPU time (gloo's transport
+    threads apart) beyond the least rank's can explain (they held its CPU only while they ran)."""
     behind_own = min(step.wait - least["wait"], step.others - least["others"])
     return max(0.0, step.off) + max(0.0, behind_own)
 
@@ -182,20 +186,24 @@ def _late_by_step(entries: list[tuple[float, float]], steps: dict[int, _Step]):
 def _steps(trace) -> dict[int, dict[int, _Step]]:
     """rank -> step -> _Step, for consecutive beats with a run-queue reading; empty when a
     rank has none (its lateness then counts whole)."""
-    out = {}
-    for rank, d in trace.dumps.items():
-        beats = [b for b in d.get("step_times", []) if b.get("run_queue_s") is not None]
-        out[rank] = {b["step"]: _step(a, b) for a, b in zip(beats, beats[1:])
-                     if b["step"] == a["step"] + 1}
+    beats = {rank: [b for b in d.get("step_times", []) if b.get("run_queue_s") is not None]
+             for rank, d in trace.dumps.items()}
+    # The transport threads' share comes off every rank's other threads or off none: ranks
+    # compared with and without it would differ by gloo's work alone.
+    transport = all(b.get("transport_cpu_s") is not None for bs in beats.values() for b in bs)
+    out = {rank: {b["step"]: _step(a, b, transport) for a, b in zip(bs, bs[1:])
+                  if b["step"] == a["step"] + 1} for rank, bs in beats.items()}
     return out if out and all(out.values()) else {}
 
 
-def _step(before: dict[str, Any], after: dict[str, Any]) -> _Step:
+def _step(before: dict[str, Any], after: dict[str, Any], transport: bool) -> _Step:
     step = _Step(before["end_t"], after["end_t"],
                  after["run_queue_s"] - before["run_queue_s"], _host_wait(before, after))
     if all(before.get(f) is not None and after.get(f) is not None for f in _READINGS):
         step.cpu = after["cpu_s"] - before["cpu_s"]
         step.others = after["other_threads_cpu_s"] - before["other_threads_cpu_s"]
+        if transport:  # beside the collectives' own threads (module docstring)
+            step.others -= after["transport_cpu_s"] - before["transport_cpu_s"]
         step.blocked = after["blocked_s"] - before["blocked_s"]
     return step
 

@@ -83,6 +83,7 @@ class DoctorSession:
         self.mesh: dict[str, Any] | None = None
         self.step = 0
         self.step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
+        self._transport = dumpfile.TransportThreads()
         self.exception: str | None = None
         self._exception_reason: str | None = None
         self.timed_out: dict[str, Any] | None = None
@@ -173,12 +174,17 @@ class DoctorSession:
         # blocked in waits on collectives (the recorder's counter): `meshtron doctor` tells a
         # rank the host's CPU load slowed (waiting for a core other processes held) from one
         # that stalled (stopped, sleeping outside the collectives) or starved itself
-        # (diagnose/straggler.py). One /proc read and one clock read per step; no device sync.
+        # (diagnose/straggler.py). One /proc read, one /proc listing and a few clock reads per
+        # step; no device sync.
         sched = dumpfile.schedstat_s(threading.get_native_id())
         cpu, wait = sched if sched else (None, None)
         others = time.process_time() - cpu if sched else None
         blocked = getattr(self.recorder, "blocked_s", None)
-        self.step_times.append((step, now, now - self._last_step_t, wait, others, cpu, blocked))
+        # Of the other threads' CPU time, gloo's transport threads' (blocked is None on NCCL,
+        # whose ranks the rule times without these readings: not read there).
+        transport = self._transport.cpu_s() if sched and blocked is not None else None
+        self.step_times.append((step, now, now - self._last_step_t, wait, others, cpu, blocked,
+                                transport))
         self._last_step_t = self._last_progress = now
         self.step = step
 
@@ -212,8 +218,9 @@ class DoctorSession:
                 "groups": self.recorder.group_table() if self.recorder else {},
                 "records": self.recorder.snapshot() if self.recorder else [],
                 "step_times": [{"step": s, "end_t": t, "seconds": d, "run_queue_s": q,
-                                "other_threads_cpu_s": o, "cpu_s": c, "blocked_s": b}
-                               for s, t, d, q, o, c, b in list(self.step_times)],
+                                "other_threads_cpu_s": o, "cpu_s": c, "blocked_s": b,
+                                "transport_cpu_s": g}
+                               for s, t, d, q, o, c, b, g in list(self.step_times)],
                 "stacks": dumpfile.thread_stacks(),
                 "peers": dumpfile.peer_states(self.trace_dir, self.world_size, self.rank),
             }
