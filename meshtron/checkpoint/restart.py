@@ -72,11 +72,28 @@ def attempt_store(rank: int, world_size: int, timeout_s: float):
     return dist.PrefixStore(f"meshtron/attempt_{attempt()}", base)
 
 
-# OSError numbers that a new attempt on the same machine and folder meets again: no permission,
-# a read-only file system, a path that is a file where a folder is expected (or the reverse),
-# a full disk or quota. Connection and timeout errors (also OSErrors) are not among them.
-_RECURRING_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
-                               errno.EISDIR, errno.ENOSPC, errno.EDQUOT})
+_RECURRING_ERRNOS = frozenset({
+    # the same path on the same file system answers the same way on the next attempt
+    errno.EACCES, errno.EPERM,   # permissions of the checkpoint folder (the audit's chattr +i)
+    errno.EROFS,                 # read-only mount; also what ext4 errors=remount-ro leaves
+                                 # after an I/O error (ext4(5)): every write fails again
+    errno.ENOTDIR, errno.EISDIR,  # a file where a folder is expected, or the reverse
+    errno.ENAMETOOLONG, errno.ELOOP,  # the path itself (--run-dir) is invalid
+    errno.EXDEV,                 # a rename across mounts: the folders' layout, not a moment
+    # the next attempt writes the same bytes: a save that did not fit will not fit again
+    # (the partial save is removed at the restart, but the next save needs the same space)
+    errno.ENOSPC, errno.EDQUOT,  # a full disk or quota
+    errno.EFBIG,                 # a shard over the file system's or RLIMIT_FSIZE's file size
+})
+"""OSError numbers that a new attempt on the same machine and folder meets again: not worth a
+restart (exit code EXIT_STORAGE, one line). Retried (left out on purpose): EIO (a network file
+system's soft mount reports a server's timeout as EIO, nfs(5); a local disk's bad block is
+remapped on the next write), ESTALE (a file handle gone after an NFS server restart: the
+next attempt opens the path again), ENOENT (a folder removed under the run: the next attempt
+creates the checkpoint folder again), EMFILE / ENFILE / EAGAIN / EBUSY / ETXTBSY (per-process
+or momentary limits: a new process starts with none of them), and the connection and timeout
+errors (ECONNRESET, ETIMEDOUT, ...) that are OSErrors too: a peer's end or a network's blip,
+which is what a restart is for."""
 
 
 def storage_error(exc: BaseException) -> bool:
