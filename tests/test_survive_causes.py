@@ -289,3 +289,10 @@ def test_which_storage_errors_recur():
     assert [storage_error(OSError(n, os.strerror(n))) for n in recur + retried] == \
         [True] * len(recur) + [False] * len(retried)
     assert not storage_error(RuntimeError("No space left on device"))
+    try:  # as torch.save's zip writer reports a failed write (the OSError is its context)
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")
+    except RuntimeError as wrapped:
+        assert storage_error(wrapped)

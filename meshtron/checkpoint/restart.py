@@ -98,8 +98,46 @@ which is what a restart is for."""
 
 def storage_error(exc: BaseException) -> bool:
     """`exc` is a file-system error that a restart on the same folder would meet again
-    (PermissionError on a read-only checkpoint folder, a full disk, ...): not worth a restart."""
-    return isinstance(exc, OSError) and exc.errno in _RECURRING_ERRNOS
+    (PermissionError on a read-only checkpoint folder, a full disk, ...): not worth a restart.
+    Looked for through what wraps it: DCP's CheckpointException (a BaseException holding each
+    rank's (exception, traceback) in `failures`) and the exceptions' causes and contexts (a
+    shard's write fails inside torch.save's zip writer, which raises RuntimeError('[enforce
+    fail at inline_container.cc] unexpected pos ...') with the OSError as its context;
+    integrity.RecordingWriter raises the OSError itself, as DCP's gathering drops contexts)."""
+    return storage_cause(exc) is not None
+
+
+def storage_cause(exc: BaseException) -> OSError | None:
+    """The recurring OSError `storage_error` finds in `exc`, or None."""
+    return next((e for e in _within(exc)
+                 if isinstance(e, OSError) and e.errno in _RECURRING_ERRNOS), None)
+
+
+def cause_text(exc: BaseException) -> str:
+    """'Type: message' of `exc`; for a storage error wrapped in another (DCP's
+    CheckpointException), the OSError's, naming the wrapper."""
+    found = storage_cause(exc)
+    if found is None or found is exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"{type(found).__name__}: {found} (inside {type(exc).__name__})"
+
+
+def _within(exc: BaseException) -> list[BaseException]:
+    """`exc`, what it wraps (DCP's per-rank failures) and its causes and contexts."""
+    out: list[BaseException] = []
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo and len(out) < 64:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return out
 
 
 def _notes_root(run_dir: str | Path) -> Path:
