@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 OWN_PREFIX = "rank_own."
+MEAN_PREFIX = "grad_residual."
+"""The keys of the group's mean residual (meshtron/compress/runtime.py RESIDUAL_PREFIX)."""
 
 SAME_LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "dp_replicate", "ep", "etp", "zero", "schedule",
                       "virtual_stages", "stage_layers", "grad_compression",
@@ -52,6 +54,7 @@ def select(template: dict[str, Any], folder: Path, meta: dict[str, Any], world_s
     and the checkpoint holds them with the same shape; else drop them (the Stateful then
     loads the group's mean). Returns the line the resume prints when it drops any ('' when
     none was dropped)."""
+    _drop_absent_means(template, folder)
     if not any(isinstance(entries, dict) and any(k.startswith(OWN_PREFIX) for k in entries)
                for entries in template.values()):
         return _not_continued(folder, meta, plan)  # this layout keeps no residual
@@ -99,6 +102,24 @@ def drop_own(template: dict[str, Any], keep: dict[str, tuple[int, ...]] | None =
                 del entries[key]
                 dropped = True
     return dropped
+
+
+def _drop_absent_means(template: dict[str, Any], folder: Path) -> None:
+    """Leave out of the load template the mean residual entries the checkpoint lacks: a
+    ZeRO-2/3 unit's mean under tensor parallelism is keyed by tp rank since that key was
+    needed (compress/runtime.py `_mean_key`); a checkpoint saved before holds one key per
+    unit, which a tp rank other than 0 cannot use. The Stateful then keeps no mean for it (on
+    the same layout each rank's own residual is what loads)."""
+    means = [(name, k) for name, entries in template.items() if isinstance(entries, dict)
+             for k in entries if k.startswith(MEAN_PREFIX)]
+    if not means:
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    for name, key in means:
+        if f"{name}.{key}" not in saved:
+            del template[name][key]
 
 
 def _saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
