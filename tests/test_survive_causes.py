@@ -145,7 +145,7 @@ def test_sigkilled_rank_is_named_with_its_signal(tmp_path):
     """SIGKILL of rank 1 and SIGBUS of rank 0 together (a node's ranks lost at once): the
     launcher's restart line, the restart record and doctor name both signals. torchrun's agent
     logs only its earliest failure per attempt, whole-second ties going to rank 0, so rank 1's
-    SIGKILL used to be left out (launch.py `_AgentExits` now reads every failure)."""
+    SIGKILL used to be left out (agent_exits.py `AgentExits` now reads every failure)."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "1")
     _wait(lambda: (run_dir / "checkpoints" / "step_00000003").is_dir()

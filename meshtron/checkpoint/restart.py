@@ -188,7 +188,7 @@ def final_code(run_dir: str | Path) -> int | None:
 
 def note_agent_exits(run_dir: str | Path, n: int, exits: Mapping[int, int]) -> None:
     """What torchrun's agent saw end attempt `n`: {rank: exit code, negative for a signal}
-    (written by the agent's process, meshtron/launch.py; never raises)."""
+    (written by the agent's process, meshtron/agent_exits.py; never raises)."""
     try:
         folder = _notes_dir(run_dir, n)
         folder.mkdir(parents=True, exist_ok=True)
