@@ -28,6 +28,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Mapping
 
+from meshtron.agent_exits import AgentExits, agent_stopped
 from meshtron.errors import RunFailed, UserError
 
 # gloo on one host: more ranks than this only thrash the CPU (see the shared notes: 8 ranks on
@@ -36,7 +37,7 @@ MAX_CPU_RANKS = 32
 ARGV_ENV = "MESHTRON_RANK_ARGV"
 RUN_DIR_ENV = "MESHTRON_RUN_DIR"
 """The run folder, for torchrun's agent and the ranks to note how the ranks ended
-(`_AgentExits`, checkpoint/restart.py `end_restarts`)."""
+(`agent_exits.AgentExits`, checkpoint/restart.py `end_restarts`)."""
 PARENT_ENV = "MESHTRON_PARENT_PID"
 """The pid a process started by `launch_local` must die with (`bind_to_parent`): the
 launcher's for torchrun's agent, the agent's for the ranks."""
@@ -377,12 +378,12 @@ def torchrun_main(argv: list[str]) -> int:
         print(f"meshtron: torchrun of torch {torch.__version__} does not know "
               f"{' '.join(unknown)}; no rank started", file=sys.stderr)
         return EXIT_LAUNCHER
-    if os.environ.get(RUN_DIR_ENV):
-        logging.getLogger(mp_api.__name__).addFilter(_AgentExits(os.environ[RUN_DIR_ENV]))
+    exits = AgentExits(os.environ.get(RUN_DIR_ENV, ""))
+    logging.getLogger(mp_api.__name__).addFilter(exits)
     try:
         run(args)
     except ChildFailedError as exc:
-        return _report_failures(exc.failures)
+        return _report_failures(exc.failures, exits.last_stopped)
     except SignalException as exc:
         final = _final_code()
         if final is not None:  # a rank ended the job (checkpoint/restart.py `end_restarts`)
@@ -398,29 +399,6 @@ def torchrun_main(argv: list[str]) -> int:
     return 0
 
 
-class _AgentExits(logging.Filter):
-    """Notes what torchrun's agent saw end each failed attempt (exit code, or minus the signal)
-    into RUN_DIR/attempts/attempt_N/exits.json (checkpoint/restart.py `note_agent_exits`), from
-    the one line the agent logs per failed attempt (torch 2.13 elastic/multiprocessing/api.py
-    SubprocessContext `_poll`: "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-    its earliest failure). A logging filter, torch left as it is; a torch whose line differs
-    leaves no note and the causes fall back to "ended without a Python error"."""
-
-    def __init__(self, run_dir: str) -> None:
-        super().__init__()
-        self.run_dir, self.attempt = run_dir, 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args if isinstance(record.args, tuple) else ()
-        if str(record.msg).startswith("failed (exitcode: %s) local_rank: %s") and len(args) >= 2:
-            from meshtron.checkpoint.restart import note_agent_exits
-
-            # one node (meshtron's own launcher): the local rank is the rank
-            note_agent_exits(self.run_dir, self.attempt, {int(args[1]): int(args[0])})
-            self.attempt += 1
-        return True
-
-
 def _final_code() -> int | None:
     """The exit code a rank stopped this agent with (`end_restarts`), None when none did."""
     if not os.environ.get(RUN_DIR_ENV):
@@ -430,16 +408,23 @@ def _final_code() -> int | None:
     return final_code(os.environ[RUN_DIR_ENV])
 
 
-def _report_failures(failures) -> int:
+def _report_failures(failures, stopped: Mapping[int, set[int]] | None = None) -> int:
     """One line per failed rank; the exit code to return: 75 when every failed rank exited
     after its preemption checkpoint (nothing said: the launcher reports the preemption), else
-    the first final code (2, 74) a rank exited with, else 1."""
+    the first final code (2, 74) a rank exited with, else 1. `stopped`: pid -> the signals
+    torchrun's agent sent it after the first failure (`agent_exits.AgentExits`): such a rank
+    is said to have been stopped by torchrun, not to have failed of its own."""
+    stopped = stopped or {}
     codes = [failure.exitcode for failure in failures.values()]
     if codes and all(code == EXIT_PREEMPTED for code in codes):
         return EXIT_PREEMPTED
     for rank, failure in sorted(failures.items()):
         how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
+        if agent_stopped(stopped, failure.pid, failure.exitcode):
+            print(f"torchrun: rank {rank} (pid {failure.pid}) stopped by torchrun after "
+                  f"another rank failed ({how})", file=sys.stderr)
+            continue
         print(f"torchrun: rank {rank} (pid {failure.pid}) failed: {how}", file=sys.stderr)
     final = [code for code in codes if code in (EXIT_USAGE, EXIT_STORAGE)]
     return final[0] if final else 1

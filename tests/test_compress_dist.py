@@ -172,7 +172,35 @@ def _rank_body(tokens, ckpt_dir):
     out["residual_reshard_err"], out["residual_total"] = worst, total
     out["residual_is_dtensor"] = any(isinstance(v, DTensor) for v in again.values())
     _release(pm, mesh)
+    out["zero2_tp_mean_err"] = _mean_only_round_trip(tokens, ckpt_dir + "-zero2-tp")
     return out
+
+
+def _mean_only_round_trip(tokens, folder):
+    """ZeRO-2 under tp=2 x dp=2, int8: the group's mean residual alone through a DCP checkpoint
+    (what `--checkpoint-residuals mean` saves) reloads on the same layout as each rank saved
+    it. Its per-unit entries are plain tensors that differ between tp ranks: under one key per
+    unit DCP kept one of them and tp rank 1 loaded tp rank 0's. Returns (worst difference,
+    total owed) over this rank's entries."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshtron.checkpoint.rank_entries import drop_own
+
+    plan = dict(dp=2, tp=2, zero=2, grad_compression="int8", grad_compression_block=64)
+    _, pm, mesh, _ = _train(tokens, plan, 2, model="debug")
+    state = {"compress": pm.grad_sync.state_dict()}
+    drop_own(state)
+    saved = {k: _full(v).clone() for k, v in state["compress"].items()}
+    dcp.save(state, checkpoint_id=folder)
+    template = {"compress": pm.grad_sync.state_dict()}
+    drop_own(template)
+    for v in template["compress"].values():
+        _full(v).zero_() if not hasattr(v, "to_local") else v.to_local().zero_()
+    dcp.load(template, checkpoint_id=folder)
+    worst = max(float((_full(template["compress"][k]) - v).abs().max()) for k, v in saved.items())
+    total = sum(float(v.abs().sum()) for v in saved.values())
+    _release(pm, mesh)
+    return worst, total
 
 
 def _check_diloco_equals_dp(r):
@@ -198,6 +226,9 @@ def test_compression_and_diloco_on_gloo(tmp_path):
         assert r[name] != r["debug_fp32"]
         err, owed = r[name + "_roundtrip"]
         assert owed > 0 and err <= 1e-6 * owed, (name, err, owed)
+    for rank, x in enumerate(res):  # every tp rank reloads its own unit means
+        err, owed = x["zero2_tp_mean_err"]
+        assert owed > 0 and err == 0, (rank, err, owed)
     _check_diloco_equals_dp(r)
     # Residual checkpoint: nonzero, resharded to dp=2 x tp=2 exactly (mean kept).
     assert r["residual_total"] > 0 and r["residual_is_dtensor"]

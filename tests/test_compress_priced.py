@@ -31,17 +31,21 @@ def meshtron(cwd: Path, *args, timeout: float = 600) -> subprocess.CompletedProc
     return proc
 
 
-def _priced(cwd: Path, plan_file: str) -> tuple[float, float, str]:
-    """(cost's step, simulate's analytical step, cost's plan words) of a plan file."""
+def _priced(cwd: Path, plan_file: str) -> tuple[float, float, str, float]:
+    """(cost's step, simulate's analytical step, cost's plan words, cost's checkpoint bytes per
+    parameter) of a plan file."""
     cost = json.loads(meshtron(cwd, "cost", "--plan", plan_file, "--json").stdout)
     sim = json.loads(meshtron(cwd, "simulate", "--step", "--plan", plan_file, "--json").stdout)
-    return cost["step_time_s"], sim["analytical_step_s"], cost["plan"]
+    return (cost["step_time_s"], sim["analytical_step_s"], cost["plan"],
+            cost["checkpoint"]["bytes_per_param"])
 
 
 def test_cost_and_simulate_price_the_plan_files_compression_and_diloco(tmp_path):
     """An inter-node-bound llama3-8b on 4 slow nodes: `meshtron plan` notes the same layout with
     int8 and with DiLoCo; saved with those fields, the plan files price to the note's step
-    times in both `cost` and `simulate --step` (before: as the uncompressed layout)."""
+    times in both `cost` and `simulate --step` (before: as the uncompressed layout). `cost`'s
+    checkpoint counts their state: int8 every data-parallel rank's own residual and the mean
+    (before: 12 bytes per parameter for every plan), DiLoCo its outer copy, momentum and mean."""
     (tmp_path / "slow.toml").write_text(SLOW_CLUSTER)
     out = json.loads(meshtron(tmp_path, "plan", "--model", "llama3-8b", "--cluster", "slow.toml",
                               "--global-batch", 256, "--seq-len", 4096, "--save", "none.toml",
@@ -68,8 +72,11 @@ def test_cost_and_simulate_price_the_plan_files_compression_and_diloco(tmp_path)
     for name, (plan, _) in variants.items():
         (tmp_path / name).write_text(plan.replace(predicted={}).to_toml())
         steps[name] = _priced(tmp_path, name)
+    dp = variants["int8.toml"][0].dp
+    assert {name: steps[name][3] for name in steps} == {
+        "none.toml": 12, "hsdp.toml": 12, "int8.toml": 12 + 4 + 4 * dp, "diloco.toml": 12 + 12}
     for name, (_, noted) in variants.items():
-        cost_s, sim_s, words = steps[name]
+        cost_s, sim_s, words, _ = steps[name]
         assert cost_s == pytest.approx(sim_s, rel=1e-9)
         if noted is not None:
             assert f"{cost_s:.3g}" == f"{noted:.3g}", (name, cost_s, note)

@@ -73,10 +73,11 @@ def test_int8_resume_on_the_same_layout_is_the_same_run(tmp_path, zero, layout, 
 
 
 def _resharded(ref, run_dir):
-    """dp=2 -> 4: each rank's own residual means nothing on the new layout; the mean does."""
+    """dp=2 -> 4: each rank's own residual means nothing on the new layout; the mean does.
+    Saved on with --checkpoint-residuals mean: the new checkpoints hold the mean alone."""
     _cut(ref, run_dir, 4)
     code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", "--nproc", "4",
-                        "--plan", "dp=4")
+                        "--plan", "dp=4", "--checkpoint-residuals", "mean")
     assert code == 0, err[-2000:]
     assert f"the layout changed (world size 2 -> 4, dp 2 -> 4); {MEAN_LINE}" in err, \
         err[-2000:]
@@ -85,3 +86,45 @@ def _resharded(ref, run_dir):
     # steps 5-8 on 4 ranks: the same trajectory up to the summation order and the residual's
     # split over 4 ranks instead of 2
     assert all(abs(got[s] - want[s]) < 1e-3 * abs(want[s]) for s in range(5, 9)), (got, want)
+    _holds_the_mean_alone(ref, run_dir)
+
+
+def _holds_the_mean_alone(ref, run_dir):
+    """The step-8 checkpoint of a --checkpoint-residuals mean run: no rank's own residual, the
+    setting recorded for the next resume, and smaller by what the own residuals took (4 bytes
+    per parameter per rank: planner/memory_compress.py checkpoint_extra_per_param)."""
+    from meshtron.checkpoint.rank_entries import _saved_shapes
+
+    mean_only = store.checkpoint_root(run_dir) / store.step_name(8)
+    own = store.checkpoint_root(ref) / store.step_name(8)
+    assert _saved_shapes(mean_only) == {} and _saved_shapes(own), _saved_shapes(own)
+    assert store.read_meta(mean_only)["checkpoint"]["residuals"] == "mean"
+    size = {p: sum(f.stat().st_size for f in p.iterdir() if f.name.endswith(".distcp"))
+            for p in (own, mean_only)}
+    params = sum(v.numel() for v in load_full_state_dict(ref).values())
+    # dp=2 own residuals: 2 x 4 bytes per parameter, padded to the int8 block
+    assert 8 * params <= size[own] - size[mean_only] < 8.1 * params, (size, params)
+
+
+@pytest.mark.slow  # two 2-rank launches; suite time
+def test_inter_node_run_resumed_on_one_node_says_what_it_drops(tmp_path):
+    """int8 with compress_scope='inter_node' across 2 nodes of 1 rank, resumed on one node of 2
+    ranks: nothing is compressed there, so error feedback is off and the residuals the
+    checkpoint holds are not applied. The resume says so in one line (it dropped them without
+    a word: the ranks keep no residual, so the checkpointer's per-rank check never ran)."""
+    two_nodes = ["--compress-scope", "inter_node", "--ranks-per-node", "1"]
+    ref = _reference(tmp_path, 0, DP2, two_nodes)
+    run_dir = tmp_path / "one-node"
+    _cut(ref, run_dir, 4)
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", *DP2[2:],
+                        "--ranks-per-node", "2")
+    assert code == 0, err[-2000:]
+    lines = [line for line in err.splitlines() if "error-feedback residuals" in line]
+    assert lines == ["meshtron train: error-feedback residuals: dropped (compress_scope="
+                     "'inter_node' and no data-parallel group of this run spans two nodes, so "
+                     "nothing is compressed): the int8 residuals the checkpoint holds (gradient "
+                     "the compressed reduction had not delivered yet) are not applied, so the "
+                     "run continues close to, not bit for bit with, an uninterrupted one"], \
+        err[-3000:]
+    want, got = _losses(ref), _losses(run_dir)
+    assert all(got[s] == want[s] for s in range(1, 5)) and sorted(got) == list(range(1, 9))

@@ -302,6 +302,8 @@ class Checkpointer:
         writer = integrity.RecordingWriter(str(tmp))
         group = self.save_group if self.distributed else None
         tensors = self.state.tensors(per_replica=self.state.diverged())
+        if self.ckpt.residuals == "mean":  # --checkpoint-residuals mean: the group's mean only
+            rank_entries.drop_own(tensors)
         if blocking:
             dcp.save(tensors, storage_writer=writer, process_group=group,
                      no_dist=not self.distributed)

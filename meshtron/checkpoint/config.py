@@ -17,6 +17,8 @@ EXIT_STORAGE = 74
 meet again (checkpoint/restart.py `storage_error`: a read-only or full checkpoint folder):
 sysexits.h EX_IOERR ("an error occurred while doing I/O on some file"). Never restarted."""
 
+RESIDUALS = ("own", "mean")
+"""`CheckpointConfig.residuals` values."""
 DEFAULT_KEEP = 3
 DEFAULT_PREEMPT_GRACE_S = 30.0
 
@@ -47,6 +49,14 @@ class CheckpointConfig:
     before looking at disk. 0: off.
     The node size is the plan's `ranks_per_node` (--ranks-per-node; default LOCAL_WORLD_SIZE)."""
 
+    residuals: str = "own"
+    """What disk checkpoints hold of gradient compression's error feedback (meshtron/compress):
+    'own', every rank's own residual beside the group's mean (a resume on the same layout
+    continues bit for bit; 4 B per parameter per data-parallel rank, meshtron/checkpoint/
+    rank_entries.py), or 'mean', only the group's mean (4 B per parameter; a resume restarts
+    every rank from it and continues close to, not bit for bit with, the uninterrupted run: what
+    DeepSpeed's 1-bit Adam does, which resets the errors on load). `meshtron cost` prices both."""
+
     override_lr_schedule: bool = False
     """With `resume` and a train.steps other than the run's: continue on the new value's
     learning-rate schedule from the checkpoint's step even where the steps taken had another
@@ -73,6 +83,10 @@ class CheckpointConfig:
                 self.preempt_grace_s) and self.preempt_grace_s > 0):
             raise UserError(f"--preempt-grace={self.preempt_grace_s!r}: allowed a positive "
                             "number of seconds")
+        if self.residuals not in RESIDUALS:
+            raise UserError(f"--checkpoint-residuals={self.residuals!r}: allowed own (each "
+                            "rank's error-feedback residual: a resume continues bit for bit) or "
+                            "mean (the data-parallel group's mean only: smaller checkpoints)")
         if self.mtbf_hours is not None and not (
                 isinstance(self.mtbf_hours, (int, float)) and math.isfinite(self.mtbf_hours)
                 and self.mtbf_hours > 0):
@@ -93,7 +107,9 @@ class CheckpointConfig:
         """The same settings as command-line flags, for the ranks a launcher starts."""
         argv = ["--checkpoint-every", str(self.every), "--keep", str(self.keep),
                 "--preempt-grace", repr(float(self.preempt_grace_s)),
-                "--max-restarts", str(self.max_restarts)]
+                "--max-restarts", str(self.max_restarts),
+                # always given: a --resume rank would otherwise take the checkpoint's own
+                "--checkpoint-residuals", self.residuals]
         if self.snapshot_every:
             argv += ["--snapshot-every", str(self.snapshot_every)]
         if self.mtbf_hours is not None:

@@ -30,10 +30,30 @@ class RecordingWriter(FileSystemWriter):
         """Names (relative to the checkpoint folder) of the tensor files this rank wrote."""
 
     def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
+        try:
+            future = super().write_data(plan, planner)
+        except Exception as exc:
+            found = _storage_error(exc)
+            if found is None:
+                raise
+            raise found from exc
         # FileSystemWriter writes before returning (its future is already complete).
         self.written = sorted({r.storage_data.relative_path for r in future.wait()})
         return future
+
+
+def _storage_error(exc: Exception) -> OSError | None:
+    """A shard write that failed on a recurring file-system error (ENOSPC, EFBIG: restart.py
+    `storage_cause`) wrapped in another exception, as that OSError to raise instead: torch.save's
+    zip writer reports it as RuntimeError ('unexpected pos') with the OSError only as its
+    context, which DCP's gathering of the ranks' failures (pickled) drops, and the rank's
+    restart decision needs the errno. None otherwise (the exception is raised as it is)."""
+    from meshtron.checkpoint.restart import storage_cause
+
+    found = storage_cause(exc)
+    if found is None or found is exc:
+        return None
+    return OSError(found.errno, found.strerror, found.filename)
 
 
 def gather_digests(folder: Path, names: list[str], rank: int, world_size: int,

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 OWN_PREFIX = "rank_own."
+MEAN_PREFIX = "grad_residual."
+"""The keys of the group's mean residual (meshtron/compress/runtime.py RESIDUAL_PREFIX)."""
 
 SAME_LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "dp_replicate", "ep", "etp", "zero", "schedule",
                       "virtual_stages", "stage_layers", "grad_compression",
@@ -52,18 +54,37 @@ def select(template: dict[str, Any], folder: Path, meta: dict[str, Any], world_s
     and the checkpoint holds them with the same shape; else drop them (the Stateful then
     loads the group's mean). Returns the line the resume prints when it drops any ('' when
     none was dropped)."""
+    _drop_absent_means(template, folder)
     if not any(isinstance(entries, dict) and any(k.startswith(OWN_PREFIX) for k in entries)
                for entries in template.values()):
-        return ""  # no Stateful keeps per-rank entries: nothing to read
+        return _not_continued(folder, meta, plan)  # this layout keeps no residual
     change = layout_change(meta, world_size, plan)
     saved = {} if change else _saved_shapes(folder)
     if not drop_own(template, keep=saved):
         return ""
     why = f"the layout changed ({change})" if change else \
-        "the checkpoint holds no per-rank residuals (saved before they were kept)"
+        "the checkpoint holds no per-rank residuals (saved with --checkpoint-residuals mean, " \
+        "or before they were kept)"
     return (f"error-feedback residuals: {why}; every rank restarts from its data-parallel "
             "group's mean residual (what the group owes is kept, not which rank owes it), so "
             "the run continues close to, not bit for bit with, an uninterrupted one")
+
+
+def _not_continued(folder: Path, meta: dict[str, Any], plan: Any) -> str:
+    """The line for a compressed checkpoint whose residuals this run cannot continue: its
+    ranks keep none (compress_scope='inter_node' with every data-parallel group inside one
+    node, or groups of one rank: nothing is compressed, so error feedback is off and the
+    Statefuls drop both the own and the mean residual). '' when the checkpoint holds none."""
+    saved = (meta.get("plan") or {}).get("grad_compression") or "none"
+    if plan is None or saved == "none" or not _saved_shapes(folder):
+        return ""
+    why = ("compress_scope='inter_node' and no data-parallel group of this run spans two "
+           "nodes, so nothing is compressed" if getattr(plan, "compress_scope", None) ==
+           "inter_node" else "no data-parallel group of this run has two ranks, so nothing "
+           "is reduced")
+    return (f"error-feedback residuals: dropped ({why}): the {saved} residuals the checkpoint "
+            "holds (gradient the compressed reduction had not delivered yet) are not applied, "
+            "so the run continues close to, not bit for bit with, an uninterrupted one")
 
 
 def drop_own(template: dict[str, Any], keep: dict[str, tuple[int, ...]] | None = None) -> bool:
@@ -81,6 +102,24 @@ def drop_own(template: dict[str, Any], keep: dict[str, tuple[int, ...]] | None =
                 del entries[key]
                 dropped = True
     return dropped
+
+
+def _drop_absent_means(template: dict[str, Any], folder: Path) -> None:
+    """Leave out of the load template the mean residual entries the checkpoint lacks: a
+    ZeRO-2/3 unit's mean under tensor parallelism is keyed by tp rank since that key was
+    needed (compress/runtime.py `_mean_key`); a checkpoint saved before holds one key per
+    unit, which a tp rank other than 0 cannot use. The Stateful then keeps no mean for it (on
+    the same layout each rank's own residual is what loads)."""
+    means = [(name, k) for name, entries in template.items() if isinstance(entries, dict)
+             for k in entries if k.startswith(MEAN_PREFIX)]
+    if not means:
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    for name, key in means:
+        if f"{name}.{key}" not in saved:
+            del template[name][key]
 
 
 def _saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:

@@ -72,17 +72,72 @@ def attempt_store(rank: int, world_size: int, timeout_s: float):
     return dist.PrefixStore(f"meshtron/attempt_{attempt()}", base)
 
 
-# OSError numbers that a new attempt on the same machine and folder meets again: no permission,
-# a read-only file system, a path that is a file where a folder is expected (or the reverse),
-# a full disk or quota. Connection and timeout errors (also OSErrors) are not among them.
-_RECURRING_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
-                               errno.EISDIR, errno.ENOSPC, errno.EDQUOT})
+_RECURRING_ERRNOS = frozenset({
+    # the same path on the same file system answers the same way on the next attempt
+    errno.EACCES, errno.EPERM,   # permissions of the checkpoint folder (the audit's chattr +i)
+    errno.EROFS,                 # read-only mount; also what ext4 errors=remount-ro leaves
+                                 # after an I/O error (ext4(5)): every write fails again
+    errno.ENOTDIR, errno.EISDIR,  # a file where a folder is expected, or the reverse
+    errno.ENAMETOOLONG, errno.ELOOP,  # the path itself (--run-dir) is invalid
+    errno.EXDEV,                 # a rename across mounts: the folders' layout, not a moment
+    # the next attempt writes the same bytes: a save that did not fit will not fit again
+    # (the partial save is removed at the restart, but the next save needs the same space)
+    errno.ENOSPC, errno.EDQUOT,  # a full disk or quota
+    errno.EFBIG,                 # a shard over the file system's or RLIMIT_FSIZE's file size
+})
+"""OSError numbers that a new attempt on the same machine and folder meets again: not worth a
+restart (exit code EXIT_STORAGE, one line). Retried (left out on purpose): EIO (a network file
+system's soft mount reports a server's timeout as EIO, nfs(5); a local disk's bad block is
+remapped on the next write), ESTALE (a file handle gone after an NFS server restart: the
+next attempt opens the path again), ENOENT (a folder removed under the run: the next attempt
+creates the checkpoint folder again), EMFILE / ENFILE / EAGAIN / EBUSY / ETXTBSY (per-process
+or momentary limits: a new process starts with none of them), and the connection and timeout
+errors (ECONNRESET, ETIMEDOUT, ...) that are OSErrors too: a peer's end or a network's blip,
+which is what a restart is for."""
 
 
 def storage_error(exc: BaseException) -> bool:
     """`exc` is a file-system error that a restart on the same folder would meet again
-    (PermissionError on a read-only checkpoint folder, a full disk, ...): not worth a restart."""
-    return isinstance(exc, OSError) and exc.errno in _RECURRING_ERRNOS
+    (PermissionError on a read-only checkpoint folder, a full disk, ...): not worth a restart.
+    Looked for through what wraps it: DCP's CheckpointException (a BaseException holding each
+    rank's (exception, traceback) in `failures`) and the exceptions' causes and contexts (a
+    shard's write fails inside torch.save's zip writer, which raises RuntimeError('[enforce
+    fail at inline_container.cc] unexpected pos ...') with the OSError as its context;
+    integrity.RecordingWriter raises the OSError itself, as DCP's gathering drops contexts)."""
+    return storage_cause(exc) is not None
+
+
+def storage_cause(exc: BaseException) -> OSError | None:
+    """The recurring OSError `storage_error` finds in `exc`, or None."""
+    return next((e for e in _within(exc)
+                 if isinstance(e, OSError) and e.errno in _RECURRING_ERRNOS), None)
+
+
+def cause_text(exc: BaseException) -> str:
+    """'Type: message' of `exc`; for a storage error wrapped in another (DCP's
+    CheckpointException), the OSError's, naming the wrapper."""
+    found = storage_cause(exc)
+    if found is None or found is exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"{type(found).__name__}: {found} (inside {type(exc).__name__})"
+
+
+def _within(exc: BaseException) -> list[BaseException]:
+    """`exc`, what it wraps (DCP's per-rank failures) and its causes and contexts."""
+    out: list[BaseException] = []
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo and len(out) < 64:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return out
 
 
 def _notes_root(run_dir: str | Path) -> Path:
@@ -133,7 +188,7 @@ def final_code(run_dir: str | Path) -> int | None:
 
 def note_agent_exits(run_dir: str | Path, n: int, exits: Mapping[int, int]) -> None:
     """What torchrun's agent saw end attempt `n`: {rank: exit code, negative for a signal}
-    (written by the agent's process, meshtron/launch.py; never raises)."""
+    (written by the agent's process, meshtron/agent_exits.py; never raises)."""
     try:
         folder = _notes_dir(run_dir, n)
         folder.mkdir(parents=True, exist_ok=True)

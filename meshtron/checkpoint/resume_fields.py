@@ -85,6 +85,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "checkpoint.preempt_grace_s": (FOLLOW, "the notice before a preemption"),
     "checkpoint.mtbf_hours": (FOLLOW, "the automatic interval's input"),
     "checkpoint.snapshot_every": (FOLLOW, "in-memory snapshots"),
+    "checkpoint.residuals": (FOLLOW, "what later checkpoints hold of error feedback (the "
+                             "checkpoint resumed from is read as it was saved)"),
     "checkpoint.resume_if_any": (ARG, "set by an elastic rank"),
     "checkpoint.override_lr_schedule": (ARG, "this resume's choice (checkpoint/extend.py)"),
     # Plan (meshtron/planner/plan.py): the data-parallel traffic shapes the trajectory (DiLoCo's

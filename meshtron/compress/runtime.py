@@ -26,7 +26,10 @@ The residuals of error feedback are checkpointed through `state_dict()` (a State
   the parameter's own layout (a DTensor under tensor parallelism), so it reshards across dp and
   tp like the parameter (what the group owes is kept exactly; which rank owes it is not).
   ZeRO-2/3: one entry per FSDP unit in FSDP2's flat reduce-scatter layout, which reloads on the
-  same dp and tp.
+  same dp and tp. Under tensor parallelism its key names the tp rank (`_mean_key`): DCP keeps
+  one copy of a plain tensor that several ranks save under one key, so tp rank 1 used to load
+  tp rank 0's mean (a silently wrong residual wherever the mean is loaded: a
+  `--checkpoint-residuals mean` resume).
 """
 
 from __future__ import annotations
@@ -37,10 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.checkpoint.rank_entries import MEAN_PREFIX as RESIDUAL_PREFIX
 from meshtron.compress.collectives import Reducer, Topology, build_topology
 from meshtron.compress.quant import Codec
-
-RESIDUAL_PREFIX = "grad_residual."
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -211,7 +213,7 @@ class GradCompression:
         out = own_entries(self.reducer, self._buckets(), self.pm.device)
         if self.fsdp:
             for key, numel, layout in self._buckets():
-                out[RESIDUAL_PREFIX + key] = self.reducer.mean_residual(
+                out[self._mean_key(key)] = self.reducer.mean_residual(
                     key, numel, layout, self.pm.device)
             return out
         for i, (key, numel, layout) in enumerate(self._buckets()):
@@ -224,6 +226,15 @@ class GradCompression:
                 out[RESIDUAL_PREFIX + name] = _as_param_layout(p, piece.to(local.device))
         return out
 
+    def _mean_key(self, key: str) -> str:
+        """The key of a ZeRO-2/3 unit's mean residual: a plain tensor that differs between tp
+        ranks, so their key differs (module doc); one key per unit without tensor parallelism
+        (as checkpoints before the tp rank was named)."""
+        mesh = self.pm.mesh
+        if "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
+            return RESIDUAL_PREFIX + key
+        return f"{RESIDUAL_PREFIX}{key}.tp{mesh['tp'].get_local_rank()}"
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Residuals from `state_dict()` (after `dcp.load` into it), for this layout: each
         rank's own when the template kept them (same layout), else the group's mean."""
@@ -231,8 +242,8 @@ class GradCompression:
             return
         if self.fsdp:
             for key, _ in self.units:
-                if RESIDUAL_PREFIX + key in state_dict:
-                    self.reducer.load_mean_residual(key, state_dict[RESIDUAL_PREFIX + key],
+                if self._mean_key(key) in state_dict:
+                    self.reducer.load_mean_residual(key, state_dict[self._mean_key(key)],
                                                     "reduce_scatter")
             return
         for i in range(len(self.pm.model_parts)):

@@ -174,9 +174,25 @@ def run_spec(args: argparse.Namespace, est, model, cluster, batch: int, seq: int
         value = getattr(args, flag)
         if value is not None:
             kw[key] = value * scale
+    kw.update(_checkpoint_size(est.config, cluster.gpus_per_node))
     return RunSpec(gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
                    step_time_s=est.step_time_s, tokens_per_step=float(batch * seq),
                    tokens=parse_tokens(args.tokens), params=float(model.num_params()), **kw)
+
+
+def _checkpoint_size(plan, gpus_per_node: int) -> dict[str, Any]:
+    """RunSpec's checkpoint bytes per parameter: the model and AdamW's 12, and a compressed or
+    DiLoCo plan's state (every rank's own residual grows it with the data-parallel size)."""
+    from meshtron.cost.model import CHECKPOINT_BYTES_PER_PARAM
+    from meshtron.planner.memory_compress import checkpoint_extra_per_param
+
+    extra, parts = checkpoint_extra_per_param(plan, gpus_per_node)
+    if not extra:
+        return {}
+    return {"checkpoint_bytes_per_param": CHECKPOINT_BYTES_PER_PARAM + extra,
+            "checkpoint_parts": f"{CHECKPOINT_BYTES_PER_PARAM:g} model and AdamW, {parts}"
+            + ("; `meshtron train --checkpoint-residuals mean` saves the mean alone"
+               if "own error-feedback" in parts else "")}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -325,8 +341,9 @@ def render(doc: dict[str, Any]) -> str:
         f"Plan: {doc['plan']} on {gpus}, step {doc['step_time_s']:.2f} s, "
         f"{fmt_count(doc['tokens'])} tokens: {doc['failure_free_days']:.1f} days without "
         "failures",  # 1T, not 1e+12
-        f"Checkpoint: save {seconds_text(ck['save_s'])}, restart {seconds_text(ck['restart_s'])} "
-        "(job restart + reading the checkpoint back)",
+        f"Checkpoint: {ck['bytes'] / 1e9:,.4g} GB ({ck['bytes_per_param']:g} B per parameter: "
+        f"{ck['bytes_per_param_parts']}), save {seconds_text(ck['save_s'])}, restart "
+        f"{seconds_text(ck['restart_s'])} (job restart + reading the checkpoint back)",
         f"Interruptions: job MTBF {ck['mtbf_s'] / 3600:.2f} h ({ck['mtbf_counts']}); "
         + _preemption_text(ck),
         "Checkpoint interval: " + "; ".join(

@@ -9,7 +9,10 @@ the per-GPU rate times the GPUs (any failed GPU stops a synchronous job), its pr
 the per-node rate times the nodes.
 
 Checkpoint save cost: the model states one checkpoint holds, fp32 master weights and two fp32
-AdamW moments (12 bytes per parameter; bf16 copies are rebuilt on load), written at the
+AdamW moments (12 bytes per parameter; bf16 copies are rebuilt on load), plus, for a plan with
+gradient compression or DiLoCo, their state (planner/memory_compress.py
+`checkpoint_extra_per_param`: every rank's own error-feedback residual, so 4 B x the
+data-parallel group's size per parameter, and the group's mean), written at the
 storage's aggregate bandwidth: a synchronous save stalls training that long (asynchronous
 checkpointing would hide most of it; this is the conservative figure). Restart = fixed restart
 time (reschedule, start processes, NCCL init) + reading the checkpoint back at the same rate.
@@ -101,6 +104,10 @@ class RunSpec:
     """Facility power usage effectiveness (>= 1)."""
     interval_s: float | None = None
     """Work between checkpoints, seconds; None: Daly's optimum for each pricing."""
+    checkpoint_bytes_per_param: float = CHECKPOINT_BYTES_PER_PARAM
+    """Bytes one checkpoint holds per model parameter (module docstring)."""
+    checkpoint_parts: str = "12 model and AdamW"
+    """What those bytes are, per parameter (the report's words)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and self.gpus >= 1):
@@ -126,7 +133,11 @@ class RunSpec:
 
     @property
     def save_s(self) -> float:
-        return CHECKPOINT_BYTES_PER_PARAM * self.params / (self.storage_gb_per_s * 1e9)
+        return self.checkpoint_bytes / (self.storage_gb_per_s * 1e9)
+
+    @property
+    def checkpoint_bytes(self) -> float:
+        return self.checkpoint_bytes_per_param * self.params
 
     @property
     def fail_restart_s(self) -> float:

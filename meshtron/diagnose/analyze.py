@@ -329,6 +329,8 @@ def _no_dumps(trace: Trace) -> Diagnosis:
         text = (f"no rank has dumped: the run was interrupted (SIGINT, e.g. Ctrl-C; "
                 f"{_ranks_text(stopped)} left at once, as asked); there is nothing to compare "
                 "(`kill -USR1 <pid>` dumps the ranks of a live run, a hang included).")
+    elif (killed := endings.killed_without_dumps(trace)) is not None:
+        return Diagnosis(*killed)
     else:
         text = ("no rank has dumped: the ranks ended without a dump (killed from outside, e.g. "
                 "SIGKILL of the launcher or of every rank); there is nothing to compare "

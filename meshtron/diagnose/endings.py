@@ -170,6 +170,20 @@ def killed_by(trace: Trace, rank: int) -> str | None:
     return None if code is None else exit_text(code)
 
 
+def killed_without_dumps(trace: Trace) -> Ending | None:
+    """No rank dumped, and torchrun's agent saw ranks end by a signal (SIGKILL, SIGSEGV,
+    SIGBUS ...: none of them lets a rank write a dump): `dead_rank` naming each rank and its
+    signal. None when the agent saw none."""
+    killed = {r: how for r in range(trace.world_size)
+              if (how := killed_by(trace, r)) and how.startswith("killed by")}
+    if not killed:
+        return None
+    names = ", ".join(f"{trace.label(r)} {how}" for r, how in sorted(killed.items()))
+    return Ending("dead_rank", f"{names} (torchrun's agent saw them end; no rank dumped: such "
+                  f"a signal ends a process before it can); {_checkpoint_text(trace)}.",
+                  sorted(killed))
+
+
 def dead_rank_details(trace: Trace, culprits: list[int]) -> str:
     """'; killed by SIGKILL (torchrun's agent); the last complete checkpoint is step N'."""
     how = [f"rank {r} {text}" for r in culprits if (text := killed_by(trace, r))]

@@ -159,3 +159,35 @@ def snapshot_extra_bytes(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> lis
             mean += dp_shard * sum(shard)  # every unit's whole padded input
         out.append(own + FP32 * mean + (8 if plan.diloco else 0))
     return out
+
+
+def checkpoint_extra_per_param(plan: Any, ranks_per_node: int | None = None
+                               ) -> tuple[float, str]:
+    """(bytes per model parameter, what they are) that compression / DiLoCo add to one disk
+    checkpoint of the whole job, beyond the model and AdamW's 12: DCP writes an entry that
+    every data-parallel rank holds alike once, an entry under a rank's own key once per rank.
+    The group's mean residual (4 B; saved by DiLoCo also uncompressed), DiLoCo's theta_global
+    and outer momentum (8 B), and every rank's own error-feedback residual (rank_entries.own_key:
+    4 B per parameter of its stage; with compress_scope='inter_node' across several ranks of a
+    node, 1/per_node of it: Reducer._geometry): 4 B x the ranks holding one per parameter, the
+    data-parallel group's size (its nodes for the hierarchical split). What a resume needs to
+    continue bit for bit (compress/runtime.py); `ranks_per_node`: the machines' node size when
+    the plan sets none."""
+    from meshtron.planner.placement import placement
+
+    if plan.grad_compression == "none" and not plan.diloco:
+        return 0.0, ""
+    world = plan.tp * (plan.cp or 1) * plan.pp * plan.dp
+    axis = "dp_replicate" if plan.diloco or plan.zero <= 1 else "dp_shard"
+    members = _group(placement(plan, world), 0, axis)
+    if ranks_per_node and not plan.ranks_per_node:
+        plan = plan.replace(ranks_per_node=ranks_per_node)
+    per_node, nodes, compressed = _topology(plan, members)
+    holders = 0 if plan.grad_compression == "none" or not compressed else \
+        nodes if per_node > 1 and nodes > 1 else len(members)
+    parts = ["4 the group's mean residual"] + (["8 DiLoCo's outer copy and momentum"]
+                                               if plan.diloco else [])
+    if holders:
+        parts.append(f"{4 * holders} the own error-feedback residual of each of {holders} "
+                     f"{'nodes' if holders == nodes and per_node > 1 else 'ranks'}")
+    return 4.0 + 8.0 * bool(plan.diloco) + 4.0 * holders, ", ".join(parts)

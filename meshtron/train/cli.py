@@ -135,6 +135,11 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep an in-memory snapshot every N steps (own shard + a copy on the "
                         "next node of --ranks-per-node ranks; needs --max-restarts): a restart "
                         "restores from memory before disk (0: off, the default)")
+    g.add_argument("--checkpoint-residuals", choices=("own", "mean"),
+                   help="what checkpoints hold of --grad-compression's error feedback: own "
+                        "(default: each rank's residual and their mean; a resume continues bit "
+                        "for bit; 4 bytes per parameter per data-parallel rank) or mean (the "
+                        "mean only, 4 bytes per parameter; a resume continues close to it)")
     g.add_argument("--mtbf-hours", type=float, metavar="H",
                    help="the job's mean time between failures for --checkpoint-every auto "
                         "(default: from the GPU count and Llama 3's per-GPU failure rate)")
@@ -143,7 +148,7 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
 # CheckpointConfig field -> the flag's argparse dest (None when not given)
 _CHECKPOINT_FLAGS = {"every": "checkpoint_every", "keep": "keep", "max_restarts": "max_restarts",
                      "preempt_grace_s": "preempt_grace", "mtbf_hours": "mtbf_hours",
-                     "snapshot_every": "snapshot_every"}
+                     "snapshot_every": "snapshot_every", "residuals": "checkpoint_residuals"}
 
 
 def checkpoint_config(args: argparse.Namespace, resumed: tuple[Any, dict] | None = None):

@@ -41,7 +41,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
 
     from meshtron.checkpoint import EXIT_PREEMPTED, EXIT_STORAGE
     from meshtron.checkpoint.checkpointer import Preempted
-    from meshtron.checkpoint.restart import storage_error
+    from meshtron.checkpoint.restart import cause_text, storage_error
 
     try:
         doctor.prepare_env()
@@ -94,11 +94,11 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         _dump(exc)
         _abort(world, f"failed: {exc}", 1)
     except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, and no hung peers
-        _note(job, world, f"{type(exc).__name__}: {exc}")
+        _note(job, world, cause_text(exc))
         _dump(exc)
         if storage_error(exc):  # a restart would meet it again: EXIT_STORAGE is not retried
             _end_restarts(job.cfg.train.run_dir, EXIT_STORAGE)
-            _abort(world, f"failed: {type(exc).__name__}: {exc} (a storage error: a restart "
+            _abort(world, f"failed: {cause_text(exc)} (a storage error: a restart "
                           "would meet it again)", EXIT_STORAGE)
         if peer_lost(exc):  # expected once another rank died: that rank says why
             _abort(world, f"stopped: a peer rank is gone ({_first_line(exc)}); the rank that "
