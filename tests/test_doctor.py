@@ -153,6 +153,42 @@ def test_doctor_bad_input_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_unreadable_dump_is_said_and_the_rest_judged(tmp_path, capsys):
+    """A dump cut short, or of another format version, is named on one line, never read as a
+    rank that did not dump; the verdict comes from the files that can be read."""
+    from meshtron.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "never_entered", run / "trace")  # rank 3 never entered (4 ranks)
+    dump = run / "trace" / "rank_0.json"
+    dump.write_bytes(dump.read_bytes()[: dump.stat().st_size // 2])
+    other = json.loads((run / "trace" / "rank_1.json").read_text())
+    (run / "trace" / "rank_1.json").write_text(json.dumps({**other,
+                                                           "format": "meshtron-trace/2"}))
+    assert main(["doctor", str(run), "--json"]) == 3
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["kind"] == "never_entered" and doc["culprit_ranks"] == [3], doc
+    err = captured.err.strip().splitlines()
+    assert len(err) == 2, err
+    assert err[0].endswith("rank_0.json: truncated or damaged (not complete JSON); judged "
+                           "from the other files"), err
+    assert "rank_1.json: format 'meshtron-trace/2', written by another meshtron version; " \
+           "this doctor reads 'meshtron-trace/1'" in err[1], err
+    assert "rank 0 (dp=0, tp=0): dump unreadable (see above)" in doc["evidence"], doc
+    # the audit's case: the only dump cut short; ABORT.json still says what happened
+    only = tmp_path / "only"
+    shutil.copytree(DATA / "frozen_rank", only / "trace")
+    dump = only / "trace" / "rank_0.json"
+    dump.write_bytes(dump.read_bytes()[:100])
+    assert main(["doctor", str(only)]) == 4  # nothing to compare: nothing judged
+    out = capsys.readouterr().out
+    assert out.startswith("no readable dump: trace/rank_0.json (truncated or damaged (not "
+                          "complete JSON)); the watchdog fired (rank "), out
+    assert "rank 1 left no dump; there is nothing to compare." in out.splitlines()[0], out
+    assert "the ranks ended without a dump" not in out, out
+
+
 NCCL = Path(__file__).parent / "data" / "nccl"
 
 
@@ -203,6 +239,12 @@ def test_nccl_log_cli(tmp_path, capsys):
     assert capsys.readouterr().out.split()[1] == "problem(s)"
     assert main(["doctor", "--nccl-log", str(NCCL / "good_2x4_tp4.log")]) == 0
     assert capsys.readouterr().out.startswith("no problem found in the NCCL logs of 8 processes")
+    # a --tp that matches no communicator is said, not passed as checked (a warning: the rest
+    # of the report stands)
+    assert main(["doctor", "--nccl-log", str(NCCL / "good_2x4_tp4.log"), "--tp", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("0 problem(s) and 1 warning(s)"), out
+    assert "WARNING: --tp=3: no communicator of 3 ranks in the logs (sizes seen: " in out, out
     empty = tmp_path / "empty.log"
     empty.write_text("hello\n")
     assert main(["doctor", "--nccl-log", str(empty)]) == 2
@@ -210,7 +252,8 @@ def test_nccl_log_cli(tmp_path, capsys):
     assert main(["doctor", "--nccl-log", str(empty), "--tp", "0"]) == 2
     assert main(["doctor", "--nccl-log", str(tmp_path)]) == 2  # a folder, named as one
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 4 and "no NCCL log lines" in err[0], err
+    assert len(err) == 4 and f"--nccl-log={str(empty)!r}: no NCCL log lines" in err[0], err
+    assert f"--nccl-log={str(tmp_path / 'nope.log')!r}: file does not exist" in err[1], err
     assert "file does not exist" in err[1] and "is a folder" in err[3], err
 
 
