@@ -17,6 +17,7 @@ watchdog abort and the frozen rank; doctor names it in attempt 0), and rank 1 SI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -95,7 +96,9 @@ def test_hang_in_every_attempt_keeps_each_attempts_dumps(tmp_path):
 def _wait(predicate, proc, seconds: float = 120.0) -> None:
     deadline = time.monotonic() + seconds
     while not predicate():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()  # a hung run would keep its output open: fail, never hang
+            raise AssertionError(proc.communicate(timeout=60)[0][-3000:])
         time.sleep(0.1)
 
 
@@ -154,10 +157,11 @@ def test_no_dump_is_said_not_judged(tmp_path):
         for d in dumps:  # what follows is a run that never dumped
             d.rename(tmp_path / d.name)
     finally:
-        for rank, pid in rank_pids(run_dir).items():
-            os.kill(pid, signal.SIGCONT)  # a stopped rank 1 ends with its launcher too
+        for pid in rank_pids(run_dir).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # a stopped rank 1 ends with its launcher too
         proc.kill()  # the launcher only: its ranks end with it (their parent-death signal)
-        out = proc.communicate()[0]
+        out = proc.communicate(timeout=60)[0]
     # one line per dump on the run's output, not every thread's stack between the step lines
     assert out.count("SIGUSR1: trace written to") == 3, out[-3000:]
     assert "most recent call first" not in out, out[-3000:]
