@@ -153,6 +153,31 @@ def test_doctor_bad_input_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_dumps_on_demand_of_a_healthy_run_name_no_rank(tmp_path, capsys):
+    """Both ranks of a healthy `meshtron train --nproc 2` run dumped by `kill -USR1` (the
+    dumps in tests/data/doctor/on_demand, cut to their last second): rank 0 had issued
+    all_reduce #1234 and rank 1 not yet, 0.0 s apart. That is where the signal found them,
+    not a hang (`none`, exit 0). The same dumps with rank 0 waiting in it for longer than the
+    longest step they recorded are a hang: rank 1 named (exit 3)."""
+    from meshtron.cli import main
+
+    assert main(["doctor", str(DATA / "on_demand")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dumped on demand (SIGUSR1) while running: no rank is behind a peer "
+                          "by more than the longest step (0.1 s)"), out
+    hung = tmp_path / "hung"
+    shutil.copytree(DATA / "on_demand", hung)
+    dump = json.loads((hung / "rank_0.json").read_text())
+    longest = max(s["seconds"] for d in (0, 1) for s in json.loads(
+        (hung / f"rank_{d}.json").read_text())["step_times"])
+    waiting = next(r for r in reversed(dump["records"]) if r["state"] != "completed")
+    waiting["enqueue_t"] = dump["time"] - 2 * longest - 1.0
+    (hung / "rank_0.json").write_text(json.dumps(dump))
+    assert main(["doctor", str(hung), "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "never_entered" and doc["culprit_ranks"] == [1], doc
+
+
 def test_unreadable_dump_is_said_and_the_rest_judged(tmp_path, capsys):
     """A dump cut short, or of another format version, is named on one line, never read as a
     rank that did not dump; the verdict comes from the files that can be read."""
