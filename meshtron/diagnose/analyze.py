@@ -252,9 +252,9 @@ def _missing_ranks(trace: Trace) -> Diagnosis | None:
                if r not in trace.dumps and r not in unreadable]
     if not missing or not trace.dumps:
         return None
-    joining = _never_joined(trace, missing)
+    joining = endings.never_joined(trace, missing)
     if joining is not None:
-        return joining
+        return Diagnosis(*joining)
     states: dict[int, str] = {}
     for r in missing:
         seen = [d.get("peers", {}).get(str(r), {}).get("state") for d in trace.dumps.values()]
@@ -290,39 +290,6 @@ def _missing_ranks(trace: Trace) -> Diagnosis | None:
             "for it in", "for them in")
     # Each rank's reason (an exception's first line included) is in `evidence(trace)`.
     return Diagnosis(kind, text + ".", culprits, [])
-
-
-def _joining(dump: dict[str, Any]) -> bool:
-    """The rank dumped before it had joined the process group (`joined_t` still None)."""
-    return "joined_t" in dump and dump["joined_t"] is None
-
-
-def _never_joined(trace: Trace, missing: list[int]) -> Diagnosis | None:
-    """Ranks with no hello file (written at a rank's start, before it joins the process
-    group) while a rank that dumped was still joining: they never reached meshtron's start."""
-    waiting = {r: d for r, d in trace.dumps.items() if _joining(d)}
-    culprits = [r for r in missing if r not in trace.hellos]
-    if not waiting or not culprits:
-        return None
-    names = "; ".join(trace.label(r) for r in culprits)
-    one = len(culprits) == 1
-    text = (f"{names} never joined: {'it' if one else 'they'} wrote no hello file (the "
-            f"{'process' if one else 'processes'} never reached meshtron's start: stopped, "
-            "stuck before it, or never spawned)")
-    r = max(waiting, key=lambda k: waiting[k]["time"] - _start_t(trace, k, waiting[k]))
-    secs = waiting[r]["time"] - _start_t(trace, r, waiting[r])
-    where = trace.where(r)
-    text += (f"; rank {r} waited {secs:.1f} s for {'it' if one else 'them'} to join the "
-             "process group" + (f" (at {where})" if where else ""))
-    seen = [f"rank {c} {how}" for c in culprits if (how := endings.killed_by(trace, c))]
-    if seen:
-        text += f"; torchrun's agent saw {', '.join(seen)}"
-    return Diagnosis("never_joined", text + ".", culprits, [])
-
-
-def _start_t(trace: Trace, rank: int, dump: dict[str, Any]) -> float:
-    """When the rank started (its hello file), else its dump's time (a wait of 0)."""
-    return trace.hellos.get(rank, {}).get("start_t") or dump["time"]
 
 
 def _is_broken(dump: dict[str, Any]) -> bool:
