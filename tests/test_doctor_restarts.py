@@ -125,6 +125,7 @@ def test_no_dump_is_said_not_judged(tmp_path):
         assert joining.returncode == EXIT_NO_DUMP, joining.stdout + joining.stderr
         assert joining.stdout.startswith("no rank has dumped: the run is still going (rank 0 "
                                          "running)"), joining.stdout
+        assert "Rank 1 wrote no hello file: not started yet, or stopped" in joining.stdout
         pid0 = json.loads((trace / "rank_0.hello.json").read_text())["pid"]
         os.kill(pid0, signal.SIGUSR1)
         _wait(dumps[0].is_file, proc)

@@ -360,6 +360,10 @@ def _no_dumps(trace: Trace) -> Diagnosis:
         pids = " ".join(str(p) for p in live.values())
         text = (f"no rank has dumped: the run is still going ({_ranks_text(list(live))} "
                 f"running); `kill -USR1 {pids}` makes them dump, then run doctor again.")
+        absent = [r for r in range(trace.world_size) if r not in trace.hellos]
+        if absent:  # the others then wait for them in the rendezvous
+            text += (f" {_ranks_text(absent).capitalize()} wrote no hello file: not started "
+                     "yet, or stopped or stuck before meshtron's start.")
     elif any("interrupted_t" in h for h in trace.hellos.values()):
         stopped = sorted(r for r, h in trace.hellos.items() if "interrupted_t" in h)
         text = (f"no rank has dumped: the run was interrupted (SIGINT, e.g. Ctrl-C; "
