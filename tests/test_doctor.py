@@ -214,6 +214,22 @@ def test_unreadable_dump_is_said_and_the_rest_judged(tmp_path, capsys):
     assert "the ranks ended without a dump" not in out, out
 
 
+def test_run_whose_ranks_never_started_is_read_from_torchruns_word(tmp_path, capsys):
+    """No trace at all (no rank reached meshtron's start), but torchrun's agent left how the
+    ranks ended (attempts/attempt_0/exits.json, written by meshtron's launcher): that is read,
+    nothing judged (exit 4), not refused as a folder without a trace (exit 2)."""
+    from meshtron.cli import main
+
+    run = tmp_path / "run"
+    (run / "attempts" / "attempt_0").mkdir(parents=True)
+    (run / "attempts" / "attempt_0" / "exits.json").write_text('{"1": -9}')
+    assert main(["doctor", str(run)]) == 4
+    out = capsys.readouterr().out
+    assert out.startswith("no rank has dumped: no rank reached meshtron's start (no hello file "
+                          "in trace/; stopped, stuck before it, or never spawned); torchrun's "
+                          "agent saw rank 1 killed by SIGKILL"), out
+
+
 NCCL = Path(__file__).parent / "data" / "nccl"
 
 
