@@ -18,7 +18,8 @@ handler installed later replaced ours). A SIGTERM that had the default action, a
 ours, keeps its meaning: after the dump the process exits with 128+15.
 
 Watchdog: progress is a finished step or a collective issued. With none for `timeout` seconds
-(`first_step_timeout` before the first step: start-up, compilation, first all-gathers), the
+(`first_step_timeout` to join the process group when started `joining`, and again before
+the first step: start-up, compilation, first all-gathers), the
 rank announces the timeout out of band, never through the possibly hung process groups: a file
 TRACE_DIR/ABORT.json (and, when there is one, a key in the job's c10d store, polled by a thread
 of its own so that a frozen store host cannot block the watchdog). Every rank's watcher polls
