@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import doctor_faults  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "doctor"
+# Not a fault of SCENARIOS (every folder of DATA is one): both ranks of a healthy run, SIGUSR1.
+ON_DEMAND = Path(__file__).parent / "data" / "doctor_on_demand"
 FAULTS = str(Path(__file__).parent / "faults")
 # fault -> (world size, mesh shape, env, expected culprits)
 SCENARIOS = {
@@ -155,18 +157,18 @@ def test_doctor_bad_input_is_one_line(tmp_path, capsys):
 
 def test_dumps_on_demand_of_a_healthy_run_name_no_rank(tmp_path, capsys):
     """Both ranks of a healthy `meshtron train --nproc 2` run dumped by `kill -USR1` (the
-    dumps in tests/data/doctor/on_demand, cut to their last second): rank 0 had issued
+    dumps in tests/data/doctor_on_demand, cut to their last second): rank 0 had issued
     all_reduce #1234 and rank 1 not yet, 0.0 s apart. That is where the signal found them,
     not a hang (`none`, exit 0). The same dumps with rank 0 waiting in it for longer than the
     longest step they recorded are a hang: rank 1 named (exit 3)."""
     from meshtron.cli import main
 
-    assert main(["doctor", str(DATA / "on_demand")]) == 0
+    assert main(["doctor", str(ON_DEMAND)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("dumped on demand (SIGUSR1) while running: no rank is behind a peer "
                           "by more than the longest step (0.1 s)"), out
     hung = tmp_path / "hung"
-    shutil.copytree(DATA / "on_demand", hung)
+    shutil.copytree(ON_DEMAND, hung)
     dump = json.loads((hung / "rank_0.json").read_text())
     longest = max(s["seconds"] for d in (0, 1) for s in json.loads(
         (hung / f"rank_{d}.json").read_text())["step_times"])
