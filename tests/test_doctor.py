@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import doctor_faults  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "doctor"
+# Not a fault of SCENARIOS (every folder of DATA is one): both ranks of a healthy run, SIGUSR1.
+ON_DEMAND = Path(__file__).parent / "data" / "doctor_on_demand"
 FAULTS = str(Path(__file__).parent / "faults")
 # fault -> (world size, mesh shape, env, expected culprits)
 SCENARIOS = {
@@ -153,6 +155,83 @@ def test_doctor_bad_input_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_dumps_on_demand_of_a_healthy_run_name_no_rank(tmp_path, capsys):
+    """Both ranks of a healthy `meshtron train --nproc 2` run dumped by `kill -USR1` (the
+    dumps in tests/data/doctor_on_demand, cut to their last second): rank 0 had issued
+    all_reduce #1234 and rank 1 not yet, 0.0 s apart. That is where the signal found them,
+    not a hang (`none`, exit 0). The same dumps with rank 0 waiting in it for longer than the
+    longest step they recorded are a hang: rank 1 named (exit 3)."""
+    from meshtron.cli import main
+
+    assert main(["doctor", str(ON_DEMAND)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dumped on demand (SIGUSR1) while running: no rank is behind a peer "
+                          "by more than the longest step (0.1 s)"), out
+    hung = tmp_path / "hung"
+    shutil.copytree(ON_DEMAND, hung)
+    dump = json.loads((hung / "rank_0.json").read_text())
+    longest = max(s["seconds"] for d in (0, 1) for s in json.loads(
+        (hung / f"rank_{d}.json").read_text())["step_times"])
+    waiting = next(r for r in reversed(dump["records"]) if r["state"] != "completed")
+    waiting["enqueue_t"] = dump["time"] - 2 * longest - 1.0
+    (hung / "rank_0.json").write_text(json.dumps(dump))
+    assert main(["doctor", str(hung), "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "never_entered" and doc["culprit_ranks"] == [1], doc
+
+
+def test_unreadable_dump_is_said_and_the_rest_judged(tmp_path, capsys):
+    """A dump cut short, or of another format version, is named on one line, never read as a
+    rank that did not dump; the verdict comes from the files that can be read."""
+    from meshtron.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "never_entered", run / "trace")  # rank 3 never entered (4 ranks)
+    dump = run / "trace" / "rank_0.json"
+    dump.write_bytes(dump.read_bytes()[: dump.stat().st_size // 2])
+    other = json.loads((run / "trace" / "rank_1.json").read_text())
+    (run / "trace" / "rank_1.json").write_text(json.dumps({**other,
+                                                           "format": "meshtron-trace/2"}))
+    assert main(["doctor", str(run), "--json"]) == 3
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["kind"] == "never_entered" and doc["culprit_ranks"] == [3], doc
+    err = captured.err.strip().splitlines()
+    assert len(err) == 2, err
+    assert err[0].endswith("rank_0.json: truncated or damaged (not complete JSON); judged "
+                           "from the other files"), err
+    assert "rank_1.json: format 'meshtron-trace/2', written by another meshtron version; " \
+           "this doctor reads 'meshtron-trace/1'" in err[1], err
+    assert "rank 0 (dp=0, tp=0): dump unreadable (see above)" in doc["evidence"], doc
+    # the audit's case: the only dump cut short; ABORT.json still says what happened
+    only = tmp_path / "only"
+    shutil.copytree(DATA / "frozen_rank", only / "trace")
+    dump = only / "trace" / "rank_0.json"
+    dump.write_bytes(dump.read_bytes()[:100])
+    assert main(["doctor", str(only)]) == 4  # nothing to compare: nothing judged
+    out = capsys.readouterr().out
+    assert out.startswith("no readable dump: trace/rank_0.json (truncated or damaged (not "
+                          "complete JSON)); the watchdog fired (rank "), out
+    assert "rank 1 left no dump; there is nothing to compare." in out.splitlines()[0], out
+    assert "the ranks ended without a dump" not in out, out
+
+
+def test_run_whose_ranks_never_started_is_read_from_torchruns_word(tmp_path, capsys):
+    """No trace at all (no rank reached meshtron's start), but torchrun's agent left how the
+    ranks ended (attempts/attempt_0/exits.json, written by meshtron's launcher): that is read,
+    nothing judged (exit 4), not refused as a folder without a trace (exit 2)."""
+    from meshtron.cli import main
+
+    run = tmp_path / "run"
+    (run / "attempts" / "attempt_0").mkdir(parents=True)
+    (run / "attempts" / "attempt_0" / "exits.json").write_text('{"1": -9}')
+    assert main(["doctor", str(run)]) == 4
+    out = capsys.readouterr().out
+    assert out.startswith("no rank has dumped: no rank reached meshtron's start (no hello file "
+                          "in trace/; stopped, stuck before it, or never spawned); torchrun's "
+                          "agent saw rank 1 killed by SIGKILL"), out
+
+
 NCCL = Path(__file__).parent / "data" / "nccl"
 
 
@@ -203,6 +282,12 @@ def test_nccl_log_cli(tmp_path, capsys):
     assert capsys.readouterr().out.split()[1] == "problem(s)"
     assert main(["doctor", "--nccl-log", str(NCCL / "good_2x4_tp4.log")]) == 0
     assert capsys.readouterr().out.startswith("no problem found in the NCCL logs of 8 processes")
+    # a --tp that matches no communicator is said, not passed as checked (a warning: the rest
+    # of the report stands)
+    assert main(["doctor", "--nccl-log", str(NCCL / "good_2x4_tp4.log"), "--tp", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("0 problem(s) and 1 warning(s)"), out
+    assert "WARNING: --tp=3: no communicator of 3 ranks in the logs (sizes seen: " in out, out
     empty = tmp_path / "empty.log"
     empty.write_text("hello\n")
     assert main(["doctor", "--nccl-log", str(empty)]) == 2
@@ -210,7 +295,8 @@ def test_nccl_log_cli(tmp_path, capsys):
     assert main(["doctor", "--nccl-log", str(empty), "--tp", "0"]) == 2
     assert main(["doctor", "--nccl-log", str(tmp_path)]) == 2  # a folder, named as one
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 4 and "no NCCL log lines" in err[0], err
+    assert len(err) == 4 and f"--nccl-log={str(empty)!r}: no NCCL log lines" in err[0], err
+    assert f"--nccl-log={str(tmp_path / 'nope.log')!r}: file does not exist" in err[1], err
     assert "file does not exist" in err[1] and "is a folder" in err[3], err
 
 

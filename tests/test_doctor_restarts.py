@@ -5,7 +5,8 @@ ranks, real signals.
   dumps are kept (trace/, trace/attempt_1), the restart record names the watchdog abort,
   `meshtron doctor` names the culprit of each attempt (exit 3), and the launcher says the
   restart budget is used up and the step to resume from (a `failed` record in metrics.jsonl).
-- No rank has dumped: a run still going, then its launcher SIGKILLed (exit 4, no verdict).
+- No rank has dumped: a rank that never joins (named once rank 0 dumps on demand), a run still
+  going, dumped on demand while healthy (`none`), then its launcher SIGKILLed (exit 4).
 - A straggler late by a lot in one step of three (its median lateness is 0).
 - SIGTERM after a peer ended (torchrun's teardown): no checkpoint promised, exit 143.
 - Options that need another one: one line, exit 2.
@@ -16,6 +17,7 @@ watchdog abort and the frozen rank; doctor names it in attempt 0), and rank 1 SI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -94,29 +96,76 @@ def test_hang_in_every_attempt_keeps_each_attempts_dumps(tmp_path):
 def _wait(predicate, proc, seconds: float = 120.0) -> None:
     deadline = time.monotonic() + seconds
     while not predicate():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()  # a hung run would keep its output open: fail, never hang
+            raise AssertionError(proc.communicate(timeout=60)[0][-3000:])
         time.sleep(0.1)
 
 
 def test_no_dump_is_said_not_judged(tmp_path):
-    """A run still going, then its launcher SIGKILLed: no rank dumped, no verdict (exit 4)."""
+    """One run, as a user meets it. Rank 1 stopped as its process starts (before anything of
+    meshtron runs): rank 0 waits in the process group's rendezvous; its hello file is there at
+    once (doctor: still going, exit 4), SIGUSR1 dumps it without ending it, and doctor names
+    rank 1 as never joined (exit 3). Rank 1 continued, the run trains: no rank dumped, no
+    verdict (exit 4); both ranks dumped on demand, as that verdict says (`kill -USR1`): a
+    healthy run, `none` (each rank is where the signal found it). Then its launcher SIGKILLed:
+    no dump after that either (exit 4)."""
+    from testkit.procs import rank_pids
+
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*TRAIN, "--steps", "100000", "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=FAULTS,
+                                     MESHTRON_TEST_STOP_RANK="1"))
     trace = run_dir / "trace"
+    dumps = [trace / f"rank_{r}.json" for r in (0, 1)]
     try:
+        _wait((trace / "rank_0.hello.json").is_file, proc)
+        joining = _doctor(run_dir)
+        assert joining.returncode == EXIT_NO_DUMP, joining.stdout + joining.stderr
+        assert joining.stdout.startswith("no rank has dumped: the run is still going (rank 0 "
+                                         "running)"), joining.stdout
+        assert "Rank 1 wrote no hello file: not started yet, or stopped" in joining.stdout
+        pid0 = json.loads((trace / "rank_0.hello.json").read_text())["pid"]
+        os.kill(pid0, signal.SIGUSR1)
+        _wait(dumps[0].is_file, proc)
+        found = _doctor(run_dir, "--json")
+        doc = json.loads(found.stdout)
+        assert found.returncode == EXIT_FOUND, found.stdout + found.stderr
+        assert doc["kind"] == "never_joined" and doc["culprit_ranks"] == [1], doc
+        assert doc["verdict"].startswith("rank 1 never joined: it wrote no hello file"), doc
+        assert " s for it to join the process group (at " in doc["verdict"], doc
+        dumps[0].rename(tmp_path / "joining.json")
+        os.kill(rank_pids(run_dir)[1], signal.SIGCONT)
+
         _wait(lambda: (run_dir / "metrics.jsonl").is_file(), proc)
         live = _doctor(run_dir)
         pids = [json.loads((trace / f"rank_{r}.hello.json").read_text())["pid"]
                 for r in (0, 1)]
+        assert pids[0] == pid0  # the SIGUSR1 dump did not end it
         assert live.returncode == EXIT_NO_DUMP, live.stdout + live.stderr
         assert live.stdout.startswith("no rank has dumped: the run is still going (ranks 0, 1 "
                                       f"running); `kill -USR1 {pids[0]} {pids[1]}`"), live.stdout
         assert "kind: no_dump" in live.stdout and "no divergence" not in live.stdout
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+        _wait(lambda: all(d.is_file() for d in dumps), proc)
+        on_demand = _doctor(run_dir, "--json")
+        doc = json.loads(on_demand.stdout)
+        assert on_demand.returncode == 0 and doc["kind"] == "none", doc
+        assert doc["verdict"].startswith("dumped on demand (SIGUSR1) while running: no rank "
+                                         "is behind a peer by more than the longest step"), doc
+        for d in dumps:  # what follows is a run that never dumped
+            d.rename(tmp_path / d.name)
     finally:
+        for pid in rank_pids(run_dir).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # a stopped rank 1 ends with its launcher too
         proc.kill()  # the launcher only: its ranks end with it (their parent-death signal)
-        proc.communicate()
+        out = proc.communicate(timeout=60)[0]
+    # one line per dump on the run's output, not every thread's stack between the step lines
+    assert out.count("SIGUSR1: trace written to") == 3, out[-3000:]
+    assert "most recent call first" not in out, out[-3000:]
     deadline = time.monotonic() + 60
     while any(process_state(p) != "gone" for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -2,6 +2,8 @@
 the first divergence in time, and classify it.
 
 Kinds, in the order they are looked for:
+- `never_joined`: a rank left no hello file while the others were still joining the process
+  group (its process never reached meshtron's start: stopped, stuck, or never spawned).
 - `frozen_rank` / `dead_rank`: a rank left no dump. Its peers' dumps say whether its process
   was stopped (SIGSTOP, a debugger) or gone (/proc, same host), or, across hosts, whether they
   failed with a broken connection (dead) or timed out waiting (frozen).
@@ -27,10 +29,10 @@ from typing import Any
 
 from meshtron.diagnose import endings, straggler
 from meshtron.diagnose.trace import Trace, frame_text
-from meshtron.doctor.dump import process_state
+from meshtron.doctor.dump import FIRST_STEP_FLOOR_S, process_state
 
-KINDS = ("never_entered", "mismatched_op", "mismatched_shape", "dead_rank", "frozen_rank",
-         "preempted", "exception", "straggler", "no_dump", "none")
+KINDS = ("never_entered", "mismatched_op", "mismatched_shape", "never_joined", "dead_rank",
+         "frozen_rank", "preempted", "exception", "straggler", "no_dump", "none")
 _BROKEN = ("connection closed", "connection reset", "broken pipe", "connection refused",
            "remote process exited", "peer")
 
@@ -145,7 +147,34 @@ def find_divergence(trace: Trace) -> dict[str, Any] | None:
     found = [d for group, by_rank in trace.collectives().items()
              if (d := _first_collective_divergence(trace, group, by_rank)) is not None]
     found += _p2p_divergences(trace)
+    found = [d for d in found if d["kind"] != "never_entered" or not _caught_running(trace, d)]
     return min(found, key=lambda d: d["t"]) if found else None
+
+
+def _caught_running(trace: Trace, d: dict[str, Any]) -> bool:
+    """A `never_entered` whose culprits were dumped on demand (SIGUSR1) no later after the
+    operation began than a step lasts: ranks signalled together dump while running, one has
+    issued the next operation and the other not yet. In a run that makes progress, no rank is
+    behind a peer by more than the step they are both in (every step ends with collectives of
+    all of them), so a lag within the longest step recorded is where the signal found them;
+    the `preempted` rule reads SIGTERM dumps the same way. A watchdog's or an exception's
+    dump is no such snapshot: the run had stopped."""
+    culprits = [trace.dumps[r] for r in d["culprits"] if r in trace.dumps]
+    if not culprits or any(c.get("reason") != "SIGUSR1" for c in culprits):
+        return False
+    return min(c["time"] for c in culprits) - d["t"] <= step_bound_s(trace)
+
+
+def step_bound_s(trace: Trace) -> float:
+    """The longest step any dump recorded; before the first step, the watchdog's first-step
+    limit (the time meshtron allows start-up, FIRST_STEP_FLOOR_S without a watchdog)."""
+    steps = [s["seconds"] for d in trace.dumps.values() for s in d.get("step_times", [])
+             if s.get("seconds") is not None]
+    if steps:
+        return max(steps)
+    limits = [(d.get("watchdog") or {}).get("first_step_timeout_s")
+              for d in trace.dumps.values()]
+    return max([x for x in limits if x] or [FIRST_STEP_FLOOR_S])
 
 
 # -- verdicts ----------------------------------------------------------------------------------
@@ -218,9 +247,14 @@ def _public(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _missing_ranks(trace: Trace) -> Diagnosis | None:
-    missing = [r for r in range(trace.world_size) if r not in trace.dumps]
+    unreadable = trace.unreadable_ranks()  # they dumped: not missing
+    missing = [r for r in range(trace.world_size)
+               if r not in trace.dumps and r not in unreadable]
     if not missing or not trace.dumps:
         return None
+    joining = endings.never_joined(trace, missing)
+    if joining is not None:
+        return Diagnosis(*joining)
     states: dict[int, str] = {}
     for r in missing:
         seen = [d.get("peers", {}).get(str(r), {}).get("state") for d in trace.dumps.values()]
@@ -320,15 +354,28 @@ def _no_dumps(trace: Trace) -> Diagnosis:
     host = socket.gethostname()
     live = {r: h["pid"] for r, h in sorted(trace.hellos.items())
             if h.get("host") == host and process_state(h["pid"]) in ("running", "stopped")}
+    if trace.unreadable_ranks():
+        return _only_unreadable(trace)
     if live:
         pids = " ".join(str(p) for p in live.values())
         text = (f"no rank has dumped: the run is still going ({_ranks_text(list(live))} "
                 f"running); `kill -USR1 {pids}` makes them dump, then run doctor again.")
+        absent = [r for r in range(trace.world_size) if r not in trace.hellos]
+        if absent:  # the others then wait for them in the rendezvous
+            text += (f" {_ranks_text(absent).capitalize()} wrote no hello file: not started "
+                     "yet, or stopped or stuck before meshtron's start.")
     elif any("interrupted_t" in h for h in trace.hellos.values()):
         stopped = sorted(r for r, h in trace.hellos.items() if "interrupted_t" in h)
         text = (f"no rank has dumped: the run was interrupted (SIGINT, e.g. Ctrl-C; "
                 f"{_ranks_text(stopped)} left at once, as asked); there is nothing to compare "
                 "(`kill -USR1 <pid>` dumps the ranks of a live run, a hang included).")
+    elif not trace.hellos:
+        seen = [f"rank {r} {how}" for r in range(trace.world_size)
+                if (how := endings.killed_by(trace, r))]
+        text = ("no rank has dumped: no rank reached meshtron's start (no hello file in "
+                "trace/; stopped, stuck before it, or never spawned)"
+                + (f"; torchrun's agent saw {', '.join(seen)}" if seen else "")
+                + "; there is nothing to compare.")
     elif (killed := endings.killed_without_dumps(trace)) is not None:
         return Diagnosis(*killed)
     else:
@@ -336,6 +383,19 @@ def _no_dumps(trace: Trace) -> Diagnosis:
                 "SIGKILL of the launcher or of every rank); there is nothing to compare "
                 "(`kill -USR1 <pid>` dumps the ranks of a live run).")
     return Diagnosis("no_dump", text, [])
+
+
+def _only_unreadable(trace: Trace) -> Diagnosis:
+    """Dumps were written but none can be read: say so, and what ABORT.json still says."""
+    files = ", ".join(f"trace/{n} ({why})" for n, why in trace.unreadable.items())
+    text = f"no readable dump: {files}"
+    if trace.abort:
+        text += (f"; the watchdog fired (rank {trace.abort.get('rank')} saw no progress for "
+                 f"{trace.abort.get('limit_s')} s at step {trace.abort.get('step')})")
+    silent = [r for r in range(trace.world_size) if r not in trace.unreadable_ranks()]
+    if silent:
+        text += f"; {_ranks_text(silent)} left no dump"
+    return Diagnosis("no_dump", text + "; there is nothing to compare.", [])
 
 
 def _nothing(trace: Trace) -> Diagnosis:
@@ -347,6 +407,11 @@ def _nothing(trace: Trace) -> Diagnosis:
     if any(r.startswith("exception") for r in reasons):
         return Diagnosis("none", "the ranks agree on every collective they issued; the run "
                          "failed with an exception (see the evidence).", [])
+    if set(reasons) == {"SIGUSR1"}:
+        return Diagnosis("none", "dumped on demand (SIGUSR1) while running: no rank is behind "
+                         f"a peer by more than the longest step ({step_bound_s(trace):.1f} s) "
+                         "and none issued anything different; where each rank was is in the "
+                         "evidence.", [])
     return Diagnosis("none", "no divergence and no straggler: every rank issued the same "
                      "collectives in the same order.", [])
 
@@ -357,8 +422,13 @@ def evidence(trace: Trace) -> list[str]:
     if trace.abort:
         lines.append(f"watchdog: rank {trace.abort.get('rank')} saw no progress for "
                      f"{trace.abort.get('limit_s')} s at step {trace.abort.get('step')}")
+    for name, why in trace.unreadable.items():
+        lines.append(f"trace/{name}: unreadable, {why}")
     for r in range(trace.world_size):
         d = trace.dumps.get(r)
+        if d is None and r in trace.unreadable_ranks():
+            lines.append(f"{trace.label(r)}: dump unreadable (see above)")
+            continue
         if d is None:
             how = ("; interrupted (SIGINT)" if "interrupted_t" in trace.hellos.get(r, {})
                    else "")

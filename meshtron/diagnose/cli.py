@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from meshtron.argtypes import positive_int
 from meshtron.errors import UserError
@@ -41,7 +42,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from meshtron.diagnose.analyze import diagnose
     from meshtron.diagnose.trace import load_attempts
 
-    found = [(trace.attempt, diagnose(trace)) for trace in load_attempts(args.run_dir)]
+    traces = load_attempts(args.run_dir)
+    for trace in traces:  # judged from the other files; said once, on stderr
+        for name, why in trace.unreadable.items():
+            print(f"meshtron doctor: warning: {trace.trace_dir / name}: {why}; judged from "
+                  "the other files", file=sys.stderr)
+    found = [(trace.attempt, diagnose(trace)) for trace in traces]
     if args.json:
         latest, diagnosis = found[-1]
         doc = {**diagnosis.to_dict(), "attempt": latest}

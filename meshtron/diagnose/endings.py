@@ -15,6 +15,10 @@ analyze.py asks these first or last):
   torchrun's agent saw killed by a signal (`dead_rank`); with no such rank, the verdict says
   that no rank names a cause rather than presenting a lost connection as one.
 
+- `never_joined`: a rank with no hello file (written at its start, before it joins the process
+  group) while a rank that dumped was still joining: its process never reached meshtron's
+  start, and the others waited for it in the rendezvous.
+
 The signal that ended a rank comes from what torchrun's agent saw (checkpoint/restart.py
 `agent_exits`), the last complete checkpoint from the checkpoint store.
 """
@@ -189,6 +193,39 @@ def dead_rank_details(trace: Trace, culprits: list[int]) -> str:
     how = [f"rank {r} {text}" for r in culprits if (text := killed_by(trace, r))]
     seen = f"; torchrun's agent saw {', '.join(how)}" if how else ""
     return f"{seen}; {_checkpoint_text(trace)}"
+
+
+def _joining(dump: dict[str, Any]) -> bool:
+    """The rank dumped before it had joined the process group (`joined_t` still None)."""
+    return "joined_t" in dump and dump["joined_t"] is None
+
+
+def never_joined(trace: Trace, missing: list[int]) -> Ending | None:
+    """Ranks with no hello file (written at a rank's start, before it joins the process
+    group) while a rank that dumped was still joining: they never reached meshtron's start."""
+    waiting = {r: d for r, d in trace.dumps.items() if _joining(d)}
+    culprits = [r for r in missing if r not in trace.hellos]
+    if not waiting or not culprits:
+        return None
+    names = "; ".join(trace.label(r) for r in culprits)
+    one = len(culprits) == 1
+    text = (f"{names} never joined: {'it' if one else 'they'} wrote no hello file (the "
+            f"{'process' if one else 'processes'} never reached meshtron's start: stopped, "
+            "stuck before it, or never spawned)")
+    r = max(waiting, key=lambda k: waiting[k]["time"] - _start_t(trace, k, waiting[k]))
+    secs = waiting[r]["time"] - _start_t(trace, r, waiting[r])
+    where = trace.where(r)
+    text += (f"; rank {r} waited {secs:.1f} s for {'it' if one else 'them'} to join the "
+             "process group" + (f" (at {where})" if where else ""))
+    seen = [f"rank {c} {how}" for c in culprits if (how := killed_by(trace, c))]
+    if seen:
+        text += f"; torchrun's agent saw {', '.join(seen)}"
+    return Ending("never_joined", text + ".", culprits)
+
+
+def _start_t(trace: Trace, rank: int, dump: dict[str, Any]) -> float:
+    """When the rank started (its hello file), else its dump's time (a wait of 0)."""
+    return trace.hellos.get(rank, {}).get("start_t") or dump["time"]
 
 
 def _is_consequence(text: str) -> bool:

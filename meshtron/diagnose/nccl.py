@@ -229,6 +229,14 @@ class _Reader:
             flag("warning", "mixed_drivers", f"CUDA driver versions differ: {sorted(drivers)}")
         for c in comms:
             self._comm_flags(c, tp, flag)
+        if tp and tp > 1 and not any(c.nranks == tp for c in comms):
+            # Said, not an error: the rest of the report stands (a WARN-level log has no
+            # communicator lines at all), but "no problem found" must not read as checked.
+            sizes = sorted({c.nranks for c in comms})
+            flag("warning", "tp_unmatched", f"--tp={tp}: no communicator of {tp} ranks in the "
+                 "logs (" + (f"sizes seen: {', '.join(map(str, sizes))}" if sizes else
+                             "no communicator lines: NCCL_DEBUG=INFO prints them")
+                 + "), so the tensor-parallel check matched nothing")
         if self.timeouts:
             t = self.timeouts[0]
             flag("error", "timeout", f"{len(self.timeouts)} collective timeout(s); first: rank "
@@ -280,6 +288,6 @@ def analyze_files(paths: list[str], tp: int | None = None) -> NcclReport:
             for raw in f:
                 reader.line(raw)
     if not reader.processes and not reader.timeouts:
-        raise UserError(f"--nccl-log {' '.join(paths)}: no NCCL log lines (run with "
-                        "NCCL_DEBUG=INFO)")
+        raise UserError(f"--nccl-log={' '.join(repr(str(x)) for x in paths)}: no NCCL log "
+                        "lines (run with NCCL_DEBUG=INFO)")
     return reader.report([str(p) for p in paths], tp)

@@ -35,6 +35,14 @@ class Trace:
     """The folder the dumps were read from (RUN_DIR/trace, or trace/attempt_N)."""
     attempt: int = 0
     """torchrun's restart attempt these dumps belong to (0: the first start)."""
+    unreadable: dict[str, str] = field(default_factory=dict)
+    """File name -> why it could not be read (cut short, another format version): a rank
+    whose dump is here did dump; it is judged from what the other files say."""
+
+    def unreadable_ranks(self) -> list[int]:
+        """Ranks whose dump (not hello file) exists but cannot be read."""
+        names = [n.removeprefix("rank_").removesuffix(".json") for n in self.unreadable]
+        return sorted(int(n) for n in names if n.isdigit())
 
     # -- naming --------------------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
@@ -162,23 +170,19 @@ def _folders(run_dir: Path | str) -> tuple[Path, Path]:
 def _load(run_dir: Path, tdir: Path, attempt: int) -> Trace:
     dumps: dict[int, dict[str, Any]] = {}
     hellos: dict[int, dict[str, Any]] = {}
-    skipped = []
+    unreadable: dict[str, str] = {}
     for path in sorted(tdir.glob("rank_*.json")):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):  # UnicodeDecodeError included
-            doc = None  # a dump cut short by a kill: as if it were missing
-        if not isinstance(doc, dict) or doc.get("format") != dumpfile.FORMAT \
-                or not isinstance(doc.get("rank"), int):
-            skipped.append(path.name)
+        doc, why = _read_rank_file(path)
+        if why:
+            unreadable[path.name] = why
             continue
         (hellos if path.name.endswith(".hello.json") else dumps)[doc["rank"]] = doc
-    if not dumps and not hellos:
-        damaged = (f"; {len(skipped)} unreadable or not meshtron's: {', '.join(skipped[:3])}"
-                   if skipped else "")
+    exits = _agent_exits(run_dir, attempt)
+    if not dumps and not hellos and not unreadable and not exits:
         raise UserError(f"RUN_DIR={str(run_dir)!r}: no trace (expected trace/rank_N.json, "
-                        f"written by `meshtron train` ranks){damaged}")
-    world = max(int(d.get("world_size", 0)) for d in [*dumps.values(), *hellos.values()])
+                        "written by `meshtron train` ranks)")
+    world = max([int(d.get("world_size", 0)) for d in [*dumps.values(), *hellos.values()]]
+                + [r + 1 for r in [*_ranks_named(unreadable), *exits]])
     abort = None
     if (tdir / dumpfile.ABORT_FILE).is_file():
         try:
@@ -186,7 +190,45 @@ def _load(run_dir: Path, tdir: Path, attempt: int) -> Trace:
         except ValueError:
             abort = None
     mesh = next((d["mesh"] for d in dumps.values() if d.get("mesh")), None)
-    return Trace(run_dir, world, dumps, hellos, abort, _metrics(run_dir), mesh, tdir, attempt)
+    return Trace(run_dir, world, dumps, hellos, abort, _metrics(run_dir), mesh, tdir, attempt,
+                 unreadable)
+
+
+def _read_rank_file(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(document, None), or (None, why it cannot be read): a file cut short (a copy or a full
+    disk; the ranks write theirs atomically) or of another format version is said, never
+    taken for a rank that did not dump."""
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    except ValueError:  # UnicodeDecodeError included
+        return None, "truncated or damaged (not complete JSON)"
+    if not isinstance(doc, dict) or "format" not in doc:
+        return None, "not a meshtron trace file (no format field)"
+    if doc["format"] != dumpfile.FORMAT:
+        return None, (f"format {doc['format']!r}, written by another meshtron version; this "
+                      f"doctor reads {dumpfile.FORMAT!r}")
+    if not isinstance(doc.get("rank"), int):
+        return None, "damaged (no rank number)"
+    return doc, None
+
+
+def _agent_exits(run_dir: Path, attempt: int) -> dict[int, int]:
+    """What torchrun's agent saw of each rank's end (attempts/attempt_N/exits.json): a run
+    whose ranks ended before any reached meshtron's start left only that."""
+    from meshtron.checkpoint.restart import agent_exits
+
+    return agent_exits(run_dir, attempt)
+
+
+def _ranks_named(names) -> list[int]:
+    out = []
+    for name in names:
+        number = name.removeprefix("rank_").split(".")[0]
+        if number.isdigit():
+            out.append(int(number))
+    return out
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:

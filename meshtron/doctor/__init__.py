@@ -2,7 +2,9 @@
 rank and dump what they saw to RUN_DIR/trace. Reading the dumps afterwards (the verdict naming
 the culprit, the timeline, NCCL logs) is `meshtron.diagnose`, the `meshtron doctor` command.
 
-The trainer calls `start(...)` once per rank, `watch_mesh(mesh)` when the mesh exists,
+The trainer calls `start(..., joining=True)` once per rank before it joins the process group
+(a rank that never comes is then caught and named), `joined()` once it has,
+`watch_mesh(mesh)` when the mesh exists,
 `beat(step)` after each step and `current().close()` at the end; these are no-ops when no
 session runs (one process, or the recorder turned off). The session is per process (signal
 handlers are), never per process group.
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshtron.doctor.session import DoctorSession
 
-__all__ = ["DoctorSession", "EXIT_WATCHDOG", "start", "current", "beat", "watch_mesh",
+__all__ = ["DoctorSession", "EXIT_WATCHDOG", "start", "joined", "current", "beat", "watch_mesh",
            "trace_dir", "attempt_dirs", "prepare_env"]
 
 _session: "DoctorSession | None" = None
@@ -67,16 +69,24 @@ def prepare_env() -> None:
 
 
 def start(run_dir: Path | str, rank: int, world_size: int, attempt: int = 0,
-          **options: Any) -> "DoctorSession":
+          joining: bool = False, **options: Any) -> "DoctorSession":
     """Start this process's session (replacing an earlier one); `attempt`: torchrun's restart
-    attempt (`trace_dir`); options as DoctorSession."""
+    attempt (`trace_dir`); `joining`: before the process group exists (`joined()` after it
+    does); options as DoctorSession."""
     global _session
     from meshtron.doctor.session import DoctorSession
 
     if _session is not None:
         _session.close(final_dump=False)
-    _session = DoctorSession(trace_dir(run_dir, attempt), rank, world_size, **options).start()
+    _session = DoctorSession(trace_dir(run_dir, attempt), rank, world_size,
+                             **options).start(joining=joining)
     return _session
+
+
+def joined() -> None:
+    """The process group of a session started `joining` exists (DoctorSession.joined)."""
+    if _session is not None:
+        _session.joined()
 
 
 def current() -> "DoctorSession | None":

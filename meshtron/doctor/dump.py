@@ -20,6 +20,9 @@ from typing import Any
 
 FORMAT = "meshtron-trace/1"
 ABORT_FILE = "ABORT.json"
+FIRST_STEP_FLOOR_S = 120.0
+"""The watchdog's least allowance before a rank's first step (joining the process group,
+building the model, the first step's compilation): max(4 x its timeout, this)."""
 
 
 def clear_trace(run_dir: Path) -> None:

@@ -18,7 +18,8 @@ handler installed later replaced ours). A SIGTERM that had the default action, a
 ours, keeps its meaning: after the dump the process exits with 128+15.
 
 Watchdog: progress is a finished step or a collective issued. With none for `timeout` seconds
-(`first_step_timeout` before the first step: start-up, compilation, first all-gathers), the
+(`first_step_timeout` to join the process group when started `joining`, and again before
+the first step: start-up, compilation, first all-gathers), the
 rank announces the timeout out of band, never through the possibly hung process groups: a file
 TRACE_DIR/ABORT.json (and, when there is one, a key in the job's c10d store, polled by a thread
 of its own so that a frozen store host cannot block the watchdog). Every rank's watcher polls
@@ -77,9 +78,13 @@ class DoctorSession:
         self.rank, self.world_size = rank, world_size
         self.timeout_s = watchdog_timeout_s
         self.first_step_timeout_s = first_step_timeout_s or (
-            max(4 * watchdog_timeout_s, 120.0) if watchdog_timeout_s else None)
+            max(4 * watchdog_timeout_s, dumpfile.FIRST_STEP_FLOOR_S) if watchdog_timeout_s
+            else None)
         self.exit_on_timeout = exit_on_timeout
-        self.recorder = _recorder(rank, capacity) if recorder else None
+        self.recorder = None  # made by `joined()`: on NCCL it reads the process group
+        self._record, self._capacity = recorder, capacity
+        self.joined_t: float | None = None
+        """When this rank's process group was ready (None while it joins: `start(joining=True)`)."""
         self.mesh: dict[str, Any] | None = None
         self.step = 0
         self.step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
@@ -108,16 +113,14 @@ class DoctorSession:
         (elastic rounds, replica groups); `meshtron train` turns it on for fixed worlds."""
 
     # -- life cycle ----------------------------------------------------------------------------
-    def start(self) -> "DoctorSession":
+    def start(self, joining: bool = False) -> "DoctorSession":
+        """`joining`: started before the process group exists (hello file, signal handlers and
+        watchdog cover the rendezvous, where a rank that never comes hangs the others); call
+        `joined()` once it exists."""
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         dumpfile.write_hello(self.trace_dir, self.rank, self.world_size)
-        if self.recorder is not None:
-            self.recorder.install()
-            self._installed = True
-            if self.timeline:
-                from meshtron.doctor.timeline import TimelineCapture
-
-                self._timeline = TimelineCapture(self.recorder).install()
+        if not joining:
+            self.joined()
         self._install_signals()
         self._thread = threading.Thread(target=self._watch, name="meshtron-doctor",
                                         daemon=True)
@@ -126,6 +129,21 @@ class DoctorSession:
             threading.Thread(target=self._poll_store, name="meshtron-doctor-store",
                              daemon=True).start()
         return self
+
+    def joined(self) -> None:
+        """The process group exists: record its collectives; the first step's watchdog limit
+        counts from here (joining had one of its own)."""
+        if self.joined_t is not None:
+            return
+        if self._record:
+            self.recorder = _recorder(self.rank, self._capacity)
+            self.recorder.install()
+            self._installed = True
+            if self.timeline:
+                from meshtron.doctor.timeline import TimelineCapture
+
+                self._timeline = TimelineCapture(self.recorder).install()
+        self.joined_t = self._last_progress = time.time()
 
     def close(self, final_dump: bool = True) -> None:
         """Stop watching; `final_dump`: write the end-of-run dump (step times and the last
@@ -207,7 +225,7 @@ class DoctorSession:
             doc = {
                 "format": dumpfile.FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
-                "time": time.time(), "step": self.step,
+                "time": time.time(), "step": self.step, "joined_t": self.joined_t,
                 "last_progress_t": self._progress_t(),
                 "watchdog": {"timeout_s": self.timeout_s,
                              "first_step_timeout_s": self.first_step_timeout_s,
@@ -304,11 +322,10 @@ class DoctorSession:
         # skipped: the exception's own dump may still be in progress on the main thread (the
         # lock waits for it) when this exits the process.
         again = signum == signal.SIGTERM and self._exception_reason is not None
-        self.dump(self._exception_reason if again else name)
-        if signum == signal.SIGUSR1:
-            import faulthandler
-
-            faulthandler.dump_traceback(all_threads=True)  # also readable on stderr
+        path = self.dump(self._exception_reason if again else name)
+        if signum == signal.SIGUSR1:  # every thread's stack is in the dump: one line here
+            print(f"[rank {self.rank}] SIGUSR1: trace written to {path}", file=sys.stderr,
+                  flush=True)
         elif (self._previous.get(signum) == signal.SIG_DFL
               and signal.getsignal(signum) == self._chain):
             # Nobody else handles SIGTERM (a handler installed after ours, e.g. a graceful

@@ -33,6 +33,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
 
     phases.mark("rank_entry")  # interpreter up, the command line parsed
     leave_on_interrupt()  # an outside torchrun's ranks too
+    hold_usr1()
     import torch  # noqa: F401 - here, so its import time is a phase of its own
 
     phases.mark("torch_imported")
@@ -46,9 +47,15 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
     try:
         doctor.prepare_env()
         attempt = _attempt(job, world)
+        # Before the rendezvous (not for elastic rounds, whose world is fixed by it): a rank
+        # that never joins hangs the others in init_process_group, for its whole timeout on
+        # gloo; the doctor's hello file, SIGUSR1 and watchdog then already work.
+        if job.elastic is None:
+            _start_doctor(job, world, attempt, joining=True)
         device = init_rank(world, dump_prefix=str(
             doctor.trace_dir(job.cfg.train.run_dir, attempt) / "nccl_flight_recorder_rank_"),
             store=_attempt_store(job, world), record=job.recorder)
+        doctor.joined()
         phases.mark("group_ready")
         if job.elastic is not None:  # a rendezvous round: start or continue the job
             from meshtron.train.elastic import begin_round
@@ -60,10 +67,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
             from meshtron.train.elastic import announce_replan
 
             announce_replan(job, world, plan)
-        session = doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
-                               watchdog_timeout_s=job.watchdog_timeout_s,
-                               recorder=job.recorder, attempt=attempt)
-        _watch_failures(session, job, world)
+            _start_doctor(job, world, attempt, joining=False)
         from meshtron.train.parallel import train_on_rank
 
         summary = train_on_rank(job.cfg, plan, world, device, cluster,
@@ -153,6 +157,28 @@ def _attempt_store(job: TrainJob, world: World):
 
         return attempt_store(world.rank, world.world_size, 600.0)
     return None
+
+
+def _start_doctor(job: TrainJob, world: World, attempt: int, joining: bool) -> None:
+    from meshtron import doctor
+
+    session = doctor.start(job.cfg.train.run_dir, world.rank, world.world_size,
+                           watchdog_timeout_s=job.watchdog_timeout_s, recorder=job.recorder,
+                           attempt=attempt, joining=joining)
+    _watch_failures(session, job, world)
+    if _USR1_EARLY:  # asked for before the doctor could dump: dump now
+        session.dump("SIGUSR1")
+
+
+_USR1_EARLY: list[float] = []
+
+
+def hold_usr1() -> None:
+    """From the rank's entry until its doctor starts, SIGUSR1 (the doctor's `kill -USR1`,
+    whose default action ends a process) is kept for the doctor's first dump."""
+    import time
+
+    signal.signal(signal.SIGUSR1, lambda *_: _USR1_EARLY.append(time.time()))
 
 
 def _watch_failures(session, job: TrainJob, world: World) -> None:

@@ -58,3 +58,10 @@ if os.environ.get("MESHTRON_TEST_KILL_AT_COMMIT"):
         return _replace(self, target)
 
     pathlib.Path.replace = replace
+
+# With MESHTRON_TEST_STOP_RANK=R: rank R SIGSTOPs itself as its interpreter starts, before
+# anything of meshtron runs (a rank that never joins: its peers wait in the rendezvous).
+if os.environ.get("RANK") and os.environ.get("RANK") == os.environ.get("MESHTRON_TEST_STOP_RANK"):
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSTOP)
