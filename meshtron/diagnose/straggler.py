@@ -126,7 +126,7 @@ def find(trace) -> Finding | None:
     text = (f"{trace.label(worst)} is a straggler: the other ranks waited for it "
             f"{waited[worst]:.3f} s in total, {100 * waited[worst] / span:.0f}% of the "
             f"{span:.3f} s the compared collectives span (a mean {mean_ms:.1f} ms per "
-            f"collective; last in {last[worst]} of {total}); {counted[worst]:.3f} s of it "
+            f"collective; the last rank to arrive at {last[worst]} of {total} collectives); {counted[worst]:.3f} s of it "
             f"({100 * counted[worst] / span:.0f}%) {why}")
     step = _median_step(trace)
     if step:
