@@ -258,6 +258,7 @@ def test_step_of_a_plan_the_stack_cannot_split_is_simulated_with_a_warning(sim_c
     (("--step", "--cluster", "dgx-h100:8", "--straggler", "x"), "--straggler"),
     (("--step", "--cluster", "dgx-h100:8", "--straggler", "99999:1.2"), "rank=99999"),
     (("--step", "--cluster", "dgx-h100:8", "--straggler", "0:0.5"), "factor=0.5"),
+    (("--step", "--cluster", "dgx-h100:8", "--straggler", "0:1e9"), "factor=1000000000.0"),
     (("--step", "--cluster", "dgx-h100:8", "--jitter", "-1"), "--jitter"),
     (("--gpus", "8..16"), "out"),
     (("--gpus", "-8..16", "--out", "x"), "gpus='-8..16'"),  # was argparse's "expected one"

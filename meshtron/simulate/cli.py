@@ -24,10 +24,14 @@ from meshtron.errors import UserError
 
 
 def _straggler(text: str) -> tuple[int, float]:
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*([0-9]*\.?[0-9]+)\s*", text)
-    if not m:
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\S+?)\s*", text)
+    try:
+        factor = float(m.group(2)) if m else math.nan
+    except ValueError:
+        factor = math.nan
+    if math.isnan(factor):  # 1e9 and 2.5e-1 are numbers: the range check below judges them
         raise argparse.ArgumentTypeError(f"{text!r}: expected RANK:FACTOR, e.g. 0:1.2")
-    return int(m.group(1)), float(m.group(2))
+    return int(m.group(1)), factor
 
 
 def _fraction(text: str) -> float:
