@@ -161,6 +161,12 @@ def test_saved_bf16_plan_states_its_dtype_on_cpu(capsys, tmp_path):
     text = proc.stdout.replace("\n", "")
     assert "dtype=bf16 (the saved plan's; runs here default to fp32" in text, proc.stdout
     assert json.loads((run / "config.json").read_text())["train"]["dtype"] == "bf16"
+    # issue 23 (tests/test_train_launch.py test_one_rank_saved_plan_runs_in_its_dtype, now
+    # `slow`: this run is the same one-rank saved-plan path): what the ranks ran, and
+    # RUN_DIR/plan.toml and run.toml agree on it
+    assert len(losses(run)) == 1
+    assert tomllib.loads((run / "run.toml").read_text())["train"]["dtype"] == "bf16"
+    assert tomllib.loads((run / "plan.toml").read_text())["dtype"] == "bf16"
 
 
 def test_cost_header_and_goodput_table_use_one_restart():

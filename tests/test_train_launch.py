@@ -164,6 +164,9 @@ def test_pipeline_and_tensor_parallel_eval_matches_single_process(tmp_path):
     assert abs(last["loss"] - want.final_loss) <= 1e-5 * want.final_loss
 
 
+# suite time: tests/test_cli_issue28.py test_saved_bf16_plan_states_its_dtype_on_cpu trains a
+# one-rank saved bf16 plan through the same path and asserts the same three files
+@pytest.mark.slow
 def test_one_rank_saved_plan_runs_in_its_dtype(capsys, tmp_path):
     """A saved plan's dtype is what the ranks run (issue 23: it was silently replaced by the
     run's default), and RUN_DIR/plan.toml and run.toml agree on it. One rank: the command's
