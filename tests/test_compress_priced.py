@@ -106,36 +106,18 @@ def test_plan_words_name_the_comm_fields():
     assert plan.replace(grad_compression="int8").comm_label() == " grad_compression=int8"
 
 
-ZERO2_INT8 = ("--zero", 2, "--grad-compression", "int8")
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """`meshtron train --model debug --nproc 2 --plan dp=2 --steps 2 FLAGS`, once per FLAGS for
-    the module: the ZeRO-2 int8 run is read by the memory test and the plan.toml test, which
-    assert different things on its folder (one 2-rank launch less; neither writes into it)."""
-    runs: dict[tuple, Path] = {}
-
-    def run(*flags) -> Path:
-        if flags not in runs:
-            cwd = tmp_path_factory.mktemp("run")
-            meshtron(cwd, "train", "--model", "debug", "--nproc", 2, "--plan", "dp=2",
-                     "--steps", 2, *flags, "--run-dir", "run")
-            runs[flags] = cwd / "run"
-        return runs[flags]
-    return run
-
-
-@pytest.mark.parametrize("flags, per_param", [
-    (ZERO2_INT8, 4.0),  # fp32 residual of the local gradients
-    (("--zero", 0, "--diloco", 4, "--grad-compression", "int8"), 12.0),  # + theta, momentum
+@pytest.mark.parametrize("zero, flags, per_param", [
+    (2, (), 4.0),  # fp32 residual of the local gradients
+    (0, ("--diloco", "3"), 12.0),  # + theta, momentum
 ])
-def test_memory_json_counts_the_compression_state_on_both_sides(trained, flags, per_param):
+def test_memory_json_counts_the_compression_state_on_both_sides(int8_run, zero, flags,
+                                                                 per_param):
     """memory.json's "compress" bytes: measured from the residual, outer-copy and momentum
     tensors the ranks hold, predicted from the plan (planner/memory_compress.py), equal byte
     for byte, about compression.extra_state_bytes per parameter (the codec's block padding
-    aside), and counted in both totals."""
-    run = trained(*flags)
+    aside), and counted in both totals. The runs are the session's 2-rank int8 runs
+    (conftest.py int8_run: tests/test_compress_resume.py resumes copies of them)."""
+    run = int8_run(zero, *flags)
     memory = json.loads((run / "memory.json").read_text())
     params = json.loads((run / "summary.json").read_text())["params"]
     predicted = memory["predicted"]["bytes_per_rank"]
@@ -147,12 +129,12 @@ def test_memory_json_counts_the_compression_state_on_both_sides(trained, flags, 
                                                           "compress"))
 
 
-def test_a_compressed_runs_plan_toml_predicts_what_cost_and_simulate_price(tmp_path, trained):
+def test_a_compressed_runs_plan_toml_predicts_what_cost_and_simulate_price(tmp_path, int8_run):
     """`meshtron train --grad-compression int8`: plan.toml's [predicted] step is the compressed
     plan's (before: the uncompressed search answer's), the figure `cost` and `simulate --step`
     give for that same file. The run is the memory test's ZeRO-2 one: the last assertion (the
     uncompressed plan prices differently) keeps the first one able to catch the old answer."""
-    plan_file = trained(*ZERO2_INT8) / "plan.toml"
+    plan_file = int8_run(2) / "plan.toml"
     plan = load_plan(plan_file)
     assert plan.grad_compression == "int8"
     cost = json.loads(meshtron(tmp_path, "cost", "--plan", plan_file, "--price-on-demand", 1,
