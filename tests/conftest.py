@@ -73,3 +73,33 @@ def _session_cwd(tmp_path_factory):
 def _own_cwd(tmp_path_factory, monkeypatch):
     """Each test starts in an empty directory of its own (see the module docstring)."""
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(scope="session")
+def int8_run(tmp_path_factory):
+    """`int8_run(zero, *flags)`: the folder of one finished 2-rank int8-compressed run
+    (`meshtron train --model debug --seq-len 32 --global-batch 8 --steps 8 --grad-compression
+    int8 --checkpoint-every 4 --nproc 2 --plan dp=2 --zero ZERO FLAGS`), trained once for the
+    session: tests/test_compress_resume.py resumes copies of it, tests/test_compress_priced.py
+    reads its memory.json and plan.toml (one 2-rank launch each, ~10 s of CPU, instead of its
+    own). Read only: a test that changes a run copies it first."""
+    import subprocess
+    import sys
+
+    runs: dict[tuple, Path] = {}
+
+    def run(zero: int, *flags: str) -> Path:
+        key = (zero, *flags)
+        if key not in runs:
+            path = tmp_path_factory.mktemp("int8-run") / f"ref-zero{zero}"
+            proc = subprocess.run(
+                [sys.executable, "-m", "meshtron", "train", "--model", "debug", "--seq-len", "32",
+                 "--global-batch", "8", "--eval-every", "0", "--steps", "8",
+                 "--grad-compression", "int8", "--checkpoint-every", "4", "--nproc", "2",
+                 "--plan", "dp=2", "--zero", str(zero), *flags, "--run-dir", str(path)],
+                capture_output=True, text=True, timeout=600,
+                env=dict(os.environ, OMP_NUM_THREADS="1"))
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            runs[key] = path
+        return runs[key]
+    return run

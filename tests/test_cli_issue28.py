@@ -127,11 +127,13 @@ def test_demo_says_why_it_trains_its_own_layout():
 
 
 # ---- runs ---------------------------------------------------------------------------------------
-def test_offload_activations_trains(tmp_path):
-    """Crashed with UnboundLocalError 'dataclasses' (train/planning.py) on every run."""
+def test_offload_activations_trains(capsys, tmp_path):
+    """Crashed with UnboundLocalError 'dataclasses' (train/planning.py) on every run. One
+    process: the command's entry point in this process (the crash was in the planning every
+    run goes through; a child process only added a torch import)."""
     run = tmp_path / "run"
-    proc = meshtron("train", *SMALL, "--steps", "1", "--offload-activations", "--run-dir", run,
-                    timeout=600)
+    proc = meshtron_main(capsys, "train", *SMALL, "--steps", "1", "--offload-activations",
+                         "--run-dir", run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tomllib.loads((run / "plan.toml").read_text())["offload_activations"] is True
     assert len(losses(run)) == 1
@@ -159,6 +161,12 @@ def test_saved_bf16_plan_states_its_dtype_on_cpu(capsys, tmp_path):
     text = proc.stdout.replace("\n", "")
     assert "dtype=bf16 (the saved plan's; runs here default to fp32" in text, proc.stdout
     assert json.loads((run / "config.json").read_text())["train"]["dtype"] == "bf16"
+    # issue 23 (tests/test_train_launch.py test_one_rank_saved_plan_runs_in_its_dtype, now
+    # `slow`: this run is the same one-rank saved-plan path): what the ranks ran, and
+    # RUN_DIR/plan.toml and run.toml agree on it
+    assert len(losses(run)) == 1
+    assert tomllib.loads((run / "run.toml").read_text())["train"]["dtype"] == "bf16"
+    assert tomllib.loads((run / "plan.toml").read_text())["dtype"] == "bf16"
 
 
 def test_cost_header_and_goodput_table_use_one_restart():

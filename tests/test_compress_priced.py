@@ -121,19 +121,20 @@ def test_plan_words_name_the_comm_fields():
     assert plan.replace(grad_compression="int8").comm_label() == " grad_compression=int8"
 
 
-@pytest.mark.parametrize("flags, per_param", [
-    (("--zero", 2, "--grad-compression", "int8"), 4.0),  # fp32 residual of the local gradients
-    (("--zero", 0, "--diloco", 4, "--grad-compression", "int8"), 12.0),  # + theta, momentum
+@pytest.mark.parametrize("zero, flags, per_param", [
+    (2, (), 4.0),  # fp32 residual of the local gradients
+    (0, ("--diloco", "3"), 12.0),  # + theta, momentum
 ])
-def test_memory_json_counts_the_compression_state_on_both_sides(tmp_path, flags, per_param):
+def test_memory_json_counts_the_compression_state_on_both_sides(int8_run, zero, flags,
+                                                                 per_param):
     """memory.json's "compress" bytes: measured from the residual, outer-copy and momentum
     tensors the ranks hold, predicted from the plan (planner/memory_compress.py), equal byte
     for byte, about compression.extra_state_bytes per parameter (the codec's block padding
-    aside), and counted in both totals."""
-    meshtron(tmp_path, "train", "--model", "debug", "--nproc", 2, "--plan", "dp=2", "--steps", 2,
-             *flags, "--run-dir", "run")
-    memory = json.loads((tmp_path / "run" / "memory.json").read_text())
-    params = json.loads((tmp_path / "run" / "summary.json").read_text())["params"]
+    aside), and counted in both totals. The runs are the session's 2-rank int8 runs
+    (conftest.py int8_run: tests/test_compress_resume.py resumes copies of them)."""
+    run = int8_run(zero, *flags)
+    memory = json.loads((run / "memory.json").read_text())
+    params = json.loads((run / "summary.json").read_text())["params"]
     predicted = memory["predicted"]["bytes_per_rank"]
     for rank, measured in enumerate(memory["measured_bytes_per_rank"]):
         assert measured["compress"] == predicted[rank]["compress"], rank
@@ -143,21 +144,21 @@ def test_memory_json_counts_the_compression_state_on_both_sides(tmp_path, flags,
                                                           "compress"))
 
 
-def test_a_compressed_runs_plan_toml_predicts_what_cost_and_simulate_price(tmp_path):
+def test_a_compressed_runs_plan_toml_predicts_what_cost_and_simulate_price(tmp_path, int8_run):
     """`meshtron train --grad-compression int8`: plan.toml's [predicted] step is the compressed
     plan's (before: the uncompressed search answer's), the figure `cost` and `simulate --step`
-    give for that same file."""
-    meshtron(tmp_path, "train", "--model", "debug", "--nproc", 2, "--plan", "dp=2", "--zero", 0,
-             "--steps", 1, "--grad-compression", "int8", "--run-dir", "run")
-    plan = load_plan(tmp_path / "run" / "plan.toml")
+    give for that same file. The run is the memory test's ZeRO-2 one: the last assertion (the
+    uncompressed plan prices differently) keeps the first one able to catch the old answer."""
+    plan_file = int8_run(2) / "plan.toml"
+    plan = load_plan(plan_file)
     assert plan.grad_compression == "int8"
-    cost = json.loads(meshtron(tmp_path, "cost", "--plan", "run/plan.toml", "--price-on-demand", 1,
+    cost = json.loads(meshtron(tmp_path, "cost", "--plan", plan_file, "--price-on-demand", 1,
                                "--gpu-watts", 100, "--json").stdout)
-    sim = json.loads(meshtron(tmp_path, "simulate", "--step", "--plan", "run/plan.toml",
+    sim = json.loads(meshtron(tmp_path, "simulate", "--step", "--plan", plan_file,
                               "--json").stdout)
     assert plan.predicted["step_time_s"] == pytest.approx(cost["step_time_s"], abs=1e-6)
     assert sim["analytical_step_s"] == pytest.approx(cost["step_time_s"], rel=1e-12)
-    plain = load_plan(tmp_path / "run" / "plan.toml").replace(grad_compression="none")
+    plain = load_plan(plan_file).replace(grad_compression="none")
     (tmp_path / "plain.toml").write_text(plain.to_toml())
     other = json.loads(meshtron(tmp_path, "cost", "--plan", "plain.toml", "--price-on-demand", 1,
                                 "--gpu-watts", 100, "--json").stdout)

@@ -57,8 +57,11 @@ HIER = ["--nproc", "4", "--plan", "dp=4", "--compress-scope", "inter_node",
     (0, DP2, ()), (2, DP2, ()), (0, DP2, ("--diloco", "3")),
     pytest.param(1, HIER, (), marks=pytest.mark.slow)],  # 4 ranks; suite time
     ids=["zero0", "zero2", "diloco3", "zero1-inter-node"])
-def test_int8_resume_on_the_same_layout_is_the_same_run(tmp_path, zero, layout, flags):
-    ref = _reference(tmp_path, zero, layout, flags)
+def test_int8_resume_on_the_same_layout_is_the_same_run(tmp_path, int8_run, zero, layout,
+                                                       flags):
+    # dp=2: the session's run of these flags (conftest.py int8_run, also read by
+    # tests/test_compress_priced.py), resumed from a copy; the 4-rank case trains its own
+    ref = int8_run(zero, *flags) if layout == DP2 else _reference(tmp_path, zero, layout, flags)
     assert sorted(_losses(ref)) == list(range(1, 9))
     run_dir = tmp_path / f"resumed-zero{zero}"
     _cut(ref, run_dir, 4)

@@ -243,27 +243,62 @@ def _runnable(slow: bool) -> list[Command]:
     return out
 
 
-def _run_documented(cmds: list[Command], folder: Path) -> list[str]:
-    """Run each command as typed, in document order in one folder (README's `--save
-    plan.toml` feeds economize.md's `cost --plan plan.toml`); the failures, one line each."""
+def _chains(cmds: list[Command]) -> list[list[int]]:
+    """The commands (indexes, document order) cut into chains that share no file: a command
+    naming a file an earlier one writes (`--save F`, `--out F`) runs after it in its chain
+    (README's `--save plan.toml` feeds economize.md's `cost --plan plan.toml`); the others
+    start chains."""
+    chains: list[list[int]] = []
+    writer: dict[str, int] = {}  # file -> the chain whose command saves it
+    for i, cmd in enumerate(cmds):
+        words = cmd.text.split()
+        chain = next((writer[w] for w in words if w in writer), None)
+        if chain is None:
+            chains.append([])
+            chain = len(chains) - 1
+        chains[chain].append(i)
+        for flag, value in zip(words, words[1:]):
+            if flag in ("--save", "--out"):
+                writer[value] = chain
+    return chains
+
+
+def _run_one(cmd: Command, folder: Path) -> list[str]:
+    """Run one command as typed; its failures, one line each."""
     import time
 
-    bad = []
-    for cmd in cmds:
-        start = time.monotonic()
-        proc = subprocess.run(["bash", "-c", cmd.text], cwd=folder, capture_output=True,
-                              text=True, timeout=300)
-        took = time.monotonic() - start
-        want = next((rc for k, rc in EXPECTED_RC.items() if k in cmd.text), 0)
-        print(f"{cmd.where}: exit {proc.returncode} in {took:.1f} s: {cmd.text}")
-        if proc.returncode != want:
-            bad.append(f"{cmd.where}: exit {proc.returncode} (want {want}): {cmd.text}\n"
-                       f"{proc.stderr[-800:]}")
-        elif "Traceback" in proc.stderr:
-            bad.append(f"{cmd.where}: a traceback: {proc.stderr[-800:]}")
-        elif meshtron_argv(cmd)[0] == "plan" and "--json" not in cmd.text:
-            bad += [f"{cmd.where}: {problem}" for problem in _table_problems(proc.stdout)]
-    return bad
+    start = time.monotonic()
+    proc = subprocess.run(["bash", "-c", cmd.text], cwd=folder, capture_output=True,
+                          text=True, timeout=300)
+    took = time.monotonic() - start
+    want = next((rc for k, rc in EXPECTED_RC.items() if k in cmd.text), 0)
+    print(f"{cmd.where}: exit {proc.returncode} in {took:.1f} s: {cmd.text}")
+    if proc.returncode != want:
+        return [f"{cmd.where}: exit {proc.returncode} (want {want}): {cmd.text}\n"
+                f"{proc.stderr[-800:]}"]
+    if "Traceback" in proc.stderr:
+        return [f"{cmd.where}: a traceback: {proc.stderr[-800:]}"]
+    if meshtron_argv(cmd)[0] == "plan" and "--json" not in cmd.text:
+        return [f"{cmd.where}: {problem}" for problem in _table_problems(proc.stdout)]
+    return []
+
+
+def _run_documented(cmds: list[Command], folder: Path) -> list[str]:
+    """Run each command as typed in one folder, a command after any whose `--save` file it
+    names (_chains); the failures, one line each, in document order. Two chains at a time:
+    each command is one single-threaded Python process (the planner's search: user time
+    equals its wall time on an idle core), so on the 2-core CI machine the second core takes
+    half of the test's wall time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run_chain(chain: list[int]) -> dict[int, list[str]]:
+        return {i: _run_one(cmds[i], folder) for i in chain}
+
+    bad: dict[int, list[str]] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for result in pool.map(run_chain, _chains(cmds)):
+            bad.update(result)
+    return [line for i in sorted(bad) for line in bad[i]]
 
 
 def _table_problems(text: str) -> list[str]:

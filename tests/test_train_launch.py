@@ -54,16 +54,23 @@ def test_bad_plans_fail_before_any_rank_starts(capsys, tmp_path, argv, needle):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-def test_two_ranks_through_the_cli_match_single_process(tmp_path):
-    single = config_from_dict({
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The one-process run RUN describes (metrics.jsonl's folder), trained once for the module:
+    the two launches below compare their own runs with it (read only)."""
+    run_dir = tmp_path_factory.mktemp("single") / "single"
+    train(config_from_dict({
         "model": "debug", "data": {"seq_len": 32, "global_batch": 8},
-        "train": {"steps": 3, "eval_every": 0, "run_dir": str(tmp_path / "single")}})
-    train(single, show_progress=False)
+        "train": {"steps": 3, "eval_every": 0, "run_dir": str(run_dir)}}), show_progress=False)
+    return run_dir
+
+
+def test_two_ranks_through_the_cli_match_single_process(tmp_path, single):
     proc = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--zero", "3",
                      "--run-dir", str(tmp_path / "dp2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for key in ("loss", "grad_norm", "lr"):
-        want = _losses(tmp_path / "single" / "metrics.jsonl", key)
+        want = _losses(single / "metrics.jsonl", key)
         got = _losses(tmp_path / "dp2" / "metrics.jsonl", key)
         assert len(got) == 3
         for a, b in zip(want, got):
@@ -124,7 +131,7 @@ def test_public_api_reexports():
     assert meshtron.search_plans is meshtron.planner.search.search_plans
 
 
-def test_inside_an_existing_torchrun_world(tmp_path):
+def test_inside_an_existing_torchrun_world(tmp_path, single):
     """`torchrun ... -m meshtron train` (how multi-node jobs start): the ranks take torchrun's
     world, resolve the same plan each, and rank 0 reports."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -135,11 +142,9 @@ def test_inside_an_existing_torchrun_world(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: debug (125,632 params) on 2 ranks" in proc.stdout
     assert "tp = 2" in (tmp_path / "tr" / "plan.toml").read_text()
-    single = config_from_dict({
-        "model": "debug", "data": {"seq_len": 32, "global_batch": 8},
-        "train": {"steps": 3, "eval_every": 0, "run_dir": str(tmp_path / "single")}})
-    train(single, show_progress=False)
-    for a, b in zip(_losses(tmp_path / "single" / "metrics.jsonl"), _losses(tmp_path / "tr" / "metrics.jsonl")):
+    want, got = _losses(single / "metrics.jsonl"), _losses(tmp_path / "tr" / "metrics.jsonl")
+    assert len(got) == len(want) == 3
+    for a, b in zip(want, got):
         assert abs(a - b) <= 1e-5 * abs(a)
 
 
@@ -159,18 +164,22 @@ def test_pipeline_and_tensor_parallel_eval_matches_single_process(tmp_path):
     assert abs(last["loss"] - want.final_loss) <= 1e-5 * want.final_loss
 
 
-def test_one_rank_saved_plan_runs_in_its_dtype(tmp_path):
+# suite time: tests/test_cli_issue28.py test_saved_bf16_plan_states_its_dtype_on_cpu trains a
+# one-rank saved bf16 plan through the same path and asserts the same three files
+@pytest.mark.slow
+def test_one_rank_saved_plan_runs_in_its_dtype(capsys, tmp_path):
     """A saved plan's dtype is what the ranks run (issue 23: it was silently replaced by the
-    run's default), and RUN_DIR/plan.toml and run.toml agree on it."""
+    run's default), and RUN_DIR/plan.toml and run.toml agree on it. One rank: the command's
+    entry point in this process (a child process only added a torch import)."""
     import tomllib
 
     from meshtron.planner.plan import Plan
 
     saved = tmp_path / "p.toml"
     Plan(model="debug", global_batch=8, seq_len=32, dtype="bf16").save(saved)
-    proc = _meshtron("train", *RUN, "--nproc", "1", "--plan", str(saved),
-                     "--run-dir", str(tmp_path / "one"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = main(["train", *RUN, "--nproc", "1", "--plan", str(saved),
+                 "--run-dir", str(tmp_path / "one")])
+    assert code == 0, capsys.readouterr().err[-3000:]
     assert len(_losses(tmp_path / "one" / "metrics.jsonl")) == 3
     run = tomllib.loads((tmp_path / "one" / "run.toml").read_text())
     plan = tomllib.loads((tmp_path / "one" / "plan.toml").read_text())
