@@ -309,9 +309,26 @@ def leave_on_interrupt() -> None:
     """A rank's SIGINT (the launcher's Ctrl-C, forwarded by torchrun): leave at once and
     quietly, exit code 130; the launcher says "interrupted" once for all ranks. Not
     KeyboardInterrupt: a rank blocked in a collective would unwind into "peer gone" errors
-    and tracebacks. Installed before torch is imported, so a Ctrl-C during start-up is quiet
-    too."""
+    and tracebacks. Installed before torch is imported; a SIGINT that came earlier, while the
+    interpreter started (`_defer_sigint_in_ranks` blocked it), is delivered here."""
     signal.signal(signal.SIGINT, _leave)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _defer_sigint_in_ranks() -> None:
+    """Start the ranks with SIGINT blocked: a signal mask is inherited through fork and exec
+    (POSIX; CPython's subprocess restores the parent thread's mask in the child), so a Ctrl-C
+    forwarded while a rank's interpreter still runs its site files and imports stays pending
+    until `leave_on_interrupt` installs the quiet handler and unblocks it, instead of a
+    KeyboardInterrupt traceback. Only this (the agent's main) thread blocks it: torchrun spawns
+    the ranks from it, and a thread started before the block keeps SIGINT deliverable, so the
+    agent's own handler (torchrun's, run by the main thread) still sees the signal."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return
+    threading.Thread(target=threading.Event().wait, daemon=True,
+                     name="meshtron-sigint").start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def _leave(signum, frame) -> None:
@@ -363,6 +380,7 @@ def torchrun_main(argv: list[str]) -> int:
     this torch's torchrun, or an error of the agent, with its traceback)."""
     bind_to_parent()
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks end with this agent
+    _defer_sigint_in_ranks()
     import torch
     from torch.distributed.elastic.agent.server import api as agent_api
     from torch.distributed.elastic.multiprocessing import api as mp_api

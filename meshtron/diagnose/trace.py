@@ -178,9 +178,13 @@ def _load(run_dir: Path, tdir: Path, attempt: int) -> Trace:
             continue
         (hellos if path.name.endswith(".hello.json") else dumps)[doc["rank"]] = doc
     exits = _agent_exits(run_dir, attempt)
-    if not dumps and not hellos and not unreadable and not exits:
+    if not dumps and not hellos and not exits and not (tdir / dumpfile.ABORT_FILE).is_file():
+        # nothing of a run but files that are not readable dumps: not a run folder
+        damaged = (f"; {len(unreadable)} unreadable or not meshtron's: "
+                   + ", ".join(f"{n} ({why})" for n, why in list(unreadable.items())[:3])
+                   if unreadable else "")
         raise UserError(f"RUN_DIR={str(run_dir)!r}: no trace (expected trace/rank_N.json, "
-                        "written by `meshtron train` ranks)")
+                        f"written by `meshtron train` ranks){damaged}")
     world = max([int(d.get("world_size", 0)) for d in [*dumps.values(), *hellos.values()]]
                 + [r + 1 for r in [*_ranks_named(unreadable), *exits]])
     abort = None
