@@ -111,20 +111,14 @@ def check_moe(spec: Any) -> None:
 def _check_lists(spec: Any) -> None:
     """The tuple fields (a run file's TOML gives lists: kept as tuples, so specs stay
     hashable and comparable)."""
-    only = spec.moe_mlp_only_layers
-    if not isinstance(only, (list, tuple)) or any(
-            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < spec.layers
-            for i in only):
-        raise UserError(f"model.moe_mlp_only_layers={only!r}: must be a list of block indices "
-                         f"from 0 to {spec.layers - 1}")
-    object.__setattr__(spec, "moe_mlp_only_layers", tuple(only))
-    blocks = spec.window_blocks
-    if not isinstance(blocks, (list, tuple)) or any(
-            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < spec.layers
-            for i in blocks):
-        raise UserError(f"model.window_blocks={blocks!r}: must be a list of block indices "
-                        f"from 0 to {spec.layers - 1}")
-    object.__setattr__(spec, "window_blocks", tuple(blocks))
+    for field in ("moe_mlp_only_layers", "window_blocks"):
+        blocks = getattr(spec, field)
+        if not isinstance(blocks, (list, tuple)) or any(
+                not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < spec.layers
+                for i in blocks):
+            raise UserError(f"model.{field}={blocks!r}: must be a list of block indices "
+                            f"from 0 to {spec.layers - 1}")
+        object.__setattr__(spec, field, tuple(blocks))
     for field in ("train_refusals", "train_notes"):
         lines = getattr(spec, field)
         if not isinstance(lines, (list, tuple)) or any(not isinstance(r, str) for r in lines):
