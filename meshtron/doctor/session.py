@@ -210,13 +210,15 @@ class DoctorSession:
         self._last_progress = time.time()
 
     # -- dumps ---------------------------------------------------------------------------------
-    def dump_exception(self, exc: BaseException) -> Path:
+    def dump_exception(self, exc: BaseException, cause: str | None = None) -> Path:
+        """Dump for `exc`; `cause` ('Type: message') names what it wraps when the caller knows
+        better than its type (DCP's CheckpointException around each rank's OSError)."""
         import traceback
 
         if self.timed_out is not None:  # the hang's dump says more than its aftermath
             return dumpfile.dump_path(self.trace_dir, self.rank)
         self.exception = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self._exception_reason = f"exception: {type(exc).__name__}: {exc}"
+        self._exception_reason = f"exception: {cause or f'{type(exc).__name__}: {exc}'}"
         return self.dump(self._exception_reason)
 
     def dump(self, reason: str) -> Path:

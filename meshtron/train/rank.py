@@ -99,7 +99,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         _abort(world, f"failed: {exc}", 1)
     except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, and no hung peers
         _note(job, world, cause_text(exc))
-        _dump(exc)
+        _dump(exc, cause_text(exc))
         if storage_error(exc):  # a restart would meet it again: EXIT_STORAGE is not retried
             _end_restarts(job.cfg.train.run_dir, EXIT_STORAGE)
             _abort(world, f"failed: {cause_text(exc)} (a storage error: a restart "
@@ -212,13 +212,14 @@ def _note(job: TrainJob, world: World, cause: str, kind: str = "exception") -> N
         note_failure(job.cfg.train.run_dir, world.rank, cause, kind)
 
 
-def _dump(exc: BaseException) -> None:
-    """The rank's trace on a failure, for `meshtron doctor`."""
+def _dump(exc: BaseException, cause: str | None = None) -> None:
+    """The rank's trace on a failure, for `meshtron doctor` (`cause`: the error named, through
+    what wraps it)."""
     from meshtron import doctor
 
     session = doctor.current()
     if session is not None:
-        session.dump_exception(exc)
+        session.dump_exception(exc, cause)
 
 
 class RunFinished(Exception):
