@@ -13,8 +13,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m meshtron demo
 
+# Two workers (pytest-xdist): the suite's processes leave one of the CI machine's two cores idle
+# half the time; a test file stays on one worker, so its module fixtures run once.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

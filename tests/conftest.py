@@ -75,31 +75,45 @@ def _own_cwd(tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
+def _shared_dir(config, tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this test run sees (the workers' base folders are
+    siblings in the run's own), or the run's base folder without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(config, "workerinput") else base
+
+
 @pytest.fixture(scope="session")
-def int8_run(tmp_path_factory):
+def int8_run(request, tmp_path_factory):
     """`int8_run(zero, *flags)`: the folder of one finished 2-rank int8-compressed run
     (`meshtron train --model debug --seq-len 32 --global-batch 8 --steps 8 --grad-compression
     int8 --checkpoint-every 4 --nproc 2 --plan dp=2 --zero ZERO FLAGS`), trained once for the
-    session: tests/test_compress_resume.py resumes copies of it, tests/test_compress_priced.py
-    reads its memory.json and plan.toml (one 2-rank launch each, ~10 s of CPU, instead of its
-    own). Read only: a test that changes a run copies it first."""
+    test run, whichever xdist worker asks first (the others wait on a file lock): tests/
+    test_compress_resume.py resumes copies of it, tests/test_compress_priced.py reads its
+    memory.json and plan.toml (one 2-rank launch each, ~10 s of CPU, instead of its own). Read
+    only: a test that changes a run copies it first."""
+    import fcntl
+    import shutil
     import subprocess
     import sys
 
-    runs: dict[tuple, Path] = {}
+    root = _shared_dir(request.config, tmp_path_factory) / "int8-runs"
+    root.mkdir(exist_ok=True)
 
     def run(zero: int, *flags: str) -> Path:
-        key = (zero, *flags)
-        if key not in runs:
-            path = tmp_path_factory.mktemp("int8-run") / f"ref-zero{zero}"
-            proc = subprocess.run(
-                [sys.executable, "-m", "meshtron", "train", "--model", "debug", "--seq-len", "32",
-                 "--global-batch", "8", "--eval-every", "0", "--steps", "8",
-                 "--grad-compression", "int8", "--checkpoint-every", "4", "--nproc", "2",
-                 "--plan", "dp=2", "--zero", str(zero), *flags, "--run-dir", str(path)],
-                capture_output=True, text=True, timeout=600,
-                env=dict(os.environ, OMP_NUM_THREADS="1"))
-            assert proc.returncode == 0, proc.stderr[-2000:]
-            runs[key] = path
-        return runs[key]
+        path = root / "-".join([f"ref-zero{zero}", *(f.lstrip("-") for f in flags)])
+        with open(root / f"{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            done = root / f"{path.name}.done"
+            if not done.exists():
+                shutil.rmtree(path, ignore_errors=True)  # a worker that failed half-way
+                proc = subprocess.run(
+                    [sys.executable, "-m", "meshtron", "train", "--model", "debug", "--seq-len",
+                     "32", "--global-batch", "8", "--eval-every", "0", "--steps", "8",
+                     "--grad-compression", "int8", "--checkpoint-every", "4", "--nproc", "2",
+                     "--plan", "dp=2", "--zero", str(zero), *flags, "--run-dir", str(path)],
+                    capture_output=True, text=True, timeout=600,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+                assert proc.returncode == 0, proc.stderr[-2000:]
+                done.write_text("")
+        return path
     return run
