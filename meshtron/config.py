@@ -221,9 +221,7 @@ class RunConfig:
     """Loop length, precision, seed and outputs."""
 
     def __post_init__(self) -> None:
-        if self.data.seq_len > self.model.max_seq:
-            raise UserError(f"data.seq_len={self.data.seq_len}: exceeds the model's max_seq="
-                             f"{self.model.max_seq}")
+        self.model.check_seq_len(self.data.seq_len, "data.seq_len")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

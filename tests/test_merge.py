@@ -93,7 +93,7 @@ def branches(tmp_path_factory):
     return root
 
 
-def test_btx_merge_loads_and_trains(branches, tmp_path):
+def test_btx_merge_loads_and_trains(branches, tmp_path, capsys):
     out = tmp_path / "merged"
     assert main(["merge", "--experts", str(branches / "a"), str(branches / "b"),
                  "--to", str(out), "--top-k", "1"]) == 0
@@ -118,11 +118,26 @@ def test_btx_merge_loads_and_trains(branches, tmp_path):
         torch.testing.assert_close(merged[name], (a[name] + b[name]) / 2)
     run = tmp_path / "run"
     _train("--init-from", str(out), "--data", str(branches / "code"), "--steps", "6",
-           "--lr", "3e-3", "--run-dir", str(run))
+           "--lr", "3e-3", "--run-dir", str(run), "--checkpoint-every", "6")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_loss"] < summary["first_loss"] - 0.05, summary
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "moe_imbalance_max" in lines[-1]
+    # the MoE's export says how many tensors its files hold (one per expert), not meshtron's
+    # count of stacked experts (audit 47: "(51 tensors)" for a file of 231)
+    capsys.readouterr()
+    assert main(["export", str(run), "--to", str(tmp_path / "run_w")]) == 0
+    held = describe(tmp_path / "run_w")
+    from meshtron.hf.load import Checkpoint
+
+    written = len(Checkpoint(tmp_path / "run_w").shapes)
+    assert written > len(load_state(held)) and f"({written} tensors)" in capsys.readouterr().out
+    # the merge's output is a Hugging Face folder already: said so, pointing to --init-from
+    # (was "no complete checkpoint ... save some with --checkpoint-every")
+    assert main(["export", str(out), "--to", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a Hugging Face folder already" in err, err
+    assert f"train --init-from {out}" in err and not (tmp_path / "again").exists()
 
 
 def test_upcycle_through_the_cli_keeps_logits(branches, tmp_path):

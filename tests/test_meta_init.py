@@ -65,6 +65,34 @@ def test_any_box_equals_the_slice_of_the_whole(monkeypatch):
     monkeypatch.setattr(minit, "_threads", lambda device, work: 3)
     assert torch.equal(minit.init_box("layers.0.attention.wq.weight", (20, 17), (0, 0),
                                       (20, 17), 5, 2), whole)
+    # ... also into a parameter (a leaf that requires grad), as `materialize` fills one: grad
+    # mode is thread-local, so the pool's threads drew with grad on and the in-place copy
+    # into a view of the leaf raised (audit 47: a 32000 x 256 embedding on a 2-core CPU)
+    param = torch.nn.Parameter(torch.empty(20, 17))
+    minit.init_into(param, "layers.0.attention.wq.weight", (20, 17), (0, 0), 5, 2)
+    assert torch.equal(param.detach(), whole) and param.requires_grad
+
+
+@pytest.mark.slow  # ~7 s on a loaded 2-core machine; the threaded draw into a parameter is
+# checked in the default suite by test_any_box_equals_the_slice_of_the_whole
+def test_train_a_config_whose_embedding_is_drawn_by_threads(tmp_path, monkeypatch):
+    """`meshtron train` of a Hugging Face config whose embedding spans two row blocks (16448 x
+    256 > BLOCK_ELEMS), on two intra-op threads: its init crashed before the first step."""
+    import json
+
+    from meshtron.cli import main
+
+    assert 16448 * 256 > minit.BLOCK_ELEMS
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 1, "hidden_size": 256,
+        "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 16448,
+        "max_position_embeddings": 64, "tie_word_embeddings": True}))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the rank's thread count (runtime.cpu_threads)
+    assert main(["train", "--model", str(config), "--steps", "1", "--seq-len", "32",
+                 "--global-batch", "2", "--eval-every", "0",
+                 "--run-dir", str(tmp_path / "r")]) == 0
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 1
 
 
 def test_device_tiles_any_box_equals_the_slice_of_the_whole(monkeypatch):

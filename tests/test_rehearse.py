@@ -389,6 +389,9 @@ def test_rehearse_command_prints_both_sides(tmp_path):
     (["--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256"], "--model"),
     (["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256",
       "--layout", "dp=8", "--rank", "8", "--device", "cpu"], "rank=8"),
+    # longer than the model's positions: was a broadcast traceback from the ranks (audit 47)
+    (["--model", "debug", "--cluster", "nominal-cpu:2", "--global-batch", "4", "--seq-len",
+      "256"], "--seq-len=256: exceeds the model's max_seq=128"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, field):
     # The command's entry point in this process: the refusal comes before any rehearsal, so a

@@ -45,21 +45,51 @@ def test_outside_torchrun_writes_records_and_export_checks_the_model(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     assert 'name = "debug"' in (run / "run.toml").read_text()
     debug_toml = (run / "run.toml").read_text()
-    second = _torchrun("train", "--model", "tiny", *TINY, "--plan", "dp=2", "--steps", "2",
+    second = _torchrun("train", "--model", "tiny-gpt", *TINY, "--plan", "dp=2", "--steps", "2",
                        "--checkpoint-every", "2", "--run-dir", str(run), "--overwrite")
     assert second.returncode == 0, second.stderr[-3000:]
     # rank 0 of the outside launcher wrote this run's records, as `--nproc` does
-    assert 'name = "tiny"' in (run / "run.toml").read_text()
+    assert 'name = "tiny-gpt"' in (run / "run.toml").read_text()
     assert "dp = 2" in (run / "plan.toml").read_text()
+    # tied embeddings: the checkpoint holds output.weight too (the state_dict's alias); the
+    # export was refused as "the model of run.toml has none" (audit 47)
     done = _meshtron("export", str(run), "--to", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "exported step 2" in done.stdout and "(39 tensors)" in done.stdout
-    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+    config = json.loads((out / "config.json").read_text())
+    assert config["n_layer"] == 4 and config.get("tie_word_embeddings", True)
+    _exported_model_is_the_checkpoints(run / "checkpoints" / "step_00000002", out,
+                                       done.stdout)
     # a config of another run beside the checkpoint (what the stale run.toml was): refused
     (run / "run.toml").write_text(debug_toml)
     stale = _meshtron("export", str(run), "--to", str(tmp_path / "stale_hf"))
     _one_line_error(stale, "does not match the run's model config")
     assert not (tmp_path / "stale_hf").exists()
+
+
+def _exported_model_is_the_checkpoints(step_dir, out, printed):
+    """The export holds one tensor per HF name (no lm_head beside a tied wte, as transformers
+    writes tied models), the count printed is the files' count, and the model `train
+    --init-from` reads from it (hf.load.load_into) computes the checkpoint's logits."""
+    import torch
+    from safetensors import safe_open
+
+    from meshtron.checkpoint.export import load_checkpoint
+    from meshtron.hf.load import load_into
+    from meshtron.model import PRESETS, Transformer
+
+    names = set()
+    for path in out.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            names |= set(f.keys())
+    assert not any("lm_head" in n for n in names), sorted(names)
+    assert "exported step 2 of " in printed and f"({len(names)} tensors)" in printed, printed
+    spec = PRESETS["tiny-gpt"]
+    trained, exported = Transformer(spec, init_seed=0), Transformer(spec, init_seed=1)
+    trained.load_state_dict(load_checkpoint(step_dir))
+    load_into([exported], out, spec)
+    tokens = torch.randint(0, spec.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(trained(tokens), exported(tokens))
 
 
 @pytest.mark.slow  # suite time (stop 44): a scenario a default test covers

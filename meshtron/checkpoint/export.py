@@ -112,11 +112,17 @@ def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 
 def check_model_matches(folder: Path, expected: dict[str, tuple[int, ...]],
-                        where: str) -> None:
+                        where: str, aliases: dict[str, str] | None = None) -> None:
     """Refuse (one line) a checkpoint whose model tensors are not the ones `expected` (the run
     config's model, `hf.load.model_shapes`) names, with those shapes: a config of another run
-    beside the checkpoint (`where` names it) would export a broken model."""
+    beside the checkpoint (`where` names it) would export a broken model. `aliases`: second
+    names of one parameter (`hf.load.model_aliases`: a tied `output.weight`), which a
+    checkpoint also holds, as the model's state_dict has them: accepted with their
+    parameter's shape."""
     held = tensor_shapes(folder)
+    for alias, name in (aliases or {}).items():
+        if alias in held and alias not in expected and held[alias] == held.get(name):
+            del held[alias]
     for name in sorted(set(expected) | set(held)):
         want, have = expected.get(name), held.get(name)
         if want is not None and have is not None and tuple(want) == have:

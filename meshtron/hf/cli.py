@@ -45,10 +45,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from meshtron.checkpoint.export import check_model_matches, load_checkpoint, read_newest
     from meshtron.hf.export import export_type, prepare_export_dir, save_hf
     from meshtron.hf.hooks import source_config, tokenizer_source
-    from meshtron.hf.load import model_shapes
+    from meshtron.hf.load import Checkpoint, model_aliases, model_shapes
     from meshtron.hf.origin import origin_record, recorded_path
 
     run_dir = Path(args.run_dir)
+    _weights_already(run_dir)
     cfg = run_config(run_dir)
     export_type(cfg.model, source_config(cfg), "export")
     prepare_export_dir(args.to, "export --to")
@@ -57,7 +58,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     source = run_dir / ("run.toml" if (run_dir / "run.toml").is_file() else "config.json")
 
     def read(folder: Path):
-        check_model_matches(folder, expected, str(source))  # before any tensor is read
+        check_model_matches(folder, expected, str(source),  # before any tensor is read
+                            model_aliases(cfg.model))
         return load_checkpoint(folder)  # verified by read_newest
 
     # the newest complete checkpoint (or --step's), chosen again when a live run's retention
@@ -67,8 +69,23 @@ def cmd_export(args: argparse.Namespace) -> int:
             if cfg.train.init_from else None)
     out = save_hf(state, cfg.model, args.to, source_config(cfg), tokenizer_source(cfg, run_dir),
                   origin=origin_record(run_dir, step, init, cfg.train.seed))
-    print(f"exported step {step} of {run_dir} ({len(state)} tensors) to {out}")
+    # what the files hold: experts are one stacked tensor here, one per expert in HF, and a
+    # tied head is not written twice
+    written = len(Checkpoint(out, "export --to").shapes)
+    print(f"exported step {step} of {run_dir} ({written} tensors) to {out}")
     return 0
+
+
+def _weights_already(run_dir: Path) -> None:
+    """Refuse (one line) a Hugging Face folder given as RUN_DIR (a merge's or an export's
+    output): it is already what export writes, and read as a run it only lacked checkpoints."""
+    if (run_dir / "run.toml").is_file() or not any(run_dir.glob("*.safetensors")):
+        return
+    made = ("a merge's output" if (run_dir / "merge.json").is_file() else
+            "an export" if (run_dir / "export.json").is_file() else "weights")
+    raise UserError(f"export RUN_DIR={str(run_dir)!r}: is a Hugging Face folder already "
+                    f"({made}: config.json and *.safetensors), not a run folder; use it as it "
+                    f"is, e.g. `meshtron train --init-from {run_dir}`")
 
 
 def _no_checkpoint(run_dir: Path) -> None:

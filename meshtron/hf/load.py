@@ -208,6 +208,25 @@ def model_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in named_unique_parameters([model])}
 
 
+def model_aliases(spec: ModelSpec) -> dict[str, str]:
+    """Second names of one parameter (a tied `output.weight`) -> the name `model_shapes`
+    gives it: a checkpoint of the model's state_dict holds both."""
+    from meshtron.model.init import clean_name
+    from meshtron.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(spec, init_seed=0)
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = clean_name(name)
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
 def check_checkpoint(folder: str | Path, spec: ModelSpec) -> Checkpoint:
     """Validate a checkpoint folder against `spec` (headers only); UserError naming the tensor."""
     ckpt = Checkpoint(folder)

@@ -121,9 +121,11 @@ def _tiles(global_shape, offset, local_shape, geometry):
         yield tile, shape, dst, src
 
 
+@torch.no_grad()  # grad mode is thread-local: init_into's no_grad does not reach its pool
 def _draw_tiles(out: torch.Tensor, name: str, seed: int, std: float, geometry: str,
                 tiles) -> None:
-    """Draw `tiles` (from `_tiles`) into `out`, on `out`'s device with a generator there."""
+    """Draw `tiles` (from `_tiles`) into `out`, on `out`'s device with a generator there
+    (dtype and device explicit: the default dtype and device are thread-local too)."""
     gen = torch.Generator(device=out.device)
     for tile, shape, dst, src in tiles:
         gen.manual_seed(tile_seed(seed, name, tile, geometry))

@@ -303,6 +303,13 @@ class ModelSpec:
         """Norms of hidden width in one block (norm_layout: 'sandwich' has four)."""
         return 4 if self.norm_layout == "sandwich" else 2
 
+    def check_seq_len(self, seq_len: int, field: str) -> None:
+        """Refuse (one line naming `field`) a sequence longer than the model's positions: the
+        RoPE table and learned positions hold `max_seq` rows, and a longer sequence failed deep
+        in a rank's forward (a broadcast error) instead. One check for train and rehearse."""
+        if seq_len > self.max_seq:
+            raise UserError(f"{field}={seq_len}: exceeds the model's max_seq={self.max_seq}")
+
     def slides(self, index: int) -> bool:
         """Block `index` attends within `sliding_window` (Gemma: all but every
         `window_every`-th block, transformers' `(index + 1) % pattern`)."""

@@ -120,6 +120,7 @@ def _validated(plan, model):
     saved for another stack is rehearsed on meshtron's runtime, priced as that stack."""
     from meshtron.rehearse.compare import runnable
 
+    model.check_seq_len(plan.seq_len, "--seq-len")  # as `train` refuses it
     runnable(plan).validate(plan.gpus, model)
     return plan
 
