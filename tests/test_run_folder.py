@@ -76,6 +76,7 @@ def _exported_model_is_the_checkpoints(step_dir, out, printed):
     from meshtron.checkpoint.export import load_checkpoint
     from meshtron.hf.load import load_into
     from meshtron.model import PRESETS, Transformer
+    from meshtron.model.init import materialize
 
     names = set()
     for path in out.glob("*.safetensors"):
@@ -84,9 +85,11 @@ def _exported_model_is_the_checkpoints(step_dir, out, printed):
     assert not any("lm_head" in n for n in names), sorted(names)
     assert "exported step 2 of " in printed and f"({len(names)} tensors)" in printed, printed
     spec = PRESETS["tiny-gpt"]
-    trained, exported = Transformer(spec, init_seed=0), Transformer(spec, init_seed=1)
-    trained.load_state_dict(load_checkpoint(step_dir))
-    load_into([exported], out, spec)
+    with torch.device("meta"):  # filled as `train --init-from` fills its model: no init draw
+        trained, exported = Transformer(spec), Transformer(spec)
+    state = load_checkpoint(step_dir)
+    materialize([trained], torch.device("cpu"), fill=lambda p: p[0].load_state_dict(state))
+    materialize([exported], torch.device("cpu"), fill=lambda p: load_into(p, out, spec))
     tokens = torch.randint(0, spec.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(trained(tokens), exported(tokens))
