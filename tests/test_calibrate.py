@@ -157,26 +157,32 @@ def test_a_figure_is_the_lower_quartile_of_its_repeats_and_a_wide_spread_warns()
     assert "gemm 4 500%, gemm 3 400%, gemm 2 300% and 2 more" in many
 
 
-def test_repeats_are_blocks_of_calls_after_a_warm_up():
-    """`repeat_times` with an injected clock: each call of the kernel advances it by the next
-    scripted duration; a block holds seconds / repeats worth of calls (from the second call's
-    time), the warm-up block is dropped and each repeat is its block's time per call."""
+def test_repeats_are_blocks_of_calls_sized_by_a_warm_up_not_by_one_lucky_call():
+    """`repeat_times` with an injected clock (each call of the kernel advances it by the next
+    scripted duration): a first call 40x faster than the kernel (a loaded machine) sizes one
+    warm-up block of at most 10 calls, whose mean sets 5 calls a block (0.2 s / 10 repeats /
+    4 ms), not 200; the cold call and the warm-up never show. A kernel far slower than the
+    budget stops at MIN_REPEATS once 3x the budget is spent."""
     import torch
 
     from meshtron.calibrate.kernels import repeat_times
+    from meshtron.calibrate.stats import MIN_REPEATS
 
-    clock = [0.0]
-    # the cold call, the probe, a slow warm-up block of two calls, then ten blocks of two
-    durations = iter([5.0, 0.01, 1.0, 1.0] + [0.01, 0.03] * 10)
+    clock, calls = [0.0], [0]
 
-    def kernel() -> None:
+    def kernel(durations) -> None:
         clock[0] += next(durations)
+        calls[0] += 1
 
-    times = repeat_times(kernel, torch.device("cpu"), seconds=0.2, repeats=10,
-                         timer=lambda: clock[0])
-    # 0.2 s / 10 repeats / 0.01 s per call = 2 calls a block; neither the cold call nor the
-    # warm-up block shows (and the script is used up exactly: no call more or less)
-    assert times == pytest.approx([0.02] * 10) and next(durations, None) is None
+    script = iter([5.0, 0.0001] + [0.004] * 60)  # cold, the lucky probe, then the kernel
+    times = repeat_times(lambda: kernel(script), torch.device("cpu"), seconds=0.2,
+                         repeats=10, timer=lambda: clock[0])
+    assert times == pytest.approx([0.004] * 10) and calls[0] == 1 + 1 + 10 + 10 * 5
+    calls[0] = 0
+    slow = iter([1.0] * 100)
+    times = repeat_times(lambda: kernel(slow), torch.device("cpu"), seconds=0.2,
+                         repeats=10, timer=lambda: clock[0])
+    assert times == [1.0] * MIN_REPEATS and calls[0] == 2 + MIN_REPEATS
 
 
 def test_the_cluster_file_records_the_spread_and_plan_says_the_figures_are_noisy(tmp_path,

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from meshtron.calibrate.stats import REPEATS, Timing, summarize
+from meshtron.calibrate.stats import MIN_REPEATS, REPEATS, Timing, summarize
 
 
 def sync(device: torch.device) -> None:
@@ -43,26 +43,42 @@ def repeat_times(fn: Callable[[], object], device: torch.device, seconds: float,
                  repeats: int = REPEATS, timer: Callable[[], float] = time.perf_counter
                  ) -> list[float]:
     """Seconds per call of `fn` in each of `repeats` blocks of back-to-back calls, about
-    `seconds` in all, after a warm-up of one block (stats.py: the practice of
-    torch.utils.benchmark's blocked_autorange and triton's do_bench). A block is as many
-    calls as fill seconds / repeats, at least one: one sync per block, so neither the timer's
-    resolution nor the sync is timed on small kernels. `timer`: injected by tests."""
+    `seconds` in all (stats.py: the practice of torch.utils.benchmark's blocked_autorange and
+    triton's do_bench). One sync per block, so neither the timer's resolution nor the sync is
+    timed on small kernels. `timer`: injected by tests.
+
+    Warm-up: blocks of 1, then up to 10x more calls, until one lasts half a block's share of
+    `seconds`; that block's mean sets the calls of every timed block. Not one probe call: on a
+    loaded machine a single call can run 10-100x faster than the rest, and blocks sized from
+    it overran the budget 10x. Past 3x `seconds` (a machine that slowed down meanwhile), the
+    repeats so far are kept, at least MIN_REPEATS."""
     fn()  # first call: allocation, dispatch caches, thread-pool start
     sync(device)
-    t0 = timer()
-    fn()
-    sync(device)
-    one = max(timer() - t0, 1e-9)
-    calls = max(1, round(seconds / repeats / one))
-    times = []
-    for i in range(repeats + 1):  # block 0 warms up (caches, clocks) and is dropped
-        t0 = timer()
-        for _ in range(calls):
-            fn()
-        sync(device)
-        if i:
-            times.append((timer() - t0) / calls)
+    target = seconds / repeats
+    calls = 1
+    while True:
+        per_call, block = _block(fn, device, calls, timer)
+        if block >= target / 2:
+            break
+        calls = min(10 * calls, max(calls + 1, round(target / per_call)))
+    calls = max(1, round(target / per_call))
+    times, start = [], timer()
+    while len(times) < repeats:
+        times.append(_block(fn, device, calls, timer)[0])
+        if len(times) >= MIN_REPEATS and timer() - start > 3 * seconds:
+            break
     return times
+
+
+def _block(fn: Callable[[], object], device: torch.device, calls: int,
+           timer: Callable[[], float]) -> tuple[float, float]:
+    """(seconds per call, seconds) of `calls` back-to-back calls and one sync."""
+    t0 = timer()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    elapsed = max(timer() - t0, 1e-12)
+    return elapsed / calls, elapsed
 
 
 def measure(fn: Callable[[], object], device: torch.device, seconds: float) -> Timing:

@@ -34,6 +34,8 @@ from meshtron.planner.cluster import NOISY_SPREAD, noisy_figures
 REPEATS = 10
 """Timed repeats (blocks of calls) per figure: enough for quartiles that one outlier cannot
 move (torch.utils.benchmark's blocked_autorange takes at least 10 blocks as well)."""
+MIN_REPEATS = 5
+"""Repeats kept when a figure runs past its time budget (kernels.repeat_times)."""
 
 
 @dataclass(frozen=True)
