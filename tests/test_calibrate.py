@@ -135,3 +135,89 @@ def test_calibration_spanning_two_nodes_fits_both_levels():
     assert cl.intra_node_gb_per_s > 0 and cl.inter_node_gb_per_s > 0
     assert cl.elementwise_gb_per_s > 0 and cl.eager_kernel_overhead_us > 0
     assert len(cl.gemm_efficiency) == 5
+
+
+# ---- repeats, the figure and its spread (calibrate/stats.py) -----------------------------------
+def test_a_figure_is_the_lower_quartile_of_its_repeats_and_a_wide_spread_warns():
+    """Synthetic per-call times: outside load only slows repeats down, so the figure is the
+    lower quartile (not one lucky repeat, not the loaded median), and a spread like the audit's
+    busy machine (matmul 3x between runs, rms_norm 100x) is one warning line naming it."""
+    from meshtron.calibrate.stats import summarize, warning_line
+
+    steady = summarize([1.00, 1.01, 0.99, 1.00, 1.02, 1.00, 0.99, 1.01, 1.00, 1.00])
+    assert steady.seconds == pytest.approx(1.0, abs=0.01) and steady.spread < 0.03
+    assert summarize([1.0] * 9 + [0.1]).seconds == 1.0  # one lucky repeat is not the figure
+    loaded = summarize([0.010, 0.011, 0.012, 0.50, 0.60, 0.020, 0.90, 0.013, 0.70, 0.015])
+    assert loaded.seconds == pytest.approx(0.01225) and loaded.spread > 30
+    assert warning_line({"matmul": steady.spread, "memory": 0.25}) is None  # 25%: trusted
+    line = warning_line({"matmul": steady.spread, "rms_norm": loaded.spread, "memory": 0.4})
+    assert "\n" not in line and line.startswith("warning: noisy calibration")
+    assert f"rms_norm {loaded.spread:.0%}, memory 40%" in line and "matmul" not in line
+    many = warning_line({f"gemm {i}": 1.0 + i for i in range(5)})
+    assert "gemm 4 500%, gemm 3 400%, gemm 2 300% and 2 more" in many
+
+
+def test_repeats_are_blocks_of_calls_sized_by_a_warm_up_not_by_one_lucky_call():
+    """`repeat_times` with an injected clock (each call of the kernel advances it by the next
+    scripted duration): a first call 40x faster than the kernel (a loaded machine) sizes one
+    warm-up block of at most 10 calls, whose mean sets 5 calls a block (0.2 s / 10 repeats /
+    4 ms), not 200; the cold call and the warm-up never show. A kernel far slower than the
+    budget stops at MIN_REPEATS once 3x the budget is spent."""
+    import torch
+
+    from meshtron.calibrate.kernels import repeat_times
+    from meshtron.calibrate.stats import MIN_REPEATS
+
+    clock, calls = [0.0], [0]
+
+    def kernel(durations) -> None:
+        clock[0] += next(durations)
+        calls[0] += 1
+
+    script = iter([5.0, 0.0001] + [0.004] * 60)  # cold, the lucky probe, then the kernel
+    times = repeat_times(lambda: kernel(script), torch.device("cpu"), seconds=0.2,
+                         repeats=10, timer=lambda: clock[0])
+    assert times == pytest.approx([0.004] * 10) and calls[0] == 1 + 1 + 10 + 10 * 5
+    calls[0] = 0
+    slow = iter([1.0] * 100)
+    times = repeat_times(lambda: kernel(slow), torch.device("cpu"), seconds=0.2,
+                         repeats=10, timer=lambda: clock[0])
+    assert times == [1.0] * MIN_REPEATS and calls[0] == 2 + MIN_REPEATS
+
+
+def test_the_cluster_file_records_the_spread_and_plan_says_the_figures_are_noisy(tmp_path,
+                                                                                capsys):
+    """calibrate's cluster file carries every figure's spread; `meshtron plan` with that file
+    (its defaults) says the figures are noisy; a quiet calibration adds nothing; a bad value
+    is one line naming the field."""
+    import tomli_w
+
+    from meshtron.calibrate.measure import Calibration, Level
+    from meshtron.cli import main
+
+    def cluster_file(spread: dict, name: str):
+        cal = Calibration(world_size=1, device="cpu", backend="none", dtype="float32",
+                          matmul_tflops=0.05, memory_gb_per_s=10.0, memory_gib=4.0,
+                          spread=spread, intra=Level(group_size=1, latency_us=1.0,
+                                                     bandwidth_gb_per_s=10.0))
+        path = tmp_path / name
+        path.write_text(tomli_w.dumps(cal.cluster_dict(name=path.stem)))
+        return path
+
+    noisy = cluster_file({"matmul": 2.35, "rms_norm": 0.05}, "noisy.toml")
+    assert cluster_from_dict(__import__("tomllib").loads(noisy.read_text())
+                             ).measurement_spread == (("matmul", 2.35), ("rms_norm", 0.05))
+    assert main(["plan", "--model", "tiny", "--cluster", str(noisy)]) == 0
+    out = capsys.readouterr().out
+    assert "the cluster figures are noisy" in " ".join(out.split())
+    assert "matmul 235%" in out and "rms_norm" not in out
+    from meshtron.train.planning import choose_cluster  # train's plan line names the source
+
+    chosen = choose_cluster(1, str(noisy), None, tmp_path / "absent.toml")
+    assert chosen.source.startswith(f"--cluster {noisy}; the cluster figures are noisy")
+    assert main(["plan", "--model", "tiny", "--cluster", str(cluster_file(
+        {"matmul": 0.03}, "quiet.toml"))]) == 0
+    assert "noisy" not in capsys.readouterr().out
+    for bad in ({"matmul": -1}, {"matmul": "wide"}, {}, [1, 2]):
+        with pytest.raises(UserError, match="cluster.measurement_spread"):
+            cluster_from_dict({**BASE, "measurement_spread": bad})

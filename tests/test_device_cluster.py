@@ -156,3 +156,12 @@ def test_calibrate_records_the_device_it_measured(tmp_path):
     got = choose_cluster(1, None, node, out)
     assert got.source.startswith(f"calibrated on {node.name}: matmul ")
     assert got.cluster.name == "local-1"
+    # every figure's spread over its repeats is in the file; a wide one is said, once
+    spread = dict(got.cluster.measurement_spread)
+    gemms = [f"gemm {g.m}x{g.n}x{g.k}" for g in got.cluster.gemm_efficiency]
+    assert set(spread) == {"matmul", "memory", "rms_norm", "silu_mul", "softmax", "eager_op",
+                           *gemms} and all(v >= 0 for v in spread.values())
+    noisy = [k for k, v in spread.items() if v > 0.25]
+    assert proc.stderr.count("warning: noisy calibration") == (1 if noisy else 0)
+    assert not noisy or max(noisy, key=spread.get) in proc.stderr  # the widest is named
+    assert (got.cluster.noise_note() is not None) == bool(noisy)

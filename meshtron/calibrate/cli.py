@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from meshtron.argtypes import output_file, positive_int, writable_target
@@ -60,6 +61,7 @@ def run_calibration(world, out: Path | None) -> int:
     import tomli_w
 
     from meshtron.calibrate.measure import calibrate
+    from meshtron.calibrate.stats import warning_line
     from meshtron.runtime import init_rank, shutdown_rank
 
     device = init_rank(world)
@@ -76,6 +78,9 @@ def run_calibration(world, out: Path | None) -> int:
         raw = {**dataclasses.asdict(cal), "samples": cal.intra.samples}  # v1 key: intra level
         out.with_suffix(".json").write_text(json.dumps(raw, indent=2))
         print(summary_line(cal, out))
+        noisy = warning_line(cal.spread)
+        if noisy:  # written all the same: the spread is in the file, plan/train repeat it
+            print(noisy, file=sys.stderr, flush=True)
     if world.source != "single":
         shutdown_rank(0)
     return 0

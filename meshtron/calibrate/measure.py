@@ -96,6 +96,9 @@ class Calibration:
     """Achieved bandwidth of eager RMSNorm, silu(a)*b, softmax (slowest rank), GB/s."""
     kernel_overhead_us: float = 0.0
     """Per tiny eager op (dispatch + launch), slowest rank, microseconds."""
+    spread: dict[str, float] = field(default_factory=dict)
+    """Per single-device figure, the widest rank's interquartile range / median of its
+    repeats (stats.py): "matmul", "memory", "gemm MxNxK", each element-wise op, "eager_op"."""
     intra: Level = field(default_factory=Level)
     """Collectives inside a node."""
     inter: Level = field(default_factory=Level)
@@ -155,6 +158,8 @@ class Calibration:
                 statistics.median(self.elementwise_gb_per_s.values()), 3)
         if self.kernel_overhead_us > 0:
             out["eager_kernel_overhead_us"] = round(self.kernel_overhead_us, 3)
+        if self.spread:
+            out["measurement_spread"] = {k: round(v, 3) for k, v in self.spread.items()}
         return out
 
 
@@ -359,11 +364,35 @@ def catalogue_gpu(device: torch.device) -> str | None:
     return by_name(props.name, props.total_memory)
 
 
-def _slowest(values: list[float], device: torch.device) -> list[float]:
+def _across_ranks(values: list[float], device: torch.device, op) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)  # rates: the slowest rank has the smallest
+        dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def _single_device(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The single-device figures, the slowest rank's (rates: MIN, the eager op's time: MAX),
+    and each figure's widest spread over the ranks (MAX): same on every rank."""
+    gemm = measure_gemm_shapes(device, dtype)
+    elementwise = measure_elementwise(device, dtype)
+    figures = {"matmul": measure_matmul(device, dtype),
+               "memory": measure_memory_bandwidth(device),
+               **{f"gemm {g['m']}x{g['n']}x{g['k']}": (g["tflops"], g.pop("spread"))
+                  for g in gemm},
+               **elementwise}
+    overhead, overhead_spread = measure_kernel_overhead(device)
+    rates = _across_ranks([r for r, _ in figures.values()], device, dist.ReduceOp.MIN)
+    overhead = _across_ranks([overhead], device, dist.ReduceOp.MAX)[0]
+    spreads = _across_ranks([s for _, s in figures.values()] + [overhead_spread], device,
+                            dist.ReduceOp.MAX)
+    by_name = dict(zip(figures, rates))
+    for g in gemm:
+        g["tflops"] = by_name[f"gemm {g['m']}x{g['n']}x{g['k']}"]
+    return {"matmul_tflops": by_name["matmul"], "memory_gb_per_s": by_name["memory"],
+            "gemm": gemm, "elementwise_gb_per_s": {k: by_name[k] for k in elementwise},
+            "kernel_overhead_us": overhead,
+            "spread": dict(zip([*figures, "eager_op"], spreads))}
 
 
 def calibrate(device: torch.device, sizes: list[int] | None = None) -> Calibration:
@@ -374,18 +403,7 @@ def calibrate(device: torch.device, sizes: list[int] | None = None) -> Calibrati
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if n > 1:
         dist.barrier()  # measure all ranks at once: they share cores and memory
-    gemm = measure_gemm_shapes(device, dtype)
-    elementwise = measure_elementwise(device, dtype)
-    rates = _slowest([measure_matmul(device, dtype), measure_memory_bandwidth(device)]
-                     + [g["tflops"] for g in gemm] + list(elementwise.values()), device)
-    overhead = measure_kernel_overhead(device)
-    if n > 1:
-        t = torch.tensor([overhead], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        overhead = float(t.item())
-    for g, r in zip(gemm, rates[2:2 + len(gemm)]):
-        g["tflops"] = r
-    elementwise = dict(zip(elementwise, rates[2 + len(gemm):]))
+    single = _single_device(device, dtype)
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", n))
     hosts: list[Any] = [socket.gethostname()] * n
     if n > 1:
@@ -394,13 +412,10 @@ def calibrate(device: torch.device, sizes: list[int] | None = None) -> Calibrati
     intra, inter = level_groups(nodes)
     cal = Calibration(world_size=n, device=device.type,
                       backend=dist.get_backend() if n > 1 else "none",
-                      dtype=str(dtype).removeprefix("torch."), matmul_tflops=rates[0],
-                      memory_gb_per_s=rates[1],
+                      dtype=str(dtype).removeprefix("torch."),
                       memory_gib=memory_per_rank_gib(device, len(intra[0])),
                       gpus_per_node=min(len(g) for g in intra), nodes=len(intra),
-                      gpu=catalogue_gpu(device), device_name=device_name(device), gemm=gemm,
-                      elementwise_gb_per_s=elementwise,
-                      kernel_overhead_us=overhead)
+                      gpu=catalogue_gpu(device), device_name=device_name(device), **single)
     sizes = sizes or (CPU_SIZES if device.type == "cpu" else GPU_SIZES)
     if len(intra[0]) > 1:
         group = _my_group(intra, rank) if len(intra) > 1 else None

@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     cluster = resolve_cluster(args.cluster)
     tokens = parse_tokens(args.tokens)
-    notes = []
+    notes = [note for note in [cluster.noise_note()] if note]  # a noisy calibration
     fw = framework_of(args, model)
     if model.is_moe:
         notes.append(MOE_NOTE.format(imb=fw.kernel.expert_imbalance))

@@ -37,6 +37,7 @@ Cluster TOML (`--cluster my.toml`)::
     # elementwise_gb_per_s = 2400   # achieved bandwidth of eager element-wise ops, GB/s
     # eager_kernel_overhead_us = 6  # one tiny eager op (dispatch + launch), microseconds
     # gemm_efficiency = [{m = 8192, n = 12288, k = 4096, efficiency = 0.72}, ...]
+    # measurement_spread = {matmul = 0.04, rms_norm = 1.3}  # repeats' IQR / median per figure
 """
 
 from __future__ import annotations
@@ -236,6 +237,10 @@ class ClusterSpec:
     node's GPUs must fit in (HOST_USABLE_FRACTION of it). None: the GPU's reference node
     (HOST_MEMORY_GIB_PER_NODE, e.g. DGX H100 2048); a GPU outside the table: not checked.
     GH200: 447 per superchip (GH200_HOST_MEMORY_GIB)."""
+    measurement_spread: tuple[tuple[str, float], ...] | None = None
+    """How much `meshtron calibrate`'s repeats of each figure disagreed (interquartile range /
+    median; the TOML gives a table, figure -> fraction): past NOISY_SPREAD, plan and train say
+    the figures are noisy (`noise_note`). Never changes a prediction."""
 
     def __post_init__(self) -> None:
         for field in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gb_per_s"):
@@ -277,6 +282,8 @@ class ClusterSpec:
                                 f"above {self.gpu}'s boost clock {boost:g} MHz")
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _gemm_points(self.gemm_efficiency))
+        if self.measurement_spread is not None:
+            object.__setattr__(self, "measurement_spread", _spreads(self.measurement_spread))
         if self.price_per_gpu_hour is not None and not (
                 isinstance(self.price_per_gpu_hour, (int, float)) and self.price_per_gpu_hour >= 0):
             raise UserError(f"cluster.price_per_gpu_hour={self.price_per_gpu_hour!r}: "
@@ -366,7 +373,49 @@ class ClusterSpec:
         out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         if self.gemm_efficiency is not None:
             out["gemm_efficiency"] = [dataclasses.asdict(g) for g in self.gemm_efficiency]
+        if self.measurement_spread is not None:
+            out["measurement_spread"] = dict(self.measurement_spread)
         return out
+
+    def noise_note(self) -> str | None:
+        """One line when the calibration behind these figures was noisy, else None."""
+        words = noisy_figures(dict(self.measurement_spread or ()))
+        if not words:
+            return None
+        return (f"the cluster figures are noisy: `meshtron calibrate`'s repeats of {words} "
+                f"spread more than {NOISY_SPREAD:.0%} (interquartile range / median), so "
+                "predicted step times may be off by as much (rerun it on an idle machine)")
+
+
+NOISY_SPREAD = 0.25
+"""A figure whose repeats' interquartile range exceeds this fraction of their median is not
+trusted (torch.utils.benchmark's `_IQR_GROSS_WARN_THRESHOLD`; why: calibrate/stats.py)."""
+
+
+def noisy_figures(spread: dict[str, float]) -> str:
+    """'rms_norm 140%, matmul 41%': the figures spread past NOISY_SPREAD, widest first (three
+    named, the rest counted, so that the warning stays one line)."""
+    wide = sorted(((v, k) for k, v in spread.items() if v > NOISY_SPREAD), reverse=True)
+    words = ", ".join(f"{k} {v:.0%}" for v, k in wide[:3])
+    return words + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")
+
+
+def _spreads(value: Any) -> tuple[tuple[str, float], ...]:
+    """Validate `measurement_spread`: a table of figure name -> fraction >= 0."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        pairs = None
+    if not pairs:
+        raise UserError(f"cluster.measurement_spread={value!r}: must be a table of figure "
+                         "name = fraction >= 0")
+    for k, v in pairs:
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not 0 <= v < math.inf:
+            raise UserError(f"cluster.measurement_spread.{k}={v!r}: must be a number >= 0 "
+                             "(interquartile range / median of calibrate's repeats)")
+    return tuple(sorted((k, float(v)) for k, v in pairs))
 
 
 @dataclass(frozen=True)
@@ -457,7 +506,7 @@ _CLUSTER_KEYS = {"name", "gpu", "peak_tflops", "memory_gib", "gpus_per_node", "n
                  "bandwidth_efficiency", "price_per_gpu_hour", "gemm_efficiency",
                  "elementwise_gb_per_s", "eager_kernel_overhead_us",
                  "collective_base_latency_us", "host_link_gb_per_s", "host_memory_gb_per_s",
-                 "host_memory_gib", "sustained_clock_mhz"}
+                 "host_memory_gib", "sustained_clock_mhz", "measurement_spread"}
 
 
 def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:

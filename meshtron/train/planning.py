@@ -29,6 +29,14 @@ def cluster_choice(world_size: int, cluster: str | None):
     return choose_cluster(world_size, cluster, node, default_cluster_path(world_size))
 
 
+def _noted(cluster, source: str):
+    """A chosen cluster whose source also says when its calibration was noisy."""
+    from meshtron.calibrate.saved import Chosen
+
+    note = cluster.noise_note()
+    return Chosen(cluster, f"{source}; {note}" if note else source)
+
+
 def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path):
     """The cluster for `world_size` local ranks on `node` (a calibrate.device.NodeDevice) and
     where its figures come from (a `Chosen`): `cluster` as given; else the calibration file
@@ -40,12 +48,12 @@ def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path
     from meshtron.planner.cluster import nominal_cpu_cluster, resolve_cluster
 
     if cluster:
-        return Chosen(resolve_cluster(cluster), f"--cluster {cluster}")
+        return _noted(resolve_cluster(cluster), f"--cluster {cluster}")
     ignored = ""
     if calibration.is_file():
         record = measured_on(calibration)
         if applies(record, node):
-            return Chosen(resolve_cluster(str(calibration)), f"{describe(record)} ({calibration})")
+            return _noted(resolve_cluster(str(calibration)), f"{describe(record)} ({calibration})")
         ignored = f"; {calibration} is {describe(record)}, not this node's {node.name}: not used"
     if node.kind == "cuda":
         from meshtron.calibrate.device import detected_cluster
