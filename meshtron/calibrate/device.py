@@ -88,10 +88,46 @@ def device_cluster(world_size: int):
                             node.local_ranks or world_size)
 
 
-def this_node() -> NodeDevice:
-    """This node's first visible GPU, or the CPU (imports torch)."""
+def no_gpu_here() -> bool:
+    """No process started from here can use a GPU, known without importing torch (the launcher
+    of a CPU run then starts its ranks without the 1-2 s of torch's import): CUDA_VISIBLE_DEVICES
+    set empty or to -1 hides every device (CUDA's documented behaviour; torch then reports none),
+    or the node has no NVIDIA or AMD GPU kernel driver (/proc/driver/nvidia and /dev/nvidiactl
+    are the NVIDIA driver's, /dev/kfd ROCm's; the container toolkits mount them into a GPU
+    container). False means "ask torch", not "there is a GPU"."""
     import os
 
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return True
+    return not any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl",
+                                               "/dev/kfd"))
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where `no_gpu_here` says no GPU."""
+    if no_gpu_here():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_dtype(cuda: bool | None = None) -> str:
+    """The run's precision when none is given: bf16 mixed precision on CUDA (what the hardware
+    is for; the planner plans bf16 by default), fp32 on CPU (bf16 matmuls are emulated and
+    slower there)."""
+    if cuda is None:
+        cuda = cuda_available()
+    return "bf16" if cuda else "fp32"
+
+
+def this_node() -> NodeDevice:
+    """This node's first visible GPU, or the CPU (imports torch unless `no_gpu_here`)."""
+    import os
+
+    if not cuda_available():
+        return NodeDevice("cpu", "cpu")
     import torch
 
     if not torch.cuda.is_available():

@@ -203,7 +203,7 @@ def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
     default: `meshtron plan --save` plans bf16 unless told otherwise, and a CPU run would
     otherwise train bf16 without saying so."""
     from meshtron.train.planning import is_plan_file
-    from meshtron.train.precision import default_dtype
+    from meshtron.calibrate.device import default_dtype
 
     if not is_plan_file(request.plan) or plan.dtype == default_dtype():
         return ""
