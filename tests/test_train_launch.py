@@ -15,15 +15,20 @@ import pytest
 from meshtron.cli import main
 from meshtron.config import config_from_dict
 from meshtron.train.loop import train
+from testkit import no_torch
 
 RUN = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "8",
        "--eval-every", "0"]
 
 
 def _meshtron(*argv, timeout=240):
+    """`meshtron ARGV`; `train` in a process that fails on any torch import (testkit/no_torch.py):
+    on this GPU-less node (conftest hides the devices) the launcher plans, checks the data and
+    starts the ranks without torch."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    command = no_torch.COMMAND if argv[0] == "train" else [sys.executable, "-m", "meshtron"]
+    return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def _losses(path, key="loss"):

@@ -88,20 +88,23 @@ def device_cluster(world_size: int):
                             node.local_ranks or world_size)
 
 
-def no_gpu_here() -> bool:
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
+"""What a GPU kernel driver puts on a node: /proc/driver/nvidia and /dev/nvidiactl are the
+NVIDIA driver's, /dev/kfd ROCm's; the container toolkits mount them into a GPU container."""
+
+
+def no_gpu_here(environ=None, driver_paths: tuple[str, ...] = GPU_DRIVER_PATHS) -> bool:
     """No process started from here can use a GPU, known without importing torch (the launcher
     of a CPU run then starts its ranks without the 1-2 s of torch's import): CUDA_VISIBLE_DEVICES
     set empty or to -1 hides every device (CUDA's documented behaviour; torch then reports none),
-    or the node has no NVIDIA or AMD GPU kernel driver (/proc/driver/nvidia and /dev/nvidiactl
-    are the NVIDIA driver's, /dev/kfd ROCm's; the container toolkits mount them into a GPU
-    container). False means "ask torch", not "there is a GPU"."""
+    or none of `driver_paths` exists (no GPU kernel driver). False means "ask torch", not "there
+    is a GPU". `environ`: os.environ when None."""
     import os
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return True
-    return not any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl",
-                                               "/dev/kfd"))
+    return not any(os.path.exists(p) for p in driver_paths)
 
 
 def cuda_available() -> bool:
