@@ -59,6 +59,22 @@ def test_bad_plans_fail_before_any_rank_starts(capsys, tmp_path, argv, needle):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("data,needle", [
+    ("/no/such/corpus.txt", "data.source='/no/such/corpus.txt': does not exist"),
+    ("short.txt", "data.seq_len=32: the held-out split of"),  # read and tokenised, too short
+])
+def test_the_launchers_data_check_is_one_line_without_torch(tmp_path, data, needle):
+    """`meshtron train --nproc 2` as typed: the data is read, tokenised and split by the parent
+    without importing torch (testkit/no_torch.py) and refused in one line before any rank."""
+    (tmp_path / "short.txt").write_text("a short corpus\n" * 40)
+    proc = _meshtron("train", *RUN, "--eval-every", "1", "--nproc", "2", "--data",
+                     data if data.startswith("/") else str(tmp_path / data),
+                     "--run-dir", str(tmp_path / "r"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The one-process run RUN describes (metrics.jsonl's folder), trained once for the module:
